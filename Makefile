@@ -1,0 +1,108 @@
+# moe: plain Makefile. `make help` lists the targets.
+#
+# Sources are found by wildcard: src/<layer>/*.c make libmoe, cli/*.c the `moe` binary,
+# tests/*.c the test runner (one suite per tests/test_<suite>.c, registered automatically).
+# Files named *_avx2.c / *_avx512.c / *_avx512vnni.c get their own ISA flags; everything else
+# is built for the baseline x86-64 so the binary runs anywhere and dispatches at run time.
+
+CC      ?= cc
+BUILD   ?= build
+OPT     ?= -O2
+WERROR  ?= -Werror
+SAN     ?=
+MOE_BIN ?= moe
+TEST_BIN ?= tests/run
+CFLAGS  ?= $(OPT) -g
+CFLAGS  += $(SAN) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -Iinclude -MMD -MP -fno-strict-aliasing
+LDLIBS  += -lm -lpthread
+TEST_LDLIBS = -lcmocka
+
+ISA_avx2       = -mavx2 -mfma -mf16c
+ISA_avx512     = $(ISA_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512dq
+ISA_avx512vnni = $(ISA_avx512) -mavx512vnni -mavx512vbmi -mavx512bf16
+# first match wins: *_avx512vnni.c must not also pick up the avx512 suffix rule
+isa_of = $(word 1,$(foreach i,avx512vnni avx512 avx2,$(if $(filter %_$(i).c,$(1)),$(ISA_$(i)))))
+
+LIB_SRC  := $(sort $(wildcard src/*/*.c))
+CLI_SRC  := $(sort $(wildcard cli/*.c))
+TEST_SRC := $(sort $(wildcard tests/*.c))
+SUITES   := $(patsubst tests/test_%.c,%,$(filter tests/test_%.c,$(TEST_SRC)))
+
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
+CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
+TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
+LIB      := $(BUILD)/libmoe.a
+
+.PHONY: all test asan fuzz format format-check deps help clean
+all: $(MOE_BIN)
+
+$(MOE_BIN): $(CLI_OBJ) $(LIB)
+	$(CC) $(CFLAGS) -o $@ $(CLI_OBJ) $(LIB) $(LDFLAGS) $(LDLIBS)
+
+$(LIB): $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(call isa_of,$<) -c -o $@ $<
+
+# The suite table is generated from the test file names, so adding a suite is adding a file.
+$(BUILD)/tests/suites.h: $(TEST_SRC) Makefile
+	@mkdir -p $(dir $@)
+	@{ $(foreach s,$(SUITES),echo 'int moe_suite_$(s)(void);';) \
+	   echo 'static const struct { const char *name; int (*run)(void); } moe_suites[] = {'; \
+	   $(foreach s,$(SUITES),echo '    {"$(s)", moe_suite_$(s)},';) \
+	   echo '};'; } > $@.tmp && mv $@.tmp $@
+$(BUILD)/tests/main.o: $(BUILD)/tests/suites.h
+$(BUILD)/tests/main.o: CFLAGS += -I$(BUILD)/tests
+
+$(TEST_BIN): $(TEST_OBJ) $(LIB)
+	$(CC) $(CFLAGS) -o $@ $(TEST_OBJ) $(LIB) $(LDFLAGS) $(LDLIBS) $(TEST_LDLIBS)
+
+## test: build and run every test suite (cmocka); SUITE=name runs one
+test: $(MOE_BIN) $(TEST_BIN)
+	MOE_BIN=./$(MOE_BIN) ./$(TEST_BIN) $(if $(SUITE),--suite $(SUITE))
+
+## asan: the whole suite under AddressSanitizer + UndefinedBehaviorSanitizer
+asan:
+	$(MAKE) BUILD=build/asan OPT=-O1 MOE_BIN=build/asan/moe TEST_BIN=build/asan/run \
+	  SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
+
+## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
+FUZZ_SECONDS ?= 60
+FUZZ_CC ?= clang
+fuzz: fuzz/gguf
+	@mkdir -p fuzz/corpus/gguf
+	./fuzz/gguf -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 \
+	  -artifact_prefix=fuzz/out/ fuzz/corpus/gguf $(wildcard ../shared/models/*/*.gguf) \
+	  $(wildcard ../shared/parity/*.gguf) $(wildcard ../shared/tokenizers/*.gguf) tests/data/gguf
+fuzz/gguf: fuzz/gguf.c $(LIB_SRC)
+	@mkdir -p fuzz/out
+	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer,address,undefined \
+	  -o $@ fuzz/gguf.c $(filter-out %_avx2.c %_avx512.c %_avx512vnni.c,$(LIB_SRC)) -lm -lpthread
+
+## format: clang-format every C file in place; format-check only reports
+FORMAT_FILES = $(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c)
+format:
+	clang-format -i $(FORMAT_FILES)
+format-check:
+	clang-format --dry-run --Werror $(FORMAT_FILES)
+
+## deps: install the Debian packages the build and tests need (run as root)
+DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
+  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 nodejs npm
+deps:
+	apt-get update
+	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(DEB_PACKAGES)
+
+## help: this list
+help:
+	@echo "moe make targets:"
+	@echo "  make              build ./moe"
+	@sed -n 's/^## /  make /p' Makefile
+
+clean:
+	rm -rf build moe tests/run fuzz/gguf
+
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)

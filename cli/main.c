@@ -1,0 +1,56 @@
+/* main.c: the `moe` dispatcher: `moe <subcommand> [args]`, `moe --help`, `moe --version`.
+ * Subcommands are listed in one table below; each lives in its own cli/<name>.c. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "moe.h"
+#include "cli.h"
+
+static const moe_command commands[] = {
+    {0},
+};
+
+static void print_help(FILE *out) {
+    fprintf(out, "moe %s: sparse mixture-of-experts inference from quantized GGUF weights\n\n"
+                 "usage: moe <command> [arguments]\n\ncommands:\n",
+            moe_version());
+    for (const moe_command *c = commands; c->name; c++)
+        fprintf(out, "  %-9s %s\n", c->name, c->summary);
+    fprintf(out, "\n`moe <command> --help` shows a command's arguments.\n");
+}
+
+int moe_cli_usage_error(const char *cmd, const char *fmt, ...) {
+    fprintf(stderr, "moe %s: ", cmd);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    for (const moe_command *c = commands; c->name; c++)
+        if (strcmp(c->name, cmd) == 0) fprintf(stderr, "usage: moe %s %s\n", c->name, c->usage);
+    return 2;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+        strcmp(argv[1], "help") == 0) {
+        print_help(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
+        printf("moe %s\n", moe_version());
+        return 0;
+    }
+    for (const moe_command *c = commands; c->name; c++) {
+        if (strcmp(c->name, argv[1]) != 0) continue;
+        if (argc > 2 && (strcmp(argv[2], "--help") == 0 || strcmp(argv[2], "-h") == 0)) {
+            printf("usage: moe %s %s\n\n%s\n", c->name, c->usage, c->summary);
+            return 0;
+        }
+        return c->run(argc - 2, argv + 2);
+    }
+    fprintf(stderr, "moe: unknown command '%s'\n\n", argv[1]);
+    print_help(stderr);
+    return 2;
+}

@@ -1,0 +1,209 @@
+/* base.c: errors, logging, allocation, whole-file I/O and half-precision conversions.
+ *
+ * Owns nothing global except the log level. The fp16/bf16 conversions are bit-exact with the
+ * hardware (F16C / AVX512-BF16 round-to-nearest-even) and are the scalar reference every
+ * vectorised conversion is tested against. */
+#include "base.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ==== Errors ==== */
+
+static const char *const status_names[MOE_STATUS_COUNT] = {
+    [MOE_OK] = "ok",
+    [MOE_ERR_IO] = "i/o error",
+    [MOE_ERR_FORMAT] = "format error",
+    [MOE_ERR_RANGE] = "out of range",
+    [MOE_ERR_NOMEM] = "out of memory",
+    [MOE_ERR_ARG] = "bad argument",
+    [MOE_ERR_UNSUPPORTED] = "unsupported",
+    [MOE_ERR_NOT_FOUND] = "not found",
+};
+
+const char *moe_status_name(moe_status code) {
+    return (unsigned)code < MOE_STATUS_COUNT ? status_names[code] : "unknown status";
+}
+
+const char *moe_version(void) { return MOE_VERSION_STRING; }
+
+moe_status moe_error_set(moe_error *err, moe_status code, const char *fmt, ...) {
+    if (!err) return code;
+    if (err->code != MOE_OK) return err->code;
+    err->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+void moe_error_prefix(moe_error *err, const char *fmt, ...) {
+    if (!err || err->code == MOE_OK) return;
+    char joined[MOE_ERROR_MSG_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(joined, sizeof joined, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof joined - 2) return; /* no room: keep the original */
+    size_t used = (size_t)n;
+    memcpy(joined + used, ": ", 2);
+    used += 2;
+    size_t rest = strnlen(err->msg, sizeof err->msg);
+    if (rest > sizeof joined - 1 - used) rest = sizeof joined - 1 - used;
+    memcpy(joined + used, err->msg, rest);
+    joined[used + rest] = '\0';
+    memcpy(err->msg, joined, sizeof joined);
+}
+
+void moe_error_clear(moe_error *err) {
+    err->code = MOE_OK;
+    err->msg[0] = '\0';
+}
+
+_Noreturn void moe_die_at(const char *file, int line, const char *fmt, ...) {
+    fflush(stdout);
+    fprintf(stderr, "moe: fatal: %s:%d: ", file, line);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    abort();
+}
+
+/* ==== Logging ==== */
+
+static moe_log_level log_level = MOE_LOG_INFO;
+
+void moe_log_set_level(moe_log_level level) { log_level = level; }
+
+void moe_log(moe_log_level level, const char *fmt, ...) {
+    if (level < log_level) return;
+    static const char *const tags[] = {"debug", "info", "warning", "error"};
+    fprintf(stderr, "moe: %s: ", tags[level]);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+}
+
+/* ==== Allocation ==== */
+
+void *moe_xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) moe_die("out of memory allocating %zu bytes", n);
+    return p;
+}
+
+void *moe_xcalloc(size_t count, size_t size) {
+    void *p = calloc(count ? count : 1, size ? size : 1);
+    if (!p) moe_die("out of memory allocating %zu x %zu bytes", count, size);
+    return p;
+}
+
+void *moe_xrealloc(void *p, size_t n) {
+    void *q = realloc(p, n ? n : 1);
+    if (!q) moe_die("out of memory reallocating to %zu bytes", n);
+    return q;
+}
+
+char *moe_xstrdup(const char *s) { return moe_xstrndup(s, strlen(s)); }
+
+char *moe_xstrndup(const char *s, size_t n) {
+    char *d = moe_xmalloc(n + 1);
+    memcpy(d, s, n);
+    d[n] = '\0';
+    return d;
+}
+
+/* ==== Files ==== */
+
+moe_status moe_file_read(const char *path, uint8_t **data, size_t *size, moe_error *err) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    size_t cap = 1 << 16, n = 0;
+    uint8_t *buf = moe_xmalloc(cap + 1);
+    for (;;) {
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (n < cap) break;
+        cap *= 2;
+        buf = moe_xrealloc(buf, cap + 1);
+    }
+    bool failed = ferror(f);
+    fclose(f);
+    if (failed) {
+        free(buf);
+        return moe_error_set(err, MOE_ERR_IO, "%s: read failed", path);
+    }
+    buf[n] = '\0';
+    *data = buf;
+    *size = n;
+    return MOE_OK;
+}
+
+moe_status moe_file_write(const char *path, const void *data, size_t size, moe_error *err) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    size_t put = fwrite(data, 1, size, f);
+    int closed = fclose(f);
+    if (put != size || closed != 0)
+        return moe_error_set(err, MOE_ERR_IO, "%s: write failed: %s", path, strerror(errno));
+    return MOE_OK;
+}
+
+/* ==== Half precision ==== */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+float moe_fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (mant << 13)); /* inf / nan */
+    if (exp == 0) {
+        if (mant == 0) return bits_f32(sign);
+        /* subnormal: mant * 2^-24, exact in float */
+        float v = (float)mant * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    return bits_f32(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+uint16_t moe_f32_to_fp16(float f) {
+    uint32_t x = f32_bits(f);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* inf or nan (nan keeps a quiet payload bit) */
+        return sign | 0x7c00 | (ax > 0x7f800000u ? (0x200 | ((ax >> 13) & 0x3ff)) : 0);
+    if (ax >= 0x477ff000u) return sign | 0x7c00; /* rounds to >= 65520: infinity */
+    if (ax < 0x38800000u) {                      /* below the smallest normal half: subnormal */
+        /* value * 2^24 rounded to nearest even gives the subnormal mantissa */
+        float v = bits_f32(ax) * 0x1p24f;
+        /* float addition of 2^23 rounds to nearest even at integer granularity */
+        float r = (v + 0x1p23f) - 0x1p23f;
+        return sign | (uint16_t)r;
+    }
+    uint32_t mant_rounded = ax + 0xfffu + ((ax >> 13) & 1u); /* round to nearest even */
+    return sign | (uint16_t)((mant_rounded - (112u << 23)) >> 13);
+}
+
+float moe_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+uint16_t moe_f32_to_bf16(float f) {
+    uint32_t x = f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* quiet nan */
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}

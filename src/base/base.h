@@ -1,0 +1,73 @@
+/* base: what every layer may use -- errors, logging, checked arithmetic, allocation.
+ *
+ * Two tiers of failure (shared/CONVENTIONS.md): a broken invariant or a programmer error calls
+ * moe_die() and the process ends with file:line; anything a user, a file or a request can cause
+ * returns a moe_status and fills a moe_error that says what was wrong and where. Never use
+ * assert() on input. The trap: moe_error keeps the FIRST error set on it, so a parser may keep
+ * going after a failure and report the root cause, not the last symptom. */
+#ifndef MOE_BASE_H
+#define MOE_BASE_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe.h"
+
+/* ==== Errors ==== */
+
+/* Set the error if none is set yet; returns the status stored (the first one). */
+moe_status moe_error_set(moe_error *err, moe_status code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Prefix the existing message with context ("tensor blk.0.attn_q.weight: ..."). */
+void moe_error_prefix(moe_error *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void moe_error_clear(moe_error *err);
+const char *moe_status_name(moe_status code);
+
+_Noreturn void moe_die_at(const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+#define moe_die(...) moe_die_at(__FILE__, __LINE__, __VA_ARGS__)
+/* An internal invariant; on failure the process ends with file:line. Not for input checks. */
+#define MOE_CHECK(cond)                                                                            \
+    do {                                                                                           \
+        if (!(cond)) moe_die("check failed: %s", #cond);                                          \
+    } while (0)
+
+/* ==== Logging (stderr) ==== */
+
+typedef enum { MOE_LOG_DEBUG, MOE_LOG_INFO, MOE_LOG_WARN, MOE_LOG_ERROR } moe_log_level;
+void moe_log(moe_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void moe_log_set_level(moe_log_level level);
+
+/* ==== Checked arithmetic: true when the result overflowed (and *out is unspecified) ==== */
+
+static inline bool moe_mul_overflow(uint64_t a, uint64_t b, uint64_t *out) {
+    return __builtin_mul_overflow(a, b, out);
+}
+static inline bool moe_add_overflow(uint64_t a, uint64_t b, uint64_t *out) {
+    return __builtin_add_overflow(a, b, out);
+}
+
+/* ==== Allocation: the x-variants die on exhaustion (sizes must be checked before) ==== */
+
+void *moe_xmalloc(size_t n);
+void *moe_xcalloc(size_t count, size_t size);
+void *moe_xrealloc(void *p, size_t n);
+char *moe_xstrdup(const char *s);
+char *moe_xstrndup(const char *s, size_t n);
+
+/* ==== Files ==== */
+
+/* Whole file into memory, NUL-terminated (the NUL is not counted in *size). */
+moe_status moe_file_read(const char *path, uint8_t **data, size_t *size, moe_error *err);
+moe_status moe_file_write(const char *path, const void *data, size_t size, moe_error *err);
+
+/* ==== Half-precision conversions (IEEE binary16 and bfloat16), exact and portable ==== */
+
+float moe_fp16_to_f32(uint16_t h);
+uint16_t moe_f32_to_fp16(float f); /* round to nearest even, like F16C */
+float moe_bf16_to_f32(uint16_t h);
+uint16_t moe_f32_to_bf16(float f); /* round to nearest even; NaN stays quiet NaN */
+
+#endif

@@ -1,0 +1,166 @@
+/* format: GGUF files read and written; one model may span several shard files.
+ *
+ * The reader parses the header, metadata and tensor directory of every shard through a cursor
+ * that checks each read before it happens, then maps the files (mmap, read-only) so tensor data
+ * is addressed in place. moe_gguf_parse() runs the same parser over a buffer (fuzzing, remote
+ * headers fetched by range). Split models (`name-00001-of-00004.gguf`) open as one model from
+ * any shard's path; tensors keep the index of the shard that holds them.
+ * The trap: offsets in the tensor directory are relative to the shard's data section, which
+ * starts at the header's end rounded up to general.alignment -- not at the file start. */
+#ifndef MOE_FORMAT_H
+#define MOE_FORMAT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../base/base.h"
+#include "../quant/quant.h"
+
+/* ==== Limits (each a defence against a hostile file) ==== */
+
+#define MOE_GGUF_MAX_DIMS 4                /* ggml tensors have at most 4 dimensions */
+#define MOE_GGUF_MAX_STRING (1u << 26)     /* 64 MiB: chat templates are KBs, no key needs more */
+#define MOE_GGUF_MAX_ARRAY (1u << 26)      /* 64 Mi elements: vocab arrays are ~256k */
+#define MOE_GGUF_MAX_KV (1u << 20)         /* metadata pairs; real files have < 100 */
+#define MOE_GGUF_MAX_TENSORS (1u << 20)    /* tensors in one file; DeepSeek-V3 has ~1.9k */
+#define MOE_GGUF_MAX_NEST 8                /* nested array depth: each level costs a stack frame */
+#define MOE_GGUF_MAX_SHARDS 4096           /* split files of one model */
+#define MOE_GGUF_DEFAULT_ALIGNMENT 32
+
+/* ==== Metadata values ==== */
+
+typedef enum moe_gguf_vtype {
+    MOE_GGUF_U8 = 0,
+    MOE_GGUF_I8 = 1,
+    MOE_GGUF_U16 = 2,
+    MOE_GGUF_I16 = 3,
+    MOE_GGUF_U32 = 4,
+    MOE_GGUF_I32 = 5,
+    MOE_GGUF_F32 = 6,
+    MOE_GGUF_BOOL = 7,
+    MOE_GGUF_STRING = 8,
+    MOE_GGUF_ARRAY = 9,
+    MOE_GGUF_U64 = 10,
+    MOE_GGUF_I64 = 11,
+    MOE_GGUF_F64 = 12,
+    MOE_GGUF_VTYPE_COUNT
+} moe_gguf_vtype;
+
+/* A length-counted string; also NUL-terminated (the NUL is not counted). */
+typedef struct moe_str {
+    const char *ptr;
+    uint64_t len;
+} moe_str;
+
+typedef struct moe_gguf_value moe_gguf_value;
+struct moe_gguf_value {
+    moe_gguf_vtype type;
+    union {
+        uint64_t u; /* U8 U16 U32 U64 and BOOL (0/1) */
+        int64_t i;  /* I8 I16 I32 I64 */
+        double f;   /* F32 F64 */
+        moe_str s;  /* STRING */
+        struct {
+            moe_gguf_vtype elem_type;
+            uint64_t n;
+            /* elements: STRING -> moe_str[n]; ARRAY -> moe_gguf_value[n] (each an ARRAY);
+             * numbers and BOOL -> packed little-endian values exactly as in the file */
+            const void *data;
+        } arr;
+    };
+};
+
+typedef struct moe_gguf_kv {
+    moe_str key;
+    moe_gguf_value value;
+    uint64_t file_offset; /* where the pair starts in its shard (for messages) */
+} moe_gguf_kv;
+
+/* ==== Tensors ==== */
+
+typedef struct moe_tensor {
+    moe_str name;
+    moe_type type;
+    uint32_t n_dims;
+    int64_t ne[MOE_GGUF_MAX_DIMS]; /* ne[0] is the row length (contiguous); unused dims are 1 */
+    uint64_t n_values;             /* product of ne */
+    uint64_t n_bytes;              /* bytes of data: rows * row bytes of `type` */
+    uint32_t shard;                /* index into the shards */
+    uint64_t offset;               /* from the start of the shard's data section */
+    uint64_t file_offset;          /* from the start of the shard file */
+    const uint8_t *data;           /* mapped bytes, or NULL when the data is not mapped */
+} moe_tensor;
+
+typedef struct moe_gguf_shard {
+    char *path;
+    uint32_t version;
+    uint64_t file_size;
+    uint64_t header_bytes;   /* magic .. end of tensor directory */
+    uint64_t data_offset;    /* start of the data section (header rounded up to alignment) */
+    uint64_t tensor_bytes;   /* sum of this shard's tensors' n_bytes */
+    uint64_t padding_bytes;  /* everything else: file_size - header_bytes - tensor_bytes */
+    uint32_t n_tensors;
+    uint32_t n_kv;
+} moe_gguf_shard;
+
+typedef struct moe_gguf moe_gguf;
+
+/* Open a GGUF file (with every shard if it is part of a split) and map its data. */
+moe_gguf *moe_gguf_open(const char *path, moe_error *err);
+/* Parse one shard's header from memory. Tensor `data` points into buf when the buffer holds
+ * the data too (buf_is_whole_file), else NULL; no checks against the file size then. */
+moe_gguf *moe_gguf_parse(const void *buf, size_t size, bool buf_is_whole_file, moe_error *err);
+void moe_gguf_close(moe_gguf *g);
+
+uint32_t moe_gguf_alignment(const moe_gguf *g);
+uint32_t moe_gguf_n_shards(const moe_gguf *g);
+const moe_gguf_shard *moe_gguf_shard_get(const moe_gguf *g, uint32_t i);
+
+/* Metadata: of the first shard (split files repeat the model's keys there). */
+uint64_t moe_gguf_n_kv(const moe_gguf *g);
+const moe_gguf_kv *moe_gguf_kv_get(const moe_gguf *g, uint64_t i);
+const moe_gguf_value *moe_gguf_find(const moe_gguf *g, const char *key);
+/* Typed getters: false when the key is absent or of an incompatible type; any integer type
+ * converts when the value fits. */
+bool moe_gguf_get_u64(const moe_gguf *g, const char *key, uint64_t *out);
+bool moe_gguf_get_i64(const moe_gguf *g, const char *key, int64_t *out);
+bool moe_gguf_get_f64(const moe_gguf *g, const char *key, double *out);
+bool moe_gguf_get_bool(const moe_gguf *g, const char *key, bool *out);
+const char *moe_gguf_get_str(const moe_gguf *g, const char *key); /* NULL if absent/not string */
+const char *moe_gguf_vtype_name(moe_gguf_vtype t);
+
+/* Tensors of all shards, in file order (shard 0 first). */
+uint64_t moe_gguf_n_tensors(const moe_gguf *g);
+const moe_tensor *moe_gguf_tensor_get(const moe_gguf *g, uint64_t i);
+const moe_tensor *moe_gguf_tensor_find(const moe_gguf *g, const char *name);
+
+/* ==== Writer ==== */
+
+typedef struct moe_gguf_writer moe_gguf_writer;
+
+moe_gguf_writer *moe_gguf_writer_new(void);
+void moe_gguf_writer_free(moe_gguf_writer *w);
+void moe_gguf_writer_set_alignment(moe_gguf_writer *w, uint32_t alignment);
+/* Metadata in insertion order; setting a key again replaces its value in place. */
+void moe_gguf_writer_set_u32(moe_gguf_writer *w, const char *key, uint32_t v);
+void moe_gguf_writer_set_i32(moe_gguf_writer *w, const char *key, int32_t v);
+void moe_gguf_writer_set_u64(moe_gguf_writer *w, const char *key, uint64_t v);
+void moe_gguf_writer_set_f32(moe_gguf_writer *w, const char *key, float v);
+void moe_gguf_writer_set_bool(moe_gguf_writer *w, const char *key, bool v);
+void moe_gguf_writer_set_str(moe_gguf_writer *w, const char *key, const char *v);
+/* Any value, including arrays (nested arrays too), copied deeply. */
+void moe_gguf_writer_set_value(moe_gguf_writer *w, const char *key, const moe_gguf_value *v);
+void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype elem_type,
+                             const void *elems, uint64_t n); /* numbers or moe_str[] / char*[] */
+/* Add a tensor; data (n_bytes of the type/shape) is copied, or referenced if `borrow`. */
+moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
+                                      uint32_t n_dims, const int64_t *ne, const void *data,
+                                      bool borrow, moe_error *err);
+/* Write one file, or a split when max_tensors_per_shard > 0 and there are more tensors than
+ * that: the shards are then named like llama.cpp's gguf-split does, "<path without .gguf>-
+ * 00001-of-0000N.gguf", each carrying split.no / split.count / split.tensors.count. */
+moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
+                                 uint32_t max_tensors_per_shard, moe_error *err);
+
+#endif

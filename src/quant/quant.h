@@ -1,0 +1,86 @@
+/* quant: weight and activation block formats, their scalar reference kernels, and the trait
+ * table the rest of the engine goes through.
+ *
+ * Type ids are ggml's (GGUF stores them as-is), so a gap in the numbering is a retired type and
+ * moe_type_traits_get() returns NULL for it. Every matmul in the engine goes through the
+ * traits: a weight row of type T is dotted against an activation row already converted to
+ * traits(T)->dot_type (Q8_0 / Q8_1 / Q8_K blocks, F16, BF16 or F32). The trap: the 8-bit
+ * activation blocks must be byte-identical to ggml's so integer dots reproduce its results;
+ * change a rounding and the parity tests move by 1e-3. */
+#ifndef MOE_QUANT_H
+#define MOE_QUANT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../base/base.h"
+
+typedef enum moe_type {
+    MOE_TYPE_F32 = 0,
+    MOE_TYPE_F16 = 1,
+    MOE_TYPE_Q4_0 = 2,
+    MOE_TYPE_Q4_1 = 3,
+    MOE_TYPE_Q5_0 = 6,
+    MOE_TYPE_Q5_1 = 7,
+    MOE_TYPE_Q8_0 = 8,
+    MOE_TYPE_Q8_1 = 9,
+    MOE_TYPE_Q2_K = 10,
+    MOE_TYPE_Q3_K = 11,
+    MOE_TYPE_Q4_K = 12,
+    MOE_TYPE_Q5_K = 13,
+    MOE_TYPE_Q6_K = 14,
+    MOE_TYPE_Q8_K = 15,
+    MOE_TYPE_IQ2_XXS = 16,
+    MOE_TYPE_IQ2_XS = 17,
+    MOE_TYPE_IQ3_XXS = 18,
+    MOE_TYPE_IQ1_S = 19,
+    MOE_TYPE_IQ4_NL = 20,
+    MOE_TYPE_IQ3_S = 21,
+    MOE_TYPE_IQ2_S = 22,
+    MOE_TYPE_IQ4_XS = 23,
+    MOE_TYPE_I8 = 24,
+    MOE_TYPE_I16 = 25,
+    MOE_TYPE_I32 = 26,
+    MOE_TYPE_I64 = 27,
+    MOE_TYPE_F64 = 28,
+    MOE_TYPE_IQ1_M = 29,
+    MOE_TYPE_BF16 = 30,
+    MOE_TYPE_TQ1_0 = 34,
+    MOE_TYPE_TQ2_0 = 35,
+    MOE_TYPE_MXFP4 = 39,
+    MOE_TYPE_COUNT = 40
+} moe_type;
+
+/* Dequantize n values (a multiple of block_values) from blocks to floats. */
+typedef void (*moe_to_float_fn)(const void *blocks, float *out, int64_t n);
+/* Quantize n floats (a multiple of block_values) into blocks. */
+typedef void (*moe_from_float_fn)(const float *in, void *blocks, int64_t n);
+/* Dot of n values: a weight row of this type against an activation row of dot_type. */
+typedef float (*moe_dot_fn)(const void *w, const void *x, int64_t n);
+
+typedef struct moe_type_traits {
+    const char *name;           /* "Q4_K", as llama.cpp's tools print it */
+    int64_t block_values;       /* values per block (1 for plain floats and ints) */
+    size_t block_bytes;         /* bytes per block */
+    bool is_quantized;          /* block-quantized (not a plain float/int type) */
+    moe_to_float_fn to_float;   /* NULL where moe cannot decode the type */
+    moe_from_float_fn from_float; /* NULL where moe has no quantizer for it */
+    moe_type dot_type;          /* the activation type `dot` expects */
+    moe_dot_fn dot;             /* NULL where there is no dot */
+} moe_type_traits;
+
+/* NULL for an id that is not a known type (a retired id or past the end). */
+const moe_type_traits *moe_type_traits_get(uint32_t type);
+/* Name for printing; "type#N" style names are not returned: unknown ids give "unknown". */
+const char *moe_type_name(uint32_t type);
+/* Parse a name like "q4_k" or "IQ2_S" (case-insensitive); false if unknown. */
+bool moe_type_from_name(const char *name, moe_type *out);
+/* Bytes of a row of n values; 0 if n is not a multiple of the block size or type unknown. */
+uint64_t moe_type_row_bytes(uint32_t type, int64_t n);
+
+/* Reference dot of a weight row against FLOAT activations (dequantize a block, multiply, add).
+ * Slow but exact to float rounding; the quality yardstick for the integer paths. */
+float moe_dot_f32_ref(moe_type type, const void *w, const float *x, int64_t n);
+
+#endif

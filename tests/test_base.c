@@ -1,0 +1,58 @@
+/* Suite "base": the error struct keeps the first error, checked arithmetic catches overflow,
+ * and the fp16/bf16 conversions agree with the IEEE definitions on edge values. */
+#include "testutil.h"
+
+#include <math.h>
+#include <string.h>
+
+static void error_keeps_first(void **state) {
+    (void)state;
+    moe_error err = {0};
+    assert_int_equal(moe_error_set(&err, MOE_ERR_FORMAT, "first at %d", 7), MOE_ERR_FORMAT);
+    assert_int_equal(moe_error_set(&err, MOE_ERR_IO, "second"), MOE_ERR_FORMAT);
+    assert_string_equal(err.msg, "first at 7");
+    moe_error_prefix(&err, "file %s", "x.gguf");
+    assert_string_equal(err.msg, "file x.gguf: first at 7");
+}
+
+static void checked_arithmetic(void **state) {
+    (void)state;
+    uint64_t r;
+    assert_false(moe_mul_overflow(1ull << 31, 1ull << 31, &r));
+    assert_int_equal(r, 1ull << 62);
+    assert_true(moe_mul_overflow(1ull << 32, 1ull << 32, &r));
+    assert_true(moe_add_overflow(UINT64_MAX, 1, &r));
+}
+
+static void half_edges(void **state) {
+    (void)state;
+    /* IEEE binary16: 1.0 = 0x3c00, 65504 = max, 2^-24 smallest subnormal, -0 keeps its sign */
+    assert_int_equal(moe_f32_to_fp16(1.0f), 0x3c00);
+    assert_int_equal(moe_f32_to_fp16(65504.0f), 0x7bff);
+    assert_int_equal(moe_f32_to_fp16(65520.0f), 0x7c00);
+    assert_int_equal(moe_f32_to_fp16(0x1p-24f), 0x0001);
+    assert_int_equal(moe_f32_to_fp16(0x1p-25f), 0x0000);          /* tie to even: 0 */
+    assert_int_equal(moe_f32_to_fp16(0x1.8p-24f), 0x0002);        /* tie to even: 2 */
+    assert_int_equal(moe_f32_to_fp16(-0.0f), 0x8000);
+    assert_true(moe_fp16_to_f32(0x0001) == 0x1p-24f);
+    assert_true(moe_fp16_to_f32(0xfbff) == -65504.0f);
+    assert_true(isinf(moe_fp16_to_f32(0x7c00)));
+    assert_true(isnan(moe_fp16_to_f32(0x7e00)));
+    /* every half survives a round trip through float */
+    for (uint32_t h = 0; h < 0x10000; h++) {
+        if ((h & 0x7c00) == 0x7c00 && (h & 0x3ff)) continue; /* nan payloads */
+        assert_int_equal(moe_f32_to_fp16(moe_fp16_to_f32((uint16_t)h)), h);
+    }
+    assert_int_equal(moe_f32_to_bf16(1.0f), 0x3f80);
+    assert_int_equal(moe_f32_to_bf16(1.00390625f), 0x3f80); /* halfway, to even */
+    assert_int_equal(moe_f32_to_bf16(1.01171875f), 0x3f82); /* halfway, to even (up) */
+}
+
+int moe_suite_base(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(error_keeps_first),
+        cmocka_unit_test(checked_arithmetic),
+        cmocka_unit_test(half_edges),
+    };
+    return cmocka_run_group_tests_name("base", tests, NULL, NULL);
+}
