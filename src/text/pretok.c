@@ -64,6 +64,14 @@ static const char *const re_default[] = {
     "[0-9][0-9][0-9]",
 };
 static const char *const re_gpt2[] = {RE_GPT2};
+/* o200k (GPT-4o, gpt-oss): PCRE2 has \p{Lu} and friends, so the original form is used where
+ * llama.cpp spells the case classes with lookaheads for std::regex. */
+static const char *const re_gpt4o[] = {
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}"
+    "\\p{M}]+" RE_CONTRACTIONS "?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+"
+    "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*" RE_CONTRACTIONS "?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+"
+    "[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+};
 static const char *const re_llama3[] = {RE_LLAMA3};
 static const char *const re_qwen2[] = {RE_QWEN2};
 static const char *const re_deepseek_llm[] = {
@@ -124,6 +132,8 @@ static const preset presets[] = {
     {"deepseek-llm", re_deepseek_llm, N_OF(re_deepseek_llm), false},
     {"deepseek-coder", re_deepseek_coder, N_OF(re_deepseek_coder), false},
     {"deepseek-v3", re_deepseek_v3, N_OF(re_deepseek_v3), false},
+    {"gpt-4o", re_gpt4o, N_OF(re_gpt4o), false},
+    {"minimax-m2", re_gpt4o, N_OF(re_gpt4o), false},
 };
 
 bool moe_pretok_preset(const char *pre_name, const char *const **regexes, uint32_t *n,
