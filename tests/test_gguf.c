@@ -568,6 +568,39 @@ static void split_three_shards(void **state) {
     moe_gguf_close(g);
 }
 
+/* Shards that agree with each other but not with their totals, or lost their names. */
+static void split_inconsistent(void **state) {
+    (void)state;
+    size_t small_size;
+    free(write_small(tmp_path("small.gguf"), &small_size));
+    moe_gguf *g = open_ok(tmp_path("small.gguf"));
+    moe_gguf_writer *w = writer_from(g);
+    char dir[512], base[600], p1[700], p2[700];
+    snprintf(dir, sizeof dir, "%s/split2", moe_test_tmpdir());
+    assert_int_equal(mkdir(dir, 0700), 0);
+    snprintf(base, sizeof base, "%s/s.gguf", dir);
+    moe_error err = {0};
+    assert_int_equal(moe_gguf_writer_write(w, base, 2, &err), MOE_OK);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+    snprintf(p1, sizeof p1, "%s/s-00001-of-00002.gguf", dir);
+    snprintf(p2, sizeof p2, "%s/s-00002-of-00002.gguf", dir);
+    moe_gguf_close(open_ok(p2));
+    const char *paths[2] = {p1, p2};
+    for (int i = 0; i < 2; i++) {
+        size_t n;
+        uint8_t *d = read_whole(paths[i], &n);
+        put_le(d + find_bytes(d, n, "split.tensors.count") + 19 + 4, 4, 4);
+        write_bytes(paths[i], d, n);
+        free(d);
+    }
+    expect_open_error(p2, "split.tensors.count is 4 but the 2 shards hold 3 tensors", NULL);
+    char renamed[700];
+    snprintf(renamed, sizeof renamed, "%s/renamed.gguf", dir);
+    assert_int_equal(rename(p1, renamed), 0);
+    expect_open_error(renamed, "does not end in -NNNNN-of-MMMMM.gguf", "split.count is 2");
+}
+
 /* ==== Malformed files ==== */
 
 static void version_2_reads_version_1_refused(void **state) {
@@ -832,6 +865,7 @@ int moe_suite_gguf(void) {
         cmocka_unit_test(roundtrip_every_value_type),
         cmocka_unit_test(roundtrip_shared_model_bytes),
         cmocka_unit_test(split_three_shards),
+        cmocka_unit_test(split_inconsistent),
         cmocka_unit_test(version_2_reads_version_1_refused),
         cmocka_unit_test(truncated_at_every_byte),
         cmocka_unit_test(flipped_counts),

@@ -707,11 +707,14 @@ static moe_status open_shard(moe_gguf *g, uint32_t i, const char *path, shard_pa
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return moe_error_set(err, MOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (fstat(fd, &st) != 0) {
         int e = errno;
         close(fd);
-        return moe_error_set(err, MOE_ERR_IO, "%s: %s", path,
-                             S_ISREG(st.st_mode) ? strerror(e) : "not a regular file");
+        return moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(e));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return moe_error_set(err, MOE_ERR_IO, "%s: not a regular file", path);
     }
     size_t size = (size_t)st.st_size;
     void *map = NULL;
@@ -751,6 +754,15 @@ static bool split_name(const char *path, size_t *prefix_len, unsigned *no, unsig
     return true;
 }
 
+/* Where key's pair starts in the shard (0 when absent), for error messages. */
+static uint64_t key_at(const shard_parse *sp, const char *key) {
+    size_t klen = strlen(key);
+    for (uint64_t i = 0; i < sp->n_kv; i++)
+        if (sp->kv[i].key.len == klen && memcmp(sp->kv[i].key.ptr, key, klen) == 0)
+            return sp->kv[i].file_offset;
+    return 0;
+}
+
 static bool split_keys(const shard_parse *sp, uint64_t *no, uint64_t *count, uint64_t *total) {
     moe_gguf tmp = {0};
     shard_state st = {.kv = sp->kv, .n_kv = sp->n_kv};
@@ -783,19 +795,23 @@ moe_gguf *moe_gguf_open(const char *path, moe_error *err) {
     size_t prefix_len = 0;
     unsigned name_no = 0, name_count = 0;
     moe_status bad = MOE_OK;
+    uint64_t count_at = key_at(&sp, "split.count");
     if (count > MOE_GGUF_MAX_SHARDS) {
-        bad = moe_error_set(err, MOE_ERR_RANGE, "%s: split.count is %" PRIu64
-                            ", more than the limit %d", path, count, MOE_GGUF_MAX_SHARDS);
+        bad = moe_error_set(err, MOE_ERR_RANGE, "%s: byte %" PRIu64 ": split.count is %" PRIu64
+                            ", more than the limit %d", path, count_at, count, MOE_GGUF_MAX_SHARDS);
     } else if (!split_name(path, &prefix_len, &name_no, &name_count)) {
-        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: split.count is %" PRIu64 " but the file "
-                            "name does not end in -NNNNN-of-MMMMM.gguf, so the other shards "
-                            "cannot be found", path, count);
+        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": split.count is %" PRIu64
+                            " but the file name does not end in -NNNNN-of-MMMMM.gguf, so the "
+                            "other shards cannot be found", path, count_at, count);
     } else if (name_count != count || no != name_no - 1u) {
-        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: the name says shard %u of %u but the "
-                            "metadata says split.no %" PRIu64 " (0-based) of split.count %" PRIu64,
-                            path, name_no, name_count, no, count);
+        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": the name says shard %u "
+                            "of %u but the metadata says split.no %" PRIu64 " (0-based) of "
+                            "split.count %" PRIu64, path, key_at(&sp, "split.no"), name_no,
+                            name_count, no, count);
     } else if (total == UINT64_MAX) {
-        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: split.tensors.count is missing", path);
+        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": split.tensors.count is "
+                            "missing or negative (split.count is %" PRIu64 ")", path, count_at,
+                            count);
     }
     if (bad != MOE_OK) {
         shard_parse_free(&sp);
@@ -826,14 +842,22 @@ moe_gguf *moe_gguf_open(const char *path, moe_error *err) {
                 break;
             }
             uint64_t sno, scount, stotal;
-            if (!split_keys(&cur, &sno, &scount, &stotal) || sno != i || scount != count ||
-                stotal != total) {
+            bool has = split_keys(&cur, &sno, &scount, &stotal);
+            if (!has || sno != i || scount != count || stotal != total) {
                 bad = moe_error_set(err, MOE_ERR_FORMAT,
-                                    "%s: expected split.no %u, split.count %" PRIu64
-                                    ", split.tensors.count %" PRIu64 " (as in %s), found %s", sib,
-                                    i, count, total, path,
-                                    split_keys(&cur, &sno, &scount, &stotal) ? "different values"
-                                                                             : "no split keys");
+                                    "%s: byte %" PRIu64 ": expected split.no %u, split.count %"
+                                    PRIu64 ", split.tensors.count %" PRIu64 " (as in %s), found "
+                                    "%s",
+                                    sib, has ? key_at(&cur, "split.no") : 0, i, count, total,
+                                    path, has ? "" : "no split keys");
+                if (has && err && err->code == MOE_ERR_FORMAT) {
+                    size_t used = strlen(err->msg);
+                    snprintf(err->msg + used, sizeof err->msg - used,
+                             "split.no %" PRId64 ", split.count %" PRIu64
+                             ", split.tensors.count %" PRId64,
+                             sno == UINT64_MAX ? (int64_t)-1 : (int64_t)sno, scount,
+                             stotal == UINT64_MAX ? (int64_t)-1 : (int64_t)stotal);
+                }
                 shard_parse_free(&cur);
                 break;
             }
@@ -849,9 +873,9 @@ moe_gguf *moe_gguf_open(const char *path, moe_error *err) {
         return NULL;
     }
     if (sum != total) {
-        moe_error_set(err, MOE_ERR_FORMAT, "%s: split.tensors.count is %" PRIu64
-                      " but the %" PRIu64 " shards hold %" PRIu64 " tensors", path, total, count,
-                      sum);
+        moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": split.tensors.count is %"
+                      PRIu64 " but the %" PRIu64 " shards hold %" PRIu64 " tensors", path,
+                      key_at(&parsed_first, "split.tensors.count"), total, count, sum);
         moe_gguf_close(m);
         return NULL;
     }
