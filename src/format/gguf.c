@@ -322,7 +322,7 @@ typedef struct shard_parse {
     uint64_t header_bytes, data_offset, tensor_bytes;
 } shard_parse;
 
-static int cmp_u64_pair_offset(const void *a, const void *b, void *ctx) {
+static int cmp_tensor_offset(const void *a, const void *b, void *ctx) {
     const moe_tensor *t = ctx;
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     if (t[x].offset != t[y].offset) return t[x].offset < t[y].offset ? -1 : 1;
@@ -440,7 +440,6 @@ static void parse_tensor_info(cursor *c, moe_tensor *t, uint64_t *entry_at) {
     t->n_values = n_values;
     uint64_t type_at = c->pos;
     uint32_t type = read_u32(c, "a tensor type");
-    uint64_t offset_at = c->pos;
     t->offset = read_u64(c, "a tensor data offset");
     if (c->failed) return;
     const moe_type_traits *tr = moe_type_traits_get(type);
@@ -462,7 +461,6 @@ static void parse_tensor_info(cursor *c, moe_tensor *t, uint64_t *entry_at) {
         fail_at(c, dims_at, MOE_ERR_RANGE, "tensor '%s': its byte size overflows 64 bits", nb.s);
         return;
     }
-    (void)offset_at;
 }
 
 /* Checks that need the whole directory: alignment, bounds, overlaps, duplicate names. */
@@ -499,7 +497,7 @@ static void check_tensors(cursor *c, shard_parse *sp, bool whole) {
     if (c->failed || n < 2) return;
     uint64_t *idx = moe_xmalloc((size_t)n * sizeof *idx);
     for (uint64_t i = 0; i < n; i++) idx[i] = i;
-    qsort_r(idx, (size_t)n, sizeof *idx, cmp_u64_pair_offset, t);
+    qsort_r(idx, (size_t)n, sizeof *idx, cmp_tensor_offset, t);
     for (uint64_t i = 1; i < n; i++) {
         const moe_tensor *a = &t[idx[i - 1]], *b = &t[idx[i]];
         if (b->offset < a->offset + a->n_bytes) {
