@@ -7,7 +7,12 @@
 #include "moe.h"
 #include "cli.h"
 
+int moe_cli_inspect(int argc, char **argv); /* cli/inspect.c */
+
 static const moe_command commands[] = {
+    {"inspect", moe_cli_inspect,
+     "header, metadata, tensor table, types histogram, bytes by role and layer",
+     "FILE|SHARD [--json]"},
     {0},
 };
 
