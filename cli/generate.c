@@ -119,7 +119,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                       path, moe_tokenizer_n_vocab(g->tok), g->model->cfg.n_vocab);
     if (!err.code) {
         moe_ctx_params cp = {.n_ctx = o->n_ctx, .n_seq = 1, .max_rows = PREFILL_CHUNK,
-                             .kv_type = o->kv_type};
+                             .kv_type = o->kv_type, .n_threads = o->n_threads};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
     }
     free(demo);

@@ -25,7 +25,8 @@ struct moe_ctx {
     uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
     /* scratch, [max_rows][width] floats each */
     float *x, *xn, *q, *k, *v, *att, *ff_gate, *ff_up;
-    float *scores;            /* [n_ctx] */
+    float *scores;            /* [n_threads][n_ctx] attention scores */
+    moe_pool *pool;
     void *mm_scratch;         /* activation rows converted for the dot kernels */
 };
 
@@ -78,7 +79,10 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->att = moe_xcalloc(rows * att_w, sizeof(float));
     x->ff_gate = moe_xcalloc(rows * c->n_ff, sizeof(float));
     x->ff_up = moe_xcalloc(rows * c->n_ff, sizeof(float));
-    x->scores = moe_xcalloc(params.n_ctx, sizeof(float));
+    if (params.n_threads < 1) params.n_threads = 1;
+    x->p.n_threads = params.n_threads;
+    x->pool = moe_pool_new(params.n_threads);
+    x->scores = moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
     for (uint32_t il = 0; il < c->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
@@ -105,6 +109,7 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->ff_up);
     free(c->scores);
     free(c->mm_scratch);
+    moe_pool_free(c->pool);
     free(c);
 }
 
@@ -137,6 +142,30 @@ static void kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t 
 }
 
 /* ==== Forward ==== */
+
+typedef struct attn_job {
+    moe_ctx *c;
+    const moe_row *rows;
+    uint32_t layer;
+    const moe_attn_shape *shape;
+} attn_job;
+
+static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    const attn_job *j = arg;
+    moe_ctx *c = j->c;
+    const moe_model_config *cfg = &c->m->cfg;
+    const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
+    const int64_t att_w = (int64_t)cfg->n_head * cfg->head_dim_v;
+    const int64_t elem = c->p.kv_type == MOE_KV_F16 ? 2 : 4;
+    for (int64_t r = begin; r < end; r++) {
+        const moe_row *row = &j->rows[r];
+        const uint8_t *k0 = kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, 0);
+        const uint8_t *v0 = kv_slot(c, c->v_cache, c->v_row_bytes, row->seq, j->layer, 0);
+        moe_attention_row(j->shape, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes / elem,
+                          (int64_t)c->v_row_bytes / elem, row->pos + 1, c->att + r * att_w,
+                          c->scores + (int64_t)thread * c->p.n_ctx);
+    }
+}
 
 static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_rows,
                              moe_error *err) {
@@ -187,7 +216,6 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
                                   .head_dim_v = (int)cfg->head_dim_v,
                                   .scale = 1.0f / sqrtf((float)cfg->head_dim_k),
                                   .kv_f16 = c->p.kv_type == MOE_KV_F16};
-    const int64_t kv_elem = c->p.kv_type == MOE_KV_F16 ? 2 : 4;
 
     for (uint32_t r = 0; r < n_rows; r++) moe_tensor_row_f32(m->token_embd, rows[r].token, c->x + r * n_embd);
 
@@ -197,9 +225,9 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         const float *norm_w = (const float *)l->attn_norm->data;
         for (uint32_t r = 0; r < n_rows; r++)
             moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
-        moe_matmul(l->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
-        moe_matmul(l->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
-        moe_matmul(l->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
+        moe_matmul(c->pool, l->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
+        moe_matmul(c->pool, l->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
+        moe_matmul(c->pool, l->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
         for (uint32_t r = 0; r < n_rows; r++) {
             moe_rope(c->q + r * q_w, (int)cfg->n_head, (int)cfg->head_dim_k, rows[r].pos, &rope);
             moe_rope(c->k + r * k_w, (int)cfg->n_head_kv, (int)cfg->head_dim_k, rows[r].pos, &rope);
@@ -208,24 +236,19 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
             kv_store(c, kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
                      c->v + r * v_w, (uint64_t)v_w);
         }
-        for (uint32_t r = 0; r < n_rows; r++) {
-            const uint8_t *k0 = kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, 0);
-            const uint8_t *v0 = kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, 0);
-            moe_attention_row(&shape, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes / kv_elem,
-                              (int64_t)c->v_row_bytes / kv_elem, rows[r].pos + 1,
-                              c->att + r * att_w, c->scores);
-        }
-        moe_matmul(l->wo, 0, c->att, n_rows, c->xn, c->mm_scratch);
+        attn_job job = {.c = c, .rows = rows, .layer = il, .shape = &shape};
+        moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
+        moe_matmul(c->pool, l->wo, 0, c->att, n_rows, c->xn, c->mm_scratch);
         for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
         /* feed-forward (SwiGLU) */
         norm_w = (const float *)l->ffn_norm->data;
         for (uint32_t r = 0; r < n_rows; r++)
             moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
-        moe_matmul(l->ffn_gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
-        moe_matmul(l->ffn_up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
+        moe_matmul(c->pool, l->ffn_gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
+        moe_matmul(c->pool, l->ffn_up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
         for (uint32_t r = 0; r < n_rows; r++)
             moe_swiglu(c->ff_up + r * n_ff, c->ff_gate + r * n_ff, n_ff);
-        moe_matmul(l->ffn_down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch);
+        moe_matmul(c->pool, l->ffn_down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch);
         for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
     }
     for (uint32_t r = 0; r < n_rows; r++) c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
@@ -238,6 +261,6 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         moe_rmsnorm(c->xn + n_out * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
         n_out++;
     }
-    if (n_out) moe_matmul(m->output, 0, c->xn, n_out, logits, c->mm_scratch);
+    if (n_out) moe_matmul(c->pool, m->output, 0, c->xn, n_out, logits, c->mm_scratch);
     return MOE_OK;
 }

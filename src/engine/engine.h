@@ -28,6 +28,7 @@ typedef struct moe_ctx_params {
     uint32_t n_seq;    /* sequences held at once */
     uint32_t max_rows; /* rows per forward call */
     moe_kv_type kv_type;
+    int n_threads;     /* threads for the forward pass, including the caller (0: 1) */
 } moe_ctx_params;
 
 typedef struct moe_ctx moe_ctx;

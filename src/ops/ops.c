@@ -64,27 +64,44 @@ uint64_t moe_matmul_scratch_bytes(const moe_tensor *w, int64_t n_rows) {
     return moe_type_row_bytes(t->dot_type, w->ne[0]) * (uint64_t)n_rows;
 }
 
-void moe_matmul(const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows, float *y,
-                void *scratch) {
+typedef struct matmul_job {
+    const moe_type_traits *t;
+    const uint8_t *wbase;
+    uint64_t w_row_bytes, xq_row_bytes;
+    const uint8_t *xq;
+    int64_t n_in, n_out, n_rows;
+    float *y;
+} matmul_job;
+
+/* weight rows outermost: each row is decoded once for all activation rows */
+static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const matmul_job *j = arg;
+    for (int64_t o = begin; o < end; o++) {
+        const uint8_t *wrow = j->wbase + (uint64_t)o * j->w_row_bytes;
+        for (int64_t r = 0; r < j->n_rows; r++)
+            j->y[r * j->n_out + o] = j->t->dot(wrow, j->xq + (uint64_t)r * j->xq_row_bytes, j->n_in);
+    }
+}
+
+void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x,
+                int64_t n_rows, float *y, void *scratch) {
     const moe_type_traits *t = moe_type_traits_get(w->type);
     const int64_t n_in = w->ne[0], n_out = w->ne[1];
-    const uint64_t w_row_bytes = moe_type_row_bytes(w->type, n_in);
-    const uint8_t *wbase = w->data + (uint64_t)matrix * (uint64_t)n_out * w_row_bytes;
-    const void *xq = x;
-    uint64_t xq_row_bytes = (uint64_t)n_in * sizeof(float);
+    matmul_job j = {.t = t, .n_in = n_in, .n_out = n_out, .n_rows = n_rows, .y = y,
+                    .w_row_bytes = moe_type_row_bytes(w->type, n_in),
+                    .xq = (const uint8_t *)x, .xq_row_bytes = (uint64_t)n_in * sizeof(float)};
+    j.wbase = w->data + (uint64_t)matrix * (uint64_t)n_out * j.w_row_bytes;
     if (t->dot_type != MOE_TYPE_F32) {
         const moe_type_traits *at = moe_type_traits_get(t->dot_type);
-        xq_row_bytes = moe_type_row_bytes(t->dot_type, n_in);
+        j.xq_row_bytes = moe_type_row_bytes(t->dot_type, n_in);
         for (int64_t r = 0; r < n_rows; r++)
-            at->from_float(x + r * n_in, (uint8_t *)scratch + (uint64_t)r * xq_row_bytes, n_in);
-        xq = scratch;
+            at->from_float(x + r * n_in, (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes, n_in);
+        j.xq = scratch;
     }
-    /* weight rows outermost: each row is decoded once for all activation rows */
-    for (int64_t o = 0; o < n_out; o++) {
-        const uint8_t *wrow = wbase + (uint64_t)o * w_row_bytes;
-        for (int64_t r = 0; r < n_rows; r++)
-            y[r * n_out + o] = t->dot(wrow, (const uint8_t *)xq + (uint64_t)r * xq_row_bytes, n_in);
-    }
+    /* chunks of output units: enough per chunk to amortise the hand-out, many chunks per thread */
+    const int64_t chunk = n_out / (8 * moe_pool_n_threads(pool)) + 1;
+    moe_pool_for(pool, n_out, chunk, matmul_rows, &j);
 }
 
 void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out) {

@@ -39,9 +39,10 @@ void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_p
 /* Bytes of scratch moe_matmul needs for n_rows activation rows against weight w. */
 uint64_t moe_matmul_scratch_bytes(const moe_tensor *w, int64_t n_rows);
 /* y[r][o] = sum_i W[o][i] * x[r][i] for r < n_rows, o < w->ne[1]; x rows have w->ne[0]
- * values, y rows w->ne[1]. W is the 2-D slice `matrix` of w (0 for 2-D tensors). */
-void moe_matmul(const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows, float *y,
-                void *scratch);
+ * values, y rows w->ne[1]. W is the 2-D slice `matrix` of w (0 for 2-D tensors). Output
+ * units are split across the pool's threads. */
+void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x,
+                int64_t n_rows, float *y, void *scratch);
 /* Row `row` of a 2-D tensor dequantized to float (embedding lookup). */
 void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out);
 
