@@ -205,7 +205,6 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
     const int64_t k_w = (int64_t)cfg->n_head_kv * cfg->head_dim_k;
     const int64_t v_w = (int64_t)cfg->n_head_kv * cfg->head_dim_v;
-    const int64_t att_w = (int64_t)cfg->n_head * cfg->head_dim_v;
     const moe_rope_params rope = {.n_dims = (int)cfg->rope_dims,
                                   .neox = cfg->rope_kind == MOE_ROPE_NEOX,
                                   .base = cfg->rope_base,
