@@ -185,11 +185,94 @@ static void parity_llama_q8_0(void **state) {
     parity_check("llama-q8_0", TOL_Q8_ACT);
 }
 
+/* ==== Load errors: each names what is wrong ==== */
+
+typedef enum { EDIT_DROP_TENSOR, EDIT_RESHAPE_TENSOR, EDIT_ARCH } edit_kind;
+
+/* Copy stories260K through the writer with one edit, then load it and return the error. */
+static void load_edited(edit_kind edit, const char *target, moe_error *err) {
+    const char *src = moe_test_shared("models/stories260K/stories260K.gguf");
+    if (!src) return;
+    moe_error e = {0};
+    moe_gguf *g = moe_gguf_open(src, &e);
+    assert_non_null(g);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
+        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
+        if (edit == EDIT_ARCH && strcmp(kv->key.ptr, "general.architecture") == 0)
+            moe_gguf_writer_set_str(w, kv->key.ptr, target);
+        else
+            moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
+    }
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        const bool hit = strcmp(t->name.ptr, target) == 0;
+        if (edit == EDIT_DROP_TENSOR && hit) continue;
+        int64_t ne[4] = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
+        if (edit == EDIT_RESHAPE_TENSOR && hit) { /* same bytes, rows and columns swapped */
+            ne[0] = t->ne[1];
+            ne[1] = t->ne[0];
+        }
+        assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, t->type, t->n_dims, ne, t->data, true, &e), MOE_OK);
+    }
+    char path[512];
+    snprintf(path, sizeof path, "%s/edited-%d.gguf", moe_test_tmpdir(), (int)edit);
+    assert_int_equal(moe_gguf_writer_write(w, path, 0, &e), MOE_OK);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+    moe_model *m = moe_model_load(path, err);
+    assert_null(m);
+    print_message("error: %s\n", err->msg);
+}
+
+static void missing_tensor_is_named(void **state) {
+    (void)state;
+    moe_error err = {0};
+    load_edited(EDIT_DROP_TENSOR, "blk.3.ffn_up.weight", &err);
+    if (!err.code) return;
+    assert_non_null(strstr(err.msg, "missing tensor 'blk.3.ffn_up.weight'"));
+}
+
+static void wrong_shape_is_named(void **state) {
+    (void)state;
+    moe_error err = {0};
+    load_edited(EDIT_RESHAPE_TENSOR, "blk.1.attn_k.weight", &err);
+    if (!err.code) return;
+    assert_non_null(strstr(err.msg, "'blk.1.attn_k.weight' has shape [32, 64"));
+    assert_non_null(strstr(err.msg, "expected [64, 32]"));
+}
+
+static void unknown_arch_is_named(void **state) {
+    (void)state;
+    moe_error err = {0};
+    load_edited(EDIT_ARCH, "mamba9000", &err);
+    if (!err.code) return;
+    assert_non_null(strstr(err.msg, "unknown architecture 'mamba9000'"));
+}
+
+static void run_on_non_gguf_says_so(void **state) {
+    (void)state;
+    char path[512], cmd[1200];
+    snprintf(path, sizeof path, "%s/notes.txt", moe_test_tmpdir());
+    moe_error err = {0};
+    const char text[] = "these are notes, not a model\n";
+    assert_int_equal(moe_file_write(path, text, sizeof text - 1, &err), MOE_OK);
+    snprintf(cmd, sizeof cmd, "%s run %s -n 4", moe_test_bin(), path);
+    char *out;
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "not a GGUF file"));
+    free(out);
+}
+
 int moe_suite_model(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(stories_logits_match_runc),
         cmocka_unit_test(stories_greedy_matches_runc),
         cmocka_unit_test(parity_llama_q8_0),
+        cmocka_unit_test(missing_tensor_is_named),
+        cmocka_unit_test(wrong_shape_is_named),
+        cmocka_unit_test(unknown_arch_is_named),
+        cmocka_unit_test(run_on_non_gguf_says_so),
     };
     return cmocka_run_group_tests_name("model", tests, NULL, NULL);
 }
