@@ -166,7 +166,10 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
 
 bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err) {
     const double t0 = now_seconds();
-    moe_detok *detok = moe_detok_new(g->tok, MOE_DECODE_SKIP_SPECIAL);
+    /* the first piece after BOS carries SentencePiece's dummy-prefix space: drop it */
+    moe_detok *detok = moe_detok_new(g->tok, MOE_DECODE_SKIP_SPECIAL |
+                                                 (g->text_started ? 0 : MOE_DECODE_STRIP_PREFIX_SPACE));
+    g->text_started = true;
     const size_t stop_len = stop ? strlen(stop) : 0;
     char tail[256] = {0}; /* the last bytes of output, to match `stop` across pieces */
     size_t tail_len = 0;

@@ -29,6 +29,7 @@ typedef struct moe_gen {
     moe_sampler *sampler;
     float *logits;            /* [n_vocab] */
     moe_row *rows;            /* [chunk] prefill rows */
+    bool text_started;        /* some text of this sequence was shown (keeps SPM's leading space) */
     double load_seconds;
     /* running totals for the stats line */
     uint64_t n_prompt, n_generated;

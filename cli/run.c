@@ -44,8 +44,9 @@ int moe_cmd_run(int argc, char **argv) {
     if (!err.code) {
         if (o.print_ids) {
             for (size_t i = 0; i < n_ids; i++) printf(i ? ",%d" : "%d", ids[i]);
-        } else if (prompt) {
+        } else if (prompt && prompt[0]) {
             fputs(prompt, stdout);
+            g.text_started = true;
         }
         fflush(stdout);
     }
