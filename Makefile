@@ -15,7 +15,7 @@ TEST_BIN ?= tests/run
 CFLAGS  ?= $(OPT) -g
 CFLAGS  += $(SAN) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -Iinclude -MMD -MP -fno-strict-aliasing
 LDLIBS  += -lm -lpthread
-TEST_LDLIBS = -lcmocka
+TEST_LDLIBS = -lcmocka -ljansson
 
 ISA_avx2       = -mavx2 -mfma -mf16c
 ISA_avx512     = $(ISA_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512dq

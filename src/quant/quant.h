@@ -60,14 +60,14 @@ typedef void (*moe_from_float_fn)(const float *in, void *blocks, int64_t n);
 typedef float (*moe_dot_fn)(const void *w, const void *x, int64_t n);
 
 typedef struct moe_type_traits {
-    const char *name;           /* "Q4_K", as llama.cpp's tools print it */
-    int64_t block_values;       /* values per block (1 for plain floats and ints) */
-    size_t block_bytes;         /* bytes per block */
-    bool is_quantized;          /* block-quantized (not a plain float/int type) */
-    moe_to_float_fn to_float;   /* NULL where moe cannot decode the type */
+    const char *name;             /* "Q4_K", as llama.cpp's tools print it */
+    int64_t block_values;         /* values per block (1 for plain floats and ints) */
+    size_t block_bytes;           /* bytes per block */
+    bool is_quantized;            /* block-quantized (not a plain float/int type) */
+    moe_to_float_fn to_float;     /* NULL where moe cannot decode the type */
     moe_from_float_fn from_float; /* NULL where moe has no quantizer for it */
-    moe_type dot_type;          /* the activation type `dot` expects */
-    moe_dot_fn dot;             /* NULL where there is no dot */
+    moe_type dot_type;            /* the activation type `dot` expects */
+    moe_dot_fn dot;               /* NULL where there is no dot */
 } moe_type_traits;
 
 /* NULL for an id that is not a known type (a retired id or past the end). */
@@ -78,6 +78,21 @@ const char *moe_type_name(uint32_t type);
 bool moe_type_from_name(const char *name, moe_type *out);
 /* Bytes of a row of n values; 0 if n is not a multiple of the block size or type unknown. */
 uint64_t moe_type_row_bytes(uint32_t type, int64_t n);
+
+/* ==== Activations for the dots ==== */
+
+/* The activation type a weight row of type wtype is dotted against (its traits' dot_type);
+ * MOE_TYPE_COUNT for an unknown type or one without a dot. */
+moe_type moe_dot_type(moe_type wtype);
+/* Bytes of one activation row of n values converted for wtype's dot (0 if n is not a multiple
+ * of the dot type's block size, or wtype has no dot). Size the buffer for
+ * moe_quantize_row_for_dot with it. */
+uint64_t moe_dot_row_bytes(moe_type wtype, int64_t n);
+/* Convert one float activation row x[n] to wtype's dot_type, byte-identical to what ggml-cpu
+ * feeds its vec_dot (Q8_0 / Q8_1 round halves to even on x86, unlike the weight quantizers;
+ * Q8_K; F16 / BF16 round to nearest even; F32 is copied). out holds moe_dot_row_bytes(wtype, n)
+ * bytes. Call once per row, then traits(wtype)->dot(w_row, out, n) for every weight row. */
+void moe_quantize_row_for_dot(moe_type wtype, const float *x, void *out, int64_t n);
 
 /* Reference dot of a weight row against FLOAT activations (dequantize a block, multiply, add).
  * Slow but exact to float rounding; the quality yardstick for the integer paths. */
