@@ -61,7 +61,7 @@ void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_p
 uint64_t moe_matmul_scratch_bytes(const moe_tensor *w, int64_t n_rows) {
     const moe_type_traits *t = moe_type_traits_get(w->type);
     if (!t || t->dot_type == MOE_TYPE_F32) return 0;
-    return moe_type_row_bytes(t->dot_type, w->ne[0]) * (uint64_t)n_rows;
+    return moe_dot_row_bytes(w->type, w->ne[0]) * (uint64_t)n_rows;
 }
 
 typedef struct matmul_job {
@@ -93,10 +93,10 @@ void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float
                     .xq = (const uint8_t *)x, .xq_row_bytes = (uint64_t)n_in * sizeof(float)};
     j.wbase = w->data + (uint64_t)matrix * (uint64_t)n_out * j.w_row_bytes;
     if (t->dot_type != MOE_TYPE_F32) {
-        const moe_type_traits *at = moe_type_traits_get(t->dot_type);
-        j.xq_row_bytes = moe_type_row_bytes(t->dot_type, n_in);
+        j.xq_row_bytes = moe_dot_row_bytes(w->type, n_in);
         for (int64_t r = 0; r < n_rows; r++)
-            at->from_float(x + r * n_in, (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes, n_in);
+            moe_quantize_row_for_dot(w->type, x + r * n_in,
+                                     (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes, n_in);
         j.xq = scratch;
     }
     /* chunks of output units: enough per chunk to amortise the hand-out, many chunks per thread */
