@@ -70,17 +70,25 @@ asan:
 	  SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
 
 ## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
+# Seeds: tests/data/gguf (small valid files and past crashes) and the ../shared GGUFs (cut to
+# -max_len); the corpus grows in fuzz/corpus/gguf, crashes land in fuzz/out/.
 FUZZ_SECONDS ?= 60
 FUZZ_CC ?= clang
-fuzz: fuzz/gguf
-	@mkdir -p fuzz/corpus/gguf
-	./fuzz/gguf -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 \
-	  -artifact_prefix=fuzz/out/ fuzz/corpus/gguf $(wildcard ../shared/models/*/*.gguf) \
-	  $(wildcard ../shared/parity/*.gguf) $(wildcard ../shared/tokenizers/*.gguf) tests/data/gguf
-fuzz/gguf: fuzz/gguf.c $(LIB_SRC)
-	@mkdir -p fuzz/out
+FUZZ_BIN = $(BUILD)/fuzz/gguf
+FUZZ_SEEDS = $(wildcard ../shared/models/*/*.gguf ../shared/parity/*.gguf ../shared/tokenizers/*.gguf)
+comma := ,
+space := $(subst ,, )
+fuzz: $(FUZZ_BIN)
+	@mkdir -p fuzz/corpus/gguf fuzz/out
+	$(FUZZ_BIN) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 \
+	  -artifact_prefix=fuzz/out/ -print_final_stats=1 \
+	  $(if $(FUZZ_SEEDS),-seed_inputs=$(subst $(space),$(comma),$(strip $(FUZZ_SEEDS)))) \
+	  fuzz/corpus/gguf tests/data/gguf
+$(FUZZ_BIN): fuzz/gguf.c $(LIB_SRC) $(wildcard src/*/*.h)
+	@mkdir -p $(dir $@)
 	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer,address,undefined \
-	  -o $@ fuzz/gguf.c $(filter-out %_avx2.c %_avx512.c %_avx512vnni.c,$(LIB_SRC)) -lm -lpthread
+	  -fno-sanitize-recover=all -o $@ fuzz/gguf.c \
+	  $(filter-out %_avx2.c %_avx512.c %_avx512vnni.c,$(LIB_SRC)) -lm -lpthread
 
 ## format: clang-format every C file in place; format-check only reports
 FORMAT_FILES = $(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c)
@@ -103,6 +111,6 @@ help:
 	@sed -n 's/^## /  make /p' Makefile
 
 clean:
-	rm -rf build moe tests/run fuzz/gguf
+	rm -rf build moe tests/run
 
 -include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)

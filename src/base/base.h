@@ -82,4 +82,39 @@ uint16_t moe_f32_to_fp16(float f); /* round to nearest even, like F16C */
 float moe_bf16_to_f32(uint16_t h);
 uint16_t moe_f32_to_bf16(float f); /* round to nearest even; NaN stays quiet NaN */
 
+/* ==== JSON writer (json.c): streaming, into a growable buffer ====
+ *
+ * Calls nest like the document: object_begin, key, value, ..., object_end. Commas, escaping and
+ * (optional) indentation are the writer's business. Strings: '"', '\\' and control characters
+ * are escaped, non-ASCII passes through as UTF-8, and bytes that are not valid UTF-8 become
+ * U+FFFD so the output always parses. Doubles print with %.17g (exact round trip); NaN and
+ * infinities, which JSON cannot hold, print as null. The caller takes the text from `buf`
+ * (`len` bytes, NUL-terminated) and may moe_json_reset() to reuse the buffer (SSE events). */
+#define MOE_JSON_MAX_DEPTH 64 /* nesting of our own documents; deeper is a programmer error */
+
+typedef struct moe_json {
+    char *buf; /* the text so far, NUL-terminated */
+    size_t len, cap;
+    bool pretty;          /* newline + two-space indent per level */
+    uint32_t depth;
+    bool after_key;       /* a key was written: the next value needs no comma */
+    bool has_items[MOE_JSON_MAX_DEPTH + 1]; /* per level: something written already */
+} moe_json;
+
+void moe_json_init(moe_json *j, bool pretty);
+void moe_json_free(moe_json *j);
+void moe_json_reset(moe_json *j); /* empty the text, keep the buffer */
+void moe_json_object_begin(moe_json *j);
+void moe_json_object_end(moe_json *j);
+void moe_json_array_begin(moe_json *j);
+void moe_json_array_end(moe_json *j);
+void moe_json_key(moe_json *j, const char *key);
+void moe_json_string(moe_json *j, const char *s);
+void moe_json_string_n(moe_json *j, const char *s, size_t n); /* may hold NULs (as \u0000) */
+void moe_json_int(moe_json *j, int64_t v);
+void moe_json_uint(moe_json *j, uint64_t v);
+void moe_json_double(moe_json *j, double v);
+void moe_json_bool(moe_json *j, bool v);
+void moe_json_null(moe_json *j);
+
 #endif

@@ -111,11 +111,16 @@ moe_gguf *moe_gguf_open(const char *path, moe_error *err);
 /* Parse one shard's header from memory. Tensor `data` points into buf when the buffer holds
  * the data too (buf_is_whole_file), else NULL; no checks against the file size then. */
 moe_gguf *moe_gguf_parse(const void *buf, size_t size, bool buf_is_whole_file, moe_error *err);
+/* The same, naming the source in error messages (a path or URL) instead of "(buffer)". */
+moe_gguf *moe_gguf_parse_named(const void *buf, size_t size, bool buf_is_whole_file,
+                               const char *name, moe_error *err);
 void moe_gguf_close(moe_gguf *g);
 
 uint32_t moe_gguf_alignment(const moe_gguf *g);
 uint32_t moe_gguf_n_shards(const moe_gguf *g);
 const moe_gguf_shard *moe_gguf_shard_get(const moe_gguf *g, uint32_t i);
+/* A shard's own general.alignment (shards may differ; moe_gguf_alignment is shard 0's). */
+uint32_t moe_gguf_shard_alignment(const moe_gguf *g, uint32_t i);
 
 /* Metadata: of the first shard (split files repeat the model's keys there). */
 uint64_t moe_gguf_n_kv(const moe_gguf *g);
@@ -141,6 +146,8 @@ typedef struct moe_gguf_writer moe_gguf_writer;
 
 moe_gguf_writer *moe_gguf_writer_new(void);
 void moe_gguf_writer_free(moe_gguf_writer *w);
+/* Sets general.alignment; the writer pads to that key's value (default 32) whenever it is a
+ * u32 power of two, also when it came in with a model's copied metadata. */
 void moe_gguf_writer_set_alignment(moe_gguf_writer *w, uint32_t alignment);
 /* Metadata in insertion order; setting a key again replaces its value in place. */
 void moe_gguf_writer_set_u32(moe_gguf_writer *w, const char *key, uint32_t v);
@@ -151,8 +158,11 @@ void moe_gguf_writer_set_bool(moe_gguf_writer *w, const char *key, bool v);
 void moe_gguf_writer_set_str(moe_gguf_writer *w, const char *key, const char *v);
 /* Any value, including arrays (nested arrays too), copied deeply. */
 void moe_gguf_writer_set_value(moe_gguf_writer *w, const char *key, const moe_gguf_value *v);
+/* An array of numbers/bools (packed little-endian, as in the file) or, for MOE_GGUF_STRING,
+ * of NUL-terminated strings (const char *[n]). Arrays of moe_str (strings holding NULs) and
+ * nested arrays go through moe_gguf_writer_set_value. */
 void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype elem_type,
-                             const void *elems, uint64_t n); /* numbers or moe_str[] / char*[] */
+                             const void *elems, uint64_t n);
 /* Add a tensor; data (n_bytes of the type/shape) is copied, or referenced if `borrow`. */
 moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
                                       uint32_t n_dims, const int64_t *ne, const void *data,

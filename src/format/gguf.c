@@ -1,0 +1,982 @@
+/* gguf.c: the GGUF reader -- header, metadata, tensor directory, split models, mmap.
+ *
+ * Owns parsing and validation of GGUF v2/v3 files and the lifetime of their mappings; it does
+ * not interpret metadata (model/ does) nor decode tensor data (quant/ does). Every byte read
+ * goes through `cursor`, which checks `n <= size - pos` before reading and keeps the first
+ * failure, so a hostile file can cost at most one error message and bounded memory: counts are
+ * capped by the format.h limits AND by the bytes left (an element needs at least k bytes), so
+ * no allocation exceeds a small multiple of the input size. The trap: strings, keys and tensor
+ * names from the file go into error messages escaped (see put_escaped), because an error is one
+ * line and a name may hold a newline or a terminal escape. */
+#include "format.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define GGUF_MAGIC "GGUF"
+/* Longest file name or tensor name quoted in an error message (the rest is cut with "..."). */
+#define ERR_NAME_MAX 96
+/* Bytes a tensor directory entry needs at least: name length, n_dims, type, offset. Used to cap
+ * the tensor count by the bytes left before anything is allocated. */
+#define TENSOR_INFO_MIN_BYTES (8 + 4 + 4 + 8)
+/* A key/value pair needs at least: key length, value type, one byte of value. */
+#define KV_MIN_BYTES (8 + 4 + 1)
+
+/* ==== Arena: every string and value of one model, freed at once ==== */
+
+typedef struct arena_chunk {
+    struct arena_chunk *next;
+    size_t used, cap;
+    _Alignas(16) uint8_t data[];
+} arena_chunk;
+
+typedef struct arena {
+    arena_chunk *head;
+} arena;
+
+/* Chunk size for small allocations; larger requests get a chunk of their own. */
+#define ARENA_CHUNK (1u << 20)
+
+static void *arena_alloc(arena *a, size_t n) {
+    n = (n + 15) & ~(size_t)15;
+    if (!a->head || a->head->cap - a->head->used < n) {
+        size_t cap = n > ARENA_CHUNK ? n : ARENA_CHUNK;
+        arena_chunk *c = moe_xmalloc(sizeof *c + cap);
+        c->used = 0;
+        c->cap = cap;
+        if (a->head && n > ARENA_CHUNK) { /* keep filling the current chunk after a big one */
+            c->next = a->head->next;
+            a->head->next = c;
+        } else {
+            c->next = a->head;
+            a->head = c;
+        }
+        c->used = n;
+        return c->data;
+    }
+    void *p = a->head->data + a->head->used;
+    a->head->used += n;
+    return p;
+}
+
+static void arena_free(arena *a) {
+    for (arena_chunk *c = a->head, *next; c; c = next) {
+        next = c->next;
+        free(c);
+    }
+    a->head = NULL;
+}
+
+/* ==== The model ==== */
+
+typedef struct shard_state {
+    void *map;           /* mmap of the whole file, or NULL (parsed from a caller's buffer) */
+    size_t map_size;
+    uint32_t alignment;
+    moe_gguf_kv *kv;     /* [n_kv], in file order */
+    uint64_t n_kv;
+} shard_state;
+
+struct moe_gguf {
+    uint32_t n_shards;
+    moe_gguf_shard *shards; /* [n_shards] public facts */
+    shard_state *state;     /* [n_shards] */
+    moe_tensor *tensors;    /* [n_tensors], shard 0 first, file order within a shard */
+    uint64_t n_tensors;
+    uint64_t *by_name;      /* [n_tensors] tensor indices sorted by name, for lookup */
+    arena arena;
+};
+
+/* ==== Error messages ==== */
+
+/* Copy s (len bytes) into out as printable ASCII: quotes, backslashes and control bytes become
+ * escapes, bytes >= 0x80 pass through (UTF-8 names stay readable); cut at ERR_NAME_MAX. */
+static const char *put_escaped(char *out, size_t cap, const char *s, uint64_t len) {
+    size_t o = 0;
+    for (uint64_t i = 0; i < len && o + 8 < cap; i++) {
+        if (i >= ERR_NAME_MAX) {
+            memcpy(out + o, "...", 3);
+            o += 3;
+            break;
+        }
+        unsigned char ch = (unsigned char)s[i];
+        if (ch == '\\' || ch == '\'') {
+            out[o++] = '\\';
+            out[o++] = (char)ch;
+        } else if (ch < 0x20 || ch == 0x7f) {
+            o += (size_t)snprintf(out + o, cap - o, "\\x%02x", ch);
+        } else {
+            out[o++] = (char)ch;
+        }
+    }
+    out[o] = '\0';
+    return out;
+}
+
+typedef struct esc_buf {
+    char s[ERR_NAME_MAX * 4 + 16];
+} esc_buf;
+#define ESC(str) put_escaped((esc_buf){{0}}.s, sizeof(esc_buf), (str).ptr, (str).len)
+
+/* ==== Cursor ==== */
+
+typedef struct cursor {
+    const uint8_t *buf;
+    uint64_t size, pos;
+    const char *label; /* file path (or "(buffer)") for messages */
+    moe_error *err;
+    bool failed;
+    arena *arena;
+} cursor;
+
+static void fail_at(cursor *c, uint64_t offset, moe_status code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void fail_at(cursor *c, uint64_t offset, moe_status code, const char *fmt, ...) {
+    if (c->failed) return;
+    c->failed = true;
+    char msg[MOE_ERROR_MSG_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    esc_buf lb;
+    put_escaped(lb.s, sizeof lb.s, c->label, strlen(c->label));
+    moe_error_set(c->err, code, "%s: byte %" PRIu64 ": %s", lb.s, offset, msg);
+}
+
+/* True when n more bytes are there; else fails naming what was being read. */
+static bool need(cursor *c, uint64_t n, const char *what) {
+    if (c->failed) return false;
+    if (n > c->size - c->pos) {
+        fail_at(c, c->pos, MOE_ERR_FORMAT,
+                "expected %s (%" PRIu64 " bytes), found %" PRIu64 " bytes before the end of %s",
+                what, n, c->size - c->pos, c->size == 0 ? "an empty file" : "the file");
+        return false;
+    }
+    return true;
+}
+
+static uint64_t read_le(cursor *c, unsigned n, const char *what) {
+    if (!need(c, n, what)) return 0;
+    uint64_t v = 0;
+    for (unsigned i = 0; i < n; i++) v |= (uint64_t)c->buf[c->pos + i] << (8 * i);
+    c->pos += n;
+    return v;
+}
+static uint32_t read_u32(cursor *c, const char *what) { return (uint32_t)read_le(c, 4, what); }
+static uint64_t read_u64(cursor *c, const char *what) { return read_le(c, 8, what); }
+
+/* A string: u64 length then bytes; stored NUL-terminated in the arena. */
+static moe_str read_str(cursor *c, const char *what) {
+    moe_str s = {"", 0};
+    uint64_t at = c->pos;
+    uint64_t len = read_u64(c, what);
+    if (c->failed) return s;
+    if (len > MOE_GGUF_MAX_STRING) {
+        fail_at(c, at, MOE_ERR_RANGE, "%s has length %" PRIu64 ", more than the limit %u", what,
+                len, MOE_GGUF_MAX_STRING);
+        return s;
+    }
+    if (!need(c, len, what)) return s;
+    char *p = arena_alloc(c->arena, (size_t)len + 1);
+    memcpy(p, c->buf + c->pos, (size_t)len);
+    p[len] = '\0';
+    c->pos += len;
+    s.ptr = p;
+    s.len = len;
+    return s;
+}
+
+/* ==== Metadata values ==== */
+
+static const char *const vtype_names[MOE_GGUF_VTYPE_COUNT] = {
+    [MOE_GGUF_U8] = "u8",     [MOE_GGUF_I8] = "i8",         [MOE_GGUF_U16] = "u16",
+    [MOE_GGUF_I16] = "i16",   [MOE_GGUF_U32] = "u32",       [MOE_GGUF_I32] = "i32",
+    [MOE_GGUF_F32] = "f32",   [MOE_GGUF_BOOL] = "bool",     [MOE_GGUF_STRING] = "string",
+    [MOE_GGUF_ARRAY] = "array", [MOE_GGUF_U64] = "u64",     [MOE_GGUF_I64] = "i64",
+    [MOE_GGUF_F64] = "f64",
+};
+
+const char *moe_gguf_vtype_name(moe_gguf_vtype t) {
+    return (unsigned)t < MOE_GGUF_VTYPE_COUNT ? vtype_names[t] : "unknown";
+}
+
+/* Bytes of one number/bool value; 0 for string, array and unknown types. */
+static unsigned scalar_bytes(uint32_t t) {
+    switch (t) {
+    case MOE_GGUF_U8: case MOE_GGUF_I8: case MOE_GGUF_BOOL: return 1;
+    case MOE_GGUF_U16: case MOE_GGUF_I16: return 2;
+    case MOE_GGUF_U32: case MOE_GGUF_I32: case MOE_GGUF_F32: return 4;
+    case MOE_GGUF_U64: case MOE_GGUF_I64: case MOE_GGUF_F64: return 8;
+    default: return 0;
+    }
+}
+
+static int64_t sign_extend(uint64_t v, unsigned bytes) {
+    if (bytes == 8) return (int64_t)v;
+    unsigned shift = 64 - 8 * bytes;
+    return (int64_t)(v << shift) >> shift;
+}
+
+static void read_value(cursor *c, uint32_t type, unsigned depth, moe_gguf_value *out,
+                       const char *key_esc);
+
+/* An array's body: element type, count, elements. `depth` counts array levels (top = 1). */
+static void read_array(cursor *c, unsigned depth, moe_gguf_value *out, const char *key_esc) {
+    uint64_t at = c->pos;
+    uint32_t elem = read_u32(c, "array element type");
+    uint64_t n_at = c->pos;
+    uint64_t n = read_u64(c, "array length");
+    if (c->failed) return;
+    if (elem >= MOE_GGUF_VTYPE_COUNT) {
+        fail_at(c, at, MOE_ERR_FORMAT,
+                "key '%s': array element type %u is not a GGUF value type (0..%d)", key_esc, elem,
+                MOE_GGUF_VTYPE_COUNT - 1);
+        return;
+    }
+    if (elem == MOE_GGUF_ARRAY && depth + 1 > MOE_GGUF_MAX_NEST) {
+        fail_at(c, at, MOE_ERR_RANGE, "key '%s': arrays nested deeper than the limit %d", key_esc,
+                MOE_GGUF_MAX_NEST);
+        return;
+    }
+    /* the least bytes one element can take: the count can never exceed what is left / that */
+    uint64_t min_elem = scalar_bytes(elem) ? scalar_bytes(elem)
+                        : elem == MOE_GGUF_STRING ? 8 : 4 + 8;
+    if (n > MOE_GGUF_MAX_ARRAY || n > (c->size - c->pos) / min_elem) {
+        fail_at(c, n_at, MOE_ERR_RANGE,
+                "key '%s': array of %" PRIu64 " %s elements, but %s", key_esc, n,
+                moe_gguf_vtype_name((moe_gguf_vtype)elem),
+                n > MOE_GGUF_MAX_ARRAY ? "the limit is 67108864 elements"
+                                       : "fewer bytes than that are left in the file");
+        return;
+    }
+    out->type = MOE_GGUF_ARRAY;
+    out->arr.elem_type = (moe_gguf_vtype)elem;
+    out->arr.n = n;
+    out->arr.data = NULL;
+    if (scalar_bytes(elem)) {
+        size_t bytes = (size_t)(n * scalar_bytes(elem));
+        if (!need(c, bytes, "array data")) return;
+        void *p = arena_alloc(c->arena, bytes);
+        memcpy(p, c->buf + c->pos, bytes);
+        c->pos += bytes;
+        out->arr.data = p;
+    } else if (elem == MOE_GGUF_STRING) {
+        moe_str *s = arena_alloc(c->arena, (size_t)n * sizeof *s);
+        for (uint64_t i = 0; i < n && !c->failed; i++) s[i] = read_str(c, "array string");
+        out->arr.data = s;
+    } else {
+        moe_gguf_value *v = arena_alloc(c->arena, (size_t)n * sizeof *v);
+        memset(v, 0, (size_t)n * sizeof *v);
+        for (uint64_t i = 0; i < n && !c->failed; i++)
+            read_value(c, MOE_GGUF_ARRAY, depth + 1, &v[i], key_esc);
+        out->arr.data = v;
+    }
+}
+
+static void read_value(cursor *c, uint32_t type, unsigned depth, moe_gguf_value *out,
+                       const char *key_esc) {
+    out->type = (moe_gguf_vtype)type;
+    unsigned nb = scalar_bytes(type);
+    if (nb) {
+        uint64_t raw = read_le(c, nb, "a metadata value");
+        switch (type) {
+        case MOE_GGUF_I8: case MOE_GGUF_I16: case MOE_GGUF_I32: case MOE_GGUF_I64:
+            out->i = sign_extend(raw, nb);
+            break;
+        case MOE_GGUF_F32: {
+            uint32_t u = (uint32_t)raw;
+            float f;
+            memcpy(&f, &u, 4);
+            out->f = f;
+            break;
+        }
+        case MOE_GGUF_F64: memcpy(&out->f, &raw, 8); break;
+        case MOE_GGUF_BOOL: out->u = raw != 0; break;
+        default: out->u = raw; break;
+        }
+    } else if (type == MOE_GGUF_STRING) {
+        out->s = read_str(c, "a string value");
+    } else {
+        read_array(c, depth, out, key_esc);
+    }
+}
+
+/* ==== One shard: header, metadata, tensor directory ==== */
+
+typedef struct shard_parse {
+    uint32_t version;
+    uint32_t alignment;
+    moe_gguf_kv *kv;
+    uint64_t n_kv;
+    moe_tensor *tensors; /* malloc'd [n_tensors] */
+    uint64_t *entry_at;  /* malloc'd [n_tensors]: file offset of each directory entry */
+    uint64_t n_tensors;
+    uint64_t header_bytes, data_offset, tensor_bytes;
+} shard_parse;
+
+static int cmp_tensor_offset(const void *a, const void *b, void *ctx) {
+    const moe_tensor *t = ctx;
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    if (t[x].offset != t[y].offset) return t[x].offset < t[y].offset ? -1 : 1;
+    return x < y ? -1 : x > y;
+}
+
+static int str_cmp(moe_str a, moe_str b) {
+    uint64_t n = a.len < b.len ? a.len : b.len;
+    int r = memcmp(a.ptr, b.ptr, (size_t)n);
+    if (r) return r;
+    return a.len < b.len ? -1 : a.len > b.len;
+}
+
+static int cmp_kv_key(const void *a, const void *b, void *ctx) {
+    const moe_gguf_kv *kv = ctx;
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    int r = str_cmp(kv[x].key, kv[y].key);
+    return r ? r : (x < y ? -1 : x > y);
+}
+
+static int cmp_tensor_name(const void *a, const void *b, void *ctx) {
+    const moe_tensor *t = ctx;
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    int r = str_cmp(t[x].name, t[y].name);
+    return r ? r : (x < y ? -1 : x > y);
+}
+
+static const moe_gguf_value *kv_find(const moe_gguf_kv *kv, uint64_t n, const char *key) {
+    size_t klen = strlen(key);
+    for (uint64_t i = 0; i < n; i++)
+        if (kv[i].key.len == klen && memcmp(kv[i].key.ptr, key, klen) == 0) return &kv[i].value;
+    return NULL;
+}
+
+static void parse_kvs(cursor *c, shard_parse *sp) {
+    uint64_t at = c->pos;
+    uint64_t n = sp->n_kv;
+    if (n > MOE_GGUF_MAX_KV || n > (c->size - c->pos) / KV_MIN_BYTES) {
+        fail_at(c, at - 8, MOE_ERR_RANGE,
+                "metadata count %" PRIu64 " is more than %s", n,
+                n > MOE_GGUF_MAX_KV ? "the limit 1048576" : "the bytes left in the file can hold");
+        sp->n_kv = 0;
+        return;
+    }
+    sp->kv = arena_alloc(c->arena, (size_t)(n ? n : 1) * sizeof *sp->kv);
+    memset(sp->kv, 0, (size_t)(n ? n : 1) * sizeof *sp->kv);
+    for (uint64_t i = 0; i < n && !c->failed; i++) {
+        moe_gguf_kv *kv = &sp->kv[i];
+        kv->file_offset = c->pos;
+        kv->key = read_str(c, "a metadata key");
+        esc_buf kb;
+        put_escaped(kb.s, sizeof kb.s, kv->key.ptr, kv->key.len);
+        uint64_t type_at = c->pos;
+        uint32_t type = read_u32(c, "a metadata value type");
+        if (c->failed) break;
+        if (type >= MOE_GGUF_VTYPE_COUNT) {
+            fail_at(c, type_at, MOE_ERR_FORMAT,
+                    "key '%s': value type %u is not a GGUF value type (0..%d)", kb.s, type,
+                    MOE_GGUF_VTYPE_COUNT - 1);
+            break;
+        }
+        read_value(c, type, 1, &kv->value, kb.s);
+    }
+    if (c->failed || n < 2) return;
+    /* duplicate keys: sort indices by key, compare neighbours; report the later pair */
+    uint64_t *idx = moe_xmalloc((size_t)n * sizeof *idx);
+    for (uint64_t i = 0; i < n; i++) idx[i] = i;
+    qsort_r(idx, (size_t)n, sizeof *idx, cmp_kv_key, sp->kv);
+    for (uint64_t i = 1; i < n; i++) {
+        const moe_gguf_kv *a = &sp->kv[idx[i - 1]], *b = &sp->kv[idx[i]];
+        if (str_cmp(a->key, b->key) == 0) {
+            fail_at(c, b->file_offset, MOE_ERR_FORMAT,
+                    "duplicate metadata key '%s' (first at byte %" PRIu64 ")", ESC(b->key),
+                    a->file_offset);
+            break;
+        }
+    }
+    free(idx);
+}
+
+static void parse_tensor_info(cursor *c, moe_tensor *t, uint64_t *entry_at) {
+    *entry_at = c->pos;
+    t->name = read_str(c, "a tensor name");
+    uint64_t dims_at = c->pos;
+    uint32_t n_dims = read_u32(c, "tensor n_dims");
+    if (c->failed) return;
+    esc_buf nb;
+    put_escaped(nb.s, sizeof nb.s, t->name.ptr, t->name.len);
+    if (n_dims > MOE_GGUF_MAX_DIMS) {
+        fail_at(c, dims_at, MOE_ERR_FORMAT, "tensor '%s': n_dims is %u, expected at most %d", nb.s,
+                n_dims, MOE_GGUF_MAX_DIMS);
+        return;
+    }
+    t->n_dims = n_dims;
+    uint64_t n_values = 1;
+    for (uint32_t d = 0; d < MOE_GGUF_MAX_DIMS; d++) {
+        t->ne[d] = 1;
+        if (d >= n_dims) continue;
+        uint64_t ne_at = c->pos;
+        int64_t ne = (int64_t)read_u64(c, "a tensor dimension");
+        if (c->failed) return;
+        if (ne <= 0) {
+            fail_at(c, ne_at, MOE_ERR_RANGE, "tensor '%s': dimension %u is %" PRId64
+                    ", expected > 0", nb.s, d, ne);
+            return;
+        }
+        if (moe_mul_overflow(n_values, (uint64_t)ne, &n_values) || n_values > INT64_MAX) {
+            fail_at(c, ne_at, MOE_ERR_RANGE,
+                    "tensor '%s': dimensions multiply past the int64 range at dimension %u", nb.s,
+                    d);
+            return;
+        }
+        t->ne[d] = ne;
+    }
+    t->n_values = n_values;
+    uint64_t type_at = c->pos;
+    uint32_t type = read_u32(c, "a tensor type");
+    t->offset = read_u64(c, "a tensor data offset");
+    if (c->failed) return;
+    const moe_type_traits *tr = moe_type_traits_get(type);
+    if (!tr) {
+        fail_at(c, type_at, MOE_ERR_FORMAT, "tensor '%s': type id %u is not a known ggml type",
+                nb.s, type);
+        return;
+    }
+    t->type = (moe_type)type;
+    if (t->ne[0] % tr->block_values) {
+        fail_at(c, dims_at, MOE_ERR_FORMAT,
+                "tensor '%s': row length %" PRId64 " is not a multiple of the %s block size %" PRId64,
+                nb.s, t->ne[0], tr->name, tr->block_values);
+        return;
+    }
+    uint64_t row = moe_type_row_bytes(type, t->ne[0]);
+    if (row == 0 || moe_mul_overflow(row, n_values / (uint64_t)t->ne[0], &t->n_bytes) ||
+        t->n_bytes > INT64_MAX) {
+        fail_at(c, dims_at, MOE_ERR_RANGE, "tensor '%s': its byte size overflows 64 bits", nb.s);
+        return;
+    }
+}
+
+/* Checks that need the whole directory: alignment, bounds, overlaps, duplicate names. */
+static void check_tensors(cursor *c, shard_parse *sp, bool whole) {
+    uint64_t n = sp->n_tensors;
+    moe_tensor *t = sp->tensors;
+    for (uint64_t i = 0; i < n && !c->failed; i++) {
+        uint64_t at = sp->entry_at[i];
+        if (t[i].offset % sp->alignment) {
+            fail_at(c, at, MOE_ERR_FORMAT,
+                    "tensor '%s': data offset %" PRIu64 " is not a multiple of the alignment %u",
+                    ESC(t[i].name), t[i].offset, sp->alignment);
+            break;
+        }
+        uint64_t start, end;
+        if (moe_add_overflow(sp->data_offset, t[i].offset, &start) ||
+            moe_add_overflow(start, t[i].n_bytes, &end)) {
+            fail_at(c, at, MOE_ERR_RANGE, "tensor '%s': data offset %" PRIu64
+                    " + %" PRIu64 " bytes overflows 64 bits", ESC(t[i].name), t[i].offset,
+                    t[i].n_bytes);
+            break;
+        }
+        t[i].file_offset = start;
+        if (whole && end > c->size) {
+            fail_at(c, at, MOE_ERR_RANGE,
+                    "tensor '%s': data (bytes %" PRIu64 "..%" PRIu64 ") runs past the end of the "
+                    "file (%" PRIu64 " bytes)",
+                    ESC(t[i].name), start, end, c->size);
+            break;
+        }
+        t[i].data = whole ? c->buf + start : NULL;
+        sp->tensor_bytes += t[i].n_bytes; /* cannot overflow: disjoint ranges in < 2^64 */
+    }
+    if (c->failed || n < 2) return;
+    uint64_t *idx = moe_xmalloc((size_t)n * sizeof *idx);
+    for (uint64_t i = 0; i < n; i++) idx[i] = i;
+    qsort_r(idx, (size_t)n, sizeof *idx, cmp_tensor_offset, t);
+    for (uint64_t i = 1; i < n; i++) {
+        const moe_tensor *a = &t[idx[i - 1]], *b = &t[idx[i]];
+        if (b->offset < a->offset + a->n_bytes) {
+            esc_buf an;
+            put_escaped(an.s, sizeof an.s, a->name.ptr, a->name.len);
+            fail_at(c, sp->entry_at[idx[i]], MOE_ERR_FORMAT,
+                    "tensor '%s': data at offset %" PRIu64 " overlaps tensor '%s' (offset %" PRIu64
+                    ", %" PRIu64 " bytes)",
+                    ESC(b->name), b->offset, an.s, a->offset, a->n_bytes);
+            break;
+        }
+    }
+    if (!c->failed) {
+        qsort_r(idx, (size_t)n, sizeof *idx, cmp_tensor_name, t);
+        for (uint64_t i = 1; i < n; i++) {
+            if (str_cmp(t[idx[i - 1]].name, t[idx[i]].name) == 0) {
+                uint64_t first = idx[i - 1] < idx[i] ? idx[i - 1] : idx[i];
+                uint64_t second = idx[i - 1] < idx[i] ? idx[i] : idx[i - 1];
+                fail_at(c, sp->entry_at[second], MOE_ERR_FORMAT,
+                        "duplicate tensor name '%s' (first at byte %" PRIu64 ")",
+                        ESC(t[second].name), sp->entry_at[first]);
+                break;
+            }
+        }
+    }
+    free(idx);
+}
+
+static void shard_parse_free(shard_parse *sp) {
+    free(sp->tensors);
+    free(sp->entry_at);
+    sp->tensors = NULL;
+    sp->entry_at = NULL;
+}
+
+/* Parse buf[0..size) as one GGUF shard; strings and values go into `a`. */
+static moe_status parse_shard(const uint8_t *buf, uint64_t size, bool whole, const char *label,
+                              arena *a, shard_parse *sp, moe_error *err) {
+    memset(sp, 0, sizeof *sp);
+    cursor c = {.buf = buf, .size = size, .label = label, .err = err, .arena = a};
+    if (!need(&c, 4, "the GGUF magic")) return MOE_ERR_FORMAT;
+    if (memcmp(buf, GGUF_MAGIC, 4) != 0) {
+        char got[24];
+        put_escaped(got, sizeof got, (const char *)buf, 4);
+        fail_at(&c, 0, MOE_ERR_FORMAT, "expected the GGUF magic \"GGUF\", found \"%s\": not a "
+                "GGUF file", got);
+        return MOE_ERR_FORMAT;
+    }
+    c.pos = 4;
+    sp->version = read_u32(&c, "the GGUF version");
+    if (c.failed) return MOE_ERR_FORMAT;
+    if (sp->version != 2 && sp->version != 3) {
+        uint32_t v = sp->version;
+        uint32_t swapped = __builtin_bswap32(v);
+        fail_at(&c, 4, MOE_ERR_UNSUPPORTED, "GGUF version %u is not supported (expected 2 or 3)%s",
+                v, (swapped == 2 || swapped == 3) ? "; this looks like a big-endian file" : "");
+        return MOE_ERR_UNSUPPORTED;
+    }
+    uint64_t nt_at = c.pos;
+    sp->n_tensors = read_u64(&c, "the tensor count");
+    sp->n_kv = read_u64(&c, "the metadata count");
+    if (c.failed) return MOE_ERR_FORMAT;
+    if (sp->n_tensors > MOE_GGUF_MAX_TENSORS ||
+        sp->n_tensors > (c.size - c.pos) / TENSOR_INFO_MIN_BYTES) {
+        fail_at(&c, nt_at, MOE_ERR_RANGE, "tensor count %" PRIu64 " is more than %s",
+                sp->n_tensors,
+                sp->n_tensors > MOE_GGUF_MAX_TENSORS ? "the limit 1048576"
+                                                     : "the bytes left in the file can hold");
+        sp->n_tensors = 0;
+        return MOE_ERR_RANGE;
+    }
+    parse_kvs(&c, sp);
+    if (c.failed) return err ? err->code : MOE_ERR_FORMAT;
+
+    sp->alignment = MOE_GGUF_DEFAULT_ALIGNMENT;
+    for (uint64_t i = 0; i < sp->n_kv; i++) {
+        const moe_gguf_kv *kv = &sp->kv[i];
+        if (kv->key.len != 17 || memcmp(kv->key.ptr, "general.alignment", 17) != 0) continue;
+        if (kv->value.type != MOE_GGUF_U32) {
+            fail_at(&c, kv->file_offset, MOE_ERR_FORMAT,
+                    "general.alignment has type %s, expected u32",
+                    moe_gguf_vtype_name(kv->value.type));
+        } else if (kv->value.u == 0 || (kv->value.u & (kv->value.u - 1))) {
+            fail_at(&c, kv->file_offset, MOE_ERR_FORMAT,
+                    "general.alignment is %" PRIu64 ", expected a power of two", kv->value.u);
+        } else {
+            sp->alignment = (uint32_t)kv->value.u;
+        }
+    }
+    if (c.failed) return err ? err->code : MOE_ERR_FORMAT;
+
+    uint64_t n = sp->n_tensors;
+    sp->tensors = moe_xcalloc((size_t)(n ? n : 1), sizeof *sp->tensors);
+    sp->entry_at = moe_xcalloc((size_t)(n ? n : 1), sizeof *sp->entry_at);
+    for (uint64_t i = 0; i < n && !c.failed; i++)
+        parse_tensor_info(&c, &sp->tensors[i], &sp->entry_at[i]);
+    if (c.failed) return err ? err->code : MOE_ERR_FORMAT;
+    sp->header_bytes = c.pos;
+    uint64_t pad = (sp->alignment - sp->header_bytes % sp->alignment) % sp->alignment;
+    if (moe_add_overflow(sp->header_bytes, pad, &sp->data_offset)) {
+        fail_at(&c, c.pos, MOE_ERR_RANGE, "data section offset overflows");
+        return MOE_ERR_RANGE;
+    }
+    check_tensors(&c, sp, whole);
+    if (c.failed) return err ? err->code : MOE_ERR_FORMAT;
+    return MOE_OK;
+}
+
+/* ==== Assembling a model from shards ==== */
+
+static moe_gguf *gguf_new(uint32_t n_shards) {
+    moe_gguf *g = moe_xcalloc(1, sizeof *g);
+    g->n_shards = n_shards;
+    g->shards = moe_xcalloc(n_shards, sizeof *g->shards);
+    g->state = moe_xcalloc(n_shards, sizeof *g->state);
+    return g;
+}
+
+void moe_gguf_close(moe_gguf *g) {
+    if (!g) return;
+    for (uint32_t i = 0; i < g->n_shards; i++) {
+        if (g->state[i].map) munmap(g->state[i].map, g->state[i].map_size);
+        free(g->shards[i].path);
+    }
+    free(g->shards);
+    free(g->state);
+    free(g->tensors);
+    free(g->by_name);
+    arena_free(&g->arena);
+    free(g);
+}
+
+/* Move a parsed shard into slot i of g. */
+static void adopt_shard(moe_gguf *g, uint32_t i, shard_parse *sp, const char *path,
+                        uint64_t file_size) {
+    moe_gguf_shard *s = &g->shards[i];
+    s->path = moe_xstrdup(path);
+    s->version = sp->version;
+    s->file_size = file_size;
+    s->header_bytes = sp->header_bytes;
+    s->data_offset = sp->data_offset;
+    s->tensor_bytes = sp->tensor_bytes;
+    s->padding_bytes = file_size >= sp->header_bytes + sp->tensor_bytes
+                           ? file_size - sp->header_bytes - sp->tensor_bytes
+                           : 0;
+    s->n_tensors = (uint32_t)sp->n_tensors;
+    s->n_kv = (uint32_t)sp->n_kv;
+    g->state[i].alignment = sp->alignment;
+    g->state[i].kv = sp->kv;
+    g->state[i].n_kv = sp->n_kv;
+    g->tensors = moe_xrealloc(g->tensors, (size_t)(g->n_tensors + sp->n_tensors + 1) *
+                                              sizeof *g->tensors);
+    for (uint64_t t = 0; t < sp->n_tensors; t++) {
+        sp->tensors[t].shard = i;
+        g->tensors[g->n_tensors++] = sp->tensors[t];
+    }
+    shard_parse_free(sp);
+}
+
+/* Sort the name index; across shards a repeated name is an error. */
+static moe_status index_names(moe_gguf *g, moe_error *err) {
+    uint64_t n = g->n_tensors;
+    g->by_name = moe_xmalloc((size_t)(n ? n : 1) * sizeof *g->by_name);
+    for (uint64_t i = 0; i < n; i++) g->by_name[i] = i;
+    qsort_r(g->by_name, (size_t)n, sizeof *g->by_name, cmp_tensor_name, g->tensors);
+    for (uint64_t i = 1; i < n; i++) {
+        const moe_tensor *a = &g->tensors[g->by_name[i - 1]], *b = &g->tensors[g->by_name[i]];
+        if (str_cmp(a->name, b->name) == 0) {
+            esc_buf pa;
+            put_escaped(pa.s, sizeof pa.s, g->shards[b->shard].path, strlen(g->shards[b->shard].path));
+            return moe_error_set(err, MOE_ERR_FORMAT,
+                                 "%s: byte %" PRIu64 ": duplicate tensor name '%s' (also in shard "
+                                 "%s)",
+                                 pa.s, b->file_offset, ESC(b->name), g->shards[a->shard].path);
+        }
+    }
+    return MOE_OK;
+}
+
+moe_gguf *moe_gguf_parse_named(const void *buf, size_t size, bool buf_is_whole_file,
+                               const char *name, moe_error *err) {
+    moe_gguf *g = gguf_new(1);
+    shard_parse sp;
+    if (parse_shard(buf, size, buf_is_whole_file, name, &g->arena, &sp, err) != MOE_OK) {
+        shard_parse_free(&sp);
+        moe_gguf_close(g);
+        return NULL;
+    }
+    adopt_shard(g, 0, &sp, name, buf_is_whole_file ? size : 0);
+    if (index_names(g, err) != MOE_OK) {
+        moe_gguf_close(g);
+        return NULL;
+    }
+    return g;
+}
+
+moe_gguf *moe_gguf_parse(const void *buf, size_t size, bool buf_is_whole_file, moe_error *err) {
+    return moe_gguf_parse_named(buf, size, buf_is_whole_file, "(buffer)", err);
+}
+
+/* Map and parse one file into slot i of g. */
+static moe_status open_shard(moe_gguf *g, uint32_t i, const char *path, shard_parse *sp,
+                             moe_error *err) {
+    memset(sp, 0, sizeof *sp);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return moe_error_set(err, MOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(e));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return moe_error_set(err, MOE_ERR_IO, "%s: not a regular file", path);
+    }
+    size_t size = (size_t)st.st_size;
+    void *map = NULL;
+    if (size > 0) {
+        map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (map == MAP_FAILED) {
+            int e = errno;
+            close(fd);
+            return moe_error_set(err, MOE_ERR_IO, "%s: mmap of %zu bytes failed: %s", path, size,
+                                 strerror(e));
+        }
+    }
+    close(fd);
+    g->state[i].map = map;
+    g->state[i].map_size = size;
+    static const uint8_t empty[1];
+    moe_status s = parse_shard(map ? map : empty, size, true, path, &g->arena, sp, err);
+    if (s != MOE_OK) shard_parse_free(sp);
+    return s;
+}
+
+/* "<prefix>-NNNNN-of-MMMMM.gguf": fills prefix length, shard number (1-based) and count. */
+static bool split_name(const char *path, size_t *prefix_len, unsigned *no, unsigned *count) {
+    size_t len = strlen(path);
+    const size_t tail = strlen("-00001-of-00001.gguf");
+    if (len < tail) return false;
+    const char *s = path + len - tail;
+    unsigned a, b;
+    char rest[8];
+    if (s[0] != '-' || sscanf(s, "-%5u-of-%5u%7s", &a, &b, rest) != 3 || strcmp(rest, ".gguf"))
+        return false;
+    for (int k = 1; k <= 5; k++)
+        if (s[k] < '0' || s[k] > '9' || s[k + 9] < '0' || s[k + 9] > '9') return false;
+    *prefix_len = len - tail;
+    *no = a;
+    *count = b;
+    return true;
+}
+
+/* Where key's pair starts in the shard (0 when absent), for error messages. */
+static uint64_t key_at(const shard_parse *sp, const char *key) {
+    size_t klen = strlen(key);
+    for (uint64_t i = 0; i < sp->n_kv; i++)
+        if (sp->kv[i].key.len == klen && memcmp(sp->kv[i].key.ptr, key, klen) == 0)
+            return sp->kv[i].file_offset;
+    return 0;
+}
+
+static bool split_keys(const shard_parse *sp, uint64_t *no, uint64_t *count, uint64_t *total) {
+    moe_gguf tmp = {0};
+    shard_state st = {.kv = sp->kv, .n_kv = sp->n_kv};
+    tmp.n_shards = 1;
+    tmp.state = &st;
+    bool has_count = moe_gguf_get_u64(&tmp, "split.count", count);
+    if (!has_count) return false;
+    if (!moe_gguf_get_u64(&tmp, "split.no", no)) *no = UINT64_MAX;
+    if (!moe_gguf_get_u64(&tmp, "split.tensors.count", total)) *total = UINT64_MAX;
+    return true;
+}
+
+moe_gguf *moe_gguf_open(const char *path, moe_error *err) {
+    moe_gguf *g = gguf_new(1);
+    shard_parse sp;
+    if (open_shard(g, 0, path, &sp, err) != MOE_OK) {
+        moe_gguf_close(g);
+        return NULL;
+    }
+    uint64_t no, count, total;
+    if (!split_keys(&sp, &no, &count, &total) || count <= 1) {
+        adopt_shard(g, 0, &sp, path, g->state[0].map_size);
+        if (index_names(g, err) != MOE_OK) {
+            moe_gguf_close(g);
+            return NULL;
+        }
+        return g;
+    }
+    /* a split: find the siblings by name, parse each, check they agree */
+    size_t prefix_len = 0;
+    unsigned name_no = 0, name_count = 0;
+    moe_status bad = MOE_OK;
+    uint64_t count_at = key_at(&sp, "split.count");
+    if (count > MOE_GGUF_MAX_SHARDS) {
+        bad = moe_error_set(err, MOE_ERR_RANGE, "%s: byte %" PRIu64 ": split.count is %" PRIu64
+                            ", more than the limit %d", path, count_at, count, MOE_GGUF_MAX_SHARDS);
+    } else if (!split_name(path, &prefix_len, &name_no, &name_count)) {
+        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": split.count is %" PRIu64
+                            " but the file name does not end in -NNNNN-of-MMMMM.gguf, so the "
+                            "other shards cannot be found", path, count_at, count);
+    } else if (name_count != count || no != name_no - 1u) {
+        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": the name says shard %u "
+                            "of %u but the metadata says split.no %" PRIu64 " (0-based) of "
+                            "split.count %" PRIu64, path, key_at(&sp, "split.no"), name_no,
+                            name_count, no, count);
+    } else if (total == UINT64_MAX) {
+        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": split.tensors.count is "
+                            "missing or negative (split.count is %" PRIu64 ")", path, count_at,
+                            count);
+    }
+    if (bad != MOE_OK) {
+        shard_parse_free(&sp);
+        moe_gguf_close(g);
+        return NULL;
+    }
+    /* reopen as an n-shard model; the shard we parsed first is kept in memory */
+    moe_gguf *m = gguf_new((uint32_t)count);
+    m->arena = g->arena;
+    g->arena.head = NULL;
+    uint32_t first = (uint32_t)no;
+    m->state[first] = g->state[0];
+    g->state[0].map = NULL;
+    moe_gguf_close(g);
+    shard_parse parsed_first = sp;
+    char *sib = moe_xmalloc(prefix_len + 32);
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < count && bad == MOE_OK; i++) {
+        snprintf(sib, prefix_len + 32, "%.*s-%05u-of-%05u.gguf", (int)prefix_len, path, i + 1,
+                 (unsigned)count);
+        shard_parse cur;
+        if (i == first) {
+            cur = parsed_first;
+        } else {
+            bad = open_shard(m, i, sib, &cur, err);
+            if (bad != MOE_OK) {
+                moe_error_prefix(err, "shard %u of %" PRIu64 " of %s", i + 1, count, path);
+                break;
+            }
+            uint64_t sno, scount, stotal;
+            bool has = split_keys(&cur, &sno, &scount, &stotal);
+            if (!has || sno != i || scount != count || stotal != total) {
+                bad = moe_error_set(err, MOE_ERR_FORMAT,
+                                    "%s: byte %" PRIu64 ": expected split.no %u, split.count %"
+                                    PRIu64 ", split.tensors.count %" PRIu64 " (as in %s), found "
+                                    "%s",
+                                    sib, has ? key_at(&cur, "split.no") : 0, i, count, total,
+                                    path, has ? "" : "no split keys");
+                if (has && err && err->code == MOE_ERR_FORMAT) {
+                    size_t used = strlen(err->msg);
+                    snprintf(err->msg + used, sizeof err->msg - used,
+                             "split.no %" PRId64 ", split.count %" PRIu64
+                             ", split.tensors.count %" PRId64,
+                             sno == UINT64_MAX ? (int64_t)-1 : (int64_t)sno, scount,
+                             stotal == UINT64_MAX ? (int64_t)-1 : (int64_t)stotal);
+                }
+                shard_parse_free(&cur);
+                break;
+            }
+        }
+        sum += cur.n_tensors;
+        adopt_shard(m, i, &cur, sib, m->state[i].map_size);
+    }
+    free(sib);
+    if (bad != MOE_OK) {
+        /* the first-parsed shard may not have been adopted yet */
+        if (m->shards[first].path == NULL) shard_parse_free(&parsed_first);
+        moe_gguf_close(m);
+        return NULL;
+    }
+    if (sum != total) {
+        moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": split.tensors.count is %"
+                      PRIu64 " but the %" PRIu64 " shards hold %" PRIu64 " tensors", path,
+                      key_at(&parsed_first, "split.tensors.count"), total, count, sum);
+        moe_gguf_close(m);
+        return NULL;
+    }
+    if (index_names(m, err) != MOE_OK) {
+        moe_gguf_close(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* ==== Accessors ==== */
+
+uint32_t moe_gguf_alignment(const moe_gguf *g) { return g->state[0].alignment; }
+uint32_t moe_gguf_n_shards(const moe_gguf *g) { return g->n_shards; }
+const moe_gguf_shard *moe_gguf_shard_get(const moe_gguf *g, uint32_t i) {
+    return i < g->n_shards ? &g->shards[i] : NULL;
+}
+uint32_t moe_gguf_shard_alignment(const moe_gguf *g, uint32_t i) {
+    return i < g->n_shards ? g->state[i].alignment : 0;
+}
+
+uint64_t moe_gguf_n_kv(const moe_gguf *g) { return g->state[0].n_kv; }
+const moe_gguf_kv *moe_gguf_kv_get(const moe_gguf *g, uint64_t i) {
+    return i < g->state[0].n_kv ? &g->state[0].kv[i] : NULL;
+}
+const moe_gguf_value *moe_gguf_find(const moe_gguf *g, const char *key) {
+    return kv_find(g->state[0].kv, g->state[0].n_kv, key);
+}
+
+static bool value_as_i128(const moe_gguf_value *v, bool *neg, uint64_t *mag) {
+    switch (v->type) {
+    case MOE_GGUF_U8: case MOE_GGUF_U16: case MOE_GGUF_U32: case MOE_GGUF_U64:
+        *neg = false;
+        *mag = v->u;
+        return true;
+    case MOE_GGUF_I8: case MOE_GGUF_I16: case MOE_GGUF_I32: case MOE_GGUF_I64:
+        *neg = v->i < 0;
+        *mag = v->i < 0 ? (uint64_t)0 - (uint64_t)v->i : (uint64_t)v->i;
+        return true;
+    default: return false;
+    }
+}
+
+bool moe_gguf_get_u64(const moe_gguf *g, const char *key, uint64_t *out) {
+    const moe_gguf_value *v = moe_gguf_find(g, key);
+    bool neg;
+    uint64_t mag;
+    if (!v || !value_as_i128(v, &neg, &mag) || neg) return false;
+    *out = mag;
+    return true;
+}
+
+bool moe_gguf_get_i64(const moe_gguf *g, const char *key, int64_t *out) {
+    const moe_gguf_value *v = moe_gguf_find(g, key);
+    bool neg;
+    uint64_t mag;
+    if (!v || !value_as_i128(v, &neg, &mag)) return false;
+    if (!neg && mag > INT64_MAX) return false;
+    *out = neg ? v->i : (int64_t)mag;
+    return true;
+}
+
+bool moe_gguf_get_f64(const moe_gguf *g, const char *key, double *out) {
+    const moe_gguf_value *v = moe_gguf_find(g, key);
+    if (!v) return false;
+    bool neg;
+    uint64_t mag;
+    if (v->type == MOE_GGUF_F32 || v->type == MOE_GGUF_F64) {
+        *out = v->f;
+    } else if (value_as_i128(v, &neg, &mag)) {
+        *out = neg ? (double)v->i : (double)mag;
+    } else {
+        return false;
+    }
+    return true;
+}
+
+bool moe_gguf_get_bool(const moe_gguf *g, const char *key, bool *out) {
+    const moe_gguf_value *v = moe_gguf_find(g, key);
+    if (!v || v->type != MOE_GGUF_BOOL) return false;
+    *out = v->u != 0;
+    return true;
+}
+
+const char *moe_gguf_get_str(const moe_gguf *g, const char *key) {
+    const moe_gguf_value *v = moe_gguf_find(g, key);
+    return v && v->type == MOE_GGUF_STRING ? v->s.ptr : NULL;
+}
+
+uint64_t moe_gguf_n_tensors(const moe_gguf *g) { return g->n_tensors; }
+const moe_tensor *moe_gguf_tensor_get(const moe_gguf *g, uint64_t i) {
+    return i < g->n_tensors ? &g->tensors[i] : NULL;
+}
+
+const moe_tensor *moe_gguf_tensor_find(const moe_gguf *g, const char *name) {
+    moe_str key = {name, strlen(name)};
+    uint64_t lo = 0, hi = g->n_tensors;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        int r = str_cmp(g->tensors[g->by_name[mid]].name, key);
+        if (r == 0) return &g->tensors[g->by_name[mid]];
+        if (r < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return NULL;
+}

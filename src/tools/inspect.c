@@ -1,0 +1,273 @@
+/* inspect.c: the facts behind `moe inspect` -- types histogram, bytes by role and by layer,
+ * the formats each role uses per layer, and the byte reconciliation with the file size.
+ *
+ * Owns analysis only; cli/inspect.c prints. Everything is computed from the reader's tensor
+ * directory (no tensor data is touched), so inspecting a 400 GB model costs its header. The
+ * trap: the reconciliation re-adds the reader's per-shard numbers and compares with the file
+ * size; it is a check of the reader, so do not "fix" a mismatch here. */
+#include "tools.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ==== Roles ==== */
+
+static const char *const role_names[MOE_ROLE_COUNT] = {
+    [MOE_ROLE_ROUTED_EXPERTS] = "routed experts", [MOE_ROLE_SHARED_EXPERTS] = "shared experts",
+    [MOE_ROLE_ATTENTION] = "attention",           [MOE_ROLE_DENSE_FFN] = "dense FFN",
+    [MOE_ROLE_EMBEDDINGS] = "embeddings/output",  [MOE_ROLE_OTHER] = "norms/other",
+};
+static const char *const role_ids[MOE_ROLE_COUNT] = {
+    [MOE_ROLE_ROUTED_EXPERTS] = "routed_experts", [MOE_ROLE_SHARED_EXPERTS] = "shared_experts",
+    [MOE_ROLE_ATTENTION] = "attention",           [MOE_ROLE_DENSE_FFN] = "dense_ffn",
+    [MOE_ROLE_EMBEDDINGS] = "embeddings_output",  [MOE_ROLE_OTHER] = "norms_other",
+};
+
+const char *moe_role_name(moe_role role) {
+    return (unsigned)role < MOE_ROLE_COUNT ? role_names[role] : "unknown";
+}
+const char *moe_role_id(moe_role role) {
+    return (unsigned)role < MOE_ROLE_COUNT ? role_ids[role] : "unknown";
+}
+
+/* The name after "blk.N.", with N in *layer (-1 when there is no such prefix). */
+static const char *after_layer(const char *name, int64_t *layer) {
+    *layer = -1;
+    if (strncmp(name, "blk.", 4) != 0) return name;
+    const char *p = name + 4;
+    int64_t n = 0;
+    int digits = 0;
+    while (*p >= '0' && *p <= '9' && digits < 18) n = n * 10 + (*p++ - '0'), digits++;
+    if (digits == 0 || *p != '.') return name;
+    *layer = n;
+    return p + 1;
+}
+
+int64_t moe_tensor_layer(const char *name) {
+    int64_t layer;
+    after_layer(name, &layer);
+    return layer;
+}
+
+static bool starts(const char *s, const char *prefix) {
+    return strncmp(s, prefix, strlen(prefix)) == 0;
+}
+
+moe_role moe_tensor_role(const char *name) {
+    int64_t layer;
+    const char *b = after_layer(name, &layer);
+    if (strstr(b, "_exps")) return MOE_ROLE_ROUTED_EXPERTS;
+    if (strstr(b, "_shexp")) return MOE_ROLE_SHARED_EXPERTS;
+    if (strstr(b, "norm")) return MOE_ROLE_OTHER;
+    if (starts(b, "attn_") || starts(b, "ssm_")) return MOE_ROLE_ATTENTION;
+    if (starts(b, "ffn_gate.") || starts(b, "ffn_up.") || starts(b, "ffn_down.") ||
+        starts(b, "ffn_gate_up."))
+        return MOE_ROLE_DENSE_FFN;
+    if (layer < 0 && (starts(b, "token_embd.") || starts(b, "output.") || !strcmp(b, "output")))
+        return MOE_ROLE_EMBEDDINGS;
+    return MOE_ROLE_OTHER;
+}
+
+/* The short name a format line uses: "gate" for blk.3.ffn_gate_exps.weight, "kv_a_mqa" for
+ * blk.0.attn_kv_a_mqa.weight, "gate.bias" for a bias. */
+static void part_name(const char *name, moe_role role, char *out, size_t cap) {
+    int64_t layer;
+    const char *b = after_layer(name, &layer);
+    if ((role == MOE_ROLE_ATTENTION && starts(b, "attn_")) ||
+        (role != MOE_ROLE_ATTENTION && role != MOE_ROLE_OTHER && starts(b, "ffn_")))
+        b += role == MOE_ROLE_ATTENTION ? 5 : 4;
+    snprintf(out, cap, "%s", b);
+    size_t n = strlen(out);
+    if (n > 7 && strcmp(out + n - 7, ".weight") == 0) out[n - 7] = '\0';
+    static const char *const cut[] = {"_exps", "_shexp"};
+    for (size_t c = 0; c < 2; c++) {
+        char *p = strstr(out, cut[c]);
+        if (p) memmove(p, p + strlen(cut[c]), strlen(p + strlen(cut[c])) + 1);
+    }
+}
+
+/* ==== A growable string ==== */
+
+typedef struct sbuf {
+    char *s;
+    size_t len, cap;
+} sbuf;
+
+static void sb_add(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_add(sbuf *b, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) moe_die("vsnprintf failed");
+        if (b->s && (size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        b->cap = (b->cap + (size_t)n + 1) * 2;
+        b->s = moe_xrealloc(b->s, b->cap);
+        if (b->len == 0) b->s[0] = '\0';
+    }
+}
+
+static char *sb_take(sbuf *b) {
+    if (!b->s) return moe_xstrdup("");
+    return b->s;
+}
+
+/* ==== Analysis ==== */
+
+typedef struct entry {
+    moe_role role;
+    int64_t layer;
+    uint64_t index;
+} entry;
+
+static int cmp_entry(const void *a, const void *b) {
+    const entry *x = a, *y = b;
+    if (x->role != y->role) return x->role < y->role ? -1 : 1;
+    if (x->layer != y->layer) return x->layer < y->layer ? -1 : 1;
+    return x->index < y->index ? -1 : x->index > y->index;
+}
+
+static int cmp_type_bytes(const void *a, const void *b) {
+    const moe_inspect_type *x = a, *y = b;
+    if (x->bytes != y->bytes) return x->bytes > y->bytes ? -1 : 1;
+    return x->type < y->type ? -1 : x->type > y->type;
+}
+
+/* "gate/up IQ2_S, down IQ3_S" for the tensors e[0..n) (one role, one layer, file order). */
+static char *signature(const moe_gguf *g, const entry *e, size_t n) {
+    sbuf b = {0};
+    bool *done = moe_xcalloc(n, sizeof *done);
+    for (size_t i = 0; i < n; i++) {
+        if (done[i]) continue;
+        uint32_t type = moe_gguf_tensor_get(g, e[i].index)->type;
+        if (b.len) sb_add(&b, ", ");
+        for (size_t k = i, first = 1; k < n; k++) {
+            const moe_tensor *t = moe_gguf_tensor_get(g, e[k].index);
+            if (done[k] || t->type != type) continue;
+            char part[128];
+            part_name(t->name.ptr, e[k].role, part, sizeof part);
+            sb_add(&b, "%s%s", first ? "" : "/", part);
+            done[k] = true;
+            first = 0;
+        }
+        sb_add(&b, " %s", moe_type_name(type));
+    }
+    free(done);
+    return sb_take(&b);
+}
+
+/* Layers in ascending order as "0-38,40". */
+static char *layer_ranges(const int64_t *layers, size_t n) {
+    sbuf b = {0};
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        while (j + 1 < n && layers[j + 1] == layers[j] + 1) j++;
+        if (j == i) sb_add(&b, "%s%lld", b.len ? "," : "", (long long)layers[i]);
+        else sb_add(&b, "%s%lld-%lld", b.len ? "," : "", (long long)layers[i], (long long)layers[j]);
+        i = j + 1;
+    }
+    return sb_take(&b);
+}
+
+moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
+    moe_inspect_report *r = moe_xcalloc(1, sizeof *r);
+    uint64_t n = moe_gguf_n_tensors(g);
+    r->n_tensors = n;
+    for (uint32_t s = 0; s < moe_gguf_n_shards(g); s++) {
+        const moe_gguf_shard *sh = moe_gguf_shard_get(g, s);
+        r->file_bytes += sh->file_size;
+        r->header_bytes += sh->header_bytes;
+        r->padding_bytes += sh->padding_bytes;
+    }
+
+    /* types histogram and role totals */
+    uint64_t type_count[MOE_TYPE_COUNT] = {0}, type_bytes[MOE_TYPE_COUNT] = {0};
+    entry *e = moe_xcalloc((size_t)n + 1, sizeof *e);
+    for (uint64_t i = 0; i < n; i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        type_count[t->type]++;
+        type_bytes[t->type] += t->n_bytes;
+        r->tensor_bytes += t->n_bytes;
+        e[i] = (entry){moe_tensor_role(t->name.ptr), moe_tensor_layer(t->name.ptr), i};
+        r->role_count[e[i].role]++;
+        r->role_bytes[e[i].role] += t->n_bytes;
+    }
+    r->reconciles = r->tensor_bytes + r->header_bytes + r->padding_bytes == r->file_bytes;
+    r->types = moe_xcalloc(MOE_TYPE_COUNT, sizeof *r->types);
+    for (uint32_t t = 0; t < MOE_TYPE_COUNT; t++)
+        if (type_count[t]) r->types[r->n_types++] = (moe_inspect_type){t, type_count[t], type_bytes[t]};
+    qsort(r->types, r->n_types, sizeof *r->types, cmp_type_bytes);
+
+    /* per layer: sort (layer, index) once; entries of one layer are then adjacent */
+    entry *by_layer = moe_xcalloc((size_t)n + 1, sizeof *by_layer);
+    memcpy(by_layer, e, (size_t)n * sizeof *e);
+    for (uint64_t i = 0; i < n; i++) by_layer[i].role = 0;
+    qsort(by_layer, (size_t)n, sizeof *by_layer, cmp_entry);
+    r->layers = moe_xcalloc((size_t)n + 1, sizeof *r->layers);
+    for (uint64_t i = 0; i < n; i++) {
+        if (by_layer[i].layer < 0) continue;
+        if (!r->n_layers || r->layers[r->n_layers - 1].layer != by_layer[i].layer)
+            r->layers[r->n_layers++].layer = by_layer[i].layer;
+        moe_inspect_layer *l = &r->layers[r->n_layers - 1];
+        const moe_tensor *t = moe_gguf_tensor_get(g, by_layer[i].index);
+        l->count++;
+        l->bytes += t->n_bytes;
+        l->role_bytes[e[by_layer[i].index].role] += t->n_bytes;
+    }
+    free(by_layer);
+
+    /* formats: one signature per (role, layer); layers with the same signature group */
+    qsort(e, (size_t)n, sizeof *e, cmp_entry);
+    typedef struct run {
+        moe_role role;
+        int64_t layer;
+        char *sig;
+        bool used;
+    } run;
+    run *runs = moe_xcalloc((size_t)n + 1, sizeof *runs);
+    size_t n_runs = 0;
+    for (uint64_t i = 0; i < n;) {
+        uint64_t j = i;
+        while (j < n && e[j].role == e[i].role && e[j].layer == e[i].layer) j++;
+        runs[n_runs++] = (run){e[i].role, e[i].layer, signature(g, e + i, (size_t)(j - i)), false};
+        i = j;
+    }
+    r->formats = moe_xcalloc(n_runs + 1, sizeof *r->formats);
+    int64_t *layers = moe_xcalloc(n_runs + 1, sizeof *layers);
+    for (size_t i = 0; i < n_runs; i++) {
+        if (runs[i].used) continue;
+        size_t nl = 0;
+        for (size_t k = i; k < n_runs && runs[k].role == runs[i].role; k++) {
+            if (runs[k].used || strcmp(runs[k].sig, runs[i].sig) != 0) continue;
+            runs[k].used = true;
+            if (runs[k].layer >= 0) layers[nl++] = runs[k].layer;
+        }
+        moe_inspect_format *f = &r->formats[r->n_formats++];
+        f->role = runs[i].role;
+        f->formats = moe_xstrdup(runs[i].sig);
+        f->layers = layer_ranges(layers, nl);
+        f->n_layers = (uint32_t)nl;
+    }
+    for (size_t i = 0; i < n_runs; i++) free(runs[i].sig);
+    free(runs);
+    free(layers);
+    free(e);
+    return r;
+}
+
+void moe_inspect_report_free(moe_inspect_report *r) {
+    if (!r) return;
+    for (size_t i = 0; i < r->n_formats; i++) {
+        free(r->formats[i].formats);
+        free(r->formats[i].layers);
+    }
+    free(r->formats);
+    free(r->types);
+    free(r->layers);
+    free(r);
+}
