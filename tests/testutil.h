@@ -19,6 +19,9 @@
 const char *moe_test_shared(const char *relpath);
 /* Read a fixture whole; skips/fails like moe_test_shared. Caller frees. NULL when skipped. */
 uint8_t *moe_test_shared_read(const char *relpath, size_t *size);
+/* Path of a fetched fixture under build/fixtures (`make fixtures`), or NULL when it is absent;
+ * skips or fails (CI=true) like moe_test_shared. */
+const char *moe_test_fixture(const char *relpath);
 /* A fresh empty directory for this process's scratch files (removed at exit). */
 const char *moe_test_tmpdir(void);
 /* Path of the built moe binary (MOE_BIN, default ./moe). */
