@@ -264,6 +264,57 @@ static void run_on_non_gguf_says_so(void **state) {
     free(out);
 }
 
+/* ==== The commands ==== */
+
+/* `moe run stories260K -n 256 --temp 0` from BOS prints run.c's text, and with --print-ids
+ * the ids begin with run.c's 256 (BOS included). */
+static void run_stories_matches_runc(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    size_t n_text, n_tok;
+    char *want = (char *)moe_test_shared_read("models/stories260K/runc_greedy_bos_n256.txt", &n_text);
+    int32_t *tokens = json_ids("models/stories260K/greedy_bos_tokens.json", "tokens", &n_tok);
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "{ %s run %s -n 256 --temp 0 2>/dev/null; }", moe_test_bin(), model);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_string_equal(out, want);
+    free(out);
+    snprintf(cmd, sizeof cmd, "{ %s run %s -n 256 --temp 0 --print-ids 2>/dev/null; }", moe_test_bin(), model);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    const char *p = out;
+    for (size_t i = 0; i < n_tok; i++) {
+        char *end;
+        long id = strtol(p, &end, 10);
+        if (end == p || id != tokens[i]) fail_msg("id %zu: got '%.12s', run.c %d", i, p, tokens[i]);
+        p = *end == ',' ? end + 1 : end;
+    }
+    free(out);
+    free(want);
+    free(tokens);
+}
+
+/* No model: the demo model is generated into the cache and says its weights are random. */
+static void run_demo_model(void **state) {
+    (void)state;
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "XDG_CACHE_HOME=%s/cache %s run -n 12 -p 'The expert' --seed 7",
+             moe_test_tmpdir(), moe_test_bin());
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "weights are RANDOM"));
+    assert_non_null(strstr(out, "generated: 12 tokens"));
+    /* the same seed gives the same text: the file and the sampler are deterministic */
+    char *again;
+    assert_int_equal(moe_test_run(cmd, &again), 0);
+    char *a = strstr(out, "The expert"), *b = strstr(again, "The expert");
+    assert_non_null(a);
+    assert_non_null(b);
+    a[strcspn(a, "\n")] = b[strcspn(b, "\n")] = '\0';
+    assert_string_equal(a, b);
+    free(out);
+    free(again);
+}
+
 int moe_suite_model(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(stories_logits_match_runc),
@@ -273,6 +324,8 @@ int moe_suite_model(void) {
         cmocka_unit_test(wrong_shape_is_named),
         cmocka_unit_test(unknown_arch_is_named),
         cmocka_unit_test(run_on_non_gguf_says_so),
+        cmocka_unit_test(run_stories_matches_runc),
+        cmocka_unit_test(run_demo_model),
     };
     return cmocka_run_group_tests_name("model", tests, NULL, NULL);
 }

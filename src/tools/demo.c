@@ -15,7 +15,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define DEMO_VERSION 1
+#define DEMO_VERSION 2
 #define DEMO_SEED 0x6d6f65u /* "moe" */
 
 /* Shape: small enough to generate in well under a second, large enough to exercise GQA. */
@@ -73,6 +73,8 @@ static void vocab_add(demo_vocab *v, const char *text, float score, int32_t type
     v->n++;
 }
 
+enum { DEMO_FIRST_PIECE = 3 + 256 }; /* after <unk> <s> </s> and the 256 byte tokens */
+
 static void demo_vocab_build(demo_vocab *v) {
     enum { NORMAL = 1, UNKNOWN = 2, CONTROL = 3, BYTE = 6 };
     vocab_add(v, "<unk>", 0, UNKNOWN);
@@ -108,13 +110,16 @@ static void demo_vocab_free(demo_vocab *v) {
 
 /* ==== Weights ==== */
 
-/* A [n_in] x n_out matrix of N(0, 1/n_in) values, quantized to `type`. */
+/* A [n_in] x n_out matrix of N(0, 1/n_in) values, quantized to `type`; rows below
+ * `first_live_row` are zero (the output head mutes special and byte tokens that way, so the
+ * random text is made of word pieces rather than stray bytes). */
 static moe_status add_matrix(moe_gguf_writer *w, uint64_t *rng, const char *name, moe_type type,
-                             int64_t n_in, int64_t n_out, moe_error *err) {
+                             int64_t n_in, int64_t n_out, int64_t first_live_row, moe_error *err) {
     const moe_type_traits *t = moe_type_traits_get(type);
     float *values = moe_xmalloc(sizeof(float) * (size_t)(n_in * n_out));
     const float scale = 1.0f / sqrtf((float)n_in);
-    for (int64_t i = 0; i < n_in * n_out; i++) values[i] = demo_normal(rng) * scale;
+    for (int64_t i = 0; i < n_in * n_out; i++)
+        values[i] = i / n_in < first_live_row ? 0.0f : demo_normal(rng) * scale;
     const uint64_t bytes = moe_type_row_bytes(type, n_in) * (uint64_t)n_out;
     void *blocks = moe_xmalloc(bytes);
     t->from_float(values, blocks, n_in * n_out);
@@ -159,7 +164,7 @@ moe_status moe_demo_model_write(const char *path, moe_error *err) {
     uint64_t rng = DEMO_SEED;
     const int64_t kv = (int64_t)DEMO_EMBD / DEMO_HEADS * DEMO_HEADS_KV;
     char name[96];
-    moe_status st = add_matrix(w, &rng, "token_embd.weight", MOE_TYPE_Q8_0, DEMO_EMBD, v.n, err);
+    moe_status st = add_matrix(w, &rng, "token_embd.weight", MOE_TYPE_Q8_0, DEMO_EMBD, v.n, 0, err);
     for (int il = 0; il < DEMO_LAYERS && st == MOE_OK; il++) {
         const struct { const char *what; int64_t n_in, n_out; } mats[] = {
             {"attn_q", DEMO_EMBD, DEMO_EMBD}, {"attn_k", DEMO_EMBD, kv},
@@ -169,7 +174,7 @@ moe_status moe_demo_model_write(const char *path, moe_error *err) {
         };
         for (size_t i = 0; i < sizeof mats / sizeof mats[0] && st == MOE_OK; i++) {
             snprintf(name, sizeof name, "blk.%d.%s.weight", il, mats[i].what);
-            st = add_matrix(w, &rng, name, MOE_TYPE_Q8_0, mats[i].n_in, mats[i].n_out, err);
+            st = add_matrix(w, &rng, name, MOE_TYPE_Q8_0, mats[i].n_in, mats[i].n_out, 0, err);
         }
         snprintf(name, sizeof name, "blk.%d.attn_norm.weight", il);
         if (st == MOE_OK) st = add_norm(w, name, DEMO_EMBD, err);
@@ -177,7 +182,7 @@ moe_status moe_demo_model_write(const char *path, moe_error *err) {
         if (st == MOE_OK) st = add_norm(w, name, DEMO_EMBD, err);
     }
     if (st == MOE_OK) st = add_norm(w, "output_norm.weight", DEMO_EMBD, err);
-    if (st == MOE_OK) st = add_matrix(w, &rng, "output.weight", MOE_TYPE_Q8_0, DEMO_EMBD, v.n, err);
+    if (st == MOE_OK) st = add_matrix(w, &rng, "output.weight", MOE_TYPE_Q8_0, DEMO_EMBD, v.n, DEMO_FIRST_PIECE, err);
     if (st == MOE_OK) st = moe_gguf_writer_write(w, path, 0, err);
     moe_gguf_writer_free(w);
     demo_vocab_free(&v);
