@@ -315,6 +315,50 @@ static void run_demo_model(void **state) {
     free(again);
 }
 
+/* `moe logits --out` writes run.c's logits (within tolerance) for the first 32 greedy ids. */
+static void logits_command_matches_runc(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    size_t n_tok, n_ref, n_ours;
+    int32_t *tokens = json_ids("models/stories260K/greedy_bos_tokens.json", "tokens", &n_tok);
+    float *ref = (float *)moe_test_shared_read("models/stories260K/logits_greedy_bos_first32.runc.f32", &n_ref);
+    char ids[512] = "", out_path[512], cmd[2048], *out;
+    for (int i = 0; i < 32; i++) snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%d" : "%d", tokens[i]);
+    snprintf(out_path, sizeof out_path, "%s/logits.f32", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s --out %s", moe_test_bin(), model, ids, out_path);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    free(out);
+    uint8_t *ours;
+    moe_error err = {0};
+    assert_int_equal(moe_file_read(out_path, &ours, &n_ours, &err), MOE_OK);
+    assert_int_equal(n_ours, n_ref);
+    for (uint32_t i = 0; i < 32; i++)
+        assert_true(row_rel_err((float *)ours + i * 512, ref + i * 512, 512) <= TOL_F32);
+    /* the terminal summary names the top token of each position */
+    snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s", moe_test_bin(), model, ids);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    char want[64];
+    snprintf(want, sizeof want, "pos   0 token      1:  %d (", tokens[1]);
+    assert_non_null(strstr(out, want));
+    free(out);
+    free(ours);
+    free(ref);
+    free(tokens);
+}
+
+/* `moe chat` answers typed turns and quits at end of input. */
+static void chat_answers_and_quits(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "printf 'Once upon a time\\nThe dog\\n' | %s chat %s -n 8 --temp 0", moe_test_bin(), model);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "generated: 16 tokens"));
+    free(out);
+}
+
 int moe_suite_model(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(stories_logits_match_runc),
@@ -326,6 +370,8 @@ int moe_suite_model(void) {
         cmocka_unit_test(run_on_non_gguf_says_so),
         cmocka_unit_test(run_stories_matches_runc),
         cmocka_unit_test(run_demo_model),
+        cmocka_unit_test(logits_command_matches_runc),
+        cmocka_unit_test(chat_answers_and_quits),
     };
     return cmocka_run_group_tests_name("model", tests, NULL, NULL);
 }
