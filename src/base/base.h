@@ -63,6 +63,18 @@ char *moe_xstrndup(const char *s, size_t n);
 moe_status moe_file_read(const char *path, uint8_t **data, size_t *size, moe_error *err);
 moe_status moe_file_write(const char *path, const void *data, size_t size, moe_error *err);
 
+/* ==== Thread pool: persistent workers, one parallel-for at a time ==== */
+
+typedef struct moe_pool moe_pool;
+/* Process items [begin, end) on worker `thread` (0 = the calling thread). */
+typedef void (*moe_pool_fn)(void *arg, int64_t begin, int64_t end, int thread);
+moe_pool *moe_pool_new(int n_threads); /* n_threads includes the caller */
+void moe_pool_free(moe_pool *p);
+int moe_pool_n_threads(const moe_pool *p); /* 1 for a NULL pool */
+/* Run fn over [0, n_items) in chunks of `chunk`, on all threads; returns when all are done.
+ * A NULL pool runs everything on the caller. */
+void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, void *arg);
+
 /* ==== Half-precision conversions (IEEE binary16 and bfloat16), exact and portable ==== */
 
 float moe_fp16_to_f32(uint16_t h);

@@ -1,5 +1,5 @@
 /* tools: the audit and maintenance tools behind `moe inspect` (and later budget, audit, repack,
- * bench, eval, synth). Each computes facts into a struct; cli/ prints them as text or JSON.
+ * bench, eval, synth) and the built-in demo model. Each computes facts into a struct; cli/ prints them as text or JSON.
  *
  * The trap: a tensor's role comes from its llama.cpp name alone (`blk.N.ffn_up_exps.weight`),
  * so a file with unconventional names lands in "norms/other" -- never guess from shapes. */
@@ -68,5 +68,14 @@ typedef struct moe_inspect_report {
 
 moe_inspect_report *moe_inspect_analyze(const moe_gguf *g);
 void moe_inspect_report_free(moe_inspect_report *r);
+
+/* ==== Demo model ==== */
+
+/* Path of the built-in demo model, generating it into the cache directory
+ * ($XDG_CACHE_HOME/moe, else ~/.cache/moe) on first use. Caller frees. Its weights are random
+ * (seeded, so every machine gets the same file): it exercises the engine, it does not talk. */
+char *moe_demo_model_path(moe_error *err);
+/* Write the demo model to `path` (what moe_demo_model_path does on a cache miss). */
+moe_status moe_demo_model_write(const char *path, moe_error *err);
 
 #endif

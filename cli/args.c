@@ -1,0 +1,66 @@
+/* args.c: argument parsing helpers shared by the subcommands. */
+#include "args.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "../src/base/base.h"
+#include "cli.h"
+
+bool moe_arg_int(const char *cmd, const char *flag, const char *text, long long min, long long max,
+                 long long *out) {
+    char *end;
+    errno = 0;
+    long long v = text ? strtoll(text, &end, 10) : 0;
+    if (!text || errno || end == text || *end || v < min || v > max) {
+        moe_cli_usage_error(cmd, "%s expects an integer in %lld..%lld, got '%s'", flag, min, max,
+                            text ? text : "(nothing)");
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+bool moe_arg_float(const char *cmd, const char *flag, const char *text, double min, double max,
+                   double *out) {
+    char *end;
+    errno = 0;
+    double v = text ? strtod(text, &end) : 0;
+    if (!text || errno || end == text || *end || !isfinite(v) || v < min || v > max) {
+        moe_cli_usage_error(cmd, "%s expects a number in %g..%g, got '%s'", flag, min, max,
+                            text ? text : "(nothing)");
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int32_t **ids,
+                        size_t *n) {
+    size_t cap = 16, count = 0;
+    int32_t *out = moe_xmalloc(cap * sizeof *out);
+    const char *p = text ? text : "";
+    while (*p) {
+        char *end;
+        errno = 0;
+        long long v = strtoll(p, &end, 10);
+        if (errno || end == p || v < 0 || v > INT32_MAX || (*end && *end != ',')) {
+            free(out);
+            moe_cli_usage_error(cmd, "%s expects comma-separated token ids, bad entry at '%s'",
+                                flag, p);
+            return false;
+        }
+        if (count == cap) out = moe_xrealloc(out, (cap *= 2) * sizeof *out);
+        out[count++] = (int32_t)v;
+        p = *end ? end + 1 : end;
+    }
+    if (!count) {
+        free(out);
+        moe_cli_usage_error(cmd, "%s needs at least one token id", flag);
+        return false;
+    }
+    *ids = out;
+    *n = count;
+    return true;
+}

@@ -1,0 +1,18 @@
+/* args: small shared helpers for the subcommands' argument parsing: numbers with range checks
+ * and comma-separated token id lists. Each reports a usage error naming the flag. */
+#ifndef MOE_CLI_ARGS_H
+#define MOE_CLI_ARGS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+bool moe_arg_int(const char *cmd, const char *flag, const char *text, long long min, long long max,
+                 long long *out);
+bool moe_arg_float(const char *cmd, const char *flag, const char *text, double min, double max,
+                   double *out);
+/* "1,2,3" -> ids (caller frees); false with a message on a bad or out-of-range id. */
+bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int32_t **ids,
+                        size_t *n);
+
+#endif

@@ -1,0 +1,234 @@
+/* generate.c: load + prefill + sample + stream, shared by `moe run` and `moe chat`. */
+#include "generate.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../src/tools/tools.h"
+#include "args.h"
+#include "cli.h"
+
+#define PREFILL_CHUNK 256 /* rows per prefill forward call: bounds scratch, keeps batches big */
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+const char moe_gen_options_usage[] =
+    "  -n N              tokens to generate (default 128; -1: until end of text)\n"
+    "  --temp T          temperature (default 0.8; 0 = greedy)\n"
+    "  --top-k K         keep the K most likely tokens (default 40; 0 = off)\n"
+    "  --top-p P         nucleus sampling (default 0.95; 1 = off)\n"
+    "  --min-p P         drop tokens below P x the best one's probability (default 0.05)\n"
+    "  --repeat-penalty R  penalise recent tokens (default 1 = off), over --repeat-last-n 64\n"
+    "  --presence-penalty P, --frequency-penalty F  OpenAI-style penalties (default 0)\n"
+    "  --seed S          random seed (default 0xC0FFEE)\n"
+    "  --ctx N           context length (default: the model's, at most 4096)\n"
+    "  --kv-type f32|f16 KV cache element type (default f16)\n"
+    "  -t N              threads (default 1)\n"
+    "  --ignore-eos      keep generating past end-of-text tokens\n"
+    "  --print-ids       print token ids instead of text\n";
+
+void moe_gen_options_default(moe_gen_options *o) {
+    memset(o, 0, sizeof *o);
+    o->n_predict = 128;
+    o->n_threads = 1;
+    o->kv_type = MOE_KV_F16;
+    o->sampling = (moe_sampler_params){.temperature = 0.8f,
+                                       .top_k = 40,
+                                       .top_p = 0.95f,
+                                       .min_p = 0.05f,
+                                       .repeat_penalty = 1.0f,
+                                       .penalty_last_n = 64,
+                                       .seed = 0xC0FFEE};
+}
+
+int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **argv, int *i) {
+    const char *a = argv[*i];
+    const char *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    long long n;
+    double f;
+#define TAKE_INT(flag, lo, hi, dst)                                                                \
+    if (strcmp(a, flag) == 0) {                                                                    \
+        if (!moe_arg_int(cmd, flag, v, lo, hi, &n)) return -1;                                     \
+        dst = n;                                                                                   \
+        ++*i;                                                                                      \
+        return 1;                                                                                  \
+    }
+#define TAKE_FLOAT(flag, lo, hi, dst)                                                              \
+    if (strcmp(a, flag) == 0) {                                                                    \
+        if (!moe_arg_float(cmd, flag, v, lo, hi, &f)) return -1;                                   \
+        dst = (float)f;                                                                            \
+        ++*i;                                                                                      \
+        return 1;                                                                                  \
+    }
+    TAKE_INT("-n", -1, 1 << 30, o->n_predict)
+    TAKE_INT("--ctx", 1, 1 << 24, o->n_ctx)
+    TAKE_INT("-t", 1, 1024, o->n_threads)
+    TAKE_INT("--top-k", 0, 1 << 30, o->sampling.top_k)
+    TAKE_INT("--repeat-last-n", 0, 8192, o->sampling.penalty_last_n)
+    TAKE_INT("--seed", 0, INT64_MAX, o->sampling.seed)
+    TAKE_FLOAT("--temp", 0, 100, o->sampling.temperature)
+    TAKE_FLOAT("--top-p", 0, 1, o->sampling.top_p)
+    TAKE_FLOAT("--min-p", 0, 1, o->sampling.min_p)
+    TAKE_FLOAT("--repeat-penalty", 0, 100, o->sampling.repeat_penalty)
+    TAKE_FLOAT("--presence-penalty", -2, 2, o->sampling.presence_penalty)
+    TAKE_FLOAT("--frequency-penalty", -2, 2, o->sampling.frequency_penalty)
+#undef TAKE_INT
+#undef TAKE_FLOAT
+    if (strcmp(a, "--kv-type") == 0) {
+        if (v && strcmp(v, "f16") == 0) o->kv_type = MOE_KV_F16;
+        else if (v && strcmp(v, "f32") == 0) o->kv_type = MOE_KV_F32;
+        else {
+            moe_cli_usage_error(cmd, "--kv-type expects f32 or f16, got '%s'", v ? v : "(nothing)");
+            return -1;
+        }
+        ++*i;
+        return 1;
+    }
+    if (strcmp(a, "--print-ids") == 0) return o->print_ids = true, 1;
+    if (strcmp(a, "--ignore-eos") == 0) return o->ignore_eos = true, 1;
+    return 0;
+}
+
+bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
+    memset(g, 0, sizeof *g);
+    g->opt = *o;
+    moe_error err = {0};
+    const double t0 = now_seconds();
+    const char *path = o->model_path;
+    char *demo = NULL;
+    if (!path) {
+        demo = moe_demo_model_path(&err);
+        if (!demo) {
+            fprintf(stderr, "moe %s: %s\n", cmd, err.msg);
+            return false;
+        }
+        fprintf(stderr, "moe %s: no model given: using the built-in demo model %s "
+                        "(its weights are RANDOM: the text means nothing)\n", cmd, demo);
+        path = demo;
+    }
+    g->model = moe_model_load(path, &err);
+    if (g->model) g->tok = moe_tokenizer_from_gguf(g->model->gguf, &err);
+    if (g->tok && moe_tokenizer_n_vocab(g->tok) != g->model->cfg.n_vocab)
+        moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
+                      path, moe_tokenizer_n_vocab(g->tok), g->model->cfg.n_vocab);
+    if (!err.code) {
+        moe_ctx_params cp = {.n_ctx = o->n_ctx, .n_seq = 1, .max_rows = PREFILL_CHUNK,
+                             .kv_type = o->kv_type, .n_threads = o->n_threads};
+        g->ctx = moe_ctx_new(g->model, &cp, &err);
+    }
+    free(demo);
+    if (err.code) {
+        fprintf(stderr, "moe %s: %s\n", cmd, err.msg);
+        moe_gen_close(g);
+        return false;
+    }
+    const uint32_t n_vocab = g->model->cfg.n_vocab;
+    g->sampler = moe_sampler_new(&o->sampling, n_vocab);
+    g->logits = moe_xmalloc(sizeof(float) * n_vocab);
+    g->rows = moe_xmalloc(sizeof(moe_row) * PREFILL_CHUNK);
+    g->load_seconds = now_seconds() - t0;
+    return true;
+}
+
+void moe_gen_close(moe_gen *g) {
+    moe_sampler_free(g->sampler);
+    moe_ctx_free(g->ctx);
+    moe_tokenizer_free(g->tok);
+    moe_model_free(g->model);
+    free(g->logits);
+    free(g->rows);
+    memset(g, 0, sizeof *g);
+}
+
+bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
+    const double t0 = now_seconds();
+    for (size_t done = 0; done < n;) {
+        uint32_t chunk = n - done < PREFILL_CHUNK ? (uint32_t)(n - done) : PREFILL_CHUNK;
+        const uint32_t base = moe_ctx_seq_len(g->ctx, 0);
+        for (uint32_t r = 0; r < chunk; r++) {
+            g->rows[r] = (moe_row){.seq = 0, .pos = (int32_t)(base + r), .token = ids[done + r],
+                                   .logits = done + r + 1 == n};
+            moe_sampler_accept(g->sampler, ids[done + r]);
+        }
+        if (moe_ctx_decode(g->ctx, g->rows, chunk, g->logits, err) != MOE_OK) return false;
+        done += chunk;
+    }
+    g->n_prompt += n;
+    g->prompt_seconds += now_seconds() - t0;
+    return true;
+}
+
+bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err) {
+    const double t0 = now_seconds();
+    /* the first piece after BOS carries SentencePiece's dummy-prefix space: drop it */
+    moe_detok *detok = moe_detok_new(g->tok, MOE_DECODE_SKIP_SPECIAL |
+                                                 (g->text_started ? 0 : MOE_DECODE_STRIP_PREFIX_SPACE));
+    g->text_started = true;
+    const size_t stop_len = stop ? strlen(stop) : 0;
+    char tail[256] = {0}; /* the last bytes of output, to match `stop` across pieces */
+    size_t tail_len = 0;
+    bool ok = true;
+    for (int64_t i = 0; n_predict < 0 || i < n_predict; i++) {
+        if (moe_ctx_seq_len(g->ctx, 0) >= moe_ctx_n_ctx(g->ctx)) {
+            fprintf(stderr, "\n[context full: %u tokens]\n", moe_ctx_n_ctx(g->ctx));
+            break;
+        }
+        const moe_sample s = moe_sampler_sample(g->sampler, g->logits);
+        const bool eog = moe_tokenizer_is_eog(g->tok, s.token);
+        if (eog && !g->opt.ignore_eos) break;
+        g->n_generated++;
+        if (g->opt.print_ids) {
+            printf(",%d", s.token);
+        } else {
+            const char *text;
+            size_t len;
+            if (moe_detok_push(detok, s.token, &text, &len, err) != MOE_OK) {
+                ok = false;
+                break;
+            }
+            fwrite(text, 1, len, stdout);
+            if (stop_len && stop_len < sizeof tail) {
+                for (size_t k = 0; k < len; k++) {
+                    if (tail_len == sizeof tail - 1) memmove(tail, tail + 1, --tail_len);
+                    tail[tail_len++] = text[k];
+                }
+                if (tail_len >= stop_len && memcmp(tail + tail_len - stop_len, stop, stop_len) == 0) {
+                    fflush(stdout);
+                    break;
+                }
+            }
+        }
+        fflush(stdout);
+        moe_row row = {.seq = 0, .pos = (int32_t)moe_ctx_seq_len(g->ctx, 0), .token = s.token,
+                       .logits = true};
+        if (moe_ctx_decode(g->ctx, &row, 1, g->logits, err) != MOE_OK) {
+            ok = false;
+            break;
+        }
+    }
+    if (!g->opt.print_ids) {
+        size_t len;
+        const char *rest = moe_detok_flush(detok, &len);
+        fwrite(rest, 1, len, stdout);
+    }
+    fflush(stdout);
+    moe_detok_free(detok);
+    g->gen_seconds += now_seconds() - t0;
+    return ok;
+}
+
+void moe_gen_print_stats(const moe_gen *g) {
+    fprintf(stderr,
+            "\nprompt: %llu tokens, %.1f tok/s | generated: %llu tokens, %.1f tok/s | load: %.0f ms\n",
+            (unsigned long long)g->n_prompt,
+            g->prompt_seconds > 0 ? (double)g->n_prompt / g->prompt_seconds : 0.0,
+            (unsigned long long)g->n_generated,
+            g->gen_seconds > 0 ? (double)g->n_generated / g->gen_seconds : 0.0,
+            g->load_seconds * 1e3);
+}

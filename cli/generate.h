@@ -1,0 +1,56 @@
+/* generate: the shared loop behind `moe run` and `moe chat` -- load, prefill a prompt in
+ * chunks, sample and stream tokens until a limit or end of generation, and time it all.
+ * Sampling and model flags are parsed here once so both commands accept the same ones. */
+#ifndef MOE_CLI_GENERATE_H
+#define MOE_CLI_GENERATE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../src/engine/engine.h"
+#include "../src/text/text.h"
+
+typedef struct moe_gen_options {
+    const char *model_path;   /* NULL: the built-in demo model */
+    int64_t n_predict;        /* tokens to generate (< 0: until end of generation or context) */
+    uint32_t n_ctx;           /* 0: the model's, capped */
+    int n_threads;
+    moe_kv_type kv_type;
+    moe_sampler_params sampling;
+    bool print_ids;           /* show ids instead of text */
+    bool ignore_eos;          /* keep going past end-of-generation tokens */
+} moe_gen_options;
+
+typedef struct moe_gen {
+    moe_gen_options opt;
+    moe_model *model;
+    moe_tokenizer *tok;
+    moe_ctx *ctx;
+    moe_sampler *sampler;
+    float *logits;            /* [n_vocab] */
+    moe_row *rows;            /* [chunk] prefill rows */
+    bool text_started;        /* some text of this sequence was shown (keeps SPM's leading space) */
+    double load_seconds;
+    /* running totals for the stats line */
+    uint64_t n_prompt, n_generated;
+    double prompt_seconds, gen_seconds;
+} moe_gen;
+
+void moe_gen_options_default(moe_gen_options *o);
+/* Parse one option at argv[*i] into o; returns 1 if consumed, 0 if not an option of ours, -1 on
+ * a usage error (already reported). */
+int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **argv, int *i);
+/* The options text for --help. */
+extern const char moe_gen_options_usage[];
+
+bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd);
+void moe_gen_close(moe_gen *g);
+/* Feed tokens (appended to sequence 0); leaves the last row's logits in g->logits. */
+bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err);
+/* Generate until n_predict, end of generation or a full context; each id is streamed as text
+ * (or as an id with print_ids). `stop` optionally ends generation when the text so far ends
+ * with it. Returns false on an engine error. */
+bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err);
+void moe_gen_print_stats(const moe_gen *g);
+
+#endif

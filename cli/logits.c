@@ -1,0 +1,81 @@
+/* logits.c: `moe logits MODEL --tokens ID,... [--out F]` -- run token ids as one prompt and
+ * write every position's logits as float32 [n_tokens][n_vocab]; without --out, print the
+ * top-5 of each position. The tool users and tests compare engines with. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../src/engine/engine.h"
+#include "args.h"
+#include "cli.h"
+
+static void print_top5(const float *row, uint32_t n_vocab, size_t pos, int32_t token) {
+    int32_t best[5] = {-1, -1, -1, -1, -1};
+    for (uint32_t i = 0; i < n_vocab; i++) {
+        for (int k = 0; k < 5; k++) {
+            if (best[k] < 0 || row[i] > row[best[k]]) {
+                memmove(best + k + 1, best + k, sizeof(int32_t) * (size_t)(4 - k));
+                best[k] = (int32_t)i;
+                break;
+            }
+        }
+    }
+    printf("pos %3zu token %6d:", pos, token);
+    for (int k = 0; k < 5 && best[k] >= 0; k++) printf("  %d (%.4f)", best[k], row[best[k]]);
+    printf("\n");
+}
+
+int moe_cmd_logits(int argc, char **argv) {
+    const char *model_path = NULL, *out_path = NULL, *tokens_arg = NULL;
+    moe_kv_type kv = MOE_KV_F32;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) tokens_arg = argv[++i];
+        else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out_path = argv[++i];
+        else if (strcmp(argv[i], "--kv-type") == 0 && i + 1 < argc) {
+            const char *t = argv[++i];
+            if (strcmp(t, "f16") == 0) kv = MOE_KV_F16;
+            else if (strcmp(t, "f32") != 0)
+                return moe_cli_usage_error("logits", "--kv-type expects f32 or f16, got '%s'", t);
+        } else if (argv[i][0] == '-') return moe_cli_usage_error("logits", "unknown option '%s'", argv[i]);
+        else if (!model_path) model_path = argv[i];
+        else return moe_cli_usage_error("logits", "unexpected argument '%s'", argv[i]);
+    }
+    if (!model_path || !tokens_arg)
+        return moe_cli_usage_error("logits", "a model and --tokens are required");
+    int32_t *ids;
+    size_t n;
+    if (!moe_arg_token_list("logits", "--tokens", tokens_arg, &ids, &n)) return 2;
+
+    moe_error err = {0};
+    moe_model *m = moe_model_load(model_path, &err);
+    if (!m) {
+        fprintf(stderr, "moe logits: %s\n", err.msg);
+        free(ids);
+        return 1;
+    }
+    const uint32_t n_vocab = m->cfg.n_vocab;
+    moe_ctx_params cp = {.n_ctx = (uint32_t)n, .n_seq = 1, .max_rows = (uint32_t)n, .kv_type = kv};
+    moe_ctx *ctx = n <= UINT32_MAX / 2 ? moe_ctx_new(m, &cp, &err) : NULL;
+    moe_row *rows = moe_xcalloc(n, sizeof *rows);
+    float *logits = moe_xmalloc(sizeof(float) * n * n_vocab);
+    int rc = 1;
+    for (size_t i = 0; i < n; i++) rows[i] = (moe_row){.seq = 0, .pos = (int32_t)i, .token = ids[i], .logits = true};
+    if (ctx && moe_ctx_decode(ctx, rows, (uint32_t)n, logits, &err) == MOE_OK) {
+        if (out_path) {
+            if (moe_file_write(out_path, logits, sizeof(float) * n * n_vocab, &err) == MOE_OK) {
+                printf("wrote %zu x %u float32 logits to %s\n", n, n_vocab, out_path);
+                rc = 0;
+            }
+        } else {
+            for (size_t i = 0; i < n; i++) print_top5(logits + i * n_vocab, n_vocab, i, ids[i]);
+            rc = 0;
+        }
+    }
+    if (rc) fprintf(stderr, "moe logits: %s\n", err.msg[0] ? err.msg : "failed");
+    free(logits);
+    free(rows);
+    free(ids);
+    moe_ctx_free(ctx);
+    moe_model_free(m);
+    return rc;
+}

@@ -1,0 +1,119 @@
+/* pool.c: a persistent thread pool with one operation, parallel-for over an index range.
+ *
+ * Threads are created once (moe_pool_new) and sleep on a condition variable between jobs, so
+ * the token loop creates no threads and allocates nothing. The caller's thread takes part in
+ * every job. Work is handed out in chunks from an atomic counter, so uneven items (experts
+ * with different row counts) balance themselves. The trap: a job function must not call
+ * moe_pool_for on the same pool (no nesting). */
+#include "base.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#define MOE_POOL_MAX_THREADS 512 /* far above any CPU socket; caps a typo'd -t */
+
+struct moe_pool {
+    int n_threads; /* including the caller */
+    pthread_t *threads;
+    pthread_mutex_t mu;
+    pthread_cond_t wake, done;
+    uint64_t generation; /* bumped per job; workers wait for a new one */
+    int n_busy;          /* workers still inside the current job */
+    bool stop;
+    /* the current job */
+    moe_pool_fn fn;
+    void *arg;
+    int64_t n_items, chunk;
+    atomic_int_fast64_t next;
+};
+
+static void run_chunks(moe_pool *p, int thread) {
+    for (;;) {
+        const int64_t begin = atomic_fetch_add(&p->next, p->chunk);
+        if (begin >= p->n_items) break;
+        const int64_t end = begin + p->chunk < p->n_items ? begin + p->chunk : p->n_items;
+        p->fn(p->arg, begin, end, thread);
+    }
+}
+
+typedef struct worker_arg {
+    moe_pool *pool;
+    int index;
+} worker_arg;
+
+static void *worker(void *varg) {
+    worker_arg wa = *(worker_arg *)varg;
+    free(varg);
+    moe_pool *p = wa.pool;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->stop && p->generation == seen) pthread_cond_wait(&p->wake, &p->mu);
+        if (p->stop) break;
+        seen = p->generation;
+        pthread_mutex_unlock(&p->mu);
+        run_chunks(p, wa.index);
+        pthread_mutex_lock(&p->mu);
+        if (--p->n_busy == 0) pthread_cond_signal(&p->done);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+moe_pool *moe_pool_new(int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > MOE_POOL_MAX_THREADS) n_threads = MOE_POOL_MAX_THREADS;
+    moe_pool *p = moe_xcalloc(1, sizeof *p);
+    p->n_threads = n_threads;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    pthread_cond_init(&p->done, NULL);
+    p->threads = moe_xcalloc((size_t)n_threads, sizeof(pthread_t));
+    for (int i = 1; i < n_threads; i++) {
+        worker_arg *wa = moe_xmalloc(sizeof *wa);
+        *wa = (worker_arg){p, i};
+        if (pthread_create(&p->threads[i], NULL, worker, wa) != 0)
+            moe_die("cannot create thread %d of %d", i, n_threads);
+    }
+    return p;
+}
+
+void moe_pool_free(moe_pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->stop = true;
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 1; i < p->n_threads; i++) pthread_join(p->threads[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->wake);
+    pthread_cond_destroy(&p->done);
+    free(p->threads);
+    free(p);
+}
+
+int moe_pool_n_threads(const moe_pool *p) { return p ? p->n_threads : 1; }
+
+void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, void *arg) {
+    if (n_items <= 0) return;
+    if (chunk < 1) chunk = 1;
+    if (!p || p->n_threads == 1 || n_items <= chunk) {
+        fn(arg, 0, n_items, 0);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->fn = fn;
+    p->arg = arg;
+    p->n_items = n_items;
+    p->chunk = chunk;
+    atomic_store(&p->next, 0);
+    p->n_busy = p->n_threads - 1;
+    p->generation++;
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mu);
+    run_chunks(p, 0);
+    pthread_mutex_lock(&p->mu);
+    while (p->n_busy > 0) pthread_cond_wait(&p->done, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}

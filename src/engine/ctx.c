@@ -1,0 +1,265 @@
+/* ctx.c: the engine context -- KV cache, scratch, and the batched forward pass.
+ *
+ * Owns every buffer the forward pass touches; all of it is sized and allocated in
+ * moe_ctx_new() from the model config and the requested limits. The forward pass reads
+ * weights only through ops/ (matmul via the quant trait table), so faster kernels slot in
+ * below without touching this file. */
+#include "engine.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../ops/ops.h"
+
+#define MOE_CTX_MAX_DEFAULT 4096 /* default context when the model's is larger (memory) */
+#define MOE_MAX_SEQ 4096         /* sequences per context: caps the per-sequence tables */
+#define MOE_MAX_ROWS 65536       /* rows per forward call: caps scratch */
+
+struct moe_ctx {
+    const moe_model *m;
+    moe_ctx_params p;
+    uint32_t *seq_len;        /* [n_seq] tokens held per sequence */
+    /* KV cache: [n_seq][n_layer][n_ctx][n_head_kv * head_dim], f32 or f16 by p.kv_type */
+    uint8_t *k_cache, *v_cache;
+    uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
+    /* scratch, [max_rows][width] floats each */
+    float *x, *xn, *q, *k, *v, *att, *ff_gate, *ff_up;
+    float *scores;            /* [n_threads][n_ctx] attention scores */
+    moe_pool *pool;
+    void *mm_scratch;         /* activation rows converted for the dot kernels */
+};
+
+static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err) {
+    const moe_model_config *c = &m->cfg;
+    moe_ctx_params params = *p;
+    if (params.n_ctx == 0)
+        params.n_ctx = c->n_ctx_train < MOE_CTX_MAX_DEFAULT ? c->n_ctx_train : MOE_CTX_MAX_DEFAULT;
+    if (params.n_seq == 0) params.n_seq = 1;
+    if (params.max_rows == 0) params.max_rows = 512;
+    if (params.n_seq > MOE_MAX_SEQ || params.max_rows > MOE_MAX_ROWS) {
+        moe_error_set(err, MOE_ERR_ARG, "context: %u sequences / %u rows exceed the limits %u / %u",
+                      params.n_seq, params.max_rows, MOE_MAX_SEQ, MOE_MAX_ROWS);
+        return NULL;
+    }
+    const uint64_t elem = params.kv_type == MOE_KV_F16 ? 2 : 4;
+    const uint64_t k_row = (uint64_t)c->n_head_kv * c->head_dim_k * elem;
+    const uint64_t v_row = (uint64_t)c->n_head_kv * c->head_dim_v * elem;
+    uint64_t per_seq_positions, k_bytes, v_bytes;
+    if (moe_mul_overflow((uint64_t)params.n_seq * c->n_layer, params.n_ctx, &per_seq_positions) ||
+        moe_mul_overflow(per_seq_positions, k_row, &k_bytes) ||
+        moe_mul_overflow(per_seq_positions, v_row, &v_bytes) || k_bytes > SIZE_MAX / 2) {
+        moe_error_set(err, MOE_ERR_RANGE, "context: KV cache size overflows");
+        return NULL;
+    }
+    moe_ctx *x = moe_xcalloc(1, sizeof *x);
+    x->m = m;
+    x->p = params;
+    x->k_row_bytes = k_row;
+    x->v_row_bytes = v_row;
+    x->seq_len = moe_xcalloc(params.n_seq, sizeof *x->seq_len);
+    x->k_cache = calloc(1, k_bytes ? k_bytes : 1);
+    x->v_cache = calloc(1, v_bytes ? v_bytes : 1);
+    if (!x->k_cache || !x->v_cache) {
+        moe_error_set(err, MOE_ERR_NOMEM, "context: cannot allocate %.1f MiB of KV cache",
+                      (double)(k_bytes + v_bytes) / (1 << 20));
+        moe_ctx_free(x);
+        return NULL;
+    }
+    const uint64_t rows = params.max_rows;
+    const uint64_t q_w = (uint64_t)c->n_head * c->head_dim_k;
+    const uint64_t att_w = (uint64_t)c->n_head * c->head_dim_v;
+    x->x = moe_xcalloc(rows * c->n_embd, sizeof(float));
+    x->xn = moe_xcalloc(rows * max_u64(c->n_embd, att_w), sizeof(float));
+    x->q = moe_xcalloc(rows * q_w, sizeof(float));
+    x->k = moe_xcalloc(rows * c->n_head_kv * c->head_dim_k, sizeof(float));
+    x->v = moe_xcalloc(rows * c->n_head_kv * c->head_dim_v, sizeof(float));
+    x->att = moe_xcalloc(rows * att_w, sizeof(float));
+    x->ff_gate = moe_xcalloc(rows * c->n_ff, sizeof(float));
+    x->ff_up = moe_xcalloc(rows * c->n_ff, sizeof(float));
+    if (params.n_threads < 1) params.n_threads = 1;
+    x->p.n_threads = params.n_threads;
+    x->pool = moe_pool_new(params.n_threads);
+    x->scores = moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
+    uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
+    for (uint32_t il = 0; il < c->n_layer; il++) {
+        const moe_layer_weights *l = &m->layers[il];
+        const moe_tensor *ts[] = {l->wq, l->wk, l->wv, l->wo, l->ffn_gate, l->ffn_up, l->ffn_down};
+        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
+            mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
+    }
+    x->mm_scratch = moe_xmalloc(mm);
+    return x;
+}
+
+void moe_ctx_free(moe_ctx *c) {
+    if (!c) return;
+    free(c->seq_len);
+    free(c->k_cache);
+    free(c->v_cache);
+    free(c->x);
+    free(c->xn);
+    free(c->q);
+    free(c->k);
+    free(c->v);
+    free(c->att);
+    free(c->ff_gate);
+    free(c->ff_up);
+    free(c->scores);
+    free(c->mm_scratch);
+    moe_pool_free(c->pool);
+    free(c);
+}
+
+const moe_model *moe_ctx_model(const moe_ctx *c) { return c->m; }
+uint32_t moe_ctx_n_ctx(const moe_ctx *c) { return c->p.n_ctx; }
+
+uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq) {
+    return seq >= 0 && (uint32_t)seq < c->p.n_seq ? c->seq_len[seq] : 0;
+}
+
+void moe_ctx_seq_truncate(moe_ctx *c, int32_t seq, uint32_t n) {
+    if (seq >= 0 && (uint32_t)seq < c->p.n_seq && n < c->seq_len[seq]) c->seq_len[seq] = n;
+}
+
+/* ==== KV cache addressing ==== */
+
+static uint8_t *kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32_t seq,
+                        uint32_t layer, uint32_t pos) {
+    const uint64_t index = ((uint64_t)seq * c->m->cfg.n_layer + layer) * c->p.n_ctx + pos;
+    return cache + index * row_bytes;
+}
+
+static void kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n) {
+    if (c->p.kv_type == MOE_KV_F16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (uint64_t i = 0; i < n; i++) d[i] = moe_f32_to_fp16(src[i]);
+    } else {
+        memcpy(dst, src, n * sizeof(float));
+    }
+}
+
+/* ==== Forward ==== */
+
+typedef struct attn_job {
+    moe_ctx *c;
+    const moe_row *rows;
+    uint32_t layer;
+    const moe_attn_shape *shape;
+} attn_job;
+
+static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    const attn_job *j = arg;
+    moe_ctx *c = j->c;
+    const moe_model_config *cfg = &c->m->cfg;
+    const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
+    const int64_t att_w = (int64_t)cfg->n_head * cfg->head_dim_v;
+    const int64_t elem = c->p.kv_type == MOE_KV_F16 ? 2 : 4;
+    for (int64_t r = begin; r < end; r++) {
+        const moe_row *row = &j->rows[r];
+        const uint8_t *k0 = kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, 0);
+        const uint8_t *v0 = kv_slot(c, c->v_cache, c->v_row_bytes, row->seq, j->layer, 0);
+        moe_attention_row(j->shape, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes / elem,
+                          (int64_t)c->v_row_bytes / elem, row->pos + 1, c->att + r * att_w,
+                          c->scores + (int64_t)thread * c->p.n_ctx);
+    }
+}
+
+static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_rows,
+                             moe_error *err) {
+    if (n_rows == 0 || n_rows > c->p.max_rows)
+        return moe_error_set(err, MOE_ERR_ARG, "batch of %u rows (this context takes 1..%u)",
+                             n_rows, c->p.max_rows);
+    /* positions must continue each sequence in order; count them in a scratch copy */
+    for (uint32_t r = 0; r < n_rows; r++) {
+        const moe_row *row = &rows[r];
+        if (row->seq < 0 || (uint32_t)row->seq >= c->p.n_seq)
+            return moe_error_set(err, MOE_ERR_ARG, "row %u: sequence %d out of range 0..%u", r,
+                                 row->seq, c->p.n_seq - 1);
+        if (row->token < 0 || (uint32_t)row->token >= c->m->cfg.n_vocab)
+            return moe_error_set(err, MOE_ERR_ARG, "row %u: token %d out of range 0..%u", r,
+                                 row->token, c->m->cfg.n_vocab - 1);
+        if (row->pos < 0 || (uint32_t)row->pos >= c->p.n_ctx)
+            return moe_error_set(err, MOE_ERR_RANGE,
+                                 "row %u: position %d is outside the context of %u tokens", r,
+                                 row->pos, c->p.n_ctx);
+        uint32_t expect = c->seq_len[row->seq];
+        for (uint32_t e = 0; e < r; e++)
+            if (rows[e].seq == row->seq) expect++;
+        if ((uint32_t)row->pos != expect)
+            return moe_error_set(err, MOE_ERR_ARG,
+                                 "row %u: sequence %d continues at position %u, not %d", r,
+                                 row->seq, expect, row->pos);
+    }
+    return MOE_OK;
+}
+
+moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
+                          moe_error *err) {
+    if (check_rows(c, rows, n_rows, err) != MOE_OK) return err->code;
+    const moe_model *m = c->m;
+    const moe_model_config *cfg = &m->cfg;
+    const int64_t n_embd = cfg->n_embd, n_ff = cfg->n_ff;
+    const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
+    const int64_t k_w = (int64_t)cfg->n_head_kv * cfg->head_dim_k;
+    const int64_t v_w = (int64_t)cfg->n_head_kv * cfg->head_dim_v;
+    const moe_rope_params rope = {.n_dims = (int)cfg->rope_dims,
+                                  .neox = cfg->rope_kind == MOE_ROPE_NEOX,
+                                  .base = cfg->rope_base,
+                                  .freq_scale = cfg->rope_freq_scale};
+    const moe_attn_shape shape = {.n_head = (int)cfg->n_head,
+                                  .n_head_kv = (int)cfg->n_head_kv,
+                                  .head_dim_k = (int)cfg->head_dim_k,
+                                  .head_dim_v = (int)cfg->head_dim_v,
+                                  .scale = 1.0f / sqrtf((float)cfg->head_dim_k),
+                                  .kv_f16 = c->p.kv_type == MOE_KV_F16};
+
+    for (uint32_t r = 0; r < n_rows; r++) moe_tensor_row_f32(m->token_embd, rows[r].token, c->x + r * n_embd);
+
+    for (uint32_t il = 0; il < cfg->n_layer; il++) {
+        const moe_layer_weights *l = &m->layers[il];
+        /* attention */
+        const float *norm_w = (const float *)l->attn_norm->data;
+        for (uint32_t r = 0; r < n_rows; r++)
+            moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
+        moe_matmul(c->pool, l->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
+        moe_matmul(c->pool, l->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
+        moe_matmul(c->pool, l->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
+        for (uint32_t r = 0; r < n_rows; r++) {
+            moe_rope(c->q + r * q_w, (int)cfg->n_head, (int)cfg->head_dim_k, rows[r].pos, &rope);
+            moe_rope(c->k + r * k_w, (int)cfg->n_head_kv, (int)cfg->head_dim_k, rows[r].pos, &rope);
+            kv_store(c, kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
+                     c->k + r * k_w, (uint64_t)k_w);
+            kv_store(c, kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
+                     c->v + r * v_w, (uint64_t)v_w);
+        }
+        attn_job job = {.c = c, .rows = rows, .layer = il, .shape = &shape};
+        moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
+        moe_matmul(c->pool, l->wo, 0, c->att, n_rows, c->xn, c->mm_scratch);
+        for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
+        /* feed-forward (SwiGLU) */
+        norm_w = (const float *)l->ffn_norm->data;
+        for (uint32_t r = 0; r < n_rows; r++)
+            moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
+        moe_matmul(c->pool, l->ffn_gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
+        moe_matmul(c->pool, l->ffn_up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
+        for (uint32_t r = 0; r < n_rows; r++)
+            moe_swiglu(c->ff_up + r * n_ff, c->ff_gate + r * n_ff, n_ff);
+        moe_matmul(c->pool, l->ffn_down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch);
+        for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
+    }
+    for (uint32_t r = 0; r < n_rows; r++) c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
+
+    /* output head over the rows that asked for logits, packed */
+    uint32_t n_out = 0;
+    const float *norm_w = (const float *)m->output_norm->data;
+    for (uint32_t r = 0; r < n_rows; r++) {
+        if (!rows[r].logits) continue;
+        moe_rmsnorm(c->xn + n_out * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
+        n_out++;
+    }
+    if (n_out) moe_matmul(c->pool, m->output, 0, c->xn, n_out, logits, c->mm_scratch);
+    return MOE_OK;
+}

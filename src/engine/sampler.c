@@ -1,0 +1,196 @@
+/* sampler.c: next-token choice from a logits row -- penalties, bias, temperature, top-k,
+ * top-p, min-p, a seeded generator, and the log-probabilities the server reports.
+ *
+ * The order is llama.cpp's default chain: logit bias, penalties, then top-k, top-p, min-p on
+ * the temperature-scaled distribution, then a draw. Log-probabilities are reported from the
+ * raw logits (after bias and penalties, before temperature and truncation), as OpenAI's API
+ * does. The trap: every buffer is allocated once at creation; sample() must not allocate. */
+#include "engine.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MOE_PENALTY_WINDOW_MAX 8192 /* recent tokens kept for penalties */
+
+struct moe_sampler {
+    moe_sampler_params p;
+    uint32_t n_vocab;
+    float *work;         /* [n_vocab] adjusted logits */
+    int32_t *order;      /* [n_vocab] candidate ids, sorted by work[] descending */
+    float *probs;        /* [n_vocab] */
+    int32_t *bias_tokens;
+    float *bias_values;
+    int32_t *recent;     /* ring of the last penalty_last_n tokens */
+    uint32_t n_recent, recent_head, window;
+    uint32_t *counts;    /* [n_vocab] occurrences within the window */
+    uint64_t rng;
+};
+
+/* splitmix64: small, seedable, and the same on every platform */
+static uint64_t next_u64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double next_unit(uint64_t *s) { return (double)(next_u64(s) >> 11) * 0x1p-53; }
+
+moe_sampler *moe_sampler_new(const moe_sampler_params *p, uint32_t n_vocab) {
+    moe_sampler *s = moe_xcalloc(1, sizeof *s);
+    s->p = *p;
+    s->n_vocab = n_vocab;
+    s->work = moe_xmalloc(sizeof(float) * n_vocab);
+    s->order = moe_xmalloc(sizeof(int32_t) * n_vocab);
+    s->probs = moe_xmalloc(sizeof(float) * n_vocab);
+    s->counts = moe_xcalloc(n_vocab, sizeof(uint32_t));
+    s->window = p->penalty_last_n < 0 ? 0 : (uint32_t)p->penalty_last_n;
+    if (s->window > MOE_PENALTY_WINDOW_MAX) s->window = MOE_PENALTY_WINDOW_MAX;
+    s->recent = moe_xcalloc(s->window ? s->window : 1, sizeof(int32_t));
+    if (p->n_bias) {
+        s->bias_tokens = moe_xmalloc(sizeof(int32_t) * p->n_bias);
+        s->bias_values = moe_xmalloc(sizeof(float) * p->n_bias);
+        memcpy(s->bias_tokens, p->bias_tokens, sizeof(int32_t) * p->n_bias);
+        memcpy(s->bias_values, p->bias_values, sizeof(float) * p->n_bias);
+    }
+    s->p.bias_tokens = s->bias_tokens;
+    s->p.bias_values = s->bias_values;
+    if (s->p.n_top_logprobs > MOE_SAMPLER_MAX_TOP) s->p.n_top_logprobs = MOE_SAMPLER_MAX_TOP;
+    s->rng = p->seed;
+    return s;
+}
+
+void moe_sampler_free(moe_sampler *s) {
+    if (!s) return;
+    free(s->work);
+    free(s->order);
+    free(s->probs);
+    free(s->counts);
+    free(s->recent);
+    free(s->bias_tokens);
+    free(s->bias_values);
+    free(s);
+}
+
+void moe_sampler_reset(moe_sampler *s) {
+    memset(s->counts, 0, sizeof(uint32_t) * s->n_vocab);
+    s->n_recent = s->recent_head = 0;
+    s->rng = s->p.seed;
+}
+
+void moe_sampler_accept(moe_sampler *s, int32_t token) {
+    if (!s->window || token < 0 || (uint32_t)token >= s->n_vocab) return;
+    if (s->n_recent == s->window) {
+        s->counts[s->recent[s->recent_head]]--;
+    } else {
+        s->n_recent++;
+    }
+    s->recent[s->recent_head] = token;
+    s->recent_head = (s->recent_head + 1) % s->window;
+    s->counts[token]++;
+}
+
+/* ==== Sorting candidates (by value descending, then id ascending for determinism) ==== */
+
+static int by_value_desc(const void *a, const void *b, void *keys) {
+    const int32_t ia = *(const int32_t *)a, ib = *(const int32_t *)b;
+    const float va = ((const float *)keys)[ia], vb = ((const float *)keys)[ib];
+    if (va != vb) return va > vb ? -1 : 1;
+    return (ia > ib) - (ia < ib);
+}
+
+static void sort_candidates(moe_sampler *s, uint32_t n) {
+    qsort_r(s->order, n, sizeof(int32_t), by_value_desc, s->work);
+}
+
+moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
+    const uint32_t n = s->n_vocab;
+    const moe_sampler_params *p = &s->p;
+    memcpy(s->work, logits, sizeof(float) * n);
+    for (uint32_t i = 0; i < p->n_bias; i++) {
+        const int32_t t = p->bias_tokens[i];
+        if (t >= 0 && (uint32_t)t < n) s->work[t] += p->bias_values[i];
+    }
+    if (s->n_recent) {
+        for (uint32_t i = 0; i < s->n_recent; i++) {
+            const int32_t t = s->recent[i];
+            const uint32_t cnt = s->counts[t];
+            if (!cnt || (cnt & 0x80000000u)) continue;
+            float *v = &s->work[t];
+            if (p->repeat_penalty != 0.0f && p->repeat_penalty != 1.0f) {
+                if (*v > 0) *v /= p->repeat_penalty;
+                else *v *= p->repeat_penalty;
+            }
+            *v -= (float)cnt * p->frequency_penalty + p->presence_penalty;
+            s->counts[t] = cnt | 0x80000000u; /* applied: skip its other occurrences */
+        }
+        for (uint32_t i = 0; i < s->n_recent; i++) s->counts[s->recent[i]] &= 0x7fffffffu;
+    }
+
+    /* log-softmax of the adjusted logits, for the reported log-probabilities */
+    float max = -INFINITY;
+    for (uint32_t i = 0; i < n; i++) max = s->work[i] > max ? s->work[i] : max;
+    double z = 0.0;
+    for (uint32_t i = 0; i < n; i++) z += s->work[i] == -INFINITY ? 0.0 : exp((double)(s->work[i] - max));
+    const float log_z = max + (float)log(z);
+
+    moe_sample out = {0};
+    for (uint32_t i = 0; i < n; i++) s->order[i] = (int32_t)i;
+    if (p->temperature <= 0.0f) {
+        int32_t best = 0;
+        for (uint32_t i = 1; i < n; i++)
+            if (s->work[i] > s->work[best]) best = (int32_t)i;
+        out.token = best;
+        if (p->n_top_logprobs) sort_candidates(s, n);
+    } else {
+        sort_candidates(s, n);
+        uint32_t keep = n;
+        if (p->top_k > 0 && (uint32_t)p->top_k < keep) keep = (uint32_t)p->top_k;
+        /* softmax over the kept candidates at temperature */
+        const float top = s->work[s->order[0]];
+        double sum = 0.0;
+        for (uint32_t i = 0; i < keep; i++) {
+            const float v = s->work[s->order[i]];
+            s->probs[i] = v == -INFINITY ? 0.0f : (float)exp((double)(v - top) / p->temperature);
+            sum += s->probs[i];
+        }
+        for (uint32_t i = 0; i < keep; i++) s->probs[i] = (float)(s->probs[i] / sum);
+        if (p->top_p < 1.0f) {
+            double cum = 0.0;
+            for (uint32_t i = 0; i < keep; i++) {
+                cum += s->probs[i];
+                if (cum >= p->top_p) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if (p->min_p > 0.0f) {
+            const float floor = s->probs[0] * p->min_p;
+            uint32_t i = 1;
+            while (i < keep && s->probs[i] >= floor) i++;
+            keep = i;
+        }
+        double total = 0.0;
+        for (uint32_t i = 0; i < keep; i++) total += s->probs[i];
+        double r = next_unit(&s->rng) * total;
+        uint32_t pick = keep - 1;
+        for (uint32_t i = 0; i < keep; i++) {
+            r -= s->probs[i];
+            if (r < 0) {
+                pick = i;
+                break;
+            }
+        }
+        out.token = s->order[pick];
+    }
+    out.logprob = s->work[out.token] - log_z;
+    out.n_top = p->n_top_logprobs < n ? p->n_top_logprobs : n;
+    for (uint32_t i = 0; i < out.n_top; i++) {
+        out.top_tokens[i] = s->order[i];
+        out.top_logprobs[i] = s->work[s->order[i]] - log_z;
+    }
+    moe_sampler_accept(s, out.token);
+    return out;
+}

@@ -1,0 +1,269 @@
+/* model.c: architecture config from GGUF metadata and binding of named tensors.
+ *
+ * Every required key and tensor is looked up with a message naming it when absent; every
+ * tensor's type and shape is checked against the config before any forward pass may touch it.
+ * Binding is by name only (blk.N.attn_q.weight, ...), the names llama.cpp's converters write. */
+#include "model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MOE_MAX_LAYERS 1024 /* deepest real models have ~100; caps the per-layer allocation */
+#define MOE_MAX_WIDTH (1u << 20) /* widths, heads, vocab: far above any real model */
+
+static const char *const arch_names[MOE_ARCH_COUNT] = {
+    [MOE_ARCH_LLAMA] = "llama",
+};
+
+const char *moe_arch_name(moe_arch arch) {
+    return (unsigned)arch < MOE_ARCH_COUNT ? arch_names[arch] : "unknown";
+}
+
+/* ==== Metadata ==== */
+
+typedef struct binder {
+    moe_model *m;
+    const char *path;
+    moe_error *err;
+} binder;
+
+static bool key_u32(binder *b, const char *suffix, bool required, uint32_t fallback,
+                    uint32_t *out) {
+    char key[256];
+    snprintf(key, sizeof key, "%s.%s", b->m->cfg.arch_name, suffix);
+    uint64_t v;
+    if (!moe_gguf_get_u64(b->m->gguf, key, &v)) {
+        if (required || moe_gguf_find(b->m->gguf, key)) {
+            moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s key '%s'", b->path,
+                          moe_gguf_find(b->m->gguf, key) ? "non-integer" : "missing required",
+                          key);
+            return false;
+        }
+        *out = fallback;
+        return true;
+    }
+    if (v > MOE_MAX_WIDTH) {
+        moe_error_set(b->err, MOE_ERR_RANGE, "%s: key '%s' = %llu is larger than %u", b->path,
+                      key, (unsigned long long)v, MOE_MAX_WIDTH);
+        return false;
+    }
+    *out = (uint32_t)v;
+    return true;
+}
+
+static bool key_f32(binder *b, const char *suffix, bool required, float fallback, float *out) {
+    char key[256];
+    snprintf(key, sizeof key, "%s.%s", b->m->cfg.arch_name, suffix);
+    double v;
+    if (!moe_gguf_get_f64(b->m->gguf, key, &v)) {
+        if (required) {
+            moe_error_set(b->err, MOE_ERR_FORMAT, "%s: missing required key '%s'", b->path, key);
+            return false;
+        }
+        *out = fallback;
+        return true;
+    }
+    if (!isfinite(v)) {
+        moe_error_set(b->err, MOE_ERR_RANGE, "%s: key '%s' is not finite", b->path, key);
+        return false;
+    }
+    *out = (float)v;
+    return true;
+}
+
+/* ==== Tensors ==== */
+
+/* Find `name` and check its shape: ne0 x ne1 (ne1 = 0 for a vector). Float-only when `f32`. */
+static const moe_tensor *bind(binder *b, const char *name, int64_t ne0, int64_t ne1,
+                              bool required) {
+    if (b->err->code) return NULL;
+    const moe_tensor *t = moe_gguf_tensor_find(b->m->gguf, name);
+    if (!t) {
+        if (required)
+            moe_error_set(b->err, MOE_ERR_NOT_FOUND, "%s: missing tensor '%s' (%s)", b->path,
+                          name, b->m->cfg.arch_name);
+        return NULL;
+    }
+    uint32_t want_dims = ne1 ? 2 : 1;
+    bool ok = t->ne[0] == ne0 && (ne1 ? t->ne[1] == ne1 : true) && t->ne[2] == 1 &&
+              t->ne[3] == 1 && (want_dims == 2 || t->ne[1] == 1);
+    if (!ok) {
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%lld, %lld]",
+                      b->path, name, (long long)t->ne[0], (long long)t->ne[1],
+                      (long long)t->ne[2], (long long)t->ne[3], (long long)ne0,
+                      (long long)(ne1 ? ne1 : 1));
+        return NULL;
+    }
+    const moe_type_traits *tr = moe_type_traits_get(t->type);
+    if (!tr || !tr->to_float || !tr->dot) {
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has type %s, which moe cannot compute with",
+                      b->path, name, moe_type_name(t->type));
+        return NULL;
+    }
+    if (!t->data) {
+        moe_error_set(b->err, MOE_ERR_IO, "%s: tensor '%s' has no data mapped", b->path, name);
+        return NULL;
+    }
+    return t;
+}
+
+static const moe_tensor *bind_layer(binder *b, uint32_t il, const char *what, int64_t ne0,
+                                    int64_t ne1) {
+    char name[128];
+    snprintf(name, sizeof name, "blk.%u.%s.weight", il, what);
+    return bind(b, name, ne0, ne1, true);
+}
+
+/* ==== Llama family ==== */
+
+static bool config_llama(binder *b) {
+    moe_model_config *c = &b->m->cfg;
+    if (!key_u32(b, "embedding_length", true, 0, &c->n_embd) ||
+        !key_u32(b, "block_count", true, 0, &c->n_layer) ||
+        !key_u32(b, "feed_forward_length", true, 0, &c->n_ff) ||
+        !key_u32(b, "attention.head_count", true, 0, &c->n_head) ||
+        !key_u32(b, "context_length", false, 4096, &c->n_ctx_train))
+        return false;
+    if (c->n_head == 0 || c->n_embd == 0 || c->n_layer == 0) {
+        moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.embedding_length, block_count and "
+                      "attention.head_count must be positive", b->path, c->arch_name);
+        return false;
+    }
+    if (c->n_layer > MOE_MAX_LAYERS) {
+        moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.block_count = %u exceeds %u", b->path,
+                      c->arch_name, c->n_layer, MOE_MAX_LAYERS);
+        return false;
+    }
+    if (!key_u32(b, "attention.head_count_kv", false, c->n_head, &c->n_head_kv) ||
+        !key_u32(b, "attention.key_length", false, c->n_embd / c->n_head, &c->head_dim_k) ||
+        !key_u32(b, "attention.value_length", false, c->head_dim_k, &c->head_dim_v) ||
+        !key_u32(b, "rope.dimension_count", false, c->head_dim_k, &c->rope_dims) ||
+        !key_f32(b, "rope.freq_base", false, 10000.0f, &c->rope_base) ||
+        !key_f32(b, "attention.layer_norm_rms_epsilon", true, 0, &c->rms_eps))
+        return false;
+    float rope_factor = 1.0f;
+    if (!key_f32(b, "rope.scaling.factor", false, 1.0f, &rope_factor)) return false;
+    char key[256];
+    snprintf(key, sizeof key, "%s.rope.scaling.type", c->arch_name);
+    const char *scaling = moe_gguf_get_str(b->m->gguf, key);
+    if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0) {
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: rope scaling type '%s' is not supported yet",
+                      b->path, scaling);
+        return false;
+    }
+    c->rope_freq_scale = (scaling && strcmp(scaling, "linear") == 0 && rope_factor > 0)
+                             ? 1.0f / rope_factor : 1.0f;
+    c->rope_kind = MOE_ROPE_NORM;
+    if (c->n_head_kv == 0 || c->n_head % c->n_head_kv != 0) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: head_count %u is not a multiple of head_count_kv %u",
+                      b->path, c->n_head, c->n_head_kv);
+        return false;
+    }
+    if (c->head_dim_k == 0 || c->rope_dims > c->head_dim_k || c->rope_dims % 2) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: rope.dimension_count %u must be even and at "
+                      "most the head dimension %u", b->path, c->rope_dims, c->head_dim_k);
+        return false;
+    }
+    return true;
+}
+
+static bool bind_llama(binder *b) {
+    moe_model *m = b->m;
+    moe_model_config *c = &m->cfg;
+    const moe_tensor *embd = moe_gguf_tensor_find(m->gguf, "token_embd.weight");
+    if (!embd) {
+        moe_error_set(b->err, MOE_ERR_NOT_FOUND, "%s: missing tensor 'token_embd.weight'", b->path);
+        return false;
+    }
+    if (embd->ne[1] <= 0 || embd->ne[1] > MOE_MAX_WIDTH) {
+        moe_error_set(b->err, MOE_ERR_RANGE, "%s: token_embd.weight has %lld rows", b->path,
+                      (long long)embd->ne[1]);
+        return false;
+    }
+    c->n_vocab = (uint32_t)embd->ne[1];
+    m->token_embd = bind(b, "token_embd.weight", c->n_embd, c->n_vocab, true);
+    m->output_norm = bind(b, "output_norm.weight", c->n_embd, 0, true);
+    m->output = bind(b, "output.weight", c->n_embd, c->n_vocab, false);
+    c->tied_output = !m->output;
+    if (!m->output) m->output = m->token_embd;
+    int64_t q = (int64_t)c->n_head * c->head_dim_k, k = (int64_t)c->n_head_kv * c->head_dim_k;
+    int64_t v = (int64_t)c->n_head_kv * c->head_dim_v, o = (int64_t)c->n_head * c->head_dim_v;
+    m->layers = moe_xcalloc(c->n_layer, sizeof *m->layers);
+    for (uint32_t il = 0; il < c->n_layer && !b->err->code; il++) {
+        moe_layer_weights *l = &m->layers[il];
+        l->attn_norm = bind_layer(b, il, "attn_norm", c->n_embd, 0);
+        l->wq = bind_layer(b, il, "attn_q", c->n_embd, q);
+        l->wk = bind_layer(b, il, "attn_k", c->n_embd, k);
+        l->wv = bind_layer(b, il, "attn_v", c->n_embd, v);
+        l->wo = bind_layer(b, il, "attn_output", o, c->n_embd);
+        l->ffn_norm = bind_layer(b, il, "ffn_norm", c->n_embd, 0);
+        l->ffn_gate = bind_layer(b, il, "ffn_gate", c->n_embd, c->n_ff);
+        l->ffn_up = bind_layer(b, il, "ffn_up", c->n_embd, c->n_ff);
+        l->ffn_down = bind_layer(b, il, "ffn_down", c->n_ff, c->n_embd);
+    }
+    return !b->err->code;
+}
+
+/* ==== Loading ==== */
+
+typedef struct arch_entry {
+    moe_arch arch;
+    bool (*config)(binder *b);
+    bool (*bind)(binder *b);
+} arch_entry;
+
+static const arch_entry archs[] = {
+    {MOE_ARCH_LLAMA, config_llama, bind_llama},
+};
+
+moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {
+    const char *arch = moe_gguf_get_str(g, "general.architecture");
+    if (!arch) {
+        moe_error_set(err, MOE_ERR_FORMAT, "%s: missing key 'general.architecture'", path);
+        return NULL;
+    }
+    const arch_entry *entry = NULL;
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++)
+        if (strcmp(arch_names[archs[i].arch], arch) == 0) entry = &archs[i];
+    if (!entry) {
+        moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: unknown architecture '%s' (moe supports:",
+                      path, arch);
+        size_t used = strlen(err->msg);
+        for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++)
+            used += (size_t)snprintf(err->msg + used, sizeof err->msg - used, " %s",
+                                     arch_names[archs[i].arch]);
+        if (used < sizeof err->msg - 1) snprintf(err->msg + used, sizeof err->msg - used, ")");
+        return NULL;
+    }
+    moe_model *m = moe_xcalloc(1, sizeof *m);
+    m->gguf = g;
+    m->path = moe_xstrdup(path);
+    m->cfg.arch = entry->arch;
+    m->cfg.arch_name = arch_names[entry->arch];
+    binder b = {.m = m, .path = path, .err = err};
+    if (!entry->config(&b) || !entry->bind(&b)) {
+        m->gguf = NULL; /* the caller keeps the file on failure */
+        moe_model_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+moe_model *moe_model_load(const char *path, moe_error *err) {
+    moe_gguf *g = moe_gguf_open(path, err);
+    if (!g) return NULL;
+    moe_model *m = moe_model_from_gguf(g, path, err);
+    if (!m) moe_gguf_close(g);
+    return m;
+}
+
+void moe_model_free(moe_model *m) {
+    if (!m) return;
+    if (m->gguf) moe_gguf_close(m->gguf);
+    free(m->layers);
+    free(m->path);
+    free(m);
+}

@@ -1,0 +1,65 @@
+/* ops: the numerical building blocks of a forward pass, each over a block of rows.
+ *
+ * Everything here is stateless: callers pass weights (moe_tensor, still quantized), activations
+ * (float32 rows) and scratch they own. Matmuls go through the quant trait table: each activation
+ * row is converted once to the weight type's dot_type, then every weight row is dotted against
+ * it. The trap: scratch sizes come from the *_scratch_bytes helpers; the token loop must not
+ * allocate, so callers size their arenas with them at load. */
+#ifndef MOE_OPS_H
+#define MOE_OPS_H
+
+#include <stdint.h>
+
+#include "../format/format.h"
+#include "../quant/quant.h"
+
+/* ==== Elementwise and norms ==== */
+
+/* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]; out may alias x. */
+void moe_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps);
+/* x[i] = silu(gate[i]) * x[i] (SwiGLU: x holds `up`). */
+void moe_swiglu(float *x, const float *gate, int64_t n);
+/* In-place softmax; returns nothing, handles -inf entries (masked) as zero probability. */
+void moe_softmax(float *x, int64_t n);
+
+/* ==== Rotary position embedding ==== */
+
+typedef struct moe_rope_params {
+    int n_dims;        /* leading dims of each head that rotate */
+    int neox;          /* 0: adjacent pairs (x[2i], x[2i+1]); 1: halves (x[i], x[i+n_dims/2]) */
+    float base;        /* theta base */
+    float freq_scale;  /* position multiplier (1 / linear scaling factor) */
+} moe_rope_params;
+
+/* Rotate n_heads heads of head_dim values each, for position pos, in place. */
+void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_params *p);
+
+/* ==== Matmul through the trait table ==== */
+
+/* Bytes of scratch moe_matmul needs for n_rows activation rows against weight w. */
+uint64_t moe_matmul_scratch_bytes(const moe_tensor *w, int64_t n_rows);
+/* y[r][o] = sum_i W[o][i] * x[r][i] for r < n_rows, o < w->ne[1]; x rows have w->ne[0]
+ * values, y rows w->ne[1]. W is the 2-D slice `matrix` of w (0 for 2-D tensors). Output
+ * units are split across the pool's threads. */
+void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x,
+                int64_t n_rows, float *y, void *scratch);
+/* Row `row` of a 2-D tensor dequantized to float (embedding lookup). */
+void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out);
+
+/* ==== Attention ==== */
+
+/* One query row attending over n_kv cached positions of one sequence.
+ * q: [n_head][head_dim_k]; k: n_kv rows of [n_head_kv][head_dim_k] with row stride k_stride
+ * values; v likewise with head_dim_v; out: [n_head][head_dim_v]; scores: n_kv floats scratch.
+ * Positions are all visible (the caller passes only the causal prefix). kv_f16 selects
+ * f16 (uint16_t) or f32 storage for both k and v. */
+typedef struct moe_attn_shape {
+    int n_head, n_head_kv, head_dim_k, head_dim_v;
+    float scale; /* usually 1/sqrt(head_dim_k) */
+    int kv_f16;
+} moe_attn_shape;
+void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
+                       int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out,
+                       float *scores);
+
+#endif

@@ -1,0 +1,377 @@
+/* Suite "model": the dense forward pass against references we did not write --
+ * Karpathy's run.c on stories260K (logits and 256 greedy tokens) and llama.cpp on the
+ * ../shared/parity llama model -- plus load errors that must name what is wrong. */
+#include "testutil.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../src/engine/engine.h"
+
+/* Tolerances (../shared/parity/README.md): rows compare by max|ours - ref| / max|ref|. */
+#define TOL_F32 1e-4      /* float weights, float activations (run.c, llama.cpp F32) */
+#define TOL_Q8_ACT 1e-3   /* quantized weights with activations quantized like ggml's */
+
+/* ==== Fixture helpers ==== */
+
+/* The integer array at `key` of a JSON file; NULL when the fixture is absent (skipped). */
+static int32_t *json_ids(const char *relpath, const char *key, size_t *n) {
+    const char *path = moe_test_shared(relpath);
+    if (!path) return NULL;
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    if (!root) fail_msg("%s: %s", path, jerr.text);
+    json_t *arr = json_object_get(root, key);
+    if (!json_is_array(arr)) fail_msg("%s: no array '%s'", path, key);
+    *n = json_array_size(arr);
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (*n ? *n : 1));
+    for (size_t i = 0; i < *n; i++) ids[i] = (int32_t)json_integer_value(json_array_get(arr, i));
+    json_decref(root);
+    return ids;
+}
+
+static double row_rel_err(const float *ours, const float *ref, uint32_t n) {
+    double max_ref = 0, max_diff = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        max_ref = fmax(max_ref, fabs(ref[i]));
+        max_diff = fmax(max_diff, fabs((double)ours[i] - ref[i]));
+    }
+    return max_ref > 0 ? max_diff / max_ref : max_diff;
+}
+
+static int32_t argmax(const float *x, uint32_t n) {
+    int32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = (int32_t)i;
+    return best;
+}
+
+/* top-1 minus top-2, relative to max |x| */
+static double top2_margin(const float *x, uint32_t n) {
+    float a = -INFINITY, b = -INFINITY, max_abs = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (x[i] > a) b = a, a = x[i];
+        else if (x[i] > b) b = x[i];
+        max_abs = fmaxf(max_abs, fabsf(x[i]));
+    }
+    return (a - b) / max_abs;
+}
+
+static moe_model *load_shared_model(const char *relpath) {
+    const char *path = moe_test_shared(relpath);
+    if (!path) return NULL;
+    moe_error err = {0};
+    moe_model *m = moe_model_load(path, &err);
+    if (!m) fail_msg("%s", err.msg);
+    return m;
+}
+
+/* ==== stories260K against run.c ==== */
+
+static void stories_logits_match_runc(void **state) {
+    (void)state;
+    size_t n_tok, n_bytes;
+    int32_t *tokens = json_ids("models/stories260K/greedy_bos_tokens.json", "tokens", &n_tok);
+    MOE_SKIP_IF_NULL(tokens);
+    float *ref = (float *)moe_test_shared_read("models/stories260K/logits_greedy_bos_first32.runc.f32", &n_bytes);
+    moe_model *m = load_shared_model("models/stories260K/stories260K.gguf");
+    const uint32_t nv = m->cfg.n_vocab, n_rows = 32;
+    assert_int_equal(n_bytes, sizeof(float) * n_rows * nv);
+    moe_error err = {0};
+    moe_ctx_params cp = {.n_ctx = 512, .n_seq = 1, .max_rows = n_rows, .kv_type = MOE_KV_F32};
+    moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
+    assert_non_null(ctx);
+    moe_row rows[32];
+    for (uint32_t i = 0; i < n_rows; i++) rows[i] = (moe_row){0, (int32_t)i, tokens[i], true};
+    float *logits = moe_xmalloc(sizeof(float) * n_rows * nv);
+    assert_int_equal(moe_ctx_decode(ctx, rows, n_rows, logits, &err), MOE_OK);
+    double worst = 0;
+    for (uint32_t i = 0; i < n_rows; i++) worst = fmax(worst, row_rel_err(logits + i * nv, ref + i * nv, nv));
+    print_message("stories260K: worst row rel err %.3g over %u positions (limit %g)\n", worst, n_rows, TOL_F32);
+    assert_true(worst <= TOL_F32);
+    free(logits);
+    free(ref);
+    free(tokens);
+    moe_ctx_free(ctx);
+    moe_model_free(m);
+}
+
+/* Token by token from BOS, greedy, both KV cache types: the 256 ids run.c produced. */
+static void stories_greedy_matches_runc(void **state) {
+    (void)state;
+    size_t n_tok;
+    int32_t *tokens = json_ids("models/stories260K/greedy_bos_tokens.json", "tokens", &n_tok);
+    MOE_SKIP_IF_NULL(tokens);
+    moe_model *m = load_shared_model("models/stories260K/stories260K.gguf");
+    const uint32_t nv = m->cfg.n_vocab;
+    float *logits = moe_xmalloc(sizeof(float) * nv);
+    for (int kv = 0; kv < 2; kv++) {
+        moe_error err = {0};
+        moe_ctx_params cp = {.n_ctx = 512, .n_seq = 1, .max_rows = 1,
+                             .kv_type = kv ? MOE_KV_F16 : MOE_KV_F32};
+        moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
+        assert_non_null(ctx);
+        int32_t tok = tokens[0];
+        for (size_t i = 1; i < n_tok; i++) {
+            moe_row row = {0, (int32_t)i - 1, tok, true};
+            assert_int_equal(moe_ctx_decode(ctx, &row, 1, logits, &err), MOE_OK);
+            tok = argmax(logits, nv);
+            if (tok != tokens[i]) fail_msg("kv %s: position %zu: got %d, run.c %d", kv ? "f16" : "f32", i, tok, tokens[i]);
+        }
+        moe_ctx_free(ctx);
+    }
+    free(logits);
+    free(tokens);
+    moe_model_free(m);
+}
+
+/* ==== llama.cpp parity models ==== */
+
+/* Prefill the 16 prompt ids in one call, then 16 decode steps feeding the reference's greedy
+ * ids; every row within tol, our argmax equal wherever the reference's margin exceeds tol. */
+static void parity_check(const char *name, double tol) {
+    char rel[256];
+    size_t n_prompt, n_greedy, n_bytes;
+    snprintf(rel, sizeof rel, "parity/%s.tokens.json", name);
+    int32_t *prompt = json_ids(rel, "prompt", &n_prompt);
+    if (!prompt) return;
+    int32_t *greedy = json_ids(rel, "greedy", &n_greedy);
+    snprintf(rel, sizeof rel, "parity/%s.logits.f32", name);
+    float *ref = (float *)moe_test_shared_read(rel, &n_bytes);
+    snprintf(rel, sizeof rel, "parity/%s.gguf", name);
+    moe_model *m = load_shared_model(rel);
+    const uint32_t nv = m->cfg.n_vocab, n_rows = (uint32_t)(n_prompt + n_greedy);
+    assert_int_equal(n_bytes, sizeof(float) * n_rows * nv);
+    moe_error err = {0};
+    moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = (uint32_t)n_prompt, .kv_type = MOE_KV_F32};
+    moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
+    assert_non_null(ctx);
+    float *logits = moe_xmalloc(sizeof(float) * n_rows * nv);
+    moe_row rows[64];
+    for (uint32_t i = 0; i < n_prompt; i++) rows[i] = (moe_row){0, (int32_t)i, prompt[i], true};
+    assert_int_equal(moe_ctx_decode(ctx, rows, (uint32_t)n_prompt, logits, &err), MOE_OK);
+    for (uint32_t i = 0; i + 1 < n_greedy; i++) {
+        moe_row row = {0, (int32_t)(n_prompt + i), greedy[i], true};
+        assert_int_equal(moe_ctx_decode(ctx, &row, 1, logits + (n_prompt + i) * nv, &err), MOE_OK);
+    }
+    /* the last reference row comes from feeding greedy[15]; run it too */
+    moe_row last = {0, (int32_t)(n_prompt + n_greedy - 1), greedy[n_greedy - 1], true};
+    assert_int_equal(moe_ctx_decode(ctx, &last, 1, logits + (n_rows - 1) * nv, &err), MOE_OK);
+    double worst = 0;
+    for (uint32_t i = 0; i < n_rows; i++) {
+        const float *ours = logits + i * nv, *theirs = ref + i * nv;
+        const double e = row_rel_err(ours, theirs, nv);
+        worst = fmax(worst, e);
+        if (e > tol) fail_msg("%s: row %u: rel err %.3g > %g", name, i, e, tol);
+        if (top2_margin(theirs, nv) > tol && argmax(ours, nv) != argmax(theirs, nv))
+            fail_msg("%s: row %u: argmax %d, llama.cpp %d", name, i, argmax(ours, nv), argmax(theirs, nv));
+        if (i + 1 >= n_prompt && i + 1 - n_prompt < n_greedy && top2_margin(theirs, nv) > tol)
+            assert_int_equal(argmax(ours, nv), greedy[i + 1 - n_prompt]);
+    }
+    print_message("%s: worst row rel err %.3g over %u rows (limit %g)\n", name, worst, n_rows, tol);
+    free(logits);
+    free(ref);
+    free(prompt);
+    free(greedy);
+    moe_ctx_free(ctx);
+    moe_model_free(m);
+}
+
+static void parity_llama_q8_0(void **state) {
+    (void)state;
+    parity_check("llama-q8_0", TOL_Q8_ACT);
+}
+
+/* ==== Load errors: each names what is wrong ==== */
+
+typedef enum { EDIT_DROP_TENSOR, EDIT_RESHAPE_TENSOR, EDIT_ARCH } edit_kind;
+
+/* Copy stories260K through the writer with one edit, then load it and return the error. */
+static void load_edited(edit_kind edit, const char *target, moe_error *err) {
+    const char *src = moe_test_shared("models/stories260K/stories260K.gguf");
+    if (!src) return;
+    moe_error e = {0};
+    moe_gguf *g = moe_gguf_open(src, &e);
+    assert_non_null(g);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
+        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
+        if (edit == EDIT_ARCH && strcmp(kv->key.ptr, "general.architecture") == 0)
+            moe_gguf_writer_set_str(w, kv->key.ptr, target);
+        else
+            moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
+    }
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        const bool hit = strcmp(t->name.ptr, target) == 0;
+        if (edit == EDIT_DROP_TENSOR && hit) continue;
+        int64_t ne[4] = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
+        if (edit == EDIT_RESHAPE_TENSOR && hit) { /* same bytes, rows and columns swapped */
+            ne[0] = t->ne[1];
+            ne[1] = t->ne[0];
+        }
+        assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, t->type, t->n_dims, ne, t->data, true, &e), MOE_OK);
+    }
+    char path[512];
+    snprintf(path, sizeof path, "%s/edited-%d.gguf", moe_test_tmpdir(), (int)edit);
+    assert_int_equal(moe_gguf_writer_write(w, path, 0, &e), MOE_OK);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+    moe_model *m = moe_model_load(path, err);
+    assert_null(m);
+    print_message("error: %s\n", err->msg);
+}
+
+static void missing_tensor_is_named(void **state) {
+    (void)state;
+    moe_error err = {0};
+    load_edited(EDIT_DROP_TENSOR, "blk.3.ffn_up.weight", &err);
+    if (!err.code) return;
+    assert_non_null(strstr(err.msg, "missing tensor 'blk.3.ffn_up.weight'"));
+}
+
+static void wrong_shape_is_named(void **state) {
+    (void)state;
+    moe_error err = {0};
+    load_edited(EDIT_RESHAPE_TENSOR, "blk.1.attn_k.weight", &err);
+    if (!err.code) return;
+    assert_non_null(strstr(err.msg, "'blk.1.attn_k.weight' has shape [32, 64"));
+    assert_non_null(strstr(err.msg, "expected [64, 32]"));
+}
+
+static void unknown_arch_is_named(void **state) {
+    (void)state;
+    moe_error err = {0};
+    load_edited(EDIT_ARCH, "mamba9000", &err);
+    if (!err.code) return;
+    assert_non_null(strstr(err.msg, "unknown architecture 'mamba9000'"));
+}
+
+static void run_on_non_gguf_says_so(void **state) {
+    (void)state;
+    char path[512], cmd[1200];
+    snprintf(path, sizeof path, "%s/notes.txt", moe_test_tmpdir());
+    moe_error err = {0};
+    const char text[] = "these are notes, not a model\n";
+    assert_int_equal(moe_file_write(path, text, sizeof text - 1, &err), MOE_OK);
+    snprintf(cmd, sizeof cmd, "%s run %s -n 4", moe_test_bin(), path);
+    char *out;
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "not a GGUF file"));
+    free(out);
+}
+
+/* ==== The commands ==== */
+
+/* `moe run stories260K -n 256 --temp 0` from BOS prints run.c's text, and with --print-ids
+ * the ids begin with run.c's 256 (BOS included). */
+static void run_stories_matches_runc(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    size_t n_text, n_tok;
+    char *want = (char *)moe_test_shared_read("models/stories260K/runc_greedy_bos_n256.txt", &n_text);
+    int32_t *tokens = json_ids("models/stories260K/greedy_bos_tokens.json", "tokens", &n_tok);
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "{ %s run %s -n 256 --temp 0 2>/dev/null; }", moe_test_bin(), model);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_string_equal(out, want);
+    free(out);
+    snprintf(cmd, sizeof cmd, "{ %s run %s -n 256 --temp 0 --print-ids 2>/dev/null; }", moe_test_bin(), model);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    const char *p = out;
+    for (size_t i = 0; i < n_tok; i++) {
+        char *end;
+        long id = strtol(p, &end, 10);
+        if (end == p || id != tokens[i]) fail_msg("id %zu: got '%.12s', run.c %d", i, p, tokens[i]);
+        p = *end == ',' ? end + 1 : end;
+    }
+    free(out);
+    free(want);
+    free(tokens);
+}
+
+/* No model: the demo model is generated into the cache and says its weights are random. */
+static void run_demo_model(void **state) {
+    (void)state;
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "XDG_CACHE_HOME=%s/cache %s run -n 12 -p 'The expert' --seed 7",
+             moe_test_tmpdir(), moe_test_bin());
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "weights are RANDOM"));
+    assert_non_null(strstr(out, "generated: 12 tokens"));
+    /* the same seed gives the same text: the file and the sampler are deterministic */
+    char *again;
+    assert_int_equal(moe_test_run(cmd, &again), 0);
+    char *a = strstr(out, "The expert"), *b = strstr(again, "The expert");
+    assert_non_null(a);
+    assert_non_null(b);
+    a[strcspn(a, "\n")] = b[strcspn(b, "\n")] = '\0';
+    assert_string_equal(a, b);
+    free(out);
+    free(again);
+}
+
+/* `moe logits --out` writes run.c's logits (within tolerance) for the first 32 greedy ids. */
+static void logits_command_matches_runc(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    size_t n_tok, n_ref, n_ours;
+    int32_t *tokens = json_ids("models/stories260K/greedy_bos_tokens.json", "tokens", &n_tok);
+    float *ref = (float *)moe_test_shared_read("models/stories260K/logits_greedy_bos_first32.runc.f32", &n_ref);
+    char ids[512] = "", out_path[512], cmd[2048], *out;
+    for (int i = 0; i < 32; i++) snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%d" : "%d", tokens[i]);
+    snprintf(out_path, sizeof out_path, "%s/logits.f32", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s --out %s", moe_test_bin(), model, ids, out_path);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    free(out);
+    uint8_t *ours;
+    moe_error err = {0};
+    assert_int_equal(moe_file_read(out_path, &ours, &n_ours, &err), MOE_OK);
+    assert_int_equal(n_ours, n_ref);
+    for (uint32_t i = 0; i < 32; i++)
+        assert_true(row_rel_err((float *)ours + i * 512, ref + i * 512, 512) <= TOL_F32);
+    /* the terminal summary names the top token of each position */
+    snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s", moe_test_bin(), model, ids);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    char want[64];
+    snprintf(want, sizeof want, "pos   0 token      1:  %d (", tokens[1]);
+    assert_non_null(strstr(out, want));
+    free(out);
+    free(ours);
+    free(ref);
+    free(tokens);
+}
+
+/* `moe chat` answers typed turns and quits at end of input. */
+static void chat_answers_and_quits(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "printf 'Once upon a time\\nThe dog\\n' | %s chat %s -n 8 --temp 0", moe_test_bin(), model);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "generated: 16 tokens"));
+    free(out);
+}
+
+int moe_suite_model(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(stories_logits_match_runc),
+        cmocka_unit_test(stories_greedy_matches_runc),
+        cmocka_unit_test(parity_llama_q8_0),
+        cmocka_unit_test(missing_tensor_is_named),
+        cmocka_unit_test(wrong_shape_is_named),
+        cmocka_unit_test(unknown_arch_is_named),
+        cmocka_unit_test(run_on_non_gguf_says_so),
+        cmocka_unit_test(run_stories_matches_runc),
+        cmocka_unit_test(run_demo_model),
+        cmocka_unit_test(logits_command_matches_runc),
+        cmocka_unit_test(chat_answers_and_quits),
+    };
+    return cmocka_run_group_tests_name("model", tests, NULL, NULL);
+}
