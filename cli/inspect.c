@@ -443,7 +443,7 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
 
 /* ==== Command ==== */
 
-int moe_cli_inspect(int argc, char **argv) {
+int moe_cmd_inspect(int argc, char **argv) {
     const char *path = NULL;
     bool json = false;
     for (int i = 0; i < argc; i++) {

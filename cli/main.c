@@ -7,17 +7,17 @@
 #include "moe.h"
 #include "cli.h"
 
-int moe_cli_inspect(int argc, char **argv); /* cli/inspect.c */
-
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] ..."},
     {"chat", moe_cmd_chat, "chat with a model in the terminal", "[MODEL] [--system TEXT] [sampling options]"},
     {"logits", moe_cmd_logits, "write the logits of every position of a token-id prompt",
      "MODEL --tokens ID,ID,... [--out FILE.f32] [--kv-type f32|f16]"},
-    {"inspect", moe_cli_inspect,
+    {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
      "FILE|SHARD [--json]"},
+    {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
+     "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
     {0},
 };
 
