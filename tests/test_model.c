@@ -185,6 +185,13 @@ static void parity_llama_q8_0(void **state) {
     parity_check("llama-q8_0", TOL_Q8_ACT);
 }
 
+/* IQ2_S / IQ2_XXS / IQ3_S experts, Q8_0 attention, Q4_K embeddings, Q6_K head; QK-norm, NEOX
+ * rope, softmax top-2 of 8 with renormalisation. */
+static void parity_qwen3moe_mixed(void **state) {
+    (void)state;
+    parity_check("qwen3moe-mixed", TOL_Q8_ACT);
+}
+
 /* ==== Load errors: each names what is wrong ==== */
 
 typedef enum { EDIT_DROP_TENSOR, EDIT_RESHAPE_TENSOR, EDIT_ARCH } edit_kind;
@@ -364,6 +371,7 @@ int moe_suite_model(void) {
         cmocka_unit_test(stories_logits_match_runc),
         cmocka_unit_test(stories_greedy_matches_runc),
         cmocka_unit_test(parity_llama_q8_0),
+        cmocka_unit_test(parity_qwen3moe_mixed),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),
         cmocka_unit_test(unknown_arch_is_named),

@@ -26,6 +26,13 @@ struct moe_ctx {
     /* scratch, [max_rows][width] floats each */
     float *x, *xn, *q, *k, *v, *att, *ff_gate, *ff_up;
     float *scores;            /* [n_threads][n_ctx] attention scores */
+    /* mixture of experts */
+    float *router;            /* [max_rows][n_expert] router logits */
+    int32_t *expert_ids;      /* [max_rows][n_expert_used] */
+    float *expert_w;          /* [max_rows][n_expert_used] */
+    float *route_scratch;     /* [2 * n_expert] */
+    moe_expert_scratch experts;
+    moe_expert_stats stats;   /* of the last moe_ctx_decode */
     moe_pool *pool;
     void *mm_scratch;         /* activation rows converted for the dot kernels */
 };
@@ -86,11 +93,26 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
     for (uint32_t il = 0; il < c->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        const moe_tensor *ts[] = {l->wq, l->wk, l->wv, l->wo, l->ffn_gate, l->ffn_up, l->ffn_down};
+        const moe_tensor *ts[] = {l->wq, l->wk, l->wv, l->wo, l->ffn_gate, l->ffn_up, l->ffn_down,
+                                  l->ffn_gate_inp, l->ffn_gate_exps, l->ffn_up_exps, l->ffn_down_exps};
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
-            mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
+            if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
     }
     x->mm_scratch = moe_xmalloc(mm);
+    if (c->n_expert) {
+        x->router = moe_xcalloc(rows * c->n_expert, sizeof(float));
+        x->expert_ids = moe_xcalloc(rows * c->n_expert_used, sizeof(int32_t));
+        x->expert_w = moe_xcalloc(rows * c->n_expert_used, sizeof(float));
+        x->route_scratch = moe_xcalloc(2 * (size_t)c->n_expert, sizeof(float));
+        x->experts.counts = moe_xcalloc(c->n_expert + 1, sizeof(int32_t));
+        x->experts.pair_row = moe_xcalloc(rows * c->n_expert_used, sizeof(int32_t));
+        x->experts.pair_w = moe_xcalloc(rows * c->n_expert_used, sizeof(float));
+        x->experts.x = moe_xcalloc(rows * c->n_embd, sizeof(float));
+        x->experts.gate = moe_xcalloc(rows * c->n_ff_exp, sizeof(float));
+        x->experts.up = moe_xcalloc(rows * c->n_ff_exp, sizeof(float));
+        x->experts.y = moe_xcalloc(rows * c->n_embd, sizeof(float));
+        x->experts.mm = x->mm_scratch;
+    }
     return x;
 }
 
@@ -109,12 +131,25 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->ff_up);
     free(c->scores);
     free(c->mm_scratch);
+    free(c->router);
+    free(c->expert_ids);
+    free(c->expert_w);
+    free(c->route_scratch);
+    free(c->experts.counts);
+    free(c->experts.pair_row);
+    free(c->experts.pair_w);
+    free(c->experts.x);
+    free(c->experts.gate);
+    free(c->experts.up);
+    free(c->experts.y);
     moe_pool_free(c->pool);
     free(c);
 }
 
 const moe_model *moe_ctx_model(const moe_ctx *c) { return c->m; }
 uint32_t moe_ctx_n_ctx(const moe_ctx *c) { return c->p.n_ctx; }
+
+moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c) { return c->stats; }
 
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq) {
     return seq >= 0 && (uint32_t)seq < c->p.n_seq ? c->seq_len[seq] : 0;
@@ -199,6 +234,7 @@ static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_r
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err) {
     if (check_rows(c, rows, n_rows, err) != MOE_OK) return err->code;
+    memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;
     const moe_model_config *cfg = &m->cfg;
     const int64_t n_embd = cfg->n_embd, n_ff = cfg->n_ff;
@@ -227,6 +263,13 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         moe_matmul(c->pool, l->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
         moe_matmul(c->pool, l->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
         moe_matmul(c->pool, l->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
+        if (l->attn_q_norm) {
+            const float *qn = (const float *)l->attn_q_norm->data, *kn = (const float *)l->attn_k_norm->data;
+            for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head; h++)
+                moe_rmsnorm(c->q + h * cfg->head_dim_k, c->q + h * cfg->head_dim_k, qn, cfg->head_dim_k, cfg->rms_eps);
+            for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head_kv; h++)
+                moe_rmsnorm(c->k + h * cfg->head_dim_k, c->k + h * cfg->head_dim_k, kn, cfg->head_dim_k, cfg->rms_eps);
+        }
         for (uint32_t r = 0; r < n_rows; r++) {
             moe_rope(c->q + r * q_w, (int)cfg->n_head, (int)cfg->head_dim_k, rows[r].pos, &rope);
             moe_rope(c->k + r * k_w, (int)cfg->n_head_kv, (int)cfg->head_dim_k, rows[r].pos, &rope);
@@ -243,12 +286,25 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         norm_w = (const float *)l->ffn_norm->data;
         for (uint32_t r = 0; r < n_rows; r++)
             moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
-        moe_matmul(c->pool, l->ffn_gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
-        moe_matmul(c->pool, l->ffn_up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
-        for (uint32_t r = 0; r < n_rows; r++)
-            moe_swiglu(c->ff_up + r * n_ff, c->ff_gate + r * n_ff, n_ff);
-        moe_matmul(c->pool, l->ffn_down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch);
-        for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
+        if (l->ffn_gate_inp) {
+            moe_matmul(c->pool, l->ffn_gate_inp, 0, c->xn, n_rows, c->router, c->mm_scratch);
+            const moe_route_params route = {.n_expert = (int)cfg->n_expert,
+                                            .n_used = (int)cfg->n_expert_used,
+                                            .gating = cfg->gating,
+                                            .norm = cfg->norm_topk,
+                                            .scale = cfg->expert_weights_scale};
+            moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
+            moe_experts_forward(c->pool, l->ffn_gate_exps, l->ffn_up_exps, l->ffn_down_exps, c->xn,
+                                n_rows, c->expert_ids, c->expert_w, (int)cfg->n_expert_used, c->x,
+                                &c->experts, &c->stats);
+        } else {
+            moe_matmul(c->pool, l->ffn_gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
+            moe_matmul(c->pool, l->ffn_up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
+            for (uint32_t r = 0; r < n_rows; r++)
+                moe_swiglu(c->ff_up + r * n_ff, c->ff_gate + r * n_ff, n_ff);
+            moe_matmul(c->pool, l->ffn_down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch);
+            for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
+        }
     }
     for (uint32_t r = 0; r < n_rows; r++) c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
 
