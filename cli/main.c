@@ -18,6 +18,10 @@ static const moe_command commands[] = {
      "FILE|SHARD [--json]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
+    {"synth", moe_cmd_synth, "write a GGUF model of a supported architecture with seeded random weights",
+     "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads N]\n"
+     "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff N]\n"
+     "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...]"},
     {0},
 };
 
