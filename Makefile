@@ -21,7 +21,8 @@ ISA_avx2       = -mavx2 -mfma -mf16c
 ISA_avx512     = $(ISA_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512dq
 ISA_avx512vnni = $(ISA_avx512) -mavx512vnni -mavx512vbmi -mavx512bf16
 # first match wins: *_avx512vnni.c must not also pick up the avx512 suffix rule
-isa_of = $(word 1,$(foreach i,avx512vnni avx512 avx2,$(if $(filter %_$(i).c,$(1)),$(ISA_$(i)))))
+# (pick the first matching ISA name, then expand its flags: `word 1` of the flags would keep -mavx2)
+isa_of = $(ISA_$(word 1,$(foreach i,avx512vnni avx512 avx2,$(if $(filter %_$(i).c,$(1)),$(i)))))
 
 LIB_SRC  := $(sort $(wildcard src/*/*.c))
 CLI_SRC  := $(sort $(wildcard cli/*.c))
