@@ -1,0 +1,105 @@
+/* x86_avx2.h: the AVX2 building blocks the x86 kernel files share -- horizontal sums, nibble
+ * and bit unpacking, sign application, the signed 8-bit dot -- as always-inline functions.
+ *
+ * Included only by files built with at least the AVX2 flags (x86_avx2.c, x86_avx512*.c), never
+ * by baseline code. The trap: _mm256_maddubs_epi16 saturates its int16 pair sums, so its
+ * unsigned operand must stay small enough that 2 * u * 127 < 32768 (u <= 128): every caller says
+ * why its operand does (nibbles, grid magnitudes, |q8| via the sign trick). Activation bytes are
+ * never -128 (the Q8 quantizers clamp to +-127), which the sign trick also relies on. */
+#ifndef MOE_QUANT_X86_AVX2_H
+#define MOE_QUANT_X86_AVX2_H
+
+#include <immintrin.h>
+
+#include "blocks.h"
+#include "kernels.h"
+
+#define MOE_INLINE static inline __attribute__((always_inline))
+
+/* ==== Reductions and scalars ==== */
+
+MOE_INLINE float avx2_hsum_f32x4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+MOE_INLINE float avx2_hsum_f32(__m256 v) {
+    return avx2_hsum_f32x4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
+MOE_INLINE int32_t avx2_hsum_i32x4(__m128i s) {
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+MOE_INLINE int32_t avx2_hsum_i32(__m256i v) {
+    return avx2_hsum_i32x4(
+        _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+MOE_INLINE float avx2_fp16(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+MOE_INLINE __m256i avx2_load(const void *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+/* ==== Unpacking ==== */
+
+/* 16 bytes of nibbles as 32 values: low nibbles -> bytes 0..15, high -> 16..31 (the Q4_0 /
+ * IQ4_NL / MXFP4 / IQ4_XS order). */
+MOE_INLINE __m256i avx2_nibbles32(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
+}
+
+/* 32 bits -> 32 bytes, 0xff where bit j of `bits` is set (byte j). */
+MOE_INLINE __m256i avx2_bits_to_mask(uint32_t bits) {
+    const __m256i spread =
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
+}
+
+/* x negated where mask bytes are 0xff (a two's complement conditional negate). */
+MOE_INLINE __m256i avx2_apply_signs(__m256i x, __m256i mask) {
+    return _mm256_sub_epi8(_mm256_xor_si256(x, mask), mask);
+}
+
+/* Four 8-byte codebook entries as 32 bytes (entry 0 -> bytes 0..7). */
+MOE_INLINE __m256i avx2_grid4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+    return _mm256_set_epi64x((long long)d, (long long)c, (long long)b, (long long)a);
+}
+
+/* ==== Multiply-adds ==== */
+
+/* Unsigned u times signed x, adjacent pairs summed: 16 int16 (u <= 128, see the header). */
+MOE_INLINE __m256i avx2_mul_u8_i8(__m256i u, __m256i x) {
+    return _mm256_maddubs_epi16(u, x);
+}
+/* Signed w times signed x, adjacent pairs summed: 16 int16 (the sign moves onto x). */
+MOE_INLINE __m256i avx2_mul_i8_i8(__m256i w, __m256i x) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+/* int16 pair sums to 8 int32, each pair weighted by the int16 in `scale`. */
+MOE_INLINE __m256i avx2_scale16(__m256i p16, __m256i scale) {
+    return _mm256_madd_epi16(p16, scale);
+}
+/* Signed 8-bit dot of 32 values in 8 int32 lanes (4 values each). */
+MOE_INLINE __m256i avx2_dot_i8(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(avx2_mul_i8_i8(w, x), _mm256_set1_epi16(1));
+}
+
+/* The int16 weights of two 16-value sub-blocks s and s+1 (s even): bytes s and s+1 of the 16
+ * int8 scales in `sc`, sign-extended, each repeated 8 times. */
+MOE_INLINE __m256i avx2_scale_pair16(__m128i sc, int s) {
+    const __m128i pick = _mm_set_epi64x((long long)(0x0101010101010101ull * (unsigned)(s + 1)),
+                                        (long long)(0x0101010101010101ull * (unsigned)s));
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
+}
+
+/* Q8_K bsums (16 per block) as int16: the sums of 16 activations each. */
+MOE_INLINE __m256i avx2_bsums(const moe_block_q8_k *y) {
+    return avx2_load(y->bsums);
+}
+
+#endif
