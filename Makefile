@@ -34,7 +34,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan fuzz format format-check deps help clean
+.PHONY: all test asan bench fuzz format format-check deps help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -69,6 +69,14 @@ test: $(MOE_BIN) $(TEST_BIN)
 asan:
 	$(MAKE) BUILD=build/asan OPT=-O1 MOE_BIN=build/asan/moe TEST_BIN=build/asan/run \
 	  SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
+
+## bench: kernel micro-benchmarks: GB/s per type per ISA table vs read bandwidth (BENCH_ARGS)
+BENCH_BIN ?= $(BUILD)/bench/kernels
+BENCH_ARGS ?=
+bench: $(BENCH_BIN)
+	./$(BENCH_BIN) $(BENCH_ARGS)
+$(BENCH_BIN): $(BUILD)/bench/kernels.o $(LIB)
+	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/kernels.o $(LIB) $(LDFLAGS) $(LDLIBS)
 
 ## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
 FUZZ_SECONDS ?= 60
@@ -106,4 +114,4 @@ help:
 clean:
 	rm -rf build moe tests/run fuzz/gguf
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BUILD)/bench/kernels.d

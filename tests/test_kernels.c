@@ -38,98 +38,13 @@ static double dot_budget(moe_type t) {
 
 /* ==== Random rows ==== */
 
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double uniform01(uint64_t *s) {
-    return ((double)(splitmix(s) >> 11) + 0.5) / 9007199254740992.0;
-}
-static double gaussian(uint64_t *s) {
-    return sqrt(-2.0 * log(uniform01(s))) * cos(6.283185307179586 * uniform01(s));
-}
-
 /* Gaussian activations with a random scale and ~1% outliers x 20. */
 static void random_activations(uint64_t *s, float *x, int64_t n) {
-    const double scale = pow(10.0, -2.0 + 3.0 * uniform01(s));
+    const double scale = pow(10.0, -2.0 + 3.0 * moe_test_uniform(s));
     for (int64_t i = 0; i < n; i++) {
-        double v = gaussian(s) * scale;
-        if (uniform01(s) < 0.01) v *= 20;
+        double v = moe_test_gaussian(s) * scale;
+        if (moe_test_uniform(s) < 0.01) v *= 20;
         x[i] = (float)v;
-    }
-}
-
-/* A random finite fp16 scale of either sign, 1e-4 .. 1e-1. */
-static uint16_t random_scale(uint64_t *s) {
-    const double v = pow(10.0, -4.0 + 3.0 * uniform01(s)) * (uniform01(s) < 0.5 ? -1 : 1);
-    return moe_f32_to_fp16((float)v);
-}
-
-/* Offsets of the fp16 scale fields of a block (-1: none). */
-static void scale_fields(moe_type t, int off[2]) {
-    off[0] = off[1] = -1;
-    switch (t) {
-    case MOE_TYPE_Q4_1:
-    case MOE_TYPE_Q5_1:
-    case MOE_TYPE_Q4_K:
-    case MOE_TYPE_Q5_K:
-        off[0] = 0, off[1] = 2;
-        break;
-    case MOE_TYPE_Q2_K:
-        off[0] = offsetof(moe_block_q2_k, d), off[1] = offsetof(moe_block_q2_k, dmin);
-        break;
-    case MOE_TYPE_Q3_K:
-        off[0] = offsetof(moe_block_q3_k, d);
-        break;
-    case MOE_TYPE_Q6_K:
-        off[0] = offsetof(moe_block_q6_k, d);
-        break;
-    case MOE_TYPE_MXFP4:
-    case MOE_TYPE_IQ1_M:
-        break; /* special: random_weights */
-    default:
-        off[0] = 0; /* every other block type starts with its fp16 d */
-        break;
-    }
-}
-
-/* A random valid row: random bytes (every index and sign pattern decodes), with the float
- * scales replaced by finite values of a sane size. Plain float types get gaussian values. */
-static void random_weights(moe_type t, uint64_t *s, uint8_t *w, int64_t n) {
-    const moe_type_traits *tr = moe_type_traits_get(t);
-    if (!tr->is_quantized) {
-        for (int64_t i = 0; i < n; i++) {
-            const float v = (float)gaussian(s);
-            if (t == MOE_TYPE_F32)
-                memcpy(w + 4 * i, &v, 4);
-            else {
-                uint16_t h = t == MOE_TYPE_F16 ? moe_f32_to_fp16(v) : moe_f32_to_bf16(v);
-                memcpy(w + 2 * i, &h, 2);
-            }
-        }
-        return;
-    }
-    const int64_t nb = n / tr->block_values;
-    for (size_t i = 0; i < (size_t)nb * tr->block_bytes; i++) w[i] = (uint8_t)splitmix(s);
-    int off[2];
-    scale_fields(t, off);
-    for (int64_t b = 0; b < nb; b++) {
-        uint8_t *blk = w + (size_t)b * tr->block_bytes;
-        for (int k = 0; k < 2; k++)
-            if (off[k] >= 0) {
-                const uint16_t h = random_scale(s);
-                memcpy(blk + off[k], &h, 2);
-            }
-        if (t == MOE_TYPE_MXFP4) blk[0] = (uint8_t)(110 + splitmix(s) % 30); /* 2^-18 .. 2^11 */
-        if (t == MOE_TYPE_IQ1_M) { /* d is the top nibbles of the four scale words */
-            const uint16_t h = (uint16_t)(random_scale(s) & 0x7fff);
-            moe_block_iq1_m *m = (moe_block_iq1_m *)blk;
-            for (int k = 0; k < 4; k++)
-                m->scales[2 * k + 1] =
-                    (uint8_t)((m->scales[2 * k + 1] & 0x0f) | (((h >> (4 * k)) & 0xf) << 4));
-        }
     }
 }
 
@@ -385,7 +300,7 @@ static void dots_match_reference_on_random_rows(void **state) {
             for (size_t c = 0; c < count; c++)
                 for (int rep = 0; rep < 4; rep++) {
                     const int64_t n = plain ? values[c] : blocks[c] * tr->block_values;
-                    random_weights((moe_type)t, &seed, w, n);
+                    moe_type_random_row((moe_type)t, &seed, w, n);
                     random_activations(&seed, x, n);
                     moe_kernels_for_isa(MOE_ISA_SCALAR)->types[t].quantize_row_for_dot(x, xq, n);
                     check_dot(k, (moe_type)t, w, xq, n, &r, "random");

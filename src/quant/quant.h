@@ -98,6 +98,14 @@ void moe_quantize_row_for_dot(moe_type wtype, const float *x, void *out, int64_t
  * Slow but exact to float rounding; the quality yardstick for the integer paths. */
 float moe_dot_f32_ref(moe_type type, const void *w, const float *x, int64_t n);
 
+/* ==== Random valid rows (random.c): for tests, benchmarks and synthetic models ==== */
+
+/* Fill a row of n values of type t (n a multiple of the block size) with random valid data:
+ * random index / sign / scale bits, float scales finite and of either sign (1e-4 .. 1e-1),
+ * MXFP4 exponents 2^-18 .. 2^11; plain float types get N(0, 1). Deterministic in *seed, which
+ * it advances. For speed, random valid blocks are as good as real ones. */
+void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n);
+
 /* ==== Kernel tables: the fast dots, one table per ISA level (kernels.c) ====
  *
  * The engine's matmul goes through the active table, never through traits->dot:
