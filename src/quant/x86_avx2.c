@@ -16,60 +16,6 @@
 
 /* ==== 32-value blocks against Q8_0 / Q8_1 ==== */
 
-/* A decoder turns one block into 32 int8 (signed for the Q8_0 types, unsigned 0..31 for the
- * Q8_1 ones) and its scale (and min). */
-typedef __m256i (*q32_decode_fn)(const uint8_t *block, float *d, float *m);
-
-MOE_INLINE __m256i decode_q4_0(const uint8_t *p, float *d, float *m) {
-    const moe_block_q4_0 *b = (const moe_block_q4_0 *)p;
-    (void)m;
-    *d = avx2_fp16(b->d);
-    return _mm256_sub_epi8(avx2_nibbles32(b->qs), _mm256_set1_epi8(8));
-}
-/* Q5_0: nibble | bit4 << 4, minus 16: OR-ing 0xf0 where the bit is clear gives nibble - 16. */
-MOE_INLINE __m256i decode_q5_0(const uint8_t *p, float *d, float *m) {
-    const moe_block_q5_0 *b = (const moe_block_q5_0 *)p;
-    (void)m;
-    *d = avx2_fp16(b->d);
-    const __m256i high =
-        _mm256_andnot_si256(avx2_bits_to_mask(moe_load_le32(b->qh)), _mm256_set1_epi8((char)0xf0));
-    return _mm256_or_si256(avx2_nibbles32(b->qs), high);
-}
-MOE_INLINE __m256i decode_q8_0(const uint8_t *p, float *d, float *m) {
-    const moe_block_q8_0 *b = (const moe_block_q8_0 *)p;
-    (void)m;
-    *d = avx2_fp16(b->d);
-    return avx2_load(b->qs);
-}
-MOE_INLINE __m256i decode_iq4_nl(const uint8_t *p, float *d, float *m) {
-    const moe_block_iq4_nl *b = (const moe_block_iq4_nl *)p;
-    (void)m;
-    *d = avx2_fp16(b->d);
-    const __m256i book =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_iq4nl));
-    return _mm256_shuffle_epi8(book, avx2_nibbles32(b->qs));
-}
-MOE_INLINE __m256i decode_mxfp4(const uint8_t *p, float *d, float *m) {
-    const moe_block_mxfp4 *b = (const moe_block_mxfp4 *)p;
-    (void)m;
-    *d = moe_e8m0_to_f32_half(b->e);
-    const __m256i book =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_mxfp4));
-    return _mm256_shuffle_epi8(book, avx2_nibbles32(b->qs));
-}
-MOE_INLINE __m256i decode_q4_1(const uint8_t *p, float *d, float *m) {
-    const moe_block_q4_1 *b = (const moe_block_q4_1 *)p;
-    *d = avx2_fp16(b->d), *m = avx2_fp16(b->m);
-    return avx2_nibbles32(b->qs);
-}
-MOE_INLINE __m256i decode_q5_1(const uint8_t *p, float *d, float *m) {
-    const moe_block_q5_1 *b = (const moe_block_q5_1 *)p;
-    *d = avx2_fp16(b->d), *m = avx2_fp16(b->m);
-    const __m256i high =
-        _mm256_and_si256(avx2_bits_to_mask(moe_load_le32(b->qh)), _mm256_set1_epi8(0x10));
-    return _mm256_or_si256(avx2_nibbles32(b->qs), high);
-}
-
 /* Two blocks per step (two accumulators); an odd last block goes to the reference. */
 MOE_INLINE float q32_dot_q8_0(const void *w, const void *x, int64_t n, size_t block_bytes,
                               q32_decode_fn decode, moe_dot_fn tail) {
@@ -133,14 +79,9 @@ MOE_INLINE void k4_dot(const uint8_t *scales_raw, uint16_t d16, uint16_t dmin16,
     uint8_t sm[16];
     moe_k4_scales_unpack(scales_raw, sm);
     const float d = y->d * avx2_fp16(d16), dmin = y->d * avx2_fp16(dmin16);
-    const __m256i bs = avx2_bsums(y);
-    const __m128i bsum32 =
-        _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-    const __m128i sm128 = _mm_loadu_si128((const __m128i *)sm);
-    const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm128, 8));
-    *acc_min =
-        _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bsum32)), *acc_min);
-    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm128));
+    *acc_min = avx2_k4_min_term(sm, y, dmin, *acc_min);
+    const __m256i sc =
+        _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm)));
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i hb = qh ? avx2_load(qh) : _mm256_setzero_si256();
     __m256i sumi = _mm256_setzero_si256();
@@ -296,15 +237,6 @@ static float dot_q3_k(const void *w, const void *x, int64_t n) {
 
 /* ==== IQ types against Q8_K ==== */
 
-/* The 16 odd scales 2s + 1 of IQ2_XS / IQ2_S (a 4-bit s per 16 values, two per byte). */
-MOE_INLINE __m128i iq2_scales16(const uint8_t scales[8]) {
-    const __m128i raw = _mm_loadl_epi64((const __m128i *)scales);
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    const __m128i s =
-        _mm_unpacklo_epi8(_mm_and_si128(raw, low4), _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-    return _mm_add_epi8(_mm_add_epi8(s, s), _mm_set1_epi8(1));
-}
-
 /* Sub-block sums are accumulated as int32 lanes; one float FMA per super-block with
  * d_w * d_x * mult (mult a power of two, so the product is what the reference forms). */
 MOE_INLINE __m256 iq_accumulate(__m256 acc, float dw, const moe_block_q8_k *y, float mult,
@@ -345,7 +277,7 @@ static float dot_iq2_xs(const void *w, const void *x, int64_t n) {
     const moe_block_q8_k *y = x;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m128i sc = iq2_scales16(b[i].scales);
+        const __m128i sc = avx2_iq2_scales16(b[i].scales);
         __m256i sumi = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib++) {
             const uint16_t *q = b[i].qs + 4 * ib;
@@ -368,7 +300,7 @@ static float dot_iq2_s(const void *w, const void *x, int64_t n) {
     const moe_block_q8_k *y = x;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m128i sc = iq2_scales16(b[i].scales);
+        const __m128i sc = avx2_iq2_scales16(b[i].scales);
         const uint8_t *qs = b[i].qs, *signs = b[i].qs + 32;
         __m256i sumi = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib++) {

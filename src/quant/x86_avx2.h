@@ -97,6 +97,82 @@ MOE_INLINE __m256i avx2_scale_pair16(__m128i sc, int s) {
     return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
 }
 
+/* ==== 32-value block decoders (Q8_0 / Q8_1 dots) ==== */
+
+/* A decoder turns one block into 32 int8 (signed for the Q8_0 types, unsigned 0..31 for the
+ * Q8_1 ones) and its scale (and min). */
+typedef __m256i (*q32_decode_fn)(const uint8_t *block, float *d, float *m);
+
+MOE_INLINE __m256i decode_q4_0(const uint8_t *p, float *d, float *m) {
+    const moe_block_q4_0 *b = (const moe_block_q4_0 *)p;
+    (void)m;
+    *d = avx2_fp16(b->d);
+    return _mm256_sub_epi8(avx2_nibbles32(b->qs), _mm256_set1_epi8(8));
+}
+/* Q5_0: nibble | bit4 << 4, minus 16: OR-ing 0xf0 where the bit is clear gives nibble - 16. */
+MOE_INLINE __m256i decode_q5_0(const uint8_t *p, float *d, float *m) {
+    const moe_block_q5_0 *b = (const moe_block_q5_0 *)p;
+    (void)m;
+    *d = avx2_fp16(b->d);
+    const __m256i high =
+        _mm256_andnot_si256(avx2_bits_to_mask(moe_load_le32(b->qh)), _mm256_set1_epi8((char)0xf0));
+    return _mm256_or_si256(avx2_nibbles32(b->qs), high);
+}
+MOE_INLINE __m256i decode_q8_0(const uint8_t *p, float *d, float *m) {
+    const moe_block_q8_0 *b = (const moe_block_q8_0 *)p;
+    (void)m;
+    *d = avx2_fp16(b->d);
+    return avx2_load(b->qs);
+}
+MOE_INLINE __m256i decode_iq4_nl(const uint8_t *p, float *d, float *m) {
+    const moe_block_iq4_nl *b = (const moe_block_iq4_nl *)p;
+    (void)m;
+    *d = avx2_fp16(b->d);
+    const __m256i book =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_iq4nl));
+    return _mm256_shuffle_epi8(book, avx2_nibbles32(b->qs));
+}
+MOE_INLINE __m256i decode_mxfp4(const uint8_t *p, float *d, float *m) {
+    const moe_block_mxfp4 *b = (const moe_block_mxfp4 *)p;
+    (void)m;
+    *d = moe_e8m0_to_f32_half(b->e);
+    const __m256i book =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_mxfp4));
+    return _mm256_shuffle_epi8(book, avx2_nibbles32(b->qs));
+}
+MOE_INLINE __m256i decode_q4_1(const uint8_t *p, float *d, float *m) {
+    const moe_block_q4_1 *b = (const moe_block_q4_1 *)p;
+    *d = avx2_fp16(b->d), *m = avx2_fp16(b->m);
+    return avx2_nibbles32(b->qs);
+}
+MOE_INLINE __m256i decode_q5_1(const uint8_t *p, float *d, float *m) {
+    const moe_block_q5_1 *b = (const moe_block_q5_1 *)p;
+    *d = avx2_fp16(b->d), *m = avx2_fp16(b->m);
+    const __m256i high =
+        _mm256_and_si256(avx2_bits_to_mask(moe_load_le32(b->qh)), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(avx2_nibbles32(b->qs), high);
+}
+
+/* The 16 odd scales 2s + 1 of IQ2_XS / IQ2_S (a 4-bit s per 16 values, two per byte). */
+MOE_INLINE __m128i avx2_iq2_scales16(const uint8_t scales[8]) {
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)scales);
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i s =
+        _mm_unpacklo_epi8(_mm_and_si128(raw, low4), _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+    return _mm_add_epi8(_mm_add_epi8(s, s), _mm_set1_epi8(1));
+}
+
+/* Q4_K / Q5_K min term of one block: dmin * sum_s min[s] * (32-value bsum of s), in 4 float
+ * lanes added to acc; sm holds the unpacked scales (0..7) and mins (8..15). */
+MOE_INLINE __m128 avx2_k4_min_term(const uint8_t sm[16], const moe_block_q8_k *y, float dmin,
+                                   __m128 acc) {
+    const __m256i bs = avx2_load(y->bsums);
+    const __m128i bsum32 =
+        _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+    return _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bsum32)), acc);
+}
+
 /* Q8_K bsums (16 per block) as int16: the sums of 16 activations each. */
 MOE_INLINE __m256i avx2_bsums(const moe_block_q8_k *y) {
     return avx2_load(y->bsums);
