@@ -258,36 +258,6 @@ static inline void moe_k4_scale_min(int j, const uint8_t *q, uint8_t *scale, uin
     }
 }
 
-/* All 8 scales (out[0..7]) and mins (out[8..15]) of a Q4_K / Q5_K block at once, with
- * word-wide masks: the same values moe_k4_scale_min gives one at a time. Little-endian hosts
- * only (the x86 kernels use it; the reference decoders do not). */
-static inline void moe_k4_scales_unpack(const uint8_t q[12], uint8_t out[16]) {
-    uint32_t u[4];
-    memcpy(u, q, 12);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4); /* mins 4..7 */
-    const uint32_t mins_lo = u[1] & low6;                      /* mins 0..3 */
-    u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);        /* scales 4..7 */
-    u[2] = mins_lo;
-    u[0] &= low6; /* scales 0..3 */
-    memcpy(out, u, 16);
-}
-
-/* The 16 six-bit Q3_K scales, bias removed (-32..31), decoded word-wide (as unpack_q3_k);
- * little-endian hosts only, like moe_k4_scales_unpack. */
-static inline void moe_k3_scales_unpack(const uint8_t q[12], int8_t out[16]) {
-    uint32_t a[3], u[4];
-    memcpy(a, q, 12);
-    const uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303;
-    u[0] = (a[0] & low4) | (((a[2] >> 0) & low2) << 4);
-    u[1] = (a[1] & low4) | (((a[2] >> 2) & low2) << 4);
-    u[2] = ((a[0] >> 4) & low4) | (((a[2] >> 4) & low2) << 4);
-    u[3] = ((a[1] >> 4) & low4) | (((a[2] >> 6) & low2) << 4);
-    uint8_t b[16];
-    memcpy(b, u, 16);
-    for (int s = 0; s < 16; s++) out[s] = (int8_t)(b[s] - 32);
-}
-
 /* Nibble layout shared by Q4_x, Q5_x, IQ4_NL, MXFP4 and IQ4_XS: value j of a 32-value group
  * is the low nibble of qs[j], value j+16 the high nibble; both go through a 16-entry map (an
  * offset like -8, or a codebook). */

@@ -71,7 +71,8 @@ void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n) {
     if (!tr->is_quantized) {
         for (int64_t i = 0; i < n; i++) {
             const float v = gaussian(seed);
-            if (t == MOE_TYPE_F32) memcpy(w + 4 * i, &v, 4);
+            if (t == MOE_TYPE_F32)
+                memcpy(w + 4 * i, &v, 4);
             else {
                 uint16_t h = t == MOE_TYPE_F16 ? moe_f32_to_fp16(v) : moe_f32_to_bf16(v);
                 memcpy(w + 2 * i, &h, 2);

@@ -76,12 +76,10 @@ Q32_DOT_Q8_1(q5_1)
  * Q8_K bsums (pairs summed to 32-value sums). `qh` is NULL for Q4_K. */
 MOE_INLINE void k4_dot(const uint8_t *scales_raw, uint16_t d16, uint16_t dmin16, const uint8_t *qs,
                        const uint8_t *qh, const moe_block_q8_k *y, __m256 *acc, __m128 *acc_min) {
-    uint8_t sm[16];
-    moe_k4_scales_unpack(scales_raw, sm);
+    const __m128i sm = avx2_k4_scales(scales_raw);
     const float d = y->d * avx2_fp16(d16), dmin = y->d * avx2_fp16(dmin16);
     *acc_min = avx2_k4_min_term(sm, y, dmin, *acc_min);
-    const __m256i sc =
-        _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm)));
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i hb = qh ? avx2_load(qh) : _mm256_setzero_si256();
     __m256i sumi = _mm256_setzero_si256();
@@ -206,9 +204,7 @@ static float dot_q3_k(const void *w, const void *x, int64_t n) {
     const moe_block_q8_k *y = x;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        int8_t scales[16];
-        moe_k3_scales_unpack(b[i].scales, scales);
-        const __m128i sc = _mm_loadu_si128((const __m128i *)scales);
+        const __m128i sc = avx2_k3_scales(b[i].scales);
         const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(&y[i]));
         __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 2));
         const __m256i hm = avx2_load(b[i].hmask), bit2 = _mm256_set1_epi8(4);
@@ -347,25 +343,42 @@ static float dot_iq3_xxs(const void *w, const void *x, int64_t n) {
     return avx2_hsum_f32(acc);
 }
 
-/* IQ3_S: 9-bit grid index (qs byte + a qh bit), explicit signs, a 4-bit scale per 32. */
+/* IQ3_S: 9-bit grid index (qs byte + a qh bit), explicit signs, a 4-bit scale per 32. The
+ * grid entries come from scalar loads: an 8-lane vpgatherdd measured slower on Zen 5 (3.3 vs
+ * 4.6 GB/s); MOE_IQ3S_GATHER=1 switches to it (tested either way). */
+#ifndef MOE_IQ3S_GATHER
+#define MOE_IQ3S_GATHER 0
+#endif
 static float dot_iq3_s(const void *w, const void *x, int64_t n) {
     const moe_block_iq3_s *b = w;
     const moe_block_q8_k *y = x;
     __m256 acc = _mm256_setzero_ps();
+    const __m256i bit8_shift = _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1);
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m128i sc = avx2_odd_scales8(b[i].scales);
         __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int ib = 0; ib < 8; ib++) {
+#if MOE_IQ3S_GATHER
+            /* index k = qs[k] | bit k of qh << 8, one 8-lane gather */
+            const __m256i idx = _mm256_or_si256(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b[i].qs + 8 * ib))),
+                _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(b[i].qh[ib]), bit8_shift),
+                                 _mm256_set1_epi32(256)));
+            const __m256i g = _mm256_i32gather_epi32((const int *)moe_iq3s_grid, idx, 4);
+#else
             const uint8_t *qs = b[i].qs + 8 * ib;
             const unsigned qh = b[i].qh[ib];
+            (void)bit8_shift;
 #define IQ3S(k) (int)moe_iq3s_grid[qs[k] | ((qh << (8 - (k))) & 256)]
             const __m256i g = _mm256_setr_epi32(IQ3S(0), IQ3S(1), IQ3S(2), IQ3S(3), IQ3S(4),
                                                 IQ3S(5), IQ3S(6), IQ3S(7));
 #undef IQ3S
+#endif
             const __m256i s = avx2_bits_to_mask(moe_load_le32(b[i].signs + 4 * ib));
             const __m256i p16 =
                 avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
-            const int scale = 2 * ((b[i].scales[ib / 2] >> (4 * (ib % 2))) & 0xf) + 1;
-            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, _mm256_set1_epi16((short)scale)));
+            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_splat_i16(sc, ib)));
         }
         acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
     }
@@ -442,14 +455,13 @@ static float dot_iq4_xs(const void *w, const void *x, int64_t n) {
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_iq4nl));
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m128i ls = avx2_iq4xs_scales(&b[i]);
         __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int ib = 0; ib < 8; ib++) {
             const __m256i q = _mm256_shuffle_epi8(book, avx2_nibbles32(b[i].qs + 16 * ib));
-            const int ls = (((b[i].scales_l[ib / 2] >> (4 * (ib % 2))) & 0xf) |
-                            (((b[i].scales_h >> (2 * ib)) & 3) << 4)) -
-                           32;
             const __m256i p16 = avx2_mul_i8_i8(q, avx2_load(y[i].qs + 32 * ib));
-            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, _mm256_set1_epi16((short)ls)));
+            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_splat_i16(ls, ib)));
         }
         acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
     }

@@ -162,14 +162,69 @@ MOE_INLINE __m128i avx2_iq2_scales16(const uint8_t scales[8]) {
     return _mm_add_epi8(_mm_add_epi8(s, s), _mm_set1_epi8(1));
 }
 
+/* ==== K-quant scales, decoded in registers (a store + reload would stall forwarding) ==== */
+
+/* Q4_K / Q5_K: the 8 six-bit scales (bytes 0..7) and mins (bytes 8..15), the values
+ * moe_k4_scale_min gives one at a time. */
+MOE_INLINE __m128i avx2_k4_scales(const uint8_t q[12]) {
+    uint32_t u[3];
+    memcpy(u, q, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    return _mm_setr_epi32((int)(u[0] & low6), (int)((u[2] & low4) | (((u[0] >> 6) & low2) << 4)),
+                          (int)(u[1] & low6),
+                          (int)(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)));
+}
+
+/* Q3_K: the 16 six-bit scales, bias removed (-32..31), as unpack_q3_k decodes them. */
+MOE_INLINE __m128i avx2_k3_scales(const uint8_t q[12]) {
+    uint32_t a[3];
+    memcpy(a, q, 12);
+    const uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    const __m128i v = _mm_setr_epi32((int)((a[0] & low4) | ((a[2] & low2) << 4)),
+                                     (int)((a[1] & low4) | (((a[2] >> 2) & low2) << 4)),
+                                     (int)(((a[0] >> 4) & low4) | (((a[2] >> 4) & low2) << 4)),
+                                     (int)(((a[1] >> 4) & low4) | (((a[2] >> 6) & low2) << 4)));
+    return _mm_sub_epi8(v, _mm_set1_epi8(32));
+}
+
+/* 4 bytes as 8 nibbles in int16 lanes: lane 2k = low nibble of byte k, lane 2k+1 the high. */
+MOE_INLINE __m128i avx2_nibbles8_i16(uint32_t bytes) {
+    const __m128i v = _mm_cvtsi32_si128((int)bytes), low4 = _mm_set1_epi8(0x0f);
+    return _mm_cvtepu8_epi16(
+        _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+}
+
+/* IQ4_XS: the 8 sub-block scales ls - 32 (4 low bits in scales_l, 2 high in scales_h), int16. */
+MOE_INLINE __m128i avx2_iq4xs_scales(const moe_block_iq4_xs *b) {
+    const __m256i h =
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b->scales_h),
+                                           _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                         _mm256_set1_epi32(3));
+    const __m128i h16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const __m128i ls =
+        _mm_or_si128(avx2_nibbles8_i16(moe_load_le32(b->scales_l)), _mm_slli_epi16(h16, 4));
+    return _mm_sub_epi16(ls, _mm_set1_epi16(32));
+}
+
+/* 8 four-bit scales s (two per byte, low nibble first) as the odd int16 2s + 1 (IQ3_S). */
+MOE_INLINE __m128i avx2_odd_scales8(const uint8_t s[4]) {
+    const __m128i v = avx2_nibbles8_i16(moe_load_le32(s));
+    return _mm_add_epi16(_mm_add_epi16(v, v), _mm_set1_epi16(1));
+}
+
+/* int16 lane k of v (0..7) in every int16 lane of a 256-bit vector. */
+MOE_INLINE __m256i avx2_splat_i16(__m128i v, int k) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(v),
+                               _mm256_set1_epi16((short)(0x0100 + 0x0202 * k)));
+}
+
 /* Q4_K / Q5_K min term of one block: dmin * sum_s min[s] * (32-value bsum of s), in 4 float
- * lanes added to acc; sm holds the unpacked scales (0..7) and mins (8..15). */
-MOE_INLINE __m128 avx2_k4_min_term(const uint8_t sm[16], const moe_block_q8_k *y, float dmin,
-                                   __m128 acc) {
+ * lanes added to acc; sm from avx2_k4_scales. */
+MOE_INLINE __m128 avx2_k4_min_term(__m128i sm, const moe_block_q8_k *y, float dmin, __m128 acc) {
     const __m256i bs = avx2_load(y->bsums);
     const __m128i bsum32 =
         _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
     return _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bsum32)), acc);
 }
 
