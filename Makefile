@@ -93,11 +93,19 @@ fuzz: $(FUZZ_BIN)
 	  -artifact_prefix=fuzz/out/ -print_final_stats=1 \
 	  $(if $(FUZZ_SEEDS),-seed_inputs=$(subst $(space),$(comma),$(strip $(FUZZ_SEEDS)))) \
 	  fuzz/corpus/gguf tests/data/gguf
-$(FUZZ_BIN): fuzz/gguf.c $(LIB_SRC) $(wildcard src/*/*.h)
+# The library is built once more with clang and sanitizer coverage (every ISA file with its
+# own flags, as in the normal build); each fuzz/<target>.c links against it.
+FUZZ_SAN = -fsanitize=address,undefined -fno-sanitize-recover=all
+FUZZ_LIB = build/fuzz/lib/libmoe.a
+.PHONY: lib fuzz-lib
+lib: $(LIB)
+fuzz-lib:
+	$(MAKE) BUILD=build/fuzz/lib CC=$(FUZZ_CC) OPT=-O1 WERROR= \
+	  SAN="-fsanitize=fuzzer-no-link $(FUZZ_SAN)" lib
+$(BUILD)/fuzz/%: fuzz/%.c fuzz-lib
 	@mkdir -p $(dir $@)
-	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer,address,undefined \
-	  -fno-sanitize-recover=all -o $@ fuzz/gguf.c \
-	  $(filter-out %_avx2.c %_avx512.c %_avx512vnni.c,$(LIB_SRC)) -lm -lpthread
+	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer $(FUZZ_SAN) -o $@ $< \
+	  $(FUZZ_LIB) $(LDLIBS)
 
 ## format: clang-format every C file in place; format-check only reports
 FORMAT_FILES = $(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c)
