@@ -34,7 +34,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     }
     const uint64_t elem = params.kv_type == MOE_KV_F16 ? 2 : 4;
     const uint64_t k_row = (uint64_t)c->n_head_kv * c->head_dim_k * elem;
-    const uint64_t v_row = (uint64_t)c->n_head_kv * c->head_dim_v * elem;
+    /* MLA caches only the latent row (n_lora_kv + rope dims = head_dim_k); V lives inside it */
+    const uint64_t v_row = c->n_lora_kv ? 0 : (uint64_t)c->n_head_kv * c->head_dim_v * elem;
     uint64_t per_seq_positions, k_bytes, v_bytes;
     if (moe_mul_overflow((uint64_t)params.n_seq * c->n_layer, params.n_ctx, &per_seq_positions) ||
         moe_mul_overflow(per_seq_positions, k_row, &k_bytes) ||
@@ -65,8 +66,17 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->k = moe_xcalloc(rows * c->n_head_kv * c->head_dim_k, sizeof(float));
     x->v = moe_xcalloc(rows * c->n_head_kv * c->head_dim_v, sizeof(float));
     x->att = moe_xcalloc(rows * att_w, sizeof(float));
-    x->ff_gate = moe_xcalloc(rows * c->n_ff, sizeof(float));
-    x->ff_up = moe_xcalloc(rows * c->n_ff, sizeof(float));
+    const uint64_t ff_w = max_u64(c->n_ff, (uint64_t)c->n_ff_exp * c->n_expert_shared);
+    x->ff_gate = moe_xcalloc(rows * ff_w, sizeof(float));
+    x->ff_up = moe_xcalloc(rows * ff_w, sizeof(float));
+    if (c->n_lora_kv) {
+        const uint64_t head_max = max_u64(max_u64(c->head_dim_k_mla, c->n_lora_kv), c->head_dim_v_mla);
+        x->mla_qa = moe_xcalloc(rows * (c->n_lora_q ? c->n_lora_q : 1), sizeof(float));
+        x->mla_q = moe_xcalloc(rows * c->n_head * c->head_dim_k_mla, sizeof(float));
+        x->mla_o = moe_xcalloc(rows * c->n_head * c->head_dim_v_mla, sizeof(float));
+        x->mla_in = moe_xcalloc(rows * head_max, sizeof(float));
+        x->mla_out = moe_xcalloc(rows * head_max, sizeof(float));
+    }
     if (params.n_threads < 1) params.n_threads = 1;
     x->p.n_threads = params.n_threads;
     x->pool = moe_pool_new(params.n_threads);
@@ -75,7 +85,9 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     for (uint32_t il = 0; il < c->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
         const moe_tensor *ts[] = {l->wq, l->wk, l->wv, l->wo, l->ffn_gate, l->ffn_up, l->ffn_down,
-                                  l->ffn_gate_inp, l->ffn_gate_exps, l->ffn_up_exps, l->ffn_down_exps};
+                                  l->ffn_gate_inp, l->ffn_gate_exps, l->ffn_up_exps, l->ffn_down_exps,
+                                  l->ffn_gate_shexp, l->ffn_up_shexp, l->ffn_down_shexp, l->wq_a,
+                                  l->wq_b, l->wkv_a_mqa, l->wk_b, l->wv_b};
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
             if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
     }
@@ -111,6 +123,11 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->ff_gate);
     free(c->ff_up);
     free(c->scores);
+    free(c->mla_qa);
+    free(c->mla_q);
+    free(c->mla_o);
+    free(c->mla_in);
+    free(c->mla_out);
     free(c->mm_scratch);
     free(c->router);
     free(c->expert_ids);
@@ -200,7 +217,8 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 
     for (uint32_t il = 0; il < cfg->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        moe_block_attention(c, l, il, rows, n_rows);
+        if (l->wkv_a_mqa) moe_block_attention_mla(c, l, il, rows, n_rows);
+        else moe_block_attention(c, l, il, rows, n_rows);
         if (l->ffn_gate_inp) moe_block_ffn_experts(c, l, n_rows);
         else moe_block_ffn_dense(c, l, n_rows);
     }

@@ -1,6 +1,7 @@
 /* ffn.c: the feed-forward blocks -- dense SwiGLU and routed experts -- each RMSNorm, the
- * FFN, and the residual add. The expert block routes every row, then runs the grouped
- * dispatch (ops/moe.c) so each chosen expert is read once for all rows that chose it. */
+ * FFN, and the residual add. The expert block routes every row (router bias, selection bias,
+ * groups as the config says), then runs the grouped dispatch (ops/moe.c) so each chosen expert
+ * is read once for all rows that chose it, then any shared experts. */
 #include "internal.h"
 
 #include <string.h>
@@ -13,29 +14,44 @@ static void ffn_norm(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
                     cfg->n_embd, cfg->rms_eps);
 }
 
-void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
-    const moe_model_config *cfg = &c->m->cfg;
-    const int64_t n_embd = cfg->n_embd, n_ff = cfg->n_ff;
-    ffn_norm(c, l, n_rows);
-    moe_matmul(c->pool, l->ffn_gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
-    moe_matmul(c->pool, l->ffn_up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
-    for (uint32_t r = 0; r < n_rows; r++) moe_swiglu(c->ff_up + r * n_ff, c->ff_gate + r * n_ff, n_ff);
-    moe_matmul(c->pool, l->ffn_down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch);
+/* x += down(silu(gate(xn)) * up(xn)): the dense FFN, and the shared experts beside the routed
+ * ones (their width is gate->ne[1]). Overwrites xn. */
+static void swiglu_into_residual(moe_ctx *c, const moe_tensor *gate, const moe_tensor *up,
+                                 const moe_tensor *down, uint32_t n_rows) {
+    const int64_t n_embd = c->m->cfg.n_embd, n_ff = gate->ne[1];
+    moe_matmul(c->pool, gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
+    moe_matmul(c->pool, up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
+    moe_swiglu(c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
+    moe_matmul(c->pool, down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch);
     for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
+}
+
+void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
+    ffn_norm(c, l, n_rows);
+    swiglu_into_residual(c, l->ffn_gate, l->ffn_up, l->ffn_down, n_rows);
 }
 
 void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
     ffn_norm(c, l, n_rows);
     moe_matmul(c->pool, l->ffn_gate_inp, 0, c->xn, n_rows, c->router, c->mm_scratch);
+    moe_add_bias(c->router, l->ffn_gate_inp_b, 0, n_rows, cfg->n_expert);
     const moe_route_params route = {.n_expert = (int)cfg->n_expert,
                                     .n_used = (int)cfg->n_expert_used,
                                     .gating = cfg->gating,
                                     .norm = cfg->norm_topk,
-                                    .scale = cfg->expert_weights_scale};
+                                    .scale = cfg->expert_weights_scale,
+                                    .sel_bias = l->exp_probs_b ? (const float *)l->exp_probs_b->data : NULL,
+                                    .n_group = (int)cfg->n_expert_group,
+                                    .topk_group = (int)cfg->n_group_used};
     moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
+    const moe_expert_set experts = {.gate = l->ffn_gate_exps, .up = l->ffn_up_exps,
+                                    .down = l->ffn_down_exps, .gate_b = l->ffn_gate_exps_b,
+                                    .up_b = l->ffn_up_exps_b, .down_b = l->ffn_down_exps_b,
+                                    .act = cfg->expert_act};
     /* the experts add their weighted outputs straight into the residual */
-    moe_experts_forward(c->pool, l->ffn_gate_exps, l->ffn_up_exps, l->ffn_down_exps, c->xn, n_rows,
-                        c->expert_ids, c->expert_w, (int)cfg->n_expert_used, c->x, &c->experts,
-                        &c->stats);
+    moe_experts_forward(c->pool, &experts, c->xn, n_rows, c->expert_ids, c->expert_w,
+                        (int)cfg->n_expert_used, c->x, &c->experts, &c->stats);
+    if (l->ffn_gate_shexp)
+        swiglu_into_residual(c, l->ffn_gate_shexp, l->ffn_up_shexp, l->ffn_down_shexp, n_rows);
 }
