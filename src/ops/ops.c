@@ -1,6 +1,6 @@
 /* ops.c: reference implementations of norms, activations, rope, matmul and attention.
  *
- * Plain C, float32 accumulation. These are the semantics the fast kernels must reproduce;
+ * Plain C, float32 accumulation; matmuls go through the active ISA kernel table. These are the semantics the fast kernels must reproduce;
  * rope follows ggml's cache construction (theta multiplied by theta_scale pair after pair)
  * so positions produce the same angles as llama.cpp to the last bit. */
 #include "ops.h"
@@ -125,7 +125,7 @@ uint64_t moe_matmul_scratch_bytes(const moe_tensor *w, int64_t n_rows) {
 }
 
 typedef struct matmul_job {
-    const moe_type_traits *t;
+    const moe_type_kernels *k; /* the active ISA table's entry for the weight type */
     const uint8_t *wbase;
     uint64_t w_row_bytes, xq_row_bytes;
     const uint8_t *xq;
@@ -140,23 +140,22 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     for (int64_t o = begin; o < end; o++) {
         const uint8_t *wrow = j->wbase + (uint64_t)o * j->w_row_bytes;
         for (int64_t r = 0; r < j->n_rows; r++)
-            j->y[r * j->n_out + o] = j->t->dot(wrow, j->xq + (uint64_t)r * j->xq_row_bytes, j->n_in);
+            j->y[r * j->n_out + o] = j->k->dot(wrow, j->xq + (uint64_t)r * j->xq_row_bytes, j->n_in);
     }
 }
 
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x,
                 int64_t n_rows, float *y, void *scratch) {
-    const moe_type_traits *t = moe_type_traits_get(w->type);
+    const moe_type_kernels *k = moe_kernels_type(w->type);
     const int64_t n_in = w->ne[0], n_out = w->ne[1];
-    matmul_job j = {.t = t, .n_in = n_in, .n_out = n_out, .n_rows = n_rows, .y = y,
+    matmul_job j = {.k = k, .n_in = n_in, .n_out = n_out, .n_rows = n_rows, .y = y,
                     .w_row_bytes = moe_type_row_bytes(w->type, n_in),
                     .xq = (const uint8_t *)x, .xq_row_bytes = (uint64_t)n_in * sizeof(float)};
     j.wbase = w->data + (uint64_t)matrix * (uint64_t)n_out * j.w_row_bytes;
-    if (t->dot_type != MOE_TYPE_F32) {
+    if (k->dot_type != MOE_TYPE_F32) {
         j.xq_row_bytes = moe_dot_row_bytes(w->type, n_in);
         for (int64_t r = 0; r < n_rows; r++)
-            moe_quantize_row_for_dot(w->type, x + r * n_in,
-                                     (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes, n_in);
+            k->quantize_row_for_dot(x + r * n_in, (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes, n_in);
         j.xq = scratch;
     }
     /* chunks of output units: enough per chunk to amortise the hand-out, many chunks per thread */
