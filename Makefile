@@ -14,7 +14,7 @@ MOE_BIN ?= moe
 TEST_BIN ?= tests/run
 CFLAGS  ?= $(OPT) -g
 CFLAGS  += $(SAN) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -Iinclude -MMD -MP -fno-strict-aliasing
-LDLIBS  += -lm -lpthread
+LDLIBS  += -lm -lpthread -ljansson
 TEST_LDLIBS = -lcmocka -ljansson
 
 ISA_avx2       = -mavx2 -mfma -mf16c

@@ -11,6 +11,8 @@ typedef struct moe_command {
     const char *usage;   /* the argument synopsis */
 } moe_command;
 
+int moe_cmd_template(int argc, char **argv);
+
 int moe_cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 #endif

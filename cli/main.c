@@ -8,6 +8,9 @@
 #include "cli.h"
 
 static const moe_command commands[] = {
+    {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
+     "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
+     "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},
     {0},
 };
 
