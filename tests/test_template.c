@@ -56,21 +56,21 @@ static const conversation conversations[] = {
      TOOLS, "{\"add_generation_prompt\":true}"},
     {"tool-calls",
      "[{\"role\":\"user\",\"content\":\"Weather in Paris for 3 days?\"},{\"role\":\"assistant\","
-     "\"content\":\"\",\"tool_calls\":[{\"id\":\"call_1\",\"type\":\"function\",\"function\":"
+     "\"content\":\"\",\"tool_calls\":[{\"id\":\"a1b2c3d4e\",\"type\":\"function\",\"function\":"
      "{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\",\"days\":3}}}]},{\"role\":"
-     "\"tool\",\"tool_call_id\":\"call_1\",\"name\":\"get_weather\",\"content\":\"{\\\"temp\\\": "
+     "\"tool\",\"tool_call_id\":\"a1b2c3d4e\",\"name\":\"get_weather\",\"content\":\"{\\\"temp\\\": "
      "21, \\\"sky\\\": \\\"clear\\\"}\"},{\"role\":\"assistant\",\"content\":\"It is 21 degrees "
      "and clear.\"}]",
      TOOLS, "{\"add_generation_prompt\":false}"},
     {"tool-calls-pending",
      "[{\"role\":\"system\",\"content\":\"Use tools.\"},{\"role\":\"user\",\"content\":\"Search "
      "cats, then weather in Oslo\"},{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{"
-     "\"id\":\"call_a\",\"type\":\"function\",\"function\":{\"name\":\"search\",\"arguments\":{"
+     "\"id\":\"f5g6h7i8j\",\"type\":\"function\",\"function\":{\"name\":\"search\",\"arguments\":{"
      "\"query\":\"cats\",\"filters\":{\"site\":\"example.org\"},\"tags\":[\"pets\",\"fun\"],"
-     "\"limit\":2.5,\"safe\":true}}},{\"id\":\"call_b\",\"type\":\"function\",\"function\":{"
+     "\"limit\":2.5,\"safe\":true}}},{\"id\":\"k9l0m1n2o\",\"type\":\"function\",\"function\":{"
      "\"name\":\"get_weather\",\"arguments\":{\"city\":\"Oslo\"}}}]},{\"role\":\"tool\","
-     "\"tool_call_id\":\"call_a\",\"name\":\"search\",\"content\":\"cats are great\"},{\"role\":"
-     "\"tool\",\"tool_call_id\":\"call_b\",\"name\":\"get_weather\",\"content\":\"-3 C\"}]",
+     "\"tool_call_id\":\"f5g6h7i8j\",\"name\":\"search\",\"content\":\"cats are great\"},{\"role\":"
+     "\"tool\",\"tool_call_id\":\"k9l0m1n2o\",\"name\":\"get_weather\",\"content\":\"-3 C\"}]",
      TOOLS, "{\"add_generation_prompt\":true}"},
     {"reasoning",
      "[{\"role\":\"user\",\"content\":\"Is 17 prime?\"},{\"role\":\"assistant\",\"content\":"
@@ -242,6 +242,13 @@ static void templates_match_jinja2(void **state) {
             }
             free(ours);
         }
+        if (getenv("MOE_TEST_VERBOSE"))
+            for (size_t c = 0; c < N_CONV; c++) {
+                json_t *ref = json_array_get(results, f * N_CONV + c);
+                if (!json_is_true(json_object_get(ref, "ok")))
+                    print_message("    (both raise) %s / %s: %s\n", files[f].name, conversations[c].name,
+                                  json_string_value(json_object_get(ref, "error")));
+            }
         print_message("  %-52s %2zu/%zu%s%s\n", files[f].name, match, N_CONV, failed[0] ? " differ:" : "",
                       failed);
         moe_chat_template_free(t);

@@ -131,7 +131,12 @@ static void scope_set(render *r, scope *s, const char *name, jinja_value v) {
 /* Python's iter(v) materialised: list items, dict keys, str characters; Undefined is empty. */
 static jinja_list *iter_list(render *r, jinja_value v) {
     switch (v.kind) {
-    case JV_LIST: return v.l;
+    case JV_LIST:
+        if (v.l->lazy == JL_ITER) {
+            if (v.l->consumed) return jv_list(&r->c, 0).l;
+            v.l->consumed = true;
+        }
+        return v.l;
     case JV_UNDEF: return jv_list(&r->c, 0).l;
     case JV_DICT: {
         if (v.d->ns) break;
@@ -152,6 +157,15 @@ static jinja_list *iter_list(render *r, jinja_value v) {
     default: break;
     }
     fail(r, "'%s' object is not iterable", jv_type_name(v));
+}
+
+static jinja_value as_generator(jinja_value v) {
+    v.l->lazy = JL_ITER;
+    return v;
+}
+
+static void not_subscriptable(render *r, jinja_value v) {
+    if (v.kind == JV_LIST && v.l->lazy) fail(r, "'%s' object is not subscriptable", jv_type_name(v));
 }
 
 static void count_iteration(render *r) {
@@ -605,7 +619,9 @@ static jinja_value f_tojson(render *r, jinja_value v, const args *a) {
 static jinja_value f_length(render *r, jinja_value v) {
     switch (v.kind) {
     case JV_STR: return jv_int((int64_t)jinja_utf8_count(v.s->data, v.s->len));
-    case JV_LIST: return jv_int((int64_t)v.l->n);
+    case JV_LIST:
+        if (v.l->lazy == JL_ITER) break;
+        return jv_int((int64_t)v.l->n);
     case JV_DICT:
         if (!v.d->ns) return jv_int((int64_t)v.d->n);
         break;
@@ -670,8 +686,9 @@ static jinja_value f_join(render *r, jinja_value v, const args *a) {
 
 /* select/reject/selectattr/rejectattr: keep items where the test (or truthiness) == want */
 static jinja_value f_select(render *r, jinja_value v, const args *a, bool want, bool by_attr) {
+    jinja_value out = as_generator(jv_list(&r->c, 0));
+    if (!jv_truthy(v)) return out; /* jinja2: `if value:` before iterating */
     jinja_list *l = iter_list(r, v);
-    jinja_value out = jv_list(&r->c, 0);
     size_t first = 0;
     jinja_value attr = {.kind = MISSING};
     if (by_attr) {
@@ -697,8 +714,9 @@ static jinja_value f_select(render *r, jinja_value v, const args *a, bool want, 
 }
 
 static jinja_value f_map(render *r, jinja_value v, const args *a) {
+    if (!jv_truthy(v)) return as_generator(jv_list(&r->c, 0)); /* `if value:` as jinja2 */
     jinja_list *l = iter_list(r, v);
-    jinja_value out = jv_list(&r->c, l->n);
+    jinja_value out = as_generator(jv_list(&r->c, l->n));
     jinja_value attribute = {.kind = MISSING}, dflt = {.kind = MISSING};
     for (size_t i = 0; i < a->n; i++) {
         if (!a->names || !a->names[i]) continue;
@@ -722,6 +740,7 @@ static jinja_value f_map(render *r, jinja_value v, const args *a) {
 }
 
 static jinja_value f_first_last(render *r, jinja_value v, bool last) {
+    if (last && v.kind == JV_LIST && v.l->lazy == JL_ITER) fail(r, "'generator' object is not reversible");
     jinja_list *l = iter_list(r, v);
     if (!l->n) return undef(r, last ? "No last item, sequence was empty." : "No first item, sequence was empty.", UNDEF_PLAIN, NULL);
     return l->items[last ? l->n - 1 : 0];
@@ -839,7 +858,7 @@ static jinja_value f_unique(render *r, jinja_value v, const args *a) {
         jv_list_push(&r->c, seen.l, key);
         jv_list_push(&r->c, out.l, l->items[i]);
     }
-    return out;
+    return as_generator(out);
 }
 
 static jinja_value f_minmax(render *r, jinja_value v, const args *a, bool want_max) {
@@ -980,7 +999,7 @@ static jinja_value f_batch_slice(render *r, jinja_value v, const args *a, bool i
                 while ((int64_t)cur_.l->n < k) jv_list_push(&r->c, cur_.l, p[1]);
             jv_list_push(&r->c, out.l, cur_);
         }
-        return out;
+        return as_generator(out);
     }
     size_t per = l->n / (size_t)k, extra = l->n % (size_t)k, offset = 0;
     for (size_t s = 0; s < (size_t)k; s++) {
@@ -992,7 +1011,7 @@ static jinja_value f_batch_slice(render *r, jinja_value v, const args *a, bool i
         if (fill && s >= extra) jv_list_push(&r->c, part.l, p[1]);
         jv_list_push(&r->c, out.l, part);
     }
-    return out;
+    return as_generator(out);
 }
 
 static jinja_value f_format(render *r, jinja_value v, const args *a);
@@ -1024,9 +1043,9 @@ static jinja_value apply_filter(render *r, const char *name, jinja_value v, cons
     if (!strcmp(name, "join")) return f_join(r, v, a);
     if (!strcmp(name, "items")) {
         NOARGS();
-        if (v.kind == JV_UNDEF) return jv_list(&r->c, 0);
+        if (v.kind == JV_UNDEF) return as_generator(jv_list(&r->c, 0));
         if (v.kind != JV_DICT || v.d->ns) fail(r, "Can only get item pairs from a mapping.");
-        jinja_value out = jv_list(&r->c, v.d->n);
+        jinja_value out = as_generator(jv_list(&r->c, v.d->n));
         for (size_t i = 0; i < v.d->n; i++)
             jv_list_push(&r->c, out.l, make_pair(r, v.d->keys[i], v.d->vals[i]));
         return out;
@@ -1105,7 +1124,7 @@ static jinja_value apply_filter(render *r, const char *name, jinja_value v, cons
         jinja_list *l = iter_list(r, v);
         jinja_value out = jv_list(&r->c, l->n);
         for (size_t i = l->n; i > 0; i--) jv_list_push(&r->c, out.l, l->items[i - 1]);
-        return out;
+        return as_generator(out); /* reversed(): an iterator */
     }
     if (!strcmp(name, "min")) return f_minmax(r, v, a, false);
     if (!strcmp(name, "max")) return f_minmax(r, v, a, true);
@@ -1579,6 +1598,8 @@ static jinja_value call_method(render *r, jinja_method *m, const args *a) {
         if (!strcmp(name, "items") || !strcmp(name, "keys") || !strcmp(name, "values")) {
             bind(r, name, a, 0, NULL, 0, p);
             jinja_value out = jv_list(&r->c, self.d->n);
+            out.l->lazy = JL_VIEW;
+            out.l->view = name[0] == 'i' ? "dict_items" : name[0] == 'k' ? "dict_keys" : "dict_values";
             for (size_t i = 0; i < self.d->n; i++) {
                 jinja_value x = name[0] == 'i'   ? make_pair(r, self.d->keys[i], self.d->vals[i])
                                 : name[0] == 'k' ? self.d->keys[i]
@@ -1727,6 +1748,7 @@ static jinja_value get_item(render *r, jinja_value obj, jinja_value key) {
     }
     case JV_LIST: {
         size_t i;
+        if (key.kind != JV_STR) not_subscriptable(r, obj);
         if (index_of(r, key, obj.l->n, &i)) return obj.l->items[i];
         if (key.kind == JV_INT || key.kind == JV_BOOL) return undef(r, "list index out of range", UNDEF_PLAIN, NULL);
         break;
@@ -1763,7 +1785,7 @@ static jinja_value do_slice(render *r, jinja_value obj, jinja_value start, jinja
     jinja_list *src = NULL;
     size_t n;
     if (is_str) n = jinja_utf8_count(obj.s->data, obj.s->len);
-    else if (obj.kind == JV_LIST) n = (src = obj.l)->n;
+    else if (obj.kind == JV_LIST && !obj.l->lazy) n = (src = obj.l)->n;
     else fail(r, "'%s' object is not subscriptable", jv_type_name(obj));
     int64_t st = step.kind == JV_NONE ? 1 : as_int(r, step, "slice step");
     if (st == 0) fail(r, "slice step cannot be zero");
@@ -1830,7 +1852,8 @@ static jinja_value num_add(render *r, jinja_value x, jinja_value y) {
         s->data[s->len] = '\0';
         return (jinja_value){.kind = JV_STR, .safe = x.safe, .s = s};
     }
-    if (x.kind == JV_LIST && y.kind == JV_LIST && x.l->tuple == y.l->tuple) {
+    if (x.kind == JV_LIST && y.kind == JV_LIST && x.l->tuple == y.l->tuple && !x.l->lazy &&
+        !y.l->lazy) {
         jinja_value out = jv_list(&r->c, x.l->n + y.l->n);
         out.l->tuple = x.l->tuple;
         for (size_t i = 0; i < x.l->n; i++) jv_list_push(&r->c, out.l, x.l->items[i]);
@@ -1849,6 +1872,7 @@ static jinja_value repeat(render *r, jinja_value seq, int64_t times) {
         if (!b.data) jbuf_puts(&b, "");
         return jv_str_buf(&r->c, &b);
     }
+    not_subscriptable(r, seq);
     if (times && seq.l->n > JINJA_MAX_RANGE / (uint64_t)times) fail(r, "repeated list too long");
     jinja_value out = jv_list(&r->c, 0);
     out.l->tuple = seq.l->tuple;

@@ -91,8 +91,16 @@ struct jinja_value {
 struct jinja_list {
     size_t n, cap;
     jinja_value *items;
-    bool tuple; /* prints as (a, b) */
+    bool tuple;       /* prints as (a, b) */
+    uint8_t lazy;     /* JL_ITER: a generator (map, select, ...); JL_VIEW: dict.items() & co. */
+    bool consumed;    /* JL_ITER: iterated once already, empty from now on */
+    const char *view; /* JL_VIEW: "dict_items", "dict_keys" or "dict_values" */
 };
+
+/* Python's lazy sequences differ where templates notice: a generator has no len(), no
+ * indexing, no JSON form, is always true, and can be iterated once; a dict view has a len()
+ * and truth but no indexing or JSON form. */
+enum { JL_LIST = 0, JL_ITER = 1, JL_VIEW = 2 };
 
 struct jinja_dict {
     size_t n, cap;

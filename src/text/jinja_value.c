@@ -246,7 +246,7 @@ bool jv_truthy(jinja_value v) {
     case JV_INT: return v.i != 0;
     case JV_FLOAT: return v.f != 0.0;
     case JV_STR: return v.s->len != 0;
-    case JV_LIST: return v.l->n != 0;
+    case JV_LIST: return v.l->lazy == JL_ITER || v.l->n != 0;
     case JV_DICT: return v.d->ns || v.d->n != 0;
     default: return true;
     }
@@ -278,6 +278,7 @@ bool jv_equal(jinja_value a, jinja_value b) {
     case JV_STR: return a.s->len == b.s->len && memcmp(a.s->data, b.s->data, a.s->len) == 0;
     case JV_LIST:
         if (a.l == b.l) return true;
+        if (a.l->lazy || b.l->lazy) return false;
         if (a.l->n != b.l->n || a.l->tuple != b.l->tuple) return false;
         for (size_t i = 0; i < a.l->n; i++)
             if (!jv_equal(a.l->items[i], b.l->items[i])) return false;
@@ -307,7 +308,10 @@ const char *jv_type_name(jinja_value v) {
     case JV_INT: return "int";
     case JV_FLOAT: return "float";
     case JV_STR: return "str";
-    case JV_LIST: return v.l->tuple ? "tuple" : "list";
+    case JV_LIST:
+        return v.l->lazy == JL_ITER ? "generator" : v.l->lazy == JL_VIEW ? v.l->view
+               : v.l->tuple         ? "tuple"
+                                    : "list";
     case JV_DICT: return v.d->ns ? "Namespace" : "dict";
     case JV_MACRO: return "Macro";
     case JV_FUNC: return "function";
@@ -332,7 +336,7 @@ int jv_compare(jinja_ctx *c, jinja_value a, jinja_value b) {
         if (r) return r < 0 ? -1 : 1;
         return (a.s->len > b.s->len) - (a.s->len < b.s->len);
     }
-    if (a.kind == JV_LIST && b.kind == JV_LIST) {
+    if (a.kind == JV_LIST && b.kind == JV_LIST && !a.l->lazy && !b.l->lazy) {
         size_t n = a.l->n < b.l->n ? a.l->n : b.l->n;
         for (size_t i = 0; i < n; i++) {
             if (jv_equal(a.l->items[i], b.l->items[i])) continue;
@@ -524,6 +528,11 @@ static void to_text(jinja_ctx *c, jinja_buf *b, jinja_value v, bool repr, int de
         }
         return;
     case JV_LIST:
+        if (v.l->lazy == JL_ITER) {
+            jbuf_puts(b, "<generator object>");
+            return;
+        }
+        if (v.l->lazy == JL_VIEW) jbuf_printf(b, "%s(", v.l->view);
         jbuf_putc(b, v.l->tuple ? '(' : '[');
         for (size_t i = 0; i < v.l->n; i++) {
             if (i) jbuf_puts(b, ", ");
@@ -531,6 +540,7 @@ static void to_text(jinja_ctx *c, jinja_buf *b, jinja_value v, bool repr, int de
         }
         if (v.l->tuple && v.l->n == 1) jbuf_putc(b, ',');
         jbuf_putc(b, v.l->tuple ? ')' : ']');
+        if (v.l->lazy == JL_VIEW) jbuf_putc(b, ')');
         return;
     case JV_DICT:
         jbuf_puts(b, v.d->ns ? "<Namespace {" : "{");
@@ -624,6 +634,7 @@ void jv_to_json(jinja_ctx *c, jinja_buf *b, jinja_value v, const jinja_json_opts
     case JV_FLOAT: json_float(b, v.f); return;
     case JV_STR: json_str(b, v.s->data, v.s->len, o->ensure_ascii); return;
     case JV_LIST:
+        if (v.l->lazy) break;
         if (v.l->n == 0) {
             jbuf_puts(b, "[]");
             return;
