@@ -33,7 +33,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan fuzz format format-check deps help clean
+.PHONY: all test asan fuzz fuzz-jinja format format-check deps help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -81,6 +81,17 @@ fuzz/gguf: fuzz/gguf.c $(LIB_SRC)
 	@mkdir -p fuzz/out
 	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer,address,undefined \
 	  -o $@ fuzz/gguf.c $(filter-out %_avx2.c %_avx512.c %_avx512vnni.c,$(LIB_SRC)) -lm -lpthread
+
+## fuzz-jinja: libFuzzer + ASan over chat templates and output parsers for FUZZ_SECONDS
+FUZZ_JINJA = build/fuzz/jinja
+fuzz-jinja: $(FUZZ_JINJA)
+	@mkdir -p fuzz/corpus/jinja fuzz/out
+	./$(FUZZ_JINJA) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 -timeout=30 \
+	  -artifact_prefix=fuzz/out/ fuzz/corpus/jinja ../shared/templates $(wildcard tests/data/jinja)
+$(FUZZ_JINJA): fuzz/jinja.c $(LIB_SRC)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer,address,undefined \
+	  -o $@ fuzz/jinja.c $(filter-out %_avx2.c %_avx512.c %_avx512vnni.c,$(LIB_SRC)) -lm -lpthread -ljansson
 
 ## format: clang-format every C file in place; format-check only reports
 FORMAT_FILES = $(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c)

@@ -335,6 +335,9 @@ static void interpreter_errors(void **state) {
                  "iterations");
     expect_error("{{ 'x' * 1000000000 }}", NULL, NULL);
     expect_error("{{ 'unterminated }}", NULL, "line 1");
+    expect_error("{{ x | a.b.( }}", NULL, "line 1"); /* fuzz: a dotted filter name cut short leaked */
+    expect_error("{% for %}", NULL, "column");
+    expect_error("{{ {'a': 1}['a'].b.c }}", NULL, "has no attribute 'b'");
     /* soft frames: an unknown filter inside `if` only fails when it runs */
     expect_render("{% if false %}{{ x | from_json }}{% endif %}ok", NULL, "ok");
 }

@@ -2150,7 +2150,7 @@ static void assign(render *r, scope *s, const jinja_node *target, jinja_value v)
 }
 
 static jinja_value capture(render *r, scope *s, const jinja_node *body) {
-    jinja_buf *saved = r->out, buf = {0};
+    jinja_buf *saved = r->out, buf = JBUF(&r->c);
     r->out = &buf;
     exec_body(r, s, body);
     r->out = saved;

@@ -250,10 +250,18 @@ static void lex_string(lexer *lx, size_t *pos) {
             }
         }
     }
-    tok *t = push_tok(lx, T_STRING, start);
-    t->text = pstrdup(lx->p, b.data ? b.data : "", b.len);
-    t->len = b.len;
+    /* into the arena before anything that may fail, so the malloc'd scratch cannot leak */
+    char *text = jinja_arena_alloc(&lx->p->t->arena, b.len + 1);
+    if (text) {
+        if (b.len) memcpy(text, b.data, b.len);
+        text[b.len] = '\0';
+    }
+    size_t len = b.len;
     free(b.data);
+    if (!text) lex_fail(lx, start, "template too large");
+    tok *t = push_tok(lx, T_STRING, start);
+    t->text = text;
+    t->len = len;
     *pos = i + 1;
 }
 
@@ -1003,20 +1011,31 @@ static jinja_node *parse_postfix(parser *p, jinja_node *n) {
     }
 }
 
+/* name(.name)* as one string; in the arena, so a syntax error midway leaks nothing */
 static const char *parse_dotted_name(parser *p) {
+    size_t first = p->pos;
     tok *t = cur(p);
-    const char *name = expect_name(p);
-    if (!is_op(cur(p), ".")) return name;
-    jinja_buf b = {0};
-    jbuf_puts(&b, name);
+    expect_name(p);
+    size_t total = t->len;
     while (is_op(cur(p), ".")) {
         p->pos++;
-        jbuf_putc(&b, '.');
-        jbuf_puts(&b, expect_name(p));
+        tok *n = cur(p);
+        expect_name(p);
+        total += 1 + n->len;
     }
-    const char *r = pstrdup(p, b.data, b.len);
-    free(b.data);
-    (void)t;
+    if (p->pos == first + 1) return t->text;
+    char *r = palloc(p, total + 1);
+    size_t o = 0;
+    for (size_t i = first; i < p->pos; i++) {
+        const tok *x = &p->toks[i];
+        if (x->kind == T_NAME) {
+            memcpy(r + o, x->text, x->len);
+            o += x->len;
+        } else {
+            r[o++] = '.';
+        }
+    }
+    r[o] = '\0';
     return r;
 }
 
