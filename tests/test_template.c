@@ -670,6 +670,52 @@ static void round_trip_tool_calls(void **state) {
     print_message("  %zu rendered tool-call turns parsed back (whole and byte by byte)\n", checked);
 }
 
+/* `moe template` prints exactly what moe_chat_render gives, and `--parse` reads stdin. */
+static void cli_template(void **state) {
+    (void)state;
+    const char *tpl = moe_test_shared("templates/Qwen-Qwen3-0.6B.jinja");
+    MOE_SKIP_IF_NULL(tpl);
+    const char *msgs = conversations[4].messages; /* tool-calls */
+    char mpath[512], tpath[512], opath[512], cmd[4096];
+    snprintf(mpath, sizeof mpath, "%s/cli-messages.json", moe_test_tmpdir());
+    snprintf(tpath, sizeof tpath, "%s/cli-tools.json", moe_test_tmpdir());
+    snprintf(opath, sizeof opath, "%s/cli-reply.txt", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(mpath, msgs, strlen(msgs), &err), MOE_OK);
+    assert_int_equal(moe_file_write(tpath, TOOLS, strlen(TOOLS), &err), MOE_OK);
+    snprintf(cmd, sizeof cmd, "%s template '%s' --messages '%s' --tools '%s' --kwargs '{\"enable_thinking\":false}'",
+             moe_test_bin(), tpl, mpath, tpath);
+    char *out;
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    moe_chat_template *t = moe_chat_template_load_file(tpl, &err);
+    assert_non_null(t);
+    char *want;
+    assert_int_equal(moe_chat_render(t, msgs, TOOLS, "{\"add_generation_prompt\":true,\"enable_thinking\":false}",
+                                     &want, &err), MOE_OK);
+    assert_string_equal(out, want); /* byte for byte: no newline added */
+    free(out);
+    free(want);
+    moe_chat_template_free(t);
+
+    const char *reply = "<think>hm</think>ok<tool_call>\n{\"name\": \"search\", \"arguments\": {\"query\": \"q\"}}\n</tool_call>";
+    assert_int_equal(moe_file_write(opath, reply, strlen(reply), &err), MOE_OK);
+    snprintf(cmd, sizeof cmd, "%s template '%s' --parse auto < '%s'", moe_test_bin(), tpl, opath);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    json_t *j = json_loads(out, 0, NULL);
+    if (!j) fail_msg("--parse printed [%s]", out);
+    assert_string_equal(json_string_value(json_object_get(j, "format")), "hermes");
+    assert_string_equal(json_string_value(json_object_get(j, "reasoning_content")), "hm");
+    assert_string_equal(json_string_value(json_object_get(j, "content")), "ok");
+    json_t *call = json_array_get(json_object_get(j, "tool_calls"), 0);
+    assert_string_equal(json_string_value(json_object_get(call, "name")), "search");
+    json_decref(j);
+    free(out);
+
+    snprintf(cmd, sizeof cmd, "%s template '%s'", moe_test_bin(), tpl);
+    assert_int_equal(moe_test_run(cmd, &out), 2); /* usage: --messages missing */
+    free(out);
+}
+
 int moe_suite_template(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(interpreter_basics),
@@ -678,6 +724,7 @@ int moe_suite_template(void) {
         cmocka_unit_test(parsers_whole_and_streamed),
         cmocka_unit_test(parse_options_from_templates),
         cmocka_unit_test(round_trip_tool_calls),
+        cmocka_unit_test(cli_template),
     };
     return cmocka_run_group_tests_name("template", tests, NULL, NULL);
 }
