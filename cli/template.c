@@ -115,7 +115,8 @@ static int parse_stdin(const char *format, const char *tools_path, const char *t
         json_object_set_new(j, "format", json_string(moe_chat_format_name(o.format)));
         json_object_set_new(j, "reasoning_content",
                             json_stringn(all.reasoning ? all.reasoning : "", all.reasoning_len));
-        json_object_set_new(j, "content", json_stringn(all.content ? all.content : "", all.content_len));
+        json_object_set_new(j, "content",
+                            json_stringn(all.content ? all.content : "", all.content_len));
         json_t *calls = json_array();
         for (size_t i = 0; i < all.n_calls; i++) {
             json_t *c = json_object();
@@ -143,18 +144,27 @@ int moe_cmd_template(int argc, char **argv) {
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         bool has_value = i + 1 < argc;
-        if (!strcmp(a, "--messages") && has_value) messages_path = argv[++i];
-        else if (!strcmp(a, "--tools") && has_value) tools_path = argv[++i];
-        else if (!strcmp(a, "--kwargs") && has_value) kwargs = argv[++i];
-        else if (!strcmp(a, "--no-generation-prompt")) generation_prompt = false;
-        else if (!strcmp(a, "--generation-prompt")) generation_prompt = true;
-        else if (!strcmp(a, "--reasoning-open")) reasoning_open = true;
+        if (!strcmp(a, "--messages") && has_value)
+            messages_path = argv[++i];
+        else if (!strcmp(a, "--tools") && has_value)
+            tools_path = argv[++i];
+        else if (!strcmp(a, "--kwargs") && has_value)
+            kwargs = argv[++i];
+        else if (!strcmp(a, "--no-generation-prompt"))
+            generation_prompt = false;
+        else if (!strcmp(a, "--generation-prompt"))
+            generation_prompt = true;
+        else if (!strcmp(a, "--reasoning-open"))
+            reasoning_open = true;
         else if (!strcmp(a, "--parse") && has_value) {
             parse = true;
             parse_format = argv[++i];
-        } else if (a[0] == '-' && a[1]) return moe_cli_usage_error("template", "unknown option '%s'", a);
-        else if (!path) path = a;
-        else return moe_cli_usage_error("template", "unexpected argument '%s'", a);
+        } else if (a[0] == '-' && a[1])
+            return moe_cli_usage_error("template", "unknown option '%s'", a);
+        else if (!path)
+            path = a;
+        else
+            return moe_cli_usage_error("template", "unexpected argument '%s'", a);
     }
     if (parse) return parse_stdin(parse_format, tools_path, path, reasoning_open);
     if (!path) return moe_cli_usage_error("template", "missing MODEL or FILE.jinja");

@@ -40,7 +40,8 @@ static void parse_output(const uint8_t *data, size_t size) {
     moe_chat_parser_finish(p, &whole, &err);
     moe_chat_parser_free(p);
     p = moe_chat_parser_new(&o, &err);
-    for (size_t i = 1; i < size; i++) moe_chat_parser_feed(p, (const char *)data + i, 1, &bytes, &err);
+    for (size_t i = 1; i < size; i++)
+        moe_chat_parser_feed(p, (const char *)data + i, 1, &bytes, &err);
     moe_chat_parser_finish(p, &bytes, &err);
     moe_chat_parser_free(p);
     if (whole.content_len != bytes.content_len || whole.reasoning_len != bytes.reasoning_len ||

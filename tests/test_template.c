@@ -26,10 +26,10 @@
     "{\"type\":\"string\",\"description\":\"City name\"},\"days\":{\"type\":\"integer\","          \
     "\"description\":\"Forecast days\"},\"unit\":{\"type\":\"string\",\"enum\":[\"celsius\","      \
     "\"fahrenheit\"]}},\"required\":[\"city\"]}}},{\"type\":\"function\",\"function\":{\"name\":"  \
-    "\"search\",\"description\":\"Search the web for pages (Grüße).\",\"parameters\":{\"type\":"   \
+    "\"search\",\"description\":\"Search the web for pages (Grüße).\",\"parameters\":{\"type\":" \
     "\"object\",\"properties\":{\"query\":{\"type\":\"string\"},\"filters\":{\"type\":\"object\"," \
-    "\"properties\":{\"site\":{\"type\":\"string\"}}},\"tags\":{\"type\":\"array\",\"items\":"      \
-    "{\"type\":\"string\"}},\"limit\":{\"type\":\"number\"},\"safe\":{\"type\":\"boolean\"}},"      \
+    "\"properties\":{\"site\":{\"type\":\"string\"}}},\"tags\":{\"type\":\"array\",\"items\":"     \
+    "{\"type\":\"string\"}},\"limit\":{\"type\":\"number\"},\"safe\":{\"type\":\"boolean\"}},"     \
     "\"required\":[\"query\"]}}}]"
 
 typedef struct conversation {
@@ -51,14 +51,16 @@ static const conversation conversations[] = {
      "\"content\":\"What is 2+2?\"},{\"role\":\"assistant\",\"content\":\"4\"},{\"role\":\"user\","
      "\"content\":\"And 3+3?\"}]",
      NULL, "{\"add_generation_prompt\":true}"},
-    {"tools", "[{\"role\":\"system\",\"content\":\"You can call tools.\"},{\"role\":\"user\","
-              "\"content\":\"What is the weather in Paris?\"}]",
+    {"tools",
+     "[{\"role\":\"system\",\"content\":\"You can call tools.\"},{\"role\":\"user\","
+     "\"content\":\"What is the weather in Paris?\"}]",
      TOOLS, "{\"add_generation_prompt\":true}"},
     {"tool-calls",
      "[{\"role\":\"user\",\"content\":\"Weather in Paris for 3 days?\"},{\"role\":\"assistant\","
      "\"content\":\"\",\"tool_calls\":[{\"id\":\"a1b2c3d4e\",\"type\":\"function\",\"function\":"
      "{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\",\"days\":3}}}]},{\"role\":"
-     "\"tool\",\"tool_call_id\":\"a1b2c3d4e\",\"name\":\"get_weather\",\"content\":\"{\\\"temp\\\": "
+     "\"tool\",\"tool_call_id\":\"a1b2c3d4e\",\"name\":\"get_weather\",\"content\":\"{\\\"temp\\\":"
+     " "
      "21, \\\"sky\\\": \\\"clear\\\"}\"},{\"role\":\"assistant\",\"content\":\"It is 21 degrees "
      "and clear.\"}]",
      TOOLS, "{\"add_generation_prompt\":false}"},
@@ -85,7 +87,8 @@ static const conversation conversations[] = {
      "{\"add_generation_prompt\":true,\"enable_thinking\":false}"},
     {"thinking-on",
      "[{\"role\":\"system\",\"content\":\"Think first.\"},{\"role\":\"user\",\"content\":\"Hi\"}]",
-     NULL, "{\"add_generation_prompt\":true,\"enable_thinking\":true,\"reasoning_effort\":\"high\"}"},
+     NULL,
+     "{\"add_generation_prompt\":true,\"enable_thinking\":true,\"reasoning_effort\":\"high\"}"},
     {"content-parts",
      "[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Describe this.\"}]}]", NULL,
      "{\"add_generation_prompt\":true}"},
@@ -148,7 +151,8 @@ static const struct {
 static bool known_difference(const char *tpl, const char *conv) {
     for (size_t i = 0; known_differences[i].template; i++)
         if (!strcmp(known_differences[i].template, tpl) &&
-            (!known_differences[i].conversation || !strcmp(known_differences[i].conversation, conv)))
+            (!known_differences[i].conversation ||
+             !strcmp(known_differences[i].conversation, conv)))
             return true;
     return false;
 }
@@ -157,7 +161,8 @@ static void show_difference(const char *a, const char *b) {
     size_t i = 0;
     while (a[i] && a[i] == b[i]) i++;
     size_t from = i > 60 ? i - 60 : 0;
-    print_message("      first difference at byte %zu\n      ours:   ...%.*s|%.40s\n      jinja2: ...%.*s|%.40s\n",
+    print_message("      first difference at byte %zu\n      ours:   ...%.*s|%.40s\n      jinja2: "
+                  "...%.*s|%.40s\n",
                   i, (int)(i - from), a + from, a + i, (int)(i - from), b + from, b + i);
 }
 
@@ -178,9 +183,9 @@ static void templates_match_jinja2(void **state) {
             char *kw = kwargs_with_tokens(conversations[c].kwargs);
             json_object_set_new(cs, "template", json_string(files[f].path));
             json_object_set_new(cs, "messages", json_loads(conversations[c].messages, 0, NULL));
-            json_object_set_new(cs, "tools", conversations[c].tools
-                                                 ? json_loads(conversations[c].tools, 0, NULL)
-                                                 : json_null());
+            json_object_set_new(cs, "tools",
+                                conversations[c].tools ? json_loads(conversations[c].tools, 0, NULL)
+                                                       : json_null());
             json_object_set_new(cs, "kwargs", json_loads(kw, 0, NULL));
             free(kw);
             json_array_append_new(cases, cs);
@@ -237,7 +242,8 @@ static void templates_match_jinja2(void **state) {
                          known ? "(known)" : "");
                 print_message("  MISMATCH %s / %s: ours %s, jinja2 %s\n", files[f].name,
                               conversations[c].name, ok ? "rendered" : rerr.msg,
-                              ref_ok ? "rendered" : json_string_value(json_object_get(ref, "error")));
+                              ref_ok ? "rendered"
+                                     : json_string_value(json_object_get(ref, "error")));
                 if (ok && ref_ok) show_difference(ours, ref_text);
             }
             free(ours);
@@ -246,14 +252,16 @@ static void templates_match_jinja2(void **state) {
             for (size_t c = 0; c < N_CONV; c++) {
                 json_t *ref = json_array_get(results, f * N_CONV + c);
                 if (!json_is_true(json_object_get(ref, "ok")))
-                    print_message("    (both raise) %s / %s: %s\n", files[f].name, conversations[c].name,
+                    print_message("    (both raise) %s / %s: %s\n", files[f].name,
+                                  conversations[c].name,
                                   json_string_value(json_object_get(ref, "error")));
             }
-        print_message("  %-52s %2zu/%zu%s%s\n", files[f].name, match, N_CONV, failed[0] ? " differ:" : "",
-                      failed);
+        print_message("  %-52s %2zu/%zu%s%s\n", files[f].name, match, N_CONV,
+                      failed[0] ? " differ:" : "", failed);
         moe_chat_template_free(t);
     }
-    print_message("  templates x conversations: %zu/%zu match Python Jinja2 (%zu of them raise on both sides)\n",
+    print_message("  templates x conversations: %zu/%zu match Python Jinja2 (%zu of them raise on "
+                  "both sides)\n",
                   total_match, total, both_fail);
     json_decref(results);
     free(files);
@@ -262,11 +270,13 @@ static void templates_match_jinja2(void **state) {
 
 /* ==== Interpreter details (no Python needed) ==== */
 
-static char *render_inline(const char *src, const char *messages, const char *kwargs, moe_error *err) {
+static char *render_inline(const char *src, const char *messages, const char *kwargs,
+                           moe_error *err) {
     moe_chat_template *t = moe_chat_template_parse(src, strlen(src), err);
     if (!t) return NULL;
     char *out = NULL;
-    if (moe_chat_render(t, messages ? messages : "[]", NULL, kwargs, &out, err) != MOE_OK) out = NULL;
+    if (moe_chat_render(t, messages ? messages : "[]", NULL, kwargs, &out, err) != MOE_OK)
+        out = NULL;
     moe_chat_template_free(t);
     return out;
 }
@@ -283,37 +293,45 @@ static void expect_error(const char *src, const char *kwargs, const char *where)
     moe_error err = {0};
     char *out = render_inline(src, NULL, kwargs, &err);
     if (out) fail_msg("template %s rendered [%s], expected an error", src, out);
-    if (where && !strstr(err.msg, where)) fail_msg("error [%s] does not mention [%s]", err.msg, where);
+    if (where && !strstr(err.msg, where))
+        fail_msg("error [%s] does not mention [%s]", err.msg, where);
 }
 
 static void interpreter_basics(void **state) {
     (void)state;
-    expect_render("{{ 1 + 2 * 3 }}|{{ 7 // 2 }}|{{ -7 // 2 }}|{{ 7 % -3 }}|{{ 2 ** 10 }}|{{ 1 / 4 }}",
-                  NULL, "7|3|-4|-2|1024|0.25");
-    expect_render("{{ 1e16 }} {{ 1e15 }} {{ 0.0001 }} {{ 0.00001 }} {{ 1.5 }} {{ 0.1 + 0.2 }}", NULL,
-                  "1e+16 1000000000000000.0 0.0001 1e-05 1.5 0.30000000000000004");
-    expect_render("{{ [1, 'a', none, true, {'k': 2.0}] }}", NULL, "[1, 'a', None, True, {'k': 2.0}]");
+    expect_render(
+        "{{ 1 + 2 * 3 }}|{{ 7 // 2 }}|{{ -7 // 2 }}|{{ 7 % -3 }}|{{ 2 ** 10 }}|{{ 1 / 4 }}", NULL,
+        "7|3|-4|-2|1024|0.25");
+    expect_render("{{ 1e16 }} {{ 1e15 }} {{ 0.0001 }} {{ 0.00001 }} {{ 1.5 }} {{ 0.1 + 0.2 }}",
+                  NULL, "1e+16 1000000000000000.0 0.0001 1e-05 1.5 0.30000000000000004");
+    expect_render("{{ [1, 'a', none, true, {'k': 2.0}] }}", NULL,
+                  "[1, 'a', None, True, {'k': 2.0}]");
     expect_render("{{ \"it's\" }} {{ [\"it's\", 'say \"x\"'] }}", NULL,
                   "it's [\"it's\", 'say \"x\"']");
     expect_render("{{ {'b': 1, 'a': [1, 2]} | tojson }}|{{ {'b': 1} | tojson(indent=2) }}", NULL,
                   "{\"b\": 1, \"a\": [1, 2]}|{\n  \"b\": 1\n}");
     expect_render("{{ 'é\"\\n' | tojson }}|{{ 'é' | tojson(ensure_ascii=true) }}", NULL,
                   "\"é\\\"\\n\"|\"\\u00e9\"");
-    expect_render("{% for x in [3, 1, 2] | sort %}{{ loop.index }}{{ x }}{% if not loop.last %},{% endif %}{% endfor %}",
+    expect_render("{% for x in [3, 1, 2] | sort %}{{ loop.index }}{{ x }}{% if not loop.last %},{% "
+                  "endif %}{% endfor %}",
                   NULL, "11,22,33");
-    expect_render("{% for k, v in {'a': 1, 'b': 2} | items %}{{ k }}={{ v }};{% endfor %}", NULL, "a=1;b=2;");
-    expect_render("{% set ns = namespace(n=0) %}{% for i in range(5) %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}",
+    expect_render("{% for k, v in {'a': 1, 'b': 2} | items %}{{ k }}={{ v }};{% endfor %}", NULL,
+                  "a=1;b=2;");
+    expect_render("{% set ns = namespace(n=0) %}{% for i in range(5) %}{% set ns.n = ns.n + i %}{% "
+                  "endfor %}{{ ns.n }}",
                   NULL, "10");
     expect_render("{% set x = 1 %}{% for i in [1] %}{% set x = 2 %}{% endfor %}{{ x }}", NULL, "1");
-    expect_render("{% macro m(a, b='B') %}[{{ a }}{{ b }}]{% endmacro %}{{ m(1) }}{{ m(2, b=3) }}", NULL,
-                  "[1B][23]");
-    expect_render("{{ 'abc'[::-1] }}{{ [1,2,3,4][1:3] }}{{ 'héllo'[1] }}{{ 'héllo' | length }}", NULL,
-                  "cba[2, 3]é5");
+    expect_render("{% macro m(a, b='B') %}[{{ a }}{{ b }}]{% endmacro %}{{ m(1) }}{{ m(2, b=3) }}",
+                  NULL, "[1B][23]");
+    expect_render("{{ 'abc'[::-1] }}{{ [1,2,3,4][1:3] }}{{ 'héllo'[1] }}{{ 'héllo' | length }}",
+                  NULL, "cba[2, 3]é5");
     expect_render("{{ '  x  '.strip() }}|{{ 'a,b,,c'.split(',') }}|{{ ' a  b '.split() }}", NULL,
                   "x|['a', 'b', '', 'c']|['a', 'b']");
-    expect_render("{{ x is defined }}{{ x | default('d') }}{{ none is none }}{{ 'a' is string }}", NULL,
-                  "FalsedTrueTrue");
-    expect_render("{% for i in range(10) %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}", NULL, "012");
+    expect_render("{{ x is defined }}{{ x | default('d') }}{{ none is none }}{{ 'a' is string }}",
+                  NULL, "FalsedTrueTrue");
+    expect_render(
+        "{% for i in range(10) %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}", NULL,
+        "012");
     expect_render("  {%- if true %}\n  yes\n  {% endif %}\nend", NULL, "  yes\nend");
     expect_render("{{ 'a' ~ 1 ~ none }}{{ 'x' if false }}.", NULL, "a1None.");
     expect_render("{{ ('<' | safe) + '<' }}", NULL, "<&lt;");
@@ -331,11 +349,12 @@ static void interpreter_errors(void **state) {
     expect_error("{{ undefined_thing.attr }}", NULL, "undefined");
     expect_error("{{ [].append(1) }}", NULL, "unsafe");
     expect_error("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", NULL, "nested deeper");
-    expect_error("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", NULL,
-                 "iterations");
+    expect_error("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                 NULL, "iterations");
     expect_error("{{ 'x' * 1000000000 }}", NULL, NULL);
     expect_error("{{ 'unterminated }}", NULL, "line 1");
-    expect_error("{{ x | a.b.( }}", NULL, "line 1"); /* fuzz: a dotted filter name cut short leaked */
+    expect_error("{{ x | a.b.( }}", NULL,
+                 "line 1"); /* fuzz: a dotted filter name cut short leaked */
     expect_error("{% for %}", NULL, "column");
     expect_error("{{ {'a': 1}['a'].b.c }}", NULL, "has no attribute 'b'");
     /* soft frames: an unknown filter inside `if` only fails when it runs */
@@ -345,7 +364,8 @@ static void interpreter_errors(void **state) {
 /* ==== Output parsers ==== */
 
 /* Parse `text` fed in chunks of `chunk` bytes (0: whole); the deltas of every feed are summed. */
-static moe_chat_delta parse_chunked(const moe_chat_parse_options *o, const char *text, size_t chunk) {
+static moe_chat_delta parse_chunked(const moe_chat_parse_options *o, const char *text,
+                                    size_t chunk) {
     moe_error err = {0};
     moe_chat_parser *p = moe_chat_parser_new(o, &err);
     if (!p) fail_msg("parser: %s", err.msg);
@@ -379,7 +399,9 @@ static moe_chat_delta parse_chunked(const moe_chat_parse_options *o, const char 
     return all;
 }
 
-static const char *or_empty(const char *s) { return s ? s : ""; }
+static const char *or_empty(const char *s) {
+    return s ? s : "";
+}
 
 static void assert_same_delta(const moe_chat_delta *a, const moe_chat_delta *b, const char *what) {
     if (strcmp(or_empty(a->content), or_empty(b->content)) ||
@@ -388,9 +410,10 @@ static void assert_same_delta(const moe_chat_delta *a, const moe_chat_delta *b, 
                  or_empty(a->content), or_empty(b->content), or_empty(a->reasoning),
                  or_empty(b->reasoning), a->n_calls, b->n_calls);
     for (size_t i = 0; i < a->n_calls; i++)
-        if (strcmp(a->calls[i].name, b->calls[i].name) || strcmp(a->calls[i].arguments, b->calls[i].arguments))
-            fail_msg("%s: call %zu %s(%s) vs %s(%s)", what, i, a->calls[i].name, a->calls[i].arguments,
-                     b->calls[i].name, b->calls[i].arguments);
+        if (strcmp(a->calls[i].name, b->calls[i].name) ||
+            strcmp(a->calls[i].arguments, b->calls[i].arguments))
+            fail_msg("%s: call %zu %s(%s) vs %s(%s)", what, i, a->calls[i].name,
+                     a->calls[i].arguments, b->calls[i].name, b->calls[i].arguments);
 }
 
 /* Whole-text parse equals every chunking, down to one byte at a time. */
@@ -416,9 +439,9 @@ typedef struct parse_case {
     const char *calls; /* "name(args);name(args);" */
 } parse_case;
 
-#define THINK "<think>", "</think>"
-#define DSB "<\xef\xbd\x9c" /* <｜ */
-#define DSE "\xef\xbd\x9c>" /* ｜> */
+#define THINK    "<think>", "</think>"
+#define DSB      "<\xef\xbd\x9c" /* <｜ */
+#define DSE      "\xef\xbd\x9c>" /* ｜> */
 #define TOOL_SEP DSB "tool\xe2\x96\x81sep" DSE
 
 static const parse_case parse_cases[] = {
@@ -426,18 +449,22 @@ static const parse_case parse_cases[] = {
      "<think>Paris is in France.</think>Checking.\n<tool_call>\n{\"name\": \"get_weather\", "
      "\"arguments\": {\"city\": \"Paris\", \"days\": 3}}\n</tool_call>",
      "Checking.\n", "Paris is in France.", "get_weather({\"city\":\"Paris\",\"days\":3});"},
-    {MOE_CHAT_FORMAT_HERMES, THINK, true, "still thinking</think>answer <tool_call>oops</tool_call> x",
+    {MOE_CHAT_FORMAT_HERMES, THINK, true,
+     "still thinking</think>answer <tool_call>oops</tool_call> x",
      "answer <tool_call>oops</tool_call> x", "still thinking", ""},
-    {MOE_CHAT_FORMAT_HERMES, NULL, NULL, false, "a < b <tool and <tool_call", "a < b <tool and <tool_call", "", ""},
+    {MOE_CHAT_FORMAT_HERMES, NULL, NULL, false, "a < b <tool and <tool_call",
+     "a < b <tool and <tool_call", "", ""},
     {MOE_CHAT_FORMAT_QWEN3_CODER, THINK, false,
      "<tool_call>\n<function=get_weather>\n<parameter=city>\n3\n</parameter>\n<parameter=days>\n3\n"
      "</parameter>\n</function>\n</tool_call><tool_call>\n<function=search>\n<parameter=query>\nx "
      "y\n</parameter>\n<parameter=tags>\n[\"a\"]\n</parameter>\n<parameter=safe>\nTrue\n"
      "</parameter>\n</function>\n</tool_call>",
      "", "",
-     "get_weather({\"city\":\"3\",\"days\":3});search({\"query\":\"x y\",\"tags\":[\"a\"],\"safe\":true});"},
+     "get_weather({\"city\":\"3\",\"days\":3});search({\"query\":\"x "
+     "y\",\"tags\":[\"a\"],\"safe\":true});"},
     {MOE_CHAT_FORMAT_GLM, THINK, false,
-     "<think>hm</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+     "<think>hm</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</"
+     "arg_value>\n"
      "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
      "\n", "hm", "get_weather({\"city\":\"Paris\",\"days\":3});"},
     {MOE_CHAT_FORMAT_MINIMAX_M2, THINK, true,
@@ -445,34 +472,65 @@ static const parse_case parse_cases[] = {
      "</parameter>\n<parameter name=\"limit\">2.5</parameter>\n</invoke>\n</minimax:tool_call>",
      "\n\n", "plan", "search({\"query\":\"cats\",\"limit\":2.5});"},
     {MOE_CHAT_FORMAT_DSML, THINK, false,
-     "Sure.\n\n<\xef\xbd\x9c" "DSML\xef\xbd\x9c" "function_calls>\n<\xef\xbd\x9c" "DSML\xef\xbd\x9c"
-     "invoke name=\"get_weather\">\n<\xef\xbd\x9c" "DSML\xef\xbd\x9c" "parameter name=\"city\" "
-     "string=\"true\">123</\xef\xbd\x9c" "DSML\xef\xbd\x9c" "parameter>\n<\xef\xbd\x9c"
-     "DSML\xef\xbd\x9c" "parameter name=\"days\" string=\"false\">3</\xef\xbd\x9c" "DSML\xef\xbd\x9c"
-     "parameter>\n</\xef\xbd\x9c" "DSML\xef\xbd\x9c" "invoke>\n</\xef\xbd\x9c" "DSML\xef\xbd\x9c"
+     "Sure.\n\n<\xef\xbd\x9c"
+     "DSML\xef\xbd\x9c"
+     "function_calls>\n<\xef\xbd\x9c"
+     "DSML\xef\xbd\x9c"
+     "invoke name=\"get_weather\">\n<\xef\xbd\x9c"
+     "DSML\xef\xbd\x9c"
+     "parameter name=\"city\" "
+     "string=\"true\">123</\xef\xbd\x9c"
+     "DSML\xef\xbd\x9c"
+     "parameter>\n<\xef\xbd\x9c"
+     "DSML\xef\xbd\x9c"
+     "parameter name=\"days\" string=\"false\">3</\xef\xbd\x9c"
+     "DSML\xef\xbd\x9c"
+     "parameter>\n</\xef\xbd\x9c"
+     "DSML\xef\xbd\x9c"
+     "invoke>\n</\xef\xbd\x9c"
+     "DSML\xef\xbd\x9c"
      "function_calls>",
      "Sure.\n\n", "", "get_weather({\"city\":\"123\",\"days\":3});"},
     {MOE_CHAT_FORMAT_DEEPSEEK_V3, THINK, true,
-     "r</think>" DSB "tool\xe2\x96\x81" "calls\xe2\x96\x81" "begin" DSE DSB "tool\xe2\x96\x81" "call\xe2\x96\x81" "begin" DSE
-     "function" TOOL_SEP "get_weather\n```json\n{\"city\": \"Paris\"}\n```" DSB "tool\xe2\x96\x81"
-     "call\xe2\x96\x81" "end" DSE DSB "tool\xe2\x96\x81" "calls\xe2\x96\x81" "end" DSE,
+     "r</think>" DSB "tool\xe2\x96\x81"
+     "calls\xe2\x96\x81"
+     "begin" DSE DSB "tool\xe2\x96\x81"
+     "call\xe2\x96\x81"
+     "begin" DSE "function" TOOL_SEP "get_weather\n```json\n{\"city\": \"Paris\"}\n```" DSB
+     "tool\xe2\x96\x81"
+     "call\xe2\x96\x81"
+     "end" DSE DSB "tool\xe2\x96\x81"
+     "calls\xe2\x96\x81"
+     "end" DSE,
      "", "r", "get_weather({\"city\":\"Paris\"});"},
     {MOE_CHAT_FORMAT_DEEPSEEK_V31, THINK, false,
-     "ok" DSB "tool\xe2\x96\x81" "calls\xe2\x96\x81" "begin" DSE DSB "tool\xe2\x96\x81" "call\xe2\x96\x81" "begin" DSE
-     "search" TOOL_SEP "{\"query\": \"q\"}" DSB "tool\xe2\x96\x81" "call\xe2\x96\x81" "end" DSE DSB
-     "tool\xe2\x96\x81" "call\xe2\x96\x81" "begin" DSE "get_weather" TOOL_SEP "{\"city\": \"Rome\"}" DSB
-     "tool\xe2\x96\x81" "call\xe2\x96\x81" "end" DSE DSB "tool\xe2\x96\x81" "calls\xe2\x96\x81" "end" DSE,
+     "ok" DSB "tool\xe2\x96\x81"
+     "calls\xe2\x96\x81"
+     "begin" DSE DSB "tool\xe2\x96\x81"
+     "call\xe2\x96\x81"
+     "begin" DSE "search" TOOL_SEP "{\"query\": \"q\"}" DSB "tool\xe2\x96\x81"
+     "call\xe2\x96\x81"
+     "end" DSE DSB "tool\xe2\x96\x81"
+     "call\xe2\x96\x81"
+     "begin" DSE "get_weather" TOOL_SEP "{\"city\": \"Rome\"}" DSB "tool\xe2\x96\x81"
+     "call\xe2\x96\x81"
+     "end" DSE DSB "tool\xe2\x96\x81"
+     "calls\xe2\x96\x81"
+     "end" DSE,
      "ok", "", "search({\"query\":\"q\"});get_weather({\"city\":\"Rome\"});"},
     {MOE_CHAT_FORMAT_KIMI_K2, THINK, false,
-     "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+     "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_"
+     "begin|>"
      "{\"city\": \"Paris\"}<|tool_call_end|><|tool_calls_section_end|>",
      "", "", "get_weather({\"city\":\"Paris\"});"},
-    {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "  {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}",
-     "  ", "", "get_weather({\"city\":\"Oslo\"});"},
+    {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false,
+     "  {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}", "  ", "",
+     "get_weather({\"city\":\"Oslo\"});"},
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "It is {cold}.", "It is {cold}.", "", ""},
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "{not json", "{not json", "", ""},
     {MOE_CHAT_FORMAT_MISTRAL, "[THINK]", "[/THINK]", false,
-     "[THINK]hmm[/THINK]Sure[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]search[ARGS]{\"query\": \"x\"}",
+     "[THINK]hmm[/THINK]Sure[TOOL_CALLS]get_weather[ARGS]{\"city\": "
+     "\"Paris\"}[TOOL_CALLS]search[ARGS]{\"query\": \"x\"}",
      "Sure", "hmm", "get_weather({\"city\":\"Paris\"});search({\"query\":\"x\"});"},
     {MOE_CHAT_FORMAT_MISTRAL, NULL, NULL, false,
      "[TOOL_CALLS][{\"name\": \"search\", \"arguments\": {\"query\": \"x\"}}]", "", "",
@@ -482,7 +540,8 @@ static const parse_case parse_cases[] = {
      "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>",
      "", "Need weather.", "get_weather({\"city\":\"Paris\"});"},
     {MOE_CHAT_FORMAT_HARMONY, NULL, NULL, false,
-     "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>",
+     "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4<|"
+     "return|>",
      "4", "Easy.", ""},
 };
 
@@ -500,7 +559,8 @@ static void check_parse_case(const parse_case *pc, const char *tools) {
     }
     if (strcmp(or_empty(d.content), pc->content) || strcmp(or_empty(d.reasoning), pc->reasoning) ||
         strcmp(calls, pc->calls))
-        fail_msg("%s on [%s]:\n  content [%s] want [%s]\n  reasoning [%s] want [%s]\n  calls [%s] want [%s]",
+        fail_msg("%s on [%s]:\n  content [%s] want [%s]\n  reasoning [%s] want [%s]\n  calls [%s] "
+                 "want [%s]",
                  moe_chat_format_name(pc->format), pc->text, or_empty(d.content), pc->content,
                  or_empty(d.reasoning), pc->reasoning, calls, pc->calls);
     moe_chat_delta_clear(&d);
@@ -508,7 +568,8 @@ static void check_parse_case(const parse_case *pc, const char *tools) {
 
 static void parsers_whole_and_streamed(void **state) {
     (void)state;
-    for (size_t i = 0; i < sizeof parse_cases / sizeof parse_cases[0]; i++) check_parse_case(&parse_cases[i], TOOLS);
+    for (size_t i = 0; i < sizeof parse_cases / sizeof parse_cases[0]; i++)
+        check_parse_case(&parse_cases[i], TOOLS);
     print_message("  %zu parser cases, each also fed in every chunk size down to 1 byte\n",
                   sizeof parse_cases / sizeof parse_cases[0]);
 }
@@ -546,7 +607,8 @@ static void parse_options_from_templates(void **state) {
         moe_chat_parse_options o;
         moe_chat_parse_options_detect((const char *)src, NULL, &o);
         if (strcmp(moe_chat_format_name(o.format), want[i].format))
-            fail_msg("%s: detected %s, want %s", want[i].template, moe_chat_format_name(o.format), want[i].format);
+            fail_msg("%s: detected %s, want %s", want[i].template, moe_chat_format_name(o.format),
+                     want[i].format);
         free(src);
     }
 }
@@ -568,10 +630,22 @@ static void round_trip_tool_calls(void **state) {
         {"GLM-4.6.jinja", NULL, false},
         {"GLM-4.7-Flash.jinja", NULL, false},
         {"MiniMax-M2.jinja", "[e~[", false},
-        {"deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>", false},
-        {"deepseek-ai-DeepSeek-V3.1.jinja", "<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>", false},
-        {"deepseek-ai-DeepSeek-V3.2.jinja", "<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>", false},
-        {"deepseek-ai-DeepSeek-V4.jinja", "<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>", false},
+        {"deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+         "<\xef\xbd\x9c"
+         "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>",
+         false},
+        {"deepseek-ai-DeepSeek-V3.1.jinja",
+         "<\xef\xbd\x9c"
+         "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>",
+         false},
+        {"deepseek-ai-DeepSeek-V3.2.jinja",
+         "<\xef\xbd\x9c"
+         "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>",
+         false},
+        {"deepseek-ai-DeepSeek-V4.jinja",
+         "<\xef\xbd\x9c"
+         "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>",
+         false},
         {"moonshotai-Kimi-K2.jinja", "<|im_end|>", false},
         {"meta-llama-Llama-3.1-8B-Instruct.jinja", "<|eot_id|>", true},
         {"meta-llama-Llama-3.3-70B-Instruct.jinja", "<|eot_id|>", true},
@@ -601,12 +675,16 @@ static void round_trip_tool_calls(void **state) {
             const char *calls = which ? two_calls : one_call;
             if (which && cases[i].single_call) continue;
             char *full_msgs, *prompt_msgs;
-            if (asprintf(&full_msgs, "[%s,{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":%s}]", user, calls) < 0 ||
+            if (asprintf(&full_msgs,
+                         "[%s,{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":%s}]", user,
+                         calls) < 0 ||
                 asprintf(&prompt_msgs, "[%s]", user) < 0)
                 fail_msg("asprintf");
             char *full = NULL, *prompt = NULL;
-            const char *kw_off = "{\"add_generation_prompt\":false,\"bos_token\":\"<s>\",\"eos_token\":\"</s>\"}";
-            const char *kw_on = "{\"add_generation_prompt\":true,\"bos_token\":\"<s>\",\"eos_token\":\"</s>\"}";
+            const char *kw_off =
+                "{\"add_generation_prompt\":false,\"bos_token\":\"<s>\",\"eos_token\":\"</s>\"}";
+            const char *kw_on =
+                "{\"add_generation_prompt\":true,\"bos_token\":\"<s>\",\"eos_token\":\"</s>\"}";
             if (moe_chat_render(t, full_msgs, TOOLS, kw_off, &full, &err) != MOE_OK ||
                 moe_chat_render(t, prompt_msgs, TOOLS, kw_on, &prompt, &err) != MOE_OK)
                 fail_msg("%s: %s", cases[i].template, err.msg);
@@ -630,7 +708,8 @@ static void round_trip_tool_calls(void **state) {
                 k = base;
             }
             if (strncmp(full, prompt, k) != 0)
-                fail_msg("%s: the rendered turn does not start with the generation prompt", cases[i].template);
+                fail_msg("%s: the rendered turn does not start with the generation prompt",
+                         cases[i].template);
             char *reply;
             if (o.reasoning_open && !strstr(full + k, o.think_close)) {
                 /* the history drops the (empty) reasoning; the model would have closed it */
@@ -645,15 +724,15 @@ static void round_trip_tool_calls(void **state) {
             moe_chat_delta d = parse_checked(&o, reply);
             json_t *want = json_loads(calls, 0, NULL);
             if (d.n_calls != json_array_size(want))
-                fail_msg("%s: %zu calls parsed from [%s], want %zu", cases[i].template, d.n_calls, reply,
-                         json_array_size(want));
+                fail_msg("%s: %zu calls parsed from [%s], want %zu", cases[i].template, d.n_calls,
+                         reply, json_array_size(want));
             for (size_t c = 0; c < d.n_calls; c++) {
                 json_t *fn = json_object_get(json_array_get(want, c), "function");
                 json_t *args = json_loads(d.calls[c].arguments, 0, NULL);
                 if (strcmp(d.calls[c].name, json_string_value(json_object_get(fn, "name"))) ||
                     !json_equal(args, json_object_get(fn, "arguments")))
-                    fail_msg("%s: call %zu parsed as %s(%s) from [%s]", cases[i].template, c, d.calls[c].name,
-                             d.calls[c].arguments, reply);
+                    fail_msg("%s: call %zu parsed as %s(%s) from [%s]", cases[i].template, c,
+                             d.calls[c].name, d.calls[c].arguments, reply);
                 json_decref(args);
             }
             checked++;
@@ -683,21 +762,25 @@ static void cli_template(void **state) {
     moe_error err = {0};
     assert_int_equal(moe_file_write(mpath, msgs, strlen(msgs), &err), MOE_OK);
     assert_int_equal(moe_file_write(tpath, TOOLS, strlen(TOOLS), &err), MOE_OK);
-    snprintf(cmd, sizeof cmd, "%s template '%s' --messages '%s' --tools '%s' --kwargs '{\"enable_thinking\":false}'",
+    snprintf(cmd, sizeof cmd,
+             "%s template '%s' --messages '%s' --tools '%s' --kwargs '{\"enable_thinking\":false}'",
              moe_test_bin(), tpl, mpath, tpath);
     char *out;
     assert_int_equal(moe_test_run(cmd, &out), 0);
     moe_chat_template *t = moe_chat_template_load_file(tpl, &err);
     assert_non_null(t);
     char *want;
-    assert_int_equal(moe_chat_render(t, msgs, TOOLS, "{\"add_generation_prompt\":true,\"enable_thinking\":false}",
-                                     &want, &err), MOE_OK);
+    assert_int_equal(moe_chat_render(t, msgs, TOOLS,
+                                     "{\"add_generation_prompt\":true,\"enable_thinking\":false}",
+                                     &want, &err),
+                     MOE_OK);
     assert_string_equal(out, want); /* byte for byte: no newline added */
     free(out);
     free(want);
     moe_chat_template_free(t);
 
-    const char *reply = "<think>hm</think>ok<tool_call>\n{\"name\": \"search\", \"arguments\": {\"query\": \"q\"}}\n</tool_call>";
+    const char *reply = "<think>hm</think>ok<tool_call>\n{\"name\": \"search\", \"arguments\": "
+                        "{\"query\": \"q\"}}\n</tool_call>";
     assert_int_equal(moe_file_write(opath, reply, strlen(reply), &err), MOE_OK);
     snprintf(cmd, sizeof cmd, "%s template '%s' --parse auto < '%s'", moe_test_bin(), tpl, opath);
     assert_int_equal(moe_test_run(cmd, &out), 0);

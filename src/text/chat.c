@@ -52,8 +52,10 @@ moe_chat_template *moe_chat_template_from_gguf(const moe_gguf *g, const char *na
         return NULL;
     }
     char key[256];
-    if (name) snprintf(key, sizeof key, "tokenizer.chat_template.%s", name);
-    else snprintf(key, sizeof key, "tokenizer.chat_template");
+    if (name)
+        snprintf(key, sizeof key, "tokenizer.chat_template.%s", name);
+    else
+        snprintf(key, sizeof key, "tokenizer.chat_template");
     const char *src = moe_gguf_get_str(g, key);
     if (!src) {
         moe_error_set(err, MOE_ERR_NOT_FOUND, "the model has no %s", key);
@@ -71,7 +73,9 @@ void moe_chat_template_free(moe_chat_template *t) {
     free(t);
 }
 
-const char *moe_chat_template_source(const moe_chat_template *t) { return t->source; }
+const char *moe_chat_template_source(const moe_chat_template *t) {
+    return t->source;
+}
 
 /* ==== JSON to values ==== */
 
@@ -79,16 +83,23 @@ static jinja_value from_json(jinja_ctx *c, const json_t *j, int depth) {
     if (depth > MOE_CHAT_MAX_JSON_DEPTH)
         jinja_raise(c, "JSON nested deeper than %d levels", MOE_CHAT_MAX_JSON_DEPTH);
     switch (json_typeof(j)) {
-    case JSON_NULL: return jv_none();
-    case JSON_TRUE: return jv_bool(true);
-    case JSON_FALSE: return jv_bool(false);
-    case JSON_INTEGER: return jv_int((int64_t)json_integer_value(j));
-    case JSON_REAL: return jv_float(json_real_value(j));
-    case JSON_STRING: return jv_str(c, json_string_value(j), json_string_length(j));
+    case JSON_NULL:
+        return jv_none();
+    case JSON_TRUE:
+        return jv_bool(true);
+    case JSON_FALSE:
+        return jv_bool(false);
+    case JSON_INTEGER:
+        return jv_int((int64_t)json_integer_value(j));
+    case JSON_REAL:
+        return jv_float(json_real_value(j));
+    case JSON_STRING:
+        return jv_str(c, json_string_value(j), json_string_length(j));
     case JSON_ARRAY: {
         size_t n = json_array_size(j);
         jinja_value l = jv_list(c, n);
-        for (size_t i = 0; i < n; i++) jv_list_push(c, l.l, from_json(c, json_array_get(j, i), depth + 1));
+        for (size_t i = 0; i < n; i++)
+            jv_list_push(c, l.l, from_json(c, json_array_get(j, i), depth + 1));
         return l;
     }
     case JSON_OBJECT: {
@@ -183,7 +194,8 @@ moe_status moe_chat_render(const moe_chat_template *t, const char *messages_json
     json_t *tools = tools_json ? load_json(tools_json, "tools", err) : json_null();
     json_t *kwargs = kwargs_json ? load_json(kwargs_json, "kwargs", err) : json_object();
     moe_status st = MOE_OK;
-    if (!messages || !tools || !kwargs) st = err->code;
+    if (!messages || !tools || !kwargs)
+        st = err->code;
     else if (!json_is_array(messages))
         st = moe_error_set(err, MOE_ERR_ARG, "messages must be a JSON array");
     else if (!json_is_array(tools) && !json_is_null(tools))

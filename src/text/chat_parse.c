@@ -46,12 +46,26 @@ bool moe_chat_format_from_name(const char *name, moe_chat_format *out) {
 }
 
 /* Markers, in UTF-8 as the tokenizers spell them. */
-#define DS_CALLS_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALLS_END "<\xef\xbd\x9ctool\xe2\x96\x81" "calls\xe2\x96\x81" "end\xef\xbd\x9c>"
-#define DS_CALL_BEGIN "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "begin\xef\xbd\x9c>"
-#define DS_CALL_END "<\xef\xbd\x9ctool\xe2\x96\x81" "call\xe2\x96\x81" "end\xef\xbd\x9c>"
+#define DS_CALLS_BEGIN                                                                             \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "begin\xef\xbd\x9c>"
+#define DS_CALLS_END                                                                               \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "calls\xe2\x96\x81"                                                                            \
+    "end\xef\xbd\x9c>"
+#define DS_CALL_BEGIN                                                                              \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "begin\xef\xbd\x9c>"
+#define DS_CALL_END                                                                                \
+    "<\xef\xbd\x9ctool\xe2\x96\x81"                                                                \
+    "call\xe2\x96\x81"                                                                             \
+    "end\xef\xbd\x9c>"
 #define DS_SEP "<\xef\xbd\x9ctool\xe2\x96\x81sep\xef\xbd\x9c>"
-#define DSML "\xef\xbd\x9c" "DSML\xef\xbd\x9c" /* ｜DSML｜ */
+#define DSML                                                                                       \
+    "\xef\xbd\x9c"                                                                                 \
+    "DSML\xef\xbd\x9c" /* ｜DSML｜ */
 
 typedef struct block_marker {
     const char *open, *close; /* close NULL: the block runs to the end of the output */
@@ -60,12 +74,13 @@ typedef struct block_marker {
 static const block_marker markers_tool_call[] = {{"<tool_call>", "</tool_call>"}, {NULL, NULL}};
 static const block_marker markers_qwen3_coder[] = {
     {"<tool_call>", "</tool_call>"}, {"<function=", "</function>"}, {NULL, NULL}};
-static const block_marker markers_minimax[] = {
-    {"<minimax:tool_call>", "</minimax:tool_call>"}, {NULL, NULL}};
+static const block_marker markers_minimax[] = {{"<minimax:tool_call>", "</minimax:tool_call>"},
+                                               {NULL, NULL}};
 static const block_marker markers_deepseek[] = {{DS_CALLS_BEGIN, DS_CALLS_END}, {NULL, NULL}};
-static const block_marker markers_dsml[] = {{"<" DSML "function_calls>", "</" DSML "function_calls>"},
-                                            {"<" DSML "tool_calls>", "</" DSML "tool_calls>"},
-                                            {NULL, NULL}};
+static const block_marker markers_dsml[] = {
+    {"<" DSML "function_calls>", "</" DSML "function_calls>"},
+    {"<" DSML "tool_calls>", "</" DSML "tool_calls>"},
+    {NULL, NULL}};
 static const block_marker markers_kimi[] = {
     {"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"}, {NULL, NULL}};
 static const block_marker markers_llama3[] = {{"<|python_tag|>", NULL}, {NULL, NULL}};
@@ -75,16 +90,25 @@ static const block_marker markers_none[] = {{NULL, NULL}};
 static const block_marker *format_markers(moe_chat_format f) {
     switch (f) {
     case MOE_CHAT_FORMAT_HERMES:
-    case MOE_CHAT_FORMAT_GLM: return markers_tool_call;
-    case MOE_CHAT_FORMAT_QWEN3_CODER: return markers_qwen3_coder;
-    case MOE_CHAT_FORMAT_MINIMAX_M2: return markers_minimax;
+    case MOE_CHAT_FORMAT_GLM:
+        return markers_tool_call;
+    case MOE_CHAT_FORMAT_QWEN3_CODER:
+        return markers_qwen3_coder;
+    case MOE_CHAT_FORMAT_MINIMAX_M2:
+        return markers_minimax;
     case MOE_CHAT_FORMAT_DEEPSEEK_V3:
-    case MOE_CHAT_FORMAT_DEEPSEEK_V31: return markers_deepseek;
-    case MOE_CHAT_FORMAT_DSML: return markers_dsml;
-    case MOE_CHAT_FORMAT_KIMI_K2: return markers_kimi;
-    case MOE_CHAT_FORMAT_LLAMA3: return markers_llama3;
-    case MOE_CHAT_FORMAT_MISTRAL: return markers_mistral;
-    default: return markers_none;
+    case MOE_CHAT_FORMAT_DEEPSEEK_V31:
+        return markers_deepseek;
+    case MOE_CHAT_FORMAT_DSML:
+        return markers_dsml;
+    case MOE_CHAT_FORMAT_KIMI_K2:
+        return markers_kimi;
+    case MOE_CHAT_FORMAT_LLAMA3:
+        return markers_llama3;
+    case MOE_CHAT_FORMAT_MISTRAL:
+        return markers_mistral;
+    default:
+        return markers_none;
     }
 }
 
@@ -93,15 +117,23 @@ static const block_marker *format_markers(moe_chat_format f) {
 void moe_chat_parse_options_detect(const char *src, const char *prompt, moe_chat_parse_options *o) {
     *o = (moe_chat_parse_options){.format = MOE_CHAT_FORMAT_HERMES};
     if (!src) src = "";
-    if (strstr(src, "<|channel|>") && strstr(src, "<|start|>")) o->format = MOE_CHAT_FORMAT_HARMONY;
-    else if (strstr(src, DSML)) o->format = MOE_CHAT_FORMAT_DSML;
-    else if (strstr(src, "<|tool_call_begin|>")) o->format = MOE_CHAT_FORMAT_KIMI_K2;
+    if (strstr(src, "<|channel|>") && strstr(src, "<|start|>"))
+        o->format = MOE_CHAT_FORMAT_HARMONY;
+    else if (strstr(src, DSML))
+        o->format = MOE_CHAT_FORMAT_DSML;
+    else if (strstr(src, "<|tool_call_begin|>"))
+        o->format = MOE_CHAT_FORMAT_KIMI_K2;
     else if (strstr(src, DS_CALL_BEGIN))
-        o->format = strstr(src, "```json") ? MOE_CHAT_FORMAT_DEEPSEEK_V3 : MOE_CHAT_FORMAT_DEEPSEEK_V31;
-    else if (strstr(src, "<minimax:tool_call>")) o->format = MOE_CHAT_FORMAT_MINIMAX_M2;
-    else if (strstr(src, "<arg_key>")) o->format = MOE_CHAT_FORMAT_GLM;
-    else if (strstr(src, "<function=") && strstr(src, "<parameter=")) o->format = MOE_CHAT_FORMAT_QWEN3_CODER;
-    else if (strstr(src, "[TOOL_CALLS]")) o->format = MOE_CHAT_FORMAT_MISTRAL;
+        o->format =
+            strstr(src, "```json") ? MOE_CHAT_FORMAT_DEEPSEEK_V3 : MOE_CHAT_FORMAT_DEEPSEEK_V31;
+    else if (strstr(src, "<minimax:tool_call>"))
+        o->format = MOE_CHAT_FORMAT_MINIMAX_M2;
+    else if (strstr(src, "<arg_key>"))
+        o->format = MOE_CHAT_FORMAT_GLM;
+    else if (strstr(src, "<function=") && strstr(src, "<parameter="))
+        o->format = MOE_CHAT_FORMAT_QWEN3_CODER;
+    else if (strstr(src, "[TOOL_CALLS]"))
+        o->format = MOE_CHAT_FORMAT_MISTRAL;
     else if (strstr(src, "<|python_tag|>") ||
              (strstr(src, "<|start_header_id|>") && strstr(src, "\"parameters\"")))
         o->format = MOE_CHAT_FORMAT_LLAMA3;
@@ -184,7 +216,7 @@ void moe_chat_delta_clear(moe_chat_delta *d) {
 typedef enum mode {
     MODE_CONTENT,
     MODE_REASONING,
-    MODE_BLOCK,       /* inside a tool-call block, waiting for its end */
+    MODE_BLOCK,        /* inside a tool-call block, waiting for its end */
     MODE_HARMONY_HEAD, /* harmony: before <|message|> */
     MODE_HARMONY_BODY, /* harmony: message text until <|end|>, <|call|> or <|return|> */
 } mode;
@@ -210,7 +242,8 @@ moe_chat_parser *moe_chat_parser_new(const moe_chat_parse_options *o, moe_error 
         moe_error_set(err, MOE_ERR_ARG, "unknown tool-call format %d", (int)o->format);
         return NULL;
     }
-    if (!o->think_open != !o->think_close || (o->think_open && (!o->think_open[0] || !o->think_close[0]))) {
+    if (!o->think_open != !o->think_close ||
+        (o->think_open && (!o->think_open[0] || !o->think_close[0]))) {
         moe_error_set(err, MOE_ERR_ARG, "reasoning tags must both be given and non-empty");
         return NULL;
     }
@@ -282,7 +315,8 @@ static const char *param_type(const moe_chat_parser *p, const char *name, size_t
         if (!fn) fn = t;
         const char *fname = json_string_value(json_object_get(fn, "name"));
         if (!fname || strlen(fname) != name_len || memcmp(fname, name, name_len)) continue;
-        json_t *prop = json_object_get(json_object_get(json_object_get(fn, "parameters"), "properties"), key);
+        json_t *prop =
+            json_object_get(json_object_get(json_object_get(fn, "parameters"), "properties"), key);
         json_t *type = json_object_get(prop, "type");
         if (json_is_string(type)) return json_string_value(type);
         if (json_is_array(type)) { /* ["string", "null"]: string wins, else the first non-null */
@@ -297,8 +331,7 @@ static const char *param_type(const moe_chat_parser *p, const char *name, size_t
             }
             return first;
         }
-        if (json_object_get(prop, "enum") || json_object_get(prop, "anyOf")) return NULL;
-        return NULL;
+        return NULL; /* enum without type, anyOf, ...: decode as JSON when it parses */
     }
     return NULL;
 }
@@ -306,8 +339,10 @@ static const char *param_type(const moe_chat_parser *p, const char *name, size_t
 static json_t *typed_value(const char *type, const char *s, size_t n, bool force_string) {
     if (force_string || (type && !strcmp(type, "string"))) return json_stringn(s, n);
     if (type && !strcmp(type, "boolean")) { /* templates print Python's True/False too */
-        if ((n == 4 && !memcmp(s, "True", 4)) || (n == 4 && !memcmp(s, "true", 4))) return json_true();
-        if ((n == 5 && !memcmp(s, "False", 5)) || (n == 5 && !memcmp(s, "false", 5))) return json_false();
+        if ((n == 4 && !memcmp(s, "True", 4)) || (n == 4 && !memcmp(s, "true", 4)))
+            return json_true();
+        if ((n == 5 && !memcmp(s, "False", 5)) || (n == 5 && !memcmp(s, "false", 5)))
+            return json_false();
     }
     if (n == 4 && !memcmp(s, "None", 4) && type && strcmp(type, "string")) return json_null();
     json_t *j = json_loadb(s, n, JSON_DECODE_ANY, NULL);
@@ -318,7 +353,8 @@ static void add_param(const moe_chat_parser *p, json_t *args, const char *fname,
                       const char *key, size_t key_len, const char *val, size_t val_len,
                       bool force_string) {
     char *k = moe_xstrndup(key, key_len);
-    json_object_set_new(args, k, typed_value(param_type(p, fname, fname_len, k), val, val_len, force_string));
+    json_object_set_new(
+        args, k, typed_value(param_type(p, fname, fname_len, k), val, val_len, force_string));
     free(k);
 }
 
@@ -441,8 +477,8 @@ static bool parse_glm(moe_chat_parser *p, const char *s, size_t n, moe_chat_delt
 /* <invoke name="NAME"><parameter name="K" [string="true"]>V</parameter>...</invoke>, with tag
  * names prefixed (DSML) or not (MiniMax) */
 static bool parse_invokes(moe_chat_parser *p, const char *s, size_t n, moe_chat_delta *d,
-                          const char *invoke_open, const char *invoke_close,
-                          const char *param_open, const char *param_close) {
+                          const char *invoke_open, const char *invoke_close, const char *param_open,
+                          const char *param_close) {
     const char *end = s + n, *iv;
     size_t before = d->n_calls;
     size_t io = strlen(invoke_open), po = strlen(param_open), pc = strlen(param_close);
@@ -483,7 +519,8 @@ static bool parse_invokes(moe_chat_parser *p, const char *s, size_t n, moe_chat_
 }
 
 static bool parse_minimax(moe_chat_parser *p, const char *s, size_t n, moe_chat_delta *d) {
-    return parse_invokes(p, s, n, d, "<invoke name=\"", "</invoke>", "<parameter name=\"", "</parameter>");
+    return parse_invokes(p, s, n, d, "<invoke name=\"", "</invoke>", "<parameter name=\"",
+                         "</parameter>");
 }
 
 static bool parse_dsml(moe_chat_parser *p, const char *s, size_t n, moe_chat_delta *d) {
@@ -492,7 +529,8 @@ static bool parse_dsml(moe_chat_parser *p, const char *s, size_t n, moe_chat_del
 }
 
 /* <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}<｜tool▁call▁end｜> (V3.1), or
- * <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{..}\n```<｜tool▁call▁end｜> (V3, R1) */
+ * <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{..}\n```<｜tool▁call▁end｜> (V3, R1)
+ */
 static bool parse_deepseek(moe_chat_parser *p, const char *s, size_t n, moe_chat_delta *d) {
     (void)p;
     const char *end = s + n, *c;
@@ -636,17 +674,27 @@ static bool parse_mistral(moe_chat_parser *p, const char *s, size_t n, moe_chat_
 
 static block_parser format_block_parser(moe_chat_format f) {
     switch (f) {
-    case MOE_CHAT_FORMAT_HERMES: return parse_hermes;
-    case MOE_CHAT_FORMAT_QWEN3_CODER: return parse_qwen3_coder;
-    case MOE_CHAT_FORMAT_GLM: return parse_glm;
-    case MOE_CHAT_FORMAT_MINIMAX_M2: return parse_minimax;
+    case MOE_CHAT_FORMAT_HERMES:
+        return parse_hermes;
+    case MOE_CHAT_FORMAT_QWEN3_CODER:
+        return parse_qwen3_coder;
+    case MOE_CHAT_FORMAT_GLM:
+        return parse_glm;
+    case MOE_CHAT_FORMAT_MINIMAX_M2:
+        return parse_minimax;
     case MOE_CHAT_FORMAT_DEEPSEEK_V3:
-    case MOE_CHAT_FORMAT_DEEPSEEK_V31: return parse_deepseek;
-    case MOE_CHAT_FORMAT_DSML: return parse_dsml;
-    case MOE_CHAT_FORMAT_KIMI_K2: return parse_kimi;
-    case MOE_CHAT_FORMAT_LLAMA3: return parse_llama3;
-    case MOE_CHAT_FORMAT_MISTRAL: return parse_mistral;
-    default: return NULL;
+    case MOE_CHAT_FORMAT_DEEPSEEK_V31:
+        return parse_deepseek;
+    case MOE_CHAT_FORMAT_DSML:
+        return parse_dsml;
+    case MOE_CHAT_FORMAT_KIMI_K2:
+        return parse_kimi;
+    case MOE_CHAT_FORMAT_LLAMA3:
+        return parse_llama3;
+    case MOE_CHAT_FORMAT_MISTRAL:
+        return parse_mistral;
+    default:
+        return NULL;
     }
 }
 
@@ -668,7 +716,8 @@ static void settle_block(moe_chat_parser *p, const char *s, size_t n, moe_chat_d
 
 static const char *const harmony_ends[] = {"<|end|>", "<|call|>", "<|return|>", NULL};
 
-/* header text: [<|start|>assistant][ to=functions.X]<|channel|>NAME[ to=functions.X][ <|constrain|>json] */
+/* header text: [<|start|>assistant][ to=functions.X]<|channel|>NAME[ to=functions.X][
+ * <|constrain|>json] */
 static void harmony_header(moe_chat_parser *p, const char *s, size_t n) {
     free(p->harmony_recipient);
     p->harmony_recipient = NULL;
@@ -682,9 +731,12 @@ static void harmony_header(moe_chat_parser *p, const char *s, size_t n) {
     const char *ch = find(s, n, "<|channel|>");
     const char *chan = ch ? ch + 11 : "";
     size_t cn = ch ? (size_t)(s + n - chan) : 0;
-    if (p->harmony_recipient) p->harmony_kind = 2;
-    else if (starts(chan, cn, "analysis")) p->harmony_kind = 1;
-    else p->harmony_kind = 0; /* final, commentary preambles, no channel */
+    if (p->harmony_recipient)
+        p->harmony_kind = 2;
+    else if (starts(chan, cn, "analysis"))
+        p->harmony_kind = 1;
+    else
+        p->harmony_kind = 0; /* final, commentary preambles, no channel */
 }
 
 static bool harmony_step(moe_chat_parser *p, moe_chat_delta *d, bool final) {
@@ -729,8 +781,10 @@ static bool harmony_step(moe_chat_parser *p, moe_chat_delta *d, bool final) {
         json_t *j = json_loadb(a, an, 0, NULL);
         json_t *args = j ? json_arguments(j) : NULL;
         json_decref(j);
-        if (args) emit_call(d, p->harmony_recipient, strlen(p->harmony_recipient), args);
-        else emit_content(p, d, p->in, upto);
+        if (args)
+            emit_call(d, p->harmony_recipient, strlen(p->harmony_recipient), args);
+        else
+            emit_content(p, d, p->in, upto);
         json_decref(args);
     } else if (p->harmony_kind == 1) {
         emit_reasoning(d, p->in, upto);
@@ -753,7 +807,8 @@ static bool step(moe_chat_parser *p, moe_chat_delta *d, bool final) {
     if (!p->len && !final) return false;
     switch (p->mode) {
     case MODE_HARMONY_HEAD:
-    case MODE_HARMONY_BODY: return harmony_step(p, d, final);
+    case MODE_HARMONY_BODY:
+        return harmony_step(p, d, final);
     case MODE_REASONING: {
         const char *c = find(p->in, p->len, p->think_close);
         if (c) {
@@ -785,7 +840,8 @@ static bool step(moe_chat_parser *p, moe_chat_delta *d, bool final) {
         p->mode = MODE_CONTENT;
         return true;
     }
-    case MODE_CONTENT: break;
+    case MODE_CONTENT:
+        break;
     }
     /* content: look for the earliest opener */
     const char *best = NULL;
@@ -862,8 +918,6 @@ moe_status moe_chat_parser_feed(moe_chat_parser *p, const char *text, size_t len
 moe_status moe_chat_parser_finish(moe_chat_parser *p, moe_chat_delta *d, moe_error *err) {
     (void)err;
     while (step(p, d, true)) {
-    }
-    while (p->len && step(p, d, true)) {
     }
     return MOE_OK;
 }

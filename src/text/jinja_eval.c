@@ -63,7 +63,9 @@ struct render {
 };
 
 #define MISSING JV_KIND_COUNT /* an unbound parameter in bind() */
-static bool missing(jinja_value v) { return v.kind == MISSING; }
+static bool missing(jinja_value v) {
+    return v.kind == MISSING;
+}
 
 _Noreturn static void fail(render *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void fail(render *r, const char *fmt, ...) {
@@ -80,20 +82,30 @@ static void at(render *r, const jinja_node *n) {
     r->c.col = n->col;
 }
 
-static jinja_value str_of(render *r, const char *s, size_t n) { return jv_str(&r->c, s, n); }
-static jinja_value cstr(render *r, const char *s) { return jv_cstr(&r->c, s); }
+static jinja_value str_of(render *r, const char *s, size_t n) {
+    return jv_str(&r->c, s, n);
+}
+static jinja_value cstr(render *r, const char *s) {
+    return jv_cstr(&r->c, s);
+}
 
 /* Undefined values remember why: .s is the name, .safe says which message to give. */
 enum { UNDEF_NAME = 0, UNDEF_ATTR = 1, UNDEF_UNSAFE = 2, UNDEF_PLAIN = 3 };
 static jinja_value undef(render *r, const char *name, int why, const char *type) {
     jinja_buf b = JBUF(&r->c);
     switch (why) {
-    case UNDEF_NAME: jbuf_printf(&b, "'%s' is undefined", name); break;
-    case UNDEF_ATTR: jbuf_printf(&b, "'%s object' has no attribute '%s'", type, name); break;
+    case UNDEF_NAME:
+        jbuf_printf(&b, "'%s' is undefined", name);
+        break;
+    case UNDEF_ATTR:
+        jbuf_printf(&b, "'%s object' has no attribute '%s'", type, name);
+        break;
     case UNDEF_UNSAFE:
         jbuf_printf(&b, "access to attribute '%s' of '%s' object is unsafe.", name, type);
         break;
-    default: jbuf_puts(&b, name); break;
+    default:
+        jbuf_puts(&b, name);
+        break;
     }
     jinja_value v = jv_str_buf(&r->c, &b);
     v.kind = JV_UNDEF;
@@ -137,7 +149,8 @@ static jinja_list *iter_list(render *r, jinja_value v) {
             v.l->consumed = true;
         }
         return v.l;
-    case JV_UNDEF: return jv_list(&r->c, 0).l;
+    case JV_UNDEF:
+        return jv_list(&r->c, 0).l;
     case JV_DICT: {
         if (v.d->ns) break;
         jinja_list *l = jv_list(&r->c, v.d->n).l;
@@ -154,7 +167,8 @@ static jinja_list *iter_list(render *r, jinja_value v) {
         }
         return l;
     }
-    default: break;
+    default:
+        break;
     }
     fail(r, "'%s' object is not iterable", jv_type_name(v));
 }
@@ -165,7 +179,8 @@ static jinja_value as_generator(jinja_value v) {
 }
 
 static void not_subscriptable(render *r, jinja_value v) {
-    if (v.kind == JV_LIST && v.l->lazy) fail(r, "'%s' object is not subscriptable", jv_type_name(v));
+    if (v.kind == JV_LIST && v.l->lazy)
+        fail(r, "'%s' object is not subscriptable", jv_type_name(v));
 }
 
 static void count_iteration(render *r) {
@@ -182,12 +197,23 @@ static jinja_value html_escape(render *r, jinja_value v) {
     for (size_t i = 0; i < v.s->len; i++) {
         char ch = v.s->data[i];
         switch (ch) {
-        case '&': jbuf_puts(&b, "&amp;"); break;
-        case '<': jbuf_puts(&b, "&lt;"); break;
-        case '>': jbuf_puts(&b, "&gt;"); break;
-        case '"': jbuf_puts(&b, "&#34;"); break;
-        case '\'': jbuf_puts(&b, "&#39;"); break;
-        default: jbuf_putc(&b, ch);
+        case '&':
+            jbuf_puts(&b, "&amp;");
+            break;
+        case '<':
+            jbuf_puts(&b, "&lt;");
+            break;
+        case '>':
+            jbuf_puts(&b, "&gt;");
+            break;
+        case '"':
+            jbuf_puts(&b, "&#34;");
+            break;
+        case '\'':
+            jbuf_puts(&b, "&#39;");
+            break;
+        default:
+            jbuf_putc(&b, ch);
         }
     }
     jinja_value out = jv_str_buf(&r->c, &b);
@@ -212,9 +238,15 @@ static uint32_t case_map(uint32_t cp, bool upper) {
     return cp;
 }
 
-static bool is_cased(uint32_t cp) { return case_map(cp, true) != cp || case_map(cp, false) != cp; }
-static bool is_upper_cp(uint32_t cp) { return case_map(cp, false) != cp; }
-static bool is_lower_cp(uint32_t cp) { return case_map(cp, true) != cp; }
+static bool is_cased(uint32_t cp) {
+    return case_map(cp, true) != cp || case_map(cp, false) != cp;
+}
+static bool is_upper_cp(uint32_t cp) {
+    return case_map(cp, false) != cp;
+}
+static bool is_lower_cp(uint32_t cp) {
+    return case_map(cp, true) != cp;
+}
 
 typedef enum { CASE_UPPER, CASE_LOWER, CASE_CAPITALIZE, CASE_TITLE, CASE_SWAP } case_mode;
 
@@ -225,11 +257,21 @@ static jinja_value str_case(render *r, jinja_value v, case_mode mode) {
         uint32_t cp = jinja_utf8_next(v.s->data, v.s->len, &p);
         uint32_t o = cp;
         switch (mode) {
-        case CASE_UPPER: o = case_map(cp, true); break;
-        case CASE_LOWER: o = case_map(cp, false); break;
-        case CASE_CAPITALIZE: o = case_map(cp, first); break;
-        case CASE_TITLE: o = case_map(cp, !prev_cased); break;
-        case CASE_SWAP: o = is_upper_cp(cp) ? case_map(cp, false) : case_map(cp, true); break;
+        case CASE_UPPER:
+            o = case_map(cp, true);
+            break;
+        case CASE_LOWER:
+            o = case_map(cp, false);
+            break;
+        case CASE_CAPITALIZE:
+            o = case_map(cp, first);
+            break;
+        case CASE_TITLE:
+            o = case_map(cp, !prev_cased);
+            break;
+        case CASE_SWAP:
+            o = is_upper_cp(cp) ? case_map(cp, false) : case_map(cp, true);
+            break;
         }
         prev_cased = is_cased(cp);
         first = false;
@@ -327,8 +369,9 @@ static jinja_value str_replace(render *r, jinja_value v, jinja_value old, jinja_
     }
     int64_t done = 0;
     for (;;) {
-        const char *f = count >= 0 && done >= count ? NULL
-                                                    : memmem_at(s, (size_t)(end - s), old.s->data, old.s->len);
+        const char *f = count >= 0 && done >= count
+                            ? NULL
+                            : memmem_at(s, (size_t)(end - s), old.s->data, old.s->len);
         if (!f) break;
         jbuf_put(&b, s, (size_t)(f - s));
         jbuf_put(&b, new_.s->data, new_.s->len);
@@ -455,8 +498,8 @@ static jinja_list *str_splitlines(render *r, const char *s, size_t n, bool keepe
 
 /* ==== Argument binding ==== */
 
-static void bind(render *r, const char *what, const args *a, size_t skip,
-                 const char *const *params, size_t np, jinja_value *out) {
+static void bind(render *r, const char *what, const args *a, size_t skip, const char *const *params,
+                 size_t np, jinja_value *out) {
     for (size_t i = 0; i < np; i++) out[i] = (jinja_value){.kind = MISSING};
     size_t pos = 0;
     for (size_t i = skip; i < a->n; i++) {
@@ -464,7 +507,8 @@ static void bind(render *r, const char *what, const args *a, size_t skip,
             size_t k = 0;
             while (k < np && strcmp(params[k], a->names[i])) k++;
             if (k == np) fail(r, "%s() got an unexpected keyword argument '%s'", what, a->names[i]);
-            if (!missing(out[k])) fail(r, "%s() got multiple values for argument '%s'", what, a->names[i]);
+            if (!missing(out[k]))
+                fail(r, "%s() got multiple values for argument '%s'", what, a->names[i]);
             out[k] = a->v[i];
         } else {
             if (pos >= np) fail(r, "%s() takes at most %zu argument(s)", what, np);
@@ -479,7 +523,9 @@ static int64_t as_int(render *r, jinja_value v, const char *what) {
     fail(r, "%s must be an integer, not %s", what, jv_type_name(v));
 }
 
-static jinja_value or_default(jinja_value v, jinja_value d) { return missing(v) ? d : v; }
+static jinja_value or_default(jinja_value v, jinja_value d) {
+    return missing(v) ? d : v;
+}
 
 /* ==== Calls, attributes, items (forward) ==== */
 
@@ -504,8 +550,10 @@ static jinja_value get_attr_path(render *r, jinja_value v, jinja_value path) {
         bool numeric = n > 0;
         for (size_t i = 0; i < n; i++)
             if (!isdigit((unsigned char)part[i])) numeric = false;
-        if (numeric) v = get_item(r, v, jv_int(strtoll(part, NULL, 10)));
-        else v = get_item(r, v, cstr(r, part));
+        if (numeric)
+            v = get_item(r, v, jv_int(strtoll(part, NULL, 10)));
+        else
+            v = get_item(r, v, cstr(r, part));
         if (!dot) return v;
         p = dot + 1;
     }
@@ -521,7 +569,8 @@ typedef struct sort_key {
 
 static jinja_value key_of(render *r, jinja_value v, const sort_key *k) {
     if (k->by >= 0) v = v.l->items[k->by];
-    if (!missing(k->attribute) && k->attribute.kind != JV_NONE) v = get_attr_path(r, v, k->attribute);
+    if (!missing(k->attribute) && k->attribute.kind != JV_NONE)
+        v = get_attr_path(r, v, k->attribute);
     if (!k->case_sensitive && v.kind == JV_STR) v = str_case(r, v, CASE_LOWER);
     return v;
 }
@@ -618,15 +667,18 @@ static jinja_value f_tojson(render *r, jinja_value v, const args *a) {
 
 static jinja_value f_length(render *r, jinja_value v) {
     switch (v.kind) {
-    case JV_STR: return jv_int((int64_t)jinja_utf8_count(v.s->data, v.s->len));
+    case JV_STR:
+        return jv_int((int64_t)jinja_utf8_count(v.s->data, v.s->len));
     case JV_LIST:
         if (v.l->lazy == JL_ITER) break;
         return jv_int((int64_t)v.l->n);
     case JV_DICT:
         if (!v.d->ns) return jv_int((int64_t)v.d->n);
         break;
-    case JV_UNDEF: return jv_int(0);
-    default: break;
+    case JV_UNDEF:
+        return jv_int(0);
+    default:
+        break;
     }
     fail(r, "object of type '%s' has no len()", jv_type_name(v));
 }
@@ -720,9 +772,12 @@ static jinja_value f_map(render *r, jinja_value v, const args *a) {
     jinja_value attribute = {.kind = MISSING}, dflt = {.kind = MISSING};
     for (size_t i = 0; i < a->n; i++) {
         if (!a->names || !a->names[i]) continue;
-        if (!strcmp(a->names[i], "attribute")) attribute = a->v[i];
-        else if (!strcmp(a->names[i], "default")) dflt = a->v[i];
-        else fail(r, "map() got an unexpected keyword argument '%s'", a->names[i]);
+        if (!strcmp(a->names[i], "attribute"))
+            attribute = a->v[i];
+        else if (!strcmp(a->names[i], "default"))
+            dflt = a->v[i];
+        else
+            fail(r, "map() got an unexpected keyword argument '%s'", a->names[i]);
     }
     if (!missing(attribute)) {
         for (size_t i = 0; i < l->n; i++) {
@@ -740,9 +795,13 @@ static jinja_value f_map(render *r, jinja_value v, const args *a) {
 }
 
 static jinja_value f_first_last(render *r, jinja_value v, bool last) {
-    if (last && v.kind == JV_LIST && v.l->lazy == JL_ITER) fail(r, "'generator' object is not reversible");
+    if (last && v.kind == JV_LIST && v.l->lazy == JL_ITER)
+        fail(r, "'generator' object is not reversible");
     jinja_list *l = iter_list(r, v);
-    if (!l->n) return undef(r, last ? "No last item, sequence was empty." : "No first item, sequence was empty.", UNDEF_PLAIN, NULL);
+    if (!l->n)
+        return undef(
+            r, last ? "No last item, sequence was empty." : "No first item, sequence was empty.",
+            UNDEF_PLAIN, NULL);
     return l->items[last ? l->n - 1 : 0];
 }
 
@@ -785,8 +844,10 @@ static jinja_value f_int(render *r, jinja_value v, const args *a) {
     jinja_value dflt = or_default(p[0], jv_int(0));
     int base = missing(p[1]) ? 10 : (int)as_int(r, p[1], "base");
     switch (v.kind) {
-    case JV_INT: return v;
-    case JV_BOOL: return jv_int(v.b);
+    case JV_INT:
+        return v;
+    case JV_BOOL:
+        return jv_int(v.b);
     case JV_FLOAT:
         if (isnan(v.f) || isinf(v.f) || fabs(v.f) > 9.2e18) return dflt;
         return jv_int((int64_t)v.f);
@@ -798,7 +859,8 @@ static jinja_value f_int(render *r, jinja_value v, const args *a) {
         if (ok && !isnan(x.f) && !isinf(x.f) && fabs(x.f) < 9.2e18) return jv_int((int64_t)x.f);
         return dflt;
     }
-    default: return dflt;
+    default:
+        return dflt;
     }
 }
 
@@ -825,7 +887,8 @@ static jinja_value f_dictsort(render *r, jinja_value v, const args *a) {
                   .attribute = {.kind = MISSING},
                   .by = 0};
     if (!missing(p[1])) {
-        if (p[1].kind == JV_STR && !strcmp(p[1].s->data, "value")) k.by = 1;
+        if (p[1].kind == JV_STR && !strcmp(p[1].s->data, "value"))
+            k.by = 1;
         else if (!(p[1].kind == JV_STR && !strcmp(p[1].s->data, "key")))
             fail(r, "You can only sort by either \"key\" or \"value\"");
     }
@@ -927,7 +990,8 @@ static jinja_value f_truncate(render *r, jinja_value v, const args *a) {
     jinja_value end = missing(p[2]) ? cstr(r, "...") : jv_stringify(&r->c, p[2]);
     int64_t leeway = missing(p[3]) || p[3].kind == JV_NONE ? 5 : as_int(r, p[3], "leeway");
     int64_t endlen = (int64_t)jinja_utf8_count(end.s->data, end.s->len);
-    if (length < endlen) fail(r, "expected length >= %lld, got %lld", (long long)endlen, (long long)length);
+    if (length < endlen)
+        fail(r, "expected length >= %lld, got %lld", (long long)endlen, (long long)length);
     int64_t slen = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
     if (slen <= length + leeway) return s;
     size_t cut = jinja_utf8_offset(s.s->data, s.s->len, (size_t)(length - endlen));
@@ -966,7 +1030,8 @@ static jinja_value f_title(render *r, jinja_value v) {
     bool start = true;
     for (size_t p = 0; p < s.s->len;) {
         uint32_t cp = jinja_utf8_next(s.s->data, s.s->len, &p);
-        bool sep = cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<' || jinja_py_space(cp);
+        bool sep =
+            cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<' || jinja_py_space(cp);
         jinja_utf8_put(&b, sep ? cp : case_map(cp, start));
         start = sep;
     }
@@ -1250,18 +1315,24 @@ static bool apply_test(render *r, const char *name, jinja_value v, const args *a
 }
 
 static const char *const known_filters[] = {
-    "abs", "attr", "batch", "capitalize", "center", "count", "d", "default", "dictsort", "e",
-    "escape", "filesizeformat", "first", "float", "forceescape", "format", "groupby", "indent",
-    "int", "join", "last", "length", "list", "lower", "items", "map", "min", "max", "pprint",
-    "random", "reject", "rejectattr", "replace", "reverse", "round", "safe", "select",
-    "selectattr", "slice", "sort", "string", "striptags", "sum", "title", "trim", "truncate",
-    "unique", "upper", "urlencode", "urlize", "wordcount", "wordwrap", "xmlattr", "tojson", NULL};
+    "abs",       "attr",       "batch",       "capitalize", "center",  "count",
+    "d",         "default",    "dictsort",    "e",          "escape",  "filesizeformat",
+    "first",     "float",      "forceescape", "format",     "groupby", "indent",
+    "int",       "join",       "last",        "length",     "list",    "lower",
+    "items",     "map",        "min",         "max",        "pprint",  "random",
+    "reject",    "rejectattr", "replace",     "reverse",    "round",   "safe",
+    "select",    "selectattr", "slice",       "sort",       "string",  "striptags",
+    "sum",       "title",      "trim",        "truncate",   "unique",  "upper",
+    "urlencode", "urlize",     "wordcount",   "wordwrap",   "xmlattr", "tojson",
+    NULL};
 
 static const char *const known_tests[] = {
-    "odd", "even", "divisibleby", "defined", "undefined", "filter", "test", "none", "boolean",
-    "false", "true", "integer", "float", "number", "lower", "upper", "string", "mapping",
-    "sequence", "iterable", "callable", "sameas", "escaped", "in", "==", "eq", "equalto", "!=",
-    "ne", ">", "gt", "greaterthan", "ge", ">=", "<", "lt", "lessthan", "<=", "le", NULL};
+    "odd",    "even",     "divisibleby", "defined",     "undefined", "filter",   "test",
+    "none",   "boolean",  "false",       "true",        "integer",   "float",    "number",
+    "lower",  "upper",    "string",      "mapping",     "sequence",  "iterable", "callable",
+    "sameas", "escaped",  "in",          "==",          "eq",        "equalto",  "!=",
+    "ne",     ">",        "gt",          "greaterthan", "ge",        ">=",       "<",
+    "lt",     "lessthan", "<=",          "le",          NULL};
 
 bool jinja_filter_known(const char *name) {
     for (const char *const *k = known_filters; *k; k++)
@@ -1311,8 +1382,10 @@ static jinja_value percent_format(render *r, jinja_value fmt, jinja_list *vals) 
         jinja_value v = vals->items[vi++];
         if (conv == 's' || conv == 'r') {
             jinja_buf t = JBUF(&r->c);
-            if (conv == 's') jv_to_str(&r->c, &t, v);
-            else jv_to_repr(&r->c, &t, v);
+            if (conv == 's')
+                jv_to_str(&r->c, &t, v);
+            else
+                jv_to_repr(&r->c, &t, v);
             spec[k++] = 's';
             spec[k] = '\0';
             jbuf_printf(&b, spec, t.data ? t.data : "");
@@ -1326,7 +1399,10 @@ static jinja_value percent_format(render *r, jinja_value fmt, jinja_list *vals) 
             spec[k++] = 'l';
             spec[k++] = 'd';
             spec[k] = '\0';
-            jbuf_printf(&b, spec, (long long)(v.kind == JV_FLOAT ? (int64_t)v.f : v.kind == JV_BOOL ? v.b : v.i));
+            jbuf_printf(&b, spec,
+                        (long long)(v.kind == JV_FLOAT  ? (int64_t)v.f
+                                    : v.kind == JV_BOOL ? v.b
+                                                        : v.i));
         } else if (strchr("feEgGxXo", conv)) {
             if (!jv_is_num(v)) {
                 jbuf_free(&b);
@@ -1369,11 +1445,13 @@ static jinja_value f_format(render *r, jinja_value v, const args *a) {
 
 static bool str_method(const char *name) {
     static const char *const m[] = {
-        "startswith", "endswith", "split", "rsplit", "splitlines", "strip", "lstrip", "rstrip",
-        "upper", "lower", "title", "capitalize", "swapcase", "casefold", "replace", "find",
-        "rfind", "index", "rindex", "count", "join", "isdigit", "isalpha", "isalnum", "isspace",
-        "isupper", "islower", "isnumeric", "isdecimal", "removeprefix", "removesuffix",
-        "zfill", "ljust", "rjust", "center", "partition", "rpartition", "format", "encode", NULL};
+        "startswith",   "endswith", "split",   "rsplit",    "splitlines", "strip",
+        "lstrip",       "rstrip",   "upper",   "lower",     "title",      "capitalize",
+        "swapcase",     "casefold", "replace", "find",      "rfind",      "index",
+        "rindex",       "count",    "join",    "isdigit",   "isalpha",    "isalnum",
+        "isspace",      "isupper",  "islower", "isnumeric", "isdecimal",  "removeprefix",
+        "removesuffix", "zfill",    "ljust",   "rjust",     "center",     "partition",
+        "rpartition",   "format",   "encode",  NULL};
     for (const char *const *k = m; *k; k++)
         if (!strcmp(*k, name)) return true;
     return false;
@@ -1393,8 +1471,8 @@ static bool affix_match(render *r, jinja_value s, jinja_value affix, bool at_end
         return false;
     }
     if (affix.kind != JV_STR)
-        fail(r, "%s first arg must be str or a tuple of str, not %s", at_end ? "endswith" : "startswith",
-             jv_type_name(affix));
+        fail(r, "%s first arg must be str or a tuple of str, not %s",
+             at_end ? "endswith" : "startswith", jv_type_name(affix));
     size_t n = affix.s->len;
     if (n > s.s->len) return false;
     return memcmp(s.s->data + (at_end ? s.s->len - n : 0), affix.s->data, n) == 0;
@@ -1442,11 +1520,11 @@ static jinja_value call_str_method(render *r, jinja_value s, const char *name, c
     if (!strcmp(name, "upper") || !strcmp(name, "lower") || !strcmp(name, "casefold") ||
         !strcmp(name, "title") || !strcmp(name, "capitalize") || !strcmp(name, "swapcase")) {
         bind(r, name, a, 0, NULL, 0, p);
-        case_mode m = name[0] == 'u'   ? CASE_UPPER
-                      : name[0] == 't' ? CASE_TITLE
+        case_mode m = name[0] == 'u'                     ? CASE_UPPER
+                      : name[0] == 't'                   ? CASE_TITLE
                       : name[1] == 'a' && name[2] == 'p' ? CASE_CAPITALIZE
-                      : name[0] == 's' ? CASE_SWAP
-                                       : CASE_LOWER;
+                      : name[0] == 's'                   ? CASE_SWAP
+                                                         : CASE_LOWER;
         if (m == CASE_CAPITALIZE) { /* first upper, the rest lower */
             jinja_value low = str_case(r, s, CASE_LOWER);
             return str_case(r, low, CASE_CAPITALIZE);
@@ -1472,7 +1550,8 @@ static jinja_value call_str_method(render *r, jinja_value s, const char *name, c
         const char *f = NULL;
         if (name[0] == 'r') {
             for (size_t i = s.s->len + 1; i-- > 0;)
-                if (i + p[0].s->len <= s.s->len && !memcmp(s.s->data + i, p[0].s->data, p[0].s->len)) {
+                if (i + p[0].s->len <= s.s->len &&
+                    !memcmp(s.s->data + i, p[0].s->data, p[0].s->len)) {
                     f = s.s->data + i;
                     break;
                 }
@@ -1494,7 +1573,8 @@ static jinja_value call_str_method(render *r, jinja_value s, const char *name, c
         for (size_t i = 0; i < l->n; i++) {
             if (l->items[i].kind != JV_STR) {
                 jbuf_free(&b);
-                fail(r, "sequence item %zu: expected str instance, %s found", i, jv_type_name(l->items[i]));
+                fail(r, "sequence item %zu: expected str instance, %s found", i,
+                     jv_type_name(l->items[i]));
             }
             if (i) jbuf_put(&b, s.s->data, s.s->len);
             jbuf_put(&b, l->items[i].s->data, l->items[i].s->len);
@@ -1508,11 +1588,15 @@ static jinja_value call_str_method(render *r, jinja_value s, const char *name, c
         for (size_t q = 0; q < s.s->len;) {
             uint32_t cp = jinja_utf8_next(s.s->data, s.s->len, &q);
             bool ok;
-            if (!strcmp(name, "isdigit") || !strcmp(name, "isnumeric") || !strcmp(name, "isdecimal"))
+            if (!strcmp(name, "isdigit") || !strcmp(name, "isnumeric") ||
+                !strcmp(name, "isdecimal"))
                 ok = cp >= '0' && cp <= '9';
-            else if (!strcmp(name, "isalpha")) ok = (cp < 0x80 && isalpha((int)cp)) || cp >= 0x80;
-            else if (!strcmp(name, "isalnum")) ok = (cp < 0x80 && isalnum((int)cp)) || cp >= 0x80;
-            else if (!strcmp(name, "isspace")) ok = jinja_py_space(cp);
+            else if (!strcmp(name, "isalpha"))
+                ok = (cp < 0x80 && isalpha((int)cp)) || cp >= 0x80;
+            else if (!strcmp(name, "isalnum"))
+                ok = (cp < 0x80 && isalnum((int)cp)) || cp >= 0x80;
+            else if (!strcmp(name, "isspace"))
+                ok = jinja_py_space(cp);
             else if (!strcmp(name, "isupper")) {
                 ok = !is_lower_cp(cp);
                 any_cased |= is_cased(cp);
@@ -1540,13 +1624,17 @@ static jinja_value call_str_method(render *r, jinja_value s, const char *name, c
         bind(r, name, a, 0, P, 2, p);
         if (missing(p[0])) fail(r, "%s() takes at least 1 argument", name);
         int64_t width = as_int(r, p[0], "width");
-        const char *fill = !missing(p[1]) && p[1].kind == JV_STR ? p[1].s->data : name[0] == 'z' ? "0" : " ";
+        const char *fill = !missing(p[1]) && p[1].kind == JV_STR ? p[1].s->data
+                           : name[0] == 'z'                      ? "0"
+                                                                 : " ";
         int64_t len = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
         if (width <= len) return s;
         if (width > JINJA_MAX_OUTPUT) fail(r, "width too large");
         int64_t pad = width - len, left = 0;
-        if (name[0] == 'r' || name[0] == 'z') left = pad;
-        else if (name[0] == 'c') left = pad / 2 + (pad & width & 1);
+        if (name[0] == 'r' || name[0] == 'z')
+            left = pad;
+        else if (name[0] == 'c')
+            left = pad / 2 + (pad & width & 1);
         jinja_buf b = JBUF(&r->c);
         size_t signlen = name[0] == 'z' && s.s->len && (s.s->data[0] == '-' || s.s->data[0] == '+');
         jbuf_put(&b, s.s->data, signlen);
@@ -1585,7 +1673,8 @@ static jinja_value call_method(render *r, jinja_method *m, const args *a) {
     const char *name = m->name;
     jinja_value p[3];
     switch (self.kind) {
-    case JV_STR: return call_str_method(r, self, name, a);
+    case JV_STR:
+        return call_str_method(r, self, name, a);
     case JV_DICT:
         if (!strcmp(name, "get")) {
             static const char *const P[] = {"key", "default"};
@@ -1599,7 +1688,9 @@ static jinja_value call_method(render *r, jinja_method *m, const args *a) {
             bind(r, name, a, 0, NULL, 0, p);
             jinja_value out = jv_list(&r->c, self.d->n);
             out.l->lazy = JL_VIEW;
-            out.l->view = name[0] == 'i' ? "dict_items" : name[0] == 'k' ? "dict_keys" : "dict_values";
+            out.l->view = name[0] == 'i'   ? "dict_items"
+                          : name[0] == 'k' ? "dict_keys"
+                                           : "dict_values";
             for (size_t i = 0; i < self.d->n; i++) {
                 jinja_value x = name[0] == 'i'   ? make_pair(r, self.d->keys[i], self.d->vals[i])
                                 : name[0] == 'k' ? self.d->keys[i]
@@ -1611,7 +1702,8 @@ static jinja_value call_method(render *r, jinja_method *m, const args *a) {
         if (!strcmp(name, "copy")) {
             bind(r, name, a, 0, NULL, 0, p);
             jinja_value out = jv_dict(&r->c, self.d->n);
-            for (size_t i = 0; i < self.d->n; i++) jv_dict_set(&r->c, out.d, self.d->keys[i], self.d->vals[i]);
+            for (size_t i = 0; i < self.d->n; i++)
+                jv_dict_set(&r->c, out.d, self.d->keys[i], self.d->vals[i]);
             return out;
         }
         break;
@@ -1624,7 +1716,8 @@ static jinja_value call_method(render *r, jinja_method *m, const args *a) {
             if (i < 0) i += (int64_t)self.l->n;
             if (i < 0 || (size_t)i >= self.l->n) fail(r, "pop index out of range");
             jinja_value v = self.l->items[i];
-            memmove(self.l->items + i, self.l->items + i + 1, (self.l->n - (size_t)i - 1) * sizeof *self.l->items);
+            memmove(self.l->items + i, self.l->items + i + 1,
+                    (self.l->n - (size_t)i - 1) * sizeof *self.l->items);
             self.l->n--;
             return v;
         }
@@ -1661,13 +1754,15 @@ static jinja_value call_method(render *r, jinja_method *m, const args *a) {
         if (!strcmp(name, "changed")) {
             jinja_value cur_ = jv_list(&r->c, a->n);
             for (size_t i = 0; i < a->n; i++) jv_list_push(&r->c, cur_.l, a->v[i]);
-            if (self.loop->changed_seen && jv_equal(self.loop->last_changed, cur_)) return jv_bool(false);
+            if (self.loop->changed_seen && jv_equal(self.loop->last_changed, cur_))
+                return jv_bool(false);
             self.loop->changed_seen = true;
             self.loop->last_changed = cur_;
             return jv_bool(true);
         }
         break;
-    default: break;
+    default:
+        break;
     }
     fail(r, "'%s' object has no method '%s'", jv_type_name(self), name);
 }
@@ -1676,7 +1771,8 @@ static jinja_value call_method(render *r, jinja_method *m, const args *a) {
 
 static jinja_value get_attr(render *r, jinja_value obj, const char *name) {
     switch (obj.kind) {
-    case JV_UNDEF: undef_fail(r, obj);
+    case JV_UNDEF:
+        undef_fail(r, obj);
     case JV_DICT: {
         if (obj.d->ns) {
             jinja_value v;
@@ -1684,7 +1780,8 @@ static jinja_value get_attr(render *r, jinja_value obj, const char *name) {
             return undef(r, name, UNDEF_ATTR, "Namespace");
         }
         static const char *const safe_m[] = {"get", "items", "keys", "values", "copy", NULL};
-        static const char *const unsafe_m[] = {"clear", "pop", "popitem", "setdefault", "update", NULL};
+        static const char *const unsafe_m[] = {"clear",      "pop",    "popitem",
+                                               "setdefault", "update", NULL};
         for (const char *const *k = safe_m; *k; k++)
             if (!strcmp(*k, name)) return method_value(r, obj, *k);
         for (const char *const *k = unsafe_m; *k; k++)
@@ -1695,7 +1792,8 @@ static jinja_value get_attr(render *r, jinja_value obj, const char *name) {
     }
     case JV_LIST: {
         static const char *const safe_m[] = {"pop", "index", "count", "copy", "clear", NULL};
-        static const char *const unsafe_m[] = {"append", "reverse", "insert", "sort", "extend", "remove", NULL};
+        static const char *const unsafe_m[] = {"append", "reverse", "insert", "sort",
+                                               "extend", "remove",  NULL};
         for (const char *const *k = safe_m; *k; k++)
             if (!strcmp(*k, name)) return method_value(r, obj, *k);
         for (const char *const *k = unsafe_m; *k; k++)
@@ -1718,13 +1816,16 @@ static jinja_value get_attr(render *r, jinja_value obj, const char *name) {
         if (!strcmp(name, "depth")) return jv_int(1);
         if (!strcmp(name, "depth0")) return jv_int(0);
         if (!strcmp(name, "previtem"))
-            return i > 0 ? l->items->items[i - 1] : undef(r, "there is no previous item", UNDEF_PLAIN, NULL);
+            return i > 0 ? l->items->items[i - 1]
+                         : undef(r, "there is no previous item", UNDEF_PLAIN, NULL);
         if (!strcmp(name, "nextitem"))
-            return i + 1 < n ? l->items->items[i + 1] : undef(r, "there is no next item", UNDEF_PLAIN, NULL);
+            return i + 1 < n ? l->items->items[i + 1]
+                             : undef(r, "there is no next item", UNDEF_PLAIN, NULL);
         if (!strcmp(name, "cycle") || !strcmp(name, "changed")) return method_value(r, obj, name);
         return undef(r, name, UNDEF_ATTR, "LoopContext");
     }
-    default: return undef(r, name, UNDEF_ATTR, jv_type_name(obj));
+    default:
+        return undef(r, name, UNDEF_ATTR, jv_type_name(obj));
     }
 }
 
@@ -1740,7 +1841,8 @@ static bool index_of(render *r, jinja_value key, size_t n, size_t *out) {
 
 static jinja_value get_item(render *r, jinja_value obj, jinja_value key) {
     switch (obj.kind) {
-    case JV_UNDEF: undef_fail(r, obj);
+    case JV_UNDEF:
+        undef_fail(r, obj);
     case JV_DICT: {
         jinja_value v;
         if (!obj.d->ns && jv_dict_get(obj.d, key, &v)) return v;
@@ -1750,13 +1852,15 @@ static jinja_value get_item(render *r, jinja_value obj, jinja_value key) {
         size_t i;
         if (key.kind != JV_STR) not_subscriptable(r, obj);
         if (index_of(r, key, obj.l->n, &i)) return obj.l->items[i];
-        if (key.kind == JV_INT || key.kind == JV_BOOL) return undef(r, "list index out of range", UNDEF_PLAIN, NULL);
+        if (key.kind == JV_INT || key.kind == JV_BOOL)
+            return undef(r, "list index out of range", UNDEF_PLAIN, NULL);
         break;
     }
     case JV_STR: {
         if (key.kind == JV_INT || key.kind == JV_BOOL) {
             size_t n = jinja_utf8_count(obj.s->data, obj.s->len), i;
-            if (!index_of(r, key, n, &i)) return undef(r, "string index out of range", UNDEF_PLAIN, NULL);
+            if (!index_of(r, key, n, &i))
+                return undef(r, "string index out of range", UNDEF_PLAIN, NULL);
             size_t a = jinja_utf8_offset(obj.s->data, obj.s->len, i);
             size_t b = a;
             jinja_utf8_next(obj.s->data, obj.s->len, &b);
@@ -1764,7 +1868,8 @@ static jinja_value get_item(render *r, jinja_value obj, jinja_value key) {
         }
         break;
     }
-    default: break;
+    default:
+        break;
     }
     if (key.kind == JV_STR) {
         jinja_value v = get_attr(r, obj, key.s->data);
@@ -1784,20 +1889,25 @@ static jinja_value do_slice(render *r, jinja_value obj, jinja_value start, jinja
     bool is_str = obj.kind == JV_STR;
     jinja_list *src = NULL;
     size_t n;
-    if (is_str) n = jinja_utf8_count(obj.s->data, obj.s->len);
-    else if (obj.kind == JV_LIST && !obj.l->lazy) n = (src = obj.l)->n;
-    else fail(r, "'%s' object is not subscriptable", jv_type_name(obj));
+    if (is_str)
+        n = jinja_utf8_count(obj.s->data, obj.s->len);
+    else if (obj.kind == JV_LIST && !obj.l->lazy)
+        n = (src = obj.l)->n;
+    else
+        fail(r, "'%s' object is not subscriptable", jv_type_name(obj));
     int64_t st = step.kind == JV_NONE ? 1 : as_int(r, step, "slice step");
     if (st == 0) fail(r, "slice step cannot be zero");
     int64_t len = (int64_t)n, lo, hi;
-    if (start.kind == JV_NONE) lo = st < 0 ? len - 1 : 0;
+    if (start.kind == JV_NONE)
+        lo = st < 0 ? len - 1 : 0;
     else {
         lo = as_int(r, start, "slice index");
         if (lo < 0) lo += len;
         if (lo < 0) lo = st < 0 ? -1 : 0;
         if (lo >= len) lo = st < 0 ? len - 1 : len;
     }
-    if (stop.kind == JV_NONE) hi = st < 0 ? -1 : len;
+    if (stop.kind == JV_NONE)
+        hi = st < 0 ? -1 : len;
     else {
         hi = as_int(r, stop, "slice index");
         if (hi < 0) hi += len;
@@ -1823,7 +1933,8 @@ static jinja_value do_slice(render *r, jinja_value obj, jinja_value start, jinja
     }
     jinja_value out = jv_list(&r->c, 0);
     out.l->tuple = src->tuple;
-    for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st) jv_list_push(&r->c, out.l, src->items[i]);
+    for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st)
+        jv_list_push(&r->c, out.l, src->items[i]);
     return out;
 }
 
@@ -1842,8 +1953,10 @@ static jinja_value num_add(render *r, jinja_value x, jinja_value y) {
     }
     if (x.kind == JV_STR && y.kind == JV_STR) {
         if (x.safe != y.safe) { /* Markup + str escapes the plain side */
-            if (x.safe) y = html_escape(r, y);
-            else x = html_escape(r, x);
+            if (x.safe)
+                y = html_escape(r, y);
+            else
+                x = html_escape(r, x);
         }
         jinja_str *s = jinja_alloc(&r->c, sizeof *s + x.s->len + y.s->len + 1);
         s->len = x.s->len + y.s->len;
@@ -1866,7 +1979,8 @@ static jinja_value num_add(render *r, jinja_value x, jinja_value y) {
 static jinja_value repeat(render *r, jinja_value seq, int64_t times) {
     if (times < 0) times = 0;
     if (seq.kind == JV_STR) {
-        if (times && seq.s->len > JINJA_MAX_OUTPUT / (uint64_t)times) fail(r, "repeated string too long");
+        if (times && seq.s->len > JINJA_MAX_OUTPUT / (uint64_t)times)
+            fail(r, "repeated string too long");
         jinja_buf b = JBUF(&r->c);
         for (int64_t i = 0; i < times; i++) jbuf_put(&b, seq.s->data, seq.s->len);
         if (!b.data) jbuf_puts(&b, "");
@@ -1883,9 +1997,12 @@ static jinja_value repeat(render *r, jinja_value seq, int64_t times) {
 
 static jinja_value binary(render *r, jinja_op op, jinja_value x, jinja_value y) {
     switch (op) {
-    case JOP_ADD: return num_add(r, x, y);
-    case JOP_EQ: return jv_bool(jv_equal(x, y));
-    case JOP_NE: return jv_bool(!jv_equal(x, y));
+    case JOP_ADD:
+        return num_add(r, x, y);
+    case JOP_EQ:
+        return jv_bool(jv_equal(x, y));
+    case JOP_NE:
+        return jv_bool(!jv_equal(x, y));
     case JOP_LT:
     case JOP_LE:
     case JOP_GT:
@@ -1893,7 +2010,10 @@ static jinja_value binary(render *r, jinja_op op, jinja_value x, jinja_value y) 
         if (x.kind == JV_UNDEF) undef_fail(r, x);
         if (y.kind == JV_UNDEF) undef_fail(r, y);
         int c = jv_compare(&r->c, x, y);
-        return jv_bool(op == JOP_LT ? c < 0 : op == JOP_LE ? c <= 0 : op == JOP_GT ? c > 0 : c >= 0);
+        return jv_bool(op == JOP_LT   ? c < 0
+                       : op == JOP_LE ? c <= 0
+                       : op == JOP_GT ? c > 0
+                                      : c >= 0);
     }
     case JOP_IN:
     case JOP_NOTIN: {
@@ -1901,7 +2021,8 @@ static jinja_value binary(render *r, jinja_op op, jinja_value x, jinja_value y) 
         bool in = apply_test(r, "in", x, &one);
         return jv_bool(op == JOP_IN ? in : !in);
     }
-    default: break;
+    default:
+        break;
     }
     if (x.kind == JV_UNDEF) undef_fail(r, x);
     if (y.kind == JV_UNDEF) undef_fail(r, y);
@@ -1913,7 +2034,8 @@ static jinja_value binary(render *r, jinja_op op, jinja_value x, jinja_value y) 
     }
     if (op == JOP_MOD && x.kind == JV_STR) {
         jinja_list *vals;
-        if (y.kind == JV_LIST && y.l->tuple) vals = y.l;
+        if (y.kind == JV_LIST && y.l->tuple)
+            vals = y.l;
         else {
             vals = jv_list(&r->c, 1).l;
             jv_list_push(&r->c, vals, y);
@@ -1959,7 +2081,8 @@ static jinja_value binary(render *r, jinja_op op, jinja_value x, jinja_value y) 
             double m = fmod(fa, fb);
             if (m != 0 && ((m < 0) != (fb < 0))) m += fb;
             if (op == JOP_MOD) return jv_float(m);
-            return jv_float(floor((fa - m) / fb + 0.5) == (fa - m) / fb ? (fa - m) / fb : floor(fa / fb));
+            return jv_float(floor((fa - m) / fb + 0.5) == (fa - m) / fb ? (fa - m) / fb
+                                                                        : floor(fa / fb));
         }
     case JOP_POW:
         if (ints && b >= 0) {
@@ -1971,7 +2094,8 @@ static jinja_value binary(render *r, jinja_op op, jinja_value x, jinja_value y) 
             return jv_int(acc);
         }
         return jv_float(pow(fa, fb));
-    default: break;
+    default:
+        break;
     }
     fail(r, "bad operator");
 }
@@ -2008,8 +2132,9 @@ static jinja_value eval_name(render *r, scope *s, const jinja_node *n) {
 }
 
 static jinja_value eval_filter(render *r, scope *s, const jinja_node *n, jinja_value input) {
-    jinja_value v = n->a ? (n->a->kind == JN_FILTER ? eval_filter(r, s, n->a, input) : eval(r, s, n->a))
-                         : input;
+    jinja_value v =
+        n->a ? (n->a->kind == JN_FILTER ? eval_filter(r, s, n->a, input) : eval(r, s, n->a))
+             : input;
     args a = eval_args(r, s, n, 0);
     at(r, n);
     return apply_filter(r, n->name, v, &a);
@@ -2017,8 +2142,10 @@ static jinja_value eval_filter(render *r, scope *s, const jinja_node *n, jinja_v
 
 static jinja_value eval(render *r, scope *s, const jinja_node *n) {
     switch (n->kind) {
-    case JN_CONST: return n->value;
-    case JN_NAME: return eval_name(r, s, n);
+    case JN_CONST:
+        return n->value;
+    case JN_NAME:
+        return eval_name(r, s, n);
     case JN_LIST:
     case JN_TUPLE: {
         jinja_value l = jv_list(&r->c, n->n_kids);
@@ -2068,7 +2195,8 @@ static jinja_value eval(render *r, scope *s, const jinja_node *n) {
         at(r, n);
         return call_value(r, f, &a);
     }
-    case JN_FILTER: return eval_filter(r, s, n, jv_undef());
+    case JN_FILTER:
+        return eval_filter(r, s, n, jv_undef());
     case JN_TEST: {
         jinja_value v = eval(r, s, n->a);
         args a = eval_args(r, s, n, 0);
@@ -2087,7 +2215,8 @@ static jinja_value eval(render *r, scope *s, const jinja_node *n) {
             return n->op == JOP_NEG ? jv_int(-v.i) : v;
         }
         if (v.kind == JV_FLOAT) return n->op == JOP_NEG ? jv_float(-v.f) : v;
-        fail(r, "bad operand type for unary %s: '%s'", n->op == JOP_NEG ? "-" : "+", jv_type_name(v));
+        fail(r, "bad operand type for unary %s: '%s'", n->op == JOP_NEG ? "-" : "+",
+             jv_type_name(v));
     }
     case JN_BINARY: {
         jinja_value x = eval(r, s, n->a);
@@ -2106,7 +2235,10 @@ static jinja_value eval(render *r, scope *s, const jinja_node *n) {
     case JN_COND:
         if (jv_truthy(eval(r, s, n->a))) return eval(r, s, n->b);
         if (n->c) return eval(r, s, n->c);
-        return undef(r, "the inline if-expression on line evaluated to false and no else section was defined.", UNDEF_PLAIN, NULL);
+        return undef(
+            r,
+            "the inline if-expression on line evaluated to false and no else section was defined.",
+            UNDEF_PLAIN, NULL);
     case JN_CONCAT: {
         jinja_value x = eval(r, s, n->a);
         jinja_value y = eval(r, s, n->b);
@@ -2117,7 +2249,8 @@ static jinja_value eval(render *r, scope *s, const jinja_node *n) {
         if (!b.data) jbuf_puts(&b, "");
         return jv_str_buf(&r->c, &b);
     }
-    default: break;
+    default:
+        break;
     }
     at(r, n);
     fail(r, "statement used as an expression");
@@ -2144,8 +2277,8 @@ static void assign(render *r, scope *s, const jinja_node *target, jinja_value v)
     jinja_list *l = iter_list(r, v);
     at(r, target);
     if (l->n != target->n_kids)
-        fail(r, "%s values to unpack (expected %zu, got %zu)", l->n < target->n_kids ? "not enough" : "too many",
-             target->n_kids, l->n);
+        fail(r, "%s values to unpack (expected %zu, got %zu)",
+             l->n < target->n_kids ? "not enough" : "too many", target->n_kids, l->n);
     for (size_t i = 0; i < l->n; i++) assign(r, s, target->kids[i], l->items[i]);
 }
 
@@ -2197,7 +2330,9 @@ static void exec_for(render *r, scope *s, const jinja_node *n) {
 
 static void exec_node(render *r, scope *s, const jinja_node *n) {
     switch (n->kind) {
-    case JN_DATA: write_out(r, n->value.s->data, n->value.s->len); return;
+    case JN_DATA:
+        write_out(r, n->value.s->data, n->value.s->len);
+        return;
     case JN_OUTPUT: {
         jinja_value v = eval(r, s, n->a);
         at(r, n);
@@ -2211,7 +2346,9 @@ static void exec_node(render *r, scope *s, const jinja_node *n) {
         }
         return;
     }
-    case JN_BODY: exec_body(r, s, n); return;
+    case JN_BODY:
+        exec_body(r, s, n);
+        return;
     case JN_IF:
         for (const jinja_node *x = n; x;) {
             if (x->kind != JN_IF) {
@@ -2225,8 +2362,12 @@ static void exec_node(render *r, scope *s, const jinja_node *n) {
             x = x->c;
         }
         return;
-    case JN_FOR: exec_for(r, s, n); return;
-    case JN_SET: assign(r, s, n->a, eval(r, s, n->b)); return;
+    case JN_FOR:
+        exec_for(r, s, n);
+        return;
+    case JN_SET:
+        assign(r, s, n->a, eval(r, s, n->b));
+        return;
     case JN_SET_BLOCK: {
         jinja_value v = capture(r, scope_new(r, s), n->b);
         if (n->c) v = eval_filter(r, s, n->c, v);
@@ -2272,9 +2413,15 @@ static void exec_node(render *r, scope *s, const jinja_node *n) {
         jbuf_free(&t);
         return;
     }
-    case JN_BREAK: r->flow = FLOW_BREAK; return;
-    case JN_CONTINUE: r->flow = FLOW_CONTINUE; return;
-    default: at(r, n); fail(r, "expression used as a statement");
+    case JN_BREAK:
+        r->flow = FLOW_BREAK;
+        return;
+    case JN_CONTINUE:
+        r->flow = FLOW_CONTINUE;
+        return;
+    default:
+        at(r, n);
+        fail(r, "expression used as a statement");
     }
 }
 
@@ -2301,15 +2448,19 @@ static jinja_value call_macro(render *r, jinja_macro *m, const args *a) {
     for (size_t i = 0; i < a->n; i++) {
         const char *kw = a->names ? a->names[i] : NULL;
         if (!kw) {
-            if (pos < d->n_params) vals[pos++] = a->v[i];
-            else if (d->uses_varargs) jv_list_push(&r->c, varargs.l, a->v[i]);
-            else fail(r, "macro '%s' takes not more than %zu argument(s)", d->name, d->n_params);
+            if (pos < d->n_params)
+                vals[pos++] = a->v[i];
+            else if (d->uses_varargs)
+                jv_list_push(&r->c, varargs.l, a->v[i]);
+            else
+                fail(r, "macro '%s' takes not more than %zu argument(s)", d->name, d->n_params);
             continue;
         }
         size_t k = 0;
         while (k < d->n_params && strcmp(d->params[k], kw)) k++;
         if (k < d->n_params) {
-            if (!missing(vals[k])) fail(r, "macro '%s' got multiple values for argument '%s'", d->name, kw);
+            if (!missing(vals[k]))
+                fail(r, "macro '%s' got multiple values for argument '%s'", d->name, kw);
             vals[k] = a->v[i];
         } else if (!strcmp(kw, "caller") && d->uses_caller) {
             caller = a->v[i];
@@ -2340,11 +2491,16 @@ static jinja_value call_macro(render *r, jinja_macro *m, const args *a) {
 
 static jinja_value call_value(render *r, jinja_value f, const args *a) {
     switch (f.kind) {
-    case JV_MACRO: return call_macro(r, f.m, a);
-    case JV_FUNC: return f.fn->fn(r, a);
-    case JV_METHOD: return call_method(r, f.bm, a);
-    case JV_UNDEF: undef_fail(r, f);
-    default: fail(r, "'%s' object is not callable", jv_type_name(f));
+    case JV_MACRO:
+        return call_macro(r, f.m, a);
+    case JV_FUNC:
+        return f.fn->fn(r, a);
+    case JV_METHOD:
+        return call_method(r, f.bm, a);
+    case JV_UNDEF:
+        undef_fail(r, f);
+    default:
+        fail(r, "'%s' object is not callable", jv_type_name(f));
     }
 }
 
@@ -2381,8 +2537,12 @@ static jinja_value g_dict_like(render *r, const args *a, bool ns) {
     }
     return d;
 }
-static jinja_value g_dict(render *r, const args *a) { return g_dict_like(r, a, false); }
-static jinja_value g_namespace(render *r, const args *a) { return g_dict_like(r, a, true); }
+static jinja_value g_dict(render *r, const args *a) {
+    return g_dict_like(r, a, false);
+}
+static jinja_value g_namespace(render *r, const args *a) {
+    return g_dict_like(r, a, true);
+}
 
 static jinja_value g_raise_exception(render *r, const args *a) {
     jinja_buf b = JBUF(&r->c);

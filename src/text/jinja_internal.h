@@ -21,13 +21,13 @@
 
 /* ==== Limits (each a defence against a hostile template or request) ==== */
 
-#define JINJA_MAX_SOURCE (1u << 24)       /* 16 MiB of template text; real ones are < 64 KiB */
-#define JINJA_MAX_NEST 128                /* parser nesting: each level costs C stack frames */
-#define JINJA_MAX_CALL_DEPTH 96           /* macro recursion: Python stops near 1000 frames */
-#define JINJA_MAX_OUTPUT (64u << 20)      /* rendered bytes: prompts are MBs at most */
-#define JINJA_MAX_ITERATIONS 4000000u     /* loop iterations per render, all loops together */
-#define JINJA_MAX_MEMORY ((size_t)1 << 30) /* arena bytes per render (string building in loops) */
-#define JINJA_MAX_RANGE 1000000           /* elements range() may create */
+#define JINJA_MAX_SOURCE     (1u << 24)        /* 16 MiB of template text; real ones are < 64 KiB */
+#define JINJA_MAX_NEST       128               /* parser nesting: each level costs C stack frames */
+#define JINJA_MAX_CALL_DEPTH 96                /* macro recursion: Python stops near 1000 frames */
+#define JINJA_MAX_OUTPUT     (64u << 20)       /* rendered bytes: prompts are MBs at most */
+#define JINJA_MAX_ITERATIONS 4000000u          /* loop iterations per render, all loops together */
+#define JINJA_MAX_MEMORY     ((size_t)1 << 30) /* arena bytes per render (string building in loops) */
+#define JINJA_MAX_RANGE      1000000           /* elements range() may create */
 
 /* ==== Arena ==== */
 
@@ -78,7 +78,7 @@ struct jinja_value {
         bool b;
         int64_t i;
         double f;
-        jinja_str *s;      /* JV_STR; JV_UNDEF: the hint for the error message (may be NULL) */
+        jinja_str *s; /* JV_STR; JV_UNDEF: the hint for the error message (may be NULL) */
         jinja_list *l;
         jinja_dict *d;
         jinja_macro *m;
@@ -116,11 +116,21 @@ struct jinja_method {
 
 /* ==== Small helpers over values ==== */
 
-static inline jinja_value jv_undef(void) { return (jinja_value){.kind = JV_UNDEF}; }
-static inline jinja_value jv_none(void) { return (jinja_value){.kind = JV_NONE}; }
-static inline jinja_value jv_bool(bool b) { return (jinja_value){.kind = JV_BOOL, .b = b}; }
-static inline jinja_value jv_int(int64_t i) { return (jinja_value){.kind = JV_INT, .i = i}; }
-static inline jinja_value jv_float(double f) { return (jinja_value){.kind = JV_FLOAT, .f = f}; }
+static inline jinja_value jv_undef(void) {
+    return (jinja_value){.kind = JV_UNDEF};
+}
+static inline jinja_value jv_none(void) {
+    return (jinja_value){.kind = JV_NONE};
+}
+static inline jinja_value jv_bool(bool b) {
+    return (jinja_value){.kind = JV_BOOL, .b = b};
+}
+static inline jinja_value jv_int(int64_t i) {
+    return (jinja_value){.kind = JV_INT, .i = i};
+}
+static inline jinja_value jv_float(double f) {
+    return (jinja_value){.kind = JV_FLOAT, .f = f};
+}
 
 /* A growable byte buffer. With ctx set it grows inside the render arena (nothing to free, and
  * an error's longjmp leaks nothing); without, on malloc (the parser's scratch). */
@@ -140,33 +150,33 @@ void jbuf_printf(jinja_buf *b, const char *fmt, ...) __attribute__((format(print
 
 typedef enum jinja_node_kind {
     /* expressions */
-    JN_CONST,     /* value */
-    JN_NAME,      /* name */
-    JN_LIST,      /* kids */
-    JN_TUPLE,     /* kids */
-    JN_DICT,      /* kids: key, value, key, value ... */
-    JN_ATTR,      /* a.name */
-    JN_ITEM,      /* a[b] */
-    JN_SLICE,     /* a[b:c:d]: kids[0..3], missing parts NULL */
-    JN_CALL,      /* a(args): kids args, kwnames for keyword ones */
-    JN_FILTER,    /* a|name(args); a is NULL in a {% filter %} block */
-    JN_TEST,      /* a is name(args) */
-    JN_UNARY,     /* op a: not, -, + */
-    JN_BINARY,    /* a op b */
+    JN_CONST,  /* value */
+    JN_NAME,   /* name */
+    JN_LIST,   /* kids */
+    JN_TUPLE,  /* kids */
+    JN_DICT,   /* kids: key, value, key, value ... */
+    JN_ATTR,   /* a.name */
+    JN_ITEM,   /* a[b] */
+    JN_SLICE,  /* a[b:c:d]: kids[0..3], missing parts NULL */
+    JN_CALL,   /* a(args): kids args, kwnames for keyword ones */
+    JN_FILTER, /* a|name(args); a is NULL in a {% filter %} block */
+    JN_TEST,   /* a is name(args) */
+    JN_UNARY,  /* op a: not, -, + */
+    JN_BINARY, /* a op b */
     JN_AND,
     JN_OR,
-    JN_COND,      /* b if a else c: a=test, b=then, c=else (may be NULL) */
-    JN_CONCAT,    /* a ~ b */
+    JN_COND,   /* b if a else c: a=test, b=then, c=else (may be NULL) */
+    JN_CONCAT, /* a ~ b */
     /* statements */
-    JN_BODY,      /* kids: statements in order */
-    JN_DATA,      /* literal text */
-    JN_OUTPUT,    /* {{ a }} */
-    JN_IF,        /* a = test, b = then body, c = else (an IF for elif, or a body) */
-    JN_FOR,       /* target a, iter b, body c, else d, filter e */
-    JN_SET,       /* target a, value b */
-    JN_SET_BLOCK, /* target a, body b, filter c */
-    JN_MACRO,     /* name, params: kids (names), defaults: kwnames-parallel in defaults[] */
-    JN_CALL_BLOCK,/* call a (JN_CALL), caller macro m */
+    JN_BODY,         /* kids: statements in order */
+    JN_DATA,         /* literal text */
+    JN_OUTPUT,       /* {{ a }} */
+    JN_IF,           /* a = test, b = then body, c = else (an IF for elif, or a body) */
+    JN_FOR,          /* target a, iter b, body c, else d, filter e */
+    JN_SET,          /* target a, value b */
+    JN_SET_BLOCK,    /* target a, body b, filter c */
+    JN_MACRO,        /* name, params: kids (names), defaults: kwnames-parallel in defaults[] */
+    JN_CALL_BLOCK,   /* call a (JN_CALL), caller macro m */
     JN_FILTER_BLOCK, /* filter chain a (innermost a == NULL), body b */
     JN_BREAK,
     JN_CONTINUE,
@@ -198,14 +208,14 @@ typedef enum jinja_op {
 typedef struct jinja_node jinja_node;
 struct jinja_node {
     uint8_t kind;
-    uint8_t op;       /* jinja_op for unary/binary; negate for tests */
+    uint8_t op; /* jinja_op for unary/binary; negate for tests */
     uint32_t line, col;
     jinja_node *a, *b, *c, *d, *e;
     jinja_node **kids;
     const char **kwnames; /* parallel to kids for JN_CALL/FILTER/TEST args: NULL = positional */
     size_t n_kids;
-    const char *name;     /* NAME, ATTR, FILTER, TEST, MACRO */
-    jinja_value value;    /* CONST; DATA text in value.s */
+    const char *name;  /* NAME, ATTR, FILTER, TEST, MACRO */
+    jinja_value value; /* CONST; DATA text in value.s */
     struct jinja_macro_def *macro;
 };
 
@@ -253,7 +263,8 @@ struct jinja_ctx {
     uint32_t line, col; /* of the node being evaluated, for messages */
 };
 
-_Noreturn void jinja_raise(jinja_ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+_Noreturn void jinja_raise(jinja_ctx *c, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 void *jinja_alloc(jinja_ctx *c, size_t n);
 jinja_value jv_str(jinja_ctx *c, const char *s, size_t n);
 jinja_value jv_cstr(jinja_ctx *c, const char *s);

@@ -138,7 +138,9 @@ static size_t rstrip_len(const char *s, size_t n) {
     return end;
 }
 
-static bool only_py_space(const char *s, size_t n) { return space_run(s, n, 0) == n; }
+static bool only_py_space(const char *s, size_t n) {
+    return space_run(s, n, 0) == n;
+}
 
 static void emit_data(lexer *lx, size_t off, size_t len) {
     if (!len) return;
@@ -170,8 +172,12 @@ static void emit_text_before_tag(lexer *lx, size_t start, size_t tag, char sign,
 static bool is_name_start(char c) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
 }
-static bool is_name_char(char c) { return is_name_start(c) || (c >= '0' && c <= '9'); }
-static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+static bool is_name_char(char c) {
+    return is_name_start(c) || (c >= '0' && c <= '9');
+}
+static bool is_digit(char c) {
+    return c >= '0' && c <= '9';
+}
 
 static int hexval(char c) {
     if (c >= '0' && c <= '9') return c - '0';
@@ -206,17 +212,38 @@ static void lex_string(lexer *lx, size_t *pos) {
         char e = s[i + 1];
         i += 2;
         switch (e) {
-        case '\n': break;
-        case '\\': jbuf_putc(&b, '\\'); break;
-        case '\'': jbuf_putc(&b, '\''); break;
-        case '"': jbuf_putc(&b, '"'); break;
-        case 'a': jbuf_putc(&b, '\a'); break;
-        case 'b': jbuf_putc(&b, '\b'); break;
-        case 'f': jbuf_putc(&b, '\f'); break;
-        case 'n': jbuf_putc(&b, '\n'); break;
-        case 'r': jbuf_putc(&b, '\r'); break;
-        case 't': jbuf_putc(&b, '\t'); break;
-        case 'v': jbuf_putc(&b, '\v'); break;
+        case '\n':
+            break;
+        case '\\':
+            jbuf_putc(&b, '\\');
+            break;
+        case '\'':
+            jbuf_putc(&b, '\'');
+            break;
+        case '"':
+            jbuf_putc(&b, '"');
+            break;
+        case 'a':
+            jbuf_putc(&b, '\a');
+            break;
+        case 'b':
+            jbuf_putc(&b, '\b');
+            break;
+        case 'f':
+            jbuf_putc(&b, '\f');
+            break;
+        case 'n':
+            jbuf_putc(&b, '\n');
+            break;
+        case 'r':
+            jbuf_putc(&b, '\r');
+            break;
+        case 't':
+            jbuf_putc(&b, '\t');
+            break;
+        case 'v':
+            jbuf_putc(&b, '\v');
+            break;
         case 'x':
         case 'u':
         case 'U': {
@@ -320,8 +347,10 @@ static size_t lex_tag(lexer *lx, size_t i, bool is_block, bool *line_starting) {
     char stack[JINJA_MAX_NEST];
     size_t tag_start = i;
     for (;;) {
-        if (i >= n) lex_fail(lx, tag_start, is_block ? "unexpected end of template, expected '%}'"
-                                                     : "unexpected end of template, expected '}}'");
+        if (i >= n)
+            lex_fail(lx, tag_start,
+                     is_block ? "unexpected end of template, expected '%}'"
+                              : "unexpected end of template, expected '}}'");
         if (balance == 0) {
             const char *end = is_block ? "%}" : "}}";
             if (is_block && s[i] == '+' && i + 2 < n + 0 && strncmp(s + i + 1, end, 2) == 0) {
@@ -412,7 +441,8 @@ static void lex(lexer *lx) {
     while (i < n) {
         /* the next tag start */
         size_t t = i;
-        while (t + 1 < n && !(s[t] == '{' && (s[t + 1] == '{' || s[t + 1] == '%' || s[t + 1] == '#')))
+        while (t + 1 < n &&
+               !(s[t] == '{' && (s[t + 1] == '{' || s[t + 1] == '%' || s[t + 1] == '#')))
             t++;
         if (t + 1 >= n) {
             emit_data(lx, i, n - i);
@@ -476,7 +506,9 @@ static void lex(lexer *lx) {
 
 /* ==== Parser helpers ==== */
 
-static tok *cur(parser *p) { return &p->toks[p->pos]; }
+static tok *cur(parser *p) {
+    return &p->toks[p->pos];
+}
 static tok *peek(parser *p, size_t k) {
     size_t i = p->pos + k;
     return &p->toks[i < p->n_toks ? i : p->n_toks - 1];
@@ -495,16 +527,25 @@ static bool is_name(const tok *t, const char *name) {
 
 static const char *tok_desc(const tok *t) {
     switch (t->kind) {
-    case T_EOF: return "end of template";
-    case T_DATA: return "template data";
-    case T_VAR_BEGIN: return "'{{'";
-    case T_VAR_END: return "'}}'";
-    case T_BLOCK_BEGIN: return "'{%'";
-    case T_BLOCK_END: return "'%}'";
+    case T_EOF:
+        return "end of template";
+    case T_DATA:
+        return "template data";
+    case T_VAR_BEGIN:
+        return "'{{'";
+    case T_VAR_END:
+        return "'}}'";
+    case T_BLOCK_BEGIN:
+        return "'{%'";
+    case T_BLOCK_END:
+        return "'%}'";
     case T_NAME:
-    case T_OP: return t->text;
-    case T_STRING: return "string";
-    default: return "number";
+    case T_OP:
+        return t->text;
+    case T_STRING:
+        return "string";
+    default:
+        return "number";
     }
 }
 
@@ -574,7 +615,9 @@ static void set_kids(jinja_node *n, kidlist *k, bool with_names) {
 static void enter(parser *p) {
     if (++p->depth > JINJA_MAX_NEST) perr(p, cur(p), "template nested too deeply%s", NULL);
 }
-static void leave(parser *p) { p->depth--; }
+static void leave(parser *p) {
+    p->depth--;
+}
 
 /* ==== Expressions ==== */
 
@@ -594,7 +637,7 @@ static bool ends_tuple(parser *p, const char *const *extra_end) {
     return false;
 }
 
-/* simplified: names only (for/set targets); with_postfix-free */
+/* for/set targets: a name, ns.attr (set only), or a tuple of them */
 static jinja_node *parse_assign_target(parser *p, bool allow_attr, bool allow_tuple,
                                        const char *const *extra_end) {
     tok *start = cur(p);
@@ -628,8 +671,8 @@ static jinja_node *parse_assign_target(parser *p, bool allow_attr, bool allow_tu
 }
 
 /* a, b, c -> tuple (or the single expression) */
-static jinja_node *parse_tuple(parser *p, bool simplified, bool with_condexpr,
-                               const char *const *extra_end, bool explicit_parens) {
+static jinja_node *parse_tuple(parser *p, bool with_condexpr, const char *const *extra_end,
+                               bool explicit_parens) {
     tok *start = cur(p);
     kidlist k = {0};
     bool is_tuple = false;
@@ -640,7 +683,7 @@ static jinja_node *parse_tuple(parser *p, bool simplified, bool with_condexpr,
             is_tuple = true;
         }
         if (ends_tuple(p, extra_end)) break;
-        jinja_node *e = simplified ? parse_primary(p) : parse_expression(p, with_condexpr);
+        jinja_node *e = parse_expression(p, with_condexpr);
         kid_push(p, &k, e, NULL);
     }
     if (!is_tuple) {
@@ -729,14 +772,22 @@ static jinja_node *parse_compare(parser *p) {
     for (;;) {
         tok *t = cur(p);
         jinja_op op = JOP_NONE;
-        if (is_op(t, "==")) op = JOP_EQ;
-        else if (is_op(t, "!=")) op = JOP_NE;
-        else if (is_op(t, "<")) op = JOP_LT;
-        else if (is_op(t, "<=")) op = JOP_LE;
-        else if (is_op(t, ">")) op = JOP_GT;
-        else if (is_op(t, ">=")) op = JOP_GE;
-        else if (is_name(t, "in")) op = JOP_IN;
-        else if (is_name(t, "not") && is_name(peek(p, 1), "in")) op = JOP_NOTIN;
+        if (is_op(t, "=="))
+            op = JOP_EQ;
+        else if (is_op(t, "!="))
+            op = JOP_NE;
+        else if (is_op(t, "<"))
+            op = JOP_LT;
+        else if (is_op(t, "<="))
+            op = JOP_LE;
+        else if (is_op(t, ">"))
+            op = JOP_GT;
+        else if (is_op(t, ">="))
+            op = JOP_GE;
+        else if (is_name(t, "in"))
+            op = JOP_IN;
+        else if (is_name(t, "not") && is_name(peek(p, 1), "in"))
+            op = JOP_NOTIN;
         if (op == JOP_NONE) break;
         p->pos += op == JOP_NOTIN ? 2 : 1;
         /* chained comparisons (a < b < c) evaluate as (a < b) and (b < c) in Python; templates
@@ -881,7 +932,7 @@ static jinja_node *parse_primary(parser *p) {
     case T_OP:
         if (is_op(t, "(")) {
             p->pos++;
-            n = parse_tuple(p, false, true, NULL, true);
+            n = parse_tuple(p, true, NULL, true);
             expect_op(p, ")");
             return n;
         }
@@ -914,7 +965,8 @@ static jinja_node *parse_primary(parser *p) {
             return n;
         }
         break;
-    default: break;
+    default:
+        break;
     }
     perr(p, t, "unexpected '%s'", tok_desc(t));
 }
@@ -957,7 +1009,8 @@ static jinja_node *parse_subscript(parser *p, jinja_node *target, tok *at) {
             if (!is_op(cur(p), "]")) parts[2] = parse_expression(p, true);
         }
     }
-    if (!is_slice && is_op(cur(p), ",")) perr(p, cur(p), "tuple subscripts are not supported%s", NULL);
+    if (!is_slice && is_op(cur(p), ","))
+        perr(p, cur(p), "tuple subscripts are not supported%s", NULL);
     expect_op(p, "]");
     jinja_node *n = node(p, is_slice ? JN_SLICE : JN_ITEM, at);
     n->a = target;
@@ -1041,11 +1094,9 @@ static const char *parse_dotted_name(parser *p) {
 
 static jinja_node *parse_filter(parser *p, jinja_node *target, bool start_inline) {
     while (is_op(cur(p), "|") || start_inline) {
-        tok *t = cur(p);
         if (!start_inline) p->pos++;
         start_inline = false;
         jinja_node *n = node(p, JN_FILTER, cur(p));
-        (void)t;
         n->name = parse_dotted_name(p);
         n->a = target;
         if (is_op(cur(p), "(")) parse_call_args(p, n);
@@ -1069,8 +1120,8 @@ static jinja_node *parse_test(parser *p, jinja_node *target) {
     tok *c = cur(p);
     if (is_op(c, "(")) {
         parse_call_args(p, n);
-    } else if ((c->kind == T_NAME || c->kind == T_STRING || c->kind == T_INT || c->kind == T_FLOAT ||
-                is_op(c, "[") || is_op(c, "{")) &&
+    } else if ((c->kind == T_NAME || c->kind == T_STRING || c->kind == T_INT ||
+                c->kind == T_FLOAT || is_op(c, "[") || is_op(c, "{")) &&
                !is_name(c, "else") && !is_name(c, "or") && !is_name(c, "and")) {
         if (is_name(c, "is")) perr(p, c, "You cannot chain multiple tests with is%s", NULL);
         jinja_node *arg = parse_postfix(p, parse_primary(p));
@@ -1105,7 +1156,9 @@ static jinja_node *parse_filter_expr(parser *p, jinja_node *n) {
 
 static jinja_node *subparse(parser *p, const char *const *end_tokens);
 
-static void expect_block_end(parser *p) { expect_kind(p, T_BLOCK_END, "'%}'"); }
+static void expect_block_end(parser *p) {
+    expect_kind(p, T_BLOCK_END, "'%}'");
+}
 
 /* After a body: `{% name` where name is one of `ends`; consumes `{%` and returns the name. */
 static const char *end_name(parser *p) {
@@ -1120,7 +1173,7 @@ static const char *const end_endfor[] = {"endfor", NULL};
 
 static jinja_node *parse_if(parser *p, tok *at) {
     jinja_node *n = node(p, JN_IF, at);
-    n->a = parse_tuple(p, false, true, NULL, false);
+    n->a = parse_tuple(p, true, NULL, false);
     expect_block_end(p);
     n->b = subparse(p, end_if);
     const char *e = end_name(p);
@@ -1148,13 +1201,12 @@ static jinja_node *parse_for(parser *p, tok *at) {
     if (!is_name(cur(p), "in")) perr(p, cur(p), "expected 'in', got '%s'", tok_desc(cur(p)));
     p->pos++;
     static const char *const iter_end[] = {"recursive", NULL};
-    n->b = parse_tuple(p, false, false, iter_end, false);
+    n->b = parse_tuple(p, false, iter_end, false);
     if (is_name(cur(p), "if")) {
         p->pos++;
         n->e = parse_expression(p, true);
     }
-    if (is_name(cur(p), "recursive"))
-        perr(p, cur(p), "recursive loops are not supported%s", NULL);
+    if (is_name(cur(p), "recursive")) perr(p, cur(p), "recursive loops are not supported%s", NULL);
     expect_block_end(p);
     n->c = subparse(p, end_for);
     if (!strcmp(end_name(p), "else")) {
@@ -1172,7 +1224,7 @@ static jinja_node *parse_set(parser *p, tok *at) {
         p->pos++;
         jinja_node *n = node(p, JN_SET, at);
         n->a = target;
-        n->b = parse_tuple(p, false, true, NULL, false);
+        n->b = parse_tuple(p, true, NULL, false);
         expect_block_end(p);
         return n;
     }
@@ -1315,7 +1367,7 @@ static jinja_node *subparse(parser *p, const char *const *end_tokens) {
         if (t->kind == T_VAR_BEGIN) {
             p->pos++;
             jinja_node *n = node(p, JN_OUTPUT, t);
-            n->a = parse_tuple(p, false, true, NULL, false);
+            n->a = parse_tuple(p, true, NULL, false);
             expect_kind(p, T_VAR_END, "'}}'");
             kid_push(p, &k, n, NULL);
             continue;
@@ -1330,12 +1382,18 @@ static jinja_node *subparse(parser *p, const char *const *end_tokens) {
         p->pos += 2;
         const char *w = kw->text;
         jinja_node *n = NULL;
-        if (!strcmp(w, "if")) n = parse_if(p, kw);
-        else if (!strcmp(w, "for")) n = parse_for(p, kw);
-        else if (!strcmp(w, "set")) n = parse_set(p, kw);
-        else if (!strcmp(w, "macro")) n = parse_macro(p, kw);
-        else if (!strcmp(w, "call")) n = parse_call_block(p, kw);
-        else if (!strcmp(w, "filter")) n = parse_filter_block(p, kw);
+        if (!strcmp(w, "if"))
+            n = parse_if(p, kw);
+        else if (!strcmp(w, "for"))
+            n = parse_for(p, kw);
+        else if (!strcmp(w, "set"))
+            n = parse_set(p, kw);
+        else if (!strcmp(w, "macro"))
+            n = parse_macro(p, kw);
+        else if (!strcmp(w, "call"))
+            n = parse_call_block(p, kw);
+        else if (!strcmp(w, "filter"))
+            n = parse_filter_block(p, kw);
         else if (!strcmp(w, "break") || !strcmp(w, "continue")) {
             n = node(p, w[0] == 'b' ? JN_BREAK : JN_CONTINUE, kw);
             expect_block_end(p);
@@ -1372,7 +1430,9 @@ static void check_names(parser *p, const jinja_node *n, bool soft, int depth) {
     bool inner = soft;
     switch (n->kind) {
     case JN_IF:
-    case JN_COND: inner = true; break;
+    case JN_COND:
+        inner = true;
+        break;
     case JN_FOR:
         check_names(p, n->b, soft, depth + 1);
         check_names(p, n->a, false, depth + 1);
@@ -1390,8 +1450,11 @@ static void check_names(parser *p, const jinja_node *n, bool soft, int depth) {
         check_names(p, n->macro->body, false, depth + 1);
         return;
     case JN_SET_BLOCK:
-    case JN_FILTER_BLOCK: inner = false; break;
-    default: break;
+    case JN_FILTER_BLOCK:
+        inner = false;
+        break;
+    default:
+        break;
     }
     const jinja_node *ch[] = {n->a, n->b, n->c, n->d, n->e};
     for (size_t i = 0; i < 5; i++) check_names(p, ch[i], inner, depth + 1);

@@ -119,8 +119,12 @@ void jbuf_free(jinja_buf *b) {
     b->data = NULL;
     b->len = b->cap = 0;
 }
-void jbuf_puts(jinja_buf *b, const char *s) { jbuf_put(b, s, strlen(s)); }
-void jbuf_putc(jinja_buf *b, char c) { jbuf_put(b, &c, 1); }
+void jbuf_puts(jinja_buf *b, const char *s) {
+    jbuf_put(b, s, strlen(s));
+}
+void jbuf_putc(jinja_buf *b, char c) {
+    jbuf_put(b, &c, 1);
+}
 void jbuf_printf(jinja_buf *b, const char *fmt, ...) {
     char tmp[256];
     va_list ap;
@@ -150,7 +154,9 @@ jinja_value jv_str(jinja_ctx *c, const char *s, size_t n) {
     str->data[n] = '\0';
     return (jinja_value){.kind = JV_STR, .s = str};
 }
-jinja_value jv_cstr(jinja_ctx *c, const char *s) { return jv_str(c, s, strlen(s)); }
+jinja_value jv_cstr(jinja_ctx *c, const char *s) {
+    return jv_str(c, s, strlen(s));
+}
 jinja_value jv_str_buf(jinja_ctx *c, jinja_buf *b) {
     jinja_value v = jv_str(c, b->data ? b->data : "", b->len);
     jbuf_free(b);
@@ -241,25 +247,39 @@ bool jv_dict_get_str(const jinja_dict *d, const char *key, jinja_value *out) {
 bool jv_truthy(jinja_value v) {
     switch (v.kind) {
     case JV_UNDEF:
-    case JV_NONE: return false;
-    case JV_BOOL: return v.b;
-    case JV_INT: return v.i != 0;
-    case JV_FLOAT: return v.f != 0.0;
-    case JV_STR: return v.s->len != 0;
-    case JV_LIST: return v.l->lazy == JL_ITER || v.l->n != 0;
-    case JV_DICT: return v.d->ns || v.d->n != 0;
-    default: return true;
+    case JV_NONE:
+        return false;
+    case JV_BOOL:
+        return v.b;
+    case JV_INT:
+        return v.i != 0;
+    case JV_FLOAT:
+        return v.f != 0.0;
+    case JV_STR:
+        return v.s->len != 0;
+    case JV_LIST:
+        return v.l->lazy == JL_ITER || v.l->n != 0;
+    case JV_DICT:
+        return v.d->ns || v.d->n != 0;
+    default:
+        return true;
     }
 }
 
-bool jv_is_num(jinja_value v) { return v.kind == JV_INT || v.kind == JV_FLOAT || v.kind == JV_BOOL; }
+bool jv_is_num(jinja_value v) {
+    return v.kind == JV_INT || v.kind == JV_FLOAT || v.kind == JV_BOOL;
+}
 
 double jv_as_double(jinja_value v) {
     switch (v.kind) {
-    case JV_INT: return (double)v.i;
-    case JV_FLOAT: return v.f;
-    case JV_BOOL: return v.b;
-    default: return 0;
+    case JV_INT:
+        return (double)v.i;
+    case JV_FLOAT:
+        return v.f;
+    case JV_BOOL:
+        return v.b;
+    default:
+        return 0;
     }
 }
 
@@ -274,8 +294,10 @@ bool jv_equal(jinja_value a, jinja_value b) {
     if (a.kind != b.kind) return false;
     switch (a.kind) {
     case JV_UNDEF:
-    case JV_NONE: return true;
-    case JV_STR: return a.s->len == b.s->len && memcmp(a.s->data, b.s->data, a.s->len) == 0;
+    case JV_NONE:
+        return true;
+    case JV_STR:
+        return a.s->len == b.s->len && memcmp(a.s->data, b.s->data, a.s->len) == 0;
     case JV_LIST:
         if (a.l == b.l) return true;
         if (a.l->lazy || b.l->lazy) return false;
@@ -292,32 +314,50 @@ bool jv_equal(jinja_value a, jinja_value b) {
                 return false;
         }
         return true;
-    case JV_MACRO: return a.m == b.m;
-    case JV_FUNC: return a.fn == b.fn;
-    case JV_LOOP: return a.loop == b.loop;
-    case JV_METHOD: return a.bm == b.bm;
-    default: return false;
+    case JV_MACRO:
+        return a.m == b.m;
+    case JV_FUNC:
+        return a.fn == b.fn;
+    case JV_LOOP:
+        return a.loop == b.loop;
+    case JV_METHOD:
+        return a.bm == b.bm;
+    default:
+        return false;
     }
 }
 
 const char *jv_type_name(jinja_value v) {
     switch (v.kind) {
-    case JV_UNDEF: return "Undefined";
-    case JV_NONE: return "NoneType";
-    case JV_BOOL: return "bool";
-    case JV_INT: return "int";
-    case JV_FLOAT: return "float";
-    case JV_STR: return "str";
+    case JV_UNDEF:
+        return "Undefined";
+    case JV_NONE:
+        return "NoneType";
+    case JV_BOOL:
+        return "bool";
+    case JV_INT:
+        return "int";
+    case JV_FLOAT:
+        return "float";
+    case JV_STR:
+        return "str";
     case JV_LIST:
-        return v.l->lazy == JL_ITER ? "generator" : v.l->lazy == JL_VIEW ? v.l->view
-               : v.l->tuple         ? "tuple"
-                                    : "list";
-    case JV_DICT: return v.d->ns ? "Namespace" : "dict";
-    case JV_MACRO: return "Macro";
-    case JV_FUNC: return "function";
-    case JV_METHOD: return "builtin_function_or_method";
-    case JV_LOOP: return "LoopContext";
-    default: return "object";
+        return v.l->lazy == JL_ITER   ? "generator"
+               : v.l->lazy == JL_VIEW ? v.l->view
+               : v.l->tuple           ? "tuple"
+                                      : "list";
+    case JV_DICT:
+        return v.d->ns ? "Namespace" : "dict";
+    case JV_MACRO:
+        return "Macro";
+    case JV_FUNC:
+        return "function";
+    case JV_METHOD:
+        return "builtin_function_or_method";
+    case JV_LOOP:
+        return "LoopContext";
+    default:
+        return "object";
     }
 }
 
@@ -409,9 +449,9 @@ void jinja_utf8_put(jinja_buf *b, uint32_t cp) {
 }
 
 bool jinja_py_space(uint32_t cp) {
-    return (cp >= 0x09 && cp <= 0x0d) || (cp >= 0x1c && cp <= 0x20) || cp == 0x85 ||
-           cp == 0xa0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200a) || cp == 0x2028 ||
-           cp == 0x2029 || cp == 0x202f || cp == 0x205f || cp == 0x3000;
+    return (cp >= 0x09 && cp <= 0x0d) || (cp >= 0x1c && cp <= 0x20) || cp == 0x85 || cp == 0xa0 ||
+           cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200a) || cp == 0x2028 || cp == 0x2029 ||
+           cp == 0x202f || cp == 0x205f || cp == 0x3000;
 }
 
 /* ==== Python float repr ==== */
@@ -498,9 +538,12 @@ static void repr_str(jinja_buf *b, const char *s, size_t n) {
         } else if (cp == '\t') {
             jbuf_puts(b, "\\t");
         } else if (!py_printable(cp)) {
-            if (cp < 0x100) jbuf_printf(b, "\\x%02x", cp);
-            else if (cp < 0x10000) jbuf_printf(b, "\\u%04x", cp);
-            else jbuf_printf(b, "\\U%08x", cp);
+            if (cp < 0x100)
+                jbuf_printf(b, "\\x%02x", cp);
+            else if (cp < 0x10000)
+                jbuf_printf(b, "\\u%04x", cp);
+            else
+                jbuf_printf(b, "\\U%08x", cp);
         } else {
             jbuf_put(b, s + start, p - start);
         }
@@ -514,10 +557,18 @@ static void to_text(jinja_ctx *c, jinja_buf *b, jinja_value v, bool repr, int de
     case JV_UNDEF:
         if (repr) jbuf_puts(b, "Undefined");
         return;
-    case JV_NONE: jbuf_puts(b, "None"); return;
-    case JV_BOOL: jbuf_puts(b, v.b ? "True" : "False"); return;
-    case JV_INT: jbuf_printf(b, "%lld", (long long)v.i); return;
-    case JV_FLOAT: jinja_format_float(b, v.f); return;
+    case JV_NONE:
+        jbuf_puts(b, "None");
+        return;
+    case JV_BOOL:
+        jbuf_puts(b, v.b ? "True" : "False");
+        return;
+    case JV_INT:
+        jbuf_printf(b, "%lld", (long long)v.i);
+        return;
+    case JV_FLOAT:
+        jinja_format_float(b, v.f);
+        return;
     case JV_STR:
         if (repr) {
             if (v.safe) jbuf_puts(b, "Markup(");
@@ -552,12 +603,18 @@ static void to_text(jinja_ctx *c, jinja_buf *b, jinja_value v, bool repr, int de
         }
         jbuf_puts(b, v.d->ns ? "}>" : "}");
         return;
-    default: jbuf_printf(b, "<%s object>", jv_type_name(v)); return;
+    default:
+        jbuf_printf(b, "<%s object>", jv_type_name(v));
+        return;
     }
 }
 
-void jv_to_str(jinja_ctx *c, jinja_buf *b, jinja_value v) { to_text(c, b, v, false, 0); }
-void jv_to_repr(jinja_ctx *c, jinja_buf *b, jinja_value v) { to_text(c, b, v, true, 0); }
+void jv_to_str(jinja_ctx *c, jinja_buf *b, jinja_value v) {
+    to_text(c, b, v, false, 0);
+}
+void jv_to_repr(jinja_ctx *c, jinja_buf *b, jinja_value v) {
+    to_text(c, b, v, true, 0);
+}
 
 jinja_value jv_stringify(jinja_ctx *c, jinja_value v) {
     if (v.kind == JV_STR) return v;
@@ -574,14 +631,29 @@ static void json_str(jinja_buf *b, const char *s, size_t n, bool ensure_ascii) {
         size_t start = p;
         uint32_t cp = jinja_utf8_next(s, n, &p);
         switch (cp) {
-        case '"': jbuf_puts(b, "\\\""); continue;
-        case '\\': jbuf_puts(b, "\\\\"); continue;
-        case '\n': jbuf_puts(b, "\\n"); continue;
-        case '\r': jbuf_puts(b, "\\r"); continue;
-        case '\t': jbuf_puts(b, "\\t"); continue;
-        case '\b': jbuf_puts(b, "\\b"); continue;
-        case '\f': jbuf_puts(b, "\\f"); continue;
-        default: break;
+        case '"':
+            jbuf_puts(b, "\\\"");
+            continue;
+        case '\\':
+            jbuf_puts(b, "\\\\");
+            continue;
+        case '\n':
+            jbuf_puts(b, "\\n");
+            continue;
+        case '\r':
+            jbuf_puts(b, "\\r");
+            continue;
+        case '\t':
+            jbuf_puts(b, "\\t");
+            continue;
+        case '\b':
+            jbuf_puts(b, "\\b");
+            continue;
+        case '\f':
+            jbuf_puts(b, "\\f");
+            continue;
+        default:
+            break;
         }
         if (cp < 0x20) {
             jbuf_printf(b, "\\u%04x", cp);
@@ -600,9 +672,12 @@ static void json_str(jinja_buf *b, const char *s, size_t n, bool ensure_ascii) {
 }
 
 static void json_float(jinja_buf *b, double f) {
-    if (isnan(f)) jbuf_puts(b, "NaN");
-    else if (isinf(f)) jbuf_puts(b, f < 0 ? "-Infinity" : "Infinity");
-    else jinja_format_float(b, f);
+    if (isnan(f))
+        jbuf_puts(b, "NaN");
+    else if (isinf(f))
+        jbuf_puts(b, f < 0 ? "-Infinity" : "Infinity");
+    else
+        jinja_format_float(b, f);
 }
 
 static void json_newline(jinja_buf *b, const jinja_json_opts *o, int level) {
@@ -612,27 +687,46 @@ static void json_newline(jinja_buf *b, const jinja_json_opts *o, int level) {
 
 static void json_key(jinja_ctx *c, jinja_buf *b, jinja_value k, const jinja_json_opts *o) {
     switch (k.kind) {
-    case JV_STR: json_str(b, k.s->data, k.s->len, o->ensure_ascii); return;
-    case JV_INT: jbuf_printf(b, "\"%lld\"", (long long)k.i); return;
+    case JV_STR:
+        json_str(b, k.s->data, k.s->len, o->ensure_ascii);
+        return;
+    case JV_INT:
+        jbuf_printf(b, "\"%lld\"", (long long)k.i);
+        return;
     case JV_FLOAT:
         jbuf_putc(b, '"');
         json_float(b, k.f);
         jbuf_putc(b, '"');
         return;
-    case JV_BOOL: jbuf_puts(b, k.b ? "\"true\"" : "\"false\""); return;
-    case JV_NONE: jbuf_puts(b, "\"null\""); return;
-    default: jinja_raise(c, "keys must be str, int, float, bool or None, not %s", jv_type_name(k));
+    case JV_BOOL:
+        jbuf_puts(b, k.b ? "\"true\"" : "\"false\"");
+        return;
+    case JV_NONE:
+        jbuf_puts(b, "\"null\"");
+        return;
+    default:
+        jinja_raise(c, "keys must be str, int, float, bool or None, not %s", jv_type_name(k));
     }
 }
 
 void jv_to_json(jinja_ctx *c, jinja_buf *b, jinja_value v, const jinja_json_opts *o, int depth) {
     if (depth > JINJA_MAX_NEST) jinja_raise(c, "value nested too deeply for tojson");
     switch (v.kind) {
-    case JV_NONE: jbuf_puts(b, "null"); return;
-    case JV_BOOL: jbuf_puts(b, v.b ? "true" : "false"); return;
-    case JV_INT: jbuf_printf(b, "%lld", (long long)v.i); return;
-    case JV_FLOAT: json_float(b, v.f); return;
-    case JV_STR: json_str(b, v.s->data, v.s->len, o->ensure_ascii); return;
+    case JV_NONE:
+        jbuf_puts(b, "null");
+        return;
+    case JV_BOOL:
+        jbuf_puts(b, v.b ? "true" : "false");
+        return;
+    case JV_INT:
+        jbuf_printf(b, "%lld", (long long)v.i);
+        return;
+    case JV_FLOAT:
+        json_float(b, v.f);
+        return;
+    case JV_STR:
+        json_str(b, v.s->data, v.s->len, o->ensure_ascii);
+        return;
     case JV_LIST:
         if (v.l->lazy) break;
         if (v.l->n == 0) {
@@ -679,7 +773,8 @@ void jv_to_json(jinja_ctx *c, jinja_buf *b, jinja_value v, const jinja_json_opts
         jbuf_putc(b, '}');
         return;
     }
-    default: break;
+    default:
+        break;
     }
     jinja_raise(c, "Object of type %s is not JSON serializable", jv_type_name(v));
 }

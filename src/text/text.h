@@ -50,17 +50,18 @@ moe_status moe_chat_render(const moe_chat_template *t, const char *messages_json
 /* ==== Output parsers: reasoning and tool calls ==== */
 
 typedef enum moe_chat_format {
-    MOE_CHAT_FORMAT_HERMES,       /* <tool_call>{"name": .., "arguments": {..}}</tool_call> */
-    MOE_CHAT_FORMAT_QWEN3_CODER,  /* <tool_call><function=f><parameter=k>v</parameter>... */
-    MOE_CHAT_FORMAT_GLM,          /* <tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value>... */
-    MOE_CHAT_FORMAT_MINIMAX_M2,   /* <minimax:tool_call><invoke name="f"><parameter name="k">v.. */
-    MOE_CHAT_FORMAT_DEEPSEEK_V3,  /* <｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{..}\n``` */
+    MOE_CHAT_FORMAT_HERMES,      /* <tool_call>{"name": .., "arguments": {..}}</tool_call> */
+    MOE_CHAT_FORMAT_QWEN3_CODER, /* <tool_call><function=f><parameter=k>v</parameter>... */
+    MOE_CHAT_FORMAT_GLM,         /* <tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value>... */
+    MOE_CHAT_FORMAT_MINIMAX_M2,  /* <minimax:tool_call><invoke name="f"><parameter name="k">v.. */
+    MOE_CHAT_FORMAT_DEEPSEEK_V3, /* <｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{..}\n```
+                                  */
     MOE_CHAT_FORMAT_DEEPSEEK_V31, /* <｜tool▁call▁begin｜>f<｜tool▁sep｜>{..}<｜tool▁call▁end｜> */
-    MOE_CHAT_FORMAT_DSML,         /* DeepSeek V3.2/V4: <｜DSML｜invoke name="f"><｜DSML｜parameter.. */
-    MOE_CHAT_FORMAT_KIMI_K2,      /* <|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{..} */
-    MOE_CHAT_FORMAT_LLAMA3,       /* the whole reply {"name": .., "parameters": {..}} */
-    MOE_CHAT_FORMAT_MISTRAL,      /* [TOOL_CALLS][{"name": .., "arguments": ..}] or f[ARGS]{..} */
-    MOE_CHAT_FORMAT_HARMONY,      /* gpt-oss channels: analysis, commentary to=functions.f, final */
+    MOE_CHAT_FORMAT_DSML, /* DeepSeek V3.2/V4: <｜DSML｜invoke name="f"><｜DSML｜parameter.. */
+    MOE_CHAT_FORMAT_KIMI_K2, /* <|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{..} */
+    MOE_CHAT_FORMAT_LLAMA3,  /* the whole reply {"name": .., "parameters": {..}} */
+    MOE_CHAT_FORMAT_MISTRAL, /* [TOOL_CALLS][{"name": .., "arguments": ..}] or f[ARGS]{..} */
+    MOE_CHAT_FORMAT_HARMONY, /* gpt-oss channels: analysis, commentary to=functions.f, final */
     MOE_CHAT_FORMAT_COUNT
 } moe_chat_format;
 
@@ -71,7 +72,7 @@ bool moe_chat_format_from_name(const char *name, moe_chat_format *out);
 typedef struct moe_chat_parse_options {
     moe_chat_format format;
     const char *think_open, *think_close; /* reasoning tags; NULL: the model has none */
-    bool reasoning_open;  /* the prompt ends inside a reasoning block (e.g. "...<think>\n") */
+    bool reasoning_open;    /* the prompt ends inside a reasoning block (e.g. "...<think>\n") */
     const char *tools_json; /* the request's tools: their schemas type the arguments; or NULL */
 } moe_chat_parse_options;
 
