@@ -91,7 +91,7 @@ fuzz-jinja: $(FUZZ_JINJA)
 $(FUZZ_JINJA): fuzz/jinja.c $(LIB_SRC)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer,address,undefined \
-	  -o $@ fuzz/jinja.c $(filter-out %_avx2.c %_avx512.c %_avx512vnni.c,$(LIB_SRC)) -lm -lpthread -ljansson
+	  -o $@ fuzz/jinja.c $(filter-out %_avx2.c %_avx512.c %_avx512vnni.c,$(LIB_SRC)) $(LDLIBS)
 
 ## format: clang-format every C file in place; format-check only reports
 FORMAT_FILES = $(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c)
