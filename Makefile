@@ -34,7 +34,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan bench fuzz format format-check deps fixtures help clean
+.PHONY: all test asan bench fuzz fuzz-jinja format format-check deps fixtures help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -106,6 +106,13 @@ $(BUILD)/fuzz/%: fuzz/%.c fuzz-lib
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer $(FUZZ_SAN) -o $@ $< \
 	  $(FUZZ_LIB) $(LDLIBS)
+
+## fuzz-jinja: libFuzzer + ASan over chat templates and output parsers for FUZZ_SECONDS
+FUZZ_JINJA = $(BUILD)/fuzz/jinja
+fuzz-jinja: $(FUZZ_JINJA)
+	@mkdir -p fuzz/corpus/jinja fuzz/out
+	./$(FUZZ_JINJA) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 -timeout=30 \
+	  -artifact_prefix=fuzz/out/ fuzz/corpus/jinja ../shared/templates $(wildcard tests/data/jinja)
 
 ## format: clang-format every C file in place; format-check only reports
 FORMAT_FILES = $(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c)
