@@ -1,7 +1,8 @@
-/* inspect.c: `moe inspect FILE|SHARD [--json]` -- what is in a GGUF file, byte by byte.
+/* inspect.c: `moe inspect FILE|SHARD|URL [--json]` -- what is in a GGUF file, byte by byte.
  *
- * Parses arguments, opens the model (every shard of a split), asks tools/ for the analysis and
- * prints it as text or JSON. The trap: metadata strings and names come from the file, so every
+ * Parses arguments, opens the model (every shard of a split; by HTTP range requests for a URL,
+ * then the request count is the last line), asks tools/ for the analysis and prints it as text
+ * or JSON. The trap: metadata strings and names come from the file, so every
  * one printed as text goes through print_escaped (a chat template would otherwise spill
  * newlines and terminal escapes into the report). */
 #include <inttypes.h>
@@ -454,17 +455,25 @@ int moe_cmd_inspect(int argc, char **argv) {
     }
     if (!path) return moe_cli_usage_error("inspect", "which file?");
     moe_error err = {0};
-    moe_gguf *g = moe_gguf_open(path, &err);
+    moe_http *http = NULL;
+    moe_gguf *g = moe_gguf_open_any(path, &http, &err);
     if (!g) {
         fprintf(stderr, "moe inspect: %s\n", err.msg);
+        moe_http_free(http);
         return 1;
     }
     moe_inspect_report *r = moe_inspect_analyze(g);
     if (json) print_json(stdout, g, r);
     else print_text(stdout, g, r);
+    if (http) /* the cost of a remote report: on stderr under --json, which stays one document */
+        fprintf(json ? stderr : stdout, "remote: %" PRIu64 " requests, %" PRIu64
+                " bytes read of %" PRIu64 " in %u file%s\n", moe_http_requests(http),
+                moe_http_bytes(http), r->file_bytes, moe_gguf_n_shards(g),
+                moe_gguf_n_shards(g) > 1 ? "s" : "");
     bool ok = r->reconciles;
     moe_inspect_report_free(r);
     moe_gguf_close(g);
+    moe_http_free(http);
     if (fflush(stdout) != 0) return 1;
     return ok ? 0 : 1;
 }

@@ -15,7 +15,7 @@ static const moe_command commands[] = {
      "MODEL --tokens ID,ID,... [--out FILE.f32] [--kv-type f32|f16]"},
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
-     "FILE|SHARD [--json]"},
+     "FILE|SHARD|URL [--json]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
     {0},
