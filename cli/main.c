@@ -16,6 +16,10 @@ static const moe_command commands[] = {
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
      "FILE|SHARD|URL [--json]"},
+    {"budget", moe_cmd_budget,
+     "memory per device for a model (or a ladder of builds): fits, largest context and streams",
+     "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
+     "[--kv-type f16|f32|q8_0] [--no-vision] [--ladder] [--json] [--svg FILE]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
     {0},
