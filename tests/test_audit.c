@@ -354,11 +354,410 @@ static void remote_errors(void **state) {
     free(out);
 }
 
+
+/* ==== moe budget ==== */
+
+/* Run a command and parse its stdout as JSON (stderr dropped). */
+static json_t *run_json(const char *cmd) {
+    char full[4096], *out;
+    snprintf(full, sizeof full, "(%s 2>/dev/null)", cmd);
+    int rc = moe_test_run(full, &out);
+    if (rc != 0) fail_msg("%s exited %d: %s", cmd, rc, out);
+    json_error_t e;
+    json_t *j = json_loads(out, 0, &e);
+    if (!j) fail_msg("%s: not JSON (%s): %.300s", cmd, e.text, out);
+    free(out);
+    return j;
+}
+
+static uint64_t jnum(json_t *o, const char *key) {
+    json_t *v = json_object_get(o, key);
+    if (!json_is_integer(v)) fail_msg("no integer '%s'", key);
+    return (uint64_t)json_integer_value(v);
+}
+
+/* The part a tensor name belongs to, by the llama.cpp naming rules (written out here rather
+ * than taken from tools/, so a change of the rules there shows up). */
+static const char *part_of(const char *name) {
+    if (strstr(name, "_exps")) return "routed_experts";
+    if (strstr(name, "_shexp")) return "shared_experts";
+    if (strstr(name, "norm")) return "norms_other";
+    const char *b = strncmp(name, "blk.", 4) == 0 ? strchr(name + 4, '.') + 1 : name;
+    if (!strncmp(b, "attn_", 5) || !strncmp(b, "ssm_", 4)) return "attention";
+    if (!strncmp(b, "ffn_gate.", 9) || !strncmp(b, "ffn_up.", 7) || !strncmp(b, "ffn_down.", 9))
+        return "dense_ffn";
+    if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output.weight"))
+        return "embeddings_output";
+    return "norms_other";
+}
+
+static uint64_t cfg(json_t *c, const char *key) { return jnum(c, key); }
+static uint64_t meta(json_t *m, const char *key) { return jnum(m, key); }
+
+/* KV bytes per token (f16, all tokens) and per sliding-window token, and the f32 state bytes
+ * per stream, from the parity config as the architectures define them. */
+static void hand_kv(json_t *d, uint64_t *kv, uint64_t *swa, uint64_t *state) {
+    json_t *c = json_object_get(d, "config"), *md = json_object_get(d, "metadata");
+    const char *arch = json_string_value(json_object_get(c, "arch"));
+    uint64_t L = cfg(c, "n_layer");
+    *kv = *swa = *state = 0;
+    if (!strcmp(arch, "llama") || !strcmp(arch, "qwen3moe")) {
+        *kv = L * 2 * cfg(c, "n_head_kv") * cfg(c, "head_dim") * 2;
+    } else if (!strcmp(arch, "deepseek2")) {
+        *kv = L * (cfg(c, "kv_lora_rank") + cfg(c, "qk_rope_head_dim")) * 2;
+    } else if (!strcmp(arch, "gpt-oss")) { /* even layers slide */
+        uint64_t per = 2 * cfg(c, "n_head_kv") * cfg(c, "head_dim") * 2;
+        *swa = (L + 1) / 2 * per;
+        *kv = L / 2 * per;
+    } else if (!strcmp(arch, "qwen3next")) { /* every full_attn_interval-th layer is full */
+        uint64_t full = L / cfg(c, "full_attn_interval");
+        *kv = full * 2 * cfg(c, "n_head_kv") * cfg(c, "head_dim") * 2;
+        uint64_t hd = cfg(c, "lin_head_dim"), kh = cfg(c, "lin_k_heads"), vh = cfg(c, "lin_v_heads");
+        uint64_t conv = meta(md, "qwen3next.ssm.conv_kernel");
+        /* conv tail over q, k (kh heads) and v (vh heads); a hd x hd matrix per v head */
+        *state = (L - full) * ((conv - 1) * (2 * kh * hd + vh * hd) + vh * hd * hd) * 4;
+    } else if (!strcmp(arch, "kimi-linear")) {
+        uint64_t full = json_array_size(json_object_get(c, "full_attn_layers"));
+        *kv = full * (cfg(c, "kv_lora_rank") + cfg(c, "qk_rope_head_dim")) * 2;
+        uint64_t hd = cfg(c, "kda_head_dim"), h = cfg(c, "n_head");
+        uint64_t conv = meta(md, "kimi-linear.ssm.conv_kernel");
+        *state = (L - full) * ((conv - 1) * 3 * h * hd + h * hd * hd) * 4;
+    } else {
+        fail_msg("no hand formula for %s", arch);
+    }
+}
+
+static void budget_parity_models(void **state) {
+    (void)state;
+    MOE_SKIP_IF_NULL(moe_test_shared("parity/llama-q8_0.json"));
+    for (size_t i = 0; i < N_PARITY; i++) {
+        char path[512], cmd[2048];
+        snprintf(path, sizeof path, "../shared/parity/%s.json", parity_models[i]);
+        json_error_t e;
+        json_t *d = json_load_file(path, 0, &e);
+        if (!d) fail_msg("%s: %s", path, e.text);
+        /* expected weights by part, parameters, and device 0's share of 3-way row sharding */
+        const char *parts[] = {"routed_experts", "shared_experts", "attention", "dense_ffn",
+                               "embeddings_output", "norms_other"};
+        uint64_t want[6] = {0}, params = 0, routed_dev0 = 0, routed_dev2 = 0;
+        size_t k;
+        json_t *t;
+        json_array_foreach(json_object_get(d, "tensors"), k, t) {
+            const char *name = json_string_value(json_object_get(t, "name"));
+            json_t *ne = json_object_get(t, "ne");
+            uint64_t n = 1, bytes = jnum(t, "n_bytes");
+            for (size_t x = 0; x < json_array_size(ne); x++)
+                n *= (uint64_t)json_integer_value(json_array_get(ne, x));
+            params += n;
+            for (size_t p = 0; p < 6; p++)
+                if (!strcmp(part_of(name), parts[p])) want[p] += bytes;
+            if (!strcmp(part_of(name), "routed_experts")) {
+                uint64_t rows = json_array_size(ne) >= 2
+                                    ? (uint64_t)json_integer_value(json_array_get(ne, 1)) : 1;
+                uint64_t row_bytes = bytes / (n / (uint64_t)json_integer_value(json_array_get(ne, 0)));
+                uint64_t slices = n / (uint64_t)json_integer_value(json_array_get(ne, 0)) / rows;
+                routed_dev0 += (rows + 2) / 3 * slices * row_bytes;
+                routed_dev2 += rows / 3 * slices * row_bytes;
+            }
+        }
+        assert_int_equal(params, jnum(d, "n_params"));
+        uint64_t kv, swa, st;
+        hand_kv(d, &kv, &swa, &st);
+
+        uint64_t ctx = 1000, streams = 3, mem = 1ull << 30;
+        snprintf(cmd, sizeof cmd, "%s budget ../shared/parity/%s.gguf --json --devices 3 "
+                 "--mem-per-device 1 --ctx %" PRIu64 " --streams %" PRIu64, moe_test_bin(),
+                 parity_models[i], ctx, streams);
+        json_t *b = run_json(cmd);
+        json_t *m = json_array_get(json_object_get(b, "models"), 0);
+        assert_int_equal(jnum(m, "n_params"), params);
+        json_t *w = json_object_get(m, "weights");
+        for (size_t p = 0; p < 6; p++)
+            if (jnum(w, parts[p]) != want[p])
+                fail_msg("%s: %s %" PRIu64 " bytes, expected %" PRIu64, parity_models[i],
+                         parts[p], jnum(w, parts[p]), want[p]);
+        assert_int_equal(jnum(m, "kv_bytes_per_token"), kv);
+        assert_int_equal(jnum(m, "swa_kv_bytes_per_token"), swa);
+        assert_int_equal(jnum(m, "state_bytes_per_stream"), st);
+        json_t *devs = json_object_get(m, "devices");
+        assert_int_equal(json_array_size(devs), 3);
+        json_t *d0 = json_object_get(json_array_get(devs, 0), "parts");
+        json_t *d2 = json_object_get(json_array_get(devs, 2), "parts");
+        assert_int_equal(jnum(d0, "routed_experts"), routed_dev0);
+        assert_int_equal(jnum(d2, "routed_experts"), routed_dev2);
+        assert_int_equal(jnum(d2, "attention"), want[2]); /* replicated */
+        uint64_t window = jnum(m, "window");
+        uint64_t swa_tokens = window && window < ctx ? window : ctx;
+        assert_int_equal(jnum(d0, "kv_cache"), streams * (ctx * kv + swa_tokens * swa));
+        assert_int_equal(jnum(d0, "recurrent_state"), streams * st);
+        uint64_t total = 0;
+        const char *all[] = {"routed_experts", "shared_experts", "attention", "dense_ffn",
+                             "embeddings_output", "norms_other", "vision", "kv_cache",
+                             "recurrent_state", "scratch"};
+        for (size_t p = 0; p < 10; p++) total += jnum(d0, all[p]);
+        assert_int_equal(jnum(m, "device_total_max"), total);
+        assert_int_equal((uint64_t)json_integer_value(json_object_get(m, "spare")), mem - total);
+        assert_true(json_is_true(json_object_get(m, "fits")));
+
+        /* the largest context and stream count are the edges of fitting */
+        uint64_t max_ctx = jnum(m, "max_ctx"), max_streams = jnum(m, "max_streams");
+        uint64_t train = jnum(m, "ctx_train");
+        json_decref(b);
+        assert_true(max_ctx >= 1 && max_streams >= streams);
+        struct { uint64_t c, s; bool fits; } edge[] = {
+            {max_ctx, streams, true}, {max_ctx + 1, streams, max_ctx == train},
+            {ctx, max_streams, true}, {ctx, max_streams + 1, false}};
+        for (size_t x = 0; x < 4; x++) {
+            snprintf(cmd, sizeof cmd, "%s budget ../shared/parity/%s.gguf --json --devices 3 "
+                     "--mem-per-device 1 --ctx %" PRIu64 " --streams %" PRIu64, moe_test_bin(),
+                     parity_models[i], edge[x].c, edge[x].s);
+            b = run_json(cmd);
+            m = json_array_get(json_object_get(b, "models"), 0);
+            if (json_is_true(json_object_get(m, "fits")) != edge[x].fits)
+                fail_msg("%s: ctx %" PRIu64 " streams %" PRIu64 ": fits should be %d",
+                         parity_models[i], edge[x].c, edge[x].s, edge[x].fits);
+            json_decref(b);
+        }
+        json_decref(d);
+    }
+}
+
+/* ==== A GGUF header of a known model's shapes, written here byte by byte ==== */
+
+typedef struct hdr {
+    FILE *f;
+} hdr;
+static void h_u32(hdr *h, uint32_t v) { fwrite(&v, 4, 1, h->f); }
+static void h_u64(hdr *h, uint64_t v) { fwrite(&v, 8, 1, h->f); }
+static void h_str(hdr *h, const char *s) {
+    h_u64(h, strlen(s));
+    fwrite(s, 1, strlen(s), h->f);
+}
+static void h_kv_u32(hdr *h, const char *k, uint32_t v) {
+    h_str(h, k);
+    h_u32(h, 4); /* GGUF_TYPE_UINT32 */
+    h_u32(h, v);
+}
+
+typedef struct spec {
+    char name[64];
+    uint32_t type, n_dims;
+    uint64_t ne[3];
+} spec;
+
+/* Row bytes of the types used below: ggml's block sizes, written out. */
+static uint64_t spec_bytes(const spec *s) {
+    uint64_t n = s->ne[0] * s->ne[1] * s->ne[2];
+    switch (s->type) {
+    case 0: return n * 4;          /* F32 */
+    case 8: return n / 32 * 34;    /* Q8_0 */
+    case 12: return n / 256 * 144; /* Q4_K */
+    case 14: return n / 256 * 210; /* Q6_K */
+    }
+    return 0;
+}
+
+/* Qwen3-30B-A3B: 48 layers, n_embd 2048, 32 heads of 128 (4 KV heads), 128 experts of
+ * 3 x 2048 x 768 (8 used), vocabulary 151936, untied output. The file is sparse: the header
+ * then a hole up to the size the tensors need. */
+static uint64_t write_qwen3_30b(const char *path, uint64_t *params) {
+    spec *t = moe_xcalloc(48 * 13 + 3, sizeof *t);
+    size_t n = 0;
+#define T(nm, ty, nd, a, b, c) (snprintf(t[n].name, 64, "%s", nm), t[n].type = ty, \
+    t[n].n_dims = nd, t[n].ne[0] = a, t[n].ne[1] = b, t[n].ne[2] = c, n++)
+    T("token_embd.weight", 12, 2, 2048, 151936, 1);
+    T("output_norm.weight", 0, 1, 2048, 1, 1);
+    T("output.weight", 14, 2, 2048, 151936, 1);
+    for (int l = 0; l < 48; l++) {
+        char b[64];
+#define L(nm, ty, nd, a, bb, c) (snprintf(b, sizeof b, "blk.%d.%s", l, nm), T(b, ty, nd, a, bb, c))
+        L("attn_norm.weight", 0, 1, 2048, 1, 1);
+        L("attn_q.weight", 8, 2, 2048, 4096, 1);
+        L("attn_k.weight", 8, 2, 2048, 512, 1);
+        L("attn_v.weight", 8, 2, 2048, 512, 1);
+        L("attn_output.weight", 8, 2, 4096, 2048, 1);
+        L("attn_q_norm.weight", 0, 1, 128, 1, 1);
+        L("attn_k_norm.weight", 0, 1, 128, 1, 1);
+        L("ffn_norm.weight", 0, 1, 2048, 1, 1);
+        L("ffn_gate_inp.weight", 0, 2, 2048, 128, 1);
+        L("ffn_gate_exps.weight", 12, 3, 2048, 768, 128);
+        L("ffn_up_exps.weight", 12, 3, 2048, 768, 128);
+        L("ffn_down_exps.weight", 14, 3, 768, 2048, 128);
+#undef L
+    }
+#undef T
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    hdr h = {f};
+    fwrite("GGUF", 1, 4, f);
+    h_u32(&h, 3);
+    h_u64(&h, n);
+    h_u64(&h, 12);
+    h_str(&h, "general.architecture");
+    h_u32(&h, 8); /* GGUF_TYPE_STRING */
+    h_str(&h, "qwen3moe");
+    h_kv_u32(&h, "qwen3moe.block_count", 48);
+    h_kv_u32(&h, "qwen3moe.context_length", 40960);
+    h_kv_u32(&h, "qwen3moe.embedding_length", 2048);
+    h_kv_u32(&h, "qwen3moe.feed_forward_length", 6144);
+    h_kv_u32(&h, "qwen3moe.attention.head_count", 32);
+    h_kv_u32(&h, "qwen3moe.attention.head_count_kv", 4);
+    h_kv_u32(&h, "qwen3moe.attention.key_length", 128);
+    h_kv_u32(&h, "qwen3moe.attention.value_length", 128);
+    h_kv_u32(&h, "qwen3moe.expert_count", 128);
+    h_kv_u32(&h, "qwen3moe.expert_used_count", 8);
+    h_kv_u32(&h, "qwen3moe.expert_feed_forward_length", 768);
+    uint64_t off = 0;
+    *params = 0;
+    for (size_t i = 0; i < n; i++) {
+        h_str(&h, t[i].name);
+        h_u32(&h, t[i].n_dims);
+        for (uint32_t d = 0; d < t[i].n_dims; d++) h_u64(&h, t[i].ne[d]);
+        h_u32(&h, t[i].type);
+        h_u64(&h, off);
+        off += (spec_bytes(&t[i]) + 31) / 32 * 32;
+        *params += t[i].ne[0] * t[i].ne[1] * t[i].ne[2];
+    }
+    long header = ftell(f);
+    uint64_t data = ((uint64_t)header + 31) / 32 * 32;
+    assert_int_equal(fflush(f), 0);
+    assert_int_equal(ftruncate(fileno(f), (off_t)(data + off)), 0);
+    fclose(f);
+    free(t);
+    return data + off;
+}
+
+static void budget_known_model(void **state) {
+    (void)state;
+    char path[600], cmd[2048];
+    snprintf(path, sizeof path, "%s/qwen3-30b-a3b-shapes.gguf", root[0] ? root : moe_test_tmpdir());
+    uint64_t params;
+    write_qwen3_30b(path, &params);
+    /* by hand: embeddings + output + final norm, and per layer attention, norms, router and
+     * the 128 experts of 3 x 2048 x 768 */
+    uint64_t per_layer = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128 + 2 * 2048 +
+                         2048 * 128 + 3ull * 2048 * 768 * 128;
+    uint64_t expect = 2ull * 151936 * 2048 + 2048 + 48 * per_layer;
+    assert_int_equal(params, expect);
+    assert_true(expect > 30400000000ull && expect < 30600000000ull); /* "30.5B" */
+    snprintf(cmd, sizeof cmd, "%s budget '%s' --json --mem-per-device 64 --ctx 32768", moe_test_bin(), path);
+    json_t *b = run_json(cmd);
+    json_t *m = json_array_get(json_object_get(b, "models"), 0);
+    assert_int_equal(jnum(m, "n_params"), expect);
+    /* KV per token: 48 layers x (K + V) x 4 KV heads x 128 x 2 bytes (f16) = 96 KiB */
+    assert_int_equal(jnum(m, "kv_bytes_per_token"), 48 * 2 * 4 * 128 * 2);
+    assert_int_equal(jnum(m, "kv_bytes_per_token"), 98304);
+    json_t *d0 = json_object_get(json_array_get(json_object_get(m, "devices"), 0), "parts");
+    assert_int_equal(jnum(d0, "kv_cache"), 98304ull * 32768);
+    assert_int_equal(jnum(d0, "routed_experts"),
+                     48ull * 128 * (2 * 768 * 2048 / 256 * 144 + 2048 * 768 / 256 * 210));
+    json_decref(b);
+    /* q8_0 KV: rows of 512 values in 16 blocks of 34 bytes */
+    snprintf(cmd, sizeof cmd, "%s budget '%s' --json --kv-type q8_0 --mem-per-device 64", moe_test_bin(), path);
+    b = run_json(cmd);
+    m = json_array_get(json_object_get(b, "models"), 0);
+    assert_int_equal(jnum(m, "kv_bytes_per_token"), 48 * 2 * 16 * 34);
+    json_decref(b);
+
+    /* text: the fit line, on 2 devices of 10 GiB (short) and of 24 GiB (fits) */
+    char *out;
+    snprintf(cmd, sizeof cmd, "%s budget '%s' --devices 2 --mem-per-device 10", moe_test_bin(), path);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    if (!strstr(out, "short by ") || !strstr(out, "split 2 ways")) fail_msg("%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s budget '%s' --devices 2 --mem-per-device 24", moe_test_bin(), path);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    if (!strstr(out, "fits with ") || !strstr(out, "largest context that fits")) fail_msg("%s", out);
+    free(out);
+}
+
+/* A ladder of two builds of qwen3moe-mixed (as stored, and with every quantized matrix widened
+ * to F32 by our writer) at a memory between their needs: the table, the largest that fits, and
+ * an SVG that is well-formed XML with a title, axis label, legend, the memory line and one bar
+ * per rung and per device (Python's XML parser), rendered by rsvg-convert where installed. */
+static void budget_ladder_and_svg(void **state) {
+    (void)state;
+    MOE_SKIP_IF_NULL(moe_test_shared("parity/qwen3moe-mixed.gguf"));
+    char wide[600], svg[600], cmd[4096], *out;
+    snprintf(wide, sizeof wide, "%s/qwen3moe-f32.gguf", moe_test_tmpdir());
+    snprintf(svg, sizeof svg, "%s/budget.svg", moe_test_tmpdir());
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open("../shared/parity/qwen3moe-mixed.gguf", &err);
+    assert_non_null(g);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++)
+        moe_gguf_writer_set_value(w, moe_gguf_kv_get(g, i)->key.ptr, &moe_gguf_kv_get(g, i)->value);
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        float *f = moe_xmalloc(t->n_values * sizeof *f);
+        moe_type_traits_get(t->type)->to_float(t->data, f, (int64_t)t->n_values);
+        assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne,
+                                                    f, false, &err), MOE_OK);
+        free(f);
+    }
+    assert_int_equal(moe_gguf_writer_write(w, wide, 0, &err), MOE_OK);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+
+    snprintf(cmd, sizeof cmd, "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "
+             "--json --mem-per-device 1", moe_test_bin(), wide);
+    json_t *b = run_json(cmd);
+    json_t *ms = json_object_get(b, "models");
+    assert_int_equal(json_array_size(ms), 2);
+    /* rungs ascend by size: the stored build first */
+    uint64_t small = jnum(json_array_get(ms, 0), "device_total_max");
+    uint64_t big = jnum(json_array_get(ms, 1), "device_total_max");
+    assert_true(small < big);
+    assert_true(strstr(json_string_value(json_object_get(json_array_get(ms, 0), "name")), "mixed"));
+    json_decref(b);
+    double mid = (double)(small + big) / 2 / (1024.0 * 1024 * 1024);
+    snprintf(cmd, sizeof cmd, "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "
+             "--mem-per-device %.9f --svg '%s'", moe_test_bin(), wide, mid, svg);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    if (!strstr(out, "largest that fits: ../shared/parity/qwen3moe-mixed.gguf")) fail_msg("%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "
+             "--mem-per-device %.9f --json", moe_test_bin(), wide, mid);
+    b = run_json(cmd);
+    assert_true(strstr(json_string_value(json_object_get(b, "largest_fit")), "mixed"));
+    json_decref(b);
+
+    snprintf(cmd, sizeof cmd,
+             "python3 -c 'import xml.etree.ElementTree as E\nr=E.parse(\"%s\").getroot()\n"
+             "ns=\"{http://www.w3.org/2000/svg}\"\n"
+             "texts=[t.text or \"\" for t in r.iter(ns+\"text\")]\n"
+             "assert any(t.startswith(\"Quant ladder\") for t in texts)\n"
+             "assert any(t.startswith(\"Memory per device\") for t in texts)\n"
+             "assert any(t.startswith(\"memory (\") for t in texts)\n"
+             "assert \"parts\" in texts and \"routed experts\" in texts and \"KV cache\" in texts\n"
+             "assert any(\"qwen3moe-f32.gguf\" in t for t in texts)\n"
+             "assert sum(1 for t in texts if t.endswith(\"(short)\"))==1\n"
+             "print(len([x for x in r.iter(ns+\"rect\") if x.find(ns+\"title\") is not None]))'",
+             svg);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    /* segments: >= 5 non-empty parts in each of 2 rungs + 1 device bar */
+    assert_true(atoi(out) >= 15);
+    free(out);
+    if (moe_test_run("command -v rsvg-convert >/dev/null", NULL) == 0) {
+        snprintf(cmd, sizeof cmd, "rsvg-convert '%s' -o '%s.png' && test -s '%s.png'", svg, svg, svg);
+        assert_int_equal(moe_test_run(cmd, NULL), 0);
+    }
+
+    snprintf(cmd, sizeof cmd, "%s budget ../shared/parity/qwen3moe-mixed.gguf "
+             "../shared/parity/llama-q8_0.gguf --ladder", moe_test_bin());
+    assert_int_equal(moe_test_run(cmd, &out), 2);
+    if (!strstr(out, "builds of one model")) fail_msg("%s", out);
+    free(out);
+}
+
 int moe_suite_audit(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(remote_inspect_matches_local),
         cmocka_unit_test(remote_reads_few_bytes),
         cmocka_unit_test(remote_errors),
+        cmocka_unit_test(budget_parity_models),
+        cmocka_unit_test(budget_known_model),
+        cmocka_unit_test(budget_ladder_and_svg),
     };
     return cmocka_run_group_tests_name("audit", tests, setup, teardown);
 }
