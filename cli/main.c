@@ -20,6 +20,9 @@ static const moe_command commands[] = {
      "memory per device for a model (or a ladder of builds): fits, largest context and streams",
      "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
      "[--kv-type f16|f32|q8_0] [--no-vision] [--ladder] [--json] [--svg FILE]"},
+    {"audit", moe_cmd_audit,
+     "quantization error of chosen rows against a float reference (rel. Frobenius, cosine, matvec)",
+     "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
     {0},

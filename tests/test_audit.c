@@ -750,6 +750,287 @@ static void budget_ladder_and_svg(void **state) {
     free(out);
 }
 
+
+/* ==== moe audit ==== */
+
+/* Python's own computation of the three metrics for one (tensor, expert) of an audit: the
+ * rows come from `moe dump` of both files (its floats are bit-exact with ggml, see the dump
+ * suite), X is redrawn with the documented splitmix64 + Box-Muller recipe. Prints
+ * "rel_fro cosine matvec_rel". */
+static const char *const py_metrics =
+    "import math,struct,sys\n"
+    "q,w,rows,cols,seed=sys.argv[1],sys.argv[2],int(sys.argv[3]),int(sys.argv[4]),int(sys.argv[5])\n"
+    "def load(p):\n"
+    "    b=open(p,'rb').read(); return struct.unpack('<%df'%(len(b)//4),b)\n"
+    "Q,W=load(q),load(w)\n"
+    "assert len(Q)==len(W)==rows*cols\n"
+    "M=(1<<64)-1; s=seed\n"
+    "def nxt():\n"
+    "    global s\n"
+    "    s=(s+0x9e3779b97f4a7c15)&M; z=s\n"
+    "    z=((z^(z>>30))*0xbf58476d1ce4e5b9)&M; z=((z^(z>>27))*0x94d049bb133111eb)&M\n"
+    "    return z^(z>>31)\n"
+    "X=[]\n"
+    "while len(X)<cols*64:\n"
+    "    u1=((nxt()>>11)+1)*2.0**-53; u2=((nxt()>>11)+1)*2.0**-53\n"
+    "    r=math.sqrt(-2*math.log(u1)); X+=[r*math.cos(6.283185307179586*u2),r*math.sin(6.283185307179586*u2)]\n"
+    "ee=ww=qq=qw=ex2=wx2=0.0\n"
+    "for i in range(rows):\n"
+    "    ex=[0.0]*64; wx=[0.0]*64\n"
+    "    for c in range(cols):\n"
+    "        a=Q[i*cols+c]; b=W[i*cols+c]; d=a-b\n"
+    "        ee+=d*d; ww+=b*b; qq+=a*a; qw+=a*b\n"
+    "        xc=X[c*64:c*64+64]\n"
+    "        for j in range(64):\n"
+    "            ex[j]+=d*xc[j]; wx[j]+=b*xc[j]\n"
+    "    ex2+=sum(v*v for v in ex); wx2+=sum(v*v for v in wx)\n"
+    "print('%.17g %.17g %.17g'%(math.sqrt(ee/ww),qw/math.sqrt(qq*ww),math.sqrt(ex2/wx2)))\n";
+
+/* Seeded float rows with a heavier tail than a normal (one value in 64 four times larger), so
+ * the formats' handling of outliers shows in their errors. */
+static void synth_floats(float *f, uint64_t n, uint64_t seed) {
+    double *x = moe_xmalloc(((n + 63) / 64 * 64) * sizeof *x);
+    moe_audit_normals(seed, (n + 63) / 64, x);
+    for (uint64_t i = 0; i < n; i++) f[i] = (float)(0.02 * x[i] * (i % 64 == 7 ? 4.0 : 1.0));
+    free(x);
+}
+
+static const moe_type audit_types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q6_K,  MOE_TYPE_Q4_K,
+                                       MOE_TYPE_IQ4_XS, MOE_TYPE_IQ4_NL, MOE_TYPE_Q4_0};
+#define N_AUDIT_TYPES (sizeof audit_types / sizeof audit_types[0])
+
+/* ref.gguf (F32) and q_<TYPE>.gguf (the same tensors quantized by our from_float): an expert
+ * tensor [256, 48, 4] and a matrix [512, 40]. */
+static void write_audit_models(const char *dir) {
+    static const struct { const char *name; uint32_t n_dims; int64_t ne[3]; } ts[] = {
+        {"blk.0.ffn_up_exps.weight", 3, {256, 48, 4}},
+        {"blk.0.attn_q.weight", 2, {512, 40, 1}},
+    };
+    moe_error err = {0};
+    char path[700];
+    float *src[2];
+    for (size_t k = 0; k < 2; k++) {
+        uint64_t n = (uint64_t)(ts[k].ne[0] * ts[k].ne[1] * ts[k].ne[2]);
+        src[k] = moe_xmalloc(n * sizeof(float));
+        synth_floats(src[k], n, 1000 + k);
+    }
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    moe_gguf_writer_set_str(w, "general.architecture", "llama");
+    for (size_t k = 0; k < 2; k++)
+        assert_int_equal(moe_gguf_writer_add_tensor(w, ts[k].name, MOE_TYPE_F32, ts[k].n_dims,
+                                                    ts[k].ne, src[k], false, &err), MOE_OK);
+    snprintf(path, sizeof path, "%s/ref.gguf", dir);
+    assert_int_equal(moe_gguf_writer_write(w, path, 0, &err), MOE_OK);
+    moe_gguf_writer_free(w);
+    for (size_t t = 0; t < N_AUDIT_TYPES; t++) {
+        const moe_type_traits *tr = moe_type_traits_get(audit_types[t]);
+        w = moe_gguf_writer_new();
+        moe_gguf_writer_set_str(w, "general.architecture", "llama");
+        for (size_t k = 0; k < 2; k++) {
+            uint64_t n = (uint64_t)(ts[k].ne[0] * ts[k].ne[1] * ts[k].ne[2]);
+            void *q = moe_xmalloc(n / (uint64_t)tr->block_values * tr->block_bytes);
+            tr->from_float(src[k], q, (int64_t)n);
+            assert_int_equal(moe_gguf_writer_add_tensor(w, ts[k].name, audit_types[t],
+                                                        ts[k].n_dims, ts[k].ne, q, false, &err),
+                             MOE_OK);
+            free(q);
+        }
+        snprintf(path, sizeof path, "%s/q_%s.gguf", dir, tr->name);
+        assert_int_equal(moe_gguf_writer_write(w, path, 0, &err), MOE_OK);
+        moe_gguf_writer_free(w);
+    }
+    free(src[0]);
+    free(src[1]);
+}
+
+/* Check every row of an audit JSON against Python's computation from `moe dump`. */
+static void check_against_python(json_t *a, const char *quant, const char *ref) {
+    char py[600], cmd[4096], qf[600], wf[600], *out;
+    snprintf(py, sizeof py, "%s/metrics.py", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(py, py_metrics, strlen(py_metrics), &err), MOE_OK);
+    snprintf(qf, sizeof qf, "%s/q.f32", moe_test_tmpdir());
+    snprintf(wf, sizeof wf, "%s/w.f32", moe_test_tmpdir());
+    size_t i;
+    json_t *row;
+    json_array_foreach(json_object_get(a, "tensors"), i, row) {
+        const char *name = json_string_value(json_object_get(row, "tensor"));
+        json_t *e = json_object_get(row, "expert");
+        uint64_t rows = jnum(row, "rows"), cols = jnum(row, "cols");
+        /* dump's rows of a 3-D tensor are expert-major: expert e starts at e * ne[1] */
+        moe_gguf *g = moe_gguf_open(quant, &err);
+        assert_non_null(g);
+        uint64_t ne1 = (uint64_t)moe_gguf_tensor_find(g, name)->ne[1];
+        moe_gguf_close(g);
+        uint64_t first = json_is_integer(e) ? (uint64_t)json_integer_value(e) * ne1 : 0;
+        for (int k = 0; k < 2; k++) {
+            snprintf(cmd, sizeof cmd, "%s dump '%s' '%s' --rows %" PRIu64 ":%" PRIu64 " --out '%s'",
+                     moe_test_bin(), k ? ref : quant, name, first, first + rows, k ? wf : qf);
+            if (moe_test_run(cmd, &out) != 0) fail_msg("%s: %s", cmd, out);
+            free(out);
+        }
+        snprintf(cmd, sizeof cmd, "python3 '%s' '%s' '%s' %" PRIu64 " %" PRIu64 " %" PRIu64, py,
+                 qf, wf, rows, cols, jnum(a, "seed"));
+        if (moe_test_run(cmd, &out) != 0) fail_msg("%s: %s", cmd, out);
+        double want[3];
+        assert_int_equal(sscanf(out, "%lf %lf %lf", &want[0], &want[1], &want[2]), 3);
+        free(out);
+        const char *keys[3] = {"rel_fro", "cosine", "matvec_rel"};
+        for (int k = 0; k < 3; k++) {
+            double got = json_real_value(json_object_get(row, keys[k]));
+            if (fabs(got - want[k]) > 1e-9 * fabs(want[k]) + 1e-15)
+                fail_msg("%s expert %lld %s: moe %.17g, python %.17g", name,
+                         json_is_integer(e) ? (long long)json_integer_value(e) : -1LL, keys[k],
+                         got, want[k]);
+        }
+    }
+}
+
+static void audit_synthetic_types(void **state) {
+    (void)state;
+    char dir[600], cmd[4096], q[700], ref[700];
+    snprintf(dir, sizeof dir, "%s", root[0] ? root : moe_test_tmpdir());
+    write_audit_models(dir);
+    snprintf(ref, sizeof ref, "%s/ref.gguf", dir);
+    double fro[N_AUDIT_TYPES];
+    for (size_t t = 0; t < N_AUDIT_TYPES; t++) {
+        snprintf(q, sizeof q, "%s/q_%s.gguf", dir, moe_type_name(audit_types[t]));
+        snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --json --experts 1,3 --rows 24",
+                 moe_test_bin(), q, ref);
+        json_t *a = run_json(cmd);
+        json_t *rows = json_object_get(a, "tensors");
+        /* the expert tensor twice (experts 1 and 3), the matrix once */
+        assert_int_equal(json_array_size(rows), 3);
+        assert_int_equal(jnum(json_array_get(rows, 0), "expert"), 1);
+        assert_int_equal(jnum(json_array_get(rows, 1), "expert"), 3);
+        assert_true(json_is_null(json_object_get(json_array_get(rows, 2), "expert")));
+        assert_int_equal(jnum(json_array_get(rows, 2), "rows"), 24);
+        fro[t] = json_real_value(json_object_get(json_array_get(rows, 2), "rel_fro"));
+        double cosine = json_real_value(json_object_get(json_array_get(rows, 2), "cosine"));
+        double matvec = json_real_value(json_object_get(json_array_get(rows, 2), "matvec_rel"));
+        /* for a random X, ||E X|| / ||W X|| is close to ||E|| / ||W|| */
+        assert_true(matvec > 0.5 * fro[t] && matvec < 2 * fro[t]);
+        assert_true(cosine > 1 - fro[t] * fro[t] && cosine < 1);
+        check_against_python(a, q, ref);
+        json_decref(a);
+    }
+    /* the formats in the order their bits say: Q8_0 << Q6_K < Q4_K / IQ4 < Q4_0 */
+    assert_true(fro[0] < 0.01);
+    assert_true(fro[0] * 3 < fro[1]);
+    assert_true(fro[1] * 2 < fro[2]);
+    for (size_t t = 2; t < N_AUDIT_TYPES; t++) assert_true(fro[t] > 0.02 && fro[t] < 0.2);
+    assert_true(fro[3] < fro[5] && fro[4] < fro[5]); /* IQ4_XS, IQ4_NL beat Q4_0 */
+    assert_true(fro[2] < fro[5]);                   /* Q4_K beats Q4_0 */
+
+    /* --tensor selects by regex */
+    snprintf(q, sizeof q, "%s/q_Q4_K.gguf", dir);
+    snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --json --tensor 'attn_q\\.' --rows 8",
+             moe_test_bin(), q, ref);
+    json_t *a = run_json(cmd);
+    assert_int_equal(json_array_size(json_object_get(a, "tensors")), 1);
+    json_decref(a);
+    char *out;
+    snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --experts 9", moe_test_bin(), q, ref);
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    if (!strstr(out, "expert 9, but it has 4 experts")) fail_msg("%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --tensor '('", moe_test_bin(), q, ref);
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    free(out);
+}
+
+/* IQ2_S and IQ3_S (no quantizer of ours): qwen3moe-mixed's own matrices against a reference
+ * made by adding seeded noise to their dequantized values -- the audit's numbers must still be
+ * Python's, and rel_fro must come out as the noise's relative size. */
+static void audit_iq_and_remote(void **state) {
+    (void)state;
+    MOE_SKIP_IF_NULL(moe_test_shared("parity/qwen3moe-mixed.gguf"));
+    char ref[700], q[700], cmd[4096];
+    snprintf(q, sizeof q, "%s/qwen3moe-mixed.gguf", root);
+    snprintf(ref, sizeof ref, "%s/qwen3moe-ref.gguf", root);
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(q, &err);
+    assert_non_null(g);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    moe_gguf_writer_set_str(w, "general.architecture", "qwen3moe");
+    double noise = 0.05;
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        float *f = moe_xmalloc(t->n_values * sizeof *f), *z = moe_xmalloc(t->n_values * sizeof *z);
+        moe_type_traits_get(t->type)->to_float(t->data, f, (int64_t)t->n_values);
+        synth_floats(z, t->n_values, 77 + i);
+        /* add noise proportional to each row's RMS */
+        for (uint64_t r = 0; r < t->n_values / (uint64_t)t->ne[0]; r++) {
+            double ss = 0;
+            for (int64_t c = 0; c < t->ne[0]; c++) ss += (double)f[r * t->ne[0] + c] * f[r * t->ne[0] + c];
+            double rms = sqrt(ss / (double)t->ne[0]);
+            for (int64_t c = 0; c < t->ne[0]; c++)
+                f[r * t->ne[0] + c] += (float)(noise * rms * z[r * t->ne[0] + c] / 0.02 *
+                                               (c % 64 == 7 ? 0.25 : 1.0));
+        }
+        assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne,
+                                                    f, false, &err), MOE_OK);
+        free(f);
+        free(z);
+    }
+    assert_int_equal(moe_gguf_writer_write(w, ref, 0, &err), MOE_OK);
+    moe_gguf_writer_free(w);
+
+    snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --json --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
+             "--experts 0,5 --rows 16", moe_test_bin(), q, ref);
+    json_t *a = run_json(cmd);
+    json_t *rows = json_object_get(a, "tensors");
+    assert_int_equal(json_array_size(rows), 4);
+    size_t i;
+    json_t *row;
+    bool seen_iq2 = false, seen_iq3 = false;
+    json_array_foreach(rows, i, row) {
+        const char *fmt = json_string_value(json_object_get(row, "format"));
+        seen_iq2 |= !strcmp(fmt, "IQ2_S");
+        seen_iq3 |= !strcmp(fmt, "IQ3_S");
+        double fro = json_real_value(json_object_get(row, "rel_fro"));
+        assert_true(fro > noise * 0.8 && fro < noise * 1.25);
+    }
+    assert_true(seen_iq2 && seen_iq3);
+    check_against_python(a, q, ref);
+
+    /* the same audit over HTTP: the same numbers, and exactly the selected rows' bytes */
+    char url_q[700], url_r[700];
+    snprintf(url_q, sizeof url_q, "http://127.0.0.1:%d/qwen3moe-mixed.gguf", srv_range.port);
+    snprintf(url_r, sizeof url_r, "http://127.0.0.1:%d/qwen3moe-ref.gguf", srv_range.port);
+    snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --json --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
+             "--experts 0,5 --rows 16", moe_test_bin(), url_q, url_r);
+    json_t *b = run_json(cmd);
+    json_array_foreach(rows, i, row) {
+        json_t *other = json_array_get(json_object_get(b, "tensors"), i);
+        assert_true(json_real_value(json_object_get(row, "rel_fro")) ==
+                    json_real_value(json_object_get(other, "rel_fro")));
+        assert_true(json_real_value(json_object_get(row, "matvec_rel")) ==
+                    json_real_value(json_object_get(other, "matvec_rel")));
+    }
+    json_decref(b);
+    char *out, errpath[700];
+    snprintf(errpath, sizeof errpath, "%s/audit.err", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd, "(%s audit '%s' '%s' --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
+             "--experts 0,5 --rows 16 >/dev/null; cat /dev/null) && %s audit '%s' '%s' "
+             "--tensor 'blk\\.1\\.ffn_(gate|down)_exps' --experts 0,5 --rows 16 | tail -1",
+             moe_test_bin(), url_q, url_r, moe_test_bin(), url_q, url_r);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    unsigned long long all_req, all_bytes, row_req, row_bytes;
+    if (sscanf(out, "remote: %llu requests, %llu bytes read (%llu requests, %llu bytes", &all_req,
+               &all_bytes, &row_req, &row_bytes) != 4)
+        fail_msg("%s", out);
+    free(out);
+    /* 4 (tensor, expert) pairs, one range in each file: rows x row bytes (IQ2_S 82 and IQ3_S
+     * 110 bytes per 256 values; F32 1024 bytes per row of 256) */
+    uint64_t want = 2 * 16 * (82 + 110) + 4 * 16 * 1024;
+    assert_int_equal(row_req, 8);
+    assert_int_equal(row_bytes, want);
+    assert_int_equal(all_req, 2 + 8); /* one header range per file */
+    json_decref(a);
+    moe_gguf_close(g);
+}
+
 int moe_suite_audit(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(remote_inspect_matches_local),
@@ -758,6 +1039,8 @@ int moe_suite_audit(void) {
         cmocka_unit_test(budget_parity_models),
         cmocka_unit_test(budget_known_model),
         cmocka_unit_test(budget_ladder_and_svg),
+        cmocka_unit_test(audit_synthetic_types),
+        cmocka_unit_test(audit_iq_and_remote),
     };
     return cmocka_run_group_tests_name("audit", tests, setup, teardown);
 }

@@ -164,6 +164,51 @@ void moe_budget_plan_free(moe_budget_plan *p);
 uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64_t ctx,
                              uint64_t streams);
 
+/* ==== moe audit: what quantization cost, measured on chosen rows ====
+ *
+ * For each selected tensor of the quantized model (and each selected expert of a 3-D expert
+ * tensor), the first `rows` rows are dequantized and compared with the same rows of the
+ * reference model (same tensor name and shape; F32, F16 or BF16): relative Frobenius error
+ * ||Wq - W|| / ||W||, cosine similarity of the flattened rows, and the matvec relative error
+ * ||(Wq - W) X|| / ||W X|| for X a [cols x 64] standard-normal draw from moe_audit_normals
+ * (seeded; the same X for every tensor with the same row length). Only those rows' bytes are
+ * read, by one range per (tensor, expert) and file when the model is remote. */
+
+#define MOE_AUDIT_X_COLS 64
+#define MOE_AUDIT_MAX_EXPERTS 4096 /* --experts entries */
+
+typedef struct moe_audit_options {
+    const char *tensor_regex; /* POSIX extended regex on names; NULL: every quantized tensor */
+    const int64_t *experts;   /* expert indices for 3-D tensors; NULL: expert 0 */
+    size_t n_experts;
+    uint64_t rows;            /* rows per (tensor, expert); 0: all */
+    uint64_t seed;            /* of X */
+} moe_audit_options;
+
+typedef struct moe_audit_row {
+    char *tensor;
+    int64_t expert; /* -1 for a 2-D tensor */
+    moe_type type, ref_type;
+    double bits_per_weight;
+    uint64_t rows, cols;
+    double rel_fro, cosine, matvec_rel;
+} moe_audit_row;
+
+typedef struct moe_audit_report {
+    moe_audit_row *rows;
+    size_t n_rows;
+    size_t n_skipped; /* tensors matching the regex without a usable reference */
+} moe_audit_report;
+
+/* X[c][j] for c < cols, j < MOE_AUDIT_X_COLS, row-major: value i = c * 64 + j is the
+ * (i % 2 ? sine : cosine) half of a Box-Muller pair from two uniforms u = ((s >> 11) + 1) / 2^53
+ * of consecutive splitmix64 outputs s, the stream starting at `seed` (so a test can redraw it). */
+void moe_audit_normals(uint64_t seed, uint64_t cols, double *x);
+moe_status moe_audit_run(const moe_gguf *quant, moe_http *quant_http, const moe_gguf *ref,
+                         moe_http *ref_http, const moe_audit_options *o, moe_audit_report *r,
+                         moe_error *err);
+void moe_audit_report_free(moe_audit_report *r);
+
 /* ==== SVG charts (svg.c) ==== */
 
 /* A stacked bar per device (parts, the memory line) and, with several rungs, the ladder: each
