@@ -7,7 +7,8 @@ Content-Range; past the end -> 416), keep-alive connections, and:
   --no-range       ignore Range headers: answer 200 with the whole file, like a server without
                    range support
   --log FILE       one line per request: "METHOD PATH RANGE STATUS BYTES"
-It prints "port N" on stdout once listening (port 0 picks a free one) and serves until killed.
+It exits when the process that started it dies (a test runner killed mid-suite leaves no
+server behind). It prints "port N" on stdout once listening (port 0 picks a free one) and serves until killed.
 """
 import argparse
 import http.server
@@ -15,6 +16,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
@@ -99,6 +101,14 @@ def main():
 
     srv = Server(("127.0.0.1", a.port), handler)
     srv.daemon_threads = True
+    parent = os.getppid()
+
+    def watch_parent():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
     print("port %d" % srv.server_address[1], flush=True)
     try:
         srv.serve_forever()
