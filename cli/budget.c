@@ -111,8 +111,9 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
         fprintf(out, " + %" PRIu64 " bytes per token of the last %" PRIu64 " (sliding window)",
                 p->swa_kv_bytes_per_token, m->window);
     fprintf(out, "; recurrent state: %" PRIu64 " bytes per stream\n", p->state_bytes_per_stream);
-    fprintf(out, "plan: %u device%s x %.2f GiB, context %" PRIu64 ", %" PRIu64 " stream%s, "
-            "KV %s%s\n", c->devices, c->devices > 1 ? "s" : "", (double)c->mem_per_device / GIB,
+    char mem[32];
+    fprintf(out, "plan: %u device%s x %s, context %" PRIu64 ", %" PRIu64 " stream%s, "
+            "KV %s%s\n", c->devices, c->devices > 1 ? "s" : "", human(c->mem_per_device, mem, sizeof mem),
             c->ctx, c->streams, c->streams == 1 ? "" : "s", kv_name(c->kv_type),
             c->vision ? "" : ", without the vision tower");
     fprintf(out, "  %-20s %14s", "part", "per device");
@@ -136,9 +137,10 @@ static void print_ladder(FILE *out, const moe_budget_model *const *m, const moe_
                          size_t n, size_t best) {
     const moe_budget_config *c = &p[0].config;
     char a[32], b[32], s[32];
-    fprintf(out, "ladder: %zu builds of %s on %u device%s x %.2f GiB, context %" PRIu64
+    char mem[32];
+    fprintf(out, "ladder: %zu builds of %s on %u device%s x %s, context %" PRIu64
             ", %" PRIu64 " stream%s, KV %s\n", n, m[0]->arch, c->devices,
-            c->devices > 1 ? "s" : "", (double)c->mem_per_device / GIB, c->ctx, c->streams,
+            c->devices > 1 ? "s" : "", human(c->mem_per_device, mem, sizeof mem), c->ctx, c->streams,
             c->streams == 1 ? "" : "s", kv_name(c->kv_type));
     size_t w = 5;
     for (size_t i = 0; i < n; i++) w = strlen(m[i]->name) > w ? strlen(m[i]->name) : w;

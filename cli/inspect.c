@@ -1,4 +1,4 @@
-/* inspect.c: `moe inspect FILE|SHARD|URL [--json]` -- what is in a GGUF file, byte by byte.
+/* inspect.c: `moe inspect FILE|SHARD|URL [--json | --formats]` -- what is in a GGUF file, byte by byte.
  *
  * Parses arguments, opens the model (every shard of a split; by HTTP range requests for a URL,
  * then the request count is the last line), asks tools/ for the analysis and prints it as text
@@ -129,6 +129,27 @@ static double percent(uint64_t part, uint64_t whole) {
     return whole ? 100.0 * (double)part / (double)whole : 0.0;
 }
 
+/* The format map: per role, the formats of its matrices with identical layers collapsed
+ * into ranges ("gate/up IQ2_S, down IQ3_S in layers 0-38 (39)"). */
+static void print_formats(FILE *out, const moe_inspect_report *r) {
+    fprintf(out, "formats by role:\n");
+    for (int k = 0; k < MOE_ROLE_COUNT; k++) {
+        bool any = false;
+        for (size_t i = 0; i < r->n_formats; i++) {
+            const moe_inspect_format *f = &r->formats[i];
+            if (f->role != (moe_role)k) continue;
+            fprintf(out, any ? "; " : "  %s: ", moe_role_name(f->role));
+            print_escaped(out, f->formats, strlen(f->formats), 400);
+            if (f->n_layers)
+                fprintf(out, " in layer%s %s (%u)", f->n_layers > 1 ? "s" : "", f->layers,
+                        f->n_layers);
+            any = true;
+        }
+        if (any) fputc('\n', out);
+    }
+
+}
+
 static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r) {
     uint32_t ns = moe_gguf_n_shards(g);
     const moe_gguf_shard *s0 = moe_gguf_shard_get(g, 0);
@@ -205,21 +226,8 @@ static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r
         }
     }
 
-    fprintf(out, "\nformats by role:\n");
-    for (int k = 0; k < MOE_ROLE_COUNT; k++) {
-        bool any = false;
-        for (size_t i = 0; i < r->n_formats; i++) {
-            const moe_inspect_format *f = &r->formats[i];
-            if (f->role != (moe_role)k) continue;
-            fprintf(out, any ? "; " : "  %s: ", moe_role_name(f->role));
-            print_escaped(out, f->formats, strlen(f->formats), 400);
-            if (f->n_layers)
-                fprintf(out, " in layer%s %s (%u)", f->n_layers > 1 ? "s" : "", f->layers,
-                        f->n_layers);
-            any = true;
-        }
-        if (any) fputc('\n', out);
-    }
+    fputc('\n', out);
+    print_formats(out, r);
 
     fprintf(out, "\nreconciles: tensor bytes %" PRIu64 " + header %" PRIu64 " + padding %" PRIu64
             " %s file size %" PRIu64 "%s\n",
@@ -446,9 +454,10 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
 
 int moe_cmd_inspect(int argc, char **argv) {
     const char *path = NULL;
-    bool json = false;
+    bool json = false, formats = false;
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0) json = true;
+        else if (strcmp(argv[i], "--formats") == 0) formats = true;
         else if (argv[i][0] == '-' && argv[i][1]) return moe_cli_usage_error("inspect", "unknown option %s", argv[i]);
         else if (path) return moe_cli_usage_error("inspect", "one file at a time (got %s and %s)", path, argv[i]);
         else path = argv[i];
@@ -464,6 +473,7 @@ int moe_cmd_inspect(int argc, char **argv) {
     }
     moe_inspect_report *r = moe_inspect_analyze(g);
     if (json) print_json(stdout, g, r);
+    else if (formats) print_formats(stdout, r);
     else print_text(stdout, g, r);
     if (http) /* the cost of a remote report: on stderr under --json, which stays one document */
         fprintf(json ? stderr : stdout, "remote: %" PRIu64 " requests, %" PRIu64

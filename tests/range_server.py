@@ -7,8 +7,9 @@ Content-Range; past the end -> 416), keep-alive connections, and:
   --no-range       ignore Range headers: answer 200 with the whole file, like a server without
                    range support
   --log FILE       one line per request: "METHOD PATH RANGE STATUS BYTES"
-It exits when the process that started it dies (a test runner killed mid-suite leaves no
-server behind). It prints "port N" on stdout once listening (port 0 picks a free one) and serves until killed.
+  --exit-with-parent  exit when the process that started it dies (a test runner killed
+                   mid-suite leaves no server behind)
+It prints "port N" on stdout once listening (port 0 picks a free one) and serves until killed.
 """
 import argparse
 import http.server
@@ -91,6 +92,7 @@ def main():
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--no-range", action="store_true")
     ap.add_argument("--log")
+    ap.add_argument("--exit-with-parent", action="store_true")
     a = ap.parse_args()
     handler = make_handler(a.root, a.no_range, a.log, threading.Lock())
     class Server(http.server.ThreadingHTTPServer):
@@ -108,7 +110,8 @@ def main():
             time.sleep(0.5)
         os._exit(0)
 
-    threading.Thread(target=watch_parent, daemon=True).start()
+    if a.exit_with_parent:
+        threading.Thread(target=watch_parent, daemon=True).start()
     print("port %d" % srv.server_address[1], flush=True)
     try:
         srv.serve_forever()

@@ -46,7 +46,7 @@ static bool server_start(server *s, const char *extra) {
         close(fd[0]);
         close(fd[1]);
         char cmd[2048];
-        snprintf(cmd, sizeof cmd, "exec python3 tests/range_server.py '%s' %s", root, extra);
+        snprintf(cmd, sizeof cmd, "exec python3 tests/range_server.py --exit-with-parent '%s' %s", root, extra);
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
         _exit(127);
     }
@@ -260,6 +260,7 @@ static void remote_inspect_matches_local(void **state) {
         assert_int_equal(check_remote_inspect(name, ""), 1);
         assert_int_equal(check_remote_inspect(name, "--json"), 1);
     }
+    assert_int_equal(check_remote_inspect("qwen3moe-mixed.gguf", "--formats"), 1);
     /* the split, from its first and from its last shard: one request per shard */
     assert_int_equal(check_remote_inspect("split-00001-of-00003.gguf", ""), 3);
     assert_int_equal(check_remote_inspect("split-00003-of-00003.gguf", "--json"), 3);
