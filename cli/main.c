@@ -6,6 +6,7 @@
 
 #include "moe.h"
 #include "cli.h"
+#include "../src/quant/quant.h"
 
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
@@ -25,6 +26,10 @@ static const moe_command commands[] = {
      "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
+    {"synth", moe_cmd_synth, "write a GGUF model of a supported architecture with seeded random weights",
+     "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads N]\n"
+     "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff N]\n"
+     "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...]"},
     {0},
 };
 
@@ -56,7 +61,9 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
-        printf("moe %s\n", moe_version());
+        char cpu[256];
+        moe_cpu_describe(cpu, sizeof cpu);
+        printf("moe %s\nkernels: %s (cpu: %s)\n", moe_version(), moe_kernels_get()->name, cpu);
         return 0;
     }
     for (const moe_command *c = commands; c->name; c++) {

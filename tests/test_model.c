@@ -185,6 +185,72 @@ static void parity_llama_q8_0(void **state) {
     parity_check("llama-q8_0", TOL_Q8_ACT);
 }
 
+/* IQ2_S / IQ2_XXS / IQ3_S experts, Q8_0 attention, Q4_K embeddings, Q6_K head; QK-norm, NEOX
+ * rope, softmax top-2 of 8 with renormalisation. */
+static void parity_qwen3moe_mixed(void **state) {
+    (void)state;
+    parity_check("qwen3moe-mixed", TOL_Q8_ACT);
+}
+
+/* ==== Batches of many sequences ==== */
+
+/* Three sequences prefilled and decoded together (one row per sequence per step) give each the
+ * logits it gets alone, bit for bit; and the expert counters show streams sharing experts. */
+static void batch_equals_alone(void **state) {
+    (void)state;
+    moe_model *m = load_shared_model("parity/qwen3moe-mixed.gguf");
+    MOE_SKIP_IF_NULL(m);
+    enum { N_SEQ = 3, N_PROMPT = 5, N_STEPS = 6 };
+    const int32_t prompts[N_SEQ][N_PROMPT] = {{1, 403, 407, 261, 378}, {1, 298, 315, 421, 395}, {1, 61, 62, 63, 64}};
+    const uint32_t nv = m->cfg.n_vocab;
+    float *alone = moe_xmalloc(sizeof(float) * N_SEQ * (N_STEPS + 1) * nv);
+    int32_t next[N_SEQ][N_STEPS + 1];
+    moe_error err = {0};
+    for (int s = 0; s < N_SEQ; s++) { /* each alone, prefill then greedy steps */
+        moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = N_PROMPT, .kv_type = MOE_KV_F32};
+        moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
+        moe_row rows[N_PROMPT];
+        for (int i = 0; i < N_PROMPT; i++) rows[i] = (moe_row){0, i, prompts[s][i], i == N_PROMPT - 1};
+        float *out = alone + (size_t)s * (N_STEPS + 1) * nv;
+        assert_int_equal(moe_ctx_decode(ctx, rows, N_PROMPT, out, &err), MOE_OK);
+        for (int t = 0; t < N_STEPS; t++) {
+            next[s][t] = argmax(out + (size_t)t * nv, nv);
+            moe_row row = {0, N_PROMPT + t, next[s][t], true};
+            assert_int_equal(moe_ctx_decode(ctx, &row, 1, out + (size_t)(t + 1) * nv, &err), MOE_OK);
+        }
+        moe_ctx_free(ctx);
+    }
+    /* together: one prefill batch interleaving the prompts, then one row per sequence a step */
+    moe_ctx_params cp = {.n_ctx = 64, .n_seq = N_SEQ, .max_rows = N_SEQ * N_PROMPT, .kv_type = MOE_KV_F32};
+    moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
+    moe_row rows[N_SEQ * N_PROMPT];
+    for (int i = 0; i < N_PROMPT; i++)
+        for (int s = 0; s < N_SEQ; s++)
+            rows[i * N_SEQ + s] = (moe_row){s, i, prompts[s][i], i == N_PROMPT - 1};
+    float *together = moe_xmalloc(sizeof(float) * N_SEQ * nv);
+    assert_int_equal(moe_ctx_decode(ctx, rows, N_SEQ * N_PROMPT, together, &err), MOE_OK);
+    bool shared_seen = false;
+    for (int t = 0; t <= N_STEPS; t++) {
+        for (int s = 0; s < N_SEQ; s++)
+            if (memcmp(together + (size_t)s * nv, alone + ((size_t)s * (N_STEPS + 1) + t) * nv, sizeof(float) * nv) != 0)
+                fail_msg("step %d: sequence %d differs in a batch from alone", t, s);
+        if (t == N_STEPS) break;
+        for (int s = 0; s < N_SEQ; s++) rows[s] = (moe_row){s, N_PROMPT + t, next[s][t], true};
+        assert_int_equal(moe_ctx_decode(ctx, rows, N_SEQ, together, &err), MOE_OK);
+        const moe_expert_stats st = moe_ctx_expert_stats(ctx);
+        /* 2 MoE layers x 3 rows x top-2 */
+        assert_int_equal(st.rows, 2 * N_SEQ);
+        assert_int_equal(st.pairs, 2 * N_SEQ * m->cfg.n_expert_used);
+        assert_true(st.experts <= st.pairs);
+        shared_seen |= st.experts < st.pairs;
+    }
+    assert_true(shared_seen); /* 3 streams x 2 of 8 experts: some step shares an expert read */
+    free(together);
+    free(alone);
+    moe_ctx_free(ctx);
+    moe_model_free(m);
+}
+
 /* ==== Load errors: each names what is wrong ==== */
 
 typedef enum { EDIT_DROP_TENSOR, EDIT_RESHAPE_TENSOR, EDIT_ARCH } edit_kind;
@@ -364,6 +430,8 @@ int moe_suite_model(void) {
         cmocka_unit_test(stories_logits_match_runc),
         cmocka_unit_test(stories_greedy_matches_runc),
         cmocka_unit_test(parity_llama_q8_0),
+        cmocka_unit_test(parity_qwen3moe_mixed),
+        cmocka_unit_test(batch_equals_alone),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),
         cmocka_unit_test(unknown_arch_is_named),

@@ -4,7 +4,7 @@
  * moe_ctx_new() from the model config and the requested limits. The forward pass reads
  * weights only through ops/ (matmul via the quant trait table), so faster kernels slot in
  * below without touching this file. */
-#include "engine.h"
+#include "internal.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -16,19 +16,7 @@
 #define MOE_MAX_SEQ 4096         /* sequences per context: caps the per-sequence tables */
 #define MOE_MAX_ROWS 65536       /* rows per forward call: caps scratch */
 
-struct moe_ctx {
-    const moe_model *m;
-    moe_ctx_params p;
-    uint32_t *seq_len;        /* [n_seq] tokens held per sequence */
-    /* KV cache: [n_seq][n_layer][n_ctx][n_head_kv * head_dim], f32 or f16 by p.kv_type */
-    uint8_t *k_cache, *v_cache;
-    uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
-    /* scratch, [max_rows][width] floats each */
-    float *x, *xn, *q, *k, *v, *att, *ff_gate, *ff_up;
-    float *scores;            /* [n_threads][n_ctx] attention scores */
-    moe_pool *pool;
-    void *mm_scratch;         /* activation rows converted for the dot kernels */
-};
+/* struct moe_ctx lives in internal.h */
 
 static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
@@ -86,11 +74,26 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
     for (uint32_t il = 0; il < c->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        const moe_tensor *ts[] = {l->wq, l->wk, l->wv, l->wo, l->ffn_gate, l->ffn_up, l->ffn_down};
+        const moe_tensor *ts[] = {l->wq, l->wk, l->wv, l->wo, l->ffn_gate, l->ffn_up, l->ffn_down,
+                                  l->ffn_gate_inp, l->ffn_gate_exps, l->ffn_up_exps, l->ffn_down_exps};
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
-            mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
+            if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
     }
     x->mm_scratch = moe_xmalloc(mm);
+    if (c->n_expert) {
+        x->router = moe_xcalloc(rows * c->n_expert, sizeof(float));
+        x->expert_ids = moe_xcalloc(rows * c->n_expert_used, sizeof(int32_t));
+        x->expert_w = moe_xcalloc(rows * c->n_expert_used, sizeof(float));
+        x->route_scratch = moe_xcalloc(2 * (size_t)c->n_expert, sizeof(float));
+        x->experts.counts = moe_xcalloc(c->n_expert + 1, sizeof(int32_t));
+        x->experts.pair_row = moe_xcalloc(rows * c->n_expert_used, sizeof(int32_t));
+        x->experts.pair_w = moe_xcalloc(rows * c->n_expert_used, sizeof(float));
+        x->experts.x = moe_xcalloc(rows * c->n_embd, sizeof(float));
+        x->experts.gate = moe_xcalloc(rows * c->n_ff_exp, sizeof(float));
+        x->experts.up = moe_xcalloc(rows * c->n_ff_exp, sizeof(float));
+        x->experts.y = moe_xcalloc(rows * c->n_embd, sizeof(float));
+        x->experts.mm = x->mm_scratch;
+    }
     return x;
 }
 
@@ -109,12 +112,25 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->ff_up);
     free(c->scores);
     free(c->mm_scratch);
+    free(c->router);
+    free(c->expert_ids);
+    free(c->expert_w);
+    free(c->route_scratch);
+    free(c->experts.counts);
+    free(c->experts.pair_row);
+    free(c->experts.pair_w);
+    free(c->experts.x);
+    free(c->experts.gate);
+    free(c->experts.up);
+    free(c->experts.y);
     moe_pool_free(c->pool);
     free(c);
 }
 
 const moe_model *moe_ctx_model(const moe_ctx *c) { return c->m; }
 uint32_t moe_ctx_n_ctx(const moe_ctx *c) { return c->p.n_ctx; }
+
+moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c) { return c->stats; }
 
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq) {
     return seq >= 0 && (uint32_t)seq < c->p.n_seq ? c->seq_len[seq] : 0;
@@ -126,13 +142,13 @@ void moe_ctx_seq_truncate(moe_ctx *c, int32_t seq, uint32_t n) {
 
 /* ==== KV cache addressing ==== */
 
-static uint8_t *kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32_t seq,
+uint8_t *moe_kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32_t seq,
                         uint32_t layer, uint32_t pos) {
     const uint64_t index = ((uint64_t)seq * c->m->cfg.n_layer + layer) * c->p.n_ctx + pos;
     return cache + index * row_bytes;
 }
 
-static void kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n) {
+void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n) {
     if (c->p.kv_type == MOE_KV_F16) {
         uint16_t *d = (uint16_t *)dst;
         for (uint64_t i = 0; i < n; i++) d[i] = moe_f32_to_fp16(src[i]);
@@ -142,30 +158,6 @@ static void kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t 
 }
 
 /* ==== Forward ==== */
-
-typedef struct attn_job {
-    moe_ctx *c;
-    const moe_row *rows;
-    uint32_t layer;
-    const moe_attn_shape *shape;
-} attn_job;
-
-static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
-    const attn_job *j = arg;
-    moe_ctx *c = j->c;
-    const moe_model_config *cfg = &c->m->cfg;
-    const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
-    const int64_t att_w = (int64_t)cfg->n_head * cfg->head_dim_v;
-    const int64_t elem = c->p.kv_type == MOE_KV_F16 ? 2 : 4;
-    for (int64_t r = begin; r < end; r++) {
-        const moe_row *row = &j->rows[r];
-        const uint8_t *k0 = kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, 0);
-        const uint8_t *v0 = kv_slot(c, c->v_cache, c->v_row_bytes, row->seq, j->layer, 0);
-        moe_attention_row(j->shape, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes / elem,
-                          (int64_t)c->v_row_bytes / elem, row->pos + 1, c->att + r * att_w,
-                          c->scores + (int64_t)thread * c->p.n_ctx);
-    }
-}
 
 static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_rows,
                              moe_error *err) {
@@ -199,56 +191,18 @@ static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_r
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err) {
     if (check_rows(c, rows, n_rows, err) != MOE_OK) return err->code;
+    memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;
     const moe_model_config *cfg = &m->cfg;
-    const int64_t n_embd = cfg->n_embd, n_ff = cfg->n_ff;
-    const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
-    const int64_t k_w = (int64_t)cfg->n_head_kv * cfg->head_dim_k;
-    const int64_t v_w = (int64_t)cfg->n_head_kv * cfg->head_dim_v;
-    const moe_rope_params rope = {.n_dims = (int)cfg->rope_dims,
-                                  .neox = cfg->rope_kind == MOE_ROPE_NEOX,
-                                  .base = cfg->rope_base,
-                                  .freq_scale = cfg->rope_freq_scale};
-    const moe_attn_shape shape = {.n_head = (int)cfg->n_head,
-                                  .n_head_kv = (int)cfg->n_head_kv,
-                                  .head_dim_k = (int)cfg->head_dim_k,
-                                  .head_dim_v = (int)cfg->head_dim_v,
-                                  .scale = 1.0f / sqrtf((float)cfg->head_dim_k),
-                                  .kv_f16 = c->p.kv_type == MOE_KV_F16};
+    const int64_t n_embd = cfg->n_embd;
 
     for (uint32_t r = 0; r < n_rows; r++) moe_tensor_row_f32(m->token_embd, rows[r].token, c->x + r * n_embd);
 
     for (uint32_t il = 0; il < cfg->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        /* attention */
-        const float *norm_w = (const float *)l->attn_norm->data;
-        for (uint32_t r = 0; r < n_rows; r++)
-            moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
-        moe_matmul(c->pool, l->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
-        moe_matmul(c->pool, l->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
-        moe_matmul(c->pool, l->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
-        for (uint32_t r = 0; r < n_rows; r++) {
-            moe_rope(c->q + r * q_w, (int)cfg->n_head, (int)cfg->head_dim_k, rows[r].pos, &rope);
-            moe_rope(c->k + r * k_w, (int)cfg->n_head_kv, (int)cfg->head_dim_k, rows[r].pos, &rope);
-            kv_store(c, kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
-                     c->k + r * k_w, (uint64_t)k_w);
-            kv_store(c, kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
-                     c->v + r * v_w, (uint64_t)v_w);
-        }
-        attn_job job = {.c = c, .rows = rows, .layer = il, .shape = &shape};
-        moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
-        moe_matmul(c->pool, l->wo, 0, c->att, n_rows, c->xn, c->mm_scratch);
-        for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
-        /* feed-forward (SwiGLU) */
-        norm_w = (const float *)l->ffn_norm->data;
-        for (uint32_t r = 0; r < n_rows; r++)
-            moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
-        moe_matmul(c->pool, l->ffn_gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
-        moe_matmul(c->pool, l->ffn_up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
-        for (uint32_t r = 0; r < n_rows; r++)
-            moe_swiglu(c->ff_up + r * n_ff, c->ff_gate + r * n_ff, n_ff);
-        moe_matmul(c->pool, l->ffn_down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch);
-        for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
+        moe_block_attention(c, l, il, rows, n_rows);
+        if (l->ffn_gate_inp) moe_block_ffn_experts(c, l, n_rows);
+        else moe_block_ffn_dense(c, l, n_rows);
     }
     for (uint32_t r = 0; r < n_rows; r++) c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
 

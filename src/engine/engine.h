@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "../model/model.h"
+#include "../ops/ops.h"
 
 typedef struct moe_row {
     int32_t seq;   /* sequence index, < n_seq */
@@ -41,6 +42,8 @@ uint32_t moe_ctx_n_ctx(const moe_ctx *c);
 /* Run the rows; logits gets one [n_vocab] row per row with .logits set, in batch order. */
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err);
+/* Expert dispatch counters of the last moe_ctx_decode, summed over its MoE layers. */
+moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c);
 /* Tokens held for a sequence (its next position). */
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq);
 /* Forget positions >= n of a sequence (0 clears it). */

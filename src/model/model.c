@@ -12,9 +12,11 @@
 
 #define MOE_MAX_LAYERS 1024 /* deepest real models have ~100; caps the per-layer allocation */
 #define MOE_MAX_WIDTH (1u << 20) /* widths, heads, vocab: far above any real model */
+#define MOE_MAX_EXPERTS 1024     /* routed experts per layer (real: <= 384); routing's tables */
 
 static const char *const arch_names[MOE_ARCH_COUNT] = {
     [MOE_ARCH_LLAMA] = "llama",
+    [MOE_ARCH_QWEN3MOE] = "qwen3moe",
 };
 
 const char *moe_arch_name(moe_arch arch) {
@@ -75,9 +77,10 @@ static bool key_f32(binder *b, const char *suffix, bool required, float fallback
 
 /* ==== Tensors ==== */
 
-/* Find `name` and check its shape: ne0 x ne1 (ne1 = 0 for a vector). Float-only when `f32`. */
-static const moe_tensor *bind(binder *b, const char *name, int64_t ne0, int64_t ne1,
-                              bool required) {
+/* Find `name` and check its shape: ne0 x ne1 x ne2 (ne1 = 0 for a vector, ne2 = 0 for a
+ * matrix), and that moe can compute with its type. */
+static const moe_tensor *bind3(binder *b, const char *name, int64_t ne0, int64_t ne1, int64_t ne2,
+                               bool required) {
     if (b->err->code) return NULL;
     const moe_tensor *t = moe_gguf_tensor_find(b->m->gguf, name);
     if (!t) {
@@ -86,15 +89,15 @@ static const moe_tensor *bind(binder *b, const char *name, int64_t ne0, int64_t 
                           name, b->m->cfg.arch_name);
         return NULL;
     }
-    uint32_t want_dims = ne1 ? 2 : 1;
-    bool ok = t->ne[0] == ne0 && (ne1 ? t->ne[1] == ne1 : true) && t->ne[2] == 1 &&
-              t->ne[3] == 1 && (want_dims == 2 || t->ne[1] == 1);
-    if (!ok) {
+    const int64_t want[4] = {ne0, ne1 ? ne1 : 1, ne2 ? ne2 : 1, 1};
+    if (t->ne[0] != want[0] || t->ne[1] != want[1] || t->ne[2] != want[2] || t->ne[3] != 1) {
+        char shape[96];
+        snprintf(shape, sizeof shape, ne2 ? "[%lld, %lld, %lld]" : ne1 ? "[%lld, %lld]" : "[%lld]",
+                 (long long)want[0], (long long)want[1], (long long)want[2]);
         moe_error_set(b->err, MOE_ERR_FORMAT,
-                      "%s: tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%lld, %lld]",
-                      b->path, name, (long long)t->ne[0], (long long)t->ne[1],
-                      (long long)t->ne[2], (long long)t->ne[3], (long long)ne0,
-                      (long long)(ne1 ? ne1 : 1));
+                      "%s: tensor '%s' has shape [%lld, %lld, %lld, %lld], expected %s", b->path,
+                      name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                      (long long)t->ne[3], shape);
         return NULL;
     }
     const moe_type_traits *tr = moe_type_traits_get(t->type);
@@ -110,6 +113,11 @@ static const moe_tensor *bind(binder *b, const char *name, int64_t ne0, int64_t 
     return t;
 }
 
+static const moe_tensor *bind(binder *b, const char *name, int64_t ne0, int64_t ne1,
+                              bool required) {
+    return bind3(b, name, ne0, ne1, 0, required);
+}
+
 static const moe_tensor *bind_layer(binder *b, uint32_t il, const char *what, int64_t ne0,
                                     int64_t ne1) {
     char name[128];
@@ -117,13 +125,28 @@ static const moe_tensor *bind_layer(binder *b, uint32_t il, const char *what, in
     return bind(b, name, ne0, ne1, true);
 }
 
-/* ==== Llama family ==== */
+/* ==== Transformer family: GQA attention + dense or routed SwiGLU FFN ==== */
 
-static bool config_llama(binder *b) {
+/* What distinguishes one architecture of the family from another. */
+typedef struct arch_entry {
+    moe_arch arch;
+    moe_rope_kind rope_kind;
+    bool qk_norm;            /* attn_q_norm / attn_k_norm per head */
+    bool experts;            /* routed experts (expert_* keys, *_exps tensors) */
+    moe_gating gating;       /* default when <arch>.expert_gating_func is absent */
+    bool norm_topk;          /* default when <arch>.expert_weights_norm is absent */
+} arch_entry;
+
+static const arch_entry archs[] = {
+    {MOE_ARCH_LLAMA, MOE_ROPE_NORM, false, false, MOE_GATING_SOFTMAX, false},
+    {MOE_ARCH_QWEN3MOE, MOE_ROPE_NEOX, true, true, MOE_GATING_SOFTMAX, true},
+};
+
+static bool config_transformer(binder *b, const arch_entry *a) {
     moe_model_config *c = &b->m->cfg;
     if (!key_u32(b, "embedding_length", true, 0, &c->n_embd) ||
         !key_u32(b, "block_count", true, 0, &c->n_layer) ||
-        !key_u32(b, "feed_forward_length", true, 0, &c->n_ff) ||
+        !key_u32(b, "feed_forward_length", !a->experts, 0, &c->n_ff) ||
         !key_u32(b, "attention.head_count", true, 0, &c->n_head) ||
         !key_u32(b, "context_length", false, 4096, &c->n_ctx_train))
         return false;
@@ -156,7 +179,8 @@ static bool config_llama(binder *b) {
     }
     c->rope_freq_scale = (scaling && strcmp(scaling, "linear") == 0 && rope_factor > 0)
                              ? 1.0f / rope_factor : 1.0f;
-    c->rope_kind = MOE_ROPE_NORM;
+    c->rope_kind = a->rope_kind;
+    c->qk_norm = a->qk_norm;
     if (c->n_head_kv == 0 || c->n_head % c->n_head_kv != 0) {
         moe_error_set(b->err, MOE_ERR_FORMAT, "%s: head_count %u is not a multiple of head_count_kv %u",
                       b->path, c->n_head, c->n_head_kv);
@@ -167,10 +191,50 @@ static bool config_llama(binder *b) {
                       "most the head dimension %u", b->path, c->rope_dims, c->head_dim_k);
         return false;
     }
+    if (!a->experts) return true;
+
+    uint32_t gating = a->gating;
+    bool norm = a->norm_topk;
+    char norm_key[256];
+    snprintf(norm_key, sizeof norm_key, "%s.expert_weights_norm", c->arch_name);
+    if (moe_gguf_find(b->m->gguf, norm_key) && !moe_gguf_get_bool(b->m->gguf, norm_key, &norm)) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: key '%s' is not a bool", b->path, norm_key);
+        return false;
+    }
+    c->norm_topk = norm;
+    if (!key_u32(b, "expert_count", true, 0, &c->n_expert) ||
+        !key_u32(b, "expert_used_count", true, 0, &c->n_expert_used) ||
+        !key_u32(b, "expert_feed_forward_length", true, 0, &c->n_ff_exp) ||
+        !key_u32(b, "leading_dense_block_count", false, 0, &c->n_layer_dense_lead) ||
+        !key_u32(b, "expert_gating_func", false, gating, &gating) ||
+        !key_f32(b, "expert_weights_scale", false, 1.0f, &c->expert_weights_scale))
+        return false;
+    if (c->n_expert == 0 || c->n_expert > MOE_MAX_EXPERTS || c->n_expert_used == 0 ||
+        c->n_expert_used > c->n_expert || c->n_ff_exp == 0) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s.expert_count %u / expert_used_count %u / "
+                      "expert_feed_forward_length %u are inconsistent", b->path, c->arch_name,
+                      c->n_expert, c->n_expert_used, c->n_ff_exp);
+        return false;
+    }
+    if (gating != MOE_GATING_SOFTMAX && gating != MOE_GATING_SIGMOID &&
+        gating != MOE_GATING_SOFTMAX_WEIGHT) {
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: %s.expert_gating_func = %u is unknown",
+                      b->path, c->arch_name, gating);
+        return false;
+    }
+    c->gating = (moe_gating)gating;
+    if (c->n_layer_dense_lead > c->n_layer) c->n_layer_dense_lead = c->n_layer;
     return true;
 }
 
-static bool bind_llama(binder *b) {
+static const moe_tensor *bind_layer3(binder *b, uint32_t il, const char *what, int64_t ne0,
+                                     int64_t ne1, int64_t ne2) {
+    char name[128];
+    snprintf(name, sizeof name, "blk.%u.%s.weight", il, what);
+    return bind3(b, name, ne0, ne1, ne2, true);
+}
+
+static bool bind_transformer(binder *b, const arch_entry *a) {
     moe_model *m = b->m;
     moe_model_config *c = &m->cfg;
     const moe_tensor *embd = moe_gguf_tensor_find(m->gguf, "token_embd.weight");
@@ -199,25 +263,26 @@ static bool bind_llama(binder *b) {
         l->wk = bind_layer(b, il, "attn_k", c->n_embd, k);
         l->wv = bind_layer(b, il, "attn_v", c->n_embd, v);
         l->wo = bind_layer(b, il, "attn_output", o, c->n_embd);
+        if (a->qk_norm) {
+            l->attn_q_norm = bind_layer(b, il, "attn_q_norm", c->head_dim_k, 0);
+            l->attn_k_norm = bind_layer(b, il, "attn_k_norm", c->head_dim_k, 0);
+        }
         l->ffn_norm = bind_layer(b, il, "ffn_norm", c->n_embd, 0);
-        l->ffn_gate = bind_layer(b, il, "ffn_gate", c->n_embd, c->n_ff);
-        l->ffn_up = bind_layer(b, il, "ffn_up", c->n_embd, c->n_ff);
-        l->ffn_down = bind_layer(b, il, "ffn_down", c->n_ff, c->n_embd);
+        if (a->experts && il >= c->n_layer_dense_lead) {
+            l->ffn_gate_inp = bind_layer(b, il, "ffn_gate_inp", c->n_embd, c->n_expert);
+            l->ffn_gate_exps = bind_layer3(b, il, "ffn_gate_exps", c->n_embd, c->n_ff_exp, c->n_expert);
+            l->ffn_up_exps = bind_layer3(b, il, "ffn_up_exps", c->n_embd, c->n_ff_exp, c->n_expert);
+            l->ffn_down_exps = bind_layer3(b, il, "ffn_down_exps", c->n_ff_exp, c->n_embd, c->n_expert);
+        } else {
+            l->ffn_gate = bind_layer(b, il, "ffn_gate", c->n_embd, c->n_ff);
+            l->ffn_up = bind_layer(b, il, "ffn_up", c->n_embd, c->n_ff);
+            l->ffn_down = bind_layer(b, il, "ffn_down", c->n_ff, c->n_embd);
+        }
     }
     return !b->err->code;
 }
 
 /* ==== Loading ==== */
-
-typedef struct arch_entry {
-    moe_arch arch;
-    bool (*config)(binder *b);
-    bool (*bind)(binder *b);
-} arch_entry;
-
-static const arch_entry archs[] = {
-    {MOE_ARCH_LLAMA, config_llama, bind_llama},
-};
 
 moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {
     const char *arch = moe_gguf_get_str(g, "general.architecture");
@@ -244,7 +309,7 @@ moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {
     m->cfg.arch = entry->arch;
     m->cfg.arch_name = arch_names[entry->arch];
     binder b = {.m = m, .path = path, .err = err};
-    if (!entry->config(&b) || !entry->bind(&b)) {
+    if (!config_transformer(&b, entry) || !bind_transformer(&b, entry)) {
         m->gguf = NULL; /* the caller keeps the file on failure */
         moe_model_free(m);
         return NULL;

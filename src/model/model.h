@@ -15,8 +15,16 @@
 
 typedef enum moe_arch {
     MOE_ARCH_LLAMA,
+    MOE_ARCH_QWEN3MOE,
     MOE_ARCH_COUNT
 } moe_arch;
+
+/* How router logits become expert weights (llama.cpp's expert_gating_func numbering). */
+typedef enum moe_gating {
+    MOE_GATING_SOFTMAX = 1,        /* softmax over all experts, then top-k */
+    MOE_GATING_SIGMOID = 2,        /* sigmoid per expert, then top-k (DeepSeek-V3, GLM) */
+    MOE_GATING_SOFTMAX_WEIGHT = 3, /* top-k of the logits, softmax over the k (gpt-oss) */
+} moe_gating;
 
 typedef enum moe_rope_kind {
     MOE_ROPE_NORM, /* rotate adjacent pairs (x[2i], x[2i+1]): llama */
@@ -41,6 +49,15 @@ typedef struct moe_model_config {
     float rope_freq_scale;  /* 1 / linear scaling factor */
     float rms_eps;
     bool tied_output;       /* no output.weight: the head reuses token_embd */
+    bool qk_norm;           /* RMSNorm of each q and k head before rope (Qwen3) */
+    /* mixture of experts (n_expert == 0: dense) */
+    uint32_t n_expert;         /* routed experts per MoE layer */
+    uint32_t n_expert_used;    /* experts chosen per token */
+    uint32_t n_ff_exp;         /* hidden width of one routed expert */
+    uint32_t n_layer_dense_lead; /* leading layers with a dense FFN instead */
+    moe_gating gating;
+    bool norm_topk;            /* renormalise the chosen experts' weights to sum to 1 */
+    float expert_weights_scale; /* routed_scaling_factor (1: none) */
 } moe_model_config;
 
 typedef struct moe_layer_weights {
@@ -50,9 +67,17 @@ typedef struct moe_layer_weights {
     const moe_tensor *wv;          /* [n_embd] -> [n_head_kv * head_dim_v] */
     const moe_tensor *wo;          /* [n_head * head_dim_v] -> [n_embd] */
     const moe_tensor *ffn_norm;    /* [n_embd] f32 */
+    const moe_tensor *attn_q_norm; /* [head_dim_k] f32, with qk_norm */
+    const moe_tensor *attn_k_norm; /* [head_dim_k] f32, with qk_norm */
+    /* dense FFN (NULL in MoE layers) */
     const moe_tensor *ffn_gate;    /* [n_embd] -> [n_ff] */
     const moe_tensor *ffn_up;      /* [n_embd] -> [n_ff] */
     const moe_tensor *ffn_down;    /* [n_ff] -> [n_embd] */
+    /* routed experts (NULL in dense layers) */
+    const moe_tensor *ffn_gate_inp;  /* router: [n_embd] -> [n_expert], f32 */
+    const moe_tensor *ffn_gate_exps; /* [n_embd] -> [n_ff_exp], x n_expert */
+    const moe_tensor *ffn_up_exps;   /* [n_embd] -> [n_ff_exp], x n_expert */
+    const moe_tensor *ffn_down_exps; /* [n_ff_exp] -> [n_embd], x n_expert */
 } moe_layer_weights;
 
 typedef struct moe_model {

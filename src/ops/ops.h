@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "../format/format.h"
+#include "../model/model.h"
 #include "../quant/quant.h"
 
 /* ==== Elementwise and norms ==== */
@@ -61,5 +62,48 @@ typedef struct moe_attn_shape {
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
                        int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out,
                        float *scores);
+
+
+/* ==== Mixture of experts ==== */
+
+typedef struct moe_route_params {
+    int n_expert, n_used;
+    moe_gating gating;
+    bool norm;               /* renormalise the chosen weights to sum to 1 */
+    float scale;             /* multiply the chosen weights (routed_scaling_factor) */
+    const float *sel_bias;   /* [n_expert] added for selection only (exp_probs_b), or NULL */
+    int n_group, topk_group; /* grouped top-k (n_group <= 1: off) */
+} moe_route_params;
+
+/* Router logits [n_rows][n_expert] -> chosen experts ids [n_rows][n_used] (best first) and
+ * their weights [n_rows][n_used]. scratch: 2 * n_expert floats. */
+void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, int32_t *ids,
+               float *weights, float *scratch);
+
+/* Counters of one expert dispatch, for metrics and the dedup claim: pairs / experts touched is
+ * how many rows share each expert read. */
+typedef struct moe_expert_stats {
+    uint64_t rows;     /* activation rows routed */
+    uint64_t pairs;    /* (row, expert) pairs */
+    uint64_t experts;  /* distinct experts run (each one's weights read once) */
+} moe_expert_stats;
+
+/* Buffers for moe_experts_forward, sized by the caller for its largest batch. */
+typedef struct moe_expert_scratch {
+    int32_t *counts;   /* [n_expert + 1] */
+    int32_t *pair_row; /* [max_rows * n_used] rows grouped by expert */
+    float *pair_w;     /* [max_rows * n_used] their weights */
+    float *x;          /* [max_rows][n_in] gathered rows of one expert */
+    float *gate, *up;  /* [max_rows][n_ff_exp] */
+    float *y;          /* [max_rows][n_in] one expert's outputs */
+    void *mm;          /* moe_matmul scratch for max_rows rows of the widest input */
+} moe_expert_scratch;
+
+/* out[r] += sum_k weights[r][k] * down_e(silu(gate_e(x[r])) * up_e(x[r])) with e = ids[r][k].
+ * Rows are grouped by expert so each expert runs once over all rows routed to it. */
+void moe_experts_forward(moe_pool *pool, const moe_tensor *gate, const moe_tensor *up,
+                         const moe_tensor *down, const float *x, int64_t n_rows,
+                         const int32_t *ids, const float *weights, int n_used, float *out,
+                         const moe_expert_scratch *s, moe_expert_stats *stats);
 
 #endif

@@ -216,6 +216,33 @@ void moe_audit_report_free(moe_audit_report *r);
  * caller frees. */
 char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_plan *plans,
                      size_t n_models, bool ladder);
+/* ==== Synthetic models (moe synth) ==== */
+
+#define MOE_SYNTH_DEFAULT_SEED 0x6d6f65u /* "moe" */
+
+typedef struct moe_synth_rule {
+    const char *pattern; /* POSIX extended regex, searched in the tensor name */
+    moe_type type;
+} moe_synth_rule;
+
+typedef struct moe_synth_params {
+    const char *preset;        /* the preset it came from (for messages) */
+    const char *arch;          /* "llama" or "qwen3moe" */
+    const char *name;          /* general.name; NULL: a default that says the weights are random */
+    uint32_t n_vocab, n_ctx, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
+    uint32_t n_expert, n_expert_used, n_ff_exp; /* 0 experts: dense */
+    float rope_base;
+    uint64_t seed;
+    const moe_synth_rule *rules; /* weight types by name, first match wins; default F32 */
+    uint32_t n_rules;
+    bool mute_special_output;  /* zero the head rows of special and byte tokens (demo) */
+} moe_synth_params;
+
+/* Fill *out from a named preset (seed MOE_SYNTH_DEFAULT_SEED); false if unknown. */
+bool moe_synth_preset(const char *name, moe_synth_params *out);
+const char *moe_synth_preset_names(void);
+/* Write the model; refuses types moe cannot quantize, naming the tensor. */
+moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err);
 
 /* ==== Demo model ==== */
 

@@ -1,0 +1,76 @@
+/* attention.c: the grouped-query attention block -- RMSNorm, q/k/v projections, optional
+ * per-head QK-norm, rope, the KV cache write, causal attention per row, output projection.
+ *
+ * Rows of one sequence in a batch attend to each other causally because every row's K/V is
+ * written before any row attends, and a row at position p reads positions 0..p only. */
+#include "internal.h"
+
+#include <math.h>
+
+typedef struct attn_job {
+    moe_ctx *c;
+    const moe_row *rows;
+    uint32_t layer;
+    const moe_attn_shape *shape;
+} attn_job;
+
+static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    const attn_job *j = arg;
+    moe_ctx *c = j->c;
+    const moe_model_config *cfg = &c->m->cfg;
+    const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
+    const int64_t att_w = (int64_t)cfg->n_head * cfg->head_dim_v;
+    const int64_t elem = c->p.kv_type == MOE_KV_F16 ? 2 : 4;
+    for (int64_t r = begin; r < end; r++) {
+        const moe_row *row = &j->rows[r];
+        const uint8_t *k0 = moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, 0);
+        const uint8_t *v0 = moe_kv_slot(c, c->v_cache, c->v_row_bytes, row->seq, j->layer, 0);
+        moe_attention_row(j->shape, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes / elem,
+                          (int64_t)c->v_row_bytes / elem, row->pos + 1, c->att + r * att_w,
+                          c->scores + (int64_t)thread * c->p.n_ctx);
+    }
+}
+
+void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
+                         const moe_row *rows, uint32_t n_rows) {
+    const moe_model_config *cfg = &c->m->cfg;
+    const int64_t n_embd = cfg->n_embd;
+    const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
+    const int64_t k_w = (int64_t)cfg->n_head_kv * cfg->head_dim_k;
+    const int64_t v_w = (int64_t)cfg->n_head_kv * cfg->head_dim_v;
+    const moe_rope_params rope = {.n_dims = (int)cfg->rope_dims,
+                                  .neox = cfg->rope_kind == MOE_ROPE_NEOX,
+                                  .base = cfg->rope_base,
+                                  .freq_scale = cfg->rope_freq_scale};
+    const moe_attn_shape shape = {.n_head = (int)cfg->n_head,
+                                  .n_head_kv = (int)cfg->n_head_kv,
+                                  .head_dim_k = (int)cfg->head_dim_k,
+                                  .head_dim_v = (int)cfg->head_dim_v,
+                                  .scale = 1.0f / sqrtf((float)cfg->head_dim_k),
+                                  .kv_f16 = c->p.kv_type == MOE_KV_F16};
+const float *norm_w = (const float *)l->attn_norm->data;
+    for (uint32_t r = 0; r < n_rows; r++)
+        moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
+    moe_matmul(c->pool, l->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
+    moe_matmul(c->pool, l->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
+    moe_matmul(c->pool, l->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
+    if (l->attn_q_norm) {
+        const float *qn = (const float *)l->attn_q_norm->data, *kn = (const float *)l->attn_k_norm->data;
+        for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head; h++)
+            moe_rmsnorm(c->q + h * cfg->head_dim_k, c->q + h * cfg->head_dim_k, qn, cfg->head_dim_k, cfg->rms_eps);
+        for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head_kv; h++)
+            moe_rmsnorm(c->k + h * cfg->head_dim_k, c->k + h * cfg->head_dim_k, kn, cfg->head_dim_k, cfg->rms_eps);
+    }
+    for (uint32_t r = 0; r < n_rows; r++) {
+        moe_rope(c->q + r * q_w, (int)cfg->n_head, (int)cfg->head_dim_k, rows[r].pos, &rope);
+        moe_rope(c->k + r * k_w, (int)cfg->n_head_kv, (int)cfg->head_dim_k, rows[r].pos, &rope);
+        moe_kv_store(c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
+                 c->k + r * k_w, (uint64_t)k_w);
+        moe_kv_store(c, moe_kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
+                 c->v + r * v_w, (uint64_t)v_w);
+    }
+    attn_job job = {.c = c, .rows = rows, .layer = il, .shape = &shape};
+    moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
+    moe_matmul(c->pool, l->wo, 0, c->att, n_rows, c->xn, c->mm_scratch);
+    for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
+}

@@ -1,0 +1,122 @@
+/* moe.c: expert routing and the grouped expert dispatch.
+ *
+ * Routing turns router logits into (expert, weight) pairs per row: softmax / sigmoid /
+ * softmax-over-the-chosen gating, an optional selection-only bias, grouped top-k, optional
+ * renormalisation and a scale. The dispatch groups the pairs by expert and runs each chosen
+ * expert once over all of its rows: in decode of many streams that is what reads an expert's
+ * weights once per step however many streams chose it, and in prefill it makes each expert a
+ * small GEMM. The trap: the selection bias picks experts but never enters their weights. */
+#include "ops.h"
+
+#include <math.h>
+#include <string.h>
+
+/* ==== Routing ==== */
+
+/* Index of the largest score[i] among i with !taken[i] (ties: lowest index). */
+static int best_untaken(const float *score, const unsigned char *taken, int n) {
+    int best = -1;
+    for (int i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || score[i] > score[best])) best = i;
+    return best;
+}
+
+void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, int32_t *ids,
+               float *weights, float *scratch) {
+    const int E = p->n_expert, K = p->n_used;
+    float *prob = scratch, *select = scratch + E;
+    unsigned char taken[1024], group_off[256];
+    MOE_CHECK(E <= 1024 && (p->n_group <= 1 || p->n_group <= 256));
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *l = logits + r * E;
+        if (p->gating == MOE_GATING_SIGMOID) {
+            for (int i = 0; i < E; i++) prob[i] = 1.0f / (1.0f + expf(-l[i]));
+        } else if (p->gating == MOE_GATING_SOFTMAX) {
+            memcpy(prob, l, sizeof(float) * (size_t)E);
+            moe_softmax(prob, E);
+        } else { /* softmax over the chosen: select on the raw logits */
+            memcpy(prob, l, sizeof(float) * (size_t)E);
+        }
+        for (int i = 0; i < E; i++) select[i] = prob[i] + (p->sel_bias ? p->sel_bias[i] : 0.0f);
+        memset(taken, 0, (size_t)E);
+        if (p->n_group > 1) {
+            /* a group scores the sum of its two best selection scores; keep topk_group groups */
+            const int per = E / p->n_group;
+            float group_score[256];
+            for (int g = 0; g < p->n_group; g++) {
+                float a = -INFINITY, b = -INFINITY;
+                for (int i = g * per; i < (g + 1) * per; i++) {
+                    if (select[i] > a) b = a, a = select[i];
+                    else if (select[i] > b) b = select[i];
+                }
+                group_score[g] = a + (per > 1 ? b : 0.0f);
+            }
+            memset(group_off, 1, (size_t)p->n_group);
+            unsigned char group_taken[256] = {0};
+            for (int k = 0; k < p->topk_group; k++) {
+                const int g = best_untaken(group_score, group_taken, p->n_group);
+                group_taken[g] = 1;
+                group_off[g] = 0;
+            }
+            for (int i = 0; i < E; i++) taken[i] = group_off[i / per];
+        }
+        int32_t *id = ids + r * K;
+        float *w = weights + r * K;
+        for (int k = 0; k < K; k++) {
+            id[k] = best_untaken(select, taken, E);
+            taken[id[k]] = 1;
+            w[k] = prob[id[k]];
+        }
+        if (p->gating == MOE_GATING_SOFTMAX_WEIGHT) moe_softmax(w, K);
+        if (p->norm) {
+            float sum = 0.0f;
+            for (int k = 0; k < K; k++) sum += w[k];
+            for (int k = 0; k < K; k++) w[k] /= sum;
+        }
+        if (p->scale != 1.0f)
+            for (int k = 0; k < K; k++) w[k] *= p->scale;
+    }
+}
+
+/* ==== Grouped expert dispatch ==== */
+
+void moe_experts_forward(moe_pool *pool, const moe_tensor *gate, const moe_tensor *up,
+                         const moe_tensor *down, const float *x, int64_t n_rows,
+                         const int32_t *ids, const float *weights, int n_used, float *out,
+                         const moe_expert_scratch *s, moe_expert_stats *stats) {
+    const int64_t n_expert = gate->ne[2], n_in = gate->ne[0], n_ff = gate->ne[1];
+    /* counting sort of the pairs by expert: counts[e] becomes the start of e's run */
+    memset(s->counts, 0, sizeof(int32_t) * (size_t)(n_expert + 1));
+    const int64_t n_pairs = n_rows * n_used;
+    for (int64_t i = 0; i < n_pairs; i++) s->counts[ids[i] + 1]++;
+    for (int64_t e = 0; e < n_expert; e++) s->counts[e + 1] += s->counts[e];
+    for (int64_t i = 0; i < n_pairs; i++) {
+        const int32_t slot = s->counts[ids[i]]++;
+        s->pair_row[slot] = (int32_t)(i / n_used);
+        s->pair_w[slot] = weights[i];
+    }
+    /* counts[e] now ends e's run; its start is counts[e - 1] (0 for e = 0) */
+    uint64_t touched = 0;
+    for (int64_t e = 0; e < n_expert; e++) {
+        const int32_t begin = e ? s->counts[e - 1] : 0, end = s->counts[e];
+        const int64_t n = end - begin;
+        if (n == 0) continue;
+        touched++;
+        for (int64_t i = 0; i < n; i++)
+            memcpy(s->x + i * n_in, x + (int64_t)s->pair_row[begin + i] * n_in, sizeof(float) * (size_t)n_in);
+        moe_matmul(pool, gate, e, s->x, n, s->gate, s->mm);
+        moe_matmul(pool, up, e, s->x, n, s->up, s->mm);
+        moe_swiglu(s->up, s->gate, n * n_ff);
+        moe_matmul(pool, down, e, s->up, n, s->y, s->mm);
+        for (int64_t i = 0; i < n; i++) {
+            float *o = out + (int64_t)s->pair_row[begin + i] * n_in;
+            const float w = s->pair_w[begin + i], *y = s->y + i * n_in;
+            for (int64_t d = 0; d < n_in; d++) o[d] += w * y[d];
+        }
+    }
+    if (stats) {
+        stats->rows += (uint64_t)n_rows;
+        stats->pairs += (uint64_t)n_pairs;
+        stats->experts += touched;
+    }
+}

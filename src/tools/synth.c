@@ -1,0 +1,315 @@
+/* synth.c: GGUF models of a supported architecture with seeded random weights -- `moe synth`
+ * and the built-in demo model. Shapes come from presets or flags, weight types from rules
+ * "REGEX=TYPE" matched against tensor names (first match wins, as written on the command
+ * line); norms and routers stay F32 as llama.cpp keeps them.
+ *
+ * Everything derives from one seed, so a file is the same on every machine. Values are
+ * N(0, 1/n_in) per matrix so activations keep their scale through the layers. The trap:
+ * tensors are generated and quantized one at a time, but the writer holds all of them until
+ * it writes, so a synthetic model needs its file size in memory. */
+#include "tools.h"
+
+#include <math.h>
+#include <regex.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ==== Presets ==== */
+
+static const moe_synth_params presets[] = {
+    /* a small qwen3moe: the built-in demo model's shape */
+    {.preset = "tiny", .arch = "qwen3moe", .n_vocab = 512, .n_ctx = 4096, .n_embd = 256,
+     .n_layer = 4, .n_head = 8, .n_head_kv = 4, .head_dim = 32, .n_ff = 768, .n_expert = 16,
+     .n_expert_used = 4, .n_ff_exp = 256, .rope_base = 1000000.0f},
+    {.preset = "llama-tiny", .arch = "llama", .n_vocab = 512, .n_ctx = 2048, .n_embd = 256,
+     .n_layer = 4, .n_head = 8, .n_head_kv = 4, .head_dim = 32, .n_ff = 768, .rope_base = 10000.0f},
+    /* Qwen3-30B-A3B's published shape (config.json of Qwen/Qwen3-30B-A3B) */
+    {.preset = "qwen3-30b-a3b", .arch = "qwen3moe", .n_vocab = 151936, .n_ctx = 40960,
+     .n_embd = 2048, .n_layer = 48, .n_head = 32, .n_head_kv = 4, .head_dim = 128, .n_ff = 6144,
+     .n_expert = 128, .n_expert_used = 8, .n_ff_exp = 768, .rope_base = 1000000.0f},
+};
+
+bool moe_synth_preset(const char *name, moe_synth_params *out) {
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
+        if (strcmp(presets[i].preset, name) != 0) continue;
+        *out = presets[i];
+        out->seed = MOE_SYNTH_DEFAULT_SEED;
+        return true;
+    }
+    return false;
+}
+
+const char *moe_synth_preset_names(void) { return "tiny, llama-tiny, qwen3-30b-a3b"; }
+
+/* ==== Seeded random numbers ==== */
+
+static uint64_t next_u64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float next_normal(uint64_t *s) {
+    const double u1 = ((double)(next_u64(s) >> 11) + 0.5) * 0x1p-53;
+    const double u2 = (double)(next_u64(s) >> 11) * 0x1p-53;
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+/* ==== Vocabulary: SentencePiece-style, bytes + characters + word pieces + fillers ==== */
+
+/* Words whose pieces (with every prefix, so merges can reach them) fill the vocabulary. */
+static const char *const vocab_words[] = {
+    "the", "and", "a", "to", "of", "in", "is", "it", "was", "that", "he", "she", "they", "with",
+    "on", "for", "as", "at", "by", "from", "this", "we", "you", "not", "but", "or", "have",
+    "one", "all", "there", "when", "what", "so", "up", "out", "if", "about", "who", "get",
+    "which", "go", "me", "make", "can", "like", "time", "no", "just", "him", "know", "take",
+    "people", "into", "year", "your", "good", "some", "could", "them", "see", "other", "than",
+    "then", "now", "look", "only", "come", "its", "over", "think", "also", "back", "after",
+    "use", "two", "how", "our", "work", "first", "well", "way", "even", "new", "want", "because",
+    "any", "these", "give", "day", "most", "us", "expert", "mixture", "model", "token", "sparse",
+};
+
+enum { TOK_NORMAL = 1, TOK_UNKNOWN = 2, TOK_CONTROL = 3, TOK_BYTE = 6 };
+
+typedef struct vocab {
+    char **tokens;
+    float *scores;
+    int32_t *types;
+    uint32_t n, cap;
+} vocab;
+
+static bool vocab_add(vocab *v, const char *text, float score, int32_t type) {
+    for (uint32_t i = 0; i < v->n; i++)
+        if (strcmp(v->tokens[i], text) == 0) return false;
+    if (v->n == v->cap) {
+        v->cap = v->cap ? v->cap * 2 : 1024;
+        v->tokens = moe_xrealloc(v->tokens, sizeof(char *) * v->cap);
+        v->scores = moe_xrealloc(v->scores, sizeof(float) * v->cap);
+        v->types = moe_xrealloc(v->types, sizeof(int32_t) * v->cap);
+    }
+    v->tokens[v->n] = moe_xstrdup(text);
+    v->scores[v->n] = score;
+    v->types[v->n] = type;
+    v->n++;
+    return true;
+}
+
+/* Exactly n tokens: <unk> <s> </s>, 256 byte tokens, then pieces, then fillers. */
+static void vocab_build(vocab *v, uint32_t n) {
+    vocab_add(v, "<unk>", 0, TOK_UNKNOWN);
+    vocab_add(v, "<s>", 0, TOK_CONTROL);
+    vocab_add(v, "</s>", 0, TOK_CONTROL);
+    char piece[64];
+    for (int b = 0; b < 256; b++) {
+        snprintf(piece, sizeof piece, "<0x%02X>", b);
+        vocab_add(v, piece, 0, TOK_BYTE);
+    }
+    const char *chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()";
+    for (const char *c = chars; *c && v->n < n; c++) {
+        snprintf(piece, sizeof piece, "%c", *c);
+        vocab_add(v, piece, -1000.0f, TOK_NORMAL);
+    }
+    if (v->n < n) vocab_add(v, "\xe2\x96\x81", -1000.0f, TOK_NORMAL); /* U+2581: the space */
+    for (size_t w = 0; w < sizeof vocab_words / sizeof vocab_words[0]; w++) {
+        const size_t len = strlen(vocab_words[w]);
+        for (size_t k = 1; k <= len && v->n < n; k++) {
+            snprintf(piece, sizeof piece, "\xe2\x96\x81%.*s", (int)k, vocab_words[w]);
+            vocab_add(v, piece, -(100.0f - 10.0f * (float)k) - (float)w * 0.01f, TOK_NORMAL);
+        }
+    }
+    for (uint32_t i = 0; v->n < n; i++) { /* large presets: unreachable fillers */
+        snprintf(piece, sizeof piece, "<synth_%u>", i);
+        vocab_add(v, piece, -10000.0f, TOK_NORMAL);
+    }
+}
+
+static void vocab_free(vocab *v) {
+    for (uint32_t i = 0; i < v->n; i++) free(v->tokens[i]);
+    free(v->tokens);
+    free(v->scores);
+    free(v->types);
+}
+
+/* ==== Tensors ==== */
+
+typedef struct synth {
+    const moe_synth_params *p;
+    moe_gguf_writer *w;
+    uint64_t rng;
+    regex_t *rules; /* [p->n_rules], compiled */
+    moe_error *err;
+} synth;
+
+static moe_type type_for(const synth *s, const char *name, int64_t n_in) {
+    moe_type t = MOE_TYPE_F32;
+    for (uint32_t i = 0; i < s->p->n_rules; i++) {
+        if (regexec(&s->rules[i], name, 0, NULL, 0) == 0) {
+            t = s->p->rules[i].type;
+            break;
+        }
+    }
+    /* a row that is not a whole number of blocks cannot take the type: keep F32 and say so,
+     * as llama-quantize falls back for such tensors */
+    if (moe_type_row_bytes(t, n_in)) return t;
+    moe_log(MOE_LOG_WARN, "synth: '%s' rows of %lld values are not whole %s blocks: kept F32",
+            name, (long long)n_in, moe_type_name(t));
+    return MOE_TYPE_F32;
+}
+
+/* n_mat matrices of [n_in] x n_out N(0, 1/n_in) values; rows below first_live_row of each
+ * are zero (the demo's head mutes special and byte tokens that way). */
+static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t n_out,
+                              int64_t n_mat, int64_t first_live_row, bool keep_f32) {
+    if (s->err->code) return s->err->code;
+    const moe_type type = keep_f32 ? MOE_TYPE_F32 : type_for(s, name, n_in);
+    const moe_type_traits *t = moe_type_traits_get(type);
+    if (!t->from_float)
+        return moe_error_set(s->err, MOE_ERR_UNSUPPORTED,
+                             "tensor '%s': moe has no quantizer for %s yet (it can read it, not "
+                             "write it); quantizable: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K "
+                             "Q6_K IQ4_NL IQ4_XS", name, t->name);
+    const uint64_t row_bytes = moe_type_row_bytes(type, n_in);
+    const uint64_t n_rows = (uint64_t)(n_out * n_mat);
+    uint8_t *blocks = malloc(row_bytes * n_rows);
+    float *row = moe_xmalloc(sizeof(float) * (size_t)n_in);
+    if (!blocks) {
+        free(row);
+        return moe_error_set(s->err, MOE_ERR_NOMEM, "tensor '%s': cannot allocate %llu bytes",
+                             name, (unsigned long long)(row_bytes * n_rows));
+    }
+    const float scale = 1.0f / sqrtf((float)n_in);
+    for (uint64_t r = 0; r < n_rows; r++) {
+        const bool live = (int64_t)(r % (uint64_t)n_out) >= first_live_row;
+        for (int64_t i = 0; i < n_in; i++) row[i] = live ? next_normal(&s->rng) * scale : 0.0f;
+        t->from_float(row, blocks + r * row_bytes, n_in);
+    }
+    const int64_t ne[3] = {n_in, n_out, n_mat};
+    moe_status st = moe_gguf_writer_add_tensor(s->w, name, type, n_mat > 1 ? 3 : (n_out > 1 ? 2 : 1),
+                                               ne, blocks, false, s->err);
+    free(row);
+    free(blocks);
+    return st;
+}
+
+static moe_status add_ones(synth *s, const char *name, int64_t n) {
+    if (s->err->code) return s->err->code;
+    float *ones = moe_xmalloc(sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) ones[i] = 1.0f;
+    moe_status st = moe_gguf_writer_add_tensor(s->w, name, MOE_TYPE_F32, 1, &n, ones, false, s->err);
+    free(ones);
+    return st;
+}
+
+static void layer_name(char *buf, size_t size, uint32_t il, const char *what) {
+    snprintf(buf, size, "blk.%u.%s.weight", il, what);
+}
+
+/* ==== Architectures ==== */
+
+static void write_metadata(synth *s, const vocab *v) {
+    const moe_synth_params *p = s->p;
+    moe_gguf_writer *w = s->w;
+    char key[128];
+#define ARCH_KEY(suffix) (snprintf(key, sizeof key, "%s." suffix, p->arch), key)
+    moe_gguf_writer_set_str(w, "general.architecture", p->arch);
+    moe_gguf_writer_set_str(w, "general.name", p->name ? p->name : "moe synth (random weights)");
+    moe_gguf_writer_set_u32(w, ARCH_KEY("context_length"), p->n_ctx);
+    moe_gguf_writer_set_u32(w, ARCH_KEY("embedding_length"), p->n_embd);
+    moe_gguf_writer_set_u32(w, ARCH_KEY("block_count"), p->n_layer);
+    moe_gguf_writer_set_u32(w, ARCH_KEY("feed_forward_length"), p->n_ff);
+    moe_gguf_writer_set_u32(w, ARCH_KEY("attention.head_count"), p->n_head);
+    moe_gguf_writer_set_u32(w, ARCH_KEY("attention.head_count_kv"), p->n_head_kv);
+    moe_gguf_writer_set_u32(w, ARCH_KEY("attention.key_length"), p->head_dim);
+    moe_gguf_writer_set_u32(w, ARCH_KEY("attention.value_length"), p->head_dim);
+    moe_gguf_writer_set_f32(w, ARCH_KEY("rope.freq_base"), p->rope_base);
+    moe_gguf_writer_set_f32(w, ARCH_KEY("attention.layer_norm_rms_epsilon"), 1e-6f);
+    if (p->n_expert) {
+        moe_gguf_writer_set_u32(w, ARCH_KEY("expert_count"), p->n_expert);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("expert_used_count"), p->n_expert_used);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("expert_feed_forward_length"), p->n_ff_exp);
+    }
+#undef ARCH_KEY
+    moe_gguf_writer_set_str(w, "tokenizer.ggml.model", "llama");
+    moe_gguf_writer_set_arr(w, "tokenizer.ggml.tokens", MOE_GGUF_STRING, v->tokens, v->n);
+    moe_gguf_writer_set_arr(w, "tokenizer.ggml.scores", MOE_GGUF_F32, v->scores, v->n);
+    moe_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", MOE_GGUF_I32, v->types, v->n);
+    moe_gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", 1);
+    moe_gguf_writer_set_u32(w, "tokenizer.ggml.eos_token_id", 2);
+    moe_gguf_writer_set_u32(w, "tokenizer.ggml.unknown_token_id", 0);
+    moe_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", true);
+}
+
+static void write_tensors(synth *s) {
+    const moe_synth_params *p = s->p;
+    const bool qwen3 = strcmp(p->arch, "qwen3moe") == 0;
+    const int64_t E = p->n_embd, q = (int64_t)p->n_head * p->head_dim;
+    const int64_t kv = (int64_t)p->n_head_kv * p->head_dim;
+    char name[128];
+    add_weights(s, "token_embd.weight", E, p->n_vocab, 1, 0, false);
+    for (uint32_t il = 0; il < p->n_layer; il++) {
+        layer_name(name, sizeof name, il, "attn_norm"), add_ones(s, name, E);
+        layer_name(name, sizeof name, il, "attn_q"), add_weights(s, name, E, q, 1, 0, false);
+        layer_name(name, sizeof name, il, "attn_k"), add_weights(s, name, E, kv, 1, 0, false);
+        layer_name(name, sizeof name, il, "attn_v"), add_weights(s, name, E, kv, 1, 0, false);
+        layer_name(name, sizeof name, il, "attn_output"), add_weights(s, name, q, E, 1, 0, false);
+        if (qwen3) {
+            layer_name(name, sizeof name, il, "attn_q_norm"), add_ones(s, name, p->head_dim);
+            layer_name(name, sizeof name, il, "attn_k_norm"), add_ones(s, name, p->head_dim);
+        }
+        layer_name(name, sizeof name, il, "ffn_norm"), add_ones(s, name, E);
+        if (p->n_expert) {
+            layer_name(name, sizeof name, il, "ffn_gate_inp"), add_weights(s, name, E, p->n_expert, 1, 0, true);
+            layer_name(name, sizeof name, il, "ffn_gate_exps"), add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
+            layer_name(name, sizeof name, il, "ffn_up_exps"), add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
+            layer_name(name, sizeof name, il, "ffn_down_exps"), add_weights(s, name, p->n_ff_exp, E, p->n_expert, 0, false);
+        } else {
+            layer_name(name, sizeof name, il, "ffn_gate"), add_weights(s, name, E, p->n_ff, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_up"), add_weights(s, name, E, p->n_ff, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_down"), add_weights(s, name, p->n_ff, E, 1, 0, false);
+        }
+    }
+    add_ones(s, "output_norm.weight", E);
+    /* the head: special and byte tokens muted when asked, so random text is word pieces */
+    add_weights(s, "output.weight", E, p->n_vocab, 1, p->mute_special_output ? 3 + 256 : 0, false);
+}
+
+/* ==== Entry ==== */
+
+moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err) {
+    if (strcmp(p->arch, "llama") != 0 && strcmp(p->arch, "qwen3moe") != 0)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "synth: architecture '%s' is not one synth "
+                             "writes (llama, qwen3moe)", p->arch);
+    if (!p->n_embd || !p->n_layer || !p->n_head || !p->n_head_kv || !p->head_dim ||
+        p->n_head % p->n_head_kv || p->n_vocab < 3 + 256 + 1 ||
+        (strcmp(p->arch, "qwen3moe") == 0 && (!p->n_expert || !p->n_expert_used ||
+                                              p->n_expert_used > p->n_expert || !p->n_ff_exp)) ||
+        (!p->n_expert && !p->n_ff))
+        return moe_error_set(err, MOE_ERR_ARG, "synth: inconsistent shape (embd %u, layers %u, "
+                             "heads %u/%u, head_dim %u, vocab %u >= 260, experts %u/%u, ff %u/%u)",
+                             p->n_embd, p->n_layer, p->n_head, p->n_head_kv, p->head_dim,
+                             p->n_vocab, p->n_expert_used, p->n_expert, p->n_ff, p->n_ff_exp);
+    synth s = {.p = p, .w = moe_gguf_writer_new(), .rng = p->seed, .err = err};
+    s.rules = moe_xcalloc(p->n_rules ? p->n_rules : 1, sizeof(regex_t));
+    uint32_t compiled = 0;
+    for (; compiled < p->n_rules; compiled++) {
+        if (regcomp(&s.rules[compiled], p->rules[compiled].pattern, REG_EXTENDED | REG_NOSUB) != 0) {
+            moe_error_set(err, MOE_ERR_ARG, "synth: --type pattern '%s' is not a valid regular "
+                          "expression", p->rules[compiled].pattern);
+            break;
+        }
+    }
+    if (!err->code) {
+        vocab v = {0};
+        vocab_build(&v, p->n_vocab);
+        write_metadata(&s, &v);
+        vocab_free(&v);
+        write_tensors(&s);
+    }
+    if (!err->code) moe_gguf_writer_write(s.w, path, 0, err);
+    for (uint32_t i = 0; i < compiled; i++) regfree(&s.rules[i]);
+    free(s.rules);
+    moe_gguf_writer_free(s.w);
+    return err->code;
+}

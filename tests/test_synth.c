@@ -1,0 +1,95 @@
+/* Suite "synth": `moe synth` writes the model it was asked for -- the inventory `moe inspect`
+ * reports matches the requested shape and type rules, `moe run` generates from it, a seed
+ * gives the same bytes twice, and types moe cannot quantize are refused by name. */
+#include "testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static char *run_ok(const char *cmd) {
+    char *out;
+    int rc = moe_test_run(cmd, &out);
+    if (rc != 0) fail_msg("`%s` exited %d:\n%s", cmd, rc, out);
+    return out;
+}
+
+static void synth_inventory_and_run(void **state) {
+    (void)state;
+    char path[512], cmd[2048];
+    snprintf(path, sizeof path, "%s/synth-q3.gguf", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd,
+             "%s synth -o %s --preset qwen3-30b-a3b --layers 3 --embd 256 --heads 4 --heads-kv 2 "
+             "--head-dim 64 --experts 16 --experts-used 4 --expert-ff 256 --vocab 1000 "
+             "--type 'ffn_(gate|up)_exps=Q4_K' --type 'blk\\.2\\.ffn_down_exps=IQ4_XS' "
+             "--type 'ffn_down_exps=Q6_K' --type '.*=Q8_0'",
+             moe_test_bin(), path);
+    free(run_ok(cmd));
+    snprintf(cmd, sizeof cmd, "%s inspect %s", moe_test_bin(), path);
+    char *out = run_ok(cmd);
+    /* 3 global tensors + 12 per qwen3moe layer */
+    assert_non_null(strstr(out, "39 tensors"));
+    assert_non_null(strstr(out, "routed experts: gate/up Q4_K, down Q6_K in layers 0-1 (2); gate/up Q4_K, down IQ4_XS in layer 2 (1)"));
+    assert_non_null(strstr(out, "attention: q/k/v/output Q8_0 in layers 0-2 (3)"));
+    assert_non_null(strstr(out, "ffn_gate_inp F32")); /* routers stay float */
+    assert_non_null(strstr(out, "reconciles:"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s run %s -n 6 -p 'the model'", moe_test_bin(), path);
+    out = run_ok(cmd);
+    assert_non_null(strstr(out, "generated: 6 tokens"));
+    free(out);
+}
+
+static void synth_is_deterministic(void **state) {
+    (void)state;
+    char a[512], b[512], c[512], cmd[2048];
+    const char *dir = moe_test_tmpdir();
+    snprintf(a, sizeof a, "%s/det-a.gguf", dir);
+    snprintf(b, sizeof b, "%s/det-b.gguf", dir);
+    snprintf(c, sizeof c, "%s/det-c.gguf", dir);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset llama-tiny --layers 2 --type '.*=Q4_0'", moe_test_bin(), a);
+    free(run_ok(cmd));
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset llama-tiny --layers 2 --type '.*=Q4_0'", moe_test_bin(), b);
+    free(run_ok(cmd));
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset llama-tiny --layers 2 --type '.*=Q4_0' --seed 5", moe_test_bin(), c);
+    free(run_ok(cmd));
+    snprintf(cmd, sizeof cmd, "cmp -s %s %s", a, b);
+    assert_int_equal(moe_test_run(cmd, NULL), 0);
+    snprintf(cmd, sizeof cmd, "cmp -s %s %s", a, c);
+    assert_int_not_equal(moe_test_run(cmd, NULL), 0);
+}
+
+static void synth_refuses_clearly(void **state) {
+    (void)state;
+    char cmd[1024], *out;
+    const char *dir = moe_test_tmpdir();
+    snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --type 'exps=IQ2_S'", moe_test_bin(), dir);
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "'blk.0.ffn_gate_exps.weight': moe has no quantizer for IQ2_S"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --type 'exps=Q9_X'", moe_test_bin(), dir);
+    assert_int_equal(moe_test_run(cmd, &out), 2);
+    assert_non_null(strstr(out, "--type expects REGEX=TYPE"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --type '(=Q8_0'", moe_test_bin(), dir);
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "not a valid regular expression"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --preset nope", moe_test_bin(), dir);
+    assert_int_equal(moe_test_run(cmd, &out), 2);
+    assert_non_null(strstr(out, "unknown preset 'nope'"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --experts 4 --experts-used 8", moe_test_bin(), dir);
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "inconsistent shape"));
+    free(out);
+}
+
+int moe_suite_synth(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(synth_inventory_and_run),
+        cmocka_unit_test(synth_is_deterministic),
+        cmocka_unit_test(synth_refuses_clearly),
+    };
+    return cmocka_run_group_tests_name("synth", tests, NULL, NULL);
+}
