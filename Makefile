@@ -14,7 +14,7 @@ MOE_BIN ?= moe
 TEST_BIN ?= tests/run
 CFLAGS  ?= $(OPT) -g
 CFLAGS  += $(SAN) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -Iinclude -MMD -MP -fno-strict-aliasing
-LDLIBS  += -lpcre2-8 -ljansson -lm -lpthread
+LDLIBS  += -lpcre2-8 -ljansson -lcurl -lm -lpthread
 TEST_LDLIBS = -lcmocka -ljansson
 
 ISA_avx2       = -mavx2 -mfma -mf16c

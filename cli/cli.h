@@ -16,6 +16,8 @@ int moe_cmd_chat(int argc, char **argv);
 int moe_cmd_logits(int argc, char **argv);
 int moe_cmd_inspect(int argc, char **argv);
 int moe_cmd_dump(int argc, char **argv);
+int moe_cmd_budget(int argc, char **argv);
+int moe_cmd_audit(int argc, char **argv);
 int moe_cmd_synth(int argc, char **argv);
 int moe_cmd_template(int argc, char **argv);
 
