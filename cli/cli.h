@@ -16,6 +16,7 @@ int moe_cmd_chat(int argc, char **argv);
 int moe_cmd_logits(int argc, char **argv);
 int moe_cmd_inspect(int argc, char **argv);
 int moe_cmd_dump(int argc, char **argv);
+int moe_cmd_serve(int argc, char **argv);
 
 int moe_cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

@@ -18,6 +18,9 @@ static const moe_command commands[] = {
      "FILE|SHARD [--json]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
+    {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
+     "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
+     "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},
     {0},
 };
 
