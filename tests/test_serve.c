@@ -195,6 +195,7 @@ CLIENT_CASE(cached_tokens)
 CLIENT_CASE(anthropic_messages)
 CLIENT_CASE(anthropic_stream)
 CLIENT_CASE(tools_shape)
+CLIENT_CASE(responses)
 CLIENT_CASE(errors)
 CLIENT_CASE(concurrent_streams)
 CLIENT_CASE(disconnect)
@@ -392,6 +393,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_anthropic_messages),
         cmocka_unit_test(client_anthropic_stream),
         cmocka_unit_test(client_tools_shape),
+        cmocka_unit_test(client_responses),
         cmocka_unit_test(client_errors),
         cmocka_unit_test(client_concurrent_streams),
         cmocka_unit_test(client_disconnect),

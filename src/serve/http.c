@@ -643,6 +643,8 @@ void serve_metrics_write(serve_metrics *m, serve_buf *o) {
           "%.3f", m->prefill_tps);
     GAUGE("moe_decode_tokens_per_second", "Decode throughput (all streams) of the last step.",
           "%.3f", m->decode_tps);
+    GAUGE("moe_decode_batch_rows_max", "Most streams decoded together in one forward step.", "%u",
+          m->decode_batch_max);
 #undef GAUGE
 #undef COUNTER
     serve_buf_puts(o, "# HELP moe_time_to_first_token_seconds From submit to the first token.\n"

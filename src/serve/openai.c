@@ -786,7 +786,3 @@ void serve_openai_models(serve_http *h) {
     serve_reply_json(h, 200, &j);
     moe_json_free(&j);
 }
-
-void serve_openai_responses(serve_http *h) {
-    serve_reply_error(h, SERVE_API_OPENAI, 501, NULL, NULL, "/v1/responses is not implemented yet");
-}

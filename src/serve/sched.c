@@ -501,6 +501,7 @@ static bool step(serve_sched *s) {
     s->metrics->decode_seconds += dt * n_decode / n_rows;
     if (n_prefill) s->metrics->prefill_tps = n_prefill / (dt * n_prefill / n_rows);
     if (n_decode) s->metrics->decode_tps = n_decode / (dt * n_decode / n_rows);
+    if (n_decode > s->metrics->decode_batch_max) s->metrics->decode_batch_max = n_decode;
     pthread_mutex_unlock(&s->metrics->mu);
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];

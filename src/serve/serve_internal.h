@@ -145,6 +145,7 @@ typedef struct serve_metrics {
     double prefill_seconds, decode_seconds;
     uint64_t prefill_rows, decode_rows;
     double prefill_tps, decode_tps; /* the last step's rate */
+    uint32_t decode_batch_max;      /* most decode rows (streams) in one forward step */
     uint64_t ttft_buckets[SERVE_TTFT_BUCKETS + 1], ttft_count;
     double ttft_sum;
     uint32_t active, waiting, resident;
