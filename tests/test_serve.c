@@ -3,8 +3,9 @@
  *
  * Two servers are started once (on free ports, found by --port 0 and read from their stdout):
  *   base: stories260K (../shared) with --ctx 1024 --parallel 16 and an API key;
- *   slow: the built-in demo model with --parallel 1 --queue 1 --queue-timeout 1 --step-delay 20,
- *         where a stream lasts long enough to be aborted, queued behind, or refused.
+ *   slow: the built-in demo model with --parallel 1 --queue 1 --queue-timeout 1 --step-delay 20
+ *         --keepalive 0.01, where a stream lasts long enough to be aborted, queued behind or
+ *         refused, and keep-alives come between tokens.
  * The client cases live in tests/clients/cases.mjs (node, with the npm packages installed by
  * `npm ci --prefix tests/clients`); without node_modules they skip with a message, and fail
  * under CI=true. The last test stops both servers with SIGTERM and requires a clean exit
@@ -143,7 +144,7 @@ static bool servers(void) {
     char *base_args[] = {(char *)model, "--ctx",     "1024",  "--parallel",
                          "16",          "--api-key", API_KEY, NULL};
     char *slow_args[] = {"--parallel",   "1",  "--queue", "1", "--queue-timeout", "1",
-                         "--step-delay", "20", NULL};
+                         "--step-delay", "20", "--keepalive", "0.01", NULL};
     if (!server_start(&base_srv, "base", base_args) || !server_start(&slow_srv, "slow", slow_args))
         fail_msg("a server did not start (logs in %s)", moe_test_tmpdir());
     servers_ok = true;
@@ -166,7 +167,14 @@ static void client_case(const char *name) {
     char ok[128], bad[128];
     snprintf(ok, sizeof ok, "\nok %s\n", name);
     snprintf(bad, sizeof bad, "FAIL %s:", name);
-    if (strncmp(clients_out, ok + 1, strlen(ok + 1)) == 0 || strstr(clients_out, ok)) return;
+    if (strncmp(clients_out, ok + 1, strlen(ok + 1)) == 0 || strstr(clients_out, ok)) {
+        /* a case may report figures on lines "NAME: ..." (benchmarks: shown, not asserted) */
+        char report[128];
+        snprintf(report, sizeof report, "\n%s: ", name);
+        const char *r = strstr(clients_out, report);
+        if (r) print_message("%.*s\n", (int)strcspn(r + 1, "\n"), r + 1);
+        return;
+    }
     const char *at = strstr(clients_out, bad);
     if (!at)
         fail_msg("client case %s did not report (node exit %d):\n%s", name, clients_rc,
@@ -203,6 +211,8 @@ CLIENT_CASE(disconnect_storm)
 CLIENT_CASE(queue_limits)
 CLIENT_CASE(demo_model)
 CLIENT_CASE(ops)
+CLIENT_CASE(keepalive)
+CLIENT_CASE(bench_8_streams)
 
 /* Last: SIGTERM ends both servers cleanly (no crash, no leak under ASan). */
 static void servers_stop_cleanly(void **state) {
@@ -401,6 +411,8 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_queue_limits),
         cmocka_unit_test(client_demo_model),
         cmocka_unit_test(client_ops),
+        cmocka_unit_test(client_keepalive),
+        cmocka_unit_test(client_bench_8_streams),
         cmocka_unit_test(servers_stop_cleanly),
     };
     return cmocka_run_group_tests_name("serve", tests, NULL, teardown);

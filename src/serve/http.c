@@ -233,7 +233,11 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
             s->h_copy.status = 499; /* client closed the request */
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
-        if (serve_req_take(s->req, &s->taken, SERVE_POLL_MS / 1000.0)) {
+        /* wait for events, but not past the next keep-alive */
+        const double due = s->last_write + s->h_copy.srv->p.keepalive_s - serve_now();
+        double wait = SERVE_POLL_MS / 1000.0;
+        if (due < wait) wait = due > 0.001 ? due : 0.001;
+        if (serve_req_take(s->req, &s->taken, wait)) {
             s->pump(s, &s->taken);
             if (s->taken.done) s->ended = true;
         } else if (serve_now() - s->last_write >= s->h_copy.srv->p.keepalive_s) {

@@ -4,7 +4,8 @@
 //   node tests/clients/cases.mjs --base URL --slow URL --key KEY --runc FILE CASE...
 // --base: a server on stories260K with --ctx 1024 --parallel 16 and --api-key KEY;
 // --slow: a server on the demo model with --parallel 1 --queue 1 --queue-timeout 1
-//         --step-delay 20 (no key), where a stream stays open long enough to be interfered with.
+//         --step-delay 20 --keepalive 0.01 (no key), where a stream stays open long enough to
+//         be interfered with and keep-alives come between tokens.
 // No CASE: every case, in order. Prints "ok CASE" per passing case and "FAIL CASE: reason"
 // per failing one, exiting 1 if any failed. Every loop is
 // bounded and every wait has a deadline.
@@ -460,6 +461,36 @@ const cases = {
     assert.equal(list.data[0].id, 'moe-demo');
     const r = await slowOa.chat.completions.create({ model: 'x', messages: STORY, max_tokens: 4, temperature: 0 });
     assert.equal(r.usage.completion_tokens, 4);
+  },
+
+  async keepalive() {
+    // SSE keep-alives: an OpenAI stream gets comment lines, an Anthropic stream ping events;
+    // the SDKs skip both and see the same text
+    const body = { model: 'x', messages: STORY, max_tokens: 6, temperature: 0 };
+    const raw = await (await fetch(`${args.slow}/v1/chat/completions`, { method: 'POST',
+      headers: { 'content-type': 'application/json' }, body: JSON.stringify({ ...body, stream: true }) })).text();
+    assert.ok(raw.includes('\n: keep-alive\n') || raw.startsWith(': keep-alive\n'), raw.slice(0, 300));
+    let text = '';
+    for await (const c of await slowOa.chat.completions.create({ ...body, stream: true })) text += c.choices[0]?.delta?.content ?? '';
+    assert.equal(text, (await slowOa.chat.completions.create(body)).choices[0].message.content);
+    const an = await (await fetch(`${args.slow}/v1/messages`, { method: 'POST',
+      headers: { 'content-type': 'application/json', 'anthropic-version': '2023-06-01' },
+      body: JSON.stringify({ ...body, stream: true }) })).text();
+    assert.ok(an.split('event: ping\n').length > 2, 'expected pings beyond the first');
+    assert.ok(an.trimEnd().endsWith('event: message_stop\ndata: {"type":"message_stop"}'));
+  },
+
+  async bench_8_streams() {
+    // aggregate decode throughput of 8 concurrent greedy streams (reported, not asserted)
+    const n = 8, tokens = 200;
+    const t0 = performance.now();
+    const rs = await Promise.all(Array.from({ length: n }, (_, i) => oa.completions.create(
+      { model: 'x', prompt: [1, 260 + i], max_tokens: tokens, temperature: 0, ignore_eos: true })));
+    const s = (performance.now() - t0) / 1000;
+    const generated = rs.reduce((a, r) => a + r.usage.completion_tokens, 0);
+    console.log(`bench_8_streams: ${generated} tokens in ${s.toFixed(3)} s = ${(generated / s).toFixed(0)} tok/s aggregate ` +
+      `(server's last decode step: ${(await metric(args.base, 'moe_decode_tokens_per_second')).toFixed(0)} tok/s; stories260K)`);
+    assert.equal(generated, n * tokens);
   },
 
   async ops() {
