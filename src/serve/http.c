@@ -543,6 +543,12 @@ bool serve_wait_done(serve_http *h, serve_req *req, serve_taken *t,
 }
 
 void serve_json_value(moe_json *j, json_t *v) {
+    /* a client's value echoed back must not nest past our writer's limit (which would end the
+     * process): deeper levels are written as null */
+    if ((json_is_object(v) || json_is_array(v)) && j->depth + 1 >= MOE_JSON_MAX_DEPTH) {
+        moe_json_null(j);
+        return;
+    }
     switch (json_typeof(v)) {
     case JSON_OBJECT: {
         moe_json_object_begin(j);

@@ -318,6 +318,11 @@ const cases = {
         { type: 'function_call', call_id: 'call_1', name: 'get_weather', arguments: '{}' },
         { type: 'function_call_output', call_id: 'call_1', output: 'sunny' }] });
     assert.equal(t.object, 'response');
+    // a deeply nested field that is echoed back (metadata) cannot push the writer past its limit
+    let deep = {};
+    for (let i = 0; i < 61; i++) deep = { d: deep }; // 63 levels with the body: just under the limit
+    const echoed = await oa.responses.create({ model: 'x', input: 'hi', max_output_tokens: 1, metadata: deep });
+    assert.equal(echoed.object, 'response');
     await expectStatus(oa.responses.create({ model: 'x', input: 'hi', previous_response_id: 'resp_1' }), 400,
       (e) => assert.equal(e.param, 'previous_response_id'));
   },
