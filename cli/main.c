@@ -33,6 +33,9 @@ static const moe_command commands[] = {
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},
+    {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
+     "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
+     "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},
     {0},
 };
 
