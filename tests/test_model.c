@@ -192,6 +192,13 @@ static void parity_qwen3moe_mixed(void **state) {
     parity_check("qwen3moe-mixed", TOL_Q8_ACT);
 }
 
+/* Hybrid: layer 0 Gated DeltaNet (conv, L2-normed q/k, delta rule, gated norm), layer 1 full
+ * attention with the sigmoid output gate and partial NEOX rope; MoE with a gated shared expert. */
+static void parity_qwen3next_f32(void **state) {
+    (void)state;
+    parity_check("qwen3next-f32", TOL_F32);
+}
+
 /* ==== Batches of many sequences ==== */
 
 /* Three sequences prefilled and decoded together (one row per sequence per step) give each the
@@ -431,6 +438,7 @@ int moe_suite_model(void) {
         cmocka_unit_test(stories_greedy_matches_runc),
         cmocka_unit_test(parity_llama_q8_0),
         cmocka_unit_test(parity_qwen3moe_mixed),
+        cmocka_unit_test(parity_qwen3next_f32),
         cmocka_unit_test(batch_equals_alone),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),

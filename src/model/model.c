@@ -17,6 +17,8 @@
 static const char *const arch_names[MOE_ARCH_COUNT] = {
     [MOE_ARCH_LLAMA] = "llama",
     [MOE_ARCH_QWEN3MOE] = "qwen3moe",
+    [MOE_ARCH_QWEN3NEXT] = "qwen3next",
+    [MOE_ARCH_KIMI_LINEAR] = "kimi-linear",
 };
 
 const char *moe_arch_name(moe_arch arch) {
@@ -29,6 +31,7 @@ typedef struct binder {
     moe_model *m;
     const char *path;
     moe_error *err;
+    uint32_t *head_kv_layer; /* [n_layer] attention.head_count_kv per layer (an array in hybrids) */
 } binder;
 
 static bool key_u32(binder *b, const char *suffix, bool required, uint32_t fallback,
@@ -75,6 +78,43 @@ static bool key_f32(binder *b, const char *suffix, bool required, float fallback
     return true;
 }
 
+/* An integer key that may be one value or an array of n values (per layer): out[0..n). */
+static bool key_u32_per_layer(binder *b, const char *suffix, uint32_t fallback, uint32_t n,
+                              uint32_t *out) {
+    char key[256];
+    snprintf(key, sizeof key, "%s.%s", b->m->cfg.arch_name, suffix);
+    const moe_gguf_value *v = moe_gguf_find(b->m->gguf, key);
+    if (!v || v->type != MOE_GGUF_ARRAY) {
+        if (!key_u32(b, suffix, false, fallback, &out[0])) return false;
+        for (uint32_t i = 1; i < n; i++) out[i] = out[0];
+        return true;
+    }
+    static const uint8_t size[MOE_GGUF_VTYPE_COUNT] = {
+        [MOE_GGUF_U8] = 1, [MOE_GGUF_I8] = 1, [MOE_GGUF_U16] = 2, [MOE_GGUF_I16] = 2,
+        [MOE_GGUF_U32] = 4, [MOE_GGUF_I32] = 4, [MOE_GGUF_U64] = 8, [MOE_GGUF_I64] = 8};
+    const moe_gguf_vtype et = v->arr.elem_type;
+    const bool is_signed = et == MOE_GGUF_I8 || et == MOE_GGUF_I16 || et == MOE_GGUF_I32 ||
+                           et == MOE_GGUF_I64;
+    if ((unsigned)et >= MOE_GGUF_VTYPE_COUNT || !size[et] || v->arr.n != n) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: key '%s' must be an integer or %u integers "
+                      "(one per layer)", b->path, key, n);
+        return false;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t u = 0;
+        memcpy(&u, (const uint8_t *)v->arr.data + (uint64_t)i * size[et], size[et]);
+        const int bits = 8 * size[et];
+        bool neg = false;
+        if (is_signed) neg = bits < 64 ? (u >> (bits - 1)) & 1 : (int64_t)u < 0;
+        if (neg || u > MOE_MAX_WIDTH) {
+            moe_error_set(b->err, MOE_ERR_RANGE, "%s: key '%s'[%u] is out of range", b->path, key, i);
+            return false;
+        }
+        out[i] = (uint32_t)u;
+    }
+    return true;
+}
+
 /* ==== Tensors ==== */
 
 /* Find `name` and check its shape: ne0 x ne1 x ne2 (ne1 = 0 for a vector, ne2 = 0 for a
@@ -118,6 +158,20 @@ static const moe_tensor *bind(binder *b, const char *name, int64_t ne0, int64_t 
     return bind3(b, name, ne0, ne1, 0, required);
 }
 
+/* blk.<il>.<what> exactly (biases, ssm_a: no .weight suffix), float32 only: read as floats. */
+static const moe_tensor *bind_layer_f32(binder *b, uint32_t il, const char *what, int64_t ne0,
+                                        int64_t ne1, int64_t ne2) {
+    char name[128];
+    snprintf(name, sizeof name, "blk.%u.%s", il, what);
+    const moe_tensor *t = bind3(b, name, ne0, ne1, ne2, true);
+    if (t && t->type != MOE_TYPE_F32) {
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has type %s; moe reads it as F32",
+                      b->path, name, moe_type_name(t->type));
+        return NULL;
+    }
+    return t;
+}
+
 static const moe_tensor *bind_layer(binder *b, uint32_t il, const char *what, int64_t ne0,
                                     int64_t ne1) {
     char name[128];
@@ -135,11 +189,20 @@ typedef struct arch_entry {
     bool experts;            /* routed experts (expert_* keys, *_exps tensors) */
     moe_gating gating;       /* default when <arch>.expert_gating_func is absent */
     bool norm_topk;          /* default when <arch>.expert_weights_norm is absent */
+    moe_mixer linear;        /* mixer of a hybrid's recurrent layers (ATTENTION: not hybrid) */
+    bool attn_output_gate;   /* attn_q holds [q, gate] per head */
+    const char *ffn_norm;    /* the FFN norm's tensor name (NULL: ffn_norm) */
 } arch_entry;
 
 static const arch_entry archs[] = {
-    {MOE_ARCH_LLAMA, MOE_ROPE_NORM, false, false, MOE_GATING_SOFTMAX, false},
-    {MOE_ARCH_QWEN3MOE, MOE_ROPE_NEOX, true, true, MOE_GATING_SOFTMAX, true},
+    {.arch = MOE_ARCH_LLAMA, .rope_kind = MOE_ROPE_NORM, .gating = MOE_GATING_SOFTMAX},
+    {.arch = MOE_ARCH_QWEN3MOE, .rope_kind = MOE_ROPE_NEOX, .qk_norm = true, .experts = true,
+     .gating = MOE_GATING_SOFTMAX, .norm_topk = true},
+    {.arch = MOE_ARCH_QWEN3NEXT, .rope_kind = MOE_ROPE_NEOX, .qk_norm = true, .experts = true,
+     .gating = MOE_GATING_SOFTMAX, .norm_topk = true, .linear = MOE_MIXER_GDN,
+     .attn_output_gate = true, .ffn_norm = "post_attention_norm"},
+    {.arch = MOE_ARCH_KIMI_LINEAR, .rope_kind = MOE_ROPE_NORM, .experts = true,
+     .gating = MOE_GATING_SIGMOID, .norm_topk = true, .linear = MOE_MIXER_KDA},
 };
 
 static bool config_transformer(binder *b, const arch_entry *a) {
@@ -160,8 +223,13 @@ static bool config_transformer(binder *b, const arch_entry *a) {
                       c->arch_name, c->n_layer, MOE_MAX_LAYERS);
         return false;
     }
-    if (!key_u32(b, "attention.head_count_kv", false, c->n_head, &c->n_head_kv) ||
-        !key_u32(b, "attention.key_length", false, c->n_embd / c->n_head, &c->head_dim_k) ||
+    b->head_kv_layer = moe_xcalloc(c->n_layer, sizeof *b->head_kv_layer);
+    if (!key_u32_per_layer(b, "attention.head_count_kv", c->n_head, c->n_layer, b->head_kv_layer))
+        return false;
+    c->n_head_kv = 0; /* a hybrid's recurrent layers may say 0: the attention layers' count */
+    for (uint32_t il = 0; il < c->n_layer; il++)
+        if (b->head_kv_layer[il] > c->n_head_kv) c->n_head_kv = b->head_kv_layer[il];
+    if (!key_u32(b, "attention.key_length", false, c->n_embd / c->n_head, &c->head_dim_k) ||
         !key_u32(b, "attention.value_length", false, c->head_dim_k, &c->head_dim_v) ||
         !key_u32(b, "rope.dimension_count", false, c->head_dim_k, &c->rope_dims) ||
         !key_f32(b, "rope.freq_base", false, 10000.0f, &c->rope_base) ||
@@ -224,7 +292,97 @@ static bool config_transformer(binder *b, const arch_entry *a) {
     }
     c->gating = (moe_gating)gating;
     if (c->n_layer_dense_lead > c->n_layer) c->n_layer_dense_lead = c->n_layer;
+    /* a shared expert: its own width (qwen3next) or n_shared routed-expert widths (DeepSeek) */
+    uint32_t n_shared = 0;
+    if (!key_u32(b, "expert_shared_feed_forward_length", false, 0, &c->n_ff_shexp) ||
+        !key_u32(b, "expert_shared_count", false, 0, &n_shared))
+        return false;
+    if (!c->n_ff_shexp) c->n_ff_shexp = n_shared * c->n_ff_exp;
     return true;
+}
+
+/* ==== Hybrids: which layers are linear attention, and its widths ==== */
+
+static bool config_linear(binder *b, const arch_entry *a) {
+    moe_model *m = b->m;
+    moe_model_config *c = &m->cfg;
+    c->attn_output_gate = a->attn_output_gate;
+    if (c->attn_output_gate && c->head_dim_k != c->head_dim_v) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: an attention output gate needs key_length %u "
+                      "= value_length %u", b->path, c->head_dim_k, c->head_dim_v);
+        return false;
+    }
+    m->layers = moe_xcalloc(c->n_layer, sizeof *m->layers);
+    if (a->linear == MOE_MIXER_ATTENTION) return true;
+    uint32_t interval = 0;
+    if (a->linear == MOE_MIXER_GDN) {
+        /* every interval-th layer is full attention, the others Gated DeltaNet */
+        uint32_t inner = 0;
+        if (!key_u32(b, "full_attention_interval", false, 4, &interval) ||
+            !key_u32(b, "ssm.conv_kernel", true, 0, &c->ssm_d_conv) ||
+            !key_u32(b, "ssm.state_size", true, 0, &c->ssm_head_dim) ||
+            !key_u32(b, "ssm.group_count", true, 0, &c->ssm_n_k_heads) ||
+            !key_u32(b, "ssm.time_step_rank", true, 0, &c->ssm_n_v_heads) ||
+            !key_u32(b, "ssm.inner_size", true, 0, &inner))
+            return false;
+        if (interval == 0 || (uint64_t)c->ssm_n_v_heads * c->ssm_head_dim != inner) {
+            moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s.full_attention_interval %u must be "
+                          "positive and ssm.inner_size %u = time_step_rank %u x state_size %u",
+                          b->path, c->arch_name, interval, inner, c->ssm_n_v_heads, c->ssm_head_dim);
+            return false;
+        }
+    } else {
+        /* KDA layers are those with no KV heads; q, k and v all have n_head heads */
+        if (!key_u32(b, "ssm.conv_kernel", true, 0, &c->ssm_d_conv) ||
+            !key_u32(b, "kda.head_dim", true, 0, &c->ssm_head_dim))
+            return false;
+        c->ssm_n_k_heads = c->ssm_n_v_heads = c->n_head;
+    }
+    if (c->ssm_d_conv == 0 || c->ssm_d_conv > MOE_CONV_MAX_TAPS || c->ssm_head_dim == 0 ||
+        c->ssm_n_k_heads == 0 || c->ssm_n_v_heads % c->ssm_n_k_heads != 0) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: linear attention: conv kernel %u (1..%u), "
+                      "head dim %u, %u k heads and %u v heads (a multiple) are inconsistent",
+                      b->path, c->ssm_d_conv, MOE_CONV_MAX_TAPS, c->ssm_head_dim,
+                      c->ssm_n_k_heads, c->ssm_n_v_heads);
+        return false;
+    }
+    for (uint32_t il = 0; il < c->n_layer; il++) {
+        const bool linear = interval ? (il + 1) % interval != 0 : b->head_kv_layer[il] == 0;
+        m->layers[il].mixer = linear ? a->linear : MOE_MIXER_ATTENTION;
+        c->n_layer_linear += linear;
+    }
+    return true;
+}
+
+static void bind_linear(binder *b, uint32_t il, moe_layer_weights *l) {
+    const moe_model_config *c = &b->m->cfg;
+    const int64_t hd = c->ssm_head_dim, nv = c->ssm_n_v_heads, d = c->ssm_d_conv;
+    const int64_t K = c->ssm_n_k_heads * hd, V = nv * hd;
+    if (l->mixer == MOE_MIXER_GDN) {
+        l->ssm_qkv = bind_layer(b, il, "attn_qkv", c->n_embd, 2 * K + V);
+        l->ssm_gate = bind_layer(b, il, "attn_gate", c->n_embd, V);
+        l->ssm_conv1d[0] = bind_layer_f32(b, il, "ssm_conv1d.weight", d, 2 * K + V, 0);
+        l->ssm_a = bind_layer_f32(b, il, "ssm_a", nv, 0, 0);
+        l->ssm_dt_b = bind_layer_f32(b, il, "ssm_dt.bias", nv, 0, 0);
+        l->ssm_ba = bind_layer(b, il, "ssm_ba", c->n_embd, 2 * nv);
+        l->ssm_out = bind_layer(b, il, "ssm_out", V, c->n_embd);
+    } else { /* KDA */
+        l->wq = bind_layer(b, il, "attn_q", c->n_embd, K);
+        l->wk = bind_layer(b, il, "attn_k", c->n_embd, K);
+        l->wv = bind_layer(b, il, "attn_v", c->n_embd, V);
+        l->ssm_conv1d[0] = bind_layer_f32(b, il, "ssm_conv1d_q.weight", d, 1, K);
+        l->ssm_conv1d[1] = bind_layer_f32(b, il, "ssm_conv1d_k.weight", d, 1, K);
+        l->ssm_conv1d[2] = bind_layer_f32(b, il, "ssm_conv1d_v.weight", d, 1, V);
+        l->ssm_a = bind_layer_f32(b, il, "ssm_a", 1, nv, 0);
+        l->ssm_dt_b = bind_layer_f32(b, il, "ssm_dt.bias", V, 0, 0);
+        l->ssm_beta = bind_layer(b, il, "ssm_beta", c->n_embd, nv);
+        l->ssm_f_a = bind_layer(b, il, "ssm_f_a", c->n_embd, hd);
+        l->ssm_f_b = bind_layer(b, il, "ssm_f_b", hd, V);
+        l->ssm_g_a = bind_layer(b, il, "ssm_g_a", c->n_embd, hd);
+        l->ssm_g_b = bind_layer(b, il, "ssm_g_b", hd, V);
+        l->ssm_out = bind_layer(b, il, "attn_output", V, c->n_embd);
+    }
+    l->ssm_norm = bind_layer_f32(b, il, "ssm_norm.weight", hd, 0, 0);
 }
 
 static const moe_tensor *bind_layer3(binder *b, uint32_t il, const char *what, int64_t ne0,
@@ -255,24 +413,39 @@ static bool bind_transformer(binder *b, const arch_entry *a) {
     if (!m->output) m->output = m->token_embd;
     int64_t q = (int64_t)c->n_head * c->head_dim_k, k = (int64_t)c->n_head_kv * c->head_dim_k;
     int64_t v = (int64_t)c->n_head_kv * c->head_dim_v, o = (int64_t)c->n_head * c->head_dim_v;
-    m->layers = moe_xcalloc(c->n_layer, sizeof *m->layers);
     for (uint32_t il = 0; il < c->n_layer && !b->err->code; il++) {
         moe_layer_weights *l = &m->layers[il];
         l->attn_norm = bind_layer(b, il, "attn_norm", c->n_embd, 0);
-        l->wq = bind_layer(b, il, "attn_q", c->n_embd, q);
-        l->wk = bind_layer(b, il, "attn_k", c->n_embd, k);
-        l->wv = bind_layer(b, il, "attn_v", c->n_embd, v);
-        l->wo = bind_layer(b, il, "attn_output", o, c->n_embd);
-        if (a->qk_norm) {
-            l->attn_q_norm = bind_layer(b, il, "attn_q_norm", c->head_dim_k, 0);
-            l->attn_k_norm = bind_layer(b, il, "attn_k_norm", c->head_dim_k, 0);
+        if (l->mixer != MOE_MIXER_ATTENTION) {
+            bind_linear(b, il, l);
+        } else if (a->linear == MOE_MIXER_KDA) {
+            moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: layer %u: %s attention layers (MLA) "
+                          "are not supported yet", b->path, il, c->arch_name);
+        } else {
+            l->wq = bind_layer(b, il, "attn_q", c->n_embd, c->attn_output_gate ? 2 * q : q);
+            l->wk = bind_layer(b, il, "attn_k", c->n_embd, k);
+            l->wv = bind_layer(b, il, "attn_v", c->n_embd, v);
+            l->wo = bind_layer(b, il, "attn_output", o, c->n_embd);
+            if (a->qk_norm) {
+                l->attn_q_norm = bind_layer(b, il, "attn_q_norm", c->head_dim_k, 0);
+                l->attn_k_norm = bind_layer(b, il, "attn_k_norm", c->head_dim_k, 0);
+            }
         }
-        l->ffn_norm = bind_layer(b, il, "ffn_norm", c->n_embd, 0);
+        l->ffn_norm = bind_layer(b, il, a->ffn_norm ? a->ffn_norm : "ffn_norm", c->n_embd, 0);
         if (a->experts && il >= c->n_layer_dense_lead) {
             l->ffn_gate_inp = bind_layer(b, il, "ffn_gate_inp", c->n_embd, c->n_expert);
             l->ffn_gate_exps = bind_layer3(b, il, "ffn_gate_exps", c->n_embd, c->n_ff_exp, c->n_expert);
             l->ffn_up_exps = bind_layer3(b, il, "ffn_up_exps", c->n_embd, c->n_ff_exp, c->n_expert);
             l->ffn_down_exps = bind_layer3(b, il, "ffn_down_exps", c->n_ff_exp, c->n_embd, c->n_expert);
+            if (c->n_ff_shexp) {
+                l->ffn_gate_shexp = bind_layer(b, il, "ffn_gate_shexp", c->n_embd, c->n_ff_shexp);
+                l->ffn_up_shexp = bind_layer(b, il, "ffn_up_shexp", c->n_embd, c->n_ff_shexp);
+                l->ffn_down_shexp = bind_layer(b, il, "ffn_down_shexp", c->n_ff_shexp, c->n_embd);
+                char name[128];
+                snprintf(name, sizeof name, "blk.%u.ffn_gate_inp_shexp.weight", il);
+                if (moe_gguf_tensor_find(m->gguf, name))
+                    l->ffn_gate_inp_shexp = bind_layer_f32(b, il, "ffn_gate_inp_shexp.weight", c->n_embd, 0, 0);
+            }
         } else {
             l->ffn_gate = bind_layer(b, il, "ffn_gate", c->n_embd, c->n_ff);
             l->ffn_up = bind_layer(b, il, "ffn_up", c->n_embd, c->n_ff);
@@ -309,7 +482,10 @@ moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {
     m->cfg.arch = entry->arch;
     m->cfg.arch_name = arch_names[entry->arch];
     binder b = {.m = m, .path = path, .err = err};
-    if (!config_transformer(&b, entry) || !bind_transformer(&b, entry)) {
+    const bool ok = config_transformer(&b, entry) && config_linear(&b, entry) &&
+                    bind_transformer(&b, entry);
+    free(b.head_kv_layer);
+    if (!ok) {
         m->gguf = NULL; /* the caller keeps the file on failure */
         moe_model_free(m);
         return NULL;

@@ -16,6 +16,8 @@
 typedef enum moe_arch {
     MOE_ARCH_LLAMA,
     MOE_ARCH_QWEN3MOE,
+    MOE_ARCH_QWEN3NEXT,
+    MOE_ARCH_KIMI_LINEAR,
     MOE_ARCH_COUNT
 } moe_arch;
 
@@ -30,6 +32,16 @@ typedef enum moe_rope_kind {
     MOE_ROPE_NORM, /* rotate adjacent pairs (x[2i], x[2i+1]): llama */
     MOE_ROPE_NEOX, /* rotate halves (x[i], x[i + d/2]): qwen, gpt-neox */
 } moe_rope_kind;
+
+/* What mixes tokens in a layer: softmax attention over a KV cache, or a linear-attention
+ * recurrence over a fixed-size per-sequence state (hybrid models have both kinds of layer). */
+typedef enum moe_mixer {
+    MOE_MIXER_ATTENTION,
+    MOE_MIXER_GDN, /* Gated DeltaNet: scalar decay per head (Qwen3-Next) */
+    MOE_MIXER_KDA, /* Kimi Delta Attention: decay per key channel (Kimi-Linear) */
+} moe_mixer;
+
+#define MOE_CONV_MAX_TAPS 16 /* short-conv kernel of linear attention: real models use 4 */
 
 typedef struct moe_model_config {
     moe_arch arch;
@@ -58,9 +70,19 @@ typedef struct moe_model_config {
     moe_gating gating;
     bool norm_topk;            /* renormalise the chosen experts' weights to sum to 1 */
     float expert_weights_scale; /* routed_scaling_factor (1: none) */
+    uint32_t n_ff_shexp;       /* shared expert hidden width (0: no shared expert) */
+    bool attn_output_gate;     /* attn_q yields [q, gate] per head; out *= sigmoid(gate) */
+    /* linear attention (n_layer_linear == 0: none). q and k have ssm_n_k_heads heads, v has
+     * ssm_n_v_heads (a multiple): v head h reads k head h / (n_v / n_k). */
+    uint32_t n_layer_linear;   /* layers whose mixer is GDN or KDA */
+    uint32_t ssm_d_conv;       /* short-conv taps */
+    uint32_t ssm_head_dim;     /* key = value width of one linear-attention head */
+    uint32_t ssm_n_k_heads;
+    uint32_t ssm_n_v_heads;
 } moe_model_config;
 
 typedef struct moe_layer_weights {
+    moe_mixer mixer;
     const moe_tensor *attn_norm;   /* [n_embd] f32 */
     const moe_tensor *wq;          /* [n_embd] -> [n_head * head_dim_k] */
     const moe_tensor *wk;          /* [n_embd] -> [n_head_kv * head_dim_k] */
@@ -78,6 +100,24 @@ typedef struct moe_layer_weights {
     const moe_tensor *ffn_gate_exps; /* [n_embd] -> [n_ff_exp], x n_expert */
     const moe_tensor *ffn_up_exps;   /* [n_embd] -> [n_ff_exp], x n_expert */
     const moe_tensor *ffn_down_exps; /* [n_ff_exp] -> [n_embd], x n_expert */
+    /* shared expert beside the routed ones (NULL: none) */
+    const moe_tensor *ffn_gate_shexp;     /* [n_embd] -> [n_ff_shexp] */
+    const moe_tensor *ffn_up_shexp;       /* [n_embd] -> [n_ff_shexp] */
+    const moe_tensor *ffn_down_shexp;     /* [n_ff_shexp] -> [n_embd] */
+    const moe_tensor *ffn_gate_inp_shexp; /* [n_embd] f32: out *= sigmoid(w . x), or NULL */
+    /* linear attention (GDN / KDA layers); with K = n_k_heads * head_dim, V = n_v_heads * head_dim */
+    const moe_tensor *ssm_qkv;     /* GDN attn_qkv: [n_embd] -> [K + K + V] (KDA: wq, wk, wv) */
+    const moe_tensor *ssm_conv1d[3]; /* taps [d_conv] per channel of q|k|v: GDN one tensor over
+                                      * all K + K + V channels, KDA one each for q, k, v */
+    const moe_tensor *ssm_a;       /* f32 [n_v_heads]: -exp(A_log), decay rate per head */
+    const moe_tensor *ssm_dt_b;    /* f32 dt bias: GDN [n_v_heads], KDA [V] */
+    const moe_tensor *ssm_ba;      /* GDN: [n_embd] -> per k head [beta x r, alpha x r], r = n_v/n_k */
+    const moe_tensor *ssm_beta;    /* KDA: [n_embd] -> [n_v_heads] */
+    const moe_tensor *ssm_f_a, *ssm_f_b; /* KDA decay: [n_embd] -> [head_dim] -> [V] */
+    const moe_tensor *ssm_gate;    /* GDN attn_gate z: [n_embd] -> [V] */
+    const moe_tensor *ssm_g_a, *ssm_g_b; /* KDA output gate: [n_embd] -> [head_dim] -> [V] */
+    const moe_tensor *ssm_norm;    /* f32 [head_dim]: RMSNorm of each head's output */
+    const moe_tensor *ssm_out;     /* [V] -> [n_embd] (KDA: attn_output) */
 } moe_layer_weights;
 
 typedef struct moe_model {
