@@ -21,7 +21,8 @@ ISA_avx2       = -mavx2 -mfma -mf16c
 ISA_avx512     = $(ISA_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512dq
 ISA_avx512vnni = $(ISA_avx512) -mavx512vnni -mavx512vbmi -mavx512bf16
 # first match wins: *_avx512vnni.c must not also pick up the avx512 suffix rule
-isa_of = $(word 1,$(foreach i,avx512vnni avx512 avx2,$(if $(filter %_$(i).c,$(1)),$(ISA_$(i)))))
+# (pick the first matching ISA name, then expand its flags: `word 1` of the flags would keep -mavx2)
+isa_of = $(ISA_$(word 1,$(foreach i,avx512vnni avx512 avx2,$(if $(filter %_$(i).c,$(1)),$(i)))))
 
 LIB_SRC  := $(sort $(wildcard src/*/*.c))
 CLI_SRC  := $(sort $(wildcard cli/*.c))
@@ -33,7 +34,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan fuzz format format-check deps fixtures help clean
+.PHONY: all test asan bench fuzz format format-check deps fixtures help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -68,6 +69,14 @@ test: $(MOE_BIN) $(TEST_BIN)
 asan:
 	$(MAKE) BUILD=build/asan OPT=-O1 MOE_BIN=build/asan/moe TEST_BIN=build/asan/run \
 	  SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
+
+## bench: kernel micro-benchmarks: GB/s per type per ISA table vs read bandwidth (BENCH_ARGS)
+BENCH_BIN ?= $(BUILD)/bench/kernels
+BENCH_ARGS ?=
+bench: $(BENCH_BIN)
+	./$(BENCH_BIN) $(BENCH_ARGS)
+$(BENCH_BIN): $(BUILD)/bench/kernels.o $(LIB)
+	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/kernels.o $(LIB) $(LDFLAGS) $(LDLIBS)
 
 ## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
 # Seeds: tests/data/gguf (small valid files and past crashes) and the ../shared GGUFs (cut to
@@ -137,4 +146,4 @@ help:
 clean:
 	rm -rf build moe tests/run
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BUILD)/bench/kernels.d

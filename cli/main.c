@@ -6,6 +6,7 @@
 
 #include "moe.h"
 #include "cli.h"
+#include "../src/quant/quant.h"
 
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
@@ -53,7 +54,9 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
-        printf("moe %s\n", moe_version());
+        char cpu[256];
+        moe_cpu_describe(cpu, sizeof cpu);
+        printf("moe %s\nkernels: %s (cpu: %s)\n", moe_version(), moe_kernels_get()->name, cpu);
         return 0;
     }
     for (const moe_command *c = commands; c->name; c++) {

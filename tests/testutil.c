@@ -2,6 +2,8 @@
 #include "testutil.h"
 
 #include <errno.h>
+#include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -88,4 +90,74 @@ int moe_test_run(const char *cmd, char **out) {
     if (out) *out = buf;
     else free(buf);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+}
+
+/* ==== Seeded random numbers ==== */
+
+uint64_t moe_test_splitmix(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+double moe_test_uniform(uint64_t *state) {
+    return ((double)(moe_test_splitmix(state) >> 11) + 0.5) / 9007199254740992.0;
+}
+double moe_test_gaussian(uint64_t *state) {
+    return sqrt(-2.0 * log(moe_test_uniform(state))) *
+           cos(6.283185307179586 * moe_test_uniform(state));
+}
+
+/* ==== Quantization fixtures ==== */
+
+#define MAX_QUANT_FIXTURES 32
+
+int moe_test_quant_fixtures(const moe_test_quant_fixture **out) {
+    static moe_test_quant_fixture fixtures[MAX_QUANT_FIXTURES];
+    static int count = -1; /* -1: not read yet */
+    *out = fixtures;
+    if (count >= 0) {
+        if (count == 0) skip();
+        return count;
+    }
+    count = 0;
+    const char *path = moe_test_shared("quant/MANIFEST.json");
+    if (!path) {
+        skip();
+        return 0;
+    }
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    if (!root) fail_msg("%s:%d: %s", path, jerr.line, jerr.text);
+    json_t *types = json_object_get(root, "types");
+    if (!json_is_array(types) || json_array_size(types) > MAX_QUANT_FIXTURES)
+        fail_msg("%s: no usable \"types\" array", path);
+    size_t i;
+    json_t *t;
+    json_array_foreach(types, i, t) {
+        moe_test_quant_fixture *f = &fixtures[count++];
+        snprintf(f->name, sizeof f->name, "%s", json_string_value(json_object_get(t, "type")));
+        if (!moe_type_from_name(f->name, &f->type))
+            fail_msg("unknown type %s in manifest", f->name);
+        f->row_len = json_integer_value(json_object_get(t, "row_len"));
+        f->n_rows = json_integer_value(json_object_get(t, "n_rows"));
+        f->block_values = json_integer_value(json_object_get(t, "block_size_values"));
+        f->block_bytes = (size_t)json_integer_value(json_object_get(t, "bytes_per_block"));
+        f->has_src = json_is_true(json_object_get(t, "src_stored"));
+        snprintf(f->dot_type, sizeof f->dot_type, "%s",
+                 json_string_value(json_object_get(t, "ggml_cpu_vec_dot_type")));
+    }
+    json_decref(root);
+    if (count == 0) fail_msg("%s lists no types", path);
+    return count;
+}
+
+uint8_t *moe_test_quant_read(const moe_test_quant_fixture *f, const char *suffix, size_t expect) {
+    char rel[128];
+    snprintf(rel, sizeof rel, "quant/%s.%s", f->name, suffix);
+    size_t size;
+    uint8_t *data = moe_test_shared_read(rel, &size);
+    if (!data) fail_msg("fixture %s vanished", rel);
+    if (size != expect) fail_msg("%s: %zu bytes, expected %zu", rel, size, expect);
+    return data;
 }

@@ -13,6 +13,7 @@
 #include <cmocka.h>
 
 #include "../src/base/base.h"
+#include "../src/quant/quant.h"
 
 /* Path of a fixture under ../shared, or NULL when it is absent (then the calling test has
  * already been skipped, or failed under CI=true). The string is static per call site use. */
@@ -28,6 +29,32 @@ const char *moe_test_tmpdir(void);
 const char *moe_test_bin(void);
 /* Run a shell command, capturing stdout+stderr (caller frees *out); returns the exit status. */
 int moe_test_run(const char *cmd, char **out);
+
+/* ==== Seeded random numbers (splitmix64; the same stream on every machine) ==== */
+
+uint64_t moe_test_splitmix(uint64_t *state);
+double moe_test_uniform(uint64_t *state);  /* (0, 1), never 0 or 1 */
+double moe_test_gaussian(uint64_t *state); /* N(0, 1), Box-Muller */
+
+/* ==== Quantization fixtures (../shared/quant, see its README) ==== */
+
+typedef struct moe_test_quant_fixture {
+    char name[16]; /* "Q4_K" */
+    moe_type type;
+    int64_t row_len, n_rows, block_values;
+    size_t block_bytes;
+    bool has_src;     /* <TYPE>.src.f32 present */
+    char dot_type[8]; /* ggml's name of the activation type: q8_0, q8_1, q8_K, f16, bf16 */
+} moe_test_quant_fixture;
+
+#define MOE_TEST_QUANT_N_VEC 4 /* activation rows per type in <TYPE>.x.f32 / .xq.blocks */
+
+/* MANIFEST.json, parsed once: the number of types (*out points at them). When ../shared is
+ * absent the calling test is skipped (failed under CI=true) and this does not return. */
+int moe_test_quant_fixtures(const moe_test_quant_fixture **out);
+/* quant/<TYPE>.<suffix> ("blocks", "x.f32", "xq.blocks", ...), checked to be exactly `expect`
+ * bytes (fails the test otherwise). Caller frees. */
+uint8_t *moe_test_quant_read(const moe_test_quant_fixture *f, const char *suffix, size_t expect);
 
 #define MOE_SKIP_IF_NULL(p)                                                                        \
     do {                                                                                           \

@@ -117,4 +117,46 @@ void moe_json_double(moe_json *j, double v);
 void moe_json_bool(moe_json *j, bool v);
 void moe_json_null(moe_json *j);
 
+/* ==== CPU features and the kernel ISA level (cpu.c) ====
+ *
+ * Detected once (CPUID + XGETBV: an instruction set counts only when the OS also saves its
+ * registers). The ISA level names the kernel table quant/ uses; levels are ordered, each needs
+ * everything the one below needs. MOE_ISA=scalar|avx2|avx512|avx512vnni in the environment
+ * lowers the level (for tests and benchmarks); asking for more than the CPU has logs an error and
+ * keeps the best available level, so a forced level can never raise SIGILL. */
+
+typedef enum moe_isa {
+    MOE_ISA_SCALAR = 0, /* plain C: the reference kernels */
+    MOE_ISA_AVX2,       /* AVX2 + FMA + F16C, OS saves YMM */
+    MOE_ISA_AVX512,     /* + AVX-512 F/BW/VL/DQ, OS saves ZMM and opmasks */
+    MOE_ISA_AVX512VNNI, /* + AVX-512 VNNI and VBMI (BF16 is reported, not required) */
+    MOE_ISA_COUNT
+} moe_isa;
+
+typedef struct moe_cpu_features {
+    bool avx2, fma, f16c;
+    bool avx512f, avx512bw, avx512vl, avx512dq;
+    bool avx512vnni, avx512vbmi, avx512bf16;
+    bool os_ymm, os_zmm; /* XGETBV: the OS saves YMM (and opmask + ZMM) state */
+    char vendor[13];     /* "AuthenticAMD", "" off x86 */
+    char brand[49];      /* CPUID brand string, trimmed */
+} moe_cpu_features;
+
+/* What this CPU and OS offer (detected on first call; thread-safe). */
+const moe_cpu_features *moe_cpu_features_get(void);
+/* The best level the CPU can run. */
+moe_isa moe_cpu_isa_supported(void);
+/* The level in use: the best supported one, lowered by MOE_ISA (read once, on first call). */
+moe_isa moe_cpu_isa(void);
+/* Resolve a MOE_ISA request (NULL or "" = none) against a supported level. A request above
+ * `supported`, or an unknown name, writes why into `why` and returns `supported`; otherwise
+ * why[0] = 0. Pure: what moe_cpu_isa applies to the environment. */
+moe_isa moe_cpu_isa_resolve(const char *request, moe_isa supported, char *why, size_t why_size);
+/* "scalar", "avx2", "avx512", "avx512vnni" ("?" past the end). */
+const char *moe_isa_name(moe_isa isa);
+/* Parse a level name (case-sensitive, as moe_isa_name prints it); false if unknown. */
+bool moe_isa_from_name(const char *name, moe_isa *out);
+/* One line for --version and benchmarks: brand and the detected features. */
+void moe_cpu_describe(char *buf, size_t size);
+
 #endif

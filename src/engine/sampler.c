@@ -2,7 +2,8 @@
  * top-p, min-p, a seeded generator, and the log-probabilities the server reports.
  *
  * The order is llama.cpp's default chain: logit bias, penalties, then top-k, top-p, min-p on
- * the temperature-scaled distribution, then a draw. Log-probabilities are reported from the
+ * the untempered distribution, then the temperature over the survivors and a draw. Ranking is
+ * a bounded heap over the vocabulary, never a full sort unless nothing truncates it. Log-probabilities are reported from the
  * raw logits (after bias and penalties, before temperature and truncation), as OpenAI's API
  * does. The trap: every buffer is allocated once at creation; sample() must not allocate. */
 #include "engine.h"
@@ -91,17 +92,43 @@ void moe_sampler_accept(moe_sampler *s, int32_t token) {
     s->counts[token]++;
 }
 
-/* ==== Sorting candidates (by value descending, then id ascending for determinism) ==== */
+/* ==== Selecting the best candidates (by value descending, then id ascending) ==== */
+
+static bool better(const float *v, int32_t a, int32_t b) {
+    return v[a] > v[b] || (v[a] == v[b] && a < b);
+}
 
 static int by_value_desc(const void *a, const void *b, void *keys) {
     const int32_t ia = *(const int32_t *)a, ib = *(const int32_t *)b;
-    const float va = ((const float *)keys)[ia], vb = ((const float *)keys)[ib];
-    if (va != vb) return va > vb ? -1 : 1;
-    return (ia > ib) - (ia < ib);
+    return better(keys, ia, ib) ? -1 : better(keys, ib, ia) ? 1 : 0;
 }
 
-static void sort_candidates(moe_sampler *s, uint32_t n) {
-    qsort_r(s->order, n, sizeof(int32_t), by_value_desc, s->work);
+/* Min-heap by `better`: the worst of the kept candidates at the root. */
+static void sift_down(const float *v, int32_t *h, uint32_t k, uint32_t i) {
+    for (;;) {
+        uint32_t worst = i, l = 2 * i + 1, r = l + 1;
+        if (l < k && better(v, h[worst], h[l])) worst = l;
+        if (r < k && better(v, h[worst], h[r])) worst = r;
+        if (worst == i) return;
+        const int32_t t = h[i];
+        h[i] = h[worst];
+        h[worst] = t;
+        i = worst;
+    }
+}
+
+/* order[0..k) = the k best of all n candidates, best first: O(n log k), not a full sort. */
+static void select_top(moe_sampler *s, uint32_t n, uint32_t k) {
+    int32_t *h = s->order;
+    const float *v = s->work;
+    for (uint32_t i = 0; i < k; i++) h[i] = (int32_t)i;
+    for (uint32_t i = k / 2; i-- > 0;) sift_down(v, h, k, i);
+    for (uint32_t i = k; i < n; i++) {
+        if (!better(v, (int32_t)i, h[0])) continue;
+        h[0] = (int32_t)i;
+        sift_down(v, h, k, 0);
+    }
+    qsort_r(h, k, sizeof(int32_t), by_value_desc, s->work);
 }
 
 moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
@@ -136,44 +163,53 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
     const float log_z = max + (float)log(z);
 
     moe_sample out = {0};
-    for (uint32_t i = 0; i < n; i++) s->order[i] = (int32_t)i;
+    const uint32_t n_top = p->n_top_logprobs < n ? p->n_top_logprobs : n;
     if (p->temperature <= 0.0f) {
         int32_t best = 0;
         for (uint32_t i = 1; i < n; i++)
             if (s->work[i] > s->work[best]) best = (int32_t)i;
         out.token = best;
-        if (p->n_top_logprobs) sort_candidates(s, n);
+        if (n_top) select_top(s, n, n_top);
     } else {
-        sort_candidates(s, n);
-        uint32_t keep = n;
-        if (p->top_k > 0 && (uint32_t)p->top_k < keep) keep = (uint32_t)p->top_k;
-        /* softmax over the kept candidates at temperature */
-        const float top = s->work[s->order[0]];
-        double sum = 0.0;
-        for (uint32_t i = 0; i < keep; i++) {
-            const float v = s->work[s->order[i]];
-            s->probs[i] = v == -INFINITY ? 0.0f : (float)exp((double)(v - top) / p->temperature);
-            sum += s->probs[i];
+        /* llama.cpp's order: top-k, top-p, min-p on the untempered distribution, then the
+         * temperature over what is left. Each cut keeps a prefix of the ranking, so only the
+         * shortest prefix needs ranking. */
+        uint32_t keep = p->top_k > 0 && (uint32_t)p->top_k < n ? (uint32_t)p->top_k : n;
+        const float min_p_floor = p->min_p > 0.0f ? max + logf(p->min_p) : -INFINITY;
+        if (p->min_p > 0.0f) {
+            uint32_t above = 0;
+            for (uint32_t i = 0; i < n; i++) above += s->work[i] >= min_p_floor;
+            if (above < keep) keep = above ? above : 1;
         }
-        for (uint32_t i = 0; i < keep; i++) s->probs[i] = (float)(s->probs[i] / sum);
-        if (p->top_p < 1.0f) {
-            double cum = 0.0;
-            for (uint32_t i = 0; i < keep; i++) {
-                cum += s->probs[i];
-                if (cum >= p->top_p) {
-                    keep = i + 1;
-                    break;
+        const bool truncated = keep < n || p->top_p < 1.0f;
+        if (truncated) {
+            select_top(s, n, keep);
+            if (p->top_p < 1.0f) {
+                /* probabilities over the top-k set (all candidates: the full softmax) */
+                double norm = 0.0;
+                if (p->top_k > 0 && (uint32_t)p->top_k < n)
+                    for (uint32_t i = 0; i < (uint32_t)p->top_k && i < keep; i++)
+                        norm += exp((double)(s->work[s->order[i]] - max));
+                else
+                    norm = z;
+                double cum = 0.0;
+                for (uint32_t i = 0; i < keep; i++) {
+                    cum += exp((double)(s->work[s->order[i]] - max)) / norm;
+                    if (cum >= p->top_p) {
+                        keep = i + 1;
+                        break;
+                    }
                 }
             }
-        }
-        if (p->min_p > 0.0f) {
-            const float floor = s->probs[0] * p->min_p;
-            uint32_t i = 1;
-            while (i < keep && s->probs[i] >= floor) i++;
-            keep = i;
+        } else {
+            for (uint32_t i = 0; i < n; i++) s->order[i] = (int32_t)i;
         }
         double total = 0.0;
-        for (uint32_t i = 0; i < keep; i++) total += s->probs[i];
+        for (uint32_t i = 0; i < keep; i++) {
+            const float v = s->work[s->order[i]];
+            s->probs[i] = v == -INFINITY ? 0.0f : (float)exp((double)(v - max) / p->temperature);
+            total += s->probs[i];
+        }
         double r = next_unit(&s->rng) * total;
         uint32_t pick = keep - 1;
         for (uint32_t i = 0; i < keep; i++) {
@@ -184,9 +220,10 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
             }
         }
         out.token = s->order[pick];
+        if (n_top && (!truncated || keep < n_top)) select_top(s, n, n_top);
     }
     out.logprob = s->work[out.token] - log_z;
-    out.n_top = p->n_top_logprobs < n ? p->n_top_logprobs : n;
+    out.n_top = n_top;
     for (uint32_t i = 0; i < out.n_top; i++) {
         out.top_tokens[i] = s->order[i];
         out.top_logprobs[i] = s->work[s->order[i]] - log_z;

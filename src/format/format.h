@@ -134,6 +134,8 @@ bool moe_gguf_get_f64(const moe_gguf *g, const char *key, double *out);
 bool moe_gguf_get_bool(const moe_gguf *g, const char *key, bool *out);
 const char *moe_gguf_get_str(const moe_gguf *g, const char *key); /* NULL if absent/not string */
 const char *moe_gguf_vtype_name(moe_gguf_vtype t);
+/* Bytes of one number/bool value; 0 for string, array and unknown types. */
+unsigned moe_gguf_vtype_size(uint32_t t);
 
 /* Tensors of all shards, in file order (shard 0 first). */
 uint64_t moe_gguf_n_tensors(const moe_gguf *g);

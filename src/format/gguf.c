@@ -208,8 +208,7 @@ const char *moe_gguf_vtype_name(moe_gguf_vtype t) {
     return (unsigned)t < MOE_GGUF_VTYPE_COUNT ? vtype_names[t] : "unknown";
 }
 
-/* Bytes of one number/bool value; 0 for string, array and unknown types. */
-static unsigned scalar_bytes(uint32_t t) {
+unsigned moe_gguf_vtype_size(uint32_t t) {
     switch (t) {
     case MOE_GGUF_U8: case MOE_GGUF_I8: case MOE_GGUF_BOOL: return 1;
     case MOE_GGUF_U16: case MOE_GGUF_I16: return 2;
@@ -247,7 +246,7 @@ static void read_array(cursor *c, unsigned depth, moe_gguf_value *out, const cha
         return;
     }
     /* the least bytes one element can take: the count can never exceed what is left / that */
-    uint64_t min_elem = scalar_bytes(elem) ? scalar_bytes(elem)
+    uint64_t min_elem = moe_gguf_vtype_size(elem) ? moe_gguf_vtype_size(elem)
                         : elem == MOE_GGUF_STRING ? 8 : 4 + 8;
     if (n > MOE_GGUF_MAX_ARRAY || n > (c->size - c->pos) / min_elem) {
         fail_at(c, n_at, MOE_ERR_RANGE,
@@ -261,8 +260,8 @@ static void read_array(cursor *c, unsigned depth, moe_gguf_value *out, const cha
     out->arr.elem_type = (moe_gguf_vtype)elem;
     out->arr.n = n;
     out->arr.data = NULL;
-    if (scalar_bytes(elem)) {
-        size_t bytes = (size_t)(n * scalar_bytes(elem));
+    if (moe_gguf_vtype_size(elem)) {
+        size_t bytes = (size_t)(n * moe_gguf_vtype_size(elem));
         if (!need(c, bytes, "array data")) return;
         void *p = arena_alloc(c->arena, bytes);
         memcpy(p, c->buf + c->pos, bytes);
@@ -284,7 +283,7 @@ static void read_array(cursor *c, unsigned depth, moe_gguf_value *out, const cha
 static void read_value(cursor *c, uint32_t type, unsigned depth, moe_gguf_value *out,
                        const char *key_esc) {
     out->type = (moe_gguf_vtype)type;
-    unsigned nb = scalar_bytes(type);
+    unsigned nb = moe_gguf_vtype_size(type);
     if (nb) {
         uint64_t raw = read_le(c, nb, "a metadata value");
         switch (type) {

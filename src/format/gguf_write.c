@@ -48,16 +48,6 @@ struct moe_gguf_writer {
 
 /* ==== Deep copies of values ==== */
 
-static size_t scalar_size(moe_gguf_vtype t) {
-    switch (t) {
-    case MOE_GGUF_U8: case MOE_GGUF_I8: case MOE_GGUF_BOOL: return 1;
-    case MOE_GGUF_U16: case MOE_GGUF_I16: return 2;
-    case MOE_GGUF_U32: case MOE_GGUF_I32: case MOE_GGUF_F32: return 4;
-    case MOE_GGUF_U64: case MOE_GGUF_I64: case MOE_GGUF_F64: return 8;
-    default: return 0;
-    }
-}
-
 static moe_str str_copy(const char *p, uint64_t len) {
     return (moe_str){moe_xstrndup(p ? p : "", (size_t)len), len};
 }
@@ -69,8 +59,8 @@ static void value_copy(moe_gguf_value *dst, const moe_gguf_value *src) {
     } else if (src->type == MOE_GGUF_ARRAY) {
         uint64_t n = src->arr.n;
         moe_gguf_vtype et = src->arr.elem_type;
-        if (scalar_size(et)) {
-            size_t bytes = (size_t)n * scalar_size(et);
+        if (moe_gguf_vtype_size(et)) {
+            size_t bytes = (size_t)n * moe_gguf_vtype_size(et);
             void *p = moe_xmalloc(bytes);
             if (bytes) memcpy(p, src->arr.data, bytes);
             dst->arr.data = p;
@@ -87,7 +77,7 @@ static void value_copy(moe_gguf_value *dst, const moe_gguf_value *src) {
         } else {
             moe_die("array element type %d is not a GGUF value type", (int)et);
         }
-    } else if (!scalar_size(src->type)) {
+    } else if (!moe_gguf_vtype_size(src->type)) {
         moe_die("value type %d is not a GGUF value type", (int)src->type);
     }
 }
@@ -181,7 +171,7 @@ void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype
         free(s);
         return;
     }
-    if (!scalar_size(elem_type))
+    if (!moe_gguf_vtype_size(elem_type))
         moe_die("moe_gguf_writer_set_arr: element type %s needs moe_gguf_writer_set_value",
                 moe_gguf_vtype_name(elem_type));
     moe_gguf_writer_set_value(w, key, &v);
@@ -269,7 +259,7 @@ static void put_zeros(out_file *o, uint64_t n) {
 
 /* The value body (no type tag), as the reader expects it. */
 static void put_value(out_file *o, const moe_gguf_value *v) {
-    size_t nb = scalar_size(v->type);
+    size_t nb = moe_gguf_vtype_size(v->type);
     if (nb) {
         uint64_t raw = v->u;
         if (v->type == MOE_GGUF_F32) {
@@ -288,7 +278,7 @@ static void put_value(out_file *o, const moe_gguf_value *v) {
     } else {
         put_le(o, v->arr.elem_type, 4);
         put_le(o, v->arr.n, 8);
-        size_t es = scalar_size(v->arr.elem_type);
+        size_t es = moe_gguf_vtype_size(v->arr.elem_type);
         if (es) {
             put(o, v->arr.data, (size_t)v->arr.n * es);
         } else if (v->arr.elem_type == MOE_GGUF_STRING) {

@@ -268,6 +268,15 @@ static inline void moe_unpack_nibbles(const uint8_t qs[16], const int8_t map[16]
     }
 }
 
+/* MXFP4's e8m0 exponent as a float, halved (the MXFP4 codebook is doubled): 2^(e - 128),
+ * exact (e = 0 and 1 give float subnormals). */
+static inline float moe_e8m0_to_f32_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* A little-endian uint32 from 4 bytes of a block (blocks are byte arrays from a file). */
 static inline uint32_t moe_load_le32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;

@@ -98,4 +98,46 @@ void moe_quantize_row_for_dot(moe_type wtype, const float *x, void *out, int64_t
  * Slow but exact to float rounding; the quality yardstick for the integer paths. */
 float moe_dot_f32_ref(moe_type type, const void *w, const float *x, int64_t n);
 
+/* ==== Random valid rows (random.c): for tests, benchmarks and synthetic models ==== */
+
+/* Fill a row of n values of type t (n a multiple of the block size) with random valid data:
+ * random index / sign / scale bits, float scales finite and of either sign (1e-4 .. 1e-1),
+ * MXFP4 exponents 2^-18 .. 2^11; plain float types get N(0, 1). Deterministic in *seed, which
+ * it advances. For speed, random valid blocks are as good as real ones. */
+void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n);
+
+/* ==== Kernel tables: the fast dots, one table per ISA level (kernels.c) ====
+ *
+ * The engine's matmul goes through the active table, never through traits->dot:
+ *
+ *     const moe_type_kernels *k = moe_kernels_type(wtype);   // once per matrix
+ *     k->quantize_row_for_dot(x, xq, n);                     // once per activation row
+ *     for (r = 0; r < rows; r++) y[r] = k->dot(w + r * row_bytes, xq, n);
+ *
+ * xq holds moe_dot_row_bytes(wtype, n) bytes and is byte-identical whichever table made it, so a
+ * row quantized once may be dotted by any table. Each table is built once at start-up from the
+ * one below it: a type without a kernel at some level keeps the lower level's, down to the
+ * scalar reference (the traits). dot results equal the reference up to float summation order
+ * (integer block sums are exact). Tables are immutable and safe to share between threads. */
+
+typedef struct moe_type_kernels {
+    moe_dot_fn dot;                         /* NULL where the type has no dot */
+    moe_from_float_fn quantize_row_for_dot; /* float activations -> dot_type; NULL with dot */
+    moe_type dot_type;                      /* as traits->dot_type */
+    moe_isa dot_isa, quantize_isa;          /* the level each function comes from */
+} moe_type_kernels;
+
+typedef struct moe_kernels {
+    moe_isa isa;      /* the level of this table */
+    const char *name; /* moe_isa_name(isa) */
+    moe_type_kernels types[MOE_TYPE_COUNT];
+} moe_kernels;
+
+/* The active table: moe_cpu_isa()'s level (the best the CPU runs, lowered by MOE_ISA). */
+const moe_kernels *moe_kernels_get(void);
+/* The table of a given level; NULL when this CPU cannot run it (tests walk all levels). */
+const moe_kernels *moe_kernels_for_isa(moe_isa isa);
+/* Shorthand: the active table's entry for a weight type (NULL for an unknown id). */
+const moe_type_kernels *moe_kernels_type(moe_type wtype);
+
 #endif

@@ -133,17 +133,10 @@ static void unpack_iq4_nl(const void *block, q32_unpacked *u) {
     u->has_min = false;
 }
 
-/* e8m0 exponent to float, halved (the MXFP4 codebook is doubled): 2^(e - 128), exact. */
-static float e8m0_to_f32_half(uint8_t e) {
-    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 static void unpack_mxfp4(const void *block, q32_unpacked *u) {
     const moe_block_mxfp4 *b = block;
     moe_unpack_nibbles(b->qs, moe_kvalues_mxfp4, u->q);
-    u->d = e8m0_to_f32_half(b->e);
+    u->d = moe_e8m0_to_f32_half(b->e);
     u->has_min = false;
 }
 

@@ -1,0 +1,166 @@
+/* cpu.c: CPU feature detection (CPUID + XGETBV) and the ISA level the kernel tables follow.
+ *
+ * Owns the detected features and the MOE_ISA override; it does not own the tables themselves
+ * (quant/kernels.c). An AVX-512 bit in CPUID is not enough: the OS must also save the ZMM and
+ * opmask registers across context switches (XCR0 bits 5-7), or the first context switch
+ * corrupts them. The trap: everything here must compile and run on any x86-64 (and build off
+ * x86), so no intrinsics beyond <cpuid.h> and one inline xgetbv, which is only executed after
+ * CPUID says OSXSAVE is on. */
+#include "base.h"
+
+#include <ctype.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define MOE_X86 1
+#endif
+
+static moe_cpu_features features;
+static moe_isa isa_supported = MOE_ISA_SCALAR, isa_active = MOE_ISA_SCALAR;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static const char *const isa_names[MOE_ISA_COUNT] = {"scalar", "avx2", "avx512", "avx512vnni"};
+
+const char *moe_isa_name(moe_isa isa) {
+    return (unsigned)isa < MOE_ISA_COUNT ? isa_names[isa] : "?";
+}
+
+bool moe_isa_from_name(const char *name, moe_isa *out) {
+    for (int i = 0; i < MOE_ISA_COUNT; i++)
+        if (name && strcmp(name, isa_names[i]) == 0) {
+            *out = (moe_isa)i;
+            return true;
+        }
+    return false;
+}
+
+#ifdef MOE_X86
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (uint64_t)hi << 32 | lo;
+}
+
+static void detect_x86(moe_cpu_features *f) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return;
+    const unsigned max_leaf = a;
+    memcpy(f->vendor, &b, 4), memcpy(f->vendor + 4, &d, 4), memcpy(f->vendor + 8, &c, 4);
+    f->vendor[12] = 0;
+
+    __get_cpuid(1, &a, &b, &c, &d);
+    const bool osxsave = c >> 27 & 1, avx = c >> 28 & 1;
+    f->fma = c >> 12 & 1;
+    f->f16c = c >> 29 & 1;
+    if (osxsave && avx) {
+        const uint64_t xcr0 = xgetbv0();
+        f->os_ymm = (xcr0 & 0x6) == 0x6;                /* SSE + AVX state */
+        f->os_zmm = f->os_ymm && (xcr0 & 0xe0) == 0xe0; /* opmask, ZMM_Hi256, Hi16_ZMM */
+    }
+    if (max_leaf >= 7) {
+        __cpuid_count(7, 0, a, b, c, d);
+        const unsigned max_sub = a;
+        f->avx2 = b >> 5 & 1;
+        f->avx512f = b >> 16 & 1;
+        f->avx512dq = b >> 17 & 1;
+        f->avx512bw = b >> 30 & 1;
+        f->avx512vl = b >> 31 & 1;
+        f->avx512vbmi = c >> 1 & 1;
+        f->avx512vnni = c >> 11 & 1;
+        if (max_sub >= 1) {
+            __cpuid_count(7, 1, a, b, c, d);
+            f->avx512bf16 = a >> 5 & 1;
+        }
+    }
+    /* the features are usable only with the OS saving their registers */
+    if (!f->os_ymm) f->avx2 = f->fma = f->f16c = false;
+    if (!f->os_zmm)
+        f->avx512f = f->avx512bw = f->avx512vl = f->avx512dq = f->avx512vnni = f->avx512vbmi =
+            f->avx512bf16 = false;
+
+    __get_cpuid(0x80000000, &a, &b, &c, &d);
+    if (a >= 0x80000004) {
+        unsigned r[12];
+        for (unsigned i = 0; i < 3; i++)
+            __get_cpuid(0x80000002 + i, &r[4 * i], &r[4 * i + 1], &r[4 * i + 2], &r[4 * i + 3]);
+        memcpy(f->brand, r, 48);
+        f->brand[48] = 0;
+        /* trim the padding some vendors put around the name */
+        char *s = f->brand;
+        while (*s == ' ') s++;
+        memmove(f->brand, s, strlen(s) + 1);
+        for (size_t n = strlen(f->brand); n > 0 && f->brand[n - 1] == ' ';) f->brand[--n] = 0;
+    }
+}
+#endif
+
+static moe_isa level_of(const moe_cpu_features *f) {
+    if (!(f->avx2 && f->fma && f->f16c)) return MOE_ISA_SCALAR;
+    if (!(f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq)) return MOE_ISA_AVX2;
+    if (!(f->avx512vnni && f->avx512vbmi)) return MOE_ISA_AVX512;
+    return MOE_ISA_AVX512VNNI;
+}
+
+moe_isa moe_cpu_isa_resolve(const char *request, moe_isa supported, char *why, size_t why_size) {
+    if (why_size) why[0] = 0;
+    if (!request || !*request) return supported;
+    moe_isa want;
+    if (!moe_isa_from_name(request, &want)) {
+        snprintf(why, why_size,
+                 "MOE_ISA=%s is not a kernel table (scalar, avx2, avx512, avx512vnni); using %s",
+                 request, moe_isa_name(supported));
+        return supported;
+    }
+    if (want > supported) {
+        snprintf(why, why_size, "MOE_ISA=%s: this CPU can run at most %s; using %s", request,
+                 moe_isa_name(supported), moe_isa_name(supported));
+        return supported;
+    }
+    return want;
+}
+
+static void detect(void) {
+#ifdef MOE_X86
+    detect_x86(&features);
+#endif
+    isa_supported = level_of(&features);
+    char why[160];
+    isa_active = moe_cpu_isa_resolve(getenv("MOE_ISA"), isa_supported, why, sizeof why);
+    if (why[0]) moe_log(MOE_LOG_ERROR, "%s", why);
+}
+
+const moe_cpu_features *moe_cpu_features_get(void) {
+    pthread_once(&once, detect);
+    return &features;
+}
+
+moe_isa moe_cpu_isa_supported(void) {
+    pthread_once(&once, detect);
+    return isa_supported;
+}
+
+moe_isa moe_cpu_isa(void) {
+    pthread_once(&once, detect);
+    return isa_active;
+}
+
+void moe_cpu_describe(char *buf, size_t size) {
+    const moe_cpu_features *f = moe_cpu_features_get();
+    static const struct {
+        const char *name;
+        size_t offset;
+    } flags[] = {
+#define FLAG(x) {#x, offsetof(moe_cpu_features, x)}
+        FLAG(avx2),     FLAG(fma),      FLAG(f16c),       FLAG(avx512f),    FLAG(avx512bw),
+        FLAG(avx512vl), FLAG(avx512dq), FLAG(avx512vnni), FLAG(avx512vbmi), FLAG(avx512bf16),
+#undef FLAG
+    };
+    size_t n = (size_t)snprintf(buf, size, "%s", f->brand[0] ? f->brand : "unknown cpu");
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0] && n < size; i++)
+        if (*(const bool *)((const char *)f + flags[i].offset))
+            n += (size_t)snprintf(buf + n, size - n, " %s", flags[i].name);
+}

@@ -1,0 +1,36 @@
+/* kernels.h: quant's internal interface between the table builder (kernels.c) and the per-ISA
+ * kernel files (x86_avx2.c, x86_avx512.c, x86_avx512vnni.c).
+ *
+ * Each ISA file is compiled with its own -m flags (Makefile, isa_of) and exports exactly one
+ * function: it overwrites the entries of a table it has a faster kernel for and leaves the rest
+ * (inherited from the level below) alone. The trap: nothing may call into an ISA file before
+ * kernels.c has checked that the CPU runs that level -- the file's own static initialisers and
+ * helpers may already use its instructions. */
+#ifndef MOE_QUANT_KERNELS_H
+#define MOE_QUANT_KERNELS_H
+
+#include "quant.h"
+
+/* Set entry t's dot / quantize_row_for_dot (and their *_isa) where this level has one. */
+void moe_kernels_fill_avx2(moe_type_kernels types[MOE_TYPE_COUNT]);
+void moe_kernels_fill_avx512(moe_type_kernels types[MOE_TYPE_COUNT]);
+void moe_kernels_fill_avx512vnni(moe_type_kernels types[MOE_TYPE_COUNT]);
+
+/* Helpers for the fill functions: install a dot for weight type t, or an activation converter
+ * for every weight type whose dot_type is dt. */
+static inline void moe_kernels_set_dot(moe_type_kernels types[MOE_TYPE_COUNT], moe_type t,
+                                       moe_dot_fn dot, moe_isa isa) {
+    if (!types[t].dot) return; /* no reference dot: nothing to be faster than */
+    types[t].dot = dot;
+    types[t].dot_isa = isa;
+}
+static inline void moe_kernels_set_quantize(moe_type_kernels types[MOE_TYPE_COUNT], moe_type dt,
+                                            moe_from_float_fn fn, moe_isa isa) {
+    for (int t = 0; t < MOE_TYPE_COUNT; t++)
+        if (types[t].dot && types[t].dot_type == dt) {
+            types[t].quantize_row_for_dot = fn;
+            types[t].quantize_isa = isa;
+        }
+}
+
+#endif

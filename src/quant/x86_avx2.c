@@ -1,0 +1,668 @@
+/* x86_avx2.c: AVX2 + FMA + F16C kernels -- the fused weight x activation dots of every type the
+ * engine serves, and the activation conversions (Q8_0 / Q8_1 / Q8_K, F16, BF16).
+ *
+ * Built with -mavx2 -mfma -mf16c (Makefile, isa_of); kernels.c calls moe_kernels_fill_avx2
+ * only on a CPU that runs them. Each dot decodes a block in registers into small integers,
+ * forms the exact integer block sum with maddubs/madd, and accumulates block sum x float scale
+ * product in float lanes: the integer part is exactly the reference's, only the float
+ * summation order differs. A loop that works on several blocks at a time hands the blocks left
+ * over to the scalar reference (the "scalar tail"). The trap: the activation conversions must
+ * write the reference's bytes exactly (round half to even via cvtps, the same float operations
+ * in the same order), or every dot moves by ~1e-3; test_kernels checks them byte for byte. */
+#include "x86_avx2.h"
+
+#include <math.h>
+#include <string.h>
+
+/* ==== 32-value blocks against Q8_0 / Q8_1 ==== */
+
+/* Two blocks per step (two accumulators); an odd last block goes to the reference. */
+MOE_INLINE float q32_dot_q8_0(const void *w, const void *x, int64_t n, size_t block_bytes,
+                              q32_decode_fn decode, moe_dot_fn tail) {
+    const uint8_t *p = w;
+    const moe_block_q8_0 *y = x;
+    const int64_t nb = n / MOE_QK32;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2)
+        for (int u = 0; u < 2; u++) {
+            float d, m;
+            const __m256i q = decode(p + (size_t)(i + u) * block_bytes, &d, &m);
+            const __m256 s = _mm256_cvtepi32_ps(avx2_dot_i8(q, avx2_load(y[i + u].qs)));
+            acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(d * avx2_fp16(y[i + u].d)), s, acc[u]);
+        }
+    float sum = avx2_hsum_f32(_mm256_add_ps(acc[0], acc[1]));
+    if (i < nb) sum += tail(p + (size_t)i * block_bytes, y + i, (nb - i) * MOE_QK32);
+    return sum;
+}
+
+/* Against Q8_1: unsigned q (<= 31) times x, plus the min times Q8_1's s = d_x * sum(x_q). */
+MOE_INLINE float q32_dot_q8_1(const void *w, const void *x, int64_t n, size_t block_bytes,
+                              q32_decode_fn decode) {
+    const uint8_t *p = w;
+    const moe_block_q8_1 *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0;
+    for (int64_t i = 0; i < n / MOE_QK32; i++) {
+        float d, m;
+        const __m256i q = decode(p + (size_t)i * block_bytes, &d, &m);
+        const __m256i p32 =
+            _mm256_madd_epi16(avx2_mul_u8_i8(q, avx2_load(y[i].qs)), _mm256_set1_epi16(1));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * avx2_fp16(y[i].d)), _mm256_cvtepi32_ps(p32), acc);
+        mins += m * avx2_fp16(y[i].s);
+    }
+    return avx2_hsum_f32(acc) + mins;
+}
+
+#define Q32_DOT_Q8_0(t)                                                                            \
+    static float dot_##t(const void *w, const void *x, int64_t n) {                                \
+        return q32_dot_q8_0(w, x, n, sizeof(moe_block_##t), decode_##t, moe_ref_##t##_dot);        \
+    }
+#define Q32_DOT_Q8_1(t)                                                                            \
+    static float dot_##t(const void *w, const void *x, int64_t n) {                                \
+        return q32_dot_q8_1(w, x, n, sizeof(moe_block_##t), decode_##t);                           \
+    }
+Q32_DOT_Q8_0(q4_0)
+Q32_DOT_Q8_0(q5_0)
+Q32_DOT_Q8_0(q8_0)
+Q32_DOT_Q8_0(iq4_nl)
+Q32_DOT_Q8_0(mxfp4)
+Q32_DOT_Q8_1(q4_1)
+Q32_DOT_Q8_1(q5_1)
+
+/* ==== K quants against Q8_K ==== */
+
+/* Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins; the min term comes from the
+ * Q8_K bsums (pairs summed to 32-value sums). `qh` is NULL for Q4_K. */
+MOE_INLINE void k4_dot(const uint8_t *scales_raw, uint16_t d16, uint16_t dmin16, const uint8_t *qs,
+                       const uint8_t *qh, const moe_block_q8_k *y, __m256 *acc, __m128 *acc_min) {
+    const __m128i sm = avx2_k4_scales(scales_raw);
+    const float d = y->d * avx2_fp16(d16), dmin = y->d * avx2_fp16(dmin16);
+    *acc_min = avx2_k4_min_term(sm, y, dmin, *acc_min);
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i hb = qh ? avx2_load(qh) : _mm256_setzero_si256();
+    __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        const __m256i q4 = avx2_load(qs + 32 * j);
+        __m256i lo = _mm256_and_si256(q4, low4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
+        if (qh) { /* bit 2j of qh[l] is the fifth bit of the low value, bit 2j+1 of the high */
+            const __m256i b = _mm256_srli_epi16(hb, 2 * j), bit4 = _mm256_set1_epi8(0x10);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(b, 4), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(b, 3), bit4));
+        }
+        /* nibbles (<= 31) times q8 */
+        const __m256i plo = avx2_mul_u8_i8(lo, avx2_load(y->qs + 64 * j));
+        const __m256i phi = avx2_mul_u8_i8(hi, avx2_load(y->qs + 64 * j + 32));
+        const __m256i slo =
+            _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0404 * j)));
+        const __m256i shi =
+            _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0302 + 0x0404 * j)));
+        sumi = _mm256_add_epi32(sumi,
+                                _mm256_add_epi32(avx2_scale16(plo, slo), avx2_scale16(phi, shi)));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), *acc);
+}
+
+static float dot_q4_k(const void *w, const void *x, int64_t n) {
+    const moe_block_q4_k *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++)
+        k4_dot(b[i].scales, b[i].d, b[i].dmin, b[i].qs, NULL, &y[i], &acc, &acc_min);
+    return avx2_hsum_f32(acc) - avx2_hsum_f32x4(acc_min);
+}
+
+static float dot_q5_k(const void *w, const void *x, int64_t n) {
+    const moe_block_q5_k *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++)
+        k4_dot(b[i].scales, b[i].d, b[i].dmin, b[i].qs, b[i].qh, &y[i], &acc, &acc_min);
+    return avx2_hsum_f32(acc) - avx2_hsum_f32x4(acc_min);
+}
+
+/* Q6_K: q = q6 - 32 with q6 = 0..63; sum (q6 - 32) x = sum q6 x - 32 bsum, per 16-value
+ * sub-block, so the offset costs one madd of the scales with the bsums per block. */
+static float dot_q6_k(const void *w, const void *x, int64_t n) {
+    const moe_block_q6_k *b = w;
+    const moe_block_q8_k *y = x;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m128i sc = _mm_loadu_si128((const __m128i *)b[i].scales);
+        const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(&y[i]));
+        __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b[i].ql + 64 * h;
+            const __m256i qa = avx2_load(ql), qb = avx2_load(ql + 32),
+                          qhb = avx2_load(b[i].qh + 32 * h);
+            /* values l, l+32, l+64, l+96 of the half; 16-bit shifts leak only outside 0x30 */
+            const __m256i v[4] = {
+                _mm256_or_si256(_mm256_and_si256(qa, low4),
+                                _mm256_and_si256(_mm256_slli_epi16(qhb, 4), top2)),
+                _mm256_or_si256(_mm256_and_si256(qb, low4),
+                                _mm256_and_si256(_mm256_slli_epi16(qhb, 2), top2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
+                                _mm256_and_si256(qhb, top2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(qhb, 2), top2)),
+            };
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m256i p = avx2_mul_u8_i8(v[k], avx2_load(y[i].qs + 128 * h + 32 * k));
+                sumi =
+                    _mm256_add_epi32(sumi, avx2_scale16(p, avx2_scale_pair16(sc, 8 * h + 2 * k)));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * avx2_fp16(b[i].d)), _mm256_cvtepi32_ps(sumi),
+                              acc);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+/* Q2_K: 2-bit q, 4-bit scale and min per 16 values; min term from the bsums. */
+static float dot_q2_k(const void *w, const void *x, int64_t n) {
+    const moe_block_q2_k *b = w;
+    const moe_block_q8_k *y = x;
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)b[i].scales);
+        const __m128i sc = _mm_and_si128(raw, low4);
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+        const __m256i msum = _mm256_madd_epi16(mins, avx2_bsums(&y[i]));
+        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * avx2_fp16(b[i].dmin)),
+                                  _mm256_cvtepi32_ps(msum), acc_min);
+        __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i q2 = avx2_load(b[i].qs + 32 * h);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m256i v =
+                    _mm256_and_si256(_mm256_srli_epi16(q2, 2 * k), _mm256_set1_epi8(3));
+                const __m256i p = avx2_mul_u8_i8(v, avx2_load(y[i].qs + 128 * h + 32 * k));
+                sumi =
+                    _mm256_add_epi32(sumi, avx2_scale16(p, avx2_scale_pair16(sc, 8 * h + 2 * k)));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * avx2_fp16(b[i].d)), _mm256_cvtepi32_ps(sumi),
+                              acc);
+    }
+    return avx2_hsum_f32(acc) - avx2_hsum_f32(acc_min);
+}
+
+/* Q3_K: q = q3 - 4 with q3 = low 2 bits + 4 * high bit (0..7); the -4 comes from the bsums. */
+static float dot_q3_k(const void *w, const void *x, int64_t n) {
+    const moe_block_q3_k *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m128i sc = avx2_k3_scales(b[i].scales);
+        const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(&y[i]));
+        __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 2));
+        const __m256i hm = avx2_load(b[i].hmask), bit2 = _mm256_set1_epi8(4);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i q2 = avx2_load(b[i].qs + 32 * h);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                /* the high bit of value 128h + 32k + l is bit 4h + k of hmask[l], moved to bit 2 */
+                const int bit = 4 * h + k;
+                const __m256i hi = _mm256_and_si256(bit <= 2 ? _mm256_slli_epi16(hm, 2 - bit)
+                                                             : _mm256_srli_epi16(hm, bit - 2),
+                                                    bit2);
+                const __m256i v = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(q2, 2 * k), _mm256_set1_epi8(3)), hi);
+                const __m256i p = avx2_mul_u8_i8(v, avx2_load(y[i].qs + 128 * h + 32 * k));
+                sumi =
+                    _mm256_add_epi32(sumi, avx2_scale16(p, avx2_scale_pair16(sc, 8 * h + 2 * k)));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * avx2_fp16(b[i].d)), _mm256_cvtepi32_ps(sumi),
+                              acc);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+/* ==== IQ types against Q8_K ==== */
+
+/* Sub-block sums are accumulated as int32 lanes; one float FMA per super-block with
+ * d_w * d_x * mult (mult a power of two, so the product is what the reference forms). */
+MOE_INLINE __m256 iq_accumulate(__m256 acc, float dw, const moe_block_q8_k *y, float mult,
+                                __m256i sumi) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(dw * y->d * mult), _mm256_cvtepi32_ps(sumi), acc);
+}
+
+/* IQ2_XXS: per 32 values 4 grid bytes, then 4 x 7-bit sign indices and a 4-bit scale. Grid
+ * magnitudes are <= 43, so grid x signed q8 fits maddubs. */
+static float dot_iq2_xxs(const void *w, const void *x, int64_t n) {
+    const moe_block_iq2_xxs *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const uint8_t *qs = (const uint8_t *)b[i].qs;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *p = qs + 8 * ib;
+            const uint32_t aux = moe_load_le32(p + 4);
+            const __m256i g = avx2_grid4(moe_iq2xxs_grid[p[0]], moe_iq2xxs_grid[p[1]],
+                                         moe_iq2xxs_grid[p[2]], moe_iq2xxs_grid[p[3]]);
+            const __m256i s =
+                avx2_grid4(moe_ksigns64[aux & 127], moe_ksigns64[(aux >> 7) & 127],
+                           moe_ksigns64[(aux >> 14) & 127], moe_ksigns64[(aux >> 21) & 127]);
+            const __m256i p16 =
+                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
+            sumi = _mm256_add_epi32(
+                sumi, avx2_scale16(p16, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
+        }
+        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+/* IQ2_XS: per 8 values a 9-bit grid index and a 7-bit sign index; a scale per 16 values. */
+static float dot_iq2_xs(const void *w, const void *x, int64_t n) {
+    const moe_block_iq2_xs *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m128i sc = avx2_iq2_scales16(b[i].scales);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const uint16_t *q = b[i].qs + 4 * ib;
+            const __m256i g = avx2_grid4(moe_iq2xs_grid[q[0] & 511], moe_iq2xs_grid[q[1] & 511],
+                                         moe_iq2xs_grid[q[2] & 511], moe_iq2xs_grid[q[3] & 511]);
+            const __m256i s = avx2_grid4(moe_ksigns64[q[0] >> 9], moe_ksigns64[q[1] >> 9],
+                                         moe_ksigns64[q[2] >> 9], moe_ksigns64[q[3] >> 9]);
+            const __m256i p16 =
+                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
+            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_scale_pair16(sc, 2 * ib)));
+        }
+        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+/* IQ2_S: 10-bit grid index (qs byte + 2 bits of qh), explicit sign bits. */
+static float dot_iq2_s(const void *w, const void *x, int64_t n) {
+    const moe_block_iq2_s *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m128i sc = avx2_iq2_scales16(b[i].scales);
+        const uint8_t *qs = b[i].qs, *signs = b[i].qs + 32;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const unsigned qh = b[i].qh[ib];
+            const __m256i g = avx2_grid4(moe_iq2s_grid[qs[4 * ib + 0] | ((qh << 8) & 0x300)],
+                                         moe_iq2s_grid[qs[4 * ib + 1] | ((qh << 6) & 0x300)],
+                                         moe_iq2s_grid[qs[4 * ib + 2] | ((qh << 4) & 0x300)],
+                                         moe_iq2s_grid[qs[4 * ib + 3] | ((qh << 2) & 0x300)]);
+            const __m256i s = avx2_bits_to_mask(moe_load_le32(signs + 4 * ib));
+            const __m256i p16 =
+                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
+            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_scale_pair16(sc, 2 * ib)));
+        }
+        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+/* IQ3_XXS: 4-value grid entries (magnitudes <= 62), sign indices and scale as IQ2_XXS. */
+static float dot_iq3_xxs(const void *w, const void *x, int64_t n) {
+    const moe_block_iq3_xxs *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const uint8_t *gi = b[i].qs, *ss = b[i].qs + 64;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *p = gi + 8 * ib;
+            const uint32_t aux = moe_load_le32(ss + 4 * ib);
+            const __m256i g = _mm256_setr_epi32(
+                (int)moe_iq3xxs_grid[p[0]], (int)moe_iq3xxs_grid[p[1]], (int)moe_iq3xxs_grid[p[2]],
+                (int)moe_iq3xxs_grid[p[3]], (int)moe_iq3xxs_grid[p[4]], (int)moe_iq3xxs_grid[p[5]],
+                (int)moe_iq3xxs_grid[p[6]], (int)moe_iq3xxs_grid[p[7]]);
+            const __m256i s =
+                avx2_grid4(moe_ksigns64[aux & 127], moe_ksigns64[(aux >> 7) & 127],
+                           moe_ksigns64[(aux >> 14) & 127], moe_ksigns64[(aux >> 21) & 127]);
+            const __m256i p16 =
+                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
+            sumi = _mm256_add_epi32(
+                sumi, avx2_scale16(p16, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
+        }
+        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.25f, sumi);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+/* IQ3_S: 9-bit grid index (qs byte + a qh bit), explicit signs, a 4-bit scale per 32. The
+ * grid entries come from scalar loads: an 8-lane vpgatherdd measured slower on Zen 5 (3.3 vs
+ * 4.6 GB/s); MOE_IQ3S_GATHER=1 switches to it (tested either way). */
+#ifndef MOE_IQ3S_GATHER
+#define MOE_IQ3S_GATHER 0
+#endif
+static float dot_iq3_s(const void *w, const void *x, int64_t n) {
+    const moe_block_iq3_s *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i bit8_shift = _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1);
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m128i sc = avx2_odd_scales8(b[i].scales);
+        __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int ib = 0; ib < 8; ib++) {
+#if MOE_IQ3S_GATHER
+            /* index k = qs[k] | bit k of qh << 8, one 8-lane gather */
+            const __m256i idx = _mm256_or_si256(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b[i].qs + 8 * ib))),
+                _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(b[i].qh[ib]), bit8_shift),
+                                 _mm256_set1_epi32(256)));
+            const __m256i g = _mm256_i32gather_epi32((const int *)moe_iq3s_grid, idx, 4);
+#else
+            const uint8_t *qs = b[i].qs + 8 * ib;
+            const unsigned qh = b[i].qh[ib];
+            (void)bit8_shift;
+#define IQ3S(k) (int)moe_iq3s_grid[qs[k] | ((qh << (8 - (k))) & 256)]
+            const __m256i g = _mm256_setr_epi32(IQ3S(0), IQ3S(1), IQ3S(2), IQ3S(3), IQ3S(4),
+                                                IQ3S(5), IQ3S(6), IQ3S(7));
+#undef IQ3S
+#endif
+            const __m256i s = avx2_bits_to_mask(moe_load_le32(b[i].signs + 4 * ib));
+            const __m256i p16 =
+                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
+            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_splat_i16(sc, ib)));
+        }
+        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+/* IQ1: q = 8 * grid (-1, 0, 1) + delta (+-1) per value, |q| <= 9; signed dot. */
+MOE_INLINE __m256i iq1_values(__m256i grid, __m256i delta) {
+    return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), grid), delta);
+}
+MOE_INLINE uint64_t iq1_delta(bool negative) {
+    return negative ? 0xffffffffffffffffull : 0x0101010101010101ull;
+}
+
+static float dot_iq1_s(const void *w, const void *x, int64_t n) {
+    const moe_block_iq1_s *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const unsigned qh = b[i].qh[ib];
+            const uint8_t *qs = b[i].qs + 4 * ib;
+            const __m256i g = avx2_grid4(moe_iq1s_grid[qs[0] | ((qh << 8) & 0x700)],
+                                         moe_iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
+                                         moe_iq1s_grid[qs[2] | ((qh << 2) & 0x700)],
+                                         moe_iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
+            const __m256i q = iq1_values(g, _mm256_set1_epi64x((long long)iq1_delta(qh & 0x8000)));
+            const __m256i p16 = avx2_mul_i8_i8(q, avx2_load(y[i].qs + 32 * ib));
+            sumi = _mm256_add_epi32(
+                sumi, avx2_scale16(p16, _mm256_set1_epi16((short)(2 * ((qh >> 12) & 7) + 1))));
+        }
+        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+static float dot_iq1_m(const void *w, const void *x, int64_t n) {
+    const moe_block_iq1_m *b = w;
+    const moe_block_q8_k *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        uint16_t sw[4];
+        memcpy(sw, b[i].scales, 8);
+        const uint16_t d16 = (uint16_t)((sw[0] >> 12) | ((sw[1] >> 8) & 0x00f0) |
+                                        ((sw[2] >> 4) & 0x0f00) | (sw[3] & 0xf000));
+        int8_t scales[16];
+        for (int s = 0; s < 16; s++)
+            scales[s] = (int8_t)(2 * ((sw[s / 4] >> (3 * (s % 4))) & 7) + 1);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)scales);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *qs = b[i].qs + 4 * ib;
+            const unsigned h0 = b[i].qh[2 * ib], h1 = b[i].qh[2 * ib + 1];
+            const __m256i g = avx2_grid4(moe_iq1s_grid[qs[0] | ((h0 << 8) & 0x700)],
+                                         moe_iq1s_grid[qs[1] | ((h0 << 4) & 0x700)],
+                                         moe_iq1s_grid[qs[2] | ((h1 << 8) & 0x700)],
+                                         moe_iq1s_grid[qs[3] | ((h1 << 4) & 0x700)]);
+            const __m256i delta = avx2_grid4(iq1_delta(h0 & 0x08), iq1_delta(h0 & 0x80),
+                                             iq1_delta(h1 & 0x08), iq1_delta(h1 & 0x80));
+            const __m256i p16 = avx2_mul_i8_i8(iq1_values(g, delta), avx2_load(y[i].qs + 32 * ib));
+            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_scale_pair16(sc, 2 * ib)));
+        }
+        acc = iq_accumulate(acc, avx2_fp16(d16), &y[i], 0.125f, sumi);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+/* IQ4_XS: IQ4_NL codebook (signed, |v| <= 127) with a 6-bit scale per 32 values. */
+static float dot_iq4_xs(const void *w, const void *x, int64_t n) {
+    const moe_block_iq4_xs *b = w;
+    const moe_block_q8_k *y = x;
+    const __m256i book =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_iq4nl));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m128i ls = avx2_iq4xs_scales(&b[i]);
+        __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int ib = 0; ib < 8; ib++) {
+            const __m256i q = _mm256_shuffle_epi8(book, avx2_nibbles32(b[i].qs + 16 * ib));
+            const __m256i p16 = avx2_mul_i8_i8(q, avx2_load(y[i].qs + 32 * ib));
+            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_splat_i16(ls, ib)));
+        }
+        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
+    }
+    return avx2_hsum_f32(acc);
+}
+
+/* ==== Float types ==== */
+
+/* 8 floats from 8 stored values. */
+typedef __m256 (*load8_fn)(const void *p);
+MOE_INLINE __m256 load8_f32(const void *p) {
+    return _mm256_loadu_ps(p);
+}
+MOE_INLINE __m256 load8_f16(const void *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+MOE_INLINE __m256 load8_bf16(const void *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Four accumulators over 32 values per step, then 8 at a time, then the reference's tail. The
+ * products are exact in float for F16 / BF16 (11- / 8-bit mantissas), so only the sum order
+ * differs from the reference. */
+MOE_INLINE float float_dot(const void *w, const void *x, int64_t n, size_t elem, load8_fn load,
+                           moe_dot_fn tail) {
+    const uint8_t *a = w, *b = x;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int u = 0; u < 4; u++)
+            acc[u] = _mm256_fmadd_ps(load(a + (size_t)(i + 8 * u) * elem),
+                                     load(b + (size_t)(i + 8 * u) * elem), acc[u]);
+    for (; i + 8 <= n; i += 8)
+        acc[0] = _mm256_fmadd_ps(load(a + (size_t)i * elem), load(b + (size_t)i * elem), acc[0]);
+    float sum =
+        avx2_hsum_f32(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    if (i < n) sum += tail(a + (size_t)i * elem, b + (size_t)i * elem, n - i);
+    return sum;
+}
+static float dot_f32(const void *w, const void *x, int64_t n) {
+    return float_dot(w, x, n, 4, load8_f32, moe_ref_f32_dot);
+}
+static float dot_f16(const void *w, const void *x, int64_t n) {
+    return float_dot(w, x, n, 2, load8_f16, moe_ref_f16_dot);
+}
+static float dot_bf16(const void *w, const void *x, int64_t n) {
+    return float_dot(w, x, n, 2, load8_bf16, moe_ref_bf16_dot);
+}
+
+/* ==== Activation conversions (byte-identical to the reference quantizers) ==== */
+
+MOE_INLINE __m256 abs_ps(__m256 v) {
+    return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+}
+MOE_INLINE float hmax_f32(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+/* 32 int32 (four vectors, in order) to 32 int8 in order (saturating; values are |v| <= 127). */
+MOE_INLINE __m256i pack32_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* 32 activations to int8 with 127 / amax, halves to even (cvtps under the default rounding). */
+MOE_INLINE float q8_32_act(const float *x, int8_t q[32], int32_t *sum) {
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++)
+        v[k] = _mm256_loadu_ps(x + 8 * k), m = _mm256_max_ps(m, abs_ps(v[k]));
+    const float amax = hmax_f32(m);
+    const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    __m256i r[4];
+    for (int k = 0; k < 4; k++) r[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));
+    const __m256i packed = pack32_i8(r[0], r[1], r[2], r[3]);
+    _mm256_storeu_si256((__m256i *)q, packed);
+    *sum = avx2_hsum_i32(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed), _mm256_set1_epi16(1)));
+    return amax / 127.0f;
+}
+static void quantize_q8_0(const float *x, void *out, int64_t n) {
+    moe_block_q8_0 *b = out;
+    int32_t sum;
+    for (int64_t i = 0; i < n / MOE_QK32; i++)
+        b[i].d = moe_f32_to_fp16(q8_32_act(x + MOE_QK32 * i, b[i].qs, &sum));
+}
+static void quantize_q8_1(const float *x, void *out, int64_t n) {
+    moe_block_q8_1 *b = out;
+    int32_t sum;
+    for (int64_t i = 0; i < n / MOE_QK32; i++) {
+        const float d = q8_32_act(x + MOE_QK32 * i, b[i].qs, &sum);
+        b[i].d = moe_f32_to_fp16(d);
+        b[i].s = moe_f32_to_fp16(d * (float)sum);
+    }
+}
+
+/* Q8_K: scale -127 / max (max = the first value of largest magnitude, with its sign), clamp at
+ * 127, d = 1 / scale; bsums over 16 values. */
+static void quantize_q8_k(const float *x, void *out, int64_t n) {
+    moe_block_q8_k *b = out;
+    for (int64_t i = 0; i < n / MOE_QK_K; i++, x += MOE_QK_K) {
+        __m256 m = _mm256_setzero_ps();
+        for (int k = 0; k < 32; k++) m = _mm256_max_ps(m, abs_ps(_mm256_loadu_ps(x + 8 * k)));
+        const float amax = hmax_f32(m);
+        if (amax == 0.0f) {
+            memset(&b[i], 0, sizeof b[i]);
+            continue;
+        }
+        int j = 0;
+        while (fabsf(x[j]) != amax) j++;
+        const float iscale = -127.0f / x[j];
+        const __m256 vs = _mm256_set1_ps(iscale);
+        const __m256i top = _mm256_set1_epi32(127);
+        for (int k = 0; k < 8; k++) {
+            __m256i r[4];
+            for (int u = 0; u < 4; u++)
+                r[u] = _mm256_min_epi32(
+                    _mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 32 * k + 8 * u))),
+                    top);
+            const __m256i q = pack32_i8(r[0], r[1], r[2], r[3]);
+            _mm256_storeu_si256((__m256i *)(b[i].qs + 32 * k), q);
+            /* sums of 4, then of 16 within each 128-bit half */
+            __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q),
+                                          _mm256_set1_epi16(1));
+            s = _mm256_hadd_epi32(s, s);
+            s = _mm256_hadd_epi32(s, s);
+            b[i].bsums[2 * k] = (int16_t)_mm256_extract_epi32(s, 0);
+            b[i].bsums[2 * k + 1] = (int16_t)_mm256_extract_epi32(s, 4);
+        }
+        b[i].d = 1 / iscale;
+    }
+}
+
+static void quantize_f16(const float *x, void *out, int64_t n) {
+    uint16_t *h = out;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) h[i] = moe_f32_to_fp16(x[i]);
+}
+
+/* Round to nearest even in the integer domain; NaN becomes a quiet NaN (as moe_f32_to_bf16). */
+static void quantize_bf16(const float *x, void *out, int64_t n) {
+    uint16_t *h = out;
+    int64_t i = 0;
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    for (; i + 16 <= n; i += 16) {
+        __m256i r[2];
+        for (int u = 0; u < 2; u++) {
+            const __m256i v = _mm256_castps_si256(_mm256_loadu_ps(x + i + 8 * u));
+            const __m256i rounded =
+                _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(v, bias),
+                                                   _mm256_and_si256(_mm256_srli_epi32(v, 16), one)),
+                                  16);
+            const __m256i quiet =
+                _mm256_or_si256(_mm256_srli_epi32(v, 16), _mm256_set1_epi32(0x40));
+            const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs_mask), inf);
+            r[u] = _mm256_blendv_epi8(rounded, quiet, nan);
+        }
+        _mm256_storeu_si256((__m256i *)(h + i),
+                            _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8));
+    }
+    for (; i < n; i++) h[i] = moe_f32_to_bf16(x[i]);
+}
+
+static void quantize_f32(const float *x, void *out, int64_t n) {
+    memcpy(out, x, (size_t)n * sizeof(float));
+}
+
+/* ==== The table ==== */
+
+void moe_kernels_fill_avx2(moe_type_kernels types[MOE_TYPE_COUNT]) {
+    static const struct {
+        moe_type type;
+        moe_dot_fn dot;
+    } dots[] = {
+        {MOE_TYPE_F32, dot_f32},         {MOE_TYPE_F16, dot_f16},
+        {MOE_TYPE_BF16, dot_bf16},       {MOE_TYPE_Q4_0, dot_q4_0},
+        {MOE_TYPE_Q4_1, dot_q4_1},       {MOE_TYPE_Q5_0, dot_q5_0},
+        {MOE_TYPE_Q5_1, dot_q5_1},       {MOE_TYPE_Q8_0, dot_q8_0},
+        {MOE_TYPE_IQ4_NL, dot_iq4_nl},   {MOE_TYPE_MXFP4, dot_mxfp4},
+        {MOE_TYPE_Q2_K, dot_q2_k},       {MOE_TYPE_Q3_K, dot_q3_k},
+        {MOE_TYPE_Q4_K, dot_q4_k},       {MOE_TYPE_Q5_K, dot_q5_k},
+        {MOE_TYPE_Q6_K, dot_q6_k},       {MOE_TYPE_IQ2_XXS, dot_iq2_xxs},
+        {MOE_TYPE_IQ2_XS, dot_iq2_xs},   {MOE_TYPE_IQ2_S, dot_iq2_s},
+        {MOE_TYPE_IQ3_XXS, dot_iq3_xxs}, {MOE_TYPE_IQ3_S, dot_iq3_s},
+        {MOE_TYPE_IQ1_S, dot_iq1_s},     {MOE_TYPE_IQ1_M, dot_iq1_m},
+        {MOE_TYPE_IQ4_XS, dot_iq4_xs},
+    };
+    for (size_t k = 0; k < sizeof dots / sizeof dots[0]; k++)
+        moe_kernels_set_dot(types, dots[k].type, dots[k].dot, MOE_ISA_AVX2);
+    moe_kernels_set_quantize(types, MOE_TYPE_Q8_0, quantize_q8_0, MOE_ISA_AVX2);
+    moe_kernels_set_quantize(types, MOE_TYPE_Q8_1, quantize_q8_1, MOE_ISA_AVX2);
+    moe_kernels_set_quantize(types, MOE_TYPE_Q8_K, quantize_q8_k, MOE_ISA_AVX2);
+    moe_kernels_set_quantize(types, MOE_TYPE_F16, quantize_f16, MOE_ISA_AVX2);
+    moe_kernels_set_quantize(types, MOE_TYPE_BF16, quantize_bf16, MOE_ISA_AVX2);
+    moe_kernels_set_quantize(types, MOE_TYPE_F32, quantize_f32, MOE_ISA_AVX2);
+}

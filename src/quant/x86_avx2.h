@@ -1,0 +1,236 @@
+/* x86_avx2.h: the AVX2 building blocks the x86 kernel files share -- horizontal sums, nibble
+ * and bit unpacking, sign application, the signed 8-bit dot -- as always-inline functions.
+ *
+ * Included only by files built with at least the AVX2 flags (x86_avx2.c, x86_avx512*.c), never
+ * by baseline code. The trap: _mm256_maddubs_epi16 saturates its int16 pair sums, so its
+ * unsigned operand must stay small enough that 2 * u * 127 < 32768 (u <= 128): every caller says
+ * why its operand does (nibbles, grid magnitudes, |q8| via the sign trick). Activation bytes are
+ * never -128 (the Q8 quantizers clamp to +-127), which the sign trick also relies on. */
+#ifndef MOE_QUANT_X86_AVX2_H
+#define MOE_QUANT_X86_AVX2_H
+
+#include <immintrin.h>
+
+#include "blocks.h"
+#include "kernels.h"
+
+#define MOE_INLINE static inline __attribute__((always_inline))
+
+/* ==== Reductions and scalars ==== */
+
+MOE_INLINE float avx2_hsum_f32x4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+MOE_INLINE float avx2_hsum_f32(__m256 v) {
+    return avx2_hsum_f32x4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
+MOE_INLINE int32_t avx2_hsum_i32x4(__m128i s) {
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+MOE_INLINE int32_t avx2_hsum_i32(__m256i v) {
+    return avx2_hsum_i32x4(
+        _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+MOE_INLINE float avx2_fp16(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+MOE_INLINE __m256i avx2_load(const void *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+/* ==== Unpacking ==== */
+
+/* 16 bytes of nibbles as 32 values: low nibbles -> bytes 0..15, high -> 16..31 (the Q4_0 /
+ * IQ4_NL / MXFP4 / IQ4_XS order). */
+MOE_INLINE __m256i avx2_nibbles32(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0f));
+}
+
+/* 32 bits -> 32 bytes, 0xff where bit j of `bits` is set (byte j). */
+MOE_INLINE __m256i avx2_bits_to_mask(uint32_t bits) {
+    const __m256i spread =
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
+}
+
+/* x negated where mask bytes are 0xff (a two's complement conditional negate). */
+MOE_INLINE __m256i avx2_apply_signs(__m256i x, __m256i mask) {
+    return _mm256_sub_epi8(_mm256_xor_si256(x, mask), mask);
+}
+
+/* Four 8-byte codebook entries as 32 bytes (entry 0 -> bytes 0..7). */
+MOE_INLINE __m256i avx2_grid4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+    return _mm256_set_epi64x((long long)d, (long long)c, (long long)b, (long long)a);
+}
+
+/* ==== Multiply-adds ==== */
+
+/* Unsigned u times signed x, adjacent pairs summed: 16 int16 (u <= 128, see the header). */
+MOE_INLINE __m256i avx2_mul_u8_i8(__m256i u, __m256i x) {
+    return _mm256_maddubs_epi16(u, x);
+}
+/* Signed w times signed x, adjacent pairs summed: 16 int16 (the sign moves onto x). */
+MOE_INLINE __m256i avx2_mul_i8_i8(__m256i w, __m256i x) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+/* int16 pair sums to 8 int32, each pair weighted by the int16 in `scale`. */
+MOE_INLINE __m256i avx2_scale16(__m256i p16, __m256i scale) {
+    return _mm256_madd_epi16(p16, scale);
+}
+/* Signed 8-bit dot of 32 values in 8 int32 lanes (4 values each). */
+MOE_INLINE __m256i avx2_dot_i8(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(avx2_mul_i8_i8(w, x), _mm256_set1_epi16(1));
+}
+
+/* The int16 weights of two 16-value sub-blocks s and s+1 (s even): bytes s and s+1 of the 16
+ * int8 scales in `sc`, sign-extended, each repeated 8 times. */
+MOE_INLINE __m256i avx2_scale_pair16(__m128i sc, int s) {
+    const __m128i pick = _mm_set_epi64x((long long)(0x0101010101010101ull * (unsigned)(s + 1)),
+                                        (long long)(0x0101010101010101ull * (unsigned)s));
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
+}
+
+/* ==== 32-value block decoders (Q8_0 / Q8_1 dots) ==== */
+
+/* A decoder turns one block into 32 int8 (signed for the Q8_0 types, unsigned 0..31 for the
+ * Q8_1 ones) and its scale (and min). */
+typedef __m256i (*q32_decode_fn)(const uint8_t *block, float *d, float *m);
+
+MOE_INLINE __m256i decode_q4_0(const uint8_t *p, float *d, float *m) {
+    const moe_block_q4_0 *b = (const moe_block_q4_0 *)p;
+    (void)m;
+    *d = avx2_fp16(b->d);
+    return _mm256_sub_epi8(avx2_nibbles32(b->qs), _mm256_set1_epi8(8));
+}
+/* Q5_0: nibble | bit4 << 4, minus 16: OR-ing 0xf0 where the bit is clear gives nibble - 16. */
+MOE_INLINE __m256i decode_q5_0(const uint8_t *p, float *d, float *m) {
+    const moe_block_q5_0 *b = (const moe_block_q5_0 *)p;
+    (void)m;
+    *d = avx2_fp16(b->d);
+    const __m256i high =
+        _mm256_andnot_si256(avx2_bits_to_mask(moe_load_le32(b->qh)), _mm256_set1_epi8((char)0xf0));
+    return _mm256_or_si256(avx2_nibbles32(b->qs), high);
+}
+MOE_INLINE __m256i decode_q8_0(const uint8_t *p, float *d, float *m) {
+    const moe_block_q8_0 *b = (const moe_block_q8_0 *)p;
+    (void)m;
+    *d = avx2_fp16(b->d);
+    return avx2_load(b->qs);
+}
+MOE_INLINE __m256i decode_iq4_nl(const uint8_t *p, float *d, float *m) {
+    const moe_block_iq4_nl *b = (const moe_block_iq4_nl *)p;
+    (void)m;
+    *d = avx2_fp16(b->d);
+    const __m256i book =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_iq4nl));
+    return _mm256_shuffle_epi8(book, avx2_nibbles32(b->qs));
+}
+MOE_INLINE __m256i decode_mxfp4(const uint8_t *p, float *d, float *m) {
+    const moe_block_mxfp4 *b = (const moe_block_mxfp4 *)p;
+    (void)m;
+    *d = moe_e8m0_to_f32_half(b->e);
+    const __m256i book =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_mxfp4));
+    return _mm256_shuffle_epi8(book, avx2_nibbles32(b->qs));
+}
+MOE_INLINE __m256i decode_q4_1(const uint8_t *p, float *d, float *m) {
+    const moe_block_q4_1 *b = (const moe_block_q4_1 *)p;
+    *d = avx2_fp16(b->d), *m = avx2_fp16(b->m);
+    return avx2_nibbles32(b->qs);
+}
+MOE_INLINE __m256i decode_q5_1(const uint8_t *p, float *d, float *m) {
+    const moe_block_q5_1 *b = (const moe_block_q5_1 *)p;
+    *d = avx2_fp16(b->d), *m = avx2_fp16(b->m);
+    const __m256i high =
+        _mm256_and_si256(avx2_bits_to_mask(moe_load_le32(b->qh)), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(avx2_nibbles32(b->qs), high);
+}
+
+/* The 16 odd scales 2s + 1 of IQ2_XS / IQ2_S (a 4-bit s per 16 values, two per byte). */
+MOE_INLINE __m128i avx2_iq2_scales16(const uint8_t scales[8]) {
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)scales);
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i s =
+        _mm_unpacklo_epi8(_mm_and_si128(raw, low4), _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+    return _mm_add_epi8(_mm_add_epi8(s, s), _mm_set1_epi8(1));
+}
+
+/* ==== K-quant scales, decoded in registers (a store + reload would stall forwarding) ==== */
+
+/* Q4_K / Q5_K: the 8 six-bit scales (bytes 0..7) and mins (bytes 8..15), the values
+ * moe_k4_scale_min gives one at a time. */
+MOE_INLINE __m128i avx2_k4_scales(const uint8_t q[12]) {
+    uint32_t u[3];
+    memcpy(u, q, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    return _mm_setr_epi32((int)(u[0] & low6), (int)((u[2] & low4) | (((u[0] >> 6) & low2) << 4)),
+                          (int)(u[1] & low6),
+                          (int)(((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)));
+}
+
+/* Q3_K: the 16 six-bit scales, bias removed (-32..31), as unpack_q3_k decodes them. */
+MOE_INLINE __m128i avx2_k3_scales(const uint8_t q[12]) {
+    uint32_t a[3];
+    memcpy(a, q, 12);
+    const uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    const __m128i v = _mm_setr_epi32((int)((a[0] & low4) | ((a[2] & low2) << 4)),
+                                     (int)((a[1] & low4) | (((a[2] >> 2) & low2) << 4)),
+                                     (int)(((a[0] >> 4) & low4) | (((a[2] >> 4) & low2) << 4)),
+                                     (int)(((a[1] >> 4) & low4) | (((a[2] >> 6) & low2) << 4)));
+    return _mm_sub_epi8(v, _mm_set1_epi8(32));
+}
+
+/* 4 bytes as 8 nibbles in int16 lanes: lane 2k = low nibble of byte k, lane 2k+1 the high. */
+MOE_INLINE __m128i avx2_nibbles8_i16(uint32_t bytes) {
+    const __m128i v = _mm_cvtsi32_si128((int)bytes), low4 = _mm_set1_epi8(0x0f);
+    return _mm_cvtepu8_epi16(
+        _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+}
+
+/* IQ4_XS: the 8 sub-block scales ls - 32 (4 low bits in scales_l, 2 high in scales_h), int16. */
+MOE_INLINE __m128i avx2_iq4xs_scales(const moe_block_iq4_xs *b) {
+    const __m256i h =
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b->scales_h),
+                                           _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                         _mm256_set1_epi32(3));
+    const __m128i h16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const __m128i ls =
+        _mm_or_si128(avx2_nibbles8_i16(moe_load_le32(b->scales_l)), _mm_slli_epi16(h16, 4));
+    return _mm_sub_epi16(ls, _mm_set1_epi16(32));
+}
+
+/* 8 four-bit scales s (two per byte, low nibble first) as the odd int16 2s + 1 (IQ3_S). */
+MOE_INLINE __m128i avx2_odd_scales8(const uint8_t s[4]) {
+    const __m128i v = avx2_nibbles8_i16(moe_load_le32(s));
+    return _mm_add_epi16(_mm_add_epi16(v, v), _mm_set1_epi16(1));
+}
+
+/* int16 lane k of v (0..7) in every int16 lane of a 256-bit vector. */
+MOE_INLINE __m256i avx2_splat_i16(__m128i v, int k) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(v),
+                               _mm256_set1_epi16((short)(0x0100 + 0x0202 * k)));
+}
+
+/* Q4_K / Q5_K min term of one block: dmin * sum_s min[s] * (32-value bsum of s), in 4 float
+ * lanes added to acc; sm from avx2_k4_scales. */
+MOE_INLINE __m128 avx2_k4_min_term(__m128i sm, const moe_block_q8_k *y, float dmin, __m128 acc) {
+    const __m256i bs = avx2_load(y->bsums);
+    const __m128i bsum32 =
+        _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+    return _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bsum32)), acc);
+}
+
+/* Q8_K bsums (16 per block) as int16: the sums of 16 activations each. */
+MOE_INLINE __m256i avx2_bsums(const moe_block_q8_k *y) {
+    return avx2_load(y->bsums);
+}
+
+#endif

@@ -1,0 +1,408 @@
+/* x86_avx512.h: the AVX-512 kernels, written once and compiled twice: by x86_avx512.c
+ * (MOE_AVX512_VNNI 0: F/BW/VL/DQ, 8-bit dots with vpmaddubsw + vpmaddwd) and by
+ * x86_avx512vnni.c (MOE_AVX512_VNNI 1: the same code with vpdpbusd / vpdpwssd).
+ *
+ * 64 values per register. What AVX-512 adds over the AVX2 file: sign bits become a __mmask64
+ * straight from memory, applied to the activations with one masked subtract; vpermw spreads
+ * sub-block scales; 16-lane dword gathers fetch IQ3 grid entries (vpgatherdd) and 8-lane qword
+ * gathers IQ2 ones. Types without a kernel here keep the AVX2 one (kernels.c copies the lower
+ * table first). The trap: vpdpbusd does not saturate where vpmaddubsw does, so the unsigned
+ * operand must obey the AVX2 file's bound (<= 128) for both builds to give the same integers. */
+#ifndef MOE_QUANT_X86_AVX512_H
+#define MOE_QUANT_X86_AVX512_H
+
+#include "x86_avx2.h"
+
+#ifndef MOE_AVX512_VNNI
+#error "define MOE_AVX512_VNNI (0 or 1) before including x86_avx512.h"
+#endif
+
+/* ==== The two builds: the 8- and 16-bit multiply-accumulates ==== */
+
+#if MOE_AVX512_VNNI
+#define Z_LEVEL MOE_ISA_AVX512VNNI
+#define Z_FILL  moe_kernels_fill_avx512vnni
+/* acc + sum of 4 adjacent u8 x i8 products per int32 lane */
+MOE_INLINE __m512i z_dp_u8_i8(__m512i acc, __m512i u, __m512i s) {
+    return _mm512_dpbusd_epi32(acc, u, s);
+}
+/* acc + sum of 2 adjacent i16 x i16 products per int32 lane */
+MOE_INLINE __m512i z_dp_i16(__m512i acc, __m512i a, __m512i b) {
+    return _mm512_dpwssd_epi32(acc, a, b);
+}
+#else
+#define Z_LEVEL MOE_ISA_AVX512
+#define Z_FILL  moe_kernels_fill_avx512
+MOE_INLINE __m512i z_dp_u8_i8(__m512i acc, __m512i u, __m512i s) {
+    return _mm512_add_epi32(acc,
+                            _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+MOE_INLINE __m512i z_dp_i16(__m512i acc, __m512i a, __m512i b) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+}
+#endif
+
+/* Codebook lookups: a vpgatherdd / vpgatherdq or scalar loads inserted into the vector. Both
+ * are kept (and tested when switched); measured on Zen 5, single thread, 256 MiB matvec:
+ * IQ3_S 4.4 GB/s with the 16-lane dword gather vs 4.0 with scalar loads; IQ2_S 4.7 GB/s with
+ * the 8-lane qword gather vs 6.3 with scalar loads. */
+#ifndef MOE_Z_IQ3S_GATHER
+#define MOE_Z_IQ3S_GATHER 1
+#endif
+#ifndef MOE_Z_IQ2S_GATHER
+#define MOE_Z_IQ2S_GATHER 0
+#endif
+
+/* ==== Helpers ==== */
+
+MOE_INLINE __m512i z_join(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+MOE_INLINE __m512i z_load(const void *p) {
+    return _mm512_loadu_si512(p);
+}
+MOE_INLINE __m512i z_load2(const void *lo, const void *hi) {
+    return z_join(avx2_load(lo), avx2_load(hi));
+}
+MOE_INLINE uint64_t z_load_u64(const void *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+/* x negated where bits of neg are set (one bit per byte). */
+MOE_INLINE __m512i z_apply_signs(__m512i x, __mmask64 neg) {
+    return _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+}
+/* int16 lane indices for vpermw: [a x16 | b x16] */
+MOE_INLINE __m512i z_idx2(int a, int b) {
+    return _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16((short)a),
+                                   _mm512_set1_epi16((short)b));
+}
+/* int16 lane indices for vpermw: [a x8 | a+1 x8 | a+2 x8 | a+3 x8] */
+MOE_INLINE __m512i z_idx4(int a) {
+    const __m512i v = z_idx2(a, a + 2);
+    return _mm512_mask_add_epi16(v, 0xff00ff00u, v, _mm512_set1_epi16(1));
+}
+/* Scales (int16 lanes 0..15 of sc) spread over the int16 pair sums of 64 values. */
+MOE_INLINE __m512i z_scales(__m512i sc, __m512i idx) {
+    return _mm512_permutexvar_epi16(idx, sc);
+}
+MOE_INLINE __m512i z_from_256(__m256i v) {
+    return _mm512_zextsi256_si512(v);
+}
+MOE_INLINE __m512i z_from_128(__m128i v) {
+    return _mm512_zextsi128_si512(v);
+}
+
+/* ==== 32-value blocks against Q8_0 ==== */
+
+/* Two blocks per register, two registers per step; up to 3 blocks left go to the reference. */
+MOE_INLINE float z_q32_dot_q8_0(const void *w, const void *x, int64_t n, size_t block_bytes,
+                                q32_decode_fn decode, moe_dot_fn tail) {
+    const uint8_t *p = w;
+    const moe_block_q8_0 *y = x;
+    const int64_t nb = n / MOE_QK32;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 4 <= nb; i += 4)
+        for (int u = 0; u < 2; u++) {
+            const int64_t j = i + 2 * u;
+            float d0, d1, m;
+            const __m512i q = z_join(decode(p + (size_t)j * block_bytes, &d0, &m),
+                                     decode(p + (size_t)(j + 1) * block_bytes, &d1, &m));
+            const __m512i xs = z_apply_signs(z_load2(y[j].qs, y[j + 1].qs), _mm512_movepi8_mask(q));
+            const __m512i s = z_dp_u8_i8(_mm512_setzero_si512(), _mm512_abs_epi8(q), xs);
+            const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d0 * avx2_fp16(y[j].d)),
+                                                 _mm256_set1_ps(d1 * avx2_fp16(y[j + 1].d)), 1);
+            acc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[u]);
+        }
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+    if (i < nb) sum += tail(p + (size_t)i * block_bytes, y + i, (nb - i) * MOE_QK32);
+    return sum;
+}
+
+#define Z_Q32_DOT_Q8_0(t)                                                                          \
+    static float z_dot_##t(const void *w, const void *x, int64_t n) {                              \
+        return z_q32_dot_q8_0(w, x, n, sizeof(moe_block_##t), decode_##t, moe_ref_##t##_dot);      \
+    }
+Z_Q32_DOT_Q8_0(q4_0)
+Z_Q32_DOT_Q8_0(q5_0)
+Z_Q32_DOT_Q8_0(q8_0)
+Z_Q32_DOT_Q8_0(iq4_nl)
+Z_Q32_DOT_Q8_0(mxfp4)
+
+/* ==== K quants ==== */
+
+/* Q4_K / Q5_K (qh NULL for Q4_K). A register of 64 qs bytes holds sub-blocks 4p and 4p+2 in
+ * its low nibbles, 4p+1 and 4p+3 in its high ones; the activations are loaded to match. */
+MOE_INLINE void z_k4(const uint8_t *scales_raw, uint16_t d16, uint16_t dmin16, const uint8_t *qs,
+                     const uint8_t *qh, const moe_block_q8_k *y, __m512 *acc, __m128 *acc_min) {
+    const __m128i sm = avx2_k4_scales(scales_raw);
+    const float d = y->d * avx2_fp16(d16), dmin = y->d * avx2_fp16(dmin16);
+    *acc_min = avx2_k4_min_term(sm, y, dmin, *acc_min);
+    const __m512i sc = z_from_128(_mm_cvtepu8_epi16(sm));
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    const __m512i hb = qh ? _mm512_broadcast_i64x4(avx2_load(qh)) : _mm512_setzero_si512();
+    __m512i sumi = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int p = 0; p < 2; p++) {
+        const __m512i q = z_load(qs + 64 * p);
+        __m512i lo = _mm512_and_si512(q, low4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+        if (qh) { /* the fifth bit of sub-block c is bit c of qh[l]: add 16 where it is set */
+            const __m512i blo =
+                _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi8((char)(1 << (4 * p))),
+                                        _mm512_set1_epi8((char)(1 << (4 * p + 2))));
+            const __m512i bhi = _mm512_add_epi8(blo, blo);
+            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hb, blo), lo, bit4);
+            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hb, bhi), hi, bit4);
+        }
+        const __m512i xlo = z_load2(y->qs + 128 * p, y->qs + 128 * p + 64);
+        const __m512i xhi = z_load2(y->qs + 128 * p + 32, y->qs + 128 * p + 96);
+        sumi =
+            z_dp_i16(sumi, _mm512_maddubs_epi16(lo, xlo), z_scales(sc, z_idx2(4 * p, 4 * p + 2)));
+        sumi = z_dp_i16(sumi, _mm512_maddubs_epi16(hi, xhi),
+                        z_scales(sc, z_idx2(4 * p + 1, 4 * p + 3)));
+    }
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), *acc);
+}
+
+static float z_dot_q4_k(const void *w, const void *x, int64_t n) {
+    const moe_block_q4_k *b = w;
+    const moe_block_q8_k *y = x;
+    __m512 acc = _mm512_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++)
+        z_k4(b[i].scales, b[i].d, b[i].dmin, b[i].qs, NULL, &y[i], &acc, &acc_min);
+    return _mm512_reduce_add_ps(acc) - avx2_hsum_f32x4(acc_min);
+}
+
+static float z_dot_q5_k(const void *w, const void *x, int64_t n) {
+    const moe_block_q5_k *b = w;
+    const moe_block_q8_k *y = x;
+    __m512 acc = _mm512_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++)
+        z_k4(b[i].scales, b[i].d, b[i].dmin, b[i].qs, b[i].qh, &y[i], &acc, &acc_min);
+    return _mm512_reduce_add_ps(acc) - avx2_hsum_f32x4(acc_min);
+}
+
+/* Q6_K: 64 ql bytes hold values 0..63 of a half in their low nibbles and 64..127 in their
+ * high ones, in order; qh (32 bytes, broadcast) gives each its top two bits. q6 - 32 as in
+ * the AVX2 kernel (the -32 from the bsums). */
+static float z_dot_q6_k(const void *w, const void *x, int64_t n) {
+    const moe_block_q6_k *b = w;
+    const moe_block_q8_k *y = x;
+    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    const __m512i shift_lo = z_idx2(0, 2), shift_hi = z_idx2(4, 6);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[i].scales));
+        const __m256i offset = _mm256_madd_epi16(sc16, avx2_bsums(&y[i]));
+        __m512i sumi =
+            z_from_256(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5)));
+        const __m512i sc = z_from_256(sc16);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = z_load(b[i].ql + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(avx2_load(b[i].qh + 32 * h));
+            const __m512i vlo = _mm512_or_si512(
+                _mm512_and_si512(ql, low4),
+                _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, shift_lo), 4), top2));
+            const __m512i vhi = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, shift_hi), 4), top2));
+            const __m512i plo = _mm512_maddubs_epi16(vlo, z_load(y[i].qs + 128 * h));
+            const __m512i phi = _mm512_maddubs_epi16(vhi, z_load(y[i].qs + 128 * h + 64));
+            sumi = z_dp_i16(sumi, plo, z_scales(sc, z_idx4(8 * h)));
+            sumi = z_dp_i16(sumi, phi, z_scales(sc, z_idx4(8 * h + 4)));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(y[i].d * avx2_fp16(b[i].d)), _mm512_cvtepi32_ps(sumi),
+                              acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* ==== IQ types ==== */
+
+MOE_INLINE __m512 z_iq_accumulate(__m512 acc, float dw, const moe_block_q8_k *y, float mult,
+                                  __m512i sumi) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(dw * y->d * mult), _mm512_cvtepi32_ps(sumi), acc);
+}
+
+/* IQ4_XS: 32 qs bytes (two 32-value groups) spread to [lo0 hi0 lo1 hi1] 16-byte chunks; the
+ * codebook is sorted, so codes 0..7 are the negative values: their sign goes onto x and the
+ * magnitude comes from a table of |kvalues| (<= 127). */
+static float z_dot_iq4_xs(const void *w, const void *x, int64_t n) {
+    const moe_block_iq4_xs *b = w;
+    const moe_block_q8_k *y = x;
+    int8_t mag[16];
+    for (int k = 0; k < 16; k++) mag[k] = (int8_t)abs(moe_kvalues_iq4nl[k]);
+    const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mag));
+    const __m512i shifts =
+        _mm512_mask_blend_epi64(0xcc, _mm512_setzero_si512(), _mm512_set1_epi16(4));
+    const __m512i low4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m512i sc = z_from_128(avx2_iq4xs_scales(&b[i]));
+        __m512i sumi = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m512i q = _mm512_castsi256_si512(avx2_load(b[i].qs + 32 * k));
+            const __m512i nib = _mm512_and_si512(
+                _mm512_srlv_epi16(_mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(1, 1, 0, 0)), shifts),
+                low4);
+            const __m512i xs =
+                z_apply_signs(z_load(y[i].qs + 64 * k), _mm512_cmplt_epu8_mask(nib, eight));
+            const __m512i p = _mm512_maddubs_epi16(_mm512_shuffle_epi8(book, nib), xs);
+            sumi = z_dp_i16(sumi, p, z_scales(sc, z_idx2(2 * k, 2 * k + 1)));
+        }
+        acc = z_iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* IQ3_S: 16 grid indices per 64 values (qs bytes, bit 8 from the qh pair as a __mmask16), one
+ * 16-lane gather of 4-value entries (magnitudes <= 15); explicit sign bits as a mask. */
+static float z_dot_iq3_s(const void *w, const void *x, int64_t n) {
+    const moe_block_iq3_s *b = w;
+    const moe_block_q8_k *y = x;
+    const __m512i bit8 = _mm512_set1_epi32(256);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m512i sc = z_from_128(avx2_odd_scales8(b[i].scales));
+        __m512i sumi = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+#if MOE_Z_IQ3S_GATHER
+            __m512i idx =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b[i].qs + 16 * k)));
+            const __mmask16 high = (__mmask16)(b[i].qh[2 * k] | b[i].qh[2 * k + 1] << 8);
+            idx = _mm512_mask_or_epi32(idx, high, idx, bit8);
+            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)moe_iq3s_grid, 4);
+#else
+            const uint8_t *qs = b[i].qs + 16 * k;
+            const unsigned qh = b[i].qh[2 * k] | b[i].qh[2 * k + 1] << 8;
+            (void)bit8;
+#define IQ3S(j)    (int)moe_iq3s_grid[qs[j] | ((qh << (8 - (j))) & 256)]
+#define IQ3S_HI(j) (int)moe_iq3s_grid[qs[j] | ((qh >> ((j)-8)) & 256)]
+            const __m512i g =
+                z_join(_mm256_setr_epi32(IQ3S(0), IQ3S(1), IQ3S(2), IQ3S(3), IQ3S(4), IQ3S(5),
+                                         IQ3S(6), IQ3S(7)),
+                       _mm256_setr_epi32(IQ3S_HI(8), IQ3S_HI(9), IQ3S_HI(10), IQ3S_HI(11),
+                                         IQ3S_HI(12), IQ3S_HI(13), IQ3S_HI(14), IQ3S_HI(15)));
+#undef IQ3S
+#undef IQ3S_HI
+#endif
+            const __m512i xs = z_apply_signs(z_load(y[i].qs + 64 * k),
+                                             _cvtu64_mask64(z_load_u64(b[i].signs + 8 * k)));
+            sumi =
+                z_dp_i16(sumi, _mm512_maddubs_epi16(g, xs), z_scales(sc, z_idx2(2 * k, 2 * k + 1)));
+        }
+        acc = z_iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* IQ2_S: 8 grid indices per 64 values (qs byte | 2 qh bits << 8), one 8-lane gather of 8-value
+ * entries (magnitudes <= 43); explicit sign bits as a mask; a scale per 16 values. */
+static float z_dot_iq2_s(const void *w, const void *x, int64_t n) {
+    const moe_block_iq2_s *b = w;
+    const moe_block_q8_k *y = x;
+    const __m256i qh_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i three = _mm256_set1_epi32(3);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m512i sc = z_from_256(_mm256_cvtepi8_epi16(avx2_iq2_scales16(b[i].scales)));
+        const uint8_t *signs = b[i].qs + 32;
+        __m512i sumi = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+#if MOE_Z_IQ2S_GATHER
+            const __m256i qh = _mm256_set1_epi32(b[i].qh[2 * k] | b[i].qh[2 * k + 1] << 8);
+            const __m256i idx = _mm256_or_si256(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b[i].qs + 8 * k))),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, qh_shift), three), 8));
+            const __m512i g = _mm512_i32gather_epi64(idx, (const void *)moe_iq2s_grid, 8);
+#else
+            const uint8_t *qs = b[i].qs + 8 * k;
+            const unsigned h0 = b[i].qh[2 * k], h1 = b[i].qh[2 * k + 1];
+            (void)qh_shift, (void)three;
+            const __m512i g = z_join(avx2_grid4(moe_iq2s_grid[qs[0] | ((h0 << 8) & 0x300)],
+                                                moe_iq2s_grid[qs[1] | ((h0 << 6) & 0x300)],
+                                                moe_iq2s_grid[qs[2] | ((h0 << 4) & 0x300)],
+                                                moe_iq2s_grid[qs[3] | ((h0 << 2) & 0x300)]),
+                                     avx2_grid4(moe_iq2s_grid[qs[4] | ((h1 << 8) & 0x300)],
+                                                moe_iq2s_grid[qs[5] | ((h1 << 6) & 0x300)],
+                                                moe_iq2s_grid[qs[6] | ((h1 << 4) & 0x300)],
+                                                moe_iq2s_grid[qs[7] | ((h1 << 2) & 0x300)]));
+#endif
+            const __m512i xs =
+                z_apply_signs(z_load(y[i].qs + 64 * k), _cvtu64_mask64(z_load_u64(signs + 8 * k)));
+            sumi = z_dp_i16(sumi, _mm512_maddubs_epi16(g, xs), z_scales(sc, z_idx4(4 * k)));
+        }
+        acc = z_iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* ==== Float types ==== */
+
+typedef __m512 (*z_load16_fn)(const void *p);
+MOE_INLINE __m512 z_load16_f32(const void *p) {
+    return _mm512_loadu_ps(p);
+}
+MOE_INLINE __m512 z_load16_f16(const void *p) {
+    return _mm512_cvtph_ps(avx2_load(p));
+}
+MOE_INLINE __m512 z_load16_bf16(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(avx2_load(p)), 16));
+}
+
+MOE_INLINE float z_float_dot(const void *w, const void *x, int64_t n, size_t elem, z_load16_fn load,
+                             moe_dot_fn tail) {
+    const uint8_t *a = w, *b = x;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64)
+        for (int u = 0; u < 4; u++)
+            acc[u] = _mm512_fmadd_ps(load(a + (size_t)(i + 16 * u) * elem),
+                                     load(b + (size_t)(i + 16 * u) * elem), acc[u]);
+    for (; i + 16 <= n; i += 16)
+        acc[0] = _mm512_fmadd_ps(load(a + (size_t)i * elem), load(b + (size_t)i * elem), acc[0]);
+    float sum = _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    if (i < n) sum += tail(a + (size_t)i * elem, b + (size_t)i * elem, n - i);
+    return sum;
+}
+static float z_dot_f32(const void *w, const void *x, int64_t n) {
+    return z_float_dot(w, x, n, 4, z_load16_f32, moe_ref_f32_dot);
+}
+static float z_dot_f16(const void *w, const void *x, int64_t n) {
+    return z_float_dot(w, x, n, 2, z_load16_f16, moe_ref_f16_dot);
+}
+static float z_dot_bf16(const void *w, const void *x, int64_t n) {
+    return z_float_dot(w, x, n, 2, z_load16_bf16, moe_ref_bf16_dot);
+}
+
+/* ==== The table ==== */
+
+void Z_FILL(moe_type_kernels types[MOE_TYPE_COUNT]) {
+    static const struct {
+        moe_type type;
+        moe_dot_fn dot;
+    } dots[] = {
+        {MOE_TYPE_F32, z_dot_f32},       {MOE_TYPE_F16, z_dot_f16},
+        {MOE_TYPE_BF16, z_dot_bf16},     {MOE_TYPE_Q4_0, z_dot_q4_0},
+        {MOE_TYPE_Q5_0, z_dot_q5_0},     {MOE_TYPE_Q8_0, z_dot_q8_0},
+        {MOE_TYPE_IQ4_NL, z_dot_iq4_nl}, {MOE_TYPE_MXFP4, z_dot_mxfp4},
+        {MOE_TYPE_Q4_K, z_dot_q4_k},     {MOE_TYPE_Q5_K, z_dot_q5_k},
+        {MOE_TYPE_Q6_K, z_dot_q6_k},     {MOE_TYPE_IQ4_XS, z_dot_iq4_xs},
+        {MOE_TYPE_IQ3_S, z_dot_iq3_s},   {MOE_TYPE_IQ2_S, z_dot_iq2_s},
+    };
+    for (size_t k = 0; k < sizeof dots / sizeof dots[0]; k++)
+        moe_kernels_set_dot(types, dots[k].type, dots[k].dot, Z_LEVEL);
+}
+
+#endif

@@ -1,0 +1,344 @@
+/* Suite "kernels": the per-ISA kernel tables against the scalar reference.
+ *
+ * Every table this CPU can run (scalar, avx2, avx512, avx512vnni; moe_kernels_for_isa) is
+ * checked, whatever MOE_ISA says: activation conversions byte for byte, dots on ggml's fixtures
+ * (../shared/quant: .blocks against .xq.blocks) and on random valid rows of odd lengths (one
+ * block up to a few dozen), against the scalar table's dot on the same activation bytes. The
+ * integer block sums of a fast dot are exact, only its float summation order differs, so the
+ * budget is a few float roundings of the magnitude (DOT_BUDGET). The trap: the magnitude is
+ * sum |w_i x_i| of the dequantized rows; for the types with a min (Q2_K, Q4_K, Q5_K, Q4_1,
+ * Q5_1) the scale and min terms are summed separately and may be larger than that. */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../src/quant/blocks.h"
+
+/* ==== Budgets (the only numbers the dot assertions use) ==== */
+
+/* |fast - reference| <= DOT_BUDGET * sum |w_i x_i|. Float accumulation over n / 8 lanes of
+ * per-block terms: ~1e-7 is typical; min types cancel (see above) and get more. */
+#define DOT_BUDGET     5e-7
+#define DOT_BUDGET_MIN 3e-6
+static double dot_budget(moe_type t) {
+    switch (t) {
+    case MOE_TYPE_Q2_K:
+    case MOE_TYPE_Q4_K:
+    case MOE_TYPE_Q5_K:
+    case MOE_TYPE_Q4_1:
+    case MOE_TYPE_Q5_1:
+        return DOT_BUDGET_MIN;
+    default:
+        return DOT_BUDGET;
+    }
+}
+
+/* ==== Random rows ==== */
+
+/* Gaussian activations with a random scale and ~1% outliers x 20. */
+static void random_activations(uint64_t *s, float *x, int64_t n) {
+    const double scale = pow(10.0, -2.0 + 3.0 * moe_test_uniform(s));
+    for (int64_t i = 0; i < n; i++) {
+        double v = moe_test_gaussian(s) * scale;
+        if (moe_test_uniform(s) < 0.01) v *= 20;
+        x[i] = (float)v;
+    }
+}
+
+/* sum |w_i x_i| over the dequantized weight and activation rows. */
+static double abs_dot(moe_type t, const void *w, const void *xq, int64_t n) {
+    const moe_type_traits *tw = moe_type_traits_get(t);
+    const moe_type_traits *tx = moe_type_traits_get(tw->dot_type);
+    float *a = moe_xmalloc((size_t)n * sizeof(float)), *b = moe_xmalloc((size_t)n * sizeof(float));
+    tw->to_float(w, a, n);
+    tx->to_float(xq, b, n);
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += fabs((double)a[i] * b[i]);
+    free(a), free(b);
+    return sum;
+}
+
+/* ==== Levels and tables ==== */
+
+static void isa_levels_resolve(void **state) {
+    (void)state;
+    char why[200];
+    for (int i = 0; i < MOE_ISA_COUNT; i++) {
+        moe_isa back;
+        assert_true(moe_isa_from_name(moe_isa_name((moe_isa)i), &back));
+        assert_int_equal(back, i);
+    }
+    assert_false(moe_isa_from_name("avx", &(moe_isa){0}));
+    assert_int_equal(moe_cpu_isa_resolve(NULL, MOE_ISA_AVX512, why, sizeof why), MOE_ISA_AVX512);
+    assert_string_equal(why, "");
+    assert_int_equal(moe_cpu_isa_resolve("", MOE_ISA_AVX2, why, sizeof why), MOE_ISA_AVX2);
+    assert_int_equal(moe_cpu_isa_resolve("scalar", MOE_ISA_AVX512VNNI, why, sizeof why),
+                     MOE_ISA_SCALAR);
+    assert_string_equal(why, "");
+    assert_int_equal(moe_cpu_isa_resolve("avx2", MOE_ISA_AVX512, why, sizeof why), MOE_ISA_AVX2);
+    /* more than the CPU has: the best it has, and a reason */
+    assert_int_equal(moe_cpu_isa_resolve("avx512vnni", MOE_ISA_AVX2, why, sizeof why),
+                     MOE_ISA_AVX2);
+    assert_non_null(strstr(why, "at most avx2"));
+    assert_int_equal(moe_cpu_isa_resolve("sse9", MOE_ISA_AVX512, why, sizeof why), MOE_ISA_AVX512);
+    assert_non_null(strstr(why, "sse9"));
+    /* the process's own level follows MOE_ISA when that is runnable */
+    moe_isa want = moe_cpu_isa_supported();
+    const char *env = getenv("MOE_ISA");
+    moe_isa asked;
+    if (env && moe_isa_from_name(env, &asked) && asked <= want) want = asked;
+    assert_int_equal(moe_cpu_isa(), want);
+    assert_int_equal(moe_kernels_get()->isa, want);
+    char desc[256];
+    moe_cpu_describe(desc, sizeof desc);
+    print_message("[ MEASURE  ] cpu: %s; supported %s, active %s\n", desc,
+                  moe_isa_name(moe_cpu_isa_supported()), moe_isa_name(moe_cpu_isa()));
+}
+
+static void tables_cover_every_dot(void **state) {
+    (void)state;
+    const moe_isa top = moe_cpu_isa_supported();
+    for (int level = 0; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
+        if (level > (int)top) {
+            assert_null(k);
+            continue;
+        }
+        assert_non_null(k);
+        assert_int_equal(k->isa, level);
+        assert_string_equal(k->name, moe_isa_name((moe_isa)level));
+        char line[512] = "";
+        for (int t = 0; t < MOE_TYPE_COUNT; t++) {
+            const moe_type_traits *tr = moe_type_traits_get((uint32_t)t);
+            const moe_type_kernels *e = &k->types[t];
+            if (!tr || !tr->dot) {
+                assert_null(e->dot);
+                continue;
+            }
+            assert_non_null(e->dot);
+            assert_non_null(e->quantize_row_for_dot);
+            assert_int_equal(e->dot_type, tr->dot_type);
+            assert_true(e->dot_isa <= k->isa && e->quantize_isa <= k->isa);
+            if (level == MOE_ISA_SCALAR) assert_ptr_equal(e->dot, tr->dot);
+            if (e->dot_isa == k->isa && level > 0)
+                snprintf(line + strlen(line), sizeof line - strlen(line), " %s", tr->name);
+        }
+        if (level > 0) print_message("[ MEASURE  ] %s dots:%s\n", k->name, line);
+    }
+    assert_ptr_equal(moe_kernels_type(MOE_TYPE_Q4_K), &moe_kernels_get()->types[MOE_TYPE_Q4_K]);
+    assert_null(moe_kernels_type((moe_type)MOE_TYPE_COUNT));
+}
+
+/* ==== Activation conversions: byte for byte with the reference ==== */
+
+/* One weight type per activation type. */
+static const moe_type ACT_TYPES[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q4_1, MOE_TYPE_Q4_K,
+                                     MOE_TYPE_F16,  MOE_TYPE_BF16, MOE_TYPE_F32};
+
+static void check_conversion(const moe_kernels *k, moe_type wt, const float *x, int64_t n,
+                             const char *what) {
+    const moe_type_kernels *ref = &moe_kernels_for_isa(MOE_ISA_SCALAR)->types[wt];
+    const size_t bytes = (size_t)moe_dot_row_bytes(wt, n);
+    uint8_t *want = moe_xmalloc(bytes + 1), *got = moe_xmalloc(bytes + 1);
+    got[bytes] = want[bytes] = 0xa5; /* a canary past the end */
+    ref->quantize_row_for_dot(x, want, n);
+    k->types[wt].quantize_row_for_dot(x, got, n);
+    if (memcmp(got, want, bytes + 1) != 0) {
+        size_t b = 0;
+        while (got[b] == want[b]) b++;
+        fail_msg("%s: %s activations (%s, n = %lld): byte %zu of %zu is 0x%02x, reference 0x%02x",
+                 k->name, moe_type_name(moe_dot_type(wt)), what, (long long)n, b, bytes, got[b],
+                 want[b]);
+    }
+    free(want), free(got);
+}
+
+static void activation_conversions_byte_exact(void **state) {
+    (void)state;
+    uint64_t seed = 11;
+    const int64_t lens[] = {256, 512, 1024, 2816, 4096};
+    float *x = moe_xmalloc(4096 * sizeof(float));
+    for (int level = 1; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
+        if (!k) continue;
+        for (size_t a = 0; a < sizeof ACT_TYPES / sizeof ACT_TYPES[0]; a++) {
+            const moe_type wt = ACT_TYPES[a];
+            const int64_t bv = moe_type_traits_get(moe_dot_type(wt))->block_values;
+            for (size_t l = 0; l < sizeof lens / sizeof lens[0]; l++) {
+                random_activations(&seed, x, lens[l]);
+                check_conversion(k, wt, x, lens[l], "gaussian");
+            }
+            /* odd lengths where the type allows them (F16 / BF16 / F32 tails) */
+            if (bv == 1)
+                for (int64_t n = 1; n < 40; n += 3) {
+                    random_activations(&seed, x, n);
+                    check_conversion(k, wt, x, n, "odd length");
+                }
+            /* specials: zeros (a zero block), ties, a negative max, subnormals, huge, NaN */
+            memset(x, 0, 512 * sizeof(float));
+            x[300] = -3.0f, x[301] = 3.0f, x[302] = 1.5f, x[303] = 2.5f, x[304] = -0.5f;
+            x[305] = 1e-41f, x[306] = -7e-39f, x[307] = 6e-8f, x[308] = 65519.0f, x[309] = 7e4f;
+            for (int i = 320; i < 352; i++) x[i] = (float)(i - 336) * 0.5f; /* ties at d = 1 */
+            x[320] = 127.0f;
+            if (bv == 1) x[310] = NAN;
+            check_conversion(k, wt, x, 512, "special values");
+        }
+    }
+    free(x);
+}
+
+/* ggml's activation bytes come out of every table too. */
+static void activation_fixtures_byte_exact(void **state) {
+    (void)state;
+    const moe_test_quant_fixture *fx;
+    const int nf = moe_test_quant_fixtures(&fx);
+    for (int level = 1; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
+        if (!k) continue;
+        for (int i = 0; i < nf; i++) {
+            const moe_test_quant_fixture *f = &fx[i];
+            const size_t xb = (size_t)moe_dot_row_bytes(f->type, f->row_len);
+            float *x = (float *)moe_test_quant_read(
+                f, "x.f32", MOE_TEST_QUANT_N_VEC * (size_t)f->row_len * sizeof(float));
+            uint8_t *want = moe_test_quant_read(f, "xq.blocks", MOE_TEST_QUANT_N_VEC * xb);
+            uint8_t *got = moe_xmalloc(xb);
+            for (int j = 0; j < MOE_TEST_QUANT_N_VEC; j++) {
+                k->types[f->type].quantize_row_for_dot(x + j * f->row_len, got, f->row_len);
+                if (memcmp(got, want + j * xb, xb) != 0)
+                    fail_msg("%s: %s activation row %d differs from ggml-cpu", k->name, f->name, j);
+            }
+            free(x), free(want), free(got);
+        }
+    }
+}
+
+/* ==== Dots against the reference ==== */
+
+typedef struct {
+    double worst[MOE_TYPE_COUNT]; /* max |err| / magnitude per type */
+    char failed[512];
+} dot_report;
+
+static void check_dot(const moe_kernels *k, moe_type t, const uint8_t *w, const uint8_t *xq,
+                      int64_t n, dot_report *r, const char *what) {
+    const double want = moe_kernels_for_isa(MOE_ISA_SCALAR)->types[t].dot(w, xq, n);
+    const double got = k->types[t].dot(w, xq, n);
+    const double mag = abs_dot(t, w, xq, n);
+    const double err = fabs(got - want);
+    if (!(err <= dot_budget(t) * mag) && !(err == 0)) {
+        print_error("%s %s (%s, n = %lld): %.9g, reference %.9g (%.2e x magnitude)\n", k->name,
+                    moe_type_name(t), what, (long long)n, got, want, mag > 0 ? err / mag : err);
+        if (!strstr(r->failed, moe_type_name(t)))
+            strcat(r->failed, moe_type_name(t)), strcat(r->failed, " ");
+    }
+    if (mag > 0 && err / mag > r->worst[t]) r->worst[t] = err / mag;
+}
+
+static void report(const moe_kernels *k, const dot_report *r, const char *what) {
+    char line[1024] = "";
+    for (int t = 0; t < MOE_TYPE_COUNT; t++)
+        if (k->types[t].dot && k->types[t].dot_isa > MOE_ISA_SCALAR)
+            snprintf(line + strlen(line), sizeof line - strlen(line), " %s %.1e", moe_type_name(t),
+                     r->worst[t]);
+    print_message("[ MEASURE  ] %s dots vs reference (%s), max err / magnitude:%s\n", k->name, what,
+                  line);
+    if (r->failed[0]) fail_msg("%s dots off the reference for: %s", k->name, r->failed);
+}
+
+static void dots_match_reference_on_fixtures(void **state) {
+    (void)state;
+    const moe_test_quant_fixture *fx;
+    const int nf = moe_test_quant_fixtures(&fx);
+    for (int level = 1; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
+        if (!k) continue;
+        dot_report r = {{0}, ""};
+        for (int i = 0; i < nf; i++) {
+            const moe_test_quant_fixture *f = &fx[i];
+            const size_t rb = (size_t)moe_type_row_bytes(f->type, f->row_len);
+            const size_t xb = (size_t)moe_dot_row_bytes(f->type, f->row_len);
+            uint8_t *w = moe_test_quant_read(f, "blocks", rb * (size_t)f->n_rows);
+            uint8_t *xq = moe_test_quant_read(f, "xq.blocks", MOE_TEST_QUANT_N_VEC * xb);
+            for (int64_t row = 0; row < f->n_rows; row++)
+                for (int j = 0; j < MOE_TEST_QUANT_N_VEC; j++) {
+                    check_dot(k, f->type, w + row * rb, xq + j * xb, f->row_len, &r, "fixture");
+                    /* the first block alone, and all but the last (odd block counts) */
+                    const int64_t bv = f->block_values == 1 ? 1 : f->block_values;
+                    const int64_t one = f->block_values == 1 ? 33 : bv;
+                    check_dot(k, f->type, w + row * rb, xq + j * xb, one, &r, "first block");
+                    check_dot(k, f->type, w + row * rb, xq + j * xb, f->row_len - bv, &r, "prefix");
+                }
+            free(w), free(xq);
+        }
+        report(k, &r, "ggml fixtures");
+    }
+}
+
+static void dots_match_reference_on_random_rows(void **state) {
+    (void)state;
+    /* lengths in blocks (values for the plain float types) */
+    static const int64_t blocks[] = {1, 2, 3, 5, 7, 13, 33};
+    static const int64_t values[] = {1, 7, 8, 31, 33, 100, 257, 1056, 4099};
+    const int64_t max_n = 33 * 256;
+    uint8_t *w = moe_xmalloc((size_t)max_n * 4);
+    uint8_t *xq = moe_xmalloc((size_t)max_n * 4);
+    float *x = moe_xmalloc((size_t)max_n * sizeof(float));
+    for (int level = 1; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
+        if (!k) continue;
+        dot_report r = {{0}, ""};
+        uint64_t seed = 1234;
+        for (int t = 0; t < MOE_TYPE_COUNT; t++) {
+            const moe_type_traits *tr = moe_type_traits_get((uint32_t)t);
+            if (!tr || !tr->dot || t == MOE_TYPE_Q8_1 || t == MOE_TYPE_Q8_K) continue;
+            const bool plain = tr->block_values == 1;
+            const size_t count =
+                plain ? sizeof values / sizeof values[0] : sizeof blocks / sizeof blocks[0];
+            for (size_t c = 0; c < count; c++)
+                for (int rep = 0; rep < 4; rep++) {
+                    const int64_t n = plain ? values[c] : blocks[c] * tr->block_values;
+                    moe_type_random_row((moe_type)t, &seed, w, n);
+                    random_activations(&seed, x, n);
+                    moe_kernels_for_isa(MOE_ISA_SCALAR)->types[t].quantize_row_for_dot(x, xq, n);
+                    check_dot(k, (moe_type)t, w, xq, n, &r, "random");
+                }
+        }
+        report(k, &r, "random rows");
+    }
+    free(w), free(xq), free(x);
+}
+
+/* ==== moe --version names the table ==== */
+
+static void version_names_kernel_table(void **state) {
+    (void)state;
+    char cmd[512], *out;
+    snprintf(cmd, sizeof cmd, "MOE_ISA=scalar %s --version", moe_test_bin());
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "kernels: scalar"));
+    free(out);
+    /* an unknown or unavailable level: a message, and the best table */
+    snprintf(cmd, sizeof cmd, "MOE_ISA=sse9 %s --version", moe_test_bin());
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "MOE_ISA=sse9"));
+    char want[64];
+    snprintf(want, sizeof want, "kernels: %s", moe_isa_name(moe_cpu_isa_supported()));
+    assert_non_null(strstr(out, want));
+    free(out);
+}
+
+int moe_suite_kernels(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(isa_levels_resolve),
+        cmocka_unit_test(tables_cover_every_dot),
+        cmocka_unit_test(activation_conversions_byte_exact),
+        cmocka_unit_test(activation_fixtures_byte_exact),
+        cmocka_unit_test(dots_match_reference_on_fixtures),
+        cmocka_unit_test(dots_match_reference_on_random_rows),
+        cmocka_unit_test(version_names_kernel_table),
+    };
+    return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);
+}
