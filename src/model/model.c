@@ -89,23 +89,20 @@ static bool key_u32_per_layer(binder *b, const char *suffix, uint32_t fallback, 
         for (uint32_t i = 1; i < n; i++) out[i] = out[0];
         return true;
     }
-    static const uint8_t size[MOE_GGUF_VTYPE_COUNT] = {
-        [MOE_GGUF_U8] = 1, [MOE_GGUF_I8] = 1, [MOE_GGUF_U16] = 2, [MOE_GGUF_I16] = 2,
-        [MOE_GGUF_U32] = 4, [MOE_GGUF_I32] = 4, [MOE_GGUF_U64] = 8, [MOE_GGUF_I64] = 8};
     const moe_gguf_vtype et = v->arr.elem_type;
+    const unsigned size = moe_gguf_vtype_size(et);
     const bool is_signed = et == MOE_GGUF_I8 || et == MOE_GGUF_I16 || et == MOE_GGUF_I32 ||
                            et == MOE_GGUF_I64;
-    if ((unsigned)et >= MOE_GGUF_VTYPE_COUNT || !size[et] || v->arr.n != n) {
+    if (!size || et == MOE_GGUF_F32 || et == MOE_GGUF_F64 || v->arr.n != n) {
         moe_error_set(b->err, MOE_ERR_FORMAT, "%s: key '%s' must be an integer or %u integers "
                       "(one per layer)", b->path, key, n);
         return false;
     }
     for (uint32_t i = 0; i < n; i++) {
         uint64_t u = 0;
-        memcpy(&u, (const uint8_t *)v->arr.data + (uint64_t)i * size[et], size[et]);
-        const int bits = 8 * size[et];
-        bool neg = false;
-        if (is_signed) neg = bits < 64 ? (u >> (bits - 1)) & 1 : (int64_t)u < 0;
+        memcpy(&u, (const uint8_t *)v->arr.data + (uint64_t)i * size, size);
+        const unsigned bits = 8 * size;
+        const bool neg = is_signed && ((u >> (bits - 1)) & 1);
         if (neg || u > MOE_MAX_WIDTH) {
             moe_error_set(b->err, MOE_ERR_RANGE, "%s: key '%s'[%u] is out of range", b->path, key, i);
             return false;
