@@ -131,9 +131,11 @@ static moe_model *load_model(void) {
     return m;
 }
 
+/* Contexts of many sequences run on two threads: the heads of the delta rule and the matmuls
+ * split between them must not change a bit. */
 static moe_ctx *new_ctx(const moe_model *m, uint32_t n_seq, uint32_t max_rows) {
     moe_error err = {0};
-    moe_ctx_params cp = {.n_ctx = 512, .n_seq = n_seq, .max_rows = max_rows};
+    moe_ctx_params cp = {.n_ctx = 512, .n_seq = n_seq, .max_rows = max_rows, .n_threads = n_seq > 1 ? 2 : 1};
     moe_ctx *c = moe_ctx_new(m, &cp, &err);
     if (!c) fail_msg("%s", err.msg);
     return c;
