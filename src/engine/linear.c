@@ -168,7 +168,6 @@ typedef struct delta_job {
     moe_ctx *c;
     const linear_dims *d;
     uint32_t slot; /* linear layer index */
-    uint32_t n_seg;
 } delta_job;
 
 static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
@@ -230,7 +229,7 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
     for (uint32_t i = 0; i < n_rows; i++)
         for (int64_t h = 0; h < 2 * d.nk; h++) moe_l2norm(lin->qkv + i * d.conv_ch + h * d.hd, d.hd, cfg->rms_eps);
 
-    delta_job job = {.c = c, .d = &d, .slot = slot, .n_seg = n_seg};
+    delta_job job = {.c = c, .d = &d, .slot = slot};
     moe_pool_for(c->pool, (int64_t)n_seg * d.nv, 1, delta_heads, &job);
 
     /* gated RMSNorm per head: silu(z) for GDN, sigmoid(g_b(g_a x)) for KDA */
