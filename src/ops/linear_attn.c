@@ -7,9 +7,9 @@
  * same state, [d_v][d_k] per head with the key index contiguous (ggml's layout), so a sequence
  * may switch between them at any token. It does not own where states live (engine/).
  *
- * The trap: decays only ever enter as exp(gamma_t - gamma_s) with t >= s, where gamma is the
- * running sum of the (non-positive) log decays inside a chunk; forming exp(-gamma) alone would
- * overflow within a chunk when decay is strong. */
+ * The trap: decays only ever enter as products of per-token factors exp(g) <= 1 taken forward
+ * in time; dividing by an earlier product (exp(-gamma)) would overflow within a chunk when
+ * decay is strong. */
 #include "ops.h"
 
 #include <math.h>
@@ -68,8 +68,9 @@ static float dot(const float *a, const float *b, int n) {
 
 uint64_t moe_delta_scratch_floats(int d_k, int d_v) {
     const uint64_t C = MOE_DELTA_CHUNK;
-    /* gamma [C][d_k], A and B [C][C], U [C][d_v], a decayed row [d_k], a state row product [d_v] */
-    return C * (uint64_t)d_k + 2 * C * C + C * (uint64_t)d_v + (uint64_t)d_k + (uint64_t)d_v;
+    /* decays and their running products [C][d_k] each, A and B [C][C], U [C][d_v], one
+     * decayed row [d_k], one running decay [d_k], one state row product [d_v] */
+    return 2 * C * (uint64_t)d_k + 2 * C * C + C * (uint64_t)d_v + 2 * (uint64_t)d_k + (uint64_t)d_v;
 }
 
 void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *state,
@@ -96,51 +97,59 @@ void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *sta
     }
 }
 
-/* sum_i x[i] y[i] exp(gt[i] - gs[i]): a key of token s seen from token t >= s */
-static float decayed_dot(const float *x, const float *y, const float *gt, const float *gs, int n,
-                         int n_g) {
-    if (n_g == 1) return dot(x, y, n) * expf(gt[0] - gs[0]);
+/* sum_i x[i] y[i] e[i] (e: n_g == 1 values broadcast) */
+static float dot3(const float *x, const float *y, const float *e, int n, int n_g) {
+    if (n_g == 1) return dot(x, y, n) * e[0];
     float s = 0.0f;
-    for (int i = 0; i < n; i++) s += x[i] * y[i] * expf(gt[i] - gs[i]);
+    for (int i = 0; i < n; i++) s += x[i] * y[i] * e[i];
     return s;
 }
 
-/* One chunk of C tokens from state S0 (updated to the state after the chunk). With gamma_t the
- * cumulative log decay and u_t = beta_t (v_t - S_{t-1} D_t k_t) the value each token writes:
- *   S_t = S0 diag(e^gamma_t) + sum_{s<=t} u_s (k_s e^(gamma_t - gamma_s))^T
- *   (I + diag(beta) A) U = diag(beta) (V - (K e^gamma) S0^T),  A_ts = k_s.(k_t e^(gamma_t-gamma_s)), s<t
- *   O = (Q e^gamma) S0^T + B U,                                 B_ts = k_s.(q_t e^(gamma_t-gamma_s)), s<=t
- * The solve is forward substitution over t (a unit lower-triangular system). */
+/* One chunk of C tokens from state S0 (updated to the state after the chunk). With a_t the
+ * decay of token t, P_t = a_0 ... a_t its running product, P_ts = a_(s+1) ... a_t, and
+ * u_t = beta_t (v_t - S_{t-1} D_t k_t) the value each token writes:
+ *   S_t = S0 diag(P_t) + sum_{s<=t} u_s (k_s P_ts)^T
+ *   (I + diag(beta) A) U = diag(beta) (V - (K P) S0^T),  A_ts = k_s.(k_t P_ts), s < t
+ *   O = (Q P) S0^T + B U,                                 B_ts = k_s.(q_t P_ts), s <= t
+ * The solve is forward substitution over t (a unit lower-triangular system). Decays enter
+ * only as products of factors <= 1 (exp of the log decays once per token and channel), so
+ * strong decay underflows to 0 as it should instead of overflowing. */
 static void delta_chunk(const moe_delta_args *a, int64_t t0, int C, float *S, float *scratch) {
     const int dk = a->d_k, dv = a->d_v, ng = a->n_g;
-    float *gamma = scratch;                      /* [C][ng] */
-    float *A = gamma + (int64_t)MOE_DELTA_CHUNK * dk; /* [C][C] */
-    float *B = A + MOE_DELTA_CHUNK * MOE_DELTA_CHUNK; /* [C][C] */
-    float *U = B + MOE_DELTA_CHUNK * MOE_DELTA_CHUNK; /* [C][dv] */
-    float *w = U + (int64_t)MOE_DELTA_CHUNK * dv;     /* [dk] */
-    float *r = w + dk;                                /* [dv] */
+    float *decay = scratch;                           /* [C][ng] a_t */
+    float *prod = decay + (int64_t)MOE_DELTA_CHUNK * dk; /* [C][ng] P_t */
+    float *A = prod + (int64_t)MOE_DELTA_CHUNK * dk;     /* [C][C] */
+    float *B = A + MOE_DELTA_CHUNK * MOE_DELTA_CHUNK;    /* [C][C] */
+    float *U = B + MOE_DELTA_CHUNK * MOE_DELTA_CHUNK;    /* [C][dv] */
+    float *w = U + (int64_t)MOE_DELTA_CHUNK * dv;        /* [dk] */
+    float *e = w + dk;                                   /* [dk] */
+    float *r = e + dk;                                   /* [dv] */
 #define Q_(t) (a->q + (t0 + (t)) * a->qk_stride)
 #define K_(t) (a->k + (t0 + (t)) * a->qk_stride)
+#define G_(p, t, i) (p)[(t) * ng + (ng == 1 ? 0 : (i))]
     for (int t = 0; t < C; t++) {
         const float *g = a->g + (t0 + t) * a->g_stride;
-        for (int i = 0; i < ng; i++) gamma[t * ng + i] = (t ? gamma[(t - 1) * ng + i] : 0.0f) + g[i];
+        for (int i = 0; i < ng; i++) {
+            decay[t * ng + i] = expf(g[i]);
+            prod[t * ng + i] = (t ? prod[(t - 1) * ng + i] : 1.0f) * decay[t * ng + i];
+        }
     }
-    /* intra-chunk coefficients */
-    for (int t = 0; t < C; t++) {
-        const float *gt = gamma + t * ng;
-        for (int s = 0; s <= t; s++) {
-            const float *gs = gamma + s * ng;
-            A[t * C + s] = s < t ? decayed_dot(K_(s), K_(t), gt, gs, dk, ng) : 0.0f;
-            B[t * C + s] = decayed_dot(K_(s), Q_(t), gt, gs, dk, ng) * a->scale;
+    /* intra-chunk coefficients, column by column: e = P_ts grows one factor per row */
+    for (int s = 0; s < C; s++) {
+        for (int i = 0; i < ng; i++) e[i] = 1.0f;
+        for (int t = s; t < C; t++) {
+            if (t > s)
+                for (int i = 0; i < ng; i++) e[i] *= decay[t * ng + i];
+            A[t * C + s] = t > s ? dot3(K_(s), K_(t), e, dk, ng) : 0.0f;
+            B[t * C + s] = dot3(K_(s), Q_(t), e, dk, ng) * a->scale;
         }
     }
     /* forward substitution for U, and the outputs */
     for (int t = 0; t < C; t++) {
-        const float *gt = gamma + t * ng;
         const float *v = a->v + (t0 + t) * a->v_stride;
         const float beta = a->beta[(t0 + t) * a->beta_stride];
         float *u = U + (int64_t)t * dv;
-        for (int i = 0; i < dk; i++) w[i] = K_(t)[i] * expf(gt[ng == 1 ? 0 : i]);
+        for (int i = 0; i < dk; i++) w[i] = K_(t)[i] * G_(prod, t, i);
         for (int j = 0; j < dv; j++) u[j] = v[j] - dot(S + (int64_t)j * dk, w, dk);
         for (int s = 0; s < t; s++) {
             const float c = A[t * C + s];
@@ -149,7 +158,7 @@ static void delta_chunk(const moe_delta_args *a, int64_t t0, int C, float *S, fl
         }
         for (int j = 0; j < dv; j++) u[j] *= beta;
         float *out = a->out + (t0 + t) * a->out_stride;
-        for (int i = 0; i < dk; i++) w[i] = Q_(t)[i] * expf(gt[ng == 1 ? 0 : i]) * a->scale;
+        for (int i = 0; i < dk; i++) w[i] = Q_(t)[i] * G_(prod, t, i) * a->scale;
         for (int j = 0; j < dv; j++) r[j] = dot(S + (int64_t)j * dk, w, dk);
         for (int s = 0; s <= t; s++) {
             const float c = B[t * C + s];
@@ -158,20 +167,21 @@ static void delta_chunk(const moe_delta_args *a, int64_t t0, int C, float *S, fl
         }
         memcpy(out, r, sizeof(float) * (size_t)dv);
     }
-    /* the state after the chunk */
-    const float *gl = gamma + (C - 1) * ng;
-    for (int i = 0; i < dk; i++) w[i] = expf(gl[ng == 1 ? 0 : i]);
+    /* the state after the chunk: S0 P_last + sum_s u_s (k_s P_(last,s))^T, P built backwards */
+    for (int i = 0; i < dk; i++) w[i] = G_(prod, C - 1, i);
     for (int j = 0; j < dv; j++)
         for (int i = 0; i < dk; i++) S[(int64_t)j * dk + i] *= w[i];
-    for (int s = 0; s < C; s++) {
-        const float *gs = gamma + s * ng;
-        for (int i = 0; i < dk; i++) w[i] = K_(s)[i] * expf(gl[ng == 1 ? 0 : i] - gs[ng == 1 ? 0 : i]);
+    for (int i = 0; i < ng; i++) e[i] = 1.0f;
+    for (int s = C - 1; s >= 0; s--) {
+        for (int i = 0; i < dk; i++) w[i] = K_(s)[i] * e[ng == 1 ? 0 : i];
         const float *us = U + (int64_t)s * dv;
         for (int j = 0; j < dv; j++)
             for (int i = 0; i < dk; i++) S[(int64_t)j * dk + i] += us[j] * w[i];
+        for (int i = 0; i < ng; i++) e[i] *= decay[s * ng + i];
     }
 #undef Q_
 #undef K_
+#undef G_
 }
 
 void moe_delta_rule_chunked(const moe_delta_args *a, int64_t n_tok, float *state,
