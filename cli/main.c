@@ -16,13 +16,26 @@ static const moe_command commands[] = {
      "MODEL --tokens ID,ID,... [--out FILE.f32] [--kv-type f32|f16]"},
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
-     "FILE|SHARD [--json]"},
+     "FILE|SHARD|URL [--json | --formats]"},
+    {"budget", moe_cmd_budget,
+     "memory per device for a model (or a ladder of builds): fits, largest context and streams",
+     "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
+     "[--kv-type f16|f32|q8_0] [--no-vision] [--ladder] [--json] [--svg FILE]"},
+    {"audit", moe_cmd_audit,
+     "quantization error of chosen rows against a float reference (rel. Frobenius, cosine, matvec)",
+     "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
     {"synth", moe_cmd_synth, "write a GGUF model of a supported architecture with seeded random weights",
      "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads N]\n"
      "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff N]\n"
      "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...]"},
+    {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
+     "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
+     "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},
+    {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
+     "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
+     "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},
     {0},
 };
 

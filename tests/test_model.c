@@ -258,6 +258,61 @@ static void batch_equals_alone(void **state) {
     moe_model_free(m);
 }
 
+/* Parity cases run from a table: the fixture name and its tolerance. */
+typedef struct parity_case {
+    const char *name;
+    double tol;
+} parity_case;
+
+static void parity_case_run(void **state) {
+    const parity_case *p = *state;
+    parity_check(p->name, p->tol);
+}
+
+/* MLA with q/kv LoRA and a latent cache, sigmoid routing with exp_probs_b over 4 groups (top 2
+ * kept), weight norm and scale 2.5, one dense lead layer, a shared expert; plain rope. */
+static const parity_case deepseek2_f32 = {"deepseek2-f32", TOL_F32};
+/* The same architecture with Q4_K / Q8_0 weights (absorbed attn_k_b / attn_v_b in Q8_0) and
+ * YaRN x40 with yarn_log_multiplier: the attention scale carries mscale^2. */
+static const parity_case deepseek2_q8_0_q4_k = {"deepseek2-q8_0-q4_k", TOL_Q8_ACT};
+/* Attention sinks, q/k/v/o biases, layer 0 windowed (8), YaRN x32 with NEOX rope, router bias
+ * and softmax over the chosen 2 of 4, MXFP4 experts with biases and the clamped SwiGLU. */
+static const parity_case gpt_oss_mxfp4 = {"gpt-oss-mxfp4", TOL_Q8_ACT};
+#define PARITY_TEST(c) {"parity_" #c, parity_case_run, NULL, NULL, (void *)&c}
+
+/* ==== Routing ==== */
+
+/* DeepSeek-V3 grouped top-k on a hand-made row, as llama.cpp's build_moe_ffn does it: scores
+ * sigmoid(logit) + exp_probs_b; each group of 2 scores the sum of its top-2; the 2 best groups
+ * stay; the top 2 experts of those are chosen; their weights are the UNbiased sigmoids,
+ * renormalised and scaled. The group holding the single best expert (6) loses on its sum, and
+ * expert 3 wins its place on the bias alone, so max-per-group or biased weights would fail. */
+static void grouped_routing_hand_made(void **state) {
+    (void)state;
+    const float logit_of[8] = {-0.4f, 0.1f, 1.0f, -2.0f, 0.0f, 0.2f, 3.0f, -3.0f};
+    const float bias[8] = {0, 0, 0, 2.0f, 0, 0, 0, 0};
+    /* selection: 0.401 0.525 | 0.731 2.119 | 0.5 0.550 | 0.953 0.047
+     * group sums: 0.926, 2.850, 1.050, 1.000 -> groups 1 and 2 (not group 3 with 0.953) */
+    float logits[8], weights[2], scratch[16];
+    memcpy(logits, logit_of, sizeof logits);
+    int32_t ids[2];
+    const moe_route_params p = {.n_expert = 8, .n_used = 2, .gating = MOE_GATING_SIGMOID,
+                                .norm = true, .scale = 2.5f, .sel_bias = bias,
+                                .n_group = 4, .topk_group = 2};
+    moe_route(&p, logits, 1, ids, weights, scratch);
+    assert_int_equal(ids[0], 3);
+    assert_int_equal(ids[1], 2);
+    const float s3 = 1.0f / (1.0f + expf(2.0f)), s2 = 1.0f / (1.0f + expf(-1.0f));
+    assert_true(fabsf(weights[0] - 2.5f * s3 / (s3 + s2)) < 1e-6f);
+    assert_true(fabsf(weights[1] - 2.5f * s2 / (s3 + s2)) < 1e-6f);
+    /* without groups the best scores win: 3 and 6 */
+    const moe_route_params flat = {.n_expert = 8, .n_used = 2, .gating = MOE_GATING_SIGMOID,
+                                   .norm = true, .scale = 1.0f, .sel_bias = bias};
+    moe_route(&flat, logits, 1, ids, weights, scratch);
+    assert_int_equal(ids[0], 3);
+    assert_int_equal(ids[1], 6);
+}
+
 /* ==== Load errors: each names what is wrong ==== */
 
 typedef enum { EDIT_DROP_TENSOR, EDIT_RESHAPE_TENSOR, EDIT_ARCH } edit_kind;
@@ -440,6 +495,10 @@ int moe_suite_model(void) {
         cmocka_unit_test(parity_qwen3moe_mixed),
         cmocka_unit_test(parity_qwen3next_f32),
         cmocka_unit_test(batch_equals_alone),
+        PARITY_TEST(deepseek2_f32),
+        PARITY_TEST(deepseek2_q8_0_q4_k),
+        PARITY_TEST(gpt_oss_mxfp4),
+        cmocka_unit_test(grouped_routing_hand_made),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),
         cmocka_unit_test(unknown_arch_is_named),

@@ -1,9 +1,11 @@
-/* attention.c: the grouped-query attention block -- RMSNorm, q/k/v projections, optional
- * per-head QK-norm, rope, the KV cache write, causal attention per row, an optional output gate
- * (qwen3next: attn_q yields [q, gate] per head, out *= sigmoid(gate)), output projection.
+/* attention.c: the grouped-query attention block -- RMSNorm, q/k/v projections (with biases
+ * where the arch has them), optional per-head QK-norm, rope, the KV cache write, causal
+ * attention per row (sinks and sliding windows where the layer has them), an optional output
+ * gate (qwen3next: attn_q yields [q, gate] per head, out *= sigmoid(gate)), output projection.
  *
  * Rows of one sequence in a batch attend to each other causally because every row's K/V is
- * written before any row attends, and a row at position p reads positions 0..p only. */
+ * written before any row attends, and a row at position p reads positions 0..p only (the last
+ * `window` of them in a windowed layer). moe_attend_rows is shared with the MLA block. */
 #include "internal.h"
 
 #include <math.h>
@@ -12,23 +14,29 @@
 typedef struct attn_job {
     moe_ctx *c;
     const moe_row *rows;
-    uint32_t layer;
+    uint32_t layer, window;
+    bool latent_v;
     const moe_attn_shape *shape;
 } attn_job;
 
 static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const attn_job *j = arg;
     moe_ctx *c = j->c;
-    const moe_model_config *cfg = &c->m->cfg;
-    const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
-    const int64_t att_w = (int64_t)cfg->n_head * cfg->head_dim_v;
+    const moe_attn_shape *s = j->shape;
+    const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
+    const int64_t att_w = (int64_t)s->n_head * s->head_dim_v;
     const int64_t elem = c->p.kv_type == MOE_KV_F16 ? 2 : 4;
+    uint8_t *v_cache = j->latent_v ? c->k_cache : c->v_cache;
+    const uint64_t v_row_bytes = j->latent_v ? c->k_row_bytes : c->v_row_bytes;
     for (int64_t r = begin; r < end; r++) {
         const moe_row *row = &j->rows[r];
-        const uint8_t *k0 = moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, 0);
-        const uint8_t *v0 = moe_kv_slot(c, c->v_cache, c->v_row_bytes, row->seq, j->layer, 0);
-        moe_attention_row(j->shape, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes / elem,
-                          (int64_t)c->v_row_bytes / elem, row->pos + 1, c->att + r * att_w,
+        /* a windowed layer masks key j for query p when p - j >= window */
+        const uint32_t first = j->window && (uint32_t)row->pos >= j->window
+                                   ? (uint32_t)row->pos - j->window + 1 : 0;
+        const uint8_t *k0 = moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, first);
+        const uint8_t *v0 = moe_kv_slot(c, v_cache, v_row_bytes, row->seq, j->layer, first);
+        moe_attention_row(s, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes / elem,
+                          (int64_t)v_row_bytes / elem, row->pos + 1 - first, c->att + r * att_w,
                           c->scores + (int64_t)thread * c->p.n_ctx);
     }
 }
@@ -45,6 +53,13 @@ static void split_q_gate(moe_ctx *c, uint32_t n_rows) {
     }
 }
 
+void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer,
+                     const moe_row *rows, uint32_t n_rows, uint32_t window, bool latent_v) {
+    attn_job job = {.c = c, .rows = rows, .layer = layer, .window = window,
+                    .latent_v = latent_v, .shape = shape};
+    moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
+}
+
 void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
                          const moe_row *rows, uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
@@ -52,23 +67,24 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
     const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
     const int64_t k_w = (int64_t)cfg->n_head_kv * cfg->head_dim_k;
     const int64_t v_w = (int64_t)cfg->n_head_kv * cfg->head_dim_v;
-    const moe_rope_params rope = {.n_dims = (int)cfg->rope_dims,
-                                  .neox = cfg->rope_kind == MOE_ROPE_NEOX,
-                                  .base = cfg->rope_base,
-                                  .freq_scale = cfg->rope_freq_scale};
+    const moe_rope_params rope = moe_rope_params_from_config(cfg);
     const moe_attn_shape shape = {.n_head = (int)cfg->n_head,
                                   .n_head_kv = (int)cfg->n_head_kv,
                                   .head_dim_k = (int)cfg->head_dim_k,
                                   .head_dim_v = (int)cfg->head_dim_v,
-                                  .scale = 1.0f / sqrtf((float)cfg->head_dim_k),
-                                  .kv_f16 = c->p.kv_type == MOE_KV_F16};
-const float *norm_w = (const float *)l->attn_norm->data;
+                                  .scale = cfg->kq_scale,
+                                  .kv_f16 = c->p.kv_type == MOE_KV_F16,
+                                  .sinks = l->attn_sinks ? (const float *)l->attn_sinks->data : NULL};
+    const float *norm_w = (const float *)l->attn_norm->data;
     for (uint32_t r = 0; r < n_rows; r++)
         moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
     moe_matmul(c->pool, l->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
     if (cfg->attn_output_gate) split_q_gate(c, n_rows);
     moe_matmul(c->pool, l->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
     moe_matmul(c->pool, l->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
+    moe_add_bias(c->q, l->bq, 0, n_rows, q_w);
+    moe_add_bias(c->k, l->bk, 0, n_rows, k_w);
+    moe_add_bias(c->v, l->bv, 0, n_rows, v_w);
     if (l->attn_q_norm) {
         const float *qn = (const float *)l->attn_q_norm->data, *kn = (const float *)l->attn_k_norm->data;
         for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head; h++)
@@ -84,10 +100,10 @@ const float *norm_w = (const float *)l->attn_norm->data;
         moe_kv_store(c, moe_kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
                  c->v + r * v_w, (uint64_t)v_w);
     }
-    attn_job job = {.c = c, .rows = rows, .layer = il, .shape = &shape};
-    moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
+    moe_attend_rows(c, &shape, il, rows, n_rows, l->attn_window, false);
     if (cfg->attn_output_gate)
         moe_gate_mul(c->att, c->att_gate, (int64_t)n_rows * cfg->n_head * cfg->head_dim_v, MOE_GATE_SIGMOID);
     moe_matmul(c->pool, l->wo, 0, c->att, n_rows, c->xn, c->mm_scratch);
+    moe_add_bias(c->xn, l->bo, 0, n_rows, n_embd);
     for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
 }

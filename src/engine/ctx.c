@@ -20,6 +20,14 @@
 
 static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
+/* Bytes of one position of one attention layer in the K and V caches. MLA caches only the
+ * latent row (n_lora_kv + rope dims = head_dim_k); V lives inside it, so v is 0. */
+static void kv_row_bytes(const moe_model_config *c, moe_kv_type kv_type, uint64_t *k, uint64_t *v) {
+    const uint64_t elem = kv_type == MOE_KV_F16 ? 2 : 4;
+    *k = (uint64_t)c->n_head_kv * c->head_dim_k * elem;
+    *v = c->n_lora_kv ? 0 : (uint64_t)c->n_head_kv * c->head_dim_v * elem;
+}
+
 /* The limits a context is created with, defaults filled in. */
 static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, moe_ctx_params *out,
                                  moe_error *err) {
@@ -44,11 +52,12 @@ moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_
     moe_ctx_params params;
     memset(out, 0, sizeof *out);
     if (resolve_params(m, p, &params, err) != MOE_OK) return err->code;
-    const uint64_t elem = params.kv_type == MOE_KV_F16 ? 2 : 4;
     const uint64_t n_layer_kv = c->n_layer - c->n_layer_linear;
+    uint64_t k_row, v_row;
+    kv_row_bytes(c, params.kv_type, &k_row, &v_row);
     moe_linear_ctx lin;
     moe_linear_plan(m, &lin);
-    out->kv_bytes_per_token = n_layer_kv * c->n_head_kv * (c->head_dim_k + c->head_dim_v) * elem;
+    out->kv_bytes_per_token = n_layer_kv * (k_row + v_row);
     out->recurrent_bytes_per_seq = (uint64_t)lin.n_layer * lin.layer_floats * sizeof(float);
     uint64_t positions;
     if (moe_mul_overflow(params.n_seq, params.n_ctx, &positions) ||
@@ -71,9 +80,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     if (resolve_params(m, p, &params, err) != MOE_OK ||
         moe_ctx_memory_plan(m, &params, &plan, err) != MOE_OK)
         return NULL;
-    const uint64_t elem = params.kv_type == MOE_KV_F16 ? 2 : 4;
-    const uint64_t k_row = (uint64_t)c->n_head_kv * c->head_dim_k * elem;
-    const uint64_t v_row = (uint64_t)c->n_head_kv * c->head_dim_v * elem;
+    uint64_t k_row, v_row;
+    kv_row_bytes(c, params.kv_type, &k_row, &v_row);
     /* no overflow: the plan checked the sum of both */
     const uint64_t kv_rows = (uint64_t)params.n_seq * params.n_ctx * (c->n_layer - c->n_layer_linear);
     const uint64_t k_bytes = kv_rows * k_row, v_bytes = kv_rows * v_row;
@@ -109,9 +117,17 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->k = moe_xcalloc(rows * c->n_head_kv * c->head_dim_k, sizeof(float));
     x->v = moe_xcalloc(rows * c->n_head_kv * c->head_dim_v, sizeof(float));
     x->att = moe_xcalloc(rows * att_w, sizeof(float));
-    const uint64_t n_ff = max_u64(c->n_ff, c->n_ff_shexp);
-    x->ff_gate = moe_xcalloc(rows * n_ff, sizeof(float));
-    x->ff_up = moe_xcalloc(rows * n_ff, sizeof(float));
+    const uint64_t ff_w = max_u64(c->n_ff, c->n_ff_shexp);
+    x->ff_gate = moe_xcalloc(rows * ff_w, sizeof(float));
+    x->ff_up = moe_xcalloc(rows * ff_w, sizeof(float));
+    if (c->n_lora_kv) {
+        const uint64_t head_max = max_u64(max_u64(c->head_dim_k_mla, c->n_lora_kv), c->head_dim_v_mla);
+        x->mla_qa = moe_xcalloc(rows * (c->n_lora_q ? c->n_lora_q : 1), sizeof(float));
+        x->mla_q = moe_xcalloc(rows * c->n_head * c->head_dim_k_mla, sizeof(float));
+        x->mla_o = moe_xcalloc(rows * c->n_head * c->head_dim_v_mla, sizeof(float));
+        x->mla_in = moe_xcalloc(rows * head_max, sizeof(float));
+        x->mla_out = moe_xcalloc(rows * head_max, sizeof(float));
+    }
     x->pool = moe_pool_new(params.n_threads);
     x->scores = moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
@@ -119,9 +135,10 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         const moe_layer_weights *l = &m->layers[il];
         const moe_tensor *ts[] = {l->wq, l->wk, l->wv, l->wo, l->ffn_gate, l->ffn_up, l->ffn_down,
                                   l->ffn_gate_inp, l->ffn_gate_exps, l->ffn_up_exps, l->ffn_down_exps,
-                                  l->ffn_gate_shexp, l->ffn_up_shexp, l->ffn_down_shexp,
-                                  l->ssm_qkv, l->ssm_gate, l->ssm_ba, l->ssm_beta, l->ssm_f_a,
-                                  l->ssm_f_b, l->ssm_g_a, l->ssm_g_b, l->ssm_out};
+                                  l->ffn_gate_shexp, l->ffn_up_shexp, l->ffn_down_shexp, l->wq_a,
+                                  l->wq_b, l->wkv_a_mqa, l->wk_b, l->wv_b, l->ssm_qkv, l->ssm_gate,
+                                  l->ssm_ba, l->ssm_beta, l->ssm_f_a, l->ssm_f_b, l->ssm_g_a,
+                                  l->ssm_g_b, l->ssm_out};
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
             if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
     }
@@ -165,6 +182,11 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->ff_gate);
     free(c->ff_up);
     free(c->scores);
+    free(c->mla_qa);
+    free(c->mla_q);
+    free(c->mla_o);
+    free(c->mla_in);
+    free(c->mla_out);
     free(c->mm_scratch);
     free(c->router);
     free(c->expert_ids);
@@ -250,8 +272,9 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 
     for (uint32_t il = 0; il < cfg->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        if (l->mixer == MOE_MIXER_ATTENTION) moe_block_attention(c, l, il, rows, n_rows);
-        else moe_block_linear(c, l, il, rows, n_rows);
+        if (l->mixer != MOE_MIXER_ATTENTION) moe_block_linear(c, l, il, rows, n_rows);
+        else if (l->wkv_a_mqa) moe_block_attention_mla(c, l, il, rows, n_rows);
+        else moe_block_attention(c, l, il, rows, n_rows);
         if (l->ffn_gate_inp) moe_block_ffn_experts(c, l, n_rows);
         else moe_block_ffn_dense(c, l, n_rows);
     }

@@ -47,13 +47,20 @@ struct moe_ctx {
     uint32_t *seq_len;        /* [n_seq] tokens held per sequence */
     int32_t *tokens;          /* [n_seq][n_ctx] the token ids each sequence holds */
     uint32_t *layer_slot;     /* [n_layer] index among the attention layers (KV) or the linear ones */
-    uint32_t n_layer_kv;      /* attention layers */
-    /* KV cache: [n_seq][n_layer_kv][n_ctx][n_head_kv * head_dim], f32 or f16 by p.kv_type */
+    uint32_t n_layer_kv;      /* attention layers (softmax or latent) */
+    /* KV cache: [n_seq][n_layer_kv][n_ctx][n_head_kv * head_dim], f32 or f16 by p.kv_type. With
+     * MLA, k_cache rows are the latent cache [n_lora_kv + rope_dims] and v_cache is unused
+     * (V is the latent part of each K row; v_row_bytes = 0). */
     uint8_t *k_cache, *v_cache;
     uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
     /* scratch, [max_rows][width] floats each */
     float *x, *xn, *q, *k, *v, *att, *ff_gate, *ff_up;
     float *scores;            /* [n_threads][n_ctx] attention scores */
+    /* multi-head latent attention scratch (NULL without MLA) */
+    float *mla_qa;            /* [max_rows][n_lora_q] q down-projection */
+    float *mla_q;             /* [max_rows][n_head * head_dim_k_mla] q before absorption */
+    float *mla_o;             /* [max_rows][n_head * head_dim_v_mla] latent decompressed by wv_b */
+    float *mla_in, *mla_out;  /* [max_rows][mla_head_max] one head of every row, gathered */
     /* mixture of experts */
     float *router;            /* [max_rows][n_expert] router logits */
     int32_t *expert_ids;      /* [max_rows][n_expert_used] */
@@ -79,10 +86,21 @@ uint8_t *moe_kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32
 /* Store n floats into a cache row in the context's KV element type. */
 void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n);
 
+/* ==== Attention over the cache ==== */
+
+/* Every row's query (c->q, rows of n_head * head_dim_k) attends causally over its sequence's
+ * cache of `layer` (the last `window` positions when window > 0) into c->att (rows of
+ * n_head * head_dim_v). latent_v: V is the first head_dim_v values of each K row (MLA). */
+void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer,
+                     const moe_row *rows, uint32_t n_rows, uint32_t window, bool latent_v);
+
 /* ==== Layer blocks: x (the residual, [n_rows][n_embd]) in, x + block(x) out ==== */
 
 void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
                          const moe_row *rows, uint32_t n_rows);
+/* multi-head latent attention (mla.c): latent cache, absorbed attn_k_b / attn_v_b */
+void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
+                             const moe_row *rows, uint32_t n_rows);
 void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
 void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
 void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,

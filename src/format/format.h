@@ -115,6 +115,13 @@ moe_gguf *moe_gguf_parse(const void *buf, size_t size, bool buf_is_whole_file, m
 moe_gguf *moe_gguf_parse_named(const void *buf, size_t size, bool buf_is_whole_file,
                                const char *name, moe_error *err);
 void moe_gguf_close(moe_gguf *g);
+/* Assemble one model from shards parsed one at a time (moe_gguf_parse_named over headers
+ * fetched by range), parts[i] being shard i: records each shard's real size (a header alone
+ * cannot know it; padding and the reconciliation come from it), checks every tensor's data
+ * ends inside its file, and indexes names across shards. Takes ownership of parts[0..n) (each
+ * a one-shard model), also on failure. Split keys are the caller's to check. */
+moe_gguf *moe_gguf_join(moe_gguf **parts, const uint64_t *file_sizes, uint32_t n,
+                        moe_error *err);
 
 uint32_t moe_gguf_alignment(const moe_gguf *g);
 uint32_t moe_gguf_n_shards(const moe_gguf *g);
@@ -141,6 +148,43 @@ unsigned moe_gguf_vtype_size(uint32_t t);
 uint64_t moe_gguf_n_tensors(const moe_gguf *g);
 const moe_tensor *moe_gguf_tensor_get(const moe_gguf *g, uint64_t i);
 const moe_tensor *moe_gguf_tensor_find(const moe_gguf *g, const char *name);
+
+/* ==== Remote files: HTTP(S) range reads (http.c, libcurl) ====
+ *
+ * A model given as an http:// or https:// URL is read by range requests: each shard's header
+ * and tensor directory (a first range, grown until the directory is whole), and later only the
+ * tensor rows a tool asks for. Redirects are followed; a server that answers a range request
+ * with the whole file (200 instead of 206) is refused with a clear error rather than
+ * downloaded. Every request and byte is counted so tools can say what a report cost. */
+
+#define MOE_HTTP_FIRST_RANGE (64u << 10) /* first bytes of a shard: small models' whole index */
+#define MOE_HTTP_MAX_HEADER (1ull << 30)  /* a header past 1 GiB is hostile, not a model */
+#define MOE_HTTP_MAX_REDIRECTS 10
+
+typedef struct moe_http moe_http;
+
+moe_http *moe_http_new(void);
+void moe_http_free(moe_http *h);
+/* Size of the first range read from each shard (tests make it small to exercise growth). */
+void moe_http_set_first_range(moe_http *h, uint64_t bytes);
+uint64_t moe_http_requests(const moe_http *h); /* HTTP exchanges, redirects included */
+uint64_t moe_http_bytes(const moe_http *h);    /* body bytes received */
+/* True for "http://..." and "https://..." (case-insensitive scheme). */
+bool moe_path_is_url(const char *path);
+/* Bytes [offset, offset + n) of url into buf. *got is n, or less only where the file ends
+ * first; *file_size (may be NULL) is the file's full size from Content-Range. */
+moe_status moe_http_read(moe_http *h, const char *url, uint64_t offset, uint64_t n, void *buf,
+                         uint64_t *got, uint64_t *file_size, moe_error *err);
+/* Open a GGUF model by URL (every shard of a split, found from any shard's name); tensor
+ * `data` pointers are NULL. Shard paths are the shards' URLs. */
+moe_gguf *moe_gguf_open_url(moe_http *h, const char *url, moe_error *err);
+/* A local path through moe_gguf_open, a URL through moe_gguf_open_url with *http (created on
+ * first use; the caller frees it with moe_http_free). */
+moe_gguf *moe_gguf_open_any(const char *path_or_url, moe_http **http, moe_error *err);
+/* Bytes [offset, offset + n) of tensor t's data: from the mapping when the model is local,
+ * else one range request through http (which must then be non-NULL). */
+moe_status moe_tensor_read(const moe_gguf *g, moe_http *http, const moe_tensor *t,
+                           uint64_t offset, uint64_t n, void *out, moe_error *err);
 
 /* ==== Writer ==== */
 

@@ -693,6 +693,55 @@ moe_gguf *moe_gguf_parse_named(const void *buf, size_t size, bool buf_is_whole_f
     return g;
 }
 
+moe_gguf *moe_gguf_join(moe_gguf **parts, const uint64_t *file_sizes, uint32_t n,
+                        moe_error *err) {
+    MOE_CHECK(n >= 1);
+    moe_gguf *m = gguf_new(n);
+    moe_status bad = MOE_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        moe_gguf *p = parts[i];
+        parts[i] = NULL;
+        MOE_CHECK(p && p->n_shards == 1);
+        /* the part's strings and values move with its arena chunks */
+        arena_chunk **tail = &m->arena.head;
+        while (*tail) tail = &(*tail)->next;
+        *tail = p->arena.head;
+        p->arena.head = NULL;
+        m->state[i] = p->state[0];
+        p->state[0].map = NULL;
+        moe_gguf_shard *s = &m->shards[i];
+        *s = p->shards[0];
+        p->shards[0].path = NULL;
+        s->file_size = file_sizes[i];
+        s->padding_bytes = s->file_size >= s->header_bytes + s->tensor_bytes
+                               ? s->file_size - s->header_bytes - s->tensor_bytes
+                               : 0;
+        m->tensors = moe_xrealloc(m->tensors, (size_t)(m->n_tensors + p->n_tensors + 1) *
+                                                  sizeof *m->tensors);
+        for (uint64_t t = 0; t < p->n_tensors; t++) {
+            moe_tensor *dst = &m->tensors[m->n_tensors++];
+            *dst = p->tensors[t];
+            dst->shard = i;
+            if (bad == MOE_OK && (dst->file_offset > s->file_size ||
+                                  dst->n_bytes > s->file_size - dst->file_offset)) {
+                esc_buf pa;
+                put_escaped(pa.s, sizeof pa.s, s->path, strlen(s->path));
+                bad = moe_error_set(err, MOE_ERR_RANGE,
+                                    "%s: tensor '%s': data (bytes %" PRIu64 "..%" PRIu64
+                                    ") runs past the end of the file (%" PRIu64 " bytes)",
+                                    pa.s, ESC(dst->name), dst->file_offset,
+                                    dst->file_offset + dst->n_bytes, s->file_size);
+            }
+        }
+        moe_gguf_close(p);
+    }
+    if (bad != MOE_OK || index_names(m, err) != MOE_OK) {
+        moe_gguf_close(m);
+        return NULL;
+    }
+    return m;
+}
+
 moe_gguf *moe_gguf_parse(const void *buf, size_t size, bool buf_is_whole_file, moe_error *err) {
     return moe_gguf_parse_named(buf, size, buf_is_whole_file, "(buffer)", err);
 }

@@ -17,6 +17,8 @@
 static const char *const arch_names[MOE_ARCH_COUNT] = {
     [MOE_ARCH_LLAMA] = "llama",
     [MOE_ARCH_QWEN3MOE] = "qwen3moe",
+    [MOE_ARCH_DEEPSEEK2] = "deepseek2",
+    [MOE_ARCH_GPT_OSS] = "gpt-oss",
     [MOE_ARCH_QWEN3NEXT] = "qwen3next",
     [MOE_ARCH_KIMI_LINEAR] = "kimi-linear",
 };
@@ -155,25 +157,36 @@ static const moe_tensor *bind(binder *b, const char *name, int64_t ne0, int64_t 
     return bind3(b, name, ne0, ne1, 0, required);
 }
 
-/* blk.<il>.<what> exactly (biases, ssm_a: no .weight suffix), float32 only: read as floats. */
-static const moe_tensor *bind_layer_f32(binder *b, uint32_t il, const char *what, int64_t ne0,
-                                        int64_t ne1, int64_t ne2) {
+/* blk.<il>.<what>.<suffix> ("weight" or "bias"; NULL: blk.<il>.<what>, as ssm_a), shaped
+ * ne0 x ne1 x ne2. */
+static const moe_tensor *bind_blk(binder *b, uint32_t il, const char *what, const char *suffix,
+                                  int64_t ne0, int64_t ne1, int64_t ne2, bool required) {
     char name[128];
-    snprintf(name, sizeof name, "blk.%u.%s", il, what);
-    const moe_tensor *t = bind3(b, name, ne0, ne1, ne2, true);
+    if (suffix) snprintf(name, sizeof name, "blk.%u.%s.%s", il, what, suffix);
+    else snprintf(name, sizeof name, "blk.%u.%s", il, what);
+    return bind3(b, name, ne0, ne1, ne2, required);
+}
+
+static const moe_tensor *bind_layer(binder *b, uint32_t il, const char *what, int64_t ne0,
+                                    int64_t ne1) {
+    return bind_blk(b, il, what, "weight", ne0, ne1, 0, true);
+}
+
+/* A vector or bias the forward pass reads as floats directly: it must be F32. */
+static const moe_tensor *bind_f32_3(binder *b, uint32_t il, const char *what, const char *suffix,
+                                    int64_t ne0, int64_t ne1, int64_t ne2, bool required) {
+    const moe_tensor *t = bind_blk(b, il, what, suffix, ne0, ne1, ne2, required);
     if (t && t->type != MOE_TYPE_F32) {
-        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has type %s; moe reads it as F32",
-                      b->path, name, moe_type_name(t->type));
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' is %s; moe reads it as F32",
+                      b->path, t->name.ptr, moe_type_name(t->type));
         return NULL;
     }
     return t;
 }
 
-static const moe_tensor *bind_layer(binder *b, uint32_t il, const char *what, int64_t ne0,
-                                    int64_t ne1) {
-    char name[128];
-    snprintf(name, sizeof name, "blk.%u.%s.weight", il, what);
-    return bind(b, name, ne0, ne1, true);
+static const moe_tensor *bind_f32(binder *b, uint32_t il, const char *what, const char *suffix,
+                                  int64_t ne0, int64_t ne1, bool required) {
+    return bind_f32_3(b, il, what, suffix, ne0, ne1, 0, required);
 }
 
 /* ==== Transformer family: GQA attention + dense or routed SwiGLU FFN ==== */
@@ -186,21 +199,116 @@ typedef struct arch_entry {
     bool experts;            /* routed experts (expert_* keys, *_exps tensors) */
     moe_gating gating;       /* default when <arch>.expert_gating_func is absent */
     bool norm_topk;          /* default when <arch>.expert_weights_norm is absent */
+    bool mla;                /* multi-head latent attention instead of attn_q/k/v */
+    bool attn_bias;          /* q/k/v/o biases and per-head attn_sinks */
+    uint32_t swa_pattern;    /* n: layer il is windowed when il % n < n - 1 (llama.cpp's) */
+    moe_ffn_act act;         /* the routed experts' activation */
+    const char *ffn_norm;    /* name of the FFN's input norm (NULL: ffn_norm) */
     moe_mixer linear;        /* mixer of a hybrid's recurrent layers (ATTENTION: not hybrid) */
     bool attn_output_gate;   /* attn_q holds [q, gate] per head */
-    const char *ffn_norm;    /* the FFN norm's tensor name (NULL: ffn_norm) */
 } arch_entry;
 
 static const arch_entry archs[] = {
     {.arch = MOE_ARCH_LLAMA, .rope_kind = MOE_ROPE_NORM, .gating = MOE_GATING_SOFTMAX},
     {.arch = MOE_ARCH_QWEN3MOE, .rope_kind = MOE_ROPE_NEOX, .qk_norm = true, .experts = true,
      .gating = MOE_GATING_SOFTMAX, .norm_topk = true},
+    /* sigmoid gating, selection bias and groups come from its keys (older files: softmax) */
+    {.arch = MOE_ARCH_DEEPSEEK2, .rope_kind = MOE_ROPE_NORM, .experts = true,
+     .gating = MOE_GATING_SOFTMAX, .mla = true},
+    {.arch = MOE_ARCH_GPT_OSS, .rope_kind = MOE_ROPE_NEOX, .experts = true,
+     .gating = MOE_GATING_SOFTMAX_WEIGHT, .attn_bias = true, .swa_pattern = 2,
+     .act = MOE_ACT_SWIGLU_OAI, .ffn_norm = "post_attention_norm"},
     {.arch = MOE_ARCH_QWEN3NEXT, .rope_kind = MOE_ROPE_NEOX, .qk_norm = true, .experts = true,
      .gating = MOE_GATING_SOFTMAX, .norm_topk = true, .linear = MOE_MIXER_GDN,
      .attn_output_gate = true, .ffn_norm = "post_attention_norm"},
     {.arch = MOE_ARCH_KIMI_LINEAR, .rope_kind = MOE_ROPE_NORM, .experts = true,
      .gating = MOE_GATING_SIGMOID, .norm_topk = true, .linear = MOE_MIXER_KDA},
 };
+
+/* llama.cpp's YaRN magnitude for a scaling factor (llama-context.cpp get_mscale). */
+static float yarn_get_mscale(float scale, float mscale) {
+    return scale <= 1.0f ? 1.0f : 0.1f * mscale * logf(scale) + 1.0f;
+}
+
+/* Rope scaling: none, linear, or YaRN set up as llama.cpp does (llama-context.cpp): ext_factor
+ * 1, correction range from beta_fast / beta_slow and the original context, and a magnitude
+ * that, with yarn_log_multiplier, cancels the 1 + 0.1 ln(factor) rope applies by itself.
+ * MLA (deepseek2) moves that magnitude into the attention scale: mscale^2 / sqrt(q/k width). */
+static bool config_rope(binder *b, const arch_entry *a) {
+    moe_model_config *c = &b->m->cfg;
+    float factor = 1.0f, log_mul = 0.0f, attn_factor = 1.0f;
+    if (!key_f32(b, "rope.scaling.factor", false, 1.0f, &factor) ||
+        !key_f32(b, "rope.scaling.yarn_beta_fast", false, 32.0f, &c->rope_beta_fast) ||
+        !key_f32(b, "rope.scaling.yarn_beta_slow", false, 1.0f, &c->rope_beta_slow) ||
+        !key_f32(b, "rope.scaling.yarn_log_multiplier", false, 0.0f, &log_mul) ||
+        !key_f32(b, "rope.scaling.attn_factor", false, 1.0f, &attn_factor) ||
+        !key_u32(b, "rope.scaling.original_context_length", false, c->n_ctx_train,
+                 &c->rope_n_ctx_orig))
+        return false;
+    char key[256];
+    snprintf(key, sizeof key, "%s.rope.scaling.type", c->arch_name);
+    const char *scaling = moe_gguf_get_str(b->m->gguf, key);
+    const bool linear = scaling && strcmp(scaling, "linear") == 0;
+    const bool yarn = scaling && strcmp(scaling, "yarn") == 0;
+    if (scaling && strcmp(scaling, "none") != 0 && !linear && !yarn) {
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: rope scaling type '%s' is not supported yet",
+                      b->path, scaling);
+        return false;
+    }
+    c->rope_freq_scale = (linear || yarn) && factor > 0 ? 1.0f / factor : 1.0f;
+    c->rope_ext_factor = yarn ? 1.0f : 0.0f;
+    /* deepseek2's converter writes 0.1 * mscale_all_dim; llama.cpp divides it back out */
+    if (a->mla) log_mul /= 0.1f;
+    float yarn_attn = 1.0f;
+    if (yarn) {
+        const float f = 1.0f / c->rope_freq_scale;
+        if (log_mul != 0.0f) {
+            const float mscale = a->mla && log_mul != 1.0f ? log_mul : 1.0f;
+            yarn_attn = yarn_get_mscale(f, mscale) / yarn_get_mscale(f, log_mul);
+        } else {
+            yarn_attn = yarn_get_mscale(f, 1.0f);
+        }
+        yarn_attn *= 1.0f / (1.0f + 0.1f * logf(f));
+    }
+    c->rope_attn_factor = yarn_attn * attn_factor;
+    c->kq_scale = 1.0f / sqrtf((float)c->head_dim_k);
+    if (a->mla) {
+        const float fs = c->rope_freq_scale;
+        const float attn_factor_org = c->rope_attn_factor * (1.0f + 0.1f * logf(1.0f / fs));
+        const float mscale = attn_factor_org * (1.0f + 0.1f * log_mul * logf(1.0f / fs));
+        c->kq_scale = 1.0f * mscale * mscale / sqrtf((float)c->head_dim_k_mla);
+    }
+    return true;
+}
+
+/* MLA keys. The cache holds the latent and the roped key, so the file's key_length must be
+ * kv_lora_rank + rope dims and value_length kv_lora_rank over one kv head (the layout with
+ * attn_k_b / attn_v_b); the *_mla keys give the per-head widths before absorption. */
+static bool config_mla(binder *b) {
+    moe_model_config *c = &b->m->cfg;
+    if (!key_u32(b, "attention.q_lora_rank", false, 0, &c->n_lora_q) ||
+        !key_u32(b, "attention.kv_lora_rank", true, 0, &c->n_lora_kv) ||
+        !key_u32(b, "attention.key_length_mla", false, c->head_dim_k, &c->head_dim_k_mla) ||
+        !key_u32(b, "attention.value_length_mla", false, c->head_dim_v, &c->head_dim_v_mla))
+        return false;
+    if (c->n_head_kv != 1 || c->head_dim_k != c->n_lora_kv + c->rope_dims ||
+        c->head_dim_v != c->n_lora_kv) {
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED,
+                      "%s: MLA stored as multi-head K/V (attn_kv_b; key_length %u, value_length "
+                      "%u, head_count_kv %u): moe runs the latent layout (attn_k_b / attn_v_b, "
+                      "key_length = kv_lora_rank + rope dims = %u); re-convert the model with a "
+                      "current llama.cpp convert_hf_to_gguf.py", b->path, c->head_dim_k,
+                      c->head_dim_v, c->n_head_kv, c->n_lora_kv + c->rope_dims);
+        return false;
+    }
+    if (c->n_lora_kv == 0 || c->head_dim_k_mla <= c->rope_dims || c->head_dim_v_mla == 0) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: MLA widths kv_lora_rank %u, key_length_mla %u "
+                      "(rope %u), value_length_mla %u are inconsistent", b->path, c->n_lora_kv,
+                      c->head_dim_k_mla, c->rope_dims, c->head_dim_v_mla);
+        return false;
+    }
+    return true;
+}
 
 static bool config_transformer(binder *b, const arch_entry *a) {
     moe_model_config *c = &b->m->cfg;
@@ -230,20 +338,9 @@ static bool config_transformer(binder *b, const arch_entry *a) {
         !key_u32(b, "attention.value_length", false, c->head_dim_k, &c->head_dim_v) ||
         !key_u32(b, "rope.dimension_count", false, c->head_dim_k, &c->rope_dims) ||
         !key_f32(b, "rope.freq_base", false, 10000.0f, &c->rope_base) ||
-        !key_f32(b, "attention.layer_norm_rms_epsilon", true, 0, &c->rms_eps))
+        !key_f32(b, "attention.layer_norm_rms_epsilon", true, 0, &c->rms_eps) ||
+        !key_u32(b, "attention.sliding_window", false, 0, &c->n_swa))
         return false;
-    float rope_factor = 1.0f;
-    if (!key_f32(b, "rope.scaling.factor", false, 1.0f, &rope_factor)) return false;
-    char key[256];
-    snprintf(key, sizeof key, "%s.rope.scaling.type", c->arch_name);
-    const char *scaling = moe_gguf_get_str(b->m->gguf, key);
-    if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0) {
-        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: rope scaling type '%s' is not supported yet",
-                      b->path, scaling);
-        return false;
-    }
-    c->rope_freq_scale = (scaling && strcmp(scaling, "linear") == 0 && rope_factor > 0)
-                             ? 1.0f / rope_factor : 1.0f;
     c->rope_kind = a->rope_kind;
     c->qk_norm = a->qk_norm;
     if (c->n_head_kv == 0 || c->n_head % c->n_head_kv != 0) {
@@ -256,6 +353,7 @@ static bool config_transformer(binder *b, const arch_entry *a) {
                       "most the head dimension %u", b->path, c->rope_dims, c->head_dim_k);
         return false;
     }
+    if ((a->mla && !config_mla(b)) || !config_rope(b, a)) return false;
     if (!a->experts) return true;
 
     uint32_t gating = a->gating;
@@ -272,8 +370,11 @@ static bool config_transformer(binder *b, const arch_entry *a) {
         !key_u32(b, "expert_feed_forward_length", true, 0, &c->n_ff_exp) ||
         !key_u32(b, "leading_dense_block_count", false, 0, &c->n_layer_dense_lead) ||
         !key_u32(b, "expert_gating_func", false, gating, &gating) ||
-        !key_f32(b, "expert_weights_scale", false, 1.0f, &c->expert_weights_scale))
+        !key_f32(b, "expert_weights_scale", false, 1.0f, &c->expert_weights_scale) ||
+        !key_u32(b, "expert_group_count", false, 0, &c->n_expert_group) ||
+        !key_u32(b, "expert_group_used_count", false, 0, &c->n_group_used))
         return false;
+    c->expert_act = a->act;
     if (c->n_expert == 0 || c->n_expert > MOE_MAX_EXPERTS || c->n_expert_used == 0 ||
         c->n_expert_used > c->n_expert || c->n_ff_exp == 0) {
         moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s.expert_count %u / expert_used_count %u / "
@@ -288,13 +389,32 @@ static bool config_transformer(binder *b, const arch_entry *a) {
         return false;
     }
     c->gating = (moe_gating)gating;
+    if (c->n_expert_group > 1 &&
+        (c->n_expert_group > 256 || c->n_expert % c->n_expert_group != 0 || c->n_group_used == 0 ||
+         c->n_group_used > c->n_expert_group ||
+         c->n_group_used * (c->n_expert / c->n_expert_group) < c->n_expert_used)) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s.expert_group_count %u / "
+                      "expert_group_used_count %u do not fit %u experts, %u used per token",
+                      b->path, c->arch_name, c->n_expert_group, c->n_group_used, c->n_expert,
+                      c->n_expert_used);
+        return false;
+    }
     if (c->n_layer_dense_lead > c->n_layer) c->n_layer_dense_lead = c->n_layer;
-    /* a shared expert: its own width (qwen3next) or n_shared routed-expert widths (DeepSeek) */
+    /* shared experts: their own width (qwen3next) or n_shared routed-expert widths (DeepSeek) */
     uint32_t n_shared = 0;
     if (!key_u32(b, "expert_shared_feed_forward_length", false, 0, &c->n_ff_shexp) ||
         !key_u32(b, "expert_shared_count", false, 0, &n_shared))
         return false;
-    if (!c->n_ff_shexp) c->n_ff_shexp = n_shared * c->n_ff_exp;
+    if (!c->n_ff_shexp) {
+        const uint64_t ff = (uint64_t)n_shared * c->n_ff_exp;
+        if (ff > MOE_MAX_WIDTH) {
+            moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.expert_shared_count %u x "
+                          "expert_feed_forward_length %u exceeds %u", b->path, c->arch_name,
+                          n_shared, c->n_ff_exp, MOE_MAX_WIDTH);
+            return false;
+        }
+        c->n_ff_shexp = (uint32_t)ff;
+    }
     return true;
 }
 
@@ -358,20 +478,20 @@ static void bind_linear(binder *b, uint32_t il, moe_layer_weights *l) {
     if (l->mixer == MOE_MIXER_GDN) {
         l->ssm_qkv = bind_layer(b, il, "attn_qkv", c->n_embd, 2 * K + V);
         l->ssm_gate = bind_layer(b, il, "attn_gate", c->n_embd, V);
-        l->ssm_conv1d[0] = bind_layer_f32(b, il, "ssm_conv1d.weight", d, 2 * K + V, 0);
-        l->ssm_a = bind_layer_f32(b, il, "ssm_a", nv, 0, 0);
-        l->ssm_dt_b = bind_layer_f32(b, il, "ssm_dt.bias", nv, 0, 0);
+        l->ssm_conv1d[0] = bind_f32(b, il, "ssm_conv1d", "weight", d, 2 * K + V, true);
+        l->ssm_a = bind_f32(b, il, "ssm_a", NULL, nv, 0, true);
+        l->ssm_dt_b = bind_f32(b, il, "ssm_dt", "bias", nv, 0, true);
         l->ssm_ba = bind_layer(b, il, "ssm_ba", c->n_embd, 2 * nv);
         l->ssm_out = bind_layer(b, il, "ssm_out", V, c->n_embd);
     } else { /* KDA */
         l->wq = bind_layer(b, il, "attn_q", c->n_embd, K);
         l->wk = bind_layer(b, il, "attn_k", c->n_embd, K);
         l->wv = bind_layer(b, il, "attn_v", c->n_embd, V);
-        l->ssm_conv1d[0] = bind_layer_f32(b, il, "ssm_conv1d_q.weight", d, 1, K);
-        l->ssm_conv1d[1] = bind_layer_f32(b, il, "ssm_conv1d_k.weight", d, 1, K);
-        l->ssm_conv1d[2] = bind_layer_f32(b, il, "ssm_conv1d_v.weight", d, 1, V);
-        l->ssm_a = bind_layer_f32(b, il, "ssm_a", 1, nv, 0);
-        l->ssm_dt_b = bind_layer_f32(b, il, "ssm_dt.bias", V, 0, 0);
+        l->ssm_conv1d[0] = bind_f32_3(b, il, "ssm_conv1d_q", "weight", d, 1, K, true);
+        l->ssm_conv1d[1] = bind_f32_3(b, il, "ssm_conv1d_k", "weight", d, 1, K, true);
+        l->ssm_conv1d[2] = bind_f32_3(b, il, "ssm_conv1d_v", "weight", d, 1, V, true);
+        l->ssm_a = bind_f32(b, il, "ssm_a", NULL, 1, nv, true);
+        l->ssm_dt_b = bind_f32(b, il, "ssm_dt", "bias", V, 0, true);
         l->ssm_beta = bind_layer(b, il, "ssm_beta", c->n_embd, nv);
         l->ssm_f_a = bind_layer(b, il, "ssm_f_a", c->n_embd, hd);
         l->ssm_f_b = bind_layer(b, il, "ssm_f_b", hd, V);
@@ -379,14 +499,84 @@ static void bind_linear(binder *b, uint32_t il, moe_layer_weights *l) {
         l->ssm_g_b = bind_layer(b, il, "ssm_g_b", hd, V);
         l->ssm_out = bind_layer(b, il, "attn_output", V, c->n_embd);
     }
-    l->ssm_norm = bind_layer_f32(b, il, "ssm_norm.weight", hd, 0, 0);
+    l->ssm_norm = bind_f32(b, il, "ssm_norm", "weight", hd, 0, true);
 }
 
 static const moe_tensor *bind_layer3(binder *b, uint32_t il, const char *what, int64_t ne0,
                                      int64_t ne1, int64_t ne2) {
+    return bind_blk(b, il, what, "weight", ne0, ne1, ne2, true);
+}
+
+/* Grouped-query attention: attn_q/k/v/output, optional QK-norm, biases and sinks. */
+static void bind_attention_gqa(binder *b, const arch_entry *a, uint32_t il, moe_layer_weights *l) {
+    const moe_model_config *c = &b->m->cfg;
+    int64_t q = (int64_t)c->n_head * c->head_dim_k, k = (int64_t)c->n_head_kv * c->head_dim_k;
+    int64_t v = (int64_t)c->n_head_kv * c->head_dim_v, o = (int64_t)c->n_head * c->head_dim_v;
+    l->wq = bind_layer(b, il, "attn_q", c->n_embd, a->attn_output_gate ? 2 * q : q);
+    l->wk = bind_layer(b, il, "attn_k", c->n_embd, k);
+    l->wv = bind_layer(b, il, "attn_v", c->n_embd, v);
+    l->wo = bind_layer(b, il, "attn_output", o, c->n_embd);
+    if (a->qk_norm) {
+        l->attn_q_norm = bind_layer(b, il, "attn_q_norm", c->head_dim_k, 0);
+        l->attn_k_norm = bind_layer(b, il, "attn_k_norm", c->head_dim_k, 0);
+    }
+    if (a->attn_bias) {
+        l->bq = bind_f32(b, il, "attn_q", "bias", q, 0, true);
+        l->bk = bind_f32(b, il, "attn_k", "bias", k, 0, true);
+        l->bv = bind_f32(b, il, "attn_v", "bias", v, 0, true);
+        l->bo = bind_f32(b, il, "attn_output", "bias", c->n_embd, 0, true);
+        l->attn_sinks = bind_f32(b, il, "attn_sinks", "weight", c->n_head, 0, true);
+    }
+    if (a->swa_pattern && il % a->swa_pattern < a->swa_pattern - 1) l->attn_window = c->n_swa;
+}
+
+/* Multi-head latent attention: q through a LoRA (or a plain attn_q), the kv latent and the
+ * shared roped key from attn_kv_a_mqa, and the per-head attn_k_b / attn_v_b that absorb
+ * into the query and decompress the attended latent. */
+static void bind_attention_mla(binder *b, uint32_t il, moe_layer_weights *l) {
+    const moe_model_config *c = &b->m->cfg;
+    const int64_t q = (int64_t)c->n_head * c->head_dim_k_mla;
+    const int64_t nope = c->head_dim_k_mla - c->rope_dims;
     char name[128];
-    snprintf(name, sizeof name, "blk.%u.%s.weight", il, what);
-    return bind3(b, name, ne0, ne1, ne2, true);
+    snprintf(name, sizeof name, "blk.%u.attn_kv_b.weight", il);
+    if (moe_gguf_tensor_find(b->m->gguf, name) && !b->err->code) {
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: '%s' is the older MLA layout; moe needs "
+                      "attn_k_b / attn_v_b (re-convert with a current llama.cpp)", b->path, name);
+        return;
+    }
+    if (c->n_lora_q) {
+        l->wq_a = bind_layer(b, il, "attn_q_a", c->n_embd, c->n_lora_q);
+        l->attn_q_a_norm = bind_f32(b, il, "attn_q_a_norm", "weight", c->n_lora_q, 0, true);
+        l->wq_b = bind_layer(b, il, "attn_q_b", c->n_lora_q, q);
+    } else {
+        l->wq = bind_layer(b, il, "attn_q", c->n_embd, q);
+    }
+    l->wkv_a_mqa = bind_layer(b, il, "attn_kv_a_mqa", c->n_embd, c->n_lora_kv + c->rope_dims);
+    l->attn_kv_a_norm = bind_f32(b, il, "attn_kv_a_norm", "weight", c->n_lora_kv, 0, true);
+    l->wk_b = bind_layer3(b, il, "attn_k_b", nope, c->n_lora_kv, c->n_head);
+    l->wv_b = bind_layer3(b, il, "attn_v_b", c->n_lora_kv, c->head_dim_v_mla, c->n_head);
+    l->wo = bind_layer(b, il, "attn_output", (int64_t)c->n_head * c->head_dim_v_mla, c->n_embd);
+}
+
+/* Router, routed experts (with their biases where the file has them) and shared experts. */
+static void bind_experts(binder *b, uint32_t il, moe_layer_weights *l) {
+    const moe_model_config *c = &b->m->cfg;
+    l->ffn_gate_inp = bind_layer(b, il, "ffn_gate_inp", c->n_embd, c->n_expert);
+    l->ffn_gate_exps = bind_layer3(b, il, "ffn_gate_exps", c->n_embd, c->n_ff_exp, c->n_expert);
+    l->ffn_up_exps = bind_layer3(b, il, "ffn_up_exps", c->n_embd, c->n_ff_exp, c->n_expert);
+    l->ffn_down_exps = bind_layer3(b, il, "ffn_down_exps", c->n_ff_exp, c->n_embd, c->n_expert);
+    l->ffn_gate_inp_b = bind_f32(b, il, "ffn_gate_inp", "bias", c->n_expert, 0, false);
+    l->exp_probs_b = bind_f32(b, il, "exp_probs_b", "bias", c->n_expert, 0, false);
+    l->ffn_gate_exps_b = bind_f32(b, il, "ffn_gate_exps", "bias", c->n_ff_exp, c->n_expert, false);
+    l->ffn_up_exps_b = bind_f32(b, il, "ffn_up_exps", "bias", c->n_ff_exp, c->n_expert, false);
+    l->ffn_down_exps_b = bind_f32(b, il, "ffn_down_exps", "bias", c->n_embd, c->n_expert, false);
+    if (c->n_ff_shexp) {
+        const int64_t ff = c->n_ff_shexp;
+        l->ffn_gate_shexp = bind_layer(b, il, "ffn_gate_shexp", c->n_embd, ff);
+        l->ffn_up_shexp = bind_layer(b, il, "ffn_up_shexp", c->n_embd, ff);
+        l->ffn_down_shexp = bind_layer(b, il, "ffn_down_shexp", ff, c->n_embd);
+        l->ffn_gate_inp_shexp = bind_f32(b, il, "ffn_gate_inp_shexp", "weight", c->n_embd, 0, false);
+    }
 }
 
 static bool bind_transformer(binder *b, const arch_entry *a) {
@@ -408,41 +598,15 @@ static bool bind_transformer(binder *b, const arch_entry *a) {
     m->output = bind(b, "output.weight", c->n_embd, c->n_vocab, false);
     c->tied_output = !m->output;
     if (!m->output) m->output = m->token_embd;
-    int64_t q = (int64_t)c->n_head * c->head_dim_k, k = (int64_t)c->n_head_kv * c->head_dim_k;
-    int64_t v = (int64_t)c->n_head_kv * c->head_dim_v, o = (int64_t)c->n_head * c->head_dim_v;
     for (uint32_t il = 0; il < c->n_layer && !b->err->code; il++) {
         moe_layer_weights *l = &m->layers[il];
         l->attn_norm = bind_layer(b, il, "attn_norm", c->n_embd, 0);
-        if (l->mixer != MOE_MIXER_ATTENTION) {
-            bind_linear(b, il, l);
-        } else if (a->linear == MOE_MIXER_KDA) {
-            moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: layer %u: %s attention layers (MLA) "
-                          "are not supported yet", b->path, il, c->arch_name);
-        } else {
-            l->wq = bind_layer(b, il, "attn_q", c->n_embd, c->attn_output_gate ? 2 * q : q);
-            l->wk = bind_layer(b, il, "attn_k", c->n_embd, k);
-            l->wv = bind_layer(b, il, "attn_v", c->n_embd, v);
-            l->wo = bind_layer(b, il, "attn_output", o, c->n_embd);
-            if (a->qk_norm) {
-                l->attn_q_norm = bind_layer(b, il, "attn_q_norm", c->head_dim_k, 0);
-                l->attn_k_norm = bind_layer(b, il, "attn_k_norm", c->head_dim_k, 0);
-            }
-        }
+        if (l->mixer != MOE_MIXER_ATTENTION) bind_linear(b, il, l);
+        else if (a->mla) bind_attention_mla(b, il, l);
+        else bind_attention_gqa(b, a, il, l);
         l->ffn_norm = bind_layer(b, il, a->ffn_norm ? a->ffn_norm : "ffn_norm", c->n_embd, 0);
         if (a->experts && il >= c->n_layer_dense_lead) {
-            l->ffn_gate_inp = bind_layer(b, il, "ffn_gate_inp", c->n_embd, c->n_expert);
-            l->ffn_gate_exps = bind_layer3(b, il, "ffn_gate_exps", c->n_embd, c->n_ff_exp, c->n_expert);
-            l->ffn_up_exps = bind_layer3(b, il, "ffn_up_exps", c->n_embd, c->n_ff_exp, c->n_expert);
-            l->ffn_down_exps = bind_layer3(b, il, "ffn_down_exps", c->n_ff_exp, c->n_embd, c->n_expert);
-            if (c->n_ff_shexp) {
-                l->ffn_gate_shexp = bind_layer(b, il, "ffn_gate_shexp", c->n_embd, c->n_ff_shexp);
-                l->ffn_up_shexp = bind_layer(b, il, "ffn_up_shexp", c->n_embd, c->n_ff_shexp);
-                l->ffn_down_shexp = bind_layer(b, il, "ffn_down_shexp", c->n_ff_shexp, c->n_embd);
-                char name[128];
-                snprintf(name, sizeof name, "blk.%u.ffn_gate_inp_shexp.weight", il);
-                if (moe_gguf_tensor_find(m->gguf, name))
-                    l->ffn_gate_inp_shexp = bind_layer_f32(b, il, "ffn_gate_inp_shexp.weight", c->n_embd, 0, 0);
-            }
+            bind_experts(b, il, l);
         } else {
             l->ffn_gate = bind_layer(b, il, "ffn_gate", c->n_embd, c->n_ff);
             l->ffn_up = bind_layer(b, il, "ffn_up", c->n_embd, c->n_ff);

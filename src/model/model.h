@@ -16,6 +16,8 @@
 typedef enum moe_arch {
     MOE_ARCH_LLAMA,
     MOE_ARCH_QWEN3MOE,
+    MOE_ARCH_DEEPSEEK2,
+    MOE_ARCH_GPT_OSS,
     MOE_ARCH_QWEN3NEXT,
     MOE_ARCH_KIMI_LINEAR,
     MOE_ARCH_COUNT
@@ -27,6 +29,12 @@ typedef enum moe_gating {
     MOE_GATING_SIGMOID = 2,        /* sigmoid per expert, then top-k (DeepSeek-V3, GLM) */
     MOE_GATING_SOFTMAX_WEIGHT = 3, /* top-k of the logits, softmax over the k (gpt-oss) */
 } moe_gating;
+
+/* The gated activation of an FFN: out = act(gate) * up. */
+typedef enum moe_ffn_act {
+    MOE_ACT_SILU,       /* silu(gate) * up (SwiGLU) */
+    MOE_ACT_SWIGLU_OAI, /* gpt-oss: clamped gate and up, gate * sigmoid(1.702 gate) * (up + 1) */
+} moe_ffn_act;
 
 typedef enum moe_rope_kind {
     MOE_ROPE_NORM, /* rotate adjacent pairs (x[2i], x[2i+1]): llama */
@@ -58,7 +66,13 @@ typedef struct moe_model_config {
     uint32_t rope_dims;     /* leading dims of each head that rotate (<= head_dim_k) */
     moe_rope_kind rope_kind;
     float rope_base;        /* theta */
-    float rope_freq_scale;  /* 1 / linear scaling factor */
+    float rope_freq_scale;  /* 1 / scaling factor (linear or YaRN) */
+    float rope_ext_factor;  /* YaRN extrapolation mix: 1 with yarn scaling, 0 without */
+    float rope_attn_factor; /* cos/sin magnitude handed to rope (llama.cpp's yarn_attn_factor) */
+    float rope_beta_fast, rope_beta_slow; /* YaRN correction range, in rotations */
+    uint32_t rope_n_ctx_orig; /* YaRN: rope.scaling.original_context_length */
+    float kq_scale;         /* attention logit scale (1/sqrt(head_dim_k), or MLA's YaRN mscale^2) */
+    uint32_t n_swa;         /* attention.sliding_window of the windowed layers (0: none) */
     float rms_eps;
     bool tied_output;       /* no output.weight: the head reuses token_embd */
     bool qk_norm;           /* RMSNorm of each q and k head before rope (Qwen3) */
@@ -70,8 +84,20 @@ typedef struct moe_model_config {
     moe_gating gating;
     bool norm_topk;            /* renormalise the chosen experts' weights to sum to 1 */
     float expert_weights_scale; /* routed_scaling_factor (1: none) */
-    uint32_t n_ff_shexp;       /* shared expert hidden width (0: no shared expert) */
+    uint32_t n_expert_group;   /* expert_group_count: grouped top-k (<= 1: off) */
+    uint32_t n_group_used;     /* expert_group_used_count: groups kept per token */
+    uint32_t n_ff_shexp;       /* shared experts' hidden width, run on every token (0: none):
+                                * expert_shared_feed_forward_length (qwen3next), else
+                                * expert_shared_count x n_ff_exp (DeepSeek, Kimi) */
+    moe_ffn_act expert_act;
     bool attn_output_gate;     /* attn_q yields [q, gate] per head; out *= sigmoid(gate) */
+    /* multi-head latent attention (n_lora_kv == 0: none). The cache row of a position is the
+     * latent [n_lora_kv] then the roped key [rope_dims]: head_dim_k = n_lora_kv + rope_dims,
+     * head_dim_v = n_lora_kv, one kv head. */
+    uint32_t n_lora_q;         /* q down-projection rank (0: a plain attn_q) */
+    uint32_t n_lora_kv;        /* latent width cached per position */
+    uint32_t head_dim_k_mla;   /* per-head q/k width before absorption: nope + rope_dims */
+    uint32_t head_dim_v_mla;   /* per-head value width after attn_v_b */
     /* linear attention (n_layer_linear == 0: none). q and k have ssm_n_k_heads heads, v has
      * ssm_n_v_heads (a multiple): v head h reads k head h / (n_v / n_k). */
     uint32_t n_layer_linear;   /* layers whose mixer is GDN or KDA */
@@ -100,11 +126,29 @@ typedef struct moe_layer_weights {
     const moe_tensor *ffn_gate_exps; /* [n_embd] -> [n_ff_exp], x n_expert */
     const moe_tensor *ffn_up_exps;   /* [n_embd] -> [n_ff_exp], x n_expert */
     const moe_tensor *ffn_down_exps; /* [n_ff_exp] -> [n_embd], x n_expert */
-    /* shared expert beside the routed ones (NULL: none) */
+    const moe_tensor *ffn_gate_inp_b;  /* [n_expert] f32 router bias (gpt-oss) */
+    const moe_tensor *exp_probs_b;     /* [n_expert] f32 selection-only bias (DeepSeek-V3) */
+    const moe_tensor *ffn_gate_exps_b; /* [n_ff_exp] x n_expert f32 (gpt-oss) */
+    const moe_tensor *ffn_up_exps_b;   /* [n_ff_exp] x n_expert f32 */
+    const moe_tensor *ffn_down_exps_b; /* [n_embd] x n_expert f32 */
+    /* shared experts beside the routed ones (NULL: none), one SwiGLU n_ff_shexp wide */
     const moe_tensor *ffn_gate_shexp;     /* [n_embd] -> [n_ff_shexp] */
     const moe_tensor *ffn_up_shexp;       /* [n_embd] -> [n_ff_shexp] */
     const moe_tensor *ffn_down_shexp;     /* [n_ff_shexp] -> [n_embd] */
     const moe_tensor *ffn_gate_inp_shexp; /* [n_embd] f32: out *= sigmoid(w . x), or NULL */
+    /* attention biases and sinks (gpt-oss) */
+    const moe_tensor *bq, *bk, *bv;    /* f32 [n_head * head_dim_k], [n_head_kv * head_dim_k], [n_head_kv * head_dim_v] */
+    const moe_tensor *bo;              /* f32 [n_embd] */
+    const moe_tensor *attn_sinks;      /* f32 [n_head]: per-head logit in the softmax denominator */
+    uint32_t attn_window;              /* sliding window in positions (0: full attention) */
+    /* multi-head latent attention (deepseek2, kimi-linear; wq then holds attn_q when n_lora_q == 0) */
+    const moe_tensor *wq_a;            /* [n_embd] -> [n_lora_q] */
+    const moe_tensor *attn_q_a_norm;   /* [n_lora_q] f32 */
+    const moe_tensor *wq_b;            /* [n_lora_q] -> [n_head * head_dim_k_mla] */
+    const moe_tensor *wkv_a_mqa;       /* [n_embd] -> [n_lora_kv + rope_dims] */
+    const moe_tensor *attn_kv_a_norm;  /* [n_lora_kv] f32 */
+    const moe_tensor *wk_b;            /* [head_dim_k_mla - rope_dims] -> [n_lora_kv], x n_head */
+    const moe_tensor *wv_b;            /* [n_lora_kv] -> [head_dim_v_mla], x n_head */
     /* linear attention (GDN / KDA layers); with K = n_k_heads * head_dim, V = n_v_heads * head_dim */
     const moe_tensor *ssm_qkv;     /* GDN attn_qkv: [n_embd] -> [K + K + V] (KDA: wq, wk, wv) */
     const moe_tensor *ssm_conv1d[3]; /* taps [d_conv] per channel of q|k|v: GDN one tensor over

@@ -68,9 +68,10 @@ void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, i
             w[k] = prob[id[k]];
         }
         if (p->gating == MOE_GATING_SOFTMAX_WEIGHT) moe_softmax(w, K);
-        if (p->norm) {
+        if (p->norm) { /* llama.cpp clamps the sum to the smallest normal f16 */
             float sum = 0.0f;
             for (int k = 0; k < K; k++) sum += w[k];
+            sum = fmaxf(sum, 6.103515625e-5f);
             for (int k = 0; k < K; k++) w[k] /= sum;
         }
         if (p->scale != 1.0f)
@@ -80,10 +81,10 @@ void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, i
 
 /* ==== Grouped expert dispatch ==== */
 
-void moe_experts_forward(moe_pool *pool, const moe_tensor *gate, const moe_tensor *up,
-                         const moe_tensor *down, const float *x, int64_t n_rows,
+void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float *x, int64_t n_rows,
                          const int32_t *ids, const float *weights, int n_used, float *out,
                          const moe_expert_scratch *s, moe_expert_stats *stats) {
+    const moe_tensor *gate = set->gate, *up = set->up, *down = set->down;
     const int64_t n_expert = gate->ne[2], n_in = gate->ne[0], n_ff = gate->ne[1];
     /* counting sort of the pairs by expert: counts[e] becomes the start of e's run */
     memset(s->counts, 0, sizeof(int32_t) * (size_t)(n_expert + 1));
@@ -106,8 +107,11 @@ void moe_experts_forward(moe_pool *pool, const moe_tensor *gate, const moe_tenso
             memcpy(s->x + i * n_in, x + (int64_t)s->pair_row[begin + i] * n_in, sizeof(float) * (size_t)n_in);
         moe_matmul(pool, gate, e, s->x, n, s->gate, s->mm);
         moe_matmul(pool, up, e, s->x, n, s->up, s->mm);
-        moe_swiglu(s->up, s->gate, n * n_ff);
+        moe_add_bias(s->gate, set->gate_b, e, n, n_ff);
+        moe_add_bias(s->up, set->up_b, e, n, n_ff);
+        moe_glu(set->act, s->up, s->gate, n * n_ff);
         moe_matmul(pool, down, e, s->up, n, s->y, s->mm);
+        moe_add_bias(s->y, set->down_b, e, n, n_in);
         for (int64_t i = 0; i < n; i++) {
             float *o = out + (int64_t)s->pair_row[begin + i] * n_in;
             const float w = s->pair_w[begin + i], *y = s->y + i * n_in;

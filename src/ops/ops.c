@@ -1,6 +1,6 @@
 /* ops.c: reference implementations of norms, activations, rope, matmul and attention.
  *
- * Plain C, float32 accumulation. These are the semantics the fast kernels must reproduce;
+ * Plain C, float32 accumulation; matmuls go through the active ISA kernel table. These are the semantics the fast kernels must reproduce;
  * rope follows ggml's cache construction (theta multiplied by theta_scale pair after pair)
  * so positions produce the same angles as llama.cpp to the last bit. */
 #include "ops.h"
@@ -24,19 +24,79 @@ void moe_swiglu(float *x, const float *gate, int64_t n) {
     }
 }
 
-void moe_softmax(float *x, int64_t n) {
-    float max = -INFINITY;
+void moe_swiglu_oai(float *x, const float *gate, int64_t n) {
+    for (int64_t i = 0; i < n; i++) { /* ggml's order of operations, for its last bits */
+        const float g = fminf(gate[i], MOE_SWIGLU_OAI_LIMIT);
+        const float u = fminf(fmaxf(x[i], -MOE_SWIGLU_OAI_LIMIT), MOE_SWIGLU_OAI_LIMIT);
+        const float out_glu = g / (1.0f + expf(MOE_SWIGLU_OAI_ALPHA * (-g)));
+        x[i] = out_glu * (u + 1.0f);
+    }
+}
+
+void moe_glu(moe_ffn_act act, float *x, const float *gate, int64_t n) {
+    if (act == MOE_ACT_SWIGLU_OAI) moe_swiglu_oai(x, gate, n);
+    else moe_swiglu(x, gate, n);
+}
+
+void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n) {
+    if (!bias) return;
+    const float *b = (const float *)bias->data + index * n;
+    for (int64_t r = 0; r < n_rows; r++)
+        for (int64_t i = 0; i < n; i++) y[r * n + i] += b[i];
+}
+
+/* Softmax with an optional sink logit that joins the denominator only (-INFINITY: none), as
+ * ggml's soft_max with sinks: the max includes the sink, the sum adds exp(sink - max). */
+static void softmax_sink(float *x, int64_t n, float sink) {
+    float max = sink;
     for (int64_t i = 0; i < n; i++) max = x[i] > max ? x[i] : max;
     double sum = 0.0;
     for (int64_t i = 0; i < n; i++) {
         x[i] = x[i] == -INFINITY ? 0.0f : expf(x[i] - max);
         sum += x[i];
     }
+    if (sink != -INFINITY) sum += (double)expf(sink - max);
     const float inv = (float)(1.0 / sum);
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
 }
 
+void moe_softmax(float *x, int64_t n) { softmax_sink(x, n, -INFINITY); }
+
 /* ==== Rope ==== */
+
+/* ggml_rope_yarn_corr_dim: the pair index whose wavelength makes n_rot turns over n_ctx_orig */
+static float rope_yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
+    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2 * (float)M_PI)) / (2 * logf(base));
+}
+
+moe_rope_params moe_rope_params_from_config(const moe_model_config *c) {
+    moe_rope_params p = {.n_dims = (int)c->rope_dims,
+                         .neox = c->rope_kind == MOE_ROPE_NEOX,
+                         .base = c->rope_base,
+                         .freq_scale = c->rope_freq_scale,
+                         .ext_factor = c->rope_ext_factor,
+                         .attn_factor = c->rope_attn_factor};
+    const int n_ctx_orig = (int)c->rope_n_ctx_orig;
+    const float start = floorf(rope_yarn_corr_dim(p.n_dims, n_ctx_orig, c->rope_beta_fast, p.base));
+    const float end = ceilf(rope_yarn_corr_dim(p.n_dims, n_ctx_orig, c->rope_beta_slow, p.base));
+    p.corr_dims[0] = fmaxf(0.0f, start);
+    p.corr_dims[1] = fminf((float)(p.n_dims - 1), end);
+    return p;
+}
+
+/* cos and sin of pair i0/2 at unscaled angle theta_extrap, as ggml's rope_yarn. */
+static void rope_yarn(float theta_extrap, int i0, const moe_rope_params *p, float *c, float *s) {
+    const float theta_interp = p->freq_scale * theta_extrap;
+    float theta = theta_interp, mscale = p->attn_factor;
+    if (p->ext_factor != 0.0f) {
+        const float y = (float)(i0 / 2 - p->corr_dims[0]) / fmaxf(0.001f, p->corr_dims[1] - p->corr_dims[0]);
+        const float ramp_mix = (1 - fminf(1, fmaxf(0, y))) * p->ext_factor;
+        theta = theta_interp * (1 - ramp_mix) + theta_extrap * ramp_mix;
+        mscale *= 1.0f + 0.1f * logf(1.0f / p->freq_scale);
+    }
+    *c = cosf(theta) * mscale;
+    *s = sinf(theta) * mscale;
+}
 
 void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_params *p) {
     const float theta_scale = powf(p->base, -2.0f / (float)p->n_dims);
@@ -45,8 +105,8 @@ void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_p
         float *xh = x + (int64_t)h * head_dim;
         float theta = (float)pos;
         for (int i = 0; i < half; i++) {
-            const float angle = theta * p->freq_scale;
-            const float c = cosf(angle), s = sinf(angle);
+            float c, s;
+            rope_yarn(theta, 2 * i, p, &c, &s);
             const int a = p->neox ? i : 2 * i, b = p->neox ? i + half : 2 * i + 1;
             const float x0 = xh[a], x1 = xh[b];
             xh[a] = x0 * c - x1 * s;
@@ -65,7 +125,7 @@ uint64_t moe_matmul_scratch_bytes(const moe_tensor *w, int64_t n_rows) {
 }
 
 typedef struct matmul_job {
-    const moe_type_traits *t;
+    const moe_type_kernels *k; /* the active ISA table's entry for the weight type */
     const uint8_t *wbase;
     uint64_t w_row_bytes, xq_row_bytes;
     const uint8_t *xq;
@@ -80,23 +140,22 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     for (int64_t o = begin; o < end; o++) {
         const uint8_t *wrow = j->wbase + (uint64_t)o * j->w_row_bytes;
         for (int64_t r = 0; r < j->n_rows; r++)
-            j->y[r * j->n_out + o] = j->t->dot(wrow, j->xq + (uint64_t)r * j->xq_row_bytes, j->n_in);
+            j->y[r * j->n_out + o] = j->k->dot(wrow, j->xq + (uint64_t)r * j->xq_row_bytes, j->n_in);
     }
 }
 
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x,
                 int64_t n_rows, float *y, void *scratch) {
-    const moe_type_traits *t = moe_type_traits_get(w->type);
+    const moe_type_kernels *k = moe_kernels_type(w->type);
     const int64_t n_in = w->ne[0], n_out = w->ne[1];
-    matmul_job j = {.t = t, .n_in = n_in, .n_out = n_out, .n_rows = n_rows, .y = y,
+    matmul_job j = {.k = k, .n_in = n_in, .n_out = n_out, .n_rows = n_rows, .y = y,
                     .w_row_bytes = moe_type_row_bytes(w->type, n_in),
                     .xq = (const uint8_t *)x, .xq_row_bytes = (uint64_t)n_in * sizeof(float)};
     j.wbase = w->data + (uint64_t)matrix * (uint64_t)n_out * j.w_row_bytes;
-    if (t->dot_type != MOE_TYPE_F32) {
+    if (k->dot_type != MOE_TYPE_F32) {
         j.xq_row_bytes = moe_dot_row_bytes(w->type, n_in);
         for (int64_t r = 0; r < n_rows; r++)
-            moe_quantize_row_for_dot(w->type, x + r * n_in,
-                                     (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes, n_in);
+            k->quantize_row_for_dot(x + r * n_in, (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes, n_in);
         j.xq = scratch;
     }
     /* chunks of output units: enough per chunk to amortise the hand-out, many chunks per thread */
@@ -116,6 +175,30 @@ static inline float kv_at(const void *base, int kv_f16, int64_t i) {
     return kv_f16 ? moe_fp16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+/* q . k[ofs..ofs+n) summed in the order of ggml's x86 ggml_vec_dot_f32 (AVX2 shape): 4
+ * accumulators of 8 lanes over whole 32-value steps, folded 0+2, 1+3, 0+1, the 8 lanes as
+ * (l + l+4) then pairs, then the tail one by one. Why: these scores feed the 8-bit activation
+ * quantization of later matmuls, where a 1-ulp difference can flip a rounding tie; a plain
+ * sequential sum flipped one at position 8 of deepseek2-q8_0-q4_k and moved every later row
+ * by 2e-2, while this order keeps all five parity models within 3e-7 of llama.cpp. */
+static float attn_dot(const float *q, const void *k, int kv_f16, int64_t ofs, int n) {
+    enum { LANES = 8, ACCS = 4, STEP = LANES * ACCS };
+    const int whole = n & ~(STEP - 1);
+    float acc[ACCS][LANES] = {{0}};
+    for (int i = 0; i < whole; i += STEP)
+        for (int a = 0; a < ACCS; a++)
+            for (int l = 0; l < LANES; l++) {
+                const int d = i + a * LANES + l;
+                acc[a][l] += q[d] * kv_at(k, kv_f16, ofs + d);
+            }
+    float lane[LANES], half[LANES / 2];
+    for (int l = 0; l < LANES; l++) lane[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    for (int l = 0; l < LANES / 2; l++) half[l] = lane[l] + lane[l + LANES / 2];
+    float sum = (half[0] + half[1]) + (half[2] + half[3]);
+    for (int d = whole; d < n; d++) sum += q[d] * kv_at(k, kv_f16, ofs + d);
+    return sum;
+}
+
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
                        int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out,
                        float *scores) {
@@ -125,11 +208,10 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
         const float *qh = q + (int64_t)h * s->head_dim_k;
         for (int64_t j = 0; j < n_kv; j++) {
             const int64_t kofs = j * k_stride + (int64_t)hk * s->head_dim_k;
-            float dot = 0.0f;
-            for (int d = 0; d < s->head_dim_k; d++) dot += qh[d] * kv_at(k, s->kv_f16, kofs + d);
+            const float dot = attn_dot(qh, k, s->kv_f16, kofs, s->head_dim_k);
             scores[j] = dot * s->scale;
         }
-        moe_softmax(scores, n_kv);
+        softmax_sink(scores, n_kv, s->sinks ? s->sinks[h] : -INFINITY);
         float *oh = out + (int64_t)h * s->head_dim_v;
         memset(oh, 0, sizeof(float) * (size_t)s->head_dim_v);
         for (int64_t j = 0; j < n_kv; j++) {

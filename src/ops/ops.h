@@ -20,6 +20,16 @@
 void moe_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps);
 /* x[i] = silu(gate[i]) * x[i] (SwiGLU: x holds `up`). */
 void moe_swiglu(float *x, const float *gate, int64_t n);
+/* gpt-oss's clamped SwiGLU (ggml swiglu_oai): g = min(gate, limit), u = clamp(x, +-limit),
+ * x[i] = g * sigmoid(alpha * g) * (u + 1). */
+#define MOE_SWIGLU_OAI_ALPHA 1.702f
+#define MOE_SWIGLU_OAI_LIMIT 7.0f
+void moe_swiglu_oai(float *x, const float *gate, int64_t n);
+/* x[i] = act(gate[i]) * x[i] for the activation kind. */
+void moe_glu(moe_ffn_act act, float *x, const float *gate, int64_t n);
+/* y[r][i] += b[i] for n_rows rows of n values, b = row `index` of the F32 tensor bias (0 for a
+ * vector; e.g. an expert's row of a [n] x n_expert bias). NULL bias: nothing. */
+void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n);
 /* In-place softmax; returns nothing, handles -inf entries (masked) as zero probability. */
 void moe_softmax(float *x, int64_t n);
 
@@ -29,10 +39,17 @@ typedef struct moe_rope_params {
     int n_dims;        /* leading dims of each head that rotate */
     int neox;          /* 0: adjacent pairs (x[2i], x[2i+1]); 1: halves (x[i], x[i+n_dims/2]) */
     float base;        /* theta base */
-    float freq_scale;  /* position multiplier (1 / linear scaling factor) */
+    float freq_scale;  /* position multiplier (1 / scaling factor) */
+    float ext_factor;  /* YaRN: how much of the unscaled angle the low dims keep (0: off) */
+    float attn_factor; /* cos/sin magnitude; YaRN multiplies it by 1 + 0.1 ln(1/freq_scale) */
+    float corr_dims[2]; /* YaRN: pairs below [0] keep the unscaled angle, above [1] the scaled */
 } moe_rope_params;
 
-/* Rotate n_heads heads of head_dim values each, for position pos, in place. */
+/* The rope of a model's config (its rope_dims, kind, base, scaling and YaRN correction range,
+ * computed as ggml_rope_yarn_corr_dims does). */
+moe_rope_params moe_rope_params_from_config(const moe_model_config *c);
+/* Rotate n_heads heads of head_dim values each, for position pos, in place (the leading
+ * n_dims values of each head; pass a pointer into the head for a rope part further in). */
 void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_params *p);
 
 /* ==== Matmul through the trait table ==== */
@@ -58,6 +75,7 @@ typedef struct moe_attn_shape {
     int n_head, n_head_kv, head_dim_k, head_dim_v;
     float scale; /* usually 1/sqrt(head_dim_k) */
     int kv_f16;
+    const float *sinks; /* [n_head] logits that join each head's softmax denominator, or NULL */
 } moe_attn_shape;
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
                        int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out,
@@ -133,6 +151,15 @@ typedef struct moe_expert_stats {
     uint64_t experts;  /* distinct experts run (each one's weights read once) */
 } moe_expert_stats;
 
+/* One layer's routed experts as the dispatch runs them. */
+typedef struct moe_expert_set {
+    const moe_tensor *gate, *up; /* [n_in] -> [n_ff], x n_expert */
+    const moe_tensor *down;      /* [n_ff] -> [n_in], x n_expert */
+    const moe_tensor *gate_b, *up_b; /* F32 [n_ff] x n_expert biases, or NULL */
+    const moe_tensor *down_b;    /* F32 [n_in] x n_expert, or NULL */
+    moe_ffn_act act;
+} moe_expert_set;
+
 /* Buffers for moe_experts_forward, sized by the caller for its largest batch. */
 typedef struct moe_expert_scratch {
     int32_t *counts;   /* [n_expert + 1] */
@@ -144,10 +171,10 @@ typedef struct moe_expert_scratch {
     void *mm;          /* moe_matmul scratch for max_rows rows of the widest input */
 } moe_expert_scratch;
 
-/* out[r] += sum_k weights[r][k] * down_e(silu(gate_e(x[r])) * up_e(x[r])) with e = ids[r][k].
- * Rows are grouped by expert so each expert runs once over all rows routed to it. */
-void moe_experts_forward(moe_pool *pool, const moe_tensor *gate, const moe_tensor *up,
-                         const moe_tensor *down, const float *x, int64_t n_rows,
+/* out[r] += sum_k weights[r][k] * (down_e(act(gate_e(x[r]) + gb_e) * (up_e(x[r]) + ub_e)) + db_e)
+ * with e = ids[r][k] (biases where present). Rows are grouped by expert so each expert runs
+ * once over all rows routed to it. */
+void moe_experts_forward(moe_pool *pool, const moe_expert_set *e, const float *x, int64_t n_rows,
                          const int32_t *ids, const float *weights, int n_used, float *out,
                          const moe_expert_scratch *s, moe_expert_stats *stats);
 

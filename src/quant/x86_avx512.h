@@ -127,7 +127,6 @@ MOE_INLINE float z_q32_dot_q8_0(const void *w, const void *x, int64_t n, size_t 
     }
 Z_Q32_DOT_Q8_0(q4_0)
 Z_Q32_DOT_Q8_0(q5_0)
-Z_Q32_DOT_Q8_0(q8_0)
 Z_Q32_DOT_Q8_0(iq4_nl)
 Z_Q32_DOT_Q8_0(mxfp4)
 
@@ -165,16 +164,6 @@ MOE_INLINE void z_k4(const uint8_t *scales_raw, uint16_t d16, uint16_t dmin16, c
                         z_scales(sc, z_idx2(4 * p + 1, 4 * p + 3)));
     }
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), *acc);
-}
-
-static float z_dot_q4_k(const void *w, const void *x, int64_t n) {
-    const moe_block_q4_k *b = w;
-    const moe_block_q8_k *y = x;
-    __m512 acc = _mm512_setzero_ps();
-    __m128 acc_min = _mm_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++)
-        z_k4(b[i].scales, b[i].d, b[i].dmin, b[i].qs, NULL, &y[i], &acc, &acc_min);
-    return _mm512_reduce_add_ps(acc) - avx2_hsum_f32x4(acc_min);
 }
 
 static float z_dot_q5_k(const void *w, const void *x, int64_t n) {
@@ -388,6 +377,11 @@ static float z_dot_bf16(const void *w, const void *x, int64_t n) {
 
 /* ==== The table ==== */
 
+/* Q8_0 and Q4_K keep the AVX2 kernels at this level: those sum their float block terms in
+ * the order of ggml-cpu's x86 kernels, and the 512-bit versions did not. The difference is one
+ * float rounding, but it can flip the rounding of a quantized activation in a later layer, and
+ * the ../shared parity models (qwen3moe-mixed, deepseek2-q8_0-q4_k) then move by 1e-2 instead
+ * of 1e-7 against llama.cpp. Measured, the 512-bit versions were no faster (make bench). */
 void Z_FILL(moe_type_kernels types[MOE_TYPE_COUNT]) {
     static const struct {
         moe_type type;
@@ -395,9 +389,9 @@ void Z_FILL(moe_type_kernels types[MOE_TYPE_COUNT]) {
     } dots[] = {
         {MOE_TYPE_F32, z_dot_f32},       {MOE_TYPE_F16, z_dot_f16},
         {MOE_TYPE_BF16, z_dot_bf16},     {MOE_TYPE_Q4_0, z_dot_q4_0},
-        {MOE_TYPE_Q5_0, z_dot_q5_0},     {MOE_TYPE_Q8_0, z_dot_q8_0},
+        {MOE_TYPE_Q5_0, z_dot_q5_0},
         {MOE_TYPE_IQ4_NL, z_dot_iq4_nl}, {MOE_TYPE_MXFP4, z_dot_mxfp4},
-        {MOE_TYPE_Q4_K, z_dot_q4_k},     {MOE_TYPE_Q5_K, z_dot_q5_k},
+        {MOE_TYPE_Q5_K, z_dot_q5_k},
         {MOE_TYPE_Q6_K, z_dot_q6_k},     {MOE_TYPE_IQ4_XS, z_dot_iq4_xs},
         {MOE_TYPE_IQ3_S, z_dot_iq3_s},   {MOE_TYPE_IQ2_S, z_dot_iq2_s},
     };

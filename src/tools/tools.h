@@ -1,5 +1,5 @@
-/* tools: the audit and maintenance tools behind `moe inspect` (and later budget, audit, repack,
- * bench, eval, synth) and the built-in demo model. Each computes facts into a struct; cli/ prints them as text or JSON.
+/* tools: the audit and maintenance tools behind `moe inspect`, `moe budget`, `moe audit` (and
+ * later repack, bench, eval, synth) and the built-in demo model. Each computes facts into a struct; cli/ prints them as text or JSON.
  *
  * The trap: a tensor's role comes from its llama.cpp name alone (`blk.N.ffn_up_exps.weight`),
  * so a file with unconventional names lands in "norms/other" -- never guess from shapes. */
@@ -69,6 +69,153 @@ typedef struct moe_inspect_report {
 moe_inspect_report *moe_inspect_analyze(const moe_gguf *g);
 void moe_inspect_report_free(moe_inspect_report *r);
 
+/* ==== moe budget: the memory plan of a model on N devices ====
+ *
+ * Weights by part come from the tensor directory; the KV cache, recurrent state and scratch
+ * from the architecture's metadata. Routed experts are sharded across devices as rows of every
+ * expert matrix; everything else (attention, shared experts, embeddings, KV cache, state,
+ * scratch) is held whole by every device. */
+
+typedef enum moe_budget_part {
+    /* the first MOE_ROLE_COUNT parts are the tensor roles, in moe_role order */
+    MOE_PART_VISION = MOE_ROLE_COUNT, /* v.* / mm.* tensors, or a whole mmproj (clip) file */
+    MOE_PART_KV,                      /* KV cache: per token of every stream's context */
+    MOE_PART_STATE,                   /* linear-attention state: fixed per stream */
+    MOE_PART_SCRATCH,                 /* activations of one step (estimate, see budget.c) */
+    MOE_PART_COUNT
+} moe_budget_part;
+
+const char *moe_budget_part_name(moe_budget_part p); /* "routed experts", ..., "KV cache" */
+const char *moe_budget_part_id(moe_budget_part p);   /* JSON keys */
+
+typedef enum moe_layer_kind {
+    MOE_LAYER_FULL,    /* full attention: K and V of n_kv heads per token */
+    MOE_LAYER_SLIDING, /* sliding-window attention: as full, capped at the window */
+    MOE_LAYER_MLA,     /* multi-head latent attention: kv_lora_rank + rope dims per token */
+    MOE_LAYER_LINEAR,  /* linear attention (Gated DeltaNet, KDA): fixed state per sequence */
+    MOE_LAYER_KIND_COUNT
+} moe_layer_kind;
+const char *moe_layer_kind_name(moe_layer_kind k);
+
+/* A routed-expert tensor as the sharding sees it: slices (experts) of rows. */
+typedef struct moe_budget_sharded {
+    uint64_t rows;      /* rows per expert (ne[1]) */
+    uint64_t slices;    /* experts (ne[2] * ne[3]) */
+    uint64_t row_bytes; /* bytes of one row */
+} moe_budget_sharded;
+
+typedef struct moe_budget_model {
+    char *name; /* the path or URL given */
+    char *arch;
+    uint64_t file_bytes;
+    uint64_t n_params;                     /* values of every tensor counted in `weights` */
+    uint64_t weights[MOE_PART_VISION + 1]; /* bytes by part: roles, then vision */
+    uint64_t params[MOE_PART_VISION + 1];  /* values by part */
+    moe_budget_sharded *sharded;           /* [n_sharded] the routed-expert tensors */
+    size_t n_sharded;
+    uint32_t n_layer;
+    moe_layer_kind *kind;    /* [n_layer] */
+    uint64_t *k_values;      /* [n_layer] K (or MLA latent + rope) values per token */
+    uint64_t *v_values;      /* [n_layer] V values per token (0 for MLA, linear) */
+    uint64_t *state_values;  /* [n_layer] f32 state values per sequence (linear layers) */
+    uint64_t window;         /* sliding window in tokens (0: none) */
+    uint64_t ctx_train;      /* <arch>.context_length (0: unknown) */
+    uint64_t n_embd, n_vocab, n_head, ff_active; /* for the scratch estimate */
+} moe_budget_model;
+
+/* Read a model's facts; false with err set when its architecture's keys are missing. */
+moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const char *name,
+                                 moe_error *err);
+/* Count every tensor of g (an mmproj / clip file) as the model's vision tower. */
+void moe_budget_model_add_vision(moe_budget_model *m, const moe_gguf *g);
+void moe_budget_model_free(moe_budget_model *m);
+
+typedef struct moe_budget_config {
+    uint32_t devices;
+    uint64_t mem_per_device; /* bytes */
+    uint64_t ctx;            /* tokens of context per stream */
+    uint64_t streams;        /* concurrent sequences */
+    moe_type kv_type;        /* F16, F32 or Q8_0 */
+    bool vision;             /* count the vision tower */
+} moe_budget_config;
+
+#define MOE_BUDGET_MAX_DEVICES 4096
+#define MOE_BUDGET_PREFILL_ROWS 512 /* rows of one prefill step, for the scratch estimate */
+#define MOE_BUDGET_ATTN_TILE 256    /* keys per attention tile, for the scratch estimate */
+#define MOE_BUDGET_SEARCH_MAX (1ull << 30) /* largest context / stream count searched */
+
+typedef struct moe_budget_plan {
+    moe_budget_config config;
+    uint64_t *device;          /* [devices][MOE_PART_COUNT] bytes */
+    uint64_t device_total_max; /* the fullest device */
+    int64_t spare;             /* mem_per_device - device_total_max (negative: short) */
+    bool fits;
+    uint64_t kv_bytes_per_token;     /* full + MLA layers, all of them */
+    uint64_t swa_kv_bytes_per_token; /* sliding layers (up to `window` tokens) */
+    uint64_t state_bytes_per_stream;
+    uint64_t max_ctx;     /* largest context that fits with config.streams (0: none) */
+    uint64_t max_streams; /* largest stream count that fits at config.ctx (0: none) */
+} moe_budget_plan;
+
+void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
+                          moe_budget_plan *p);
+void moe_budget_plan_free(moe_budget_plan *p);
+/* Bytes of KV cache a device holds for that context and stream count. */
+uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64_t ctx,
+                             uint64_t streams);
+
+/* ==== moe audit: what quantization cost, measured on chosen rows ====
+ *
+ * For each selected tensor of the quantized model (and each selected expert of a 3-D expert
+ * tensor), the first `rows` rows are dequantized and compared with the same rows of the
+ * reference model (same tensor name and shape; F32, F16 or BF16): relative Frobenius error
+ * ||Wq - W|| / ||W||, cosine similarity of the flattened rows, and the matvec relative error
+ * ||(Wq - W) X|| / ||W X|| for X a [cols x 64] standard-normal draw from moe_audit_normals
+ * (seeded; the same X for every tensor with the same row length). Only those rows' bytes are
+ * read, by one range per (tensor, expert) and file when the model is remote. */
+
+#define MOE_AUDIT_X_COLS 64
+#define MOE_AUDIT_MAX_EXPERTS 4096 /* --experts entries */
+
+typedef struct moe_audit_options {
+    const char *tensor_regex; /* POSIX extended regex on names; NULL: every quantized tensor */
+    const int64_t *experts;   /* expert indices for 3-D tensors; NULL: expert 0 */
+    size_t n_experts;
+    uint64_t rows;            /* rows per (tensor, expert); 0: all */
+    uint64_t seed;            /* of X */
+} moe_audit_options;
+
+typedef struct moe_audit_row {
+    char *tensor;
+    int64_t expert; /* -1 for a 2-D tensor */
+    moe_type type, ref_type;
+    double bits_per_weight;
+    uint64_t rows, cols;
+    double rel_fro, cosine, matvec_rel;
+} moe_audit_row;
+
+typedef struct moe_audit_report {
+    moe_audit_row *rows;
+    size_t n_rows;
+    size_t n_skipped; /* tensors matching the regex without a usable reference */
+} moe_audit_report;
+
+/* X[c][j] for c < cols, j < MOE_AUDIT_X_COLS, row-major: value i = c * 64 + j is the
+ * (i % 2 ? sine : cosine) half of a Box-Muller pair from two uniforms u = ((s >> 11) + 1) / 2^53
+ * of consecutive splitmix64 outputs s, the stream starting at `seed` (so a test can redraw it). */
+void moe_audit_normals(uint64_t seed, uint64_t cols, double *x);
+moe_status moe_audit_run(const moe_gguf *quant, moe_http *quant_http, const moe_gguf *ref,
+                         moe_http *ref_http, const moe_audit_options *o, moe_audit_report *r,
+                         moe_error *err);
+void moe_audit_report_free(moe_audit_report *r);
+
+/* ==== SVG charts (svg.c) ==== */
+
+/* A stacked bar per device (parts, the memory line) and, with several rungs, the ladder: each
+ * build's fullest device against the memory per device. Self-contained SVG 1.1 text;
+ * caller frees. */
+char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_plan *plans,
+                     size_t n_models, bool ladder);
 /* ==== Synthetic models (moe synth) ==== */
 
 #define MOE_SYNTH_DEFAULT_SEED 0x6d6f65u /* "moe" */

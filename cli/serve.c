@@ -1,0 +1,94 @@
+/* serve.c: `moe serve [MODEL] [options]` -- the HTTP server (src/serve/). Without a model, the
+ * built-in demo model. Runs until SIGINT / SIGTERM. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../src/serve/serve.h"
+#include "args.h"
+#include "cli.h"
+
+static const char usage_text[] =
+    "  --host ADDR        address to bind (default 127.0.0.1)\n"
+    "  --port N           port (default 8080; 0: any free port, printed on stdout)\n"
+    "  --api-key K        require this key (Authorization: Bearer K or x-api-key: K); repeatable\n"
+    "  --alias NAME       model id reported by the APIs (default: the file name)\n"
+    "  --ctx N            context per sequence (default: the model's, at most 4096)\n"
+    "  --parallel B       streams decoded together in one batch (default 4)\n"
+    "  --cache-slots N    extra finished sequences kept for prefix reuse (default: B)\n"
+    "  -t, --threads T    forward-pass threads (default 1)\n"
+    "  --kv-type f32|f16  KV cache element type (default f16)\n"
+    "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
+    "  --queue-timeout S  seconds a request may wait before 503 (default 600)\n"
+    "  --keepalive S      seconds of silence before an SSE keep-alive (default 15)\n"
+    "  --step-delay MS    for tests: sleep MS after every forward step\n";
+
+int moe_cmd_serve(int argc, char **argv) {
+    moe_serve_params p;
+    moe_serve_params_default(&p);
+    long long n;
+    double f;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define INT_OPT(flag, lo, hi, dst)                                                                 \
+    if (strcmp(a, flag) == 0) {                                                                    \
+        if (!moe_arg_int("serve", flag, v, lo, hi, &n)) return 2;                                  \
+        dst = (int)n;                                                                              \
+        i++;                                                                                       \
+        continue;                                                                                  \
+    }
+#define FLOAT_OPT(flag, lo, hi, dst)                                                               \
+    if (strcmp(a, flag) == 0) {                                                                    \
+        if (!moe_arg_float("serve", flag, v, lo, hi, &f)) return 2;                                \
+        dst = f;                                                                                   \
+        i++;                                                                                       \
+        continue;                                                                                  \
+    }
+        INT_OPT("--port", 0, 65535, p.port)
+        INT_OPT("--ctx", 1, 1 << 24, p.n_ctx)
+        INT_OPT("--parallel", 1, 256, p.parallel)
+        INT_OPT("--cache-slots", 0, 4096, p.cache_slots)
+        INT_OPT("--threads", 1, 1024, p.n_threads)
+        INT_OPT("-t", 1, 1024, p.n_threads)
+        INT_OPT("--queue", 0, 1 << 20, p.queue_limit)
+        INT_OPT("--step-delay", 0, 60000, p.step_delay_ms)
+        FLOAT_OPT("--queue-timeout", 0.01, 1e7, p.queue_timeout_s)
+        FLOAT_OPT("--keepalive", 0.01, 1e5, p.keepalive_s)
+#undef INT_OPT
+#undef FLOAT_OPT
+        if (strcmp(a, "--host") == 0 && v) {
+            p.host = v;
+            i++;
+        } else if (strcmp(a, "--alias") == 0 && v) {
+            p.alias = v;
+            i++;
+        } else if (strcmp(a, "--api-key") == 0 && v) {
+            if (p.n_api_keys == MOE_SERVE_MAX_API_KEYS)
+                return moe_cli_usage_error("serve", "at most %d --api-key", MOE_SERVE_MAX_API_KEYS);
+            p.api_keys[p.n_api_keys++] = v;
+            i++;
+        } else if (strcmp(a, "--kv-type") == 0 && v) {
+            if (strcmp(v, "f16") == 0)
+                p.kv_type = MOE_KV_F16;
+            else if (strcmp(v, "f32") == 0)
+                p.kv_type = MOE_KV_F32;
+            else
+                return moe_cli_usage_error("serve", "--kv-type expects f32 or f16, got '%s'", v);
+            i++;
+        } else if (strcmp(a, "--help-options") == 0) {
+            fputs(usage_text, stdout);
+            return 0;
+        } else if (a[0] == '-') {
+            return moe_cli_usage_error("serve", "unknown option '%s' (options:\n%s)", a,
+                                       usage_text);
+        } else if (!p.model_path) {
+            p.model_path = a;
+        } else {
+            return moe_cli_usage_error("serve", "unexpected argument '%s'", a);
+        }
+    }
+    if (p.cache_slots + p.parallel > 4096)
+        return moe_cli_usage_error("serve", "--parallel + --cache-slots must stay <= 4096");
+    return moe_serve_run(&p);
+}

@@ -1,0 +1,682 @@
+/* anthropic.c: the Anthropic adapters -- /v1/messages (stream and not),
+ * /v1/messages/count_tokens and the Anthropic form of /v1/models.
+ *
+ * Messages map onto the shared conversation: system (string or text blocks) first, tool_use
+ * blocks become assistant tool calls, tool_result blocks become tool turns, thinking blocks
+ * become reasoning. Claude Code's first system block "x-anthropic-billing-header: ..." changes
+ * every request and would defeat prefix reuse, so it is dropped before formatting. The stream
+ * follows the API's event order exactly: message_start, then per block content_block_start,
+ * (a ping after the first start), content_block_delta..., content_block_stop, then
+ * message_delta (stop_reason, cumulative usage) and message_stop. The trap: a thinking block
+ * always ends with a signature_delta (clients verify the field is present). */
+#include "serve_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define THINKING_SIGNATURE "bW9lLWxvY2FsLXVuc2lnbmVk" /* "moe-local-unsigned": nothing to verify   \
+                                                       */
+
+#define BAD(h, field, ...)                                                                         \
+    do {                                                                                           \
+        serve_reply_error(h, SERVE_API_ANTHROPIC, 400, field, NULL, __VA_ARGS__);                  \
+        return false;                                                                              \
+    } while (0)
+
+/* ==== Request parsing ==== */
+
+/* Text of a string or an array of text blocks; images and documents are refused. */
+static bool blocks_text(serve_http *h, json_t *v, const char *field, serve_buf *out) {
+    if (json_is_string(v)) {
+        serve_buf_put(out, json_string_value(v), json_string_length(v));
+        return true;
+    }
+    if (!json_is_array(v))
+        BAD(h, field, "%s: expected a string or an array of content blocks", field);
+    size_t i;
+    json_t *b;
+    json_array_foreach(v, i, b) {
+        const char *type = json_string_value(json_object_get(b, "type"));
+        if (type && (strcmp(type, "image") == 0 || strcmp(type, "document") == 0))
+            BAD(h, field, "%s.%zu: %s blocks are not supported: this server takes text only", field,
+                i, type);
+        json_t *text = json_object_get(b, "text");
+        if (!type || strcmp(type, "text") != 0 || !json_is_string(text))
+            BAD(h, field, "%s.%zu: expected a text block", field, i);
+        serve_buf_put(out, json_string_value(text), json_string_length(text));
+    }
+    return true;
+}
+
+static bool parse_system(serve_http *h, json_t *body, serve_chat *chat) {
+    json_t *sys = json_object_get(body, "system");
+    if (!sys || json_is_null(sys)) return true;
+    serve_buf text = {0};
+    if (json_is_array(sys)) {
+        size_t i;
+        json_t *b;
+        json_array_foreach(sys, i, b) {
+            const char *t = json_string_value(json_object_get(b, "text"));
+            const char *type = json_string_value(json_object_get(b, "type"));
+            if (!t || !type || strcmp(type, "text") != 0) {
+                serve_buf_free(&text);
+                BAD(h, "system", "system.%zu: expected a text block", i);
+            }
+            if (i == 0 && strncmp(t, "x-anthropic-billing-header:", 27) == 0) continue;
+            if (text.len) serve_buf_puts(&text, "\n\n");
+            serve_buf_puts(&text, t);
+        }
+    } else if (!blocks_text(h, sys, "system", &text)) {
+        serve_buf_free(&text);
+        return false;
+    }
+    serve_message *m = serve_chat_add(chat, "system");
+    m->content = text.p ? text.p : moe_xstrdup("");
+    return true;
+}
+
+static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
+    json_t *msgs = json_object_get(body, "messages");
+    if (!json_is_array(msgs) || json_array_size(msgs) == 0)
+        BAD(h, "messages", "messages: Field required (a non-empty array)");
+    if (json_array_size(msgs) > SERVE_MAX_MESSAGES)
+        BAD(h, "messages", "messages: more than %d", SERVE_MAX_MESSAGES);
+    size_t i;
+    json_t *m;
+    char field[64];
+    json_array_foreach(msgs, i, m) {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        snprintf(field, sizeof field, "messages.%zu", i);
+        if (!role || (strcmp(role, "user") && strcmp(role, "assistant")))
+            BAD(h, field, "%s.role: expected 'user' or 'assistant'", field);
+        json_t *content = json_object_get(m, "content");
+        if (json_is_string(content)) {
+            serve_message *msg = serve_chat_add(chat, role);
+            msg->content = moe_xstrndup(json_string_value(content), json_string_length(content));
+            continue;
+        }
+        if (!json_is_array(content))
+            BAD(h, field, "%s.content: expected a string or an array of content blocks", field);
+        /* user: tool results become tool turns, then the text; assistant: one turn with its
+         * text, thinking and tool calls */
+        serve_buf text = {0}, thinking = {0};
+        serve_message *msg = NULL;
+        if (strcmp(role, "assistant") == 0) {
+            msg = serve_chat_add(chat, "assistant");
+            msg->tool_calls = moe_xcalloc(json_array_size(content) + 1, sizeof *msg->tool_calls);
+        }
+        size_t k;
+        json_t *b;
+        bool ok = true;
+        json_array_foreach(content, k, b) {
+            const char *type = json_string_value(json_object_get(b, "type"));
+            if (!type) type = "";
+            if (strcmp(type, "text") == 0 && json_is_string(json_object_get(b, "text"))) {
+                serve_buf_puts(&text, json_string_value(json_object_get(b, "text")));
+            } else if (strcmp(type, "thinking") == 0 || strcmp(type, "redacted_thinking") == 0) {
+                const char *t = json_string_value(json_object_get(b, "thinking"));
+                if (t) serve_buf_puts(&thinking, t);
+            } else if (strcmp(type, "tool_use") == 0 && msg) {
+                const char *id = json_string_value(json_object_get(b, "id"));
+                const char *name = json_string_value(json_object_get(b, "name"));
+                json_t *input = json_object_get(b, "input");
+                if (!name) {
+                    serve_reply_error(h, SERVE_API_ANTHROPIC, 400, field, NULL,
+                                      "%s.content.%zu.name: Field required", field, k);
+                    ok = false;
+                    break;
+                }
+                serve_tool_call *tc = &msg->tool_calls[msg->n_tool_calls++];
+                tc->id = moe_xstrdup(id ? id : "");
+                tc->name = moe_xstrdup(name);
+                char *args = input ? json_dumps(input, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
+                tc->arguments = args ? args : moe_xstrdup("{}");
+            } else if (strcmp(type, "tool_result") == 0 && !msg) {
+                serve_message *tm = serve_chat_add(chat, "tool");
+                const char *id = json_string_value(json_object_get(b, "tool_use_id"));
+                tm->tool_call_id = moe_xstrdup(id ? id : "");
+                json_t *c = json_object_get(b, "content");
+                serve_buf r = {0};
+                char sub[160];
+                snprintf(sub, sizeof sub, "%s.content.%zu.content", field, k);
+                if (c && !json_is_null(c) && !blocks_text(h, c, sub, &r)) ok = false;
+                tm->content = r.p ? r.p : moe_xstrdup("");
+                if (!ok) break;
+            } else {
+                serve_reply_error(h, SERVE_API_ANTHROPIC, 400, field, NULL,
+                                  "%s.content.%zu: %s blocks are not supported in a %s message%s",
+                                  field, k, type[0] ? type : "untyped", role,
+                                  strcmp(type, "image") == 0 || strcmp(type, "document") == 0
+                                      ? " (this server takes text only)"
+                                      : "");
+                ok = false;
+                break;
+            }
+        }
+        if (msg) {
+            msg->content = text.p ? text.p : moe_xstrdup("");
+            msg->reasoning = thinking.p;
+            text.p = thinking.p = NULL;
+        } else if (text.len) {
+            serve_message *um = serve_chat_add(chat, "user");
+            um->content = text.p;
+            text.p = NULL;
+        }
+        serve_buf_free(&text);
+        serve_buf_free(&thinking);
+        if (!ok) return false;
+    }
+    return true;
+}
+
+static bool parse_tools(serve_http *h, json_t *body, serve_chat *chat) {
+    json_t *tools = json_object_get(body, "tools");
+    if (tools && !json_is_null(tools)) {
+        if (!json_is_array(tools) || json_array_size(tools) > SERVE_MAX_TOOLS)
+            BAD(h, "tools", "tools: expected an array of at most %d tools", SERVE_MAX_TOOLS);
+        json_t *oa = json_array();
+        size_t i;
+        json_t *t;
+        json_array_foreach(tools, i, t) {
+            const char *type = json_string_value(json_object_get(t, "type"));
+            if (type && strcmp(type, "custom") != 0) continue; /* server tools: not ours to run */
+            json_t *name = json_object_get(t, "name");
+            if (!json_is_string(name)) {
+                json_decref(oa);
+                BAD(h, "tools", "tools.%zu.name: Field required", i);
+            }
+            json_t *fn = json_object();
+            json_object_set(fn, "name", name);
+            json_t *desc = json_object_get(t, "description");
+            if (json_is_string(desc)) json_object_set(fn, "description", desc);
+            json_t *schema = json_object_get(t, "input_schema");
+            json_object_set(fn, "parameters", schema ? schema : json_object());
+            json_t *wrap = json_object();
+            json_object_set_new(wrap, "type", json_string("function"));
+            json_object_set_new(wrap, "function", fn);
+            json_array_append_new(oa, wrap);
+        }
+        if (json_array_size(oa))
+            chat->tools = oa;
+        else
+            json_decref(oa);
+    }
+    json_t *choice = json_object_get(body, "tool_choice");
+    const char *ct = json_string_value(json_object_get(choice, "type"));
+    if (choice && !json_is_null(choice) &&
+        (!ct ||
+         (strcmp(ct, "auto") && strcmp(ct, "any") && strcmp(ct, "tool") && strcmp(ct, "none"))))
+        BAD(h, "tool_choice", "tool_choice: expected {\"type\": auto|any|tool|none}");
+    chat->tool_choice_none = ct && strcmp(ct, "none") == 0;
+    return true;
+}
+
+/* Everything up to the prompt tokens; shared by messages and count_tokens. */
+static bool parse_request(serve_http *h, json_t *body, serve_req *req, serve_chat *chat,
+                          bool need_max_tokens) {
+    if (need_max_tokens) {
+        json_t *mt = json_object_get(body, "max_tokens");
+        if (!mt) BAD(h, "max_tokens", "max_tokens: Field required");
+        if (!json_is_integer(mt) || json_integer_value(mt) < 1)
+            BAD(h, "max_tokens", "max_tokens: expected an integer >= 1");
+        req->gen.max_tokens = json_integer_value(mt);
+        if (!serve_parse_sampling(h, SERVE_API_ANTHROPIC, body, &req->gen, "stop_sequences"))
+            return false;
+    }
+    if (!parse_system(h, body, chat) || !parse_messages(h, body, chat) ||
+        !parse_tools(h, body, chat))
+        return false;
+    serve_buf prompt = {0};
+    serve_format_prompt(&h->srv->format, chat, &prompt);
+    const bool ok = serve_tokenize_prompt(h, SERVE_API_ANTHROPIC, prompt.p, prompt.len, &req->gen);
+    serve_buf_free(&prompt);
+    return ok;
+}
+
+/* ==== Output ==== */
+
+typedef enum block_kind { BLOCK_NONE, BLOCK_TEXT, BLOCK_THINKING } block_kind;
+
+typedef struct call_out {
+    char id[48];
+    char *name, *arguments;
+} call_out;
+
+typedef struct an_state {
+    serve_server *srv;
+    serve_sse *sse;
+    serve_parser parser;
+    char id[64];
+    bool started;
+    /* stream */
+    block_kind open;
+    int index; /* of the open block; next block gets index + 1 */
+    bool pinged;
+    size_t n_calls;
+    /* non-stream */
+    serve_buf text, thinking;
+    call_out *calls;
+    size_t n_calls_out;
+    /* block order, non-stream: 't' thinking, 'x' text, 'c' call */
+    serve_buf order;
+} an_state;
+
+static void an_state_free(void *p) {
+    an_state *s = p;
+    serve_parser_free(&s->parser);
+    serve_buf_free(&s->text);
+    serve_buf_free(&s->thinking);
+    serve_buf_free(&s->order);
+    for (size_t i = 0; i < s->n_calls_out; i++) {
+        free(s->calls[i].name);
+        free(s->calls[i].arguments);
+    }
+    free(s->calls);
+    free(s);
+}
+
+static void json_usage(moe_json *j, const serve_req *r, bool with_output) {
+    moe_json_object_begin(j);
+    moe_json_key(j, "input_tokens");
+    moe_json_uint(j, r->gen.n_prompt - r->n_cached);
+    moe_json_key(j, "cache_creation_input_tokens");
+    moe_json_uint(j, 0);
+    moe_json_key(j, "cache_read_input_tokens");
+    moe_json_uint(j, r->n_cached);
+    moe_json_key(j, "output_tokens");
+    moe_json_uint(j, with_output ? r->n_generated : 0);
+    moe_json_object_end(j);
+}
+
+static const char *stop_reason(const serve_req *r, size_t n_calls) {
+    if (r->finish == SERVE_FINISH_LENGTH) return "max_tokens";
+    if (r->finish == SERVE_FINISH_STOP) return "stop_sequence";
+    if (n_calls) return "tool_use";
+    return "end_turn";
+}
+
+static void json_stop_sequence(moe_json *j, const serve_req *r) {
+    if (r->finish == SERVE_FINISH_STOP && r->stop_index >= 0 &&
+        (uint32_t)r->stop_index < r->gen.n_stop)
+        moe_json_string(j, r->gen.stop[r->stop_index]);
+    else
+        moe_json_null(j);
+}
+
+static void ev_type(moe_json *j, const char *type) {
+    moe_json_object_begin(j);
+    moe_json_key(j, "type");
+    moe_json_string(j, type);
+}
+
+static void block_close(an_state *s) {
+    moe_json *j = &s->sse->j;
+    if (s->open == BLOCK_THINKING) {
+        ev_type(j, "content_block_delta");
+        moe_json_key(j, "index");
+        moe_json_int(j, s->index);
+        moe_json_key(j, "delta");
+        moe_json_object_begin(j);
+        moe_json_key(j, "type");
+        moe_json_string(j, "signature_delta");
+        moe_json_key(j, "signature");
+        moe_json_string(j, THINKING_SIGNATURE);
+        moe_json_object_end(j);
+        moe_json_object_end(j);
+        serve_sse_event(s->sse, "content_block_delta");
+    }
+    if (s->open != BLOCK_NONE) {
+        ev_type(j, "content_block_stop");
+        moe_json_key(j, "index");
+        moe_json_int(j, s->index);
+        moe_json_object_end(j);
+        serve_sse_event(s->sse, "content_block_stop");
+        s->index++;
+    }
+    s->open = BLOCK_NONE;
+}
+
+static void ping_once(an_state *s) {
+    if (s->pinged) return;
+    s->pinged = true;
+    ev_type(&s->sse->j, "ping");
+    moe_json_object_end(&s->sse->j);
+    serve_sse_event(s->sse, "ping");
+}
+
+static void block_open(an_state *s, block_kind kind) {
+    if (s->open == kind) return;
+    block_close(s);
+    moe_json *j = &s->sse->j;
+    ev_type(j, "content_block_start");
+    moe_json_key(j, "index");
+    moe_json_int(j, s->index);
+    moe_json_key(j, "content_block");
+    moe_json_object_begin(j);
+    moe_json_key(j, "type");
+    if (kind == BLOCK_THINKING) {
+        moe_json_string(j, "thinking");
+        moe_json_key(j, "thinking");
+        moe_json_string(j, "");
+        moe_json_key(j, "signature");
+        moe_json_string(j, "");
+    } else {
+        moe_json_string(j, "text");
+        moe_json_key(j, "text");
+        moe_json_string(j, "");
+    }
+    moe_json_object_end(j);
+    moe_json_object_end(j);
+    serve_sse_event(s->sse, "content_block_start");
+    s->open = kind;
+    ping_once(s);
+}
+
+static void on_segment(void *ud, const serve_segment *seg) {
+    an_state *s = ud;
+    if (!s->sse) {
+        if (seg->kind == SERVE_SEG_TOOL_CALL) {
+            s->calls = moe_xrealloc(s->calls, (s->n_calls_out + 1) * sizeof *s->calls);
+            call_out *c = &s->calls[s->n_calls_out++];
+            serve_make_id(s->srv, "toolu_", c->id, sizeof c->id);
+            c->name = moe_xstrdup(seg->name);
+            c->arguments = moe_xstrdup(seg->arguments);
+            serve_buf_puts(&s->order, "c");
+        } else {
+            serve_buf *dst = seg->kind == SERVE_SEG_REASONING ? &s->thinking : &s->text;
+            const char tag = seg->kind == SERVE_SEG_REASONING ? 't' : 'x';
+            if (!dst->len && seg->len) serve_buf_put(&s->order, &tag, 1);
+            serve_buf_put(dst, seg->text, seg->len);
+        }
+        return;
+    }
+    moe_json *j = &s->sse->j;
+    if (seg->kind == SERVE_SEG_TOOL_CALL) {
+        block_close(s);
+        char id[48];
+        serve_make_id(s->srv, "toolu_", id, sizeof id);
+        ev_type(j, "content_block_start");
+        moe_json_key(j, "index");
+        moe_json_int(j, s->index);
+        moe_json_key(j, "content_block");
+        moe_json_object_begin(j);
+        moe_json_key(j, "type");
+        moe_json_string(j, "tool_use");
+        moe_json_key(j, "id");
+        moe_json_string(j, id);
+        moe_json_key(j, "name");
+        moe_json_string(j, seg->name);
+        moe_json_key(j, "input");
+        moe_json_object_begin(j);
+        moe_json_object_end(j);
+        moe_json_object_end(j);
+        moe_json_object_end(j);
+        serve_sse_event(s->sse, "content_block_start");
+        ping_once(s);
+        ev_type(j, "content_block_delta");
+        moe_json_key(j, "index");
+        moe_json_int(j, s->index);
+        moe_json_key(j, "delta");
+        moe_json_object_begin(j);
+        moe_json_key(j, "type");
+        moe_json_string(j, "input_json_delta");
+        moe_json_key(j, "partial_json");
+        moe_json_string(j, seg->arguments);
+        moe_json_object_end(j);
+        moe_json_object_end(j);
+        serve_sse_event(s->sse, "content_block_delta");
+        ev_type(j, "content_block_stop");
+        moe_json_key(j, "index");
+        moe_json_int(j, s->index);
+        moe_json_object_end(j);
+        serve_sse_event(s->sse, "content_block_stop");
+        s->index++;
+        s->n_calls++;
+        return;
+    }
+    if (!seg->len) return;
+    const bool thinking = seg->kind == SERVE_SEG_REASONING;
+    block_open(s, thinking ? BLOCK_THINKING : BLOCK_TEXT);
+    ev_type(j, "content_block_delta");
+    moe_json_key(j, "index");
+    moe_json_int(j, s->index);
+    moe_json_key(j, "delta");
+    moe_json_object_begin(j);
+    moe_json_key(j, "type");
+    moe_json_string(j, thinking ? "thinking_delta" : "text_delta");
+    moe_json_key(j, thinking ? "thinking" : "text");
+    moe_json_string_n(j, seg->text, seg->len);
+    moe_json_object_end(j);
+    moe_json_object_end(j);
+    serve_sse_event(s->sse, "content_block_delta");
+}
+
+static void feed_events(void *ud, const serve_taken *t) {
+    an_state *s = ud;
+    for (size_t i = 0; i < t->n_events; i++)
+        serve_parser_push(&s->parser, t->text.p + t->events[i].text_off, t->events[i].text_len,
+                          on_segment, s);
+    if (t->done) serve_parser_finish(&s->parser, on_segment, s);
+}
+
+static void message_head(moe_json *j, an_state *s) {
+    moe_json_key(j, "id");
+    moe_json_string(j, s->id);
+    moe_json_key(j, "type");
+    moe_json_string(j, "message");
+    moe_json_key(j, "role");
+    moe_json_string(j, "assistant");
+    moe_json_key(j, "model");
+    moe_json_string(j, s->srv->model_id);
+}
+
+static void stream_pump(serve_sse *sse, const serve_taken *t) {
+    an_state *s = sse->state;
+    s->sse = sse;
+    serve_req *r = sse->req;
+    moe_json *j = &sse->j;
+    if (!s->started) {
+        s->started = true;
+        pthread_mutex_lock(&r->mu);
+        ev_type(j, "message_start");
+        moe_json_key(j, "message");
+        moe_json_object_begin(j);
+        message_head(j, s);
+        moe_json_key(j, "content");
+        moe_json_array_begin(j);
+        moe_json_array_end(j);
+        moe_json_key(j, "stop_reason");
+        moe_json_null(j);
+        moe_json_key(j, "stop_sequence");
+        moe_json_null(j);
+        moe_json_key(j, "usage");
+        json_usage(j, r, false);
+        moe_json_object_end(j);
+        moe_json_object_end(j);
+        pthread_mutex_unlock(&r->mu);
+        serve_sse_event(sse, "message_start");
+    }
+    feed_events(s, t);
+    if (!t->done) return;
+    pthread_mutex_lock(&r->mu);
+    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
+        ev_type(j, "error");
+        moe_json_key(j, "error");
+        moe_json_object_begin(j);
+        moe_json_key(j, "type");
+        moe_json_string(j, "api_error");
+        moe_json_key(j, "message");
+        moe_json_string(j,
+                        r->finish == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
+        moe_json_object_end(j);
+        moe_json_object_end(j);
+        pthread_mutex_unlock(&r->mu);
+        serve_sse_event(sse, "error");
+        sse->h_copy.status = 500;
+        return;
+    }
+    if (s->index == 0 && s->open == BLOCK_NONE) block_open(s, BLOCK_TEXT); /* always one block */
+    block_close(s);
+    ev_type(j, "message_delta");
+    moe_json_key(j, "delta");
+    moe_json_object_begin(j);
+    moe_json_key(j, "stop_reason");
+    moe_json_string(j, stop_reason(r, s->n_calls));
+    moe_json_key(j, "stop_sequence");
+    json_stop_sequence(j, r);
+    moe_json_object_end(j);
+    moe_json_key(j, "usage");
+    json_usage(j, r, true);
+    moe_json_object_end(j);
+    pthread_mutex_unlock(&r->mu);
+    serve_sse_event(sse, "message_delta");
+    ev_type(j, "message_stop");
+    moe_json_object_end(j);
+    serve_sse_event(sse, "message_stop");
+}
+
+static void reply_complete(serve_http *h, an_state *s, serve_req *r) {
+    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
+        serve_reply_error(h, SERVE_API_ANTHROPIC, 500, NULL, NULL, "generation failed: %s",
+                          r->finish == SERVE_FINISH_ERROR ? r->error : "cancelled");
+        return;
+    }
+    moe_json j;
+    moe_json_init(&j, false);
+    moe_json_object_begin(&j);
+    message_head(&j, s);
+    moe_json_key(&j, "content");
+    moe_json_array_begin(&j);
+    size_t call = 0;
+    for (size_t i = 0; i < s->order.len; i++) {
+        moe_json_object_begin(&j);
+        moe_json_key(&j, "type");
+        if (s->order.p[i] == 't') {
+            moe_json_string(&j, "thinking");
+            moe_json_key(&j, "thinking");
+            moe_json_string_n(&j, s->thinking.p, s->thinking.len);
+            moe_json_key(&j, "signature");
+            moe_json_string(&j, THINKING_SIGNATURE);
+        } else if (s->order.p[i] == 'x') {
+            moe_json_string(&j, "text");
+            moe_json_key(&j, "text");
+            moe_json_string_n(&j, s->text.p, s->text.len);
+        } else {
+            const call_out *c = &s->calls[call++];
+            moe_json_string(&j, "tool_use");
+            moe_json_key(&j, "id");
+            moe_json_string(&j, c->id);
+            moe_json_key(&j, "name");
+            moe_json_string(&j, c->name);
+            moe_json_key(&j, "input");
+            json_t *in = json_loads(c->arguments, JSON_DECODE_ANY, NULL);
+            if (json_is_object(in))
+                serve_json_value(&j, in);
+            else {
+                moe_json_object_begin(&j);
+                moe_json_object_end(&j);
+            }
+            json_decref(in);
+        }
+        moe_json_object_end(&j);
+    }
+    moe_json_array_end(&j);
+    moe_json_key(&j, "stop_reason");
+    moe_json_string(&j, stop_reason(r, s->n_calls_out));
+    moe_json_key(&j, "stop_sequence");
+    json_stop_sequence(&j, r);
+    moe_json_key(&j, "usage");
+    json_usage(&j, r, true);
+    moe_json_object_end(&j);
+    serve_reply_json(h, 200, &j);
+    moe_json_free(&j);
+}
+
+/* ==== Endpoints ==== */
+
+void serve_anthropic_messages(serve_http *h) {
+    json_t *body = serve_parse_body(h, SERVE_API_ANTHROPIC);
+    if (!body) return;
+    serve_chat chat = {0};
+    serve_req *req = serve_req_new();
+    const bool ok = parse_request(h, body, req, &chat, true);
+    an_state *s = moe_xcalloc(1, sizeof *s);
+    s->srv = h->srv;
+    serve_make_id(h->srv, "msg_", s->id, sizeof s->id);
+    serve_parser_init(&s->parser, chat.tools != NULL && !chat.tool_choice_none,
+                      h->srv->format.thinks, false);
+    serve_chat_free(&chat);
+    const bool stream = json_is_true(json_object_get(body, "stream"));
+    json_decref(body);
+    serve_taken t = {0};
+    if (!ok || !serve_submit_and_wait(h, SERVE_API_ANTHROPIC, req, &t)) {
+        serve_taken_free(&t);
+        serve_req_release(req);
+        an_state_free(s);
+        return;
+    }
+    if (stream) {
+        serve_reply_sse(h, req, &t, stream_pump, s, an_state_free,
+                        "event: ping\ndata: {\"type\": \"ping\"}\n\n");
+        return;
+    }
+    if (serve_wait_done(h, req, &t, feed_events, s)) reply_complete(h, s, req);
+    serve_taken_free(&t);
+    serve_req_release(req);
+    an_state_free(s);
+}
+
+void serve_anthropic_count_tokens(serve_http *h) {
+    json_t *body = serve_parse_body(h, SERVE_API_ANTHROPIC);
+    if (!body) return;
+    serve_chat chat = {0};
+    serve_req *req = serve_req_new();
+    if (parse_request(h, body, req, &chat, false)) {
+        moe_json j;
+        moe_json_init(&j, false);
+        moe_json_object_begin(&j);
+        moe_json_key(&j, "input_tokens");
+        moe_json_uint(&j, req->gen.n_prompt);
+        moe_json_object_end(&j);
+        serve_reply_json(h, 200, &j);
+        moe_json_free(&j);
+    }
+    serve_chat_free(&chat);
+    serve_req_release(req);
+    json_decref(body);
+}
+
+void serve_anthropic_models(serve_http *h) {
+    char created[32];
+    const time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(created, sizeof created, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    moe_json j;
+    moe_json_init(&j, false);
+    moe_json_object_begin(&j);
+    moe_json_key(&j, "data");
+    moe_json_array_begin(&j);
+    moe_json_object_begin(&j);
+    moe_json_key(&j, "type");
+    moe_json_string(&j, "model");
+    moe_json_key(&j, "id");
+    moe_json_string(&j, h->srv->model_id);
+    moe_json_key(&j, "display_name");
+    moe_json_string(&j, h->srv->model_id);
+    moe_json_key(&j, "created_at");
+    moe_json_string(&j, created);
+    moe_json_object_end(&j);
+    moe_json_array_end(&j);
+    moe_json_key(&j, "has_more");
+    moe_json_bool(&j, false);
+    moe_json_key(&j, "first_id");
+    moe_json_string(&j, h->srv->model_id);
+    moe_json_key(&j, "last_id");
+    moe_json_string(&j, h->srv->model_id);
+    moe_json_object_end(&j);
+    serve_reply_json(h, 200, &j);
+    moe_json_free(&j);
+}

@@ -1,0 +1,788 @@
+/* openai.c: the OpenAI adapters -- /v1/chat/completions, /v1/completions, /v1/models and
+ * /v1/responses: request JSON to a serve_gen (messages through the prompt formatter), engine
+ * events to OpenAI's response objects and stream chunks.
+ *
+ * One output path for stream and non-stream: engine events go through the output parser
+ * (content / reasoning_content / tool calls) into either chunks (stream) or an accumulator.
+ * The trap: the request JSON is the client's -- every field is type-checked before use and a
+ * bad one is a 400 naming it (`param`), never a crash or a silent default. */
+#include "serve_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ==== Request parsing ==== */
+
+#define BAD(h, field, ...)                                                                         \
+    do {                                                                                           \
+        serve_reply_error(h, SERVE_API_OPENAI, 400, field, NULL, __VA_ARGS__);                     \
+        return false;                                                                              \
+    } while (0)
+
+/* content: a string, null, or an array of parts ({"type":"text","text":...}) */
+static bool content_text(serve_http *h, json_t *content, const char *field, char **out) {
+    if (!content || json_is_null(content)) {
+        *out = moe_xstrdup("");
+        return true;
+    }
+    if (json_is_string(content)) {
+        *out = moe_xstrndup(json_string_value(content), json_string_length(content));
+        return true;
+    }
+    if (!json_is_array(content)) BAD(h, field, "%s: expected a string or an array of parts", field);
+    serve_buf b = {0};
+    size_t i;
+    json_t *part;
+    json_array_foreach(content, i, part) {
+        const char *type = json_string_value(json_object_get(part, "type"));
+        json_t *text = json_object_get(part, "text");
+        if (type && (strcmp(type, "image_url") == 0 || strcmp(type, "input_image") == 0 ||
+                     strcmp(type, "input_audio") == 0 || strcmp(type, "file") == 0)) {
+            serve_buf_free(&b);
+            BAD(h, field, "%s[%zu]: %s parts are not supported: this server takes text only", field,
+                i, type);
+        }
+        if (!json_is_string(text)) {
+            serve_buf_free(&b);
+            BAD(h, field, "%s[%zu]: expected a text part with a string 'text'", field, i);
+        }
+        serve_buf_put(&b, json_string_value(text), json_string_length(text));
+    }
+    *out = b.p ? b.p : moe_xstrdup("");
+    return true;
+}
+
+static bool parse_tools(serve_http *h, json_t *body, serve_chat *chat) {
+    json_t *tools = json_object_get(body, "tools");
+    if (tools && !json_is_null(tools)) {
+        if (!json_is_array(tools) || json_array_size(tools) > SERVE_MAX_TOOLS)
+            BAD(h, "tools", "tools: expected an array of at most %d tools", SERVE_MAX_TOOLS);
+        size_t i;
+        json_t *t;
+        json_array_foreach(tools, i, t) {
+            json_t *fn = json_object_get(t, "function");
+            const char *type = json_string_value(json_object_get(t, "type"));
+            if (!type || strcmp(type, "function") != 0 || !json_is_object(fn) ||
+                !json_is_string(json_object_get(fn, "name")))
+                BAD(h, "tools",
+                    "tools[%zu]: expected {\"type\": \"function\", \"function\": "
+                    "{\"name\": ..., \"parameters\": ...}}",
+                    i);
+        }
+        if (json_array_size(tools)) chat->tools = json_incref(tools);
+    }
+    json_t *choice = json_object_get(body, "tool_choice");
+    if (json_is_string(choice)) {
+        const char *c = json_string_value(choice);
+        if (strcmp(c, "none") && strcmp(c, "auto") && strcmp(c, "required"))
+            BAD(h, "tool_choice", "tool_choice: expected none, auto, required or a function");
+        chat->tool_choice_none = strcmp(c, "none") == 0;
+    } else if (choice && !json_is_null(choice) && !json_is_object(choice)) {
+        BAD(h, "tool_choice", "tool_choice: expected a string or an object");
+    }
+    json_t *ptc = json_object_get(body, "parallel_tool_calls");
+    if (ptc && !json_is_boolean(ptc) && !json_is_null(ptc))
+        BAD(h, "parallel_tool_calls", "parallel_tool_calls: expected a boolean");
+    return true;
+}
+
+static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
+    json_t *msgs = json_object_get(body, "messages");
+    if (!json_is_array(msgs) || json_array_size(msgs) == 0)
+        BAD(h, "messages", "messages: expected a non-empty array");
+    if (json_array_size(msgs) > SERVE_MAX_MESSAGES)
+        BAD(h, "messages", "messages: more than %d", SERVE_MAX_MESSAGES);
+    size_t i;
+    json_t *m;
+    char field[64];
+    json_array_foreach(msgs, i, m) {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        snprintf(field, sizeof field, "messages[%zu].role", i);
+        if (!json_is_object(m) || !role) BAD(h, field, "%s: expected a message with a role", field);
+        if (strcmp(role, "developer") == 0) role = "system";
+        if (strcmp(role, "function") == 0) role = "tool";
+        if (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant") &&
+            strcmp(role, "tool"))
+            BAD(h, field, "%s: '%s' is not one of system, developer, user, assistant, tool", field,
+                role);
+        serve_message *msg = serve_chat_add(chat, role);
+        snprintf(field, sizeof field, "messages[%zu].content", i);
+        if (!content_text(h, json_object_get(m, "content"), field, &msg->content)) return false;
+        json_t *rc = json_object_get(m, "reasoning_content");
+        if (json_is_string(rc)) msg->reasoning = moe_xstrdup(json_string_value(rc));
+        json_t *id = json_object_get(m, "tool_call_id");
+        if (json_is_string(id)) msg->tool_call_id = moe_xstrdup(json_string_value(id));
+        json_t *name = json_object_get(m, "name");
+        if (json_is_string(name)) msg->name = moe_xstrdup(json_string_value(name));
+        json_t *calls = json_object_get(m, "tool_calls");
+        if (calls && !json_is_null(calls)) {
+            snprintf(field, sizeof field, "messages[%zu].tool_calls", i);
+            if (!json_is_array(calls)) BAD(h, field, "%s: expected an array", field);
+            msg->tool_calls = moe_xcalloc(json_array_size(calls) + 1, sizeof *msg->tool_calls);
+            size_t k;
+            json_t *c;
+            json_array_foreach(calls, k, c) {
+                json_t *fn = json_object_get(c, "function");
+                json_t *fname = json_object_get(fn, "name"),
+                       *args = json_object_get(fn, "arguments");
+                if (!json_is_string(fname) || (args && !json_is_string(args)))
+                    BAD(h, field,
+                        "%s[%zu]: expected {\"id\", \"type\": \"function\", \"function\": "
+                        "{\"name\": string, \"arguments\": string}}",
+                        field, k);
+                serve_tool_call *tc = &msg->tool_calls[msg->n_tool_calls++];
+                const char *cid = json_string_value(json_object_get(c, "id"));
+                tc->id = moe_xstrdup(cid ? cid : "");
+                tc->name = moe_xstrdup(json_string_value(fname));
+                tc->arguments = moe_xstrdup(args ? json_string_value(args) : "{}");
+            }
+        }
+    }
+    return true;
+}
+
+/* max_tokens / max_completion_tokens, n, logprobs: the fields chat and completions share */
+static bool parse_limits(serve_http *h, json_t *body, serve_gen *g, const char *max_field2) {
+    const char *fields[2] = {"max_tokens", max_field2};
+    for (int f = 0; f < 2; f++) {
+        if (!fields[f]) continue;
+        json_t *v = json_object_get(body, fields[f]);
+        if (!v || json_is_null(v)) continue;
+        if (!json_is_integer(v) || json_integer_value(v) < 1)
+            BAD(h, fields[f], "%s: expected an integer >= 1", fields[f]);
+        g->max_tokens = json_integer_value(v);
+    }
+    json_t *n = json_object_get(body, "n");
+    if (n && !json_is_null(n) && (!json_is_integer(n) || json_integer_value(n) != 1))
+        BAD(h, "n", "n: only 1 choice per request is supported");
+    json_t *ie = json_object_get(body, "ignore_eos");
+    g->ignore_eos = json_is_true(ie);
+    return true;
+}
+
+/* ==== Accumulating and streaming output ==== */
+
+typedef struct call_out {
+    char id[48];
+    char *name, *arguments;
+} call_out;
+
+typedef struct oa_state {
+    serve_http *h; /* non-stream only (streams keep their copy in serve_sse) */
+    serve_server *srv;
+    serve_sse *sse; /* stream: where chunks go */
+    const moe_tokenizer *tok;
+    serve_parser parser;
+    bool chat; /* chat.completion(s) vs text_completion */
+    bool include_usage;
+    bool logprobs;
+    uint32_t n_top;
+    char id[64];
+    long created;
+    /* non-stream accumulation */
+    serve_buf content, reasoning;
+    call_out *calls;
+    size_t n_calls;
+    moe_sample *samples;
+    size_t n_samples;
+    /* stream */
+    bool role_sent;
+    const moe_sample *pending_sample; /* logprobs to attach to the next chunk */
+    /* completions logprobs: text offsets */
+    size_t text_offset;
+} oa_state;
+
+static void oa_state_free(void *p) {
+    oa_state *s = p;
+    serve_parser_free(&s->parser);
+    serve_buf_free(&s->content);
+    serve_buf_free(&s->reasoning);
+    for (size_t i = 0; i < s->n_calls; i++) {
+        free(s->calls[i].name);
+        free(s->calls[i].arguments);
+    }
+    free(s->calls);
+    free(s->samples);
+    free(s);
+}
+
+static void json_logprob_entry(moe_json *j, const moe_tokenizer *tok, const moe_sample *smp,
+                               uint32_t n_top) {
+    moe_json_object_begin(j);
+    moe_json_key(j, "token");
+    serve_json_token_piece(j, tok, smp->token);
+    moe_json_key(j, "logprob");
+    moe_json_double(j, smp->logprob);
+    moe_json_key(j, "bytes");
+    serve_json_token_bytes(j, tok, smp->token);
+    moe_json_key(j, "top_logprobs");
+    moe_json_array_begin(j);
+    for (uint32_t k = 0; k < smp->n_top && k < n_top; k++) {
+        moe_json_object_begin(j);
+        moe_json_key(j, "token");
+        serve_json_token_piece(j, tok, smp->top_tokens[k]);
+        moe_json_key(j, "logprob");
+        moe_json_double(j, smp->top_logprobs[k]);
+        moe_json_key(j, "bytes");
+        serve_json_token_bytes(j, tok, smp->top_tokens[k]);
+        moe_json_object_end(j);
+    }
+    moe_json_array_end(j);
+    moe_json_object_end(j);
+}
+
+/* completions' legacy logprobs object for a run of samples */
+static void json_legacy_logprobs(moe_json *j, const moe_tokenizer *tok, const moe_sample *smp,
+                                 size_t n, uint32_t n_top, size_t *text_offset) {
+    moe_json_object_begin(j);
+    moe_json_key(j, "tokens");
+    moe_json_array_begin(j);
+    for (size_t i = 0; i < n; i++) serve_json_token_piece(j, tok, smp[i].token);
+    moe_json_array_end(j);
+    moe_json_key(j, "token_logprobs");
+    moe_json_array_begin(j);
+    for (size_t i = 0; i < n; i++) moe_json_double(j, smp[i].logprob);
+    moe_json_array_end(j);
+    moe_json_key(j, "top_logprobs");
+    moe_json_array_begin(j);
+    for (size_t i = 0; i < n; i++) {
+        moe_json_object_begin(j);
+        for (uint32_t k = 0; k < smp[i].n_top && k < n_top; k++) {
+            size_t len;
+            const char *p = moe_tokenizer_token_piece(tok, smp[i].top_tokens[k], true, &len);
+            char key[256];
+            snprintf(key, sizeof key, "%.*s", (int)(len < 255 ? len : 255), p);
+            moe_json_key(j, key);
+            moe_json_double(j, smp[i].top_logprobs[k]);
+        }
+        moe_json_object_end(j);
+    }
+    moe_json_array_end(j);
+    moe_json_key(j, "text_offset");
+    moe_json_array_begin(j);
+    for (size_t i = 0; i < n; i++) {
+        moe_json_uint(j, *text_offset);
+        size_t len;
+        moe_tokenizer_token_piece(tok, smp[i].token, false, &len);
+        *text_offset += len;
+    }
+    moe_json_array_end(j);
+    moe_json_object_end(j);
+}
+
+static void chunk_begin(oa_state *s, moe_json *j) {
+    moe_json_object_begin(j);
+    moe_json_key(j, "id");
+    moe_json_string(j, s->id);
+    moe_json_key(j, "object");
+    moe_json_string(j, s->chat ? "chat.completion.chunk" : "text_completion");
+    moe_json_key(j, "created");
+    moe_json_int(j, s->created);
+    moe_json_key(j, "model");
+    moe_json_string(j, s->srv->model_id);
+    moe_json_key(j, "system_fingerprint");
+    moe_json_string(j, "moe-" MOE_VERSION_STRING);
+    moe_json_key(j, "choices");
+    moe_json_array_begin(j);
+}
+
+static void chunk_end(oa_state *s, moe_json *j) {
+    moe_json_array_end(j);
+    if (s->include_usage) {
+        moe_json_key(j, "usage");
+        moe_json_null(j);
+    }
+    moe_json_object_end(j);
+    serve_sse_event(s->sse, NULL);
+}
+
+/* one streamed chunk; kind < 0: an empty delta (logprobs carrier) */
+static void stream_delta(oa_state *s, const serve_segment *seg) {
+    moe_json *j = &s->sse->j;
+    chunk_begin(s, j);
+    moe_json_object_begin(j);
+    moe_json_key(j, "index");
+    moe_json_int(j, 0);
+    if (s->chat) {
+        moe_json_key(j, "delta");
+        moe_json_object_begin(j);
+        if (!s->role_sent) {
+            moe_json_key(j, "role");
+            moe_json_string(j, "assistant");
+            s->role_sent = true;
+        }
+        if (!seg) {
+            moe_json_key(j, "content");
+            moe_json_string(j, "");
+        } else if (seg->kind == SERVE_SEG_CONTENT) {
+            moe_json_key(j, "content");
+            moe_json_string_n(j, seg->text, seg->len);
+        } else if (seg->kind == SERVE_SEG_REASONING) {
+            moe_json_key(j, "reasoning_content");
+            moe_json_string_n(j, seg->text, seg->len);
+        } else {
+            call_out c = {0};
+            serve_make_id(s->srv, "call_", c.id, sizeof c.id);
+            moe_json_key(j, "tool_calls");
+            moe_json_array_begin(j);
+            moe_json_object_begin(j);
+            moe_json_key(j, "index");
+            moe_json_uint(j, s->n_calls++);
+            moe_json_key(j, "id");
+            moe_json_string(j, c.id);
+            moe_json_key(j, "type");
+            moe_json_string(j, "function");
+            moe_json_key(j, "function");
+            moe_json_object_begin(j);
+            moe_json_key(j, "name");
+            moe_json_string(j, seg->name);
+            moe_json_key(j, "arguments");
+            moe_json_string(j, seg->arguments);
+            moe_json_object_end(j);
+            moe_json_object_end(j);
+            moe_json_array_end(j);
+        }
+        moe_json_object_end(j);
+    } else {
+        moe_json_key(j, "text");
+        if (seg)
+            moe_json_string_n(j, seg->text, seg->len);
+        else
+            moe_json_string(j, "");
+    }
+    moe_json_key(j, "logprobs");
+    if (s->pending_sample) {
+        if (s->chat) {
+            moe_json_object_begin(j);
+            moe_json_key(j, "content");
+            moe_json_array_begin(j);
+            json_logprob_entry(j, s->tok, s->pending_sample, s->n_top);
+            moe_json_array_end(j);
+            moe_json_object_end(j);
+        } else {
+            json_legacy_logprobs(j, s->tok, s->pending_sample, 1, s->n_top, &s->text_offset);
+        }
+        s->pending_sample = NULL;
+    } else {
+        moe_json_null(j);
+    }
+    moe_json_key(j, "finish_reason");
+    moe_json_null(j);
+    moe_json_object_end(j);
+    chunk_end(s, j);
+}
+
+static void on_segment(void *ud, const serve_segment *seg) {
+    oa_state *s = ud;
+    if (s->sse) {
+        stream_delta(s, seg);
+        return;
+    }
+    if (seg->kind == SERVE_SEG_CONTENT)
+        serve_buf_put(&s->content, seg->text, seg->len);
+    else if (seg->kind == SERVE_SEG_REASONING)
+        serve_buf_put(&s->reasoning, seg->text, seg->len);
+    else {
+        s->calls = moe_xrealloc(s->calls, (s->n_calls + 1) * sizeof *s->calls);
+        call_out *c = &s->calls[s->n_calls++];
+        serve_make_id(s->srv, "call_", c->id, sizeof c->id);
+        c->name = moe_xstrdup(seg->name);
+        c->arguments = moe_xstrdup(seg->arguments);
+    }
+}
+
+static void feed_events(void *ud, const serve_taken *t) {
+    oa_state *s = ud;
+    for (size_t i = 0; i < t->n_events; i++) {
+        const serve_event *e = &t->events[i];
+        if (e->kind == SERVE_EV_TOKEN && s->logprobs) {
+            if (s->sse) {
+                s->pending_sample = &e->sample;
+            } else {
+                s->samples = moe_xrealloc(s->samples, (s->n_samples + 1) * sizeof *s->samples);
+                s->samples[s->n_samples++] = e->sample;
+            }
+        }
+        serve_parser_push(&s->parser, t->text.p + e->text_off, e->text_len, on_segment, s);
+        if (s->sse && s->pending_sample) stream_delta(s, NULL); /* held text: logprobs alone */
+    }
+    if (t->done) serve_parser_finish(&s->parser, on_segment, s);
+}
+
+static const char *finish_reason(const serve_req *r, size_t n_calls) {
+    if (r->finish == SERVE_FINISH_LENGTH) return "length";
+    if (n_calls) return "tool_calls";
+    return "stop";
+}
+
+static void json_usage(moe_json *j, const serve_req *r) {
+    moe_json_object_begin(j);
+    moe_json_key(j, "prompt_tokens");
+    moe_json_uint(j, r->gen.n_prompt);
+    moe_json_key(j, "completion_tokens");
+    moe_json_uint(j, r->n_generated);
+    moe_json_key(j, "total_tokens");
+    moe_json_uint(j, (uint64_t)r->gen.n_prompt + r->n_generated);
+    moe_json_key(j, "prompt_tokens_details");
+    moe_json_object_begin(j);
+    moe_json_key(j, "cached_tokens");
+    moe_json_uint(j, r->n_cached);
+    moe_json_object_end(j);
+    moe_json_key(j, "completion_tokens_details");
+    moe_json_object_begin(j);
+    moe_json_key(j, "reasoning_tokens");
+    moe_json_uint(j, 0);
+    moe_json_object_end(j);
+    moe_json_object_end(j);
+}
+
+static void stream_pump(serve_sse *sse, const serve_taken *t) {
+    oa_state *s = sse->state;
+    s->sse = sse;
+    if (!s->role_sent && s->chat) {
+        /* the first chunk: the role and empty content, as OpenAI sends it */
+        serve_segment empty = {.kind = SERVE_SEG_CONTENT, .text = "", .len = 0};
+        stream_delta(s, &empty);
+    }
+    feed_events(s, t);
+    if (!t->done) return;
+    serve_req *r = sse->req;
+    pthread_mutex_lock(&r->mu);
+    const serve_finish fin = r->finish;
+    pthread_mutex_unlock(&r->mu);
+    moe_json *j = &sse->j;
+    if (fin == SERVE_FINISH_ERROR || fin == SERVE_FINISH_CANCELLED) {
+        moe_json_object_begin(j);
+        moe_json_key(j, "error");
+        moe_json_object_begin(j);
+        moe_json_key(j, "message");
+        moe_json_string(j, fin == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
+        moe_json_key(j, "type");
+        moe_json_string(j, "server_error");
+        moe_json_object_end(j);
+        moe_json_object_end(j);
+        serve_sse_event(sse, NULL);
+        serve_buf_puts(&sse->out, "data: [DONE]\n\n");
+        sse->h_copy.status = 500;
+        return;
+    }
+    chunk_begin(s, j);
+    moe_json_object_begin(j);
+    moe_json_key(j, "index");
+    moe_json_int(j, 0);
+    if (s->chat) {
+        moe_json_key(j, "delta");
+        moe_json_object_begin(j);
+        moe_json_object_end(j);
+    } else {
+        moe_json_key(j, "text");
+        moe_json_string(j, "");
+    }
+    moe_json_key(j, "logprobs");
+    moe_json_null(j);
+    moe_json_key(j, "finish_reason");
+    moe_json_string(j, finish_reason(r, s->n_calls));
+    moe_json_object_end(j);
+    chunk_end(s, j);
+    if (s->include_usage) {
+        chunk_begin(s, j);
+        moe_json_array_end(j);
+        moe_json_key(j, "usage");
+        json_usage(j, r);
+        moe_json_object_end(j);
+        serve_sse_event(sse, NULL);
+    }
+    serve_buf_puts(&sse->out, "data: [DONE]\n\n");
+}
+
+/* The whole response of a non-streamed request. */
+static void reply_complete(serve_http *h, oa_state *s, serve_req *r) {
+    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
+        serve_reply_error(h, SERVE_API_OPENAI, 500, NULL, NULL, "generation failed: %s",
+                          r->finish == SERVE_FINISH_ERROR ? r->error : "cancelled");
+        return;
+    }
+    moe_json j;
+    moe_json_init(&j, false);
+    moe_json_object_begin(&j);
+    moe_json_key(&j, "id");
+    moe_json_string(&j, s->id);
+    moe_json_key(&j, "object");
+    moe_json_string(&j, s->chat ? "chat.completion" : "text_completion");
+    moe_json_key(&j, "created");
+    moe_json_int(&j, s->created);
+    moe_json_key(&j, "model");
+    moe_json_string(&j, h->srv->model_id);
+    moe_json_key(&j, "system_fingerprint");
+    moe_json_string(&j, "moe-" MOE_VERSION_STRING);
+    moe_json_key(&j, "choices");
+    moe_json_array_begin(&j);
+    moe_json_object_begin(&j);
+    moe_json_key(&j, "index");
+    moe_json_int(&j, 0);
+    if (s->chat) {
+        moe_json_key(&j, "message");
+        moe_json_object_begin(&j);
+        moe_json_key(&j, "role");
+        moe_json_string(&j, "assistant");
+        moe_json_key(&j, "content");
+        bool blank = true;
+        for (size_t i = 0; i < s->content.len; i++)
+            blank &= s->content.p[i] == ' ' || s->content.p[i] == '\n';
+        if (s->n_calls && blank)
+            moe_json_null(&j);
+        else
+            moe_json_string_n(&j, s->content.p ? s->content.p : "", s->content.len);
+        if (s->reasoning.len) {
+            moe_json_key(&j, "reasoning_content");
+            moe_json_string_n(&j, s->reasoning.p, s->reasoning.len);
+        }
+        if (s->n_calls) {
+            moe_json_key(&j, "tool_calls");
+            moe_json_array_begin(&j);
+            for (size_t i = 0; i < s->n_calls; i++) {
+                moe_json_object_begin(&j);
+                moe_json_key(&j, "id");
+                moe_json_string(&j, s->calls[i].id);
+                moe_json_key(&j, "type");
+                moe_json_string(&j, "function");
+                moe_json_key(&j, "function");
+                moe_json_object_begin(&j);
+                moe_json_key(&j, "name");
+                moe_json_string(&j, s->calls[i].name);
+                moe_json_key(&j, "arguments");
+                moe_json_string(&j, s->calls[i].arguments);
+                moe_json_object_end(&j);
+                moe_json_object_end(&j);
+            }
+            moe_json_array_end(&j);
+        }
+        moe_json_key(&j, "refusal");
+        moe_json_null(&j);
+        moe_json_object_end(&j);
+        moe_json_key(&j, "logprobs");
+        if (s->logprobs) {
+            moe_json_object_begin(&j);
+            moe_json_key(&j, "content");
+            moe_json_array_begin(&j);
+            for (size_t i = 0; i < s->n_samples; i++)
+                json_logprob_entry(&j, s->tok, &s->samples[i], s->n_top);
+            moe_json_array_end(&j);
+            moe_json_key(&j, "refusal");
+            moe_json_null(&j);
+            moe_json_object_end(&j);
+        } else {
+            moe_json_null(&j);
+        }
+    } else {
+        moe_json_key(&j, "text");
+        moe_json_string_n(&j, s->content.p ? s->content.p : "", s->content.len);
+        moe_json_key(&j, "logprobs");
+        if (s->logprobs)
+            json_legacy_logprobs(&j, s->tok, s->samples, s->n_samples, s->n_top, &s->text_offset);
+        else
+            moe_json_null(&j);
+    }
+    moe_json_key(&j, "finish_reason");
+    moe_json_string(&j, finish_reason(r, s->n_calls));
+    moe_json_object_end(&j);
+    moe_json_array_end(&j);
+    moe_json_key(&j, "usage");
+    json_usage(&j, r);
+    moe_json_object_end(&j);
+    serve_reply_json(h, 200, &j);
+    moe_json_free(&j);
+}
+
+/* Shared tail of chat and completions: submit, then stream or collect. */
+static void run_generation(serve_http *h, json_t *body, serve_req *req, oa_state *s) {
+    json_t *stream = json_object_get(body, "stream");
+    json_t *opts = json_object_get(body, "stream_options");
+    s->include_usage = json_is_true(json_object_get(opts, "include_usage"));
+    s->srv = h->srv;
+    s->tok = serve_sched_tokenizer(h->srv->sched);
+    s->created = (long)time(NULL);
+    serve_make_id(h->srv, s->chat ? "chatcmpl-" : "cmpl-", s->id, sizeof s->id);
+    serve_taken t = {0};
+    if (!serve_submit_and_wait(h, SERVE_API_OPENAI, req, &t)) {
+        serve_taken_free(&t);
+        serve_req_release(req);
+        oa_state_free(s);
+        return;
+    }
+    if (json_is_true(stream)) {
+        /* the events already taken go out first */
+        serve_reply_sse(h, req, &t, stream_pump, s, oa_state_free, ": keep-alive\n\n");
+        return;
+    }
+    if (serve_wait_done(h, req, &t, feed_events, s)) reply_complete(h, s, req);
+    serve_taken_free(&t);
+    serve_req_release(req);
+    oa_state_free(s);
+}
+
+/* ==== /v1/chat/completions ==== */
+
+void serve_openai_chat(serve_http *h) {
+    json_t *body = serve_parse_body(h, SERVE_API_OPENAI);
+    if (!body) return;
+    serve_chat chat = {0};
+    serve_req *req = serve_req_new();
+    oa_state *s = moe_xcalloc(1, sizeof *s);
+    s->chat = true;
+    s->h = h;
+    bool ok = parse_messages(h, body, &chat) && parse_tools(h, body, &chat) &&
+              parse_limits(h, body, &req->gen, "max_completion_tokens") &&
+              serve_parse_sampling(h, SERVE_API_OPENAI, body, &req->gen, "stop");
+    if (ok) {
+        json_t *lp = json_object_get(body, "logprobs"),
+               *top = json_object_get(body, "top_logprobs");
+        if (lp && !json_is_boolean(lp) && !json_is_null(lp)) {
+            serve_reply_error(h, SERVE_API_OPENAI, 400, "logprobs", NULL,
+                              "logprobs: expected a boolean");
+            ok = false;
+        } else if (top && !json_is_null(top) &&
+                   (!json_is_integer(top) || json_integer_value(top) < 0 ||
+                    json_integer_value(top) > MOE_SAMPLER_MAX_TOP)) {
+            serve_reply_error(h, SERVE_API_OPENAI, 400, "top_logprobs", NULL,
+                              "top_logprobs: expected an integer in 0..%d", MOE_SAMPLER_MAX_TOP);
+            ok = false;
+        } else if (top && json_is_integer(top) && !json_is_true(lp)) {
+            serve_reply_error(h, SERVE_API_OPENAI, 400, "top_logprobs", NULL,
+                              "top_logprobs: requires logprobs to be true");
+            ok = false;
+        } else {
+            s->logprobs = req->gen.logprobs = json_is_true(lp);
+            s->n_top = top ? (uint32_t)json_integer_value(top) : 0;
+            req->gen.sampling.n_top_logprobs = s->n_top;
+        }
+    }
+    if (ok) {
+        serve_buf prompt = {0};
+        serve_format_prompt(&h->srv->format, &chat, &prompt);
+        ok = serve_tokenize_prompt(h, SERVE_API_OPENAI, prompt.p, prompt.len, &req->gen);
+        serve_buf_free(&prompt);
+    }
+    serve_parser_init(&s->parser, chat.tools != NULL && !chat.tool_choice_none,
+                      h->srv->format.thinks, false);
+    serve_chat_free(&chat);
+    if (!ok) {
+        serve_req_release(req);
+        oa_state_free(s);
+        json_decref(body);
+        return;
+    }
+    run_generation(h, body, req, s);
+    json_decref(body);
+}
+
+/* ==== /v1/completions ==== */
+
+void serve_openai_completions(serve_http *h) {
+    json_t *body = serve_parse_body(h, SERVE_API_OPENAI);
+    if (!body) return;
+    serve_req *req = serve_req_new();
+    oa_state *s = moe_xcalloc(1, sizeof *s);
+    s->h = h;
+    bool ok = parse_limits(h, body, &req->gen, NULL) &&
+              serve_parse_sampling(h, SERVE_API_OPENAI, body, &req->gen, "stop");
+    if (ok && json_object_get(body, "max_tokens") == NULL) req->gen.max_tokens = 16; /* OpenAI's */
+    json_t *lp = json_object_get(body, "logprobs");
+    if (ok && lp && !json_is_null(lp)) {
+        if (!json_is_integer(lp) || json_integer_value(lp) < 0 || json_integer_value(lp) > 5) {
+            serve_reply_error(h, SERVE_API_OPENAI, 400, "logprobs", NULL,
+                              "logprobs: expected an integer in 0..5");
+            ok = false;
+        } else {
+            s->logprobs = req->gen.logprobs = true;
+            s->n_top = (uint32_t)json_integer_value(lp);
+            req->gen.sampling.n_top_logprobs = s->n_top;
+        }
+    }
+    if (ok && json_is_true(json_object_get(body, "echo"))) {
+        serve_reply_error(h, SERVE_API_OPENAI, 400, "echo", NULL, "echo: not supported");
+        ok = false;
+    }
+    if (ok) {
+        json_t *prompt = json_object_get(body, "prompt");
+        if (json_is_array(prompt) && json_array_size(prompt) == 1 &&
+            json_is_string(json_array_get(prompt, 0)))
+            prompt = json_array_get(prompt, 0);
+        if (json_is_string(prompt)) {
+            ok = serve_tokenize_prompt(h, SERVE_API_OPENAI, json_string_value(prompt),
+                                       json_string_length(prompt), &req->gen);
+        } else if (json_is_array(prompt) && json_array_size(prompt) &&
+                   json_is_integer(json_array_get(prompt, 0))) {
+            /* token ids */
+            const size_t n = json_array_size(prompt);
+            const uint32_t n_vocab = moe_tokenizer_n_vocab(serve_sched_tokenizer(h->srv->sched));
+            const uint32_t n_ctx = serve_sched_n_ctx(h->srv->sched);
+            req->gen.prompt = moe_xmalloc(sizeof(int32_t) * n);
+            for (size_t i = 0; ok && i < n; i++) {
+                json_t *v = json_array_get(prompt, i);
+                if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+                    json_integer_value(v) >= (json_int_t)n_vocab) {
+                    serve_reply_error(h, SERVE_API_OPENAI, 400, "prompt", NULL,
+                                      "prompt[%zu]: expected a token id below %u", i, n_vocab);
+                    ok = false;
+                } else {
+                    req->gen.prompt[i] = (int32_t)json_integer_value(v);
+                }
+            }
+            if (ok && n >= n_ctx) {
+                serve_reply_error(h, SERVE_API_OPENAI, 400, "prompt", "context_length_exceeded",
+                                  "the prompt is too long: %zu tokens of %u (this model's maximum "
+                                  "context length is %u tokens)",
+                                  n, n_ctx, n_ctx);
+                ok = false;
+            }
+            req->gen.n_prompt = (uint32_t)n;
+            h->log_prompt = (uint32_t)n;
+        } else {
+            serve_reply_error(h, SERVE_API_OPENAI, 400, "prompt", NULL,
+                              "prompt: expected a string, one string in an array, or token ids");
+            ok = false;
+        }
+    }
+    serve_parser_init(&s->parser, false, false, false);
+    if (!ok) {
+        serve_req_release(req);
+        oa_state_free(s);
+        json_decref(body);
+        return;
+    }
+    run_generation(h, body, req, s);
+    json_decref(body);
+}
+
+/* ==== /v1/models ==== */
+
+void serve_openai_models(serve_http *h) {
+    moe_json j;
+    moe_json_init(&j, false);
+    moe_json_object_begin(&j);
+    moe_json_key(&j, "object");
+    moe_json_string(&j, "list");
+    moe_json_key(&j, "data");
+    moe_json_array_begin(&j);
+    moe_json_object_begin(&j);
+    moe_json_key(&j, "id");
+    moe_json_string(&j, h->srv->model_id);
+    moe_json_key(&j, "object");
+    moe_json_string(&j, "model");
+    moe_json_key(&j, "created");
+    moe_json_int(&j, (int64_t)time(NULL));
+    moe_json_key(&j, "owned_by");
+    moe_json_string(&j, "moe");
+    moe_json_key(&j, "max_model_len");
+    moe_json_uint(&j, serve_sched_n_ctx(h->srv->sched));
+    moe_json_key(&j, "context_length");
+    moe_json_uint(&j, serve_sched_n_ctx(h->srv->sched));
+    moe_json_object_end(&j);
+    moe_json_array_end(&j);
+    moe_json_object_end(&j);
+    serve_reply_json(h, 200, &j);
+    moe_json_free(&j);
+}

@@ -1,0 +1,762 @@
+/* sched.c: the engine thread -- the one owner of the model, the context and every sequence.
+ *
+ * Each step: take newly submitted requests (up to `parallel` streams run at once), drop the
+ * cancelled ones, then build ONE batch of rows: one decode row per running stream plus up to
+ * SERVE_PREFILL_CHUNK prompt rows of streams still prefilling, and run it with one
+ * moe_ctx_decode. Each row with logits is sampled; tokens go through the stream detokenizer and
+ * the stop-string matcher, and out to the request's event queue.
+ *
+ * Sequences (slots) outlive their requests: a finished sequence stays resident with its tokens
+ * recorded, and a new request whose prompt starts with the same tokens takes the slot with the
+ * longest common prefix, truncates it there and prefills only the rest (at least the last
+ * prompt token is always run again: its logits are needed). With no useful prefix, an empty
+ * slot is taken, else the least recently used resident one is evicted. The trap: a slot's
+ * `tokens` must always equal what its KV cache holds (the engine's seq_len) -- a sampled token
+ * is appended only when it is fed as a row, so a finished stream's last token is not there. */
+#include "serve_internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../model/model.h"
+#include "../tools/tools.h"
+
+typedef enum slot_state { SLOT_EMPTY, SLOT_RESIDENT, SLOT_ACTIVE } slot_state;
+
+typedef struct slot {
+    slot_state state;
+    int32_t *tokens; /* [n_ctx] what the KV cache of this sequence holds, in order */
+    uint32_t n_tokens;
+    uint64_t last_used; /* step counter at the last use (LRU) */
+    /* the running stream (SLOT_ACTIVE) */
+    serve_req *req;
+    bool decoding; /* prompt done: the next row feeds next_token */
+    int32_t next_token;
+    int32_t logits_row; /* this step: index of its logits row, or -1 */
+    moe_sampler *sampler;
+    moe_detok *detok;
+    serve_buf hold; /* text held back: it may be the start of a stop string */
+    uint32_t n_generated;
+} slot;
+
+struct serve_sched {
+    moe_serve_params p;
+    serve_metrics *metrics;
+    pthread_t thread;
+    pthread_mutex_t mu; /* guards the waiting list, stop, load state */
+    pthread_cond_t cv;
+    serve_req *wait_head, *wait_tail;
+    uint32_t n_waiting;
+    bool stop, loaded, load_failed;
+    char load_error[MOE_ERROR_MSG_MAX];
+    /* engine-thread state (read-only for others once loaded: model, tok, n_ctx) */
+    moe_model *model;
+    moe_tokenizer *tok;
+    moe_ctx *ctx;
+    uint32_t n_ctx, n_slots, n_vocab;
+    slot *slots;
+    moe_row *rows;     /* [parallel + SERVE_PREFILL_CHUNK] */
+    int32_t *row_slot; /* [same] which slot each row belongs to */
+    float *logits;     /* [parallel][n_vocab] */
+    uint64_t step;
+};
+
+double serve_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ==== Buffers ==== */
+
+void serve_buf_put(serve_buf *b, const char *s, size_t n) {
+    if (b->cap - b->len <= n) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap - b->len <= n) cap *= 2;
+        b->p = moe_xrealloc(b->p, cap);
+        b->cap = cap;
+    }
+    if (n) memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+void serve_buf_puts(serve_buf *b, const char *s) {
+    serve_buf_put(b, s, strlen(s));
+}
+
+void serve_buf_printf(serve_buf *b, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    char small[512];
+    int n = vsnprintf(small, sizeof small, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if ((size_t)n < sizeof small) {
+        serve_buf_put(b, small, (size_t)n);
+        return;
+    }
+    char *big = moe_xmalloc((size_t)n + 1);
+    va_start(ap, fmt);
+    vsnprintf(big, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    serve_buf_put(b, big, (size_t)n);
+    free(big);
+}
+
+void serve_buf_free(serve_buf *b) {
+    free(b->p);
+    memset(b, 0, sizeof *b);
+}
+
+/* ==== Requests ==== */
+
+void serve_gen_free(serve_gen *g) {
+    free(g->prompt);
+    free(g->bias_tokens);
+    free(g->bias_values);
+    for (uint32_t i = 0; i < g->n_stop; i++) free(g->stop[i]);
+    memset(g, 0, sizeof *g);
+}
+
+serve_req *serve_req_new(void) {
+    serve_req *r = moe_xcalloc(1, sizeof *r);
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    r->refs = 1;
+    r->stop_index = -1;
+    r->gen.max_tokens = -1;
+    atomic_init(&r->cancel, false);
+    return r;
+}
+
+void serve_req_release(serve_req *r) {
+    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    const int left = --r->refs;
+    pthread_mutex_unlock(&r->mu);
+    if (left > 0) return;
+    serve_gen_free(&r->gen);
+    free(r->events);
+    serve_buf_free(&r->text);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    free(r);
+}
+
+void serve_req_cancel(serve_req *r) {
+    atomic_store(&r->cancel, true);
+    serve_sched *s = r->sched;
+    if (s) {
+        pthread_mutex_lock(&s->mu);
+        pthread_cond_signal(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
+bool serve_req_take(serve_req *r, serve_taken *t, double timeout_s) {
+    t->n_events = 0;
+    t->text.len = 0;
+    pthread_mutex_lock(&r->mu);
+    const bool was_admitted = t->admitted;
+    if (r->n_events == 0 && !r->done && r->admitted == was_admitted && timeout_s > 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        const double until = (double)ts.tv_nsec * 1e-9 + timeout_s;
+        ts.tv_sec += (time_t)until;
+        ts.tv_nsec = (long)((until - (double)(time_t)until) * 1e9);
+        while (r->n_events == 0 && !r->done && r->admitted == was_admitted)
+            if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) == ETIMEDOUT) break;
+    }
+    if (r->n_events) {
+        if (t->cap_events < r->n_events) {
+            t->cap_events = r->n_events * 2;
+            t->events = moe_xrealloc(t->events, t->cap_events * sizeof *t->events);
+        }
+        memcpy(t->events, r->events, r->n_events * sizeof *r->events);
+        t->n_events = r->n_events;
+        serve_buf_put(&t->text, r->text.p ? r->text.p : "", r->text.len);
+        r->n_events = 0;
+        r->text.len = 0;
+    }
+    t->admitted = r->admitted;
+    const bool changed = t->n_events || r->done != t->done || t->admitted != was_admitted;
+    t->done = r->done && r->n_events == 0;
+    pthread_mutex_unlock(&r->mu);
+    return changed;
+}
+
+void serve_taken_free(serve_taken *t) {
+    free(t->events);
+    serve_buf_free(&t->text);
+    memset(t, 0, sizeof *t);
+}
+
+/* engine side: append an event (and its text) and wake the HTTP thread */
+static void emit(serve_req *r, serve_event_kind kind, const char *text, size_t len,
+                 const moe_sample *sample) {
+    pthread_mutex_lock(&r->mu);
+    if (r->n_events == r->cap_events) {
+        r->cap_events = r->cap_events ? r->cap_events * 2 : 16;
+        r->events = moe_xrealloc(r->events, r->cap_events * sizeof *r->events);
+    }
+    serve_event *e = &r->events[r->n_events++];
+    e->kind = kind;
+    e->text_off = r->text.len;
+    e->text_len = len;
+    if (sample)
+        e->sample = *sample;
+    else
+        memset(&e->sample, 0, sizeof e->sample);
+    serve_buf_put(&r->text, text, len);
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* ==== Slots ==== */
+
+static uint32_t common_prefix(const int32_t *a, uint32_t na, const int32_t *b, uint32_t nb) {
+    uint32_t n = na < nb ? na : nb, i = 0;
+    while (i < n && a[i] == b[i]) i++;
+    return i;
+}
+
+/* Cut a slot back to n tokens; returns the length it holds after (0 when the engine cannot cut
+ * it there: a hybrid's recurrent state without a snapshot at n). */
+static uint32_t slot_truncate(serve_sched *s, int idx, uint32_t n) {
+    slot *sl = &s->slots[idx];
+    moe_error err = {0};
+    if (moe_ctx_seq_truncate(s->ctx, idx, n, &err) != MOE_OK) {
+        n = 0;
+        MOE_CHECK(moe_ctx_seq_truncate(s->ctx, idx, 0, &err) == MOE_OK);
+    }
+    if (n < sl->n_tokens) sl->n_tokens = n;
+    if (sl->n_tokens == 0 && sl->state == SLOT_RESIDENT) sl->state = SLOT_EMPTY;
+    return sl->n_tokens;
+}
+
+/* The slot for a prompt. A resident sequence whose tokens the prompt mostly extends (the
+ * common prefix covers at least half of it) is reused; otherwise an empty slot is taken, and
+ * only when none is left is a resident one evicted: the best-prefix one if the prompt shares
+ * anything with it, else the least recently used. */
+static int slot_choose(serve_sched *s, const serve_gen *g, uint32_t *reuse) {
+    int best = -1, empty = -1, lru = -1;
+    uint32_t best_n = 0;
+    for (uint32_t i = 0; i < s->n_slots; i++) {
+        slot *sl = &s->slots[i];
+        if (sl->state == SLOT_ACTIVE) continue;
+        if (sl->state == SLOT_EMPTY) {
+            if (empty < 0) empty = (int)i;
+            continue;
+        }
+        if (lru < 0 || sl->last_used < s->slots[lru].last_used) lru = (int)i;
+        const uint32_t n = common_prefix(sl->tokens, sl->n_tokens, g->prompt, g->n_prompt);
+        if (n > best_n || (n == best_n && n > 0 && sl->last_used < s->slots[best].last_used)) {
+            best = (int)i;
+            best_n = n;
+        }
+    }
+    int pick;
+    if (best >= 0 && best_n > 0 && (2 * (uint64_t)best_n >= s->slots[best].n_tokens || empty < 0))
+        pick = best;
+    else
+        pick = empty >= 0 ? empty : lru;
+    *reuse = 0;
+    if (pick == best && best_n > 0) *reuse = best_n < g->n_prompt ? best_n : g->n_prompt - 1;
+    return pick;
+}
+
+static void admit(serve_sched *s, serve_req *r) {
+    uint32_t reuse = 0;
+    const int idx = slot_choose(s, &r->gen, &reuse);
+    MOE_CHECK(idx >= 0);
+    slot *sl = &s->slots[idx];
+    reuse = slot_truncate(s, idx, reuse);
+    sl->state = SLOT_ACTIVE;
+    sl->req = r;
+    sl->decoding = false;
+    sl->n_generated = 0;
+    sl->hold.len = 0;
+    sl->last_used = s->step;
+    r->gen.sampling.bias_tokens = r->gen.bias_tokens;
+    r->gen.sampling.bias_values = r->gen.bias_values;
+    r->gen.sampling.n_top_logprobs = r->gen.logprobs ? r->gen.sampling.n_top_logprobs : 0;
+    sl->sampler = moe_sampler_new(&r->gen.sampling, s->n_vocab);
+    for (uint32_t i = 0; i < r->gen.n_prompt; i++)
+        moe_sampler_accept(sl->sampler, r->gen.prompt[i]);
+    /* SentencePiece's dummy-prefix space belongs to the prompt, not to the answer */
+    sl->detok = moe_detok_new(s->tok, MOE_DECODE_SKIP_SPECIAL | MOE_DECODE_STRIP_PREFIX_SPACE);
+    pthread_mutex_lock(&r->mu);
+    r->admitted = true;
+    r->n_cached = reuse;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    pthread_mutex_lock(&s->metrics->mu);
+    if (reuse) s->metrics->prefix_hits++;
+    s->metrics->cached_tokens += reuse;
+    pthread_mutex_unlock(&s->metrics->mu);
+}
+
+/* The stream is over: release held text, report, free per-stream state, keep the sequence. */
+static void finish(serve_sched *s, int idx, serve_finish why, int stop_index, const char *error) {
+    slot *sl = &s->slots[idx];
+    serve_req *r = sl->req;
+    if (why != SERVE_FINISH_STOP && why != SERVE_FINISH_CANCELLED && why != SERVE_FINISH_ERROR) {
+        size_t len;
+        const char *rest = moe_detok_flush(sl->detok, &len);
+        serve_buf_put(&sl->hold, rest, len);
+        if (sl->hold.len) emit(r, SERVE_EV_TEXT, sl->hold.p, sl->hold.len, NULL);
+    }
+    sl->hold.len = 0;
+    moe_sampler_free(sl->sampler);
+    moe_detok_free(sl->detok);
+    sl->sampler = NULL;
+    sl->detok = NULL;
+    sl->req = NULL;
+    sl->state = sl->n_tokens ? SLOT_RESIDENT : SLOT_EMPTY;
+    if (why == SERVE_FINISH_ERROR) {
+        slot_truncate(s, idx, 0);
+        sl->state = SLOT_EMPTY;
+    }
+    sl->last_used = s->step;
+    pthread_mutex_lock(&r->mu);
+    r->finish = why;
+    r->stop_index = stop_index;
+    if (error) snprintf(r->error, sizeof r->error, "%s", error);
+    r->done = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    if (why == SERVE_FINISH_CANCELLED) {
+        pthread_mutex_lock(&s->metrics->mu);
+        s->metrics->cancelled++;
+        pthread_mutex_unlock(&s->metrics->mu);
+    }
+    serve_req_release(r);
+}
+
+/* A request that never got a slot (cancelled while waiting). */
+static void finish_waiting(serve_sched *s, serve_req *r) {
+    pthread_mutex_lock(&r->mu);
+    r->finish = SERVE_FINISH_CANCELLED;
+    r->done = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    pthread_mutex_lock(&s->metrics->mu);
+    s->metrics->cancelled++;
+    pthread_mutex_unlock(&s->metrics->mu);
+    serve_req_release(r);
+}
+
+/* ==== Stop strings ==== */
+
+/* Longest suffix of text that is a proper prefix of some stop string. */
+static size_t stop_partial(const serve_gen *g, const char *text, size_t len) {
+    size_t best = 0;
+    for (uint32_t i = 0; i < g->n_stop; i++) {
+        const size_t sl = strlen(g->stop[i]);
+        for (size_t k = sl - 1 < len ? sl - 1 : len; k > best; k--)
+            if (memcmp(text + len - k, g->stop[i], k) == 0) {
+                best = k;
+                break;
+            }
+    }
+    return best;
+}
+
+/* Feed new text through the stop matcher: emits what is safe; returns the stop index or -1. */
+static int stop_feed(slot *sl, const moe_sample *sample, const char *text, size_t len) {
+    const serve_gen *g = &sl->req->gen;
+    if (g->n_stop == 0) {
+        emit(sl->req, SERVE_EV_TOKEN, text, len, sample);
+        return -1;
+    }
+    serve_buf_put(&sl->hold, text, len);
+    size_t first = SIZE_MAX;
+    int which = -1;
+    for (uint32_t i = 0; i < g->n_stop; i++) {
+        const char *at = memmem(sl->hold.p, sl->hold.len, g->stop[i], strlen(g->stop[i]));
+        if (at && (size_t)(at - sl->hold.p) < first) {
+            first = (size_t)(at - sl->hold.p);
+            which = (int)i;
+        }
+    }
+    if (which >= 0) {
+        emit(sl->req, SERVE_EV_TOKEN, sl->hold.p, first, sample);
+        sl->hold.len = 0;
+        return which;
+    }
+    const size_t keep = stop_partial(g, sl->hold.p, sl->hold.len);
+    const size_t out = sl->hold.len - keep;
+    emit(sl->req, SERVE_EV_TOKEN, sl->hold.p, out, sample);
+    memmove(sl->hold.p, sl->hold.p + out, keep);
+    sl->hold.len = keep;
+    return -1;
+}
+
+/* ==== The step ==== */
+
+static void on_logits(serve_sched *s, int idx, const float *logits) {
+    slot *sl = &s->slots[idx];
+    serve_req *r = sl->req;
+    const moe_sample smp = moe_sampler_sample(sl->sampler, logits);
+    if (sl->n_generated == 0) {
+        const double now = serve_now();
+        pthread_mutex_lock(&r->mu);
+        r->t_first_token = now;
+        pthread_mutex_unlock(&r->mu);
+        const double ttft = now - r->t_submit;
+        pthread_mutex_lock(&s->metrics->mu);
+        int b = 0;
+        while (b < SERVE_TTFT_BUCKETS && ttft > serve_ttft_bounds[b]) b++;
+        s->metrics->ttft_buckets[b]++;
+        s->metrics->ttft_count++;
+        s->metrics->ttft_sum += ttft;
+        pthread_mutex_unlock(&s->metrics->mu);
+    }
+    if (moe_tokenizer_is_eog(s->tok, smp.token) && !r->gen.ignore_eos) {
+        finish(s, idx, SERVE_FINISH_EOG, -1, NULL);
+        return;
+    }
+    sl->n_generated++;
+    pthread_mutex_lock(&r->mu);
+    r->n_generated = sl->n_generated;
+    pthread_mutex_unlock(&r->mu);
+    pthread_mutex_lock(&s->metrics->mu);
+    s->metrics->generated_tokens++;
+    pthread_mutex_unlock(&s->metrics->mu);
+    const char *text = "";
+    size_t len = 0;
+    moe_error err = {0};
+    if (moe_detok_push(sl->detok, smp.token, &text, &len, &err) != MOE_OK) {
+        finish(s, idx, SERVE_FINISH_ERROR, -1, err.msg);
+        return;
+    }
+    const int stop = stop_feed(sl, &smp, text, len);
+    if (stop >= 0)
+        finish(s, idx, SERVE_FINISH_STOP, stop, NULL);
+    else if (r->gen.max_tokens >= 0 && sl->n_generated >= (uint64_t)r->gen.max_tokens)
+        finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
+    else if (sl->n_tokens >= s->n_ctx)
+        finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
+    else {
+        sl->decoding = true;
+        sl->next_token = smp.token;
+    }
+}
+
+/* One forward step over every active stream; false when there was nothing to do. */
+static bool step(serve_sched *s) {
+    uint32_t n_rows = 0, n_logits = 0, n_decode = 0;
+    /* decode rows first: one per running stream */
+    for (uint32_t i = 0; i < s->n_slots; i++) {
+        slot *sl = &s->slots[i];
+        sl->logits_row = -1;
+        if (sl->state != SLOT_ACTIVE || !sl->decoding) continue;
+        s->rows[n_rows] = (moe_row){.seq = (int32_t)i,
+                                    .pos = (int32_t)sl->n_tokens,
+                                    .token = sl->next_token,
+                                    .logits = true};
+        s->row_slot[n_rows++] = (int32_t)i;
+        sl->logits_row = (int32_t)n_logits++;
+        n_decode++;
+    }
+    /* then prompt rows, oldest request first, up to the chunk budget */
+    uint32_t budget = SERVE_PREFILL_CHUNK;
+    while (budget) {
+        int pick = -1;
+        for (uint32_t i = 0; i < s->n_slots; i++) {
+            slot *sl = &s->slots[i];
+            /* logits_row != -1: it has rows in this batch already */
+            if (sl->state != SLOT_ACTIVE || sl->decoding || sl->logits_row != -1) continue;
+            if (pick < 0 || sl->req->t_submit < s->slots[pick].req->t_submit) pick = (int)i;
+        }
+        if (pick < 0) break;
+        slot *sl = &s->slots[pick];
+        const serve_gen *g = &sl->req->gen;
+        uint32_t n = g->n_prompt - sl->n_tokens;
+        if (n > budget) n = budget;
+        for (uint32_t k = 0; k < n; k++) {
+            const uint32_t pos = sl->n_tokens + k;
+            const bool last = pos + 1 == g->n_prompt;
+            s->rows[n_rows] = (moe_row){
+                .seq = pick, .pos = (int32_t)pos, .token = g->prompt[pos], .logits = last};
+            s->row_slot[n_rows++] = pick;
+            if (last) sl->logits_row = (int32_t)n_logits++;
+        }
+        budget -= n;
+        if (sl->logits_row < 0) sl->logits_row = -2; /* has rows this step, no logits yet */
+    }
+    if (!n_rows) return false;
+    const double t0 = serve_now();
+    moe_error err = {0};
+    const moe_status st = moe_ctx_decode(s->ctx, s->rows, n_rows, s->logits, &err);
+    const double dt = serve_now() - t0;
+    /* record what the KV now holds */
+    for (uint32_t r = 0; r < n_rows && st == MOE_OK; r++) {
+        slot *sl = &s->slots[s->row_slot[r]];
+        sl->tokens[sl->n_tokens++] = s->rows[r].token;
+    }
+    pthread_mutex_lock(&s->metrics->mu);
+    const uint32_t n_prefill = n_rows - n_decode;
+    s->metrics->prompt_tokens += n_prefill;
+    s->metrics->prefill_rows += n_prefill;
+    s->metrics->decode_rows += n_decode;
+    s->metrics->prefill_seconds += dt * n_prefill / n_rows;
+    s->metrics->decode_seconds += dt * n_decode / n_rows;
+    if (n_prefill) s->metrics->prefill_tps = n_prefill / (dt * n_prefill / n_rows);
+    if (n_decode) s->metrics->decode_tps = n_decode / (dt * n_decode / n_rows);
+    if (n_decode > s->metrics->decode_batch_max) s->metrics->decode_batch_max = n_decode;
+    pthread_mutex_unlock(&s->metrics->mu);
+    for (uint32_t i = 0; i < s->n_slots; i++) {
+        slot *sl = &s->slots[i];
+        if (sl->state != SLOT_ACTIVE || sl->logits_row == -1) continue;
+        if (st != MOE_OK) {
+            finish(s, (int)i, SERVE_FINISH_ERROR, -1, err.msg);
+            continue;
+        }
+        if (sl->logits_row >= 0)
+            on_logits(s, (int)i, s->logits + (size_t)sl->logits_row * s->n_vocab);
+    }
+    if (st != MOE_OK) moe_log(MOE_LOG_ERROR, "serve: forward step failed: %s", err.msg);
+    s->step++;
+    return true;
+}
+
+static void update_gauges(serve_sched *s) {
+    uint32_t active = 0, resident = 0;
+    for (uint32_t i = 0; i < s->n_slots; i++) {
+        active += s->slots[i].state == SLOT_ACTIVE;
+        resident += s->slots[i].state == SLOT_RESIDENT;
+    }
+    pthread_mutex_lock(&s->mu);
+    const uint32_t waiting = s->n_waiting;
+    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_lock(&s->metrics->mu);
+    s->metrics->active = active;
+    s->metrics->resident = resident;
+    s->metrics->waiting = waiting;
+    pthread_mutex_unlock(&s->metrics->mu);
+}
+
+/* ==== The thread ==== */
+
+static bool load(serve_sched *s) {
+    moe_error err = {0};
+    char *demo = NULL;
+    const char *path = s->p.model_path;
+    if (!path) {
+        demo = moe_demo_model_path(&err);
+        if (!demo) goto fail;
+        fprintf(stderr,
+                "moe serve: no model given: using the built-in demo model %s "
+                "(its weights are RANDOM: the text means nothing)\n",
+                demo);
+        path = demo;
+    }
+    s->model = moe_model_load(path, &err);
+    if (s->model) s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
+    if (s->tok && moe_tokenizer_n_vocab(s->tok) != s->model->cfg.n_vocab)
+        moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
+                      path, moe_tokenizer_n_vocab(s->tok), s->model->cfg.n_vocab);
+    if (err.code) goto fail;
+    s->n_slots = (uint32_t)(s->p.parallel + s->p.cache_slots);
+    const uint32_t max_rows = (uint32_t)s->p.parallel + SERVE_PREFILL_CHUNK;
+    moe_ctx_params cp = {.n_ctx = s->p.n_ctx,
+                         .n_seq = s->n_slots,
+                         .max_rows = max_rows,
+                         .kv_type = s->p.kv_type,
+                         .n_threads = s->p.n_threads};
+    s->ctx = moe_ctx_new(s->model, &cp, &err);
+    if (!s->ctx) goto fail;
+    s->n_ctx = moe_ctx_n_ctx(s->ctx);
+    s->n_vocab = s->model->cfg.n_vocab;
+    s->slots = moe_xcalloc(s->n_slots, sizeof *s->slots);
+    for (uint32_t i = 0; i < s->n_slots; i++)
+        s->slots[i].tokens = moe_xmalloc(sizeof(int32_t) * s->n_ctx);
+    s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);
+    s->row_slot = moe_xmalloc(sizeof(int32_t) * max_rows);
+    s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab * (size_t)s->p.parallel);
+    free(demo);
+    return true;
+fail:
+    snprintf(s->load_error, sizeof s->load_error, "%s", err.msg);
+    free(demo);
+    return false;
+}
+
+static void *engine_main(void *arg) {
+    serve_sched *s = arg;
+    const bool ok = load(s);
+    pthread_mutex_lock(&s->mu);
+    s->loaded = ok;
+    s->load_failed = !ok;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    if (!ok) return NULL;
+    serve_req *batch[64];
+    for (;;) {
+        /* admit: waiting requests into free streams, dropping the cancelled */
+        uint32_t active = 0;
+        for (uint32_t i = 0; i < s->n_slots; i++) active += s->slots[i].state == SLOT_ACTIVE;
+        uint32_t n_new = 0, n_dropped = 0;
+        serve_req *dropped[64];
+        pthread_mutex_lock(&s->mu);
+        if (s->stop) {
+            pthread_mutex_unlock(&s->mu);
+            break;
+        }
+        for (serve_req **pp = &s->wait_head; *pp && n_dropped < 64;) {
+            serve_req *r = *pp;
+            if (atomic_load(&r->cancel)) {
+                *pp = r->next;
+                if (s->wait_tail == r) s->wait_tail = NULL;
+                s->n_waiting--;
+                dropped[n_dropped++] = r;
+            } else {
+                pp = &r->next;
+            }
+        }
+        if (!s->wait_head)
+            s->wait_tail = NULL;
+        else {
+            serve_req *t = s->wait_head;
+            while (t->next) t = t->next;
+            s->wait_tail = t;
+        }
+        while (s->wait_head && active + n_new < (uint32_t)s->p.parallel && n_new < 64) {
+            serve_req *r = s->wait_head;
+            s->wait_head = r->next;
+            if (!s->wait_head) s->wait_tail = NULL;
+            r->next = NULL;
+            s->n_waiting--;
+            batch[n_new++] = r;
+        }
+        pthread_mutex_unlock(&s->mu);
+        for (uint32_t i = 0; i < n_dropped; i++) finish_waiting(s, dropped[i]);
+        for (uint32_t i = 0; i < n_new; i++) admit(s, batch[i]);
+        /* cancel streams whose client went away */
+        for (uint32_t i = 0; i < s->n_slots; i++)
+            if (s->slots[i].state == SLOT_ACTIVE && atomic_load(&s->slots[i].req->cancel))
+                finish(s, (int)i, SERVE_FINISH_CANCELLED, -1, NULL);
+        update_gauges(s);
+        if (step(s)) {
+            update_gauges(s);
+            if (s->p.step_delay_ms > 0) {
+                struct timespec d = {.tv_sec = s->p.step_delay_ms / 1000,
+                                     .tv_nsec = (long)(s->p.step_delay_ms % 1000) * 1000000L};
+                nanosleep(&d, NULL);
+            }
+            continue;
+        }
+        /* nothing to run: sleep until a submit, a cancel or stop */
+        pthread_mutex_lock(&s->mu);
+        if (!s->stop && !s->wait_head) pthread_cond_wait(&s->cv, &s->mu);
+        pthread_mutex_unlock(&s->mu);
+    }
+    /* shutting down: end every stream and waiting request */
+    for (uint32_t i = 0; i < s->n_slots; i++)
+        if (s->slots[i].state == SLOT_ACTIVE) finish(s, (int)i, SERVE_FINISH_CANCELLED, -1, NULL);
+    pthread_mutex_lock(&s->mu);
+    serve_req *w = s->wait_head;
+    s->wait_head = s->wait_tail = NULL;
+    pthread_mutex_unlock(&s->mu);
+    while (w) {
+        serve_req *next = w->next;
+        finish_waiting(s, w);
+        w = next;
+    }
+    return NULL;
+}
+
+serve_sched *serve_sched_start(const moe_serve_params *p, serve_metrics *metrics) {
+    serve_sched *s = moe_xcalloc(1, sizeof *s);
+    s->p = *p;
+    s->metrics = metrics;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    if (pthread_create(&s->thread, NULL, engine_main, s) != 0)
+        moe_die("cannot start the engine thread");
+    return s;
+}
+
+bool serve_sched_wait_loaded(serve_sched *s, char *err, size_t err_size) {
+    pthread_mutex_lock(&s->mu);
+    while (!s->loaded && !s->load_failed) pthread_cond_wait(&s->cv, &s->mu);
+    const bool ok = s->loaded;
+    if (!ok) snprintf(err, err_size, "%s", s->load_error);
+    pthread_mutex_unlock(&s->mu);
+    return ok;
+}
+
+bool serve_sched_ready(serve_sched *s) {
+    pthread_mutex_lock(&s->mu);
+    const bool ok = s->loaded && !s->stop;
+    pthread_mutex_unlock(&s->mu);
+    return ok;
+}
+
+void serve_sched_stop(serve_sched *s) {
+    pthread_mutex_lock(&s->mu);
+    s->stop = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thread, NULL);
+}
+
+void serve_sched_free(serve_sched *s) {
+    if (s->slots)
+        for (uint32_t i = 0; i < s->n_slots; i++) {
+            free(s->slots[i].tokens);
+            serve_buf_free(&s->slots[i].hold);
+        }
+    free(s->slots);
+    free(s->rows);
+    free(s->row_slot);
+    free(s->logits);
+    moe_ctx_free(s->ctx);
+    moe_tokenizer_free(s->tok);
+    moe_model_free(s->model);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}
+
+serve_submit_result serve_sched_submit(serve_sched *s, serve_req *r) {
+    pthread_mutex_lock(&s->mu);
+    if (!s->loaded || s->stop) {
+        pthread_mutex_unlock(&s->mu);
+        return SERVE_SUBMIT_NOT_READY;
+    }
+    if (s->n_waiting >= (uint32_t)s->p.queue_limit) {
+        pthread_mutex_unlock(&s->mu);
+        return SERVE_SUBMIT_QUEUE_FULL;
+    }
+    pthread_mutex_lock(&r->mu);
+    r->refs++; /* the engine's reference, dropped when it finishes the request */
+    pthread_mutex_unlock(&r->mu);
+    r->t_submit = serve_now();
+    r->sched = s;
+    r->next = NULL;
+    if (s->wait_tail)
+        s->wait_tail->next = r;
+    else
+        s->wait_head = r;
+    s->wait_tail = r;
+    s->n_waiting++;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return SERVE_SUBMIT_OK;
+}
+
+const moe_tokenizer *serve_sched_tokenizer(serve_sched *s) {
+    return s->tok;
+}
+const moe_model *serve_sched_model(serve_sched *s) {
+    return s->model;
+}
+uint32_t serve_sched_n_ctx(serve_sched *s) {
+    return s->n_ctx;
+}

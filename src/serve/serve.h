@@ -1,0 +1,42 @@
+/* serve: the HTTP server behind `moe serve` -- OpenAI, Anthropic and Responses APIs on one
+ * continuous-batching scheduler.
+ *
+ * One engine thread owns the model, the context (KV cache of every sequence) and the
+ * scheduler; HTTP threads (libmicrohttpd, one per connection) parse and validate requests,
+ * tokenize, enqueue, and turn the engine's token events into JSON or SSE. The trap: nothing on
+ * an HTTP thread may touch the model or the context -- they talk to the engine thread only
+ * through a request's event queue (see serve_internal.h). */
+#ifndef MOE_SERVE_H
+#define MOE_SERVE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../engine/engine.h"
+
+#define MOE_SERVE_MAX_API_KEYS 16
+
+typedef struct moe_serve_params {
+    const char *model_path; /* NULL: the built-in demo model */
+    const char *alias;      /* model id in the APIs (NULL: the file name without .gguf) */
+    const char *host;       /* address to bind (default 127.0.0.1) */
+    int port;               /* 0: any free port (printed on stdout) */
+    const char *api_keys[MOE_SERVE_MAX_API_KEYS];
+    int n_api_keys;  /* 0: no authentication */
+    uint32_t n_ctx;  /* per sequence (0: the model's, capped) */
+    int parallel;    /* streams decoded together */
+    int cache_slots; /* extra resident sequences kept for prefix reuse */
+    int n_threads;   /* forward-pass threads */
+    moe_kv_type kv_type;
+    int queue_limit;        /* requests waiting for a stream before 429 */
+    double queue_timeout_s; /* waiting longer than this: 503 */
+    double keepalive_s;     /* SSE keep-alive interval */
+    int step_delay_ms;      /* tests only: sleep after each forward step */
+} moe_serve_params;
+
+void moe_serve_params_default(moe_serve_params *p);
+/* Load the model, listen, serve until SIGINT or SIGTERM. Prints "listening on http://HOST:PORT"
+ * on stdout once the socket is bound. Returns the process exit status. */
+int moe_serve_run(const moe_serve_params *p);
+
+#endif

@@ -1,0 +1,362 @@
+/* serve_internal.h: what the files of src/serve/ share -- limits, the request and its event
+ * queue (the only channel between HTTP threads and the engine thread), the scheduler, prompt
+ * formatting and the output parser, metrics, and the HTTP reply helpers the API adapters use.
+ *
+ * The trap: a serve_req is shared by two threads. Its `gen` part is written once by the HTTP
+ * thread before submit and only read after; everything the engine reports goes through the
+ * event queue under req->mu; the engine-private per-stream state lives in the scheduler's
+ * slots, never in the request. */
+#ifndef MOE_SERVE_INTERNAL_H
+#define MOE_SERVE_INTERNAL_H
+
+#include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../base/base.h"
+#include "../engine/engine.h"
+#include "../text/text.h"
+#include "serve.h"
+
+/* ==== Limits (each a defence against a hostile or broken client) ==== */
+
+#define SERVE_MAX_BODY_BYTES                                                                       \
+    (16u << 20)                   /* request body: a long prompt fits, a runaway upload not */
+#define SERVE_MAX_JSON_DEPTH   64 /* real requests nest < 10 deep; jansson recurses */
+#define SERVE_MAX_HEADER_BYTES (64u << 10) /* per-connection memory for request line + headers */
+#define SERVE_MAX_CONNECTIONS  256         /* one thread each */
+#define SERVE_MAX_STOP         16          /* stop strings per request (OpenAI allows 4) */
+#define SERVE_MAX_STOP_BYTES   256         /* one stop string */
+#define SERVE_MAX_BIAS         1024        /* logit_bias entries */
+#define SERVE_MAX_MESSAGES     100000      /* messages in one conversation */
+#define SERVE_MAX_TOOLS        1024
+#define SERVE_MAX_CALL_DEPTH                                                                       \
+    32                           /* a tool call's JSON from the model; our writer nests            \
+                                  * it inside a response, under MOE_JSON_MAX_DEPTH */
+#define SERVE_PREFILL_CHUNK  256 /* prompt rows per forward step, beside the decode rows */
+#define SERVE_CONN_TIMEOUT_S 600 /* idle connection closed after this */
+#define SERVE_POLL_MS        50  /* how often a waiting HTTP thread looks for a hang-up */
+
+double serve_now(void); /* monotonic seconds */
+
+/* ==== Growable byte buffer ==== */
+
+typedef struct serve_buf {
+    char *p;
+    size_t len, cap;
+} serve_buf;
+
+void serve_buf_put(serve_buf *b, const char *s, size_t n);
+void serve_buf_puts(serve_buf *b, const char *s);
+void serve_buf_printf(serve_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void serve_buf_free(serve_buf *b);
+
+/* ==== Requests and their event queue ==== */
+
+typedef enum serve_finish {
+    SERVE_FINISH_NONE,
+    SERVE_FINISH_EOG,       /* the model ended its turn */
+    SERVE_FINISH_STOP,      /* a stop string matched (stop_index says which) */
+    SERVE_FINISH_LENGTH,    /* max_tokens reached or the context is full */
+    SERVE_FINISH_CANCELLED, /* the client went away, or the wait timed out */
+    SERVE_FINISH_ERROR,     /* the engine failed (message in error) */
+} serve_finish;
+
+typedef enum serve_event_kind {
+    SERVE_EV_TOKEN, /* a generated token (sample valid) and the text it released (maybe none) */
+    SERVE_EV_TEXT,  /* text only: held-back bytes released at the end */
+} serve_event_kind;
+
+typedef struct serve_event {
+    serve_event_kind kind;
+    size_t text_off, text_len; /* into the queue's text */
+    moe_sample sample;         /* TOKEN: token id, logprob and alternatives */
+} serve_event;
+
+/* What the engine needs to run one generation; filled by the HTTP thread before submit. */
+typedef struct serve_gen {
+    int32_t *prompt; /* [n_prompt] token ids */
+    uint32_t n_prompt;
+    moe_sampler_params sampling; /* bias arrays point into bias_tokens / bias_values */
+    int32_t *bias_tokens;
+    float *bias_values;
+    int64_t max_tokens; /* < 0: until end of generation or a full context */
+    char *stop[SERVE_MAX_STOP];
+    uint32_t n_stop;
+    bool logprobs; /* report sample logprobs in events */
+    bool ignore_eos;
+} serve_gen;
+
+void serve_gen_free(serve_gen *g);
+
+typedef struct serve_sched serve_sched;
+
+typedef struct serve_req {
+    serve_gen gen; /* immutable once submitted */
+    double t_submit;
+    atomic_bool cancel;        /* set by the HTTP side; the engine acts on it at the next step */
+    struct serve_req *next;    /* the scheduler's waiting list (under the scheduler's lock) */
+    struct serve_sched *sched; /* set at submit: cancel wakes it */
+
+    pthread_mutex_t mu; /* guards everything below */
+    pthread_cond_t cv;  /* signalled on every event */
+    int refs;
+    bool admitted, done;
+    uint32_t n_cached; /* prompt tokens reused from a resident sequence */
+    uint32_t n_generated;
+    double t_first_token;
+    serve_finish finish;
+    int stop_index; /* SERVE_FINISH_STOP: which stop string */
+    char error[256];
+    serve_event *events; /* pending, not yet taken by the HTTP side */
+    size_t n_events, cap_events;
+    serve_buf text; /* bytes the pending events point into */
+} serve_req;
+
+serve_req *serve_req_new(void); /* refs = 1 (the HTTP side) */
+void serve_req_release(serve_req *r);
+void serve_req_cancel(serve_req *r);
+
+/* The HTTP side's copy of events taken from a request (reused across takes). */
+typedef struct serve_taken {
+    serve_event *events;
+    size_t n_events, cap_events;
+    serve_buf text;
+    bool admitted, done; /* state as of this take */
+} serve_taken;
+
+/* Wait up to timeout_s for events, admission or the end; moves pending events into t. Returns
+ * true when something changed (events, newly admitted, done). */
+bool serve_req_take(serve_req *r, serve_taken *t, double timeout_s);
+void serve_taken_free(serve_taken *t);
+
+/* ==== Metrics (Prometheus text at /metrics) ==== */
+
+#define SERVE_TTFT_BUCKETS 10
+
+typedef struct serve_metrics {
+    pthread_mutex_t mu;
+    uint64_t requests[6][5]; /* [endpoint][status class 1xx..5xx] */
+    uint64_t prompt_tokens, generated_tokens, cached_tokens;
+    uint64_t prefix_hits, cancelled, rejected_queue_full, rejected_timeout;
+    double prefill_seconds, decode_seconds;
+    uint64_t prefill_rows, decode_rows;
+    double prefill_tps, decode_tps; /* the last step's rate */
+    uint32_t decode_batch_max;      /* most decode rows (streams) in one forward step */
+    uint64_t ttft_buckets[SERVE_TTFT_BUCKETS + 1], ttft_count;
+    double ttft_sum;
+    uint32_t active, waiting, resident;
+} serve_metrics;
+
+extern const double serve_ttft_bounds[SERVE_TTFT_BUCKETS];
+void serve_metrics_write(serve_metrics *m, serve_buf *out);
+
+/* ==== Scheduler: the engine thread ==== */
+
+typedef enum serve_submit_result {
+    SERVE_SUBMIT_OK,
+    SERVE_SUBMIT_QUEUE_FULL,
+    SERVE_SUBMIT_NOT_READY,
+} serve_submit_result;
+
+/* Starts the engine thread, which loads the model; serve_sched_wait_loaded() reports how that
+ * went. */
+serve_sched *serve_sched_start(const moe_serve_params *p, serve_metrics *metrics);
+bool serve_sched_wait_loaded(serve_sched *s, char *err, size_t err_size);
+bool serve_sched_ready(serve_sched *s);
+/* End every request (cancelled) and the thread; submits fail from here on. */
+void serve_sched_stop(serve_sched *s);
+void serve_sched_free(serve_sched *s); /* after stop, once no HTTP thread can reach it */
+serve_submit_result serve_sched_submit(serve_sched *s, serve_req *r);
+/* Valid once loaded (immutable afterwards). */
+const moe_tokenizer *serve_sched_tokenizer(serve_sched *s);
+const moe_model *serve_sched_model(serve_sched *s);
+uint32_t serve_sched_n_ctx(serve_sched *s);
+
+/* ==== Prompt formatting (the chat-template renderer replaces this) ==== */
+
+typedef struct serve_tool_call {
+    char *id, *name;
+    char *arguments; /* JSON text of the arguments object */
+} serve_tool_call;
+
+typedef struct serve_message {
+    char *role;      /* system, user, assistant, tool */
+    char *content;   /* text, parts joined */
+    char *reasoning; /* assistant thinking, or NULL */
+    serve_tool_call *tool_calls;
+    size_t n_tool_calls;
+    char *tool_call_id, *name; /* role tool: which call this answers */
+} serve_message;
+
+typedef struct serve_chat {
+    serve_message *msgs;
+    size_t n_msgs, cap_msgs;
+    json_t *tools; /* OpenAI form: [{"type":"function","function":{name,description,parameters}}] */
+    bool tool_choice_none;
+} serve_chat;
+
+serve_message *serve_chat_add(serve_chat *c, const char *role);
+void serve_chat_free(serve_chat *c);
+
+typedef enum serve_prompt_style {
+    SERVE_PROMPT_CHATML,
+    SERVE_PROMPT_LLAMA3,
+    SERVE_PROMPT_PLAIN,
+} serve_prompt_style;
+
+typedef struct serve_format {
+    serve_prompt_style style;
+    bool thinks; /* the template knows <think>: parse reasoning from the output */
+} serve_format;
+
+/* Choose a format from the model's chat template text (NULL when it has none). */
+serve_format serve_format_choose(const char *template_text);
+const char *serve_prompt_style_name(serve_prompt_style s);
+/* The prompt text for a conversation, ending with the assistant turn's opening. */
+void serve_format_prompt(const serve_format *f, const serve_chat *chat, serve_buf *out);
+
+/* ==== Output parser: raw model text -> content, reasoning, tool calls ====
+ * Streaming: push text as it arrives; each complete segment goes to the callback. Text that may
+ * be the start of a marker is held back until it is decided. */
+
+typedef enum serve_segment_kind {
+    SERVE_SEG_CONTENT,
+    SERVE_SEG_REASONING,
+    SERVE_SEG_TOOL_CALL,
+} serve_segment_kind;
+
+typedef struct serve_segment {
+    serve_segment_kind kind;
+    const char *text; /* CONTENT / REASONING */
+    size_t len;
+    const char *name, *arguments; /* TOOL_CALL: arguments as JSON text */
+} serve_segment;
+
+typedef void (*serve_segment_fn)(void *ud, const serve_segment *seg);
+
+typedef struct serve_parser {
+    bool tools;         /* look for <tool_call> */
+    bool reasoning;     /* inside <think> ... </think> (starts true when the prompt opened it) */
+    bool think_markers; /* look for <think> / </think> at all */
+    int state;          /* 0 text, 1 inside a tool call */
+    serve_buf hold;     /* undecided bytes */
+    serve_buf call;     /* the tool call's body so far */
+} serve_parser;
+
+void serve_parser_init(serve_parser *p, bool tools, bool think_markers, bool starts_in_reasoning);
+void serve_parser_push(serve_parser *p, const char *text, size_t len, serve_segment_fn fn,
+                       void *ud);
+void serve_parser_finish(serve_parser *p, serve_segment_fn fn, void *ud);
+void serve_parser_free(serve_parser *p);
+
+/* ==== HTTP side: the server, one request's exchange, replies ==== */
+
+typedef enum serve_api {
+    SERVE_API_OPENAI,
+    SERVE_API_ANTHROPIC,
+} serve_api;
+
+typedef struct serve_server {
+    moe_serve_params p;
+    char model_id[256];
+    serve_sched *sched;
+    serve_format format;
+    serve_metrics metrics;
+    double t_start;
+    atomic_ulong next_id;
+} serve_server;
+
+/* One HTTP exchange, from the access handler's point of view. */
+typedef struct serve_http {
+    serve_server *srv;
+    struct MHD_Connection *conn;
+    const char *method, *path;
+    const char *body;
+    size_t body_len;
+    int fd;     /* the client's socket, to notice a hang-up */
+    int status; /* what was sent (access log, metrics) */
+    bool replied;
+    int retry_after; /* seconds for a Retry-After header, 0: none */
+    uint32_t log_prompt, log_completion, log_cached;
+} serve_http;
+
+void serve_reply_json(serve_http *h, int status, const moe_json *j);
+void serve_reply_text(serve_http *h, int status, const char *content_type, const char *text,
+                      size_t len);
+/* An error in the API's shape; the error type follows from the status. param: the request
+ * field at fault, or NULL; code: OpenAI's error code (invalid_api_key, ...), or NULL. */
+void serve_reply_error(serve_http *h, serve_api api, int status, const char *param,
+                       const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+bool serve_client_gone(int fd);
+const char *serve_header(serve_http *h, const char *name);
+void serve_make_id(serve_server *srv, const char *prefix, char *out, size_t size);
+
+/* A server-sent-event stream: the adapter's pump turns taken events into SSE bytes. */
+typedef struct serve_sse serve_sse;
+typedef void (*serve_sse_pump)(serve_sse *s, const serve_taken *t);
+struct serve_sse {
+    serve_http h_copy; /* srv, fd, for the pump */
+    serve_req *req;
+    serve_taken taken;
+    serve_buf out; /* SSE bytes not yet handed over */
+    size_t out_off;
+    bool ended;
+    bool first_pending; /* taken holds events not yet pumped */
+    double last_write;
+    const char *keepalive; /* bytes sent after keepalive_s of silence */
+    serve_sse_pump pump;
+    void (*state_free)(void *state);
+    void *state;
+    moe_json j; /* scratch for event payloads */
+    double t_start;
+    char log_path[64];
+};
+
+/* Hand the request's stream to libmicrohttpd; the SSE object owns req, state and the events
+ * already taken in *first (which it moves from) from here on. */
+void serve_reply_sse(serve_http *h, serve_req *req, serve_taken *first, serve_sse_pump pump,
+                     void *state, void (*state_free)(void *), const char *keepalive);
+/* Append one SSE event (event line only when event is not NULL) whose data is the JSON in s->j. */
+void serve_sse_event(serve_sse *s, const char *event);
+
+/* Shared request plumbing: submit and wait for admission; replies (and returns false) on a
+ * full queue, a timeout, a hang-up or a server not ready. */
+bool serve_submit_and_wait(serve_http *h, serve_api api, serve_req *req, serve_taken *t);
+/* Wait for the end of a generation, handing every take to on_events (t first, as it may
+ * already hold events). false when the client went away (the request is then cancelled). */
+bool serve_wait_done(serve_http *h, serve_req *req, serve_taken *t,
+                     void (*on_events)(void *ud, const serve_taken *t), void *ud);
+/* Sampling fields common to the APIs (temperature, top_p, top_k, min_p, seed, penalties,
+ * logit_bias, stop); replies 400 naming the field and returns false on a bad value. */
+bool serve_parse_sampling(serve_http *h, serve_api api, json_t *body, serve_gen *g,
+                          const char *stop_field);
+/* Tokenize a prompt into g->prompt, checking it fits the context (400 "N tokens of M"). */
+bool serve_tokenize_prompt(serve_http *h, serve_api api, const char *text, size_t len,
+                           serve_gen *g);
+/* Parse the body as JSON (400 on malformed or too deep), returning an object or NULL. */
+json_t *serve_parse_body(serve_http *h, serve_api api);
+
+/* Nesting depth of a JSON text, counting brackets outside strings (cheap, no recursion). */
+size_t serve_json_depth(const char *s, size_t n);
+/* Write a jansson value through our writer. */
+void serve_json_value(moe_json *j, json_t *v);
+/* Write a token's text piece (raw bytes) as a JSON string / array of byte values. */
+void serve_json_token_piece(moe_json *j, const moe_tokenizer *tok, int32_t id);
+void serve_json_token_bytes(moe_json *j, const moe_tokenizer *tok, int32_t id);
+
+/* ==== API adapters (routes) ==== */
+
+void serve_openai_chat(serve_http *h);
+void serve_openai_completions(serve_http *h);
+void serve_openai_models(serve_http *h);
+void serve_openai_responses(serve_http *h);
+void serve_anthropic_messages(serve_http *h);
+void serve_anthropic_count_tokens(serve_http *h);
+void serve_anthropic_models(serve_http *h);
+
+#endif

@@ -1,0 +1,356 @@
+/* budget.c: the facts behind `moe budget` -- what a model needs in memory per device.
+ *
+ * Owns the model's memory facts (weights by part from the tensor directory; per-layer KV and
+ * recurrent-state shapes from the architecture's metadata) and the plan for a configuration.
+ * cli/budget.c prints. Per layer, by kind:
+ *   full attention   K: n_kv(l) * key_length, V: n_kv(l) * value_length values per token
+ *   sliding window   the same, for at most `window` tokens of each stream
+ *   MLA              kv_lora_rank + rope dims per token (one latent row; V is read from it)
+ *   linear attention no per-token growth; a per-stream f32 state (conv tail + recurrent matrix)
+ * The KV type sets the bytes of a row (Q8_0 rounds each row up to 32-value blocks); recurrent
+ * state stays f32. Scratch is an estimate (one prefill step of MOE_BUDGET_PREFILL_ROWS rows,
+ * tiled attention, the logits of every stream), documented where it is computed.
+ * The trap: the layer kind comes from per-architecture keys (qwen3next's
+ * full_attention_interval, kimi-linear's per-layer head_count_kv with 0 for KDA, gpt-oss's
+ * sliding window on even layers); an architecture not listed here is planned as all full
+ * attention, which over-counts a hybrid but never under-counts one. */
+#include "tools.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const part_names[MOE_PART_COUNT] = {
+    [MOE_PART_VISION] = "vision tower",
+    [MOE_PART_KV] = "KV cache",
+    [MOE_PART_STATE] = "recurrent state",
+    [MOE_PART_SCRATCH] = "scratch (estimate)",
+};
+static const char *const part_ids[MOE_PART_COUNT] = {
+    [MOE_PART_VISION] = "vision",
+    [MOE_PART_KV] = "kv_cache",
+    [MOE_PART_STATE] = "recurrent_state",
+    [MOE_PART_SCRATCH] = "scratch",
+};
+
+const char *moe_budget_part_name(moe_budget_part p) {
+    if ((int)p < MOE_ROLE_COUNT) return moe_role_name((moe_role)p);
+    return (unsigned)p < MOE_PART_COUNT ? part_names[p] : "unknown";
+}
+const char *moe_budget_part_id(moe_budget_part p) {
+    if ((int)p < MOE_ROLE_COUNT) return moe_role_id((moe_role)p);
+    return (unsigned)p < MOE_PART_COUNT ? part_ids[p] : "unknown";
+}
+
+const char *moe_layer_kind_name(moe_layer_kind k) {
+    static const char *const names[MOE_LAYER_KIND_COUNT] = {"full attention", "sliding window",
+                                                            "MLA", "linear attention"};
+    return (unsigned)k < MOE_LAYER_KIND_COUNT ? names[k] : "unknown";
+}
+
+/* ==== Metadata ==== */
+
+/* "<arch>.<suffix>" as a number; an array gives its element `layer` (or its first when
+ * layer < 0). False when absent, not a number, or the array is too short. */
+static bool arch_u64(const moe_gguf *g, const char *arch, const char *suffix, int64_t layer,
+                     uint64_t *out) {
+    char key[256];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    const moe_gguf_value *v = moe_gguf_find(g, key);
+    if (!v) return false;
+    if (v->type != MOE_GGUF_ARRAY) return moe_gguf_get_u64(g, key, out);
+    uint64_t i = layer < 0 ? 0 : (uint64_t)layer;
+    if (i >= v->arr.n) return false;
+    const uint8_t *p = v->arr.data;
+    switch (v->arr.elem_type) {
+    case MOE_GGUF_U8: case MOE_GGUF_I8: *out = p[i]; break;
+    case MOE_GGUF_U16: case MOE_GGUF_I16: *out = (uint64_t)p[2 * i] | (uint64_t)p[2 * i + 1] << 8; break;
+    case MOE_GGUF_U32: case MOE_GGUF_I32: {
+        uint32_t u = 0;
+        for (int b = 0; b < 4; b++) u |= (uint32_t)p[4 * i + b] << (8 * b);
+        if (v->arr.elem_type == MOE_GGUF_I32 && (int32_t)u < 0) return false;
+        *out = u;
+        break;
+    }
+    case MOE_GGUF_U64: case MOE_GGUF_I64: {
+        uint64_t u = 0;
+        for (int b = 0; b < 8; b++) u |= (uint64_t)p[8 * i + b] << (8 * b);
+        if (v->arr.elem_type == MOE_GGUF_I64 && (int64_t)u < 0) return false;
+        *out = u;
+        break;
+    }
+    default: return false;
+    }
+    return true;
+}
+
+static uint64_t arch_u64_or(const moe_gguf *g, const char *arch, const char *suffix,
+                            int64_t layer, uint64_t dflt) {
+    uint64_t v;
+    return arch_u64(g, arch, suffix, layer, &v) ? v : dflt;
+}
+
+static bool is_vision_tensor(const char *name) {
+    return strncmp(name, "v.", 2) == 0 || strncmp(name, "mm.", 3) == 0;
+}
+
+static void add_tensor(moe_budget_model *m, const moe_tensor *t, bool vision) {
+    moe_role role = moe_tensor_role(t->name.ptr);
+    int part = vision ? MOE_PART_VISION : (int)role;
+    m->weights[part] += t->n_bytes;
+    m->params[part] += t->n_values;
+    m->n_params += t->n_values;
+    if (vision || role != MOE_ROLE_ROUTED_EXPERTS) return;
+    moe_budget_sharded s = {
+        .rows = t->n_dims >= 2 ? (uint64_t)t->ne[1] : 1,
+        .slices = (uint64_t)t->ne[2] * (uint64_t)t->ne[3],
+        .row_bytes = moe_type_row_bytes(t->type, t->ne[0]),
+    };
+    m->sharded = moe_xrealloc(m->sharded, (m->n_sharded + 1) * sizeof *m->sharded);
+    m->sharded[m->n_sharded++] = s;
+}
+
+moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const char *name,
+                                 moe_error *err) {
+    memset(m, 0, sizeof *m);
+    m->name = moe_xstrdup(name);
+    const char *arch = moe_gguf_get_str(g, "general.architecture");
+    m->arch = moe_xstrdup(arch ? arch : "unknown");
+    for (uint32_t s = 0; s < moe_gguf_n_shards(g); s++)
+        m->file_bytes += moe_gguf_shard_get(g, s)->file_size;
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        add_tensor(m, t, is_vision_tensor(t->name.ptr));
+    }
+    if (!arch)
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: no general.architecture", name);
+    uint64_t n_layer;
+    if (!arch_u64(g, arch, "block_count", -1, &n_layer) || n_layer == 0 || n_layer > 100000)
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: %s.block_count is missing or out of range",
+                             name, arch);
+    m->n_layer = (uint32_t)n_layer;
+    m->n_embd = arch_u64_or(g, arch, "embedding_length", -1, 0);
+    m->n_head = arch_u64_or(g, arch, "attention.head_count", -1, 0);
+    if (m->n_embd == 0 || m->n_head == 0)
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: %s.embedding_length or "
+                             "%s.attention.head_count is missing", name, arch, arch);
+    m->ctx_train = arch_u64_or(g, arch, "context_length", -1, 0);
+    const moe_tensor *embd = moe_gguf_tensor_find(g, "token_embd.weight");
+    m->n_vocab = embd && embd->n_dims >= 2 ? (uint64_t)embd->ne[1]
+                                          : arch_u64_or(g, arch, "vocab_size", -1, 0);
+    uint64_t ff = arch_u64_or(g, arch, "feed_forward_length", -1, 0);
+    uint64_t eff = arch_u64_or(g, arch, "expert_feed_forward_length", -1, ff);
+    uint64_t moe_ff = arch_u64_or(g, arch, "expert_used_count", -1, 0) * eff +
+                      arch_u64_or(g, arch, "expert_shared_count", -1, 0) * eff +
+                      arch_u64_or(g, arch, "expert_shared_feed_forward_length", -1, 0);
+    m->ff_active = ff > moe_ff ? ff : moe_ff;
+
+    uint64_t head_dim = m->n_embd / m->n_head;
+    uint64_t k_len = arch_u64_or(g, arch, "attention.key_length", -1, head_dim);
+    uint64_t v_len = arch_u64_or(g, arch, "attention.value_length", -1, head_dim);
+    uint64_t kv_lora = arch_u64_or(g, arch, "attention.kv_lora_rank", -1, 0);
+    uint64_t rope = arch_u64_or(g, arch, "rope.dimension_count", -1, 0);
+    uint64_t full_interval = arch_u64_or(g, arch, "full_attention_interval", -1, 0);
+    m->window = arch_u64_or(g, arch, "attention.sliding_window", -1, 0);
+    bool gpt_oss = strcmp(arch, "gpt-oss") == 0;
+    bool qwen3next = strcmp(arch, "qwen3next") == 0;
+    bool kimi = strcmp(arch, "kimi-linear") == 0;
+    bool mla = kv_lora > 0 && (strcmp(arch, "deepseek2") == 0 || kimi);
+    if (gpt_oss && m->window == 0)
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: gpt-oss without %s.attention."
+                             "sliding_window", name, arch);
+    if (qwen3next && full_interval == 0)
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: qwen3next without %s."
+                             "full_attention_interval", name, arch);
+
+    /* linear-attention state per stream (f32 values), by architecture */
+    uint64_t linear_state = 0;
+    if (qwen3next) { /* Gated DeltaNet: conv tail over q,k,v channels + a k x v matrix per head */
+        uint64_t conv = arch_u64_or(g, arch, "ssm.conv_kernel", -1, 0);
+        uint64_t d_state = arch_u64_or(g, arch, "ssm.state_size", -1, 0);
+        uint64_t groups = arch_u64_or(g, arch, "ssm.group_count", -1, 0);
+        uint64_t inner = arch_u64_or(g, arch, "ssm.inner_size", -1, 0);
+        if (!conv || !d_state || !groups || !inner)
+            return moe_error_set(err, MOE_ERR_FORMAT, "%s: qwen3next without its %s.ssm.* "
+                                 "sizes (conv_kernel, state_size, group_count, inner_size)",
+                                 name, arch);
+        linear_state = (conv - 1) * (inner + 2 * groups * d_state) + d_state * inner;
+    } else if (kimi) { /* KDA: separate q, k, v conv tails + a head_dim^2 matrix per head */
+        uint64_t conv = arch_u64_or(g, arch, "ssm.conv_kernel", -1, 0);
+        uint64_t hd = arch_u64_or(g, arch, "kda.head_dim", -1, 0);
+        if (!conv || !hd)
+            return moe_error_set(err, MOE_ERR_FORMAT, "%s: kimi-linear without %s.ssm.conv_kernel"
+                                 " or %s.kda.head_dim", name, arch, arch);
+        linear_state = (conv - 1) * 3 * m->n_head * hd + m->n_head * hd * hd;
+    }
+
+    m->kind = moe_xcalloc(m->n_layer, sizeof *m->kind);
+    m->k_values = moe_xcalloc(m->n_layer, sizeof *m->k_values);
+    m->v_values = moe_xcalloc(m->n_layer, sizeof *m->v_values);
+    m->state_values = moe_xcalloc(m->n_layer, sizeof *m->state_values);
+    for (uint32_t l = 0; l < m->n_layer; l++) {
+        uint64_t n_kv = arch_u64_or(g, arch, "attention.head_count_kv", l, m->n_head);
+        moe_layer_kind k = MOE_LAYER_FULL;
+        if (qwen3next) k = (l + 1) % full_interval == 0 ? MOE_LAYER_FULL : MOE_LAYER_LINEAR;
+        else if (kimi) k = n_kv == 0 ? MOE_LAYER_LINEAR : MOE_LAYER_MLA;
+        else if (mla) k = MOE_LAYER_MLA;
+        else if (gpt_oss) k = l % 2 == 0 ? MOE_LAYER_SLIDING : MOE_LAYER_FULL;
+        m->kind[l] = k;
+        switch (k) {
+        case MOE_LAYER_FULL:
+        case MOE_LAYER_SLIDING:
+            m->k_values[l] = n_kv * k_len;
+            m->v_values[l] = n_kv * v_len;
+            break;
+        case MOE_LAYER_MLA: m->k_values[l] = kv_lora + rope; break;
+        case MOE_LAYER_LINEAR: m->state_values[l] = linear_state; break;
+        default: break;
+        }
+    }
+    return MOE_OK;
+}
+
+void moe_budget_model_add_vision(moe_budget_model *m, const moe_gguf *g) {
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++)
+        add_tensor(m, moe_gguf_tensor_get(g, i), true);
+    for (uint32_t s = 0; s < moe_gguf_n_shards(g); s++)
+        m->file_bytes += moe_gguf_shard_get(g, s)->file_size;
+}
+
+void moe_budget_model_free(moe_budget_model *m) {
+    free(m->name);
+    free(m->arch);
+    free(m->sharded);
+    free(m->kind);
+    free(m->k_values);
+    free(m->v_values);
+    free(m->state_values);
+    memset(m, 0, sizeof *m);
+}
+
+/* ==== The plan ==== */
+
+/* Saturating arithmetic: the searches try contexts and stream counts up to 2^30 each. */
+static uint64_t sat_mul(uint64_t a, uint64_t b) {
+    uint64_t r;
+    return moe_mul_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+static uint64_t sat_add(uint64_t a, uint64_t b) {
+    uint64_t r;
+    return moe_add_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+
+/* Bytes of a cache row of n values. */
+static uint64_t kv_row_bytes(moe_type t, uint64_t n) {
+    if (n == 0) return 0;
+    if (t == MOE_TYPE_Q8_0) return (n + 31) / 32 * 34;
+    return n * (t == MOE_TYPE_F32 ? 4 : 2);
+}
+
+static void kv_per_token(const moe_budget_model *m, moe_type t, uint64_t *full, uint64_t *swa) {
+    *full = *swa = 0;
+    for (uint32_t l = 0; l < m->n_layer; l++) {
+        uint64_t b = kv_row_bytes(t, m->k_values[l]) + kv_row_bytes(t, m->v_values[l]);
+        if (m->kind[l] == MOE_LAYER_SLIDING) *swa += b;
+        else *full += b;
+    }
+}
+
+uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64_t ctx,
+                             uint64_t streams) {
+    uint64_t full, swa;
+    kv_per_token(m, kv_type, &full, &swa);
+    uint64_t swa_tokens = m->window && m->window < ctx ? m->window : ctx;
+    return sat_mul(streams, sat_add(sat_mul(ctx, full), sat_mul(swa_tokens, swa)));
+}
+
+static uint64_t state_per_stream(const moe_budget_model *m) {
+    uint64_t n = 0;
+    for (uint32_t l = 0; l < m->n_layer; l++) n += m->state_values[l];
+    return n * 4;
+}
+
+/* Scratch estimate, f32: one step of R = max(prefill rows, streams) rows through a layer
+ * (6 * n_embd for residual, norm, attention in/out; 3 * ff_active for the gate, up and their
+ * product), the scores of a tiled attention (n_head * min(prefill rows, ctx) * tile), and the
+ * logits of every stream. */
+static uint64_t scratch_bytes(const moe_budget_model *m, uint64_t ctx, uint64_t streams) {
+    uint64_t prefill = ctx < MOE_BUDGET_PREFILL_ROWS ? ctx : MOE_BUDGET_PREFILL_ROWS;
+    uint64_t rows = prefill > streams ? prefill : streams;
+    uint64_t tile = ctx < MOE_BUDGET_ATTN_TILE ? ctx : MOE_BUDGET_ATTN_TILE;
+    uint64_t values = sat_add(sat_add(sat_mul(rows, 6 * m->n_embd + 3 * m->ff_active),
+                                      m->n_head * prefill * tile),
+                              sat_mul(streams, m->n_vocab));
+    return sat_mul(4, values);
+}
+
+/* The fullest device's total for a context and stream count (weights fixed). */
+static uint64_t device_max_total(const moe_budget_model *m, const moe_budget_config *c,
+                                 uint64_t weights_max, uint64_t ctx, uint64_t streams) {
+    uint64_t t = sat_add(weights_max, moe_budget_kv_bytes(m, c->kv_type, ctx, streams));
+    t = sat_add(t, sat_mul(streams, state_per_stream(m)));
+    return sat_add(t, scratch_bytes(m, ctx, streams));
+}
+
+/* Largest x in [1, hi] with total(x) <= mem (0 when even 1 does not fit); total is monotone. */
+static uint64_t search(const moe_budget_model *m, const moe_budget_config *c, uint64_t weights_max,
+                       bool over_ctx, uint64_t hi) {
+    uint64_t lo = 0;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo + 1) / 2;
+        uint64_t t = over_ctx ? device_max_total(m, c, weights_max, mid, c->streams)
+                              : device_max_total(m, c, weights_max, c->ctx, mid);
+        if (t <= c->mem_per_device) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
+                          moe_budget_plan *p) {
+    memset(p, 0, sizeof *p);
+    p->config = *c;
+    uint32_t n = c->devices ? c->devices : 1;
+    p->config.devices = n;
+    p->device = moe_xcalloc((size_t)n * MOE_PART_COUNT, sizeof *p->device);
+    kv_per_token(m, c->kv_type, &p->kv_bytes_per_token, &p->swa_kv_bytes_per_token);
+    p->state_bytes_per_stream = state_per_stream(m);
+    uint64_t kv = moe_budget_kv_bytes(m, c->kv_type, c->ctx, c->streams);
+    uint64_t state = sat_mul(c->streams, p->state_bytes_per_stream);
+    uint64_t scratch = scratch_bytes(m, c->ctx, c->streams);
+    uint64_t weights_max = 0;
+    for (uint32_t d = 0; d < n; d++) {
+        uint64_t *dev = p->device + (size_t)d * MOE_PART_COUNT;
+        for (int k = 0; k <= MOE_PART_VISION; k++)
+            if (k != MOE_ROLE_ROUTED_EXPERTS && (k != MOE_PART_VISION || c->vision))
+                dev[k] = m->weights[k];
+        /* rows of every expert matrix, split as evenly as rows allow: device d gets
+         * rows/n, plus one of the remainder when d < rows % n */
+        for (size_t i = 0; i < m->n_sharded; i++) {
+            const moe_budget_sharded *s = &m->sharded[i];
+            uint64_t rows = s->rows / n + (d < s->rows % n);
+            dev[MOE_ROLE_ROUTED_EXPERTS] += rows * s->slices * s->row_bytes;
+        }
+        dev[MOE_PART_KV] = kv;
+        dev[MOE_PART_STATE] = state;
+        dev[MOE_PART_SCRATCH] = scratch;
+        uint64_t w = 0, total = 0;
+        for (int k = 0; k < MOE_PART_COUNT; k++) {
+            total = sat_add(total, dev[k]);
+            if (k <= MOE_PART_VISION) w += dev[k];
+        }
+        if (total > p->device_total_max) p->device_total_max = total;
+        if (w > weights_max) weights_max = w;
+    }
+    p->spare = p->device_total_max > INT64_MAX ? INT64_MIN
+               : (int64_t)c->mem_per_device - (int64_t)p->device_total_max;
+    p->fits = p->device_total_max <= c->mem_per_device;
+    uint64_t ctx_hi = m->ctx_train ? m->ctx_train : MOE_BUDGET_SEARCH_MAX;
+    p->max_ctx = c->streams ? search(m, &p->config, weights_max, true, ctx_hi) : 0;
+    p->max_streams = c->ctx ? search(m, &p->config, weights_max, false, MOE_BUDGET_SEARCH_MAX) : 0;
+}
+
+void moe_budget_plan_free(moe_budget_plan *p) {
+    free(p->device);
+    p->device = NULL;
+}

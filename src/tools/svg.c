@@ -1,0 +1,236 @@
+/* svg.c: `moe budget --svg` -- the memory plan as a chart that stands on its own.
+ *
+ * Draws stacked bars (one colour per part, a legend, a y axis with round ticks in a unit that
+ * suits the sizes, the memory per device as a dashed line, each bar's total above it) as plain
+ * SVG 1.1 text: no scripts, no external fonts or styles, so any browser or image viewer shows
+ * it. One chart per model with a bar per device; with a ladder, a chart with a bar per build
+ * (its fullest device) comes first. The trap: names are file paths or URLs, so every one is
+ * XML-escaped; a raw '&' in a URL would make the whole file unreadable. */
+#include "tools.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct sbuf {
+    char *s;
+    size_t len, cap;
+} sbuf;
+
+static void sb_add(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_add(sbuf *b, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) moe_die("vsnprintf failed");
+        if (b->s && (size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        b->cap = (b->cap + (size_t)n + 1) * 2;
+        b->s = moe_xrealloc(b->s, b->cap);
+        if (b->len == 0) b->s[0] = '\0';
+    }
+}
+
+static void sb_text(sbuf *b, const char *s) {
+    for (; *s; s++) {
+        switch (*s) {
+        case '&': sb_add(b, "&amp;"); break;
+        case '<': sb_add(b, "&lt;"); break;
+        case '>': sb_add(b, "&gt;"); break;
+        case '"': sb_add(b, "&quot;"); break;
+        default:
+            if ((unsigned char)*s >= 0x20) sb_add(b, "%c", *s);
+        }
+    }
+}
+
+/* Colour-blind-friendly palette (Okabe-Ito and kin), one per part. */
+static const char *const colours[MOE_PART_COUNT] = {
+    "#0072B2", "#56B4E9", "#E69F00", "#F0E442", "#009E73",
+    "#999999", "#CC79A7", "#D55E00", "#882255", "#BBBBBB",
+};
+
+typedef struct bar {
+    char label[64];
+    const uint64_t *parts; /* [MOE_PART_COUNT] */
+} bar;
+
+/* A unit for values up to max: divisor and name. */
+static void pick_unit(double max, double *div, const char **name) {
+    if (max >= 1024.0 * 1024 * 1024) *div = 1024.0 * 1024 * 1024, *name = "GiB";
+    else if (max >= 1024.0 * 1024) *div = 1024.0 * 1024, *name = "MiB";
+    else if (max >= 1024.0) *div = 1024.0, *name = "KiB";
+    else *div = 1.0, *name = "bytes";
+}
+
+/* A round tick step giving about 5 ticks up to max (1, 2 or 5 times a power of ten). */
+static double nice_step(double max) {
+    if (max <= 0) return 1;
+    double raw = max / 5, p = pow(10, floor(log10(raw))), f = raw / p;
+    return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * p;
+}
+
+#define BAR_W 56
+#define BAR_GAP 28
+#define PLOT_H 300
+#define LEFT 90
+#define LEGEND_W 330 /* the legend, and the memory line's label left of it */
+
+/* One chart at vertical offset y0; returns its height. */
+static int chart(sbuf *b, int y0, int width, const char *title, const char *subtitle,
+                 const bar *bars, size_t n, uint64_t mem, const bool *fits) {
+    double max = (double)mem;
+    for (size_t i = 0; i < n; i++) {
+        double t = 0;
+        for (int k = 0; k < MOE_PART_COUNT; k++) t += (double)bars[i].parts[k];
+        if (t > max) max = t;
+    }
+    double div;
+    const char *unit;
+    pick_unit(max, &div, &unit);
+    double step = nice_step(max / div), top = ceil(max / div / step) * step;
+    if (top <= 0) top = 1;
+    int px = LEFT, py = y0 + 70; /* plot origin (top-left) */
+    int plot_w = (int)n * (BAR_W + BAR_GAP) + BAR_GAP;
+    sb_add(b, "<text x=\"%d\" y=\"%d\" font-size=\"16\" font-weight=\"bold\">", 20, y0 + 28);
+    sb_text(b, title);
+    sb_add(b, "</text>\n<text x=\"%d\" y=\"%d\" font-size=\"12\" fill=\"#444\">", 20, y0 + 48);
+    sb_text(b, subtitle);
+    sb_add(b, "</text>\n");
+    /* axes, ticks and grid */
+    for (double v = 0; v <= top + step / 2; v += step) {
+        double y = py + PLOT_H - v / top * PLOT_H;
+        sb_add(b, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", px, y,
+               px + plot_w, y);
+        sb_add(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\">%g</text>\n",
+               px - 6, y + 4, v);
+    }
+    sb_add(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px, py, px,
+           py + PLOT_H);
+    sb_add(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px, py + PLOT_H,
+           px + plot_w, py + PLOT_H);
+    sb_add(b, "<text x=\"%d\" y=\"%d\" font-size=\"12\" text-anchor=\"middle\" "
+           "transform=\"rotate(-90 %d %d)\">memory (%s)</text>\n",
+           28, py + PLOT_H / 2, 28, py + PLOT_H / 2, unit);
+    /* bars */
+    for (size_t i = 0; i < n; i++) {
+        int x = px + BAR_GAP + (int)i * (BAR_W + BAR_GAP);
+        double acc = 0;
+        for (int k = 0; k < MOE_PART_COUNT; k++) {
+            double v = (double)bars[i].parts[k] / div;
+            if (v <= 0) continue;
+            double y1 = py + PLOT_H - (acc + v) / top * PLOT_H, h = v / top * PLOT_H;
+            sb_add(b, "<rect x=\"%d\" y=\"%.2f\" width=\"%d\" height=\"%.2f\" fill=\"%s\">"
+                   "<title>%s: %.3f %s</title></rect>\n",
+                   x, y1, BAR_W, h, colours[k], moe_budget_part_name((moe_budget_part)k), v, unit);
+            acc += v;
+        }
+        double ytop = py + PLOT_H - acc / top * PLOT_H;
+        sb_add(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"middle\">%.3g %s%s"
+               "</text>\n", x + BAR_W / 2, ytop - 5, acc, unit, fits && !fits[i] ? " (short)" : "");
+        sb_add(b, "<text x=\"%d\" y=\"%d\" font-size=\"11\" text-anchor=\"end\" "
+               "transform=\"rotate(-30 %d %d)\">", x + BAR_W / 2, py + PLOT_H + 16, x + BAR_W / 2,
+               py + PLOT_H + 16);
+        sb_text(b, bars[i].label);
+        sb_add(b, "</text>\n");
+    }
+    /* the memory line */
+    double ym = py + PLOT_H - (double)mem / div / top * PLOT_H;
+    sb_add(b, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#c00\" "
+           "stroke-width=\"2\" stroke-dasharray=\"6 4\"/>\n", px, ym, px + plot_w, ym);
+    sb_add(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" fill=\"#c00\">memory per</text>"
+           "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" fill=\"#c00\">device %.3g %s</text>\n",
+           px + plot_w + 6, ym - 2, px + plot_w + 6, ym + 11, (double)mem / div, unit);
+    /* legend */
+    int lx = width - LEGEND_W + 10, ly = py;
+    sb_add(b, "<text x=\"%d\" y=\"%d\" font-size=\"12\" font-weight=\"bold\">parts</text>\n", lx,
+           ly);
+    for (int k = MOE_PART_COUNT - 1, row = 0; k >= 0; k--, row++) {
+        int y = ly + 10 + row * 20;
+        sb_add(b, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>"
+               "<text x=\"%d\" y=\"%d\" font-size=\"12\">%s</text>\n",
+               lx, y, colours[k], lx + 20, y + 11, moe_budget_part_name((moe_budget_part)k));
+    }
+    return 70 + PLOT_H + 110;
+}
+
+static const char *base_name(const char *path) {
+    const char *q = strrchr(path, '/');
+    return q && q[1] ? q + 1 : path;
+}
+
+char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_plan *plans,
+                     size_t n_models, bool ladder) {
+    size_t max_bars = ladder ? n_models : 0;
+    for (size_t i = 0; i < n_models; i++)
+        if (plans[i].config.devices > max_bars) max_bars = plans[i].config.devices;
+    if (max_bars > 64) max_bars = 64; /* more devices than this are drawn as the first 64 */
+    int width = LEFT + (int)max_bars * (BAR_W + BAR_GAP) + BAR_GAP + LEGEND_W;
+    if (width < 640) width = 640;
+    sbuf body = {0};
+    int y = 0;
+    char title[512], sub[512];
+    const char *kv[] = {"f32", "f16"};
+    if (ladder && n_models) {
+        bar *bars = moe_xcalloc(n_models, sizeof *bars);
+        bool *fits = moe_xcalloc(n_models, sizeof *fits);
+        for (size_t i = 0; i < n_models; i++) {
+            /* the fullest device is device 0 (it gets the remainder rows) */
+            uint64_t w = 0, n = 0;
+            for (int k = 0; k <= MOE_PART_VISION; k++) w += models[i]->weights[k], n += models[i]->params[k];
+            snprintf(bars[i].label, sizeof bars[i].label, "%.40s (%.2f bpw)",
+                     base_name(models[i]->name), n ? 8.0 * (double)w / (double)n : 0.0);
+            bars[i].parts = plans[i].device;
+            fits[i] = plans[i].fits;
+        }
+        const moe_budget_config *c = &plans[0].config;
+        snprintf(title, sizeof title, "Quant ladder: %zu builds of %s, fullest device each",
+                 n_models, models[0]->arch);
+        snprintf(sub, sizeof sub, "%u device(s), context %llu, %llu stream(s), KV %s",
+                 c->devices, (unsigned long long)c->ctx, (unsigned long long)c->streams,
+                 c->kv_type == MOE_TYPE_Q8_0 ? "q8_0" : kv[c->kv_type == MOE_TYPE_F16]);
+        y += chart(&body, y, width, title, sub, bars, n_models, c->mem_per_device, fits);
+        free(bars);
+        free(fits);
+    }
+    /* a ladder shows the devices of its largest build that fits (else of its smallest) */
+    size_t first = 0, last = n_models;
+    if (ladder && n_models) {
+        first = 0;
+        for (size_t i = 0; i < n_models; i++)
+            if (plans[i].fits) first = i;
+        last = first + 1;
+    }
+    for (size_t i = first; i < last; i++) {
+        const moe_budget_plan *p = &plans[i];
+        size_t nb = p->config.devices < 64 ? p->config.devices : 64;
+        bar *bars = moe_xcalloc(nb, sizeof *bars);
+        for (size_t d = 0; d < nb; d++) {
+            snprintf(bars[d].label, sizeof bars[d].label, "device %zu", d);
+            bars[d].parts = p->device + d * MOE_PART_COUNT;
+        }
+        snprintf(title, sizeof title, "Memory per device: %s", base_name(models[i]->name));
+        snprintf(sub, sizeof sub, "%s; context %llu, %llu stream(s), KV %s; %s %.2f GiB",
+                 models[i]->arch, (unsigned long long)p->config.ctx,
+                 (unsigned long long)p->config.streams,
+                 p->config.kv_type == MOE_TYPE_Q8_0 ? "q8_0" : kv[p->config.kv_type == MOE_TYPE_F16],
+                 p->fits ? "fits, spare" : "short by",
+                 (double)(p->spare < 0 ? -p->spare : p->spare) / (1024.0 * 1024 * 1024));
+        y += chart(&body, y, width, title, sub, bars, nb, p->config.mem_per_device, NULL);
+        free(bars);
+    }
+    sbuf out = {0};
+    sb_add(&out, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+           "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"%d\" height=\"%d\" "
+           "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\">\n"
+           "<title>moe budget</title>\n<rect width=\"100%%\" height=\"100%%\" fill=\"#fff\"/>\n",
+           width, y, width, y);
+    sb_add(&out, "%s</svg>\n", body.s ? body.s : "");
+    free(body.s);
+    return out.s;
+}
