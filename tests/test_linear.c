@@ -276,7 +276,10 @@ static void interleaved_and_reused_match_alone(void **st) {
         assert_int_equal(moe_ctx_decode(c, rows, 2, logits, &err), MOE_OK);
         for (int s = 0; s < 2; s++) next[s] = got[s][++step[s]] = top_token(logits + (size_t)s * nv, nv);
     }
-    /* request 2: reuse stops at the snapshot (sequence 0 has since moved on to other tokens) */
+    /* request 2: reuse stops at the snapshot (sequence 0 has since moved on to other tokens);
+     * sequence 0 alone offers that much, sequence 1 (a different prompt) nothing */
+    assert_int_equal(moe_ctx_seq_prefix(c, 0, prompt[2], n_prompt[2] - 1), N_PROMPT);
+    assert_int_equal(moe_ctx_seq_prefix(c, 1, prompt[2], n_prompt[2] - 1), 0);
     uint32_t reused = 0;
     assert_int_equal(moe_ctx_seq_reuse(c, 2, prompt[2], n_prompt[2] - 1, &reused, &err), MOE_OK);
     assert_int_equal(reused, N_PROMPT);

@@ -93,6 +93,9 @@ bool moe_ctx_snapshot_info(const moe_ctx *c, int32_t snapshot, int32_t *seq, uin
  * prompt token's logits. Whatever else seq held is forgotten. */
 moe_status moe_ctx_seq_reuse(moe_ctx *c, int32_t seq, const int32_t *tokens, uint32_t n,
                              uint32_t *reused, moe_error *err);
+/* How many tokens moe_ctx_seq_reuse could take from seq alone (its live tokens or one of its
+ * snapshots) for tokens[0..n); 0 for an unknown seq. Changes nothing. */
+uint32_t moe_ctx_seq_prefix(const moe_ctx *c, int32_t seq, const int32_t *tokens, uint32_t n);
 /* The token ids seq holds (moe_ctx_seq_len of them). */
 const int32_t *moe_ctx_seq_tokens(const moe_ctx *c, int32_t seq);
 

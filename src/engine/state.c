@@ -145,36 +145,52 @@ static uint32_t common_prefix(const int32_t *a, const int32_t *b, uint32_t n) {
     return i;
 }
 
+/* The longest prefix of tokens[0..n) sequence s can give: any common prefix of its live
+ * tokens without linear layers, all of them or nothing with them, or the position of one of its
+ * snapshots that the tokens extend. *snap: the snapshot to restore, -1 for the live state. */
+static uint32_t usable_prefix(const moe_ctx *c, int32_t s, const int32_t *tokens, uint32_t n,
+                              int32_t *snap) {
+    const uint32_t len = c->seq_len[s];
+    const uint32_t lcp = common_prefix(tokens, seq_tokens(c, s), n < len ? n : len);
+    uint32_t best = !hybrid(c) ? lcp : lcp == len ? len : 0;
+    *snap = -1;
+    for (uint32_t i = 0; i < c->p.n_snapshots; i++) {
+        const moe_snapshot *sn = &c->snaps[i];
+        /* a snapshot of s holds s's first pos tokens: usable when they are within the lcp */
+        if (sn->seq == s && sn->pos <= lcp && sn->pos > best) {
+            best = sn->pos;
+            *snap = (int32_t)i;
+        }
+    }
+    return best;
+}
+
+uint32_t moe_ctx_seq_prefix(const moe_ctx *c, int32_t seq, const int32_t *tokens, uint32_t n) {
+    int32_t snap;
+    return seq >= 0 && (uint32_t)seq < c->p.n_seq ? usable_prefix(c, seq, tokens, n, &snap) : 0;
+}
+
 moe_status moe_ctx_seq_reuse(moe_ctx *c, int32_t seq, const int32_t *tokens, uint32_t n,
                              uint32_t *reused, moe_error *err) {
     *reused = 0;
     if (check_seq(c, seq, err) != MOE_OK) return err->code;
-    /* candidates: a live sequence (any prefix of it without linear layers, all of it with
-     * them), or a snapshot whose tokens are a prefix of `tokens`; seq itself wins ties */
+    /* the best source over every sequence and its snapshots; seq itself wins ties */
     uint32_t best = 0;
     int32_t best_seq = seq, best_snap = -1;
     for (uint32_t s = 0; s < c->p.n_seq; s++) {
-        const uint32_t len = c->seq_len[s];
-        const uint32_t lcp = common_prefix(tokens, seq_tokens(c, (int32_t)s), n < len ? n : len);
-        const uint32_t usable = !hybrid(c) ? lcp : lcp == len ? len : 0;
+        int32_t snap;
+        const uint32_t usable = usable_prefix(c, (int32_t)s, tokens, n, &snap);
         if (usable > best || (usable == best && usable && (int32_t)s == seq)) {
             best = usable;
             best_seq = (int32_t)s;
+            best_snap = snap;
         }
     }
-    for (uint32_t i = 0; i < c->p.n_snapshots; i++) {
-        const moe_snapshot *s = &c->snaps[i];
-        if (s->seq < 0 || s->pos > n || s->pos <= best) continue;
-        if (common_prefix(tokens, seq_tokens(c, s->seq), s->pos) == s->pos) {
-            best = s->pos;
-            best_snap = (int32_t)i;
-        }
-    }
-    if (best_snap >= 0) {
-        c->snaps[best_snap].used = ++c->snap_clock;
-        become(c, seq, c->snaps[best_snap].seq, best, snap_state(c, best_snap));
-    } else if (best == 0) {
+    if (best == 0) {
         become(c, seq, seq, 0, NULL);
+    } else if (best_snap >= 0) {
+        c->snaps[best_snap].used = ++c->snap_clock;
+        become(c, seq, best_seq, best, snap_state(c, best_snap));
     } else {
         become(c, seq, best_seq, best, moe_linear_seq_state(c, best_seq));
     }
