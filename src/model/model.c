@@ -221,8 +221,9 @@ static const arch_entry archs[] = {
     {.arch = MOE_ARCH_QWEN3NEXT, .rope_kind = MOE_ROPE_NEOX, .qk_norm = true, .experts = true,
      .gating = MOE_GATING_SOFTMAX, .norm_topk = true, .linear = MOE_MIXER_GDN,
      .attn_output_gate = true, .ffn_norm = "post_attention_norm"},
-    {.arch = MOE_ARCH_KIMI_LINEAR, .rope_kind = MOE_ROPE_NORM, .experts = true,
-     .gating = MOE_GATING_SIGMOID, .norm_topk = true, .linear = MOE_MIXER_KDA},
+    /* KDA layers (head_count_kv 0) and MLA layers without q LoRA or rope */
+    {.arch = MOE_ARCH_KIMI_LINEAR, .rope_kind = MOE_ROPE_NONE, .experts = true,
+     .gating = MOE_GATING_SIGMOID, .norm_topk = true, .mla = true, .linear = MOE_MIXER_KDA},
 };
 
 /* llama.cpp's YaRN magnitude for a scaling factor (llama-context.cpp get_mscale). */
@@ -286,8 +287,10 @@ static bool config_rope(binder *b, const arch_entry *a) {
  * attn_k_b / attn_v_b); the *_mla keys give the per-head widths before absorption. */
 static bool config_mla(binder *b) {
     moe_model_config *c = &b->m->cfg;
+    /* value_length defaults to the latent width here (kimi-linear's converter omits it) */
     if (!key_u32(b, "attention.q_lora_rank", false, 0, &c->n_lora_q) ||
         !key_u32(b, "attention.kv_lora_rank", true, 0, &c->n_lora_kv) ||
+        !key_u32(b, "attention.value_length", false, c->n_lora_kv, &c->head_dim_v) ||
         !key_u32(b, "attention.key_length_mla", false, c->head_dim_k, &c->head_dim_k_mla) ||
         !key_u32(b, "attention.value_length_mla", false, c->head_dim_v, &c->head_dim_v_mla))
         return false;

@@ -39,6 +39,7 @@ typedef enum moe_ffn_act {
 typedef enum moe_rope_kind {
     MOE_ROPE_NORM, /* rotate adjacent pairs (x[2i], x[2i+1]): llama */
     MOE_ROPE_NEOX, /* rotate halves (x[i], x[i + d/2]): qwen, gpt-neox */
+    MOE_ROPE_NONE, /* no rotation; rope_dims only sizes MLA's q_pe / k_pe part (kimi-linear) */
 } moe_rope_kind;
 
 /* What mixes tokens in a layer: softmax attention over a KV cache, or a linear-attention
