@@ -148,9 +148,10 @@ static bool servers(void) {
                          "16",          "--api-key", API_KEY, NULL};
     char *slow_args[] = {"--parallel",   "1",  "--queue", "1", "--queue-timeout", "1",
                          "--step-delay", "20", "--keepalive", "0.01", NULL};
-    char *hybrid_args[] = {(char *)hybrid, "--ctx", "128", "--parallel", "2", "--cache-slots", "4",
-                           NULL};
-    if (!server_start(&base_srv, "base", base_args) || !server_start(&slow_srv, "slow", slow_args) ||
+    char *hybrid_args[] = {(char *)hybrid,  "--ctx", "128", "--parallel", "2",
+                           "--cache-slots", "4",     NULL};
+    if (!server_start(&base_srv, "base", base_args) ||
+        !server_start(&slow_srv, "slow", slow_args) ||
         !server_start(&hybrid_srv, "hybrid", hybrid_args))
         fail_msg("a server did not start (logs in %s)", moe_test_tmpdir());
     servers_ok = true;
