@@ -121,6 +121,13 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
         moe_ctx_params cp = {.n_ctx = o->n_ctx, .n_seq = 1, .max_rows = PREFILL_CHUNK,
                              .kv_type = o->kv_type, .n_threads = o->n_threads};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
+        moe_ctx_memory mem;
+        if (g->ctx && moe_ctx_memory_plan(g->model, &cp, &mem, &err) == MOE_OK)
+            fprintf(stderr, "moe %s: state: KV %.2f MiB (%.1f KiB per token), recurrent %.2f MiB "
+                            "(%.1f KiB per sequence), snapshots %.2f MiB\n", cmd,
+                    mem.kv_bytes / 1048576.0, mem.kv_bytes_per_token / 1024.0,
+                    mem.recurrent_bytes / 1048576.0, mem.recurrent_bytes_per_seq / 1024.0,
+                    mem.snapshot_bytes / 1048576.0);
     }
     free(demo);
     if (err.code) {
