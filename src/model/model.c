@@ -21,6 +21,7 @@ static const char *const arch_names[MOE_ARCH_COUNT] = {
     [MOE_ARCH_GPT_OSS] = "gpt-oss",
     [MOE_ARCH_QWEN3NEXT] = "qwen3next",
     [MOE_ARCH_KIMI_LINEAR] = "kimi-linear",
+    [MOE_ARCH_GLM4MOE] = "glm4moe",
 };
 
 const char *moe_arch_name(moe_arch arch) {
@@ -196,11 +197,13 @@ typedef struct arch_entry {
     moe_arch arch;
     moe_rope_kind rope_kind;
     bool qk_norm;            /* attn_q_norm / attn_k_norm per head */
+    bool qk_norm_optional;   /* ... bound when the file has them (GLM-4.5: only the 355B) */
     bool experts;            /* routed experts (expert_* keys, *_exps tensors) */
     moe_gating gating;       /* default when <arch>.expert_gating_func is absent */
     bool norm_topk;          /* default when <arch>.expert_weights_norm is absent */
     bool mla;                /* multi-head latent attention instead of attn_q/k/v */
     bool attn_bias;          /* q/k/v/o biases and per-head attn_sinks */
+    bool qkv_bias;           /* q/k/v biases only */
     uint32_t swa_pattern;    /* n: layer il is windowed when il % n < n - 1 (llama.cpp's) */
     moe_ffn_act act;         /* the routed experts' activation */
     const char *ffn_norm;    /* name of the FFN's input norm (NULL: ffn_norm) */
@@ -224,6 +227,12 @@ static const arch_entry archs[] = {
     /* KDA layers (head_count_kv 0) and MLA layers without q LoRA or rope */
     {.arch = MOE_ARCH_KIMI_LINEAR, .rope_kind = MOE_ROPE_NONE, .experts = true,
      .gating = MOE_GATING_SIGMOID, .norm_topk = true, .mla = true, .linear = MOE_MIXER_KDA},
+    /* GLM-4.5/4.6/4.7: DeepSeek-style routing (sigmoid, exp_probs_b, shared expert, dense lead)
+     * under GQA attention with q/k/v biases and partial NEOX rope; the trailing NextN (MTP)
+     * layers are skipped, as llama.cpp does */
+    {.arch = MOE_ARCH_GLM4MOE, .rope_kind = MOE_ROPE_NEOX, .qk_norm_optional = true,
+     .qkv_bias = true, .experts = true, .gating = MOE_GATING_SIGMOID,
+     .ffn_norm = "post_attention_norm"},
 };
 
 /* llama.cpp's YaRN magnitude for a scaling factor (llama-context.cpp get_mscale). */
@@ -317,6 +326,7 @@ static bool config_transformer(binder *b, const arch_entry *a) {
     moe_model_config *c = &b->m->cfg;
     if (!key_u32(b, "embedding_length", true, 0, &c->n_embd) ||
         !key_u32(b, "block_count", true, 0, &c->n_layer) ||
+        !key_u32(b, "nextn_predict_layers", false, 0, &c->n_layer_nextn) ||
         !key_u32(b, "feed_forward_length", !a->experts, 0, &c->n_ff) ||
         !key_u32(b, "attention.head_count", true, 0, &c->n_head) ||
         !key_u32(b, "context_length", false, 4096, &c->n_ctx_train))
@@ -326,6 +336,12 @@ static bool config_transformer(binder *b, const arch_entry *a) {
                       "attention.head_count must be positive", b->path, c->arch_name);
         return false;
     }
+    if (c->n_layer_nextn >= c->n_layer) {
+        moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.nextn_predict_layers = %u leaves no layers of "
+                      "%u", b->path, c->arch_name, c->n_layer_nextn, c->n_layer);
+        return false;
+    }
+    c->n_layer -= c->n_layer_nextn; /* the MTP layers at the end predict drafts: not run */
     if (c->n_layer > MOE_MAX_LAYERS) {
         moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.block_count = %u exceeds %u", b->path,
                       c->arch_name, c->n_layer, MOE_MAX_LAYERS);
@@ -519,14 +535,19 @@ static void bind_attention_gqa(binder *b, const arch_entry *a, uint32_t il, moe_
     l->wk = bind_layer(b, il, "attn_k", c->n_embd, k);
     l->wv = bind_layer(b, il, "attn_v", c->n_embd, v);
     l->wo = bind_layer(b, il, "attn_output", o, c->n_embd);
-    if (a->qk_norm) {
-        l->attn_q_norm = bind_layer(b, il, "attn_q_norm", c->head_dim_k, 0);
-        l->attn_k_norm = bind_layer(b, il, "attn_k_norm", c->head_dim_k, 0);
+    if (a->qk_norm || a->qk_norm_optional) {
+        l->attn_q_norm = bind_blk(b, il, "attn_q_norm", "weight", c->head_dim_k, 0, 0, a->qk_norm);
+        l->attn_k_norm = bind_blk(b, il, "attn_k_norm", "weight", c->head_dim_k, 0, 0, a->qk_norm);
+        if (!l->attn_q_norm != !l->attn_k_norm && !b->err->code)
+            moe_error_set(b->err, MOE_ERR_FORMAT, "%s: layer %u has only one of attn_q_norm and "
+                          "attn_k_norm", b->path, il);
     }
-    if (a->attn_bias) {
+    if (a->attn_bias || a->qkv_bias) {
         l->bq = bind_f32(b, il, "attn_q", "bias", q, 0, true);
         l->bk = bind_f32(b, il, "attn_k", "bias", k, 0, true);
         l->bv = bind_f32(b, il, "attn_v", "bias", v, 0, true);
+    }
+    if (a->attn_bias) {
         l->bo = bind_f32(b, il, "attn_output", "bias", c->n_embd, 0, true);
         l->attn_sinks = bind_f32(b, il, "attn_sinks", "weight", c->n_head, 0, true);
     }

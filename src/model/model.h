@@ -20,6 +20,7 @@ typedef enum moe_arch {
     MOE_ARCH_GPT_OSS,
     MOE_ARCH_QWEN3NEXT,
     MOE_ARCH_KIMI_LINEAR,
+    MOE_ARCH_GLM4MOE,
     MOE_ARCH_COUNT
 } moe_arch;
 
@@ -59,6 +60,7 @@ typedef struct moe_model_config {
     uint32_t n_ctx_train;   /* <arch>.context_length */
     uint32_t n_embd;        /* residual width */
     uint32_t n_layer;
+    uint32_t n_layer_nextn;  /* trailing NextN/MTP layers in the file, not run */
     uint32_t n_head;        /* query heads */
     uint32_t n_head_kv;     /* key/value heads (GQA: n_head is a multiple of it) */
     uint32_t head_dim_k;    /* <arch>.attention.key_length, default n_embd / n_head */
