@@ -120,6 +120,31 @@ char *moe_xstrndup(const char *s, size_t n) {
     return d;
 }
 
+/* ==== A growable string ==== */
+
+void moe_strbuf_printf(moe_strbuf *b, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) moe_die("vsnprintf failed");
+        if (b->s && (size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        b->cap = (b->cap + (size_t)n + 1) * 2;
+        b->s = moe_xrealloc(b->s, b->cap);
+        if (b->len == 0) b->s[0] = '\0';
+    }
+}
+
+char *moe_strbuf_take(moe_strbuf *b) {
+    char *s = b->s ? b->s : moe_xstrdup("");
+    *b = (moe_strbuf){0};
+    return s;
+}
+
 /* ==== Files ==== */
 
 moe_status moe_file_read(const char *path, uint8_t **data, size_t *size, moe_error *err) {
