@@ -501,19 +501,6 @@ static void dot_f32_ref_matches_float64(void **state) {
 /* ==== Round-trip error budgets ==== */
 
 /* Seeded gaussian rows (splitmix64 + Box-Muller); odd rows get ~1% outliers x U(20,50). */
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double uniform01(uint64_t *s) {
-    return ((double)(splitmix(s) >> 11) + 0.5) / 9007199254740992.0;
-}
-static double gaussian(uint64_t *s) {
-    return sqrt(-2.0 * log(uniform01(s))) * cos(6.283185307179586 * uniform01(s));
-}
-
 static void quantize_error_budgets(void **state) {
     (void)state;
     const int64_t n = BUDGET_ROW_LEN;
@@ -526,11 +513,11 @@ static void quantize_error_budgets(void **state) {
         uint64_t seed = 42;
         double err2 = 0, ref2 = 0;
         for (int r = 0; r < BUDGET_ROWS; r++) {
-            const double scale = pow(10.0, -3.0 + 4.0 * uniform01(&seed));
+            const double scale = pow(10.0, -3.0 + 4.0 * moe_rng_uniform(&seed));
             for (int64_t i = 0; i < n; i++) {
-                double v = gaussian(&seed) * scale;
-                if ((r & 1) && uniform01(&seed) < 0.01)
-                    v *= (20.0 + 30.0 * uniform01(&seed)) * (uniform01(&seed) < 0.5 ? -1 : 1);
+                double v = moe_rng_gaussian(&seed) * scale;
+                if ((r & 1) && moe_rng_uniform(&seed) < 0.01)
+                    v *= (20.0 + 30.0 * moe_rng_uniform(&seed)) * (moe_rng_uniform(&seed) < 0.5 ? -1 : 1);
                 x[i] = (float)v;
             }
             t->from_float(x, q, n);

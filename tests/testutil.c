@@ -94,20 +94,6 @@ int moe_test_run(const char *cmd, char **out) {
 
 /* ==== Seeded random numbers ==== */
 
-uint64_t moe_test_splitmix(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-double moe_test_uniform(uint64_t *state) {
-    return ((double)(moe_test_splitmix(state) >> 11) + 0.5) / 9007199254740992.0;
-}
-double moe_test_gaussian(uint64_t *state) {
-    return sqrt(-2.0 * log(moe_test_uniform(state))) *
-           cos(6.283185307179586 * moe_test_uniform(state));
-}
-
 /* ==== Quantization fixtures ==== */
 
 #define MAX_QUANT_FIXTURES 32

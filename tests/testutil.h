@@ -32,9 +32,6 @@ int moe_test_run(const char *cmd, char **out);
 
 /* ==== Seeded random numbers (splitmix64; the same stream on every machine) ==== */
 
-uint64_t moe_test_splitmix(uint64_t *state);
-double moe_test_uniform(uint64_t *state);  /* (0, 1), never 0 or 1 */
-double moe_test_gaussian(uint64_t *state); /* N(0, 1), Box-Muller */
 
 /* ==== Quantization fixtures (../shared/quant, see its README) ==== */
 

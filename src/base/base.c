@@ -6,6 +6,7 @@
 #include "base.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,6 +119,24 @@ char *moe_xstrndup(const char *s, size_t n) {
     memcpy(d, s, n);
     d[n] = '\0';
     return d;
+}
+
+/* ==== Seeded random numbers ==== */
+
+uint64_t moe_rng_u64(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+double moe_rng_uniform(uint64_t *state) {
+    return ((double)(moe_rng_u64(state) >> 11) + 0.5) * 0x1p-53;
+}
+
+double moe_rng_gaussian(uint64_t *state) {
+    const double u1 = moe_rng_uniform(state), u2 = moe_rng_uniform(state);
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
 /* ==== A growable string ==== */

@@ -47,21 +47,6 @@ bool moe_synth_preset(const char *name, moe_synth_params *out) {
 
 const char *moe_synth_preset_names(void) { return "tiny, llama-tiny, glm4moe-tiny, qwen3-30b-a3b"; }
 
-/* ==== Seeded random numbers ==== */
-
-static uint64_t next_u64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static float next_normal(uint64_t *s) {
-    const double u1 = ((double)(next_u64(s) >> 11) + 0.5) * 0x1p-53;
-    const double u2 = (double)(next_u64(s) >> 11) * 0x1p-53;
-    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
-}
-
 /* ==== Vocabulary: SentencePiece-style, bytes + characters + word pieces + fillers ==== */
 
 /* Words whose pieces (with every prefix, so merges can reach them) fill the vocabulary. */
@@ -187,7 +172,7 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
     const float scale = 1.0f / sqrtf((float)n_in);
     for (uint64_t r = 0; r < n_rows; r++) {
         const bool live = (int64_t)(r % (uint64_t)n_out) >= first_live_row;
-        for (int64_t i = 0; i < n_in; i++) row[i] = live ? next_normal(&s->rng) * scale : 0.0f;
+        for (int64_t i = 0; i < n_in; i++) row[i] = live ? (float)moe_rng_gaussian(&s->rng) * scale : 0.0f;
         t->from_float(row, blocks + r * row_bytes, n_in);
     }
     const int64_t ne[3] = {n_in, n_out, n_mat};
@@ -202,7 +187,7 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
 static moe_status add_vector(synth *s, const char *name, int64_t n, float scale) {
     if (s->err->code) return s->err->code;
     float *v = moe_xmalloc(sizeof(float) * (size_t)n);
-    for (int64_t i = 0; i < n; i++) v[i] = next_normal(&s->rng) * scale;
+    for (int64_t i = 0; i < n; i++) v[i] = (float)moe_rng_gaussian(&s->rng) * scale;
     moe_status st = moe_gguf_writer_add_tensor(s->w, name, MOE_TYPE_F32, 1, &n, v, false, s->err);
     free(v);
     return st;
