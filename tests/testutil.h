@@ -56,6 +56,14 @@ int moe_test_quant_fixtures(const moe_test_quant_fixture **out);
  * bytes (fails the test otherwise). Caller frees. */
 uint8_t *moe_test_quant_read(const moe_test_quant_fixture *f, const char *suffix, size_t expect);
 
+/* ==== A chat model ==== */
+
+/* stories260K (../shared) written again as <tmpdir>/<name>.gguf, with ids 3 and 4 (byte tokens
+ * <0x00>, <0x01>) turned into the control tokens <|im_start|> and <|im_end|>, and, when
+ * template_rel is not NULL, tokenizer.chat_template set to that file of ../shared. NULL (test
+ * skipped) without ../shared. */
+const char *moe_test_chat_model(const char *name, const char *template_rel);
+
 #define MOE_SKIP_IF_NULL(p)                                                                        \
     do {                                                                                           \
         if (!(p)) {                                                                                \

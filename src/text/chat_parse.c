@@ -262,7 +262,7 @@ moe_chat_parser *moe_chat_parser_new(const moe_chat_parse_options *o, moe_error 
     p->think_open = o->think_open ? moe_xstrdup(o->think_open) : NULL;
     p->think_close = o->think_close ? moe_xstrdup(o->think_close) : NULL;
     p->tools = tools;
-    p->markers = format_markers(o->format);
+    p->markers = o->no_tool_calls ? markers_none : format_markers(o->format);
     p->mode = o->format == MOE_CHAT_FORMAT_HARMONY ? MODE_HARMONY_HEAD
               : o->reasoning_open && p->think_open ? MODE_REASONING
                                                    : MODE_CONTENT;
@@ -863,7 +863,7 @@ static bool step(moe_chat_parser *p, moe_chat_delta *d, bool final) {
         }
     }
     /* Llama 3: a reply that is a JSON object is a call */
-    if (p->format == MOE_CHAT_FORMAT_LLAMA3 && !p->seen_text) {
+    if (p->format == MOE_CHAT_FORMAT_LLAMA3 && p->markers != markers_none && !p->seen_text) {
         size_t i = 0;
         while (i < p->len && strchr(" \t\r\n", p->in[i])) i++;
         if (i < p->len && p->in[i] == '{' && (!best || p->in + i < best)) {
