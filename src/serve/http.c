@@ -448,31 +448,39 @@ bool serve_parse_sampling(serve_http *h, serve_api api, json_t *body, serve_gen 
     return true;
 }
 
-bool serve_tokenize_prompt(serve_http *h, serve_api api, const char *text, size_t len,
-                           serve_gen *g) {
-    const moe_tokenizer *tok = serve_sched_tokenizer(h->srv->sched);
-    moe_error err = {0};
-    size_t n = 0;
-    if (moe_tokenizer_encode(tok, text, len, MOE_ENCODE_ADD_SPECIAL | MOE_ENCODE_PARSE_SPECIAL,
-                             &g->prompt, &n, &err) != MOE_OK) {
-        serve_reply_error(h, api, 400, NULL, NULL, "cannot tokenize the prompt: %s", err.msg);
-        return false;
-    }
+bool serve_set_prompt(serve_http *h, serve_api api, int32_t *ids, size_t n, serve_gen *g) {
     const uint32_t n_ctx = serve_sched_n_ctx(h->srv->sched);
     if (n == 0) {
+        free(ids);
         serve_reply_error(h, api, 400, NULL, NULL, "the prompt is empty");
         return false;
     }
     if (n >= n_ctx) {
+        free(ids);
         serve_reply_error(h, api, 400, "messages", "context_length_exceeded",
                           "the prompt is too long: %zu tokens of %u (this model's maximum context "
                           "length is %u tokens, and at least one must be left to generate)",
                           n, n_ctx, n_ctx);
         return false;
     }
+    g->prompt = ids;
     g->n_prompt = (uint32_t)n;
     h->log_prompt = (uint32_t)n;
     return true;
+}
+
+bool serve_tokenize_prompt(serve_http *h, serve_api api, const char *text, size_t len,
+                           serve_gen *g) {
+    const moe_tokenizer *tok = serve_sched_tokenizer(h->srv->sched);
+    moe_error err = {0};
+    size_t n = 0;
+    int32_t *ids = NULL;
+    if (moe_tokenizer_encode(tok, text, len, MOE_ENCODE_ADD_SPECIAL | MOE_ENCODE_PARSE_SPECIAL,
+                             &ids, &n, &err) != MOE_OK) {
+        serve_reply_error(h, api, 400, NULL, NULL, "cannot tokenize the prompt: %s", err.msg);
+        return false;
+    }
+    return serve_set_prompt(h, api, ids, n, g);
 }
 
 bool serve_submit_and_wait(serve_http *h, serve_api api, serve_req *req, serve_taken *t) {
@@ -775,6 +783,7 @@ static const route routes[] = {
     {"POST", "/v1/responses", serve_openai_responses, true, true},
     {"POST", "/v1/messages", serve_anthropic_messages, true, true},
     {"POST", "/v1/messages/count_tokens", serve_anthropic_count_tokens, true, true},
+    {"POST", "/apply-template", serve_openai_apply_template, true, true},
     {"POST", "/tokenize", tokenize, true, true},
     {"POST", "/detokenize", detokenize, true, true},
 };
@@ -950,6 +959,13 @@ int moe_serve_run(const moe_serve_params *params) {
         free(srv);
         return 1;
     }
+    char terr[MOE_ERROR_MSG_MAX + 128];
+    if (!serve_template_load(srv, terr, sizeof terr)) { /* before any request can render */
+        fprintf(stderr, "moe serve: %s\n", terr);
+        freeaddrinfo(ai);
+        free(srv);
+        return 1;
+    }
     srv->sched = serve_sched_start(&srv->p, &srv->metrics);
     unsigned flags =
         MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
@@ -966,6 +982,7 @@ int moe_serve_run(const moe_serve_params *params) {
                 srv->p.port);
         serve_sched_stop(srv->sched);
         serve_sched_free(srv->sched);
+        moe_chat_template_free(srv->tmpl);
         free(srv);
         return 1;
     }
@@ -980,16 +997,13 @@ int moe_serve_run(const moe_serve_params *params) {
         rc = 1;
     } else {
         const moe_model *m = serve_sched_model(srv->sched);
-        const char *tmpl = moe_gguf_get_str(m->gguf, "tokenizer.chat_template");
-        srv->format = serve_format_choose(tmpl);
         if (!srv->p.model_path && !srv->p.alias)
             snprintf(srv->model_id, sizeof srv->model_id, "moe-demo");
         fprintf(stderr,
                 "moe serve: model %s (%s, %u layers), context %u per sequence, %d streams + %d "
-                "resident sequences, prompt format %s%s, %d threads, %s\n",
+                "resident sequences, chat template %s, %d threads, %s\n",
                 srv->model_id, m->cfg.arch_name, m->cfg.n_layer, serve_sched_n_ctx(srv->sched),
-                srv->p.parallel, srv->p.cache_slots, serve_prompt_style_name(srv->format.style),
-                tmpl ? "" : " (no chat template in the file)", srv->p.n_threads,
+                srv->p.parallel, srv->p.cache_slots, srv->tmpl_origin, srv->p.n_threads,
                 srv->p.n_api_keys ? "API key required" : "no API key");
         printf("moe serve: ready\n");
         fflush(stdout);
@@ -1000,6 +1014,7 @@ int moe_serve_run(const moe_serve_params *params) {
     serve_sched_stop(srv->sched); /* ends every stream: waiting HTTP threads return */
     MHD_stop_daemon(d);
     serve_sched_free(srv->sched);
+    moe_chat_template_free(srv->tmpl);
     pthread_mutex_destroy(&srv->metrics.mu);
     free(srv);
     return rc;

@@ -1,5 +1,5 @@
 /* openai.c: the OpenAI adapters -- /v1/chat/completions, /v1/completions, /v1/models and
- * /v1/responses: request JSON to a serve_gen (messages through the prompt formatter), engine
+ * /apply-template: request JSON to a serve_gen (messages through the chat template), engine
  * events to OpenAI's response objects and stream chunks.
  *
  * One output path for stream and non-stream: engine events go through the output parser
@@ -174,7 +174,7 @@ typedef struct oa_state {
     serve_server *srv;
     serve_sse *sse; /* stream: where chunks go */
     const moe_tokenizer *tok;
-    serve_parser parser;
+    serve_output out;
     bool chat; /* chat.completion(s) vs text_completion */
     bool include_usage;
     bool logprobs;
@@ -196,7 +196,7 @@ typedef struct oa_state {
 
 static void oa_state_free(void *p) {
     oa_state *s = p;
-    serve_parser_free(&s->parser);
+    serve_output_free(&s->out);
     serve_buf_free(&s->content);
     serve_buf_free(&s->reasoning);
     for (size_t i = 0; i < s->n_calls; i++) {
@@ -405,10 +405,10 @@ static void feed_events(void *ud, const serve_taken *t) {
                 s->samples[s->n_samples++] = e->sample;
             }
         }
-        serve_parser_push(&s->parser, t->text.p + e->text_off, e->text_len, on_segment, s);
+        serve_output_feed(&s->out, t->text.p + e->text_off, e->text_len, on_segment, s);
         if (s->sse && s->pending_sample) stream_delta(s, NULL); /* held text: logprobs alone */
     }
-    if (t->done) serve_parser_finish(&s->parser, on_segment, s);
+    if (t->done) serve_output_finish(&s->out, on_segment, s);
 }
 
 static const char *finish_reason(const serve_req *r, size_t n_calls) {
@@ -659,14 +659,11 @@ void serve_openai_chat(serve_http *h) {
             req->gen.sampling.n_top_logprobs = s->n_top;
         }
     }
-    if (ok) {
-        serve_buf prompt = {0};
-        serve_format_prompt(&h->srv->format, &chat, &prompt);
-        ok = serve_tokenize_prompt(h, SERVE_API_OPENAI, prompt.p, prompt.len, &req->gen);
-        serve_buf_free(&prompt);
-    }
-    serve_parser_init(&s->parser, chat.tools != NULL && !chat.tool_choice_none,
-                      h->srv->format.thinks, false);
+    char *prompt = NULL;
+    ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
+         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
+    serve_output_init(&s->out, h->srv, &chat, prompt);
+    free(prompt);
     serve_chat_free(&chat);
     if (!ok) {
         serve_req_release(req);
@@ -746,7 +743,7 @@ void serve_openai_completions(serve_http *h) {
             ok = false;
         }
     }
-    serve_parser_init(&s->parser, false, false, false);
+    serve_output_init(&s->out, h->srv, NULL, NULL);
     if (!ok) {
         serve_req_release(req);
         oa_state_free(s);
@@ -754,6 +751,38 @@ void serve_openai_completions(serve_http *h) {
         return;
     }
     run_generation(h, body, req, s);
+    json_decref(body);
+}
+
+/* ==== /apply-template ==== */
+
+/* The prompt a chat request would get, without generating (llama-server's endpoint): the body
+ * is a /v1/chat/completions request; the reply {"prompt": TEXT, "tokens": [ids]}. */
+void serve_openai_apply_template(serve_http *h) {
+    json_t *body = serve_parse_body(h, SERVE_API_OPENAI);
+    if (!body) return;
+    serve_chat chat = {0};
+    serve_gen gen = {0};
+    char *prompt = NULL;
+    if (parse_messages(h, body, &chat) && parse_tools(h, body, &chat) &&
+        serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
+        serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &gen, &prompt)) {
+        moe_json j;
+        moe_json_init(&j, false);
+        moe_json_object_begin(&j);
+        moe_json_key(&j, "prompt");
+        moe_json_string(&j, prompt);
+        moe_json_key(&j, "tokens");
+        moe_json_array_begin(&j);
+        for (uint32_t i = 0; i < gen.n_prompt; i++) moe_json_int(&j, gen.prompt[i]);
+        moe_json_array_end(&j);
+        moe_json_object_end(&j);
+        serve_reply_json(h, 200, &j);
+        moe_json_free(&j);
+    }
+    free(prompt);
+    serve_gen_free(&gen);
+    serve_chat_free(&chat);
     json_decref(body);
 }
 

@@ -166,7 +166,7 @@ typedef struct out_item {
 typedef struct rs_state {
     serve_server *srv;
     serve_sse *sse;
-    serve_parser parser;
+    serve_output out;
     char id[64];
     long created;
     out_item *items;
@@ -178,7 +178,7 @@ typedef struct rs_state {
 
 static void rs_state_free(void *p) {
     rs_state *s = p;
-    serve_parser_free(&s->parser);
+    serve_output_free(&s->out);
     for (size_t i = 0; i < s->n_items; i++) {
         serve_buf_free(&s->items[i].text);
         free(s->items[i].name);
@@ -448,10 +448,10 @@ static void on_segment(void *ud, const serve_segment *seg) {
 static void feed_events(void *ud, const serve_taken *t) {
     rs_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_parser_push(&s->parser, t->text.p + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->out, t->text.p + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
     if (t->done) {
-        serve_parser_finish(&s->parser, on_segment, s);
+        serve_output_finish(&s->out, on_segment, s);
         if (!s->n_items) item_open(s, ITEM_MESSAGE); /* always a message, maybe empty */
         item_close(s);
     }
@@ -543,13 +543,12 @@ void serve_openai_responses(serve_http *h) {
             json_object_set_new(s->echo, "tools", json_array());
         if (json_is_null(json_object_get(s->echo, "metadata")))
             json_object_set_new(s->echo, "metadata", json_object());
-        serve_buf prompt = {0};
-        serve_format_prompt(&h->srv->format, &chat, &prompt);
-        ok = serve_tokenize_prompt(h, SERVE_API_OPENAI, prompt.p, prompt.len, &req->gen);
-        serve_buf_free(&prompt);
     }
-    serve_parser_init(&s->parser, chat.tools != NULL && !chat.tool_choice_none,
-                      h->srv->format.thinks, false);
+    char *prompt = NULL;
+    ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
+         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
+    serve_output_init(&s->out, h->srv, &chat, prompt);
+    free(prompt);
     serve_chat_free(&chat);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
