@@ -136,7 +136,33 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     return true;
 }
 
+static void seq_push(moe_gen *g, int32_t id) {
+    if (g->n_seq == g->cap_seq) {
+        g->cap_seq = g->cap_seq ? 2 * g->cap_seq : 256;
+        g->seq = moe_xrealloc(g->seq, g->cap_seq * sizeof *g->seq);
+    }
+    g->seq[g->n_seq++] = id;
+}
+
+static void reply_put(moe_gen *g, const char *text, size_t len) {
+    if (g->reply_cap - g->reply_len < len + 1) {
+        g->reply_cap = 2 * (g->reply_len + len + 1);
+        g->reply = moe_xrealloc(g->reply, g->reply_cap);
+    }
+    memcpy(g->reply + g->reply_len, text, len);
+    g->reply_len += len;
+    g->reply[g->reply_len] = '\0';
+}
+
+void moe_gen_rewind(moe_gen *g, size_t n) {
+    if (n >= g->n_seq) return;
+    moe_ctx_seq_truncate(g->ctx, 0, (uint32_t)n);
+    g->n_seq = n;
+}
+
 void moe_gen_close(moe_gen *g) {
+    free(g->seq);
+    free(g->reply);
     moe_sampler_free(g->sampler);
     moe_ctx_free(g->ctx);
     moe_tokenizer_free(g->tok);
@@ -155,6 +181,7 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
             g->rows[r] = (moe_row){.seq = 0, .pos = (int32_t)(base + r), .token = ids[done + r],
                                    .logits = done + r + 1 == n};
             moe_sampler_accept(g->sampler, ids[done + r]);
+            seq_push(g, ids[done + r]);
         }
         if (moe_ctx_decode(g->ctx, g->rows, chunk, g->logits, err) != MOE_OK) return false;
         done += chunk;
@@ -170,6 +197,8 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
     moe_detok *detok = moe_detok_new(g->tok, MOE_DECODE_SKIP_SPECIAL |
                                                  (g->text_started ? 0 : MOE_DECODE_STRIP_PREFIX_SPACE));
     g->text_started = true;
+    g->reply_len = 0;
+    reply_put(g, "", 0);
     const size_t stop_len = stop ? strlen(stop) : 0;
     char tail[256] = {0}; /* the last bytes of output, to match `stop` across pieces */
     size_t tail_len = 0;
@@ -193,6 +222,7 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
                 break;
             }
             fwrite(text, 1, len, stdout);
+            reply_put(g, text, len);
             if (stop_len && stop_len < sizeof tail) {
                 for (size_t k = 0; k < len; k++) {
                     if (tail_len == sizeof tail - 1) memmove(tail, tail + 1, --tail_len);
@@ -211,11 +241,13 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
             ok = false;
             break;
         }
+        seq_push(g, s.token);
     }
     if (!g->opt.print_ids) {
         size_t len;
         const char *rest = moe_detok_flush(detok, &len);
         fwrite(rest, 1, len, stdout);
+        reply_put(g, rest, len);
     }
     fflush(stdout);
     moe_detok_free(detok);
