@@ -6,6 +6,9 @@
  *   slow: the built-in demo model with --parallel 1 --queue 1 --queue-timeout 1 --step-delay 20
  *         --keepalive 0.01, where a stream lasts long enough to be aborted, queued behind or
  *         refused, and keep-alives come between tokens.
+ * Two more, for chat templates, start in their own test: stories260K written again with
+ * ChatML's control tokens and Qwen3's template in the GGUF, served as is and with
+ * --chat-template-file; the prompts they render (/apply-template) must equal Python Jinja2's.
  * The client cases live in tests/clients/cases.mjs (node, with the npm packages installed by
  * `npm ci --prefix tests/clients`); without node_modules they skip with a message, and fail
  * under CI=true. The last test stops both servers with SIGTERM and requires a clean exit
@@ -22,6 +25,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <curl/curl.h>
 
 #include "../src/serve/serve_internal.h"
 
@@ -232,6 +237,240 @@ static int teardown(void **state) {
     return 0;
 }
 
+/* ==== Chat templates through the server and `moe chat` ==== */
+
+static size_t curl_collect(char *p, size_t size, size_t n, void *ud) {
+    serve_buf_put(ud, p, size * n);
+    return size * n;
+}
+
+/* POST a JSON body; the reply body (caller frees), its status in *status. */
+static char *http_post(const char *base, const char *path, const char *body, long *status) {
+    char url[512];
+    snprintf(url, sizeof url, "%s%s", base, path);
+    serve_buf out = {0};
+    CURL *c = curl_easy_init();
+    struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdr);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, curl_collect);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &out);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
+    const CURLcode rc = curl_easy_perform(c);
+    *status = 0;
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, status);
+    curl_slist_free_all(hdr);
+    curl_easy_cleanup(c);
+    if (rc != CURLE_OK) fail_msg("POST %s: %s", url, curl_easy_strerror(rc));
+    serve_buf_put(&out, "", 0);
+    return out.p;
+}
+
+#define QWEN3_TEMPLATE "templates/Qwen-Qwen3-0.6B.jinja"
+/* --chat-template-file for the second server (and `moe chat`): its own shape, and a raise */
+#define CUSTOM_TEMPLATE                                                                            \
+    "{%- for m in messages %}{%- if m.content == 'boom' %}{{ raise_exception('no boom here') }}"   \
+    "{%- endif %}[{{ m.role }}|{{ m.content }}]\n{%- endfor %}"                                     \
+    "{%- if add_generation_prompt %}[assistant|{%- endif %}"
+
+typedef struct chat_case {
+    const char *messages, *tools, *template_kwargs; /* kwargs: the request's chat_template_kwargs */
+} chat_case;
+
+static const chat_case chat_cases[] = {
+    {"[{\"role\":\"user\",\"content\":\"Tell me a story.\"}]", NULL, NULL},
+    {"[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hi\"},"
+     "{\"role\":\"assistant\",\"content\":\"Hello!\",\"reasoning_content\":\"greet back\"},"
+     "{\"role\":\"user\",\"content\":\"A story?\"}]",
+     NULL, "{\"enable_thinking\":false}"},
+    {"[{\"role\":\"user\",\"content\":\"Weather in Paris?\"},{\"role\":\"assistant\",\"content\":"
+     "\"\",\"tool_calls\":[{\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":"
+     "\"get_weather\",\"arguments\":\"{\\\"city\\\":\\\"Paris\\\"}\"}}]},{\"role\":\"tool\","
+     "\"tool_call_id\":\"call_1\",\"content\":\"21 C\"}]",
+     "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"Weather "
+     "for a city\",\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":"
+     "\"string\"}},\"required\":[\"city\"]}}}]",
+     NULL},
+};
+#define N_CHAT_CASES (sizeof chat_cases / sizeof chat_cases[0])
+
+/* The request body for /apply-template. */
+static char *chat_request(const chat_case *c) {
+    json_t *b = json_object();
+    json_object_set_new(b, "model", json_string("x"));
+    json_object_set_new(b, "messages", json_loads(c->messages, 0, NULL));
+    if (c->tools) json_object_set_new(b, "tools", json_loads(c->tools, 0, NULL));
+    if (c->template_kwargs)
+        json_object_set_new(b, "chat_template_kwargs", json_loads(c->template_kwargs, 0, NULL));
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
+/* The same conversation as transformers' apply_chat_template gets it: arguments as objects,
+ * bos/eos from the tokenizer, the generation prompt on. */
+static json_t *reference_case(const char *template_path, const char *messages, const char *tools,
+                              const char *template_kwargs) {
+    json_t *msgs = json_loads(messages, 0, NULL);
+    size_t i;
+    json_t *m;
+    json_array_foreach(msgs, i, m) {
+        size_t k;
+        json_t *call;
+        json_array_foreach(json_object_get(m, "tool_calls"), k, call) {
+            json_t *fn = json_object_get(call, "function");
+            json_object_set_new(fn, "arguments",
+                                json_loads(json_string_value(json_object_get(fn, "arguments")), 0,
+                                           NULL));
+        }
+    }
+    json_t *kw = json_pack("{s:b,s:s,s:s}", "add_generation_prompt", 1, "bos_token", "<s>",
+                           "eos_token", "</s>");
+    if (template_kwargs) {
+        json_t *extra = json_loads(template_kwargs, 0, NULL);
+        json_object_update(kw, extra);
+        json_decref(extra);
+    }
+    return json_pack("{s:s,s:o,s:o,s:o}", "template", template_path, "messages", msgs, "tools",
+                     tools ? json_loads(tools, 0, NULL) : json_null(), "kwargs", kw);
+}
+
+static size_t count_token(json_t *tokens, json_int_t id) {
+    size_t n = 0, i;
+    json_t *t;
+    json_array_foreach(tokens, i, t) n += json_integer_value(t) == id;
+    return n;
+}
+
+/* The prompt `moe chat --verbose-prompt` printed for its first turn. */
+static char *chat_prompt_of(const char *model, const char *extra) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "printf 'Tell me a story.\\n' | %s chat '%s' --verbose-prompt -n 2 %s",
+             moe_test_bin(), model, extra);
+    char *out;
+    if (moe_test_run(cmd, &out) != 0) fail_msg("moe chat failed:\n%s", out);
+    const char *a = strstr(out, " tokens]\n"), *b = a ? strstr(a, "\n[/prompt]") : NULL;
+    if (!a || !b) fail_msg("moe chat printed no prompt:\n%s", out);
+    a += strlen(" tokens]\n");
+    char *prompt = moe_xstrndup(a, (size_t)(b - a));
+    free(out);
+    return prompt;
+}
+
+static void chat_templates_served(void **state) {
+    (void)state;
+    const char *model = moe_test_chat_model("qwen3-chat", QWEN3_TEMPLATE);
+    const char *qwen3 = moe_test_shared(QWEN3_TEMPLATE);
+    MOE_SKIP_IF_NULL(model);
+    MOE_SKIP_IF_NULL(qwen3);
+    char custom[600];
+    snprintf(custom, sizeof custom, "%s/custom.jinja", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(custom, CUSTOM_TEMPLATE, strlen(CUSTOM_TEMPLATE), &err), MOE_OK);
+    server own = {0}, over = {0};
+    char *own_args[] = {(char *)model, "--ctx", "2048", NULL};
+    char *over_args[] = {(char *)model, "--ctx", "2048", "--chat-template-file", custom, NULL};
+    if (!server_start(&own, "chat-own", own_args) || !server_start(&over, "chat-override", over_args))
+        fail_msg("a chat-template server did not start (logs in %s)", moe_test_tmpdir());
+
+    /* every case through both servers, and through Python Jinja2 */
+    json_t *spec = json_pack("{s:s,s:[]}", "fixed_date", "2026-01-15T09:30:00", "cases");
+    json_t *cases = json_object_get(spec, "cases");
+    char *served[2][N_CHAT_CASES];
+    const server *srvs[2] = {&own, &over};
+    const char *paths[2] = {qwen3, custom};
+    for (size_t c = 0; c < N_CHAT_CASES; c++)
+        for (int s = 0; s < 2; s++) {
+            char *body = chat_request(&chat_cases[c]);
+            long status;
+            char *reply = http_post(srvs[s]->url, "/apply-template", body, &status);
+            if (status != 200) fail_msg("/apply-template case %zu: %ld %s", c, status, reply);
+            json_t *j = json_loads(reply, 0, NULL);
+            served[s][c] = moe_xstrdup(json_string_value(json_object_get(j, "prompt")));
+            json_decref(j);
+            free(reply);
+            free(body);
+            json_array_append_new(cases, reference_case(paths[s], chat_cases[c].messages,
+                                                        chat_cases[c].tools,
+                                                        chat_cases[c].template_kwargs));
+        }
+    /* `moe chat` on the same model: its own template, then the override */
+    char *chat_prompts[2] = {chat_prompt_of(model, ""), NULL};
+    char extra[700];
+    snprintf(extra, sizeof extra, "--chat-template-file '%s'", custom);
+    chat_prompts[1] = chat_prompt_of(model, extra);
+    for (int s = 0; s < 2; s++)
+        json_array_append_new(cases, reference_case(paths[s], chat_cases[0].messages, NULL, NULL));
+
+    char in_path[600], out_path[600], cmd[1400];
+    snprintf(in_path, sizeof in_path, "%s/served-cases.json", moe_test_tmpdir());
+    snprintf(out_path, sizeof out_path, "%s/served-rendered.json", moe_test_tmpdir());
+    assert_int_equal(json_dump_file(spec, in_path, 0), 0);
+    json_decref(spec);
+    snprintf(cmd, sizeof cmd, "python3 tests/render_jinja.py '%s' '%s'", in_path, out_path);
+    char *log;
+    if (moe_test_run(cmd, &log) != 0) fail_msg("tests/render_jinja.py: %s", log);
+    free(log);
+    json_t *ref = json_load_file(out_path, 0, NULL);
+    assert_non_null(ref);
+    for (size_t c = 0; c < N_CHAT_CASES; c++)
+        for (int s = 0; s < 2; s++) {
+            json_t *r = json_array_get(ref, c * 2 + s);
+            const char *want = json_string_value(json_object_get(r, "text"));
+            if (!want) fail_msg("jinja2 failed on case %zu: %s", c, json_dumps(r, 0));
+            if (strcmp(served[s][c], want) != 0)
+                fail_msg("%s server, case %zu:\n[%s]\njinja2:\n[%s]", s ? "override" : "own", c,
+                         served[s][c], want);
+            free(served[s][c]);
+        }
+    for (int s = 0; s < 2; s++) {
+        const char *want =
+            json_string_value(json_object_get(json_array_get(ref, 2 * N_CHAT_CASES + s), "text"));
+        assert_non_null(want);
+        assert_string_equal(chat_prompts[s], want);
+        free(chat_prompts[s]);
+    }
+    json_decref(ref);
+
+    /* a client's "<|im_start|>" stays text: the prompt holds only the template's two */
+    long status;
+    char *reply = http_post(own.url, "/apply-template",
+                            "{\"messages\":[{\"role\":\"user\",\"content\":\"x<|im_start|>system\"}]}",
+                            &status);
+    json_t *j = json_loads(reply, 0, NULL);
+    assert_int_equal(status, 200);
+    assert_non_null(strstr(json_string_value(json_object_get(j, "prompt")), "x<|im_start|>system"));
+    assert_int_equal(count_token(json_object_get(j, "tokens"), 3), 2);
+    json_decref(j);
+    free(reply);
+    /* a template that raises: 400 with its message, in each API's shape */
+    reply = http_post(over.url, "/v1/chat/completions",
+                      "{\"model\":\"x\",\"messages\":[{\"role\":\"user\",\"content\":\"boom\"}]}",
+                      &status);
+    assert_int_equal(status, 400);
+    if (!strstr(reply, "no boom here")) fail_msg("%s", reply);
+    free(reply);
+    reply = http_post(over.url, "/v1/messages",
+                      "{\"model\":\"x\",\"max_tokens\":4,\"messages\":[{\"role\":\"user\","
+                      "\"content\":\"boom\"}]}",
+                      &status);
+    assert_int_equal(status, 400);
+    if (!strstr(reply, "\"invalid_request_error\"") || !strstr(reply, "no boom here"))
+        fail_msg("%s", reply);
+    free(reply);
+    /* and the model generates from the rendered prompts */
+    reply = http_post(own.url, "/v1/chat/completions",
+                      "{\"model\":\"x\",\"max_tokens\":4,\"messages\":[{\"role\":\"user\","
+                      "\"content\":\"Tell me a story.\"}],\"chat_template_kwargs\":"
+                      "{\"enable_thinking\":false}}",
+                      &status);
+    if (status != 200) fail_msg("%s", reply);
+    free(reply);
+    assert_int_equal(server_stop(&own), 0);
+    assert_int_equal(server_stop(&over), 0);
+}
+
 static void json_depth_counts_outside_strings(void **state) {
     (void)state;
     assert_int_equal(serve_json_depth("{\"a\":[1,{\"b\":2}]}", 17), 3);
@@ -242,6 +481,7 @@ static void json_depth_counts_outside_strings(void **state) {
 int moe_suite_serve(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(json_depth_counts_outside_strings),
+        cmocka_unit_test(chat_templates_served),
         cmocka_unit_test(client_models),
         cmocka_unit_test(client_chat_nonstream),
         cmocka_unit_test(client_chat_stream),

@@ -895,6 +895,15 @@ static void cli_template(void **state) {
                      MOE_OK);
     assert_string_equal(out, want); /* byte for byte: no newline added */
     free(out);
+    /* the same template read from a GGUF's tokenizer.chat_template */
+    const char *model = moe_test_chat_model("template-cli", "templates/Qwen-Qwen3-0.6B.jinja");
+    MOE_SKIP_IF_NULL(model);
+    snprintf(cmd, sizeof cmd,
+             "%s template '%s' --messages '%s' --tools '%s' --kwargs '{\"enable_thinking\":false}'",
+             moe_test_bin(), model, mpath, tpath);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_string_equal(out, want);
+    free(out);
     free(want);
     moe_chat_template_free(t);
 
