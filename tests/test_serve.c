@@ -471,6 +471,271 @@ static void chat_templates_served(void **state) {
     assert_int_equal(server_stop(&over), 0);
 }
 
+/* ==== Parsed output in each API's shape (replayed through the adapters, no model) ==== */
+
+#define WEATHER_TOOLS                                                                              \
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"     \
+    "\"object\",\"properties\":{\"city\":{\"type\":\"string\"},\"days\":{\"type\":\"integer\"}}}}}]"
+/* what a Qwen3 model writes: reasoning, text, two calls */
+#define REPLY                                                                                      \
+    "<think>\nCheck both.\n</think>\n\nOn it.<tool_call>\n{\"name\": \"get_weather\", "           \
+    "\"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": "   \
+    "\"get_weather\", \"arguments\": {\"city\": \"Nice\"}}\n</tool_call>"
+
+typedef struct replay_env {
+    serve_server srv;
+    serve_chat chat;
+} replay_env;
+
+static bool replay_setup(replay_env *e, bool tools) {
+    memset(e, 0, sizeof *e);
+    const char *tpl = moe_test_shared(QWEN3_TEMPLATE);
+    if (!tpl) return false;
+    moe_error err = {0};
+    e->srv.tmpl = moe_chat_template_load_file(tpl, &err);
+    assert_non_null(e->srv.tmpl);
+    snprintf(e->srv.model_id, sizeof e->srv.model_id, "replayed");
+    serve_chat_add(&e->chat, "user")->content = moe_xstrdup("Weather in Paris and Nice?");
+    if (tools) e->chat.tools = json_loads(WEATHER_TOOLS, 0, NULL);
+    return true;
+}
+
+static void replay_free(replay_env *e) {
+    serve_chat_free(&e->chat);
+    moe_chat_template_free(e->srv.tmpl);
+}
+
+/* SSE bytes as [{"event": NAME or null, "data": JSON}], "[DONE]" as the string. */
+static json_t *sse_events(const char *sse) {
+    json_t *list = json_array();
+    for (const char *p = sse; *p;) {
+        const char *end = strstr(p, "\n\n");
+        if (!end) fail_msg("SSE without a blank line after: %s", p);
+        char *ev = moe_xstrndup(p, (size_t)(end - p));
+        const char *name = strncmp(ev, "event: ", 7) == 0 ? ev + 7 : NULL;
+        char *data = strstr(ev, "data: ");
+        if (!data) fail_msg("SSE event without data: %s", ev);
+        if (name) *strchr(ev, '\n') = '\0';
+        json_t *d = strcmp(data + 6, "[DONE]") == 0 ? json_string("[DONE]") : json_loads(data + 6, 0, NULL);
+        if (!d) fail_msg("SSE data is not JSON: %s", data);
+        json_array_append_new(list, json_pack("{s:s?,s:o}", "event", name, "data", d));
+        free(ev);
+        p = end + 2;
+    }
+    return list;
+}
+
+static void expect_arguments(const char *args, const char *want) {
+    json_t *a = json_loads(args, 0, NULL), *w = json_loads(want, 0, NULL);
+    if (!a || !json_equal(a, w)) fail_msg("arguments %s, want %s", args, want);
+    json_decref(a);
+    json_decref(w);
+}
+
+static void openai_shapes(void **state) {
+    (void)state;
+    replay_env e;
+    if (!replay_setup(&e, true)) return;
+    serve_buf out = {0};
+    serve_openai_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
+    json_t *r = json_loads(out.p, 0, NULL);
+    if (!r) fail_msg("not JSON: %s", out.p);
+    json_t *choice = json_array_get(json_object_get(r, "choices"), 0);
+    json_t *msg = json_object_get(choice, "message");
+    assert_string_equal(json_string_value(json_object_get(choice, "finish_reason")), "tool_calls");
+    assert_string_equal(json_string_value(json_object_get(msg, "reasoning_content")), "\nCheck both.\n");
+    assert_string_equal(json_string_value(json_object_get(msg, "content")), "\n\nOn it.\n");
+    json_t *calls = json_object_get(msg, "tool_calls");
+    assert_int_equal(json_array_size(calls), 2);
+    const char *want_args[2] = {"{\"city\":\"Paris\",\"days\":2}", "{\"city\":\"Nice\"}"};
+    for (size_t i = 0; i < 2; i++) {
+        json_t *c = json_array_get(calls, i);
+        assert_true(strncmp(json_string_value(json_object_get(c, "id")), "call_", 5) == 0);
+        assert_string_equal(json_string_value(json_object_get(c, "type")), "function");
+        json_t *fn = json_object_get(c, "function");
+        assert_string_equal(json_string_value(json_object_get(fn, "name")), "get_weather");
+        assert_true(json_is_string(json_object_get(fn, "arguments"))); /* a JSON string */
+        expect_arguments(json_string_value(json_object_get(fn, "arguments")), want_args[i]);
+    }
+    /* streamed in pieces of every small size: the deltas add up to the same message */
+    for (size_t chunk = 1; chunk <= 7; chunk += 3) {
+        out.len = 0;
+        serve_openai_replay(&e.srv, &e.chat, "", REPLY, chunk, true, &out);
+        json_t *evs = sse_events(out.p);
+        serve_buf content = {0}, reasoning = {0}, args[2] = {{0}};
+        const char *finish = NULL;
+        size_t i, n_ids = 0;
+        json_t *ev;
+        json_array_foreach(evs, i, ev) {
+            json_t *d = json_object_get(ev, "data");
+            if (json_is_string(d)) {
+                assert_int_equal(i, json_array_size(evs) - 1); /* [DONE] last */
+                continue;
+            }
+            json_t *ch = json_array_get(json_object_get(d, "choices"), 0);
+            json_t *delta = json_object_get(ch, "delta");
+            const char *t = json_string_value(json_object_get(delta, "content"));
+            if (t) serve_buf_puts(&content, t);
+            t = json_string_value(json_object_get(delta, "reasoning_content"));
+            if (t) serve_buf_puts(&reasoning, t);
+            size_t k;
+            json_t *tc;
+            json_array_foreach(json_object_get(delta, "tool_calls"), k, tc) {
+                json_int_t idx = json_integer_value(json_object_get(tc, "index"));
+                assert_true(idx >= 0 && idx < 2);
+                if (json_string_value(json_object_get(tc, "id"))) n_ids++;
+                serve_buf_puts(&args[idx], json_string_value(json_object_get(
+                                               json_object_get(tc, "function"), "arguments")));
+            }
+            if (json_string_value(json_object_get(ch, "finish_reason")))
+                finish = json_string_value(json_object_get(ch, "finish_reason"));
+        }
+        serve_buf_put(&content, "", 0);
+        serve_buf_put(&reasoning, "", 0);
+        assert_string_equal(content.p, "\n\nOn it.\n");
+        assert_string_equal(reasoning.p, "\nCheck both.\n");
+        assert_int_equal(n_ids, 2);
+        for (int k = 0; k < 2; k++) {
+            serve_buf_put(&args[k], "", 0);
+            expect_arguments(args[k].p, want_args[k]);
+            serve_buf_free(&args[k]);
+        }
+        assert_non_null(finish);
+        assert_string_equal(finish, "tool_calls");
+        serve_buf_free(&content);
+        serve_buf_free(&reasoning);
+        json_decref(evs);
+    }
+    json_decref(r);
+    /* without tools in the request, call markup is the model's text */
+    json_decref(e.chat.tools);
+    e.chat.tools = NULL;
+    out.len = 0;
+    serve_openai_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
+    r = json_loads(out.p, 0, NULL);
+    msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
+    assert_non_null(strstr(json_string_value(json_object_get(msg, "content")), "<tool_call>"));
+    assert_null(json_object_get(msg, "tool_calls"));
+    json_decref(r);
+    /* a prompt that opened <think> (Qwen3's generation prompt can): the reply starts in it */
+    out.len = 0;
+    serve_openai_replay(&e.srv, &e.chat, "<|im_start|>assistant\n<think>\n", "plan</think>done", 3,
+                        false, &out);
+    r = json_loads(out.p, 0, NULL);
+    msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
+    assert_string_equal(json_string_value(json_object_get(msg, "reasoning_content")), "plan");
+    assert_string_equal(json_string_value(json_object_get(msg, "content")), "done");
+    json_decref(r);
+    serve_buf_free(&out);
+    replay_free(&e);
+}
+
+static void anthropic_shapes(void **state) {
+    (void)state;
+    replay_env e;
+    if (!replay_setup(&e, true)) return;
+    serve_buf out = {0};
+    serve_anthropic_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
+    json_t *r = json_loads(out.p, 0, NULL);
+    if (!r) fail_msg("not JSON: %s", out.p);
+    assert_string_equal(json_string_value(json_object_get(r, "stop_reason")), "tool_use");
+    json_t *content = json_object_get(r, "content");
+    assert_int_equal(json_array_size(content), 4);
+    const char *types[4] = {"thinking", "text", "tool_use", "tool_use"};
+    for (size_t i = 0; i < 4; i++)
+        assert_string_equal(json_string_value(json_object_get(json_array_get(content, i), "type")),
+                            types[i]);
+    json_t *th = json_array_get(content, 0), *tu = json_array_get(content, 2);
+    assert_string_equal(json_string_value(json_object_get(th, "thinking")), "\nCheck both.\n");
+    assert_true(json_is_string(json_object_get(th, "signature")));
+    assert_string_equal(json_string_value(json_object_get(json_array_get(content, 1), "text")),
+                        "\n\nOn it.\n");
+    assert_true(strncmp(json_string_value(json_object_get(tu, "id")), "toolu_", 6) == 0);
+    assert_string_equal(json_string_value(json_object_get(tu, "name")), "get_weather");
+    json_t *want = json_pack("{s:s,s:i}", "city", "Paris", "days", 2);
+    assert_true(json_equal(json_object_get(tu, "input"), want)); /* an object, not a string */
+    json_decref(want);
+    json_decref(r);
+    /* streamed: blocks open and close in order, deltas of their own kind */
+    out.len = 0;
+    serve_anthropic_replay(&e.srv, &e.chat, "", REPLY, 2, true, &out);
+    json_t *evs = sse_events(out.p);
+    serve_buf seq = {0}, thinking = {0}, args = {0};
+    char last[64] = "";
+    size_t i;
+    json_t *ev;
+    json_array_foreach(evs, i, ev) {
+        const char *name = json_string_value(json_object_get(ev, "event"));
+        json_t *d = json_object_get(ev, "data");
+        assert_non_null(name);
+        assert_string_equal(name, json_string_value(json_object_get(d, "type")));
+        json_t *delta = json_object_get(d, "delta");
+        const char *dt = json_string_value(json_object_get(delta, "type"));
+        char step[64]; /* consecutive deltas of one kind count once */
+        if (!strcmp(name, "content_block_start"))
+            snprintf(step, sizeof step, "start:%s",
+                     json_string_value(json_object_get(json_object_get(d, "content_block"), "type")));
+        else
+            snprintf(step, sizeof step, "%s", dt ? dt : name);
+        if (strcmp(step, last) != 0) serve_buf_printf(&seq, "%s ", step);
+        snprintf(last, sizeof last, "%s", step);
+        if (dt && !strcmp(dt, "thinking_delta"))
+            serve_buf_puts(&thinking, json_string_value(json_object_get(delta, "thinking")));
+        if (dt && !strcmp(dt, "input_json_delta") && !args.len)
+            serve_buf_puts(&args, json_string_value(json_object_get(delta, "partial_json")));
+        if (!strcmp(name, "message_delta"))
+            assert_string_equal(json_string_value(json_object_get(delta, "stop_reason")),
+                                "tool_use");
+    }
+    serve_buf_put(&seq, "", 0);
+    serve_buf_put(&thinking, "", 0);
+    serve_buf_put(&args, "", 0);
+    assert_string_equal(seq.p, "message_start start:thinking ping thinking_delta signature_delta "
+                               "content_block_stop start:text text_delta content_block_stop "
+                               "start:tool_use input_json_delta content_block_stop "
+                               "start:text text_delta content_block_stop " /* the "\n" */
+                               "start:tool_use input_json_delta content_block_stop "
+                               "message_delta message_stop ");
+    assert_string_equal(thinking.p, "\nCheck both.\n");
+    expect_arguments(args.p, "{\"city\":\"Paris\",\"days\":2}");
+    serve_buf_free(&seq);
+    serve_buf_free(&thinking);
+    serve_buf_free(&args);
+    json_decref(evs);
+    serve_buf_free(&out);
+    replay_free(&e);
+}
+
+static void responses_shapes(void **state) {
+    (void)state;
+    replay_env e;
+    if (!replay_setup(&e, true)) return;
+    serve_buf out = {0};
+    serve_responses_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
+    json_t *r = json_loads(out.p, 0, NULL);
+    if (!r) fail_msg("not JSON: %s", out.p);
+    json_t *items = json_object_get(r, "output");
+    assert_int_equal(json_array_size(items), 5); /* the "\n" between the calls is a message */
+    const char *types[5] = {"reasoning", "message", "function_call", "message", "function_call"};
+    for (size_t i = 0; i < 5; i++)
+        assert_string_equal(json_string_value(json_object_get(json_array_get(items, i), "type")),
+                            types[i]);
+    json_t *fc = json_array_get(items, 4);
+    assert_true(strncmp(json_string_value(json_object_get(fc, "call_id")), "call_", 5) == 0);
+    assert_string_equal(json_string_value(json_object_get(fc, "name")), "get_weather");
+    expect_arguments(json_string_value(json_object_get(fc, "arguments")), "{\"city\":\"Nice\"}");
+    json_decref(r);
+    out.len = 0;
+    serve_responses_replay(&e.srv, &e.chat, "", REPLY, 1, true, &out);
+    json_t *evs = sse_events(out.p);
+    json_t *last = json_object_get(json_array_get(evs, json_array_size(evs) - 1), "data");
+    assert_string_equal(json_string_value(json_object_get(last, "type")), "response.completed");
+    assert_int_equal(json_array_size(json_object_get(json_object_get(last, "response"), "output")), 5);
+    json_decref(evs);
+    serve_buf_free(&out);
+    replay_free(&e);
+}
+
 static void json_depth_counts_outside_strings(void **state) {
     (void)state;
     assert_int_equal(serve_json_depth("{\"a\":[1,{\"b\":2}]}", 17), 3);
@@ -481,6 +746,9 @@ static void json_depth_counts_outside_strings(void **state) {
 int moe_suite_serve(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(json_depth_counts_outside_strings),
+        cmocka_unit_test(openai_shapes),
+        cmocka_unit_test(anthropic_shapes),
+        cmocka_unit_test(responses_shapes),
         cmocka_unit_test(chat_templates_served),
         cmocka_unit_test(client_models),
         cmocka_unit_test(client_chat_nonstream),

@@ -534,6 +534,56 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     serve_sse_event(sse, "message_stop");
 }
 
+/* The whole response of a finished generation. */
+static void json_whole(moe_json *j, void *state, const serve_req *r) {
+    an_state *s = state;
+    moe_json_object_begin(j);
+    message_head(j, s);
+    moe_json_key(j, "content");
+    moe_json_array_begin(j);
+    size_t call = 0;
+    for (size_t i = 0; i < s->order.len; i++) {
+        moe_json_object_begin(j);
+        moe_json_key(j, "type");
+        if (s->order.p[i] == 't') {
+            moe_json_string(j, "thinking");
+            moe_json_key(j, "thinking");
+            moe_json_string_n(j, s->thinking.p, s->thinking.len);
+            moe_json_key(j, "signature");
+            moe_json_string(j, THINKING_SIGNATURE);
+        } else if (s->order.p[i] == 'x') {
+            moe_json_string(j, "text");
+            moe_json_key(j, "text");
+            moe_json_string_n(j, s->text.p, s->text.len);
+        } else {
+            const call_out *c = &s->calls[call++];
+            moe_json_string(j, "tool_use");
+            moe_json_key(j, "id");
+            moe_json_string(j, c->id);
+            moe_json_key(j, "name");
+            moe_json_string(j, c->name);
+            moe_json_key(j, "input");
+            json_t *in = json_loads(c->arguments, JSON_DECODE_ANY, NULL);
+            if (json_is_object(in))
+                serve_json_value(j, in);
+            else {
+                moe_json_object_begin(j);
+                moe_json_object_end(j);
+            }
+            json_decref(in);
+        }
+        moe_json_object_end(j);
+    }
+    moe_json_array_end(j);
+    moe_json_key(j, "stop_reason");
+    moe_json_string(j, stop_reason(r, s->n_calls_out));
+    moe_json_key(j, "stop_sequence");
+    json_stop_sequence(j, r);
+    moe_json_key(j, "usage");
+    json_usage(j, r, true);
+    moe_json_object_end(j);
+}
+
 static void reply_complete(serve_http *h, an_state *s, serve_req *r) {
     if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
         serve_reply_error(h, SERVE_API_ANTHROPIC, 500, NULL, NULL, "generation failed: %s",
@@ -542,51 +592,7 @@ static void reply_complete(serve_http *h, an_state *s, serve_req *r) {
     }
     moe_json j;
     moe_json_init(&j, false);
-    moe_json_object_begin(&j);
-    message_head(&j, s);
-    moe_json_key(&j, "content");
-    moe_json_array_begin(&j);
-    size_t call = 0;
-    for (size_t i = 0; i < s->order.len; i++) {
-        moe_json_object_begin(&j);
-        moe_json_key(&j, "type");
-        if (s->order.p[i] == 't') {
-            moe_json_string(&j, "thinking");
-            moe_json_key(&j, "thinking");
-            moe_json_string_n(&j, s->thinking.p, s->thinking.len);
-            moe_json_key(&j, "signature");
-            moe_json_string(&j, THINKING_SIGNATURE);
-        } else if (s->order.p[i] == 'x') {
-            moe_json_string(&j, "text");
-            moe_json_key(&j, "text");
-            moe_json_string_n(&j, s->text.p, s->text.len);
-        } else {
-            const call_out *c = &s->calls[call++];
-            moe_json_string(&j, "tool_use");
-            moe_json_key(&j, "id");
-            moe_json_string(&j, c->id);
-            moe_json_key(&j, "name");
-            moe_json_string(&j, c->name);
-            moe_json_key(&j, "input");
-            json_t *in = json_loads(c->arguments, JSON_DECODE_ANY, NULL);
-            if (json_is_object(in))
-                serve_json_value(&j, in);
-            else {
-                moe_json_object_begin(&j);
-                moe_json_object_end(&j);
-            }
-            json_decref(in);
-        }
-        moe_json_object_end(&j);
-    }
-    moe_json_array_end(&j);
-    moe_json_key(&j, "stop_reason");
-    moe_json_string(&j, stop_reason(r, s->n_calls_out));
-    moe_json_key(&j, "stop_sequence");
-    json_stop_sequence(&j, r);
-    moe_json_key(&j, "usage");
-    json_usage(&j, r, true);
-    moe_json_object_end(&j);
+    json_whole(&j, s, r);
     serve_reply_json(h, 200, &j);
     moe_json_free(&j);
 }
@@ -623,6 +629,16 @@ void serve_anthropic_messages(serve_http *h) {
     if (serve_wait_done(h, req, &t, feed_events, s)) reply_complete(h, s, req);
     serve_taken_free(&t);
     serve_req_release(req);
+    an_state_free(s);
+}
+
+void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                            const char *text, size_t chunk, bool stream, serve_buf *out) {
+    an_state *s = moe_xcalloc(1, sizeof *s);
+    s->srv = srv;
+    serve_make_id(srv, "msg_", s->id, sizeof s->id);
+    serve_output_init(&s->out, srv, chat, prompt);
+    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
     an_state_free(s);
 }
 

@@ -208,6 +208,45 @@ void serve_sse_event(serve_sse *s, const char *event) {
     moe_json_reset(&s->j);
 }
 
+void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
+                  void (*feed)(void *state, const serve_taken *t),
+                  void (*whole)(moe_json *j, void *state, const serve_req *r), void *state,
+                  serve_buf *out) {
+    serve_req *r = serve_req_new();
+    r->finish = SERVE_FINISH_EOG;
+    r->admitted = r->done = true;
+    serve_taken t = {.admitted = true, .done = true};
+    const size_t n = strlen(text);
+    if (!chunk) chunk = n ? n : 1;
+    for (size_t off = 0; off < n; off += chunk) {
+        if (t.n_events == t.cap_events) {
+            t.cap_events = t.cap_events ? 2 * t.cap_events : 16;
+            t.events = moe_xrealloc(t.events, t.cap_events * sizeof *t.events);
+        }
+        const size_t len = n - off < chunk ? n - off : chunk;
+        t.events[t.n_events++] = (serve_event){.kind = SERVE_EV_TEXT, .text_off = t.text.len,
+                                               .text_len = len};
+        serve_buf_put(&t.text, text + off, len);
+    }
+    moe_json j;
+    moe_json_init(&j, false);
+    if (pump) {
+        serve_sse sse = {.req = r, .state = state, .pump = pump, .j = j};
+        pump(&sse, &t);
+        serve_buf_put(out, sse.out.p ? sse.out.p : "", sse.out.len);
+        serve_buf_free(&sse.out);
+        j = sse.j;
+    } else {
+        feed(state, &t);
+        whole(&j, state, r);
+        serve_buf_put(out, j.buf, j.len);
+    }
+    serve_buf_put(out, "", 0);
+    moe_json_free(&j);
+    serve_taken_free(&t);
+    serve_req_release(r);
+}
+
 static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
     (void)pos;
     serve_sse *s = cls;

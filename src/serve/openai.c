@@ -199,7 +199,7 @@ static void oa_state_free(void *p) {
     serve_output_free(&s->out);
     serve_buf_free(&s->content);
     serve_buf_free(&s->reasoning);
-    for (size_t i = 0; i < s->n_calls; i++) {
+    for (size_t i = 0; s->calls && i < s->n_calls; i++) { /* a stream counts calls, keeps none */
         free(s->calls[i].name);
         free(s->calls[i].arguments);
     }
@@ -498,6 +498,97 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
 }
 
 /* The whole response of a non-streamed request. */
+/* The whole response of a finished generation. */
+static void json_whole(moe_json *j, void *state, const serve_req *r) {
+    oa_state *s = state;
+    moe_json_object_begin(j);
+    moe_json_key(j, "id");
+    moe_json_string(j, s->id);
+    moe_json_key(j, "object");
+    moe_json_string(j, s->chat ? "chat.completion" : "text_completion");
+    moe_json_key(j, "created");
+    moe_json_int(j, s->created);
+    moe_json_key(j, "model");
+    moe_json_string(j, s->srv->model_id);
+    moe_json_key(j, "system_fingerprint");
+    moe_json_string(j, "moe-" MOE_VERSION_STRING);
+    moe_json_key(j, "choices");
+    moe_json_array_begin(j);
+    moe_json_object_begin(j);
+    moe_json_key(j, "index");
+    moe_json_int(j, 0);
+    if (s->chat) {
+        moe_json_key(j, "message");
+        moe_json_object_begin(j);
+        moe_json_key(j, "role");
+        moe_json_string(j, "assistant");
+        moe_json_key(j, "content");
+        bool blank = true;
+        for (size_t i = 0; i < s->content.len; i++)
+            blank &= s->content.p[i] == ' ' || s->content.p[i] == '\n';
+        if (s->n_calls && blank)
+            moe_json_null(j);
+        else
+            moe_json_string_n(j, s->content.p ? s->content.p : "", s->content.len);
+        if (s->reasoning.len) {
+            moe_json_key(j, "reasoning_content");
+            moe_json_string_n(j, s->reasoning.p, s->reasoning.len);
+        }
+        if (s->n_calls) {
+            moe_json_key(j, "tool_calls");
+            moe_json_array_begin(j);
+            for (size_t i = 0; i < s->n_calls; i++) {
+                moe_json_object_begin(j);
+                moe_json_key(j, "id");
+                moe_json_string(j, s->calls[i].id);
+                moe_json_key(j, "type");
+                moe_json_string(j, "function");
+                moe_json_key(j, "function");
+                moe_json_object_begin(j);
+                moe_json_key(j, "name");
+                moe_json_string(j, s->calls[i].name);
+                moe_json_key(j, "arguments");
+                moe_json_string(j, s->calls[i].arguments);
+                moe_json_object_end(j);
+                moe_json_object_end(j);
+            }
+            moe_json_array_end(j);
+        }
+        moe_json_key(j, "refusal");
+        moe_json_null(j);
+        moe_json_object_end(j);
+        moe_json_key(j, "logprobs");
+        if (s->logprobs) {
+            moe_json_object_begin(j);
+            moe_json_key(j, "content");
+            moe_json_array_begin(j);
+            for (size_t i = 0; i < s->n_samples; i++)
+                json_logprob_entry(j, s->tok, &s->samples[i], s->n_top);
+            moe_json_array_end(j);
+            moe_json_key(j, "refusal");
+            moe_json_null(j);
+            moe_json_object_end(j);
+        } else {
+            moe_json_null(j);
+        }
+    } else {
+        moe_json_key(j, "text");
+        moe_json_string_n(j, s->content.p ? s->content.p : "", s->content.len);
+        moe_json_key(j, "logprobs");
+        if (s->logprobs)
+            json_legacy_logprobs(j, s->tok, s->samples, s->n_samples, s->n_top, &s->text_offset);
+        else
+            moe_json_null(j);
+    }
+    moe_json_key(j, "finish_reason");
+    moe_json_string(j, finish_reason(r, s->n_calls));
+    moe_json_object_end(j);
+    moe_json_array_end(j);
+    moe_json_key(j, "usage");
+    json_usage(j, r);
+    moe_json_object_end(j);
+}
+
 static void reply_complete(serve_http *h, oa_state *s, serve_req *r) {
     if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
         serve_reply_error(h, SERVE_API_OPENAI, 500, NULL, NULL, "generation failed: %s",
@@ -506,92 +597,7 @@ static void reply_complete(serve_http *h, oa_state *s, serve_req *r) {
     }
     moe_json j;
     moe_json_init(&j, false);
-    moe_json_object_begin(&j);
-    moe_json_key(&j, "id");
-    moe_json_string(&j, s->id);
-    moe_json_key(&j, "object");
-    moe_json_string(&j, s->chat ? "chat.completion" : "text_completion");
-    moe_json_key(&j, "created");
-    moe_json_int(&j, s->created);
-    moe_json_key(&j, "model");
-    moe_json_string(&j, h->srv->model_id);
-    moe_json_key(&j, "system_fingerprint");
-    moe_json_string(&j, "moe-" MOE_VERSION_STRING);
-    moe_json_key(&j, "choices");
-    moe_json_array_begin(&j);
-    moe_json_object_begin(&j);
-    moe_json_key(&j, "index");
-    moe_json_int(&j, 0);
-    if (s->chat) {
-        moe_json_key(&j, "message");
-        moe_json_object_begin(&j);
-        moe_json_key(&j, "role");
-        moe_json_string(&j, "assistant");
-        moe_json_key(&j, "content");
-        bool blank = true;
-        for (size_t i = 0; i < s->content.len; i++)
-            blank &= s->content.p[i] == ' ' || s->content.p[i] == '\n';
-        if (s->n_calls && blank)
-            moe_json_null(&j);
-        else
-            moe_json_string_n(&j, s->content.p ? s->content.p : "", s->content.len);
-        if (s->reasoning.len) {
-            moe_json_key(&j, "reasoning_content");
-            moe_json_string_n(&j, s->reasoning.p, s->reasoning.len);
-        }
-        if (s->n_calls) {
-            moe_json_key(&j, "tool_calls");
-            moe_json_array_begin(&j);
-            for (size_t i = 0; i < s->n_calls; i++) {
-                moe_json_object_begin(&j);
-                moe_json_key(&j, "id");
-                moe_json_string(&j, s->calls[i].id);
-                moe_json_key(&j, "type");
-                moe_json_string(&j, "function");
-                moe_json_key(&j, "function");
-                moe_json_object_begin(&j);
-                moe_json_key(&j, "name");
-                moe_json_string(&j, s->calls[i].name);
-                moe_json_key(&j, "arguments");
-                moe_json_string(&j, s->calls[i].arguments);
-                moe_json_object_end(&j);
-                moe_json_object_end(&j);
-            }
-            moe_json_array_end(&j);
-        }
-        moe_json_key(&j, "refusal");
-        moe_json_null(&j);
-        moe_json_object_end(&j);
-        moe_json_key(&j, "logprobs");
-        if (s->logprobs) {
-            moe_json_object_begin(&j);
-            moe_json_key(&j, "content");
-            moe_json_array_begin(&j);
-            for (size_t i = 0; i < s->n_samples; i++)
-                json_logprob_entry(&j, s->tok, &s->samples[i], s->n_top);
-            moe_json_array_end(&j);
-            moe_json_key(&j, "refusal");
-            moe_json_null(&j);
-            moe_json_object_end(&j);
-        } else {
-            moe_json_null(&j);
-        }
-    } else {
-        moe_json_key(&j, "text");
-        moe_json_string_n(&j, s->content.p ? s->content.p : "", s->content.len);
-        moe_json_key(&j, "logprobs");
-        if (s->logprobs)
-            json_legacy_logprobs(&j, s->tok, s->samples, s->n_samples, s->n_top, &s->text_offset);
-        else
-            moe_json_null(&j);
-    }
-    moe_json_key(&j, "finish_reason");
-    moe_json_string(&j, finish_reason(r, s->n_calls));
-    moe_json_object_end(&j);
-    moe_json_array_end(&j);
-    moe_json_key(&j, "usage");
-    json_usage(&j, r);
-    moe_json_object_end(&j);
+    json_whole(&j, s, r);
     serve_reply_json(h, 200, &j);
     moe_json_free(&j);
 }
@@ -673,6 +679,17 @@ void serve_openai_chat(serve_http *h) {
     }
     run_generation(h, body, req, s);
     json_decref(body);
+}
+
+void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                         const char *text, size_t chunk, bool stream, serve_buf *out) {
+    oa_state *s = moe_xcalloc(1, sizeof *s);
+    s->chat = true;
+    s->srv = srv;
+    serve_make_id(srv, "chatcmpl-", s->id, sizeof s->id);
+    serve_output_init(&s->out, srv, chat, prompt);
+    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
+    oa_state_free(s);
 }
 
 /* ==== /v1/completions ==== */

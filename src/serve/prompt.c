@@ -207,19 +207,26 @@ void serve_output_init(serve_output *o, const serve_server *srv, const serve_cha
     free(tools);
 }
 
-/* Everything the last feed settled, in the order reasoning, content, calls (one token's text
- * rarely holds two of them). */
+/* Everything the last feed settled, in the order the model wrote it. */
 static void emit(serve_output *o, serve_segment_fn fn, void *ud) {
     moe_chat_delta *d = &o->delta;
-    if (d->reasoning_len)
-        fn(ud, &(serve_segment){.kind = SERVE_SEG_REASONING, .text = d->reasoning,
-                                .len = d->reasoning_len});
-    if (d->content_len)
-        fn(ud, &(serve_segment){.kind = SERVE_SEG_CONTENT, .text = d->content,
-                                .len = d->content_len});
-    for (size_t i = 0; i < d->n_calls; i++)
-        fn(ud, &(serve_segment){.kind = SERVE_SEG_TOOL_CALL, .name = d->calls[i].name,
-                                .arguments = d->calls[i].arguments});
+    size_t content = 0, reasoning = 0, call = 0;
+    for (size_t i = 0; i < d->n_parts; i++) {
+        const moe_chat_delta_part *p = &d->parts[i];
+        if (p->kind == 't' && call < d->n_calls) {
+            fn(ud, &(serve_segment){.kind = SERVE_SEG_TOOL_CALL, .name = d->calls[call].name,
+                                    .arguments = d->calls[call].arguments});
+            call++;
+        } else if (p->kind == 'r') {
+            fn(ud, &(serve_segment){.kind = SERVE_SEG_REASONING, .text = d->reasoning + reasoning,
+                                    .len = p->len});
+            reasoning += p->len;
+        } else if (p->kind == 'c') {
+            fn(ud, &(serve_segment){.kind = SERVE_SEG_CONTENT, .text = d->content + content,
+                                    .len = p->len});
+            content += p->len;
+        }
+    }
     moe_chat_delta_clear(d);
 }
 

@@ -351,6 +351,24 @@ void serve_json_value(moe_json *j, json_t *v);
 void serve_json_token_piece(moe_json *j, const moe_tokenizer *tok, int32_t id);
 void serve_json_token_bytes(moe_json *j, const moe_tokenizer *tok, int32_t id);
 
+/* ==== Replaying model output (the tests' view of the adapters) ====
+ * A finished generation whose model output was `text`, arriving in pieces of `chunk` bytes (0:
+ * whole), through an adapter's own code: its stream pump (SSE bytes into *out) when pump is
+ * not NULL, else feed + whole (the non-stream response JSON). Requests run the same functions
+ * on the engine's events; tests use this to check the APIs' shapes without a model. */
+void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
+                  void (*feed)(void *state, const serve_taken *t),
+                  void (*whole)(moe_json *j, void *state, const serve_req *r), void *state,
+                  serve_buf *out);
+/* Per API: the request's conversation (tools) and rendered prompt set up the output parser as a
+ * live request would. */
+void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                         const char *text, size_t chunk, bool stream, serve_buf *out);
+void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                            const char *text, size_t chunk, bool stream, serve_buf *out);
+void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                            const char *text, size_t chunk, bool stream, serve_buf *out);
+
 /* ==== API adapters (routes) ==== */
 
 void serve_openai_chat(serve_http *h);

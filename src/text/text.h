@@ -259,8 +259,16 @@ typedef struct moe_chat_tool_call {
     char *arguments; /* a JSON object, compact */
 } moe_chat_tool_call;
 
+/* One run of a delta, in the order the model wrote them: kind 'c' content, 'r' reasoning (len
+ * bytes of the delta's text of that kind), or 't' one tool call (len 1). */
+typedef struct moe_chat_delta_part {
+    char kind;
+    size_t len;
+} moe_chat_delta_part;
+
 /* What a feed produced: text is held back while it may still be the start of a tag, so the
- * concatenation of all deltas equals the parse of the whole text at once. */
+ * concatenation of all deltas equals the parse of the whole text at once. `parts` says how
+ * content, reasoning and calls interleave (a stream must send them in that order). */
 typedef struct moe_chat_delta {
     char *content;
     size_t content_len;
@@ -268,6 +276,8 @@ typedef struct moe_chat_delta {
     size_t reasoning_len;
     moe_chat_tool_call *calls;
     size_t n_calls;
+    moe_chat_delta_part *parts;
+    size_t n_parts;
 } moe_chat_delta;
 
 typedef struct moe_chat_parser moe_chat_parser;
