@@ -403,17 +403,8 @@ static void chat_templates_served(void **state) {
     for (int s = 0; s < 2; s++)
         json_array_append_new(cases, reference_case(paths[s], chat_cases[0].messages, NULL, NULL));
 
-    char in_path[600], out_path[600], cmd[1400];
-    snprintf(in_path, sizeof in_path, "%s/served-cases.json", moe_test_tmpdir());
-    snprintf(out_path, sizeof out_path, "%s/served-rendered.json", moe_test_tmpdir());
-    assert_int_equal(json_dump_file(spec, in_path, 0), 0);
+    json_t *ref = moe_test_render_jinja(spec, "served");
     json_decref(spec);
-    snprintf(cmd, sizeof cmd, "python3 tests/render_jinja.py '%s' '%s'", in_path, out_path);
-    char *log;
-    if (moe_test_run(cmd, &log) != 0) fail_msg("tests/render_jinja.py: %s", log);
-    free(log);
-    json_t *ref = json_load_file(out_path, 0, NULL);
-    assert_non_null(ref);
     for (size_t c = 0; c < N_CHAT_CASES; c++)
         for (int s = 0; s < 2; s++) {
             json_t *r = json_array_get(ref, c * 2 + s);

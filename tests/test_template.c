@@ -201,19 +201,8 @@ static void templates_match_jinja2(void **state) {
             json_array_append_new(cases, cs);
         }
     json_object_set_new(spec, "cases", cases);
-    char in_path[512], out_path[512], cmd[2048];
-    snprintf(in_path, sizeof in_path, "%s/cases.json", moe_test_tmpdir());
-    snprintf(out_path, sizeof out_path, "%s/rendered.json", moe_test_tmpdir());
-    assert_int_equal(json_dump_file(spec, in_path, 0), 0);
+    json_t *results = moe_test_render_jinja(spec, "templates");
     json_decref(spec);
-    snprintf(cmd, sizeof cmd, "python3 tests/render_jinja.py '%s' '%s'", in_path, out_path);
-    char *log;
-    int rc = moe_test_run(cmd, &log);
-    if (rc != 0) fail_msg("python3 tests/render_jinja.py failed (%d): %s", rc, log);
-    free(log);
-    json_error_t je;
-    json_t *results = json_load_file(out_path, 0, &je);
-    assert_non_null(results);
     assert_int_equal(json_array_size(results), n_files * N_CONV);
 
     setenv("MOE_FIXED_DATE", FIXED_DATE, 1);
@@ -780,8 +769,8 @@ static guarded render_guarded(const moe_tokenizer *tok, const char *src, const c
     moe_chat_template *t = moe_chat_template_parse(src, strlen(src), &err);
     assert_non_null(t);
     guarded g = {0};
-    if (moe_chat_render_tokens(t, tok, messages, tools, "{\"add_generation_prompt\":true}",
-                               &g.text, &g.ids, &g.n_ids, &err) != MOE_OK)
+    if (moe_chat_render_tokens(t, tok, messages, tools, "{\"add_generation_prompt\":true}", &g.text,
+                               &g.ids, &g.n_ids, &err) != MOE_OK)
         fail_msg("%s", err.msg);
     g.n_start = count_id(g.ids, g.n_ids, 3);
     g.n_end = count_id(g.ids, g.n_ids, 4);
@@ -843,8 +832,9 @@ static void client_special_tokens_stay_text(void **state) {
     const char *cut_msgs = "[{\"role\":\"user\",\"content\":\"ab<|im_start|>cd\"}]";
     for (int k = 0; k < 12; k++) {
         char src[160];
-        snprintf(src, sizeof src, "<|im_start|>{{ messages[0].content[:%d] }}|{{ "
-                                  "messages[0].content | tojson(ensure_ascii=true) }}",
+        snprintf(src, sizeof src,
+                 "<|im_start|>{{ messages[0].content[:%d] }}|{{ "
+                 "messages[0].content | tojson(ensure_ascii=true) }}",
                  k);
         g = render_guarded(tok, src, cut_msgs, NULL);
         assert_int_equal(g.n_start, 1);

@@ -164,6 +164,24 @@ uint8_t *moe_test_quant_read(const moe_test_quant_fixture *f, const char *suffix
     return data;
 }
 
+/* ==== Python Jinja2 ==== */
+
+json_t *moe_test_render_jinja(json_t *spec, const char *name) {
+    char in_path[600], out_path[600], cmd[1400];
+    snprintf(in_path, sizeof in_path, "%s/%s-cases.json", moe_test_tmpdir(), name);
+    snprintf(out_path, sizeof out_path, "%s/%s-rendered.json", moe_test_tmpdir(), name);
+    if (json_dump_file(spec, in_path, 0) != 0) fail_msg("cannot write %s", in_path);
+    snprintf(cmd, sizeof cmd, "python3 tests/render_jinja.py '%s' '%s'", in_path, out_path);
+    char *log;
+    const int rc = moe_test_run(cmd, &log);
+    if (rc != 0) fail_msg("python3 tests/render_jinja.py failed (%d): %s", rc, log);
+    free(log);
+    json_error_t je;
+    json_t *results = json_load_file(out_path, 0, &je);
+    if (!json_is_array(results)) fail_msg("%s: %s", out_path, je.text);
+    return results;
+}
+
 /* ==== A chat model for the template tests ==== */
 
 const char *moe_test_chat_model(const char *name, const char *template_rel) {

@@ -224,8 +224,8 @@ void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
             t.events = moe_xrealloc(t.events, t.cap_events * sizeof *t.events);
         }
         const size_t len = n - off < chunk ? n - off : chunk;
-        t.events[t.n_events++] = (serve_event){.kind = SERVE_EV_TEXT, .text_off = t.text.len,
-                                               .text_len = len};
+        t.events[t.n_events++] =
+            (serve_event){.kind = SERVE_EV_TEXT, .text_off = t.text.len, .text_len = len};
         serve_buf_put(&t.text, text + off, len);
     }
     moe_json j;

@@ -272,12 +272,13 @@ static void json_legacy_logprobs(moe_json *j, const moe_tokenizer *tok, const mo
     moe_json_object_end(j);
 }
 
-static void chunk_begin(oa_state *s, moe_json *j) {
+/* A response object's fields up to its open "choices" array. */
+static void json_head(oa_state *s, moe_json *j, const char *object) {
     moe_json_object_begin(j);
     moe_json_key(j, "id");
     moe_json_string(j, s->id);
     moe_json_key(j, "object");
-    moe_json_string(j, s->chat ? "chat.completion.chunk" : "text_completion");
+    moe_json_string(j, object);
     moe_json_key(j, "created");
     moe_json_int(j, s->created);
     moe_json_key(j, "model");
@@ -286,6 +287,10 @@ static void chunk_begin(oa_state *s, moe_json *j) {
     moe_json_string(j, "moe-" MOE_VERSION_STRING);
     moe_json_key(j, "choices");
     moe_json_array_begin(j);
+}
+
+static void chunk_begin(oa_state *s, moe_json *j) {
+    json_head(s, j, s->chat ? "chat.completion.chunk" : "text_completion");
 }
 
 static void chunk_end(oa_state *s, moe_json *j) {
@@ -497,23 +502,10 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     serve_buf_puts(&sse->out, "data: [DONE]\n\n");
 }
 
-/* The whole response of a non-streamed request. */
 /* The whole response of a finished generation. */
 static void json_whole(moe_json *j, void *state, const serve_req *r) {
     oa_state *s = state;
-    moe_json_object_begin(j);
-    moe_json_key(j, "id");
-    moe_json_string(j, s->id);
-    moe_json_key(j, "object");
-    moe_json_string(j, s->chat ? "chat.completion" : "text_completion");
-    moe_json_key(j, "created");
-    moe_json_int(j, s->created);
-    moe_json_key(j, "model");
-    moe_json_string(j, s->srv->model_id);
-    moe_json_key(j, "system_fingerprint");
-    moe_json_string(j, "moe-" MOE_VERSION_STRING);
-    moe_json_key(j, "choices");
-    moe_json_array_begin(j);
+    json_head(s, j, s->chat ? "chat.completion" : "text_completion");
     moe_json_object_begin(j);
     moe_json_key(j, "index");
     moe_json_int(j, 0);

@@ -100,16 +100,19 @@ bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, ser
     json_object_set_new(kw, "add_generation_prompt", json_true());
     json_t *v = json_object_get(body, "enable_thinking");
     if (v && !json_is_null(v)) {
-        if (!json_is_boolean(v)) BAD(h, api, "enable_thinking", "enable_thinking: expected a boolean");
+        if (!json_is_boolean(v))
+            BAD(h, api, "enable_thinking", "enable_thinking: expected a boolean");
         json_object_set(kw, "enable_thinking", v);
     }
-    v = json_object_get(body, "reasoning_effort"); /* OpenAI chat */
+    v = json_object_get(body, "reasoning_effort");                             /* OpenAI chat */
     if (!v) v = json_object_get(json_object_get(body, "reasoning"), "effort"); /* Responses */
     if (v && !json_is_null(v)) {
-        if (!json_is_string(v)) BAD(h, api, "reasoning_effort", "reasoning_effort: expected a string");
+        if (!json_is_string(v))
+            BAD(h, api, "reasoning_effort", "reasoning_effort: expected a string");
         json_object_set(kw, "reasoning_effort", v);
     }
-    const char *thinking = json_string_value(json_object_get(json_object_get(body, "thinking"), "type"));
+    const char *thinking =
+        json_string_value(json_object_get(json_object_get(body, "thinking"), "type"));
     if (thinking) /* Anthropic: {"type": "enabled" | "disabled", ...} */
         json_object_set_new(kw, "enable_thinking", json_boolean(strcmp(thinking, "disabled") != 0));
     v = json_object_get(body, "chat_template_kwargs"); /* vLLM and llama-server's extension */
@@ -141,8 +144,10 @@ bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
         }
     }
     if (err.code) {
-        snprintf(err_out, err_size, "chat template: %s (--chat-template-file FILE.jinja gives "
-                                    "another)", err.msg);
+        snprintf(err_out, err_size,
+                 "chat template: %s (--chat-template-file FILE.jinja gives "
+                 "another)",
+                 err.msg);
         return false;
     }
     if (!srv->tmpl) {
@@ -171,15 +176,14 @@ bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, ser
     moe_error err = {0};
     int32_t *ids = NULL;
     size_t n = 0;
-    const moe_status st =
-        moe_chat_render_tokens(h->srv->tmpl, serve_sched_tokenizer(h->srv->sched), messages,
-                               tools, kwargs, text, &ids, &n, &err);
+    const moe_status st = moe_chat_render_tokens(h->srv->tmpl, serve_sched_tokenizer(h->srv->sched),
+                                                 messages, tools, kwargs, text, &ids, &n, &err);
     free(messages);
     free(tools);
     free(kwargs);
     if (st != MOE_OK) {
-        serve_reply_error(h, api, 400, "messages", NULL, "the chat template refused the request: %s",
-                          err.msg);
+        serve_reply_error(h, api, 400, "messages", NULL,
+                          "the chat template refused the request: %s", err.msg);
         return false;
     }
     if (serve_set_prompt(h, api, ids, n, g)) return true;
@@ -214,16 +218,18 @@ static void emit(serve_output *o, serve_segment_fn fn, void *ud) {
     for (size_t i = 0; i < d->n_parts; i++) {
         const moe_chat_delta_part *p = &d->parts[i];
         if (p->kind == 't' && call < d->n_calls) {
-            fn(ud, &(serve_segment){.kind = SERVE_SEG_TOOL_CALL, .name = d->calls[call].name,
+            fn(ud, &(serve_segment){.kind = SERVE_SEG_TOOL_CALL,
+                                    .name = d->calls[call].name,
                                     .arguments = d->calls[call].arguments});
             call++;
         } else if (p->kind == 'r') {
-            fn(ud, &(serve_segment){.kind = SERVE_SEG_REASONING, .text = d->reasoning + reasoning,
+            fn(ud, &(serve_segment){.kind = SERVE_SEG_REASONING,
+                                    .text = d->reasoning + reasoning,
                                     .len = p->len});
             reasoning += p->len;
         } else if (p->kind == 'c') {
-            fn(ud, &(serve_segment){.kind = SERVE_SEG_CONTENT, .text = d->content + content,
-                                    .len = p->len});
+            fn(ud, &(serve_segment){
+                       .kind = SERVE_SEG_CONTENT, .text = d->content + content, .len = p->len});
             content += p->len;
         }
     }

@@ -1,6 +1,7 @@
 /* serve_internal.h: what the files of src/serve/ share -- limits, the request and its event
  * queue (the only channel between HTTP threads and the engine thread), the scheduler, prompts
- * through the chat template and the output parser, metrics, and the HTTP reply helpers the API adapters use.
+ * through the chat template and the output parser, metrics, and the HTTP reply helpers the API
+ * adapters use.
  *
  * The trap: a serve_req is shared by two threads. Its `gen` part is written once by the HTTP
  * thread before submit and only read after; everything the engine reports goes through the

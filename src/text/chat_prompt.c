@@ -213,9 +213,10 @@ static char *restore(const guard *g, const char *in, span_list *spans, size_t *o
         }
         size_t d = i + 3;
         long id = 0;
-        while (d < n && d - i < 3 + 9 && in[d] >= '0' && in[d] <= '9') id = id * 10 + (in[d++] - '0');
-        const bool whole = d > i + 3 && n - d >= 3 && memcmp(in + d, g->close, 3) == 0 &&
-                           id < (long)tok->n_vocab;
+        while (d < n && d - i < 3 + 9 && in[d] >= '0' && in[d] <= '9')
+            id = id * 10 + (in[d++] - '0');
+        const bool whole =
+            d > i + 3 && n - d >= 3 && memcmp(in + d, g->close, 3) == 0 && id < (long)tok->n_vocab;
         if (!whole) { /* a cut marker: drop the open, keep what followed as text */
             i += 3;
             continue;
