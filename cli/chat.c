@@ -1,10 +1,10 @@
 /* chat.c: `moe chat [MODEL]` -- an interactive loop on the terminal, in the model's own chat
  * format: its GGUF chat template (or --chat-template-file, or the built-in ChatML for a model
  * without one), rendered over the whole conversation each turn. The conversation's tokens stay
- * in the KV cache and each turn prefills only from where the new rendering departs from them.
- * The trap: a template may render earlier turns differently once the conversation grows (Qwen3
- * drops old reasoning), so the common prefix can end before the last reply; the cache is cut
- * back to it rather than assumed to extend. */
+ * in the context and each turn prefills only from where the new rendering departs from them
+ * (moe_ctx_seq_reuse). The trap: a template may render earlier turns differently once the
+ * conversation grows (Qwen3 drops old reasoning), so the reusable prefix can end before the last
+ * reply; the context is cut back to it rather than assumed to extend. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,11 +47,11 @@ static bool chat_turn(moe_gen *g, const moe_chat_template *t, json_t *messages, 
     if (st != MOE_OK) return false;
     if (verbose) fprintf(stderr, "[prompt: %zu tokens]\n%s\n[/prompt]\n", n, prompt);
     free(prompt);
-    size_t same = 0;
-    while (same < n && same < g->n_seq && ids[same] == g->seq[same]) same++;
-    if (same == n && n) same--; /* the last token must run again for its logits */
-    moe_gen_rewind(g, same);
-    bool ok = moe_gen_prefill(g, ids + same, n - same, err) &&
+    /* the cache keeps what it can of the conversation so far (n - 1: the last prompt token
+     * runs again for its logits) */
+    uint32_t same = 0;
+    bool ok = moe_ctx_seq_reuse(g->ctx, 0, ids, n ? (uint32_t)n - 1 : 0, &same, err) == MOE_OK &&
+              moe_gen_prefill(g, ids + same, n - same, err) &&
               moe_gen_run(g, g->opt.n_predict, builtin ? CHATML_END : NULL, err);
     free(ids);
     if (!ok) return false;

@@ -121,6 +121,13 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
         moe_ctx_params cp = {.n_ctx = o->n_ctx, .n_seq = 1, .max_rows = PREFILL_CHUNK,
                              .kv_type = o->kv_type, .n_threads = o->n_threads};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
+        moe_ctx_memory mem;
+        if (g->ctx && moe_ctx_memory_plan(g->model, &cp, &mem, &err) == MOE_OK)
+            fprintf(stderr, "moe %s: state: KV %.2f MiB (%.1f KiB per token), recurrent %.2f MiB "
+                            "(%.1f KiB per sequence), snapshots %.2f MiB\n", cmd,
+                    mem.kv_bytes / 1048576.0, mem.kv_bytes_per_token / 1024.0,
+                    mem.recurrent_bytes / 1048576.0, mem.recurrent_bytes_per_seq / 1024.0,
+                    mem.snapshot_bytes / 1048576.0);
     }
     free(demo);
     if (err.code) {
@@ -136,14 +143,6 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     return true;
 }
 
-static void seq_push(moe_gen *g, int32_t id) {
-    if (g->n_seq == g->cap_seq) {
-        g->cap_seq = g->cap_seq ? 2 * g->cap_seq : 256;
-        g->seq = moe_xrealloc(g->seq, g->cap_seq * sizeof *g->seq);
-    }
-    g->seq[g->n_seq++] = id;
-}
-
 static void reply_put(moe_gen *g, const char *text, size_t len) {
     if (g->reply_cap - g->reply_len < len + 1) {
         g->reply_cap = 2 * (g->reply_len + len + 1);
@@ -154,14 +153,7 @@ static void reply_put(moe_gen *g, const char *text, size_t len) {
     g->reply[g->reply_len] = '\0';
 }
 
-void moe_gen_rewind(moe_gen *g, size_t n) {
-    if (n >= g->n_seq) return;
-    moe_ctx_seq_truncate(g->ctx, 0, (uint32_t)n);
-    g->n_seq = n;
-}
-
 void moe_gen_close(moe_gen *g) {
-    free(g->seq);
     free(g->reply);
     moe_sampler_free(g->sampler);
     moe_ctx_free(g->ctx);
@@ -181,7 +173,6 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
             g->rows[r] = (moe_row){.seq = 0, .pos = (int32_t)(base + r), .token = ids[done + r],
                                    .logits = done + r + 1 == n};
             moe_sampler_accept(g->sampler, ids[done + r]);
-            seq_push(g, ids[done + r]);
         }
         if (moe_ctx_decode(g->ctx, g->rows, chunk, g->logits, err) != MOE_OK) return false;
         done += chunk;
@@ -241,7 +232,6 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
             ok = false;
             break;
         }
-        seq_push(g, s.token);
     }
     if (!g->opt.print_ids) {
         size_t len;

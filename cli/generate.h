@@ -30,8 +30,6 @@ typedef struct moe_gen {
     float *logits;            /* [n_vocab] */
     moe_row *rows;            /* [chunk] prefill rows */
     bool text_started;        /* some text of this sequence was shown (keeps SPM's leading space) */
-    int32_t *seq;             /* [n_seq] the tokens in sequence 0: prompts and generated */
-    size_t n_seq, cap_seq;
     char *reply;              /* [reply_len] the text the last moe_gen_run showed */
     size_t reply_len, reply_cap;
     double load_seconds;
@@ -51,8 +49,6 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd);
 void moe_gen_close(moe_gen *g);
 /* Feed tokens (appended to sequence 0); leaves the last row's logits in g->logits. */
 bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err);
-/* Forget sequence 0 from token n on (a conversation re-rendered differently from there). */
-void moe_gen_rewind(moe_gen *g, size_t n);
 /* Generate until n_predict, end of generation or a full context; each id is streamed as text
  * (or as an id with print_ids). `stop` optionally ends generation when the text so far ends
  * with it. Returns false on an engine error. */

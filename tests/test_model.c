@@ -192,6 +192,7 @@ static void parity_qwen3moe_mixed(void **state) {
     parity_check("qwen3moe-mixed", TOL_Q8_ACT);
 }
 
+
 /* ==== Batches of many sequences ==== */
 
 /* Three sequences prefilled and decoded together (one row per sequence per step) give each the
@@ -271,6 +272,13 @@ static const parity_case deepseek2_q8_0_q4_k = {"deepseek2-q8_0-q4_k", TOL_Q8_AC
 /* Attention sinks, q/k/v/o biases, layer 0 windowed (8), YaRN x32 with NEOX rope, router bias
  * and softmax over the chosen 2 of 4, MXFP4 experts with biases and the clamped SwiGLU. */
 static const parity_case gpt_oss_mxfp4 = {"gpt-oss-mxfp4", TOL_Q8_ACT};
+/* Hybrid: layer 0 Gated DeltaNet (conv, L2-normed q/k, delta rule, gated norm), layer 1 full
+ * attention with the sigmoid output gate and partial NEOX rope; MoE with a gated shared expert. */
+static const parity_case qwen3next_f32 = {"qwen3next-f32", TOL_F32};
+/* Hybrid: layer 0 KDA (separate q/k/v short convs, per-channel decay from the f_a/f_b LoRA,
+ * sigmoid-gated output norm) with a dense FFN, layer 1 MLA without q LoRA and without rope over
+ * a latent cache, sigmoid routing with exp_probs_b, scale 2.446, one shared expert. */
+static const parity_case kimi_linear_f32 = {"kimi-linear-f32", TOL_F32};
 #define PARITY_TEST(c) {"parity_" #c, parity_case_run, NULL, NULL, (void *)&c}
 
 /* ==== Routing ==== */
@@ -490,6 +498,8 @@ int moe_suite_model(void) {
         PARITY_TEST(deepseek2_f32),
         PARITY_TEST(deepseek2_q8_0_q4_k),
         PARITY_TEST(gpt_oss_mxfp4),
+        PARITY_TEST(qwen3next_f32),
+        PARITY_TEST(kimi_linear_f32),
         cmocka_unit_test(grouped_routing_hand_made),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),

@@ -1,11 +1,13 @@
-/* Suite "serve": `moe serve` on loopback, driven by the official SDKs, plus the prompt formatter
- * and output parser on their own.
+/* Suite "serve": `moe serve` on loopback, driven by the official SDKs, plus the adapters' shapes
+ * for parsed model output (replayed, no model) on their own.
  *
  * Two servers are started once (on free ports, found by --port 0 and read from their stdout):
  *   base: stories260K (../shared) with --ctx 1024 --parallel 16 and an API key;
  *   slow: the built-in demo model with --parallel 1 --queue 1 --queue-timeout 1 --step-delay 20
  *         --keepalive 0.01, where a stream lasts long enough to be aborted, queued behind or
- *         refused, and keep-alives come between tokens.
+ *         refused, and keep-alives come between tokens;
+ *   hybrid: qwen3next-f32 (../shared/parity: Gated DeltaNet + attention, stories260K vocab) with
+ *         --parallel 2 --cache-slots 4, where prefix reuse must go through snapshots.
  * Two more, for chat templates, start in their own test: stories260K written again with
  * ChatML's control tokens and Qwen3's template in the GGUF, served as is and with
  * --chat-template-file; the prompts they render (/apply-template) must equal Python Jinja2's.
@@ -43,7 +45,7 @@ typedef struct server {
     char log[512];
 } server;
 
-static server base_srv, slow_srv;
+static server base_srv, slow_srv, hybrid_srv;
 static bool servers_tried, servers_ok;
 static const char *runc_text;
 
@@ -142,7 +144,8 @@ static bool servers(void) {
     }
     const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
     runc_text = moe_test_shared("models/stories260K/runc_greedy_bos_n256.txt");
-    if (!model || !runc_text) {
+    const char *hybrid = moe_test_shared("parity/qwen3next-f32.gguf");
+    if (!model || !runc_text || !hybrid) {
         skip();
         return false;
     }
@@ -150,7 +153,11 @@ static bool servers(void) {
                          "16",          "--api-key", API_KEY, NULL};
     char *slow_args[] = {"--parallel",   "1",  "--queue", "1", "--queue-timeout", "1",
                          "--step-delay", "20", "--keepalive", "0.01", NULL};
-    if (!server_start(&base_srv, "base", base_args) || !server_start(&slow_srv, "slow", slow_args))
+    char *hybrid_args[] = {(char *)hybrid,  "--ctx", "128", "--parallel", "2",
+                           "--cache-slots", "4",     NULL};
+    if (!server_start(&base_srv, "base", base_args) ||
+        !server_start(&slow_srv, "slow", slow_args) ||
+        !server_start(&hybrid_srv, "hybrid", hybrid_args))
         fail_msg("a server did not start (logs in %s)", moe_test_tmpdir());
     servers_ok = true;
     return true;
@@ -165,8 +172,9 @@ static void client_case(const char *name) {
     if (!servers()) return;
     if (!clients_out) {
         char cmd[4096];
-        snprintf(cmd, sizeof cmd, "node %s/cases.mjs --base %s --slow %s --key %s --runc %s",
-                 CLIENTS_DIR, base_srv.url, slow_srv.url, API_KEY, runc_text);
+        snprintf(cmd, sizeof cmd,
+                 "node %s/cases.mjs --base %s --slow %s --hybrid %s --key %s --runc %s",
+                 CLIENTS_DIR, base_srv.url, slow_srv.url, hybrid_srv.url, API_KEY, runc_text);
         clients_rc = moe_test_run(cmd, &clients_out);
     }
     char ok[128], bad[128];
@@ -205,6 +213,7 @@ CLIENT_CASE(completions_runc)
 CLIENT_CASE(stop_strings)
 CLIENT_CASE(logprobs)
 CLIENT_CASE(cached_tokens)
+CLIENT_CASE(hybrid_reuse)
 CLIENT_CASE(anthropic_messages)
 CLIENT_CASE(anthropic_stream)
 CLIENT_CASE(tools_shape)
@@ -223,9 +232,10 @@ CLIENT_CASE(bench_8_streams)
 static void servers_stop_cleanly(void **state) {
     (void)state;
     if (!servers()) return;
-    const int a = server_stop(&base_srv), b = server_stop(&slow_srv);
-    if (a != 0 || b != 0)
-        fail_msg("servers exited with %d and %d (logs: %s, %s)", a, b, base_srv.log, slow_srv.log);
+    const int a = server_stop(&base_srv), b = server_stop(&slow_srv), h = server_stop(&hybrid_srv);
+    if (a != 0 || b != 0 || h != 0)
+        fail_msg("servers exited with %d, %d and %d (logs: %s, %s, %s)", a, b, h, base_srv.log,
+                 slow_srv.log, hybrid_srv.log);
 }
 
 static int teardown(void **state) {
@@ -234,6 +244,7 @@ static int teardown(void **state) {
     clients_out = NULL;
     server_stop(&base_srv);
     server_stop(&slow_srv);
+    server_stop(&hybrid_srv);
     return 0;
 }
 
@@ -748,6 +759,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_stop_strings),
         cmocka_unit_test(client_logprobs),
         cmocka_unit_test(client_cached_tokens),
+        cmocka_unit_test(client_hybrid_reuse),
         cmocka_unit_test(client_anthropic_messages),
         cmocka_unit_test(client_anthropic_stream),
         cmocka_unit_test(client_tools_shape),
