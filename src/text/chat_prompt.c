@@ -116,6 +116,7 @@ static char *neutralise(const guard *g, const char *s, size_t n, size_t *out_len
     const moe_tokenizer *tok = g->tok;
     int32_t *at_id = NULL; /* [n]: the token starting at each byte, or -1 */
     uint8_t *taken = NULL; /* [n]: bytes already inside a replaced token */
+    size_t grow = 0;       /* bytes the markers add over the texts they replace */
     for (uint32_t k = 0; k < tok->n_special; k++) {
         const moe_vocab_token *t = &tok->tokens[tok->special[k]];
         if (!parsed_as_special(t) || t->text_len == 0 || t->text_len > n) continue;
@@ -133,11 +134,14 @@ static char *neutralise(const guard *g, const char *s, size_t n, size_t *out_len
             }
             memset(taken + at, 1, t->text_len);
             at_id[at] = tok->special[k];
+            char digits[16];
+            const size_t marker = 6 + (size_t)snprintf(digits, sizeof digits, "%d", at_id[at]);
+            if (marker > t->text_len) grow += marker - t->text_len;
             p += t->text_len;
         }
     }
     if (!at_id) return NULL;
-    char *out = moe_xmalloc(n * 8 + 1); /* a marker (<= 17 bytes) replaces >= 3 bytes */
+    char *out = moe_xmalloc(n + grow + 1);
     size_t o = 0;
     for (size_t i = 0; i < n;) {
         if (at_id[i] < 0) {
