@@ -267,8 +267,8 @@ static bool have_server(void) {
     if (srv.pid > 0) return true;
     const char *ci = getenv("CI");
     if (ci && strcmp(ci, "true") == 0)
-        fail_msg("nginx is missing and CI=true: `make deps` installs it (%s)", nginx_missing);
-    print_message("[  SKIP    ] %s (`make deps` installs nginx)\n", nginx_missing);
+        fail_msg("%s and CI=true: `make deps` installs it", nginx_missing);
+    print_message("[  SKIP    ] %s: `make deps` installs it\n", nginx_missing);
     return false;
 }
 
