@@ -941,10 +941,101 @@ static void budget_known_model(void **state) {
     free(out);
 }
 
+/* ==== The SVG in a browser ==== */
+
+/* Python's check of Chromium's screenshot of an SVG (argv: png svg): a PNG of the SVG's size
+ * (zlib and struct only: 8-bit RGB/RGBA, the five filters), not blank (>= 1% of its pixels not
+ * white), and every bar segment at least 2 px each way (the SVG's <rect>s with a <title>, in
+ * the SVG's own pixel coordinates: no transforms on them) drawn where the SVG puts it: its fill
+ * exactly at its centre pixel, which lies wholly inside it. Prints "segments_checked". */
+static const char py_png_check[] =
+    "import struct,sys,zlib,xml.etree.ElementTree as E\n"
+    "d=open(sys.argv[1],'rb').read()\n"
+    "assert d[:8]==b'\\x89PNG\\r\\n\\x1a\\n','not a PNG'\n"
+    "p,idat=8,b''\n"
+    "while p<len(d):\n"
+    "    n,t=struct.unpack('>I4s',d[p:p+8]); c=d[p+8:p+8+n]; p+=12+n\n"
+    "    if t==b'IHDR': w,h,bd,ct,_,_,il=struct.unpack('>IIBBBBB',c)\n"
+    "    elif t==b'IDAT': idat+=c\n"
+    "assert bd==8 and ct in (2,6) and il==0,(bd,ct,il)\n"
+    "r=E.parse(sys.argv[2]).getroot(); ns='{http://www.w3.org/2000/svg}'\n"
+    "assert (w,h)==(int(float(r.get('width'))),int(float(r.get('height')))),(w,h)\n"
+    "bpp=3 if ct==2 else 4; s=w*bpp; raw=zlib.decompress(idat); prev=bytearray(s); rows=[]; i=0\n"
+    "for y in range(h):\n"
+    "    f=raw[i]; ln=bytearray(raw[i+1:i+1+s]); i+=1+s\n"
+    "    for x in range(s):\n"
+    "        a=ln[x-bpp] if x>=bpp else 0; b=prev[x]; c=prev[x-bpp] if x>=bpp else 0\n"
+    "        if f==1: ln[x]=(ln[x]+a)&255\n"
+    "        elif f==2: ln[x]=(ln[x]+b)&255\n"
+    "        elif f==3: ln[x]=(ln[x]+(a+b)//2)&255\n"
+    "        elif f==4:\n"
+    "            pa,pb,pc=abs(b-c),abs(a-c),abs(a+b-2*c)\n"
+    "            ln[x]=(ln[x]+(a if pa<=pb and pa<=pc else b if pb<=pc else c))&255\n"
+    "    rows.append([bytes(ln[x:x+3]) for x in range(0,s,bpp)]); prev=ln\n"
+    "ink=sum(1 for row in rows for q in row if q!=b'\\xff\\xff\\xff')\n"
+    "assert ink*100>=w*h,'blank: %d of %d pixels not white'%(ink,w*h)\n"
+    "n=0\n"
+    "for x in r.iter(ns+'rect'):\n"
+    "    if x.find(ns+'title') is None: continue\n"
+    "    X,Y,W,H=(float(x.get(k)) for k in ('x','y','width','height'))\n"
+    "    if W<2 or H<2: continue\n"
+    "    got=rows[int(Y+H/2)][int(X+W/2)]; want=bytes.fromhex(x.get('fill').lstrip('#'))\n"
+    "    assert got==want,'%s: %s at its centre, not "
+    "%s'%(x.find(ns+'title').text,got.hex(),want.hex())\n"
+    "    n+=1\n"
+    "print(n)\n";
+
+/* Render the SVG with headless Chromium (Debian's, `make deps`) and check the screenshot with
+ * py_png_check. Without Chromium: a message (a failure under CI=true). */
+static void check_svg_in_chromium(const char *svg) {
+    if (moe_test_run("command -v chromium >/dev/null", NULL) != 0) {
+        const char *ci = getenv("CI");
+        if (ci && strcmp(ci, "true") == 0)
+            fail_msg("chromium is missing and CI=true: `make deps` installs it");
+        print_message("[  SKIP    ] chromium is not installed: the SVG is not rendered in a "
+                      "browser (`make deps` installs it)\n");
+        return;
+    }
+    char head[512] = "";
+    FILE *f = fopen(svg, "r");
+    if (!f) fail_msg("%s: %s", svg, strerror(errno));
+    size_t n = fread(head, 1, sizeof head - 1, f);
+    head[n] = '\0';
+    fclose(f);
+    const char *tag = strstr(head, "<svg ");
+    int width = 0, height = 0;
+    const char *wa = tag ? strstr(tag, " width=\"") : NULL,
+               *ha = tag ? strstr(tag, " height=\"") : NULL;
+    if (!wa || !ha || sscanf(wa, " width=\"%d", &width) != 1 ||
+        sscanf(ha, " height=\"%d", &height) != 1 || width <= 0 || height <= 0)
+        fail_msg("%s: no width and height on <svg>:\n%s", svg, head);
+    /* as root (CI) Chromium needs --no-sandbox; the network flags keep it off a closed network */
+    char png[700], py[700], cmd[4096], *out;
+    snprintf(png, sizeof png, "%s.chromium.png", svg);
+    snprintf(
+        cmd, sizeof cmd,
+        "(timeout 120 chromium --headless --no-sandbox --disable-gpu --disable-quic "
+        "--no-first-run --disable-background-networking --disable-component-update "
+        "--disable-sync --disable-dev-shm-usage --hide-scrollbars --user-data-dir='%s/chromium' "
+        "--window-size=%d,%d --screenshot='%s' 'file://%s' && test -s '%s')",
+        moe_test_tmpdir(), width, height, png, svg, png);
+    if (moe_test_run(cmd, &out) != 0) fail_msg("chromium did not render %s:\n%s", svg, out);
+    free(out);
+    snprintf(py, sizeof py, "%s/png_check.py", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(py, py_png_check, strlen(py_png_check), &err), MOE_OK);
+    snprintf(cmd, sizeof cmd, "python3 '%s' '%s' '%s'", py, png, svg);
+    if (moe_test_run(cmd, &out) != 0) fail_msg("chromium's screenshot of %s: %s", svg, out);
+    /* the parts of each bar tall enough to see: experts, attention, KV cache, scratch... */
+    if (atoi(out) < 10) fail_msg("too few bar segments checked in chromium's screenshot: %s", out);
+    free(out);
+}
+
 /* A ladder of two builds of qwen3moe-mixed (as stored, and with every quantized matrix widened
  * to F32 by our writer) at a memory between their needs: the table, the largest that fits, and
  * an SVG that is well-formed XML with a title, axis label, legend, the memory line and one bar
- * per rung and per device (Python's XML parser), rendered by rsvg-convert where installed. */
+ * per rung and per device (Python's XML parser), rendered by rsvg-convert where installed and
+ * by headless Chromium (check_svg_in_chromium). */
 static void budget_ladder_and_svg(void **state) {
     (void)state;
     MOE_SKIP_IF_NULL(moe_test_shared("parity/qwen3moe-mixed.gguf"));
@@ -1012,6 +1103,7 @@ static void budget_ladder_and_svg(void **state) {
         snprintf(cmd, sizeof cmd, "rsvg-convert '%s' -o '%s.png' && test -s '%s.png'", svg, svg, svg);
         assert_int_equal(moe_test_run(cmd, NULL), 0);
     }
+    check_svg_in_chromium(svg);
 
     snprintf(cmd, sizeof cmd, "%s budget ../shared/parity/qwen3moe-mixed.gguf "
              "../shared/parity/llama-q8_0.gguf --ladder", moe_test_bin());
