@@ -1,15 +1,18 @@
 /* Suite "audit": the byte audit tools -- `moe inspect` over HTTP ranges against a real HTTP
- * server on loopback (tests/range_server.py, Python's http.server: we did not write its HTTP),
+ * server on loopback (nginx from Debian, started by the suite: we did not write its HTTP),
  * `moe budget` against byte counts computed here from the parity models' JSON descriptions
  * (not from our reader), and `moe audit` against errors recomputed by Python from `moe dump`'s
  * floats (bit-exact with ggml, tested in the dump suite).
  *
  * The server runs for the whole suite from a scratch directory holding copies of the fixtures,
  * a split written with our writer and a file with large tensors; it logs every request, so the
- * request counts moe prints are checked against the server's own count. */
+ * request and byte counts moe prints are checked against the server's own. Without nginx the
+ * tests that need it skip (fail under CI=true). */
 #include "testutil.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
@@ -17,8 +20,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../src/format/format.h"
@@ -27,49 +33,252 @@
 
 /* ==== The server ==== */
 
+/* nginx from Debian (`make deps`), one process (`master_process off`) in the foreground, with a
+ * config generated into the scratch directory: pid, lock, logs and temp paths there too, so it
+ * needs nothing from /etc or /var. It serves the scratch root at /, with ranges (nginx's own
+ * static module); the same files without range support at /norange/ (`max_ranges 0`: a 200
+ * with the whole file); /redirect/PATH as a 302 to /PATH; and /__sync/N as a 204 (see
+ * log_sync). Every request goes to requests.log as "METHOD URI RANGE STATUS BODY_BYTES".
+ *
+ * The trap: nginx writes a request's log line after it has sent the response, so a client can
+ * be done (moe exited) before the line is there. log_sync closes that gap. */
+
 typedef struct server {
     pid_t pid;
     int port;
+    char conf[600], error_log[600];
 } server;
 
-static server srv_range, srv_norange;
+static server srv;
 static char root[512], req_log[600];
+static const char *nginx_missing; /* why there is no server, when there is none */
 
-/* Start range_server.py on ROOT with extra args; its first line says the port. */
-static bool server_start(server *s, const char *extra) {
-    int fd[2];
-    if (pipe(fd) != 0) return false;
-    pid_t pid = fork();
-    if (pid < 0) return false;
-    if (pid == 0) {
-        dup2(fd[1], 1);
-        close(fd[0]);
-        close(fd[1]);
-        char cmd[2048];
-        snprintf(cmd, sizeof cmd, "exec python3 tests/range_server.py --exit-with-parent '%s' %s", root, extra);
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
-    close(fd[1]);
-    FILE *f = fdopen(fd[0], "r");
-    char line[64] = "";
-    bool ok = f && fgets(line, sizeof line, f) && sscanf(line, "port %d", &s->port) == 1;
-    if (f) fclose(f);
-    s->pid = pid;
-    if (!ok) {
-        kill(pid, SIGTERM);
-        waitpid(pid, NULL, 0);
-        s->pid = 0;
-    }
-    return ok;
+/* Timeouts for a server that should answer at once on loopback. */
+#define SERVER_START_MS    10000
+#define SERVER_STOP_MS     5000
+#define SERVER_START_TRIES 5 /* another process may take the free port before nginx binds it */
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
 }
 
+/* nginx's path: $PATH, then the sbin folders a non-root PATH may lack. NULL when absent. */
+static const char *nginx_path(void) {
+    static char found[1024];
+    const char *path = getenv("PATH");
+    char dirs[4096];
+    snprintf(dirs, sizeof dirs, "%s:/usr/sbin:/usr/local/sbin:/sbin", path ? path : "");
+    for (char *save = NULL, *d = strtok_r(dirs, ":", &save); d; d = strtok_r(NULL, ":", &save)) {
+        snprintf(found, sizeof found, "%s/nginx", d);
+        if (access(found, X_OK) == 0) return found;
+    }
+    return NULL;
+}
+
+/* A port nobody listens on now (the kernel's pick for port 0), or -1. */
+static int free_port(void) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (s < 0) return -1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    int port = -1;
+    if (bind(s, (struct sockaddr *)&a, sizeof a) == 0 &&
+        getsockname(s, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    close(s);
+    return port;
+}
+
+static int connect_loopback(int port) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (s < 0) return -1;
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    if (connect(s, (struct sockaddr *)&a, sizeof a) != 0) {
+        close(s);
+        return -1;
+    }
+    return s;
+}
+
+/* GET path over HTTP/1.0 and read until nginx closes; the status, or -1. */
+static int http_get_status(int port, const char *path) {
+    int s = connect_loopback(port);
+    if (s < 0) return -1;
+    char buf[4096];
+    int n = snprintf(buf, sizeof buf, "GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n", path);
+    int status = -1;
+    if (write(s, buf, (size_t)n) == n) {
+        char head[256]; /* the status line, then drain the rest */
+        size_t got = 0;
+        ssize_t r;
+        while ((r = read(s, buf, sizeof buf)) > 0) {
+            size_t k = (size_t)r < sizeof head - 1 - got ? (size_t)r : sizeof head - 1 - got;
+            memcpy(head + got, buf, k);
+            got += k;
+        }
+        head[got] = '\0';
+        if (sscanf(head, "HTTP/1.%*d %d", &status) != 1) status = -1;
+    }
+    close(s);
+    return status;
+}
+
+/* The *_temp_path directives this nginx has (`nginx -V`: a compiled-in path, module not left
+ * out), each pointed at DIR; appended to conf. Naming a module nginx lacks is a config error,
+ * leaving one out makes nginx create it under /var/lib/nginx. */
+static void temp_paths(const char *nginx, const char *dir, char *conf, size_t cap) {
+    static const struct {
+        const char *name, *module;
+    } paths[] = {
+        {"client_body", NULL},
+        {"proxy", "--without-http_proxy_module"},
+        {"fastcgi", "--without-http_fastcgi_module"},
+        {"uwsgi", "--without-http_uwsgi_module"},
+        {"scgi", "--without-http_scgi_module"},
+    };
+    char cmd[1200], *v;
+    snprintf(cmd, sizeof cmd, "'%s' -V", nginx);
+    if (moe_test_run(cmd, &v) != 0) fail_msg("%s: %s", cmd, v);
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
+        char flag[64]; /* --http-client-body-temp-path */
+        snprintf(flag, sizeof flag, "--http-%s-temp-path", paths[i].name);
+        for (char *c = flag; *c; c++) *c = *c == '_' ? '-' : *c;
+        if (!paths[i].module || (strstr(v, flag) && !strstr(v, paths[i].module))) {
+            size_t n = strlen(conf);
+            snprintf(conf + n, cap - n, "    %s_temp_path '%s/nginx-%s';\n", paths[i].name, dir,
+                     paths[i].name);
+        }
+    }
+    free(v);
+}
+
+/* Write the config for `port` (see the top of this section). */
+static void write_conf(server *s, const char *nginx, int port) {
+    const char *tmp = moe_test_tmpdir();
+    static char conf[8192];
+    snprintf(conf, sizeof conf,
+             "daemon off;\n"
+             "master_process off;\n"
+             "%s" /* CI runs as root: then the worker must be root to read the scratch dir */
+             "pid '%s/nginx.pid';\n"
+             "lock_file '%s/nginx.lock';\n"
+             "error_log '%s' info;\n"
+             "events { worker_connections 128; }\n"
+             "http {\n"
+             "    default_type application/octet-stream;\n"
+             "    sendfile on;\n"
+             "    keepalive_timeout 60s;\n"
+             "    log_format audit '$request_method $request_uri $http_range $status "
+             "$body_bytes_sent';\n"
+             "    access_log '%s' audit;\n",
+             geteuid() == 0 ? "user root;\n" : "", tmp, tmp, s->error_log, req_log);
+    temp_paths(nginx, tmp, conf, sizeof conf);
+    size_t n = strlen(conf);
+    snprintf(conf + n, sizeof conf - n,
+             "    server {\n"
+             "        listen 127.0.0.1:%d;\n"
+             "        root '%s';\n"
+             "        location / { }\n"
+             "        location /norange/ { alias '%s/'; max_ranges 0; }\n"
+             "        location ~ ^/redirect(/.*)$ { return 302 $1; }\n"
+             "        location /__sync/ { return 204; }\n"
+             "    }\n"
+             "}\n",
+             port, root, root);
+    moe_error err = {0};
+    if (moe_file_write(s->conf, conf, strlen(conf), &err) != MOE_OK) fail_msg("%s", err.msg);
+}
+
+/* nginx's error log, for a message (caller frees). */
+static char *error_log_text(const server *s) {
+    uint8_t *data;
+    size_t size;
+    moe_error err = {0};
+    if (moe_file_read(s->error_log, &data, &size, &err) != MOE_OK) return moe_xstrndup("", 0);
+    char *text = moe_xstrndup((char *)data, size);
+    free(data);
+    return text;
+}
+
+/* Start nginx on a free port and wait until it accepts connections. The child asks the kernel
+ * for SIGTERM when this process dies, so a test run killed mid-suite leaves no nginx behind.
+ * False (with the error log printed) when it would not start. */
+static bool server_start(server *s, const char *nginx) {
+    const char *tmp = moe_test_tmpdir();
+    snprintf(s->conf, sizeof s->conf, "%s/nginx.conf", tmp);
+    snprintf(s->error_log, sizeof s->error_log, "%s/nginx-error.log", tmp);
+    for (int attempt = 0; attempt < SERVER_START_TRIES; attempt++) {
+        int port = free_port();
+        if (port < 0) return false;
+        write_conf(s, nginx, port);
+        pid_t parent = getpid();
+        pid_t pid = fork();
+        if (pid < 0) return false;
+        if (pid == 0) {
+            if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != parent) _exit(126);
+            int null = open("/dev/null", O_RDWR);
+            if (null >= 0) dup2(null, 0);
+            execl(nginx, "nginx", "-p", tmp, "-c", s->conf, "-e", s->error_log, (char *)NULL);
+            _exit(127);
+        }
+        for (int waited = 0; waited < SERVER_START_MS; waited += 10) {
+            int c = connect_loopback(port);
+            if (c >= 0) {
+                close(c);
+                s->pid = pid;
+                s->port = port;
+                return true;
+            }
+            if (waitpid(pid, NULL, WNOHANG) == pid) break; /* exited: port taken? try again */
+            sleep_ms(10);
+        }
+        kill(pid, SIGKILL); /* no-op when it has exited; reaped below */
+        waitpid(pid, NULL, 0);
+    }
+    char *log = error_log_text(s);
+    print_error("nginx would not start (%s -c %s):\n%s\n", nginx, s->conf, log);
+    free(log);
+    return false;
+}
+
+/* SIGTERM (nginx's fast shutdown), then SIGKILL if it has not gone within SERVER_STOP_MS. */
 static void server_stop(server *s) {
     if (s->pid <= 0) return;
     kill(s->pid, SIGTERM);
-    waitpid(s->pid, NULL, 0);
+    int waited = 0;
+    while (waitpid(s->pid, NULL, WNOHANG) == 0) {
+        if (waited >= SERVER_STOP_MS) {
+            kill(s->pid, SIGKILL);
+            waitpid(s->pid, NULL, 0);
+            break;
+        }
+        sleep_ms(10);
+        waited += 10;
+    }
     s->pid = 0;
 }
+
+/* In a test that needs the server: false when there is none (the test then skips, or fails
+ * under CI=true, like an absent fixture). */
+static bool have_server(void) {
+    if (srv.pid > 0) return true;
+    const char *ci = getenv("CI");
+    if (ci && strcmp(ci, "true") == 0)
+        fail_msg("%s and CI=true: `make deps` installs it", nginx_missing);
+    print_message("[  SKIP    ] %s: `make deps` installs it\n", nginx_missing);
+    return false;
+}
+
+#define SKIP_WITHOUT_SERVER()                                                                      \
+    do {                                                                                           \
+        if (!have_server()) {                                                                      \
+            skip();                                                                                \
+            return;                                                                                \
+        }                                                                                          \
+    } while (0)
 
 static void copy_file(const char *from, const char *to) {
     uint8_t *data;
@@ -80,12 +289,64 @@ static void copy_file(const char *from, const char *to) {
     free(data);
 }
 
-/* Requests the server has logged so far. */
-static int logged_requests(void) {
+/* Wait until every request a finished client made is in the log. nginx is one process that
+ * logs a request as it finishes sending the response, before it looks at the next event; so
+ * once a request made now (/__sync/N) is logged, all earlier ones are. */
+static void log_sync(void) {
+    static unsigned seq;
+    char path[64], want[80];
+    snprintf(path, sizeof path, "/__sync/%u", ++seq);
+    snprintf(want, sizeof want, "GET %s ", path);
+    int status = http_get_status(srv.port, path);
+    if (status != 204) fail_msg("nginx answered %s with %d, not 204", path, status);
+    for (int waited = 0; waited < SERVER_START_MS; waited += 10) {
+        uint8_t *data;
+        size_t size;
+        moe_error err = {0};
+        if (moe_file_read(req_log, &data, &size, &err) == MOE_OK) {
+            char *text = moe_xstrndup((char *)data, size);
+            free(data);
+            bool seen = strstr(text, want) != NULL;
+            free(text);
+            if (seen) return;
+        }
+        sleep_ms(10);
+    }
+    fail_msg("%s never reached %s", path, req_log);
+}
+
+/* Logged requests "METHOD URI" answered with `status` (after log_sync). */
+static int logged_count(const char *method_uri, int status) {
+    log_sync();
     FILE *f = fopen(req_log, "r");
-    if (!f) return 0;
-    int n = 0, c;
-    while ((c = fgetc(f)) != EOF) n += c == '\n';
+    if (!f) fail_msg("no request log %s", req_log);
+    char line[2048], want[1100];
+    int n = 0, len = snprintf(want, sizeof want, "%s ", method_uri), st;
+    while (fgets(line, sizeof line, f))
+        n += strncmp(line, want, (size_t)len) == 0 && sscanf(line + len, "%*s %d", &st) == 1 &&
+             st == status;
+    fclose(f);
+    return n;
+}
+
+/* Requests (and the body bytes sent for them) the server has logged so far, /__sync/ ones
+ * left out. */
+static int logged_requests(uint64_t *body_bytes) {
+    log_sync();
+    FILE *f = fopen(req_log, "r");
+    if (!f) fail_msg("no request log %s", req_log);
+    int n = 0;
+    *body_bytes = 0;
+    char line[2048], method[16], uri[1024], range[128];
+    int status;
+    unsigned long long bytes;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "%15s %1023s %127s %d %llu", method, uri, range, &status, &bytes) != 5)
+            fail_msg("%s: bad line %s", req_log, line);
+        if (strncmp(uri, "/__sync/", 8) == 0) continue;
+        n++;
+        *body_bytes += bytes;
+    }
     fclose(f);
     return n;
 }
@@ -151,17 +412,17 @@ static int setup(void **state) {
     moe_gguf_writer_free(w);
 
     snprintf(req_log, sizeof req_log, "%s/requests.log", moe_test_tmpdir());
-    char extra[800];
-    snprintf(extra, sizeof extra, "--log '%s'", req_log);
-    if (!server_start(&srv_range, extra)) return -1;
-    if (!server_start(&srv_norange, "--no-range")) return -1;
-    return 0;
+    const char *nginx = nginx_path();
+    if (!nginx) {
+        nginx_missing = "nginx is not installed (not in $PATH nor /usr/sbin)";
+        return 0; /* the tests that need it skip, or fail under CI=true */
+    }
+    return server_start(&srv, nginx) ? 0 : -1;
 }
 
 static int teardown(void **state) {
     (void)state;
-    server_stop(&srv_range);
-    server_stop(&srv_norange);
+    server_stop(&srv);
     return 0;
 }
 
@@ -203,16 +464,17 @@ static char *normalise(const char *out, const char *from, const char *to, char *
  * printed (and checks it against the server's log). */
 static int check_remote_inspect(const char *name, const char *args) {
     char cmd[2048], base[256], *local, *remote;
-    snprintf(base, sizeof base, "http://127.0.0.1:%d", srv_range.port);
+    snprintf(base, sizeof base, "http://127.0.0.1:%d", srv.port);
     snprintf(cmd, sizeof cmd, "%s inspect '%s/%s' %s", moe_test_bin(), root, name, args);
     if (moe_test_run(cmd, &local) != 0) fail_msg("%s: %s", cmd, local);
-    int before = logged_requests();
+    uint64_t bytes_before, bytes_after;
+    int before = logged_requests(&bytes_before);
     char errpath[600];
     snprintf(errpath, sizeof errpath, "%s/stderr.txt", moe_test_tmpdir());
     snprintf(cmd, sizeof cmd, "(%s inspect '%s/%s' %s 2>'%s')", moe_test_bin(), base, name, args,
              errpath);
     if (moe_test_run(cmd, &remote) != 0) fail_msg("%s: %s", cmd, remote);
-    int served = logged_requests() - before;
+    int served = logged_requests(&bytes_after) - before;
     char *line, *norm = normalise(remote, base, root, &line);
     if (!line) { /* under --json the cost line goes to stderr */
         uint8_t *e;
@@ -243,6 +505,7 @@ static int check_remote_inspect(const char *name, const char *args) {
                &bytes, &file_bytes, &files) != 4)
         fail_msg("%s: bad line %s", name, line);
     assert_int_equal((int)requests, served);
+    assert_int_equal(bytes, bytes_after - bytes_before);
     free(line);
     free(norm);
     free(local);
@@ -253,6 +516,7 @@ static int check_remote_inspect(const char *name, const char *args) {
 static void remote_inspect_matches_local(void **state) {
     (void)state;
     MOE_SKIP_IF_NULL(moe_test_shared("parity/llama-q8_0.gguf"));
+    SKIP_WITHOUT_SERVER();
     for (size_t i = 0; i < N_PARITY; i++) {
         char name[128];
         snprintf(name, sizeof name, "%s.gguf", parity_models[i]);
@@ -269,8 +533,9 @@ static void remote_inspect_matches_local(void **state) {
 static void remote_reads_few_bytes(void **state) {
     (void)state;
     MOE_SKIP_IF_NULL(moe_test_shared("parity/llama-q8_0.gguf"));
+    SKIP_WITHOUT_SERVER();
     char url[512], path[600];
-    snprintf(url, sizeof url, "http://127.0.0.1:%d/big.gguf", srv_range.port);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/big.gguf", srv.port);
     snprintf(path, sizeof path, "%s/big.gguf", root);
     moe_error err = {0};
     moe_http *h = moe_http_new();
@@ -304,7 +569,7 @@ static void remote_reads_few_bytes(void **state) {
     MOE_SKIP_IF_NULL(tok);
     snprintf(path, sizeof path, "%s/vocab.gguf", root);
     copy_file(tok, path);
-    snprintf(url, sizeof url, "http://127.0.0.1:%d/redirect/vocab.gguf", srv_range.port);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/redirect/vocab.gguf", srv.port);
     h = moe_http_new();
     moe_http_set_first_range(h, 256);
     g = moe_gguf_open_url(h, url, &err);
@@ -318,6 +583,9 @@ static void remote_reads_few_bytes(void **state) {
     uint64_t ranges = moe_http_requests(h) / 2;
     assert_int_equal(moe_http_requests(h) % 2, 0);
     assert_true(ranges >= 2 && ranges <= 12);
+    /* and nginx saw them so: a 302 and a 206 for each range */
+    assert_int_equal(logged_count("GET /redirect/vocab.gguf", 302), (int)ranges);
+    assert_int_equal(logged_count("GET /vocab.gguf", 206), (int)ranges);
     assert_true(moe_http_bytes(h) >= header);
     assert_true(moe_http_bytes(h) <= header + header / 4 + 256);
     moe_gguf_close(g);
@@ -328,15 +596,16 @@ static void remote_reads_few_bytes(void **state) {
 static void remote_errors(void **state) {
     (void)state;
     MOE_SKIP_IF_NULL(moe_test_shared("parity/llama-q8_0.gguf"));
+    SKIP_WITHOUT_SERVER();
     char cmd[1024], *out;
-    snprintf(cmd, sizeof cmd, "%s inspect http://127.0.0.1:%d/llama-q8_0.gguf", moe_test_bin(),
-             srv_norange.port);
+    snprintf(cmd, sizeof cmd, "%s inspect http://127.0.0.1:%d/norange/llama-q8_0.gguf",
+             moe_test_bin(), srv.port);
     assert_int_equal(moe_test_run(cmd, &out), 1);
     if (!strstr(out, "does not support range requests") || !strstr(out, "HTTP 200"))
         fail_msg("no clear error for a server without ranges: %s", out);
     free(out);
     snprintf(cmd, sizeof cmd, "%s inspect http://127.0.0.1:%d/missing.gguf", moe_test_bin(),
-             srv_range.port);
+             srv.port);
     assert_int_equal(moe_test_run(cmd, &out), 1);
     if (!strstr(out, "HTTP 404")) fail_msg("%s", out);
     free(out);
@@ -347,7 +616,7 @@ static void remote_errors(void **state) {
     snprintf(b, sizeof b, "%s/split-00002-of-00003.gguf.away", root);
     assert_int_equal(rename(a, b), 0);
     snprintf(cmd, sizeof cmd, "%s inspect http://127.0.0.1:%d/split-00001-of-00003.gguf",
-             moe_test_bin(), srv_range.port);
+             moe_test_bin(), srv.port);
     int rc = moe_test_run(cmd, &out);
     assert_int_equal(rename(b, a), 0);
     assert_int_equal(rc, 1);
@@ -672,10 +941,101 @@ static void budget_known_model(void **state) {
     free(out);
 }
 
+/* ==== The SVG in a browser ==== */
+
+/* Python's check of Chromium's screenshot of an SVG (argv: png svg): a PNG of the SVG's size
+ * (zlib and struct only: 8-bit RGB/RGBA, the five filters), not blank (>= 1% of its pixels not
+ * white), and every bar segment at least 2 px each way (the SVG's <rect>s with a <title>, in
+ * the SVG's own pixel coordinates: no transforms on them) drawn where the SVG puts it: its fill
+ * exactly at its centre pixel, which lies wholly inside it. Prints "segments_checked". */
+static const char py_png_check[] =
+    "import struct,sys,zlib,xml.etree.ElementTree as E\n"
+    "d=open(sys.argv[1],'rb').read()\n"
+    "assert d[:8]==b'\\x89PNG\\r\\n\\x1a\\n','not a PNG'\n"
+    "p,idat=8,b''\n"
+    "while p<len(d):\n"
+    "    n,t=struct.unpack('>I4s',d[p:p+8]); c=d[p+8:p+8+n]; p+=12+n\n"
+    "    if t==b'IHDR': w,h,bd,ct,_,_,il=struct.unpack('>IIBBBBB',c)\n"
+    "    elif t==b'IDAT': idat+=c\n"
+    "assert bd==8 and ct in (2,6) and il==0,(bd,ct,il)\n"
+    "r=E.parse(sys.argv[2]).getroot(); ns='{http://www.w3.org/2000/svg}'\n"
+    "assert (w,h)==(int(float(r.get('width'))),int(float(r.get('height')))),(w,h)\n"
+    "bpp=3 if ct==2 else 4; s=w*bpp; raw=zlib.decompress(idat); prev=bytearray(s); rows=[]; i=0\n"
+    "for y in range(h):\n"
+    "    f=raw[i]; ln=bytearray(raw[i+1:i+1+s]); i+=1+s\n"
+    "    for x in range(s):\n"
+    "        a=ln[x-bpp] if x>=bpp else 0; b=prev[x]; c=prev[x-bpp] if x>=bpp else 0\n"
+    "        if f==1: ln[x]=(ln[x]+a)&255\n"
+    "        elif f==2: ln[x]=(ln[x]+b)&255\n"
+    "        elif f==3: ln[x]=(ln[x]+(a+b)//2)&255\n"
+    "        elif f==4:\n"
+    "            pa,pb,pc=abs(b-c),abs(a-c),abs(a+b-2*c)\n"
+    "            ln[x]=(ln[x]+(a if pa<=pb and pa<=pc else b if pb<=pc else c))&255\n"
+    "    rows.append([bytes(ln[x:x+3]) for x in range(0,s,bpp)]); prev=ln\n"
+    "ink=sum(1 for row in rows for q in row if q!=b'\\xff\\xff\\xff')\n"
+    "assert ink*100>=w*h,'blank: %d of %d pixels not white'%(ink,w*h)\n"
+    "n=0\n"
+    "for x in r.iter(ns+'rect'):\n"
+    "    if x.find(ns+'title') is None: continue\n"
+    "    X,Y,W,H=(float(x.get(k)) for k in ('x','y','width','height'))\n"
+    "    if W<2 or H<2: continue\n"
+    "    got=rows[int(Y+H/2)][int(X+W/2)]; want=bytes.fromhex(x.get('fill').lstrip('#'))\n"
+    "    assert got==want,'%s: %s at its centre, not "
+    "%s'%(x.find(ns+'title').text,got.hex(),want.hex())\n"
+    "    n+=1\n"
+    "print(n)\n";
+
+/* Render the SVG with headless Chromium (Debian's, `make deps`) and check the screenshot with
+ * py_png_check. Without Chromium: a message (a failure under CI=true). */
+static void check_svg_in_chromium(const char *svg) {
+    if (moe_test_run("command -v chromium >/dev/null", NULL) != 0) {
+        const char *ci = getenv("CI");
+        if (ci && strcmp(ci, "true") == 0)
+            fail_msg("chromium is missing and CI=true: `make deps` installs it");
+        print_message("[  SKIP    ] chromium is not installed: the SVG is not rendered in a "
+                      "browser (`make deps` installs it)\n");
+        return;
+    }
+    char head[512] = "";
+    FILE *f = fopen(svg, "r");
+    if (!f) fail_msg("%s: %s", svg, strerror(errno));
+    size_t n = fread(head, 1, sizeof head - 1, f);
+    head[n] = '\0';
+    fclose(f);
+    const char *tag = strstr(head, "<svg ");
+    int width = 0, height = 0;
+    const char *wa = tag ? strstr(tag, " width=\"") : NULL,
+               *ha = tag ? strstr(tag, " height=\"") : NULL;
+    if (!wa || !ha || sscanf(wa, " width=\"%d", &width) != 1 ||
+        sscanf(ha, " height=\"%d", &height) != 1 || width <= 0 || height <= 0)
+        fail_msg("%s: no width and height on <svg>:\n%s", svg, head);
+    /* as root (CI) Chromium needs --no-sandbox; the network flags keep it off a closed network */
+    char png[700], py[700], cmd[4096], *out;
+    snprintf(png, sizeof png, "%s.chromium.png", svg);
+    snprintf(
+        cmd, sizeof cmd,
+        "(timeout 120 chromium --headless --no-sandbox --disable-gpu --disable-quic "
+        "--no-first-run --disable-background-networking --disable-component-update "
+        "--disable-sync --disable-dev-shm-usage --hide-scrollbars --user-data-dir='%s/chromium' "
+        "--window-size=%d,%d --screenshot='%s' 'file://%s' && test -s '%s')",
+        moe_test_tmpdir(), width, height, png, svg, png);
+    if (moe_test_run(cmd, &out) != 0) fail_msg("chromium did not render %s:\n%s", svg, out);
+    free(out);
+    snprintf(py, sizeof py, "%s/png_check.py", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(py, py_png_check, strlen(py_png_check), &err), MOE_OK);
+    snprintf(cmd, sizeof cmd, "python3 '%s' '%s' '%s'", py, png, svg);
+    if (moe_test_run(cmd, &out) != 0) fail_msg("chromium's screenshot of %s: %s", svg, out);
+    /* the parts of each bar tall enough to see: experts, attention, KV cache, scratch... */
+    if (atoi(out) < 10) fail_msg("too few bar segments checked in chromium's screenshot: %s", out);
+    free(out);
+}
+
 /* A ladder of two builds of qwen3moe-mixed (as stored, and with every quantized matrix widened
  * to F32 by our writer) at a memory between their needs: the table, the largest that fits, and
  * an SVG that is well-formed XML with a title, axis label, legend, the memory line and one bar
- * per rung and per device (Python's XML parser), rendered by rsvg-convert where installed. */
+ * per rung and per device (Python's XML parser), rendered by rsvg-convert where installed and
+ * by headless Chromium (check_svg_in_chromium). */
 static void budget_ladder_and_svg(void **state) {
     (void)state;
     MOE_SKIP_IF_NULL(moe_test_shared("parity/qwen3moe-mixed.gguf"));
@@ -743,6 +1103,7 @@ static void budget_ladder_and_svg(void **state) {
         snprintf(cmd, sizeof cmd, "rsvg-convert '%s' -o '%s.png' && test -s '%s.png'", svg, svg, svg);
         assert_int_equal(moe_test_run(cmd, NULL), 0);
     }
+    check_svg_in_chromium(svg);
 
     snprintf(cmd, sizeof cmd, "%s budget ../shared/parity/qwen3moe-mixed.gguf "
              "../shared/parity/llama-q8_0.gguf --ladder", moe_test_bin());
@@ -996,9 +1357,15 @@ static void audit_iq_and_remote(void **state) {
     check_against_python(a, q, ref);
 
     /* the same audit over HTTP: the same numbers, and exactly the selected rows' bytes */
+    if (!have_server()) {
+        json_decref(a);
+        moe_gguf_close(g);
+        skip();
+        return;
+    }
     char url_q[700], url_r[700];
-    snprintf(url_q, sizeof url_q, "http://127.0.0.1:%d/qwen3moe-mixed.gguf", srv_range.port);
-    snprintf(url_r, sizeof url_r, "http://127.0.0.1:%d/qwen3moe-ref.gguf", srv_range.port);
+    snprintf(url_q, sizeof url_q, "http://127.0.0.1:%d/qwen3moe-mixed.gguf", srv.port);
+    snprintf(url_r, sizeof url_r, "http://127.0.0.1:%d/qwen3moe-ref.gguf", srv.port);
     snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --json --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
              "--experts 0,5 --rows 16", moe_test_bin(), url_q, url_r);
     json_t *b = run_json(cmd);
