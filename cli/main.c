@@ -29,7 +29,7 @@ static const moe_command commands[] = {
     {"synth", moe_cmd_synth, "write a GGUF model of a supported architecture with seeded random weights",
      "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads N]\n"
      "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff N]\n"
-     "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...]"},
+     "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...] [--random-blocks]"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},

@@ -105,6 +105,10 @@ float moe_dot_f32_ref(moe_type type, const void *w, const float *x, int64_t n);
  * MXFP4 exponents 2^-18 .. 2^11; plain float types get N(0, 1). Deterministic in *seed, which
  * it advances. For speed, random valid blocks are as good as real ones. */
 void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n);
+/* The same, then each block's float scales multiplied so that the block's decoded values have
+ * root mean square `rms` (MXFP4: the nearest power of two; an all-zero block stays zero):
+ * random valid blocks at a weight scale a forward pass keeps finite (moe synth --random-blocks). */
+void moe_type_random_row_rms(moe_type t, uint64_t *seed, void *out, int64_t n, float rms);
 
 /* ==== Kernel tables: the fast dots, one table per ISA level (kernels.c) ====
  *

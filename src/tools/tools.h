@@ -236,6 +236,7 @@ typedef struct moe_synth_params {
     const moe_synth_rule *rules; /* weight types by name, first match wins; default F32 */
     uint32_t n_rules;
     bool mute_special_output;  /* zero the head rows of special and byte tokens (demo) */
+    bool random_blocks;        /* quantized tensors: random valid blocks, not quantized floats */
 } moe_synth_params;
 
 /* Fill *out from a named preset (seed MOE_SYNTH_DEFAULT_SEED); false if unknown. */
