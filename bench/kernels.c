@@ -17,13 +17,20 @@
 
 static volatile float sink_f32;
 
-/* Median GB/s of a matvec over `rows` rows of `row_bytes` at w. */
-static double matvec_gbs(const moe_type_kernels *k, const uint8_t *w, int64_t rows,
-                         size_t row_bytes, const void *xq, int64_t n, float *y, int runs) {
+/* Median GB/s of weights for `rows` rows of `row_bytes` at w against n_x activation rows
+ * (x_stride bytes apart): n_x = 1 is the matvec (k->dot), more is the GEMM (moe_dot_rows, as
+ * moe_matmul calls it). GEMM figures count each weight byte once per pass over all n_x rows. */
+static double matmul_gbs(const moe_type_kernels *k, const uint8_t *w, int64_t rows,
+                         size_t row_bytes, const uint8_t *xq, size_t x_stride, int64_t n_x,
+                         int64_t n, float *y, int runs) {
     double t[64];
     for (int r = 0; r < runs; r++) {
         const double t0 = moe_now();
-        for (int64_t i = 0; i < rows; i++) y[i] = k->dot(w + (size_t)i * row_bytes, xq, n);
+        if (n_x == 1)
+            for (int64_t i = 0; i < rows; i++) y[i] = k->dot(w + (size_t)i * row_bytes, xq, n);
+        else
+            for (int64_t i = 0; i < rows; i++)
+                moe_dot_rows(k, w + (size_t)i * row_bytes, xq, x_stride, n_x, n, y + i * n_x, 1);
         t[r] = moe_now() - t0;
         sink_f32 = y[rows / 2];
     }
@@ -39,7 +46,8 @@ static const moe_type DEFAULT_TYPES[] = {
 };
 
 static void usage(void) {
-    fprintf(stderr, "usage: kernels [--mib N] [--n VALUES] [--runs N] [--threads N] [--types q4_k,...]\n"
+    fprintf(stderr, "usage: kernels [--mib N] [--n VALUES] [--runs N] [--threads N] [--gemm-rows N]\n"
+                    "               [--types q4_k,...]\n"
                     "               [--isa scalar,avx2,...]\n");
     exit(2);
 }
@@ -47,7 +55,7 @@ static void usage(void) {
 int main(int argc, char **argv) {
     size_t mib = 256;
     int64_t n = 4096;
-    int runs = 5, threads = 2;
+    int runs = 5, threads = 2, gemm_rows = 8;
     moe_type types[64];
     int n_types = 0;
     bool isa_on[MOE_ISA_COUNT];
@@ -63,6 +71,8 @@ int main(int argc, char **argv) {
             runs = atoi(v);
         else if (!strcmp(argv[a - 1], "--threads"))
             threads = atoi(v);
+        else if (!strcmp(argv[a - 1], "--gemm-rows"))
+            gemm_rows = atoi(v);
         else if (!strcmp(argv[a - 1], "--types")) {
             char *list = moe_xstrdup(v), *save = NULL;
             for (char *t = strtok_r(list, ",", &save); t && n_types < 64;
@@ -87,7 +97,7 @@ int main(int argc, char **argv) {
         } else
             usage();
     }
-    if (runs < 1 || runs > 64 || threads < 1 || n < 256 || n % 256 || mib < 1) usage();
+    if (runs < 1 || runs > 64 || threads < 1 || gemm_rows < 2 || gemm_rows > 64 || n < 256 || n % 256 || mib < 1) usage();
     if (!n_types) {
         n_types = (int)(sizeof DEFAULT_TYPES / sizeof DEFAULT_TYPES[0]);
         memcpy(types, DEFAULT_TYPES, sizeof DEFAULT_TYPES);
@@ -108,9 +118,9 @@ int main(int argc, char **argv) {
         moe_die("%s", err.msg);
     moe_pool_free(pool);
     const double bw = one.median_gb_s;
-    printf("moe kernel benchmark: single-thread matvec, %zu MiB of weights, rows of %lld, "
-           "median of %d\n",
-           mib, (long long)n, runs);
+    printf("moe kernel benchmark: single thread, %zu MiB of weights, rows of %lld, median of %d; "
+           "matvec, and GEMM against %d activation rows\n",
+           mib, (long long)n, runs, gemm_rows);
     printf("cpu: %s\nactive table: %s\n", cpu, moe_kernels_get()->name);
     printf("read bandwidth (streaming sum, %d-byte loads, %zu MiB): 1 thread %.1f GB/s (%.1f-%.1f), "
            "%d threads %.1f GB/s (%.1f-%.1f)\n\n",
@@ -119,13 +129,19 @@ int main(int argc, char **argv) {
 
     printf("%-8s %6s", "type", "bits/w");
     for (int i = 0; i < MOE_ISA_COUNT; i++)
-        if (isa_on[i] && moe_kernels_for_isa((moe_isa)i)) printf(" %17s", moe_isa_name((moe_isa)i));
-    printf("   (GB/s of weights, %% of read bandwidth; * = kernel of that level)\n");
+        if (isa_on[i] && moe_kernels_for_isa((moe_isa)i)) printf(" %25s", moe_isa_name((moe_isa)i));
+    printf("\n%15s", "");
+    for (int i = 0; i < MOE_ISA_COUNT; i++)
+        if (isa_on[i] && moe_kernels_for_isa((moe_isa)i)) printf(" %16s %6s  ", "matvec", "GEMM");
+    printf("\n(GB/s of weights: matvec with %% of the 1-thread read bandwidth; GEMM per pass over "
+           "%d rows; * = kernel of that level, g = its many-row kernel)\n",
+           gemm_rows);
 
     float *x = moe_xmalloc((size_t)n * sizeof(float));
     uint64_t seed = 42;
     moe_type_random_row(MOE_TYPE_F32, &seed, x, n);
-    void *xq = moe_xmalloc((size_t)n * 4 + 4096);
+    const size_t x_stride = (size_t)n * 4 + 4096;
+    uint8_t *xq = moe_xmalloc(x_stride * (size_t)gemm_rows);
     for (int ti = 0; ti < n_types; ti++) {
         const moe_type t = types[ti];
         const size_t row_bytes = (size_t)moe_type_row_bytes(t, n);
@@ -136,16 +152,20 @@ int main(int argc, char **argv) {
         const int64_t rows = (int64_t)(bytes / row_bytes);
         for (int64_t r = 0; r < rows; r++)
             moe_type_random_row(t, &seed, buf + (size_t)r * row_bytes, n);
-        float *y = moe_xmalloc((size_t)rows * sizeof(float));
+        float *y = moe_xmalloc((size_t)rows * (size_t)gemm_rows * sizeof(float));
         printf("%-8s %6.2f", moe_type_name(t), 8.0 * (double)row_bytes / (double)n);
         fflush(stdout);
         for (int i = 0; i < MOE_ISA_COUNT; i++) {
             const moe_kernels *k = moe_kernels_for_isa((moe_isa)i);
             if (!isa_on[i] || !k) continue;
             const moe_type_kernels *e = &k->types[t];
-            e->quantize_row_for_dot(x, xq, n);
-            const double gbs = matvec_gbs(e, buf, rows, row_bytes, xq, n, y, runs);
-            printf(" %6.1f (%4.0f%%) %c", gbs, 100 * gbs / bw, e->dot_isa == k->isa ? '*' : ' ');
+            for (int r = 0; r < gemm_rows; r++)
+                e->quantize_row_for_dot(x, xq + (size_t)r * x_stride, n);
+            const double gbs = matmul_gbs(e, buf, rows, row_bytes, xq, x_stride, 1, n, y, runs);
+            const double gemm =
+                matmul_gbs(e, buf, rows, row_bytes, xq, x_stride, gemm_rows, n, y, runs);
+            printf(" %6.1f (%4.0f%%) %c %6.1f %c", gbs, 100 * gbs / bw,
+                   e->dot_isa == k->isa ? '*' : ' ', gemm, e->dot_rows ? 'g' : ' ');
             fflush(stdout);
         }
         printf("\n");
