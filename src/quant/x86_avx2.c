@@ -14,6 +14,38 @@
 #include <math.h>
 #include <string.h>
 
+/* ==== Per-row steps of the many-row kernels ==== */
+
+/* Sub-block sums are accumulated as int32 lanes; one float FMA per super-block with
+ * d_w * d_x * mult (mult a power of two, so the product is what the reference forms). */
+MOE_INLINE __m256 iq_accumulate(__m256 acc, float dw, const moe_block_q8_k *y, float mult,
+                                __m256i sumi) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(dw * y->d * mult), _mm256_cvtepi32_ps(sumi), acc);
+}
+
+/* The many-row kernels' per-row steps, shared by every *_rows function below. */
+
+/* sumi[r] += scale x (g times row r's 32 activations at byte `at` of its block, signs applied:
+ * g is the unsigned magnitude, the signs move onto the activations). */
+MOE_INLINE void rows_signed_madd(int R, __m256i g, __m256i signs, __m256i scale,
+                                 const moe_block_q8_k *const *y, int at, __m256i *sumi) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m256i p16 = avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[r]->qs + at), signs));
+        sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p16, scale));
+    }
+}
+/* acc[r] += d_w x d_x(r) x mult x sumi[r]: a super-block's float term, per row. */
+MOE_INLINE void rows_accumulate(int R, __m256 *acc, float dw, const moe_block_q8_k *const *y,
+                                float mult, const __m256i *sumi) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = iq_accumulate(acc[r], dw, y[r], mult, sumi[r]);
+}
+MOE_INLINE void rows_store(int R, const __m256 *acc, float *out, int64_t os) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]);
+}
+
 /* ==== 32-value blocks against Q8_0 / Q8_1 ==== */
 
 /* Two blocks per step (two accumulators per row); an odd last block goes to the reference. */
@@ -185,13 +217,9 @@ MOE_INLINE void q6_k_rows(const void *w, const void *x, size_t xs, int R, int64_
                 }
             }
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r]->d * avx2_fp16(b[i].d)),
-                                     _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+        rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi); /* d_x d_w: exact as d_w d_x */
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]);
+    rows_store(R, acc, out, os);
 }
 /* Q6_K: q = q6 - 32 with q6 = 0..63; sum (q6 - 32) x = sum q6 x - 32 bsum, per 16-value
  * sub-block, so the offset costs one madd of the scales with the bsums per block. */
@@ -263,13 +291,6 @@ static float dot_q3_k(const void *w, const void *x, int64_t n) {
 }
 
 /* ==== IQ types against Q8_K ==== */
-
-/* Sub-block sums are accumulated as int32 lanes; one float FMA per super-block with
- * d_w * d_x * mult (mult a power of two, so the product is what the reference forms). */
-MOE_INLINE __m256 iq_accumulate(__m256 acc, float dw, const moe_block_q8_k *y, float mult,
-                                __m256i sumi) {
-    return _mm256_fmadd_ps(_mm256_set1_ps(dw * y->d * mult), _mm256_cvtepi32_ps(sumi), acc);
-}
 
 /* IQ2_XXS: per 32 values 4 grid bytes, then 4 x 7-bit sign indices and a 4-bit scale. Grid
  * magnitudes are <= 43, so grid x signed q8 fits maddubs. */
@@ -343,21 +364,12 @@ MOE_INLINE void iq2_s_rows(const void *w, const void *x, size_t xs, int R, int64
                                          moe_iq2s_grid[qs[4 * ib + 1] | ((qh << 6) & 0x300)],
                                          moe_iq2s_grid[qs[4 * ib + 2] | ((qh << 4) & 0x300)],
                                          moe_iq2s_grid[qs[4 * ib + 3] | ((qh << 2) & 0x300)]);
-            const __m256i s = avx2_bits_to_mask(moe_load_le32(signs + 4 * ib));
-            const __m256i scale = avx2_scale_pair16(sc, 2 * ib);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const __m256i p16 =
-                    avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[r]->qs + 32 * ib), s));
-                sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p16, scale));
-            }
+            rows_signed_madd(R, g, avx2_bits_to_mask(moe_load_le32(signs + 4 * ib)),
+                             avx2_scale_pair16(sc, 2 * ib), y, 32 * ib, sumi);
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] = iq_accumulate(acc[r], avx2_fp16(b[i].d), y[r], 0.125f, sumi[r]);
+        rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 0.125f, sumi);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]);
+    rows_store(R, acc, out, os);
 }
 MOE_DOT_AND_ROWS(dot_iq2_s, dot_rows_iq2_s, iq2_s_rows, 0)
 
@@ -428,21 +440,12 @@ MOE_INLINE void iq3_s_rows(const void *w, const void *x, size_t xs, int R, int64
                                                 IQ3S(5), IQ3S(6), IQ3S(7));
 #undef IQ3S
 #endif
-            const __m256i s = avx2_bits_to_mask(moe_load_le32(b[i].signs + 4 * ib));
-            const __m256i scale = avx2_splat_i16(sc, ib);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const __m256i p16 =
-                    avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[r]->qs + 32 * ib), s));
-                sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p16, scale));
-            }
+            rows_signed_madd(R, g, avx2_bits_to_mask(moe_load_le32(b[i].signs + 4 * ib)),
+                             avx2_splat_i16(sc, ib), y, 32 * ib, sumi);
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] = iq_accumulate(acc[r], avx2_fp16(b[i].d), y[r], 1.0f, sumi[r]);
+        rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]);
+    rows_store(R, acc, out, os);
 }
 MOE_DOT_AND_ROWS(dot_iq3_s, dot_rows_iq3_s, iq3_s_rows, 0)
 

@@ -94,6 +94,34 @@ MOE_INLINE __m512i z_from_128(__m128i v) {
     return _mm512_zextsi128_si512(v);
 }
 
+/* ==== Per-row steps of the many-row kernels ==== */
+
+MOE_INLINE __m512 z_iq_accumulate(__m512 acc, float dw, const moe_block_q8_k *y, float mult,
+                                  __m512i sumi) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(dw * y->d * mult), _mm512_cvtepi32_ps(sumi), acc);
+}
+
+/* The many-row kernels' per-row steps, shared by the *_rows functions. */
+
+/* sumi[r] += scale x (g times row r's 64 activations at byte `at`, negated where neg is set). */
+MOE_INLINE void z_rows_signed_madd(int R, __m512i g, __mmask64 neg, __m512i scale,
+                                   const moe_block_q8_k *const *y, int at, __m512i *sumi) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m512i xs = z_apply_signs(z_load(y[r]->qs + at), neg);
+        sumi[r] = z_dp_i16(sumi[r], _mm512_maddubs_epi16(g, xs), scale);
+    }
+}
+MOE_INLINE void z_rows_accumulate(int R, __m512 *acc, float dw, const moe_block_q8_k *const *y,
+                                  float mult, const __m512i *sumi) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = z_iq_accumulate(acc[r], dw, y[r], mult, sumi[r]);
+}
+MOE_INLINE void z_rows_store(int R, const __m512 *acc, float *out, int64_t os) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = _mm512_reduce_add_ps(acc[r]);
+}
+
 /* ==== 32-value blocks against Q8_0 ==== */
 
 /* Two blocks per register, two registers per step; up to 3 blocks left go to the reference. */
@@ -219,22 +247,13 @@ MOE_INLINE void z_q6_k_rows(const void *w, const void *x, size_t xs, int R, int6
                 sumi[r] = z_dp_i16(sumi[r], phi, shi);
             }
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(y[r]->d * avx2_fp16(b[i].d)),
-                                     _mm512_cvtepi32_ps(sumi[r]), acc[r]);
+        z_rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi); /* d_x d_w: exact as d_w d_x */
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = _mm512_reduce_add_ps(acc[r]);
+    z_rows_store(R, acc, out, os);
 }
 MOE_DOT_AND_ROWS(z_dot_q6_k, z_dot_rows_q6_k, z_q6_k_rows, 0)
 
 /* ==== IQ types ==== */
-
-MOE_INLINE __m512 z_iq_accumulate(__m512 acc, float dw, const moe_block_q8_k *y, float mult,
-                                  __m512i sumi) {
-    return _mm512_fmadd_ps(_mm512_set1_ps(dw * y->d * mult), _mm512_cvtepi32_ps(sumi), acc);
-}
 
 /* IQ4_XS: 32 qs bytes (two 32-value groups) spread to [lo0 hi0 lo1 hi1] 16-byte chunks; the
  * codebook is sorted, so codes 0..7 are the negative values: their sign goes onto x and the
@@ -307,20 +326,12 @@ MOE_INLINE void z_iq3_s_rows(const void *w, const void *x, size_t xs, int R, int
 #undef IQ3S
 #undef IQ3S_HI
 #endif
-            const __mmask64 neg = _cvtu64_mask64(z_load_u64(b[i].signs + 8 * k));
-            const __m512i scales = z_scales(sc, z_idx2(2 * k, 2 * k + 1));
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const __m512i xsg = z_apply_signs(z_load(y[r]->qs + 64 * k), neg);
-                sumi[r] = z_dp_i16(sumi[r], _mm512_maddubs_epi16(g, xsg), scales);
-            }
+            z_rows_signed_madd(R, g, _cvtu64_mask64(z_load_u64(b[i].signs + 8 * k)),
+                               z_scales(sc, z_idx2(2 * k, 2 * k + 1)), y, 64 * k, sumi);
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] = z_iq_accumulate(acc[r], avx2_fp16(b[i].d), y[r], 1.0f, sumi[r]);
+        z_rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = _mm512_reduce_add_ps(acc[r]);
+    z_rows_store(R, acc, out, os);
 }
 MOE_DOT_AND_ROWS(z_dot_iq3_s, z_dot_rows_iq3_s, z_iq3_s_rows, 0)
 
@@ -364,20 +375,12 @@ MOE_INLINE void z_iq2_s_rows(const void *w, const void *x, size_t xs, int R, int
                                                 moe_iq2s_grid[qs[6] | ((h1 << 4) & 0x300)],
                                                 moe_iq2s_grid[qs[7] | ((h1 << 2) & 0x300)]));
 #endif
-            const __mmask64 neg = _cvtu64_mask64(z_load_u64(signs + 8 * k));
-            const __m512i scales = z_scales(sc, z_idx4(4 * k));
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const __m512i xsg = z_apply_signs(z_load(y[r]->qs + 64 * k), neg);
-                sumi[r] = z_dp_i16(sumi[r], _mm512_maddubs_epi16(g, xsg), scales);
-            }
+            z_rows_signed_madd(R, g, _cvtu64_mask64(z_load_u64(signs + 8 * k)),
+                               z_scales(sc, z_idx4(4 * k)), y, 64 * k, sumi);
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] = z_iq_accumulate(acc[r], avx2_fp16(b[i].d), y[r], 0.125f, sumi[r]);
+        z_rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 0.125f, sumi);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = _mm512_reduce_add_ps(acc[r]);
+    z_rows_store(R, acc, out, os);
 }
 MOE_DOT_AND_ROWS(z_dot_iq2_s, z_dot_rows_iq2_s, z_iq2_s_rows, 0)
 
