@@ -22,6 +22,7 @@ static const char usage_text[] =
     "  --streams LIST    batched decode: stream counts (default 1,2,4,8; 0 skips)\n"
     "  --stream-steps N  decode steps per batched test (default 32)\n"
     "  --probe-mib N     bandwidth probe buffer (default 512)\n"
+    "  --kv-type f16|f32 KV cache element type (default f16)\n"
     "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
     "  --csv | --json    machine-readable output\n";
 
@@ -29,10 +30,11 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
     const moe_bandwidth *bw = &r->bandwidth;
     const double probe = bw->median_gb_s;
     printf("moe bench: %s, %u layers, %u experts (%u used); weights %s (%.2f GB, %.1f s); "
-           "kernels %s, %d threads, median of %d runs (range)\n",
+           "KV %s; kernels %s, %d threads, median of %d runs (range)\n",
            r->arch, r->n_layer, r->n_expert, r->n_expert_used,
            r->in_memory ? "in anonymous memory" : "mapped from the file",
-           (double)r->loaded_bytes / 1e9, r->load_seconds, r->isa, r->threads, r->runs);
+           (double)r->loaded_bytes / 1e9, r->load_seconds, p->kv_f32 ? "f32" : "f16", r->isa,
+           r->threads, r->runs);
     printf("read bandwidth: %.1f GB/s (%.1f-%.1f; probe: %d threads, %d-byte loads, %zu MiB)  "
            "[%s, %d threads]\n",
            probe, bw->min_gb_s, bw->max_gb_s, bw->threads, bw->load_bytes, bw->bytes >> 20, r->isa,
@@ -220,6 +222,9 @@ int moe_cmd_bench(int argc, char **argv) {
                                            "(1..%d, at most %d) or 0, got '%s'",
                                            MOE_BENCH_MAX_STREAM_ROWS, MOE_BENCH_MAX_STREAMS,
                                            v ? v : "");
+            i++;
+        } else if (strcmp(a, "--kv-type") == 0 && v && (!strcmp(v, "f16") || !strcmp(v, "f32"))) {
+            p.kv_f32 = strcmp(v, "f32") == 0;
             i++;
         } else if (strcmp(a, "--mmap") == 0) {
             p.use_mmap = true;

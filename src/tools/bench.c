@@ -191,7 +191,7 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                              ((uint32_t)p->n_prompt > steps ? (uint32_t)p->n_prompt : steps) + 1,
                          .n_seq = max_seq,
                          .max_rows = max_rows,
-                         .kv_type = MOE_KV_F16,
+                         .kv_type = p->kv_f32 ? MOE_KV_F32 : MOE_KV_F16,
                          .n_threads = p->n_threads};
     moe_ctx *ctx = moe_ctx_new(m, &cp, err);
     if (!ctx) {
