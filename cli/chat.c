@@ -1,6 +1,11 @@
-/* chat.c: `moe chat [MODEL]` -- an interactive loop on the terminal. Until chat templates land
- * (their own issue), turns are wrapped in plain ChatML markers; the conversation's tokens stay
- * in the KV cache, so each turn only prefills what it adds. */
+/* chat.c: `moe chat [MODEL]` -- an interactive loop on the terminal, in the model's own chat
+ * format: its GGUF chat template (or --chat-template-file, or the built-in ChatML for a model
+ * without one), rendered over the whole conversation each turn. The conversation's tokens stay
+ * in the context and each turn prefills only from where the new rendering departs from them
+ * (moe_ctx_seq_reuse). The trap: a template may render earlier turns differently once the
+ * conversation grows (Qwen3 drops old reasoning), so the reusable prefix can end before the last
+ * reply; the context is cut back to it rather than assumed to extend. */
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,54 +14,107 @@
 #include "generate.h"
 
 #define CHAT_LINE_MAX 65536 /* one typed turn */
+#define CHATML_END    "<|im_end|>" /* the built-in template's end of turn, when it is only text */
+
+static moe_chat_template *chat_template(const moe_gen *g, const char *file, bool *builtin,
+                                        moe_error *err) {
+    *builtin = false;
+    if (file) return moe_chat_template_load_file(file, err);
+    moe_chat_template *t = moe_chat_template_from_gguf(g->model->gguf, NULL, err);
+    if (t || err->code != MOE_ERR_NOT_FOUND) return t;
+    *err = (moe_error){0};
+    *builtin = true;
+    return moe_chat_template_parse(moe_chat_template_chatml, strlen(moe_chat_template_chatml), err);
+}
+
+static void add_message(json_t *messages, const char *role, const char *content) {
+    json_t *m = json_object();
+    json_object_set_new(m, "role", json_string(role));
+    json_object_set_new(m, "content", json_string(content));
+    json_array_append_new(messages, m);
+}
+
+/* One turn: render the conversation, prefill what the cache lacks, generate the reply. */
+static bool chat_turn(moe_gen *g, const moe_chat_template *t, json_t *messages, bool builtin,
+                      bool verbose, moe_error *err) {
+    char *msgs = json_dumps(messages, JSON_COMPACT);
+    char *prompt = NULL;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    moe_status st = moe_chat_render_tokens(t, g->tok, msgs, NULL, "{\"add_generation_prompt\":true}",
+                                           &prompt, &ids, &n, err);
+    free(msgs);
+    if (st != MOE_OK) return false;
+    if (verbose) fprintf(stderr, "[prompt: %zu tokens]\n%s\n[/prompt]\n", n, prompt);
+    free(prompt);
+    /* the cache keeps what it can of the conversation so far (n - 1: the last prompt token
+     * runs again for its logits) */
+    uint32_t same = 0;
+    bool ok = moe_ctx_seq_reuse(g->ctx, 0, ids, n ? (uint32_t)n - 1 : 0, &same, err) == MOE_OK &&
+              moe_gen_prefill(g, ids + same, n - same, err) &&
+              moe_gen_run(g, g->opt.n_predict, builtin ? CHATML_END : NULL, err);
+    free(ids);
+    if (!ok) return false;
+    size_t len = g->reply_len, end = strlen(CHATML_END);
+    if (builtin && len >= end && memcmp(g->reply + len - end, CHATML_END, end) == 0) len -= end;
+    json_t *m = json_object();
+    json_object_set_new(m, "role", json_string("assistant"));
+    json_object_set_new(m, "content", json_stringn(g->reply, len));
+    json_array_append_new(messages, m);
+    return true;
+}
 
 int moe_cmd_chat(int argc, char **argv) {
     moe_gen_options o;
     moe_gen_options_default(&o);
     o.n_predict = -1;
-    const char *system = NULL;
+    const char *system = NULL, *template_file = NULL;
+    bool verbose = false;
     for (int i = 0; i < argc; i++) {
         int r = moe_gen_parse_option("chat", &o, argc, argv, &i);
         if (r < 0) return 2;
         if (r > 0) continue;
         if (strcmp(argv[i], "--system") == 0 && i + 1 < argc) system = argv[++i];
+        else if (strcmp(argv[i], "--chat-template-file") == 0 && i + 1 < argc) template_file = argv[++i];
+        else if (strcmp(argv[i], "--verbose-prompt") == 0) verbose = true;
         else if (argv[i][0] == '-') return moe_cli_usage_error("chat", "unknown option '%s'", argv[i]);
         else if (!o.model_path) o.model_path = argv[i];
         else return moe_cli_usage_error("chat", "unexpected argument '%s'", argv[i]);
     }
     moe_gen g;
     if (!moe_gen_open(&g, &o, "chat")) return 1;
-    fprintf(stderr, "moe chat: type a message and press enter; an empty line or end of input quits.\n");
-    char *line = moe_xmalloc(CHAT_LINE_MAX);
-    char *turn = moe_xmalloc(CHAT_LINE_MAX + 4096);
     moe_error err = {0};
-    bool first = true;
+    bool builtin;
+    moe_chat_template *t = chat_template(&g, template_file, &builtin, &err);
+    if (!t) {
+        fprintf(stderr, "moe chat: %s\n", err.msg);
+        moe_gen_close(&g);
+        return 1;
+    }
+    fprintf(stderr, "moe chat: chat template %s; type a message and press enter; an empty line or "
+                    "end of input quits.\n",
+            template_file ? template_file : builtin ? "built-in ChatML" : "from the model");
+    json_t *messages = json_array();
+    if (system) add_message(messages, "system", system);
+    char *line = moe_xmalloc(CHAT_LINE_MAX);
     int rc = 0;
     for (;;) {
         fprintf(stderr, "> ");
         if (!fgets(line, CHAT_LINE_MAX, stdin)) break;
         line[strcspn(line, "\n")] = '\0';
         if (!line[0]) break;
-        int len = snprintf(turn, CHAT_LINE_MAX + 4096, "%s%s%s%s<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n",
-                           first && system ? "<|im_start|>system\n" : "", first && system ? system : "",
-                           first && system ? "<|im_end|>\n" : "", first ? "" : "\n", line);
-        int32_t *ids = NULL;
-        size_t n = 0;
-        unsigned flags = MOE_ENCODE_PARSE_SPECIAL | (first ? MOE_ENCODE_ADD_SPECIAL : 0);
-        if (moe_tokenizer_encode(g.tok, turn, (size_t)len, flags, &ids, &n, &err) != MOE_OK ||
-            !moe_gen_prefill(&g, ids, n, &err) || !moe_gen_run(&g, o.n_predict, "<|im_end|>", &err)) {
-            free(ids);
+        add_message(messages, "user", line);
+        if (!chat_turn(&g, t, messages, builtin, verbose, &err)) {
             fprintf(stderr, "\nmoe chat: %s\n", err.msg);
             rc = 1;
             break;
         }
-        free(ids);
         printf("\n");
-        first = false;
     }
     moe_gen_print_stats(&g);
     free(line);
-    free(turn);
+    json_decref(messages);
+    moe_chat_template_free(t);
     moe_gen_close(&g);
     return rc;
 }

@@ -121,6 +121,13 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
         moe_ctx_params cp = {.n_ctx = o->n_ctx, .n_seq = 1, .max_rows = PREFILL_CHUNK,
                              .kv_type = o->kv_type, .n_threads = o->n_threads};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
+        moe_ctx_memory mem;
+        if (g->ctx && moe_ctx_memory_plan(g->model, &cp, &mem, &err) == MOE_OK)
+            fprintf(stderr, "moe %s: state: KV %.2f MiB (%.1f KiB per token), recurrent %.2f MiB "
+                            "(%.1f KiB per sequence), snapshots %.2f MiB\n", cmd,
+                    mem.kv_bytes / 1048576.0, mem.kv_bytes_per_token / 1024.0,
+                    mem.recurrent_bytes / 1048576.0, mem.recurrent_bytes_per_seq / 1024.0,
+                    mem.snapshot_bytes / 1048576.0);
     }
     free(demo);
     if (err.code) {
@@ -136,7 +143,18 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     return true;
 }
 
+static void reply_put(moe_gen *g, const char *text, size_t len) {
+    if (g->reply_cap - g->reply_len < len + 1) {
+        g->reply_cap = 2 * (g->reply_len + len + 1);
+        g->reply = moe_xrealloc(g->reply, g->reply_cap);
+    }
+    memcpy(g->reply + g->reply_len, text, len);
+    g->reply_len += len;
+    g->reply[g->reply_len] = '\0';
+}
+
 void moe_gen_close(moe_gen *g) {
+    free(g->reply);
     moe_sampler_free(g->sampler);
     moe_ctx_free(g->ctx);
     moe_tokenizer_free(g->tok);
@@ -170,6 +188,8 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
     moe_detok *detok = moe_detok_new(g->tok, MOE_DECODE_SKIP_SPECIAL |
                                                  (g->text_started ? 0 : MOE_DECODE_STRIP_PREFIX_SPACE));
     g->text_started = true;
+    g->reply_len = 0;
+    reply_put(g, "", 0);
     const size_t stop_len = stop ? strlen(stop) : 0;
     char tail[256] = {0}; /* the last bytes of output, to match `stop` across pieces */
     size_t tail_len = 0;
@@ -193,6 +213,7 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
                 break;
             }
             fwrite(text, 1, len, stdout);
+            reply_put(g, text, len);
             if (stop_len && stop_len < sizeof tail) {
                 for (size_t k = 0; k < len; k++) {
                     if (tail_len == sizeof tail - 1) memmove(tail, tail + 1, --tail_len);
@@ -216,6 +237,7 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
         size_t len;
         const char *rest = moe_detok_flush(detok, &len);
         fwrite(rest, 1, len, stdout);
+        reply_put(g, rest, len);
     }
     fflush(stdout);
     moe_detok_free(detok);

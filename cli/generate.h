@@ -30,6 +30,8 @@ typedef struct moe_gen {
     float *logits;            /* [n_vocab] */
     moe_row *rows;            /* [chunk] prefill rows */
     bool text_started;        /* some text of this sequence was shown (keeps SPM's leading space) */
+    char *reply;              /* [reply_len] the text the last moe_gen_run showed */
+    size_t reply_len, reply_cap;
     double load_seconds;
     /* running totals for the stats line */
     uint64_t n_prompt, n_generated;

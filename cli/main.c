@@ -11,7 +11,7 @@
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] ..."},
-    {"chat", moe_cmd_chat, "chat with a model in the terminal", "[MODEL] [--system TEXT] [sampling options]"},
+    {"chat", moe_cmd_chat, "chat with a model in the terminal", "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling options]"},
     {"logits", moe_cmd_logits, "write the logits of every position of a token-id prompt",
      "MODEL --tokens ID,ID,... [--out FILE.f32] [--kv-type f32|f16]"},
     {"inspect", moe_cmd_inspect,

@@ -1,5 +1,6 @@
 /* serve.c: `moe serve [MODEL] [options]` -- the HTTP server (src/serve/). Without a model, the
- * built-in demo model. Runs until SIGINT / SIGTERM. */
+ * built-in demo model. Prompts use the model's chat template (or --chat-template-file). Runs
+ * until SIGINT / SIGTERM. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,7 @@ static const char usage_text[] =
     "  --port N           port (default 8080; 0: any free port, printed on stdout)\n"
     "  --api-key K        require this key (Authorization: Bearer K or x-api-key: K); repeatable\n"
     "  --alias NAME       model id reported by the APIs (default: the file name)\n"
+    "  --chat-template-file FILE.jinja  render prompts with this template, not the model's\n"
     "  --ctx N            context per sequence (default: the model's, at most 4096)\n"
     "  --parallel B       streams decoded together in one batch (default 4)\n"
     "  --cache-slots N    extra finished sequences kept for prefix reuse (default: B)\n"
@@ -64,6 +66,9 @@ int moe_cmd_serve(int argc, char **argv) {
             i++;
         } else if (strcmp(a, "--alias") == 0 && v) {
             p.alias = v;
+            i++;
+        } else if (strcmp(a, "--chat-template-file") == 0 && v) {
+            p.chat_template_file = v;
             i++;
         } else if (strcmp(a, "--api-key") == 0 && v) {
             if (p.n_api_keys == MOE_SERVE_MAX_API_KEYS)

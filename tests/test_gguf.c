@@ -515,7 +515,7 @@ static void split_three_shards(void **state) {
     snprintf(shard2, sizeof shard2, "%s/model-00002-of-00003.gguf", dir);
     moe_gguf *s = open_ok(shard2);
     assert_int_equal(moe_gguf_n_shards(s), 3);
-    uint64_t count, no, total, file_total = 0, tensor_total = 0;
+    uint64_t count, no, total, tensor_total = 0;
     assert_true(moe_gguf_get_u64(s, "split.count", &count) && count == 3);
     assert_true(moe_gguf_get_u64(s, "split.no", &no) && no == 0); /* metadata: shard 0's */
     assert_true(moe_gguf_get_u64(s, "split.tensors.count", &total) && total == n);
@@ -526,7 +526,6 @@ static void split_three_shards(void **state) {
         char want[32];
         snprintf(want, sizeof want, "-0000%u-of-00003.gguf", i + 1);
         assert_non_null(strstr(sh->path, want));
-        file_total += sh->file_size;
         tensor_total += sh->tensor_bytes;
         assert_int_equal(sh->n_tensors, i < 2 ? per : n - 2 * per);
     }

@@ -40,10 +40,10 @@ static double dot_budget(moe_type t) {
 
 /* Gaussian activations with a random scale and ~1% outliers x 20. */
 static void random_activations(uint64_t *s, float *x, int64_t n) {
-    const double scale = pow(10.0, -2.0 + 3.0 * moe_test_uniform(s));
+    const double scale = pow(10.0, -2.0 + 3.0 * moe_rng_uniform(s));
     for (int64_t i = 0; i < n; i++) {
-        double v = moe_test_gaussian(s) * scale;
-        if (moe_test_uniform(s) < 0.01) v *= 20;
+        double v = moe_rng_gaussian(s) * scale;
+        if (moe_rng_uniform(s) < 0.01) v *= 20;
         x[i] = (float)v;
     }
 }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "../src/engine/engine.h"
+#include "../src/tools/tools.h"
 
 /* Tolerances (../shared/parity/README.md): rows compare by max|ours - ref| / max|ref|. */
 #define TOL_F32 1e-4      /* float weights, float activations (run.c, llama.cpp F32) */
@@ -192,14 +193,12 @@ static void parity_qwen3moe_mixed(void **state) {
     parity_check("qwen3moe-mixed", TOL_Q8_ACT);
 }
 
+
 /* ==== Batches of many sequences ==== */
 
 /* Three sequences prefilled and decoded together (one row per sequence per step) give each the
  * logits it gets alone, bit for bit; and the expert counters show streams sharing experts. */
-static void batch_equals_alone(void **state) {
-    (void)state;
-    moe_model *m = load_shared_model("parity/qwen3moe-mixed.gguf");
-    MOE_SKIP_IF_NULL(m);
+static void batch_check(moe_model *m) {
     enum { N_SEQ = 3, N_PROMPT = 5, N_STEPS = 6 };
     const int32_t prompts[N_SEQ][N_PROMPT] = {{1, 403, 407, 261, 378}, {1, 298, 315, 421, 395}, {1, 61, 62, 63, 64}};
     const uint32_t nv = m->cfg.n_vocab;
@@ -238,16 +237,57 @@ static void batch_equals_alone(void **state) {
         for (int s = 0; s < N_SEQ; s++) rows[s] = (moe_row){s, N_PROMPT + t, next[s][t], true};
         assert_int_equal(moe_ctx_decode(ctx, rows, N_SEQ, together, &err), MOE_OK);
         const moe_expert_stats st = moe_ctx_expert_stats(ctx);
-        /* 2 MoE layers x 3 rows x top-2 */
-        assert_int_equal(st.rows, 2 * N_SEQ);
-        assert_int_equal(st.pairs, 2 * N_SEQ * m->cfg.n_expert_used);
+        uint64_t moe_layers = 0;
+        for (uint32_t il = 0; il < m->cfg.n_layer; il++) moe_layers += m->layers[il].ffn_gate_inp != NULL;
+        assert_int_equal(st.rows, moe_layers * N_SEQ);
+        assert_int_equal(st.pairs, moe_layers * N_SEQ * m->cfg.n_expert_used);
         assert_true(st.experts <= st.pairs);
         shared_seen |= st.experts < st.pairs;
     }
-    assert_true(shared_seen); /* 3 streams x 2 of 8 experts: some step shares an expert read */
+    assert_true(shared_seen); /* 3 streams choosing k of E experts: some step shares a read */
     free(together);
     free(alone);
     moe_ctx_free(ctx);
+}
+
+static void batch_equals_alone(void **state) {
+    (void)state;
+    static const char *const models[] = {"parity/qwen3moe-mixed.gguf", "parity/deepseek2-q8_0-q4_k.gguf",
+                                         "parity/gpt-oss-mxfp4.gguf", "parity/qwen3next-f32.gguf",
+                                         "parity/kimi-linear-f32.gguf"};
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+        moe_model *m = load_shared_model(models[i]);
+        MOE_SKIP_IF_NULL(m);
+        batch_check(m);
+        moe_model_free(m);
+    }
+}
+
+/* glm4moe has no llama.cpp fixture: a synthetic one (dense first layer, q/k/v biases, partial
+ * rope, sigmoid routing with exp_probs_b, a shared expert, a NextN layer that must be skipped)
+ * loads, skips the NextN layer, and batches like the others. */
+static void glm4moe_synthetic(void **state) {
+    (void)state;
+    moe_synth_params p;
+    assert_true(moe_synth_preset("glm4moe-tiny", &p));
+    const moe_synth_rule q8[] = {{".*", MOE_TYPE_Q8_0}};
+    p.rules = q8;
+    p.n_rules = 1;
+    char path[512];
+    snprintf(path, sizeof path, "%s/glm4moe.gguf", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_synth_write(&p, path, &err), MOE_OK);
+    moe_model *m = moe_model_load(path, &err);
+    if (!m) fail_msg("%s", err.msg);
+    assert_int_equal(m->cfg.n_layer, p.n_layer);      /* the NextN layer is not run */
+    assert_int_equal(m->cfg.n_layer_nextn, p.n_nextn);
+    assert_int_equal(m->cfg.rope_dims, p.head_dim / 2);
+    assert_int_equal(m->cfg.gating, MOE_GATING_SIGMOID);
+    assert_null(m->layers[0].ffn_gate_inp);           /* dense lead */
+    assert_non_null(m->layers[1].exp_probs_b);
+    assert_non_null(m->layers[1].ffn_gate_shexp);
+    assert_non_null(m->layers[1].bq);
+    batch_check(m);
     moe_model_free(m);
 }
 
@@ -271,6 +311,13 @@ static const parity_case deepseek2_q8_0_q4_k = {"deepseek2-q8_0-q4_k", TOL_Q8_AC
 /* Attention sinks, q/k/v/o biases, layer 0 windowed (8), YaRN x32 with NEOX rope, router bias
  * and softmax over the chosen 2 of 4, MXFP4 experts with biases and the clamped SwiGLU. */
 static const parity_case gpt_oss_mxfp4 = {"gpt-oss-mxfp4", TOL_Q8_ACT};
+/* Hybrid: layer 0 Gated DeltaNet (conv, L2-normed q/k, delta rule, gated norm), layer 1 full
+ * attention with the sigmoid output gate and partial NEOX rope; MoE with a gated shared expert. */
+static const parity_case qwen3next_f32 = {"qwen3next-f32", TOL_F32};
+/* Hybrid: layer 0 KDA (separate q/k/v short convs, per-channel decay from the f_a/f_b LoRA,
+ * sigmoid-gated output norm) with a dense FFN, layer 1 MLA without q LoRA and without rope over
+ * a latent cache, sigmoid routing with exp_probs_b, scale 2.446, one shared expert. */
+static const parity_case kimi_linear_f32 = {"kimi-linear-f32", TOL_F32};
 #define PARITY_TEST(c) {"parity_" #c, parity_case_run, NULL, NULL, (void *)&c}
 
 /* ==== Routing ==== */
@@ -487,9 +534,12 @@ int moe_suite_model(void) {
         cmocka_unit_test(parity_llama_q8_0),
         cmocka_unit_test(parity_qwen3moe_mixed),
         cmocka_unit_test(batch_equals_alone),
+        cmocka_unit_test(glm4moe_synthetic),
         PARITY_TEST(deepseek2_f32),
         PARITY_TEST(deepseek2_q8_0_q4_k),
         PARITY_TEST(gpt_oss_mxfp4),
+        PARITY_TEST(qwen3next_f32),
+        PARITY_TEST(kimi_linear_f32),
         cmocka_unit_test(grouped_routing_hand_made),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),

@@ -51,71 +51,9 @@ static const struct {
 #define BUDGET_ROW_LEN 4096
 #define BUDGET_ROWS    8
 
-/* ==== Fixtures ==== */
+/* ==== Fixtures (MANIFEST.json, through testutil) ==== */
 
-#define MAX_TYPES 32
-
-typedef struct {
-    char name[16];
-    moe_type type;
-    int64_t row_len, n_rows, block_values;
-    size_t block_bytes;
-    bool has_src;
-    char dot_type[8]; /* ggml's name: q8_0, q8_1, q8_K, f16, bf16 */
-} fixture_type;
-
-static fixture_type fixtures[MAX_TYPES];
-static int n_fixtures = -1; /* -1: not loaded; 0: ../shared absent */
-
-/* Read MANIFEST.json once; skips the calling test (and returns false) when ../shared is absent. */
-static bool load_manifest(void) {
-    if (n_fixtures == 0) skip();
-    if (n_fixtures > 0) return true;
-    const char *path = moe_test_shared("quant/MANIFEST.json");
-    n_fixtures = 0;
-    if (!path) {
-        skip();
-        return false;
-    }
-    json_error_t jerr;
-    json_t *root = json_load_file(path, 0, &jerr);
-    if (!root) fail_msg("%s:%d: %s", path, jerr.line, jerr.text);
-    json_t *types = json_object_get(root, "types");
-    assert_true(json_is_array(types));
-    assert_true(json_array_size(types) <= MAX_TYPES);
-    size_t i;
-    json_t *t;
-    json_array_foreach(types, i, t) {
-        fixture_type *f = &fixtures[n_fixtures++];
-        snprintf(f->name, sizeof f->name, "%s", json_string_value(json_object_get(t, "type")));
-        if (!moe_type_from_name(f->name, &f->type))
-            fail_msg("unknown type %s in manifest", f->name);
-        assert_int_equal(json_integer_value(json_object_get(t, "ggml_type_id")), f->type);
-        f->row_len = json_integer_value(json_object_get(t, "row_len"));
-        f->n_rows = json_integer_value(json_object_get(t, "n_rows"));
-        f->block_values = json_integer_value(json_object_get(t, "block_size_values"));
-        f->block_bytes = (size_t)json_integer_value(json_object_get(t, "bytes_per_block"));
-        f->has_src = json_is_true(json_object_get(t, "src_stored"));
-        snprintf(f->dot_type, sizeof f->dot_type, "%s",
-                 json_string_value(json_object_get(t, "ggml_cpu_vec_dot_type")));
-    }
-    json_decref(root);
-    assert_true(n_fixtures > 0);
-    return true;
-}
-
-/* quant/<TYPE>.<suffix>, checked to be exactly `expect` bytes. Caller frees. */
-static uint8_t *read_fixture(const fixture_type *f, const char *suffix, size_t expect) {
-    char rel[128];
-    snprintf(rel, sizeof rel, "quant/%s.%s", f->name, suffix);
-    size_t size;
-    uint8_t *data = moe_test_shared_read(rel, &size);
-    if (!data) fail_msg("fixture %s vanished", rel);
-    if (size != expect) fail_msg("%s: %zu bytes, expected %zu", rel, size, expect);
-    return data;
-}
-
-static size_t row_bytes(const fixture_type *f) {
+static size_t row_bytes(const moe_test_quant_fixture *f) {
     return (size_t)moe_type_row_bytes(f->type, f->row_len);
 }
 
@@ -138,7 +76,7 @@ typedef struct {
     double dot_ref[64 * N_VEC], abs_sum[64 * N_VEC], dot_ggml_cpu[64 * N_VEC];
 } dot_fixture;
 
-static void read_dots(const fixture_type *f, dot_fixture *d) {
+static void read_dots(const moe_test_quant_fixture *f, dot_fixture *d) {
     char rel[128];
     snprintf(rel, sizeof rel, "quant/%s.dot.json", f->name);
     const char *path = moe_test_shared(rel);
@@ -176,9 +114,10 @@ static const char *moe_dot_type_ggml_name(moe_type t) {
 
 static void block_geometry_matches_manifest(void **state) {
     (void)state;
-    if (!load_manifest()) return;
+    const moe_test_quant_fixture *fixtures;
+    const int n_fixtures = moe_test_quant_fixtures(&fixtures);
     for (int i = 0; i < n_fixtures; i++) {
-        const fixture_type *f = &fixtures[i];
+        const moe_test_quant_fixture *f = &fixtures[i];
         const moe_type_traits *t = moe_type_traits_get(f->type);
         assert_non_null(t);
         assert_string_equal(t->name, f->name);
@@ -267,13 +206,14 @@ static void iq_tables_match_shared(void **state) {
 
 static void dequantize_bit_exact(void **state) {
     (void)state;
-    if (!load_manifest()) return;
+    const moe_test_quant_fixture *fixtures;
+    const int n_fixtures = moe_test_quant_fixtures(&fixtures);
     char failed[512] = "";
     for (int i = 0; i < n_fixtures; i++) {
-        const fixture_type *f = &fixtures[i];
+        const moe_test_quant_fixture *f = &fixtures[i];
         const int64_t n = f->row_len * f->n_rows;
-        uint8_t *blocks = read_fixture(f, "blocks", row_bytes(f) * (size_t)f->n_rows);
-        uint8_t *want = read_fixture(f, "f32", (size_t)n * sizeof(float));
+        uint8_t *blocks = moe_test_quant_read(f, "blocks", row_bytes(f) * (size_t)f->n_rows);
+        uint8_t *want = moe_test_quant_read(f, "f32", (size_t)n * sizeof(float));
         float *got = moe_xmalloc((size_t)n * sizeof(float));
         /* row by row, as the engine calls it */
         for (int64_t r = 0; r < f->n_rows; r++)
@@ -297,17 +237,18 @@ static void dequantize_bit_exact(void **state) {
 
 static void quantize_matches_ggml(void **state) {
     (void)state;
-    if (!load_manifest()) return;
+    const moe_test_quant_fixture *fixtures;
+    const int n_fixtures = moe_test_quant_fixtures(&fixtures);
     int checked = 0;
     char failed[256] = "";
     for (int i = 0; i < n_fixtures; i++) {
-        const fixture_type *f = &fixtures[i];
+        const moe_test_quant_fixture *f = &fixtures[i];
         if (!f->has_src) continue;
         const size_t rb = row_bytes(f), n = (size_t)(f->row_len * f->n_rows);
         const moe_type_traits *t = moe_type_traits_get(f->type);
         assert_non_null(t->from_float);
-        float *src = (float *)read_fixture(f, "src.f32", n * sizeof(float));
-        uint8_t *want = read_fixture(f, "blocks", rb * (size_t)f->n_rows);
+        float *src = (float *)moe_test_quant_read(f, "src.f32", n * sizeof(float));
+        uint8_t *want = moe_test_quant_read(f, "blocks", rb * (size_t)f->n_rows);
         uint8_t *got = moe_xmalloc(rb * (size_t)f->n_rows);
         for (int64_t r = 0; r < f->n_rows; r++)
             t->from_float(src + r * f->row_len, got + r * rb, f->row_len);
@@ -328,13 +269,14 @@ static void quantize_matches_ggml(void **state) {
 /* The base layer's half conversions are the F16 / BF16 quantizers: check them directly. */
 static void half_conversions_match_ggml(void **state) {
     (void)state;
-    if (!load_manifest()) return;
+    const moe_test_quant_fixture *fixtures;
+    const int n_fixtures = moe_test_quant_fixtures(&fixtures);
     for (int i = 0; i < n_fixtures; i++) {
-        const fixture_type *f = &fixtures[i];
+        const moe_test_quant_fixture *f = &fixtures[i];
         if (f->type != MOE_TYPE_F16 && f->type != MOE_TYPE_BF16) continue;
         const size_t n = (size_t)(f->row_len * f->n_rows);
-        float *src = (float *)read_fixture(f, "src.f32", n * sizeof(float));
-        uint16_t *want = (uint16_t *)read_fixture(f, "blocks", n * 2);
+        float *src = (float *)moe_test_quant_read(f, "src.f32", n * sizeof(float));
+        uint16_t *want = (uint16_t *)moe_test_quant_read(f, "blocks", n * 2);
         for (size_t k = 0; k < n; k++) {
             uint16_t got =
                 f->type == MOE_TYPE_F16 ? moe_f32_to_fp16(src[k]) : moe_f32_to_bf16(src[k]);
@@ -350,14 +292,15 @@ static void half_conversions_match_ggml(void **state) {
 
 static void activation_rows_match_ggml_cpu(void **state) {
     (void)state;
-    if (!load_manifest()) return;
+    const moe_test_quant_fixture *fixtures;
+    const int n_fixtures = moe_test_quant_fixtures(&fixtures);
     char failed[512] = "";
     for (int i = 0; i < n_fixtures; i++) {
-        const fixture_type *f = &fixtures[i];
+        const moe_test_quant_fixture *f = &fixtures[i];
         const size_t xb = (size_t)moe_dot_row_bytes(f->type, f->row_len);
         assert_true(xb > 0);
-        float *x = (float *)read_fixture(f, "x.f32", N_VEC * (size_t)f->row_len * sizeof(float));
-        uint8_t *want = read_fixture(f, "xq.blocks", N_VEC * xb);
+        float *x = (float *)moe_test_quant_read(f, "x.f32", N_VEC * (size_t)f->row_len * sizeof(float));
+        uint8_t *want = moe_test_quant_read(f, "xq.blocks", N_VEC * xb);
         uint8_t *got = moe_xmalloc(N_VEC * xb);
         for (int j = 0; j < N_VEC; j++)
             moe_quantize_row_for_dot(f->type, x + j * f->row_len, got + j * xb, f->row_len);
@@ -433,15 +376,16 @@ static void q8_rounding_ties(void **state) {
 
 static void dot_matches_ggml_cpu(void **state) {
     (void)state;
-    if (!load_manifest()) return;
+    const moe_test_quant_fixture *fixtures;
+    const int n_fixtures = moe_test_quant_fixtures(&fixtures);
     dot_fixture *d = moe_xmalloc(sizeof *d);
     char failed[512] = "";
     for (int i = 0; i < n_fixtures; i++) {
-        const fixture_type *f = &fixtures[i];
+        const moe_test_quant_fixture *f = &fixtures[i];
         const moe_type_traits *t = moe_type_traits_get(f->type);
         const size_t rb = row_bytes(f), xb = (size_t)moe_dot_row_bytes(f->type, f->row_len);
-        uint8_t *w = read_fixture(f, "blocks", rb * (size_t)f->n_rows);
-        uint8_t *xq = read_fixture(f, "xq.blocks", N_VEC * xb);
+        uint8_t *w = moe_test_quant_read(f, "blocks", rb * (size_t)f->n_rows);
+        uint8_t *xq = moe_test_quant_read(f, "xq.blocks", N_VEC * xb);
         read_dots(f, d);
         double worst = 0;
         for (int64_t r = 0; r < f->n_rows; r++)
@@ -467,14 +411,15 @@ static void dot_matches_ggml_cpu(void **state) {
 
 static void dot_f32_ref_matches_float64(void **state) {
     (void)state;
-    if (!load_manifest()) return;
+    const moe_test_quant_fixture *fixtures;
+    const int n_fixtures = moe_test_quant_fixtures(&fixtures);
     dot_fixture *d = moe_xmalloc(sizeof *d);
     char failed[512] = "";
     for (int i = 0; i < n_fixtures; i++) {
-        const fixture_type *f = &fixtures[i];
+        const moe_test_quant_fixture *f = &fixtures[i];
         const size_t rb = row_bytes(f);
-        uint8_t *w = read_fixture(f, "blocks", rb * (size_t)f->n_rows);
-        float *x = (float *)read_fixture(f, "x.f32", N_VEC * (size_t)f->row_len * sizeof(float));
+        uint8_t *w = moe_test_quant_read(f, "blocks", rb * (size_t)f->n_rows);
+        float *x = (float *)moe_test_quant_read(f, "x.f32", N_VEC * (size_t)f->row_len * sizeof(float));
         read_dots(f, d);
         double worst = 0;
         for (int64_t r = 0; r < f->n_rows; r++)
@@ -501,19 +446,6 @@ static void dot_f32_ref_matches_float64(void **state) {
 /* ==== Round-trip error budgets ==== */
 
 /* Seeded gaussian rows (splitmix64 + Box-Muller); odd rows get ~1% outliers x U(20,50). */
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double uniform01(uint64_t *s) {
-    return ((double)(splitmix(s) >> 11) + 0.5) / 9007199254740992.0;
-}
-static double gaussian(uint64_t *s) {
-    return sqrt(-2.0 * log(uniform01(s))) * cos(6.283185307179586 * uniform01(s));
-}
-
 static void quantize_error_budgets(void **state) {
     (void)state;
     const int64_t n = BUDGET_ROW_LEN;
@@ -526,11 +458,11 @@ static void quantize_error_budgets(void **state) {
         uint64_t seed = 42;
         double err2 = 0, ref2 = 0;
         for (int r = 0; r < BUDGET_ROWS; r++) {
-            const double scale = pow(10.0, -3.0 + 4.0 * uniform01(&seed));
+            const double scale = pow(10.0, -3.0 + 4.0 * moe_rng_uniform(&seed));
             for (int64_t i = 0; i < n; i++) {
-                double v = gaussian(&seed) * scale;
-                if ((r & 1) && uniform01(&seed) < 0.01)
-                    v *= (20.0 + 30.0 * uniform01(&seed)) * (uniform01(&seed) < 0.5 ? -1 : 1);
+                double v = moe_rng_gaussian(&seed) * scale;
+                if ((r & 1) && moe_rng_uniform(&seed) < 0.01)
+                    v *= (20.0 + 30.0 * moe_rng_uniform(&seed)) * (moe_rng_uniform(&seed) < 0.5 ? -1 : 1);
                 x[i] = (float)v;
             }
             t->from_float(x, q, n);

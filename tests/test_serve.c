@@ -1,11 +1,16 @@
-/* Suite "serve": `moe serve` on loopback, driven by the official SDKs, plus the prompt formatter
- * and output parser on their own.
+/* Suite "serve": `moe serve` on loopback, driven by the official SDKs, plus the adapters' shapes
+ * for parsed model output (replayed, no model) on their own.
  *
  * Two servers are started once (on free ports, found by --port 0 and read from their stdout):
  *   base: stories260K (../shared) with --ctx 1024 --parallel 16 and an API key;
  *   slow: the built-in demo model with --parallel 1 --queue 1 --queue-timeout 1 --step-delay 20
  *         --keepalive 0.01, where a stream lasts long enough to be aborted, queued behind or
- *         refused, and keep-alives come between tokens.
+ *         refused, and keep-alives come between tokens;
+ *   hybrid: qwen3next-f32 (../shared/parity: Gated DeltaNet + attention, stories260K vocab) with
+ *         --parallel 2 --cache-slots 4, where prefix reuse must go through snapshots.
+ * Two more, for chat templates, start in their own test: stories260K written again with
+ * ChatML's control tokens and Qwen3's template in the GGUF, served as is and with
+ * --chat-template-file; the prompts they render (/apply-template) must equal Python Jinja2's.
  * The client cases live in tests/clients/cases.mjs (node, with the npm packages installed by
  * `npm ci --prefix tests/clients`); without node_modules they skip with a message, and fail
  * under CI=true. The last test stops both servers with SIGTERM and requires a clean exit
@@ -23,6 +28,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <curl/curl.h>
+
 #include "../src/serve/serve_internal.h"
 
 #define SERVER_START_SECONDS 30 /* load + listen; generous for ASan builds */
@@ -38,7 +45,7 @@ typedef struct server {
     char log[512];
 } server;
 
-static server base_srv, slow_srv;
+static server base_srv, slow_srv, hybrid_srv;
 static bool servers_tried, servers_ok;
 static const char *runc_text;
 
@@ -137,7 +144,8 @@ static bool servers(void) {
     }
     const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
     runc_text = moe_test_shared("models/stories260K/runc_greedy_bos_n256.txt");
-    if (!model || !runc_text) {
+    const char *hybrid = moe_test_shared("parity/qwen3next-f32.gguf");
+    if (!model || !runc_text || !hybrid) {
         skip();
         return false;
     }
@@ -145,7 +153,11 @@ static bool servers(void) {
                          "16",          "--api-key", API_KEY, NULL};
     char *slow_args[] = {"--parallel",   "1",  "--queue", "1", "--queue-timeout", "1",
                          "--step-delay", "20", "--keepalive", "0.01", NULL};
-    if (!server_start(&base_srv, "base", base_args) || !server_start(&slow_srv, "slow", slow_args))
+    char *hybrid_args[] = {(char *)hybrid,  "--ctx", "128", "--parallel", "2",
+                           "--cache-slots", "4",     NULL};
+    if (!server_start(&base_srv, "base", base_args) ||
+        !server_start(&slow_srv, "slow", slow_args) ||
+        !server_start(&hybrid_srv, "hybrid", hybrid_args))
         fail_msg("a server did not start (logs in %s)", moe_test_tmpdir());
     servers_ok = true;
     return true;
@@ -160,8 +172,9 @@ static void client_case(const char *name) {
     if (!servers()) return;
     if (!clients_out) {
         char cmd[4096];
-        snprintf(cmd, sizeof cmd, "node %s/cases.mjs --base %s --slow %s --key %s --runc %s",
-                 CLIENTS_DIR, base_srv.url, slow_srv.url, API_KEY, runc_text);
+        snprintf(cmd, sizeof cmd,
+                 "node %s/cases.mjs --base %s --slow %s --hybrid %s --key %s --runc %s",
+                 CLIENTS_DIR, base_srv.url, slow_srv.url, hybrid_srv.url, API_KEY, runc_text);
         clients_rc = moe_test_run(cmd, &clients_out);
     }
     char ok[128], bad[128];
@@ -200,6 +213,7 @@ CLIENT_CASE(completions_runc)
 CLIENT_CASE(stop_strings)
 CLIENT_CASE(logprobs)
 CLIENT_CASE(cached_tokens)
+CLIENT_CASE(hybrid_reuse)
 CLIENT_CASE(anthropic_messages)
 CLIENT_CASE(anthropic_stream)
 CLIENT_CASE(tools_shape)
@@ -218,9 +232,10 @@ CLIENT_CASE(bench_8_streams)
 static void servers_stop_cleanly(void **state) {
     (void)state;
     if (!servers()) return;
-    const int a = server_stop(&base_srv), b = server_stop(&slow_srv);
-    if (a != 0 || b != 0)
-        fail_msg("servers exited with %d and %d (logs: %s, %s)", a, b, base_srv.log, slow_srv.log);
+    const int a = server_stop(&base_srv), b = server_stop(&slow_srv), h = server_stop(&hybrid_srv);
+    if (a != 0 || b != 0 || h != 0)
+        fail_msg("servers exited with %d, %d and %d (logs: %s, %s, %s)", a, b, h, base_srv.log,
+                 slow_srv.log, hybrid_srv.log);
 }
 
 static int teardown(void **state) {
@@ -229,155 +244,498 @@ static int teardown(void **state) {
     clients_out = NULL;
     server_stop(&base_srv);
     server_stop(&slow_srv);
+    server_stop(&hybrid_srv);
     return 0;
 }
 
-/* ==== Prompt formatting ==== */
+/* ==== Chat templates through the server and `moe chat` ==== */
 
-static void format_styles(void **state) {
-    (void)state;
-    assert_int_equal(serve_format_choose(NULL).style, SERVE_PROMPT_CHATML);
-    assert_int_equal(serve_format_choose("{% for m in messages %}<|im_start|>{{ m.role }}").style,
-                     SERVE_PROMPT_CHATML);
-    assert_int_equal(serve_format_choose("<|start_header_id|>{{ role }}<|end_header_id|>").style,
-                     SERVE_PROMPT_LLAMA3);
-    assert_int_equal(serve_format_choose("[INST] {{ content }} [/INST]").style, SERVE_PROMPT_PLAIN);
-    assert_true(serve_format_choose("<|im_start|>... <think>").thinks);
+static size_t curl_collect(char *p, size_t size, size_t n, void *ud) {
+    serve_buf_put(ud, p, size * n);
+    return size * n;
+}
 
-    serve_chat chat = {0};
-    serve_chat_add(&chat, "system")->content = moe_xstrdup("Be brief.");
-    serve_chat_add(&chat, "user")->content = moe_xstrdup("Hi");
-    serve_message *a = serve_chat_add(&chat, "assistant");
-    a->content = moe_xstrdup("");
-    a->tool_calls = moe_xcalloc(1, sizeof *a->tool_calls);
-    a->n_tool_calls = 1;
-    a->tool_calls[0] =
-        (serve_tool_call){moe_xstrdup("c1"), moe_xstrdup("f"), moe_xstrdup("{\"x\":1}")};
-    serve_chat_add(&chat, "tool")->content = moe_xstrdup("42");
-    serve_chat_add(&chat, "tool")->content = moe_xstrdup("43");
+/* POST a JSON body; the reply body (caller frees), its status in *status. */
+static char *http_post(const char *base, const char *path, const char *body, long *status) {
+    char url[512];
+    snprintf(url, sizeof url, "%s%s", base, path);
     serve_buf out = {0};
-    serve_format f = {.style = SERVE_PROMPT_CHATML};
-    serve_format_prompt(&f, &chat, &out);
-    assert_string_equal(out.p,
-                        "<|im_start|>system\nBe brief.<|im_end|>\n"
-                        "<|im_start|>user\nHi<|im_end|>\n"
-                        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"f\", \"arguments\": "
-                        "{\"x\":1}}\n</tool_call><|im_end|>\n"
-                        "<|im_start|>user\n<tool_response>\n42\n</tool_response>\n"
-                        "<tool_response>\n43\n</tool_response><|im_end|>\n"
-                        "<|im_start|>assistant\n");
+    CURL *c = curl_easy_init();
+    struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdr);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, curl_collect);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &out);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
+    const CURLcode rc = curl_easy_perform(c);
+    *status = 0;
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, status);
+    curl_slist_free_all(hdr);
+    curl_easy_cleanup(c);
+    if (rc != CURLE_OK) fail_msg("POST %s: %s", url, curl_easy_strerror(rc));
+    serve_buf_put(&out, "", 0);
+    return out.p;
+}
+
+#define QWEN3_TEMPLATE "templates/Qwen-Qwen3-0.6B.jinja"
+/* --chat-template-file for the second server (and `moe chat`): its own shape, and a raise */
+#define CUSTOM_TEMPLATE                                                                            \
+    "{%- for m in messages %}{%- if m.content == 'boom' %}{{ raise_exception('no boom here') }}"   \
+    "{%- endif %}[{{ m.role }}|{{ m.content }}]\n{%- endfor %}"                                     \
+    "{%- if add_generation_prompt %}[assistant|{%- endif %}"
+
+typedef struct chat_case {
+    const char *messages, *tools, *template_kwargs; /* kwargs: the request's chat_template_kwargs */
+} chat_case;
+
+static const chat_case chat_cases[] = {
+    {"[{\"role\":\"user\",\"content\":\"Tell me a story.\"}]", NULL, NULL},
+    {"[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hi\"},"
+     "{\"role\":\"assistant\",\"content\":\"Hello!\",\"reasoning_content\":\"greet back\"},"
+     "{\"role\":\"user\",\"content\":\"A story?\"}]",
+     NULL, "{\"enable_thinking\":false}"},
+    {"[{\"role\":\"user\",\"content\":\"Weather in Paris?\"},{\"role\":\"assistant\",\"content\":"
+     "\"\",\"tool_calls\":[{\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":"
+     "\"get_weather\",\"arguments\":\"{\\\"city\\\":\\\"Paris\\\"}\"}}]},{\"role\":\"tool\","
+     "\"tool_call_id\":\"call_1\",\"content\":\"21 C\"}]",
+     "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"Weather "
+     "for a city\",\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":"
+     "\"string\"}},\"required\":[\"city\"]}}}]",
+     NULL},
+};
+#define N_CHAT_CASES (sizeof chat_cases / sizeof chat_cases[0])
+
+/* The request body for /apply-template. */
+static char *chat_request(const chat_case *c) {
+    json_t *b = json_object();
+    json_object_set_new(b, "model", json_string("x"));
+    json_object_set_new(b, "messages", json_loads(c->messages, 0, NULL));
+    if (c->tools) json_object_set_new(b, "tools", json_loads(c->tools, 0, NULL));
+    if (c->template_kwargs)
+        json_object_set_new(b, "chat_template_kwargs", json_loads(c->template_kwargs, 0, NULL));
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
+/* The same conversation as transformers' apply_chat_template gets it: arguments as objects,
+ * bos/eos from the tokenizer, the generation prompt on. */
+static json_t *reference_case(const char *template_path, const char *messages, const char *tools,
+                              const char *template_kwargs) {
+    json_t *msgs = json_loads(messages, 0, NULL);
+    size_t i;
+    json_t *m;
+    json_array_foreach(msgs, i, m) {
+        size_t k;
+        json_t *call;
+        json_array_foreach(json_object_get(m, "tool_calls"), k, call) {
+            json_t *fn = json_object_get(call, "function");
+            json_object_set_new(fn, "arguments",
+                                json_loads(json_string_value(json_object_get(fn, "arguments")), 0,
+                                           NULL));
+        }
+    }
+    json_t *kw = json_pack("{s:b,s:s,s:s}", "add_generation_prompt", 1, "bos_token", "<s>",
+                           "eos_token", "</s>");
+    if (template_kwargs) {
+        json_t *extra = json_loads(template_kwargs, 0, NULL);
+        json_object_update(kw, extra);
+        json_decref(extra);
+    }
+    return json_pack("{s:s,s:o,s:o,s:o}", "template", template_path, "messages", msgs, "tools",
+                     tools ? json_loads(tools, 0, NULL) : json_null(), "kwargs", kw);
+}
+
+static size_t count_token(json_t *tokens, json_int_t id) {
+    size_t n = 0, i;
+    json_t *t;
+    json_array_foreach(tokens, i, t) n += json_integer_value(t) == id;
+    return n;
+}
+
+/* The prompt `moe chat --verbose-prompt` printed for its first turn. */
+static char *chat_prompt_of(const char *model, const char *extra) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "printf 'Tell me a story.\\n' | %s chat '%s' --verbose-prompt -n 2 %s",
+             moe_test_bin(), model, extra);
+    char *out;
+    if (moe_test_run(cmd, &out) != 0) fail_msg("moe chat failed:\n%s", out);
+    const char *a = strstr(out, " tokens]\n"), *b = a ? strstr(a, "\n[/prompt]") : NULL;
+    if (!a || !b) fail_msg("moe chat printed no prompt:\n%s", out);
+    a += strlen(" tokens]\n");
+    char *prompt = moe_xstrndup(a, (size_t)(b - a));
+    free(out);
+    return prompt;
+}
+
+static void chat_templates_served(void **state) {
+    (void)state;
+    const char *model = moe_test_chat_model("qwen3-chat", QWEN3_TEMPLATE);
+    const char *qwen3 = moe_test_shared(QWEN3_TEMPLATE);
+    MOE_SKIP_IF_NULL(model);
+    MOE_SKIP_IF_NULL(qwen3);
+    char custom[600];
+    snprintf(custom, sizeof custom, "%s/custom.jinja", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(custom, CUSTOM_TEMPLATE, strlen(CUSTOM_TEMPLATE), &err), MOE_OK);
+    server own = {0}, over = {0};
+    char *own_args[] = {(char *)model, "--ctx", "2048", NULL};
+    char *over_args[] = {(char *)model, "--ctx", "2048", "--chat-template-file", custom, NULL};
+    if (!server_start(&own, "chat-own", own_args) || !server_start(&over, "chat-override", over_args))
+        fail_msg("a chat-template server did not start (logs in %s)", moe_test_tmpdir());
+
+    /* every case through both servers, and through Python Jinja2 */
+    json_t *spec = json_pack("{s:s,s:[]}", "fixed_date", "2026-01-15T09:30:00", "cases");
+    json_t *cases = json_object_get(spec, "cases");
+    char *served[2][N_CHAT_CASES];
+    const server *srvs[2] = {&own, &over};
+    const char *paths[2] = {qwen3, custom};
+    for (size_t c = 0; c < N_CHAT_CASES; c++)
+        for (int s = 0; s < 2; s++) {
+            char *body = chat_request(&chat_cases[c]);
+            long status;
+            char *reply = http_post(srvs[s]->url, "/apply-template", body, &status);
+            if (status != 200) fail_msg("/apply-template case %zu: %ld %s", c, status, reply);
+            json_t *j = json_loads(reply, 0, NULL);
+            served[s][c] = moe_xstrdup(json_string_value(json_object_get(j, "prompt")));
+            json_decref(j);
+            free(reply);
+            free(body);
+            json_array_append_new(cases, reference_case(paths[s], chat_cases[c].messages,
+                                                        chat_cases[c].tools,
+                                                        chat_cases[c].template_kwargs));
+        }
+    /* `moe chat` on the same model: its own template, then the override */
+    char *chat_prompts[2] = {chat_prompt_of(model, ""), NULL};
+    char extra[700];
+    snprintf(extra, sizeof extra, "--chat-template-file '%s'", custom);
+    chat_prompts[1] = chat_prompt_of(model, extra);
+    for (int s = 0; s < 2; s++)
+        json_array_append_new(cases, reference_case(paths[s], chat_cases[0].messages, NULL, NULL));
+
+    json_t *ref = moe_test_render_jinja(spec, "served");
+    json_decref(spec);
+    for (size_t c = 0; c < N_CHAT_CASES; c++)
+        for (int s = 0; s < 2; s++) {
+            json_t *r = json_array_get(ref, c * 2 + s);
+            const char *want = json_string_value(json_object_get(r, "text"));
+            if (!want) fail_msg("jinja2 failed on case %zu: %s", c, json_dumps(r, 0));
+            if (strcmp(served[s][c], want) != 0)
+                fail_msg("%s server, case %zu:\n[%s]\njinja2:\n[%s]", s ? "override" : "own", c,
+                         served[s][c], want);
+            free(served[s][c]);
+        }
+    for (int s = 0; s < 2; s++) {
+        const char *want =
+            json_string_value(json_object_get(json_array_get(ref, 2 * N_CHAT_CASES + s), "text"));
+        assert_non_null(want);
+        assert_string_equal(chat_prompts[s], want);
+        free(chat_prompts[s]);
+    }
+    json_decref(ref);
+
+    /* a client's "<|im_start|>" stays text: the prompt holds only the template's two */
+    long status;
+    char *reply = http_post(own.url, "/apply-template",
+                            "{\"messages\":[{\"role\":\"user\",\"content\":\"x<|im_start|>system\"}]}",
+                            &status);
+    json_t *j = json_loads(reply, 0, NULL);
+    assert_int_equal(status, 200);
+    assert_non_null(strstr(json_string_value(json_object_get(j, "prompt")), "x<|im_start|>system"));
+    assert_int_equal(count_token(json_object_get(j, "tokens"), 3), 2);
+    json_decref(j);
+    free(reply);
+    /* a template that raises: 400 with its message, in each API's shape */
+    reply = http_post(over.url, "/v1/chat/completions",
+                      "{\"model\":\"x\",\"messages\":[{\"role\":\"user\",\"content\":\"boom\"}]}",
+                      &status);
+    assert_int_equal(status, 400);
+    if (!strstr(reply, "no boom here")) fail_msg("%s", reply);
+    free(reply);
+    reply = http_post(over.url, "/v1/messages",
+                      "{\"model\":\"x\",\"max_tokens\":4,\"messages\":[{\"role\":\"user\","
+                      "\"content\":\"boom\"}]}",
+                      &status);
+    assert_int_equal(status, 400);
+    if (!strstr(reply, "\"invalid_request_error\"") || !strstr(reply, "no boom here"))
+        fail_msg("%s", reply);
+    free(reply);
+    /* and the model generates from the rendered prompts */
+    reply = http_post(own.url, "/v1/chat/completions",
+                      "{\"model\":\"x\",\"max_tokens\":4,\"messages\":[{\"role\":\"user\","
+                      "\"content\":\"Tell me a story.\"}],\"chat_template_kwargs\":"
+                      "{\"enable_thinking\":false}}",
+                      &status);
+    if (status != 200) fail_msg("%s", reply);
+    free(reply);
+    assert_int_equal(server_stop(&own), 0);
+    assert_int_equal(server_stop(&over), 0);
+}
+
+/* ==== Parsed output in each API's shape (replayed through the adapters, no model) ==== */
+
+#define WEATHER_TOOLS                                                                              \
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"     \
+    "\"object\",\"properties\":{\"city\":{\"type\":\"string\"},\"days\":{\"type\":\"integer\"}}}}}]"
+/* what a Qwen3 model writes: reasoning, text, two calls */
+#define REPLY                                                                                      \
+    "<think>\nCheck both.\n</think>\n\nOn it.<tool_call>\n{\"name\": \"get_weather\", "           \
+    "\"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": "   \
+    "\"get_weather\", \"arguments\": {\"city\": \"Nice\"}}\n</tool_call>"
+
+typedef struct replay_env {
+    serve_server srv;
+    serve_chat chat;
+} replay_env;
+
+static bool replay_setup(replay_env *e, bool tools) {
+    memset(e, 0, sizeof *e);
+    const char *tpl = moe_test_shared(QWEN3_TEMPLATE);
+    if (!tpl) return false;
+    moe_error err = {0};
+    e->srv.tmpl = moe_chat_template_load_file(tpl, &err);
+    assert_non_null(e->srv.tmpl);
+    snprintf(e->srv.model_id, sizeof e->srv.model_id, "replayed");
+    serve_chat_add(&e->chat, "user")->content = moe_xstrdup("Weather in Paris and Nice?");
+    if (tools) e->chat.tools = json_loads(WEATHER_TOOLS, 0, NULL);
+    return true;
+}
+
+static void replay_free(replay_env *e) {
+    serve_chat_free(&e->chat);
+    moe_chat_template_free(e->srv.tmpl);
+}
+
+/* SSE bytes as [{"event": NAME or null, "data": JSON}], "[DONE]" as the string. */
+static json_t *sse_events(const char *sse) {
+    json_t *list = json_array();
+    for (const char *p = sse; *p;) {
+        const char *end = strstr(p, "\n\n");
+        if (!end) fail_msg("SSE without a blank line after: %s", p);
+        char *ev = moe_xstrndup(p, (size_t)(end - p));
+        const char *name = strncmp(ev, "event: ", 7) == 0 ? ev + 7 : NULL;
+        char *data = strstr(ev, "data: ");
+        if (!data) fail_msg("SSE event without data: %s", ev);
+        if (name) *strchr(ev, '\n') = '\0';
+        json_t *d = strcmp(data + 6, "[DONE]") == 0 ? json_string("[DONE]") : json_loads(data + 6, 0, NULL);
+        if (!d) fail_msg("SSE data is not JSON: %s", data);
+        json_array_append_new(list, json_pack("{s:s?,s:o}", "event", name, "data", d));
+        free(ev);
+        p = end + 2;
+    }
+    return list;
+}
+
+static void expect_arguments(const char *args, const char *want) {
+    json_t *a = json_loads(args, 0, NULL), *w = json_loads(want, 0, NULL);
+    if (!a || !json_equal(a, w)) fail_msg("arguments %s, want %s", args, want);
+    json_decref(a);
+    json_decref(w);
+}
+
+static void openai_shapes(void **state) {
+    (void)state;
+    replay_env e;
+    if (!replay_setup(&e, true)) return;
+    serve_buf out = {0};
+    serve_openai_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
+    json_t *r = json_loads(out.p, 0, NULL);
+    if (!r) fail_msg("not JSON: %s", out.p);
+    json_t *choice = json_array_get(json_object_get(r, "choices"), 0);
+    json_t *msg = json_object_get(choice, "message");
+    assert_string_equal(json_string_value(json_object_get(choice, "finish_reason")), "tool_calls");
+    assert_string_equal(json_string_value(json_object_get(msg, "reasoning_content")), "\nCheck both.\n");
+    assert_string_equal(json_string_value(json_object_get(msg, "content")), "\n\nOn it.\n");
+    json_t *calls = json_object_get(msg, "tool_calls");
+    assert_int_equal(json_array_size(calls), 2);
+    const char *want_args[2] = {"{\"city\":\"Paris\",\"days\":2}", "{\"city\":\"Nice\"}"};
+    for (size_t i = 0; i < 2; i++) {
+        json_t *c = json_array_get(calls, i);
+        assert_true(strncmp(json_string_value(json_object_get(c, "id")), "call_", 5) == 0);
+        assert_string_equal(json_string_value(json_object_get(c, "type")), "function");
+        json_t *fn = json_object_get(c, "function");
+        assert_string_equal(json_string_value(json_object_get(fn, "name")), "get_weather");
+        assert_true(json_is_string(json_object_get(fn, "arguments"))); /* a JSON string */
+        expect_arguments(json_string_value(json_object_get(fn, "arguments")), want_args[i]);
+    }
+    /* streamed in pieces of every small size: the deltas add up to the same message */
+    for (size_t chunk = 1; chunk <= 7; chunk += 3) {
+        out.len = 0;
+        serve_openai_replay(&e.srv, &e.chat, "", REPLY, chunk, true, &out);
+        json_t *evs = sse_events(out.p);
+        serve_buf content = {0}, reasoning = {0}, args[2] = {{0}};
+        const char *finish = NULL;
+        size_t i, n_ids = 0;
+        json_t *ev;
+        json_array_foreach(evs, i, ev) {
+            json_t *d = json_object_get(ev, "data");
+            if (json_is_string(d)) {
+                assert_int_equal(i, json_array_size(evs) - 1); /* [DONE] last */
+                continue;
+            }
+            json_t *ch = json_array_get(json_object_get(d, "choices"), 0);
+            json_t *delta = json_object_get(ch, "delta");
+            const char *t = json_string_value(json_object_get(delta, "content"));
+            if (t) serve_buf_puts(&content, t);
+            t = json_string_value(json_object_get(delta, "reasoning_content"));
+            if (t) serve_buf_puts(&reasoning, t);
+            size_t k;
+            json_t *tc;
+            json_array_foreach(json_object_get(delta, "tool_calls"), k, tc) {
+                json_int_t idx = json_integer_value(json_object_get(tc, "index"));
+                assert_true(idx >= 0 && idx < 2);
+                if (json_string_value(json_object_get(tc, "id"))) n_ids++;
+                serve_buf_puts(&args[idx], json_string_value(json_object_get(
+                                               json_object_get(tc, "function"), "arguments")));
+            }
+            if (json_string_value(json_object_get(ch, "finish_reason")))
+                finish = json_string_value(json_object_get(ch, "finish_reason"));
+        }
+        serve_buf_put(&content, "", 0);
+        serve_buf_put(&reasoning, "", 0);
+        assert_string_equal(content.p, "\n\nOn it.\n");
+        assert_string_equal(reasoning.p, "\nCheck both.\n");
+        assert_int_equal(n_ids, 2);
+        for (int k = 0; k < 2; k++) {
+            serve_buf_put(&args[k], "", 0);
+            expect_arguments(args[k].p, want_args[k]);
+            serve_buf_free(&args[k]);
+        }
+        assert_non_null(finish);
+        assert_string_equal(finish, "tool_calls");
+        serve_buf_free(&content);
+        serve_buf_free(&reasoning);
+        json_decref(evs);
+    }
+    json_decref(r);
+    /* without tools in the request, call markup is the model's text */
+    json_decref(e.chat.tools);
+    e.chat.tools = NULL;
     out.len = 0;
-    f.style = SERVE_PROMPT_LLAMA3;
-    chat.n_msgs = 2; /* system + user only (the rest stays allocated for serve_chat_free) */
-    serve_format_prompt(&f, &chat, &out);
-    assert_string_equal(out.p, "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-                               "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-                               "<|start_header_id|>assistant<|end_header_id|>\n\n");
-    chat.n_msgs = 5;
-    /* tools go into the system turn */
-    json_error_t e;
-    chat.tools =
-        json_loads("[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}]", 0, &e);
+    serve_openai_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
+    r = json_loads(out.p, 0, NULL);
+    msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
+    assert_non_null(strstr(json_string_value(json_object_get(msg, "content")), "<tool_call>"));
+    assert_null(json_object_get(msg, "tool_calls"));
+    json_decref(r);
+    /* a prompt that opened <think> (Qwen3's generation prompt can): the reply starts in it */
     out.len = 0;
-    f.style = SERVE_PROMPT_CHATML;
-    serve_format_prompt(&f, &chat, &out);
-    assert_non_null(strstr(out.p, "Be brief.\n\n# Tools"));
-    assert_non_null(strstr(
-        out.p,
-        "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}\n</tools>"));
+    serve_openai_replay(&e.srv, &e.chat, "<|im_start|>assistant\n<think>\n", "plan</think>done", 3,
+                        false, &out);
+    r = json_loads(out.p, 0, NULL);
+    msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
+    assert_string_equal(json_string_value(json_object_get(msg, "reasoning_content")), "plan");
+    assert_string_equal(json_string_value(json_object_get(msg, "content")), "done");
+    json_decref(r);
     serve_buf_free(&out);
-    serve_chat_free(&chat);
+    replay_free(&e);
 }
 
-/* ==== Output parser ==== */
-
-typedef struct collected {
-    serve_buf content, reasoning, calls;
-} collected;
-
-static void collect(void *ud, const serve_segment *seg) {
-    collected *c = ud;
-    if (seg->kind == SERVE_SEG_CONTENT)
-        serve_buf_put(&c->content, seg->text, seg->len);
-    else if (seg->kind == SERVE_SEG_REASONING)
-        serve_buf_put(&c->reasoning, seg->text, seg->len);
-    else
-        serve_buf_printf(&c->calls, "%s(%s);", seg->name, seg->arguments);
-}
-
-/* Feed text in pieces of `step` bytes (1: every marker is cut across pushes). */
-static void parse_in_pieces(const char *text, size_t step, bool tools, bool think, collected *c) {
-    memset(c, 0, sizeof *c);
-    serve_parser p;
-    serve_parser_init(&p, tools, think, false);
-    const size_t n = strlen(text);
-    for (size_t i = 0; i < n; i += step)
-        serve_parser_push(&p, text + i, n - i < step ? n - i : step, collect, c);
-    serve_parser_finish(&p, collect, c);
-    serve_parser_free(&p);
-    serve_buf_put(&c->content, "", 0);
-    serve_buf_put(&c->reasoning, "", 0);
-    serve_buf_put(&c->calls, "", 0);
-}
-
-static void collected_free(collected *c) {
-    serve_buf_free(&c->content);
-    serve_buf_free(&c->reasoning);
-    serve_buf_free(&c->calls);
-}
-
-static void parser_tool_calls(void **state) {
+static void anthropic_shapes(void **state) {
     (void)state;
-    const char *text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
-                       "{\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\":\"now\","
-                       "\"arguments\":\"{}\"}</tool_call>";
-    for (size_t step = 1; step <= strlen(text); step += step < 4 ? 1 : 13) {
-        collected c;
-        parse_in_pieces(text, step, true, false, &c);
-        assert_string_equal(c.content.p, "Let me check.\n\n");
-        assert_string_equal(c.calls.p, "get_weather({\"city\":\"Paris\"});now({});");
-        assert_string_equal(c.reasoning.p, "");
-        collected_free(&c);
+    replay_env e;
+    if (!replay_setup(&e, true)) return;
+    serve_buf out = {0};
+    serve_anthropic_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
+    json_t *r = json_loads(out.p, 0, NULL);
+    if (!r) fail_msg("not JSON: %s", out.p);
+    assert_string_equal(json_string_value(json_object_get(r, "stop_reason")), "tool_use");
+    json_t *content = json_object_get(r, "content");
+    assert_int_equal(json_array_size(content), 4);
+    const char *types[4] = {"thinking", "text", "tool_use", "tool_use"};
+    for (size_t i = 0; i < 4; i++)
+        assert_string_equal(json_string_value(json_object_get(json_array_get(content, i), "type")),
+                            types[i]);
+    json_t *th = json_array_get(content, 0), *tu = json_array_get(content, 2);
+    assert_string_equal(json_string_value(json_object_get(th, "thinking")), "\nCheck both.\n");
+    assert_true(json_is_string(json_object_get(th, "signature")));
+    assert_string_equal(json_string_value(json_object_get(json_array_get(content, 1), "text")),
+                        "\n\nOn it.\n");
+    assert_true(strncmp(json_string_value(json_object_get(tu, "id")), "toolu_", 6) == 0);
+    assert_string_equal(json_string_value(json_object_get(tu, "name")), "get_weather");
+    json_t *want = json_pack("{s:s,s:i}", "city", "Paris", "days", 2);
+    assert_true(json_equal(json_object_get(tu, "input"), want)); /* an object, not a string */
+    json_decref(want);
+    json_decref(r);
+    /* streamed: blocks open and close in order, deltas of their own kind */
+    out.len = 0;
+    serve_anthropic_replay(&e.srv, &e.chat, "", REPLY, 2, true, &out);
+    json_t *evs = sse_events(out.p);
+    serve_buf seq = {0}, thinking = {0}, args = {0};
+    char last[64] = "";
+    size_t i;
+    json_t *ev;
+    json_array_foreach(evs, i, ev) {
+        const char *name = json_string_value(json_object_get(ev, "event"));
+        json_t *d = json_object_get(ev, "data");
+        assert_non_null(name);
+        assert_string_equal(name, json_string_value(json_object_get(d, "type")));
+        json_t *delta = json_object_get(d, "delta");
+        const char *dt = json_string_value(json_object_get(delta, "type"));
+        char step[64]; /* consecutive deltas of one kind count once */
+        if (!strcmp(name, "content_block_start"))
+            snprintf(step, sizeof step, "start:%s",
+                     json_string_value(json_object_get(json_object_get(d, "content_block"), "type")));
+        else
+            snprintf(step, sizeof step, "%s", dt ? dt : name);
+        if (strcmp(step, last) != 0) serve_buf_printf(&seq, "%s ", step);
+        snprintf(last, sizeof last, "%s", step);
+        if (dt && !strcmp(dt, "thinking_delta"))
+            serve_buf_puts(&thinking, json_string_value(json_object_get(delta, "thinking")));
+        if (dt && !strcmp(dt, "input_json_delta") && !args.len)
+            serve_buf_puts(&args, json_string_value(json_object_get(delta, "partial_json")));
+        if (!strcmp(name, "message_delta"))
+            assert_string_equal(json_string_value(json_object_get(delta, "stop_reason")),
+                                "tool_use");
     }
-    /* without tools in the request the markup is just text */
-    collected c;
-    parse_in_pieces(text, 3, false, false, &c);
-    assert_string_equal(c.content.p, text);
-    collected_free(&c);
-    /* a call that is not JSON comes back as content, never lost */
-    parse_in_pieces("a<tool_call>{oops</tool_call>b", 2, true, false, &c);
-    assert_string_equal(c.content.p, "a<tool_call>{oops</tool_call>b");
-    assert_string_equal(c.calls.p, "");
-    collected_free(&c);
-    /* cut off mid-call (max_tokens): content too */
-    parse_in_pieces("x<tool_call>{\"name\": \"f\", \"argu", 1, true, false, &c);
-    assert_string_equal(c.content.p, "x<tool_call>{\"name\": \"f\", \"argu");
-    collected_free(&c);
-    /* a lone '<' that starts no marker is released at the end */
-    parse_in_pieces("1 <", 1, true, true, &c);
-    assert_string_equal(c.content.p, "1 <");
-    collected_free(&c);
+    serve_buf_put(&seq, "", 0);
+    serve_buf_put(&thinking, "", 0);
+    serve_buf_put(&args, "", 0);
+    assert_string_equal(seq.p, "message_start start:thinking ping thinking_delta signature_delta "
+                               "content_block_stop start:text text_delta content_block_stop "
+                               "start:tool_use input_json_delta content_block_stop "
+                               "start:text text_delta content_block_stop " /* the "\n" */
+                               "start:tool_use input_json_delta content_block_stop "
+                               "message_delta message_stop ");
+    assert_string_equal(thinking.p, "\nCheck both.\n");
+    expect_arguments(args.p, "{\"city\":\"Paris\",\"days\":2}");
+    serve_buf_free(&seq);
+    serve_buf_free(&thinking);
+    serve_buf_free(&args);
+    json_decref(evs);
+    serve_buf_free(&out);
+    replay_free(&e);
 }
 
-static void parser_reasoning(void **state) {
+static void responses_shapes(void **state) {
     (void)state;
-    for (size_t step = 1; step < 8; step++) {
-        collected c;
-        parse_in_pieces("<think>\nhmm, 2+2</think>\n\nIt is 4.", step, false, true, &c);
-        assert_string_equal(c.reasoning.p, "\nhmm, 2+2");
-        assert_string_equal(c.content.p, "\n\nIt is 4.");
-        collected_free(&c);
-    }
-    /* a prompt that opened <think> itself: the output starts inside it */
-    serve_parser p;
-    collected c = {0};
-    serve_parser_init(&p, false, true, true);
-    serve_parser_push(&p, "plan</think>done", 16, collect, &c);
-    serve_parser_finish(&p, collect, &c);
-    serve_parser_free(&p);
-    assert_int_equal(c.reasoning.len, 4);
-    assert_int_equal(c.content.len, 4);
-    collected_free(&c);
+    replay_env e;
+    if (!replay_setup(&e, true)) return;
+    serve_buf out = {0};
+    serve_responses_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
+    json_t *r = json_loads(out.p, 0, NULL);
+    if (!r) fail_msg("not JSON: %s", out.p);
+    json_t *items = json_object_get(r, "output");
+    assert_int_equal(json_array_size(items), 5); /* the "\n" between the calls is a message */
+    const char *types[5] = {"reasoning", "message", "function_call", "message", "function_call"};
+    for (size_t i = 0; i < 5; i++)
+        assert_string_equal(json_string_value(json_object_get(json_array_get(items, i), "type")),
+                            types[i]);
+    json_t *fc = json_array_get(items, 4);
+    assert_true(strncmp(json_string_value(json_object_get(fc, "call_id")), "call_", 5) == 0);
+    assert_string_equal(json_string_value(json_object_get(fc, "name")), "get_weather");
+    expect_arguments(json_string_value(json_object_get(fc, "arguments")), "{\"city\":\"Nice\"}");
+    json_decref(r);
+    out.len = 0;
+    serve_responses_replay(&e.srv, &e.chat, "", REPLY, 1, true, &out);
+    json_t *evs = sse_events(out.p);
+    json_t *last = json_object_get(json_array_get(evs, json_array_size(evs) - 1), "data");
+    assert_string_equal(json_string_value(json_object_get(last, "type")), "response.completed");
+    assert_int_equal(json_array_size(json_object_get(json_object_get(last, "response"), "output")), 5);
+    json_decref(evs);
+    serve_buf_free(&out);
+    replay_free(&e);
 }
 
 static void json_depth_counts_outside_strings(void **state) {
@@ -389,10 +747,11 @@ static void json_depth_counts_outside_strings(void **state) {
 
 int moe_suite_serve(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(format_styles),
-        cmocka_unit_test(parser_tool_calls),
-        cmocka_unit_test(parser_reasoning),
         cmocka_unit_test(json_depth_counts_outside_strings),
+        cmocka_unit_test(openai_shapes),
+        cmocka_unit_test(anthropic_shapes),
+        cmocka_unit_test(responses_shapes),
+        cmocka_unit_test(chat_templates_served),
         cmocka_unit_test(client_models),
         cmocka_unit_test(client_chat_nonstream),
         cmocka_unit_test(client_chat_stream),
@@ -400,6 +759,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_stop_strings),
         cmocka_unit_test(client_logprobs),
         cmocka_unit_test(client_cached_tokens),
+        cmocka_unit_test(client_hybrid_reuse),
         cmocka_unit_test(client_anthropic_messages),
         cmocka_unit_test(client_anthropic_stream),
         cmocka_unit_test(client_tools_shape),

@@ -10,6 +10,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../src/format/format.h"
+
 static int in_ci(void) {
     const char *ci = getenv("CI");
     return ci && strcmp(ci, "true") == 0;
@@ -94,20 +96,6 @@ int moe_test_run(const char *cmd, char **out) {
 
 /* ==== Seeded random numbers ==== */
 
-uint64_t moe_test_splitmix(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-double moe_test_uniform(uint64_t *state) {
-    return ((double)(moe_test_splitmix(state) >> 11) + 0.5) / 9007199254740992.0;
-}
-double moe_test_gaussian(uint64_t *state) {
-    return sqrt(-2.0 * log(moe_test_uniform(state))) *
-           cos(6.283185307179586 * moe_test_uniform(state));
-}
-
 /* ==== Quantization fixtures ==== */
 
 #define MAX_QUANT_FIXTURES 32
@@ -160,4 +148,88 @@ uint8_t *moe_test_quant_read(const moe_test_quant_fixture *f, const char *suffix
     if (!data) fail_msg("fixture %s vanished", rel);
     if (size != expect) fail_msg("%s: %zu bytes, expected %zu", rel, size, expect);
     return data;
+}
+
+/* ==== Python Jinja2 ==== */
+
+json_t *moe_test_render_jinja(json_t *spec, const char *name) {
+    char in_path[600], out_path[600], cmd[1400];
+    snprintf(in_path, sizeof in_path, "%s/%s-cases.json", moe_test_tmpdir(), name);
+    snprintf(out_path, sizeof out_path, "%s/%s-rendered.json", moe_test_tmpdir(), name);
+    if (json_dump_file(spec, in_path, 0) != 0) fail_msg("cannot write %s", in_path);
+    snprintf(cmd, sizeof cmd, "python3 tests/render_jinja.py '%s' '%s'", in_path, out_path);
+    char *log;
+    const int rc = moe_test_run(cmd, &log);
+    if (rc != 0) fail_msg("python3 tests/render_jinja.py failed (%d): %s", rc, log);
+    free(log);
+    json_error_t je;
+    json_t *results = json_load_file(out_path, 0, &je);
+    if (!json_is_array(results)) fail_msg("%s: %s", out_path, je.text);
+    return results;
+}
+
+/* ==== A chat model for the template tests ==== */
+
+const char *moe_test_chat_model(const char *name, const char *template_rel) {
+    static char path[8][1024];
+    static unsigned next;
+    const char *src = moe_test_shared("models/stories260K/stories260K.gguf");
+    const char *tpl_path = template_rel ? moe_test_shared(template_rel) : NULL;
+    if (!src || (template_rel && !tpl_path)) return NULL;
+    char *out = path[next++ % 8];
+    snprintf(out, sizeof path[0], "%s/%s.gguf", moe_test_tmpdir(), name);
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(src, &err);
+    if (!g) fail_msg("%s", err.msg);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    const moe_str *texts = NULL;
+    const int32_t *types = NULL;
+    uint64_t n_vocab = 0;
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
+        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
+        if (!strcmp(kv->key.ptr, "tokenizer.ggml.tokens")) {
+            texts = kv->value.arr.data;
+            n_vocab = kv->value.arr.n;
+        } else if (!strcmp(kv->key.ptr, "tokenizer.ggml.token_type")) {
+            types = kv->value.arr.data;
+        } else {
+            moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
+        }
+    }
+    if (!texts || !types || n_vocab < 8) fail_msg("%s: no usable vocabulary", src);
+    /* ids 3 and 4 (byte tokens <0x00>, <0x01>) become ChatML's control tokens */
+    const char **new_texts = moe_xmalloc(n_vocab * sizeof *new_texts);
+    int32_t *new_types = moe_xmalloc(n_vocab * sizeof *new_types);
+    char **owned = moe_xcalloc(n_vocab, sizeof *owned);
+    for (uint64_t i = 0; i < n_vocab; i++) {
+        owned[i] = moe_xstrndup(texts[i].ptr, texts[i].len);
+        new_texts[i] = owned[i];
+        new_types[i] = types[i];
+    }
+    new_texts[3] = "<|im_start|>";
+    new_texts[4] = "<|im_end|>";
+    new_types[3] = new_types[4] = 3; /* GGUF token type CONTROL */
+    moe_gguf_writer_set_arr(w, "tokenizer.ggml.tokens", MOE_GGUF_STRING, new_texts, n_vocab);
+    moe_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", MOE_GGUF_I32, new_types, n_vocab);
+    if (tpl_path) {
+        uint8_t *tpl;
+        size_t size;
+        if (moe_file_read(tpl_path, &tpl, &size, &err) != MOE_OK) fail_msg("%s", err.msg);
+        moe_gguf_writer_set_str(w, "tokenizer.chat_template", (const char *)tpl);
+        free(tpl);
+    }
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        if (moe_gguf_writer_add_tensor(w, t->name.ptr, t->type, t->n_dims, t->ne, t->data, true,
+                                       &err) != MOE_OK)
+            fail_msg("%s: %s", out, err.msg);
+    }
+    if (moe_gguf_writer_write(w, out, 0, &err) != MOE_OK) fail_msg("%s: %s", out, err.msg);
+    for (uint64_t i = 0; i < n_vocab; i++) free(owned[i]);
+    free(owned);
+    free(new_texts);
+    free(new_types);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+    return out;
 }

@@ -32,9 +32,6 @@ int moe_test_run(const char *cmd, char **out);
 
 /* ==== Seeded random numbers (splitmix64; the same stream on every machine) ==== */
 
-uint64_t moe_test_splitmix(uint64_t *state);
-double moe_test_uniform(uint64_t *state);  /* (0, 1), never 0 or 1 */
-double moe_test_gaussian(uint64_t *state); /* N(0, 1), Box-Muller */
 
 /* ==== Quantization fixtures (../shared/quant, see its README) ==== */
 
@@ -55,6 +52,22 @@ int moe_test_quant_fixtures(const moe_test_quant_fixture **out);
 /* quant/<TYPE>.<suffix> ("blocks", "x.f32", "xq.blocks", ...), checked to be exactly `expect`
  * bytes (fails the test otherwise). Caller frees. */
 uint8_t *moe_test_quant_read(const moe_test_quant_fixture *f, const char *suffix, size_t expect);
+
+/* ==== Python Jinja2 (tests/render_jinja.py) ==== */
+
+/* Render spec ({"fixed_date", "cases": [...]}, see tests/render_jinja.py) with Python Jinja2;
+ * the results array ([{"ok", "text" | "error"}], one per case). Fails the test when Python
+ * does. The caller decrefs. `name` names the scratch files. */
+struct json_t;
+struct json_t *moe_test_render_jinja(struct json_t *spec, const char *name);
+
+/* ==== A chat model ==== */
+
+/* stories260K (../shared) written again as <tmpdir>/<name>.gguf, with ids 3 and 4 (byte tokens
+ * <0x00>, <0x01>) turned into the control tokens <|im_start|> and <|im_end|>, and, when
+ * template_rel is not NULL, tokenizer.chat_template set to that file of ../shared. NULL (test
+ * skipped) without ../shared. */
+const char *moe_test_chat_model(const char *name, const char *template_rel);
 
 #define MOE_SKIP_IF_NULL(p)                                                                        \
     do {                                                                                           \

@@ -6,6 +6,7 @@
 #include "base.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,6 +119,49 @@ char *moe_xstrndup(const char *s, size_t n) {
     memcpy(d, s, n);
     d[n] = '\0';
     return d;
+}
+
+/* ==== Seeded random numbers ==== */
+
+uint64_t moe_rng_u64(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+double moe_rng_uniform(uint64_t *state) {
+    return ((double)(moe_rng_u64(state) >> 11) + 0.5) * 0x1p-53;
+}
+
+double moe_rng_gaussian(uint64_t *state) {
+    const double u1 = moe_rng_uniform(state), u2 = moe_rng_uniform(state);
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+/* ==== A growable string ==== */
+
+void moe_strbuf_printf(moe_strbuf *b, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) moe_die("vsnprintf failed");
+        if (b->s && (size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        b->cap = (b->cap + (size_t)n + 1) * 2;
+        b->s = moe_xrealloc(b->s, b->cap);
+        if (b->len == 0) b->s[0] = '\0';
+    }
+}
+
+char *moe_strbuf_take(moe_strbuf *b) {
+    char *s = b->s ? b->s : moe_xstrdup("");
+    *b = (moe_strbuf){0};
+    return s;
 }
 
 /* ==== Files ==== */

@@ -57,6 +57,23 @@ void *moe_xrealloc(void *p, size_t n);
 char *moe_xstrdup(const char *s);
 char *moe_xstrndup(const char *s, size_t n);
 
+/* ==== Seeded random numbers: splitmix64, the same on every platform ==== */
+
+uint64_t moe_rng_u64(uint64_t *state);
+double moe_rng_uniform(uint64_t *state);  /* in (0, 1): never 0, never 1 */
+double moe_rng_gaussian(uint64_t *state); /* N(0, 1) by Box-Muller (two uniforms per value) */
+
+/* ==== A growable string ==== */
+
+typedef struct moe_strbuf {
+    char *s; /* NUL-terminated once anything is written; NULL while empty */
+    size_t len, cap;
+} moe_strbuf;
+
+void moe_strbuf_printf(moe_strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The text (the caller frees it; "" when nothing was written); b is empty again. */
+char *moe_strbuf_take(moe_strbuf *b);
+
 /* ==== Files ==== */
 
 /* Whole file into memory, NUL-terminated (the NUL is not counted in *size). */

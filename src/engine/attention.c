@@ -1,6 +1,7 @@
 /* attention.c: the grouped-query attention block -- RMSNorm, q/k/v projections (with biases
  * where the arch has them), optional per-head QK-norm, rope, the KV cache write, causal
- * attention per row (sinks and sliding windows where the layer has them), output projection.
+ * attention per row (sinks and sliding windows where the layer has them), an optional output
+ * gate (qwen3next: attn_q yields [q, gate] per head, out *= sigmoid(gate)), output projection.
  *
  * Rows of one sequence in a batch attend to each other causally because every row's K/V is
  * written before any row attends, and a row at position p reads positions 0..p only (the last
@@ -8,6 +9,7 @@
 #include "internal.h"
 
 #include <math.h>
+#include <string.h>
 
 typedef struct attn_job {
     moe_ctx *c;
@@ -39,6 +41,18 @@ static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
     }
 }
 
+/* Rows of [n_head][q, gate] become q rows [n_head][head_dim] and gate rows (in place: each
+ * destination lies at or before its source). */
+static void split_q_gate(moe_ctx *c, uint32_t n_rows) {
+    const moe_model_config *cfg = &c->m->cfg;
+    const int64_t hd = cfg->head_dim_k, n_head = cfg->n_head;
+    for (int64_t i = 0; i < (int64_t)n_rows * n_head; i++) {
+        const float *src = c->q + i * 2 * hd;
+        memcpy(c->att_gate + i * hd, src + hd, sizeof(float) * (size_t)hd);
+        memmove(c->q + i * hd, src, sizeof(float) * (size_t)hd);
+    }
+}
+
 void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer,
                      const moe_row *rows, uint32_t n_rows, uint32_t window, bool latent_v) {
     attn_job job = {.c = c, .rows = rows, .layer = layer, .window = window,
@@ -65,6 +79,7 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
     for (uint32_t r = 0; r < n_rows; r++)
         moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
     moe_matmul(c->pool, l->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
+    if (cfg->attn_output_gate) split_q_gate(c, n_rows);
     moe_matmul(c->pool, l->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
     moe_matmul(c->pool, l->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
     moe_add_bias(c->q, l->bq, 0, n_rows, q_w);
@@ -86,6 +101,8 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
                  c->v + r * v_w, (uint64_t)v_w);
     }
     moe_attend_rows(c, &shape, il, rows, n_rows, l->attn_window, false);
+    if (cfg->attn_output_gate)
+        moe_gate_mul(c->att, c->att_gate, (int64_t)n_rows * cfg->n_head * cfg->head_dim_v, MOE_GATE_SIGMOID);
     moe_matmul(c->pool, l->wo, 0, c->att, n_rows, c->xn, c->mm_scratch);
     moe_add_bias(c->xn, l->bo, 0, n_rows, n_embd);
     for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];

@@ -20,53 +20,104 @@
 
 static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
+/* Bytes of one position of one attention layer in the K and V caches. MLA caches only the
+ * latent row (n_lora_kv + rope dims = head_dim_k); V lives inside it, so v is 0. */
+static void kv_row_bytes(const moe_model_config *c, moe_kv_type kv_type, uint64_t *k, uint64_t *v) {
+    const uint64_t elem = kv_type == MOE_KV_F16 ? 2 : 4;
+    *k = (uint64_t)c->n_head_kv * c->head_dim_k * elem;
+    *v = c->n_lora_kv ? 0 : (uint64_t)c->n_head_kv * c->head_dim_v * elem;
+}
+
+/* The limits a context is created with, defaults filled in. */
+static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, moe_ctx_params *out,
+                                 moe_error *err) {
+    const moe_model_config *c = &m->cfg;
+    *out = *p;
+    if (out->n_ctx == 0)
+        out->n_ctx = c->n_ctx_train < MOE_CTX_MAX_DEFAULT ? c->n_ctx_train : MOE_CTX_MAX_DEFAULT;
+    if (out->n_seq == 0) out->n_seq = 1;
+    if (out->max_rows == 0) out->max_rows = 512;
+    if (out->n_snapshots == 0) out->n_snapshots = 2 * out->n_seq;
+    if (out->n_threads < 1) out->n_threads = 1;
+    if (out->n_seq > MOE_MAX_SEQ || out->max_rows > MOE_MAX_ROWS || out->n_snapshots > 2 * MOE_MAX_SEQ)
+        return moe_error_set(err, MOE_ERR_ARG, "context: %u sequences / %u rows / %u snapshots "
+                             "exceed the limits %u / %u / %u", out->n_seq, out->max_rows,
+                             out->n_snapshots, MOE_MAX_SEQ, MOE_MAX_ROWS, 2 * MOE_MAX_SEQ);
+    return MOE_OK;
+}
+
+moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_ctx_memory *out,
+                               moe_error *err) {
+    const moe_model_config *c = &m->cfg;
+    moe_ctx_params params;
+    memset(out, 0, sizeof *out);
+    if (resolve_params(m, p, &params, err) != MOE_OK) return err->code;
+    const uint64_t n_layer_kv = c->n_layer - c->n_layer_linear;
+    uint64_t k_row, v_row;
+    kv_row_bytes(c, params.kv_type, &k_row, &v_row);
+    moe_linear_ctx lin;
+    moe_linear_plan(m, &lin);
+    out->kv_bytes_per_token = n_layer_kv * (k_row + v_row);
+    out->recurrent_bytes_per_seq = (uint64_t)lin.n_layer * lin.layer_floats * sizeof(float);
+    uint64_t positions;
+    if (moe_mul_overflow(params.n_seq, params.n_ctx, &positions) ||
+        moe_mul_overflow(positions, out->kv_bytes_per_token, &out->kv_bytes) ||
+        moe_mul_overflow(params.n_seq, out->recurrent_bytes_per_seq, &out->recurrent_bytes) ||
+        moe_mul_overflow(params.n_snapshots, out->recurrent_bytes_per_seq, &out->snapshot_bytes))
+        return moe_error_set(err, MOE_ERR_RANGE, "context: state size overflows");
+    out->token_bytes = positions * sizeof(int32_t);
+    if (moe_add_overflow(out->kv_bytes, out->recurrent_bytes, &out->total) ||
+        moe_add_overflow(out->total, out->snapshot_bytes, &out->total) ||
+        moe_add_overflow(out->total, out->token_bytes, &out->total) || out->total > SIZE_MAX / 2)
+        return moe_error_set(err, MOE_ERR_RANGE, "context: state size overflows");
+    return MOE_OK;
+}
+
 moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err) {
     const moe_model_config *c = &m->cfg;
-    moe_ctx_params params = *p;
-    if (params.n_ctx == 0)
-        params.n_ctx = c->n_ctx_train < MOE_CTX_MAX_DEFAULT ? c->n_ctx_train : MOE_CTX_MAX_DEFAULT;
-    if (params.n_seq == 0) params.n_seq = 1;
-    if (params.max_rows == 0) params.max_rows = 512;
-    if (params.n_seq > MOE_MAX_SEQ || params.max_rows > MOE_MAX_ROWS) {
-        moe_error_set(err, MOE_ERR_ARG, "context: %u sequences / %u rows exceed the limits %u / %u",
-                      params.n_seq, params.max_rows, MOE_MAX_SEQ, MOE_MAX_ROWS);
+    moe_ctx_params params;
+    moe_ctx_memory plan;
+    if (resolve_params(m, p, &params, err) != MOE_OK ||
+        moe_ctx_memory_plan(m, &params, &plan, err) != MOE_OK)
         return NULL;
-    }
-    const uint64_t elem = params.kv_type == MOE_KV_F16 ? 2 : 4;
-    const uint64_t k_row = (uint64_t)c->n_head_kv * c->head_dim_k * elem;
-    /* MLA caches only the latent row (n_lora_kv + rope dims = head_dim_k); V lives inside it */
-    const uint64_t v_row = c->n_lora_kv ? 0 : (uint64_t)c->n_head_kv * c->head_dim_v * elem;
-    uint64_t per_seq_positions, k_bytes, v_bytes;
-    if (moe_mul_overflow((uint64_t)params.n_seq * c->n_layer, params.n_ctx, &per_seq_positions) ||
-        moe_mul_overflow(per_seq_positions, k_row, &k_bytes) ||
-        moe_mul_overflow(per_seq_positions, v_row, &v_bytes) || k_bytes > SIZE_MAX / 2) {
-        moe_error_set(err, MOE_ERR_RANGE, "context: KV cache size overflows");
-        return NULL;
-    }
+    uint64_t k_row, v_row;
+    kv_row_bytes(c, params.kv_type, &k_row, &v_row);
+    /* no overflow: the plan checked the sum of both */
+    const uint64_t kv_rows = (uint64_t)params.n_seq * params.n_ctx * (c->n_layer - c->n_layer_linear);
+    const uint64_t k_bytes = kv_rows * k_row, v_bytes = kv_rows * v_row;
     moe_ctx *x = moe_xcalloc(1, sizeof *x);
     x->m = m;
     x->p = params;
     x->k_row_bytes = k_row;
     x->v_row_bytes = v_row;
     x->seq_len = moe_xcalloc(params.n_seq, sizeof *x->seq_len);
+    x->layer_slot = moe_xcalloc(c->n_layer, sizeof *x->layer_slot);
+    for (uint32_t il = 0, n_lin = 0; il < c->n_layer; il++)
+        x->layer_slot[il] = m->layers[il].mixer == MOE_MIXER_ATTENTION ? x->n_layer_kv++ : n_lin++;
     x->k_cache = calloc(1, k_bytes ? k_bytes : 1);
     x->v_cache = calloc(1, v_bytes ? v_bytes : 1);
-    if (!x->k_cache || !x->v_cache) {
-        moe_error_set(err, MOE_ERR_NOMEM, "context: cannot allocate %.1f MiB of KV cache",
-                      (double)(k_bytes + v_bytes) / (1 << 20));
+    x->tokens = calloc(1, plan.token_bytes);
+    x->snap_state = calloc(1, plan.snapshot_bytes ? plan.snapshot_bytes : 1);
+    if (!x->k_cache || !x->v_cache || !x->tokens || !x->snap_state) {
+        moe_error_set(err, MOE_ERR_NOMEM, "context: cannot allocate %.1f MiB of KV cache, "
+                      "snapshots and token ids", (double)plan.total / (1 << 20));
         moe_ctx_free(x);
         return NULL;
     }
+    x->snaps = moe_xcalloc(params.n_snapshots, sizeof *x->snaps);
+    for (uint32_t i = 0; i < params.n_snapshots; i++) x->snaps[i].seq = -1;
     const uint64_t rows = params.max_rows;
     const uint64_t q_w = (uint64_t)c->n_head * c->head_dim_k;
     const uint64_t att_w = (uint64_t)c->n_head * c->head_dim_v;
     x->x = moe_xcalloc(rows * c->n_embd, sizeof(float));
     x->xn = moe_xcalloc(rows * max_u64(c->n_embd, att_w), sizeof(float));
-    x->q = moe_xcalloc(rows * q_w, sizeof(float));
+    x->q = moe_xcalloc(rows * q_w * (c->attn_output_gate ? 2 : 1), sizeof(float));
+    if (c->attn_output_gate) x->att_gate = moe_xcalloc(rows * att_w, sizeof(float));
+    if (c->n_ff_shexp) x->shexp_gate = moe_xcalloc(rows, sizeof(float));
     x->k = moe_xcalloc(rows * c->n_head_kv * c->head_dim_k, sizeof(float));
     x->v = moe_xcalloc(rows * c->n_head_kv * c->head_dim_v, sizeof(float));
     x->att = moe_xcalloc(rows * att_w, sizeof(float));
-    const uint64_t ff_w = max_u64(c->n_ff, (uint64_t)c->n_ff_exp * c->n_expert_shared);
+    const uint64_t ff_w = max_u64(c->n_ff, c->n_ff_shexp);
     x->ff_gate = moe_xcalloc(rows * ff_w, sizeof(float));
     x->ff_up = moe_xcalloc(rows * ff_w, sizeof(float));
     if (c->n_lora_kv) {
@@ -77,8 +128,6 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         x->mla_in = moe_xcalloc(rows * head_max, sizeof(float));
         x->mla_out = moe_xcalloc(rows * head_max, sizeof(float));
     }
-    if (params.n_threads < 1) params.n_threads = 1;
-    x->p.n_threads = params.n_threads;
     x->pool = moe_pool_new(params.n_threads);
     x->scores = moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
@@ -87,7 +136,9 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         const moe_tensor *ts[] = {l->wq, l->wk, l->wv, l->wo, l->ffn_gate, l->ffn_up, l->ffn_down,
                                   l->ffn_gate_inp, l->ffn_gate_exps, l->ffn_up_exps, l->ffn_down_exps,
                                   l->ffn_gate_shexp, l->ffn_up_shexp, l->ffn_down_shexp, l->wq_a,
-                                  l->wq_b, l->wkv_a_mqa, l->wk_b, l->wv_b};
+                                  l->wq_b, l->wkv_a_mqa, l->wk_b, l->wv_b, l->ssm_qkv, l->ssm_gate,
+                                  l->ssm_ba, l->ssm_beta, l->ssm_f_a, l->ssm_f_b, l->ssm_g_a,
+                                  l->ssm_g_b, l->ssm_out};
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
             if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
     }
@@ -106,12 +157,20 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         x->experts.y = moe_xcalloc(rows * c->n_embd, sizeof(float));
         x->experts.mm = x->mm_scratch;
     }
+    moe_linear_alloc(x);
     return x;
 }
 
 void moe_ctx_free(moe_ctx *c) {
     if (!c) return;
     free(c->seq_len);
+    free(c->tokens);
+    free(c->layer_slot);
+    free(c->snaps);
+    free(c->snap_state);
+    free(c->att_gate);
+    free(c->shexp_gate);
+    moe_linear_free(c);
     free(c->k_cache);
     free(c->v_cache);
     free(c->x);
@@ -153,15 +212,11 @@ uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq) {
     return seq >= 0 && (uint32_t)seq < c->p.n_seq ? c->seq_len[seq] : 0;
 }
 
-void moe_ctx_seq_truncate(moe_ctx *c, int32_t seq, uint32_t n) {
-    if (seq >= 0 && (uint32_t)seq < c->p.n_seq && n < c->seq_len[seq]) c->seq_len[seq] = n;
-}
-
 /* ==== KV cache addressing ==== */
 
 uint8_t *moe_kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32_t seq,
                         uint32_t layer, uint32_t pos) {
-    const uint64_t index = ((uint64_t)seq * c->m->cfg.n_layer + layer) * c->p.n_ctx + pos;
+    const uint64_t index = ((uint64_t)seq * c->n_layer_kv + c->layer_slot[layer]) * c->p.n_ctx + pos;
     return cache + index * row_bytes;
 }
 
@@ -217,12 +272,16 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 
     for (uint32_t il = 0; il < cfg->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        if (l->wkv_a_mqa) moe_block_attention_mla(c, l, il, rows, n_rows);
+        if (l->mixer != MOE_MIXER_ATTENTION) moe_block_linear(c, l, il, rows, n_rows);
+        else if (l->wkv_a_mqa) moe_block_attention_mla(c, l, il, rows, n_rows);
         else moe_block_attention(c, l, il, rows, n_rows);
         if (l->ffn_gate_inp) moe_block_ffn_experts(c, l, n_rows);
         else moe_block_ffn_dense(c, l, n_rows);
     }
-    for (uint32_t r = 0; r < n_rows; r++) c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
+    for (uint32_t r = 0; r < n_rows; r++) {
+        c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
+        c->tokens[(uint64_t)rows[r].seq * c->p.n_ctx + (uint32_t)rows[r].pos] = rows[r].token;
+    }
 
     /* output head over the rows that asked for logits, packed */
     uint32_t n_out = 0;

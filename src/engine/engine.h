@@ -30,11 +30,25 @@ typedef struct moe_ctx_params {
     uint32_t max_rows; /* rows per forward call */
     moe_kv_type kv_type;
     int n_threads;     /* threads for the forward pass, including the caller (0: 1) */
+    uint32_t n_snapshots; /* recurrent-state snapshots held at once (0: 2 per sequence) */
 } moe_ctx_params;
+
+/* What a context's state costs, decided before anything is allocated (moe budget, load). */
+typedef struct moe_ctx_memory {
+    uint64_t kv_bytes_per_token;      /* K + V of one position over the full-attention layers */
+    uint64_t kv_bytes;                /* n_seq x n_ctx positions */
+    uint64_t recurrent_bytes_per_seq; /* conv + delta-rule state over the linear layers */
+    uint64_t recurrent_bytes;         /* n_seq of them */
+    uint64_t snapshot_bytes;          /* n_snapshots of them */
+    uint64_t token_bytes;             /* the token ids each sequence holds */
+    uint64_t total;                   /* all of the above (scratch not included) */
+} moe_ctx_memory;
 
 typedef struct moe_ctx moe_ctx;
 
 moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err);
+moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_ctx_memory *out,
+                               moe_error *err);
 void moe_ctx_free(moe_ctx *c);
 const moe_model *moe_ctx_model(const moe_ctx *c);
 uint32_t moe_ctx_n_ctx(const moe_ctx *c);
@@ -46,8 +60,44 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c);
 /* Tokens held for a sequence (its next position). */
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq);
-/* Forget positions >= n of a sequence (0 clears it). */
-void moe_ctx_seq_truncate(moe_ctx *c, int32_t seq, uint32_t n);
+
+/* ==== Sequence state: truncation, snapshots, prefix reuse (state.c) ====
+ *
+ * Attention layers keep K/V rows per position, so a sequence can be cut back to any length.
+ * Linear-attention layers (hybrid models) keep one recurrent state per sequence that already
+ * includes every token fed: it cannot be cut back, only replaced by a copy taken earlier. A
+ * snapshot copies a sequence's recurrent state as it stands now (its length is the snapshot's
+ * position) and stays valid while that sequence keeps those first tokens: truncating the
+ * sequence below it, or restoring something else into it, drops it. Restoring a snapshot into a
+ * sequence makes it hold exactly the snapshot's tokens: K/V rows are truncated (the same
+ * sequence) or copied (another one) and the recurrent state is copied. The context remembers
+ * the token ids of every sequence, so moe_ctx_seq_reuse can pick the longest reusable prefix
+ * itself and a sequence never runs on state that includes tokens its caller did not give. */
+
+/* Forget positions >= n of a sequence (0 clears it). On a hybrid model this needs a snapshot
+ * of the sequence at exactly n (or n == 0, or n >= its length); otherwise it fails and the
+ * sequence is unchanged. Snapshots of the sequence past n are dropped. */
+moe_status moe_ctx_seq_truncate(moe_ctx *c, int32_t seq, uint32_t n, moe_error *err);
+/* Snapshot seq's recurrent state at its current length into a free slot (else the least
+ * recently used one); returns the slot id (>= 0), or -1 with err set. */
+int32_t moe_ctx_seq_snapshot(moe_ctx *c, int32_t seq, moe_error *err);
+/* Make seq hold exactly what the snapshot holds (see above). */
+moe_status moe_ctx_seq_restore(moe_ctx *c, int32_t seq, int32_t snapshot, moe_error *err);
+/* Free a snapshot slot (an unknown or free slot is ignored). */
+void moe_ctx_snapshot_drop(moe_ctx *c, int32_t snapshot);
+/* The sequence and position a snapshot was taken at; false when the slot is free. */
+bool moe_ctx_snapshot_info(const moe_ctx *c, int32_t snapshot, int32_t *seq, uint32_t *pos);
+/* Prefix reuse: make seq hold the longest prefix of tokens[0..n) this context can reproduce
+ * exactly -- from seq itself, another sequence, or a snapshot -- and set *reused to its length
+ * L; the caller then feeds tokens[L..n). Pass n = prompt length - 1 to be sure of the last
+ * prompt token's logits. Whatever else seq held is forgotten. */
+moe_status moe_ctx_seq_reuse(moe_ctx *c, int32_t seq, const int32_t *tokens, uint32_t n,
+                             uint32_t *reused, moe_error *err);
+/* How many tokens moe_ctx_seq_reuse could take from seq alone (its live tokens or one of its
+ * snapshots) for tokens[0..n); 0 for an unknown seq. Changes nothing. */
+uint32_t moe_ctx_seq_prefix(const moe_ctx *c, int32_t seq, const int32_t *tokens, uint32_t n);
+/* The token ids seq holds (moe_ctx_seq_len of them). */
+const int32_t *moe_ctx_seq_tokens(const moe_ctx *c, int32_t seq);
 
 /* ==== Sampling ==== */
 

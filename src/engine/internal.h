@@ -8,11 +8,47 @@
 
 #include "engine.h"
 
+/* Linear-attention layers of a hybrid model: each sequence's recurrent state, and the scratch
+ * of the linear block (linear.c). Rows of a batch are processed grouped by sequence. */
+typedef struct moe_linear_seg {
+    int32_t seq, begin, n; /* rows order[begin .. begin + n) belong to seq, in position order */
+} moe_linear_seg;
+
+typedef struct moe_linear_ctx {
+    uint32_t n_layer;        /* linear layers (0: the model is not a hybrid) */
+    uint64_t conv_floats;    /* one layer's conv state: [2K + V channels][d_conv - 1] */
+    uint64_t layer_floats;   /* conv_floats + the delta-rule state [n_v_heads][hd][hd] */
+    float *state;            /* [n_seq][n_layer][layer_floats] */
+    int32_t *order;          /* [max_rows] batch rows grouped by sequence */
+    int32_t *seq_count;      /* [n_seq + 1] counting-sort table */
+    moe_linear_seg *segs;    /* [max_rows] */
+    /* scratch, [max_rows][width] floats each, rows in `order` */
+    float *x;                /* normed input [n_embd] */
+    float *qkv;              /* q | k | v after the conv [2K + V] */
+    float *z;                /* output gate [V] */
+    float *g;                /* log decay [n_v_heads] (GDN) or [V] (KDA) */
+    float *beta;             /* [n_v_heads] */
+    float *tmp;              /* low-rank and beta/alpha projections [max(2 n_v_heads, hd)] */
+    float *out;              /* delta-rule output, then gated-normed [V] */
+    float *y;                /* output projection [n_embd] */
+    float *delta_scratch;    /* [n_threads][moe_delta_scratch_floats] */
+} moe_linear_ctx;
+
+/* A recurrent-state snapshot: sequence seq's state after its first pos tokens. */
+typedef struct moe_snapshot {
+    int32_t seq;             /* -1: the slot is free */
+    uint32_t pos;
+    uint64_t used;           /* last use, for least-recently-used replacement */
+} moe_snapshot;
+
 struct moe_ctx {
     const moe_model *m;
     moe_ctx_params p;
     uint32_t *seq_len;        /* [n_seq] tokens held per sequence */
-    /* KV cache: [n_seq][n_layer][n_ctx][n_head_kv * head_dim], f32 or f16 by p.kv_type. With
+    int32_t *tokens;          /* [n_seq][n_ctx] the token ids each sequence holds */
+    uint32_t *layer_slot;     /* [n_layer] index among the attention layers (KV) or the linear ones */
+    uint32_t n_layer_kv;      /* attention layers (softmax or latent) */
+    /* KV cache: [n_seq][n_layer_kv][n_ctx][n_head_kv * head_dim], f32 or f16 by p.kv_type. With
      * MLA, k_cache rows are the latent cache [n_lora_kv + rope_dims] and v_cache is unused
      * (V is the latent part of each K row; v_row_bytes = 0). */
     uint8_t *k_cache, *v_cache;
@@ -34,6 +70,12 @@ struct moe_ctx {
     moe_expert_stats stats;   /* of the last moe_ctx_decode */
     moe_pool *pool;
     void *mm_scratch;         /* activation rows converted for the dot kernels */
+    float *att_gate;          /* [max_rows][n_head * head_dim_v] attention output gate */
+    float *shexp_gate;        /* [max_rows] shared-expert gate logits */
+    moe_linear_ctx lin;
+    moe_snapshot *snaps;      /* [p.n_snapshots] */
+    float *snap_state;        /* [p.n_snapshots][lin.n_layer][lin.layer_floats] */
+    uint64_t snap_clock;
 };
 
 /* ==== KV cache ==== */
@@ -61,5 +103,17 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t la
                              const moe_row *rows, uint32_t n_rows);
 void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
 void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
+void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
+                      const moe_row *rows, uint32_t n_rows);
+
+/* ==== Linear attention state (linear.c) ==== */
+
+/* The recurrent state's sizes into lin (zeros for a model without linear layers). */
+void moe_linear_plan(const moe_model *m, moe_linear_ctx *lin);
+/* Allocate c->lin: the state of every sequence (zeros) and the block's scratch. */
+void moe_linear_alloc(moe_ctx *c);
+void moe_linear_free(moe_ctx *c);
+/* A sequence's recurrent state, all linear layers: [lin.n_layer][lin.layer_floats]. */
+float *moe_linear_seq_state(const moe_ctx *c, int32_t seq);
 
 #endif

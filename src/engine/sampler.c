@@ -28,16 +28,6 @@ struct moe_sampler {
     uint64_t rng;
 };
 
-/* splitmix64: small, seedable, and the same on every platform */
-static uint64_t next_u64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static double next_unit(uint64_t *s) { return (double)(next_u64(s) >> 11) * 0x1p-53; }
-
 moe_sampler *moe_sampler_new(const moe_sampler_params *p, uint32_t n_vocab) {
     moe_sampler *s = moe_xcalloc(1, sizeof *s);
     s->p = *p;
@@ -210,7 +200,7 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
             s->probs[i] = v == -INFINITY ? 0.0f : (float)exp((double)(v - max) / p->temperature);
             total += s->probs[i];
         }
-        double r = next_unit(&s->rng) * total;
+        double r = moe_rng_uniform(&s->rng) * total;
         uint32_t pick = keep - 1;
         for (uint32_t i = 0; i < keep; i++) {
             r -= s->probs[i];

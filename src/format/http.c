@@ -228,25 +228,15 @@ static bool sc_string(scan *s) {
     return sc_skip(s, len);
 }
 
-static unsigned sc_scalar_bytes(uint64_t t) {
-    switch (t) {
-    case MOE_GGUF_U8: case MOE_GGUF_I8: case MOE_GGUF_BOOL: return 1;
-    case MOE_GGUF_U16: case MOE_GGUF_I16: return 2;
-    case MOE_GGUF_U32: case MOE_GGUF_I32: case MOE_GGUF_F32: return 4;
-    case MOE_GGUF_U64: case MOE_GGUF_I64: case MOE_GGUF_F64: return 8;
-    default: return 0;
-    }
-}
-
 static bool sc_value(scan *s, uint64_t type, unsigned depth) {
-    unsigned nb = sc_scalar_bytes(type);
+    unsigned nb = (type <= UINT32_MAX ? moe_gguf_vtype_size((uint32_t)type) : 0);
     if (nb) return sc_skip(s, nb);
     if (type == MOE_GGUF_STRING) return sc_string(s);
     if (type != MOE_GGUF_ARRAY || depth > MOE_GGUF_MAX_NEST) return !(s->odd = true);
     uint64_t elem, n;
     if (!sc_le(s, 4, &elem) || !sc_le(s, 8, &n)) return false;
     if (n > MOE_GGUF_MAX_ARRAY) return !(s->odd = true);
-    unsigned eb = sc_scalar_bytes(elem);
+    unsigned eb = (elem <= UINT32_MAX ? moe_gguf_vtype_size((uint32_t)elem) : 0);
     if (eb) return sc_skip(s, n * eb);
     uint64_t start = s->pos;
     for (uint64_t i = 0; i < n; i++) {

@@ -19,6 +19,9 @@ static const char *const arch_names[MOE_ARCH_COUNT] = {
     [MOE_ARCH_QWEN3MOE] = "qwen3moe",
     [MOE_ARCH_DEEPSEEK2] = "deepseek2",
     [MOE_ARCH_GPT_OSS] = "gpt-oss",
+    [MOE_ARCH_QWEN3NEXT] = "qwen3next",
+    [MOE_ARCH_KIMI_LINEAR] = "kimi-linear",
+    [MOE_ARCH_GLM4MOE] = "glm4moe",
 };
 
 const char *moe_arch_name(moe_arch arch) {
@@ -31,6 +34,7 @@ typedef struct binder {
     moe_model *m;
     const char *path;
     moe_error *err;
+    uint32_t *head_kv_layer; /* [n_layer] attention.head_count_kv per layer (an array in hybrids) */
 } binder;
 
 static bool key_u32(binder *b, const char *suffix, bool required, uint32_t fallback,
@@ -77,6 +81,40 @@ static bool key_f32(binder *b, const char *suffix, bool required, float fallback
     return true;
 }
 
+/* An integer key that may be one value or an array of n values (per layer): out[0..n). */
+static bool key_u32_per_layer(binder *b, const char *suffix, uint32_t fallback, uint32_t n,
+                              uint32_t *out) {
+    char key[256];
+    snprintf(key, sizeof key, "%s.%s", b->m->cfg.arch_name, suffix);
+    const moe_gguf_value *v = moe_gguf_find(b->m->gguf, key);
+    if (!v || v->type != MOE_GGUF_ARRAY) {
+        if (!key_u32(b, suffix, false, fallback, &out[0])) return false;
+        for (uint32_t i = 1; i < n; i++) out[i] = out[0];
+        return true;
+    }
+    const moe_gguf_vtype et = v->arr.elem_type;
+    const unsigned size = moe_gguf_vtype_size(et);
+    const bool is_signed = et == MOE_GGUF_I8 || et == MOE_GGUF_I16 || et == MOE_GGUF_I32 ||
+                           et == MOE_GGUF_I64;
+    if (!size || et == MOE_GGUF_F32 || et == MOE_GGUF_F64 || v->arr.n != n) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: key '%s' must be an integer or %u integers "
+                      "(one per layer)", b->path, key, n);
+        return false;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t u = 0;
+        memcpy(&u, (const uint8_t *)v->arr.data + (uint64_t)i * size, size);
+        const unsigned bits = 8 * size;
+        const bool neg = is_signed && ((u >> (bits - 1)) & 1);
+        if (neg || u > MOE_MAX_WIDTH) {
+            moe_error_set(b->err, MOE_ERR_RANGE, "%s: key '%s'[%u] is out of range", b->path, key, i);
+            return false;
+        }
+        out[i] = (uint32_t)u;
+    }
+    return true;
+}
+
 /* ==== Tensors ==== */
 
 /* Find `name` and check its shape: ne0 x ne1 x ne2 (ne1 = 0 for a vector, ne2 = 0 for a
@@ -120,11 +158,13 @@ static const moe_tensor *bind(binder *b, const char *name, int64_t ne0, int64_t 
     return bind3(b, name, ne0, ne1, 0, required);
 }
 
-/* blk.<il>.<what>.<suffix> ("weight" or "bias"), shaped ne0 x ne1 x ne2. */
+/* blk.<il>.<what>.<suffix> ("weight" or "bias"; NULL: blk.<il>.<what>, as ssm_a), shaped
+ * ne0 x ne1 x ne2. */
 static const moe_tensor *bind_blk(binder *b, uint32_t il, const char *what, const char *suffix,
                                   int64_t ne0, int64_t ne1, int64_t ne2, bool required) {
     char name[128];
-    snprintf(name, sizeof name, "blk.%u.%s.%s", il, what, suffix);
+    if (suffix) snprintf(name, sizeof name, "blk.%u.%s.%s", il, what, suffix);
+    else snprintf(name, sizeof name, "blk.%u.%s", il, what);
     return bind3(b, name, ne0, ne1, ne2, required);
 }
 
@@ -134,15 +174,20 @@ static const moe_tensor *bind_layer(binder *b, uint32_t il, const char *what, in
 }
 
 /* A vector or bias the forward pass reads as floats directly: it must be F32. */
-static const moe_tensor *bind_f32(binder *b, uint32_t il, const char *what, const char *suffix,
-                                  int64_t ne0, int64_t ne1, bool required) {
-    const moe_tensor *t = bind_blk(b, il, what, suffix, ne0, ne1, 0, required);
+static const moe_tensor *bind_f32_3(binder *b, uint32_t il, const char *what, const char *suffix,
+                                    int64_t ne0, int64_t ne1, int64_t ne2, bool required) {
+    const moe_tensor *t = bind_blk(b, il, what, suffix, ne0, ne1, ne2, required);
     if (t && t->type != MOE_TYPE_F32) {
         moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' is %s; moe reads it as F32",
                       b->path, t->name.ptr, moe_type_name(t->type));
         return NULL;
     }
     return t;
+}
+
+static const moe_tensor *bind_f32(binder *b, uint32_t il, const char *what, const char *suffix,
+                                  int64_t ne0, int64_t ne1, bool required) {
+    return bind_f32_3(b, il, what, suffix, ne0, ne1, 0, required);
 }
 
 /* ==== Transformer family: GQA attention + dense or routed SwiGLU FFN ==== */
@@ -152,14 +197,18 @@ typedef struct arch_entry {
     moe_arch arch;
     moe_rope_kind rope_kind;
     bool qk_norm;            /* attn_q_norm / attn_k_norm per head */
+    bool qk_norm_optional;   /* ... bound when the file has them (GLM-4.5: only the 355B) */
     bool experts;            /* routed experts (expert_* keys, *_exps tensors) */
     moe_gating gating;       /* default when <arch>.expert_gating_func is absent */
     bool norm_topk;          /* default when <arch>.expert_weights_norm is absent */
     bool mla;                /* multi-head latent attention instead of attn_q/k/v */
     bool attn_bias;          /* q/k/v/o biases and per-head attn_sinks */
+    bool qkv_bias;           /* q/k/v biases only */
     uint32_t swa_pattern;    /* n: layer il is windowed when il % n < n - 1 (llama.cpp's) */
     moe_ffn_act act;         /* the routed experts' activation */
     const char *ffn_norm;    /* name of the FFN's input norm (NULL: ffn_norm) */
+    moe_mixer linear;        /* mixer of a hybrid's recurrent layers (ATTENTION: not hybrid) */
+    bool attn_output_gate;   /* attn_q holds [q, gate] per head */
 } arch_entry;
 
 static const arch_entry archs[] = {
@@ -172,6 +221,18 @@ static const arch_entry archs[] = {
     {.arch = MOE_ARCH_GPT_OSS, .rope_kind = MOE_ROPE_NEOX, .experts = true,
      .gating = MOE_GATING_SOFTMAX_WEIGHT, .attn_bias = true, .swa_pattern = 2,
      .act = MOE_ACT_SWIGLU_OAI, .ffn_norm = "post_attention_norm"},
+    {.arch = MOE_ARCH_QWEN3NEXT, .rope_kind = MOE_ROPE_NEOX, .qk_norm = true, .experts = true,
+     .gating = MOE_GATING_SOFTMAX, .norm_topk = true, .linear = MOE_MIXER_GDN,
+     .attn_output_gate = true, .ffn_norm = "post_attention_norm"},
+    /* KDA layers (head_count_kv 0) and MLA layers without q LoRA or rope */
+    {.arch = MOE_ARCH_KIMI_LINEAR, .rope_kind = MOE_ROPE_NONE, .experts = true,
+     .gating = MOE_GATING_SIGMOID, .norm_topk = true, .mla = true, .linear = MOE_MIXER_KDA},
+    /* GLM-4.5/4.6/4.7: DeepSeek-style routing (sigmoid, exp_probs_b, shared expert, dense lead)
+     * under GQA attention with q/k/v biases and partial NEOX rope; the trailing NextN (MTP)
+     * layers are skipped, as llama.cpp does */
+    {.arch = MOE_ARCH_GLM4MOE, .rope_kind = MOE_ROPE_NEOX, .qk_norm_optional = true,
+     .qkv_bias = true, .experts = true, .gating = MOE_GATING_SIGMOID,
+     .ffn_norm = "post_attention_norm"},
 };
 
 /* llama.cpp's YaRN magnitude for a scaling factor (llama-context.cpp get_mscale). */
@@ -235,8 +296,10 @@ static bool config_rope(binder *b, const arch_entry *a) {
  * attn_k_b / attn_v_b); the *_mla keys give the per-head widths before absorption. */
 static bool config_mla(binder *b) {
     moe_model_config *c = &b->m->cfg;
+    /* value_length defaults to the latent width here (kimi-linear's converter omits it) */
     if (!key_u32(b, "attention.q_lora_rank", false, 0, &c->n_lora_q) ||
         !key_u32(b, "attention.kv_lora_rank", true, 0, &c->n_lora_kv) ||
+        !key_u32(b, "attention.value_length", false, c->n_lora_kv, &c->head_dim_v) ||
         !key_u32(b, "attention.key_length_mla", false, c->head_dim_k, &c->head_dim_k_mla) ||
         !key_u32(b, "attention.value_length_mla", false, c->head_dim_v, &c->head_dim_v_mla))
         return false;
@@ -263,6 +326,7 @@ static bool config_transformer(binder *b, const arch_entry *a) {
     moe_model_config *c = &b->m->cfg;
     if (!key_u32(b, "embedding_length", true, 0, &c->n_embd) ||
         !key_u32(b, "block_count", true, 0, &c->n_layer) ||
+        !key_u32(b, "nextn_predict_layers", false, 0, &c->n_layer_nextn) ||
         !key_u32(b, "feed_forward_length", !a->experts, 0, &c->n_ff) ||
         !key_u32(b, "attention.head_count", true, 0, &c->n_head) ||
         !key_u32(b, "context_length", false, 4096, &c->n_ctx_train))
@@ -272,13 +336,24 @@ static bool config_transformer(binder *b, const arch_entry *a) {
                       "attention.head_count must be positive", b->path, c->arch_name);
         return false;
     }
+    if (c->n_layer_nextn >= c->n_layer) {
+        moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.nextn_predict_layers = %u leaves no layers of "
+                      "%u", b->path, c->arch_name, c->n_layer_nextn, c->n_layer);
+        return false;
+    }
+    c->n_layer -= c->n_layer_nextn; /* the MTP layers at the end predict drafts: not run */
     if (c->n_layer > MOE_MAX_LAYERS) {
         moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.block_count = %u exceeds %u", b->path,
                       c->arch_name, c->n_layer, MOE_MAX_LAYERS);
         return false;
     }
-    if (!key_u32(b, "attention.head_count_kv", false, c->n_head, &c->n_head_kv) ||
-        !key_u32(b, "attention.key_length", false, c->n_embd / c->n_head, &c->head_dim_k) ||
+    b->head_kv_layer = moe_xcalloc(c->n_layer, sizeof *b->head_kv_layer);
+    if (!key_u32_per_layer(b, "attention.head_count_kv", c->n_head, c->n_layer, b->head_kv_layer))
+        return false;
+    c->n_head_kv = 0; /* a hybrid's recurrent layers may say 0: the attention layers' count */
+    for (uint32_t il = 0; il < c->n_layer; il++)
+        if (b->head_kv_layer[il] > c->n_head_kv) c->n_head_kv = b->head_kv_layer[il];
+    if (!key_u32(b, "attention.key_length", false, c->n_embd / c->n_head, &c->head_dim_k) ||
         !key_u32(b, "attention.value_length", false, c->head_dim_k, &c->head_dim_v) ||
         !key_u32(b, "rope.dimension_count", false, c->head_dim_k, &c->rope_dims) ||
         !key_f32(b, "rope.freq_base", false, 10000.0f, &c->rope_base) ||
@@ -316,8 +391,7 @@ static bool config_transformer(binder *b, const arch_entry *a) {
         !key_u32(b, "expert_gating_func", false, gating, &gating) ||
         !key_f32(b, "expert_weights_scale", false, 1.0f, &c->expert_weights_scale) ||
         !key_u32(b, "expert_group_count", false, 0, &c->n_expert_group) ||
-        !key_u32(b, "expert_group_used_count", false, 0, &c->n_group_used) ||
-        !key_u32(b, "expert_shared_count", false, 0, &c->n_expert_shared))
+        !key_u32(b, "expert_group_used_count", false, 0, &c->n_group_used))
         return false;
     c->expert_act = a->act;
     if (c->n_expert == 0 || c->n_expert > MOE_MAX_EXPERTS || c->n_expert_used == 0 ||
@@ -345,7 +419,106 @@ static bool config_transformer(binder *b, const arch_entry *a) {
         return false;
     }
     if (c->n_layer_dense_lead > c->n_layer) c->n_layer_dense_lead = c->n_layer;
+    /* shared experts: their own width (qwen3next) or n_shared routed-expert widths (DeepSeek) */
+    uint32_t n_shared = 0;
+    if (!key_u32(b, "expert_shared_feed_forward_length", false, 0, &c->n_ff_shexp) ||
+        !key_u32(b, "expert_shared_count", false, 0, &n_shared))
+        return false;
+    if (!c->n_ff_shexp) {
+        const uint64_t ff = (uint64_t)n_shared * c->n_ff_exp;
+        if (ff > MOE_MAX_WIDTH) {
+            moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.expert_shared_count %u x "
+                          "expert_feed_forward_length %u exceeds %u", b->path, c->arch_name,
+                          n_shared, c->n_ff_exp, MOE_MAX_WIDTH);
+            return false;
+        }
+        c->n_ff_shexp = (uint32_t)ff;
+    }
     return true;
+}
+
+/* ==== Hybrids: which layers are linear attention, and its widths ==== */
+
+static bool config_linear(binder *b, const arch_entry *a) {
+    moe_model *m = b->m;
+    moe_model_config *c = &m->cfg;
+    c->attn_output_gate = a->attn_output_gate;
+    if (c->attn_output_gate && c->head_dim_k != c->head_dim_v) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: an attention output gate needs key_length %u "
+                      "= value_length %u", b->path, c->head_dim_k, c->head_dim_v);
+        return false;
+    }
+    m->layers = moe_xcalloc(c->n_layer, sizeof *m->layers);
+    if (a->linear == MOE_MIXER_ATTENTION) return true;
+    uint32_t interval = 0;
+    if (a->linear == MOE_MIXER_GDN) {
+        /* every interval-th layer is full attention, the others Gated DeltaNet */
+        uint32_t inner = 0;
+        if (!key_u32(b, "full_attention_interval", false, 4, &interval) ||
+            !key_u32(b, "ssm.conv_kernel", true, 0, &c->ssm_d_conv) ||
+            !key_u32(b, "ssm.state_size", true, 0, &c->ssm_head_dim) ||
+            !key_u32(b, "ssm.group_count", true, 0, &c->ssm_n_k_heads) ||
+            !key_u32(b, "ssm.time_step_rank", true, 0, &c->ssm_n_v_heads) ||
+            !key_u32(b, "ssm.inner_size", true, 0, &inner))
+            return false;
+        if (interval == 0 || (uint64_t)c->ssm_n_v_heads * c->ssm_head_dim != inner) {
+            moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s.full_attention_interval %u must be "
+                          "positive and ssm.inner_size %u = time_step_rank %u x state_size %u",
+                          b->path, c->arch_name, interval, inner, c->ssm_n_v_heads, c->ssm_head_dim);
+            return false;
+        }
+    } else {
+        /* KDA layers are those with no KV heads; q, k and v all have n_head heads */
+        if (!key_u32(b, "ssm.conv_kernel", true, 0, &c->ssm_d_conv) ||
+            !key_u32(b, "kda.head_dim", true, 0, &c->ssm_head_dim))
+            return false;
+        c->ssm_n_k_heads = c->ssm_n_v_heads = c->n_head;
+    }
+    if (c->ssm_d_conv == 0 || c->ssm_d_conv > MOE_CONV_MAX_TAPS || c->ssm_head_dim == 0 ||
+        c->ssm_n_k_heads == 0 || c->ssm_n_v_heads % c->ssm_n_k_heads != 0) {
+        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: linear attention: conv kernel %u (1..%u), "
+                      "head dim %u, %u k heads and %u v heads (a multiple) are inconsistent",
+                      b->path, c->ssm_d_conv, MOE_CONV_MAX_TAPS, c->ssm_head_dim,
+                      c->ssm_n_k_heads, c->ssm_n_v_heads);
+        return false;
+    }
+    for (uint32_t il = 0; il < c->n_layer; il++) {
+        const bool linear = interval ? (il + 1) % interval != 0 : b->head_kv_layer[il] == 0;
+        m->layers[il].mixer = linear ? a->linear : MOE_MIXER_ATTENTION;
+        c->n_layer_linear += linear;
+    }
+    return true;
+}
+
+static void bind_linear(binder *b, uint32_t il, moe_layer_weights *l) {
+    const moe_model_config *c = &b->m->cfg;
+    const int64_t hd = c->ssm_head_dim, nv = c->ssm_n_v_heads, d = c->ssm_d_conv;
+    const int64_t K = c->ssm_n_k_heads * hd, V = nv * hd;
+    if (l->mixer == MOE_MIXER_GDN) {
+        l->ssm_qkv = bind_layer(b, il, "attn_qkv", c->n_embd, 2 * K + V);
+        l->ssm_gate = bind_layer(b, il, "attn_gate", c->n_embd, V);
+        l->ssm_conv1d[0] = bind_f32(b, il, "ssm_conv1d", "weight", d, 2 * K + V, true);
+        l->ssm_a = bind_f32(b, il, "ssm_a", NULL, nv, 0, true);
+        l->ssm_dt_b = bind_f32(b, il, "ssm_dt", "bias", nv, 0, true);
+        l->ssm_ba = bind_layer(b, il, "ssm_ba", c->n_embd, 2 * nv);
+        l->ssm_out = bind_layer(b, il, "ssm_out", V, c->n_embd);
+    } else { /* KDA */
+        l->wq = bind_layer(b, il, "attn_q", c->n_embd, K);
+        l->wk = bind_layer(b, il, "attn_k", c->n_embd, K);
+        l->wv = bind_layer(b, il, "attn_v", c->n_embd, V);
+        l->ssm_conv1d[0] = bind_f32_3(b, il, "ssm_conv1d_q", "weight", d, 1, K, true);
+        l->ssm_conv1d[1] = bind_f32_3(b, il, "ssm_conv1d_k", "weight", d, 1, K, true);
+        l->ssm_conv1d[2] = bind_f32_3(b, il, "ssm_conv1d_v", "weight", d, 1, V, true);
+        l->ssm_a = bind_f32(b, il, "ssm_a", NULL, 1, nv, true);
+        l->ssm_dt_b = bind_f32(b, il, "ssm_dt", "bias", V, 0, true);
+        l->ssm_beta = bind_layer(b, il, "ssm_beta", c->n_embd, nv);
+        l->ssm_f_a = bind_layer(b, il, "ssm_f_a", c->n_embd, hd);
+        l->ssm_f_b = bind_layer(b, il, "ssm_f_b", hd, V);
+        l->ssm_g_a = bind_layer(b, il, "ssm_g_a", c->n_embd, hd);
+        l->ssm_g_b = bind_layer(b, il, "ssm_g_b", hd, V);
+        l->ssm_out = bind_layer(b, il, "attn_output", V, c->n_embd);
+    }
+    l->ssm_norm = bind_f32(b, il, "ssm_norm", "weight", hd, 0, true);
 }
 
 static const moe_tensor *bind_layer3(binder *b, uint32_t il, const char *what, int64_t ne0,
@@ -358,18 +531,23 @@ static void bind_attention_gqa(binder *b, const arch_entry *a, uint32_t il, moe_
     const moe_model_config *c = &b->m->cfg;
     int64_t q = (int64_t)c->n_head * c->head_dim_k, k = (int64_t)c->n_head_kv * c->head_dim_k;
     int64_t v = (int64_t)c->n_head_kv * c->head_dim_v, o = (int64_t)c->n_head * c->head_dim_v;
-    l->wq = bind_layer(b, il, "attn_q", c->n_embd, q);
+    l->wq = bind_layer(b, il, "attn_q", c->n_embd, a->attn_output_gate ? 2 * q : q);
     l->wk = bind_layer(b, il, "attn_k", c->n_embd, k);
     l->wv = bind_layer(b, il, "attn_v", c->n_embd, v);
     l->wo = bind_layer(b, il, "attn_output", o, c->n_embd);
-    if (a->qk_norm) {
-        l->attn_q_norm = bind_layer(b, il, "attn_q_norm", c->head_dim_k, 0);
-        l->attn_k_norm = bind_layer(b, il, "attn_k_norm", c->head_dim_k, 0);
+    if (a->qk_norm || a->qk_norm_optional) {
+        l->attn_q_norm = bind_blk(b, il, "attn_q_norm", "weight", c->head_dim_k, 0, 0, a->qk_norm);
+        l->attn_k_norm = bind_blk(b, il, "attn_k_norm", "weight", c->head_dim_k, 0, 0, a->qk_norm);
+        if (!l->attn_q_norm != !l->attn_k_norm && !b->err->code)
+            moe_error_set(b->err, MOE_ERR_FORMAT, "%s: layer %u has only one of attn_q_norm and "
+                          "attn_k_norm", b->path, il);
     }
-    if (a->attn_bias) {
+    if (a->attn_bias || a->qkv_bias) {
         l->bq = bind_f32(b, il, "attn_q", "bias", q, 0, true);
         l->bk = bind_f32(b, il, "attn_k", "bias", k, 0, true);
         l->bv = bind_f32(b, il, "attn_v", "bias", v, 0, true);
+    }
+    if (a->attn_bias) {
         l->bo = bind_f32(b, il, "attn_output", "bias", c->n_embd, 0, true);
         l->attn_sinks = bind_f32(b, il, "attn_sinks", "weight", c->n_head, 0, true);
     }
@@ -416,11 +594,12 @@ static void bind_experts(binder *b, uint32_t il, moe_layer_weights *l) {
     l->ffn_gate_exps_b = bind_f32(b, il, "ffn_gate_exps", "bias", c->n_ff_exp, c->n_expert, false);
     l->ffn_up_exps_b = bind_f32(b, il, "ffn_up_exps", "bias", c->n_ff_exp, c->n_expert, false);
     l->ffn_down_exps_b = bind_f32(b, il, "ffn_down_exps", "bias", c->n_embd, c->n_expert, false);
-    if (c->n_expert_shared) {
-        const int64_t ff = (int64_t)c->n_ff_exp * c->n_expert_shared;
+    if (c->n_ff_shexp) {
+        const int64_t ff = c->n_ff_shexp;
         l->ffn_gate_shexp = bind_layer(b, il, "ffn_gate_shexp", c->n_embd, ff);
         l->ffn_up_shexp = bind_layer(b, il, "ffn_up_shexp", c->n_embd, ff);
         l->ffn_down_shexp = bind_layer(b, il, "ffn_down_shexp", ff, c->n_embd);
+        l->ffn_gate_inp_shexp = bind_f32(b, il, "ffn_gate_inp_shexp", "weight", c->n_embd, 0, false);
     }
 }
 
@@ -443,11 +622,11 @@ static bool bind_transformer(binder *b, const arch_entry *a) {
     m->output = bind(b, "output.weight", c->n_embd, c->n_vocab, false);
     c->tied_output = !m->output;
     if (!m->output) m->output = m->token_embd;
-    m->layers = moe_xcalloc(c->n_layer, sizeof *m->layers);
     for (uint32_t il = 0; il < c->n_layer && !b->err->code; il++) {
         moe_layer_weights *l = &m->layers[il];
         l->attn_norm = bind_layer(b, il, "attn_norm", c->n_embd, 0);
-        if (a->mla) bind_attention_mla(b, il, l);
+        if (l->mixer != MOE_MIXER_ATTENTION) bind_linear(b, il, l);
+        else if (a->mla) bind_attention_mla(b, il, l);
         else bind_attention_gqa(b, a, il, l);
         l->ffn_norm = bind_layer(b, il, a->ffn_norm ? a->ffn_norm : "ffn_norm", c->n_embd, 0);
         if (a->experts && il >= c->n_layer_dense_lead) {
@@ -488,7 +667,10 @@ moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {
     m->cfg.arch = entry->arch;
     m->cfg.arch_name = arch_names[entry->arch];
     binder b = {.m = m, .path = path, .err = err};
-    if (!config_transformer(&b, entry) || !bind_transformer(&b, entry)) {
+    const bool ok = config_transformer(&b, entry) && config_linear(&b, entry) &&
+                    bind_transformer(&b, entry);
+    free(b.head_kv_layer);
+    if (!ok) {
         m->gguf = NULL; /* the caller keeps the file on failure */
         moe_model_free(m);
         return NULL;

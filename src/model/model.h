@@ -18,6 +18,9 @@ typedef enum moe_arch {
     MOE_ARCH_QWEN3MOE,
     MOE_ARCH_DEEPSEEK2,
     MOE_ARCH_GPT_OSS,
+    MOE_ARCH_QWEN3NEXT,
+    MOE_ARCH_KIMI_LINEAR,
+    MOE_ARCH_GLM4MOE,
     MOE_ARCH_COUNT
 } moe_arch;
 
@@ -37,7 +40,18 @@ typedef enum moe_ffn_act {
 typedef enum moe_rope_kind {
     MOE_ROPE_NORM, /* rotate adjacent pairs (x[2i], x[2i+1]): llama */
     MOE_ROPE_NEOX, /* rotate halves (x[i], x[i + d/2]): qwen, gpt-neox */
+    MOE_ROPE_NONE, /* no rotation; rope_dims only sizes MLA's q_pe / k_pe part (kimi-linear) */
 } moe_rope_kind;
+
+/* What mixes tokens in a layer: softmax attention over a KV cache, or a linear-attention
+ * recurrence over a fixed-size per-sequence state (hybrid models have both kinds of layer). */
+typedef enum moe_mixer {
+    MOE_MIXER_ATTENTION,
+    MOE_MIXER_GDN, /* Gated DeltaNet: scalar decay per head (Qwen3-Next) */
+    MOE_MIXER_KDA, /* Kimi Delta Attention: decay per key channel (Kimi-Linear) */
+} moe_mixer;
+
+#define MOE_CONV_MAX_TAPS 16 /* short-conv kernel of linear attention: real models use 4 */
 
 typedef struct moe_model_config {
     moe_arch arch;
@@ -46,6 +60,7 @@ typedef struct moe_model_config {
     uint32_t n_ctx_train;   /* <arch>.context_length */
     uint32_t n_embd;        /* residual width */
     uint32_t n_layer;
+    uint32_t n_layer_nextn;  /* trailing NextN/MTP layers in the file, not run */
     uint32_t n_head;        /* query heads */
     uint32_t n_head_kv;     /* key/value heads (GQA: n_head is a multiple of it) */
     uint32_t head_dim_k;    /* <arch>.attention.key_length, default n_embd / n_head */
@@ -74,8 +89,11 @@ typedef struct moe_model_config {
     float expert_weights_scale; /* routed_scaling_factor (1: none) */
     uint32_t n_expert_group;   /* expert_group_count: grouped top-k (<= 1: off) */
     uint32_t n_group_used;     /* expert_group_used_count: groups kept per token */
-    uint32_t n_expert_shared;  /* shared experts, run on every token (their ff: n_ff_exp each) */
+    uint32_t n_ff_shexp;       /* shared experts' hidden width, run on every token (0: none):
+                                * expert_shared_feed_forward_length (qwen3next), else
+                                * expert_shared_count x n_ff_exp (DeepSeek, Kimi) */
     moe_ffn_act expert_act;
+    bool attn_output_gate;     /* attn_q yields [q, gate] per head; out *= sigmoid(gate) */
     /* multi-head latent attention (n_lora_kv == 0: none). The cache row of a position is the
      * latent [n_lora_kv] then the roped key [rope_dims]: head_dim_k = n_lora_kv + rope_dims,
      * head_dim_v = n_lora_kv, one kv head. */
@@ -83,9 +101,17 @@ typedef struct moe_model_config {
     uint32_t n_lora_kv;        /* latent width cached per position */
     uint32_t head_dim_k_mla;   /* per-head q/k width before absorption: nope + rope_dims */
     uint32_t head_dim_v_mla;   /* per-head value width after attn_v_b */
+    /* linear attention (n_layer_linear == 0: none). q and k have ssm_n_k_heads heads, v has
+     * ssm_n_v_heads (a multiple): v head h reads k head h / (n_v / n_k). */
+    uint32_t n_layer_linear;   /* layers whose mixer is GDN or KDA */
+    uint32_t ssm_d_conv;       /* short-conv taps */
+    uint32_t ssm_head_dim;     /* key = value width of one linear-attention head */
+    uint32_t ssm_n_k_heads;
+    uint32_t ssm_n_v_heads;
 } moe_model_config;
 
 typedef struct moe_layer_weights {
+    moe_mixer mixer;
     const moe_tensor *attn_norm;   /* [n_embd] f32 */
     const moe_tensor *wq;          /* [n_embd] -> [n_head * head_dim_k] */
     const moe_tensor *wk;          /* [n_embd] -> [n_head_kv * head_dim_k] */
@@ -108,16 +134,17 @@ typedef struct moe_layer_weights {
     const moe_tensor *ffn_gate_exps_b; /* [n_ff_exp] x n_expert f32 (gpt-oss) */
     const moe_tensor *ffn_up_exps_b;   /* [n_ff_exp] x n_expert f32 */
     const moe_tensor *ffn_down_exps_b; /* [n_embd] x n_expert f32 */
-    /* shared experts (deepseek2): a dense SwiGLU of n_ff_exp * n_expert_shared beside the routed */
-    const moe_tensor *ffn_gate_shexp;  /* [n_embd] -> [n_ff_exp * n_expert_shared] */
-    const moe_tensor *ffn_up_shexp;    /* [n_embd] -> [n_ff_exp * n_expert_shared] */
-    const moe_tensor *ffn_down_shexp;  /* [n_ff_exp * n_expert_shared] -> [n_embd] */
+    /* shared experts beside the routed ones (NULL: none), one SwiGLU n_ff_shexp wide */
+    const moe_tensor *ffn_gate_shexp;     /* [n_embd] -> [n_ff_shexp] */
+    const moe_tensor *ffn_up_shexp;       /* [n_embd] -> [n_ff_shexp] */
+    const moe_tensor *ffn_down_shexp;     /* [n_ff_shexp] -> [n_embd] */
+    const moe_tensor *ffn_gate_inp_shexp; /* [n_embd] f32: out *= sigmoid(w . x), or NULL */
     /* attention biases and sinks (gpt-oss) */
     const moe_tensor *bq, *bk, *bv;    /* f32 [n_head * head_dim_k], [n_head_kv * head_dim_k], [n_head_kv * head_dim_v] */
     const moe_tensor *bo;              /* f32 [n_embd] */
     const moe_tensor *attn_sinks;      /* f32 [n_head]: per-head logit in the softmax denominator */
     uint32_t attn_window;              /* sliding window in positions (0: full attention) */
-    /* multi-head latent attention (deepseek2; wq then holds attn_q when n_lora_q == 0) */
+    /* multi-head latent attention (deepseek2, kimi-linear; wq then holds attn_q when n_lora_q == 0) */
     const moe_tensor *wq_a;            /* [n_embd] -> [n_lora_q] */
     const moe_tensor *attn_q_a_norm;   /* [n_lora_q] f32 */
     const moe_tensor *wq_b;            /* [n_lora_q] -> [n_head * head_dim_k_mla] */
@@ -125,6 +152,19 @@ typedef struct moe_layer_weights {
     const moe_tensor *attn_kv_a_norm;  /* [n_lora_kv] f32 */
     const moe_tensor *wk_b;            /* [head_dim_k_mla - rope_dims] -> [n_lora_kv], x n_head */
     const moe_tensor *wv_b;            /* [n_lora_kv] -> [head_dim_v_mla], x n_head */
+    /* linear attention (GDN / KDA layers); with K = n_k_heads * head_dim, V = n_v_heads * head_dim */
+    const moe_tensor *ssm_qkv;     /* GDN attn_qkv: [n_embd] -> [K + K + V] (KDA: wq, wk, wv) */
+    const moe_tensor *ssm_conv1d[3]; /* taps [d_conv] per channel of q|k|v: GDN one tensor over
+                                      * all K + K + V channels, KDA one each for q, k, v */
+    const moe_tensor *ssm_a;       /* f32 [n_v_heads]: -exp(A_log), decay rate per head */
+    const moe_tensor *ssm_dt_b;    /* f32 dt bias: GDN [n_v_heads], KDA [V] */
+    const moe_tensor *ssm_ba;      /* GDN: [n_embd] -> per k head [beta x r, alpha x r], r = n_v/n_k */
+    const moe_tensor *ssm_beta;    /* KDA: [n_embd] -> [n_v_heads] */
+    const moe_tensor *ssm_f_a, *ssm_f_b; /* KDA decay: [n_embd] -> [head_dim] -> [V] */
+    const moe_tensor *ssm_gate;    /* GDN attn_gate z: [n_embd] -> [V] */
+    const moe_tensor *ssm_g_a, *ssm_g_b; /* KDA output gate: [n_embd] -> [head_dim] -> [V] */
+    const moe_tensor *ssm_norm;    /* f32 [head_dim]: RMSNorm of each head's output */
+    const moe_tensor *ssm_out;     /* [V] -> [n_embd] (KDA: attn_output) */
 } moe_layer_weights;
 
 typedef struct moe_model {

@@ -70,7 +70,7 @@ static float rope_yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float b
 }
 
 moe_rope_params moe_rope_params_from_config(const moe_model_config *c) {
-    moe_rope_params p = {.n_dims = (int)c->rope_dims,
+    moe_rope_params p = {.n_dims = c->rope_kind == MOE_ROPE_NONE ? 0 : (int)c->rope_dims,
                          .neox = c->rope_kind == MOE_ROPE_NEOX,
                          .base = c->rope_base,
                          .freq_scale = c->rope_freq_scale,
@@ -99,6 +99,7 @@ static void rope_yarn(float theta_extrap, int i0, const moe_rope_params *p, floa
 }
 
 void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_params *p) {
+    if (p->n_dims <= 0) return; /* MOE_ROPE_NONE */
     const float theta_scale = powf(p->base, -2.0f / (float)p->n_dims);
     const int half = p->n_dims / 2;
     for (int h = 0; h < n_heads; h++) {

@@ -82,6 +82,51 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
                        float *scores);
 
 
+/* ==== Linear attention (linear_attn.c) ==== */
+
+#define MOE_DELTA_CHUNK 64 /* tokens per chunk of the chunked delta rule */
+
+float moe_softplus(float x); /* log(1 + e^x), x itself above 20 (ggml) */
+/* x /= max(||x||_2, eps) (ggml_l2_norm). */
+void moe_l2norm(float *x, int64_t n, float eps);
+
+typedef enum moe_gate_act { MOE_GATE_SIGMOID, MOE_GATE_SILU } moe_gate_act;
+/* x[i] *= sigmoid(gate[i]) or silu(gate[i]): output gates of gated norms and attention. */
+void moe_gate_mul(float *x, const float *gate, int64_t n, moe_gate_act act);
+
+/* Causal depthwise conv1d then SiLU over n_tok consecutive tokens of one sequence, in place.
+ * x: token t's n_ch channels at x + t * x_stride. w: [n_ch][d_conv] taps, oldest first (ggml's
+ * ssm_conv1d ne = {d_conv, n_ch}). state: [n_ch][d_conv - 1], each channel's inputs of the
+ * previous d_conv - 1 tokens, oldest first; on return it holds the latest ones. */
+void moe_conv1d_silu(float *x, int64_t x_stride, int64_t n_tok, int64_t n_ch, const float *w,
+                     int d_conv, float *state);
+
+/* One head of the gated delta rule over consecutive tokens of one sequence. Per token t:
+ *   S <- S diag(exp(g_t));  S <- S + beta_t (v_t - S k_t) k_t^T;  o_t = scale * S q_t
+ * state S: [d_v][d_k] floats, the key index contiguous. g: log decays (<= 0), one per token
+ * (Gated DeltaNet: scalar per head) or d_k per token (KDA: per key channel). q and k are
+ * expected L2-normalised. Row t of each input is at base + t * stride (in floats). */
+typedef struct moe_delta_args {
+    int d_k, d_v;
+    int n_g;            /* 1 or d_k */
+    float scale;        /* on the output (1/sqrt(d_k)) */
+    const float *q, *k; /* d_k values each, stride qk_stride */
+    const float *v;     /* d_v values, stride v_stride */
+    const float *g;     /* n_g values, stride g_stride */
+    const float *beta;  /* one value, stride beta_stride */
+    float *out;         /* d_v values, stride out_stride */
+    int64_t qk_stride, v_stride, g_stride, beta_stride, out_stride;
+} moe_delta_args;
+
+/* Floats of scratch either form needs (one head at a time). */
+uint64_t moe_delta_scratch_floats(int d_k, int d_v);
+/* Token by token (decode, short runs). */
+void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *state,
+                              float *scratch);
+/* Chunks of MOE_DELTA_CHUNK tokens (prefill); the same result to float rounding. */
+void moe_delta_rule_chunked(const moe_delta_args *a, int64_t n_tok, float *state,
+                            float *scratch);
+
 /* ==== Mixture of experts ==== */
 
 typedef struct moe_route_params {

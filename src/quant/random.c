@@ -11,22 +11,9 @@
 #include <math.h>
 #include <string.h>
 
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double uniform01(uint64_t *s) {
-    return ((double)(splitmix(s) >> 11) + 0.5) / 9007199254740992.0;
-}
-static float gaussian(uint64_t *s) {
-    return (float)(sqrt(-2.0 * log(uniform01(s))) * cos(6.283185307179586 * uniform01(s)));
-}
-
 /* A finite fp16 scale of either sign, 1e-4 .. 1e-1. */
 static uint16_t random_scale(uint64_t *s) {
-    const double v = pow(10.0, -4.0 + 3.0 * uniform01(s)) * (uniform01(s) < 0.5 ? -1 : 1);
+    const double v = pow(10.0, -4.0 + 3.0 * moe_rng_uniform(s)) * (moe_rng_uniform(s) < 0.5 ? -1 : 1);
     return moe_f32_to_fp16((float)v);
 }
 
@@ -70,7 +57,7 @@ void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n) {
     uint8_t *w = out;
     if (!tr->is_quantized) {
         for (int64_t i = 0; i < n; i++) {
-            const float v = gaussian(seed);
+            const float v = (float)moe_rng_gaussian(seed);
             if (t == MOE_TYPE_F32)
                 memcpy(w + 4 * i, &v, 4);
             else {
@@ -83,7 +70,7 @@ void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n) {
     const int64_t nb = n / tr->block_values;
     const size_t bytes = (size_t)nb * tr->block_bytes;
     for (size_t i = 0; i < bytes; i += 8) {
-        const uint64_t r = splitmix(seed);
+        const uint64_t r = moe_rng_u64(seed);
         memcpy(w + i, &r, bytes - i < 8 ? bytes - i : 8);
     }
     int off[2];
@@ -95,7 +82,7 @@ void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n) {
                 const uint16_t h = random_scale(seed);
                 memcpy(blk + off[k], &h, 2);
             }
-        if (t == MOE_TYPE_MXFP4) blk[0] = (uint8_t)(110 + splitmix(seed) % 30);
+        if (t == MOE_TYPE_MXFP4) blk[0] = (uint8_t)(110 + moe_rng_u64(seed) % 30);
         if (t == MOE_TYPE_IQ1_M) {
             const uint16_t h = (uint16_t)(random_scale(seed) & 0x7fff);
             moe_block_iq1_m *m = (moe_block_iq1_m *)blk;

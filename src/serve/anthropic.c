@@ -4,7 +4,7 @@
  * Messages map onto the shared conversation: system (string or text blocks) first, tool_use
  * blocks become assistant tool calls, tool_result blocks become tool turns, thinking blocks
  * become reasoning. Claude Code's first system block "x-anthropic-billing-header: ..." changes
- * every request and would defeat prefix reuse, so it is dropped before formatting. The stream
+ * every request and would defeat prefix reuse, so it is dropped before templating. The stream
  * follows the API's event order exactly: message_start, then per block content_block_start,
  * (a ping after the first start), content_block_delta..., content_block_stop, then
  * message_delta (stop_reason, cumulative usage) and message_stop. The trap: a thinking block
@@ -213,9 +213,10 @@ static bool parse_tools(serve_http *h, json_t *body, serve_chat *chat) {
     return true;
 }
 
-/* Everything up to the prompt tokens; shared by messages and count_tokens. */
+/* Everything up to the prompt tokens; shared by messages and count_tokens. *prompt (may be
+ * NULL) gets the prompt text. */
 static bool parse_request(serve_http *h, json_t *body, serve_req *req, serve_chat *chat,
-                          bool need_max_tokens) {
+                          bool need_max_tokens, char **prompt) {
     if (need_max_tokens) {
         json_t *mt = json_object_get(body, "max_tokens");
         if (!mt) BAD(h, "max_tokens", "max_tokens: Field required");
@@ -225,14 +226,10 @@ static bool parse_request(serve_http *h, json_t *body, serve_req *req, serve_cha
         if (!serve_parse_sampling(h, SERVE_API_ANTHROPIC, body, &req->gen, "stop_sequences"))
             return false;
     }
-    if (!parse_system(h, body, chat) || !parse_messages(h, body, chat) ||
-        !parse_tools(h, body, chat))
-        return false;
-    serve_buf prompt = {0};
-    serve_format_prompt(&h->srv->format, chat, &prompt);
-    const bool ok = serve_tokenize_prompt(h, SERVE_API_ANTHROPIC, prompt.p, prompt.len, &req->gen);
-    serve_buf_free(&prompt);
-    return ok;
+    return parse_system(h, body, chat) && parse_messages(h, body, chat) &&
+           parse_tools(h, body, chat) &&
+           serve_parse_template_kwargs(h, SERVE_API_ANTHROPIC, body, chat) &&
+           serve_chat_prompt(h, SERVE_API_ANTHROPIC, chat, &req->gen, prompt);
 }
 
 /* ==== Output ==== */
@@ -247,7 +244,7 @@ typedef struct call_out {
 typedef struct an_state {
     serve_server *srv;
     serve_sse *sse;
-    serve_parser parser;
+    serve_output out;
     char id[64];
     bool started;
     /* stream */
@@ -265,7 +262,7 @@ typedef struct an_state {
 
 static void an_state_free(void *p) {
     an_state *s = p;
-    serve_parser_free(&s->parser);
+    serve_output_free(&s->out);
     serve_buf_free(&s->text);
     serve_buf_free(&s->thinking);
     serve_buf_free(&s->order);
@@ -456,9 +453,9 @@ static void on_segment(void *ud, const serve_segment *seg) {
 static void feed_events(void *ud, const serve_taken *t) {
     an_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_parser_push(&s->parser, t->text.p + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->out, t->text.p + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
-    if (t->done) serve_parser_finish(&s->parser, on_segment, s);
+    if (t->done) serve_output_finish(&s->out, on_segment, s);
 }
 
 static void message_head(moe_json *j, an_state *s) {
@@ -537,6 +534,56 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     serve_sse_event(sse, "message_stop");
 }
 
+/* The whole response of a finished generation. */
+static void json_whole(moe_json *j, void *state, const serve_req *r) {
+    an_state *s = state;
+    moe_json_object_begin(j);
+    message_head(j, s);
+    moe_json_key(j, "content");
+    moe_json_array_begin(j);
+    size_t call = 0;
+    for (size_t i = 0; i < s->order.len; i++) {
+        moe_json_object_begin(j);
+        moe_json_key(j, "type");
+        if (s->order.p[i] == 't') {
+            moe_json_string(j, "thinking");
+            moe_json_key(j, "thinking");
+            moe_json_string_n(j, s->thinking.p, s->thinking.len);
+            moe_json_key(j, "signature");
+            moe_json_string(j, THINKING_SIGNATURE);
+        } else if (s->order.p[i] == 'x') {
+            moe_json_string(j, "text");
+            moe_json_key(j, "text");
+            moe_json_string_n(j, s->text.p, s->text.len);
+        } else {
+            const call_out *c = &s->calls[call++];
+            moe_json_string(j, "tool_use");
+            moe_json_key(j, "id");
+            moe_json_string(j, c->id);
+            moe_json_key(j, "name");
+            moe_json_string(j, c->name);
+            moe_json_key(j, "input");
+            json_t *in = json_loads(c->arguments, JSON_DECODE_ANY, NULL);
+            if (json_is_object(in))
+                serve_json_value(j, in);
+            else {
+                moe_json_object_begin(j);
+                moe_json_object_end(j);
+            }
+            json_decref(in);
+        }
+        moe_json_object_end(j);
+    }
+    moe_json_array_end(j);
+    moe_json_key(j, "stop_reason");
+    moe_json_string(j, stop_reason(r, s->n_calls_out));
+    moe_json_key(j, "stop_sequence");
+    json_stop_sequence(j, r);
+    moe_json_key(j, "usage");
+    json_usage(j, r, true);
+    moe_json_object_end(j);
+}
+
 static void reply_complete(serve_http *h, an_state *s, serve_req *r) {
     if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
         serve_reply_error(h, SERVE_API_ANTHROPIC, 500, NULL, NULL, "generation failed: %s",
@@ -545,51 +592,7 @@ static void reply_complete(serve_http *h, an_state *s, serve_req *r) {
     }
     moe_json j;
     moe_json_init(&j, false);
-    moe_json_object_begin(&j);
-    message_head(&j, s);
-    moe_json_key(&j, "content");
-    moe_json_array_begin(&j);
-    size_t call = 0;
-    for (size_t i = 0; i < s->order.len; i++) {
-        moe_json_object_begin(&j);
-        moe_json_key(&j, "type");
-        if (s->order.p[i] == 't') {
-            moe_json_string(&j, "thinking");
-            moe_json_key(&j, "thinking");
-            moe_json_string_n(&j, s->thinking.p, s->thinking.len);
-            moe_json_key(&j, "signature");
-            moe_json_string(&j, THINKING_SIGNATURE);
-        } else if (s->order.p[i] == 'x') {
-            moe_json_string(&j, "text");
-            moe_json_key(&j, "text");
-            moe_json_string_n(&j, s->text.p, s->text.len);
-        } else {
-            const call_out *c = &s->calls[call++];
-            moe_json_string(&j, "tool_use");
-            moe_json_key(&j, "id");
-            moe_json_string(&j, c->id);
-            moe_json_key(&j, "name");
-            moe_json_string(&j, c->name);
-            moe_json_key(&j, "input");
-            json_t *in = json_loads(c->arguments, JSON_DECODE_ANY, NULL);
-            if (json_is_object(in))
-                serve_json_value(&j, in);
-            else {
-                moe_json_object_begin(&j);
-                moe_json_object_end(&j);
-            }
-            json_decref(in);
-        }
-        moe_json_object_end(&j);
-    }
-    moe_json_array_end(&j);
-    moe_json_key(&j, "stop_reason");
-    moe_json_string(&j, stop_reason(r, s->n_calls_out));
-    moe_json_key(&j, "stop_sequence");
-    json_stop_sequence(&j, r);
-    moe_json_key(&j, "usage");
-    json_usage(&j, r, true);
-    moe_json_object_end(&j);
+    json_whole(&j, s, r);
     serve_reply_json(h, 200, &j);
     moe_json_free(&j);
 }
@@ -601,12 +604,13 @@ void serve_anthropic_messages(serve_http *h) {
     if (!body) return;
     serve_chat chat = {0};
     serve_req *req = serve_req_new();
-    const bool ok = parse_request(h, body, req, &chat, true);
+    char *prompt = NULL;
+    const bool ok = parse_request(h, body, req, &chat, true, &prompt);
     an_state *s = moe_xcalloc(1, sizeof *s);
     s->srv = h->srv;
     serve_make_id(h->srv, "msg_", s->id, sizeof s->id);
-    serve_parser_init(&s->parser, chat.tools != NULL && !chat.tool_choice_none,
-                      h->srv->format.thinks, false);
+    serve_output_init(&s->out, h->srv, &chat, prompt);
+    free(prompt);
     serve_chat_free(&chat);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
@@ -628,12 +632,22 @@ void serve_anthropic_messages(serve_http *h) {
     an_state_free(s);
 }
 
+void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                            const char *text, size_t chunk, bool stream, serve_buf *out) {
+    an_state *s = moe_xcalloc(1, sizeof *s);
+    s->srv = srv;
+    serve_make_id(srv, "msg_", s->id, sizeof s->id);
+    serve_output_init(&s->out, srv, chat, prompt);
+    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
+    an_state_free(s);
+}
+
 void serve_anthropic_count_tokens(serve_http *h) {
     json_t *body = serve_parse_body(h, SERVE_API_ANTHROPIC);
     if (!body) return;
     serve_chat chat = {0};
     serve_req *req = serve_req_new();
-    if (parse_request(h, body, req, &chat, false)) {
+    if (parse_request(h, body, req, &chat, false, NULL)) {
         moe_json j;
         moe_json_init(&j, false);
         moe_json_object_begin(&j);

@@ -208,6 +208,45 @@ void serve_sse_event(serve_sse *s, const char *event) {
     moe_json_reset(&s->j);
 }
 
+void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
+                  void (*feed)(void *state, const serve_taken *t),
+                  void (*whole)(moe_json *j, void *state, const serve_req *r), void *state,
+                  serve_buf *out) {
+    serve_req *r = serve_req_new();
+    r->finish = SERVE_FINISH_EOG;
+    r->admitted = r->done = true;
+    serve_taken t = {.admitted = true, .done = true};
+    const size_t n = strlen(text);
+    if (!chunk) chunk = n ? n : 1;
+    for (size_t off = 0; off < n; off += chunk) {
+        if (t.n_events == t.cap_events) {
+            t.cap_events = t.cap_events ? 2 * t.cap_events : 16;
+            t.events = moe_xrealloc(t.events, t.cap_events * sizeof *t.events);
+        }
+        const size_t len = n - off < chunk ? n - off : chunk;
+        t.events[t.n_events++] =
+            (serve_event){.kind = SERVE_EV_TEXT, .text_off = t.text.len, .text_len = len};
+        serve_buf_put(&t.text, text + off, len);
+    }
+    moe_json j;
+    moe_json_init(&j, false);
+    if (pump) {
+        serve_sse sse = {.req = r, .state = state, .pump = pump, .j = j};
+        pump(&sse, &t);
+        serve_buf_put(out, sse.out.p ? sse.out.p : "", sse.out.len);
+        serve_buf_free(&sse.out);
+        j = sse.j;
+    } else {
+        feed(state, &t);
+        whole(&j, state, r);
+        serve_buf_put(out, j.buf, j.len);
+    }
+    serve_buf_put(out, "", 0);
+    moe_json_free(&j);
+    serve_taken_free(&t);
+    serve_req_release(r);
+}
+
 static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
     (void)pos;
     serve_sse *s = cls;
@@ -448,31 +487,39 @@ bool serve_parse_sampling(serve_http *h, serve_api api, json_t *body, serve_gen 
     return true;
 }
 
-bool serve_tokenize_prompt(serve_http *h, serve_api api, const char *text, size_t len,
-                           serve_gen *g) {
-    const moe_tokenizer *tok = serve_sched_tokenizer(h->srv->sched);
-    moe_error err = {0};
-    size_t n = 0;
-    if (moe_tokenizer_encode(tok, text, len, MOE_ENCODE_ADD_SPECIAL | MOE_ENCODE_PARSE_SPECIAL,
-                             &g->prompt, &n, &err) != MOE_OK) {
-        serve_reply_error(h, api, 400, NULL, NULL, "cannot tokenize the prompt: %s", err.msg);
-        return false;
-    }
+bool serve_set_prompt(serve_http *h, serve_api api, int32_t *ids, size_t n, serve_gen *g) {
     const uint32_t n_ctx = serve_sched_n_ctx(h->srv->sched);
     if (n == 0) {
+        free(ids);
         serve_reply_error(h, api, 400, NULL, NULL, "the prompt is empty");
         return false;
     }
     if (n >= n_ctx) {
+        free(ids);
         serve_reply_error(h, api, 400, "messages", "context_length_exceeded",
                           "the prompt is too long: %zu tokens of %u (this model's maximum context "
                           "length is %u tokens, and at least one must be left to generate)",
                           n, n_ctx, n_ctx);
         return false;
     }
+    g->prompt = ids;
     g->n_prompt = (uint32_t)n;
     h->log_prompt = (uint32_t)n;
     return true;
+}
+
+bool serve_tokenize_prompt(serve_http *h, serve_api api, const char *text, size_t len,
+                           serve_gen *g) {
+    const moe_tokenizer *tok = serve_sched_tokenizer(h->srv->sched);
+    moe_error err = {0};
+    size_t n = 0;
+    int32_t *ids = NULL;
+    if (moe_tokenizer_encode(tok, text, len, MOE_ENCODE_ADD_SPECIAL | MOE_ENCODE_PARSE_SPECIAL,
+                             &ids, &n, &err) != MOE_OK) {
+        serve_reply_error(h, api, 400, NULL, NULL, "cannot tokenize the prompt: %s", err.msg);
+        return false;
+    }
+    return serve_set_prompt(h, api, ids, n, g);
 }
 
 bool serve_submit_and_wait(serve_http *h, serve_api api, serve_req *req, serve_taken *t) {
@@ -775,6 +822,7 @@ static const route routes[] = {
     {"POST", "/v1/responses", serve_openai_responses, true, true},
     {"POST", "/v1/messages", serve_anthropic_messages, true, true},
     {"POST", "/v1/messages/count_tokens", serve_anthropic_count_tokens, true, true},
+    {"POST", "/apply-template", serve_openai_apply_template, true, true},
     {"POST", "/tokenize", tokenize, true, true},
     {"POST", "/detokenize", detokenize, true, true},
 };
@@ -950,6 +998,13 @@ int moe_serve_run(const moe_serve_params *params) {
         free(srv);
         return 1;
     }
+    char terr[MOE_ERROR_MSG_MAX + 128];
+    if (!serve_template_load(srv, terr, sizeof terr)) { /* before any request can render */
+        fprintf(stderr, "moe serve: %s\n", terr);
+        freeaddrinfo(ai);
+        free(srv);
+        return 1;
+    }
     srv->sched = serve_sched_start(&srv->p, &srv->metrics);
     unsigned flags =
         MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
@@ -966,6 +1021,7 @@ int moe_serve_run(const moe_serve_params *params) {
                 srv->p.port);
         serve_sched_stop(srv->sched);
         serve_sched_free(srv->sched);
+        moe_chat_template_free(srv->tmpl);
         free(srv);
         return 1;
     }
@@ -980,16 +1036,13 @@ int moe_serve_run(const moe_serve_params *params) {
         rc = 1;
     } else {
         const moe_model *m = serve_sched_model(srv->sched);
-        const char *tmpl = moe_gguf_get_str(m->gguf, "tokenizer.chat_template");
-        srv->format = serve_format_choose(tmpl);
         if (!srv->p.model_path && !srv->p.alias)
             snprintf(srv->model_id, sizeof srv->model_id, "moe-demo");
         fprintf(stderr,
                 "moe serve: model %s (%s, %u layers), context %u per sequence, %d streams + %d "
-                "resident sequences, prompt format %s%s, %d threads, %s\n",
+                "resident sequences, chat template %s, %d threads, %s\n",
                 srv->model_id, m->cfg.arch_name, m->cfg.n_layer, serve_sched_n_ctx(srv->sched),
-                srv->p.parallel, srv->p.cache_slots, serve_prompt_style_name(srv->format.style),
-                tmpl ? "" : " (no chat template in the file)", srv->p.n_threads,
+                srv->p.parallel, srv->p.cache_slots, srv->tmpl_origin, srv->p.n_threads,
                 srv->p.n_api_keys ? "API key required" : "no API key");
         printf("moe serve: ready\n");
         fflush(stdout);
@@ -1000,6 +1053,7 @@ int moe_serve_run(const moe_serve_params *params) {
     serve_sched_stop(srv->sched); /* ends every stream: waiting HTTP threads return */
     MHD_stop_daemon(d);
     serve_sched_free(srv->sched);
+    moe_chat_template_free(srv->tmpl);
     pthread_mutex_destroy(&srv->metrics.mu);
     free(srv);
     return rc;

@@ -1,5 +1,5 @@
 /* openai.c: the OpenAI adapters -- /v1/chat/completions, /v1/completions, /v1/models and
- * /v1/responses: request JSON to a serve_gen (messages through the prompt formatter), engine
+ * /apply-template: request JSON to a serve_gen (messages through the chat template), engine
  * events to OpenAI's response objects and stream chunks.
  *
  * One output path for stream and non-stream: engine events go through the output parser
@@ -174,7 +174,7 @@ typedef struct oa_state {
     serve_server *srv;
     serve_sse *sse; /* stream: where chunks go */
     const moe_tokenizer *tok;
-    serve_parser parser;
+    serve_output out;
     bool chat; /* chat.completion(s) vs text_completion */
     bool include_usage;
     bool logprobs;
@@ -196,10 +196,10 @@ typedef struct oa_state {
 
 static void oa_state_free(void *p) {
     oa_state *s = p;
-    serve_parser_free(&s->parser);
+    serve_output_free(&s->out);
     serve_buf_free(&s->content);
     serve_buf_free(&s->reasoning);
-    for (size_t i = 0; i < s->n_calls; i++) {
+    for (size_t i = 0; s->calls && i < s->n_calls; i++) { /* a stream counts calls, keeps none */
         free(s->calls[i].name);
         free(s->calls[i].arguments);
     }
@@ -272,12 +272,13 @@ static void json_legacy_logprobs(moe_json *j, const moe_tokenizer *tok, const mo
     moe_json_object_end(j);
 }
 
-static void chunk_begin(oa_state *s, moe_json *j) {
+/* A response object's fields up to its open "choices" array. */
+static void json_head(oa_state *s, moe_json *j, const char *object) {
     moe_json_object_begin(j);
     moe_json_key(j, "id");
     moe_json_string(j, s->id);
     moe_json_key(j, "object");
-    moe_json_string(j, s->chat ? "chat.completion.chunk" : "text_completion");
+    moe_json_string(j, object);
     moe_json_key(j, "created");
     moe_json_int(j, s->created);
     moe_json_key(j, "model");
@@ -286,6 +287,10 @@ static void chunk_begin(oa_state *s, moe_json *j) {
     moe_json_string(j, "moe-" MOE_VERSION_STRING);
     moe_json_key(j, "choices");
     moe_json_array_begin(j);
+}
+
+static void chunk_begin(oa_state *s, moe_json *j) {
+    json_head(s, j, s->chat ? "chat.completion.chunk" : "text_completion");
 }
 
 static void chunk_end(oa_state *s, moe_json *j) {
@@ -405,10 +410,10 @@ static void feed_events(void *ud, const serve_taken *t) {
                 s->samples[s->n_samples++] = e->sample;
             }
         }
-        serve_parser_push(&s->parser, t->text.p + e->text_off, e->text_len, on_segment, s);
+        serve_output_feed(&s->out, t->text.p + e->text_off, e->text_len, on_segment, s);
         if (s->sse && s->pending_sample) stream_delta(s, NULL); /* held text: logprobs alone */
     }
-    if (t->done) serve_parser_finish(&s->parser, on_segment, s);
+    if (t->done) serve_output_finish(&s->out, on_segment, s);
 }
 
 static const char *finish_reason(const serve_req *r, size_t n_calls) {
@@ -497,7 +502,85 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     serve_buf_puts(&sse->out, "data: [DONE]\n\n");
 }
 
-/* The whole response of a non-streamed request. */
+/* The whole response of a finished generation. */
+static void json_whole(moe_json *j, void *state, const serve_req *r) {
+    oa_state *s = state;
+    json_head(s, j, s->chat ? "chat.completion" : "text_completion");
+    moe_json_object_begin(j);
+    moe_json_key(j, "index");
+    moe_json_int(j, 0);
+    if (s->chat) {
+        moe_json_key(j, "message");
+        moe_json_object_begin(j);
+        moe_json_key(j, "role");
+        moe_json_string(j, "assistant");
+        moe_json_key(j, "content");
+        bool blank = true;
+        for (size_t i = 0; i < s->content.len; i++)
+            blank &= s->content.p[i] == ' ' || s->content.p[i] == '\n';
+        if (s->n_calls && blank)
+            moe_json_null(j);
+        else
+            moe_json_string_n(j, s->content.p ? s->content.p : "", s->content.len);
+        if (s->reasoning.len) {
+            moe_json_key(j, "reasoning_content");
+            moe_json_string_n(j, s->reasoning.p, s->reasoning.len);
+        }
+        if (s->n_calls) {
+            moe_json_key(j, "tool_calls");
+            moe_json_array_begin(j);
+            for (size_t i = 0; i < s->n_calls; i++) {
+                moe_json_object_begin(j);
+                moe_json_key(j, "id");
+                moe_json_string(j, s->calls[i].id);
+                moe_json_key(j, "type");
+                moe_json_string(j, "function");
+                moe_json_key(j, "function");
+                moe_json_object_begin(j);
+                moe_json_key(j, "name");
+                moe_json_string(j, s->calls[i].name);
+                moe_json_key(j, "arguments");
+                moe_json_string(j, s->calls[i].arguments);
+                moe_json_object_end(j);
+                moe_json_object_end(j);
+            }
+            moe_json_array_end(j);
+        }
+        moe_json_key(j, "refusal");
+        moe_json_null(j);
+        moe_json_object_end(j);
+        moe_json_key(j, "logprobs");
+        if (s->logprobs) {
+            moe_json_object_begin(j);
+            moe_json_key(j, "content");
+            moe_json_array_begin(j);
+            for (size_t i = 0; i < s->n_samples; i++)
+                json_logprob_entry(j, s->tok, &s->samples[i], s->n_top);
+            moe_json_array_end(j);
+            moe_json_key(j, "refusal");
+            moe_json_null(j);
+            moe_json_object_end(j);
+        } else {
+            moe_json_null(j);
+        }
+    } else {
+        moe_json_key(j, "text");
+        moe_json_string_n(j, s->content.p ? s->content.p : "", s->content.len);
+        moe_json_key(j, "logprobs");
+        if (s->logprobs)
+            json_legacy_logprobs(j, s->tok, s->samples, s->n_samples, s->n_top, &s->text_offset);
+        else
+            moe_json_null(j);
+    }
+    moe_json_key(j, "finish_reason");
+    moe_json_string(j, finish_reason(r, s->n_calls));
+    moe_json_object_end(j);
+    moe_json_array_end(j);
+    moe_json_key(j, "usage");
+    json_usage(j, r);
+    moe_json_object_end(j);
+}
+
 static void reply_complete(serve_http *h, oa_state *s, serve_req *r) {
     if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
         serve_reply_error(h, SERVE_API_OPENAI, 500, NULL, NULL, "generation failed: %s",
@@ -506,92 +589,7 @@ static void reply_complete(serve_http *h, oa_state *s, serve_req *r) {
     }
     moe_json j;
     moe_json_init(&j, false);
-    moe_json_object_begin(&j);
-    moe_json_key(&j, "id");
-    moe_json_string(&j, s->id);
-    moe_json_key(&j, "object");
-    moe_json_string(&j, s->chat ? "chat.completion" : "text_completion");
-    moe_json_key(&j, "created");
-    moe_json_int(&j, s->created);
-    moe_json_key(&j, "model");
-    moe_json_string(&j, h->srv->model_id);
-    moe_json_key(&j, "system_fingerprint");
-    moe_json_string(&j, "moe-" MOE_VERSION_STRING);
-    moe_json_key(&j, "choices");
-    moe_json_array_begin(&j);
-    moe_json_object_begin(&j);
-    moe_json_key(&j, "index");
-    moe_json_int(&j, 0);
-    if (s->chat) {
-        moe_json_key(&j, "message");
-        moe_json_object_begin(&j);
-        moe_json_key(&j, "role");
-        moe_json_string(&j, "assistant");
-        moe_json_key(&j, "content");
-        bool blank = true;
-        for (size_t i = 0; i < s->content.len; i++)
-            blank &= s->content.p[i] == ' ' || s->content.p[i] == '\n';
-        if (s->n_calls && blank)
-            moe_json_null(&j);
-        else
-            moe_json_string_n(&j, s->content.p ? s->content.p : "", s->content.len);
-        if (s->reasoning.len) {
-            moe_json_key(&j, "reasoning_content");
-            moe_json_string_n(&j, s->reasoning.p, s->reasoning.len);
-        }
-        if (s->n_calls) {
-            moe_json_key(&j, "tool_calls");
-            moe_json_array_begin(&j);
-            for (size_t i = 0; i < s->n_calls; i++) {
-                moe_json_object_begin(&j);
-                moe_json_key(&j, "id");
-                moe_json_string(&j, s->calls[i].id);
-                moe_json_key(&j, "type");
-                moe_json_string(&j, "function");
-                moe_json_key(&j, "function");
-                moe_json_object_begin(&j);
-                moe_json_key(&j, "name");
-                moe_json_string(&j, s->calls[i].name);
-                moe_json_key(&j, "arguments");
-                moe_json_string(&j, s->calls[i].arguments);
-                moe_json_object_end(&j);
-                moe_json_object_end(&j);
-            }
-            moe_json_array_end(&j);
-        }
-        moe_json_key(&j, "refusal");
-        moe_json_null(&j);
-        moe_json_object_end(&j);
-        moe_json_key(&j, "logprobs");
-        if (s->logprobs) {
-            moe_json_object_begin(&j);
-            moe_json_key(&j, "content");
-            moe_json_array_begin(&j);
-            for (size_t i = 0; i < s->n_samples; i++)
-                json_logprob_entry(&j, s->tok, &s->samples[i], s->n_top);
-            moe_json_array_end(&j);
-            moe_json_key(&j, "refusal");
-            moe_json_null(&j);
-            moe_json_object_end(&j);
-        } else {
-            moe_json_null(&j);
-        }
-    } else {
-        moe_json_key(&j, "text");
-        moe_json_string_n(&j, s->content.p ? s->content.p : "", s->content.len);
-        moe_json_key(&j, "logprobs");
-        if (s->logprobs)
-            json_legacy_logprobs(&j, s->tok, s->samples, s->n_samples, s->n_top, &s->text_offset);
-        else
-            moe_json_null(&j);
-    }
-    moe_json_key(&j, "finish_reason");
-    moe_json_string(&j, finish_reason(r, s->n_calls));
-    moe_json_object_end(&j);
-    moe_json_array_end(&j);
-    moe_json_key(&j, "usage");
-    json_usage(&j, r);
-    moe_json_object_end(&j);
+    json_whole(&j, s, r);
     serve_reply_json(h, 200, &j);
     moe_json_free(&j);
 }
@@ -659,14 +657,11 @@ void serve_openai_chat(serve_http *h) {
             req->gen.sampling.n_top_logprobs = s->n_top;
         }
     }
-    if (ok) {
-        serve_buf prompt = {0};
-        serve_format_prompt(&h->srv->format, &chat, &prompt);
-        ok = serve_tokenize_prompt(h, SERVE_API_OPENAI, prompt.p, prompt.len, &req->gen);
-        serve_buf_free(&prompt);
-    }
-    serve_parser_init(&s->parser, chat.tools != NULL && !chat.tool_choice_none,
-                      h->srv->format.thinks, false);
+    char *prompt = NULL;
+    ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
+         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
+    serve_output_init(&s->out, h->srv, &chat, prompt);
+    free(prompt);
     serve_chat_free(&chat);
     if (!ok) {
         serve_req_release(req);
@@ -676,6 +671,17 @@ void serve_openai_chat(serve_http *h) {
     }
     run_generation(h, body, req, s);
     json_decref(body);
+}
+
+void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                         const char *text, size_t chunk, bool stream, serve_buf *out) {
+    oa_state *s = moe_xcalloc(1, sizeof *s);
+    s->chat = true;
+    s->srv = srv;
+    serve_make_id(srv, "chatcmpl-", s->id, sizeof s->id);
+    serve_output_init(&s->out, srv, chat, prompt);
+    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
+    oa_state_free(s);
 }
 
 /* ==== /v1/completions ==== */
@@ -746,7 +752,7 @@ void serve_openai_completions(serve_http *h) {
             ok = false;
         }
     }
-    serve_parser_init(&s->parser, false, false, false);
+    serve_output_init(&s->out, h->srv, NULL, NULL);
     if (!ok) {
         serve_req_release(req);
         oa_state_free(s);
@@ -754,6 +760,38 @@ void serve_openai_completions(serve_http *h) {
         return;
     }
     run_generation(h, body, req, s);
+    json_decref(body);
+}
+
+/* ==== /apply-template ==== */
+
+/* The prompt a chat request would get, without generating (llama-server's endpoint): the body
+ * is a /v1/chat/completions request; the reply {"prompt": TEXT, "tokens": [ids]}. */
+void serve_openai_apply_template(serve_http *h) {
+    json_t *body = serve_parse_body(h, SERVE_API_OPENAI);
+    if (!body) return;
+    serve_chat chat = {0};
+    serve_gen gen = {0};
+    char *prompt = NULL;
+    if (parse_messages(h, body, &chat) && parse_tools(h, body, &chat) &&
+        serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
+        serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &gen, &prompt)) {
+        moe_json j;
+        moe_json_init(&j, false);
+        moe_json_object_begin(&j);
+        moe_json_key(&j, "prompt");
+        moe_json_string(&j, prompt);
+        moe_json_key(&j, "tokens");
+        moe_json_array_begin(&j);
+        for (uint32_t i = 0; i < gen.n_prompt; i++) moe_json_int(&j, gen.prompt[i]);
+        moe_json_array_end(&j);
+        moe_json_object_end(&j);
+        serve_reply_json(h, 200, &j);
+        moe_json_free(&j);
+    }
+    free(prompt);
+    serve_gen_free(&gen);
+    serve_chat_free(&chat);
     json_decref(body);
 }
 

@@ -1,13 +1,16 @@
-/* prompt.c: conversations to prompt text, and model text back to content, reasoning and tool
- * calls -- the two seams the chat-template work (Jinja renderer, per-model parsers) replaces.
+/* prompt.c: conversations to prompt tokens through the model's chat template, and model text
+ * back to content, reasoning and tool calls through the text layer's parsers -- the two seams
+ * between the API adapters and src/text/.
  *
- * Formatting: built-in styles chosen from the model's template text -- ChatML (also for a model
- * without a template, like `moe chat`), Llama-3 headers, and a plain "Role: text" fallback for
- * templates we do not recognise. Tools are described Hermes-style in the system turn and calls
- * are expected back as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
- * Parsing: a streaming splitter that holds back any bytes that may be the start of a marker, so
- * a marker cut across two tokens is still found. The trap: a tool call whose JSON does not
- * parse is given back as plain content, never dropped. */
+ * The template is chosen once at start-up: --chat-template-file, else the GGUF's
+ * tokenizer.chat_template, else the built-in ChatML. Each API's request becomes one OpenAI-style
+ * conversation (serve_chat), rendered with the request's tools and template kwargs
+ * (chat_template_kwargs, enable_thinking, reasoning_effort, Anthropic `thinking`, Responses
+ * `reasoning.effort`) and tokenized so that a client's text never becomes a control token
+ * (moe_chat_render_tokens). The output parser is the template's format (Hermes when unknown);
+ * without tools in the request, call markup stays content. The trap: a template may raise on a
+ * conversation it does not accept (roles out of order, no user turn); that is the client's
+ * request failing, a 400 with the template's own message, not a server error. */
 #include "serve_internal.h"
 
 #include <stdio.h>
@@ -44,285 +47,216 @@ void serve_chat_free(serve_chat *c) {
     }
     free(c->msgs);
     json_decref(c->tools);
+    json_decref(c->kwargs);
     memset(c, 0, sizeof *c);
 }
 
-/* ==== Formatting ==== */
-
-serve_format serve_format_choose(const char *t) {
-    serve_format f = {.style = SERVE_PROMPT_CHATML, .thinks = false};
-    if (!t) return f;
-    if (strstr(t, "<|start_header_id|>"))
-        f.style = SERVE_PROMPT_LLAMA3;
-    else if (strstr(t, "<|im_start|>"))
-        f.style = SERVE_PROMPT_CHATML;
-    else
-        f.style = SERVE_PROMPT_PLAIN;
-    f.thinks = strstr(t, "<think>") != NULL;
-    return f;
+static bool chat_has_tools(const serve_chat *c) {
+    return c && c->tools && json_array_size(c->tools) && !c->tool_choice_none;
 }
 
-const char *serve_prompt_style_name(serve_prompt_style s) {
-    switch (s) {
-    case SERVE_PROMPT_CHATML:
-        return "chatml";
-    case SERVE_PROMPT_LLAMA3:
-        return "llama3";
-    case SERVE_PROMPT_PLAIN:
-        return "plain";
-    }
-    return "?";
-}
-
-static void tools_text(const serve_chat *chat, serve_buf *out) {
-    serve_buf_puts(out, "# Tools\n\nYou may call one or more functions to assist with the user "
-                        "query.\n\nYou are provided with function signatures within "
-                        "<tools></tools> XML tags:\n<tools>");
-    size_t i;
-    json_t *tool;
-    json_array_foreach(chat->tools, i, tool) {
-        char *s = json_dumps(tool, 0); /* ", " and ": " like Jinja's tojson */
-        if (!s) continue;
-        serve_buf_puts(out, "\n");
-        serve_buf_puts(out, s);
-        free(s);
-    }
-    serve_buf_puts(out, "\n</tools>\n\nFor each function call, return a json object with function "
-                        "name and arguments within <tool_call></tool_call> XML tags:\n"
-                        "<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-                        "<args-json-object>}\n</tool_call>");
-}
-
-typedef struct style_marks {
-    const char *open_pre, *open_post, *close; /* turn = open_pre ROLE open_post TEXT close */
-} style_marks;
-
-static style_marks marks_of(serve_prompt_style s) {
-    switch (s) {
-    case SERVE_PROMPT_LLAMA3:
-        return (style_marks){"<|start_header_id|>", "<|end_header_id|>\n\n", "<|eot_id|>"};
-    case SERVE_PROMPT_PLAIN:
-        return (style_marks){"", ": ", "\n\n"};
-    case SERVE_PROMPT_CHATML:
-        break;
-    }
-    return (style_marks){"<|im_start|>", "\n", "<|im_end|>\n"};
-}
-
-static void turn_open(serve_buf *out, const style_marks *mk, serve_prompt_style st,
-                      const char *role) {
-    serve_buf_puts(out, mk->open_pre);
-    if (st == SERVE_PROMPT_PLAIN) {
-        /* "User", "Assistant", "System" */
-        char r[32];
-        snprintf(r, sizeof r, "%s", role);
-        if (r[0] >= 'a' && r[0] <= 'z') r[0] = (char)(r[0] - 'a' + 'A');
-        serve_buf_puts(out, r);
-    } else {
-        serve_buf_puts(out, role);
-    }
-    serve_buf_puts(out, mk->open_post);
-}
-
-void serve_format_prompt(const serve_format *f, const serve_chat *chat, serve_buf *out) {
-    const style_marks mk = marks_of(f->style);
-    const bool tools = chat->tools && json_array_size(chat->tools) && !chat->tool_choice_none;
-    size_t i = 0;
-    /* system turn: the first system message, plus the tool descriptions */
-    if ((chat->n_msgs && strcmp(chat->msgs[0].role, "system") == 0) || tools) {
-        turn_open(out, &mk, f->style, "system");
-        if (chat->n_msgs && strcmp(chat->msgs[0].role, "system") == 0) {
-            serve_buf_puts(out, chat->msgs[0].content ? chat->msgs[0].content : "");
-            if (tools) serve_buf_puts(out, "\n\n");
-            i = 1;
+/* The conversation as the template sees it: OpenAI's messages. */
+static json_t *chat_messages_json(const serve_chat *c) {
+    json_t *msgs = json_array();
+    for (size_t i = 0; i < c->n_msgs; i++) {
+        const serve_message *m = &c->msgs[i];
+        json_t *j = json_object();
+        json_object_set_new(j, "role", json_string(m->role));
+        json_object_set_new(j, "content", json_string(m->content ? m->content : ""));
+        if (m->reasoning) json_object_set_new(j, "reasoning_content", json_string(m->reasoning));
+        if (m->n_tool_calls) {
+            json_t *calls = json_array();
+            for (size_t k = 0; k < m->n_tool_calls; k++) {
+                const serve_tool_call *tc = &m->tool_calls[k];
+                json_t *fn = json_object();
+                json_object_set_new(fn, "name", json_string(tc->name));
+                json_object_set_new(fn, "arguments", json_string(tc->arguments));
+                json_t *call = json_object();
+                json_object_set_new(call, "id", json_string(tc->id));
+                json_object_set_new(call, "type", json_string("function"));
+                json_object_set_new(call, "function", fn);
+                json_array_append_new(calls, call);
+            }
+            json_object_set_new(j, "tool_calls", calls);
         }
-        if (tools) tools_text(chat, out);
-        serve_buf_puts(out, mk.close);
+        if (m->tool_call_id) json_object_set_new(j, "tool_call_id", json_string(m->tool_call_id));
+        if (m->name) json_object_set_new(j, "name", json_string(m->name));
+        json_array_append_new(msgs, j);
     }
-    const char *tool_role = f->style == SERVE_PROMPT_LLAMA3 ? "ipython" : "user";
-    for (; i < chat->n_msgs; i++) {
-        const serve_message *m = &chat->msgs[i];
-        if (strcmp(m->role, "tool") == 0) {
-            /* consecutive tool results share one turn */
-            const bool first = i == 0 || strcmp(chat->msgs[i - 1].role, "tool") != 0;
-            const bool last = i + 1 == chat->n_msgs || strcmp(chat->msgs[i + 1].role, "tool") != 0;
-            if (first)
-                turn_open(out, &mk, f->style, tool_role);
-            else
-                serve_buf_puts(out, "\n");
-            serve_buf_puts(out, "<tool_response>\n");
-            serve_buf_puts(out, m->content ? m->content : "");
-            serve_buf_puts(out, "\n</tool_response>");
-            if (last) serve_buf_puts(out, mk.close);
-            continue;
+    return msgs;
+}
+
+/* ==== Template kwargs from the request ==== */
+
+#define BAD(h, api, field, ...)                                                                    \
+    do {                                                                                           \
+        serve_reply_error(h, api, 400, field, NULL, __VA_ARGS__);                                  \
+        return false;                                                                              \
+    } while (0)
+
+bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat) {
+    json_t *kw = json_object();
+    chat->kwargs = kw;
+    json_object_set_new(kw, "add_generation_prompt", json_true());
+    json_t *v = json_object_get(body, "enable_thinking");
+    if (v && !json_is_null(v)) {
+        if (!json_is_boolean(v))
+            BAD(h, api, "enable_thinking", "enable_thinking: expected a boolean");
+        json_object_set(kw, "enable_thinking", v);
+    }
+    v = json_object_get(body, "reasoning_effort");                             /* OpenAI chat */
+    if (!v) v = json_object_get(json_object_get(body, "reasoning"), "effort"); /* Responses */
+    if (v && !json_is_null(v)) {
+        if (!json_is_string(v))
+            BAD(h, api, "reasoning_effort", "reasoning_effort: expected a string");
+        json_object_set(kw, "reasoning_effort", v);
+    }
+    const char *thinking =
+        json_string_value(json_object_get(json_object_get(body, "thinking"), "type"));
+    if (thinking) /* Anthropic: {"type": "enabled" | "disabled", ...} */
+        json_object_set_new(kw, "enable_thinking", json_boolean(strcmp(thinking, "disabled") != 0));
+    v = json_object_get(body, "chat_template_kwargs"); /* vLLM and llama-server's extension */
+    if (v && !json_is_null(v)) {
+        if (!json_is_object(v))
+            BAD(h, api, "chat_template_kwargs", "chat_template_kwargs: expected an object");
+        json_object_update(kw, v);
+    }
+    return true;
+}
+
+/* ==== The template ==== */
+
+bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
+    moe_error err = {0};
+    const char *path = srv->p.chat_template_file;
+    if (path) {
+        srv->tmpl = moe_chat_template_load_file(path, &err);
+        snprintf(srv->tmpl_origin, sizeof srv->tmpl_origin, "%s", path);
+    } else if (srv->p.model_path) {
+        moe_gguf *g = moe_gguf_open(srv->p.model_path, &err);
+        if (g) {
+            srv->tmpl = moe_chat_template_from_gguf(g, NULL, &err);
+            moe_gguf_close(g);
+            snprintf(srv->tmpl_origin, sizeof srv->tmpl_origin, "the model's");
+            if (!srv->tmpl && err.code == MOE_ERR_NOT_FOUND) err.code = MOE_OK;
+        } else {
+            err.code = MOE_OK; /* the scheduler reports why the model does not load */
         }
-        turn_open(out, &mk, f->style, m->role);
-        serve_buf_puts(out, m->content ? m->content : "");
-        for (size_t k = 0; k < m->n_tool_calls; k++) {
-            const serve_tool_call *tc = &m->tool_calls[k];
-            if ((m->content && m->content[0]) || k) serve_buf_puts(out, "\n");
-            serve_buf_puts(out, "<tool_call>\n{\"name\": ");
-            json_t *name = json_string(tc->name ? tc->name : "");
-            char *qn = json_dumps(name, JSON_ENCODE_ANY | JSON_ENSURE_ASCII);
-            serve_buf_puts(out, qn ? qn : "\"\"");
-            free(qn);
-            json_decref(name);
-            serve_buf_puts(out, ", \"arguments\": ");
-            serve_buf_puts(out, tc->arguments && tc->arguments[0] ? tc->arguments : "{}");
-            serve_buf_puts(out, "}\n</tool_call>");
+    }
+    if (err.code) {
+        snprintf(err_out, err_size,
+                 "chat template: %s (--chat-template-file FILE.jinja gives "
+                 "another)",
+                 err.msg);
+        return false;
+    }
+    if (!srv->tmpl) {
+        srv->tmpl = moe_chat_template_parse(moe_chat_template_chatml,
+                                            strlen(moe_chat_template_chatml), &err);
+        if (!srv->tmpl) moe_die("the built-in ChatML template: %s", err.msg);
+        snprintf(srv->tmpl_origin, sizeof srv->tmpl_origin, "built-in ChatML (none in the model)");
+    }
+    moe_chat_parse_options o;
+    moe_chat_parse_options_detect(moe_chat_template_source(srv->tmpl), NULL, &o);
+    snprintf(srv->tmpl_origin + strlen(srv->tmpl_origin),
+             sizeof srv->tmpl_origin - strlen(srv->tmpl_origin), ", tool calls %s%s%s",
+             moe_chat_format_name(o.format), o.think_open ? ", reasoning " : "",
+             o.think_open ? o.think_open : "");
+    return true;
+}
+
+bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
+                       char **text) {
+    json_t *msgs = chat_messages_json(chat);
+    char *messages = json_dumps(msgs, JSON_COMPACT);
+    json_decref(msgs);
+    char *tools = chat_has_tools(chat) ? json_dumps(chat->tools, JSON_COMPACT) : NULL;
+    char *kwargs = chat->kwargs ? json_dumps(chat->kwargs, JSON_COMPACT)
+                                : moe_xstrdup("{\"add_generation_prompt\":true}");
+    moe_error err = {0};
+    int32_t *ids = NULL;
+    size_t n = 0;
+    const moe_status st = moe_chat_render_tokens(h->srv->tmpl, serve_sched_tokenizer(h->srv->sched),
+                                                 messages, tools, kwargs, text, &ids, &n, &err);
+    free(messages);
+    free(tools);
+    free(kwargs);
+    if (st != MOE_OK) {
+        serve_reply_error(h, api, 400, "messages", NULL,
+                          "the chat template refused the request: %s", err.msg);
+        return false;
+    }
+    if (serve_set_prompt(h, api, ids, n, g)) return true;
+    if (text) {
+        free(*text);
+        *text = NULL;
+    }
+    return false;
+}
+
+/* ==== Output ==== */
+
+void serve_output_init(serve_output *o, const serve_server *srv, const serve_chat *chat,
+                       const char *prompt) {
+    memset(o, 0, sizeof *o);
+    if (!chat) return; /* plain completions: all content */
+    moe_chat_parse_options opts;
+    moe_chat_parse_options_detect(moe_chat_template_source(srv->tmpl), prompt, &opts);
+    char *tools = chat_has_tools(chat) ? json_dumps(chat->tools, JSON_COMPACT) : NULL;
+    opts.tools_json = tools;
+    opts.no_tool_calls = tools == NULL;
+    moe_error err = {0};
+    o->parser = moe_chat_parser_new(&opts, &err);
+    if (!o->parser) moe_die("output parser: %s", err.msg); /* options come from detect */
+    free(tools);
+}
+
+/* Everything the last feed settled, in the order the model wrote it. */
+static void emit(serve_output *o, serve_segment_fn fn, void *ud) {
+    moe_chat_delta *d = &o->delta;
+    size_t content = 0, reasoning = 0, call = 0;
+    for (size_t i = 0; i < d->n_parts; i++) {
+        const moe_chat_delta_part *p = &d->parts[i];
+        if (p->kind == 't' && call < d->n_calls) {
+            fn(ud, &(serve_segment){.kind = SERVE_SEG_TOOL_CALL,
+                                    .name = d->calls[call].name,
+                                    .arguments = d->calls[call].arguments});
+            call++;
+        } else if (p->kind == 'r') {
+            fn(ud, &(serve_segment){.kind = SERVE_SEG_REASONING,
+                                    .text = d->reasoning + reasoning,
+                                    .len = p->len});
+            reasoning += p->len;
+        } else if (p->kind == 'c') {
+            fn(ud, &(serve_segment){
+                       .kind = SERVE_SEG_CONTENT, .text = d->content + content, .len = p->len});
+            content += p->len;
         }
-        serve_buf_puts(out, mk.close);
     }
-    turn_open(out, &mk, f->style, "assistant");
+    moe_chat_delta_clear(d);
 }
 
-/* ==== Output parser ==== */
-
-#define M_THINK_OPEN  "<think>"
-#define M_THINK_CLOSE "</think>"
-#define M_CALL_OPEN   "<tool_call>"
-#define M_CALL_CLOSE  "</tool_call>"
-
-void serve_parser_init(serve_parser *p, bool tools, bool think_markers, bool starts_in_reasoning) {
-    memset(p, 0, sizeof *p);
-    p->tools = tools;
-    p->think_markers = think_markers;
-    p->reasoning = starts_in_reasoning;
-}
-
-void serve_parser_free(serve_parser *p) {
-    serve_buf_free(&p->hold);
-    serve_buf_free(&p->call);
-}
-
-static void seg_text(serve_parser *p, const char *s, size_t n, serve_segment_fn fn, void *ud) {
-    if (!n) return;
-    serve_segment seg = {
-        .kind = p->reasoning ? SERVE_SEG_REASONING : SERVE_SEG_CONTENT, .text = s, .len = n};
-    fn(ud, &seg);
-}
-
-/* A complete call body: {"name": ..., "arguments": ...}; content when it does not parse. */
-static void seg_call(serve_parser *p, const char *body, size_t n, bool closed, serve_segment_fn fn,
-                     void *ud) {
-    json_error_t jerr;
-    json_t *v = serve_json_depth(body, n) <= SERVE_MAX_CALL_DEPTH
-                    ? json_loadb(body, n, JSON_DECODE_ANY, &jerr)
-                    : NULL;
-    json_t *name = v ? json_object_get(v, "name") : NULL;
-    if (json_is_string(name)) {
-        json_t *args = json_object_get(v, "arguments");
-        if (!args) args = json_object_get(v, "parameters");
-        char *a = NULL;
-        if (json_is_string(args))
-            a = moe_xstrdup(json_string_value(args));
-        else
-            a = args ? json_dumps(args, JSON_COMPACT | JSON_ENCODE_ANY) : moe_xstrdup("{}");
-        serve_segment seg = {.kind = SERVE_SEG_TOOL_CALL,
-                             .name = json_string_value(name),
-                             .arguments = a ? a : "{}"};
-        fn(ud, &seg);
-        free(a);
-    } else {
-        const bool was = p->reasoning;
-        p->reasoning = false;
-        seg_text(p, M_CALL_OPEN, strlen(M_CALL_OPEN), fn, ud);
-        seg_text(p, body, n, fn, ud);
-        if (closed) seg_text(p, M_CALL_CLOSE, strlen(M_CALL_CLOSE), fn, ud);
-        p->reasoning = was;
-    }
-    json_decref(v);
-}
-
-/* Longest suffix of s that is a proper prefix of marker m. */
-static size_t partial(const char *s, size_t n, const char *m) {
-    const size_t ml = strlen(m);
-    for (size_t k = ml - 1 < n ? ml - 1 : n; k > 0; k--)
-        if (memcmp(s + n - k, m, k) == 0) return k;
-    return 0;
-}
-
-void serve_parser_push(serve_parser *p, const char *text, size_t len, serve_segment_fn fn,
+void serve_output_feed(serve_output *o, const char *text, size_t len, serve_segment_fn fn,
                        void *ud) {
-    if (p->state == 1)
-        serve_buf_put(&p->call, text, len);
-    else
-        serve_buf_put(&p->hold, text, len);
-    for (;;) {
-        if (p->state == 1) {
-            const char *end =
-                p->call.len ? memmem(p->call.p, p->call.len, M_CALL_CLOSE, strlen(M_CALL_CLOSE))
-                            : NULL;
-            if (!end) return;
-            const size_t body = (size_t)(end - p->call.p);
-            const size_t after = body + strlen(M_CALL_CLOSE);
-            seg_call(p, p->call.p, body, true, fn, ud);
-            /* what follows the call goes back through the text state */
-            p->hold.len = 0;
-            serve_buf_put(&p->hold, p->call.p + after, p->call.len - after);
-            p->call.len = 0;
-            p->state = 0;
-            continue;
-        }
-        /* text: the markers that can start here */
-        const char *marks[3];
-        int n_marks = 0;
-        if (p->reasoning)
-            marks[n_marks++] = M_THINK_CLOSE;
-        else {
-            if (p->think_markers) marks[n_marks++] = M_THINK_OPEN;
-            if (p->tools) marks[n_marks++] = M_CALL_OPEN;
-        }
-        const char *hit = NULL;
-        int which = -1;
-        for (int m = 0; m < n_marks; m++) {
-            const char *at =
-                p->hold.len ? memmem(p->hold.p, p->hold.len, marks[m], strlen(marks[m])) : NULL;
-            if (at && (!hit || at < hit)) {
-                hit = at;
-                which = m;
-            }
-        }
-        if (hit) {
-            const size_t before = (size_t)(hit - p->hold.p);
-            const size_t after = before + strlen(marks[which]);
-            seg_text(p, p->hold.p, before, fn, ud);
-            const char *mk = marks[which];
-            serve_buf rest = {0};
-            serve_buf_put(&rest, p->hold.p + after, p->hold.len - after);
-            serve_buf_free(&p->hold);
-            if (strcmp(mk, M_CALL_OPEN) == 0) {
-                p->state = 1;
-                p->call.len = 0;
-                serve_buf_put(&p->call, rest.p, rest.len);
-                serve_buf_free(&rest);
-            } else {
-                p->reasoning = strcmp(mk, M_THINK_OPEN) == 0;
-                p->hold = rest;
-            }
-            continue;
-        }
-        size_t keep = 0;
-        for (int m = 0; m < n_marks; m++) {
-            const size_t k = partial(p->hold.p ? p->hold.p : "", p->hold.len, marks[m]);
-            if (k > keep) keep = k;
-        }
-        const size_t out = p->hold.len - keep;
-        seg_text(p, p->hold.p, out, fn, ud);
-        if (out) {
-            memmove(p->hold.p, p->hold.p + out, keep);
-            p->hold.len = keep;
-        }
+    if (!len) return;
+    if (!o->parser) {
+        fn(ud, &(serve_segment){.kind = SERVE_SEG_CONTENT, .text = text, .len = len});
         return;
     }
+    moe_error err = {0};
+    moe_chat_parser_feed(o->parser, text, len, &o->delta, &err);
+    emit(o, fn, ud);
 }
 
-void serve_parser_finish(serve_parser *p, serve_segment_fn fn, void *ud) {
-    if (p->state == 1) {
-        seg_call(p, p->call.p ? p->call.p : "", p->call.len, false, fn, ud);
-        p->call.len = 0;
-        p->state = 0;
-    }
-    seg_text(p, p->hold.p, p->hold.len, fn, ud);
-    p->hold.len = 0;
+void serve_output_finish(serve_output *o, serve_segment_fn fn, void *ud) {
+    if (!o->parser) return;
+    moe_error err = {0};
+    moe_chat_parser_finish(o->parser, &o->delta, &err);
+    emit(o, fn, ud);
+}
+
+void serve_output_free(serve_output *o) {
+    moe_chat_parser_free(o->parser);
+    moe_chat_delta_clear(&o->delta);
+    memset(o, 0, sizeof *o);
 }

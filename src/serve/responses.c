@@ -166,7 +166,7 @@ typedef struct out_item {
 typedef struct rs_state {
     serve_server *srv;
     serve_sse *sse;
-    serve_parser parser;
+    serve_output out;
     char id[64];
     long created;
     out_item *items;
@@ -178,7 +178,7 @@ typedef struct rs_state {
 
 static void rs_state_free(void *p) {
     rs_state *s = p;
-    serve_parser_free(&s->parser);
+    serve_output_free(&s->out);
     for (size_t i = 0; i < s->n_items; i++) {
         serve_buf_free(&s->items[i].text);
         free(s->items[i].name);
@@ -379,12 +379,17 @@ static void item_close(rs_state *s) {
     ev_end(s, "response.output_item.done");
 }
 
-static out_item *item_open(rs_state *s, item_kind kind) {
+/* name: a function call's (it is in the output_item.added event already); NULL otherwise */
+static out_item *item_open(rs_state *s, item_kind kind, const char *name) {
     item_close(s);
     s->items = moe_xrealloc(s->items, (s->n_items + 1) * sizeof *s->items);
     out_item *it = &s->items[s->n_items++];
     memset(it, 0, sizeof *it);
     it->kind = kind;
+    if (kind == ITEM_CALL) {
+        it->name = moe_xstrdup(name);
+        serve_make_id(s->srv, "call_", it->call_id, sizeof it->call_id);
+    }
     serve_make_id(s->srv,
                   kind == ITEM_MESSAGE ? "msg_"
                   : kind == ITEM_CALL  ? "fc_"
@@ -411,9 +416,7 @@ static out_item *item_open(rs_state *s, item_kind kind) {
 static void on_segment(void *ud, const serve_segment *seg) {
     rs_state *s = ud;
     if (seg->kind == SERVE_SEG_TOOL_CALL) {
-        out_item *it = item_open(s, ITEM_CALL);
-        serve_make_id(s->srv, "call_", it->call_id, sizeof it->call_id);
-        it->name = moe_xstrdup(seg->name);
+        out_item *it = item_open(s, ITEM_CALL, seg->name);
         serve_buf_puts(&it->text, seg->arguments);
         if (s->sse) {
             ev_begin(s, "response.function_call_arguments.delta");
@@ -428,7 +431,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
     if (!seg->len) return;
     const item_kind kind = seg->kind == SERVE_SEG_REASONING ? ITEM_REASONING : ITEM_MESSAGE;
     out_item *it = s->n_items ? &s->items[s->n_items - 1] : NULL;
-    if (!it || it->done || it->kind != kind) it = item_open(s, kind);
+    if (!it || it->done || it->kind != kind) it = item_open(s, kind, NULL);
     serve_buf_put(&it->text, seg->text, seg->len);
     if (!s->sse) return;
     const char *type =
@@ -448,11 +451,11 @@ static void on_segment(void *ud, const serve_segment *seg) {
 static void feed_events(void *ud, const serve_taken *t) {
     rs_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_parser_push(&s->parser, t->text.p + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->out, t->text.p + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
     if (t->done) {
-        serve_parser_finish(&s->parser, on_segment, s);
-        if (!s->n_items) item_open(s, ITEM_MESSAGE); /* always a message, maybe empty */
+        serve_output_finish(&s->out, on_segment, s);
+        if (!s->n_items) item_open(s, ITEM_MESSAGE, NULL); /* always a message, maybe empty */
         item_close(s);
     }
 }
@@ -499,6 +502,21 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     ev_end(s, type);
 }
 
+static void json_whole(moe_json *j, void *state, const serve_req *r) {
+    json_response(j, state, r);
+}
+
+void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                            const char *text, size_t chunk, bool stream, serve_buf *out) {
+    rs_state *s = moe_xcalloc(1, sizeof *s);
+    s->srv = srv;
+    serve_make_id(srv, "resp_", s->id, sizeof s->id);
+    s->echo = json_object();
+    serve_output_init(&s->out, srv, chat, prompt);
+    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
+    rs_state_free(s);
+}
+
 void serve_openai_responses(serve_http *h) {
     json_t *body = serve_parse_body(h, SERVE_API_OPENAI);
     if (!body) return;
@@ -543,13 +561,12 @@ void serve_openai_responses(serve_http *h) {
             json_object_set_new(s->echo, "tools", json_array());
         if (json_is_null(json_object_get(s->echo, "metadata")))
             json_object_set_new(s->echo, "metadata", json_object());
-        serve_buf prompt = {0};
-        serve_format_prompt(&h->srv->format, &chat, &prompt);
-        ok = serve_tokenize_prompt(h, SERVE_API_OPENAI, prompt.p, prompt.len, &req->gen);
-        serve_buf_free(&prompt);
     }
-    serve_parser_init(&s->parser, chat.tools != NULL && !chat.tool_choice_none,
-                      h->srv->format.thinks, false);
+    char *prompt = NULL;
+    ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
+         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
+    serve_output_init(&s->out, h->srv, &chat, prompt);
+    free(prompt);
     serve_chat_free(&chat);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);

@@ -6,13 +6,18 @@
  * moe_ctx_decode. Each row with logits is sampled; tokens go through the stream detokenizer and
  * the stop-string matcher, and out to the request's event queue.
  *
- * Sequences (slots) outlive their requests: a finished sequence stays resident with its tokens
- * recorded, and a new request whose prompt starts with the same tokens takes the slot with the
- * longest common prefix, truncates it there and prefills only the rest (at least the last
- * prompt token is always run again: its logits are needed). With no useful prefix, an empty
- * slot is taken, else the least recently used resident one is evicted. The trap: a slot's
- * `tokens` must always equal what its KV cache holds (the engine's seq_len) -- a sampled token
- * is appended only when it is fed as a row, so a finished stream's last token is not there. */
+ * Sequences (slots) outlive their requests: a finished sequence stays resident (the engine
+ * remembers its tokens), and a new request takes the slot that can give the longest prefix of
+ * its prompt, else an empty one, else the least recently used resident one. The engine's
+ * moe_ctx_seq_reuse then makes the slot hold the longest prefix it can reproduce exactly, from
+ * any slot or snapshot, and only the rest is prefilled (at least the last prompt token is
+ * always run again: its logits are needed). On a hybrid model (linear-attention layers) a
+ * sequence's recurrent state cannot be cut back, so a prefix is reusable only as a whole
+ * sequence or at a snapshot: each prompt is prefilled up to its last token, snapshotted there,
+ * and the last token runs in the next step, so the same prompt again (or one that extends it)
+ * reuses all but its last token. A request never runs on state holding tokens it did not send.
+ * The trap: a sampled token joins the sequence only when it is fed as a row, so a finished
+ * stream's last token is not there. */
 #include "serve_internal.h"
 
 #include <errno.h>
@@ -28,12 +33,11 @@ typedef enum slot_state { SLOT_EMPTY, SLOT_RESIDENT, SLOT_ACTIVE } slot_state;
 
 typedef struct slot {
     slot_state state;
-    int32_t *tokens; /* [n_ctx] what the KV cache of this sequence holds, in order */
-    uint32_t n_tokens;
     uint64_t last_used; /* step counter at the last use (LRU) */
     /* the running stream (SLOT_ACTIVE) */
     serve_req *req;
     bool decoding; /* prompt done: the next row feeds next_token */
+    bool snapped;  /* hybrid: the prompt's state before its last token is snapshotted */
     int32_t next_token;
     int32_t logits_row; /* this step: index of its logits row, or -1 */
     moe_sampler *sampler;
@@ -57,6 +61,7 @@ struct serve_sched {
     moe_tokenizer *tok;
     moe_ctx *ctx;
     uint32_t n_ctx, n_slots, n_vocab;
+    bool hybrid; /* recurrent layers: prefixes come back only whole or from snapshots */
     slot *slots;
     moe_row *rows;     /* [parallel + SERVE_PREFILL_CHUNK] */
     int32_t *row_slot; /* [same] which slot each row belongs to */
@@ -218,24 +223,16 @@ static void emit(serve_req *r, serve_event_kind kind, const char *text, size_t l
 
 /* ==== Slots ==== */
 
-static uint32_t common_prefix(const int32_t *a, uint32_t na, const int32_t *b, uint32_t nb) {
-    uint32_t n = na < nb ? na : nb, i = 0;
-    while (i < n && a[i] == b[i]) i++;
-    return i;
+/* Tokens the slot's sequence holds (its next position). */
+static uint32_t slot_len(const serve_sched *s, int idx) {
+    return moe_ctx_seq_len(s->ctx, idx);
 }
 
-static void slot_truncate(serve_sched *s, int idx, uint32_t n) {
-    slot *sl = &s->slots[idx];
-    if (n < sl->n_tokens) sl->n_tokens = n;
-    moe_ctx_seq_truncate(s->ctx, idx, n);
-    if (sl->n_tokens == 0 && sl->state == SLOT_RESIDENT) sl->state = SLOT_EMPTY;
-}
-
-/* The slot for a prompt. A resident sequence whose tokens the prompt mostly extends (the
- * common prefix covers at least half of it) is reused; otherwise an empty slot is taken, and
- * only when none is left is a resident one evicted: the best-prefix one if the prompt shares
- * anything with it, else the least recently used. */
-static int slot_choose(serve_sched *s, const serve_gen *g, uint32_t *reuse) {
+/* The slot for a prompt. A resident sequence that can give a prefix covering at least half of
+ * what it holds is reused; otherwise an empty slot is taken, and only when none is left is a
+ * resident one evicted: the best-prefix one if it can give anything, else the least recently
+ * used. (The engine may still copy a prefix into the chosen slot from another one.) */
+static int slot_choose(serve_sched *s, const serve_gen *g) {
     int best = -1, empty = -1, lru = -1;
     uint32_t best_n = 0;
     for (uint32_t i = 0; i < s->n_slots; i++) {
@@ -246,29 +243,31 @@ static int slot_choose(serve_sched *s, const serve_gen *g, uint32_t *reuse) {
             continue;
         }
         if (lru < 0 || sl->last_used < s->slots[lru].last_used) lru = (int)i;
-        const uint32_t n = common_prefix(sl->tokens, sl->n_tokens, g->prompt, g->n_prompt);
+        const uint32_t n = moe_ctx_seq_prefix(s->ctx, (int32_t)i, g->prompt, g->n_prompt - 1);
         if (n > best_n || (n == best_n && n > 0 && sl->last_used < s->slots[best].last_used)) {
             best = (int)i;
             best_n = n;
         }
     }
     int pick;
-    if (best >= 0 && best_n > 0 && (2 * (uint64_t)best_n >= s->slots[best].n_tokens || empty < 0))
+    if (best >= 0 && best_n > 0 && (2 * (uint64_t)best_n >= slot_len(s, best) || empty < 0))
         pick = best;
     else
         pick = empty >= 0 ? empty : lru;
-    *reuse = 0;
-    if (pick == best && best_n > 0) *reuse = best_n < g->n_prompt ? best_n : g->n_prompt - 1;
     return pick;
 }
 
 static void admit(serve_sched *s, serve_req *r) {
-    uint32_t reuse = 0;
-    const int idx = slot_choose(s, &r->gen, &reuse);
+    const int idx = slot_choose(s, &r->gen);
     MOE_CHECK(idx >= 0);
     slot *sl = &s->slots[idx];
-    slot_truncate(s, idx, reuse);
+    /* prompts are never empty (the HTTP layer refuses them); leave the last token to run */
+    uint32_t reuse = 0;
+    moe_error err = {0};
+    MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, r->gen.n_prompt - 1, &reuse, &err) ==
+              MOE_OK);
     sl->state = SLOT_ACTIVE;
+    sl->snapped = !s->hybrid || r->gen.n_prompt < 2;
     sl->req = r;
     sl->decoding = false;
     sl->n_generated = 0;
@@ -309,9 +308,10 @@ static void finish(serve_sched *s, int idx, serve_finish why, int stop_index, co
     sl->sampler = NULL;
     sl->detok = NULL;
     sl->req = NULL;
-    sl->state = sl->n_tokens ? SLOT_RESIDENT : SLOT_EMPTY;
+    sl->state = slot_len(s, idx) ? SLOT_RESIDENT : SLOT_EMPTY;
     if (why == SERVE_FINISH_ERROR) {
-        slot_truncate(s, idx, 0);
+        moe_error err = {0};
+        MOE_CHECK(moe_ctx_seq_truncate(s->ctx, idx, 0, &err) == MOE_OK); /* 0 always works */
         sl->state = SLOT_EMPTY;
     }
     sl->last_used = s->step;
@@ -432,7 +432,7 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
         finish(s, idx, SERVE_FINISH_STOP, stop, NULL);
     else if (r->gen.max_tokens >= 0 && sl->n_generated >= (uint64_t)r->gen.max_tokens)
         finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
-    else if (sl->n_tokens >= s->n_ctx)
+    else if (slot_len(s, idx) >= s->n_ctx)
         finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
     else {
         sl->decoding = true;
@@ -443,13 +443,24 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
 /* One forward step over every active stream; false when there was nothing to do. */
 static bool step(serve_sched *s) {
     uint32_t n_rows = 0, n_logits = 0, n_decode = 0;
+    /* hybrid: snapshot each prompt that reached its last token, before that token runs */
+    for (uint32_t i = 0; i < s->n_slots; i++) {
+        slot *sl = &s->slots[i];
+        if (sl->state != SLOT_ACTIVE || sl->decoding || sl->snapped ||
+            slot_len(s, (int)i) + 1 != sl->req->gen.n_prompt)
+            continue;
+        moe_error err = {0};
+        sl->snapped = true; /* a failure only costs later reuse */
+        if (moe_ctx_seq_snapshot(s->ctx, (int32_t)i, &err) < 0)
+            moe_log(MOE_LOG_WARN, "serve: no prompt snapshot: %s", err.msg);
+    }
     /* decode rows first: one per running stream */
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];
         sl->logits_row = -1;
         if (sl->state != SLOT_ACTIVE || !sl->decoding) continue;
         s->rows[n_rows] = (moe_row){.seq = (int32_t)i,
-                                    .pos = (int32_t)sl->n_tokens,
+                                    .pos = (int32_t)slot_len(s, (int)i),
                                     .token = sl->next_token,
                                     .logits = true};
         s->row_slot[n_rows++] = (int32_t)i;
@@ -469,10 +480,12 @@ static bool step(serve_sched *s) {
         if (pick < 0) break;
         slot *sl = &s->slots[pick];
         const serve_gen *g = &sl->req->gen;
-        uint32_t n = g->n_prompt - sl->n_tokens;
+        const uint32_t len = slot_len(s, pick);
+        /* not yet snapshotted: stop before the last prompt token (the next step takes it) */
+        uint32_t n = g->n_prompt - len - (sl->snapped ? 0 : 1);
         if (n > budget) n = budget;
         for (uint32_t k = 0; k < n; k++) {
-            const uint32_t pos = sl->n_tokens + k;
+            const uint32_t pos = len + k;
             const bool last = pos + 1 == g->n_prompt;
             s->rows[n_rows] = (moe_row){
                 .seq = pick, .pos = (int32_t)pos, .token = g->prompt[pos], .logits = last};
@@ -487,11 +500,6 @@ static bool step(serve_sched *s) {
     moe_error err = {0};
     const moe_status st = moe_ctx_decode(s->ctx, s->rows, n_rows, s->logits, &err);
     const double dt = serve_now() - t0;
-    /* record what the KV now holds */
-    for (uint32_t r = 0; r < n_rows && st == MOE_OK; r++) {
-        slot *sl = &s->slots[s->row_slot[r]];
-        sl->tokens[sl->n_tokens++] = s->rows[r].token;
-    }
     pthread_mutex_lock(&s->metrics->mu);
     const uint32_t n_prefill = n_rows - n_decode;
     s->metrics->prompt_tokens += n_prefill;
@@ -567,9 +575,8 @@ static bool load(serve_sched *s) {
     if (!s->ctx) goto fail;
     s->n_ctx = moe_ctx_n_ctx(s->ctx);
     s->n_vocab = s->model->cfg.n_vocab;
+    s->hybrid = s->model->cfg.n_layer_linear > 0;
     s->slots = moe_xcalloc(s->n_slots, sizeof *s->slots);
-    for (uint32_t i = 0; i < s->n_slots; i++)
-        s->slots[i].tokens = moe_xmalloc(sizeof(int32_t) * s->n_ctx);
     s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);
     s->row_slot = moe_xmalloc(sizeof(int32_t) * max_rows);
     s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab * (size_t)s->p.parallel);
@@ -702,10 +709,7 @@ void serve_sched_stop(serve_sched *s) {
 
 void serve_sched_free(serve_sched *s) {
     if (s->slots)
-        for (uint32_t i = 0; i < s->n_slots; i++) {
-            free(s->slots[i].tokens);
-            serve_buf_free(&s->slots[i].hold);
-        }
+        for (uint32_t i = 0; i < s->n_slots; i++) serve_buf_free(&s->slots[i].hold);
     free(s->slots);
     free(s->rows);
     free(s->row_slot);

@@ -17,10 +17,11 @@
 #define MOE_SERVE_MAX_API_KEYS 16
 
 typedef struct moe_serve_params {
-    const char *model_path; /* NULL: the built-in demo model */
-    const char *alias;      /* model id in the APIs (NULL: the file name without .gguf) */
-    const char *host;       /* address to bind (default 127.0.0.1) */
-    int port;               /* 0: any free port (printed on stdout) */
+    const char *model_path;         /* NULL: the built-in demo model */
+    const char *alias;              /* model id in the APIs (NULL: the file name without .gguf) */
+    const char *chat_template_file; /* a .jinja file over the model's own template, or NULL */
+    const char *host;               /* address to bind (default 127.0.0.1) */
+    int port;                       /* 0: any free port (printed on stdout) */
     const char *api_keys[MOE_SERVE_MAX_API_KEYS];
     int n_api_keys;  /* 0: no authentication */
     uint32_t n_ctx;  /* per sequence (0: the model's, capped) */

@@ -1,6 +1,7 @@
 /* serve_internal.h: what the files of src/serve/ share -- limits, the request and its event
- * queue (the only channel between HTTP threads and the engine thread), the scheduler, prompt
- * formatting and the output parser, metrics, and the HTTP reply helpers the API adapters use.
+ * queue (the only channel between HTTP threads and the engine thread), the scheduler, prompts
+ * through the chat template and the output parser, metrics, and the HTTP reply helpers the API
+ * adapters use.
  *
  * The trap: a serve_req is shared by two threads. Its `gen` part is written once by the HTTP
  * thread before submit and only read after; everything the engine reports goes through the
@@ -176,7 +177,7 @@ const moe_tokenizer *serve_sched_tokenizer(serve_sched *s);
 const moe_model *serve_sched_model(serve_sched *s);
 uint32_t serve_sched_n_ctx(serve_sched *s);
 
-/* ==== Prompt formatting (the chat-template renderer replaces this) ==== */
+/* ==== Prompts and output: the model's chat template and its output parser (prompt.c) ==== */
 
 typedef struct serve_tool_call {
     char *id, *name;
@@ -192,37 +193,39 @@ typedef struct serve_message {
     char *tool_call_id, *name; /* role tool: which call this answers */
 } serve_message;
 
+/* One request's conversation in OpenAI's terms, whichever API it came through. */
 typedef struct serve_chat {
     serve_message *msgs;
     size_t n_msgs, cap_msgs;
     json_t *tools; /* OpenAI form: [{"type":"function","function":{name,description,parameters}}] */
     bool tool_choice_none;
+    json_t *kwargs; /* template variables from the request (serve_parse_template_kwargs), or NULL */
 } serve_chat;
 
 serve_message *serve_chat_add(serve_chat *c, const char *role);
 void serve_chat_free(serve_chat *c);
 
-typedef enum serve_prompt_style {
-    SERVE_PROMPT_CHATML,
-    SERVE_PROMPT_LLAMA3,
-    SERVE_PROMPT_PLAIN,
-} serve_prompt_style;
+typedef struct serve_server serve_server;
+typedef struct serve_http serve_http;
+typedef enum serve_api {
+    SERVE_API_OPENAI,
+    SERVE_API_ANTHROPIC,
+} serve_api;
 
-typedef struct serve_format {
-    serve_prompt_style style;
-    bool thinks; /* the template knows <think>: parse reasoning from the output */
-} serve_format;
+/* The server's template: --chat-template-file, the GGUF's, or the built-in ChatML; false (with
+ * the reason) when the one asked for does not parse. */
+bool serve_template_load(serve_server *srv, char *err, size_t err_size);
+/* Template variables a request may set: add_generation_prompt (true), enable_thinking,
+ * reasoning_effort (also Responses' reasoning.effort), Anthropic's thinking.type, and every
+ * member of chat_template_kwargs (last, so it wins). Replies 400 on a bad field. */
+bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat);
+/* Render the conversation with the template and tokenize it into g; *text (may be NULL) gets
+ * the prompt. Replies 400 with the template's message when it raises, or when the prompt does
+ * not fit the context. */
+bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
+                       char **text);
 
-/* Choose a format from the model's chat template text (NULL when it has none). */
-serve_format serve_format_choose(const char *template_text);
-const char *serve_prompt_style_name(serve_prompt_style s);
-/* The prompt text for a conversation, ending with the assistant turn's opening. */
-void serve_format_prompt(const serve_format *f, const serve_chat *chat, serve_buf *out);
-
-/* ==== Output parser: raw model text -> content, reasoning, tool calls ====
- * Streaming: push text as it arrives; each complete segment goes to the callback. Text that may
- * be the start of a marker is held back until it is decided. */
-
+/* Model text -> content, reasoning and tool calls, as it streams. */
 typedef enum serve_segment_kind {
     SERVE_SEG_CONTENT,
     SERVE_SEG_REASONING,
@@ -233,45 +236,42 @@ typedef struct serve_segment {
     serve_segment_kind kind;
     const char *text; /* CONTENT / REASONING */
     size_t len;
-    const char *name, *arguments; /* TOOL_CALL: arguments as JSON text */
+    const char *name, *arguments; /* TOOL_CALL: arguments as compact JSON text */
 } serve_segment;
 
 typedef void (*serve_segment_fn)(void *ud, const serve_segment *seg);
 
-typedef struct serve_parser {
-    bool tools;         /* look for <tool_call> */
-    bool reasoning;     /* inside <think> ... </think> (starts true when the prompt opened it) */
-    bool think_markers; /* look for <think> / </think> at all */
-    int state;          /* 0 text, 1 inside a tool call */
-    serve_buf hold;     /* undecided bytes */
-    serve_buf call;     /* the tool call's body so far */
-} serve_parser;
+typedef struct serve_output {
+    moe_chat_parser *parser; /* NULL: plain text, all content (/v1/completions) */
+    moe_chat_delta delta;
+} serve_output;
 
-void serve_parser_init(serve_parser *p, bool tools, bool think_markers, bool starts_in_reasoning);
-void serve_parser_push(serve_parser *p, const char *text, size_t len, serve_segment_fn fn,
+/* The parser for a chat request's reply: the template's format and reasoning tags, whether
+ * `prompt` left reasoning open, the request's tools (none: call markup is content). chat NULL:
+ * plain text. */
+void serve_output_init(serve_output *o, const serve_server *srv, const serve_chat *chat,
+                       const char *prompt);
+/* Each piece of text the feed settles goes to fn; bytes that may start a marker wait. */
+void serve_output_feed(serve_output *o, const char *text, size_t len, serve_segment_fn fn,
                        void *ud);
-void serve_parser_finish(serve_parser *p, serve_segment_fn fn, void *ud);
-void serve_parser_free(serve_parser *p);
+void serve_output_finish(serve_output *o, serve_segment_fn fn, void *ud);
+void serve_output_free(serve_output *o);
 
 /* ==== HTTP side: the server, one request's exchange, replies ==== */
 
-typedef enum serve_api {
-    SERVE_API_OPENAI,
-    SERVE_API_ANTHROPIC,
-} serve_api;
-
-typedef struct serve_server {
+struct serve_server {
     moe_serve_params p;
     char model_id[256];
     serve_sched *sched;
-    serve_format format;
+    moe_chat_template *tmpl; /* immutable once loaded: every HTTP thread renders with it */
+    char tmpl_origin[512];   /* for the start-up line */
     serve_metrics metrics;
     double t_start;
     atomic_ulong next_id;
-} serve_server;
+};
 
 /* One HTTP exchange, from the access handler's point of view. */
-typedef struct serve_http {
+struct serve_http {
     serve_server *srv;
     struct MHD_Connection *conn;
     const char *method, *path;
@@ -282,7 +282,7 @@ typedef struct serve_http {
     bool replied;
     int retry_after; /* seconds for a Retry-After header, 0: none */
     uint32_t log_prompt, log_completion, log_cached;
-} serve_http;
+};
 
 void serve_reply_json(serve_http *h, int status, const moe_json *j);
 void serve_reply_text(serve_http *h, int status, const char *content_type, const char *text,
@@ -335,7 +335,10 @@ bool serve_wait_done(serve_http *h, serve_req *req, serve_taken *t,
  * logit_bias, stop); replies 400 naming the field and returns false on a bad value. */
 bool serve_parse_sampling(serve_http *h, serve_api api, json_t *body, serve_gen *g,
                           const char *stop_field);
-/* Tokenize a prompt into g->prompt, checking it fits the context (400 "N tokens of M"). */
+/* Take ids (malloc'd; freed on failure) as g's prompt, checking it fits the context (400 "N
+ * tokens of M"). */
+bool serve_set_prompt(serve_http *h, serve_api api, int32_t *ids, size_t n, serve_gen *g);
+/* Tokenize a raw prompt (specials parsed: /v1/completions) into g->prompt via serve_set_prompt. */
 bool serve_tokenize_prompt(serve_http *h, serve_api api, const char *text, size_t len,
                            serve_gen *g);
 /* Parse the body as JSON (400 on malformed or too deep), returning an object or NULL. */
@@ -349,11 +352,30 @@ void serve_json_value(moe_json *j, json_t *v);
 void serve_json_token_piece(moe_json *j, const moe_tokenizer *tok, int32_t id);
 void serve_json_token_bytes(moe_json *j, const moe_tokenizer *tok, int32_t id);
 
+/* ==== Replaying model output (the tests' view of the adapters) ====
+ * A finished generation whose model output was `text`, arriving in pieces of `chunk` bytes (0:
+ * whole), through an adapter's own code: its stream pump (SSE bytes into *out) when pump is
+ * not NULL, else feed + whole (the non-stream response JSON). Requests run the same functions
+ * on the engine's events; tests use this to check the APIs' shapes without a model. */
+void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
+                  void (*feed)(void *state, const serve_taken *t),
+                  void (*whole)(moe_json *j, void *state, const serve_req *r), void *state,
+                  serve_buf *out);
+/* Per API: the request's conversation (tools) and rendered prompt set up the output parser as a
+ * live request would. */
+void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                         const char *text, size_t chunk, bool stream, serve_buf *out);
+void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                            const char *text, size_t chunk, bool stream, serve_buf *out);
+void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                            const char *text, size_t chunk, bool stream, serve_buf *out);
+
 /* ==== API adapters (routes) ==== */
 
 void serve_openai_chat(serve_http *h);
 void serve_openai_completions(serve_http *h);
 void serve_openai_models(serve_http *h);
+void serve_openai_apply_template(serve_http *h);
 void serve_openai_responses(serve_http *h);
 void serve_anthropic_messages(serve_http *h);
 void serve_anthropic_count_tokens(serve_http *h);

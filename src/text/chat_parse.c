@@ -200,7 +200,19 @@ static void append(char **dst, size_t *len, const char *s, size_t n) {
     (*dst)[*len] = '\0';
 }
 
+/* Note that n more bytes of `kind` (or one more call) came, merging with the run before. */
+static void note_part(moe_chat_delta *d, char kind, size_t n) {
+    if (!n) return;
+    if (d->n_parts && d->parts[d->n_parts - 1].kind == kind && kind != 't') {
+        d->parts[d->n_parts - 1].len += n;
+        return;
+    }
+    d->parts = moe_xrealloc(d->parts, (d->n_parts + 1) * sizeof *d->parts);
+    d->parts[d->n_parts++] = (moe_chat_delta_part){kind, n};
+}
+
 void moe_chat_delta_clear(moe_chat_delta *d) {
+    free(d->parts);
     free(d->content);
     free(d->reasoning);
     for (size_t i = 0; i < d->n_calls; i++) {
@@ -262,7 +274,7 @@ moe_chat_parser *moe_chat_parser_new(const moe_chat_parse_options *o, moe_error 
     p->think_open = o->think_open ? moe_xstrdup(o->think_open) : NULL;
     p->think_close = o->think_close ? moe_xstrdup(o->think_close) : NULL;
     p->tools = tools;
-    p->markers = format_markers(o->format);
+    p->markers = o->no_tool_calls ? markers_none : format_markers(o->format);
     p->mode = o->format == MOE_CHAT_FORMAT_HARMONY ? MODE_HARMONY_HEAD
               : o->reasoning_open && p->think_open ? MODE_REASONING
                                                    : MODE_CONTENT;
@@ -288,10 +300,12 @@ static void emit_content(moe_chat_parser *p, moe_chat_delta *d, const char *s, s
     for (size_t i = 0; i < n; i++)
         if (!strchr(" \t\r\n", s[i])) p->seen_text = true;
     append(&d->content, &d->content_len, s, n);
+    note_part(d, 'c', n);
 }
 
 static void emit_reasoning(moe_chat_delta *d, const char *s, size_t n) {
     append(&d->reasoning, &d->reasoning_len, s, n);
+    note_part(d, 'r', n);
 }
 
 static void emit_call(moe_chat_delta *d, const char *name, size_t name_len, json_t *args) {
@@ -300,6 +314,7 @@ static void emit_call(moe_chat_delta *d, const char *name, size_t name_len, json
     c->name = moe_xstrndup(name, name_len);
     c->arguments = json_dumps(args, JSON_COMPACT | JSON_ENCODE_ANY);
     if (!c->arguments) c->arguments = moe_xstrdup("{}");
+    note_part(d, 't', 1);
 }
 
 /* ==== Arguments typed by schema ==== */
@@ -863,7 +878,7 @@ static bool step(moe_chat_parser *p, moe_chat_delta *d, bool final) {
         }
     }
     /* Llama 3: a reply that is a JSON object is a call */
-    if (p->format == MOE_CHAT_FORMAT_LLAMA3 && !p->seen_text) {
+    if (p->format == MOE_CHAT_FORMAT_LLAMA3 && p->markers != markers_none && !p->seen_text) {
         size_t i = 0;
         while (i < p->len && strchr(" \t\r\n", p->in[i])) i++;
         if (i < p->len && p->in[i] == '{' && (!best || p->in + i < best)) {

@@ -294,15 +294,31 @@ static void frag_push(fragment_list *l, size_t off, size_t len, int32_t id) {
     l->v[l->n++] = (fragment){off, len, id};
 }
 
-/* Cut every allowed special token out of the raw fragments, longest token first. */
+/* Whether [at, at + n) touches one of the sorted, disjoint plain spans (binary search: a prompt
+ * may hold a span per special-token string a client wrote). */
+static bool in_plain_span(const moe_text_span *plain, size_t n_plain, size_t at, size_t n) {
+    size_t lo = 0, hi = n_plain;
+    while (lo < hi) { /* the first span that ends after `at` */
+        size_t mid = lo + (hi - lo) / 2;
+        if (plain[mid].off + plain[mid].len <= at)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n_plain && plain[lo].off < at + n;
+}
+
+/* Cut every allowed special token out of the raw fragments, longest token first. A control
+ * token whose text touches a plain span stays text. */
 static void partition(const moe_tokenizer *tok, const char *text, size_t len, bool parse_special,
-                      fragment_list *frags) {
+                      const moe_text_span *plain, size_t n_plain, fragment_list *frags) {
     fragment_list next = {0};
     frag_push(frags, 0, len, MOE_TOKEN_NONE);
     for (uint32_t k = 0; k < tok->n_special; k++) {
         int32_t id = tok->special[k];
         const moe_vocab_token *t = &tok->tokens[id];
-        if (!parse_special && t->type != MOE_TOKEN_USER_DEFINED) continue;
+        const bool user_defined = t->type == MOE_TOKEN_USER_DEFINED;
+        if (!parse_special && !user_defined) continue;
         const char *needle = tok->text_buf + t->text_off;
         bool any = false;
         next.n = 0;
@@ -312,17 +328,21 @@ static void partition(const moe_tokenizer *tok, const char *text, size_t len, bo
                 frag_push(&next, fr.off, fr.len, fr.id);
                 continue;
             }
-            size_t pos = fr.off, end = fr.off + fr.len;
+            size_t raw = fr.off, pos = fr.off, end = fr.off + fr.len;
             for (;;) {
                 const char *hit = memmem(text + pos, end - pos, needle, t->text_len);
                 if (!hit) break;
                 size_t at = (size_t)(hit - text);
-                if (at > pos) frag_push(&next, pos, at - pos, MOE_TOKEN_NONE);
+                if (!user_defined && in_plain_span(plain, n_plain, at, t->text_len)) {
+                    pos = at + 1;
+                    continue;
+                }
+                if (at > raw) frag_push(&next, raw, at - raw, MOE_TOKEN_NONE);
                 frag_push(&next, at, t->text_len, id);
-                pos = at + t->text_len;
+                raw = pos = at + t->text_len;
                 any = true;
             }
-            if (pos < end) frag_push(&next, pos, end - pos, MOE_TOKEN_NONE);
+            if (raw < end) frag_push(&next, raw, end - raw, MOE_TOKEN_NONE);
         }
         if (any) {
             fragment_list t2 = *frags;
@@ -337,6 +357,12 @@ static void partition(const moe_tokenizer *tok, const char *text, size_t len, bo
 
 moe_status moe_tokenizer_encode(const moe_tokenizer *tok, const char *text, size_t len,
                                 unsigned flags, int32_t **ids, size_t *n_ids, moe_error *err) {
+    return moe_tokenizer_encode_spans(tok, text, len, flags, NULL, 0, ids, n_ids, err);
+}
+
+moe_status moe_tokenizer_encode_spans(const moe_tokenizer *tok, const char *text, size_t len,
+                                      unsigned flags, const moe_text_span *plain, size_t n_plain,
+                                      int32_t **ids, size_t *n_ids, moe_error *err) {
     *ids = NULL;
     *n_ids = 0;
     if (len > MOE_TOKENIZER_MAX_TEXT)
@@ -354,7 +380,7 @@ moe_status moe_tokenizer_encode(const moe_tokenizer *tok, const char *text, size
     moe_status st = MOE_OK;
 
     if (add_special && tok->add_bos) ids_push(&out, tok->bos);
-    if (len) partition(tok, text, len, flags & MOE_ENCODE_PARSE_SPECIAL, &frags);
+    if (len) partition(tok, text, len, flags & MOE_ENCODE_PARSE_SPECIAL, plain, n_plain, &frags);
     bool prev_special = true; /* SPM: the dummy prefix goes before the first raw fragment */
     for (size_t f = 0; f < frags.n && st == MOE_OK; f++) {
         const fragment *fr = &frags.v[f];

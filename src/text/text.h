@@ -119,6 +119,19 @@ enum {
 moe_status moe_tokenizer_encode(const moe_tokenizer *tok, const char *text, size_t len,
                                 unsigned flags, int32_t **ids, size_t *n_ids, moe_error *err);
 
+/* A byte range of a text: where a client's own words sit inside a rendered prompt. */
+typedef struct moe_text_span {
+    size_t off, len;
+} moe_text_span;
+
+/* moe_tokenizer_encode, except that a control or unknown token whose text touches one of the
+ * `plain` ranges (sorted by offset, disjoint) is not parsed even with PARSE_SPECIAL: its text is
+ * tokenized as text, together with the text around it. User-defined tokens are still cut out
+ * everywhere, as in moe_tokenizer_encode. */
+moe_status moe_tokenizer_encode_spans(const moe_tokenizer *tok, const char *text, size_t len,
+                                      unsigned flags, const moe_text_span *plain, size_t n_plain,
+                                      int32_t **ids, size_t *n_ids, moe_error *err);
+
 /* ==== Decoding ==== */
 
 enum {
@@ -188,6 +201,24 @@ moe_status moe_chat_render(const moe_chat_template *t, const char *messages_json
                            const char *tools_json, const char *kwargs_json, char **out,
                            moe_error *err);
 
+/* The prompt of a conversation whose strings come from a client, as tokens. Renders like
+ * moe_chat_render with `bos_token` / `eos_token` set to tok's (over any in kwargs), then
+ * tokenizes with special-token parsing such that only the template's own markers become control
+ * tokens: the text of a control token written inside any string of messages, tools or kwargs
+ * (values and keys) is swapped for a private-use marker before rendering, put back afterwards,
+ * and tokenized as plain text (moe_tokenizer_encode_spans). BOS is added when the tokenizer
+ * asks for it and the prompt does not already begin with its text (templates that write
+ * {{ bos_token }} get one BOS, not two). *text (when not NULL) receives the prompt exactly as
+ * tokenized; *ids and *text are malloc'd. Errors as moe_chat_render. */
+moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenizer *tok,
+                                  const char *messages_json, const char *tools_json,
+                                  const char *kwargs_json, char **text, int32_t **ids,
+                                  size_t *n_ids, moe_error *err);
+
+/* The built-in template for a model that carries none: ChatML, with tools described and called
+ * Hermes-style (<tools>, <tool_call>, <tool_response>). */
+extern const char moe_chat_template_chatml[];
+
 /* ==== Output parsers: reasoning and tool calls ==== */
 
 typedef enum moe_chat_format {
@@ -215,6 +246,7 @@ typedef struct moe_chat_parse_options {
     const char *think_open, *think_close; /* reasoning tags; NULL: the model has none */
     bool reasoning_open;    /* the prompt ends inside a reasoning block (e.g. "...<think>\n") */
     const char *tools_json; /* the request's tools: their schemas type the arguments; or NULL */
+    bool no_tool_calls;     /* the request offered no tools: call markup stays content */
 } moe_chat_parse_options;
 
 /* What the template says: the tool-call format (unknown templates: Hermes), the reasoning tags,
@@ -227,8 +259,16 @@ typedef struct moe_chat_tool_call {
     char *arguments; /* a JSON object, compact */
 } moe_chat_tool_call;
 
+/* One run of a delta, in the order the model wrote them: kind 'c' content, 'r' reasoning (len
+ * bytes of the delta's text of that kind), or 't' one tool call (len 1). */
+typedef struct moe_chat_delta_part {
+    char kind;
+    size_t len;
+} moe_chat_delta_part;
+
 /* What a feed produced: text is held back while it may still be the start of a tag, so the
- * concatenation of all deltas equals the parse of the whole text at once. */
+ * concatenation of all deltas equals the parse of the whole text at once. `parts` says how
+ * content, reasoning and calls interleave (a stream must send them in that order). */
 typedef struct moe_chat_delta {
     char *content;
     size_t content_len;
@@ -236,6 +276,8 @@ typedef struct moe_chat_delta {
     size_t reasoning_len;
     moe_chat_tool_call *calls;
     size_t n_calls;
+    moe_chat_delta_part *parts;
+    size_t n_parts;
 } moe_chat_delta;
 
 typedef struct moe_chat_parser moe_chat_parser;

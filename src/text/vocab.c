@@ -276,8 +276,8 @@ static const char *const eog_texts[] = {
     "<|return|>",
     "<|call|>",
     /* DeepSeek: <|end_of_sentence|> with fullwidth bars (U+FF5C) and U+2581 for "_" */
-    "<\xef\xbd\x9c"
-    "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>",
+    ("<\xef\xbd\x9c"
+     "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>"), /* split: \x9c would eat the 'e' */
 };
 
 static void add_eog(moe_tokenizer *tok, int32_t id) {

@@ -18,19 +18,12 @@
 
 /* ==== X: seeded standard normals ==== */
 
-static uint64_t splitmix64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 void moe_audit_normals(uint64_t seed, uint64_t cols, double *x) {
     uint64_t s = seed, n = cols * MOE_AUDIT_X_COLS;
     const double two_pi = 6.283185307179586;
     for (uint64_t i = 0; i < n; i += 2) {
-        double u1 = (double)((splitmix64(&s) >> 11) + 1) * 0x1p-53;
-        double u2 = (double)((splitmix64(&s) >> 11) + 1) * 0x1p-53;
+        double u1 = (double)((moe_rng_u64(&s) >> 11) + 1) * 0x1p-53;
+        double u2 = (double)((moe_rng_u64(&s) >> 11) + 1) * 0x1p-53;
         double r = sqrt(-2.0 * log(u1));
         x[i] = r * cos(two_pi * u2);
         if (i + 1 < n) x[i + 1] = r * sin(two_pi * u2);

@@ -89,7 +89,8 @@ static double forward_bytes(const bench_run *b, uint32_t n_rows) {
 static moe_status run_once(bench_run *b, uint32_t prompt, uint32_t n_seq, uint32_t steps,
                            double *seconds, double *bytes, double *experts_per_tok,
                            moe_error *err) {
-    for (uint32_t s = 0; s < n_seq || s < 1; s++) moe_ctx_seq_truncate(b->ctx, (int32_t)s, 0);
+    for (uint32_t s = 0; s < n_seq || s < 1; s++)
+        if (moe_ctx_seq_truncate(b->ctx, (int32_t)s, 0, err) != MOE_OK) return err->code;
     *bytes = 0;
     double experts = 0;
     const double t0 = moe_now();

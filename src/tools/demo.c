@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define DEMO_VERSION 3
+#define DEMO_VERSION 4
 
 moe_status moe_demo_model_write(const char *path, moe_error *err) {
     moe_synth_params p;

@@ -87,35 +87,6 @@ static void part_name(const char *name, moe_role role, char *out, size_t cap) {
     }
 }
 
-/* ==== A growable string ==== */
-
-typedef struct sbuf {
-    char *s;
-    size_t len, cap;
-} sbuf;
-
-static void sb_add(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_add(sbuf *b, const char *fmt, ...) {
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) moe_die("vsnprintf failed");
-        if (b->s && (size_t)n < b->cap - b->len) {
-            b->len += (size_t)n;
-            return;
-        }
-        b->cap = (b->cap + (size_t)n + 1) * 2;
-        b->s = moe_xrealloc(b->s, b->cap);
-        if (b->len == 0) b->s[0] = '\0';
-    }
-}
-
-static char *sb_take(sbuf *b) {
-    if (!b->s) return moe_xstrdup("");
-    return b->s;
-}
 
 /* ==== Analysis ==== */
 
@@ -140,38 +111,38 @@ static int cmp_type_bytes(const void *a, const void *b) {
 
 /* "gate/up IQ2_S, down IQ3_S" for the tensors e[0..n) (one role, one layer, file order). */
 static char *signature(const moe_gguf *g, const entry *e, size_t n) {
-    sbuf b = {0};
+    moe_strbuf b = {0};
     bool *done = moe_xcalloc(n, sizeof *done);
     for (size_t i = 0; i < n; i++) {
         if (done[i]) continue;
         uint32_t type = moe_gguf_tensor_get(g, e[i].index)->type;
-        if (b.len) sb_add(&b, ", ");
+        if (b.len) moe_strbuf_printf(&b, ", ");
         for (size_t k = i, first = 1; k < n; k++) {
             const moe_tensor *t = moe_gguf_tensor_get(g, e[k].index);
             if (done[k] || t->type != type) continue;
             char part[128];
             part_name(t->name.ptr, e[k].role, part, sizeof part);
-            sb_add(&b, "%s%s", first ? "" : "/", part);
+            moe_strbuf_printf(&b, "%s%s", first ? "" : "/", part);
             done[k] = true;
             first = 0;
         }
-        sb_add(&b, " %s", moe_type_name(type));
+        moe_strbuf_printf(&b, " %s", moe_type_name(type));
     }
     free(done);
-    return sb_take(&b);
+    return moe_strbuf_take(&b);
 }
 
 /* Layers in ascending order as "0-38,40". */
 static char *layer_ranges(const int64_t *layers, size_t n) {
-    sbuf b = {0};
+    moe_strbuf b = {0};
     for (size_t i = 0; i < n;) {
         size_t j = i;
         while (j + 1 < n && layers[j + 1] == layers[j] + 1) j++;
-        if (j == i) sb_add(&b, "%s%lld", b.len ? "," : "", (long long)layers[i]);
-        else sb_add(&b, "%s%lld-%lld", b.len ? "," : "", (long long)layers[i], (long long)layers[j]);
+        if (j == i) moe_strbuf_printf(&b, "%s%lld", b.len ? "," : "", (long long)layers[i]);
+        else moe_strbuf_printf(&b, "%s%lld-%lld", b.len ? "," : "", (long long)layers[i], (long long)layers[j]);
         i = j + 1;
     }
-    return sb_take(&b);
+    return moe_strbuf_take(&b);
 }
 
 moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {

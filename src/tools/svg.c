@@ -13,38 +13,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct sbuf {
-    char *s;
-    size_t len, cap;
-} sbuf;
 
-static void sb_add(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_add(sbuf *b, const char *fmt, ...) {
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) moe_die("vsnprintf failed");
-        if (b->s && (size_t)n < b->cap - b->len) {
-            b->len += (size_t)n;
-            return;
-        }
-        b->cap = (b->cap + (size_t)n + 1) * 2;
-        b->s = moe_xrealloc(b->s, b->cap);
-        if (b->len == 0) b->s[0] = '\0';
-    }
-}
-
-static void sb_text(sbuf *b, const char *s) {
+static void sb_text(moe_strbuf *b, const char *s) {
     for (; *s; s++) {
         switch (*s) {
-        case '&': sb_add(b, "&amp;"); break;
-        case '<': sb_add(b, "&lt;"); break;
-        case '>': sb_add(b, "&gt;"); break;
-        case '"': sb_add(b, "&quot;"); break;
+        case '&': moe_strbuf_printf(b, "&amp;"); break;
+        case '<': moe_strbuf_printf(b, "&lt;"); break;
+        case '>': moe_strbuf_printf(b, "&gt;"); break;
+        case '"': moe_strbuf_printf(b, "&quot;"); break;
         default:
-            if ((unsigned char)*s >= 0x20) sb_add(b, "%c", *s);
+            if ((unsigned char)*s >= 0x20) moe_strbuf_printf(b, "%c", *s);
         }
     }
 }
@@ -82,7 +60,7 @@ static double nice_step(double max) {
 #define LEGEND_W 330 /* the legend, and the memory line's label left of it */
 
 /* One chart at vertical offset y0; returns its height. */
-static int chart(sbuf *b, int y0, int width, const char *title, const char *subtitle,
+static int chart(moe_strbuf *b, int y0, int width, const char *title, const char *subtitle,
                  const bar *bars, size_t n, uint64_t mem, const bool *fits) {
     double max = (double)mem;
     for (size_t i = 0; i < n; i++) {
@@ -97,24 +75,24 @@ static int chart(sbuf *b, int y0, int width, const char *title, const char *subt
     if (top <= 0) top = 1;
     int px = LEFT, py = y0 + 70; /* plot origin (top-left) */
     int plot_w = (int)n * (BAR_W + BAR_GAP) + BAR_GAP;
-    sb_add(b, "<text x=\"%d\" y=\"%d\" font-size=\"16\" font-weight=\"bold\">", 20, y0 + 28);
+    moe_strbuf_printf(b, "<text x=\"%d\" y=\"%d\" font-size=\"16\" font-weight=\"bold\">", 20, y0 + 28);
     sb_text(b, title);
-    sb_add(b, "</text>\n<text x=\"%d\" y=\"%d\" font-size=\"12\" fill=\"#444\">", 20, y0 + 48);
+    moe_strbuf_printf(b, "</text>\n<text x=\"%d\" y=\"%d\" font-size=\"12\" fill=\"#444\">", 20, y0 + 48);
     sb_text(b, subtitle);
-    sb_add(b, "</text>\n");
+    moe_strbuf_printf(b, "</text>\n");
     /* axes, ticks and grid */
     for (double v = 0; v <= top + step / 2; v += step) {
         double y = py + PLOT_H - v / top * PLOT_H;
-        sb_add(b, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", px, y,
+        moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", px, y,
                px + plot_w, y);
-        sb_add(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\">%g</text>\n",
+        moe_strbuf_printf(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\">%g</text>\n",
                px - 6, y + 4, v);
     }
-    sb_add(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px, py, px,
+    moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px, py, px,
            py + PLOT_H);
-    sb_add(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px, py + PLOT_H,
+    moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px, py + PLOT_H,
            px + plot_w, py + PLOT_H);
-    sb_add(b, "<text x=\"%d\" y=\"%d\" font-size=\"12\" text-anchor=\"middle\" "
+    moe_strbuf_printf(b, "<text x=\"%d\" y=\"%d\" font-size=\"12\" text-anchor=\"middle\" "
            "transform=\"rotate(-90 %d %d)\">memory (%s)</text>\n",
            28, py + PLOT_H / 2, 28, py + PLOT_H / 2, unit);
     /* bars */
@@ -125,34 +103,34 @@ static int chart(sbuf *b, int y0, int width, const char *title, const char *subt
             double v = (double)bars[i].parts[k] / div;
             if (v <= 0) continue;
             double y1 = py + PLOT_H - (acc + v) / top * PLOT_H, h = v / top * PLOT_H;
-            sb_add(b, "<rect x=\"%d\" y=\"%.2f\" width=\"%d\" height=\"%.2f\" fill=\"%s\">"
+            moe_strbuf_printf(b, "<rect x=\"%d\" y=\"%.2f\" width=\"%d\" height=\"%.2f\" fill=\"%s\">"
                    "<title>%s: %.3f %s</title></rect>\n",
                    x, y1, BAR_W, h, colours[k], moe_budget_part_name((moe_budget_part)k), v, unit);
             acc += v;
         }
         double ytop = py + PLOT_H - acc / top * PLOT_H;
-        sb_add(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"middle\">%.3g %s%s"
+        moe_strbuf_printf(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"middle\">%.3g %s%s"
                "</text>\n", x + BAR_W / 2, ytop - 5, acc, unit, fits && !fits[i] ? " (short)" : "");
-        sb_add(b, "<text x=\"%d\" y=\"%d\" font-size=\"11\" text-anchor=\"end\" "
+        moe_strbuf_printf(b, "<text x=\"%d\" y=\"%d\" font-size=\"11\" text-anchor=\"end\" "
                "transform=\"rotate(-30 %d %d)\">", x + BAR_W / 2, py + PLOT_H + 16, x + BAR_W / 2,
                py + PLOT_H + 16);
         sb_text(b, bars[i].label);
-        sb_add(b, "</text>\n");
+        moe_strbuf_printf(b, "</text>\n");
     }
     /* the memory line */
     double ym = py + PLOT_H - (double)mem / div / top * PLOT_H;
-    sb_add(b, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#c00\" "
+    moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#c00\" "
            "stroke-width=\"2\" stroke-dasharray=\"6 4\"/>\n", px, ym, px + plot_w, ym);
-    sb_add(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" fill=\"#c00\">memory per</text>"
+    moe_strbuf_printf(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" fill=\"#c00\">memory per</text>"
            "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" fill=\"#c00\">device %.3g %s</text>\n",
            px + plot_w + 6, ym - 2, px + plot_w + 6, ym + 11, (double)mem / div, unit);
     /* legend */
     int lx = width - LEGEND_W + 10, ly = py;
-    sb_add(b, "<text x=\"%d\" y=\"%d\" font-size=\"12\" font-weight=\"bold\">parts</text>\n", lx,
+    moe_strbuf_printf(b, "<text x=\"%d\" y=\"%d\" font-size=\"12\" font-weight=\"bold\">parts</text>\n", lx,
            ly);
     for (int k = MOE_PART_COUNT - 1, row = 0; k >= 0; k--, row++) {
         int y = ly + 10 + row * 20;
-        sb_add(b, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>"
+        moe_strbuf_printf(b, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>"
                "<text x=\"%d\" y=\"%d\" font-size=\"12\">%s</text>\n",
                lx, y, colours[k], lx + 20, y + 11, moe_budget_part_name((moe_budget_part)k));
     }
@@ -172,7 +150,7 @@ char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_pla
     if (max_bars > 64) max_bars = 64; /* more devices than this are drawn as the first 64 */
     int width = LEFT + (int)max_bars * (BAR_W + BAR_GAP) + BAR_GAP + LEGEND_W;
     if (width < 640) width = 640;
-    sbuf body = {0};
+    moe_strbuf body = {0};
     int y = 0;
     char title[512], sub[512];
     const char *kv[] = {"f32", "f16"};
@@ -224,13 +202,13 @@ char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_pla
         y += chart(&body, y, width, title, sub, bars, nb, p->config.mem_per_device, NULL);
         free(bars);
     }
-    sbuf out = {0};
-    sb_add(&out, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+    moe_strbuf out = {0};
+    moe_strbuf_printf(&out, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
            "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"%d\" height=\"%d\" "
            "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\">\n"
            "<title>moe budget</title>\n<rect width=\"100%%\" height=\"100%%\" fill=\"#fff\"/>\n",
            width, y, width, y);
-    sb_add(&out, "%s</svg>\n", body.s ? body.s : "");
+    moe_strbuf_printf(&out, "%s</svg>\n", body.s ? body.s : "");
     free(body.s);
     return out.s;
 }

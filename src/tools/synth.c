@@ -27,6 +27,11 @@ static const moe_synth_params presets[] = {
      .n_expert_used = 4, .n_ff_exp = 256, .rope_base = 1000000.0f},
     {.preset = "llama-tiny", .arch = "llama", .n_vocab = 512, .n_ctx = 2048, .n_embd = 256,
      .n_layer = 4, .n_head = 8, .n_head_kv = 4, .head_dim = 32, .n_ff = 768, .rope_base = 10000.0f},
+    /* GLM-4.5's layout at toy size: a dense first layer, a shared expert, one NextN layer */
+    {.preset = "glm4moe-tiny", .arch = "glm4moe", .n_vocab = 512, .n_ctx = 4096, .n_embd = 256,
+     .n_layer = 3, .n_head = 8, .n_head_kv = 2, .head_dim = 32, .n_ff = 768, .n_expert = 16,
+     .n_expert_used = 4, .n_ff_exp = 256, .rope_base = 1000000.0f, .n_dense_lead = 1,
+     .n_shared_expert = 1, .n_nextn = 1},
     /* Qwen3-30B-A3B's published shape (config.json of Qwen/Qwen3-30B-A3B) */
     {.preset = "qwen3-30b-a3b", .arch = "qwen3moe", .n_vocab = 151936, .n_ctx = 40960,
      .n_embd = 2048, .n_layer = 48, .n_head = 32, .n_head_kv = 4, .head_dim = 128, .n_ff = 6144,
@@ -43,22 +48,7 @@ bool moe_synth_preset(const char *name, moe_synth_params *out) {
     return false;
 }
 
-const char *moe_synth_preset_names(void) { return "tiny, llama-tiny, qwen3-30b-a3b"; }
-
-/* ==== Seeded random numbers ==== */
-
-static uint64_t next_u64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static float next_normal(uint64_t *s) {
-    const double u1 = ((double)(next_u64(s) >> 11) + 0.5) * 0x1p-53;
-    const double u2 = (double)(next_u64(s) >> 11) * 0x1p-53;
-    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
-}
+const char *moe_synth_preset_names(void) { return "tiny, llama-tiny, glm4moe-tiny, qwen3-30b-a3b"; }
 
 /* ==== Vocabulary: SentencePiece-style, bytes + characters + word pieces + fillers ==== */
 
@@ -191,7 +181,7 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
             else memset(blocks + r * row_bytes, 0, row_bytes);
             continue;
         }
-        for (int64_t i = 0; i < n_in; i++) row[i] = live ? next_normal(&s->rng) * scale : 0.0f;
+        for (int64_t i = 0; i < n_in; i++) row[i] = live ? (float)moe_rng_gaussian(&s->rng) * scale : 0.0f;
         t->from_float(row, blocks + r * row_bytes, n_in);
     }
     const int64_t ne[3] = {n_in, n_out, n_mat};
@@ -199,6 +189,16 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
                                                ne, blocks, false, s->err);
     free(row);
     free(blocks);
+    return st;
+}
+
+/* A float vector of N(0, scale^2) values (biases). */
+static moe_status add_vector(synth *s, const char *name, int64_t n, float scale) {
+    if (s->err->code) return s->err->code;
+    float *v = moe_xmalloc(sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) v[i] = (float)moe_rng_gaussian(&s->rng) * scale;
+    moe_status st = moe_gguf_writer_add_tensor(s->w, name, MOE_TYPE_F32, 1, &n, v, false, s->err);
+    free(v);
     return st;
 }
 
@@ -215,6 +215,10 @@ static void layer_name(char *buf, size_t size, uint32_t il, const char *what) {
     snprintf(buf, size, "blk.%u.%s.weight", il, what);
 }
 
+static void layer_bias(char *buf, size_t size, uint32_t il, const char *what) {
+    snprintf(buf, size, "blk.%u.%s.bias", il, what);
+}
+
 /* ==== Architectures ==== */
 
 static void write_metadata(synth *s, const vocab *v) {
@@ -226,7 +230,7 @@ static void write_metadata(synth *s, const vocab *v) {
     moe_gguf_writer_set_str(w, "general.name", p->name ? p->name : "moe synth (random weights)");
     moe_gguf_writer_set_u32(w, ARCH_KEY("context_length"), p->n_ctx);
     moe_gguf_writer_set_u32(w, ARCH_KEY("embedding_length"), p->n_embd);
-    moe_gguf_writer_set_u32(w, ARCH_KEY("block_count"), p->n_layer);
+    moe_gguf_writer_set_u32(w, ARCH_KEY("block_count"), p->n_layer + p->n_nextn);
     moe_gguf_writer_set_u32(w, ARCH_KEY("feed_forward_length"), p->n_ff);
     moe_gguf_writer_set_u32(w, ARCH_KEY("attention.head_count"), p->n_head);
     moe_gguf_writer_set_u32(w, ARCH_KEY("attention.head_count_kv"), p->n_head_kv);
@@ -238,6 +242,15 @@ static void write_metadata(synth *s, const vocab *v) {
         moe_gguf_writer_set_u32(w, ARCH_KEY("expert_count"), p->n_expert);
         moe_gguf_writer_set_u32(w, ARCH_KEY("expert_used_count"), p->n_expert_used);
         moe_gguf_writer_set_u32(w, ARCH_KEY("expert_feed_forward_length"), p->n_ff_exp);
+    }
+    if (strcmp(p->arch, "glm4moe") == 0) { /* GLM-4.5's routing and partial rope */
+        moe_gguf_writer_set_u32(w, ARCH_KEY("rope.dimension_count"), p->head_dim / 2);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("leading_dense_block_count"), p->n_dense_lead);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("expert_shared_count"), p->n_shared_expert);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("expert_gating_func"), 2); /* sigmoid */
+        moe_gguf_writer_set_bool(w, ARCH_KEY("expert_weights_norm"), true);
+        moe_gguf_writer_set_f32(w, ARCH_KEY("expert_weights_scale"), 2.5f);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("nextn_predict_layers"), p->n_nextn);
     }
 #undef ARCH_KEY
     moe_gguf_writer_set_str(w, "tokenizer.ggml.model", "llama");
@@ -252,23 +265,29 @@ static void write_metadata(synth *s, const vocab *v) {
 
 static void write_tensors(synth *s) {
     const moe_synth_params *p = s->p;
-    const bool qwen3 = strcmp(p->arch, "qwen3moe") == 0;
+    const bool qwen3 = strcmp(p->arch, "qwen3moe") == 0, glm = strcmp(p->arch, "glm4moe") == 0;
     const int64_t E = p->n_embd, q = (int64_t)p->n_head * p->head_dim;
     const int64_t kv = (int64_t)p->n_head_kv * p->head_dim;
+    const int64_t ff_shexp = (int64_t)p->n_ff_exp * p->n_shared_expert;
     char name[128];
     add_weights(s, "token_embd.weight", E, p->n_vocab, 1, 0, false);
-    for (uint32_t il = 0; il < p->n_layer; il++) {
+    for (uint32_t il = 0; il < p->n_layer + p->n_nextn; il++) {
         layer_name(name, sizeof name, il, "attn_norm"), add_ones(s, name, E);
         layer_name(name, sizeof name, il, "attn_q"), add_weights(s, name, E, q, 1, 0, false);
         layer_name(name, sizeof name, il, "attn_k"), add_weights(s, name, E, kv, 1, 0, false);
         layer_name(name, sizeof name, il, "attn_v"), add_weights(s, name, E, kv, 1, 0, false);
         layer_name(name, sizeof name, il, "attn_output"), add_weights(s, name, q, E, 1, 0, false);
+        if (glm) {
+            layer_bias(name, sizeof name, il, "attn_q"), add_vector(s, name, q, 0.02f);
+            layer_bias(name, sizeof name, il, "attn_k"), add_vector(s, name, kv, 0.02f);
+            layer_bias(name, sizeof name, il, "attn_v"), add_vector(s, name, kv, 0.02f);
+        }
         if (qwen3) {
             layer_name(name, sizeof name, il, "attn_q_norm"), add_ones(s, name, p->head_dim);
             layer_name(name, sizeof name, il, "attn_k_norm"), add_ones(s, name, p->head_dim);
         }
-        layer_name(name, sizeof name, il, "ffn_norm"), add_ones(s, name, E);
-        if (p->n_expert) {
+        layer_name(name, sizeof name, il, glm ? "post_attention_norm" : "ffn_norm"), add_ones(s, name, E);
+        if (p->n_expert && il >= p->n_dense_lead) {
             layer_name(name, sizeof name, il, "ffn_gate_inp"), add_weights(s, name, E, p->n_expert, 1, 0, true);
             layer_name(name, sizeof name, il, "ffn_gate_exps"), add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
             layer_name(name, sizeof name, il, "ffn_up_exps"), add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
@@ -277,6 +296,19 @@ static void write_tensors(synth *s) {
             layer_name(name, sizeof name, il, "ffn_gate"), add_weights(s, name, E, p->n_ff, 1, 0, false);
             layer_name(name, sizeof name, il, "ffn_up"), add_weights(s, name, E, p->n_ff, 1, 0, false);
             layer_name(name, sizeof name, il, "ffn_down"), add_weights(s, name, p->n_ff, E, 1, 0, false);
+        }
+        if (p->n_expert && il >= p->n_dense_lead && glm) {
+            layer_bias(name, sizeof name, il, "exp_probs_b"), add_vector(s, name, p->n_expert, 0.05f);
+        }
+        if (p->n_expert && il >= p->n_dense_lead && ff_shexp) {
+            layer_name(name, sizeof name, il, "ffn_gate_shexp"), add_weights(s, name, E, ff_shexp, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_up_shexp"), add_weights(s, name, E, ff_shexp, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_down_shexp"), add_weights(s, name, ff_shexp, E, 1, 0, false);
+        }
+        if (il >= p->n_layer) { /* a NextN (MTP) layer's own tensors: written, never run */
+            layer_name(name, sizeof name, il, "nextn.eh_proj"), add_weights(s, name, 2 * E, E, 1, 0, false);
+            layer_name(name, sizeof name, il, "nextn.enorm"), add_ones(s, name, E);
+            layer_name(name, sizeof name, il, "nextn.hnorm"), add_ones(s, name, E);
         }
     }
     add_ones(s, "output_norm.weight", E);
@@ -287,12 +319,13 @@ static void write_tensors(synth *s) {
 /* ==== Entry ==== */
 
 moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err) {
-    if (strcmp(p->arch, "llama") != 0 && strcmp(p->arch, "qwen3moe") != 0)
+    if (strcmp(p->arch, "llama") != 0 && strcmp(p->arch, "qwen3moe") != 0 &&
+        strcmp(p->arch, "glm4moe") != 0)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "synth: architecture '%s' is not one synth "
-                             "writes (llama, qwen3moe)", p->arch);
+                             "writes (llama, qwen3moe, glm4moe)", p->arch);
     if (!p->n_embd || !p->n_layer || !p->n_head || !p->n_head_kv || !p->head_dim ||
         p->n_head % p->n_head_kv || p->n_vocab < 3 + 256 + 1 ||
-        (strcmp(p->arch, "qwen3moe") == 0 && (!p->n_expert || !p->n_expert_used ||
+        (strcmp(p->arch, "llama") != 0 && (!p->n_expert || !p->n_expert_used ||
                                               p->n_expert_used > p->n_expert || !p->n_ff_exp)) ||
         (!p->n_expert && !p->n_ff))
         return moe_error_set(err, MOE_ERR_ARG, "synth: inconsistent shape (embd %u, layers %u, "

@@ -227,10 +227,13 @@ typedef struct moe_synth_rule {
 
 typedef struct moe_synth_params {
     const char *preset;        /* the preset it came from (for messages) */
-    const char *arch;          /* "llama" or "qwen3moe" */
+    const char *arch;          /* "llama", "qwen3moe" or "glm4moe" */
     const char *name;          /* general.name; NULL: a default that says the weights are random */
     uint32_t n_vocab, n_ctx, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
     uint32_t n_expert, n_expert_used, n_ff_exp; /* 0 experts: dense */
+    uint32_t n_dense_lead;     /* leading layers with a dense FFN (glm4moe) */
+    uint32_t n_shared_expert;  /* shared experts of n_ff_exp each (glm4moe) */
+    uint32_t n_nextn;          /* NextN/MTP layers appended after n_layer (glm4moe) */
     float rope_base;
     uint64_t seed;
     const moe_synth_rule *rules; /* weight types by name, first match wins; default F32 */

@@ -5,7 +5,9 @@
 // --base: a server on stories260K with --ctx 1024 --parallel 16 and --api-key KEY;
 // --slow: a server on the demo model with --parallel 1 --queue 1 --queue-timeout 1
 //         --step-delay 20 --keepalive 0.01 (no key), where a stream stays open long enough to
-//         be interfered with and keep-alives come between tokens.
+//         be interfered with and keep-alives come between tokens;
+// --hybrid: a server on ../shared/parity/qwen3next-f32 (linear-attention hybrid) with
+//         --parallel 2 --cache-slots 4, fresh when hybrid_reuse starts.
 // No CASE: every case, in order. Prints "ok CASE" per passing case and "FAIL CASE: reason"
 // per failing one, exiting 1 if any failed. Every loop is
 // bounded and every wait has a deadline.
@@ -24,6 +26,7 @@ const KEY = args.key;
 const oa = new OpenAI({ baseURL: `${args.base}/v1`, apiKey: KEY, maxRetries: 0, timeout: 30000 });
 const an = new Anthropic({ baseURL: args.base, apiKey: KEY, maxRetries: 0, timeout: 30000 });
 const slowOa = new OpenAI({ baseURL: `${args.slow}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 30000 });
+const hyOa = new OpenAI({ baseURL: `${args.hybrid}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 30000 });
 const slowAn = new Anthropic({ baseURL: args.slow, apiKey: 'unused', maxRetries: 0, timeout: 30000 });
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -187,6 +190,38 @@ const cases = {
     await an.messages.create(am);
     const m = await an.messages.create(am);
     assert.ok(m.usage.cache_read_input_tokens > 0, JSON.stringify(m.usage));
+  },
+
+  async hybrid_reuse() {
+    // A hybrid's recurrent state cannot be cut back: prefixes come back whole or from the
+    // snapshot each prompt leaves before its last token. Greedy tokens must not change.
+    // P1 is the parity prompt and G its greedy ids (llama.cpp, qwen3next-f32.tokens.json).
+    const P1 = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426];
+    const G = [110, 493, 220, 441, 128, 450, 457, 361, 464, 10, 489, 62, 509, 364, 343, 361];
+    const P2 = [1, 300, 301, 302, 303, 304, 305, 306];
+    const run = async (prompt, n) => {
+      const r = await hyOa.completions.create({ model: 'x', prompt, max_tokens: n, temperature: 0, ignore_eos: true, logprobs: 1 });
+      return { tokens: r.choices[0].logprobs.tokens, cached: r.usage.prompt_tokens_details.cached_tokens };
+    };
+    // alone: nothing to reuse (P2 shares only BOS with P1, and a partial sequence is no use)
+    const a = await run(P1, 16);
+    const b = await run(P2, 16);
+    assert.equal(a.cached, 0);
+    assert.equal(b.cached, 0);
+    // interleaved in one batch: each reuses its prompt's snapshot and makes the tokens it made alone
+    const [a2, b2] = await Promise.all([run(P1, 16), run(P2, 16)]);
+    assert.deepEqual(a2.tokens, a.tokens);
+    assert.deepEqual(b2.tokens, b.tokens);
+    assert.equal(a2.cached, P1.length - 1);
+    assert.equal(b2.cached, P2.length - 1);
+    // a third request extends the first's prompt by its first 8 greedy tokens: it can only start
+    // from the prompt snapshot (the live sequences hold more), and continues as the first did
+    const c = await run([...P1, ...G.slice(0, 8)], 8);
+    assert.equal(c.cached, P1.length - 1);
+    assert.deepEqual(c.tokens, a.tokens.slice(8));
+    // one that extends a whole finished sequence (prompt + 15 fed tokens) takes all of it
+    const d = await run([...P1, ...G], 1);
+    assert.equal(d.cached, P1.length + G.length - 1);
   },
 
   async anthropic_messages() {

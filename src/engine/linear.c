@@ -1,0 +1,249 @@
+/* linear.c: the linear-attention block of hybrid models -- Gated DeltaNet (qwen3next) and Kimi
+ * Delta Attention (kimi-linear) -- and the recurrent state it reads and writes.
+ *
+ * A batch may interleave rows of many sequences; the block groups them by sequence (keeping each
+ * sequence's rows in position order), runs the projections over all rows at once, then per
+ * sequence the short conv and the delta rule on that sequence's own state, per head in
+ * parallel, and scatters the output back to the batch rows. The two architectures differ only in
+ * how q|k|v, the decay g, beta and the output gate are projected; the recurrence and the gated
+ * norm are shared (ops/linear_attn.c). The trap: state is updated in place, so a failed call
+ * must not get here (rows are validated first), and a sequence's rows must all be in one call's
+ * order for the chunked form to see them consecutively. */
+#include "internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Runs of at least this many tokens of one sequence use the chunked delta rule. */
+#define LINEAR_CHUNKED_MIN 8
+
+/* ==== State and scratch ==== */
+
+typedef struct linear_dims {
+    int64_t hd, nk, nv, K, V, conv_ch, n_g;
+} linear_dims;
+
+static linear_dims dims_of(const moe_model_config *c, moe_mixer mixer) {
+    linear_dims d = {.hd = c->ssm_head_dim, .nk = c->ssm_n_k_heads, .nv = c->ssm_n_v_heads};
+    d.K = d.nk * d.hd;
+    d.V = d.nv * d.hd;
+    d.conv_ch = 2 * d.K + d.V;
+    d.n_g = mixer == MOE_MIXER_KDA ? d.hd : 1;
+    return d;
+}
+
+static moe_mixer linear_mixer(const moe_model *m) {
+    for (uint32_t il = 0; il < m->cfg.n_layer; il++)
+        if (m->layers[il].mixer != MOE_MIXER_ATTENTION) return m->layers[il].mixer;
+    return MOE_MIXER_ATTENTION;
+}
+
+void moe_linear_plan(const moe_model *m, moe_linear_ctx *lin) {
+    memset(lin, 0, sizeof *lin);
+    const moe_model_config *c = &m->cfg;
+    if (!c->n_layer_linear) return;
+    const linear_dims d = dims_of(c, linear_mixer(m));
+    lin->n_layer = c->n_layer_linear;
+    lin->conv_floats = (uint64_t)d.conv_ch * (c->ssm_d_conv - 1);
+    lin->layer_floats = lin->conv_floats + (uint64_t)d.nv * d.hd * d.hd;
+}
+
+void moe_linear_alloc(moe_ctx *c) {
+    const moe_model *m = c->m;
+    const moe_model_config *cfg = &m->cfg;
+    moe_linear_ctx *lin = &c->lin;
+    const int n_threads = moe_pool_n_threads(c->pool);
+    moe_linear_plan(m, lin);
+    if (!lin->n_layer) return;
+    const linear_dims d = dims_of(cfg, linear_mixer(m));
+    const uint64_t rows = c->p.max_rows;
+    lin->state = moe_xcalloc((size_t)c->p.n_seq * lin->n_layer * lin->layer_floats, sizeof(float));
+    lin->order = moe_xcalloc(rows, sizeof(int32_t));
+    lin->seq_count = moe_xcalloc(c->p.n_seq + 1, sizeof(int32_t));
+    lin->segs = moe_xcalloc(rows, sizeof *lin->segs);
+    lin->x = moe_xcalloc(rows * cfg->n_embd, sizeof(float));
+    lin->qkv = moe_xcalloc(rows * d.conv_ch, sizeof(float));
+    lin->z = moe_xcalloc(rows * d.V, sizeof(float));
+    lin->g = moe_xcalloc(rows * d.nv * d.n_g, sizeof(float));
+    lin->beta = moe_xcalloc(rows * d.nv, sizeof(float));
+    lin->tmp = moe_xcalloc(rows * (2 * d.nv > d.hd ? 2 * d.nv : d.hd), sizeof(float));
+    lin->out = moe_xcalloc(rows * d.V, sizeof(float));
+    lin->y = moe_xcalloc(rows * cfg->n_embd, sizeof(float));
+    lin->delta_scratch = moe_xcalloc((size_t)n_threads * moe_delta_scratch_floats((int)d.hd, (int)d.hd),
+                                     sizeof(float));
+}
+
+void moe_linear_free(moe_ctx *c) {
+    moe_linear_ctx *lin = &c->lin;
+    free(lin->state);
+    free(lin->order);
+    free(lin->seq_count);
+    free(lin->segs);
+    free(lin->x);
+    free(lin->qkv);
+    free(lin->z);
+    free(lin->g);
+    free(lin->beta);
+    free(lin->tmp);
+    free(lin->out);
+    free(lin->y);
+    free(lin->delta_scratch);
+    memset(lin, 0, sizeof *lin);
+}
+
+float *moe_linear_seq_state(const moe_ctx *c, int32_t seq) {
+    return c->lin.state + (uint64_t)seq * c->lin.n_layer * c->lin.layer_floats;
+}
+
+/* ==== Grouping rows by sequence ==== */
+
+/* Counting sort of the rows by sequence (stable: each sequence keeps its position order);
+ * returns the number of segments. */
+static uint32_t group_rows(moe_ctx *c, const moe_row *rows, uint32_t n_rows) {
+    moe_linear_ctx *lin = &c->lin;
+    int32_t *count = lin->seq_count;
+    memset(count, 0, sizeof(int32_t) * (c->p.n_seq + 1));
+    for (uint32_t r = 0; r < n_rows; r++) count[rows[r].seq + 1]++;
+    uint32_t n_seg = 0;
+    for (uint32_t s = 0; s < c->p.n_seq; s++) {
+        if (count[s + 1]) lin->segs[n_seg++] = (moe_linear_seg){(int32_t)s, count[s], count[s + 1]};
+        count[s + 1] += count[s];
+    }
+    for (uint32_t r = 0; r < n_rows; r++) lin->order[count[rows[r].seq]++] = (int32_t)r;
+    return n_seg;
+}
+
+/* ==== Per-architecture projections: q|k|v (pre-conv), z, g, beta ==== */
+
+static void project_gdn(moe_ctx *c, const moe_layer_weights *l, const linear_dims *d,
+                        uint32_t n_rows) {
+    moe_linear_ctx *lin = &c->lin;
+    moe_matmul(c->pool, l->ssm_qkv, 0, lin->x, n_rows, lin->qkv, c->mm_scratch);
+    moe_matmul(c->pool, l->ssm_gate, 0, lin->x, n_rows, lin->z, c->mm_scratch);
+    moe_matmul(c->pool, l->ssm_ba, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
+    const float *a_log = (const float *)l->ssm_a->data, *dt_b = (const float *)l->ssm_dt_b->data;
+    const int64_t rf = d->nv / d->nk;
+    for (uint32_t r = 0; r < n_rows; r++) {
+        /* per k head: [beta x rf, alpha x rf]; v head h = k head * rf + i */
+        const float *ba = lin->tmp + (int64_t)r * 2 * d->nv;
+        for (int64_t h = 0; h < d->nv; h++) {
+            const float *grp = ba + (h / rf) * 2 * rf;
+            lin->beta[r * d->nv + h] = 1.0f / (1.0f + expf(-grp[h % rf]));
+            lin->g[r * d->nv + h] = a_log[h] * moe_softplus(grp[rf + h % rf] + dt_b[h]);
+        }
+    }
+}
+
+static void project_kda(moe_ctx *c, const moe_layer_weights *l, const linear_dims *d,
+                        uint32_t n_rows) {
+    moe_linear_ctx *lin = &c->lin;
+    /* q, k and v land side by side in qkv's rows: project each into out, then place it */
+    const moe_tensor *w[3] = {l->wq, l->wk, l->wv};
+    const int64_t ofs[3] = {0, d->K, 2 * d->K}, width[3] = {d->K, d->K, d->V};
+    for (int i = 0; i < 3; i++) {
+        moe_matmul(c->pool, w[i], 0, lin->x, n_rows, lin->out, c->mm_scratch);
+        for (uint32_t r = 0; r < n_rows; r++)
+            memcpy(lin->qkv + r * d->conv_ch + ofs[i], lin->out + r * width[i], sizeof(float) * (size_t)width[i]);
+    }
+    moe_matmul(c->pool, l->ssm_f_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
+    moe_matmul(c->pool, l->ssm_f_b, 0, lin->tmp, n_rows, lin->g, c->mm_scratch);
+    moe_matmul(c->pool, l->ssm_g_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
+    moe_matmul(c->pool, l->ssm_g_b, 0, lin->tmp, n_rows, lin->z, c->mm_scratch);
+    moe_matmul(c->pool, l->ssm_beta, 0, lin->x, n_rows, lin->beta, c->mm_scratch);
+    const float *a_log = (const float *)l->ssm_a->data, *dt_b = (const float *)l->ssm_dt_b->data;
+    for (uint32_t r = 0; r < n_rows; r++) {
+        float *g = lin->g + r * d->V;
+        for (int64_t i = 0; i < d->V; i++) g[i] = a_log[i / d->hd] * moe_softplus(g[i] + dt_b[i]);
+        for (int64_t h = 0; h < d->nv; h++) {
+            float *b = &lin->beta[r * d->nv + h];
+            *b = 1.0f / (1.0f + expf(-*b));
+        }
+    }
+}
+
+/* ==== The recurrence, one (segment, v head) per item ==== */
+
+typedef struct delta_job {
+    moe_ctx *c;
+    const linear_dims *d;
+    uint32_t slot; /* linear layer index */
+} delta_job;
+
+static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
+    const delta_job *j = arg;
+    const moe_linear_ctx *lin = &j->c->lin;
+    const linear_dims *d = j->d;
+    float *scratch = lin->delta_scratch + (uint64_t)thread * moe_delta_scratch_floats((int)d->hd, (int)d->hd);
+    for (int64_t item = begin; item < end; item++) {
+        const moe_linear_seg *seg = &lin->segs[item / d->nv];
+        const int64_t h = item % d->nv, hk = h / (d->nv / d->nk), r0 = seg->begin;
+        float *state = moe_linear_seq_state(j->c, seg->seq) + j->slot * lin->layer_floats +
+                       lin->conv_floats + (uint64_t)h * d->hd * d->hd;
+        const float *row = lin->qkv + r0 * d->conv_ch;
+        const moe_delta_args a = {
+            .d_k = (int)d->hd, .d_v = (int)d->hd, .n_g = (int)d->n_g,
+            .scale = 1.0f / sqrtf((float)d->hd),
+            .q = row + hk * d->hd, .k = row + d->K + hk * d->hd, .v = row + 2 * d->K + h * d->hd,
+            .g = lin->g + r0 * d->nv * d->n_g + h * d->n_g, .beta = lin->beta + r0 * d->nv + h,
+            .out = lin->out + r0 * d->V + h * d->hd,
+            .qk_stride = d->conv_ch, .v_stride = d->conv_ch, .g_stride = d->nv * d->n_g,
+            .beta_stride = d->nv, .out_stride = d->V};
+        if (seg->n >= LINEAR_CHUNKED_MIN) moe_delta_rule_chunked(&a, seg->n, state, scratch);
+        else moe_delta_rule_recurrent(&a, seg->n, state, scratch);
+    }
+}
+
+/* ==== The block ==== */
+
+void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,
+                      uint32_t n_rows) {
+    const moe_model_config *cfg = &c->m->cfg;
+    moe_linear_ctx *lin = &c->lin;
+    const linear_dims d = dims_of(cfg, l->mixer);
+    const int64_t n_embd = cfg->n_embd;
+    const uint32_t slot = c->layer_slot[il];
+    const uint32_t n_seg = group_rows(c, rows, n_rows);
+
+    const float *norm_w = (const float *)l->attn_norm->data;
+    for (uint32_t i = 0; i < n_rows; i++)
+        moe_rmsnorm(lin->x + i * n_embd, c->x + (int64_t)lin->order[i] * n_embd, norm_w, n_embd, cfg->rms_eps);
+    if (l->mixer == MOE_MIXER_GDN) project_gdn(c, l, &d, n_rows);
+    else project_kda(c, l, &d, n_rows);
+
+    /* the short conv runs along each sequence's rows, from that sequence's conv state */
+    const int n_taps = (int)cfg->ssm_d_conv;
+    for (uint32_t s = 0; s < n_seg; s++) {
+        const moe_linear_seg *seg = &lin->segs[s];
+        float *conv = moe_linear_seq_state(c, seg->seq) + slot * lin->layer_floats;
+        float *x = lin->qkv + (int64_t)seg->begin * d.conv_ch;
+        if (!l->ssm_conv1d[1]) {
+            moe_conv1d_silu(x, d.conv_ch, seg->n, d.conv_ch, (const float *)l->ssm_conv1d[0]->data, n_taps, conv);
+        } else { /* separate q, k, v kernels over consecutive channel ranges */
+            const int64_t ofs[3] = {0, d.K, 2 * d.K}, width[3] = {d.K, d.K, d.V};
+            for (int i = 0; i < 3; i++)
+                moe_conv1d_silu(x + ofs[i], d.conv_ch, seg->n, width[i], (const float *)l->ssm_conv1d[i]->data,
+                                n_taps, conv + ofs[i] * (n_taps - 1));
+        }
+    }
+    for (uint32_t i = 0; i < n_rows; i++)
+        for (int64_t h = 0; h < 2 * d.nk; h++) moe_l2norm(lin->qkv + i * d.conv_ch + h * d.hd, d.hd, cfg->rms_eps);
+
+    delta_job job = {.c = c, .d = &d, .slot = slot};
+    moe_pool_for(c->pool, (int64_t)n_seg * d.nv, 1, delta_heads, &job);
+
+    /* gated RMSNorm per head: silu(z) for GDN, sigmoid(g_b(g_a x)) for KDA */
+    const float *ssm_norm = (const float *)l->ssm_norm->data;
+    const moe_gate_act act = l->mixer == MOE_MIXER_GDN ? MOE_GATE_SILU : MOE_GATE_SIGMOID;
+    for (int64_t h = 0; h < (int64_t)n_rows * d.nv; h++) {
+        float *o = lin->out + h * d.hd;
+        moe_rmsnorm(o, o, ssm_norm, d.hd, cfg->rms_eps);
+        moe_gate_mul(o, lin->z + h * d.hd, d.hd, act);
+    }
+    moe_matmul(c->pool, l->ssm_out, 0, lin->out, n_rows, lin->y, c->mm_scratch);
+    for (uint32_t i = 0; i < n_rows; i++) {
+        float *x = c->x + (int64_t)lin->order[i] * n_embd;
+        const float *y = lin->y + i * n_embd;
+        for (int64_t e = 0; e < n_embd; e++) x[e] += y[e];
+    }
+}
