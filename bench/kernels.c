@@ -5,85 +5,36 @@
  * valid blocks in anonymous memory, rows of --n values (default 4096); one activation row is
  * converted once (the table's quantize_row_for_dot, not timed) and every row is dotted against
  * it, as a decode step does. Each figure is the median of --runs passes (default 5). The read
- * bandwidth is a plain streaming sum over a buffer of the same size, same thread (32-byte loads
- * where the CPU has AVX2: narrower loads do not reach what the kernels stream). The trap:
- * the first pass over fresh memory pays page faults, so every buffer is written before timing. */
+ * bandwidth comes from the library's probe (moe_read_bandwidth: a streaming sum with the widest
+ * loads of the active table), on one thread as the kernels run here, and on --threads threads
+ * (default 2) for the ceiling `moe bench` compares against. The trap: the first pass over
+ * fresh memory pays page faults, so every buffer is written before timing. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "../src/quant/quant.h"
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* Eight independent accumulators so the loop is bound by loads, not by an add chain. */
-static uint64_t stream_sum(const uint64_t *p, size_t words) {
-    uint64_t s[8] = {0};
-    for (size_t i = 0; i + 8 <= words; i += 8)
-        for (int k = 0; k < 8; k++) s[k] += p[i + k];
-    return s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
-}
-
-/* The same with 32-byte loads (4 x 4 accumulators), used when the CPU has AVX2: 8-byte loads
- * measured ~20% below what the wide kernels reach (22 vs 27.7 GB/s on Zen 5). */
-#if defined(__x86_64__)
-#include <immintrin.h>
-__attribute__((target("avx2"))) static uint64_t stream_sum_avx2(const uint64_t *p, size_t words) {
-    __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                    _mm256_setzero_si256()};
-    for (size_t i = 0; i + 16 <= words; i += 16)
-        for (int k = 0; k < 4; k++)
-            a[k] = _mm256_add_epi64(a[k], _mm256_loadu_si256((const __m256i *)(p + i + 4 * k)));
-    const __m256i t = _mm256_add_epi64(_mm256_add_epi64(a[0], a[1]), _mm256_add_epi64(a[2], a[3]));
-    uint64_t out[4];
-    _mm256_storeu_si256((__m256i *)out, t);
-    return out[0] + out[1] + out[2] + out[3];
-}
-#endif
-
-static volatile uint64_t sink_u64;
 static volatile float sink_f32;
 
-static double read_bandwidth(const uint8_t *buf, size_t bytes, int runs, const char **how) {
-    double t[64];
-    uint64_t (*sum)(const uint64_t *, size_t) = stream_sum;
-    *how = "8-byte loads";
-#if defined(__x86_64__)
-    if (moe_cpu_features_get()->avx2) sum = stream_sum_avx2, *how = "32-byte loads";
-#endif
-    for (int r = 0; r < runs; r++) {
-        const double t0 = now();
-        sink_u64 = sum((const uint64_t *)buf, bytes / 8);
-        t[r] = now() - t0;
-    }
-    return (double)bytes / median(t, runs) / 1e9;
-}
-
-/* Median GB/s of a matvec over `rows` rows of `row_bytes` at w. */
-static double matvec_gbs(const moe_type_kernels *k, const uint8_t *w, int64_t rows,
-                         size_t row_bytes, const void *xq, int64_t n, float *y, int runs) {
+/* Median GB/s of weights for `rows` rows of `row_bytes` at w against n_x activation rows
+ * (x_stride bytes apart): n_x = 1 is the matvec (k->dot), more is the GEMM (moe_dot_rows, as
+ * moe_matmul calls it). GEMM figures count each weight byte once per pass over all n_x rows. */
+static double matmul_gbs(const moe_type_kernels *k, const uint8_t *w, int64_t rows,
+                         size_t row_bytes, const uint8_t *xq, size_t x_stride, int64_t n_x,
+                         int64_t n, float *y, int runs) {
     double t[64];
     for (int r = 0; r < runs; r++) {
-        const double t0 = now();
-        for (int64_t i = 0; i < rows; i++) y[i] = k->dot(w + (size_t)i * row_bytes, xq, n);
-        t[r] = now() - t0;
+        const double t0 = moe_now();
+        if (n_x == 1)
+            for (int64_t i = 0; i < rows; i++) y[i] = k->dot(w + (size_t)i * row_bytes, xq, n);
+        else
+            for (int64_t i = 0; i < rows; i++)
+                moe_dot_rows(k, w + (size_t)i * row_bytes, xq, x_stride, n_x, n, y + i * n_x, 1);
+        t[r] = moe_now() - t0;
         sink_f32 = y[rows / 2];
     }
-    return (double)rows * (double)row_bytes / median(t, runs) / 1e9;
+    return (double)rows * (double)row_bytes / moe_median(t, runs) / 1e9;
 }
 
 static const moe_type DEFAULT_TYPES[] = {
@@ -95,7 +46,8 @@ static const moe_type DEFAULT_TYPES[] = {
 };
 
 static void usage(void) {
-    fprintf(stderr, "usage: kernels [--mib N] [--n VALUES] [--runs N] [--types q4_k,iq2_s,...]\n"
+    fprintf(stderr, "usage: kernels [--mib N] [--n VALUES] [--runs N] [--threads N] [--gemm-rows N]\n"
+                    "               [--types q4_k,...]\n"
                     "               [--isa scalar,avx2,...]\n");
     exit(2);
 }
@@ -103,7 +55,7 @@ static void usage(void) {
 int main(int argc, char **argv) {
     size_t mib = 256;
     int64_t n = 4096;
-    int runs = 5;
+    int runs = 5, threads = 2, gemm_rows = 8;
     moe_type types[64];
     int n_types = 0;
     bool isa_on[MOE_ISA_COUNT];
@@ -117,6 +69,10 @@ int main(int argc, char **argv) {
             n = atol(v);
         else if (!strcmp(argv[a - 1], "--runs"))
             runs = atoi(v);
+        else if (!strcmp(argv[a - 1], "--threads"))
+            threads = atoi(v);
+        else if (!strcmp(argv[a - 1], "--gemm-rows"))
+            gemm_rows = atoi(v);
         else if (!strcmp(argv[a - 1], "--types")) {
             char *list = moe_xstrdup(v), *save = NULL;
             for (char *t = strtok_r(list, ",", &save); t && n_types < 64;
@@ -141,7 +97,7 @@ int main(int argc, char **argv) {
         } else
             usage();
     }
-    if (runs < 1 || runs > 64 || n < 256 || n % 256 || mib < 1) usage();
+    if (runs < 1 || runs > 64 || threads < 1 || gemm_rows < 2 || gemm_rows > 64 || n < 256 || n % 256 || mib < 1) usage();
     if (!n_types) {
         n_types = (int)(sizeof DEFAULT_TYPES / sizeof DEFAULT_TYPES[0]);
         memcpy(types, DEFAULT_TYPES, sizeof DEFAULT_TYPES);
@@ -154,23 +110,38 @@ int main(int argc, char **argv) {
 
     char cpu[256];
     moe_cpu_describe(cpu, sizeof cpu);
-    const char *how;
-    const double bw = read_bandwidth(buf, bytes, runs, &how);
-    printf("moe kernel benchmark: single-thread matvec, %zu MiB of weights, rows of %lld, "
-           "median of %d\n",
-           mib, (long long)n, runs);
-    printf("cpu: %s\nactive table: %s\nread bandwidth (streaming sum, %s, %zu MiB): %.1f GB/s\n\n",
-           cpu, moe_kernels_get()->name, how, mib, bw);
+    moe_bandwidth one, many;
+    moe_error err = {0};
+    moe_pool *pool = moe_pool_new(threads);
+    if (moe_read_bandwidth(NULL, bytes, runs, &one, &err) != MOE_OK ||
+        moe_read_bandwidth(pool, bytes, runs, &many, &err) != MOE_OK)
+        moe_die("%s", err.msg);
+    moe_pool_free(pool);
+    const double bw = one.median_gb_s;
+    printf("moe kernel benchmark: single thread, %zu MiB of weights, rows of %lld, median of %d; "
+           "matvec, and GEMM against %d activation rows\n",
+           mib, (long long)n, runs, gemm_rows);
+    printf("cpu: %s\nactive table: %s\n", cpu, moe_kernels_get()->name);
+    printf("read bandwidth (streaming sum, %d-byte loads, %zu MiB): 1 thread %.1f GB/s (%.1f-%.1f), "
+           "%d threads %.1f GB/s (%.1f-%.1f)\n\n",
+           one.load_bytes, mib, bw, one.min_gb_s, one.max_gb_s, many.threads, many.median_gb_s,
+           many.min_gb_s, many.max_gb_s);
 
     printf("%-8s %6s", "type", "bits/w");
     for (int i = 0; i < MOE_ISA_COUNT; i++)
-        if (isa_on[i] && moe_kernels_for_isa((moe_isa)i)) printf(" %17s", moe_isa_name((moe_isa)i));
-    printf("   (GB/s of weights, %% of read bandwidth; * = kernel of that level)\n");
+        if (isa_on[i] && moe_kernels_for_isa((moe_isa)i)) printf(" %25s", moe_isa_name((moe_isa)i));
+    printf("\n%15s", "");
+    for (int i = 0; i < MOE_ISA_COUNT; i++)
+        if (isa_on[i] && moe_kernels_for_isa((moe_isa)i)) printf(" %16s %6s  ", "matvec", "GEMM");
+    printf("\n(GB/s of weights: matvec with %% of the 1-thread read bandwidth; GEMM per pass over "
+           "%d rows; * = kernel of that level, g = its many-row kernel)\n",
+           gemm_rows);
 
     float *x = moe_xmalloc((size_t)n * sizeof(float));
     uint64_t seed = 42;
     moe_type_random_row(MOE_TYPE_F32, &seed, x, n);
-    void *xq = moe_xmalloc((size_t)n * 4 + 4096);
+    const size_t x_stride = (size_t)n * 4 + 4096;
+    uint8_t *xq = moe_xmalloc(x_stride * (size_t)gemm_rows);
     for (int ti = 0; ti < n_types; ti++) {
         const moe_type t = types[ti];
         const size_t row_bytes = (size_t)moe_type_row_bytes(t, n);
@@ -181,16 +152,20 @@ int main(int argc, char **argv) {
         const int64_t rows = (int64_t)(bytes / row_bytes);
         for (int64_t r = 0; r < rows; r++)
             moe_type_random_row(t, &seed, buf + (size_t)r * row_bytes, n);
-        float *y = moe_xmalloc((size_t)rows * sizeof(float));
+        float *y = moe_xmalloc((size_t)rows * (size_t)gemm_rows * sizeof(float));
         printf("%-8s %6.2f", moe_type_name(t), 8.0 * (double)row_bytes / (double)n);
         fflush(stdout);
         for (int i = 0; i < MOE_ISA_COUNT; i++) {
             const moe_kernels *k = moe_kernels_for_isa((moe_isa)i);
             if (!isa_on[i] || !k) continue;
             const moe_type_kernels *e = &k->types[t];
-            e->quantize_row_for_dot(x, xq, n);
-            const double gbs = matvec_gbs(e, buf, rows, row_bytes, xq, n, y, runs);
-            printf(" %6.1f (%4.0f%%) %c", gbs, 100 * gbs / bw, e->dot_isa == k->isa ? '*' : ' ');
+            for (int r = 0; r < gemm_rows; r++)
+                e->quantize_row_for_dot(x, xq + (size_t)r * x_stride, n);
+            const double gbs = matmul_gbs(e, buf, rows, row_bytes, xq, x_stride, 1, n, y, runs);
+            const double gemm =
+                matmul_gbs(e, buf, rows, row_bytes, xq, x_stride, gemm_rows, n, y, runs);
+            printf(" %6.1f (%4.0f%%) %c %6.1f %c", gbs, 100 * gbs / bw,
+                   e->dot_isa == k->isa ? '*' : ' ', gemm, e->dot_rows ? 'g' : ' ');
             fflush(stdout);
         }
         printf("\n");

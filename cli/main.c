@@ -29,10 +29,14 @@ static const moe_command commands[] = {
     {"synth", moe_cmd_synth, "write a GGUF model of a supported architecture with seeded random weights",
      "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads N]\n"
      "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff N]\n"
-     "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...]"},
+     "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...] [--random-blocks]"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},
+    {"bench", moe_cmd_bench,
+     "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
+     "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
+     "        [--kv-type f16|f32] [--mmap] [--csv | --json]"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
      "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},

@@ -20,6 +20,8 @@ static const char usage_text[] =
     "  --cache-slots N    extra finished sequences kept for prefix reuse (default: B)\n"
     "  -t, --threads T    forward-pass threads (default 1)\n"
     "  --kv-type f32|f16  KV cache element type (default f16)\n"
+    "  --mmap             serve weights from the mapped file (default: copied to anonymous\n"
+    "                     memory at load, so the host cannot reclaim their pages)\n"
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
     "  --queue-timeout S  seconds a request may wait before 503 (default 600)\n"
     "  --keepalive S      seconds of silence before an SSE keep-alive (default 15)\n"
@@ -81,6 +83,8 @@ int moe_cmd_serve(int argc, char **argv) {
             else
                 return moe_cli_usage_error("serve", "--kv-type expects f32 or f16, got '%s'", v);
             i++;
+        } else if (strcmp(a, "--mmap") == 0) {
+            p.use_mmap = true;
         } else if (strcmp(a, "--help-options") == 0) {
             fputs(usage_text, stdout);
             return 0;

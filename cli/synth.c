@@ -51,6 +51,8 @@ int moe_cmd_synth(int argc, char **argv) {
             if (!moe_arg_int("synth", a, v, 0, INT64_MAX, &n)) goto done;
             p.seed = (uint64_t)n;
             i++;
+        } else if (strcmp(a, "--random-blocks") == 0) {
+            p.random_blocks = true;
         } else if (strcmp(a, "--type") == 0 && v) {
             const char *eq = strrchr(v, '=');
             moe_type t;
@@ -84,8 +86,9 @@ int moe_cmd_synth(int argc, char **argv) {
         goto done;
     }
     printf("wrote %s: %s, %u layers, embd %u, %u experts (%u used), vocab %u, seed %llu; "
-           "weights are random\n", out, p.arch, p.n_layer, p.n_embd, p.n_expert, p.n_expert_used,
-           p.n_vocab, (unsigned long long)p.seed);
+           "weights are random%s\n", out, p.arch, p.n_layer, p.n_embd, p.n_expert, p.n_expert_used,
+           p.n_vocab, (unsigned long long)p.seed,
+           p.random_blocks ? " (quantized tensors: random valid blocks)" : "");
     rc = 0;
 done:
     for (uint32_t i = 0; i < n_rules; i++) free(patterns[i]);

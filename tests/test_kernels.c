@@ -311,6 +311,68 @@ static void dots_match_reference_on_random_rows(void **state) {
     free(w), free(xq), free(x);
 }
 
+/* ==== Many-row dots (GEMM) against the single-row dot, bit for bit ==== */
+
+/* For every level and every type with a dot: one weight row against 1..11 activation rows
+ * (strided apart with padding, outputs strided too) through moe_dot_rows, each result equal to
+ * the level's own dot on that row to the last bit (memcmp, so -0.0 and NaN payloads count).
+ * This is what keeps a batch of streams giving each stream exactly what it gets alone. Also
+ * asserts that the levels which claim a many-row kernel for the types the engine leans on
+ * (IQ2_S, IQ3_S, Q4_K, Q6_K, Q8_0) really install one, so the test compares real kernels. */
+static void dot_rows_equal_single_rows(void **state) {
+    (void)state;
+    static const int64_t blocks[] = {1, 3, 8, 25};
+    enum { MAX_ROWS = 11, OUT_STRIDE = 3 };
+    const int64_t max_n = 25 * 256;
+    const size_t x_stride = (size_t)max_n * 4 + 64; /* room for any dot type, plus padding */
+    uint8_t *w = moe_xmalloc((size_t)max_n * 4);
+    uint8_t *xq = moe_xmalloc(x_stride * MAX_ROWS);
+    float *x = moe_xmalloc((size_t)max_n * sizeof(float));
+    float out[MAX_ROWS * OUT_STRIDE];
+    int checked_kernels = 0;
+    for (int level = 0; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
+        if (!k) continue;
+        uint64_t seed = 99 + (uint64_t)level;
+        for (int t = 0; t < MOE_TYPE_COUNT; t++) {
+            const moe_type_traits *tr = moe_type_traits_get((uint32_t)t);
+            const moe_type_kernels *e = &k->types[t];
+            if (!tr || !e->dot || t == MOE_TYPE_Q8_1 || t == MOE_TYPE_Q8_K) continue;
+            if (e->dot_rows) checked_kernels++;
+            for (size_t c = 0; c < sizeof blocks / sizeof blocks[0]; c++) {
+                const int64_t n = blocks[c] * (tr->block_values == 1 ? 37 : tr->block_values);
+                moe_type_random_row((moe_type)t, &seed, w, n);
+                for (int r = 0; r < MAX_ROWS; r++) {
+                    random_activations(&seed, x, n);
+                    e->quantize_row_for_dot(x, xq + (size_t)r * x_stride, n);
+                }
+                for (int rows = 1; rows <= MAX_ROWS; rows++) {
+                    memset(out, 0xff, sizeof out);
+                    moe_dot_rows(e, w, xq, x_stride, rows, n, out, OUT_STRIDE);
+                    for (int r = 0; r < rows; r++) {
+                        const float one = e->dot(w, xq + (size_t)r * x_stride, n);
+                        if (memcmp(&one, &out[r * OUT_STRIDE], sizeof one) != 0)
+                            fail_msg("%s %s, n = %lld, %d rows: row %d is %.9g, alone %.9g",
+                                     k->name, tr->name, (long long)n, rows, r,
+                                     out[r * OUT_STRIDE], one);
+                    }
+                }
+            }
+        }
+        if (level >= MOE_ISA_AVX2) {
+            static const moe_type gemm_types[] = {MOE_TYPE_IQ2_S, MOE_TYPE_IQ3_S, MOE_TYPE_Q4_K,
+                                                  MOE_TYPE_Q6_K, MOE_TYPE_Q8_0};
+            for (size_t i = 0; i < sizeof gemm_types / sizeof gemm_types[0]; i++)
+                if (!k->types[gemm_types[i]].dot_rows)
+                    fail_msg("%s: no many-row kernel for %s", k->name,
+                             moe_type_name(gemm_types[i]));
+        }
+    }
+    printf("  dot_rows: %d many-row kernels (all levels) equal their single-row dots bit for bit\n",
+           checked_kernels);
+    free(w), free(xq), free(x);
+}
+
 /* ==== moe --version names the table ==== */
 
 static void version_names_kernel_table(void **state) {
@@ -338,6 +400,7 @@ int moe_suite_kernels(void) {
         cmocka_unit_test(activation_fixtures_byte_exact),
         cmocka_unit_test(dots_match_reference_on_fixtures),
         cmocka_unit_test(dots_match_reference_on_random_rows),
+        cmocka_unit_test(dot_rows_equal_single_rows),
         cmocka_unit_test(version_names_kernel_table),
     };
     return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);

@@ -3,6 +3,7 @@
  * gives the same bytes twice, and types moe cannot quantize are refused by name. */
 #include "testutil.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,11 +86,54 @@ static void synth_refuses_clearly(void **state) {
     free(out);
 }
 
+
+/* --random-blocks: types moe cannot quantize (the issue's IQ mix) are written as random valid
+ * blocks at the preset's weight scale (each row's RMS is 1/sqrt(n_in)), and the model runs. */
+static void synth_random_blocks(void **state) {
+    (void)state;
+    char path[512], f32[512], cmd[2048];
+    snprintf(path, sizeof path, "%s/synth-iq.gguf", moe_test_tmpdir());
+    snprintf(f32, sizeof f32, "%s/synth-iq.f32", moe_test_tmpdir());
+    const char *types = "--type 'ffn_(gate|up)_exps=IQ2_S' --type 'ffn_down_exps=IQ3_S' "
+                        "--type 'attn_=Q8_0' --type 'output\\.weight=Q6_K' --type 'token_embd=Q4_K'";
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset tiny --layers 2 %s", moe_test_bin(), path, types);
+    char *out;
+    assert_int_equal(moe_test_run(cmd, &out), 1); /* no IQ2_S quantizer without the flag */
+    assert_non_null(strstr(out, "no quantizer for IQ2_S"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset tiny --layers 2 --random-blocks %s",
+             moe_test_bin(), path, types);
+    free(run_ok(cmd));
+    snprintf(cmd, sizeof cmd, "%s inspect %s", moe_test_bin(), path);
+    out = run_ok(cmd);
+    assert_non_null(strstr(out, "routed experts: gate/up IQ2_S, down IQ3_S in layers 0-1 (2)"));
+    assert_non_null(strstr(out, "embeddings/output: token_embd Q4_K, output Q6_K"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s dump %s blk.1.ffn_down_exps.weight --rows 0:8 --out %s",
+             moe_test_bin(), path, f32);
+    free(run_ok(cmd));
+    size_t size;
+    float *v = NULL;
+    moe_error err = {0};
+    assert_int_equal(moe_file_read(f32, (uint8_t **)&v, &size, &err), MOE_OK);
+    assert_int_equal(size, 8 * 256 * sizeof(float)); /* down: rows of n_ff_exp = 256 */
+    double sum = 0;
+    for (size_t i = 0; i < size / sizeof(float); i++) sum += (double)v[i] * v[i];
+    const double rms = sqrt(sum / (double)(size / sizeof(float)));
+    assert_true(fabs(rms - 1.0 / 16.0) < 0.02 / 16.0); /* fp16 scales: within 2% */
+    free(v);
+    snprintf(cmd, sizeof cmd, "%s run %s -n 4 -p 'the model'", moe_test_bin(), path);
+    out = run_ok(cmd);
+    assert_non_null(strstr(out, "generated: 4 tokens"));
+    free(out);
+}
+
 int moe_suite_synth(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(synth_inventory_and_run),
         cmocka_unit_test(synth_is_deterministic),
         cmocka_unit_test(synth_refuses_clearly),
+        cmocka_unit_test(synth_random_blocks),
     };
     return cmocka_run_group_tests_name("synth", tests, NULL, NULL);
 }

@@ -92,6 +92,22 @@ int moe_pool_n_threads(const moe_pool *p); /* 1 for a NULL pool */
  * A NULL pool runs everything on the caller. */
 void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, void *arg);
 
+/* ==== Timing and the read-bandwidth probe (membw.c) ==== */
+
+double moe_now(void);                /* seconds, CLOCK_MONOTONIC */
+double moe_median(double *v, int n); /* sorts v in place; 0 for n <= 0 */
+
+typedef struct moe_bandwidth {
+    double median_gb_s, min_gb_s, max_gb_s; /* over the passes, 1e9 bytes per second */
+    size_t bytes;                           /* buffer streamed per pass */
+    int runs, threads, load_bytes;          /* passes; pool threads; widest load used */
+} moe_bandwidth;
+
+/* Stream-sum a fresh buffer of `bytes` (rounded up to 4 MiB slices) `runs` times on all of the
+ * pool's threads (NULL: the caller alone), with the widest loads moe_cpu_isa() allows. */
+moe_status moe_read_bandwidth(moe_pool *pool, size_t bytes, int runs, moe_bandwidth *out,
+                              moe_error *err);
+
 /* ==== Half-precision conversions (IEEE binary16 and bfloat16), exact and portable ==== */
 
 float moe_fp16_to_f32(uint16_t h);

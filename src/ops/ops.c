@@ -134,14 +134,29 @@ typedef struct matmul_job {
     float *y;
 } matmul_job;
 
-/* weight rows outermost: each row is decoded once for all activation rows */
+/* Tiling of a many-row matmul. Weight rows are taken MATMUL_W_BLOCK at a time (a few KiB: they
+ * stay in L1/L2 while reused); against them, the activation rows go by in tiles of about
+ * MATMUL_X_TILE bytes (they stay in L2 while the block's rows pass over them), and each weight
+ * row meets a tile through moe_dot_rows, which decodes each weight block once for up to
+ * MOE_DOT_ROWS activation rows. Without the tiles a 512-row prefill streams all 512 activation
+ * rows (over 1 MiB) from L3 once per weight row. One row (decode) is the plain matvec. */
+#define MATMUL_W_BLOCK 16
+#define MATMUL_X_TILE  (192u << 10)
+
 static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
     const matmul_job *j = arg;
-    for (int64_t o = begin; o < end; o++) {
-        const uint8_t *wrow = j->wbase + (uint64_t)o * j->w_row_bytes;
-        for (int64_t r = 0; r < j->n_rows; r++)
-            j->y[r * j->n_out + o] = j->k->dot(wrow, j->xq + (uint64_t)r * j->xq_row_bytes, j->n_in);
+    int64_t tile = (int64_t)(MATMUL_X_TILE / j->xq_row_bytes);
+    tile = tile < 4 ? 4 : tile & ~(int64_t)3; /* whole groups of the 4-row kernels */
+    for (int64_t o0 = begin; o0 < end; o0 += MATMUL_W_BLOCK) {
+        const int64_t o1 = o0 + MATMUL_W_BLOCK < end ? o0 + MATMUL_W_BLOCK : end;
+        for (int64_t r0 = 0; r0 < j->n_rows; r0 += tile) {
+            const int64_t nr = j->n_rows - r0 < tile ? j->n_rows - r0 : tile;
+            const uint8_t *x = j->xq + (uint64_t)r0 * j->xq_row_bytes;
+            for (int64_t o = o0; o < o1; o++)
+                moe_dot_rows(j->k, j->wbase + (uint64_t)o * j->w_row_bytes, x, j->xq_row_bytes,
+                             nr, j->n_in, j->y + r0 * j->n_out + o, j->n_out);
+        }
     }
 }
 

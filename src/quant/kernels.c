@@ -85,3 +85,13 @@ const moe_type_kernels *moe_kernels_type(moe_type wtype) {
     if ((unsigned)wtype >= MOE_TYPE_COUNT) return NULL;
     return &moe_kernels_get()->types[wtype];
 }
+
+void moe_dot_rows(const moe_type_kernels *k, const void *w, const void *x, size_t x_stride,
+                  int64_t n_rows, int64_t n, float *out, int64_t out_stride) {
+    if (k->dot_rows) {
+        k->dot_rows(w, x, x_stride, n_rows, n, out, out_stride);
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++)
+        out[r * out_stride] = k->dot(w, (const uint8_t *)x + (size_t)r * x_stride, n);
+}

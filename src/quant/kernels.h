@@ -18,10 +18,14 @@ void moe_kernels_fill_avx512vnni(moe_type_kernels types[MOE_TYPE_COUNT]);
 
 /* Helpers for the fill functions: install a dot for weight type t, or an activation converter
  * for every weight type whose dot_type is dt. */
+/* dot_rows may be NULL (moe_dot_rows then loops over dot); it is always replaced together with
+ * dot, so a level never pairs its dot with a lower level's many-row kernel, whose float
+ * summation order may differ. */
 static inline void moe_kernels_set_dot(moe_type_kernels types[MOE_TYPE_COUNT], moe_type t,
-                                       moe_dot_fn dot, moe_isa isa) {
+                                       moe_dot_fn dot, moe_dot_rows_fn dot_rows, moe_isa isa) {
     if (!types[t].dot) return; /* no reference dot: nothing to be faster than */
     types[t].dot = dot;
+    types[t].dot_rows = dot_rows;
     types[t].dot_isa = isa;
 }
 static inline void moe_kernels_set_quantize(moe_type_kernels types[MOE_TYPE_COUNT], moe_type dt,

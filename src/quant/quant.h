@@ -105,6 +105,10 @@ float moe_dot_f32_ref(moe_type type, const void *w, const float *x, int64_t n);
  * MXFP4 exponents 2^-18 .. 2^11; plain float types get N(0, 1). Deterministic in *seed, which
  * it advances. For speed, random valid blocks are as good as real ones. */
 void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n);
+/* The same, then each block's float scales multiplied so that the block's decoded values have
+ * root mean square `rms` (MXFP4: the nearest power of two; an all-zero block stays zero):
+ * random valid blocks at a weight scale a forward pass keeps finite (moe synth --random-blocks). */
+void moe_type_random_row_rms(moe_type t, uint64_t *seed, void *out, int64_t n, float rms);
 
 /* ==== Kernel tables: the fast dots, one table per ISA level (kernels.c) ====
  *
@@ -120,8 +124,16 @@ void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n);
  * scalar reference (the traits). dot results equal the reference up to float summation order
  * (integer block sums are exact). Tables are immutable and safe to share between threads. */
 
+/* One weight row against n_rows activation rows x_stride bytes apart (many-row matmuls:
+ * prefill, batched decode, the rows routed to one expert): out[r * out_stride] is exactly
+ * dot(w, x + r * x_stride, n), bit for bit -- the weight blocks are decoded once for several
+ * rows, but each row's sums are formed in the single-row kernel's order. */
+typedef void (*moe_dot_rows_fn)(const void *w, const void *x, size_t x_stride, int64_t n_rows,
+                                int64_t n, float *out, int64_t out_stride);
+
 typedef struct moe_type_kernels {
     moe_dot_fn dot;                         /* NULL where the type has no dot */
+    moe_dot_rows_fn dot_rows;               /* NULL: moe_dot_rows loops over dot */
     moe_from_float_fn quantize_row_for_dot; /* float activations -> dot_type; NULL with dot */
     moe_type dot_type;                      /* as traits->dot_type */
     moe_isa dot_isa, quantize_isa;          /* the level each function comes from */
@@ -139,5 +151,9 @@ const moe_kernels *moe_kernels_get(void);
 const moe_kernels *moe_kernels_for_isa(moe_isa isa);
 /* Shorthand: the active table's entry for a weight type (NULL for an unknown id). */
 const moe_type_kernels *moe_kernels_type(moe_type wtype);
+/* Through k->dot_rows where the level has a many-row kernel for the type, else k->dot row by
+ * row: the same floats either way. */
+void moe_dot_rows(const moe_type_kernels *k, const void *w, const void *x, size_t x_stride,
+                  int64_t n_rows, int64_t n, float *out, int64_t out_stride);
 
 #endif

@@ -101,3 +101,67 @@ void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n) {
         }
     }
 }
+
+/* ==== Random rows at a chosen scale (synthetic models) ==== */
+
+/* Multiply block b's float scale fields by f (MXFP4: by the nearest power of two). */
+static void scale_block(moe_type t, uint8_t *blk, double f) {
+    int off[2];
+    scale_fields(t, off);
+    for (int k = 0; k < 2; k++) {
+        if (off[k] < 0) continue;
+        uint16_t h;
+        memcpy(&h, blk + off[k], 2);
+        double v = moe_fp16_to_f32(h) * f;
+        if (v > 65504.0) v = 65504.0;
+        if (v < -65504.0) v = -65504.0;
+        h = moe_f32_to_fp16((float)v);
+        memcpy(blk + off[k], &h, 2);
+    }
+    if (t == MOE_TYPE_MXFP4) {
+        const int e = (int)blk[0] + (int)lround(log2(f));
+        blk[0] = (uint8_t)(e < 1 ? 1 : e > 254 ? 254 : e);
+    }
+    if (t == MOE_TYPE_IQ1_M) {
+        moe_block_iq1_m *m = (moe_block_iq1_m *)blk;
+        uint16_t h = 0;
+        for (int k = 0; k < 4; k++) h |= (uint16_t)((m->scales[2 * k + 1] >> 4) << (4 * k));
+        h = moe_f32_to_fp16((float)fmin(65504.0, moe_fp16_to_f32(h) * f));
+        for (int k = 0; k < 4; k++)
+            m->scales[2 * k + 1] =
+                (uint8_t)((m->scales[2 * k + 1] & 0x0f) | (((h >> (4 * k)) & 0xf) << 4));
+    }
+}
+
+void moe_type_random_row_rms(moe_type t, uint64_t *seed, void *out, int64_t n, float rms) {
+    moe_type_random_row(t, seed, out, n);
+    const moe_type_traits *tr = moe_type_traits_get(t);
+    if (!tr->is_quantized) {
+        for (int64_t i = 0; i < n; i++) {
+            if (t == MOE_TYPE_F32) {
+                float v;
+                memcpy(&v, (uint8_t *)out + 4 * i, 4);
+                v *= rms;
+                memcpy((uint8_t *)out + 4 * i, &v, 4);
+            } else {
+                uint16_t h;
+                memcpy(&h, (uint8_t *)out + 2 * i, 2);
+                const float v =
+                    (t == MOE_TYPE_F16 ? moe_fp16_to_f32(h) : moe_bf16_to_f32(h)) * rms;
+                h = t == MOE_TYPE_F16 ? moe_f32_to_fp16(v) : moe_f32_to_bf16(v);
+                memcpy((uint8_t *)out + 2 * i, &h, 2);
+            }
+        }
+        return;
+    }
+    float values[256];
+    MOE_CHECK(tr->block_values <= 256);
+    for (int64_t b = 0; b < n / tr->block_values; b++) {
+        uint8_t *blk = (uint8_t *)out + (size_t)b * tr->block_bytes;
+        tr->to_float(blk, values, tr->block_values);
+        double sum = 0;
+        for (int64_t i = 0; i < tr->block_values; i++) sum += (double)values[i] * values[i];
+        const double block_rms = sqrt(sum / (double)tr->block_values);
+        if (block_rms > 0 && isfinite(block_rms)) scale_block(t, blk, rms / block_rms);
+    }
+}

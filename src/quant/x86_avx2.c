@@ -14,26 +14,67 @@
 #include <math.h>
 #include <string.h>
 
+/* ==== Per-row steps of the many-row kernels ==== */
+
+/* Sub-block sums are accumulated as int32 lanes; one float FMA per super-block with
+ * d_w * d_x * mult (mult a power of two, so the product is what the reference forms). */
+MOE_INLINE __m256 iq_accumulate(__m256 acc, float dw, const moe_block_q8_k *y, float mult,
+                                __m256i sumi) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(dw * y->d * mult), _mm256_cvtepi32_ps(sumi), acc);
+}
+
+/* The many-row kernels' per-row steps, shared by every *_rows function below. */
+
+/* sumi[r] += scale x (g times row r's 32 activations at byte `at` of its block, signs applied:
+ * g is the unsigned magnitude, the signs move onto the activations). */
+MOE_INLINE void rows_signed_madd(int R, __m256i g, __m256i signs, __m256i scale,
+                                 const moe_block_q8_k *const *y, int at, __m256i *sumi) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m256i p16 = avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[r]->qs + at), signs));
+        sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p16, scale));
+    }
+}
+/* acc[r] += d_w x d_x(r) x mult x sumi[r]: a super-block's float term, per row. */
+MOE_INLINE void rows_accumulate(int R, __m256 *acc, float dw, const moe_block_q8_k *const *y,
+                                float mult, const __m256i *sumi) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = iq_accumulate(acc[r], dw, y[r], mult, sumi[r]);
+}
+MOE_INLINE void rows_store(int R, const __m256 *acc, float *out, int64_t os) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]);
+}
+
 /* ==== 32-value blocks against Q8_0 / Q8_1 ==== */
 
-/* Two blocks per step (two accumulators); an odd last block goes to the reference. */
-MOE_INLINE float q32_dot_q8_0(const void *w, const void *x, int64_t n, size_t block_bytes,
-                              q32_decode_fn decode, moe_dot_fn tail) {
-    const uint8_t *p = w;
-    const moe_block_q8_0 *y = x;
+/* Two blocks per step (two accumulators per row); an odd last block goes to the reference. */
+MOE_INLINE void q32_q8_0_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                              int64_t os, size_t block_bytes, q32_decode_fn decode,
+                              moe_dot_fn tail) {
+    const uint8_t *p = w, *xb = x;
     const int64_t nb = n / MOE_QK32;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[MOE_DOT_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2)
         for (int u = 0; u < 2; u++) {
             float d, m;
             const __m256i q = decode(p + (size_t)(i + u) * block_bytes, &d, &m);
-            const __m256 s = _mm256_cvtepi32_ps(avx2_dot_i8(q, avx2_load(y[i + u].qs)));
-            acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(d * avx2_fp16(y[i + u].d)), s, acc[u]);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const moe_block_q8_0 *y = (const moe_block_q8_0 *)(xb + (size_t)r * xs) + i + u;
+                const __m256 s = _mm256_cvtepi32_ps(avx2_dot_i8(q, avx2_load(y->qs)));
+                acc[r][u] = _mm256_fmadd_ps(_mm256_set1_ps(d * avx2_fp16(y->d)), s, acc[r][u]);
+            }
         }
-    float sum = avx2_hsum_f32(_mm256_add_ps(acc[0], acc[1]));
-    if (i < nb) sum += tail(p + (size_t)i * block_bytes, y + i, (nb - i) * MOE_QK32);
-    return sum;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const moe_block_q8_0 *y = (const moe_block_q8_0 *)(xb + (size_t)r * xs);
+        float sum = avx2_hsum_f32(_mm256_add_ps(acc[r][0], acc[r][1]));
+        if (i < nb) sum += tail(p + (size_t)i * block_bytes, y + i, (nb - i) * MOE_QK32);
+        out[r * os] = sum;
+    }
 }
 
 /* Against Q8_1: unsigned q (<= 31) times x, plus the min times Q8_1's s = d_x * sum(x_q). */
@@ -55,9 +96,8 @@ MOE_INLINE float q32_dot_q8_1(const void *w, const void *x, int64_t n, size_t bl
 }
 
 #define Q32_DOT_Q8_0(t)                                                                            \
-    static float dot_##t(const void *w, const void *x, int64_t n) {                                \
-        return q32_dot_q8_0(w, x, n, sizeof(moe_block_##t), decode_##t, moe_ref_##t##_dot);        \
-    }
+    MOE_DOT_AND_ROWS(dot_##t, dot_rows_##t, q32_q8_0_rows, sizeof(moe_block_##t), decode_##t,      \
+                     moe_ref_##t##_dot)
 #define Q32_DOT_Q8_1(t)                                                                            \
     static float dot_##t(const void *w, const void *x, int64_t n) {                                \
         return q32_dot_q8_1(w, x, n, sizeof(moe_block_##t), decode_##t);                           \
@@ -73,70 +113,84 @@ Q32_DOT_Q8_1(q5_1)
 /* ==== K quants against Q8_K ==== */
 
 /* Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins; the min term comes from the
- * Q8_K bsums (pairs summed to 32-value sums). `qh` is NULL for Q4_K. */
-MOE_INLINE void k4_dot(const uint8_t *scales_raw, uint16_t d16, uint16_t dmin16, const uint8_t *qs,
-                       const uint8_t *qh, const moe_block_q8_k *y, __m256 *acc, __m128 *acc_min) {
-    const __m128i sm = avx2_k4_scales(scales_raw);
-    const float d = y->d * avx2_fp16(d16), dmin = y->d * avx2_fp16(dmin16);
-    *acc_min = avx2_k4_min_term(sm, y, dmin, *acc_min);
-    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const __m256i hb = qh ? avx2_load(qh) : _mm256_setzero_si256();
-    __m256i sumi = _mm256_setzero_si256();
+ * Q8_K bsums (pairs summed to 32-value sums). The block's nibbles (and fifth bits, Q5_K) are
+ * decoded once and used for every row. */
+MOE_INLINE void k4_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                        int64_t os, bool q5) {
+    const uint8_t *xb = x;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
+    __m256 acc[MOE_DOT_ROWS];
+    __m128 acc_min[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), acc_min[r] = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const moe_block_q4_k *b4 = (const moe_block_q4_k *)w + i;
+        const moe_block_q5_k *b5 = (const moe_block_q5_k *)w + i;
+        const uint8_t *scales_raw = q5 ? b5->scales : b4->scales, *qs = q5 ? b5->qs : b4->qs;
+        const uint16_t d16 = q5 ? b5->d : b4->d, dmin16 = q5 ? b5->dmin : b4->dmin;
+        const __m128i sm = avx2_k4_scales(scales_raw);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        const __m256i hb = q5 ? avx2_load(b5->qh) : _mm256_setzero_si256();
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m256i sumi[MOE_DOT_ROWS];
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-        const __m256i q4 = avx2_load(qs + 32 * j);
-        __m256i lo = _mm256_and_si256(q4, low4);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
-        if (qh) { /* bit 2j of qh[l] is the fifth bit of the low value, bit 2j+1 of the high */
-            const __m256i b = _mm256_srli_epi16(hb, 2 * j), bit4 = _mm256_set1_epi8(0x10);
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(b, 4), bit4));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(b, 3), bit4));
+        for (int r = 0; r < R; r++) {
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
+            const float dmin = y[r]->d * avx2_fp16(dmin16);
+            acc_min[r] = avx2_k4_min_term(sm, y[r], dmin, acc_min[r]);
+            sumi[r] = _mm256_setzero_si256();
         }
-        /* nibbles (<= 31) times q8 */
-        const __m256i plo = avx2_mul_u8_i8(lo, avx2_load(y->qs + 64 * j));
-        const __m256i phi = avx2_mul_u8_i8(hi, avx2_load(y->qs + 64 * j + 32));
-        const __m256i slo =
-            _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0404 * j)));
-        const __m256i shi =
-            _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0302 + 0x0404 * j)));
-        sumi = _mm256_add_epi32(sumi,
-                                _mm256_add_epi32(avx2_scale16(plo, slo), avx2_scale16(phi, shi)));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m256i q4 = avx2_load(qs + 32 * j);
+            __m256i lo = _mm256_and_si256(q4, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
+            if (q5) { /* bit 2j of qh[l] is the fifth bit of the low value, bit 2j+1 of the high */
+                const __m256i h = _mm256_srli_epi16(hb, 2 * j);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+            }
+            const __m256i slo =
+                _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0404 * j)));
+            const __m256i shi =
+                _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0302 + 0x0404 * j)));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) { /* nibbles (<= 31) times q8 */
+                const __m256i plo = avx2_mul_u8_i8(lo, avx2_load(y[r]->qs + 64 * j));
+                const __m256i phi = avx2_mul_u8_i8(hi, avx2_load(y[r]->qs + 64 * j + 32));
+                sumi[r] = _mm256_add_epi32(
+                    sumi[r], _mm256_add_epi32(avx2_scale16(plo, slo), avx2_scale16(phi, shi)));
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const float d = y[r]->d * avx2_fp16(d16);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+        }
     }
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), *acc);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]) - avx2_hsum_f32x4(acc_min[r]);
 }
+MOE_DOT_AND_ROWS(dot_q4_k, dot_rows_q4_k, k4_rows, false)
+MOE_DOT_AND_ROWS(dot_q5_k, dot_rows_q5_k, k4_rows, true)
 
-static float dot_q4_k(const void *w, const void *x, int64_t n) {
-    const moe_block_q4_k *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_min = _mm_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++)
-        k4_dot(b[i].scales, b[i].d, b[i].dmin, b[i].qs, NULL, &y[i], &acc, &acc_min);
-    return avx2_hsum_f32(acc) - avx2_hsum_f32x4(acc_min);
-}
-
-static float dot_q5_k(const void *w, const void *x, int64_t n) {
-    const moe_block_q5_k *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_min = _mm_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++)
-        k4_dot(b[i].scales, b[i].d, b[i].dmin, b[i].qs, b[i].qh, &y[i], &acc, &acc_min);
-    return avx2_hsum_f32(acc) - avx2_hsum_f32x4(acc_min);
-}
-
-/* Q6_K: q = q6 - 32 with q6 = 0..63; sum (q6 - 32) x = sum q6 x - 32 bsum, per 16-value
- * sub-block, so the offset costs one madd of the scales with the bsums per block. */
-static float dot_q6_k(const void *w, const void *x, int64_t n) {
+MOE_INLINE void q6_k_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                          int64_t os, int unused) {
+    (void)unused;
     const moe_block_q6_k *b = w;
-    const moe_block_q8_k *y = x;
+    const uint8_t *xb = x;
     const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m128i sc = _mm_loadu_si128((const __m128i *)b[i].scales);
-        const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(&y[i]));
-        __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m256i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
+            const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(y[r]));
+            sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+        }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = b[i].ql + 64 * h;
@@ -155,16 +209,21 @@ static float dot_q6_k(const void *w, const void *x, int64_t n) {
             };
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
-                const __m256i p = avx2_mul_u8_i8(v[k], avx2_load(y[i].qs + 128 * h + 32 * k));
-                sumi =
-                    _mm256_add_epi32(sumi, avx2_scale16(p, avx2_scale_pair16(sc, 8 * h + 2 * k)));
+                const __m256i scale = avx2_scale_pair16(sc, 8 * h + 2 * k);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m256i p = avx2_mul_u8_i8(v[k], avx2_load(y[r]->qs + 128 * h + 32 * k));
+                    sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p, scale));
+                }
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * avx2_fp16(b[i].d)), _mm256_cvtepi32_ps(sumi),
-                              acc);
+        rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi); /* d_x d_w: exact as d_w d_x */
     }
-    return avx2_hsum_f32(acc);
+    rows_store(R, acc, out, os);
 }
+/* Q6_K: q = q6 - 32 with q6 = 0..63; sum (q6 - 32) x = sum q6 x - 32 bsum, per 16-value
+ * sub-block, so the offset costs one madd of the scales with the bsums per block. */
+MOE_DOT_AND_ROWS(dot_q6_k, dot_rows_q6_k, q6_k_rows, 0)
 
 /* Q2_K: 2-bit q, 4-bit scale and min per 16 values; min term from the bsums. */
 static float dot_q2_k(const void *w, const void *x, int64_t n) {
@@ -233,13 +292,6 @@ static float dot_q3_k(const void *w, const void *x, int64_t n) {
 
 /* ==== IQ types against Q8_K ==== */
 
-/* Sub-block sums are accumulated as int32 lanes; one float FMA per super-block with
- * d_w * d_x * mult (mult a power of two, so the product is what the reference forms). */
-MOE_INLINE __m256 iq_accumulate(__m256 acc, float dw, const moe_block_q8_k *y, float mult,
-                                __m256i sumi) {
-    return _mm256_fmadd_ps(_mm256_set1_ps(dw * y->d * mult), _mm256_cvtepi32_ps(sumi), acc);
-}
-
 /* IQ2_XXS: per 32 values 4 grid bytes, then 4 x 7-bit sign indices and a 4-bit scale. Grid
  * magnitudes are <= 43, so grid x signed q8 fits maddubs. */
 static float dot_iq2_xxs(const void *w, const void *x, int64_t n) {
@@ -291,29 +343,35 @@ static float dot_iq2_xs(const void *w, const void *x, int64_t n) {
 }
 
 /* IQ2_S: 10-bit grid index (qs byte + 2 bits of qh), explicit sign bits. */
-static float dot_iq2_s(const void *w, const void *x, int64_t n) {
+MOE_INLINE void iq2_s_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                           int64_t os, int unused) {
+    (void)unused;
     const moe_block_iq2_s *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
+    const uint8_t *xb = x;
+    __m256 acc[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m128i sc = avx2_iq2_scales16(b[i].scales);
         const uint8_t *qs = b[i].qs, *signs = b[i].qs + 32;
-        __m256i sumi = _mm256_setzero_si256();
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m256i sumi[MOE_DOT_ROWS];
+        for (int r = 0; r < R; r++)
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
+            sumi[r] = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ib++) {
             const unsigned qh = b[i].qh[ib];
             const __m256i g = avx2_grid4(moe_iq2s_grid[qs[4 * ib + 0] | ((qh << 8) & 0x300)],
                                          moe_iq2s_grid[qs[4 * ib + 1] | ((qh << 6) & 0x300)],
                                          moe_iq2s_grid[qs[4 * ib + 2] | ((qh << 4) & 0x300)],
                                          moe_iq2s_grid[qs[4 * ib + 3] | ((qh << 2) & 0x300)]);
-            const __m256i s = avx2_bits_to_mask(moe_load_le32(signs + 4 * ib));
-            const __m256i p16 =
-                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
-            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_scale_pair16(sc, 2 * ib)));
+            rows_signed_madd(R, g, avx2_bits_to_mask(moe_load_le32(signs + 4 * ib)),
+                             avx2_scale_pair16(sc, 2 * ib), y, 32 * ib, sumi);
         }
-        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
+        rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 0.125f, sumi);
     }
-    return avx2_hsum_f32(acc);
+    rows_store(R, acc, out, os);
 }
+MOE_DOT_AND_ROWS(dot_iq2_s, dot_rows_iq2_s, iq2_s_rows, 0)
 
 /* IQ3_XXS: 4-value grid entries (magnitudes <= 62), sign indices and scale as IQ2_XXS. */
 static float dot_iq3_xxs(const void *w, const void *x, int64_t n) {
@@ -349,14 +407,21 @@ static float dot_iq3_xxs(const void *w, const void *x, int64_t n) {
 #ifndef MOE_IQ3S_GATHER
 #define MOE_IQ3S_GATHER 0
 #endif
-static float dot_iq3_s(const void *w, const void *x, int64_t n) {
+MOE_INLINE void iq3_s_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                           int64_t os, int unused) {
+    (void)unused;
     const moe_block_iq3_s *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
+    const uint8_t *xb = x;
+    __m256 acc[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i bit8_shift = _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1);
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m128i sc = avx2_odd_scales8(b[i].scales);
-        __m256i sumi = _mm256_setzero_si256();
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m256i sumi[MOE_DOT_ROWS];
+        for (int r = 0; r < R; r++)
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
+            sumi[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int ib = 0; ib < 8; ib++) {
 #if MOE_IQ3S_GATHER
@@ -375,15 +440,14 @@ static float dot_iq3_s(const void *w, const void *x, int64_t n) {
                                                 IQ3S(5), IQ3S(6), IQ3S(7));
 #undef IQ3S
 #endif
-            const __m256i s = avx2_bits_to_mask(moe_load_le32(b[i].signs + 4 * ib));
-            const __m256i p16 =
-                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
-            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_splat_i16(sc, ib)));
+            rows_signed_madd(R, g, avx2_bits_to_mask(moe_load_le32(b[i].signs + 4 * ib)),
+                             avx2_splat_i16(sc, ib), y, 32 * ib, sumi);
         }
-        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
+        rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi);
     }
-    return avx2_hsum_f32(acc);
+    rows_store(R, acc, out, os);
 }
+MOE_DOT_AND_ROWS(dot_iq3_s, dot_rows_iq3_s, iq3_s_rows, 0)
 
 /* IQ1: q = 8 * grid (-1, 0, 1) + delta (+-1) per value, |q| <= 9; signed dot. */
 MOE_INLINE __m256i iq1_values(__m256i grid, __m256i delta) {
@@ -643,22 +707,34 @@ void moe_kernels_fill_avx2(moe_type_kernels types[MOE_TYPE_COUNT]) {
     static const struct {
         moe_type type;
         moe_dot_fn dot;
+        moe_dot_rows_fn dot_rows; /* NULL: row by row through dot */
     } dots[] = {
-        {MOE_TYPE_F32, dot_f32},         {MOE_TYPE_F16, dot_f16},
-        {MOE_TYPE_BF16, dot_bf16},       {MOE_TYPE_Q4_0, dot_q4_0},
-        {MOE_TYPE_Q4_1, dot_q4_1},       {MOE_TYPE_Q5_0, dot_q5_0},
-        {MOE_TYPE_Q5_1, dot_q5_1},       {MOE_TYPE_Q8_0, dot_q8_0},
-        {MOE_TYPE_IQ4_NL, dot_iq4_nl},   {MOE_TYPE_MXFP4, dot_mxfp4},
-        {MOE_TYPE_Q2_K, dot_q2_k},       {MOE_TYPE_Q3_K, dot_q3_k},
-        {MOE_TYPE_Q4_K, dot_q4_k},       {MOE_TYPE_Q5_K, dot_q5_k},
-        {MOE_TYPE_Q6_K, dot_q6_k},       {MOE_TYPE_IQ2_XXS, dot_iq2_xxs},
-        {MOE_TYPE_IQ2_XS, dot_iq2_xs},   {MOE_TYPE_IQ2_S, dot_iq2_s},
-        {MOE_TYPE_IQ3_XXS, dot_iq3_xxs}, {MOE_TYPE_IQ3_S, dot_iq3_s},
-        {MOE_TYPE_IQ1_S, dot_iq1_s},     {MOE_TYPE_IQ1_M, dot_iq1_m},
-        {MOE_TYPE_IQ4_XS, dot_iq4_xs},
+        {MOE_TYPE_F32, dot_f32, NULL},
+        {MOE_TYPE_F16, dot_f16, NULL},
+        {MOE_TYPE_BF16, dot_bf16, NULL},
+        {MOE_TYPE_Q4_0, dot_q4_0, dot_rows_q4_0},
+        {MOE_TYPE_Q4_1, dot_q4_1, NULL},
+        {MOE_TYPE_Q5_0, dot_q5_0, dot_rows_q5_0},
+        {MOE_TYPE_Q5_1, dot_q5_1, NULL},
+        {MOE_TYPE_Q8_0, dot_q8_0, dot_rows_q8_0},
+        {MOE_TYPE_IQ4_NL, dot_iq4_nl, dot_rows_iq4_nl},
+        {MOE_TYPE_MXFP4, dot_mxfp4, dot_rows_mxfp4},
+        {MOE_TYPE_Q2_K, dot_q2_k, NULL},
+        {MOE_TYPE_Q3_K, dot_q3_k, NULL},
+        {MOE_TYPE_Q4_K, dot_q4_k, dot_rows_q4_k},
+        {MOE_TYPE_Q5_K, dot_q5_k, dot_rows_q5_k},
+        {MOE_TYPE_Q6_K, dot_q6_k, dot_rows_q6_k},
+        {MOE_TYPE_IQ2_XXS, dot_iq2_xxs, NULL},
+        {MOE_TYPE_IQ2_XS, dot_iq2_xs, NULL},
+        {MOE_TYPE_IQ2_S, dot_iq2_s, dot_rows_iq2_s},
+        {MOE_TYPE_IQ3_XXS, dot_iq3_xxs, NULL},
+        {MOE_TYPE_IQ3_S, dot_iq3_s, dot_rows_iq3_s},
+        {MOE_TYPE_IQ1_S, dot_iq1_s, NULL},
+        {MOE_TYPE_IQ1_M, dot_iq1_m, NULL},
+        {MOE_TYPE_IQ4_XS, dot_iq4_xs, NULL},
     };
     for (size_t k = 0; k < sizeof dots / sizeof dots[0]; k++)
-        moe_kernels_set_dot(types, dots[k].type, dots[k].dot, MOE_ISA_AVX2);
+        moe_kernels_set_dot(types, dots[k].type, dots[k].dot, dots[k].dot_rows, MOE_ISA_AVX2);
     moe_kernels_set_quantize(types, MOE_TYPE_Q8_0, quantize_q8_0, MOE_ISA_AVX2);
     moe_kernels_set_quantize(types, MOE_TYPE_Q8_1, quantize_q8_1, MOE_ISA_AVX2);
     moe_kernels_set_quantize(types, MOE_TYPE_Q8_K, quantize_q8_k, MOE_ISA_AVX2);

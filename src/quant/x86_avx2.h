@@ -16,6 +16,43 @@
 
 #define MOE_INLINE static inline __attribute__((always_inline))
 
+/* ==== Many-row kernels ====
+ *
+ * A kernel written once as `rows_fn(w, x, x_stride, R, n, out, out_stride)` -- decode a weight
+ * block, then for each of R activation rows the same integer sums and the same float
+ * accumulation as a single row would do -- becomes both table entries: dot is R = 1, dot_rows
+ * runs R = MOE_DOT_ROWS at a time and the remainder with R = 1..3. R is a constant in every
+ * call, so the compiler unrolls the row loops and keeps the R accumulators in registers; the
+ * floats of each row are the single-row kernel's, bit for bit (test_kernels checks). */
+#define MOE_DOT_ROWS 4
+
+#define MOE_DOT_AND_ROWS(dot_name, rows_name, rows_fn, ...)                                        \
+    static float dot_name(const void *w, const void *x, int64_t n) {                               \
+        float out;                                                                                 \
+        rows_fn(w, x, 0, 1, n, &out, 0, __VA_ARGS__);                                              \
+        return out;                                                                                \
+    }                                                                                              \
+    static void rows_name(const void *w, const void *x, size_t xs, int64_t n_rows, int64_t n,      \
+                          float *out, int64_t os) {                                                \
+        const uint8_t *xb = x;                                                                     \
+        int64_t r = 0;                                                                             \
+        for (; r + MOE_DOT_ROWS <= n_rows; r += MOE_DOT_ROWS)                                      \
+            rows_fn(w, xb + (size_t)r * xs, xs, MOE_DOT_ROWS, n, out + r * os, os, __VA_ARGS__);   \
+        switch (n_rows - r) {                                                                      \
+        case 3:                                                                                    \
+            rows_fn(w, xb + (size_t)r * xs, xs, 3, n, out + r * os, os, __VA_ARGS__);              \
+            break;                                                                                 \
+        case 2:                                                                                    \
+            rows_fn(w, xb + (size_t)r * xs, xs, 2, n, out + r * os, os, __VA_ARGS__);              \
+            break;                                                                                 \
+        case 1:                                                                                    \
+            rows_fn(w, xb + (size_t)r * xs, xs, 1, n, out + r * os, os, __VA_ARGS__);              \
+            break;                                                                                 \
+        default:                                                                                   \
+            break;                                                                                 \
+        }                                                                                          \
+    }
+
 /* ==== Reductions and scalars ==== */
 
 MOE_INLINE float avx2_hsum_f32x4(__m128 s) {

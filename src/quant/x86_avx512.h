@@ -94,6 +94,34 @@ MOE_INLINE __m512i z_from_128(__m128i v) {
     return _mm512_zextsi128_si512(v);
 }
 
+/* ==== Per-row steps of the many-row kernels ==== */
+
+MOE_INLINE __m512 z_iq_accumulate(__m512 acc, float dw, const moe_block_q8_k *y, float mult,
+                                  __m512i sumi) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(dw * y->d * mult), _mm512_cvtepi32_ps(sumi), acc);
+}
+
+/* The many-row kernels' per-row steps, shared by the *_rows functions. */
+
+/* sumi[r] += scale x (g times row r's 64 activations at byte `at`, negated where neg is set). */
+MOE_INLINE void z_rows_signed_madd(int R, __m512i g, __mmask64 neg, __m512i scale,
+                                   const moe_block_q8_k *const *y, int at, __m512i *sumi) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m512i xs = z_apply_signs(z_load(y[r]->qs + at), neg);
+        sumi[r] = z_dp_i16(sumi[r], _mm512_maddubs_epi16(g, xs), scale);
+    }
+}
+MOE_INLINE void z_rows_accumulate(int R, __m512 *acc, float dw, const moe_block_q8_k *const *y,
+                                  float mult, const __m512i *sumi) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = z_iq_accumulate(acc[r], dw, y[r], mult, sumi[r]);
+}
+MOE_INLINE void z_rows_store(int R, const __m512 *acc, float *out, int64_t os) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = _mm512_reduce_add_ps(acc[r]);
+}
+
 /* ==== 32-value blocks against Q8_0 ==== */
 
 /* Two blocks per register, two registers per step; up to 3 blocks left go to the reference. */
@@ -179,18 +207,27 @@ static float z_dot_q5_k(const void *w, const void *x, int64_t n) {
 /* Q6_K: 64 ql bytes hold values 0..63 of a half in their low nibbles and 64..127 in their
  * high ones, in order; qh (32 bytes, broadcast) gives each its top two bits. q6 - 32 as in
  * the AVX2 kernel (the -32 from the bsums). */
-static float z_dot_q6_k(const void *w, const void *x, int64_t n) {
+MOE_INLINE void z_q6_k_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                            int64_t os, int unused) {
+    (void)unused;
     const moe_block_q6_k *b = w;
-    const moe_block_q8_k *y = x;
+    const uint8_t *xb = x;
     const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
     const __m512i shift_lo = z_idx2(0, 2), shift_hi = z_idx2(4, 6);
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[i].scales));
-        const __m256i offset = _mm256_madd_epi16(sc16, avx2_bsums(&y[i]));
-        __m512i sumi =
-            z_from_256(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5)));
         const __m512i sc = z_from_256(sc16);
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m512i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
+            const __m256i offset = _mm256_madd_epi16(sc16, avx2_bsums(y[r]));
+            sumi[r] =
+                z_from_256(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5)));
+        }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m512i ql = z_load(b[i].ql + 64 * h);
@@ -201,23 +238,22 @@ static float z_dot_q6_k(const void *w, const void *x, int64_t n) {
             const __m512i vhi = _mm512_or_si512(
                 _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
                 _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, shift_hi), 4), top2));
-            const __m512i plo = _mm512_maddubs_epi16(vlo, z_load(y[i].qs + 128 * h));
-            const __m512i phi = _mm512_maddubs_epi16(vhi, z_load(y[i].qs + 128 * h + 64));
-            sumi = z_dp_i16(sumi, plo, z_scales(sc, z_idx4(8 * h)));
-            sumi = z_dp_i16(sumi, phi, z_scales(sc, z_idx4(8 * h + 4)));
+            const __m512i slo = z_scales(sc, z_idx4(8 * h)), shi = z_scales(sc, z_idx4(8 * h + 4));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m512i plo = _mm512_maddubs_epi16(vlo, z_load(y[r]->qs + 128 * h));
+                const __m512i phi = _mm512_maddubs_epi16(vhi, z_load(y[r]->qs + 128 * h + 64));
+                sumi[r] = z_dp_i16(sumi[r], plo, slo);
+                sumi[r] = z_dp_i16(sumi[r], phi, shi);
+            }
         }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(y[i].d * avx2_fp16(b[i].d)), _mm512_cvtepi32_ps(sumi),
-                              acc);
+        z_rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi); /* d_x d_w: exact as d_w d_x */
     }
-    return _mm512_reduce_add_ps(acc);
+    z_rows_store(R, acc, out, os);
 }
+MOE_DOT_AND_ROWS(z_dot_q6_k, z_dot_rows_q6_k, z_q6_k_rows, 0)
 
 /* ==== IQ types ==== */
-
-MOE_INLINE __m512 z_iq_accumulate(__m512 acc, float dw, const moe_block_q8_k *y, float mult,
-                                  __m512i sumi) {
-    return _mm512_fmadd_ps(_mm512_set1_ps(dw * y->d * mult), _mm512_cvtepi32_ps(sumi), acc);
-}
 
 /* IQ4_XS: 32 qs bytes (two 32-value groups) spread to [lo0 hi0 lo1 hi1] 16-byte chunks; the
  * codebook is sorted, so codes 0..7 are the negative values: their sign goes onto x and the
@@ -253,14 +289,21 @@ static float z_dot_iq4_xs(const void *w, const void *x, int64_t n) {
 
 /* IQ3_S: 16 grid indices per 64 values (qs bytes, bit 8 from the qh pair as a __mmask16), one
  * 16-lane gather of 4-value entries (magnitudes <= 15); explicit sign bits as a mask. */
-static float z_dot_iq3_s(const void *w, const void *x, int64_t n) {
+MOE_INLINE void z_iq3_s_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                             int64_t os, int unused) {
+    (void)unused;
     const moe_block_iq3_s *b = w;
-    const moe_block_q8_k *y = x;
+    const uint8_t *xb = x;
     const __m512i bit8 = _mm512_set1_epi32(256);
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m512i sc = z_from_128(avx2_odd_scales8(b[i].scales));
-        __m512i sumi = _mm512_setzero_si512();
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m512i sumi[MOE_DOT_ROWS];
+        for (int r = 0; r < R; r++)
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
+            sumi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
 #if MOE_Z_IQ3S_GATHER
@@ -283,28 +326,34 @@ static float z_dot_iq3_s(const void *w, const void *x, int64_t n) {
 #undef IQ3S
 #undef IQ3S_HI
 #endif
-            const __m512i xs = z_apply_signs(z_load(y[i].qs + 64 * k),
-                                             _cvtu64_mask64(z_load_u64(b[i].signs + 8 * k)));
-            sumi =
-                z_dp_i16(sumi, _mm512_maddubs_epi16(g, xs), z_scales(sc, z_idx2(2 * k, 2 * k + 1)));
+            z_rows_signed_madd(R, g, _cvtu64_mask64(z_load_u64(b[i].signs + 8 * k)),
+                               z_scales(sc, z_idx2(2 * k, 2 * k + 1)), y, 64 * k, sumi);
         }
-        acc = z_iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
+        z_rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi);
     }
-    return _mm512_reduce_add_ps(acc);
+    z_rows_store(R, acc, out, os);
 }
+MOE_DOT_AND_ROWS(z_dot_iq3_s, z_dot_rows_iq3_s, z_iq3_s_rows, 0)
 
 /* IQ2_S: 8 grid indices per 64 values (qs byte | 2 qh bits << 8), one 8-lane gather of 8-value
  * entries (magnitudes <= 43); explicit sign bits as a mask; a scale per 16 values. */
-static float z_dot_iq2_s(const void *w, const void *x, int64_t n) {
+MOE_INLINE void z_iq2_s_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                             int64_t os, int unused) {
+    (void)unused;
     const moe_block_iq2_s *b = w;
-    const moe_block_q8_k *y = x;
+    const uint8_t *xb = x;
     const __m256i qh_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     const __m256i three = _mm256_set1_epi32(3);
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m512i sc = z_from_256(_mm256_cvtepi8_epi16(avx2_iq2_scales16(b[i].scales)));
         const uint8_t *signs = b[i].qs + 32;
-        __m512i sumi = _mm512_setzero_si512();
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m512i sumi[MOE_DOT_ROWS];
+        for (int r = 0; r < R; r++)
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
+            sumi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
 #if MOE_Z_IQ2S_GATHER
@@ -326,14 +375,14 @@ static float z_dot_iq2_s(const void *w, const void *x, int64_t n) {
                                                 moe_iq2s_grid[qs[6] | ((h1 << 4) & 0x300)],
                                                 moe_iq2s_grid[qs[7] | ((h1 << 2) & 0x300)]));
 #endif
-            const __m512i xs =
-                z_apply_signs(z_load(y[i].qs + 64 * k), _cvtu64_mask64(z_load_u64(signs + 8 * k)));
-            sumi = z_dp_i16(sumi, _mm512_maddubs_epi16(g, xs), z_scales(sc, z_idx4(4 * k)));
+            z_rows_signed_madd(R, g, _cvtu64_mask64(z_load_u64(signs + 8 * k)),
+                               z_scales(sc, z_idx4(4 * k)), y, 64 * k, sumi);
         }
-        acc = z_iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
+        z_rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 0.125f, sumi);
     }
-    return _mm512_reduce_add_ps(acc);
+    z_rows_store(R, acc, out, os);
 }
+MOE_DOT_AND_ROWS(z_dot_iq2_s, z_dot_rows_iq2_s, z_iq2_s_rows, 0)
 
 /* ==== Float types ==== */
 
@@ -386,17 +435,23 @@ void Z_FILL(moe_type_kernels types[MOE_TYPE_COUNT]) {
     static const struct {
         moe_type type;
         moe_dot_fn dot;
+        moe_dot_rows_fn dot_rows; /* NULL: row by row through dot */
     } dots[] = {
-        {MOE_TYPE_F32, z_dot_f32},       {MOE_TYPE_F16, z_dot_f16},
-        {MOE_TYPE_BF16, z_dot_bf16},     {MOE_TYPE_Q4_0, z_dot_q4_0},
-        {MOE_TYPE_Q5_0, z_dot_q5_0},
-        {MOE_TYPE_IQ4_NL, z_dot_iq4_nl}, {MOE_TYPE_MXFP4, z_dot_mxfp4},
-        {MOE_TYPE_Q5_K, z_dot_q5_k},
-        {MOE_TYPE_Q6_K, z_dot_q6_k},     {MOE_TYPE_IQ4_XS, z_dot_iq4_xs},
-        {MOE_TYPE_IQ3_S, z_dot_iq3_s},   {MOE_TYPE_IQ2_S, z_dot_iq2_s},
+        {MOE_TYPE_F32, z_dot_f32, NULL},
+        {MOE_TYPE_F16, z_dot_f16, NULL},
+        {MOE_TYPE_BF16, z_dot_bf16, NULL},
+        {MOE_TYPE_Q4_0, z_dot_q4_0, NULL},
+        {MOE_TYPE_Q5_0, z_dot_q5_0, NULL},
+        {MOE_TYPE_IQ4_NL, z_dot_iq4_nl, NULL},
+        {MOE_TYPE_MXFP4, z_dot_mxfp4, NULL},
+        {MOE_TYPE_Q5_K, z_dot_q5_k, NULL},
+        {MOE_TYPE_Q6_K, z_dot_q6_k, z_dot_rows_q6_k},
+        {MOE_TYPE_IQ4_XS, z_dot_iq4_xs, NULL},
+        {MOE_TYPE_IQ3_S, z_dot_iq3_s, z_dot_rows_iq3_s},
+        {MOE_TYPE_IQ2_S, z_dot_iq2_s, z_dot_rows_iq2_s},
     };
     for (size_t k = 0; k < sizeof dots / sizeof dots[0]; k++)
-        moe_kernels_set_dot(types, dots[k].type, dots[k].dot, Z_LEVEL);
+        moe_kernels_set_dot(types, dots[k].type, dots[k].dot, dots[k].dot_rows, Z_LEVEL);
 }
 
 #endif

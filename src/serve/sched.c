@@ -558,7 +558,8 @@ static bool load(serve_sched *s) {
         path = demo;
     }
     s->model = moe_model_load(path, &err);
-    if (s->model) s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
+    if (s->model && !s->p.use_mmap) moe_gguf_to_memory(s->model->gguf, NULL, &err);
+    if (s->model && !err.code) s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
     if (s->tok && moe_tokenizer_n_vocab(s->tok) != s->model->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(s->tok), s->model->cfg.n_vocab);

@@ -33,6 +33,7 @@ typedef struct moe_serve_params {
     double queue_timeout_s; /* waiting longer than this: 503 */
     double keepalive_s;     /* SSE keep-alive interval */
     int step_delay_ms;      /* tests only: sleep after each forward step */
+    bool use_mmap;          /* keep weights in the mapped file (default: anonymous memory) */
 } moe_serve_params;
 
 void moe_serve_params_default(moe_serve_params *p);

@@ -239,6 +239,7 @@ typedef struct moe_synth_params {
     const moe_synth_rule *rules; /* weight types by name, first match wins; default F32 */
     uint32_t n_rules;
     bool mute_special_output;  /* zero the head rows of special and byte tokens (demo) */
+    bool random_blocks;        /* quantized tensors: random valid blocks, not quantized floats */
 } moe_synth_params;
 
 /* Fill *out from a named preset (seed MOE_SYNTH_DEFAULT_SEED); false if unknown. */
@@ -246,6 +247,61 @@ bool moe_synth_preset(const char *name, moe_synth_params *out);
 const char *moe_synth_preset_names(void);
 /* Write the model; refuses types moe cannot quantize, naming the tensor. */
 moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err);
+
+/* ==== Throughput benchmark (moe bench) ==== */
+
+#define MOE_BENCH_MAX_RUNS 64
+#define MOE_BENCH_MAX_STREAMS 8       /* stream counts in one invocation */
+#define MOE_BENCH_MAX_STREAM_ROWS 256 /* streams decoded together in one test */
+
+typedef struct moe_bench_params {
+    const char *model_path;
+    int n_threads;      /* forward-pass and probe threads */
+    int runs;           /* timed runs per test, after one warm-up */
+    int n_prompt;       /* prefill test: one forward of this many rows (0: skip) */
+    int n_gen;          /* decode test: this many single-row steps (0: skip) */
+    int streams[MOE_BENCH_MAX_STREAMS]; /* batched decode: streams per test */
+    int n_streams;
+    int stream_steps;   /* steps per batched decode test */
+    bool use_mmap;      /* keep weights in the mapped file instead of anonymous memory */
+    bool kv_f32;        /* F32 KV cache (default F16, as llama-bench) */
+    size_t probe_bytes; /* bandwidth probe buffer */
+} moe_bench_params;
+
+typedef struct moe_bench_figure {
+    double median, min, max; /* tokens per second over the runs */
+    double gb_s;             /* median of weight bytes read / seconds */
+    double bytes_per_token;  /* weight bytes read per token, mean over the runs */
+} moe_bench_figure;
+
+typedef struct moe_bench_stream {
+    int n;                    /* streams decoded together */
+    moe_bench_figure aggregate;
+    double per_stream_tok_s;  /* aggregate median / n */
+} moe_bench_stream;
+
+typedef struct moe_bench_result {
+    const char *isa; /* the kernel table in use */
+    int threads, runs;
+    bool in_memory;  /* weights copied to anonymous memory (not --mmap) */
+    uint64_t loaded_bytes;
+    double load_seconds;
+    char arch[32];
+    uint32_t n_layer, n_expert, n_expert_used, moe_layers;
+    moe_bandwidth bandwidth;
+    double dense_bytes;    /* weights outside routed experts, read by every forward */
+    double embd_row_bytes; /* one embedding row, read per token */
+    double expert_bytes;   /* one routed expert of one layer (gate + up + down) */
+    double experts_per_token; /* routed experts run per token and MoE layer in the decode test */
+    double active_bytes_per_token; /* decode, one stream: dense + embedding row + experts run */
+    moe_bench_figure pp, tg;
+    moe_bench_stream streams[MOE_BENCH_MAX_STREAMS];
+    int n_streams;
+} moe_bench_result;
+
+/* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */
+void moe_bench_params_default(moe_bench_params *p);
+moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_error *err);
 
 /* ==== Demo model ==== */
 

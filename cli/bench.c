@@ -1,0 +1,260 @@
+/* bench.c: `moe bench MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8]
+ * [--stream-steps N] [--mmap] [--csv | --json]` -- throughput of a model on this machine beside
+ * the machine's read bandwidth (src/tools/bench.c measures; this file parses and prints).
+ *
+ * Every text and CSV line names the kernel table and thread count, so a pasted line still says
+ * what it measured. JSON is one object: pp_tok_s, tg_tok_s, streams [{n, aggregate_tok_s,
+ * per_stream_tok_s}], read_bw_gb_s, active_bytes_per_token, isa, threads, and the ranges. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../src/tools/tools.h"
+#include "args.h"
+#include "cli.h"
+
+static const char usage_text[] =
+    "  -t, --threads N   threads for the forward pass and the bandwidth probe (default: CPUs)\n"
+    "  --runs N          timed runs per test after one warm-up (default 5)\n"
+    "  --pp N            prefill test: one forward of N prompt rows (default 512; 0 skips)\n"
+    "  --tg N            decode test: N single-row steps (default 128; 0 skips)\n"
+    "  --streams LIST    batched decode: stream counts (default 1,2,4,8; 0 skips)\n"
+    "  --stream-steps N  decode steps per batched test (default 32)\n"
+    "  --probe-mib N     bandwidth probe buffer (default 512)\n"
+    "  --kv-type f16|f32 KV cache element type (default f16)\n"
+    "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
+    "  --csv | --json    machine-readable output\n";
+
+static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
+    const moe_bandwidth *bw = &r->bandwidth;
+    const double probe = bw->median_gb_s;
+    printf("moe bench: %s, %u layers, %u experts (%u used); weights %s (%.2f GB, %.1f s); "
+           "KV %s; kernels %s, %d threads, median of %d runs (range)\n",
+           r->arch, r->n_layer, r->n_expert, r->n_expert_used,
+           r->in_memory ? "in anonymous memory" : "mapped from the file",
+           (double)r->loaded_bytes / 1e9, r->load_seconds, p->kv_f32 ? "f32" : "f16", r->isa,
+           r->threads, r->runs);
+    printf("read bandwidth: %.1f GB/s (%.1f-%.1f; probe: %d threads, %d-byte loads, %zu MiB)  "
+           "[%s, %d threads]\n",
+           probe, bw->min_gb_s, bw->max_gb_s, bw->threads, bw->load_bytes, bw->bytes >> 20, r->isa,
+           r->threads);
+    printf("active bytes per token: %.1f MB (dense %.1f MB + routed experts %.1f MB: %.2f of "
+           "%u experts x %u layers x %.2f MB)  [%s, %d threads]\n",
+           r->active_bytes_per_token / 1e6, (r->dense_bytes + r->embd_row_bytes) / 1e6,
+           r->experts_per_token * r->moe_layers * r->expert_bytes / 1e6, r->experts_per_token,
+           r->n_expert, r->moe_layers, r->expert_bytes / 1e6, r->isa, r->threads);
+    printf("%-12s %10s %19s %11s %8s %8s  isa, threads  [%s, %d threads]\n", "test", "tok/s",
+           "range", "per stream", "GB/s", "% probe", r->isa, r->threads);
+    const struct {
+        const char *name;
+        const moe_bench_figure *f;
+    } tests[] = {{"pp", &r->pp}, {"tg", &r->tg}};
+    char label[32];
+    for (int i = 0; i < 2; i++) {
+        const moe_bench_figure *f = tests[i].f;
+        if (f->median <= 0) continue;
+        snprintf(label, sizeof label, "%s%d", tests[i].name, i ? p->n_gen : p->n_prompt);
+        printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d\n", label, f->median, f->min,
+               f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads);
+    }
+    for (int i = 0; i < r->n_streams; i++) {
+        const moe_bench_stream *s = &r->streams[i];
+        snprintf(label, sizeof label, "streams %d", s->n);
+        printf("%-12s %10.2f %8.2f - %8.2f %11.2f %8.1f %7.0f%%  %s, %d\n", label,
+               s->aggregate.median, s->aggregate.min, s->aggregate.max, s->per_stream_tok_s,
+               s->aggregate.gb_s, 100 * s->aggregate.gb_s / probe, r->isa, r->threads);
+    }
+}
+
+static void csv_row(const moe_bench_result *r, const char *test, int n, const moe_bench_figure *f,
+                    double per_stream) {
+    printf("%s,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.2f,%.3f,%.0f,%s,%d,%d\n", test, n, f->median, f->min,
+           f->max, per_stream, f->gb_s, 100 * f->gb_s / r->bandwidth.median_gb_s,
+           r->bandwidth.median_gb_s, r->active_bytes_per_token, r->isa, r->threads, r->runs);
+}
+
+static void print_csv(const moe_bench_result *r, const moe_bench_params *p) {
+    char pp[32], tg[32];
+    snprintf(pp, sizeof pp, "pp%d", p->n_prompt);
+    snprintf(tg, sizeof tg, "tg%d", p->n_gen);
+    printf("test,streams,tok_s,tok_s_min,tok_s_max,per_stream_tok_s,gb_s,pct_of_probe,"
+           "read_bw_gb_s,active_bytes_per_token,isa,threads,runs\n");
+    if (r->pp.median > 0) csv_row(r, pp, 1, &r->pp, r->pp.median);
+    if (r->tg.median > 0) csv_row(r, tg, 1, &r->tg, r->tg.median);
+    for (int i = 0; i < r->n_streams; i++)
+        csv_row(r, "streams", r->streams[i].n, &r->streams[i].aggregate,
+                r->streams[i].per_stream_tok_s);
+}
+
+static void json_figure(moe_json *j, const char *prefix, const moe_bench_figure *f) {
+    char key[64];
+    const struct {
+        const char *suffix;
+        double v;
+    } fields[] = {
+        {"tok_s", f->median}, {"tok_s_min", f->min}, {"tok_s_max", f->max}, {"gb_s", f->gb_s}};
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        snprintf(key, sizeof key, "%s%s", prefix, fields[i].suffix);
+        moe_json_key(j, key);
+        moe_json_double(j, fields[i].v);
+    }
+}
+
+static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
+    moe_json j;
+    moe_json_init(&j, true);
+    moe_json_object_begin(&j);
+    moe_json_key(&j, "model");
+    moe_json_string(&j, p->model_path);
+    moe_json_key(&j, "isa");
+    moe_json_string(&j, r->isa);
+    moe_json_key(&j, "threads");
+    moe_json_int(&j, r->threads);
+    moe_json_key(&j, "runs");
+    moe_json_int(&j, r->runs);
+    moe_json_key(&j, "weights_in_memory");
+    moe_json_bool(&j, r->in_memory);
+    moe_json_key(&j, "n_prompt");
+    moe_json_int(&j, p->n_prompt);
+    moe_json_key(&j, "n_gen");
+    moe_json_int(&j, p->n_gen);
+    json_figure(&j, "pp_", &r->pp);
+    json_figure(&j, "tg_", &r->tg);
+    moe_json_key(&j, "streams");
+    moe_json_array_begin(&j);
+    for (int i = 0; i < r->n_streams; i++) {
+        const moe_bench_stream *s = &r->streams[i];
+        moe_json_object_begin(&j);
+        moe_json_key(&j, "n");
+        moe_json_int(&j, s->n);
+        moe_json_key(&j, "aggregate_tok_s");
+        moe_json_double(&j, s->aggregate.median);
+        moe_json_key(&j, "aggregate_tok_s_min");
+        moe_json_double(&j, s->aggregate.min);
+        moe_json_key(&j, "aggregate_tok_s_max");
+        moe_json_double(&j, s->aggregate.max);
+        moe_json_key(&j, "per_stream_tok_s");
+        moe_json_double(&j, s->per_stream_tok_s);
+        moe_json_key(&j, "gb_s");
+        moe_json_double(&j, s->aggregate.gb_s);
+        moe_json_object_end(&j);
+    }
+    moe_json_array_end(&j);
+    const struct {
+        const char *key;
+        double v;
+    } facts[] = {
+        {"read_bw_gb_s", r->bandwidth.median_gb_s},
+        {"read_bw_gb_s_min", r->bandwidth.min_gb_s},
+        {"read_bw_gb_s_max", r->bandwidth.max_gb_s},
+        {"active_bytes_per_token", r->active_bytes_per_token},
+        {"dense_bytes", r->dense_bytes},
+        {"expert_bytes", r->expert_bytes},
+        {"experts_per_token_layer", r->experts_per_token},
+        {"tg_pct_of_read_bw",
+         r->bandwidth.median_gb_s > 0 ? 100 * r->tg.gb_s / r->bandwidth.median_gb_s : 0},
+    };
+    for (size_t i = 0; i < sizeof facts / sizeof facts[0]; i++) {
+        moe_json_key(&j, facts[i].key);
+        moe_json_double(&j, facts[i].v);
+    }
+    moe_json_object_end(&j);
+    fwrite(j.buf, 1, j.len, stdout);
+    fputc('\n', stdout);
+    moe_json_free(&j);
+}
+
+/* "1,2,4,8" into p->streams; "0" clears the list. */
+static bool parse_streams(const char *text, moe_bench_params *p) {
+    p->n_streams = 0;
+    if (!text) return false;
+    if (strcmp(text, "0") == 0) return true;
+    const char *s = text;
+    while (*s) {
+        char *end;
+        const long v = strtol(s, &end, 10);
+        if (end == s || v < 1 || v > MOE_BENCH_MAX_STREAM_ROWS ||
+            p->n_streams == MOE_BENCH_MAX_STREAMS || (*end && *end != ','))
+            return false;
+        p->streams[p->n_streams++] = (int)v;
+        s = *end ? end + 1 : end;
+    }
+    return p->n_streams > 0;
+}
+
+int moe_cmd_bench(int argc, char **argv) {
+    moe_bench_params p;
+    moe_bench_params_default(&p);
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    p.n_threads = cpus > 0 ? (int)cpus : 1;
+    bool csv = false, json = false;
+    int probe_mib = (int)(p.probe_bytes >> 20);
+    long long n;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        const struct {
+            const char *flag;
+            int *dst;
+            long long lo, hi;
+        } ints[] = {
+            {"-t", &p.n_threads, 1, 1024},
+            {"--threads", &p.n_threads, 1, 1024},
+            {"--runs", &p.runs, 1, MOE_BENCH_MAX_RUNS},
+            {"--pp", &p.n_prompt, 0, 65536},
+            {"--tg", &p.n_gen, 0, 65536},
+            {"--stream-steps", &p.stream_steps, 1, 65536},
+            {"--probe-mib", &probe_mib, 4, 1 << 20},
+        };
+        bool taken = false;
+        for (size_t k = 0; k < sizeof ints / sizeof ints[0] && !taken; k++) {
+            if (strcmp(a, ints[k].flag) != 0) continue;
+            if (!moe_arg_int("bench", a, v, ints[k].lo, ints[k].hi, &n)) return 2;
+            *ints[k].dst = (int)n;
+            taken = true;
+            i++;
+        }
+        if (taken) continue;
+        if (strcmp(a, "--streams") == 0) {
+            if (!parse_streams(v, &p))
+                return moe_cli_usage_error("bench",
+                                           "--streams expects counts like 1,2,4,8 "
+                                           "(1..%d, at most %d) or 0, got '%s'",
+                                           MOE_BENCH_MAX_STREAM_ROWS, MOE_BENCH_MAX_STREAMS,
+                                           v ? v : "");
+            i++;
+        } else if (strcmp(a, "--kv-type") == 0 && v && (!strcmp(v, "f16") || !strcmp(v, "f32"))) {
+            p.kv_f32 = strcmp(v, "f32") == 0;
+            i++;
+        } else if (strcmp(a, "--mmap") == 0) {
+            p.use_mmap = true;
+        } else if (strcmp(a, "--csv") == 0) {
+            csv = true;
+        } else if (strcmp(a, "--json") == 0) {
+            json = true;
+        } else if (strcmp(a, "--help-options") == 0) {
+            fputs(usage_text, stdout);
+            return 0;
+        } else if (a[0] != '-' && !p.model_path) {
+            p.model_path = a;
+        } else {
+            return moe_cli_usage_error("bench", "unexpected argument '%s'", a);
+        }
+    }
+    if (!p.model_path) return moe_cli_usage_error("bench", "a model file is required");
+    p.probe_bytes = (size_t)probe_mib << 20;
+    if (csv && json) return moe_cli_usage_error("bench", "--csv and --json exclude each other");
+    moe_bench_result r;
+    moe_error err = {0};
+    if (moe_bench_run(&p, &r, &err) != MOE_OK) {
+        fprintf(stderr, "moe bench: %s\n", err.msg);
+        return 1;
+    }
+    if (json)
+        print_json(&r, &p);
+    else if (csv)
+        print_csv(&r, &p);
+    else
+        print_text(&r, &p);
+    return 0;
+}

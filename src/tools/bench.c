@@ -1,0 +1,228 @@
+/* bench.c: `moe bench MODEL` -- prefill, single-stream decode and batched decode throughput of a
+ * model on this machine, beside the machine's own read bandwidth measured in the same run.
+ *
+ * Each test is timed `runs` times after one untimed warm-up; a figure is the median with the
+ * range. Tokens are seeded pseudo-random ids, so routing spreads over experts as real text
+ * does. What a forward reads from memory is counted from the model and the expert dispatch
+ * counters (moe_ctx_expert_stats): every weight outside the routed experts (the output head,
+ * attention, norms, routers, shared experts; one row of the embeddings per token), plus each
+ * routed expert the step actually ran, once however many rows chose it. bytes / time is the
+ * achieved GB/s, compared with the probe (moe_read_bandwidth on the same number of threads).
+ * The trap: decode speed is bytes over bandwidth only for one row per step; prefill and
+ * batched decode reuse each weight over many rows, so their GB/s is expected to be low. */
+#include "tools.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../engine/engine.h"
+#include "../quant/quant.h"
+
+#define BENCH_PROBE_BYTES (512u << 20) /* far past any L3 here */
+#define BENCH_SEED        0x62656e63u  /* "benc" */
+
+void moe_bench_params_default(moe_bench_params *p) {
+    memset(p, 0, sizeof *p);
+    p->n_threads = 1;
+    p->runs = 5;
+    p->n_prompt = 512;
+    p->n_gen = 128;
+    p->stream_steps = 32;
+    static const int streams[] = {1, 2, 4, 8};
+    p->n_streams = 4;
+    memcpy(p->streams, streams, sizeof streams);
+    p->probe_bytes = BENCH_PROBE_BYTES;
+}
+
+/* ==== What a forward reads ==== */
+
+/* Bytes outside the routed experts read per forward, the embedding row bytes read per token,
+ * and the bytes of one routed expert (gate + up + down of one layer, averaged over layers). */
+static void weight_bytes(const moe_model *m, moe_bench_result *r) {
+    uint64_t dense = 0, routed = 0;
+    uint32_t moe_layers = 0;
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(m->gguf); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(m->gguf, i);
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)t->name.len, t->name.ptr);
+        if (moe_tensor_role(name) == MOE_ROLE_ROUTED_EXPERTS)
+            routed += t->n_bytes;
+        else if (t != m->token_embd || m->output == m->token_embd)
+            dense += t->n_bytes;
+    }
+    for (uint32_t il = 0; il < m->cfg.n_layer; il++)
+        if (m->layers[il].ffn_gate_exps) moe_layers++;
+    r->dense_bytes = (double)dense;
+    r->embd_row_bytes = (double)moe_type_row_bytes(m->token_embd->type, m->token_embd->ne[0]);
+    r->moe_layers = moe_layers;
+    r->expert_bytes =
+        moe_layers && m->cfg.n_expert ? (double)routed / moe_layers / m->cfg.n_expert : 0.0;
+}
+
+/* ==== Timing ==== */
+
+typedef struct bench_run {
+    moe_ctx *ctx;
+    moe_row *rows;
+    float *logits;
+    uint64_t seed;
+    uint32_t n_vocab;
+    const moe_bench_result *r;
+} bench_run;
+
+static int32_t next_token(bench_run *b) {
+    b->seed = b->seed * 6364136223846793005ull + 1442695040888963407ull;
+    return (int32_t)((b->seed >> 33) % b->n_vocab);
+}
+
+/* Bytes one forward read: the dense part, the embedding rows, the experts the dispatch ran. */
+static double forward_bytes(const bench_run *b, uint32_t n_rows) {
+    const moe_expert_stats st = moe_ctx_expert_stats(b->ctx);
+    return b->r->dense_bytes + n_rows * b->r->embd_row_bytes +
+           (double)st.experts * b->r->expert_bytes;
+}
+
+/* One test run: `steps` forwards of n_seq rows each (one per sequence), or one prefill forward
+ * of `prompt` rows of sequence 0. Sequences start empty. Returns seconds; adds bytes read and
+ * experts run per MoE layer and token. */
+static moe_status run_once(bench_run *b, uint32_t prompt, uint32_t n_seq, uint32_t steps,
+                           double *seconds, double *bytes, double *experts_per_tok,
+                           moe_error *err) {
+    for (uint32_t s = 0; s < n_seq || s < 1; s++)
+        if (moe_ctx_seq_truncate(b->ctx, (int32_t)s, 0, err) != MOE_OK) return err->code;
+    *bytes = 0;
+    double experts = 0;
+    const double t0 = moe_now();
+    if (prompt) {
+        for (uint32_t i = 0; i < prompt; i++)
+            b->rows[i] = (moe_row){
+                .seq = 0, .pos = (int32_t)i, .token = next_token(b), .logits = i + 1 == prompt};
+        if (moe_ctx_decode(b->ctx, b->rows, prompt, b->logits, err) != MOE_OK) return err->code;
+        *bytes += forward_bytes(b, prompt);
+    }
+    for (uint32_t step = 0; step < steps; step++) {
+        for (uint32_t s = 0; s < n_seq; s++)
+            b->rows[s] = (moe_row){
+                .seq = (int32_t)s, .pos = (int32_t)step, .token = next_token(b), .logits = true};
+        if (moe_ctx_decode(b->ctx, b->rows, n_seq, b->logits, err) != MOE_OK) return err->code;
+        *bytes += forward_bytes(b, n_seq);
+        experts += (double)moe_ctx_expert_stats(b->ctx).experts;
+    }
+    *seconds = moe_now() - t0;
+    if (experts_per_tok && steps && b->r->moe_layers)
+        *experts_per_tok = experts / steps / n_seq / b->r->moe_layers;
+    return MOE_OK;
+}
+
+/* A test: warm-up, then `runs` timed runs; tok/s median and range, GB/s median. */
+static moe_status run_test(bench_run *b, const moe_bench_params *p, uint32_t prompt, uint32_t n_seq,
+                           uint32_t steps, moe_bench_figure *f, double *experts_per_tok,
+                           moe_error *err) {
+    double sec, bytes, tok_s[MOE_BENCH_MAX_RUNS], gb_s[MOE_BENCH_MAX_RUNS];
+    if (run_once(b, prompt, n_seq, steps, &sec, &bytes, NULL, err) != MOE_OK) return err->code;
+    const double tokens = prompt ? prompt : (double)n_seq * steps;
+    double bytes_sum = 0;
+    for (int i = 0; i < p->runs; i++) {
+        if (run_once(b, prompt, n_seq, steps, &sec, &bytes, experts_per_tok, err) != MOE_OK)
+            return err->code;
+        tok_s[i] = tokens / sec;
+        gb_s[i] = bytes / sec / 1e9;
+        bytes_sum += bytes;
+    }
+    f->min = f->max = tok_s[0];
+    for (int i = 1; i < p->runs; i++) {
+        if (tok_s[i] < f->min) f->min = tok_s[i];
+        if (tok_s[i] > f->max) f->max = tok_s[i];
+    }
+    f->median = moe_median(tok_s, p->runs);
+    f->gb_s = moe_median(gb_s, p->runs);
+    f->bytes_per_token = bytes_sum / p->runs / tokens;
+    return MOE_OK;
+}
+
+/* ==== Entry ==== */
+
+moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_error *err) {
+    memset(r, 0, sizeof *r);
+    if (p->runs < 1 || p->runs > MOE_BENCH_MAX_RUNS || p->n_threads < 1 || p->n_prompt < 0 ||
+        p->n_gen < 0 || p->stream_steps < 1 || p->n_streams < 0 ||
+        p->n_streams > MOE_BENCH_MAX_STREAMS)
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "bench: runs 1..%d, threads >= 1, up to %d "
+                             "stream counts",
+                             MOE_BENCH_MAX_RUNS, MOE_BENCH_MAX_STREAMS);
+    uint32_t max_seq = 1;
+    for (int i = 0; i < p->n_streams; i++) {
+        if (p->streams[i] < 1 || p->streams[i] > MOE_BENCH_MAX_STREAM_ROWS)
+            return moe_error_set(err, MOE_ERR_ARG, "bench: %d streams (1..%d)", p->streams[i],
+                                 MOE_BENCH_MAX_STREAM_ROWS);
+        if ((uint32_t)p->streams[i] > max_seq) max_seq = (uint32_t)p->streams[i];
+    }
+    r->runs = p->runs;
+    r->threads = p->n_threads;
+    r->isa = moe_kernels_get()->name;
+    r->in_memory = !p->use_mmap;
+
+    const double t_load = moe_now();
+    moe_model *m = moe_model_load(p->model_path, err);
+    if (!m) return err->code;
+    if (!p->use_mmap && moe_gguf_to_memory(m->gguf, &r->loaded_bytes, err) != MOE_OK) {
+        moe_model_free(m);
+        return err->code;
+    }
+    r->load_seconds = moe_now() - t_load;
+    snprintf(r->arch, sizeof r->arch, "%s", m->cfg.arch_name ? m->cfg.arch_name : "?");
+    r->n_layer = m->cfg.n_layer;
+    r->n_expert = m->cfg.n_expert;
+    r->n_expert_used = m->cfg.n_expert_used;
+    weight_bytes(m, r);
+
+    moe_pool *probe_pool = moe_pool_new(p->n_threads);
+    moe_status st = moe_read_bandwidth(probe_pool, p->probe_bytes, p->runs, &r->bandwidth, err);
+    moe_pool_free(probe_pool);
+    if (st != MOE_OK) {
+        moe_model_free(m);
+        return st;
+    }
+
+    const uint32_t steps = (uint32_t)(p->n_gen > p->stream_steps ? p->n_gen : p->stream_steps);
+    const uint32_t max_rows = (uint32_t)p->n_prompt > max_seq ? (uint32_t)p->n_prompt : max_seq;
+    moe_ctx_params cp = {.n_ctx =
+                             ((uint32_t)p->n_prompt > steps ? (uint32_t)p->n_prompt : steps) + 1,
+                         .n_seq = max_seq,
+                         .max_rows = max_rows,
+                         .kv_type = p->kv_f32 ? MOE_KV_F32 : MOE_KV_F16,
+                         .n_threads = p->n_threads};
+    moe_ctx *ctx = moe_ctx_new(m, &cp, err);
+    if (!ctx) {
+        moe_model_free(m);
+        return err->code;
+    }
+    bench_run b = {.ctx = ctx,
+                   .rows = moe_xmalloc(sizeof(moe_row) * max_rows),
+                   .logits = moe_xmalloc(sizeof(float) * (size_t)m->cfg.n_vocab * max_seq),
+                   .seed = BENCH_SEED,
+                   .n_vocab = m->cfg.n_vocab,
+                   .r = r};
+    st = MOE_OK;
+    if (p->n_prompt > 0) st = run_test(&b, p, (uint32_t)p->n_prompt, 0, 0, &r->pp, NULL, err);
+    if (st == MOE_OK && p->n_gen > 0) {
+        st = run_test(&b, p, 0, 1, (uint32_t)p->n_gen, &r->tg, &r->experts_per_token, err);
+        r->active_bytes_per_token = r->tg.bytes_per_token;
+    }
+    for (int i = 0; st == MOE_OK && i < p->n_streams; i++) {
+        moe_bench_stream *s = &r->streams[r->n_streams++];
+        s->n = p->streams[i];
+        st =
+            run_test(&b, p, 0, (uint32_t)s->n, (uint32_t)p->stream_steps, &s->aggregate, NULL, err);
+        s->per_stream_tok_s = s->aggregate.median / s->n;
+    }
+    if (st == MOE_OK && p->n_gen == 0 && r->n_streams && r->streams[0].n == 1)
+        r->active_bytes_per_token = r->streams[0].aggregate.bytes_per_token;
+    free(b.rows);
+    free(b.logits);
+    moe_ctx_free(ctx);
+    moe_model_free(m);
+    return st;
+}
