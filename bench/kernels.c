@@ -46,9 +46,10 @@ static const moe_type DEFAULT_TYPES[] = {
 };
 
 static void usage(void) {
-    fprintf(stderr, "usage: kernels [--mib N] [--n VALUES] [--runs N] [--threads N] [--gemm-rows N]\n"
-                    "               [--types q4_k,...]\n"
-                    "               [--isa scalar,avx2,...]\n");
+    fprintf(stderr,
+            "usage: kernels [--mib N] [--n VALUES] [--runs N] [--threads N] [--gemm-rows N]\n"
+            "               [--types q4_k,...]\n"
+            "               [--isa scalar,avx2,...]\n");
     exit(2);
 }
 
@@ -97,7 +98,9 @@ int main(int argc, char **argv) {
         } else
             usage();
     }
-    if (runs < 1 || runs > 64 || threads < 1 || gemm_rows < 2 || gemm_rows > 64 || n < 256 || n % 256 || mib < 1) usage();
+    if (runs < 1 || runs > 64 || threads < 1 || gemm_rows < 2 || gemm_rows > 64 || n < 256 ||
+        n % 256 || mib < 1)
+        usage();
     if (!n_types) {
         n_types = (int)(sizeof DEFAULT_TYPES / sizeof DEFAULT_TYPES[0]);
         memcpy(types, DEFAULT_TYPES, sizeof DEFAULT_TYPES);
@@ -122,10 +125,11 @@ int main(int argc, char **argv) {
            "matvec, and GEMM against %d activation rows\n",
            mib, (long long)n, runs, gemm_rows);
     printf("cpu: %s\nactive table: %s\n", cpu, moe_kernels_get()->name);
-    printf("read bandwidth (streaming sum, %d-byte loads, %zu MiB): 1 thread %.1f GB/s (%.1f-%.1f), "
-           "%d threads %.1f GB/s (%.1f-%.1f)\n\n",
-           one.load_bytes, mib, bw, one.min_gb_s, one.max_gb_s, many.threads, many.median_gb_s,
-           many.min_gb_s, many.max_gb_s);
+    printf(
+        "read bandwidth (streaming sum, %d-byte loads, %zu MiB): 1 thread %.1f GB/s (%.1f-%.1f), "
+        "%d threads %.1f GB/s (%.1f-%.1f)\n\n",
+        one.load_bytes, mib, bw, one.min_gb_s, one.max_gb_s, many.threads, many.median_gb_s,
+        many.min_gb_s, many.max_gb_s);
 
     printf("%-8s %6s", "type", "bits/w");
     for (int i = 0; i < MOE_ISA_COUNT; i++)

@@ -32,8 +32,10 @@ static bool parse_experts(const char *text, int64_t **out, size_t *n) {
         if (errno || end == p || v < 0 || v > INT32_MAX || (*end && *end != ',') ||
             k == MOE_AUDIT_MAX_EXPERTS) {
             free(e);
-            moe_cli_usage_error("audit", "--experts expects comma-separated expert indices "
-                                "(at most %d), bad entry at '%s'", MOE_AUDIT_MAX_EXPERTS, p);
+            moe_cli_usage_error("audit",
+                                "--experts expects comma-separated expert indices "
+                                "(at most %d), bad entry at '%s'",
+                                MOE_AUDIT_MAX_EXPERTS, p);
             return false;
         }
         e[k++] = v;
@@ -58,7 +60,8 @@ int moe_cmd_audit(int argc, char **argv) {
     moe_audit_options o = {0};
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--json")) json = true;
+        if (!strcmp(a, "--json"))
+            json = true;
         else if (!strcmp(a, "--tensor")) {
             if (!v) return moe_cli_usage_error("audit", "--tensor needs a regular expression");
             o.tensor_regex = v;
@@ -103,9 +106,11 @@ int moe_cmd_audit(int argc, char **argv) {
         fprintf(stderr, "moe audit: %s\n", err.msg);
         rc = 1;
     } else if (r.n_rows == 0) {
-        fprintf(stderr, "moe audit: no quantized tensor%s%s%s has a reference of the same name "
-                "and shape in F32/F16/BF16 (%zu skipped)\n", o.tensor_regex ? " matching '" : "",
-                o.tensor_regex ? o.tensor_regex : "", o.tensor_regex ? "'" : "", r.n_skipped);
+        fprintf(stderr,
+                "moe audit: no quantized tensor%s%s%s has a reference of the same name "
+                "and shape in F32/F16/BF16 (%zu skipped)\n",
+                o.tensor_regex ? " matching '" : "", o.tensor_regex ? o.tensor_regex : "",
+                o.tensor_regex ? "'" : "", r.n_skipped);
         rc = 1;
     } else if (json) {
         moe_json j;
@@ -129,8 +134,10 @@ int moe_cmd_audit(int argc, char **argv) {
             moe_json_key(&j, "tensor");
             moe_json_string(&j, a->tensor);
             moe_json_key(&j, "expert");
-            if (a->expert < 0) moe_json_null(&j);
-            else moe_json_int(&j, a->expert);
+            if (a->expert < 0)
+                moe_json_null(&j);
+            else
+                moe_json_int(&j, a->expert);
             moe_json_key(&j, "format");
             moe_json_string(&j, moe_type_name(a->type));
             moe_json_key(&j, "reference_format");
@@ -169,12 +176,15 @@ int moe_cmd_audit(int argc, char **argv) {
                    a->matvec_rel);
         }
         printf("reference: %s; X: %d seeded N(0,1) columns (seed %" PRIu64 ")%s\n", paths[1],
-               MOE_AUDIT_X_COLS, o.seed, r.n_skipped ? "; some tensors had no usable reference" : "");
+               MOE_AUDIT_X_COLS, o.seed,
+               r.n_skipped ? "; some tensors had no usable reference" : "");
     }
     if (http)
-        fprintf(json ? stderr : stdout, "remote: %" PRIu64 " requests, %" PRIu64 " bytes read "
-                "(%" PRIu64 " requests, %" PRIu64 " bytes for the rows)\n", moe_http_requests(http),
-                moe_http_bytes(http), moe_http_requests(http) - req0, moe_http_bytes(http) - bytes0);
+        fprintf(json ? stderr : stdout,
+                "remote: %" PRIu64 " requests, %" PRIu64 " bytes read "
+                "(%" PRIu64 " requests, %" PRIu64 " bytes for the rows)\n",
+                moe_http_requests(http), moe_http_bytes(http), moe_http_requests(http) - req0,
+                moe_http_bytes(http) - bytes0);
     moe_audit_report_free(&r);
     moe_gguf_close(q);
     moe_gguf_close(ref);

@@ -17,7 +17,7 @@
 #include "../src/format/format.h"
 #include "../src/tools/tools.h"
 
-#define GIB (1024.0 * 1024.0 * 1024.0)
+#define GIB        (1024.0 * 1024.0 * 1024.0)
 #define MAX_MODELS 64
 
 /* This machine's RAM from /proc/meminfo (bytes), 0 when unknown. */
@@ -33,10 +33,14 @@ static uint64_t machine_ram(void) {
 }
 
 static const char *human(uint64_t b, char *buf, size_t cap) {
-    if (b >= (1ull << 30)) snprintf(buf, cap, "%.2f GiB", (double)b / GIB);
-    else if (b >= (1ull << 20)) snprintf(buf, cap, "%.2f MiB", (double)b / (1 << 20));
-    else if (b >= (1ull << 10)) snprintf(buf, cap, "%.2f KiB", (double)b / (1 << 10));
-    else snprintf(buf, cap, "%" PRIu64 " B", b);
+    if (b >= (1ull << 30))
+        snprintf(buf, cap, "%.2f GiB", (double)b / GIB);
+    else if (b >= (1ull << 20))
+        snprintf(buf, cap, "%.2f MiB", (double)b / (1 << 20));
+    else if (b >= (1ull << 10))
+        snprintf(buf, cap, "%.2f KiB", (double)b / (1 << 10));
+    else
+        snprintf(buf, cap, "%" PRIu64 " B", b);
     return buf;
 }
 
@@ -69,21 +73,22 @@ static void print_fit(FILE *out, const moe_budget_model *m, const moe_budget_pla
     const moe_budget_config *c = &p->config;
     uint64_t mag = p->spare < 0 ? (uint64_t)0 - (uint64_t)p->spare : (uint64_t)p->spare;
     char amount[32];
-    if (mag >= GIB / 100) snprintf(amount, sizeof amount, "%.2f GiB", (double)mag / GIB);
-    else human(mag, amount, sizeof amount); /* 0.00 GiB would say nothing */
+    if (mag >= GIB / 100)
+        snprintf(amount, sizeof amount, "%.2f GiB", (double)mag / GIB);
+    else
+        human(mag, amount, sizeof amount); /* 0.00 GiB would say nothing */
     fprintf(out, p->fits ? "fits with %s to spare%s\n" : "short by %s%s\n", amount,
             c->devices > 1 ? " on the fullest device" : "");
     if (p->max_ctx)
         fprintf(out, "largest context that fits with %" PRIu64 " stream%s: %" PRIu64 " tokens%s\n",
                 c->streams, c->streams == 1 ? "" : "s", p->max_ctx,
-                m->ctx_train && p->max_ctx == m->ctx_train ? " (the model's trained context)"
-                                                           : "");
+                m->ctx_train && p->max_ctx == m->ctx_train ? " (the model's trained context)" : "");
     else
         fprintf(out, "no context fits with %" PRIu64 " stream%s\n", c->streams,
                 c->streams == 1 ? "" : "s");
     if (p->max_streams)
-        fprintf(out, "largest stream count that fits at context %" PRIu64 ": %" PRIu64 "\n",
-                c->ctx, p->max_streams);
+        fprintf(out, "largest stream count that fits at context %" PRIu64 ": %" PRIu64 "\n", c->ctx,
+                p->max_streams);
     else
         fprintf(out, "no stream fits at context %" PRIu64 "\n", c->ctx);
 }
@@ -98,7 +103,8 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
     bool first = true;
     for (int k = 0; k < MOE_LAYER_KIND_COUNT; k++) {
         if (!kinds[k]) continue;
-        fprintf(out, "%s%u %s", first ? "" : ", ", kinds[k], moe_layer_kind_name((moe_layer_kind)k));
+        fprintf(out, "%s%u %s", first ? "" : ", ", kinds[k],
+                moe_layer_kind_name((moe_layer_kind)k));
         if (k == MOE_LAYER_SLIDING) fprintf(out, " of %" PRIu64 " tokens", m->window);
         first = false;
     }
@@ -112,8 +118,10 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
                 p->swa_kv_bytes_per_token, m->window);
     fprintf(out, "; recurrent state: %" PRIu64 " bytes per stream\n", p->state_bytes_per_stream);
     char mem[32];
-    fprintf(out, "plan: %u device%s x %s, context %" PRIu64 ", %" PRIu64 " stream%s, "
-            "KV %s%s\n", c->devices, c->devices > 1 ? "s" : "", human(c->mem_per_device, mem, sizeof mem),
+    fprintf(out,
+            "plan: %u device%s x %s, context %" PRIu64 ", %" PRIu64 " stream%s, "
+            "KV %s%s\n",
+            c->devices, c->devices > 1 ? "s" : "", human(c->mem_per_device, mem, sizeof mem),
             c->ctx, c->streams, c->streams == 1 ? "" : "s", kv_name(c->kv_type),
             c->vision ? "" : ", without the vision tower");
     fprintf(out, "  %-20s %14s", "part", "per device");
@@ -122,7 +130,8 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
         uint64_t dev0 = p->device[k], all = 0;
         for (uint32_t d = 0; d < c->devices; d++) all += p->device[(size_t)d * MOE_PART_COUNT + k];
         if (k == MOE_PART_VISION && !m->weights[MOE_PART_VISION]) continue;
-        fprintf(out, "  %-20s %14s", moe_budget_part_name((moe_budget_part)k), human(dev0, a, sizeof a));
+        fprintf(out, "  %-20s %14s", moe_budget_part_name((moe_budget_part)k),
+                human(dev0, a, sizeof a));
         if (c->devices > 1) fprintf(out, " %14s", human(all, b, sizeof b));
         if (k == MOE_ROLE_ROUTED_EXPERTS && c->devices > 1)
             fprintf(out, "  (rows of every expert matrix split %u ways)", c->devices);
@@ -138,9 +147,11 @@ static void print_ladder(FILE *out, const moe_budget_model *const *m, const moe_
     const moe_budget_config *c = &p[0].config;
     char a[32], b[32], s[32];
     char mem[32];
-    fprintf(out, "ladder: %zu builds of %s on %u device%s x %s, context %" PRIu64
-            ", %" PRIu64 " stream%s, KV %s\n", n, m[0]->arch, c->devices,
-            c->devices > 1 ? "s" : "", human(c->mem_per_device, mem, sizeof mem), c->ctx, c->streams,
+    fprintf(out,
+            "ladder: %zu builds of %s on %u device%s x %s, context %" PRIu64 ", %" PRIu64
+            " stream%s, KV %s\n",
+            n, m[0]->arch, c->devices, c->devices > 1 ? "s" : "",
+            human(c->mem_per_device, mem, sizeof mem), c->ctx, c->streams,
             c->streams == 1 ? "" : "s", kv_name(c->kv_type));
     size_t w = 5;
     for (size_t i = 0; i < n; i++) w = strlen(m[i]->name) > w ? strlen(m[i]->name) : w;
@@ -157,8 +168,10 @@ static void print_ladder(FILE *out, const moe_budget_model *const *m, const moe_
                 human(p[i].device_total_max, b, sizeof b), sp, p[i].max_ctx,
                 p[i].fits ? (i == best ? "yes  <- largest that fits" : "yes") : "no");
     }
-    if (best < n) fprintf(out, "largest that fits: %s\n", m[best]->name);
-    else fprintf(out, "no build fits\n");
+    if (best < n)
+        fprintf(out, "largest that fits: %s\n", m[best]->name);
+    else
+        fprintf(out, "no build fits\n");
 }
 
 /* ==== JSON ==== */
@@ -268,8 +281,10 @@ static void print_json(FILE *out, const moe_budget_model *const *m, const moe_bu
     moe_json_array_end(&j);
     if (ladder) {
         moe_json_key(&j, "largest_fit");
-        if (best < n) moe_json_string(&j, m[best]->name);
-        else moe_json_null(&j);
+        if (best < n)
+            moe_json_string(&j, m[best]->name);
+        else
+            moe_json_null(&j);
     }
     moe_json_object_end(&j);
     fwrite(j.buf, 1, j.len, out);
@@ -295,9 +310,12 @@ int moe_cmd_budget(int argc, char **argv) {
     moe_budget_config c = {.kv_type = MOE_TYPE_F16, .vision = true};
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--json")) json = true;
-        else if (!strcmp(a, "--ladder")) ladder = true;
-        else if (!strcmp(a, "--no-vision")) c.vision = false;
+        if (!strcmp(a, "--json"))
+            json = true;
+        else if (!strcmp(a, "--ladder"))
+            ladder = true;
+        else if (!strcmp(a, "--no-vision"))
+            c.vision = false;
         else if (!strcmp(a, "--devices")) {
             if (!moe_arg_int("budget", a, v, 1, MOE_BUDGET_MAX_DEVICES, &devices)) return 2;
             i++;
@@ -312,11 +330,15 @@ int moe_cmd_budget(int argc, char **argv) {
                 return 2;
             i++;
         } else if (!strcmp(a, "--kv-type")) {
-            if (v && !strcmp(v, "f16")) c.kv_type = MOE_TYPE_F16;
-            else if (v && !strcmp(v, "f32")) c.kv_type = MOE_TYPE_F32;
-            else if (v && !strcmp(v, "q8_0")) c.kv_type = MOE_TYPE_Q8_0;
-            else return moe_cli_usage_error("budget", "--kv-type is f16, f32 or q8_0, got '%s'",
-                                            v ? v : "(nothing)");
+            if (v && !strcmp(v, "f16"))
+                c.kv_type = MOE_TYPE_F16;
+            else if (v && !strcmp(v, "f32"))
+                c.kv_type = MOE_TYPE_F32;
+            else if (v && !strcmp(v, "q8_0"))
+                c.kv_type = MOE_TYPE_Q8_0;
+            else
+                return moe_cli_usage_error("budget", "--kv-type is f16, f32 or q8_0, got '%s'",
+                                           v ? v : "(nothing)");
             i++;
         } else if (!strcmp(a, "--svg")) {
             if (!v) return moe_cli_usage_error("budget", "--svg needs a file name");
@@ -376,9 +398,10 @@ int moe_cmd_budget(int argc, char **argv) {
     for (size_t i = 0; !rc && i < n_models; i++) {
         for (size_t v = 0; v < n_vision; v++) moe_budget_model_add_vision(&models[i], vision[v]);
         if (ladder && strcmp(models[i].arch, models[0].arch) != 0) {
-            fprintf(stderr, "moe budget: --ladder compares builds of one model, but %s is %s "
-                            "and %s is %s\n", models[0].name, models[0].arch, models[i].name,
-                    models[i].arch);
+            fprintf(stderr,
+                    "moe budget: --ladder compares builds of one model, but %s is %s "
+                    "and %s is %s\n",
+                    models[0].name, models[0].arch, models[i].name, models[i].arch);
             rc = 2;
         }
     }
@@ -400,7 +423,8 @@ int moe_cmd_budget(int argc, char **argv) {
         } else {
             if (mem_default)
                 printf("memory per device: %.2f GiB, this machine's RAM (--mem-per-device to "
-                       "plan for another device)\n", (double)c.mem_per_device / GIB);
+                       "plan for another device)\n",
+                       (double)c.mem_per_device / GIB);
             if (ladder) {
                 print_ladder(stdout, order, plans, n_models, best);
             } else {
@@ -419,8 +443,9 @@ int moe_cmd_budget(int argc, char **argv) {
             free(text);
         }
         if (http)
-            fprintf(json ? stderr : stdout, "remote: %" PRIu64 " requests, %" PRIu64
-                    " bytes read\n", moe_http_requests(http), moe_http_bytes(http));
+            fprintf(json ? stderr : stdout,
+                    "remote: %" PRIu64 " requests, %" PRIu64 " bytes read\n",
+                    moe_http_requests(http), moe_http_bytes(http));
         for (size_t i = 0; i < n_models; i++) moe_budget_plan_free(&plans[i]);
         free(plans);
         free(order);

@@ -13,7 +13,7 @@
 #include "cli.h"
 #include "generate.h"
 
-#define CHAT_LINE_MAX 65536 /* one typed turn */
+#define CHAT_LINE_MAX 65536        /* one typed turn */
 #define CHATML_END    "<|im_end|>" /* the built-in template's end of turn, when it is only text */
 
 static moe_chat_template *chat_template(const moe_gen *g, const char *file, bool *builtin,
@@ -41,8 +41,8 @@ static bool chat_turn(moe_gen *g, const moe_chat_template *t, json_t *messages, 
     char *prompt = NULL;
     int32_t *ids = NULL;
     size_t n = 0;
-    moe_status st = moe_chat_render_tokens(t, g->tok, msgs, NULL, "{\"add_generation_prompt\":true}",
-                                           &prompt, &ids, &n, err);
+    moe_status st = moe_chat_render_tokens(
+        t, g->tok, msgs, NULL, "{\"add_generation_prompt\":true}", &prompt, &ids, &n, err);
     free(msgs);
     if (st != MOE_OK) return false;
     if (verbose) fprintf(stderr, "[prompt: %zu tokens]\n%s\n[/prompt]\n", n, prompt);
@@ -74,12 +74,18 @@ int moe_cmd_chat(int argc, char **argv) {
         int r = moe_gen_parse_option("chat", &o, argc, argv, &i);
         if (r < 0) return 2;
         if (r > 0) continue;
-        if (strcmp(argv[i], "--system") == 0 && i + 1 < argc) system = argv[++i];
-        else if (strcmp(argv[i], "--chat-template-file") == 0 && i + 1 < argc) template_file = argv[++i];
-        else if (strcmp(argv[i], "--verbose-prompt") == 0) verbose = true;
-        else if (argv[i][0] == '-') return moe_cli_usage_error("chat", "unknown option '%s'", argv[i]);
-        else if (!o.model_path) o.model_path = argv[i];
-        else return moe_cli_usage_error("chat", "unexpected argument '%s'", argv[i]);
+        if (strcmp(argv[i], "--system") == 0 && i + 1 < argc)
+            system = argv[++i];
+        else if (strcmp(argv[i], "--chat-template-file") == 0 && i + 1 < argc)
+            template_file = argv[++i];
+        else if (strcmp(argv[i], "--verbose-prompt") == 0)
+            verbose = true;
+        else if (argv[i][0] == '-')
+            return moe_cli_usage_error("chat", "unknown option '%s'", argv[i]);
+        else if (!o.model_path)
+            o.model_path = argv[i];
+        else
+            return moe_cli_usage_error("chat", "unexpected argument '%s'", argv[i]);
     }
     moe_gen g;
     if (!moe_gen_open(&g, &o, "chat")) return 1;
@@ -91,9 +97,12 @@ int moe_cmd_chat(int argc, char **argv) {
         moe_gen_close(&g);
         return 1;
     }
-    fprintf(stderr, "moe chat: chat template %s; type a message and press enter; an empty line or "
-                    "end of input quits.\n",
-            template_file ? template_file : builtin ? "built-in ChatML" : "from the model");
+    fprintf(stderr,
+            "moe chat: chat template %s; type a message and press enter; an empty line or "
+            "end of input quits.\n",
+            template_file ? template_file
+            : builtin     ? "built-in ChatML"
+                          : "from the model");
     json_t *messages = json_array();
     if (system) add_message(messages, "system", system);
     char *line = moe_xmalloc(CHAT_LINE_MAX);

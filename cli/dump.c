@@ -17,13 +17,16 @@ static bool parse_rows(const char *text, uint64_t n_rows, uint64_t *a, uint64_t 
     char *end;
     unsigned long long lo = strtoull(text, &end, 10), hi;
     if (end == text) return false;
-    if (*end == '\0') hi = lo + 1;
-    else if (*end == ':' && end[1] == '\0') hi = n_rows;
+    if (*end == '\0')
+        hi = lo + 1;
+    else if (*end == ':' && end[1] == '\0')
+        hi = n_rows;
     else if (*end == ':') {
         char *end2;
         hi = strtoull(end + 1, &end2, 10);
         if (end2 == end + 1 || *end2) return false;
-    } else return false;
+    } else
+        return false;
     if (lo >= hi || hi > n_rows) return false;
     *a = lo;
     *b = hi;
@@ -33,12 +36,18 @@ static bool parse_rows(const char *text, uint64_t n_rows, uint64_t *a, uint64_t 
 int moe_cmd_dump(int argc, char **argv) {
     const char *path = NULL, *name = NULL, *rows_arg = NULL, *out_path = NULL;
     for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--rows") == 0 && i + 1 < argc) rows_arg = argv[++i];
-        else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out_path = argv[++i];
-        else if (argv[i][0] == '-') return moe_cli_usage_error("dump", "unknown option '%s'", argv[i]);
-        else if (!path) path = argv[i];
-        else if (!name) name = argv[i];
-        else return moe_cli_usage_error("dump", "unexpected argument '%s'", argv[i]);
+        if (strcmp(argv[i], "--rows") == 0 && i + 1 < argc)
+            rows_arg = argv[++i];
+        else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc)
+            out_path = argv[++i];
+        else if (argv[i][0] == '-')
+            return moe_cli_usage_error("dump", "unknown option '%s'", argv[i]);
+        else if (!path)
+            path = argv[i];
+        else if (!name)
+            name = argv[i];
+        else
+            return moe_cli_usage_error("dump", "unexpected argument '%s'", argv[i]);
     }
     if (!path || !name) return moe_cli_usage_error("dump", "a file and a tensor name are required");
     moe_error err = {0};
@@ -54,12 +63,15 @@ int moe_cmd_dump(int argc, char **argv) {
     const uint64_t n_rows = t ? t->n_values / row_len : 0;
     uint64_t a = 0, b = n_rows;
     if (!t) {
-        fprintf(stderr, "moe dump: %s: no tensor named '%s' (`moe inspect` lists them)\n", path, name);
+        fprintf(stderr, "moe dump: %s: no tensor named '%s' (`moe inspect` lists them)\n", path,
+                name);
     } else if (!tr->to_float) {
-        fprintf(stderr, "moe dump: %s: tensor '%s' has type %s, which moe cannot decode\n", path, name, tr->name);
+        fprintf(stderr, "moe dump: %s: tensor '%s' has type %s, which moe cannot decode\n", path,
+                name, tr->name);
     } else if (rows_arg && !parse_rows(rows_arg, n_rows, &a, &b)) {
         moe_gguf_close(g);
-        return moe_cli_usage_error("dump", "--rows expects A:B, A: or A within 0..%" PRIu64 ", got '%s'",
+        return moe_cli_usage_error("dump",
+                                   "--rows expects A:B, A: or A within 0..%" PRIu64 ", got '%s'",
                                    n_rows, rows_arg);
     } else {
         const uint64_t row_bytes = moe_type_row_bytes(t->type, t->ne[0]);
@@ -82,9 +94,12 @@ int moe_cmd_dump(int argc, char **argv) {
             }
             if (out_path) {
                 ok = fclose(out) == 0 && ok;
-                if (ok) printf("wrote rows %" PRIu64 "..%" PRIu64 " of '%s' (%s, %" PRIu64 " values each) as float32 to %s\n",
-                               a, b - 1, name, tr->name, row_len, out_path);
-                else fprintf(stderr, "moe dump: write to %s failed\n", out_path);
+                if (ok)
+                    printf("wrote rows %" PRIu64 "..%" PRIu64 " of '%s' (%s, %" PRIu64
+                           " values each) as float32 to %s\n",
+                           a, b - 1, name, tr->name, row_len, out_path);
+                else
+                    fprintf(stderr, "moe dump: write to %s failed\n", out_path);
             }
             rc = ok ? 0 : 1;
         }

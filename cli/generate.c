@@ -81,8 +81,10 @@ int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **a
 #undef TAKE_INT
 #undef TAKE_FLOAT
     if (strcmp(a, "--kv-type") == 0) {
-        if (v && strcmp(v, "f16") == 0) o->kv_type = MOE_KV_F16;
-        else if (v && strcmp(v, "f32") == 0) o->kv_type = MOE_KV_F32;
+        if (v && strcmp(v, "f16") == 0)
+            o->kv_type = MOE_KV_F16;
+        else if (v && strcmp(v, "f32") == 0)
+            o->kv_type = MOE_KV_F32;
         else {
             moe_cli_usage_error(cmd, "--kv-type expects f32 or f16, got '%s'", v ? v : "(nothing)");
             return -1;
@@ -108,8 +110,10 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
             fprintf(stderr, "moe %s: %s\n", cmd, err.msg);
             return false;
         }
-        fprintf(stderr, "moe %s: no model given: using the built-in demo model %s "
-                        "(its weights are RANDOM: the text means nothing)\n", cmd, demo);
+        fprintf(stderr,
+                "moe %s: no model given: using the built-in demo model %s "
+                "(its weights are RANDOM: the text means nothing)\n",
+                cmd, demo);
         path = demo;
     }
     g->model = moe_model_load(path, &err);
@@ -118,14 +122,18 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(g->tok), g->model->cfg.n_vocab);
     if (!err.code) {
-        moe_ctx_params cp = {.n_ctx = o->n_ctx, .n_seq = 1, .max_rows = PREFILL_CHUNK,
-                             .kv_type = o->kv_type, .n_threads = o->n_threads};
+        moe_ctx_params cp = {.n_ctx = o->n_ctx,
+                             .n_seq = 1,
+                             .max_rows = PREFILL_CHUNK,
+                             .kv_type = o->kv_type,
+                             .n_threads = o->n_threads};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
         moe_ctx_memory mem;
         if (g->ctx && moe_ctx_memory_plan(g->model, &cp, &mem, &err) == MOE_OK)
-            fprintf(stderr, "moe %s: state: KV %.2f MiB (%.1f KiB per token), recurrent %.2f MiB "
-                            "(%.1f KiB per sequence), snapshots %.2f MiB\n", cmd,
-                    mem.kv_bytes / 1048576.0, mem.kv_bytes_per_token / 1024.0,
+            fprintf(stderr,
+                    "moe %s: state: KV %.2f MiB (%.1f KiB per token), recurrent %.2f MiB "
+                    "(%.1f KiB per sequence), snapshots %.2f MiB\n",
+                    cmd, mem.kv_bytes / 1048576.0, mem.kv_bytes_per_token / 1024.0,
                     mem.recurrent_bytes / 1048576.0, mem.recurrent_bytes_per_seq / 1024.0,
                     mem.snapshot_bytes / 1048576.0);
     }
@@ -170,7 +178,9 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
         uint32_t chunk = n - done < PREFILL_CHUNK ? (uint32_t)(n - done) : PREFILL_CHUNK;
         const uint32_t base = moe_ctx_seq_len(g->ctx, 0);
         for (uint32_t r = 0; r < chunk; r++) {
-            g->rows[r] = (moe_row){.seq = 0, .pos = (int32_t)(base + r), .token = ids[done + r],
+            g->rows[r] = (moe_row){.seq = 0,
+                                   .pos = (int32_t)(base + r),
+                                   .token = ids[done + r],
                                    .logits = done + r + 1 == n};
             moe_sampler_accept(g->sampler, ids[done + r]);
         }
@@ -185,8 +195,8 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
 bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err) {
     const double t0 = now_seconds();
     /* the first piece after BOS carries SentencePiece's dummy-prefix space: drop it */
-    moe_detok *detok = moe_detok_new(g->tok, MOE_DECODE_SKIP_SPECIAL |
-                                                 (g->text_started ? 0 : MOE_DECODE_STRIP_PREFIX_SPACE));
+    moe_detok *detok = moe_detok_new(
+        g->tok, MOE_DECODE_SKIP_SPECIAL | (g->text_started ? 0 : MOE_DECODE_STRIP_PREFIX_SPACE));
     g->text_started = true;
     g->reply_len = 0;
     reply_put(g, "", 0);
@@ -219,15 +229,16 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
                     if (tail_len == sizeof tail - 1) memmove(tail, tail + 1, --tail_len);
                     tail[tail_len++] = text[k];
                 }
-                if (tail_len >= stop_len && memcmp(tail + tail_len - stop_len, stop, stop_len) == 0) {
+                if (tail_len >= stop_len &&
+                    memcmp(tail + tail_len - stop_len, stop, stop_len) == 0) {
                     fflush(stdout);
                     break;
                 }
             }
         }
         fflush(stdout);
-        moe_row row = {.seq = 0, .pos = (int32_t)moe_ctx_seq_len(g->ctx, 0), .token = s.token,
-                       .logits = true};
+        moe_row row = {
+            .seq = 0, .pos = (int32_t)moe_ctx_seq_len(g->ctx, 0), .token = s.token, .logits = true};
         if (moe_ctx_decode(g->ctx, &row, 1, g->logits, err) != MOE_OK) {
             ok = false;
             break;
@@ -246,11 +257,11 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
 }
 
 void moe_gen_print_stats(const moe_gen *g) {
-    fprintf(stderr,
-            "\nprompt: %llu tokens, %.1f tok/s | generated: %llu tokens, %.1f tok/s | load: %.0f ms\n",
-            (unsigned long long)g->n_prompt,
-            g->prompt_seconds > 0 ? (double)g->n_prompt / g->prompt_seconds : 0.0,
-            (unsigned long long)g->n_generated,
-            g->gen_seconds > 0 ? (double)g->n_generated / g->gen_seconds : 0.0,
-            g->load_seconds * 1e3);
+    fprintf(
+        stderr,
+        "\nprompt: %llu tokens, %.1f tok/s | generated: %llu tokens, %.1f tok/s | load: %.0f ms\n",
+        (unsigned long long)g->n_prompt,
+        g->prompt_seconds > 0 ? (double)g->n_prompt / g->prompt_seconds : 0.0,
+        (unsigned long long)g->n_generated,
+        g->gen_seconds > 0 ? (double)g->n_generated / g->gen_seconds : 0.0, g->load_seconds * 1e3);
 }

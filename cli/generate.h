@@ -11,14 +11,14 @@
 #include "../src/text/text.h"
 
 typedef struct moe_gen_options {
-    const char *model_path;   /* NULL: the built-in demo model */
-    int64_t n_predict;        /* tokens to generate (< 0: until end of generation or context) */
-    uint32_t n_ctx;           /* 0: the model's, capped */
+    const char *model_path; /* NULL: the built-in demo model */
+    int64_t n_predict;      /* tokens to generate (< 0: until end of generation or context) */
+    uint32_t n_ctx;         /* 0: the model's, capped */
     int n_threads;
     moe_kv_type kv_type;
     moe_sampler_params sampling;
-    bool print_ids;           /* show ids instead of text */
-    bool ignore_eos;          /* keep going past end-of-generation tokens */
+    bool print_ids;  /* show ids instead of text */
+    bool ignore_eos; /* keep going past end-of-generation tokens */
 } moe_gen_options;
 
 typedef struct moe_gen {
@@ -27,10 +27,10 @@ typedef struct moe_gen {
     moe_tokenizer *tok;
     moe_ctx *ctx;
     moe_sampler *sampler;
-    float *logits;            /* [n_vocab] */
-    moe_row *rows;            /* [chunk] prefill rows */
-    bool text_started;        /* some text of this sequence was shown (keeps SPM's leading space) */
-    char *reply;              /* [reply_len] the text the last moe_gen_run showed */
+    float *logits;     /* [n_vocab] */
+    moe_row *rows;     /* [chunk] prefill rows */
+    bool text_started; /* some text of this sequence was shown (keeps SPM's leading space) */
+    char *reply;       /* [reply_len] the text the last moe_gen_run showed */
     size_t reply_len, reply_cap;
     double load_seconds;
     /* running totals for the stats line */

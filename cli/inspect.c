@@ -1,4 +1,5 @@
-/* inspect.c: `moe inspect FILE|SHARD|URL [--json | --formats]` -- what is in a GGUF file, byte by byte.
+/* inspect.c: `moe inspect FILE|SHARD|URL [--json | --formats]` -- what is in a GGUF file, byte by
+ * byte.
  *
  * Parses arguments, opens the model (every shard of a split; by HTTP range requests for a URL,
  * then the request count is the last line), asks tools/ for the analysis and prints it as text
@@ -14,9 +15,9 @@
 #include "../src/tools/tools.h"
 
 /* Text output: longest string shown whole, strings inside arrays, array elements shown. */
-#define TEXT_STRING_MAX 72
+#define TEXT_STRING_MAX       72
 #define TEXT_ARRAY_STRING_MAX 24
-#define TEXT_ARRAY_HEAD 3
+#define TEXT_ARRAY_HEAD       3
 /* JSON output: strings longer than this are cut (the full length is given beside them), and
  * arrays give their first elements only: a 150k-token vocabulary is a fact, not a report. */
 #define JSON_STRING_MAX 4096
@@ -31,21 +32,35 @@ static void print_escaped(FILE *out, const char *s, uint64_t len, uint64_t max) 
     while (n < len && n > 0 && ((unsigned char)s[n] & 0xc0) == 0x80) n--;
     for (uint64_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
-        if (c == '\n') fputs("\\n", out);
-        else if (c == '\t') fputs("\\t", out);
-        else if (c == '"' || c == '\\') fprintf(out, "\\%c", c);
-        else if (c < 0x20 || c == 0x7f) fprintf(out, "\\x%02x", c);
-        else fputc(c, out);
+        if (c == '\n')
+            fputs("\\n", out);
+        else if (c == '\t')
+            fputs("\\t", out);
+        else if (c == '"' || c == '\\')
+            fprintf(out, "\\%c", c);
+        else if (c < 0x20 || c == 0x7f)
+            fprintf(out, "\\x%02x", c);
+        else
+            fputc(c, out);
     }
     if (n < len) fputs("...", out);
 }
 
 static size_t vtype_size(moe_gguf_vtype t) {
     switch (t) {
-    case MOE_GGUF_U8: case MOE_GGUF_I8: case MOE_GGUF_BOOL: return 1;
-    case MOE_GGUF_U16: case MOE_GGUF_I16: return 2;
-    case MOE_GGUF_U64: case MOE_GGUF_I64: case MOE_GGUF_F64: return 8;
-    default: return 4;
+    case MOE_GGUF_U8:
+    case MOE_GGUF_I8:
+    case MOE_GGUF_BOOL:
+        return 1;
+    case MOE_GGUF_U16:
+    case MOE_GGUF_I16:
+        return 2;
+    case MOE_GGUF_U64:
+    case MOE_GGUF_I64:
+    case MOE_GGUF_F64:
+        return 8;
+    default:
+        return 4;
     }
 }
 
@@ -57,10 +72,18 @@ static moe_gguf_value array_number(const moe_gguf_value *v, uint64_t i) {
     uint64_t raw = 0;
     for (size_t b = 0; b < es; b++) raw |= (uint64_t)p[b] << (8 * b);
     switch (e.type) {
-    case MOE_GGUF_I8: e.i = (int8_t)raw; break;
-    case MOE_GGUF_I16: e.i = (int16_t)raw; break;
-    case MOE_GGUF_I32: e.i = (int32_t)raw; break;
-    case MOE_GGUF_I64: e.i = (int64_t)raw; break;
+    case MOE_GGUF_I8:
+        e.i = (int8_t)raw;
+        break;
+    case MOE_GGUF_I16:
+        e.i = (int16_t)raw;
+        break;
+    case MOE_GGUF_I32:
+        e.i = (int32_t)raw;
+        break;
+    case MOE_GGUF_I64:
+        e.i = (int64_t)raw;
+        break;
     case MOE_GGUF_F32: {
         uint32_t u = (uint32_t)raw;
         float f;
@@ -68,23 +91,39 @@ static moe_gguf_value array_number(const moe_gguf_value *v, uint64_t i) {
         e.f = f;
         break;
     }
-    case MOE_GGUF_F64: memcpy(&e.f, &raw, 8); break;
-    default: e.u = raw; break;
+    case MOE_GGUF_F64:
+        memcpy(&e.f, &raw, 8);
+        break;
+    default:
+        e.u = raw;
+        break;
     }
     return e;
 }
 
 static void print_value(FILE *out, const moe_gguf_value *v, bool in_array) {
     switch (v->type) {
-    case MOE_GGUF_U8: case MOE_GGUF_U16: case MOE_GGUF_U32: case MOE_GGUF_U64:
+    case MOE_GGUF_U8:
+    case MOE_GGUF_U16:
+    case MOE_GGUF_U32:
+    case MOE_GGUF_U64:
         fprintf(out, "%" PRIu64, v->u);
         break;
-    case MOE_GGUF_I8: case MOE_GGUF_I16: case MOE_GGUF_I32: case MOE_GGUF_I64:
+    case MOE_GGUF_I8:
+    case MOE_GGUF_I16:
+    case MOE_GGUF_I32:
+    case MOE_GGUF_I64:
         fprintf(out, "%" PRId64, v->i);
         break;
-    case MOE_GGUF_F32: fprintf(out, "%.9g", v->f); break;
-    case MOE_GGUF_F64: fprintf(out, "%.17g", v->f); break;
-    case MOE_GGUF_BOOL: fputs(v->u ? "true" : "false", out); break;
+    case MOE_GGUF_F32:
+        fprintf(out, "%.9g", v->f);
+        break;
+    case MOE_GGUF_F64:
+        fprintf(out, "%.17g", v->f);
+        break;
+    case MOE_GGUF_BOOL:
+        fputs(v->u ? "true" : "false", out);
+        break;
     case MOE_GGUF_STRING: {
         uint64_t max = in_array ? TEXT_ARRAY_STRING_MAX : TEXT_STRING_MAX;
         fputc('"', out);
@@ -95,13 +134,16 @@ static void print_value(FILE *out, const moe_gguf_value *v, bool in_array) {
     }
     case MOE_GGUF_ARRAY: {
         uint64_t n = v->arr.n, show = n <= TEXT_ARRAY_HEAD + 2 ? n : TEXT_ARRAY_HEAD;
-        if (in_array) fputc('[', out);
-        else fprintf(out, "[%s x %" PRIu64 "] ", moe_gguf_vtype_name(v->arr.elem_type), n);
+        if (in_array)
+            fputc('[', out);
+        else
+            fprintf(out, "[%s x %" PRIu64 "] ", moe_gguf_vtype_name(v->arr.elem_type), n);
         for (uint64_t i = 0; i < show; i++) {
             if (i) fputs(", ", out);
             moe_gguf_value e;
             if (v->arr.elem_type == MOE_GGUF_STRING)
-                e = (moe_gguf_value){.type = MOE_GGUF_STRING, .s = ((const moe_str *)v->arr.data)[i]};
+                e = (moe_gguf_value){.type = MOE_GGUF_STRING,
+                                     .s = ((const moe_str *)v->arr.data)[i]};
             else if (v->arr.elem_type == MOE_GGUF_ARRAY)
                 e = ((const moe_gguf_value *)v->arr.data)[i];
             else
@@ -112,7 +154,9 @@ static void print_value(FILE *out, const moe_gguf_value *v, bool in_array) {
         if (in_array) fputc(']', out);
         break;
     }
-    default: fputs("?", out); break;
+    default:
+        fputs("?", out);
+        break;
     }
 }
 
@@ -147,7 +191,6 @@ static void print_formats(FILE *out, const moe_inspect_report *r) {
         }
         if (any) fputc('\n', out);
     }
-
 }
 
 static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r) {
@@ -160,7 +203,8 @@ static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r
         fprintf(out, "shards: %u\n", ns);
         for (uint32_t s = 0; s < ns; s++) {
             const moe_gguf_shard *sh = moe_gguf_shard_get(g, s);
-            fprintf(out, "  %u/%u %s: %" PRIu64 " bytes, %u tensors, header %" PRIu64
+            fprintf(out,
+                    "  %u/%u %s: %" PRIu64 " bytes, %u tensors, header %" PRIu64
                     ", tensor bytes %" PRIu64 ", padding %" PRIu64 "\n",
                     s + 1, ns, sh->path, sh->file_size, sh->n_tensors, sh->header_bytes,
                     sh->tensor_bytes, sh->padding_bytes);
@@ -229,24 +273,36 @@ static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     fputc('\n', out);
     print_formats(out, r);
 
-    fprintf(out, "\nreconciles: tensor bytes %" PRIu64 " + header %" PRIu64 " + padding %" PRIu64
+    fprintf(out,
+            "\nreconciles: tensor bytes %" PRIu64 " + header %" PRIu64 " + padding %" PRIu64
             " %s file size %" PRIu64 "%s\n",
-            r->tensor_bytes, r->header_bytes, r->padding_bytes, r->reconciles ? "=" : "!=",
-            r->file_bytes, ns > 1 ? " (all shards)" : "");
+            r->tensor_bytes, r->header_bytes, r->padding_bytes,
+            r->reconciles ? "=" : "!=", r->file_bytes, ns > 1 ? " (all shards)" : "");
 }
 
 /* ==== JSON ==== */
 
 static void json_value(moe_json *j, const moe_gguf_value *v) {
     switch (v->type) {
-    case MOE_GGUF_U8: case MOE_GGUF_U16: case MOE_GGUF_U32: case MOE_GGUF_U64:
+    case MOE_GGUF_U8:
+    case MOE_GGUF_U16:
+    case MOE_GGUF_U32:
+    case MOE_GGUF_U64:
         moe_json_uint(j, v->u);
         break;
-    case MOE_GGUF_I8: case MOE_GGUF_I16: case MOE_GGUF_I32: case MOE_GGUF_I64:
+    case MOE_GGUF_I8:
+    case MOE_GGUF_I16:
+    case MOE_GGUF_I32:
+    case MOE_GGUF_I64:
         moe_json_int(j, v->i);
         break;
-    case MOE_GGUF_F32: case MOE_GGUF_F64: moe_json_double(j, v->f); break;
-    case MOE_GGUF_BOOL: moe_json_bool(j, v->u != 0); break;
+    case MOE_GGUF_F32:
+    case MOE_GGUF_F64:
+        moe_json_double(j, v->f);
+        break;
+    case MOE_GGUF_BOOL:
+        moe_json_bool(j, v->u != 0);
+        break;
     case MOE_GGUF_STRING:
         moe_json_string_n(j, v->s.ptr, v->s.len < JSON_STRING_MAX ? v->s.len : JSON_STRING_MAX);
         break;
@@ -256,7 +312,8 @@ static void json_value(moe_json *j, const moe_gguf_value *v) {
         for (uint64_t i = 0; i < show; i++) {
             moe_gguf_value e;
             if (v->arr.elem_type == MOE_GGUF_STRING)
-                e = (moe_gguf_value){.type = MOE_GGUF_STRING, .s = ((const moe_str *)v->arr.data)[i]};
+                e = (moe_gguf_value){.type = MOE_GGUF_STRING,
+                                     .s = ((const moe_str *)v->arr.data)[i]};
             else if (v->arr.elem_type == MOE_GGUF_ARRAY)
                 e = ((const moe_gguf_value *)v->arr.data)[i];
             else
@@ -266,7 +323,9 @@ static void json_value(moe_json *j, const moe_gguf_value *v) {
         moe_json_array_end(j);
         break;
     }
-    default: moe_json_null(j); break;
+    default:
+        moe_json_null(j);
+        break;
     }
 }
 
@@ -456,11 +515,17 @@ int moe_cmd_inspect(int argc, char **argv) {
     const char *path = NULL;
     bool json = false, formats = false;
     for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0) json = true;
-        else if (strcmp(argv[i], "--formats") == 0) formats = true;
-        else if (argv[i][0] == '-' && argv[i][1]) return moe_cli_usage_error("inspect", "unknown option %s", argv[i]);
-        else if (path) return moe_cli_usage_error("inspect", "one file at a time (got %s and %s)", path, argv[i]);
-        else path = argv[i];
+        if (strcmp(argv[i], "--json") == 0)
+            json = true;
+        else if (strcmp(argv[i], "--formats") == 0)
+            formats = true;
+        else if (argv[i][0] == '-' && argv[i][1])
+            return moe_cli_usage_error("inspect", "unknown option %s", argv[i]);
+        else if (path)
+            return moe_cli_usage_error("inspect", "one file at a time (got %s and %s)", path,
+                                       argv[i]);
+        else
+            path = argv[i];
     }
     if (!path) return moe_cli_usage_error("inspect", "which file?");
     moe_error err = {0};
@@ -472,13 +537,17 @@ int moe_cmd_inspect(int argc, char **argv) {
         return 1;
     }
     moe_inspect_report *r = moe_inspect_analyze(g);
-    if (json) print_json(stdout, g, r);
-    else if (formats) print_formats(stdout, r);
-    else print_text(stdout, g, r);
+    if (json)
+        print_json(stdout, g, r);
+    else if (formats)
+        print_formats(stdout, r);
+    else
+        print_text(stdout, g, r);
     if (http) /* the cost of a remote report: on stderr under --json, which stays one document */
-        fprintf(json ? stderr : stdout, "remote: %" PRIu64 " requests, %" PRIu64
-                " bytes read of %" PRIu64 " in %u file%s\n", moe_http_requests(http),
-                moe_http_bytes(http), r->file_bytes, moe_gguf_n_shards(g),
+        fprintf(json ? stderr : stdout,
+                "remote: %" PRIu64 " requests, %" PRIu64 " bytes read of %" PRIu64
+                " in %u file%s\n",
+                moe_http_requests(http), moe_http_bytes(http), r->file_bytes, moe_gguf_n_shards(g),
                 moe_gguf_n_shards(g) > 1 ? "s" : "");
     bool ok = r->reconciles;
     moe_inspect_report_free(r);

@@ -29,16 +29,22 @@ int moe_cmd_logits(int argc, char **argv) {
     const char *model_path = NULL, *out_path = NULL, *tokens_arg = NULL;
     moe_kv_type kv = MOE_KV_F32;
     for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) tokens_arg = argv[++i];
-        else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out_path = argv[++i];
+        if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
+            tokens_arg = argv[++i];
+        else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc)
+            out_path = argv[++i];
         else if (strcmp(argv[i], "--kv-type") == 0 && i + 1 < argc) {
             const char *t = argv[++i];
-            if (strcmp(t, "f16") == 0) kv = MOE_KV_F16;
+            if (strcmp(t, "f16") == 0)
+                kv = MOE_KV_F16;
             else if (strcmp(t, "f32") != 0)
                 return moe_cli_usage_error("logits", "--kv-type expects f32 or f16, got '%s'", t);
-        } else if (argv[i][0] == '-') return moe_cli_usage_error("logits", "unknown option '%s'", argv[i]);
-        else if (!model_path) model_path = argv[i];
-        else return moe_cli_usage_error("logits", "unexpected argument '%s'", argv[i]);
+        } else if (argv[i][0] == '-')
+            return moe_cli_usage_error("logits", "unknown option '%s'", argv[i]);
+        else if (!model_path)
+            model_path = argv[i];
+        else
+            return moe_cli_usage_error("logits", "unexpected argument '%s'", argv[i]);
     }
     if (!model_path || !tokens_arg)
         return moe_cli_usage_error("logits", "a model and --tokens are required");
@@ -59,7 +65,8 @@ int moe_cmd_logits(int argc, char **argv) {
     moe_row *rows = moe_xcalloc(n, sizeof *rows);
     float *logits = moe_xmalloc(sizeof(float) * n * n_vocab);
     int rc = 1;
-    for (size_t i = 0; i < n; i++) rows[i] = (moe_row){.seq = 0, .pos = (int32_t)i, .token = ids[i], .logits = true};
+    for (size_t i = 0; i < n; i++)
+        rows[i] = (moe_row){.seq = 0, .pos = (int32_t)i, .token = ids[i], .logits = true};
     if (ctx && moe_ctx_decode(ctx, rows, (uint32_t)n, logits, &err) == MOE_OK) {
         if (out_path) {
             if (moe_file_write(out_path, logits, sizeof(float) * n * n_vocab, &err) == MOE_OK) {

@@ -11,7 +11,9 @@
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] ..."},
-    {"chat", moe_cmd_chat, "chat with a model in the terminal", "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling options]"},
+    {"chat", moe_cmd_chat, "chat with a model in the terminal",
+     "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "
+     "options]"},
     {"logits", moe_cmd_logits, "write the logits of every position of a token-id prompt",
      "MODEL --tokens ID,ID,... [--out FILE.f32] [--kv-type f32|f16]"},
     {"inspect", moe_cmd_inspect,
@@ -26,9 +28,12 @@ static const moe_command commands[] = {
      "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
-    {"synth", moe_cmd_synth, "write a GGUF model of a supported architecture with seeded random weights",
-     "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads N]\n"
-     "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff N]\n"
+    {"synth", moe_cmd_synth,
+     "write a GGUF model of a supported architecture with seeded random weights",
+     "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads "
+     "N]\n"
+     "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff "
+     "N]\n"
      "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...] [--random-blocks]"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
@@ -44,8 +49,9 @@ static const moe_command commands[] = {
 };
 
 static void print_help(FILE *out) {
-    fprintf(out, "moe %s: sparse mixture-of-experts inference from quantized GGUF weights\n\n"
-                 "usage: moe <command> [arguments]\n\ncommands:\n",
+    fprintf(out,
+            "moe %s: sparse mixture-of-experts inference from quantized GGUF weights\n\n"
+            "usage: moe <command> [arguments]\n\ncommands:\n",
             moe_version());
     for (const moe_command *c = commands; c->name; c++)
         fprintf(out, "  %-9s %s\n", c->name, c->summary);

@@ -16,11 +16,16 @@ int moe_cmd_run(int argc, char **argv) {
         int r = moe_gen_parse_option("run", &o, argc, argv, &i);
         if (r < 0) return 2;
         if (r > 0) continue;
-        if (strcmp(argv[i], "-p") == 0 && i + 1 < argc) prompt = argv[++i];
-        else if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) tokens_arg = argv[++i];
-        else if (argv[i][0] == '-' && argv[i][1]) return moe_cli_usage_error("run", "unknown option '%s'", argv[i]);
-        else if (!o.model_path) o.model_path = argv[i];
-        else return moe_cli_usage_error("run", "unexpected argument '%s'", argv[i]);
+        if (strcmp(argv[i], "-p") == 0 && i + 1 < argc)
+            prompt = argv[++i];
+        else if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
+            tokens_arg = argv[++i];
+        else if (argv[i][0] == '-' && argv[i][1])
+            return moe_cli_usage_error("run", "unknown option '%s'", argv[i]);
+        else if (!o.model_path)
+            o.model_path = argv[i];
+        else
+            return moe_cli_usage_error("run", "unexpected argument '%s'", argv[i]);
     }
     if (prompt && tokens_arg) return moe_cli_usage_error("run", "give -p or --tokens, not both");
     int32_t *ids = NULL;
@@ -39,7 +44,8 @@ int moe_cmd_run(int argc, char **argv) {
                              MOE_ENCODE_ADD_SPECIAL | MOE_ENCODE_PARSE_SPECIAL, &ids, &n_ids, &err);
     }
     if (!err.code && n_ids == 0)
-        moe_error_set(&err, MOE_ERR_ARG, "the prompt is empty and this vocabulary adds no BOS: "
+        moe_error_set(&err, MOE_ERR_ARG,
+                      "the prompt is empty and this vocabulary adds no BOS: "
                       "give -p TEXT or --tokens IDS");
     if (!err.code) {
         if (o.print_ids) {
@@ -51,7 +57,8 @@ int moe_cmd_run(int argc, char **argv) {
         fflush(stdout);
     }
     int rc = 0;
-    if (err.code || !moe_gen_prefill(&g, ids, n_ids, &err) || !moe_gen_run(&g, o.n_predict, NULL, &err)) {
+    if (err.code || !moe_gen_prefill(&g, ids, n_ids, &err) ||
+        !moe_gen_run(&g, o.n_predict, NULL, &err)) {
         fprintf(stderr, "\nmoe run: %s\n", err.msg);
         rc = 1;
     } else {

@@ -21,16 +21,23 @@ int moe_cmd_synth(int argc, char **argv) {
     for (int i = 0; i + 1 < argc; i++)
         if (strcmp(argv[i], "--preset") == 0) preset = argv[i + 1];
     if (preset && !moe_synth_preset(preset, &p))
-        return moe_cli_usage_error("synth", "unknown preset '%s' (known: %s)", preset, moe_synth_preset_names());
+        return moe_cli_usage_error("synth", "unknown preset '%s' (known: %s)", preset,
+                                   moe_synth_preset_names());
     int rc = 2;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         long long n;
-        const struct { const char *flag; uint32_t *dst; long long min; } shape[] = {
-            {"--layers", &p.n_layer, 1},  {"--embd", &p.n_embd, 32},        {"--heads", &p.n_head, 1},
-            {"--heads-kv", &p.n_head_kv, 1}, {"--head-dim", &p.head_dim, 2}, {"--ff", &p.n_ff, 1},
-            {"--experts", &p.n_expert, 0}, {"--experts-used", &p.n_expert_used, 1},
-            {"--expert-ff", &p.n_ff_exp, 1}, {"--vocab", &p.n_vocab, 260}, {"--ctx", &p.n_ctx, 16},
+        const struct {
+            const char *flag;
+            uint32_t *dst;
+            long long min;
+        } shape[] = {
+            {"--layers", &p.n_layer, 1},     {"--embd", &p.n_embd, 32},
+            {"--heads", &p.n_head, 1},       {"--heads-kv", &p.n_head_kv, 1},
+            {"--head-dim", &p.head_dim, 2},  {"--ff", &p.n_ff, 1},
+            {"--experts", &p.n_expert, 0},   {"--experts-used", &p.n_expert_used, 1},
+            {"--expert-ff", &p.n_ff_exp, 1}, {"--vocab", &p.n_vocab, 260},
+            {"--ctx", &p.n_ctx, 16},
         };
         bool taken = false;
         for (size_t k = 0; k < sizeof shape / sizeof shape[0] && !taken; k++) {
@@ -57,7 +64,9 @@ int moe_cmd_synth(int argc, char **argv) {
             const char *eq = strrchr(v, '=');
             moe_type t;
             if (!eq || eq == v || !moe_type_from_name(eq + 1, &t)) {
-                moe_cli_usage_error("synth", "--type expects REGEX=TYPE (a type like Q8_0, Q4_K, IQ4_XS), got '%s'", v);
+                moe_cli_usage_error(
+                    "synth", "--type expects REGEX=TYPE (a type like Q8_0, Q4_K, IQ4_XS), got '%s'",
+                    v);
                 goto done;
             }
             if (n_rules == SYNTH_MAX_RULES) {
@@ -86,8 +95,9 @@ int moe_cmd_synth(int argc, char **argv) {
         goto done;
     }
     printf("wrote %s: %s, %u layers, embd %u, %u experts (%u used), vocab %u, seed %llu; "
-           "weights are random%s\n", out, p.arch, p.n_layer, p.n_embd, p.n_expert, p.n_expert_used,
-           p.n_vocab, (unsigned long long)p.seed,
+           "weights are random%s\n",
+           out, p.arch, p.n_layer, p.n_embd, p.n_expert, p.n_expert_used, p.n_vocab,
+           (unsigned long long)p.seed,
            p.random_blocks ? " (quantized tensors: random valid blocks)" : "");
     rc = 0;
 done:

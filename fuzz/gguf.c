@@ -22,10 +22,19 @@ static void touch(const void *p, uint64_t n) {
 
 static size_t elem_bytes(moe_gguf_vtype t) {
     switch (t) {
-    case MOE_GGUF_U8: case MOE_GGUF_I8: case MOE_GGUF_BOOL: return 1;
-    case MOE_GGUF_U16: case MOE_GGUF_I16: return 2;
-    case MOE_GGUF_U64: case MOE_GGUF_I64: case MOE_GGUF_F64: return 8;
-    default: return 4;
+    case MOE_GGUF_U8:
+    case MOE_GGUF_I8:
+    case MOE_GGUF_BOOL:
+        return 1;
+    case MOE_GGUF_U16:
+    case MOE_GGUF_I16:
+        return 2;
+    case MOE_GGUF_U64:
+    case MOE_GGUF_I64:
+    case MOE_GGUF_F64:
+        return 8;
+    default:
+        return 4;
     }
 }
 

@@ -352,8 +352,8 @@ static int logged_requests(uint64_t *body_bytes) {
 }
 
 static const char *const parity_models[] = {
-    "llama-q8_0", "qwen3moe-mixed", "deepseek2-f32", "gpt-oss-mxfp4", "qwen3next-f32",
-    "kimi-linear-f32",
+    "llama-q8_0",    "qwen3moe-mixed", "deepseek2-f32",
+    "gpt-oss-mxfp4", "qwen3next-f32",  "kimi-linear-f32",
 };
 #define N_PARITY (sizeof parity_models / sizeof parity_models[0])
 
@@ -501,8 +501,8 @@ static int check_remote_inspect(const char *name, const char *args) {
     if (!line) fail_msg("%s: no 'remote:' line in\n%s", name, remote);
     unsigned long long requests, bytes, file_bytes;
     unsigned files;
-    if (sscanf(line, "remote: %llu requests, %llu bytes read of %llu in %u file", &requests,
-               &bytes, &file_bytes, &files) != 4)
+    if (sscanf(line, "remote: %llu requests, %llu bytes read of %llu in %u file", &requests, &bytes,
+               &file_bytes, &files) != 4)
         fail_msg("%s: bad line %s", name, line);
     assert_int_equal((int)requests, served);
     assert_int_equal(bytes, bytes_after - bytes_before);
@@ -577,7 +577,8 @@ static void remote_reads_few_bytes(void **state) {
     moe_gguf_close(l);
     l = moe_gguf_open(path, &err);
     assert_int_equal(moe_gguf_n_kv(g), moe_gguf_n_kv(l));
-    assert_int_equal(moe_gguf_shard_get(g, 0)->header_bytes, moe_gguf_shard_get(l, 0)->header_bytes);
+    assert_int_equal(moe_gguf_shard_get(g, 0)->header_bytes,
+                     moe_gguf_shard_get(l, 0)->header_bytes);
     uint64_t header = moe_gguf_shard_get(l, 0)->header_bytes;
     /* every request came through one redirect: 2 exchanges each */
     uint64_t ranges = moe_http_requests(h) / 2;
@@ -624,7 +625,6 @@ static void remote_errors(void **state) {
     free(out);
 }
 
-
 /* ==== moe budget ==== */
 
 /* Run a command and parse its stdout as JSON (stderr dropped). */
@@ -661,8 +661,12 @@ static const char *part_of(const char *name) {
     return "norms_other";
 }
 
-static uint64_t cfg(json_t *c, const char *key) { return jnum(c, key); }
-static uint64_t meta(json_t *m, const char *key) { return jnum(m, key); }
+static uint64_t cfg(json_t *c, const char *key) {
+    return jnum(c, key);
+}
+static uint64_t meta(json_t *m, const char *key) {
+    return jnum(m, key);
+}
 
 /* KV bytes per token (f16, all tokens) and per sliding-window token, and the f32 state bytes
  * per stream, from the parity config as the architectures define them. */
@@ -682,7 +686,8 @@ static void hand_kv(json_t *d, uint64_t *kv, uint64_t *swa, uint64_t *state) {
     } else if (!strcmp(arch, "qwen3next")) { /* every full_attn_interval-th layer is full */
         uint64_t full = L / cfg(c, "full_attn_interval");
         *kv = full * 2 * cfg(c, "n_head_kv") * cfg(c, "head_dim") * 2;
-        uint64_t hd = cfg(c, "lin_head_dim"), kh = cfg(c, "lin_k_heads"), vh = cfg(c, "lin_v_heads");
+        uint64_t hd = cfg(c, "lin_head_dim"), kh = cfg(c, "lin_k_heads"),
+                 vh = cfg(c, "lin_v_heads");
         uint64_t conv = meta(md, "qwen3next.ssm.conv_kernel");
         /* conv tail over q, k (kh heads) and v (vh heads); a hd x hd matrix per v head */
         *state = (L - full) * ((conv - 1) * (2 * kh * hd + vh * hd) + vh * hd * hd) * 4;
@@ -707,8 +712,8 @@ static void budget_parity_models(void **state) {
         json_t *d = json_load_file(path, 0, &e);
         if (!d) fail_msg("%s: %s", path, e.text);
         /* expected weights by part, parameters, and device 0's share of 3-way row sharding */
-        const char *parts[] = {"routed_experts", "shared_experts", "attention", "dense_ffn",
-                               "embeddings_output", "norms_other"};
+        const char *parts[] = {"routed_experts", "shared_experts",    "attention",
+                               "dense_ffn",      "embeddings_output", "norms_other"};
         uint64_t want[6] = {0}, params = 0, routed_dev0 = 0, routed_dev2 = 0;
         size_t k;
         json_t *t;
@@ -723,8 +728,10 @@ static void budget_parity_models(void **state) {
                 if (!strcmp(part_of(name), parts[p])) want[p] += bytes;
             if (!strcmp(part_of(name), "routed_experts")) {
                 uint64_t rows = json_array_size(ne) >= 2
-                                    ? (uint64_t)json_integer_value(json_array_get(ne, 1)) : 1;
-                uint64_t row_bytes = bytes / (n / (uint64_t)json_integer_value(json_array_get(ne, 0)));
+                                    ? (uint64_t)json_integer_value(json_array_get(ne, 1))
+                                    : 1;
+                uint64_t row_bytes =
+                    bytes / (n / (uint64_t)json_integer_value(json_array_get(ne, 0)));
                 uint64_t slices = n / (uint64_t)json_integer_value(json_array_get(ne, 0)) / rows;
                 routed_dev0 += (rows + 2) / 3 * slices * row_bytes;
                 routed_dev2 += rows / 3 * slices * row_bytes;
@@ -735,17 +742,18 @@ static void budget_parity_models(void **state) {
         hand_kv(d, &kv, &swa, &st);
 
         uint64_t ctx = 1000, streams = 3, mem = 1ull << 30;
-        snprintf(cmd, sizeof cmd, "%s budget ../shared/parity/%s.gguf --json --devices 3 "
-                 "--mem-per-device 1 --ctx %" PRIu64 " --streams %" PRIu64, moe_test_bin(),
-                 parity_models[i], ctx, streams);
+        snprintf(cmd, sizeof cmd,
+                 "%s budget ../shared/parity/%s.gguf --json --devices 3 "
+                 "--mem-per-device 1 --ctx %" PRIu64 " --streams %" PRIu64,
+                 moe_test_bin(), parity_models[i], ctx, streams);
         json_t *b = run_json(cmd);
         json_t *m = json_array_get(json_object_get(b, "models"), 0);
         assert_int_equal(jnum(m, "n_params"), params);
         json_t *w = json_object_get(m, "weights");
         for (size_t p = 0; p < 6; p++)
             if (jnum(w, parts[p]) != want[p])
-                fail_msg("%s: %s %" PRIu64 " bytes, expected %" PRIu64, parity_models[i],
-                         parts[p], jnum(w, parts[p]), want[p]);
+                fail_msg("%s: %s %" PRIu64 " bytes, expected %" PRIu64, parity_models[i], parts[p],
+                         jnum(w, parts[p]), want[p]);
         assert_int_equal(jnum(m, "kv_bytes_per_token"), kv);
         assert_int_equal(jnum(m, "swa_kv_bytes_per_token"), swa);
         assert_int_equal(jnum(m, "state_bytes_per_stream"), st);
@@ -761,9 +769,9 @@ static void budget_parity_models(void **state) {
         assert_int_equal(jnum(d0, "kv_cache"), streams * (ctx * kv + swa_tokens * swa));
         assert_int_equal(jnum(d0, "recurrent_state"), streams * st);
         uint64_t total = 0;
-        const char *all[] = {"routed_experts", "shared_experts", "attention", "dense_ffn",
-                             "embeddings_output", "norms_other", "vision", "kv_cache",
-                             "recurrent_state", "scratch"};
+        const char *all[] = {"routed_experts",    "shared_experts", "attention", "dense_ffn",
+                             "embeddings_output", "norms_other",    "vision",    "kv_cache",
+                             "recurrent_state",   "scratch"};
         for (size_t p = 0; p < 10; p++) total += jnum(d0, all[p]);
         assert_int_equal(jnum(m, "device_total_max"), total);
         assert_int_equal((uint64_t)json_integer_value(json_object_get(m, "spare")), mem - total);
@@ -774,13 +782,18 @@ static void budget_parity_models(void **state) {
         uint64_t train = jnum(m, "ctx_train");
         json_decref(b);
         assert_true(max_ctx >= 1 && max_streams >= streams);
-        struct { uint64_t c, s; bool fits; } edge[] = {
-            {max_ctx, streams, true}, {max_ctx + 1, streams, max_ctx == train},
-            {ctx, max_streams, true}, {ctx, max_streams + 1, false}};
+        struct {
+            uint64_t c, s;
+            bool fits;
+        } edge[] = {{max_ctx, streams, true},
+                    {max_ctx + 1, streams, max_ctx == train},
+                    {ctx, max_streams, true},
+                    {ctx, max_streams + 1, false}};
         for (size_t x = 0; x < 4; x++) {
-            snprintf(cmd, sizeof cmd, "%s budget ../shared/parity/%s.gguf --json --devices 3 "
-                     "--mem-per-device 1 --ctx %" PRIu64 " --streams %" PRIu64, moe_test_bin(),
-                     parity_models[i], edge[x].c, edge[x].s);
+            snprintf(cmd, sizeof cmd,
+                     "%s budget ../shared/parity/%s.gguf --json --devices 3 "
+                     "--mem-per-device 1 --ctx %" PRIu64 " --streams %" PRIu64,
+                     moe_test_bin(), parity_models[i], edge[x].c, edge[x].s);
             b = run_json(cmd);
             m = json_array_get(json_object_get(b, "models"), 0);
             if (json_is_true(json_object_get(m, "fits")) != edge[x].fits)
@@ -797,8 +810,12 @@ static void budget_parity_models(void **state) {
 typedef struct hdr {
     FILE *f;
 } hdr;
-static void h_u32(hdr *h, uint32_t v) { fwrite(&v, 4, 1, h->f); }
-static void h_u64(hdr *h, uint64_t v) { fwrite(&v, 8, 1, h->f); }
+static void h_u32(hdr *h, uint32_t v) {
+    fwrite(&v, 4, 1, h->f);
+}
+static void h_u64(hdr *h, uint64_t v) {
+    fwrite(&v, 8, 1, h->f);
+}
 static void h_str(hdr *h, const char *s) {
     h_u64(h, strlen(s));
     fwrite(s, 1, strlen(s), h->f);
@@ -819,10 +836,14 @@ typedef struct spec {
 static uint64_t spec_bytes(const spec *s) {
     uint64_t n = s->ne[0] * s->ne[1] * s->ne[2];
     switch (s->type) {
-    case 0: return n * 4;          /* F32 */
-    case 8: return n / 32 * 34;    /* Q8_0 */
-    case 12: return n / 256 * 144; /* Q4_K */
-    case 14: return n / 256 * 210; /* Q6_K */
+    case 0:
+        return n * 4; /* F32 */
+    case 8:
+        return n / 32 * 34; /* Q8_0 */
+    case 12:
+        return n / 256 * 144; /* Q4_K */
+    case 14:
+        return n / 256 * 210; /* Q6_K */
     }
     return 0;
 }
@@ -833,8 +854,9 @@ static uint64_t spec_bytes(const spec *s) {
 static uint64_t write_qwen3_30b(const char *path, uint64_t *params) {
     spec *t = moe_xcalloc(48 * 13 + 3, sizeof *t);
     size_t n = 0;
-#define T(nm, ty, nd, a, b, c) (snprintf(t[n].name, 64, "%s", nm), t[n].type = ty, \
-    t[n].n_dims = nd, t[n].ne[0] = a, t[n].ne[1] = b, t[n].ne[2] = c, n++)
+#define T(nm, ty, nd, a, b, c)                                                                     \
+    (snprintf(t[n].name, 64, "%s", nm), t[n].type = ty, t[n].n_dims = nd, t[n].ne[0] = a,          \
+     t[n].ne[1] = b, t[n].ne[2] = c, n++)
     T("token_embd.weight", 12, 2, 2048, 151936, 1);
     T("output_norm.weight", 0, 1, 2048, 1, 1);
     T("output.weight", 14, 2, 2048, 151936, 1);
@@ -910,7 +932,8 @@ static void budget_known_model(void **state) {
     uint64_t expect = 2ull * 151936 * 2048 + 2048 + 48 * per_layer;
     assert_int_equal(params, expect);
     assert_true(expect > 30400000000ull && expect < 30600000000ull); /* "30.5B" */
-    snprintf(cmd, sizeof cmd, "%s budget '%s' --json --mem-per-device 64 --ctx 32768", moe_test_bin(), path);
+    snprintf(cmd, sizeof cmd, "%s budget '%s' --json --mem-per-device 64 --ctx 32768",
+             moe_test_bin(), path);
     json_t *b = run_json(cmd);
     json_t *m = json_array_get(json_object_get(b, "models"), 0);
     assert_int_equal(jnum(m, "n_params"), expect);
@@ -923,7 +946,8 @@ static void budget_known_model(void **state) {
                      48ull * 128 * (2 * 768 * 2048 / 256 * 144 + 2048 * 768 / 256 * 210));
     json_decref(b);
     /* q8_0 KV: rows of 512 values in 16 blocks of 34 bytes */
-    snprintf(cmd, sizeof cmd, "%s budget '%s' --json --kv-type q8_0 --mem-per-device 64", moe_test_bin(), path);
+    snprintf(cmd, sizeof cmd, "%s budget '%s' --json --kv-type q8_0 --mem-per-device 64",
+             moe_test_bin(), path);
     b = run_json(cmd);
     m = json_array_get(json_object_get(b, "models"), 0);
     assert_int_equal(jnum(m, "kv_bytes_per_token"), 48 * 2 * 16 * 34);
@@ -931,13 +955,16 @@ static void budget_known_model(void **state) {
 
     /* text: the fit line, on 2 devices of 10 GiB (short) and of 24 GiB (fits) */
     char *out;
-    snprintf(cmd, sizeof cmd, "%s budget '%s' --devices 2 --mem-per-device 10", moe_test_bin(), path);
+    snprintf(cmd, sizeof cmd, "%s budget '%s' --devices 2 --mem-per-device 10", moe_test_bin(),
+             path);
     assert_int_equal(moe_test_run(cmd, &out), 0);
     if (!strstr(out, "short by ") || !strstr(out, "split 2 ways")) fail_msg("%s", out);
     free(out);
-    snprintf(cmd, sizeof cmd, "%s budget '%s' --devices 2 --mem-per-device 24", moe_test_bin(), path);
+    snprintf(cmd, sizeof cmd, "%s budget '%s' --devices 2 --mem-per-device 24", moe_test_bin(),
+             path);
     assert_int_equal(moe_test_run(cmd, &out), 0);
-    if (!strstr(out, "fits with ") || !strstr(out, "largest context that fits")) fail_msg("%s", out);
+    if (!strstr(out, "fits with ") || !strstr(out, "largest context that fits"))
+        fail_msg("%s", out);
     free(out);
 }
 
@@ -1053,15 +1080,18 @@ static void budget_ladder_and_svg(void **state) {
         float *f = moe_xmalloc(t->n_values * sizeof *f);
         moe_type_traits_get(t->type)->to_float(t->data, f, (int64_t)t->n_values);
         assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne,
-                                                    f, false, &err), MOE_OK);
+                                                    f, false, &err),
+                         MOE_OK);
         free(f);
     }
     assert_int_equal(moe_gguf_writer_write(w, wide, 0, &err), MOE_OK);
     moe_gguf_writer_free(w);
     moe_gguf_close(g);
 
-    snprintf(cmd, sizeof cmd, "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "
-             "--json --mem-per-device 1", moe_test_bin(), wide);
+    snprintf(cmd, sizeof cmd,
+             "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "
+             "--json --mem-per-device 1",
+             moe_test_bin(), wide);
     json_t *b = run_json(cmd);
     json_t *ms = json_object_get(b, "models");
     assert_int_equal(json_array_size(ms), 2);
@@ -1072,13 +1102,18 @@ static void budget_ladder_and_svg(void **state) {
     assert_true(strstr(json_string_value(json_object_get(json_array_get(ms, 0), "name")), "mixed"));
     json_decref(b);
     double mid = (double)(small + big) / 2 / (1024.0 * 1024 * 1024);
-    snprintf(cmd, sizeof cmd, "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "
-             "--mem-per-device %.9f --svg '%s'", moe_test_bin(), wide, mid, svg);
+    snprintf(cmd, sizeof cmd,
+             "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "
+             "--mem-per-device %.9f --svg '%s'",
+             moe_test_bin(), wide, mid, svg);
     assert_int_equal(moe_test_run(cmd, &out), 0);
-    if (!strstr(out, "largest that fits: ../shared/parity/qwen3moe-mixed.gguf")) fail_msg("%s", out);
+    if (!strstr(out, "largest that fits: ../shared/parity/qwen3moe-mixed.gguf"))
+        fail_msg("%s", out);
     free(out);
-    snprintf(cmd, sizeof cmd, "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "
-             "--mem-per-device %.9f --json", moe_test_bin(), wide, mid);
+    snprintf(cmd, sizeof cmd,
+             "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "
+             "--mem-per-device %.9f --json",
+             moe_test_bin(), wide, mid);
     b = run_json(cmd);
     assert_true(strstr(json_string_value(json_object_get(b, "largest_fit")), "mixed"));
     json_decref(b);
@@ -1100,18 +1135,20 @@ static void budget_ladder_and_svg(void **state) {
     assert_true(atoi(out) >= 15);
     free(out);
     if (moe_test_run("command -v rsvg-convert >/dev/null", NULL) == 0) {
-        snprintf(cmd, sizeof cmd, "rsvg-convert '%s' -o '%s.png' && test -s '%s.png'", svg, svg, svg);
+        snprintf(cmd, sizeof cmd, "rsvg-convert '%s' -o '%s.png' && test -s '%s.png'", svg, svg,
+                 svg);
         assert_int_equal(moe_test_run(cmd, NULL), 0);
     }
     check_svg_in_chromium(svg);
 
-    snprintf(cmd, sizeof cmd, "%s budget ../shared/parity/qwen3moe-mixed.gguf "
-             "../shared/parity/llama-q8_0.gguf --ladder", moe_test_bin());
+    snprintf(cmd, sizeof cmd,
+             "%s budget ../shared/parity/qwen3moe-mixed.gguf "
+             "../shared/parity/llama-q8_0.gguf --ladder",
+             moe_test_bin());
     assert_int_equal(moe_test_run(cmd, &out), 2);
     if (!strstr(out, "builds of one model")) fail_msg("%s", out);
     free(out);
 }
-
 
 /* ==== moe audit ==== */
 
@@ -1121,7 +1158,8 @@ static void budget_ladder_and_svg(void **state) {
  * "rel_fro cosine matvec_rel". */
 static const char *const py_metrics =
     "import math,struct,sys\n"
-    "q,w,rows,cols,seed=sys.argv[1],sys.argv[2],int(sys.argv[3]),int(sys.argv[4]),int(sys.argv[5])\n"
+    "q,w,rows,cols,seed=sys.argv[1],sys.argv[2],int(sys.argv[3]),int(sys.argv[4]),int(sys.argv[5])"
+    "\n"
     "def load(p):\n"
     "    b=open(p,'rb').read(); return struct.unpack('<%df'%(len(b)//4),b)\n"
     "Q,W=load(q),load(w)\n"
@@ -1135,7 +1173,8 @@ static const char *const py_metrics =
     "X=[]\n"
     "while len(X)<cols*64:\n"
     "    u1=((nxt()>>11)+1)*2.0**-53; u2=((nxt()>>11)+1)*2.0**-53\n"
-    "    r=math.sqrt(-2*math.log(u1)); X+=[r*math.cos(6.283185307179586*u2),r*math.sin(6.283185307179586*u2)]\n"
+    "    r=math.sqrt(-2*math.log(u1)); "
+    "X+=[r*math.cos(6.283185307179586*u2),r*math.sin(6.283185307179586*u2)]\n"
     "ee=ww=qq=qw=ex2=wx2=0.0\n"
     "for i in range(rows):\n"
     "    ex=[0.0]*64; wx=[0.0]*64\n"
@@ -1157,14 +1196,18 @@ static void synth_floats(float *f, uint64_t n, uint64_t seed) {
     free(x);
 }
 
-static const moe_type audit_types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q6_K,  MOE_TYPE_Q4_K,
+static const moe_type audit_types[] = {MOE_TYPE_Q8_0,   MOE_TYPE_Q6_K,   MOE_TYPE_Q4_K,
                                        MOE_TYPE_IQ4_XS, MOE_TYPE_IQ4_NL, MOE_TYPE_Q4_0};
 #define N_AUDIT_TYPES (sizeof audit_types / sizeof audit_types[0])
 
 /* ref.gguf (F32) and q_<TYPE>.gguf (the same tensors quantized by our from_float): an expert
  * tensor [256, 48, 4] and a matrix [512, 40]. */
 static void write_audit_models(const char *dir) {
-    static const struct { const char *name; uint32_t n_dims; int64_t ne[3]; } ts[] = {
+    static const struct {
+        const char *name;
+        uint32_t n_dims;
+        int64_t ne[3];
+    } ts[] = {
         {"blk.0.ffn_up_exps.weight", 3, {256, 48, 4}},
         {"blk.0.attn_q.weight", 2, {512, 40, 1}},
     };
@@ -1180,7 +1223,8 @@ static void write_audit_models(const char *dir) {
     moe_gguf_writer_set_str(w, "general.architecture", "llama");
     for (size_t k = 0; k < 2; k++)
         assert_int_equal(moe_gguf_writer_add_tensor(w, ts[k].name, MOE_TYPE_F32, ts[k].n_dims,
-                                                    ts[k].ne, src[k], false, &err), MOE_OK);
+                                                    ts[k].ne, src[k], false, &err),
+                         MOE_OK);
     snprintf(path, sizeof path, "%s/ref.gguf", dir);
     assert_int_equal(moe_gguf_writer_write(w, path, 0, &err), MOE_OK);
     moe_gguf_writer_free(w);
@@ -1192,8 +1236,8 @@ static void write_audit_models(const char *dir) {
             uint64_t n = (uint64_t)(ts[k].ne[0] * ts[k].ne[1] * ts[k].ne[2]);
             void *q = moe_xmalloc(n / (uint64_t)tr->block_values * tr->block_bytes);
             tr->from_float(src[k], q, (int64_t)n);
-            assert_int_equal(moe_gguf_writer_add_tensor(w, ts[k].name, audit_types[t],
-                                                        ts[k].n_dims, ts[k].ne, q, false, &err),
+            assert_int_equal(moe_gguf_writer_add_tensor(w, ts[k].name, audit_types[t], ts[k].n_dims,
+                                                        ts[k].ne, q, false, &err),
                              MOE_OK);
             free(q);
         }
@@ -1231,8 +1275,8 @@ static void check_against_python(json_t *a, const char *quant, const char *ref) 
             if (moe_test_run(cmd, &out) != 0) fail_msg("%s: %s", cmd, out);
             free(out);
         }
-        snprintf(cmd, sizeof cmd, "python3 '%s' '%s' '%s' %" PRIu64 " %" PRIu64 " %" PRIu64, py,
-                 qf, wf, rows, cols, jnum(a, "seed"));
+        snprintf(cmd, sizeof cmd, "python3 '%s' '%s' '%s' %" PRIu64 " %" PRIu64 " %" PRIu64, py, qf,
+                 wf, rows, cols, jnum(a, "seed"));
         if (moe_test_run(cmd, &out) != 0) fail_msg("%s: %s", cmd, out);
         double want[3];
         assert_int_equal(sscanf(out, "%lf %lf %lf", &want[0], &want[1], &want[2]), 3);
@@ -1242,8 +1286,8 @@ static void check_against_python(json_t *a, const char *quant, const char *ref) 
             double got = json_real_value(json_object_get(row, keys[k]));
             if (fabs(got - want[k]) > 1e-9 * fabs(want[k]) + 1e-15)
                 fail_msg("%s expert %lld %s: moe %.17g, python %.17g", name,
-                         json_is_integer(e) ? (long long)json_integer_value(e) : -1LL, keys[k],
-                         got, want[k]);
+                         json_is_integer(e) ? (long long)json_integer_value(e) : -1LL, keys[k], got,
+                         want[k]);
         }
     }
 }
@@ -1282,7 +1326,7 @@ static void audit_synthetic_types(void **state) {
     assert_true(fro[1] * 2 < fro[2]);
     for (size_t t = 2; t < N_AUDIT_TYPES; t++) assert_true(fro[t] > 0.02 && fro[t] < 0.2);
     assert_true(fro[3] < fro[5] && fro[4] < fro[5]); /* IQ4_XS, IQ4_NL beat Q4_0 */
-    assert_true(fro[2] < fro[5]);                   /* Q4_K beats Q4_0 */
+    assert_true(fro[2] < fro[5]);                    /* Q4_K beats Q4_0 */
 
     /* --tensor selects by regex */
     snprintf(q, sizeof q, "%s/q_Q4_K.gguf", dir);
@@ -1324,22 +1368,26 @@ static void audit_iq_and_remote(void **state) {
         /* add noise proportional to each row's RMS */
         for (uint64_t r = 0; r < t->n_values / (uint64_t)t->ne[0]; r++) {
             double ss = 0;
-            for (int64_t c = 0; c < t->ne[0]; c++) ss += (double)f[r * t->ne[0] + c] * f[r * t->ne[0] + c];
+            for (int64_t c = 0; c < t->ne[0]; c++)
+                ss += (double)f[r * t->ne[0] + c] * f[r * t->ne[0] + c];
             double rms = sqrt(ss / (double)t->ne[0]);
             for (int64_t c = 0; c < t->ne[0]; c++)
-                f[r * t->ne[0] + c] += (float)(noise * rms * z[r * t->ne[0] + c] / 0.02 *
-                                               (c % 64 == 7 ? 0.25 : 1.0));
+                f[r * t->ne[0] + c] +=
+                    (float)(noise * rms * z[r * t->ne[0] + c] / 0.02 * (c % 64 == 7 ? 0.25 : 1.0));
         }
         assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne,
-                                                    f, false, &err), MOE_OK);
+                                                    f, false, &err),
+                         MOE_OK);
         free(f);
         free(z);
     }
     assert_int_equal(moe_gguf_writer_write(w, ref, 0, &err), MOE_OK);
     moe_gguf_writer_free(w);
 
-    snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --json --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
-             "--experts 0,5 --rows 16", moe_test_bin(), q, ref);
+    snprintf(cmd, sizeof cmd,
+             "%s audit '%s' '%s' --json --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
+             "--experts 0,5 --rows 16",
+             moe_test_bin(), q, ref);
     json_t *a = run_json(cmd);
     json_t *rows = json_object_get(a, "tensors");
     assert_int_equal(json_array_size(rows), 4);
@@ -1366,8 +1414,10 @@ static void audit_iq_and_remote(void **state) {
     char url_q[700], url_r[700];
     snprintf(url_q, sizeof url_q, "http://127.0.0.1:%d/qwen3moe-mixed.gguf", srv.port);
     snprintf(url_r, sizeof url_r, "http://127.0.0.1:%d/qwen3moe-ref.gguf", srv.port);
-    snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --json --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
-             "--experts 0,5 --rows 16", moe_test_bin(), url_q, url_r);
+    snprintf(cmd, sizeof cmd,
+             "%s audit '%s' '%s' --json --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
+             "--experts 0,5 --rows 16",
+             moe_test_bin(), url_q, url_r);
     json_t *b = run_json(cmd);
     json_array_foreach(rows, i, row) {
         json_t *other = json_array_get(json_object_get(b, "tensors"), i);
@@ -1379,7 +1429,8 @@ static void audit_iq_and_remote(void **state) {
     json_decref(b);
     char *out, errpath[700];
     snprintf(errpath, sizeof errpath, "%s/audit.err", moe_test_tmpdir());
-    snprintf(cmd, sizeof cmd, "(%s audit '%s' '%s' --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
+    snprintf(cmd, sizeof cmd,
+             "(%s audit '%s' '%s' --tensor 'blk\\.1\\.ffn_(gate|down)_exps' "
              "--experts 0,5 --rows 16 >/dev/null; cat /dev/null) && %s audit '%s' '%s' "
              "--tensor 'blk\\.1\\.ffn_(gate|down)_exps' --experts 0,5 --rows 16 | tail -1",
              moe_test_bin(), url_q, url_r, moe_test_bin(), url_q, url_r);

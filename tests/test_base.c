@@ -31,8 +31,8 @@ static void half_edges(void **state) {
     assert_int_equal(moe_f32_to_fp16(65504.0f), 0x7bff);
     assert_int_equal(moe_f32_to_fp16(65520.0f), 0x7c00);
     assert_int_equal(moe_f32_to_fp16(0x1p-24f), 0x0001);
-    assert_int_equal(moe_f32_to_fp16(0x1p-25f), 0x0000);          /* tie to even: 0 */
-    assert_int_equal(moe_f32_to_fp16(0x1.8p-24f), 0x0002);        /* tie to even: 2 */
+    assert_int_equal(moe_f32_to_fp16(0x1p-25f), 0x0000);   /* tie to even: 0 */
+    assert_int_equal(moe_f32_to_fp16(0x1.8p-24f), 0x0002); /* tie to even: 2 */
     assert_int_equal(moe_f32_to_fp16(-0.0f), 0x8000);
     assert_true(moe_fp16_to_f32(0x0001) == 0x1p-24f);
     assert_true(moe_fp16_to_f32(0xfbff) == -65504.0f);

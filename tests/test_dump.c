@@ -23,7 +23,8 @@ static void dump_one(const char *type_name, int64_t row_len, int64_t n_rows) {
     moe_gguf_writer_set_str(w, "general.architecture", "none");
     const int64_t ne[2] = {row_len, n_rows};
     moe_error err = {0};
-    assert_int_equal(moe_gguf_writer_add_tensor(w, "weights", type, 2, ne, blocks, true, &err), MOE_OK);
+    assert_int_equal(moe_gguf_writer_add_tensor(w, "weights", type, 2, ne, blocks, true, &err),
+                     MOE_OK);
     snprintf(gguf, sizeof gguf, "%s/dump-%s.gguf", moe_test_tmpdir(), type_name);
     assert_int_equal(moe_gguf_writer_write(w, gguf, 0, &err), MOE_OK);
     moe_gguf_writer_free(w);
@@ -42,7 +43,8 @@ static void dump_one(const char *type_name, int64_t row_len, int64_t n_rows) {
         const size_t row_bytes = sizeof(float) * (size_t)row_len;
         const size_t offset = part ? 3 * row_bytes : 0, want = part ? 3 * row_bytes : n_ref;
         assert_int_equal(n_got, want);
-        if (memcmp(got, ref + offset, want) != 0) fail_msg("%s: dump differs from ggml's floats", type_name);
+        if (memcmp(got, ref + offset, want) != 0)
+            fail_msg("%s: dump differs from ggml's floats", type_name);
         free(got);
     }
     free(blocks);

@@ -19,14 +19,10 @@
 /* ==== Helpers ==== */
 
 static const char *const shared_ggufs[] = {
-    "models/stories260K/stories260K.gguf",
-    "parity/deepseek2-f32.gguf",
-    "parity/deepseek2-q8_0-q4_k.gguf",
-    "parity/gpt-oss-mxfp4.gguf",
-    "parity/kimi-linear-f32.gguf",
-    "parity/llama-q8_0.gguf",
-    "parity/qwen3moe-mixed.gguf",
-    "parity/qwen3next-f32.gguf",
+    "models/stories260K/stories260K.gguf",  "parity/deepseek2-f32.gguf",
+    "parity/deepseek2-q8_0-q4_k.gguf",      "parity/gpt-oss-mxfp4.gguf",
+    "parity/kimi-linear-f32.gguf",          "parity/llama-q8_0.gguf",
+    "parity/qwen3moe-mixed.gguf",           "parity/qwen3next-f32.gguf",
     "tokenizers/ggml-vocab-llama-spm.gguf",
 };
 #define N_SHARED (sizeof shared_ggufs / sizeof shared_ggufs[0])
@@ -141,12 +137,15 @@ static uint8_t *write_small(const char *path, size_t *size) {
     moe_gguf_writer_set_arr(w, "key.strs", MOE_GGUF_STRING, strs, 3);
     for (size_t i = 0; i < sizeof small_q8; i++) small_q8[i] = (uint8_t)(i * 7);
     int64_t ne_a[2] = {8, 2}, ne_b[2] = {32, 2}, ne_c[1] = {4};
-    assert_int_equal(moe_gguf_writer_add_tensor(w, "tensor.aa", MOE_TYPE_F32, 2, ne_a, small_f32,
-                                                false, &err), MOE_OK);
-    assert_int_equal(moe_gguf_writer_add_tensor(w, "tensor.ab", MOE_TYPE_Q8_0, 2, ne_b, small_q8,
-                                                true, &err), MOE_OK);
-    assert_int_equal(moe_gguf_writer_add_tensor(w, "tensor.ac", MOE_TYPE_F16, 1, ne_c, small_f16,
-                                                false, &err), MOE_OK);
+    assert_int_equal(
+        moe_gguf_writer_add_tensor(w, "tensor.aa", MOE_TYPE_F32, 2, ne_a, small_f32, false, &err),
+        MOE_OK);
+    assert_int_equal(
+        moe_gguf_writer_add_tensor(w, "tensor.ab", MOE_TYPE_Q8_0, 2, ne_b, small_q8, true, &err),
+        MOE_OK);
+    assert_int_equal(
+        moe_gguf_writer_add_tensor(w, "tensor.ac", MOE_TYPE_F16, 1, ne_c, small_f16, false, &err),
+        MOE_OK);
     if (moe_gguf_writer_write(w, path, 0, &err) != MOE_OK) fail_msg("%s", err.msg);
     moe_gguf_writer_free(w);
     return read_whole(path, size);
@@ -204,9 +203,8 @@ static void shared_files_reconcile(void **state) {
  * in the same order. python3 turns the json into lines so this test needs no JSON parser. */
 static void parity_tensor_lists(void **state) {
     (void)state;
-    static const char *const models[] = {"deepseek2-f32",  "deepseek2-q8_0-q4_k",
-                                         "gpt-oss-mxfp4",  "kimi-linear-f32",
-                                         "llama-q8_0",     "qwen3moe-mixed",
+    static const char *const models[] = {"deepseek2-f32",   "deepseek2-q8_0-q4_k", "gpt-oss-mxfp4",
+                                         "kimi-linear-f32", "llama-q8_0",          "qwen3moe-mixed",
                                          "qwen3next-f32"};
     for (size_t m = 0; m < sizeof models / sizeof models[0]; m++) {
         char rel[256];
@@ -250,8 +248,14 @@ static void value_equal(const moe_gguf_value *a, const moe_gguf_value *b) {
         assert_int_equal(a->s.len, b->s.len);
         assert_memory_equal(a->s.ptr, b->s.ptr, a->s.len);
         break;
-    case MOE_GGUF_F32: case MOE_GGUF_F64: assert_true(a->f == b->f); break;
-    case MOE_GGUF_I8: case MOE_GGUF_I16: case MOE_GGUF_I32: case MOE_GGUF_I64:
+    case MOE_GGUF_F32:
+    case MOE_GGUF_F64:
+        assert_true(a->f == b->f);
+        break;
+    case MOE_GGUF_I8:
+    case MOE_GGUF_I16:
+    case MOE_GGUF_I32:
+    case MOE_GGUF_I64:
         assert_int_equal(a->i, b->i);
         break;
     case MOE_GGUF_ARRAY:
@@ -269,14 +273,19 @@ static void value_equal(const moe_gguf_value *a, const moe_gguf_value *b) {
         }
         if (a->arr.elem_type != MOE_GGUF_STRING && a->arr.elem_type != MOE_GGUF_ARRAY) {
             size_t es = a->arr.elem_type == MOE_GGUF_U8 || a->arr.elem_type == MOE_GGUF_I8 ||
-                                a->arr.elem_type == MOE_GGUF_BOOL ? 1
+                                a->arr.elem_type == MOE_GGUF_BOOL
+                            ? 1
                         : a->arr.elem_type == MOE_GGUF_U16 || a->arr.elem_type == MOE_GGUF_I16 ? 2
                         : a->arr.elem_type == MOE_GGUF_U64 || a->arr.elem_type == MOE_GGUF_I64 ||
-                                a->arr.elem_type == MOE_GGUF_F64 ? 8 : 4;
+                                a->arr.elem_type == MOE_GGUF_F64
+                            ? 8
+                            : 4;
             if (a->arr.n) assert_memory_equal(a->arr.data, b->arr.data, a->arr.n * es);
         }
         break;
-    default: assert_int_equal(a->u, b->u); break;
+    default:
+        assert_int_equal(a->u, b->u);
+        break;
     }
 }
 
@@ -347,19 +356,21 @@ static void roundtrip_every_value_type(void **state) {
     moe_gguf_writer_set_arr(w, "a.empty", MOE_GGUF_F32, NULL, 0);
     /* a string holding a NUL, through moe_str */
     moe_str with_nul[1] = {{"a\0b", 3}};
-    moe_gguf_writer_set_value(w, "a.nul", &(moe_gguf_value){.type = MOE_GGUF_ARRAY,
-                                                            .arr = {MOE_GGUF_STRING, 1, with_nul}});
+    moe_gguf_writer_set_value(
+        w, "a.nul",
+        &(moe_gguf_value){.type = MOE_GGUF_ARRAY, .arr = {MOE_GGUF_STRING, 1, with_nul}});
     /* nested: [[1,2],[3]] of u16, and an array of arrays of arrays of strings */
     uint16_t n12[2] = {1, 2}, n3[1] = {3};
     moe_gguf_value inner[2] = {{.type = MOE_GGUF_ARRAY, .arr = {MOE_GGUF_U16, 2, n12}},
                                {.type = MOE_GGUF_ARRAY, .arr = {MOE_GGUF_U16, 1, n3}}};
-    moe_gguf_writer_set_value(w, "a.nested", &(moe_gguf_value){.type = MOE_GGUF_ARRAY,
-                                                               .arr = {MOE_GGUF_ARRAY, 2, inner}});
+    moe_gguf_writer_set_value(
+        w, "a.nested",
+        &(moe_gguf_value){.type = MOE_GGUF_ARRAY, .arr = {MOE_GGUF_ARRAY, 2, inner}});
     moe_str deep_s[2] = {{"p", 1}, {"q", 1}};
     moe_gguf_value deep1 = {.type = MOE_GGUF_ARRAY, .arr = {MOE_GGUF_STRING, 2, deep_s}};
     moe_gguf_value deep2 = {.type = MOE_GGUF_ARRAY, .arr = {MOE_GGUF_ARRAY, 1, &deep1}};
-    moe_gguf_writer_set_value(w, "a.deep", &(moe_gguf_value){.type = MOE_GGUF_ARRAY,
-                                                             .arr = {MOE_GGUF_ARRAY, 1, &deep2}});
+    moe_gguf_writer_set_value(
+        w, "a.deep", &(moe_gguf_value){.type = MOE_GGUF_ARRAY, .arr = {MOE_GGUF_ARRAY, 1, &deep2}});
     moe_gguf_writer_set_alignment(w, 64);
     int64_t ne[3] = {32, 3, 2};
     uint8_t q4[6 * 18];
@@ -369,8 +380,9 @@ static void roundtrip_every_value_type(void **state) {
                      MOE_OK);
     float one = 1.0f;
     int64_t ne1 = 1;
-    assert_int_equal(moe_gguf_writer_add_tensor(w, "t.scalar", MOE_TYPE_F32, 1, &ne1, &one, false,
-                                                &err), MOE_OK);
+    assert_int_equal(
+        moe_gguf_writer_add_tensor(w, "t.scalar", MOE_TYPE_F32, 1, &ne1, &one, false, &err),
+        MOE_OK);
     /* errors the writer refuses before writing anything */
     int64_t bad = 33;
     assert_int_equal(moe_gguf_writer_add_tensor(w, "t.bad", MOE_TYPE_Q8_0, 1, &bad, q4, true, &err),
@@ -405,7 +417,8 @@ static void roundtrip_every_value_type(void **state) {
     assert_false(moe_gguf_get_i64(g, "v.u64", &i)); /* does not fit */
     assert_true(moe_gguf_get_i64(g, "v.i64", &i) && i == INT64_MIN);
     assert_true(moe_gguf_get_f64(g, "v.f64", &f) && f == 1e300);
-    assert_string_equal(moe_gguf_get_str(g, "v.replaced"), "second value wins, first position stays");
+    assert_string_equal(moe_gguf_get_str(g, "v.replaced"),
+                        "second value wins, first position stays");
     assert_string_equal(moe_gguf_kv_get(g, 12)->key.ptr, "v.replaced");
     assert_null(moe_gguf_get_str(g, "v.u8"));
     assert_false(moe_gguf_get_u64(g, "absent", &u));
@@ -532,8 +545,7 @@ static void split_three_shards(void **state) {
     check_reconciles(s);
     models_equal(g, s, true);
     assert_int_equal(tensor_total, moe_gguf_shard_get(g, 0)->tensor_bytes);
-    for (uint64_t i = 0; i < n; i++)
-        assert_int_equal(moe_gguf_tensor_get(s, i)->shard, i / per);
+    for (uint64_t i = 0; i < n; i++) assert_int_equal(moe_gguf_tensor_get(s, i)->shard, i / per);
     assert_ptr_equal(moe_gguf_tensor_find(s, moe_gguf_tensor_get(g, n - 1)->name.ptr),
                      moe_gguf_tensor_get(s, n - 1));
     moe_gguf_close(s);
@@ -787,8 +799,8 @@ static void hostile_names_and_nesting(void **state) {
     float x[1] = {0};
     int64_t ne = 1;
     moe_error err = {0};
-    assert_int_equal(moe_gguf_writer_add_tensor(w, "evil\nname'", MOE_TYPE_F32, 1, &ne, x, true,
-                                                &err), MOE_OK);
+    assert_int_equal(
+        moe_gguf_writer_add_tensor(w, "evil\nname'", MOE_TYPE_F32, 1, &ne, x, true, &err), MOE_OK);
     const char *p = tmp_path("evil.gguf");
     assert_int_equal(moe_gguf_writer_write(w, p, 0, &err), MOE_OK);
     moe_gguf_writer_free(w);
@@ -830,8 +842,7 @@ static void fuzz_regressions(void **state) {
     struct dirent *de;
     int files = 0;
     while ((de = readdir(dp))) {
-        if (de->d_name[0] == '.' || strcmp(de->d_name, "README") == 0 ||
-            strstr(de->d_name, ".md"))
+        if (de->d_name[0] == '.' || strcmp(de->d_name, "README") == 0 || strstr(de->d_name, ".md"))
             continue;
         char p[1024];
         snprintf(p, sizeof p, "%s/%s", dir, de->d_name);

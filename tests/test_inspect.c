@@ -14,10 +14,10 @@
 #include "../src/tools/tools.h"
 
 static const char *const shared_ggufs[] = {
-    "models/stories260K/stories260K.gguf", "parity/deepseek2-f32.gguf",
-    "parity/deepseek2-q8_0-q4_k.gguf",     "parity/gpt-oss-mxfp4.gguf",
-    "parity/kimi-linear-f32.gguf",         "parity/llama-q8_0.gguf",
-    "parity/qwen3moe-mixed.gguf",          "parity/qwen3next-f32.gguf",
+    "models/stories260K/stories260K.gguf",  "parity/deepseek2-f32.gguf",
+    "parity/deepseek2-q8_0-q4_k.gguf",      "parity/gpt-oss-mxfp4.gguf",
+    "parity/kimi-linear-f32.gguf",          "parity/llama-q8_0.gguf",
+    "parity/qwen3moe-mixed.gguf",           "parity/qwen3next-f32.gguf",
     "tokenizers/ggml-vocab-llama-spm.gguf",
 };
 
@@ -43,7 +43,8 @@ static void expected_lines(const moe_gguf *g, char *text, size_t text_cap, char 
              "reconciles: tensor bytes %" PRIu64 " + header %" PRIu64 " + padding %" PRIu64
              " = file size %" PRIu64,
              tensor, header, pad, file);
-    snprintf(json, json_cap, "%" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " True %" PRIu64,
+    snprintf(json, json_cap,
+             "%" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " True %" PRIu64,
              moe_gguf_n_tensors(g), tensor, header, pad, file, moe_gguf_n_kv(g));
 }
 
@@ -94,9 +95,11 @@ static void inspect_shared_files(void **state) {
     char cmd[1024], *out;
     snprintf(cmd, sizeof cmd, "%s inspect %s", moe_test_bin(), path);
     assert_int_equal(moe_test_run(cmd, &out), 0);
-    assert_non_null(strstr(out, "routed experts: down IQ3_S, gate IQ2_S, up IQ2_XXS in layers 0-1 (2)"));
+    assert_non_null(
+        strstr(out, "routed experts: down IQ3_S, gate IQ2_S, up IQ2_XXS in layers 0-1 (2)"));
     assert_non_null(strstr(out, "embeddings/output: output Q6_K, token_embd Q4_K"));
-    assert_non_null(strstr(out, "tokenizer.ggml.tokens (array) = [string x 512] \"<unk>\", \"<s>\", \"</s>\", ..."));
+    assert_non_null(strstr(
+        out, "tokenizer.ggml.tokens (array) = [string x 512] \"<unk>\", \"<s>\", \"</s>\", ..."));
     free(out);
 }
 
@@ -105,22 +108,28 @@ static void inspect_mixed_layers_and_split(void **state) {
     (void)state;
     moe_gguf_writer *w = moe_gguf_writer_new();
     moe_gguf_writer_set_str(w, "general.architecture", "qwen3moe");
-    moe_gguf_writer_set_str(w, "long.string", "0123456789012345678901234567890123456789"
-                                               "0123456789012345678901234567890123456789\n");
+    moe_gguf_writer_set_str(w, "long.string",
+                            "0123456789012345678901234567890123456789"
+                            "0123456789012345678901234567890123456789\n");
     static uint8_t data[4 * 256];
     int64_t ne[3] = {256, 1, 2};
     moe_error err = {0};
     char name[64];
     for (int l = 0; l < 4; l++) {
         snprintf(name, sizeof name, "blk.%d.ffn_gate_exps.weight", l);
-        assert_int_equal(moe_gguf_writer_add_tensor(w, name, MOE_TYPE_IQ2_S, 3, ne, data, true, &err), MOE_OK);
+        assert_int_equal(
+            moe_gguf_writer_add_tensor(w, name, MOE_TYPE_IQ2_S, 3, ne, data, true, &err), MOE_OK);
         snprintf(name, sizeof name, "blk.%d.ffn_up_exps.weight", l);
-        assert_int_equal(moe_gguf_writer_add_tensor(w, name, MOE_TYPE_IQ2_S, 3, ne, data, true, &err), MOE_OK);
+        assert_int_equal(
+            moe_gguf_writer_add_tensor(w, name, MOE_TYPE_IQ2_S, 3, ne, data, true, &err), MOE_OK);
         snprintf(name, sizeof name, "blk.%d.ffn_down_exps.weight", l);
-        assert_int_equal(moe_gguf_writer_add_tensor(w, name, l < 3 ? MOE_TYPE_IQ3_S : MOE_TYPE_IQ4_XS,
-                                                    3, ne, data, true, &err), MOE_OK);
+        assert_int_equal(moe_gguf_writer_add_tensor(w, name,
+                                                    l < 3 ? MOE_TYPE_IQ3_S : MOE_TYPE_IQ4_XS, 3, ne,
+                                                    data, true, &err),
+                         MOE_OK);
         snprintf(name, sizeof name, "blk.%d.attn_kv_a_mqa.weight", l);
-        assert_int_equal(moe_gguf_writer_add_tensor(w, name, MOE_TYPE_Q8_0, 1, ne, data, true, &err), MOE_OK);
+        assert_int_equal(
+            moe_gguf_writer_add_tensor(w, name, MOE_TYPE_Q8_0, 1, ne, data, true, &err), MOE_OK);
     }
     char path[512];
     snprintf(path, sizeof path, "%s/mixed.gguf", moe_test_tmpdir());
@@ -133,8 +142,9 @@ static void inspect_mixed_layers_and_split(void **state) {
                        "IQ2_S, down IQ4_XS in layer 3 (1)";
     if (!strstr(out, want)) fail_msg("no '%s' in:\n%s", want, out);
     assert_non_null(strstr(out, "attention: kv_a_mqa Q8_0 in layers 0-3 (4)"));
-    assert_non_null(strstr(out, "\"01234567890123456789012345678901234567890123456789012345678901234567890"
-                                "1...\" (81 bytes)"));
+    assert_non_null(
+        strstr(out, "\"01234567890123456789012345678901234567890123456789012345678901234567890"
+                    "1...\" (81 bytes)"));
     free(out);
 
     /* the same model as a 3-shard split, inspected from its 2nd shard */
@@ -217,7 +227,8 @@ static void json_writer(void **state) {
     moe_json_key(&j, "s");
     moe_json_string(&j, "q\"b\\n\n\t\x01\x1f\x7f h\xc3\xa9 \xe2\x96\x81");
     moe_json_key(&j, "bad");
-    moe_json_string(&j, "a\xff" "b\xc3");
+    moe_json_string(&j, "a\xff"
+                        "b\xc3");
     moe_json_key(&j, "nul");
     moe_json_string_n(&j, "a\0b", 3);
     moe_json_key(&j, "a");
@@ -234,10 +245,12 @@ static void json_writer(void **state) {
     moe_json_object_end(&j);
     moe_json_array_end(&j);
     moe_json_object_end(&j);
-    assert_string_equal(j.buf, "{\"s\":\"q\\\"b\\\\n\\n\\t\\u0001\\u001f\x7f h\xc3\xa9 \xe2\x96\x81\","
-                               "\"bad\":\"a\xef\xbf\xbd" "b\xef\xbf\xbd\",\"nul\":\"a\\u0000b\","
-                               "\"a\":[-9223372036854775808,18446744073709551615,"
-                               "0.10000000000000001,null,true,null,[],{}]}");
+    assert_string_equal(j.buf,
+                        "{\"s\":\"q\\\"b\\\\n\\n\\t\\u0001\\u001f\x7f h\xc3\xa9 \xe2\x96\x81\","
+                        "\"bad\":\"a\xef\xbf\xbd"
+                        "b\xef\xbf\xbd\",\"nul\":\"a\\u0000b\","
+                        "\"a\":[-9223372036854775808,18446744073709551615,"
+                        "0.10000000000000001,null,true,null,[],{}]}");
     /* Python reads it back to the same values */
     char path[512], cmd[1024], *out;
     snprintf(path, sizeof path, "%s/w.json", moe_test_tmpdir());
@@ -268,10 +281,8 @@ static void json_writer(void **state) {
 
 int moe_suite_inspect(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(inspect_shared_files),
-        cmocka_unit_test(inspect_mixed_layers_and_split),
-        cmocka_unit_test(inspect_errors),
-        cmocka_unit_test(tensor_roles),
+        cmocka_unit_test(inspect_shared_files), cmocka_unit_test(inspect_mixed_layers_and_split),
+        cmocka_unit_test(inspect_errors),       cmocka_unit_test(tensor_roles),
         cmocka_unit_test(json_writer),
     };
     return cmocka_run_group_tests_name("inspect", tests, NULL, NULL);

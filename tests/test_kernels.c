@@ -353,8 +353,8 @@ static void dot_rows_equal_single_rows(void **state) {
                         const float one = e->dot(w, xq + (size_t)r * x_stride, n);
                         if (memcmp(&one, &out[r * OUT_STRIDE], sizeof one) != 0)
                             fail_msg("%s %s, n = %lld, %d rows: row %d is %.9g, alone %.9g",
-                                     k->name, tr->name, (long long)n, rows, r,
-                                     out[r * OUT_STRIDE], one);
+                                     k->name, tr->name, (long long)n, rows, r, out[r * OUT_STRIDE],
+                                     one);
                     }
                 }
             }

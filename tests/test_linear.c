@@ -66,20 +66,33 @@ static void delta_forms_agree(int n_g) {
     for (int i = 0; i < H * DK * DV; i++) state[0][i] = state[1][i] = rng_uniform() - 0.5f;
     for (int form = 0; form < 2; form++) {
         for (int h = 0; h < H; h++) {
-            const moe_delta_args a = {
-                .d_k = DK, .d_v = DV, .n_g = n_g, .scale = 1.0f / sqrtf(DK),
-                .q = q + h * DK, .k = k + h * DK, .v = v + h * DV, .g = g + h * n_g,
-                .beta = beta + h, .out = out[form] + h * DV, .qk_stride = H * DK,
-                .v_stride = H * DV, .g_stride = H * n_g, .beta_stride = H, .out_stride = H * DV};
+            const moe_delta_args a = {.d_k = DK,
+                                      .d_v = DV,
+                                      .n_g = n_g,
+                                      .scale = 1.0f / sqrtf(DK),
+                                      .q = q + h * DK,
+                                      .k = k + h * DK,
+                                      .v = v + h * DV,
+                                      .g = g + h * n_g,
+                                      .beta = beta + h,
+                                      .out = out[form] + h * DV,
+                                      .qk_stride = H * DK,
+                                      .v_stride = H * DV,
+                                      .g_stride = H * n_g,
+                                      .beta_stride = H,
+                                      .out_stride = H * DV};
             float *s = state[form] + h * DK * DV;
-            if (form) moe_delta_rule_chunked(&a, T, s, scratch);
-            else moe_delta_rule_recurrent(&a, T, s, scratch);
+            if (form)
+                moe_delta_rule_chunked(&a, T, s, scratch);
+            else
+                moe_delta_rule_recurrent(&a, T, s, scratch);
         }
     }
     const double e_out = max_rel_diff(out[1], out[0], (size_t)T * H * DV);
     const double e_state = max_rel_diff(state[1], state[0], (size_t)H * DK * DV);
     print_message("delta rule, %s decay: chunked vs token by token over %d tokens: outputs %.3g, "
-                  "state %.3g\n", n_g == 1 ? "per-head" : "per-channel", T, e_out, e_state);
+                  "state %.3g\n",
+                  n_g == 1 ? "per-head" : "per-channel", T, e_out, e_state);
     assert_true(e_out <= TOL_FORMS && e_state <= TOL_FORMS);
     free(q), free(k), free(v), free(g), free(beta), free(scratch);
     for (int i = 0; i < 2; i++) free(out[i]), free(state[i]);
@@ -135,7 +148,8 @@ static moe_model *load_model(void) {
  * split between them must not change a bit. */
 static moe_ctx *new_ctx(const moe_model *m, uint32_t n_seq, uint32_t max_rows) {
     moe_error err = {0};
-    moe_ctx_params cp = {.n_ctx = 512, .n_seq = n_seq, .max_rows = max_rows, .n_threads = n_seq > 1 ? 2 : 1};
+    moe_ctx_params cp = {
+        .n_ctx = 512, .n_seq = n_seq, .max_rows = max_rows, .n_threads = n_seq > 1 ? 2 : 1};
     moe_ctx *c = moe_ctx_new(m, &cp, &err);
     if (!c) fail_msg("%s", err.msg);
     return c;
@@ -154,8 +168,10 @@ static void feed(moe_ctx *c, int32_t seq, const int32_t *ids, uint32_t from, uin
     moe_error err = {0};
     for (uint32_t at = from; at < to;) {
         const uint32_t n = to - at < step ? to - at : step;
-        for (uint32_t i = 0; i < n; i++) rows[i] = (moe_row){seq, (int32_t)(at + i), ids[at + i], true};
-        if (moe_ctx_decode(c, rows, n, logits + (size_t)at * n_vocab, &err) != MOE_OK) fail_msg("%s", err.msg);
+        for (uint32_t i = 0; i < n; i++)
+            rows[i] = (moe_row){seq, (int32_t)(at + i), ids[at + i], true};
+        if (moe_ctx_decode(c, rows, n, logits + (size_t)at * n_vocab, &err) != MOE_OK)
+            fail_msg("%s", err.msg);
         at += n;
     }
 }
@@ -193,7 +209,8 @@ static void prefill_split_equals_one_shot(void **st) {
     enum { N_GEN = 8 };
     int32_t ids[N_LONG + N_GEN];
     long_prompt(ids, N_LONG);
-    float *ref = malloc(sizeof(float) * (N_LONG + N_GEN) * nv), *got = malloc(sizeof(float) * (N_LONG + N_GEN) * nv);
+    float *ref = malloc(sizeof(float) * (N_LONG + N_GEN) * nv),
+          *got = malloc(sizeof(float) * (N_LONG + N_GEN) * nv);
     moe_ctx *c = new_ctx(m, 1, N_LONG);
     feed(c, 0, ids, 0, N_LONG, N_LONG, ref, nv);
     for (uint32_t t = 0; t < N_GEN; t++) { /* greedy from the one-shot prefill */
@@ -272,9 +289,11 @@ static void interleaved_and_reused_match_alone(void **st) {
     uint32_t step[N_SEQ] = {0, 0, 0};
     for (int s = 0; s < 2; s++) next[s] = got[s][0] = top_token(logits + (size_t)s * nv, nv);
     for (int t = 0; t < 3; t++) { /* 0 and 1 decode together */
-        for (int s = 0; s < 2; s++) rows[s] = (moe_row){s, (int32_t)(N_PROMPT + step[s]), next[s], true};
+        for (int s = 0; s < 2; s++)
+            rows[s] = (moe_row){s, (int32_t)(N_PROMPT + step[s]), next[s], true};
         assert_int_equal(moe_ctx_decode(c, rows, 2, logits, &err), MOE_OK);
-        for (int s = 0; s < 2; s++) next[s] = got[s][++step[s]] = top_token(logits + (size_t)s * nv, nv);
+        for (int s = 0; s < 2; s++)
+            next[s] = got[s][++step[s]] = top_token(logits + (size_t)s * nv, nv);
     }
     /* request 2: reuse stops at the snapshot (sequence 0 has since moved on to other tokens);
      * sequence 0 alone offers that much, sequence 1 (a different prompt) nothing */

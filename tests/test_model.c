@@ -13,8 +13,8 @@
 #include "../src/tools/tools.h"
 
 /* Tolerances (../shared/parity/README.md): rows compare by max|ours - ref| / max|ref|. */
-#define TOL_F32 1e-4      /* float weights, float activations (run.c, llama.cpp F32) */
-#define TOL_Q8_ACT 1e-3   /* quantized weights with activations quantized like ggml's */
+#define TOL_F32    1e-4 /* float weights, float activations (run.c, llama.cpp F32) */
+#define TOL_Q8_ACT 1e-3 /* quantized weights with activations quantized like ggml's */
 
 /* ==== Fixture helpers ==== */
 
@@ -54,8 +54,10 @@ static int32_t argmax(const float *x, uint32_t n) {
 static double top2_margin(const float *x, uint32_t n) {
     float a = -INFINITY, b = -INFINITY, max_abs = 0;
     for (uint32_t i = 0; i < n; i++) {
-        if (x[i] > a) b = a, a = x[i];
-        else if (x[i] > b) b = x[i];
+        if (x[i] > a)
+            b = a, a = x[i];
+        else if (x[i] > b)
+            b = x[i];
         max_abs = fmaxf(max_abs, fabsf(x[i]));
     }
     return (a - b) / max_abs;
@@ -77,7 +79,8 @@ static void stories_logits_match_runc(void **state) {
     size_t n_tok, n_bytes;
     int32_t *tokens = json_ids("models/stories260K/greedy_bos_tokens.json", "tokens", &n_tok);
     MOE_SKIP_IF_NULL(tokens);
-    float *ref = (float *)moe_test_shared_read("models/stories260K/logits_greedy_bos_first32.runc.f32", &n_bytes);
+    float *ref = (float *)moe_test_shared_read(
+        "models/stories260K/logits_greedy_bos_first32.runc.f32", &n_bytes);
     moe_model *m = load_shared_model("models/stories260K/stories260K.gguf");
     const uint32_t nv = m->cfg.n_vocab, n_rows = 32;
     assert_int_equal(n_bytes, sizeof(float) * n_rows * nv);
@@ -90,8 +93,10 @@ static void stories_logits_match_runc(void **state) {
     float *logits = moe_xmalloc(sizeof(float) * n_rows * nv);
     assert_int_equal(moe_ctx_decode(ctx, rows, n_rows, logits, &err), MOE_OK);
     double worst = 0;
-    for (uint32_t i = 0; i < n_rows; i++) worst = fmax(worst, row_rel_err(logits + i * nv, ref + i * nv, nv));
-    print_message("stories260K: worst row rel err %.3g over %u positions (limit %g)\n", worst, n_rows, TOL_F32);
+    for (uint32_t i = 0; i < n_rows; i++)
+        worst = fmax(worst, row_rel_err(logits + i * nv, ref + i * nv, nv));
+    print_message("stories260K: worst row rel err %.3g over %u positions (limit %g)\n", worst,
+                  n_rows, TOL_F32);
     assert_true(worst <= TOL_F32);
     free(logits);
     free(ref);
@@ -111,8 +116,8 @@ static void stories_greedy_matches_runc(void **state) {
     float *logits = moe_xmalloc(sizeof(float) * nv);
     for (int kv = 0; kv < 2; kv++) {
         moe_error err = {0};
-        moe_ctx_params cp = {.n_ctx = 512, .n_seq = 1, .max_rows = 1,
-                             .kv_type = kv ? MOE_KV_F16 : MOE_KV_F32};
+        moe_ctx_params cp = {
+            .n_ctx = 512, .n_seq = 1, .max_rows = 1, .kv_type = kv ? MOE_KV_F16 : MOE_KV_F32};
         moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
         assert_non_null(ctx);
         int32_t tok = tokens[0];
@@ -120,7 +125,9 @@ static void stories_greedy_matches_runc(void **state) {
             moe_row row = {0, (int32_t)i - 1, tok, true};
             assert_int_equal(moe_ctx_decode(ctx, &row, 1, logits, &err), MOE_OK);
             tok = argmax(logits, nv);
-            if (tok != tokens[i]) fail_msg("kv %s: position %zu: got %d, run.c %d", kv ? "f16" : "f32", i, tok, tokens[i]);
+            if (tok != tokens[i])
+                fail_msg("kv %s: position %zu: got %d, run.c %d", kv ? "f16" : "f32", i, tok,
+                         tokens[i]);
         }
         moe_ctx_free(ctx);
     }
@@ -147,7 +154,8 @@ static void parity_check(const char *name, double tol) {
     const uint32_t nv = m->cfg.n_vocab, n_rows = (uint32_t)(n_prompt + n_greedy);
     assert_int_equal(n_bytes, sizeof(float) * n_rows * nv);
     moe_error err = {0};
-    moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = (uint32_t)n_prompt, .kv_type = MOE_KV_F32};
+    moe_ctx_params cp = {
+        .n_ctx = 64, .n_seq = 1, .max_rows = (uint32_t)n_prompt, .kv_type = MOE_KV_F32};
     moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
     assert_non_null(ctx);
     float *logits = moe_xmalloc(sizeof(float) * n_rows * nv);
@@ -168,7 +176,8 @@ static void parity_check(const char *name, double tol) {
         worst = fmax(worst, e);
         if (e > tol) fail_msg("%s: row %u: rel err %.3g > %g", name, i, e, tol);
         if (top2_margin(theirs, nv) > tol && argmax(ours, nv) != argmax(theirs, nv))
-            fail_msg("%s: row %u: argmax %d, llama.cpp %d", name, i, argmax(ours, nv), argmax(theirs, nv));
+            fail_msg("%s: row %u: argmax %d, llama.cpp %d", name, i, argmax(ours, nv),
+                     argmax(theirs, nv));
         if (i + 1 >= n_prompt && i + 1 - n_prompt < n_greedy && top2_margin(theirs, nv) > tol)
             assert_int_equal(argmax(ours, nv), greedy[i + 1 - n_prompt]);
     }
@@ -193,14 +202,14 @@ static void parity_qwen3moe_mixed(void **state) {
     parity_check("qwen3moe-mixed", TOL_Q8_ACT);
 }
 
-
 /* ==== Batches of many sequences ==== */
 
 /* Three sequences prefilled and decoded together (one row per sequence per step) give each the
  * logits it gets alone, bit for bit; and the expert counters show streams sharing experts. */
 static void batch_check(moe_model *m) {
     enum { N_SEQ = 3, N_PROMPT = 5, N_STEPS = 6 };
-    const int32_t prompts[N_SEQ][N_PROMPT] = {{1, 403, 407, 261, 378}, {1, 298, 315, 421, 395}, {1, 61, 62, 63, 64}};
+    const int32_t prompts[N_SEQ][N_PROMPT] = {
+        {1, 403, 407, 261, 378}, {1, 298, 315, 421, 395}, {1, 61, 62, 63, 64}};
     const uint32_t nv = m->cfg.n_vocab;
     float *alone = moe_xmalloc(sizeof(float) * N_SEQ * (N_STEPS + 1) * nv);
     int32_t next[N_SEQ][N_STEPS + 1];
@@ -209,18 +218,21 @@ static void batch_check(moe_model *m) {
         moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = N_PROMPT, .kv_type = MOE_KV_F32};
         moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
         moe_row rows[N_PROMPT];
-        for (int i = 0; i < N_PROMPT; i++) rows[i] = (moe_row){0, i, prompts[s][i], i == N_PROMPT - 1};
+        for (int i = 0; i < N_PROMPT; i++)
+            rows[i] = (moe_row){0, i, prompts[s][i], i == N_PROMPT - 1};
         float *out = alone + (size_t)s * (N_STEPS + 1) * nv;
         assert_int_equal(moe_ctx_decode(ctx, rows, N_PROMPT, out, &err), MOE_OK);
         for (int t = 0; t < N_STEPS; t++) {
             next[s][t] = argmax(out + (size_t)t * nv, nv);
             moe_row row = {0, N_PROMPT + t, next[s][t], true};
-            assert_int_equal(moe_ctx_decode(ctx, &row, 1, out + (size_t)(t + 1) * nv, &err), MOE_OK);
+            assert_int_equal(moe_ctx_decode(ctx, &row, 1, out + (size_t)(t + 1) * nv, &err),
+                             MOE_OK);
         }
         moe_ctx_free(ctx);
     }
     /* together: one prefill batch interleaving the prompts, then one row per sequence a step */
-    moe_ctx_params cp = {.n_ctx = 64, .n_seq = N_SEQ, .max_rows = N_SEQ * N_PROMPT, .kv_type = MOE_KV_F32};
+    moe_ctx_params cp = {
+        .n_ctx = 64, .n_seq = N_SEQ, .max_rows = N_SEQ * N_PROMPT, .kv_type = MOE_KV_F32};
     moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
     moe_row rows[N_SEQ * N_PROMPT];
     for (int i = 0; i < N_PROMPT; i++)
@@ -231,14 +243,16 @@ static void batch_check(moe_model *m) {
     bool shared_seen = false;
     for (int t = 0; t <= N_STEPS; t++) {
         for (int s = 0; s < N_SEQ; s++)
-            if (memcmp(together + (size_t)s * nv, alone + ((size_t)s * (N_STEPS + 1) + t) * nv, sizeof(float) * nv) != 0)
+            if (memcmp(together + (size_t)s * nv, alone + ((size_t)s * (N_STEPS + 1) + t) * nv,
+                       sizeof(float) * nv) != 0)
                 fail_msg("step %d: sequence %d differs in a batch from alone", t, s);
         if (t == N_STEPS) break;
         for (int s = 0; s < N_SEQ; s++) rows[s] = (moe_row){s, N_PROMPT + t, next[s][t], true};
         assert_int_equal(moe_ctx_decode(ctx, rows, N_SEQ, together, &err), MOE_OK);
         const moe_expert_stats st = moe_ctx_expert_stats(ctx);
         uint64_t moe_layers = 0;
-        for (uint32_t il = 0; il < m->cfg.n_layer; il++) moe_layers += m->layers[il].ffn_gate_inp != NULL;
+        for (uint32_t il = 0; il < m->cfg.n_layer; il++)
+            moe_layers += m->layers[il].ffn_gate_inp != NULL;
         assert_int_equal(st.rows, moe_layers * N_SEQ);
         assert_int_equal(st.pairs, moe_layers * N_SEQ * m->cfg.n_expert_used);
         assert_true(st.experts <= st.pairs);
@@ -252,9 +266,9 @@ static void batch_check(moe_model *m) {
 
 static void batch_equals_alone(void **state) {
     (void)state;
-    static const char *const models[] = {"parity/qwen3moe-mixed.gguf", "parity/deepseek2-q8_0-q4_k.gguf",
-                                         "parity/gpt-oss-mxfp4.gguf", "parity/qwen3next-f32.gguf",
-                                         "parity/kimi-linear-f32.gguf"};
+    static const char *const models[] = {
+        "parity/qwen3moe-mixed.gguf", "parity/deepseek2-q8_0-q4_k.gguf",
+        "parity/gpt-oss-mxfp4.gguf", "parity/qwen3next-f32.gguf", "parity/kimi-linear-f32.gguf"};
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
         moe_model *m = load_shared_model(models[i]);
         MOE_SKIP_IF_NULL(m);
@@ -279,11 +293,11 @@ static void glm4moe_synthetic(void **state) {
     assert_int_equal(moe_synth_write(&p, path, &err), MOE_OK);
     moe_model *m = moe_model_load(path, &err);
     if (!m) fail_msg("%s", err.msg);
-    assert_int_equal(m->cfg.n_layer, p.n_layer);      /* the NextN layer is not run */
+    assert_int_equal(m->cfg.n_layer, p.n_layer); /* the NextN layer is not run */
     assert_int_equal(m->cfg.n_layer_nextn, p.n_nextn);
     assert_int_equal(m->cfg.rope_dims, p.head_dim / 2);
     assert_int_equal(m->cfg.gating, MOE_GATING_SIGMOID);
-    assert_null(m->layers[0].ffn_gate_inp);           /* dense lead */
+    assert_null(m->layers[0].ffn_gate_inp); /* dense lead */
     assert_non_null(m->layers[1].exp_probs_b);
     assert_non_null(m->layers[1].ffn_gate_shexp);
     assert_non_null(m->layers[1].bq);
@@ -318,7 +332,8 @@ static const parity_case qwen3next_f32 = {"qwen3next-f32", TOL_F32};
  * sigmoid-gated output norm) with a dense FFN, layer 1 MLA without q LoRA and without rope over
  * a latent cache, sigmoid routing with exp_probs_b, scale 2.446, one shared expert. */
 static const parity_case kimi_linear_f32 = {"kimi-linear-f32", TOL_F32};
-#define PARITY_TEST(c) {"parity_" #c, parity_case_run, NULL, NULL, (void *)&c}
+#define PARITY_TEST(c)                                                                             \
+    { "parity_" #c, parity_case_run, NULL, NULL, (void *)&c }
 
 /* ==== Routing ==== */
 
@@ -336,9 +351,14 @@ static void grouped_routing_hand_made(void **state) {
     float logits[8], weights[2], scratch[16];
     memcpy(logits, logit_of, sizeof logits);
     int32_t ids[2];
-    const moe_route_params p = {.n_expert = 8, .n_used = 2, .gating = MOE_GATING_SIGMOID,
-                                .norm = true, .scale = 2.5f, .sel_bias = bias,
-                                .n_group = 4, .topk_group = 2};
+    const moe_route_params p = {.n_expert = 8,
+                                .n_used = 2,
+                                .gating = MOE_GATING_SIGMOID,
+                                .norm = true,
+                                .scale = 2.5f,
+                                .sel_bias = bias,
+                                .n_group = 4,
+                                .topk_group = 2};
     moe_route(&p, logits, 1, ids, weights, scratch);
     assert_int_equal(ids[0], 3);
     assert_int_equal(ids[1], 2);
@@ -346,8 +366,12 @@ static void grouped_routing_hand_made(void **state) {
     assert_true(fabsf(weights[0] - 2.5f * s3 / (s3 + s2)) < 1e-6f);
     assert_true(fabsf(weights[1] - 2.5f * s2 / (s3 + s2)) < 1e-6f);
     /* without groups the best scores win: 3 and 6 */
-    const moe_route_params flat = {.n_expert = 8, .n_used = 2, .gating = MOE_GATING_SIGMOID,
-                                   .norm = true, .scale = 1.0f, .sel_bias = bias};
+    const moe_route_params flat = {.n_expert = 8,
+                                   .n_used = 2,
+                                   .gating = MOE_GATING_SIGMOID,
+                                   .norm = true,
+                                   .scale = 1.0f,
+                                   .sel_bias = bias};
     moe_route(&flat, logits, 1, ids, weights, scratch);
     assert_int_equal(ids[0], 3);
     assert_int_equal(ids[1], 6);
@@ -381,7 +405,9 @@ static void load_edited(edit_kind edit, const char *target, moe_error *err) {
             ne[0] = t->ne[1];
             ne[1] = t->ne[0];
         }
-        assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, t->type, t->n_dims, ne, t->data, true, &e), MOE_OK);
+        assert_int_equal(
+            moe_gguf_writer_add_tensor(w, t->name.ptr, t->type, t->n_dims, ne, t->data, true, &e),
+            MOE_OK);
     }
     char path[512];
     snprintf(path, sizeof path, "%s/edited-%d.gguf", moe_test_tmpdir(), (int)edit);
@@ -441,14 +467,16 @@ static void run_stories_matches_runc(void **state) {
     const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
     MOE_SKIP_IF_NULL(model);
     size_t n_text, n_tok;
-    char *want = (char *)moe_test_shared_read("models/stories260K/runc_greedy_bos_n256.txt", &n_text);
+    char *want =
+        (char *)moe_test_shared_read("models/stories260K/runc_greedy_bos_n256.txt", &n_text);
     int32_t *tokens = json_ids("models/stories260K/greedy_bos_tokens.json", "tokens", &n_tok);
     char cmd[2048], *out;
     snprintf(cmd, sizeof cmd, "{ %s run %s -n 256 --temp 0 2>/dev/null; }", moe_test_bin(), model);
     assert_int_equal(moe_test_run(cmd, &out), 0);
     assert_string_equal(out, want);
     free(out);
-    snprintf(cmd, sizeof cmd, "{ %s run %s -n 256 --temp 0 --print-ids 2>/dev/null; }", moe_test_bin(), model);
+    snprintf(cmd, sizeof cmd, "{ %s run %s -n 256 --temp 0 --print-ids 2>/dev/null; }",
+             moe_test_bin(), model);
     assert_int_equal(moe_test_run(cmd, &out), 0);
     const char *p = out;
     for (size_t i = 0; i < n_tok; i++) {
@@ -490,11 +518,14 @@ static void logits_command_matches_runc(void **state) {
     MOE_SKIP_IF_NULL(model);
     size_t n_tok, n_ref, n_ours;
     int32_t *tokens = json_ids("models/stories260K/greedy_bos_tokens.json", "tokens", &n_tok);
-    float *ref = (float *)moe_test_shared_read("models/stories260K/logits_greedy_bos_first32.runc.f32", &n_ref);
+    float *ref = (float *)moe_test_shared_read(
+        "models/stories260K/logits_greedy_bos_first32.runc.f32", &n_ref);
     char ids[512] = "", out_path[512], cmd[2048], *out;
-    for (int i = 0; i < 32; i++) snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%d" : "%d", tokens[i]);
+    for (int i = 0; i < 32; i++)
+        snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%d" : "%d", tokens[i]);
     snprintf(out_path, sizeof out_path, "%s/logits.f32", moe_test_tmpdir());
-    snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s --out %s", moe_test_bin(), model, ids, out_path);
+    snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s --out %s", moe_test_bin(), model, ids,
+             out_path);
     assert_int_equal(moe_test_run(cmd, &out), 0);
     free(out);
     uint8_t *ours;
@@ -521,7 +552,8 @@ static void chat_answers_and_quits(void **state) {
     const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
     MOE_SKIP_IF_NULL(model);
     char cmd[2048], *out;
-    snprintf(cmd, sizeof cmd, "printf 'Once upon a time\\nThe dog\\n' | %s chat %s -n 8 --temp 0", moe_test_bin(), model);
+    snprintf(cmd, sizeof cmd, "printf 'Once upon a time\\nThe dog\\n' | %s chat %s -n 8 --temp 0",
+             moe_test_bin(), model);
     assert_int_equal(moe_test_run(cmd, &out), 0);
     assert_non_null(strstr(out, "generated: 16 tokens"));
     free(out);

@@ -299,7 +299,8 @@ static void activation_rows_match_ggml_cpu(void **state) {
         const moe_test_quant_fixture *f = &fixtures[i];
         const size_t xb = (size_t)moe_dot_row_bytes(f->type, f->row_len);
         assert_true(xb > 0);
-        float *x = (float *)moe_test_quant_read(f, "x.f32", N_VEC * (size_t)f->row_len * sizeof(float));
+        float *x =
+            (float *)moe_test_quant_read(f, "x.f32", N_VEC * (size_t)f->row_len * sizeof(float));
         uint8_t *want = moe_test_quant_read(f, "xq.blocks", N_VEC * xb);
         uint8_t *got = moe_xmalloc(N_VEC * xb);
         for (int j = 0; j < N_VEC; j++)
@@ -419,7 +420,8 @@ static void dot_f32_ref_matches_float64(void **state) {
         const moe_test_quant_fixture *f = &fixtures[i];
         const size_t rb = row_bytes(f);
         uint8_t *w = moe_test_quant_read(f, "blocks", rb * (size_t)f->n_rows);
-        float *x = (float *)moe_test_quant_read(f, "x.f32", N_VEC * (size_t)f->row_len * sizeof(float));
+        float *x =
+            (float *)moe_test_quant_read(f, "x.f32", N_VEC * (size_t)f->row_len * sizeof(float));
         read_dots(f, d);
         double worst = 0;
         for (int64_t r = 0; r < f->n_rows; r++)
@@ -462,7 +464,8 @@ static void quantize_error_budgets(void **state) {
             for (int64_t i = 0; i < n; i++) {
                 double v = moe_rng_gaussian(&seed) * scale;
                 if ((r & 1) && moe_rng_uniform(&seed) < 0.01)
-                    v *= (20.0 + 30.0 * moe_rng_uniform(&seed)) * (moe_rng_uniform(&seed) < 0.5 ? -1 : 1);
+                    v *= (20.0 + 30.0 * moe_rng_uniform(&seed)) *
+                         (moe_rng_uniform(&seed) < 0.5 ? -1 : 1);
                 x[i] = (float)v;
             }
             t->from_float(x, q, n);

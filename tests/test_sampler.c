@@ -43,7 +43,8 @@ static void greedy_is_argmax_with_logprobs(void **state) {
         assert_float_equal(r.logprob, l[r.token] - m - log(z), 1e-5);
         assert_int_equal(r.n_top, 5);
         assert_int_equal(r.top_tokens[0], r.token);
-        for (uint32_t i = 1; i < r.n_top; i++) assert_true(r.top_logprobs[i] <= r.top_logprobs[i - 1]);
+        for (uint32_t i = 1; i < r.n_top; i++)
+            assert_true(r.top_logprobs[i] <= r.top_logprobs[i - 1]);
     }
     moe_sampler_free(s);
 }
@@ -111,7 +112,8 @@ static void truncations_keep_what_they_promise(void **state) {
                 order[j] = t;
             }
     /* top-k = 3: only the three best ever come out */
-    moe_sampler_params p = {.temperature = 5, .top_k = 3, .top_p = 1, .repeat_penalty = 1, .seed = 1};
+    moe_sampler_params p = {
+        .temperature = 5, .top_k = 3, .top_p = 1, .repeat_penalty = 1, .seed = 1};
     moe_sampler *s = moe_sampler_new(&p, N_VOCAB);
     for (int i = 0; i < 2000; i++) {
         const int32_t t = moe_sampler_sample(s, l).token;
@@ -119,7 +121,8 @@ static void truncations_keep_what_they_promise(void **state) {
     }
     moe_sampler_free(s);
     /* min-p = 1: only the best */
-    p = (moe_sampler_params){.temperature = 5, .top_p = 1, .min_p = 1.0f, .repeat_penalty = 1, .seed = 1};
+    p = (moe_sampler_params){
+        .temperature = 5, .top_p = 1, .min_p = 1.0f, .repeat_penalty = 1, .seed = 1};
     s = moe_sampler_new(&p, N_VOCAB);
     for (int i = 0; i < 200; i++) assert_int_equal(moe_sampler_sample(s, l).token, order[0]);
     moe_sampler_free(s);
@@ -138,8 +141,12 @@ static void bias_and_penalties_move_tokens(void **state) {
     /* a -inf bias bans the best token; a large one crowns token 7 */
     int32_t bt[2] = {best, 7};
     float bv[2] = {-INFINITY, 0};
-    moe_sampler_params p = {.temperature = 0, .top_p = 1, .repeat_penalty = 1, .bias_tokens = bt,
-                            .bias_values = bv, .n_bias = 1};
+    moe_sampler_params p = {.temperature = 0,
+                            .top_p = 1,
+                            .repeat_penalty = 1,
+                            .bias_tokens = bt,
+                            .bias_values = bv,
+                            .n_bias = 1};
     moe_sampler *s = moe_sampler_new(&p, N_VOCAB);
     assert_int_not_equal(moe_sampler_sample(s, l).token, best);
     moe_sampler_free(s);
@@ -152,14 +159,18 @@ static void bias_and_penalties_move_tokens(void **state) {
     float flat[N_VOCAB] = {0};
     flat[5] = 1.0f;
     flat[6] = 0.9f;
-    p = (moe_sampler_params){.temperature = 0, .top_p = 1, .repeat_penalty = 1, .presence_penalty = 0.5f,
+    p = (moe_sampler_params){.temperature = 0,
+                             .top_p = 1,
+                             .repeat_penalty = 1,
+                             .presence_penalty = 0.5f,
                              .penalty_last_n = 8};
     s = moe_sampler_new(&p, N_VOCAB);
     assert_int_equal(moe_sampler_sample(s, flat).token, 5);
     assert_int_equal(moe_sampler_sample(s, flat).token, 6);
     moe_sampler_free(s);
     /* repetition penalty divides positive logits of recent tokens */
-    p = (moe_sampler_params){.temperature = 0, .top_p = 1, .repeat_penalty = 2.0f, .penalty_last_n = 8};
+    p = (moe_sampler_params){
+        .temperature = 0, .top_p = 1, .repeat_penalty = 2.0f, .penalty_last_n = 8};
     s = moe_sampler_new(&p, N_VOCAB);
     moe_sampler_accept(s, 5);
     assert_int_equal(moe_sampler_sample(s, flat).token, 6);

@@ -151,8 +151,9 @@ static bool servers(void) {
     }
     char *base_args[] = {(char *)model, "--ctx",     "1024",  "--parallel",
                          "16",          "--api-key", API_KEY, NULL};
-    char *slow_args[] = {"--parallel",   "1",  "--queue", "1", "--queue-timeout", "1",
-                         "--step-delay", "20", "--keepalive", "0.01", NULL};
+    char *slow_args[] = {
+        "--parallel", "1",           "--queue", "1", "--queue-timeout", "1", "--step-delay",
+        "20",         "--keepalive", "0.01",    NULL};
     char *hybrid_args[] = {(char *)hybrid,  "--ctx", "128", "--parallel", "2",
                            "--cache-slots", "4",     NULL};
     if (!server_start(&base_srv, "base", base_args) ||
@@ -282,7 +283,7 @@ static char *http_post(const char *base, const char *path, const char *body, lon
 /* --chat-template-file for the second server (and `moe chat`): its own shape, and a raise */
 #define CUSTOM_TEMPLATE                                                                            \
     "{%- for m in messages %}{%- if m.content == 'boom' %}{{ raise_exception('no boom here') }}"   \
-    "{%- endif %}[{{ m.role }}|{{ m.content }}]\n{%- endfor %}"                                     \
+    "{%- endif %}[{{ m.role }}|{{ m.content }}]\n{%- endfor %}"                                    \
     "{%- if add_generation_prompt %}[assistant|{%- endif %}"
 
 typedef struct chat_case {
@@ -331,9 +332,9 @@ static json_t *reference_case(const char *template_path, const char *messages, c
         json_t *call;
         json_array_foreach(json_object_get(m, "tool_calls"), k, call) {
             json_t *fn = json_object_get(call, "function");
-            json_object_set_new(fn, "arguments",
-                                json_loads(json_string_value(json_object_get(fn, "arguments")), 0,
-                                           NULL));
+            json_object_set_new(
+                fn, "arguments",
+                json_loads(json_string_value(json_object_get(fn, "arguments")), 0, NULL));
         }
     }
     json_t *kw = json_pack("{s:b,s:s,s:s}", "add_generation_prompt", 1, "bos_token", "<s>",
@@ -357,8 +358,9 @@ static size_t count_token(json_t *tokens, json_int_t id) {
 /* The prompt `moe chat --verbose-prompt` printed for its first turn. */
 static char *chat_prompt_of(const char *model, const char *extra) {
     char cmd[2048];
-    snprintf(cmd, sizeof cmd, "printf 'Tell me a story.\\n' | %s chat '%s' --verbose-prompt -n 2 %s",
-             moe_test_bin(), model, extra);
+    snprintf(cmd, sizeof cmd,
+             "printf 'Tell me a story.\\n' | %s chat '%s' --verbose-prompt -n 2 %s", moe_test_bin(),
+             model, extra);
     char *out;
     if (moe_test_run(cmd, &out) != 0) fail_msg("moe chat failed:\n%s", out);
     const char *a = strstr(out, " tokens]\n"), *b = a ? strstr(a, "\n[/prompt]") : NULL;
@@ -378,11 +380,13 @@ static void chat_templates_served(void **state) {
     char custom[600];
     snprintf(custom, sizeof custom, "%s/custom.jinja", moe_test_tmpdir());
     moe_error err = {0};
-    assert_int_equal(moe_file_write(custom, CUSTOM_TEMPLATE, strlen(CUSTOM_TEMPLATE), &err), MOE_OK);
+    assert_int_equal(moe_file_write(custom, CUSTOM_TEMPLATE, strlen(CUSTOM_TEMPLATE), &err),
+                     MOE_OK);
     server own = {0}, over = {0};
     char *own_args[] = {(char *)model, "--ctx", "2048", NULL};
     char *over_args[] = {(char *)model, "--ctx", "2048", "--chat-template-file", custom, NULL};
-    if (!server_start(&own, "chat-own", own_args) || !server_start(&over, "chat-override", over_args))
+    if (!server_start(&own, "chat-own", own_args) ||
+        !server_start(&over, "chat-override", over_args))
         fail_msg("a chat-template server did not start (logs in %s)", moe_test_tmpdir());
 
     /* every case through both servers, and through Python Jinja2 */
@@ -437,9 +441,9 @@ static void chat_templates_served(void **state) {
 
     /* a client's "<|im_start|>" stays text: the prompt holds only the template's two */
     long status;
-    char *reply = http_post(own.url, "/apply-template",
-                            "{\"messages\":[{\"role\":\"user\",\"content\":\"x<|im_start|>system\"}]}",
-                            &status);
+    char *reply = http_post(
+        own.url, "/apply-template",
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"x<|im_start|>system\"}]}", &status);
     json_t *j = json_loads(reply, 0, NULL);
     assert_int_equal(status, 200);
     assert_non_null(strstr(json_string_value(json_object_get(j, "prompt")), "x<|im_start|>system"));
@@ -477,10 +481,11 @@ static void chat_templates_served(void **state) {
 
 #define WEATHER_TOOLS                                                                              \
     "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"     \
-    "\"object\",\"properties\":{\"city\":{\"type\":\"string\"},\"days\":{\"type\":\"integer\"}}}}}]"
+    "\"object\",\"properties\":{\"city\":{\"type\":\"string\"},\"days\":{\"type\":\"integer\"}}}}" \
+    "}]"
 /* what a Qwen3 model writes: reasoning, text, two calls */
 #define REPLY                                                                                      \
-    "<think>\nCheck both.\n</think>\n\nOn it.<tool_call>\n{\"name\": \"get_weather\", "           \
+    "<think>\nCheck both.\n</think>\n\nOn it.<tool_call>\n{\"name\": \"get_weather\", "            \
     "\"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": "   \
     "\"get_weather\", \"arguments\": {\"city\": \"Nice\"}}\n</tool_call>"
 
@@ -518,7 +523,8 @@ static json_t *sse_events(const char *sse) {
         char *data = strstr(ev, "data: ");
         if (!data) fail_msg("SSE event without data: %s", ev);
         if (name) *strchr(ev, '\n') = '\0';
-        json_t *d = strcmp(data + 6, "[DONE]") == 0 ? json_string("[DONE]") : json_loads(data + 6, 0, NULL);
+        json_t *d =
+            strcmp(data + 6, "[DONE]") == 0 ? json_string("[DONE]") : json_loads(data + 6, 0, NULL);
         if (!d) fail_msg("SSE data is not JSON: %s", data);
         json_array_append_new(list, json_pack("{s:s?,s:o}", "event", name, "data", d));
         free(ev);
@@ -545,7 +551,8 @@ static void openai_shapes(void **state) {
     json_t *choice = json_array_get(json_object_get(r, "choices"), 0);
     json_t *msg = json_object_get(choice, "message");
     assert_string_equal(json_string_value(json_object_get(choice, "finish_reason")), "tool_calls");
-    assert_string_equal(json_string_value(json_object_get(msg, "reasoning_content")), "\nCheck both.\n");
+    assert_string_equal(json_string_value(json_object_get(msg, "reasoning_content")),
+                        "\nCheck both.\n");
     assert_string_equal(json_string_value(json_object_get(msg, "content")), "\n\nOn it.\n");
     json_t *calls = json_object_get(msg, "tool_calls");
     assert_int_equal(json_array_size(calls), 2);
@@ -675,8 +682,9 @@ static void anthropic_shapes(void **state) {
         const char *dt = json_string_value(json_object_get(delta, "type"));
         char step[64]; /* consecutive deltas of one kind count once */
         if (!strcmp(name, "content_block_start"))
-            snprintf(step, sizeof step, "start:%s",
-                     json_string_value(json_object_get(json_object_get(d, "content_block"), "type")));
+            snprintf(
+                step, sizeof step, "start:%s",
+                json_string_value(json_object_get(json_object_get(d, "content_block"), "type")));
         else
             snprintf(step, sizeof step, "%s", dt ? dt : name);
         if (strcmp(step, last) != 0) serve_buf_printf(&seq, "%s ", step);
@@ -732,7 +740,8 @@ static void responses_shapes(void **state) {
     json_t *evs = sse_events(out.p);
     json_t *last = json_object_get(json_array_get(evs, json_array_size(evs) - 1), "data");
     assert_string_equal(json_string_value(json_object_get(last, "type")), "response.completed");
-    assert_int_equal(json_array_size(json_object_get(json_object_get(last, "response"), "output")), 5);
+    assert_int_equal(json_array_size(json_object_get(json_object_get(last, "response"), "output")),
+                     5);
     json_decref(evs);
     serve_buf_free(&out);
     replay_free(&e);

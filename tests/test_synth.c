@@ -30,7 +30,8 @@ static void synth_inventory_and_run(void **state) {
     char *out = run_ok(cmd);
     /* 3 global tensors + 12 per qwen3moe layer */
     assert_non_null(strstr(out, "39 tensors"));
-    assert_non_null(strstr(out, "routed experts: gate/up Q4_K, down Q6_K in layers 0-1 (2); gate/up Q4_K, down IQ4_XS in layer 2 (1)"));
+    assert_non_null(strstr(out, "routed experts: gate/up Q4_K, down Q6_K in layers 0-1 (2); "
+                                "gate/up Q4_K, down IQ4_XS in layer 2 (1)"));
     assert_non_null(strstr(out, "attention: q/k/v/output Q8_0 in layers 0-2 (3)"));
     assert_non_null(strstr(out, "ffn_gate_inp F32")); /* routers stay float */
     assert_non_null(strstr(out, "reconciles:"));
@@ -48,11 +49,15 @@ static void synth_is_deterministic(void **state) {
     snprintf(a, sizeof a, "%s/det-a.gguf", dir);
     snprintf(b, sizeof b, "%s/det-b.gguf", dir);
     snprintf(c, sizeof c, "%s/det-c.gguf", dir);
-    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset llama-tiny --layers 2 --type '.*=Q4_0'", moe_test_bin(), a);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset llama-tiny --layers 2 --type '.*=Q4_0'",
+             moe_test_bin(), a);
     free(run_ok(cmd));
-    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset llama-tiny --layers 2 --type '.*=Q4_0'", moe_test_bin(), b);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset llama-tiny --layers 2 --type '.*=Q4_0'",
+             moe_test_bin(), b);
     free(run_ok(cmd));
-    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset llama-tiny --layers 2 --type '.*=Q4_0' --seed 5", moe_test_bin(), c);
+    snprintf(cmd, sizeof cmd,
+             "%s synth -o %s --preset llama-tiny --layers 2 --type '.*=Q4_0' --seed 5",
+             moe_test_bin(), c);
     free(run_ok(cmd));
     snprintf(cmd, sizeof cmd, "cmp -s %s %s", a, b);
     assert_int_equal(moe_test_run(cmd, NULL), 0);
@@ -80,12 +85,12 @@ static void synth_refuses_clearly(void **state) {
     assert_int_equal(moe_test_run(cmd, &out), 2);
     assert_non_null(strstr(out, "unknown preset 'nope'"));
     free(out);
-    snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --experts 4 --experts-used 8", moe_test_bin(), dir);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --experts 4 --experts-used 8", moe_test_bin(),
+             dir);
     assert_int_equal(moe_test_run(cmd, &out), 1);
     assert_non_null(strstr(out, "inconsistent shape"));
     free(out);
 }
-
 
 /* --random-blocks: types moe cannot quantize (the issue's IQ mix) are written as random valid
  * blocks at the preset's weight scale (each row's RMS is 1/sqrt(n_in)), and the model runs. */
@@ -94,9 +99,11 @@ static void synth_random_blocks(void **state) {
     char path[512], f32[512], cmd[2048];
     snprintf(path, sizeof path, "%s/synth-iq.gguf", moe_test_tmpdir());
     snprintf(f32, sizeof f32, "%s/synth-iq.f32", moe_test_tmpdir());
-    const char *types = "--type 'ffn_(gate|up)_exps=IQ2_S' --type 'ffn_down_exps=IQ3_S' "
-                        "--type 'attn_=Q8_0' --type 'output\\.weight=Q6_K' --type 'token_embd=Q4_K'";
-    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset tiny --layers 2 %s", moe_test_bin(), path, types);
+    const char *types =
+        "--type 'ffn_(gate|up)_exps=IQ2_S' --type 'ffn_down_exps=IQ3_S' "
+        "--type 'attn_=Q8_0' --type 'output\\.weight=Q6_K' --type 'token_embd=Q4_K'";
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset tiny --layers 2 %s", moe_test_bin(), path,
+             types);
     char *out;
     assert_int_equal(moe_test_run(cmd, &out), 1); /* no IQ2_S quantizer without the flag */
     assert_non_null(strstr(out, "no quantizer for IQ2_S"));

@@ -89,8 +89,10 @@ int moe_test_run(const char *cmd, char **out) {
     }
     buf[n] = '\0';
     int status = pclose(p);
-    if (out) *out = buf;
-    else free(buf);
+    if (out)
+        *out = buf;
+    else
+        free(buf);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
 }
 

@@ -32,7 +32,6 @@ int moe_test_run(const char *cmd, char **out);
 
 /* ==== Seeded random numbers (splitmix64; the same stream on every machine) ==== */
 
-
 /* ==== Quantization fixtures (../shared/quant, see its README) ==== */
 
 typedef struct moe_test_quant_fixture {

@@ -28,7 +28,9 @@ const char *moe_status_name(moe_status code) {
     return (unsigned)code < MOE_STATUS_COUNT ? status_names[code] : "unknown status";
 }
 
-const char *moe_version(void) { return MOE_VERSION_STRING; }
+const char *moe_version(void) {
+    return MOE_VERSION_STRING;
+}
 
 moe_status moe_error_set(moe_error *err, moe_status code, const char *fmt, ...) {
     if (!err) return code;
@@ -79,7 +81,9 @@ _Noreturn void moe_die_at(const char *file, int line, const char *fmt, ...) {
 
 static moe_log_level log_level = MOE_LOG_INFO;
 
-void moe_log_set_level(moe_log_level level) { log_level = level; }
+void moe_log_set_level(moe_log_level level) {
+    log_level = level;
+}
 
 void moe_log(moe_log_level level, const char *fmt, ...) {
     if (level < log_level) return;
@@ -112,7 +116,9 @@ void *moe_xrealloc(void *p, size_t n) {
     return q;
 }
 
-char *moe_xstrdup(const char *s) { return moe_xstrndup(s, strlen(s)); }
+char *moe_xstrdup(const char *s) {
+    return moe_xstrndup(s, strlen(s));
+}
 
 char *moe_xstrndup(const char *s, size_t n) {
     char *d = moe_xmalloc(n + 1);
@@ -244,7 +250,9 @@ uint16_t moe_f32_to_fp16(float f) {
     return sign | (uint16_t)((mant_rounded - (112u << 23)) >> 13);
 }
 
-float moe_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+float moe_bf16_to_f32(uint16_t h) {
+    return bits_f32((uint32_t)h << 16);
+}
 
 uint16_t moe_f32_to_bf16(float f) {
     uint32_t x = f32_bits(f);

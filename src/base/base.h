@@ -31,7 +31,7 @@ _Noreturn void moe_die_at(const char *file, int line, const char *fmt, ...)
 /* An internal invariant; on failure the process ends with file:line. Not for input checks. */
 #define MOE_CHECK(cond)                                                                            \
     do {                                                                                           \
-        if (!(cond)) moe_die("check failed: %s", #cond);                                          \
+        if (!(cond)) moe_die("check failed: %s", #cond);                                           \
     } while (0)
 
 /* ==== Logging (stderr) ==== */
@@ -128,9 +128,9 @@ uint16_t moe_f32_to_bf16(float f); /* round to nearest even; NaN stays quiet NaN
 typedef struct moe_json {
     char *buf; /* the text so far, NUL-terminated */
     size_t len, cap;
-    bool pretty;          /* newline + two-space indent per level */
+    bool pretty; /* newline + two-space indent per level */
     uint32_t depth;
-    bool after_key;       /* a key was written: the next value needs no comma */
+    bool after_key;                         /* a key was written: the next value needs no comma */
     bool has_items[MOE_JSON_MAX_DEPTH + 1]; /* per level: something written already */
 } moe_json;
 

@@ -29,7 +29,9 @@ static void put(moe_json *j, const char *s, size_t n) {
     j->buf[j->len] = '\0';
 }
 
-static void putc1(moe_json *j, char c) { put(j, &c, 1); }
+static void putc1(moe_json *j, char c) {
+    put(j, &c, 1);
+}
 
 void moe_json_init(moe_json *j, bool pretty) {
     memset(j, 0, sizeof *j);
@@ -91,10 +93,18 @@ static void close_level(moe_json *j, char c) {
     putc1(j, c);
 }
 
-void moe_json_object_begin(moe_json *j) { open_level(j, '{'); }
-void moe_json_object_end(moe_json *j) { close_level(j, '}'); }
-void moe_json_array_begin(moe_json *j) { open_level(j, '['); }
-void moe_json_array_end(moe_json *j) { close_level(j, ']'); }
+void moe_json_object_begin(moe_json *j) {
+    open_level(j, '{');
+}
+void moe_json_object_end(moe_json *j) {
+    close_level(j, '}');
+}
+void moe_json_array_begin(moe_json *j) {
+    open_level(j, '[');
+}
+void moe_json_array_end(moe_json *j) {
+    close_level(j, ']');
+}
 
 /* ==== Strings ==== */
 
@@ -104,10 +114,14 @@ static size_t utf8_valid(const unsigned char *s, size_t n) {
     size_t len;
     uint32_t cp;
     if (c < 0x80) return 1;
-    if (c >= 0xc2 && c <= 0xdf) len = 2, cp = c & 0x1f;
-    else if (c >= 0xe0 && c <= 0xef) len = 3, cp = c & 0x0f;
-    else if (c >= 0xf0 && c <= 0xf4) len = 4, cp = c & 0x07;
-    else return 0;
+    if (c >= 0xc2 && c <= 0xdf)
+        len = 2, cp = c & 0x1f;
+    else if (c >= 0xe0 && c <= 0xef)
+        len = 3, cp = c & 0x0f;
+    else if (c >= 0xf0 && c <= 0xf4)
+        len = 4, cp = c & 0x07;
+    else
+        return 0;
     if (len > n) return 0;
     for (size_t i = 1; i < len; i++) {
         if ((s[i] & 0xc0) != 0x80) return 0;
@@ -128,13 +142,27 @@ static void put_string(moe_json *j, const char *s, size_t n) {
         char hex[8];
         size_t len = 1;
         switch (c) {
-        case '"': esc = "\\\""; break;
-        case '\\': esc = "\\\\"; break;
-        case '\n': esc = "\\n"; break;
-        case '\r': esc = "\\r"; break;
-        case '\t': esc = "\\t"; break;
-        case '\b': esc = "\\b"; break;
-        case '\f': esc = "\\f"; break;
+        case '"':
+            esc = "\\\"";
+            break;
+        case '\\':
+            esc = "\\\\";
+            break;
+        case '\n':
+            esc = "\\n";
+            break;
+        case '\r':
+            esc = "\\r";
+            break;
+        case '\t':
+            esc = "\\t";
+            break;
+        case '\b':
+            esc = "\\b";
+            break;
+        case '\f':
+            esc = "\\f";
+            break;
         default:
             if (c < 0x20) {
                 snprintf(hex, sizeof hex, "\\u%04x", c);
@@ -172,7 +200,9 @@ void moe_json_string_n(moe_json *j, const char *s, size_t n) {
     put_string(j, s, n);
 }
 
-void moe_json_string(moe_json *j, const char *s) { moe_json_string_n(j, s, strlen(s)); }
+void moe_json_string(moe_json *j, const char *s) {
+    moe_json_string_n(j, s, strlen(s));
+}
 
 /* ==== Scalars ==== */
 
@@ -203,5 +233,9 @@ void moe_json_double(moe_json *j, double v) {
     put_scalar(j, b);
 }
 
-void moe_json_bool(moe_json *j, bool v) { put_scalar(j, v ? "true" : "false"); }
-void moe_json_null(moe_json *j) { put_scalar(j, "null"); }
+void moe_json_bool(moe_json *j, bool v) {
+    put_scalar(j, v ? "true" : "false");
+}
+void moe_json_null(moe_json *j) {
+    put_scalar(j, "null");
+}

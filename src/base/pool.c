@@ -114,7 +114,9 @@ void moe_pool_free(moe_pool *p) {
     free(p);
 }
 
-int moe_pool_n_threads(const moe_pool *p) { return p ? p->n_threads : 1; }
+int moe_pool_n_threads(const moe_pool *p) {
+    return p ? p->n_threads : 1;
+}
 
 void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, void *arg) {
     if (n_items <= 0) return;
@@ -136,7 +138,9 @@ void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, v
     pthread_mutex_unlock(&p->mu);
     run_chunks(p, 0);
     for (int spins = 0; atomic_load_explicit(&p->n_busy, memory_order_acquire) > 0; spins++) {
-        if (spins < POOL_SPIN) cpu_relax();
-        else sched_yield(); /* a worker was descheduled: give it the core */
+        if (spins < POOL_SPIN)
+            cpu_relax();
+        else
+            sched_yield(); /* a worker was descheduled: give it the core */
     }
 }

@@ -31,8 +31,8 @@ static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
     for (int64_t r = begin; r < end; r++) {
         const moe_row *row = &j->rows[r];
         /* a windowed layer masks key j for query p when p - j >= window */
-        const uint32_t first = j->window && (uint32_t)row->pos >= j->window
-                                   ? (uint32_t)row->pos - j->window + 1 : 0;
+        const uint32_t first =
+            j->window && (uint32_t)row->pos >= j->window ? (uint32_t)row->pos - j->window + 1 : 0;
         const uint8_t *k0 = moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, first);
         const uint8_t *v0 = moe_kv_slot(c, v_cache, v_row_bytes, row->seq, j->layer, first);
         moe_attention_row(s, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes / elem,
@@ -53,15 +53,19 @@ static void split_q_gate(moe_ctx *c, uint32_t n_rows) {
     }
 }
 
-void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer,
-                     const moe_row *rows, uint32_t n_rows, uint32_t window, bool latent_v) {
-    attn_job job = {.c = c, .rows = rows, .layer = layer, .window = window,
-                    .latent_v = latent_v, .shape = shape};
+void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, const moe_row *rows,
+                     uint32_t n_rows, uint32_t window, bool latent_v) {
+    attn_job job = {.c = c,
+                    .rows = rows,
+                    .layer = layer,
+                    .window = window,
+                    .latent_v = latent_v,
+                    .shape = shape};
     moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
 }
 
-void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
-                         const moe_row *rows, uint32_t n_rows) {
+void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,
+                         uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
     const int64_t n_embd = cfg->n_embd;
     const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
@@ -74,7 +78,8 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
                                   .head_dim_v = (int)cfg->head_dim_v,
                                   .scale = cfg->kq_scale,
                                   .kv_f16 = c->p.kv_type == MOE_KV_F16,
-                                  .sinks = l->attn_sinks ? (const float *)l->attn_sinks->data : NULL};
+                                  .sinks =
+                                      l->attn_sinks ? (const float *)l->attn_sinks->data : NULL};
     const float *norm_w = (const float *)l->attn_norm->data;
     for (uint32_t r = 0; r < n_rows; r++)
         moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
@@ -86,23 +91,29 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
     moe_add_bias(c->k, l->bk, 0, n_rows, k_w);
     moe_add_bias(c->v, l->bv, 0, n_rows, v_w);
     if (l->attn_q_norm) {
-        const float *qn = (const float *)l->attn_q_norm->data, *kn = (const float *)l->attn_k_norm->data;
+        const float *qn = (const float *)l->attn_q_norm->data,
+                    *kn = (const float *)l->attn_k_norm->data;
         for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head; h++)
-            moe_rmsnorm(c->q + h * cfg->head_dim_k, c->q + h * cfg->head_dim_k, qn, cfg->head_dim_k, cfg->rms_eps);
+            moe_rmsnorm(c->q + h * cfg->head_dim_k, c->q + h * cfg->head_dim_k, qn, cfg->head_dim_k,
+                        cfg->rms_eps);
         for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head_kv; h++)
-            moe_rmsnorm(c->k + h * cfg->head_dim_k, c->k + h * cfg->head_dim_k, kn, cfg->head_dim_k, cfg->rms_eps);
+            moe_rmsnorm(c->k + h * cfg->head_dim_k, c->k + h * cfg->head_dim_k, kn, cfg->head_dim_k,
+                        cfg->rms_eps);
     }
     for (uint32_t r = 0; r < n_rows; r++) {
         moe_rope(c->q + r * q_w, (int)cfg->n_head, (int)cfg->head_dim_k, rows[r].pos, &rope);
         moe_rope(c->k + r * k_w, (int)cfg->n_head_kv, (int)cfg->head_dim_k, rows[r].pos, &rope);
-        moe_kv_store(c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
-                 c->k + r * k_w, (uint64_t)k_w);
-        moe_kv_store(c, moe_kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
-                 c->v + r * v_w, (uint64_t)v_w);
+        moe_kv_store(
+            c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
+            c->k + r * k_w, (uint64_t)k_w);
+        moe_kv_store(
+            c, moe_kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
+            c->v + r * v_w, (uint64_t)v_w);
     }
     moe_attend_rows(c, &shape, il, rows, n_rows, l->attn_window, false);
     if (cfg->attn_output_gate)
-        moe_gate_mul(c->att, c->att_gate, (int64_t)n_rows * cfg->n_head * cfg->head_dim_v, MOE_GATE_SIGMOID);
+        moe_gate_mul(c->att, c->att_gate, (int64_t)n_rows * cfg->n_head * cfg->head_dim_v,
+                     MOE_GATE_SIGMOID);
     moe_matmul(c->pool, l->wo, 0, c->att, n_rows, c->xn, c->mm_scratch);
     moe_add_bias(c->xn, l->bo, 0, n_rows, n_embd);
     for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];

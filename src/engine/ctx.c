@@ -12,13 +12,15 @@
 
 #include "../ops/ops.h"
 
-#define MOE_CTX_MAX_DEFAULT 4096 /* default context when the model's is larger (memory) */
-#define MOE_MAX_SEQ 4096         /* sequences per context: caps the per-sequence tables */
-#define MOE_MAX_ROWS 65536       /* rows per forward call: caps scratch */
+#define MOE_CTX_MAX_DEFAULT 4096  /* default context when the model's is larger (memory) */
+#define MOE_MAX_SEQ         4096  /* sequences per context: caps the per-sequence tables */
+#define MOE_MAX_ROWS        65536 /* rows per forward call: caps scratch */
 
 /* struct moe_ctx lives in internal.h */
 
-static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+static uint64_t max_u64(uint64_t a, uint64_t b) {
+    return a > b ? a : b;
+}
 
 /* Bytes of one position of one attention layer in the K and V caches. MLA caches only the
  * latent row (n_lora_kv + rope dims = head_dim_k); V lives inside it, so v is 0. */
@@ -39,10 +41,13 @@ static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, mo
     if (out->max_rows == 0) out->max_rows = 512;
     if (out->n_snapshots == 0) out->n_snapshots = 2 * out->n_seq;
     if (out->n_threads < 1) out->n_threads = 1;
-    if (out->n_seq > MOE_MAX_SEQ || out->max_rows > MOE_MAX_ROWS || out->n_snapshots > 2 * MOE_MAX_SEQ)
-        return moe_error_set(err, MOE_ERR_ARG, "context: %u sequences / %u rows / %u snapshots "
-                             "exceed the limits %u / %u / %u", out->n_seq, out->max_rows,
-                             out->n_snapshots, MOE_MAX_SEQ, MOE_MAX_ROWS, 2 * MOE_MAX_SEQ);
+    if (out->n_seq > MOE_MAX_SEQ || out->max_rows > MOE_MAX_ROWS ||
+        out->n_snapshots > 2 * MOE_MAX_SEQ)
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "context: %u sequences / %u rows / %u snapshots "
+                             "exceed the limits %u / %u / %u",
+                             out->n_seq, out->max_rows, out->n_snapshots, MOE_MAX_SEQ, MOE_MAX_ROWS,
+                             2 * MOE_MAX_SEQ);
     return MOE_OK;
 }
 
@@ -83,7 +88,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     uint64_t k_row, v_row;
     kv_row_bytes(c, params.kv_type, &k_row, &v_row);
     /* no overflow: the plan checked the sum of both */
-    const uint64_t kv_rows = (uint64_t)params.n_seq * params.n_ctx * (c->n_layer - c->n_layer_linear);
+    const uint64_t kv_rows =
+        (uint64_t)params.n_seq * params.n_ctx * (c->n_layer - c->n_layer_linear);
     const uint64_t k_bytes = kv_rows * k_row, v_bytes = kv_rows * v_row;
     moe_ctx *x = moe_xcalloc(1, sizeof *x);
     x->m = m;
@@ -99,8 +105,10 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->tokens = calloc(1, plan.token_bytes);
     x->snap_state = calloc(1, plan.snapshot_bytes ? plan.snapshot_bytes : 1);
     if (!x->k_cache || !x->v_cache || !x->tokens || !x->snap_state) {
-        moe_error_set(err, MOE_ERR_NOMEM, "context: cannot allocate %.1f MiB of KV cache, "
-                      "snapshots and token ids", (double)plan.total / (1 << 20));
+        moe_error_set(err, MOE_ERR_NOMEM,
+                      "context: cannot allocate %.1f MiB of KV cache, "
+                      "snapshots and token ids",
+                      (double)plan.total / (1 << 20));
         moe_ctx_free(x);
         return NULL;
     }
@@ -121,7 +129,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->ff_gate = moe_xcalloc(rows * ff_w, sizeof(float));
     x->ff_up = moe_xcalloc(rows * ff_w, sizeof(float));
     if (c->n_lora_kv) {
-        const uint64_t head_max = max_u64(max_u64(c->head_dim_k_mla, c->n_lora_kv), c->head_dim_v_mla);
+        const uint64_t head_max =
+            max_u64(max_u64(c->head_dim_k_mla, c->n_lora_kv), c->head_dim_v_mla);
         x->mla_qa = moe_xcalloc(rows * (c->n_lora_q ? c->n_lora_q : 1), sizeof(float));
         x->mla_q = moe_xcalloc(rows * c->n_head * c->head_dim_k_mla, sizeof(float));
         x->mla_o = moe_xcalloc(rows * c->n_head * c->head_dim_v_mla, sizeof(float));
@@ -129,16 +138,39 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         x->mla_out = moe_xcalloc(rows * head_max, sizeof(float));
     }
     x->pool = moe_pool_new(params.n_threads);
-    x->scores = moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
+    x->scores =
+        moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
     for (uint32_t il = 0; il < c->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        const moe_tensor *ts[] = {l->wq, l->wk, l->wv, l->wo, l->ffn_gate, l->ffn_up, l->ffn_down,
-                                  l->ffn_gate_inp, l->ffn_gate_exps, l->ffn_up_exps, l->ffn_down_exps,
-                                  l->ffn_gate_shexp, l->ffn_up_shexp, l->ffn_down_shexp, l->wq_a,
-                                  l->wq_b, l->wkv_a_mqa, l->wk_b, l->wv_b, l->ssm_qkv, l->ssm_gate,
-                                  l->ssm_ba, l->ssm_beta, l->ssm_f_a, l->ssm_f_b, l->ssm_g_a,
-                                  l->ssm_g_b, l->ssm_out};
+        const moe_tensor *ts[] = {l->wq,
+                                  l->wk,
+                                  l->wv,
+                                  l->wo,
+                                  l->ffn_gate,
+                                  l->ffn_up,
+                                  l->ffn_down,
+                                  l->ffn_gate_inp,
+                                  l->ffn_gate_exps,
+                                  l->ffn_up_exps,
+                                  l->ffn_down_exps,
+                                  l->ffn_gate_shexp,
+                                  l->ffn_up_shexp,
+                                  l->ffn_down_shexp,
+                                  l->wq_a,
+                                  l->wq_b,
+                                  l->wkv_a_mqa,
+                                  l->wk_b,
+                                  l->wv_b,
+                                  l->ssm_qkv,
+                                  l->ssm_gate,
+                                  l->ssm_ba,
+                                  l->ssm_beta,
+                                  l->ssm_f_a,
+                                  l->ssm_f_b,
+                                  l->ssm_g_a,
+                                  l->ssm_g_b,
+                                  l->ssm_out};
         for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
             if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
     }
@@ -203,10 +235,16 @@ void moe_ctx_free(moe_ctx *c) {
     free(c);
 }
 
-const moe_model *moe_ctx_model(const moe_ctx *c) { return c->m; }
-uint32_t moe_ctx_n_ctx(const moe_ctx *c) { return c->p.n_ctx; }
+const moe_model *moe_ctx_model(const moe_ctx *c) {
+    return c->m;
+}
+uint32_t moe_ctx_n_ctx(const moe_ctx *c) {
+    return c->p.n_ctx;
+}
 
-moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c) { return c->stats; }
+moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c) {
+    return c->stats;
+}
 
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq) {
     return seq >= 0 && (uint32_t)seq < c->p.n_seq ? c->seq_len[seq] : 0;
@@ -215,8 +253,9 @@ uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq) {
 /* ==== KV cache addressing ==== */
 
 uint8_t *moe_kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32_t seq,
-                        uint32_t layer, uint32_t pos) {
-    const uint64_t index = ((uint64_t)seq * c->n_layer_kv + c->layer_slot[layer]) * c->p.n_ctx + pos;
+                     uint32_t layer, uint32_t pos) {
+    const uint64_t index =
+        ((uint64_t)seq * c->n_layer_kv + c->layer_slot[layer]) * c->p.n_ctx + pos;
     return cache + index * row_bytes;
 }
 
@@ -268,15 +307,21 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     const moe_model_config *cfg = &m->cfg;
     const int64_t n_embd = cfg->n_embd;
 
-    for (uint32_t r = 0; r < n_rows; r++) moe_tensor_row_f32(m->token_embd, rows[r].token, c->x + r * n_embd);
+    for (uint32_t r = 0; r < n_rows; r++)
+        moe_tensor_row_f32(m->token_embd, rows[r].token, c->x + r * n_embd);
 
     for (uint32_t il = 0; il < cfg->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        if (l->mixer != MOE_MIXER_ATTENTION) moe_block_linear(c, l, il, rows, n_rows);
-        else if (l->wkv_a_mqa) moe_block_attention_mla(c, l, il, rows, n_rows);
-        else moe_block_attention(c, l, il, rows, n_rows);
-        if (l->ffn_gate_inp) moe_block_ffn_experts(c, l, n_rows);
-        else moe_block_ffn_dense(c, l, n_rows);
+        if (l->mixer != MOE_MIXER_ATTENTION)
+            moe_block_linear(c, l, il, rows, n_rows);
+        else if (l->wkv_a_mqa)
+            moe_block_attention_mla(c, l, il, rows, n_rows);
+        else
+            moe_block_attention(c, l, il, rows, n_rows);
+        if (l->ffn_gate_inp)
+            moe_block_ffn_experts(c, l, n_rows);
+        else
+            moe_block_ffn_dense(c, l, n_rows);
     }
     for (uint32_t r = 0; r < n_rows; r++) {
         c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;

@@ -29,7 +29,7 @@ typedef struct moe_ctx_params {
     uint32_t n_seq;    /* sequences held at once */
     uint32_t max_rows; /* rows per forward call */
     moe_kv_type kv_type;
-    int n_threads;     /* threads for the forward pass, including the caller (0: 1) */
+    int n_threads;        /* threads for the forward pass, including the caller (0: 1) */
     uint32_t n_snapshots; /* recurrent-state snapshots held at once (0: 2 per sequence) */
 } moe_ctx_params;
 
@@ -102,26 +102,26 @@ const int32_t *moe_ctx_seq_tokens(const moe_ctx *c, int32_t seq);
 /* ==== Sampling ==== */
 
 typedef struct moe_sampler_params {
-    float temperature;        /* <= 0: greedy */
-    int32_t top_k;            /* <= 0: off */
-    float top_p;              /* >= 1: off */
-    float min_p;              /* <= 0: off */
-    float repeat_penalty;     /* 1: off; divides positive / multiplies negative logits */
-    float presence_penalty;   /* subtracted once from every token seen in the window */
-    float frequency_penalty;  /* subtracted per occurrence in the window */
-    int32_t penalty_last_n;   /* window of recent tokens the penalties look at */
+    float temperature;       /* <= 0: greedy */
+    int32_t top_k;           /* <= 0: off */
+    float top_p;             /* >= 1: off */
+    float min_p;             /* <= 0: off */
+    float repeat_penalty;    /* 1: off; divides positive / multiplies negative logits */
+    float presence_penalty;  /* subtracted once from every token seen in the window */
+    float frequency_penalty; /* subtracted per occurrence in the window */
+    int32_t penalty_last_n;  /* window of recent tokens the penalties look at */
     uint64_t seed;
     const int32_t *bias_tokens; /* logit_bias: tokens ... */
     const float *bias_values;   /* ... and what is added to their logits (-inf bans) */
     uint32_t n_bias;
-    uint32_t n_top_logprobs;  /* alternatives reported per step (<= MOE_SAMPLER_MAX_TOP) */
+    uint32_t n_top_logprobs; /* alternatives reported per step (<= MOE_SAMPLER_MAX_TOP) */
 } moe_sampler_params;
 
 #define MOE_SAMPLER_MAX_TOP 20 /* OpenAI's top_logprobs maximum */
 
 typedef struct moe_sample {
     int32_t token;
-    float logprob;                          /* of the chosen token, under the full softmax */
+    float logprob; /* of the chosen token, under the full softmax */
     uint32_t n_top;
     int32_t top_tokens[MOE_SAMPLER_MAX_TOP]; /* most likely first */
     float top_logprobs[MOE_SAMPLER_MAX_TOP];

@@ -61,13 +61,17 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
                                     .gating = cfg->gating,
                                     .norm = cfg->norm_topk,
                                     .scale = cfg->expert_weights_scale,
-                                    .sel_bias = l->exp_probs_b ? (const float *)l->exp_probs_b->data : NULL,
+                                    .sel_bias =
+                                        l->exp_probs_b ? (const float *)l->exp_probs_b->data : NULL,
                                     .n_group = (int)cfg->n_expert_group,
                                     .topk_group = (int)cfg->n_group_used};
     moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
-    const moe_expert_set experts = {.gate = l->ffn_gate_exps, .up = l->ffn_up_exps,
-                                    .down = l->ffn_down_exps, .gate_b = l->ffn_gate_exps_b,
-                                    .up_b = l->ffn_up_exps_b, .down_b = l->ffn_down_exps_b,
+    const moe_expert_set experts = {.gate = l->ffn_gate_exps,
+                                    .up = l->ffn_up_exps,
+                                    .down = l->ffn_down_exps,
+                                    .gate_b = l->ffn_gate_exps_b,
+                                    .up_b = l->ffn_up_exps_b,
+                                    .down_b = l->ffn_down_exps_b,
                                     .act = cfg->expert_act};
     /* the experts add their weighted outputs straight into the residual */
     moe_experts_forward(c->pool, &experts, c->xn, n_rows, c->expert_ids, c->expert_w,

@@ -1,7 +1,7 @@
 /* internal.h: what the engine's files share -- the context struct and the layer blocks.
  *
- * Not a public header: only the engine's own .c files include it. Each block runs one part of a layer
- * over all rows of a batch, reading and writing the context's scratch; moe_ctx_decode() in
+ * Not a public header: only the engine's own .c files include it. Each block runs one part of a
+ * layer over all rows of a batch, reading and writing the context's scratch; moe_ctx_decode() in
  * ctx.c strings them together per the model's config. */
 #ifndef MOE_ENGINE_INTERNAL_H
 #define MOE_ENGINE_INTERNAL_H
@@ -15,39 +15,39 @@ typedef struct moe_linear_seg {
 } moe_linear_seg;
 
 typedef struct moe_linear_ctx {
-    uint32_t n_layer;        /* linear layers (0: the model is not a hybrid) */
-    uint64_t conv_floats;    /* one layer's conv state: [2K + V channels][d_conv - 1] */
-    uint64_t layer_floats;   /* conv_floats + the delta-rule state [n_v_heads][hd][hd] */
-    float *state;            /* [n_seq][n_layer][layer_floats] */
-    int32_t *order;          /* [max_rows] batch rows grouped by sequence */
-    int32_t *seq_count;      /* [n_seq + 1] counting-sort table */
-    moe_linear_seg *segs;    /* [max_rows] */
+    uint32_t n_layer;      /* linear layers (0: the model is not a hybrid) */
+    uint64_t conv_floats;  /* one layer's conv state: [2K + V channels][d_conv - 1] */
+    uint64_t layer_floats; /* conv_floats + the delta-rule state [n_v_heads][hd][hd] */
+    float *state;          /* [n_seq][n_layer][layer_floats] */
+    int32_t *order;        /* [max_rows] batch rows grouped by sequence */
+    int32_t *seq_count;    /* [n_seq + 1] counting-sort table */
+    moe_linear_seg *segs;  /* [max_rows] */
     /* scratch, [max_rows][width] floats each, rows in `order` */
-    float *x;                /* normed input [n_embd] */
-    float *qkv;              /* q | k | v after the conv [2K + V] */
-    float *z;                /* output gate [V] */
-    float *g;                /* log decay [n_v_heads] (GDN) or [V] (KDA) */
-    float *beta;             /* [n_v_heads] */
-    float *tmp;              /* low-rank and beta/alpha projections [max(2 n_v_heads, hd)] */
-    float *out;              /* delta-rule output, then gated-normed [V] */
-    float *y;                /* output projection [n_embd] */
-    float *delta_scratch;    /* [n_threads][moe_delta_scratch_floats] */
+    float *x;             /* normed input [n_embd] */
+    float *qkv;           /* q | k | v after the conv [2K + V] */
+    float *z;             /* output gate [V] */
+    float *g;             /* log decay [n_v_heads] (GDN) or [V] (KDA) */
+    float *beta;          /* [n_v_heads] */
+    float *tmp;           /* low-rank and beta/alpha projections [max(2 n_v_heads, hd)] */
+    float *out;           /* delta-rule output, then gated-normed [V] */
+    float *y;             /* output projection [n_embd] */
+    float *delta_scratch; /* [n_threads][moe_delta_scratch_floats] */
 } moe_linear_ctx;
 
 /* A recurrent-state snapshot: sequence seq's state after its first pos tokens. */
 typedef struct moe_snapshot {
-    int32_t seq;             /* -1: the slot is free */
+    int32_t seq; /* -1: the slot is free */
     uint32_t pos;
-    uint64_t used;           /* last use, for least-recently-used replacement */
+    uint64_t used; /* last use, for least-recently-used replacement */
 } moe_snapshot;
 
 struct moe_ctx {
     const moe_model *m;
     moe_ctx_params p;
-    uint32_t *seq_len;        /* [n_seq] tokens held per sequence */
-    int32_t *tokens;          /* [n_seq][n_ctx] the token ids each sequence holds */
-    uint32_t *layer_slot;     /* [n_layer] index among the attention layers (KV) or the linear ones */
-    uint32_t n_layer_kv;      /* attention layers (softmax or latent) */
+    uint32_t *seq_len;    /* [n_seq] tokens held per sequence */
+    int32_t *tokens;      /* [n_seq][n_ctx] the token ids each sequence holds */
+    uint32_t *layer_slot; /* [n_layer] index among the attention layers (KV) or the linear ones */
+    uint32_t n_layer_kv;  /* attention layers (softmax or latent) */
     /* KV cache: [n_seq][n_layer_kv][n_ctx][n_head_kv * head_dim], f32 or f16 by p.kv_type. With
      * MLA, k_cache rows are the latent cache [n_lora_kv + rope_dims] and v_cache is unused
      * (V is the latent part of each K row; v_row_bytes = 0). */
@@ -55,26 +55,26 @@ struct moe_ctx {
     uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
     /* scratch, [max_rows][width] floats each */
     float *x, *xn, *q, *k, *v, *att, *ff_gate, *ff_up;
-    float *scores;            /* [n_threads][n_ctx] attention scores */
+    float *scores; /* [n_threads][n_ctx] attention scores */
     /* multi-head latent attention scratch (NULL without MLA) */
-    float *mla_qa;            /* [max_rows][n_lora_q] q down-projection */
-    float *mla_q;             /* [max_rows][n_head * head_dim_k_mla] q before absorption */
-    float *mla_o;             /* [max_rows][n_head * head_dim_v_mla] latent decompressed by wv_b */
-    float *mla_in, *mla_out;  /* [max_rows][mla_head_max] one head of every row, gathered */
+    float *mla_qa;           /* [max_rows][n_lora_q] q down-projection */
+    float *mla_q;            /* [max_rows][n_head * head_dim_k_mla] q before absorption */
+    float *mla_o;            /* [max_rows][n_head * head_dim_v_mla] latent decompressed by wv_b */
+    float *mla_in, *mla_out; /* [max_rows][mla_head_max] one head of every row, gathered */
     /* mixture of experts */
-    float *router;            /* [max_rows][n_expert] router logits */
-    int32_t *expert_ids;      /* [max_rows][n_expert_used] */
-    float *expert_w;          /* [max_rows][n_expert_used] */
-    float *route_scratch;     /* [2 * n_expert] */
+    float *router;        /* [max_rows][n_expert] router logits */
+    int32_t *expert_ids;  /* [max_rows][n_expert_used] */
+    float *expert_w;      /* [max_rows][n_expert_used] */
+    float *route_scratch; /* [2 * n_expert] */
     moe_expert_scratch experts;
-    moe_expert_stats stats;   /* of the last moe_ctx_decode */
+    moe_expert_stats stats; /* of the last moe_ctx_decode */
     moe_pool *pool;
-    void *mm_scratch;         /* activation rows converted for the dot kernels */
-    float *att_gate;          /* [max_rows][n_head * head_dim_v] attention output gate */
-    float *shexp_gate;        /* [max_rows] shared-expert gate logits */
+    void *mm_scratch;  /* activation rows converted for the dot kernels */
+    float *att_gate;   /* [max_rows][n_head * head_dim_v] attention output gate */
+    float *shexp_gate; /* [max_rows] shared-expert gate logits */
     moe_linear_ctx lin;
-    moe_snapshot *snaps;      /* [p.n_snapshots] */
-    float *snap_state;        /* [p.n_snapshots][lin.n_layer][lin.layer_floats] */
+    moe_snapshot *snaps; /* [p.n_snapshots] */
+    float *snap_state;   /* [p.n_snapshots][lin.n_layer][lin.layer_floats] */
     uint64_t snap_clock;
 };
 
@@ -91,8 +91,8 @@ void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n);
 /* Every row's query (c->q, rows of n_head * head_dim_k) attends causally over its sequence's
  * cache of `layer` (the last `window` positions when window > 0) into c->att (rows of
  * n_head * head_dim_v). latent_v: V is the first head_dim_v values of each K row (MLA). */
-void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer,
-                     const moe_row *rows, uint32_t n_rows, uint32_t window, bool latent_v);
+void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, const moe_row *rows,
+                     uint32_t n_rows, uint32_t window, bool latent_v);
 
 /* ==== Layer blocks: x (the residual, [n_rows][n_embd]) in, x + block(x) out ==== */
 
@@ -103,8 +103,8 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t la
                              const moe_row *rows, uint32_t n_rows);
 void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
 void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
-void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
-                      const moe_row *rows, uint32_t n_rows);
+void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t layer, const moe_row *rows,
+                      uint32_t n_rows);
 
 /* ==== Linear attention state (linear.c) ==== */
 

@@ -70,8 +70,8 @@ void moe_linear_alloc(moe_ctx *c) {
     lin->tmp = moe_xcalloc(rows * (2 * d.nv > d.hd ? 2 * d.nv : d.hd), sizeof(float));
     lin->out = moe_xcalloc(rows * d.V, sizeof(float));
     lin->y = moe_xcalloc(rows * cfg->n_embd, sizeof(float));
-    lin->delta_scratch = moe_xcalloc((size_t)n_threads * moe_delta_scratch_floats((int)d.hd, (int)d.hd),
-                                     sizeof(float));
+    lin->delta_scratch = moe_xcalloc(
+        (size_t)n_threads * moe_delta_scratch_floats((int)d.hd, (int)d.hd), sizeof(float));
 }
 
 void moe_linear_free(moe_ctx *c) {
@@ -144,7 +144,8 @@ static void project_kda(moe_ctx *c, const moe_layer_weights *l, const linear_dim
     for (int i = 0; i < 3; i++) {
         moe_matmul(c->pool, w[i], 0, lin->x, n_rows, lin->out, c->mm_scratch);
         for (uint32_t r = 0; r < n_rows; r++)
-            memcpy(lin->qkv + r * d->conv_ch + ofs[i], lin->out + r * width[i], sizeof(float) * (size_t)width[i]);
+            memcpy(lin->qkv + r * d->conv_ch + ofs[i], lin->out + r * width[i],
+                   sizeof(float) * (size_t)width[i]);
     }
     moe_matmul(c->pool, l->ssm_f_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
     moe_matmul(c->pool, l->ssm_f_b, 0, lin->tmp, n_rows, lin->g, c->mm_scratch);
@@ -174,23 +175,33 @@ static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
     const delta_job *j = arg;
     const moe_linear_ctx *lin = &j->c->lin;
     const linear_dims *d = j->d;
-    float *scratch = lin->delta_scratch + (uint64_t)thread * moe_delta_scratch_floats((int)d->hd, (int)d->hd);
+    float *scratch =
+        lin->delta_scratch + (uint64_t)thread * moe_delta_scratch_floats((int)d->hd, (int)d->hd);
     for (int64_t item = begin; item < end; item++) {
         const moe_linear_seg *seg = &lin->segs[item / d->nv];
         const int64_t h = item % d->nv, hk = h / (d->nv / d->nk), r0 = seg->begin;
         float *state = moe_linear_seq_state(j->c, seg->seq) + j->slot * lin->layer_floats +
                        lin->conv_floats + (uint64_t)h * d->hd * d->hd;
         const float *row = lin->qkv + r0 * d->conv_ch;
-        const moe_delta_args a = {
-            .d_k = (int)d->hd, .d_v = (int)d->hd, .n_g = (int)d->n_g,
-            .scale = 1.0f / sqrtf((float)d->hd),
-            .q = row + hk * d->hd, .k = row + d->K + hk * d->hd, .v = row + 2 * d->K + h * d->hd,
-            .g = lin->g + r0 * d->nv * d->n_g + h * d->n_g, .beta = lin->beta + r0 * d->nv + h,
-            .out = lin->out + r0 * d->V + h * d->hd,
-            .qk_stride = d->conv_ch, .v_stride = d->conv_ch, .g_stride = d->nv * d->n_g,
-            .beta_stride = d->nv, .out_stride = d->V};
-        if (seg->n >= LINEAR_CHUNKED_MIN) moe_delta_rule_chunked(&a, seg->n, state, scratch);
-        else moe_delta_rule_recurrent(&a, seg->n, state, scratch);
+        const moe_delta_args a = {.d_k = (int)d->hd,
+                                  .d_v = (int)d->hd,
+                                  .n_g = (int)d->n_g,
+                                  .scale = 1.0f / sqrtf((float)d->hd),
+                                  .q = row + hk * d->hd,
+                                  .k = row + d->K + hk * d->hd,
+                                  .v = row + 2 * d->K + h * d->hd,
+                                  .g = lin->g + r0 * d->nv * d->n_g + h * d->n_g,
+                                  .beta = lin->beta + r0 * d->nv + h,
+                                  .out = lin->out + r0 * d->V + h * d->hd,
+                                  .qk_stride = d->conv_ch,
+                                  .v_stride = d->conv_ch,
+                                  .g_stride = d->nv * d->n_g,
+                                  .beta_stride = d->nv,
+                                  .out_stride = d->V};
+        if (seg->n >= LINEAR_CHUNKED_MIN)
+            moe_delta_rule_chunked(&a, seg->n, state, scratch);
+        else
+            moe_delta_rule_recurrent(&a, seg->n, state, scratch);
     }
 }
 
@@ -207,9 +218,12 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
 
     const float *norm_w = (const float *)l->attn_norm->data;
     for (uint32_t i = 0; i < n_rows; i++)
-        moe_rmsnorm(lin->x + i * n_embd, c->x + (int64_t)lin->order[i] * n_embd, norm_w, n_embd, cfg->rms_eps);
-    if (l->mixer == MOE_MIXER_GDN) project_gdn(c, l, &d, n_rows);
-    else project_kda(c, l, &d, n_rows);
+        moe_rmsnorm(lin->x + i * n_embd, c->x + (int64_t)lin->order[i] * n_embd, norm_w, n_embd,
+                    cfg->rms_eps);
+    if (l->mixer == MOE_MIXER_GDN)
+        project_gdn(c, l, &d, n_rows);
+    else
+        project_kda(c, l, &d, n_rows);
 
     /* the short conv runs along each sequence's rows, from that sequence's conv state */
     const int n_taps = (int)cfg->ssm_d_conv;
@@ -218,16 +232,19 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
         float *conv = moe_linear_seq_state(c, seg->seq) + slot * lin->layer_floats;
         float *x = lin->qkv + (int64_t)seg->begin * d.conv_ch;
         if (!l->ssm_conv1d[1]) {
-            moe_conv1d_silu(x, d.conv_ch, seg->n, d.conv_ch, (const float *)l->ssm_conv1d[0]->data, n_taps, conv);
+            moe_conv1d_silu(x, d.conv_ch, seg->n, d.conv_ch, (const float *)l->ssm_conv1d[0]->data,
+                            n_taps, conv);
         } else { /* separate q, k, v kernels over consecutive channel ranges */
             const int64_t ofs[3] = {0, d.K, 2 * d.K}, width[3] = {d.K, d.K, d.V};
             for (int i = 0; i < 3; i++)
-                moe_conv1d_silu(x + ofs[i], d.conv_ch, seg->n, width[i], (const float *)l->ssm_conv1d[i]->data,
-                                n_taps, conv + ofs[i] * (n_taps - 1));
+                moe_conv1d_silu(x + ofs[i], d.conv_ch, seg->n, width[i],
+                                (const float *)l->ssm_conv1d[i]->data, n_taps,
+                                conv + ofs[i] * (n_taps - 1));
         }
     }
     for (uint32_t i = 0; i < n_rows; i++)
-        for (int64_t h = 0; h < 2 * d.nk; h++) moe_l2norm(lin->qkv + i * d.conv_ch + h * d.hd, d.hd, cfg->rms_eps);
+        for (int64_t h = 0; h < 2 * d.nk; h++)
+            moe_l2norm(lin->qkv + i * d.conv_ch + h * d.hd, d.hd, cfg->rms_eps);
 
     delta_job job = {.c = c, .d = &d, .slot = slot};
     moe_pool_for(c->pool, (int64_t)n_seg * d.nv, 1, delta_heads, &job);

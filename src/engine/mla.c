@@ -30,7 +30,7 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
     const int64_t n_embd = cfg->n_embd, n_head = cfg->n_head;
     const int64_t n_lora_kv = cfg->n_lora_kv, n_rot = cfg->rope_dims;
     const int64_t hd_q = cfg->head_dim_k_mla, nope = hd_q - n_rot, hd_v = cfg->head_dim_v_mla;
-    const int64_t lat_w = n_lora_kv + n_rot;     /* a cache row; also one absorbed query head */
+    const int64_t lat_w = n_lora_kv + n_rot; /* a cache row; also one absorbed query head */
     const int64_t q_w = n_head * hd_q;
     const moe_rope_params rope = moe_rope_params_from_config(cfg);
     const moe_attn_shape shape = {.n_head = (int)n_head,
@@ -62,8 +62,9 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
         float *kv = c->k + r * lat_w, *q = c->mla_q + r * q_w;
         moe_rmsnorm(kv, kv, kv_norm, n_lora_kv, cfg->rms_eps);
         moe_rope(kv + n_lora_kv, 1, (int)lat_w, rows[r].pos, &rope);
-        moe_kv_store(c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
-                     kv, (uint64_t)lat_w);
+        moe_kv_store(
+            c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
+            kv, (uint64_t)lat_w);
         moe_rope(q + nope, (int)n_head, (int)hd_q, rows[r].pos, &rope);
         for (int64_t h = 0; h < n_head; h++) /* absorbed query head: [latent | rope] */
             memcpy(c->q + (r * n_head + h) * lat_w + n_lora_kv, q + h * hd_q + nope,

@@ -3,9 +3,10 @@
  *
  * The order is llama.cpp's default chain: logit bias, penalties, then top-k, top-p, min-p on
  * the untempered distribution, then the temperature over the survivors and a draw. Ranking is
- * a bounded heap over the vocabulary, never a full sort unless nothing truncates it. Log-probabilities are reported from the
- * raw logits (after bias and penalties, before temperature and truncation), as OpenAI's API
- * does. The trap: every buffer is allocated once at creation; sample() must not allocate. */
+ * a bounded heap over the vocabulary, never a full sort unless nothing truncates it.
+ * Log-probabilities are reported from the raw logits (after bias and penalties, before temperature
+ * and truncation), as OpenAI's API does. The trap: every buffer is allocated once at creation;
+ * sample() must not allocate. */
 #include "engine.h"
 
 #include <math.h>
@@ -17,14 +18,14 @@
 struct moe_sampler {
     moe_sampler_params p;
     uint32_t n_vocab;
-    float *work;         /* [n_vocab] adjusted logits */
-    int32_t *order;      /* [n_vocab] candidate ids, sorted by work[] descending */
-    float *probs;        /* [n_vocab] */
+    float *work;    /* [n_vocab] adjusted logits */
+    int32_t *order; /* [n_vocab] candidate ids, sorted by work[] descending */
+    float *probs;   /* [n_vocab] */
     int32_t *bias_tokens;
     float *bias_values;
-    int32_t *recent;     /* ring of the last penalty_last_n tokens */
+    int32_t *recent; /* ring of the last penalty_last_n tokens */
     uint32_t n_recent, recent_head, window;
-    uint32_t *counts;    /* [n_vocab] occurrences within the window */
+    uint32_t *counts; /* [n_vocab] occurrences within the window */
     uint64_t rng;
 };
 
@@ -136,8 +137,10 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
             if (!cnt || (cnt & 0x80000000u)) continue;
             float *v = &s->work[t];
             if (p->repeat_penalty != 0.0f && p->repeat_penalty != 1.0f) {
-                if (*v > 0) *v /= p->repeat_penalty;
-                else *v *= p->repeat_penalty;
+                if (*v > 0)
+                    *v /= p->repeat_penalty;
+                else
+                    *v *= p->repeat_penalty;
             }
             *v -= (float)cnt * p->frequency_penalty + p->presence_penalty;
             s->counts[t] = cnt | 0x80000000u; /* applied: skip its other occurrences */
@@ -149,7 +152,8 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
     float max = -INFINITY;
     for (uint32_t i = 0; i < n; i++) max = s->work[i] > max ? s->work[i] : max;
     double z = 0.0;
-    for (uint32_t i = 0; i < n; i++) z += s->work[i] == -INFINITY ? 0.0 : exp((double)(s->work[i] - max));
+    for (uint32_t i = 0; i < n; i++)
+        z += s->work[i] == -INFINITY ? 0.0 : exp((double)(s->work[i] - max));
     const float log_z = max + (float)log(z);
 
     moe_sample out = {0};

@@ -14,11 +14,14 @@
 
 static moe_status check_seq(const moe_ctx *c, int32_t seq, moe_error *err) {
     if (seq < 0 || (uint32_t)seq >= c->p.n_seq)
-        return moe_error_set(err, MOE_ERR_ARG, "sequence %d out of range 0..%u", seq, c->p.n_seq - 1);
+        return moe_error_set(err, MOE_ERR_ARG, "sequence %d out of range 0..%u", seq,
+                             c->p.n_seq - 1);
     return MOE_OK;
 }
 
-static bool hybrid(const moe_ctx *c) { return c->lin.n_layer > 0; }
+static bool hybrid(const moe_ctx *c) {
+    return c->lin.n_layer > 0;
+}
 
 static uint64_t state_bytes(const moe_ctx *c) {
     return (uint64_t)c->lin.n_layer * c->lin.layer_floats * sizeof(float);
@@ -56,8 +59,10 @@ static void become(moe_ctx *c, int32_t seq, int32_t src, uint32_t n, const float
     c->seq_len[seq] = n;
     float *live = moe_linear_seq_state(c, seq);
     if (!hybrid(c) || state == live) return;
-    if (state) memcpy(live, state, state_bytes(c));
-    else memset(live, 0, state_bytes(c));
+    if (state)
+        memcpy(live, state, state_bytes(c));
+    else
+        memset(live, 0, state_bytes(c));
 }
 
 /* ==== Truncation ==== */
@@ -118,8 +123,10 @@ static bool snapshot_valid(const moe_ctx *c, int32_t slot) {
 moe_status moe_ctx_seq_restore(moe_ctx *c, int32_t seq, int32_t snapshot, moe_error *err) {
     if (check_seq(c, seq, err) != MOE_OK) return err->code;
     if (!snapshot_valid(c, snapshot))
-        return moe_error_set(err, MOE_ERR_ARG, "snapshot %d is empty (never taken, dropped, or "
-                             "its sequence was cut back below it)", snapshot);
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "snapshot %d is empty (never taken, dropped, or "
+                             "its sequence was cut back below it)",
+                             snapshot);
     moe_snapshot *s = &c->snaps[snapshot];
     s->used = ++c->snap_clock;
     become(c, seq, s->seq, s->pos, snap_state(c, snapshot));

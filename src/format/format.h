@@ -19,13 +19,13 @@
 
 /* ==== Limits (each a defence against a hostile file) ==== */
 
-#define MOE_GGUF_MAX_DIMS 4                /* ggml tensors have at most 4 dimensions */
-#define MOE_GGUF_MAX_STRING (1u << 26)     /* 64 MiB: chat templates are KBs, no key needs more */
-#define MOE_GGUF_MAX_ARRAY (1u << 26)      /* 64 Mi elements: vocab arrays are ~256k */
-#define MOE_GGUF_MAX_KV (1u << 20)         /* metadata pairs; real files have < 100 */
-#define MOE_GGUF_MAX_TENSORS (1u << 20)    /* tensors in one file; DeepSeek-V3 has ~1.9k */
-#define MOE_GGUF_MAX_NEST 8                /* nested array depth: each level costs a stack frame */
-#define MOE_GGUF_MAX_SHARDS 4096           /* split files of one model */
+#define MOE_GGUF_MAX_DIMS          4          /* ggml tensors have at most 4 dimensions */
+#define MOE_GGUF_MAX_STRING        (1u << 26) /* 64 MiB: chat templates are KBs, no key needs more */
+#define MOE_GGUF_MAX_ARRAY         (1u << 26) /* 64 Mi elements: vocab arrays are ~256k */
+#define MOE_GGUF_MAX_KV            (1u << 20) /* metadata pairs; real files have < 100 */
+#define MOE_GGUF_MAX_TENSORS       (1u << 20) /* tensors in one file; DeepSeek-V3 has ~1.9k */
+#define MOE_GGUF_MAX_NEST          8    /* nested array depth: each level costs a stack frame */
+#define MOE_GGUF_MAX_SHARDS        4096 /* split files of one model */
 #define MOE_GGUF_DEFAULT_ALIGNMENT 32
 
 /* ==== Metadata values ==== */
@@ -96,10 +96,10 @@ typedef struct moe_gguf_shard {
     char *path;
     uint32_t version;
     uint64_t file_size;
-    uint64_t header_bytes;   /* magic .. end of tensor directory */
-    uint64_t data_offset;    /* start of the data section (header rounded up to alignment) */
-    uint64_t tensor_bytes;   /* sum of this shard's tensors' n_bytes */
-    uint64_t padding_bytes;  /* everything else: file_size - header_bytes - tensor_bytes */
+    uint64_t header_bytes;  /* magic .. end of tensor directory */
+    uint64_t data_offset;   /* start of the data section (header rounded up to alignment) */
+    uint64_t tensor_bytes;  /* sum of this shard's tensors' n_bytes */
+    uint64_t padding_bytes; /* everything else: file_size - header_bytes - tensor_bytes */
     uint32_t n_tensors;
     uint32_t n_kv;
 } moe_gguf_shard;
@@ -120,8 +120,7 @@ void moe_gguf_close(moe_gguf *g);
  * cannot know it; padding and the reconciliation come from it), checks every tensor's data
  * ends inside its file, and indexes names across shards. Takes ownership of parts[0..n) (each
  * a one-shard model), also on failure. Split keys are the caller's to check. */
-moe_gguf *moe_gguf_join(moe_gguf **parts, const uint64_t *file_sizes, uint32_t n,
-                        moe_error *err);
+moe_gguf *moe_gguf_join(moe_gguf **parts, const uint64_t *file_sizes, uint32_t n, moe_error *err);
 
 uint32_t moe_gguf_alignment(const moe_gguf *g);
 uint32_t moe_gguf_n_shards(const moe_gguf *g);
@@ -165,8 +164,8 @@ const moe_tensor *moe_gguf_tensor_find(const moe_gguf *g, const char *name);
  * with the whole file (200 instead of 206) is refused with a clear error rather than
  * downloaded. Every request and byte is counted so tools can say what a report cost. */
 
-#define MOE_HTTP_FIRST_RANGE (64u << 10) /* first bytes of a shard: small models' whole index */
-#define MOE_HTTP_MAX_HEADER (1ull << 30)  /* a header past 1 GiB is hostile, not a model */
+#define MOE_HTTP_FIRST_RANGE   (64u << 10)  /* first bytes of a shard: small models' whole index */
+#define MOE_HTTP_MAX_HEADER    (1ull << 30) /* a header past 1 GiB is hostile, not a model */
 #define MOE_HTTP_MAX_REDIRECTS 10
 
 typedef struct moe_http moe_http;
@@ -191,8 +190,8 @@ moe_gguf *moe_gguf_open_url(moe_http *h, const char *url, moe_error *err);
 moe_gguf *moe_gguf_open_any(const char *path_or_url, moe_http **http, moe_error *err);
 /* Bytes [offset, offset + n) of tensor t's data: from the mapping when the model is local,
  * else one range request through http (which must then be non-NULL). */
-moe_status moe_tensor_read(const moe_gguf *g, moe_http *http, const moe_tensor *t,
-                           uint64_t offset, uint64_t n, void *out, moe_error *err);
+moe_status moe_tensor_read(const moe_gguf *g, moe_http *http, const moe_tensor *t, uint64_t offset,
+                           uint64_t n, void *out, moe_error *err);
 
 /* ==== Writer ==== */
 

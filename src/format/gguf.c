@@ -77,12 +77,12 @@ static void arena_free(arena *a) {
 /* ==== The model ==== */
 
 typedef struct shard_state {
-    void *map;           /* mmap of the whole file, or NULL (parsed from a caller's buffer) */
+    void *map; /* mmap of the whole file, or NULL (parsed from a caller's buffer) */
     size_t map_size;
     uint32_t alignment;
-    moe_gguf_kv *kv;     /* [n_kv], in file order */
+    moe_gguf_kv *kv; /* [n_kv], in file order */
     uint64_t n_kv;
-    void *anon;          /* the data section copied to anonymous memory (moe_gguf_to_memory) */
+    void *anon; /* the data section copied to anonymous memory (moe_gguf_to_memory) */
     size_t anon_size;
 } shard_state;
 
@@ -92,7 +92,7 @@ struct moe_gguf {
     shard_state *state;     /* [n_shards] */
     moe_tensor *tensors;    /* [n_tensors], shard 0 first, file order within a shard */
     uint64_t n_tensors;
-    uint64_t *by_name;      /* [n_tensors] tensor indices sorted by name, for lookup */
+    uint64_t *by_name; /* [n_tensors] tensor indices sorted by name, for lookup */
     arena arena;
 };
 
@@ -172,8 +172,12 @@ static uint64_t read_le(cursor *c, unsigned n, const char *what) {
     c->pos += n;
     return v;
 }
-static uint32_t read_u32(cursor *c, const char *what) { return (uint32_t)read_le(c, 4, what); }
-static uint64_t read_u64(cursor *c, const char *what) { return read_le(c, 8, what); }
+static uint32_t read_u32(cursor *c, const char *what) {
+    return (uint32_t)read_le(c, 4, what);
+}
+static uint64_t read_u64(cursor *c, const char *what) {
+    return read_le(c, 8, what);
+}
 
 /* A string: u64 length then bytes; stored NUL-terminated in the arena. */
 static moe_str read_str(cursor *c, const char *what) {
@@ -199,10 +203,10 @@ static moe_str read_str(cursor *c, const char *what) {
 /* ==== Metadata values ==== */
 
 static const char *const vtype_names[MOE_GGUF_VTYPE_COUNT] = {
-    [MOE_GGUF_U8] = "u8",     [MOE_GGUF_I8] = "i8",         [MOE_GGUF_U16] = "u16",
-    [MOE_GGUF_I16] = "i16",   [MOE_GGUF_U32] = "u32",       [MOE_GGUF_I32] = "i32",
-    [MOE_GGUF_F32] = "f32",   [MOE_GGUF_BOOL] = "bool",     [MOE_GGUF_STRING] = "string",
-    [MOE_GGUF_ARRAY] = "array", [MOE_GGUF_U64] = "u64",     [MOE_GGUF_I64] = "i64",
+    [MOE_GGUF_U8] = "u8",       [MOE_GGUF_I8] = "i8",     [MOE_GGUF_U16] = "u16",
+    [MOE_GGUF_I16] = "i16",     [MOE_GGUF_U32] = "u32",   [MOE_GGUF_I32] = "i32",
+    [MOE_GGUF_F32] = "f32",     [MOE_GGUF_BOOL] = "bool", [MOE_GGUF_STRING] = "string",
+    [MOE_GGUF_ARRAY] = "array", [MOE_GGUF_U64] = "u64",   [MOE_GGUF_I64] = "i64",
     [MOE_GGUF_F64] = "f64",
 };
 
@@ -212,11 +216,23 @@ const char *moe_gguf_vtype_name(moe_gguf_vtype t) {
 
 unsigned moe_gguf_vtype_size(uint32_t t) {
     switch (t) {
-    case MOE_GGUF_U8: case MOE_GGUF_I8: case MOE_GGUF_BOOL: return 1;
-    case MOE_GGUF_U16: case MOE_GGUF_I16: return 2;
-    case MOE_GGUF_U32: case MOE_GGUF_I32: case MOE_GGUF_F32: return 4;
-    case MOE_GGUF_U64: case MOE_GGUF_I64: case MOE_GGUF_F64: return 8;
-    default: return 0;
+    case MOE_GGUF_U8:
+    case MOE_GGUF_I8:
+    case MOE_GGUF_BOOL:
+        return 1;
+    case MOE_GGUF_U16:
+    case MOE_GGUF_I16:
+        return 2;
+    case MOE_GGUF_U32:
+    case MOE_GGUF_I32:
+    case MOE_GGUF_F32:
+        return 4;
+    case MOE_GGUF_U64:
+    case MOE_GGUF_I64:
+    case MOE_GGUF_F64:
+        return 8;
+    default:
+        return 0;
     }
 }
 
@@ -249,11 +265,11 @@ static void read_array(cursor *c, unsigned depth, moe_gguf_value *out, const cha
     }
     /* the least bytes one element can take: the count can never exceed what is left / that */
     uint64_t min_elem = moe_gguf_vtype_size(elem) ? moe_gguf_vtype_size(elem)
-                        : elem == MOE_GGUF_STRING ? 8 : 4 + 8;
+                        : elem == MOE_GGUF_STRING ? 8
+                                                  : 4 + 8;
     if (n > MOE_GGUF_MAX_ARRAY || n > (c->size - c->pos) / min_elem) {
-        fail_at(c, n_at, MOE_ERR_RANGE,
-                "key '%s': array of %" PRIu64 " %s elements, but %s", key_esc, n,
-                moe_gguf_vtype_name((moe_gguf_vtype)elem),
+        fail_at(c, n_at, MOE_ERR_RANGE, "key '%s': array of %" PRIu64 " %s elements, but %s",
+                key_esc, n, moe_gguf_vtype_name((moe_gguf_vtype)elem),
                 n > MOE_GGUF_MAX_ARRAY ? "the limit is 67108864 elements"
                                        : "fewer bytes than that are left in the file");
         return;
@@ -289,7 +305,10 @@ static void read_value(cursor *c, uint32_t type, unsigned depth, moe_gguf_value 
     if (nb) {
         uint64_t raw = read_le(c, nb, "a metadata value");
         switch (type) {
-        case MOE_GGUF_I8: case MOE_GGUF_I16: case MOE_GGUF_I32: case MOE_GGUF_I64:
+        case MOE_GGUF_I8:
+        case MOE_GGUF_I16:
+        case MOE_GGUF_I32:
+        case MOE_GGUF_I64:
             out->i = sign_extend(raw, nb);
             break;
         case MOE_GGUF_F32: {
@@ -299,9 +318,15 @@ static void read_value(cursor *c, uint32_t type, unsigned depth, moe_gguf_value 
             out->f = f;
             break;
         }
-        case MOE_GGUF_F64: memcpy(&out->f, &raw, 8); break;
-        case MOE_GGUF_BOOL: out->u = raw != 0; break;
-        default: out->u = raw; break;
+        case MOE_GGUF_F64:
+            memcpy(&out->f, &raw, 8);
+            break;
+        case MOE_GGUF_BOOL:
+            out->u = raw != 0;
+            break;
+        default:
+            out->u = raw;
+            break;
         }
     } else if (type == MOE_GGUF_STRING) {
         out->s = read_str(c, "a string value");
@@ -362,8 +387,7 @@ static void parse_kvs(cursor *c, shard_parse *sp) {
     uint64_t at = c->pos;
     uint64_t n = sp->n_kv;
     if (n > MOE_GGUF_MAX_KV || n > (c->size - c->pos) / KV_MIN_BYTES) {
-        fail_at(c, at - 8, MOE_ERR_RANGE,
-                "metadata count %" PRIu64 " is more than %s", n,
+        fail_at(c, at - 8, MOE_ERR_RANGE, "metadata count %" PRIu64 " is more than %s", n,
                 n > MOE_GGUF_MAX_KV ? "the limit 1048576" : "the bytes left in the file can hold");
         sp->n_kv = 0;
         return;
@@ -426,8 +450,8 @@ static void parse_tensor_info(cursor *c, moe_tensor *t, uint64_t *entry_at) {
         int64_t ne = (int64_t)read_u64(c, "a tensor dimension");
         if (c->failed) return;
         if (ne <= 0) {
-            fail_at(c, ne_at, MOE_ERR_RANGE, "tensor '%s': dimension %u is %" PRId64
-                    ", expected > 0", nb.s, d, ne);
+            fail_at(c, ne_at, MOE_ERR_RANGE,
+                    "tensor '%s': dimension %u is %" PRId64 ", expected > 0", nb.s, d, ne);
             return;
         }
         if (moe_mul_overflow(n_values, (uint64_t)ne, &n_values) || n_values > INT64_MAX) {
@@ -452,7 +476,8 @@ static void parse_tensor_info(cursor *c, moe_tensor *t, uint64_t *entry_at) {
     t->type = (moe_type)type;
     if (t->ne[0] % tr->block_values) {
         fail_at(c, dims_at, MOE_ERR_FORMAT,
-                "tensor '%s': row length %" PRId64 " is not a multiple of the %s block size %" PRId64,
+                "tensor '%s': row length %" PRId64
+                " is not a multiple of the %s block size %" PRId64,
                 nb.s, t->ne[0], tr->name, tr->block_values);
         return;
     }
@@ -479,9 +504,9 @@ static void check_tensors(cursor *c, shard_parse *sp, bool whole) {
         uint64_t start, end;
         if (moe_add_overflow(sp->data_offset, t[i].offset, &start) ||
             moe_add_overflow(start, t[i].n_bytes, &end)) {
-            fail_at(c, at, MOE_ERR_RANGE, "tensor '%s': data offset %" PRIu64
-                    " + %" PRIu64 " bytes overflows 64 bits", ESC(t[i].name), t[i].offset,
-                    t[i].n_bytes);
+            fail_at(c, at, MOE_ERR_RANGE,
+                    "tensor '%s': data offset %" PRIu64 " + %" PRIu64 " bytes overflows 64 bits",
+                    ESC(t[i].name), t[i].offset, t[i].n_bytes);
             break;
         }
         t[i].file_offset = start;
@@ -543,8 +568,10 @@ static moe_status parse_shard(const uint8_t *buf, uint64_t size, bool whole, con
     if (memcmp(buf, GGUF_MAGIC, 4) != 0) {
         char got[24];
         put_escaped(got, sizeof got, (const char *)buf, 4);
-        fail_at(&c, 0, MOE_ERR_FORMAT, "expected the GGUF magic \"GGUF\", found \"%s\": not a "
-                "GGUF file", got);
+        fail_at(&c, 0, MOE_ERR_FORMAT,
+                "expected the GGUF magic \"GGUF\", found \"%s\": not a "
+                "GGUF file",
+                got);
         return MOE_ERR_FORMAT;
     }
     c.pos = 4;
@@ -563,8 +590,7 @@ static moe_status parse_shard(const uint8_t *buf, uint64_t size, bool whole, con
     if (c.failed) return MOE_ERR_FORMAT;
     if (sp->n_tensors > MOE_GGUF_MAX_TENSORS ||
         sp->n_tensors > (c.size - c.pos) / TENSOR_INFO_MIN_BYTES) {
-        fail_at(&c, nt_at, MOE_ERR_RANGE, "tensor count %" PRIu64 " is more than %s",
-                sp->n_tensors,
+        fail_at(&c, nt_at, MOE_ERR_RANGE, "tensor count %" PRIu64 " is more than %s", sp->n_tensors,
                 sp->n_tensors > MOE_GGUF_MAX_TENSORS ? "the limit 1048576"
                                                      : "the bytes left in the file can hold");
         sp->n_tensors = 0;
@@ -650,8 +676,8 @@ static void adopt_shard(moe_gguf *g, uint32_t i, shard_parse *sp, const char *pa
     g->state[i].alignment = sp->alignment;
     g->state[i].kv = sp->kv;
     g->state[i].n_kv = sp->n_kv;
-    g->tensors = moe_xrealloc(g->tensors, (size_t)(g->n_tensors + sp->n_tensors + 1) *
-                                              sizeof *g->tensors);
+    g->tensors =
+        moe_xrealloc(g->tensors, (size_t)(g->n_tensors + sp->n_tensors + 1) * sizeof *g->tensors);
     for (uint64_t t = 0; t < sp->n_tensors; t++) {
         sp->tensors[t].shard = i;
         g->tensors[g->n_tensors++] = sp->tensors[t];
@@ -669,7 +695,8 @@ static moe_status index_names(moe_gguf *g, moe_error *err) {
         const moe_tensor *a = &g->tensors[g->by_name[i - 1]], *b = &g->tensors[g->by_name[i]];
         if (str_cmp(a->name, b->name) == 0) {
             esc_buf pa;
-            put_escaped(pa.s, sizeof pa.s, g->shards[b->shard].path, strlen(g->shards[b->shard].path));
+            put_escaped(pa.s, sizeof pa.s, g->shards[b->shard].path,
+                        strlen(g->shards[b->shard].path));
             return moe_error_set(err, MOE_ERR_FORMAT,
                                  "%s: byte %" PRIu64 ": duplicate tensor name '%s' (also in shard "
                                  "%s)",
@@ -696,8 +723,7 @@ moe_gguf *moe_gguf_parse_named(const void *buf, size_t size, bool buf_is_whole_f
     return g;
 }
 
-moe_gguf *moe_gguf_join(moe_gguf **parts, const uint64_t *file_sizes, uint32_t n,
-                        moe_error *err) {
+moe_gguf *moe_gguf_join(moe_gguf **parts, const uint64_t *file_sizes, uint32_t n, moe_error *err) {
     MOE_CHECK(n >= 1);
     moe_gguf *m = gguf_new(n);
     moe_status bad = MOE_OK;
@@ -719,8 +745,8 @@ moe_gguf *moe_gguf_join(moe_gguf **parts, const uint64_t *file_sizes, uint32_t n
         s->padding_bytes = s->file_size >= s->header_bytes + s->tensor_bytes
                                ? s->file_size - s->header_bytes - s->tensor_bytes
                                : 0;
-        m->tensors = moe_xrealloc(m->tensors, (size_t)(m->n_tensors + p->n_tensors + 1) *
-                                                  sizeof *m->tensors);
+        m->tensors = moe_xrealloc(m->tensors,
+                                  (size_t)(m->n_tensors + p->n_tensors + 1) * sizeof *m->tensors);
         for (uint64_t t = 0; t < p->n_tensors; t++) {
             moe_tensor *dst = &m->tensors[m->n_tensors++];
             *dst = p->tensors[t];
@@ -846,21 +872,27 @@ moe_gguf *moe_gguf_open(const char *path, moe_error *err) {
     moe_status bad = MOE_OK;
     uint64_t count_at = key_at(&sp, "split.count");
     if (count > MOE_GGUF_MAX_SHARDS) {
-        bad = moe_error_set(err, MOE_ERR_RANGE, "%s: byte %" PRIu64 ": split.count is %" PRIu64
-                            ", more than the limit %d", path, count_at, count, MOE_GGUF_MAX_SHARDS);
+        bad = moe_error_set(err, MOE_ERR_RANGE,
+                            "%s: byte %" PRIu64 ": split.count is %" PRIu64
+                            ", more than the limit %d",
+                            path, count_at, count, MOE_GGUF_MAX_SHARDS);
     } else if (!split_name(path, &prefix_len, &name_no, &name_count)) {
-        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": split.count is %" PRIu64
+        bad = moe_error_set(err, MOE_ERR_FORMAT,
+                            "%s: byte %" PRIu64 ": split.count is %" PRIu64
                             " but the file name does not end in -NNNNN-of-MMMMM.gguf, so the "
-                            "other shards cannot be found", path, count_at, count);
+                            "other shards cannot be found",
+                            path, count_at, count);
     } else if (name_count != count || no != name_no - 1u) {
-        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": the name says shard %u "
+        bad = moe_error_set(err, MOE_ERR_FORMAT,
+                            "%s: byte %" PRIu64 ": the name says shard %u "
                             "of %u but the metadata says split.no %" PRIu64 " (0-based) of "
-                            "split.count %" PRIu64, path, key_at(&sp, "split.no"), name_no,
-                            name_count, no, count);
+                            "split.count %" PRIu64,
+                            path, key_at(&sp, "split.no"), name_no, name_count, no, count);
     } else if (total == UINT64_MAX) {
-        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": split.tensors.count is "
-                            "missing or negative (split.count is %" PRIu64 ")", path, count_at,
-                            count);
+        bad = moe_error_set(err, MOE_ERR_FORMAT,
+                            "%s: byte %" PRIu64 ": split.tensors.count is "
+                            "missing or negative (split.count is %" PRIu64 ")",
+                            path, count_at, count);
     }
     if (bad != MOE_OK) {
         shard_parse_free(&sp);
@@ -893,12 +925,13 @@ moe_gguf *moe_gguf_open(const char *path, moe_error *err) {
             uint64_t sno, scount, stotal;
             bool has = split_keys(&cur, &sno, &scount, &stotal);
             if (!has || sno != i || scount != count || stotal != total) {
-                bad = moe_error_set(err, MOE_ERR_FORMAT,
-                                    "%s: byte %" PRIu64 ": expected split.no %u, split.count %"
-                                    PRIu64 ", split.tensors.count %" PRIu64 " (as in %s), found "
-                                    "%s",
-                                    sib, has ? key_at(&cur, "split.no") : 0, i, count, total,
-                                    path, has ? "" : "no split keys");
+                bad =
+                    moe_error_set(err, MOE_ERR_FORMAT,
+                                  "%s: byte %" PRIu64 ": expected split.no %u, split.count %" PRIu64
+                                  ", split.tensors.count %" PRIu64 " (as in %s), found "
+                                  "%s",
+                                  sib, has ? key_at(&cur, "split.no") : 0, i, count, total, path,
+                                  has ? "" : "no split keys");
                 if (has && err && err->code == MOE_ERR_FORMAT) {
                     size_t used = strlen(err->msg);
                     snprintf(err->msg + used, sizeof err->msg - used,
@@ -922,9 +955,10 @@ moe_gguf *moe_gguf_open(const char *path, moe_error *err) {
         return NULL;
     }
     if (sum != total) {
-        moe_error_set(err, MOE_ERR_FORMAT, "%s: byte %" PRIu64 ": split.tensors.count is %"
-                      PRIu64 " but the %" PRIu64 " shards hold %" PRIu64 " tensors", path,
-                      key_at(&parsed_first, "split.tensors.count"), total, count, sum);
+        moe_error_set(err, MOE_ERR_FORMAT,
+                      "%s: byte %" PRIu64 ": split.tensors.count is %" PRIu64 " but the %" PRIu64
+                      " shards hold %" PRIu64 " tensors",
+                      path, key_at(&parsed_first, "split.tensors.count"), total, count, sum);
         moe_gguf_close(m);
         return NULL;
     }
@@ -937,8 +971,12 @@ moe_gguf *moe_gguf_open(const char *path, moe_error *err) {
 
 /* ==== Accessors ==== */
 
-uint32_t moe_gguf_alignment(const moe_gguf *g) { return g->state[0].alignment; }
-uint32_t moe_gguf_n_shards(const moe_gguf *g) { return g->n_shards; }
+uint32_t moe_gguf_alignment(const moe_gguf *g) {
+    return g->state[0].alignment;
+}
+uint32_t moe_gguf_n_shards(const moe_gguf *g) {
+    return g->n_shards;
+}
 const moe_gguf_shard *moe_gguf_shard_get(const moe_gguf *g, uint32_t i) {
     return i < g->n_shards ? &g->shards[i] : NULL;
 }
@@ -946,7 +984,9 @@ uint32_t moe_gguf_shard_alignment(const moe_gguf *g, uint32_t i) {
     return i < g->n_shards ? g->state[i].alignment : 0;
 }
 
-uint64_t moe_gguf_n_kv(const moe_gguf *g) { return g->state[0].n_kv; }
+uint64_t moe_gguf_n_kv(const moe_gguf *g) {
+    return g->state[0].n_kv;
+}
 const moe_gguf_kv *moe_gguf_kv_get(const moe_gguf *g, uint64_t i) {
     return i < g->state[0].n_kv ? &g->state[0].kv[i] : NULL;
 }
@@ -956,15 +996,22 @@ const moe_gguf_value *moe_gguf_find(const moe_gguf *g, const char *key) {
 
 static bool value_as_i128(const moe_gguf_value *v, bool *neg, uint64_t *mag) {
     switch (v->type) {
-    case MOE_GGUF_U8: case MOE_GGUF_U16: case MOE_GGUF_U32: case MOE_GGUF_U64:
+    case MOE_GGUF_U8:
+    case MOE_GGUF_U16:
+    case MOE_GGUF_U32:
+    case MOE_GGUF_U64:
         *neg = false;
         *mag = v->u;
         return true;
-    case MOE_GGUF_I8: case MOE_GGUF_I16: case MOE_GGUF_I32: case MOE_GGUF_I64:
+    case MOE_GGUF_I8:
+    case MOE_GGUF_I16:
+    case MOE_GGUF_I32:
+    case MOE_GGUF_I64:
         *neg = v->i < 0;
         *mag = v->i < 0 ? (uint64_t)0 - (uint64_t)v->i : (uint64_t)v->i;
         return true;
-    default: return false;
+    default:
+        return false;
     }
 }
 
@@ -1014,7 +1061,9 @@ const char *moe_gguf_get_str(const moe_gguf *g, const char *key) {
     return v && v->type == MOE_GGUF_STRING ? v->s.ptr : NULL;
 }
 
-uint64_t moe_gguf_n_tensors(const moe_gguf *g) { return g->n_tensors; }
+uint64_t moe_gguf_n_tensors(const moe_gguf *g) {
+    return g->n_tensors;
+}
 const moe_tensor *moe_gguf_tensor_get(const moe_gguf *g, uint64_t i) {
     return i < g->n_tensors ? &g->tensors[i] : NULL;
 }
@@ -1026,8 +1075,10 @@ const moe_tensor *moe_gguf_tensor_find(const moe_gguf *g, const char *name) {
         uint64_t mid = lo + (hi - lo) / 2;
         int r = str_cmp(g->tensors[g->by_name[mid]].name, key);
         if (r == 0) return &g->tensors[g->by_name[mid]];
-        if (r < 0) lo = mid + 1;
-        else hi = mid;
+        if (r < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
     }
     return NULL;
 }
@@ -1048,10 +1099,12 @@ moe_status moe_gguf_to_memory(moe_gguf *g, uint64_t *bytes_copied, moe_error *er
         uint8_t *raw = mmap(NULL, size + ANON_ALIGN, PROT_READ | PROT_WRITE,
                             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (raw == MAP_FAILED)
-            return moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate %.1f MiB of anonymous "
+            return moe_error_set(err, MOE_ERR_NOMEM,
+                                 "%s: cannot allocate %.1f MiB of anonymous "
                                  "memory for the weights (--mmap keeps them mapped): %s",
                                  sh->path, (double)data / (1 << 20), strerror(errno));
-        uint8_t *base = (uint8_t *)(((uintptr_t)raw + ANON_ALIGN - 1) & ~(uintptr_t)(ANON_ALIGN - 1));
+        uint8_t *base =
+            (uint8_t *)(((uintptr_t)raw + ANON_ALIGN - 1) & ~(uintptr_t)(ANON_ALIGN - 1));
         if (base > raw) munmap(raw, (size_t)(base - raw));
         if (base + size < raw + size + ANON_ALIGN)
             munmap(base + size, (size_t)(raw + size + ANON_ALIGN - (base + size)));

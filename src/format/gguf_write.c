@@ -41,10 +41,10 @@ struct moe_gguf_writer {
 };
 
 /* Keys the writer itself sets on every shard of a split (llama.cpp's names). */
-#define KEY_SPLIT_NO "split.no"
-#define KEY_SPLIT_COUNT "split.count"
+#define KEY_SPLIT_NO      "split.no"
+#define KEY_SPLIT_COUNT   "split.count"
 #define KEY_SPLIT_TENSORS "split.tensors.count"
-#define KEY_ALIGNMENT "general.alignment"
+#define KEY_ALIGNMENT     "general.alignment"
 
 /* ==== Deep copies of values ==== */
 
@@ -99,7 +99,9 @@ static void value_free(moe_gguf_value *v) {
 
 /* ==== Building ==== */
 
-moe_gguf_writer *moe_gguf_writer_new(void) { return moe_xcalloc(1, sizeof(moe_gguf_writer)); }
+moe_gguf_writer *moe_gguf_writer_new(void) {
+    return moe_xcalloc(1, sizeof(moe_gguf_writer));
+}
 
 void moe_gguf_writer_free(moe_gguf_writer *w) {
     if (!w) return;
@@ -181,8 +183,9 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
                                       uint32_t n_dims, const int64_t *ne, const void *data,
                                       bool borrow, moe_error *err) {
     const moe_type_traits *tr = moe_type_traits_get(type);
-    if (!tr) return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': type id %u is not known", name,
-                                  (unsigned)type);
+    if (!tr)
+        return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': type id %u is not known", name,
+                             (unsigned)type);
     if (n_dims > MOE_GGUF_MAX_DIMS)
         return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': %u dimensions, at most %d", name,
                              n_dims, MOE_GGUF_MAX_DIMS);
@@ -195,14 +198,17 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
         t.ne[d] = d < n_dims ? ne[d] : 1;
         if (t.ne[d] <= 0 || moe_mul_overflow(n_values, (uint64_t)t.ne[d], &n_values) ||
             n_values > INT64_MAX)
-            return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': dimension %u (%lld) is out of "
-                                 "range", name, d, (long long)t.ne[d]);
+            return moe_error_set(err, MOE_ERR_ARG,
+                                 "tensor '%s': dimension %u (%lld) is out of "
+                                 "range",
+                                 name, d, (long long)t.ne[d]);
     }
     uint64_t row = moe_type_row_bytes(type, t.ne[0]);
     if (row == 0)
-        return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': row length %lld is not a multiple "
-                             "of the %s block size %lld", name, (long long)t.ne[0], tr->name,
-                             (long long)tr->block_values);
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "tensor '%s': row length %lld is not a multiple "
+                             "of the %s block size %lld",
+                             name, (long long)t.ne[0], tr->name, (long long)tr->block_values);
     if (moe_mul_overflow(row, n_values / (uint64_t)t.ne[0], &t.n_bytes) || t.n_bytes > SIZE_MAX)
         return moe_error_set(err, MOE_ERR_ARG, "tensor '%s' is too large", name);
     t.name = moe_xstrdup(name);
@@ -301,7 +307,9 @@ static uint64_t pad_to(uint64_t n, uint32_t alignment) {
     return (alignment - n % alignment) % alignment;
 }
 
-static bool is_split_key(const char *key) { return strncmp(key, "split.", 6) == 0; }
+static bool is_split_key(const char *key) {
+    return strncmp(key, "split.", 6) == 0;
+}
 
 /* The alignment the writer pads to: general.alignment when it is a u32 power of two. */
 static uint32_t writer_alignment(const moe_gguf_writer *w) {
@@ -326,8 +334,7 @@ static moe_status write_one(const moe_gguf_writer *w, const char *path, size_t t
     for (size_t i = 0; i < w->n_kv; i++) {
         bool split_key = n_split && is_split_key(w->kv[i].key);
         bool align_key = strcmp(w->kv[i].key, KEY_ALIGNMENT) == 0;
-        if (!split_key && (first || (align_key && alignment != MOE_GGUF_DEFAULT_ALIGNMENT)))
-            n_kv++;
+        if (!split_key && (first || (align_key && alignment != MOE_GGUF_DEFAULT_ALIGNMENT))) n_kv++;
     }
     if (n_split) n_kv += 3;
 

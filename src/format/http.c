@@ -21,7 +21,7 @@
 
 /* Seconds to connect, and the stall (under 1 KB/s for this long) that ends a transfer. */
 #define CONNECT_TIMEOUT_S 30
-#define STALL_TIME_S 60
+#define STALL_TIME_S      60
 
 struct moe_http {
     CURL *curl; /* one handle, so connections are reused across ranges and shards */
@@ -51,9 +51,15 @@ void moe_http_free(moe_http *h) {
     free(h);
 }
 
-void moe_http_set_first_range(moe_http *h, uint64_t bytes) { h->first_range = bytes ? bytes : 1; }
-uint64_t moe_http_requests(const moe_http *h) { return h ? h->requests : 0; }
-uint64_t moe_http_bytes(const moe_http *h) { return h ? h->bytes : 0; }
+void moe_http_set_first_range(moe_http *h, uint64_t bytes) {
+    h->first_range = bytes ? bytes : 1;
+}
+uint64_t moe_http_requests(const moe_http *h) {
+    return h ? h->requests : 0;
+}
+uint64_t moe_http_bytes(const moe_http *h) {
+    return h ? h->bytes : 0;
+}
 
 bool moe_path_is_url(const char *path) {
     return strncasecmp(path, "http://", 7) == 0 || strncasecmp(path, "https://", 8) == 0;
@@ -125,8 +131,9 @@ moe_status moe_http_read(moe_http *h, const char *url, uint64_t offset, uint64_t
     if (n == 0) return MOE_OK;
     uint64_t last;
     if (moe_add_overflow(offset, n - 1, &last))
-        return moe_error_set(err, MOE_ERR_RANGE, "%s: range at %" PRIu64 " + %" PRIu64
-                             " bytes overflows", url, offset, n);
+        return moe_error_set(err, MOE_ERR_RANGE,
+                             "%s: range at %" PRIu64 " + %" PRIu64 " bytes overflows", url, offset,
+                             n);
     char range[64];
     snprintf(range, sizeof range, "%" PRIu64 "-%" PRIu64, offset, last);
     xfer x = {.buf = buf, .want = n};
@@ -163,26 +170,33 @@ moe_status moe_http_read(moe_http *h, const char *url, uint64_t offset, uint64_t
                              "file or serve it from a server with range support",
                              url, range);
     if (x.refusal)
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: the server sent more than the %" PRIu64
-                             " bytes asked for (bytes=%s)", url, n, range);
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: the server sent more than the %" PRIu64
+                             " bytes asked for (bytes=%s)",
+                             url, n, range);
     if (rc != CURLE_OK)
         return moe_error_set(err, MOE_ERR_IO, "%s: %s%s%s", url, curl_easy_strerror(rc),
                              curl_err[0] ? ": " : "", curl_err);
     if (x.status == 416)
-        return moe_error_set(err, MOE_ERR_RANGE, "%s: bytes=%s is past the end of the file%s",
-                             url, range, x.total_known ? "" : " (HTTP 416)");
+        return moe_error_set(err, MOE_ERR_RANGE, "%s: bytes=%s is past the end of the file%s", url,
+                             range, x.total_known ? "" : " (HTTP 416)");
     if (x.status != 206)
         return moe_error_set(err, MOE_ERR_IO, "%s: HTTP %ld for bytes=%s", url, x.status, range);
     if (!x.has_range || x.range_start != offset)
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: a 206 answer to bytes=%s without a "
-                             "matching Content-Range", url, range);
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: a 206 answer to bytes=%s without a "
+                             "matching Content-Range",
+                             url, range);
     if (!x.total_known)
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: the server does not say the file's "
-                             "size (Content-Range ends in /*)", url);
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "%s: the server does not say the file's "
+                             "size (Content-Range ends in /*)",
+                             url);
     uint64_t expect = x.total > offset ? x.total - offset : 0;
     if (expect > n) expect = n;
     if (x.len != expect || x.range_end - x.range_start + 1 != x.len)
-        return moe_error_set(err, MOE_ERR_IO, "%s: bytes=%s: received %" PRIu64 " bytes, "
+        return moe_error_set(err, MOE_ERR_IO,
+                             "%s: bytes=%s: received %" PRIu64 " bytes, "
                              "expected %" PRIu64 " (file of %" PRIu64 " bytes)",
                              url, range, x.len, expect, x.total);
     *got = x.len;
@@ -288,8 +302,7 @@ static scan_result scan_header(scan *s) {
 /* ==== Opening by URL ==== */
 
 /* Fetch and parse one shard's header; *file_size from the server. */
-static moe_gguf *open_shard_url(moe_http *h, const char *url, uint64_t *file_size,
-                                moe_error *err) {
+static moe_gguf *open_shard_url(moe_http *h, const char *url, uint64_t *file_size, moe_error *err) {
     uint64_t cap = h->first_range, have = 0, total = 0;
     uint8_t *buf = moe_xmalloc((size_t)cap);
     if (moe_http_read(h, url, 0, cap, buf, &have, &total, err) != MOE_OK) {
@@ -313,9 +326,10 @@ static moe_gguf *open_shard_url(moe_http *h, const char *url, uint64_t *file_siz
         if (want > total) want = total;
         if (want > MOE_HTTP_MAX_HEADER) {
             free(buf);
-            moe_error_set(err, MOE_ERR_RANGE, "%s: the header needs more than %" PRIu64
-                          " bytes (at least %" PRIu64 "), past the limit of %llu", url, have,
-                          s.need, (unsigned long long)MOE_HTTP_MAX_HEADER);
+            moe_error_set(err, MOE_ERR_RANGE,
+                          "%s: the header needs more than %" PRIu64 " bytes (at least %" PRIu64
+                          "), past the limit of %llu",
+                          url, have, s.need, (unsigned long long)MOE_HTTP_MAX_HEADER);
             return NULL;
         }
         buf = moe_xrealloc(buf, (size_t)want);
@@ -365,16 +379,20 @@ moe_gguf *moe_gguf_open_url(moe_http *h, const char *url, moe_error *err) {
     if (count > MOE_GGUF_MAX_SHARDS || !split_url(url, &at, &end, &name_no, &name_count) ||
         name_count != count || no + 1 != name_no || !has_total) {
         if (count > MOE_GGUF_MAX_SHARDS)
-            moe_error_set(err, MOE_ERR_RANGE, "%s: split.count is %" PRIu64
-                          ", more than the limit %d", url, count, MOE_GGUF_MAX_SHARDS);
+            moe_error_set(err, MOE_ERR_RANGE,
+                          "%s: split.count is %" PRIu64 ", more than the limit %d", url, count,
+                          MOE_GGUF_MAX_SHARDS);
         else if (!split_url(url, &at, &end, &name_no, &name_count))
-            moe_error_set(err, MOE_ERR_FORMAT, "%s: split.count is %" PRIu64 " but the name "
+            moe_error_set(err, MOE_ERR_FORMAT,
+                          "%s: split.count is %" PRIu64 " but the name "
                           "does not end in -NNNNN-of-MMMMM.gguf, so the other shards cannot be "
-                          "found", url, count);
+                          "found",
+                          url, count);
         else if (!has_total)
             moe_error_set(err, MOE_ERR_FORMAT, "%s: split.tensors.count is missing", url);
         else
-            moe_error_set(err, MOE_ERR_FORMAT, "%s: the name says shard %u of %u but the "
+            moe_error_set(err, MOE_ERR_FORMAT,
+                          "%s: the name says shard %u of %u but the "
                           "metadata says split.no %" PRIu64 " (0-based) of split.count %" PRIu64,
                           url, name_no, name_count, no, count);
         moe_gguf_close(g0);
@@ -414,8 +432,9 @@ moe_gguf *moe_gguf_open_url(moe_http *h, const char *url, moe_error *err) {
     }
     free(sib);
     if (bad == MOE_OK && sum != total)
-        bad = moe_error_set(err, MOE_ERR_FORMAT, "%s: split.tensors.count is %" PRIu64
-                            " but the %" PRIu64 " shards hold %" PRIu64 " tensors",
+        bad = moe_error_set(err, MOE_ERR_FORMAT,
+                            "%s: split.tensors.count is %" PRIu64 " but the %" PRIu64
+                            " shards hold %" PRIu64 " tensors",
                             url, total, count, sum);
     moe_gguf *m = NULL;
     if (bad == MOE_OK) {
@@ -434,25 +453,30 @@ moe_gguf *moe_gguf_open_any(const char *path_or_url, moe_http **http, moe_error 
     return moe_gguf_open_url(*http, path_or_url, err);
 }
 
-moe_status moe_tensor_read(const moe_gguf *g, moe_http *http, const moe_tensor *t,
-                           uint64_t offset, uint64_t n, void *out, moe_error *err) {
+moe_status moe_tensor_read(const moe_gguf *g, moe_http *http, const moe_tensor *t, uint64_t offset,
+                           uint64_t n, void *out, moe_error *err) {
     if (offset > t->n_bytes || n > t->n_bytes - offset)
-        return moe_error_set(err, MOE_ERR_RANGE, "tensor '%s': bytes %" PRIu64 "+%" PRIu64
-                             " are outside its %" PRIu64 " bytes", t->name.ptr, offset, n,
-                             t->n_bytes);
+        return moe_error_set(err, MOE_ERR_RANGE,
+                             "tensor '%s': bytes %" PRIu64 "+%" PRIu64 " are outside its %" PRIu64
+                             " bytes",
+                             t->name.ptr, offset, n, t->n_bytes);
     if (t->data) {
         memcpy(out, t->data + offset, (size_t)n);
         return MOE_OK;
     }
     const moe_gguf_shard *sh = moe_gguf_shard_get(g, t->shard);
     if (!http || !sh || !moe_path_is_url(sh->path))
-        return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': its data is not mapped and "
-                             "there is no URL to read it from", t->name.ptr);
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "tensor '%s': its data is not mapped and "
+                             "there is no URL to read it from",
+                             t->name.ptr);
     uint64_t got;
     moe_status s = moe_http_read(http, sh->path, t->file_offset + offset, n, out, &got, NULL, err);
     if (s != MOE_OK) return s;
     if (got != n)
-        return moe_error_set(err, MOE_ERR_IO, "%s: tensor '%s': the file ends %" PRIu64
-                             " bytes into a %" PRIu64 "-byte read", sh->path, t->name.ptr, got, n);
+        return moe_error_set(err, MOE_ERR_IO,
+                             "%s: tensor '%s': the file ends %" PRIu64 " bytes into a %" PRIu64
+                             "-byte read",
+                             sh->path, t->name.ptr, got, n);
     return MOE_OK;
 }

@@ -10,17 +10,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MOE_MAX_LAYERS 1024 /* deepest real models have ~100; caps the per-layer allocation */
-#define MOE_MAX_WIDTH (1u << 20) /* widths, heads, vocab: far above any real model */
-#define MOE_MAX_EXPERTS 1024     /* routed experts per layer (real: <= 384); routing's tables */
+#define MOE_MAX_LAYERS  1024 /* deepest real models have ~100; caps the per-layer allocation */
+#define MOE_MAX_WIDTH   (1u << 20) /* widths, heads, vocab: far above any real model */
+#define MOE_MAX_EXPERTS 1024       /* routed experts per layer (real: <= 384); routing's tables */
 
 static const char *const arch_names[MOE_ARCH_COUNT] = {
-    [MOE_ARCH_LLAMA] = "llama",
-    [MOE_ARCH_QWEN3MOE] = "qwen3moe",
-    [MOE_ARCH_DEEPSEEK2] = "deepseek2",
-    [MOE_ARCH_GPT_OSS] = "gpt-oss",
-    [MOE_ARCH_QWEN3NEXT] = "qwen3next",
-    [MOE_ARCH_KIMI_LINEAR] = "kimi-linear",
+    [MOE_ARCH_LLAMA] = "llama",         [MOE_ARCH_QWEN3MOE] = "qwen3moe",
+    [MOE_ARCH_DEEPSEEK2] = "deepseek2", [MOE_ARCH_GPT_OSS] = "gpt-oss",
+    [MOE_ARCH_QWEN3NEXT] = "qwen3next", [MOE_ARCH_KIMI_LINEAR] = "kimi-linear",
     [MOE_ARCH_GLM4MOE] = "glm4moe",
 };
 
@@ -45,16 +42,15 @@ static bool key_u32(binder *b, const char *suffix, bool required, uint32_t fallb
     if (!moe_gguf_get_u64(b->m->gguf, key, &v)) {
         if (required || moe_gguf_find(b->m->gguf, key)) {
             moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s key '%s'", b->path,
-                          moe_gguf_find(b->m->gguf, key) ? "non-integer" : "missing required",
-                          key);
+                          moe_gguf_find(b->m->gguf, key) ? "non-integer" : "missing required", key);
             return false;
         }
         *out = fallback;
         return true;
     }
     if (v > MOE_MAX_WIDTH) {
-        moe_error_set(b->err, MOE_ERR_RANGE, "%s: key '%s' = %llu is larger than %u", b->path,
-                      key, (unsigned long long)v, MOE_MAX_WIDTH);
+        moe_error_set(b->err, MOE_ERR_RANGE, "%s: key '%s' = %llu is larger than %u", b->path, key,
+                      (unsigned long long)v, MOE_MAX_WIDTH);
         return false;
     }
     *out = (uint32_t)v;
@@ -94,11 +90,13 @@ static bool key_u32_per_layer(binder *b, const char *suffix, uint32_t fallback, 
     }
     const moe_gguf_vtype et = v->arr.elem_type;
     const unsigned size = moe_gguf_vtype_size(et);
-    const bool is_signed = et == MOE_GGUF_I8 || et == MOE_GGUF_I16 || et == MOE_GGUF_I32 ||
-                           et == MOE_GGUF_I64;
+    const bool is_signed =
+        et == MOE_GGUF_I8 || et == MOE_GGUF_I16 || et == MOE_GGUF_I32 || et == MOE_GGUF_I64;
     if (!size || et == MOE_GGUF_F32 || et == MOE_GGUF_F64 || v->arr.n != n) {
-        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: key '%s' must be an integer or %u integers "
-                      "(one per layer)", b->path, key, n);
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: key '%s' must be an integer or %u integers "
+                      "(one per layer)",
+                      b->path, key, n);
         return false;
     }
     for (uint32_t i = 0; i < n; i++) {
@@ -107,7 +105,8 @@ static bool key_u32_per_layer(binder *b, const char *suffix, uint32_t fallback, 
         const unsigned bits = 8 * size;
         const bool neg = is_signed && ((u >> (bits - 1)) & 1);
         if (neg || u > MOE_MAX_WIDTH) {
-            moe_error_set(b->err, MOE_ERR_RANGE, "%s: key '%s'[%u] is out of range", b->path, key, i);
+            moe_error_set(b->err, MOE_ERR_RANGE, "%s: key '%s'[%u] is out of range", b->path, key,
+                          i);
             return false;
         }
         out[i] = (uint32_t)u;
@@ -125,14 +124,17 @@ static const moe_tensor *bind3(binder *b, const char *name, int64_t ne0, int64_t
     const moe_tensor *t = moe_gguf_tensor_find(b->m->gguf, name);
     if (!t) {
         if (required)
-            moe_error_set(b->err, MOE_ERR_NOT_FOUND, "%s: missing tensor '%s' (%s)", b->path,
-                          name, b->m->cfg.arch_name);
+            moe_error_set(b->err, MOE_ERR_NOT_FOUND, "%s: missing tensor '%s' (%s)", b->path, name,
+                          b->m->cfg.arch_name);
         return NULL;
     }
     const int64_t want[4] = {ne0, ne1 ? ne1 : 1, ne2 ? ne2 : 1, 1};
     if (t->ne[0] != want[0] || t->ne[1] != want[1] || t->ne[2] != want[2] || t->ne[3] != 1) {
         char shape[96];
-        snprintf(shape, sizeof shape, ne2 ? "[%lld, %lld, %lld]" : ne1 ? "[%lld, %lld]" : "[%lld]",
+        snprintf(shape, sizeof shape,
+                 ne2   ? "[%lld, %lld, %lld]"
+                 : ne1 ? "[%lld, %lld]"
+                       : "[%lld]",
                  (long long)want[0], (long long)want[1], (long long)want[2]);
         moe_error_set(b->err, MOE_ERR_FORMAT,
                       "%s: tensor '%s' has shape [%lld, %lld, %lld, %lld], expected %s", b->path,
@@ -142,8 +144,9 @@ static const moe_tensor *bind3(binder *b, const char *name, int64_t ne0, int64_t
     }
     const moe_type_traits *tr = moe_type_traits_get(t->type);
     if (!tr || !tr->to_float || !tr->dot) {
-        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has type %s, which moe cannot compute with",
-                      b->path, name, moe_type_name(t->type));
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED,
+                      "%s: tensor '%s' has type %s, which moe cannot compute with", b->path, name,
+                      moe_type_name(t->type));
         return NULL;
     }
     if (!t->data) {
@@ -163,8 +166,10 @@ static const moe_tensor *bind(binder *b, const char *name, int64_t ne0, int64_t 
 static const moe_tensor *bind_blk(binder *b, uint32_t il, const char *what, const char *suffix,
                                   int64_t ne0, int64_t ne1, int64_t ne2, bool required) {
     char name[128];
-    if (suffix) snprintf(name, sizeof name, "blk.%u.%s.%s", il, what, suffix);
-    else snprintf(name, sizeof name, "blk.%u.%s", il, what);
+    if (suffix)
+        snprintf(name, sizeof name, "blk.%u.%s.%s", il, what, suffix);
+    else
+        snprintf(name, sizeof name, "blk.%u.%s", il, what);
     return bind3(b, name, ne0, ne1, ne2, required);
 }
 
@@ -196,42 +201,69 @@ static const moe_tensor *bind_f32(binder *b, uint32_t il, const char *what, cons
 typedef struct arch_entry {
     moe_arch arch;
     moe_rope_kind rope_kind;
-    bool qk_norm;            /* attn_q_norm / attn_k_norm per head */
-    bool qk_norm_optional;   /* ... bound when the file has them (GLM-4.5: only the 355B) */
-    bool experts;            /* routed experts (expert_* keys, *_exps tensors) */
-    moe_gating gating;       /* default when <arch>.expert_gating_func is absent */
-    bool norm_topk;          /* default when <arch>.expert_weights_norm is absent */
-    bool mla;                /* multi-head latent attention instead of attn_q/k/v */
-    bool attn_bias;          /* q/k/v/o biases and per-head attn_sinks */
-    bool qkv_bias;           /* q/k/v biases only */
-    uint32_t swa_pattern;    /* n: layer il is windowed when il % n < n - 1 (llama.cpp's) */
-    moe_ffn_act act;         /* the routed experts' activation */
-    const char *ffn_norm;    /* name of the FFN's input norm (NULL: ffn_norm) */
-    moe_mixer linear;        /* mixer of a hybrid's recurrent layers (ATTENTION: not hybrid) */
-    bool attn_output_gate;   /* attn_q holds [q, gate] per head */
+    bool qk_norm;          /* attn_q_norm / attn_k_norm per head */
+    bool qk_norm_optional; /* ... bound when the file has them (GLM-4.5: only the 355B) */
+    bool experts;          /* routed experts (expert_* keys, *_exps tensors) */
+    moe_gating gating;     /* default when <arch>.expert_gating_func is absent */
+    bool norm_topk;        /* default when <arch>.expert_weights_norm is absent */
+    bool mla;              /* multi-head latent attention instead of attn_q/k/v */
+    bool attn_bias;        /* q/k/v/o biases and per-head attn_sinks */
+    bool qkv_bias;         /* q/k/v biases only */
+    uint32_t swa_pattern;  /* n: layer il is windowed when il % n < n - 1 (llama.cpp's) */
+    moe_ffn_act act;       /* the routed experts' activation */
+    const char *ffn_norm;  /* name of the FFN's input norm (NULL: ffn_norm) */
+    moe_mixer linear;      /* mixer of a hybrid's recurrent layers (ATTENTION: not hybrid) */
+    bool attn_output_gate; /* attn_q holds [q, gate] per head */
 } arch_entry;
 
 static const arch_entry archs[] = {
     {.arch = MOE_ARCH_LLAMA, .rope_kind = MOE_ROPE_NORM, .gating = MOE_GATING_SOFTMAX},
-    {.arch = MOE_ARCH_QWEN3MOE, .rope_kind = MOE_ROPE_NEOX, .qk_norm = true, .experts = true,
-     .gating = MOE_GATING_SOFTMAX, .norm_topk = true},
+    {.arch = MOE_ARCH_QWEN3MOE,
+     .rope_kind = MOE_ROPE_NEOX,
+     .qk_norm = true,
+     .experts = true,
+     .gating = MOE_GATING_SOFTMAX,
+     .norm_topk = true},
     /* sigmoid gating, selection bias and groups come from its keys (older files: softmax) */
-    {.arch = MOE_ARCH_DEEPSEEK2, .rope_kind = MOE_ROPE_NORM, .experts = true,
-     .gating = MOE_GATING_SOFTMAX, .mla = true},
-    {.arch = MOE_ARCH_GPT_OSS, .rope_kind = MOE_ROPE_NEOX, .experts = true,
-     .gating = MOE_GATING_SOFTMAX_WEIGHT, .attn_bias = true, .swa_pattern = 2,
-     .act = MOE_ACT_SWIGLU_OAI, .ffn_norm = "post_attention_norm"},
-    {.arch = MOE_ARCH_QWEN3NEXT, .rope_kind = MOE_ROPE_NEOX, .qk_norm = true, .experts = true,
-     .gating = MOE_GATING_SOFTMAX, .norm_topk = true, .linear = MOE_MIXER_GDN,
-     .attn_output_gate = true, .ffn_norm = "post_attention_norm"},
+    {.arch = MOE_ARCH_DEEPSEEK2,
+     .rope_kind = MOE_ROPE_NORM,
+     .experts = true,
+     .gating = MOE_GATING_SOFTMAX,
+     .mla = true},
+    {.arch = MOE_ARCH_GPT_OSS,
+     .rope_kind = MOE_ROPE_NEOX,
+     .experts = true,
+     .gating = MOE_GATING_SOFTMAX_WEIGHT,
+     .attn_bias = true,
+     .swa_pattern = 2,
+     .act = MOE_ACT_SWIGLU_OAI,
+     .ffn_norm = "post_attention_norm"},
+    {.arch = MOE_ARCH_QWEN3NEXT,
+     .rope_kind = MOE_ROPE_NEOX,
+     .qk_norm = true,
+     .experts = true,
+     .gating = MOE_GATING_SOFTMAX,
+     .norm_topk = true,
+     .linear = MOE_MIXER_GDN,
+     .attn_output_gate = true,
+     .ffn_norm = "post_attention_norm"},
     /* KDA layers (head_count_kv 0) and MLA layers without q LoRA or rope */
-    {.arch = MOE_ARCH_KIMI_LINEAR, .rope_kind = MOE_ROPE_NONE, .experts = true,
-     .gating = MOE_GATING_SIGMOID, .norm_topk = true, .mla = true, .linear = MOE_MIXER_KDA},
+    {.arch = MOE_ARCH_KIMI_LINEAR,
+     .rope_kind = MOE_ROPE_NONE,
+     .experts = true,
+     .gating = MOE_GATING_SIGMOID,
+     .norm_topk = true,
+     .mla = true,
+     .linear = MOE_MIXER_KDA},
     /* GLM-4.5/4.6/4.7: DeepSeek-style routing (sigmoid, exp_probs_b, shared expert, dense lead)
      * under GQA attention with q/k/v biases and partial NEOX rope; the trailing NextN (MTP)
      * layers are skipped, as llama.cpp does */
-    {.arch = MOE_ARCH_GLM4MOE, .rope_kind = MOE_ROPE_NEOX, .qk_norm_optional = true,
-     .qkv_bias = true, .experts = true, .gating = MOE_GATING_SIGMOID,
+    {.arch = MOE_ARCH_GLM4MOE,
+     .rope_kind = MOE_ROPE_NEOX,
+     .qk_norm_optional = true,
+     .qkv_bias = true,
+     .experts = true,
+     .gating = MOE_GATING_SIGMOID,
      .ffn_norm = "post_attention_norm"},
 };
 
@@ -261,8 +293,8 @@ static bool config_rope(binder *b, const arch_entry *a) {
     const bool linear = scaling && strcmp(scaling, "linear") == 0;
     const bool yarn = scaling && strcmp(scaling, "yarn") == 0;
     if (scaling && strcmp(scaling, "none") != 0 && !linear && !yarn) {
-        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: rope scaling type '%s' is not supported yet",
-                      b->path, scaling);
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED,
+                      "%s: rope scaling type '%s' is not supported yet", b->path, scaling);
         return false;
     }
     c->rope_freq_scale = (linear || yarn) && factor > 0 ? 1.0f / factor : 1.0f;
@@ -309,14 +341,16 @@ static bool config_mla(binder *b) {
                       "%s: MLA stored as multi-head K/V (attn_kv_b; key_length %u, value_length "
                       "%u, head_count_kv %u): moe runs the latent layout (attn_k_b / attn_v_b, "
                       "key_length = kv_lora_rank + rope dims = %u); re-convert the model with a "
-                      "current llama.cpp convert_hf_to_gguf.py", b->path, c->head_dim_k,
-                      c->head_dim_v, c->n_head_kv, c->n_lora_kv + c->rope_dims);
+                      "current llama.cpp convert_hf_to_gguf.py",
+                      b->path, c->head_dim_k, c->head_dim_v, c->n_head_kv,
+                      c->n_lora_kv + c->rope_dims);
         return false;
     }
     if (c->n_lora_kv == 0 || c->head_dim_k_mla <= c->rope_dims || c->head_dim_v_mla == 0) {
-        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: MLA widths kv_lora_rank %u, key_length_mla %u "
-                      "(rope %u), value_length_mla %u are inconsistent", b->path, c->n_lora_kv,
-                      c->head_dim_k_mla, c->rope_dims, c->head_dim_v_mla);
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: MLA widths kv_lora_rank %u, key_length_mla %u "
+                      "(rope %u), value_length_mla %u are inconsistent",
+                      b->path, c->n_lora_kv, c->head_dim_k_mla, c->rope_dims, c->head_dim_v_mla);
         return false;
     }
     return true;
@@ -332,13 +366,17 @@ static bool config_transformer(binder *b, const arch_entry *a) {
         !key_u32(b, "context_length", false, 4096, &c->n_ctx_train))
         return false;
     if (c->n_head == 0 || c->n_embd == 0 || c->n_layer == 0) {
-        moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.embedding_length, block_count and "
-                      "attention.head_count must be positive", b->path, c->arch_name);
+        moe_error_set(b->err, MOE_ERR_RANGE,
+                      "%s: %s.embedding_length, block_count and "
+                      "attention.head_count must be positive",
+                      b->path, c->arch_name);
         return false;
     }
     if (c->n_layer_nextn >= c->n_layer) {
-        moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.nextn_predict_layers = %u leaves no layers of "
-                      "%u", b->path, c->arch_name, c->n_layer_nextn, c->n_layer);
+        moe_error_set(b->err, MOE_ERR_RANGE,
+                      "%s: %s.nextn_predict_layers = %u leaves no layers of "
+                      "%u",
+                      b->path, c->arch_name, c->n_layer_nextn, c->n_layer);
         return false;
     }
     c->n_layer -= c->n_layer_nextn; /* the MTP layers at the end predict drafts: not run */
@@ -363,13 +401,16 @@ static bool config_transformer(binder *b, const arch_entry *a) {
     c->rope_kind = a->rope_kind;
     c->qk_norm = a->qk_norm;
     if (c->n_head_kv == 0 || c->n_head % c->n_head_kv != 0) {
-        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: head_count %u is not a multiple of head_count_kv %u",
-                      b->path, c->n_head, c->n_head_kv);
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: head_count %u is not a multiple of head_count_kv %u", b->path, c->n_head,
+                      c->n_head_kv);
         return false;
     }
     if (c->head_dim_k == 0 || c->rope_dims > c->head_dim_k || c->rope_dims % 2) {
-        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: rope.dimension_count %u must be even and at "
-                      "most the head dimension %u", b->path, c->rope_dims, c->head_dim_k);
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: rope.dimension_count %u must be even and at "
+                      "most the head dimension %u",
+                      b->path, c->rope_dims, c->head_dim_k);
         return false;
     }
     if ((a->mla && !config_mla(b)) || !config_rope(b, a)) return false;
@@ -396,9 +437,10 @@ static bool config_transformer(binder *b, const arch_entry *a) {
     c->expert_act = a->act;
     if (c->n_expert == 0 || c->n_expert > MOE_MAX_EXPERTS || c->n_expert_used == 0 ||
         c->n_expert_used > c->n_expert || c->n_ff_exp == 0) {
-        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s.expert_count %u / expert_used_count %u / "
-                      "expert_feed_forward_length %u are inconsistent", b->path, c->arch_name,
-                      c->n_expert, c->n_expert_used, c->n_ff_exp);
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: %s.expert_count %u / expert_used_count %u / "
+                      "expert_feed_forward_length %u are inconsistent",
+                      b->path, c->arch_name, c->n_expert, c->n_expert_used, c->n_ff_exp);
         return false;
     }
     if (gating != MOE_GATING_SOFTMAX && gating != MOE_GATING_SIGMOID &&
@@ -412,7 +454,8 @@ static bool config_transformer(binder *b, const arch_entry *a) {
         (c->n_expert_group > 256 || c->n_expert % c->n_expert_group != 0 || c->n_group_used == 0 ||
          c->n_group_used > c->n_expert_group ||
          c->n_group_used * (c->n_expert / c->n_expert_group) < c->n_expert_used)) {
-        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s.expert_group_count %u / "
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: %s.expert_group_count %u / "
                       "expert_group_used_count %u do not fit %u experts, %u used per token",
                       b->path, c->arch_name, c->n_expert_group, c->n_group_used, c->n_expert,
                       c->n_expert_used);
@@ -427,9 +470,10 @@ static bool config_transformer(binder *b, const arch_entry *a) {
     if (!c->n_ff_shexp) {
         const uint64_t ff = (uint64_t)n_shared * c->n_ff_exp;
         if (ff > MOE_MAX_WIDTH) {
-            moe_error_set(b->err, MOE_ERR_RANGE, "%s: %s.expert_shared_count %u x "
-                          "expert_feed_forward_length %u exceeds %u", b->path, c->arch_name,
-                          n_shared, c->n_ff_exp, MOE_MAX_WIDTH);
+            moe_error_set(b->err, MOE_ERR_RANGE,
+                          "%s: %s.expert_shared_count %u x "
+                          "expert_feed_forward_length %u exceeds %u",
+                          b->path, c->arch_name, n_shared, c->n_ff_exp, MOE_MAX_WIDTH);
             return false;
         }
         c->n_ff_shexp = (uint32_t)ff;
@@ -444,8 +488,10 @@ static bool config_linear(binder *b, const arch_entry *a) {
     moe_model_config *c = &m->cfg;
     c->attn_output_gate = a->attn_output_gate;
     if (c->attn_output_gate && c->head_dim_k != c->head_dim_v) {
-        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: an attention output gate needs key_length %u "
-                      "= value_length %u", b->path, c->head_dim_k, c->head_dim_v);
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: an attention output gate needs key_length %u "
+                      "= value_length %u",
+                      b->path, c->head_dim_k, c->head_dim_v);
         return false;
     }
     m->layers = moe_xcalloc(c->n_layer, sizeof *m->layers);
@@ -462,9 +508,11 @@ static bool config_linear(binder *b, const arch_entry *a) {
             !key_u32(b, "ssm.inner_size", true, 0, &inner))
             return false;
         if (interval == 0 || (uint64_t)c->ssm_n_v_heads * c->ssm_head_dim != inner) {
-            moe_error_set(b->err, MOE_ERR_FORMAT, "%s: %s.full_attention_interval %u must be "
+            moe_error_set(b->err, MOE_ERR_FORMAT,
+                          "%s: %s.full_attention_interval %u must be "
                           "positive and ssm.inner_size %u = time_step_rank %u x state_size %u",
-                          b->path, c->arch_name, interval, inner, c->ssm_n_v_heads, c->ssm_head_dim);
+                          b->path, c->arch_name, interval, inner, c->ssm_n_v_heads,
+                          c->ssm_head_dim);
             return false;
         }
     } else {
@@ -476,10 +524,11 @@ static bool config_linear(binder *b, const arch_entry *a) {
     }
     if (c->ssm_d_conv == 0 || c->ssm_d_conv > MOE_CONV_MAX_TAPS || c->ssm_head_dim == 0 ||
         c->ssm_n_k_heads == 0 || c->ssm_n_v_heads % c->ssm_n_k_heads != 0) {
-        moe_error_set(b->err, MOE_ERR_FORMAT, "%s: linear attention: conv kernel %u (1..%u), "
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: linear attention: conv kernel %u (1..%u), "
                       "head dim %u, %u k heads and %u v heads (a multiple) are inconsistent",
-                      b->path, c->ssm_d_conv, MOE_CONV_MAX_TAPS, c->ssm_head_dim,
-                      c->ssm_n_k_heads, c->ssm_n_v_heads);
+                      b->path, c->ssm_d_conv, MOE_CONV_MAX_TAPS, c->ssm_head_dim, c->ssm_n_k_heads,
+                      c->ssm_n_v_heads);
         return false;
     }
     for (uint32_t il = 0; il < c->n_layer; il++) {
@@ -539,8 +588,10 @@ static void bind_attention_gqa(binder *b, const arch_entry *a, uint32_t il, moe_
         l->attn_q_norm = bind_blk(b, il, "attn_q_norm", "weight", c->head_dim_k, 0, 0, a->qk_norm);
         l->attn_k_norm = bind_blk(b, il, "attn_k_norm", "weight", c->head_dim_k, 0, 0, a->qk_norm);
         if (!l->attn_q_norm != !l->attn_k_norm && !b->err->code)
-            moe_error_set(b->err, MOE_ERR_FORMAT, "%s: layer %u has only one of attn_q_norm and "
-                          "attn_k_norm", b->path, il);
+            moe_error_set(b->err, MOE_ERR_FORMAT,
+                          "%s: layer %u has only one of attn_q_norm and "
+                          "attn_k_norm",
+                          b->path, il);
     }
     if (a->attn_bias || a->qkv_bias) {
         l->bq = bind_f32(b, il, "attn_q", "bias", q, 0, true);
@@ -564,8 +615,10 @@ static void bind_attention_mla(binder *b, uint32_t il, moe_layer_weights *l) {
     char name[128];
     snprintf(name, sizeof name, "blk.%u.attn_kv_b.weight", il);
     if (moe_gguf_tensor_find(b->m->gguf, name) && !b->err->code) {
-        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: '%s' is the older MLA layout; moe needs "
-                      "attn_k_b / attn_v_b (re-convert with a current llama.cpp)", b->path, name);
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED,
+                      "%s: '%s' is the older MLA layout; moe needs "
+                      "attn_k_b / attn_v_b (re-convert with a current llama.cpp)",
+                      b->path, name);
         return;
     }
     if (c->n_lora_q) {
@@ -599,7 +652,8 @@ static void bind_experts(binder *b, uint32_t il, moe_layer_weights *l) {
         l->ffn_gate_shexp = bind_layer(b, il, "ffn_gate_shexp", c->n_embd, ff);
         l->ffn_up_shexp = bind_layer(b, il, "ffn_up_shexp", c->n_embd, ff);
         l->ffn_down_shexp = bind_layer(b, il, "ffn_down_shexp", ff, c->n_embd);
-        l->ffn_gate_inp_shexp = bind_f32(b, il, "ffn_gate_inp_shexp", "weight", c->n_embd, 0, false);
+        l->ffn_gate_inp_shexp =
+            bind_f32(b, il, "ffn_gate_inp_shexp", "weight", c->n_embd, 0, false);
     }
 }
 
@@ -625,9 +679,12 @@ static bool bind_transformer(binder *b, const arch_entry *a) {
     for (uint32_t il = 0; il < c->n_layer && !b->err->code; il++) {
         moe_layer_weights *l = &m->layers[il];
         l->attn_norm = bind_layer(b, il, "attn_norm", c->n_embd, 0);
-        if (l->mixer != MOE_MIXER_ATTENTION) bind_linear(b, il, l);
-        else if (a->mla) bind_attention_mla(b, il, l);
-        else bind_attention_gqa(b, a, il, l);
+        if (l->mixer != MOE_MIXER_ATTENTION)
+            bind_linear(b, il, l);
+        else if (a->mla)
+            bind_attention_mla(b, il, l);
+        else
+            bind_attention_gqa(b, a, il, l);
         l->ffn_norm = bind_layer(b, il, a->ffn_norm ? a->ffn_norm : "ffn_norm", c->n_embd, 0);
         if (a->experts && il >= c->n_layer_dense_lead) {
             bind_experts(b, il, l);
@@ -652,8 +709,8 @@ moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {
     for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++)
         if (strcmp(arch_names[archs[i].arch], arch) == 0) entry = &archs[i];
     if (!entry) {
-        moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: unknown architecture '%s' (moe supports:",
-                      path, arch);
+        moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                      "%s: unknown architecture '%s' (moe supports:", path, arch);
         size_t used = strlen(err->msg);
         for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++)
             used += (size_t)snprintf(err->msg + used, sizeof err->msg - used, " %s",
@@ -667,8 +724,8 @@ moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {
     m->cfg.arch = entry->arch;
     m->cfg.arch_name = arch_names[entry->arch];
     binder b = {.m = m, .path = path, .err = err};
-    const bool ok = config_transformer(&b, entry) && config_linear(&b, entry) &&
-                    bind_transformer(&b, entry);
+    const bool ok =
+        config_transformer(&b, entry) && config_linear(&b, entry) && bind_transformer(&b, entry);
     free(b.head_kv_layer);
     if (!ok) {
         m->gguf = NULL; /* the caller keeps the file on failure */

@@ -17,7 +17,9 @@
 
 /* ==== Elementwise ==== */
 
-float moe_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+float moe_softplus(float x) {
+    return x > 20.0f ? x : log1pf(expf(x));
+}
 
 void moe_l2norm(float *x, int64_t n, float eps) {
     double sum = 0.0; /* ggml sums squares in a wider type */
@@ -70,7 +72,8 @@ uint64_t moe_delta_scratch_floats(int d_k, int d_v) {
     const uint64_t C = MOE_DELTA_CHUNK;
     /* decays and their running products [C][d_k] each, A and B [C][C], U [C][d_v], one
      * decayed row [d_k], one running decay [d_k], one state row product [d_v] */
-    return 2 * C * (uint64_t)d_k + 2 * C * C + C * (uint64_t)d_v + 2 * (uint64_t)d_k + (uint64_t)d_v;
+    return 2 * C * (uint64_t)d_k + 2 * C * C + C * (uint64_t)d_v + 2 * (uint64_t)d_k +
+           (uint64_t)d_v;
 }
 
 void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *state,
@@ -116,7 +119,7 @@ static float dot3(const float *x, const float *y, const float *e, int n, int n_g
  * strong decay underflows to 0 as it should instead of overflowing. */
 static void delta_chunk(const moe_delta_args *a, int64_t t0, int C, float *S, float *scratch) {
     const int dk = a->d_k, dv = a->d_v, ng = a->n_g;
-    float *decay = scratch;                           /* [C][ng] a_t */
+    float *decay = scratch;                              /* [C][ng] a_t */
     float *prod = decay + (int64_t)MOE_DELTA_CHUNK * dk; /* [C][ng] P_t */
     float *A = prod + (int64_t)MOE_DELTA_CHUNK * dk;     /* [C][C] */
     float *B = A + MOE_DELTA_CHUNK * MOE_DELTA_CHUNK;    /* [C][C] */
@@ -124,9 +127,9 @@ static void delta_chunk(const moe_delta_args *a, int64_t t0, int C, float *S, fl
     float *w = U + (int64_t)MOE_DELTA_CHUNK * dv;        /* [dk] */
     float *e = w + dk;                                   /* [dk] */
     float *r = e + dk;                                   /* [dv] */
-#define Q_(t) (a->q + (t0 + (t)) * a->qk_stride)
-#define K_(t) (a->k + (t0 + (t)) * a->qk_stride)
-#define G_(p, t, i) (p)[(t) * ng + (ng == 1 ? 0 : (i))]
+#define Q_(t)       (a->q + (t0 + (t)) * a->qk_stride)
+#define K_(t)       (a->k + (t0 + (t)) * a->qk_stride)
+#define G_(p, t, i) (p)[(t)*ng + (ng == 1 ? 0 : (i))]
     for (int t = 0; t < C; t++) {
         const float *g = a->g + (t0 + t) * a->g_stride;
         for (int i = 0; i < ng; i++) {
@@ -184,8 +187,7 @@ static void delta_chunk(const moe_delta_args *a, int64_t t0, int C, float *S, fl
 #undef G_
 }
 
-void moe_delta_rule_chunked(const moe_delta_args *a, int64_t n_tok, float *state,
-                            float *scratch) {
+void moe_delta_rule_chunked(const moe_delta_args *a, int64_t n_tok, float *state, float *scratch) {
     for (int64_t t0 = 0; t0 < n_tok; t0 += MOE_DELTA_CHUNK) {
         const int C = (int)(n_tok - t0 < MOE_DELTA_CHUNK ? n_tok - t0 : MOE_DELTA_CHUNK);
         delta_chunk(a, t0, C, state, scratch);

@@ -46,8 +46,10 @@ void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, i
             for (int g = 0; g < p->n_group; g++) {
                 float a = -INFINITY, b = -INFINITY;
                 for (int i = g * per; i < (g + 1) * per; i++) {
-                    if (select[i] > a) b = a, a = select[i];
-                    else if (select[i] > b) b = select[i];
+                    if (select[i] > a)
+                        b = a, a = select[i];
+                    else if (select[i] > b)
+                        b = select[i];
                 }
                 group_score[g] = a + (per > 1 ? b : 0.0f);
             }
@@ -104,7 +106,8 @@ void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
         if (n == 0) continue;
         touched++;
         for (int64_t i = 0; i < n; i++)
-            memcpy(s->x + i * n_in, x + (int64_t)s->pair_row[begin + i] * n_in, sizeof(float) * (size_t)n_in);
+            memcpy(s->x + i * n_in, x + (int64_t)s->pair_row[begin + i] * n_in,
+                   sizeof(float) * (size_t)n_in);
         moe_matmul(pool, gate, e, s->x, n, s->gate, s->mm);
         moe_matmul(pool, up, e, s->x, n, s->up, s->mm);
         moe_add_bias(s->gate, set->gate_b, e, n, n_ff);

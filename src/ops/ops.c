@@ -1,8 +1,9 @@
 /* ops.c: reference implementations of norms, activations, rope, matmul and attention.
  *
- * Plain C, float32 accumulation; matmuls go through the active ISA kernel table. These are the semantics the fast kernels must reproduce;
- * rope follows ggml's cache construction (theta multiplied by theta_scale pair after pair)
- * so positions produce the same angles as llama.cpp to the last bit. */
+ * Plain C, float32 accumulation; matmuls go through the active ISA kernel table. These are the
+ * semantics the fast kernels must reproduce; rope follows ggml's cache construction (theta
+ * multiplied by theta_scale pair after pair) so positions produce the same angles as llama.cpp to
+ * the last bit. */
 #include "ops.h"
 
 #include <math.h>
@@ -34,8 +35,10 @@ void moe_swiglu_oai(float *x, const float *gate, int64_t n) {
 }
 
 void moe_glu(moe_ffn_act act, float *x, const float *gate, int64_t n) {
-    if (act == MOE_ACT_SWIGLU_OAI) moe_swiglu_oai(x, gate, n);
-    else moe_swiglu(x, gate, n);
+    if (act == MOE_ACT_SWIGLU_OAI)
+        moe_swiglu_oai(x, gate, n);
+    else
+        moe_swiglu(x, gate, n);
 }
 
 void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n) {
@@ -60,7 +63,9 @@ static void softmax_sink(float *x, int64_t n, float sink) {
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
 }
 
-void moe_softmax(float *x, int64_t n) { softmax_sink(x, n, -INFINITY); }
+void moe_softmax(float *x, int64_t n) {
+    softmax_sink(x, n, -INFINITY);
+}
 
 /* ==== Rope ==== */
 
@@ -89,7 +94,8 @@ static void rope_yarn(float theta_extrap, int i0, const moe_rope_params *p, floa
     const float theta_interp = p->freq_scale * theta_extrap;
     float theta = theta_interp, mscale = p->attn_factor;
     if (p->ext_factor != 0.0f) {
-        const float y = (float)(i0 / 2 - p->corr_dims[0]) / fmaxf(0.001f, p->corr_dims[1] - p->corr_dims[0]);
+        const float y =
+            (float)(i0 / 2 - p->corr_dims[0]) / fmaxf(0.001f, p->corr_dims[1] - p->corr_dims[0]);
         const float ramp_mix = (1 - fminf(1, fmaxf(0, y))) * p->ext_factor;
         theta = theta_interp * (1 - ramp_mix) + theta_extrap * ramp_mix;
         mscale *= 1.0f + 0.1f * logf(1.0f / p->freq_scale);
@@ -154,24 +160,30 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
             const int64_t nr = j->n_rows - r0 < tile ? j->n_rows - r0 : tile;
             const uint8_t *x = j->xq + (uint64_t)r0 * j->xq_row_bytes;
             for (int64_t o = o0; o < o1; o++)
-                moe_dot_rows(j->k, j->wbase + (uint64_t)o * j->w_row_bytes, x, j->xq_row_bytes,
-                             nr, j->n_in, j->y + r0 * j->n_out + o, j->n_out);
+                moe_dot_rows(j->k, j->wbase + (uint64_t)o * j->w_row_bytes, x, j->xq_row_bytes, nr,
+                             j->n_in, j->y + r0 * j->n_out + o, j->n_out);
         }
     }
 }
 
-void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x,
-                int64_t n_rows, float *y, void *scratch) {
+void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
+                float *y, void *scratch) {
     const moe_type_kernels *k = moe_kernels_type(w->type);
     const int64_t n_in = w->ne[0], n_out = w->ne[1];
-    matmul_job j = {.k = k, .n_in = n_in, .n_out = n_out, .n_rows = n_rows, .y = y,
+    matmul_job j = {.k = k,
+                    .n_in = n_in,
+                    .n_out = n_out,
+                    .n_rows = n_rows,
+                    .y = y,
                     .w_row_bytes = moe_type_row_bytes(w->type, n_in),
-                    .xq = (const uint8_t *)x, .xq_row_bytes = (uint64_t)n_in * sizeof(float)};
+                    .xq = (const uint8_t *)x,
+                    .xq_row_bytes = (uint64_t)n_in * sizeof(float)};
     j.wbase = w->data + (uint64_t)matrix * (uint64_t)n_out * j.w_row_bytes;
     if (k->dot_type != MOE_TYPE_F32) {
         j.xq_row_bytes = moe_dot_row_bytes(w->type, n_in);
         for (int64_t r = 0; r < n_rows; r++)
-            k->quantize_row_for_dot(x + r * n_in, (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes, n_in);
+            k->quantize_row_for_dot(x + r * n_in, (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes,
+                                    n_in);
         j.xq = scratch;
     }
     /* chunks of output units: enough per chunk to amortise the hand-out, many chunks per thread */

@@ -36,12 +36,12 @@ void moe_softmax(float *x, int64_t n);
 /* ==== Rotary position embedding ==== */
 
 typedef struct moe_rope_params {
-    int n_dims;        /* leading dims of each head that rotate */
-    int neox;          /* 0: adjacent pairs (x[2i], x[2i+1]); 1: halves (x[i], x[i+n_dims/2]) */
-    float base;        /* theta base */
-    float freq_scale;  /* position multiplier (1 / scaling factor) */
-    float ext_factor;  /* YaRN: how much of the unscaled angle the low dims keep (0: off) */
-    float attn_factor; /* cos/sin magnitude; YaRN multiplies it by 1 + 0.1 ln(1/freq_scale) */
+    int n_dims;         /* leading dims of each head that rotate */
+    int neox;           /* 0: adjacent pairs (x[2i], x[2i+1]); 1: halves (x[i], x[i+n_dims/2]) */
+    float base;         /* theta base */
+    float freq_scale;   /* position multiplier (1 / scaling factor) */
+    float ext_factor;   /* YaRN: how much of the unscaled angle the low dims keep (0: off) */
+    float attn_factor;  /* cos/sin magnitude; YaRN multiplies it by 1 + 0.1 ln(1/freq_scale) */
     float corr_dims[2]; /* YaRN: pairs below [0] keep the unscaled angle, above [1] the scaled */
 } moe_rope_params;
 
@@ -59,8 +59,8 @@ uint64_t moe_matmul_scratch_bytes(const moe_tensor *w, int64_t n_rows);
 /* y[r][o] = sum_i W[o][i] * x[r][i] for r < n_rows, o < w->ne[1]; x rows have w->ne[0]
  * values, y rows w->ne[1]. W is the 2-D slice `matrix` of w (0 for 2-D tensors). Output
  * units are split across the pool's threads. */
-void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x,
-                int64_t n_rows, float *y, void *scratch);
+void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
+                float *y, void *scratch);
 /* Row `row` of a 2-D tensor dequantized to float (embedding lookup). */
 void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out);
 
@@ -78,9 +78,7 @@ typedef struct moe_attn_shape {
     const float *sinks; /* [n_head] logits that join each head's softmax denominator, or NULL */
 } moe_attn_shape;
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
-                       int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out,
-                       float *scores);
-
+                       int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out, float *scores);
 
 /* ==== Linear attention (linear_attn.c) ==== */
 
@@ -121,11 +119,9 @@ typedef struct moe_delta_args {
 /* Floats of scratch either form needs (one head at a time). */
 uint64_t moe_delta_scratch_floats(int d_k, int d_v);
 /* Token by token (decode, short runs). */
-void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *state,
-                              float *scratch);
+void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *state, float *scratch);
 /* Chunks of MOE_DELTA_CHUNK tokens (prefill); the same result to float rounding. */
-void moe_delta_rule_chunked(const moe_delta_args *a, int64_t n_tok, float *state,
-                            float *scratch);
+void moe_delta_rule_chunked(const moe_delta_args *a, int64_t n_tok, float *state, float *scratch);
 
 /* ==== Mixture of experts ==== */
 
@@ -146,17 +142,17 @@ void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, i
 /* Counters of one expert dispatch, for metrics and the dedup claim: pairs / experts touched is
  * how many rows share each expert read. */
 typedef struct moe_expert_stats {
-    uint64_t rows;     /* activation rows routed */
-    uint64_t pairs;    /* (row, expert) pairs */
-    uint64_t experts;  /* distinct experts run (each one's weights read once) */
+    uint64_t rows;    /* activation rows routed */
+    uint64_t pairs;   /* (row, expert) pairs */
+    uint64_t experts; /* distinct experts run (each one's weights read once) */
 } moe_expert_stats;
 
 /* One layer's routed experts as the dispatch runs them. */
 typedef struct moe_expert_set {
-    const moe_tensor *gate, *up; /* [n_in] -> [n_ff], x n_expert */
-    const moe_tensor *down;      /* [n_ff] -> [n_in], x n_expert */
+    const moe_tensor *gate, *up;     /* [n_in] -> [n_ff], x n_expert */
+    const moe_tensor *down;          /* [n_ff] -> [n_in], x n_expert */
     const moe_tensor *gate_b, *up_b; /* F32 [n_ff] x n_expert biases, or NULL */
-    const moe_tensor *down_b;    /* F32 [n_in] x n_expert, or NULL */
+    const moe_tensor *down_b;        /* F32 [n_in] x n_expert, or NULL */
     moe_ffn_act act;
 } moe_expert_set;
 

@@ -13,7 +13,8 @@
 
 /* A finite fp16 scale of either sign, 1e-4 .. 1e-1. */
 static uint16_t random_scale(uint64_t *s) {
-    const double v = pow(10.0, -4.0 + 3.0 * moe_rng_uniform(s)) * (moe_rng_uniform(s) < 0.5 ? -1 : 1);
+    const double v =
+        pow(10.0, -4.0 + 3.0 * moe_rng_uniform(s)) * (moe_rng_uniform(s) < 0.5 ? -1 : 1);
     return moe_f32_to_fp16((float)v);
 }
 
@@ -146,8 +147,7 @@ void moe_type_random_row_rms(moe_type t, uint64_t *seed, void *out, int64_t n, f
             } else {
                 uint16_t h;
                 memcpy(&h, (uint8_t *)out + 2 * i, 2);
-                const float v =
-                    (t == MOE_TYPE_F16 ? moe_fp16_to_f32(h) : moe_bf16_to_f32(h)) * rms;
+                const float v = (t == MOE_TYPE_F16 ? moe_fp16_to_f32(h) : moe_bf16_to_f32(h)) * rms;
                 h = t == MOE_TYPE_F16 ? moe_f32_to_fp16(v) : moe_f32_to_bf16(v);
                 memcpy((uint8_t *)out + 2 * i, &h, 2);
             }

@@ -16,8 +16,9 @@
 #include <string.h>
 #include <time.h>
 
-#define THINKING_SIGNATURE "bW9lLWxvY2FsLXVuc2lnbmVk" /* "moe-local-unsigned": nothing to verify   \
-                                                       */
+#define THINKING_SIGNATURE                                                                         \
+    "bW9lLWxvY2FsLXVuc2lnbmVk" /* "moe-local-unsigned": nothing to verify                          \
+                                */
 
 #define BAD(h, field, ...)                                                                         \
     do {                                                                                           \

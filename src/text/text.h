@@ -1,23 +1,23 @@
 /* text: text in and out of the model -- tokenizers, chat templates, output parsers.
  *
- * Tokenizers: two vocabulary sources fill one internal vocabulary: GGUF metadata (`tokenizer.ggml.*`) and a
- * Hugging Face `tokenizer.json`. Two algorithms run on it: SentencePiece-style (GGUF model
- * `llama`: dummy-prefix space, spaces as U+2581, highest-score merges, `<0xNN>` byte fallback)
- * and byte-level BPE (GGUF model `gpt2`: PCRE2 pre-tokenizer regexes, GPT-2's byte-to-unicode
- * mapping, merges by rank). Special tokens are cut out of the text before either runs.
- * A tokenizer is immutable after loading: any number of threads may encode and decode with it
- * at once. The trap: pieces are BYTES, not characters -- one token may hold half of a UTF-8
- * sequence (byte fallback, byte-level BPE), so a stream of pieces must go through moe_detok,
- * which holds back an incomplete sequence, before it is shown or sent anywhere.
+ * Tokenizers: two vocabulary sources fill one internal vocabulary: GGUF metadata
+ * (`tokenizer.ggml.*`) and a Hugging Face `tokenizer.json`. Two algorithms run on it:
+ * SentencePiece-style (GGUF model `llama`: dummy-prefix space, spaces as U+2581, highest-score
+ * merges, `<0xNN>` byte fallback) and byte-level BPE (GGUF model `gpt2`: PCRE2 pre-tokenizer
+ * regexes, GPT-2's byte-to-unicode mapping, merges by rank). Special tokens are cut out of the text
+ * before either runs. A tokenizer is immutable after loading: any number of threads may encode and
+ * decode with it at once. The trap: pieces are BYTES, not characters -- one token may hold half of
+ * a UTF-8 sequence (byte fallback, byte-level BPE), so a stream of pieces must go through
+ * moe_detok, which holds back an incomplete sequence, before it is shown or sent anywhere.
  *
- * Chat templates: a chat template is the model's own Jinja2 program (GGUF `tokenizer.chat_template`) that turns
- * OpenAI-style messages and tools into the prompt text; moe runs it with its own interpreter
- * (a Jinja2 subset that matches Python Jinja2 byte for byte as Hugging Face transformers
- * configures it). The output parsers split what a model writes back into reasoning, content and
- * tool calls, incrementally, so a server can stream. A parsed template is immutable: any number
- * of threads may render with it at once. The trap: a template's output is exact -- whitespace,
- * newlines, special-token strings -- and a single byte of difference changes the tokens the
- * model sees; compare renderings byte for byte, never after trimming. */
+ * Chat templates: a chat template is the model's own Jinja2 program (GGUF
+ * `tokenizer.chat_template`) that turns OpenAI-style messages and tools into the prompt text; moe
+ * runs it with its own interpreter (a Jinja2 subset that matches Python Jinja2 byte for byte as
+ * Hugging Face transformers configures it). The output parsers split what a model writes back into
+ * reasoning, content and tool calls, incrementally, so a server can stream. A parsed template is
+ * immutable: any number of threads may render with it at once. The trap: a template's output is
+ * exact -- whitespace, newlines, special-token strings -- and a single byte of difference changes
+ * the tokens the model sees; compare renderings byte for byte, never after trimming. */
 #ifndef MOE_TEXT_H
 #define MOE_TEXT_H
 

@@ -264,17 +264,8 @@ static int cmp_id(const void *pa, const void *pb) {
 
 /* Texts of control tokens that end a turn in the chat formats moe knows (llama.cpp's list). */
 static const char *const eog_texts[] = {
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|eom_id|>",
-    "<EOT>",
-    "_<EOT>",
-    "<|end_of_text|>",
-    "<|return|>",
-    "<|call|>",
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+    "_<EOT>", "<|end_of_text|>", "<|return|>", "<|call|>",
     /* DeepSeek: <|end_of_sentence|> with fullwidth bars (U+FF5C) and U+2581 for "_" */
     ("<\xef\xbd\x9c"
      "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>"), /* split: \x9c would eat the 'e' */

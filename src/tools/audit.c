@@ -45,8 +45,8 @@ static moe_status read_rows(const moe_gguf *g, moe_http *h, const moe_tensor *t,
     return s;
 }
 
-static void metrics(const float *q, const float *w, const double *x, uint64_t rows,
-                    uint64_t cols, moe_audit_row *r) {
+static void metrics(const float *q, const float *w, const double *x, uint64_t rows, uint64_t cols,
+                    moe_audit_row *r) {
     double ee = 0, ww = 0, qq = 0, qw = 0, ex2 = 0, wx2 = 0;
     double *ex = moe_xmalloc(MOE_AUDIT_X_COLS * sizeof *ex);
     double *wx = moe_xmalloc(MOE_AUDIT_X_COLS * sizeof *wx);
@@ -120,9 +120,9 @@ moe_status moe_audit_run(const moe_gguf *quant, moe_http *quant_http, const moe_
             r->n_skipped++;
             if (o->tensor_regex)
                 moe_log(MOE_LOG_WARN, "audit: %s: %s", t->name.ptr,
-                        !w ? "not in the reference" : !is_reference_type(w->type)
-                                                          ? "the reference is not F32/F16/BF16"
-                                                          : "the reference has another shape");
+                        !w                            ? "not in the reference"
+                        : !is_reference_type(w->type) ? "the reference is not F32/F16/BF16"
+                                                      : "the reference has another shape");
             continue;
         }
         uint64_t cols = (uint64_t)t->ne[0], n_slices = (uint64_t)t->ne[2] * (uint64_t)t->ne[3];

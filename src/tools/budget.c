@@ -63,29 +63,38 @@ static bool arch_u64(const moe_gguf *g, const char *arch, const char *suffix, in
     if (i >= v->arr.n) return false;
     const uint8_t *p = v->arr.data;
     switch (v->arr.elem_type) {
-    case MOE_GGUF_U8: case MOE_GGUF_I8: *out = p[i]; break;
-    case MOE_GGUF_U16: case MOE_GGUF_I16: *out = (uint64_t)p[2 * i] | (uint64_t)p[2 * i + 1] << 8; break;
-    case MOE_GGUF_U32: case MOE_GGUF_I32: {
+    case MOE_GGUF_U8:
+    case MOE_GGUF_I8:
+        *out = p[i];
+        break;
+    case MOE_GGUF_U16:
+    case MOE_GGUF_I16:
+        *out = (uint64_t)p[2 * i] | (uint64_t)p[2 * i + 1] << 8;
+        break;
+    case MOE_GGUF_U32:
+    case MOE_GGUF_I32: {
         uint32_t u = 0;
         for (int b = 0; b < 4; b++) u |= (uint32_t)p[4 * i + b] << (8 * b);
         if (v->arr.elem_type == MOE_GGUF_I32 && (int32_t)u < 0) return false;
         *out = u;
         break;
     }
-    case MOE_GGUF_U64: case MOE_GGUF_I64: {
+    case MOE_GGUF_U64:
+    case MOE_GGUF_I64: {
         uint64_t u = 0;
         for (int b = 0; b < 8; b++) u |= (uint64_t)p[8 * i + b] << (8 * b);
         if (v->arr.elem_type == MOE_GGUF_I64 && (int64_t)u < 0) return false;
         *out = u;
         break;
     }
-    default: return false;
+    default:
+        return false;
     }
     return true;
 }
 
-static uint64_t arch_u64_or(const moe_gguf *g, const char *arch, const char *suffix,
-                            int64_t layer, uint64_t dflt) {
+static uint64_t arch_u64_or(const moe_gguf *g, const char *arch, const char *suffix, int64_t layer,
+                            uint64_t dflt) {
     uint64_t v;
     return arch_u64(g, arch, suffix, layer, &v) ? v : dflt;
 }
@@ -122,8 +131,7 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
         const moe_tensor *t = moe_gguf_tensor_get(g, i);
         add_tensor(m, t, is_vision_tensor(t->name.ptr));
     }
-    if (!arch)
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: no general.architecture", name);
+    if (!arch) return moe_error_set(err, MOE_ERR_FORMAT, "%s: no general.architecture", name);
     uint64_t n_layer;
     if (!arch_u64(g, arch, "block_count", -1, &n_layer) || n_layer == 0 || n_layer > 100000)
         return moe_error_set(err, MOE_ERR_FORMAT, "%s: %s.block_count is missing or out of range",
@@ -132,12 +140,14 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
     m->n_embd = arch_u64_or(g, arch, "embedding_length", -1, 0);
     m->n_head = arch_u64_or(g, arch, "attention.head_count", -1, 0);
     if (m->n_embd == 0 || m->n_head == 0)
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: %s.embedding_length or "
-                             "%s.attention.head_count is missing", name, arch, arch);
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: %s.embedding_length or "
+                             "%s.attention.head_count is missing",
+                             name, arch, arch);
     m->ctx_train = arch_u64_or(g, arch, "context_length", -1, 0);
     const moe_tensor *embd = moe_gguf_tensor_find(g, "token_embd.weight");
     m->n_vocab = embd && embd->n_dims >= 2 ? (uint64_t)embd->ne[1]
-                                          : arch_u64_or(g, arch, "vocab_size", -1, 0);
+                                           : arch_u64_or(g, arch, "vocab_size", -1, 0);
     uint64_t ff = arch_u64_or(g, arch, "feed_forward_length", -1, 0);
     uint64_t eff = arch_u64_or(g, arch, "expert_feed_forward_length", -1, ff);
     uint64_t moe_ff = arch_u64_or(g, arch, "expert_used_count", -1, 0) * eff +
@@ -157,11 +167,15 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
     bool kimi = strcmp(arch, "kimi-linear") == 0;
     bool mla = kv_lora > 0 && (strcmp(arch, "deepseek2") == 0 || kimi);
     if (gpt_oss && m->window == 0)
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: gpt-oss without %s.attention."
-                             "sliding_window", name, arch);
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: gpt-oss without %s.attention."
+                             "sliding_window",
+                             name, arch);
     if (qwen3next && full_interval == 0)
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: qwen3next without %s."
-                             "full_attention_interval", name, arch);
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: qwen3next without %s."
+                             "full_attention_interval",
+                             name, arch);
 
     /* linear-attention state per stream (f32 values), by architecture */
     uint64_t linear_state = 0;
@@ -171,7 +185,8 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
         uint64_t groups = arch_u64_or(g, arch, "ssm.group_count", -1, 0);
         uint64_t inner = arch_u64_or(g, arch, "ssm.inner_size", -1, 0);
         if (!conv || !d_state || !groups || !inner)
-            return moe_error_set(err, MOE_ERR_FORMAT, "%s: qwen3next without its %s.ssm.* "
+            return moe_error_set(err, MOE_ERR_FORMAT,
+                                 "%s: qwen3next without its %s.ssm.* "
                                  "sizes (conv_kernel, state_size, group_count, inner_size)",
                                  name, arch);
         linear_state = (conv - 1) * (inner + 2 * groups * d_state) + d_state * inner;
@@ -179,8 +194,10 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
         uint64_t conv = arch_u64_or(g, arch, "ssm.conv_kernel", -1, 0);
         uint64_t hd = arch_u64_or(g, arch, "kda.head_dim", -1, 0);
         if (!conv || !hd)
-            return moe_error_set(err, MOE_ERR_FORMAT, "%s: kimi-linear without %s.ssm.conv_kernel"
-                                 " or %s.kda.head_dim", name, arch, arch);
+            return moe_error_set(err, MOE_ERR_FORMAT,
+                                 "%s: kimi-linear without %s.ssm.conv_kernel"
+                                 " or %s.kda.head_dim",
+                                 name, arch, arch);
         linear_state = (conv - 1) * 3 * m->n_head * hd + m->n_head * hd * hd;
     }
 
@@ -191,10 +208,14 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
     for (uint32_t l = 0; l < m->n_layer; l++) {
         uint64_t n_kv = arch_u64_or(g, arch, "attention.head_count_kv", l, m->n_head);
         moe_layer_kind k = MOE_LAYER_FULL;
-        if (qwen3next) k = (l + 1) % full_interval == 0 ? MOE_LAYER_FULL : MOE_LAYER_LINEAR;
-        else if (kimi) k = n_kv == 0 ? MOE_LAYER_LINEAR : MOE_LAYER_MLA;
-        else if (mla) k = MOE_LAYER_MLA;
-        else if (gpt_oss) k = l % 2 == 0 ? MOE_LAYER_SLIDING : MOE_LAYER_FULL;
+        if (qwen3next)
+            k = (l + 1) % full_interval == 0 ? MOE_LAYER_FULL : MOE_LAYER_LINEAR;
+        else if (kimi)
+            k = n_kv == 0 ? MOE_LAYER_LINEAR : MOE_LAYER_MLA;
+        else if (mla)
+            k = MOE_LAYER_MLA;
+        else if (gpt_oss)
+            k = l % 2 == 0 ? MOE_LAYER_SLIDING : MOE_LAYER_FULL;
         m->kind[l] = k;
         switch (k) {
         case MOE_LAYER_FULL:
@@ -202,9 +223,14 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
             m->k_values[l] = n_kv * k_len;
             m->v_values[l] = n_kv * v_len;
             break;
-        case MOE_LAYER_MLA: m->k_values[l] = kv_lora + rope; break;
-        case MOE_LAYER_LINEAR: m->state_values[l] = linear_state; break;
-        default: break;
+        case MOE_LAYER_MLA:
+            m->k_values[l] = kv_lora + rope;
+            break;
+        case MOE_LAYER_LINEAR:
+            m->state_values[l] = linear_state;
+            break;
+        default:
+            break;
         }
     }
     return MOE_OK;
@@ -251,8 +277,10 @@ static void kv_per_token(const moe_budget_model *m, moe_type t, uint64_t *full, 
     *full = *swa = 0;
     for (uint32_t l = 0; l < m->n_layer; l++) {
         uint64_t b = kv_row_bytes(t, m->k_values[l]) + kv_row_bytes(t, m->v_values[l]);
-        if (m->kind[l] == MOE_LAYER_SLIDING) *swa += b;
-        else *full += b;
+        if (m->kind[l] == MOE_LAYER_SLIDING)
+            *swa += b;
+        else
+            *full += b;
     }
 }
 
@@ -278,9 +306,9 @@ static uint64_t scratch_bytes(const moe_budget_model *m, uint64_t ctx, uint64_t 
     uint64_t prefill = ctx < MOE_BUDGET_PREFILL_ROWS ? ctx : MOE_BUDGET_PREFILL_ROWS;
     uint64_t rows = prefill > streams ? prefill : streams;
     uint64_t tile = ctx < MOE_BUDGET_ATTN_TILE ? ctx : MOE_BUDGET_ATTN_TILE;
-    uint64_t values = sat_add(sat_add(sat_mul(rows, 6 * m->n_embd + 3 * m->ff_active),
-                                      m->n_head * prefill * tile),
-                              sat_mul(streams, m->n_vocab));
+    uint64_t values = sat_add(
+        sat_add(sat_mul(rows, 6 * m->n_embd + 3 * m->ff_active), m->n_head * prefill * tile),
+        sat_mul(streams, m->n_vocab));
     return sat_mul(4, values);
 }
 
@@ -300,8 +328,10 @@ static uint64_t search(const moe_budget_model *m, const moe_budget_config *c, ui
         uint64_t mid = lo + (hi - lo + 1) / 2;
         uint64_t t = over_ctx ? device_max_total(m, c, weights_max, mid, c->streams)
                               : device_max_total(m, c, weights_max, c->ctx, mid);
-        if (t <= c->mem_per_device) lo = mid;
-        else hi = mid - 1;
+        if (t <= c->mem_per_device)
+            lo = mid;
+        else
+            hi = mid - 1;
     }
     return lo;
 }
@@ -342,8 +372,9 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
         if (total > p->device_total_max) p->device_total_max = total;
         if (w > weights_max) weights_max = w;
     }
-    p->spare = p->device_total_max > INT64_MAX ? INT64_MIN
-               : (int64_t)c->mem_per_device - (int64_t)p->device_total_max;
+    p->spare = p->device_total_max > INT64_MAX
+                   ? INT64_MIN
+                   : (int64_t)c->mem_per_device - (int64_t)p->device_total_max;
     p->fits = p->device_total_max <= c->mem_per_device;
     uint64_t ctx_hi = m->ctx_train ? m->ctx_train : MOE_BUDGET_SEARCH_MAX;
     p->max_ctx = c->streams ? search(m, &p->config, weights_max, true, ctx_hi) : 0;

@@ -41,15 +41,19 @@ static bool make_dirs(char *path) {
 char *moe_demo_model_path(moe_error *err) {
     char dir[4096];
     const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
-    if (xdg && xdg[0] == '/') snprintf(dir, sizeof dir, "%s/moe", xdg);
-    else if (home && home[0]) snprintf(dir, sizeof dir, "%s/.cache/moe", home);
-    else snprintf(dir, sizeof dir, "/tmp/moe-cache");
+    if (xdg && xdg[0] == '/')
+        snprintf(dir, sizeof dir, "%s/moe", xdg);
+    else if (home && home[0])
+        snprintf(dir, sizeof dir, "%s/.cache/moe", home);
+    else
+        snprintf(dir, sizeof dir, "/tmp/moe-cache");
     char path[4200], tmp[4300];
     snprintf(path, sizeof path, "%s/demo-qwen3moe-v%d.gguf", dir, DEMO_VERSION);
     struct stat st;
     if (stat(path, &st) == 0) return moe_xstrdup(path);
     if (!make_dirs(dir)) {
-        moe_error_set(err, MOE_ERR_IO, "cannot create cache directory %s: %s", dir, strerror(errno));
+        moe_error_set(err, MOE_ERR_IO, "cannot create cache directory %s: %s", dir,
+                      strerror(errno));
         return NULL;
     }
     /* write aside and rename, so a concurrent or interrupted run never sees half a file */

@@ -87,7 +87,6 @@ static void part_name(const char *name, moe_role role, char *out, size_t cap) {
     }
 }
 
-
 /* ==== Analysis ==== */
 
 typedef struct entry {
@@ -138,8 +137,11 @@ static char *layer_ranges(const int64_t *layers, size_t n) {
     for (size_t i = 0; i < n;) {
         size_t j = i;
         while (j + 1 < n && layers[j + 1] == layers[j] + 1) j++;
-        if (j == i) moe_strbuf_printf(&b, "%s%lld", b.len ? "," : "", (long long)layers[i]);
-        else moe_strbuf_printf(&b, "%s%lld-%lld", b.len ? "," : "", (long long)layers[i], (long long)layers[j]);
+        if (j == i)
+            moe_strbuf_printf(&b, "%s%lld", b.len ? "," : "", (long long)layers[i]);
+        else
+            moe_strbuf_printf(&b, "%s%lld-%lld", b.len ? "," : "", (long long)layers[i],
+                              (long long)layers[j]);
         i = j + 1;
     }
     return moe_strbuf_take(&b);
@@ -171,7 +173,8 @@ moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
     r->reconciles = r->tensor_bytes + r->header_bytes + r->padding_bytes == r->file_bytes;
     r->types = moe_xcalloc(MOE_TYPE_COUNT, sizeof *r->types);
     for (uint32_t t = 0; t < MOE_TYPE_COUNT; t++)
-        if (type_count[t]) r->types[r->n_types++] = (moe_inspect_type){t, type_count[t], type_bytes[t]};
+        if (type_count[t])
+            r->types[r->n_types++] = (moe_inspect_type){t, type_count[t], type_bytes[t]};
     qsort(r->types, r->n_types, sizeof *r->types, cmp_type_bytes);
 
     /* per layer: sort (layer, index) once; entries of one layer are then adjacent */

@@ -13,14 +13,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 static void sb_text(moe_strbuf *b, const char *s) {
     for (; *s; s++) {
         switch (*s) {
-        case '&': moe_strbuf_printf(b, "&amp;"); break;
-        case '<': moe_strbuf_printf(b, "&lt;"); break;
-        case '>': moe_strbuf_printf(b, "&gt;"); break;
-        case '"': moe_strbuf_printf(b, "&quot;"); break;
+        case '&':
+            moe_strbuf_printf(b, "&amp;");
+            break;
+        case '<':
+            moe_strbuf_printf(b, "&lt;");
+            break;
+        case '>':
+            moe_strbuf_printf(b, "&gt;");
+            break;
+        case '"':
+            moe_strbuf_printf(b, "&quot;");
+            break;
         default:
             if ((unsigned char)*s >= 0x20) moe_strbuf_printf(b, "%c", *s);
         }
@@ -40,10 +47,14 @@ typedef struct bar {
 
 /* A unit for values up to max: divisor and name. */
 static void pick_unit(double max, double *div, const char **name) {
-    if (max >= 1024.0 * 1024 * 1024) *div = 1024.0 * 1024 * 1024, *name = "GiB";
-    else if (max >= 1024.0 * 1024) *div = 1024.0 * 1024, *name = "MiB";
-    else if (max >= 1024.0) *div = 1024.0, *name = "KiB";
-    else *div = 1.0, *name = "bytes";
+    if (max >= 1024.0 * 1024 * 1024)
+        *div = 1024.0 * 1024 * 1024, *name = "GiB";
+    else if (max >= 1024.0 * 1024)
+        *div = 1024.0 * 1024, *name = "MiB";
+    else if (max >= 1024.0)
+        *div = 1024.0, *name = "KiB";
+    else
+        *div = 1.0, *name = "bytes";
 }
 
 /* A round tick step giving about 5 ticks up to max (1, 2 or 5 times a power of ten). */
@@ -53,10 +64,10 @@ static double nice_step(double max) {
     return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * p;
 }
 
-#define BAR_W 56
-#define BAR_GAP 28
-#define PLOT_H 300
-#define LEFT 90
+#define BAR_W    56
+#define BAR_GAP  28
+#define PLOT_H   300
+#define LEFT     90
 #define LEGEND_W 330 /* the legend, and the memory line's label left of it */
 
 /* One chart at vertical offset y0; returns its height. */
@@ -75,26 +86,31 @@ static int chart(moe_strbuf *b, int y0, int width, const char *title, const char
     if (top <= 0) top = 1;
     int px = LEFT, py = y0 + 70; /* plot origin (top-left) */
     int plot_w = (int)n * (BAR_W + BAR_GAP) + BAR_GAP;
-    moe_strbuf_printf(b, "<text x=\"%d\" y=\"%d\" font-size=\"16\" font-weight=\"bold\">", 20, y0 + 28);
+    moe_strbuf_printf(b, "<text x=\"%d\" y=\"%d\" font-size=\"16\" font-weight=\"bold\">", 20,
+                      y0 + 28);
     sb_text(b, title);
-    moe_strbuf_printf(b, "</text>\n<text x=\"%d\" y=\"%d\" font-size=\"12\" fill=\"#444\">", 20, y0 + 48);
+    moe_strbuf_printf(b, "</text>\n<text x=\"%d\" y=\"%d\" font-size=\"12\" fill=\"#444\">", 20,
+                      y0 + 48);
     sb_text(b, subtitle);
     moe_strbuf_printf(b, "</text>\n");
     /* axes, ticks and grid */
     for (double v = 0; v <= top + step / 2; v += step) {
         double y = py + PLOT_H - v / top * PLOT_H;
-        moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", px, y,
-               px + plot_w, y);
-        moe_strbuf_printf(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\">%g</text>\n",
-               px - 6, y + 4, v);
+        moe_strbuf_printf(b,
+                          "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>\n",
+                          px, y, px + plot_w, y);
+        moe_strbuf_printf(
+            b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\">%g</text>\n", px - 6,
+            y + 4, v);
     }
-    moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px, py, px,
-           py + PLOT_H);
-    moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px, py + PLOT_H,
-           px + plot_w, py + PLOT_H);
-    moe_strbuf_printf(b, "<text x=\"%d\" y=\"%d\" font-size=\"12\" text-anchor=\"middle\" "
-           "transform=\"rotate(-90 %d %d)\">memory (%s)</text>\n",
-           28, py + PLOT_H / 2, 28, py + PLOT_H / 2, unit);
+    moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px,
+                      py, px, py + PLOT_H);
+    moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px,
+                      py + PLOT_H, px + plot_w, py + PLOT_H);
+    moe_strbuf_printf(b,
+                      "<text x=\"%d\" y=\"%d\" font-size=\"12\" text-anchor=\"middle\" "
+                      "transform=\"rotate(-90 %d %d)\">memory (%s)</text>\n",
+                      28, py + PLOT_H / 2, 28, py + PLOT_H / 2, unit);
     /* bars */
     for (size_t i = 0; i < n; i++) {
         int x = px + BAR_GAP + (int)i * (BAR_W + BAR_GAP);
@@ -103,36 +119,48 @@ static int chart(moe_strbuf *b, int y0, int width, const char *title, const char
             double v = (double)bars[i].parts[k] / div;
             if (v <= 0) continue;
             double y1 = py + PLOT_H - (acc + v) / top * PLOT_H, h = v / top * PLOT_H;
-            moe_strbuf_printf(b, "<rect x=\"%d\" y=\"%.2f\" width=\"%d\" height=\"%.2f\" fill=\"%s\">"
-                   "<title>%s: %.3f %s</title></rect>\n",
-                   x, y1, BAR_W, h, colours[k], moe_budget_part_name((moe_budget_part)k), v, unit);
+            moe_strbuf_printf(b,
+                              "<rect x=\"%d\" y=\"%.2f\" width=\"%d\" height=\"%.2f\" fill=\"%s\">"
+                              "<title>%s: %.3f %s</title></rect>\n",
+                              x, y1, BAR_W, h, colours[k], moe_budget_part_name((moe_budget_part)k),
+                              v, unit);
             acc += v;
         }
         double ytop = py + PLOT_H - acc / top * PLOT_H;
-        moe_strbuf_printf(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"middle\">%.3g %s%s"
-               "</text>\n", x + BAR_W / 2, ytop - 5, acc, unit, fits && !fits[i] ? " (short)" : "");
-        moe_strbuf_printf(b, "<text x=\"%d\" y=\"%d\" font-size=\"11\" text-anchor=\"end\" "
-               "transform=\"rotate(-30 %d %d)\">", x + BAR_W / 2, py + PLOT_H + 16, x + BAR_W / 2,
-               py + PLOT_H + 16);
+        moe_strbuf_printf(
+            b,
+            "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"middle\">%.3g %s%s"
+            "</text>\n",
+            x + BAR_W / 2, ytop - 5, acc, unit, fits && !fits[i] ? " (short)" : "");
+        moe_strbuf_printf(b,
+                          "<text x=\"%d\" y=\"%d\" font-size=\"11\" text-anchor=\"end\" "
+                          "transform=\"rotate(-30 %d %d)\">",
+                          x + BAR_W / 2, py + PLOT_H + 16, x + BAR_W / 2, py + PLOT_H + 16);
         sb_text(b, bars[i].label);
         moe_strbuf_printf(b, "</text>\n");
     }
     /* the memory line */
     double ym = py + PLOT_H - (double)mem / div / top * PLOT_H;
-    moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#c00\" "
-           "stroke-width=\"2\" stroke-dasharray=\"6 4\"/>\n", px, ym, px + plot_w, ym);
-    moe_strbuf_printf(b, "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" fill=\"#c00\">memory per</text>"
-           "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" fill=\"#c00\">device %.3g %s</text>\n",
-           px + plot_w + 6, ym - 2, px + plot_w + 6, ym + 11, (double)mem / div, unit);
+    moe_strbuf_printf(b,
+                      "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#c00\" "
+                      "stroke-width=\"2\" stroke-dasharray=\"6 4\"/>\n",
+                      px, ym, px + plot_w, ym);
+    moe_strbuf_printf(
+        b,
+        "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" fill=\"#c00\">memory per</text>"
+        "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" fill=\"#c00\">device %.3g %s</text>\n",
+        px + plot_w + 6, ym - 2, px + plot_w + 6, ym + 11, (double)mem / div, unit);
     /* legend */
     int lx = width - LEGEND_W + 10, ly = py;
-    moe_strbuf_printf(b, "<text x=\"%d\" y=\"%d\" font-size=\"12\" font-weight=\"bold\">parts</text>\n", lx,
-           ly);
+    moe_strbuf_printf(
+        b, "<text x=\"%d\" y=\"%d\" font-size=\"12\" font-weight=\"bold\">parts</text>\n", lx, ly);
     for (int k = MOE_PART_COUNT - 1, row = 0; k >= 0; k--, row++) {
         int y = ly + 10 + row * 20;
-        moe_strbuf_printf(b, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>"
-               "<text x=\"%d\" y=\"%d\" font-size=\"12\">%s</text>\n",
-               lx, y, colours[k], lx + 20, y + 11, moe_budget_part_name((moe_budget_part)k));
+        moe_strbuf_printf(b,
+                          "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>"
+                          "<text x=\"%d\" y=\"%d\" font-size=\"12\">%s</text>\n",
+                          lx, y, colours[k], lx + 20, y + 11,
+                          moe_budget_part_name((moe_budget_part)k));
     }
     return 70 + PLOT_H + 110;
 }
@@ -160,7 +188,8 @@ char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_pla
         for (size_t i = 0; i < n_models; i++) {
             /* the fullest device is device 0 (it gets the remainder rows) */
             uint64_t w = 0, n = 0;
-            for (int k = 0; k <= MOE_PART_VISION; k++) w += models[i]->weights[k], n += models[i]->params[k];
+            for (int k = 0; k <= MOE_PART_VISION; k++)
+                w += models[i]->weights[k], n += models[i]->params[k];
             snprintf(bars[i].label, sizeof bars[i].label, "%.40s (%.2f bpw)",
                      base_name(models[i]->name), n ? 8.0 * (double)w / (double)n : 0.0);
             bars[i].parts = plans[i].device;
@@ -169,8 +198,8 @@ char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_pla
         const moe_budget_config *c = &plans[0].config;
         snprintf(title, sizeof title, "Quant ladder: %zu builds of %s, fullest device each",
                  n_models, models[0]->arch);
-        snprintf(sub, sizeof sub, "%u device(s), context %llu, %llu stream(s), KV %s",
-                 c->devices, (unsigned long long)c->ctx, (unsigned long long)c->streams,
+        snprintf(sub, sizeof sub, "%u device(s), context %llu, %llu stream(s), KV %s", c->devices,
+                 (unsigned long long)c->ctx, (unsigned long long)c->streams,
                  c->kv_type == MOE_TYPE_Q8_0 ? "q8_0" : kv[c->kv_type == MOE_TYPE_F16]);
         y += chart(&body, y, width, title, sub, bars, n_models, c->mem_per_device, fits);
         free(bars);
@@ -196,18 +225,21 @@ char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_pla
         snprintf(sub, sizeof sub, "%s; context %llu, %llu stream(s), KV %s; %s %.2f GiB",
                  models[i]->arch, (unsigned long long)p->config.ctx,
                  (unsigned long long)p->config.streams,
-                 p->config.kv_type == MOE_TYPE_Q8_0 ? "q8_0" : kv[p->config.kv_type == MOE_TYPE_F16],
+                 p->config.kv_type == MOE_TYPE_Q8_0 ? "q8_0"
+                                                    : kv[p->config.kv_type == MOE_TYPE_F16],
                  p->fits ? "fits, spare" : "short by",
                  (double)(p->spare < 0 ? -p->spare : p->spare) / (1024.0 * 1024 * 1024));
         y += chart(&body, y, width, title, sub, bars, nb, p->config.mem_per_device, NULL);
         free(bars);
     }
     moe_strbuf out = {0};
-    moe_strbuf_printf(&out, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-           "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"%d\" height=\"%d\" "
-           "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\">\n"
-           "<title>moe budget</title>\n<rect width=\"100%%\" height=\"100%%\" fill=\"#fff\"/>\n",
-           width, y, width, y);
+    moe_strbuf_printf(
+        &out,
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"%d\" height=\"%d\" "
+        "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\">\n"
+        "<title>moe budget</title>\n<rect width=\"100%%\" height=\"100%%\" fill=\"#fff\"/>\n",
+        width, y, width, y);
     moe_strbuf_printf(&out, "%s</svg>\n", body.s ? body.s : "");
     free(body.s);
     return out.s;

@@ -22,20 +22,64 @@
 
 static const moe_synth_params presets[] = {
     /* a small qwen3moe: the built-in demo model's shape */
-    {.preset = "tiny", .arch = "qwen3moe", .n_vocab = 512, .n_ctx = 4096, .n_embd = 256,
-     .n_layer = 4, .n_head = 8, .n_head_kv = 4, .head_dim = 32, .n_ff = 768, .n_expert = 16,
-     .n_expert_used = 4, .n_ff_exp = 256, .rope_base = 1000000.0f},
-    {.preset = "llama-tiny", .arch = "llama", .n_vocab = 512, .n_ctx = 2048, .n_embd = 256,
-     .n_layer = 4, .n_head = 8, .n_head_kv = 4, .head_dim = 32, .n_ff = 768, .rope_base = 10000.0f},
+    {.preset = "tiny",
+     .arch = "qwen3moe",
+     .n_vocab = 512,
+     .n_ctx = 4096,
+     .n_embd = 256,
+     .n_layer = 4,
+     .n_head = 8,
+     .n_head_kv = 4,
+     .head_dim = 32,
+     .n_ff = 768,
+     .n_expert = 16,
+     .n_expert_used = 4,
+     .n_ff_exp = 256,
+     .rope_base = 1000000.0f},
+    {.preset = "llama-tiny",
+     .arch = "llama",
+     .n_vocab = 512,
+     .n_ctx = 2048,
+     .n_embd = 256,
+     .n_layer = 4,
+     .n_head = 8,
+     .n_head_kv = 4,
+     .head_dim = 32,
+     .n_ff = 768,
+     .rope_base = 10000.0f},
     /* GLM-4.5's layout at toy size: a dense first layer, a shared expert, one NextN layer */
-    {.preset = "glm4moe-tiny", .arch = "glm4moe", .n_vocab = 512, .n_ctx = 4096, .n_embd = 256,
-     .n_layer = 3, .n_head = 8, .n_head_kv = 2, .head_dim = 32, .n_ff = 768, .n_expert = 16,
-     .n_expert_used = 4, .n_ff_exp = 256, .rope_base = 1000000.0f, .n_dense_lead = 1,
-     .n_shared_expert = 1, .n_nextn = 1},
+    {.preset = "glm4moe-tiny",
+     .arch = "glm4moe",
+     .n_vocab = 512,
+     .n_ctx = 4096,
+     .n_embd = 256,
+     .n_layer = 3,
+     .n_head = 8,
+     .n_head_kv = 2,
+     .head_dim = 32,
+     .n_ff = 768,
+     .n_expert = 16,
+     .n_expert_used = 4,
+     .n_ff_exp = 256,
+     .rope_base = 1000000.0f,
+     .n_dense_lead = 1,
+     .n_shared_expert = 1,
+     .n_nextn = 1},
     /* Qwen3-30B-A3B's published shape (config.json of Qwen/Qwen3-30B-A3B) */
-    {.preset = "qwen3-30b-a3b", .arch = "qwen3moe", .n_vocab = 151936, .n_ctx = 40960,
-     .n_embd = 2048, .n_layer = 48, .n_head = 32, .n_head_kv = 4, .head_dim = 128, .n_ff = 6144,
-     .n_expert = 128, .n_expert_used = 8, .n_ff_exp = 768, .rope_base = 1000000.0f},
+    {.preset = "qwen3-30b-a3b",
+     .arch = "qwen3moe",
+     .n_vocab = 151936,
+     .n_ctx = 40960,
+     .n_embd = 2048,
+     .n_layer = 48,
+     .n_head = 32,
+     .n_head_kv = 4,
+     .head_dim = 128,
+     .n_ff = 6144,
+     .n_expert = 128,
+     .n_expert_used = 8,
+     .n_ff_exp = 768,
+     .rope_base = 1000000.0f},
 };
 
 bool moe_synth_preset(const char *name, moe_synth_params *out) {
@@ -48,20 +92,24 @@ bool moe_synth_preset(const char *name, moe_synth_params *out) {
     return false;
 }
 
-const char *moe_synth_preset_names(void) { return "tiny, llama-tiny, glm4moe-tiny, qwen3-30b-a3b"; }
+const char *moe_synth_preset_names(void) {
+    return "tiny, llama-tiny, glm4moe-tiny, qwen3-30b-a3b";
+}
 
 /* ==== Vocabulary: SentencePiece-style, bytes + characters + word pieces + fillers ==== */
 
 /* Words whose pieces (with every prefix, so merges can reach them) fill the vocabulary. */
 static const char *const vocab_words[] = {
-    "the", "and", "a", "to", "of", "in", "is", "it", "was", "that", "he", "she", "they", "with",
-    "on", "for", "as", "at", "by", "from", "this", "we", "you", "not", "but", "or", "have",
-    "one", "all", "there", "when", "what", "so", "up", "out", "if", "about", "who", "get",
-    "which", "go", "me", "make", "can", "like", "time", "no", "just", "him", "know", "take",
-    "people", "into", "year", "your", "good", "some", "could", "them", "see", "other", "than",
-    "then", "now", "look", "only", "come", "its", "over", "think", "also", "back", "after",
-    "use", "two", "how", "our", "work", "first", "well", "way", "even", "new", "want", "because",
-    "any", "these", "give", "day", "most", "us", "expert", "mixture", "model", "token", "sparse",
+    "the",   "and",    "a",       "to",    "of",      "in",     "is",    "it",    "was",   "that",
+    "he",    "she",    "they",    "with",  "on",      "for",    "as",    "at",    "by",    "from",
+    "this",  "we",     "you",     "not",   "but",     "or",     "have",  "one",   "all",   "there",
+    "when",  "what",   "so",      "up",    "out",     "if",     "about", "who",   "get",   "which",
+    "go",    "me",     "make",    "can",   "like",    "time",   "no",    "just",  "him",   "know",
+    "take",  "people", "into",    "year",  "your",    "good",   "some",  "could", "them",  "see",
+    "other", "than",   "then",    "now",   "look",    "only",   "come",  "its",   "over",  "think",
+    "also",  "back",   "after",   "use",   "two",     "how",    "our",   "work",  "first", "well",
+    "way",   "even",   "new",     "want",  "because", "any",    "these", "give",  "day",   "most",
+    "us",    "expert", "mixture", "model", "token",   "sparse",
 };
 
 enum { TOK_NORMAL = 1, TOK_UNKNOWN = 2, TOK_CONTROL = 3, TOK_BYTE = 6 };
@@ -99,7 +147,8 @@ static void vocab_build(vocab *v, uint32_t n) {
         snprintf(piece, sizeof piece, "<0x%02X>", b);
         vocab_add(v, piece, 0, TOK_BYTE);
     }
-    const char *chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()";
+    const char *chars =
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()";
     for (const char *c = chars; *c && v->n < n; c++) {
         snprintf(piece, sizeof piece, "%c", *c);
         vocab_add(v, piece, -1000.0f, TOK_NORMAL);
@@ -146,8 +195,8 @@ static moe_type type_for(const synth *s, const char *name, int64_t n_in) {
     /* a row that is not a whole number of blocks cannot take the type: keep F32 and say so,
      * as llama-quantize falls back for such tensors */
     if (moe_type_row_bytes(t, n_in)) return t;
-    moe_log(MOE_LOG_WARN, "synth: '%s' rows of %lld values are not whole %s blocks: kept F32",
-            name, (long long)n_in, moe_type_name(t));
+    moe_log(MOE_LOG_WARN, "synth: '%s' rows of %lld values are not whole %s blocks: kept F32", name,
+            (long long)n_in, moe_type_name(t));
     return MOE_TYPE_F32;
 }
 
@@ -160,33 +209,38 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
     const moe_type_traits *t = moe_type_traits_get(type);
     const bool random_blocks = s->p->random_blocks && t->is_quantized;
     if (!t->from_float && !random_blocks)
-        return moe_error_set(s->err, MOE_ERR_UNSUPPORTED,
-                             "tensor '%s': moe has no quantizer for %s yet (it can read it, not "
-                             "write it); quantizable: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K "
-                             "Q6_K IQ4_NL IQ4_XS; --random-blocks writes random valid blocks of any type)", name, t->name);
+        return moe_error_set(
+            s->err, MOE_ERR_UNSUPPORTED,
+            "tensor '%s': moe has no quantizer for %s yet (it can read it, not "
+            "write it); quantizable: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K "
+            "Q6_K IQ4_NL IQ4_XS; --random-blocks writes random valid blocks of any type)",
+            name, t->name);
     const uint64_t row_bytes = moe_type_row_bytes(type, n_in);
     const uint64_t n_rows = (uint64_t)(n_out * n_mat);
     uint8_t *blocks = malloc(row_bytes * n_rows);
     float *row = moe_xmalloc(sizeof(float) * (size_t)n_in);
     if (!blocks) {
         free(row);
-        return moe_error_set(s->err, MOE_ERR_NOMEM, "tensor '%s': cannot allocate %llu bytes",
-                             name, (unsigned long long)(row_bytes * n_rows));
+        return moe_error_set(s->err, MOE_ERR_NOMEM, "tensor '%s': cannot allocate %llu bytes", name,
+                             (unsigned long long)(row_bytes * n_rows));
     }
     const float scale = 1.0f / sqrtf((float)n_in);
     for (uint64_t r = 0; r < n_rows; r++) {
         const bool live = (int64_t)(r % (uint64_t)n_out) >= first_live_row;
         if (random_blocks) {
-            if (live) moe_type_random_row_rms(type, &s->rng, blocks + r * row_bytes, n_in, scale);
-            else memset(blocks + r * row_bytes, 0, row_bytes);
+            if (live)
+                moe_type_random_row_rms(type, &s->rng, blocks + r * row_bytes, n_in, scale);
+            else
+                memset(blocks + r * row_bytes, 0, row_bytes);
             continue;
         }
-        for (int64_t i = 0; i < n_in; i++) row[i] = live ? (float)moe_rng_gaussian(&s->rng) * scale : 0.0f;
+        for (int64_t i = 0; i < n_in; i++)
+            row[i] = live ? (float)moe_rng_gaussian(&s->rng) * scale : 0.0f;
         t->from_float(row, blocks + r * row_bytes, n_in);
     }
     const int64_t ne[3] = {n_in, n_out, n_mat};
-    moe_status st = moe_gguf_writer_add_tensor(s->w, name, type, n_mat > 1 ? 3 : (n_out > 1 ? 2 : 1),
-                                               ne, blocks, false, s->err);
+    moe_status st = moe_gguf_writer_add_tensor(
+        s->w, name, type, n_mat > 1 ? 3 : (n_out > 1 ? 2 : 1), ne, blocks, false, s->err);
     free(row);
     free(blocks);
     return st;
@@ -206,7 +260,8 @@ static moe_status add_ones(synth *s, const char *name, int64_t n) {
     if (s->err->code) return s->err->code;
     float *ones = moe_xmalloc(sizeof(float) * (size_t)n);
     for (int64_t i = 0; i < n; i++) ones[i] = 1.0f;
-    moe_status st = moe_gguf_writer_add_tensor(s->w, name, MOE_TYPE_F32, 1, &n, ones, false, s->err);
+    moe_status st =
+        moe_gguf_writer_add_tensor(s->w, name, MOE_TYPE_F32, 1, &n, ones, false, s->err);
     free(ones);
     return st;
 }
@@ -286,27 +341,40 @@ static void write_tensors(synth *s) {
             layer_name(name, sizeof name, il, "attn_q_norm"), add_ones(s, name, p->head_dim);
             layer_name(name, sizeof name, il, "attn_k_norm"), add_ones(s, name, p->head_dim);
         }
-        layer_name(name, sizeof name, il, glm ? "post_attention_norm" : "ffn_norm"), add_ones(s, name, E);
+        layer_name(name, sizeof name, il, glm ? "post_attention_norm" : "ffn_norm"),
+            add_ones(s, name, E);
         if (p->n_expert && il >= p->n_dense_lead) {
-            layer_name(name, sizeof name, il, "ffn_gate_inp"), add_weights(s, name, E, p->n_expert, 1, 0, true);
-            layer_name(name, sizeof name, il, "ffn_gate_exps"), add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
-            layer_name(name, sizeof name, il, "ffn_up_exps"), add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
-            layer_name(name, sizeof name, il, "ffn_down_exps"), add_weights(s, name, p->n_ff_exp, E, p->n_expert, 0, false);
+            layer_name(name, sizeof name, il, "ffn_gate_inp"),
+                add_weights(s, name, E, p->n_expert, 1, 0, true);
+            layer_name(name, sizeof name, il, "ffn_gate_exps"),
+                add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
+            layer_name(name, sizeof name, il, "ffn_up_exps"),
+                add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
+            layer_name(name, sizeof name, il, "ffn_down_exps"),
+                add_weights(s, name, p->n_ff_exp, E, p->n_expert, 0, false);
         } else {
-            layer_name(name, sizeof name, il, "ffn_gate"), add_weights(s, name, E, p->n_ff, 1, 0, false);
-            layer_name(name, sizeof name, il, "ffn_up"), add_weights(s, name, E, p->n_ff, 1, 0, false);
-            layer_name(name, sizeof name, il, "ffn_down"), add_weights(s, name, p->n_ff, E, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_gate"),
+                add_weights(s, name, E, p->n_ff, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_up"),
+                add_weights(s, name, E, p->n_ff, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_down"),
+                add_weights(s, name, p->n_ff, E, 1, 0, false);
         }
         if (p->n_expert && il >= p->n_dense_lead && glm) {
-            layer_bias(name, sizeof name, il, "exp_probs_b"), add_vector(s, name, p->n_expert, 0.05f);
+            layer_bias(name, sizeof name, il, "exp_probs_b"),
+                add_vector(s, name, p->n_expert, 0.05f);
         }
         if (p->n_expert && il >= p->n_dense_lead && ff_shexp) {
-            layer_name(name, sizeof name, il, "ffn_gate_shexp"), add_weights(s, name, E, ff_shexp, 1, 0, false);
-            layer_name(name, sizeof name, il, "ffn_up_shexp"), add_weights(s, name, E, ff_shexp, 1, 0, false);
-            layer_name(name, sizeof name, il, "ffn_down_shexp"), add_weights(s, name, ff_shexp, E, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_gate_shexp"),
+                add_weights(s, name, E, ff_shexp, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_up_shexp"),
+                add_weights(s, name, E, ff_shexp, 1, 0, false);
+            layer_name(name, sizeof name, il, "ffn_down_shexp"),
+                add_weights(s, name, ff_shexp, E, 1, 0, false);
         }
         if (il >= p->n_layer) { /* a NextN (MTP) layer's own tensors: written, never run */
-            layer_name(name, sizeof name, il, "nextn.eh_proj"), add_weights(s, name, 2 * E, E, 1, 0, false);
+            layer_name(name, sizeof name, il, "nextn.eh_proj"),
+                add_weights(s, name, 2 * E, E, 1, 0, false);
             layer_name(name, sizeof name, il, "nextn.enorm"), add_ones(s, name, E);
             layer_name(name, sizeof name, il, "nextn.hnorm"), add_ones(s, name, E);
         }
@@ -321,14 +389,17 @@ static void write_tensors(synth *s) {
 moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err) {
     if (strcmp(p->arch, "llama") != 0 && strcmp(p->arch, "qwen3moe") != 0 &&
         strcmp(p->arch, "glm4moe") != 0)
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "synth: architecture '%s' is not one synth "
-                             "writes (llama, qwen3moe, glm4moe)", p->arch);
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "synth: architecture '%s' is not one synth "
+                             "writes (llama, qwen3moe, glm4moe)",
+                             p->arch);
     if (!p->n_embd || !p->n_layer || !p->n_head || !p->n_head_kv || !p->head_dim ||
         p->n_head % p->n_head_kv || p->n_vocab < 3 + 256 + 1 ||
-        (strcmp(p->arch, "llama") != 0 && (!p->n_expert || !p->n_expert_used ||
-                                              p->n_expert_used > p->n_expert || !p->n_ff_exp)) ||
+        (strcmp(p->arch, "llama") != 0 &&
+         (!p->n_expert || !p->n_expert_used || p->n_expert_used > p->n_expert || !p->n_ff_exp)) ||
         (!p->n_expert && !p->n_ff))
-        return moe_error_set(err, MOE_ERR_ARG, "synth: inconsistent shape (embd %u, layers %u, "
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "synth: inconsistent shape (embd %u, layers %u, "
                              "heads %u/%u, head_dim %u, vocab %u >= 260, experts %u/%u, ff %u/%u)",
                              p->n_embd, p->n_layer, p->n_head, p->n_head_kv, p->head_dim,
                              p->n_vocab, p->n_expert_used, p->n_expert, p->n_ff, p->n_ff_exp);
@@ -336,9 +407,12 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
     s.rules = moe_xcalloc(p->n_rules ? p->n_rules : 1, sizeof(regex_t));
     uint32_t compiled = 0;
     for (; compiled < p->n_rules; compiled++) {
-        if (regcomp(&s.rules[compiled], p->rules[compiled].pattern, REG_EXTENDED | REG_NOSUB) != 0) {
-            moe_error_set(err, MOE_ERR_ARG, "synth: --type pattern '%s' is not a valid regular "
-                          "expression", p->rules[compiled].pattern);
+        if (regcomp(&s.rules[compiled], p->rules[compiled].pattern, REG_EXTENDED | REG_NOSUB) !=
+            0) {
+            moe_error_set(err, MOE_ERR_ARG,
+                          "synth: --type pattern '%s' is not a valid regular "
+                          "expression",
+                          p->rules[compiled].pattern);
             break;
         }
     }

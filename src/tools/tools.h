@@ -1,5 +1,6 @@
 /* tools: the audit and maintenance tools behind `moe inspect`, `moe budget`, `moe audit` (and
- * later repack, bench, eval, synth) and the built-in demo model. Each computes facts into a struct; cli/ prints them as text or JSON.
+ * later repack, bench, eval, synth) and the built-in demo model. Each computes facts into a struct;
+ * cli/ prints them as text or JSON.
  *
  * The trap: a tensor's role comes from its llama.cpp name alone (`blk.N.ffn_up_exps.weight`),
  * so a file with unconventional names lands in "norms/other" -- never guess from shapes. */
@@ -114,12 +115,12 @@ typedef struct moe_budget_model {
     moe_budget_sharded *sharded;           /* [n_sharded] the routed-expert tensors */
     size_t n_sharded;
     uint32_t n_layer;
-    moe_layer_kind *kind;    /* [n_layer] */
-    uint64_t *k_values;      /* [n_layer] K (or MLA latent + rope) values per token */
-    uint64_t *v_values;      /* [n_layer] V values per token (0 for MLA, linear) */
-    uint64_t *state_values;  /* [n_layer] f32 state values per sequence (linear layers) */
-    uint64_t window;         /* sliding window in tokens (0: none) */
-    uint64_t ctx_train;      /* <arch>.context_length (0: unknown) */
+    moe_layer_kind *kind;   /* [n_layer] */
+    uint64_t *k_values;     /* [n_layer] K (or MLA latent + rope) values per token */
+    uint64_t *v_values;     /* [n_layer] V values per token (0 for MLA, linear) */
+    uint64_t *state_values; /* [n_layer] f32 state values per sequence (linear layers) */
+    uint64_t window;        /* sliding window in tokens (0: none) */
+    uint64_t ctx_train;     /* <arch>.context_length (0: unknown) */
     uint64_t n_embd, n_vocab, n_head, ff_active; /* for the scratch estimate */
 } moe_budget_model;
 
@@ -139,10 +140,10 @@ typedef struct moe_budget_config {
     bool vision;             /* count the vision tower */
 } moe_budget_config;
 
-#define MOE_BUDGET_MAX_DEVICES 4096
+#define MOE_BUDGET_MAX_DEVICES  4096
 #define MOE_BUDGET_PREFILL_ROWS 512 /* rows of one prefill step, for the scratch estimate */
-#define MOE_BUDGET_ATTN_TILE 256    /* keys per attention tile, for the scratch estimate */
-#define MOE_BUDGET_SEARCH_MAX (1ull << 30) /* largest context / stream count searched */
+#define MOE_BUDGET_ATTN_TILE    256 /* keys per attention tile, for the scratch estimate */
+#define MOE_BUDGET_SEARCH_MAX   (1ull << 30) /* largest context / stream count searched */
 
 typedef struct moe_budget_plan {
     moe_budget_config config;
@@ -174,15 +175,15 @@ uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64
  * (seeded; the same X for every tensor with the same row length). Only those rows' bytes are
  * read, by one range per (tensor, expert) and file when the model is remote. */
 
-#define MOE_AUDIT_X_COLS 64
+#define MOE_AUDIT_X_COLS      64
 #define MOE_AUDIT_MAX_EXPERTS 4096 /* --experts entries */
 
 typedef struct moe_audit_options {
     const char *tensor_regex; /* POSIX extended regex on names; NULL: every quantized tensor */
     const int64_t *experts;   /* expert indices for 3-D tensors; NULL: expert 0 */
     size_t n_experts;
-    uint64_t rows;            /* rows per (tensor, expert); 0: all */
-    uint64_t seed;            /* of X */
+    uint64_t rows; /* rows per (tensor, expert); 0: all */
+    uint64_t seed; /* of X */
 } moe_audit_options;
 
 typedef struct moe_audit_row {
@@ -226,20 +227,20 @@ typedef struct moe_synth_rule {
 } moe_synth_rule;
 
 typedef struct moe_synth_params {
-    const char *preset;        /* the preset it came from (for messages) */
-    const char *arch;          /* "llama", "qwen3moe" or "glm4moe" */
-    const char *name;          /* general.name; NULL: a default that says the weights are random */
+    const char *preset; /* the preset it came from (for messages) */
+    const char *arch;   /* "llama", "qwen3moe" or "glm4moe" */
+    const char *name;   /* general.name; NULL: a default that says the weights are random */
     uint32_t n_vocab, n_ctx, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
     uint32_t n_expert, n_expert_used, n_ff_exp; /* 0 experts: dense */
-    uint32_t n_dense_lead;     /* leading layers with a dense FFN (glm4moe) */
-    uint32_t n_shared_expert;  /* shared experts of n_ff_exp each (glm4moe) */
-    uint32_t n_nextn;          /* NextN/MTP layers appended after n_layer (glm4moe) */
+    uint32_t n_dense_lead;                      /* leading layers with a dense FFN (glm4moe) */
+    uint32_t n_shared_expert;                   /* shared experts of n_ff_exp each (glm4moe) */
+    uint32_t n_nextn; /* NextN/MTP layers appended after n_layer (glm4moe) */
     float rope_base;
     uint64_t seed;
     const moe_synth_rule *rules; /* weight types by name, first match wins; default F32 */
     uint32_t n_rules;
-    bool mute_special_output;  /* zero the head rows of special and byte tokens (demo) */
-    bool random_blocks;        /* quantized tensors: random valid blocks, not quantized floats */
+    bool mute_special_output; /* zero the head rows of special and byte tokens (demo) */
+    bool random_blocks;       /* quantized tensors: random valid blocks, not quantized floats */
 } moe_synth_params;
 
 /* Fill *out from a named preset (seed MOE_SYNTH_DEFAULT_SEED); false if unknown. */
@@ -250,16 +251,16 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
 
 /* ==== Throughput benchmark (moe bench) ==== */
 
-#define MOE_BENCH_MAX_RUNS 64
-#define MOE_BENCH_MAX_STREAMS 8       /* stream counts in one invocation */
+#define MOE_BENCH_MAX_RUNS        64
+#define MOE_BENCH_MAX_STREAMS     8   /* stream counts in one invocation */
 #define MOE_BENCH_MAX_STREAM_ROWS 256 /* streams decoded together in one test */
 
 typedef struct moe_bench_params {
     const char *model_path;
-    int n_threads;      /* forward-pass and probe threads */
-    int runs;           /* timed runs per test, after one warm-up */
-    int n_prompt;       /* prefill test: one forward of this many rows (0: skip) */
-    int n_gen;          /* decode test: this many single-row steps (0: skip) */
+    int n_threads;                      /* forward-pass and probe threads */
+    int runs;                           /* timed runs per test, after one warm-up */
+    int n_prompt;                       /* prefill test: one forward of this many rows (0: skip) */
+    int n_gen;                          /* decode test: this many single-row steps (0: skip) */
     int streams[MOE_BENCH_MAX_STREAMS]; /* batched decode: streams per test */
     int n_streams;
     int stream_steps;   /* steps per batched decode test */
@@ -275,23 +276,23 @@ typedef struct moe_bench_figure {
 } moe_bench_figure;
 
 typedef struct moe_bench_stream {
-    int n;                    /* streams decoded together */
+    int n; /* streams decoded together */
     moe_bench_figure aggregate;
-    double per_stream_tok_s;  /* aggregate median / n */
+    double per_stream_tok_s; /* aggregate median / n */
 } moe_bench_stream;
 
 typedef struct moe_bench_result {
     const char *isa; /* the kernel table in use */
     int threads, runs;
-    bool in_memory;  /* weights copied to anonymous memory (not --mmap) */
+    bool in_memory; /* weights copied to anonymous memory (not --mmap) */
     uint64_t loaded_bytes;
     double load_seconds;
     char arch[32];
     uint32_t n_layer, n_expert, n_expert_used, moe_layers;
     moe_bandwidth bandwidth;
-    double dense_bytes;    /* weights outside routed experts, read by every forward */
-    double embd_row_bytes; /* one embedding row, read per token */
-    double expert_bytes;   /* one routed expert of one layer (gate + up + down) */
+    double dense_bytes;       /* weights outside routed experts, read by every forward */
+    double embd_row_bytes;    /* one embedding row, read per token */
+    double expert_bytes;      /* one routed expert of one layer (gate + up + down) */
     double experts_per_token; /* routed experts run per token and MoE layer in the decode test */
     double active_bytes_per_token; /* decode, one stream: dense + embedding row + experts run */
     moe_bench_figure pp, tg;
