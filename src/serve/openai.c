@@ -21,8 +21,9 @@
         return false;                                                                              \
     } while (0)
 
-/* content: a string, null, or an array of parts ({"type":"text","text":...}) */
-static bool content_text(serve_http *h, json_t *content, const char *field, char **out) {
+/* content: a string, null, or an array of parts ({"type":"text","text":...}); Chat Completions'
+ * and Responses' part names both (image, audio and file parts are refused by name). */
+bool serve_openai_content_text(serve_http *h, json_t *content, const char *field, char **out) {
     if (!content || json_is_null(content)) {
         *out = moe_xstrdup("");
         return true;
@@ -39,7 +40,8 @@ static bool content_text(serve_http *h, json_t *content, const char *field, char
         const char *type = json_string_value(json_object_get(part, "type"));
         json_t *text = json_object_get(part, "text");
         if (type && (strcmp(type, "image_url") == 0 || strcmp(type, "input_image") == 0 ||
-                     strcmp(type, "input_audio") == 0 || strcmp(type, "file") == 0)) {
+                     strcmp(type, "input_audio") == 0 || strcmp(type, "file") == 0 ||
+                     strcmp(type, "input_file") == 0)) {
             serve_buf_free(&b);
             BAD(h, field, "%s[%zu]: %s parts are not supported: this server takes text only", field,
                 i, type);
@@ -109,7 +111,8 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
                 role);
         serve_message *msg = serve_chat_add(chat, role);
         snprintf(field, sizeof field, "messages[%zu].content", i);
-        if (!content_text(h, json_object_get(m, "content"), field, &msg->content)) return false;
+        if (!serve_openai_content_text(h, json_object_get(m, "content"), field, &msg->content))
+            return false;
         json_t *rc = json_object_get(m, "reasoning_content");
         if (json_is_string(rc)) msg->reasoning = moe_xstrdup(json_string_value(rc));
         json_t *id = json_object_get(m, "tool_call_id");

@@ -23,34 +23,6 @@
 
 /* ==== Request ==== */
 
-static bool item_text(serve_http *h, json_t *content, const char *field, char **out) {
-    if (json_is_string(content)) {
-        *out = moe_xstrndup(json_string_value(content), json_string_length(content));
-        return true;
-    }
-    if (!json_is_array(content)) BAD(h, field, "%s: expected a string or an array of parts", field);
-    serve_buf b = {0};
-    size_t i;
-    json_t *part;
-    json_array_foreach(content, i, part) {
-        const char *type = json_string_value(json_object_get(part, "type"));
-        json_t *text = json_object_get(part, "text");
-        if (type && (strcmp(type, "input_image") == 0 || strcmp(type, "input_file") == 0 ||
-                     strcmp(type, "input_audio") == 0)) {
-            serve_buf_free(&b);
-            BAD(h, field, "%s[%zu]: %s parts are not supported: this server takes text only", field,
-                i, type);
-        }
-        if (!json_is_string(text)) {
-            serve_buf_free(&b);
-            BAD(h, field, "%s[%zu]: expected a text part", field, i);
-        }
-        serve_buf_put(&b, json_string_value(text), json_string_length(text));
-    }
-    *out = b.p ? b.p : moe_xstrdup("");
-    return true;
-}
-
 static bool parse_input(serve_http *h, json_t *body, serve_chat *chat) {
     json_t *instr = json_object_get(body, "instructions");
     if (json_is_string(instr))
@@ -81,7 +53,8 @@ static bool parse_input(serve_http *h, json_t *body, serve_chat *chat) {
             serve_message *m = serve_chat_add(chat, role);
             char sub[80];
             snprintf(sub, sizeof sub, "%s.content", field);
-            if (!item_text(h, json_object_get(it, "content"), sub, &m->content)) return false;
+            if (!serve_openai_content_text(h, json_object_get(it, "content"), sub, &m->content))
+                return false;
         } else if (strcmp(type, "function_call") == 0) {
             const char *name = json_string_value(json_object_get(it, "name"));
             const char *args = json_string_value(json_object_get(it, "arguments"));
@@ -103,7 +76,7 @@ static bool parse_input(serve_http *h, json_t *body, serve_chat *chat) {
             m->tool_call_id = moe_xstrdup(id ? id : "");
             char sub[80];
             snprintf(sub, sizeof sub, "%s.output", field);
-            if (!item_text(h, out, sub, &m->content)) return false;
+            if (!serve_openai_content_text(h, out, sub, &m->content)) return false;
         } else if (strcmp(type, "reasoning") == 0) {
             continue; /* our own earlier thinking: not replayed */
         } else {

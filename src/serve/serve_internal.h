@@ -381,4 +381,7 @@ void serve_anthropic_messages(serve_http *h);
 void serve_anthropic_count_tokens(serve_http *h);
 void serve_anthropic_models(serve_http *h);
 
+/* OpenAI content (a string, null, or text parts) as one string; false after answering 400. */
+bool serve_openai_content_text(serve_http *h, json_t *content, const char *field, char **out);
+
 #endif
