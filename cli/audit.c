@@ -116,44 +116,30 @@ int moe_cmd_audit(int argc, char **argv) {
         moe_json j;
         moe_json_init(&j, true);
         moe_json_object_begin(&j);
-        moe_json_key(&j, "quant");
-        moe_json_string(&j, paths[0]);
-        moe_json_key(&j, "reference");
-        moe_json_string(&j, paths[1]);
-        moe_json_key(&j, "seed");
-        moe_json_uint(&j, o.seed);
-        moe_json_key(&j, "x_cols");
-        moe_json_uint(&j, MOE_AUDIT_X_COLS);
-        moe_json_key(&j, "skipped");
-        moe_json_uint(&j, r.n_skipped);
+        moe_json_kv_string(&j, "quant", paths[0]);
+        moe_json_kv_string(&j, "reference", paths[1]);
+        moe_json_kv_uint(&j, "seed", o.seed);
+        moe_json_kv_uint(&j, "x_cols", MOE_AUDIT_X_COLS);
+        moe_json_kv_uint(&j, "skipped", r.n_skipped);
         moe_json_key(&j, "tensors");
         moe_json_array_begin(&j);
         for (size_t i = 0; i < r.n_rows; i++) {
             const moe_audit_row *a = &r.rows[i];
             moe_json_object_begin(&j);
-            moe_json_key(&j, "tensor");
-            moe_json_string(&j, a->tensor);
+            moe_json_kv_string(&j, "tensor", a->tensor);
             moe_json_key(&j, "expert");
             if (a->expert < 0)
                 moe_json_null(&j);
             else
                 moe_json_int(&j, a->expert);
-            moe_json_key(&j, "format");
-            moe_json_string(&j, moe_type_name(a->type));
-            moe_json_key(&j, "reference_format");
-            moe_json_string(&j, moe_type_name(a->ref_type));
-            moe_json_key(&j, "bits_per_weight");
-            moe_json_double(&j, a->bits_per_weight);
-            moe_json_key(&j, "rows");
-            moe_json_uint(&j, a->rows);
-            moe_json_key(&j, "cols");
-            moe_json_uint(&j, a->cols);
-            moe_json_key(&j, "rel_fro");
-            moe_json_double(&j, a->rel_fro);
-            moe_json_key(&j, "cosine");
-            moe_json_double(&j, a->cosine);
-            moe_json_key(&j, "matvec_rel");
-            moe_json_double(&j, a->matvec_rel);
+            moe_json_kv_string(&j, "format", moe_type_name(a->type));
+            moe_json_kv_string(&j, "reference_format", moe_type_name(a->ref_type));
+            moe_json_kv_double(&j, "bits_per_weight", a->bits_per_weight);
+            moe_json_kv_uint(&j, "rows", a->rows);
+            moe_json_kv_uint(&j, "cols", a->cols);
+            moe_json_kv_double(&j, "rel_fro", a->rel_fro);
+            moe_json_kv_double(&j, "cosine", a->cosine);
+            moe_json_kv_double(&j, "matvec_rel", a->matvec_rel);
             moe_json_object_end(&j);
         }
         moe_json_array_end(&j);

@@ -334,35 +334,23 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     moe_json_init(&j, true);
     moe_json_object_begin(&j);
     const moe_gguf_shard *s0 = moe_gguf_shard_get(g, 0);
-    moe_json_key(&j, "version");
-    moe_json_uint(&j, s0->version);
-    moe_json_key(&j, "alignment");
-    moe_json_uint(&j, moe_gguf_alignment(g));
+    moe_json_kv_uint(&j, "version", s0->version);
+    moe_json_kv_uint(&j, "alignment", moe_gguf_alignment(g));
     moe_json_key(&j, "files");
     moe_json_array_begin(&j);
     for (uint32_t s = 0; s < moe_gguf_n_shards(g); s++) {
         const moe_gguf_shard *sh = moe_gguf_shard_get(g, s);
         moe_json_object_begin(&j);
-        moe_json_key(&j, "path");
-        moe_json_string(&j, sh->path);
-        moe_json_key(&j, "version");
-        moe_json_uint(&j, sh->version);
-        moe_json_key(&j, "alignment");
-        moe_json_uint(&j, moe_gguf_shard_alignment(g, s));
-        moe_json_key(&j, "file_bytes");
-        moe_json_uint(&j, sh->file_size);
-        moe_json_key(&j, "header_bytes");
-        moe_json_uint(&j, sh->header_bytes);
-        moe_json_key(&j, "data_offset");
-        moe_json_uint(&j, sh->data_offset);
-        moe_json_key(&j, "tensor_bytes");
-        moe_json_uint(&j, sh->tensor_bytes);
-        moe_json_key(&j, "padding_bytes");
-        moe_json_uint(&j, sh->padding_bytes);
-        moe_json_key(&j, "n_tensors");
-        moe_json_uint(&j, sh->n_tensors);
-        moe_json_key(&j, "n_kv");
-        moe_json_uint(&j, sh->n_kv);
+        moe_json_kv_string(&j, "path", sh->path);
+        moe_json_kv_uint(&j, "version", sh->version);
+        moe_json_kv_uint(&j, "alignment", moe_gguf_shard_alignment(g, s));
+        moe_json_kv_uint(&j, "file_bytes", sh->file_size);
+        moe_json_kv_uint(&j, "header_bytes", sh->header_bytes);
+        moe_json_kv_uint(&j, "data_offset", sh->data_offset);
+        moe_json_kv_uint(&j, "tensor_bytes", sh->tensor_bytes);
+        moe_json_kv_uint(&j, "padding_bytes", sh->padding_bytes);
+        moe_json_kv_uint(&j, "n_tensors", sh->n_tensors);
+        moe_json_kv_uint(&j, "n_kv", sh->n_kv);
         moe_json_object_end(&j);
     }
     moe_json_array_end(&j);
@@ -374,16 +362,12 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
         moe_json_object_begin(&j);
         moe_json_key(&j, "key");
         moe_json_string_n(&j, kv->key.ptr, kv->key.len);
-        moe_json_key(&j, "type");
-        moe_json_string(&j, moe_gguf_vtype_name(kv->value.type));
+        moe_json_kv_string(&j, "type", moe_gguf_vtype_name(kv->value.type));
         if (kv->value.type == MOE_GGUF_ARRAY) {
-            moe_json_key(&j, "elem_type");
-            moe_json_string(&j, moe_gguf_vtype_name(kv->value.arr.elem_type));
-            moe_json_key(&j, "n");
-            moe_json_uint(&j, kv->value.arr.n);
+            moe_json_kv_string(&j, "elem_type", moe_gguf_vtype_name(kv->value.arr.elem_type));
+            moe_json_kv_uint(&j, "n", kv->value.arr.n);
         } else if (kv->value.type == MOE_GGUF_STRING) {
-            moe_json_key(&j, "length");
-            moe_json_uint(&j, kv->value.s.len);
+            moe_json_kv_uint(&j, "length", kv->value.s.len);
         }
         moe_json_key(&j, "value");
         json_value(&j, &kv->value);
@@ -398,22 +382,16 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
         moe_json_object_begin(&j);
         moe_json_key(&j, "name");
         moe_json_string_n(&j, t->name.ptr, t->name.len);
-        moe_json_key(&j, "type");
-        moe_json_string(&j, moe_type_name(t->type));
+        moe_json_kv_string(&j, "type", moe_type_name(t->type));
         moe_json_key(&j, "shape");
         moe_json_array_begin(&j);
         for (uint32_t d = 0; d < t->n_dims; d++) moe_json_int(&j, t->ne[d]);
         moe_json_array_end(&j);
-        moe_json_key(&j, "bytes");
-        moe_json_uint(&j, t->n_bytes);
-        moe_json_key(&j, "offset");
-        moe_json_uint(&j, t->offset);
-        moe_json_key(&j, "file_offset");
-        moe_json_uint(&j, t->file_offset);
-        moe_json_key(&j, "shard");
-        moe_json_uint(&j, t->shard);
-        moe_json_key(&j, "role");
-        moe_json_string(&j, moe_role_id(moe_tensor_role(t->name.ptr)));
+        moe_json_kv_uint(&j, "bytes", t->n_bytes);
+        moe_json_kv_uint(&j, "offset", t->offset);
+        moe_json_kv_uint(&j, "file_offset", t->file_offset);
+        moe_json_kv_uint(&j, "shard", t->shard);
+        moe_json_kv_string(&j, "role", moe_role_id(moe_tensor_role(t->name.ptr)));
         moe_json_object_end(&j);
     }
     moe_json_array_end(&j);
@@ -422,14 +400,10 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     moe_json_array_begin(&j);
     for (size_t i = 0; i < r->n_types; i++) {
         moe_json_object_begin(&j);
-        moe_json_key(&j, "type");
-        moe_json_string(&j, moe_type_name(r->types[i].type));
-        moe_json_key(&j, "count");
-        moe_json_uint(&j, r->types[i].count);
-        moe_json_key(&j, "bytes");
-        moe_json_uint(&j, r->types[i].bytes);
-        moe_json_key(&j, "percent");
-        moe_json_double(&j, percent(r->types[i].bytes, r->tensor_bytes));
+        moe_json_kv_string(&j, "type", moe_type_name(r->types[i].type));
+        moe_json_kv_uint(&j, "count", r->types[i].count);
+        moe_json_kv_uint(&j, "bytes", r->types[i].bytes);
+        moe_json_kv_double(&j, "percent", percent(r->types[i].bytes, r->tensor_bytes));
         moe_json_object_end(&j);
     }
     moe_json_array_end(&j);
@@ -439,12 +413,9 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     for (int k = 0; k < MOE_ROLE_COUNT; k++) {
         moe_json_key(&j, moe_role_id((moe_role)k));
         moe_json_object_begin(&j);
-        moe_json_key(&j, "count");
-        moe_json_uint(&j, r->role_count[k]);
-        moe_json_key(&j, "bytes");
-        moe_json_uint(&j, r->role_bytes[k]);
-        moe_json_key(&j, "percent");
-        moe_json_double(&j, percent(r->role_bytes[k], r->tensor_bytes));
+        moe_json_kv_uint(&j, "count", r->role_count[k]);
+        moe_json_kv_uint(&j, "bytes", r->role_bytes[k]);
+        moe_json_kv_double(&j, "percent", percent(r->role_bytes[k], r->tensor_bytes));
         moe_json_object_end(&j);
     }
     moe_json_object_end(&j);
@@ -454,12 +425,9 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     for (size_t i = 0; i < r->n_layers; i++) {
         const moe_inspect_layer *l = &r->layers[i];
         moe_json_object_begin(&j);
-        moe_json_key(&j, "layer");
-        moe_json_int(&j, l->layer);
-        moe_json_key(&j, "count");
-        moe_json_uint(&j, l->count);
-        moe_json_key(&j, "bytes");
-        moe_json_uint(&j, l->bytes);
+        moe_json_kv_int(&j, "layer", l->layer);
+        moe_json_kv_uint(&j, "count", l->count);
+        moe_json_kv_uint(&j, "bytes", l->bytes);
         moe_json_key(&j, "roles");
         moe_json_object_begin(&j);
         for (int k = 0; k < MOE_ROLE_COUNT; k++) {
@@ -476,32 +444,22 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     for (size_t i = 0; i < r->n_formats; i++) {
         const moe_inspect_format *f = &r->formats[i];
         moe_json_object_begin(&j);
-        moe_json_key(&j, "role");
-        moe_json_string(&j, moe_role_id(f->role));
-        moe_json_key(&j, "formats");
-        moe_json_string(&j, f->formats);
-        moe_json_key(&j, "layers");
-        moe_json_string(&j, f->layers);
-        moe_json_key(&j, "n_layers");
-        moe_json_uint(&j, f->n_layers);
+        moe_json_kv_string(&j, "role", moe_role_id(f->role));
+        moe_json_kv_string(&j, "formats", f->formats);
+        moe_json_kv_string(&j, "layers", f->layers);
+        moe_json_kv_uint(&j, "n_layers", f->n_layers);
         moe_json_object_end(&j);
     }
     moe_json_array_end(&j);
 
     moe_json_key(&j, "totals");
     moe_json_object_begin(&j);
-    moe_json_key(&j, "n_tensors");
-    moe_json_uint(&j, r->n_tensors);
-    moe_json_key(&j, "tensor_bytes");
-    moe_json_uint(&j, r->tensor_bytes);
-    moe_json_key(&j, "header_bytes");
-    moe_json_uint(&j, r->header_bytes);
-    moe_json_key(&j, "padding_bytes");
-    moe_json_uint(&j, r->padding_bytes);
-    moe_json_key(&j, "file_bytes");
-    moe_json_uint(&j, r->file_bytes);
-    moe_json_key(&j, "reconciles");
-    moe_json_bool(&j, r->reconciles);
+    moe_json_kv_uint(&j, "n_tensors", r->n_tensors);
+    moe_json_kv_uint(&j, "tensor_bytes", r->tensor_bytes);
+    moe_json_kv_uint(&j, "header_bytes", r->header_bytes);
+    moe_json_kv_uint(&j, "padding_bytes", r->padding_bytes);
+    moe_json_kv_uint(&j, "file_bytes", r->file_bytes);
+    moe_json_kv_bool(&j, "reconciles", r->reconciles);
     moe_json_object_end(&j);
     moe_json_object_end(&j);
     fwrite(j.buf, 1, j.len, out);

@@ -149,6 +149,12 @@ void moe_json_uint(moe_json *j, uint64_t v);
 void moe_json_double(moe_json *j, double v);
 void moe_json_bool(moe_json *j, bool v);
 void moe_json_null(moe_json *j);
+/* A key and its value in one call. */
+void moe_json_kv_string(moe_json *j, const char *key, const char *s);
+void moe_json_kv_int(moe_json *j, const char *key, int64_t v);
+void moe_json_kv_uint(moe_json *j, const char *key, uint64_t v);
+void moe_json_kv_double(moe_json *j, const char *key, double v);
+void moe_json_kv_bool(moe_json *j, const char *key, bool v);
 
 /* ==== CPU features and the kernel ISA level (cpu.c) ====
  *

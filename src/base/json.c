@@ -239,3 +239,30 @@ void moe_json_bool(moe_json *j, bool v) {
 void moe_json_null(moe_json *j) {
     put_scalar(j, "null");
 }
+
+/* ==== Key and value together ==== */
+
+void moe_json_kv_string(moe_json *j, const char *key, const char *s) {
+    moe_json_key(j, key);
+    moe_json_string(j, s);
+}
+
+void moe_json_kv_int(moe_json *j, const char *key, int64_t v) {
+    moe_json_key(j, key);
+    moe_json_int(j, v);
+}
+
+void moe_json_kv_uint(moe_json *j, const char *key, uint64_t v) {
+    moe_json_key(j, key);
+    moe_json_uint(j, v);
+}
+
+void moe_json_kv_double(moe_json *j, const char *key, double v) {
+    moe_json_key(j, key);
+    moe_json_double(j, v);
+}
+
+void moe_json_kv_bool(moe_json *j, const char *key, bool v) {
+    moe_json_key(j, key);
+    moe_json_bool(j, v);
+}

@@ -277,14 +277,10 @@ static void an_state_free(void *p) {
 
 static void json_usage(moe_json *j, const serve_req *r, bool with_output) {
     moe_json_object_begin(j);
-    moe_json_key(j, "input_tokens");
-    moe_json_uint(j, r->gen.n_prompt - r->n_cached);
-    moe_json_key(j, "cache_creation_input_tokens");
-    moe_json_uint(j, 0);
-    moe_json_key(j, "cache_read_input_tokens");
-    moe_json_uint(j, r->n_cached);
-    moe_json_key(j, "output_tokens");
-    moe_json_uint(j, with_output ? r->n_generated : 0);
+    moe_json_kv_uint(j, "input_tokens", r->gen.n_prompt - r->n_cached);
+    moe_json_kv_uint(j, "cache_creation_input_tokens", 0);
+    moe_json_kv_uint(j, "cache_read_input_tokens", r->n_cached);
+    moe_json_kv_uint(j, "output_tokens", with_output ? r->n_generated : 0);
     moe_json_object_end(j);
 }
 
@@ -305,30 +301,25 @@ static void json_stop_sequence(moe_json *j, const serve_req *r) {
 
 static void ev_type(moe_json *j, const char *type) {
     moe_json_object_begin(j);
-    moe_json_key(j, "type");
-    moe_json_string(j, type);
+    moe_json_kv_string(j, "type", type);
 }
 
 static void block_close(an_state *s) {
     moe_json *j = &s->sse->j;
     if (s->open == BLOCK_THINKING) {
         ev_type(j, "content_block_delta");
-        moe_json_key(j, "index");
-        moe_json_int(j, s->index);
+        moe_json_kv_int(j, "index", s->index);
         moe_json_key(j, "delta");
         moe_json_object_begin(j);
-        moe_json_key(j, "type");
-        moe_json_string(j, "signature_delta");
-        moe_json_key(j, "signature");
-        moe_json_string(j, THINKING_SIGNATURE);
+        moe_json_kv_string(j, "type", "signature_delta");
+        moe_json_kv_string(j, "signature", THINKING_SIGNATURE);
         moe_json_object_end(j);
         moe_json_object_end(j);
         serve_sse_event(s->sse, "content_block_delta");
     }
     if (s->open != BLOCK_NONE) {
         ev_type(j, "content_block_stop");
-        moe_json_key(j, "index");
-        moe_json_int(j, s->index);
+        moe_json_kv_int(j, "index", s->index);
         moe_json_object_end(j);
         serve_sse_event(s->sse, "content_block_stop");
         s->index++;
@@ -349,21 +340,17 @@ static void block_open(an_state *s, block_kind kind) {
     block_close(s);
     moe_json *j = &s->sse->j;
     ev_type(j, "content_block_start");
-    moe_json_key(j, "index");
-    moe_json_int(j, s->index);
+    moe_json_kv_int(j, "index", s->index);
     moe_json_key(j, "content_block");
     moe_json_object_begin(j);
     moe_json_key(j, "type");
     if (kind == BLOCK_THINKING) {
         moe_json_string(j, "thinking");
-        moe_json_key(j, "thinking");
-        moe_json_string(j, "");
-        moe_json_key(j, "signature");
-        moe_json_string(j, "");
+        moe_json_kv_string(j, "thinking", "");
+        moe_json_kv_string(j, "signature", "");
     } else {
         moe_json_string(j, "text");
-        moe_json_key(j, "text");
-        moe_json_string(j, "");
+        moe_json_kv_string(j, "text", "");
     }
     moe_json_object_end(j);
     moe_json_object_end(j);
@@ -396,16 +383,12 @@ static void on_segment(void *ud, const serve_segment *seg) {
         char id[48];
         serve_make_id(s->srv, "toolu_", id, sizeof id);
         ev_type(j, "content_block_start");
-        moe_json_key(j, "index");
-        moe_json_int(j, s->index);
+        moe_json_kv_int(j, "index", s->index);
         moe_json_key(j, "content_block");
         moe_json_object_begin(j);
-        moe_json_key(j, "type");
-        moe_json_string(j, "tool_use");
-        moe_json_key(j, "id");
-        moe_json_string(j, id);
-        moe_json_key(j, "name");
-        moe_json_string(j, seg->name);
+        moe_json_kv_string(j, "type", "tool_use");
+        moe_json_kv_string(j, "id", id);
+        moe_json_kv_string(j, "name", seg->name);
         moe_json_key(j, "input");
         moe_json_object_begin(j);
         moe_json_object_end(j);
@@ -414,20 +397,16 @@ static void on_segment(void *ud, const serve_segment *seg) {
         serve_sse_event(s->sse, "content_block_start");
         ping_once(s);
         ev_type(j, "content_block_delta");
-        moe_json_key(j, "index");
-        moe_json_int(j, s->index);
+        moe_json_kv_int(j, "index", s->index);
         moe_json_key(j, "delta");
         moe_json_object_begin(j);
-        moe_json_key(j, "type");
-        moe_json_string(j, "input_json_delta");
-        moe_json_key(j, "partial_json");
-        moe_json_string(j, seg->arguments);
+        moe_json_kv_string(j, "type", "input_json_delta");
+        moe_json_kv_string(j, "partial_json", seg->arguments);
         moe_json_object_end(j);
         moe_json_object_end(j);
         serve_sse_event(s->sse, "content_block_delta");
         ev_type(j, "content_block_stop");
-        moe_json_key(j, "index");
-        moe_json_int(j, s->index);
+        moe_json_kv_int(j, "index", s->index);
         moe_json_object_end(j);
         serve_sse_event(s->sse, "content_block_stop");
         s->index++;
@@ -438,12 +417,10 @@ static void on_segment(void *ud, const serve_segment *seg) {
     const bool thinking = seg->kind == SERVE_SEG_REASONING;
     block_open(s, thinking ? BLOCK_THINKING : BLOCK_TEXT);
     ev_type(j, "content_block_delta");
-    moe_json_key(j, "index");
-    moe_json_int(j, s->index);
+    moe_json_kv_int(j, "index", s->index);
     moe_json_key(j, "delta");
     moe_json_object_begin(j);
-    moe_json_key(j, "type");
-    moe_json_string(j, thinking ? "thinking_delta" : "text_delta");
+    moe_json_kv_string(j, "type", thinking ? "thinking_delta" : "text_delta");
     moe_json_key(j, thinking ? "thinking" : "text");
     moe_json_string_n(j, seg->text, seg->len);
     moe_json_object_end(j);
@@ -460,14 +437,10 @@ static void feed_events(void *ud, const serve_taken *t) {
 }
 
 static void message_head(moe_json *j, an_state *s) {
-    moe_json_key(j, "id");
-    moe_json_string(j, s->id);
-    moe_json_key(j, "type");
-    moe_json_string(j, "message");
-    moe_json_key(j, "role");
-    moe_json_string(j, "assistant");
-    moe_json_key(j, "model");
-    moe_json_string(j, s->srv->model_id);
+    moe_json_kv_string(j, "id", s->id);
+    moe_json_kv_string(j, "type", "message");
+    moe_json_kv_string(j, "role", "assistant");
+    moe_json_kv_string(j, "model", s->srv->model_id);
 }
 
 static void stream_pump(serve_sse *sse, const serve_taken *t) {
@@ -503,8 +476,7 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
         ev_type(j, "error");
         moe_json_key(j, "error");
         moe_json_object_begin(j);
-        moe_json_key(j, "type");
-        moe_json_string(j, "api_error");
+        moe_json_kv_string(j, "type", "api_error");
         moe_json_key(j, "message");
         moe_json_string(j,
                         r->finish == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
@@ -520,8 +492,7 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     ev_type(j, "message_delta");
     moe_json_key(j, "delta");
     moe_json_object_begin(j);
-    moe_json_key(j, "stop_reason");
-    moe_json_string(j, stop_reason(r, s->n_calls));
+    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->n_calls));
     moe_json_key(j, "stop_sequence");
     json_stop_sequence(j, r);
     moe_json_object_end(j);
@@ -550,8 +521,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
             moe_json_string(j, "thinking");
             moe_json_key(j, "thinking");
             moe_json_string_n(j, s->thinking.p, s->thinking.len);
-            moe_json_key(j, "signature");
-            moe_json_string(j, THINKING_SIGNATURE);
+            moe_json_kv_string(j, "signature", THINKING_SIGNATURE);
         } else if (s->order.p[i] == 'x') {
             moe_json_string(j, "text");
             moe_json_key(j, "text");
@@ -559,10 +529,8 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         } else {
             const call_out *c = &s->calls[call++];
             moe_json_string(j, "tool_use");
-            moe_json_key(j, "id");
-            moe_json_string(j, c->id);
-            moe_json_key(j, "name");
-            moe_json_string(j, c->name);
+            moe_json_kv_string(j, "id", c->id);
+            moe_json_kv_string(j, "name", c->name);
             moe_json_key(j, "input");
             json_t *in = json_loads(c->arguments, JSON_DECODE_ANY, NULL);
             if (json_is_object(in))
@@ -576,8 +544,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         moe_json_object_end(j);
     }
     moe_json_array_end(j);
-    moe_json_key(j, "stop_reason");
-    moe_json_string(j, stop_reason(r, s->n_calls_out));
+    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->n_calls_out));
     moe_json_key(j, "stop_sequence");
     json_stop_sequence(j, r);
     moe_json_key(j, "usage");
@@ -652,8 +619,7 @@ void serve_anthropic_count_tokens(serve_http *h) {
         moe_json j;
         moe_json_init(&j, false);
         moe_json_object_begin(&j);
-        moe_json_key(&j, "input_tokens");
-        moe_json_uint(&j, req->gen.n_prompt);
+        moe_json_kv_uint(&j, "input_tokens", req->gen.n_prompt);
         moe_json_object_end(&j);
         serve_reply_json(h, 200, &j);
         moe_json_free(&j);
@@ -675,22 +641,15 @@ void serve_anthropic_models(serve_http *h) {
     moe_json_key(&j, "data");
     moe_json_array_begin(&j);
     moe_json_object_begin(&j);
-    moe_json_key(&j, "type");
-    moe_json_string(&j, "model");
-    moe_json_key(&j, "id");
-    moe_json_string(&j, h->srv->model_id);
-    moe_json_key(&j, "display_name");
-    moe_json_string(&j, h->srv->model_id);
-    moe_json_key(&j, "created_at");
-    moe_json_string(&j, created);
+    moe_json_kv_string(&j, "type", "model");
+    moe_json_kv_string(&j, "id", h->srv->model_id);
+    moe_json_kv_string(&j, "display_name", h->srv->model_id);
+    moe_json_kv_string(&j, "created_at", created);
     moe_json_object_end(&j);
     moe_json_array_end(&j);
-    moe_json_key(&j, "has_more");
-    moe_json_bool(&j, false);
-    moe_json_key(&j, "first_id");
-    moe_json_string(&j, h->srv->model_id);
-    moe_json_key(&j, "last_id");
-    moe_json_string(&j, h->srv->model_id);
+    moe_json_kv_bool(&j, "has_more", false);
+    moe_json_kv_string(&j, "first_id", h->srv->model_id);
+    moe_json_kv_string(&j, "last_id", h->srv->model_id);
     moe_json_object_end(&j);
     serve_reply_json(h, 200, &j);
     moe_json_free(&j);

@@ -116,22 +116,17 @@ void serve_reply_error(serve_http *h, serve_api api, int status, const char *par
     moe_json_init(&j, false);
     moe_json_object_begin(&j);
     if (api == SERVE_API_ANTHROPIC) {
-        moe_json_key(&j, "type");
-        moe_json_string(&j, "error");
+        moe_json_kv_string(&j, "type", "error");
         moe_json_key(&j, "error");
         moe_json_object_begin(&j);
-        moe_json_key(&j, "type");
-        moe_json_string(&j, reason_api_type(api, status));
-        moe_json_key(&j, "message");
-        moe_json_string(&j, msg);
+        moe_json_kv_string(&j, "type", reason_api_type(api, status));
+        moe_json_kv_string(&j, "message", msg);
         moe_json_object_end(&j);
     } else {
         moe_json_key(&j, "error");
         moe_json_object_begin(&j);
-        moe_json_key(&j, "message");
-        moe_json_string(&j, msg);
-        moe_json_key(&j, "type");
-        moe_json_string(&j, reason_api_type(api, status));
+        moe_json_kv_string(&j, "message", msg);
+        moe_json_kv_string(&j, "type", reason_api_type(api, status));
         moe_json_key(&j, "param");
         if (param)
             moe_json_string(&j, param);

@@ -216,8 +216,7 @@ static void json_logprob_entry(moe_json *j, const moe_tokenizer *tok, const moe_
     moe_json_object_begin(j);
     moe_json_key(j, "token");
     serve_json_token_piece(j, tok, smp->token);
-    moe_json_key(j, "logprob");
-    moe_json_double(j, smp->logprob);
+    moe_json_kv_double(j, "logprob", smp->logprob);
     moe_json_key(j, "bytes");
     serve_json_token_bytes(j, tok, smp->token);
     moe_json_key(j, "top_logprobs");
@@ -226,8 +225,7 @@ static void json_logprob_entry(moe_json *j, const moe_tokenizer *tok, const moe_
         moe_json_object_begin(j);
         moe_json_key(j, "token");
         serve_json_token_piece(j, tok, smp->top_tokens[k]);
-        moe_json_key(j, "logprob");
-        moe_json_double(j, smp->top_logprobs[k]);
+        moe_json_kv_double(j, "logprob", smp->top_logprobs[k]);
         moe_json_key(j, "bytes");
         serve_json_token_bytes(j, tok, smp->top_tokens[k]);
         moe_json_object_end(j);
@@ -278,16 +276,11 @@ static void json_legacy_logprobs(moe_json *j, const moe_tokenizer *tok, const mo
 /* A response object's fields up to its open "choices" array. */
 static void json_head(oa_state *s, moe_json *j, const char *object) {
     moe_json_object_begin(j);
-    moe_json_key(j, "id");
-    moe_json_string(j, s->id);
-    moe_json_key(j, "object");
-    moe_json_string(j, object);
-    moe_json_key(j, "created");
-    moe_json_int(j, s->created);
-    moe_json_key(j, "model");
-    moe_json_string(j, s->srv->model_id);
-    moe_json_key(j, "system_fingerprint");
-    moe_json_string(j, "moe-" MOE_VERSION_STRING);
+    moe_json_kv_string(j, "id", s->id);
+    moe_json_kv_string(j, "object", object);
+    moe_json_kv_int(j, "created", s->created);
+    moe_json_kv_string(j, "model", s->srv->model_id);
+    moe_json_kv_string(j, "system_fingerprint", "moe-" MOE_VERSION_STRING);
     moe_json_key(j, "choices");
     moe_json_array_begin(j);
 }
@@ -311,19 +304,16 @@ static void stream_delta(oa_state *s, const serve_segment *seg) {
     moe_json *j = &s->sse->j;
     chunk_begin(s, j);
     moe_json_object_begin(j);
-    moe_json_key(j, "index");
-    moe_json_int(j, 0);
+    moe_json_kv_int(j, "index", 0);
     if (s->chat) {
         moe_json_key(j, "delta");
         moe_json_object_begin(j);
         if (!s->role_sent) {
-            moe_json_key(j, "role");
-            moe_json_string(j, "assistant");
+            moe_json_kv_string(j, "role", "assistant");
             s->role_sent = true;
         }
         if (!seg) {
-            moe_json_key(j, "content");
-            moe_json_string(j, "");
+            moe_json_kv_string(j, "content", "");
         } else if (seg->kind == SERVE_SEG_CONTENT) {
             moe_json_key(j, "content");
             moe_json_string_n(j, seg->text, seg->len);
@@ -336,18 +326,13 @@ static void stream_delta(oa_state *s, const serve_segment *seg) {
             moe_json_key(j, "tool_calls");
             moe_json_array_begin(j);
             moe_json_object_begin(j);
-            moe_json_key(j, "index");
-            moe_json_uint(j, s->n_calls++);
-            moe_json_key(j, "id");
-            moe_json_string(j, c.id);
-            moe_json_key(j, "type");
-            moe_json_string(j, "function");
+            moe_json_kv_uint(j, "index", s->n_calls++);
+            moe_json_kv_string(j, "id", c.id);
+            moe_json_kv_string(j, "type", "function");
             moe_json_key(j, "function");
             moe_json_object_begin(j);
-            moe_json_key(j, "name");
-            moe_json_string(j, seg->name);
-            moe_json_key(j, "arguments");
-            moe_json_string(j, seg->arguments);
+            moe_json_kv_string(j, "name", seg->name);
+            moe_json_kv_string(j, "arguments", seg->arguments);
             moe_json_object_end(j);
             moe_json_object_end(j);
             moe_json_array_end(j);
@@ -427,21 +412,16 @@ static const char *finish_reason(const serve_req *r, size_t n_calls) {
 
 static void json_usage(moe_json *j, const serve_req *r) {
     moe_json_object_begin(j);
-    moe_json_key(j, "prompt_tokens");
-    moe_json_uint(j, r->gen.n_prompt);
-    moe_json_key(j, "completion_tokens");
-    moe_json_uint(j, r->n_generated);
-    moe_json_key(j, "total_tokens");
-    moe_json_uint(j, (uint64_t)r->gen.n_prompt + r->n_generated);
+    moe_json_kv_uint(j, "prompt_tokens", r->gen.n_prompt);
+    moe_json_kv_uint(j, "completion_tokens", r->n_generated);
+    moe_json_kv_uint(j, "total_tokens", (uint64_t)r->gen.n_prompt + r->n_generated);
     moe_json_key(j, "prompt_tokens_details");
     moe_json_object_begin(j);
-    moe_json_key(j, "cached_tokens");
-    moe_json_uint(j, r->n_cached);
+    moe_json_kv_uint(j, "cached_tokens", r->n_cached);
     moe_json_object_end(j);
     moe_json_key(j, "completion_tokens_details");
     moe_json_object_begin(j);
-    moe_json_key(j, "reasoning_tokens");
-    moe_json_uint(j, 0);
+    moe_json_kv_uint(j, "reasoning_tokens", 0);
     moe_json_object_end(j);
     moe_json_object_end(j);
 }
@@ -465,10 +445,9 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
         moe_json_object_begin(j);
         moe_json_key(j, "error");
         moe_json_object_begin(j);
-        moe_json_key(j, "message");
-        moe_json_string(j, fin == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
-        moe_json_key(j, "type");
-        moe_json_string(j, "server_error");
+        moe_json_kv_string(j, "message",
+                           fin == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
+        moe_json_kv_string(j, "type", "server_error");
         moe_json_object_end(j);
         moe_json_object_end(j);
         serve_sse_event(sse, NULL);
@@ -478,20 +457,17 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     }
     chunk_begin(s, j);
     moe_json_object_begin(j);
-    moe_json_key(j, "index");
-    moe_json_int(j, 0);
+    moe_json_kv_int(j, "index", 0);
     if (s->chat) {
         moe_json_key(j, "delta");
         moe_json_object_begin(j);
         moe_json_object_end(j);
     } else {
-        moe_json_key(j, "text");
-        moe_json_string(j, "");
+        moe_json_kv_string(j, "text", "");
     }
     moe_json_key(j, "logprobs");
     moe_json_null(j);
-    moe_json_key(j, "finish_reason");
-    moe_json_string(j, finish_reason(r, s->n_calls));
+    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->n_calls));
     moe_json_object_end(j);
     chunk_end(s, j);
     if (s->include_usage) {
@@ -510,13 +486,11 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
     oa_state *s = state;
     json_head(s, j, s->chat ? "chat.completion" : "text_completion");
     moe_json_object_begin(j);
-    moe_json_key(j, "index");
-    moe_json_int(j, 0);
+    moe_json_kv_int(j, "index", 0);
     if (s->chat) {
         moe_json_key(j, "message");
         moe_json_object_begin(j);
-        moe_json_key(j, "role");
-        moe_json_string(j, "assistant");
+        moe_json_kv_string(j, "role", "assistant");
         moe_json_key(j, "content");
         bool blank = true;
         for (size_t i = 0; i < s->content.len; i++)
@@ -534,16 +508,12 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
             moe_json_array_begin(j);
             for (size_t i = 0; i < s->n_calls; i++) {
                 moe_json_object_begin(j);
-                moe_json_key(j, "id");
-                moe_json_string(j, s->calls[i].id);
-                moe_json_key(j, "type");
-                moe_json_string(j, "function");
+                moe_json_kv_string(j, "id", s->calls[i].id);
+                moe_json_kv_string(j, "type", "function");
                 moe_json_key(j, "function");
                 moe_json_object_begin(j);
-                moe_json_key(j, "name");
-                moe_json_string(j, s->calls[i].name);
-                moe_json_key(j, "arguments");
-                moe_json_string(j, s->calls[i].arguments);
+                moe_json_kv_string(j, "name", s->calls[i].name);
+                moe_json_kv_string(j, "arguments", s->calls[i].arguments);
                 moe_json_object_end(j);
                 moe_json_object_end(j);
             }
@@ -575,8 +545,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         else
             moe_json_null(j);
     }
-    moe_json_key(j, "finish_reason");
-    moe_json_string(j, finish_reason(r, s->n_calls));
+    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->n_calls));
     moe_json_object_end(j);
     moe_json_array_end(j);
     moe_json_key(j, "usage");
@@ -782,8 +751,7 @@ void serve_openai_apply_template(serve_http *h) {
         moe_json j;
         moe_json_init(&j, false);
         moe_json_object_begin(&j);
-        moe_json_key(&j, "prompt");
-        moe_json_string(&j, prompt);
+        moe_json_kv_string(&j, "prompt", prompt);
         moe_json_key(&j, "tokens");
         moe_json_array_begin(&j);
         for (uint32_t i = 0; i < gen.n_prompt; i++) moe_json_int(&j, gen.prompt[i]);
@@ -804,23 +772,16 @@ void serve_openai_models(serve_http *h) {
     moe_json j;
     moe_json_init(&j, false);
     moe_json_object_begin(&j);
-    moe_json_key(&j, "object");
-    moe_json_string(&j, "list");
+    moe_json_kv_string(&j, "object", "list");
     moe_json_key(&j, "data");
     moe_json_array_begin(&j);
     moe_json_object_begin(&j);
-    moe_json_key(&j, "id");
-    moe_json_string(&j, h->srv->model_id);
-    moe_json_key(&j, "object");
-    moe_json_string(&j, "model");
-    moe_json_key(&j, "created");
-    moe_json_int(&j, (int64_t)time(NULL));
-    moe_json_key(&j, "owned_by");
-    moe_json_string(&j, "moe");
-    moe_json_key(&j, "max_model_len");
-    moe_json_uint(&j, serve_sched_n_ctx(h->srv->sched));
-    moe_json_key(&j, "context_length");
-    moe_json_uint(&j, serve_sched_n_ctx(h->srv->sched));
+    moe_json_kv_string(&j, "id", h->srv->model_id);
+    moe_json_kv_string(&j, "object", "model");
+    moe_json_kv_int(&j, "created", (int64_t)time(NULL));
+    moe_json_kv_string(&j, "owned_by", "moe");
+    moe_json_kv_uint(&j, "max_model_len", serve_sched_n_ctx(h->srv->sched));
+    moe_json_kv_uint(&j, "context_length", serve_sched_n_ctx(h->srv->sched));
     moe_json_object_end(&j);
     moe_json_array_end(&j);
     moe_json_object_end(&j);

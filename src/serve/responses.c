@@ -165,8 +165,7 @@ static void rs_state_free(void *p) {
  * is empty until the item is done. */
 static void json_part(moe_json *j, const out_item *it) {
     moe_json_object_begin(j);
-    moe_json_key(j, "type");
-    moe_json_string(j, it->kind == ITEM_MESSAGE ? "output_text" : "reasoning_text");
+    moe_json_kv_string(j, "type", it->kind == ITEM_MESSAGE ? "output_text" : "reasoning_text");
     moe_json_key(j, "text");
     moe_json_string_n(j, it->done && it->text.p ? it->text.p : "", it->done ? it->text.len : 0);
     if (it->kind == ITEM_MESSAGE) {
@@ -179,15 +178,12 @@ static void json_part(moe_json *j, const out_item *it) {
 
 static void json_item(moe_json *j, const out_item *it) {
     moe_json_object_begin(j);
-    moe_json_key(j, "id");
-    moe_json_string(j, it->id);
+    moe_json_kv_string(j, "id", it->id);
     moe_json_key(j, "type");
     if (it->kind == ITEM_MESSAGE) {
         moe_json_string(j, "message");
-        moe_json_key(j, "status");
-        moe_json_string(j, it->done ? "completed" : "in_progress");
-        moe_json_key(j, "role");
-        moe_json_string(j, "assistant");
+        moe_json_kv_string(j, "status", it->done ? "completed" : "in_progress");
+        moe_json_kv_string(j, "role", "assistant");
         moe_json_key(j, "content");
         moe_json_array_begin(j);
         if (it->done) json_part(j, it);
@@ -203,12 +199,9 @@ static void json_item(moe_json *j, const out_item *it) {
         moe_json_array_end(j);
     } else {
         moe_json_string(j, "function_call");
-        moe_json_key(j, "status");
-        moe_json_string(j, it->done ? "completed" : "in_progress");
-        moe_json_key(j, "call_id");
-        moe_json_string(j, it->call_id);
-        moe_json_key(j, "name");
-        moe_json_string(j, it->name);
+        moe_json_kv_string(j, "status", it->done ? "completed" : "in_progress");
+        moe_json_kv_string(j, "call_id", it->call_id);
+        moe_json_kv_string(j, "name", it->name);
         moe_json_key(j, "arguments");
         moe_json_string_n(j, it->done && it->text.p ? it->text.p : "", it->done ? it->text.len : 0);
     }
@@ -219,39 +212,30 @@ static void json_item(moe_json *j, const out_item *it) {
 static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
     const bool incomplete = r && r->finish == SERVE_FINISH_LENGTH;
     moe_json_object_begin(j);
-    moe_json_key(j, "id");
-    moe_json_string(j, s->id);
-    moe_json_key(j, "object");
-    moe_json_string(j, "response");
-    moe_json_key(j, "created_at");
-    moe_json_int(j, s->created);
-    moe_json_key(j, "status");
-    moe_json_string(j, !r ? "in_progress" : incomplete ? "incomplete" : "completed");
+    moe_json_kv_string(j, "id", s->id);
+    moe_json_kv_string(j, "object", "response");
+    moe_json_kv_int(j, "created_at", s->created);
+    moe_json_kv_string(j, "status", !r ? "in_progress" : incomplete ? "incomplete" : "completed");
     moe_json_key(j, "error");
     moe_json_null(j);
     moe_json_key(j, "incomplete_details");
     if (incomplete) {
         moe_json_object_begin(j);
-        moe_json_key(j, "reason");
-        moe_json_string(j, "max_output_tokens");
+        moe_json_kv_string(j, "reason", "max_output_tokens");
         moe_json_object_end(j);
     } else {
         moe_json_null(j);
     }
-    moe_json_key(j, "model");
-    moe_json_string(j, s->srv->model_id);
+    moe_json_kv_string(j, "model", s->srv->model_id);
     moe_json_key(j, "output");
     moe_json_array_begin(j);
     for (size_t i = 0; r && i < s->n_items; i++) json_item(j, &s->items[i]);
     moe_json_array_end(j);
-    moe_json_key(j, "parallel_tool_calls");
-    moe_json_bool(j, true);
+    moe_json_kv_bool(j, "parallel_tool_calls", true);
     moe_json_key(j, "previous_response_id");
     moe_json_null(j);
-    moe_json_key(j, "store");
-    moe_json_bool(j, false);
-    moe_json_key(j, "truncation");
-    moe_json_string(j, "disabled");
+    moe_json_kv_bool(j, "store", false);
+    moe_json_kv_string(j, "truncation", "disabled");
     const char *key;
     json_t *val;
     json_object_foreach(s->echo, key, val) {
@@ -261,22 +245,17 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
     moe_json_key(j, "usage");
     if (r) {
         moe_json_object_begin(j);
-        moe_json_key(j, "input_tokens");
-        moe_json_uint(j, r->gen.n_prompt);
+        moe_json_kv_uint(j, "input_tokens", r->gen.n_prompt);
         moe_json_key(j, "input_tokens_details");
         moe_json_object_begin(j);
-        moe_json_key(j, "cached_tokens");
-        moe_json_uint(j, r->n_cached);
+        moe_json_kv_uint(j, "cached_tokens", r->n_cached);
         moe_json_object_end(j);
-        moe_json_key(j, "output_tokens");
-        moe_json_uint(j, r->n_generated);
+        moe_json_kv_uint(j, "output_tokens", r->n_generated);
         moe_json_key(j, "output_tokens_details");
         moe_json_object_begin(j);
-        moe_json_key(j, "reasoning_tokens");
-        moe_json_uint(j, 0);
+        moe_json_kv_uint(j, "reasoning_tokens", 0);
         moe_json_object_end(j);
-        moe_json_key(j, "total_tokens");
-        moe_json_uint(j, (uint64_t)r->gen.n_prompt + r->n_generated);
+        moe_json_kv_uint(j, "total_tokens", (uint64_t)r->gen.n_prompt + r->n_generated);
         moe_json_object_end(j);
     } else {
         moe_json_null(j);
@@ -288,10 +267,8 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
 static void ev_begin(rs_state *s, const char *type) {
     moe_json *j = &s->sse->j;
     moe_json_object_begin(j);
-    moe_json_key(j, "type");
-    moe_json_string(j, type);
-    moe_json_key(j, "sequence_number");
-    moe_json_uint(j, s->seq++);
+    moe_json_kv_string(j, "type", type);
+    moe_json_kv_uint(j, "sequence_number", s->seq++);
 }
 
 static void ev_end(rs_state *s, const char *type) {
@@ -301,13 +278,10 @@ static void ev_end(rs_state *s, const char *type) {
 
 static void ev_item_ref(rs_state *s, size_t index, bool content_index) {
     moe_json *j = &s->sse->j;
-    moe_json_key(j, "item_id");
-    moe_json_string(j, s->items[index].id);
-    moe_json_key(j, "output_index");
-    moe_json_uint(j, index);
+    moe_json_kv_string(j, "item_id", s->items[index].id);
+    moe_json_kv_uint(j, "output_index", index);
     if (content_index) {
-        moe_json_key(j, "content_index");
-        moe_json_int(j, 0);
+        moe_json_kv_int(j, "content_index", 0);
     }
 }
 
@@ -345,8 +319,7 @@ static void item_close(rs_state *s) {
         ev_end(s, "response.function_call_arguments.done");
     }
     ev_begin(s, "response.output_item.done");
-    moe_json_key(j, "output_index");
-    moe_json_uint(j, idx);
+    moe_json_kv_uint(j, "output_index", idx);
     moe_json_key(j, "item");
     json_item(j, it);
     ev_end(s, "response.output_item.done");
@@ -371,8 +344,7 @@ static out_item *item_open(rs_state *s, item_kind kind, const char *name) {
     if (!s->sse) return it;
     moe_json *j = &s->sse->j;
     ev_begin(s, "response.output_item.added");
-    moe_json_key(j, "output_index");
-    moe_json_uint(j, s->n_items - 1);
+    moe_json_kv_uint(j, "output_index", s->n_items - 1);
     moe_json_key(j, "item");
     json_item(j, it);
     ev_end(s, "response.output_item.added");
@@ -394,8 +366,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
         if (s->sse) {
             ev_begin(s, "response.function_call_arguments.delta");
             ev_item_ref(s, s->n_items - 1, false);
-            moe_json_key(&s->sse->j, "delta");
-            moe_json_string(&s->sse->j, seg->arguments);
+            moe_json_kv_string(&s->sse->j, "delta", seg->arguments);
             ev_end(s, "response.function_call_arguments.delta");
         }
         item_close(s);
@@ -454,8 +425,7 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     pthread_mutex_lock(&r->mu);
     if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
         ev_begin(s, "error");
-        moe_json_key(j, "code");
-        moe_json_string(j, "server_error");
+        moe_json_kv_string(j, "code", "server_error");
         moe_json_key(j, "message");
         moe_json_string(j,
                         r->finish == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
