@@ -199,44 +199,23 @@ void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out) {
 
 /* ==== Attention ==== */
 
-static inline float kv_at(const void *base, int kv_f16, int64_t i) {
-    return kv_f16 ? moe_fp16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-/* q . k[ofs..ofs+n) summed in the order of ggml's x86 ggml_vec_dot_f32 (AVX2 shape): 4
- * accumulators of 8 lanes over whole 32-value steps, folded 0+2, 1+3, 0+1, the 8 lanes as
- * (l + l+4) then pairs, then the tail one by one. Why: these scores feed the 8-bit activation
- * quantization of later matmuls, where a 1-ulp difference can flip a rounding tie; a plain
- * sequential sum flipped one at position 8 of deepseek2-q8_0-q4_k and moved every later row
- * by 2e-2, while this order keeps all five parity models within 3e-7 of llama.cpp. */
-static float attn_dot(const float *q, const void *k, int kv_f16, int64_t ofs, int n) {
-    enum { LANES = 8, ACCS = 4, STEP = LANES * ACCS };
-    const int whole = n & ~(STEP - 1);
-    float acc[ACCS][LANES] = {{0}};
-    for (int i = 0; i < whole; i += STEP)
-        for (int a = 0; a < ACCS; a++)
-            for (int l = 0; l < LANES; l++) {
-                const int d = i + a * LANES + l;
-                acc[a][l] += q[d] * kv_at(k, kv_f16, ofs + d);
-            }
-    float lane[LANES], half[LANES / 2];
-    for (int l = 0; l < LANES; l++) lane[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
-    for (int l = 0; l < LANES / 2; l++) half[l] = lane[l] + lane[l + LANES / 2];
-    float sum = (half[0] + half[1]) + (half[2] + half[3]);
-    for (int d = whole; d < n; d++) sum += q[d] * kv_at(k, kv_f16, ofs + d);
-    return sum;
+/* Element i of a KV cache of f16 or f32 values. */
+static inline const void *kv_elem(const void *base, int f16, int64_t i) {
+    return (const uint8_t *)base + i * (f16 ? 2 : 4);
 }
 
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
                        int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out,
                        float *scores) {
+    const moe_kernels *kern = moe_kernels_get(); /* the score dot and axpy of the ISA table */
     const int group = s->n_head / s->n_head_kv;
     for (int h = 0; h < s->n_head; h++) {
         const int hk = h / group;
         const float *qh = q + (int64_t)h * s->head_dim_k;
         for (int64_t j = 0; j < n_kv; j++) {
             const int64_t kofs = j * k_stride + (int64_t)hk * s->head_dim_k;
-            const float dot = attn_dot(qh, k, s->kv_f16, kofs, s->head_dim_k);
+            const float dot =
+                kern->attn_dot(qh, kv_elem(k, s->kv_f16, kofs), s->kv_f16, s->head_dim_k);
             scores[j] = dot * s->scale;
         }
         softmax_sink(scores, n_kv, s->sinks ? s->sinks[h] : -INFINITY);
@@ -245,7 +224,7 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
         for (int64_t j = 0; j < n_kv; j++) {
             const int64_t vofs = j * v_stride + (int64_t)hk * s->head_dim_v;
             const float p = scores[j];
-            for (int d = 0; d < s->head_dim_v; d++) oh[d] += p * kv_at(v, s->kv_f16, vofs + d);
+            kern->attn_axpy(oh, p, kv_elem(v, s->kv_f16, vofs), s->kv_f16, s->head_dim_v);
         }
     }
 }

@@ -399,4 +399,8 @@ MOE_REF_DOT(iq1_s);
 MOE_REF_DOT(iq1_m);
 MOE_REF_DOT(iq4_xs);
 
+/* Scalar attention kernels (the reference every level reproduces bit for bit). */
+float moe_ref_attn_dot(const float *q, const void *k, int k_f16, int n);
+void moe_ref_attn_axpy(float *y, float a, const void *x, int x_f16, int n);
+
 #endif

@@ -49,11 +49,15 @@ static void build_scalar(moe_kernels *k) {
 static void build(void) {
     const moe_isa top = moe_cpu_isa_supported();
     build_scalar(&tables[MOE_ISA_SCALAR]);
+    tables[MOE_ISA_SCALAR].attn_dot = moe_ref_attn_dot;
+    tables[MOE_ISA_SCALAR].attn_axpy = moe_ref_attn_axpy;
     for (int level = MOE_ISA_SCALAR + 1; level <= (int)top; level++) {
         tables[level] = tables[level - 1];
         switch ((moe_isa)level) {
         case MOE_ISA_AVX2:
             moe_kernels_fill_avx2(tables[level].types);
+            tables[level].attn_dot = moe_avx2_attn_dot;
+            tables[level].attn_axpy = moe_avx2_attn_axpy;
             break;
         case MOE_ISA_AVX512:
             moe_kernels_fill_avx512(tables[level].types);

@@ -13,6 +13,8 @@
 
 /* Set entry t's dot / quantize_row_for_dot (and their *_isa) where this level has one. */
 void moe_kernels_fill_avx2(moe_type_kernels types[MOE_TYPE_COUNT]);
+float moe_avx2_attn_dot(const float *q, const void *k, int k_f16, int n);
+void moe_avx2_attn_axpy(float *y, float a, const void *x, int x_f16, int n);
 void moe_kernels_fill_avx512(moe_type_kernels types[MOE_TYPE_COUNT]);
 void moe_kernels_fill_avx512vnni(moe_type_kernels types[MOE_TYPE_COUNT]);
 

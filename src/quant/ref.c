@@ -409,3 +409,38 @@ float moe_dot_f32_ref(moe_type type, const void *w, const float *x, int64_t n) {
     }
     return sum;
 }
+
+/* ==== Attention over the KV cache ==== */
+
+static inline float kv_value(const void *base, int f16, int64_t i) {
+    return f16 ? moe_fp16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+float moe_ref_attn_dot(const float *q, const void *k, int k_f16, int n) {
+    enum { LANES = 8, ACCS = 4, STEP = LANES * ACCS };
+    const int whole = n & ~(STEP - 1);
+    float acc[ACCS][LANES] = {{0}};
+    for (int i = 0; i < whole; i += STEP)
+        for (int a = 0; a < ACCS; a++)
+            for (int l = 0; l < LANES; l++) {
+                const int d = i + a * LANES + l;
+                const float prod = q[d] * kv_value(k, k_f16, d);
+                acc[a][l] += prod;
+            }
+    float lane[LANES], half[LANES / 2];
+    for (int l = 0; l < LANES; l++) lane[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    for (int l = 0; l < LANES / 2; l++) half[l] = lane[l] + lane[l + LANES / 2];
+    float sum = (half[0] + half[1]) + (half[2] + half[3]);
+    for (int d = whole; d < n; d++) {
+        const float prod = q[d] * kv_value(k, k_f16, d);
+        sum += prod;
+    }
+    return sum;
+}
+
+void moe_ref_attn_axpy(float *y, float a, const void *x, int x_f16, int n) {
+    for (int d = 0; d < n; d++) {
+        const float prod = a * kv_value(x, x_f16, d);
+        y[d] += prod;
+    }
+}

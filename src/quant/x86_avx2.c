@@ -703,6 +703,45 @@ static void quantize_f32(const float *x, void *out, int64_t n) {
 
 /* ==== The table ==== */
 
+/* ==== Attention over the KV cache (bit-exact with moe_ref_attn_*: mul then add, no FMA) ==== */
+
+MOE_INLINE __m256 load8_kv(const void *x, int f16, int i) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)))
+               : _mm256_loadu_ps((const float *)x + i);
+}
+
+float moe_avx2_attn_dot(const float *q, const void *k, int k_f16, int n) {
+    const int whole = n & ~31;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    for (int i = 0; i < whole; i += 32)
+        for (int a = 0; a < 4; a++)
+            acc[a] = _mm256_add_ps(acc[a], _mm256_mul_ps(_mm256_loadu_ps(q + i + 8 * a),
+                                                         load8_kv(k, k_f16, i + 8 * a)));
+    /* the reference's fold: (0+2) + (1+3), lanes l + l+4, then (0+1) + (2+3) */
+    const __m256 lane = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(lane), _mm256_extractf128_ps(lane, 1));
+    float h[4];
+    _mm_storeu_ps(h, half);
+    float sum = (h[0] + h[1]) + (h[2] + h[3]);
+    for (int d = whole; d < n; d++) { /* the tail one by one, onto the folded sum */
+        const float kd = k_f16 ? moe_fp16_to_f32(((const uint16_t *)k)[d]) : ((const float *)k)[d];
+        const float prod = q[d] * kd;
+        sum += prod;
+    }
+    return sum;
+}
+
+void moe_avx2_attn_axpy(float *y, float a, const void *x, int x_f16, int n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int d = 0;
+    for (; d + 8 <= n; d += 8)
+        _mm256_storeu_ps(
+            y + d, _mm256_add_ps(_mm256_loadu_ps(y + d), _mm256_mul_ps(va, load8_kv(x, x_f16, d))));
+    if (d < n)
+        moe_ref_attn_axpy(y + d, a, (const uint8_t *)x + (size_t)d * (x_f16 ? 2 : 4), x_f16, n - d);
+}
+
 void moe_kernels_fill_avx2(moe_type_kernels types[MOE_TYPE_COUNT]) {
     static const struct {
         moe_type type;
