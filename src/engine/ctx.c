@@ -188,6 +188,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         x->experts.up = moe_xcalloc(rows * c->n_ff_exp, sizeof(float));
         x->experts.y = moe_xcalloc(rows * c->n_embd, sizeof(float));
         x->experts.mm = x->mm_scratch;
+        x->experts.mm_up = moe_xmalloc(mm);
+        x->experts.max_rows = (int64_t)rows;
     }
     moe_linear_alloc(x);
     return x;
@@ -220,6 +222,7 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->mla_in);
     free(c->mla_out);
     free(c->mm_scratch);
+    free(c->experts.mm_up);
     free(c->router);
     free(c->expert_ids);
     free(c->expert_w);

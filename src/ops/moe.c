@@ -98,28 +98,79 @@ void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
         s->pair_row[slot] = (int32_t)(i / n_used);
         s->pair_w[slot] = weights[i];
     }
-    /* counts[e] now ends e's run; its start is counts[e - 1] (0 for e = 0) */
+    /* counts[e] now ends e's run; its start is counts[e - 1] (0 for e = 0). Experts go in
+     * groups whose pairs fit the scratch: each group's gate and up matmuls run as one parallel
+     * pass, then its down matmuls as another (one pool hand-out each, not three per expert);
+     * the weighted outputs are added back in expert order, so every row sums its experts in
+     * the same order whatever else is in the batch. */
+    moe_matmul_task tasks[MOE_MATMUL_MANY_MAX];
+    int32_t group[MOE_MATMUL_MANY_MAX / 2];
+    const uint64_t xq_in = moe_matmul_scratch_bytes(gate, 1) > moe_matmul_scratch_bytes(up, 1)
+                               ? moe_matmul_scratch_bytes(gate, 1)
+                               : moe_matmul_scratch_bytes(up, 1);
+    const uint64_t xq_ff = moe_matmul_scratch_bytes(down, 1);
     uint64_t touched = 0;
-    for (int64_t e = 0; e < n_expert; e++) {
-        const int32_t begin = e ? s->counts[e - 1] : 0, end = s->counts[e];
-        const int64_t n = end - begin;
-        if (n == 0) continue;
-        touched++;
-        for (int64_t i = 0; i < n; i++)
-            memcpy(s->x + i * n_in, x + (int64_t)s->pair_row[begin + i] * n_in,
-                   sizeof(float) * (size_t)n_in);
-        moe_matmul(pool, gate, e, s->x, n, s->gate, s->mm);
-        moe_matmul(pool, up, e, s->x, n, s->up, s->mm);
-        moe_add_bias(s->gate, set->gate_b, e, n, n_ff);
-        moe_add_bias(s->up, set->up_b, e, n, n_ff);
-        moe_glu(set->act, s->up, s->gate, n * n_ff);
-        moe_matmul(pool, down, e, s->up, n, s->y, s->mm);
-        moe_add_bias(s->y, set->down_b, e, n, n_in);
-        for (int64_t i = 0; i < n; i++) {
-            float *o = out + (int64_t)s->pair_row[begin + i] * n_in;
-            const float w = s->pair_w[begin + i], *y = s->y + i * n_in;
-            for (int64_t d = 0; d < n_in; d++) o[d] += w * y[d];
+    for (int64_t e = 0; e < n_expert;) {
+        int n_group = 0;
+        int64_t rows = 0;
+        for (; e < n_expert && n_group < MOE_MATMUL_MANY_MAX / 2; e++) {
+            const int64_t n = s->counts[e] - (e ? s->counts[e - 1] : 0);
+            if (n == 0) continue;
+            if (rows + n > s->max_rows) break; /* the next group starts with e */
+            group[n_group++] = (int32_t)e;
+            rows += n;
         }
+        /* gather each expert's rows, then gate and up for the whole group */
+        int64_t off = 0;
+        for (int g = 0; g < n_group; g++) {
+            const int64_t ge = group[g], begin = ge ? s->counts[ge - 1] : 0,
+                          n = s->counts[ge] - begin;
+            for (int64_t i = 0; i < n; i++)
+                memcpy(s->x + (off + i) * n_in, x + (int64_t)s->pair_row[begin + i] * n_in,
+                       sizeof(float) * (size_t)n_in);
+            tasks[2 * g] = (moe_matmul_task){gate,
+                                             ge,
+                                             s->x + off * n_in,
+                                             n,
+                                             s->gate + off * n_ff,
+                                             (uint8_t *)s->mm + (uint64_t)off * xq_in};
+            tasks[2 * g + 1] = (moe_matmul_task){up,
+                                                 ge,
+                                                 s->x + off * n_in,
+                                                 n,
+                                                 s->up + off * n_ff,
+                                                 (uint8_t *)s->mm_up + (uint64_t)off * xq_in};
+            off += n;
+        }
+        moe_matmul_many(pool, tasks, 2 * n_group);
+        off = 0;
+        for (int g = 0; g < n_group; g++) {
+            const int64_t ge = group[g], n = s->counts[ge] - (ge ? s->counts[ge - 1] : 0);
+            moe_add_bias(s->gate + off * n_ff, set->gate_b, ge, n, n_ff);
+            moe_add_bias(s->up + off * n_ff, set->up_b, ge, n, n_ff);
+            tasks[g] = (moe_matmul_task){down,
+                                         ge,
+                                         s->up + off * n_ff,
+                                         n,
+                                         s->y + off * n_in,
+                                         (uint8_t *)s->mm + (uint64_t)off * xq_ff};
+            off += n;
+        }
+        moe_glu(set->act, s->up, s->gate, rows * n_ff);
+        moe_matmul_many(pool, tasks, n_group);
+        off = 0;
+        for (int g = 0; g < n_group; g++) {
+            const int64_t ge = group[g], begin = ge ? s->counts[ge - 1] : 0,
+                          n = s->counts[ge] - begin;
+            moe_add_bias(s->y + off * n_in, set->down_b, ge, n, n_in);
+            for (int64_t i = 0; i < n; i++) {
+                float *o = out + (int64_t)s->pair_row[begin + i] * n_in;
+                const float w = s->pair_w[begin + i], *y = s->y + (off + i) * n_in;
+                for (int64_t d = 0; d < n_in; d++) o[d] += w * y[d];
+            }
+            off += n;
+        }
+        touched += (uint64_t)n_group;
     }
     if (stats) {
         stats->rows += (uint64_t)n_rows;

@@ -166,29 +166,69 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     }
 }
 
+/* One task made ready: activation rows converted once for the weight type's dot. */
+static void matmul_prepare(const moe_matmul_task *t, matmul_job *j) {
+    const moe_type_kernels *k = moe_kernels_type(t->w->type);
+    const int64_t n_in = t->w->ne[0], n_out = t->w->ne[1];
+    *j = (matmul_job){.k = k,
+                      .n_in = n_in,
+                      .n_out = n_out,
+                      .n_rows = t->n_rows,
+                      .y = t->y,
+                      .w_row_bytes = moe_type_row_bytes(t->w->type, n_in),
+                      .xq = (const uint8_t *)t->x,
+                      .xq_row_bytes = (uint64_t)n_in * sizeof(float)};
+    j->wbase = t->w->data + (uint64_t)t->matrix * (uint64_t)n_out * j->w_row_bytes;
+    if (k->dot_type != MOE_TYPE_F32) {
+        j->xq_row_bytes = moe_dot_row_bytes(t->w->type, n_in);
+        for (int64_t r = 0; r < t->n_rows; r++)
+            k->quantize_row_for_dot(t->x + r * n_in,
+                                    (uint8_t *)t->scratch + (uint64_t)r * j->xq_row_bytes, n_in);
+        j->xq = t->scratch;
+    }
+}
+
+typedef struct matmul_many {
+    matmul_job jobs[MOE_MATMUL_MANY_MAX];
+    int64_t chunk[MOE_MATMUL_MANY_MAX];     /* output units per work item */
+    int64_t first[MOE_MATMUL_MANY_MAX + 1]; /* first work item of each job */
+    int n;
+} matmul_many;
+
+static void matmul_many_items(void *arg, int64_t begin, int64_t end, int thread) {
+    const matmul_many *m = arg;
+    int j = 0;
+    for (int64_t item = begin; item < end; item++) {
+        while (item >= m->first[j + 1]) j++;
+        const int64_t o0 = (item - m->first[j]) * m->chunk[j];
+        const int64_t o1 =
+            o0 + m->chunk[j] < m->jobs[j].n_out ? o0 + m->chunk[j] : m->jobs[j].n_out;
+        matmul_rows((void *)&m->jobs[j], o0, o1, thread); /* reads it only */
+    }
+}
+
+void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) {
+    MOE_CHECK(n_tasks >= 0 && n_tasks <= MOE_MATMUL_MANY_MAX);
+    matmul_many m;
+    m.n = n_tasks;
+    m.first[0] = 0;
+    /* chunks of output units: enough per chunk to amortise the hand-out, many chunks per thread
+     * over the whole set of tasks */
+    int64_t total_out = 0;
+    for (int i = 0; i < n_tasks; i++) total_out += tasks[i].w->ne[1];
+    const int64_t chunk = total_out / (8 * moe_pool_n_threads(pool)) + 1;
+    for (int i = 0; i < n_tasks; i++) {
+        matmul_prepare(&tasks[i], &m.jobs[i]);
+        m.chunk[i] = chunk;
+        m.first[i + 1] = m.first[i] + (m.jobs[i].n_out + chunk - 1) / chunk;
+    }
+    moe_pool_for(pool, m.first[n_tasks], 1, matmul_many_items, &m);
+}
+
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
                 float *y, void *scratch) {
-    const moe_type_kernels *k = moe_kernels_type(w->type);
-    const int64_t n_in = w->ne[0], n_out = w->ne[1];
-    matmul_job j = {.k = k,
-                    .n_in = n_in,
-                    .n_out = n_out,
-                    .n_rows = n_rows,
-                    .y = y,
-                    .w_row_bytes = moe_type_row_bytes(w->type, n_in),
-                    .xq = (const uint8_t *)x,
-                    .xq_row_bytes = (uint64_t)n_in * sizeof(float)};
-    j.wbase = w->data + (uint64_t)matrix * (uint64_t)n_out * j.w_row_bytes;
-    if (k->dot_type != MOE_TYPE_F32) {
-        j.xq_row_bytes = moe_dot_row_bytes(w->type, n_in);
-        for (int64_t r = 0; r < n_rows; r++)
-            k->quantize_row_for_dot(x + r * n_in, (uint8_t *)scratch + (uint64_t)r * j.xq_row_bytes,
-                                    n_in);
-        j.xq = scratch;
-    }
-    /* chunks of output units: enough per chunk to amortise the hand-out, many chunks per thread */
-    const int64_t chunk = n_out / (8 * moe_pool_n_threads(pool)) + 1;
-    moe_pool_for(pool, n_out, chunk, matmul_rows, &j);
+    const moe_matmul_task t = {w, matrix, x, n_rows, y, scratch};
+    moe_matmul_many(pool, &t, 1);
 }
 
 void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out) {

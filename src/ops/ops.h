@@ -59,6 +59,19 @@ uint64_t moe_matmul_scratch_bytes(const moe_tensor *w, int64_t n_rows);
 /* y[r][o] = sum_i W[o][i] * x[r][i] for r < n_rows, o < w->ne[1]; x rows have w->ne[0]
  * values, y rows w->ne[1]. W is the 2-D slice `matrix` of w (0 for 2-D tensors). Output
  * units are split across the pool's threads. */
+/* Several independent matmuls in one parallel pass (the experts of a MoE layer): their output
+ * units are handed out together, so the pool synchronises once for all of them. Each task's
+ * scratch holds its activation rows converted for the dot (moe_matmul_scratch_bytes). */
+typedef struct moe_matmul_task {
+    const moe_tensor *w;
+    int64_t matrix; /* 2-D slice of w */
+    const float *x; /* [n_rows][w->ne[0]] */
+    int64_t n_rows;
+    float *y; /* [n_rows][w->ne[1]] */
+    void *scratch;
+} moe_matmul_task;
+#define MOE_MATMUL_MANY_MAX 256 /* tasks per call (a group of experts: 2 per expert) */
+void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks);
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
                 float *y, void *scratch);
 /* Row `row` of a 2-D tensor dequantized to float (embedding lookup). */
@@ -164,7 +177,9 @@ typedef struct moe_expert_scratch {
     float *x;          /* [max_rows][n_in] gathered rows of one expert */
     float *gate, *up;  /* [max_rows][n_ff_exp] */
     float *y;          /* [max_rows][n_in] one expert's outputs */
-    void *mm;          /* moe_matmul scratch for max_rows rows of the widest input */
+    void *mm, *mm_up;  /* moe_matmul scratch for max_rows rows of the widest input, twice: the
+                          gate and up matmuls of a group of experts convert their rows at once */
+    int64_t max_rows;  /* the rows the buffers above hold: a group's (row, expert) pairs */
 } moe_expert_scratch;
 
 /* out[r] += sum_k weights[r][k] * (down_e(act(gate_e(x[r]) + gb_e) * (up_e(x[r]) + ub_e)) + db_e)
