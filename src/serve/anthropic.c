@@ -177,28 +177,9 @@ static bool parse_tools(serve_http *h, json_t *body, serve_chat *chat) {
     if (tools && !json_is_null(tools)) {
         if (!json_is_array(tools) || json_array_size(tools) > SERVE_MAX_TOOLS)
             BAD(h, "tools", "tools: expected an array of at most %d tools", SERVE_MAX_TOOLS);
-        json_t *oa = json_array();
-        size_t i;
-        json_t *t;
-        json_array_foreach(tools, i, t) {
-            const char *type = json_string_value(json_object_get(t, "type"));
-            if (type && strcmp(type, "custom") != 0) continue; /* server tools: not ours to run */
-            json_t *name = json_object_get(t, "name");
-            if (!json_is_string(name)) {
-                json_decref(oa);
-                BAD(h, "tools", "tools.%zu.name: Field required", i);
-            }
-            json_t *fn = json_object();
-            json_object_set(fn, "name", name);
-            json_t *desc = json_object_get(t, "description");
-            if (json_is_string(desc)) json_object_set(fn, "description", desc);
-            json_t *schema = json_object_get(t, "input_schema");
-            json_object_set(fn, "parameters", schema ? schema : json_object());
-            json_t *wrap = json_object();
-            json_object_set_new(wrap, "type", json_string("function"));
-            json_object_set_new(wrap, "function", fn);
-            json_array_append_new(oa, wrap);
-        }
+        size_t bad = 0;
+        json_t *oa = serve_tools_from_flat(tools, NULL, "input_schema", &bad);
+        if (!oa) BAD(h, "tools", "tools.%zu.name: Field required", bad);
         if (json_array_size(oa))
             chat->tools = oa;
         else

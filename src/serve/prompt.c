@@ -260,3 +260,35 @@ void serve_output_free(serve_output *o) {
     moe_chat_delta_clear(&o->delta);
     memset(o, 0, sizeof *o);
 }
+
+/* ==== Flat tool definitions ==== */
+
+json_t *serve_tools_from_flat(json_t *tools, const char *keep_type, const char *schema_key,
+                              size_t *bad) {
+    json_t *oa = json_array();
+    size_t i;
+    json_t *t;
+    json_array_foreach(tools, i, t) {
+        const char *type = json_string_value(json_object_get(t, "type"));
+        const bool keep =
+            keep_type ? type && strcmp(type, keep_type) == 0 : !type || strcmp(type, "custom") == 0;
+        if (!keep) continue; /* the provider's built-in tools: not ours to run */
+        json_t *name = json_object_get(t, "name");
+        if (!json_is_string(name)) {
+            json_decref(oa);
+            *bad = i;
+            return NULL;
+        }
+        json_t *fn = json_object();
+        json_object_set(fn, "name", name);
+        json_t *desc = json_object_get(t, "description");
+        if (json_is_string(desc)) json_object_set(fn, "description", desc);
+        json_t *schema = json_object_get(t, schema_key);
+        json_object_set(fn, "parameters", schema ? schema : json_object());
+        json_t *wrap = json_object();
+        json_object_set_new(wrap, "type", json_string("function"));
+        json_object_set_new(wrap, "function", fn);
+        json_array_append_new(oa, wrap);
+    }
+    return oa;
+}

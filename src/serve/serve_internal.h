@@ -384,4 +384,11 @@ void serve_anthropic_models(serve_http *h);
 /* OpenAI content (a string, null, or text parts) as one string; false after answering 400. */
 bool serve_openai_content_text(serve_http *h, json_t *content, const char *field, char **out);
 
+/* Anthropic's and Responses' flat tool definitions ({type, name, description, <schema_key>})
+ * in OpenAI's nested shape, the one chat templates expect. keep_type: the type kept ("function");
+ * NULL keeps untyped and "custom" entries (Anthropic). Other types (server tools) are skipped.
+ * NULL with *bad = the index of an entry without a string name. */
+json_t *serve_tools_from_flat(json_t *tools, const char *keep_type, const char *schema_key,
+                              size_t *bad);
+
 #endif
