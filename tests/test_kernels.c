@@ -313,8 +313,9 @@ static void dots_match_reference_on_random_rows(void **state) {
 
 /* ==== Many-row dots (GEMM) against the single-row dot, bit for bit ==== */
 
-/* For every level and every type with a dot: one weight row against 1..11 activation rows
- * (strided apart with padding, outputs strided too) through moe_dot_rows, each result equal to
+/* For every level and every type with a dot: one weight row against 1..11 activation rows, and
+ * 63..65 and 70 (past the 64-row groups a many-row kernel may decode a chunk of blocks for),
+ * strided apart with padding, outputs strided too, through moe_dot_rows, each result equal to
  * the level's own dot on that row to the last bit (memcmp, so -0.0 and NaN payloads count).
  * This is what keeps a batch of streams giving each stream exactly what it gets alone. Also
  * asserts that the levels which claim a many-row kernel for the types the engine leans on
@@ -322,7 +323,8 @@ static void dots_match_reference_on_random_rows(void **state) {
 static void dot_rows_equal_single_rows(void **state) {
     (void)state;
     static const int64_t blocks[] = {1, 3, 8, 25};
-    enum { MAX_ROWS = 11, OUT_STRIDE = 3 };
+    static const int row_counts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 63, 64, 65, 70};
+    enum { MAX_ROWS = 70, OUT_STRIDE = 3 };
     const int64_t max_n = 25 * 256;
     const size_t x_stride = (size_t)max_n * 4 + 64; /* room for any dot type, plus padding */
     uint8_t *w = moe_xmalloc((size_t)max_n * 4);
@@ -346,7 +348,8 @@ static void dot_rows_equal_single_rows(void **state) {
                     random_activations(&seed, x, n);
                     e->quantize_row_for_dot(x, xq + (size_t)r * x_stride, n);
                 }
-                for (int rows = 1; rows <= MAX_ROWS; rows++) {
+                for (size_t rc = 0; rc < sizeof row_counts / sizeof row_counts[0]; rc++) {
+                    const int rows = row_counts[rc];
                     memset(out, 0xff, sizeof out);
                     moe_dot_rows(e, w, xq, x_stride, rows, n, out, OUT_STRIDE);
                     for (int r = 0; r < rows; r++) {

@@ -42,17 +42,6 @@ MOE_INLINE __m512i z_dp_i16(__m512i acc, __m512i a, __m512i b) {
 }
 #endif
 
-/* Codebook lookups: a vpgatherdd / vpgatherdq or scalar loads inserted into the vector. Both
- * are kept (and tested when switched); measured on Zen 5, single thread, 256 MiB matvec:
- * IQ3_S 4.4 GB/s with the 16-lane dword gather vs 4.0 with scalar loads; IQ2_S 4.7 GB/s with
- * the 8-lane qword gather vs 6.3 with scalar loads. */
-#ifndef MOE_Z_IQ3S_GATHER
-#define MOE_Z_IQ3S_GATHER 1
-#endif
-#ifndef MOE_Z_IQ2S_GATHER
-#define MOE_Z_IQ2S_GATHER 0
-#endif
-
 /* ==== Helpers ==== */
 
 MOE_INLINE __m512i z_join(__m256i lo, __m256i hi) {
@@ -117,6 +106,10 @@ MOE_INLINE void z_rows_accumulate(int R, __m512 *acc, float dw, const moe_block_
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = z_iq_accumulate(acc[r], dw, y[r], mult, sumi[r]);
 }
+/* Rows per pass of the decoded-block kernels (z_iqd): their sums and accumulators stay in
+ * registers. */
+#define MOE_Z_ROWS 4
+
 MOE_INLINE void z_rows_store(int R, const __m512 *acc, float *out, int64_t os) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) out[r * os] = _mm512_reduce_add_ps(acc[r]);
@@ -287,102 +280,222 @@ static float z_dot_iq4_xs(const void *w, const void *x, int64_t n) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* IQ3_S: 16 grid indices per 64 values (qs bytes, bit 8 from the qh pair as a __mmask16), one
- * 16-lane gather of 4-value entries (magnitudes <= 15); explicit sign bits as a mask. */
-MOE_INLINE void z_iq3_s_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
-                             int64_t os, int unused) {
-    (void)unused;
-    const moe_block_iq3_s *b = w;
-    const uint8_t *xb = x;
-    const __m512i bit8 = _mm512_set1_epi32(256);
-    __m512 acc[MOE_DOT_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m512i sc = z_from_128(avx2_odd_scales8(b[i].scales));
-        const moe_block_q8_k *y[MOE_DOT_ROWS];
-        __m512i sumi[MOE_DOT_ROWS];
-        for (int r = 0; r < R; r++)
-            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
-            sumi[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-#if MOE_Z_IQ3S_GATHER
-            __m512i idx =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b[i].qs + 16 * k)));
-            const __mmask16 high = (__mmask16)(b[i].qh[2 * k] | b[i].qh[2 * k + 1] << 8);
-            idx = _mm512_mask_or_epi32(idx, high, idx, bit8);
-            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)moe_iq3s_grid, 4);
-#else
-            const uint8_t *qs = b[i].qs + 16 * k;
-            const unsigned qh = b[i].qh[2 * k] | b[i].qh[2 * k + 1] << 8;
-            (void)bit8;
-#define IQ3S(j)    (int)moe_iq3s_grid[qs[j] | ((qh << (8 - (j))) & 256)]
-#define IQ3S_HI(j) (int)moe_iq3s_grid[qs[j] | ((qh >> ((j)-8)) & 256)]
-            const __m512i g =
-                z_join(_mm256_setr_epi32(IQ3S(0), IQ3S(1), IQ3S(2), IQ3S(3), IQ3S(4), IQ3S(5),
-                                         IQ3S(6), IQ3S(7)),
-                       _mm256_setr_epi32(IQ3S_HI(8), IQ3S_HI(9), IQ3S_HI(10), IQ3S_HI(11),
-                                         IQ3S_HI(12), IQ3S_HI(13), IQ3S_HI(14), IQ3S_HI(15)));
-#undef IQ3S
-#undef IQ3S_HI
-#endif
-            z_rows_signed_madd(R, g, _cvtu64_mask64(z_load_u64(b[i].signs + 8 * k)),
-                               z_scales(sc, z_idx2(2 * k, 2 * k + 1)), y, 64 * k, sumi);
-        }
-        z_rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi);
-    }
-    z_rows_store(R, acc, out, os);
-}
-MOE_DOT_AND_ROWS(z_dot_iq3_s, z_dot_rows_iq3_s, z_iq3_s_rows, 0)
+/* ---- Codebook types: decoded once into an L1 buffer, then consumed by every row ----
+ *
+ * A codebook lookup costs more than the multiply it feeds, and putting eight looked-up entries
+ * into one register (vpinsrq / vpgatherdq) costs more still. So a chunk of blocks is decoded
+ * into z_iqd records with plain 64-bit or 32-bit stores -- grid offsets computed 32 or 64 at a
+ * time in a vector, then one load and one store per entry -- and the multiply loop reads whole
+ * 64-byte lines of magnitudes back. The chunk is decoded once for all activation rows (prefill,
+ * batched decode, the rows routed to an expert); a matvec pays it once too, and decoding a
+ * chunk ahead hides the store-to-load forwarding a line read of fresh 8-byte stores waits on.
+ *
+ * The multiply is the one the fused kernels did, lane for lane (magnitudes x activations with
+ * the weight's signs, pairs summed, times the scale of their 16 values, four values per int32
+ * lane), so the floats are those of the earlier single-block kernels bit for bit. */
+typedef struct {
+    uint8_t g[256];  /* grid magnitudes, unsigned */
+    uint64_t neg[4]; /* sign bits of values 64k.. */
+    int16_t sc[16];  /* integer scale of values 16j..16j+15 */
+    float d;         /* the block's float scale */
+} __attribute__((aligned(64))) z_iqd;
 
-/* IQ2_S: 8 grid indices per 64 values (qs byte | 2 qh bits << 8), one 8-lane gather of 8-value
- * entries (magnitudes <= 43); explicit sign bits as a mask; a scale per 16 values. */
-MOE_INLINE void z_iq2_s_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
-                             int64_t os, int unused) {
-    (void)unused;
-    const moe_block_iq2_s *b = w;
-    const uint8_t *xb = x;
-    const __m256i qh_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m256i three = _mm256_set1_epi32(3);
-    __m512 acc[MOE_DOT_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m512i sc = z_from_256(_mm256_cvtepi8_epi16(avx2_iq2_scales16(b[i].scales)));
-        const uint8_t *signs = b[i].qs + 32;
-        const moe_block_q8_k *y[MOE_DOT_ROWS];
-        __m512i sumi[MOE_DOT_ROWS];
-        for (int r = 0; r < R; r++)
-            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
-            sumi[r] = _mm512_setzero_si512();
+/* A type's decode: everything but the magnitudes into out, and the byte offsets of its grid
+ * entries (32 of 8 bytes or 64 of 4) into at; z_copy_entries fetches those later. */
+typedef void (*z_iqd_decode_fn)(const void *block, z_iqd *out, uint16_t *at);
+
+/* The grid entries at byte offsets at[0..n) of grid, copied to dst one general-purpose load and
+ * store each. The asm keeps GCC from merging the stores back into vector inserts (the cost this
+ * layout avoids) and from reading the offsets out of the vector that stored them (vpextrw). */
+MOE_INLINE void z_copy_entries(uint8_t *dst, const uint8_t *grid, const uint16_t *at, int n,
+                               int size) {
+    __asm__ volatile("" ::: "memory");
+#pragma GCC unroll 16
+    for (int q = 0; q < n / 4; q++) { /* four offsets per load: the load ports are the limit */
+        uint64_t four;
+        memcpy(&four, at + 4 * q, 8);
+        if (size == 8) {
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-#if MOE_Z_IQ2S_GATHER
-            const __m256i qh = _mm256_set1_epi32(b[i].qh[2 * k] | b[i].qh[2 * k + 1] << 8);
-            const __m256i idx = _mm256_or_si256(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b[i].qs + 8 * k))),
-                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, qh_shift), three), 8));
-            const __m512i g = _mm512_i32gather_epi64(idx, (const void *)moe_iq2s_grid, 8);
-#else
-            const uint8_t *qs = b[i].qs + 8 * k;
-            const unsigned h0 = b[i].qh[2 * k], h1 = b[i].qh[2 * k + 1];
-            (void)qh_shift, (void)three;
-            const __m512i g = z_join(avx2_grid4(moe_iq2s_grid[qs[0] | ((h0 << 8) & 0x300)],
-                                                moe_iq2s_grid[qs[1] | ((h0 << 6) & 0x300)],
-                                                moe_iq2s_grid[qs[2] | ((h0 << 4) & 0x300)],
-                                                moe_iq2s_grid[qs[3] | ((h0 << 2) & 0x300)]),
-                                     avx2_grid4(moe_iq2s_grid[qs[4] | ((h1 << 8) & 0x300)],
-                                                moe_iq2s_grid[qs[5] | ((h1 << 6) & 0x300)],
-                                                moe_iq2s_grid[qs[6] | ((h1 << 4) & 0x300)],
-                                                moe_iq2s_grid[qs[7] | ((h1 << 2) & 0x300)]));
-#endif
-            z_rows_signed_madd(R, g, _cvtu64_mask64(z_load_u64(signs + 8 * k)),
-                               z_scales(sc, z_idx4(4 * k)), y, 64 * k, sumi);
+            for (int i = 0; i < 4; i++) {
+                uint64_t v;
+                memcpy(&v, grid + (uint16_t)(four >> (16 * i)), 8);
+                __asm__("movq %1, %0" : "=m"(*(uint64_t *)(dst + 32 * q + 8 * i)) : "r"(v));
+            }
+        } else { /* two 4-byte entries per store */
+#pragma GCC unroll 2
+            for (int i = 0; i < 2; i++) {
+                uint32_t a, b;
+                memcpy(&a, grid + (uint16_t)(four >> (32 * i)), 4);
+                memcpy(&b, grid + (uint16_t)(four >> (32 * i + 16)), 4);
+                const uint64_t v = a | (uint64_t)b << 32;
+                __asm__("movq %1, %0" : "=m"(*(uint64_t *)(dst + 16 * q + 8 * i)) : "r"(v));
+            }
         }
-        z_rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 0.125f, sumi);
     }
-    z_rows_store(R, acc, out, os);
 }
-MOE_DOT_AND_ROWS(z_dot_iq2_s, z_dot_rows_iq2_s, z_iq2_s_rows, 0)
+
+/* IQ2_S: 32 entries of 8 values, index = qs byte | 2 qh bits << 8. */
+MOE_INLINE void z_decode_iq2_s(const void *block, z_iqd *o, uint16_t *at) {
+    (void)at;
+    const moe_block_iq2_s *b = block;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *qs = b->qs + 8 * k;
+        const unsigned h0 = b->qh[2 * k], h1 = b->qh[2 * k + 1];
+        const __m512i g = z_join(avx2_grid4(moe_iq2s_grid[qs[0] | ((h0 << 8) & 0x300)],
+                                            moe_iq2s_grid[qs[1] | ((h0 << 6) & 0x300)],
+                                            moe_iq2s_grid[qs[2] | ((h0 << 4) & 0x300)],
+                                            moe_iq2s_grid[qs[3] | ((h0 << 2) & 0x300)]),
+                                 avx2_grid4(moe_iq2s_grid[qs[4] | ((h1 << 8) & 0x300)],
+                                            moe_iq2s_grid[qs[5] | ((h1 << 6) & 0x300)],
+                                            moe_iq2s_grid[qs[6] | ((h1 << 4) & 0x300)],
+                                            moe_iq2s_grid[qs[7] | ((h1 << 2) & 0x300)]));
+        _mm512_store_si512(o->g + 64 * k, g);
+    }
+    memcpy(o->neg, b->qs + 32, 32);
+    _mm256_store_si256((__m256i *)o->sc, _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales)));
+    o->d = avx2_fp16(b->d);
+}
+
+/* IQ3_S: 64 entries of 4 values, index = qs byte | qh bit << 8 (qh read as a 64-bit mask);
+ * a scale per 32 values, stored twice. */
+MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
+    const moe_block_iq3_s *b = block;
+    const uint64_t qh = z_load_u64(b->qh);
+    const __m512i bit8 = _mm512_set1_epi16(256);
+    for (int half = 0; half < 2; half++) {
+        const __m512i lo = _mm512_cvtepu8_epi16(avx2_load(b->qs + 32 * half));
+        const __m512i idx = _mm512_mask_add_epi16(lo, (__mmask32)(qh >> (32 * half)), lo, bit8);
+        _mm512_storeu_si512(at + 32 * half, _mm512_slli_epi16(idx, 2));
+    }
+    memcpy(o->neg, b->signs, 32);
+    const __m128i s = avx2_odd_scales8(b->scales);
+    _mm_store_si128((__m128i *)o->sc, _mm_unpacklo_epi16(s, s));
+    _mm_store_si128((__m128i *)(o->sc + 8), _mm_unpackhi_epi16(s, s));
+    o->d = avx2_fp16(b->d);
+}
+
+/* acc[r] += row r's dot with one decoded block (y[r]: row r's Q8_K block). */
+MOE_INLINE void z_iqd_consume(int R, const z_iqd *blk, const moe_block_q8_k *const *y, float mult,
+                              __m512 *acc) {
+    const __m512i sc = z_from_256(_mm256_load_si256((const __m256i *)blk->sc));
+    __m512i sumi[MOE_Z_ROWS];
+    for (int r = 0; r < R; r++) sumi[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++)
+        z_rows_signed_madd(R, _mm512_load_si512(blk->g + 64 * k), _cvtu64_mask64(blk->neg[k]),
+                           z_scales(sc, z_idx4(4 * k)), y, 64 * k, sumi);
+    z_rows_accumulate(R, acc, blk->d, y, mult, sumi);
+}
+
+/* Rows r0..r0+R-1 of x against decoded blocks c0..c0+nc-1; acc in / out through accbuf unless
+ * the chunk is the row's first (zero) or last (reduced into out). */
+MOE_INLINE void z_iqd_rows_chunk(int R, const z_iqd *buf, int64_t c0, int64_t nc, int64_t nb,
+                                 const uint8_t *xb, size_t xs, float mult, __m512 *accbuf,
+                                 float *out, int64_t os) {
+    __m512 acc[MOE_Z_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = c0 == 0 ? _mm512_setzero_ps() : accbuf[r];
+    for (int64_t j = 0; j < nc; j++) {
+        const moe_block_q8_k *y[MOE_Z_ROWS];
+        for (int r = 0; r < R; r++) y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + c0 + j;
+        z_iqd_consume(R, &buf[j], y, mult, acc);
+    }
+    if (c0 + nc < nb)
+        for (int r = 0; r < R; r++) accbuf[r] = acc[r];
+    else
+        z_rows_store(R, acc, out, os);
+}
+
+#define Z_IQD_CHUNK 8  /* blocks decoded per pass: 3 KiB */
+#define Z_IQD_GROUP 64 /* rows per decode of a chunk (accbuf: 4 KiB) */
+
+/* A codebook type for z_iqd_dot_rows: its decode, its grid and entry size (8 or 4 bytes), and
+ * the float its block scale is multiplied by after the activations' (IQ2_S: 1/8). */
+typedef struct {
+    z_iqd_decode_fn decode;
+    const void *grid;
+    int entry_bytes;
+    float mult;
+    size_t block_bytes;
+} z_iq_type;
+
+/* nc blocks at w decoded into buf. The offsets of the whole chunk come first: their vector
+ * stores have retired by the time the copies read them back (a 16-bit load from a fresh
+ * 512-bit store waits for it). */
+MOE_INLINE void z_iqd_decode_chunk(z_iq_type t, const uint8_t *w, int64_t nc, z_iqd *buf,
+                                   uint16_t (*at)[64]) {
+    for (int64_t j = 0; j < nc; j++) t.decode(w + (size_t)j * t.block_bytes, &buf[j], at[j]);
+    if (t.entry_bytes)
+        for (int64_t j = 0; j < nc; j++)
+            z_copy_entries(buf[j].g, t.grid, at[j], 256 / t.entry_bytes, t.entry_bytes);
+}
+
+MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t xs, int64_t n_rows,
+                               int64_t n, float *out, int64_t os) {
+    const int64_t nb = n / MOE_QK_K;
+    const uint8_t *xb = x;
+    const float mult = t.mult;
+    z_iqd buf[Z_IQD_CHUNK];
+    uint16_t at[Z_IQD_CHUNK][64];
+    __m512 accbuf[Z_IQD_GROUP];
+    for (int64_t g0 = 0; g0 < n_rows; g0 += Z_IQD_GROUP) {
+        const int64_t ng = n_rows - g0 < Z_IQD_GROUP ? n_rows - g0 : Z_IQD_GROUP;
+        for (int64_t c0 = 0; c0 < nb; c0 += Z_IQD_CHUNK) {
+            const int64_t nc = nb - c0 < Z_IQD_CHUNK ? nb - c0 : Z_IQD_CHUNK;
+            z_iqd_decode_chunk(t, (const uint8_t *)w + (size_t)c0 * t.block_bytes, nc, buf, at);
+            int64_t r = 0;
+            for (; r + MOE_Z_ROWS <= ng; r += MOE_Z_ROWS)
+                z_iqd_rows_chunk(MOE_Z_ROWS, buf, c0, nc, nb, xb + (size_t)(g0 + r) * xs, xs, mult,
+                                 accbuf + r, out + (g0 + r) * os, os);
+            switch (ng - r) {
+#define Z_IQD_TAIL(k)                                                                              \
+    case k:                                                                                        \
+        z_iqd_rows_chunk(k, buf, c0, nc, nb, xb + (size_t)(g0 + r) * xs, xs, mult, accbuf + r,     \
+                         out + (g0 + r) * os, os);                                                 \
+        break;
+                Z_IQD_TAIL(1)
+                Z_IQD_TAIL(2)
+                Z_IQD_TAIL(3)
+#undef Z_IQD_TAIL
+            default:
+                break;
+            }
+        }
+    }
+}
+
+/* One row, accumulator in a register. Decodes that store entry by entry (entry_bytes) go a
+ * chunk ahead of the multiplies, as in z_iqd_dot_rows; decodes that build their vectors in
+ * registers go block by block, so decoding block i+1 overlaps the multiplies of block i. */
+MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n) {
+    const moe_block_q8_k *y = x;
+    const int64_t nb = n / MOE_QK_K, chunk = t.entry_bytes ? Z_IQD_CHUNK : 1;
+    z_iqd buf[Z_IQD_CHUNK];
+    uint16_t at[Z_IQD_CHUNK][64];
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+        const int64_t nc = nb - c0 < chunk ? nb - c0 : chunk;
+        z_iqd_decode_chunk(t, (const uint8_t *)w + (size_t)c0 * t.block_bytes, nc, buf, at);
+        for (int64_t j = 0; j < nc; j++) {
+            const moe_block_q8_k *yj = &y[c0 + j];
+            z_iqd_consume(1, &buf[j], &yj, t.mult, &acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+#define Z_IQD_KERNELS(t, grid, entry_bytes, mult)                                                  \
+    static void z_dot_rows_##t(const void *w, const void *x, size_t xs, int64_t n_rows, int64_t n, \
+                               float *out, int64_t os) {                                           \
+        z_iqd_dot_rows((z_iq_type){z_decode_##t, grid, entry_bytes, mult, sizeof(moe_block_##t)},  \
+                       w, x, xs, n_rows, n, out, os);                                              \
+    }                                                                                              \
+    static float z_dot_##t(const void *w, const void *x, int64_t n) {                              \
+        return z_iqd_dot1(                                                                         \
+            (z_iq_type){z_decode_##t, grid, entry_bytes, mult, sizeof(moe_block_##t)}, w, x, n);   \
+    }
+Z_IQD_KERNELS(iq3_s, moe_iq3s_grid, 4, 1.0f)
+Z_IQD_KERNELS(iq2_s, moe_iq2s_grid, 0, 0.125f)
 
 /* ==== Float types ==== */
 
