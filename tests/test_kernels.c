@@ -378,6 +378,43 @@ static void dot_rows_equal_single_rows(void **state) {
 
 /* ==== moe --version names the table ==== */
 
+/* The types that carry the ../shared parity models give, at every level above AVX2, the AVX2
+ * kernels' floats bit for bit: their 512-bit kernels do only the exact integer work differently
+ * (x86_avx512.h says why). Random rows of 1..40 blocks; skipped where the CPU has no AVX-512. */
+static void avx512_follows_avx2_floats(void **state) {
+    (void)state;
+    static const moe_type types[] = {MOE_TYPE_Q8_0,  MOE_TYPE_Q4_0, MOE_TYPE_Q5_0, MOE_TYPE_IQ4_NL,
+                                     MOE_TYPE_MXFP4, MOE_TYPE_Q4_K, MOE_TYPE_Q5_K};
+    const moe_kernels *base = moe_kernels_for_isa(MOE_ISA_AVX2);
+    if (!base || !moe_kernels_for_isa(MOE_ISA_AVX512)) skip();
+    const int64_t max_n = 40 * 256;
+    uint8_t *w = moe_xmalloc((size_t)max_n * 2), *xq = moe_xmalloc((size_t)max_n * 2);
+    float *x = moe_xmalloc((size_t)max_n * sizeof(float));
+    uint64_t seed = 7;
+    int compared = 0;
+    for (int level = MOE_ISA_AVX512; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
+        if (!k) continue;
+        for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+            const moe_type_traits *tr = moe_type_traits_get(types[t]);
+            for (int64_t blocks = 1; blocks <= 40; blocks += 3) {
+                const int64_t n = blocks * tr->block_values;
+                moe_type_random_row(types[t], &seed, w, n);
+                random_activations(&seed, x, n);
+                k->types[types[t]].quantize_row_for_dot(x, xq, n);
+                const float got = k->types[types[t]].dot(w, xq, n);
+                const float want = base->types[types[t]].dot(w, xq, n);
+                if (memcmp(&got, &want, sizeof got) != 0)
+                    fail_msg("%s %s, n = %lld: %.9g, AVX2 %.9g", k->name, tr->name, (long long)n,
+                             got, want);
+                compared++;
+            }
+        }
+    }
+    printf("  %d dots of the parity-carrying types equal AVX2's bit for bit\n", compared);
+    free(w), free(xq), free(x);
+}
+
 static void version_names_kernel_table(void **state) {
     (void)state;
     char cmd[512], *out;
@@ -443,6 +480,7 @@ int moe_suite_kernels(void) {
         cmocka_unit_test(dots_match_reference_on_fixtures),
         cmocka_unit_test(dots_match_reference_on_random_rows),
         cmocka_unit_test(dot_rows_equal_single_rows),
+        cmocka_unit_test(avx512_follows_avx2_floats),
         cmocka_unit_test(attention_kernels_bit_exact),
         cmocka_unit_test(version_names_kernel_table),
     };

@@ -115,87 +115,122 @@ MOE_INLINE void z_rows_store(int R, const __m512 *acc, float *out, int64_t os) {
     for (int r = 0; r < R; r++) out[r * os] = _mm512_reduce_add_ps(acc[r]);
 }
 
-/* ==== 32-value blocks against Q8_0 ==== */
+/* ==== Types whose floats follow the AVX2 kernels ====
+ *
+ * Q8_0 and Q4_K carry the ../shared parity models (qwen3moe-mixed, deepseek2-q8_0-q4_k), and
+ * those move by 1e-2 instead of 1e-7 against llama.cpp when a dot sums its float block terms in
+ * another order than ggml-cpu's x86 kernels (one rounding can flip a quantized activation in a
+ * later layer). So the kernels below produce, per block, the AVX2 kernels' integer lanes and
+ * then do the AVX2 kernels' float operations on them: only the integer work, which is exact
+ * in any order, is done 64 bytes at a time. The same holds for the other 32-value types and
+ * Q5_K, which share these kernels. */
 
-/* Two blocks per register, two registers per step; up to 3 blocks left go to the reference. */
-MOE_INLINE float z_q32_dot_q8_0(const void *w, const void *x, int64_t n, size_t block_bytes,
-                                q32_decode_fn decode, moe_dot_fn tail) {
-    const uint8_t *p = w;
-    const moe_block_q8_0 *y = x;
+/* ---- 32-value blocks against Q8_0: two blocks per register, as the AVX2 kernel's two
+ * accumulators (block i in the low half, i+1 in the high half) ---- */
+MOE_INLINE void z_q32_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                           int64_t os, size_t block_bytes, q32_decode_fn decode, moe_dot_fn tail) {
+    const uint8_t *p = w, *xb = x;
     const int64_t nb = n / MOE_QK32;
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     int64_t i = 0;
-    for (; i + 4 <= nb; i += 4)
-        for (int u = 0; u < 2; u++) {
-            const int64_t j = i + 2 * u;
-            float d0, d1, m;
-            const __m512i q = z_join(decode(p + (size_t)j * block_bytes, &d0, &m),
-                                     decode(p + (size_t)(j + 1) * block_bytes, &d1, &m));
-            const __m512i xs = z_apply_signs(z_load2(y[j].qs, y[j + 1].qs), _mm512_movepi8_mask(q));
-            const __m512i s = z_dp_u8_i8(_mm512_setzero_si512(), _mm512_abs_epi8(q), xs);
-            const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d0 * avx2_fp16(y[j].d)),
-                                                 _mm256_set1_ps(d1 * avx2_fp16(y[j + 1].d)), 1);
-            acc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[u]);
+    for (; i + 2 <= nb; i += 2) {
+        float d0, d1, m;
+        const __m512i q = z_join(decode(p + (size_t)i * block_bytes, &d0, &m),
+                                 decode(p + (size_t)(i + 1) * block_bytes, &d1, &m));
+        const __m512i mag = _mm512_abs_epi8(q);
+        const __mmask64 neg = _mm512_movepi8_mask(q);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_0 *y = (const moe_block_q8_0 *)(xb + (size_t)r * xs) + i;
+            const __m512i xs8 = z_apply_signs(z_load2(y[0].qs, y[1].qs), neg);
+            const __m512i s = z_dp_u8_i8(_mm512_setzero_si512(), mag, xs8);
+            const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d0 * avx2_fp16(y[0].d)),
+                                                 _mm256_set1_ps(d1 * avx2_fp16(y[1].d)), 1);
+            acc[r] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(s), acc[r]);
         }
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-    if (i < nb) sum += tail(p + (size_t)i * block_bytes, y + i, (nb - i) * MOE_QK32);
-    return sum;
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const moe_block_q8_0 *y = (const moe_block_q8_0 *)(xb + (size_t)r * xs);
+        float sum = avx2_hsum_f32(
+            _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+        if (i < nb) sum += tail(p + (size_t)i * block_bytes, y + i, (nb - i) * MOE_QK32);
+        out[r * os] = sum;
+    }
 }
 
-#define Z_Q32_DOT_Q8_0(t)                                                                          \
-    static float z_dot_##t(const void *w, const void *x, int64_t n) {                              \
-        return z_q32_dot_q8_0(w, x, n, sizeof(moe_block_##t), decode_##t, moe_ref_##t##_dot);      \
-    }
-Z_Q32_DOT_Q8_0(q4_0)
-Z_Q32_DOT_Q8_0(q5_0)
-Z_Q32_DOT_Q8_0(iq4_nl)
-Z_Q32_DOT_Q8_0(mxfp4)
+#define Z_Q32_KERNELS(t)                                                                           \
+    MOE_DOT_AND_ROWS(z_dot_##t, z_dot_rows_##t, z_q32_rows, sizeof(moe_block_##t), decode_##t,     \
+                     moe_ref_##t##_dot)
+Z_Q32_KERNELS(q4_0)
+Z_Q32_KERNELS(q5_0)
+Z_Q32_KERNELS(q8_0)
+Z_Q32_KERNELS(iq4_nl)
+Z_Q32_KERNELS(mxfp4)
 
-/* ==== K quants ==== */
-
-/* Q4_K / Q5_K (qh NULL for Q4_K). A register of 64 qs bytes holds sub-blocks 4p and 4p+2 in
- * its low nibbles, 4p+1 and 4p+3 in its high ones; the activations are loaded to match. */
-MOE_INLINE void z_k4(const uint8_t *scales_raw, uint16_t d16, uint16_t dmin16, const uint8_t *qs,
-                     const uint8_t *qh, const moe_block_q8_k *y, __m512 *acc, __m128 *acc_min) {
-    const __m128i sm = avx2_k4_scales(scales_raw);
-    const float d = y->d * avx2_fp16(d16), dmin = y->d * avx2_fp16(dmin16);
-    *acc_min = avx2_k4_min_term(sm, y, dmin, *acc_min);
-    const __m512i sc = z_from_128(_mm_cvtepu8_epi16(sm));
+/* ---- Q4_K / Q5_K (q5: the fifth bits in qh). A register of 64 qs bytes holds the AVX2
+ * kernel's steps j = 2jj (low half) and 2jj + 1 (high half); the halves are added before the
+ * float step, which gives the AVX2 kernel's eight integer lanes. ---- */
+MOE_INLINE void z_k4_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                          int64_t os, bool q5) {
+    const uint8_t *xb = x;
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
-    const __m512i hb = qh ? _mm512_broadcast_i64x4(avx2_load(qh)) : _mm512_setzero_si512();
-    __m512i sumi = _mm512_setzero_si512();
-#pragma GCC unroll 2
-    for (int p = 0; p < 2; p++) {
-        const __m512i q = z_load(qs + 64 * p);
-        __m512i lo = _mm512_and_si512(q, low4);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-        if (qh) { /* the fifth bit of sub-block c is bit c of qh[l]: add 16 where it is set */
-            const __m512i blo =
-                _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi8((char)(1 << (4 * p))),
-                                        _mm512_set1_epi8((char)(1 << (4 * p + 2))));
-            const __m512i bhi = _mm512_add_epi8(blo, blo);
-            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hb, blo), lo, bit4);
-            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hb, bhi), hi, bit4);
+    __m256 acc[MOE_DOT_ROWS];
+    __m128 acc_min[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), acc_min[r] = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const moe_block_q4_k *b4 = (const moe_block_q4_k *)w + i;
+        const moe_block_q5_k *b5 = (const moe_block_q5_k *)w + i;
+        const uint8_t *scales_raw = q5 ? b5->scales : b4->scales, *qs = q5 ? b5->qs : b4->qs;
+        const uint16_t d16 = q5 ? b5->d : b4->d, dmin16 = q5 ? b5->dmin : b4->dmin;
+        const __m128i sm = avx2_k4_scales(scales_raw);
+        const __m512i sc = z_from_128(_mm_cvtepu8_epi16(sm));
+        const __m512i hb = q5 ? _mm512_broadcast_i64x4(avx2_load(b5->qh)) : _mm512_setzero_si512();
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m512i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
+            acc_min[r] = avx2_k4_min_term(sm, y[r], y[r]->d * avx2_fp16(dmin16), acc_min[r]);
+            sumi[r] = _mm512_setzero_si512();
         }
-        const __m512i xlo = z_load2(y->qs + 128 * p, y->qs + 128 * p + 64);
-        const __m512i xhi = z_load2(y->qs + 128 * p + 32, y->qs + 128 * p + 96);
-        sumi =
-            z_dp_i16(sumi, _mm512_maddubs_epi16(lo, xlo), z_scales(sc, z_idx2(4 * p, 4 * p + 2)));
-        sumi = z_dp_i16(sumi, _mm512_maddubs_epi16(hi, xhi),
-                        z_scales(sc, z_idx2(4 * p + 1, 4 * p + 3)));
+#pragma GCC unroll 2
+        for (int jj = 0; jj < 2; jj++) {
+            const __m512i q = z_load(qs + 64 * jj);
+            __m512i lo = _mm512_and_si512(q, low4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+            if (q5) { /* bit 2j of qh[l] is the fifth bit of the low value, bit 2j+1 the high */
+                const __m512i blo =
+                    _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi8((char)(1 << (4 * jj))),
+                                            _mm512_set1_epi8((char)(1 << (4 * jj + 2))));
+                const __m512i bhi = _mm512_add_epi8(blo, blo);
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hb, blo), lo, bit4);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hb, bhi), hi, bit4);
+            }
+            const __m512i slo = z_scales(sc, z_idx2(4 * jj, 4 * jj + 2));
+            const __m512i shi = z_scales(sc, z_idx2(4 * jj + 1, 4 * jj + 3));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int8_t *yq = y[r]->qs + 128 * jj;
+                sumi[r] = z_dp_i16(sumi[r], _mm512_maddubs_epi16(lo, z_load2(yq, yq + 64)), slo);
+                sumi[r] =
+                    z_dp_i16(sumi[r], _mm512_maddubs_epi16(hi, z_load2(yq + 32, yq + 96)), shi);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]),
+                                                _mm512_extracti64x4_epi64(sumi[r], 1));
+            const float d = y[r]->d * avx2_fp16(d16);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s8), acc[r]);
+        }
     }
-    *acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sumi), *acc);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]) - avx2_hsum_f32x4(acc_min[r]);
 }
-
-static float z_dot_q5_k(const void *w, const void *x, int64_t n) {
-    const moe_block_q5_k *b = w;
-    const moe_block_q8_k *y = x;
-    __m512 acc = _mm512_setzero_ps();
-    __m128 acc_min = _mm_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++)
-        z_k4(b[i].scales, b[i].d, b[i].dmin, b[i].qs, b[i].qh, &y[i], &acc, &acc_min);
-    return _mm512_reduce_add_ps(acc) - avx2_hsum_f32x4(acc_min);
-}
+MOE_DOT_AND_ROWS(z_dot_q4_k, z_dot_rows_q4_k, z_k4_rows, false)
+MOE_DOT_AND_ROWS(z_dot_q5_k, z_dot_rows_q5_k, z_k4_rows, true)
 
 /* Q6_K: 64 ql bytes hold values 0..63 of a half in their low nibbles and 64..127 in their
  * high ones, in order; qh (32 bytes, broadcast) gives each its top two bits. q6 - 32 as in
@@ -539,11 +574,6 @@ static float z_dot_bf16(const void *w, const void *x, int64_t n) {
 
 /* ==== The table ==== */
 
-/* Q8_0 and Q4_K keep the AVX2 kernels at this level: those sum their float block terms in
- * the order of ggml-cpu's x86 kernels, and the 512-bit versions did not. The difference is one
- * float rounding, but it can flip the rounding of a quantized activation in a later layer, and
- * the ../shared parity models (qwen3moe-mixed, deepseek2-q8_0-q4_k) then move by 1e-2 instead
- * of 1e-7 against llama.cpp. Measured, the 512-bit versions were no faster (make bench). */
 void Z_FILL(moe_type_kernels types[MOE_TYPE_COUNT]) {
     static const struct {
         moe_type type;
@@ -553,11 +583,13 @@ void Z_FILL(moe_type_kernels types[MOE_TYPE_COUNT]) {
         {MOE_TYPE_F32, z_dot_f32, NULL},
         {MOE_TYPE_F16, z_dot_f16, NULL},
         {MOE_TYPE_BF16, z_dot_bf16, NULL},
-        {MOE_TYPE_Q4_0, z_dot_q4_0, NULL},
-        {MOE_TYPE_Q5_0, z_dot_q5_0, NULL},
-        {MOE_TYPE_IQ4_NL, z_dot_iq4_nl, NULL},
-        {MOE_TYPE_MXFP4, z_dot_mxfp4, NULL},
-        {MOE_TYPE_Q5_K, z_dot_q5_k, NULL},
+        {MOE_TYPE_Q4_0, z_dot_q4_0, z_dot_rows_q4_0},
+        {MOE_TYPE_Q5_0, z_dot_q5_0, z_dot_rows_q5_0},
+        {MOE_TYPE_Q8_0, z_dot_q8_0, z_dot_rows_q8_0},
+        {MOE_TYPE_IQ4_NL, z_dot_iq4_nl, z_dot_rows_iq4_nl},
+        {MOE_TYPE_MXFP4, z_dot_mxfp4, z_dot_rows_mxfp4},
+        {MOE_TYPE_Q4_K, z_dot_q4_k, z_dot_rows_q4_k},
+        {MOE_TYPE_Q5_K, z_dot_q5_k, z_dot_rows_q5_k},
         {MOE_TYPE_Q6_K, z_dot_q6_k, z_dot_rows_q6_k},
         {MOE_TYPE_IQ4_XS, z_dot_iq4_xs, NULL},
         {MOE_TYPE_IQ3_S, z_dot_iq3_s, z_dot_rows_iq3_s},
