@@ -327,11 +327,11 @@ static void dot_rows_equal_single_rows(void **state) {
     enum { MAX_ROWS = 70, OUT_STRIDE = 3 };
     const int64_t max_n = 25 * 256;
     const size_t x_stride = (size_t)max_n * 4 + 64; /* room for any dot type, plus padding */
-    uint8_t *w = moe_xmalloc((size_t)max_n * 4);
+    uint8_t *w = moe_xmalloc((size_t)max_n * 8);    /* two rows of up to 4 bytes a value */
     uint8_t *xq = moe_xmalloc(x_stride * MAX_ROWS);
     float *x = moe_xmalloc((size_t)max_n * sizeof(float));
     float out[MAX_ROWS * OUT_STRIDE];
-    int checked_kernels = 0;
+    int checked_kernels = 0, checked_pairs = 0;
     for (int level = 0; level < MOE_ISA_COUNT; level++) {
         const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
         if (!k) continue;
@@ -341,9 +341,12 @@ static void dot_rows_equal_single_rows(void **state) {
             const moe_type_kernels *e = &k->types[t];
             if (!tr || !e->dot || t == MOE_TYPE_Q8_1 || t == MOE_TYPE_Q8_K) continue;
             if (e->dot_rows) checked_kernels++;
+            if (e->dot_rows2) checked_pairs++;
             for (size_t c = 0; c < sizeof blocks / sizeof blocks[0]; c++) {
                 const int64_t n = blocks[c] * (tr->block_values == 1 ? 37 : tr->block_values);
+                const size_t w_bytes = moe_type_row_bytes((moe_type)t, n);
                 moe_type_random_row((moe_type)t, &seed, w, n);
+                moe_type_random_row((moe_type)t, &seed, w + w_bytes, n);
                 for (int r = 0; r < MAX_ROWS; r++) {
                     random_activations(&seed, x, n);
                     e->quantize_row_for_dot(x, xq + (size_t)r * x_stride, n);
@@ -359,6 +362,19 @@ static void dot_rows_equal_single_rows(void **state) {
                                      k->name, tr->name, (long long)n, rows, r, out[r * OUT_STRIDE],
                                      one);
                     }
+                    if (!e->dot_rows2) continue;
+                    /* two weight rows at once: the second one right after the first */
+                    memset(out, 0xff, sizeof out);
+                    e->dot_rows2(w, w_bytes, xq, x_stride, rows, n, out, OUT_STRIDE);
+                    for (int r = 0; r < rows; r++)
+                        for (int v = 0; v < 2; v++) {
+                            const float one = e->dot(w + v * w_bytes, xq + (size_t)r * x_stride, n);
+                            if (memcmp(&one, &out[r * OUT_STRIDE + v], sizeof one) != 0)
+                                fail_msg("%s %s two weight rows, n = %lld, %d rows: weight row %d, "
+                                         "row %d is %.9g, alone %.9g",
+                                         k->name, tr->name, (long long)n, rows, v, r,
+                                         out[r * OUT_STRIDE + v], one);
+                        }
                 }
             }
         }
@@ -371,8 +387,9 @@ static void dot_rows_equal_single_rows(void **state) {
                              moe_type_name(gemm_types[i]));
         }
     }
-    printf("  dot_rows: %d many-row kernels (all levels) equal their single-row dots bit for bit\n",
-           checked_kernels);
+    printf("  dot_rows: %d many-row kernels and %d two-weight-row kernels (all levels) equal their "
+           "single-row dots bit for bit\n",
+           checked_kernels, checked_pairs);
     free(w), free(xq), free(x);
 }
 

@@ -159,9 +159,16 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
         for (int64_t r0 = 0; r0 < j->n_rows; r0 += tile) {
             const int64_t nr = j->n_rows - r0 < tile ? j->n_rows - r0 : tile;
             const uint8_t *x = j->xq + (uint64_t)r0 * j->xq_row_bytes;
-            for (int64_t o = o0; o < o1; o++)
-                moe_dot_rows(j->k, j->wbase + (uint64_t)o * j->w_row_bytes, x, j->xq_row_bytes, nr,
-                             j->n_in, j->y + r0 * j->n_out + o, j->n_out);
+            for (int64_t o = o0; o < o1; o++) {
+                const uint8_t *w = j->wbase + (uint64_t)o * j->w_row_bytes;
+                float *y = j->y + r0 * j->n_out + o;
+                if (j->k->dot_rows2 && o + 1 < o1) /* two weight rows share each activation load */
+                    j->k->dot_rows2(w, j->w_row_bytes, x, j->xq_row_bytes, nr, j->n_in, y,
+                                    j->n_out),
+                        o++;
+                else
+                    moe_dot_rows(j->k, w, x, j->xq_row_bytes, nr, j->n_in, y, j->n_out);
+            }
         }
     }
 }

@@ -28,7 +28,12 @@ static inline void moe_kernels_set_dot(moe_type_kernels types[MOE_TYPE_COUNT], m
     if (!types[t].dot) return; /* no reference dot: nothing to be faster than */
     types[t].dot = dot;
     types[t].dot_rows = dot_rows;
+    types[t].dot_rows2 = NULL; /* the same rule: only the level's own, set after its dot */
     types[t].dot_isa = isa;
+}
+static inline void moe_kernels_set_dot_rows2(moe_type_kernels types[MOE_TYPE_COUNT], moe_type t,
+                                             moe_dot_rows2_fn fn) {
+    if (types[t].dot) types[t].dot_rows2 = fn;
 }
 static inline void moe_kernels_set_quantize(moe_type_kernels types[MOE_TYPE_COUNT], moe_type dt,
                                             moe_from_float_fn fn, moe_isa isa) {

@@ -131,9 +131,16 @@ void moe_type_random_row_rms(moe_type t, uint64_t *seed, void *out, int64_t n, f
 typedef void (*moe_dot_rows_fn)(const void *w, const void *x, size_t x_stride, int64_t n_rows,
                                 int64_t n, float *out, int64_t out_stride);
 
+/* Two weight rows, w and w + w_stride, against n_rows activation rows: out[r * out_stride + v]
+ * is exactly dot(w + v * w_stride, x + r * x_stride, n). Each activation block is loaded and
+ * scaled once for both weight rows. */
+typedef void (*moe_dot_rows2_fn)(const void *w, size_t w_stride, const void *x, size_t x_stride,
+                                 int64_t n_rows, int64_t n, float *out, int64_t out_stride);
+
 typedef struct moe_type_kernels {
     moe_dot_fn dot;                         /* NULL where the type has no dot */
     moe_dot_rows_fn dot_rows;               /* NULL: moe_dot_rows loops over dot */
+    moe_dot_rows2_fn dot_rows2;             /* NULL: weight rows one at a time */
     moe_from_float_fn quantize_row_for_dot; /* float activations -> dot_type; NULL with dot */
     moe_type dot_type;                      /* as traits->dot_type */
     moe_isa dot_isa, quantize_isa;          /* the level each function comes from */

@@ -126,43 +126,83 @@ MOE_INLINE void z_rows_store(int R, const __m512 *acc, float *out, int64_t os) {
  * Q5_K, which share these kernels. */
 
 /* ---- 32-value blocks against Q8_0: two blocks per register, as the AVX2 kernel's two
- * accumulators (block i in the low half, i+1 in the high half) ---- */
-MOE_INLINE void z_q32_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
-                           int64_t os, size_t block_bytes, q32_decode_fn decode, moe_dot_fn tail) {
-    const uint8_t *p = w, *xb = x;
+ * accumulators (block i in the low half, i+1 in the high half). W weight rows (ws bytes
+ * apart) against R activation rows: each activation pair is loaded and scaled once for all W;
+ * out[r * os + v] is weight row v against activation row r. ---- */
+MOE_INLINE void z_q32_tile(int W, const void *w, size_t ws, const void *x, size_t xs, int R,
+                           int64_t n, float *out, int64_t os, size_t block_bytes,
+                           q32_decode_fn decode, moe_dot_fn tail) {
+    const uint8_t *xb = x;
     const int64_t nb = n / MOE_QK32;
-    __m512 acc[MOE_DOT_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[2][MOE_DOT_ROWS];
+    for (int v = 0; v < W; v++)
+        for (int r = 0; r < R; r++) acc[v][r] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2) {
-        float d0, d1, m;
-        const __m512i q = z_join(decode(p + (size_t)i * block_bytes, &d0, &m),
-                                 decode(p + (size_t)(i + 1) * block_bytes, &d1, &m));
-        const __m512i mag = _mm512_abs_epi8(q);
-        const __mmask64 neg = _mm512_movepi8_mask(q);
+        __m512i mag[2];
+        __mmask64 neg[2];
+        __m512 dw[2];
+        for (int v = 0; v < W; v++) {
+            const uint8_t *p = (const uint8_t *)w + v * ws + (size_t)i * block_bytes;
+            float d0, d1, m;
+            const __m512i q = z_join(decode(p, &d0, &m), decode(p + block_bytes, &d1, &m));
+            mag[v] = _mm512_abs_epi8(q);
+            neg[v] = _mm512_movepi8_mask(q);
+            dw[v] = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const moe_block_q8_0 *y = (const moe_block_q8_0 *)(xb + (size_t)r * xs) + i;
-            const __m512i xs8 = z_apply_signs(z_load2(y[0].qs, y[1].qs), neg);
-            const __m512i s = z_dp_u8_i8(_mm512_setzero_si512(), mag, xs8);
-            const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d0 * avx2_fp16(y[0].d)),
-                                                 _mm256_set1_ps(d1 * avx2_fp16(y[1].d)), 1);
-            acc[r] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(s), acc[r]);
+            const __m512i x8 = z_load2(y[0].qs, y[1].qs);
+            const __m512 dx = _mm512_insertf32x8(_mm512_set1_ps(avx2_fp16(y[0].d)),
+                                                 _mm256_set1_ps(avx2_fp16(y[1].d)), 1);
+            for (int v = 0; v < W; v++) {
+                const __m512i s =
+                    z_dp_u8_i8(_mm512_setzero_si512(), mag[v], z_apply_signs(x8, neg[v]));
+                acc[v][r] =
+                    _mm512_fmadd_ps(_mm512_mul_ps(dw[v], dx), _mm512_cvtepi32_ps(s), acc[v][r]);
+            }
         }
     }
+    for (int v = 0; v < W; v++)
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const moe_block_q8_0 *y = (const moe_block_q8_0 *)(xb + (size_t)r * xs);
-        float sum = avx2_hsum_f32(
-            _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
-        if (i < nb) sum += tail(p + (size_t)i * block_bytes, y + i, (nb - i) * MOE_QK32);
-        out[r * os] = sum;
-    }
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_0 *y = (const moe_block_q8_0 *)(xb + (size_t)r * xs);
+            const __m512 a = acc[v][r];
+            float sum = avx2_hsum_f32(
+                _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+            if (i < nb)
+                sum += tail((const uint8_t *)w + v * ws + (size_t)i * block_bytes, y + i,
+                            (nb - i) * MOE_QK32);
+            out[r * os + v] = sum;
+        }
+}
+MOE_INLINE void z_q32_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                           int64_t os, size_t block_bytes, q32_decode_fn decode, moe_dot_fn tail) {
+    z_q32_tile(1, w, 0, x, xs, R, n, out, os, block_bytes, decode, tail);
+}
+/* Two weight rows: R = MOE_DOT_ROWS at a time, then the rest one by one. */
+MOE_INLINE void z_q32_rows2(const void *w, size_t ws, const void *x, size_t xs, int64_t n_rows,
+                            int64_t n, float *out, int64_t os, size_t block_bytes,
+                            q32_decode_fn decode, moe_dot_fn tail) {
+    const uint8_t *xb = x;
+    int64_t r = 0;
+    for (; r + MOE_DOT_ROWS <= n_rows; r += MOE_DOT_ROWS)
+        z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, MOE_DOT_ROWS, n, out + r * os, os,
+                   block_bytes, decode, tail);
+    for (; r < n_rows; r++)
+        z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, 1, n, out + r * os, os, block_bytes, decode,
+                   tail);
 }
 
 #define Z_Q32_KERNELS(t)                                                                           \
     MOE_DOT_AND_ROWS(z_dot_##t, z_dot_rows_##t, z_q32_rows, sizeof(moe_block_##t), decode_##t,     \
-                     moe_ref_##t##_dot)
+                     moe_ref_##t##_dot)                                                            \
+    static void z_dot_rows2_##t(const void *w, size_t ws, const void *x, size_t xs,                \
+                                int64_t n_rows, int64_t n, float *out, int64_t os) {               \
+        z_q32_rows2(w, ws, x, xs, n_rows, n, out, os, sizeof(moe_block_##t), decode_##t,           \
+                    moe_ref_##t##_dot);                                                            \
+    }
 Z_Q32_KERNELS(q4_0)
 Z_Q32_KERNELS(q5_0)
 Z_Q32_KERNELS(q8_0)
@@ -597,6 +637,11 @@ void Z_FILL(moe_type_kernels types[MOE_TYPE_COUNT]) {
     };
     for (size_t k = 0; k < sizeof dots / sizeof dots[0]; k++)
         moe_kernels_set_dot(types, dots[k].type, dots[k].dot, dots[k].dot_rows, Z_LEVEL);
+    moe_kernels_set_dot_rows2(types, MOE_TYPE_Q4_0, z_dot_rows2_q4_0);
+    moe_kernels_set_dot_rows2(types, MOE_TYPE_Q5_0, z_dot_rows2_q5_0);
+    moe_kernels_set_dot_rows2(types, MOE_TYPE_Q8_0, z_dot_rows2_q8_0);
+    moe_kernels_set_dot_rows2(types, MOE_TYPE_IQ4_NL, z_dot_rows2_iq4_nl);
+    moe_kernels_set_dot_rows2(types, MOE_TYPE_MXFP4, z_dot_rows2_mxfp4);
 }
 
 #endif
