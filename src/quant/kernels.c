@@ -55,15 +55,13 @@ static void build(void) {
         tables[level] = tables[level - 1];
         switch ((moe_isa)level) {
         case MOE_ISA_AVX2:
-            moe_kernels_fill_avx2(tables[level].types);
-            tables[level].attn_dot = moe_avx2_attn_dot;
-            tables[level].attn_axpy = moe_avx2_attn_axpy;
+            moe_kernels_fill_avx2(&tables[level]);
             break;
         case MOE_ISA_AVX512:
-            moe_kernels_fill_avx512(tables[level].types);
+            moe_kernels_fill_avx512(&tables[level]);
             break;
         case MOE_ISA_AVX512VNNI:
-            moe_kernels_fill_avx512vnni(tables[level].types);
+            moe_kernels_fill_avx512vnni(&tables[level]);
             break;
         default:
             break;

@@ -11,12 +11,13 @@
 
 #include "quant.h"
 
-/* Set entry t's dot / quantize_row_for_dot (and their *_isa) where this level has one. */
-void moe_kernels_fill_avx2(moe_type_kernels types[MOE_TYPE_COUNT]);
-float moe_avx2_attn_dot(const float *q, const void *k, int k_f16, int n);
+/* Set the entries of a table (copied from the level below) this level has faster kernels for:
+ * type dots and activation converters (entry t's *_isa names the level), attention. */
+void moe_kernels_fill_avx2(moe_kernels *k);
+void moe_kernels_fill_avx512(moe_kernels *k);
+void moe_kernels_fill_avx512vnni(moe_kernels *k);
+/* The AVX2 attention axpy, for the tails of the wider one. */
 void moe_avx2_attn_axpy(float *y, float a, const void *x, int x_f16, int n);
-void moe_kernels_fill_avx512(moe_type_kernels types[MOE_TYPE_COUNT]);
-void moe_kernels_fill_avx512vnni(moe_type_kernels types[MOE_TYPE_COUNT]);
 
 /* Helpers for the fill functions: install a dot for weight type t, or an activation converter
  * for every weight type whose dot_type is dt. */

@@ -710,7 +710,7 @@ MOE_INLINE __m256 load8_kv(const void *x, int f16, int i) {
                : _mm256_loadu_ps((const float *)x + i);
 }
 
-float moe_avx2_attn_dot(const float *q, const void *k, int k_f16, int n) {
+static float attn_dot(const float *q, const void *k, int k_f16, int n) {
     const int whole = n & ~31;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
@@ -742,7 +742,10 @@ void moe_avx2_attn_axpy(float *y, float a, const void *x, int x_f16, int n) {
         moe_ref_attn_axpy(y + d, a, (const uint8_t *)x + (size_t)d * (x_f16 ? 2 : 4), x_f16, n - d);
 }
 
-void moe_kernels_fill_avx2(moe_type_kernels types[MOE_TYPE_COUNT]) {
+void moe_kernels_fill_avx2(moe_kernels *k) {
+    moe_type_kernels *types = k->types;
+    k->attn_dot = attn_dot;
+    k->attn_axpy = moe_avx2_attn_axpy;
     static const struct {
         moe_type type;
         moe_dot_fn dot;
@@ -772,8 +775,8 @@ void moe_kernels_fill_avx2(moe_type_kernels types[MOE_TYPE_COUNT]) {
         {MOE_TYPE_IQ1_M, dot_iq1_m, NULL},
         {MOE_TYPE_IQ4_XS, dot_iq4_xs, NULL},
     };
-    for (size_t k = 0; k < sizeof dots / sizeof dots[0]; k++)
-        moe_kernels_set_dot(types, dots[k].type, dots[k].dot, dots[k].dot_rows, MOE_ISA_AVX2);
+    for (size_t i = 0; i < sizeof dots / sizeof dots[0]; i++)
+        moe_kernels_set_dot(types, dots[i].type, dots[i].dot, dots[i].dot_rows, MOE_ISA_AVX2);
     moe_kernels_set_quantize(types, MOE_TYPE_Q8_0, quantize_q8_0, MOE_ISA_AVX2);
     moe_kernels_set_quantize(types, MOE_TYPE_Q8_1, quantize_q8_1, MOE_ISA_AVX2);
     moe_kernels_set_quantize(types, MOE_TYPE_Q8_K, quantize_q8_k, MOE_ISA_AVX2);

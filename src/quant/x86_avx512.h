@@ -637,9 +637,54 @@ static float z_dot_bf16(const void *w, const void *x, int64_t n) {
     return z_float_dot(w, x, n, 2, z_load16_bf16, moe_ref_bf16_dot);
 }
 
+/* ==== Attention over the KV cache: the AVX2 kernels' operations, 16 lanes at a time ==== */
+
+MOE_INLINE __m512 z_load16_kv(const void *x, int f16, int i) {
+    return f16 ? _mm512_cvtph_ps(avx2_load((const uint16_t *)x + i))
+               : _mm512_loadu_ps((const float *)x + i);
+}
+
+/* The AVX2 dot's four 8-lane accumulators as two registers: [0 | 1] and [2 | 3]; their sum is
+ * [0+2 | 1+3], whose halves added give the AVX2 fold (0+2) + (1+3) lane for lane. */
+static float z_attn_dot(const float *q, const void *k, int k_f16, int n) {
+    const int whole = n & ~31;
+    __m512 a01 = _mm512_setzero_ps(), a23 = _mm512_setzero_ps();
+    for (int i = 0; i < whole; i += 32) {
+        a01 = _mm512_add_ps(a01, _mm512_mul_ps(_mm512_loadu_ps(q + i), z_load16_kv(k, k_f16, i)));
+        a23 = _mm512_add_ps(
+            a23, _mm512_mul_ps(_mm512_loadu_ps(q + i + 16), z_load16_kv(k, k_f16, i + 16)));
+    }
+    const __m512 s = _mm512_add_ps(a01, a23);
+    const __m256 lane = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(lane), _mm256_extractf128_ps(lane, 1));
+    float h[4];
+    _mm_storeu_ps(h, half);
+    float sum = (h[0] + h[1]) + (h[2] + h[3]);
+    for (int d = whole; d < n; d++) { /* the tail one by one, onto the folded sum */
+        const float kd = k_f16 ? moe_fp16_to_f32(((const uint16_t *)k)[d]) : ((const float *)k)[d];
+        const float prod = q[d] * kd;
+        sum += prod;
+    }
+    return sum;
+}
+
+static void z_attn_axpy(float *y, float a, const void *x, int x_f16, int n) {
+    const __m512 va = _mm512_set1_ps(a);
+    int d = 0;
+    for (; d + 16 <= n; d += 16)
+        _mm512_storeu_ps(y + d, _mm512_add_ps(_mm512_loadu_ps(y + d),
+                                              _mm512_mul_ps(va, z_load16_kv(x, x_f16, d))));
+    if (d < n)
+        moe_avx2_attn_axpy(y + d, a, (const uint8_t *)x + (size_t)d * (x_f16 ? 2 : 4), x_f16,
+                           n - d);
+}
+
 /* ==== The table ==== */
 
-void Z_FILL(moe_type_kernels types[MOE_TYPE_COUNT]) {
+void Z_FILL(moe_kernels *k) {
+    moe_type_kernels *types = k->types;
+    k->attn_dot = z_attn_dot;
+    k->attn_axpy = z_attn_axpy;
     static const struct {
         moe_type type;
         moe_dot_fn dot;
@@ -660,8 +705,8 @@ void Z_FILL(moe_type_kernels types[MOE_TYPE_COUNT]) {
         {MOE_TYPE_IQ3_S, z_dot_iq3_s, z_dot_rows_iq3_s},
         {MOE_TYPE_IQ2_S, z_dot_iq2_s, z_dot_rows_iq2_s},
     };
-    for (size_t k = 0; k < sizeof dots / sizeof dots[0]; k++)
-        moe_kernels_set_dot(types, dots[k].type, dots[k].dot, dots[k].dot_rows, Z_LEVEL);
+    for (size_t i = 0; i < sizeof dots / sizeof dots[0]; i++)
+        moe_kernels_set_dot(types, dots[i].type, dots[i].dot, dots[i].dot_rows, Z_LEVEL);
     moe_kernels_set_dot_rows2(types, MOE_TYPE_Q4_0, z_dot_rows2_q4_0);
     moe_kernels_set_dot_rows2(types, MOE_TYPE_Q5_0, z_dot_rows2_q5_0);
     moe_kernels_set_dot_rows2(types, MOE_TYPE_Q8_0, z_dot_rows2_q8_0);
