@@ -79,6 +79,9 @@ MOE_INLINE __m512i z_scales(__m512i sc, __m512i idx) {
 MOE_INLINE __m512i z_from_256(__m256i v) {
     return _mm512_zextsi256_si512(v);
 }
+MOE_INLINE __m256i z_join128(__m128i lo, __m128i hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
 MOE_INLINE __m512i z_from_128(__m128i v) {
     return _mm512_zextsi128_si512(v);
 }
@@ -378,8 +381,19 @@ typedef struct {
     float d;         /* the block's float scale */
 } __attribute__((aligned(64))) z_iqd;
 
-/* A type's decode into a record. Types with 4-byte entries leave the magnitudes to
- * z_copy_entries and write the byte offsets of their 64 entries into at instead. */
+/* A codebook block in registers: the magnitudes of its four 64-value chunks, its sixteen
+ * integer scales (one per 16 values), its 32 sign bytes (in the weights) and its float scale. */
+typedef struct {
+    __m512i g[4];
+    __m256i sc;
+    const uint8_t *signs;
+    float d;
+} z_iqb;
+
+/* A type's decode, one of two kinds: into registers (z_iqb_fn), or into a record with the
+ * magnitudes left to z_copy_entries, the byte offsets of its 64 four-byte entries written to
+ * at instead (z_iqd_decode_fn). */
+typedef void (*z_iqb_fn)(const void *block, z_iqb *out);
 typedef void (*z_iqd_decode_fn)(const void *block, z_iqd *out, uint16_t *at);
 
 /* The 64 four-byte grid entries at byte offsets at[] of grid, copied to dst two per 8-byte
@@ -411,6 +425,16 @@ MOE_INLINE void z_put_signs(z_iqd *o, const uint8_t *src) {
         __asm__("movq %1, %0" : "=m"(o->neg[k]) : "r"(z_load_u64(src + 8 * k)));
 }
 
+MOE_INLINE void z_iqd_from_regs(const z_iqb *b, z_iqd *o) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) _mm512_store_si512(o->g + 64 * k, b->g[k]);
+    z_put_signs(o, b->signs);
+    _mm256_store_si256((__m256i *)o->sc, b->sc);
+    o->d = b->d;
+}
+
+/* ---- The types' decodes ---- */
+
 /* IQ2_S: 32 entries of 8 values, index = qs byte | 2 qh bits << 8, put together in registers
  * (eight 64-bit loads per 64 values); a scale per 16 values. */
 MOE_INLINE __m512i z_iq2_s_grid(const moe_block_iq2_s *b, int k) {
@@ -425,21 +449,81 @@ MOE_INLINE __m512i z_iq2_s_grid(const moe_block_iq2_s *b, int k) {
                              moe_iq2s_grid[qs[6] | ((h1 << 4) & 0x300)],
                              moe_iq2s_grid[qs[7] | ((h1 << 2) & 0x300)]));
 }
-MOE_INLINE __m256i z_iq2_s_scales(const moe_block_iq2_s *b) {
-    return _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
-}
-MOE_INLINE void z_decode_iq2_s(const void *block, z_iqd *o, uint16_t *at) {
-    (void)at;
+MOE_INLINE void z_iqb_iq2_s(const void *block, z_iqb *o) {
     const moe_block_iq2_s *b = block;
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) _mm512_store_si512(o->g + 64 * k, z_iq2_s_grid(b, k));
-    z_put_signs(o, b->qs + 32);
-    _mm256_store_si256((__m256i *)o->sc, z_iq2_s_scales(b));
+    for (int k = 0; k < 4; k++) o->g[k] = z_iq2_s_grid(b, k);
+    o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
+    o->signs = b->qs + 32;
     o->d = avx2_fp16(b->d);
 }
 
-/* IQ3_S: 64 entries of 4 values, index = qs byte | qh bit << 8 (qh read as a 64-bit mask);
- * a scale per 32 values, stored twice. */
+/* IQ3_S: 64 entries of 4 values, index = qs byte | qh bit << 8 (qh read as a 64-bit mask); a
+ * scale per 32 values, stored twice. */
+MOE_INLINE __m256i z_iq3_s_scales(const moe_block_iq3_s *b) {
+    const __m128i s = avx2_odd_scales8(b->scales);
+    return z_join128(_mm_unpacklo_epi16(s, s), _mm_unpackhi_epi16(s, s));
+}
+#if MOE_AVX512_VNNI
+/* With VBMI the grid lives within reach of vpermi2b. Its bytes are 1, 3, .. 15, so byte p of
+ * an entry is a 3-bit code c (value 2c + 1), and the codes of bytes 0, 1 (and 2, 3) of every
+ * entry fit one byte: two 512-byte planes, four 128-byte tables each (index bits 0..6; bits 7
+ * and 8 pick the table). All 64 entries of a block are looked up at once, a plane at a time,
+ * then spread to values and interleaved back into value order: 8 vpermi2b a block, which is
+ * what the decode costs (about 2 cycles each here). z_iq3s_codes is filled by the table's fill
+ * function. */
+static uint8_t z_iq3s_codes[2][512] __attribute__((aligned(64)));
+
+/* The bytes of 64 entries of 4 (plane p in r[p]) in value order: 4 registers of 16 entries. */
+MOE_INLINE void z_interleave4(const __m512i r[4], __m512i g[4]) {
+    const __m512i t01l = _mm512_unpacklo_epi8(r[0], r[1]), t01h = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i t23l = _mm512_unpacklo_epi8(r[2], r[3]), t23h = _mm512_unpackhi_epi8(r[2], r[3]);
+    /* u[j], 128-bit lane L: entries 16L + 4j .. 16L + 4j + 3 */
+    const __m512i u0 = _mm512_unpacklo_epi16(t01l, t23l), u1 = _mm512_unpackhi_epi16(t01l, t23l);
+    const __m512i u2 = _mm512_unpacklo_epi16(t01h, t23h), u3 = _mm512_unpackhi_epi16(t01h, t23h);
+    /* g[k] = lane k of u0..u3: a 4 x 4 transpose of 128-bit lanes */
+    const __m512i v0 = _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i v1 = _mm512_shuffle_i64x2(u2, u3, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i v2 = _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i v3 = _mm512_shuffle_i64x2(u2, u3, _MM_SHUFFLE(3, 2, 3, 2));
+    g[0] = _mm512_shuffle_i64x2(v0, v1, _MM_SHUFFLE(2, 0, 2, 0));
+    g[1] = _mm512_shuffle_i64x2(v0, v1, _MM_SHUFFLE(3, 1, 3, 1));
+    g[2] = _mm512_shuffle_i64x2(v2, v3, _MM_SHUFFLE(2, 0, 2, 0));
+    g[3] = _mm512_shuffle_i64x2(v2, v3, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+/* Entries of a 128-byte table t for the low 7 bits of idx. */
+MOE_INLINE __m512i z_lookup128(__m512i idx, const uint8_t *t) {
+    return _mm512_permutex2var_epi8(z_load(t), idx, z_load(t + 64));
+}
+
+MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
+    const moe_block_iq3_s *b = block;
+    const __m512i idx = z_load(b->qs);
+    const __mmask64 bit7 = _mm512_movepi8_mask(idx), bit8 = _cvtu64_mask64(z_load_u64(b->qh));
+    const __m512i mask = _mm512_set1_epi8(0x1e), one = _mm512_set1_epi8(1);
+    __m512i r[4];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; q++) {
+        const uint8_t *t = z_iq3s_codes[q];
+        const __m512i lo = _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
+        const __m512i hi =
+            _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t + 256), z_lookup128(idx, t + 384));
+        const __m512i c = _mm512_mask_blend_epi8(bit8, lo, hi);
+        /* 2c + 1 of each nibble: the 16-bit shifts pull in a neighbour's bits, the mask drops them */
+        r[2 * q] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(c, 1), mask, one, 0xea);
+        r[2 * q + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(c, 3), mask, one, 0xea);
+    }
+    z_interleave4(r, o->g);
+    o->sc = z_iq3_s_scales(b);
+    o->signs = b->signs;
+    o->d = avx2_fp16(b->d);
+}
+#define Z_IQB_IQ3_S   z_iqb_iq3_s
+#define Z_DECODE_IQ3_S NULL
+#define Z_GRID4_IQ3_S NULL
+#else
+/* Without VBMI: the entries are copied (z_copy_entries), offsets computed here. */
 MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
     const moe_block_iq3_s *b = block;
     const uint64_t qh = z_load_u64(b->qh);
@@ -450,23 +534,36 @@ MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
         _mm512_storeu_si512(at + 32 * half, _mm512_slli_epi16(idx, 2));
     }
     z_put_signs(o, b->signs);
-    const __m128i s = avx2_odd_scales8(b->scales);
-    _mm_store_si128((__m128i *)o->sc, _mm_unpacklo_epi16(s, s));
-    _mm_store_si128((__m128i *)(o->sc + 8), _mm_unpackhi_epi16(s, s));
+    _mm256_store_si256((__m256i *)o->sc, z_iq3_s_scales(b));
     o->d = avx2_fp16(b->d);
 }
+#define Z_IQB_IQ3_S   NULL
+#define Z_DECODE_IQ3_S z_decode_iq3_s
+#define Z_GRID4_IQ3_S (const void *)moe_iq3s_grid
+#endif
 
-/* acc[r] += row r's dot with one decoded block (y[r]: row r's Q8_K block). */
-MOE_INLINE void z_iqd_consume(int R, const z_iqd *blk, const moe_block_q8_k *const *y, float mult,
-                              __m512 *acc) {
-    const __m512i sc = z_from_256(_mm256_load_si256((const __m256i *)blk->sc));
+/* ---- The multiply, shared by every codebook type ---- */
+
+/* acc[r] += row r's dot with one block (y[r]: row r's Q8_K block): magnitudes g, the block's 32
+ * sign bytes at signs, sixteen scales sc, float scale d. */
+MOE_INLINE void z_iq_madd(int R, const __m512i *g, const uint8_t *signs, __m256i sc, float d,
+                          const moe_block_q8_k *const *y, float mult, __m512 *acc) {
+    const __m512i sc512 = z_from_256(sc);
     __m512i sumi[MOE_Z_ROWS];
     for (int r = 0; r < R; r++) sumi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
-        z_rows_signed_madd(R, _mm512_load_si512(blk->g + 64 * k), _cvtu64_mask64(blk->neg[k]),
-                           z_scales(sc, z_idx4(4 * k)), y, 64 * k, sumi);
-    z_rows_accumulate(R, acc, blk->d, y, mult, sumi);
+        z_rows_signed_madd(R, g[k], _cvtu64_mask64(z_load_u64(signs + 8 * k)),
+                           z_scales(sc512, z_idx4(4 * k)), y, 64 * k, sumi);
+    z_rows_accumulate(R, acc, d, y, mult, sumi);
+}
+
+MOE_INLINE void z_iqd_consume(int R, const z_iqd *blk, const moe_block_q8_k *const *y, float mult,
+                              __m512 *acc) {
+    __m512i g[4];
+    for (int k = 0; k < 4; k++) g[k] = _mm512_load_si512(blk->g + 64 * k);
+    z_iq_madd(R, g, (const uint8_t *)blk->neg, _mm256_load_si256((const __m256i *)blk->sc), blk->d,
+              y, mult, acc);
 }
 
 /* Rows r0..r0+R-1 of x against decoded blocks c0..c0+nc-1; acc in / out through accbuf unless
@@ -490,24 +587,31 @@ MOE_INLINE void z_iqd_rows_chunk(int R, const z_iqd *buf, int64_t c0, int64_t nc
 #define Z_IQD_CHUNK 8  /* blocks decoded per pass: 3 KiB */
 #define Z_IQD_GROUP 64 /* rows per decode of a chunk (accbuf: 4 KiB) */
 
-/* A codebook type for z_iqd_dot_rows: its decode, its grid of 4-byte entries where the decode
- * leaves those to z_copy_entries (else NULL), and the float its block scale is multiplied by
- * after the activations' (IQ2_S: 1/8). */
+/* A codebook type: its decode (regs, else decode + copies from grid4), the float its block
+ * scale is multiplied by after the activations' (IQ2_S: 1/8), its block size. */
 typedef struct {
+    z_iqb_fn regs;
     z_iqd_decode_fn decode;
     const void *grid4;
     float mult;
     size_t block_bytes;
 } z_iq_type;
 
-/* nc blocks at w decoded into buf. The offsets of the whole chunk come first: their vector
- * stores have retired by the time the copies read them back (a 16-bit load from a fresh
- * 512-bit store waits for it). */
+/* nc blocks at w decoded into buf. For copying decodes, the offsets of the whole chunk come
+ * first: their vector stores have retired by the time the copies read them back (a 16-bit load
+ * from a fresh 512-bit store waits for it). */
 MOE_INLINE void z_iqd_decode_chunk(z_iq_type t, const uint8_t *w, int64_t nc, z_iqd *buf,
                                    uint16_t (*at)[64]) {
+    if (t.regs) {
+        for (int64_t j = 0; j < nc; j++) {
+            z_iqb b;
+            t.regs(w + (size_t)j * t.block_bytes, &b);
+            z_iqd_from_regs(&b, &buf[j]);
+        }
+        return;
+    }
     for (int64_t j = 0; j < nc; j++) t.decode(w + (size_t)j * t.block_bytes, &buf[j], at[j]);
-    if (t.grid4)
-        for (int64_t j = 0; j < nc; j++) z_copy_entries(buf[j].g, t.grid4, at[j]);
+    for (int64_t j = 0; j < nc; j++) z_copy_entries(buf[j].g, t.grid4, at[j]);
 }
 
 MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t xs, int64_t n_rows,
@@ -544,13 +648,25 @@ MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t
     }
 }
 
-/* One row, accumulator in a register, a chunk of records decoded ahead of the multiplies. */
+/* One row, accumulator in a register: register decodes straight into the multiply (decoding
+ * block i+1 overlaps the multiplies of block i); copying decodes a chunk of records ahead. */
 MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n) {
     const moe_block_q8_k *y = x;
     const int64_t nb = n / MOE_QK_K;
+    __m512 acc = _mm512_setzero_ps();
+    if (t.regs && nb > 0) { /* block i + 1 decoded before block i's multiplies are issued */
+        z_iqb cur, next;
+        t.regs(w, &cur);
+        for (int64_t i = 0; i < nb; i++) {
+            if (i + 1 < nb) t.regs((const uint8_t *)w + (size_t)(i + 1) * t.block_bytes, &next);
+            const moe_block_q8_k *yi = &y[i];
+            z_iq_madd(1, cur.g, cur.signs, cur.sc, cur.d, &yi, t.mult, &acc);
+            cur = next;
+        }
+        return _mm512_reduce_add_ps(acc);
+    }
     z_iqd buf[Z_IQD_CHUNK];
     uint16_t at[Z_IQD_CHUNK][64];
-    __m512 acc = _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < nb; c0 += Z_IQD_CHUNK) {
         const int64_t nc = nb - c0 < Z_IQD_CHUNK ? nb - c0 : Z_IQD_CHUNK;
         z_iqd_decode_chunk(t, (const uint8_t *)w + (size_t)c0 * t.block_bytes, nc, buf, at);
@@ -562,40 +678,17 @@ MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n
     return _mm512_reduce_add_ps(acc);
 }
 
-#define Z_IQD_KERNELS(t, grid4, mult)                                                              \
+#define Z_IQ_KERNELS(t, regs, decode, grid4, mult)                                                 \
     static void z_dot_rows_##t(const void *w, const void *x, size_t xs, int64_t n_rows, int64_t n, \
                                float *out, int64_t os) {                                           \
-        z_iqd_dot_rows((z_iq_type){z_decode_##t, grid4, mult, sizeof(moe_block_##t)}, w, x, xs,    \
+        z_iqd_dot_rows((z_iq_type){regs, decode, grid4, mult, sizeof(moe_block_##t)}, w, x, xs,    \
                        n_rows, n, out, os);                                                        \
     }                                                                                              \
     static float z_dot_##t(const void *w, const void *x, int64_t n) {                              \
-        return z_iqd_dot1((z_iq_type){z_decode_##t, grid4, mult, sizeof(moe_block_##t)}, w, x, n); \
+        return z_iqd_dot1((z_iq_type){regs, decode, grid4, mult, sizeof(moe_block_##t)}, w, x, n); \
     }
-Z_IQD_KERNELS(iq3_s, moe_iq3s_grid, 1.0f)
-
-static void z_dot_rows_iq2_s(const void *w, const void *x, size_t xs, int64_t n_rows, int64_t n,
-                             float *out, int64_t os) {
-    z_iqd_dot_rows((z_iq_type){z_decode_iq2_s, NULL, 0.125f, sizeof(moe_block_iq2_s)}, w, x, xs,
-                   n_rows, n, out, os);
-}
-/* The matvec skips the record: z_iqd_consume's steps on the registers the record is made of. */
-static float z_dot_iq2_s(const void *w, const void *x, int64_t n) {
-    const moe_block_iq2_s *b = w;
-    const moe_block_q8_k *y = x;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m512i sc = z_from_256(z_iq2_s_scales(&b[i]));
-        const moe_block_q8_k *yi = &y[i];
-        __m512i sumi = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-            z_rows_signed_madd(1, z_iq2_s_grid(&b[i], k),
-                               _cvtu64_mask64(z_load_u64(b[i].qs + 32 + 8 * k)),
-                               z_scales(sc, z_idx4(4 * k)), &yi, 64 * k, &sumi);
-        z_rows_accumulate(1, &acc, avx2_fp16(b[i].d), &yi, 0.125f, &sumi);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
+Z_IQ_KERNELS(iq3_s, Z_IQB_IQ3_S, Z_DECODE_IQ3_S, Z_GRID4_IQ3_S, 1.0f)
+Z_IQ_KERNELS(iq2_s, z_iqb_iq2_s, NULL, NULL, 0.125f)
 
 /* ==== Float types ==== */
 
@@ -683,6 +776,14 @@ static void z_attn_axpy(float *y, float a, const void *x, int x_f16, int n) {
 
 void Z_FILL(moe_kernels *k) {
     moe_type_kernels *types = k->types;
+#if MOE_AVX512_VNNI
+    for (int i = 0; i < 512; i++)
+        for (int q = 0; q < 2; q++) {
+            const unsigned lo = moe_iq3s_grid[i] >> (16 * q) & 0xff,
+                           hi = moe_iq3s_grid[i] >> (16 * q + 8) & 0xff;
+            z_iq3s_codes[q][i] = (uint8_t)((lo - 1) / 2 | (hi - 1) / 2 << 4);
+        }
+#endif
     k->attn_dot = z_attn_dot;
     k->attn_axpy = z_attn_axpy;
     static const struct {
