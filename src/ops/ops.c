@@ -162,7 +162,9 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
             for (int64_t o = o0; o < o1; o++) {
                 const uint8_t *w = j->wbase + (uint64_t)o * j->w_row_bytes;
                 float *y = j->y + r0 * j->n_out + o;
-                if (j->k->dot_rows2 && o + 1 < o1) /* two weight rows share each activation load */
+                /* two weight rows share each activation load; a lone row (decode) streams one
+                 * weight row at a time, which measured faster */
+                if (j->k->dot_rows2 && nr > 1 && o + 1 < o1)
                     j->k->dot_rows2(w, j->w_row_bytes, x, j->xq_row_bytes, nr, j->n_in, y,
                                     j->n_out),
                         o++;

@@ -506,11 +506,13 @@ MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
 #pragma GCC unroll 2
     for (int q = 0; q < 2; q++) {
         const uint8_t *t = z_iq3s_codes[q];
-        const __m512i lo = _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
+        const __m512i lo =
+            _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
         const __m512i hi =
             _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t + 256), z_lookup128(idx, t + 384));
         const __m512i c = _mm512_mask_blend_epi8(bit8, lo, hi);
-        /* 2c + 1 of each nibble: the 16-bit shifts pull in a neighbour's bits, the mask drops them */
+        /* 2c + 1 of each nibble: the 16-bit shifts pull in a neighbour's bits, the mask drops them
+         */
         r[2 * q] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(c, 1), mask, one, 0xea);
         r[2 * q + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(c, 3), mask, one, 0xea);
     }
@@ -519,9 +521,9 @@ MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
     o->signs = b->signs;
     o->d = avx2_fp16(b->d);
 }
-#define Z_IQB_IQ3_S   z_iqb_iq3_s
+#define Z_IQB_IQ3_S    z_iqb_iq3_s
 #define Z_DECODE_IQ3_S NULL
-#define Z_GRID4_IQ3_S NULL
+#define Z_GRID4_IQ3_S  NULL
 #else
 /* Without VBMI: the entries are copied (z_copy_entries), offsets computed here. */
 MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
@@ -537,9 +539,9 @@ MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
     _mm256_store_si256((__m256i *)o->sc, z_iq3_s_scales(b));
     o->d = avx2_fp16(b->d);
 }
-#define Z_IQB_IQ3_S   NULL
+#define Z_IQB_IQ3_S    NULL
 #define Z_DECODE_IQ3_S z_decode_iq3_s
-#define Z_GRID4_IQ3_S (const void *)moe_iq3s_grid
+#define Z_GRID4_IQ3_S  (const void *)moe_iq3s_grid
 #endif
 
 /* ---- The multiply, shared by every codebook type ---- */
@@ -614,8 +616,42 @@ MOE_INLINE void z_iqd_decode_chunk(z_iq_type t, const uint8_t *w, int64_t nc, z_
     for (int64_t j = 0; j < nc; j++) z_copy_entries(buf[j].g, t.grid4, at[j]);
 }
 
+/* One row, accumulator in a register: register decodes straight into the multiply (decoding
+ * block i+1 overlaps the multiplies of block i); copying decodes a chunk of records ahead. */
+MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n) {
+    const moe_block_q8_k *y = x;
+    const int64_t nb = n / MOE_QK_K;
+    __m512 acc = _mm512_setzero_ps();
+    if (t.regs && nb > 0) { /* block i + 1 decoded before block i's multiplies are issued */
+        z_iqb cur, next;
+        t.regs(w, &cur);
+        for (int64_t i = 0; i < nb; i++) {
+            if (i + 1 < nb) t.regs((const uint8_t *)w + (size_t)(i + 1) * t.block_bytes, &next);
+            const moe_block_q8_k *yi = &y[i];
+            z_iq_madd(1, cur.g, cur.signs, cur.sc, cur.d, &yi, t.mult, &acc);
+            cur = next;
+        }
+        return _mm512_reduce_add_ps(acc);
+    }
+    z_iqd buf[Z_IQD_CHUNK];
+    uint16_t at[Z_IQD_CHUNK][64];
+    for (int64_t c0 = 0; c0 < nb; c0 += Z_IQD_CHUNK) {
+        const int64_t nc = nb - c0 < Z_IQD_CHUNK ? nb - c0 : Z_IQD_CHUNK;
+        z_iqd_decode_chunk(t, (const uint8_t *)w + (size_t)c0 * t.block_bytes, nc, buf, at);
+        for (int64_t j = 0; j < nc; j++) {
+            const moe_block_q8_k *yj = &y[c0 + j];
+            z_iqd_consume(1, &buf[j], &yj, t.mult, &acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t xs, int64_t n_rows,
                                int64_t n, float *out, int64_t os) {
+    if (n_rows == 1) { /* a lone row (decode; an expert one stream routed to): no records */
+        *out = z_iqd_dot1(t, w, x, n);
+        return;
+    }
     const int64_t nb = n / MOE_QK_K;
     const uint8_t *xb = x;
     const float mult = t.mult;
@@ -646,36 +682,6 @@ MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t
             }
         }
     }
-}
-
-/* One row, accumulator in a register: register decodes straight into the multiply (decoding
- * block i+1 overlaps the multiplies of block i); copying decodes a chunk of records ahead. */
-MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n) {
-    const moe_block_q8_k *y = x;
-    const int64_t nb = n / MOE_QK_K;
-    __m512 acc = _mm512_setzero_ps();
-    if (t.regs && nb > 0) { /* block i + 1 decoded before block i's multiplies are issued */
-        z_iqb cur, next;
-        t.regs(w, &cur);
-        for (int64_t i = 0; i < nb; i++) {
-            if (i + 1 < nb) t.regs((const uint8_t *)w + (size_t)(i + 1) * t.block_bytes, &next);
-            const moe_block_q8_k *yi = &y[i];
-            z_iq_madd(1, cur.g, cur.signs, cur.sc, cur.d, &yi, t.mult, &acc);
-            cur = next;
-        }
-        return _mm512_reduce_add_ps(acc);
-    }
-    z_iqd buf[Z_IQD_CHUNK];
-    uint16_t at[Z_IQD_CHUNK][64];
-    for (int64_t c0 = 0; c0 < nb; c0 += Z_IQD_CHUNK) {
-        const int64_t nc = nb - c0 < Z_IQD_CHUNK ? nb - c0 : Z_IQD_CHUNK;
-        z_iqd_decode_chunk(t, (const uint8_t *)w + (size_t)c0 * t.block_bytes, nc, buf, at);
-        for (int64_t j = 0; j < nc; j++) {
-            const moe_block_q8_k *yj = &y[c0 + j];
-            z_iqd_consume(1, &buf[j], &yj, t.mult, &acc);
-        }
-    }
-    return _mm512_reduce_add_ps(acc);
 }
 
 #define Z_IQ_KERNELS(t, regs, decode, grid4, mult)                                                 \
