@@ -474,33 +474,46 @@ MOE_INLINE __m256i z_iq3_s_scales(const moe_block_iq3_s *b) {
  * function. */
 static uint8_t z_iq3s_codes[2][512] __attribute__((aligned(64)));
 
-/* The bytes of 64 entries of 4 (plane p in r[p]) in value order: 4 registers of 16 entries. */
-MOE_INLINE void z_interleave4(const __m512i r[4], __m512i g[4]) {
-    const __m512i t01l = _mm512_unpacklo_epi8(r[0], r[1]), t01h = _mm512_unpackhi_epi8(r[0], r[1]);
-    const __m512i t23l = _mm512_unpacklo_epi8(r[2], r[3]), t23h = _mm512_unpackhi_epi8(r[2], r[3]);
-    /* u[j], 128-bit lane L: entries 16L + 4j .. 16L + 4j + 3 */
-    const __m512i u0 = _mm512_unpacklo_epi16(t01l, t23l), u1 = _mm512_unpackhi_epi16(t01l, t23l);
-    const __m512i u2 = _mm512_unpacklo_epi16(t01h, t23h), u3 = _mm512_unpackhi_epi16(t01h, t23h);
-    /* g[k] = lane k of u0..u3: a 4 x 4 transpose of 128-bit lanes */
-    const __m512i v0 = _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512i v1 = _mm512_shuffle_i64x2(u2, u3, _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512i v2 = _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(3, 2, 3, 2));
-    const __m512i v3 = _mm512_shuffle_i64x2(u2, u3, _MM_SHUFFLE(3, 2, 3, 2));
-    g[0] = _mm512_shuffle_i64x2(v0, v1, _MM_SHUFFLE(2, 0, 2, 0));
-    g[1] = _mm512_shuffle_i64x2(v0, v1, _MM_SHUFFLE(3, 1, 3, 1));
-    g[2] = _mm512_shuffle_i64x2(v2, v3, _MM_SHUFFLE(2, 0, 2, 0));
-    g[3] = _mm512_shuffle_i64x2(v2, v3, _MM_SHUFFLE(3, 1, 3, 1));
-}
-
 /* Entries of a 128-byte table t for the low 7 bits of idx. */
 MOE_INLINE __m512i z_lookup128(__m512i idx, const uint8_t *t) {
     return _mm512_permutex2var_epi8(z_load(t), idx, z_load(t + 64));
 }
 
+/* Entries 0..63 reordered for z_interleave4: slot 16L + 4j + i holds entry 16j + 4L + i (a
+ * 4 x 4 transpose of groups of four). vpermb indices; applied to the grid indices before the
+ * lookups, it saves the 128-bit lane transpose after them. */
+MOE_INLINE __m512i z_slot_order(void) {
+    const __m512i s = _mm512_set_epi8(
+        63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41,
+        40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+        17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i three = _mm512_set1_epi8(3);
+    /* s = 16L + 4j + i -> 16j + 4L + i */
+    const __m512i l = _mm512_and_si512(_mm512_srli_epi16(s, 4), three);
+    const __m512i j = _mm512_and_si512(_mm512_srli_epi16(s, 2), three);
+    return _mm512_or_si512(_mm512_or_si512(_mm512_slli_epi16(j, 4), _mm512_slli_epi16(l, 2)),
+                           _mm512_and_si512(s, three));
+}
+
+/* The bytes of 64 entries of 4 (byte p of each in r[p], entries in z_slot_order) in value
+ * order: g[k] holds entries 16k .. 16k + 15. */
+MOE_INLINE void z_interleave4(const __m512i r[4], __m512i g[4]) {
+    const __m512i t01l = _mm512_unpacklo_epi8(r[0], r[1]), t01h = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i t23l = _mm512_unpacklo_epi8(r[2], r[3]), t23h = _mm512_unpackhi_epi8(r[2], r[3]);
+    /* 128-bit lane L of these: slots 16L + 4j .. + 3, which hold entries 16j + 4L .. + 3 */
+    g[0] = _mm512_unpacklo_epi16(t01l, t23l);
+    g[1] = _mm512_unpackhi_epi16(t01l, t23l);
+    g[2] = _mm512_unpacklo_epi16(t01h, t23h);
+    g[3] = _mm512_unpackhi_epi16(t01h, t23h);
+}
+
 MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
     const moe_block_iq3_s *b = block;
-    const __m512i idx = z_load(b->qs);
-    const __mmask64 bit7 = _mm512_movepi8_mask(idx), bit8 = _cvtu64_mask64(z_load_u64(b->qh));
+    const __m512i order = z_slot_order();
+    const __m512i idx = _mm512_permutexvar_epi8(order, z_load(b->qs));
+    const __mmask64 bit7 = _mm512_movepi8_mask(idx);
+    const __mmask64 bit8 = _mm512_movepi8_mask(
+        _mm512_permutexvar_epi8(order, _mm512_movm_epi8(_cvtu64_mask64(z_load_u64(b->qh)))));
     const __m512i mask = _mm512_set1_epi8(0x1e), one = _mm512_set1_epi8(1);
     __m512i r[4];
 #pragma GCC unroll 2
@@ -589,10 +602,13 @@ MOE_INLINE void z_iqd_rows_chunk(int R, const z_iqd *buf, int64_t c0, int64_t nc
 #define Z_IQD_CHUNK 8  /* blocks decoded per pass: 3 KiB */
 #define Z_IQD_GROUP 64 /* rows per decode of a chunk (accbuf: 4 KiB) */
 
-/* A codebook type: its decode (regs, else decode + copies from grid4), the float its block
- * scale is multiplied by after the activations' (IQ2_S: 1/8), its block size. */
+/* A codebook type: its decode (regs, else decode + copies from grid4); whether a matvec
+ * should decode a block ahead (ahead: pays where the decode is one long dependency chain, as
+ * IQ3_S's lookups; costs the copy of a block's registers where it is not, as IQ2_S's inserts);
+ * the float its block scale is multiplied by after the activations' (IQ2_S: 1/8); its size. */
 typedef struct {
     z_iqb_fn regs;
+    bool ahead;
     z_iqd_decode_fn decode;
     const void *grid4;
     float mult;
@@ -616,13 +632,13 @@ MOE_INLINE void z_iqd_decode_chunk(z_iq_type t, const uint8_t *w, int64_t nc, z_
     for (int64_t j = 0; j < nc; j++) z_copy_entries(buf[j].g, t.grid4, at[j]);
 }
 
-/* One row, accumulator in a register: register decodes straight into the multiply (decoding
- * block i+1 overlaps the multiplies of block i); copying decodes a chunk of records ahead. */
+/* One row, accumulator in a register: register decodes straight into the multiply (a block
+ * ahead where the type asks); copying decodes a chunk of records ahead. */
 MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n) {
     const moe_block_q8_k *y = x;
     const int64_t nb = n / MOE_QK_K;
     __m512 acc = _mm512_setzero_ps();
-    if (t.regs && nb > 0) { /* block i + 1 decoded before block i's multiplies are issued */
+    if (t.regs && t.ahead && nb > 0) { /* block i + 1 decoded before block i's multiplies */
         z_iqb cur, next;
         t.regs(w, &cur);
         for (int64_t i = 0; i < nb; i++) {
@@ -630,6 +646,15 @@ MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n
             const moe_block_q8_k *yi = &y[i];
             z_iq_madd(1, cur.g, cur.signs, cur.sc, cur.d, &yi, t.mult, &acc);
             cur = next;
+        }
+        return _mm512_reduce_add_ps(acc);
+    }
+    if (t.regs) {
+        for (int64_t i = 0; i < nb; i++) {
+            z_iqb b;
+            t.regs((const uint8_t *)w + (size_t)i * t.block_bytes, &b);
+            const moe_block_q8_k *yi = &y[i];
+            z_iq_madd(1, b.g, b.signs, b.sc, b.d, &yi, t.mult, &acc);
         }
         return _mm512_reduce_add_ps(acc);
     }
@@ -684,17 +709,18 @@ MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t
     }
 }
 
-#define Z_IQ_KERNELS(t, regs, decode, grid4, mult)                                                 \
+#define Z_IQ_KERNELS(t, regs, ahead, decode, grid4, mult)                                          \
     static void z_dot_rows_##t(const void *w, const void *x, size_t xs, int64_t n_rows, int64_t n, \
                                float *out, int64_t os) {                                           \
-        z_iqd_dot_rows((z_iq_type){regs, decode, grid4, mult, sizeof(moe_block_##t)}, w, x, xs,    \
-                       n_rows, n, out, os);                                                        \
+        z_iqd_dot_rows((z_iq_type){regs, ahead, decode, grid4, mult, sizeof(moe_block_##t)}, w, x, \
+                       xs, n_rows, n, out, os);                                                    \
     }                                                                                              \
     static float z_dot_##t(const void *w, const void *x, int64_t n) {                              \
-        return z_iqd_dot1((z_iq_type){regs, decode, grid4, mult, sizeof(moe_block_##t)}, w, x, n); \
+        return z_iqd_dot1((z_iq_type){regs, ahead, decode, grid4, mult, sizeof(moe_block_##t)}, w, \
+                          x, n);                                                                   \
     }
-Z_IQ_KERNELS(iq3_s, Z_IQB_IQ3_S, Z_DECODE_IQ3_S, Z_GRID4_IQ3_S, 1.0f)
-Z_IQ_KERNELS(iq2_s, z_iqb_iq2_s, NULL, NULL, 0.125f)
+Z_IQ_KERNELS(iq3_s, Z_IQB_IQ3_S, true, Z_DECODE_IQ3_S, Z_GRID4_IQ3_S, 1.0f)
+Z_IQ_KERNELS(iq2_s, z_iqb_iq2_s, false, NULL, NULL, 0.125f)
 
 /* ==== Float types ==== */
 
