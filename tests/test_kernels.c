@@ -449,19 +449,21 @@ static void version_names_kernel_table(void **state) {
     free(out);
 }
 
-/* The attention score dot and axpy of every level equal the reference bit for bit (they fix
- * ggml's summation order), over f32 and f16 cache rows, at every length 1..130 (tails). */
+/* The attention scores and mix of every level equal the reference bit for bit (they fix ggml's
+ * summation order), over f32 and f16 cache rows 133 values apart, at every head length 1..130
+ * (tails) and 1, 3, 5 keys. */
 static void attention_kernels_bit_exact(void **state) {
     (void)state;
-    enum { N = 130 };
-    float q[N], kf[N], y0[N], y1[N];
-    uint16_t kh[N];
+    enum { N = 130, KV = 5, STRIDE = N + 3 };
+    float q[N], kf[KV * STRIDE], y0[N], y1[N], s0[KV], s1[KV], p[KV];
+    uint16_t kh[KV * STRIDE];
     uint64_t rng = 77;
-    for (int i = 0; i < N; i++) {
-        q[i] = (float)moe_rng_gaussian(&rng);
+    for (int i = 0; i < N; i++) q[i] = (float)moe_rng_gaussian(&rng);
+    for (int i = 0; i < KV * STRIDE; i++) {
         kf[i] = (float)moe_rng_gaussian(&rng) * 3.0f;
         kh[i] = moe_f32_to_fp16(kf[i]);
     }
+    for (int j = 0; j < KV; j++) p[j] = (float)moe_rng_uniform(&rng);
     const moe_kernels *ref = moe_kernels_for_isa(MOE_ISA_SCALAR);
     int checked = 0;
     for (int level = MOE_ISA_SCALAR; level < MOE_ISA_COUNT; level++) {
@@ -469,23 +471,25 @@ static void attention_kernels_bit_exact(void **state) {
         if (!k) continue;
         for (int f16 = 0; f16 < 2; f16++) {
             const void *kv = f16 ? (const void *)kh : (const void *)kf;
-            for (int n = 1; n <= N; n++) {
-                const float a = ref->attn_dot(q, kv, f16, n), b = k->attn_dot(q, kv, f16, n);
-                if (memcmp(&a, &b, sizeof a) != 0)
-                    fail_msg("%s attn_dot f16=%d n=%d: %.9g vs reference %.9g", k->name, f16, n, b,
-                             a);
-                memcpy(y0, q, sizeof q);
-                memcpy(y1, q, sizeof q);
-                ref->attn_axpy(y0, 0.37f, kv, f16, n);
-                k->attn_axpy(y1, 0.37f, kv, f16, n);
-                if (memcmp(y0, y1, sizeof y0) != 0)
-                    fail_msg("%s attn_axpy f16=%d n=%d differs from the reference", k->name, f16,
-                             n);
-                checked++;
-            }
+            for (int n = 1; n <= N; n++)
+                for (int n_kv = 1; n_kv <= KV; n_kv += 2) {
+                    ref->attn_scores(q, kv, STRIDE, n_kv, f16, n, 0.3f, s0);
+                    k->attn_scores(q, kv, STRIDE, n_kv, f16, n, 0.3f, s1);
+                    if (memcmp(s0, s1, sizeof(float) * (size_t)n_kv) != 0)
+                        fail_msg("%s attn_scores f16=%d n=%d n_kv=%d: %.9g vs reference %.9g",
+                                 k->name, f16, n, n_kv, s1[0], s0[0]);
+                    memcpy(y0, q, sizeof q);
+                    memcpy(y1, q, sizeof q);
+                    ref->attn_mix(y0, p, kv, STRIDE, n_kv, f16, n);
+                    k->attn_mix(y1, p, kv, STRIDE, n_kv, f16, n);
+                    if (memcmp(y0, y1, sizeof y0) != 0)
+                        fail_msg("%s attn_mix f16=%d n=%d n_kv=%d differs from the reference",
+                                 k->name, f16, n, n_kv);
+                    checked++;
+                }
         }
     }
-    assert_true(checked >= 2 * N);
+    assert_true(checked >= 2 * N * 3);
 }
 
 int moe_suite_kernels(void) {

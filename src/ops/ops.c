@@ -256,24 +256,17 @@ static inline const void *kv_elem(const void *base, int f16, int64_t i) {
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
                        int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out,
                        float *scores) {
-    const moe_kernels *kern = moe_kernels_get(); /* the score dot and axpy of the ISA table */
+    const moe_kernels *kern = moe_kernels_get(); /* the attention kernels of the ISA table */
     const int group = s->n_head / s->n_head_kv;
     for (int h = 0; h < s->n_head; h++) {
         const int hk = h / group;
-        const float *qh = q + (int64_t)h * s->head_dim_k;
-        for (int64_t j = 0; j < n_kv; j++) {
-            const int64_t kofs = j * k_stride + (int64_t)hk * s->head_dim_k;
-            const float dot =
-                kern->attn_dot(qh, kv_elem(k, s->kv_f16, kofs), s->kv_f16, s->head_dim_k);
-            scores[j] = dot * s->scale;
-        }
+        kern->attn_scores(q + (int64_t)h * s->head_dim_k,
+                          kv_elem(k, s->kv_f16, (int64_t)hk * s->head_dim_k), k_stride, n_kv,
+                          s->kv_f16, s->head_dim_k, s->scale, scores);
         softmax_sink(scores, n_kv, s->sinks ? s->sinks[h] : -INFINITY);
         float *oh = out + (int64_t)h * s->head_dim_v;
         memset(oh, 0, sizeof(float) * (size_t)s->head_dim_v);
-        for (int64_t j = 0; j < n_kv; j++) {
-            const int64_t vofs = j * v_stride + (int64_t)hk * s->head_dim_v;
-            const float p = scores[j];
-            kern->attn_axpy(oh, p, kv_elem(v, s->kv_f16, vofs), s->kv_f16, s->head_dim_v);
-        }
+        kern->attn_mix(oh, scores, kv_elem(v, s->kv_f16, (int64_t)hk * s->head_dim_v), v_stride,
+                       n_kv, s->kv_f16, s->head_dim_v);
     }
 }

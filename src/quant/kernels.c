@@ -49,8 +49,8 @@ static void build_scalar(moe_kernels *k) {
 static void build(void) {
     const moe_isa top = moe_cpu_isa_supported();
     build_scalar(&tables[MOE_ISA_SCALAR]);
-    tables[MOE_ISA_SCALAR].attn_dot = moe_ref_attn_dot;
-    tables[MOE_ISA_SCALAR].attn_axpy = moe_ref_attn_axpy;
+    tables[MOE_ISA_SCALAR].attn_scores = moe_ref_attn_scores;
+    tables[MOE_ISA_SCALAR].attn_mix = moe_ref_attn_mix;
     for (int level = MOE_ISA_SCALAR + 1; level <= (int)top; level++) {
         tables[level] = tables[level - 1];
         switch ((moe_isa)level) {

@@ -416,7 +416,7 @@ static inline float kv_value(const void *base, int f16, int64_t i) {
     return f16 ? moe_fp16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-float moe_ref_attn_dot(const float *q, const void *k, int k_f16, int n) {
+static float attn_dot(const float *q, const void *k, int k_f16, int n) {
     enum { LANES = 8, ACCS = 4, STEP = LANES * ACCS };
     const int whole = n & ~(STEP - 1);
     float acc[ACCS][LANES] = {{0}};
@@ -438,9 +438,19 @@ float moe_ref_attn_dot(const float *q, const void *k, int k_f16, int n) {
     return sum;
 }
 
-void moe_ref_attn_axpy(float *y, float a, const void *x, int x_f16, int n) {
-    for (int d = 0; d < n; d++) {
-        const float prod = a * kv_value(x, x_f16, d);
-        y[d] += prod;
+void moe_ref_attn_scores(const float *q, const void *k, int64_t stride, int64_t n_kv, int f16,
+                         int n, float scale, float *out) {
+    for (int64_t j = 0; j < n_kv; j++)
+        out[j] = attn_dot(q, (const uint8_t *)k + j * stride * (f16 ? 2 : 4), f16, n) * scale;
+}
+
+void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride, int64_t n_kv,
+                      int f16, int n) {
+    for (int64_t j = 0; j < n_kv; j++) {
+        const void *vj = (const uint8_t *)v + j * stride * (f16 ? 2 : 4);
+        for (int d = 0; d < n; d++) {
+            const float prod = p[j] * kv_value(vj, f16, d);
+            y[d] += prod;
+        }
     }
 }

@@ -710,7 +710,7 @@ MOE_INLINE __m256 load8_kv(const void *x, int f16, int i) {
                : _mm256_loadu_ps((const float *)x + i);
 }
 
-static float attn_dot(const float *q, const void *k, int k_f16, int n) {
+MOE_INLINE float attn_dot(const float *q, const void *k, int k_f16, int n) {
     const int whole = n & ~31;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
@@ -732,20 +732,45 @@ static float attn_dot(const float *q, const void *k, int k_f16, int n) {
     return sum;
 }
 
-void moe_avx2_attn_axpy(float *y, float a, const void *x, int x_f16, int n) {
-    const __m256 va = _mm256_set1_ps(a);
+static void attn_scores(const float *q, const void *k, int64_t stride, int64_t n_kv, int f16, int n,
+                        float scale, float *out) {
+    for (int64_t j = 0; j < n_kv; j++)
+        out[j] = attn_dot(q, (const uint8_t *)k + j * stride * (f16 ? 2 : 4), f16, n) * scale;
+}
+
+/* y[d] += p[j] * v_j[d], key after key; 64 values of y stay in registers across all keys. */
+void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride, int64_t n_kv,
+                       int f16, int n) {
+    const size_t es = f16 ? 2 : 4;
     int d = 0;
-    for (; d + 8 <= n; d += 8)
-        _mm256_storeu_ps(
-            y + d, _mm256_add_ps(_mm256_loadu_ps(y + d), _mm256_mul_ps(va, load8_kv(x, x_f16, d))));
+    for (; d + 64 <= n; d += 64) {
+        __m256 acc[8];
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_loadu_ps(y + d + 8 * u);
+        for (int64_t j = 0; j < n_kv; j++) {
+            const __m256 a = _mm256_set1_ps(p[j]);
+            const void *vj = (const uint8_t *)v + (size_t)(j * stride) * es;
+            for (int u = 0; u < 8; u++)
+                acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(a, load8_kv(vj, f16, d + 8 * u)));
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(y + d + 8 * u, acc[u]);
+    }
+    for (; d + 8 <= n; d += 8) {
+        __m256 acc = _mm256_loadu_ps(y + d);
+        for (int64_t j = 0; j < n_kv; j++)
+            acc = _mm256_add_ps(
+                acc,
+                _mm256_mul_ps(_mm256_set1_ps(p[j]),
+                              load8_kv((const uint8_t *)v + (size_t)(j * stride) * es, f16, d)));
+        _mm256_storeu_ps(y + d, acc);
+    }
     if (d < n)
-        moe_ref_attn_axpy(y + d, a, (const uint8_t *)x + (size_t)d * (x_f16 ? 2 : 4), x_f16, n - d);
+        moe_ref_attn_mix(y + d, p, (const uint8_t *)v + (size_t)d * es, stride, n_kv, f16, n - d);
 }
 
 void moe_kernels_fill_avx2(moe_kernels *k) {
     moe_type_kernels *types = k->types;
-    k->attn_dot = attn_dot;
-    k->attn_axpy = moe_avx2_attn_axpy;
+    k->attn_scores = attn_scores;
+    k->attn_mix = moe_avx2_attn_mix;
     static const struct {
         moe_type type;
         moe_dot_fn dot;

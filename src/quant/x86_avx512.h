@@ -771,7 +771,7 @@ MOE_INLINE __m512 z_load16_kv(const void *x, int f16, int i) {
 
 /* The AVX2 dot's four 8-lane accumulators as two registers: [0 | 1] and [2 | 3]; their sum is
  * [0+2 | 1+3], whose halves added give the AVX2 fold (0+2) + (1+3) lane for lane. */
-static float z_attn_dot(const float *q, const void *k, int k_f16, int n) {
+MOE_INLINE float z_attn_dot(const float *q, const void *k, int k_f16, int n) {
     const int whole = n & ~31;
     __m512 a01 = _mm512_setzero_ps(), a23 = _mm512_setzero_ps();
     for (int i = 0; i < whole; i += 32) {
@@ -793,15 +793,30 @@ static float z_attn_dot(const float *q, const void *k, int k_f16, int n) {
     return sum;
 }
 
-static void z_attn_axpy(float *y, float a, const void *x, int x_f16, int n) {
-    const __m512 va = _mm512_set1_ps(a);
+static void z_attn_scores(const float *q, const void *k, int64_t stride, int64_t n_kv, int f16,
+                          int n, float scale, float *out) {
+    for (int64_t j = 0; j < n_kv; j++)
+        out[j] = z_attn_dot(q, (const uint8_t *)k + j * stride * (f16 ? 2 : 4), f16, n) * scale;
+}
+
+/* y[d] += p[j] * v_j[d], key after key; 128 values of y stay in registers across all keys. */
+static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride, int64_t n_kv,
+                       int f16, int n) {
+    const size_t es = f16 ? 2 : 4;
     int d = 0;
-    for (; d + 16 <= n; d += 16)
-        _mm512_storeu_ps(y + d, _mm512_add_ps(_mm512_loadu_ps(y + d),
-                                              _mm512_mul_ps(va, z_load16_kv(x, x_f16, d))));
+    for (; d + 128 <= n; d += 128) {
+        __m512 acc[8];
+        for (int u = 0; u < 8; u++) acc[u] = _mm512_loadu_ps(y + d + 16 * u);
+        for (int64_t j = 0; j < n_kv; j++) {
+            const __m512 a = _mm512_set1_ps(p[j]);
+            const void *vj = (const uint8_t *)v + (size_t)(j * stride) * es;
+            for (int u = 0; u < 8; u++)
+                acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(a, z_load16_kv(vj, f16, d + 16 * u)));
+        }
+        for (int u = 0; u < 8; u++) _mm512_storeu_ps(y + d + 16 * u, acc[u]);
+    }
     if (d < n)
-        moe_avx2_attn_axpy(y + d, a, (const uint8_t *)x + (size_t)d * (x_f16 ? 2 : 4), x_f16,
-                           n - d);
+        moe_avx2_attn_mix(y + d, p, (const uint8_t *)v + (size_t)d * es, stride, n_kv, f16, n - d);
 }
 
 /* ==== The table ==== */
@@ -816,8 +831,8 @@ void Z_FILL(moe_kernels *k) {
             z_iq3s_codes[q][i] = (uint8_t)((lo - 1) / 2 | (hi - 1) / 2 << 4);
         }
 #endif
-    k->attn_dot = z_attn_dot;
-    k->attn_axpy = z_attn_axpy;
+    k->attn_scores = z_attn_scores;
+    k->attn_mix = z_attn_mix;
     static const struct {
         moe_type type;
         moe_dot_fn dot;
