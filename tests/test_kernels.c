@@ -319,7 +319,8 @@ static void dots_match_reference_on_random_rows(void **state) {
  * the level's own dot on that row to the last bit (memcmp, so -0.0 and NaN payloads count).
  * This is what keeps a batch of streams giving each stream exactly what it gets alone. Also
  * asserts that the levels which claim a many-row kernel for the types the engine leans on
- * (IQ2_S, IQ3_S, Q4_K, Q6_K, Q8_0) really install one, so the test compares real kernels. */
+ * (IQ2_S, IQ3_S, Q4_K, Q6_K, Q8_0; IQ2_XXS, IQ2_XS, IQ3_XXS from avx512vnni) really install
+ * one, so the test compares real kernels. */
 static void dot_rows_equal_single_rows(void **state) {
     (void)state;
     static const int64_t blocks[] = {1, 3, 8, 25};
@@ -379,9 +380,12 @@ static void dot_rows_equal_single_rows(void **state) {
             }
         }
         if (level >= MOE_ISA_AVX2) {
-            static const moe_type gemm_types[] = {MOE_TYPE_IQ2_S, MOE_TYPE_IQ3_S, MOE_TYPE_Q4_K,
-                                                  MOE_TYPE_Q6_K, MOE_TYPE_Q8_0};
-            for (size_t i = 0; i < sizeof gemm_types / sizeof gemm_types[0]; i++)
+            static const moe_type gemm_types[] = {
+                MOE_TYPE_IQ2_S, MOE_TYPE_IQ3_S,   MOE_TYPE_Q4_K,   MOE_TYPE_Q6_K,
+                MOE_TYPE_Q8_0,  MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ2_XS, MOE_TYPE_IQ3_XXS};
+            /* the last three from the VNNI+VBMI level on */
+            const size_t n = level >= MOE_ISA_AVX512VNNI ? 8 : 5;
+            for (size_t i = 0; i < n; i++)
                 if (!k->types[gemm_types[i]].dot_rows)
                     fail_msg("%s: no many-row kernel for %s", k->name,
                              moe_type_name(gemm_types[i]));

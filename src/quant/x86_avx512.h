@@ -381,12 +381,12 @@ typedef struct {
     float d;         /* the block's float scale */
 } __attribute__((aligned(64))) z_iqd;
 
-/* A codebook block in registers: the magnitudes of its four 64-value chunks, its sixteen
- * integer scales (one per 16 values), its 32 sign bytes (in the weights) and its float scale. */
+/* A codebook block in registers: the magnitudes of its four 64-value chunks, its sign bits
+ * (one word per chunk), its sixteen integer scales (one per 16 values), its float scale. */
 typedef struct {
     __m512i g[4];
+    uint64_t neg[4];
     __m256i sc;
-    const uint8_t *signs;
     float d;
 } z_iqb;
 
@@ -417,18 +417,49 @@ MOE_INLINE void z_copy_entries(uint8_t *dst, const uint8_t *grid, const uint16_t
     }
 }
 
-/* The 32 sign bytes at src as the record's four sign words, one 8-byte store each: the
- * multiply loop reads them back 8 bytes at a time, and a load that a wider store has to
- * forward waits for that store to reach the cache. */
-MOE_INLINE void z_put_signs(z_iqd *o, const uint8_t *src) {
-    for (int k = 0; k < 4; k++)
-        __asm__("movq %1, %0" : "=m"(o->neg[k]) : "r"(z_load_u64(src + 8 * k)));
+/* Four sign words into a record, one 8-byte store each: the multiply loop reads them back 8
+ * bytes at a time, and a load that a wider store has to forward waits for that store to reach
+ * the cache. */
+MOE_INLINE void z_put_neg(z_iqd *o, const uint64_t neg[4]) {
+    for (int k = 0; k < 4; k++) __asm__("movq %1, %0" : "=m"(o->neg[k]) : "r"(neg[k]));
 }
+/* The 32 sign bytes of a block (a bit per value) as four sign words. */
+MOE_INLINE void z_sign_words(const uint8_t *src, uint64_t neg[4]) {
+    for (int k = 0; k < 4; k++) neg[k] = z_load_u64(src + 8 * k);
+}
+
+#if MOE_AVX512_VNNI
+/* ---- ksigns, for IQ2_XXS, IQ2_XS, IQ3_XXS (VBMI only: without it those keep the AVX2
+ * kernels, whose scalar sign lookups are as fast as any this level could do) ---- */
+
+/* Sign words from ksigns indices: value 8j + i of a block is negative where bit i of
+ * moe_ksigns_iq2xs[idx[j]] is set (32 indices of 7 bits, one vpermi2b). */
+MOE_INLINE void z_ksigns(__m256i idx, uint64_t neg[4]) {
+    const uint8_t *t = moe_ksigns_iq2xs;
+    const __m256i s = _mm512_castsi512_si256(
+        _mm512_permutex2var_epi8(z_load(t), _mm512_castsi256_si512(idx), z_load(t + 64)));
+    const __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
+    neg[0] = (uint64_t)_mm_cvtsi128_si64(lo), neg[1] = (uint64_t)_mm_extract_epi64(lo, 1);
+    neg[2] = (uint64_t)_mm_cvtsi128_si64(hi), neg[3] = (uint64_t)_mm_extract_epi64(hi, 1);
+}
+/* The 32 ksigns indices of 8 words holding four 7-bit fields each (bits 0, 7, 14, 21), word
+ * after word: IQ2_XXS and IQ3_XXS. */
+MOE_INLINE __m256i z_ksign_fields(__m256i words) {
+    const __m256i at = _mm256_set1_epi64x(0x352e2720150e0700); /* 0 7 14 21 32 39 46 53 */
+    return _mm256_and_si256(_mm256_multishift_epi64_epi8(at, words), _mm256_set1_epi8(0x7f));
+}
+/* Sixteen scales from eight 4-bit ones in the top bits of 8 words (2s + 1 for 32 values). */
+MOE_INLINE __m256i z_top4_scales(__m256i words) {
+    const __m256i s =
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(words, 28), 1), _mm256_set1_epi32(1));
+    return _mm256_or_si256(s, _mm256_slli_epi32(s, 16)); /* each word as two int16 lanes */
+}
+#endif
 
 MOE_INLINE void z_iqd_from_regs(const z_iqb *b, z_iqd *o) {
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) _mm512_store_si512(o->g + 64 * k, b->g[k]);
-    z_put_signs(o, b->signs);
+    z_put_neg(o, b->neg);
     _mm256_store_si256((__m256i *)o->sc, b->sc);
     o->d = b->d;
 }
@@ -454,9 +485,49 @@ MOE_INLINE void z_iqb_iq2_s(const void *block, z_iqb *o) {
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) o->g[k] = z_iq2_s_grid(b, k);
     o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
-    o->signs = b->qs + 32;
+    z_sign_words(b->qs + 32, o->neg);
     o->d = avx2_fp16(b->d);
 }
+
+#if MOE_AVX512_VNNI
+/* IQ2_XXS: per 32 values 4 grid index bytes (8-value entries) and a word of four 7-bit ksigns
+ * indices | a 4-bit scale << 28. Entries put together in registers, as IQ2_S's. */
+MOE_INLINE void z_iqb_iq2_xxs(const void *block, z_iqb *o) {
+    const moe_block_iq2_xxs *b = block;
+    const uint8_t *q = (const uint8_t *)b->qs;
+    const uint64_t *grid = moe_iq2xxs_grid;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *a = q + 16 * k, *c = a + 8;
+        o->g[k] = z_join(avx2_grid4(grid[a[0]], grid[a[1]], grid[a[2]], grid[a[3]]),
+                         avx2_grid4(grid[c[0]], grid[c[1]], grid[c[2]], grid[c[3]]));
+    }
+    /* the odd words of the 64 bytes: the sign-and-scale words */
+    const __m256i words = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+        _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0), z_load(q)));
+    z_ksigns(z_ksign_fields(words), o->neg);
+    o->sc = z_top4_scales(words);
+    o->d = avx2_fp16(b->d);
+}
+
+/* IQ2_XS: per 8 values a word of a 9-bit grid index | a 7-bit ksigns index << 9; a scale per
+ * 16 values as IQ2_S's. */
+MOE_INLINE void z_iqb_iq2_xs(const void *block, z_iqb *o) {
+    const moe_block_iq2_xs *b = block;
+    const uint16_t *q = b->qs;
+    const uint64_t *grid = moe_iq2xs_grid;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const uint16_t *a = q + 8 * k;
+        o->g[k] = z_join(
+            avx2_grid4(grid[a[0] & 511], grid[a[1] & 511], grid[a[2] & 511], grid[a[3] & 511]),
+            avx2_grid4(grid[a[4] & 511], grid[a[5] & 511], grid[a[6] & 511], grid[a[7] & 511]));
+    }
+    z_ksigns(_mm512_cvtepi16_epi8(_mm512_srli_epi16(z_load(q), 9)), o->neg);
+    o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
+    o->d = avx2_fp16(b->d);
+}
+#endif
 
 /* IQ3_S: 64 entries of 4 values, index = qs byte | qh bit << 8 (qh read as a 64-bit mask); a
  * scale per 32 values, stored twice. */
@@ -531,7 +602,7 @@ MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
     }
     z_interleave4(r, o->g);
     o->sc = z_iq3_s_scales(b);
-    o->signs = b->signs;
+    z_sign_words(b->signs, o->neg);
     o->d = avx2_fp16(b->d);
 }
 #define Z_IQB_IQ3_S    z_iqb_iq3_s
@@ -548,7 +619,9 @@ MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
         const __m512i idx = _mm512_mask_add_epi16(lo, (__mmask32)(qh >> (32 * half)), lo, bit8);
         _mm512_storeu_si512(at + 32 * half, _mm512_slli_epi16(idx, 2));
     }
-    z_put_signs(o, b->signs);
+    uint64_t neg[4];
+    z_sign_words(b->signs, neg);
+    z_put_neg(o, neg);
     _mm256_store_si256((__m256i *)o->sc, z_iq3_s_scales(b));
     o->d = avx2_fp16(b->d);
 }
@@ -557,19 +630,51 @@ MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
 #define Z_GRID4_IQ3_S  (const void *)moe_iq3s_grid
 #endif
 
+#if MOE_AVX512_VNNI
+/* IQ3_XXS: 64 grid index bytes (4-value entries of 4, 12, .. 52, 62), then per 32 values a word
+ * of four 7-bit ksigns indices | a 4-bit scale << 28. Looked up as IQ3_S: the 3-bit codes of entry
+ * bytes 0, 1 (2, 3) in a 256-byte plane, two vpermi2b tables each (bit 7 picks), then codes to
+ * values with vpshufb. z_iq3xxs_codes is filled by the table's fill function. */
+static uint8_t z_iq3xxs_codes[2][256] __attribute__((aligned(64)));
+static const uint8_t z_iq3xxs_values[16] = {4, 12, 20, 28, 36, 44, 52, 62};
+
+MOE_INLINE void z_iqb_iq3_xxs(const void *block, z_iqb *o) {
+    const moe_block_iq3_xxs *b = block;
+    const __m512i idx = _mm512_permutexvar_epi8(z_slot_order(), z_load(b->qs));
+    const __mmask64 bit7 = _mm512_movepi8_mask(idx);
+    const __m512i values =
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)z_iq3xxs_values));
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512i r[4];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; q++) {
+        const uint8_t *t = z_iq3xxs_codes[q];
+        const __m512i c =
+            _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
+        r[2 * q] = _mm512_shuffle_epi8(values, _mm512_and_si512(c, low4));
+        r[2 * q + 1] = _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srli_epi16(c, 4), low4));
+    }
+    z_interleave4(r, o->g);
+    const __m256i words = avx2_load(b->qs + 64);
+    z_ksigns(z_ksign_fields(words), o->neg);
+    o->sc = z_top4_scales(words);
+    o->d = avx2_fp16(b->d);
+}
+#endif
+
 /* ---- The multiply, shared by every codebook type ---- */
 
-/* acc[r] += row r's dot with one block (y[r]: row r's Q8_K block): magnitudes g, the block's 32
- * sign bytes at signs, sixteen scales sc, float scale d. */
-MOE_INLINE void z_iq_madd(int R, const __m512i *g, const uint8_t *signs, __m256i sc, float d,
+/* acc[r] += row r's dot with one block (y[r]: row r's Q8_K block): magnitudes g, sign words
+ * neg, sixteen scales sc, float scale d. */
+MOE_INLINE void z_iq_madd(int R, const __m512i *g, const uint64_t *neg, __m256i sc, float d,
                           const moe_block_q8_k *const *y, float mult, __m512 *acc) {
     const __m512i sc512 = z_from_256(sc);
     __m512i sumi[MOE_Z_ROWS];
     for (int r = 0; r < R; r++) sumi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
-        z_rows_signed_madd(R, g[k], _cvtu64_mask64(z_load_u64(signs + 8 * k)),
-                           z_scales(sc512, z_idx4(4 * k)), y, 64 * k, sumi);
+        z_rows_signed_madd(R, g[k], _cvtu64_mask64(neg[k]), z_scales(sc512, z_idx4(4 * k)), y,
+                           64 * k, sumi);
     z_rows_accumulate(R, acc, d, y, mult, sumi);
 }
 
@@ -577,8 +682,7 @@ MOE_INLINE void z_iqd_consume(int R, const z_iqd *blk, const moe_block_q8_k *con
                               __m512 *acc) {
     __m512i g[4];
     for (int k = 0; k < 4; k++) g[k] = _mm512_load_si512(blk->g + 64 * k);
-    z_iq_madd(R, g, (const uint8_t *)blk->neg, _mm256_load_si256((const __m256i *)blk->sc), blk->d,
-              y, mult, acc);
+    z_iq_madd(R, g, blk->neg, _mm256_load_si256((const __m256i *)blk->sc), blk->d, y, mult, acc);
 }
 
 /* Rows r0..r0+R-1 of x against decoded blocks c0..c0+nc-1; acc in / out through accbuf unless
@@ -644,7 +748,7 @@ MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n
         for (int64_t i = 0; i < nb; i++) {
             if (i + 1 < nb) t.regs((const uint8_t *)w + (size_t)(i + 1) * t.block_bytes, &next);
             const moe_block_q8_k *yi = &y[i];
-            z_iq_madd(1, cur.g, cur.signs, cur.sc, cur.d, &yi, t.mult, &acc);
+            z_iq_madd(1, cur.g, cur.neg, cur.sc, cur.d, &yi, t.mult, &acc);
             cur = next;
         }
         return _mm512_reduce_add_ps(acc);
@@ -654,7 +758,7 @@ MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n
             z_iqb b;
             t.regs((const uint8_t *)w + (size_t)i * t.block_bytes, &b);
             const moe_block_q8_k *yi = &y[i];
-            z_iq_madd(1, b.g, b.signs, b.sc, b.d, &yi, t.mult, &acc);
+            z_iq_madd(1, b.g, b.neg, b.sc, b.d, &yi, t.mult, &acc);
         }
         return _mm512_reduce_add_ps(acc);
     }
@@ -721,6 +825,11 @@ MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t
     }
 Z_IQ_KERNELS(iq3_s, Z_IQB_IQ3_S, true, Z_DECODE_IQ3_S, Z_GRID4_IQ3_S, 1.0f)
 Z_IQ_KERNELS(iq2_s, z_iqb_iq2_s, false, NULL, NULL, 0.125f)
+#if MOE_AVX512_VNNI
+Z_IQ_KERNELS(iq2_xxs, z_iqb_iq2_xxs, false, NULL, NULL, 0.125f)
+Z_IQ_KERNELS(iq2_xs, z_iqb_iq2_xs, false, NULL, NULL, 0.125f)
+Z_IQ_KERNELS(iq3_xxs, z_iqb_iq3_xxs, true, NULL, NULL, 0.25f)
+#endif
 
 /* ==== Float types ==== */
 
@@ -830,6 +939,16 @@ void Z_FILL(moe_kernels *k) {
                            hi = moe_iq3s_grid[i] >> (16 * q + 8) & 0xff;
             z_iq3s_codes[q][i] = (uint8_t)((lo - 1) / 2 | (hi - 1) / 2 << 4);
         }
+    for (int i = 0; i < 256; i++)
+        for (int q = 0; q < 2; q++) {
+            unsigned c[2];
+            for (int h = 0; h < 2; h++) {
+                const unsigned v = moe_iq3xxs_grid[i] >> (16 * q + 8 * h) & 0xff;
+                c[h] = 0;
+                while (z_iq3xxs_values[c[h]] != v) c[h]++;
+            }
+            z_iq3xxs_codes[q][i] = (uint8_t)(c[0] | c[1] << 4);
+        }
 #endif
     k->attn_scores = z_attn_scores;
     k->attn_mix = z_attn_mix;
@@ -852,6 +971,11 @@ void Z_FILL(moe_kernels *k) {
         {MOE_TYPE_IQ4_XS, z_dot_iq4_xs, NULL},
         {MOE_TYPE_IQ3_S, z_dot_iq3_s, z_dot_rows_iq3_s},
         {MOE_TYPE_IQ2_S, z_dot_iq2_s, z_dot_rows_iq2_s},
+#if MOE_AVX512_VNNI
+        {MOE_TYPE_IQ2_XXS, z_dot_iq2_xxs, z_dot_rows_iq2_xxs},
+        {MOE_TYPE_IQ2_XS, z_dot_iq2_xs, z_dot_rows_iq2_xs},
+        {MOE_TYPE_IQ3_XXS, z_dot_iq3_xxs, z_dot_rows_iq3_xxs},
+#endif
     };
     for (size_t i = 0; i < sizeof dots / sizeof dots[0]; i++)
         moe_kernels_set_dot(types, dots[i].type, dots[i].dot, dots[i].dot_rows, Z_LEVEL);
