@@ -537,12 +537,11 @@ MOE_INLINE __m256i z_iq3_s_scales(const moe_block_iq3_s *b) {
 }
 #if MOE_AVX512_VNNI
 /* With VBMI the grid lives within reach of vpermi2b. Its bytes are 1, 3, .. 15, so byte p of
- * an entry is a 3-bit code c (value 2c + 1), and the codes of bytes 0, 1 (and 2, 3) of every
- * entry fit one byte: two 512-byte planes, four 128-byte tables each (index bits 0..6; bits 7
- * and 8 pick the table). All 64 entries of a block are looked up at once, a plane at a time,
- * then spread to values and interleaved back into value order: 8 vpermi2b a block, which is
- * what the decode costs (about 2 cycles each here). z_iq3s_codes is filled by the table's fill
- * function. */
+ * an entry is a 3-bit code, and the codes of bytes 0, 1 (and 2, 3) of every entry fit one byte:
+ * two 512-byte planes, four 128-byte tables each (index bits 0..6; bits 7 and 8 pick the
+ * table). All 64 entries of a block are looked up at once, a plane at a time, then turned to
+ * values (vpshufb) and interleaved back into value order (z_lookup_planes): 8 vpermi2b a
+ * block. z_iq3s_codes is filled by the table's fill function. */
 static uint8_t z_iq3s_codes[2][512] __attribute__((aligned(64)));
 
 /* Entries of a 128-byte table t for the low 7 bits of idx. */
@@ -578,29 +577,45 @@ MOE_INLINE void z_interleave4(const __m512i r[4], __m512i g[4]) {
     g[3] = _mm512_unpackhi_epi16(t01h, t23h);
 }
 
+/* The values of the codes in the low (hi = 0) or high nibbles of c: IQ3_S's are 2c + 1, two
+ * ALU operations (the 16-bit shifts pull in a neighbour's bits, the mask drops them); IQ3_XXS's
+ * 4, 12, .. 52, 62 come from a vpshufb table. The shuffle unit is what these decodes wait on,
+ * so arithmetic wins where it exists. */
+typedef __m512i (*z_code_values_fn)(__m512i c, int hi);
+MOE_INLINE __m512i z_iq3s_values(__m512i c, int hi) {
+    const __m512i v = hi ? _mm512_srli_epi16(c, 3) : _mm512_slli_epi16(c, 1);
+    return _mm512_ternarylogic_epi32(v, _mm512_set1_epi8(0x1e), _mm512_set1_epi8(1), 0xea);
+}
+
+/* The 64 four-byte entries of a block into o->g: idx (in z_slot_order) and its bits 7 and 8
+ * (bit8 only for 512-entry grids, big) pick entries of two code planes, plane q (stride bytes
+ * apart) holding the 3-bit codes of entry bytes 2q and 2q + 1 as nibbles. */
+MOE_INLINE void z_lookup_planes(__m512i idx, __mmask64 bit7, __mmask64 bit8, bool big,
+                                const uint8_t *planes, size_t stride, z_code_values_fn values,
+                                z_iqb *o) {
+    __m512i r[4];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; q++) {
+        const uint8_t *t = planes + q * stride;
+        __m512i c = _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
+        if (big)
+            c = _mm512_mask_blend_epi8(
+                bit8, c,
+                _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t + 256), z_lookup128(idx, t + 384)));
+        r[2 * q] = values(c, 0);
+        r[2 * q + 1] = values(c, 1);
+    }
+    z_interleave4(r, o->g);
+}
+
 MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
     const moe_block_iq3_s *b = block;
     const __m512i order = z_slot_order();
     const __m512i idx = _mm512_permutexvar_epi8(order, z_load(b->qs));
-    const __mmask64 bit7 = _mm512_movepi8_mask(idx);
     const __mmask64 bit8 = _mm512_movepi8_mask(
         _mm512_permutexvar_epi8(order, _mm512_movm_epi8(_cvtu64_mask64(z_load_u64(b->qh)))));
-    const __m512i mask = _mm512_set1_epi8(0x1e), one = _mm512_set1_epi8(1);
-    __m512i r[4];
-#pragma GCC unroll 2
-    for (int q = 0; q < 2; q++) {
-        const uint8_t *t = z_iq3s_codes[q];
-        const __m512i lo =
-            _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
-        const __m512i hi =
-            _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t + 256), z_lookup128(idx, t + 384));
-        const __m512i c = _mm512_mask_blend_epi8(bit8, lo, hi);
-        /* 2c + 1 of each nibble: the 16-bit shifts pull in a neighbour's bits, the mask drops them
-         */
-        r[2 * q] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(c, 1), mask, one, 0xea);
-        r[2 * q + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(c, 3), mask, one, 0xea);
-    }
-    z_interleave4(r, o->g);
+    z_lookup_planes(idx, _mm512_movepi8_mask(idx), bit8, true, z_iq3s_codes[0], 512, z_iq3s_values,
+                    o);
     o->sc = z_iq3_s_scales(b);
     z_sign_words(b->signs, o->neg);
     o->d = avx2_fp16(b->d);
@@ -636,25 +651,19 @@ MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
  * bytes 0, 1 (2, 3) in a 256-byte plane, two vpermi2b tables each (bit 7 picks), then codes to
  * values with vpshufb. z_iq3xxs_codes is filled by the table's fill function. */
 static uint8_t z_iq3xxs_codes[2][256] __attribute__((aligned(64)));
-static const uint8_t z_iq3xxs_values[16] = {4, 12, 20, 28, 36, 44, 52, 62};
+static const uint8_t z_iq3xxs_grid_bytes[16] = {4, 12, 20, 28, 36, 44, 52, 62};
+MOE_INLINE __m512i z_iq3xxs_values(__m512i c, int hi) {
+    const __m512i lut =
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)z_iq3xxs_grid_bytes));
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    return _mm512_shuffle_epi8(lut, _mm512_and_si512(hi ? _mm512_srli_epi16(c, 4) : c, low4));
+}
 
 MOE_INLINE void z_iqb_iq3_xxs(const void *block, z_iqb *o) {
     const moe_block_iq3_xxs *b = block;
     const __m512i idx = _mm512_permutexvar_epi8(z_slot_order(), z_load(b->qs));
-    const __mmask64 bit7 = _mm512_movepi8_mask(idx);
-    const __m512i values =
-        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)z_iq3xxs_values));
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
-    __m512i r[4];
-#pragma GCC unroll 2
-    for (int q = 0; q < 2; q++) {
-        const uint8_t *t = z_iq3xxs_codes[q];
-        const __m512i c =
-            _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
-        r[2 * q] = _mm512_shuffle_epi8(values, _mm512_and_si512(c, low4));
-        r[2 * q + 1] = _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srli_epi16(c, 4), low4));
-    }
-    z_interleave4(r, o->g);
+    z_lookup_planes(idx, _mm512_movepi8_mask(idx), 0, false, z_iq3xxs_codes[0], 256,
+                    z_iq3xxs_values, o);
     const __m256i words = avx2_load(b->qs + 64);
     z_ksigns(z_ksign_fields(words), o->neg);
     o->sc = z_top4_scales(words);
@@ -937,7 +946,7 @@ void Z_FILL(moe_kernels *k) {
         for (int q = 0; q < 2; q++) {
             const unsigned lo = moe_iq3s_grid[i] >> (16 * q) & 0xff,
                            hi = moe_iq3s_grid[i] >> (16 * q + 8) & 0xff;
-            z_iq3s_codes[q][i] = (uint8_t)((lo - 1) / 2 | (hi - 1) / 2 << 4);
+            z_iq3s_codes[q][i] = (uint8_t)((lo - 1) / 2 | (hi - 1) / 2 << 4); /* 2c + 1 */
         }
     for (int i = 0; i < 256; i++)
         for (int q = 0; q < 2; q++) {
@@ -945,7 +954,7 @@ void Z_FILL(moe_kernels *k) {
             for (int h = 0; h < 2; h++) {
                 const unsigned v = moe_iq3xxs_grid[i] >> (16 * q + 8 * h) & 0xff;
                 c[h] = 0;
-                while (z_iq3xxs_values[c[h]] != v) c[h]++;
+                while (z_iq3xxs_grid_bytes[c[h]] != v) c[h]++;
             }
             z_iq3xxs_codes[q][i] = (uint8_t)(c[0] | c[1] << 4);
         }
