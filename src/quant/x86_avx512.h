@@ -184,7 +184,7 @@ MOE_INLINE void z_q32_rows(const void *w, const void *x, size_t xs, int R, int64
                            int64_t os, size_t block_bytes, q32_decode_fn decode, moe_dot_fn tail) {
     z_q32_tile(1, w, 0, x, xs, R, n, out, os, block_bytes, decode, tail);
 }
-/* Two weight rows: R = MOE_DOT_ROWS at a time, then the rest one by one. */
+/* Two weight rows: R = MOE_DOT_ROWS at a time, then the rest in one pass. */
 MOE_INLINE void z_q32_rows2(const void *w, size_t ws, const void *x, size_t xs, int64_t n_rows,
                             int64_t n, float *out, int64_t os, size_t block_bytes,
                             q32_decode_fn decode, moe_dot_fn tail) {
@@ -193,9 +193,22 @@ MOE_INLINE void z_q32_rows2(const void *w, size_t ws, const void *x, size_t xs, 
     for (; r + MOE_DOT_ROWS <= n_rows; r += MOE_DOT_ROWS)
         z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, MOE_DOT_ROWS, n, out + r * os, os,
                    block_bytes, decode, tail);
-    for (; r < n_rows; r++)
+    switch (n_rows - r) { /* R a constant in each call, as MOE_DOT_AND_ROWS does */
+    case 3:
+        z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, 3, n, out + r * os, os, block_bytes, decode,
+                   tail);
+        break;
+    case 2:
+        z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, 2, n, out + r * os, os, block_bytes, decode,
+                   tail);
+        break;
+    case 1:
         z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, 1, n, out + r * os, os, block_bytes, decode,
                    tail);
+        break;
+    default:
+        break;
+    }
 }
 
 #define Z_Q32_KERNELS(t)                                                                           \
