@@ -339,38 +339,6 @@ MOE_DOT_AND_ROWS(z_dot_q6_k, z_dot_rows_q6_k, z_q6_k_rows, 0)
 
 /* ==== IQ types ==== */
 
-/* IQ4_XS: 32 qs bytes (two 32-value groups) spread to [lo0 hi0 lo1 hi1] 16-byte chunks; the
- * codebook is sorted, so codes 0..7 are the negative values: their sign goes onto x and the
- * magnitude comes from a table of |kvalues| (<= 127). */
-static float z_dot_iq4_xs(const void *w, const void *x, int64_t n) {
-    const moe_block_iq4_xs *b = w;
-    const moe_block_q8_k *y = x;
-    int8_t mag[16];
-    for (int k = 0; k < 16; k++) mag[k] = (int8_t)abs(moe_kvalues_iq4nl[k]);
-    const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mag));
-    const __m512i shifts =
-        _mm512_mask_blend_epi64(0xcc, _mm512_setzero_si512(), _mm512_set1_epi16(4));
-    const __m512i low4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m512i sc = z_from_128(avx2_iq4xs_scales(&b[i]));
-        __m512i sumi = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            const __m512i q = _mm512_castsi256_si512(avx2_load(b[i].qs + 32 * k));
-            const __m512i nib = _mm512_and_si512(
-                _mm512_srlv_epi16(_mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(1, 1, 0, 0)), shifts),
-                low4);
-            const __m512i xs =
-                z_apply_signs(z_load(y[i].qs + 64 * k), _mm512_cmplt_epu8_mask(nib, eight));
-            const __m512i p = _mm512_maddubs_epi16(_mm512_shuffle_epi8(book, nib), xs);
-            sumi = z_dp_i16(sumi, p, z_scales(sc, z_idx2(2 * k, 2 * k + 1)));
-        }
-        acc = z_iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
 /* ---- Codebook types: each block decoded once into an L1 record, then read by every row ----
  *
  * A codebook lookup costs more than the multiply it feeds, so a block is decoded once into a
@@ -541,6 +509,41 @@ MOE_INLINE void z_iqb_iq2_xs(const void *block, z_iqb *o) {
     o->d = avx2_fp16(b->d);
 }
 #endif
+
+/* IQ4_XS: 32 qs bytes (two 32-value groups) spread to [lo0 hi0 lo1 hi1] 16-byte chunks of
+ * nibble codes; the codebook is sorted, so codes 0..7 are the negative values: their sign
+ * becomes a sign bit and the magnitude comes from a table of |kvalues| (<= 127); a 6-bit scale
+ * per 32 values, stored twice. */
+/* |kvalues|, filled by the table's fill function. */
+static int8_t z_iq4_mag[16] __attribute__((aligned(16)));
+
+/* Chunk k (64 values) of an IQ4_XS block: magnitudes, and the sign bits as a mask. */
+MOE_INLINE __m512i z_iq4_xs_chunk(const moe_block_iq4_xs *b, int k, __mmask64 *neg) {
+    const __m512i book = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)z_iq4_mag));
+    const __m512i shifts =
+        _mm512_mask_blend_epi64(0xcc, _mm512_setzero_si512(), _mm512_set1_epi16(4));
+    const __m512i q = _mm512_castsi256_si512(avx2_load(b->qs + 32 * k));
+    const __m512i nib = _mm512_and_si512(
+        _mm512_srlv_epi16(_mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(1, 1, 0, 0)), shifts),
+        _mm512_set1_epi8(0x0f));
+    *neg = _mm512_cmplt_epu8_mask(nib, _mm512_set1_epi8(8));
+    return _mm512_shuffle_epi8(book, nib);
+}
+MOE_INLINE __m256i z_iq4_xs_scales(const moe_block_iq4_xs *b) {
+    const __m128i s = avx2_iq4xs_scales(b);
+    return z_join128(_mm_unpacklo_epi16(s, s), _mm_unpackhi_epi16(s, s));
+}
+MOE_INLINE void z_iqb_iq4_xs(const void *block, z_iqb *o) {
+    const moe_block_iq4_xs *b = block;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        __mmask64 neg;
+        o->g[k] = z_iq4_xs_chunk(b, k, &neg);
+        o->neg[k] = _cvtmask64_u64(neg);
+    }
+    o->sc = z_iq4_xs_scales(b);
+    o->d = avx2_fp16(b->d);
+}
 
 /* IQ3_S: 64 entries of 4 values, index = qs byte | qh bit << 8 (qh read as a 64-bit mask); a
  * scale per 32 values, stored twice. */
@@ -847,6 +850,33 @@ MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t
     }
 Z_IQ_KERNELS(iq3_s, Z_IQB_IQ3_S, true, Z_DECODE_IQ3_S, Z_GRID4_IQ3_S, 1.0f)
 Z_IQ_KERNELS(iq2_s, z_iqb_iq2_s, false, NULL, NULL, 0.125f)
+static void z_dot_rows_iq4_xs(const void *w, const void *x, size_t xs, int64_t n_rows, int64_t n,
+                              float *out, int64_t os) {
+    z_iqd_dot_rows((z_iq_type){z_iqb_iq4_xs, false, NULL, NULL, 1.0f, sizeof(moe_block_iq4_xs)}, w,
+                   x, xs, n_rows, n, out, os);
+}
+/* The IQ4_XS matvec keeps its signs as masks (a block's register form holds them as words,
+ * and the round trip through a general register cost a fifth here) and its eight scales as
+ * they come (the same lanes as sixteen doubled ones): z_iq_madd's steps otherwise. */
+static float z_dot_iq4_xs(const void *w, const void *x, int64_t n) {
+    const moe_block_iq4_xs *b = w;
+    const moe_block_q8_k *y = x;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const __m512i sc = z_from_128(avx2_iq4xs_scales(&b[i])); /* one per 32: idx2 */
+        const moe_block_q8_k *yi = &y[i];
+        __m512i sumi = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            __mmask64 neg;
+            const __m512i g = z_iq4_xs_chunk(&b[i], k, &neg);
+            z_rows_signed_madd(1, g, neg, z_scales(sc, z_idx2(2 * k, 2 * k + 1)), &yi, 64 * k,
+                               &sumi);
+        }
+        z_rows_accumulate(1, &acc, avx2_fp16(b[i].d), &yi, 1.0f, &sumi);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
 #if MOE_AVX512_VNNI
 Z_IQ_KERNELS(iq2_xxs, z_iqb_iq2_xxs, false, NULL, NULL, 0.125f)
 Z_IQ_KERNELS(iq2_xs, z_iqb_iq2_xs, false, NULL, NULL, 0.125f)
@@ -954,6 +984,7 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride, 
 
 void Z_FILL(moe_kernels *k) {
     moe_type_kernels *types = k->types;
+    for (int i = 0; i < 16; i++) z_iq4_mag[i] = (int8_t)abs(moe_kvalues_iq4nl[i]);
 #if MOE_AVX512_VNNI
     for (int i = 0; i < 512; i++)
         for (int q = 0; q < 2; q++) {
@@ -990,7 +1021,7 @@ void Z_FILL(moe_kernels *k) {
         {MOE_TYPE_Q4_K, z_dot_q4_k, z_dot_rows_q4_k},
         {MOE_TYPE_Q5_K, z_dot_q5_k, z_dot_rows_q5_k},
         {MOE_TYPE_Q6_K, z_dot_q6_k, z_dot_rows_q6_k},
-        {MOE_TYPE_IQ4_XS, z_dot_iq4_xs, NULL},
+        {MOE_TYPE_IQ4_XS, z_dot_iq4_xs, z_dot_rows_iq4_xs},
         {MOE_TYPE_IQ3_S, z_dot_iq3_s, z_dot_rows_iq3_s},
         {MOE_TYPE_IQ2_S, z_dot_iq2_s, z_dot_rows_iq2_s},
 #if MOE_AVX512_VNNI
