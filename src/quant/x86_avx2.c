@@ -226,19 +226,30 @@ MOE_INLINE void q6_k_rows(const void *w, const void *x, size_t xs, int R, int64_
 MOE_DOT_AND_ROWS(dot_q6_k, dot_rows_q6_k, q6_k_rows, 0)
 
 /* Q2_K: 2-bit q, 4-bit scale and min per 16 values; min term from the bsums. */
-static float dot_q2_k(const void *w, const void *x, int64_t n) {
+/* Q2_K: 2-bit values, a 4-bit scale and a 4-bit min per 16 values; the min term from the
+ * bsums. Each weight step decoded once for the R rows. */
+MOE_INLINE void q2_k_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                          int64_t os, int unused) {
+    (void)unused;
     const moe_block_q2_k *b = w;
-    const moe_block_q8_k *y = x;
+    const uint8_t *xb = x;
     const __m128i low4 = _mm_set1_epi8(0x0f);
-    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    __m256 acc[MOE_DOT_ROWS], acc_min[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m128i raw = _mm_loadu_si128((const __m128i *)b[i].scales);
         const __m128i sc = _mm_and_si128(raw, low4);
         const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-        const __m256i msum = _mm256_madd_epi16(mins, avx2_bsums(&y[i]));
-        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * avx2_fp16(b[i].dmin)),
-                                  _mm256_cvtepi32_ps(msum), acc_min);
-        __m256i sumi = _mm256_setzero_si256();
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m256i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
+            const __m256i msum = _mm256_madd_epi16(mins, avx2_bsums(y[r]));
+            acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r]->d * avx2_fp16(b[i].dmin)),
+                                         _mm256_cvtepi32_ps(msum), acc_min[r]);
+            sumi[r] = _mm256_setzero_si256();
+        }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m256i q2 = avx2_load(b[i].qs + 32 * h);
@@ -246,26 +257,43 @@ static float dot_q2_k(const void *w, const void *x, int64_t n) {
             for (int k = 0; k < 4; k++) {
                 const __m256i v =
                     _mm256_and_si256(_mm256_srli_epi16(q2, 2 * k), _mm256_set1_epi8(3));
-                const __m256i p = avx2_mul_u8_i8(v, avx2_load(y[i].qs + 128 * h + 32 * k));
-                sumi =
-                    _mm256_add_epi32(sumi, avx2_scale16(p, avx2_scale_pair16(sc, 8 * h + 2 * k)));
+                const __m256i scale = avx2_scale_pair16(sc, 8 * h + 2 * k);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m256i p = avx2_mul_u8_i8(v, avx2_load(y[r]->qs + 128 * h + 32 * k));
+                    sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p, scale));
+                }
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * avx2_fp16(b[i].d)), _mm256_cvtepi32_ps(sumi),
-                              acc);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r]->d * avx2_fp16(b[i].d)),
+                                     _mm256_cvtepi32_ps(sumi[r]), acc[r]);
     }
-    return avx2_hsum_f32(acc) - avx2_hsum_f32(acc_min);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]) - avx2_hsum_f32(acc_min[r]);
 }
+MOE_DOT_AND_ROWS(dot_q2_k, dot_rows_q2_k, q2_k_rows, 0)
 
-/* Q3_K: q = q3 - 4 with q3 = low 2 bits + 4 * high bit (0..7); the -4 comes from the bsums. */
-static float dot_q3_k(const void *w, const void *x, int64_t n) {
+/* Q3_K: 2-bit values with a high bit from hmask, value - 4 (the -4 from the bsums), a 6-bit
+ * scale per 16 values. Each weight step decoded once for the R rows. */
+MOE_INLINE void q3_k_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                          int64_t os, int unused) {
+    (void)unused;
     const moe_block_q3_k *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
+    const uint8_t *xb = x;
+    __m256 acc[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m128i sc = avx2_k3_scales(b[i].scales);
-        const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(&y[i]));
-        __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 2));
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m256i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
+            const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(y[r]));
+            sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 2));
+        }
         const __m256i hm = avx2_load(b[i].hmask), bit2 = _mm256_set1_epi8(4);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
@@ -279,16 +307,23 @@ static float dot_q3_k(const void *w, const void *x, int64_t n) {
                                                     bit2);
                 const __m256i v = _mm256_or_si256(
                     _mm256_and_si256(_mm256_srli_epi16(q2, 2 * k), _mm256_set1_epi8(3)), hi);
-                const __m256i p = avx2_mul_u8_i8(v, avx2_load(y[i].qs + 128 * h + 32 * k));
-                sumi =
-                    _mm256_add_epi32(sumi, avx2_scale16(p, avx2_scale_pair16(sc, 8 * h + 2 * k)));
+                const __m256i scale = avx2_scale_pair16(sc, 8 * h + 2 * k);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m256i p = avx2_mul_u8_i8(v, avx2_load(y[r]->qs + 128 * h + 32 * k));
+                    sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p, scale));
+                }
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i].d * avx2_fp16(b[i].d)), _mm256_cvtepi32_ps(sumi),
-                              acc);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r]->d * avx2_fp16(b[i].d)),
+                                     _mm256_cvtepi32_ps(sumi[r]), acc[r]);
     }
-    return avx2_hsum_f32(acc);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]);
 }
+MOE_DOT_AND_ROWS(dot_q3_k, dot_rows_q3_k, q3_k_rows, 0)
 
 /* ==== IQ types against Q8_K ==== */
 
@@ -786,8 +821,8 @@ void moe_kernels_fill_avx2(moe_kernels *k) {
         {MOE_TYPE_Q8_0, dot_q8_0, dot_rows_q8_0},
         {MOE_TYPE_IQ4_NL, dot_iq4_nl, dot_rows_iq4_nl},
         {MOE_TYPE_MXFP4, dot_mxfp4, dot_rows_mxfp4},
-        {MOE_TYPE_Q2_K, dot_q2_k, NULL},
-        {MOE_TYPE_Q3_K, dot_q3_k, NULL},
+        {MOE_TYPE_Q2_K, dot_q2_k, dot_rows_q2_k},
+        {MOE_TYPE_Q3_K, dot_q3_k, dot_rows_q3_k},
         {MOE_TYPE_Q4_K, dot_q4_k, dot_rows_q4_k},
         {MOE_TYPE_Q5_K, dot_q5_k, dot_rows_q5_k},
         {MOE_TYPE_Q6_K, dot_q6_k, dot_rows_q6_k},
