@@ -226,37 +226,51 @@ MOE_INLINE void q6_k_rows(const void *w, const void *x, size_t xs, int R, int64_
 MOE_DOT_AND_ROWS(dot_q6_k, dot_rows_q6_k, q6_k_rows, 0)
 
 /* Q2_K: 2-bit q, 4-bit scale and min per 16 values; min term from the bsums. */
-/* Q2_K: 2-bit values, a 4-bit scale and a 4-bit min per 16 values; the min term from the
- * bsums. Each weight step decoded once for the R rows. */
-MOE_INLINE void q2_k_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
-                          int64_t os, int unused) {
-    (void)unused;
-    const moe_block_q2_k *b = w;
+/* Q2_K and Q3_K (q3): 2-bit values and a scale per 16 values. Q2_K: 4-bit scales and mins,
+ * the min term from the bsums. Q3_K: a high bit from hmask and value - 4 (the -4 from the
+ * bsums), 6-bit scales. Each weight step decoded once for the R rows. */
+MOE_INLINE void k23_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                         int64_t os, bool q3) {
     const uint8_t *xb = x;
     const __m128i low4 = _mm_set1_epi8(0x0f);
     __m256 acc[MOE_DOT_ROWS], acc_min[MOE_DOT_ROWS];
     for (int r = 0; r < R; r++) acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)b[i].scales);
-        const __m128i sc = _mm_and_si128(raw, low4);
+        const moe_block_q2_k *b2 = q3 ? NULL : (const moe_block_q2_k *)w + i;
+        const moe_block_q3_k *b3 = q3 ? (const moe_block_q3_k *)w + i : NULL;
+        const __m128i raw = q3 ? _mm_setzero_si128() : _mm_loadu_si128((const __m128i *)b2->scales);
+        const __m128i sc = q3 ? avx2_k3_scales(b3->scales) : _mm_and_si128(raw, low4);
         const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
         const moe_block_q8_k *y[MOE_DOT_ROWS];
         __m256i sumi[MOE_DOT_ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
-            const __m256i msum = _mm256_madd_epi16(mins, avx2_bsums(y[r]));
-            acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r]->d * avx2_fp16(b[i].dmin)),
-                                         _mm256_cvtepi32_ps(msum), acc_min[r]);
-            sumi[r] = _mm256_setzero_si256();
+            if (q3) {
+                const __m256i offset =
+                    _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(y[r]));
+                sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 2));
+            } else {
+                const __m256i msum = _mm256_madd_epi16(mins, avx2_bsums(y[r]));
+                acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r]->d * avx2_fp16(b2->dmin)),
+                                             _mm256_cvtepi32_ps(msum), acc_min[r]);
+                sumi[r] = _mm256_setzero_si256();
+            }
         }
+        const __m256i hm = q3 ? avx2_load(b3->hmask) : _mm256_setzero_si256();
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            const __m256i q2 = avx2_load(b[i].qs + 32 * h);
+            const __m256i q2 = avx2_load((q3 ? b3->qs : b2->qs) + 32 * h);
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
-                const __m256i v =
-                    _mm256_and_si256(_mm256_srli_epi16(q2, 2 * k), _mm256_set1_epi8(3));
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(q2, 2 * k), _mm256_set1_epi8(3));
+                if (q3) { /* the high bit of value 128h + 32k + l: bit 4h + k of hmask[l] -> 2 */
+                    const int bit = 4 * h + k;
+                    v = _mm256_or_si256(v,
+                                        _mm256_and_si256(bit <= 2 ? _mm256_slli_epi16(hm, 2 - bit)
+                                                                  : _mm256_srli_epi16(hm, bit - 2),
+                                                         _mm256_set1_epi8(4)));
+                }
                 const __m256i scale = avx2_scale_pair16(sc, 8 * h + 2 * k);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
@@ -265,65 +279,19 @@ MOE_INLINE void q2_k_rows(const void *w, const void *x, size_t xs, int R, int64_
                 }
             }
         }
+        const float dw = avx2_fp16(q3 ? b3->d : b2->d);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r]->d * avx2_fp16(b[i].d)),
-                                     _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            acc[r] =
+                _mm256_fmadd_ps(_mm256_set1_ps(y[r]->d * dw), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]) - avx2_hsum_f32(acc_min[r]);
+    for (int r = 0; r < R; r++)
+        out[r * os] =
+            q3 ? avx2_hsum_f32(acc[r]) : avx2_hsum_f32(acc[r]) - avx2_hsum_f32(acc_min[r]);
 }
-MOE_DOT_AND_ROWS(dot_q2_k, dot_rows_q2_k, q2_k_rows, 0)
-
-/* Q3_K: 2-bit values with a high bit from hmask, value - 4 (the -4 from the bsums), a 6-bit
- * scale per 16 values. Each weight step decoded once for the R rows. */
-MOE_INLINE void q3_k_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
-                          int64_t os, int unused) {
-    (void)unused;
-    const moe_block_q3_k *b = w;
-    const uint8_t *xb = x;
-    __m256 acc[MOE_DOT_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m128i sc = avx2_k3_scales(b[i].scales);
-        const moe_block_q8_k *y[MOE_DOT_ROWS];
-        __m256i sumi[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
-            const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(y[r]));
-            sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 2));
-        }
-        const __m256i hm = avx2_load(b[i].hmask), bit2 = _mm256_set1_epi8(4);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m256i q2 = avx2_load(b[i].qs + 32 * h);
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                /* the high bit of value 128h + 32k + l is bit 4h + k of hmask[l], moved to bit 2 */
-                const int bit = 4 * h + k;
-                const __m256i hi = _mm256_and_si256(bit <= 2 ? _mm256_slli_epi16(hm, 2 - bit)
-                                                             : _mm256_srli_epi16(hm, bit - 2),
-                                                    bit2);
-                const __m256i v = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(q2, 2 * k), _mm256_set1_epi8(3)), hi);
-                const __m256i scale = avx2_scale_pair16(sc, 8 * h + 2 * k);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const __m256i p = avx2_mul_u8_i8(v, avx2_load(y[r]->qs + 128 * h + 32 * k));
-                    sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p, scale));
-                }
-            }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y[r]->d * avx2_fp16(b[i].d)),
-                                     _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]);
-}
-MOE_DOT_AND_ROWS(dot_q3_k, dot_rows_q3_k, q3_k_rows, 0)
+MOE_DOT_AND_ROWS(dot_q2_k, dot_rows_q2_k, k23_rows, false)
+MOE_DOT_AND_ROWS(dot_q3_k, dot_rows_q3_k, k23_rows, true)
 
 /* ==== IQ types against Q8_K ==== */
 
