@@ -12,8 +12,8 @@
  * (<= 128) for both builds to give the same integers.
  *
  * Costs quoted in comments are TSC cycles (2.6 GHz here) per 256 values, one thread, weights in
- * L2, from a harness that times the table's dot / dot_rows; the machine is shared, so they move
- * by 10 % from run to run. */
+ * L2 (as `make bench BENCH_ARGS='--mib 1 --n 2048'` runs them, there in GB/s); the machine is
+ * shared, so they move by 10 % from run to run. */
 #ifndef MOE_QUANT_X86_AVX512_H
 #define MOE_QUANT_X86_AVX512_H
 
