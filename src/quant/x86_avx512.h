@@ -11,9 +11,9 @@
  * saturate where vpmaddubsw does, so the unsigned operand must obey the AVX2 file's bound
  * (<= 128) for both builds to give the same integers.
  *
- * Costs quoted in comments are TSC cycles (2.6 GHz here) per 256 values, one thread, weights in
- * L2 (as `make bench BENCH_ARGS='--mib 1 --n 2048'` runs them, there in GB/s); the machine is
- * shared, so they move by 10 % from run to run. */
+ * Costs quoted in comments are TSC cycles (2.6 GHz here) per 256 values: the best of many
+ * passes of the table's dot / dot_rows over rows of 2048 in L2, one thread. The machine is
+ * shared, so they move by 10 % or more between runs; `make bench` gives medians in GB/s. */
 #ifndef MOE_QUANT_X86_AVX512_H
 #define MOE_QUANT_X86_AVX512_H
 
