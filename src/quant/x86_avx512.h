@@ -551,6 +551,78 @@ MOE_INLINE void z_iqb_iq4_xs(const void *block, z_iqb *o) {
     o->d = avx2_fp16(b->d);
 }
 
+/* IQ1_S / IQ1_M: 8-value entries of -1, 0, +1 (iq1s_grid, 11-bit index) plus a delta of
+ * +-1/8 per 32 values (IQ1_S) or per 8 (IQ1_M); as in the reference, q = 8 grid +- 1 with mult
+ * 1/8, so magnitudes are 1, 7 or 9 and the sign bits are q's. deltas: bit j set where entry j
+ * of the chunk has the negative delta. */
+MOE_INLINE __m512i z_iq1_chunk(__m512i grid, __mmask8 deltas, __mmask64 *neg) {
+    const __m512i g8 = _mm512_and_si512(_mm512_slli_epi16(grid, 3), _mm512_set1_epi8((char)0xf8));
+    const __m512i q = _mm512_add_epi8(
+        g8, _mm512_mask_blend_epi64(deltas, _mm512_set1_epi8(1), _mm512_set1_epi8(-1)));
+    *neg = _mm512_movepi8_mask(q);
+    return _mm512_abs_epi8(q);
+}
+
+MOE_INLINE void z_iqb_iq1_s(const void *block, z_iqb *o) {
+    const moe_block_iq1_s *b = block;
+    const uint64_t *grid = moe_iq1s_grid;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const unsigned h0 = b->qh[2 * k], h1 = b->qh[2 * k + 1];
+        const uint8_t *a = b->qs + 8 * k, *c = a + 4;
+        const __m512i g =
+            z_join(avx2_grid4(grid[a[0] | ((h0 << 8) & 0x700)], grid[a[1] | ((h0 << 5) & 0x700)],
+                              grid[a[2] | ((h0 << 2) & 0x700)], grid[a[3] | ((h0 >> 1) & 0x700)]),
+                   avx2_grid4(grid[c[0] | ((h1 << 8) & 0x700)], grid[c[1] | ((h1 << 5) & 0x700)],
+                              grid[c[2] | ((h1 << 2) & 0x700)], grid[c[3] | ((h1 >> 1) & 0x700)]));
+        __mmask64 neg;
+        o->g[k] = z_iq1_chunk(g, (__mmask8)((h0 >> 15) * 0x0f | (h1 >> 15) * 0xf0), &neg);
+        o->neg[k] = _cvtmask64_u64(neg);
+    }
+    /* 2s + 1 per 32 values from bits 12..14 of each qh word, each stored twice */
+    const __m128i qh = _mm_loadu_si128((const __m128i *)b->qh);
+    const __m128i sc =
+        _mm_or_si128(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7)), 1),
+                     _mm_set1_epi16(1));
+    o->sc = z_join128(_mm_unpacklo_epi16(sc, sc), _mm_unpackhi_epi16(sc, sc));
+    o->d = avx2_fp16(b->d);
+}
+
+MOE_INLINE void z_iqb_iq1_m(const void *block, z_iqb *o) {
+    const moe_block_iq1_m *b = block;
+    const uint64_t *grid = moe_iq1s_grid;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        /* entries 2j, 2j + 1 of the chunk: index qs | the low, high nibble of qh byte j (bits
+         * 0..2) << 8; bit 3 of that nibble the delta sign */
+        const uint8_t *a = b->qs + 8 * k, *h = b->qh + 4 * k;
+#define IQ1M_LO(j) grid[a[2 * (j)] | ((h[j] << 8) & 0x700)]
+#define IQ1M_HI(j) grid[a[2 * (j) + 1] | ((h[j] << 4) & 0x700)]
+        const __m512i g = z_join(avx2_grid4(IQ1M_LO(0), IQ1M_HI(0), IQ1M_LO(1), IQ1M_HI(1)),
+                                 avx2_grid4(IQ1M_LO(2), IQ1M_HI(2), IQ1M_LO(3), IQ1M_HI(3)));
+#undef IQ1M_LO
+#undef IQ1M_HI
+        unsigned deltas = 0;
+        for (int j = 0; j < 4; j++)
+            deltas |= (h[j] >> 3 & 1u) << (2 * j) | (h[j] >> 7) << (2 * j + 1);
+        __mmask64 neg;
+        o->g[k] = z_iq1_chunk(g, (__mmask8)deltas, &neg);
+        o->neg[k] = _cvtmask64_u64(neg);
+    }
+    /* 16 scales of 3 bits, four to a word (3 bits apart); the fp16 d in the words' top nibbles */
+    const uint64_t words = z_load_u64(b->scales);
+    const __m256i w =
+        _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm256_set1_epi64x((long long)words));
+    const __m256i s3 = _mm256_and_si256(
+        _mm256_srlv_epi16(w, _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9)),
+        _mm256_set1_epi16(7));
+    o->sc = _mm256_or_si256(_mm256_slli_epi16(s3, 1), _mm256_set1_epi16(1));
+    const uint16_t d16 = (uint16_t)((words >> 12 & 0x000f) | (words >> 24 & 0x00f0) |
+                                    (words >> 36 & 0x0f00) | (words >> 48 & 0xf000));
+    o->d = avx2_fp16(d16);
+}
+
 /* IQ3_S: 64 entries of 4 values, index = qs byte | qh bit << 8 (qh read as a 64-bit mask); a
  * scale per 32 values, stored twice. */
 MOE_INLINE __m256i z_iq3_s_scales(const moe_block_iq3_s *b) {
@@ -856,6 +928,8 @@ MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t
     }
 Z_IQ_KERNELS(iq3_s, Z_IQB_IQ3_S, true, Z_DECODE_IQ3_S, Z_GRID4_IQ3_S, 1.0f)
 Z_IQ_KERNELS(iq2_s, z_iqb_iq2_s, false, NULL, NULL, 0.125f)
+Z_IQ_KERNELS(iq1_s, z_iqb_iq1_s, false, NULL, NULL, 0.125f)
+Z_IQ_KERNELS(iq1_m, z_iqb_iq1_m, false, NULL, NULL, 0.125f)
 static void z_dot_rows_iq4_xs(const void *w, const void *x, size_t xs, int64_t n_rows, int64_t n,
                               float *out, int64_t os) {
     z_iqd_dot_rows((z_iq_type){z_iqb_iq4_xs, false, NULL, NULL, 1.0f, sizeof(moe_block_iq4_xs)}, w,
@@ -1030,6 +1104,8 @@ void Z_FILL(moe_kernels *k) {
         {MOE_TYPE_IQ4_XS, z_dot_iq4_xs, z_dot_rows_iq4_xs},
         {MOE_TYPE_IQ3_S, z_dot_iq3_s, z_dot_rows_iq3_s},
         {MOE_TYPE_IQ2_S, z_dot_iq2_s, z_dot_rows_iq2_s},
+        {MOE_TYPE_IQ1_S, z_dot_iq1_s, z_dot_rows_iq1_s},
+        {MOE_TYPE_IQ1_M, z_dot_iq1_m, z_dot_rows_iq1_m},
 #if MOE_AVX512_VNNI
         {MOE_TYPE_IQ2_XXS, z_dot_iq2_xxs, z_dot_rows_iq2_xxs},
         {MOE_TYPE_IQ2_XS, z_dot_iq2_xs, z_dot_rows_iq2_xs},
