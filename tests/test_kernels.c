@@ -390,6 +390,11 @@ static void dot_rows_equal_single_rows(void **state) {
                     fail_msg("%s: no many-row kernel for %s", k->name,
                              moe_type_name(gemm_types[i]));
         }
+        if (level == MOE_ISA_AVX512VNNI) /* there, every weight type has one */
+            for (int t = 0; t < MOE_TYPE_COUNT; t++)
+                if (k->types[t].dot && t != MOE_TYPE_Q8_1 && t != MOE_TYPE_Q8_K &&
+                    !k->types[t].dot_rows)
+                    fail_msg("%s: no many-row kernel for %s", k->name, moe_type_name((moe_type)t));
     }
     printf("  dot_rows: %d many-row kernels and %d two-weight-row kernels (all levels) equal their "
            "single-row dots bit for bit\n",

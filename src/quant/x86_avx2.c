@@ -78,30 +78,34 @@ MOE_INLINE void q32_q8_0_rows(const void *w, const void *x, size_t xs, int R, in
 }
 
 /* Against Q8_1: unsigned q (<= 31) times x, plus the min times Q8_1's s = d_x * sum(x_q). */
-MOE_INLINE float q32_dot_q8_1(const void *w, const void *x, int64_t n, size_t block_bytes,
-                              q32_decode_fn decode) {
-    const uint8_t *p = w;
-    const moe_block_q8_1 *y = x;
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0;
+MOE_INLINE void q32_q8_1_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                              int64_t os, size_t block_bytes, q32_decode_fn decode) {
+    const uint8_t *p = w, *xb = x;
+    __m256 acc[MOE_DOT_ROWS];
+    float mins[MOE_DOT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0;
     for (int64_t i = 0; i < n / MOE_QK32; i++) {
         float d, m;
         const __m256i q = decode(p + (size_t)i * block_bytes, &d, &m);
-        const __m256i p32 =
-            _mm256_madd_epi16(avx2_mul_u8_i8(q, avx2_load(y[i].qs)), _mm256_set1_epi16(1));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * avx2_fp16(y[i].d)), _mm256_cvtepi32_ps(p32), acc);
-        mins += m * avx2_fp16(y[i].s);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_1 *y = (const moe_block_q8_1 *)(xb + (size_t)r * xs) + i;
+            const __m256i p32 =
+                _mm256_madd_epi16(avx2_mul_u8_i8(q, avx2_load(y->qs)), _mm256_set1_epi16(1));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * avx2_fp16(y->d)), _mm256_cvtepi32_ps(p32),
+                                     acc[r]);
+            mins[r] += m * avx2_fp16(y->s);
+        }
     }
-    return avx2_hsum_f32(acc) + mins;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]) + mins[r];
 }
 
 #define Q32_DOT_Q8_0(t)                                                                            \
     MOE_DOT_AND_ROWS(dot_##t, dot_rows_##t, q32_q8_0_rows, sizeof(moe_block_##t), decode_##t,      \
                      moe_ref_##t##_dot)
 #define Q32_DOT_Q8_1(t)                                                                            \
-    static float dot_##t(const void *w, const void *x, int64_t n) {                                \
-        return q32_dot_q8_1(w, x, n, sizeof(moe_block_##t), decode_##t);                           \
-    }
+    MOE_DOT_AND_ROWS(dot_##t, dot_rows_##t, q32_q8_1_rows, sizeof(moe_block_##t), decode_##t)
 Q32_DOT_Q8_0(q4_0)
 Q32_DOT_Q8_0(q5_0)
 Q32_DOT_Q8_0(q8_0)
@@ -553,32 +557,42 @@ MOE_INLINE __m256 load8_bf16(const void *p) {
 /* Four accumulators over 32 values per step, then 8 at a time, then the reference's tail. The
  * products are exact in float for F16 / BF16 (11- / 8-bit mantissas), so only the sum order
  * differs from the reference. */
-MOE_INLINE float float_dot(const void *w, const void *x, int64_t n, size_t elem, load8_fn load,
-                           moe_dot_fn tail) {
-    const uint8_t *a = w, *b = x;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
+/* Float weights against float activations of the same type: four 8-lane accumulators over
+ * 32-value steps, then 8-value steps, the rest to the reference; each weight step loaded once
+ * for the R rows. */
+MOE_INLINE void float_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                           int64_t os, size_t elem, load8_fn load, moe_dot_fn tail) {
+    const uint8_t *a = w, *xb = x;
+    __m256 acc[MOE_DOT_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int u = 0; u < 4; u++) acc[r][u] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32)
-        for (int u = 0; u < 4; u++)
-            acc[u] = _mm256_fmadd_ps(load(a + (size_t)(i + 8 * u) * elem),
-                                     load(b + (size_t)(i + 8 * u) * elem), acc[u]);
-    for (; i + 8 <= n; i += 8)
-        acc[0] = _mm256_fmadd_ps(load(a + (size_t)i * elem), load(b + (size_t)i * elem), acc[0]);
-    float sum =
-        avx2_hsum_f32(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    if (i < n) sum += tail(a + (size_t)i * elem, b + (size_t)i * elem, n - i);
-    return sum;
+        for (int u = 0; u < 4; u++) {
+            const __m256 wv = load(a + (size_t)(i + 8 * u) * elem);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                acc[r][u] = _mm256_fmadd_ps(
+                    wv, load(xb + (size_t)r * xs + (size_t)(i + 8 * u) * elem), acc[r][u]);
+        }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 wv = load(a + (size_t)i * elem);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r][0] =
+                _mm256_fmadd_ps(wv, load(xb + (size_t)r * xs + (size_t)i * elem), acc[r][0]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        float sum = avx2_hsum_f32(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                                _mm256_add_ps(acc[r][2], acc[r][3])));
+        if (i < n) sum += tail(a + (size_t)i * elem, xb + (size_t)r * xs + (size_t)i * elem, n - i);
+        out[r * os] = sum;
+    }
 }
-static float dot_f32(const void *w, const void *x, int64_t n) {
-    return float_dot(w, x, n, 4, load8_f32, moe_ref_f32_dot);
-}
-static float dot_f16(const void *w, const void *x, int64_t n) {
-    return float_dot(w, x, n, 2, load8_f16, moe_ref_f16_dot);
-}
-static float dot_bf16(const void *w, const void *x, int64_t n) {
-    return float_dot(w, x, n, 2, load8_bf16, moe_ref_bf16_dot);
-}
+MOE_DOT_AND_ROWS(dot_f32, dot_rows_f32, float_rows, 4, load8_f32, moe_ref_f32_dot)
+MOE_DOT_AND_ROWS(dot_f16, dot_rows_f16, float_rows, 2, load8_f16, moe_ref_f16_dot)
+MOE_DOT_AND_ROWS(dot_bf16, dot_rows_bf16, float_rows, 2, load8_bf16, moe_ref_bf16_dot)
 
 /* ==== Activation conversions (byte-identical to the reference quantizers) ==== */
 
@@ -779,13 +793,13 @@ void moe_kernels_fill_avx2(moe_kernels *k) {
         moe_dot_fn dot;
         moe_dot_rows_fn dot_rows; /* NULL: row by row through dot */
     } dots[] = {
-        {MOE_TYPE_F32, dot_f32, NULL},
-        {MOE_TYPE_F16, dot_f16, NULL},
-        {MOE_TYPE_BF16, dot_bf16, NULL},
+        {MOE_TYPE_F32, dot_f32, dot_rows_f32},
+        {MOE_TYPE_F16, dot_f16, dot_rows_f16},
+        {MOE_TYPE_BF16, dot_bf16, dot_rows_bf16},
         {MOE_TYPE_Q4_0, dot_q4_0, dot_rows_q4_0},
-        {MOE_TYPE_Q4_1, dot_q4_1, NULL},
+        {MOE_TYPE_Q4_1, dot_q4_1, dot_rows_q4_1},
         {MOE_TYPE_Q5_0, dot_q5_0, dot_rows_q5_0},
-        {MOE_TYPE_Q5_1, dot_q5_1, NULL},
+        {MOE_TYPE_Q5_1, dot_q5_1, dot_rows_q5_1},
         {MOE_TYPE_Q8_0, dot_q8_0, dot_rows_q8_0},
         {MOE_TYPE_IQ4_NL, dot_iq4_nl, dot_rows_iq4_nl},
         {MOE_TYPE_MXFP4, dot_mxfp4, dot_rows_mxfp4},
