@@ -542,7 +542,6 @@ static float dot_iq4_xs(const void *w, const void *x, int64_t n) {
 /* ==== Float types ==== */
 
 /* 8 floats from 8 stored values. */
-typedef __m256 (*load8_fn)(const void *p);
 MOE_INLINE __m256 load8_f32(const void *p) {
     return _mm256_loadu_ps(p);
 }
@@ -557,39 +556,8 @@ MOE_INLINE __m256 load8_bf16(const void *p) {
 /* Four accumulators over 32 values per step, then 8 at a time, then the reference's tail. The
  * products are exact in float for F16 / BF16 (11- / 8-bit mantissas), so only the sum order
  * differs from the reference. */
-/* Float weights against float activations of the same type: four 8-lane accumulators over
- * 32-value steps, then 8-value steps, the rest to the reference; each weight step loaded once
- * for the R rows. */
-MOE_INLINE void float_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
-                           int64_t os, size_t elem, load8_fn load, moe_dot_fn tail) {
-    const uint8_t *a = w, *xb = x;
-    __m256 acc[MOE_DOT_ROWS][4];
-    for (int r = 0; r < R; r++)
-        for (int u = 0; u < 4; u++) acc[r][u] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int u = 0; u < 4; u++) {
-            const __m256 wv = load(a + (size_t)(i + 8 * u) * elem);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                acc[r][u] = _mm256_fmadd_ps(
-                    wv, load(xb + (size_t)r * xs + (size_t)(i + 8 * u) * elem), acc[r][u]);
-        }
-    for (; i + 8 <= n; i += 8) {
-        const __m256 wv = load(a + (size_t)i * elem);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r][0] =
-                _mm256_fmadd_ps(wv, load(xb + (size_t)r * xs + (size_t)i * elem), acc[r][0]);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        float sum = avx2_hsum_f32(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
-                                                _mm256_add_ps(acc[r][2], acc[r][3])));
-        if (i < n) sum += tail(a + (size_t)i * elem, xb + (size_t)r * xs + (size_t)i * elem, n - i);
-        out[r * os] = sum;
-    }
-}
+MOE_FLOAT_ROWS(float_rows, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_add_ps,
+               avx2_hsum_f32)
 MOE_DOT_AND_ROWS(dot_f32, dot_rows_f32, float_rows, 4, load8_f32, moe_ref_f32_dot)
 MOE_DOT_AND_ROWS(dot_f16, dot_rows_f16, float_rows, 2, load8_f16, moe_ref_f16_dot)
 MOE_DOT_AND_ROWS(dot_bf16, dot_rows_bf16, float_rows, 2, load8_bf16, moe_ref_bf16_dot)

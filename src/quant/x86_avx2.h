@@ -53,6 +53,37 @@
         }                                                                                          \
     }
 
+/* Float weights against float activations of the same type, written once for both vector
+ * widths (V with L lanes; vz, vfma, vadd, vsum its zero, a*b+c, a+b and horizontal sum): four
+ * accumulators over 4L-value steps, then L-value steps, the rest to the reference; each weight
+ * step loaded once for the R rows. */
+#define MOE_FLOAT_ROWS(name, V, L, vz, vfma, vadd, vsum)                                           \
+    MOE_INLINE void name(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,    \
+                         int64_t os, size_t elem, V (*load)(const void *), moe_dot_fn tail) {      \
+        const uint8_t *a = w, *xb = x;                                                             \
+        V acc[MOE_DOT_ROWS][4];                                                                    \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int u = 0; u < 4; u++) acc[r][u] = vz();                                          \
+        int64_t i = 0;                                                                             \
+        for (; i + 4 * (L) <= n; i += 4 * (L))                                                     \
+            for (int u = 0; u < 4; u++) {                                                          \
+                const V wv = load(a + (size_t)(i + (L)*u) * elem);                                 \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r][u] =                    \
+                    vfma(wv, load(xb + (size_t)r * xs + (size_t)(i + (L)*u) * elem), acc[r][u]);   \
+            }                                                                                      \
+        for (; i + (L) <= n; i += (L)) {                                                           \
+            const V wv = load(a + (size_t)i * elem);                                               \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r][0] =                        \
+                vfma(wv, load(xb + (size_t)r * xs + (size_t)i * elem), acc[r][0]);                 \
+        }                                                                                          \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                      \
+            float sum = vsum(vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3])));        \
+            if (i < n)                                                                             \
+                sum += tail(a + (size_t)i * elem, xb + (size_t)r * xs + (size_t)i * elem, n - i);  \
+            out[r * os] = sum;                                                                     \
+        }                                                                                          \
+    }
+
 /* ==== Reductions and scalars ==== */
 
 MOE_INLINE float avx2_hsum_f32x4(__m128 s) {

@@ -965,7 +965,6 @@ Z_IQ_KERNELS(iq3_xxs, z_iqb_iq3_xxs, true, NULL, NULL, 0.25f)
 
 /* ==== Float types ==== */
 
-typedef __m512 (*z_load16_fn)(const void *p);
 MOE_INLINE __m512 z_load16_f32(const void *p) {
     return _mm512_loadu_ps(p);
 }
@@ -976,37 +975,8 @@ MOE_INLINE __m512 z_load16_bf16(const void *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(avx2_load(p)), 16));
 }
 
-/* As the AVX2 float_rows, 16 lanes a step: each weight step loaded once for the R rows. */
-MOE_INLINE void z_float_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
-                             int64_t os, size_t elem, z_load16_fn load, moe_dot_fn tail) {
-    const uint8_t *a = w, *xb = x;
-    __m512 acc[MOE_DOT_ROWS][4];
-    for (int r = 0; r < R; r++)
-        for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 64 <= n; i += 64)
-        for (int u = 0; u < 4; u++) {
-            const __m512 wv = load(a + (size_t)(i + 16 * u) * elem);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                acc[r][u] = _mm512_fmadd_ps(
-                    wv, load(xb + (size_t)r * xs + (size_t)(i + 16 * u) * elem), acc[r][u]);
-        }
-    for (; i + 16 <= n; i += 16) {
-        const __m512 wv = load(a + (size_t)i * elem);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r][0] =
-                _mm512_fmadd_ps(wv, load(xb + (size_t)r * xs + (size_t)i * elem), acc[r][0]);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
-                                                       _mm512_add_ps(acc[r][2], acc[r][3])));
-        if (i < n) sum += tail(a + (size_t)i * elem, xb + (size_t)r * xs + (size_t)i * elem, n - i);
-        out[r * os] = sum;
-    }
-}
+MOE_FLOAT_ROWS(z_float_rows, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_add_ps,
+               _mm512_reduce_add_ps)
 MOE_DOT_AND_ROWS(z_dot_f32, z_dot_rows_f32, z_float_rows, 4, z_load16_f32, moe_ref_f32_dot)
 MOE_DOT_AND_ROWS(z_dot_f16, z_dot_rows_f16, z_float_rows, 2, z_load16_f16, moe_ref_f16_dot)
 MOE_DOT_AND_ROWS(z_dot_bf16, z_dot_rows_bf16, z_float_rows, 2, z_load16_bf16, moe_ref_bf16_dot)
