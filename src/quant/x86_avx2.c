@@ -55,6 +55,7 @@ MOE_INLINE void q32_q8_0_rows(const void *w, const void *x, size_t xs, int R, in
     const uint8_t *p = w, *xb = x;
     const int64_t nb = n / MOE_QK32;
     __m256 acc[MOE_DOT_ROWS][2];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2)
@@ -83,6 +84,7 @@ MOE_INLINE void q32_q8_1_rows(const void *w, const void *x, size_t xs, int R, in
     const uint8_t *p = w, *xb = x;
     __m256 acc[MOE_DOT_ROWS];
     float mins[MOE_DOT_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0;
     for (int64_t i = 0; i < n / MOE_QK32; i++) {
         float d, m;
@@ -125,27 +127,20 @@ MOE_INLINE void k4_rows(const void *w, const void *x, size_t xs, int R, int64_t 
     const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
     __m256 acc[MOE_DOT_ROWS];
     __m128 acc_min[MOE_DOT_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), acc_min[r] = _mm_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const moe_block_q4_k *b4 = (const moe_block_q4_k *)w + i;
-        const moe_block_q5_k *b5 = (const moe_block_q5_k *)w + i;
-        const uint8_t *scales_raw = q5 ? b5->scales : b4->scales, *qs = q5 ? b5->qs : b4->qs;
-        const uint16_t d16 = q5 ? b5->d : b4->d, dmin16 = q5 ? b5->dmin : b4->dmin;
-        const __m128i sm = avx2_k4_scales(scales_raw);
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-        const __m256i hb = q5 ? avx2_load(b5->qh) : _mm256_setzero_si256();
+        const avx2_k4_block b = avx2_k4_at(w, i, q5);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(b.sm));
+        const __m256i hb = q5 ? avx2_load(b.qh) : _mm256_setzero_si256();
         const moe_block_q8_k *y[MOE_DOT_ROWS];
         __m256i sumi[MOE_DOT_ROWS];
+        avx2_k4_rows_begin(R, xb, xs, i, &b, y, acc_min);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
-            const float dmin = y[r]->d * avx2_fp16(dmin16);
-            acc_min[r] = avx2_k4_min_term(sm, y[r], dmin, acc_min[r]);
-            sumi[r] = _mm256_setzero_si256();
-        }
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
-            const __m256i q4 = avx2_load(qs + 32 * j);
+            const __m256i q4 = avx2_load(b.qs + 32 * j);
             __m256i lo = _mm256_and_si256(q4, low4);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
             if (q5) { /* bit 2j of qh[l] is the fifth bit of the low value, bit 2j+1 of the high */
@@ -165,14 +160,9 @@ MOE_INLINE void k4_rows(const void *w, const void *x, size_t xs, int R, int64_t 
                     sumi[r], _mm256_add_epi32(avx2_scale16(plo, slo), avx2_scale16(phi, shi)));
             }
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const float d = y[r]->d * avx2_fp16(d16);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-        }
+        avx2_k4_rows_end(R, &b, y, sumi, acc);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]) - avx2_hsum_f32x4(acc_min[r]);
+    avx2_k4_rows_store(R, acc, acc_min, out, os);
 }
 MOE_DOT_AND_ROWS(dot_q4_k, dot_rows_q4_k, k4_rows, false)
 MOE_DOT_AND_ROWS(dot_q5_k, dot_rows_q5_k, k4_rows, true)
@@ -184,6 +174,7 @@ MOE_INLINE void q6_k_rows(const void *w, const void *x, size_t xs, int R, int64_
     const uint8_t *xb = x;
     const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
     __m256 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m128i sc = _mm_loadu_si128((const __m128i *)b[i].scales);
@@ -238,6 +229,7 @@ MOE_INLINE void k23_rows(const void *w, const void *x, size_t xs, int R, int64_t
     const uint8_t *xb = x;
     const __m128i low4 = _mm_set1_epi8(0x0f);
     __m256 acc[MOE_DOT_ROWS], acc_min[MOE_DOT_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const moe_block_q2_k *b2 = q3 ? NULL : (const moe_block_q2_k *)w + i;
@@ -356,12 +348,14 @@ MOE_INLINE void iq2_s_rows(const void *w, const void *x, size_t xs, int R, int64
     const moe_block_iq2_s *b = w;
     const uint8_t *xb = x;
     __m256 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m128i sc = avx2_iq2_scales16(b[i].scales);
         const uint8_t *qs = b[i].qs, *signs = b[i].qs + 32;
         const moe_block_q8_k *y[MOE_DOT_ROWS];
         __m256i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
             sumi[r] = _mm256_setzero_si256();
@@ -420,12 +414,14 @@ MOE_INLINE void iq3_s_rows(const void *w, const void *x, size_t xs, int R, int64
     const moe_block_iq3_s *b = w;
     const uint8_t *xb = x;
     __m256 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i bit8_shift = _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1);
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m128i sc = avx2_odd_scales8(b[i].scales);
         const moe_block_q8_k *y[MOE_DOT_ROWS];
         __m256i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
             sumi[r] = _mm256_setzero_si256();

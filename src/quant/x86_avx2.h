@@ -296,6 +296,49 @@ MOE_INLINE __m128 avx2_k4_min_term(__m128i sm, const moe_block_q8_k *y, float dm
     return _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bsum32)), acc);
 }
 
+/* ==== Q4_K / Q5_K parts shared by the AVX2 and AVX-512 many-row kernels ==== */
+
+/* Block i of a Q4_K (q5 false) or Q5_K row: its 6-bit scales and mins (avx2_k4_scales), qs, qh
+ * (NULL for Q4_K) and fp16 scales. */
+typedef struct {
+    __m128i sm;
+    const uint8_t *qs, *qh;
+    uint16_t d16, dmin16;
+} avx2_k4_block;
+MOE_INLINE avx2_k4_block avx2_k4_at(const void *w, int64_t i, bool q5) {
+    const moe_block_q4_k *b4 = (const moe_block_q4_k *)w + i;
+    const moe_block_q5_k *b5 = (const moe_block_q5_k *)w + i;
+    return (avx2_k4_block){.sm = avx2_k4_scales(q5 ? b5->scales : b4->scales),
+                           .qs = q5 ? b5->qs : b4->qs,
+                           .qh = q5 ? b5->qh : NULL,
+                           .d16 = q5 ? b5->d : b4->d,
+                           .dmin16 = q5 ? b5->dmin : b4->dmin};
+}
+/* Rows' block i: y[r] set, the min term added to acc_min[r]. */
+MOE_INLINE void avx2_k4_rows_begin(int R, const uint8_t *xb, size_t xs, int64_t i,
+                                   const avx2_k4_block *b, const moe_block_q8_k **y,
+                                   __m128 *acc_min) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
+        acc_min[r] = avx2_k4_min_term(b->sm, y[r], y[r]->d * avx2_fp16(b->dmin16), acc_min[r]);
+    }
+}
+/* Rows' block i done: the eight integer lanes sumi[r] scaled into acc[r]. */
+MOE_INLINE void avx2_k4_rows_end(int R, const avx2_k4_block *b, const moe_block_q8_k *const *y,
+                                 const __m256i *sumi, __m256 *acc) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const float d = y[r]->d * avx2_fp16(b->d16);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+}
+MOE_INLINE void avx2_k4_rows_store(int R, const __m256 *acc, const __m128 *acc_min, float *out,
+                                   int64_t os) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]) - avx2_hsum_f32x4(acc_min[r]);
+}
+
 /* Q8_K bsums (16 per block) as int16: the sums of 16 activations each. */
 MOE_INLINE __m256i avx2_bsums(const moe_block_q8_k *y) {
     return avx2_load(y->bsums);

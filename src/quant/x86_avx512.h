@@ -145,6 +145,7 @@ MOE_INLINE void z_q32_tile(int W, const void *w, size_t ws, const void *x, size_
     const int64_t nb = n / MOE_QK32;
     __m512 acc[2][MOE_DOT_ROWS];
     for (int v = 0; v < W; v++)
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) acc[v][r] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2) {
@@ -240,26 +241,20 @@ MOE_INLINE void z_k4_rows(const void *w, const void *x, size_t xs, int R, int64_
     const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     __m256 acc[MOE_DOT_ROWS];
     __m128 acc_min[MOE_DOT_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), acc_min[r] = _mm_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const moe_block_q4_k *b4 = (const moe_block_q4_k *)w + i;
-        const moe_block_q5_k *b5 = (const moe_block_q5_k *)w + i;
-        const uint8_t *scales_raw = q5 ? b5->scales : b4->scales, *qs = q5 ? b5->qs : b4->qs;
-        const uint16_t d16 = q5 ? b5->d : b4->d, dmin16 = q5 ? b5->dmin : b4->dmin;
-        const __m128i sm = avx2_k4_scales(scales_raw);
-        const __m512i sc = z_from_128(_mm_cvtepu8_epi16(sm));
-        const __m512i hb = q5 ? _mm512_broadcast_i64x4(avx2_load(b5->qh)) : _mm512_setzero_si512();
+        const avx2_k4_block b = avx2_k4_at(w, i, q5);
+        const __m512i sc = z_from_128(_mm_cvtepu8_epi16(b.sm));
+        const __m512i hb = q5 ? _mm512_broadcast_i64x4(avx2_load(b.qh)) : _mm512_setzero_si512();
         const moe_block_q8_k *y[MOE_DOT_ROWS];
         __m512i sumi[MOE_DOT_ROWS];
+        avx2_k4_rows_begin(R, xb, xs, i, &b, y, acc_min);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
-            acc_min[r] = avx2_k4_min_term(sm, y[r], y[r]->d * avx2_fp16(dmin16), acc_min[r]);
-            sumi[r] = _mm512_setzero_si512();
-        }
+        for (int r = 0; r < R; r++) sumi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 2
         for (int jj = 0; jj < 2; jj++) {
-            const __m512i q = z_load(qs + 64 * jj);
+            const __m512i q = z_load(b.qs + 64 * jj);
             __m512i lo = _mm512_and_si512(q, low4);
             __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
             if (q5) { /* bit 2j of qh[l] is the fifth bit of the low value, bit 2j+1 the high */
@@ -280,16 +275,14 @@ MOE_INLINE void z_k4_rows(const void *w, const void *x, size_t xs, int R, int64_
                     z_dp_i16(sumi[r], _mm512_maddubs_epi16(hi, z_load2(yq + 32, yq + 96)), shi);
             }
         }
+        __m256i s8[MOE_DOT_ROWS]; /* the halves added: the AVX2 kernel's eight lanes */
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]),
-                                                _mm512_extracti64x4_epi64(sumi[r], 1));
-            const float d = y[r]->d * avx2_fp16(d16);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s8), acc[r]);
-        }
+        for (int r = 0; r < R; r++)
+            s8[r] = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]),
+                                     _mm512_extracti64x4_epi64(sumi[r], 1));
+        avx2_k4_rows_end(R, &b, y, s8, acc);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]) - avx2_hsum_f32x4(acc_min[r]);
+    avx2_k4_rows_store(R, acc, acc_min, out, os);
 }
 MOE_DOT_AND_ROWS(z_dot_q4_k, z_dot_rows_q4_k, z_k4_rows, false)
 MOE_DOT_AND_ROWS(z_dot_q5_k, z_dot_rows_q5_k, z_k4_rows, true)
@@ -305,6 +298,7 @@ MOE_INLINE void z_q6_k_rows(const void *w, const void *x, size_t xs, int R, int6
     const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
     const __m512i shift_lo = z_idx2(0, 2), shift_hi = z_idx2(4, 6);
     __m512 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[i].scales));
@@ -773,6 +767,7 @@ MOE_INLINE void z_iq_madd(int R, const __m512i *g, const uint64_t *neg, __m256i 
                           const moe_block_q8_k *const *y, float mult, __m512 *acc) {
     const __m512i sc512 = z_from_256(sc);
     __m512i sumi[MOE_Z_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) sumi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
@@ -794,13 +789,16 @@ MOE_INLINE void z_iqd_rows_chunk(int R, const z_iqd *buf, int64_t c0, int64_t nc
                                  const uint8_t *xb, size_t xs, float mult, __m512 *accbuf,
                                  float *out, int64_t os) {
     __m512 acc[MOE_Z_ROWS];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = c0 == 0 ? _mm512_setzero_ps() : accbuf[r];
     for (int64_t j = 0; j < nc; j++) {
         const moe_block_q8_k *y[MOE_Z_ROWS];
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + c0 + j;
         z_iqd_consume(R, &buf[j], y, mult, acc);
     }
     if (c0 + nc < nb)
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) accbuf[r] = acc[r];
     else
         z_rows_store(R, acc, out, os);
