@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../src/ops/ops.h"
 #include "../src/quant/blocks.h"
 
 /* ==== Budgets (the only numbers the dot assertions use) ==== */
@@ -441,6 +442,49 @@ static void avx512_follows_avx2_floats(void **state) {
     free(w), free(xq), free(x);
 }
 
+/* moe_matmul over many rows (several activation tiles, weight blocks of 16 with a remainder,
+ * two threads: the two-weight-row tiles, the codebook records and their 64-row groups) gives
+ * every output the active table's single-row dot of that weight row and activation row, bit
+ * for bit. */
+static void matmul_tiles_equal_single_dots(void **state) {
+    (void)state;
+    static const moe_type types[] = {MOE_TYPE_Q8_0, MOE_TYPE_IQ2_S, MOE_TYPE_IQ3_S, MOE_TYPE_Q4_K,
+                                     MOE_TYPE_Q6_K};
+    enum { N_IN = 2048, N_OUT = 40, N_ROWS = 200 }; /* ~2.2 KiB activation rows: 3 tiles */
+    moe_pool *pool = moe_pool_new(2);
+    float *x = moe_xmalloc(sizeof(float) * N_IN * N_ROWS);
+    float *y = moe_xmalloc(sizeof(float) * N_OUT * N_ROWS);
+    uint8_t *xq = moe_xmalloc((size_t)moe_dot_row_bytes(MOE_TYPE_Q8_0, N_IN) * 2);
+    uint64_t seed = 5;
+    for (int64_t i = 0; i < (int64_t)N_IN * N_ROWS; i++) x[i] = (float)moe_rng_gaussian(&seed);
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        const size_t rb = moe_type_row_bytes(types[t], N_IN);
+        uint8_t *w = moe_xmalloc(rb * N_OUT);
+        for (int o = 0; o < N_OUT; o++) moe_type_random_row(types[t], &seed, w + rb * o, N_IN);
+        const moe_tensor wt = {.type = types[t],
+                               .n_dims = 2,
+                               .ne = {N_IN, N_OUT, 1, 1},
+                               .n_values = (uint64_t)N_IN * N_OUT,
+                               .n_bytes = rb * N_OUT,
+                               .data = w};
+        void *scratch = moe_xmalloc(moe_matmul_scratch_bytes(&wt, N_ROWS));
+        moe_matmul(pool, &wt, 0, x, N_ROWS, y, scratch);
+        const moe_type_kernels *k = moe_kernels_type(types[t]);
+        for (int r = 0; r < N_ROWS; r++) {
+            k->quantize_row_for_dot(x + (int64_t)r * N_IN, xq, N_IN);
+            for (int o = 0; o < N_OUT; o++) {
+                const float one = k->dot(w + rb * o, xq, N_IN);
+                if (memcmp(&one, &y[r * N_OUT + o], sizeof one) != 0)
+                    fail_msg("%s: matmul row %d, output %d is %.9g, the dot %.9g",
+                             moe_type_name(types[t]), r, o, y[r * N_OUT + o], one);
+            }
+        }
+        free(scratch), free(w);
+    }
+    free(xq), free(y), free(x);
+    moe_pool_free(pool);
+}
+
 static void version_names_kernel_table(void **state) {
     (void)state;
     char cmd[512], *out;
@@ -511,6 +555,7 @@ int moe_suite_kernels(void) {
         cmocka_unit_test(dots_match_reference_on_random_rows),
         cmocka_unit_test(dot_rows_equal_single_rows),
         cmocka_unit_test(avx512_follows_avx2_floats),
+        cmocka_unit_test(matmul_tiles_equal_single_dots),
         cmocka_unit_test(attention_kernels_bit_exact),
         cmocka_unit_test(version_names_kernel_table),
     };
