@@ -26,6 +26,28 @@
  * floats of each row are the single-row kernel's, bit for bit (test_kernels checks). */
 #define MOE_DOT_ROWS 4
 
+/* Rows r .. n_rows - 1 in groups: STEP(R, ...) for R = MOE_DOT_ROWS while a whole group is left,
+ * then once for the 1..3 left; R is a constant in every expansion, so the kernels' row loops
+ * unroll. STEP reads r (the first row of its group); the other arguments pass through. */
+#define MOE_ROW_GROUPS(r, n_rows, STEP, ...)                                                       \
+    do {                                                                                           \
+        for (; (r) + MOE_DOT_ROWS <= (n_rows); (r) += MOE_DOT_ROWS)                                \
+            STEP(MOE_DOT_ROWS, __VA_ARGS__);                                                       \
+        switch ((n_rows) - (r)) {                                                                  \
+        case 3:                                                                                    \
+            STEP(3, __VA_ARGS__);                                                                  \
+            break;                                                                                 \
+        case 2:                                                                                    \
+            STEP(2, __VA_ARGS__);                                                                  \
+            break;                                                                                 \
+        case 1:                                                                                    \
+            STEP(1, __VA_ARGS__);                                                                  \
+            break;                                                                                 \
+        default:                                                                                   \
+            break;                                                                                 \
+        }                                                                                          \
+    } while (0)
+
 #define MOE_DOT_AND_ROWS(dot_name, rows_name, rows_fn, ...)                                        \
     static float dot_name(const void *w, const void *x, int64_t n) {                               \
         float out;                                                                                 \
@@ -36,22 +58,10 @@
                           float *out, int64_t os) {                                                \
         const uint8_t *xb = x;                                                                     \
         int64_t r = 0;                                                                             \
-        for (; r + MOE_DOT_ROWS <= n_rows; r += MOE_DOT_ROWS)                                      \
-            rows_fn(w, xb + (size_t)r * xs, xs, MOE_DOT_ROWS, n, out + r * os, os, __VA_ARGS__);   \
-        switch (n_rows - r) {                                                                      \
-        case 3:                                                                                    \
-            rows_fn(w, xb + (size_t)r * xs, xs, 3, n, out + r * os, os, __VA_ARGS__);              \
-            break;                                                                                 \
-        case 2:                                                                                    \
-            rows_fn(w, xb + (size_t)r * xs, xs, 2, n, out + r * os, os, __VA_ARGS__);              \
-            break;                                                                                 \
-        case 1:                                                                                    \
-            rows_fn(w, xb + (size_t)r * xs, xs, 1, n, out + r * os, os, __VA_ARGS__);              \
-            break;                                                                                 \
-        default:                                                                                   \
-            break;                                                                                 \
-        }                                                                                          \
+        MOE_ROW_GROUPS(r, n_rows, MOE_ROWS_CALL_, rows_fn, __VA_ARGS__);                           \
     }
+#define MOE_ROWS_CALL_(R, rows_fn, ...)                                                            \
+    rows_fn(w, xb + (size_t)r * xs, xs, R, n, out + r * os, os, __VA_ARGS__)
 
 /* Float weights against float activations of the same type, written once for both vector
  * widths (V with L lanes; vz, vfma, vadd, vsum its zero, a*b+c, a+b and horizontal sum): four

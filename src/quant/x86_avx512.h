@@ -115,10 +115,6 @@ MOE_INLINE void z_rows_accumulate(int R, __m512 *acc, float dw, const moe_block_
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = z_iq_accumulate(acc[r], dw, y[r], mult, sumi[r]);
 }
-/* Rows per pass of the decoded-block kernels (z_iqd): their sums and accumulators stay in
- * registers. */
-#define MOE_Z_ROWS 4
-
 MOE_INLINE void z_rows_store(int R, const __m512 *acc, float *out, int64_t os) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) out[r * os] = _mm512_reduce_add_ps(acc[r]);
@@ -197,25 +193,10 @@ MOE_INLINE void z_q32_rows2(const void *w, size_t ws, const void *x, size_t xs, 
                             q32_decode_fn decode, moe_dot_fn tail) {
     const uint8_t *xb = x;
     int64_t r = 0;
-    for (; r + MOE_DOT_ROWS <= n_rows; r += MOE_DOT_ROWS)
-        z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, MOE_DOT_ROWS, n, out + r * os, os,
-                   block_bytes, decode, tail);
-    switch (n_rows - r) { /* R a constant in each call, as MOE_DOT_AND_ROWS does */
-    case 3:
-        z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, 3, n, out + r * os, os, block_bytes, decode,
-                   tail);
-        break;
-    case 2:
-        z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, 2, n, out + r * os, os, block_bytes, decode,
-                   tail);
-        break;
-    case 1:
-        z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, 1, n, out + r * os, os, block_bytes, decode,
-                   tail);
-        break;
-    default:
-        break;
-    }
+#define Z_Q32_PAIR(R, unused)                                                                      \
+    z_q32_tile(2, w, ws, xb + (size_t)r * xs, xs, R, n, out + r * os, os, block_bytes, decode, tail)
+    MOE_ROW_GROUPS(r, n_rows, Z_Q32_PAIR, 0);
+#undef Z_Q32_PAIR
 }
 
 #define Z_Q32_KERNELS(t)                                                                           \
@@ -766,7 +747,7 @@ MOE_INLINE void z_iqb_iq3_xxs(const void *block, z_iqb *o) {
 MOE_INLINE void z_iq_madd(int R, const __m512i *g, const uint64_t *neg, __m256i sc, float d,
                           const moe_block_q8_k *const *y, float mult, __m512 *acc) {
     const __m512i sc512 = z_from_256(sc);
-    __m512i sumi[MOE_Z_ROWS];
+    __m512i sumi[MOE_DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) sumi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -788,11 +769,11 @@ MOE_INLINE void z_iqd_consume(int R, const z_iqd *blk, const moe_block_q8_k *con
 MOE_INLINE void z_iqd_rows_chunk(int R, const z_iqd *buf, int64_t c0, int64_t nc, int64_t nb,
                                  const uint8_t *xb, size_t xs, float mult, __m512 *accbuf,
                                  float *out, int64_t os) {
-    __m512 acc[MOE_Z_ROWS];
+    __m512 acc[MOE_DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = c0 == 0 ? _mm512_setzero_ps() : accbuf[r];
     for (int64_t j = 0; j < nc; j++) {
-        const moe_block_q8_k *y[MOE_Z_ROWS];
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + c0 + j;
         z_iqd_consume(R, &buf[j], y, mult, acc);
@@ -894,22 +875,11 @@ MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t
             const int64_t nc = nb - c0 < Z_IQD_CHUNK ? nb - c0 : Z_IQD_CHUNK;
             z_iqd_decode_chunk(t, (const uint8_t *)w + (size_t)c0 * t.block_bytes, nc, buf, at);
             int64_t r = 0;
-            for (; r + MOE_Z_ROWS <= ng; r += MOE_Z_ROWS)
-                z_iqd_rows_chunk(MOE_Z_ROWS, buf, c0, nc, nb, xb + (size_t)(g0 + r) * xs, xs, mult,
-                                 accbuf + r, out + (g0 + r) * os, os);
-            switch (ng - r) {
-#define Z_IQD_TAIL(k)                                                                              \
-    case k:                                                                                        \
-        z_iqd_rows_chunk(k, buf, c0, nc, nb, xb + (size_t)(g0 + r) * xs, xs, mult, accbuf + r,     \
-                         out + (g0 + r) * os, os);                                                 \
-        break;
-                Z_IQD_TAIL(1)
-                Z_IQD_TAIL(2)
-                Z_IQD_TAIL(3)
-#undef Z_IQD_TAIL
-            default:
-                break;
-            }
+#define Z_IQD_GROUP_STEP(R, unused)                                                                \
+    z_iqd_rows_chunk(R, buf, c0, nc, nb, xb + (size_t)(g0 + r) * xs, xs, mult, accbuf + r,         \
+                     out + (g0 + r) * os, os)
+            MOE_ROW_GROUPS(r, ng, Z_IQD_GROUP_STEP, 0);
+#undef Z_IQD_GROUP_STEP
         }
     }
 }
