@@ -6,7 +6,7 @@
  * Rows of one sequence in a batch attend to each other causally because every row's K/V is
  * written before any row attends, and a row at position p reads positions 0..p only (the last
  * `window` of them in a windowed layer). moe_attend_rows is shared with the MLA block. */
-#include "internal.h"
+#include "engine_internal.h"
 
 #include <math.h>
 #include <string.h>

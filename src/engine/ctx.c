@@ -4,7 +4,7 @@
  * moe_ctx_new() from the model config and the requested limits. The forward pass reads
  * weights only through ops/ (matmul via the quant trait table), so faster kernels slot in
  * below without touching this file. */
-#include "internal.h"
+#include "engine_internal.h"
 
 #include <math.h>
 #include <stdlib.h>

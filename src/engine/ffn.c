@@ -3,7 +3,7 @@
  * groups as the config says), then runs the grouped dispatch (ops/moe.c) so each chosen expert
  * is read once for all rows that chose it, then the shared expert if the model has one
  * (qwen3next gates it per row by sigmoid(w . x)). */
-#include "internal.h"
+#include "engine_internal.h"
 
 #include <math.h>
 #include <string.h>

@@ -9,7 +9,7 @@
  * norm are shared (ops/linear_attn.c). The trap: state is updated in place, so a failed call
  * must not get here (rows are validated first), and a sequence's rows must all be in one call's
  * order for the chunked form to see them consecutively. */
-#include "internal.h"
+#include "engine_internal.h"
 
 #include <math.h>
 #include <stdlib.h>

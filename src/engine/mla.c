@@ -8,7 +8,7 @@
  * through attn_v_b per head, then attn_output. Prefill and decode take the same path.
  * The trap: attn_k_b / attn_v_b are [.., .., n_head] stacks of per-head matrices, so each is
  * applied head by head to that head's slice of every row (gathered, multiplied, scattered). */
-#include "internal.h"
+#include "engine_internal.h"
 
 #include <string.h>
 

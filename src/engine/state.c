@@ -7,7 +7,7 @@
  * while seq still holds the tokens it was taken on. Every path that shortens or replaces a
  * sequence goes through become(), which keeps both. The trap: K/V rows past seq_len are stale
  * garbage, never read; recurrent state has no such slack, so it is copied, never truncated. */
-#include "internal.h"
+#include "engine_internal.h"
 
 #include <stdio.h>
 #include <string.h>

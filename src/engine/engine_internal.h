@@ -1,4 +1,4 @@
-/* internal.h: what the engine's files share -- the context struct and the layer blocks.
+/* engine_internal.h: what the engine's files share -- the context struct and the layer blocks.
  *
  * Not a public header: only the engine's own .c files include it. Each block runs one part of a
  * layer over all rows of a batch, reading and writing the context's scratch; moe_ctx_decode() in
