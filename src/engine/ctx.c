@@ -16,7 +16,7 @@
 #define MOE_MAX_SEQ         4096  /* sequences per context: caps the per-sequence tables */
 #define MOE_MAX_ROWS        65536 /* rows per forward call: caps scratch */
 
-/* struct moe_ctx lives in internal.h */
+/* struct moe_ctx lives in engine_internal.h */
 
 static uint64_t max_u64(uint64_t a, uint64_t b) {
     return a > b ? a : b;
