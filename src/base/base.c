@@ -147,6 +147,41 @@ double moe_rng_gaussian(uint64_t *state) {
 
 /* ==== A growable string ==== */
 
+/* Room for n more bytes and the NUL. */
+static void strbuf_reserve(moe_strbuf *b, size_t n) {
+    if (b->s && b->cap - b->len > n) return;
+    if (n > SIZE_MAX / 4 - b->len) moe_die("string buffer size overflow");
+    size_t cap = b->cap ? b->cap : 64;
+    while (cap - b->len <= n) cap *= 2;
+    b->s = moe_xrealloc(b->s, cap);
+    b->cap = cap;
+}
+
+void moe_strbuf_put(moe_strbuf *b, const char *s, size_t n) {
+    strbuf_reserve(b, n);
+    if (n) memcpy(b->s + b->len, s, n);
+    b->len += n;
+    b->s[b->len] = '\0';
+}
+
+void moe_strbuf_puts(moe_strbuf *b, const char *s) {
+    moe_strbuf_put(b, s, strlen(s));
+}
+
+void moe_strbuf_putc(moe_strbuf *b, char c) {
+    moe_strbuf_put(b, &c, 1);
+}
+
+void moe_strbuf_reset(moe_strbuf *b) {
+    b->len = 0;
+    if (b->s) b->s[0] = '\0';
+}
+
+void moe_strbuf_free(moe_strbuf *b) {
+    free(b->s);
+    *b = (moe_strbuf){0};
+}
+
 void moe_strbuf_printf(moe_strbuf *b, const char *fmt, ...) {
     for (;;) {
         va_list ap;

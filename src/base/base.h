@@ -70,7 +70,13 @@ typedef struct moe_strbuf {
     size_t len, cap;
 } moe_strbuf;
 
+void moe_strbuf_put(moe_strbuf *b, const char *s, size_t n);
+void moe_strbuf_puts(moe_strbuf *b, const char *s);
+void moe_strbuf_putc(moe_strbuf *b, char c);
 void moe_strbuf_printf(moe_strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Forget the text but keep the memory for the next use. */
+void moe_strbuf_reset(moe_strbuf *b);
+void moe_strbuf_free(moe_strbuf *b);
 /* The text (the caller frees it; "" when nothing was written); b is empty again. */
 char *moe_strbuf_take(moe_strbuf *b);
 
