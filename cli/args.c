@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "../src/base/base.h"
 #include "cli.h"
@@ -63,4 +64,34 @@ bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int
     *ids = out;
     *n = count;
     return true;
+}
+
+bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_type *out) {
+    moe_type t;
+    if (text && moe_type_from_name(text, &t) &&
+        (t == MOE_TYPE_F32 || t == MOE_TYPE_F16 || (allow_q8_0 && t == MOE_TYPE_Q8_0))) {
+        *out = t;
+        return true;
+    }
+    moe_cli_usage_error(cmd, "--kv-type expects %s, got '%s'",
+                        allow_q8_0 ? "f32, f16 or q8_0" : "f32 or f16", text ? text : "(nothing)");
+    return false;
+}
+
+int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i) {
+    const char *flag = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    long long n;
+    if (strcmp(flag, "--ctx") == 0) {
+        if (!moe_arg_int(cmd, flag, v, 1, 1 << 24, &n)) return -1;
+        a->n_ctx = (uint32_t)n;
+    } else if (strcmp(flag, "-t") == 0 || strcmp(flag, "--threads") == 0) {
+        if (!moe_arg_int(cmd, flag, v, 1, 1024, &n)) return -1;
+        a->n_threads = (int)n;
+    } else if (strcmp(flag, "--kv-type") == 0) {
+        if (!moe_arg_kv_type(cmd, v, false, &a->kv_type)) return -1;
+    } else {
+        return 0;
+    }
+    ++*i;
+    return 1;
 }

@@ -1,11 +1,14 @@
-/* args: small shared helpers for the subcommands' argument parsing: numbers with range checks
- * and comma-separated token id lists. Each reports a usage error naming the flag. */
+/* args: the subcommands' shared argument parsing: numbers with range checks, comma-separated
+ * token id lists, and the engine options every command that runs a model takes (--ctx,
+ * -t / --threads, --kv-type), parsed here once. Each reports a usage error naming the flag. */
 #ifndef MOE_CLI_ARGS_H
 #define MOE_CLI_ARGS_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "../src/quant/quant.h"
 
 bool moe_arg_int(const char *cmd, const char *flag, const char *text, long long min, long long max,
                  long long *out);
@@ -14,5 +17,19 @@ bool moe_arg_float(const char *cmd, const char *flag, const char *text, double m
 /* "1,2,3" -> ids (caller frees); false with a message on a bad or out-of-range id. */
 bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int32_t **ids,
                         size_t *n);
+
+/* --kv-type's value: f32 or f16, and q8_0 where allow_q8_0 (what `moe budget` plans). */
+bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_type *out);
+
+/* The engine options of run, chat, logits, serve and bench. The caller sets the defaults. */
+typedef struct moe_engine_args {
+    uint32_t n_ctx;   /* --ctx: positions per sequence (0: the model's, capped) */
+    int n_threads;    /* -t, --threads */
+    moe_type kv_type; /* --kv-type: KV cache elements, MOE_TYPE_F32 or MOE_TYPE_F16 */
+} moe_engine_args;
+
+/* argv[*i] if it is one of them: 1 consumed (*i moved past its value), 0 not one of them, -1 a
+ * usage error (reported). */
+int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i);
 
 #endif

@@ -33,8 +33,8 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
            "KV %s; kernels %s, %d threads, median of %d runs (range)\n",
            r->arch, r->n_layer, r->n_expert, r->n_expert_used,
            r->in_memory ? "in anonymous memory" : "mapped from the file",
-           (double)r->loaded_bytes / 1e9, r->load_seconds, p->kv_f32 ? "f32" : "f16", r->isa,
-           r->threads, r->runs);
+           (double)r->loaded_bytes / 1e9, r->load_seconds,
+           p->kv_type == MOE_TYPE_F32 ? "f32" : "f16", r->isa, r->threads, r->runs);
     printf("read bandwidth: %.1f GB/s (%.1f-%.1f; probe: %d threads, %d-byte loads, %zu MiB)  "
            "[%s, %d threads]\n",
            probe, bw->min_gb_s, bw->max_gb_s, bw->threads, bw->load_bytes, bw->bytes >> 20, r->isa,
@@ -177,16 +177,18 @@ int moe_cmd_bench(int argc, char **argv) {
     p.n_threads = cpus > 0 ? (int)cpus : 1;
     bool csv = false, json = false;
     int probe_mib = (int)(p.probe_bytes >> 20);
+    moe_engine_args engine = {.n_threads = p.n_threads, .kv_type = p.kv_type};
     long long n;
     for (int i = 0; i < argc; i++) {
+        const int engine_arg = moe_engine_args_parse("bench", &engine, argc, argv, &i);
+        if (engine_arg < 0) return 2;
+        if (engine_arg) continue;
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         const struct {
             const char *flag;
             int *dst;
             long long lo, hi;
         } ints[] = {
-            {"-t", &p.n_threads, 1, 1024},
-            {"--threads", &p.n_threads, 1, 1024},
             {"--runs", &p.runs, 1, MOE_BENCH_MAX_RUNS},
             {"--pp", &p.n_prompt, 0, 65536},
             {"--tg", &p.n_gen, 0, 65536},
@@ -210,9 +212,6 @@ int moe_cmd_bench(int argc, char **argv) {
                                            MOE_BENCH_MAX_STREAM_ROWS, MOE_BENCH_MAX_STREAMS,
                                            v ? v : "");
             i++;
-        } else if (strcmp(a, "--kv-type") == 0 && v && (!strcmp(v, "f16") || !strcmp(v, "f32"))) {
-            p.kv_f32 = strcmp(v, "f32") == 0;
-            i++;
         } else if (strcmp(a, "--mmap") == 0) {
             p.use_mmap = true;
         } else if (strcmp(a, "--csv") == 0) {
@@ -229,6 +228,10 @@ int moe_cmd_bench(int argc, char **argv) {
         }
     }
     if (!p.model_path) return moe_cli_usage_error("bench", "a model file is required");
+    if (engine.n_ctx)
+        return moe_cli_usage_error("bench", "--ctx: bench sizes its context from --pp and --tg");
+    p.n_threads = engine.n_threads;
+    p.kv_type = engine.kv_type;
     p.probe_bytes = (size_t)probe_mib << 20;
     if (csv && json) return moe_cli_usage_error("bench", "--csv and --json exclude each other");
     moe_bench_result r;

@@ -303,15 +303,7 @@ int moe_cmd_budget(int argc, char **argv) {
                 return 2;
             i++;
         } else if (!strcmp(a, "--kv-type")) {
-            if (v && !strcmp(v, "f16"))
-                c.kv_type = MOE_TYPE_F16;
-            else if (v && !strcmp(v, "f32"))
-                c.kv_type = MOE_TYPE_F32;
-            else if (v && !strcmp(v, "q8_0"))
-                c.kv_type = MOE_TYPE_Q8_0;
-            else
-                return moe_cli_usage_error("budget", "--kv-type is f16, f32 or q8_0, got '%s'",
-                                           v ? v : "(nothing)");
+            if (!moe_arg_kv_type("budget", v, true, &c.kv_type)) return 2;
             i++;
         } else if (!strcmp(a, "--svg")) {
             if (!v) return moe_cli_usage_error("budget", "--svg needs a file name");

@@ -18,26 +18,10 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-const char moe_gen_options_usage[] =
-    "  -n N              tokens to generate (default 128; -1: until end of text)\n"
-    "  --temp T          temperature (default 0.8; 0 = greedy)\n"
-    "  --top-k K         keep the K most likely tokens (default 40; 0 = off)\n"
-    "  --top-p P         nucleus sampling (default 0.95; 1 = off)\n"
-    "  --min-p P         drop tokens below P x the best one's probability (default 0.05)\n"
-    "  --repeat-penalty R  penalise recent tokens (default 1 = off), over --repeat-last-n 64\n"
-    "  --presence-penalty P, --frequency-penalty F  OpenAI-style penalties (default 0)\n"
-    "  --seed S          random seed (default 0xC0FFEE)\n"
-    "  --ctx N           context length (default: the model's, at most 4096)\n"
-    "  --kv-type f32|f16 KV cache element type (default f16)\n"
-    "  -t N              threads (default 1)\n"
-    "  --ignore-eos      keep generating past end-of-text tokens\n"
-    "  --print-ids       print token ids instead of text\n";
-
 void moe_gen_options_default(moe_gen_options *o) {
     memset(o, 0, sizeof *o);
     o->n_predict = 128;
-    o->n_threads = 1;
-    o->kv_type = MOE_KV_F16;
+    o->engine = (moe_engine_args){.n_threads = 1, .kv_type = MOE_TYPE_F16};
     o->sampling = (moe_sampler_params){.temperature = 0.8f,
                                        .top_k = 40,
                                        .top_p = 0.95f,
@@ -67,8 +51,6 @@ int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **a
         return 1;                                                                                  \
     }
     TAKE_INT("-n", -1, 1 << 30, o->n_predict)
-    TAKE_INT("--ctx", 1, 1 << 24, o->n_ctx)
-    TAKE_INT("-t", 1, 1024, o->n_threads)
     TAKE_INT("--top-k", 0, 1 << 30, o->sampling.top_k)
     TAKE_INT("--repeat-last-n", 0, 8192, o->sampling.penalty_last_n)
     TAKE_INT("--seed", 0, INT64_MAX, o->sampling.seed)
@@ -80,18 +62,8 @@ int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **a
     TAKE_FLOAT("--frequency-penalty", -2, 2, o->sampling.frequency_penalty)
 #undef TAKE_INT
 #undef TAKE_FLOAT
-    if (strcmp(a, "--kv-type") == 0) {
-        if (v && strcmp(v, "f16") == 0)
-            o->kv_type = MOE_KV_F16;
-        else if (v && strcmp(v, "f32") == 0)
-            o->kv_type = MOE_KV_F32;
-        else {
-            moe_cli_usage_error(cmd, "--kv-type expects f32 or f16, got '%s'", v ? v : "(nothing)");
-            return -1;
-        }
-        ++*i;
-        return 1;
-    }
+    const int engine = moe_engine_args_parse(cmd, &o->engine, argc, argv, i);
+    if (engine) return engine;
     if (strcmp(a, "--print-ids") == 0) return o->print_ids = true, 1;
     if (strcmp(a, "--ignore-eos") == 0) return o->ignore_eos = true, 1;
     return 0;
@@ -122,11 +94,11 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(g->tok), g->model->cfg.n_vocab);
     if (!err.code) {
-        moe_ctx_params cp = {.n_ctx = o->n_ctx,
+        moe_ctx_params cp = {.n_ctx = o->engine.n_ctx,
                              .n_seq = 1,
                              .max_rows = PREFILL_CHUNK,
-                             .kv_type = o->kv_type,
-                             .n_threads = o->n_threads};
+                             .kv_type = o->engine.kv_type,
+                             .n_threads = o->engine.n_threads};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
         moe_ctx_memory mem;
         if (g->ctx && moe_ctx_memory_plan(g->model, &cp, &mem, &err) == MOE_OK)

@@ -9,13 +9,12 @@
 
 #include "../src/engine/engine.h"
 #include "../src/text/text.h"
+#include "args.h"
 
 typedef struct moe_gen_options {
     const char *model_path; /* NULL: the built-in demo model */
     int64_t n_predict;      /* tokens to generate (< 0: until end of generation or context) */
-    uint32_t n_ctx;         /* 0: the model's, capped */
-    int n_threads;
-    moe_kv_type kv_type;
+    moe_engine_args engine; /* --ctx, -t, --kv-type */
     moe_sampler_params sampling;
     bool print_ids;  /* show ids instead of text */
     bool ignore_eos; /* keep going past end-of-generation tokens */
@@ -42,8 +41,6 @@ void moe_gen_options_default(moe_gen_options *o);
 /* Parse one option at argv[*i] into o; returns 1 if consumed, 0 if not an option of ours, -1 on
  * a usage error (already reported). */
 int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **argv, int *i);
-/* The options text for --help. */
-extern const char moe_gen_options_usage[];
 
 bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd);
 void moe_gen_close(moe_gen *g);

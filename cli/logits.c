@@ -27,19 +27,16 @@ static void print_top5(const float *row, uint32_t n_vocab, size_t pos, int32_t t
 
 int moe_cmd_logits(int argc, char **argv) {
     const char *model_path = NULL, *out_path = NULL, *tokens_arg = NULL;
-    moe_kv_type kv = MOE_KV_F32;
+    moe_engine_args engine = {.n_threads = 1, .kv_type = MOE_TYPE_F32};
     for (int i = 0; i < argc; i++) {
+        const int taken = moe_engine_args_parse("logits", &engine, argc, argv, &i);
+        if (taken < 0) return 2;
+        if (taken) continue;
         if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
             tokens_arg = argv[++i];
         else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc)
             out_path = argv[++i];
-        else if (strcmp(argv[i], "--kv-type") == 0 && i + 1 < argc) {
-            const char *t = argv[++i];
-            if (strcmp(t, "f16") == 0)
-                kv = MOE_KV_F16;
-            else if (strcmp(t, "f32") != 0)
-                return moe_cli_usage_error("logits", "--kv-type expects f32 or f16, got '%s'", t);
-        } else if (argv[i][0] == '-')
+        else if (argv[i][0] == '-')
             return moe_cli_usage_error("logits", "unknown option '%s'", argv[i]);
         else if (!model_path)
             model_path = argv[i];
@@ -60,7 +57,11 @@ int moe_cmd_logits(int argc, char **argv) {
         return 1;
     }
     const uint32_t n_vocab = m->cfg.n_vocab;
-    moe_ctx_params cp = {.n_ctx = (uint32_t)n, .n_seq = 1, .max_rows = (uint32_t)n, .kv_type = kv};
+    moe_ctx_params cp = {.n_ctx = engine.n_ctx ? engine.n_ctx : (uint32_t)n,
+                         .n_seq = 1,
+                         .max_rows = (uint32_t)n,
+                         .kv_type = engine.kv_type,
+                         .n_threads = engine.n_threads};
     moe_ctx *ctx = n <= UINT32_MAX / 2 ? moe_ctx_new(m, &cp, &err) : NULL;
     moe_row *rows = moe_xcalloc(n, sizeof *rows);
     float *logits = moe_xmalloc(sizeof(float) * n * n_vocab);

@@ -30,9 +30,13 @@ static const char usage_text[] =
 int moe_cmd_serve(int argc, char **argv) {
     moe_serve_params p;
     moe_serve_params_default(&p);
+    moe_engine_args engine = {.n_ctx = p.n_ctx, .n_threads = p.n_threads, .kv_type = p.kv_type};
     long long n;
     double f;
     for (int i = 0; i < argc; i++) {
+        const int taken = moe_engine_args_parse("serve", &engine, argc, argv, &i);
+        if (taken < 0) return 2;
+        if (taken) continue;
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define INT_OPT(flag, lo, hi, dst)                                                                 \
@@ -50,11 +54,8 @@ int moe_cmd_serve(int argc, char **argv) {
         continue;                                                                                  \
     }
         INT_OPT("--port", 0, 65535, p.port)
-        INT_OPT("--ctx", 1, 1 << 24, p.n_ctx)
         INT_OPT("--parallel", 1, 256, p.parallel)
         INT_OPT("--cache-slots", 0, 4096, p.cache_slots)
-        INT_OPT("--threads", 1, 1024, p.n_threads)
-        INT_OPT("-t", 1, 1024, p.n_threads)
         INT_OPT("--queue", 0, 1 << 20, p.queue_limit)
         INT_OPT("--step-delay", 0, 60000, p.step_delay_ms)
         FLOAT_OPT("--queue-timeout", 0.01, 1e7, p.queue_timeout_s)
@@ -75,14 +76,6 @@ int moe_cmd_serve(int argc, char **argv) {
                 return moe_cli_usage_error("serve", "at most %d --api-key", MOE_SERVE_MAX_API_KEYS);
             p.api_keys[p.n_api_keys++] = v;
             i++;
-        } else if (strcmp(a, "--kv-type") == 0 && v) {
-            if (strcmp(v, "f16") == 0)
-                p.kv_type = MOE_KV_F16;
-            else if (strcmp(v, "f32") == 0)
-                p.kv_type = MOE_KV_F32;
-            else
-                return moe_cli_usage_error("serve", "--kv-type expects f32 or f16, got '%s'", v);
-            i++;
         } else if (strcmp(a, "--mmap") == 0) {
             p.use_mmap = true;
         } else if (strcmp(a, "--help-options") == 0) {
@@ -97,6 +90,9 @@ int moe_cmd_serve(int argc, char **argv) {
             return moe_cli_usage_error("serve", "unexpected argument '%s'", a);
         }
     }
+    p.n_ctx = engine.n_ctx;
+    p.n_threads = engine.n_threads;
+    p.kv_type = engine.kv_type;
     if (p.cache_slots + p.parallel > 4096)
         return moe_cli_usage_error("serve", "--parallel + --cache-slots must stay <= 4096");
     return moe_serve_run(&p);

@@ -85,7 +85,7 @@ static void stories_logits_match_runc(void **state) {
     const uint32_t nv = m->cfg.n_vocab, n_rows = 32;
     assert_int_equal(n_bytes, sizeof(float) * n_rows * nv);
     moe_error err = {0};
-    moe_ctx_params cp = {.n_ctx = 512, .n_seq = 1, .max_rows = n_rows, .kv_type = MOE_KV_F32};
+    moe_ctx_params cp = {.n_ctx = 512, .n_seq = 1, .max_rows = n_rows, .kv_type = MOE_TYPE_F32};
     moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
     assert_non_null(ctx);
     moe_row rows[32];
@@ -117,7 +117,7 @@ static void stories_greedy_matches_runc(void **state) {
     for (int kv = 0; kv < 2; kv++) {
         moe_error err = {0};
         moe_ctx_params cp = {
-            .n_ctx = 512, .n_seq = 1, .max_rows = 1, .kv_type = kv ? MOE_KV_F16 : MOE_KV_F32};
+            .n_ctx = 512, .n_seq = 1, .max_rows = 1, .kv_type = kv ? MOE_TYPE_F16 : MOE_TYPE_F32};
         moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
         assert_non_null(ctx);
         int32_t tok = tokens[0];
@@ -155,7 +155,7 @@ static void parity_check(const char *name, double tol) {
     assert_int_equal(n_bytes, sizeof(float) * n_rows * nv);
     moe_error err = {0};
     moe_ctx_params cp = {
-        .n_ctx = 64, .n_seq = 1, .max_rows = (uint32_t)n_prompt, .kv_type = MOE_KV_F32};
+        .n_ctx = 64, .n_seq = 1, .max_rows = (uint32_t)n_prompt, .kv_type = MOE_TYPE_F32};
     moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
     assert_non_null(ctx);
     float *logits = moe_xmalloc(sizeof(float) * n_rows * nv);
@@ -215,7 +215,7 @@ static void batch_check(moe_model *m) {
     int32_t next[N_SEQ][N_STEPS + 1];
     moe_error err = {0};
     for (int s = 0; s < N_SEQ; s++) { /* each alone, prefill then greedy steps */
-        moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = N_PROMPT, .kv_type = MOE_KV_F32};
+        moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = N_PROMPT, .kv_type = MOE_TYPE_F32};
         moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
         moe_row rows[N_PROMPT];
         for (int i = 0; i < N_PROMPT; i++)
@@ -232,7 +232,7 @@ static void batch_check(moe_model *m) {
     }
     /* together: one prefill batch interleaving the prompts, then one row per sequence a step */
     moe_ctx_params cp = {
-        .n_ctx = 64, .n_seq = N_SEQ, .max_rows = N_SEQ * N_PROMPT, .kv_type = MOE_KV_F32};
+        .n_ctx = 64, .n_seq = N_SEQ, .max_rows = N_SEQ * N_PROMPT, .kv_type = MOE_TYPE_F32};
     moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
     moe_row rows[N_SEQ * N_PROMPT];
     for (int i = 0; i < N_PROMPT; i++)
@@ -252,7 +252,7 @@ static void batch_check(moe_model *m) {
         const moe_expert_stats st = moe_ctx_expert_stats(ctx);
         uint64_t moe_layers = 0;
         for (uint32_t il = 0; il < m->cfg.n_layer; il++)
-            moe_layers += m->layers[il].ffn_gate_inp != NULL;
+            moe_layers += m->layers[il].plan.ffn == MOE_FFN_EXPERTS;
         assert_int_equal(st.rows, moe_layers * N_SEQ);
         assert_int_equal(st.pairs, moe_layers * N_SEQ * m->cfg.n_expert_used);
         assert_true(st.experts <= st.pairs);
@@ -297,10 +297,11 @@ static void glm4moe_synthetic(void **state) {
     assert_int_equal(m->cfg.n_layer_nextn, p.n_nextn);
     assert_int_equal(m->cfg.rope_dims, p.head_dim / 2);
     assert_int_equal(m->cfg.gating, MOE_GATING_SIGMOID);
-    assert_null(m->layers[0].ffn_gate_inp); /* dense lead */
-    assert_non_null(m->layers[1].exp_probs_b);
-    assert_non_null(m->layers[1].ffn_gate_shexp);
-    assert_non_null(m->layers[1].bq);
+    assert_int_equal(m->layers[0].plan.ffn, MOE_FFN_DENSE); /* dense lead */
+    assert_int_equal(m->layers[1].plan.ffn, MOE_FFN_EXPERTS);
+    assert_non_null(m->layers[1].experts.sel_bias);
+    assert_non_null(m->layers[1].experts.shared.gate);
+    assert_non_null(m->layers[1].attn.bq);
     batch_check(m);
     moe_model_free(m);
 }

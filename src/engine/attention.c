@@ -1,5 +1,5 @@
-/* attention.c: the grouped-query attention block -- RMSNorm, q/k/v projections (with biases
- * where the arch has them), optional per-head QK-norm, rope, the KV cache write, causal
+/* attention.c: the grouped-query attention block -- q/k/v projections of the normed input (with
+ * biases where the arch has them), optional per-head QK-norm, rope, the KV cache write, causal
  * attention per row (sinks and sliding windows where the layer has them), an optional output
  * gate (qwen3next: attn_q yields [q, gate] per head, out *= sigmoid(gate)), output projection.
  *
@@ -25,7 +25,7 @@ static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const moe_attn_shape *s = j->shape;
     const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
     const int64_t att_w = (int64_t)s->n_head * s->head_dim_v;
-    const int64_t elem = c->p.kv_type == MOE_KV_F16 ? 2 : 4;
+    const int64_t elem = (int64_t)moe_kv_elem_bytes(c);
     uint8_t *v_cache = j->latent_v ? c->k_cache : c->v_cache;
     const uint64_t v_row_bytes = j->latent_v ? c->k_row_bytes : c->v_row_bytes;
     for (int64_t r = begin; r < end; r++) {
@@ -67,6 +67,7 @@ void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, co
 void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,
                          uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
+    const moe_attn_weights *w = &l->attn;
     const int64_t n_embd = cfg->n_embd;
     const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
     const int64_t k_w = (int64_t)cfg->n_head_kv * cfg->head_dim_k;
@@ -77,22 +78,17 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
                                   .head_dim_k = (int)cfg->head_dim_k,
                                   .head_dim_v = (int)cfg->head_dim_v,
                                   .scale = cfg->kq_scale,
-                                  .kv_f16 = c->p.kv_type == MOE_KV_F16,
-                                  .sinks =
-                                      l->attn_sinks ? (const float *)l->attn_sinks->data : NULL};
-    const float *norm_w = (const float *)l->attn_norm->data;
-    for (uint32_t r = 0; r < n_rows; r++)
-        moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
-    moe_matmul(c->pool, l->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
+                                  .kv_f16 = c->p.kv_type == MOE_TYPE_F16,
+                                  .sinks = w->sinks ? (const float *)w->sinks->data : NULL};
+    moe_matmul(c->pool, w->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
     if (cfg->attn_output_gate) split_q_gate(c, n_rows);
-    moe_matmul(c->pool, l->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
-    moe_matmul(c->pool, l->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
-    moe_add_bias(c->q, l->bq, 0, n_rows, q_w);
-    moe_add_bias(c->k, l->bk, 0, n_rows, k_w);
-    moe_add_bias(c->v, l->bv, 0, n_rows, v_w);
-    if (l->attn_q_norm) {
-        const float *qn = (const float *)l->attn_q_norm->data,
-                    *kn = (const float *)l->attn_k_norm->data;
+    moe_matmul(c->pool, w->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
+    moe_matmul(c->pool, w->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
+    moe_add_bias(c->q, w->bq, 0, n_rows, q_w);
+    moe_add_bias(c->k, w->bk, 0, n_rows, k_w);
+    moe_add_bias(c->v, w->bv, 0, n_rows, v_w);
+    if (w->q_norm) {
+        const float *qn = (const float *)w->q_norm->data, *kn = (const float *)w->k_norm->data;
         for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head; h++)
             moe_rmsnorm(c->q + h * cfg->head_dim_k, c->q + h * cfg->head_dim_k, qn, cfg->head_dim_k,
                         cfg->rms_eps);
@@ -110,11 +106,10 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
             c, moe_kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
             c->v + r * v_w, (uint64_t)v_w);
     }
-    moe_attend_rows(c, &shape, il, rows, n_rows, l->attn_window, false);
+    moe_attend_rows(c, &shape, il, rows, n_rows, l->plan.window, false);
     if (cfg->attn_output_gate)
         moe_gate_mul(c->att, c->att_gate, (int64_t)n_rows * cfg->n_head * cfg->head_dim_v,
                      MOE_GATE_SIGMOID);
-    moe_matmul(c->pool, l->wo, 0, c->att, n_rows, c->xn, c->mm_scratch);
-    moe_add_bias(c->xn, l->bo, 0, n_rows, n_embd);
-    for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
+    moe_matmul(c->pool, w->wo, 0, c->att, n_rows, c->y, c->mm_scratch);
+    moe_add_bias(c->y, w->bo, 0, n_rows, n_embd);
 }

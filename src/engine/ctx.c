@@ -1,9 +1,12 @@
-/* ctx.c: the engine context -- KV cache, scratch, and the batched forward pass.
+/* ctx.c: the engine context -- KV cache, scratch, and the batched forward pass with its layer
+ * loop, which owns the residual stream.
  *
  * Owns every buffer the forward pass touches; all of it is sized and allocated in
- * moe_ctx_new() from the model config and the requested limits. The forward pass reads
- * weights only through ops/ (matmul via the quant trait table), so faster kernels slot in
- * below without touching this file. */
+ * moe_ctx_new() from the model config and the requested limits. The layer loop runs each
+ * layer's plan: the mixer block its plan names, then the FFN block, each on the normed input
+ * the stream ops hand it, each output handed back to them. The forward pass reads weights only
+ * through ops/ (matmul via the quant trait table), so faster kernels slot in below without
+ * touching this file. */
 #include "engine_internal.h"
 
 #include <math.h>
@@ -22,12 +25,17 @@ static uint64_t max_u64(uint64_t a, uint64_t b) {
     return a > b ? a : b;
 }
 
-/* Bytes of one position of one attention layer in the K and V caches. MLA caches only the
- * latent row (n_lora_kv + rope dims = head_dim_k); V lives inside it, so v is 0. */
-static void kv_row_bytes(const moe_model_config *c, moe_kv_type kv_type, uint64_t *k, uint64_t *v) {
-    const uint64_t elem = kv_type == MOE_KV_F16 ? 2 : 4;
-    *k = (uint64_t)c->n_head_kv * c->head_dim_k * elem;
-    *v = c->n_lora_kv ? 0 : (uint64_t)c->n_head_kv * c->head_dim_v * elem;
+/* Bytes of one position of one attention layer in the K and V caches: every attention layer
+ * gets the widest layer's row. MLA caches only the latent row; V lives inside it, so v is 0. */
+static void kv_row_bytes(const moe_model_config *c, moe_type kv_type, uint64_t *k, uint64_t *v) {
+    uint64_t k_values = 0, v_values = 0;
+    for (uint32_t il = 0; il < c->n_layer; il++) {
+        const moe_layer_state s = moe_layer_state_of(c, il);
+        k_values = max_u64(k_values, s.k_values);
+        v_values = max_u64(v_values, s.v_values);
+    }
+    *k = moe_type_row_bytes(kv_type, (int64_t)k_values);
+    *v = moe_type_row_bytes(kv_type, (int64_t)v_values);
 }
 
 /* The limits a context is created with, defaults filled in. */
@@ -41,6 +49,10 @@ static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, mo
     if (out->max_rows == 0) out->max_rows = 512;
     if (out->n_snapshots == 0) out->n_snapshots = 2 * out->n_seq;
     if (out->n_threads < 1) out->n_threads = 1;
+    if (out->kv_type != MOE_TYPE_F32 && out->kv_type != MOE_TYPE_F16)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "context: KV cache type %s is not supported (f32 or f16)",
+                             moe_type_name(out->kv_type));
     if (out->n_seq > MOE_MAX_SEQ || out->max_rows > MOE_MAX_ROWS ||
         out->n_snapshots > 2 * MOE_MAX_SEQ)
         return moe_error_set(err, MOE_ERR_ARG,
@@ -99,7 +111,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->seq_len = moe_xcalloc(params.n_seq, sizeof *x->seq_len);
     x->layer_slot = moe_xcalloc(c->n_layer, sizeof *x->layer_slot);
     for (uint32_t il = 0, n_lin = 0; il < c->n_layer; il++)
-        x->layer_slot[il] = m->layers[il].mixer == MOE_MIXER_ATTENTION ? x->n_layer_kv++ : n_lin++;
+        x->layer_slot[il] = moe_layer_state_of(c, il).k_values ? x->n_layer_kv++ : n_lin++;
+    x->stream = &moe_stream_plain;
     x->k_cache = calloc(1, k_bytes ? k_bytes : 1);
     x->v_cache = calloc(1, v_bytes ? v_bytes : 1);
     x->tokens = calloc(1, plan.token_bytes);
@@ -117,8 +130,9 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     const uint64_t rows = params.max_rows;
     const uint64_t q_w = (uint64_t)c->n_head * c->head_dim_k;
     const uint64_t att_w = (uint64_t)c->n_head * c->head_dim_v;
-    x->x = moe_xcalloc(rows * c->n_embd, sizeof(float));
+    x->x = moe_xcalloc(rows * x->stream->n_streams * c->n_embd, sizeof(float));
     x->xn = moe_xcalloc(rows * max_u64(c->n_embd, att_w), sizeof(float));
+    x->y = moe_xcalloc(rows * c->n_embd, sizeof(float));
     x->q = moe_xcalloc(rows * q_w * (c->attn_output_gate ? 2 : 1), sizeof(float));
     if (c->attn_output_gate) x->att_gate = moe_xcalloc(rows * att_w, sizeof(float));
     if (c->n_ff_shexp) x->shexp_gate = moe_xcalloc(rows, sizeof(float));
@@ -142,37 +156,9 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
     for (uint32_t il = 0; il < c->n_layer; il++) {
-        const moe_layer_weights *l = &m->layers[il];
-        const moe_tensor *ts[] = {l->wq,
-                                  l->wk,
-                                  l->wv,
-                                  l->wo,
-                                  l->ffn_gate,
-                                  l->ffn_up,
-                                  l->ffn_down,
-                                  l->ffn_gate_inp,
-                                  l->ffn_gate_exps,
-                                  l->ffn_up_exps,
-                                  l->ffn_down_exps,
-                                  l->ffn_gate_shexp,
-                                  l->ffn_up_shexp,
-                                  l->ffn_down_shexp,
-                                  l->wq_a,
-                                  l->wq_b,
-                                  l->wkv_a_mqa,
-                                  l->wk_b,
-                                  l->wv_b,
-                                  l->ssm_qkv,
-                                  l->ssm_gate,
-                                  l->ssm_ba,
-                                  l->ssm_beta,
-                                  l->ssm_f_a,
-                                  l->ssm_f_b,
-                                  l->ssm_g_a,
-                                  l->ssm_g_b,
-                                  l->ssm_out};
-        for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
-            if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
+        const moe_tensor *ts[MOE_LAYER_MAX_MATRICES];
+        const int n = moe_layer_matrices(&m->layers[il], ts);
+        for (int i = 0; i < n; i++) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
     }
     x->mm_scratch = moe_xmalloc(mm);
     if (c->n_expert) {
@@ -209,6 +195,7 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->v_cache);
     free(c->x);
     free(c->xn);
+    free(c->y);
     free(c->q);
     free(c->k);
     free(c->v);
@@ -262,8 +249,12 @@ uint8_t *moe_kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32
     return cache + index * row_bytes;
 }
 
+uint64_t moe_kv_elem_bytes(const moe_ctx *c) {
+    return moe_type_row_bytes(c->p.kv_type, 1);
+}
+
 void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n) {
-    if (c->p.kv_type == MOE_KV_F16) {
+    if (c->p.kv_type == MOE_TYPE_F16) {
         uint16_t *d = (uint16_t *)dst;
         for (uint64_t i = 0; i < n; i++) d[i] = moe_f32_to_fp16(src[i]);
     } else {
@@ -271,7 +262,55 @@ void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n) 
     }
 }
 
+/* ==== The plain residual stream: x += block(norm(x)) ==== */
+
+static void plain_begin(moe_ctx *c, const float *embd, uint32_t n_rows) {
+    memcpy(c->x, embd, sizeof(float) * n_rows * c->m->cfg.n_embd);
+}
+
+static const float *plain_pre(moe_ctx *c, const moe_layer_weights *l, moe_site site,
+                              uint32_t n_rows) {
+    (void)l, (void)site, (void)n_rows;
+    return c->x;
+}
+
+static void plain_post(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows) {
+    (void)l, (void)site;
+    const int64_t n = (int64_t)n_rows * c->m->cfg.n_embd;
+    for (int64_t i = 0; i < n; i++) c->x[i] += c->y[i];
+}
+
+static const float *plain_final(moe_ctx *c, uint32_t r) {
+    return c->x + (int64_t)r * c->m->cfg.n_embd;
+}
+
+const moe_stream_ops moe_stream_plain = {
+    .n_streams = 1,
+    .begin = plain_begin,
+    .pre = plain_pre,
+    .post = plain_post,
+    .final = plain_final,
+};
+
 /* ==== Forward ==== */
+
+static const moe_mixer_block mixer_blocks[MOE_MIXER_COUNT] = {
+    [MOE_MIXER_ATTENTION] = moe_block_attention,
+    [MOE_MIXER_MLA] = moe_block_attention_mla,
+    [MOE_MIXER_GDN] = moe_block_linear,
+    [MOE_MIXER_KDA] = moe_block_linear,
+};
+
+/* c->xn = RMSNorm of the stream's input to layer l's block at `site`. */
+static void block_input(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows) {
+    const moe_model_config *cfg = &c->m->cfg;
+    const int64_t n_embd = cfg->n_embd;
+    const float *in = c->stream->pre(c, l, site, n_rows);
+    const moe_tensor *norm = site == MOE_SITE_MIXER ? l->attn_norm : l->ffn_norm;
+    for (uint32_t r = 0; r < n_rows; r++)
+        moe_rmsnorm(c->xn + r * n_embd, in + r * n_embd, (const float *)norm->data, n_embd,
+                    cfg->rms_eps);
+}
 
 static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_rows,
                              moe_error *err) {
@@ -311,20 +350,20 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     const int64_t n_embd = cfg->n_embd;
 
     for (uint32_t r = 0; r < n_rows; r++)
-        moe_tensor_row_f32(m->token_embd, rows[r].token, c->x + r * n_embd);
+        moe_tensor_row_f32(m->token_embd, rows[r].token, c->y + r * n_embd);
+    c->stream->begin(c, c->y, n_rows);
 
     for (uint32_t il = 0; il < cfg->n_layer; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        if (l->mixer != MOE_MIXER_ATTENTION)
-            moe_block_linear(c, l, il, rows, n_rows);
-        else if (l->wkv_a_mqa)
-            moe_block_attention_mla(c, l, il, rows, n_rows);
-        else
-            moe_block_attention(c, l, il, rows, n_rows);
-        if (l->ffn_gate_inp)
+        block_input(c, l, MOE_SITE_MIXER, n_rows);
+        mixer_blocks[l->plan.mixer](c, l, il, rows, n_rows);
+        c->stream->post(c, l, MOE_SITE_MIXER, n_rows);
+        block_input(c, l, MOE_SITE_FFN, n_rows);
+        if (l->plan.ffn == MOE_FFN_EXPERTS)
             moe_block_ffn_experts(c, l, n_rows);
         else
             moe_block_ffn_dense(c, l, n_rows);
+        c->stream->post(c, l, MOE_SITE_FFN, n_rows);
     }
     for (uint32_t r = 0; r < n_rows; r++) {
         c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
@@ -336,7 +375,7 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     const float *norm_w = (const float *)m->output_norm->data;
     for (uint32_t r = 0; r < n_rows; r++) {
         if (!rows[r].logits) continue;
-        moe_rmsnorm(c->xn + n_out * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
+        moe_rmsnorm(c->xn + n_out * n_embd, c->stream->final(c, r), norm_w, n_embd, cfg->rms_eps);
         n_out++;
     }
     if (n_out) moe_matmul(c->pool, m->output, 0, c->xn, n_out, logits, c->mm_scratch);

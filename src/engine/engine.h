@@ -22,13 +22,11 @@ typedef struct moe_row {
     bool logits;   /* compute this row's logits */
 } moe_row;
 
-typedef enum moe_kv_type { MOE_KV_F32, MOE_KV_F16 } moe_kv_type;
-
 typedef struct moe_ctx_params {
-    uint32_t n_ctx;    /* positions per sequence (0: the model's training context, capped) */
-    uint32_t n_seq;    /* sequences held at once */
-    uint32_t max_rows; /* rows per forward call */
-    moe_kv_type kv_type;
+    uint32_t n_ctx;       /* positions per sequence (0: the model's training context, capped) */
+    uint32_t n_seq;       /* sequences held at once */
+    uint32_t max_rows;    /* rows per forward call */
+    moe_type kv_type;     /* KV cache elements: MOE_TYPE_F32 (0, the default) or MOE_TYPE_F16 */
     int n_threads;        /* threads for the forward pass, including the caller (0: 1) */
     uint32_t n_snapshots; /* recurrent-state snapshots held at once (0: 2 per sequence) */
 } moe_ctx_params;

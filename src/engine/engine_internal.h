@@ -1,8 +1,11 @@
-/* engine_internal.h: what the engine's files share -- the context struct and the layer blocks.
+/* engine_internal.h: what the engine's files share -- the context struct, the residual stream
+ * and the layer blocks.
  *
  * Not a public header: only the engine's own .c files include it. Each block runs one part of a
- * layer over all rows of a batch, reading and writing the context's scratch; moe_ctx_decode() in
- * ctx.c strings them together per the model's config. */
+ * layer over all rows of a batch: it reads its normed input from c->xn and writes its output to
+ * c->y. The layer loop in ctx.c owns the residual stream: it takes each block's input from the
+ * stream, norms it, runs the block the layer's plan names, and hands the output back to the
+ * stream (moe_stream_ops: the plain residual adds it). */
 #ifndef MOE_ENGINE_INTERNAL_H
 #define MOE_ENGINE_INTERNAL_H
 
@@ -48,13 +51,16 @@ struct moe_ctx {
     int32_t *tokens;      /* [n_seq][n_ctx] the token ids each sequence holds */
     uint32_t *layer_slot; /* [n_layer] index among the attention layers (KV) or the linear ones */
     uint32_t n_layer_kv;  /* attention layers (softmax or latent) */
-    /* KV cache: [n_seq][n_layer_kv][n_ctx][n_head_kv * head_dim], f32 or f16 by p.kv_type. With
+    /* KV cache: [n_seq][n_layer_kv][n_ctx][n_head_kv * head_dim], F32 or F16 by p.kv_type. With
      * MLA, k_cache rows are the latent cache [n_lora_kv + rope_dims] and v_cache is unused
      * (V is the latent part of each K row; v_row_bytes = 0). */
     uint8_t *k_cache, *v_cache;
     uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
     /* scratch, [max_rows][width] floats each */
-    float *x, *xn, *q, *k, *v, *att, *ff_gate, *ff_up;
+    float *x;  /* [max_rows][n_streams][n_embd] the residual stream(s) */
+    float *xn; /* [max_rows][max(n_embd, n_head * head_dim_v)] a block's normed input */
+    float *y;  /* [max_rows][n_embd] a block's output */
+    float *q, *k, *v, *att, *ff_gate, *ff_up;
     float *scores; /* [n_threads][n_ctx] attention scores */
     /* multi-head latent attention scratch (NULL without MLA) */
     float *mla_qa;           /* [max_rows][n_lora_q] q down-projection */
@@ -69,9 +75,10 @@ struct moe_ctx {
     moe_expert_scratch experts;
     moe_expert_stats stats; /* of the last moe_ctx_decode */
     moe_pool *pool;
-    void *mm_scratch;  /* activation rows converted for the dot kernels */
-    float *att_gate;   /* [max_rows][n_head * head_dim_v] attention output gate */
-    float *shexp_gate; /* [max_rows] shared-expert gate logits */
+    void *mm_scratch;                    /* activation rows converted for the dot kernels */
+    float *att_gate;                     /* [max_rows][n_head * head_dim_v] attention output gate */
+    float *shexp_gate;                   /* [max_rows] shared-expert gate logits */
+    const struct moe_stream_ops *stream; /* how block outputs join the residual stream */
     moe_linear_ctx lin;
     moe_snapshot *snaps; /* [p.n_snapshots] */
     float *snap_state;   /* [p.n_snapshots][lin.n_layer][lin.layer_floats] */
@@ -83,6 +90,8 @@ struct moe_ctx {
 /* Start of the cache row of one sequence, layer and position. */
 uint8_t *moe_kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32_t seq,
                      uint32_t layer, uint32_t pos);
+/* Bytes of one KV cache element (the context's kv_type: F32 or F16). */
+uint64_t moe_kv_elem_bytes(const moe_ctx *c);
 /* Store n floats into a cache row in the context's KV element type. */
 void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n);
 
@@ -94,17 +103,43 @@ void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n);
 void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, const moe_row *rows,
                      uint32_t n_rows, uint32_t window, bool latent_v);
 
-/* ==== Layer blocks: x (the residual, [n_rows][n_embd]) in, x + block(x) out ==== */
+/* ==== The residual stream ==== */
 
+typedef enum moe_site { MOE_SITE_MIXER, MOE_SITE_FFN } moe_site;
+
+/* How the layer loop keeps the residual stream: where a block's input comes from and where its
+ * output goes. The plain residual keeps one stream per row (x += block(norm(x))); a model with
+ * hyper-connections keeps several per row and mixes them around every block. */
+typedef struct moe_stream_ops {
+    uint32_t n_streams; /* residual streams per row in c->x */
+    /* Start the streams of n_rows rows from their embeddings ([n_rows][n_embd]). */
+    void (*begin)(moe_ctx *c, const float *embd, uint32_t n_rows);
+    /* The input of layer l's block at `site`, [n_rows][n_embd] (before its norm). */
+    const float *(*pre)(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows);
+    /* Take the block's output (c->y) into the streams. */
+    void (*post)(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows);
+    /* The hidden state of row r that the output head reads, [n_embd]. */
+    const float *(*final)(moe_ctx *c, uint32_t r);
+} moe_stream_ops;
+
+extern const moe_stream_ops moe_stream_plain;
+
+/* ==== Layer blocks: c->xn (normed input, [n_rows][n_embd]) in, c->y ([n_rows][n_embd]) out ==== */
+
+typedef void (*moe_mixer_block)(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
+                                const moe_row *rows, uint32_t n_rows);
+/* grouped-query attention (attention.c) */
 void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
                          const moe_row *rows, uint32_t n_rows);
 /* multi-head latent attention (mla.c): latent cache, absorbed attn_k_b / attn_v_b */
 void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
                              const moe_row *rows, uint32_t n_rows);
-void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
-void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
+/* Gated DeltaNet and Kimi Delta Attention (linear.c) */
 void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t layer, const moe_row *rows,
                       uint32_t n_rows);
+/* dense FFN and routed experts (ffn.c) */
+void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
+void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
 
 /* ==== Linear attention state (linear.c) ==== */
 

@@ -33,20 +33,24 @@ static linear_dims dims_of(const moe_model_config *c, moe_mixer mixer) {
     return d;
 }
 
+/* The mixer of a hybrid's linear layers (ATTENTION: none). */
 static moe_mixer linear_mixer(const moe_model *m) {
     for (uint32_t il = 0; il < m->cfg.n_layer; il++)
-        if (m->layers[il].mixer != MOE_MIXER_ATTENTION) return m->layers[il].mixer;
+        if (moe_layer_state_of(&m->cfg, il).state_values) return m->cfg.layer[il].mixer;
     return MOE_MIXER_ATTENTION;
 }
 
 void moe_linear_plan(const moe_model *m, moe_linear_ctx *lin) {
     memset(lin, 0, sizeof *lin);
     const moe_model_config *c = &m->cfg;
-    if (!c->n_layer_linear) return;
-    const linear_dims d = dims_of(c, linear_mixer(m));
-    lin->n_layer = c->n_layer_linear;
-    lin->conv_floats = (uint64_t)d.conv_ch * (c->ssm_d_conv - 1);
-    lin->layer_floats = lin->conv_floats + (uint64_t)d.nv * d.hd * d.hd;
+    for (uint32_t il = 0; il < c->n_layer; il++) {
+        const uint64_t floats = moe_layer_state_of(c, il).state_values;
+        if (!floats) continue;
+        lin->n_layer++;
+        lin->layer_floats = floats;
+    }
+    const uint64_t conv_ch = (2ull * c->ssm_n_k_heads + c->ssm_n_v_heads) * c->ssm_head_dim;
+    if (lin->n_layer) lin->conv_floats = conv_ch * (c->ssm_d_conv - 1);
 }
 
 void moe_linear_alloc(moe_ctx *c) {
@@ -116,13 +120,13 @@ static uint32_t group_rows(moe_ctx *c, const moe_row *rows, uint32_t n_rows) {
 
 /* ==== Per-architecture projections: q|k|v (pre-conv), z, g, beta ==== */
 
-static void project_gdn(moe_ctx *c, const moe_layer_weights *l, const linear_dims *d,
+static void project_gdn(moe_ctx *c, const moe_linear_weights *w, const linear_dims *d,
                         uint32_t n_rows) {
     moe_linear_ctx *lin = &c->lin;
-    moe_matmul(c->pool, l->ssm_qkv, 0, lin->x, n_rows, lin->qkv, c->mm_scratch);
-    moe_matmul(c->pool, l->ssm_gate, 0, lin->x, n_rows, lin->z, c->mm_scratch);
-    moe_matmul(c->pool, l->ssm_ba, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
-    const float *a_log = (const float *)l->ssm_a->data, *dt_b = (const float *)l->ssm_dt_b->data;
+    moe_matmul(c->pool, w->qkv, 0, lin->x, n_rows, lin->qkv, c->mm_scratch);
+    moe_matmul(c->pool, w->gate, 0, lin->x, n_rows, lin->z, c->mm_scratch);
+    moe_matmul(c->pool, w->ba, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
+    const float *a_log = (const float *)w->a->data, *dt_b = (const float *)w->dt_b->data;
     const int64_t rf = d->nv / d->nk;
     for (uint32_t r = 0; r < n_rows; r++) {
         /* per k head: [beta x rf, alpha x rf]; v head h = k head * rf + i */
@@ -135,24 +139,24 @@ static void project_gdn(moe_ctx *c, const moe_layer_weights *l, const linear_dim
     }
 }
 
-static void project_kda(moe_ctx *c, const moe_layer_weights *l, const linear_dims *d,
+static void project_kda(moe_ctx *c, const moe_linear_weights *w, const linear_dims *d,
                         uint32_t n_rows) {
     moe_linear_ctx *lin = &c->lin;
     /* q, k and v land side by side in qkv's rows: project each into out, then place it */
-    const moe_tensor *w[3] = {l->wq, l->wk, l->wv};
+    const moe_tensor *qkv[3] = {w->wq, w->wk, w->wv};
     const int64_t ofs[3] = {0, d->K, 2 * d->K}, width[3] = {d->K, d->K, d->V};
     for (int i = 0; i < 3; i++) {
-        moe_matmul(c->pool, w[i], 0, lin->x, n_rows, lin->out, c->mm_scratch);
+        moe_matmul(c->pool, qkv[i], 0, lin->x, n_rows, lin->out, c->mm_scratch);
         for (uint32_t r = 0; r < n_rows; r++)
             memcpy(lin->qkv + r * d->conv_ch + ofs[i], lin->out + r * width[i],
                    sizeof(float) * (size_t)width[i]);
     }
-    moe_matmul(c->pool, l->ssm_f_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
-    moe_matmul(c->pool, l->ssm_f_b, 0, lin->tmp, n_rows, lin->g, c->mm_scratch);
-    moe_matmul(c->pool, l->ssm_g_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
-    moe_matmul(c->pool, l->ssm_g_b, 0, lin->tmp, n_rows, lin->z, c->mm_scratch);
-    moe_matmul(c->pool, l->ssm_beta, 0, lin->x, n_rows, lin->beta, c->mm_scratch);
-    const float *a_log = (const float *)l->ssm_a->data, *dt_b = (const float *)l->ssm_dt_b->data;
+    moe_matmul(c->pool, w->f_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
+    moe_matmul(c->pool, w->f_b, 0, lin->tmp, n_rows, lin->g, c->mm_scratch);
+    moe_matmul(c->pool, w->g_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
+    moe_matmul(c->pool, w->g_b, 0, lin->tmp, n_rows, lin->z, c->mm_scratch);
+    moe_matmul(c->pool, w->beta, 0, lin->x, n_rows, lin->beta, c->mm_scratch);
+    const float *a_log = (const float *)w->a->data, *dt_b = (const float *)w->dt_b->data;
     for (uint32_t r = 0; r < n_rows; r++) {
         float *g = lin->g + r * d->V;
         for (int64_t i = 0; i < d->V; i++) g[i] = a_log[i / d->hd] * moe_softplus(g[i] + dt_b[i]);
@@ -210,20 +214,20 @@ static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
 void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,
                       uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
+    const moe_linear_weights *w = &l->linear;
     moe_linear_ctx *lin = &c->lin;
-    const linear_dims d = dims_of(cfg, l->mixer);
+    const linear_dims d = dims_of(cfg, l->plan.mixer);
     const int64_t n_embd = cfg->n_embd;
     const uint32_t slot = c->layer_slot[il];
     const uint32_t n_seg = group_rows(c, rows, n_rows);
 
-    const float *norm_w = (const float *)l->attn_norm->data;
     for (uint32_t i = 0; i < n_rows; i++)
-        moe_rmsnorm(lin->x + i * n_embd, c->x + (int64_t)lin->order[i] * n_embd, norm_w, n_embd,
-                    cfg->rms_eps);
-    if (l->mixer == MOE_MIXER_GDN)
-        project_gdn(c, l, &d, n_rows);
+        memcpy(lin->x + i * n_embd, c->xn + (int64_t)lin->order[i] * n_embd,
+               sizeof(float) * (size_t)n_embd);
+    if (l->plan.mixer == MOE_MIXER_GDN)
+        project_gdn(c, w, &d, n_rows);
     else
-        project_kda(c, l, &d, n_rows);
+        project_kda(c, w, &d, n_rows);
 
     /* the short conv runs along each sequence's rows, from that sequence's conv state */
     const int n_taps = (int)cfg->ssm_d_conv;
@@ -231,14 +235,14 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
         const moe_linear_seg *seg = &lin->segs[s];
         float *conv = moe_linear_seq_state(c, seg->seq) + slot * lin->layer_floats;
         float *x = lin->qkv + (int64_t)seg->begin * d.conv_ch;
-        if (!l->ssm_conv1d[1]) {
-            moe_conv1d_silu(x, d.conv_ch, seg->n, d.conv_ch, (const float *)l->ssm_conv1d[0]->data,
+        if (!w->conv1d[1]) {
+            moe_conv1d_silu(x, d.conv_ch, seg->n, d.conv_ch, (const float *)w->conv1d[0]->data,
                             n_taps, conv);
         } else { /* separate q, k, v kernels over consecutive channel ranges */
             const int64_t ofs[3] = {0, d.K, 2 * d.K}, width[3] = {d.K, d.K, d.V};
             for (int i = 0; i < 3; i++)
                 moe_conv1d_silu(x + ofs[i], d.conv_ch, seg->n, width[i],
-                                (const float *)l->ssm_conv1d[i]->data, n_taps,
+                                (const float *)w->conv1d[i]->data, n_taps,
                                 conv + ofs[i] * (n_taps - 1));
         }
     }
@@ -250,17 +254,15 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
     moe_pool_for(c->pool, (int64_t)n_seg * d.nv, 1, delta_heads, &job);
 
     /* gated RMSNorm per head: silu(z) for GDN, sigmoid(g_b(g_a x)) for KDA */
-    const float *ssm_norm = (const float *)l->ssm_norm->data;
-    const moe_gate_act act = l->mixer == MOE_MIXER_GDN ? MOE_GATE_SILU : MOE_GATE_SIGMOID;
+    const float *ssm_norm = (const float *)w->norm->data;
+    const moe_gate_act act = l->plan.mixer == MOE_MIXER_GDN ? MOE_GATE_SILU : MOE_GATE_SIGMOID;
     for (int64_t h = 0; h < (int64_t)n_rows * d.nv; h++) {
         float *o = lin->out + h * d.hd;
         moe_rmsnorm(o, o, ssm_norm, d.hd, cfg->rms_eps);
         moe_gate_mul(o, lin->z + h * d.hd, d.hd, act);
     }
-    moe_matmul(c->pool, l->ssm_out, 0, lin->out, n_rows, lin->y, c->mm_scratch);
-    for (uint32_t i = 0; i < n_rows; i++) {
-        float *x = c->x + (int64_t)lin->order[i] * n_embd;
-        const float *y = lin->y + i * n_embd;
-        for (int64_t e = 0; e < n_embd; e++) x[e] += y[e];
-    }
+    moe_matmul(c->pool, w->out, 0, lin->out, n_rows, lin->y, c->mm_scratch);
+    for (uint32_t i = 0; i < n_rows; i++)
+        memcpy(c->y + (int64_t)lin->order[i] * n_embd, lin->y + i * n_embd,
+               sizeof(float) * (size_t)n_embd);
 }

@@ -27,7 +27,8 @@ static void per_head_matmul(moe_ctx *c, const moe_tensor *w, int64_t h, const fl
 void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
                              const moe_row *rows, uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
-    const int64_t n_embd = cfg->n_embd, n_head = cfg->n_head;
+    const moe_mla_weights *w = &l->mla;
+    const int64_t n_head = cfg->n_head;
     const int64_t n_lora_kv = cfg->n_lora_kv, n_rot = cfg->rope_dims;
     const int64_t hd_q = cfg->head_dim_k_mla, nope = hd_q - n_rot, hd_v = cfg->head_dim_v_mla;
     const int64_t lat_w = n_lora_kv + n_rot; /* a cache row; also one absorbed query head */
@@ -38,26 +39,23 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
                                   .head_dim_k = (int)lat_w,
                                   .head_dim_v = (int)n_lora_kv,
                                   .scale = cfg->kq_scale,
-                                  .kv_f16 = c->p.kv_type == MOE_KV_F16};
-    const float *norm_w = (const float *)l->attn_norm->data;
-    for (uint32_t r = 0; r < n_rows; r++)
-        moe_rmsnorm(c->xn + r * n_embd, c->x + r * n_embd, norm_w, n_embd, cfg->rms_eps);
+                                  .kv_f16 = c->p.kv_type == MOE_TYPE_F16};
 
     /* queries: through the q LoRA (a, norm, b) or a plain projection */
-    if (l->wq_a) {
-        const float *qa_norm = (const float *)l->attn_q_a_norm->data;
-        moe_matmul(c->pool, l->wq_a, 0, c->xn, n_rows, c->mla_qa, c->mm_scratch);
+    if (w->wq_a) {
+        const float *qa_norm = (const float *)w->q_a_norm->data;
+        moe_matmul(c->pool, w->wq_a, 0, c->xn, n_rows, c->mla_qa, c->mm_scratch);
         for (uint32_t r = 0; r < n_rows; r++)
             moe_rmsnorm(c->mla_qa + r * cfg->n_lora_q, c->mla_qa + r * cfg->n_lora_q, qa_norm,
                         cfg->n_lora_q, cfg->rms_eps);
-        moe_matmul(c->pool, l->wq_b, 0, c->mla_qa, n_rows, c->mla_q, c->mm_scratch);
+        moe_matmul(c->pool, w->wq_b, 0, c->mla_qa, n_rows, c->mla_q, c->mm_scratch);
     } else {
-        moe_matmul(c->pool, l->wq, 0, c->xn, n_rows, c->mla_q, c->mm_scratch);
+        moe_matmul(c->pool, w->wq, 0, c->xn, n_rows, c->mla_q, c->mm_scratch);
     }
 
     /* the latent and the shared key's rope part; both go into the cache as one row */
-    const float *kv_norm = (const float *)l->attn_kv_a_norm->data;
-    moe_matmul(c->pool, l->wkv_a_mqa, 0, c->xn, n_rows, c->k, c->mm_scratch);
+    const float *kv_norm = (const float *)w->kv_a_norm->data;
+    moe_matmul(c->pool, w->wkv_a_mqa, 0, c->xn, n_rows, c->k, c->mm_scratch);
     for (uint32_t r = 0; r < n_rows; r++) {
         float *kv = c->k + r * lat_w, *q = c->mla_q + r * q_w;
         moe_rmsnorm(kv, kv, kv_norm, n_lora_kv, cfg->rms_eps);
@@ -72,15 +70,14 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
     }
     /* absorb attn_k_b: q_nope of head h -> its latent-space query */
     for (int64_t h = 0; h < n_head; h++)
-        per_head_matmul(c, l->wk_b, h, c->mla_q + h * hd_q, q_w, c->q + h * lat_w, n_head * lat_w,
+        per_head_matmul(c, w->wk_b, h, c->mla_q + h * hd_q, q_w, c->q + h * lat_w, n_head * lat_w,
                         n_rows);
 
     moe_attend_rows(c, &shape, il, rows, n_rows, 0, true);
 
     /* decompress each head's attended latent with attn_v_b, then the output projection */
     for (int64_t h = 0; h < n_head; h++)
-        per_head_matmul(c, l->wv_b, h, c->att + h * n_lora_kv, n_head * n_lora_kv,
+        per_head_matmul(c, w->wv_b, h, c->att + h * n_lora_kv, n_head * n_lora_kv,
                         c->mla_o + h * hd_v, n_head * hd_v, n_rows);
-    moe_matmul(c->pool, l->wo, 0, c->mla_o, n_rows, c->xn, c->mm_scratch);
-    for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->x[i] += c->xn[i];
+    moe_matmul(c->pool, w->wo, 0, c->mla_o, n_rows, c->y, c->mm_scratch);
 }

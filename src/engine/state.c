@@ -47,7 +47,7 @@ static void drop_snapshots(moe_ctx *c, int32_t seq, uint32_t keep) {
 static void become(moe_ctx *c, int32_t seq, int32_t src, uint32_t n, const float *state) {
     if (src != seq && n > 0) {
         for (uint32_t l = 0; l < c->m->cfg.n_layer; l++) {
-            if (c->m->layers[l].mixer != MOE_MIXER_ATTENTION) continue;
+            if (!moe_layer_state_of(&c->m->cfg, l).k_values) continue; /* a linear layer */
             memcpy(moe_kv_slot(c, c->k_cache, c->k_row_bytes, seq, l, 0),
                    moe_kv_slot(c, c->k_cache, c->k_row_bytes, src, l, 0), n * c->k_row_bytes);
             memcpy(moe_kv_slot(c, c->v_cache, c->v_row_bytes, seq, l, 0),

@@ -1,10 +1,13 @@
-/* model: a model file turned into a config and named weights, ready for the forward pass.
+/* model: a model file turned into a config, a per-layer plan and named weights.
  *
- * The config comes from `<arch>.*` metadata keys; each architecture's binder looks up its
- * tensors by name and checks every shape against the config, so a broken file fails at load
- * with the tensor's name instead of producing garbage later. Weights stay in the mapped file
- * (never copied, never dequantized here). The trap: GGUF shapes are ggml's ne[] order, so a
- * projection from n_embd to n_out is ne = {n_embd, n_out}: ne[0] is the input (row) length. */
+ * Each architecture is one file, src/model/arch_<name>.c, holding one descriptor
+ * (moe_arch_desc): how its config is read from `<arch>.*` metadata, which kind of mixer and FFN
+ * each layer runs (the plan), and which tensors each layer binds, every shape checked against
+ * the config so a broken file fails at load with the tensor's name. The config and plan come from
+ * metadata alone, so `moe budget` and `moe inspect` read them from a remote header too. Weights
+ * stay in the mapped file (never copied, never dequantized here). The trap: GGUF shapes are
+ * ggml's ne[] order, so a projection from n_embd to n_out is ne = {n_embd, n_out}: ne[0] is the
+ * input (row) length. */
 #ifndef MOE_MODEL_H
 #define MOE_MODEL_H
 
@@ -12,17 +15,6 @@
 #include <stdint.h>
 
 #include "../format/format.h"
-
-typedef enum moe_arch {
-    MOE_ARCH_LLAMA,
-    MOE_ARCH_QWEN3MOE,
-    MOE_ARCH_DEEPSEEK2,
-    MOE_ARCH_GPT_OSS,
-    MOE_ARCH_QWEN3NEXT,
-    MOE_ARCH_KIMI_LINEAR,
-    MOE_ARCH_GLM4MOE,
-    MOE_ARCH_COUNT
-} moe_arch;
 
 /* How router logits become expert weights (llama.cpp's expert_gating_func numbering). */
 typedef enum moe_gating {
@@ -46,15 +38,32 @@ typedef enum moe_rope_kind {
 /* What mixes tokens in a layer: softmax attention over a KV cache, or a linear-attention
  * recurrence over a fixed-size per-sequence state (hybrid models have both kinds of layer). */
 typedef enum moe_mixer {
-    MOE_MIXER_ATTENTION,
-    MOE_MIXER_GDN, /* Gated DeltaNet: scalar decay per head (Qwen3-Next) */
-    MOE_MIXER_KDA, /* Kimi Delta Attention: decay per key channel (Kimi-Linear) */
+    MOE_MIXER_ATTENTION, /* grouped-query attention over a per-head K/V cache */
+    MOE_MIXER_MLA,       /* multi-head latent attention over a latent cache (DeepSeek) */
+    MOE_MIXER_GDN,       /* Gated DeltaNet: scalar decay per head (Qwen3-Next) */
+    MOE_MIXER_KDA,       /* Kimi Delta Attention: decay per key channel (Kimi-Linear) */
+    MOE_MIXER_COUNT
 } moe_mixer;
+
+typedef enum moe_ffn_kind {
+    MOE_FFN_DENSE,   /* one gated FFN n_ff wide */
+    MOE_FFN_EXPERTS, /* a router, routed experts and optional shared experts */
+} moe_ffn_kind;
+
+/* What the forward pass runs in one layer. */
+typedef struct moe_layer_plan {
+    moe_mixer mixer;
+    moe_ffn_kind ffn;
+    uint32_t n_head_kv; /* attention.head_count_kv of this layer (0 in linear layers) */
+    uint32_t window;    /* sliding window in positions (0: full attention) */
+} moe_layer_plan;
 
 #define MOE_CONV_MAX_TAPS 16 /* short-conv kernel of linear attention: real models use 4 */
 
+typedef struct moe_arch_desc moe_arch_desc;
+
 typedef struct moe_model_config {
-    moe_arch arch;
+    const moe_arch_desc *arch;
     const char *arch_name; /* general.architecture */
     uint32_t n_vocab;      /* rows of token_embd */
     uint32_t n_ctx_train;  /* <arch>.context_length */
@@ -62,7 +71,7 @@ typedef struct moe_model_config {
     uint32_t n_layer;
     uint32_t n_layer_nextn; /* trailing NextN/MTP layers in the file, not run */
     uint32_t n_head;        /* query heads */
-    uint32_t n_head_kv;     /* key/value heads (GQA: n_head is a multiple of it) */
+    uint32_t n_head_kv;     /* key/value heads of the attention layers (the most of any layer) */
     uint32_t head_dim_k;    /* <arch>.attention.key_length, default n_embd / n_head */
     uint32_t head_dim_v;    /* <arch>.attention.value_length, default head_dim_k */
     uint32_t n_ff;          /* dense FFN hidden width */
@@ -78,7 +87,6 @@ typedef struct moe_model_config {
     uint32_t n_swa; /* attention.sliding_window of the windowed layers (0: none) */
     float rms_eps;
     bool tied_output; /* no output.weight: the head reuses token_embd */
-    bool qk_norm;     /* RMSNorm of each q and k head before rope (Qwen3) */
     /* mixture of experts (n_expert == 0: dense) */
     uint32_t n_expert;           /* routed experts per MoE layer */
     uint32_t n_expert_used;      /* experts chosen per token */
@@ -108,66 +116,94 @@ typedef struct moe_model_config {
     uint32_t ssm_head_dim;   /* key = value width of one linear-attention head */
     uint32_t ssm_n_k_heads;
     uint32_t ssm_n_v_heads;
+    moe_layer_plan *layer; /* [n_layer] what each layer runs */
 } moe_model_config;
 
+/* ==== Weights by layer kind ==== */
+
+/* Grouped-query attention (MOE_MIXER_ATTENTION). */
+typedef struct moe_attn_weights {
+    const moe_tensor *wq;     /* [n_embd] -> [n_head * head_dim_k] (x 2 with an output gate) */
+    const moe_tensor *wk;     /* [n_embd] -> [n_head_kv * head_dim_k] */
+    const moe_tensor *wv;     /* [n_embd] -> [n_head_kv * head_dim_v] */
+    const moe_tensor *wo;     /* [n_head * head_dim_v] -> [n_embd] */
+    const moe_tensor *q_norm; /* [head_dim_k] f32 RMSNorm per q head, or NULL */
+    const moe_tensor *k_norm; /* [head_dim_k] f32 RMSNorm per k head, or NULL */
+    const moe_tensor *bq, *bk, *bv; /* f32 biases of wq, wk, wv, or NULL */
+    const moe_tensor *bo;           /* f32 [n_embd] bias of wo, or NULL */
+    const moe_tensor *sinks;        /* f32 [n_head]: per-head logit in the softmax denominator */
+} moe_attn_weights;
+
+/* Multi-head latent attention (MOE_MIXER_MLA): the cache row of a position is the normed
+ * latent [n_lora_kv] then the roped shared key [rope_dims]. */
+typedef struct moe_mla_weights {
+    const moe_tensor *wq;        /* [n_embd] -> [n_head * head_dim_k_mla] when n_lora_q == 0 */
+    const moe_tensor *wq_a;      /* [n_embd] -> [n_lora_q] */
+    const moe_tensor *q_a_norm;  /* [n_lora_q] f32 */
+    const moe_tensor *wq_b;      /* [n_lora_q] -> [n_head * head_dim_k_mla] */
+    const moe_tensor *wkv_a_mqa; /* [n_embd] -> [n_lora_kv + rope_dims] */
+    const moe_tensor *kv_a_norm; /* [n_lora_kv] f32 */
+    const moe_tensor *wk_b;      /* [head_dim_k_mla - rope_dims] -> [n_lora_kv], x n_head */
+    const moe_tensor *wv_b;      /* [n_lora_kv] -> [head_dim_v_mla], x n_head */
+    const moe_tensor *wo;        /* [n_head * head_dim_v_mla] -> [n_embd] */
+} moe_mla_weights;
+
+/* Linear attention (MOE_MIXER_GDN, MOE_MIXER_KDA); K = n_k_heads * head_dim,
+ * V = n_v_heads * head_dim. */
+typedef struct moe_linear_weights {
+    const moe_tensor *conv1d[3]; /* f32 taps [d_conv] per channel of q|k|v: GDN one tensor over
+                                  * all K + K + V channels, KDA one each for q, k, v */
+    const moe_tensor *a;         /* f32 [n_v_heads]: -exp(A_log), decay rate per head */
+    const moe_tensor *dt_b;      /* f32 dt bias: GDN [n_v_heads], KDA [V] */
+    const moe_tensor *norm;      /* f32 [head_dim]: RMSNorm of each head's output */
+    const moe_tensor *out;       /* [V] -> [n_embd] */
+    /* GDN */
+    const moe_tensor *qkv;  /* attn_qkv: [n_embd] -> [K + K + V] */
+    const moe_tensor *gate; /* attn_gate z: [n_embd] -> [V] */
+    const moe_tensor *ba;   /* [n_embd] -> per k head [beta x r, alpha x r], r = n_v / n_k */
+    /* KDA */
+    const moe_tensor *wq, *wk, *wv; /* [n_embd] -> [K], [K], [V] */
+    const moe_tensor *beta;         /* [n_embd] -> [n_v_heads] */
+    const moe_tensor *f_a, *f_b;    /* decay: [n_embd] -> [head_dim] -> [V] */
+    const moe_tensor *g_a, *g_b;    /* output gate: [n_embd] -> [head_dim] -> [V] */
+} moe_linear_weights;
+
+/* A gated FFN: out = down(act(gate x) * up x). */
+typedef struct moe_ffn_weights {
+    const moe_tensor *gate; /* [n_embd] -> [width] */
+    const moe_tensor *up;   /* [n_embd] -> [width] */
+    const moe_tensor *down; /* [width] -> [n_embd] */
+} moe_ffn_weights;
+
+/* Routed experts (MOE_FFN_EXPERTS), with their biases where the file has them, and the
+ * shared experts run on every token beside them. */
+typedef struct moe_expert_weights {
+    const moe_tensor *router;        /* ffn_gate_inp: [n_embd] -> [n_expert] */
+    const moe_tensor *router_b;      /* [n_expert] f32 router bias (gpt-oss), or NULL */
+    const moe_tensor *sel_bias;      /* [n_expert] f32 selection-only bias (DeepSeek-V3), or NULL */
+    const moe_tensor *gate;          /* [n_embd] -> [n_ff_exp], x n_expert */
+    const moe_tensor *up;            /* [n_embd] -> [n_ff_exp], x n_expert */
+    const moe_tensor *down;          /* [n_ff_exp] -> [n_embd], x n_expert */
+    const moe_tensor *gate_b, *up_b; /* [n_ff_exp] x n_expert f32, or NULL (gpt-oss) */
+    const moe_tensor *down_b;        /* [n_embd] x n_expert f32, or NULL */
+    moe_ffn_weights shared;          /* n_ff_shexp wide; all NULL without shared experts */
+    const moe_tensor *shared_gate;   /* [n_embd] f32: shared out *= sigmoid(w . x), or NULL */
+} moe_expert_weights;
+
+/* One layer: its plan, its two input norms, and the weights of its mixer and FFN kinds. */
 typedef struct moe_layer_weights {
-    moe_mixer mixer;
-    const moe_tensor *attn_norm;   /* [n_embd] f32 */
-    const moe_tensor *wq;          /* [n_embd] -> [n_head * head_dim_k] */
-    const moe_tensor *wk;          /* [n_embd] -> [n_head_kv * head_dim_k] */
-    const moe_tensor *wv;          /* [n_embd] -> [n_head_kv * head_dim_v] */
-    const moe_tensor *wo;          /* [n_head * head_dim_v] -> [n_embd] */
-    const moe_tensor *ffn_norm;    /* [n_embd] f32 */
-    const moe_tensor *attn_q_norm; /* [head_dim_k] f32, with qk_norm */
-    const moe_tensor *attn_k_norm; /* [head_dim_k] f32, with qk_norm */
-    /* dense FFN (NULL in MoE layers) */
-    const moe_tensor *ffn_gate; /* [n_embd] -> [n_ff] */
-    const moe_tensor *ffn_up;   /* [n_embd] -> [n_ff] */
-    const moe_tensor *ffn_down; /* [n_ff] -> [n_embd] */
-    /* routed experts (NULL in dense layers) */
-    const moe_tensor *ffn_gate_inp;    /* router: [n_embd] -> [n_expert], f32 */
-    const moe_tensor *ffn_gate_exps;   /* [n_embd] -> [n_ff_exp], x n_expert */
-    const moe_tensor *ffn_up_exps;     /* [n_embd] -> [n_ff_exp], x n_expert */
-    const moe_tensor *ffn_down_exps;   /* [n_ff_exp] -> [n_embd], x n_expert */
-    const moe_tensor *ffn_gate_inp_b;  /* [n_expert] f32 router bias (gpt-oss) */
-    const moe_tensor *exp_probs_b;     /* [n_expert] f32 selection-only bias (DeepSeek-V3) */
-    const moe_tensor *ffn_gate_exps_b; /* [n_ff_exp] x n_expert f32 (gpt-oss) */
-    const moe_tensor *ffn_up_exps_b;   /* [n_ff_exp] x n_expert f32 */
-    const moe_tensor *ffn_down_exps_b; /* [n_embd] x n_expert f32 */
-    /* shared experts beside the routed ones (NULL: none), one SwiGLU n_ff_shexp wide */
-    const moe_tensor *ffn_gate_shexp;     /* [n_embd] -> [n_ff_shexp] */
-    const moe_tensor *ffn_up_shexp;       /* [n_embd] -> [n_ff_shexp] */
-    const moe_tensor *ffn_down_shexp;     /* [n_ff_shexp] -> [n_embd] */
-    const moe_tensor *ffn_gate_inp_shexp; /* [n_embd] f32: out *= sigmoid(w . x), or NULL */
-    /* attention biases and sinks (gpt-oss) */
-    const moe_tensor *bq, *bk,
-        *bv; /* f32 [n_head * head_dim_k], [n_head_kv * head_dim_k], [n_head_kv * head_dim_v] */
-    const moe_tensor *bo;         /* f32 [n_embd] */
-    const moe_tensor *attn_sinks; /* f32 [n_head]: per-head logit in the softmax denominator */
-    uint32_t attn_window;         /* sliding window in positions (0: full attention) */
-    /* multi-head latent attention (deepseek2, kimi-linear; wq then holds attn_q when n_lora_q == 0)
-     */
-    const moe_tensor *wq_a;           /* [n_embd] -> [n_lora_q] */
-    const moe_tensor *attn_q_a_norm;  /* [n_lora_q] f32 */
-    const moe_tensor *wq_b;           /* [n_lora_q] -> [n_head * head_dim_k_mla] */
-    const moe_tensor *wkv_a_mqa;      /* [n_embd] -> [n_lora_kv + rope_dims] */
-    const moe_tensor *attn_kv_a_norm; /* [n_lora_kv] f32 */
-    const moe_tensor *wk_b;           /* [head_dim_k_mla - rope_dims] -> [n_lora_kv], x n_head */
-    const moe_tensor *wv_b;           /* [n_lora_kv] -> [head_dim_v_mla], x n_head */
-    /* linear attention (GDN / KDA layers); with K = n_k_heads * head_dim, V = n_v_heads * head_dim
-     */
-    const moe_tensor *ssm_qkv;       /* GDN attn_qkv: [n_embd] -> [K + K + V] (KDA: wq, wk, wv) */
-    const moe_tensor *ssm_conv1d[3]; /* taps [d_conv] per channel of q|k|v: GDN one tensor over
-                                      * all K + K + V channels, KDA one each for q, k, v */
-    const moe_tensor *ssm_a;         /* f32 [n_v_heads]: -exp(A_log), decay rate per head */
-    const moe_tensor *ssm_dt_b;      /* f32 dt bias: GDN [n_v_heads], KDA [V] */
-    const moe_tensor *ssm_ba;   /* GDN: [n_embd] -> per k head [beta x r, alpha x r], r = n_v/n_k */
-    const moe_tensor *ssm_beta; /* KDA: [n_embd] -> [n_v_heads] */
-    const moe_tensor *ssm_f_a, *ssm_f_b; /* KDA decay: [n_embd] -> [head_dim] -> [V] */
-    const moe_tensor *ssm_gate;          /* GDN attn_gate z: [n_embd] -> [V] */
-    const moe_tensor *ssm_g_a, *ssm_g_b; /* KDA output gate: [n_embd] -> [head_dim] -> [V] */
-    const moe_tensor *ssm_norm;          /* f32 [head_dim]: RMSNorm of each head's output */
-    const moe_tensor *ssm_out;           /* [V] -> [n_embd] (KDA: attn_output) */
+    moe_layer_plan plan;
+    const moe_tensor *attn_norm;   /* [n_embd] f32: the mixer's input RMSNorm */
+    const moe_tensor *ffn_norm;    /* [n_embd] f32: the FFN's input RMSNorm */
+    union {                        /* by plan.mixer */
+        moe_attn_weights attn;     /* MOE_MIXER_ATTENTION */
+        moe_mla_weights mla;       /* MOE_MIXER_MLA */
+        moe_linear_weights linear; /* MOE_MIXER_GDN, MOE_MIXER_KDA */
+    };
+    union {                         /* by plan.ffn */
+        moe_ffn_weights ffn;        /* MOE_FFN_DENSE */
+        moe_expert_weights experts; /* MOE_FFN_EXPERTS */
+    };
 } moe_layer_weights;
 
 typedef struct moe_model {
@@ -180,10 +216,48 @@ typedef struct moe_model {
     char *path;
 } moe_model;
 
+/* ==== Architectures ==== */
+
+typedef struct moe_binder moe_binder;
+typedef struct moe_meta moe_meta;
+
+/* One architecture (src/model/arch_<name>.c). */
+struct moe_arch_desc {
+    const char *name; /* general.architecture */
+    /* The config and every layer's plan from metadata alone (c->layer is allocated). */
+    bool (*config)(moe_meta *r, moe_model_config *c);
+    /* Bind layer il's norms and its plan's mixer and FFN weights, checking every shape. */
+    void (*bind_layer)(moe_binder *b, uint32_t il, moe_layer_weights *l);
+};
+
+/* The descriptor of an architecture name, or NULL. */
+const moe_arch_desc *moe_arch_find(const char *name);
+/* "llama qwen3moe ...": the names moe runs, space-separated. */
+const char *moe_arch_names(void);
+
+/* ==== Config and state sizes ==== */
+
+/* Read the config and plan of g's architecture from its metadata (tensor data not needed).
+ * Fails with MOE_ERR_UNSUPPORTED for an architecture moe does not know. */
+moe_status moe_model_config_read(const moe_gguf *g, const char *path, moe_model_config *c,
+                                 moe_error *err);
+void moe_model_config_free(moe_model_config *c);
+
+/* What one layer keeps: values per token of context (K and V cache rows; the MLA latent row
+ * counts as K) and f32 values per sequence (a linear layer's recurrent state). */
+typedef struct moe_layer_state {
+    uint64_t k_values, v_values, state_values;
+} moe_layer_state;
+moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il);
+
+/* ==== Loading ==== */
+
 moe_model *moe_model_load(const char *path, moe_error *err);
 /* Bind a model from an already opened file; on success the model owns g. */
 moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err);
 void moe_model_free(moe_model *m);
-const char *moe_arch_name(moe_arch arch);
+/* The projection matrices of a layer (those moe_matmul reads), by its plan: *n of them. */
+#define MOE_LAYER_MAX_MATRICES 24
+int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out);
 
 #endif

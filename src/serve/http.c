@@ -33,7 +33,7 @@ void moe_serve_params_default(moe_serve_params *p) {
     p->parallel = 4;
     p->cache_slots = -1; /* = parallel */
     p->n_threads = 1;
-    p->kv_type = MOE_KV_F16;
+    p->kv_type = MOE_TYPE_F16;
     p->queue_limit = 64;
     p->queue_timeout_s = 600;
     p->keepalive_s = 15;

@@ -28,7 +28,7 @@ typedef struct moe_serve_params {
     int parallel;    /* streams decoded together */
     int cache_slots; /* extra resident sequences kept for prefix reuse */
     int n_threads;   /* forward-pass threads */
-    moe_kv_type kv_type;
+    moe_type kv_type; /* KV cache elements: F32 or F16 */
     int queue_limit;        /* requests waiting for a stream before 429 */
     double queue_timeout_s; /* waiting longer than this: 503 */
     double keepalive_s;     /* SSE keep-alive interval */

@@ -33,6 +33,7 @@ void moe_bench_params_default(moe_bench_params *p) {
     p->n_streams = 4;
     memcpy(p->streams, streams, sizeof streams);
     p->probe_bytes = BENCH_PROBE_BYTES;
+    p->kv_type = MOE_TYPE_F16;
 }
 
 /* ==== What a forward reads ==== */
@@ -52,7 +53,7 @@ static void weight_bytes(const moe_model *m, moe_bench_result *r) {
             dense += t->n_bytes;
     }
     for (uint32_t il = 0; il < m->cfg.n_layer; il++)
-        if (m->layers[il].ffn_gate_exps) moe_layers++;
+        moe_layers += m->layers[il].plan.ffn == MOE_FFN_EXPERTS;
     r->dense_bytes = (double)dense;
     r->embd_row_bytes = (double)moe_type_row_bytes(m->token_embd->type, m->token_embd->ne[0]);
     r->moe_layers = moe_layers;
@@ -192,7 +193,7 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                              ((uint32_t)p->n_prompt > steps ? (uint32_t)p->n_prompt : steps) + 1,
                          .n_seq = max_seq,
                          .max_rows = max_rows,
-                         .kv_type = p->kv_f32 ? MOE_KV_F32 : MOE_KV_F16,
+                         .kv_type = p->kv_type,
                          .n_threads = p->n_threads};
     moe_ctx *ctx = moe_ctx_new(m, &cp, err);
     if (!ctx) {

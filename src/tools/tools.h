@@ -265,7 +265,7 @@ typedef struct moe_bench_params {
     int n_streams;
     int stream_steps;   /* steps per batched decode test */
     bool use_mmap;      /* keep weights in the mapped file instead of anonymous memory */
-    bool kv_f32;        /* F32 KV cache (default F16, as llama-bench) */
+    moe_type kv_type;   /* KV cache elements (default F16, as llama-bench) */
     size_t probe_bytes; /* bandwidth probe buffer */
 } moe_bench_params;
 
