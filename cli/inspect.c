@@ -193,6 +193,26 @@ static void print_formats(FILE *out, const moe_inspect_report *r) {
     }
 }
 
+/* What the architecture's descriptor reads: layers by kind, experts, state per token. */
+static void print_plan(FILE *out, const moe_inspect_plan *p) {
+    if (!p->known) {
+        fprintf(out, "\nplan: none: %s\n", p->note);
+        return;
+    }
+    fprintf(out, "\nplan: %u layers", p->n_layer);
+    if (p->n_layer_nextn) fprintf(out, " (+%u NextN/MTP, not run)", p->n_layer_nextn);
+    fputc(':', out);
+    for (int k = 0; k < MOE_LAYER_KIND_COUNT; k++)
+        if (p->kind_count[k])
+            fprintf(out, " %u %s,", p->kind_count[k], moe_layer_kind_name((moe_layer_kind)k));
+    fprintf(out, " FFN: %u dense, %u routed", p->n_dense_ffn, p->n_expert_ffn);
+    if (p->n_expert_ffn) fprintf(out, " (%u experts, %u per token)", p->n_expert, p->n_expert_used);
+    fprintf(out,
+            "\n  state: %" PRIu64 " KV values per token, %" PRIu64
+            " recurrent-state values per sequence\n",
+            p->kv_values_per_token, p->state_values_per_seq);
+}
+
 static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r) {
     uint32_t ns = moe_gguf_n_shards(g);
     const moe_gguf_shard *s0 = moe_gguf_shard_get(g, 0);
@@ -272,6 +292,7 @@ static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r
 
     fputc('\n', out);
     print_formats(out, r);
+    print_plan(out, &r->plan);
 
     fprintf(out,
             "\nreconciles: tensor bytes %" PRIu64 " + header %" PRIu64 " + padding %" PRIu64
@@ -451,6 +472,26 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
         moe_json_object_end(&j);
     }
     moe_json_array_end(&j);
+
+    const moe_inspect_plan *p = &r->plan;
+    moe_json_key(&j, "plan");
+    moe_json_object_begin(&j);
+    moe_json_kv_bool(&j, "known", p->known);
+    if (!p->known) moe_json_kv_string(&j, "note", p->note);
+    moe_json_kv_uint(&j, "n_layer", p->n_layer);
+    moe_json_kv_uint(&j, "n_layer_nextn", p->n_layer_nextn);
+    moe_json_key(&j, "layers_by_kind");
+    moe_json_object_begin(&j);
+    for (int k = 0; k < MOE_LAYER_KIND_COUNT; k++)
+        moe_json_kv_uint(&j, moe_layer_kind_name((moe_layer_kind)k), p->kind_count[k]);
+    moe_json_object_end(&j);
+    moe_json_kv_uint(&j, "dense_ffn_layers", p->n_dense_ffn);
+    moe_json_kv_uint(&j, "expert_layers", p->n_expert_ffn);
+    moe_json_kv_uint(&j, "n_expert", p->n_expert);
+    moe_json_kv_uint(&j, "n_expert_used", p->n_expert_used);
+    moe_json_kv_uint(&j, "kv_values_per_token", p->kv_values_per_token);
+    moe_json_kv_uint(&j, "state_values_per_seq", p->state_values_per_seq);
+    moe_json_object_end(&j);
 
     moe_json_key(&j, "totals");
     moe_json_object_begin(&j);

@@ -825,6 +825,11 @@ static void h_kv_u32(hdr *h, const char *k, uint32_t v) {
     h_u32(h, 4); /* GGUF_TYPE_UINT32 */
     h_u32(h, v);
 }
+static void h_kv_f32(hdr *h, const char *k, float v) {
+    h_str(h, k);
+    h_u32(h, 6); /* GGUF_TYPE_FLOAT32 */
+    fwrite(&v, 4, 1, h->f);
+}
 
 typedef struct spec {
     char name[64];
@@ -884,7 +889,7 @@ static uint64_t write_qwen3_30b(const char *path, uint64_t *params) {
     fwrite("GGUF", 1, 4, f);
     h_u32(&h, 3);
     h_u64(&h, n);
-    h_u64(&h, 12);
+    h_u64(&h, 13);
     h_str(&h, "general.architecture");
     h_u32(&h, 8); /* GGUF_TYPE_STRING */
     h_str(&h, "qwen3moe");
@@ -899,6 +904,7 @@ static uint64_t write_qwen3_30b(const char *path, uint64_t *params) {
     h_kv_u32(&h, "qwen3moe.expert_count", 128);
     h_kv_u32(&h, "qwen3moe.expert_used_count", 8);
     h_kv_u32(&h, "qwen3moe.expert_feed_forward_length", 768);
+    h_kv_f32(&h, "qwen3moe.attention.layer_norm_rms_epsilon", 1e-6f);
     uint64_t off = 0;
     *params = 0;
     for (size_t i = 0; i < n; i++) {

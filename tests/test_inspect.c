@@ -5,6 +5,7 @@
 #include "testutil.h"
 
 #include <inttypes.h>
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,6 +101,70 @@ static void inspect_shared_files(void **state) {
     assert_non_null(strstr(out, "embeddings/output: output Q6_K, token_embd Q4_K"));
     assert_non_null(strstr(
         out, "tokenizer.ggml.tokens (array) = [string x 512] \"<unk>\", \"<s>\", \"</s>\", ..."));
+    free(out);
+}
+
+/* Layers of a parity fixture whose tensor list (its JSON, written by the fixture's generator)
+ * has a tensor whose name contains `what`. */
+static uint32_t layers_with(json_t *tensors, const char *what) {
+    uint64_t seen = 0; /* the fixtures have fewer than 64 layers */
+    size_t i;
+    json_t *t;
+    json_array_foreach(tensors, i, t) {
+        const char *name = json_string_value(json_object_get(t, "name"));
+        unsigned layer;
+        if (name && strstr(name, what) && sscanf(name, "blk.%u.", &layer) == 1 && layer < 64)
+            seen |= 1ull << layer;
+    }
+    return (uint32_t)__builtin_popcountll(seen);
+}
+
+/* The plan `moe inspect --json` reads through the architecture's descriptor agrees with the
+ * layer kinds the fixtures' own tensor lists show; an architecture moe does not run says so. */
+static void inspect_plan(void **state) {
+    (void)state;
+    static const char *const models[] = {"llama-q8_0",    "qwen3moe-mixed", "deepseek2-f32",
+                                         "gpt-oss-mxfp4", "qwen3next-f32",  "kimi-linear-f32"};
+    MOE_SKIP_IF_NULL(moe_test_shared("parity/llama-q8_0.json"));
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+        char rel[256], cmd[1024], *out;
+        snprintf(rel, sizeof rel, "parity/%s.json", models[i]);
+        json_t *fixture = json_load_file(moe_test_shared(rel), 0, NULL);
+        assert_non_null(fixture);
+        json_t *tensors = json_object_get(fixture, "tensors");
+        snprintf(cmd, sizeof cmd, "%s inspect ../shared/parity/%s.gguf --json", moe_test_bin(),
+                 models[i]);
+        assert_int_equal(moe_test_run(cmd, &out), 0);
+        json_t *report = json_loads(out, 0, NULL);
+        assert_non_null(report);
+        json_t *plan = json_object_get(report, "plan"),
+               *kinds = json_object_get(plan, "layers_by_kind");
+        const uint32_t n_layer = (uint32_t)json_integer_value(
+            json_object_get(json_object_get(fixture, "config"), "n_layer"));
+        const uint32_t experts = layers_with(tensors, ".ffn_gate_exps.");
+        const uint32_t linear = layers_with(tensors, ".ssm_");
+        const uint32_t mla = layers_with(tensors, ".attn_kv_a_mqa.");
+#define PLAN_INT(obj, key) ((uint32_t)json_integer_value(json_object_get(obj, key)))
+        if (!json_is_true(json_object_get(plan, "known")) || PLAN_INT(plan, "n_layer") != n_layer ||
+            PLAN_INT(plan, "expert_layers") != experts ||
+            PLAN_INT(plan, "dense_ffn_layers") != n_layer - experts ||
+            PLAN_INT(kinds, "linear attention") != linear || PLAN_INT(kinds, "MLA") != mla ||
+            PLAN_INT(kinds, "full attention") + PLAN_INT(kinds, "sliding window") !=
+                n_layer - linear - mla)
+            fail_msg("%s: plan %s disagrees with the fixture: %u layers, %u expert, %u linear, "
+                     "%u MLA",
+                     models[i], json_dumps(plan, JSON_COMPACT), n_layer, experts, linear, mla);
+#undef PLAN_INT
+        json_decref(report);
+        json_decref(fixture);
+        free(out);
+    }
+    /* not (yet) an architecture moe runs: the plan says why */
+    char cmd[1024], *out;
+    snprintf(cmd, sizeof cmd, "%s inspect ../shared/parity/glm5next-f32.gguf", moe_test_bin());
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "plan: none: "));
+    assert_non_null(strstr(out, "unknown architecture 'glm5next'"));
     free(out);
 }
 
@@ -283,7 +348,7 @@ int moe_suite_inspect(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(inspect_shared_files), cmocka_unit_test(inspect_mixed_layers_and_split),
         cmocka_unit_test(inspect_errors),       cmocka_unit_test(tensor_roles),
-        cmocka_unit_test(json_writer),
+        cmocka_unit_test(json_writer),          cmocka_unit_test(inspect_plan),
     };
     return cmocka_run_group_tests_name("inspect", tests, NULL, NULL);
 }

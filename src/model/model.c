@@ -366,26 +366,43 @@ void moe_config_plan_mixer(moe_model_config *c, uint32_t il, moe_mixer mixer) {
     if (linear) c->layer[il].n_head_kv = 0;
 }
 
-moe_status moe_model_config_read(const moe_gguf *g, const char *path, moe_model_config *c,
-                                 moe_error *err) {
+/* An architecture moe does not run, read as far as every transformer goes. */
+static bool generic_config(moe_meta *r, moe_model_config *c) {
+    return moe_config_transformer(r, c, MOE_ROPE_NORM, false);
+}
+
+static const moe_arch_desc generic_arch = {.name = "generic", .config = generic_config};
+
+static moe_status config_read(const moe_gguf *g, const char *path, bool generic,
+                              moe_model_config *c, moe_error *err) {
     memset(c, 0, sizeof *c);
     const char *arch = moe_gguf_get_str(g, "general.architecture");
     if (!arch)
         return moe_error_set(err, MOE_ERR_FORMAT, "%s: missing key 'general.architecture'", path);
-    const moe_arch_desc *a = moe_arch_find(arch);
+    const moe_arch_desc *a = generic ? &generic_arch : moe_arch_find(arch);
     if (!a)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
                              "%s: unknown architecture '%s' (moe supports: %s)", path, arch,
                              moe_arch_names());
     c->arch = a;
-    c->arch_name = a->name;
-    moe_meta r = {.g = g, .path = path, .arch = a->name, .err = err};
+    c->arch_name = generic ? arch : a->name;
+    moe_meta r = {.g = g, .path = path, .arch = arch, .err = err};
     if (!a->config(&r, c)) {
         if (!err->code) moe_error_set(err, MOE_ERR_FORMAT, "%s: %s config is invalid", path, arch);
         moe_model_config_free(c);
         return err->code;
     }
     return MOE_OK;
+}
+
+moe_status moe_model_config_read(const moe_gguf *g, const char *path, moe_model_config *c,
+                                 moe_error *err) {
+    return config_read(g, path, false, c, err);
+}
+
+moe_status moe_model_config_read_generic(const moe_gguf *g, const char *path, moe_model_config *c,
+                                         moe_error *err) {
+    return config_read(g, path, true, c, err);
 }
 
 void moe_model_config_free(moe_model_config *c) {

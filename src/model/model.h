@@ -241,6 +241,10 @@ const char *moe_arch_names(void);
  * Fails with MOE_ERR_UNSUPPORTED for an architecture moe does not know. */
 moe_status moe_model_config_read(const moe_gguf *g, const char *path, moe_model_config *c,
                                  moe_error *err);
+/* The same for an architecture moe does not run: the keys every transformer has, every layer
+ * planned as full attention with a dense FFN (what `moe budget` can still plan for it). */
+moe_status moe_model_config_read_generic(const moe_gguf *g, const char *path,
+                                         moe_model_config *c, moe_error *err);
 void moe_model_config_free(moe_model_config *c);
 
 /* What one layer keeps: values per token of context (K and V cache rows; the MLA latent row

@@ -10,15 +10,17 @@
  * The KV type sets the bytes of a row (Q8_0 rounds each row up to 32-value blocks); recurrent
  * state stays f32. Scratch is an estimate (one prefill step of MOE_BUDGET_PREFILL_ROWS rows,
  * tiled attention, the logits of every stream), documented where it is computed.
- * The trap: the layer kind comes from per-architecture keys (qwen3next's
- * full_attention_interval, kimi-linear's per-layer head_count_kv with 0 for KDA, gpt-oss's
- * sliding window on even layers); an architecture not listed here is planned as all full
- * attention, which over-counts a hybrid but never under-counts one. */
+ * The layer kinds and their widths come from the architecture's own config reader and plan
+ * (src/model/arch_<name>.c), the one the engine loads with. An architecture moe does not run is
+ * planned from the keys every transformer has, all layers full attention: that over-counts a
+ * hybrid but never under-counts one. */
 #include "tools.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "../model/model.h"
 
 static const char *const part_names[MOE_PART_COUNT] = {
     [MOE_PART_VISION] = "vision tower",
@@ -50,53 +52,23 @@ const char *moe_layer_kind_name(moe_layer_kind k) {
 
 /* ==== Metadata ==== */
 
-/* "<arch>.<suffix>" as a number; an array gives its element `layer` (or its first when
- * layer < 0). False when absent, not a number, or the array is too short. */
-static bool arch_u64(const moe_gguf *g, const char *arch, const char *suffix, int64_t layer,
-                     uint64_t *out) {
+/* "<arch>.vocab_size" for a header without token_embd (0: unknown). */
+static uint64_t vocab_size_key(const moe_gguf *g, const char *arch) {
     char key[256];
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    const moe_gguf_value *v = moe_gguf_find(g, key);
-    if (!v) return false;
-    if (v->type != MOE_GGUF_ARRAY) return moe_gguf_get_u64(g, key, out);
-    uint64_t i = layer < 0 ? 0 : (uint64_t)layer;
-    if (i >= v->arr.n) return false;
-    const uint8_t *p = v->arr.data;
-    switch (v->arr.elem_type) {
-    case MOE_GGUF_U8:
-    case MOE_GGUF_I8:
-        *out = p[i];
-        break;
-    case MOE_GGUF_U16:
-    case MOE_GGUF_I16:
-        *out = (uint64_t)p[2 * i] | (uint64_t)p[2 * i + 1] << 8;
-        break;
-    case MOE_GGUF_U32:
-    case MOE_GGUF_I32: {
-        uint32_t u = 0;
-        for (int b = 0; b < 4; b++) u |= (uint32_t)p[4 * i + b] << (8 * b);
-        if (v->arr.elem_type == MOE_GGUF_I32 && (int32_t)u < 0) return false;
-        *out = u;
-        break;
-    }
-    case MOE_GGUF_U64:
-    case MOE_GGUF_I64: {
-        uint64_t u = 0;
-        for (int b = 0; b < 8; b++) u |= (uint64_t)p[8 * i + b] << (8 * b);
-        if (v->arr.elem_type == MOE_GGUF_I64 && (int64_t)u < 0) return false;
-        *out = u;
-        break;
-    }
-    default:
-        return false;
-    }
-    return true;
+    snprintf(key, sizeof key, "%s.vocab_size", arch);
+    uint64_t v = 0;
+    return moe_gguf_get_u64(g, key, &v) ? v : 0;
 }
 
-static uint64_t arch_u64_or(const moe_gguf *g, const char *arch, const char *suffix, int64_t layer,
-                            uint64_t dflt) {
-    uint64_t v;
-    return arch_u64(g, arch, suffix, layer, &v) ? v : dflt;
+moe_layer_kind moe_layer_kind_of(const moe_layer_plan *p) {
+    switch (p->mixer) {
+    case MOE_MIXER_ATTENTION:
+        return p->window ? MOE_LAYER_SLIDING : MOE_LAYER_FULL;
+    case MOE_MIXER_MLA:
+        return MOE_LAYER_MLA;
+    default:
+        return MOE_LAYER_LINEAR;
+    }
 }
 
 static bool is_vision_tensor(const char *name) {
@@ -132,107 +104,34 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
         add_tensor(m, t, is_vision_tensor(t->name.ptr));
     }
     if (!arch) return moe_error_set(err, MOE_ERR_FORMAT, "%s: no general.architecture", name);
-    uint64_t n_layer;
-    if (!arch_u64(g, arch, "block_count", -1, &n_layer) || n_layer == 0 || n_layer > 100000)
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: %s.block_count is missing or out of range",
-                             name, arch);
-    m->n_layer = (uint32_t)n_layer;
-    m->n_embd = arch_u64_or(g, arch, "embedding_length", -1, 0);
-    m->n_head = arch_u64_or(g, arch, "attention.head_count", -1, 0);
-    if (m->n_embd == 0 || m->n_head == 0)
-        return moe_error_set(err, MOE_ERR_FORMAT,
-                             "%s: %s.embedding_length or "
-                             "%s.attention.head_count is missing",
-                             name, arch, arch);
-    m->ctx_train = arch_u64_or(g, arch, "context_length", -1, 0);
-    const moe_tensor *embd = moe_gguf_tensor_find(g, "token_embd.weight");
-    m->n_vocab = embd && embd->n_dims >= 2 ? (uint64_t)embd->ne[1]
-                                           : arch_u64_or(g, arch, "vocab_size", -1, 0);
-    uint64_t ff = arch_u64_or(g, arch, "feed_forward_length", -1, 0);
-    uint64_t eff = arch_u64_or(g, arch, "expert_feed_forward_length", -1, ff);
-    uint64_t moe_ff = arch_u64_or(g, arch, "expert_used_count", -1, 0) * eff +
-                      arch_u64_or(g, arch, "expert_shared_count", -1, 0) * eff +
-                      arch_u64_or(g, arch, "expert_shared_feed_forward_length", -1, 0);
-    m->ff_active = ff > moe_ff ? ff : moe_ff;
-
-    uint64_t head_dim = m->n_embd / m->n_head;
-    uint64_t k_len = arch_u64_or(g, arch, "attention.key_length", -1, head_dim);
-    uint64_t v_len = arch_u64_or(g, arch, "attention.value_length", -1, head_dim);
-    uint64_t kv_lora = arch_u64_or(g, arch, "attention.kv_lora_rank", -1, 0);
-    uint64_t rope = arch_u64_or(g, arch, "rope.dimension_count", -1, 0);
-    uint64_t full_interval = arch_u64_or(g, arch, "full_attention_interval", -1, 0);
-    m->window = arch_u64_or(g, arch, "attention.sliding_window", -1, 0);
-    bool gpt_oss = strcmp(arch, "gpt-oss") == 0;
-    bool qwen3next = strcmp(arch, "qwen3next") == 0;
-    bool kimi = strcmp(arch, "kimi-linear") == 0;
-    bool mla = kv_lora > 0 && (strcmp(arch, "deepseek2") == 0 || kimi);
-    if (gpt_oss && m->window == 0)
-        return moe_error_set(err, MOE_ERR_FORMAT,
-                             "%s: gpt-oss without %s.attention."
-                             "sliding_window",
-                             name, arch);
-    if (qwen3next && full_interval == 0)
-        return moe_error_set(err, MOE_ERR_FORMAT,
-                             "%s: qwen3next without %s."
-                             "full_attention_interval",
-                             name, arch);
-
-    /* linear-attention state per stream (f32 values), by architecture */
-    uint64_t linear_state = 0;
-    if (qwen3next) { /* Gated DeltaNet: conv tail over q,k,v channels + a k x v matrix per head */
-        uint64_t conv = arch_u64_or(g, arch, "ssm.conv_kernel", -1, 0);
-        uint64_t d_state = arch_u64_or(g, arch, "ssm.state_size", -1, 0);
-        uint64_t groups = arch_u64_or(g, arch, "ssm.group_count", -1, 0);
-        uint64_t inner = arch_u64_or(g, arch, "ssm.inner_size", -1, 0);
-        if (!conv || !d_state || !groups || !inner)
-            return moe_error_set(err, MOE_ERR_FORMAT,
-                                 "%s: qwen3next without its %s.ssm.* "
-                                 "sizes (conv_kernel, state_size, group_count, inner_size)",
-                                 name, arch);
-        linear_state = (conv - 1) * (inner + 2 * groups * d_state) + d_state * inner;
-    } else if (kimi) { /* KDA: separate q, k, v conv tails + a head_dim^2 matrix per head */
-        uint64_t conv = arch_u64_or(g, arch, "ssm.conv_kernel", -1, 0);
-        uint64_t hd = arch_u64_or(g, arch, "kda.head_dim", -1, 0);
-        if (!conv || !hd)
-            return moe_error_set(err, MOE_ERR_FORMAT,
-                                 "%s: kimi-linear without %s.ssm.conv_kernel"
-                                 " or %s.kda.head_dim",
-                                 name, arch, arch);
-        linear_state = (conv - 1) * 3 * m->n_head * hd + m->n_head * hd * hd;
+    moe_model_config c;
+    moe_status st = moe_model_config_read(g, name, &c, err);
+    if (st == MOE_ERR_UNSUPPORTED && !moe_arch_find(arch)) {
+        *err = (moe_error){0};
+        st = moe_model_config_read_generic(g, name, &c, err);
     }
-
+    if (st != MOE_OK) return st;
+    m->n_layer = c.n_layer;
+    m->n_embd = c.n_embd;
+    m->n_head = c.n_head;
+    m->ctx_train = c.n_ctx_train;
+    const moe_tensor *embd = moe_gguf_tensor_find(g, "token_embd.weight");
+    m->n_vocab = embd && embd->n_dims >= 2 ? (uint64_t)embd->ne[1] : vocab_size_key(g, arch);
+    const uint64_t moe_ff = (uint64_t)c.n_expert_used * c.n_ff_exp + c.n_ff_shexp;
+    m->ff_active = c.n_ff > moe_ff ? c.n_ff : moe_ff;
     m->kind = moe_xcalloc(m->n_layer, sizeof *m->kind);
     m->k_values = moe_xcalloc(m->n_layer, sizeof *m->k_values);
     m->v_values = moe_xcalloc(m->n_layer, sizeof *m->v_values);
     m->state_values = moe_xcalloc(m->n_layer, sizeof *m->state_values);
     for (uint32_t l = 0; l < m->n_layer; l++) {
-        uint64_t n_kv = arch_u64_or(g, arch, "attention.head_count_kv", l, m->n_head);
-        moe_layer_kind k = MOE_LAYER_FULL;
-        if (qwen3next)
-            k = (l + 1) % full_interval == 0 ? MOE_LAYER_FULL : MOE_LAYER_LINEAR;
-        else if (kimi)
-            k = n_kv == 0 ? MOE_LAYER_LINEAR : MOE_LAYER_MLA;
-        else if (mla)
-            k = MOE_LAYER_MLA;
-        else if (gpt_oss)
-            k = l % 2 == 0 ? MOE_LAYER_SLIDING : MOE_LAYER_FULL;
-        m->kind[l] = k;
-        switch (k) {
-        case MOE_LAYER_FULL:
-        case MOE_LAYER_SLIDING:
-            m->k_values[l] = n_kv * k_len;
-            m->v_values[l] = n_kv * v_len;
-            break;
-        case MOE_LAYER_MLA:
-            m->k_values[l] = kv_lora + rope;
-            break;
-        case MOE_LAYER_LINEAR:
-            m->state_values[l] = linear_state;
-            break;
-        default:
-            break;
-        }
+        const moe_layer_state ls = moe_layer_state_of(&c, l);
+        m->kind[l] = moe_layer_kind_of(&c.layer[l]);
+        m->k_values[l] = ls.k_values;
+        m->v_values[l] = ls.v_values;
+        m->state_values[l] = ls.state_values;
+        if (c.layer[l].window) m->window = c.layer[l].window;
     }
+    moe_model_config_free(&c);
     return MOE_OK;
 }
 

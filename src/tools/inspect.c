@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../model/model.h"
+
 /* ==== Roles ==== */
 
 static const char *const role_names[MOE_ROLE_COUNT] = {
@@ -147,6 +149,33 @@ static char *layer_ranges(const int64_t *layers, size_t n) {
     return moe_strbuf_take(&b);
 }
 
+/* The plan the architecture's descriptor reads, or why there is none. */
+static void read_plan(const moe_gguf *g, moe_inspect_plan *p) {
+    moe_model_config c;
+    moe_error err = {0};
+    const moe_gguf_shard *s0 = moe_gguf_shard_get(g, 0);
+    if (moe_model_config_read(g, s0 ? s0->path : "model", &c, &err) != MOE_OK) {
+        snprintf(p->note, sizeof p->note, "%s", err.msg);
+        return;
+    }
+    p->known = true;
+    p->n_layer = c.n_layer;
+    p->n_layer_nextn = c.n_layer_nextn;
+    p->n_expert = c.n_expert;
+    p->n_expert_used = c.n_expert_used;
+    for (uint32_t il = 0; il < c.n_layer; il++) {
+        const moe_layer_state s = moe_layer_state_of(&c, il);
+        p->kind_count[moe_layer_kind_of(&c.layer[il])]++;
+        if (c.layer[il].ffn == MOE_FFN_EXPERTS)
+            p->n_expert_ffn++;
+        else
+            p->n_dense_ffn++;
+        p->kv_values_per_token += s.k_values + s.v_values;
+        p->state_values_per_seq += s.state_values;
+    }
+    moe_model_config_free(&c);
+}
+
 moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
     moe_inspect_report *r = moe_xcalloc(1, sizeof *r);
     uint64_t n = moe_gguf_n_tensors(g);
@@ -231,6 +260,7 @@ moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
     free(runs);
     free(layers);
     free(e);
+    read_plan(g, &r->plan);
     return r;
 }
 

@@ -53,6 +53,29 @@ typedef struct moe_inspect_format {
     uint32_t n_layers; /* 0 for tensors outside any layer */
 } moe_inspect_format;
 
+typedef enum moe_layer_kind {
+    MOE_LAYER_FULL,    /* full attention: K and V of n_kv heads per token */
+    MOE_LAYER_SLIDING, /* sliding-window attention: as full, capped at the window */
+    MOE_LAYER_MLA,     /* multi-head latent attention: kv_lora_rank + rope dims per token */
+    MOE_LAYER_LINEAR,  /* linear attention (Gated DeltaNet, KDA): fixed state per sequence */
+    MOE_LAYER_KIND_COUNT
+} moe_layer_kind;
+const char *moe_layer_kind_name(moe_layer_kind k);
+struct moe_layer_plan;
+moe_layer_kind moe_layer_kind_of(const struct moe_layer_plan *p);
+
+/* What the architecture's descriptor (src/model/arch_<name>.c) reads from the metadata. */
+typedef struct moe_inspect_plan {
+    bool known;     /* moe runs this architecture and its config reads */
+    char note[512]; /* why not, when !known */
+    uint32_t n_layer, n_layer_nextn;
+    uint32_t kind_count[MOE_LAYER_KIND_COUNT]; /* layers by mixer kind */
+    uint32_t n_dense_ffn, n_expert_ffn;        /* layers by FFN kind */
+    uint32_t n_expert, n_expert_used;
+    uint64_t kv_values_per_token;  /* K + V values over all layers (MLA: the latent row) */
+    uint64_t state_values_per_seq; /* f32 recurrent state over the linear layers */
+} moe_inspect_plan;
+
 typedef struct moe_inspect_report {
     uint64_t n_tensors;
     /* totals over every shard; tensor + header + padding == file exactly, else !reconciles */
@@ -65,6 +88,7 @@ typedef struct moe_inspect_report {
     size_t n_layers;
     moe_inspect_format *formats; /* [n_formats], by role, then first layer */
     size_t n_formats;
+    moe_inspect_plan plan;
 } moe_inspect_report;
 
 moe_inspect_report *moe_inspect_analyze(const moe_gguf *g);
@@ -88,15 +112,6 @@ typedef enum moe_budget_part {
 
 const char *moe_budget_part_name(moe_budget_part p); /* "routed experts", ..., "KV cache" */
 const char *moe_budget_part_id(moe_budget_part p);   /* JSON keys */
-
-typedef enum moe_layer_kind {
-    MOE_LAYER_FULL,    /* full attention: K and V of n_kv heads per token */
-    MOE_LAYER_SLIDING, /* sliding-window attention: as full, capped at the window */
-    MOE_LAYER_MLA,     /* multi-head latent attention: kv_lora_rank + rope dims per token */
-    MOE_LAYER_LINEAR,  /* linear attention (Gated DeltaNet, KDA): fixed state per sequence */
-    MOE_LAYER_KIND_COUNT
-} moe_layer_kind;
-const char *moe_layer_kind_name(moe_layer_kind k);
 
 /* A routed-expert tensor as the sharding sees it: slices (experts) of rows. */
 typedef struct moe_budget_sharded {
