@@ -225,5 +225,8 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
  * 00001-of-0000N.gguf", each carrying split.no / split.count / split.tensors.count. */
 moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
                                  uint32_t max_tensors_per_shard, moe_error *err);
+/* The keys set so far as a reader sees them: a header without tensors, parsed (the caller
+ * closes it). Lets a writer check what it wrote with the same code that will load it. */
+moe_gguf *moe_gguf_writer_read_keys(const moe_gguf_writer *w, moe_error *err);
 
 #endif

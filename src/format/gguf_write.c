@@ -323,12 +323,10 @@ static uint32_t writer_alignment(const moe_gguf_writer *w) {
 }
 
 /* One file: tensors [t0, t1); a split shard when n_split > 0. */
-static moe_status write_one(const moe_gguf_writer *w, const char *path, size_t t0, size_t t1,
-                            uint32_t split_no, uint32_t n_split, moe_error *err) {
+/* Shard split_no of n_split (0 of 0: the whole file) with tensors [t0, t1) into o. */
+static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t t1,
+                        uint32_t split_no, uint32_t n_split) {
     uint32_t alignment = writer_alignment(w);
-    out_file o = {.f = fopen(path, "wb"), .path = path};
-    if (!o.f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
-
     bool first = split_no == 0;
     uint64_t n_kv = 0;
     for (size_t i = 0; i < w->n_kv; i++) {
@@ -338,43 +336,62 @@ static moe_status write_one(const moe_gguf_writer *w, const char *path, size_t t
     }
     if (n_split) n_kv += 3;
 
-    put(&o, "GGUF", 4);
-    put_le(&o, 3, 4);
-    put_le(&o, t1 - t0, 8);
-    put_le(&o, n_kv, 8);
+    put(o, "GGUF", 4);
+    put_le(o, 3, 4);
+    put_le(o, t1 - t0, 8);
+    put_le(o, n_kv, 8);
     if (n_split) {
-        put_kv(&o, KEY_SPLIT_NO, &(moe_gguf_value){.type = MOE_GGUF_U16, .u = split_no});
-        put_kv(&o, KEY_SPLIT_COUNT, &(moe_gguf_value){.type = MOE_GGUF_U16, .u = n_split});
-        put_kv(&o, KEY_SPLIT_TENSORS,
+        put_kv(o, KEY_SPLIT_NO, &(moe_gguf_value){.type = MOE_GGUF_U16, .u = split_no});
+        put_kv(o, KEY_SPLIT_COUNT, &(moe_gguf_value){.type = MOE_GGUF_U16, .u = n_split});
+        put_kv(o, KEY_SPLIT_TENSORS,
                &(moe_gguf_value){.type = MOE_GGUF_I32, .i = (int64_t)w->n_tensors});
     }
     for (size_t i = 0; i < w->n_kv; i++) {
         bool split_key = n_split && is_split_key(w->kv[i].key);
         bool align_key = strcmp(w->kv[i].key, KEY_ALIGNMENT) == 0;
         if (!split_key && (first || (align_key && alignment != MOE_GGUF_DEFAULT_ALIGNMENT)))
-            put_kv(&o, w->kv[i].key, &w->kv[i].value);
+            put_kv(o, w->kv[i].key, &w->kv[i].value);
     }
     uint64_t offset = 0;
     for (size_t i = t0; i < t1; i++) {
         const writer_tensor *t = &w->tensors[i];
-        put_str(&o, t->name, strlen(t->name));
-        put_le(&o, t->n_dims, 4);
-        for (uint32_t d = 0; d < t->n_dims; d++) put_le(&o, (uint64_t)t->ne[d], 8);
-        put_le(&o, (uint64_t)t->type, 4);
-        put_le(&o, offset, 8);
+        put_str(o, t->name, strlen(t->name));
+        put_le(o, t->n_dims, 4);
+        for (uint32_t d = 0; d < t->n_dims; d++) put_le(o, (uint64_t)t->ne[d], 8);
+        put_le(o, (uint64_t)t->type, 4);
+        put_le(o, offset, 8);
         offset += t->n_bytes + pad_to(t->n_bytes, alignment);
     }
-    if (t1 > t0) put_zeros(&o, pad_to(o.pos, alignment)); /* no data section, no padding */
+    if (t1 > t0) put_zeros(o, pad_to(o->pos, alignment)); /* no data section, no padding */
     for (size_t i = t0; i < t1; i++) {
         const writer_tensor *t = &w->tensors[i];
-        put(&o, t->data, (size_t)t->n_bytes);
-        put_zeros(&o, pad_to(t->n_bytes, alignment));
+        put(o, t->data, (size_t)t->n_bytes);
+        put_zeros(o, pad_to(t->n_bytes, alignment));
     }
+}
+
+static moe_status write_one(const moe_gguf_writer *w, const char *path, size_t t0, size_t t1,
+                            uint32_t split_no, uint32_t n_split, moe_error *err) {
+    out_file o = {.f = fopen(path, "wb"), .path = path};
+    if (!o.f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+    write_shard(w, &o, t0, t1, split_no, n_split);
     int closed = fclose(o.f);
     if (o.failed || closed != 0)
         return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s", path,
                              (unsigned long long)o.pos, strerror(errno));
     return MOE_OK;
+}
+
+moe_gguf *moe_gguf_writer_read_keys(const moe_gguf_writer *w, moe_error *err) {
+    char *buf = NULL;
+    size_t size = 0;
+    out_file o = {.f = open_memstream(&buf, &size), .path = "(keys in memory)"};
+    if (!o.f) moe_die("open_memstream failed");
+    write_shard(w, &o, 0, 0, 0, 0);
+    if (fclose(o.f) != 0 || o.failed) moe_die("writing keys to memory failed");
+    moe_gguf *g = moe_gguf_parse_named(buf, size, false, "(keys being written)", err);
+    free(buf);
+    return g;
 }
 
 moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,

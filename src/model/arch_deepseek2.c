@@ -12,7 +12,8 @@ static bool deepseek2_config(moe_meta *r, moe_model_config *c) {
         !moe_config_experts(r, c, MOE_GATING_SOFTMAX, false, MOE_ACT_SILU,
                             "expert_feed_forward_length"))
         return false;
-    for (uint32_t il = 0; il < c->n_layer; il++) moe_config_plan_mixer(c, il, MOE_MIXER_MLA);
+    for (uint32_t il = 0; il < moe_config_n_planned(c); il++)
+        moe_config_plan_mixer(c, il, MOE_MIXER_MLA);
     return true;
 }
 

@@ -2,8 +2,9 @@
  *
  * DeepSeek-style routing (sigmoid gating, exp_probs_b, a shared expert, leading dense layers)
  * under GQA attention with q/k/v biases, partial NEOX rope, and q/k norms only where the file
- * has them (GLM-4.5: only the 355B). The trailing NextN (MTP) layers are not run. The FFN's
- * input norm is post_attention_norm. */
+ * has them (GLM-4.5: only the 355B). The trailing NextN (MTP) layers are whole layers plus
+ * their own projection and norms; they are not run yet. The FFN's input norm is
+ * post_attention_norm. */
 #include "model_internal.h"
 
 static bool glm4moe_config(moe_meta *r, moe_model_config *c) {
@@ -17,6 +18,7 @@ static void glm4moe_bind_layer(moe_binder *b, uint32_t il, moe_layer_weights *l)
     moe_bind_gqa(b, il, &(moe_gqa_opts){.qk_norm_optional = true, .qkv_bias = true}, &l->attn);
     l->ffn_norm = moe_bind_norm(b, il, "post_attention_norm");
     moe_bind_ffn(b, il, l);
+    if (il >= b->m->cfg.n_layer) moe_bind_nextn(b, il, &l->nextn);
 }
 
 const moe_arch_desc moe_arch_glm4moe = {

@@ -11,7 +11,7 @@ static bool gpt_oss_config(moe_meta *r, moe_model_config *c) {
         !moe_config_experts(r, c, MOE_GATING_SOFTMAX_WEIGHT, false, MOE_ACT_SWIGLU_OAI,
                             "expert_feed_forward_length"))
         return false;
-    for (uint32_t il = 0; il < c->n_layer; il += 2) c->layer[il].window = c->n_swa;
+    for (uint32_t il = 0; il < moe_config_n_planned(c); il += 2) c->layer[il].window = c->n_swa;
     return true;
 }
 

@@ -10,13 +10,14 @@
 static bool kimi_linear_config(moe_meta *r, moe_model_config *c) {
     if (!moe_config_transformer(r, c, MOE_ROPE_NONE, false)) return false;
     /* which layers are KDA, before MLA's checks see only the attention layers' head count */
-    bool *kda = moe_xcalloc(c->n_layer, sizeof *kda);
-    for (uint32_t il = 0; il < c->n_layer; il++) kda[il] = c->layer[il].n_head_kv == 0;
+    const uint32_t n = moe_config_n_planned(c);
+    bool *kda = moe_xcalloc(n, sizeof *kda);
+    for (uint32_t il = 0; il < n; il++) kda[il] = c->layer[il].n_head_kv == 0;
     const bool ok = moe_config_mla(r, c) && moe_config_rope(r, c, true) &&
                     moe_config_experts(r, c, MOE_GATING_SIGMOID, true, MOE_ACT_SILU,
                                        "expert_feed_forward_length") &&
                     moe_config_kda(r, c);
-    for (uint32_t il = 0; ok && il < c->n_layer; il++)
+    for (uint32_t il = 0; ok && il < n; il++)
         moe_config_plan_mixer(c, il, kda[il] ? MOE_MIXER_KDA : MOE_MIXER_MLA);
     free(kda);
     return ok;

@@ -22,7 +22,7 @@ static bool qwen3next_config(moe_meta *r, moe_model_config *c) {
         return moe_meta_fail(r, MOE_ERR_FORMAT,
                              "an attention output gate needs key_length %u = value_length %u",
                              c->head_dim_k, c->head_dim_v);
-    for (uint32_t il = 0; il < c->n_layer; il++)
+    for (uint32_t il = 0; il < moe_config_n_planned(c); il++)
         if ((il + 1) % interval != 0) moe_config_plan_mixer(c, il, MOE_MIXER_GDN);
     return true;
 }

@@ -152,16 +152,17 @@ bool moe_config_transformer(moe_meta *r, moe_model_config *c, moe_rope_kind rope
         return moe_meta_fail(r, MOE_ERR_RANGE,
                              "%s.nextn_predict_layers = %u leaves no layers of %u", r->arch,
                              c->n_layer_nextn, c->n_layer);
-    c->n_layer -= c->n_layer_nextn; /* the MTP layers at the end predict drafts: not run */
     if (c->n_layer > MOE_MAX_LAYERS)
         return moe_meta_fail(r, MOE_ERR_RANGE, "%s.block_count = %u exceeds %u", r->arch,
                              c->n_layer, MOE_MAX_LAYERS);
-    uint32_t *head_kv = moe_xcalloc(c->n_layer, sizeof *head_kv);
-    c->layer = moe_xcalloc(c->n_layer, sizeof *c->layer);
+    const uint32_t n_planned = c->n_layer;
+    c->n_layer -= c->n_layer_nextn; /* the MTP layers at the end predict drafts: not run */
+    uint32_t *head_kv = moe_xcalloc(n_planned, sizeof *head_kv);
+    c->layer = moe_xcalloc(n_planned, sizeof *c->layer);
     const bool ok =
-        moe_meta_u32_per_layer(r, "attention.head_count_kv", c->n_head, c->n_layer, head_kv);
+        moe_meta_u32_per_layer(r, "attention.head_count_kv", c->n_head, n_planned, head_kv);
     c->n_head_kv = 0; /* a hybrid's recurrent layers may say 0: the attention layers' count */
-    for (uint32_t il = 0; ok && il < c->n_layer; il++) {
+    for (uint32_t il = 0; ok && il < n_planned; il++) {
         c->layer[il] = (moe_layer_plan){.mixer = MOE_MIXER_ATTENTION, .n_head_kv = head_kv[il]};
         if (head_kv[il] > c->n_head_kv) c->n_head_kv = head_kv[il];
     }
@@ -304,7 +305,7 @@ bool moe_config_experts(moe_meta *r, moe_model_config *c, moe_gating gating, boo
                              r->arch, c->n_expert_group, c->n_group_used, c->n_expert,
                              c->n_expert_used);
     if (c->n_layer_dense_lead > c->n_layer) c->n_layer_dense_lead = c->n_layer;
-    for (uint32_t il = c->n_layer_dense_lead; il < c->n_layer; il++)
+    for (uint32_t il = c->n_layer_dense_lead; il < moe_config_n_planned(c); il++)
         c->layer[il].ffn = MOE_FFN_EXPERTS;
     /* shared experts: their own width (qwen3next) or n_shared routed-expert widths (DeepSeek) */
     uint32_t n_shared = 0;
@@ -361,7 +362,7 @@ void moe_config_plan_mixer(moe_model_config *c, uint32_t il, moe_mixer mixer) {
     const bool was_linear =
         c->layer[il].mixer == MOE_MIXER_GDN || c->layer[il].mixer == MOE_MIXER_KDA;
     const bool linear = mixer == MOE_MIXER_GDN || mixer == MOE_MIXER_KDA;
-    c->n_layer_linear += (uint32_t)linear - (uint32_t)was_linear;
+    if (il < c->n_layer) c->n_layer_linear += (uint32_t)linear - (uint32_t)was_linear;
     c->layer[il].mixer = mixer;
     if (linear) c->layer[il].n_head_kv = 0;
 }
@@ -436,11 +437,25 @@ moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il) {
 
 /* ==== Tensors ==== */
 
+/* What a declaring binder hands back for a tensor the file being made will have. */
+static const moe_tensor declared_tensor;
+
 /* Find `name` and check its shape: ne0 x ne1 x ne2 (ne1 = 0 for a vector, ne2 = 0 for a
- * matrix), and that moe can compute with its type. */
+ * matrix), that moe can compute with its type, and that it is F32 where the forward pass reads
+ * it as floats (f32). */
 static const moe_tensor *bind_name(moe_binder *b, const char *name, int64_t ne0, int64_t ne1,
-                                   int64_t ne2, bool required) {
+                                   int64_t ne2, bool required, bool f32) {
     if (b->err->code) return NULL;
+    if (b->declare) {
+        const moe_tensor_decl d = {.name = name,
+                                   .n_dims = ne2   ? 3
+                                             : ne1 ? 2
+                                                   : 1,
+                                   .ne = {ne0, ne1 ? ne1 : 1, ne2 ? ne2 : 1},
+                                   .f32 = f32,
+                                   .required = required};
+        return b->declare(b->declare_ctx, &d) || required ? &declared_tensor : NULL;
+    }
     const moe_tensor *t = moe_gguf_tensor_find(b->m->gguf, name);
     if (!t) {
         if (required)
@@ -473,17 +488,27 @@ static const moe_tensor *bind_name(moe_binder *b, const char *name, int64_t ne0,
         moe_error_set(b->err, MOE_ERR_IO, "%s: tensor '%s' has no data mapped", b->path, name);
         return NULL;
     }
+    if (f32 && t->type != MOE_TYPE_F32) {
+        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' is %s; moe reads it as F32",
+                      b->path, name, moe_type_name(t->type));
+        return NULL;
+    }
     return t;
 }
 
-const moe_tensor *moe_bind_blk(moe_binder *b, uint32_t il, const char *what, const char *suffix,
-                               int64_t ne0, int64_t ne1, int64_t ne2, bool required) {
+static const moe_tensor *bind_blk(moe_binder *b, uint32_t il, const char *what, const char *suffix,
+                                  int64_t ne0, int64_t ne1, int64_t ne2, bool required, bool f32) {
     char name[128];
     if (suffix)
         snprintf(name, sizeof name, "blk.%u.%s.%s", il, what, suffix);
     else
         snprintf(name, sizeof name, "blk.%u.%s", il, what);
-    return bind_name(b, name, ne0, ne1, ne2, required);
+    return bind_name(b, name, ne0, ne1, ne2, required, f32);
+}
+
+const moe_tensor *moe_bind_blk(moe_binder *b, uint32_t il, const char *what, const char *suffix,
+                               int64_t ne0, int64_t ne1, int64_t ne2, bool required) {
+    return bind_blk(b, il, what, suffix, ne0, ne1, ne2, required, false);
 }
 
 const moe_tensor *moe_bind_matrix(moe_binder *b, uint32_t il, const char *what, int64_t ne0,
@@ -498,17 +523,18 @@ static const moe_tensor *bind_matrix3(moe_binder *b, uint32_t il, const char *wh
 
 const moe_tensor *moe_bind_f32(moe_binder *b, uint32_t il, const char *what, const char *suffix,
                                int64_t ne0, int64_t ne1, int64_t ne2, bool required) {
-    const moe_tensor *t = moe_bind_blk(b, il, what, suffix, ne0, ne1, ne2, required);
-    if (t && t->type != MOE_TYPE_F32) {
-        moe_error_set(b->err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' is %s; moe reads it as F32",
-                      b->path, t->name.ptr, moe_type_name(t->type));
-        return NULL;
-    }
-    return t;
+    return bind_blk(b, il, what, suffix, ne0, ne1, ne2, required, true);
 }
 
 const moe_tensor *moe_bind_norm(moe_binder *b, uint32_t il, const char *what) {
-    return moe_bind_blk(b, il, what, "weight", b->m->cfg.n_embd, 0, 0, true);
+    return moe_bind_f32(b, il, what, "weight", b->m->cfg.n_embd, 0, 0, true);
+}
+
+void moe_bind_nextn(moe_binder *b, uint32_t il, moe_nextn_weights *w) {
+    const int64_t n_embd = b->m->cfg.n_embd;
+    w->eh_proj = moe_bind_matrix(b, il, "nextn.eh_proj", 2 * n_embd, n_embd);
+    w->enorm = moe_bind_norm(b, il, "nextn.enorm");
+    w->hnorm = moe_bind_norm(b, il, "nextn.hnorm");
 }
 
 /* ==== Layer kinds several architectures share ==== */
@@ -523,8 +549,8 @@ void moe_bind_gqa(moe_binder *b, uint32_t il, const moe_gqa_opts *o, moe_attn_we
     w->wv = moe_bind_matrix(b, il, "attn_v", c->n_embd, v);
     w->wo = moe_bind_matrix(b, il, "attn_output", out, c->n_embd);
     if (o->qk_norm || o->qk_norm_optional) {
-        w->q_norm = moe_bind_blk(b, il, "attn_q_norm", "weight", c->head_dim_k, 0, 0, o->qk_norm);
-        w->k_norm = moe_bind_blk(b, il, "attn_k_norm", "weight", c->head_dim_k, 0, 0, o->qk_norm);
+        w->q_norm = moe_bind_f32(b, il, "attn_q_norm", "weight", c->head_dim_k, 0, 0, o->qk_norm);
+        w->k_norm = moe_bind_f32(b, il, "attn_k_norm", "weight", c->head_dim_k, 0, 0, o->qk_norm);
         if (!w->q_norm != !w->k_norm && !b->err->code)
             moe_error_set(b->err, MOE_ERR_FORMAT,
                           "%s: layer %u has only one of attn_q_norm and attn_k_norm", b->path, il);
@@ -549,7 +575,7 @@ void moe_bind_mla(moe_binder *b, uint32_t il, moe_mla_weights *w) {
     const int64_t nope = c->head_dim_k_mla - c->rope_dims;
     char name[128];
     snprintf(name, sizeof name, "blk.%u.attn_kv_b.weight", il);
-    if (moe_gguf_tensor_find(b->m->gguf, name) && !b->err->code) {
+    if (!b->declare && moe_gguf_tensor_find(b->m->gguf, name) && !b->err->code) {
         moe_error_set(b->err, MOE_ERR_UNSUPPORTED,
                       "%s: '%s' is the older MLA layout; moe needs attn_k_b / attn_v_b "
                       "(re-convert with a current llama.cpp)",
@@ -672,31 +698,48 @@ int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {
 
 /* ==== Loading ==== */
 
+/* The embeddings, head and every layer: the trunk's, and when declaring also the NextN layers'
+ * (they are not run yet, so a file's are not bound). */
 static bool bind_model(moe_binder *b) {
     moe_model *m = b->m;
     moe_model_config *c = &m->cfg;
-    const moe_tensor *embd = moe_gguf_tensor_find(m->gguf, "token_embd.weight");
-    if (!embd) {
-        moe_error_set(b->err, MOE_ERR_NOT_FOUND, "%s: missing tensor 'token_embd.weight'", b->path);
-        return false;
+    if (!b->declare) {
+        const moe_tensor *embd = moe_gguf_tensor_find(m->gguf, "token_embd.weight");
+        if (!embd) {
+            moe_error_set(b->err, MOE_ERR_NOT_FOUND, "%s: missing tensor 'token_embd.weight'",
+                          b->path);
+            return false;
+        }
+        if (embd->ne[1] <= 0 || embd->ne[1] > MOE_MAX_WIDTH) {
+            moe_error_set(b->err, MOE_ERR_RANGE, "%s: token_embd.weight has %lld rows", b->path,
+                          (long long)embd->ne[1]);
+            return false;
+        }
+        c->n_vocab = (uint32_t)embd->ne[1];
     }
-    if (embd->ne[1] <= 0 || embd->ne[1] > MOE_MAX_WIDTH) {
-        moe_error_set(b->err, MOE_ERR_RANGE, "%s: token_embd.weight has %lld rows", b->path,
-                      (long long)embd->ne[1]);
-        return false;
-    }
-    c->n_vocab = (uint32_t)embd->ne[1];
-    m->token_embd = bind_name(b, "token_embd.weight", c->n_embd, c->n_vocab, 0, true);
-    m->output_norm = bind_name(b, "output_norm.weight", c->n_embd, 0, 0, true);
-    m->output = bind_name(b, "output.weight", c->n_embd, c->n_vocab, 0, false);
-    c->tied_output = !m->output;
-    if (!m->output) m->output = m->token_embd;
-    m->layers = moe_xcalloc(c->n_layer, sizeof *m->layers);
-    for (uint32_t il = 0; il < c->n_layer && !b->err->code; il++) {
+    m->token_embd = bind_name(b, "token_embd.weight", c->n_embd, c->n_vocab, 0, true, false);
+    const uint32_t n_bound = b->declare ? moe_config_n_planned(c) : c->n_layer;
+    m->layers = moe_xcalloc(n_bound, sizeof *m->layers);
+    for (uint32_t il = 0; il < n_bound && !b->err->code; il++) {
         m->layers[il].plan = c->layer[il];
         c->arch->bind_layer(b, il, &m->layers[il]);
     }
+    m->output_norm = bind_name(b, "output_norm.weight", c->n_embd, 0, 0, true, true);
+    m->output = bind_name(b, "output.weight", c->n_embd, c->n_vocab, 0, false, false);
+    c->tied_output = !m->output;
+    if (!m->output) m->output = m->token_embd;
     return !b->err->code;
+}
+
+moe_status moe_model_declare(const moe_model_config *c,
+                             bool (*tensor)(void *ctx, const moe_tensor_decl *d), void *ctx,
+                             moe_error *err) {
+    moe_model m = {.cfg = *c}; /* borrows c's plan */
+    moe_binder b = {
+        .m = &m, .path = "(declared)", .err = err, .declare = tensor, .declare_ctx = ctx};
+    bind_model(&b);
+    free(m.layers);
+    return err->code;
 }
 
 moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {

@@ -116,7 +116,7 @@ typedef struct moe_model_config {
     uint32_t ssm_head_dim;   /* key = value width of one linear-attention head */
     uint32_t ssm_n_k_heads;
     uint32_t ssm_n_v_heads;
-    moe_layer_plan *layer; /* [n_layer] what each layer runs */
+    moe_layer_plan *layer; /* [n_layer + n_layer_nextn] what each layer runs */
 } moe_model_config;
 
 /* ==== Weights by layer kind ==== */
@@ -190,6 +190,14 @@ typedef struct moe_expert_weights {
     const moe_tensor *shared_gate;   /* [n_embd] f32: shared out *= sigmoid(w . x), or NULL */
 } moe_expert_weights;
 
+/* What a NextN / multi-token-prediction layer has beside a plain layer's weights: the previous
+ * hidden state and the next token's embedding, each normed, concatenated and projected. */
+typedef struct moe_nextn_weights {
+    const moe_tensor *eh_proj; /* [2 n_embd] -> [n_embd] */
+    const moe_tensor *enorm;   /* [n_embd] f32: norm of the token embedding */
+    const moe_tensor *hnorm;   /* [n_embd] f32: norm of the hidden state */
+} moe_nextn_weights;
+
 /* One layer: its plan, its two input norms, and the weights of its mixer and FFN kinds. */
 typedef struct moe_layer_weights {
     moe_layer_plan plan;
@@ -204,6 +212,7 @@ typedef struct moe_layer_weights {
         moe_ffn_weights ffn;        /* MOE_FFN_DENSE */
         moe_expert_weights experts; /* MOE_FFN_EXPERTS */
     };
+    moe_nextn_weights nextn; /* NextN layers only (after the n_layer trunk layers) */
 } moe_layer_weights;
 
 typedef struct moe_model {
@@ -243,8 +252,8 @@ moe_status moe_model_config_read(const moe_gguf *g, const char *path, moe_model_
                                  moe_error *err);
 /* The same for an architecture moe does not run: the keys every transformer has, every layer
  * planned as full attention with a dense FFN (what `moe budget` can still plan for it). */
-moe_status moe_model_config_read_generic(const moe_gguf *g, const char *path,
-                                         moe_model_config *c, moe_error *err);
+moe_status moe_model_config_read_generic(const moe_gguf *g, const char *path, moe_model_config *c,
+                                         moe_error *err);
 void moe_model_config_free(moe_model_config *c);
 
 /* What one layer keeps: values per token of context (K and V cache rows; the MLA latent row
@@ -253,6 +262,23 @@ typedef struct moe_layer_state {
     uint64_t k_values, v_values, state_values;
 } moe_layer_state;
 moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il);
+
+/* ==== Declaring a model's tensors (moe synth) ==== */
+
+typedef struct moe_tensor_decl {
+    const char *name;
+    int n_dims;
+    int64_t ne[3];
+    bool f32;      /* read as floats by the forward pass: must be F32 */
+    bool required; /* else bound only when a file has it */
+} moe_tensor_decl;
+
+/* Every tensor c's architecture binds, trunk and NextN layers, in binding order, without a
+ * file: `tensor` is told each one and answers whether the file being made will have it (its
+ * answer for a required tensor must be yes). c->n_vocab must be set. */
+moe_status moe_model_declare(const moe_model_config *c,
+                             bool (*tensor)(void *ctx, const moe_tensor_decl *d), void *ctx,
+                             moe_error *err);
 
 /* ==== Loading ==== */
 

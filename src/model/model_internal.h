@@ -19,11 +19,14 @@ struct moe_meta {
     moe_error *err;
 };
 
-/* Looks up and shape-checks tensors of one model. */
+/* Looks up and shape-checks tensors of one model; or, declaring (no file), reports each
+ * tensor it would look up and goes on as if the file had the ones the callback takes. */
 struct moe_binder {
     moe_model *m;
     const char *path;
     moe_error *err;
+    bool (*declare)(void *ctx, const moe_tensor_decl *d); /* NULL: bind from m->gguf */
+    void *declare_ctx;
 };
 
 /* ==== Metadata ==== */
@@ -58,7 +61,11 @@ bool moe_config_experts(moe_meta *r, moe_model_config *c, moe_gating gating, boo
 /* Linear-attention widths (GDN: ssm.* keys; KDA: kda.head_dim with n_head heads) and checks. */
 bool moe_config_gdn(moe_meta *r, moe_model_config *c);
 bool moe_config_kda(moe_meta *r, moe_model_config *c);
-/* Plan layer il as mixer (counting the linear ones). */
+/* Layers with a plan: the trunk and the NextN layers after it. */
+static inline uint32_t moe_config_n_planned(const moe_model_config *c) {
+    return c->n_layer + c->n_layer_nextn;
+}
+/* Plan layer il as mixer (counting the linear ones among the trunk layers). */
 void moe_config_plan_mixer(moe_model_config *c, uint32_t il, moe_mixer mixer);
 
 /* ==== Binding ==== */
@@ -75,6 +82,8 @@ const moe_tensor *moe_bind_f32(moe_binder *b, uint32_t il, const char *what, con
                                int64_t ne0, int64_t ne1, int64_t ne2, bool required);
 /* blk.<il>.<what>.weight [n_embd] f32: an input norm. */
 const moe_tensor *moe_bind_norm(moe_binder *b, uint32_t il, const char *what);
+/* A NextN layer's own tensors (eh_proj, enorm, hnorm). */
+void moe_bind_nextn(moe_binder *b, uint32_t il, moe_nextn_weights *w);
 /* True once any step has failed. */
 static inline bool moe_bind_failed(const moe_binder *b) {
     return b->err->code != MOE_OK;
