@@ -42,6 +42,31 @@ static void synth_inventory_and_run(void **state) {
     free(out);
 }
 
+/* Llama with routed experts (Mixtral's layout): llama.cpp's llama loader sizes the experts by
+ * feed_forward_length, so the file's expert tensors must be that wide whatever --expert-ff
+ * says; and it loads and runs here, through the same architecture descriptor. */
+static void synth_llama_experts(void **state) {
+    (void)state;
+    char path[512], cmd[2048];
+    snprintf(path, sizeof path, "%s/synth-mixtral.gguf", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd,
+             "%s synth -o %s --preset llama-tiny --layers 2 --ff 384 --experts 4 "
+             "--experts-used 2 --expert-ff 128",
+             moe_test_bin(), path);
+    free(run_ok(cmd));
+    snprintf(cmd, sizeof cmd, "%s inspect %s", moe_test_bin(), path);
+    char *out = run_ok(cmd);
+    assert_non_null(strstr(out, "llama.feed_forward_length (u32) = 384"));
+    assert_non_null(strstr(out, "blk.1.ffn_gate_exps.weight F32      [256, 384, 4]"));
+    assert_non_null(strstr(out, "blk.1.ffn_down_exps.weight F32      [384, 256, 4]"));
+    assert_null(strstr(out, "blk.1.ffn_gate.weight")); /* no dense FFN beside them */
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s run %s -n 4 -p 'the model'", moe_test_bin(), path);
+    out = run_ok(cmd);
+    assert_non_null(strstr(out, "generated: 4 tokens"));
+    free(out);
+}
+
 static void synth_is_deterministic(void **state) {
     (void)state;
     char a[512], b[512], c[512], cmd[2048];
@@ -137,9 +162,8 @@ static void synth_random_blocks(void **state) {
 
 int moe_suite_synth(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(synth_inventory_and_run),
-        cmocka_unit_test(synth_is_deterministic),
-        cmocka_unit_test(synth_refuses_clearly),
+        cmocka_unit_test(synth_inventory_and_run), cmocka_unit_test(synth_is_deterministic),
+        cmocka_unit_test(synth_llama_experts),     cmocka_unit_test(synth_refuses_clearly),
         cmocka_unit_test(synth_random_blocks),
     };
     return cmocka_run_group_tests_name("synth", tests, NULL, NULL);

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../model/model.h"
+
 /* ==== Presets ==== */
 
 static const moe_synth_params presets[] = {
@@ -35,7 +37,8 @@ static const moe_synth_params presets[] = {
      .n_expert = 16,
      .n_expert_used = 4,
      .n_ff_exp = 256,
-     .rope_base = 1000000.0f},
+     .rope_base = 1000000.0f,
+     .optional = "output\\.weight"},
     {.preset = "llama-tiny",
      .arch = "llama",
      .n_vocab = 512,
@@ -46,7 +49,8 @@ static const moe_synth_params presets[] = {
      .n_head_kv = 4,
      .head_dim = 32,
      .n_ff = 768,
-     .rope_base = 10000.0f},
+     .rope_base = 10000.0f,
+     .optional = "output\\.weight"},
     /* GLM-4.5's layout at toy size: a dense first layer, a shared expert, one NextN layer */
     {.preset = "glm4moe-tiny",
      .arch = "glm4moe",
@@ -64,7 +68,11 @@ static const moe_synth_params presets[] = {
      .rope_base = 1000000.0f,
      .n_dense_lead = 1,
      .n_shared_expert = 1,
-     .n_nextn = 1},
+     .n_nextn = 1,
+     .rope_dims = 16, /* GLM-4.5's partial rope: half of each head */
+     .gating = 2,     /* sigmoid */
+     .expert_weights_scale = 2.5f,
+     .optional = "output\\.weight|.*exp_probs_b\\.bias"},
     /* Qwen3-30B-A3B's published shape (config.json of Qwen/Qwen3-30B-A3B) */
     {.preset = "qwen3-30b-a3b",
      .arch = "qwen3moe",
@@ -79,7 +87,8 @@ static const moe_synth_params presets[] = {
      .n_expert = 128,
      .n_expert_used = 8,
      .n_ff_exp = 768,
-     .rope_base = 1000000.0f},
+     .rope_base = 1000000.0f,
+     .optional = "output\\.weight"},
 };
 
 bool moe_synth_preset(const char *name, moe_synth_params *out) {
@@ -180,7 +189,9 @@ typedef struct synth {
     const moe_synth_params *p;
     moe_gguf_writer *w;
     uint64_t rng;
-    regex_t *rules; /* [p->n_rules], compiled */
+    regex_t *rules;    /* [p->n_rules], compiled */
+    regex_t optional;  /* p->optional, anchored */
+    bool has_optional; /* p->optional given */
     moe_error *err;
 } synth;
 
@@ -266,16 +277,9 @@ static moe_status add_ones(synth *s, const char *name, int64_t n) {
     return st;
 }
 
-static void layer_name(char *buf, size_t size, uint32_t il, const char *what) {
-    snprintf(buf, size, "blk.%u.%s.weight", il, what);
-}
+/* ==== Keys and tensors ==== */
 
-static void layer_bias(char *buf, size_t size, uint32_t il, const char *what) {
-    snprintf(buf, size, "blk.%u.%s.bias", il, what);
-}
-
-/* ==== Architectures ==== */
-
+/* The keys: every field that is set, under the architecture's prefix, and the vocabulary. */
 static void write_metadata(synth *s, const vocab *v) {
     const moe_synth_params *p = s->p;
     moe_gguf_writer *w = s->w;
@@ -293,20 +297,23 @@ static void write_metadata(synth *s, const vocab *v) {
     moe_gguf_writer_set_u32(w, ARCH_KEY("attention.value_length"), p->head_dim);
     moe_gguf_writer_set_f32(w, ARCH_KEY("rope.freq_base"), p->rope_base);
     moe_gguf_writer_set_f32(w, ARCH_KEY("attention.layer_norm_rms_epsilon"), 1e-6f);
+    if (p->rope_dims) moe_gguf_writer_set_u32(w, ARCH_KEY("rope.dimension_count"), p->rope_dims);
     if (p->n_expert) {
         moe_gguf_writer_set_u32(w, ARCH_KEY("expert_count"), p->n_expert);
         moe_gguf_writer_set_u32(w, ARCH_KEY("expert_used_count"), p->n_expert_used);
         moe_gguf_writer_set_u32(w, ARCH_KEY("expert_feed_forward_length"), p->n_ff_exp);
     }
-    if (strcmp(p->arch, "glm4moe") == 0) { /* GLM-4.5's routing and partial rope */
-        moe_gguf_writer_set_u32(w, ARCH_KEY("rope.dimension_count"), p->head_dim / 2);
+    if (p->n_dense_lead)
         moe_gguf_writer_set_u32(w, ARCH_KEY("leading_dense_block_count"), p->n_dense_lead);
+    if (p->n_shared_expert)
         moe_gguf_writer_set_u32(w, ARCH_KEY("expert_shared_count"), p->n_shared_expert);
-        moe_gguf_writer_set_u32(w, ARCH_KEY("expert_gating_func"), 2); /* sigmoid */
+    if (p->gating) {
+        moe_gguf_writer_set_u32(w, ARCH_KEY("expert_gating_func"), p->gating);
         moe_gguf_writer_set_bool(w, ARCH_KEY("expert_weights_norm"), true);
-        moe_gguf_writer_set_f32(w, ARCH_KEY("expert_weights_scale"), 2.5f);
-        moe_gguf_writer_set_u32(w, ARCH_KEY("nextn_predict_layers"), p->n_nextn);
     }
+    if (p->expert_weights_scale)
+        moe_gguf_writer_set_f32(w, ARCH_KEY("expert_weights_scale"), p->expert_weights_scale);
+    if (p->n_nextn) moe_gguf_writer_set_u32(w, ARCH_KEY("nextn_predict_layers"), p->n_nextn);
 #undef ARCH_KEY
     moe_gguf_writer_set_str(w, "tokenizer.ggml.model", "llama");
     moe_gguf_writer_set_arr(w, "tokenizer.ggml.tokens", MOE_GGUF_STRING, v->tokens, v->n);
@@ -318,85 +325,52 @@ static void write_metadata(synth *s, const vocab *v) {
     moe_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", true);
 }
 
+/* One tensor the architecture binds (moe_model_declare's callback): norms are ones, other
+ * float vectors small N(0, 0.02^2) values (exp_probs_b 0.05), routers stay F32, every other
+ * matrix gets the type its rule says. Optional tensors only where p->optional matches. */
+static bool add_declared(void *ctx, const moe_tensor_decl *d) {
+    synth *s = ctx;
+    if (!d->required && (!s->has_optional || regexec(&s->optional, d->name, 0, NULL, 0) != 0))
+        return false;
+    const int64_t *ne = d->ne;
+    if (d->f32 && d->n_dims == 1 && strstr(d->name, "norm"))
+        add_ones(s, d->name, ne[0]);
+    else if (d->f32)
+        add_vector(s, d->name, ne[0] * ne[1] * ne[2],
+                   strstr(d->name, "exp_probs_b") ? 0.05f : 0.02f);
+    else
+        add_weights(s, d->name, ne[0], ne[1], ne[2],
+                    /* the head: special and byte tokens muted when asked, so random text is
+                     * word pieces */
+                    s->p->mute_special_output && strcmp(d->name, "output.weight") == 0 ? 3 + 256
+                                                                                       : 0,
+                    strstr(d->name, "ffn_gate_inp.weight") != NULL);
+    return true;
+}
+
+/* The keys read back through the architecture's own config reader, then its tensors. */
 static void write_tensors(synth *s) {
-    const moe_synth_params *p = s->p;
-    const bool qwen3 = strcmp(p->arch, "qwen3moe") == 0, glm = strcmp(p->arch, "glm4moe") == 0;
-    const int64_t E = p->n_embd, q = (int64_t)p->n_head * p->head_dim;
-    const int64_t kv = (int64_t)p->n_head_kv * p->head_dim;
-    const int64_t ff_shexp = (int64_t)p->n_ff_exp * p->n_shared_expert;
-    char name[128];
-    add_weights(s, "token_embd.weight", E, p->n_vocab, 1, 0, false);
-    for (uint32_t il = 0; il < p->n_layer + p->n_nextn; il++) {
-        layer_name(name, sizeof name, il, "attn_norm"), add_ones(s, name, E);
-        layer_name(name, sizeof name, il, "attn_q"), add_weights(s, name, E, q, 1, 0, false);
-        layer_name(name, sizeof name, il, "attn_k"), add_weights(s, name, E, kv, 1, 0, false);
-        layer_name(name, sizeof name, il, "attn_v"), add_weights(s, name, E, kv, 1, 0, false);
-        layer_name(name, sizeof name, il, "attn_output"), add_weights(s, name, q, E, 1, 0, false);
-        if (glm) {
-            layer_bias(name, sizeof name, il, "attn_q"), add_vector(s, name, q, 0.02f);
-            layer_bias(name, sizeof name, il, "attn_k"), add_vector(s, name, kv, 0.02f);
-            layer_bias(name, sizeof name, il, "attn_v"), add_vector(s, name, kv, 0.02f);
-        }
-        if (qwen3) {
-            layer_name(name, sizeof name, il, "attn_q_norm"), add_ones(s, name, p->head_dim);
-            layer_name(name, sizeof name, il, "attn_k_norm"), add_ones(s, name, p->head_dim);
-        }
-        layer_name(name, sizeof name, il, glm ? "post_attention_norm" : "ffn_norm"),
-            add_ones(s, name, E);
-        if (p->n_expert && il >= p->n_dense_lead) {
-            layer_name(name, sizeof name, il, "ffn_gate_inp"),
-                add_weights(s, name, E, p->n_expert, 1, 0, true);
-            layer_name(name, sizeof name, il, "ffn_gate_exps"),
-                add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
-            layer_name(name, sizeof name, il, "ffn_up_exps"),
-                add_weights(s, name, E, p->n_ff_exp, p->n_expert, 0, false);
-            layer_name(name, sizeof name, il, "ffn_down_exps"),
-                add_weights(s, name, p->n_ff_exp, E, p->n_expert, 0, false);
-        } else {
-            layer_name(name, sizeof name, il, "ffn_gate"),
-                add_weights(s, name, E, p->n_ff, 1, 0, false);
-            layer_name(name, sizeof name, il, "ffn_up"),
-                add_weights(s, name, E, p->n_ff, 1, 0, false);
-            layer_name(name, sizeof name, il, "ffn_down"),
-                add_weights(s, name, p->n_ff, E, 1, 0, false);
-        }
-        if (p->n_expert && il >= p->n_dense_lead && glm) {
-            layer_bias(name, sizeof name, il, "exp_probs_b"),
-                add_vector(s, name, p->n_expert, 0.05f);
-        }
-        if (p->n_expert && il >= p->n_dense_lead && ff_shexp) {
-            layer_name(name, sizeof name, il, "ffn_gate_shexp"),
-                add_weights(s, name, E, ff_shexp, 1, 0, false);
-            layer_name(name, sizeof name, il, "ffn_up_shexp"),
-                add_weights(s, name, E, ff_shexp, 1, 0, false);
-            layer_name(name, sizeof name, il, "ffn_down_shexp"),
-                add_weights(s, name, ff_shexp, E, 1, 0, false);
-        }
-        if (il >= p->n_layer) { /* a NextN (MTP) layer's own tensors: written, never run */
-            layer_name(name, sizeof name, il, "nextn.eh_proj"),
-                add_weights(s, name, 2 * E, E, 1, 0, false);
-            layer_name(name, sizeof name, il, "nextn.enorm"), add_ones(s, name, E);
-            layer_name(name, sizeof name, il, "nextn.hnorm"), add_ones(s, name, E);
-        }
+    moe_gguf *keys = moe_gguf_writer_read_keys(s->w, s->err);
+    if (!keys) return;
+    moe_model_config c;
+    if (moe_model_config_read(keys, s->p->arch, &c, s->err) == MOE_OK) {
+        c.n_vocab = s->p->n_vocab;
+        moe_model_declare(&c, add_declared, s, s->err);
+        moe_model_config_free(&c);
     }
-    add_ones(s, "output_norm.weight", E);
-    /* the head: special and byte tokens muted when asked, so random text is word pieces */
-    add_weights(s, "output.weight", E, p->n_vocab, 1, p->mute_special_output ? 3 + 256 : 0, false);
+    moe_gguf_close(keys);
 }
 
 /* ==== Entry ==== */
 
 moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err) {
-    if (strcmp(p->arch, "llama") != 0 && strcmp(p->arch, "qwen3moe") != 0 &&
-        strcmp(p->arch, "glm4moe") != 0)
+    if (!moe_arch_find(p->arch))
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                             "synth: architecture '%s' is not one synth "
-                             "writes (llama, qwen3moe, glm4moe)",
-                             p->arch);
+                             "synth: unknown architecture '%s' (moe runs: %s)", p->arch,
+                             moe_arch_names());
     if (!p->n_embd || !p->n_layer || !p->n_head || !p->n_head_kv || !p->head_dim ||
         p->n_head % p->n_head_kv || p->n_vocab < 3 + 256 + 1 ||
-        (strcmp(p->arch, "llama") != 0 &&
-         (!p->n_expert || !p->n_expert_used || p->n_expert_used > p->n_expert || !p->n_ff_exp)) ||
+        (p->n_expert && (!p->n_expert_used || p->n_expert_used > p->n_expert || !p->n_ff_exp)) ||
         (!p->n_expert && !p->n_ff))
         return moe_error_set(err, MOE_ERR_ARG,
                              "synth: inconsistent shape (embd %u, layers %u, "
@@ -416,6 +390,15 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
             break;
         }
     }
+    if (!err->code && p->optional) {
+        char *anchored = moe_xmalloc(strlen(p->optional) + 5);
+        sprintf(anchored, "^(%s)$", p->optional);
+        s.has_optional = regcomp(&s.optional, anchored, REG_EXTENDED | REG_NOSUB) == 0;
+        free(anchored);
+        if (!s.has_optional)
+            moe_error_set(err, MOE_ERR_ARG, "synth: optional-tensor pattern '%s' is not valid",
+                          p->optional);
+    }
     if (!err->code) {
         vocab v = {0};
         vocab_build(&v, p->n_vocab);
@@ -425,6 +408,7 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
     }
     if (!err->code) moe_gguf_writer_write(s.w, path, 0, err);
     for (uint32_t i = 0; i < compiled; i++) regfree(&s.rules[i]);
+    if (s.has_optional) regfree(&s.optional);
     free(s.rules);
     moe_gguf_writer_free(s.w);
     return err->code;

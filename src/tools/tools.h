@@ -243,14 +243,21 @@ typedef struct moe_synth_rule {
 
 typedef struct moe_synth_params {
     const char *preset; /* the preset it came from (for messages) */
-    const char *arch;   /* "llama", "qwen3moe" or "glm4moe" */
+    const char *arch;   /* general.architecture: any whose keys these fields cover */
     const char *name;   /* general.name; NULL: a default that says the weights are random */
     uint32_t n_vocab, n_ctx, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
     uint32_t n_expert, n_expert_used, n_ff_exp; /* 0 experts: dense */
-    uint32_t n_dense_lead;                      /* leading layers with a dense FFN (glm4moe) */
-    uint32_t n_shared_expert;                   /* shared experts of n_ff_exp each (glm4moe) */
-    uint32_t n_nextn; /* NextN/MTP layers appended after n_layer (glm4moe) */
+    uint32_t n_dense_lead;                      /* leading layers with a dense FFN */
+    uint32_t n_shared_expert;                   /* shared experts of n_ff_exp each */
+    uint32_t n_nextn;                           /* NextN/MTP layers appended after n_layer */
+    uint32_t rope_dims;         /* rotated dims per head (0: the key omitted, all of them) */
+    uint32_t gating;            /* expert_gating_func (0: the key omitted); also writes
+                                 * expert_weights_norm = true */
+    float expert_weights_scale; /* routed_scaling_factor (0: the key omitted) */
     float rope_base;
+    /* the optional tensors the architecture binds that the file has (an anchored regular
+     * expression over tensor names; NULL: none, so the output head is tied) */
+    const char *optional;
     uint64_t seed;
     const moe_synth_rule *rules; /* weight types by name, first match wins; default F32 */
     uint32_t n_rules;
@@ -261,7 +268,8 @@ typedef struct moe_synth_params {
 /* Fill *out from a named preset (seed MOE_SYNTH_DEFAULT_SEED); false if unknown. */
 bool moe_synth_preset(const char *name, moe_synth_params *out);
 const char *moe_synth_preset_names(void);
-/* Write the model; refuses types moe cannot quantize, naming the tensor. */
+/* Write the model: its keys, then every tensor its architecture's descriptor binds (as the
+ * engine will load it); refuses types moe cannot quantize, naming the tensor. */
 moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err);
 
 /* ==== Throughput benchmark (moe bench) ==== */
