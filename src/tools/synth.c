@@ -5,6 +5,7 @@
  * tensors are random valid blocks instead (any type with a decoder, also those moe cannot
  * quantize yet; much faster for large presets), each block scaled to the same N(0, 1/n_in)
  * magnitude: for speed measurements random valid blocks are as good as real ones.
+ * general.file_type names the type holding the most bytes, as llama-quantize names a mix.
  *
  * Everything derives from one seed, so a file is the same on every machine. Values are
  * N(0, 1/n_in) per matrix so activations keep their scale through the layers. The trap:
@@ -443,6 +444,7 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
         write_metadata(&s, &v);
         vocab_free(&v);
         write_tensors(&s);
+        moe_gguf_writer_set_file_type(s.w); /* none for a file led by Q8_1 / Q8_K */
     }
     if (!err->code) moe_gguf_writer_write(s.w, path, 0, err);
     for (uint32_t i = 0; i < compiled; i++) regfree(&s.rules[i]);
