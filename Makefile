@@ -2,8 +2,9 @@
 #
 # Sources are found by wildcard: src/<layer>/*.c make libmoe, cli/*.c the `moe` binary,
 # tests/*.c the test runner (one suite per tests/test_<suite>.c, registered automatically).
-# Files named *_avx2.c / *_avx512.c / *_avx512vnni.c get their own ISA flags; everything else
-# is built for the baseline x86-64 so the binary runs anywhere and dispatches at run time.
+# Files named *_avx2.c / *_avx512.c / *_avx512vnni.c get their own ISA flags (x86_avx512.c is
+# built at two levels, see AVX512VNNI_OBJ); everything else is built for the baseline x86-64 so
+# the binary runs anywhere and dispatches at run time.
 
 CC      ?= cc
 BUILD   ?= build
@@ -30,6 +31,10 @@ TEST_SRC := $(sort $(wildcard tests/*.c))
 SUITES   := $(patsubst tests/test_%.c,%,$(filter tests/test_%.c,$(TEST_SRC)))
 
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
+# One source, two kernel tables: x86_avx512.c is built at the avx512 level as itself and again
+# at the avx512vnni level into avx512vnni/, MOE_AVX512_VNNI telling the code which it is.
+AVX512VNNI_OBJ := $(BUILD)/src/quant/avx512vnni/x86_avx512.o
+LIB_OBJ  += $(AVX512VNNI_OBJ)
 CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
@@ -47,6 +52,11 @@ $(LIB): $(LIB_OBJ)
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(call isa_of,$<) -c -o $@ $<
+
+$(BUILD)/src/quant/x86_avx512.o: CFLAGS += -DMOE_AVX512_VNNI=0
+$(AVX512VNNI_OBJ): src/quant/x86_avx512.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(ISA_avx512vnni) -DMOE_AVX512_VNNI=1 -c -o $@ $<
 
 # The suite table is generated from the test file names, so adding a suite is adding a file.
 $(BUILD)/tests/suites.h: $(TEST_SRC) Makefile

@@ -46,28 +46,10 @@ static void print_escaped(FILE *out, const char *s, uint64_t len, uint64_t max) 
     if (n < len) fputs("...", out);
 }
 
-static size_t vtype_size(moe_gguf_vtype t) {
-    switch (t) {
-    case MOE_GGUF_U8:
-    case MOE_GGUF_I8:
-    case MOE_GGUF_BOOL:
-        return 1;
-    case MOE_GGUF_U16:
-    case MOE_GGUF_I16:
-        return 2;
-    case MOE_GGUF_U64:
-    case MOE_GGUF_I64:
-    case MOE_GGUF_F64:
-        return 8;
-    default:
-        return 4;
-    }
-}
-
 /* Element i of a packed number array as a scalar value. */
 static moe_gguf_value array_number(const moe_gguf_value *v, uint64_t i) {
     moe_gguf_value e = {.type = v->arr.elem_type};
-    size_t es = vtype_size(v->arr.elem_type);
+    size_t es = moe_gguf_vtype_size(v->arr.elem_type);
     const uint8_t *p = (const uint8_t *)v->arr.data + i * es;
     uint64_t raw = 0;
     for (size_t b = 0; b < es; b++) raw |= (uint64_t)p[b] << (8 * b);

@@ -20,24 +20,6 @@ static void touch(const void *p, uint64_t n) {
     if (n) sink += b[0] + b[n - 1];
 }
 
-static size_t elem_bytes(moe_gguf_vtype t) {
-    switch (t) {
-    case MOE_GGUF_U8:
-    case MOE_GGUF_I8:
-    case MOE_GGUF_BOOL:
-        return 1;
-    case MOE_GGUF_U16:
-    case MOE_GGUF_I16:
-        return 2;
-    case MOE_GGUF_U64:
-    case MOE_GGUF_I64:
-    case MOE_GGUF_F64:
-        return 8;
-    default:
-        return 4;
-    }
-}
-
 static void walk_value(const moe_gguf_value *v) {
     if (v->type == MOE_GGUF_STRING) {
         touch(v->s.ptr, v->s.len + 1); /* the NUL is promised too */
@@ -50,7 +32,7 @@ static void walk_value(const moe_gguf_value *v) {
             const moe_gguf_value *a = v->arr.data;
             for (uint64_t i = 0; i < v->arr.n; i++) walk_value(&a[i]);
         } else {
-            touch(v->arr.data, v->arr.n * elem_bytes(v->arr.elem_type));
+            touch(v->arr.data, v->arr.n * moe_gguf_vtype_size(v->arr.elem_type));
         }
     } else {
         sink += v->u;

@@ -407,7 +407,7 @@ static void dot_rows_equal_single_rows(void **state) {
 
 /* The types that carry the ../shared parity models give, at every level above AVX2, the AVX2
  * kernels' floats bit for bit: their 512-bit kernels do only the exact integer work differently
- * (x86_avx512.h says why). Random rows of 1..40 blocks; skipped where the CPU has no AVX-512. */
+ * (x86_avx512.c says why). Random rows of 1..40 blocks; skipped where the CPU has no AVX-512. */
 static void avx512_follows_avx2_floats(void **state) {
     (void)state;
     static const moe_type types[] = {MOE_TYPE_Q8_0,  MOE_TYPE_Q4_0, MOE_TYPE_Q5_0, MOE_TYPE_IQ4_NL,

@@ -1,7 +1,10 @@
 /* Suite "synth": `moe synth` writes the model it was asked for -- the inventory `moe inspect`
  * reports matches the requested shape and type rules, `moe run` generates from it, a seed
- * gives the same bytes twice, and types moe cannot quantize are refused by name. */
+ * gives the same bytes twice, types moe cannot quantize are refused by name, and
+ * general.file_type is llama.cpp's number for the type holding the most bytes. */
 #include "testutil.h"
+
+#include "../src/format/format.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -160,11 +163,77 @@ static void synth_random_blocks(void **state) {
     free(out);
 }
 
+static uint64_t file_type_of_file(const char *path) {
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(path, &err);
+    if (!g) fail_msg("%s", err.msg);
+    uint64_t ftype = UINT64_MAX;
+    if (!moe_gguf_get_u64(g, "general.file_type", &ftype))
+        fail_msg("%s: no general.file_type", path);
+    moe_gguf_close(g);
+    return ftype;
+}
+
+/* The numbers are llama.cpp's: files llama-quantize wrote carry the ftype of their type. */
+static void file_type_numbers_are_llama_cpps(void **state) {
+    (void)state;
+    static const struct {
+        const char *path;
+        moe_type type; /* what the file was quantized to */
+    } files[] = {
+        {"parity/deepseek2-f32.gguf", MOE_TYPE_F32},
+        {"parity/llama-q8_0.gguf", MOE_TYPE_Q8_0},
+        {"parity/gemma4-moe-q4_0.gguf", MOE_TYPE_Q4_0},
+        {"parity/gpt-oss-mxfp4.gguf", MOE_TYPE_MXFP4},
+    };
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        const char *path = moe_test_shared(files[i].path);
+        MOE_SKIP_IF_NULL(path);
+        uint32_t ftype;
+        assert_true(moe_gguf_file_type_of(files[i].type, &ftype));
+        assert_int_equal(file_type_of_file(path), ftype);
+    }
+    uint32_t ftype;
+    assert_false(moe_gguf_file_type_of(MOE_TYPE_Q8_K, &ftype)); /* an activation type */
+}
+
+/* synth names each file after the type holding the most bytes: pure files, the all-F32 default,
+ * and mixes in which the most tensors and the most bytes are of different types. */
+static void synth_writes_file_type(void **state) {
+    (void)state;
+    static const struct {
+        const char *rules;
+        uint64_t ftype;
+    } cases[] = {
+        {"", 0},                  /* LLAMA_FTYPE_ALL_F32 */
+        {"--type '.*=F16'", 1},   /* MOSTLY_F16 */
+        {"--type '.*=Q8_0'", 7},  /* MOSTLY_Q8_0 */
+        {"--type '.*=Q4_K'", 15}, /* MOSTLY_Q4_K_M */
+        {"--type '.*=BF16'", 32}, /* MOSTLY_BF16 */
+        /* mixes: the routed experts hold most bytes though the other type has more tensors */
+        {"--type 'exps=Q4_K' --type '.*=Q8_0'", 15},
+        {"--type 'exps=Q8_0' --type '.*=Q4_K'", 7},
+    };
+    char path[512], cmd[2048];
+    snprintf(path, sizeof path, "%s/file-type.gguf", moe_test_tmpdir());
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(cmd, sizeof cmd, "%s synth -o %s --preset tiny --layers 2 %s", moe_test_bin(),
+                 path, cases[i].rules);
+        free(run_ok(cmd));
+        if (file_type_of_file(path) != cases[i].ftype)
+            fail_msg("synth %s: general.file_type %llu, expected %llu", cases[i].rules,
+                     (unsigned long long)file_type_of_file(path),
+                     (unsigned long long)cases[i].ftype);
+    }
+}
+
 int moe_suite_synth(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(synth_inventory_and_run), cmocka_unit_test(synth_is_deterministic),
         cmocka_unit_test(synth_llama_experts),     cmocka_unit_test(synth_refuses_clearly),
         cmocka_unit_test(synth_random_blocks),
+        cmocka_unit_test(file_type_numbers_are_llama_cpps),
+        cmocka_unit_test(synth_writes_file_type),
     };
     return cmocka_run_group_tests_name("synth", tests, NULL, NULL);
 }

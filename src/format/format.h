@@ -220,6 +220,15 @@ void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype
 moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
                                       uint32_t n_dims, const int64_t *ne, const void *data,
                                       bool borrow, moe_error *err);
+/* general.file_type: llama.cpp's `enum llama_ftype` (include/llama.h) for a file whose weights
+ * are mostly `type`, named as llama-quantize names its outputs (Q4_K -> MOSTLY_Q4_K_M = 15,
+ * MXFP4 -> MOSTLY_MXFP4_MOE = 38, F32 -> ALL_F32 = 0); false for types no ftype names (Q8_1,
+ * Q8_K, the integer types, F64). */
+bool moe_gguf_file_type_of(moe_type type, uint32_t *ftype);
+/* Sets general.file_type to the ftype of the tensor type holding the most bytes among the
+ * tensors added so far (ties: the lower type id), as a mix is named after its dominant type.
+ * False, and no key set, without tensors or when that type has no ftype. */
+bool moe_gguf_writer_set_file_type(moe_gguf_writer *w);
 /* Write one file, or a split when max_tensors_per_shard > 0 and there are more tensors than
  * that: the shards are then named like llama.cpp's gguf-split does, "<path without .gguf>-
  * 00001-of-0000N.gguf", each carrying split.no / split.count / split.tensors.count. */

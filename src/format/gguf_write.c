@@ -1,7 +1,8 @@
 /* gguf_write.c: the GGUF v3 writer -- metadata, tensors, alignment padding, split output.
  *
  * Owns building a file from keys and tensors held in memory; it does not quantize (quant/ does)
- * and never reads back what it wrote (tests do that with the reader). Layout is llama.cpp's:
+ * and never reads back what it wrote (tests do that with the reader); it names general.file_type
+ * (llama.cpp's ftype numbers) from the tensors it holds when asked. Layout is llama.cpp's:
  * header, key/value pairs, tensor directory, zero padding to the alignment, then each tensor's
  * bytes followed by zero padding to the alignment (a file without tensors ends at its
  * directory, as llama.cpp's vocab files do). Splits follow llama.cpp's gguf-split: shard
@@ -45,6 +46,7 @@ struct moe_gguf_writer {
 #define KEY_SPLIT_COUNT   "split.count"
 #define KEY_SPLIT_TENSORS "split.tensors.count"
 #define KEY_ALIGNMENT     "general.alignment"
+#define KEY_FILE_TYPE     "general.file_type"
 
 /* ==== Deep copies of values ==== */
 
@@ -226,6 +228,43 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
     }
     w->tensors[w->n_tensors++] = t;
     return MOE_OK;
+}
+
+/* ==== general.file_type ==== */
+
+/* moe type -> llama_ftype; a K type takes its _M mix, the one llama-quantize makes by default */
+static const struct {
+    moe_type type;
+    uint32_t ftype;
+} llama_ftypes[] = {
+    {MOE_TYPE_F32, 0},      {MOE_TYPE_F16, 1},     {MOE_TYPE_Q4_0, 2},     {MOE_TYPE_Q4_1, 3},
+    {MOE_TYPE_Q8_0, 7},     {MOE_TYPE_Q5_0, 8},    {MOE_TYPE_Q5_1, 9},     {MOE_TYPE_Q2_K, 10},
+    {MOE_TYPE_Q3_K, 12},    {MOE_TYPE_Q4_K, 15},   {MOE_TYPE_Q5_K, 17},    {MOE_TYPE_Q6_K, 18},
+    {MOE_TYPE_IQ2_XXS, 19}, {MOE_TYPE_IQ2_XS, 20}, {MOE_TYPE_IQ3_XXS, 23}, {MOE_TYPE_IQ1_S, 24},
+    {MOE_TYPE_IQ4_NL, 25},  {MOE_TYPE_IQ3_S, 26},  {MOE_TYPE_IQ2_S, 28},   {MOE_TYPE_IQ4_XS, 30},
+    {MOE_TYPE_IQ1_M, 31},   {MOE_TYPE_BF16, 32},   {MOE_TYPE_TQ1_0, 36},   {MOE_TYPE_TQ2_0, 37},
+    {MOE_TYPE_MXFP4, 38},
+};
+
+bool moe_gguf_file_type_of(moe_type type, uint32_t *ftype) {
+    for (size_t i = 0; i < sizeof llama_ftypes / sizeof llama_ftypes[0]; i++) {
+        if (llama_ftypes[i].type != type) continue;
+        *ftype = llama_ftypes[i].ftype;
+        return true;
+    }
+    return false;
+}
+
+bool moe_gguf_writer_set_file_type(moe_gguf_writer *w) {
+    uint64_t bytes[MOE_TYPE_COUNT] = {0}; /* add_tensor admits only known type ids */
+    for (size_t i = 0; i < w->n_tensors; i++) bytes[w->tensors[i].type] += w->tensors[i].n_bytes;
+    moe_type top = MOE_TYPE_F32;
+    for (int t = 1; t < MOE_TYPE_COUNT; t++)
+        if (bytes[t] > bytes[top]) top = (moe_type)t;
+    uint32_t ftype;
+    if (!bytes[top] || !moe_gguf_file_type_of(top, &ftype)) return false;
+    moe_gguf_writer_set_u32(w, KEY_FILE_TYPE, ftype);
+    return true;
 }
 
 /* ==== Serialising ==== */

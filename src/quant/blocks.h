@@ -190,6 +190,21 @@ typedef struct {
     uint8_t qs[128];     /* [256] nibbles, as Q4_0 within each 32 */
 } moe_block_iq4_xs;
 
+/* ==== 256-value ternary super-blocks (no kernels yet: the type table sizes them) ==== */
+
+/* TQ1_0: x = d * (t - 1), t in {0,1,2}; five trits per qs byte (base 3), four per qh byte. */
+typedef struct {
+    uint8_t qs[48]; /* [240] trits, 5 per byte */
+    uint8_t qh[4];  /* [16] trits, 4 per byte */
+    uint16_t d;
+} moe_block_tq1_0;
+
+/* TQ2_0: x = d * (q - 1), q a 2-bit code. */
+typedef struct {
+    uint8_t qs[64]; /* [256] 2-bit */
+    uint16_t d;
+} moe_block_tq2_0;
+
 #define MOE_ASSERT_BLOCK(t, bytes)                                                                 \
     _Static_assert(sizeof(t) == (bytes), #t " size differs from ggml")
 MOE_ASSERT_BLOCK(moe_block_q4_0, 18);
@@ -214,6 +229,8 @@ MOE_ASSERT_BLOCK(moe_block_iq3_s, 110);
 MOE_ASSERT_BLOCK(moe_block_iq1_s, 50);
 MOE_ASSERT_BLOCK(moe_block_iq1_m, 56);
 MOE_ASSERT_BLOCK(moe_block_iq4_xs, 136);
+MOE_ASSERT_BLOCK(moe_block_tq1_0, 54);
+MOE_ASSERT_BLOCK(moe_block_tq2_0, 66);
 /* the fields that follow a multi-byte field sit where ggml puts them */
 _Static_assert(offsetof(moe_block_q2_k, d) == 80, "q2_k.d");
 _Static_assert(offsetof(moe_block_q3_k, d) == 108, "q3_k.d");

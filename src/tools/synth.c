@@ -5,6 +5,7 @@
  * tensors are random valid blocks instead (any type with a decoder, also those moe cannot
  * quantize yet; much faster for large presets), each block scaled to the same N(0, 1/n_in)
  * magnitude: for speed measurements random valid blocks are as good as real ones.
+ * general.file_type names the type holding the most bytes, as llama-quantize names a mix.
  *
  * Everything derives from one seed, so a file is the same on every machine. Values are
  * N(0, 1/n_in) per matrix so activations keep their scale through the layers. The trap:
@@ -123,31 +124,51 @@ static const char *const vocab_words[] = {
 
 enum { TOK_NORMAL = 1, TOK_UNKNOWN = 2, TOK_CONTROL = 3, TOK_BYTE = 6 };
 
+/* The token list and a set over its texts, so a piece already present is skipped in O(1). */
 typedef struct vocab {
-    char **tokens;
-    float *scores;
-    int32_t *types;
+    char **tokens;  /* [cap] */
+    float *scores;  /* [cap] */
+    int32_t *types; /* [cap] */
     uint32_t n, cap;
+    uint32_t *slots;  /* [n_slots] open addressing: token index + 1, 0 when empty */
+    uint32_t n_slots; /* a power of two at least 2 * cap, so a probe always ends */
 } vocab;
 
+static void vocab_init(vocab *v, uint32_t cap) {
+    v->tokens = moe_xmalloc(sizeof(char *) * cap);
+    v->scores = moe_xmalloc(sizeof(float) * cap);
+    v->types = moe_xmalloc(sizeof(int32_t) * cap);
+    v->n = 0;
+    v->cap = cap;
+    v->n_slots = 16;
+    while (v->n_slots < 2 * (uint64_t)cap) v->n_slots *= 2;
+    v->slots = moe_xcalloc(v->n_slots, sizeof(uint32_t));
+}
+
+/* FNV-1a */
+static uint64_t text_hash(const char *s) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 0x100000001b3ull;
+    return h;
+}
+
+/* Appends text unless the vocabulary already has it (false then). */
 static bool vocab_add(vocab *v, const char *text, float score, int32_t type) {
-    for (uint32_t i = 0; i < v->n; i++)
-        if (strcmp(v->tokens[i], text) == 0) return false;
-    if (v->n == v->cap) {
-        v->cap = v->cap ? v->cap * 2 : 1024;
-        v->tokens = moe_xrealloc(v->tokens, sizeof(char *) * v->cap);
-        v->scores = moe_xrealloc(v->scores, sizeof(float) * v->cap);
-        v->types = moe_xrealloc(v->types, sizeof(int32_t) * v->cap);
-    }
+    const uint32_t mask = v->n_slots - 1;
+    uint32_t i = (uint32_t)text_hash(text) & mask;
+    for (; v->slots[i]; i = (i + 1) & mask)
+        if (strcmp(v->tokens[v->slots[i] - 1], text) == 0) return false;
+    if (v->n == v->cap) moe_die("synth: vocabulary of %u tokens is full at '%s'", v->cap, text);
     v->tokens[v->n] = moe_xstrdup(text);
     v->scores[v->n] = score;
     v->types[v->n] = type;
-    v->n++;
+    v->slots[i] = ++v->n;
     return true;
 }
 
 /* Exactly n tokens: <unk> <s> </s>, 256 byte tokens, then pieces, then fillers. */
 static void vocab_build(vocab *v, uint32_t n) {
+    vocab_init(v, n);
     vocab_add(v, "<unk>", 0, TOK_UNKNOWN);
     vocab_add(v, "<s>", 0, TOK_CONTROL);
     vocab_add(v, "</s>", 0, TOK_CONTROL);
@@ -181,6 +202,7 @@ static void vocab_free(vocab *v) {
     free(v->tokens);
     free(v->scores);
     free(v->types);
+    free(v->slots);
 }
 
 /* ==== Tensors ==== */
@@ -405,6 +427,7 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
         write_metadata(&s, &v);
         vocab_free(&v);
         write_tensors(&s);
+        moe_gguf_writer_set_file_type(s.w); /* none for a file led by Q8_1 / Q8_K */
     }
     if (!err->code) moe_gguf_writer_write(s.w, path, 0, err);
     for (uint32_t i = 0; i < compiled; i++) regfree(&s.rules[i]);
