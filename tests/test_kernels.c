@@ -524,17 +524,19 @@ static void attention_kernels_bit_exact(void **state) {
         if (!k) continue;
         for (int f16 = 0; f16 < 2; f16++) {
             const void *kv = f16 ? (const void *)kh : (const void *)kf;
+            const moe_type kv_type = f16 ? MOE_TYPE_F16 : MOE_TYPE_F32;
+            const int64_t stride = STRIDE * (f16 ? 2 : 4); /* bytes */
             for (int n = 1; n <= N; n++)
                 for (int n_kv = 1; n_kv <= KV; n_kv += 2) {
-                    ref->attn_scores(q, kv, STRIDE, n_kv, f16, n, 0.3f, s0);
-                    k->attn_scores(q, kv, STRIDE, n_kv, f16, n, 0.3f, s1);
+                    ref->attn_scores(q, kv, stride, n_kv, kv_type, n, 0.3f, s0);
+                    k->attn_scores(q, kv, stride, n_kv, kv_type, n, 0.3f, s1);
                     if (memcmp(s0, s1, sizeof(float) * (size_t)n_kv) != 0)
                         fail_msg("%s attn_scores f16=%d n=%d n_kv=%d: %.9g vs reference %.9g",
                                  k->name, f16, n, n_kv, s1[0], s0[0]);
                     memcpy(y0, q, sizeof q);
                     memcpy(y1, q, sizeof q);
-                    ref->attn_mix(y0, p, kv, STRIDE, n_kv, f16, n);
-                    k->attn_mix(y1, p, kv, STRIDE, n_kv, f16, n);
+                    ref->attn_mix(y0, p, kv, stride, n_kv, kv_type, n);
+                    k->attn_mix(y1, p, kv, stride, n_kv, kv_type, n);
                     if (memcmp(y0, y1, sizeof y0) != 0)
                         fail_msg("%s attn_mix f16=%d n=%d n_kv=%d differs from the reference",
                                  k->name, f16, n, n_kv);

@@ -25,7 +25,6 @@ static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const moe_attn_shape *s = j->shape;
     const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
     const int64_t att_w = (int64_t)s->n_head * s->head_dim_v;
-    const int64_t elem = (int64_t)moe_kv_elem_bytes(c);
     uint8_t *v_cache = j->latent_v ? c->k_cache : c->v_cache;
     const uint64_t v_row_bytes = j->latent_v ? c->k_row_bytes : c->v_row_bytes;
     for (int64_t r = begin; r < end; r++) {
@@ -35,8 +34,8 @@ static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
             j->window && (uint32_t)row->pos >= j->window ? (uint32_t)row->pos - j->window + 1 : 0;
         const uint8_t *k0 = moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, first);
         const uint8_t *v0 = moe_kv_slot(c, v_cache, v_row_bytes, row->seq, j->layer, first);
-        moe_attention_row(s, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes / elem,
-                          (int64_t)v_row_bytes / elem, row->pos + 1 - first, c->att + r * att_w,
+        moe_attention_row(s, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes,
+                          (int64_t)v_row_bytes, row->pos + 1 - first, c->att + r * att_w,
                           c->scores + (int64_t)thread * c->p.n_ctx);
     }
 }
@@ -78,7 +77,7 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
                                   .head_dim_k = (int)cfg->head_dim_k,
                                   .head_dim_v = (int)cfg->head_dim_v,
                                   .scale = cfg->kq_scale,
-                                  .kv_f16 = c->p.kv_type == MOE_TYPE_F16,
+                                  .kv_type = c->p.kv_type,
                                   .sinks = w->sinks ? (const float *)w->sinks->data : NULL};
     moe_matmul(c->pool, w->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
     if (cfg->attn_output_gate) split_q_gate(c, n_rows);

@@ -249,10 +249,6 @@ uint8_t *moe_kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32
     return cache + index * row_bytes;
 }
 
-uint64_t moe_kv_elem_bytes(const moe_ctx *c) {
-    return moe_type_row_bytes(c->p.kv_type, 1);
-}
-
 void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n) {
     if (c->p.kv_type == MOE_TYPE_F16) {
         uint16_t *d = (uint16_t *)dst;

@@ -90,8 +90,6 @@ struct moe_ctx {
 /* Start of the cache row of one sequence, layer and position. */
 uint8_t *moe_kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32_t seq,
                      uint32_t layer, uint32_t pos);
-/* Bytes of one KV cache element (the context's kv_type: F32 or F16). */
-uint64_t moe_kv_elem_bytes(const moe_ctx *c);
 /* Store n floats into a cache row in the context's KV element type. */
 void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n);
 

@@ -39,7 +39,7 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
                                   .head_dim_k = (int)lat_w,
                                   .head_dim_v = (int)n_lora_kv,
                                   .scale = cfg->kq_scale,
-                                  .kv_f16 = c->p.kv_type == MOE_TYPE_F16};
+                                  .kv_type = c->p.kv_type};
 
     /* queries: through the q LoRA (a, norm, b) or a plain projection */
     if (w->wq_a) {

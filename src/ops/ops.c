@@ -250,9 +250,9 @@ void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out) {
 
 /* ==== Attention ==== */
 
-/* Element i of a KV cache of f16 or f32 values. */
-static inline const void *kv_elem(const void *base, int f16, int64_t i) {
-    return (const uint8_t *)base + i * (f16 ? 2 : 4);
+/* Element i of a row of KV cache values. */
+static inline const void *kv_elem(const void *base, moe_type kv_type, int64_t i) {
+    return (const uint8_t *)base + moe_type_row_bytes(kv_type, i);
 }
 
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
@@ -263,12 +263,12 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
     for (int h = 0; h < s->n_head; h++) {
         const int hk = h / group;
         kern->attn_scores(q + (int64_t)h * s->head_dim_k,
-                          kv_elem(k, s->kv_f16, (int64_t)hk * s->head_dim_k), k_stride, n_kv,
-                          s->kv_f16, s->head_dim_k, s->scale, scores);
+                          kv_elem(k, s->kv_type, (int64_t)hk * s->head_dim_k), k_stride, n_kv,
+                          s->kv_type, s->head_dim_k, s->scale, scores);
         softmax_sink(scores, n_kv, s->sinks ? s->sinks[h] : -INFINITY);
         float *oh = out + (int64_t)h * s->head_dim_v;
         memset(oh, 0, sizeof(float) * (size_t)s->head_dim_v);
-        kern->attn_mix(oh, scores, kv_elem(v, s->kv_f16, (int64_t)hk * s->head_dim_v), v_stride,
-                       n_kv, s->kv_f16, s->head_dim_v);
+        kern->attn_mix(oh, scores, kv_elem(v, s->kv_type, (int64_t)hk * s->head_dim_v), v_stride,
+                       n_kv, s->kv_type, s->head_dim_v);
     }
 }

@@ -80,14 +80,13 @@ void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out);
 /* ==== Attention ==== */
 
 /* One query row attending over n_kv cached positions of one sequence.
- * q: [n_head][head_dim_k]; k: n_kv rows of [n_head_kv][head_dim_k] with row stride k_stride
- * values; v likewise with head_dim_v; out: [n_head][head_dim_v]; scores: n_kv floats scratch.
- * Positions are all visible (the caller passes only the causal prefix). kv_f16 selects
- * f16 (uint16_t) or f32 storage for both k and v. */
+ * q: [n_head][head_dim_k]; k: n_kv rows of [n_head_kv][head_dim_k] kv_type values, k_stride
+ * bytes apart; v likewise with head_dim_v; out: [n_head][head_dim_v]; scores: n_kv floats
+ * scratch. Positions are all visible (the caller passes only the causal prefix). */
 typedef struct moe_attn_shape {
     int n_head, n_head_kv, head_dim_k, head_dim_v;
-    float scale; /* usually 1/sqrt(head_dim_k) */
-    int kv_f16;
+    float scale;        /* usually 1/sqrt(head_dim_k) */
+    moe_type kv_type;   /* MOE_TYPE_F32 or MOE_TYPE_F16, both k and v */
     const float *sinks; /* [n_head] logits that join each head's softmax denominator, or NULL */
 } moe_attn_shape;
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,

@@ -417,9 +417,9 @@ MOE_REF_DOT(iq1_m);
 MOE_REF_DOT(iq4_xs);
 
 /* Scalar attention kernels (the reference every level reproduces bit for bit). */
-void moe_ref_attn_scores(const float *q, const void *k, int64_t stride, int64_t n_kv, int f16,
-                         int n, float scale, float *out);
-void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride, int64_t n_kv,
-                      int f16, int n);
+void moe_ref_attn_scores(const float *q, const void *k, int64_t stride_bytes, int64_t n_kv,
+                         moe_type kv_type, int n, float scale, float *out);
+void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
+                      moe_type kv_type, int n);
 
 #endif

@@ -438,16 +438,18 @@ static float attn_dot(const float *q, const void *k, int k_f16, int n) {
     return sum;
 }
 
-void moe_ref_attn_scores(const float *q, const void *k, int64_t stride, int64_t n_kv, int f16,
-                         int n, float scale, float *out) {
+void moe_ref_attn_scores(const float *q, const void *k, int64_t stride_bytes, int64_t n_kv,
+                         moe_type kv_type, int n, float scale, float *out) {
+    const int f16 = kv_type == MOE_TYPE_F16;
     for (int64_t j = 0; j < n_kv; j++)
-        out[j] = attn_dot(q, (const uint8_t *)k + j * stride * (f16 ? 2 : 4), f16, n) * scale;
+        out[j] = attn_dot(q, (const uint8_t *)k + j * stride_bytes, f16, n) * scale;
 }
 
-void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride, int64_t n_kv,
-                      int f16, int n) {
+void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
+                      moe_type kv_type, int n) {
+    const int f16 = kv_type == MOE_TYPE_F16;
     for (int64_t j = 0; j < n_kv; j++) {
-        const void *vj = (const uint8_t *)v + j * stride * (f16 ? 2 : 4);
+        const void *vj = (const uint8_t *)v + j * stride_bytes;
         for (int d = 0; d < n; d++) {
             const float prod = p[j] * kv_value(vj, f16, d);
             y[d] += prod;

@@ -981,30 +981,32 @@ MOE_INLINE float z_attn_dot(const float *q, const void *k, int k_f16, int n) {
     return sum;
 }
 
-static void z_attn_scores(const float *q, const void *k, int64_t stride, int64_t n_kv, int f16,
-                          int n, float scale, float *out) {
+static void z_attn_scores(const float *q, const void *k, int64_t stride_bytes, int64_t n_kv,
+                          moe_type kv_type, int n, float scale, float *out) {
+    const int f16 = kv_type == MOE_TYPE_F16;
     for (int64_t j = 0; j < n_kv; j++)
-        out[j] = z_attn_dot(q, (const uint8_t *)k + j * stride * (f16 ? 2 : 4), f16, n) * scale;
+        out[j] = z_attn_dot(q, (const uint8_t *)k + j * stride_bytes, f16, n) * scale;
 }
 
 /* y[d] += p[j] * v_j[d], key after key; 128 values of y stay in registers across all keys. */
-static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride, int64_t n_kv,
-                       int f16, int n) {
-    const size_t es = f16 ? 2 : 4;
+static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
+                       moe_type kv_type, int n) {
+    const int f16 = kv_type == MOE_TYPE_F16;
     int d = 0;
     for (; d + 128 <= n; d += 128) {
         __m512 acc[8];
         for (int u = 0; u < 8; u++) acc[u] = _mm512_loadu_ps(y + d + 16 * u);
         for (int64_t j = 0; j < n_kv; j++) {
             const __m512 a = _mm512_set1_ps(p[j]);
-            const void *vj = (const uint8_t *)v + (size_t)(j * stride) * es;
+            const void *vj = (const uint8_t *)v + (size_t)(j * stride_bytes);
             for (int u = 0; u < 8; u++)
                 acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(a, z_load16_kv(vj, f16, d + 16 * u)));
         }
         for (int u = 0; u < 8; u++) _mm512_storeu_ps(y + d + 16 * u, acc[u]);
     }
     if (d < n)
-        moe_avx2_attn_mix(y + d, p, (const uint8_t *)v + (size_t)d * es, stride, n_kv, f16, n - d);
+        moe_avx2_attn_mix(y + d, p, (const uint8_t *)v + moe_type_row_bytes(kv_type, d),
+                          stride_bytes, n_kv, kv_type, n - d);
 }
 
 /* ==== The table ==== */
