@@ -29,9 +29,9 @@
 /* ==== Request parsing ==== */
 
 /* Text of a string or an array of text blocks; images and documents are refused. */
-static bool blocks_text(serve_http *h, json_t *v, const char *field, serve_buf *out) {
+static bool blocks_text(serve_http *h, json_t *v, const char *field, moe_strbuf *out) {
     if (json_is_string(v)) {
-        serve_buf_put(out, json_string_value(v), json_string_length(v));
+        moe_strbuf_put(out, json_string_value(v), json_string_length(v));
         return true;
     }
     if (!json_is_array(v))
@@ -46,7 +46,7 @@ static bool blocks_text(serve_http *h, json_t *v, const char *field, serve_buf *
         json_t *text = json_object_get(b, "text");
         if (!type || strcmp(type, "text") != 0 || !json_is_string(text))
             BAD(h, field, "%s.%zu: expected a text block", field, i);
-        serve_buf_put(out, json_string_value(text), json_string_length(text));
+        moe_strbuf_put(out, json_string_value(text), json_string_length(text));
     }
     return true;
 }
@@ -54,7 +54,7 @@ static bool blocks_text(serve_http *h, json_t *v, const char *field, serve_buf *
 static bool parse_system(serve_http *h, json_t *body, serve_chat *chat) {
     json_t *sys = json_object_get(body, "system");
     if (!sys || json_is_null(sys)) return true;
-    serve_buf text = {0};
+    moe_strbuf text = {0};
     if (json_is_array(sys)) {
         size_t i;
         json_t *b;
@@ -62,19 +62,19 @@ static bool parse_system(serve_http *h, json_t *body, serve_chat *chat) {
             const char *t = json_string_value(json_object_get(b, "text"));
             const char *type = json_string_value(json_object_get(b, "type"));
             if (!t || !type || strcmp(type, "text") != 0) {
-                serve_buf_free(&text);
+                moe_strbuf_free(&text);
                 BAD(h, "system", "system.%zu: expected a text block", i);
             }
             if (i == 0 && strncmp(t, "x-anthropic-billing-header:", 27) == 0) continue;
-            if (text.len) serve_buf_puts(&text, "\n\n");
-            serve_buf_puts(&text, t);
+            if (text.len) moe_strbuf_puts(&text, "\n\n");
+            moe_strbuf_puts(&text, t);
         }
     } else if (!blocks_text(h, sys, "system", &text)) {
-        serve_buf_free(&text);
+        moe_strbuf_free(&text);
         return false;
     }
     serve_message *m = serve_chat_add(chat, "system");
-    m->content = text.p ? text.p : moe_xstrdup("");
+    m->content = moe_strbuf_take(&text);
     return true;
 }
 
@@ -102,7 +102,7 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
             BAD(h, field, "%s.content: expected a string or an array of content blocks", field);
         /* user: tool results become tool turns, then the text; assistant: one turn with its
          * text, thinking and tool calls */
-        serve_buf text = {0}, thinking = {0};
+        moe_strbuf text = {0}, thinking = {0};
         serve_message *msg = NULL;
         if (strcmp(role, "assistant") == 0) {
             msg = serve_chat_add(chat, "assistant");
@@ -115,10 +115,10 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
             const char *type = json_string_value(json_object_get(b, "type"));
             if (!type) type = "";
             if (strcmp(type, "text") == 0 && json_is_string(json_object_get(b, "text"))) {
-                serve_buf_puts(&text, json_string_value(json_object_get(b, "text")));
+                moe_strbuf_puts(&text, json_string_value(json_object_get(b, "text")));
             } else if (strcmp(type, "thinking") == 0 || strcmp(type, "redacted_thinking") == 0) {
                 const char *t = json_string_value(json_object_get(b, "thinking"));
-                if (t) serve_buf_puts(&thinking, t);
+                if (t) moe_strbuf_puts(&thinking, t);
             } else if (strcmp(type, "tool_use") == 0 && msg) {
                 const char *id = json_string_value(json_object_get(b, "id"));
                 const char *name = json_string_value(json_object_get(b, "name"));
@@ -139,11 +139,11 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
                 const char *id = json_string_value(json_object_get(b, "tool_use_id"));
                 tm->tool_call_id = moe_xstrdup(id ? id : "");
                 json_t *c = json_object_get(b, "content");
-                serve_buf r = {0};
+                moe_strbuf r = {0};
                 char sub[160];
                 snprintf(sub, sizeof sub, "%s.content.%zu.content", field, k);
                 if (c && !json_is_null(c) && !blocks_text(h, c, sub, &r)) ok = false;
-                tm->content = r.p ? r.p : moe_xstrdup("");
+                tm->content = moe_strbuf_take(&r);
                 if (!ok) break;
             } else {
                 serve_reply_error(h, SERVE_API_ANTHROPIC, 400, field, NULL,
@@ -157,16 +157,14 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
             }
         }
         if (msg) {
-            msg->content = text.p ? text.p : moe_xstrdup("");
-            msg->reasoning = thinking.p;
-            text.p = thinking.p = NULL;
+            msg->content = moe_strbuf_take(&text);
+            msg->reasoning = thinking.s; /* NULL when there was none */
+            thinking = (moe_strbuf){0};
         } else if (text.len) {
-            serve_message *um = serve_chat_add(chat, "user");
-            um->content = text.p;
-            text.p = NULL;
+            serve_chat_add(chat, "user")->content = moe_strbuf_take(&text);
         }
-        serve_buf_free(&text);
-        serve_buf_free(&thinking);
+        moe_strbuf_free(&text);
+        moe_strbuf_free(&thinking);
         if (!ok) return false;
     }
     return true;
@@ -235,19 +233,19 @@ typedef struct an_state {
     bool pinged;
     size_t n_calls;
     /* non-stream */
-    serve_buf text, thinking;
+    moe_strbuf text, thinking;
     call_out *calls;
     size_t n_calls_out;
     /* block order, non-stream: 't' thinking, 'x' text, 'c' call */
-    serve_buf order;
+    moe_strbuf order;
 } an_state;
 
 static void an_state_free(void *p) {
     an_state *s = p;
     serve_output_free(&s->out);
-    serve_buf_free(&s->text);
-    serve_buf_free(&s->thinking);
-    serve_buf_free(&s->order);
+    moe_strbuf_free(&s->text);
+    moe_strbuf_free(&s->thinking);
+    moe_strbuf_free(&s->order);
     for (size_t i = 0; i < s->n_calls_out; i++) {
         free(s->calls[i].name);
         free(s->calls[i].arguments);
@@ -349,12 +347,12 @@ static void on_segment(void *ud, const serve_segment *seg) {
             serve_make_id(s->srv, "toolu_", c->id, sizeof c->id);
             c->name = moe_xstrdup(seg->name);
             c->arguments = moe_xstrdup(seg->arguments);
-            serve_buf_puts(&s->order, "c");
+            moe_strbuf_puts(&s->order, "c");
         } else {
-            serve_buf *dst = seg->kind == SERVE_SEG_REASONING ? &s->thinking : &s->text;
+            moe_strbuf *dst = seg->kind == SERVE_SEG_REASONING ? &s->thinking : &s->text;
             const char tag = seg->kind == SERVE_SEG_REASONING ? 't' : 'x';
-            if (!dst->len && seg->len) serve_buf_put(&s->order, &tag, 1);
-            serve_buf_put(dst, seg->text, seg->len);
+            if (!dst->len && seg->len) moe_strbuf_put(&s->order, &tag, 1);
+            moe_strbuf_put(dst, seg->text, seg->len);
         }
         return;
     }
@@ -412,7 +410,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
 static void feed_events(void *ud, const serve_taken *t) {
     an_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_output_feed(&s->out, t->text.p + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->out, t->text.s + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
     if (t->done) serve_output_finish(&s->out, on_segment, s);
 }
@@ -498,15 +496,15 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
     for (size_t i = 0; i < s->order.len; i++) {
         moe_json_object_begin(j);
         moe_json_key(j, "type");
-        if (s->order.p[i] == 't') {
+        if (s->order.s[i] == 't') {
             moe_json_string(j, "thinking");
             moe_json_key(j, "thinking");
-            moe_json_string_n(j, s->thinking.p, s->thinking.len);
+            moe_json_string_n(j, s->thinking.s, s->thinking.len);
             moe_json_kv_string(j, "signature", THINKING_SIGNATURE);
-        } else if (s->order.p[i] == 'x') {
+        } else if (s->order.s[i] == 'x') {
             moe_json_string(j, "text");
             moe_json_key(j, "text");
-            moe_json_string_n(j, s->text.p, s->text.len);
+            moe_json_string_n(j, s->text.s, s->text.len);
         } else {
             const call_out *c = &s->calls[call++];
             moe_json_string(j, "tool_use");
@@ -582,7 +580,7 @@ void serve_anthropic_messages(serve_http *h) {
 }
 
 void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                            const char *text, size_t chunk, bool stream, serve_buf *out) {
+                            const char *text, size_t chunk, bool stream, moe_strbuf *out) {
     an_state *s = moe_xcalloc(1, sizeof *s);
     s->srv = srv;
     serve_make_id(srv, "msg_", s->id, sizeof s->id);

@@ -42,7 +42,7 @@ void moe_serve_params_default(moe_serve_params *p) {
 /* ==== Per-connection state ==== */
 
 typedef struct conn_state {
-    serve_buf body;
+    moe_strbuf body;
     bool too_large;
     double t_start;
 } conn_state;
@@ -193,20 +193,20 @@ static void count_request(serve_server *srv, const char *path, int status) {
 
 void serve_sse_event(serve_sse *s, const char *event) {
     if (event) {
-        serve_buf_puts(&s->out, "event: ");
-        serve_buf_puts(&s->out, event);
-        serve_buf_puts(&s->out, "\n");
+        moe_strbuf_puts(&s->out, "event: ");
+        moe_strbuf_puts(&s->out, event);
+        moe_strbuf_puts(&s->out, "\n");
     }
-    serve_buf_puts(&s->out, "data: ");
-    serve_buf_put(&s->out, s->j.buf, s->j.len);
-    serve_buf_puts(&s->out, "\n\n");
+    moe_strbuf_puts(&s->out, "data: ");
+    moe_strbuf_put(&s->out, s->j.buf, s->j.len);
+    moe_strbuf_puts(&s->out, "\n\n");
     moe_json_reset(&s->j);
 }
 
 void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
                   void (*feed)(void *state, const serve_taken *t),
                   void (*whole)(moe_json *j, void *state, const serve_req *r), void *state,
-                  serve_buf *out) {
+                  moe_strbuf *out) {
     serve_req *r = serve_req_new();
     r->finish = SERVE_FINISH_EOG;
     r->admitted = r->done = true;
@@ -221,22 +221,22 @@ void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
         const size_t len = n - off < chunk ? n - off : chunk;
         t.events[t.n_events++] =
             (serve_event){.kind = SERVE_EV_TEXT, .text_off = t.text.len, .text_len = len};
-        serve_buf_put(&t.text, text + off, len);
+        moe_strbuf_put(&t.text, text + off, len);
     }
     moe_json j;
     moe_json_init(&j, false);
     if (pump) {
         serve_sse sse = {.req = r, .state = state, .pump = pump, .j = j};
         pump(&sse, &t);
-        serve_buf_put(out, sse.out.p ? sse.out.p : "", sse.out.len);
-        serve_buf_free(&sse.out);
+        moe_strbuf_put(out, sse.out.s ? sse.out.s : "", sse.out.len);
+        moe_strbuf_free(&sse.out);
         j = sse.j;
     } else {
         feed(state, &t);
         whole(&j, state, r);
-        serve_buf_put(out, j.buf, j.len);
+        moe_strbuf_put(out, j.buf, j.len);
     }
-    serve_buf_put(out, "", 0);
+    moe_strbuf_put(out, "", 0);
     moe_json_free(&j);
     serve_taken_free(&t);
     serve_req_release(r);
@@ -249,7 +249,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
         if (s->out_off < s->out.len) {
             size_t n = s->out.len - s->out_off;
             if (n > max) n = max;
-            memcpy(buf, s->out.p + s->out_off, n);
+            memcpy(buf, s->out.s + s->out_off, n);
             s->out_off += n;
             if (s->out_off == s->out.len) s->out.len = s->out_off = 0;
             s->last_write = serve_now();
@@ -275,7 +275,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max) {
             s->pump(s, &s->taken);
             if (s->taken.done) s->ended = true;
         } else if (serve_now() - s->last_write >= s->h_copy.srv->p.keepalive_s) {
-            serve_buf_puts(&s->out, s->keepalive);
+            moe_strbuf_puts(&s->out, s->keepalive);
         }
     }
 }
@@ -297,7 +297,7 @@ static void sse_free(void *cls) {
     count_request(s->h_copy.srv, s->log_path, s->h_copy.status);
     serve_req_release(s->req);
     serve_taken_free(&s->taken);
-    serve_buf_free(&s->out);
+    moe_strbuf_free(&s->out);
     moe_json_free(&s->j);
     if (s->state_free) s->state_free(s->state);
     free(s);
@@ -657,19 +657,19 @@ static void health(serve_http *h) {
 const double serve_ttft_bounds[SERVE_TTFT_BUCKETS] = {0.01, 0.025, 0.05, 0.1, 0.25,
                                                       0.5,  1,     2.5,  5,   10};
 
-void serve_metrics_write(serve_metrics *m, serve_buf *o) {
+void serve_metrics_write(serve_metrics *m, moe_strbuf *o) {
     pthread_mutex_lock(&m->mu);
-    serve_buf_puts(o, "# HELP moe_requests_total HTTP requests by endpoint and status class.\n"
+    moe_strbuf_puts(o, "# HELP moe_requests_total HTTP requests by endpoint and status class.\n"
                       "# TYPE moe_requests_total counter\n");
     for (int e = 0; e < 6; e++)
         for (int c = 0; c < 5; c++)
             if (m->requests[e][c])
-                serve_buf_printf(o, "moe_requests_total{endpoint=\"%s\",status=\"%dxx\"} %llu\n",
+                moe_strbuf_printf(o, "moe_requests_total{endpoint=\"%s\",status=\"%dxx\"} %llu\n",
                                  endpoint_names[e], c + 1, (unsigned long long)m->requests[e][c]);
 #define GAUGE(name, help, fmt, v)                                                                  \
-    serve_buf_printf(o, "# HELP " name " " help "\n# TYPE " name " gauge\n" name " " fmt "\n", v)
+    moe_strbuf_printf(o, "# HELP " name " " help "\n# TYPE " name " gauge\n" name " " fmt "\n", v)
 #define COUNTER(name, help, fmt, v)                                                                \
-    serve_buf_printf(o, "# HELP " name " " help "\n# TYPE " name " counter\n" name " " fmt "\n", v)
+    moe_strbuf_printf(o, "# HELP " name " " help "\n# TYPE " name " counter\n" name " " fmt "\n", v)
     GAUGE("moe_queue_depth", "Requests waiting for a stream.", "%u", m->waiting);
     GAUGE("moe_streams_active", "Streams being generated.", "%u", m->active);
     GAUGE("moe_sequences_resident", "Finished sequences kept for prefix reuse.", "%u", m->resident);
@@ -699,27 +699,27 @@ void serve_metrics_write(serve_metrics *m, serve_buf *o) {
           m->decode_batch_max);
 #undef GAUGE
 #undef COUNTER
-    serve_buf_puts(o, "# HELP moe_time_to_first_token_seconds From submit to the first token.\n"
+    moe_strbuf_puts(o, "# HELP moe_time_to_first_token_seconds From submit to the first token.\n"
                       "# TYPE moe_time_to_first_token_seconds histogram\n");
     uint64_t cum = 0;
     for (int b = 0; b < SERVE_TTFT_BUCKETS; b++) {
         cum += m->ttft_buckets[b];
-        serve_buf_printf(o, "moe_time_to_first_token_seconds_bucket{le=\"%g\"} %llu\n",
+        moe_strbuf_printf(o, "moe_time_to_first_token_seconds_bucket{le=\"%g\"} %llu\n",
                          serve_ttft_bounds[b], (unsigned long long)cum);
     }
-    serve_buf_printf(o, "moe_time_to_first_token_seconds_bucket{le=\"+Inf\"} %llu\n",
+    moe_strbuf_printf(o, "moe_time_to_first_token_seconds_bucket{le=\"+Inf\"} %llu\n",
                      (unsigned long long)m->ttft_count);
-    serve_buf_printf(o, "moe_time_to_first_token_seconds_sum %.6f\n", m->ttft_sum);
-    serve_buf_printf(o, "moe_time_to_first_token_seconds_count %llu\n",
+    moe_strbuf_printf(o, "moe_time_to_first_token_seconds_sum %.6f\n", m->ttft_sum);
+    moe_strbuf_printf(o, "moe_time_to_first_token_seconds_count %llu\n",
                      (unsigned long long)m->ttft_count);
     pthread_mutex_unlock(&m->mu);
 }
 
 static void metrics(serve_http *h) {
-    serve_buf o = {0};
+    moe_strbuf o = {0};
     serve_metrics_write(&h->srv->metrics, &o);
-    serve_reply_text(h, 200, "text/plain; version=0.0.4", o.p, o.len);
-    serve_buf_free(&o);
+    serve_reply_text(h, 200, "text/plain; version=0.0.4", o.s, o.len);
+    moe_strbuf_free(&o);
 }
 
 static void tokenize(serve_http *h) {
@@ -905,9 +905,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (*upload_size && !cs->too_large) {
         if (*upload_size > SERVE_MAX_BODY_BYTES - cs->body.len) {
             cs->too_large = true;
-            serve_buf_free(&cs->body);
+            moe_strbuf_free(&cs->body);
         } else {
-            serve_buf_put(&cs->body, upload, *upload_size);
+            moe_strbuf_put(&cs->body, upload, *upload_size);
         }
         *upload_size = 0;
         return MHD_YES;
@@ -916,7 +916,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
                     .conn = conn,
                     .method = method,
                     .path = url,
-                    .body = cs->body.p,
+                    .body = cs->body.s,
                     .body_len = cs->body.len,
                     .fd = -1,
                     .status = 0};
@@ -946,7 +946,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     (void)cls, (void)conn, (void)toe;
     conn_state *cs = *con_cls;
     if (!cs) return;
-    serve_buf_free(&cs->body);
+    moe_strbuf_free(&cs->body);
     free(cs);
     *con_cls = NULL;
 }

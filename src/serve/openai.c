@@ -33,7 +33,7 @@ bool serve_openai_content_text(serve_http *h, json_t *content, const char *field
         return true;
     }
     if (!json_is_array(content)) BAD(h, field, "%s: expected a string or an array of parts", field);
-    serve_buf b = {0};
+    moe_strbuf b = {0};
     size_t i;
     json_t *part;
     json_array_foreach(content, i, part) {
@@ -42,17 +42,17 @@ bool serve_openai_content_text(serve_http *h, json_t *content, const char *field
         if (type && (strcmp(type, "image_url") == 0 || strcmp(type, "input_image") == 0 ||
                      strcmp(type, "input_audio") == 0 || strcmp(type, "file") == 0 ||
                      strcmp(type, "input_file") == 0)) {
-            serve_buf_free(&b);
+            moe_strbuf_free(&b);
             BAD(h, field, "%s[%zu]: %s parts are not supported: this server takes text only", field,
                 i, type);
         }
         if (!json_is_string(text)) {
-            serve_buf_free(&b);
+            moe_strbuf_free(&b);
             BAD(h, field, "%s[%zu]: expected a text part with a string 'text'", field, i);
         }
-        serve_buf_put(&b, json_string_value(text), json_string_length(text));
+        moe_strbuf_put(&b, json_string_value(text), json_string_length(text));
     }
-    *out = b.p ? b.p : moe_xstrdup("");
+    *out = moe_strbuf_take(&b);
     return true;
 }
 
@@ -185,7 +185,7 @@ typedef struct oa_state {
     char id[64];
     long created;
     /* non-stream accumulation */
-    serve_buf content, reasoning;
+    moe_strbuf content, reasoning;
     call_out *calls;
     size_t n_calls;
     moe_sample *samples;
@@ -200,8 +200,8 @@ typedef struct oa_state {
 static void oa_state_free(void *p) {
     oa_state *s = p;
     serve_output_free(&s->out);
-    serve_buf_free(&s->content);
-    serve_buf_free(&s->reasoning);
+    moe_strbuf_free(&s->content);
+    moe_strbuf_free(&s->reasoning);
     for (size_t i = 0; s->calls && i < s->n_calls; i++) { /* a stream counts calls, keeps none */
         free(s->calls[i].name);
         free(s->calls[i].arguments);
@@ -374,9 +374,9 @@ static void on_segment(void *ud, const serve_segment *seg) {
         return;
     }
     if (seg->kind == SERVE_SEG_CONTENT)
-        serve_buf_put(&s->content, seg->text, seg->len);
+        moe_strbuf_put(&s->content, seg->text, seg->len);
     else if (seg->kind == SERVE_SEG_REASONING)
-        serve_buf_put(&s->reasoning, seg->text, seg->len);
+        moe_strbuf_put(&s->reasoning, seg->text, seg->len);
     else {
         s->calls = moe_xrealloc(s->calls, (s->n_calls + 1) * sizeof *s->calls);
         call_out *c = &s->calls[s->n_calls++];
@@ -398,7 +398,7 @@ static void feed_events(void *ud, const serve_taken *t) {
                 s->samples[s->n_samples++] = e->sample;
             }
         }
-        serve_output_feed(&s->out, t->text.p + e->text_off, e->text_len, on_segment, s);
+        serve_output_feed(&s->out, t->text.s + e->text_off, e->text_len, on_segment, s);
         if (s->sse && s->pending_sample) stream_delta(s, NULL); /* held text: logprobs alone */
     }
     if (t->done) serve_output_finish(&s->out, on_segment, s);
@@ -451,7 +451,7 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
         moe_json_object_end(j);
         moe_json_object_end(j);
         serve_sse_event(sse, NULL);
-        serve_buf_puts(&sse->out, "data: [DONE]\n\n");
+        moe_strbuf_puts(&sse->out, "data: [DONE]\n\n");
         sse->h_copy.status = 500;
         return;
     }
@@ -478,7 +478,7 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
         moe_json_object_end(j);
         serve_sse_event(sse, NULL);
     }
-    serve_buf_puts(&sse->out, "data: [DONE]\n\n");
+    moe_strbuf_puts(&sse->out, "data: [DONE]\n\n");
 }
 
 /* The whole response of a finished generation. */
@@ -494,14 +494,14 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         moe_json_key(j, "content");
         bool blank = true;
         for (size_t i = 0; i < s->content.len; i++)
-            blank &= s->content.p[i] == ' ' || s->content.p[i] == '\n';
+            blank &= s->content.s[i] == ' ' || s->content.s[i] == '\n';
         if (s->n_calls && blank)
             moe_json_null(j);
         else
-            moe_json_string_n(j, s->content.p ? s->content.p : "", s->content.len);
+            moe_json_string_n(j, s->content.s ? s->content.s : "", s->content.len);
         if (s->reasoning.len) {
             moe_json_key(j, "reasoning_content");
-            moe_json_string_n(j, s->reasoning.p, s->reasoning.len);
+            moe_json_string_n(j, s->reasoning.s, s->reasoning.len);
         }
         if (s->n_calls) {
             moe_json_key(j, "tool_calls");
@@ -538,7 +538,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         }
     } else {
         moe_json_key(j, "text");
-        moe_json_string_n(j, s->content.p ? s->content.p : "", s->content.len);
+        moe_json_string_n(j, s->content.s ? s->content.s : "", s->content.len);
         moe_json_key(j, "logprobs");
         if (s->logprobs)
             json_legacy_logprobs(j, s->tok, s->samples, s->n_samples, s->n_top, &s->text_offset);
@@ -646,7 +646,7 @@ void serve_openai_chat(serve_http *h) {
 }
 
 void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                         const char *text, size_t chunk, bool stream, serve_buf *out) {
+                         const char *text, size_t chunk, bool stream, moe_strbuf *out) {
     oa_state *s = moe_xcalloc(1, sizeof *s);
     s->chat = true;
     s->srv = srv;

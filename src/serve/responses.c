@@ -112,7 +112,7 @@ typedef enum item_kind { ITEM_REASONING, ITEM_MESSAGE, ITEM_CALL } item_kind;
 typedef struct out_item {
     item_kind kind;
     char id[48], call_id[48];
-    serve_buf text; /* message / reasoning text, or the call's arguments */
+    moe_strbuf text; /* message / reasoning text, or the call's arguments */
     char *name;
     bool done;
 } out_item;
@@ -134,7 +134,7 @@ static void rs_state_free(void *p) {
     rs_state *s = p;
     serve_output_free(&s->out);
     for (size_t i = 0; i < s->n_items; i++) {
-        serve_buf_free(&s->items[i].text);
+        moe_strbuf_free(&s->items[i].text);
         free(s->items[i].name);
     }
     free(s->items);
@@ -148,7 +148,7 @@ static void json_part(moe_json *j, const out_item *it) {
     moe_json_object_begin(j);
     moe_json_kv_string(j, "type", it->kind == ITEM_MESSAGE ? "output_text" : "reasoning_text");
     moe_json_key(j, "text");
-    moe_json_string_n(j, it->done && it->text.p ? it->text.p : "", it->done ? it->text.len : 0);
+    moe_json_string_n(j, it->done && it->text.s ? it->text.s : "", it->done ? it->text.len : 0);
     if (it->kind == ITEM_MESSAGE) {
         moe_json_key(j, "annotations");
         moe_json_array_begin(j);
@@ -184,7 +184,7 @@ static void json_item(moe_json *j, const out_item *it) {
         moe_json_kv_string(j, "call_id", it->call_id);
         moe_json_kv_string(j, "name", it->name);
         moe_json_key(j, "arguments");
-        moe_json_string_n(j, it->done && it->text.p ? it->text.p : "", it->done ? it->text.len : 0);
+        moe_json_string_n(j, it->done && it->text.s ? it->text.s : "", it->done ? it->text.len : 0);
     }
     moe_json_object_end(j);
 }
@@ -280,7 +280,7 @@ static void item_close(rs_state *s) {
         ev_begin(s, done);
         ev_item_ref(s, idx, true);
         moe_json_key(j, "text");
-        moe_json_string_n(j, it->text.p ? it->text.p : "", it->text.len);
+        moe_json_string_n(j, it->text.s ? it->text.s : "", it->text.len);
         if (msg) {
             moe_json_key(j, "logprobs");
             moe_json_array_begin(j);
@@ -296,7 +296,7 @@ static void item_close(rs_state *s) {
         ev_begin(s, "response.function_call_arguments.done");
         ev_item_ref(s, idx, false);
         moe_json_key(j, "arguments");
-        moe_json_string_n(j, it->text.p ? it->text.p : "", it->text.len);
+        moe_json_string_n(j, it->text.s ? it->text.s : "", it->text.len);
         ev_end(s, "response.function_call_arguments.done");
     }
     ev_begin(s, "response.output_item.done");
@@ -343,7 +343,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
     rs_state *s = ud;
     if (seg->kind == SERVE_SEG_TOOL_CALL) {
         out_item *it = item_open(s, ITEM_CALL, seg->name);
-        serve_buf_puts(&it->text, seg->arguments);
+        moe_strbuf_puts(&it->text, seg->arguments);
         if (s->sse) {
             ev_begin(s, "response.function_call_arguments.delta");
             ev_item_ref(s, s->n_items - 1, false);
@@ -357,7 +357,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
     const item_kind kind = seg->kind == SERVE_SEG_REASONING ? ITEM_REASONING : ITEM_MESSAGE;
     out_item *it = s->n_items ? &s->items[s->n_items - 1] : NULL;
     if (!it || it->done || it->kind != kind) it = item_open(s, kind, NULL);
-    serve_buf_put(&it->text, seg->text, seg->len);
+    moe_strbuf_put(&it->text, seg->text, seg->len);
     if (!s->sse) return;
     const char *type =
         kind == ITEM_MESSAGE ? "response.output_text.delta" : "response.reasoning_text.delta";
@@ -376,7 +376,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
 static void feed_events(void *ud, const serve_taken *t) {
     rs_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_output_feed(&s->out, t->text.p + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->out, t->text.s + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
     if (t->done) {
         serve_output_finish(&s->out, on_segment, s);
@@ -431,7 +431,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
 }
 
 void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                            const char *text, size_t chunk, bool stream, serve_buf *out) {
+                            const char *text, size_t chunk, bool stream, moe_strbuf *out) {
     rs_state *s = moe_xcalloc(1, sizeof *s);
     s->srv = srv;
     serve_make_id(srv, "resp_", s->id, sizeof s->id);

@@ -43,18 +43,6 @@
 
 double serve_now(void); /* monotonic seconds */
 
-/* ==== Growable byte buffer ==== */
-
-typedef struct serve_buf {
-    char *p;
-    size_t len, cap;
-} serve_buf;
-
-void serve_buf_put(serve_buf *b, const char *s, size_t n);
-void serve_buf_puts(serve_buf *b, const char *s);
-void serve_buf_printf(serve_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void serve_buf_free(serve_buf *b);
-
 /* ==== Requests and their event queue ==== */
 
 typedef enum serve_finish {
@@ -114,7 +102,7 @@ typedef struct serve_req {
     char error[256];
     serve_event *events; /* pending, not yet taken by the HTTP side */
     size_t n_events, cap_events;
-    serve_buf text; /* bytes the pending events point into */
+    moe_strbuf text; /* bytes the pending events point into */
 } serve_req;
 
 serve_req *serve_req_new(void); /* refs = 1 (the HTTP side) */
@@ -125,7 +113,7 @@ void serve_req_cancel(serve_req *r);
 typedef struct serve_taken {
     serve_event *events;
     size_t n_events, cap_events;
-    serve_buf text;
+    moe_strbuf text;
     bool admitted, done; /* state as of this take */
 } serve_taken;
 
@@ -153,7 +141,7 @@ typedef struct serve_metrics {
 } serve_metrics;
 
 extern const double serve_ttft_bounds[SERVE_TTFT_BUCKETS];
-void serve_metrics_write(serve_metrics *m, serve_buf *out);
+void serve_metrics_write(serve_metrics *m, moe_strbuf *out);
 
 /* ==== Scheduler: the engine thread ==== */
 
@@ -303,7 +291,7 @@ struct serve_sse {
     serve_http h_copy; /* srv, fd, for the pump */
     serve_req *req;
     serve_taken taken;
-    serve_buf out; /* SSE bytes not yet handed over */
+    moe_strbuf out; /* SSE bytes not yet handed over */
     size_t out_off;
     bool ended;
     bool first_pending; /* taken holds events not yet pumped */
@@ -360,15 +348,15 @@ void serve_json_token_bytes(moe_json *j, const moe_tokenizer *tok, int32_t id);
 void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
                   void (*feed)(void *state, const serve_taken *t),
                   void (*whole)(moe_json *j, void *state, const serve_req *r), void *state,
-                  serve_buf *out);
+                  moe_strbuf *out);
 /* Per API: the request's conversation (tools) and rendered prompt set up the output parser as a
  * live request would. */
 void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                         const char *text, size_t chunk, bool stream, serve_buf *out);
+                         const char *text, size_t chunk, bool stream, moe_strbuf *out);
 void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                            const char *text, size_t chunk, bool stream, serve_buf *out);
+                            const char *text, size_t chunk, bool stream, moe_strbuf *out);
 void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                            const char *text, size_t chunk, bool stream, serve_buf *out);
+                            const char *text, size_t chunk, bool stream, moe_strbuf *out);
 
 /* ==== API adapters (routes) ==== */
 
