@@ -1,5 +1,6 @@
-/* args: small shared helpers for the subcommands' argument parsing: numbers with range checks
- * and comma-separated token id lists. Each reports a usage error naming the flag. */
+/* args: small shared helpers for the subcommands' argument parsing: numbers with range checks,
+ * comma-separated token id lists, and the model path (or the built-in demo model). Each reports
+ * its error naming the flag or the subcommand. */
 #ifndef MOE_CLI_ARGS_H
 #define MOE_CLI_ARGS_H
 
@@ -14,5 +15,9 @@ bool moe_arg_float(const char *cmd, const char *flag, const char *text, double m
 /* "1,2,3" -> ids (caller frees); false with a message on a bad or out-of-range id. */
 bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int32_t **ids,
                         size_t *n);
+/* The model a subcommand loads: `given`, or without one the built-in demo model (generated into
+ * the cache on first use; a line on stderr says its weights are random). Malloc'd; NULL after
+ * printing why the demo model could not be made. */
+char *moe_arg_model_path(const char *cmd, const char *given);
 
 #endif

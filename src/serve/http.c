@@ -958,8 +958,8 @@ static void model_id_from_path(serve_server *srv, const char *path) {
         snprintf(srv->model_id, sizeof srv->model_id, "%s", srv->p.alias);
         return;
     }
-    const char *base = path ? strrchr(path, '/') : NULL;
-    base = base ? base + 1 : path ? path : "moe-demo";
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
     snprintf(srv->model_id, sizeof srv->model_id, "%s", base);
     char *dot = strstr(srv->model_id, ".gguf");
     if (dot && dot[5] == '\0') *dot = '\0';
@@ -1031,8 +1031,6 @@ int moe_serve_run(const moe_serve_params *params) {
         rc = 1;
     } else {
         const moe_model *m = serve_sched_model(srv->sched);
-        if (!srv->p.model_path && !srv->p.alias)
-            snprintf(srv->model_id, sizeof srv->model_id, "moe-demo");
         fprintf(stderr,
                 "moe serve: model %s (%s, %u layers), context %u per sequence, %d streams + %d "
                 "resident sequences, chat template %s, %d threads, %s\n",

@@ -132,7 +132,7 @@ bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
     if (path) {
         srv->tmpl = moe_chat_template_load_file(path, &err);
         snprintf(srv->tmpl_origin, sizeof srv->tmpl_origin, "%s", path);
-    } else if (srv->p.model_path) {
+    } else {
         moe_gguf *g = moe_gguf_open(srv->p.model_path, &err);
         if (g) {
             srv->tmpl = moe_chat_template_from_gguf(g, NULL, &err);

@@ -27,7 +27,6 @@
 #include <time.h>
 
 #include "../model/model.h"
-#include "../tools/tools.h"
 
 typedef enum slot_state { SLOT_EMPTY, SLOT_RESIDENT, SLOT_ACTIVE } slot_state;
 
@@ -504,17 +503,7 @@ static void update_gauges(serve_sched *s) {
 
 static bool load(serve_sched *s) {
     moe_error err = {0};
-    char *demo = NULL;
     const char *path = s->p.model_path;
-    if (!path) {
-        demo = moe_demo_model_path(&err);
-        if (!demo) goto fail;
-        fprintf(stderr,
-                "moe serve: no model given: using the built-in demo model %s "
-                "(its weights are RANDOM: the text means nothing)\n",
-                demo);
-        path = demo;
-    }
     s->model = moe_model_load(path, &err);
     if (s->model && !s->p.use_mmap) moe_gguf_to_memory(s->model->gguf, NULL, &err);
     if (s->model && !err.code) s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
@@ -538,11 +527,9 @@ static bool load(serve_sched *s) {
     s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);
     s->row_slot = moe_xmalloc(sizeof(int32_t) * max_rows);
     s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab * (size_t)s->p.parallel);
-    free(demo);
     return true;
 fail:
     snprintf(s->load_error, sizeof s->load_error, "%s", err.msg);
-    free(demo);
     return false;
 }
 
