@@ -594,7 +594,7 @@ static void openai_shapes(void **state) {
                 assert_true(idx >= 0 && idx < 2);
                 if (json_string_value(json_object_get(tc, "id"))) n_ids++;
                 moe_strbuf_puts(&args[idx], json_string_value(json_object_get(
-                                               json_object_get(tc, "function"), "arguments")));
+                                                json_object_get(tc, "function"), "arguments")));
             }
             if (json_string_value(json_object_get(ch, "finish_reason")))
                 finish = json_string_value(json_object_get(ch, "finish_reason"));
