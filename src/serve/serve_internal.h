@@ -358,6 +358,17 @@ void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const cha
 void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
                             const char *text, size_t chunk, bool stream, moe_strbuf *out);
 
+/* ==== Routing (router.c) ==== */
+
+/* The handler for h's method and path, behind the API key and model-loading checks; 404, 405,
+ * 401 or 503 in the request's API shape otherwise. */
+void serve_route(serve_http *h);
+/* The API whose error shape a reply to h takes: Anthropic for /v1/messages* or an
+ * anthropic-version header, else OpenAI. */
+serve_api serve_route_api(serve_http *h);
+/* One finished exchange: its endpoint's counter for the status class (in /metrics). */
+void serve_metrics_count(serve_server *srv, const char *path, int status);
+
 /* ==== API adapters (routes) ==== */
 
 void serve_openai_chat(serve_http *h);
