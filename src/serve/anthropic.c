@@ -222,11 +222,7 @@ typedef struct call_out {
 } call_out;
 
 typedef struct an_state {
-    serve_server *srv;
-    serve_sse *sse;
-    serve_output out;
-    char id[64];
-    bool started;
+    serve_reply reply; /* first: the skeleton's part */
     /* stream */
     block_kind open;
     int index; /* of the open block; next block gets index + 1 */
@@ -242,7 +238,7 @@ typedef struct an_state {
 
 static void an_state_free(void *p) {
     an_state *s = p;
-    serve_output_free(&s->out);
+    serve_output_free(&s->reply.out);
     moe_strbuf_free(&s->text);
     moe_strbuf_free(&s->thinking);
     moe_strbuf_free(&s->order);
@@ -284,7 +280,7 @@ static void ev_type(moe_json *j, const char *type) {
 }
 
 static void block_close(an_state *s) {
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->reply.sse->j;
     if (s->open == BLOCK_THINKING) {
         ev_type(j, "content_block_delta");
         moe_json_kv_int(j, "index", s->index);
@@ -294,13 +290,13 @@ static void block_close(an_state *s) {
         moe_json_kv_string(j, "signature", THINKING_SIGNATURE);
         moe_json_object_end(j);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_delta");
+        serve_sse_event(s->reply.sse, "content_block_delta");
     }
     if (s->open != BLOCK_NONE) {
         ev_type(j, "content_block_stop");
         moe_json_kv_int(j, "index", s->index);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_stop");
+        serve_sse_event(s->reply.sse, "content_block_stop");
         s->index++;
     }
     s->open = BLOCK_NONE;
@@ -309,15 +305,15 @@ static void block_close(an_state *s) {
 static void ping_once(an_state *s) {
     if (s->pinged) return;
     s->pinged = true;
-    ev_type(&s->sse->j, "ping");
-    moe_json_object_end(&s->sse->j);
-    serve_sse_event(s->sse, "ping");
+    ev_type(&s->reply.sse->j, "ping");
+    moe_json_object_end(&s->reply.sse->j);
+    serve_sse_event(s->reply.sse, "ping");
 }
 
 static void block_open(an_state *s, block_kind kind) {
     if (s->open == kind) return;
     block_close(s);
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->reply.sse->j;
     ev_type(j, "content_block_start");
     moe_json_kv_int(j, "index", s->index);
     moe_json_key(j, "content_block");
@@ -333,18 +329,18 @@ static void block_open(an_state *s, block_kind kind) {
     }
     moe_json_object_end(j);
     moe_json_object_end(j);
-    serve_sse_event(s->sse, "content_block_start");
+    serve_sse_event(s->reply.sse, "content_block_start");
     s->open = kind;
     ping_once(s);
 }
 
 static void on_segment(void *ud, const serve_segment *seg) {
     an_state *s = ud;
-    if (!s->sse) {
+    if (!s->reply.sse) {
         if (seg->kind == SERVE_SEG_TOOL_CALL) {
             s->calls = moe_xrealloc(s->calls, (s->n_calls_out + 1) * sizeof *s->calls);
             call_out *c = &s->calls[s->n_calls_out++];
-            serve_make_id(s->srv, "toolu_", c->id, sizeof c->id);
+            serve_make_id(s->reply.srv, "toolu_", c->id, sizeof c->id);
             c->name = moe_xstrdup(seg->name);
             c->arguments = moe_xstrdup(seg->arguments);
             moe_strbuf_puts(&s->order, "c");
@@ -356,11 +352,11 @@ static void on_segment(void *ud, const serve_segment *seg) {
         }
         return;
     }
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->reply.sse->j;
     if (seg->kind == SERVE_SEG_TOOL_CALL) {
         block_close(s);
         char id[48];
-        serve_make_id(s->srv, "toolu_", id, sizeof id);
+        serve_make_id(s->reply.srv, "toolu_", id, sizeof id);
         ev_type(j, "content_block_start");
         moe_json_kv_int(j, "index", s->index);
         moe_json_key(j, "content_block");
@@ -373,7 +369,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
         moe_json_object_end(j);
         moe_json_object_end(j);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_start");
+        serve_sse_event(s->reply.sse, "content_block_start");
         ping_once(s);
         ev_type(j, "content_block_delta");
         moe_json_kv_int(j, "index", s->index);
@@ -383,11 +379,11 @@ static void on_segment(void *ud, const serve_segment *seg) {
         moe_json_kv_string(j, "partial_json", seg->arguments);
         moe_json_object_end(j);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_delta");
+        serve_sse_event(s->reply.sse, "content_block_delta");
         ev_type(j, "content_block_stop");
         moe_json_kv_int(j, "index", s->index);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_stop");
+        serve_sse_event(s->reply.sse, "content_block_stop");
         s->index++;
         s->n_calls++;
         return;
@@ -404,68 +400,61 @@ static void on_segment(void *ud, const serve_segment *seg) {
     moe_json_string_n(j, seg->text, seg->len);
     moe_json_object_end(j);
     moe_json_object_end(j);
-    serve_sse_event(s->sse, "content_block_delta");
+    serve_sse_event(s->reply.sse, "content_block_delta");
 }
 
 static void feed_events(void *ud, const serve_taken *t) {
     an_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_output_feed(&s->out, t->text.s + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->reply.out, t->text.s + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
-    if (t->done) serve_output_finish(&s->out, on_segment, s);
+    if (t->done) serve_output_finish(&s->reply.out, on_segment, s);
 }
 
 static void message_head(moe_json *j, an_state *s) {
-    moe_json_kv_string(j, "id", s->id);
+    moe_json_kv_string(j, "id", s->reply.id);
     moe_json_kv_string(j, "type", "message");
     moe_json_kv_string(j, "role", "assistant");
-    moe_json_kv_string(j, "model", s->srv->model_id);
+    moe_json_kv_string(j, "model", s->reply.srv->model_id);
 }
 
-static void stream_pump(serve_sse *sse, const serve_taken *t) {
-    an_state *s = sse->state;
-    s->sse = sse;
-    serve_req *r = sse->req;
-    moe_json *j = &sse->j;
-    if (!s->started) {
-        s->started = true;
-        pthread_mutex_lock(&r->mu);
-        ev_type(j, "message_start");
-        moe_json_key(j, "message");
-        moe_json_object_begin(j);
-        message_head(j, s);
-        moe_json_key(j, "content");
-        moe_json_array_begin(j);
-        moe_json_array_end(j);
-        moe_json_key(j, "stop_reason");
-        moe_json_null(j);
-        moe_json_key(j, "stop_sequence");
-        moe_json_null(j);
-        moe_json_key(j, "usage");
-        json_usage(j, r, false);
-        moe_json_object_end(j);
-        moe_json_object_end(j);
-        pthread_mutex_unlock(&r->mu);
-        serve_sse_event(sse, "message_start");
-    }
-    feed_events(s, t);
-    if (!t->done) return;
-    pthread_mutex_lock(&r->mu);
-    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
-        ev_type(j, "error");
-        moe_json_key(j, "error");
-        moe_json_object_begin(j);
-        moe_json_kv_string(j, "type", "api_error");
-        moe_json_key(j, "message");
-        moe_json_string(j,
-                        r->finish == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
-        moe_json_object_end(j);
-        moe_json_object_end(j);
-        pthread_mutex_unlock(&r->mu);
-        serve_sse_event(sse, "error");
-        sse->h_copy.status = 500;
-        return;
-    }
+static void stream_begin(void *state, const serve_req *r) {
+    an_state *s = state;
+    moe_json *j = &s->reply.sse->j;
+    ev_type(j, "message_start");
+    moe_json_key(j, "message");
+    moe_json_object_begin(j);
+    message_head(j, s);
+    moe_json_key(j, "content");
+    moe_json_array_begin(j);
+    moe_json_array_end(j);
+    moe_json_key(j, "stop_reason");
+    moe_json_null(j);
+    moe_json_key(j, "stop_sequence");
+    moe_json_null(j);
+    moe_json_key(j, "usage");
+    json_usage(j, r, false);
+    moe_json_object_end(j);
+    moe_json_object_end(j);
+    serve_sse_event(s->reply.sse, "message_start");
+}
+
+static void stream_error(void *state, const char *why) {
+    an_state *s = state;
+    moe_json *j = &s->reply.sse->j;
+    ev_type(j, "error");
+    moe_json_key(j, "error");
+    moe_json_object_begin(j);
+    moe_json_kv_string(j, "type", "api_error");
+    moe_json_kv_string(j, "message", why);
+    moe_json_object_end(j);
+    moe_json_object_end(j);
+    serve_sse_event(s->reply.sse, "error");
+}
+
+static void stream_end(void *state, const serve_req *r) {
+    an_state *s = state;
+    moe_json *j = &s->reply.sse->j;
     if (s->index == 0 && s->open == BLOCK_NONE) block_open(s, BLOCK_TEXT); /* always one block */
     block_close(s);
     ev_type(j, "message_delta");
@@ -478,11 +467,10 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     moe_json_key(j, "usage");
     json_usage(j, r, true);
     moe_json_object_end(j);
-    pthread_mutex_unlock(&r->mu);
-    serve_sse_event(sse, "message_delta");
+    serve_sse_event(s->reply.sse, "message_delta");
     ev_type(j, "message_stop");
     moe_json_object_end(j);
-    serve_sse_event(sse, "message_stop");
+    serve_sse_event(s->reply.sse, "message_stop");
 }
 
 /* The whole response of a finished generation. */
@@ -531,18 +519,16 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
     moe_json_object_end(j);
 }
 
-static void reply_complete(serve_http *h, an_state *s, serve_req *r) {
-    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
-        serve_reply_error(h, SERVE_API_ANTHROPIC, 500, NULL, NULL, "generation failed: %s",
-                          r->finish == SERVE_FINISH_ERROR ? r->error : "cancelled");
-        return;
-    }
-    moe_json j;
-    moe_json_init(&j, false);
-    json_whole(&j, s, r);
-    serve_reply_json(h, 200, &j);
-    moe_json_free(&j);
-}
+static const serve_adapter messages_adapter = {
+    .api = SERVE_API_ANTHROPIC,
+    .keepalive = "event: ping\ndata: {\"type\": \"ping\"}\n\n",
+    .stream_begin = stream_begin,
+    .feed = feed_events,
+    .stream_end = stream_end,
+    .stream_error = stream_error,
+    .whole = json_whole,
+    .state_free = an_state_free,
+};
 
 /* ==== Endpoints ==== */
 
@@ -553,40 +539,18 @@ void serve_anthropic_messages(serve_http *h) {
     serve_req *req = serve_req_new();
     char *prompt = NULL;
     const bool ok = parse_request(h, body, req, &chat, true, &prompt);
-    an_state *s = moe_xcalloc(1, sizeof *s);
-    s->srv = h->srv;
-    serve_make_id(h->srv, "msg_", s->id, sizeof s->id);
-    serve_output_init(&s->out, h->srv, &chat, prompt);
-    free(prompt);
-    serve_chat_free(&chat);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
-    serve_taken t = {0};
-    if (!ok || !serve_submit_and_wait(h, SERVE_API_ANTHROPIC, req, &t)) {
-        serve_taken_free(&t);
-        serve_req_release(req);
-        an_state_free(s);
-        return;
-    }
-    if (stream) {
-        serve_reply_sse(h, req, &t, stream_pump, s, an_state_free,
-                        "event: ping\ndata: {\"type\": \"ping\"}\n\n");
-        return;
-    }
-    if (serve_wait_done(h, req, &t, feed_events, s)) reply_complete(h, s, req);
-    serve_taken_free(&t);
-    serve_req_release(req);
-    an_state_free(s);
+    serve_generate(h, serve_reply_new(&messages_adapter, sizeof(an_state), "msg_"), req, &chat,
+                   prompt, ok, stream);
+    free(prompt);
+    serve_chat_free(&chat);
 }
 
 void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
                             const char *text, size_t chunk, bool stream, moe_strbuf *out) {
-    an_state *s = moe_xcalloc(1, sizeof *s);
-    s->srv = srv;
-    serve_make_id(srv, "msg_", s->id, sizeof s->id);
-    serve_output_init(&s->out, srv, chat, prompt);
-    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
-    an_state_free(s);
+    serve_replay(serve_reply_new(&messages_adapter, sizeof(an_state), "msg_"), srv, chat, prompt,
+                 text, chunk, stream, out);
 }
 
 void serve_anthropic_count_tokens(serve_http *h) {

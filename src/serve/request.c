@@ -1,7 +1,6 @@
 /* request.c: what the API adapters do with any request -- errors in the API's shape, response
  * ids, reading the JSON body, the sampling fields the APIs share, setting and tokenizing the
- * prompt, submitting and waiting for a stream, writing client JSON and token pieces back, and
- * replaying model output through an adapter (the tests' view).
+ * prompt, and writing client JSON and token pieces back.
  *
  * The trap: every helper that answers the client (a 4xx or 5xx) returns false, and its caller
  * must not reply again -- serve_reply_text ignores a second reply, but a handler that goes on
@@ -275,75 +274,6 @@ bool serve_tokenize_prompt(serve_http *h, serve_api api, const char *text, size_
     return serve_set_prompt(h, api, ids, n, g);
 }
 
-/* ==== Waiting for the engine ==== */
-
-bool serve_submit_and_wait(serve_http *h, serve_api api, serve_req *req, serve_taken *t) {
-    switch (serve_sched_submit(h->srv->sched, req)) {
-    case SERVE_SUBMIT_OK:
-        break;
-    case SERVE_SUBMIT_QUEUE_FULL:
-        pthread_mutex_lock(&h->srv->metrics.mu);
-        h->srv->metrics.rejected_queue_full++;
-        pthread_mutex_unlock(&h->srv->metrics.mu);
-        h->retry_after = 1;
-        serve_reply_error(h, api, 429, NULL, "rate_limit_exceeded",
-                          "too many requests waiting (%d): try again shortly",
-                          h->srv->p.queue_limit);
-        return false;
-    case SERVE_SUBMIT_NOT_READY:
-        serve_reply_error(h, api, 503, NULL, NULL, "the server is not ready (loading or stopping)");
-        return false;
-    }
-    const double deadline = serve_now() + h->srv->p.queue_timeout_s;
-    while (!t->admitted && !t->done) {
-        if (serve_req_take(req, t, SERVE_POLL_MS / 1000.0) && (t->admitted || t->done)) break;
-        if (serve_client_gone(h->fd)) {
-            serve_req_cancel(req);
-            h->status = 499;
-            return false;
-        }
-        if (serve_now() > deadline) {
-            serve_req_cancel(req);
-            pthread_mutex_lock(&h->srv->metrics.mu);
-            h->srv->metrics.rejected_timeout++;
-            pthread_mutex_unlock(&h->srv->metrics.mu);
-            h->retry_after = 1;
-            serve_reply_error(h, api, 503, NULL, NULL,
-                              "no stream became free within %.0f s: the server is overloaded",
-                              h->srv->p.queue_timeout_s);
-            return false;
-        }
-    }
-    if (!t->admitted) {
-        serve_reply_error(h, api, 503, NULL, NULL, "the request was cancelled (server stopping)");
-        return false;
-    }
-    pthread_mutex_lock(&req->mu);
-    h->log_cached = req->n_cached;
-    pthread_mutex_unlock(&req->mu);
-    return true;
-}
-
-bool serve_wait_done(serve_http *h, serve_req *req, serve_taken *t,
-                     void (*on_events)(void *ud, const serve_taken *t), void *ud) {
-    on_events(ud, t);
-    while (!t->done) {
-        if (serve_req_take(req, t, SERVE_POLL_MS / 1000.0)) {
-            on_events(ud, t);
-            continue;
-        }
-        if (serve_client_gone(h->fd)) {
-            serve_req_cancel(req);
-            h->status = 499;
-            return false;
-        }
-    }
-    pthread_mutex_lock(&req->mu);
-    h->log_completion = req->n_generated;
-    pthread_mutex_unlock(&req->mu);
-    return true;
-}
-
 /* ==== Writing JSON back ==== */
 
 void serve_json_value(moe_json *j, json_t *v) {
@@ -406,45 +336,4 @@ void serve_json_token_bytes(moe_json *j, const moe_tokenizer *tok, int32_t id) {
     moe_json_array_begin(j);
     for (size_t i = 0; i < len; i++) moe_json_int(j, p[i]);
     moe_json_array_end(j);
-}
-
-/* ==== Replaying model output ==== */
-
-void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
-                  void (*feed)(void *state, const serve_taken *t),
-                  void (*whole)(moe_json *j, void *state, const serve_req *r), void *state,
-                  moe_strbuf *out) {
-    serve_req *r = serve_req_new();
-    r->finish = SERVE_FINISH_EOG;
-    r->admitted = r->done = true;
-    serve_taken t = {.admitted = true, .done = true};
-    const size_t n = strlen(text);
-    if (!chunk) chunk = n ? n : 1;
-    for (size_t off = 0; off < n; off += chunk) {
-        if (t.n_events == t.cap_events) {
-            t.cap_events = t.cap_events ? 2 * t.cap_events : 16;
-            t.events = moe_xrealloc(t.events, t.cap_events * sizeof *t.events);
-        }
-        const size_t len = n - off < chunk ? n - off : chunk;
-        t.events[t.n_events++] =
-            (serve_event){.kind = SERVE_EV_TEXT, .text_off = t.text.len, .text_len = len};
-        moe_strbuf_put(&t.text, text + off, len);
-    }
-    moe_json j;
-    moe_json_init(&j, false);
-    if (pump) {
-        serve_sse sse = {.req = r, .state = state, .pump = pump, .j = j};
-        pump(&sse, &t);
-        moe_strbuf_put(out, sse.out.s ? sse.out.s : "", sse.out.len);
-        moe_strbuf_free(&sse.out);
-        j = sse.j;
-    } else {
-        feed(state, &t);
-        whole(&j, state, r);
-        moe_strbuf_put(out, j.buf, j.len);
-    }
-    moe_strbuf_put(out, "", 0);
-    moe_json_free(&j);
-    serve_taken_free(&t);
-    serve_req_release(r);
 }

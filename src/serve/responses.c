@@ -13,7 +13,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define BAD(h, field, ...)                                                                         \
     do {                                                                                           \
@@ -118,21 +117,16 @@ typedef struct out_item {
 } out_item;
 
 typedef struct rs_state {
-    serve_server *srv;
-    serve_sse *sse;
-    serve_output out;
-    char id[64];
-    long created;
+    serve_reply reply; /* first: the skeleton's part */
     out_item *items;
     size_t n_items;
     uint64_t seq;
-    bool started;
     json_t *echo; /* request fields echoed in the response object */
 } rs_state;
 
 static void rs_state_free(void *p) {
     rs_state *s = p;
-    serve_output_free(&s->out);
+    serve_output_free(&s->reply.out);
     for (size_t i = 0; i < s->n_items; i++) {
         moe_strbuf_free(&s->items[i].text);
         free(s->items[i].name);
@@ -193,9 +187,9 @@ static void json_item(moe_json *j, const out_item *it) {
 static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
     const bool incomplete = r && r->finish == SERVE_FINISH_LENGTH;
     moe_json_object_begin(j);
-    moe_json_kv_string(j, "id", s->id);
+    moe_json_kv_string(j, "id", s->reply.id);
     moe_json_kv_string(j, "object", "response");
-    moe_json_kv_int(j, "created_at", s->created);
+    moe_json_kv_int(j, "created_at", s->reply.created);
     moe_json_kv_string(j, "status", !r ? "in_progress" : incomplete ? "incomplete" : "completed");
     moe_json_key(j, "error");
     moe_json_null(j);
@@ -207,7 +201,7 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
     } else {
         moe_json_null(j);
     }
-    moe_json_kv_string(j, "model", s->srv->model_id);
+    moe_json_kv_string(j, "model", s->reply.srv->model_id);
     moe_json_key(j, "output");
     moe_json_array_begin(j);
     for (size_t i = 0; r && i < s->n_items; i++) json_item(j, &s->items[i]);
@@ -246,19 +240,19 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
 
 /* stream events: {"type": TYPE, "sequence_number": N, ...}; the caller adds fields and ends */
 static void ev_begin(rs_state *s, const char *type) {
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->reply.sse->j;
     moe_json_object_begin(j);
     moe_json_kv_string(j, "type", type);
     moe_json_kv_uint(j, "sequence_number", s->seq++);
 }
 
 static void ev_end(rs_state *s, const char *type) {
-    moe_json_object_end(&s->sse->j);
-    serve_sse_event(s->sse, type);
+    moe_json_object_end(&s->reply.sse->j);
+    serve_sse_event(s->reply.sse, type);
 }
 
 static void ev_item_ref(rs_state *s, size_t index, bool content_index) {
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->reply.sse->j;
     moe_json_kv_string(j, "item_id", s->items[index].id);
     moe_json_kv_uint(j, "output_index", index);
     if (content_index) {
@@ -271,8 +265,8 @@ static void item_close(rs_state *s) {
     out_item *it = &s->items[s->n_items - 1];
     if (it->done) return;
     it->done = true;
-    if (!s->sse) return;
-    moe_json *j = &s->sse->j;
+    if (!s->reply.sse) return;
+    moe_json *j = &s->reply.sse->j;
     const size_t idx = s->n_items - 1;
     if (it->kind != ITEM_CALL) {
         const bool msg = it->kind == ITEM_MESSAGE;
@@ -315,15 +309,15 @@ static out_item *item_open(rs_state *s, item_kind kind, const char *name) {
     it->kind = kind;
     if (kind == ITEM_CALL) {
         it->name = moe_xstrdup(name);
-        serve_make_id(s->srv, "call_", it->call_id, sizeof it->call_id);
+        serve_make_id(s->reply.srv, "call_", it->call_id, sizeof it->call_id);
     }
-    serve_make_id(s->srv,
+    serve_make_id(s->reply.srv,
                   kind == ITEM_MESSAGE ? "msg_"
                   : kind == ITEM_CALL  ? "fc_"
                                        : "rs_",
                   it->id, sizeof it->id);
-    if (!s->sse) return it;
-    moe_json *j = &s->sse->j;
+    if (!s->reply.sse) return it;
+    moe_json *j = &s->reply.sse->j;
     ev_begin(s, "response.output_item.added");
     moe_json_kv_uint(j, "output_index", s->n_items - 1);
     moe_json_key(j, "item");
@@ -344,10 +338,10 @@ static void on_segment(void *ud, const serve_segment *seg) {
     if (seg->kind == SERVE_SEG_TOOL_CALL) {
         out_item *it = item_open(s, ITEM_CALL, seg->name);
         moe_strbuf_puts(&it->text, seg->arguments);
-        if (s->sse) {
+        if (s->reply.sse) {
             ev_begin(s, "response.function_call_arguments.delta");
             ev_item_ref(s, s->n_items - 1, false);
-            moe_json_kv_string(&s->sse->j, "delta", seg->arguments);
+            moe_json_kv_string(&s->reply.sse->j, "delta", seg->arguments);
             ev_end(s, "response.function_call_arguments.delta");
         }
         item_close(s);
@@ -358,17 +352,17 @@ static void on_segment(void *ud, const serve_segment *seg) {
     out_item *it = s->n_items ? &s->items[s->n_items - 1] : NULL;
     if (!it || it->done || it->kind != kind) it = item_open(s, kind, NULL);
     moe_strbuf_put(&it->text, seg->text, seg->len);
-    if (!s->sse) return;
+    if (!s->reply.sse) return;
     const char *type =
         kind == ITEM_MESSAGE ? "response.output_text.delta" : "response.reasoning_text.delta";
     ev_begin(s, type);
     ev_item_ref(s, s->n_items - 1, true);
-    moe_json_key(&s->sse->j, "delta");
-    moe_json_string_n(&s->sse->j, seg->text, seg->len);
+    moe_json_key(&s->reply.sse->j, "delta");
+    moe_json_string_n(&s->reply.sse->j, seg->text, seg->len);
     if (kind == ITEM_MESSAGE) {
-        moe_json_key(&s->sse->j, "logprobs");
-        moe_json_array_begin(&s->sse->j);
-        moe_json_array_end(&s->sse->j);
+        moe_json_key(&s->reply.sse->j, "logprobs");
+        moe_json_array_begin(&s->reply.sse->j);
+        moe_json_array_end(&s->reply.sse->j);
     }
     ev_end(s, type);
 }
@@ -376,53 +370,47 @@ static void on_segment(void *ud, const serve_segment *seg) {
 static void feed_events(void *ud, const serve_taken *t) {
     rs_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_output_feed(&s->out, t->text.s + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->reply.out, t->text.s + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
     if (t->done) {
-        serve_output_finish(&s->out, on_segment, s);
+        serve_output_finish(&s->reply.out, on_segment, s);
         if (!s->n_items) item_open(s, ITEM_MESSAGE, NULL); /* always a message, maybe empty */
         item_close(s);
     }
 }
 
-static void stream_pump(serve_sse *sse, const serve_taken *t) {
-    rs_state *s = sse->state;
-    s->sse = sse;
-    moe_json *j = &sse->j;
-    if (!s->started) {
-        s->started = true;
-        ev_begin(s, "response.created");
-        moe_json_key(j, "response");
-        json_response(j, s, NULL);
-        ev_end(s, "response.created");
-        ev_begin(s, "response.in_progress");
-        moe_json_key(j, "response");
-        json_response(j, s, NULL);
-        ev_end(s, "response.in_progress");
-    }
-    feed_events(s, t);
-    if (!t->done) return;
-    serve_req *r = sse->req;
-    pthread_mutex_lock(&r->mu);
-    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
-        ev_begin(s, "error");
-        moe_json_kv_string(j, "code", "server_error");
-        moe_json_key(j, "message");
-        moe_json_string(j,
-                        r->finish == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
-        moe_json_key(j, "param");
-        moe_json_null(j);
-        pthread_mutex_unlock(&r->mu);
-        ev_end(s, "error");
-        sse->h_copy.status = 500;
-        return;
-    }
+static void stream_begin(void *state, const serve_req *r) {
+    (void)r;
+    rs_state *s = state;
+    moe_json *j = &s->reply.sse->j;
+    ev_begin(s, "response.created");
+    moe_json_key(j, "response");
+    json_response(j, s, NULL);
+    ev_end(s, "response.created");
+    ev_begin(s, "response.in_progress");
+    moe_json_key(j, "response");
+    json_response(j, s, NULL);
+    ev_end(s, "response.in_progress");
+}
+
+static void stream_error(void *state, const char *why) {
+    rs_state *s = state;
+    moe_json *j = &s->reply.sse->j;
+    ev_begin(s, "error");
+    moe_json_kv_string(j, "code", "server_error");
+    moe_json_kv_string(j, "message", why);
+    moe_json_key(j, "param");
+    moe_json_null(j);
+    ev_end(s, "error");
+}
+
+static void stream_end(void *state, const serve_req *r) {
+    rs_state *s = state;
     const char *type =
         r->finish == SERVE_FINISH_LENGTH ? "response.incomplete" : "response.completed";
     ev_begin(s, type);
-    moe_json_key(j, "response");
-    json_response(j, s, r);
-    pthread_mutex_unlock(&r->mu);
+    moe_json_key(&s->reply.sse->j, "response");
+    json_response(&s->reply.sse->j, s, r);
     ev_end(s, type);
 }
 
@@ -430,15 +418,26 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
     json_response(j, state, r);
 }
 
+static const serve_adapter responses_adapter = {
+    .api = SERVE_API_OPENAI,
+    .keepalive = ": keep-alive\n\n",
+    .stream_begin = stream_begin,
+    .feed = feed_events,
+    .stream_end = stream_end,
+    .stream_error = stream_error,
+    .whole = json_whole,
+    .state_free = rs_state_free,
+};
+
+static rs_state *rs_state_new(void) {
+    rs_state *s = serve_reply_new(&responses_adapter, sizeof *s, "resp_");
+    s->echo = json_object();
+    return s;
+}
+
 void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
                             const char *text, size_t chunk, bool stream, moe_strbuf *out) {
-    rs_state *s = moe_xcalloc(1, sizeof *s);
-    s->srv = srv;
-    serve_make_id(srv, "resp_", s->id, sizeof s->id);
-    s->echo = json_object();
-    serve_output_init(&s->out, srv, chat, prompt);
-    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
-    rs_state_free(s);
+    serve_replay(&rs_state_new()->reply, srv, chat, prompt, text, chunk, stream, out);
 }
 
 void serve_openai_responses(serve_http *h) {
@@ -446,11 +445,7 @@ void serve_openai_responses(serve_http *h) {
     if (!body) return;
     serve_chat chat = {0};
     serve_req *req = serve_req_new();
-    rs_state *s = moe_xcalloc(1, sizeof *s);
-    s->srv = h->srv;
-    s->created = (long)time(NULL);
-    serve_make_id(h->srv, "resp_", s->id, sizeof s->id);
-    s->echo = json_object();
+    rs_state *s = rs_state_new();
     bool ok = true;
     json_t *prev = json_object_get(body, "previous_response_id");
     if (prev && !json_is_null(prev)) {
@@ -489,35 +484,9 @@ void serve_openai_responses(serve_http *h) {
     char *prompt = NULL;
     ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
          serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
-    serve_output_init(&s->out, h->srv, &chat, prompt);
-    free(prompt);
-    serve_chat_free(&chat);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
-    serve_taken t = {0};
-    if (!ok || !serve_submit_and_wait(h, SERVE_API_OPENAI, req, &t)) {
-        serve_taken_free(&t);
-        serve_req_release(req);
-        rs_state_free(s);
-        return;
-    }
-    if (stream) {
-        serve_reply_sse(h, req, &t, stream_pump, s, rs_state_free, ": keep-alive\n\n");
-        return;
-    }
-    if (serve_wait_done(h, req, &t, feed_events, s)) {
-        if (req->finish == SERVE_FINISH_ERROR || req->finish == SERVE_FINISH_CANCELLED) {
-            serve_reply_error(h, SERVE_API_OPENAI, 500, NULL, NULL, "generation failed: %s",
-                              req->finish == SERVE_FINISH_ERROR ? req->error : "cancelled");
-        } else {
-            moe_json j;
-            moe_json_init(&j, false);
-            json_response(&j, s, req);
-            serve_reply_json(h, 200, &j);
-            moe_json_free(&j);
-        }
-    }
-    serve_taken_free(&t);
-    serve_req_release(req);
-    rs_state_free(s);
+    serve_generate(h, &s->reply, req, &chat, prompt, ok, stream);
+    free(prompt);
+    serve_chat_free(&chat);
 }

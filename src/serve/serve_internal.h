@@ -1,7 +1,7 @@
 /* serve_internal.h: what the files of src/serve/ share -- limits, the request and its event
  * queue (the only channel between HTTP threads and the engine thread), the scheduler, prompts
- * through the chat template and the output parser, metrics, and the HTTP reply helpers the API
- * adapters use.
+ * through the chat template and the output parser, metrics, the HTTP side (transport, router,
+ * the helpers the API adapters use) and the generation skeleton the adapters plug into.
  *
  * The trap: a serve_req is shared by two threads. Its `gen` part is written once by the HTTP
  * thread before submit and only read after; everything the engine reports goes through the
@@ -284,7 +284,7 @@ bool serve_client_gone(int fd);
 const char *serve_header(serve_http *h, const char *name);
 void serve_make_id(serve_server *srv, const char *prefix, char *out, size_t size);
 
-/* A server-sent-event stream: the adapter's pump turns taken events into SSE bytes. */
+/* A server-sent-event stream: the pump (generate.c's) turns taken events into SSE bytes. */
 typedef struct serve_sse serve_sse;
 typedef void (*serve_sse_pump)(serve_sse *s, const serve_taken *t);
 struct serve_sse {
@@ -312,13 +312,8 @@ void serve_reply_sse(serve_http *h, serve_req *req, serve_taken *first, serve_ss
 /* Append one SSE event (event line only when event is not NULL) whose data is the JSON in s->j. */
 void serve_sse_event(serve_sse *s, const char *event);
 
-/* Shared request plumbing: submit and wait for admission; replies (and returns false) on a
- * full queue, a timeout, a hang-up or a server not ready. */
-bool serve_submit_and_wait(serve_http *h, serve_api api, serve_req *req, serve_taken *t);
-/* Wait for the end of a generation, handing every take to on_events (t first, as it may
- * already hold events). false when the client went away (the request is then cancelled). */
-bool serve_wait_done(serve_http *h, serve_req *req, serve_taken *t,
-                     void (*on_events)(void *ud, const serve_taken *t), void *ud);
+/* ==== Helpers the adapters share (request.c) ==== */
+
 /* Sampling fields common to the APIs (temperature, top_p, top_k, min_p, seed, penalties,
  * logit_bias, stop); replies 400 naming the field and returns false on a bad value. */
 bool serve_parse_sampling(serve_http *h, serve_api api, json_t *body, serve_gen *g,
@@ -340,15 +335,58 @@ void serve_json_value(moe_json *j, json_t *v);
 void serve_json_token_piece(moe_json *j, const moe_tokenizer *tok, int32_t id);
 void serve_json_token_bytes(moe_json *j, const moe_tokenizer *tok, int32_t id);
 
+/* ==== The generation skeleton (generate.c) ==== */
+
+typedef struct serve_adapter serve_adapter;
+
+/* What every generating endpoint's per-request state begins with (its first member, so the
+ * state and its reply are one pointer). */
+typedef struct serve_reply {
+    const serve_adapter *adapter;
+    const char *id_prefix; /* of the response's id */
+    serve_server *srv;
+    serve_sse *sse;   /* streaming: the stream, set before each callback; NULL: a whole response */
+    serve_output out; /* the model's text -> content, reasoning, tool calls */
+    char id[64];      /* the response's id */
+    long created;     /* unix seconds */
+    bool started;     /* streaming: the opening events are out */
+} serve_reply;
+
+/* One API's shape of a generation's reply. Each callback gets the state (a serve_reply first);
+ * the stream_* ones run under the request's lock and write events into reply.sse with
+ * serve_sse_event. */
+struct serve_adapter {
+    serve_api api;         /* the shape of its errors */
+    const char *keepalive; /* SSE bytes sent after keepalive_s of silence */
+    /* streaming: the events before any output */
+    void (*stream_begin)(void *state, const serve_req *r);
+    /* both ways: taken events through the output parser (reply.sse says which way) */
+    void (*feed)(void *state, const serve_taken *t);
+    /* streaming: the closing events of a generation that finished, or that failed (why) */
+    void (*stream_end)(void *state, const serve_req *r);
+    void (*stream_error)(void *state, const char *why);
+    /* the whole response of a finished generation */
+    void (*whole)(moe_json *j, void *state, const serve_req *r);
+    void (*state_free)(void *state);
+};
+
+/* A zeroed state of state_size bytes (a serve_reply first) for the adapter. */
+void *serve_reply_new(const serve_adapter *a, size_t state_size, const char *id_prefix);
+/* Everything after parsing a generating request. ok false (the parsing has replied): only frees.
+ * Else: the reply's id and output parser, submit and wait for a stream (429 / 503 / hang-up), then
+ * stream (the adapter's events around every take) or wait for the end and reply the whole response
+ * (500 in the API's shape when the generation failed). req and the state are freed, or belong
+ * to the stream; chat and prompt stay the caller's. */
+void serve_generate(serve_http *h, serve_reply *rp, serve_req *req, const serve_chat *chat,
+                    const char *prompt, bool ok, bool stream);
+
 /* ==== Replaying model output (the tests' view of the adapters) ====
  * A finished generation whose model output was `text`, arriving in pieces of `chunk` bytes (0:
- * whole), through an adapter's own code: its stream pump (SSE bytes into *out) when pump is
- * not NULL, else feed + whole (the non-stream response JSON). Requests run the same functions
- * on the engine's events; tests use this to check the APIs' shapes without a model. */
-void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
-                  void (*feed)(void *state, const serve_taken *t),
-                  void (*whole)(moe_json *j, void *state, const serve_req *r), void *state,
-                  moe_strbuf *out);
+ * whole), through the adapter's own callbacks: the stream's SSE bytes into *out, or the whole
+ * response JSON. Requests run the same callbacks on the engine's events; tests use this to
+ * check the APIs' shapes without a model. Frees the state. */
+void serve_replay(serve_reply *rp, serve_server *srv, const serve_chat *chat, const char *prompt,
+                  const char *text, size_t chunk, bool stream, moe_strbuf *out);
 /* Per API: the request's conversation (tools) and rendered prompt set up the output parser as a
  * live request would. */
 void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
