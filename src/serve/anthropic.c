@@ -20,11 +20,7 @@
     "bW9lLWxvY2FsLXVuc2lnbmVk" /* "moe-local-unsigned": nothing to verify                          \
                                 */
 
-#define BAD(h, field, ...)                                                                         \
-    do {                                                                                           \
-        serve_reply_error(h, SERVE_API_ANTHROPIC, 400, field, NULL, __VA_ARGS__);                  \
-        return false;                                                                              \
-    } while (0)
+#define BAD(h, field, ...) SERVE_BAD(h, SERVE_API_ANTHROPIC, field, __VA_ARGS__)
 
 /* ==== Request parsing ==== */
 
@@ -216,38 +212,23 @@ static bool parse_request(serve_http *h, json_t *body, serve_req *req, serve_cha
 
 typedef enum block_kind { BLOCK_NONE, BLOCK_TEXT, BLOCK_THINKING } block_kind;
 
-typedef struct call_out {
-    char id[48];
-    char *name, *arguments;
-} call_out;
-
 typedef struct an_state {
     serve_reply reply; /* first: the skeleton's part */
     /* stream */
     block_kind open;
     int index; /* of the open block; next block gets index + 1 */
     bool pinged;
-    size_t n_calls;
     /* non-stream */
     moe_strbuf text, thinking;
-    call_out *calls;
-    size_t n_calls_out;
     /* block order, non-stream: 't' thinking, 'x' text, 'c' call */
     moe_strbuf order;
 } an_state;
 
-static void an_state_free(void *p) {
+static void an_state_clear(void *p) {
     an_state *s = p;
-    serve_output_free(&s->reply.out);
     moe_strbuf_free(&s->text);
     moe_strbuf_free(&s->thinking);
     moe_strbuf_free(&s->order);
-    for (size_t i = 0; i < s->n_calls_out; i++) {
-        free(s->calls[i].name);
-        free(s->calls[i].arguments);
-    }
-    free(s->calls);
-    free(s);
 }
 
 static void json_usage(moe_json *j, const serve_req *r, bool with_output) {
@@ -338,11 +319,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
     an_state *s = ud;
     if (!s->reply.sse) {
         if (seg->kind == SERVE_SEG_TOOL_CALL) {
-            s->calls = moe_xrealloc(s->calls, (s->n_calls_out + 1) * sizeof *s->calls);
-            call_out *c = &s->calls[s->n_calls_out++];
-            serve_make_id(s->reply.srv, "toolu_", c->id, sizeof c->id);
-            c->name = moe_xstrdup(seg->name);
-            c->arguments = moe_xstrdup(seg->arguments);
+            serve_reply_call(&s->reply, "toolu_", seg);
             moe_strbuf_puts(&s->order, "c");
         } else {
             moe_strbuf *dst = seg->kind == SERVE_SEG_REASONING ? &s->thinking : &s->text;
@@ -355,8 +332,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
     moe_json *j = &s->reply.sse->j;
     if (seg->kind == SERVE_SEG_TOOL_CALL) {
         block_close(s);
-        char id[48];
-        serve_make_id(s->reply.srv, "toolu_", id, sizeof id);
+        const char *id = serve_reply_call(&s->reply, "toolu_", seg)->id;
         ev_type(j, "content_block_start");
         moe_json_kv_int(j, "index", s->index);
         moe_json_key(j, "content_block");
@@ -385,7 +361,6 @@ static void on_segment(void *ud, const serve_segment *seg) {
         moe_json_object_end(j);
         serve_sse_event(s->reply.sse, "content_block_stop");
         s->index++;
-        s->n_calls++;
         return;
     }
     if (!seg->len) return;
@@ -460,7 +435,7 @@ static void stream_end(void *state, const serve_req *r) {
     ev_type(j, "message_delta");
     moe_json_key(j, "delta");
     moe_json_object_begin(j);
-    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->n_calls));
+    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->reply.n_calls));
     moe_json_key(j, "stop_sequence");
     json_stop_sequence(j, r);
     moe_json_object_end(j);
@@ -494,7 +469,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
             moe_json_key(j, "text");
             moe_json_string_n(j, s->text.s, s->text.len);
         } else {
-            const call_out *c = &s->calls[call++];
+            const serve_tool_call *c = &s->reply.calls[call++];
             moe_json_string(j, "tool_use");
             moe_json_kv_string(j, "id", c->id);
             moe_json_kv_string(j, "name", c->name);
@@ -511,7 +486,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         moe_json_object_end(j);
     }
     moe_json_array_end(j);
-    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->n_calls_out));
+    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->reply.n_calls));
     moe_json_key(j, "stop_sequence");
     json_stop_sequence(j, r);
     moe_json_key(j, "usage");
@@ -527,7 +502,7 @@ static const serve_adapter messages_adapter = {
     .stream_end = stream_end,
     .stream_error = stream_error,
     .whole = json_whole,
-    .state_free = an_state_free,
+    .clear = an_state_clear,
 };
 
 /* ==== Endpoints ==== */

@@ -106,6 +106,25 @@ static void reply_init(serve_reply *rp, serve_server *srv, const serve_chat *cha
     serve_output_init(&rp->out, srv, chat, prompt);
 }
 
+const serve_tool_call *serve_reply_call(serve_reply *rp, const char *id_prefix,
+                                        const serve_segment *seg) {
+    rp->calls = moe_xrealloc(rp->calls, (rp->n_calls + 1) * sizeof *rp->calls);
+    serve_tool_call *c = &rp->calls[rp->n_calls++];
+    char id[48];
+    serve_make_id(rp->srv, id_prefix, id, sizeof id);
+    *c = (serve_tool_call){moe_xstrdup(id), moe_xstrdup(seg->name), moe_xstrdup(seg->arguments)};
+    return c;
+}
+
+/* The adapter's fields, then the skeleton's, then the state. */
+static void reply_free(void *state) {
+    serve_reply *rp = state;
+    rp->adapter->clear(rp);
+    serve_output_free(&rp->out);
+    serve_tool_calls_free(rp->calls, rp->n_calls);
+    free(rp);
+}
+
 /* Why a finished generation has no answer, or NULL when it has one. */
 static const char *failure(const serve_req *r, const char *cancelled) {
     if (r->finish == SERVE_FINISH_ERROR) return r->error;
@@ -157,14 +176,14 @@ void serve_generate(serve_http *h, serve_reply *rp, serve_req *req, const serve_
     if (ok) reply_init(rp, h->srv, chat, prompt);
     if (ok && submit_and_wait(h, a->api, req, &t)) {
         if (stream) { /* the events already taken go out first */
-            serve_reply_sse(h, req, &t, stream_pump, rp, a->state_free, a->keepalive);
+            serve_reply_sse(h, req, &t, stream_pump, rp, reply_free, a->keepalive);
             return;
         }
         if (wait_done(h, req, &t, a->feed, rp)) reply_whole(h, rp, req);
     }
     serve_taken_free(&t);
     serve_req_release(req);
-    a->state_free(rp);
+    reply_free(rp);
 }
 
 /* ==== Replaying model output ==== */
@@ -205,5 +224,5 @@ void serve_replay(serve_reply *rp, serve_server *srv, const serve_chat *chat, co
     moe_json_free(&j);
     serve_taken_free(&t);
     serve_req_release(r);
-    rp->adapter->state_free(rp);
+    reply_free(rp);
 }

@@ -15,11 +15,7 @@
 
 /* ==== Request parsing ==== */
 
-#define BAD(h, field, ...)                                                                         \
-    do {                                                                                           \
-        serve_reply_error(h, SERVE_API_OPENAI, 400, field, NULL, __VA_ARGS__);                     \
-        return false;                                                                              \
-    } while (0)
+#define BAD(h, field, ...) SERVE_BAD(h, SERVE_API_OPENAI, field, __VA_ARGS__)
 
 /* content: a string, null, or an array of parts ({"type":"text","text":...}); Chat Completions'
  * and Responses' part names both (image, audio and file parts are refused by name). */
@@ -167,11 +163,6 @@ static bool parse_limits(serve_http *h, json_t *body, serve_gen *g, const char *
 
 /* ==== Accumulating and streaming output ==== */
 
-typedef struct call_out {
-    char id[48];
-    char *name, *arguments;
-} call_out;
-
 typedef struct oa_state {
     serve_reply reply; /* first: the skeleton's part */
     const moe_tokenizer *tok;
@@ -181,8 +172,6 @@ typedef struct oa_state {
     uint32_t n_top;
     /* non-stream accumulation */
     moe_strbuf content, reasoning;
-    call_out *calls;
-    size_t n_calls;
     moe_sample *samples;
     size_t n_samples;
     /* stream */
@@ -192,18 +181,11 @@ typedef struct oa_state {
     size_t text_offset;
 } oa_state;
 
-static void oa_state_free(void *p) {
+static void oa_state_clear(void *p) {
     oa_state *s = p;
-    serve_output_free(&s->reply.out);
     moe_strbuf_free(&s->content);
     moe_strbuf_free(&s->reasoning);
-    for (size_t i = 0; s->calls && i < s->n_calls; i++) { /* a stream counts calls, keeps none */
-        free(s->calls[i].name);
-        free(s->calls[i].arguments);
-    }
-    free(s->calls);
     free(s->samples);
-    free(s);
 }
 
 static void json_logprob_entry(moe_json *j, const moe_tokenizer *tok, const moe_sample *smp,
@@ -316,13 +298,12 @@ static void stream_delta(oa_state *s, const serve_segment *seg) {
             moe_json_key(j, "reasoning_content");
             moe_json_string_n(j, seg->text, seg->len);
         } else {
-            call_out c = {0};
-            serve_make_id(s->reply.srv, "call_", c.id, sizeof c.id);
+            const serve_tool_call *c = serve_reply_call(&s->reply, "call_", seg);
             moe_json_key(j, "tool_calls");
             moe_json_array_begin(j);
             moe_json_object_begin(j);
-            moe_json_kv_uint(j, "index", s->n_calls++);
-            moe_json_kv_string(j, "id", c.id);
+            moe_json_kv_uint(j, "index", s->reply.n_calls - 1);
+            moe_json_kv_string(j, "id", c->id);
             moe_json_kv_string(j, "type", "function");
             moe_json_key(j, "function");
             moe_json_object_begin(j);
@@ -373,11 +354,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
     else if (seg->kind == SERVE_SEG_REASONING)
         moe_strbuf_put(&s->reasoning, seg->text, seg->len);
     else {
-        s->calls = moe_xrealloc(s->calls, (s->n_calls + 1) * sizeof *s->calls);
-        call_out *c = &s->calls[s->n_calls++];
-        serve_make_id(s->reply.srv, "call_", c->id, sizeof c->id);
-        c->name = moe_xstrdup(seg->name);
-        c->arguments = moe_xstrdup(seg->arguments);
+        serve_reply_call(&s->reply, "call_", seg);
     }
 }
 
@@ -458,7 +435,7 @@ static void stream_end(void *state, const serve_req *r) {
     }
     moe_json_key(j, "logprobs");
     moe_json_null(j);
-    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->n_calls));
+    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->reply.n_calls));
     moe_json_object_end(j);
     chunk_end(s, j);
     if (s->include_usage) {
@@ -486,7 +463,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         bool blank = true;
         for (size_t i = 0; i < s->content.len; i++)
             blank &= s->content.s[i] == ' ' || s->content.s[i] == '\n';
-        if (s->n_calls && blank)
+        if (s->reply.n_calls && blank)
             moe_json_null(j);
         else
             moe_json_string_n(j, s->content.s ? s->content.s : "", s->content.len);
@@ -494,17 +471,17 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
             moe_json_key(j, "reasoning_content");
             moe_json_string_n(j, s->reasoning.s, s->reasoning.len);
         }
-        if (s->n_calls) {
+        if (s->reply.n_calls) {
             moe_json_key(j, "tool_calls");
             moe_json_array_begin(j);
-            for (size_t i = 0; i < s->n_calls; i++) {
+            for (size_t i = 0; i < s->reply.n_calls; i++) {
                 moe_json_object_begin(j);
-                moe_json_kv_string(j, "id", s->calls[i].id);
+                moe_json_kv_string(j, "id", s->reply.calls[i].id);
                 moe_json_kv_string(j, "type", "function");
                 moe_json_key(j, "function");
                 moe_json_object_begin(j);
-                moe_json_kv_string(j, "name", s->calls[i].name);
-                moe_json_kv_string(j, "arguments", s->calls[i].arguments);
+                moe_json_kv_string(j, "name", s->reply.calls[i].name);
+                moe_json_kv_string(j, "arguments", s->reply.calls[i].arguments);
                 moe_json_object_end(j);
                 moe_json_object_end(j);
             }
@@ -536,7 +513,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         else
             moe_json_null(j);
     }
-    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->n_calls));
+    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->reply.n_calls));
     moe_json_object_end(j);
     moe_json_array_end(j);
     moe_json_key(j, "usage");
@@ -552,7 +529,7 @@ static const serve_adapter openai_adapter = {
     .stream_end = stream_end,
     .stream_error = stream_error,
     .whole = json_whole,
-    .state_free = oa_state_free,
+    .clear = oa_state_clear,
 };
 
 static oa_state *oa_state_new(bool chat) {

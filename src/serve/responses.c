@@ -14,11 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define BAD(h, field, ...)                                                                         \
-    do {                                                                                           \
-        serve_reply_error(h, SERVE_API_OPENAI, 400, field, NULL, __VA_ARGS__);                     \
-        return false;                                                                              \
-    } while (0)
+#define BAD(h, field, ...) SERVE_BAD(h, SERVE_API_OPENAI, field, __VA_ARGS__)
 
 /* ==== Request ==== */
 
@@ -124,16 +120,14 @@ typedef struct rs_state {
     json_t *echo; /* request fields echoed in the response object */
 } rs_state;
 
-static void rs_state_free(void *p) {
+static void rs_state_clear(void *p) {
     rs_state *s = p;
-    serve_output_free(&s->reply.out);
     for (size_t i = 0; i < s->n_items; i++) {
         moe_strbuf_free(&s->items[i].text);
         free(s->items[i].name);
     }
     free(s->items);
     json_decref(s->echo);
-    free(s);
 }
 
 /* The one content part of a message (output_text) or reasoning item (reasoning_text); its text
@@ -426,7 +420,7 @@ static const serve_adapter responses_adapter = {
     .stream_end = stream_end,
     .stream_error = stream_error,
     .whole = json_whole,
-    .state_free = rs_state_free,
+    .clear = rs_state_clear,
 };
 
 static rs_state *rs_state_new(void) {

@@ -172,6 +172,8 @@ typedef struct serve_tool_call {
     char *arguments; /* JSON text of the arguments object */
 } serve_tool_call;
 
+void serve_tool_calls_free(serve_tool_call *calls, size_t n);
+
 typedef struct serve_message {
     char *role;      /* system, user, assistant, tool */
     char *content;   /* text, parts joined */
@@ -245,7 +247,7 @@ void serve_output_feed(serve_output *o, const char *text, size_t len, serve_segm
 void serve_output_finish(serve_output *o, serve_segment_fn fn, void *ud);
 void serve_output_free(serve_output *o);
 
-/* ==== HTTP side: the server, one request's exchange, replies ==== */
+/* ==== Transport (http.c): the server, one request's exchange, replies, streams ==== */
 
 struct serve_server {
     moe_serve_params p;
@@ -275,14 +277,8 @@ struct serve_http {
 void serve_reply_json(serve_http *h, int status, const moe_json *j);
 void serve_reply_text(serve_http *h, int status, const char *content_type, const char *text,
                       size_t len);
-/* An error in the API's shape; the error type follows from the status. param: the request
- * field at fault, or NULL; code: OpenAI's error code (invalid_api_key, ...), or NULL. */
-void serve_reply_error(serve_http *h, serve_api api, int status, const char *param,
-                       const char *code, const char *fmt, ...)
-    __attribute__((format(printf, 6, 7)));
 bool serve_client_gone(int fd);
 const char *serve_header(serve_http *h, const char *name);
-void serve_make_id(serve_server *srv, const char *prefix, char *out, size_t size);
 
 /* A server-sent-event stream: the pump (generate.c's) turns taken events into SSE bytes. */
 typedef struct serve_sse serve_sse;
@@ -314,6 +310,19 @@ void serve_sse_event(serve_sse *s, const char *event);
 
 /* ==== Helpers the adapters share (request.c) ==== */
 
+/* An error in the API's shape; the error type follows from the status. param: the request
+ * field at fault, or NULL; code: OpenAI's error code (invalid_api_key, ...), or NULL. */
+void serve_reply_error(serve_http *h, serve_api api, int status, const char *param,
+                       const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+/* In a parser returning bool: answer 400 naming the request field at fault, and return false. */
+#define SERVE_BAD(h, api, field, ...)                                                              \
+    do {                                                                                           \
+        serve_reply_error(h, api, 400, field, NULL, __VA_ARGS__);                                  \
+        return false;                                                                              \
+    } while (0)
+/* PREFIX + time + a counter: unique within the server's life. */
+void serve_make_id(serve_server *srv, const char *prefix, char *out, size_t size);
 /* Sampling fields common to the APIs (temperature, top_p, top_k, min_p, seed, penalties,
  * logit_bias, stop); replies 400 naming the field and returns false on a bad value. */
 bool serve_parse_sampling(serve_http *h, serve_api api, json_t *body, serve_gen *g,
@@ -347,9 +356,11 @@ typedef struct serve_reply {
     serve_server *srv;
     serve_sse *sse;   /* streaming: the stream, set before each callback; NULL: a whole response */
     serve_output out; /* the model's text -> content, reasoning, tool calls */
-    char id[64];      /* the response's id */
-    long created;     /* unix seconds */
-    bool started;     /* streaming: the opening events are out */
+    serve_tool_call *calls; /* [n_calls] the model's tool calls so far (serve_reply_call) */
+    size_t n_calls;
+    char id[64];  /* the response's id */
+    long created; /* unix seconds */
+    bool started; /* streaming: the opening events are out */
 } serve_reply;
 
 /* One API's shape of a generation's reply. Each callback gets the state (a serve_reply first);
@@ -367,11 +378,15 @@ struct serve_adapter {
     void (*stream_error)(void *state, const char *why);
     /* the whole response of a finished generation */
     void (*whole)(moe_json *j, void *state, const serve_req *r);
-    void (*state_free)(void *state);
+    /* free what the adapter's own fields hold (the skeleton frees its part and the state) */
+    void (*clear)(void *state);
 };
 
 /* A zeroed state of state_size bytes (a serve_reply first) for the adapter. */
 void *serve_reply_new(const serve_adapter *a, size_t state_size, const char *id_prefix);
+/* Record a tool call the model made in rp->calls, under a new id (serve_make_id with id_prefix). */
+const serve_tool_call *serve_reply_call(serve_reply *rp, const char *id_prefix,
+                                        const serve_segment *seg);
 /* Everything after parsing a generating request. ok false (the parsing has replied): only frees.
  * Else: the reply's id and output parser, submit and wait for a stream (429 / 503 / hang-up), then
  * stream (the adapter's events around every take) or wait for the end and reply the whole response
