@@ -1,8 +1,8 @@
 /* router.c: which handler a request reaches -- the endpoint table (method + path), API keys, the
  * model-loading gate, the API whose error shape a reply takes -- and the operational endpoints
  * (/health, /metrics, /tokenize, /detokenize, /v1/models' choice of shape) with the metrics'
- * Prometheus text. The trap: the table decides 404 against 405 by path first, so a new route's
- * path must be spelled exactly as clients send it (no trailing slash). */
+ * Prometheus text. The trap: a route that reads the tokenizer or the model's context must say
+ * needs_model, or it runs before the engine thread has loaded them. */
 #include "serve_internal.h"
 
 #include <stdio.h>
