@@ -213,7 +213,7 @@ static bool parse_request(serve_http *h, json_t *body, serve_req *req, serve_cha
 typedef enum block_kind { BLOCK_NONE, BLOCK_TEXT, BLOCK_THINKING } block_kind;
 
 typedef struct an_state {
-    serve_reply reply; /* first: the skeleton's part */
+    serve_answer answer; /* first: the skeleton's part */
     /* stream */
     block_kind open;
     int index; /* of the open block; next block gets index + 1 */
@@ -261,7 +261,7 @@ static void ev_type(moe_json *j, const char *type) {
 }
 
 static void block_close(an_state *s) {
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     if (s->open == BLOCK_THINKING) {
         ev_type(j, "content_block_delta");
         moe_json_kv_int(j, "index", s->index);
@@ -271,13 +271,13 @@ static void block_close(an_state *s) {
         moe_json_kv_string(j, "signature", THINKING_SIGNATURE);
         moe_json_object_end(j);
         moe_json_object_end(j);
-        serve_sse_event(s->reply.sse, "content_block_delta");
+        serve_sse_event(s->answer.sse, "content_block_delta");
     }
     if (s->open != BLOCK_NONE) {
         ev_type(j, "content_block_stop");
         moe_json_kv_int(j, "index", s->index);
         moe_json_object_end(j);
-        serve_sse_event(s->reply.sse, "content_block_stop");
+        serve_sse_event(s->answer.sse, "content_block_stop");
         s->index++;
     }
     s->open = BLOCK_NONE;
@@ -286,15 +286,15 @@ static void block_close(an_state *s) {
 static void ping_once(an_state *s) {
     if (s->pinged) return;
     s->pinged = true;
-    ev_type(&s->reply.sse->j, "ping");
-    moe_json_object_end(&s->reply.sse->j);
-    serve_sse_event(s->reply.sse, "ping");
+    ev_type(&s->answer.sse->j, "ping");
+    moe_json_object_end(&s->answer.sse->j);
+    serve_sse_event(s->answer.sse, "ping");
 }
 
 static void block_open(an_state *s, block_kind kind) {
     if (s->open == kind) return;
     block_close(s);
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     ev_type(j, "content_block_start");
     moe_json_kv_int(j, "index", s->index);
     moe_json_key(j, "content_block");
@@ -310,16 +310,16 @@ static void block_open(an_state *s, block_kind kind) {
     }
     moe_json_object_end(j);
     moe_json_object_end(j);
-    serve_sse_event(s->reply.sse, "content_block_start");
+    serve_sse_event(s->answer.sse, "content_block_start");
     s->open = kind;
     ping_once(s);
 }
 
 static void on_segment(void *ud, const serve_segment *seg) {
     an_state *s = ud;
-    if (!s->reply.sse) {
+    if (!s->answer.sse) {
         if (seg->kind == SERVE_SEG_TOOL_CALL) {
-            serve_reply_call(&s->reply, "toolu_", seg);
+            serve_answer_call(&s->answer, "toolu_", seg);
             moe_strbuf_puts(&s->order, "c");
         } else {
             moe_strbuf *dst = seg->kind == SERVE_SEG_REASONING ? &s->thinking : &s->text;
@@ -329,10 +329,10 @@ static void on_segment(void *ud, const serve_segment *seg) {
         }
         return;
     }
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     if (seg->kind == SERVE_SEG_TOOL_CALL) {
         block_close(s);
-        const char *id = serve_reply_call(&s->reply, "toolu_", seg)->id;
+        const char *id = serve_answer_call(&s->answer, "toolu_", seg)->id;
         ev_type(j, "content_block_start");
         moe_json_kv_int(j, "index", s->index);
         moe_json_key(j, "content_block");
@@ -345,7 +345,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
         moe_json_object_end(j);
         moe_json_object_end(j);
         moe_json_object_end(j);
-        serve_sse_event(s->reply.sse, "content_block_start");
+        serve_sse_event(s->answer.sse, "content_block_start");
         ping_once(s);
         ev_type(j, "content_block_delta");
         moe_json_kv_int(j, "index", s->index);
@@ -355,11 +355,11 @@ static void on_segment(void *ud, const serve_segment *seg) {
         moe_json_kv_string(j, "partial_json", seg->arguments);
         moe_json_object_end(j);
         moe_json_object_end(j);
-        serve_sse_event(s->reply.sse, "content_block_delta");
+        serve_sse_event(s->answer.sse, "content_block_delta");
         ev_type(j, "content_block_stop");
         moe_json_kv_int(j, "index", s->index);
         moe_json_object_end(j);
-        serve_sse_event(s->reply.sse, "content_block_stop");
+        serve_sse_event(s->answer.sse, "content_block_stop");
         s->index++;
         return;
     }
@@ -375,27 +375,27 @@ static void on_segment(void *ud, const serve_segment *seg) {
     moe_json_string_n(j, seg->text, seg->len);
     moe_json_object_end(j);
     moe_json_object_end(j);
-    serve_sse_event(s->reply.sse, "content_block_delta");
+    serve_sse_event(s->answer.sse, "content_block_delta");
 }
 
 static void feed_events(void *ud, const serve_taken *t) {
     an_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_output_feed(&s->reply.out, t->text.s + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->answer.out, t->text.s + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
-    if (t->done) serve_output_finish(&s->reply.out, on_segment, s);
+    if (t->done) serve_output_finish(&s->answer.out, on_segment, s);
 }
 
 static void message_head(moe_json *j, an_state *s) {
-    moe_json_kv_string(j, "id", s->reply.id);
+    moe_json_kv_string(j, "id", s->answer.id);
     moe_json_kv_string(j, "type", "message");
     moe_json_kv_string(j, "role", "assistant");
-    moe_json_kv_string(j, "model", s->reply.srv->model_id);
+    moe_json_kv_string(j, "model", s->answer.srv->model_id);
 }
 
 static void stream_begin(void *state, const serve_req *r) {
     an_state *s = state;
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     ev_type(j, "message_start");
     moe_json_key(j, "message");
     moe_json_object_begin(j);
@@ -411,12 +411,12 @@ static void stream_begin(void *state, const serve_req *r) {
     json_usage(j, r, false);
     moe_json_object_end(j);
     moe_json_object_end(j);
-    serve_sse_event(s->reply.sse, "message_start");
+    serve_sse_event(s->answer.sse, "message_start");
 }
 
 static void stream_error(void *state, const char *why) {
     an_state *s = state;
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     ev_type(j, "error");
     moe_json_key(j, "error");
     moe_json_object_begin(j);
@@ -424,28 +424,28 @@ static void stream_error(void *state, const char *why) {
     moe_json_kv_string(j, "message", why);
     moe_json_object_end(j);
     moe_json_object_end(j);
-    serve_sse_event(s->reply.sse, "error");
+    serve_sse_event(s->answer.sse, "error");
 }
 
 static void stream_end(void *state, const serve_req *r) {
     an_state *s = state;
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     if (s->index == 0 && s->open == BLOCK_NONE) block_open(s, BLOCK_TEXT); /* always one block */
     block_close(s);
     ev_type(j, "message_delta");
     moe_json_key(j, "delta");
     moe_json_object_begin(j);
-    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->reply.n_calls));
+    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->answer.n_calls));
     moe_json_key(j, "stop_sequence");
     json_stop_sequence(j, r);
     moe_json_object_end(j);
     moe_json_key(j, "usage");
     json_usage(j, r, true);
     moe_json_object_end(j);
-    serve_sse_event(s->reply.sse, "message_delta");
+    serve_sse_event(s->answer.sse, "message_delta");
     ev_type(j, "message_stop");
     moe_json_object_end(j);
-    serve_sse_event(s->reply.sse, "message_stop");
+    serve_sse_event(s->answer.sse, "message_stop");
 }
 
 /* The whole response of a finished generation. */
@@ -469,7 +469,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
             moe_json_key(j, "text");
             moe_json_string_n(j, s->text.s, s->text.len);
         } else {
-            const serve_tool_call *c = &s->reply.calls[call++];
+            const serve_tool_call *c = &s->answer.calls[call++];
             moe_json_string(j, "tool_use");
             moe_json_kv_string(j, "id", c->id);
             moe_json_kv_string(j, "name", c->name);
@@ -486,7 +486,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         moe_json_object_end(j);
     }
     moe_json_array_end(j);
-    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->reply.n_calls));
+    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->answer.n_calls));
     moe_json_key(j, "stop_sequence");
     json_stop_sequence(j, r);
     moe_json_key(j, "usage");
@@ -516,7 +516,7 @@ void serve_anthropic_messages(serve_http *h) {
     const bool ok = parse_request(h, body, req, &chat, true, &prompt);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
-    serve_generate(h, serve_reply_new(&messages_adapter, sizeof(an_state), "msg_"), req, &chat,
+    serve_generate(h, serve_answer_new(&messages_adapter, sizeof(an_state), "msg_"), req, &chat,
                    prompt, ok, stream);
     free(prompt);
     serve_chat_free(&chat);
@@ -524,7 +524,7 @@ void serve_anthropic_messages(serve_http *h) {
 
 void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
                             const char *text, size_t chunk, bool stream, moe_strbuf *out) {
-    serve_replay(serve_reply_new(&messages_adapter, sizeof(an_state), "msg_"), srv, chat, prompt,
+    serve_replay(serve_answer_new(&messages_adapter, sizeof(an_state), "msg_"), srv, chat, prompt,
                  text, chunk, stream, out);
 }
 

@@ -1,4 +1,4 @@
-/* generate.c: the skeleton every generating endpoint shares, whatever its API -- set up the reply
+/* generate.c: the skeleton every generating endpoint shares, whatever its API -- set up the answer
  * (id, output parser), submit and wait for a stream, then either stream (the adapter's events
  * around every take of the engine's) or collect and answer with the whole response, and free
  * it all. An API adapter is a serve_adapter: its shape of the stream's first and last events,
@@ -87,42 +87,42 @@ static bool wait_done(serve_http *h, serve_req *req, serve_taken *t,
     return true;
 }
 
-/* ==== The reply ==== */
+/* ==== The answer ==== */
 
-void *serve_reply_new(const serve_adapter *a, size_t state_size, const char *id_prefix) {
-    serve_reply *rp = moe_xcalloc(1, state_size);
-    rp->adapter = a;
-    rp->id_prefix = id_prefix;
-    return rp;
+void *serve_answer_new(const serve_adapter *a, size_t state_size, const char *id_prefix) {
+    serve_answer *ans = moe_xcalloc(1, state_size);
+    ans->adapter = a;
+    ans->id_prefix = id_prefix;
+    return ans;
 }
 
 /* Server, id, time, and the output parser for chat's reply (chat NULL: plain text) after the
  * rendered prompt (NULL: none). */
-static void reply_init(serve_reply *rp, serve_server *srv, const serve_chat *chat,
-                       const char *prompt) {
-    rp->srv = srv;
-    rp->created = (long)time(NULL);
-    serve_make_id(srv, rp->id_prefix, rp->id, sizeof rp->id);
-    serve_output_init(&rp->out, srv, chat, prompt);
+static void answer_init(serve_answer *ans, serve_server *srv, const serve_chat *chat,
+                        const char *prompt) {
+    ans->srv = srv;
+    ans->created = (long)time(NULL);
+    serve_make_id(srv, ans->id_prefix, ans->id, sizeof ans->id);
+    serve_output_init(&ans->out, srv, chat, prompt);
 }
 
-const serve_tool_call *serve_reply_call(serve_reply *rp, const char *id_prefix,
-                                        const serve_segment *seg) {
-    rp->calls = moe_xrealloc(rp->calls, (rp->n_calls + 1) * sizeof *rp->calls);
-    serve_tool_call *c = &rp->calls[rp->n_calls++];
+const serve_tool_call *serve_answer_call(serve_answer *ans, const char *id_prefix,
+                                         const serve_segment *seg) {
+    ans->calls = moe_xrealloc(ans->calls, (ans->n_calls + 1) * sizeof *ans->calls);
+    serve_tool_call *c = &ans->calls[ans->n_calls++];
     char id[48];
-    serve_make_id(rp->srv, id_prefix, id, sizeof id);
+    serve_make_id(ans->srv, id_prefix, id, sizeof id);
     *c = (serve_tool_call){moe_xstrdup(id), moe_xstrdup(seg->name), moe_xstrdup(seg->arguments)};
     return c;
 }
 
 /* The adapter's fields, then the skeleton's, then the state. */
-static void reply_free(void *state) {
-    serve_reply *rp = state;
-    rp->adapter->clear(rp);
-    serve_output_free(&rp->out);
-    serve_tool_calls_free(rp->calls, rp->n_calls);
-    free(rp);
+static void answer_free(void *state) {
+    serve_answer *ans = state;
+    ans->adapter->clear(ans);
+    serve_output_free(&ans->out);
+    serve_tool_calls_free(ans->calls, ans->n_calls);
+    free(ans);
 }
 
 /* Why a finished generation has no answer, or NULL when it has one. */
@@ -133,64 +133,64 @@ static const char *failure(const serve_req *r, const char *cancelled) {
 
 /* The transport's pump: the adapter's opening events, then every take, then its closing ones. */
 static void stream_pump(serve_sse *sse, const serve_taken *t) {
-    serve_reply *rp = sse->state;
-    const serve_adapter *a = rp->adapter;
+    serve_answer *ans = sse->state;
+    const serve_adapter *a = ans->adapter;
     serve_req *r = sse->req;
-    rp->sse = sse;
-    if (!rp->started) {
-        rp->started = true;
+    ans->sse = sse;
+    if (!ans->started) {
+        ans->started = true;
         pthread_mutex_lock(&r->mu);
-        a->stream_begin(rp, r);
+        a->stream_begin(ans, r);
         pthread_mutex_unlock(&r->mu);
     }
-    a->feed(rp, t);
+    a->feed(ans, t);
     if (!t->done) return;
     pthread_mutex_lock(&r->mu);
     const char *failed = failure(r, "the request was cancelled");
     if (failed) {
-        a->stream_error(rp, failed);
+        a->stream_error(ans, failed);
         sse->h_copy.status = 500;
     } else {
-        a->stream_end(rp, r);
+        a->stream_end(ans, r);
     }
     pthread_mutex_unlock(&r->mu);
 }
 
-static void reply_whole(serve_http *h, serve_reply *rp, const serve_req *r) {
+static void reply_whole(serve_http *h, serve_answer *ans, const serve_req *r) {
     const char *failed = failure(r, "cancelled");
     if (failed) {
-        serve_reply_error(h, rp->adapter->api, 500, NULL, NULL, "generation failed: %s", failed);
+        serve_reply_error(h, ans->adapter->api, 500, NULL, NULL, "generation failed: %s", failed);
         return;
     }
     moe_json j;
     moe_json_init(&j, false);
-    rp->adapter->whole(&j, rp, r);
+    ans->adapter->whole(&j, ans, r);
     serve_reply_json(h, 200, &j);
     moe_json_free(&j);
 }
 
-void serve_generate(serve_http *h, serve_reply *rp, serve_req *req, const serve_chat *chat,
+void serve_generate(serve_http *h, serve_answer *ans, serve_req *req, const serve_chat *chat,
                     const char *prompt, bool ok, bool stream) {
-    const serve_adapter *a = rp->adapter;
+    const serve_adapter *a = ans->adapter;
     serve_taken t = {0};
-    if (ok) reply_init(rp, h->srv, chat, prompt);
+    if (ok) answer_init(ans, h->srv, chat, prompt);
     if (ok && submit_and_wait(h, a->api, req, &t)) {
         if (stream) { /* the events already taken go out first */
-            serve_reply_sse(h, req, &t, stream_pump, rp, reply_free, a->keepalive);
+            serve_reply_sse(h, req, &t, stream_pump, ans, answer_free, a->keepalive);
             return;
         }
-        if (wait_done(h, req, &t, a->feed, rp)) reply_whole(h, rp, req);
+        if (wait_done(h, req, &t, a->feed, ans)) reply_whole(h, ans, req);
     }
     serve_taken_free(&t);
     serve_req_release(req);
-    reply_free(rp);
+    answer_free(ans);
 }
 
 /* ==== Replaying model output ==== */
 
-void serve_replay(serve_reply *rp, serve_server *srv, const serve_chat *chat, const char *prompt,
+void serve_replay(serve_answer *ans, serve_server *srv, const serve_chat *chat, const char *prompt,
                   const char *text, size_t chunk, bool stream, moe_strbuf *out) {
-    reply_init(rp, srv, chat, prompt);
+    answer_init(ans, srv, chat, prompt);
     serve_req *r = serve_req_new();
     r->finish = SERVE_FINISH_EOG;
     r->admitted = r->done = true;
@@ -210,19 +210,19 @@ void serve_replay(serve_reply *rp, serve_server *srv, const serve_chat *chat, co
     moe_json j;
     moe_json_init(&j, false);
     if (stream) {
-        serve_sse sse = {.req = r, .state = rp, .pump = stream_pump, .j = j};
+        serve_sse sse = {.req = r, .state = ans, .pump = stream_pump, .j = j};
         stream_pump(&sse, &t);
         moe_strbuf_put(out, sse.out.s ? sse.out.s : "", sse.out.len);
         moe_strbuf_free(&sse.out);
         j = sse.j;
     } else {
-        rp->adapter->feed(rp, &t);
-        rp->adapter->whole(&j, rp, r);
+        ans->adapter->feed(ans, &t);
+        ans->adapter->whole(&j, ans, r);
         moe_strbuf_put(out, j.buf, j.len);
     }
     moe_strbuf_put(out, "", 0);
     moe_json_free(&j);
     serve_taken_free(&t);
     serve_req_release(r);
-    reply_free(rp);
+    answer_free(ans);
 }

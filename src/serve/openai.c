@@ -164,7 +164,7 @@ static bool parse_limits(serve_http *h, json_t *body, serve_gen *g, const char *
 /* ==== Accumulating and streaming output ==== */
 
 typedef struct oa_state {
-    serve_reply reply; /* first: the skeleton's part */
+    serve_answer answer; /* first: the skeleton's part */
     const moe_tokenizer *tok;
     bool chat; /* chat.completion(s) vs text_completion */
     bool include_usage;
@@ -253,10 +253,10 @@ static void json_legacy_logprobs(moe_json *j, const moe_tokenizer *tok, const mo
 /* A response object's fields up to its open "choices" array. */
 static void json_head(oa_state *s, moe_json *j, const char *object) {
     moe_json_object_begin(j);
-    moe_json_kv_string(j, "id", s->reply.id);
+    moe_json_kv_string(j, "id", s->answer.id);
     moe_json_kv_string(j, "object", object);
-    moe_json_kv_int(j, "created", s->reply.created);
-    moe_json_kv_string(j, "model", s->reply.srv->model_id);
+    moe_json_kv_int(j, "created", s->answer.created);
+    moe_json_kv_string(j, "model", s->answer.srv->model_id);
     moe_json_kv_string(j, "system_fingerprint", "moe-" MOE_VERSION_STRING);
     moe_json_key(j, "choices");
     moe_json_array_begin(j);
@@ -273,12 +273,12 @@ static void chunk_end(oa_state *s, moe_json *j) {
         moe_json_null(j);
     }
     moe_json_object_end(j);
-    serve_sse_event(s->reply.sse, NULL);
+    serve_sse_event(s->answer.sse, NULL);
 }
 
 /* one streamed chunk; kind < 0: an empty delta (logprobs carrier) */
 static void stream_delta(oa_state *s, const serve_segment *seg) {
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     chunk_begin(s, j);
     moe_json_object_begin(j);
     moe_json_kv_int(j, "index", 0);
@@ -298,11 +298,11 @@ static void stream_delta(oa_state *s, const serve_segment *seg) {
             moe_json_key(j, "reasoning_content");
             moe_json_string_n(j, seg->text, seg->len);
         } else {
-            const serve_tool_call *c = serve_reply_call(&s->reply, "call_", seg);
+            const serve_tool_call *c = serve_answer_call(&s->answer, "call_", seg);
             moe_json_key(j, "tool_calls");
             moe_json_array_begin(j);
             moe_json_object_begin(j);
-            moe_json_kv_uint(j, "index", s->reply.n_calls - 1);
+            moe_json_kv_uint(j, "index", s->answer.n_calls - 1);
             moe_json_kv_string(j, "id", c->id);
             moe_json_kv_string(j, "type", "function");
             moe_json_key(j, "function");
@@ -345,7 +345,7 @@ static void stream_delta(oa_state *s, const serve_segment *seg) {
 
 static void on_segment(void *ud, const serve_segment *seg) {
     oa_state *s = ud;
-    if (s->reply.sse) {
+    if (s->answer.sse) {
         stream_delta(s, seg);
         return;
     }
@@ -354,7 +354,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
     else if (seg->kind == SERVE_SEG_REASONING)
         moe_strbuf_put(&s->reasoning, seg->text, seg->len);
     else {
-        serve_reply_call(&s->reply, "call_", seg);
+        serve_answer_call(&s->answer, "call_", seg);
     }
 }
 
@@ -363,18 +363,18 @@ static void feed_events(void *ud, const serve_taken *t) {
     for (size_t i = 0; i < t->n_events; i++) {
         const serve_event *e = &t->events[i];
         if (e->kind == SERVE_EV_TOKEN && s->logprobs) {
-            if (s->reply.sse) {
+            if (s->answer.sse) {
                 s->pending_sample = &e->sample;
             } else {
                 s->samples = moe_xrealloc(s->samples, (s->n_samples + 1) * sizeof *s->samples);
                 s->samples[s->n_samples++] = e->sample;
             }
         }
-        serve_output_feed(&s->reply.out, t->text.s + e->text_off, e->text_len, on_segment, s);
-        if (s->reply.sse && s->pending_sample)
+        serve_output_feed(&s->answer.out, t->text.s + e->text_off, e->text_len, on_segment, s);
+        if (s->answer.sse && s->pending_sample)
             stream_delta(s, NULL); /* held text: logprobs alone */
     }
-    if (t->done) serve_output_finish(&s->reply.out, on_segment, s);
+    if (t->done) serve_output_finish(&s->answer.out, on_segment, s);
 }
 
 static const char *finish_reason(const serve_req *r, size_t n_calls) {
@@ -408,7 +408,7 @@ static void stream_begin(void *state, const serve_req *r) {
 
 static void stream_error(void *state, const char *why) {
     oa_state *s = state;
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     moe_json_object_begin(j);
     moe_json_key(j, "error");
     moe_json_object_begin(j);
@@ -416,13 +416,13 @@ static void stream_error(void *state, const char *why) {
     moe_json_kv_string(j, "type", "server_error");
     moe_json_object_end(j);
     moe_json_object_end(j);
-    serve_sse_event(s->reply.sse, NULL);
-    moe_strbuf_puts(&s->reply.sse->out, "data: [DONE]\n\n");
+    serve_sse_event(s->answer.sse, NULL);
+    moe_strbuf_puts(&s->answer.sse->out, "data: [DONE]\n\n");
 }
 
 static void stream_end(void *state, const serve_req *r) {
     oa_state *s = state;
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     chunk_begin(s, j);
     moe_json_object_begin(j);
     moe_json_kv_int(j, "index", 0);
@@ -435,7 +435,7 @@ static void stream_end(void *state, const serve_req *r) {
     }
     moe_json_key(j, "logprobs");
     moe_json_null(j);
-    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->reply.n_calls));
+    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->answer.n_calls));
     moe_json_object_end(j);
     chunk_end(s, j);
     if (s->include_usage) {
@@ -444,9 +444,9 @@ static void stream_end(void *state, const serve_req *r) {
         moe_json_key(j, "usage");
         json_usage(j, r);
         moe_json_object_end(j);
-        serve_sse_event(s->reply.sse, NULL);
+        serve_sse_event(s->answer.sse, NULL);
     }
-    moe_strbuf_puts(&s->reply.sse->out, "data: [DONE]\n\n");
+    moe_strbuf_puts(&s->answer.sse->out, "data: [DONE]\n\n");
 }
 
 /* The whole response of a finished generation. */
@@ -463,7 +463,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         bool blank = true;
         for (size_t i = 0; i < s->content.len; i++)
             blank &= s->content.s[i] == ' ' || s->content.s[i] == '\n';
-        if (s->reply.n_calls && blank)
+        if (s->answer.n_calls && blank)
             moe_json_null(j);
         else
             moe_json_string_n(j, s->content.s ? s->content.s : "", s->content.len);
@@ -471,17 +471,17 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
             moe_json_key(j, "reasoning_content");
             moe_json_string_n(j, s->reasoning.s, s->reasoning.len);
         }
-        if (s->reply.n_calls) {
+        if (s->answer.n_calls) {
             moe_json_key(j, "tool_calls");
             moe_json_array_begin(j);
-            for (size_t i = 0; i < s->reply.n_calls; i++) {
+            for (size_t i = 0; i < s->answer.n_calls; i++) {
                 moe_json_object_begin(j);
-                moe_json_kv_string(j, "id", s->reply.calls[i].id);
+                moe_json_kv_string(j, "id", s->answer.calls[i].id);
                 moe_json_kv_string(j, "type", "function");
                 moe_json_key(j, "function");
                 moe_json_object_begin(j);
-                moe_json_kv_string(j, "name", s->reply.calls[i].name);
-                moe_json_kv_string(j, "arguments", s->reply.calls[i].arguments);
+                moe_json_kv_string(j, "name", s->answer.calls[i].name);
+                moe_json_kv_string(j, "arguments", s->answer.calls[i].arguments);
                 moe_json_object_end(j);
                 moe_json_object_end(j);
             }
@@ -513,7 +513,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         else
             moe_json_null(j);
     }
-    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->reply.n_calls));
+    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->answer.n_calls));
     moe_json_object_end(j);
     moe_json_array_end(j);
     moe_json_key(j, "usage");
@@ -533,7 +533,7 @@ static const serve_adapter openai_adapter = {
 };
 
 static oa_state *oa_state_new(bool chat) {
-    oa_state *s = serve_reply_new(&openai_adapter, sizeof *s, chat ? "chatcmpl-" : "cmpl-");
+    oa_state *s = serve_answer_new(&openai_adapter, sizeof *s, chat ? "chatcmpl-" : "cmpl-");
     s->chat = chat;
     return s;
 }
@@ -544,7 +544,7 @@ static void generate(serve_http *h, json_t *body, oa_state *s, serve_req *req,
     s->tok = serve_sched_tokenizer(h->srv->sched);
     json_t *opts = json_object_get(body, "stream_options");
     s->include_usage = json_is_true(json_object_get(opts, "include_usage"));
-    serve_generate(h, &s->reply, req, chat, prompt, ok,
+    serve_generate(h, &s->answer, req, chat, prompt, ok,
                    json_is_true(json_object_get(body, "stream")));
 }
 
@@ -593,7 +593,7 @@ void serve_openai_chat(serve_http *h) {
 
 void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
                          const char *text, size_t chunk, bool stream, moe_strbuf *out) {
-    serve_replay(&oa_state_new(true)->reply, srv, chat, prompt, text, chunk, stream, out);
+    serve_replay(&oa_state_new(true)->answer, srv, chat, prompt, text, chunk, stream, out);
 }
 
 /* ==== /v1/completions ==== */

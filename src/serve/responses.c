@@ -113,7 +113,7 @@ typedef struct out_item {
 } out_item;
 
 typedef struct rs_state {
-    serve_reply reply; /* first: the skeleton's part */
+    serve_answer answer; /* first: the skeleton's part */
     out_item *items;
     size_t n_items;
     uint64_t seq;
@@ -181,9 +181,9 @@ static void json_item(moe_json *j, const out_item *it) {
 static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
     const bool incomplete = r && r->finish == SERVE_FINISH_LENGTH;
     moe_json_object_begin(j);
-    moe_json_kv_string(j, "id", s->reply.id);
+    moe_json_kv_string(j, "id", s->answer.id);
     moe_json_kv_string(j, "object", "response");
-    moe_json_kv_int(j, "created_at", s->reply.created);
+    moe_json_kv_int(j, "created_at", s->answer.created);
     moe_json_kv_string(j, "status", !r ? "in_progress" : incomplete ? "incomplete" : "completed");
     moe_json_key(j, "error");
     moe_json_null(j);
@@ -195,7 +195,7 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
     } else {
         moe_json_null(j);
     }
-    moe_json_kv_string(j, "model", s->reply.srv->model_id);
+    moe_json_kv_string(j, "model", s->answer.srv->model_id);
     moe_json_key(j, "output");
     moe_json_array_begin(j);
     for (size_t i = 0; r && i < s->n_items; i++) json_item(j, &s->items[i]);
@@ -234,19 +234,19 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
 
 /* stream events: {"type": TYPE, "sequence_number": N, ...}; the caller adds fields and ends */
 static void ev_begin(rs_state *s, const char *type) {
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     moe_json_object_begin(j);
     moe_json_kv_string(j, "type", type);
     moe_json_kv_uint(j, "sequence_number", s->seq++);
 }
 
 static void ev_end(rs_state *s, const char *type) {
-    moe_json_object_end(&s->reply.sse->j);
-    serve_sse_event(s->reply.sse, type);
+    moe_json_object_end(&s->answer.sse->j);
+    serve_sse_event(s->answer.sse, type);
 }
 
 static void ev_item_ref(rs_state *s, size_t index, bool content_index) {
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     moe_json_kv_string(j, "item_id", s->items[index].id);
     moe_json_kv_uint(j, "output_index", index);
     if (content_index) {
@@ -259,8 +259,8 @@ static void item_close(rs_state *s) {
     out_item *it = &s->items[s->n_items - 1];
     if (it->done) return;
     it->done = true;
-    if (!s->reply.sse) return;
-    moe_json *j = &s->reply.sse->j;
+    if (!s->answer.sse) return;
+    moe_json *j = &s->answer.sse->j;
     const size_t idx = s->n_items - 1;
     if (it->kind != ITEM_CALL) {
         const bool msg = it->kind == ITEM_MESSAGE;
@@ -303,15 +303,15 @@ static out_item *item_open(rs_state *s, item_kind kind, const char *name) {
     it->kind = kind;
     if (kind == ITEM_CALL) {
         it->name = moe_xstrdup(name);
-        serve_make_id(s->reply.srv, "call_", it->call_id, sizeof it->call_id);
+        serve_make_id(s->answer.srv, "call_", it->call_id, sizeof it->call_id);
     }
-    serve_make_id(s->reply.srv,
+    serve_make_id(s->answer.srv,
                   kind == ITEM_MESSAGE ? "msg_"
                   : kind == ITEM_CALL  ? "fc_"
                                        : "rs_",
                   it->id, sizeof it->id);
-    if (!s->reply.sse) return it;
-    moe_json *j = &s->reply.sse->j;
+    if (!s->answer.sse) return it;
+    moe_json *j = &s->answer.sse->j;
     ev_begin(s, "response.output_item.added");
     moe_json_kv_uint(j, "output_index", s->n_items - 1);
     moe_json_key(j, "item");
@@ -332,10 +332,10 @@ static void on_segment(void *ud, const serve_segment *seg) {
     if (seg->kind == SERVE_SEG_TOOL_CALL) {
         out_item *it = item_open(s, ITEM_CALL, seg->name);
         moe_strbuf_puts(&it->text, seg->arguments);
-        if (s->reply.sse) {
+        if (s->answer.sse) {
             ev_begin(s, "response.function_call_arguments.delta");
             ev_item_ref(s, s->n_items - 1, false);
-            moe_json_kv_string(&s->reply.sse->j, "delta", seg->arguments);
+            moe_json_kv_string(&s->answer.sse->j, "delta", seg->arguments);
             ev_end(s, "response.function_call_arguments.delta");
         }
         item_close(s);
@@ -346,17 +346,17 @@ static void on_segment(void *ud, const serve_segment *seg) {
     out_item *it = s->n_items ? &s->items[s->n_items - 1] : NULL;
     if (!it || it->done || it->kind != kind) it = item_open(s, kind, NULL);
     moe_strbuf_put(&it->text, seg->text, seg->len);
-    if (!s->reply.sse) return;
+    if (!s->answer.sse) return;
     const char *type =
         kind == ITEM_MESSAGE ? "response.output_text.delta" : "response.reasoning_text.delta";
     ev_begin(s, type);
     ev_item_ref(s, s->n_items - 1, true);
-    moe_json_key(&s->reply.sse->j, "delta");
-    moe_json_string_n(&s->reply.sse->j, seg->text, seg->len);
+    moe_json_key(&s->answer.sse->j, "delta");
+    moe_json_string_n(&s->answer.sse->j, seg->text, seg->len);
     if (kind == ITEM_MESSAGE) {
-        moe_json_key(&s->reply.sse->j, "logprobs");
-        moe_json_array_begin(&s->reply.sse->j);
-        moe_json_array_end(&s->reply.sse->j);
+        moe_json_key(&s->answer.sse->j, "logprobs");
+        moe_json_array_begin(&s->answer.sse->j);
+        moe_json_array_end(&s->answer.sse->j);
     }
     ev_end(s, type);
 }
@@ -364,10 +364,10 @@ static void on_segment(void *ud, const serve_segment *seg) {
 static void feed_events(void *ud, const serve_taken *t) {
     rs_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_output_feed(&s->reply.out, t->text.s + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->answer.out, t->text.s + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
     if (t->done) {
-        serve_output_finish(&s->reply.out, on_segment, s);
+        serve_output_finish(&s->answer.out, on_segment, s);
         if (!s->n_items) item_open(s, ITEM_MESSAGE, NULL); /* always a message, maybe empty */
         item_close(s);
     }
@@ -376,7 +376,7 @@ static void feed_events(void *ud, const serve_taken *t) {
 static void stream_begin(void *state, const serve_req *r) {
     (void)r;
     rs_state *s = state;
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     ev_begin(s, "response.created");
     moe_json_key(j, "response");
     json_response(j, s, NULL);
@@ -389,7 +389,7 @@ static void stream_begin(void *state, const serve_req *r) {
 
 static void stream_error(void *state, const char *why) {
     rs_state *s = state;
-    moe_json *j = &s->reply.sse->j;
+    moe_json *j = &s->answer.sse->j;
     ev_begin(s, "error");
     moe_json_kv_string(j, "code", "server_error");
     moe_json_kv_string(j, "message", why);
@@ -403,8 +403,8 @@ static void stream_end(void *state, const serve_req *r) {
     const char *type =
         r->finish == SERVE_FINISH_LENGTH ? "response.incomplete" : "response.completed";
     ev_begin(s, type);
-    moe_json_key(&s->reply.sse->j, "response");
-    json_response(&s->reply.sse->j, s, r);
+    moe_json_key(&s->answer.sse->j, "response");
+    json_response(&s->answer.sse->j, s, r);
     ev_end(s, type);
 }
 
@@ -424,14 +424,14 @@ static const serve_adapter responses_adapter = {
 };
 
 static rs_state *rs_state_new(void) {
-    rs_state *s = serve_reply_new(&responses_adapter, sizeof *s, "resp_");
+    rs_state *s = serve_answer_new(&responses_adapter, sizeof *s, "resp_");
     s->echo = json_object();
     return s;
 }
 
 void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
                             const char *text, size_t chunk, bool stream, moe_strbuf *out) {
-    serve_replay(&rs_state_new()->reply, srv, chat, prompt, text, chunk, stream, out);
+    serve_replay(&rs_state_new()->answer, srv, chat, prompt, text, chunk, stream, out);
 }
 
 void serve_openai_responses(serve_http *h) {
@@ -480,7 +480,7 @@ void serve_openai_responses(serve_http *h) {
          serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
-    serve_generate(h, &s->reply, req, &chat, prompt, ok, stream);
+    serve_generate(h, &s->answer, req, &chat, prompt, ok, stream);
     free(prompt);
     serve_chat_free(&chat);
 }

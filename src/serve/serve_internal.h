@@ -348,30 +348,30 @@ void serve_json_token_bytes(moe_json *j, const moe_tokenizer *tok, int32_t id);
 
 typedef struct serve_adapter serve_adapter;
 
-/* What every generating endpoint's per-request state begins with (its first member, so the
- * state and its reply are one pointer). */
-typedef struct serve_reply {
+/* The answer to one generating request, whatever its API: the first member of every adapter's
+ * per-request state (so the state and its answer are one pointer). */
+typedef struct serve_answer {
     const serve_adapter *adapter;
     const char *id_prefix; /* of the response's id */
     serve_server *srv;
     serve_sse *sse;   /* streaming: the stream, set before each callback; NULL: a whole response */
     serve_output out; /* the model's text -> content, reasoning, tool calls */
-    serve_tool_call *calls; /* [n_calls] the model's tool calls so far (serve_reply_call) */
+    serve_tool_call *calls; /* [n_calls] the model's tool calls so far (serve_answer_call) */
     size_t n_calls;
     char id[64];  /* the response's id */
     long created; /* unix seconds */
     bool started; /* streaming: the opening events are out */
-} serve_reply;
+} serve_answer;
 
-/* One API's shape of a generation's reply. Each callback gets the state (a serve_reply first);
- * the stream_* ones run under the request's lock and write events into reply.sse with
+/* One API's shape of a generation's reply. Each callback gets the state (a serve_answer first);
+ * the stream_* ones run under the request's lock and write events into answer.sse with
  * serve_sse_event. */
 struct serve_adapter {
     serve_api api;         /* the shape of its errors */
     const char *keepalive; /* SSE bytes sent after keepalive_s of silence */
     /* streaming: the events before any output */
     void (*stream_begin)(void *state, const serve_req *r);
-    /* both ways: taken events through the output parser (reply.sse says which way) */
+    /* both ways: taken events through the output parser (answer.sse says which way) */
     void (*feed)(void *state, const serve_taken *t);
     /* streaming: the closing events of a generation that finished, or that failed (why) */
     void (*stream_end)(void *state, const serve_req *r);
@@ -382,17 +382,18 @@ struct serve_adapter {
     void (*clear)(void *state);
 };
 
-/* A zeroed state of state_size bytes (a serve_reply first) for the adapter. */
-void *serve_reply_new(const serve_adapter *a, size_t state_size, const char *id_prefix);
-/* Record a tool call the model made in rp->calls, under a new id (serve_make_id with id_prefix). */
-const serve_tool_call *serve_reply_call(serve_reply *rp, const char *id_prefix,
-                                        const serve_segment *seg);
+/* A zeroed state of state_size bytes (a serve_answer first) for the adapter. */
+void *serve_answer_new(const serve_adapter *a, size_t state_size, const char *id_prefix);
+/* Record a tool call the model made in ans->calls, under a new id (serve_make_id with id_prefix).
+ */
+const serve_tool_call *serve_answer_call(serve_answer *ans, const char *id_prefix,
+                                         const serve_segment *seg);
 /* Everything after parsing a generating request. ok false (the parsing has replied): only frees.
- * Else: the reply's id and output parser, submit and wait for a stream (429 / 503 / hang-up), then
+ * Else: the answer's id and output parser, submit and wait for a stream (429 / 503 / hang-up), then
  * stream (the adapter's events around every take) or wait for the end and reply the whole response
  * (500 in the API's shape when the generation failed). req and the state are freed, or belong
  * to the stream; chat and prompt stay the caller's. */
-void serve_generate(serve_http *h, serve_reply *rp, serve_req *req, const serve_chat *chat,
+void serve_generate(serve_http *h, serve_answer *ans, serve_req *req, const serve_chat *chat,
                     const char *prompt, bool ok, bool stream);
 
 /* ==== Replaying model output (the tests' view of the adapters) ====
@@ -400,7 +401,7 @@ void serve_generate(serve_http *h, serve_reply *rp, serve_req *req, const serve_
  * whole), through the adapter's own callbacks: the stream's SSE bytes into *out, or the whole
  * response JSON. Requests run the same callbacks on the engine's events; tests use this to
  * check the APIs' shapes without a model. Frees the state. */
-void serve_replay(serve_reply *rp, serve_server *srv, const serve_chat *chat, const char *prompt,
+void serve_replay(serve_answer *ans, serve_server *srv, const serve_chat *chat, const char *prompt,
                   const char *text, size_t chunk, bool stream, moe_strbuf *out);
 /* Per API: the request's conversation (tools) and rendered prompt set up the output parser as a
  * live request would. */
