@@ -505,6 +505,10 @@ static const serve_adapter messages_adapter = {
     .clear = an_state_clear,
 };
 
+static an_state *an_state_new(void) {
+    return serve_answer_new(&messages_adapter, sizeof(an_state), "msg_");
+}
+
 /* ==== Endpoints ==== */
 
 void serve_anthropic_messages(serve_http *h) {
@@ -516,16 +520,14 @@ void serve_anthropic_messages(serve_http *h) {
     const bool ok = parse_request(h, body, req, &chat, true, &prompt);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
-    serve_generate(h, serve_answer_new(&messages_adapter, sizeof(an_state), "msg_"), req, &chat,
-                   prompt, ok, stream);
+    serve_generate(h, &an_state_new()->answer, req, &chat, prompt, ok, stream);
     free(prompt);
     serve_chat_free(&chat);
 }
 
 void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
                             const char *text, size_t chunk, bool stream, moe_strbuf *out) {
-    serve_replay(serve_answer_new(&messages_adapter, sizeof(an_state), "msg_"), srv, chat, prompt,
-                 text, chunk, stream, out);
+    serve_replay(&an_state_new()->answer, srv, chat, prompt, text, chunk, stream, out);
 }
 
 void serve_anthropic_count_tokens(serve_http *h) {
