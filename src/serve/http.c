@@ -292,6 +292,7 @@ static void model_id_from_path(serve_server *srv, const char *path) {
 }
 
 int moe_serve_run(const moe_serve_params *params) {
+    MOE_CHECK(params->model_path); /* the caller resolves a missing model (cli/'s demo) */
     serve_server *srv = moe_xcalloc(1, sizeof *srv);
     srv->p = *params;
     if (srv->p.cache_slots < 0) srv->p.cache_slots = srv->p.parallel;
