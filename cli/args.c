@@ -1,12 +1,15 @@
-/* args.c: argument parsing helpers shared by the subcommands. */
+/* args.c: argument parsing helpers shared by the subcommands, and the demo model a missing model
+ * argument stands for. */
 #include "args.h"
 
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../src/base/base.h"
+#include "../src/tools/tools.h"
 #include "cli.h"
 
 bool moe_arg_int(const char *cmd, const char *flag, const char *text, long long min, long long max,
@@ -64,6 +67,21 @@ bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int
     *ids = out;
     *n = count;
     return true;
+}
+
+char *moe_arg_model_path(const char *cmd, const char *given) {
+    if (given) return moe_xstrdup(given);
+    moe_error err = {0};
+    char *demo = moe_demo_model_path(&err);
+    if (!demo) {
+        fprintf(stderr, "moe %s: %s\n", cmd, err.msg);
+        return NULL;
+    }
+    fprintf(stderr,
+            "moe %s: no model given: using the built-in demo model %s "
+            "(its weights are RANDOM: the text means nothing)\n",
+            cmd, demo);
+    return demo;
 }
 
 bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_type *out) {

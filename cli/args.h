@@ -1,6 +1,7 @@
 /* args: the subcommands' shared argument parsing: numbers with range checks, comma-separated
- * token id lists, and the engine options every command that runs a model takes (--ctx,
- * -t / --threads, --kv-type), parsed here once. Each reports a usage error naming the flag. */
+ * token id lists, the model path (or the built-in demo model), and the engine options every
+ * command that runs a model takes (--ctx, -t / --threads, --kv-type), parsed here once. Each
+ * reports its error naming the flag or the subcommand. */
 #ifndef MOE_CLI_ARGS_H
 #define MOE_CLI_ARGS_H
 
@@ -17,6 +18,10 @@ bool moe_arg_float(const char *cmd, const char *flag, const char *text, double m
 /* "1,2,3" -> ids (caller frees); false with a message on a bad or out-of-range id. */
 bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int32_t **ids,
                         size_t *n);
+/* The model a subcommand loads: `given`, or without one the built-in demo model (generated into
+ * the cache on first use; a line on stderr says its weights are random). Malloc'd; NULL after
+ * printing why the demo model could not be made. */
+char *moe_arg_model_path(const char *cmd, const char *given);
 
 /* --kv-type's value: f32 or f16, and q8_0 where allow_q8_0 (what `moe budget` plans). */
 bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_type *out);

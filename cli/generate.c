@@ -6,7 +6,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "../src/tools/tools.h"
 #include "args.h"
 #include "cli.h"
 
@@ -74,20 +73,8 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     g->opt = *o;
     moe_error err = {0};
     const double t0 = now_seconds();
-    const char *path = o->model_path;
-    char *demo = NULL;
-    if (!path) {
-        demo = moe_demo_model_path(&err);
-        if (!demo) {
-            fprintf(stderr, "moe %s: %s\n", cmd, err.msg);
-            return false;
-        }
-        fprintf(stderr,
-                "moe %s: no model given: using the built-in demo model %s "
-                "(its weights are RANDOM: the text means nothing)\n",
-                cmd, demo);
-        path = demo;
-    }
+    char *path = moe_arg_model_path(cmd, o->model_path);
+    if (!path) return false;
     g->model = moe_model_load(path, &err);
     if (g->model) g->tok = moe_tokenizer_from_gguf(g->model->gguf, &err);
     if (g->tok && moe_tokenizer_n_vocab(g->tok) != g->model->cfg.n_vocab)
@@ -109,7 +96,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                     mem.recurrent_bytes / 1048576.0, mem.recurrent_bytes_per_seq / 1024.0,
                     mem.snapshot_bytes / 1048576.0);
     }
-    free(demo);
+    free(path);
     if (err.code) {
         fprintf(stderr, "moe %s: %s\n", cmd, err.msg);
         moe_gen_close(g);

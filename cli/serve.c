@@ -95,5 +95,11 @@ int moe_cmd_serve(int argc, char **argv) {
     p.kv_type = engine.kv_type;
     if (p.cache_slots + p.parallel > 4096)
         return moe_cli_usage_error("serve", "--parallel + --cache-slots must stay <= 4096");
-    return moe_serve_run(&p);
+    char *path = moe_arg_model_path("serve", p.model_path);
+    if (!path) return 1;
+    if (!p.model_path && !p.alias) p.alias = "moe-demo";
+    p.model_path = path;
+    const int rc = moe_serve_run(&p);
+    free(path);
+    return rc;
 }

@@ -252,7 +252,7 @@ static int teardown(void **state) {
 /* ==== Chat templates through the server and `moe chat` ==== */
 
 static size_t curl_collect(char *p, size_t size, size_t n, void *ud) {
-    serve_buf_put(ud, p, size * n);
+    moe_strbuf_put(ud, p, size * n);
     return size * n;
 }
 
@@ -260,7 +260,7 @@ static size_t curl_collect(char *p, size_t size, size_t n, void *ud) {
 static char *http_post(const char *base, const char *path, const char *body, long *status) {
     char url[512];
     snprintf(url, sizeof url, "%s%s", base, path);
-    serve_buf out = {0};
+    moe_strbuf out = {0};
     CURL *c = curl_easy_init();
     struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
     curl_easy_setopt(c, CURLOPT_URL, url);
@@ -275,8 +275,8 @@ static char *http_post(const char *base, const char *path, const char *body, lon
     curl_slist_free_all(hdr);
     curl_easy_cleanup(c);
     if (rc != CURLE_OK) fail_msg("POST %s: %s", url, curl_easy_strerror(rc));
-    serve_buf_put(&out, "", 0);
-    return out.p;
+    moe_strbuf_put(&out, "", 0);
+    return out.s;
 }
 
 #define QWEN3_TEMPLATE "templates/Qwen-Qwen3-0.6B.jinja"
@@ -544,10 +544,10 @@ static void openai_shapes(void **state) {
     (void)state;
     replay_env e;
     if (!replay_setup(&e, true)) return;
-    serve_buf out = {0};
+    moe_strbuf out = {0};
     serve_openai_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
-    json_t *r = json_loads(out.p, 0, NULL);
-    if (!r) fail_msg("not JSON: %s", out.p);
+    json_t *r = json_loads(out.s, 0, NULL);
+    if (!r) fail_msg("not JSON: %s", out.s);
     json_t *choice = json_array_get(json_object_get(r, "choices"), 0);
     json_t *msg = json_object_get(choice, "message");
     assert_string_equal(json_string_value(json_object_get(choice, "finish_reason")), "tool_calls");
@@ -570,8 +570,8 @@ static void openai_shapes(void **state) {
     for (size_t chunk = 1; chunk <= 7; chunk += 3) {
         out.len = 0;
         serve_openai_replay(&e.srv, &e.chat, "", REPLY, chunk, true, &out);
-        json_t *evs = sse_events(out.p);
-        serve_buf content = {0}, reasoning = {0}, args[2] = {{0}};
+        json_t *evs = sse_events(out.s);
+        moe_strbuf content = {0}, reasoning = {0}, args[2] = {{0}};
         const char *finish = NULL;
         size_t i, n_ids = 0;
         json_t *ev;
@@ -584,35 +584,35 @@ static void openai_shapes(void **state) {
             json_t *ch = json_array_get(json_object_get(d, "choices"), 0);
             json_t *delta = json_object_get(ch, "delta");
             const char *t = json_string_value(json_object_get(delta, "content"));
-            if (t) serve_buf_puts(&content, t);
+            if (t) moe_strbuf_puts(&content, t);
             t = json_string_value(json_object_get(delta, "reasoning_content"));
-            if (t) serve_buf_puts(&reasoning, t);
+            if (t) moe_strbuf_puts(&reasoning, t);
             size_t k;
             json_t *tc;
             json_array_foreach(json_object_get(delta, "tool_calls"), k, tc) {
                 json_int_t idx = json_integer_value(json_object_get(tc, "index"));
                 assert_true(idx >= 0 && idx < 2);
                 if (json_string_value(json_object_get(tc, "id"))) n_ids++;
-                serve_buf_puts(&args[idx], json_string_value(json_object_get(
-                                               json_object_get(tc, "function"), "arguments")));
+                moe_strbuf_puts(&args[idx], json_string_value(json_object_get(
+                                                json_object_get(tc, "function"), "arguments")));
             }
             if (json_string_value(json_object_get(ch, "finish_reason")))
                 finish = json_string_value(json_object_get(ch, "finish_reason"));
         }
-        serve_buf_put(&content, "", 0);
-        serve_buf_put(&reasoning, "", 0);
-        assert_string_equal(content.p, "\n\nOn it.\n");
-        assert_string_equal(reasoning.p, "\nCheck both.\n");
+        moe_strbuf_put(&content, "", 0);
+        moe_strbuf_put(&reasoning, "", 0);
+        assert_string_equal(content.s, "\n\nOn it.\n");
+        assert_string_equal(reasoning.s, "\nCheck both.\n");
         assert_int_equal(n_ids, 2);
         for (int k = 0; k < 2; k++) {
-            serve_buf_put(&args[k], "", 0);
-            expect_arguments(args[k].p, want_args[k]);
-            serve_buf_free(&args[k]);
+            moe_strbuf_put(&args[k], "", 0);
+            expect_arguments(args[k].s, want_args[k]);
+            moe_strbuf_free(&args[k]);
         }
         assert_non_null(finish);
         assert_string_equal(finish, "tool_calls");
-        serve_buf_free(&content);
-        serve_buf_free(&reasoning);
+        moe_strbuf_free(&content);
+        moe_strbuf_free(&reasoning);
         json_decref(evs);
     }
     json_decref(r);
@@ -621,7 +621,7 @@ static void openai_shapes(void **state) {
     e.chat.tools = NULL;
     out.len = 0;
     serve_openai_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
-    r = json_loads(out.p, 0, NULL);
+    r = json_loads(out.s, 0, NULL);
     msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
     assert_non_null(strstr(json_string_value(json_object_get(msg, "content")), "<tool_call>"));
     assert_null(json_object_get(msg, "tool_calls"));
@@ -630,12 +630,12 @@ static void openai_shapes(void **state) {
     out.len = 0;
     serve_openai_replay(&e.srv, &e.chat, "<|im_start|>assistant\n<think>\n", "plan</think>done", 3,
                         false, &out);
-    r = json_loads(out.p, 0, NULL);
+    r = json_loads(out.s, 0, NULL);
     msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
     assert_string_equal(json_string_value(json_object_get(msg, "reasoning_content")), "plan");
     assert_string_equal(json_string_value(json_object_get(msg, "content")), "done");
     json_decref(r);
-    serve_buf_free(&out);
+    moe_strbuf_free(&out);
     replay_free(&e);
 }
 
@@ -643,10 +643,10 @@ static void anthropic_shapes(void **state) {
     (void)state;
     replay_env e;
     if (!replay_setup(&e, true)) return;
-    serve_buf out = {0};
+    moe_strbuf out = {0};
     serve_anthropic_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
-    json_t *r = json_loads(out.p, 0, NULL);
-    if (!r) fail_msg("not JSON: %s", out.p);
+    json_t *r = json_loads(out.s, 0, NULL);
+    if (!r) fail_msg("not JSON: %s", out.s);
     assert_string_equal(json_string_value(json_object_get(r, "stop_reason")), "tool_use");
     json_t *content = json_object_get(r, "content");
     assert_int_equal(json_array_size(content), 4);
@@ -668,8 +668,8 @@ static void anthropic_shapes(void **state) {
     /* streamed: blocks open and close in order, deltas of their own kind */
     out.len = 0;
     serve_anthropic_replay(&e.srv, &e.chat, "", REPLY, 2, true, &out);
-    json_t *evs = sse_events(out.p);
-    serve_buf seq = {0}, thinking = {0}, args = {0};
+    json_t *evs = sse_events(out.s);
+    moe_strbuf seq = {0}, thinking = {0}, args = {0};
     char last[64] = "";
     size_t i;
     json_t *ev;
@@ -687,32 +687,32 @@ static void anthropic_shapes(void **state) {
                 json_string_value(json_object_get(json_object_get(d, "content_block"), "type")));
         else
             snprintf(step, sizeof step, "%s", dt ? dt : name);
-        if (strcmp(step, last) != 0) serve_buf_printf(&seq, "%s ", step);
+        if (strcmp(step, last) != 0) moe_strbuf_printf(&seq, "%s ", step);
         snprintf(last, sizeof last, "%s", step);
         if (dt && !strcmp(dt, "thinking_delta"))
-            serve_buf_puts(&thinking, json_string_value(json_object_get(delta, "thinking")));
+            moe_strbuf_puts(&thinking, json_string_value(json_object_get(delta, "thinking")));
         if (dt && !strcmp(dt, "input_json_delta") && !args.len)
-            serve_buf_puts(&args, json_string_value(json_object_get(delta, "partial_json")));
+            moe_strbuf_puts(&args, json_string_value(json_object_get(delta, "partial_json")));
         if (!strcmp(name, "message_delta"))
             assert_string_equal(json_string_value(json_object_get(delta, "stop_reason")),
                                 "tool_use");
     }
-    serve_buf_put(&seq, "", 0);
-    serve_buf_put(&thinking, "", 0);
-    serve_buf_put(&args, "", 0);
-    assert_string_equal(seq.p, "message_start start:thinking ping thinking_delta signature_delta "
+    moe_strbuf_put(&seq, "", 0);
+    moe_strbuf_put(&thinking, "", 0);
+    moe_strbuf_put(&args, "", 0);
+    assert_string_equal(seq.s, "message_start start:thinking ping thinking_delta signature_delta "
                                "content_block_stop start:text text_delta content_block_stop "
                                "start:tool_use input_json_delta content_block_stop "
                                "start:text text_delta content_block_stop " /* the "\n" */
                                "start:tool_use input_json_delta content_block_stop "
                                "message_delta message_stop ");
-    assert_string_equal(thinking.p, "\nCheck both.\n");
-    expect_arguments(args.p, "{\"city\":\"Paris\",\"days\":2}");
-    serve_buf_free(&seq);
-    serve_buf_free(&thinking);
-    serve_buf_free(&args);
+    assert_string_equal(thinking.s, "\nCheck both.\n");
+    expect_arguments(args.s, "{\"city\":\"Paris\",\"days\":2}");
+    moe_strbuf_free(&seq);
+    moe_strbuf_free(&thinking);
+    moe_strbuf_free(&args);
     json_decref(evs);
-    serve_buf_free(&out);
+    moe_strbuf_free(&out);
     replay_free(&e);
 }
 
@@ -720,10 +720,10 @@ static void responses_shapes(void **state) {
     (void)state;
     replay_env e;
     if (!replay_setup(&e, true)) return;
-    serve_buf out = {0};
+    moe_strbuf out = {0};
     serve_responses_replay(&e.srv, &e.chat, "", REPLY, 0, false, &out);
-    json_t *r = json_loads(out.p, 0, NULL);
-    if (!r) fail_msg("not JSON: %s", out.p);
+    json_t *r = json_loads(out.s, 0, NULL);
+    if (!r) fail_msg("not JSON: %s", out.s);
     json_t *items = json_object_get(r, "output");
     assert_int_equal(json_array_size(items), 5); /* the "\n" between the calls is a message */
     const char *types[5] = {"reasoning", "message", "function_call", "message", "function_call"};
@@ -737,13 +737,13 @@ static void responses_shapes(void **state) {
     json_decref(r);
     out.len = 0;
     serve_responses_replay(&e.srv, &e.chat, "", REPLY, 1, true, &out);
-    json_t *evs = sse_events(out.p);
+    json_t *evs = sse_events(out.s);
     json_t *last = json_object_get(json_array_get(evs, json_array_size(evs) - 1), "data");
     assert_string_equal(json_string_value(json_object_get(last, "type")), "response.completed");
     assert_int_equal(json_array_size(json_object_get(json_object_get(last, "response"), "output")),
                      5);
     json_decref(evs);
-    serve_buf_free(&out);
+    moe_strbuf_free(&out);
     replay_free(&e);
 }
 

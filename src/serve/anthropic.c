@@ -20,18 +20,14 @@
     "bW9lLWxvY2FsLXVuc2lnbmVk" /* "moe-local-unsigned": nothing to verify                          \
                                 */
 
-#define BAD(h, field, ...)                                                                         \
-    do {                                                                                           \
-        serve_reply_error(h, SERVE_API_ANTHROPIC, 400, field, NULL, __VA_ARGS__);                  \
-        return false;                                                                              \
-    } while (0)
+#define BAD(h, field, ...) SERVE_BAD(h, SERVE_API_ANTHROPIC, field, __VA_ARGS__)
 
 /* ==== Request parsing ==== */
 
 /* Text of a string or an array of text blocks; images and documents are refused. */
-static bool blocks_text(serve_http *h, json_t *v, const char *field, serve_buf *out) {
+static bool blocks_text(serve_http *h, json_t *v, const char *field, moe_strbuf *out) {
     if (json_is_string(v)) {
-        serve_buf_put(out, json_string_value(v), json_string_length(v));
+        moe_strbuf_put(out, json_string_value(v), json_string_length(v));
         return true;
     }
     if (!json_is_array(v))
@@ -46,7 +42,7 @@ static bool blocks_text(serve_http *h, json_t *v, const char *field, serve_buf *
         json_t *text = json_object_get(b, "text");
         if (!type || strcmp(type, "text") != 0 || !json_is_string(text))
             BAD(h, field, "%s.%zu: expected a text block", field, i);
-        serve_buf_put(out, json_string_value(text), json_string_length(text));
+        moe_strbuf_put(out, json_string_value(text), json_string_length(text));
     }
     return true;
 }
@@ -54,7 +50,7 @@ static bool blocks_text(serve_http *h, json_t *v, const char *field, serve_buf *
 static bool parse_system(serve_http *h, json_t *body, serve_chat *chat) {
     json_t *sys = json_object_get(body, "system");
     if (!sys || json_is_null(sys)) return true;
-    serve_buf text = {0};
+    moe_strbuf text = {0};
     if (json_is_array(sys)) {
         size_t i;
         json_t *b;
@@ -62,19 +58,19 @@ static bool parse_system(serve_http *h, json_t *body, serve_chat *chat) {
             const char *t = json_string_value(json_object_get(b, "text"));
             const char *type = json_string_value(json_object_get(b, "type"));
             if (!t || !type || strcmp(type, "text") != 0) {
-                serve_buf_free(&text);
+                moe_strbuf_free(&text);
                 BAD(h, "system", "system.%zu: expected a text block", i);
             }
             if (i == 0 && strncmp(t, "x-anthropic-billing-header:", 27) == 0) continue;
-            if (text.len) serve_buf_puts(&text, "\n\n");
-            serve_buf_puts(&text, t);
+            if (text.len) moe_strbuf_puts(&text, "\n\n");
+            moe_strbuf_puts(&text, t);
         }
     } else if (!blocks_text(h, sys, "system", &text)) {
-        serve_buf_free(&text);
+        moe_strbuf_free(&text);
         return false;
     }
     serve_message *m = serve_chat_add(chat, "system");
-    m->content = text.p ? text.p : moe_xstrdup("");
+    m->content = moe_strbuf_take(&text);
     return true;
 }
 
@@ -102,7 +98,7 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
             BAD(h, field, "%s.content: expected a string or an array of content blocks", field);
         /* user: tool results become tool turns, then the text; assistant: one turn with its
          * text, thinking and tool calls */
-        serve_buf text = {0}, thinking = {0};
+        moe_strbuf text = {0}, thinking = {0};
         serve_message *msg = NULL;
         if (strcmp(role, "assistant") == 0) {
             msg = serve_chat_add(chat, "assistant");
@@ -115,10 +111,10 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
             const char *type = json_string_value(json_object_get(b, "type"));
             if (!type) type = "";
             if (strcmp(type, "text") == 0 && json_is_string(json_object_get(b, "text"))) {
-                serve_buf_puts(&text, json_string_value(json_object_get(b, "text")));
+                moe_strbuf_puts(&text, json_string_value(json_object_get(b, "text")));
             } else if (strcmp(type, "thinking") == 0 || strcmp(type, "redacted_thinking") == 0) {
                 const char *t = json_string_value(json_object_get(b, "thinking"));
-                if (t) serve_buf_puts(&thinking, t);
+                if (t) moe_strbuf_puts(&thinking, t);
             } else if (strcmp(type, "tool_use") == 0 && msg) {
                 const char *id = json_string_value(json_object_get(b, "id"));
                 const char *name = json_string_value(json_object_get(b, "name"));
@@ -139,11 +135,11 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
                 const char *id = json_string_value(json_object_get(b, "tool_use_id"));
                 tm->tool_call_id = moe_xstrdup(id ? id : "");
                 json_t *c = json_object_get(b, "content");
-                serve_buf r = {0};
+                moe_strbuf r = {0};
                 char sub[160];
                 snprintf(sub, sizeof sub, "%s.content.%zu.content", field, k);
                 if (c && !json_is_null(c) && !blocks_text(h, c, sub, &r)) ok = false;
-                tm->content = r.p ? r.p : moe_xstrdup("");
+                tm->content = moe_strbuf_take(&r);
                 if (!ok) break;
             } else {
                 serve_reply_error(h, SERVE_API_ANTHROPIC, 400, field, NULL,
@@ -157,16 +153,14 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
             }
         }
         if (msg) {
-            msg->content = text.p ? text.p : moe_xstrdup("");
-            msg->reasoning = thinking.p;
-            text.p = thinking.p = NULL;
+            msg->content = moe_strbuf_take(&text);
+            msg->reasoning = thinking.s; /* NULL when there was none */
+            thinking = (moe_strbuf){0};
         } else if (text.len) {
-            serve_message *um = serve_chat_add(chat, "user");
-            um->content = text.p;
-            text.p = NULL;
+            serve_chat_add(chat, "user")->content = moe_strbuf_take(&text);
         }
-        serve_buf_free(&text);
-        serve_buf_free(&thinking);
+        moe_strbuf_free(&text);
+        moe_strbuf_free(&thinking);
         if (!ok) return false;
     }
     return true;
@@ -218,42 +212,23 @@ static bool parse_request(serve_http *h, json_t *body, serve_req *req, serve_cha
 
 typedef enum block_kind { BLOCK_NONE, BLOCK_TEXT, BLOCK_THINKING } block_kind;
 
-typedef struct call_out {
-    char id[48];
-    char *name, *arguments;
-} call_out;
-
 typedef struct an_state {
-    serve_server *srv;
-    serve_sse *sse;
-    serve_output out;
-    char id[64];
-    bool started;
+    serve_answer answer; /* first: the skeleton's part */
     /* stream */
     block_kind open;
     int index; /* of the open block; next block gets index + 1 */
     bool pinged;
-    size_t n_calls;
     /* non-stream */
-    serve_buf text, thinking;
-    call_out *calls;
-    size_t n_calls_out;
+    moe_strbuf text, thinking;
     /* block order, non-stream: 't' thinking, 'x' text, 'c' call */
-    serve_buf order;
+    moe_strbuf order;
 } an_state;
 
-static void an_state_free(void *p) {
+static void an_state_clear(void *p) {
     an_state *s = p;
-    serve_output_free(&s->out);
-    serve_buf_free(&s->text);
-    serve_buf_free(&s->thinking);
-    serve_buf_free(&s->order);
-    for (size_t i = 0; i < s->n_calls_out; i++) {
-        free(s->calls[i].name);
-        free(s->calls[i].arguments);
-    }
-    free(s->calls);
-    free(s);
+    moe_strbuf_free(&s->text);
+    moe_strbuf_free(&s->thinking);
+    moe_strbuf_free(&s->order);
 }
 
 static void json_usage(moe_json *j, const serve_req *r, bool with_output) {
@@ -286,7 +261,7 @@ static void ev_type(moe_json *j, const char *type) {
 }
 
 static void block_close(an_state *s) {
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->answer.sse->j;
     if (s->open == BLOCK_THINKING) {
         ev_type(j, "content_block_delta");
         moe_json_kv_int(j, "index", s->index);
@@ -296,13 +271,13 @@ static void block_close(an_state *s) {
         moe_json_kv_string(j, "signature", THINKING_SIGNATURE);
         moe_json_object_end(j);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_delta");
+        serve_sse_event(s->answer.sse, "content_block_delta");
     }
     if (s->open != BLOCK_NONE) {
         ev_type(j, "content_block_stop");
         moe_json_kv_int(j, "index", s->index);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_stop");
+        serve_sse_event(s->answer.sse, "content_block_stop");
         s->index++;
     }
     s->open = BLOCK_NONE;
@@ -311,15 +286,15 @@ static void block_close(an_state *s) {
 static void ping_once(an_state *s) {
     if (s->pinged) return;
     s->pinged = true;
-    ev_type(&s->sse->j, "ping");
-    moe_json_object_end(&s->sse->j);
-    serve_sse_event(s->sse, "ping");
+    ev_type(&s->answer.sse->j, "ping");
+    moe_json_object_end(&s->answer.sse->j);
+    serve_sse_event(s->answer.sse, "ping");
 }
 
 static void block_open(an_state *s, block_kind kind) {
     if (s->open == kind) return;
     block_close(s);
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->answer.sse->j;
     ev_type(j, "content_block_start");
     moe_json_kv_int(j, "index", s->index);
     moe_json_key(j, "content_block");
@@ -335,34 +310,29 @@ static void block_open(an_state *s, block_kind kind) {
     }
     moe_json_object_end(j);
     moe_json_object_end(j);
-    serve_sse_event(s->sse, "content_block_start");
+    serve_sse_event(s->answer.sse, "content_block_start");
     s->open = kind;
     ping_once(s);
 }
 
 static void on_segment(void *ud, const serve_segment *seg) {
     an_state *s = ud;
-    if (!s->sse) {
+    if (!s->answer.sse) {
         if (seg->kind == SERVE_SEG_TOOL_CALL) {
-            s->calls = moe_xrealloc(s->calls, (s->n_calls_out + 1) * sizeof *s->calls);
-            call_out *c = &s->calls[s->n_calls_out++];
-            serve_make_id(s->srv, "toolu_", c->id, sizeof c->id);
-            c->name = moe_xstrdup(seg->name);
-            c->arguments = moe_xstrdup(seg->arguments);
-            serve_buf_puts(&s->order, "c");
+            serve_answer_call(&s->answer, "toolu_", seg);
+            moe_strbuf_puts(&s->order, "c");
         } else {
-            serve_buf *dst = seg->kind == SERVE_SEG_REASONING ? &s->thinking : &s->text;
+            moe_strbuf *dst = seg->kind == SERVE_SEG_REASONING ? &s->thinking : &s->text;
             const char tag = seg->kind == SERVE_SEG_REASONING ? 't' : 'x';
-            if (!dst->len && seg->len) serve_buf_put(&s->order, &tag, 1);
-            serve_buf_put(dst, seg->text, seg->len);
+            if (!dst->len && seg->len) moe_strbuf_put(&s->order, &tag, 1);
+            moe_strbuf_put(dst, seg->text, seg->len);
         }
         return;
     }
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->answer.sse->j;
     if (seg->kind == SERVE_SEG_TOOL_CALL) {
         block_close(s);
-        char id[48];
-        serve_make_id(s->srv, "toolu_", id, sizeof id);
+        const char *id = serve_answer_call(&s->answer, "toolu_", seg)->id;
         ev_type(j, "content_block_start");
         moe_json_kv_int(j, "index", s->index);
         moe_json_key(j, "content_block");
@@ -375,7 +345,7 @@ static void on_segment(void *ud, const serve_segment *seg) {
         moe_json_object_end(j);
         moe_json_object_end(j);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_start");
+        serve_sse_event(s->answer.sse, "content_block_start");
         ping_once(s);
         ev_type(j, "content_block_delta");
         moe_json_kv_int(j, "index", s->index);
@@ -385,13 +355,12 @@ static void on_segment(void *ud, const serve_segment *seg) {
         moe_json_kv_string(j, "partial_json", seg->arguments);
         moe_json_object_end(j);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_delta");
+        serve_sse_event(s->answer.sse, "content_block_delta");
         ev_type(j, "content_block_stop");
         moe_json_kv_int(j, "index", s->index);
         moe_json_object_end(j);
-        serve_sse_event(s->sse, "content_block_stop");
+        serve_sse_event(s->answer.sse, "content_block_stop");
         s->index++;
-        s->n_calls++;
         return;
     }
     if (!seg->len) return;
@@ -406,85 +375,77 @@ static void on_segment(void *ud, const serve_segment *seg) {
     moe_json_string_n(j, seg->text, seg->len);
     moe_json_object_end(j);
     moe_json_object_end(j);
-    serve_sse_event(s->sse, "content_block_delta");
+    serve_sse_event(s->answer.sse, "content_block_delta");
 }
 
 static void feed_events(void *ud, const serve_taken *t) {
     an_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_output_feed(&s->out, t->text.p + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->answer.out, t->text.s + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
-    if (t->done) serve_output_finish(&s->out, on_segment, s);
+    if (t->done) serve_output_finish(&s->answer.out, on_segment, s);
 }
 
 static void message_head(moe_json *j, an_state *s) {
-    moe_json_kv_string(j, "id", s->id);
+    moe_json_kv_string(j, "id", s->answer.id);
     moe_json_kv_string(j, "type", "message");
     moe_json_kv_string(j, "role", "assistant");
-    moe_json_kv_string(j, "model", s->srv->model_id);
+    moe_json_kv_string(j, "model", s->answer.srv->model_id);
 }
 
-static void stream_pump(serve_sse *sse, const serve_taken *t) {
-    an_state *s = sse->state;
-    s->sse = sse;
-    serve_req *r = sse->req;
-    moe_json *j = &sse->j;
-    if (!s->started) {
-        s->started = true;
-        pthread_mutex_lock(&r->mu);
-        ev_type(j, "message_start");
-        moe_json_key(j, "message");
-        moe_json_object_begin(j);
-        message_head(j, s);
-        moe_json_key(j, "content");
-        moe_json_array_begin(j);
-        moe_json_array_end(j);
-        moe_json_key(j, "stop_reason");
-        moe_json_null(j);
-        moe_json_key(j, "stop_sequence");
-        moe_json_null(j);
-        moe_json_key(j, "usage");
-        json_usage(j, r, false);
-        moe_json_object_end(j);
-        moe_json_object_end(j);
-        pthread_mutex_unlock(&r->mu);
-        serve_sse_event(sse, "message_start");
-    }
-    feed_events(s, t);
-    if (!t->done) return;
-    pthread_mutex_lock(&r->mu);
-    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
-        ev_type(j, "error");
-        moe_json_key(j, "error");
-        moe_json_object_begin(j);
-        moe_json_kv_string(j, "type", "api_error");
-        moe_json_key(j, "message");
-        moe_json_string(j,
-                        r->finish == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
-        moe_json_object_end(j);
-        moe_json_object_end(j);
-        pthread_mutex_unlock(&r->mu);
-        serve_sse_event(sse, "error");
-        sse->h_copy.status = 500;
-        return;
-    }
+static void stream_begin(void *state, const serve_req *r) {
+    an_state *s = state;
+    moe_json *j = &s->answer.sse->j;
+    ev_type(j, "message_start");
+    moe_json_key(j, "message");
+    moe_json_object_begin(j);
+    message_head(j, s);
+    moe_json_key(j, "content");
+    moe_json_array_begin(j);
+    moe_json_array_end(j);
+    moe_json_key(j, "stop_reason");
+    moe_json_null(j);
+    moe_json_key(j, "stop_sequence");
+    moe_json_null(j);
+    moe_json_key(j, "usage");
+    json_usage(j, r, false);
+    moe_json_object_end(j);
+    moe_json_object_end(j);
+    serve_sse_event(s->answer.sse, "message_start");
+}
+
+static void stream_error(void *state, const char *why) {
+    an_state *s = state;
+    moe_json *j = &s->answer.sse->j;
+    ev_type(j, "error");
+    moe_json_key(j, "error");
+    moe_json_object_begin(j);
+    moe_json_kv_string(j, "type", "api_error");
+    moe_json_kv_string(j, "message", why);
+    moe_json_object_end(j);
+    moe_json_object_end(j);
+    serve_sse_event(s->answer.sse, "error");
+}
+
+static void stream_end(void *state, const serve_req *r) {
+    an_state *s = state;
+    moe_json *j = &s->answer.sse->j;
     if (s->index == 0 && s->open == BLOCK_NONE) block_open(s, BLOCK_TEXT); /* always one block */
     block_close(s);
     ev_type(j, "message_delta");
     moe_json_key(j, "delta");
     moe_json_object_begin(j);
-    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->n_calls));
+    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->answer.n_calls));
     moe_json_key(j, "stop_sequence");
     json_stop_sequence(j, r);
     moe_json_object_end(j);
     moe_json_key(j, "usage");
     json_usage(j, r, true);
     moe_json_object_end(j);
-    pthread_mutex_unlock(&r->mu);
-    serve_sse_event(sse, "message_delta");
+    serve_sse_event(s->answer.sse, "message_delta");
     ev_type(j, "message_stop");
     moe_json_object_end(j);
-    serve_sse_event(sse, "message_stop");
+    serve_sse_event(s->answer.sse, "message_stop");
 }
 
 /* The whole response of a finished generation. */
@@ -498,17 +459,17 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
     for (size_t i = 0; i < s->order.len; i++) {
         moe_json_object_begin(j);
         moe_json_key(j, "type");
-        if (s->order.p[i] == 't') {
+        if (s->order.s[i] == 't') {
             moe_json_string(j, "thinking");
             moe_json_key(j, "thinking");
-            moe_json_string_n(j, s->thinking.p, s->thinking.len);
+            moe_json_string_n(j, s->thinking.s, s->thinking.len);
             moe_json_kv_string(j, "signature", THINKING_SIGNATURE);
-        } else if (s->order.p[i] == 'x') {
+        } else if (s->order.s[i] == 'x') {
             moe_json_string(j, "text");
             moe_json_key(j, "text");
-            moe_json_string_n(j, s->text.p, s->text.len);
+            moe_json_string_n(j, s->text.s, s->text.len);
         } else {
-            const call_out *c = &s->calls[call++];
+            const serve_tool_call *c = &s->answer.calls[call++];
             moe_json_string(j, "tool_use");
             moe_json_kv_string(j, "id", c->id);
             moe_json_kv_string(j, "name", c->name);
@@ -525,7 +486,7 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         moe_json_object_end(j);
     }
     moe_json_array_end(j);
-    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->n_calls_out));
+    moe_json_kv_string(j, "stop_reason", stop_reason(r, s->answer.n_calls));
     moe_json_key(j, "stop_sequence");
     json_stop_sequence(j, r);
     moe_json_key(j, "usage");
@@ -533,17 +494,19 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
     moe_json_object_end(j);
 }
 
-static void reply_complete(serve_http *h, an_state *s, serve_req *r) {
-    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
-        serve_reply_error(h, SERVE_API_ANTHROPIC, 500, NULL, NULL, "generation failed: %s",
-                          r->finish == SERVE_FINISH_ERROR ? r->error : "cancelled");
-        return;
-    }
-    moe_json j;
-    moe_json_init(&j, false);
-    json_whole(&j, s, r);
-    serve_reply_json(h, 200, &j);
-    moe_json_free(&j);
+static const serve_adapter messages_adapter = {
+    .api = SERVE_API_ANTHROPIC,
+    .keepalive = "event: ping\ndata: {\"type\": \"ping\"}\n\n",
+    .stream_begin = stream_begin,
+    .feed = feed_events,
+    .stream_end = stream_end,
+    .stream_error = stream_error,
+    .whole = json_whole,
+    .clear = an_state_clear,
+};
+
+static an_state *an_state_new(void) {
+    return serve_answer_new(&messages_adapter, sizeof(an_state), "msg_");
 }
 
 /* ==== Endpoints ==== */
@@ -555,40 +518,16 @@ void serve_anthropic_messages(serve_http *h) {
     serve_req *req = serve_req_new();
     char *prompt = NULL;
     const bool ok = parse_request(h, body, req, &chat, true, &prompt);
-    an_state *s = moe_xcalloc(1, sizeof *s);
-    s->srv = h->srv;
-    serve_make_id(h->srv, "msg_", s->id, sizeof s->id);
-    serve_output_init(&s->out, h->srv, &chat, prompt);
-    free(prompt);
-    serve_chat_free(&chat);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
-    serve_taken t = {0};
-    if (!ok || !serve_submit_and_wait(h, SERVE_API_ANTHROPIC, req, &t)) {
-        serve_taken_free(&t);
-        serve_req_release(req);
-        an_state_free(s);
-        return;
-    }
-    if (stream) {
-        serve_reply_sse(h, req, &t, stream_pump, s, an_state_free,
-                        "event: ping\ndata: {\"type\": \"ping\"}\n\n");
-        return;
-    }
-    if (serve_wait_done(h, req, &t, feed_events, s)) reply_complete(h, s, req);
-    serve_taken_free(&t);
-    serve_req_release(req);
-    an_state_free(s);
+    serve_generate(h, &an_state_new()->answer, req, &chat, prompt, ok, stream);
+    free(prompt);
+    serve_chat_free(&chat);
 }
 
 void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                            const char *text, size_t chunk, bool stream, serve_buf *out) {
-    an_state *s = moe_xcalloc(1, sizeof *s);
-    s->srv = srv;
-    serve_make_id(srv, "msg_", s->id, sizeof s->id);
-    serve_output_init(&s->out, srv, chat, prompt);
-    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
-    an_state_free(s);
+                            const char *text, size_t chunk, bool stream, moe_strbuf *out) {
+    serve_replay(&an_state_new()->answer, srv, chat, prompt, text, chunk, stream, out);
 }
 
 void serve_anthropic_count_tokens(serve_http *h) {

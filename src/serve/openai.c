@@ -15,11 +15,7 @@
 
 /* ==== Request parsing ==== */
 
-#define BAD(h, field, ...)                                                                         \
-    do {                                                                                           \
-        serve_reply_error(h, SERVE_API_OPENAI, 400, field, NULL, __VA_ARGS__);                     \
-        return false;                                                                              \
-    } while (0)
+#define BAD(h, field, ...) SERVE_BAD(h, SERVE_API_OPENAI, field, __VA_ARGS__)
 
 /* content: a string, null, or an array of parts ({"type":"text","text":...}); Chat Completions'
  * and Responses' part names both (image, audio and file parts are refused by name). */
@@ -33,7 +29,7 @@ bool serve_openai_content_text(serve_http *h, json_t *content, const char *field
         return true;
     }
     if (!json_is_array(content)) BAD(h, field, "%s: expected a string or an array of parts", field);
-    serve_buf b = {0};
+    moe_strbuf b = {0};
     size_t i;
     json_t *part;
     json_array_foreach(content, i, part) {
@@ -42,17 +38,17 @@ bool serve_openai_content_text(serve_http *h, json_t *content, const char *field
         if (type && (strcmp(type, "image_url") == 0 || strcmp(type, "input_image") == 0 ||
                      strcmp(type, "input_audio") == 0 || strcmp(type, "file") == 0 ||
                      strcmp(type, "input_file") == 0)) {
-            serve_buf_free(&b);
+            moe_strbuf_free(&b);
             BAD(h, field, "%s[%zu]: %s parts are not supported: this server takes text only", field,
                 i, type);
         }
         if (!json_is_string(text)) {
-            serve_buf_free(&b);
+            moe_strbuf_free(&b);
             BAD(h, field, "%s[%zu]: expected a text part with a string 'text'", field, i);
         }
-        serve_buf_put(&b, json_string_value(text), json_string_length(text));
+        moe_strbuf_put(&b, json_string_value(text), json_string_length(text));
     }
-    *out = b.p ? b.p : moe_xstrdup("");
+    *out = moe_strbuf_take(&b);
     return true;
 }
 
@@ -167,27 +163,15 @@ static bool parse_limits(serve_http *h, json_t *body, serve_gen *g, const char *
 
 /* ==== Accumulating and streaming output ==== */
 
-typedef struct call_out {
-    char id[48];
-    char *name, *arguments;
-} call_out;
-
 typedef struct oa_state {
-    serve_http *h; /* non-stream only (streams keep their copy in serve_sse) */
-    serve_server *srv;
-    serve_sse *sse; /* stream: where chunks go */
+    serve_answer answer; /* first: the skeleton's part */
     const moe_tokenizer *tok;
-    serve_output out;
     bool chat; /* chat.completion(s) vs text_completion */
     bool include_usage;
     bool logprobs;
     uint32_t n_top;
-    char id[64];
-    long created;
     /* non-stream accumulation */
-    serve_buf content, reasoning;
-    call_out *calls;
-    size_t n_calls;
+    moe_strbuf content, reasoning;
     moe_sample *samples;
     size_t n_samples;
     /* stream */
@@ -197,18 +181,11 @@ typedef struct oa_state {
     size_t text_offset;
 } oa_state;
 
-static void oa_state_free(void *p) {
+static void oa_state_clear(void *p) {
     oa_state *s = p;
-    serve_output_free(&s->out);
-    serve_buf_free(&s->content);
-    serve_buf_free(&s->reasoning);
-    for (size_t i = 0; s->calls && i < s->n_calls; i++) { /* a stream counts calls, keeps none */
-        free(s->calls[i].name);
-        free(s->calls[i].arguments);
-    }
-    free(s->calls);
+    moe_strbuf_free(&s->content);
+    moe_strbuf_free(&s->reasoning);
     free(s->samples);
-    free(s);
 }
 
 static void json_logprob_entry(moe_json *j, const moe_tokenizer *tok, const moe_sample *smp,
@@ -276,10 +253,10 @@ static void json_legacy_logprobs(moe_json *j, const moe_tokenizer *tok, const mo
 /* A response object's fields up to its open "choices" array. */
 static void json_head(oa_state *s, moe_json *j, const char *object) {
     moe_json_object_begin(j);
-    moe_json_kv_string(j, "id", s->id);
+    moe_json_kv_string(j, "id", s->answer.id);
     moe_json_kv_string(j, "object", object);
-    moe_json_kv_int(j, "created", s->created);
-    moe_json_kv_string(j, "model", s->srv->model_id);
+    moe_json_kv_int(j, "created", s->answer.created);
+    moe_json_kv_string(j, "model", s->answer.srv->model_id);
     moe_json_kv_string(j, "system_fingerprint", "moe-" MOE_VERSION_STRING);
     moe_json_key(j, "choices");
     moe_json_array_begin(j);
@@ -296,12 +273,12 @@ static void chunk_end(oa_state *s, moe_json *j) {
         moe_json_null(j);
     }
     moe_json_object_end(j);
-    serve_sse_event(s->sse, NULL);
+    serve_sse_event(s->answer.sse, NULL);
 }
 
 /* one streamed chunk; kind < 0: an empty delta (logprobs carrier) */
 static void stream_delta(oa_state *s, const serve_segment *seg) {
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->answer.sse->j;
     chunk_begin(s, j);
     moe_json_object_begin(j);
     moe_json_kv_int(j, "index", 0);
@@ -321,13 +298,12 @@ static void stream_delta(oa_state *s, const serve_segment *seg) {
             moe_json_key(j, "reasoning_content");
             moe_json_string_n(j, seg->text, seg->len);
         } else {
-            call_out c = {0};
-            serve_make_id(s->srv, "call_", c.id, sizeof c.id);
+            const serve_tool_call *c = serve_answer_call(&s->answer, "call_", seg);
             moe_json_key(j, "tool_calls");
             moe_json_array_begin(j);
             moe_json_object_begin(j);
-            moe_json_kv_uint(j, "index", s->n_calls++);
-            moe_json_kv_string(j, "id", c.id);
+            moe_json_kv_uint(j, "index", s->answer.n_calls - 1);
+            moe_json_kv_string(j, "id", c->id);
             moe_json_kv_string(j, "type", "function");
             moe_json_key(j, "function");
             moe_json_object_begin(j);
@@ -369,20 +345,16 @@ static void stream_delta(oa_state *s, const serve_segment *seg) {
 
 static void on_segment(void *ud, const serve_segment *seg) {
     oa_state *s = ud;
-    if (s->sse) {
+    if (s->answer.sse) {
         stream_delta(s, seg);
         return;
     }
     if (seg->kind == SERVE_SEG_CONTENT)
-        serve_buf_put(&s->content, seg->text, seg->len);
+        moe_strbuf_put(&s->content, seg->text, seg->len);
     else if (seg->kind == SERVE_SEG_REASONING)
-        serve_buf_put(&s->reasoning, seg->text, seg->len);
+        moe_strbuf_put(&s->reasoning, seg->text, seg->len);
     else {
-        s->calls = moe_xrealloc(s->calls, (s->n_calls + 1) * sizeof *s->calls);
-        call_out *c = &s->calls[s->n_calls++];
-        serve_make_id(s->srv, "call_", c->id, sizeof c->id);
-        c->name = moe_xstrdup(seg->name);
-        c->arguments = moe_xstrdup(seg->arguments);
+        serve_answer_call(&s->answer, "call_", seg);
     }
 }
 
@@ -391,17 +363,18 @@ static void feed_events(void *ud, const serve_taken *t) {
     for (size_t i = 0; i < t->n_events; i++) {
         const serve_event *e = &t->events[i];
         if (e->kind == SERVE_EV_TOKEN && s->logprobs) {
-            if (s->sse) {
+            if (s->answer.sse) {
                 s->pending_sample = &e->sample;
             } else {
                 s->samples = moe_xrealloc(s->samples, (s->n_samples + 1) * sizeof *s->samples);
                 s->samples[s->n_samples++] = e->sample;
             }
         }
-        serve_output_feed(&s->out, t->text.p + e->text_off, e->text_len, on_segment, s);
-        if (s->sse && s->pending_sample) stream_delta(s, NULL); /* held text: logprobs alone */
+        serve_output_feed(&s->answer.out, t->text.s + e->text_off, e->text_len, on_segment, s);
+        if (s->answer.sse && s->pending_sample)
+            stream_delta(s, NULL); /* held text: logprobs alone */
     }
-    if (t->done) serve_output_finish(&s->out, on_segment, s);
+    if (t->done) serve_output_finish(&s->answer.out, on_segment, s);
 }
 
 static const char *finish_reason(const serve_req *r, size_t n_calls) {
@@ -426,35 +399,30 @@ static void json_usage(moe_json *j, const serve_req *r) {
     moe_json_object_end(j);
 }
 
-static void stream_pump(serve_sse *sse, const serve_taken *t) {
-    oa_state *s = sse->state;
-    s->sse = sse;
-    if (!s->role_sent && s->chat) {
-        /* the first chunk: the role and empty content, as OpenAI sends it */
-        serve_segment empty = {.kind = SERVE_SEG_CONTENT, .text = "", .len = 0};
-        stream_delta(s, &empty);
-    }
-    feed_events(s, t);
-    if (!t->done) return;
-    serve_req *r = sse->req;
-    pthread_mutex_lock(&r->mu);
-    const serve_finish fin = r->finish;
-    pthread_mutex_unlock(&r->mu);
-    moe_json *j = &sse->j;
-    if (fin == SERVE_FINISH_ERROR || fin == SERVE_FINISH_CANCELLED) {
-        moe_json_object_begin(j);
-        moe_json_key(j, "error");
-        moe_json_object_begin(j);
-        moe_json_kv_string(j, "message",
-                           fin == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
-        moe_json_kv_string(j, "type", "server_error");
-        moe_json_object_end(j);
-        moe_json_object_end(j);
-        serve_sse_event(sse, NULL);
-        serve_buf_puts(&sse->out, "data: [DONE]\n\n");
-        sse->h_copy.status = 500;
-        return;
-    }
+static void stream_begin(void *state, const serve_req *r) {
+    (void)r;
+    oa_state *s = state;
+    /* the first chunk: the role and empty content, as OpenAI sends it */
+    if (s->chat) stream_delta(s, &(serve_segment){.kind = SERVE_SEG_CONTENT, .text = ""});
+}
+
+static void stream_error(void *state, const char *why) {
+    oa_state *s = state;
+    moe_json *j = &s->answer.sse->j;
+    moe_json_object_begin(j);
+    moe_json_key(j, "error");
+    moe_json_object_begin(j);
+    moe_json_kv_string(j, "message", why);
+    moe_json_kv_string(j, "type", "server_error");
+    moe_json_object_end(j);
+    moe_json_object_end(j);
+    serve_sse_event(s->answer.sse, NULL);
+    moe_strbuf_puts(&s->answer.sse->out, "data: [DONE]\n\n");
+}
+
+static void stream_end(void *state, const serve_req *r) {
+    oa_state *s = state;
+    moe_json *j = &s->answer.sse->j;
     chunk_begin(s, j);
     moe_json_object_begin(j);
     moe_json_kv_int(j, "index", 0);
@@ -467,7 +435,7 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     }
     moe_json_key(j, "logprobs");
     moe_json_null(j);
-    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->n_calls));
+    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->answer.n_calls));
     moe_json_object_end(j);
     chunk_end(s, j);
     if (s->include_usage) {
@@ -476,9 +444,9 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
         moe_json_key(j, "usage");
         json_usage(j, r);
         moe_json_object_end(j);
-        serve_sse_event(sse, NULL);
+        serve_sse_event(s->answer.sse, NULL);
     }
-    serve_buf_puts(&sse->out, "data: [DONE]\n\n");
+    moe_strbuf_puts(&s->answer.sse->out, "data: [DONE]\n\n");
 }
 
 /* The whole response of a finished generation. */
@@ -494,26 +462,26 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         moe_json_key(j, "content");
         bool blank = true;
         for (size_t i = 0; i < s->content.len; i++)
-            blank &= s->content.p[i] == ' ' || s->content.p[i] == '\n';
-        if (s->n_calls && blank)
+            blank &= s->content.s[i] == ' ' || s->content.s[i] == '\n';
+        if (s->answer.n_calls && blank)
             moe_json_null(j);
         else
-            moe_json_string_n(j, s->content.p ? s->content.p : "", s->content.len);
+            moe_json_string_n(j, s->content.s ? s->content.s : "", s->content.len);
         if (s->reasoning.len) {
             moe_json_key(j, "reasoning_content");
-            moe_json_string_n(j, s->reasoning.p, s->reasoning.len);
+            moe_json_string_n(j, s->reasoning.s, s->reasoning.len);
         }
-        if (s->n_calls) {
+        if (s->answer.n_calls) {
             moe_json_key(j, "tool_calls");
             moe_json_array_begin(j);
-            for (size_t i = 0; i < s->n_calls; i++) {
+            for (size_t i = 0; i < s->answer.n_calls; i++) {
                 moe_json_object_begin(j);
-                moe_json_kv_string(j, "id", s->calls[i].id);
+                moe_json_kv_string(j, "id", s->answer.calls[i].id);
                 moe_json_kv_string(j, "type", "function");
                 moe_json_key(j, "function");
                 moe_json_object_begin(j);
-                moe_json_kv_string(j, "name", s->calls[i].name);
-                moe_json_kv_string(j, "arguments", s->calls[i].arguments);
+                moe_json_kv_string(j, "name", s->answer.calls[i].name);
+                moe_json_kv_string(j, "arguments", s->answer.calls[i].arguments);
                 moe_json_object_end(j);
                 moe_json_object_end(j);
             }
@@ -538,14 +506,14 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         }
     } else {
         moe_json_key(j, "text");
-        moe_json_string_n(j, s->content.p ? s->content.p : "", s->content.len);
+        moe_json_string_n(j, s->content.s ? s->content.s : "", s->content.len);
         moe_json_key(j, "logprobs");
         if (s->logprobs)
             json_legacy_logprobs(j, s->tok, s->samples, s->n_samples, s->n_top, &s->text_offset);
         else
             moe_json_null(j);
     }
-    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->n_calls));
+    moe_json_kv_string(j, "finish_reason", finish_reason(r, s->answer.n_calls));
     moe_json_object_end(j);
     moe_json_array_end(j);
     moe_json_key(j, "usage");
@@ -553,44 +521,31 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
     moe_json_object_end(j);
 }
 
-static void reply_complete(serve_http *h, oa_state *s, serve_req *r) {
-    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
-        serve_reply_error(h, SERVE_API_OPENAI, 500, NULL, NULL, "generation failed: %s",
-                          r->finish == SERVE_FINISH_ERROR ? r->error : "cancelled");
-        return;
-    }
-    moe_json j;
-    moe_json_init(&j, false);
-    json_whole(&j, s, r);
-    serve_reply_json(h, 200, &j);
-    moe_json_free(&j);
+static const serve_adapter openai_adapter = {
+    .api = SERVE_API_OPENAI,
+    .keepalive = ": keep-alive\n\n",
+    .stream_begin = stream_begin,
+    .feed = feed_events,
+    .stream_end = stream_end,
+    .stream_error = stream_error,
+    .whole = json_whole,
+    .clear = oa_state_clear,
+};
+
+static oa_state *oa_state_new(bool chat) {
+    oa_state *s = serve_answer_new(&openai_adapter, sizeof *s, chat ? "chatcmpl-" : "cmpl-");
+    s->chat = chat;
+    return s;
 }
 
-/* Shared tail of chat and completions: submit, then stream or collect. */
-static void run_generation(serve_http *h, json_t *body, serve_req *req, oa_state *s) {
-    json_t *stream = json_object_get(body, "stream");
+/* Chat and completions alike once parsed: the stream options, then the skeleton. */
+static void generate(serve_http *h, json_t *body, oa_state *s, serve_req *req,
+                     const serve_chat *chat, const char *prompt, bool ok) {
+    s->tok = serve_sched_tokenizer(h->srv->sched);
     json_t *opts = json_object_get(body, "stream_options");
     s->include_usage = json_is_true(json_object_get(opts, "include_usage"));
-    s->srv = h->srv;
-    s->tok = serve_sched_tokenizer(h->srv->sched);
-    s->created = (long)time(NULL);
-    serve_make_id(h->srv, s->chat ? "chatcmpl-" : "cmpl-", s->id, sizeof s->id);
-    serve_taken t = {0};
-    if (!serve_submit_and_wait(h, SERVE_API_OPENAI, req, &t)) {
-        serve_taken_free(&t);
-        serve_req_release(req);
-        oa_state_free(s);
-        return;
-    }
-    if (json_is_true(stream)) {
-        /* the events already taken go out first */
-        serve_reply_sse(h, req, &t, stream_pump, s, oa_state_free, ": keep-alive\n\n");
-        return;
-    }
-    if (serve_wait_done(h, req, &t, feed_events, s)) reply_complete(h, s, req);
-    serve_taken_free(&t);
-    serve_req_release(req);
-    oa_state_free(s);
+    serve_generate(h, &s->answer, req, chat, prompt, ok,
+                   json_is_true(json_object_get(body, "stream")));
 }
 
 /* ==== /v1/chat/completions ==== */
@@ -600,9 +555,7 @@ void serve_openai_chat(serve_http *h) {
     if (!body) return;
     serve_chat chat = {0};
     serve_req *req = serve_req_new();
-    oa_state *s = moe_xcalloc(1, sizeof *s);
-    s->chat = true;
-    s->h = h;
+    oa_state *s = oa_state_new(true);
     bool ok = parse_messages(h, body, &chat) && parse_tools(h, body, &chat) &&
               parse_limits(h, body, &req->gen, "max_completion_tokens") &&
               serve_parse_sampling(h, SERVE_API_OPENAI, body, &req->gen, "stop");
@@ -632,28 +585,15 @@ void serve_openai_chat(serve_http *h) {
     char *prompt = NULL;
     ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
          serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
-    serve_output_init(&s->out, h->srv, &chat, prompt);
+    generate(h, body, s, req, &chat, prompt, ok);
     free(prompt);
     serve_chat_free(&chat);
-    if (!ok) {
-        serve_req_release(req);
-        oa_state_free(s);
-        json_decref(body);
-        return;
-    }
-    run_generation(h, body, req, s);
     json_decref(body);
 }
 
 void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                         const char *text, size_t chunk, bool stream, serve_buf *out) {
-    oa_state *s = moe_xcalloc(1, sizeof *s);
-    s->chat = true;
-    s->srv = srv;
-    serve_make_id(srv, "chatcmpl-", s->id, sizeof s->id);
-    serve_output_init(&s->out, srv, chat, prompt);
-    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
-    oa_state_free(s);
+                         const char *text, size_t chunk, bool stream, moe_strbuf *out) {
+    serve_replay(&oa_state_new(true)->answer, srv, chat, prompt, text, chunk, stream, out);
 }
 
 /* ==== /v1/completions ==== */
@@ -662,8 +602,7 @@ void serve_openai_completions(serve_http *h) {
     json_t *body = serve_parse_body(h, SERVE_API_OPENAI);
     if (!body) return;
     serve_req *req = serve_req_new();
-    oa_state *s = moe_xcalloc(1, sizeof *s);
-    s->h = h;
+    oa_state *s = oa_state_new(false);
     bool ok = parse_limits(h, body, &req->gen, NULL) &&
               serve_parse_sampling(h, SERVE_API_OPENAI, body, &req->gen, "stop");
     if (ok && json_object_get(body, "max_tokens") == NULL) req->gen.max_tokens = 16; /* OpenAI's */
@@ -724,14 +663,7 @@ void serve_openai_completions(serve_http *h) {
             ok = false;
         }
     }
-    serve_output_init(&s->out, h->srv, NULL, NULL);
-    if (!ok) {
-        serve_req_release(req);
-        oa_state_free(s);
-        json_decref(body);
-        return;
-    }
-    run_generation(h, body, req, s);
+    generate(h, body, s, req, NULL, NULL, ok);
     json_decref(body);
 }
 

@@ -30,6 +30,15 @@ serve_message *serve_chat_add(serve_chat *c, const char *role) {
     return m;
 }
 
+void serve_tool_calls_free(serve_tool_call *calls, size_t n) {
+    for (size_t k = 0; k < n; k++) {
+        free(calls[k].id);
+        free(calls[k].name);
+        free(calls[k].arguments);
+    }
+    free(calls);
+}
+
 void serve_chat_free(serve_chat *c) {
     for (size_t i = 0; i < c->n_msgs; i++) {
         serve_message *m = &c->msgs[i];
@@ -38,12 +47,7 @@ void serve_chat_free(serve_chat *c) {
         free(m->reasoning);
         free(m->tool_call_id);
         free(m->name);
-        for (size_t k = 0; k < m->n_tool_calls; k++) {
-            free(m->tool_calls[k].id);
-            free(m->tool_calls[k].name);
-            free(m->tool_calls[k].arguments);
-        }
-        free(m->tool_calls);
+        serve_tool_calls_free(m->tool_calls, m->n_tool_calls);
     }
     free(c->msgs);
     json_decref(c->tools);
@@ -88,12 +92,6 @@ static json_t *chat_messages_json(const serve_chat *c) {
 
 /* ==== Template kwargs from the request ==== */
 
-#define BAD(h, api, field, ...)                                                                    \
-    do {                                                                                           \
-        serve_reply_error(h, api, 400, field, NULL, __VA_ARGS__);                                  \
-        return false;                                                                              \
-    } while (0)
-
 bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat) {
     json_t *kw = json_object();
     chat->kwargs = kw;
@@ -101,14 +99,14 @@ bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, ser
     json_t *v = json_object_get(body, "enable_thinking");
     if (v && !json_is_null(v)) {
         if (!json_is_boolean(v))
-            BAD(h, api, "enable_thinking", "enable_thinking: expected a boolean");
+            SERVE_BAD(h, api, "enable_thinking", "enable_thinking: expected a boolean");
         json_object_set(kw, "enable_thinking", v);
     }
     v = json_object_get(body, "reasoning_effort");                             /* OpenAI chat */
     if (!v) v = json_object_get(json_object_get(body, "reasoning"), "effort"); /* Responses */
     if (v && !json_is_null(v)) {
         if (!json_is_string(v))
-            BAD(h, api, "reasoning_effort", "reasoning_effort: expected a string");
+            SERVE_BAD(h, api, "reasoning_effort", "reasoning_effort: expected a string");
         json_object_set(kw, "reasoning_effort", v);
     }
     const char *thinking =
@@ -118,7 +116,7 @@ bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, ser
     v = json_object_get(body, "chat_template_kwargs"); /* vLLM and llama-server's extension */
     if (v && !json_is_null(v)) {
         if (!json_is_object(v))
-            BAD(h, api, "chat_template_kwargs", "chat_template_kwargs: expected an object");
+            SERVE_BAD(h, api, "chat_template_kwargs", "chat_template_kwargs: expected an object");
         json_object_update(kw, v);
     }
     return true;
@@ -132,7 +130,7 @@ bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
     if (path) {
         srv->tmpl = moe_chat_template_load_file(path, &err);
         snprintf(srv->tmpl_origin, sizeof srv->tmpl_origin, "%s", path);
-    } else if (srv->p.model_path) {
+    } else {
         moe_gguf *g = moe_gguf_open(srv->p.model_path, &err);
         if (g) {
             srv->tmpl = moe_chat_template_from_gguf(g, NULL, &err);

@@ -13,13 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#define BAD(h, field, ...)                                                                         \
-    do {                                                                                           \
-        serve_reply_error(h, SERVE_API_OPENAI, 400, field, NULL, __VA_ARGS__);                     \
-        return false;                                                                              \
-    } while (0)
+#define BAD(h, field, ...) SERVE_BAD(h, SERVE_API_OPENAI, field, __VA_ARGS__)
 
 /* ==== Request ==== */
 
@@ -112,34 +107,27 @@ typedef enum item_kind { ITEM_REASONING, ITEM_MESSAGE, ITEM_CALL } item_kind;
 typedef struct out_item {
     item_kind kind;
     char id[48], call_id[48];
-    serve_buf text; /* message / reasoning text, or the call's arguments */
+    moe_strbuf text; /* message / reasoning text, or the call's arguments */
     char *name;
     bool done;
 } out_item;
 
 typedef struct rs_state {
-    serve_server *srv;
-    serve_sse *sse;
-    serve_output out;
-    char id[64];
-    long created;
+    serve_answer answer; /* first: the skeleton's part */
     out_item *items;
     size_t n_items;
     uint64_t seq;
-    bool started;
     json_t *echo; /* request fields echoed in the response object */
 } rs_state;
 
-static void rs_state_free(void *p) {
+static void rs_state_clear(void *p) {
     rs_state *s = p;
-    serve_output_free(&s->out);
     for (size_t i = 0; i < s->n_items; i++) {
-        serve_buf_free(&s->items[i].text);
+        moe_strbuf_free(&s->items[i].text);
         free(s->items[i].name);
     }
     free(s->items);
     json_decref(s->echo);
-    free(s);
 }
 
 /* The one content part of a message (output_text) or reasoning item (reasoning_text); its text
@@ -148,7 +136,7 @@ static void json_part(moe_json *j, const out_item *it) {
     moe_json_object_begin(j);
     moe_json_kv_string(j, "type", it->kind == ITEM_MESSAGE ? "output_text" : "reasoning_text");
     moe_json_key(j, "text");
-    moe_json_string_n(j, it->done && it->text.p ? it->text.p : "", it->done ? it->text.len : 0);
+    moe_json_string_n(j, it->done && it->text.s ? it->text.s : "", it->done ? it->text.len : 0);
     if (it->kind == ITEM_MESSAGE) {
         moe_json_key(j, "annotations");
         moe_json_array_begin(j);
@@ -184,7 +172,7 @@ static void json_item(moe_json *j, const out_item *it) {
         moe_json_kv_string(j, "call_id", it->call_id);
         moe_json_kv_string(j, "name", it->name);
         moe_json_key(j, "arguments");
-        moe_json_string_n(j, it->done && it->text.p ? it->text.p : "", it->done ? it->text.len : 0);
+        moe_json_string_n(j, it->done && it->text.s ? it->text.s : "", it->done ? it->text.len : 0);
     }
     moe_json_object_end(j);
 }
@@ -193,9 +181,9 @@ static void json_item(moe_json *j, const out_item *it) {
 static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
     const bool incomplete = r && r->finish == SERVE_FINISH_LENGTH;
     moe_json_object_begin(j);
-    moe_json_kv_string(j, "id", s->id);
+    moe_json_kv_string(j, "id", s->answer.id);
     moe_json_kv_string(j, "object", "response");
-    moe_json_kv_int(j, "created_at", s->created);
+    moe_json_kv_int(j, "created_at", s->answer.created);
     moe_json_kv_string(j, "status", !r ? "in_progress" : incomplete ? "incomplete" : "completed");
     moe_json_key(j, "error");
     moe_json_null(j);
@@ -207,7 +195,7 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
     } else {
         moe_json_null(j);
     }
-    moe_json_kv_string(j, "model", s->srv->model_id);
+    moe_json_kv_string(j, "model", s->answer.srv->model_id);
     moe_json_key(j, "output");
     moe_json_array_begin(j);
     for (size_t i = 0; r && i < s->n_items; i++) json_item(j, &s->items[i]);
@@ -246,19 +234,19 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
 
 /* stream events: {"type": TYPE, "sequence_number": N, ...}; the caller adds fields and ends */
 static void ev_begin(rs_state *s, const char *type) {
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->answer.sse->j;
     moe_json_object_begin(j);
     moe_json_kv_string(j, "type", type);
     moe_json_kv_uint(j, "sequence_number", s->seq++);
 }
 
 static void ev_end(rs_state *s, const char *type) {
-    moe_json_object_end(&s->sse->j);
-    serve_sse_event(s->sse, type);
+    moe_json_object_end(&s->answer.sse->j);
+    serve_sse_event(s->answer.sse, type);
 }
 
 static void ev_item_ref(rs_state *s, size_t index, bool content_index) {
-    moe_json *j = &s->sse->j;
+    moe_json *j = &s->answer.sse->j;
     moe_json_kv_string(j, "item_id", s->items[index].id);
     moe_json_kv_uint(j, "output_index", index);
     if (content_index) {
@@ -271,8 +259,8 @@ static void item_close(rs_state *s) {
     out_item *it = &s->items[s->n_items - 1];
     if (it->done) return;
     it->done = true;
-    if (!s->sse) return;
-    moe_json *j = &s->sse->j;
+    if (!s->answer.sse) return;
+    moe_json *j = &s->answer.sse->j;
     const size_t idx = s->n_items - 1;
     if (it->kind != ITEM_CALL) {
         const bool msg = it->kind == ITEM_MESSAGE;
@@ -280,7 +268,7 @@ static void item_close(rs_state *s) {
         ev_begin(s, done);
         ev_item_ref(s, idx, true);
         moe_json_key(j, "text");
-        moe_json_string_n(j, it->text.p ? it->text.p : "", it->text.len);
+        moe_json_string_n(j, it->text.s ? it->text.s : "", it->text.len);
         if (msg) {
             moe_json_key(j, "logprobs");
             moe_json_array_begin(j);
@@ -296,7 +284,7 @@ static void item_close(rs_state *s) {
         ev_begin(s, "response.function_call_arguments.done");
         ev_item_ref(s, idx, false);
         moe_json_key(j, "arguments");
-        moe_json_string_n(j, it->text.p ? it->text.p : "", it->text.len);
+        moe_json_string_n(j, it->text.s ? it->text.s : "", it->text.len);
         ev_end(s, "response.function_call_arguments.done");
     }
     ev_begin(s, "response.output_item.done");
@@ -315,15 +303,15 @@ static out_item *item_open(rs_state *s, item_kind kind, const char *name) {
     it->kind = kind;
     if (kind == ITEM_CALL) {
         it->name = moe_xstrdup(name);
-        serve_make_id(s->srv, "call_", it->call_id, sizeof it->call_id);
+        serve_make_id(s->answer.srv, "call_", it->call_id, sizeof it->call_id);
     }
-    serve_make_id(s->srv,
+    serve_make_id(s->answer.srv,
                   kind == ITEM_MESSAGE ? "msg_"
                   : kind == ITEM_CALL  ? "fc_"
                                        : "rs_",
                   it->id, sizeof it->id);
-    if (!s->sse) return it;
-    moe_json *j = &s->sse->j;
+    if (!s->answer.sse) return it;
+    moe_json *j = &s->answer.sse->j;
     ev_begin(s, "response.output_item.added");
     moe_json_kv_uint(j, "output_index", s->n_items - 1);
     moe_json_key(j, "item");
@@ -343,11 +331,11 @@ static void on_segment(void *ud, const serve_segment *seg) {
     rs_state *s = ud;
     if (seg->kind == SERVE_SEG_TOOL_CALL) {
         out_item *it = item_open(s, ITEM_CALL, seg->name);
-        serve_buf_puts(&it->text, seg->arguments);
-        if (s->sse) {
+        moe_strbuf_puts(&it->text, seg->arguments);
+        if (s->answer.sse) {
             ev_begin(s, "response.function_call_arguments.delta");
             ev_item_ref(s, s->n_items - 1, false);
-            moe_json_kv_string(&s->sse->j, "delta", seg->arguments);
+            moe_json_kv_string(&s->answer.sse->j, "delta", seg->arguments);
             ev_end(s, "response.function_call_arguments.delta");
         }
         item_close(s);
@@ -357,18 +345,18 @@ static void on_segment(void *ud, const serve_segment *seg) {
     const item_kind kind = seg->kind == SERVE_SEG_REASONING ? ITEM_REASONING : ITEM_MESSAGE;
     out_item *it = s->n_items ? &s->items[s->n_items - 1] : NULL;
     if (!it || it->done || it->kind != kind) it = item_open(s, kind, NULL);
-    serve_buf_put(&it->text, seg->text, seg->len);
-    if (!s->sse) return;
+    moe_strbuf_put(&it->text, seg->text, seg->len);
+    if (!s->answer.sse) return;
     const char *type =
         kind == ITEM_MESSAGE ? "response.output_text.delta" : "response.reasoning_text.delta";
     ev_begin(s, type);
     ev_item_ref(s, s->n_items - 1, true);
-    moe_json_key(&s->sse->j, "delta");
-    moe_json_string_n(&s->sse->j, seg->text, seg->len);
+    moe_json_key(&s->answer.sse->j, "delta");
+    moe_json_string_n(&s->answer.sse->j, seg->text, seg->len);
     if (kind == ITEM_MESSAGE) {
-        moe_json_key(&s->sse->j, "logprobs");
-        moe_json_array_begin(&s->sse->j);
-        moe_json_array_end(&s->sse->j);
+        moe_json_key(&s->answer.sse->j, "logprobs");
+        moe_json_array_begin(&s->answer.sse->j);
+        moe_json_array_end(&s->answer.sse->j);
     }
     ev_end(s, type);
 }
@@ -376,53 +364,47 @@ static void on_segment(void *ud, const serve_segment *seg) {
 static void feed_events(void *ud, const serve_taken *t) {
     rs_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++)
-        serve_output_feed(&s->out, t->text.p + t->events[i].text_off, t->events[i].text_len,
+        serve_output_feed(&s->answer.out, t->text.s + t->events[i].text_off, t->events[i].text_len,
                           on_segment, s);
     if (t->done) {
-        serve_output_finish(&s->out, on_segment, s);
+        serve_output_finish(&s->answer.out, on_segment, s);
         if (!s->n_items) item_open(s, ITEM_MESSAGE, NULL); /* always a message, maybe empty */
         item_close(s);
     }
 }
 
-static void stream_pump(serve_sse *sse, const serve_taken *t) {
-    rs_state *s = sse->state;
-    s->sse = sse;
-    moe_json *j = &sse->j;
-    if (!s->started) {
-        s->started = true;
-        ev_begin(s, "response.created");
-        moe_json_key(j, "response");
-        json_response(j, s, NULL);
-        ev_end(s, "response.created");
-        ev_begin(s, "response.in_progress");
-        moe_json_key(j, "response");
-        json_response(j, s, NULL);
-        ev_end(s, "response.in_progress");
-    }
-    feed_events(s, t);
-    if (!t->done) return;
-    serve_req *r = sse->req;
-    pthread_mutex_lock(&r->mu);
-    if (r->finish == SERVE_FINISH_ERROR || r->finish == SERVE_FINISH_CANCELLED) {
-        ev_begin(s, "error");
-        moe_json_kv_string(j, "code", "server_error");
-        moe_json_key(j, "message");
-        moe_json_string(j,
-                        r->finish == SERVE_FINISH_ERROR ? r->error : "the request was cancelled");
-        moe_json_key(j, "param");
-        moe_json_null(j);
-        pthread_mutex_unlock(&r->mu);
-        ev_end(s, "error");
-        sse->h_copy.status = 500;
-        return;
-    }
+static void stream_begin(void *state, const serve_req *r) {
+    (void)r;
+    rs_state *s = state;
+    moe_json *j = &s->answer.sse->j;
+    ev_begin(s, "response.created");
+    moe_json_key(j, "response");
+    json_response(j, s, NULL);
+    ev_end(s, "response.created");
+    ev_begin(s, "response.in_progress");
+    moe_json_key(j, "response");
+    json_response(j, s, NULL);
+    ev_end(s, "response.in_progress");
+}
+
+static void stream_error(void *state, const char *why) {
+    rs_state *s = state;
+    moe_json *j = &s->answer.sse->j;
+    ev_begin(s, "error");
+    moe_json_kv_string(j, "code", "server_error");
+    moe_json_kv_string(j, "message", why);
+    moe_json_key(j, "param");
+    moe_json_null(j);
+    ev_end(s, "error");
+}
+
+static void stream_end(void *state, const serve_req *r) {
+    rs_state *s = state;
     const char *type =
         r->finish == SERVE_FINISH_LENGTH ? "response.incomplete" : "response.completed";
     ev_begin(s, type);
-    moe_json_key(j, "response");
-    json_response(j, s, r);
-    pthread_mutex_unlock(&r->mu);
+    moe_json_key(&s->answer.sse->j, "response");
+    json_response(&s->answer.sse->j, s, r);
     ev_end(s, type);
 }
 
@@ -430,15 +412,26 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
     json_response(j, state, r);
 }
 
-void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                            const char *text, size_t chunk, bool stream, serve_buf *out) {
-    rs_state *s = moe_xcalloc(1, sizeof *s);
-    s->srv = srv;
-    serve_make_id(srv, "resp_", s->id, sizeof s->id);
+static const serve_adapter responses_adapter = {
+    .api = SERVE_API_OPENAI,
+    .keepalive = ": keep-alive\n\n",
+    .stream_begin = stream_begin,
+    .feed = feed_events,
+    .stream_end = stream_end,
+    .stream_error = stream_error,
+    .whole = json_whole,
+    .clear = rs_state_clear,
+};
+
+static rs_state *rs_state_new(void) {
+    rs_state *s = serve_answer_new(&responses_adapter, sizeof *s, "resp_");
     s->echo = json_object();
-    serve_output_init(&s->out, srv, chat, prompt);
-    serve_replay(text, chunk, stream ? stream_pump : NULL, feed_events, json_whole, s, out);
-    rs_state_free(s);
+    return s;
+}
+
+void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
+                            const char *text, size_t chunk, bool stream, moe_strbuf *out) {
+    serve_replay(&rs_state_new()->answer, srv, chat, prompt, text, chunk, stream, out);
 }
 
 void serve_openai_responses(serve_http *h) {
@@ -446,11 +439,7 @@ void serve_openai_responses(serve_http *h) {
     if (!body) return;
     serve_chat chat = {0};
     serve_req *req = serve_req_new();
-    rs_state *s = moe_xcalloc(1, sizeof *s);
-    s->srv = h->srv;
-    s->created = (long)time(NULL);
-    serve_make_id(h->srv, "resp_", s->id, sizeof s->id);
-    s->echo = json_object();
+    rs_state *s = rs_state_new();
     bool ok = true;
     json_t *prev = json_object_get(body, "previous_response_id");
     if (prev && !json_is_null(prev)) {
@@ -489,35 +478,9 @@ void serve_openai_responses(serve_http *h) {
     char *prompt = NULL;
     ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
          serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
-    serve_output_init(&s->out, h->srv, &chat, prompt);
-    free(prompt);
-    serve_chat_free(&chat);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
-    serve_taken t = {0};
-    if (!ok || !serve_submit_and_wait(h, SERVE_API_OPENAI, req, &t)) {
-        serve_taken_free(&t);
-        serve_req_release(req);
-        rs_state_free(s);
-        return;
-    }
-    if (stream) {
-        serve_reply_sse(h, req, &t, stream_pump, s, rs_state_free, ": keep-alive\n\n");
-        return;
-    }
-    if (serve_wait_done(h, req, &t, feed_events, s)) {
-        if (req->finish == SERVE_FINISH_ERROR || req->finish == SERVE_FINISH_CANCELLED) {
-            serve_reply_error(h, SERVE_API_OPENAI, 500, NULL, NULL, "generation failed: %s",
-                              req->finish == SERVE_FINISH_ERROR ? req->error : "cancelled");
-        } else {
-            moe_json j;
-            moe_json_init(&j, false);
-            json_response(&j, s, req);
-            serve_reply_json(h, 200, &j);
-            moe_json_free(&j);
-        }
-    }
-    serve_taken_free(&t);
-    serve_req_release(req);
-    rs_state_free(s);
+    serve_generate(h, &s->answer, req, &chat, prompt, ok, stream);
+    free(prompt);
+    serve_chat_free(&chat);
 }

@@ -27,7 +27,6 @@
 #include <time.h>
 
 #include "../model/model.h"
-#include "../tools/tools.h"
 
 typedef enum slot_state { SLOT_EMPTY, SLOT_RESIDENT, SLOT_ACTIVE } slot_state;
 
@@ -42,7 +41,7 @@ typedef struct slot {
     int32_t logits_row; /* this step: index of its logits row, or -1 */
     moe_sampler *sampler;
     moe_detok *detok;
-    serve_buf hold; /* text held back: it may be the start of a stop string */
+    moe_strbuf hold; /* text held back: it may be the start of a stop string */
     uint32_t n_generated;
 } slot;
 
@@ -75,48 +74,6 @@ double serve_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* ==== Buffers ==== */
-
-void serve_buf_put(serve_buf *b, const char *s, size_t n) {
-    if (b->cap - b->len <= n) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap - b->len <= n) cap *= 2;
-        b->p = moe_xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    if (n) memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-void serve_buf_puts(serve_buf *b, const char *s) {
-    serve_buf_put(b, s, strlen(s));
-}
-
-void serve_buf_printf(serve_buf *b, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    char small[512];
-    int n = vsnprintf(small, sizeof small, fmt, ap);
-    va_end(ap);
-    if (n < 0) return;
-    if ((size_t)n < sizeof small) {
-        serve_buf_put(b, small, (size_t)n);
-        return;
-    }
-    char *big = moe_xmalloc((size_t)n + 1);
-    va_start(ap, fmt);
-    vsnprintf(big, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    serve_buf_put(b, big, (size_t)n);
-    free(big);
-}
-
-void serve_buf_free(serve_buf *b) {
-    free(b->p);
-    memset(b, 0, sizeof *b);
-}
-
 /* ==== Requests ==== */
 
 void serve_gen_free(serve_gen *g) {
@@ -146,7 +103,7 @@ void serve_req_release(serve_req *r) {
     if (left > 0) return;
     serve_gen_free(&r->gen);
     free(r->events);
-    serve_buf_free(&r->text);
+    moe_strbuf_free(&r->text);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     free(r);
@@ -183,7 +140,7 @@ bool serve_req_take(serve_req *r, serve_taken *t, double timeout_s) {
         }
         memcpy(t->events, r->events, r->n_events * sizeof *r->events);
         t->n_events = r->n_events;
-        serve_buf_put(&t->text, r->text.p ? r->text.p : "", r->text.len);
+        moe_strbuf_put(&t->text, r->text.s ? r->text.s : "", r->text.len);
         r->n_events = 0;
         r->text.len = 0;
     }
@@ -196,7 +153,7 @@ bool serve_req_take(serve_req *r, serve_taken *t, double timeout_s) {
 
 void serve_taken_free(serve_taken *t) {
     free(t->events);
-    serve_buf_free(&t->text);
+    moe_strbuf_free(&t->text);
     memset(t, 0, sizeof *t);
 }
 
@@ -216,7 +173,7 @@ static void emit(serve_req *r, serve_event_kind kind, const char *text, size_t l
         e->sample = *sample;
     else
         memset(&e->sample, 0, sizeof e->sample);
-    serve_buf_put(&r->text, text, len);
+    moe_strbuf_put(&r->text, text, len);
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
 }
@@ -299,8 +256,8 @@ static void finish(serve_sched *s, int idx, serve_finish why, int stop_index, co
     if (why != SERVE_FINISH_STOP && why != SERVE_FINISH_CANCELLED && why != SERVE_FINISH_ERROR) {
         size_t len;
         const char *rest = moe_detok_flush(sl->detok, &len);
-        serve_buf_put(&sl->hold, rest, len);
-        if (sl->hold.len) emit(r, SERVE_EV_TEXT, sl->hold.p, sl->hold.len, NULL);
+        moe_strbuf_put(&sl->hold, rest, len);
+        if (sl->hold.len) emit(r, SERVE_EV_TEXT, sl->hold.s, sl->hold.len, NULL);
     }
     sl->hold.len = 0;
     moe_sampler_free(sl->sampler);
@@ -366,25 +323,25 @@ static int stop_feed(slot *sl, const moe_sample *sample, const char *text, size_
         emit(sl->req, SERVE_EV_TOKEN, text, len, sample);
         return -1;
     }
-    serve_buf_put(&sl->hold, text, len);
+    moe_strbuf_put(&sl->hold, text, len);
     size_t first = SIZE_MAX;
     int which = -1;
     for (uint32_t i = 0; i < g->n_stop; i++) {
-        const char *at = memmem(sl->hold.p, sl->hold.len, g->stop[i], strlen(g->stop[i]));
-        if (at && (size_t)(at - sl->hold.p) < first) {
-            first = (size_t)(at - sl->hold.p);
+        const char *at = memmem(sl->hold.s, sl->hold.len, g->stop[i], strlen(g->stop[i]));
+        if (at && (size_t)(at - sl->hold.s) < first) {
+            first = (size_t)(at - sl->hold.s);
             which = (int)i;
         }
     }
     if (which >= 0) {
-        emit(sl->req, SERVE_EV_TOKEN, sl->hold.p, first, sample);
+        emit(sl->req, SERVE_EV_TOKEN, sl->hold.s, first, sample);
         sl->hold.len = 0;
         return which;
     }
-    const size_t keep = stop_partial(g, sl->hold.p, sl->hold.len);
+    const size_t keep = stop_partial(g, sl->hold.s, sl->hold.len);
     const size_t out = sl->hold.len - keep;
-    emit(sl->req, SERVE_EV_TOKEN, sl->hold.p, out, sample);
-    memmove(sl->hold.p, sl->hold.p + out, keep);
+    emit(sl->req, SERVE_EV_TOKEN, sl->hold.s, out, sample);
+    memmove(sl->hold.s, sl->hold.s + out, keep);
     sl->hold.len = keep;
     return -1;
 }
@@ -546,17 +503,7 @@ static void update_gauges(serve_sched *s) {
 
 static bool load(serve_sched *s) {
     moe_error err = {0};
-    char *demo = NULL;
     const char *path = s->p.model_path;
-    if (!path) {
-        demo = moe_demo_model_path(&err);
-        if (!demo) goto fail;
-        fprintf(stderr,
-                "moe serve: no model given: using the built-in demo model %s "
-                "(its weights are RANDOM: the text means nothing)\n",
-                demo);
-        path = demo;
-    }
     s->model = moe_model_load(path, &err);
     if (s->model && !s->p.use_mmap) moe_gguf_to_memory(s->model->gguf, NULL, &err);
     if (s->model && !err.code) s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
@@ -580,11 +527,9 @@ static bool load(serve_sched *s) {
     s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);
     s->row_slot = moe_xmalloc(sizeof(int32_t) * max_rows);
     s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab * (size_t)s->p.parallel);
-    free(demo);
     return true;
 fail:
     snprintf(s->load_error, sizeof s->load_error, "%s", err.msg);
-    free(demo);
     return false;
 }
 
@@ -709,7 +654,7 @@ void serve_sched_stop(serve_sched *s) {
 
 void serve_sched_free(serve_sched *s) {
     if (s->slots)
-        for (uint32_t i = 0; i < s->n_slots; i++) serve_buf_free(&s->slots[i].hold);
+        for (uint32_t i = 0; i < s->n_slots; i++) moe_strbuf_free(&s->slots[i].hold);
     free(s->slots);
     free(s->rows);
     free(s->row_slot);

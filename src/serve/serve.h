@@ -17,7 +17,7 @@
 #define MOE_SERVE_MAX_API_KEYS 16
 
 typedef struct moe_serve_params {
-    const char *model_path;         /* NULL: the built-in demo model */
+    const char *model_path;         /* the GGUF file (cli/ stands in the demo model's) */
     const char *alias;              /* model id in the APIs (NULL: the file name without .gguf) */
     const char *chat_template_file; /* a .jinja file over the model's own template, or NULL */
     const char *host;               /* address to bind (default 127.0.0.1) */

@@ -1,7 +1,7 @@
 /* serve_internal.h: what the files of src/serve/ share -- limits, the request and its event
  * queue (the only channel between HTTP threads and the engine thread), the scheduler, prompts
- * through the chat template and the output parser, metrics, and the HTTP reply helpers the API
- * adapters use.
+ * through the chat template and the output parser, metrics, the HTTP side (transport, router,
+ * the helpers the API adapters use) and the generation skeleton the adapters plug into.
  *
  * The trap: a serve_req is shared by two threads. Its `gen` part is written once by the HTTP
  * thread before submit and only read after; everything the engine reports goes through the
@@ -42,18 +42,6 @@
 #define SERVE_POLL_MS        50  /* how often a waiting HTTP thread looks for a hang-up */
 
 double serve_now(void); /* monotonic seconds */
-
-/* ==== Growable byte buffer ==== */
-
-typedef struct serve_buf {
-    char *p;
-    size_t len, cap;
-} serve_buf;
-
-void serve_buf_put(serve_buf *b, const char *s, size_t n);
-void serve_buf_puts(serve_buf *b, const char *s);
-void serve_buf_printf(serve_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void serve_buf_free(serve_buf *b);
 
 /* ==== Requests and their event queue ==== */
 
@@ -114,7 +102,7 @@ typedef struct serve_req {
     char error[256];
     serve_event *events; /* pending, not yet taken by the HTTP side */
     size_t n_events, cap_events;
-    serve_buf text; /* bytes the pending events point into */
+    moe_strbuf text; /* bytes the pending events point into */
 } serve_req;
 
 serve_req *serve_req_new(void); /* refs = 1 (the HTTP side) */
@@ -125,7 +113,7 @@ void serve_req_cancel(serve_req *r);
 typedef struct serve_taken {
     serve_event *events;
     size_t n_events, cap_events;
-    serve_buf text;
+    moe_strbuf text;
     bool admitted, done; /* state as of this take */
 } serve_taken;
 
@@ -153,7 +141,7 @@ typedef struct serve_metrics {
 } serve_metrics;
 
 extern const double serve_ttft_bounds[SERVE_TTFT_BUCKETS];
-void serve_metrics_write(serve_metrics *m, serve_buf *out);
+void serve_metrics_write(serve_metrics *m, moe_strbuf *out);
 
 /* ==== Scheduler: the engine thread ==== */
 
@@ -183,6 +171,8 @@ typedef struct serve_tool_call {
     char *id, *name;
     char *arguments; /* JSON text of the arguments object */
 } serve_tool_call;
+
+void serve_tool_calls_free(serve_tool_call *calls, size_t n);
 
 typedef struct serve_message {
     char *role;      /* system, user, assistant, tool */
@@ -257,7 +247,7 @@ void serve_output_feed(serve_output *o, const char *text, size_t len, serve_segm
 void serve_output_finish(serve_output *o, serve_segment_fn fn, void *ud);
 void serve_output_free(serve_output *o);
 
-/* ==== HTTP side: the server, one request's exchange, replies ==== */
+/* ==== Transport (http.c): the server, one request's exchange, replies, streams ==== */
 
 struct serve_server {
     moe_serve_params p;
@@ -287,23 +277,17 @@ struct serve_http {
 void serve_reply_json(serve_http *h, int status, const moe_json *j);
 void serve_reply_text(serve_http *h, int status, const char *content_type, const char *text,
                       size_t len);
-/* An error in the API's shape; the error type follows from the status. param: the request
- * field at fault, or NULL; code: OpenAI's error code (invalid_api_key, ...), or NULL. */
-void serve_reply_error(serve_http *h, serve_api api, int status, const char *param,
-                       const char *code, const char *fmt, ...)
-    __attribute__((format(printf, 6, 7)));
 bool serve_client_gone(int fd);
 const char *serve_header(serve_http *h, const char *name);
-void serve_make_id(serve_server *srv, const char *prefix, char *out, size_t size);
 
-/* A server-sent-event stream: the adapter's pump turns taken events into SSE bytes. */
+/* A server-sent-event stream: the pump (generate.c's) turns taken events into SSE bytes. */
 typedef struct serve_sse serve_sse;
 typedef void (*serve_sse_pump)(serve_sse *s, const serve_taken *t);
 struct serve_sse {
     serve_http h_copy; /* srv, fd, for the pump */
     serve_req *req;
     serve_taken taken;
-    serve_buf out; /* SSE bytes not yet handed over */
+    moe_strbuf out; /* SSE bytes not yet handed over */
     size_t out_off;
     bool ended;
     bool first_pending; /* taken holds events not yet pumped */
@@ -324,13 +308,21 @@ void serve_reply_sse(serve_http *h, serve_req *req, serve_taken *first, serve_ss
 /* Append one SSE event (event line only when event is not NULL) whose data is the JSON in s->j. */
 void serve_sse_event(serve_sse *s, const char *event);
 
-/* Shared request plumbing: submit and wait for admission; replies (and returns false) on a
- * full queue, a timeout, a hang-up or a server not ready. */
-bool serve_submit_and_wait(serve_http *h, serve_api api, serve_req *req, serve_taken *t);
-/* Wait for the end of a generation, handing every take to on_events (t first, as it may
- * already hold events). false when the client went away (the request is then cancelled). */
-bool serve_wait_done(serve_http *h, serve_req *req, serve_taken *t,
-                     void (*on_events)(void *ud, const serve_taken *t), void *ud);
+/* ==== Helpers the adapters share (request.c) ==== */
+
+/* An error in the API's shape; the error type follows from the status. param: the request
+ * field at fault, or NULL; code: OpenAI's error code (invalid_api_key, ...), or NULL. */
+void serve_reply_error(serve_http *h, serve_api api, int status, const char *param,
+                       const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+/* In a parser returning bool: answer 400 naming the request field at fault, and return false. */
+#define SERVE_BAD(h, api, field, ...)                                                              \
+    do {                                                                                           \
+        serve_reply_error(h, api, 400, field, NULL, __VA_ARGS__);                                  \
+        return false;                                                                              \
+    } while (0)
+/* PREFIX + time + a counter: unique within the server's life. */
+void serve_make_id(serve_server *srv, const char *prefix, char *out, size_t size);
 /* Sampling fields common to the APIs (temperature, top_p, top_k, min_p, seed, penalties,
  * logit_bias, stop); replies 400 naming the field and returns false on a bad value. */
 bool serve_parse_sampling(serve_http *h, serve_api api, json_t *body, serve_gen *g,
@@ -352,23 +344,84 @@ void serve_json_value(moe_json *j, json_t *v);
 void serve_json_token_piece(moe_json *j, const moe_tokenizer *tok, int32_t id);
 void serve_json_token_bytes(moe_json *j, const moe_tokenizer *tok, int32_t id);
 
+/* ==== The generation skeleton (generate.c) ==== */
+
+typedef struct serve_adapter serve_adapter;
+
+/* The answer to one generating request, whatever its API: the first member of every adapter's
+ * per-request state (so the state and its answer are one pointer). */
+typedef struct serve_answer {
+    const serve_adapter *adapter;
+    const char *id_prefix; /* of the response's id */
+    serve_server *srv;
+    serve_sse *sse;   /* streaming: the stream, set before each callback; NULL: a whole response */
+    serve_output out; /* the model's text -> content, reasoning, tool calls */
+    serve_tool_call *calls; /* [n_calls] the model's tool calls so far (serve_answer_call) */
+    size_t n_calls;
+    char id[64];  /* the response's id */
+    long created; /* unix seconds */
+    bool started; /* streaming: the opening events are out */
+} serve_answer;
+
+/* One API's shape of a generation's reply. Each callback gets the state (a serve_answer first);
+ * the stream_* ones run under the request's lock and write events into answer.sse with
+ * serve_sse_event. */
+struct serve_adapter {
+    serve_api api;         /* the shape of its errors */
+    const char *keepalive; /* SSE bytes sent after keepalive_s of silence */
+    /* streaming: the events before any output */
+    void (*stream_begin)(void *state, const serve_req *r);
+    /* both ways: taken events through the output parser (answer.sse says which way) */
+    void (*feed)(void *state, const serve_taken *t);
+    /* streaming: the closing events of a generation that finished, or that failed (why) */
+    void (*stream_end)(void *state, const serve_req *r);
+    void (*stream_error)(void *state, const char *why);
+    /* the whole response of a finished generation */
+    void (*whole)(moe_json *j, void *state, const serve_req *r);
+    /* free what the adapter's own fields hold (the skeleton frees its part and the state) */
+    void (*clear)(void *state);
+};
+
+/* A zeroed state of state_size bytes (a serve_answer first) for the adapter. */
+void *serve_answer_new(const serve_adapter *a, size_t state_size, const char *id_prefix);
+/* Record a tool call the model made in ans->calls, under a new id (serve_make_id with id_prefix).
+ */
+const serve_tool_call *serve_answer_call(serve_answer *ans, const char *id_prefix,
+                                         const serve_segment *seg);
+/* Everything after parsing a generating request. ok false (the parsing has replied): only frees.
+ * Else: the answer's id and output parser, submit and wait for a stream (429 / 503 / hang-up), then
+ * stream (the adapter's events around every take) or wait for the end and reply the whole response
+ * (500 in the API's shape when the generation failed). req and the state are freed, or belong
+ * to the stream; chat and prompt stay the caller's. */
+void serve_generate(serve_http *h, serve_answer *ans, serve_req *req, const serve_chat *chat,
+                    const char *prompt, bool ok, bool stream);
+
 /* ==== Replaying model output (the tests' view of the adapters) ====
  * A finished generation whose model output was `text`, arriving in pieces of `chunk` bytes (0:
- * whole), through an adapter's own code: its stream pump (SSE bytes into *out) when pump is
- * not NULL, else feed + whole (the non-stream response JSON). Requests run the same functions
- * on the engine's events; tests use this to check the APIs' shapes without a model. */
-void serve_replay(const char *text, size_t chunk, serve_sse_pump pump,
-                  void (*feed)(void *state, const serve_taken *t),
-                  void (*whole)(moe_json *j, void *state, const serve_req *r), void *state,
-                  serve_buf *out);
+ * whole), through the adapter's own callbacks: the stream's SSE bytes into *out, or the whole
+ * response JSON. Requests run the same callbacks on the engine's events; tests use this to
+ * check the APIs' shapes without a model. Frees the state. */
+void serve_replay(serve_answer *ans, serve_server *srv, const serve_chat *chat, const char *prompt,
+                  const char *text, size_t chunk, bool stream, moe_strbuf *out);
 /* Per API: the request's conversation (tools) and rendered prompt set up the output parser as a
  * live request would. */
 void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                         const char *text, size_t chunk, bool stream, serve_buf *out);
+                         const char *text, size_t chunk, bool stream, moe_strbuf *out);
 void serve_anthropic_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                            const char *text, size_t chunk, bool stream, serve_buf *out);
+                            const char *text, size_t chunk, bool stream, moe_strbuf *out);
 void serve_responses_replay(serve_server *srv, const serve_chat *chat, const char *prompt,
-                            const char *text, size_t chunk, bool stream, serve_buf *out);
+                            const char *text, size_t chunk, bool stream, moe_strbuf *out);
+
+/* ==== Routing (router.c) ==== */
+
+/* The handler for h's method and path, behind the API key and model-loading checks; 404, 405,
+ * 401 or 503 in the request's API shape otherwise. */
+void serve_route(serve_http *h);
+/* The API whose error shape a reply to h takes: Anthropic for /v1/messages* or an
+ * anthropic-version header, else OpenAI. */
+serve_api serve_route_api(serve_http *h);
+/* One finished exchange: its endpoint's counter for the status class (in /metrics). */
+void serve_metrics_count(serve_server *srv, const char *path, int status);
 
 /* ==== API adapters (routes) ==== */
 
