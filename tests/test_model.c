@@ -215,7 +215,8 @@ static void batch_check(moe_model *m) {
     int32_t next[N_SEQ][N_STEPS + 1];
     moe_error err = {0};
     for (int s = 0; s < N_SEQ; s++) { /* each alone, prefill then greedy steps */
-        moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = N_PROMPT, .kv_type = MOE_TYPE_F32};
+        moe_ctx_params cp = {
+            .n_ctx = 64, .n_seq = 1, .max_rows = N_PROMPT, .kv_type = MOE_TYPE_F32};
         moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
         moe_row rows[N_PROMPT];
         for (int i = 0; i < N_PROMPT; i++)
@@ -258,7 +259,8 @@ static void batch_check(moe_model *m) {
         assert_true(st.experts <= st.pairs);
         shared_seen |= st.experts < st.pairs;
     }
-    assert_true(shared_seen); /* 3 streams choosing k of E experts: some step shares a read */
+    /* 3 streams choosing k of E experts: some step shares a read */
+    if (m->cfg.n_expert) assert_true(shared_seen);
     free(together);
     free(alone);
     moe_ctx_free(ctx);
@@ -267,8 +269,9 @@ static void batch_check(moe_model *m) {
 static void batch_equals_alone(void **state) {
     (void)state;
     static const char *const models[] = {
-        "parity/qwen3moe-mixed.gguf", "parity/deepseek2-q8_0-q4_k.gguf",
-        "parity/gpt-oss-mxfp4.gguf", "parity/qwen3next-f32.gguf", "parity/kimi-linear-f32.gguf"};
+        "parity/qwen3moe-mixed.gguf",  "parity/deepseek2-q8_0-q4_k.gguf",
+        "parity/gpt-oss-mxfp4.gguf",   "parity/qwen3next-f32.gguf",
+        "parity/kimi-linear-f32.gguf", "parity/qwen35-mtp-f32.gguf"};
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
         moe_model *m = load_shared_model(models[i]);
         MOE_SKIP_IF_NULL(m);
@@ -333,6 +336,11 @@ static const parity_case qwen3next_f32 = {"qwen3next-f32", TOL_F32};
  * sigmoid-gated output norm) with a dense FFN, layer 1 MLA without q LoRA and without rope over
  * a latent cache, sigmoid routing with exp_probs_b, scale 2.446, one shared expert. */
 static const parity_case kimi_linear_f32 = {"kimi-linear-f32", TOL_F32};
+/* Dense hybrid (Qwen3.8's layout): layers 0-2 Gated DeltaNet with beta and alpha from their own
+ * projections and 2 k heads tiled over 6 v heads (the grouped pairing is off by ~1 x max|logit|,
+ * says the fixture), layer 3 gated attention with multi-section rope on 16 of 64 dims; dense
+ * SwiGLU everywhere; its MTP block (blk.4) is not run. */
+static const parity_case qwen35_mtp_f32 = {"qwen35-mtp-f32", TOL_F32};
 #define PARITY_TEST(c)                                                                             \
     { "parity_" #c, parity_case_run, NULL, NULL, (void *)&c }
 
@@ -573,6 +581,7 @@ int moe_suite_model(void) {
         PARITY_TEST(gpt_oss_mxfp4),
         PARITY_TEST(qwen3next_f32),
         PARITY_TEST(kimi_linear_f32),
+        PARITY_TEST(qwen35_mtp_f32),
         cmocka_unit_test(grouped_routing_hand_made),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),

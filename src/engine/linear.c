@@ -125,16 +125,26 @@ static void project_gdn(moe_ctx *c, const moe_linear_weights *w, const linear_di
     moe_linear_ctx *lin = &c->lin;
     moe_matmul(c->pool, w->qkv, 0, lin->x, n_rows, lin->qkv, c->mm_scratch);
     moe_matmul(c->pool, w->gate, 0, lin->x, n_rows, lin->z, c->mm_scratch);
-    moe_matmul(c->pool, w->ba, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
     const float *a_log = (const float *)w->a->data, *dt_b = (const float *)w->dt_b->data;
-    const int64_t rf = d->nv / d->nk;
+    const int64_t nv = d->nv, rf = nv / d->nk;
+    if (w->ba) { /* per k head: [beta x rf, alpha x rf]; v head h = k head * rf + i */
+        moe_matmul(c->pool, w->ba, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
+    } else { /* beta then alpha, each [n_v_heads], side by side in tmp's rows */
+        moe_matmul(c->pool, w->beta, 0, lin->x, n_rows, lin->out, c->mm_scratch);
+        moe_matmul(c->pool, w->alpha, 0, lin->x, n_rows, lin->g, c->mm_scratch);
+        for (uint32_t r = 0; r < n_rows; r++) {
+            memcpy(lin->tmp + (int64_t)r * 2 * nv, lin->out + r * nv, sizeof(float) * (size_t)nv);
+            memcpy(lin->tmp + (int64_t)r * 2 * nv + nv, lin->g + r * nv,
+                   sizeof(float) * (size_t)nv);
+        }
+    }
     for (uint32_t r = 0; r < n_rows; r++) {
-        /* per k head: [beta x rf, alpha x rf]; v head h = k head * rf + i */
-        const float *ba = lin->tmp + (int64_t)r * 2 * d->nv;
-        for (int64_t h = 0; h < d->nv; h++) {
-            const float *grp = ba + (h / rf) * 2 * rf;
-            lin->beta[r * d->nv + h] = 1.0f / (1.0f + expf(-grp[h % rf]));
-            lin->g[r * d->nv + h] = a_log[h] * moe_softplus(grp[rf + h % rf] + dt_b[h]);
+        const float *ba = lin->tmp + (int64_t)r * 2 * nv;
+        for (int64_t h = 0; h < nv; h++) {
+            const float *beta = w->ba ? ba + (h / rf) * 2 * rf + h % rf : ba + h;
+            const float *alpha = w->ba ? beta + rf : ba + nv + h;
+            lin->beta[r * nv + h] = 1.0f / (1.0f + expf(-*beta));
+            lin->g[r * nv + h] = a_log[h] * moe_softplus(*alpha + dt_b[h]);
         }
     }
 }
@@ -183,7 +193,8 @@ static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
         lin->delta_scratch + (uint64_t)thread * moe_delta_scratch_floats((int)d->hd, (int)d->hd);
     for (int64_t item = begin; item < end; item++) {
         const moe_linear_seg *seg = &lin->segs[item / d->nv];
-        const int64_t h = item % d->nv, hk = h / (d->nv / d->nk), r0 = seg->begin;
+        const int64_t h = item % d->nv, r0 = seg->begin;
+        const int64_t hk = j->c->m->cfg.ssm_tiled_heads ? h % d->nk : h / (d->nv / d->nk);
         float *state = moe_linear_seq_state(j->c, seg->seq) + j->slot * lin->layer_floats +
                        lin->conv_floats + (uint64_t)h * d->hd * d->hd;
         const float *row = lin->qkv + r0 * d->conv_ch;

@@ -30,7 +30,7 @@ static bool qwen3next_config(moe_meta *r, moe_model_config *c) {
 static void qwen3next_bind_layer(moe_binder *b, uint32_t il, moe_layer_weights *l) {
     l->attn_norm = moe_bind_norm(b, il, "attn_norm");
     if (l->plan.mixer == MOE_MIXER_GDN)
-        moe_bind_gdn(b, il, &l->linear);
+        moe_bind_gdn(b, il, true, &l->linear);
     else
         moe_bind_gqa(b, il, &(moe_gqa_opts){.qk_norm = true}, &l->attn);
     l->ffn_norm = moe_bind_norm(b, il, "post_attention_norm");

@@ -20,11 +20,11 @@
 /* ==== The architectures ==== */
 
 extern const moe_arch_desc moe_arch_llama, moe_arch_qwen3moe, moe_arch_deepseek2, moe_arch_gpt_oss,
-    moe_arch_qwen3next, moe_arch_kimi_linear, moe_arch_glm4moe;
+    moe_arch_qwen3next, moe_arch_kimi_linear, moe_arch_glm4moe, moe_arch_qwen35;
 
 static const moe_arch_desc *const archs[] = {
     &moe_arch_llama,     &moe_arch_qwen3moe,    &moe_arch_deepseek2, &moe_arch_gpt_oss,
-    &moe_arch_qwen3next, &moe_arch_kimi_linear, &moe_arch_glm4moe,
+    &moe_arch_qwen3next, &moe_arch_kimi_linear, &moe_arch_glm4moe,   &moe_arch_qwen35,
 };
 #define N_ARCHS (sizeof archs / sizeof archs[0])
 
@@ -597,7 +597,7 @@ void moe_bind_mla(moe_binder *b, uint32_t il, moe_mla_weights *w) {
         moe_bind_matrix(b, il, "attn_output", (int64_t)c->n_head * c->head_dim_v_mla, c->n_embd);
 }
 
-void moe_bind_gdn(moe_binder *b, uint32_t il, moe_linear_weights *w) {
+void moe_bind_gdn(moe_binder *b, uint32_t il, bool ba, moe_linear_weights *w) {
     const moe_model_config *c = &b->m->cfg;
     const int64_t hd = c->ssm_head_dim, nv = c->ssm_n_v_heads, d = c->ssm_d_conv;
     const int64_t K = c->ssm_n_k_heads * hd, V = nv * hd;
@@ -606,7 +606,12 @@ void moe_bind_gdn(moe_binder *b, uint32_t il, moe_linear_weights *w) {
     w->conv1d[0] = moe_bind_f32(b, il, "ssm_conv1d", "weight", d, 2 * K + V, 0, true);
     w->a = moe_bind_f32(b, il, "ssm_a", NULL, nv, 0, 0, true);
     w->dt_b = moe_bind_f32(b, il, "ssm_dt", "bias", nv, 0, 0, true);
-    w->ba = moe_bind_matrix(b, il, "ssm_ba", c->n_embd, 2 * nv);
+    if (ba) {
+        w->ba = moe_bind_matrix(b, il, "ssm_ba", c->n_embd, 2 * nv);
+    } else {
+        w->beta = moe_bind_matrix(b, il, "ssm_beta", c->n_embd, nv);
+        w->alpha = moe_bind_matrix(b, il, "ssm_alpha", c->n_embd, nv);
+    }
     w->out = moe_bind_matrix(b, il, "ssm_out", V, c->n_embd);
     w->norm = moe_bind_f32(b, il, "ssm_norm", "weight", hd, 0, 0, true);
 }
@@ -682,7 +687,8 @@ int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {
         ADD(l->mla.wk_b), ADD(l->mla.wv_b), ADD(l->mla.wo);
         break;
     default: /* linear attention */
-        ADD(l->linear.qkv), ADD(l->linear.gate), ADD(l->linear.ba), ADD(l->linear.wq);
+        ADD(l->linear.qkv), ADD(l->linear.gate), ADD(l->linear.ba), ADD(l->linear.alpha);
+        ADD(l->linear.wq);
         ADD(l->linear.wk), ADD(l->linear.wv), ADD(l->linear.beta), ADD(l->linear.f_a);
         ADD(l->linear.f_b), ADD(l->linear.g_a), ADD(l->linear.g_b), ADD(l->linear.out);
         break;

@@ -110,12 +110,14 @@ typedef struct moe_model_config {
     uint32_t head_dim_k_mla; /* per-head q/k width before absorption: nope + rope_dims */
     uint32_t head_dim_v_mla; /* per-head value width after attn_v_b */
     /* linear attention (n_layer_linear == 0: none). q and k have ssm_n_k_heads heads, v has
-     * ssm_n_v_heads (a multiple): v head h reads k head h / (n_v / n_k). */
+     * ssm_n_v_heads (a multiple): v head h reads k head h / (n_v / n_k), or h % n_k when the
+     * k heads are tiled over the v heads (ssm_tiled_heads, Qwen3.5/3.8's converter). */
     uint32_t n_layer_linear; /* layers whose mixer is GDN or KDA */
     uint32_t ssm_d_conv;     /* short-conv taps */
     uint32_t ssm_head_dim;   /* key = value width of one linear-attention head */
     uint32_t ssm_n_k_heads;
     uint32_t ssm_n_v_heads;
+    bool ssm_tiled_heads;
     moe_layer_plan *layer; /* [n_layer + n_layer_nextn] what each layer runs */
 } moe_model_config;
 
@@ -158,12 +160,14 @@ typedef struct moe_linear_weights {
     const moe_tensor *norm;      /* f32 [head_dim]: RMSNorm of each head's output */
     const moe_tensor *out;       /* [V] -> [n_embd] */
     /* GDN */
-    const moe_tensor *qkv;  /* attn_qkv: [n_embd] -> [K + K + V] */
-    const moe_tensor *gate; /* attn_gate z: [n_embd] -> [V] */
-    const moe_tensor *ba;   /* [n_embd] -> per k head [beta x r, alpha x r], r = n_v / n_k */
+    const moe_tensor *qkv;   /* attn_qkv: [n_embd] -> [K + K + V] */
+    const moe_tensor *gate;  /* attn_gate z: [n_embd] -> [V] */
+    const moe_tensor *ba;    /* [n_embd] -> per k head [beta x r, alpha x r], r = n_v / n_k;
+                              * or NULL and beta, alpha apart: */
+    const moe_tensor *alpha; /* [n_embd] -> [n_v_heads] (GDN without ba) */
     /* KDA */
     const moe_tensor *wq, *wk, *wv; /* [n_embd] -> [K], [K], [V] */
-    const moe_tensor *beta;         /* [n_embd] -> [n_v_heads] */
+    const moe_tensor *beta;         /* [n_embd] -> [n_v_heads] (KDA, GDN without ba) */
     const moe_tensor *f_a, *f_b;    /* decay: [n_embd] -> [head_dim] -> [V] */
     const moe_tensor *g_a, *g_b;    /* output gate: [n_embd] -> [head_dim] -> [V] */
 } moe_linear_weights;

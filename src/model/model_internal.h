@@ -98,7 +98,9 @@ typedef struct moe_gqa_opts {
 } moe_gqa_opts;
 void moe_bind_gqa(moe_binder *b, uint32_t il, const moe_gqa_opts *o, moe_attn_weights *w);
 void moe_bind_mla(moe_binder *b, uint32_t il, moe_mla_weights *w);
-void moe_bind_gdn(moe_binder *b, uint32_t il, moe_linear_weights *w);
+/* Gated DeltaNet; ba: beta and alpha from one interleaved ssm_ba (Qwen3-Next), else from
+ * ssm_beta and ssm_alpha (Qwen3.5/3.8). */
+void moe_bind_gdn(moe_binder *b, uint32_t il, bool ba, moe_linear_weights *w);
 void moe_bind_kda(moe_binder *b, uint32_t il, moe_linear_weights *w);
 /* The FFN the plan says: ffn_gate/up/down n_ff wide, or the router, routed and shared experts. */
 void moe_bind_ffn(moe_binder *b, uint32_t il, moe_layer_weights *l);
