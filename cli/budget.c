@@ -63,10 +63,6 @@ static double bits_per_weight(const moe_budget_model *m, bool vision) {
     return n ? 8.0 * (double)weight_bytes(m, vision) / (double)n : 0.0;
 }
 
-static const char *kv_name(moe_type t) {
-    return t == MOE_TYPE_F32 ? "f32" : t == MOE_TYPE_Q8_0 ? "q8_0" : "f16";
-}
-
 /* ==== Text ==== */
 
 static void print_fit(FILE *out, const moe_budget_model *m, const moe_budget_plan *p) {
@@ -111,7 +107,7 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
     fprintf(out, "), %" PRIu64 " parameters, %s of weights, %.2f bits/weight\n",
             weight_params(m, c->vision), human(weight_bytes(m, c->vision), a, sizeof a),
             bits_per_weight(m, c->vision));
-    fprintf(out, "  KV cache (%s): %" PRIu64 " bytes per token", kv_name(c->kv_type),
+    fprintf(out, "  KV cache (%s): %" PRIu64 " bytes per token", moe_budget_kv_name(c->kv_type),
             p->kv_bytes_per_token);
     if (p->swa_kv_bytes_per_token)
         fprintf(out, " + %" PRIu64 " bytes per token of the last %" PRIu64 " (sliding window)",
@@ -122,7 +118,7 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
             "plan: %u device%s x %s, context %" PRIu64 ", %" PRIu64 " stream%s, "
             "KV %s%s\n",
             c->devices, c->devices > 1 ? "s" : "", human(c->mem_per_device, mem, sizeof mem),
-            c->ctx, c->streams, c->streams == 1 ? "" : "s", kv_name(c->kv_type),
+            c->ctx, c->streams, c->streams == 1 ? "" : "s", moe_budget_kv_name(c->kv_type),
             c->vision ? "" : ", without the vision tower");
     fprintf(out, "  %-20s %14s", "part", "per device");
     fprintf(out, c->devices > 1 ? " %14s\n" : "%s\n", c->devices > 1 ? "all devices" : "");
@@ -152,7 +148,7 @@ static void print_ladder(FILE *out, const moe_budget_model *const *m, const moe_
             " stream%s, KV %s\n",
             n, m[0]->arch, c->devices, c->devices > 1 ? "s" : "",
             human(c->mem_per_device, mem, sizeof mem), c->ctx, c->streams,
-            c->streams == 1 ? "" : "s", kv_name(c->kv_type));
+            c->streams == 1 ? "" : "s", moe_budget_kv_name(c->kv_type));
     size_t w = 5;
     for (size_t i = 0; i < n; i++) w = strlen(m[i]->name) > w ? strlen(m[i]->name) : w;
     if (w > 60) w = 60;
@@ -197,7 +193,7 @@ static void print_json(FILE *out, const moe_budget_model *const *m, const moe_bu
     moe_json_kv_uint(&j, "mem_per_device", c->mem_per_device);
     moe_json_kv_uint(&j, "ctx", c->ctx);
     moe_json_kv_uint(&j, "streams", c->streams);
-    moe_json_kv_string(&j, "kv_type", kv_name(c->kv_type));
+    moe_json_kv_string(&j, "kv_type", moe_budget_kv_name(c->kv_type));
     moe_json_kv_bool(&j, "vision", c->vision);
     moe_json_object_end(&j);
     moe_json_key(&j, "models");

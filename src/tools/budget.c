@@ -183,6 +183,10 @@ static void kv_per_token(const moe_budget_model *m, moe_type t, uint64_t *full, 
     }
 }
 
+const char *moe_budget_kv_name(moe_type kv_type) {
+    return kv_type == MOE_TYPE_F32 ? "f32" : kv_type == MOE_TYPE_Q8_0 ? "q8_0" : "f16";
+}
+
 uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64_t ctx,
                              uint64_t streams) {
     uint64_t full, swa;

@@ -181,7 +181,6 @@ char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_pla
     moe_strbuf body = {0};
     int y = 0;
     char title[512], sub[512];
-    const char *kv[] = {"f32", "f16"};
     if (ladder && n_models) {
         bar *bars = moe_xcalloc(n_models, sizeof *bars);
         bool *fits = moe_xcalloc(n_models, sizeof *fits);
@@ -200,7 +199,7 @@ char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_pla
                  n_models, models[0]->arch);
         snprintf(sub, sizeof sub, "%u device(s), context %llu, %llu stream(s), KV %s", c->devices,
                  (unsigned long long)c->ctx, (unsigned long long)c->streams,
-                 c->kv_type == MOE_TYPE_Q8_0 ? "q8_0" : kv[c->kv_type == MOE_TYPE_F16]);
+                 moe_budget_kv_name(c->kv_type));
         y += chart(&body, y, width, title, sub, bars, n_models, c->mem_per_device, fits);
         free(bars);
         free(fits);
@@ -224,9 +223,7 @@ char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_pla
         snprintf(title, sizeof title, "Memory per device: %s", base_name(models[i]->name));
         snprintf(sub, sizeof sub, "%s; context %llu, %llu stream(s), KV %s; %s %.2f GiB",
                  models[i]->arch, (unsigned long long)p->config.ctx,
-                 (unsigned long long)p->config.streams,
-                 p->config.kv_type == MOE_TYPE_Q8_0 ? "q8_0"
-                                                    : kv[p->config.kv_type == MOE_TYPE_F16],
+                 (unsigned long long)p->config.streams, moe_budget_kv_name(p->config.kv_type),
                  p->fits ? "fits, spare" : "short by",
                  (double)(p->spare < 0 ? -p->spare : p->spare) / (1024.0 * 1024 * 1024));
         y += chart(&body, y, width, title, sub, bars, nb, p->config.mem_per_device, NULL);

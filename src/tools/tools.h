@@ -176,6 +176,8 @@ typedef struct moe_budget_plan {
 void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
                           moe_budget_plan *p);
 void moe_budget_plan_free(moe_budget_plan *p);
+/* A KV element type as --kv-type spells it: "f32", "f16", "q8_0". */
+const char *moe_budget_kv_name(moe_type kv_type);
 /* Bytes of KV cache a device holds for that context and stream count. */
 uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64_t ctx,
                              uint64_t streams);
