@@ -1,6 +1,8 @@
-/* logits.c: `moe logits MODEL --tokens ID,... [--out F]` -- run token ids as one prompt and
- * write every position's logits as float32 [n_tokens][n_vocab]; without --out, print the
- * top-5 of each position. The tool users and tests compare engines with. */
+/* logits.c: `moe logits MODEL --tokens ID,... [--mtp] [--out F]` -- run token ids as one prompt
+ * and write every position's logits as float32 [n_tokens][n_vocab]; with --mtp, the MTP head's
+ * instead: row t from the trunk's hidden state at t and the true token t + 1 ([n_tokens - 1]
+ * rows). Without --out, print the top-5 of each row. The tool users and tests compare engines
+ * with. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +29,7 @@ static void print_top5(const float *row, uint32_t n_vocab, size_t pos, int32_t t
 
 int moe_cmd_logits(int argc, char **argv) {
     const char *model_path = NULL, *out_path = NULL, *tokens_arg = NULL;
+    bool mtp = false;
     moe_engine_args engine = {.n_threads = 1, .kv_type = MOE_TYPE_F32};
     for (int i = 0; i < argc; i++) {
         const int taken = moe_engine_args_parse("logits", &engine, argc, argv, &i);
@@ -36,6 +39,8 @@ int moe_cmd_logits(int argc, char **argv) {
             tokens_arg = argv[++i];
         else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc)
             out_path = argv[++i];
+        else if (strcmp(argv[i], "--mtp") == 0)
+            mtp = true;
         else if (argv[i][0] == '-')
             return moe_cli_usage_error("logits", "unknown option '%s'", argv[i]);
         else if (!model_path)
@@ -48,6 +53,10 @@ int moe_cmd_logits(int argc, char **argv) {
     int32_t *ids;
     size_t n;
     if (!moe_arg_token_list("logits", "--tokens", tokens_arg, &ids, &n)) return 2;
+    if (mtp && n < 2) {
+        free(ids);
+        return moe_cli_usage_error("logits", "--mtp needs at least 2 tokens");
+    }
 
     moe_error err = {0};
     moe_model *m = moe_model_load(model_path, &err);
@@ -68,14 +77,28 @@ int moe_cmd_logits(int argc, char **argv) {
     int rc = 1;
     for (size_t i = 0; i < n; i++)
         rows[i] = (moe_row){.seq = 0, .pos = (int32_t)i, .token = ids[i], .logits = true};
-    if (ctx && moe_ctx_decode(ctx, rows, (uint32_t)n, logits, &err) == MOE_OK) {
+    bool ok = ctx && moe_ctx_decode(ctx, rows, (uint32_t)n, logits, &err) == MOE_OK;
+    if (ok && mtp) {
+        /* the MTP head at position t: the trunk's hidden state at t and the true token t + 1 */
+        uint32_t n_h;
+        const float *h = moe_ctx_hidden(ctx, &n_h);
+        float *hidden = moe_xmalloc(sizeof(float) * n_h * m->cfg.n_embd);
+        memcpy(hidden, h, sizeof(float) * n_h * m->cfg.n_embd);
+        for (size_t i = 0; i + 1 < n; i++)
+            rows[i] = (moe_row){.seq = 0, .pos = (int32_t)i, .token = ids[i + 1], .logits = true};
+        n--;
+        ok = moe_ctx_decode_mtp(ctx, rows, (uint32_t)n, hidden, logits, &err) == MOE_OK;
+        free(hidden);
+    }
+    if (ok) {
         if (out_path) {
             if (moe_file_write(out_path, logits, sizeof(float) * n * n_vocab, &err) == MOE_OK) {
                 printf("wrote %zu x %u float32 logits to %s\n", n, n_vocab, out_path);
                 rc = 0;
             }
         } else {
-            for (size_t i = 0; i < n; i++) print_top5(logits + i * n_vocab, n_vocab, i, ids[i]);
+            for (size_t i = 0; i < n; i++)
+                print_top5(logits + i * n_vocab, n_vocab, i, ids[mtp ? i + 1 : i]);
             rc = 0;
         }
     }

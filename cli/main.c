@@ -15,7 +15,7 @@ static const moe_command commands[] = {
      "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "
      "options]"},
     {"logits", moe_cmd_logits, "write the logits of every position of a token-id prompt",
-     "MODEL --tokens ID,ID,... [--out FILE.f32] [--kv-type f32|f16] [-t N] [--ctx N]"},
+     "MODEL --tokens ID,ID,... [--mtp] [--out FILE.f32] [--kv-type f32|f16] [-t N] [--ctx N]"},
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
      "FILE|SHARD|URL [--json | --formats]"},

@@ -190,6 +190,72 @@ static void parity_check(const char *name, double tol) {
     moe_model_free(m);
 }
 
+/* The MTP head (`<name>.mtp.f32`): entry r pairs the trunk's normed hidden state at r with the
+ * true token r + 1, at MTP position r, and drafts token r + 2. The trunk runs all 32 ids at
+ * once; the head takes 16 entries in one call, then one per call (its own cache carries them). */
+static void mtp_parity_check(const char *name, double tol) {
+    char rel[256];
+    size_t n_prompt, n_greedy, n_bytes;
+    snprintf(rel, sizeof rel, "parity/%s.tokens.json", name);
+    int32_t *prompt = json_ids(rel, "prompt", &n_prompt);
+    if (!prompt) return;
+    int32_t *greedy = json_ids(rel, "greedy", &n_greedy);
+    snprintf(rel, sizeof rel, "parity/%s.mtp.f32", name);
+    float *ref = (float *)moe_test_shared_read(rel, &n_bytes);
+    snprintf(rel, sizeof rel, "parity/%s.gguf", name);
+    moe_model *m = load_shared_model(rel);
+    assert_int_equal(m->n_layer_mtp, 1);
+    const uint32_t nv = m->cfg.n_vocab, n = (uint32_t)(n_prompt + n_greedy), n_embd = m->cfg.n_embd;
+    assert_int_equal(n_bytes, sizeof(float) * (n - 1) * nv);
+    int32_t ids[64];
+    memcpy(ids, prompt, sizeof(int32_t) * n_prompt);
+    memcpy(ids + n_prompt, greedy, sizeof(int32_t) * n_greedy);
+    moe_error err = {0};
+    moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = n, .kv_type = MOE_TYPE_F32};
+    moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
+    assert_non_null(ctx);
+    float *logits = moe_xmalloc(sizeof(float) * n * nv),
+          *h = moe_xmalloc(sizeof(float) * n * n_embd);
+    moe_row rows[64];
+    for (uint32_t i = 0; i < n; i++) rows[i] = (moe_row){0, (int32_t)i, ids[i], true};
+    assert_int_equal(moe_ctx_decode(ctx, rows, n, logits, &err), MOE_OK);
+    uint32_t n_h;
+    memcpy(h, moe_ctx_hidden(ctx, &n_h), sizeof(float) * n * n_embd);
+    assert_int_equal(n_h, n);
+    for (uint32_t i = 0; i + 1 < n; i++) rows[i] = (moe_row){0, (int32_t)i, ids[i + 1], true};
+    const uint32_t first = (uint32_t)n_prompt;
+    if (moe_ctx_decode_mtp(ctx, rows, first, h, logits, &err) != MOE_OK) fail_msg("%s", err.msg);
+    for (uint32_t i = first; i + 1 < n; i++)
+        assert_int_equal(
+            moe_ctx_decode_mtp(ctx, &rows[i], 1, h + i * n_embd, logits + i * nv, &err), MOE_OK);
+    double worst = 0;
+    for (uint32_t i = 0; i + 1 < n; i++) {
+        const float *ours = logits + i * nv, *theirs = ref + i * nv;
+        const double e = row_rel_err(ours, theirs, nv);
+        worst = fmax(worst, e);
+        if (e > tol) fail_msg("%s MTP: row %u: rel err %.3g > %g", name, i, e, tol);
+        if (top2_margin(theirs, nv) > tol && argmax(ours, nv) != argmax(theirs, nv))
+            fail_msg("%s MTP: row %u: argmax %d, reference %d", name, i, argmax(ours, nv),
+                     argmax(theirs, nv));
+    }
+    print_message("%s MTP head: worst row rel err %.3g over %u rows (limit %g)\n", name, worst,
+                  n - 1, tol);
+    free(logits);
+    free(h);
+    free(ref);
+    free(prompt);
+    free(greedy);
+    moe_ctx_free(ctx);
+    moe_model_free(m);
+}
+
+/* Qwen3.8's draft head: eh_proj over the normed [embedding ; hidden], a gated-attention block with
+ * its own KV cache, shared_head_norm, the trunk's LM head. */
+static void mtp_qwen35(void **state) {
+    (void)state;
+    mtp_parity_check("qwen35-mtp-f32", TOL_F32);
+}
+
 static void parity_llama_q8_0(void **state) {
     (void)state;
     parity_check("llama-q8_0", TOL_Q8_ACT);
@@ -298,6 +364,7 @@ static void glm4moe_synthetic(void **state) {
     if (!m) fail_msg("%s", err.msg);
     assert_int_equal(m->cfg.n_layer, p.n_layer); /* the NextN layer is not run */
     assert_int_equal(m->cfg.n_layer_nextn, p.n_nextn);
+    assert_int_equal(m->n_layer_mtp, p.n_nextn); /* ... but bound, ready to draft */
     assert_int_equal(m->cfg.rope_dims, p.head_dim / 2);
     assert_int_equal(m->cfg.gating, MOE_GATING_SIGMOID);
     assert_int_equal(m->layers[0].plan.ffn, MOE_FFN_DENSE); /* dense lead */
@@ -582,6 +649,7 @@ int moe_suite_model(void) {
         PARITY_TEST(qwen3next_f32),
         PARITY_TEST(kimi_linear_f32),
         PARITY_TEST(qwen35_mtp_f32),
+        cmocka_unit_test(mtp_qwen35),
         cmocka_unit_test(grouped_routing_hand_made),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),

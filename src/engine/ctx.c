@@ -25,11 +25,25 @@ static uint64_t max_u64(uint64_t a, uint64_t b) {
     return a > b ? a : b;
 }
 
+/* Layers the context runs: the trunk, then the MTP layers the model can run. */
+static uint32_t n_layer_run(const moe_model *m) {
+    return m->cfg.n_layer + m->n_layer_mtp;
+}
+
+/* Layers with a KV cache (attention or latent) among those the context runs. */
+static uint64_t n_layer_kv(const moe_model *m) {
+    uint64_t n = 0;
+    for (uint32_t il = 0; il < n_layer_run(m); il++)
+        n += moe_layer_state_of(&m->cfg, il).k_values != 0;
+    return n;
+}
+
 /* Bytes of one position of one attention layer in the K and V caches: every attention layer
  * gets the widest layer's row. MLA caches only the latent row; V lives inside it, so v is 0. */
-static void kv_row_bytes(const moe_model_config *c, moe_type kv_type, uint64_t *k, uint64_t *v) {
+static void kv_row_bytes(const moe_model *m, moe_type kv_type, uint64_t *k, uint64_t *v) {
+    const moe_model_config *c = &m->cfg;
     uint64_t k_values = 0, v_values = 0;
-    for (uint32_t il = 0; il < c->n_layer; il++) {
+    for (uint32_t il = 0; il < n_layer_run(m); il++) {
         const moe_layer_state s = moe_layer_state_of(c, il);
         k_values = max_u64(k_values, s.k_values);
         v_values = max_u64(v_values, s.v_values);
@@ -65,16 +79,14 @@ static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, mo
 
 moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_ctx_memory *out,
                                moe_error *err) {
-    const moe_model_config *c = &m->cfg;
     moe_ctx_params params;
     memset(out, 0, sizeof *out);
     if (resolve_params(m, p, &params, err) != MOE_OK) return err->code;
-    const uint64_t n_layer_kv = c->n_layer - c->n_layer_linear;
     uint64_t k_row, v_row;
-    kv_row_bytes(c, params.kv_type, &k_row, &v_row);
+    kv_row_bytes(m, params.kv_type, &k_row, &v_row);
     moe_linear_ctx lin;
     moe_linear_plan(m, &lin);
-    out->kv_bytes_per_token = n_layer_kv * (k_row + v_row);
+    out->kv_bytes_per_token = n_layer_kv(m) * (k_row + v_row);
     out->recurrent_bytes_per_seq = (uint64_t)lin.n_layer * lin.layer_floats * sizeof(float);
     uint64_t positions;
     if (moe_mul_overflow(params.n_seq, params.n_ctx, &positions) ||
@@ -98,10 +110,9 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         moe_ctx_memory_plan(m, &params, &plan, err) != MOE_OK)
         return NULL;
     uint64_t k_row, v_row;
-    kv_row_bytes(c, params.kv_type, &k_row, &v_row);
+    kv_row_bytes(m, params.kv_type, &k_row, &v_row);
     /* no overflow: the plan checked the sum of both */
-    const uint64_t kv_rows =
-        (uint64_t)params.n_seq * params.n_ctx * (c->n_layer - c->n_layer_linear);
+    const uint64_t kv_rows = (uint64_t)params.n_seq * params.n_ctx * n_layer_kv(m);
     const uint64_t k_bytes = kv_rows * k_row, v_bytes = kv_rows * v_row;
     moe_ctx *x = moe_xcalloc(1, sizeof *x);
     x->m = m;
@@ -109,8 +120,9 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->k_row_bytes = k_row;
     x->v_row_bytes = v_row;
     x->seq_len = moe_xcalloc(params.n_seq, sizeof *x->seq_len);
-    x->layer_slot = moe_xcalloc(c->n_layer, sizeof *x->layer_slot);
-    for (uint32_t il = 0, n_lin = 0; il < c->n_layer; il++)
+    x->mtp_len = moe_xcalloc(params.n_seq, sizeof *x->mtp_len);
+    x->layer_slot = moe_xcalloc(n_layer_run(m), sizeof *x->layer_slot);
+    for (uint32_t il = 0, n_lin = 0; il < n_layer_run(m); il++)
         x->layer_slot[il] = moe_layer_state_of(c, il).k_values ? x->n_layer_kv++ : n_lin++;
     x->stream = &moe_stream_plain;
     x->k_cache = calloc(1, k_bytes ? k_bytes : 1);
@@ -133,6 +145,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->x = moe_xcalloc(rows * x->stream->n_streams * c->n_embd, sizeof(float));
     x->xn = moe_xcalloc(rows * max_u64(c->n_embd, att_w), sizeof(float));
     x->y = moe_xcalloc(rows * c->n_embd, sizeof(float));
+    x->hidden = moe_xcalloc(rows * c->n_embd, sizeof(float));
+    if (m->n_layer_mtp) x->mtp_in = moe_xcalloc(rows * 2 * c->n_embd, sizeof(float));
     x->q = moe_xcalloc(rows * q_w * (c->attn_output_gate ? 2 : 1), sizeof(float));
     if (c->attn_output_gate) x->att_gate = moe_xcalloc(rows * att_w, sizeof(float));
     if (c->n_ff_shexp) x->shexp_gate = moe_xcalloc(rows, sizeof(float));
@@ -155,10 +169,12 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->scores =
         moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
-    for (uint32_t il = 0; il < c->n_layer; il++) {
-        const moe_tensor *ts[MOE_LAYER_MAX_MATRICES];
-        const int n = moe_layer_matrices(&m->layers[il], ts);
-        for (int i = 0; i < n; i++) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
+    for (uint32_t il = 0; il < n_layer_run(m); il++) {
+        const moe_layer_weights *l = &m->layers[il];
+        const moe_tensor *ts[MOE_LAYER_MAX_MATRICES + 2] = {l->nextn.eh_proj, l->nextn.head};
+        const int n = 2 + moe_layer_matrices(l, ts + 2);
+        for (int i = 0; i < n; i++)
+            if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
     }
     x->mm_scratch = moe_xmalloc(mm);
     if (c->n_expert) {
@@ -184,6 +200,9 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
 void moe_ctx_free(moe_ctx *c) {
     if (!c) return;
     free(c->seq_len);
+    free(c->mtp_len);
+    free(c->hidden);
+    free(c->mtp_in);
     free(c->tokens);
     free(c->layer_slot);
     free(c->snaps);
@@ -308,8 +327,9 @@ static void block_input(moe_ctx *c, const moe_layer_weights *l, moe_site site, u
                     cfg->rms_eps);
 }
 
+/* Rows must continue their sequences in order from len[seq] (the trunk's or the MTP layers'). */
 static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_rows,
-                             moe_error *err) {
+                             const uint32_t *len, moe_error *err) {
     if (n_rows == 0 || n_rows > c->p.max_rows)
         return moe_error_set(err, MOE_ERR_ARG, "batch of %u rows (this context takes 1..%u)",
                              n_rows, c->p.max_rows);
@@ -326,7 +346,7 @@ static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_r
             return moe_error_set(err, MOE_ERR_RANGE,
                                  "row %u: position %d is outside the context of %u tokens", r,
                                  row->pos, c->p.n_ctx);
-        uint32_t expect = c->seq_len[row->seq];
+        uint32_t expect = len[row->seq];
         for (uint32_t e = 0; e < r; e++)
             if (rows[e].seq == row->seq) expect++;
         if ((uint32_t)row->pos != expect)
@@ -337,43 +357,85 @@ static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_r
     return MOE_OK;
 }
 
+/* One layer over the rows in the stream: the mixer its plan names, then its FFN. */
+static void run_layer(moe_ctx *c, uint32_t il, const moe_row *rows, uint32_t n_rows) {
+    const moe_layer_weights *l = &c->m->layers[il];
+    block_input(c, l, MOE_SITE_MIXER, n_rows);
+    mixer_blocks[l->plan.mixer](c, l, il, rows, n_rows);
+    c->stream->post(c, l, MOE_SITE_MIXER, n_rows);
+    block_input(c, l, MOE_SITE_FFN, n_rows);
+    if (l->plan.ffn == MOE_FFN_EXPERTS)
+        moe_block_ffn_experts(c, l, n_rows);
+    else
+        moe_block_ffn_dense(c, l, n_rows);
+    c->stream->post(c, l, MOE_SITE_FFN, n_rows);
+}
+
+/* The head over the rows that asked for logits, packed: their normed final hidden states into
+ * c->hidden, then `head` times those into logits. */
+static void output_head(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const moe_tensor *norm,
+                        const moe_tensor *head, float *logits) {
+    const moe_model_config *cfg = &c->m->cfg;
+    const int64_t n_embd = cfg->n_embd;
+    uint32_t n_out = 0;
+    for (uint32_t r = 0; r < n_rows; r++) {
+        if (!rows[r].logits) continue;
+        moe_rmsnorm(c->hidden + n_out * n_embd, c->stream->final(c, r), (const float *)norm->data,
+                    n_embd, cfg->rms_eps);
+        n_out++;
+    }
+    c->n_hidden = n_out;
+    if (n_out) moe_matmul(c->pool, head, 0, c->hidden, n_out, logits, c->mm_scratch);
+}
+
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err) {
-    if (check_rows(c, rows, n_rows, err) != MOE_OK) return err->code;
+    if (check_rows(c, rows, n_rows, c->seq_len, err) != MOE_OK) return err->code;
     memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;
-    const moe_model_config *cfg = &m->cfg;
-    const int64_t n_embd = cfg->n_embd;
+    const int64_t n_embd = m->cfg.n_embd;
 
     for (uint32_t r = 0; r < n_rows; r++)
         moe_tensor_row_f32(m->token_embd, rows[r].token, c->y + r * n_embd);
     c->stream->begin(c, c->y, n_rows);
-
-    for (uint32_t il = 0; il < cfg->n_layer; il++) {
-        const moe_layer_weights *l = &m->layers[il];
-        block_input(c, l, MOE_SITE_MIXER, n_rows);
-        mixer_blocks[l->plan.mixer](c, l, il, rows, n_rows);
-        c->stream->post(c, l, MOE_SITE_MIXER, n_rows);
-        block_input(c, l, MOE_SITE_FFN, n_rows);
-        if (l->plan.ffn == MOE_FFN_EXPERTS)
-            moe_block_ffn_experts(c, l, n_rows);
-        else
-            moe_block_ffn_dense(c, l, n_rows);
-        c->stream->post(c, l, MOE_SITE_FFN, n_rows);
-    }
+    for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, il, rows, n_rows);
     for (uint32_t r = 0; r < n_rows; r++) {
         c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
         c->tokens[(uint64_t)rows[r].seq * c->p.n_ctx + (uint32_t)rows[r].pos] = rows[r].token;
     }
+    output_head(c, rows, n_rows, m->output_norm, m->output, logits);
+    return MOE_OK;
+}
 
-    /* output head over the rows that asked for logits, packed */
-    uint32_t n_out = 0;
-    const float *norm_w = (const float *)m->output_norm->data;
+const float *moe_ctx_hidden(const moe_ctx *c, uint32_t *n_rows) {
+    *n_rows = c->n_hidden;
+    return c->hidden;
+}
+
+moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const float *h,
+                              float *logits, moe_error *err) {
+    const moe_model *m = c->m;
+    if (!m->n_layer_mtp)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s has no MTP layer moe can run",
+                             m->path ? m->path : "the model");
+    if (check_rows(c, rows, n_rows, c->mtp_len, err) != MOE_OK) return err->code;
+    memset(&c->stats, 0, sizeof c->stats);
+    const int64_t n_embd = m->cfg.n_embd;
+    const uint32_t il = m->cfg.n_layer; /* the first MTP layer drafts the next token */
+    const moe_nextn_weights *w = &m->layers[il].nextn;
+    /* x = eh_proj [RMSNorm(embedding of the token) enorm ; RMSNorm(h) hnorm] */
     for (uint32_t r = 0; r < n_rows; r++) {
-        if (!rows[r].logits) continue;
-        moe_rmsnorm(c->xn + n_out * n_embd, c->stream->final(c, r), norm_w, n_embd, cfg->rms_eps);
-        n_out++;
+        float *in = c->mtp_in + (int64_t)r * 2 * n_embd;
+        moe_tensor_row_f32(w->embed ? w->embed : m->token_embd, rows[r].token, c->y);
+        moe_rmsnorm(in, c->y, (const float *)w->enorm->data, n_embd, m->cfg.rms_eps);
+        moe_rmsnorm(in + n_embd, h + (int64_t)r * n_embd, (const float *)w->hnorm->data, n_embd,
+                    m->cfg.rms_eps);
     }
-    if (n_out) moe_matmul(c->pool, m->output, 0, c->xn, n_out, logits, c->mm_scratch);
+    moe_matmul(c->pool, w->eh_proj, 0, c->mtp_in, n_rows, c->y, c->mm_scratch);
+    c->stream->begin(c, c->y, n_rows);
+    run_layer(c, il, rows, n_rows);
+    for (uint32_t r = 0; r < n_rows; r++) c->mtp_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
+    output_head(c, rows, n_rows, w->head_norm ? w->head_norm : m->output_norm,
+                w->head ? w->head : m->output, logits);
     return MOE_OK;
 }

@@ -54,6 +54,15 @@ uint32_t moe_ctx_n_ctx(const moe_ctx *c);
 /* Run the rows; logits gets one [n_vocab] row per row with .logits set, in batch order. */
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err);
+/* The normed final hidden states (after output_norm) of the last call's logit rows, packed in
+ * batch order: *n_rows of [n_embd]. Valid until the next call. */
+const float *moe_ctx_hidden(const moe_ctx *c, uint32_t *n_rows);
+/* The MTP / NextN head (models with one; else MOE_ERR_UNSUPPORTED): row r pairs h[r] (a hidden
+ * state from moe_ctx_hidden, [n_rows][n_embd]) with rows[r].token, the token that followed it,
+ * at the sequence's next MTP position (its own cache, positions from 0); logits are its draft
+ * for the token after that. */
+moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const float *h,
+                              float *logits, moe_error *err);
 /* Expert dispatch counters of the last moe_ctx_decode, summed over its MoE layers. */
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c);
 /* Tokens held for a sequence (its next position). */

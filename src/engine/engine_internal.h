@@ -48,6 +48,7 @@ struct moe_ctx {
     const moe_model *m;
     moe_ctx_params p;
     uint32_t *seq_len;    /* [n_seq] tokens held per sequence */
+    uint32_t *mtp_len;    /* [n_seq] entries held in the MTP layers' cache per sequence */
     int32_t *tokens;      /* [n_seq][n_ctx] the token ids each sequence holds */
     uint32_t *layer_slot; /* [n_layer] index among the attention layers (KV) or the linear ones */
     uint32_t n_layer_kv;  /* attention layers (softmax or latent) */
@@ -57,9 +58,13 @@ struct moe_ctx {
     uint8_t *k_cache, *v_cache;
     uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
     /* scratch, [max_rows][width] floats each */
-    float *x;  /* [max_rows][n_streams][n_embd] the residual stream(s) */
-    float *xn; /* [max_rows][max(n_embd, n_head * head_dim_v)] a block's normed input */
-    float *y;  /* [max_rows][n_embd] a block's output */
+    float *x;          /* [max_rows][n_streams][n_embd] the residual stream(s) */
+    float *xn;         /* [max_rows][max(n_embd, n_head * head_dim_v)] a block's normed input */
+    float *y;          /* [max_rows][n_embd] a block's output */
+    float *hidden;     /* [max_rows][n_embd] normed final hidden states of the last call's
+                        * logit rows, packed (what the MTP head takes) */
+    uint32_t n_hidden; /* rows in hidden */
+    float *mtp_in;     /* [max_rows][2 n_embd] the MTP head's normed [embedding ; hidden] */
     float *q, *k, *v, *att, *ff_gate, *ff_up;
     float *scores; /* [n_threads][n_ctx] attention scores */
     /* multi-head latent attention scratch (NULL without MLA) */

@@ -57,6 +57,10 @@ static void become(moe_ctx *c, int32_t seq, int32_t src, uint32_t n, const float
     }
     drop_snapshots(c, seq, src == seq ? n : 0);
     c->seq_len[seq] = n;
+    /* the MTP cache's entry q pairs trunk position q with token q + 1: it keeps what the trunk
+     * keeps, and nothing of another sequence (it is not copied) */
+    const uint32_t mtp_keep = n ? n - 1 : 0;
+    if (src != seq || c->mtp_len[seq] > mtp_keep) c->mtp_len[seq] = src == seq ? mtp_keep : 0;
     float *live = moe_linear_seq_state(c, seq);
     if (!hybrid(c) || state == live) return;
     if (state)

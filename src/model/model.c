@@ -531,10 +531,13 @@ const moe_tensor *moe_bind_norm(moe_binder *b, uint32_t il, const char *what) {
 }
 
 void moe_bind_nextn(moe_binder *b, uint32_t il, moe_nextn_weights *w) {
-    const int64_t n_embd = b->m->cfg.n_embd;
+    const int64_t n_embd = b->m->cfg.n_embd, n_vocab = b->m->cfg.n_vocab;
     w->eh_proj = moe_bind_matrix(b, il, "nextn.eh_proj", 2 * n_embd, n_embd);
     w->enorm = moe_bind_norm(b, il, "nextn.enorm");
     w->hnorm = moe_bind_norm(b, il, "nextn.hnorm");
+    w->head_norm = moe_bind_f32(b, il, "nextn.shared_head_norm", "weight", n_embd, 0, 0, false);
+    w->embed = moe_bind_blk(b, il, "nextn.embed_tokens", "weight", n_embd, n_vocab, 0, false);
+    w->head = moe_bind_blk(b, il, "nextn.shared_head_head", "weight", n_embd, n_vocab, 0, false);
 }
 
 /* ==== Layer kinds several architectures share ==== */
@@ -704,8 +707,29 @@ int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {
 
 /* ==== Loading ==== */
 
-/* The embeddings, head and every layer: the trunk's, and when declaring also the NextN layers'
- * (they are not run yet, so a file's are not bound). */
+/* A file's NextN / MTP layers: runnable when every one binds with its NextN projection; a file
+ * whose MTP layers do not bind still loads (with a warning), without them. */
+static void bind_mtp(moe_binder *b) {
+    moe_model *m = b->m;
+    const moe_model_config *c = &m->cfg;
+    moe_error err = {0};
+    moe_binder mtp = {.m = m, .path = b->path, .err = &err};
+    for (uint32_t il = c->n_layer; il < moe_config_n_planned(c) && !err.code; il++) {
+        m->layers[il].plan = c->layer[il];
+        c->arch->bind_layer(&mtp, il, &m->layers[il]);
+        if (!err.code && !m->layers[il].nextn.eh_proj)
+            moe_error_set(&err, MOE_ERR_UNSUPPORTED,
+                          "%s: layer %u: moe does not run %s's NextN layers yet", b->path, il,
+                          c->arch_name);
+    }
+    if (err.code)
+        moe_log(MOE_LOG_WARN, "MTP layers not used: %s", err.msg);
+    else
+        m->n_layer_mtp = c->n_layer_nextn;
+}
+
+/* The embeddings, head and every layer: the trunk's, then the NextN layers (declared all; from
+ * a file, bound where they can run). */
 static bool bind_model(moe_binder *b) {
     moe_model *m = b->m;
     moe_model_config *c = &m->cfg;
@@ -724,11 +748,15 @@ static bool bind_model(moe_binder *b) {
         c->n_vocab = (uint32_t)embd->ne[1];
     }
     m->token_embd = bind_name(b, "token_embd.weight", c->n_embd, c->n_vocab, 0, true, false);
-    const uint32_t n_bound = b->declare ? moe_config_n_planned(c) : c->n_layer;
-    m->layers = moe_xcalloc(n_bound, sizeof *m->layers);
-    for (uint32_t il = 0; il < n_bound && !b->err->code; il++) {
+    const uint32_t n_planned = moe_config_n_planned(c);
+    m->layers = moe_xcalloc(n_planned, sizeof *m->layers);
+    for (uint32_t il = 0; il < n_planned && !b->err->code; il++) {
         m->layers[il].plan = c->layer[il];
         c->arch->bind_layer(b, il, &m->layers[il]);
+        if (il + 1 == c->n_layer && !b->declare) {
+            bind_mtp(b);
+            break;
+        }
     }
     m->output_norm = bind_name(b, "output_norm.weight", c->n_embd, 0, 0, true, true);
     m->output = bind_name(b, "output.weight", c->n_embd, c->n_vocab, 0, false, false);

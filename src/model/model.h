@@ -197,9 +197,12 @@ typedef struct moe_expert_weights {
 /* What a NextN / multi-token-prediction layer has beside a plain layer's weights: the previous
  * hidden state and the next token's embedding, each normed, concatenated and projected. */
 typedef struct moe_nextn_weights {
-    const moe_tensor *eh_proj; /* [2 n_embd] -> [n_embd] */
-    const moe_tensor *enorm;   /* [n_embd] f32: norm of the token embedding */
-    const moe_tensor *hnorm;   /* [n_embd] f32: norm of the hidden state */
+    const moe_tensor *eh_proj;   /* [2 n_embd] -> [n_embd]: [token half; hidden half] */
+    const moe_tensor *enorm;     /* [n_embd] f32: norm of the token embedding */
+    const moe_tensor *hnorm;     /* [n_embd] f32: norm of the hidden state */
+    const moe_tensor *head_norm; /* [n_embd] f32 shared_head_norm, or NULL: output_norm */
+    const moe_tensor *embed;     /* its own token embeddings, or NULL: token_embd */
+    const moe_tensor *head;      /* its own LM head (shared_head_head), or NULL: output */
 } moe_nextn_weights;
 
 /* One layer: its plan, its two input norms, and the weights of its mixer and FFN kinds. */
@@ -225,7 +228,8 @@ typedef struct moe_model {
     const moe_tensor *token_embd;  /* [n_embd] x n_vocab rows */
     const moe_tensor *output_norm; /* [n_embd] f32 */
     const moe_tensor *output;      /* [n_embd] -> [n_vocab]; token_embd when tied */
-    moe_layer_weights *layers;     /* [n_layer] */
+    moe_layer_weights *layers;     /* [n_layer + n_layer_mtp]: the trunk, then the MTP layers */
+    uint32_t n_layer_mtp; /* NextN / MTP layers bound and runnable (0: none, or unusable) */
     char *path;
 } moe_model;
 
