@@ -109,9 +109,10 @@ struct jinja_dict {
     bool ns; /* a namespace(): attributes may be assigned with {% set ns.x = ... %} */
 };
 
+typedef struct jinja_builtin jinja_builtin; /* a row of the evaluator's builtin tables */
 struct jinja_method {
     jinja_value self;
-    const char *name;
+    const jinja_builtin *def;
 };
 
 /* ==== Small helpers over values ==== */
@@ -172,7 +173,7 @@ typedef enum jinja_node_kind {
     JN_DATA,         /* literal text */
     JN_OUTPUT,       /* {{ a }} */
     JN_IF,           /* a = test, b = then body, c = else (an IF for elif, or a body) */
-    JN_FOR,          /* target a, iter b, body c, else d, filter e */
+    JN_FOR,          /* target a, iter b, body c, else d, filter e; op 1: recursive */
     JN_SET,          /* target a, value b */
     JN_SET_BLOCK,    /* target a, body b, filter c */
     JN_MACRO,        /* name, params: kids (names), defaults: kwnames-parallel in defaults[] */

@@ -1206,7 +1206,10 @@ static jinja_node *parse_for(parser *p, tok *at) {
         p->pos++;
         n->e = parse_expression(p, true);
     }
-    if (is_name(cur(p), "recursive")) perr(p, cur(p), "recursive loops are not supported%s", NULL);
+    if (is_name(cur(p), "recursive")) {
+        p->pos++;
+        n->op = 1;
+    }
     expect_block_end(p);
     n->c = subparse(p, end_for);
     if (!strcmp(end_name(p), "else")) {
