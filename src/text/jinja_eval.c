@@ -68,7 +68,7 @@ typedef enum flow { FLOW_NORMAL, FLOW_BREAK, FLOW_CONTINUE } flow;
 
 struct render {
     jinja_ctx c;
-    jinja_buf *out;
+    moe_strbuf *out;
     jinja_dict *globals;
     const jinja_render_opts *opts;
     size_t iterations;
@@ -106,19 +106,19 @@ static jinja_value cstr(render *r, const char *s) {
 /* Undefined values remember why: .s is the name, .safe says which message to give. */
 enum { UNDEF_NAME = 0, UNDEF_ATTR = 1, UNDEF_UNSAFE = 2, UNDEF_PLAIN = 3 };
 static jinja_value undef(render *r, const char *name, int why, const char *type) {
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     switch (why) {
     case UNDEF_NAME:
-        jbuf_printf(&b, "'%s' is undefined", name);
+        moe_strbuf_printf(&b, "'%s' is undefined", name);
         break;
     case UNDEF_ATTR:
-        jbuf_printf(&b, "'%s object' has no attribute '%s'", type, name);
+        moe_strbuf_printf(&b, "'%s object' has no attribute '%s'", type, name);
         break;
     case UNDEF_UNSAFE:
-        jbuf_printf(&b, "access to attribute '%s' of '%s' object is unsafe.", name, type);
+        moe_strbuf_printf(&b, "access to attribute '%s' of '%s' object is unsafe.", name, type);
         break;
     default:
-        jbuf_puts(&b, name);
+        moe_strbuf_puts(&b, name);
         break;
     }
     jinja_value v = jv_str_buf(&r->c, &b);
@@ -134,7 +134,7 @@ _Noreturn static void undef_fail(render *r, jinja_value v) {
 static void write_out(render *r, const char *s, size_t n) {
     if (r->out->len + n > JINJA_MAX_OUTPUT)
         fail(r, "output is over the %u MiB limit", JINJA_MAX_OUTPUT >> 20);
-    jbuf_put(r->out, s, n);
+    moe_strbuf_put(r->out, s, n);
 }
 
 /* ==== Scopes ==== */
@@ -207,27 +207,27 @@ static void count_iteration(render *r) {
 static jinja_value html_escape(render *r, jinja_value v) {
     if (v.kind == JV_STR && v.safe) return v;
     v = jv_stringify(&r->c, v);
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     for (size_t i = 0; i < v.s->len; i++) {
         char ch = v.s->data[i];
         switch (ch) {
         case '&':
-            jbuf_puts(&b, "&amp;");
+            moe_strbuf_puts(&b, "&amp;");
             break;
         case '<':
-            jbuf_puts(&b, "&lt;");
+            moe_strbuf_puts(&b, "&lt;");
             break;
         case '>':
-            jbuf_puts(&b, "&gt;");
+            moe_strbuf_puts(&b, "&gt;");
             break;
         case '"':
-            jbuf_puts(&b, "&#34;");
+            moe_strbuf_puts(&b, "&#34;");
             break;
         case '\'':
-            jbuf_puts(&b, "&#39;");
+            moe_strbuf_puts(&b, "&#39;");
             break;
         default:
-            jbuf_putc(&b, ch);
+            moe_strbuf_putc(&b, ch);
         }
     }
     jinja_value out = jv_str_buf(&r->c, &b);
@@ -265,7 +265,7 @@ static bool is_lower_cp(uint32_t cp) {
 typedef enum { CASE_UPPER, CASE_LOWER, CASE_CAPITALIZE, CASE_TITLE, CASE_SWAP } case_mode;
 
 static jinja_value str_case(render *r, jinja_value v, case_mode mode) {
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     bool prev_cased = false, first = true;
     for (size_t p = 0; p < v.s->len;) {
         uint32_t cp = jinja_utf8_next(v.s->data, v.s->len, &p);
@@ -364,19 +364,19 @@ static size_t count_sub(const char *h, size_t hn, const char *n, size_t nn) {
 static jinja_value str_replace(render *r, jinja_value v, jinja_value old, jinja_value new_,
                                int64_t count) {
     if (old.kind != JV_STR || new_.kind != JV_STR) fail(r, "replace() arguments must be str");
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     const char *s = v.s->data, *end = s + v.s->len;
     if (old.s->len == 0) { /* Python inserts between every character */
         int64_t done = 0;
         for (size_t p = 0;;) {
             if (count < 0 || done < count) {
-                jbuf_put(&b, new_.s->data, new_.s->len);
+                moe_strbuf_put(&b, new_.s->data, new_.s->len);
                 done++;
             }
             if (p >= v.s->len) break;
             size_t q = p;
             jinja_utf8_next(s, v.s->len, &q);
-            jbuf_put(&b, s + p, q - p);
+            moe_strbuf_put(&b, s + p, q - p);
             p = q;
         }
         return jv_str_buf(&r->c, &b);
@@ -387,12 +387,12 @@ static jinja_value str_replace(render *r, jinja_value v, jinja_value old, jinja_
                             ? NULL
                             : memmem_at(s, (size_t)(end - s), old.s->data, old.s->len);
         if (!f) break;
-        jbuf_put(&b, s, (size_t)(f - s));
-        jbuf_put(&b, new_.s->data, new_.s->len);
+        moe_strbuf_put(&b, s, (size_t)(f - s));
+        moe_strbuf_put(&b, new_.s->data, new_.s->len);
         s = f + old.s->len;
         done++;
     }
-    jbuf_put(&b, s, (size_t)(end - s));
+    moe_strbuf_put(&b, s, (size_t)(end - s));
     return jv_str_buf(&r->c, &b);
 }
 
@@ -546,8 +546,11 @@ static jinja_value or_default(jinja_value v, jinja_value d) {
 static jinja_value call_value(render *r, jinja_value f, const args *a);
 static jinja_value get_attr(render *r, jinja_value obj, const char *name);
 static jinja_value get_item(render *r, jinja_value obj, jinja_value key);
-static jinja_value apply_filter(render *r, const char *name, jinja_value v, const args *a);
-static bool apply_test(render *r, const char *name, jinja_value v, const args *a);
+/* f / t: the row when the parser found it, else NULL and the name is looked up now */
+static jinja_value apply_filter(render *r, const jinja_builtin *f, const char *name, jinja_value v,
+                                const args *a);
+static bool apply_test(render *r, const jinja_builtin *t, const char *name, jinja_value v,
+                       const args *a);
 
 /* attribute path "a.b.c" as used by map/selectattr/sort(attribute=) */
 static jinja_value get_attr_path(render *r, jinja_value v, jinja_value path) {
@@ -691,7 +694,7 @@ static jinja_value f_tojson(render *r, jinja_value v, const args *a, const jinja
         o.item_sep = p[2].l->items[0].s->data;
         o.key_sep = p[2].l->items[1].s->data;
     }
-    jinja_buf out = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     jv_to_json(&r->c, &out, v, &o, 0);
     return jv_str_buf(&r->c, &out);
 }
@@ -720,33 +723,33 @@ static jinja_value f_indent(render *r, jinja_value v, const args *a, const jinja
     static const char *const P[] = {"width", "first", "blank"};
     jinja_value p[3];
     bind(r, b->name, a, 0, P, 3, p);
-    jinja_buf ind = JBUF(&r->c);
+    moe_strbuf ind = jinja_strbuf(&r->c);
     jinja_value width = or_default(p[0], jv_int(4));
     if (width.kind == JV_STR) {
-        jbuf_put(&ind, width.s->data, width.s->len);
+        moe_strbuf_put(&ind, width.s->data, width.s->len);
     } else {
         int64_t w = as_int(r, width, "width");
-        for (int64_t i = 0; i < w && i < 4096; i++) jbuf_putc(&ind, ' ');
+        for (int64_t i = 0; i < w && i < 4096; i++) moe_strbuf_putc(&ind, ' ');
     }
-    if (!ind.data) jbuf_puts(&ind, "");
+    if (!ind.s) moe_strbuf_puts(&ind, "");
     bool first = !missing(p[1]) && jv_truthy(p[1]), blank = !missing(p[2]) && jv_truthy(p[2]);
     jinja_value s = jv_stringify(&r->c, v);
-    jinja_buf text = JBUF(&r->c);
-    jbuf_put(&text, s.s->data, s.s->len);
-    jbuf_putc(&text, '\n');
-    jinja_list *lines = str_splitlines(r, text.data, text.len, false);
-    jbuf_free(&text);
-    jinja_buf out = JBUF(&r->c);
-    if (first) jbuf_put(&out, ind.data, ind.len);
+    moe_strbuf text = jinja_strbuf(&r->c);
+    moe_strbuf_put(&text, s.s->data, s.s->len);
+    moe_strbuf_putc(&text, '\n');
+    jinja_list *lines = str_splitlines(r, text.s, text.len, false);
+    moe_strbuf_free(&text);
+    moe_strbuf out = jinja_strbuf(&r->c);
+    if (first) moe_strbuf_put(&out, ind.s, ind.len);
     for (size_t i = 0; i < lines->n; i++) {
         jinja_str *line = lines->items[i].s;
         if (i) {
-            jbuf_putc(&out, '\n');
-            if (blank || line->len) jbuf_put(&out, ind.data, ind.len);
+            moe_strbuf_putc(&out, '\n');
+            if (blank || line->len) moe_strbuf_put(&out, ind.s, ind.len);
         }
-        jbuf_put(&out, line->data, line->len);
+        moe_strbuf_put(&out, line->data, line->len);
     }
-    jbuf_free(&ind);
+    moe_strbuf_free(&ind);
     jinja_value res = jv_str_buf(&r->c, &out);
     res.safe = s.safe;
     return res;
@@ -759,9 +762,9 @@ static jinja_value f_join(render *r, jinja_value v, const args *a, const jinja_b
     jinja_value sep = or_default(p[0], cstr(r, ""));
     sep = jv_stringify(&r->c, sep);
     jinja_list *l = iter_list(r, v);
-    jinja_buf out = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     for (size_t i = 0; i < l->n; i++) {
-        if (i) jbuf_put(&out, sep.s->data, sep.s->len);
+        if (i) moe_strbuf_put(&out, sep.s->data, sep.s->len);
         jinja_value item = l->items[i];
         if (!missing(p[1]) && p[1].kind != JV_NONE) item = get_attr_path(r, item, p[1]);
         jv_to_str(&r->c, &out, item);
@@ -794,7 +797,7 @@ static jinja_value f_select(render *r, jinja_value v, const args *a, const jinja
     for (size_t i = 0; i < l->n; i++) {
         jinja_value item = l->items[i];
         jinja_value x = by_attr ? get_attr_path(r, item, attr) : item;
-        bool ok = test ? apply_test(r, test, x, &rest) : jv_truthy(x);
+        bool ok = test ? apply_test(r, NULL, test, x, &rest) : jv_truthy(x);
         if (ok == want) jv_list_push(&r->c, out.l, item);
     }
     return out;
@@ -825,7 +828,7 @@ static jinja_value f_map(render *r, jinja_value v, const args *a, const jinja_bu
     if (a->n < 1 || a->v[0].kind != JV_STR) fail(r, "map requires a filter argument");
     args rest = {.n = a->n - 1, .v = a->v + 1, .names = a->names ? a->names + 1 : NULL};
     for (size_t i = 0; i < l->n; i++)
-        jv_list_push(&r->c, out.l, apply_filter(r, a->v[0].s->data, l->items[i], &rest));
+        jv_list_push(&r->c, out.l, apply_filter(r, NULL, a->v[0].s->data, l->items[i], &rest));
     return out;
 }
 
@@ -1035,15 +1038,15 @@ static jinja_value f_truncate(render *r, jinja_value v, const args *a, const jin
     int64_t slen = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
     if (slen <= length + leeway) return s;
     size_t cut = jinja_utf8_offset(s.s->data, s.s->len, (size_t)(length - endlen));
-    jinja_buf out = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     if (killwords) {
-        jbuf_put(&out, s.s->data, cut);
+        moe_strbuf_put(&out, s.s->data, cut);
     } else {
         size_t sp = cut;
         while (sp > 0 && s.s->data[sp - 1] != ' ') sp--;
-        jbuf_put(&out, s.s->data, sp ? sp - 1 : 0);
+        moe_strbuf_put(&out, s.s->data, sp ? sp - 1 : 0);
     }
-    jbuf_put(&out, end.s->data, end.s->len);
+    moe_strbuf_put(&out, end.s->data, end.s->len);
     return jv_str_buf(&r->c, &out);
 }
 
@@ -1056,10 +1059,10 @@ static jinja_value f_center(render *r, jinja_value v, const args *a, const jinja
     int64_t len = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
     if (width <= len) return s;
     int64_t marg = width - len, left = marg / 2 + (marg & width & 1);
-    jinja_buf out = JBUF(&r->c);
-    for (int64_t i = 0; i < left; i++) jbuf_putc(&out, ' ');
-    jbuf_put(&out, s.s->data, s.s->len);
-    for (int64_t i = 0; i < marg - left; i++) jbuf_putc(&out, ' ');
+    moe_strbuf out = jinja_strbuf(&r->c);
+    for (int64_t i = 0; i < left; i++) moe_strbuf_putc(&out, ' ');
+    moe_strbuf_put(&out, s.s->data, s.s->len);
+    for (int64_t i = 0; i < marg - left; i++) moe_strbuf_putc(&out, ' ');
     return jv_str_buf(&r->c, &out);
 }
 
@@ -1067,7 +1070,7 @@ static jinja_value f_title(render *r, jinja_value v, const args *a, const jinja_
     no_args(r, a, b);
     /* jinja's title: words start after runs of [-\s({\[<] */
     jinja_value s = jv_stringify(&r->c, v);
-    jinja_buf out = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     bool start = true;
     for (size_t p = 0; p < s.s->len;) {
         uint32_t cp = jinja_utf8_next(s.s->data, s.s->len, &p);
@@ -1203,9 +1206,9 @@ static jinja_value f_reverse(render *r, jinja_value v, const args *a, const jinj
     no_args(r, a, b);
     if (v.kind == JV_STR) {
         jinja_list *chars = iter_list(r, v);
-        jinja_buf out = JBUF(&r->c);
+        moe_strbuf out = jinja_strbuf(&r->c);
         for (size_t i = chars->n; i > 0; i--)
-            jbuf_put(&out, chars->items[i - 1].s->data, chars->items[i - 1].s->len);
+            moe_strbuf_put(&out, chars->items[i - 1].s->data, chars->items[i - 1].s->len);
         return jv_str_buf(&r->c, &out);
     }
     jinja_list *l = iter_list(r, v);
@@ -1238,7 +1241,7 @@ static jinja_value f_attr(render *r, jinja_value v, const args *a, const jinja_b
 
 static jinja_value f_pprint(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     no_args(r, a, b);
-    jinja_buf out = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     jv_to_repr(&r->c, &out, v);
     return jv_str_buf(&r->c, &out);
 }
@@ -1314,15 +1317,16 @@ static const jinja_builtin filters[] = {
     {"xmlattr", NULL, 0},
 };
 
-static jinja_value apply_filter(render *r, const char *name, jinja_value v, const args *a) {
-    const jinja_builtin *f = BUILTIN_FIND(filters, name);
+static jinja_value apply_filter(render *r, const jinja_builtin *f, const char *name, jinja_value v,
+                                const args *a) {
+    if (!f) f = jinja_filter_find(name);
     if (!f) fail(r, "No filter named '%s' found.", name);
     if (!f->fn) fail(r, "filter '%s' is not supported", name);
     return f->fn(r, v, a, f);
 }
 
-bool jinja_filter_known(const char *name) {
-    return BUILTIN_FIND(filters, name) != NULL;
+const jinja_builtin *jinja_filter_find(const char *name) {
+    return BUILTIN_FIND(filters, name);
 }
 
 /* ==== Tests (each returns a bool value) ==== */
@@ -1396,7 +1400,7 @@ static jinja_value t_named(render *r, jinja_value v, const args *a, const jinja_
     (void)r;
     (void)a;
     return jv_bool(v.kind == JV_STR &&
-                   (b->mode ? jinja_test_known(v.s->data) : jinja_filter_known(v.s->data)));
+                   (b->mode ? jinja_test_find(v.s->data) : jinja_filter_find(v.s->data)));
 }
 
 /* lower (mode 0) and upper (mode 1): some cased character and none of the other case */
@@ -1452,20 +1456,24 @@ static jinja_value t_compare(render *r, jinja_value v, const args *a, const jinj
     return binary(r, (jinja_op)b->mode, v, test_arg(r, a, b));
 }
 
-static jinja_value t_in(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
-    jinja_value in_ = test_arg(r, a, b);
-    if (in_.kind == JV_STR) {
+/* Python's `v in container` */
+static bool contains(render *r, jinja_value v, jinja_value container) {
+    if (container.kind == JV_STR) {
         if (v.kind != JV_STR) fail(r, "'in <string>' requires string as left operand");
-        return jv_bool(memmem_at(in_.s->data, in_.s->len, v.s->data, v.s->len) != NULL);
+        return memmem_at(container.s->data, container.s->len, v.s->data, v.s->len) != NULL;
     }
-    if (in_.kind == JV_DICT) {
+    if (container.kind == JV_DICT) {
         jinja_value dummy;
-        return jv_bool(jv_dict_get(in_.d, v, &dummy));
+        return jv_dict_get(container.d, v, &dummy);
     }
-    jinja_list *l = iter_list(r, in_);
+    jinja_list *l = iter_list(r, container);
     for (size_t i = 0; i < l->n; i++)
-        if (jv_equal(l->items[i], v)) return jv_bool(true);
-    return jv_bool(false);
+        if (jv_equal(l->items[i], v)) return true;
+    return false;
+}
+
+static jinja_value t_in(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    return jv_bool(contains(r, v, test_arg(r, a, b)));
 }
 
 /* Every test Jinja2 3.x has. */
@@ -1511,34 +1519,35 @@ static const jinja_builtin tests[] = {
     {"upper", t_case, 1},
 };
 
-static bool apply_test(render *r, const char *name, jinja_value v, const args *a) {
-    const jinja_builtin *t = BUILTIN_FIND(tests, name);
+static bool apply_test(render *r, const jinja_builtin *t, const char *name, jinja_value v,
+                       const args *a) {
+    if (!t) t = jinja_test_find(name);
     if (!t) fail(r, "No test named '%s' found.", name);
     return jv_truthy(t->fn(r, v, a, t));
 }
 
-bool jinja_test_known(const char *name) {
-    return BUILTIN_FIND(tests, name) != NULL;
+const jinja_builtin *jinja_test_find(const char *name) {
+    return BUILTIN_FIND(tests, name);
 }
 
 /* ==== Python %-formatting (the `format` filter and str % args) ==== */
 
 static jinja_value percent_format(render *r, jinja_value fmt, jinja_list *vals) {
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     size_t vi = 0;
     const char *s = fmt.s->data;
     size_t n = fmt.s->len;
     for (size_t i = 0; i < n; i++) {
         if (s[i] != '%') {
-            jbuf_putc(&b, s[i]);
+            moe_strbuf_putc(&b, s[i]);
             continue;
         }
         if (++i >= n) {
-            jbuf_free(&b);
+            moe_strbuf_free(&b);
             fail(r, "incomplete format");
         }
         if (s[i] == '%') {
-            jbuf_putc(&b, '%');
+            moe_strbuf_putc(&b, '%');
             continue;
         }
         char spec[32];
@@ -1546,41 +1555,41 @@ static jinja_value percent_format(render *r, jinja_value fmt, jinja_list *vals) 
         spec[k++] = '%';
         while (i < n && strchr("-+ #0123456789.", s[i]) && k < 20) spec[k++] = s[i++];
         if (i >= n) {
-            jbuf_free(&b);
+            moe_strbuf_free(&b);
             fail(r, "incomplete format");
         }
         char conv = s[i];
         if (vi >= vals->n) {
-            jbuf_free(&b);
+            moe_strbuf_free(&b);
             fail(r, "not enough arguments for format string");
         }
         jinja_value v = vals->items[vi++];
         if (conv == 's' || conv == 'r') {
-            jinja_buf t = JBUF(&r->c);
+            moe_strbuf t = jinja_strbuf(&r->c);
             if (conv == 's')
                 jv_to_str(&r->c, &t, v);
             else
                 jv_to_repr(&r->c, &t, v);
             spec[k++] = 's';
             spec[k] = '\0';
-            jbuf_printf(&b, spec, t.data ? t.data : "");
-            jbuf_free(&t);
+            moe_strbuf_printf(&b, spec, t.s ? t.s : "");
+            moe_strbuf_free(&t);
         } else if (conv == 'd' || conv == 'i') {
             if (!jv_is_num(v)) {
-                jbuf_free(&b);
+                moe_strbuf_free(&b);
                 fail(r, "%%d format: a number is required, not %s", jv_type_name(v));
             }
             spec[k++] = 'l';
             spec[k++] = 'l';
             spec[k++] = 'd';
             spec[k] = '\0';
-            jbuf_printf(&b, spec,
-                        (long long)(v.kind == JV_FLOAT  ? (int64_t)v.f
-                                    : v.kind == JV_BOOL ? v.b
-                                                        : v.i));
+            moe_strbuf_printf(&b, spec,
+                              (long long)(v.kind == JV_FLOAT  ? (int64_t)v.f
+                                          : v.kind == JV_BOOL ? v.b
+                                                              : v.i));
         } else if (strchr("feEgGxXo", conv)) {
             if (!jv_is_num(v)) {
-                jbuf_free(&b);
+                moe_strbuf_free(&b);
                 fail(r, "format: a number is required, not %s", jv_type_name(v));
             }
             if (strchr("xXo", conv)) {
@@ -1588,19 +1597,19 @@ static jinja_value percent_format(render *r, jinja_value fmt, jinja_list *vals) 
                 spec[k++] = 'l';
                 spec[k++] = conv;
                 spec[k] = '\0';
-                jbuf_printf(&b, spec, (long long)jv_as_double(v));
+                moe_strbuf_printf(&b, spec, (long long)jv_as_double(v));
             } else {
                 spec[k++] = conv;
                 spec[k] = '\0';
-                jbuf_printf(&b, spec, jv_as_double(v));
+                moe_strbuf_printf(&b, spec, jv_as_double(v));
             }
         } else {
-            jbuf_free(&b);
+            moe_strbuf_free(&b);
             fail(r, "unsupported format character '%c'", conv);
         }
     }
     if (vi < vals->n) {
-        jbuf_free(&b);
+        moe_strbuf_free(&b);
         fail(r, "not all arguments converted during string formatting");
     }
     return jv_str_buf(&r->c, &b);
@@ -1672,13 +1681,13 @@ static format_spec parse_spec(render *r, const char *s, size_t n, bool number) {
 
 /* The integer part digits[0..n) with the grouping character every `every` digits, led by zeros
  * until it is at least min_len long (a separator is never first: it may overshoot by one). */
-static void put_grouped(jinja_buf *out, const char *digits, size_t n, char grouping, int every,
+static void put_grouped(moe_strbuf *out, const char *digits, size_t n, char grouping, int every,
                         size_t min_len) {
     size_t k = n; /* digits to write, zeros included */
     while (k + (grouping ? (k - 1) / (size_t)every : 0) < min_len) k++;
     for (size_t i = 0; i < k; i++) {
-        if (grouping && i && (k - i) % (size_t)every == 0) jbuf_putc(out, grouping);
-        jbuf_putc(out, i < k - n ? '0' : digits[i - (k - n)]);
+        if (grouping && i && (k - i) % (size_t)every == 0) moe_strbuf_putc(out, grouping);
+        moe_strbuf_putc(out, i < k - n ? '0' : digits[i - (k - n)]);
     }
 }
 
@@ -1692,7 +1701,7 @@ static size_t zero_grouped_len(const format_spec *f, bool negative, size_t other
 
 /* The digits of a number (no sign): integers in their base, floats as printf or repr writes
  * them; grouping goes into the integer part. */
-static void format_digits(render *r, jinja_buf *out, jinja_value v, const format_spec *f,
+static void format_digits(render *r, moe_strbuf *out, jinja_value v, const format_spec *f,
                           bool *negative) {
     char tmp[400];
     char type = f->type;
@@ -1709,7 +1718,7 @@ static void format_digits(render *r, jinja_buf *out, jinja_value v, const format
         const char *digit_set = type == 'X' ? "0123456789ABCDEF" : "0123456789abcdef";
         bool prefixed = f->alt && base != 10;
         if (prefixed)
-            jbuf_puts(out, base == 2 ? "0b" : base == 8 ? "0o" : type == 'X' ? "0X" : "0x");
+            moe_strbuf_puts(out, base == 2 ? "0b" : base == 8 ? "0o" : type == 'X' ? "0X" : "0x");
         size_t n = 0;
         do {
             tmp[sizeof tmp - 1 - n++] = digit_set[u % (uint64_t)base];
@@ -1725,30 +1734,30 @@ static void format_digits(render *r, jinja_buf *out, jinja_value v, const format
     x = fabs(x);
     bool upper = spec_char(type, "EFG");
     if (isinf(x) || isnan(x)) {
-        jbuf_puts(out, isinf(x) ? (upper ? "INF" : "inf") : (upper ? "NAN" : "nan"));
-        if (type == '%') jbuf_putc(out, '%');
+        moe_strbuf_puts(out, isinf(x) ? (upper ? "INF" : "inf") : (upper ? "NAN" : "nan"));
+        if (type == '%') moe_strbuf_putc(out, '%');
         return;
     }
     int prec = f->precision < 0 ? 6 : f->precision > 300 ? 300 : (int)f->precision;
-    jinja_buf body = JBUF(&r->c);
+    moe_strbuf body = jinja_strbuf(&r->c);
     switch (type) {
     case 'f':
     case 'F':
-        jbuf_printf(&body, f->alt ? "%#.*f" : "%.*f", prec, x);
+        moe_strbuf_printf(&body, f->alt ? "%#.*f" : "%.*f", prec, x);
         break;
     case '%':
-        jbuf_printf(&body, f->alt ? "%#.*f%%" : "%.*f%%", prec, x * 100);
+        moe_strbuf_printf(&body, f->alt ? "%#.*f%%" : "%.*f%%", prec, x * 100);
         break;
     case 'e':
     case 'E':
-        jbuf_printf(&body, f->alt ? (upper ? "%#.*E" : "%#.*e") : (upper ? "%.*E" : "%.*e"), prec,
-                    x);
+        moe_strbuf_printf(&body, f->alt ? (upper ? "%#.*E" : "%#.*e") : (upper ? "%.*E" : "%.*e"),
+                          prec, x);
         break;
     case 'g':
     case 'G':
     case 'n':
-        jbuf_printf(&body, f->alt ? (upper ? "%#.*G" : "%#.*g") : (upper ? "%.*G" : "%.*g"),
-                    prec ? prec : 1, x);
+        moe_strbuf_printf(&body, f->alt ? (upper ? "%#.*G" : "%#.*g") : (upper ? "%.*G" : "%.*g"),
+                          prec ? prec : 1, x);
         break;
     default: /* none: repr; with a precision, 'g' that switches to exponents at p - 1 and keeps
               * one decimal in fixed notation */
@@ -1757,31 +1766,31 @@ static void format_digits(render *r, jinja_buf *out, jinja_value v, const format
             break;
         }
         prec = prec ? prec : 1;
-        jbuf_printf(&body, "%.*e", prec - 1, x);
-        char *e = strchr(body.data, 'e');
+        moe_strbuf_printf(&body, "%.*e", prec - 1, x);
+        char *e = strchr(body.s, 'e');
         int exp10 = atoi(e + 1);
         if (exp10 >= -4 && exp10 < prec - 1) {
-            body.len = 0;
-            jbuf_printf(&body, "%.*g", prec, x);
-            if (!strchr(body.data, '.')) jbuf_puts(&body, ".0");
-        } else if (strchr(body.data, '.')) { /* drop the mantissa's trailing zeros, as 'g' does */
+            moe_strbuf_reset(&body);
+            moe_strbuf_printf(&body, "%.*g", prec, x);
+            if (!strchr(body.s, '.')) moe_strbuf_puts(&body, ".0");
+        } else if (strchr(body.s, '.')) { /* drop the mantissa's trailing zeros, as 'g' does */
             char *m = e;
             while (m[-1] == '0') m--;
             if (m[-1] == '.') m--;
             memmove(m, e, strlen(e) + 1);
-            body.len = strlen(body.data);
+            body.len = strlen(body.s);
         }
         break;
     }
-    size_t int_len = strspn(body.data, "0123456789");
-    put_grouped(out, body.data, int_len, f->grouping, 3,
+    size_t int_len = strspn(body.s, "0123456789");
+    put_grouped(out, body.s, int_len, f->grouping, 3,
                 zero_grouped_len(f, *negative, body.len - int_len));
-    jbuf_puts(out, body.data + int_len);
-    jbuf_free(&body);
+    moe_strbuf_puts(out, body.s + int_len);
+    moe_strbuf_free(&body);
 }
 
 /* format(v, spec) for the values templates have. */
-static void format_value(render *r, jinja_buf *out, jinja_value v, const char *spec, size_t n) {
+static void format_value(render *r, moe_strbuf *out, jinja_value v, const char *spec, size_t n) {
     if (!n) {
         jv_to_str(&r->c, out, v);
         return;
@@ -1790,7 +1799,7 @@ static void format_value(render *r, jinja_buf *out, jinja_value v, const char *s
     if (!number && v.kind != JV_STR)
         fail(r, "unsupported format string passed to %s.__format__", jv_type_name(v));
     format_spec f = parse_spec(r, spec, n, number);
-    jinja_buf body = JBUF(&r->c);
+    moe_strbuf body = jinja_strbuf(&r->c);
     const char *sign = "";
     size_t prefix = 0; /* bytes of body before the digits: the '=' padding goes there */
     if (v.kind == JV_STR) {
@@ -1802,7 +1811,7 @@ static void format_value(render *r, jinja_buf *out, jinja_value v, const char *s
         if (f.grouping) fail(r, "Cannot specify '%c' with 's'.", f.grouping);
         size_t len = v.s->len;
         if (f.precision >= 0) len = jinja_utf8_offset(v.s->data, v.s->len, (size_t)f.precision);
-        jbuf_put(&body, v.s->data, len);
+        moe_strbuf_put(&body, v.s->data, len);
         if (!f.align) f.align = '<';
     } else {
         const char *types = v.kind == JV_FLOAT ? "eEfFgGn%" : "bcdoxXneEfFgG%";
@@ -1816,18 +1825,18 @@ static void format_value(render *r, jinja_buf *out, jinja_value v, const char *s
         if (f.alt && spec_char(f.type, "bBoxX")) prefix = 2;
         if (!f.align) f.align = '>';
     }
-    size_t chars = strlen(sign) + jinja_utf8_count(body.data ? body.data : "", body.len);
+    size_t chars = strlen(sign) + jinja_utf8_count(body.s ? body.s : "", body.len);
     size_t pad = f.width > 0 && (size_t)f.width > chars ? (size_t)f.width - chars : 0;
     size_t left = f.align == '>' ? pad : f.align == '^' ? pad / 2 : 0;
     for (size_t i = 0; i < left; i++) jinja_utf8_put(out, f.fill);
-    jbuf_puts(out, sign);
-    if (body.len) jbuf_put(out, body.data, prefix);
+    moe_strbuf_puts(out, sign);
+    if (body.len) moe_strbuf_put(out, body.s, prefix);
     if (f.align == '=')
         for (size_t i = 0; i < pad; i++) jinja_utf8_put(out, f.fill);
-    if (body.len) jbuf_put(out, body.data + prefix, body.len - prefix);
+    if (body.len) moe_strbuf_put(out, body.s + prefix, body.len - prefix);
     if (f.align == '<' || f.align == '^')
         for (size_t i = left; i < pad; i++) jinja_utf8_put(out, f.fill);
-    jbuf_free(&body);
+    moe_strbuf_free(&body);
 }
 
 typedef struct format_args {
@@ -1859,11 +1868,11 @@ static jinja_value format_arg(render *r, format_args *fa, const char *name, size
     fail(r, "Replacement index %zu out of range for positional args tuple", want);
 }
 
-static void format_into(render *r, jinja_buf *out, const char *s, size_t n, format_args *fa,
+static void format_into(render *r, moe_strbuf *out, const char *s, size_t n, format_args *fa,
                         int depth);
 
 /* One replacement field (between the braces): name, accessors, !conversion, :spec. */
-static void format_field(render *r, jinja_buf *out, const char *f, size_t n, format_args *fa,
+static void format_field(render *r, moe_strbuf *out, const char *f, size_t n, format_args *fa,
                          int depth) {
     size_t k = 0; /* end of the name and its accessors */
     while (k < n && f[k] != '!' && f[k] != ':') {
@@ -1896,7 +1905,7 @@ static void format_field(render *r, jinja_buf *out, const char *f, size_t n, for
         p += 2;
         if (p < n && f[p] != ':') fail(r, "expected ':' after conversion specifier");
         if (conv != 'r' && conv != 's') fail(r, "Unknown conversion specifier %c", conv);
-        jinja_buf t = JBUF(&r->c);
+        moe_strbuf t = jinja_strbuf(&r->c);
         if (conv == 'r')
             jv_to_repr(&r->c, &t, v);
         else
@@ -1907,7 +1916,7 @@ static void format_field(render *r, jinja_buf *out, const char *f, size_t n, for
     size_t spec_len = p < n ? n - p - 1 : 0;
     if (memchr(spec, '{', spec_len)) { /* nested fields: {:{width}} */
         if (depth >= 1) fail(r, "Max string recursion exceeded");
-        jinja_buf t = JBUF(&r->c);
+        moe_strbuf t = jinja_strbuf(&r->c);
         format_into(r, &t, spec, spec_len, fa, depth + 1);
         jinja_value expanded = jv_str_buf(&r->c, &t);
         spec = expanded.s->data;
@@ -1916,18 +1925,18 @@ static void format_field(render *r, jinja_buf *out, const char *f, size_t n, for
     format_value(r, out, v, spec, spec_len);
 }
 
-static void format_into(render *r, jinja_buf *out, const char *s, size_t n, format_args *fa,
+static void format_into(render *r, moe_strbuf *out, const char *s, size_t n, format_args *fa,
                         int depth) {
     for (size_t i = 0; i < n;) {
         if (s[i] != '{' && s[i] != '}') {
             size_t j = i;
             while (j < n && s[j] != '{' && s[j] != '}') j++;
-            jbuf_put(out, s + i, j - i);
+            moe_strbuf_put(out, s + i, j - i);
             i = j;
             continue;
         }
         if (i + 1 < n && s[i + 1] == s[i]) { /* {{ and }} */
-            jbuf_putc(out, s[i]);
+            moe_strbuf_putc(out, s[i]);
             i += 2;
             continue;
         }
@@ -2069,13 +2078,13 @@ static jinja_value m_join(render *r, jinja_value s, const args *a, const jinja_b
     bind(r, b->name, a, 0, P, 1, p);
     if (missing(p[0])) fail(r, "join() takes exactly one argument");
     jinja_list *l = iter_list(r, p[0]);
-    jinja_buf out = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     for (size_t i = 0; i < l->n; i++) {
         if (l->items[i].kind != JV_STR)
             fail(r, "sequence item %zu: expected str instance, %s found", i,
                  jv_type_name(l->items[i]));
-        if (i) jbuf_put(&out, s.s->data, s.s->len);
-        jbuf_put(&out, l->items[i].s->data, l->items[i].s->len);
+        if (i) moe_strbuf_put(&out, s.s->data, s.s->len);
+        moe_strbuf_put(&out, l->items[i].s->data, l->items[i].s->len);
     }
     return jv_str_buf(&r->c, &out);
 }
@@ -2141,13 +2150,13 @@ static jinja_value m_pad(render *r, jinja_value s, const args *a, const jinja_bu
     int64_t left = b->mode == PAD_LJUST    ? 0
                    : b->mode == PAD_CENTER ? pad / 2 + (pad & width & 1)
                                            : pad;
-    jinja_buf out = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     size_t signlen =
         b->mode == PAD_ZFILL && s.s->len && (s.s->data[0] == '-' || s.s->data[0] == '+');
-    jbuf_put(&out, s.s->data, signlen);
-    for (int64_t i = 0; i < left; i++) jbuf_puts(&out, fill);
-    jbuf_put(&out, s.s->data + signlen, s.s->len - signlen);
-    for (int64_t i = left; i < pad; i++) jbuf_puts(&out, fill);
+    moe_strbuf_put(&out, s.s->data, signlen);
+    for (int64_t i = 0; i < left; i++) moe_strbuf_puts(&out, fill);
+    moe_strbuf_put(&out, s.s->data + signlen, s.s->len - signlen);
+    for (int64_t i = left; i < pad; i++) moe_strbuf_puts(&out, fill);
     return jv_str_buf(&r->c, &out);
 }
 
@@ -2177,7 +2186,7 @@ static jinja_value m_partition(render *r, jinja_value s, const args *a, const ji
 static jinja_value m_format(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
     (void)b;
     format_args fa = {.a = a};
-    jinja_buf out = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     format_into(r, &out, s.s->data, s.s->len, &fa, 0);
     return jv_str_buf(&r->c, &out);
 }
@@ -2463,10 +2472,10 @@ static jinja_value get_item(render *r, jinja_value obj, jinja_value key) {
         jinja_value v = get_attr(r, obj, key.s->data);
         return v;
     }
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     jv_to_repr(&r->c, &b, key);
-    jinja_value u = undef(r, b.data ? b.data : "", UNDEF_ATTR, jv_type_name(obj));
-    jbuf_free(&b);
+    jinja_value u = undef(r, b.s ? b.s : "", UNDEF_ATTR, jv_type_name(obj));
+    moe_strbuf_free(&b);
     return u;
 }
 
@@ -2511,10 +2520,10 @@ static jinja_value do_slice(render *r, jinja_value obj, jinja_value start, jinja
             jinja_utf8_next(obj.s->data, obj.s->len, &p);
         }
         offs[n] = obj.s->len;
-        jinja_buf b = JBUF(&r->c);
+        moe_strbuf b = jinja_strbuf(&r->c);
         for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st)
-            jbuf_put(&b, obj.s->data + offs[i], offs[i + 1] - offs[i]);
-        if (!b.data) jbuf_puts(&b, "");
+            moe_strbuf_put(&b, obj.s->data + offs[i], offs[i + 1] - offs[i]);
+        if (!b.s) moe_strbuf_puts(&b, "");
         jinja_value out = jv_str_buf(&r->c, &b);
         out.safe = obj.safe;
         return out;
@@ -2569,9 +2578,9 @@ static jinja_value repeat(render *r, jinja_value seq, int64_t times) {
     if (seq.kind == JV_STR) {
         if (times && seq.s->len > JINJA_MAX_OUTPUT / (uint64_t)times)
             fail(r, "repeated string too long");
-        jinja_buf b = JBUF(&r->c);
-        for (int64_t i = 0; i < times; i++) jbuf_put(&b, seq.s->data, seq.s->len);
-        if (!b.data) jbuf_puts(&b, "");
+        moe_strbuf b = jinja_strbuf(&r->c);
+        for (int64_t i = 0; i < times; i++) moe_strbuf_put(&b, seq.s->data, seq.s->len);
+        if (!b.s) moe_strbuf_puts(&b, "");
         return jv_str_buf(&r->c, &b);
     }
     not_subscriptable(r, seq);
@@ -2605,8 +2614,7 @@ static jinja_value binary(render *r, jinja_op op, jinja_value x, jinja_value y) 
     }
     case JOP_IN:
     case JOP_NOTIN: {
-        args one = {.n = 1, .v = &y};
-        bool in = apply_test(r, "in", x, &one);
+        bool in = contains(r, x, y);
         return jv_bool(op == JOP_IN ? in : !in);
     }
     default:
@@ -2725,7 +2733,7 @@ static jinja_value eval_filter(render *r, scope *s, const jinja_node *n, jinja_v
              : input;
     args a = eval_args(r, s, n, 0);
     at(r, n);
-    return apply_filter(r, n->name, v, &a);
+    return apply_filter(r, n->builtin, n->name, v, &a);
 }
 
 static jinja_value eval(render *r, scope *s, const jinja_node *n) {
@@ -2789,7 +2797,7 @@ static jinja_value eval(render *r, scope *s, const jinja_node *n) {
         jinja_value v = eval(r, s, n->a);
         args a = eval_args(r, s, n, 0);
         at(r, n);
-        bool t = apply_test(r, n->name, v, &a);
+        bool t = apply_test(r, n->builtin, n->name, v, &a);
         return jv_bool(n->op ? !t : t);
     }
     case JN_UNARY: {
@@ -2831,10 +2839,10 @@ static jinja_value eval(render *r, scope *s, const jinja_node *n) {
         jinja_value x = eval(r, s, n->a);
         jinja_value y = eval(r, s, n->b);
         at(r, n);
-        jinja_buf b = JBUF(&r->c);
+        moe_strbuf b = jinja_strbuf(&r->c);
         jv_to_str(&r->c, &b, x);
         jv_to_str(&r->c, &b, y);
-        if (!b.data) jbuf_puts(&b, "");
+        if (!b.s) moe_strbuf_puts(&b, "");
         return jv_str_buf(&r->c, &b);
     }
     default:
@@ -2871,11 +2879,11 @@ static void assign(render *r, scope *s, const jinja_node *target, jinja_value v)
 }
 
 static jinja_value capture(render *r, scope *s, const jinja_node *body) {
-    jinja_buf *saved = r->out, buf = JBUF(&r->c);
+    moe_strbuf *saved = r->out, buf = jinja_strbuf(&r->c);
     r->out = &buf;
     exec_body(r, s, body);
     r->out = saved;
-    if (!buf.data) jbuf_puts(&buf, "");
+    if (!buf.s) moe_strbuf_puts(&buf, "");
     return jv_str_buf(&r->c, &buf);
 }
 
@@ -2921,10 +2929,10 @@ static void exec_node(render *r, scope *s, const jinja_node *n) {
         if (v.kind == JV_STR) {
             write_out(r, v.s->data, v.s->len);
         } else {
-            jinja_buf b = JBUF(&r->c);
+            moe_strbuf b = jinja_strbuf(&r->c);
             jv_to_str(&r->c, &b, v);
-            if (b.len) write_out(r, b.data, b.len);
-            jbuf_free(&b);
+            if (b.len) write_out(r, b.s, b.len);
+            moe_strbuf_free(&b);
         }
         return;
     }
@@ -2983,19 +2991,19 @@ static void exec_node(render *r, scope *s, const jinja_node *n) {
         b.names[a.n] = "caller";
         at(r, n);
         jinja_value v = call_value(r, f, &b);
-        jinja_buf t = JBUF(&r->c);
+        moe_strbuf t = jinja_strbuf(&r->c);
         jv_to_str(&r->c, &t, v);
-        if (t.len) write_out(r, t.data, t.len);
-        jbuf_free(&t);
+        if (t.len) write_out(r, t.s, t.len);
+        moe_strbuf_free(&t);
         return;
     }
     case JN_FILTER_BLOCK: {
         jinja_value v = capture(r, scope_new(r, s), n->b);
         if (n->a) v = eval_filter(r, s, n->a, v);
-        jinja_buf t = JBUF(&r->c);
+        moe_strbuf t = jinja_strbuf(&r->c);
         jv_to_str(&r->c, &t, v);
-        if (t.len) write_out(r, t.data, t.len);
-        jbuf_free(&t);
+        if (t.len) write_out(r, t.s, t.len);
+        moe_strbuf_free(&t);
         return;
     }
     case JN_BREAK:
@@ -3081,7 +3089,7 @@ static jinja_value call_loop(render *r, jinja_loop *l, const args *a) {
     if (a->n != 1 || (a->names && a->names[0])) fail(r, "loop() takes exactly one argument");
     if (r->call_depth >= JINJA_MAX_CALL_DEPTH)
         fail(r, "recursive loop nested deeper than %d", JINJA_MAX_CALL_DEPTH);
-    jinja_buf *saved = r->out, buf = JBUF(&r->c);
+    moe_strbuf *saved = r->out, buf = jinja_strbuf(&r->c);
     flow saved_flow = r->flow;
     r->out = &buf;
     r->flow = FLOW_NORMAL;
@@ -3151,11 +3159,11 @@ static jinja_value g_namespace(render *r, const args *a) {
 }
 
 static jinja_value g_raise_exception(render *r, const args *a) {
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     if (a->n) jv_to_str(&r->c, &b, a->v[0]);
     char msg[MOE_ERROR_MSG_MAX];
-    snprintf(msg, sizeof msg, "%s", b.data ? b.data : "");
-    jbuf_free(&b);
+    snprintf(msg, sizeof msg, "%s", b.s ? b.s : "");
+    moe_strbuf_free(&b);
     fail(r, "raise_exception: %s", msg);
 }
 
@@ -3201,8 +3209,8 @@ bool jinja_render(const jinja_template *t, jinja_arena *arena, jinja_jump *jump,
     render *r = calloc(1, sizeof *r);
     if (!r) moe_die("out of memory");
     r->c = (jinja_ctx){.arena = arena, .jump = jump, .line = 1, .col = 1};
-    jinja_buf *buf = jinja_alloc(&r->c, sizeof *buf);
-    *buf = JBUF(&r->c);
+    moe_strbuf *buf = jinja_alloc(&r->c, sizeof *buf);
+    *buf = jinja_strbuf(&r->c);
     r->globals = vars;
     r->opts = opts;
     r->out = buf;
@@ -3214,7 +3222,7 @@ bool jinja_render(const jinja_template *t, jinja_arena *arena, jinja_jump *jump,
     scope *top = scope_new(r, NULL);
     exec_body(r, top, t->root);
     *out = moe_xmalloc(buf->len + 1);
-    if (buf->len) memcpy(*out, buf->data, buf->len);
+    if (buf->len) memcpy(*out, buf->s, buf->len);
     (*out)[buf->len] = '\0';
     *out_len = buf->len;
     free(r);
