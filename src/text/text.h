@@ -103,6 +103,10 @@ moe_token_type moe_tokenizer_token_type(const moe_tokenizer *tok, int32_t id);
 const char *moe_tokenizer_token_text(const moe_tokenizer *tok, int32_t id, size_t *len);
 /* The id whose stored text is exactly these bytes, or MOE_TOKEN_NONE. */
 int32_t moe_tokenizer_find(const moe_tokenizer *tok, const char *text, size_t len);
+/* The tokens cut out of a text before either algorithm runs (see MOE_ENCODE_PARSE_SPECIAL),
+ * longest text first: k in [0, moe_tokenizer_n_special); MOE_TOKEN_NONE past the end. */
+uint32_t moe_tokenizer_n_special(const moe_tokenizer *tok);
+int32_t moe_tokenizer_special(const moe_tokenizer *tok, uint32_t k);
 
 /* ==== Encoding ==== */
 
