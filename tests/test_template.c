@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/text/text.h"
+#include "../src/chat/chat.h"
 
 #define FIXED_DATE "2026-01-15T09:30:00"
 

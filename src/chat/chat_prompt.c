@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "text.h"
+#include "chat.h"
 
 /* ==== The built-in template ==== */
 
