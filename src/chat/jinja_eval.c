@@ -1336,63 +1336,58 @@ static jinja_value test_arg(render *r, const args *a, const jinja_builtin *b) {
     return a->v[0];
 }
 
-/* undefined, none, boolean, integer, float, string: mode is the kind */
-static jinja_value t_kind(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+/* The tests that look at the value alone: mode says which. */
+enum {
+    TEST_UNDEFINED,
+    TEST_DEFINED,
+    TEST_NONE,
+    TEST_BOOLEAN,
+    TEST_TRUE,
+    TEST_FALSE,
+    TEST_INTEGER,
+    TEST_FLOAT,
+    TEST_NUMBER,
+    TEST_STRING,
+    TEST_MAPPING,
+    TEST_ITERABLE, /* and sequence */
+    TEST_CALLABLE,
+    TEST_ESCAPED,
+};
+static jinja_value t_value(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     (void)r;
     (void)a;
-    return jv_bool(v.kind == b->mode);
-}
-
-static jinja_value t_defined(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
-    (void)r;
-    (void)a;
-    (void)b;
-    return jv_bool(v.kind != JV_UNDEF);
-}
-
-/* true (mode 1) and false (mode 0) */
-static jinja_value t_bool_is(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
-    (void)r;
-    (void)a;
-    return jv_bool(v.kind == JV_BOOL && v.b == (bool)b->mode);
-}
-
-static jinja_value t_number(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
-    (void)r;
-    (void)a;
-    (void)b;
-    return jv_bool(jv_is_num(v));
-}
-
-static jinja_value t_mapping(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
-    (void)r;
-    (void)a;
-    (void)b;
-    return jv_bool(v.kind == JV_DICT && !v.d->ns);
-}
-
-/* iterable and sequence */
-static jinja_value t_iterable(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
-    (void)r;
-    (void)a;
-    (void)b;
-    return jv_bool(v.kind == JV_STR || v.kind == JV_LIST || (v.kind == JV_DICT && !v.d->ns) ||
-                   v.kind == JV_UNDEF);
-}
-
-static jinja_value t_callable(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
-    (void)r;
-    (void)a;
-    (void)b;
-    return jv_bool(v.kind == JV_MACRO || v.kind == JV_FUNC || v.kind == JV_METHOD ||
-                   v.kind == JV_LOOP);
-}
-
-static jinja_value t_escaped(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
-    (void)r;
-    (void)a;
-    (void)b;
-    return jv_bool(v.kind == JV_STR && v.safe);
+    bool mapping = v.kind == JV_DICT && !v.d->ns;
+    switch (b->mode) {
+    case TEST_UNDEFINED:
+        return jv_bool(v.kind == JV_UNDEF);
+    case TEST_DEFINED:
+        return jv_bool(v.kind != JV_UNDEF);
+    case TEST_NONE:
+        return jv_bool(v.kind == JV_NONE);
+    case TEST_BOOLEAN:
+        return jv_bool(v.kind == JV_BOOL);
+    case TEST_TRUE:
+        return jv_bool(v.kind == JV_BOOL && v.b);
+    case TEST_FALSE:
+        return jv_bool(v.kind == JV_BOOL && !v.b);
+    case TEST_INTEGER:
+        return jv_bool(v.kind == JV_INT);
+    case TEST_FLOAT:
+        return jv_bool(v.kind == JV_FLOAT);
+    case TEST_NUMBER:
+        return jv_bool(jv_is_num(v));
+    case TEST_STRING:
+        return jv_bool(v.kind == JV_STR);
+    case TEST_MAPPING:
+        return jv_bool(mapping);
+    case TEST_ITERABLE:
+        return jv_bool(v.kind == JV_STR || v.kind == JV_LIST || mapping || v.kind == JV_UNDEF);
+    case TEST_CALLABLE:
+        return jv_bool(v.kind == JV_MACRO || v.kind == JV_FUNC || v.kind == JV_METHOD ||
+                       v.kind == JV_LOOP);
+    default:
+        return jv_bool(v.kind == JV_STR && v.safe);
+    }
 }
 
 /* filter (mode 0) and test (mode 1): is the string the name of one */
@@ -1484,38 +1479,38 @@ static const jinja_builtin tests[] = {
     {"==", t_compare, JOP_EQ},
     {">", t_compare, JOP_GT},
     {">=", t_compare, JOP_GE},
-    {"boolean", t_kind, JV_BOOL},
-    {"callable", t_callable, 0},
-    {"defined", t_defined, 0},
+    {"boolean", t_value, TEST_BOOLEAN},
+    {"callable", t_value, TEST_CALLABLE},
+    {"defined", t_value, TEST_DEFINED},
     {"divisibleby", t_divisibleby, 0},
     {"eq", t_compare, JOP_EQ},
     {"equalto", t_compare, JOP_EQ},
-    {"escaped", t_escaped, 0},
+    {"escaped", t_value, TEST_ESCAPED},
     {"even", t_parity, 0},
-    {"false", t_bool_is, 0},
+    {"false", t_value, TEST_FALSE},
     {"filter", t_named, 0},
-    {"float", t_kind, JV_FLOAT},
+    {"float", t_value, TEST_FLOAT},
     {"ge", t_compare, JOP_GE},
     {"greaterthan", t_compare, JOP_GT},
     {"gt", t_compare, JOP_GT},
     {"in", t_in, 0},
-    {"integer", t_kind, JV_INT},
-    {"iterable", t_iterable, 0},
+    {"integer", t_value, TEST_INTEGER},
+    {"iterable", t_value, TEST_ITERABLE},
     {"le", t_compare, JOP_LE},
     {"lessthan", t_compare, JOP_LT},
     {"lower", t_case, 0},
     {"lt", t_compare, JOP_LT},
-    {"mapping", t_mapping, 0},
+    {"mapping", t_value, TEST_MAPPING},
     {"ne", t_compare, JOP_NE},
-    {"none", t_kind, JV_NONE},
-    {"number", t_number, 0},
+    {"none", t_value, TEST_NONE},
+    {"number", t_value, TEST_NUMBER},
     {"odd", t_parity, 1},
     {"sameas", t_sameas, 0},
-    {"sequence", t_iterable, 0},
-    {"string", t_kind, JV_STR},
+    {"sequence", t_value, TEST_ITERABLE},
+    {"string", t_value, TEST_STRING},
     {"test", t_named, 1},
-    {"true", t_bool_is, 1},
-    {"undefined", t_kind, JV_UNDEF},
+    {"true", t_value, TEST_TRUE},
+    {"undefined", t_value, TEST_UNDEFINED},
     {"upper", t_case, 1},
 };
 
