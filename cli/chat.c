@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../src/chat/chat.h"
 #include "cli.h"
 #include "generate.h"
 

@@ -10,7 +10,7 @@
 #include <jansson.h>
 
 #include "cli.h"
-#include "../src/text/text.h"
+#include "../src/chat/chat.h"
 
 static char *read_text(const char *path, moe_error *err) {
     uint8_t *data;

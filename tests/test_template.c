@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/text/text.h"
+#include "../src/chat/chat.h"
 
 #define FIXED_DATE "2026-01-15T09:30:00"
 
@@ -166,6 +166,43 @@ static void show_difference(const char *a, const char *b) {
                   i, (int)(i - from), a + from, a + i, (int)(i - from), b + from, b + i);
 }
 
+/* One case of a tests/render_jinja.py spec. */
+static json_t *jinja_case(const char *path, const char *messages, const char *tools,
+                          const char *kwargs) {
+    json_t *cs = json_object();
+    json_object_set_new(cs, "template", json_string(path));
+    json_object_set_new(cs, "messages", json_loads(messages, 0, NULL));
+    json_object_set_new(cs, "tools", tools ? json_loads(tools, 0, NULL) : json_null());
+    json_object_set_new(cs, "kwargs", json_loads(kwargs, 0, NULL));
+    return cs;
+}
+
+/* Render with moe_chat_render (t NULL: it failed to load with load_err) and compare with
+ * Python's result `ref`: the same text, or both fail. Prints what differs. *failed says
+ * whether both raised. */
+static bool same_as_jinja2(const char *what, const moe_chat_template *t, const moe_error *load_err,
+                           const char *messages, const char *tools, const char *kwargs, json_t *ref,
+                           bool *both_failed) {
+    bool ref_ok = json_is_true(json_object_get(ref, "ok"));
+    const char *ref_text = json_string_value(json_object_get(ref, "text"));
+    char *ours = NULL;
+    moe_error err = {0};
+    bool ok = false;
+    if (t)
+        ok = moe_chat_render(t, messages, tools, kwargs, &ours, &err) == MOE_OK;
+    else
+        err = *load_err;
+    bool same = ok == ref_ok && (!ok || strcmp(ours, ref_text) == 0);
+    *both_failed = same && !ok;
+    if (!same) {
+        print_message("  MISMATCH %s: ours %s, jinja2 %s\n", what, ok ? "rendered" : err.msg,
+                      ref_ok ? "rendered" : json_string_value(json_object_get(ref, "error")));
+        if (ok && ref_ok) show_difference(ours, ref_text);
+    }
+    free(ours);
+    return same;
+}
+
 static void templates_match_jinja2(void **state) {
     (void)state;
     const char *dir = moe_test_shared("templates");
@@ -189,16 +226,10 @@ static void templates_match_jinja2(void **state) {
     json_object_set_new(spec, "fixed_date", json_string(FIXED_DATE));
     for (size_t f = 0; f < n_files; f++)
         for (size_t c = 0; c < N_CONV; c++) {
-            json_t *cs = json_object();
             char *kw = kwargs_with_tokens(conversations[c].kwargs);
-            json_object_set_new(cs, "template", json_string(files[f].path));
-            json_object_set_new(cs, "messages", json_loads(conversations[c].messages, 0, NULL));
-            json_object_set_new(cs, "tools",
-                                conversations[c].tools ? json_loads(conversations[c].tools, 0, NULL)
-                                                       : json_null());
-            json_object_set_new(cs, "kwargs", json_loads(kw, 0, NULL));
+            json_array_append_new(cases, jinja_case(files[f].path, conversations[c].messages,
+                                                    conversations[c].tools, kw));
             free(kw);
-            json_array_append_new(cases, cs);
         }
     json_object_set_new(spec, "cases", cases);
     json_t *results = moe_test_render_jinja(spec, "templates");
@@ -214,38 +245,25 @@ static void templates_match_jinja2(void **state) {
         char failed[1024] = "";
         for (size_t c = 0; c < N_CONV; c++) {
             json_t *ref = json_array_get(results, f * N_CONV + c);
-            bool ref_ok = json_is_true(json_object_get(ref, "ok"));
-            const char *ref_text = json_string_value(json_object_get(ref, "text"));
-            char *ours = NULL;
-            moe_error rerr = {0};
-            bool ok = false;
-            if (t) {
-                char *kw = kwargs_with_tokens(conversations[c].kwargs);
-                ok = moe_chat_render(t, conversations[c].messages, conversations[c].tools, kw,
-                                     &ours, &rerr) == MOE_OK;
-                free(kw);
-            } else {
-                rerr = err;
-            }
-            bool same = ok == ref_ok && (!ok || strcmp(ours, ref_text) == 0);
+            char what[600];
+            snprintf(what, sizeof what, "%s / %s", files[f].name, conversations[c].name);
+            char *kw = kwargs_with_tokens(conversations[c].kwargs);
+            bool both_failed;
+            bool same = same_as_jinja2(what, t, &err, conversations[c].messages,
+                                       conversations[c].tools, kw, ref, &both_failed);
+            free(kw);
             total++;
             if (same) {
                 match++;
                 total_match++;
-                both_fail += !ok;
+                both_fail += both_failed;
             } else {
                 bool known = known_difference(files[f].name, conversations[c].name);
                 if (!known) total_unexpected++;
                 size_t l = strlen(failed);
                 snprintf(failed + l, sizeof failed - l, " %s%s", conversations[c].name,
                          known ? "(known)" : "");
-                print_message("  MISMATCH %s / %s: ours %s, jinja2 %s\n", files[f].name,
-                              conversations[c].name, ok ? "rendered" : rerr.msg,
-                              ref_ok ? "rendered"
-                                     : json_string_value(json_object_get(ref, "error")));
-                if (ok && ref_ok) show_difference(ours, ref_text);
             }
-            free(ours);
         }
         if (getenv("MOE_TEST_VERBOSE"))
             for (size_t c = 0; c < N_CONV; c++) {
@@ -265,6 +283,145 @@ static void templates_match_jinja2(void **state) {
     json_decref(results);
     free(files);
     assert_int_equal(total_unexpected, 0);
+}
+
+/* ==== Features one template at a time, against Python Jinja2 ==== */
+
+/* The variables every feature template sees (besides messages = [] and tools = none). */
+static const char feature_kwargs[] =
+    "{\"x\": 3.14159, \"n\": 42, \"d\": {\"name\": \"Ada\", \"items\": [1, 2]},"
+    " \"name\": \"get_weather\", \"args\": {\"city\": \"Paris\", \"days\": 3},"
+    " \"tree\": [{\"name\": \"a\", \"children\": [{\"name\": \"a1\", \"children\": []},"
+    " {\"name\": \"a2\", \"children\": [{\"name\": \"a2x\", \"children\": []}]}]},"
+    " {\"name\": \"b\", \"children\": [{\"name\": \"b1\", \"children\": []}]},"
+    " {\"name\": \"c\", \"children\": []}]}";
+
+/* Each renders on both sides or fails on both; none is expected to fail unless it says so. */
+static const struct {
+    const char *source;
+    bool raises;
+} features[] = {
+    /* str.format: positional, numbered, keyword, accessors, conversions, escapes */
+    {"{{ '{}|{}|{}'.format(1, 'a', none) }}", false},
+    {"{{ '{0} {name} {0}!'.format('x', name='Ada') }}", false},
+    {"{{ '{0[name]}|{0.name}|{0[items][1]}|{1[0]}'.format(d, ['p', 'q']) }}", false},
+    {"{{ '{0!r}|{1!s}|{0!r:>8}|{2!r}'.format('hi', 3, [1, 'a']) }}", false},
+    {"{{ '{{}} {{{}}} }}'.format(5) }}", false},
+    {"{{ '<tool_call>{}<sep>{}</tool_call>'.format(name, args | tojson) }}", false},
+    /* format specs */
+    {"{{ '{:d}|{:>5}|{:<5}|{:^7}|{:*^9}|{:.2f}|{:+.3e}|{:08.3f}'.format(42, 7, 'ab', 'mid', 'c', "
+     "x, x, -x) }}",
+     false},
+    {"{{ '{:,}|{:_}|{:x}|{:#X}|{:#o}|{:#b}|{:_b}|{:%}|{:.1%}|{:c}'.format(1234567, 1234567, 255, "
+     "255, 8, 5, 255, 0.25, 0.125, 65) }}",
+     false},
+    {"{{ '{:g}|{:G}|{:.3g}|{:.2}|{:.3}|{}|{:10}|{:<10}|{:e}|{:,.2f}'.format(1234567.0, 1e-10, x, "
+     "12.0, 1.0, 1e16, x, 2.5, 0.0, 1234567.891) }}",
+     false},
+    {"{{ '{}|{:>6}|{:d}|{}|{:5}|{:.3}'.format(true, true, false, none, 'x', 'abcdef') }}", false},
+    {"{{ '{:{w}}|{:>{w}.{p}f}|{:05}|{:+d}|{: d}|{:=+8.2f}'.format('a', x, 'ab', 5, 5, -x, w=8, "
+     "p=2) }}",
+     false},
+    {"{{ '{:\u2192^9}|{:>6}|{:.1}'.format('\u00e9', '\u4e16\u754c', '\u4e16\u754c') }}", false},
+    {"{{ '{:010,}|{:010,}|{:010,}|{:.1}|{:c}|{:#010x}'.format(-7, 3.14159, 1e16, 0.0, 65, 255) }}",
+     false},
+    /* every spec below on every value: numbers (ints convert for the float types), ints, strings */
+    {"{% for v in [0, 1, -7, 255, 1234567, 3.14159, -0.5, 0.0, -0.0, 1e16, 1e-7, 123456.789, true, "
+     "2.5, 1e300] %}{% for s in ['', '5', '>5', '<6', '^7', '*^9', '+', '-', ' ', '08.3f', '.2f', "
+     "'.0f', '#.0f', 'e', '.3e', 'E', 'g', 'G', '.3g', '%', '.1%', ',', ',.2f', '_', '010,', "
+     "'=+8', '=8.2f', '+08.2f', '#g', '10.4g', '.0e', 'n'] %}{{ ('{:' ~ s ~ '}').format(v) }}|"
+     "{% endfor %}\n{% endfor %}",
+     false},
+    {"{% for v in [0, 1, -7, 255, 1234567, false] %}{% for s in ['d', 'x', '#X', '#o', 'b', '#b', "
+     "'_b', '_x', '#010x', '+d', ',d', '_d', '=6d', '06d'] %}{{ ('{:' ~ s ~ '}').format(v) }}|"
+     "{% endfor %}\n{% endfor %}{% for v in [1.5, -2.25e-9, 7.0] %}{{ '{:.2}|{:.1}|{:.10}|{:5.2}'"
+     ".format(v, v, v, v) }}\n{% endfor %}",
+     false},
+    {"{% for v in ['ab', '\u00e9', '\u4e16\u754c', ''] %}{% for s in ['', 's', '.1s', '>10.3s', "
+     "'5', '^7', '*<4', '\u00b7>3'] %}{{ ('{:' ~ s ~ '}').format(v) }}|{% endfor %}\n"
+     "{% endfor %}",
+     false},
+    {"{{ '{} {}'.format(1) }}", true},
+    {"{{ '{0} {}'.format(1, 2) }}", true},
+    {"{{ '{:d}'.format('s') }}", true},
+    {"{{ '{:>5}'.format(none) }}", true},
+    {"{{ '{missing}'.format(1) }}", true},
+    {"{{ 'a}b'.format() }}", true},
+    {"{{ '{:.2d}'.format(3) }}", true},
+    /* recursive loops: loop(...), depth, depth0, filters, else, scopes */
+    {"{% for x in tree recursive %}[{{ loop.depth }}/{{ loop.depth0 }}:{{ x.name }}"
+     "{% if x.children %}({{ loop(x.children) }}){% endif %}]{% endfor %}",
+     false},
+    {"{% for x in tree if x.name != 'b' recursive %}{{ x.name }}{{ loop.index }}/{{ loop.length }}"
+     "<{{ loop(x.children) }}>{% else %}-{% endfor %}",
+     false},
+    {"{% set sep = ',' %}{% for x in tree recursive %}{% set label = x.name | upper %}{{ label }}"
+     "{{ sep }}{{ loop(x.children) if x.children }}{% endfor %}{{ label is defined }}",
+     false},
+    {"{% for x in tree recursive %}{{ loop.cycle('+', '-') }}{{ loop.previtem is defined }}"
+     "{{ loop.last }}{{ loop(x.children) }}{% if loop.depth > 1 %}{% break %}{% endif %}"
+     "{% endfor %}",
+     false},
+    {"{% for x in [1] %}{{ loop([2]) }}{% endfor %}", true},
+    {"{% for x in [1] %}{{ loop.depth }}{{ loop.depth0 }}{{ loop is callable }}{% endfor %}",
+     false},
+    /* the sandbox: list and dict mutators */
+    {"{{ [1, 2].pop() }}", true},
+    {"{{ d.pop('name') }}", true},
+    {"{{ [3, 1].copy() }}{{ [3, 1].index(1) }}{{ d.copy() }}{{ d.get('no', 7) }}", false},
+    /* the tables: a few of each kind by name */
+    {"{{ 4 is divisibleby 2 }}{{ 'A' is upper }}{{ 'tojson' is filter }}{{ 'odd' is test }}"
+     "{{ 3 is lt 4 }}{{ 3 is ge 4 }}{{ 3 is in [3] }}{{ none is none }}{{ 1 is sameas 1 }}",
+     false},
+    {"{{ [1, 2] | map('string') | join(',') }}|{{ 'a b' | wordcount }}|{{ 'ab' | center(6) }}|"
+     "{{ [3, 1, 2] | sort(reverse=true) | list }}|{{ 'x' | forceescape }}|{{ -3 | abs }}",
+     false},
+    {"{{ ' ab '.strip() }}|{{ 'abc'.rfind('c') }}|{{ 'a-b-c'.rsplit('-', 1) }}|{{ 'ab'.zfill(4) }}"
+     "|{{ 'ab'.ljust(4, '.') }}|{{ 'a1'.isalnum() }}|{{ 'x.y'.partition('.') }}",
+     false},
+    {"{{ x | groupby('a') }}", true},
+};
+
+static void features_match_jinja2(void **state) {
+    (void)state;
+    size_t n = sizeof features / sizeof features[0];
+    char(*paths)[600] = moe_xmalloc(n * sizeof *paths);
+    char *kw = kwargs_with_tokens(feature_kwargs);
+    json_t *spec = json_object(), *cases = json_array();
+    json_object_set_new(spec, "fixed_date", json_string(FIXED_DATE));
+    for (size_t i = 0; i < n; i++) {
+        snprintf(paths[i], sizeof paths[i], "%s/feature-%zu.jinja", moe_test_tmpdir(), i);
+        moe_error err = {0};
+        assert_int_equal(
+            moe_file_write(paths[i], features[i].source, strlen(features[i].source), &err), MOE_OK);
+        json_array_append_new(cases, jinja_case(paths[i], "[]", NULL, kw));
+    }
+    json_object_set_new(spec, "cases", cases);
+    json_t *results = moe_test_render_jinja(spec, "features");
+    json_decref(spec);
+    size_t mismatches = 0, unexpected = 0;
+    for (size_t i = 0; i < n; i++) {
+        moe_error err = {0};
+        moe_chat_template *t = moe_chat_template_load_file(paths[i], &err);
+        json_t *ref = json_array_get(results, i);
+        bool both_failed;
+        if (!same_as_jinja2(features[i].source, t, &err, "[]", NULL, kw, ref, &both_failed))
+            mismatches++;
+        else if (both_failed != features[i].raises) {
+            print_message("  %s: %s on both sides, which the test does not expect\n",
+                          features[i].source, both_failed ? "fails" : "renders");
+            unexpected++;
+        }
+        moe_chat_template_free(t);
+    }
+    print_message("  %zu feature templates (str.format, recursive loops, the sandbox, the builtin "
+                  "tables) against Python Jinja2\n",
+                  n);
+    json_decref(results);
+    free(kw);
+    free(paths);
+    assert_int_equal(mismatches, 0);
+    assert_int_equal(unexpected, 0);
 }
 
 /* ==== Interpreter details (no Python needed) ==== */
@@ -922,6 +1079,7 @@ int moe_suite_template(void) {
         cmocka_unit_test(interpreter_basics),
         cmocka_unit_test(interpreter_errors),
         cmocka_unit_test(templates_match_jinja2),
+        cmocka_unit_test(features_match_jinja2),
         cmocka_unit_test(parsers_whole_and_streamed),
         cmocka_unit_test(parse_options_from_templates),
         cmocka_unit_test(round_trip_tool_calls),

@@ -148,12 +148,19 @@ double moe_rng_gaussian(uint64_t *state) {
 /* ==== A growable string ==== */
 
 /* Room for n more bytes and the NUL. */
+/* Room for n more bytes and the NUL. */
 static void strbuf_reserve(moe_strbuf *b, size_t n) {
     if (b->s && b->cap - b->len > n) return;
     if (n > SIZE_MAX / 4 - b->len) moe_die("string buffer size overflow");
     size_t cap = b->cap ? b->cap : 64;
     while (cap - b->len <= n) cap *= 2;
-    b->s = moe_xrealloc(b->s, cap);
+    if (b->alloc) {
+        char *fresh = b->alloc(b->alloc_ctx, cap);
+        if (b->len) memcpy(fresh, b->s, b->len);
+        b->s = fresh;
+    } else {
+        b->s = moe_xrealloc(b->s, cap);
+    }
     b->cap = cap;
 }
 
@@ -178,8 +185,8 @@ void moe_strbuf_reset(moe_strbuf *b) {
 }
 
 void moe_strbuf_free(moe_strbuf *b) {
-    free(b->s);
-    *b = (moe_strbuf){0};
+    if (!b->alloc) free(b->s);
+    *b = (moe_strbuf){.alloc = b->alloc, .alloc_ctx = b->alloc_ctx};
 }
 
 void moe_strbuf_printf(moe_strbuf *b, const char *fmt, ...) {
@@ -193,13 +200,12 @@ void moe_strbuf_printf(moe_strbuf *b, const char *fmt, ...) {
             b->len += (size_t)n;
             return;
         }
-        b->cap = (b->cap + (size_t)n + 1) * 2;
-        b->s = moe_xrealloc(b->s, b->cap);
-        if (b->len == 0) b->s[0] = '\0';
+        strbuf_reserve(b, (size_t)n);
     }
 }
 
 char *moe_strbuf_take(moe_strbuf *b) {
+    MOE_CHECK(!b->alloc);
     char *s = b->s ? b->s : moe_xstrdup("");
     *b = (moe_strbuf){0};
     return s;

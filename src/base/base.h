@@ -63,11 +63,18 @@ uint64_t moe_rng_u64(uint64_t *state);
 double moe_rng_uniform(uint64_t *state);  /* in (0, 1): never 0, never 1 */
 double moe_rng_gaussian(uint64_t *state); /* N(0, 1) by Box-Muller (two uniforms per value) */
 
-/* ==== A growable string ==== */
+/* ==== A growable string ====
+ *
+ * Memory comes from malloc, or -- when `alloc` is set -- from an arena: the buffer then grows by
+ * taking a fresh block from alloc(alloc_ctx, n), which never returns NULL (it may die or longjmp),
+ * and copying; it frees nothing itself, the arena's owner frees everything at once. That is how
+ * an interpreter that longjmps out of an error leaks nothing. */
 
 typedef struct moe_strbuf {
     char *s; /* NUL-terminated once anything is written; NULL while empty */
     size_t len, cap;
+    void *(*alloc)(void *ctx, size_t n); /* NULL: malloc */
+    void *alloc_ctx;
 } moe_strbuf;
 
 void moe_strbuf_put(moe_strbuf *b, const char *s, size_t n);
@@ -76,8 +83,10 @@ void moe_strbuf_putc(moe_strbuf *b, char c);
 void moe_strbuf_printf(moe_strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Forget the text but keep the memory for the next use. */
 void moe_strbuf_reset(moe_strbuf *b);
+/* Free the memory (an arena's stays until the arena goes); b is empty, its allocator kept. */
 void moe_strbuf_free(moe_strbuf *b);
-/* The text (the caller frees it; "" when nothing was written); b is empty again. */
+/* The text ("" when nothing was written; malloc'd, the caller frees it); b is empty again. Only
+ * for malloc buffers: an arena's text is b->s itself. */
 char *moe_strbuf_take(moe_strbuf *b);
 
 /* ==== Files ==== */

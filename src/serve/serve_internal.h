@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "../base/base.h"
+#include "../chat/chat.h"
 #include "../engine/engine.h"
 #include "../text/text.h"
 #include "serve.h"

@@ -481,6 +481,14 @@ const char *moe_tokenizer_token_text(const moe_tokenizer *tok, int32_t id, size_
     return token_text(tok, id);
 }
 
+uint32_t moe_tokenizer_n_special(const moe_tokenizer *tok) {
+    return tok->n_special;
+}
+
+int32_t moe_tokenizer_special(const moe_tokenizer *tok, uint32_t k) {
+    return k < tok->n_special ? tok->special[k] : MOE_TOKEN_NONE;
+}
+
 int32_t moe_tokenizer_find(const moe_tokenizer *tok, const char *text, size_t len) {
     return moe_str_index_get(tok, text, len);
 }

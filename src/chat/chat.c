@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chat.h"
 #include "jinja_internal.h"
-#include "text.h"
 
 struct moe_chat_template {
     jinja_template tpl;

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "text_internal.h"
+#include "chat.h"
 
 /* ==== The built-in template ==== */
 
@@ -106,8 +106,9 @@ static bool choose_markers(guard *g) {
 
 /* ==== Neutralising client strings ==== */
 
-static bool parsed_as_special(const moe_vocab_token *t) {
-    return t->type != MOE_TOKEN_USER_DEFINED; /* what PARSE_SPECIAL adds (see encode.c) */
+static bool parsed_as_special(const moe_tokenizer *tok, int32_t id) {
+    /* what PARSE_SPECIAL adds: user-defined tokens are cut out in any case */
+    return moe_tokenizer_token_type(tok, id) != MOE_TOKEN_USER_DEFINED;
 }
 
 /* s with every control token's text replaced by a marker; NULL when there is none. Longest
@@ -117,27 +118,28 @@ static char *neutralise(const guard *g, const char *s, size_t n, size_t *out_len
     int32_t *at_id = NULL; /* [n]: the token starting at each byte, or -1 */
     uint8_t *taken = NULL; /* [n]: bytes already inside a replaced token */
     size_t grow = 0;       /* bytes the markers add over the texts they replace */
-    for (uint32_t k = 0; k < tok->n_special; k++) {
-        const moe_vocab_token *t = &tok->tokens[tok->special[k]];
-        if (!parsed_as_special(t) || t->text_len == 0 || t->text_len > n) continue;
-        const char *needle = tok->text_buf + t->text_off;
-        for (const char *p = s; (p = memmem(p, (size_t)(s + n - p), needle, t->text_len));) {
+    for (uint32_t k = 0; k < moe_tokenizer_n_special(tok); k++) {
+        const int32_t id = moe_tokenizer_special(tok, k);
+        size_t text_len;
+        const char *needle = moe_tokenizer_token_text(tok, id, &text_len);
+        if (!parsed_as_special(tok, id) || text_len == 0 || text_len > n) continue;
+        for (const char *p = s; (p = memmem(p, (size_t)(s + n - p), needle, text_len));) {
             const size_t at = (size_t)(p - s);
             if (!at_id) {
                 at_id = moe_xmalloc(n * sizeof *at_id);
                 taken = moe_xcalloc(n, 1);
                 for (size_t i = 0; i < n; i++) at_id[i] = -1;
             }
-            if (memchr(taken + at, 1, t->text_len)) {
+            if (memchr(taken + at, 1, text_len)) {
                 p++;
                 continue;
             }
-            memset(taken + at, 1, t->text_len);
-            at_id[at] = tok->special[k];
+            memset(taken + at, 1, text_len);
+            at_id[at] = id;
             char digits[16];
-            const size_t marker = 6 + (size_t)snprintf(digits, sizeof digits, "%d", at_id[at]);
-            if (marker > t->text_len) grow += marker - t->text_len;
-            p += t->text_len;
+            const size_t marker = 6 + (size_t)snprintf(digits, sizeof digits, "%d", id);
+            if (marker > text_len) grow += marker - text_len;
+            p += text_len;
         }
     }
     if (!at_id) return NULL;
@@ -149,7 +151,9 @@ static char *neutralise(const guard *g, const char *s, size_t n, size_t *out_len
             continue;
         }
         o += (size_t)sprintf(out + o, "%s%d%s", g->open, at_id[i], g->close);
-        i += tok->tokens[at_id[i]].text_len;
+        size_t text_len;
+        moe_tokenizer_token_text(tok, at_id[i], &text_len);
+        i += text_len;
     }
     out[o] = '\0';
     free(at_id);
@@ -219,24 +223,25 @@ static char *restore(const guard *g, const char *in, span_list *spans, size_t *o
         long id = 0;
         while (d < n && d - i < 3 + 9 && in[d] >= '0' && in[d] <= '9')
             id = id * 10 + (in[d++] - '0');
-        const bool whole =
-            d > i + 3 && n - d >= 3 && memcmp(in + d, g->close, 3) == 0 && id < (long)tok->n_vocab;
+        const bool whole = d > i + 3 && n - d >= 3 && memcmp(in + d, g->close, 3) == 0 &&
+                           id < (long)moe_tokenizer_n_vocab(tok);
         if (!whole) { /* a cut marker: drop the open, keep what followed as text */
             i += 3;
             continue;
         }
-        const moe_vocab_token *t = &tok->tokens[id];
-        if (o + t->text_len + (n - i) + 1 > cap) {
-            cap = o + t->text_len + (n - i) + 1;
+        size_t text_len;
+        const char *text = moe_tokenizer_token_text(tok, (int32_t)id, &text_len);
+        if (o + text_len + (n - i) + 1 > cap) {
+            cap = o + text_len + (n - i) + 1;
             out = moe_xrealloc(out, cap);
         }
-        memcpy(out + o, tok->text_buf + t->text_off, t->text_len);
+        memcpy(out + o, text, text_len);
         if (spans->n == spans->cap) {
             spans->cap = spans->cap ? 2 * spans->cap : 16;
             spans->v = moe_xrealloc(spans->v, spans->cap * sizeof *spans->v);
         }
-        spans->v[spans->n++] = (moe_text_span){o, t->text_len};
-        o += t->text_len;
+        spans->v[spans->n++] = (moe_text_span){o, text_len};
+        o += text_len;
         i = d + 3;
     }
     out[o] = '\0';
@@ -300,13 +305,14 @@ moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenize
         json_t *safe_tools = neutralise_json(&g, tools);
         json_t *safe_kwargs = neutralise_json(&g, kwargs);
         /* the tokenizer's own strings are the template's to place: not neutralised */
-        const int32_t special_ids[2] = {tok->bos, tok->eos};
+        const int32_t special_ids[2] = {moe_tokenizer_bos(tok), moe_tokenizer_eos(tok)};
         const char *special_keys[2] = {"bos_token", "eos_token"};
         for (int k = 0; k < 2; k++) {
-            if (special_ids[k] < 0 || (uint32_t)special_ids[k] >= tok->n_vocab) continue;
-            const moe_vocab_token *vt = &tok->tokens[special_ids[k]];
-            json_object_set_new(safe_kwargs, special_keys[k],
-                                json_stringn_nocheck(tok->text_buf + vt->text_off, vt->text_len));
+            size_t text_len;
+            const char *text = moe_tokenizer_token_text(tok, special_ids[k], &text_len);
+            if (text)
+                json_object_set_new(safe_kwargs, special_keys[k],
+                                    json_stringn_nocheck(text, text_len));
         }
         char *m = dump(safe_messages), *tl = json_is_null(safe_tools) ? NULL : dump(safe_tools),
              *kw = dump(safe_kwargs);
@@ -328,13 +334,10 @@ moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenize
     char *prompt = restore(&g, rendered, &spans, &len);
     free(rendered);
     unsigned flags = MOE_ENCODE_PARSE_SPECIAL;
-    bool has_bos = false;
-    if (tok->bos >= 0 && (uint32_t)tok->bos < tok->n_vocab) {
-        const moe_vocab_token *b = &tok->tokens[tok->bos];
-        has_bos = b->text_len && len >= b->text_len &&
-                  memcmp(prompt, tok->text_buf + b->text_off, b->text_len) == 0 &&
-                  !(spans.n && spans.v[0].off == 0);
-    }
+    size_t bos_len;
+    const char *bos = moe_tokenizer_token_text(tok, moe_tokenizer_bos(tok), &bos_len);
+    bool has_bos = bos && bos_len && len >= bos_len && memcmp(prompt, bos, bos_len) == 0 &&
+                   !(spans.n && spans.v[0].off == 0);
     if (!has_bos) flags |= MOE_ENCODE_ADD_SPECIAL;
     st = moe_tokenizer_encode_spans(tok, prompt, len, flags, spans.v, spans.n, ids, n_ids, err);
     free(spans.v);

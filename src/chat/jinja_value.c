@@ -92,56 +92,14 @@ void *jinja_alloc(jinja_ctx *c, size_t n) {
     return p;
 }
 
-/* ==== Byte buffers ==== */
+/* ==== Strings built in the render arena ==== */
 
-void jbuf_put(jinja_buf *b, const char *s, size_t n) {
-    if (b->cap - b->len <= n) {
-        size_t cap = b->cap ? b->cap : 64;
-        while (cap - b->len <= n) {
-            if (cap > SIZE_MAX / 4) moe_die("buffer size overflow");
-            cap *= 2;
-        }
-        if (b->ctx) {
-            char *fresh = jinja_alloc(b->ctx, cap);
-            if (b->len) memcpy(fresh, b->data, b->len);
-            b->data = fresh;
-        } else {
-            b->data = moe_xrealloc(b->data, cap);
-        }
-        b->cap = cap;
-    }
-    if (n) memcpy(b->data + b->len, s, n);
-    b->len += n;
-    b->data[b->len] = '\0';
+static void *strbuf_alloc(void *ctx, size_t n) {
+    return jinja_alloc(ctx, n);
 }
-void jbuf_free(jinja_buf *b) {
-    if (!b->ctx) free(b->data);
-    b->data = NULL;
-    b->len = b->cap = 0;
-}
-void jbuf_puts(jinja_buf *b, const char *s) {
-    jbuf_put(b, s, strlen(s));
-}
-void jbuf_putc(jinja_buf *b, char c) {
-    jbuf_put(b, &c, 1);
-}
-void jbuf_printf(jinja_buf *b, const char *fmt, ...) {
-    char tmp[256];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0) return;
-    if ((size_t)n < sizeof tmp) {
-        jbuf_put(b, tmp, (size_t)n);
-        return;
-    }
-    char *big = moe_xmalloc((size_t)n + 1);
-    va_start(ap, fmt);
-    vsnprintf(big, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    jbuf_put(b, big, (size_t)n);
-    free(big);
+
+moe_strbuf jinja_strbuf(jinja_ctx *c) {
+    return (moe_strbuf){.alloc = strbuf_alloc, .alloc_ctx = c};
 }
 
 /* ==== Constructors ==== */
@@ -157,9 +115,9 @@ jinja_value jv_str(jinja_ctx *c, const char *s, size_t n) {
 jinja_value jv_cstr(jinja_ctx *c, const char *s) {
     return jv_str(c, s, strlen(s));
 }
-jinja_value jv_str_buf(jinja_ctx *c, jinja_buf *b) {
-    jinja_value v = jv_str(c, b->data ? b->data : "", b->len);
-    jbuf_free(b);
+jinja_value jv_str_buf(jinja_ctx *c, moe_strbuf *b) {
+    jinja_value v = jv_str(c, b->s ? b->s : "", b->len);
+    moe_strbuf_free(b);
     return v;
 }
 
@@ -426,25 +384,25 @@ size_t jinja_utf8_offset(const char *s, size_t n, size_t i) {
     return p;
 }
 
-void jinja_utf8_put(jinja_buf *b, uint32_t cp) {
+void jinja_utf8_put(moe_strbuf *b, uint32_t cp) {
     char t[4];
     if (cp < 0x80) {
-        jbuf_putc(b, (char)cp);
+        moe_strbuf_putc(b, (char)cp);
     } else if (cp < 0x800) {
         t[0] = (char)(0xc0 | (cp >> 6));
         t[1] = (char)(0x80 | (cp & 0x3f));
-        jbuf_put(b, t, 2);
+        moe_strbuf_put(b, t, 2);
     } else if (cp < 0x10000) {
         t[0] = (char)(0xe0 | (cp >> 12));
         t[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
         t[2] = (char)(0x80 | (cp & 0x3f));
-        jbuf_put(b, t, 3);
+        moe_strbuf_put(b, t, 3);
     } else {
         t[0] = (char)(0xf0 | (cp >> 18));
         t[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
         t[2] = (char)(0x80 | ((cp >> 6) & 0x3f));
         t[3] = (char)(0x80 | (cp & 0x3f));
-        jbuf_put(b, t, 4);
+        moe_strbuf_put(b, t, 4);
     }
 }
 
@@ -456,17 +414,17 @@ bool jinja_py_space(uint32_t cp) {
 
 /* ==== Python float repr ==== */
 
-void jinja_format_float(jinja_buf *b, double f) {
+void jinja_format_float(moe_strbuf *b, double f) {
     if (isnan(f)) {
-        jbuf_puts(b, "nan");
+        moe_strbuf_puts(b, "nan");
         return;
     }
     if (isinf(f)) {
-        jbuf_puts(b, f < 0 ? "-inf" : "inf");
+        moe_strbuf_puts(b, f < 0 ? "-inf" : "inf");
         return;
     }
     if (f == 0) {
-        jbuf_puts(b, signbit(f) ? "-0.0" : "0.0");
+        moe_strbuf_puts(b, signbit(f) ? "-0.0" : "0.0");
         return;
     }
     char tmp[40];
@@ -486,26 +444,26 @@ void jinja_format_float(jinja_buf *b, double f) {
     int exp10 = atoi(p + 1);
     while (nd > 1 && digits[nd - 1] == '0') nd--;
     int decpt = exp10 + 1; /* value = 0.digits * 10^decpt */
-    if (neg) jbuf_putc(b, '-');
+    if (neg) moe_strbuf_putc(b, '-');
     if (decpt <= -4 || decpt > 16) {
-        jbuf_putc(b, digits[0]);
+        moe_strbuf_putc(b, digits[0]);
         if (nd > 1) {
-            jbuf_putc(b, '.');
-            jbuf_put(b, digits + 1, (size_t)nd - 1);
+            moe_strbuf_putc(b, '.');
+            moe_strbuf_put(b, digits + 1, (size_t)nd - 1);
         }
-        jbuf_printf(b, "e%c%02d", exp10 < 0 ? '-' : '+', exp10 < 0 ? -exp10 : exp10);
+        moe_strbuf_printf(b, "e%c%02d", exp10 < 0 ? '-' : '+', exp10 < 0 ? -exp10 : exp10);
     } else if (decpt <= 0) {
-        jbuf_puts(b, "0.");
-        for (int i = 0; i < -decpt; i++) jbuf_putc(b, '0');
-        jbuf_put(b, digits, (size_t)nd);
+        moe_strbuf_puts(b, "0.");
+        for (int i = 0; i < -decpt; i++) moe_strbuf_putc(b, '0');
+        moe_strbuf_put(b, digits, (size_t)nd);
     } else if (nd <= decpt) {
-        jbuf_put(b, digits, (size_t)nd);
-        for (int i = nd; i < decpt; i++) jbuf_putc(b, '0');
-        jbuf_puts(b, ".0");
+        moe_strbuf_put(b, digits, (size_t)nd);
+        for (int i = nd; i < decpt; i++) moe_strbuf_putc(b, '0');
+        moe_strbuf_puts(b, ".0");
     } else {
-        jbuf_put(b, digits, (size_t)decpt);
-        jbuf_putc(b, '.');
-        jbuf_put(b, digits + decpt, (size_t)(nd - decpt));
+        moe_strbuf_put(b, digits, (size_t)decpt);
+        moe_strbuf_putc(b, '.');
+        moe_strbuf_put(b, digits + decpt, (size_t)(nd - decpt));
     }
 }
 
@@ -521,205 +479,205 @@ static bool py_printable(uint32_t cp) {
     return true;
 }
 
-static void repr_str(jinja_buf *b, const char *s, size_t n) {
+static void repr_str(moe_strbuf *b, const char *s, size_t n) {
     bool has_single = memchr(s, '\'', n) != NULL, has_double = memchr(s, '"', n) != NULL;
     char q = has_single && !has_double ? '"' : '\'';
-    jbuf_putc(b, q);
+    moe_strbuf_putc(b, q);
     for (size_t p = 0; p < n;) {
         size_t start = p;
         uint32_t cp = jinja_utf8_next(s, n, &p);
         if (cp == (uint32_t)q || cp == '\\') {
-            jbuf_putc(b, '\\');
-            jbuf_putc(b, (char)cp);
+            moe_strbuf_putc(b, '\\');
+            moe_strbuf_putc(b, (char)cp);
         } else if (cp == '\n') {
-            jbuf_puts(b, "\\n");
+            moe_strbuf_puts(b, "\\n");
         } else if (cp == '\r') {
-            jbuf_puts(b, "\\r");
+            moe_strbuf_puts(b, "\\r");
         } else if (cp == '\t') {
-            jbuf_puts(b, "\\t");
+            moe_strbuf_puts(b, "\\t");
         } else if (!py_printable(cp)) {
             if (cp < 0x100)
-                jbuf_printf(b, "\\x%02x", cp);
+                moe_strbuf_printf(b, "\\x%02x", cp);
             else if (cp < 0x10000)
-                jbuf_printf(b, "\\u%04x", cp);
+                moe_strbuf_printf(b, "\\u%04x", cp);
             else
-                jbuf_printf(b, "\\U%08x", cp);
+                moe_strbuf_printf(b, "\\U%08x", cp);
         } else {
-            jbuf_put(b, s + start, p - start);
+            moe_strbuf_put(b, s + start, p - start);
         }
     }
-    jbuf_putc(b, q);
+    moe_strbuf_putc(b, q);
 }
 
-static void to_text(jinja_ctx *c, jinja_buf *b, jinja_value v, bool repr, int depth) {
+static void to_text(jinja_ctx *c, moe_strbuf *b, jinja_value v, bool repr, int depth) {
     if (depth > JINJA_MAX_NEST) jinja_raise(c, "value nested too deeply to print");
     switch (v.kind) {
     case JV_UNDEF:
-        if (repr) jbuf_puts(b, "Undefined");
+        if (repr) moe_strbuf_puts(b, "Undefined");
         return;
     case JV_NONE:
-        jbuf_puts(b, "None");
+        moe_strbuf_puts(b, "None");
         return;
     case JV_BOOL:
-        jbuf_puts(b, v.b ? "True" : "False");
+        moe_strbuf_puts(b, v.b ? "True" : "False");
         return;
     case JV_INT:
-        jbuf_printf(b, "%lld", (long long)v.i);
+        moe_strbuf_printf(b, "%lld", (long long)v.i);
         return;
     case JV_FLOAT:
         jinja_format_float(b, v.f);
         return;
     case JV_STR:
         if (repr) {
-            if (v.safe) jbuf_puts(b, "Markup(");
+            if (v.safe) moe_strbuf_puts(b, "Markup(");
             repr_str(b, v.s->data, v.s->len);
-            if (v.safe) jbuf_puts(b, ")");
+            if (v.safe) moe_strbuf_puts(b, ")");
         } else {
-            jbuf_put(b, v.s->data, v.s->len);
+            moe_strbuf_put(b, v.s->data, v.s->len);
         }
         return;
     case JV_LIST:
         if (v.l->lazy == JL_ITER) {
-            jbuf_puts(b, "<generator object>");
+            moe_strbuf_puts(b, "<generator object>");
             return;
         }
-        if (v.l->lazy == JL_VIEW) jbuf_printf(b, "%s(", v.l->view);
-        jbuf_putc(b, v.l->tuple ? '(' : '[');
+        if (v.l->lazy == JL_VIEW) moe_strbuf_printf(b, "%s(", v.l->view);
+        moe_strbuf_putc(b, v.l->tuple ? '(' : '[');
         for (size_t i = 0; i < v.l->n; i++) {
-            if (i) jbuf_puts(b, ", ");
+            if (i) moe_strbuf_puts(b, ", ");
             to_text(c, b, v.l->items[i], true, depth + 1);
         }
-        if (v.l->tuple && v.l->n == 1) jbuf_putc(b, ',');
-        jbuf_putc(b, v.l->tuple ? ')' : ']');
-        if (v.l->lazy == JL_VIEW) jbuf_putc(b, ')');
+        if (v.l->tuple && v.l->n == 1) moe_strbuf_putc(b, ',');
+        moe_strbuf_putc(b, v.l->tuple ? ')' : ']');
+        if (v.l->lazy == JL_VIEW) moe_strbuf_putc(b, ')');
         return;
     case JV_DICT:
-        jbuf_puts(b, v.d->ns ? "<Namespace {" : "{");
+        moe_strbuf_puts(b, v.d->ns ? "<Namespace {" : "{");
         for (size_t i = 0; i < v.d->n; i++) {
-            if (i) jbuf_puts(b, ", ");
+            if (i) moe_strbuf_puts(b, ", ");
             to_text(c, b, v.d->keys[i], true, depth + 1);
-            jbuf_puts(b, ": ");
+            moe_strbuf_puts(b, ": ");
             to_text(c, b, v.d->vals[i], true, depth + 1);
         }
-        jbuf_puts(b, v.d->ns ? "}>" : "}");
+        moe_strbuf_puts(b, v.d->ns ? "}>" : "}");
         return;
     default:
-        jbuf_printf(b, "<%s object>", jv_type_name(v));
+        moe_strbuf_printf(b, "<%s object>", jv_type_name(v));
         return;
     }
 }
 
-void jv_to_str(jinja_ctx *c, jinja_buf *b, jinja_value v) {
+void jv_to_str(jinja_ctx *c, moe_strbuf *b, jinja_value v) {
     to_text(c, b, v, false, 0);
 }
-void jv_to_repr(jinja_ctx *c, jinja_buf *b, jinja_value v) {
+void jv_to_repr(jinja_ctx *c, moe_strbuf *b, jinja_value v) {
     to_text(c, b, v, true, 0);
 }
 
 jinja_value jv_stringify(jinja_ctx *c, jinja_value v) {
     if (v.kind == JV_STR) return v;
-    jinja_buf b = JBUF(c);
+    moe_strbuf b = jinja_strbuf(c);
     jv_to_str(c, &b, v);
     return jv_str_buf(c, &b);
 }
 
 /* ==== json.dumps ==== */
 
-static void json_str(jinja_buf *b, const char *s, size_t n, bool ensure_ascii) {
-    jbuf_putc(b, '"');
+static void json_str(moe_strbuf *b, const char *s, size_t n, bool ensure_ascii) {
+    moe_strbuf_putc(b, '"');
     for (size_t p = 0; p < n;) {
         size_t start = p;
         uint32_t cp = jinja_utf8_next(s, n, &p);
         switch (cp) {
         case '"':
-            jbuf_puts(b, "\\\"");
+            moe_strbuf_puts(b, "\\\"");
             continue;
         case '\\':
-            jbuf_puts(b, "\\\\");
+            moe_strbuf_puts(b, "\\\\");
             continue;
         case '\n':
-            jbuf_puts(b, "\\n");
+            moe_strbuf_puts(b, "\\n");
             continue;
         case '\r':
-            jbuf_puts(b, "\\r");
+            moe_strbuf_puts(b, "\\r");
             continue;
         case '\t':
-            jbuf_puts(b, "\\t");
+            moe_strbuf_puts(b, "\\t");
             continue;
         case '\b':
-            jbuf_puts(b, "\\b");
+            moe_strbuf_puts(b, "\\b");
             continue;
         case '\f':
-            jbuf_puts(b, "\\f");
+            moe_strbuf_puts(b, "\\f");
             continue;
         default:
             break;
         }
         if (cp < 0x20) {
-            jbuf_printf(b, "\\u%04x", cp);
+            moe_strbuf_printf(b, "\\u%04x", cp);
         } else if (ensure_ascii && cp >= 0x7f) {
             if (cp >= 0x10000) {
                 uint32_t v = cp - 0x10000;
-                jbuf_printf(b, "\\u%04x\\u%04x", 0xd800 + (v >> 10), 0xdc00 + (v & 0x3ff));
+                moe_strbuf_printf(b, "\\u%04x\\u%04x", 0xd800 + (v >> 10), 0xdc00 + (v & 0x3ff));
             } else {
-                jbuf_printf(b, "\\u%04x", cp);
+                moe_strbuf_printf(b, "\\u%04x", cp);
             }
         } else {
-            jbuf_put(b, s + start, p - start);
+            moe_strbuf_put(b, s + start, p - start);
         }
     }
-    jbuf_putc(b, '"');
+    moe_strbuf_putc(b, '"');
 }
 
-static void json_float(jinja_buf *b, double f) {
+static void json_float(moe_strbuf *b, double f) {
     if (isnan(f))
-        jbuf_puts(b, "NaN");
+        moe_strbuf_puts(b, "NaN");
     else if (isinf(f))
-        jbuf_puts(b, f < 0 ? "-Infinity" : "Infinity");
+        moe_strbuf_puts(b, f < 0 ? "-Infinity" : "Infinity");
     else
         jinja_format_float(b, f);
 }
 
-static void json_newline(jinja_buf *b, const jinja_json_opts *o, int level) {
-    jbuf_putc(b, '\n');
-    for (int i = 0; i < level; i++) jbuf_puts(b, o->indent);
+static void json_newline(moe_strbuf *b, const jinja_json_opts *o, int level) {
+    moe_strbuf_putc(b, '\n');
+    for (int i = 0; i < level; i++) moe_strbuf_puts(b, o->indent);
 }
 
-static void json_key(jinja_ctx *c, jinja_buf *b, jinja_value k, const jinja_json_opts *o) {
+static void json_key(jinja_ctx *c, moe_strbuf *b, jinja_value k, const jinja_json_opts *o) {
     switch (k.kind) {
     case JV_STR:
         json_str(b, k.s->data, k.s->len, o->ensure_ascii);
         return;
     case JV_INT:
-        jbuf_printf(b, "\"%lld\"", (long long)k.i);
+        moe_strbuf_printf(b, "\"%lld\"", (long long)k.i);
         return;
     case JV_FLOAT:
-        jbuf_putc(b, '"');
+        moe_strbuf_putc(b, '"');
         json_float(b, k.f);
-        jbuf_putc(b, '"');
+        moe_strbuf_putc(b, '"');
         return;
     case JV_BOOL:
-        jbuf_puts(b, k.b ? "\"true\"" : "\"false\"");
+        moe_strbuf_puts(b, k.b ? "\"true\"" : "\"false\"");
         return;
     case JV_NONE:
-        jbuf_puts(b, "\"null\"");
+        moe_strbuf_puts(b, "\"null\"");
         return;
     default:
         jinja_raise(c, "keys must be str, int, float, bool or None, not %s", jv_type_name(k));
     }
 }
 
-void jv_to_json(jinja_ctx *c, jinja_buf *b, jinja_value v, const jinja_json_opts *o, int depth) {
+void jv_to_json(jinja_ctx *c, moe_strbuf *b, jinja_value v, const jinja_json_opts *o, int depth) {
     if (depth > JINJA_MAX_NEST) jinja_raise(c, "value nested too deeply for tojson");
     switch (v.kind) {
     case JV_NONE:
-        jbuf_puts(b, "null");
+        moe_strbuf_puts(b, "null");
         return;
     case JV_BOOL:
-        jbuf_puts(b, v.b ? "true" : "false");
+        moe_strbuf_puts(b, v.b ? "true" : "false");
         return;
     case JV_INT:
-        jbuf_printf(b, "%lld", (long long)v.i);
+        moe_strbuf_printf(b, "%lld", (long long)v.i);
         return;
     case JV_FLOAT:
         json_float(b, v.f);
@@ -730,22 +688,22 @@ void jv_to_json(jinja_ctx *c, jinja_buf *b, jinja_value v, const jinja_json_opts
     case JV_LIST:
         if (v.l->lazy) break;
         if (v.l->n == 0) {
-            jbuf_puts(b, "[]");
+            moe_strbuf_puts(b, "[]");
             return;
         }
-        jbuf_putc(b, '[');
+        moe_strbuf_putc(b, '[');
         for (size_t i = 0; i < v.l->n; i++) {
-            if (i) jbuf_puts(b, o->item_sep);
+            if (i) moe_strbuf_puts(b, o->item_sep);
             if (o->indent) json_newline(b, o, depth + 1);
             jv_to_json(c, b, v.l->items[i], o, depth + 1);
         }
         if (o->indent) json_newline(b, o, depth);
-        jbuf_putc(b, ']');
+        moe_strbuf_putc(b, ']');
         return;
     case JV_DICT: {
         if (v.d->ns) break;
         if (v.d->n == 0) {
-            jbuf_puts(b, "{}");
+            moe_strbuf_puts(b, "{}");
             return;
         }
         size_t n = v.d->n;
@@ -761,16 +719,16 @@ void jv_to_json(jinja_ctx *c, jinja_buf *b, jinja_value v, const jinja_json_opts
                 order[j] = x;
             }
         }
-        jbuf_putc(b, '{');
+        moe_strbuf_putc(b, '{');
         for (size_t i = 0; i < n; i++) {
-            if (i) jbuf_puts(b, o->item_sep);
+            if (i) moe_strbuf_puts(b, o->item_sep);
             if (o->indent) json_newline(b, o, depth + 1);
             json_key(c, b, v.d->keys[order[i]], o);
-            jbuf_puts(b, o->key_sep);
+            moe_strbuf_puts(b, o->key_sep);
             jv_to_json(c, b, v.d->vals[order[i]], o, depth + 1);
         }
         if (o->indent) json_newline(b, o, depth);
-        jbuf_putc(b, '}');
+        moe_strbuf_putc(b, '}');
         return;
     }
     default:

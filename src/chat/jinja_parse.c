@@ -55,6 +55,11 @@ static void *palloc(parser *p, size_t n) {
     return m;
 }
 
+/* moe_strbuf's allocator for text that lives as long as the template. */
+static void *parser_alloc(void *p, size_t n) {
+    return palloc(p, n);
+}
+
 static char *pstrdup(parser *p, const char *s, size_t n) {
     char *d = palloc(p, n + 1);
     memcpy(d, s, n);
@@ -192,16 +197,15 @@ static void lex_string(lexer *lx, size_t *pos) {
     size_t start = *pos;
     char q = s[start];
     size_t i = start + 1;
-    jinja_buf b = {0};
+    moe_strbuf b = {.alloc = parser_alloc, .alloc_ctx = lx->p}; /* in the template's arena */
     for (;;) {
         if (i >= lx->n) {
-            free(b.data);
             lex_fail(lx, start, "unexpected end of string literal");
         }
         char c = s[i];
         if (c == q) break;
         if (c != '\\') {
-            jbuf_putc(&b, c);
+            moe_strbuf_putc(&b, c);
             i++;
             continue;
         }
@@ -215,34 +219,34 @@ static void lex_string(lexer *lx, size_t *pos) {
         case '\n':
             break;
         case '\\':
-            jbuf_putc(&b, '\\');
+            moe_strbuf_putc(&b, '\\');
             break;
         case '\'':
-            jbuf_putc(&b, '\'');
+            moe_strbuf_putc(&b, '\'');
             break;
         case '"':
-            jbuf_putc(&b, '"');
+            moe_strbuf_putc(&b, '"');
             break;
         case 'a':
-            jbuf_putc(&b, '\a');
+            moe_strbuf_putc(&b, '\a');
             break;
         case 'b':
-            jbuf_putc(&b, '\b');
+            moe_strbuf_putc(&b, '\b');
             break;
         case 'f':
-            jbuf_putc(&b, '\f');
+            moe_strbuf_putc(&b, '\f');
             break;
         case 'n':
-            jbuf_putc(&b, '\n');
+            moe_strbuf_putc(&b, '\n');
             break;
         case 'r':
-            jbuf_putc(&b, '\r');
+            moe_strbuf_putc(&b, '\r');
             break;
         case 't':
-            jbuf_putc(&b, '\t');
+            moe_strbuf_putc(&b, '\t');
             break;
         case 'v':
-            jbuf_putc(&b, '\v');
+            moe_strbuf_putc(&b, '\v');
             break;
         case 'x':
         case 'u':
@@ -252,13 +256,11 @@ static void lex_string(lexer *lx, size_t *pos) {
             for (int k = 0; k < nd; k++) {
                 int h = i + (size_t)k < lx->n ? hexval(s[i + (size_t)k]) : -1;
                 if (h < 0) {
-                    free(b.data);
                     lex_fail(lx, i - 2, "truncated \\x, \\u or \\U escape in string literal");
                 }
                 cp = cp * 16 + (uint32_t)h;
             }
             if (cp > 0x10ffff) {
-                free(b.data);
                 lex_fail(lx, i - 2, "illegal Unicode character in string literal");
             }
             i += (size_t)nd;
@@ -272,23 +274,14 @@ static void lex_string(lexer *lx, size_t *pos) {
                     cp = cp * 8 + (uint32_t)(s[i] - '0');
                 jinja_utf8_put(&b, cp);
             } else {
-                jbuf_putc(&b, '\\');
-                jbuf_putc(&b, e);
+                moe_strbuf_putc(&b, '\\');
+                moe_strbuf_putc(&b, e);
             }
         }
     }
-    /* into the arena before anything that may fail, so the malloc'd scratch cannot leak */
-    char *text = jinja_arena_alloc(&lx->p->t->arena, b.len + 1);
-    if (text) {
-        if (b.len) memcpy(text, b.data, b.len);
-        text[b.len] = '\0';
-    }
-    size_t len = b.len;
-    free(b.data);
-    if (!text) lex_fail(lx, start, "template too large");
     tok *t = push_tok(lx, T_STRING, start);
-    t->text = text;
-    t->len = len;
+    t->text = b.s ? b.s : "";
+    t->len = b.len;
     *pos = i + 1;
 }
 
@@ -1206,7 +1199,10 @@ static jinja_node *parse_for(parser *p, tok *at) {
         p->pos++;
         n->e = parse_expression(p, true);
     }
-    if (is_name(cur(p), "recursive")) perr(p, cur(p), "recursive loops are not supported%s", NULL);
+    if (is_name(cur(p), "recursive")) {
+        p->pos++;
+        n->op = 1;
+    }
     expect_block_end(p);
     n->c = subparse(p, end_for);
     if (!strcmp(end_name(p), "else")) {
@@ -1270,7 +1266,7 @@ static bool refers_to(const jinja_node *n, const char *name, int depth) {
     if (!n || depth > JINJA_MAX_NEST * 4) return false;
     if (n->kind == JN_NAME && !strcmp(n->name, name)) return true;
     if (n->kind == JN_MACRO) return false; /* a nested macro has its own */
-    const jinja_node *ch[] = {n->a, n->b, n->c, n->d, n->e};
+    jinja_node *ch[] = {n->a, n->b, n->c, n->d, n->e};
     for (size_t i = 0; i < 5; i++)
         if (refers_to(ch[i], name, depth + 1)) return true;
     for (size_t i = 0; i < n->n_kids; i++)
@@ -1417,15 +1413,16 @@ static jinja_node *subparse(parser *p, const char *const *end_tokens) {
     return body;
 }
 
-/* ==== Compile-time checks: unknown filters and tests outside an `if` are errors ==== */
+/* ==== Filter and test names: resolved once; unknown ones outside an `if` are errors ==== */
 
-static void check_names(parser *p, const jinja_node *n, bool soft, int depth) {
-    if (!n || depth > JINJA_MAX_NEST * 8) return;
-    if (!soft) {
-        if (n->kind == JN_FILTER && !jinja_filter_known(n->name))
-            jinja_fail(&p->jump, n->line, n->col, "No filter named '%s'.", n->name);
-        if (n->kind == JN_TEST && !jinja_test_known(n->name))
-            jinja_fail(&p->jump, n->line, n->col, "No test named '%s'.", n->name);
+static void check_names(parser *p, jinja_node *n, bool soft, int depth) {
+    if (!n || depth > JINJA_MAX_NEST * 8) return; /* deeper nodes look their names up when run */
+    if (n->kind == JN_FILTER || n->kind == JN_TEST) {
+        bool filter = n->kind == JN_FILTER;
+        n->builtin = filter ? jinja_filter_find(n->name) : jinja_test_find(n->name);
+        if (!n->builtin && !soft)
+            jinja_fail(&p->jump, n->line, n->col, "No %s named '%s'.", filter ? "filter" : "test",
+                       n->name);
     }
     bool inner = soft;
     switch (n->kind) {
@@ -1456,7 +1453,7 @@ static void check_names(parser *p, const jinja_node *n, bool soft, int depth) {
     default:
         break;
     }
-    const jinja_node *ch[] = {n->a, n->b, n->c, n->d, n->e};
+    jinja_node *ch[] = {n->a, n->b, n->c, n->d, n->e};
     for (size_t i = 0; i < 5; i++) check_names(p, ch[i], inner, depth + 1);
     for (size_t i = 0; i < n->n_kids; i++) check_names(p, n->kids[i], inner, depth + 1);
 }

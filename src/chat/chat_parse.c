@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "text.h"
+#include "chat.h"
 
 /* ==== Formats ==== */
 

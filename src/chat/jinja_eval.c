@@ -1,5 +1,7 @@
-/* jinja_eval: runs a parsed template -- statements, expressions, scopes, macros, and the
- * builtins (filters, tests, str/dict/list methods, globals) as Jinja2 3.x and Python define them.
+/* jinja_eval: runs a parsed template -- statements, expressions, scopes, macros, recursive
+ * loops, and the builtins as Jinja2 3.x and Python define them: filters, tests and the methods of
+ * str (str.format with its mini-language included), dict, list and loop, each kind one table of
+ * {name, function, mode} rows, and the globals.
  *
  * Owns no parsing. Scoping follows Jinja2: a for loop and a macro open a scope, `if` does not,
  * so `{% set %}` inside a loop does not leak out (templates use namespace() for that). The
@@ -34,6 +36,9 @@ struct jinja_macro {
 struct jinja_loop {
     jinja_list *items;
     size_t index0;
+    int64_t depth0;         /* 0 for the loop itself, +1 per loop(...) call of a recursive one */
+    const jinja_node *node; /* the for statement: loop(...) runs it again */
+    scope *outer;           /* the scope the for statement runs in */
     jinja_value last_changed;
     bool changed_seen;
 };
@@ -50,11 +55,20 @@ struct jinja_func {
     jinja_value (*fn)(render *r, const args *a);
 };
 
+/* A filter, a test or a method: self is the filtered, tested or bound value. */
+typedef jinja_value (*builtin_fn)(render *r, jinja_value self, const args *a,
+                                  const jinja_builtin *b);
+struct jinja_builtin {
+    const char *name;
+    builtin_fn fn; /* NULL: a filter moe does not run, or a method the sandbox forbids */
+    int mode;      /* what a function that serves several names does for this one */
+};
+
 typedef enum flow { FLOW_NORMAL, FLOW_BREAK, FLOW_CONTINUE } flow;
 
 struct render {
     jinja_ctx c;
-    jinja_buf *out;
+    moe_strbuf *out;
     jinja_dict *globals;
     const jinja_render_opts *opts;
     size_t iterations;
@@ -92,19 +106,19 @@ static jinja_value cstr(render *r, const char *s) {
 /* Undefined values remember why: .s is the name, .safe says which message to give. */
 enum { UNDEF_NAME = 0, UNDEF_ATTR = 1, UNDEF_UNSAFE = 2, UNDEF_PLAIN = 3 };
 static jinja_value undef(render *r, const char *name, int why, const char *type) {
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     switch (why) {
     case UNDEF_NAME:
-        jbuf_printf(&b, "'%s' is undefined", name);
+        moe_strbuf_printf(&b, "'%s' is undefined", name);
         break;
     case UNDEF_ATTR:
-        jbuf_printf(&b, "'%s object' has no attribute '%s'", type, name);
+        moe_strbuf_printf(&b, "'%s object' has no attribute '%s'", type, name);
         break;
     case UNDEF_UNSAFE:
-        jbuf_printf(&b, "access to attribute '%s' of '%s' object is unsafe.", name, type);
+        moe_strbuf_printf(&b, "access to attribute '%s' of '%s' object is unsafe.", name, type);
         break;
     default:
-        jbuf_puts(&b, name);
+        moe_strbuf_puts(&b, name);
         break;
     }
     jinja_value v = jv_str_buf(&r->c, &b);
@@ -120,7 +134,7 @@ _Noreturn static void undef_fail(render *r, jinja_value v) {
 static void write_out(render *r, const char *s, size_t n) {
     if (r->out->len + n > JINJA_MAX_OUTPUT)
         fail(r, "output is over the %u MiB limit", JINJA_MAX_OUTPUT >> 20);
-    jbuf_put(r->out, s, n);
+    moe_strbuf_put(r->out, s, n);
 }
 
 /* ==== Scopes ==== */
@@ -193,27 +207,27 @@ static void count_iteration(render *r) {
 static jinja_value html_escape(render *r, jinja_value v) {
     if (v.kind == JV_STR && v.safe) return v;
     v = jv_stringify(&r->c, v);
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     for (size_t i = 0; i < v.s->len; i++) {
         char ch = v.s->data[i];
         switch (ch) {
         case '&':
-            jbuf_puts(&b, "&amp;");
+            moe_strbuf_puts(&b, "&amp;");
             break;
         case '<':
-            jbuf_puts(&b, "&lt;");
+            moe_strbuf_puts(&b, "&lt;");
             break;
         case '>':
-            jbuf_puts(&b, "&gt;");
+            moe_strbuf_puts(&b, "&gt;");
             break;
         case '"':
-            jbuf_puts(&b, "&#34;");
+            moe_strbuf_puts(&b, "&#34;");
             break;
         case '\'':
-            jbuf_puts(&b, "&#39;");
+            moe_strbuf_puts(&b, "&#39;");
             break;
         default:
-            jbuf_putc(&b, ch);
+            moe_strbuf_putc(&b, ch);
         }
     }
     jinja_value out = jv_str_buf(&r->c, &b);
@@ -251,7 +265,7 @@ static bool is_lower_cp(uint32_t cp) {
 typedef enum { CASE_UPPER, CASE_LOWER, CASE_CAPITALIZE, CASE_TITLE, CASE_SWAP } case_mode;
 
 static jinja_value str_case(render *r, jinja_value v, case_mode mode) {
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     bool prev_cased = false, first = true;
     for (size_t p = 0; p < v.s->len;) {
         uint32_t cp = jinja_utf8_next(v.s->data, v.s->len, &p);
@@ -350,19 +364,19 @@ static size_t count_sub(const char *h, size_t hn, const char *n, size_t nn) {
 static jinja_value str_replace(render *r, jinja_value v, jinja_value old, jinja_value new_,
                                int64_t count) {
     if (old.kind != JV_STR || new_.kind != JV_STR) fail(r, "replace() arguments must be str");
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     const char *s = v.s->data, *end = s + v.s->len;
     if (old.s->len == 0) { /* Python inserts between every character */
         int64_t done = 0;
         for (size_t p = 0;;) {
             if (count < 0 || done < count) {
-                jbuf_put(&b, new_.s->data, new_.s->len);
+                moe_strbuf_put(&b, new_.s->data, new_.s->len);
                 done++;
             }
             if (p >= v.s->len) break;
             size_t q = p;
             jinja_utf8_next(s, v.s->len, &q);
-            jbuf_put(&b, s + p, q - p);
+            moe_strbuf_put(&b, s + p, q - p);
             p = q;
         }
         return jv_str_buf(&r->c, &b);
@@ -373,12 +387,12 @@ static jinja_value str_replace(render *r, jinja_value v, jinja_value old, jinja_
                             ? NULL
                             : memmem_at(s, (size_t)(end - s), old.s->data, old.s->len);
         if (!f) break;
-        jbuf_put(&b, s, (size_t)(f - s));
-        jbuf_put(&b, new_.s->data, new_.s->len);
+        moe_strbuf_put(&b, s, (size_t)(f - s));
+        moe_strbuf_put(&b, new_.s->data, new_.s->len);
         s = f + old.s->len;
         done++;
     }
-    jbuf_put(&b, s, (size_t)(end - s));
+    moe_strbuf_put(&b, s, (size_t)(end - s));
     return jv_str_buf(&r->c, &b);
 }
 
@@ -532,8 +546,11 @@ static jinja_value or_default(jinja_value v, jinja_value d) {
 static jinja_value call_value(render *r, jinja_value f, const args *a);
 static jinja_value get_attr(render *r, jinja_value obj, const char *name);
 static jinja_value get_item(render *r, jinja_value obj, jinja_value key);
-static jinja_value apply_filter(render *r, const char *name, jinja_value v, const args *a);
-static bool apply_test(render *r, const char *name, jinja_value v, const args *a);
+/* f / t: the row when the parser found it, else NULL and the name is looked up now */
+static jinja_value apply_filter(render *r, const jinja_builtin *f, const char *name, jinja_value v,
+                                const args *a);
+static bool apply_test(render *r, const jinja_builtin *t, const char *name, jinja_value v,
+                       const args *a);
 
 /* attribute path "a.b.c" as used by map/selectattr/sort(attribute=) */
 static jinja_value get_attr_path(render *r, jinja_value v, jinja_value path) {
@@ -630,12 +647,29 @@ static jinja_value make_pair(render *r, jinja_value a, jinja_value b) {
     return t;
 }
 
+/* ==== Builtins: filters, tests and methods, each a {name, fn, mode} row ====
+ *
+ * One row per name Jinja2 or Python knows; rows that share a function say in `mode` what differs
+ * (a case mapping, a side, a flag set). A row without a function is a filter Jinja2 has and moe
+ * does not run, or a method the sandbox forbids. Tests return a bool value. */
+
+static const jinja_builtin *builtin_find(const jinja_builtin *table, size_t n, const char *name) {
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(table[i].name, name)) return &table[i];
+    return NULL;
+}
+#define BUILTIN_FIND(table, name) builtin_find(table, sizeof table / sizeof *table, name)
+
+static void no_args(render *r, const args *a, const jinja_builtin *b) {
+    bind(r, b->name, a, 0, NULL, 0, NULL);
+}
+
 /* ==== Filters ==== */
 
-static jinja_value f_tojson(render *r, jinja_value v, const args *a) {
+static jinja_value f_tojson(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"ensure_ascii", "indent", "separators", "sort_keys"};
     jinja_value p[4];
-    bind(r, "tojson", a, 0, P, 4, p);
+    bind(r, b->name, a, 0, P, 4, p);
     jinja_json_opts o = {.ensure_ascii = !missing(p[0]) && jv_truthy(p[0]),
                          .sort_keys = !missing(p[3]) && jv_truthy(p[3])};
     char spaces[256];
@@ -660,12 +694,14 @@ static jinja_value f_tojson(render *r, jinja_value v, const args *a) {
         o.item_sep = p[2].l->items[0].s->data;
         o.key_sep = p[2].l->items[1].s->data;
     }
-    jinja_buf b = JBUF(&r->c);
-    jv_to_json(&r->c, &b, v, &o, 0);
-    return jv_str_buf(&r->c, &b);
+    moe_strbuf out = jinja_strbuf(&r->c);
+    jv_to_json(&r->c, &out, v, &o, 0);
+    return jv_str_buf(&r->c, &out);
 }
 
-static jinja_value f_length(render *r, jinja_value v) {
+/* length and count */
+static jinja_value f_length(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
     switch (v.kind) {
     case JV_STR:
         return jv_int((int64_t)jinja_utf8_count(v.s->data, v.s->len));
@@ -683,61 +719,63 @@ static jinja_value f_length(render *r, jinja_value v) {
     fail(r, "object of type '%s' has no len()", jv_type_name(v));
 }
 
-static jinja_value f_indent(render *r, jinja_value v, const args *a) {
+static jinja_value f_indent(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"width", "first", "blank"};
     jinja_value p[3];
-    bind(r, "indent", a, 0, P, 3, p);
-    jinja_buf ind = JBUF(&r->c);
+    bind(r, b->name, a, 0, P, 3, p);
+    moe_strbuf ind = jinja_strbuf(&r->c);
     jinja_value width = or_default(p[0], jv_int(4));
     if (width.kind == JV_STR) {
-        jbuf_put(&ind, width.s->data, width.s->len);
+        moe_strbuf_put(&ind, width.s->data, width.s->len);
     } else {
         int64_t w = as_int(r, width, "width");
-        for (int64_t i = 0; i < w && i < 4096; i++) jbuf_putc(&ind, ' ');
+        for (int64_t i = 0; i < w && i < 4096; i++) moe_strbuf_putc(&ind, ' ');
     }
-    if (!ind.data) jbuf_puts(&ind, "");
+    if (!ind.s) moe_strbuf_puts(&ind, "");
     bool first = !missing(p[1]) && jv_truthy(p[1]), blank = !missing(p[2]) && jv_truthy(p[2]);
     jinja_value s = jv_stringify(&r->c, v);
-    jinja_buf text = JBUF(&r->c);
-    jbuf_put(&text, s.s->data, s.s->len);
-    jbuf_putc(&text, '\n');
-    jinja_list *lines = str_splitlines(r, text.data, text.len, false);
-    jbuf_free(&text);
-    jinja_buf b = JBUF(&r->c);
-    if (first) jbuf_put(&b, ind.data, ind.len);
+    moe_strbuf text = jinja_strbuf(&r->c);
+    moe_strbuf_put(&text, s.s->data, s.s->len);
+    moe_strbuf_putc(&text, '\n');
+    jinja_list *lines = str_splitlines(r, text.s, text.len, false);
+    moe_strbuf_free(&text);
+    moe_strbuf out = jinja_strbuf(&r->c);
+    if (first) moe_strbuf_put(&out, ind.s, ind.len);
     for (size_t i = 0; i < lines->n; i++) {
         jinja_str *line = lines->items[i].s;
         if (i) {
-            jbuf_putc(&b, '\n');
-            if (blank || line->len) jbuf_put(&b, ind.data, ind.len);
+            moe_strbuf_putc(&out, '\n');
+            if (blank || line->len) moe_strbuf_put(&out, ind.s, ind.len);
         }
-        jbuf_put(&b, line->data, line->len);
+        moe_strbuf_put(&out, line->data, line->len);
     }
-    jbuf_free(&ind);
-    jinja_value out = jv_str_buf(&r->c, &b);
-    out.safe = s.safe;
-    return out;
+    moe_strbuf_free(&ind);
+    jinja_value res = jv_str_buf(&r->c, &out);
+    res.safe = s.safe;
+    return res;
 }
 
-static jinja_value f_join(render *r, jinja_value v, const args *a) {
+static jinja_value f_join(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"d", "attribute"};
     jinja_value p[2];
-    bind(r, "join", a, 0, P, 2, p);
+    bind(r, b->name, a, 0, P, 2, p);
     jinja_value sep = or_default(p[0], cstr(r, ""));
     sep = jv_stringify(&r->c, sep);
     jinja_list *l = iter_list(r, v);
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     for (size_t i = 0; i < l->n; i++) {
-        if (i) jbuf_put(&b, sep.s->data, sep.s->len);
+        if (i) moe_strbuf_put(&out, sep.s->data, sep.s->len);
         jinja_value item = l->items[i];
         if (!missing(p[1]) && p[1].kind != JV_NONE) item = get_attr_path(r, item, p[1]);
-        jv_to_str(&r->c, &b, item);
+        jv_to_str(&r->c, &out, item);
     }
-    return jv_str_buf(&r->c, &b);
+    return jv_str_buf(&r->c, &out);
 }
 
 /* select/reject/selectattr/rejectattr: keep items where the test (or truthiness) == want */
-static jinja_value f_select(render *r, jinja_value v, const args *a, bool want, bool by_attr) {
+enum { SELECT_KEEP = 1, SELECT_BY_ATTR = 2 };
+static jinja_value f_select(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    bool want = b->mode & SELECT_KEEP, by_attr = b->mode & SELECT_BY_ATTR;
     jinja_value out = as_generator(jv_list(&r->c, 0));
     if (!jv_truthy(v)) return out; /* jinja2: `if value:` before iterating */
     jinja_list *l = iter_list(r, v);
@@ -759,13 +797,13 @@ static jinja_value f_select(render *r, jinja_value v, const args *a, bool want, 
     for (size_t i = 0; i < l->n; i++) {
         jinja_value item = l->items[i];
         jinja_value x = by_attr ? get_attr_path(r, item, attr) : item;
-        bool ok = test ? apply_test(r, test, x, &rest) : jv_truthy(x);
+        bool ok = test ? apply_test(r, NULL, test, x, &rest) : jv_truthy(x);
         if (ok == want) jv_list_push(&r->c, out.l, item);
     }
     return out;
 }
 
-static jinja_value f_map(render *r, jinja_value v, const args *a) {
+static jinja_value f_map(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     if (!jv_truthy(v)) return as_generator(jv_list(&r->c, 0)); /* `if value:` as jinja2 */
     jinja_list *l = iter_list(r, v);
     jinja_value out = as_generator(jv_list(&r->c, l->n));
@@ -777,7 +815,7 @@ static jinja_value f_map(render *r, jinja_value v, const args *a) {
         else if (!strcmp(a->names[i], "default"))
             dflt = a->v[i];
         else
-            fail(r, "map() got an unexpected keyword argument '%s'", a->names[i]);
+            fail(r, "%s() got an unexpected keyword argument '%s'", b->name, a->names[i]);
     }
     if (!missing(attribute)) {
         for (size_t i = 0; i < l->n; i++) {
@@ -790,11 +828,14 @@ static jinja_value f_map(render *r, jinja_value v, const args *a) {
     if (a->n < 1 || a->v[0].kind != JV_STR) fail(r, "map requires a filter argument");
     args rest = {.n = a->n - 1, .v = a->v + 1, .names = a->names ? a->names + 1 : NULL};
     for (size_t i = 0; i < l->n; i++)
-        jv_list_push(&r->c, out.l, apply_filter(r, a->v[0].s->data, l->items[i], &rest));
+        jv_list_push(&r->c, out.l, apply_filter(r, NULL, a->v[0].s->data, l->items[i], &rest));
     return out;
 }
 
-static jinja_value f_first_last(render *r, jinja_value v, bool last) {
+/* first (mode 0) and last (mode 1) */
+static jinja_value f_first_last(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    bool last = b->mode;
     if (last && v.kind == JV_LIST && v.l->lazy == JL_ITER)
         fail(r, "'generator' object is not reversible");
     jinja_list *l = iter_list(r, v);
@@ -837,10 +878,10 @@ static jinja_value parse_number_text(render *r, const char *s, bool want_float, 
     return jv_none();
 }
 
-static jinja_value f_int(render *r, jinja_value v, const args *a) {
+static jinja_value f_int(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"default", "base"};
     jinja_value p[2];
-    bind(r, "int", a, 0, P, 2, p);
+    bind(r, b->name, a, 0, P, 2, p);
     jinja_value dflt = or_default(p[0], jv_int(0));
     int base = missing(p[1]) ? 10 : (int)as_int(r, p[1], "base");
     switch (v.kind) {
@@ -864,10 +905,10 @@ static jinja_value f_int(render *r, jinja_value v, const args *a) {
     }
 }
 
-static jinja_value f_float(render *r, jinja_value v, const args *a) {
+static jinja_value f_float(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"default"};
     jinja_value p[1];
-    bind(r, "float", a, 0, P, 1, p);
+    bind(r, b->name, a, 0, P, 1, p);
     jinja_value dflt = or_default(p[0], jv_float(0));
     if (jv_is_num(v)) return jv_float(jv_as_double(v));
     if (v.kind == JV_STR) {
@@ -878,10 +919,10 @@ static jinja_value f_float(render *r, jinja_value v, const args *a) {
     return dflt;
 }
 
-static jinja_value f_dictsort(render *r, jinja_value v, const args *a) {
+static jinja_value f_dictsort(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"case_sensitive", "by", "reverse"};
     jinja_value p[3];
-    bind(r, "dictsort", a, 0, P, 3, p);
+    bind(r, b->name, a, 0, P, 3, p);
     if (v.kind != JV_DICT) fail(r, "You can only sort by either \"key\" or \"value\"");
     sort_key k = {.case_sensitive = !missing(p[0]) && jv_truthy(p[0]),
                   .attribute = {.kind = MISSING},
@@ -898,18 +939,18 @@ static jinja_value f_dictsort(render *r, jinja_value v, const args *a) {
     return sorted(r, pairs, &k, !missing(p[2]) && jv_truthy(p[2]));
 }
 
-static jinja_value f_sort(render *r, jinja_value v, const args *a) {
+static jinja_value f_sort(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"reverse", "case_sensitive", "attribute"};
     jinja_value p[3];
-    bind(r, "sort", a, 0, P, 3, p);
+    bind(r, b->name, a, 0, P, 3, p);
     sort_key k = {.case_sensitive = !missing(p[1]) && jv_truthy(p[1]), .attribute = p[2], .by = -1};
     return sorted(r, iter_list(r, v), &k, !missing(p[0]) && jv_truthy(p[0]));
 }
 
-static jinja_value f_unique(render *r, jinja_value v, const args *a) {
+static jinja_value f_unique(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"case_sensitive", "attribute"};
     jinja_value p[2];
-    bind(r, "unique", a, 0, P, 2, p);
+    bind(r, b->name, a, 0, P, 2, p);
     sort_key k = {.case_sensitive = !missing(p[0]) && jv_truthy(p[0]), .attribute = p[1], .by = -1};
     jinja_list *l = iter_list(r, v);
     jinja_value out = jv_list(&r->c, 0), seen = jv_list(&r->c, 0);
@@ -924,10 +965,12 @@ static jinja_value f_unique(render *r, jinja_value v, const args *a) {
     return as_generator(out);
 }
 
-static jinja_value f_minmax(render *r, jinja_value v, const args *a, bool want_max) {
+/* min (mode 0) and max (mode 1) */
+static jinja_value f_minmax(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    bool want_max = b->mode;
     static const char *const P[] = {"case_sensitive", "attribute"};
     jinja_value p[2];
-    bind(r, want_max ? "max" : "min", a, 0, P, 2, p);
+    bind(r, b->name, a, 0, P, 2, p);
     sort_key k = {.case_sensitive = !missing(p[0]) && jv_truthy(p[0]), .attribute = p[1], .by = -1};
     jinja_list *l = iter_list(r, v);
     if (!l->n) return undef(r, "No aggregated item, sequence was empty.", UNDEF_PLAIN, NULL);
@@ -946,10 +989,10 @@ static jinja_value f_minmax(render *r, jinja_value v, const args *a, bool want_m
 
 static jinja_value num_add(render *r, jinja_value x, jinja_value y);
 
-static jinja_value f_sum(render *r, jinja_value v, const args *a) {
+static jinja_value f_sum(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"attribute", "start"};
     jinja_value p[2];
-    bind(r, "sum", a, 0, P, 2, p);
+    bind(r, b->name, a, 0, P, 2, p);
     jinja_value acc = or_default(p[1], jv_int(0));
     jinja_list *l = iter_list(r, v);
     for (size_t i = 0; i < l->n; i++) {
@@ -960,10 +1003,10 @@ static jinja_value f_sum(render *r, jinja_value v, const args *a) {
     return acc;
 }
 
-static jinja_value f_round(render *r, jinja_value v, const args *a) {
+static jinja_value f_round(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"precision", "method"};
     jinja_value p[2];
-    bind(r, "round", a, 0, P, 2, p);
+    bind(r, b->name, a, 0, P, 2, p);
     int64_t prec = missing(p[0]) ? 0 : as_int(r, p[0], "precision");
     const char *method = missing(p[1]) ? "common" : p[1].kind == JV_STR ? p[1].s->data : "";
     if (!jv_is_num(v)) fail(r, "round() of a %s", jv_type_name(v));
@@ -980,10 +1023,10 @@ static jinja_value f_round(render *r, jinja_value v, const args *a) {
     fail(r, "method must be common, ceil or floor");
 }
 
-static jinja_value f_truncate(render *r, jinja_value v, const args *a) {
+static jinja_value f_truncate(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"length", "killwords", "end", "leeway"};
     jinja_value p[4];
-    bind(r, "truncate", a, 0, P, 4, p);
+    bind(r, b->name, a, 0, P, 4, p);
     jinja_value s = jv_stringify(&r->c, v);
     int64_t length = missing(p[0]) ? 255 : as_int(r, p[0], "length");
     bool killwords = !missing(p[1]) && jv_truthy(p[1]);
@@ -995,55 +1038,58 @@ static jinja_value f_truncate(render *r, jinja_value v, const args *a) {
     int64_t slen = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
     if (slen <= length + leeway) return s;
     size_t cut = jinja_utf8_offset(s.s->data, s.s->len, (size_t)(length - endlen));
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     if (killwords) {
-        jbuf_put(&b, s.s->data, cut);
+        moe_strbuf_put(&out, s.s->data, cut);
     } else {
         size_t sp = cut;
         while (sp > 0 && s.s->data[sp - 1] != ' ') sp--;
-        jbuf_put(&b, s.s->data, sp ? sp - 1 : 0);
+        moe_strbuf_put(&out, s.s->data, sp ? sp - 1 : 0);
     }
-    jbuf_put(&b, end.s->data, end.s->len);
-    return jv_str_buf(&r->c, &b);
+    moe_strbuf_put(&out, end.s->data, end.s->len);
+    return jv_str_buf(&r->c, &out);
 }
 
-static jinja_value f_center(render *r, jinja_value v, const args *a) {
+static jinja_value f_center(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
     static const char *const P[] = {"width"};
     jinja_value p[1];
-    bind(r, "center", a, 0, P, 1, p);
+    bind(r, b->name, a, 0, P, 1, p);
     jinja_value s = jv_stringify(&r->c, v);
     int64_t width = missing(p[0]) ? 80 : as_int(r, p[0], "width");
     int64_t len = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
     if (width <= len) return s;
     int64_t marg = width - len, left = marg / 2 + (marg & width & 1);
-    jinja_buf b = JBUF(&r->c);
-    for (int64_t i = 0; i < left; i++) jbuf_putc(&b, ' ');
-    jbuf_put(&b, s.s->data, s.s->len);
-    for (int64_t i = 0; i < marg - left; i++) jbuf_putc(&b, ' ');
-    return jv_str_buf(&r->c, &b);
+    moe_strbuf out = jinja_strbuf(&r->c);
+    for (int64_t i = 0; i < left; i++) moe_strbuf_putc(&out, ' ');
+    moe_strbuf_put(&out, s.s->data, s.s->len);
+    for (int64_t i = 0; i < marg - left; i++) moe_strbuf_putc(&out, ' ');
+    return jv_str_buf(&r->c, &out);
 }
 
-static jinja_value f_title(render *r, jinja_value v) {
+static jinja_value f_title(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
     /* jinja's title: words start after runs of [-\s({\[<] */
     jinja_value s = jv_stringify(&r->c, v);
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf out = jinja_strbuf(&r->c);
     bool start = true;
     for (size_t p = 0; p < s.s->len;) {
         uint32_t cp = jinja_utf8_next(s.s->data, s.s->len, &p);
         bool sep =
             cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<' || jinja_py_space(cp);
-        jinja_utf8_put(&b, sep ? cp : case_map(cp, start));
+        jinja_utf8_put(&out, sep ? cp : case_map(cp, start));
         start = sep;
     }
-    jinja_value out = jv_str_buf(&r->c, &b);
-    out.safe = s.safe;
-    return out;
+    jinja_value res = jv_str_buf(&r->c, &out);
+    res.safe = s.safe;
+    return res;
 }
 
-static jinja_value f_batch_slice(render *r, jinja_value v, const args *a, bool is_slice) {
+/* batch (mode 0) and slice (mode 1) */
+static jinja_value f_batch_slice(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    bool is_slice = b->mode;
     static const char *const P[] = {"n", "fill_with"};
     jinja_value p[2];
-    bind(r, is_slice ? "slice" : "batch", a, 0, P, 2, p);
+    bind(r, b->name, a, 0, P, 2, p);
     if (missing(p[0])) fail(r, "missing argument");
     int64_t k = as_int(r, p[0], "count");
     if (k <= 0) fail(r, "count must be positive");
@@ -1079,291 +1125,424 @@ static jinja_value f_batch_slice(render *r, jinja_value v, const args *a, bool i
     return as_generator(out);
 }
 
-static jinja_value f_format(render *r, jinja_value v, const args *a);
-
-static jinja_value apply_filter(render *r, const char *name, jinja_value v, const args *a) {
-    static const char *const none_p[] = {""};
-    jinja_value p[4];
-#define NOARGS() bind(r, name, a, 0, none_p, 0, p)
-    if (!strcmp(name, "tojson")) return f_tojson(r, v, a);
-    if (!strcmp(name, "length") || !strcmp(name, "count")) {
-        NOARGS();
-        return f_length(r, v);
-    }
-    if (!strcmp(name, "trim")) {
-        static const char *const P[] = {"chars"};
-        bind(r, name, a, 0, P, 1, p);
-        return str_strip(r, jv_stringify(&r->c, v), p[0], 3);
-    }
-    if (!strcmp(name, "default") || !strcmp(name, "d")) {
-        static const char *const P[] = {"default_value", "boolean"};
-        bind(r, name, a, 0, P, 2, p);
-        bool use = v.kind == JV_UNDEF || (!missing(p[1]) && jv_truthy(p[1]) && !jv_truthy(v));
-        return use ? or_default(p[0], cstr(r, "")) : v;
-    }
-    if (!strcmp(name, "string")) {
-        NOARGS();
-        return jv_stringify(&r->c, v);
-    }
-    if (!strcmp(name, "join")) return f_join(r, v, a);
-    if (!strcmp(name, "items")) {
-        NOARGS();
-        if (v.kind == JV_UNDEF) return as_generator(jv_list(&r->c, 0));
-        if (v.kind != JV_DICT || v.d->ns) fail(r, "Can only get item pairs from a mapping.");
-        jinja_value out = as_generator(jv_list(&r->c, v.d->n));
-        for (size_t i = 0; i < v.d->n; i++)
-            jv_list_push(&r->c, out.l, make_pair(r, v.d->keys[i], v.d->vals[i]));
-        return out;
-    }
-    if (!strcmp(name, "upper") || !strcmp(name, "lower") || !strcmp(name, "capitalize")) {
-        NOARGS();
-        case_mode m = name[0] == 'u' ? CASE_UPPER : name[0] == 'l' ? CASE_LOWER : CASE_CAPITALIZE;
-        return str_case(r, jv_stringify(&r->c, v), m);
-    }
-    if (!strcmp(name, "title")) {
-        NOARGS();
-        return f_title(r, v);
-    }
-    if (!strcmp(name, "safe")) {
-        NOARGS();
-        jinja_value s = jv_stringify(&r->c, v);
-        s.safe = 1;
-        return s;
-    }
-    if (!strcmp(name, "escape") || !strcmp(name, "e") || !strcmp(name, "forceescape")) {
-        NOARGS();
-        if (name[0] == 'f' && v.kind == JV_STR) v.safe = 0;
-        return html_escape(r, v);
-    }
-    if (!strcmp(name, "dictsort")) return f_dictsort(r, v, a);
-    if (!strcmp(name, "list")) {
-        NOARGS();
-        jinja_list *l = iter_list(r, v);
-        jinja_value out = jv_list(&r->c, l->n);
-        for (size_t i = 0; i < l->n; i++) jv_list_push(&r->c, out.l, l->items[i]);
-        return out;
-    }
-    if (!strcmp(name, "selectattr")) return f_select(r, v, a, true, true);
-    if (!strcmp(name, "rejectattr")) return f_select(r, v, a, false, true);
-    if (!strcmp(name, "select")) return f_select(r, v, a, true, false);
-    if (!strcmp(name, "reject")) return f_select(r, v, a, false, false);
-    if (!strcmp(name, "map")) return f_map(r, v, a);
-    if (!strcmp(name, "replace")) {
-        static const char *const P[] = {"old", "new", "count"};
-        bind(r, name, a, 0, P, 3, p);
-        if (missing(p[0]) || missing(p[1])) fail(r, "replace() needs old and new");
-        int64_t count = missing(p[2]) || p[2].kind == JV_NONE ? -1 : as_int(r, p[2], "count");
-        jinja_value s = jv_stringify(&r->c, v);
-        return str_replace(r, s, jv_stringify(&r->c, p[0]), jv_stringify(&r->c, p[1]), count);
-    }
-    if (!strcmp(name, "indent")) return f_indent(r, v, a);
-    if (!strcmp(name, "first")) {
-        NOARGS();
-        return f_first_last(r, v, false);
-    }
-    if (!strcmp(name, "last")) {
-        NOARGS();
-        return f_first_last(r, v, true);
-    }
-    if (!strcmp(name, "int")) return f_int(r, v, a);
-    if (!strcmp(name, "float")) return f_float(r, v, a);
-    if (!strcmp(name, "abs")) {
-        NOARGS();
-        if (v.kind == JV_INT) return jv_int(v.i < 0 ? -v.i : v.i);
-        if (v.kind == JV_BOOL) return jv_int(v.b);
-        if (v.kind == JV_FLOAT) return jv_float(fabs(v.f));
-        fail(r, "bad operand type for abs(): '%s'", jv_type_name(v));
-    }
-    if (!strcmp(name, "round")) return f_round(r, v, a);
-    if (!strcmp(name, "unique")) return f_unique(r, v, a);
-    if (!strcmp(name, "sort")) return f_sort(r, v, a);
-    if (!strcmp(name, "reverse")) {
-        NOARGS();
-        if (v.kind == JV_STR) {
-            jinja_list *chars = iter_list(r, v);
-            jinja_buf b = JBUF(&r->c);
-            for (size_t i = chars->n; i > 0; i--)
-                jbuf_put(&b, chars->items[i - 1].s->data, chars->items[i - 1].s->len);
-            return jv_str_buf(&r->c, &b);
-        }
-        jinja_list *l = iter_list(r, v);
-        jinja_value out = jv_list(&r->c, l->n);
-        for (size_t i = l->n; i > 0; i--) jv_list_push(&r->c, out.l, l->items[i - 1]);
-        return as_generator(out); /* reversed(): an iterator */
-    }
-    if (!strcmp(name, "min")) return f_minmax(r, v, a, false);
-    if (!strcmp(name, "max")) return f_minmax(r, v, a, true);
-    if (!strcmp(name, "sum")) return f_sum(r, v, a);
-    if (!strcmp(name, "wordcount")) {
-        NOARGS();
-        jinja_value s = jv_stringify(&r->c, v);
-        int64_t words = 0;
-        bool in_word = false;
-        for (size_t i = 0; i < s.s->len; i++) {
-            unsigned char ch = (unsigned char)s.s->data[i];
-            bool w = isalnum(ch) || ch == '_' || ch >= 0x80;
-            if (w && !in_word) words++;
-            in_word = w;
-        }
-        return jv_int(words);
-    }
-    if (!strcmp(name, "center")) return f_center(r, v, a);
-    if (!strcmp(name, "truncate")) return f_truncate(r, v, a);
-    if (!strcmp(name, "batch")) return f_batch_slice(r, v, a, false);
-    if (!strcmp(name, "slice")) return f_batch_slice(r, v, a, true);
-    if (!strcmp(name, "attr")) {
-        static const char *const P[] = {"name"};
-        bind(r, name, a, 0, P, 1, p);
-        if (missing(p[0]) || p[0].kind != JV_STR) fail(r, "attr() needs a name");
-        return get_attr(r, v, p[0].s->data);
-    }
-    if (!strcmp(name, "pprint")) {
-        NOARGS();
-        jinja_buf b = JBUF(&r->c);
-        jv_to_repr(&r->c, &b, v);
-        return jv_str_buf(&r->c, &b);
-    }
-    if (!strcmp(name, "format")) return f_format(r, v, a);
-    if (jinja_filter_known(name)) fail(r, "filter '%s' is not supported", name);
-    fail(r, "No filter named '%s' found.", name);
-#undef NOARGS
+static jinja_value f_trim(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"chars"};
+    jinja_value p[1];
+    bind(r, b->name, a, 0, P, 1, p);
+    return str_strip(r, jv_stringify(&r->c, v), p[0], 3);
 }
 
-/* ==== Tests ==== */
-
-static bool apply_test(render *r, const char *name, jinja_value v, const args *a) {
-    jinja_value arg = a->n ? a->v[0] : (jinja_value){.kind = MISSING};
-    if (!strcmp(name, "defined")) return v.kind != JV_UNDEF;
-    if (!strcmp(name, "undefined")) return v.kind == JV_UNDEF;
-    if (!strcmp(name, "none")) return v.kind == JV_NONE;
-    if (!strcmp(name, "boolean")) return v.kind == JV_BOOL;
-    if (!strcmp(name, "true")) return v.kind == JV_BOOL && v.b;
-    if (!strcmp(name, "false")) return v.kind == JV_BOOL && !v.b;
-    if (!strcmp(name, "integer")) return v.kind == JV_INT;
-    if (!strcmp(name, "float")) return v.kind == JV_FLOAT;
-    if (!strcmp(name, "number")) return jv_is_num(v);
-    if (!strcmp(name, "string")) return v.kind == JV_STR;
-    if (!strcmp(name, "mapping")) return v.kind == JV_DICT && !v.d->ns;
-    if (!strcmp(name, "iterable"))
-        return v.kind == JV_STR || v.kind == JV_LIST || (v.kind == JV_DICT && !v.d->ns) ||
-               v.kind == JV_UNDEF;
-    if (!strcmp(name, "sequence"))
-        return v.kind == JV_STR || v.kind == JV_LIST || (v.kind == JV_DICT && !v.d->ns) ||
-               v.kind == JV_UNDEF;
-    if (!strcmp(name, "callable"))
-        return v.kind == JV_MACRO || v.kind == JV_FUNC || v.kind == JV_METHOD;
-    if (!strcmp(name, "escaped")) return v.kind == JV_STR && v.safe;
-    if (!strcmp(name, "filter")) return v.kind == JV_STR && jinja_filter_known(v.s->data);
-    if (!strcmp(name, "test")) return v.kind == JV_STR && jinja_test_known(v.s->data);
-    if (!strcmp(name, "lower") || !strcmp(name, "upper")) {
-        if (v.kind != JV_STR) return false;
-        bool any = false;
-        for (size_t p = 0; p < v.s->len;) {
-            uint32_t cp = jinja_utf8_next(v.s->data, v.s->len, &p);
-            if (name[0] == 'l' ? is_upper_cp(cp) : is_lower_cp(cp)) return false;
-            if (is_cased(cp)) any = true;
-        }
-        return any;
-    }
-    if (!strcmp(name, "odd") || !strcmp(name, "even")) {
-        int64_t x = as_int(r, v, name);
-        return ((x % 2) != 0) == (name[0] == 'o');
-    }
-    if (missing(arg)) {
-        if (jinja_test_known(name)) fail(r, "test '%s' needs an argument", name);
-        fail(r, "No test named '%s' found.", name);
-    }
-    if (!strcmp(name, "divisibleby")) {
-        int64_t d = as_int(r, arg, "divisor");
-        if (!d) fail(r, "integer division or modulo by zero");
-        return as_int(r, v, "value") % d == 0;
-    }
-    if (!strcmp(name, "sameas")) {
-        if (v.kind != arg.kind) return false;
-        if (v.kind == JV_NONE || v.kind == JV_UNDEF) return true;
-        if (v.kind == JV_BOOL) return v.b == arg.b;
-        if (v.kind == JV_INT) return v.i == arg.i && v.i >= -5 && v.i <= 256;
-        if (v.kind == JV_LIST) return v.l == arg.l;
-        if (v.kind == JV_DICT) return v.d == arg.d;
-        return false;
-    }
-    if (!strcmp(name, "eq") || !strcmp(name, "equalto") || !strcmp(name, "=="))
-        return jv_equal(v, arg);
-    if (!strcmp(name, "ne") || !strcmp(name, "!=")) return !jv_equal(v, arg);
-    if (!strcmp(name, "lt") || !strcmp(name, "lessthan") || !strcmp(name, "<"))
-        return jv_compare(&r->c, v, arg) < 0;
-    if (!strcmp(name, "le") || !strcmp(name, "<=")) return jv_compare(&r->c, v, arg) <= 0;
-    if (!strcmp(name, "gt") || !strcmp(name, "greaterthan") || !strcmp(name, ">"))
-        return jv_compare(&r->c, v, arg) > 0;
-    if (!strcmp(name, "ge") || !strcmp(name, ">=")) return jv_compare(&r->c, v, arg) >= 0;
-    if (!strcmp(name, "in")) {
-        jinja_value in_ = arg;
-        if (in_.kind == JV_STR) {
-            if (v.kind != JV_STR) fail(r, "'in <string>' requires string as left operand");
-            return memmem_at(in_.s->data, in_.s->len, v.s->data, v.s->len) != NULL;
-        }
-        if (in_.kind == JV_DICT) {
-            jinja_value dummy;
-            return jv_dict_get(in_.d, v, &dummy);
-        }
-        jinja_list *l = iter_list(r, in_);
-        for (size_t i = 0; i < l->n; i++)
-            if (jv_equal(l->items[i], v)) return true;
-        return false;
-    }
-    fail(r, "No test named '%s' found.", name);
+/* default and d */
+static jinja_value f_default(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"default_value", "boolean"};
+    jinja_value p[2];
+    bind(r, b->name, a, 0, P, 2, p);
+    bool use = v.kind == JV_UNDEF || (!missing(p[1]) && jv_truthy(p[1]) && !jv_truthy(v));
+    return use ? or_default(p[0], cstr(r, "")) : v;
 }
 
-static const char *const known_filters[] = {
-    "abs",       "attr",       "batch",       "capitalize", "center",  "count",
-    "d",         "default",    "dictsort",    "e",          "escape",  "filesizeformat",
-    "first",     "float",      "forceescape", "format",     "groupby", "indent",
-    "int",       "join",       "last",        "length",     "list",    "lower",
-    "items",     "map",        "min",         "max",        "pprint",  "random",
-    "reject",    "rejectattr", "replace",     "reverse",    "round",   "safe",
-    "select",    "selectattr", "slice",       "sort",       "string",  "striptags",
-    "sum",       "title",      "trim",        "truncate",   "unique",  "upper",
-    "urlencode", "urlize",     "wordcount",   "wordwrap",   "xmlattr", "tojson",
-    NULL};
+static jinja_value f_string(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    return jv_stringify(&r->c, v);
+}
 
-static const char *const known_tests[] = {
-    "odd",    "even",     "divisibleby", "defined",     "undefined", "filter",   "test",
-    "none",   "boolean",  "false",       "true",        "integer",   "float",    "number",
-    "lower",  "upper",    "string",      "mapping",     "sequence",  "iterable", "callable",
-    "sameas", "escaped",  "in",          "==",          "eq",        "equalto",  "!=",
-    "ne",     ">",        "gt",          "greaterthan", "ge",        ">=",       "<",
-    "lt",     "lessthan", "<=",          "le",          NULL};
+static jinja_value f_items(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    if (v.kind == JV_UNDEF) return as_generator(jv_list(&r->c, 0));
+    if (v.kind != JV_DICT || v.d->ns) fail(r, "Can only get item pairs from a mapping.");
+    jinja_value out = as_generator(jv_list(&r->c, v.d->n));
+    for (size_t i = 0; i < v.d->n; i++)
+        jv_list_push(&r->c, out.l, make_pair(r, v.d->keys[i], v.d->vals[i]));
+    return out;
+}
 
-bool jinja_filter_known(const char *name) {
-    for (const char *const *k = known_filters; *k; k++)
-        if (!strcmp(*k, name)) return true;
+/* upper, lower, capitalize: mode is the case_mode */
+static jinja_value f_case(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    return str_case(r, jv_stringify(&r->c, v), (case_mode)b->mode);
+}
+
+static jinja_value f_safe(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    jinja_value s = jv_stringify(&r->c, v);
+    s.safe = 1;
+    return s;
+}
+
+/* escape and e (mode 0); forceescape (mode 1) escapes a Markup string again */
+static jinja_value f_escape(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    if (b->mode && v.kind == JV_STR) v.safe = 0;
+    return html_escape(r, v);
+}
+
+static jinja_value f_list(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    jinja_list *l = iter_list(r, v);
+    jinja_value out = jv_list(&r->c, l->n);
+    for (size_t i = 0; i < l->n; i++) jv_list_push(&r->c, out.l, l->items[i]);
+    return out;
+}
+
+static jinja_value f_replace(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"old", "new", "count"};
+    jinja_value p[3];
+    bind(r, b->name, a, 0, P, 3, p);
+    if (missing(p[0]) || missing(p[1])) fail(r, "replace() needs old and new");
+    int64_t count = missing(p[2]) || p[2].kind == JV_NONE ? -1 : as_int(r, p[2], "count");
+    jinja_value s = jv_stringify(&r->c, v);
+    return str_replace(r, s, jv_stringify(&r->c, p[0]), jv_stringify(&r->c, p[1]), count);
+}
+
+static jinja_value f_abs(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    if (v.kind == JV_INT) return jv_int(v.i < 0 ? -v.i : v.i);
+    if (v.kind == JV_BOOL) return jv_int(v.b);
+    if (v.kind == JV_FLOAT) return jv_float(fabs(v.f));
+    fail(r, "bad operand type for abs(): '%s'", jv_type_name(v));
+}
+
+static jinja_value f_reverse(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    if (v.kind == JV_STR) {
+        jinja_list *chars = iter_list(r, v);
+        moe_strbuf out = jinja_strbuf(&r->c);
+        for (size_t i = chars->n; i > 0; i--)
+            moe_strbuf_put(&out, chars->items[i - 1].s->data, chars->items[i - 1].s->len);
+        return jv_str_buf(&r->c, &out);
+    }
+    jinja_list *l = iter_list(r, v);
+    jinja_value out = jv_list(&r->c, l->n);
+    for (size_t i = l->n; i > 0; i--) jv_list_push(&r->c, out.l, l->items[i - 1]);
+    return as_generator(out); /* reversed(): an iterator */
+}
+
+static jinja_value f_wordcount(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    jinja_value s = jv_stringify(&r->c, v);
+    int64_t words = 0;
+    bool in_word = false;
+    for (size_t i = 0; i < s.s->len; i++) {
+        unsigned char ch = (unsigned char)s.s->data[i];
+        bool w = isalnum(ch) || ch == '_' || ch >= 0x80;
+        if (w && !in_word) words++;
+        in_word = w;
+    }
+    return jv_int(words);
+}
+
+static jinja_value f_attr(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"name"};
+    jinja_value p[1];
+    bind(r, b->name, a, 0, P, 1, p);
+    if (missing(p[0]) || p[0].kind != JV_STR) fail(r, "attr() needs a name");
+    return get_attr(r, v, p[0].s->data);
+}
+
+static jinja_value f_pprint(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    moe_strbuf out = jinja_strbuf(&r->c);
+    jv_to_repr(&r->c, &out, v);
+    return jv_str_buf(&r->c, &out);
+}
+
+static jinja_value percent_format(render *r, jinja_value fmt, jinja_list *vals);
+
+static jinja_value f_format(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    jinja_value s = jv_stringify(&r->c, v);
+    jinja_list *vals = jv_list(&r->c, a->n).l;
+    for (size_t i = 0; i < a->n; i++) {
+        if (a->names && a->names[i])
+            fail(r, "%s filter keyword arguments are not supported", b->name);
+        jv_list_push(&r->c, vals, a->v[i]);
+    }
+    return percent_format(r, s, vals);
+}
+
+/* Every filter Jinja2 3.x has, with tojson as transformers defines it. */
+static const jinja_builtin filters[] = {
+    {"abs", f_abs, 0},
+    {"attr", f_attr, 0},
+    {"batch", f_batch_slice, 0},
+    {"capitalize", f_case, CASE_CAPITALIZE},
+    {"center", f_center, 0},
+    {"count", f_length, 0},
+    {"d", f_default, 0},
+    {"default", f_default, 0},
+    {"dictsort", f_dictsort, 0},
+    {"e", f_escape, 0},
+    {"escape", f_escape, 0},
+    {"filesizeformat", NULL, 0},
+    {"first", f_first_last, 0},
+    {"float", f_float, 0},
+    {"forceescape", f_escape, 1},
+    {"format", f_format, 0},
+    {"groupby", NULL, 0},
+    {"indent", f_indent, 0},
+    {"int", f_int, 0},
+    {"items", f_items, 0},
+    {"join", f_join, 0},
+    {"last", f_first_last, 1},
+    {"length", f_length, 0},
+    {"list", f_list, 0},
+    {"lower", f_case, CASE_LOWER},
+    {"map", f_map, 0},
+    {"max", f_minmax, 1},
+    {"min", f_minmax, 0},
+    {"pprint", f_pprint, 0},
+    {"random", NULL, 0},
+    {"reject", f_select, 0},
+    {"rejectattr", f_select, SELECT_BY_ATTR},
+    {"replace", f_replace, 0},
+    {"reverse", f_reverse, 0},
+    {"round", f_round, 0},
+    {"safe", f_safe, 0},
+    {"select", f_select, SELECT_KEEP},
+    {"selectattr", f_select, SELECT_KEEP | SELECT_BY_ATTR},
+    {"slice", f_batch_slice, 1},
+    {"sort", f_sort, 0},
+    {"string", f_string, 0},
+    {"striptags", NULL, 0},
+    {"sum", f_sum, 0},
+    {"title", f_title, 0},
+    {"tojson", f_tojson, 0},
+    {"trim", f_trim, 0},
+    {"truncate", f_truncate, 0},
+    {"unique", f_unique, 0},
+    {"upper", f_case, CASE_UPPER},
+    {"urlencode", NULL, 0},
+    {"urlize", NULL, 0},
+    {"wordcount", f_wordcount, 0},
+    {"wordwrap", NULL, 0},
+    {"xmlattr", NULL, 0},
+};
+
+static jinja_value apply_filter(render *r, const jinja_builtin *f, const char *name, jinja_value v,
+                                const args *a) {
+    if (!f) f = jinja_filter_find(name);
+    if (!f) fail(r, "No filter named '%s' found.", name);
+    if (!f->fn) fail(r, "filter '%s' is not supported", name);
+    return f->fn(r, v, a, f);
+}
+
+const jinja_builtin *jinja_filter_find(const char *name) {
+    return BUILTIN_FIND(filters, name);
+}
+
+/* ==== Tests (each returns a bool value) ==== */
+
+static jinja_value test_arg(render *r, const args *a, const jinja_builtin *b) {
+    if (!a->n) fail(r, "test '%s' needs an argument", b->name);
+    return a->v[0];
+}
+
+/* The tests that look at the value alone: mode says which. */
+enum {
+    TEST_UNDEFINED,
+    TEST_DEFINED,
+    TEST_NONE,
+    TEST_BOOLEAN,
+    TEST_TRUE,
+    TEST_FALSE,
+    TEST_INTEGER,
+    TEST_FLOAT,
+    TEST_NUMBER,
+    TEST_STRING,
+    TEST_MAPPING,
+    TEST_ITERABLE, /* and sequence */
+    TEST_CALLABLE,
+    TEST_ESCAPED,
+};
+static jinja_value t_value(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    (void)r;
+    (void)a;
+    bool mapping = v.kind == JV_DICT && !v.d->ns;
+    switch (b->mode) {
+    case TEST_UNDEFINED:
+        return jv_bool(v.kind == JV_UNDEF);
+    case TEST_DEFINED:
+        return jv_bool(v.kind != JV_UNDEF);
+    case TEST_NONE:
+        return jv_bool(v.kind == JV_NONE);
+    case TEST_BOOLEAN:
+        return jv_bool(v.kind == JV_BOOL);
+    case TEST_TRUE:
+        return jv_bool(v.kind == JV_BOOL && v.b);
+    case TEST_FALSE:
+        return jv_bool(v.kind == JV_BOOL && !v.b);
+    case TEST_INTEGER:
+        return jv_bool(v.kind == JV_INT);
+    case TEST_FLOAT:
+        return jv_bool(v.kind == JV_FLOAT);
+    case TEST_NUMBER:
+        return jv_bool(jv_is_num(v));
+    case TEST_STRING:
+        return jv_bool(v.kind == JV_STR);
+    case TEST_MAPPING:
+        return jv_bool(mapping);
+    case TEST_ITERABLE:
+        return jv_bool(v.kind == JV_STR || v.kind == JV_LIST || mapping || v.kind == JV_UNDEF);
+    case TEST_CALLABLE:
+        return jv_bool(v.kind == JV_MACRO || v.kind == JV_FUNC || v.kind == JV_METHOD ||
+                       v.kind == JV_LOOP);
+    default:
+        return jv_bool(v.kind == JV_STR && v.safe);
+    }
+}
+
+/* filter (mode 0) and test (mode 1): is the string the name of one */
+static jinja_value t_named(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    (void)r;
+    (void)a;
+    return jv_bool(v.kind == JV_STR &&
+                   (b->mode ? jinja_test_find(v.s->data) : jinja_filter_find(v.s->data)));
+}
+
+/* lower (mode 0) and upper (mode 1): some cased character and none of the other case */
+static jinja_value t_case(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    (void)r;
+    (void)a;
+    if (v.kind != JV_STR) return jv_bool(false);
+    bool any = false;
+    for (size_t p = 0; p < v.s->len;) {
+        uint32_t cp = jinja_utf8_next(v.s->data, v.s->len, &p);
+        if (b->mode ? is_lower_cp(cp) : is_upper_cp(cp)) return jv_bool(false);
+        if (is_cased(cp)) any = true;
+    }
+    return jv_bool(any);
+}
+
+/* even (mode 0) and odd (mode 1) */
+static jinja_value t_parity(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    (void)a;
+    int64_t x = as_int(r, v, b->name);
+    return jv_bool(((x % 2) != 0) == (bool)b->mode);
+}
+
+static jinja_value t_divisibleby(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    int64_t d = as_int(r, test_arg(r, a, b), "divisor");
+    if (!d) fail(r, "integer division or modulo by zero");
+    return jv_bool(as_int(r, v, "value") % d == 0);
+}
+
+static jinja_value t_sameas(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    jinja_value arg = test_arg(r, a, b);
+    if (v.kind != arg.kind) return jv_bool(false);
+    switch (v.kind) {
+    case JV_NONE:
+    case JV_UNDEF:
+        return jv_bool(true);
+    case JV_BOOL:
+        return jv_bool(v.b == arg.b);
+    case JV_INT: /* CPython caches the small ints: only those are the same object */
+        return jv_bool(v.i == arg.i && v.i >= -5 && v.i <= 256);
+    case JV_LIST:
+        return jv_bool(v.l == arg.l);
+    case JV_DICT:
+        return jv_bool(v.d == arg.d);
+    default:
+        return jv_bool(false);
+    }
+}
+
+/* eq, ne, lt, le, gt, ge and their aliases: mode is the jinja_op */
+static jinja_value binary(render *r, jinja_op op, jinja_value x, jinja_value y);
+static jinja_value t_compare(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    return binary(r, (jinja_op)b->mode, v, test_arg(r, a, b));
+}
+
+/* Python's `v in container` */
+static bool contains(render *r, jinja_value v, jinja_value container) {
+    if (container.kind == JV_STR) {
+        if (v.kind != JV_STR) fail(r, "'in <string>' requires string as left operand");
+        return memmem_at(container.s->data, container.s->len, v.s->data, v.s->len) != NULL;
+    }
+    if (container.kind == JV_DICT) {
+        jinja_value dummy;
+        return jv_dict_get(container.d, v, &dummy);
+    }
+    jinja_list *l = iter_list(r, container);
+    for (size_t i = 0; i < l->n; i++)
+        if (jv_equal(l->items[i], v)) return true;
     return false;
 }
 
-bool jinja_test_known(const char *name) {
-    for (const char *const *k = known_tests; *k; k++)
-        if (!strcmp(*k, name)) return true;
-    return false;
+static jinja_value t_in(render *r, jinja_value v, const args *a, const jinja_builtin *b) {
+    return jv_bool(contains(r, v, test_arg(r, a, b)));
+}
+
+/* Every test Jinja2 3.x has. */
+static const jinja_builtin tests[] = {
+    {"!=", t_compare, JOP_NE},
+    {"<", t_compare, JOP_LT},
+    {"<=", t_compare, JOP_LE},
+    {"==", t_compare, JOP_EQ},
+    {">", t_compare, JOP_GT},
+    {">=", t_compare, JOP_GE},
+    {"boolean", t_value, TEST_BOOLEAN},
+    {"callable", t_value, TEST_CALLABLE},
+    {"defined", t_value, TEST_DEFINED},
+    {"divisibleby", t_divisibleby, 0},
+    {"eq", t_compare, JOP_EQ},
+    {"equalto", t_compare, JOP_EQ},
+    {"escaped", t_value, TEST_ESCAPED},
+    {"even", t_parity, 0},
+    {"false", t_value, TEST_FALSE},
+    {"filter", t_named, 0},
+    {"float", t_value, TEST_FLOAT},
+    {"ge", t_compare, JOP_GE},
+    {"greaterthan", t_compare, JOP_GT},
+    {"gt", t_compare, JOP_GT},
+    {"in", t_in, 0},
+    {"integer", t_value, TEST_INTEGER},
+    {"iterable", t_value, TEST_ITERABLE},
+    {"le", t_compare, JOP_LE},
+    {"lessthan", t_compare, JOP_LT},
+    {"lower", t_case, 0},
+    {"lt", t_compare, JOP_LT},
+    {"mapping", t_value, TEST_MAPPING},
+    {"ne", t_compare, JOP_NE},
+    {"none", t_value, TEST_NONE},
+    {"number", t_value, TEST_NUMBER},
+    {"odd", t_parity, 1},
+    {"sameas", t_sameas, 0},
+    {"sequence", t_value, TEST_ITERABLE},
+    {"string", t_value, TEST_STRING},
+    {"test", t_named, 1},
+    {"true", t_value, TEST_TRUE},
+    {"undefined", t_value, TEST_UNDEFINED},
+    {"upper", t_case, 1},
+};
+
+static bool apply_test(render *r, const jinja_builtin *t, const char *name, jinja_value v,
+                       const args *a) {
+    if (!t) t = jinja_test_find(name);
+    if (!t) fail(r, "No test named '%s' found.", name);
+    return jv_truthy(t->fn(r, v, a, t));
+}
+
+const jinja_builtin *jinja_test_find(const char *name) {
+    return BUILTIN_FIND(tests, name);
 }
 
 /* ==== Python %-formatting (the `format` filter and str % args) ==== */
 
 static jinja_value percent_format(render *r, jinja_value fmt, jinja_list *vals) {
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     size_t vi = 0;
     const char *s = fmt.s->data;
     size_t n = fmt.s->len;
     for (size_t i = 0; i < n; i++) {
         if (s[i] != '%') {
-            jbuf_putc(&b, s[i]);
+            moe_strbuf_putc(&b, s[i]);
             continue;
         }
         if (++i >= n) {
-            jbuf_free(&b);
+            moe_strbuf_free(&b);
             fail(r, "incomplete format");
         }
         if (s[i] == '%') {
-            jbuf_putc(&b, '%');
+            moe_strbuf_putc(&b, '%');
             continue;
         }
         char spec[32];
@@ -1371,41 +1550,41 @@ static jinja_value percent_format(render *r, jinja_value fmt, jinja_list *vals) 
         spec[k++] = '%';
         while (i < n && strchr("-+ #0123456789.", s[i]) && k < 20) spec[k++] = s[i++];
         if (i >= n) {
-            jbuf_free(&b);
+            moe_strbuf_free(&b);
             fail(r, "incomplete format");
         }
         char conv = s[i];
         if (vi >= vals->n) {
-            jbuf_free(&b);
+            moe_strbuf_free(&b);
             fail(r, "not enough arguments for format string");
         }
         jinja_value v = vals->items[vi++];
         if (conv == 's' || conv == 'r') {
-            jinja_buf t = JBUF(&r->c);
+            moe_strbuf t = jinja_strbuf(&r->c);
             if (conv == 's')
                 jv_to_str(&r->c, &t, v);
             else
                 jv_to_repr(&r->c, &t, v);
             spec[k++] = 's';
             spec[k] = '\0';
-            jbuf_printf(&b, spec, t.data ? t.data : "");
-            jbuf_free(&t);
+            moe_strbuf_printf(&b, spec, t.s ? t.s : "");
+            moe_strbuf_free(&t);
         } else if (conv == 'd' || conv == 'i') {
             if (!jv_is_num(v)) {
-                jbuf_free(&b);
+                moe_strbuf_free(&b);
                 fail(r, "%%d format: a number is required, not %s", jv_type_name(v));
             }
             spec[k++] = 'l';
             spec[k++] = 'l';
             spec[k++] = 'd';
             spec[k] = '\0';
-            jbuf_printf(&b, spec,
-                        (long long)(v.kind == JV_FLOAT  ? (int64_t)v.f
-                                    : v.kind == JV_BOOL ? v.b
-                                                        : v.i));
+            moe_strbuf_printf(&b, spec,
+                              (long long)(v.kind == JV_FLOAT  ? (int64_t)v.f
+                                          : v.kind == JV_BOOL ? v.b
+                                                              : v.i));
         } else if (strchr("feEgGxXo", conv)) {
             if (!jv_is_num(v)) {
-                jbuf_free(&b);
+                moe_strbuf_free(&b);
                 fail(r, "format: a number is required, not %s", jv_type_name(v));
             }
             if (strchr("xXo", conv)) {
@@ -1413,55 +1592,373 @@ static jinja_value percent_format(render *r, jinja_value fmt, jinja_list *vals) 
                 spec[k++] = 'l';
                 spec[k++] = conv;
                 spec[k] = '\0';
-                jbuf_printf(&b, spec, (long long)jv_as_double(v));
+                moe_strbuf_printf(&b, spec, (long long)jv_as_double(v));
             } else {
                 spec[k++] = conv;
                 spec[k] = '\0';
-                jbuf_printf(&b, spec, jv_as_double(v));
+                moe_strbuf_printf(&b, spec, jv_as_double(v));
             }
         } else {
-            jbuf_free(&b);
+            moe_strbuf_free(&b);
             fail(r, "unsupported format character '%c'", conv);
         }
     }
     if (vi < vals->n) {
-        jbuf_free(&b);
+        moe_strbuf_free(&b);
         fail(r, "not all arguments converted during string formatting");
     }
     return jv_str_buf(&r->c, &b);
 }
 
-static jinja_value f_format(render *r, jinja_value v, const args *a) {
-    jinja_value s = jv_stringify(&r->c, v);
-    jinja_list *vals = jv_list(&r->c, a->n).l;
-    for (size_t i = 0; i < a->n; i++) {
-        if (a->names && a->names[i]) fail(r, "format filter keyword arguments are not supported");
-        jv_list_push(&r->c, vals, a->v[i]);
+/* ==== Python's str.format and its format mini-language ==== */
+
+typedef struct format_spec {
+    uint32_t fill;     /* a code point */
+    char align;        /* '<', '>', '^', '=' or 0 (the type's default) */
+    char sign;         /* '+', '-', ' ' or 0 */
+    bool alt;          /* '#' */
+    char grouping;     /* ',', '_' or 0 */
+    bool zero_grouped; /* the '0' flag with grouping: the zeros are digits, separators go between */
+    int64_t width, precision; /* -1: not given */
+    char type;                /* 0: not given */
+} format_spec;
+
+static bool spec_char(char c, const char *set) {
+    return c && strchr(set, c);
+}
+
+static int64_t spec_number(render *r, const char *s, size_t n, size_t *p) {
+    int64_t v = 0;
+    size_t start = *p;
+    for (; *p < n && s[*p] >= '0' && s[*p] <= '9'; (*p)++) {
+        v = v * 10 + (s[*p] - '0');
+        if (v > JINJA_MAX_OUTPUT) fail(r, "Too many decimal digits in format string");
     }
-    return percent_format(r, s, vals);
+    return *p > start ? v : -1;
+}
+
+/* [[fill]align][sign][z][#][0][width][grouping][.precision][type]; numbers says what '0' means */
+static format_spec parse_spec(render *r, const char *s, size_t n, bool number) {
+    format_spec f = {.fill = ' ', .width = -1, .precision = -1};
+    size_t p = 0, q = 0;
+    bool fill_given = false;
+    uint32_t first = n ? jinja_utf8_next(s, n, &q) : 0;
+    if (q < n && spec_char(s[q], "<>=^")) {
+        f.fill = first;
+        f.align = s[q];
+        fill_given = true;
+        p = q + 1;
+    } else if (n && spec_char(s[0], "<>=^")) {
+        f.align = s[0];
+        p = 1;
+    }
+    if (p < n && spec_char(s[p], "+- ")) f.sign = s[p++];
+    if (p < n && s[p] == 'z') p++; /* negative zero as zero: no value here differs */
+    if (p < n && s[p] == '#') f.alt = s[p++] == '#';
+    bool zero = p < n && s[p] == '0';
+    if (zero) {
+        p++;
+        if (!fill_given) f.fill = '0';
+        if (!f.align && number) f.align = '=';
+    }
+    f.width = spec_number(r, s, n, &p);
+    if (p < n && spec_char(s[p], ",_")) f.grouping = s[p++];
+    f.zero_grouped = zero && number && f.align == '=' && !fill_given && f.grouping;
+    if (p < n && s[p] == '.') {
+        p++;
+        f.precision = spec_number(r, s, n, &p);
+        if (f.precision < 0) fail(r, "Format specifier missing precision");
+    }
+    if (p < n) f.type = s[p++];
+    if (p < n) fail(r, "Invalid format specifier");
+    return f;
+}
+
+/* The integer part digits[0..n) with the grouping character every `every` digits, led by zeros
+ * until it is at least min_len long (a separator is never first: it may overshoot by one). */
+static void put_grouped(moe_strbuf *out, const char *digits, size_t n, char grouping, int every,
+                        size_t min_len) {
+    size_t k = n; /* digits to write, zeros included */
+    while (k + (grouping ? (k - 1) / (size_t)every : 0) < min_len) k++;
+    for (size_t i = 0; i < k; i++) {
+        if (grouping && i && (k - i) % (size_t)every == 0) moe_strbuf_putc(out, grouping);
+        moe_strbuf_putc(out, i < k - n ? '0' : digits[i - (k - n)]);
+    }
+}
+
+/* How long the integer part must be for the '0' flag with grouping to fill the width, given
+ * the other characters (sign aside) the number takes. */
+static size_t zero_grouped_len(const format_spec *f, bool negative, size_t other) {
+    if (!f->zero_grouped || f->width < 0) return 0;
+    size_t used = other + (negative || f->sign == '+' || f->sign == ' ');
+    return (size_t)f->width > used ? (size_t)f->width - used : 0;
+}
+
+/* The digits of a number (no sign): integers in their base, floats as printf or repr writes
+ * them; grouping goes into the integer part. */
+static void format_digits(render *r, moe_strbuf *out, jinja_value v, const format_spec *f,
+                          bool *negative) {
+    char tmp[400];
+    char type = f->type;
+    if (v.kind != JV_FLOAT && !spec_char(type, "eEfFgG%")) {
+        int64_t i = v.kind == JV_BOOL ? v.b : v.i;
+        *negative = i < 0;
+        uint64_t u = i < 0 ? (uint64_t)0 - (uint64_t)i : (uint64_t)i;
+        if (type == 'c') {
+            if (i < 0 || u > 0x10ffff) fail(r, "%%c arg not in range(0x110000)");
+            jinja_utf8_put(out, (uint32_t)u);
+            return;
+        }
+        int base = type == 'b' ? 2 : type == 'o' ? 8 : spec_char(type, "xX") ? 16 : 10;
+        const char *digit_set = type == 'X' ? "0123456789ABCDEF" : "0123456789abcdef";
+        bool prefixed = f->alt && base != 10;
+        if (prefixed)
+            moe_strbuf_puts(out, base == 2 ? "0b" : base == 8 ? "0o" : type == 'X' ? "0X" : "0x");
+        size_t n = 0;
+        do {
+            tmp[sizeof tmp - 1 - n++] = digit_set[u % (uint64_t)base];
+            u /= (uint64_t)base;
+        } while (u);
+        if (f->grouping == ',' && base != 10) fail(r, "Cannot specify ',' with '%c'.", type);
+        put_grouped(out, tmp + sizeof tmp - n, n, f->grouping, base == 10 ? 3 : 4,
+                    zero_grouped_len(f, *negative, prefixed ? 2 : 0));
+        return;
+    }
+    double x = jv_as_double(v);
+    *negative = signbit(x);
+    x = fabs(x);
+    bool upper = spec_char(type, "EFG");
+    if (isinf(x) || isnan(x)) {
+        moe_strbuf_puts(out, isinf(x) ? (upper ? "INF" : "inf") : (upper ? "NAN" : "nan"));
+        if (type == '%') moe_strbuf_putc(out, '%');
+        return;
+    }
+    int prec = f->precision < 0 ? 6 : f->precision > 300 ? 300 : (int)f->precision;
+    moe_strbuf body = jinja_strbuf(&r->c);
+    switch (type) {
+    case 'f':
+    case 'F':
+        moe_strbuf_printf(&body, f->alt ? "%#.*f" : "%.*f", prec, x);
+        break;
+    case '%':
+        moe_strbuf_printf(&body, f->alt ? "%#.*f%%" : "%.*f%%", prec, x * 100);
+        break;
+    case 'e':
+    case 'E':
+        moe_strbuf_printf(&body, f->alt ? (upper ? "%#.*E" : "%#.*e") : (upper ? "%.*E" : "%.*e"),
+                          prec, x);
+        break;
+    case 'g':
+    case 'G':
+    case 'n':
+        moe_strbuf_printf(&body, f->alt ? (upper ? "%#.*G" : "%#.*g") : (upper ? "%.*G" : "%.*g"),
+                          prec ? prec : 1, x);
+        break;
+    default: /* none: repr; with a precision, 'g' that switches to exponents at p - 1 and keeps
+              * one decimal in fixed notation */
+        if (f->precision < 0) {
+            jinja_format_float(&body, x);
+            break;
+        }
+        prec = prec ? prec : 1;
+        moe_strbuf_printf(&body, "%.*e", prec - 1, x);
+        char *e = strchr(body.s, 'e');
+        int exp10 = atoi(e + 1);
+        if (exp10 >= -4 && exp10 < prec - 1) {
+            moe_strbuf_reset(&body);
+            moe_strbuf_printf(&body, "%.*g", prec, x);
+            if (!strchr(body.s, '.')) moe_strbuf_puts(&body, ".0");
+        } else if (strchr(body.s, '.')) { /* drop the mantissa's trailing zeros, as 'g' does */
+            char *m = e;
+            while (m[-1] == '0') m--;
+            if (m[-1] == '.') m--;
+            memmove(m, e, strlen(e) + 1);
+            body.len = strlen(body.s);
+        }
+        break;
+    }
+    size_t int_len = strspn(body.s, "0123456789");
+    put_grouped(out, body.s, int_len, f->grouping, 3,
+                zero_grouped_len(f, *negative, body.len - int_len));
+    moe_strbuf_puts(out, body.s + int_len);
+    moe_strbuf_free(&body);
+}
+
+/* format(v, spec) for the values templates have. */
+static void format_value(render *r, moe_strbuf *out, jinja_value v, const char *spec, size_t n) {
+    if (!n) {
+        jv_to_str(&r->c, out, v);
+        return;
+    }
+    bool number = jv_is_num(v);
+    if (!number && v.kind != JV_STR)
+        fail(r, "unsupported format string passed to %s.__format__", jv_type_name(v));
+    format_spec f = parse_spec(r, spec, n, number);
+    moe_strbuf body = jinja_strbuf(&r->c);
+    const char *sign = "";
+    size_t prefix = 0; /* bytes of body before the digits: the '=' padding goes there */
+    if (v.kind == JV_STR) {
+        if (f.type && f.type != 's')
+            fail(r, "Unknown format code '%c' for object of type 'str'", f.type);
+        if (f.sign) fail(r, "Sign not allowed in string format specifier");
+        if (f.alt) fail(r, "Alternate form (#) not allowed in string format specifier");
+        if (f.align == '=') fail(r, "'=' alignment not allowed in string format specifier");
+        if (f.grouping) fail(r, "Cannot specify '%c' with 's'.", f.grouping);
+        size_t len = v.s->len;
+        if (f.precision >= 0) len = jinja_utf8_offset(v.s->data, v.s->len, (size_t)f.precision);
+        moe_strbuf_put(&body, v.s->data, len);
+        if (!f.align) f.align = '<';
+    } else {
+        const char *types = v.kind == JV_FLOAT ? "eEfFgGn%" : "bcdoxXneEfFgG%";
+        if (f.type && !spec_char(f.type, types))
+            fail(r, "Unknown format code '%c' for object of type '%s'", f.type, jv_type_name(v));
+        if (f.precision >= 0 && v.kind != JV_FLOAT && !spec_char(f.type, "eEfFgG%"))
+            fail(r, "Precision not allowed in integer format specifier");
+        bool negative = false;
+        format_digits(r, &body, v, &f, &negative);
+        sign = negative ? "-" : f.sign == '+' ? "+" : f.sign == ' ' ? " " : "";
+        if (f.alt && spec_char(f.type, "bBoxX")) prefix = 2;
+        if (!f.align) f.align = '>';
+    }
+    size_t chars = strlen(sign) + jinja_utf8_count(body.s ? body.s : "", body.len);
+    size_t pad = f.width > 0 && (size_t)f.width > chars ? (size_t)f.width - chars : 0;
+    size_t left = f.align == '>' ? pad : f.align == '^' ? pad / 2 : 0;
+    for (size_t i = 0; i < left; i++) jinja_utf8_put(out, f.fill);
+    moe_strbuf_puts(out, sign);
+    if (body.len) moe_strbuf_put(out, body.s, prefix);
+    if (f.align == '=')
+        for (size_t i = 0; i < pad; i++) jinja_utf8_put(out, f.fill);
+    if (body.len) moe_strbuf_put(out, body.s + prefix, body.len - prefix);
+    if (f.align == '<' || f.align == '^')
+        for (size_t i = left; i < pad; i++) jinja_utf8_put(out, f.fill);
+    moe_strbuf_free(&body);
+}
+
+typedef struct format_args {
+    const args *a;
+    size_t next;            /* the next automatic field number */
+    bool manual, automatic; /* which numbering the string used (Python forbids mixing) */
+} format_args;
+
+/* The argument a field names: "" (the next one), a number or a keyword. */
+static jinja_value format_arg(render *r, format_args *fa, const char *name, size_t n) {
+    const args *a = fa->a;
+    bool numeric = n > 0 && strspn(name, "0123456789") >= n;
+    if (n && !numeric) {
+        for (size_t i = 0; i < a->n; i++)
+            if (a->names && a->names[i] && strlen(a->names[i]) == n &&
+                !memcmp(a->names[i], name, n))
+                return a->v[i];
+        fail(r, "KeyError: '%.*s'", (int)n, name);
+    }
+    if (n ? fa->automatic : fa->manual)
+        fail(r, "cannot switch from %s field specification to %s field numbering",
+             n ? "automatic" : "manual", n ? "manual" : "automatic");
+    *(n ? &fa->manual : &fa->automatic) = true;
+    size_t want = n ? (size_t)strtoull(name, NULL, 10) : fa->next++, seen = 0;
+    for (size_t i = 0; i < a->n; i++)
+        if (!a->names || !a->names[i]) {
+            if (seen++ == want) return a->v[i];
+        }
+    fail(r, "Replacement index %zu out of range for positional args tuple", want);
+}
+
+static void format_into(render *r, moe_strbuf *out, const char *s, size_t n, format_args *fa,
+                        int depth);
+
+/* One replacement field (between the braces): name, accessors, !conversion, :spec. */
+static void format_field(render *r, moe_strbuf *out, const char *f, size_t n, format_args *fa,
+                         int depth) {
+    size_t k = 0; /* end of the name and its accessors */
+    while (k < n && f[k] != '!' && f[k] != ':') {
+        if (f[k] == '[')
+            while (k < n && f[k] != ']') k++;
+        if (k < n) k++;
+    }
+    size_t h = 0;
+    while (h < k && f[h] != '.' && f[h] != '[') h++;
+    jinja_value v = format_arg(r, fa, f, h);
+    while (h < k) {
+        bool item = f[h++] == '[';
+        size_t e = h;
+        while (e < k && (item ? f[e] != ']' : f[e] != '.' && f[e] != '[')) e++;
+        if (e == h) fail(r, "Empty attribute in format string");
+        if (item && e >= k) fail(r, "Missing ']' in format string");
+        jinja_value key = str_of(r, f + h, e - h);
+        if (item && strspn(key.s->data, "0123456789") == key.s->len)
+            v = get_item(r, v, jv_int(strtoll(key.s->data, NULL, 10)));
+        else
+            v = item ? get_item(r, v, key) : get_attr(r, v, key.s->data);
+        h = item ? e + 1 : e;
+        if (item && h < k && f[h] != '.' && f[h] != '[')
+            fail(r, "Only '.' or '[' may follow ']' in format field specifier");
+    }
+    size_t p = k;
+    if (p < n && f[p] == '!') {
+        if (p + 1 >= n) fail(r, "end of string while looking for conversion specifier");
+        char conv = f[p + 1];
+        p += 2;
+        if (p < n && f[p] != ':') fail(r, "expected ':' after conversion specifier");
+        if (conv != 'r' && conv != 's') fail(r, "Unknown conversion specifier %c", conv);
+        moe_strbuf t = jinja_strbuf(&r->c);
+        if (conv == 'r')
+            jv_to_repr(&r->c, &t, v);
+        else
+            jv_to_str(&r->c, &t, v);
+        v = jv_str_buf(&r->c, &t);
+    }
+    const char *spec = p < n ? f + p + 1 : "";
+    size_t spec_len = p < n ? n - p - 1 : 0;
+    if (memchr(spec, '{', spec_len)) { /* nested fields: {:{width}} */
+        if (depth >= 1) fail(r, "Max string recursion exceeded");
+        moe_strbuf t = jinja_strbuf(&r->c);
+        format_into(r, &t, spec, spec_len, fa, depth + 1);
+        jinja_value expanded = jv_str_buf(&r->c, &t);
+        spec = expanded.s->data;
+        spec_len = expanded.s->len;
+    }
+    format_value(r, out, v, spec, spec_len);
+}
+
+static void format_into(render *r, moe_strbuf *out, const char *s, size_t n, format_args *fa,
+                        int depth) {
+    for (size_t i = 0; i < n;) {
+        if (s[i] != '{' && s[i] != '}') {
+            size_t j = i;
+            while (j < n && s[j] != '{' && s[j] != '}') j++;
+            moe_strbuf_put(out, s + i, j - i);
+            i = j;
+            continue;
+        }
+        if (i + 1 < n && s[i + 1] == s[i]) { /* {{ and }} */
+            moe_strbuf_putc(out, s[i]);
+            i += 2;
+            continue;
+        }
+        if (s[i] == '}') fail(r, "Single '}' encountered in format string");
+        size_t start = ++i;
+        int level = 1;
+        for (; i < n; i++) {
+            if (s[i] == '[') /* an item key may hold braces */
+                while (i + 1 < n && s[i] != ']') i++;
+            else if (s[i] == '{')
+                level++;
+            else if (s[i] == '}' && --level == 0)
+                break;
+        }
+        if (i >= n) fail(r, "expected '}' before end of string");
+        format_field(r, out, s + start, i - start, fa, depth);
+        i++;
+    }
 }
 
 /* ==== Methods of str, dict, list and loop ==== */
 
-static bool str_method(const char *name) {
-    static const char *const m[] = {
-        "startswith",   "endswith", "split",   "rsplit",    "splitlines", "strip",
-        "lstrip",       "rstrip",   "upper",   "lower",     "title",      "capitalize",
-        "swapcase",     "casefold", "replace", "find",      "rfind",      "index",
-        "rindex",       "count",    "join",    "isdigit",   "isalpha",    "isalnum",
-        "isspace",      "isupper",  "islower", "isnumeric", "isdecimal",  "removeprefix",
-        "removesuffix", "zfill",    "ljust",   "rjust",     "center",     "partition",
-        "rpartition",   "format",   "encode",  NULL};
-    for (const char *const *k = m; *k; k++)
-        if (!strcmp(*k, name)) return true;
-    return false;
-}
-
-static jinja_value method_value(render *r, jinja_value self, const char *name) {
-    jinja_method *m = jinja_alloc(&r->c, sizeof *m);
-    m->self = self;
-    m->name = name;
-    return (jinja_value){.kind = JV_METHOD, .bm = m};
+static jinja_value method_value(render *r, jinja_value self, const jinja_builtin *m) {
+    jinja_method *bm = jinja_alloc(&r->c, sizeof *bm);
+    bm->self = self;
+    bm->def = m;
+    return (jinja_value){.kind = JV_METHOD, .bm = bm};
 }
 
 static bool affix_match(render *r, jinja_value s, jinja_value affix, bool at_end) {
@@ -1478,355 +1975,450 @@ static bool affix_match(render *r, jinja_value s, jinja_value affix, bool at_end
     return memcmp(s.s->data + (at_end ? s.s->len - n : 0), affix.s->data, n) == 0;
 }
 
-static jinja_value call_str_method(render *r, jinja_value s, const char *name, const args *a) {
+/* startswith (mode 0) and endswith (mode 1) */
+static jinja_value m_affix(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"prefix", "start", "end"};
     jinja_value p[3];
-    if (!strcmp(name, "startswith") || !strcmp(name, "endswith")) {
-        static const char *const P[] = {"prefix", "start", "end"};
-        bind(r, name, a, 0, P, 3, p);
-        if (missing(p[0])) fail(r, "%s() takes at least 1 argument", name);
-        jinja_value sub = s;
-        if (!missing(p[1]) || !missing(p[2])) { /* with bounds: slice first */
-            int64_t cnt = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
-            int64_t st = missing(p[1]) || p[1].kind == JV_NONE ? 0 : as_int(r, p[1], "start");
-            int64_t en = missing(p[2]) || p[2].kind == JV_NONE ? cnt : as_int(r, p[2], "end");
-            if (st < 0) st = st + cnt < 0 ? 0 : st + cnt;
-            if (en < 0) en = en + cnt < 0 ? 0 : en + cnt;
-            if (st > cnt) return jv_bool(false);
-            if (en > cnt) en = cnt;
-            if (en < st) en = st;
-            size_t bs = jinja_utf8_offset(s.s->data, s.s->len, (size_t)st);
-            size_t be = jinja_utf8_offset(s.s->data, s.s->len, (size_t)en);
-            sub = str_of(r, s.s->data + bs, be - bs);
-        }
-        return jv_bool(affix_match(r, sub, p[0], name[0] == 'e'));
+    bind(r, b->name, a, 0, P, 3, p);
+    if (missing(p[0])) fail(r, "%s() takes at least 1 argument", b->name);
+    jinja_value sub = s;
+    if (!missing(p[1]) || !missing(p[2])) { /* with bounds: slice first */
+        int64_t cnt = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
+        int64_t st = missing(p[1]) || p[1].kind == JV_NONE ? 0 : as_int(r, p[1], "start");
+        int64_t en = missing(p[2]) || p[2].kind == JV_NONE ? cnt : as_int(r, p[2], "end");
+        if (st < 0) st = st + cnt < 0 ? 0 : st + cnt;
+        if (en < 0) en = en + cnt < 0 ? 0 : en + cnt;
+        if (st > cnt) return jv_bool(false);
+        if (en > cnt) en = cnt;
+        if (en < st) en = st;
+        size_t bs = jinja_utf8_offset(s.s->data, s.s->len, (size_t)st);
+        size_t be = jinja_utf8_offset(s.s->data, s.s->len, (size_t)en);
+        sub = str_of(r, s.s->data + bs, be - bs);
     }
-    if (!strcmp(name, "split") || !strcmp(name, "rsplit")) {
-        static const char *const P[] = {"sep", "maxsplit"};
-        bind(r, name, a, 0, P, 2, p);
-        int64_t maxsplit = missing(p[1]) ? -1 : as_int(r, p[1], "maxsplit");
-        return str_split(r, s, p[0], maxsplit, name[0] == 'r');
-    }
-    if (!strcmp(name, "splitlines")) {
-        static const char *const P[] = {"keepends"};
-        bind(r, name, a, 0, P, 1, p);
-        jinja_list *l = str_splitlines(r, s.s->data, s.s->len, !missing(p[0]) && jv_truthy(p[0]));
-        return (jinja_value){.kind = JV_LIST, .l = l};
-    }
-    if (!strcmp(name, "strip") || !strcmp(name, "lstrip") || !strcmp(name, "rstrip")) {
-        static const char *const P[] = {"chars"};
-        bind(r, name, a, 0, P, 1, p);
-        return str_strip(r, s, p[0], name[0] == 'l' ? 1 : name[0] == 'r' ? 2 : 3);
-    }
-    if (!strcmp(name, "upper") || !strcmp(name, "lower") || !strcmp(name, "casefold") ||
-        !strcmp(name, "title") || !strcmp(name, "capitalize") || !strcmp(name, "swapcase")) {
-        bind(r, name, a, 0, NULL, 0, p);
-        case_mode m = name[0] == 'u'                     ? CASE_UPPER
-                      : name[0] == 't'                   ? CASE_TITLE
-                      : name[1] == 'a' && name[2] == 'p' ? CASE_CAPITALIZE
-                      : name[0] == 's'                   ? CASE_SWAP
-                                                         : CASE_LOWER;
-        if (m == CASE_CAPITALIZE) { /* first upper, the rest lower */
-            jinja_value low = str_case(r, s, CASE_LOWER);
-            return str_case(r, low, CASE_CAPITALIZE);
-        }
-        return str_case(r, s, m);
-    }
-    if (!strcmp(name, "replace")) {
-        static const char *const P[] = {"old", "new", "count"};
-        bind(r, name, a, 0, P, 3, p);
-        if (missing(p[0]) || missing(p[1])) fail(r, "replace() takes at least 2 arguments");
-        int64_t count = missing(p[2]) ? -1 : as_int(r, p[2], "count");
-        jinja_value out = str_replace(r, s, p[0], p[1], count);
-        out.safe = s.safe;
-        return out;
-    }
-    if (!strcmp(name, "find") || !strcmp(name, "rfind") || !strcmp(name, "index") ||
-        !strcmp(name, "rindex") || !strcmp(name, "count")) {
-        static const char *const P[] = {"sub"};
-        bind(r, name, a, 0, P, 1, p);
-        if (missing(p[0]) || p[0].kind != JV_STR) fail(r, "%s() argument must be str", name);
-        if (name[0] == 'c')
-            return jv_int((int64_t)count_sub(s.s->data, s.s->len, p[0].s->data, p[0].s->len));
-        const char *f = NULL;
-        if (name[0] == 'r') {
-            for (size_t i = s.s->len + 1; i-- > 0;)
-                if (i + p[0].s->len <= s.s->len &&
-                    !memcmp(s.s->data + i, p[0].s->data, p[0].s->len)) {
-                    f = s.s->data + i;
-                    break;
-                }
-        } else {
-            f = memmem_at(s.s->data, s.s->len, p[0].s->data, p[0].s->len);
-        }
-        if (!f) {
-            if (strstr(name, "index")) fail(r, "substring not found");
-            return jv_int(-1);
-        }
-        return jv_int((int64_t)jinja_utf8_count(s.s->data, (size_t)(f - s.s->data)));
-    }
-    if (!strcmp(name, "join")) {
-        static const char *const P[] = {"iterable"};
-        bind(r, name, a, 0, P, 1, p);
-        if (missing(p[0])) fail(r, "join() takes exactly one argument");
-        jinja_list *l = iter_list(r, p[0]);
-        jinja_buf b = JBUF(&r->c);
-        for (size_t i = 0; i < l->n; i++) {
-            if (l->items[i].kind != JV_STR) {
-                jbuf_free(&b);
-                fail(r, "sequence item %zu: expected str instance, %s found", i,
-                     jv_type_name(l->items[i]));
-            }
-            if (i) jbuf_put(&b, s.s->data, s.s->len);
-            jbuf_put(&b, l->items[i].s->data, l->items[i].s->len);
-        }
-        return jv_str_buf(&r->c, &b);
-    }
-    if (!strncmp(name, "is", 2)) {
-        bind(r, name, a, 0, NULL, 0, p);
-        if (!s.s->len) return jv_bool(false);
-        bool any_cased = false;
-        for (size_t q = 0; q < s.s->len;) {
-            uint32_t cp = jinja_utf8_next(s.s->data, s.s->len, &q);
-            bool ok;
-            if (!strcmp(name, "isdigit") || !strcmp(name, "isnumeric") ||
-                !strcmp(name, "isdecimal"))
-                ok = cp >= '0' && cp <= '9';
-            else if (!strcmp(name, "isalpha"))
-                ok = (cp < 0x80 && isalpha((int)cp)) || cp >= 0x80;
-            else if (!strcmp(name, "isalnum"))
-                ok = (cp < 0x80 && isalnum((int)cp)) || cp >= 0x80;
-            else if (!strcmp(name, "isspace"))
-                ok = jinja_py_space(cp);
-            else if (!strcmp(name, "isupper")) {
-                ok = !is_lower_cp(cp);
-                any_cased |= is_cased(cp);
-            } else {
-                ok = !is_upper_cp(cp);
-                any_cased |= is_cased(cp);
-            }
-            if (!ok) return jv_bool(false);
-        }
-        if (!strcmp(name, "isupper") || !strcmp(name, "islower")) return jv_bool(any_cased);
-        return jv_bool(true);
-    }
-    if (!strcmp(name, "removeprefix") || !strcmp(name, "removesuffix")) {
-        static const char *const P[] = {"affix"};
-        bind(r, name, a, 0, P, 1, p);
-        if (missing(p[0]) || p[0].kind != JV_STR) fail(r, "%s() argument must be str", name);
-        size_t n = p[0].s->len;
-        bool suffix = name[6] == 's';
-        if (!affix_match(r, s, p[0], suffix)) return s;
-        return str_of(r, s.s->data + (suffix ? 0 : n), s.s->len - n);
-    }
-    if (!strcmp(name, "zfill") || !strcmp(name, "ljust") || !strcmp(name, "rjust") ||
-        !strcmp(name, "center")) {
-        static const char *const P[] = {"width", "fillchar"};
-        bind(r, name, a, 0, P, 2, p);
-        if (missing(p[0])) fail(r, "%s() takes at least 1 argument", name);
-        int64_t width = as_int(r, p[0], "width");
-        const char *fill = !missing(p[1]) && p[1].kind == JV_STR ? p[1].s->data
-                           : name[0] == 'z'                      ? "0"
-                                                                 : " ";
-        int64_t len = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
-        if (width <= len) return s;
-        if (width > JINJA_MAX_OUTPUT) fail(r, "width too large");
-        int64_t pad = width - len, left = 0;
-        if (name[0] == 'r' || name[0] == 'z')
-            left = pad;
-        else if (name[0] == 'c')
-            left = pad / 2 + (pad & width & 1);
-        jinja_buf b = JBUF(&r->c);
-        size_t signlen = name[0] == 'z' && s.s->len && (s.s->data[0] == '-' || s.s->data[0] == '+');
-        jbuf_put(&b, s.s->data, signlen);
-        for (int64_t i = 0; i < left; i++) jbuf_puts(&b, fill);
-        jbuf_put(&b, s.s->data + signlen, s.s->len - signlen);
-        for (int64_t i = left; i < pad; i++) jbuf_puts(&b, fill);
-        return jv_str_buf(&r->c, &b);
-    }
-    if (!strcmp(name, "partition") || !strcmp(name, "rpartition")) {
-        static const char *const P[] = {"sep"};
-        bind(r, name, a, 0, P, 1, p);
-        if (missing(p[0]) || p[0].kind != JV_STR || !p[0].s->len) fail(r, "bad separator");
-        jinja_value parts = str_split(r, s, p[0], 1, name[0] == 'r');
-        jinja_value t = jv_list(&r->c, 3);
-        t.l->tuple = true;
-        if (parts.l->n == 2) {
-            jv_list_push(&r->c, t.l, parts.l->items[0]);
-            jv_list_push(&r->c, t.l, p[0]);
-            jv_list_push(&r->c, t.l, parts.l->items[1]);
-        } else if (name[0] == 'r') {
-            jv_list_push(&r->c, t.l, cstr(r, ""));
-            jv_list_push(&r->c, t.l, cstr(r, ""));
-            jv_list_push(&r->c, t.l, s);
-        } else {
-            jv_list_push(&r->c, t.l, s);
-            jv_list_push(&r->c, t.l, cstr(r, ""));
-            jv_list_push(&r->c, t.l, cstr(r, ""));
-        }
-        return t;
-    }
-    fail(r, "str.%s() is not supported", name);
+    return jv_bool(affix_match(r, sub, p[0], b->mode));
 }
 
-static jinja_value call_method(render *r, jinja_method *m, const args *a) {
-    jinja_value self = m->self;
-    const char *name = m->name;
-    jinja_value p[3];
-    switch (self.kind) {
-    case JV_STR:
-        return call_str_method(r, self, name, a);
-    case JV_DICT:
-        if (!strcmp(name, "get")) {
-            static const char *const P[] = {"key", "default"};
-            bind(r, name, a, 0, P, 2, p);
-            if (missing(p[0])) fail(r, "get expected at least 1 argument");
-            jinja_value v;
-            if (jv_dict_get(self.d, p[0], &v)) return v;
-            return missing(p[1]) ? jv_none() : p[1];
-        }
-        if (!strcmp(name, "items") || !strcmp(name, "keys") || !strcmp(name, "values")) {
-            bind(r, name, a, 0, NULL, 0, p);
-            jinja_value out = jv_list(&r->c, self.d->n);
-            out.l->lazy = JL_VIEW;
-            out.l->view = name[0] == 'i'   ? "dict_items"
-                          : name[0] == 'k' ? "dict_keys"
-                                           : "dict_values";
-            for (size_t i = 0; i < self.d->n; i++) {
-                jinja_value x = name[0] == 'i'   ? make_pair(r, self.d->keys[i], self.d->vals[i])
-                                : name[0] == 'k' ? self.d->keys[i]
-                                                 : self.d->vals[i];
-                jv_list_push(&r->c, out.l, x);
-            }
-            return out;
-        }
-        if (!strcmp(name, "copy")) {
-            bind(r, name, a, 0, NULL, 0, p);
-            jinja_value out = jv_dict(&r->c, self.d->n);
-            for (size_t i = 0; i < self.d->n; i++)
-                jv_dict_set(&r->c, out.d, self.d->keys[i], self.d->vals[i]);
-            return out;
-        }
-        break;
-    case JV_LIST:
-        if (!strcmp(name, "pop")) {
-            static const char *const P[] = {"index"};
-            bind(r, name, a, 0, P, 1, p);
-            if (!self.l->n) fail(r, "pop from empty list");
-            int64_t i = missing(p[0]) ? -1 : as_int(r, p[0], "index");
-            if (i < 0) i += (int64_t)self.l->n;
-            if (i < 0 || (size_t)i >= self.l->n) fail(r, "pop index out of range");
-            jinja_value v = self.l->items[i];
-            memmove(self.l->items + i, self.l->items + i + 1,
-                    (self.l->n - (size_t)i - 1) * sizeof *self.l->items);
-            self.l->n--;
-            return v;
-        }
-        if (!strcmp(name, "index") || !strcmp(name, "count")) {
-            static const char *const P[] = {"value"};
-            bind(r, name, a, 0, P, 1, p);
-            if (missing(p[0])) fail(r, "%s() takes exactly one argument", name);
-            int64_t count = 0;
-            for (size_t i = 0; i < self.l->n; i++)
-                if (jv_equal(self.l->items[i], p[0])) {
-                    if (name[0] == 'i') return jv_int((int64_t)i);
-                    count++;
-                }
-            if (name[0] == 'i') fail(r, "value is not in list");
-            return jv_int(count);
-        }
-        if (!strcmp(name, "copy")) {
-            bind(r, name, a, 0, NULL, 0, p);
-            jinja_value out = jv_list(&r->c, self.l->n);
-            for (size_t i = 0; i < self.l->n; i++) jv_list_push(&r->c, out.l, self.l->items[i]);
-            return out;
-        }
-        if (!strcmp(name, "clear")) {
-            bind(r, name, a, 0, NULL, 0, p);
-            self.l->n = 0;
-            return jv_none();
-        }
-        break;
-    case JV_LOOP:
-        if (!strcmp(name, "cycle")) {
-            if (!a->n) fail(r, "no items for cycling given");
-            return a->v[self.loop->index0 % a->n];
-        }
-        if (!strcmp(name, "changed")) {
-            jinja_value cur_ = jv_list(&r->c, a->n);
-            for (size_t i = 0; i < a->n; i++) jv_list_push(&r->c, cur_.l, a->v[i]);
-            if (self.loop->changed_seen && jv_equal(self.loop->last_changed, cur_))
-                return jv_bool(false);
-            self.loop->changed_seen = true;
-            self.loop->last_changed = cur_;
-            return jv_bool(true);
-        }
-        break;
-    default:
-        break;
-    }
-    fail(r, "'%s' object has no method '%s'", jv_type_name(self), name);
+/* split (mode 0) and rsplit (mode 1) */
+static jinja_value m_split(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"sep", "maxsplit"};
+    jinja_value p[2];
+    bind(r, b->name, a, 0, P, 2, p);
+    int64_t maxsplit = missing(p[1]) ? -1 : as_int(r, p[1], "maxsplit");
+    return str_split(r, s, p[0], maxsplit, b->mode);
 }
+
+static jinja_value m_splitlines(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"keepends"};
+    jinja_value p[1];
+    bind(r, b->name, a, 0, P, 1, p);
+    jinja_list *l = str_splitlines(r, s.s->data, s.s->len, !missing(p[0]) && jv_truthy(p[0]));
+    return (jinja_value){.kind = JV_LIST, .l = l};
+}
+
+/* strip (mode 3), lstrip (1), rstrip (2) */
+static jinja_value m_strip(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"chars"};
+    jinja_value p[1];
+    bind(r, b->name, a, 0, P, 1, p);
+    return str_strip(r, s, p[0], b->mode);
+}
+
+/* upper, lower, casefold, title, capitalize, swapcase: mode is the case_mode */
+static jinja_value m_case(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    return str_case(r, s, (case_mode)b->mode);
+}
+
+static jinja_value m_replace(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"old", "new", "count"};
+    jinja_value p[3];
+    bind(r, b->name, a, 0, P, 3, p);
+    if (missing(p[0]) || missing(p[1])) fail(r, "replace() takes at least 2 arguments");
+    int64_t count = missing(p[2]) ? -1 : as_int(r, p[2], "count");
+    jinja_value out = str_replace(r, s, p[0], p[1], count);
+    out.safe = s.safe;
+    return out;
+}
+
+/* find, rfind, index, rindex, count */
+enum { FIND_FROM_RIGHT = 1, FIND_RAISES = 2, FIND_COUNT = 4 };
+static jinja_value m_find(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"sub"};
+    jinja_value p[1];
+    bind(r, b->name, a, 0, P, 1, p);
+    if (missing(p[0]) || p[0].kind != JV_STR) fail(r, "%s() argument must be str", b->name);
+    const jinja_str *sub = p[0].s;
+    if (b->mode & FIND_COUNT)
+        return jv_int((int64_t)count_sub(s.s->data, s.s->len, sub->data, sub->len));
+    const char *f = NULL;
+    if (b->mode & FIND_FROM_RIGHT) {
+        for (size_t i = s.s->len + 1; i-- > 0;)
+            if (i + sub->len <= s.s->len && !memcmp(s.s->data + i, sub->data, sub->len)) {
+                f = s.s->data + i;
+                break;
+            }
+    } else {
+        f = memmem_at(s.s->data, s.s->len, sub->data, sub->len);
+    }
+    if (!f) {
+        if (b->mode & FIND_RAISES) fail(r, "substring not found");
+        return jv_int(-1);
+    }
+    return jv_int((int64_t)jinja_utf8_count(s.s->data, (size_t)(f - s.s->data)));
+}
+
+static jinja_value m_join(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"iterable"};
+    jinja_value p[1];
+    bind(r, b->name, a, 0, P, 1, p);
+    if (missing(p[0])) fail(r, "join() takes exactly one argument");
+    jinja_list *l = iter_list(r, p[0]);
+    moe_strbuf out = jinja_strbuf(&r->c);
+    for (size_t i = 0; i < l->n; i++) {
+        if (l->items[i].kind != JV_STR)
+            fail(r, "sequence item %zu: expected str instance, %s found", i,
+                 jv_type_name(l->items[i]));
+        if (i) moe_strbuf_put(&out, s.s->data, s.s->len);
+        moe_strbuf_put(&out, l->items[i].s->data, l->items[i].s->len);
+    }
+    return jv_str_buf(&r->c, &out);
+}
+
+/* isdigit & co: every character passes (and, for isupper/islower, one is cased) */
+enum { IS_DIGIT, IS_ALPHA, IS_ALNUM, IS_SPACE, IS_UPPER, IS_LOWER };
+static jinja_value m_is(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    if (!s.s->len) return jv_bool(false);
+    bool any_cased = false;
+    for (size_t q = 0; q < s.s->len;) {
+        uint32_t cp = jinja_utf8_next(s.s->data, s.s->len, &q);
+        bool ok = false;
+        switch (b->mode) {
+        case IS_DIGIT:
+            ok = cp >= '0' && cp <= '9';
+            break;
+        case IS_ALPHA:
+            ok = (cp < 0x80 && isalpha((int)cp)) || cp >= 0x80;
+            break;
+        case IS_ALNUM:
+            ok = (cp < 0x80 && isalnum((int)cp)) || cp >= 0x80;
+            break;
+        case IS_SPACE:
+            ok = jinja_py_space(cp);
+            break;
+        default:
+            ok = b->mode == IS_UPPER ? !is_lower_cp(cp) : !is_upper_cp(cp);
+            any_cased |= is_cased(cp);
+            break;
+        }
+        if (!ok) return jv_bool(false);
+    }
+    return jv_bool(b->mode < IS_UPPER || any_cased);
+}
+
+/* removeprefix (mode 0) and removesuffix (mode 1) */
+static jinja_value m_remove_affix(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"affix"};
+    jinja_value p[1];
+    bind(r, b->name, a, 0, P, 1, p);
+    if (missing(p[0]) || p[0].kind != JV_STR) fail(r, "%s() argument must be str", b->name);
+    size_t n = p[0].s->len;
+    if (!affix_match(r, s, p[0], b->mode)) return s;
+    return str_of(r, s.s->data + (b->mode ? 0 : n), s.s->len - n);
+}
+
+/* ljust, rjust, center, zfill */
+enum { PAD_LJUST, PAD_RJUST, PAD_CENTER, PAD_ZFILL };
+static jinja_value m_pad(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"width", "fillchar"};
+    jinja_value p[2];
+    bind(r, b->name, a, 0, P, b->mode == PAD_ZFILL ? 1 : 2, p);
+    if (missing(p[0])) fail(r, "%s() takes at least 1 argument", b->name);
+    int64_t width = as_int(r, p[0], "width");
+    const char *fill = b->mode == PAD_ZFILL                    ? "0"
+                       : !missing(p[1]) && p[1].kind == JV_STR ? p[1].s->data
+                                                               : " ";
+    int64_t len = (int64_t)jinja_utf8_count(s.s->data, s.s->len);
+    if (width <= len) return s;
+    if (width > JINJA_MAX_OUTPUT) fail(r, "width too large");
+    int64_t pad = width - len;
+    int64_t left = b->mode == PAD_LJUST    ? 0
+                   : b->mode == PAD_CENTER ? pad / 2 + (pad & width & 1)
+                                           : pad;
+    moe_strbuf out = jinja_strbuf(&r->c);
+    size_t signlen =
+        b->mode == PAD_ZFILL && s.s->len && (s.s->data[0] == '-' || s.s->data[0] == '+');
+    moe_strbuf_put(&out, s.s->data, signlen);
+    for (int64_t i = 0; i < left; i++) moe_strbuf_puts(&out, fill);
+    moe_strbuf_put(&out, s.s->data + signlen, s.s->len - signlen);
+    for (int64_t i = left; i < pad; i++) moe_strbuf_puts(&out, fill);
+    return jv_str_buf(&r->c, &out);
+}
+
+/* partition (mode 0) and rpartition (mode 1) */
+static jinja_value m_partition(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"sep"};
+    jinja_value p[1];
+    bind(r, b->name, a, 0, P, 1, p);
+    if (missing(p[0]) || p[0].kind != JV_STR || !p[0].s->len) fail(r, "bad separator");
+    jinja_value parts = str_split(r, s, p[0], 1, b->mode);
+    jinja_value empty = cstr(r, "");
+    jinja_value t = jv_list(&r->c, 3);
+    t.l->tuple = true;
+    t.l->n = 3;
+    if (parts.l->n == 2) {
+        t.l->items[0] = parts.l->items[0];
+        t.l->items[1] = p[0];
+        t.l->items[2] = parts.l->items[1];
+    } else {
+        t.l->items[0] = b->mode ? empty : s;
+        t.l->items[1] = empty;
+        t.l->items[2] = b->mode ? s : empty;
+    }
+    return t;
+}
+
+static jinja_value m_format(render *r, jinja_value s, const args *a, const jinja_builtin *b) {
+    (void)b;
+    format_args fa = {.a = a};
+    moe_strbuf out = jinja_strbuf(&r->c);
+    format_into(r, &out, s.s->data, s.s->len, &fa, 0);
+    return jv_str_buf(&r->c, &out);
+}
+
+static const jinja_builtin str_methods[] = {
+    {"capitalize", m_case, CASE_CAPITALIZE},
+    {"casefold", m_case, CASE_LOWER},
+    {"center", m_pad, PAD_CENTER},
+    {"count", m_find, FIND_COUNT},
+    {"endswith", m_affix, 1},
+    {"find", m_find, 0},
+    {"format", m_format, 0},
+    {"index", m_find, FIND_RAISES},
+    {"isalnum", m_is, IS_ALNUM},
+    {"isalpha", m_is, IS_ALPHA},
+    {"isdecimal", m_is, IS_DIGIT},
+    {"isdigit", m_is, IS_DIGIT},
+    {"islower", m_is, IS_LOWER},
+    {"isnumeric", m_is, IS_DIGIT},
+    {"isspace", m_is, IS_SPACE},
+    {"isupper", m_is, IS_UPPER},
+    {"join", m_join, 0},
+    {"ljust", m_pad, PAD_LJUST},
+    {"lower", m_case, CASE_LOWER},
+    {"lstrip", m_strip, 1},
+    {"partition", m_partition, 0},
+    {"removeprefix", m_remove_affix, 0},
+    {"removesuffix", m_remove_affix, 1},
+    {"replace", m_replace, 0},
+    {"rfind", m_find, FIND_FROM_RIGHT},
+    {"rindex", m_find, FIND_FROM_RIGHT | FIND_RAISES},
+    {"rjust", m_pad, PAD_RJUST},
+    {"rpartition", m_partition, 1},
+    {"rsplit", m_split, 1},
+    {"rstrip", m_strip, 2},
+    {"split", m_split, 0},
+    {"splitlines", m_splitlines, 0},
+    {"startswith", m_affix, 0},
+    {"strip", m_strip, 3},
+    {"swapcase", m_case, CASE_SWAP},
+    {"title", m_case, CASE_TITLE},
+    {"upper", m_case, CASE_UPPER},
+    {"zfill", m_pad, PAD_ZFILL},
+};
+
+static jinja_value m_dict_get(render *r, jinja_value d, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"key", "default"};
+    jinja_value p[2];
+    bind(r, b->name, a, 0, P, 2, p);
+    if (missing(p[0])) fail(r, "get expected at least 1 argument");
+    jinja_value v;
+    if (jv_dict_get(d.d, p[0], &v)) return v;
+    return missing(p[1]) ? jv_none() : p[1];
+}
+
+/* items (mode 0), keys (1), values (2): views */
+static jinja_value m_dict_view(render *r, jinja_value d, const args *a, const jinja_builtin *b) {
+    static const char *const view_names[] = {"dict_items", "dict_keys", "dict_values"};
+    no_args(r, a, b);
+    jinja_value out = jv_list(&r->c, d.d->n);
+    out.l->lazy = JL_VIEW;
+    out.l->view = view_names[b->mode];
+    for (size_t i = 0; i < d.d->n; i++) {
+        jinja_value x = b->mode == 0   ? make_pair(r, d.d->keys[i], d.d->vals[i])
+                        : b->mode == 1 ? d.d->keys[i]
+                                       : d.d->vals[i];
+        jv_list_push(&r->c, out.l, x);
+    }
+    return out;
+}
+
+static jinja_value m_dict_copy(render *r, jinja_value d, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    jinja_value out = jv_dict(&r->c, d.d->n);
+    for (size_t i = 0; i < d.d->n; i++) jv_dict_set(&r->c, out.d, d.d->keys[i], d.d->vals[i]);
+    return out;
+}
+
+/* The sandbox's mutators (ImmutableSandboxedEnvironment) have no function. */
+static const jinja_builtin dict_methods[] = {
+    {"clear", NULL, 0},         {"copy", m_dict_copy, 0}, {"get", m_dict_get, 0},
+    {"items", m_dict_view, 0},  {"keys", m_dict_view, 1}, {"pop", NULL, 0},
+    {"popitem", NULL, 0},       {"setdefault", NULL, 0},  {"update", NULL, 0},
+    {"values", m_dict_view, 2},
+};
+
+/* index (mode 0) and count (mode 1) */
+static jinja_value m_list_find(render *r, jinja_value l, const args *a, const jinja_builtin *b) {
+    static const char *const P[] = {"value"};
+    jinja_value p[1];
+    bind(r, b->name, a, 0, P, 1, p);
+    if (missing(p[0])) fail(r, "%s() takes exactly one argument", b->name);
+    int64_t count = 0;
+    for (size_t i = 0; i < l.l->n; i++)
+        if (jv_equal(l.l->items[i], p[0])) {
+            if (!b->mode) return jv_int((int64_t)i);
+            count++;
+        }
+    if (!b->mode) fail(r, "value is not in list");
+    return jv_int(count);
+}
+
+static jinja_value m_list_copy(render *r, jinja_value l, const args *a, const jinja_builtin *b) {
+    no_args(r, a, b);
+    jinja_value out = jv_list(&r->c, l.l->n);
+    for (size_t i = 0; i < l.l->n; i++) jv_list_push(&r->c, out.l, l.l->items[i]);
+    return out;
+}
+
+static const jinja_builtin list_methods[] = {
+    {"append", NULL, 0},       {"clear", NULL, 0},  {"copy", m_list_copy, 0},
+    {"count", m_list_find, 1}, {"extend", NULL, 0}, {"index", m_list_find, 0},
+    {"insert", NULL, 0},       {"pop", NULL, 0},    {"remove", NULL, 0},
+    {"reverse", NULL, 0},      {"sort", NULL, 0},
+};
+
+static jinja_value m_loop_cycle(render *r, jinja_value loop, const args *a,
+                                const jinja_builtin *b) {
+    (void)b;
+    if (!a->n) fail(r, "no items for cycling given");
+    return a->v[loop.loop->index0 % a->n];
+}
+
+static jinja_value m_loop_changed(render *r, jinja_value loop, const args *a,
+                                  const jinja_builtin *b) {
+    (void)b;
+    jinja_loop *l = loop.loop;
+    jinja_value now = jv_list(&r->c, a->n);
+    for (size_t i = 0; i < a->n; i++) jv_list_push(&r->c, now.l, a->v[i]);
+    if (l->changed_seen && jv_equal(l->last_changed, now)) return jv_bool(false);
+    l->changed_seen = true;
+    l->last_changed = now;
+    return jv_bool(true);
+}
+
+static const jinja_builtin loop_methods[] = {
+    {"changed", m_loop_changed, 0},
+    {"cycle", m_loop_cycle, 0},
+};
+
+/* The loop object's attributes: mode says which. */
+enum {
+    LOOP_INDEX,
+    LOOP_INDEX0,
+    LOOP_REVINDEX,
+    LOOP_REVINDEX0,
+    LOOP_FIRST,
+    LOOP_LAST,
+    LOOP_LENGTH,
+    LOOP_DEPTH,
+    LOOP_DEPTH0,
+    LOOP_PREVITEM,
+    LOOP_NEXTITEM
+};
+static jinja_value loop_attr(render *r, jinja_value loop, const args *a, const jinja_builtin *b) {
+    (void)a;
+    const jinja_loop *l = loop.loop;
+    size_t n = l->items->n, i = l->index0;
+    switch (b->mode) {
+    case LOOP_INDEX:
+        return jv_int((int64_t)i + 1);
+    case LOOP_INDEX0:
+        return jv_int((int64_t)i);
+    case LOOP_REVINDEX:
+        return jv_int((int64_t)(n - i));
+    case LOOP_REVINDEX0:
+        return jv_int((int64_t)(n - i - 1));
+    case LOOP_FIRST:
+        return jv_bool(i == 0);
+    case LOOP_LAST:
+        return jv_bool(i + 1 == n);
+    case LOOP_LENGTH:
+        return jv_int((int64_t)n);
+    case LOOP_DEPTH:
+        return jv_int(l->depth0 + 1);
+    case LOOP_DEPTH0:
+        return jv_int(l->depth0);
+    case LOOP_PREVITEM:
+        return i > 0 ? l->items->items[i - 1]
+                     : undef(r, "there is no previous item", UNDEF_PLAIN, NULL);
+    default:
+        return i + 1 < n ? l->items->items[i + 1]
+                         : undef(r, "there is no next item", UNDEF_PLAIN, NULL);
+    }
+}
+
+static const jinja_builtin loop_attrs[] = {
+    {"depth", loop_attr, LOOP_DEPTH},         {"depth0", loop_attr, LOOP_DEPTH0},
+    {"first", loop_attr, LOOP_FIRST},         {"index", loop_attr, LOOP_INDEX},
+    {"index0", loop_attr, LOOP_INDEX0},       {"last", loop_attr, LOOP_LAST},
+    {"length", loop_attr, LOOP_LENGTH},       {"nextitem", loop_attr, LOOP_NEXTITEM},
+    {"previtem", loop_attr, LOOP_PREVITEM},   {"revindex", loop_attr, LOOP_REVINDEX},
+    {"revindex0", loop_attr, LOOP_REVINDEX0},
+};
 
 /* ==== Attribute and item access (the sandbox's getattr / getitem) ==== */
 
+/* A method of obj's type by name: bound, unsafe (an Undefined that raises), or NULL. */
+static bool find_method(render *r, jinja_value obj, const jinja_builtin *table, size_t n,
+                        const char *name, jinja_value *out) {
+    const jinja_builtin *m = builtin_find(table, n, name);
+    if (!m) return false;
+    *out = m->fn ? method_value(r, obj, m) : undef(r, name, UNDEF_UNSAFE, jv_type_name(obj));
+    return true;
+}
+#define FIND_METHOD(obj, table, name, out)                                                         \
+    find_method(r, obj, table, sizeof table / sizeof *table, name, out)
+
 static jinja_value get_attr(render *r, jinja_value obj, const char *name) {
+    jinja_value v;
     switch (obj.kind) {
     case JV_UNDEF:
         undef_fail(r, obj);
-    case JV_DICT: {
+    case JV_DICT:
         if (obj.d->ns) {
-            jinja_value v;
             if (jv_dict_get_str(obj.d, name, &v)) return v;
             return undef(r, name, UNDEF_ATTR, "Namespace");
         }
-        static const char *const safe_m[] = {"get", "items", "keys", "values", "copy", NULL};
-        static const char *const unsafe_m[] = {"clear",      "pop",    "popitem",
-                                               "setdefault", "update", NULL};
-        for (const char *const *k = safe_m; *k; k++)
-            if (!strcmp(*k, name)) return method_value(r, obj, *k);
-        for (const char *const *k = unsafe_m; *k; k++)
-            if (!strcmp(*k, name)) return undef(r, name, UNDEF_UNSAFE, "dict");
-        jinja_value v;
+        if (FIND_METHOD(obj, dict_methods, name, &v)) return v;
         if (jv_dict_get_str(obj.d, name, &v)) return v;
-        return undef(r, name, UNDEF_ATTR, "dict");
-    }
-    case JV_LIST: {
-        static const char *const safe_m[] = {"pop", "index", "count", "copy", "clear", NULL};
-        static const char *const unsafe_m[] = {"append", "reverse", "insert", "sort",
-                                               "extend", "remove",  NULL};
-        for (const char *const *k = safe_m; *k; k++)
-            if (!strcmp(*k, name)) return method_value(r, obj, *k);
-        for (const char *const *k = unsafe_m; *k; k++)
-            if (!strcmp(*k, name)) return undef(r, name, UNDEF_UNSAFE, jv_type_name(obj));
-        return undef(r, name, UNDEF_ATTR, jv_type_name(obj));
-    }
+        break;
+    case JV_LIST:
+        if (FIND_METHOD(obj, list_methods, name, &v)) return v;
+        break;
     case JV_STR:
-        if (str_method(name)) return method_value(r, obj, name);
-        return undef(r, name, UNDEF_ATTR, "str");
+        if (FIND_METHOD(obj, str_methods, name, &v)) return v;
+        break;
     case JV_LOOP: {
-        jinja_loop *l = obj.loop;
-        size_t n = l->items->n, i = l->index0;
-        if (!strcmp(name, "index")) return jv_int((int64_t)i + 1);
-        if (!strcmp(name, "index0")) return jv_int((int64_t)i);
-        if (!strcmp(name, "revindex")) return jv_int((int64_t)(n - i));
-        if (!strcmp(name, "revindex0")) return jv_int((int64_t)(n - i - 1));
-        if (!strcmp(name, "first")) return jv_bool(i == 0);
-        if (!strcmp(name, "last")) return jv_bool(i + 1 == n);
-        if (!strcmp(name, "length")) return jv_int((int64_t)n);
-        if (!strcmp(name, "depth")) return jv_int(1);
-        if (!strcmp(name, "depth0")) return jv_int(0);
-        if (!strcmp(name, "previtem"))
-            return i > 0 ? l->items->items[i - 1]
-                         : undef(r, "there is no previous item", UNDEF_PLAIN, NULL);
-        if (!strcmp(name, "nextitem"))
-            return i + 1 < n ? l->items->items[i + 1]
-                             : undef(r, "there is no next item", UNDEF_PLAIN, NULL);
-        if (!strcmp(name, "cycle") || !strcmp(name, "changed")) return method_value(r, obj, name);
-        return undef(r, name, UNDEF_ATTR, "LoopContext");
+        const jinja_builtin *attr = BUILTIN_FIND(loop_attrs, name);
+        if (attr) return attr->fn(r, obj, NULL, attr);
+        if (FIND_METHOD(obj, loop_methods, name, &v)) return v;
+        break;
     }
     default:
-        return undef(r, name, UNDEF_ATTR, jv_type_name(obj));
+        break;
     }
+    return undef(r, name, UNDEF_ATTR, jv_type_name(obj));
 }
 
 static bool index_of(render *r, jinja_value key, size_t n, size_t *out) {
@@ -1875,10 +2467,10 @@ static jinja_value get_item(render *r, jinja_value obj, jinja_value key) {
         jinja_value v = get_attr(r, obj, key.s->data);
         return v;
     }
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     jv_to_repr(&r->c, &b, key);
-    jinja_value u = undef(r, b.data ? b.data : "", UNDEF_ATTR, jv_type_name(obj));
-    jbuf_free(&b);
+    jinja_value u = undef(r, b.s ? b.s : "", UNDEF_ATTR, jv_type_name(obj));
+    moe_strbuf_free(&b);
     return u;
 }
 
@@ -1923,10 +2515,10 @@ static jinja_value do_slice(render *r, jinja_value obj, jinja_value start, jinja
             jinja_utf8_next(obj.s->data, obj.s->len, &p);
         }
         offs[n] = obj.s->len;
-        jinja_buf b = JBUF(&r->c);
+        moe_strbuf b = jinja_strbuf(&r->c);
         for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st)
-            jbuf_put(&b, obj.s->data + offs[i], offs[i + 1] - offs[i]);
-        if (!b.data) jbuf_puts(&b, "");
+            moe_strbuf_put(&b, obj.s->data + offs[i], offs[i + 1] - offs[i]);
+        if (!b.s) moe_strbuf_puts(&b, "");
         jinja_value out = jv_str_buf(&r->c, &b);
         out.safe = obj.safe;
         return out;
@@ -1981,9 +2573,9 @@ static jinja_value repeat(render *r, jinja_value seq, int64_t times) {
     if (seq.kind == JV_STR) {
         if (times && seq.s->len > JINJA_MAX_OUTPUT / (uint64_t)times)
             fail(r, "repeated string too long");
-        jinja_buf b = JBUF(&r->c);
-        for (int64_t i = 0; i < times; i++) jbuf_put(&b, seq.s->data, seq.s->len);
-        if (!b.data) jbuf_puts(&b, "");
+        moe_strbuf b = jinja_strbuf(&r->c);
+        for (int64_t i = 0; i < times; i++) moe_strbuf_put(&b, seq.s->data, seq.s->len);
+        if (!b.s) moe_strbuf_puts(&b, "");
         return jv_str_buf(&r->c, &b);
     }
     not_subscriptable(r, seq);
@@ -2017,8 +2609,7 @@ static jinja_value binary(render *r, jinja_op op, jinja_value x, jinja_value y) 
     }
     case JOP_IN:
     case JOP_NOTIN: {
-        args one = {.n = 1, .v = &y};
-        bool in = apply_test(r, "in", x, &one);
+        bool in = contains(r, x, y);
         return jv_bool(op == JOP_IN ? in : !in);
     }
     default:
@@ -2137,7 +2728,7 @@ static jinja_value eval_filter(render *r, scope *s, const jinja_node *n, jinja_v
              : input;
     args a = eval_args(r, s, n, 0);
     at(r, n);
-    return apply_filter(r, n->name, v, &a);
+    return apply_filter(r, n->builtin, n->name, v, &a);
 }
 
 static jinja_value eval(render *r, scope *s, const jinja_node *n) {
@@ -2201,7 +2792,7 @@ static jinja_value eval(render *r, scope *s, const jinja_node *n) {
         jinja_value v = eval(r, s, n->a);
         args a = eval_args(r, s, n, 0);
         at(r, n);
-        bool t = apply_test(r, n->name, v, &a);
+        bool t = apply_test(r, n->builtin, n->name, v, &a);
         return jv_bool(n->op ? !t : t);
     }
     case JN_UNARY: {
@@ -2243,10 +2834,10 @@ static jinja_value eval(render *r, scope *s, const jinja_node *n) {
         jinja_value x = eval(r, s, n->a);
         jinja_value y = eval(r, s, n->b);
         at(r, n);
-        jinja_buf b = JBUF(&r->c);
+        moe_strbuf b = jinja_strbuf(&r->c);
         jv_to_str(&r->c, &b, x);
         jv_to_str(&r->c, &b, y);
-        if (!b.data) jbuf_puts(&b, "");
+        if (!b.s) moe_strbuf_puts(&b, "");
         return jv_str_buf(&r->c, &b);
     }
     default:
@@ -2283,35 +2874,29 @@ static void assign(render *r, scope *s, const jinja_node *target, jinja_value v)
 }
 
 static jinja_value capture(render *r, scope *s, const jinja_node *body) {
-    jinja_buf *saved = r->out, buf = JBUF(&r->c);
+    moe_strbuf *saved = r->out, buf = jinja_strbuf(&r->c);
     r->out = &buf;
     exec_body(r, s, body);
     r->out = saved;
-    if (!buf.data) jbuf_puts(&buf, "");
+    if (!buf.s) moe_strbuf_puts(&buf, "");
     return jv_str_buf(&r->c, &buf);
 }
 
-static void exec_for(render *r, scope *s, const jinja_node *n) {
-    jinja_value it = eval(r, s, n->b);
-    at(r, n);
-    jinja_list *src = iter_list(r, it);
+/* A for statement over `it`: depth0 is 0 when the statement runs, one more per loop(...) call. */
+static void run_loop(render *r, scope *s, const jinja_node *n, jinja_value it, int64_t depth0) {
+    jinja_list *items = iter_list(r, it);
     scope *ls = scope_new(r, s);
-    jinja_list *items = src;
     if (n->e) { /* loop filter: decided before the loop, so loop.length counts what is kept */
+        jinja_list *src = items;
         items = jv_list(&r->c, 0).l;
         for (size_t i = 0; i < src->n; i++) {
             count_iteration(r);
             assign(r, ls, n->a, src->items[i]);
             if (jv_truthy(eval(r, ls, n->e))) jv_list_push(&r->c, items, src->items[i]);
         }
-    } else if (src == (it.kind == JV_LIST ? it.l : NULL)) {
-        /* iterate a snapshot: pop() inside the loop must not shift what the loop sees */
-        items = jv_list(&r->c, src->n).l;
-        if (src->n) memcpy(items->items, src->items, src->n * sizeof *src->items);
-        items->n = src->n;
     }
     jinja_loop *loop = jinja_alloc(&r->c, sizeof *loop);
-    *loop = (jinja_loop){.items = items};
+    *loop = (jinja_loop){.items = items, .depth0 = depth0, .node = n, .outer = s};
     jinja_value loopv = {.kind = JV_LOOP, .loop = loop};
     for (size_t i = 0; i < items->n; i++) {
         count_iteration(r);
@@ -2339,10 +2924,10 @@ static void exec_node(render *r, scope *s, const jinja_node *n) {
         if (v.kind == JV_STR) {
             write_out(r, v.s->data, v.s->len);
         } else {
-            jinja_buf b = JBUF(&r->c);
+            moe_strbuf b = jinja_strbuf(&r->c);
             jv_to_str(&r->c, &b, v);
-            if (b.len) write_out(r, b.data, b.len);
-            jbuf_free(&b);
+            if (b.len) write_out(r, b.s, b.len);
+            moe_strbuf_free(&b);
         }
         return;
     }
@@ -2362,9 +2947,12 @@ static void exec_node(render *r, scope *s, const jinja_node *n) {
             x = x->c;
         }
         return;
-    case JN_FOR:
-        exec_for(r, s, n);
+    case JN_FOR: {
+        jinja_value it = eval(r, s, n->b);
+        at(r, n);
+        run_loop(r, s, n, it, 0);
         return;
+    }
     case JN_SET:
         assign(r, s, n->a, eval(r, s, n->b));
         return;
@@ -2398,19 +2986,19 @@ static void exec_node(render *r, scope *s, const jinja_node *n) {
         b.names[a.n] = "caller";
         at(r, n);
         jinja_value v = call_value(r, f, &b);
-        jinja_buf t = JBUF(&r->c);
+        moe_strbuf t = jinja_strbuf(&r->c);
         jv_to_str(&r->c, &t, v);
-        if (t.len) write_out(r, t.data, t.len);
-        jbuf_free(&t);
+        if (t.len) write_out(r, t.s, t.len);
+        moe_strbuf_free(&t);
         return;
     }
     case JN_FILTER_BLOCK: {
         jinja_value v = capture(r, scope_new(r, s), n->b);
         if (n->a) v = eval_filter(r, s, n->a, v);
-        jinja_buf t = JBUF(&r->c);
+        moe_strbuf t = jinja_strbuf(&r->c);
         jv_to_str(&r->c, &t, v);
-        if (t.len) write_out(r, t.data, t.len);
-        jbuf_free(&t);
+        if (t.len) write_out(r, t.s, t.len);
+        moe_strbuf_free(&t);
         return;
     }
     case JN_BREAK:
@@ -2489,6 +3077,25 @@ static jinja_value call_macro(render *r, jinja_macro *m, const args *a) {
     return out;
 }
 
+/* loop(items) in a recursive for: the body again over items, one level deeper, as a string. */
+static jinja_value call_loop(render *r, jinja_loop *l, const args *a) {
+    if (!l->node->op)
+        fail(r, "The loop must have the 'recursive' marker to be called recursively.");
+    if (a->n != 1 || (a->names && a->names[0])) fail(r, "loop() takes exactly one argument");
+    if (r->call_depth >= JINJA_MAX_CALL_DEPTH)
+        fail(r, "recursive loop nested deeper than %d", JINJA_MAX_CALL_DEPTH);
+    moe_strbuf *saved = r->out, buf = jinja_strbuf(&r->c);
+    flow saved_flow = r->flow;
+    r->out = &buf;
+    r->flow = FLOW_NORMAL;
+    r->call_depth++;
+    run_loop(r, l->outer, l->node, a->v[0], l->depth0 + 1);
+    r->call_depth--;
+    r->flow = saved_flow;
+    r->out = saved;
+    return jv_str_buf(&r->c, &buf);
+}
+
 static jinja_value call_value(render *r, jinja_value f, const args *a) {
     switch (f.kind) {
     case JV_MACRO:
@@ -2496,7 +3103,9 @@ static jinja_value call_value(render *r, jinja_value f, const args *a) {
     case JV_FUNC:
         return f.fn->fn(r, a);
     case JV_METHOD:
-        return call_method(r, f.bm, a);
+        return f.bm->def->fn(r, f.bm->self, a, f.bm->def);
+    case JV_LOOP:
+        return call_loop(r, f.loop, a);
     case JV_UNDEF:
         undef_fail(r, f);
     default:
@@ -2545,11 +3154,11 @@ static jinja_value g_namespace(render *r, const args *a) {
 }
 
 static jinja_value g_raise_exception(render *r, const args *a) {
-    jinja_buf b = JBUF(&r->c);
+    moe_strbuf b = jinja_strbuf(&r->c);
     if (a->n) jv_to_str(&r->c, &b, a->v[0]);
     char msg[MOE_ERROR_MSG_MAX];
-    snprintf(msg, sizeof msg, "%s", b.data ? b.data : "");
-    jbuf_free(&b);
+    snprintf(msg, sizeof msg, "%s", b.s ? b.s : "");
+    moe_strbuf_free(&b);
     fail(r, "raise_exception: %s", msg);
 }
 
@@ -2595,8 +3204,8 @@ bool jinja_render(const jinja_template *t, jinja_arena *arena, jinja_jump *jump,
     render *r = calloc(1, sizeof *r);
     if (!r) moe_die("out of memory");
     r->c = (jinja_ctx){.arena = arena, .jump = jump, .line = 1, .col = 1};
-    jinja_buf *buf = jinja_alloc(&r->c, sizeof *buf);
-    *buf = JBUF(&r->c);
+    moe_strbuf *buf = jinja_alloc(&r->c, sizeof *buf);
+    *buf = jinja_strbuf(&r->c);
     r->globals = vars;
     r->opts = opts;
     r->out = buf;
@@ -2608,7 +3217,7 @@ bool jinja_render(const jinja_template *t, jinja_arena *arena, jinja_jump *jump,
     scope *top = scope_new(r, NULL);
     exec_body(r, top, t->root);
     *out = moe_xmalloc(buf->len + 1);
-    if (buf->len) memcpy(*out, buf->data, buf->len);
+    if (buf->len) memcpy(*out, buf->s, buf->len);
     (*out)[buf->len] = '\0';
     *out_len = buf->len;
     free(r);

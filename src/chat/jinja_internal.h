@@ -109,9 +109,10 @@ struct jinja_dict {
     bool ns; /* a namespace(): attributes may be assigned with {% set ns.x = ... %} */
 };
 
+typedef struct jinja_builtin jinja_builtin; /* a row of the evaluator's builtin tables */
 struct jinja_method {
     jinja_value self;
-    const char *name;
+    const jinja_builtin *def;
 };
 
 /* ==== Small helpers over values ==== */
@@ -132,19 +133,9 @@ static inline jinja_value jv_float(double f) {
     return (jinja_value){.kind = JV_FLOAT, .f = f};
 }
 
-/* A growable byte buffer. With ctx set it grows inside the render arena (nothing to free, and
- * an error's longjmp leaks nothing); without, on malloc (the parser's scratch). */
-typedef struct jinja_buf {
-    char *data;
-    size_t len, cap;
-    jinja_ctx *ctx;
-} jinja_buf;
-#define JBUF(c) ((jinja_buf){.ctx = (c)})
-void jbuf_free(jinja_buf *b);
-void jbuf_put(jinja_buf *b, const char *s, size_t n);
-void jbuf_puts(jinja_buf *b, const char *s);
-void jbuf_putc(jinja_buf *b, char c);
-void jbuf_printf(jinja_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A base moe_strbuf that grows inside the render arena: nothing to free, and an error's longjmp
+ * leaks nothing. (The lexer builds string literals the same way in the template arena.) */
+moe_strbuf jinja_strbuf(jinja_ctx *c);
 
 /* ==== AST ==== */
 
@@ -172,7 +163,7 @@ typedef enum jinja_node_kind {
     JN_DATA,         /* literal text */
     JN_OUTPUT,       /* {{ a }} */
     JN_IF,           /* a = test, b = then body, c = else (an IF for elif, or a body) */
-    JN_FOR,          /* target a, iter b, body c, else d, filter e */
+    JN_FOR,          /* target a, iter b, body c, else d, filter e; op 1: recursive */
     JN_SET,          /* target a, value b */
     JN_SET_BLOCK,    /* target a, body b, filter c */
     JN_MACRO,        /* name, params: kids (names), defaults: kwnames-parallel in defaults[] */
@@ -217,6 +208,7 @@ struct jinja_node {
     const char *name;  /* NAME, ATTR, FILTER, TEST, MACRO */
     jinja_value value; /* CONST; DATA text in value.s */
     struct jinja_macro_def *macro;
+    const jinja_builtin *builtin; /* FILTER, TEST: the row the name resolved to, or NULL */
 };
 
 typedef struct jinja_macro_def {
@@ -268,7 +260,7 @@ _Noreturn void jinja_raise(jinja_ctx *c, const char *fmt, ...)
 void *jinja_alloc(jinja_ctx *c, size_t n);
 jinja_value jv_str(jinja_ctx *c, const char *s, size_t n);
 jinja_value jv_cstr(jinja_ctx *c, const char *s);
-jinja_value jv_str_buf(jinja_ctx *c, jinja_buf *b); /* copies and frees the buffer */
+jinja_value jv_str_buf(jinja_ctx *c, moe_strbuf *b); /* copies and frees the buffer */
 jinja_value jv_list(jinja_ctx *c, size_t cap);
 jinja_value jv_dict(jinja_ctx *c, size_t cap);
 void jv_list_push(jinja_ctx *c, jinja_list *l, jinja_value v);
@@ -286,11 +278,11 @@ int jv_compare(jinja_ctx *c, jinja_value a, jinja_value b);
 const char *jv_type_name(jinja_value v);
 
 /* str(v) and repr(v) as Python prints them, appended to b. */
-void jv_to_str(jinja_ctx *c, jinja_buf *b, jinja_value v);
-void jv_to_repr(jinja_ctx *c, jinja_buf *b, jinja_value v);
+void jv_to_str(jinja_ctx *c, moe_strbuf *b, jinja_value v);
+void jv_to_repr(jinja_ctx *c, moe_strbuf *b, jinja_value v);
 jinja_value jv_stringify(jinja_ctx *c, jinja_value v); /* str(v) as a value (a str stays) */
 /* Python's repr(float): shortest round-trip digits, 'e' form outside 1e-4 .. 1e16. */
-void jinja_format_float(jinja_buf *b, double f);
+void jinja_format_float(moe_strbuf *b, double f);
 /* json.dumps(v, ensure_ascii, indent (NULL/"" string or count), separators, sort_keys) */
 typedef struct jinja_json_opts {
     bool ensure_ascii;
@@ -298,7 +290,7 @@ typedef struct jinja_json_opts {
     const char *indent; /* NULL: no newlines */
     const char *item_sep, *key_sep;
 } jinja_json_opts;
-void jv_to_json(jinja_ctx *c, jinja_buf *b, jinja_value v, const jinja_json_opts *o, int depth);
+void jv_to_json(jinja_ctx *c, moe_strbuf *b, jinja_value v, const jinja_json_opts *o, int depth);
 
 /* UTF-8 as code points. */
 size_t jinja_utf8_count(const char *s, size_t n);
@@ -306,7 +298,7 @@ size_t jinja_utf8_count(const char *s, size_t n);
 size_t jinja_utf8_offset(const char *s, size_t n, size_t i);
 /* Decode one code point at s[*pos], advancing; invalid bytes decode as themselves. */
 uint32_t jinja_utf8_next(const char *s, size_t n, size_t *pos);
-void jinja_utf8_put(jinja_buf *b, uint32_t cp);
+void jinja_utf8_put(moe_strbuf *b, uint32_t cp);
 bool jinja_py_space(uint32_t cp); /* str.isspace() */
 
 /* ==== Evaluation (jinja_eval.c) ==== */
@@ -320,8 +312,9 @@ typedef struct jinja_render_opts {
 bool jinja_render(const jinja_template *t, jinja_arena *arena, jinja_jump *jump, jinja_dict *vars,
                   const jinja_render_opts *opts, char **out, size_t *out_len, moe_error *err);
 
-/* Filter and test names Jinja2 knows (unknown ones are a compile error outside an `if`). */
-bool jinja_filter_known(const char *name);
-bool jinja_test_known(const char *name);
+/* The filter and test rows by name, or NULL for names Jinja2 does not know (a compile error
+ * outside an `if`). The parser resolves every filter and test node once. */
+const jinja_builtin *jinja_filter_find(const char *name);
+const jinja_builtin *jinja_test_find(const char *name);
 
 #endif
