@@ -138,21 +138,51 @@ static void stories_greedy_matches_runc(void **state) {
 
 /* ==== llama.cpp parity models ==== */
 
-/* Prefill the 16 prompt ids in one call, then 16 decode steps feeding the reference's greedy
- * ids; every row within tol, our argmax equal wherever the reference's margin exceeds tol. */
-static void parity_check(const char *name, double tol) {
+/* A parity fixture: its ids (prompt then greedy), its model, and one of its reference files. */
+typedef struct fixture {
+    int32_t ids[64];
+    uint32_t n_prompt, n;
+    float *ref; /* <name>.<ref>.f32: [n - skip_rows][n_vocab] */
+    moe_model *m;
+} fixture;
+
+static bool fixture_open(fixture *f, const char *name, const char *ref, uint32_t skip_rows) {
     char rel[256];
     size_t n_prompt, n_greedy, n_bytes;
     snprintf(rel, sizeof rel, "parity/%s.tokens.json", name);
     int32_t *prompt = json_ids(rel, "prompt", &n_prompt);
-    if (!prompt) return;
+    if (!prompt) return false;
     int32_t *greedy = json_ids(rel, "greedy", &n_greedy);
-    snprintf(rel, sizeof rel, "parity/%s.logits.f32", name);
-    float *ref = (float *)moe_test_shared_read(rel, &n_bytes);
+    assert_true(n_prompt + n_greedy <= 64);
+    memcpy(f->ids, prompt, sizeof(int32_t) * n_prompt);
+    memcpy(f->ids + n_prompt, greedy, sizeof(int32_t) * n_greedy);
+    f->n_prompt = (uint32_t)n_prompt;
+    f->n = (uint32_t)(n_prompt + n_greedy);
+    free(prompt);
+    free(greedy);
+    snprintf(rel, sizeof rel, "parity/%s.%s.f32", name, ref);
+    f->ref = (float *)moe_test_shared_read(rel, &n_bytes);
     snprintf(rel, sizeof rel, "parity/%s.gguf", name);
-    moe_model *m = load_shared_model(rel);
-    const uint32_t nv = m->cfg.n_vocab, n_rows = (uint32_t)(n_prompt + n_greedy);
-    assert_int_equal(n_bytes, sizeof(float) * n_rows * nv);
+    f->m = load_shared_model(rel);
+    assert_int_equal(n_bytes, sizeof(float) * (f->n - skip_rows) * f->m->cfg.n_vocab);
+    return true;
+}
+
+static void fixture_close(fixture *f) {
+    free(f->ref);
+    moe_model_free(f->m);
+}
+
+/* Prefill the 16 prompt ids in one call, then 16 decode steps feeding the reference's greedy
+ * ids; every row within tol, our argmax equal wherever the reference's margin exceeds tol. */
+static void parity_check(const char *name, double tol) {
+    fixture f;
+    if (!fixture_open(&f, name, "logits", 0)) return;
+    const int32_t *prompt = f.ids, *greedy = f.ids + f.n_prompt;
+    const size_t n_prompt = f.n_prompt, n_greedy = f.n - f.n_prompt;
+    const float *ref = f.ref;
+    moe_model *m = f.m;
+    const uint32_t nv = m->cfg.n_vocab, n_rows = f.n;
     moe_error err = {0};
     moe_ctx_params cp = {
         .n_ctx = 64, .n_seq = 1, .max_rows = (uint32_t)n_prompt, .kv_type = MOE_TYPE_F32};
@@ -183,33 +213,21 @@ static void parity_check(const char *name, double tol) {
     }
     print_message("%s: worst row rel err %.3g over %u rows (limit %g)\n", name, worst, n_rows, tol);
     free(logits);
-    free(ref);
-    free(prompt);
-    free(greedy);
     moe_ctx_free(ctx);
-    moe_model_free(m);
+    fixture_close(&f);
 }
 
 /* The MTP head (`<name>.mtp.f32`): entry r pairs the trunk's normed hidden state at r with the
  * true token r + 1, at MTP position r, and drafts token r + 2. The trunk runs all 32 ids at
  * once; the head takes 16 entries in one call, then one per call (its own cache carries them). */
 static void mtp_parity_check(const char *name, double tol) {
-    char rel[256];
-    size_t n_prompt, n_greedy, n_bytes;
-    snprintf(rel, sizeof rel, "parity/%s.tokens.json", name);
-    int32_t *prompt = json_ids(rel, "prompt", &n_prompt);
-    if (!prompt) return;
-    int32_t *greedy = json_ids(rel, "greedy", &n_greedy);
-    snprintf(rel, sizeof rel, "parity/%s.mtp.f32", name);
-    float *ref = (float *)moe_test_shared_read(rel, &n_bytes);
-    snprintf(rel, sizeof rel, "parity/%s.gguf", name);
-    moe_model *m = load_shared_model(rel);
+    fixture f;
+    if (!fixture_open(&f, name, "mtp", 1)) return;
+    const float *ref = f.ref;
+    const int32_t *ids = f.ids;
+    moe_model *m = f.m;
     assert_int_equal(m->n_layer_mtp, 1);
-    const uint32_t nv = m->cfg.n_vocab, n = (uint32_t)(n_prompt + n_greedy), n_embd = m->cfg.n_embd;
-    assert_int_equal(n_bytes, sizeof(float) * (n - 1) * nv);
-    int32_t ids[64];
-    memcpy(ids, prompt, sizeof(int32_t) * n_prompt);
-    memcpy(ids + n_prompt, greedy, sizeof(int32_t) * n_greedy);
+    const uint32_t nv = m->cfg.n_vocab, n = f.n, n_embd = m->cfg.n_embd;
     moe_error err = {0};
     moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = n, .kv_type = MOE_TYPE_F32};
     moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
@@ -223,7 +241,7 @@ static void mtp_parity_check(const char *name, double tol) {
     memcpy(h, moe_ctx_hidden(ctx, &n_h), sizeof(float) * n * n_embd);
     assert_int_equal(n_h, n);
     for (uint32_t i = 0; i + 1 < n; i++) rows[i] = (moe_row){0, (int32_t)i, ids[i + 1], true};
-    const uint32_t first = (uint32_t)n_prompt;
+    const uint32_t first = f.n_prompt;
     if (moe_ctx_decode_mtp(ctx, rows, first, h, logits, &err) != MOE_OK) fail_msg("%s", err.msg);
     for (uint32_t i = first; i + 1 < n; i++)
         assert_int_equal(
@@ -242,11 +260,8 @@ static void mtp_parity_check(const char *name, double tol) {
                   n - 1, tol);
     free(logits);
     free(h);
-    free(ref);
-    free(prompt);
-    free(greedy);
     moe_ctx_free(ctx);
-    moe_model_free(m);
+    fixture_close(&f);
 }
 
 /* Qwen3.8's draft head: eh_proj over the normed [embedding ; hidden], a gated-attention block with

@@ -34,23 +34,9 @@ static bool rope_sections_check(moe_meta *r, const moe_model_config *c) {
 }
 
 static bool qwen35_config(moe_meta *r, moe_model_config *c) {
-    uint32_t interval = 0;
-    if (!moe_config_transformer(r, c, MOE_ROPE_NEOX, true) || !moe_config_rope(r, c, false) ||
-        !rope_sections_check(r, c) ||
-        !moe_meta_u32(r, "full_attention_interval", false, 4, &interval) || !moe_config_gdn(r, c))
-        return false;
-    if (interval == 0)
-        return moe_meta_fail(r, MOE_ERR_FORMAT, "%s.full_attention_interval must be positive",
-                             r->arch);
-    c->attn_output_gate = true;
     c->ssm_tiled_heads = true;
-    if (c->head_dim_k != c->head_dim_v)
-        return moe_meta_fail(r, MOE_ERR_FORMAT,
-                             "an attention output gate needs key_length %u = value_length %u",
-                             c->head_dim_k, c->head_dim_v);
-    for (uint32_t il = 0; il < c->n_layer; il++) /* the MTP block is attention */
-        if ((il + 1) % interval != 0) moe_config_plan_mixer(c, il, MOE_MIXER_GDN);
-    return true;
+    return moe_config_transformer(r, c, MOE_ROPE_NEOX, true) && moe_config_rope(r, c, false) &&
+           rope_sections_check(r, c) && moe_config_gdn_hybrid(r, c);
 }
 
 static void qwen35_bind_layer(moe_binder *b, uint32_t il, moe_layer_weights *l) {

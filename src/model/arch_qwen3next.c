@@ -8,23 +8,10 @@
 #include "model_internal.h"
 
 static bool qwen3next_config(moe_meta *r, moe_model_config *c) {
-    uint32_t interval = 0;
-    if (!moe_config_transformer(r, c, MOE_ROPE_NEOX, false) || !moe_config_rope(r, c, false) ||
-        !moe_config_experts(r, c, MOE_GATING_SOFTMAX, true, MOE_ACT_SILU,
-                            "expert_feed_forward_length") ||
-        !moe_meta_u32(r, "full_attention_interval", false, 4, &interval) || !moe_config_gdn(r, c))
-        return false;
-    if (interval == 0)
-        return moe_meta_fail(r, MOE_ERR_FORMAT, "%s.full_attention_interval must be positive",
-                             r->arch);
-    c->attn_output_gate = true;
-    if (c->head_dim_k != c->head_dim_v)
-        return moe_meta_fail(r, MOE_ERR_FORMAT,
-                             "an attention output gate needs key_length %u = value_length %u",
-                             c->head_dim_k, c->head_dim_v);
-    for (uint32_t il = 0; il < moe_config_n_planned(c); il++)
-        if ((il + 1) % interval != 0) moe_config_plan_mixer(c, il, MOE_MIXER_GDN);
-    return true;
+    return moe_config_transformer(r, c, MOE_ROPE_NEOX, false) && moe_config_rope(r, c, false) &&
+           moe_config_experts(r, c, MOE_GATING_SOFTMAX, true, MOE_ACT_SILU,
+                              "expert_feed_forward_length") &&
+           moe_config_gdn_hybrid(r, c);
 }
 
 static void qwen3next_bind_layer(moe_binder *b, uint32_t il, moe_layer_weights *l) {

@@ -358,6 +358,23 @@ bool moe_config_kda(moe_meta *r, moe_model_config *c) {
     return config_linear_check(r, c);
 }
 
+bool moe_config_gdn_hybrid(moe_meta *r, moe_model_config *c) {
+    uint32_t interval = 0;
+    if (!moe_meta_u32(r, "full_attention_interval", false, 4, &interval) || !moe_config_gdn(r, c))
+        return false;
+    if (interval == 0)
+        return moe_meta_fail(r, MOE_ERR_FORMAT, "%s.full_attention_interval must be positive",
+                             r->arch);
+    c->attn_output_gate = true;
+    if (c->head_dim_k != c->head_dim_v)
+        return moe_meta_fail(r, MOE_ERR_FORMAT,
+                             "an attention output gate needs key_length %u = value_length %u",
+                             c->head_dim_k, c->head_dim_v);
+    for (uint32_t il = 0; il < c->n_layer; il++)
+        if ((il + 1) % interval != 0) moe_config_plan_mixer(c, il, MOE_MIXER_GDN);
+    return true;
+}
+
 void moe_config_plan_mixer(moe_model_config *c, uint32_t il, moe_mixer mixer) {
     const bool was_linear =
         c->layer[il].mixer == MOE_MIXER_GDN || c->layer[il].mixer == MOE_MIXER_KDA;

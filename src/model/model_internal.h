@@ -65,6 +65,10 @@ bool moe_config_kda(moe_meta *r, moe_model_config *c);
 static inline uint32_t moe_config_n_planned(const moe_model_config *c) {
     return c->n_layer + c->n_layer_nextn;
 }
+/* The Qwen3-Next family's trunk: every full_attention_interval-th layer (default 4) gated
+ * attention (attn_q yields [q, gate] per head), the others Gated DeltaNet (moe_config_gdn);
+ * NextN / MTP layers stay attention. */
+bool moe_config_gdn_hybrid(moe_meta *r, moe_model_config *c);
 /* Plan layer il as mixer (counting the linear ones among the trunk layers). */
 void moe_config_plan_mixer(moe_model_config *c, uint32_t il, moe_mixer mixer);
 
