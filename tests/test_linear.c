@@ -4,8 +4,9 @@
  * ../shared/parity qwen3next model (parity itself is in the model suite): a 300-token prompt
  * prefilled in one call equals it fed token by token, prefill split anywhere equals one shot,
  * interleaved sequences and a third that reuses the first's prefix through a snapshot each make
- * the tokens they make alone, truncation refuses what it cannot do, and the memory plan counts
- * recurrent state per sequence. */
+ * the tokens they make alone, truncation refuses what it cannot do, the memory plan counts
+ * recurrent state per sequence, and a verify step's rows can be taken back exactly (on every
+ * hybrid fixture). */
 #include "testutil.h"
 
 #include <math.h>
@@ -366,6 +367,92 @@ static void truncate_needs_snapshot(void **st) {
 
 /* The plan counts KV per token over the one attention layer and the recurrent state per
  * sequence over the one GDN layer: conv [2K + V][3] + state [4 heads][32][32] floats. */
+/* ==== Verify steps: taking drafts back ==== */
+
+enum { N_VERIFY = 4, N_VPROMPT = 12 };
+
+/* Prefill a fixed prompt into sequence 0 of a fresh context. */
+static moe_ctx *verify_ctx(const moe_model *m, float *logits) {
+    moe_error err = {0};
+    moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = N_VPROMPT, .n_verify = N_VERIFY};
+    moe_ctx *c = moe_ctx_new(m, &cp, &err);
+    if (!c) fail_msg("%s", err.msg);
+    int32_t ids[N_VPROMPT];
+    long_prompt(ids, N_VPROMPT);
+    feed(c, 0, ids, 0, N_VPROMPT, N_VPROMPT, logits, m->cfg.n_vocab);
+    return c;
+}
+
+/* A verify step of 4 rows gives the logits 4 plain steps give; keeping the first k of its rows
+ * (KV rows dropped, the recurrent state taken from the checkpoint after row k) and then
+ * feeding a token gives, bit for bit, what feeding those k tokens and then that one gives. Not
+ * rolling the recurrent state back would run on drafts that were refused: the last check says
+ * the rollback is what makes the difference. */
+static void verify_accept_model(const char *rel) {
+    const char *path = moe_test_shared(rel);
+    if (!path) return;
+    moe_error err = {0};
+    moe_model *m = moe_model_load(path, &err);
+    if (!m) fail_msg("%s", err.msg);
+    const uint32_t nv = m->cfg.n_vocab;
+    const int32_t drafts[N_VERIFY] = {261, 378, 432, 383}, next = 77;
+    float *scratch = moe_xmalloc(sizeof(float) * N_VPROMPT * nv);
+    float *verified = moe_xmalloc(sizeof(float) * N_VERIFY * nv);
+    float *plain = moe_xmalloc(sizeof(float) * N_VERIFY * nv);
+    float a[512 * 4], b[512 * 4];
+    assert_true(nv <= 512 * 4);
+    bool rollback_mattered = false;
+    for (uint32_t keep = 1; keep <= N_VERIFY; keep++) {
+        moe_ctx *v = verify_ctx(m, scratch), *p = verify_ctx(m, scratch);
+        moe_row rows[N_VERIFY];
+        for (uint32_t i = 0; i < N_VERIFY; i++)
+            rows[i] = (moe_row){0, (int32_t)(N_VPROMPT + i), drafts[i], true};
+        assert_int_equal(moe_ctx_verify(v, rows, N_VERIFY, verified, &err), MOE_OK);
+        for (uint32_t i = 0; i < keep; i++)
+            assert_int_equal(moe_ctx_decode(p, &rows[i], 1, plain + i * nv, &err), MOE_OK);
+        if (memcmp(verified, plain, sizeof(float) * keep * nv) != 0)
+            fail_msg("%s: the verify step's logits differ from plain steps", rel);
+        if (moe_ctx_seq_accept(v, 0, keep, &err) != MOE_OK) fail_msg("%s", err.msg);
+        assert_int_equal(moe_ctx_seq_len(v, 0), N_VPROMPT + keep);
+        const moe_row after = {0, (int32_t)(N_VPROMPT + keep), next, true};
+        assert_int_equal(moe_ctx_decode(v, &after, 1, a, &err), MOE_OK);
+        assert_int_equal(moe_ctx_decode(p, &after, 1, b, &err), MOE_OK);
+        if (memcmp(a, b, sizeof(float) * nv) != 0)
+            fail_msg("%s: keeping %u of %u rows differs from feeding them", rel, keep, N_VERIFY);
+        moe_ctx_free(v);
+        moe_ctx_free(p);
+        /* without the checkpoint: truncating a hybrid after the verify step is refused (no
+         * snapshot there), and continuing on the unrolled state gives other logits */
+        if (keep < N_VERIFY && m->cfg.n_layer_linear) {
+            moe_ctx *u = verify_ctx(m, scratch);
+            assert_int_equal(moe_ctx_verify(u, rows, N_VERIFY, verified, &err), MOE_OK);
+            assert_int_not_equal(moe_ctx_seq_truncate(u, 0, N_VPROMPT + keep, &err), MOE_OK);
+            const moe_row unrolled = {0, N_VPROMPT + N_VERIFY, next, true};
+            assert_int_equal(moe_ctx_decode(u, &unrolled, 1, a, &err), MOE_OK);
+            rollback_mattered |= memcmp(a, b, sizeof(float) * nv) != 0;
+            moe_ctx_free(u);
+        }
+    }
+    if (m->cfg.n_layer_linear) assert_true(rollback_mattered);
+    /* accepting what no verify step left, or more rows than it ran, is refused */
+    moe_ctx *v = verify_ctx(m, scratch);
+    assert_int_not_equal(moe_ctx_seq_accept(v, 0, 1, &err), MOE_OK);
+    moe_ctx_free(v);
+    free(scratch);
+    free(verified);
+    free(plain);
+    moe_model_free(m);
+}
+
+static void verify_accept_exact(void **st) {
+    (void)st;
+    MOE_SKIP_IF_NULL(moe_test_shared(MODEL));
+    verify_accept_model("parity/qwen3next-f32.gguf");
+    verify_accept_model("parity/kimi-linear-f32.gguf");
+    verify_accept_model("parity/qwen35-mtp-f32.gguf");
+    verify_accept_model("parity/qwen3moe-mixed.gguf"); /* attention only: KV rows dropped */
+}
+
 static void memory_plan_counts_recurrent_state(void **st) {
     (void)st;
     moe_model *m = load_model();
@@ -393,6 +480,7 @@ int moe_suite_linear(void) {
         cmocka_unit_test(interleaved_and_reused_match_alone),
         cmocka_unit_test(truncate_needs_snapshot),
         cmocka_unit_test(memory_plan_counts_recurrent_state),
+        cmocka_unit_test(verify_accept_exact),
     };
     return cmocka_run_group_tests_name("linear", tests, NULL, NULL);
 }

@@ -18,6 +18,7 @@
 #define MOE_CTX_MAX_DEFAULT 4096  /* default context when the model's is larger (memory) */
 #define MOE_MAX_SEQ         4096  /* sequences per context: caps the per-sequence tables */
 #define MOE_MAX_ROWS        65536 /* rows per forward call: caps scratch */
+#define MOE_MAX_VERIFY      64    /* rows of one sequence a verify step takes back: drafts are few */
 
 /* struct moe_ctx lives in engine_internal.h */
 
@@ -68,12 +69,12 @@ static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, mo
                              "context: KV cache type %s is not supported (f32 or f16)",
                              moe_type_name(out->kv_type));
     if (out->n_seq > MOE_MAX_SEQ || out->max_rows > MOE_MAX_ROWS ||
-        out->n_snapshots > 2 * MOE_MAX_SEQ)
+        out->n_snapshots > 2 * MOE_MAX_SEQ || out->n_verify > MOE_MAX_VERIFY)
         return moe_error_set(err, MOE_ERR_ARG,
-                             "context: %u sequences / %u rows / %u snapshots "
-                             "exceed the limits %u / %u / %u",
-                             out->n_seq, out->max_rows, out->n_snapshots, MOE_MAX_SEQ, MOE_MAX_ROWS,
-                             2 * MOE_MAX_SEQ);
+                             "context: %u sequences / %u rows / %u snapshots / %u verify rows "
+                             "exceed the limits %u / %u / %u / %u",
+                             out->n_seq, out->max_rows, out->n_snapshots, out->n_verify,
+                             MOE_MAX_SEQ, MOE_MAX_ROWS, 2 * MOE_MAX_SEQ, MOE_MAX_VERIFY);
     return MOE_OK;
 }
 
@@ -92,11 +93,14 @@ moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_
     if (moe_mul_overflow(params.n_seq, params.n_ctx, &positions) ||
         moe_mul_overflow(positions, out->kv_bytes_per_token, &out->kv_bytes) ||
         moe_mul_overflow(params.n_seq, out->recurrent_bytes_per_seq, &out->recurrent_bytes) ||
-        moe_mul_overflow(params.n_snapshots, out->recurrent_bytes_per_seq, &out->snapshot_bytes))
+        moe_mul_overflow(params.n_snapshots, out->recurrent_bytes_per_seq, &out->snapshot_bytes) ||
+        moe_mul_overflow((uint64_t)params.n_seq * params.n_verify, out->recurrent_bytes_per_seq,
+                         &out->checkpoint_bytes))
         return moe_error_set(err, MOE_ERR_RANGE, "context: state size overflows");
     out->token_bytes = positions * sizeof(int32_t);
     if (moe_add_overflow(out->kv_bytes, out->recurrent_bytes, &out->total) ||
         moe_add_overflow(out->total, out->snapshot_bytes, &out->total) ||
+        moe_add_overflow(out->total, out->checkpoint_bytes, &out->total) ||
         moe_add_overflow(out->total, out->token_bytes, &out->total) || out->total > SIZE_MAX / 2)
         return moe_error_set(err, MOE_ERR_RANGE, "context: state size overflows");
     return MOE_OK;
@@ -121,6 +125,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->v_row_bytes = v_row;
     x->seq_len = moe_xcalloc(params.n_seq, sizeof *x->seq_len);
     x->mtp_len = moe_xcalloc(params.n_seq, sizeof *x->mtp_len);
+    x->verify_base = moe_xcalloc(params.n_seq, sizeof *x->verify_base);
+    x->verify_rows = moe_xcalloc(params.n_seq, sizeof *x->verify_rows);
     x->layer_slot = moe_xcalloc(n_layer_run(m), sizeof *x->layer_slot);
     for (uint32_t il = 0, n_lin = 0; il < n_layer_run(m); il++)
         x->layer_slot[il] = moe_layer_state_of(c, il).k_values ? x->n_layer_kv++ : n_lin++;
@@ -129,10 +135,11 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->v_cache = calloc(1, v_bytes ? v_bytes : 1);
     x->tokens = calloc(1, plan.token_bytes);
     x->snap_state = calloc(1, plan.snapshot_bytes ? plan.snapshot_bytes : 1);
-    if (!x->k_cache || !x->v_cache || !x->tokens || !x->snap_state) {
+    x->ckpt = calloc(1, plan.checkpoint_bytes ? plan.checkpoint_bytes : 1);
+    if (!x->k_cache || !x->v_cache || !x->tokens || !x->snap_state || !x->ckpt) {
         moe_error_set(err, MOE_ERR_NOMEM,
                       "context: cannot allocate %.1f MiB of KV cache, "
-                      "snapshots and token ids",
+                      "snapshots, checkpoints and token ids",
                       (double)plan.total / (1 << 20));
         moe_ctx_free(x);
         return NULL;
@@ -201,6 +208,9 @@ void moe_ctx_free(moe_ctx *c) {
     if (!c) return;
     free(c->seq_len);
     free(c->mtp_len);
+    free(c->verify_base);
+    free(c->verify_rows);
+    free(c->ckpt);
     free(c->hidden);
     free(c->mtp_in);
     free(c->tokens);
@@ -394,6 +404,8 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;
     const int64_t n_embd = m->cfg.n_embd;
+    if (!c->verifying) /* a plain step ends what a verify step left to accept */
+        for (uint32_t r = 0; r < n_rows; r++) c->verify_rows[rows[r].seq] = 0;
 
     for (uint32_t r = 0; r < n_rows; r++)
         moe_tensor_row_f32(m->token_embd, rows[r].token, c->y + r * n_embd);
@@ -405,6 +417,29 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     }
     output_head(c, rows, n_rows, m->output_norm, m->output, logits);
     return MOE_OK;
+}
+
+moe_status moe_ctx_verify(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
+                          moe_error *err) {
+    if (check_rows(c, rows, n_rows, c->seq_len, err) != MOE_OK) return err->code;
+    for (uint32_t r = 0; r < n_rows; r++) c->verify_rows[rows[r].seq] = 0;
+    for (uint32_t r = 0; r < n_rows; r++) {
+        const int32_t seq = rows[r].seq;
+        if (c->verify_rows[seq]++ == 0) c->verify_base[seq] = c->seq_len[seq];
+        if (c->verify_rows[seq] > c->p.n_verify) {
+            for (uint32_t e = 0; e < n_rows; e++) c->verify_rows[rows[e].seq] = 0;
+            return moe_error_set(err, MOE_ERR_ARG,
+                                 "verify step: sequence %d has more than %u rows (the context's "
+                                 "n_verify)",
+                                 seq, c->p.n_verify);
+        }
+    }
+    c->verifying = true;
+    const moe_status st = moe_ctx_decode(c, rows, n_rows, logits, err);
+    c->verifying = false;
+    if (st != MOE_OK)
+        for (uint32_t r = 0; r < n_rows; r++) c->verify_rows[rows[r].seq] = 0;
+    return st;
 }
 
 const float *moe_ctx_hidden(const moe_ctx *c, uint32_t *n_rows) {

@@ -29,6 +29,7 @@ typedef struct moe_ctx_params {
     moe_type kv_type;     /* KV cache elements: MOE_TYPE_F32 (0, the default) or MOE_TYPE_F16 */
     int n_threads;        /* threads for the forward pass, including the caller (0: 1) */
     uint32_t n_snapshots; /* recurrent-state snapshots held at once (0: 2 per sequence) */
+    uint32_t n_verify;    /* rows per sequence a verify step can take back (0: no verify steps) */
 } moe_ctx_params;
 
 /* What a context's state costs, decided before anything is allocated (moe budget, load). */
@@ -38,6 +39,7 @@ typedef struct moe_ctx_memory {
     uint64_t recurrent_bytes_per_seq; /* conv + delta-rule state over the linear layers */
     uint64_t recurrent_bytes;         /* n_seq of them */
     uint64_t snapshot_bytes;          /* n_snapshots of them */
+    uint64_t checkpoint_bytes;        /* n_seq x n_verify of them, for verify steps */
     uint64_t token_bytes;             /* the token ids each sequence holds */
     uint64_t total;                   /* all of the above (scratch not included) */
 } moe_ctx_memory;
@@ -67,6 +69,18 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c);
 /* Tokens held for a sequence (its next position). */
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq);
+
+/* ==== Verify steps (speculative decoding) ====
+ *
+ * A verify step runs rows that may be taken back: a sequence's next token and the drafts after
+ * it. It is moe_ctx_decode (same logits, bit for bit) that also keeps, for each sequence in it, a
+ * checkpoint of the recurrent state after each of its rows (at most n_verify), so that
+ * moe_ctx_seq_accept can then keep any first part of them -- KV rows past it dropped, the linear
+ * state taken from the checkpoint, no recompute. Any other call on the sequence ends the choice. */
+moe_status moe_ctx_verify(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
+                          moe_error *err);
+/* Keep the first n_keep (1..its rows) of seq's rows in the last verify step. */
+moe_status moe_ctx_seq_accept(moe_ctx *c, int32_t seq, uint32_t n_keep, moe_error *err);
 
 /* ==== Sequence state: truncation, snapshots, prefix reuse (state.c) ====
  *

@@ -85,6 +85,11 @@ struct moe_ctx {
     float *shexp_gate;                   /* [max_rows] shared-expert gate logits */
     const struct moe_stream_ops *stream; /* how block outputs join the residual stream */
     moe_linear_ctx lin;
+    /* verify steps: for each sequence its length before the last one and its rows in it (0:
+     * nothing to accept), and the recurrent state after each of those rows */
+    uint32_t *verify_base, *verify_rows; /* [n_seq] */
+    bool verifying;                      /* inside moe_ctx_verify */
+    float *ckpt; /* [n_seq][p.n_verify][lin.n_layer][lin.layer_floats], hybrids only */
     moe_snapshot *snaps; /* [p.n_snapshots] */
     float *snap_state;   /* [p.n_snapshots][lin.n_layer][lin.layer_floats] */
     uint64_t snap_clock;
@@ -153,5 +158,7 @@ void moe_linear_alloc(moe_ctx *c);
 void moe_linear_free(moe_ctx *c);
 /* A sequence's recurrent state, all linear layers: [lin.n_layer][lin.layer_floats]. */
 float *moe_linear_seq_state(const moe_ctx *c, int32_t seq);
+/* The same, as it stood after row `row` of seq's rows in the last verify step. */
+float *moe_linear_checkpoint(const moe_ctx *c, int32_t seq, uint32_t row);
 
 #endif

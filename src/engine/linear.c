@@ -100,6 +100,10 @@ float *moe_linear_seq_state(const moe_ctx *c, int32_t seq) {
     return c->lin.state + (uint64_t)seq * c->lin.n_layer * c->lin.layer_floats;
 }
 
+float *moe_linear_checkpoint(const moe_ctx *c, int32_t seq, uint32_t row) {
+    return c->ckpt + ((uint64_t)seq * c->p.n_verify + row) * c->lin.n_layer * c->lin.layer_floats;
+}
+
 /* ==== Grouping rows by sequence ==== */
 
 /* Counting sort of the rows by sequence (stable: each sequence keeps its position order);
@@ -213,11 +217,39 @@ static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
                                   .g_stride = d->nv * d->n_g,
                                   .beta_stride = d->nv,
                                   .out_stride = d->V};
-        if (seg->n >= LINEAR_CHUNKED_MIN)
+        if (j->c->verifying) { /* row by row, the head's state kept after each */
+            const uint64_t at = j->slot * lin->layer_floats + lin->conv_floats +
+                                (uint64_t)h * d->hd * d->hd;
+            for (int32_t i = 0; i < seg->n; i++) {
+                moe_delta_args ai = a;
+                ai.q += i * a.qk_stride, ai.k += i * a.qk_stride, ai.v += i * a.v_stride;
+                ai.g += i * a.g_stride, ai.beta += i * a.beta_stride, ai.out += i * a.out_stride;
+                moe_delta_rule_recurrent(&ai, 1, state, scratch);
+                memcpy(moe_linear_checkpoint(j->c, seg->seq, (uint32_t)i) + at, state,
+                       sizeof(float) * (size_t)(d->hd * d->hd));
+            }
+        } else if (seg->n >= LINEAR_CHUNKED_MIN) {
             moe_delta_rule_chunked(&a, seg->n, state, scratch);
-        else
+        } else {
             moe_delta_rule_recurrent(&a, seg->n, state, scratch);
+        }
     }
+}
+
+/* The short conv over n consecutive rows of one sequence, from and into its conv state. */
+static void conv_rows(moe_ctx *c, const moe_linear_weights *w, const linear_dims *d, float *x,
+                      int64_t n, float *conv) {
+    const int n_taps = (int)c->m->cfg.ssm_d_conv;
+    if (!w->conv1d[1]) {
+        moe_conv1d_silu(x, d->conv_ch, n, d->conv_ch, (const float *)w->conv1d[0]->data, n_taps,
+                        conv);
+        return;
+    }
+    /* separate q, k, v kernels over consecutive channel ranges */
+    const int64_t ofs[3] = {0, d->K, 2 * d->K}, width[3] = {d->K, d->K, d->V};
+    for (int i = 0; i < 3; i++)
+        moe_conv1d_silu(x + ofs[i], d->conv_ch, n, width[i], (const float *)w->conv1d[i]->data,
+                        n_taps, conv + ofs[i] * (n_taps - 1));
 }
 
 /* ==== The block ==== */
@@ -240,21 +272,20 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
     else
         project_kda(c, w, &d, n_rows);
 
-    /* the short conv runs along each sequence's rows, from that sequence's conv state */
-    const int n_taps = (int)cfg->ssm_d_conv;
+    /* the short conv runs along each sequence's rows, from that sequence's conv state (in a
+     * verify step one row at a time, the conv state kept after each) */
     for (uint32_t s = 0; s < n_seg; s++) {
         const moe_linear_seg *seg = &lin->segs[s];
         float *conv = moe_linear_seq_state(c, seg->seq) + slot * lin->layer_floats;
         float *x = lin->qkv + (int64_t)seg->begin * d.conv_ch;
-        if (!w->conv1d[1]) {
-            moe_conv1d_silu(x, d.conv_ch, seg->n, d.conv_ch, (const float *)w->conv1d[0]->data,
-                            n_taps, conv);
-        } else { /* separate q, k, v kernels over consecutive channel ranges */
-            const int64_t ofs[3] = {0, d.K, 2 * d.K}, width[3] = {d.K, d.K, d.V};
-            for (int i = 0; i < 3; i++)
-                moe_conv1d_silu(x + ofs[i], d.conv_ch, seg->n, width[i],
-                                (const float *)w->conv1d[i]->data, n_taps,
-                                conv + ofs[i] * (n_taps - 1));
+        if (!c->verifying) {
+            conv_rows(c, w, &d, x, seg->n, conv);
+            continue;
+        }
+        for (int32_t i = 0; i < seg->n; i++) {
+            conv_rows(c, w, &d, x + (int64_t)i * d.conv_ch, 1, conv);
+            memcpy(moe_linear_checkpoint(c, seg->seq, (uint32_t)i) + slot * lin->layer_floats, conv,
+                   sizeof(float) * lin->conv_floats);
         }
     }
     for (uint32_t i = 0; i < n_rows; i++)

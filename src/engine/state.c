@@ -57,6 +57,7 @@ static void become(moe_ctx *c, int32_t seq, int32_t src, uint32_t n, const float
     }
     drop_snapshots(c, seq, src == seq ? n : 0);
     c->seq_len[seq] = n;
+    c->verify_rows[seq] = 0;
     /* the MTP cache's entry q pairs trunk position q with token q + 1: it keeps what the trunk
      * keeps, and nothing of another sequence (it is not copied) */
     const uint32_t mtp_keep = n ? n - 1 : 0;
@@ -67,6 +68,24 @@ static void become(moe_ctx *c, int32_t seq, int32_t src, uint32_t n, const float
         memcpy(live, state, state_bytes(c));
     else
         memset(live, 0, state_bytes(c));
+}
+
+/* ==== Verify steps ==== */
+
+moe_status moe_ctx_seq_accept(moe_ctx *c, int32_t seq, uint32_t n_keep, moe_error *err) {
+    if (seq < 0 || (uint32_t)seq >= c->p.n_seq)
+        return moe_error_set(err, MOE_ERR_ARG, "accept: sequence %d out of range 0..%u", seq,
+                             c->p.n_seq - 1);
+    const uint32_t rows = c->verify_rows[seq];
+    if (n_keep == 0 || n_keep > rows)
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "accept: sequence %d keeps %u rows, its last verify step ran %u", seq,
+                             n_keep, rows);
+    if (n_keep < rows)
+        become(c, seq, seq, c->verify_base[seq] + n_keep,
+               hybrid(c) ? moe_linear_checkpoint(c, seq, n_keep - 1) : NULL);
+    c->verify_rows[seq] = 0;
+    return MOE_OK;
 }
 
 /* ==== Truncation ==== */
