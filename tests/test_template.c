@@ -684,6 +684,8 @@ static const parse_case parse_cases[] = {
      "get_weather({\"city\":\"Oslo\"});"},
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "It is {cold}.", "It is {cold}.", "", ""},
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "{not json", "{not json", "", ""},
+    /* fuzz: an empty reply once moved bytes from a NULL buffer (UBSan, `make asan`) */
+    {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "", "", "", ""},
     {MOE_CHAT_FORMAT_MISTRAL, "[THINK]", "[/THINK]", false,
      "[THINK]hmm[/THINK]Sure[TOOL_CALLS]get_weather[ARGS]{\"city\": "
      "\"Paris\"}[TOOL_CALLS]search[ARGS]{\"query\": \"x\"}",

@@ -292,6 +292,7 @@ void moe_chat_parser_free(moe_chat_parser *p) {
 }
 
 static void consume(moe_chat_parser *p, size_t n) {
+    if (!n) return; /* p->in may still be NULL */
     memmove(p->in, p->in + n, p->len - n);
     p->len -= n;
 }
