@@ -1,6 +1,6 @@
 /* prompt.c: conversations to prompt tokens through the model's chat template, and model text
- * back to content, reasoning and tool calls through the text layer's parsers -- the two seams
- * between the API adapters and src/text/.
+ * back to content, reasoning and tool calls through the chat layer's parsers -- the two seams
+ * between the API adapters and src/chat/ (with src/text/'s tokenizer).
  *
  * The template is chosen once at start-up: --chat-template-file, else the GGUF's
  * tokenizer.chat_template, else the built-in ChatML. Each API's request becomes one OpenAI-style
