@@ -20,6 +20,7 @@ static double now_seconds(void) {
 void moe_gen_options_default(moe_gen_options *o) {
     memset(o, 0, sizeof *o);
     o->n_predict = 128;
+    o->n_draft = 3;
     o->engine = (moe_engine_args){.n_threads = 1, .kv_type = MOE_TYPE_F16};
     o->sampling = (moe_sampler_params){.temperature = 0.8f,
                                        .top_k = 40,
@@ -59,10 +60,20 @@ int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **a
     TAKE_FLOAT("--repeat-penalty", 0, 100, o->sampling.repeat_penalty)
     TAKE_FLOAT("--presence-penalty", -2, 2, o->sampling.presence_penalty)
     TAKE_FLOAT("--frequency-penalty", -2, 2, o->sampling.frequency_penalty)
+    TAKE_INT("--draft", 1, MOE_GEN_MAX_DRAFT, o->n_draft)
 #undef TAKE_INT
 #undef TAKE_FLOAT
     const int engine = moe_engine_args_parse(cmd, &o->engine, argc, argv, i);
     if (engine) return engine;
+    if (strcmp(a, "--spec") == 0) {
+        if (!v || (strcmp(v, "ngram") != 0 && strcmp(v, "none") != 0)) {
+            moe_cli_usage_error(cmd, "--spec expects ngram or none, got '%s'", v ? v : "(nothing)");
+            return -1;
+        }
+        o->spec_ngram = strcmp(v, "ngram") == 0;
+        ++*i;
+        return 1;
+    }
     if (strcmp(a, "--print-ids") == 0) return o->print_ids = true, 1;
     if (strcmp(a, "--ignore-eos") == 0) return o->ignore_eos = true, 1;
     return 0;
@@ -85,7 +96,8 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                              .n_seq = 1,
                              .max_rows = PREFILL_CHUNK,
                              .kv_type = o->engine.kv_type,
-                             .n_threads = o->engine.n_threads};
+                             .n_threads = o->engine.n_threads,
+                             .n_verify = o->spec_ngram ? o->n_draft + 1 : 0};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
         moe_ctx_memory mem;
         if (g->ctx && moe_ctx_memory_plan(g->model, &cp, &mem, &err) == MOE_OK)
@@ -105,6 +117,8 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     const uint32_t n_vocab = g->model->cfg.n_vocab;
     g->sampler = moe_sampler_new(&o->sampling, n_vocab);
     g->logits = moe_xmalloc(sizeof(float) * n_vocab);
+    g->verify = moe_xmalloc(sizeof(float) * (o->n_draft + 1) * n_vocab);
+    g->hist = moe_xmalloc(sizeof(int32_t) * (moe_ctx_n_ctx(g->ctx) + 1));
     g->rows = moe_xmalloc(sizeof(moe_row) * PREFILL_CHUNK);
     g->load_seconds = now_seconds() - t0;
     return true;
@@ -127,6 +141,8 @@ void moe_gen_close(moe_gen *g) {
     moe_tokenizer_free(g->tok);
     moe_model_free(g->model);
     free(g->logits);
+    free(g->verify);
+    free(g->hist);
     free(g->rows);
     memset(g, 0, sizeof *g);
 }
@@ -151,68 +167,127 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
     return true;
 }
 
+/* What became of a token the sampler chose. */
+typedef enum { EMIT_ON, EMIT_END, EMIT_ERROR } emit_result;
+
+typedef struct emitter {
+    moe_detok *detok;
+    const char *stop;
+    size_t stop_len;
+    char tail[256]; /* the last bytes of output, to match `stop` across pieces */
+    size_t tail_len;
+} emitter;
+
+/* Show a chosen token; EMIT_END at end of generation or when the text now ends with `stop`. */
+static emit_result emit(moe_gen *g, emitter *e, int32_t token, moe_error *err) {
+    if (moe_tokenizer_is_eog(g->tok, token) && !g->opt.ignore_eos) return EMIT_END;
+    g->n_generated++;
+    if (g->opt.print_ids) {
+        printf(",%d", token);
+        fflush(stdout);
+        return EMIT_ON;
+    }
+    const char *text;
+    size_t len;
+    if (moe_detok_push(e->detok, token, &text, &len, err) != MOE_OK) return EMIT_ERROR;
+    fwrite(text, 1, len, stdout);
+    fflush(stdout);
+    reply_put(g, text, len);
+    if (!e->stop_len || e->stop_len >= sizeof e->tail) return EMIT_ON;
+    for (size_t k = 0; k < len; k++) {
+        if (e->tail_len == sizeof e->tail - 1) memmove(e->tail, e->tail + 1, --e->tail_len);
+        e->tail[e->tail_len++] = text[k];
+    }
+    return e->tail_len >= e->stop_len &&
+                   memcmp(e->tail + e->tail_len - e->stop_len, e->stop, e->stop_len) == 0
+               ? EMIT_END
+               : EMIT_ON;
+}
+
+/* Feed `token` and, with --spec ngram, the drafts that follow it, then choose what comes next.
+ * The sampler picks from each verify row in turn exactly as it would one step at a time; a draft
+ * is kept while it equals the pick (for a draft that is one token, not a distribution, this is
+ * the accept/reject rule: the output is the one plain decoding makes, at any temperature). The
+ * first pick that differs is returned in *next (the step it came from is kept), else *next is
+ * -1 and g->logits is the row after the last draft. */
+static emit_result step(moe_gen *g, emitter *e, int32_t token, int64_t budget, int32_t *next,
+                        moe_error *err) {
+    moe_ctx *c = g->ctx;
+    const uint32_t len = moe_ctx_seq_len(c, 0), n_vocab = g->model->cfg.n_vocab;
+    int32_t drafts[MOE_GEN_MAX_DRAFT];
+    uint32_t n_draft = 0, room = moe_ctx_n_ctx(c) - len - 1;
+    if (g->opt.spec_ngram && budget > 1) {
+        memcpy(g->hist, moe_ctx_seq_tokens(c, 0), sizeof(int32_t) * len);
+        g->hist[len] = token;
+        uint32_t want = g->opt.n_draft < room ? g->opt.n_draft : room;
+        if (budget >= 0 && (uint64_t)budget - 1 < want) want = (uint32_t)(budget - 1);
+        n_draft = moe_draft_ngram(g->hist, len + 1, want, drafts);
+    }
+    *next = -1;
+    g->n_steps++;
+    moe_row rows[MOE_GEN_MAX_DRAFT + 1];
+    rows[0] = (moe_row){0, (int32_t)len, token, true};
+    if (!n_draft)
+        return moe_ctx_decode(c, rows, 1, g->logits, err) == MOE_OK ? EMIT_ON : EMIT_ERROR;
+    for (uint32_t i = 0; i < n_draft; i++)
+        rows[i + 1] = (moe_row){0, (int32_t)(len + 1 + i), drafts[i], true};
+    if (moe_ctx_verify(c, rows, n_draft + 1, g->verify, err) != MOE_OK) return EMIT_ERROR;
+    uint32_t kept = 0; /* drafts kept */
+    emit_result r = EMIT_ON;
+    while (kept < n_draft) {
+        g->drafted[kept]++;
+        const int32_t pick =
+            moe_sampler_sample(g->sampler, g->verify + (size_t)kept * n_vocab).token;
+        if (pick != drafts[kept]) {
+            *next = pick;
+            break;
+        }
+        g->accepted[kept]++;
+        r = emit(g, e, pick, err);
+        if (r != EMIT_ON) break; /* as plain decoding, a token that ends generation is not fed */
+        kept++;
+    }
+    if (kept < n_draft && moe_ctx_seq_accept(c, 0, kept + 1, err) != MOE_OK) return EMIT_ERROR;
+    if (kept == n_draft)
+        memcpy(g->logits, g->verify + (size_t)n_draft * n_vocab, sizeof(float) * n_vocab);
+    return r;
+}
+
 bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err) {
     const double t0 = now_seconds();
     /* the first piece after BOS carries SentencePiece's dummy-prefix space: drop it */
-    moe_detok *detok = moe_detok_new(
-        g->tok, MOE_DECODE_SKIP_SPECIAL | (g->text_started ? 0 : MOE_DECODE_STRIP_PREFIX_SPACE));
+    emitter e = {
+        .detok = moe_detok_new(g->tok, MOE_DECODE_SKIP_SPECIAL |
+                                           (g->text_started ? 0 : MOE_DECODE_STRIP_PREFIX_SPACE)),
+        .stop = stop,
+        .stop_len = stop ? strlen(stop) : 0};
     g->text_started = true;
     g->reply_len = 0;
     reply_put(g, "", 0);
-    const size_t stop_len = stop ? strlen(stop) : 0;
-    char tail[256] = {0}; /* the last bytes of output, to match `stop` across pieces */
-    size_t tail_len = 0;
-    bool ok = true;
-    for (int64_t i = 0; n_predict < 0 || i < n_predict; i++) {
+    const uint64_t start = g->n_generated;
+    int32_t next = -1; /* a token already picked by the last step */
+    emit_result r = EMIT_ON;
+    while (r == EMIT_ON && (n_predict < 0 || (int64_t)(g->n_generated - start) < n_predict)) {
         if (moe_ctx_seq_len(g->ctx, 0) >= moe_ctx_n_ctx(g->ctx)) {
             fprintf(stderr, "\n[context full: %u tokens]\n", moe_ctx_n_ctx(g->ctx));
             break;
         }
-        const moe_sample s = moe_sampler_sample(g->sampler, g->logits);
-        const bool eog = moe_tokenizer_is_eog(g->tok, s.token);
-        if (eog && !g->opt.ignore_eos) break;
-        g->n_generated++;
-        if (g->opt.print_ids) {
-            printf(",%d", s.token);
-        } else {
-            const char *text;
-            size_t len;
-            if (moe_detok_push(detok, s.token, &text, &len, err) != MOE_OK) {
-                ok = false;
-                break;
-            }
-            fwrite(text, 1, len, stdout);
-            reply_put(g, text, len);
-            if (stop_len && stop_len < sizeof tail) {
-                for (size_t k = 0; k < len; k++) {
-                    if (tail_len == sizeof tail - 1) memmove(tail, tail + 1, --tail_len);
-                    tail[tail_len++] = text[k];
-                }
-                if (tail_len >= stop_len &&
-                    memcmp(tail + tail_len - stop_len, stop, stop_len) == 0) {
-                    fflush(stdout);
-                    break;
-                }
-            }
-        }
-        fflush(stdout);
-        moe_row row = {
-            .seq = 0, .pos = (int32_t)moe_ctx_seq_len(g->ctx, 0), .token = s.token, .logits = true};
-        if (moe_ctx_decode(g->ctx, &row, 1, g->logits, err) != MOE_OK) {
-            ok = false;
-            break;
-        }
+        const int32_t token = next >= 0 ? next : moe_sampler_sample(g->sampler, g->logits).token;
+        r = emit(g, &e, token, err);
+        if (r != EMIT_ON) break;
+        const int64_t left = n_predict < 0 ? -1 : n_predict - (int64_t)(g->n_generated - start);
+        r = step(g, &e, token, left, &next, err);
     }
     if (!g->opt.print_ids) {
         size_t len;
-        const char *rest = moe_detok_flush(detok, &len);
+        const char *rest = moe_detok_flush(e.detok, &len);
         fwrite(rest, 1, len, stdout);
         reply_put(g, rest, len);
     }
     fflush(stdout);
-    moe_detok_free(detok);
+    moe_detok_free(e.detok);
     g->gen_seconds += now_seconds() - t0;
-    return ok;
+    return r != EMIT_ERROR;
 }
 
 void moe_gen_print_stats(const moe_gen *g) {
@@ -223,4 +298,11 @@ void moe_gen_print_stats(const moe_gen *g) {
         g->prompt_seconds > 0 ? (double)g->n_prompt / g->prompt_seconds : 0.0,
         (unsigned long long)g->n_generated,
         g->gen_seconds > 0 ? (double)g->n_generated / g->gen_seconds : 0.0, g->load_seconds * 1e3);
+    if (!g->opt.spec_ngram || !g->n_steps) return;
+    fprintf(stderr, "spec ngram: %.2f tokens per step, drafts accepted by position:",
+            (double)g->n_generated / (double)g->n_steps);
+    for (uint32_t i = 0; i < g->opt.n_draft && g->drafted[i]; i++)
+        fprintf(stderr, " %.0f%% of %llu", 100.0 * (double)g->accepted[i] / (double)g->drafted[i],
+                (unsigned long long)g->drafted[i]);
+    fputc('\n', stderr);
 }

@@ -16,9 +16,13 @@ typedef struct moe_gen_options {
     int64_t n_predict;      /* tokens to generate (< 0: until end of generation or context) */
     moe_engine_args engine; /* --ctx, -t, --kv-type */
     moe_sampler_params sampling;
-    bool print_ids;  /* show ids instead of text */
-    bool ignore_eos; /* keep going past end-of-generation tokens */
+    bool print_ids;   /* show ids instead of text */
+    bool ignore_eos;  /* keep going past end-of-generation tokens */
+    bool spec_ngram;  /* --spec ngram: speculative decoding with prompt-lookup drafts */
+    uint32_t n_draft; /* --draft N: drafts per step (default 3) */
 } moe_gen_options;
+
+#define MOE_GEN_MAX_DRAFT 16 /* --draft N at most */
 
 typedef struct moe_gen {
     moe_gen_options opt;
@@ -26,7 +30,9 @@ typedef struct moe_gen {
     moe_tokenizer *tok;
     moe_ctx *ctx;
     moe_sampler *sampler;
-    float *logits;     /* [n_vocab] */
+    float *logits;     /* [n_vocab] the next token's */
+    float *verify;     /* [n_draft + 1][n_vocab] a verify step's rows */
+    int32_t *hist;     /* [n_ctx + 1] the sequence's tokens and the one about to be fed */
     moe_row *rows;     /* [chunk] prefill rows */
     bool text_started; /* some text of this sequence was shown (keeps SPM's leading space) */
     char *reply;       /* [reply_len] the text the last moe_gen_run showed */
@@ -34,6 +40,8 @@ typedef struct moe_gen {
     double load_seconds;
     /* running totals for the stats line */
     uint64_t n_prompt, n_generated;
+    uint64_t n_steps; /* forward steps while generating */
+    uint64_t drafted[MOE_GEN_MAX_DRAFT], accepted[MOE_GEN_MAX_DRAFT]; /* by draft position */
     double prompt_seconds, gen_seconds;
 } moe_gen;
 

@@ -82,6 +82,12 @@ moe_status moe_ctx_verify(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 /* Keep the first n_keep (1..its rows) of seq's rows in the last verify step. */
 moe_status moe_ctx_seq_accept(moe_ctx *c, int32_t seq, uint32_t n_keep, moe_error *err);
 
+/* N-gram (prompt-lookup) drafts (spec.c): the tokens that followed the most recent earlier
+ * occurrence of hist's last MOE_NGRAM_MAX (else fewer, down to 1) tokens, at most max_draft of
+ * them into out; 0 when the suffix never occurred before. */
+#define MOE_NGRAM_MAX 3
+uint32_t moe_draft_ngram(const int32_t *hist, uint32_t n_hist, uint32_t max_draft, int32_t *out);
+
 /* ==== Sequence state: truncation, snapshots, prefix reuse (state.c) ====
  *
  * Attention layers keep K/V rows per position, so a sequence can be cut back to any length.
