@@ -165,11 +165,16 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     r->isa = moe_kernels_get()->name;
     r->in_memory = !p->use_mmap;
 
+    /* the pool reads the weights, then runs the bandwidth probe */
+    moe_pool *pool = moe_pool_new(p->n_threads);
     const double t_load = moe_now();
     moe_model *m = moe_model_load(p->model_path, err);
-    if (!m) return err->code;
-    if (!p->use_mmap && moe_gguf_to_memory(m->gguf, &r->loaded_bytes, err) != MOE_OK) {
+    if (m && !p->use_mmap && moe_gguf_to_memory(m->gguf, pool, &r->loaded_bytes, err) != MOE_OK) {
         moe_model_free(m);
+        m = NULL;
+    }
+    if (!m) {
+        moe_pool_free(pool);
         return err->code;
     }
     r->load_seconds = moe_now() - t_load;
@@ -179,9 +184,8 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     r->n_expert_used = m->cfg.n_expert_used;
     weight_bytes(m, r);
 
-    moe_pool *probe_pool = moe_pool_new(p->n_threads);
-    moe_status st = moe_read_bandwidth(probe_pool, p->probe_bytes, p->runs, &r->bandwidth, err);
-    moe_pool_free(probe_pool);
+    moe_status st = moe_read_bandwidth(pool, p->probe_bytes, p->runs, &r->bandwidth, err);
+    moe_pool_free(pool);
     if (st != MOE_OK) {
         moe_model_free(m);
         return st;
