@@ -36,15 +36,9 @@ static uint64_t status_bytes(const char *key) {
 
 static void load_peak_is_the_weights_once(void **state) {
     (void)state;
-    char path[512], cmd[2048], *out;
-    snprintf(path, sizeof path, "%s/load.gguf", moe_test_tmpdir());
-    snprintf(cmd, sizeof cmd,
-             "%s synth -o %s --preset qwen3-30b-a3b --layers 1 --vocab 32000 --experts 64 "
-             "--type '.*=Q4_K' --random-blocks",
-             moe_test_bin(), path);
-    const int rc = moe_test_run(cmd, &out);
-    if (rc != 0) fail_msg("`%s` exited %d:\n%s", cmd, rc, out);
-    free(out);
+    const char *path =
+        moe_test_synth("load.gguf", "--preset qwen3-30b-a3b --layers 1 --vocab 32000 "
+                                    "--experts 64 --type '.*=Q4_K' --random-blocks");
 
     FILE *f = fopen("/proc/self/clear_refs", "w"); /* "5": VmHWM starts again from VmRSS */
     if (!f || fputs("5", f) < 0 || fclose(f) != 0) fail_msg("cannot reset the peak RSS");
