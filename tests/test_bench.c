@@ -11,16 +11,11 @@
 
 static const char *tiny_model(void) {
     static char path[512];
-    if (path[0]) return path;
-    snprintf(path, sizeof path, "%s/bench-tiny.gguf", moe_test_tmpdir());
-    char cmd[2048], *out;
-    snprintf(cmd, sizeof cmd,
-             "%s synth -o %s --preset tiny --layers 2 --type 'ffn_down_exps=Q6_K' "
-             "--type 'exps=Q4_K' --type '.*=Q8_0'",
-             moe_test_bin(), path);
-    const int rc = moe_test_run(cmd, &out);
-    if (rc != 0) fail_msg("`%s` exited %d:\n%s", cmd, rc, out);
-    free(out);
+    if (!path[0])
+        snprintf(path, sizeof path, "%s",
+                 moe_test_synth("bench-tiny.gguf",
+                                "--preset tiny --layers 2 --type 'ffn_down_exps=Q6_K' "
+                                "--type 'exps=Q4_K' --type '.*=Q8_0'"));
     return path;
 }
 

@@ -545,6 +545,15 @@ static void split_three_shards(void **state) {
     check_reconciles(s);
     models_equal(g, s, true);
     assert_int_equal(tensor_total, moe_gguf_shard_get(g, 0)->tensor_bytes);
+    /* read into memory on two threads: every shard's bytes, the same as mapped */
+    moe_pool *pool = moe_pool_new(2);
+    uint64_t read = 0, data_total = 0;
+    assert_int_equal(moe_gguf_to_memory(s, pool, &read, &err), MOE_OK);
+    moe_pool_free(pool);
+    for (uint32_t i = 0; i < 3; i++)
+        data_total += moe_gguf_shard_get(s, i)->file_size - moe_gguf_shard_get(s, i)->data_offset;
+    assert_int_equal(read, data_total);
+    models_equal(g, s, true);
     for (uint64_t i = 0; i < n; i++) assert_int_equal(moe_gguf_tensor_get(s, i)->shard, i / per);
     assert_ptr_equal(moe_gguf_tensor_find(s, moe_gguf_tensor_get(g, n - 1)->name.ptr),
                      moe_gguf_tensor_get(s, n - 1));
@@ -610,6 +619,33 @@ static void split_inconsistent(void **state) {
     snprintf(renamed, sizeof renamed, "%s/renamed.gguf", dir);
     assert_int_equal(rename(p1, renamed), 0);
     expect_open_error(renamed, "does not end in -NNNNN-of-MMMMM.gguf", "split.count is 2");
+}
+
+/* A file replaced, or truncated in place, between open and moe_gguf_to_memory is refused with
+ * its path, and the tensors still read the bytes that were mapped. */
+static void to_memory_refuses_a_changed_file(void **state) {
+    (void)state;
+    size_t n;
+    const char *path = tmp_path("changed.gguf"), *other = tmp_path("other.gguf");
+    uint8_t *d = write_small(path, &n);
+    moe_gguf *orig = open_ok(path), *g = open_ok(path);
+    write_bytes(other, d, n);
+    assert_int_equal(rename(other, path), 0); /* the same bytes under another inode */
+    moe_error err = {0};
+    assert_int_equal(moe_gguf_to_memory(g, NULL, NULL, &err), MOE_ERR_IO);
+    assert_non_null(strstr(err.msg, path));
+    assert_non_null(strstr(err.msg, "changed since it was opened"));
+    models_equal(orig, g, false);
+    moe_gguf_close(g);
+
+    g = open_ok(path);
+    assert_int_equal(truncate(path, (off_t)n - 1), 0);
+    moe_error_clear(&err);
+    assert_int_equal(moe_gguf_to_memory(g, NULL, NULL, &err), MOE_ERR_IO);
+    assert_non_null(strstr(err.msg, "changed since it was opened"));
+    moe_gguf_close(g);
+    moe_gguf_close(orig);
+    free(d);
 }
 
 /* ==== Malformed files ==== */
@@ -876,6 +912,7 @@ int moe_suite_gguf(void) {
         cmocka_unit_test(roundtrip_shared_model_bytes),
         cmocka_unit_test(split_three_shards),
         cmocka_unit_test(split_inconsistent),
+        cmocka_unit_test(to_memory_refuses_a_changed_file),
         cmocka_unit_test(version_2_reads_version_1_refused),
         cmocka_unit_test(truncated_at_every_byte),
         cmocka_unit_test(flipped_counts),

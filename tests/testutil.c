@@ -96,6 +96,17 @@ int moe_test_run(const char *cmd, char **out) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
 }
 
+const char *moe_test_synth(const char *file, const char *flags) {
+    static char path[512];
+    char cmd[2048], *out;
+    snprintf(path, sizeof path, "%s/%s", moe_test_tmpdir(), file);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s %s", moe_test_bin(), path, flags);
+    const int rc = moe_test_run(cmd, &out);
+    if (rc != 0) fail_msg("`%s` exited %d:\n%s", cmd, rc, out);
+    free(out);
+    return path;
+}
+
 /* ==== Seeded random numbers ==== */
 
 /* ==== Quantization fixtures ==== */

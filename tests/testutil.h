@@ -29,6 +29,9 @@ const char *moe_test_tmpdir(void);
 const char *moe_test_bin(void);
 /* Run a shell command, capturing stdout+stderr (caller frees *out); returns the exit status. */
 int moe_test_run(const char *cmd, char **out);
+/* `moe synth -o <tmpdir>/<file> <flags>` (flags as on the command line); fails the test when
+ * synth does. The path, static per call (valid until the next call). */
+const char *moe_test_synth(const char *file, const char *flags);
 
 /* ==== Seeded random numbers (splitmix64; the same stream on every machine) ==== */
 

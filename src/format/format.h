@@ -143,13 +143,17 @@ const char *moe_gguf_vtype_name(moe_gguf_vtype t);
 /* Bytes of one number/bool value; 0 for string, array and unknown types. */
 unsigned moe_gguf_vtype_size(uint32_t t);
 
-/* Copy every mapped shard's data section into anonymous memory (huge-page aligned, advised
- * MADV_HUGEPAGE, read-only) and point the tensors there; the file's pages are released. Why:
- * pages of a mapped file can be reclaimed by the host between steps and read back from disk,
- * which made one benchmark run 40x slower; anonymous pages stay. Costs the data size in memory
- * (no swap here) and one pass over the file. Tensor pointers stay valid: the moe_tensor structs
- * do not move, only their `data`. No-op for shards that are not mapped or already copied. */
-moe_status moe_gguf_to_memory(moe_gguf *g, uint64_t *bytes_copied, moe_error *err);
+/* Read every mapped shard's data section into anonymous memory (huge-page aligned, advised
+ * MADV_HUGEPAGE, read-only) and point the tensors there. Why: pages of a mapped file can be
+ * reclaimed by the host between steps and read back from disk, which made one benchmark run 40x
+ * slower; anonymous pages stay. The data is read from the file (pread, 64 MiB at a
+ * time on the pool's threads; NULL pool: the caller alone), never copied through the mapping,
+ * and the mapping's data pages are unmapped after, so the peak is the data once, not twice.
+ * Costs the data size in memory (no swap here) and one pass over the file. Tensor pointers
+ * stay valid: the moe_tensor structs do not move, only their `data`. No-op for shards that are
+ * not mapped or already read. On a read error (which names the file and byte) the shard's
+ * tensors still point into the mapping. */
+moe_status moe_gguf_to_memory(moe_gguf *g, moe_pool *pool, uint64_t *bytes_read, moe_error *err);
 
 /* Tensors of all shards, in file order (shard 0 first). */
 uint64_t moe_gguf_n_tensors(const moe_gguf *g);

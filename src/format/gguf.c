@@ -82,8 +82,10 @@ typedef struct shard_state {
     uint32_t alignment;
     moe_gguf_kv *kv; /* [n_kv], in file order */
     uint64_t n_kv;
-    void *anon; /* the data section copied to anonymous memory (moe_gguf_to_memory) */
+    void *anon; /* the data section read into anonymous memory (moe_gguf_to_memory) */
     size_t anon_size;
+    dev_t dev; /* the mapped file's identity, checked when it is opened again to be read */
+    ino_t ino;
 } shard_state;
 
 struct moe_gguf {
@@ -805,6 +807,8 @@ static moe_status open_shard(moe_gguf *g, uint32_t i, const char *path, shard_pa
     close(fd);
     g->state[i].map = map;
     g->state[i].map_size = size;
+    g->state[i].dev = st.st_dev;
+    g->state[i].ino = st.st_ino;
     static const uint8_t empty[1];
     moe_status s = parse_shard(map ? map : empty, size, true, path, &g->arena, sp, err);
     if (s != MOE_OK) shard_parse_free(sp);
@@ -1086,46 +1090,153 @@ const moe_tensor *moe_gguf_tensor_find(const moe_gguf *g, const char *name) {
 /* ==== Tensor data in anonymous memory ==== */
 
 #define ANON_ALIGN (2u << 20) /* huge-page aligned, so the kernel may back it with 2 MiB pages */
+/* Bytes per pread: large enough that system calls cost nothing beside the copy, small enough
+ * that a shard splits into several for the pool's threads (and a read error names a place). */
+#define LOAD_CHUNK ((uint64_t)64 << 20)
 
-moe_status moe_gguf_to_memory(moe_gguf *g, uint64_t *bytes_copied, moe_error *err) {
+/* Anonymous memory of at least `bytes`, ANON_ALIGN-aligned and rounded up to it (*size). */
+static uint8_t *anon_alloc(size_t bytes, size_t *size) {
+    /* over-allocate by the alignment, then trim both ends to an aligned region */
+    *size = (bytes + ANON_ALIGN - 1) / ANON_ALIGN * ANON_ALIGN;
+    uint8_t *raw =
+        mmap(NULL, *size + ANON_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    uint8_t *base = (uint8_t *)(((uintptr_t)raw + ANON_ALIGN - 1) & ~(uintptr_t)(ANON_ALIGN - 1));
+    if (base > raw) munmap(raw, (size_t)(base - raw));
+    if (base + *size < raw + *size + ANON_ALIGN)
+        munmap(base + *size, (size_t)(raw + *size + ANON_ALIGN - (base + *size)));
+#ifdef MADV_HUGEPAGE
+    madvise(base, *size, MADV_HUGEPAGE); /* a hint: fewer TLB misses when it is granted */
+#endif
+    return base;
+}
+
+/* Where a chunk's reading stopped, if it did. */
+typedef struct load_failure {
+    int error;   /* of the failed pread; 0 when the file ended first */
+    uint64_t at; /* file offset of the first byte not read; UINT64_MAX: the chunk was read whole */
+} load_failure;
+
+/* One shard's data section read into `dst`, LOAD_CHUNK bytes per item of the pool. */
+typedef struct load_job {
+    int fd;
+    uint8_t *dst;          /* [size] the anonymous copy */
+    uint64_t file_offset;  /* where the data section starts in the file */
+    uint64_t size;         /* bytes of the data section */
+    load_failure *failure; /* [n_chunks] */
+} load_job;
+
+static void load_chunks(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    load_job *j = arg;
+    for (int64_t c = begin; c < end; c++) {
+        uint64_t at = (uint64_t)c * LOAD_CHUNK;
+        const uint64_t stop = j->size - at < LOAD_CHUNK ? j->size : at + LOAD_CHUNK;
+        j->failure[c].at = UINT64_MAX;
+        while (at < stop) {
+            const ssize_t n =
+                pread(j->fd, j->dst + at, (size_t)(stop - at), (off_t)(j->file_offset + at));
+            if (n > 0) {
+                at += (uint64_t)n; /* a short read: ask again for the rest */
+            } else if (n < 0 && errno == EINTR) {
+                continue;
+            } else {
+                j->failure[c].error = n < 0 ? errno : 0;
+                j->failure[c].at = j->file_offset + at;
+                break;
+            }
+        }
+    }
+}
+
+/* Read shard i's data section [data_offset, file size) from its file into dst. The file is
+ * opened again by path, so it must still be the file that was mapped (same device, inode and
+ * size): a model replaced on disk since it was opened is refused, not mixed. */
+static moe_status load_shard(const moe_gguf *g, uint32_t i, moe_pool *pool, uint8_t *dst,
+                             moe_error *err) {
+    const shard_state *st = &g->state[i];
+    const moe_gguf_shard *sh = &g->shards[i];
+    int fd = open(sh->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return moe_error_set(err, MOE_ERR_IO, "%s: cannot open again to read the weights: %s",
+                             sh->path, strerror(errno));
+    struct stat now;
+    moe_status s = MOE_OK;
+    if (fstat(fd, &now) != 0) {
+        s = moe_error_set(err, MOE_ERR_IO, "%s: %s", sh->path, strerror(errno));
+    } else if (now.st_dev != st->dev || now.st_ino != st->ino ||
+               (uint64_t)now.st_size != sh->file_size) {
+        s = moe_error_set(err, MOE_ERR_IO,
+                          "%s: the file changed since it was opened (replaced, or %" PRIu64
+                          " bytes instead of %" PRIu64 "); open the model again",
+                          sh->path, (uint64_t)now.st_size, sh->file_size);
+    }
+    if (s != MOE_OK) {
+        close(fd);
+        return s;
+    }
+    load_job j = {.fd = fd,
+                  .dst = dst,
+                  .file_offset = sh->data_offset,
+                  .size = sh->file_size - sh->data_offset};
+    const uint64_t n_chunks = (j.size + LOAD_CHUNK - 1) / LOAD_CHUNK;
+    j.failure = moe_xcalloc((size_t)n_chunks, sizeof *j.failure);
+    /* a wider readahead window: 1.76 GB read cold in 1.0 s instead of 1.7 s (2 threads) */
+    posix_fadvise(fd, (off_t)j.file_offset, (off_t)j.size, POSIX_FADV_SEQUENTIAL);
+    moe_pool_for(pool, (int64_t)n_chunks, 1, load_chunks, &j);
+    close(fd);
+    for (uint64_t c = 0; c < n_chunks && s == MOE_OK; c++) {
+        if (j.failure[c].at == UINT64_MAX) continue;
+        if (j.failure[c].error)
+            s = moe_error_set(err, MOE_ERR_IO,
+                              "%s: reading the weights failed at byte %" PRIu64 ": %s", sh->path,
+                              j.failure[c].at, strerror(j.failure[c].error));
+        else
+            s = moe_error_set(err, MOE_ERR_IO,
+                              "%s: the file ends at byte %" PRIu64 ", before its %" PRIu64
+                              " bytes (truncated while loading?)",
+                              sh->path, j.failure[c].at, sh->file_size);
+    }
+    free(j.failure);
+    return s;
+}
+
+moe_status moe_gguf_to_memory(moe_gguf *g, moe_pool *pool, uint64_t *bytes_read, moe_error *err) {
     uint64_t total = 0;
+    if (bytes_read) *bytes_read = 0;
     for (uint32_t i = 0; i < g->n_shards; i++) {
         shard_state *st = &g->state[i];
         const moe_gguf_shard *sh = &g->shards[i];
-        if (!st->map || st->anon || sh->data_offset >= st->map_size) continue;
-        const size_t data = st->map_size - (size_t)sh->data_offset;
-        /* over-allocate by the alignment, then trim both ends to an aligned region */
-        const size_t size = (data + ANON_ALIGN - 1) / ANON_ALIGN * ANON_ALIGN;
-        uint8_t *raw = mmap(NULL, size + ANON_ALIGN, PROT_READ | PROT_WRITE,
-                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (raw == MAP_FAILED)
+        if (!st->map || st->anon || sh->data_offset >= sh->file_size) continue;
+        const size_t data = (size_t)(sh->file_size - sh->data_offset);
+        size_t size;
+        uint8_t *base = anon_alloc(data, &size);
+        if (!base)
             return moe_error_set(err, MOE_ERR_NOMEM,
                                  "%s: cannot allocate %.1f MiB of anonymous "
                                  "memory for the weights (--mmap keeps them mapped): %s",
                                  sh->path, (double)data / (1 << 20), strerror(errno));
-        uint8_t *base =
-            (uint8_t *)(((uintptr_t)raw + ANON_ALIGN - 1) & ~(uintptr_t)(ANON_ALIGN - 1));
-        if (base > raw) munmap(raw, (size_t)(base - raw));
-        if (base + size < raw + size + ANON_ALIGN)
-            munmap(base + size, (size_t)(raw + size + ANON_ALIGN - (base + size)));
-#ifdef MADV_HUGEPAGE
-        madvise(base, size, MADV_HUGEPAGE); /* a hint: fewer TLB misses when it is granted */
-#endif
-        const uint8_t *src = (const uint8_t *)st->map + sh->data_offset;
-        memcpy(base, src, data);
+        const moe_status s = load_shard(g, i, pool, base, err);
+        if (s != MOE_OK) {
+            munmap(base, size); /* the tensors still point into the mapping */
+            return s;
+        }
         mprotect(base, size, PROT_READ); /* weights are read-only, as they were mapped */
         for (uint64_t t = 0; t < g->n_tensors; t++)
             if (g->tensors[t].shard == i && g->tensors[t].data)
                 g->tensors[t].data = base + g->tensors[t].offset;
-        /* the file's pages of the data section are no longer ours to keep */
-        const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-        const uintptr_t from = ((uintptr_t)src + page - 1) & ~(page - 1);
-        const uintptr_t to = (uintptr_t)st->map + st->map_size;
-        if (to > from) madvise((void *)from, to - from, MADV_DONTNEED);
+        /* Unmap the data section's whole pages (the header's keep the metadata's strings), so
+         * a pointer kept from before faults instead of quietly reading the file again. */
+        const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+        const size_t keep = ((size_t)sh->data_offset + page - 1) / page * page;
+        if (keep < st->map_size) {
+            munmap((uint8_t *)st->map + keep, st->map_size - keep);
+            st->map_size = keep;
+        }
         st->anon = base;
         st->anon_size = size;
         total += data;
     }
-    if (bytes_copied) *bytes_copied = total;
+    if (bytes_read) *bytes_read = total;
     return MOE_OK;
 }

@@ -505,7 +505,11 @@ static bool load(serve_sched *s) {
     moe_error err = {0};
     const char *path = s->p.model_path;
     s->model = moe_model_load(path, &err);
-    if (s->model && !s->p.use_mmap) moe_gguf_to_memory(s->model->gguf, NULL, &err);
+    if (s->model && !s->p.use_mmap) {
+        moe_pool *readers = moe_pool_new(s->p.n_threads); /* the weights are read on every thread */
+        moe_gguf_to_memory(s->model->gguf, readers, NULL, &err);
+        moe_pool_free(readers);
+    }
     if (s->model && !err.code) s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
     if (s->tok && moe_tokenizer_n_vocab(s->tok) != s->model->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",

@@ -165,27 +165,29 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     r->isa = moe_kernels_get()->name;
     r->in_memory = !p->use_mmap;
 
-    const double t_load = moe_now();
+    /* The bandwidth probe runs between opening the model and reading its weights: the peak is
+     * then the larger of the probe's buffer and the weights, not their sum. One pool does both. */
+    moe_pool *pool = moe_pool_new(p->n_threads);
+    double t = moe_now();
     moe_model *m = moe_model_load(p->model_path, err);
-    if (!m) return err->code;
-    if (!p->use_mmap && moe_gguf_to_memory(m->gguf, &r->loaded_bytes, err) != MOE_OK) {
-        moe_model_free(m);
-        return err->code;
+    r->load_seconds = moe_now() - t;
+    moe_status st =
+        m ? moe_read_bandwidth(pool, p->probe_bytes, p->runs, &r->bandwidth, err) : err->code;
+    if (st == MOE_OK && !p->use_mmap) {
+        t = moe_now();
+        st = moe_gguf_to_memory(m->gguf, pool, &r->loaded_bytes, err);
+        r->load_seconds += moe_now() - t;
     }
-    r->load_seconds = moe_now() - t_load;
+    moe_pool_free(pool);
+    if (st != MOE_OK) {
+        moe_model_free(m);
+        return st;
+    }
     snprintf(r->arch, sizeof r->arch, "%s", m->cfg.arch_name ? m->cfg.arch_name : "?");
     r->n_layer = m->cfg.n_layer;
     r->n_expert = m->cfg.n_expert;
     r->n_expert_used = m->cfg.n_expert_used;
     weight_bytes(m, r);
-
-    moe_pool *probe_pool = moe_pool_new(p->n_threads);
-    moe_status st = moe_read_bandwidth(probe_pool, p->probe_bytes, p->runs, &r->bandwidth, err);
-    moe_pool_free(probe_pool);
-    if (st != MOE_OK) {
-        moe_model_free(m);
-        return st;
-    }
 
     const uint32_t steps = (uint32_t)(p->n_gen > p->stream_steps ? p->n_gen : p->stream_steps);
     const uint32_t max_rows = (uint32_t)p->n_prompt > max_seq ? (uint32_t)p->n_prompt : max_seq;
