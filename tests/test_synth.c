@@ -229,8 +229,10 @@ static void synth_writes_file_type(void **state) {
 
 int moe_suite_synth(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(synth_inventory_and_run), cmocka_unit_test(synth_is_deterministic),
-        cmocka_unit_test(synth_llama_experts),     cmocka_unit_test(synth_refuses_clearly),
+        cmocka_unit_test(synth_inventory_and_run),
+        cmocka_unit_test(synth_is_deterministic),
+        cmocka_unit_test(synth_llama_experts),
+        cmocka_unit_test(synth_refuses_clearly),
         cmocka_unit_test(synth_random_blocks),
         cmocka_unit_test(file_type_numbers_are_llama_cpps),
         cmocka_unit_test(synth_writes_file_type),
