@@ -34,8 +34,8 @@ static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
             j->window && (uint32_t)row->pos >= j->window ? (uint32_t)row->pos - j->window + 1 : 0;
         const uint8_t *k0 = moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, first);
         const uint8_t *v0 = moe_kv_slot(c, v_cache, v_row_bytes, row->seq, j->layer, first);
-        moe_attention_row(s, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes,
-                          (int64_t)v_row_bytes, row->pos + 1 - first, c->att + r * att_w,
+        moe_attention_row(s, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes, (int64_t)v_row_bytes,
+                          row->pos + 1 - first, c->att + r * att_w,
                           c->scores + (int64_t)thread * c->p.n_ctx);
     }
 }

@@ -18,7 +18,7 @@
 #define MOE_CTX_MAX_DEFAULT 4096  /* default context when the model's is larger (memory) */
 #define MOE_MAX_SEQ         4096  /* sequences per context: caps the per-sequence tables */
 #define MOE_MAX_ROWS        65536 /* rows per forward call: caps scratch */
-#define MOE_MAX_VERIFY      64    /* rows of one sequence a verify step takes back: drafts are few */
+#define MOE_MAX_VERIFY      64 /* rows of one sequence a verify step takes back: drafts are few */
 
 /* struct moe_ctx lives in engine_internal.h */
 

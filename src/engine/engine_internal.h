@@ -89,7 +89,7 @@ struct moe_ctx {
      * nothing to accept), and the recurrent state after each of those rows */
     uint32_t *verify_base, *verify_rows; /* [n_seq] */
     bool verifying;                      /* inside moe_ctx_verify */
-    float *ckpt; /* [n_seq][p.n_verify][lin.n_layer][lin.layer_floats], hybrids only */
+    float *ckpt;         /* [n_seq][p.n_verify][lin.n_layer][lin.layer_floats], hybrids only */
     moe_snapshot *snaps; /* [p.n_snapshots] */
     float *snap_state;   /* [p.n_snapshots][lin.n_layer][lin.layer_floats] */
     uint64_t snap_clock;

@@ -218,8 +218,8 @@ static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
                                   .beta_stride = d->nv,
                                   .out_stride = d->V};
         if (j->c->verifying) { /* row by row, the head's state kept after each */
-            const uint64_t at = j->slot * lin->layer_floats + lin->conv_floats +
-                                (uint64_t)h * d->hd * d->hd;
+            const uint64_t at =
+                j->slot * lin->layer_floats + lin->conv_floats + (uint64_t)h * d->hd * d->hd;
             for (int32_t i = 0; i < seg->n; i++) {
                 moe_delta_args ai = a;
                 ai.q += i * a.qk_stride, ai.k += i * a.qk_stride, ai.v += i * a.v_stride;

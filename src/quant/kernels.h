@@ -17,8 +17,8 @@ void moe_kernels_fill_avx2(moe_kernels *k);
 void moe_kernels_fill_avx512(moe_kernels *k);
 void moe_kernels_fill_avx512vnni(moe_kernels *k);
 /* The AVX2 attention mix, for the tails of the wider one. */
-void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes,
-                       int64_t n_kv, moe_type kv_type, int n);
+void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
+                       moe_type kv_type, int n);
 
 /* Helpers for the fill functions: install a dot for weight type t, or an activation converter
  * for every weight type whose dot_type is dt. */

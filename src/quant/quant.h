@@ -147,13 +147,13 @@ typedef struct moe_type_kernels {
 } moe_type_kernels;
 
 /* Attention of one query head over n_kv cached rows of kv_type values (MOE_TYPE_F32 or
- * MOE_TYPE_F16), row j at byte j * stride_bytes. Scores: out[j] = dot(q, k_j) * scale, the dot summed in the order of
- * ggml-cpu's x86 ggml_vec_dot_f32 (4 accumulators of 8 lanes over whole 32-value steps, folded
- * 0+2, 1+3, 0+1, the lanes as l + l+4 then pairs, then the tail one by one), multiplying and
- * adding separately. Mix: y[d] += p[j] * v_j[d] for j = 0, 1, .. in turn, element by element.
- * Every level gives the reference's bits. Why that order: the scores feed 8-bit activation
- * quantization later, where one ulp can flip a tie. One call covers all keys, so a level can
- * keep q, or a stretch of y, in registers across them. */
+ * MOE_TYPE_F16), row j at byte j * stride_bytes. Scores: out[j] = dot(q, k_j) * scale, the dot
+ * summed in the order of ggml-cpu's x86 ggml_vec_dot_f32 (4 accumulators of 8 lanes over whole
+ * 32-value steps, folded 0+2, 1+3, 0+1, the lanes as l + l+4 then pairs, then the tail one by one),
+ * multiplying and adding separately. Mix: y[d] += p[j] * v_j[d] for j = 0, 1, .. in turn, element
+ * by element. Every level gives the reference's bits. Why that order: the scores feed 8-bit
+ * activation quantization later, where one ulp can flip a tie. One call covers all keys, so a level
+ * can keep q, or a stretch of y, in registers across them. */
 typedef void (*moe_attn_scores_fn)(const float *q, const void *k, int64_t stride_bytes,
                                    int64_t n_kv, moe_type kv_type, int n, float scale, float *out);
 typedef void (*moe_attn_mix_fn)(float *y, const float *p, const void *v, int64_t stride_bytes,
