@@ -131,24 +131,23 @@ static void project_gdn(moe_ctx *c, const moe_linear_weights *w, const linear_di
     moe_matmul(c->pool, w->gate, 0, lin->x, n_rows, lin->z, c->mm_scratch);
     const float *a_log = (const float *)w->a->data, *dt_b = (const float *)w->dt_b->data;
     const int64_t nv = d->nv, rf = nv / d->nk;
-    if (w->ba) { /* per k head: [beta x rf, alpha x rf]; v head h = k head * rf + i */
-        moe_matmul(c->pool, w->ba, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
-    } else { /* beta then alpha, each [n_v_heads], side by side in tmp's rows */
-        moe_matmul(c->pool, w->beta, 0, lin->x, n_rows, lin->out, c->mm_scratch);
+    if (!w->ba) { /* beta and alpha from their own projections: alpha becomes g in place */
+        moe_matmul(c->pool, w->beta, 0, lin->x, n_rows, lin->beta, c->mm_scratch);
         moe_matmul(c->pool, w->alpha, 0, lin->x, n_rows, lin->g, c->mm_scratch);
-        for (uint32_t r = 0; r < n_rows; r++) {
-            memcpy(lin->tmp + (int64_t)r * 2 * nv, lin->out + r * nv, sizeof(float) * (size_t)nv);
-            memcpy(lin->tmp + (int64_t)r * 2 * nv + nv, lin->g + r * nv,
-                   sizeof(float) * (size_t)nv);
+        for (int64_t i = 0; i < (int64_t)n_rows * nv; i++) {
+            lin->beta[i] = 1.0f / (1.0f + expf(-lin->beta[i]));
+            lin->g[i] = a_log[i % nv] * moe_softplus(lin->g[i] + dt_b[i % nv]);
         }
+        return;
     }
+    /* per k head: [beta x rf, alpha x rf]; v head h = k head * rf + i */
+    moe_matmul(c->pool, w->ba, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
     for (uint32_t r = 0; r < n_rows; r++) {
         const float *ba = lin->tmp + (int64_t)r * 2 * nv;
         for (int64_t h = 0; h < nv; h++) {
-            const float *beta = w->ba ? ba + (h / rf) * 2 * rf + h % rf : ba + h;
-            const float *alpha = w->ba ? beta + rf : ba + nv + h;
-            lin->beta[r * nv + h] = 1.0f / (1.0f + expf(-*beta));
-            lin->g[r * nv + h] = a_log[h] * moe_softplus(*alpha + dt_b[h]);
+            const float *grp = ba + (h / rf) * 2 * rf;
+            lin->beta[r * nv + h] = 1.0f / (1.0f + expf(-grp[h % rf]));
+            lin->g[r * nv + h] = a_log[h] * moe_softplus(grp[rf + h % rf] + dt_b[h]);
         }
     }
 }

@@ -88,10 +88,6 @@ const moe_tensor *moe_bind_f32(moe_binder *b, uint32_t il, const char *what, con
 const moe_tensor *moe_bind_norm(moe_binder *b, uint32_t il, const char *what);
 /* A NextN layer's own tensors (eh_proj, enorm, hnorm). */
 void moe_bind_nextn(moe_binder *b, uint32_t il, moe_nextn_weights *w);
-/* True once any step has failed. */
-static inline bool moe_bind_failed(const moe_binder *b) {
-    return b->err->code != MOE_OK;
-}
 
 /* Grouped-query attention and its options. */
 typedef struct moe_gqa_opts {
