@@ -46,18 +46,20 @@ typedef struct moe_hc_ctx {
     float *comb; /* [n_hc n_hc] */
 } moe_hc_ctx;
 
-/* The lightning indexer of sparse MLA layers (indexer.c): each indexed layer's per-position
- * rows [key | pooling logits | pooled key] of idx_head_dim floats each, and scratch. */
+/* The lightning indexer of sparse MLA layers (indexer.c): each scoring layer's per-position
+ * rows (moe_index_row_values: [key] or [key | pooling logits | pooled key]), and scratch. */
 typedef struct moe_index_ctx {
     uint32_t n_layer;    /* indexed layers (0: none) */
     uint32_t *slot;      /* [layers run] index among the indexed layers */
-    float *cache;        /* [n_seq][n_layer][n_ctx][3 idx_head_dim] */
+    float *cache;        /* [n_seq][n_layer][n_ctx][moe_index_row_values] */
     float *k;            /* [max_rows][idx_head_dim] projections on their way to the cache */
     float *q;            /* [max_rows][idx_n_head idx_head_dim] indexer queries */
     float *w;            /* [max_rows][idx_n_head] per-head score weights */
     uint32_t n_pool_max; /* pools a context holds, + 1 */
     float *scores;       /* [n_threads][n_pool_max] */
     int32_t *sel;        /* [n_threads][top_k + kpool - 1] chosen pools */
+    int32_t *chosen;     /* [max_rows][top_k + kpool - 1] the cells each row attends to, */
+    int32_t *n_chosen;   /* [max_rows] how many (-1: all), kept for the layers that share them */
     uint8_t *gather;     /* [n_threads][top_k + kpool - 1] latent rows a query attends to */
 } moe_index_ctx;
 

@@ -20,12 +20,13 @@
 /* ==== The architectures ==== */
 
 extern const moe_arch_desc moe_arch_llama, moe_arch_qwen3moe, moe_arch_deepseek2, moe_arch_gpt_oss,
-    moe_arch_qwen3next, moe_arch_kimi_linear, moe_arch_glm4moe, moe_arch_qwen35, moe_arch_glm5next;
+    moe_arch_qwen3next, moe_arch_kimi_linear, moe_arch_glm4moe, moe_arch_qwen35, moe_arch_glm5next,
+    moe_arch_glm_dsa;
 
 static const moe_arch_desc *const archs[] = {
-    &moe_arch_llama,   &moe_arch_qwen3moe,  &moe_arch_deepseek2,
-    &moe_arch_gpt_oss, &moe_arch_qwen3next, &moe_arch_kimi_linear,
-    &moe_arch_glm4moe, &moe_arch_qwen35,    &moe_arch_glm5next,
+    &moe_arch_llama,     &moe_arch_qwen3moe,    &moe_arch_deepseek2, &moe_arch_gpt_oss,
+    &moe_arch_qwen3next, &moe_arch_kimi_linear, &moe_arch_glm4moe,   &moe_arch_qwen35,
+    &moe_arch_glm5next,  &moe_arch_glm_dsa,
 };
 #define N_ARCHS (sizeof archs / sizeof archs[0])
 
@@ -495,9 +496,8 @@ moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il) {
         break;
     case MOE_MIXER_MLA: /* one row: the latent then the roped key; V is the latent part */
         s.k_values = (uint64_t)c->n_lora_kv + c->rope_dims;
-        /* the indexer's row: the key, the pooling logits, and the pooled key (in a pool's
-         * first cell) */
-        if (p->indexed) s.index_values = 3ull * c->idx_head_dim;
+        /* the indexer's row beside the latent (a layer sharing another's selection has none) */
+        if (p->indexed && !p->index_shared) s.index_values = moe_index_row_values(c);
         break;
     case MOE_MIXER_GDN:
     case MOE_MIXER_KDA: { /* the conv tail over q|k|v channels, and a k x v matrix per v head */
@@ -685,6 +685,7 @@ void moe_bind_indexer(moe_binder *b, uint32_t il, moe_mla_weights *w) {
     w->idx_k_norm = moe_bind_f32(b, il, "indexer.k_norm", "weight", id, 0, 0, true);
     w->idx_k_bias = moe_bind_f32(b, il, "indexer.k_norm", "bias", id, 0, 0, true);
     w->idx_proj = moe_bind_matrix(b, il, "indexer.proj", c->n_embd, ih);
+    if (c->idx_kpool == 1) return; /* positions are not pooled */
     w->idx_gate = moe_bind_matrix(b, il, "indexer_compressor_gate", c->n_embd, id);
     w->idx_ape = moe_bind_f32(b, il, "indexer_compressor_ape", "weight", id, c->idx_kpool, 0, true);
 }

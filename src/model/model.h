@@ -57,6 +57,7 @@ typedef struct moe_layer_plan {
     uint32_t n_head_kv; /* attention.head_count_kv of this layer (0 in linear layers) */
     uint32_t window;    /* sliding window in positions (0: full attention) */
     bool indexed;       /* MLA attending only to the keys its lightning indexer selects */
+    bool index_shared;  /* ... those the previous indexed layer selected (no indexer of its own) */
     float clamp_exp;    /* SwiGLU clamp of the routed experts (0: none): silu(min(gate, L)) *
                          * clamp(up, -L, L) */
     float clamp_ffn;    /* the same for the shared experts and the dense FFN */
@@ -137,6 +138,7 @@ typedef struct moe_model_config {
      * complete pools and the incomplete tail, or to everything while that is no more */
     uint32_t idx_n_head, idx_head_dim, idx_top_k, idx_kpool;
     float idx_norm_eps;    /* the LayerNorm of the indexer keys */
+    bool idx_rope;         /* rope (the model's, rope_dims) on the indexer's queries and keys */
     moe_layer_plan *layer; /* [n_layer + n_layer_nextn] what each layer runs */
 } moe_model_config;
 
@@ -307,6 +309,11 @@ typedef struct moe_layer_state {
     uint64_t index_values; /* f32 values per token of an indexed layer's indexer cache */
 } moe_layer_state;
 moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il);
+/* f32 values of one position's indexer row: the key, and with pools (idx_kpool > 1) its pooling
+ * logits and the pooled key (kept in a pool's first cell). */
+static inline uint64_t moe_index_row_values(const moe_model_config *c) {
+    return (c->idx_kpool > 1 ? 3ull : 1ull) * c->idx_head_dim;
+}
 
 /* ==== Declaring a model's tensors (moe synth) ==== */
 
