@@ -27,7 +27,9 @@ static const char labels_usage[] =
     "/apply-template, /v1/completions with echo + logprobs). --reverse-options scores every\n"
     "three-label record with options a second time with the options listed in reverse.\n"
     "Per-record results (JSONL) go to -o, else to stdout; the summary to stdout (with -o) or\n"
-    "stderr, as one JSON object with --json.\n";
+    "stderr, as one JSON object with --json. --ids adds the token ids scored to each result.\n"
+    "Labels are tokenized alone (no BOS): on a SentencePiece vocabulary write them without a\n"
+    "leading space (its dummy prefix adds one).\n";
 
 static const char compare_usage[] =
     "usage: moe eval compare A.jsonl B.jsonl [--resamples N] [--seed S] [--json]\n\n"
@@ -49,7 +51,15 @@ static const char kl_usage[] =
 
 /* ==== labels ==== */
 
-static void write_result(moe_json *j, const moe_eval_record *r, const moe_eval_score *s) {
+static void write_ids(moe_json *j, const char *key, const int32_t *ids, size_t n) {
+    if (key) moe_json_key(j, key);
+    moe_json_array_begin(j);
+    for (size_t i = 0; i < n; i++) moe_json_int(j, ids[i]);
+    moe_json_array_end(j);
+}
+
+static void write_result(moe_json *j, const moe_eval_record *r, const moe_eval_score *s,
+                         bool ids) {
     moe_json_object_begin(j);
     moe_json_kv_string(j, "id", r->id);
     moe_json_kv_uint(j, "line", r->line);
@@ -69,6 +79,13 @@ static void write_result(moe_json *j, const moe_eval_record *r, const moe_eval_s
     moe_json_array_end(j);
     moe_json_kv_int(j, "pred", s->pred);
     moe_json_kv_string(j, "pred_label", r->labels[s->pred]);
+    if (ids) {
+        write_ids(j, "prompt_ids", s->prompt_ids, s->n_prompt);
+        moe_json_key(j, "label_ids");
+        moe_json_array_begin(j);
+        for (uint32_t k = 0; k < r->n_labels; k++) write_ids(j, NULL, s->label_ids[k], s->n_tokens[k]);
+        moe_json_array_end(j);
+    }
     moe_json_key(j, "answer");
     if (r->answer >= 0)
         moe_json_int(j, r->answer);
@@ -126,7 +143,7 @@ static void print_tally(FILE *f, const labels_tally *t, bool json) {
 static int cmd_labels(int argc, char **argv) {
     const char *model = NULL, *records_path = NULL, *out_path = NULL, *tmpl = NULL;
     const char *api_key = NULL, *model_name = NULL;
-    bool reverse = false, json = false;
+    bool reverse = false, json = false, ids = false;
     moe_engine_args engine = {.n_threads = 1, .kv_type = MOE_TYPE_F32};
     for (int i = 0; i < argc; i++) {
         const int taken = moe_engine_args_parse("eval labels", &engine, argc, argv, &i);
@@ -149,6 +166,8 @@ static int cmd_labels(int argc, char **argv) {
             reverse = true;
         else if (strcmp(argv[i], "--json") == 0)
             json = true;
+        else if (strcmp(argv[i], "--ids") == 0)
+            ids = true;
         else if (argv[i][0] == '-')
             return moe_cli_usage_error("eval", "labels: unknown option '%s'", argv[i]);
         else if (!model)
@@ -179,9 +198,13 @@ static int cmd_labels(int argc, char **argv) {
     int32_t prev_pred = -1;
     for (size_t i = 0; sc && out && !err.code && i < n; i++) {
         moe_eval_score s;
-        if (moe_eval_scorer_run(sc, &recs[i], &s, &err) != MOE_OK) break;
+        if (moe_eval_scorer_run(sc, &recs[i], &s, &err) != MOE_OK) {
+            moe_eval_score_free(&s);
+            break;
+        }
         moe_json_reset(&j);
-        write_result(&j, &recs[i], &s);
+        write_result(&j, &recs[i], &s, ids);
+        moe_eval_score_free(&s);
         fprintf(out, "%s\n", j.buf);
         const moe_eval_record *r = &recs[i];
         if (r->reversed) {

@@ -304,6 +304,13 @@ void moe_eval_scorer_free(moe_eval_scorer *s) {
     free(s);
 }
 
+/* The ids go to the score (the caller's to free) */
+static void ids_to_score(eval_ids *t, moe_eval_score *out) {
+    out->prompt_ids = t->prompt;
+    for (uint32_t k = 0; k < MOE_EVAL_MAX_LABELS; k++) out->label_ids[k] = t->label[k];
+    memset(t, 0, sizeof *t);
+}
+
 static moe_status check_ids(const moe_eval_record *r, const eval_ids *t, moe_error *err) {
     if (t->n_prompt == 0)
         return moe_error_set(err, MOE_ERR_FORMAT, "record %s (line %zu): the prompt has no tokens",
@@ -462,7 +469,7 @@ static moe_status engine_run(moe_eval_scorer *s, const moe_eval_record *r, moe_e
     }
     if (st == MOE_OK) st = engine_flush(s, n, next, out, err);
     free(last);
-    eval_ids_free(&t);
+    ids_to_score(&t, out);
     return st;
 }
 
@@ -612,8 +619,14 @@ static moe_status url_run(moe_eval_scorer *s, const moe_eval_record *r, moe_eval
         }
         json_decref(reply);
     }
-    eval_ids_free(&t);
+    ids_to_score(&t, out);
     return st;
+}
+
+void moe_eval_score_free(moe_eval_score *s) {
+    free(s->prompt_ids);
+    for (uint32_t k = 0; k < MOE_EVAL_MAX_LABELS; k++) free(s->label_ids[k]);
+    memset(s, 0, sizeof *s);
 }
 
 moe_status moe_eval_scorer_run(moe_eval_scorer *s, const moe_eval_record *r, moe_eval_score *out,

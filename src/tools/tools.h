@@ -371,7 +371,12 @@ typedef struct moe_eval_score {
     uint32_t n_tokens[MOE_EVAL_MAX_LABELS]; /* the label's tokens */
     uint32_t n_prompt;                      /* the prompt's tokens */
     int32_t pred;                           /* the highest sum (the first of equals) */
+    /* the ids scored (malloc'd; moe_eval_score_free): prompt, then each label's */
+    int32_t *prompt_ids;
+    int32_t *label_ids[MOE_EVAL_MAX_LABELS];
 } moe_eval_score;
+
+void moe_eval_score_free(moe_eval_score *s);
 
 typedef struct moe_eval_scorer moe_eval_scorer;
 
@@ -393,6 +398,7 @@ moe_eval_scorer *moe_eval_scorer_engine(const char *model_path, const moe_eval_e
  * ignored). api_key and model may be NULL. */
 moe_eval_scorer *moe_eval_scorer_url(const char *url, const char *api_key, const char *model,
                                      moe_error *err);
+/* Score one record into *out (free it with moe_eval_score_free, also after a failure). */
 moe_status moe_eval_scorer_run(moe_eval_scorer *s, const moe_eval_record *r, moe_eval_score *out,
                                moe_error *err);
 void moe_eval_scorer_free(moe_eval_scorer *s);
