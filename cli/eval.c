@@ -58,8 +58,7 @@ static void write_ids(moe_json *j, const char *key, const int32_t *ids, size_t n
     moe_json_array_end(j);
 }
 
-static void write_result(moe_json *j, const moe_eval_record *r, const moe_eval_score *s,
-                         bool ids) {
+static void write_result(moe_json *j, const moe_eval_record *r, const moe_eval_score *s, bool ids) {
     moe_json_object_begin(j);
     moe_json_kv_string(j, "id", r->id);
     moe_json_kv_uint(j, "line", r->line);
@@ -83,7 +82,8 @@ static void write_result(moe_json *j, const moe_eval_record *r, const moe_eval_s
         write_ids(j, "prompt_ids", s->prompt_ids, s->n_prompt);
         moe_json_key(j, "label_ids");
         moe_json_array_begin(j);
-        for (uint32_t k = 0; k < r->n_labels; k++) write_ids(j, NULL, s->label_ids[k], s->n_tokens[k]);
+        for (uint32_t k = 0; k < r->n_labels; k++)
+            write_ids(j, NULL, s->label_ids[k], s->n_tokens[k]);
         moe_json_array_end(j);
     }
     moe_json_key(j, "answer");
@@ -100,7 +100,7 @@ static void write_result(moe_json *j, const moe_eval_record *r, const moe_eval_s
 }
 
 typedef struct labels_tally {
-    size_t records, answered, correct;       /* the records as given */
+    size_t records, answered, correct;                         /* the records as given */
     size_t rev_records, rev_answered, rev_correct, consistent; /* their reversed copies */
 } labels_tally;
 
@@ -127,8 +127,7 @@ static void print_tally(FILE *f, const labels_tally *t, bool json) {
         moe_json_free(&j);
         return;
     }
-    fprintf(f, "records %zu, with an answer %zu, correct %zu", t->records, t->answered,
-            t->correct);
+    fprintf(f, "records %zu, with an answer %zu, correct %zu", t->records, t->answered, t->correct);
     if (t->answered) fprintf(f, ": accuracy %.4f", (double)t->correct / (double)t->answered);
     fprintf(f, "\n");
     if (t->rev_records) {
@@ -265,8 +264,7 @@ static int cmd_compare(int argc, char **argv) {
     moe_eval_result *res[2] = {NULL, NULL};
     size_t n[2] = {0, 0};
     moe_eval_compare c = {0};
-    for (int f = 0; f < 2 && !err.code; f++)
-        moe_eval_results_read(paths[f], &res[f], &n[f], &err);
+    for (int f = 0; f < 2 && !err.code; f++) moe_eval_results_read(paths[f], &res[f], &n[f], &err);
     if (!err.code)
         moe_eval_compare_run(res[0], n[0], res[1], n[1], (uint32_t)resamples, (uint64_t)seed, &c,
                              &err);
@@ -402,8 +400,7 @@ static int cmd_kl(int argc, char **argv) {
                log(k.ppl) - log(k.ppl_ref));
         printf("KL(ref || model): mean %.6f  median %.6f  p90 %.6f  p95 %.6f  p99 %.6f  p99.9 "
                "%.6f  max %.6f  min %.6f\n",
-               k.kl_mean, k.kl_median, k.kl_p90, k.kl_p95, k.kl_p99, k.kl_p999, k.kl_max,
-               k.kl_min);
+               k.kl_mean, k.kl_median, k.kl_p90, k.kl_p95, k.kl_p99, k.kl_p999, k.kl_max, k.kl_min);
         printf("same top-1: %.3f %%\n", 100.0 * k.top1_agreement);
     }
     moe_eval_kl_free(&k);

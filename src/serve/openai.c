@@ -667,7 +667,7 @@ void serve_openai_completions(serve_http *h) {
         ok = false;
     }
     ok = ok && parse_limits(h, body, &req->gen, NULL, json_is_true(echo) ? 0 : 1) &&
-              serve_parse_sampling(h, SERVE_API_OPENAI, body, &req->gen, "stop");
+         serve_parse_sampling(h, SERVE_API_OPENAI, body, &req->gen, "stop");
     if (ok && json_object_get(body, "max_tokens") == NULL) req->gen.max_tokens = 16; /* OpenAI's */
     json_t *lp = json_object_get(body, "logprobs");
     if (ok && lp && !json_is_null(lp)) {

@@ -41,8 +41,8 @@ typedef struct slot {
     bool decoding; /* prompt done: the next row feeds next_token */
     bool snapped;  /* hybrid: the prompt's state before its last token is snapshotted */
     int32_t next_token;
-    int32_t logits_row; /* this step: index of its logits row, or -1 */
-    int32_t lp_row;     /* prompt_logprobs, this step: first of its prompt rows' logits rows */
+    int32_t logits_row;    /* this step: index of its logits row, or -1 */
+    int32_t lp_row;        /* prompt_logprobs, this step: first of its prompt rows' logits rows */
     uint32_t lp_pos, lp_n; /* ... the position of the first of them, and how many */
     moe_sampler *sampler;
     moe_detok *detok;

@@ -126,8 +126,8 @@ static moe_status record_parse(json_t *obj, const char *where, size_t line, moe_
         if (!json_is_string(l) || json_string_length(l) == 0 ||
             strlen(json_string_value(l)) != json_string_length(l))
             return moe_error_set(err, MOE_ERR_FORMAT,
-                                 "%s: labels[%u]: expected a non-empty string (without NUL)",
-                                 where, i);
+                                 "%s: labels[%u]: expected a non-empty string (without NUL)", where,
+                                 i);
         r->labels[i] = moe_xstrdup(json_string_value(l));
     }
     json_t *id = json_object_get(obj, "id");
@@ -141,8 +141,7 @@ static moe_status record_parse(json_t *obj, const char *where, size_t line, moe_
         snprintf(idbuf, sizeof idbuf, "line %zu", line);
         r->id = moe_xstrdup(idbuf);
     } else {
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: id: expected a string or an integer",
-                             where);
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: id: expected a string or an integer", where);
     }
     json_t *ans = json_object_get(obj, "answer");
     r->answer = -1;
@@ -182,11 +181,12 @@ static moe_status record_parse(json_t *obj, const char *where, size_t line, moe_
     }
     moe_status st = record_fill(r, obj, options, false, where, err);
     if (st == MOE_OK && rev && options && r->n_labels == 3) {
-        *rev = (moe_eval_record){.id = moe_xstrdup(r->id),
-                                 .line = line,
-                                 .n_labels = r->n_labels,
-                                 .answer = r->answer < 0 ? -1 : (int32_t)r->n_labels - 1 - r->answer,
-                                 .reversed = true};
+        *rev =
+            (moe_eval_record){.id = moe_xstrdup(r->id),
+                              .line = line,
+                              .n_labels = r->n_labels,
+                              .answer = r->answer < 0 ? -1 : (int32_t)r->n_labels - 1 - r->answer,
+                              .reversed = true};
         rev->labels = moe_xcalloc(r->n_labels, sizeof *rev->labels);
         for (uint32_t i = 0; i < r->n_labels; i++) rev->labels[i] = moe_xstrdup(r->labels[i]);
         *has_rev = true;
@@ -196,16 +196,16 @@ static moe_status record_parse(json_t *obj, const char *where, size_t line, moe_
     return st;
 }
 
-moe_status moe_eval_records_read(const char *path, bool reverse_options, moe_eval_record **out,
-                                 size_t *n_out, moe_error *err) {
-    *out = NULL;
-    *n_out = 0;
+/* Every non-blank line of a JSON-lines file through fn (with "PATH:LINE" for its messages),
+ * until fn fails. */
+typedef moe_status (*jsonl_fn)(void *ud, json_t *obj, const char *where, size_t line,
+                               moe_error *err);
+
+static moe_status jsonl_each(const char *path, jsonl_fn fn, void *ud, moe_error *err) {
     FILE *f = fopen(path, "r");
     if (!f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot open", path);
-    moe_eval_record *recs = NULL;
-    size_t n = 0, cap = 0, line_no = 0;
     char *line = NULL;
-    size_t line_cap = 0;
+    size_t line_cap = 0, line_no = 0, n = 0;
     ssize_t len;
     moe_status st = MOE_OK;
     while (st == MOE_OK && (len = getline(&line, &line_cap, f)) >= 0) {
@@ -215,44 +215,61 @@ moe_status moe_eval_records_read(const char *path, bool reverse_options, moe_eva
         if (l == 0) continue;
         char where[600];
         snprintf(where, sizeof where, "%s:%zu", path, line_no);
-        if (l > MOE_EVAL_MAX_LINE) {
-            st = moe_error_set(err, MOE_ERR_RANGE, "%s: a line of %zu bytes (at most %u)", where,
-                               l, MOE_EVAL_MAX_LINE);
-            break;
-        }
-        if (n + 2 > MOE_EVAL_MAX_RECORDS) {
-            st = moe_error_set(err, MOE_ERR_RANGE, "%s: more than %u records", where,
-                               MOE_EVAL_MAX_RECORDS);
-            break;
-        }
         json_error_t jerr;
-        json_t *obj = json_loadb(line, l, JSON_REJECT_DUPLICATES, &jerr);
-        if (!obj) {
+        json_t *obj = NULL;
+        if (l > MOE_EVAL_MAX_LINE)
+            st = moe_error_set(err, MOE_ERR_RANGE, "%s: a line of %zu bytes (at most %u)", where, l,
+                               MOE_EVAL_MAX_LINE);
+        else if (++n > MOE_EVAL_MAX_RECORDS)
+            st = moe_error_set(err, MOE_ERR_RANGE, "%s: more than %u lines", where,
+                               MOE_EVAL_MAX_RECORDS);
+        else if (!(obj = json_loadb(line, l, JSON_REJECT_DUPLICATES, &jerr)))
             st = moe_error_set(err, MOE_ERR_FORMAT, "%s:%d: %s", where, jerr.column, jerr.text);
-            break;
-        }
-        if (n + 2 > cap) {
-            cap = cap ? cap * 2 : 64;
-            recs = moe_xrealloc(recs, cap * sizeof *recs);
-        }
-        memset(&recs[n], 0, 2 * sizeof *recs);
-        bool has_rev;
-        st = record_parse(obj, where, line_no, &recs[n], reverse_options ? &recs[n + 1] : NULL,
-                          &has_rev, err);
-        n += 1 + has_rev;
-        if (st != MOE_OK && !has_rev) n--, record_free(&recs[n]);
+        else
+            st = fn(ud, obj, where, line_no, err);
         json_decref(obj);
     }
     free(line);
     fclose(f);
-    if (st == MOE_OK && n == 0) st = moe_error_set(err, MOE_ERR_FORMAT, "%s: no records", path);
-    if (st != MOE_OK) {
-        moe_eval_records_free(recs, n);
-        return st;
+    return st;
+}
+
+typedef struct records_acc {
+    moe_eval_record *recs;
+    size_t n, cap;
+    bool reverse_options;
+} records_acc;
+
+static moe_status records_add(void *ud, json_t *obj, const char *where, size_t line,
+                              moe_error *err) {
+    records_acc *a = ud;
+    if (a->n + 2 > a->cap) {
+        a->cap = a->cap ? a->cap * 2 : 64;
+        a->recs = moe_xrealloc(a->recs, a->cap * sizeof *a->recs);
     }
-    *out = recs;
-    *n_out = n;
-    return MOE_OK;
+    memset(&a->recs[a->n], 0, 2 * sizeof *a->recs);
+    bool has_rev;
+    const moe_status st =
+        record_parse(obj, where, line, &a->recs[a->n],
+                     a->reverse_options ? &a->recs[a->n + 1] : NULL, &has_rev, err);
+    a->n += 1 + has_rev;
+    if (st != MOE_OK && !has_rev) record_free(&a->recs[--a->n]);
+    return st;
+}
+
+moe_status moe_eval_records_read(const char *path, bool reverse_options, moe_eval_record **out,
+                                 size_t *n_out, moe_error *err) {
+    records_acc a = {.reverse_options = reverse_options};
+    moe_status st = jsonl_each(path, records_add, &a, err);
+    if (st == MOE_OK && a.n == 0) st = moe_error_set(err, MOE_ERR_FORMAT, "%s: no records", path);
+    if (st != MOE_OK) {
+        moe_eval_records_free(a.recs, a.n);
+        a.recs = NULL;
+        a.n = 0;
+    }
+    *out = a.recs;
+    *n_out = a.n;
+    return st;
 }
 
 /* ==== Scorers ==== */
@@ -414,7 +431,8 @@ static moe_status engine_flush(moe_eval_scorer *s, uint32_t n, const int32_t *ne
     uint32_t row = 0;
     for (uint32_t i = 0; i < n; i++) {
         if (!s->rows[i].logits) continue;
-        out->logprob[s->label[i]] += moe_logprob(s->logits + (size_t)row * n_vocab, n_vocab, next[i]);
+        out->logprob[s->label[i]] +=
+            moe_logprob(s->logits + (size_t)row * n_vocab, n_vocab, next[i]);
         row++;
     }
     return MOE_OK;
@@ -435,8 +453,10 @@ static moe_status engine_run(moe_eval_scorer *s, const moe_eval_record *r, moe_e
     for (uint32_t pos = reused; st == MOE_OK && pos < t.n_prompt;) {
         uint32_t n = 0;
         for (; n < MOE_EVAL_ROWS && pos < t.n_prompt; n++, pos++)
-            s->rows[n] = (moe_row){
-                .seq = 0, .pos = (int32_t)pos, .token = t.prompt[pos], .logits = pos + 1 == t.n_prompt};
+            s->rows[n] = (moe_row){.seq = 0,
+                                   .pos = (int32_t)pos,
+                                   .token = t.prompt[pos],
+                                   .logits = pos + 1 == t.n_prompt};
         st = moe_ctx_decode(s->ctx, s->rows, n, s->logits, err);
         if (st == MOE_OK && pos == t.n_prompt) memcpy(last, s->logits, sizeof(float) * n_vocab);
     }
@@ -534,10 +554,10 @@ static moe_status ids_from(json_t *arr, const char *what, int32_t **ids, size_t 
 
 static moe_status url_tokenize(moe_eval_scorer *s, const char *text, bool add_special,
                                int32_t **ids, size_t *n, moe_error *err) {
-    json_t *reply = api_call(
-        s, "/tokenize",
-        json_pack("{s:s, s:b, s:b}", "content", text, "add_special", add_special, "parse_special", 1),
-        err);
+    json_t *reply = api_call(s, "/tokenize",
+                             json_pack("{s:s, s:b, s:b}", "content", text, "add_special",
+                                       add_special, "parse_special", 1),
+                             err);
     if (!reply) return err->code;
     const moe_status st = ids_from(json_object_get(reply, "tokens"), "/tokenize", ids, n, err);
     json_decref(reply);
@@ -552,11 +572,10 @@ static moe_status url_ids(moe_eval_scorer *s, const moe_eval_record *r, eval_ids
         st = url_tokenize(s, r->prompt, true, &t->prompt, &t->n_prompt, err);
     } else {
         json_error_t jerr;
-        json_t *reply = api_call(
-            s, "/apply-template",
-            json_pack("{s:s, s:o}", "model", s->model_name, "messages",
-                      json_loads(r->messages, 0, &jerr)),
-            err);
+        json_t *reply = api_call(s, "/apply-template",
+                                 json_pack("{s:s, s:o}", "model", s->model_name, "messages",
+                                           json_loads(r->messages, 0, &jerr)),
+                                 err);
         if (!reply) {
             st = err->code;
         } else if (json_object_get(reply, "tokens")) {
@@ -584,13 +603,14 @@ static moe_status url_run(moe_eval_scorer *s, const moe_eval_record *r, moe_eval
     out->n_prompt = (uint32_t)t.n_prompt;
     for (uint32_t k = 0; st == MOE_OK && k < r->n_labels; k++) {
         json_t *prompt = json_array();
-        for (size_t i = 0; i < t.n_prompt; i++) json_array_append_new(prompt, json_integer(t.prompt[i]));
+        for (size_t i = 0; i < t.n_prompt; i++)
+            json_array_append_new(prompt, json_integer(t.prompt[i]));
         for (size_t i = 0; i < t.n_label[k]; i++)
             json_array_append_new(prompt, json_integer(t.label[k][i]));
         json_t *reply = api_call(s, "/v1/completions",
-                                 json_pack("{s:s, s:o, s:i, s:b, s:i, s:f}", "model",
-                                           s->model_name, "prompt", prompt, "max_tokens", 1,
-                                           "echo", 1, "logprobs", 0, "temperature", 0.0),
+                                 json_pack("{s:s, s:o, s:i, s:b, s:i, s:f}", "model", s->model_name,
+                                           "prompt", prompt, "max_tokens", 1, "echo", 1, "logprobs",
+                                           0, "temperature", 0.0),
                                  err);
         if (!reply) {
             st = err->code;
@@ -647,57 +667,47 @@ void moe_eval_results_free(moe_eval_result *r, size_t n) {
     free(r);
 }
 
+typedef struct results_acc {
+    moe_eval_result *res;
+    size_t n, cap;
+} results_acc;
+
+static moe_status results_add(void *ud, json_t *o, const char *where, size_t line, moe_error *err) {
+    (void)line;
+    results_acc *a = ud;
+    json_t *id = json_object_get(o, "id"), *pred = json_object_get(o, "pred"),
+           *ans = json_object_get(o, "answer"), *rev = json_object_get(o, "reversed");
+    if (!json_is_string(id) || !json_is_integer(pred) ||
+        !(json_is_integer(ans) || json_is_null(ans) || !ans) || !(json_is_boolean(rev) || !rev))
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: expected a result of `moe eval labels` (an object with \"id\" "
+                             "string, \"pred\" integer, \"answer\" integer or null)",
+                             where);
+    if (a->n == a->cap) {
+        a->cap = a->cap ? a->cap * 2 : 64;
+        a->res = moe_xrealloc(a->res, a->cap * sizeof *a->res);
+    }
+    a->res[a->n++] =
+        (moe_eval_result){.id = moe_xstrdup(json_string_value(id)),
+                          .reversed = json_is_true(rev),
+                          .pred = (int32_t)json_integer_value(pred),
+                          .answer = json_is_integer(ans) ? (int32_t)json_integer_value(ans) : -1};
+    return MOE_OK;
+}
+
 moe_status moe_eval_results_read(const char *path, moe_eval_result **out, size_t *n_out,
                                  moe_error *err) {
-    *out = NULL;
-    *n_out = 0;
-    FILE *f = fopen(path, "r");
-    if (!f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot open", path);
-    moe_eval_result *res = NULL;
-    size_t n = 0, cap = 0, line_no = 0, line_cap = 0;
-    char *line = NULL;
-    ssize_t len;
-    moe_status st = MOE_OK;
-    while (st == MOE_OK && (len = getline(&line, &line_cap, f)) >= 0) {
-        line_no++;
-        size_t l = (size_t)len;
-        while (l && (line[l - 1] == '\n' || line[l - 1] == '\r' || line[l - 1] == ' ')) l--;
-        if (l == 0) continue;
-        json_error_t jerr;
-        json_t *o = l <= MOE_EVAL_MAX_LINE ? json_loadb(line, l, 0, &jerr) : NULL;
-        json_t *id = json_object_get(o, "id"), *pred = json_object_get(o, "pred"),
-               *ans = json_object_get(o, "answer"), *rev = json_object_get(o, "reversed");
-        if (!json_is_string(id) || !json_is_integer(pred) ||
-            !(json_is_integer(ans) || json_is_null(ans) || !ans) ||
-            !(json_is_boolean(rev) || !rev) || n >= MOE_EVAL_MAX_RECORDS) {
-            st = moe_error_set(err, MOE_ERR_FORMAT,
-                               "%s:%zu: expected a result of `moe eval labels` (an object with "
-                               "\"id\" string, \"pred\" integer, \"answer\" integer or null)",
-                               path, line_no);
-        } else {
-            if (n == cap) {
-                cap = cap ? cap * 2 : 64;
-                res = moe_xrealloc(res, cap * sizeof *res);
-            }
-            res[n++] = (moe_eval_result){.id = moe_xstrdup(json_string_value(id)),
-                                         .reversed = json_is_true(rev),
-                                         .pred = (int32_t)json_integer_value(pred),
-                                         .answer = json_is_integer(ans)
-                                                       ? (int32_t)json_integer_value(ans)
-                                                       : -1};
-        }
-        json_decref(o);
-    }
-    free(line);
-    fclose(f);
-    if (st == MOE_OK && n == 0) st = moe_error_set(err, MOE_ERR_FORMAT, "%s: no results", path);
+    results_acc a = {0};
+    moe_status st = jsonl_each(path, results_add, &a, err);
+    if (st == MOE_OK && a.n == 0) st = moe_error_set(err, MOE_ERR_FORMAT, "%s: no results", path);
     if (st != MOE_OK) {
-        moe_eval_results_free(res, n);
-        return st;
+        moe_eval_results_free(a.res, a.n);
+        a.res = NULL;
+        a.n = 0;
     }
-    *out = res;
-    *n_out = n;
-    return MOE_OK;
+    *out = a.res;
+    *n_out = a.n;
+    return st;
 }
 
 static int by_key(const void *a, const void *b) {
@@ -893,11 +903,11 @@ static moe_status kl_tokens(const moe_eval_kl_params *p, const kl_side *m, const
     if (moe_file_read(p->text_path, &text, &len, err) != MOE_OK) return err->code;
     int32_t *ref_ids = NULL;
     size_t n_ref = 0;
-    moe_status st = moe_tokenizer_encode(m->tok, (const char *)text, len, MOE_ENCODE_ADD_SPECIAL,
-                                         ids, n, err);
+    moe_status st =
+        moe_tokenizer_encode(m->tok, (const char *)text, len, MOE_ENCODE_ADD_SPECIAL, ids, n, err);
     if (st == MOE_OK)
-        st = moe_tokenizer_encode(r->tok, (const char *)text, len, MOE_ENCODE_ADD_SPECIAL,
-                                  &ref_ids, &n_ref, err);
+        st = moe_tokenizer_encode(r->tok, (const char *)text, len, MOE_ENCODE_ADD_SPECIAL, &ref_ids,
+                                  &n_ref, err);
     if (st == MOE_OK) {
         size_t i = 0;
         while (i < *n && i < n_ref && (*ids)[i] == ref_ids[i]) i++;
@@ -919,8 +929,10 @@ moe_status moe_eval_kl_run(const moe_eval_kl_params *p, moe_eval_kl *out, moe_er
     double *lm = NULL, *lr = NULL;
     size_t n_ids = 0;
     moe_status st = kl_side_open(&m, p->model, p, err);
-    if (st == MOE_OK) st = kl_side_open(&r, p->ref, p, err);
-    else memset(&r, 0, sizeof r);
+    if (st == MOE_OK)
+        st = kl_side_open(&r, p->ref, p, err);
+    else
+        memset(&r, 0, sizeof r);
     const uint32_t n_vocab = m.model ? m.model->cfg.n_vocab : 0;
     if (st == MOE_OK && r.model->cfg.n_vocab != n_vocab)
         st = moe_error_set(err, MOE_ERR_ARG, "%s has %u tokens in its vocabulary but %s %u",
@@ -957,8 +969,8 @@ moe_status moe_eval_kl_run(const moe_eval_kl_params *p, moe_eval_kl *out, moe_er
             const uint32_t pos0 = pos;
             for (; n < MOE_EVAL_ROWS && pos < n_ctx; n++, pos++) {
                 const bool scored = pos >= first && pos + 1 < n_ctx;
-                rows[n] = (moe_row){.seq = 0, .pos = (int32_t)pos, .token = chunk[pos],
-                                    .logits = scored};
+                rows[n] =
+                    (moe_row){.seq = 0, .pos = (int32_t)pos, .token = chunk[pos], .logits = scored};
                 n_logits += scored;
             }
             for (int s = 0; s < 2 && st == MOE_OK; s++)

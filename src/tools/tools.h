@@ -331,10 +331,10 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
 
 /* ==== moe eval: labels by probability, paired comparisons, KL divergence (eval.c) ==== */
 
-#define MOE_EVAL_MAX_LABELS  64          /* candidate labels of one record */
-#define MOE_EVAL_MAX_LINE    (16u << 20) /* one record's JSON line */
-#define MOE_EVAL_MAX_RECORDS 10000000    /* records in one file */
-#define MOE_EVAL_ROWS        128 /* rows per forward call: the logits buffer is [rows][n_vocab] */
+#define MOE_EVAL_MAX_LABELS        64          /* candidate labels of one record */
+#define MOE_EVAL_MAX_LINE          (16u << 20) /* one record's JSON line */
+#define MOE_EVAL_MAX_RECORDS       10000000    /* records in one file */
+#define MOE_EVAL_ROWS              128 /* rows per forward call: the logits buffer is [rows][n_vocab] */
 #define MOE_EVAL_DEFAULT_RESAMPLES 10000
 #define MOE_EVAL_MIN_RESAMPLES     2000
 
@@ -382,8 +382,8 @@ typedef struct moe_eval_scorer moe_eval_scorer;
 
 typedef struct moe_eval_engine_params {
     int n_threads;
-    moe_type kv_type;           /* KV cache elements (F32: exact) */
-    const char *chat_template;  /* a .jinja file over the model's own template, or NULL */
+    moe_type kv_type;          /* KV cache elements (F32: exact) */
+    const char *chat_template; /* a .jinja file over the model's own template, or NULL */
 } moe_eval_engine_params;
 
 /* The engine: prompts run once per record, then every label's rows in one batch (a sequence
@@ -421,7 +421,7 @@ void moe_eval_results_free(moe_eval_result *r, size_t n);
  * interval is the 2.5 and 97.5 percentiles of the sorted differences, linearly interpolated at
  * q * (resamples - 1) (numpy's default percentile). */
 typedef struct moe_eval_compare {
-    size_t n;              /* paired records with an answer */
+    size_t n;                  /* paired records with an answer */
     size_t n_only_a, n_only_b; /* records in one file only (not compared) */
     size_t correct_a, correct_b;
     double acc_a, acc_b, diff, ci_low, ci_high;
@@ -445,10 +445,10 @@ void moe_eval_compare_free(moe_eval_compare *c);
  * nll = -log p(next), top-1 agreement = the two argmaxes (first of equals) agree. */
 typedef struct moe_eval_kl_params {
     const char *model, *ref;
-    const char *text_path;      /* text to tokenize, or NULL when tokens are given */
-    const int32_t *tokens;      /* token ids as given (no BOS added) */
+    const char *text_path; /* text to tokenize, or NULL when tokens are given */
+    const int32_t *tokens; /* token ids as given (no BOS added) */
     size_t n_tokens;
-    uint32_t n_ctx;             /* chunk length (default 512) */
+    uint32_t n_ctx; /* chunk length (default 512) */
     int n_threads;
     moe_type kv_type;
 } moe_eval_kl_params;
@@ -456,11 +456,11 @@ typedef struct moe_eval_kl_params {
 typedef struct moe_eval_kl {
     size_t n_text_tokens; /* the whole text's tokens */
     uint32_t n_ctx, n_chunks;
-    size_t n_scored;      /* positions scored */
+    size_t n_scored; /* positions scored */
     double kl_mean, kl_median, kl_p90, kl_p95, kl_p99, kl_p999, kl_max, kl_min;
-    double top1_agreement;  /* fraction */
-    double ppl, ppl_ref;    /* exp(mean nll) of each */
-    double *kl;             /* [n_scored] per position, sorted ascending */
+    double top1_agreement; /* fraction */
+    double ppl, ppl_ref;   /* exp(mean nll) of each */
+    double *kl;            /* [n_scored] per position, sorted ascending */
 } moe_eval_kl;
 
 moe_status moe_eval_kl_run(const moe_eval_kl_params *p, moe_eval_kl *out, moe_error *err);
