@@ -193,6 +193,43 @@ static pid_t serve_start(const char *model, char *url, size_t url_size) {
     return -1;
 }
 
+/* POST an echo with max_tokens 0 (the reply, or NULL) */
+static json_t *echo_request(const char *url) {
+    char endpoint[300];
+    snprintf(endpoint, sizeof endpoint, "%s/v1/completions", url);
+    static const char body[] = "{\"prompt\": \"Once upon a time\", \"max_tokens\": 0, \"echo\": "
+                               "true, \"logprobs\": 2}";
+    moe_http *h = moe_http_new();
+    moe_strbuf reply = {0};
+    long status;
+    moe_error err = {0};
+    assert_int_equal(
+        moe_http_post_json(h, endpoint, body, strlen(body), NULL, &reply, &status, &err), MOE_OK);
+    assert_int_equal(status, 200);
+    json_error_t jerr;
+    json_t *j = json_loads(reply.s, 0, &jerr),
+           *c = json_array_get(json_object_get(j, "choices"), 0);
+    json_t *lp = json_object_get(c, "logprobs"), *tl = json_object_get(lp, "token_logprobs");
+    assert_string_equal(json_string_value(json_object_get(c, "text")), "Once upon a time");
+    assert_string_equal(json_string_value(json_object_get(c, "finish_reason")), "length");
+    const size_t n =
+        (size_t)json_integer_value(json_object_get(json_object_get(j, "usage"), "prompt_tokens"));
+    assert_true(n >= 2);
+    assert_int_equal(json_array_size(tl), n);
+    assert_true(json_is_null(json_array_get(tl, 0)));
+    assert_true(json_is_null(json_array_get(json_object_get(lp, "top_logprobs"), 0)));
+    for (size_t i = 1; i < n; i++) {
+        assert_true(json_number_value(json_array_get(tl, i)) < 0);
+        assert_int_equal(json_object_size(json_array_get(json_object_get(lp, "top_logprobs"), i)),
+                         2);
+    }
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(j, "usage"), "completion_tokens")), 0);
+    json_decref(j);
+    moe_strbuf_free(&reply);
+    moe_http_free(h);
+}
+
 static void labels_url_equal_engine(void **state) {
     (void)state;
     const char *model = moe_test_chat_model("eval-chat-url", CHAT_TEMPLATE);
@@ -209,7 +246,9 @@ static void labels_url_equal_engine(void **state) {
              moe_test_bin(), url, labels_records(), b);
     char *log;
     const int rc = moe_test_run(cmd, &log);
+    json_t *echo = echo_request(url);
     kill(pid, SIGTERM);
+    echo_check(echo);
     if (rc != 0) fail_msg("%s:\n%s", cmd, log);
     free(log);
     json_t *ra = read_lines(a), *rb = read_lines(b);
