@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../src/tools/tools.h"
 #include "args.h"
@@ -29,7 +30,8 @@ static const char labels_usage[] =
     "Per-record results (JSONL) go to -o, else to stdout; the summary to stdout (with -o) or\n"
     "stderr, as one JSON object with --json. --ids adds the token ids scored to each result.\n"
     "Labels are tokenized alone (no BOS): on a SentencePiece vocabulary write them without a\n"
-    "leading space (its dummy prefix adds one).\n";
+    "leading space (its dummy prefix adds one). -t defaults to every CPU, --kv-type to f32;\n"
+    "--model names the model to a server (vLLM wants its served name), --api-key its key.\n";
 
 static const char compare_usage[] =
     "usage: moe eval compare A.jsonl B.jsonl [--resamples N] [--seed S] [--json]\n\n"
@@ -48,6 +50,12 @@ static const char kl_usage[] =
     "it: chunks of N tokens (default 512), each scored over its second half; mean, median, "
     "p90,\n"
     "p95, p99, p99.9, max, min, top-1 agreement and both perplexities.\n";
+
+/* The engine options' defaults here: every CPU, and an f32 KV cache (exact scores). */
+static moe_engine_args eval_engine_args(void) {
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    return (moe_engine_args){.n_threads = cpus > 0 ? (int)cpus : 1, .kv_type = MOE_TYPE_F32};
+}
 
 /* ==== labels ==== */
 
@@ -143,7 +151,7 @@ static int cmd_labels(int argc, char **argv) {
     const char *model = NULL, *records_path = NULL, *out_path = NULL, *tmpl = NULL;
     const char *api_key = NULL, *model_name = NULL;
     bool reverse = false, json = false, ids = false;
-    moe_engine_args engine = {.n_threads = 1, .kv_type = MOE_TYPE_F32};
+    moe_engine_args engine = eval_engine_args();
     for (int i = 0; i < argc; i++) {
         const int taken = moe_engine_args_parse("eval labels", &engine, argc, argv, &i);
         if (taken < 0) return 2;
@@ -195,6 +203,7 @@ static int cmd_labels(int argc, char **argv) {
     moe_json j;
     moe_json_init(&j, false);
     int32_t prev_pred = -1;
+    const bool progress = isatty(2) && out_path;
     for (size_t i = 0; sc && out && !err.code && i < n; i++) {
         moe_eval_score s;
         if (moe_eval_scorer_run(sc, &recs[i], &s, &err) != MOE_OK) {
@@ -217,8 +226,11 @@ static int cmd_labels(int argc, char **argv) {
             t.correct += r->answer >= 0 && s.pred == r->answer;
         }
         prev_pred = s.pred;
+        if (progress && (i + 1 == n || (i + 1) % 10 == 0))
+            fprintf(stderr, "\rmoe eval labels: %zu / %zu records", i + 1, n);
     }
     moe_json_free(&j);
+    if (progress) fputc('\n', stderr);
     if (out && out != stdout && fclose(out) != 0 && !err.code)
         moe_error_set(&err, MOE_ERR_IO, "%s: write failed", out_path);
     moe_eval_scorer_free(sc);
@@ -323,7 +335,7 @@ static int cmd_compare(int argc, char **argv) {
 
 static int cmd_kl(int argc, char **argv) {
     moe_eval_kl_params p = {.n_ctx = 512};
-    moe_engine_args engine = {.n_threads = 1, .kv_type = MOE_TYPE_F32};
+    moe_engine_args engine = eval_engine_args();
     const char *tokens_arg = NULL;
     bool json = false;
     for (int i = 0; i < argc; i++) {
