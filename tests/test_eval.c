@@ -305,6 +305,35 @@ static void labels_bad_records(void **state) {
     }
 }
 
+/* compare and kl refuse bad input with the place named, exit status 1 */
+static void compare_kl_bad_input(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    char path[512], cmd[2048];
+    snprintf(path, sizeof path, "%s/bad-results.jsonl", moe_test_tmpdir());
+    write_text(path,
+               "{\"id\": \"a\", \"pred\": 0, \"answer\": 0}\n{\"id\": \"b\", \"pred\": \"x\"}\n");
+    static const struct {
+        const char *args, *expect;
+    } cases[] = {
+        {"compare %s %s", "bad-results.jsonl:2: expected a result"},
+        {"kl %s --ref %s --tokens 1,2,3 --ctx 8", "3 tokens: fewer than one chunk of --ctx 8"},
+        {"kl %s --ref %s --tokens 1,2,3,4,5,6,7,99999 --ctx 8",
+         "token 7: id 99999 is not below 512"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        char args[1024];
+        snprintf(args, sizeof args, cases[c].args, c ? model : path, c ? model : path);
+        snprintf(cmd, sizeof cmd, "%s eval %s", moe_test_bin(), args);
+        char *out;
+        assert_int_equal(moe_test_run(cmd, &out), 1);
+        if (!strstr(out, cases[c].expect))
+            fail_msg("%s: expected '%s', got: %s", cmd, cases[c].expect, out);
+        free(out);
+    }
+}
+
 /* ==== compare ==== */
 
 static void write_results(const char *path, uint64_t seed, double p_right, size_t n) {
@@ -482,7 +511,8 @@ int moe_suite_eval(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(labels_bad_records),      cmocka_unit_test(labels_equal_numpy),
         cmocka_unit_test(labels_url_equal_engine), cmocka_unit_test(compare_equals_python),
-        cmocka_unit_test(kl_self_is_zero),         cmocka_unit_test(kl_equals_numpy),
+        cmocka_unit_test(compare_kl_bad_input),    cmocka_unit_test(kl_self_is_zero),
+        cmocka_unit_test(kl_equals_numpy),
     };
     return cmocka_run_group_tests_name("eval", tests, NULL, NULL);
 }
