@@ -112,10 +112,7 @@ static const char *labels_records(void) {
 
 /* ==== labels ==== */
 
-static void labels_equal_numpy(void **state) {
-    (void)state;
-    const char *model = moe_test_chat_model("eval-chat", CHAT_TEMPLATE);
-    MOE_SKIP_IF_NULL(model);
+static void labels_check(const char *model) {
     const char *tmp = moe_test_tmpdir();
     char cmd[8192], out[512];
     snprintf(out, sizeof out, "%s/labels-engine.jsonl", tmp);
@@ -162,6 +159,21 @@ static void labels_equal_numpy(void **state) {
     assert_int_not_equal(json_array_size(json_object_get(orig, "prompt_ids")), 0);
     json_decref(ref);
     json_decref(res);
+}
+
+static void labels_equal_numpy(void **state) {
+    (void)state;
+    const char *model = moe_test_chat_model("eval-chat", CHAT_TEMPLATE);
+    MOE_SKIP_IF_NULL(model);
+    labels_check(model);
+}
+
+/* a hybrid model: the labels copy the prompt's Gated DeltaNet state from a snapshot */
+static void labels_equal_numpy_hybrid(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("parity/qwen3next-f32.gguf");
+    MOE_SKIP_IF_NULL(model);
+    labels_check(model);
 }
 
 /* `moe serve MODEL --kv-type f32 --port 0 &`: its pid, and its URL once it is ready. */
@@ -509,10 +521,10 @@ static void kl_equals_numpy(void **state) {
 
 int moe_suite_eval(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(labels_bad_records),      cmocka_unit_test(labels_equal_numpy),
-        cmocka_unit_test(labels_url_equal_engine), cmocka_unit_test(compare_equals_python),
-        cmocka_unit_test(compare_kl_bad_input),    cmocka_unit_test(kl_self_is_zero),
-        cmocka_unit_test(kl_equals_numpy),
+        cmocka_unit_test(labels_bad_records),        cmocka_unit_test(labels_equal_numpy),
+        cmocka_unit_test(labels_equal_numpy_hybrid), cmocka_unit_test(labels_url_equal_engine),
+        cmocka_unit_test(compare_equals_python),     cmocka_unit_test(compare_kl_bad_input),
+        cmocka_unit_test(kl_self_is_zero),           cmocka_unit_test(kl_equals_numpy),
     };
     return cmocka_run_group_tests_name("eval", tests, NULL, NULL);
 }
