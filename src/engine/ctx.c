@@ -157,7 +157,10 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->xn = moe_xcalloc(rows * max_u64(c->n_embd, att_w), sizeof(float));
     x->y = moe_xcalloc(rows * c->n_embd, sizeof(float));
     x->hidden = moe_xcalloc(rows * c->n_embd, sizeof(float));
-    if (m->n_layer_mtp) x->mtp_in = moe_xcalloc(rows * 2 * c->n_embd, sizeof(float));
+    if (m->n_layer_mtp) {
+        x->mtp_in = moe_xcalloc(rows * 2 * c->n_embd, sizeof(float));
+        x->mtp_h = moe_xcalloc(c->n_embd, sizeof(float));
+    }
     x->q = moe_xcalloc(rows * q_w * (c->attn_output_gate ? 2 : 1), sizeof(float));
     if (c->attn_output_gate) x->att_gate = moe_xcalloc(rows * att_w, sizeof(float));
     if (c->n_ff_shexp) x->shexp_gate = moe_xcalloc(rows, sizeof(float));
@@ -218,6 +221,7 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->ckpt);
     free(c->hidden);
     free(c->mtp_in);
+    free(c->mtp_h);
     free(c->tokens);
     free(c->layer_slot);
     free(c->snaps);
@@ -387,21 +391,21 @@ static void run_layer(moe_ctx *c, uint32_t il, const moe_row *rows, uint32_t n_r
     c->stream->post(c, l, MOE_SITE_FFN, n_rows);
 }
 
-/* The head over the rows that asked for logits, packed: their normed final hidden states into
- * c->hidden, then `head` times those into logits. */
+/* The normed final hidden state of every row into c->hidden (what the MTP head takes), then
+ * `head` times those of the rows that asked for logits, packed into logits. */
 static void output_head(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const moe_tensor *norm,
                         const moe_tensor *head, float *logits) {
     const moe_model_config *cfg = &c->m->cfg;
     const int64_t n_embd = cfg->n_embd;
     uint32_t n_out = 0;
     for (uint32_t r = 0; r < n_rows; r++) {
-        if (!rows[r].logits) continue;
-        moe_rmsnorm(c->hidden + n_out * n_embd, c->stream->final(c, r), (const float *)norm->data,
-                    n_embd, cfg->rms_eps);
-        n_out++;
+        float *h = c->hidden + r * n_embd;
+        moe_rmsnorm(h, c->stream->final(c, r), (const float *)norm->data, n_embd, cfg->rms_eps);
+        if (rows[r].logits) /* xn is spent: the head's input, packed */
+            memcpy(c->xn + n_out++ * n_embd, h, sizeof(float) * (size_t)n_embd);
     }
-    c->n_hidden = n_out;
-    if (n_out) moe_matmul(c->pool, head, 0, c->hidden, n_out, logits, c->mm_scratch);
+    c->n_hidden = n_rows;
+    if (n_out) moe_matmul(c->pool, head, 0, c->xn, n_out, logits, c->mm_scratch);
 }
 
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
@@ -451,6 +455,14 @@ moe_status moe_ctx_verify(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 const float *moe_ctx_hidden(const moe_ctx *c, uint32_t *n_rows) {
     *n_rows = c->n_hidden;
     return c->hidden;
+}
+
+uint32_t moe_ctx_mtp_len(const moe_ctx *c, int32_t seq) {
+    return seq >= 0 && (uint32_t)seq < c->p.n_seq ? c->mtp_len[seq] : 0;
+}
+
+void moe_ctx_mtp_rewind(moe_ctx *c, int32_t seq, uint32_t n) {
+    if (seq >= 0 && (uint32_t)seq < c->p.n_seq && c->mtp_len[seq] > n) c->mtp_len[seq] = n;
 }
 
 moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const float *h,

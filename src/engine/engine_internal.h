@@ -87,10 +87,11 @@ struct moe_ctx {
     float *x;          /* [max_rows][max(1, n_hc)][n_embd] the residual stream(s) */
     float *xn;         /* [max_rows][max(n_embd, n_head * head_dim_v)] a block's normed input */
     float *y;          /* [max_rows][n_embd] a block's output */
-    float *hidden;     /* [max_rows][n_embd] normed final hidden states of the last call's
-                        * logit rows, packed (what the MTP head takes) */
+    float *hidden;     /* [max_rows][n_embd] normed final hidden states of the last call's rows
+                        * (what the MTP head takes) */
     uint32_t n_hidden; /* rows in hidden */
     float *mtp_in;     /* [max_rows][2 n_embd] the MTP head's normed [embedding ; hidden] */
+    float *mtp_h;      /* [n_embd] the hidden state a draft chain feeds back */
     float *q, *k, *v, *att, *ff_gate, *ff_up;
     float *scores; /* [n_threads][n_ctx] attention scores */
     /* multi-head latent attention scratch (NULL without MLA) */
