@@ -106,7 +106,11 @@ static const char *labels_records(void) {
                "blue? {options}\"}], \"labels\": [\"yes\", \"no\", \"maybe\"], \"options\": "
                "[\"it is\", \"it is not\", \"who knows\"], \"answer\": 0}\n"
                "{\"id\": \"noanswer\", \"prompt\": \"The cat sat on the\", \"labels\": [\"mat\", "
-               "\"dog\"]}\n");
+               "\"dog\"]}\n"
+               /* more labels than are scored side by side (MOE_EVAL_LABEL_SEQS) */
+               "{\"id\": \"many\", \"prompt\": \"She saw a\", \"labels\": [\"cat\", \"dog\", "
+               "\"bird\", \"tree\", \"big dog\", \"ball\", \"car\", \"house\", \"red ball\", "
+               "\"boy\"], \"answer\": 5}\n");
     return path;
 }
 
@@ -120,7 +124,7 @@ static void labels_check(const char *model) {
              moe_test_bin(), model, labels_records(), out);
     free(run_ok(cmd));
     json_t *res = read_lines(out);
-    assert_int_equal(json_array_size(res), 7); /* 5 records, 2 reversed copies */
+    assert_int_equal(json_array_size(res), 8); /* 6 records, 2 reversed copies */
     /* every label's logits from `moe logits`, then numpy's sums */
     size_t i;
     json_t *r;

@@ -398,7 +398,9 @@ moe_eval_scorer *moe_eval_scorer_engine(const char *model_path, const moe_eval_e
         }
         for (uint32_t k = 0; k < records[i].n_labels; k++)
             if (t.n_prompt + t.n_label[k] > n_ctx) n_ctx = t.n_prompt + t.n_label[k];
-        if (records[i].n_labels + 1 > n_seq) n_seq = records[i].n_labels + 1;
+        const uint32_t seqs =
+            records[i].n_labels < MOE_EVAL_LABEL_SEQS ? records[i].n_labels : MOE_EVAL_LABEL_SEQS;
+        if (seqs + 1 > n_seq) n_seq = seqs + 1;
         eval_ids_free(&t);
     }
     if (n_ctx > UINT32_MAX / 2) {
@@ -462,13 +464,18 @@ static moe_status engine_run(moe_eval_scorer *s, const moe_eval_record *r, moe_e
     }
     /* a hybrid model's labels copy the prompt's recurrent state from a snapshot */
     if (st == MOE_OK && moe_ctx_seq_snapshot(s->ctx, 0, err) < 0) st = err->code;
-    /* each label: its first token from the prompt's last logits, the rest from its own rows,
-     * every label's rows in the same batches */
+    /* each label: its first token from the prompt's last logits, the rest from its own rows on
+     * its own sequence, up to MOE_EVAL_LABEL_SEQS labels' rows in the same batches */
     uint32_t n = 0;
     for (uint32_t k = 0; st == MOE_OK && k < r->n_labels; k++) {
         out->n_tokens[k] = (uint32_t)t.n_label[k];
         out->logprob[k] = moe_logprob(last, n_vocab, t.label[k][0]);
-        const int32_t seq = (int32_t)k + 1;
+        const int32_t seq = (int32_t)(k % MOE_EVAL_LABEL_SEQS) + 1;
+        if (k && seq == 1) { /* the sequences are taken again: run what the last group left */
+            st = engine_flush(s, n, next, out, err);
+            n = 0;
+            if (st != MOE_OK) break;
+        }
         st = moe_ctx_seq_reuse(s->ctx, seq, t.prompt, (uint32_t)t.n_prompt, &reused, err);
         if (st == MOE_OK && reused != t.n_prompt)
             st = moe_error_set(err, MOE_ERR_UNSUPPORTED,

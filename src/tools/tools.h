@@ -339,6 +339,9 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
 #define MOE_EVAL_ROWS              128 /* rows per forward call: the logits buffer is [rows][n_vocab] */
 #define MOE_EVAL_DEFAULT_RESAMPLES 10000
 #define MOE_EVAL_MIN_RESAMPLES     2000
+/* labels scored side by side: each holds a copy of the prompt's KV cache, so 64 labels of a long
+ * prompt would cost 64 caches */
+#define MOE_EVAL_LABEL_SEQS 8
 
 /* One record of a --records file (a JSON object per line): "prompt" (text) or "messages" (an
  * OpenAI-style chat, rendered with the model's chat template and its generation prompt);
@@ -388,8 +391,9 @@ typedef struct moe_eval_engine_params {
     const char *chat_template; /* a .jinja file over the model's own template, or NULL */
 } moe_eval_engine_params;
 
-/* The engine: prompts run once per record, then every label's rows in one batch (a sequence
- * per label, the prompt's KV copied into each). The context is sized for the records given. */
+/* The engine: prompts run once per record, then the labels' rows batched together (a sequence
+ * per label, up to MOE_EVAL_LABEL_SEQS at once, the prompt's KV copied into each). The context
+ * is sized for the records given. */
 moe_eval_scorer *moe_eval_scorer_engine(const char *model_path, const moe_eval_engine_params *p,
                                         const moe_eval_record *records, size_t n_records,
                                         moe_error *err);
