@@ -561,10 +561,12 @@ static moe_status ids_from(json_t *arr, const char *what, int32_t **ids, size_t 
 
 static moe_status url_tokenize(moe_eval_scorer *s, const char *text, bool add_special,
                                int32_t **ids, size_t *n, moe_error *err) {
-    json_t *reply = api_call(s, "/tokenize",
-                             json_pack("{s:s, s:b, s:b}", "content", text, "add_special",
-                                       add_special, "parse_special", 1),
-                             err);
+    json_t *reply =
+        api_call(s, "/tokenize",
+                 /* llama-server's and moe's fields, and vLLM's */
+                 json_pack("{s:s, s:b, s:b, s:s, s:b}", "content", text, "add_special", add_special,
+                           "parse_special", 1, "prompt", text, "add_special_tokens", add_special),
+                 err);
     if (!reply) return err->code;
     const moe_status st = ids_from(json_object_get(reply, "tokens"), "/tokenize", ids, n, err);
     json_decref(reply);

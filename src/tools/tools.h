@@ -398,7 +398,8 @@ moe_eval_scorer *moe_eval_scorer_engine(const char *model_path, const moe_eval_e
                                         const moe_eval_record *records, size_t n_records,
                                         moe_error *err);
 /* An OpenAI-compatible server at url (its root or its /v1): ids from POST /tokenize
- * ({"content", "add_special"}, as llama-server and `moe serve`), chat prompts from POST
+ * ({"content", "add_special"} as llama-server and `moe serve` read it, and vLLM's "prompt",
+ * "add_special_tokens"), chat prompts from POST
  * /apply-template, and each label's log-probabilities from POST /v1/completions with the
  * prompt and label ids, "echo": true, "logprobs": 0, "max_tokens": 1 (the generated token is
  * ignored). api_key and model may be NULL. */
