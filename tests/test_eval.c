@@ -326,22 +326,29 @@ static void compare_kl_bad_input(void **state) {
     (void)state;
     const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
     MOE_SKIP_IF_NULL(model);
-    char path[512], cmd[2048];
-    snprintf(path, sizeof path, "%s/bad-results.jsonl", moe_test_tmpdir());
-    write_text(path,
+    char bad[512], dup_a[512], dup_b[512], cmd[4096];
+    snprintf(bad, sizeof bad, "%s/bad-results.jsonl", moe_test_tmpdir());
+    snprintf(dup_a, sizeof dup_a, "%s/dup-a.jsonl", moe_test_tmpdir());
+    snprintf(dup_b, sizeof dup_b, "%s/dup-b.jsonl", moe_test_tmpdir());
+    write_text(bad,
                "{\"id\": \"a\", \"pred\": 0, \"answer\": 0}\n{\"id\": \"b\", \"pred\": \"x\"}\n");
-    static const struct {
-        const char *args, *expect;
+    write_text(dup_a, "{\"id\": \"dup\", \"pred\": 0, \"answer\": 0}\n");
+    write_text(dup_b, "{\"id\": \"dup\", \"pred\": 0, \"answer\": 0}\n"
+                      "{\"id\": \"dup\", \"pred\": 1, \"answer\": 0}\n");
+    const struct {
+        const char *args, *first, *second, *expect;
     } cases[] = {
-        {"compare %s %s", "bad-results.jsonl:2: expected a result"},
-        {"kl %s --ref %s --tokens 1,2,3 --ctx 8", "3 tokens: fewer than one chunk of --ctx 8"},
-        {"kl %s --ref %s --tokens 1,2,3,4,5,6,7,99999 --ctx 8",
+        {"compare %s %s", bad, bad, "bad-results.jsonl:2: expected a result"},
+        {"compare %s %s", dup_a, dup_b, "B: record dup appears twice"},
+        {"kl %s --ref %s --tokens 1,2,3 --ctx 8", model, model,
+         "3 tokens: fewer than one chunk of --ctx 8"},
+        {"kl %s --ref %s --tokens 1,2,3,4,5,6,7,99999 --ctx 8", model, model,
          "token 7: id 99999 is not below 512"},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        char args[1024];
-        snprintf(args, sizeof args, cases[c].args, c ? model : path, c ? model : path);
-        snprintf(cmd, sizeof cmd, "%s eval %s", moe_test_bin(), args);
+        int len = snprintf(cmd, sizeof cmd, "%s eval ", moe_test_bin());
+        snprintf(cmd + len, sizeof cmd - (size_t)len, cases[c].args, cases[c].first,
+                 cases[c].second);
         char *out;
         assert_int_equal(moe_test_run(cmd, &out), 1);
         if (!strstr(out, cases[c].expect))

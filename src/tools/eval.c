@@ -748,9 +748,10 @@ static moe_status sort_results(const moe_eval_result *r, size_t n, const char *w
     qsort(p, n, sizeof *p, by_key);
     for (size_t i = 1; i < n; i++)
         if (by_key(&p[i - 1], &p[i]) == 0) {
+            moe_error_set(err, MOE_ERR_FORMAT, "%s: record %s%s appears twice", which, p[i]->id,
+                          p[i]->reversed ? " (reversed)" : "");
             free(p);
-            return moe_error_set(err, MOE_ERR_FORMAT, "%s: record %s%s appears twice", which,
-                                 r[i].id, r[i].reversed ? " (reversed)" : "");
+            return err->code;
         }
     *out = p;
     return MOE_OK;
