@@ -290,10 +290,11 @@ typedef struct moe_bench_params {
     int n_gen;                          /* decode test: this many single-row steps (0: skip) */
     int streams[MOE_BENCH_MAX_STREAMS]; /* batched decode: streams per test */
     int n_streams;
-    int stream_steps;   /* steps per batched decode test */
-    bool use_mmap;      /* keep weights in the mapped file instead of anonymous memory */
-    moe_type kv_type;   /* KV cache elements (default F16, as llama-bench) */
-    size_t probe_bytes; /* bandwidth probe buffer */
+    int stream_steps;            /* steps per batched decode test */
+    bool use_mmap;               /* keep weights in the mapped file instead of anonymous memory */
+    moe_type kv_type;            /* KV cache elements (default F16, as llama-bench) */
+    uint64_t expert_cache_bytes; /* routed experts read on demand into a cache (0: resident) */
+    size_t probe_bytes;          /* bandwidth probe buffer */
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
