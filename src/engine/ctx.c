@@ -510,10 +510,13 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
     c->stream = &moe_stream_plain; /* the NextN block is a plain pre-norm block */
     c->stream->begin(c, c->y, n_rows);
     run_layer(c, il, rows, n_rows);
-    c->stream = c->trunk;
-    if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) return err->code;
+    if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {
+        c->stream = c->trunk;
+        return err->code;
+    }
     for (uint32_t r = 0; r < n_rows; r++) c->mtp_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
     output_head(c, rows, n_rows, w->head_norm ? w->head_norm : m->output_norm,
                 w->head ? w->head : m->output, logits);
+    c->stream = c->trunk;
     return MOE_OK;
 }
