@@ -63,6 +63,9 @@ moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_
                                moe_error *err);
 void moe_ctx_free(moe_ctx *c);
 const moe_model *moe_ctx_model(const moe_ctx *c);
+/* The context's thread pool (work that is not a forward pass may borrow it between calls). */
+moe_pool *moe_ctx_pool(moe_ctx *c);
+int moe_ctx_n_threads(const moe_ctx *c);
 uint32_t moe_ctx_n_ctx(const moe_ctx *c);
 
 /* Run the rows; logits gets one [n_vocab] row per row with .logits set, in batch order. */

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "../base/base.h"
+#include "../engine/engine.h"
 #include "../format/format.h"
 
 /* ==== Tensor roles, from llama.cpp tensor names ==== */
@@ -326,6 +327,11 @@ typedef struct moe_bench_result {
     moe_bench_figure pp, tg;
     moe_bench_stream streams[MOE_BENCH_MAX_STREAMS];
     int n_streams;
+    /* with --expert-cache: the cache over the decode test, and the disk it reads from */
+    moe_expert_cache_stats tg_cache; /* counters of the tg test's steps (warm-up included) */
+    double tg_cache_tokens;          /* tokens those steps made */
+    double disk_mib_s;               /* sequential read of the model file (its own probe) */
+    bool disk_direct;                /* ... with O_DIRECT (else through the page cache) */
 } moe_bench_result;
 
 /* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */
