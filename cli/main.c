@@ -36,6 +36,11 @@ static const moe_command commands[] = {
      "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff "
      "N]\n"
      "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...] [--random-blocks]"},
+    {"repack", moe_cmd_repack,
+     "a QAT bf16 safetensors checkpoint to Q4_0 GGUF or W4A16 with each group's 4-bit step "
+     "recovered; --verify checks every group",
+     "SRC OUT --to q4_0-gguf|w4a16 [--workers N] [--json] [--report FILE] [--no-progress]\n"
+     "        | --verify SRC OUT [--workers N] [--json]"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},

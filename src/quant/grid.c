@@ -49,15 +49,28 @@ static bool levels_on(const float *w, int n, float d, int8_t *q) {
     return true;
 }
 
-/* True when the stored scale `bits` reproduces every value: the level of w[i] on its grid, times
- * the decoded scale, rounded to the source dtype, equals w[i]. Fills q. */
+int moe_grid_check(const float *w, int n, moe_type scale_type, moe_type src, uint16_t scale,
+                   const int8_t *levels) {
+    float d = scale_decode(scale_type, scale);
+    for (int i = 0; i < n; i++) {
+        if (d == 0.0f || !isfinite(d)) {
+            if (w[i] != 0.0f) return i; /* a zero scale holds only zeros */
+            continue;
+        }
+        float l = roundf(w[i] / d);
+        if (!(l >= -8.0f && l <= 7.0f) || (float)levels[i] != l ||
+            round_src(src, d * (float)levels[i]) != w[i])
+            return i;
+    }
+    return -1;
+}
+
+/* True when the stored scale `bits` reproduces every value; fills q with the levels. */
 static bool reproduces(const float *w, int n, moe_type scale_type, moe_type src, uint16_t bits,
                        int8_t *q) {
     float d = scale_decode(scale_type, bits);
     if (!(d != 0.0f) || !isfinite(d) || !levels_on(w, n, d, q)) return false;
-    for (int i = 0; i < n; i++)
-        if (round_src(src, d * (float)q[i]) != w[i]) return false;
-    return true;
+    return moe_grid_check(w, n, scale_type, src, bits, q) < 0;
 }
 
 int moe_grid_recover(const float *w, int n, moe_type scale_type, moe_type src, uint16_t *scale,

@@ -191,6 +191,11 @@ void moe_dot_rows(const moe_type_kernels *k, const void *w, const void *x, size_
  * (off the grid). *scale gets the stored bits, levels[n] the levels. */
 int moe_grid_recover(const float *w, int n, moe_type scale_type, moe_type src, uint16_t *scale,
                      int8_t *levels);
+/* -1 when a stored group is w's grid: every levels[i] is round(w[i] / scale) in -8..7 (its rank
+ * on the stored grid) and scale x level rounded to `src` is w[i] exactly (a zero scale holds
+ * only zeros); else the first i that is not. What `moe repack --verify` checks. */
+int moe_grid_check(const float *w, int n, moe_type scale_type, moe_type src, uint16_t scale,
+                   const int8_t *levels);
 /* One Q4_0 block (18 bytes) from an f16 scale and 32 levels in -8..7, and back. */
 void moe_grid_q4_0_block(uint16_t scale, const int8_t *levels, void *out);
 void moe_grid_q4_0_levels(const void *block, uint16_t *scale, int8_t *levels);
