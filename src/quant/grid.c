@@ -14,14 +14,17 @@
 #include "quant.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "blocks.h"
 
 /* Stored scales tried around the least-squares step: this many units in the last place either
- * side. The least-squares step of bf16-rounded values is within ~2^-9 relative of the true step,
- * which is under 3 f16 ulps. */
-#define GRID_ULPS 3
+ * side, nearest first. Values rounded to bf16 are off by up to 2^-9 relative each, and the
+ * rounding of a group's largest values (which weigh most in least squares) can lean one way:
+ * a real group put the least-squares step 3.5 f16 ulps from its true step. 8 f16 ulps is 2^-7
+ * relative, the whole width of a bf16 rounding interval; 10 leaves a margin. */
+#define GRID_ULPS 10
 
 static float scale_decode(moe_type scale_type, uint16_t bits) {
     return scale_type == MOE_TYPE_F16 ? moe_fp16_to_f32(bits) : moe_bf16_to_f32(bits);
@@ -98,7 +101,15 @@ int moe_grid_recover(const float *w, int n, moe_type scale_type, moe_type src, u
                 den += (double)q[i] * q[i];
             }
             if (den == 0) continue;
-            uint16_t ls = scale_encode(scale_type, (float)(num / den));
+            /* On the true grid every |w - step x level| is within 2^-8 of the value and the
+             * least-squares step within 2^-8 of the step, so a residual past 2^-6 means this m
+             * is wrong: skip the stored-scale search (most groups try several m first). */
+            double d = num / den, tol = 0x1p-6 * fabs(d);
+            bool near = true;
+            for (int i = 0; i < n && near; i++)
+                near = fabs(w[i] - d * q[i]) <= tol * (abs(q[i]) + 1);
+            if (!near) continue;
+            uint16_t ls = scale_encode(scale_type, (float)d);
             /* the least-squares step first, then its neighbours, nearest first */
             for (int k = 0; k <= 2 * GRID_ULPS; k++) {
                 int off = (k + 1) / 2 * (k % 2 ? 1 : -1);
