@@ -19,7 +19,7 @@ static const moe_command commands[] = {
      "MODEL --tokens ID,ID,... [--mtp] [--out FILE.f32] [--kv-type f32|f16] [-t N] [--ctx N]"},
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
-     "FILE|SHARD|URL [--json | --formats]"},
+     "FILE|SHARD|URL|DIR|F.safetensors [--json | --formats]"},
     {"budget", moe_cmd_budget,
      "memory per device for a model (or a ladder of builds): fits, largest context and streams",
      "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "

@@ -27,6 +27,9 @@ typedef enum moe_role {
 } moe_role;
 
 moe_role moe_tensor_role(const char *name);
+/* The same for HF (safetensors) names: model.layers.N.self_attn.q_proj.weight, ...experts... */
+moe_role moe_hf_tensor_role(const char *name);
+int64_t moe_hf_tensor_layer(const char *name); /* N of "layers.N.", else -1 */
 const char *moe_role_name(moe_role role); /* "routed experts", ... */
 const char *moe_role_id(moe_role role);   /* "routed_experts", ... (JSON keys) */
 /* N for "blk.N.<rest>", else -1. */
@@ -35,7 +38,8 @@ int64_t moe_tensor_layer(const char *name);
 /* ==== moe inspect ==== */
 
 typedef struct moe_inspect_type {
-    uint32_t type;
+    uint32_t type;    /* moe_type (GGUF) or moe_st_dtype (safetensors) */
+    const char *name; /* its name, static */
     uint64_t count, bytes;
 } moe_inspect_type;
 
@@ -92,6 +96,8 @@ typedef struct moe_inspect_report {
 } moe_inspect_report;
 
 moe_inspect_report *moe_inspect_analyze(const moe_gguf *g);
+/* The same facts of a safetensors checkpoint (HF names; no plan: config.json is not read). */
+moe_inspect_report *moe_inspect_analyze_st(const moe_st *s);
 void moe_inspect_report_free(moe_inspect_report *r);
 
 /* ==== moe budget: the memory plan of a model on N devices ====
