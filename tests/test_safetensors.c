@@ -332,11 +332,36 @@ static void inspect_checkpoint(void **state) {
     free(out);
 }
 
+/* Files under tests/data/safetensors (fuzz seeds and past crashes) parse or fail cleanly. */
+static void replay_data_files(void **state) {
+    (void)state;
+    char *out = NULL;
+    assert_int_equal(moe_test_run("ls tests/data/safetensors", &out), 0);
+    int n = 0;
+    for (char *name = strtok(out, "\n"); name; name = strtok(NULL, "\n"), n++) {
+        char path[512];
+        snprintf(path, sizeof path, "tests/data/safetensors/%s", name);
+        uint8_t *data;
+        size_t size;
+        moe_error err = {0};
+        assert_int_equal(moe_file_read(path, &data, &size, &err), MOE_OK);
+        moe_st *s = moe_st_parse(data, size, path, &err);
+        if (s)
+            moe_st_close(s);
+        else
+            assert_null(strchr(err.msg, '\n'));
+        free(data);
+    }
+    assert_true(n >= 1);
+    free(out);
+}
+
 int moe_suite_safetensors(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(dtypes_match_numpy),   cmocka_unit_test(fp8_block_scales),
         cmocka_unit_test(malformed_refused),    cmocka_unit_test(sharded_checkpoint),
         cmocka_unit_test(writer_read_by_python), cmocka_unit_test(inspect_checkpoint),
+        cmocka_unit_test(replay_data_files),
     };
     return cmocka_run_group_tests_name("safetensors", tests, NULL, NULL);
 }
