@@ -251,9 +251,8 @@ static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r
 static void print_report_text(FILE *out, const moe_inspect_report *r, bool many_files) {
     fprintf(out, "\ntypes:\n");
     for (size_t i = 0; i < r->n_types; i++)
-        fprintf(out, "  %-8s %6" PRIu64 " tensors %14" PRIu64 " bytes %6.2f%%\n",
-                r->types[i].name, r->types[i].count, r->types[i].bytes,
-                percent(r->types[i].bytes, r->tensor_bytes));
+        fprintf(out, "  %-8s %6" PRIu64 " tensors %14" PRIu64 " bytes %6.2f%%\n", r->types[i].name,
+                r->types[i].count, r->types[i].bytes, percent(r->types[i].bytes, r->tensor_bytes));
 
     fprintf(out, "\nbytes by role:\n");
     for (int k = 0; k < MOE_ROLE_COUNT; k++)
@@ -522,8 +521,9 @@ static void print_st_text(FILE *out, const moe_st *s, const moe_inspect_report *
     uint32_t nf = moe_st_n_files(s);
     const moe_st_file *f0 = moe_st_file_get(s, 0);
     fprintf(out, "file: %s (%" PRIu64 " bytes)\n", f0->path, f0->file_size);
-    fprintf(out, "safetensors, %" PRIu64 " tensors, %zu metadata keys (row-major shapes, last "
-                 "dimension contiguous)\n",
+    fprintf(out,
+            "safetensors, %" PRIu64 " tensors, %zu metadata keys (row-major shapes, last "
+            "dimension contiguous)\n",
             r->n_tensors, moe_st_n_meta(s));
     if (nf > 1) {
         fprintf(out, "shards: %u\n", nf);
@@ -656,7 +656,8 @@ int moe_cmd_inspect(int argc, char **argv) {
             path = argv[i];
     }
     if (!path) return moe_cli_usage_error("inspect", "which file?");
-    if (!moe_path_is_url(path) && moe_st_is_checkpoint(path)) return inspect_st(path, json, formats);
+    if (!moe_path_is_url(path) && moe_st_is_checkpoint(path))
+        return inspect_st(path, json, formats);
     moe_error err = {0};
     moe_http *http = NULL;
     moe_gguf *g = moe_gguf_open_any(path, &http, &err);

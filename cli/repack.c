@@ -59,8 +59,9 @@ static void report_text(FILE *f, const moe_repack_report *r, const char *out) {
     if (r->n_skipped) fprintf(f, ", %" PRIu64 " vision/audio not written (mmproj)", r->n_skipped);
     fputc('\n', f);
     for (size_t i = 0; i < r->n_offgrid; i++)
-        fprintf(f, "kept at source precision: %s (%" PRIu64 " groups off the grid, first %" PRId64
-                   ")\n",
+        fprintf(f,
+                "kept at source precision: %s (%" PRIu64 " groups off the grid, first %" PRId64
+                ")\n",
                 r->offgrid[i].name, r->offgrid[i].groups, r->offgrid[i].first_group);
 }
 
@@ -94,10 +95,9 @@ static int verify(const char *src, const char *out, int workers, bool json) {
         printf("verify %s: %" PRIu64 " groups checked (%" PRIu64 " bad) in %" PRIu64
                " tensors, %" PRIu64 " copied tensors (%" PRIu64 " bytes); worst scale difference "
                "%.3g%s%s%s; %s (%.1f s)\n",
-               out, v.groups, v.bad_groups, v.tensors_quantized, v.tensors_copied,
-               v.copied_bytes, v.worst_scale_rel, v.worst_scale_tensor[0] ? " (" : "",
-               v.worst_scale_tensor, v.worst_scale_tensor[0] ? ")" : "",
-               v.mismatches ? "MISMATCH" : "ok", v.seconds);
+               out, v.groups, v.bad_groups, v.tensors_quantized, v.tensors_copied, v.copied_bytes,
+               v.worst_scale_rel, v.worst_scale_tensor[0] ? " (" : "", v.worst_scale_tensor,
+               v.worst_scale_tensor[0] ? ")" : "", v.mismatches ? "MISMATCH" : "ok", v.seconds);
     }
     if (v.mismatches)
         fprintf(stderr, "moe repack --verify: %" PRIu64 " mismatch%s\n", v.mismatches,
@@ -130,8 +130,7 @@ int moe_cmd_repack(int argc, char **argv) {
         } else if (n_paths < 2) {
             paths[n_paths++] = a;
         } else {
-            return moe_cli_usage_error("repack", "one source and one output (got a third: %s)",
-                                       a);
+            return moe_cli_usage_error("repack", "one source and one output (got a third: %s)", a);
         }
     }
     if (n_paths != 2) return moe_cli_usage_error("repack", "needs SRC and OUT");

@@ -82,7 +82,9 @@ static void check_report(json_t *report, json_t *expect) {
     for (size_t i = 0; i < json_array_size(off); i++) {
         json_t *o = json_array_get(off, i);
         json_t *groups = json_object_get(off_want, json_string_value(json_object_get(o, "name")));
-        if (!groups) fail_msg("off-grid tensor %s not generated so", json_string_value(json_object_get(o, "name")));
+        if (!groups)
+            fail_msg("off-grid tensor %s not generated so",
+                     json_string_value(json_object_get(o, "name")));
         assert_int_equal(json_integer_value(json_object_get(o, "groups")), json_array_size(groups));
         assert_int_equal(json_integer_value(json_object_get(o, "first_group")),
                          json_integer_value(json_array_get(groups, 0)));
@@ -116,13 +118,14 @@ static void verify_catches(const char *src, const char *out, const char *file, u
     run_ok(cmd);
 }
 
-static void w4a16(void **state) {
-    (void)state;
-    const char *src = checkpoint();
-    char out[600], cmd[2048], path[700];
-    snprintf(out, sizeof out, "%s/qat/w4a16", moe_test_tmpdir());
-    snprintf(cmd, sizeof cmd, "%s repack '%s' '%s' --to w4a16 --workers 2 --json", moe_test_bin(),
-             src, out);
+/* moe repack SRC <tmpdir>/qat/<name> --to <to>, its report checked against the generator's
+ * counts; the output path into out. Returns the report (the caller decrefs). */
+static json_t *repack_checked(const char *src, const char *name, const char *to, char *out,
+                              size_t cap) {
+    char cmd[2048], path[700];
+    snprintf(out, cap, "%s/qat/%s", moe_test_tmpdir(), name);
+    snprintf(cmd, sizeof cmd, "%s repack '%s' '%s' --to %s --workers 2 --json", moe_test_bin(), src,
+             out, to);
     char *text = NULL;
     if (run(cmd, &text) != 0) fail_msg("%s", text);
     json_t *report = load_json_text(text);
@@ -130,8 +133,16 @@ static void w4a16(void **state) {
     snprintf(path, sizeof path, "%s/expected.json", src);
     json_t *expect = load_json_file(path);
     check_report(report, expect);
-    json_decref(report);
     json_decref(expect);
+    return report;
+}
+
+static void w4a16(void **state) {
+    (void)state;
+    const char *src = checkpoint();
+    char out[600], cmd[2048], path[700];
+    char *text = NULL;
+    json_decref(repack_checked(src, "w4a16", "w4a16", out, sizeof out));
 
     snprintf(cmd, sizeof cmd, PY " check-w4a16 '%s' '%s'", src, out);
     run_ok(cmd);
@@ -169,20 +180,10 @@ static void q4_0_gguf(void **state) {
     const char *fixture = moe_test_shared("parity/gemma4-moe-q4_0.json");
     MOE_SKIP_IF_NULL(fixture);
     const char *src = checkpoint();
-    char out[600], cmd[2048], path[700];
-    snprintf(out, sizeof out, "%s/qat/out.gguf", moe_test_tmpdir());
-    snprintf(cmd, sizeof cmd, "%s repack '%s' '%s' --to q4_0-gguf --json", moe_test_bin(), src,
-             out);
-    char *text = NULL;
-    if (run(cmd, &text) != 0) fail_msg("%s", text);
-    json_t *report = load_json_text(text);
-    free(text);
-    snprintf(path, sizeof path, "%s/expected.json", src);
-    json_t *expect = load_json_file(path);
-    check_report(report, expect);
+    char out[600], cmd[2048];
+    json_t *report = repack_checked(src, "out.gguf", "q4_0-gguf", out, sizeof out);
     assert_int_equal(json_integer_value(json_object_get(report, "tensors_skipped")), 1);
     json_decref(report);
-    json_decref(expect);
 
     snprintf(cmd, sizeof cmd, PY " check-gguf '%s' '%s' '%s'", src, out, fixture);
     run_ok(cmd);
@@ -201,10 +202,12 @@ static void q4_0_gguf(void **state) {
     assert_int_equal(t->type, MOE_TYPE_F32);
     uint64_t norm_at = t->file_offset + 4 * 3 + 1; /* value 3 */
     moe_gguf_close(g);
-    verify_catches(src, out, out, block_at, 0x10, "tensor 'blk.4.ffn_gate_up_exps.weight' group 7 ");
-    verify_catches(src, out, out, norm_at, 0x01, "tensor 'blk.0.attn_norm.weight' (F32 of "
-                                                 "'model.language_model.layers.0.input_layernorm."
-                                                 "weight'): value 3");
+    verify_catches(src, out, out, block_at, 0x10,
+                   "tensor 'blk.4.ffn_gate_up_exps.weight' group 7 ");
+    verify_catches(src, out, out, norm_at, 0x01,
+                   "tensor 'blk.0.attn_norm.weight' (F32 of "
+                   "'model.language_model.layers.0.input_layernorm."
+                   "weight'): value 3");
 }
 
 /* The trap the recovery exists for, on hand-made groups: peak at level 5, step 0.25. */

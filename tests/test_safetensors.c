@@ -45,11 +45,11 @@ static void dtypes_match_numpy(void **state) {
     moe_error err = {0};
     assert_int_equal(moe_file_read(f32, &expect, &size, &err), MOE_OK);
     /* the Python writer's order is the data order, which the reader keeps */
-    static const char *const names[] = {"f32", "f16", "bf16",   "f64",    "f8_e4m3", "i8",
-                                        "u8",  "i16", "i32",    "i64",    "scalar",  "empty"};
-    static const moe_st_dtype dtypes[] = {MOE_ST_F32, MOE_ST_F16, MOE_ST_BF16, MOE_ST_F64,
-                                          MOE_ST_F8_E4M3, MOE_ST_I8, MOE_ST_U8, MOE_ST_I16,
-                                          MOE_ST_I32, MOE_ST_I64, MOE_ST_F32, MOE_ST_F32};
+    static const char *const names[] = {"f32", "f16", "bf16", "f64", "f8_e4m3", "i8",
+                                        "u8",  "i16", "i32",  "i64", "scalar",  "empty"};
+    static const moe_st_dtype dtypes[] = {MOE_ST_F32,     MOE_ST_F16, MOE_ST_BF16, MOE_ST_F64,
+                                          MOE_ST_F8_E4M3, MOE_ST_I8,  MOE_ST_U8,   MOE_ST_I16,
+                                          MOE_ST_I32,     MOE_ST_I64, MOE_ST_F32,  MOE_ST_F32};
     assert_int_equal(moe_st_n_tensors(s), 12);
     size_t at = 0;
     for (size_t i = 0; i < 12; i++) {
@@ -97,10 +97,20 @@ static void fp8_block_scales(void **state) {
     uint8_t w[30];
     float scale[6] = {1, 2, 3, 4, 5, 6}, out[30];
     for (int i = 0; i < 30; i++) w[i] = codes[i % 5];
-    moe_st_tensor tw = {.name = "w", .dtype = MOE_ST_F8_E4M3, .n_dims = 2, .shape = {5, 6},
-                        .n_values = 30, .n_bytes = 30, .data = w};
-    moe_st_tensor ts = {.name = "w_scale_inv", .dtype = MOE_ST_F32, .n_dims = 2, .shape = {3, 2},
-                        .n_values = 6, .n_bytes = 24, .data = (const uint8_t *)scale};
+    moe_st_tensor tw = {.name = "w",
+                        .dtype = MOE_ST_F8_E4M3,
+                        .n_dims = 2,
+                        .shape = {5, 6},
+                        .n_values = 30,
+                        .n_bytes = 30,
+                        .data = w};
+    moe_st_tensor ts = {.name = "w_scale_inv",
+                        .dtype = MOE_ST_F32,
+                        .n_dims = 2,
+                        .shape = {3, 2},
+                        .n_values = 6,
+                        .n_bytes = 24,
+                        .data = (const uint8_t *)scale};
     moe_error err = {0};
     assert_int_equal(moe_st_dequant_fp8_blocks(&tw, &ts, 2, 4, out, &err), MOE_OK);
     for (int r = 0; r < 5; r++)
@@ -114,8 +124,7 @@ static void fp8_block_scales(void **state) {
 /* ==== Malformed files ==== */
 
 /* A file from a header text (length prefix added) and n_data zero bytes after it. */
-static moe_st *parse_text(const char *header, size_t n_data, uint64_t claimed_len,
-                          moe_error *err) {
+static moe_st *parse_text(const char *header, size_t n_data, uint64_t claimed_len, moe_error *err) {
     size_t hl = strlen(header);
     uint8_t *buf = calloc(1, 8 + hl + n_data + 1);
     uint64_t len = claimed_len ? claimed_len : hl;
@@ -204,16 +213,23 @@ static void malformed_refused(void **state) {
 
 /* ==== Sharded checkpoints ==== */
 
+/* A fresh QAT checkpoint (two shards and an index) at <tmpdir>/<name>; its path into dir. */
+static void make_checkpoint(const char *name, char *dir, size_t cap) {
+    char cmd[1200];
+    snprintf(dir, cap, "%s/%s", moe_test_tmpdir(), name);
+    snprintf(cmd, sizeof cmd, PY " qat '%s'", dir);
+    run_ok(cmd);
+}
+
 static void sharded_checkpoint(void **state) {
     (void)state;
     char dir[512], cmd[4096];
-    snprintf(dir, sizeof dir, "%s/shards", moe_test_tmpdir());
-    snprintf(cmd, sizeof cmd, PY " qat '%s'", dir);
-    run_ok(cmd);
+    make_checkpoint("shards", dir, sizeof dir);
     moe_st *s = open_ok(dir);
     assert_int_equal(moe_st_n_files(s), 2);
     assert_int_equal(moe_st_n_tensors(s), 134);
-    const moe_st_tensor *t = moe_st_tensor_find(s, "model.language_model.layers.5.experts.down_proj");
+    const moe_st_tensor *t =
+        moe_st_tensor_find(s, "model.language_model.layers.5.experts.down_proj");
     assert_non_null(t);
     assert_int_equal(t->file, 1);
     assert_int_equal(t->shape[0], 8);
@@ -227,12 +243,14 @@ static void sharded_checkpoint(void **state) {
     /* an index naming a tensor no shard holds */
     char bad[512], idx[600];
     snprintf(bad, sizeof bad, "%s/badindex", moe_test_tmpdir());
-    snprintf(cmd, sizeof cmd,
-             "mkdir -p '%s' && cp '%s'/*.safetensors '%s'/ && /usr/bin/python3 -c 'import json,sys\n"
-             "d=json.load(open(sys.argv[1]))\nd[\"weight_map\"][\"ghost.weight\"]=\"model-00001-of-00002.safetensors\"\n"
-             "json.dump(d,open(sys.argv[2],\"w\"))' '%s/model.safetensors.index.json' "
-             "'%s/model.safetensors.index.json'",
-             bad, dir, bad, dir, bad);
+    snprintf(
+        cmd, sizeof cmd,
+        "mkdir -p '%s' && cp '%s'/*.safetensors '%s'/ && /usr/bin/python3 -c 'import json,sys\n"
+        "d=json.load(open(sys.argv[1]))\nd[\"weight_map\"][\"ghost.weight\"]=\"model-00001-of-"
+        "00002.safetensors\"\n"
+        "json.dump(d,open(sys.argv[2],\"w\"))' '%s/model.safetensors.index.json' "
+        "'%s/model.safetensors.index.json'",
+        bad, dir, bad, dir, bad);
     run_ok(cmd);
     moe_error err = {0};
     assert_null(moe_st_open(bad, &err));
@@ -265,9 +283,9 @@ static void writer_read_by_python(void **state) {
                      MOE_ERR_ARG);
     assert_int_equal(moe_st_writer_begin(w, path, &err), MOE_OK);
     float f[24];
-    for (int i = 0; i < 24; i++) f[i] = (float)i; /* sum 276 */
-    uint16_t b[3] = {0x3f80, 0x4000, 0xc040};     /* 1, 2, -3 */
-    int32_t k[5] = {-7, 100, 1 << 20, 3, 0};      /* sum 1048672 */
+    for (int i = 0; i < 24; i++) f[i] = (float)i;                  /* sum 276 */
+    uint16_t b[3] = {0x3f80, 0x4000, 0xc040};                      /* 1, 2, -3 */
+    int32_t k[5] = {-7, 100, 1 << 20, 3, 0};                       /* sum 1048672 */
     assert_int_equal(moe_st_writer_write(w, f, 40, &err), MOE_OK); /* any chunks */
     assert_int_equal(moe_st_writer_write(w, (uint8_t *)f + 40, 56, &err), MOE_OK);
     assert_int_equal(moe_st_writer_write(w, b, 6, &err), MOE_OK);
@@ -296,9 +314,7 @@ static void writer_read_by_python(void **state) {
 static void inspect_checkpoint(void **state) {
     (void)state;
     char dir[512], cmd[1400];
-    snprintf(dir, sizeof dir, "%s/inspect-ckpt", moe_test_tmpdir());
-    snprintf(cmd, sizeof cmd, PY " qat '%s'", dir);
-    run_ok(cmd);
+    make_checkpoint("inspect-ckpt", dir, sizeof dir);
     moe_st *s = open_ok(dir);
     uint64_t tensor = 0, header = 0, file = 0;
     for (uint32_t i = 0; i < moe_st_n_files(s); i++) {
@@ -321,12 +337,13 @@ static void inspect_checkpoint(void **state) {
                                 "layers 0-5 (6)"));
     free(out);
     /* --json: Python's json module counts the tensors and checks the totals */
-    snprintf(cmd, sizeof cmd,
-             "%s inspect '%s' --json | python3 -c 'import json,sys\nd=json.load(sys.stdin)\n"
-             "t=d[\"totals\"]\nassert d[\"format\"]==\"safetensors\" and len(d[\"tensors\"])==134\n"
-             "assert t[\"reconciles\"] and t[\"tensor_bytes\"]+t[\"header_bytes\"]==t[\"file_bytes\"]\n"
-             "assert sum(x[\"bytes\"] for x in d[\"tensors\"])==t[\"tensor_bytes\"]\nprint(\"ok\")'",
-             moe_test_bin(), dir);
+    snprintf(
+        cmd, sizeof cmd,
+        "%s inspect '%s' --json | python3 -c 'import json,sys\nd=json.load(sys.stdin)\n"
+        "t=d[\"totals\"]\nassert d[\"format\"]==\"safetensors\" and len(d[\"tensors\"])==134\n"
+        "assert t[\"reconciles\"] and t[\"tensor_bytes\"]+t[\"header_bytes\"]==t[\"file_bytes\"]\n"
+        "assert sum(x[\"bytes\"] for x in d[\"tensors\"])==t[\"tensor_bytes\"]\nprint(\"ok\")'",
+        moe_test_bin(), dir);
     assert_int_equal(moe_test_run(cmd, &out), 0);
     assert_string_equal(out, "ok\n");
     free(out);
@@ -358,8 +375,8 @@ static void replay_data_files(void **state) {
 
 int moe_suite_safetensors(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(dtypes_match_numpy),   cmocka_unit_test(fp8_block_scales),
-        cmocka_unit_test(malformed_refused),    cmocka_unit_test(sharded_checkpoint),
+        cmocka_unit_test(dtypes_match_numpy),    cmocka_unit_test(fp8_block_scales),
+        cmocka_unit_test(malformed_refused),     cmocka_unit_test(sharded_checkpoint),
         cmocka_unit_test(writer_read_by_python), cmocka_unit_test(inspect_checkpoint),
         cmocka_unit_test(replay_data_files),
     };

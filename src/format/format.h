@@ -291,13 +291,13 @@ float moe_f8_e4m3_to_f32(uint8_t b);
 typedef struct moe_st_tensor {
     char *name;
     moe_st_dtype dtype;
-    uint32_t n_dims;                 /* 0 for a scalar */
-    int64_t shape[MOE_ST_MAX_DIMS];  /* shape[n_dims - 1] is contiguous */
-    uint64_t n_values, n_bytes;      /* product of shape; n_values x dtype size */
-    uint32_t file;                   /* index into the files */
-    uint64_t offset;                 /* from the start of the file's data section */
-    uint64_t file_offset;            /* from the start of the file */
-    const uint8_t *data;             /* mapped bytes */
+    uint32_t n_dims;                /* 0 for a scalar */
+    int64_t shape[MOE_ST_MAX_DIMS]; /* shape[n_dims - 1] is contiguous */
+    uint64_t n_values, n_bytes;     /* product of shape; n_values x dtype size */
+    uint32_t file;                  /* index into the files */
+    uint64_t offset;                /* from the start of the file's data section */
+    uint64_t file_offset;           /* from the start of the file */
+    const uint8_t *data;            /* mapped bytes */
 } moe_st_tensor;
 
 typedef struct moe_st_file {
@@ -333,7 +333,8 @@ const char *moe_st_meta_find(const moe_st *s, const char *key);
 moe_status moe_st_to_f32(const moe_st_tensor *t, uint64_t first, uint64_t n, float *out,
                          moe_error *err);
 /* A 2-D F8_E4M3 weight times its block scales (DeepSeek-style weight_scale_inv, one per
- * block_rows x block_cols block, shape [ceil(rows / br), ceil(cols / bc)]) into out[rows * cols]. */
+ * block_rows x block_cols block, shape [ceil(rows / br), ceil(cols / bc)]) into out[rows * cols].
+ */
 moe_status moe_st_dequant_fp8_blocks(const moe_st_tensor *w, const moe_st_tensor *scale_inv,
                                      int64_t block_rows, int64_t block_cols, float *out,
                                      moe_error *err);

@@ -46,9 +46,9 @@ struct moe_gguf_writer {
     size_t n_kv, cap_kv;
     writer_tensor *tensors;
     size_t n_tensors, cap_tensors;
-    out_file stream;      /* moe_gguf_writer_stream_*: the file being written */
-    char *stream_path;    /* owned */
-    size_t stream_next;   /* the tensor whose bytes come next */
+    out_file stream;    /* moe_gguf_writer_stream_*: the file being written */
+    char *stream_path;  /* owned */
+    size_t stream_next; /* the tensor whose bytes come next */
 };
 
 /* Keys the writer itself sets on every shard of a split (llama.cpp's names). */
@@ -495,8 +495,7 @@ moe_status moe_gguf_writer_stream_begin(moe_gguf_writer *w, const char *path, mo
 moe_status moe_gguf_writer_stream_tensor(moe_gguf_writer *w, const void *data, moe_error *err) {
     if (!w->stream.f) return moe_error_set(err, MOE_ERR_ARG, "GGUF writer: no stream open");
     if (w->stream_next >= w->n_tensors)
-        return moe_error_set(err, MOE_ERR_ARG, "%s: more tensors than were added",
-                             w->stream_path);
+        return moe_error_set(err, MOE_ERR_ARG, "%s: more tensors than were added", w->stream_path);
     const writer_tensor *t = &w->tensors[w->stream_next++];
     put(&w->stream, data, (size_t)t->n_bytes);
     put_zeros(&w->stream, pad_to(t->n_bytes, writer_alignment(w)));
@@ -515,7 +514,7 @@ moe_status moe_gguf_writer_stream_finish(moe_gguf_writer *w, moe_error *err) {
         return moe_error_set(err, MOE_ERR_ARG, "%s: %zu of %zu tensors written", w->stream_path,
                              w->stream_next, w->n_tensors);
     if (w->stream.failed || closed != 0)
-        return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s",
-                             w->stream_path, (unsigned long long)w->stream.pos, strerror(errno));
+        return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s", w->stream_path,
+                             (unsigned long long)w->stream.pos, strerror(errno));
     return MOE_OK;
 }

@@ -35,12 +35,14 @@ static const struct {
     const char *name;
     unsigned size;
 } dtypes[MOE_ST_DTYPE_COUNT] = {
-    [MOE_ST_BOOL] = {"BOOL", 1},         [MOE_ST_U8] = {"U8", 1},     [MOE_ST_I8] = {"I8", 1},
-    [MOE_ST_F8_E4M3] = {"F8_E4M3", 1},   [MOE_ST_F8_E5M2] = {"F8_E5M2", 1},
-    [MOE_ST_F8_E8M0] = {"F8_E8M0", 1},   [MOE_ST_I16] = {"I16", 2},   [MOE_ST_U16] = {"U16", 2},
-    [MOE_ST_F16] = {"F16", 2},           [MOE_ST_BF16] = {"BF16", 2}, [MOE_ST_I32] = {"I32", 4},
-    [MOE_ST_U32] = {"U32", 4},           [MOE_ST_F32] = {"F32", 4},   [MOE_ST_F64] = {"F64", 8},
-    [MOE_ST_I64] = {"I64", 8},           [MOE_ST_U64] = {"U64", 8},
+    [MOE_ST_BOOL] = {"BOOL", 1},       [MOE_ST_U8] = {"U8", 1},
+    [MOE_ST_I8] = {"I8", 1},           [MOE_ST_F8_E4M3] = {"F8_E4M3", 1},
+    [MOE_ST_F8_E5M2] = {"F8_E5M2", 1}, [MOE_ST_F8_E8M0] = {"F8_E8M0", 1},
+    [MOE_ST_I16] = {"I16", 2},         [MOE_ST_U16] = {"U16", 2},
+    [MOE_ST_F16] = {"F16", 2},         [MOE_ST_BF16] = {"BF16", 2},
+    [MOE_ST_I32] = {"I32", 4},         [MOE_ST_U32] = {"U32", 4},
+    [MOE_ST_F32] = {"F32", 4},         [MOE_ST_F64] = {"F64", 8},
+    [MOE_ST_I64] = {"I64", 8},         [MOE_ST_U64] = {"U64", 8},
 };
 
 const char *moe_st_dtype_name(moe_st_dtype d) {
@@ -146,16 +148,24 @@ void moe_st_close(moe_st *s) {
     free(s);
 }
 
-uint32_t moe_st_n_files(const moe_st *s) { return s->n_files; }
+uint32_t moe_st_n_files(const moe_st *s) {
+    return s->n_files;
+}
 const moe_st_file *moe_st_file_get(const moe_st *s, uint32_t i) {
     return i < s->n_files ? &s->files[i] : NULL;
 }
-uint64_t moe_st_n_tensors(const moe_st *s) { return s->n_tensors; }
+uint64_t moe_st_n_tensors(const moe_st *s) {
+    return s->n_tensors;
+}
 const moe_st_tensor *moe_st_tensor_get(const moe_st *s, uint64_t i) {
     return i < s->n_tensors ? &s->tensors[i] : NULL;
 }
-const char *moe_st_dir(const moe_st *s) { return s->dir; }
-size_t moe_st_n_meta(const moe_st *s) { return s->n_meta; }
+const char *moe_st_dir(const moe_st *s) {
+    return s->dir;
+}
+size_t moe_st_n_meta(const moe_st *s) {
+    return s->n_meta;
+}
 const char *moe_st_meta_key(const moe_st *s, size_t i) {
     return i < s->n_meta ? s->meta_keys[i] : NULL;
 }
@@ -247,9 +257,9 @@ static moe_status parse_entry(const char *path, const char *key, json_t *v, moe_
                              "data_offsets",
                              path, n, json_object_size(v));
     if (!moe_st_dtype_from_name(json_string_value(dt), &t->dtype))
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: tensor '%s': unknown dtype '%s'", path, n,
-                             esc(e + ERR_NAME_MAX + 8, sizeof e - ERR_NAME_MAX - 8,
-                                 json_string_value(dt)));
+        return moe_error_set(
+            err, MOE_ERR_FORMAT, "%s: tensor '%s': unknown dtype '%s'", path, n,
+            esc(e + ERR_NAME_MAX + 8, sizeof e - ERR_NAME_MAX - 8, json_string_value(dt)));
     size_t nd = json_array_size(sh);
     if (nd > MOE_ST_MAX_DIMS)
         return moe_error_set(err, MOE_ERR_FORMAT, "%s: tensor '%s': %zu dimensions, at most %d",
@@ -294,8 +304,8 @@ static moe_status parse_file(moe_st *s, uint32_t fi, const uint8_t *buf, uint64_
     f->file_size = size;
     if (size < 8)
         return moe_error_set(err, MOE_ERR_FORMAT,
-                             "%s: %" PRIu64 " bytes, too short for the 8-byte header length",
-                             path, size);
+                             "%s: %" PRIu64 " bytes, too short for the 8-byte header length", path,
+                             size);
     uint64_t hlen = 0;
     for (int i = 0; i < 8; i++) hlen |= (uint64_t)buf[i] << (8 * i);
     if (hlen > MOE_ST_MAX_HEADER)
@@ -326,7 +336,8 @@ static moe_status parse_file(moe_st *s, uint32_t fi, const uint8_t *buf, uint64_
         return moe_error_set(err, MOE_ERR_FORMAT, "%s: %zu tensors, more than the limit %u", path,
                              n_entries, MOE_ST_MAX_TENSORS);
     }
-    s->tensors = moe_xrealloc(s->tensors, ((size_t)s->n_tensors + n_entries + 1) * sizeof *s->tensors);
+    s->tensors =
+        moe_xrealloc(s->tensors, ((size_t)s->n_tensors + n_entries + 1) * sizeof *s->tensors);
     uint64_t first = s->n_tensors;
     moe_status st = MOE_OK;
     const char *key;
@@ -342,9 +353,8 @@ static moe_status parse_file(moe_st *s, uint32_t fi, const uint8_t *buf, uint64_
             json_object_foreach(v, mk, mv) {
                 if (!json_is_string(mv)) {
                     char e[3 * ERR_NAME_MAX];
-                    st = moe_error_set(err, MOE_ERR_FORMAT,
-                                       "%s: __metadata__ '%s' is not a string", path,
-                                       esc(e, sizeof e, mk));
+                    st = moe_error_set(err, MOE_ERR_FORMAT, "%s: __metadata__ '%s' is not a string",
+                                       path, esc(e, sizeof e, mk));
                     break;
                 }
                 if (fi != 0) continue;
@@ -398,8 +408,8 @@ static moe_status parse_file(moe_st *s, uint32_t fi, const uint8_t *buf, uint64_
     }
     if (st == MOE_OK && pos != data)
         st = moe_error_set(err, MOE_ERR_FORMAT,
-                           "%s: the tensors cover %" PRIu64 " data bytes but the file holds %" PRIu64
-                           " after its header",
+                           "%s: the tensors cover %" PRIu64
+                           " data bytes but the file holds %" PRIu64 " after its header",
                            path, pos, data);
     if (st == MOE_OK) { /* keep the tensors in data order */
         moe_st_tensor *tmp = moe_xcalloc((size_t)n + 1, sizeof *tmp);
@@ -489,8 +499,7 @@ static bool ends_with(const char *s, const char *suffix) {
 static moe_status open_files(moe_st *s, moe_error *err) {
     s->state = moe_xcalloc(s->n_files + 1, sizeof *s->state);
     for (uint32_t f = 0; f < s->n_files; f++) {
-        moe_status st =
-            map_file(s->files[f].path, &s->state[f].map, &s->state[f].map_size, err);
+        moe_status st = map_file(s->files[f].path, &s->state[f].map, &s->state[f].map_size, err);
         if (st != MOE_OK) return st;
         st = parse_file(s, f, s->state[f].map, s->state[f].map_size, err);
         if (st != MOE_OK) return st;
@@ -509,8 +518,7 @@ static moe_status open_index(moe_st *s, const char *index_path, moe_error *err) 
     json_t *root = json_loadb((const char *)text, size, JSON_REJECT_DUPLICATES, &je);
     free(text);
     if (!root)
-        return moe_error_set(err, MOE_ERR_FORMAT, "%s: line %d: %s", index_path, je.line,
-                             je.text);
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: line %d: %s", index_path, je.line, je.text);
     json_t *map = json_object_get(root, "weight_map");
     if (!json_is_object(map)) {
         json_decref(root);
@@ -534,8 +542,8 @@ static moe_status open_index(moe_st *s, const char *index_path, moe_error *err) 
         while (k < n && strcmp(names[k], file) != 0) k++;
         if (k == n) {
             if (n >= MOE_ST_MAX_SHARDS) {
-                st = moe_error_set(err, MOE_ERR_FORMAT, "%s: more than %d shard files",
-                                   index_path, MOE_ST_MAX_SHARDS);
+                st = moe_error_set(err, MOE_ERR_FORMAT, "%s: more than %d shard files", index_path,
+                                   MOE_ST_MAX_SHARDS);
                 break;
             }
             names = moe_xrealloc(names, (n + 1) * sizeof *names);
@@ -652,8 +660,8 @@ static float value_f32(moe_st_dtype d, const uint8_t *p) {
     case MOE_ST_I32:
     case MOE_ST_U32:
     case MOE_ST_F32: {
-        uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                     (uint32_t)p[3] << 24;
+        uint32_t u =
+            (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
         if (d == MOE_ST_I32) return (float)(int32_t)u;
         if (d == MOE_ST_U32) return (float)u;
         float f;
@@ -676,8 +684,8 @@ moe_status moe_st_to_f32(const moe_st_tensor *t, uint64_t first, uint64_t n, flo
                          moe_error *err) {
     if (first > t->n_values || n > t->n_values - first)
         return moe_error_set(err, MOE_ERR_ARG,
-                             "tensor '%s': values [%" PRIu64 ", +%" PRIu64 ") of %" PRIu64,
-                             t->name, first, n, t->n_values);
+                             "tensor '%s': values [%" PRIu64 ", +%" PRIu64 ") of %" PRIu64, t->name,
+                             first, n, t->n_values);
     if (!t->data)
         return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': data is not mapped", t->name);
     unsigned es = moe_st_dtype_size(t->dtype);
@@ -708,8 +716,8 @@ moe_status moe_st_dequant_fp8_blocks(const moe_st_tensor *w, const moe_st_tensor
         for (int64_t c = 0; c < cols; c++) {
             const uint8_t *sp =
                 scale_inv->data + ((uint64_t)(r / block_rows) * (uint64_t)sc + c / block_cols) * es;
-            out[r * cols + c] = moe_f8_e4m3_to_f32(w->data[r * cols + c]) *
-                                value_f32(scale_inv->dtype, sp);
+            out[r * cols + c] =
+                moe_f8_e4m3_to_f32(w->data[r * cols + c]) * value_f32(scale_inv->dtype, sp);
         }
     return MOE_OK;
 }
@@ -734,7 +742,9 @@ struct moe_st_writer {
     uint64_t expected, written; /* data bytes declared / written so far */
 };
 
-moe_st_writer *moe_st_writer_new(void) { return moe_xcalloc(1, sizeof(moe_st_writer)); }
+moe_st_writer *moe_st_writer_new(void) {
+    return moe_xcalloc(1, sizeof(moe_st_writer));
+}
 
 void moe_st_writer_free(moe_st_writer *w) {
     if (!w) return;

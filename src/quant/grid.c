@@ -130,8 +130,7 @@ int moe_grid_recover(const float *w, int n, moe_type scale_type, moe_type src, u
 void moe_grid_q4_0_block(uint16_t scale, const int8_t *levels, void *out) {
     moe_block_q4_0 *b = out;
     b->d = scale;
-    for (int j = 0; j < 16; j++)
-        b->qs[j] = (uint8_t)((levels[j] + 8) | (levels[j + 16] + 8) << 4);
+    for (int j = 0; j < 16; j++) b->qs[j] = (uint8_t)((levels[j] + 8) | (levels[j + 16] + 8) << 4);
 }
 
 void moe_grid_q4_0_levels(const void *block, uint16_t *scale, int8_t *levels) {
@@ -161,8 +160,8 @@ void moe_grid_pack_int4(const int8_t *levels, int64_t n, uint8_t *out) {
 void moe_grid_unpack_int4(const uint8_t *packed, int64_t n, int8_t *levels) {
     for (int64_t k = 0; k < n; k++) {
         const uint8_t *p = packed + 4 * (k / 8);
-        uint32_t word = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                        (uint32_t)p[3] << 24;
+        uint32_t word =
+            (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
         levels[k] = (int8_t)((word >> (4 * (k % 8))) & 15) - 8;
     }
 }

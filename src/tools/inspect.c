@@ -33,17 +33,22 @@ const char *moe_role_id(moe_role role) {
     return (unsigned)role < MOE_ROLE_COUNT ? role_ids[role] : "unknown";
 }
 
-/* The name after "blk.N.", with N in *layer (-1 when there is no such prefix). */
-static const char *after_layer(const char *name, int64_t *layer) {
+/* p at "N.<rest>": <rest>, with N in *layer; `name` (and *layer -1) when p does not hold that. */
+static const char *layer_number(const char *name, const char *p, int64_t *layer) {
     *layer = -1;
-    if (strncmp(name, "blk.", 4) != 0) return name;
-    const char *p = name + 4;
     int64_t n = 0;
     int digits = 0;
     while (*p >= '0' && *p <= '9' && digits < 18) n = n * 10 + (*p++ - '0'), digits++;
     if (digits == 0 || *p != '.') return name;
     *layer = n;
     return p + 1;
+}
+
+/* The name after "blk.N.", with N in *layer (-1 when there is no such prefix). */
+static const char *after_layer(const char *name, int64_t *layer) {
+    *layer = -1;
+    if (strncmp(name, "blk.", 4) != 0) return name;
+    return layer_number(name, name + 4, layer);
 }
 
 int64_t moe_tensor_layer(const char *name) {
@@ -76,14 +81,7 @@ static const char *hf_after_layer(const char *name, int64_t *layer) {
     *layer = -1;
     const char *p = strstr(name, "layers.");
     while (p && p != name && p[-1] != '.') p = strstr(p + 1, "layers.");
-    if (!p) return name;
-    const char *q = p + 7;
-    int64_t n = 0;
-    int digits = 0;
-    while (*q >= '0' && *q <= '9' && digits < 18) n = n * 10 + (*q++ - '0'), digits++;
-    if (digits == 0 || *q != '.') return name;
-    *layer = n;
-    return q + 1;
+    return p ? layer_number(name, p + 7, layer) : name;
 }
 
 int64_t moe_hf_tensor_layer(const char *name) {
@@ -156,8 +154,12 @@ typedef struct source {
     const char *(*type_name)(uint32_t t); /* names the `type` of an item */
 } source;
 
-static const char *gguf_type_name(uint32_t t) { return moe_type_name(t); }
-static const char *st_type_name(uint32_t t) { return moe_st_dtype_name((moe_st_dtype)t); }
+static const char *gguf_type_name(uint32_t t) {
+    return moe_type_name(t);
+}
+static const char *st_type_name(uint32_t t) {
+    return moe_st_dtype_name((moe_st_dtype)t);
+}
 
 typedef struct entry {
     moe_role role;
@@ -258,7 +260,10 @@ static moe_inspect_report *analyze(const source *src) {
     uint64_t n = src->n;
     r->n_tensors = n;
     /* types histogram and role totals */
-    enum { N_TYPES = (int)MOE_TYPE_COUNT > (int)MOE_ST_DTYPE_COUNT ? (int)MOE_TYPE_COUNT : (int)MOE_ST_DTYPE_COUNT };
+    enum {
+        N_TYPES = (int)MOE_TYPE_COUNT > (int)MOE_ST_DTYPE_COUNT ? (int)MOE_TYPE_COUNT
+                                                                : (int)MOE_ST_DTYPE_COUNT
+    };
     uint64_t type_count[N_TYPES] = {0}, type_bytes[N_TYPES] = {0};
     entry *e = moe_xcalloc((size_t)n + 1, sizeof *e);
     for (uint64_t i = 0; i < n; i++) {
@@ -310,7 +315,8 @@ static moe_inspect_report *analyze(const source *src) {
     for (uint64_t i = 0; i < n;) {
         uint64_t j = i;
         while (j < n && e[j].role == e[i].role && e[j].layer == e[i].layer) j++;
-        runs[n_runs++] = (run){e[i].role, e[i].layer, signature(src, e + i, (size_t)(j - i)), false};
+        runs[n_runs++] =
+            (run){e[i].role, e[i].layer, signature(src, e + i, (size_t)(j - i)), false};
         i = j;
     }
     r->formats = moe_xcalloc(n_runs + 1, sizeof *r->formats);

@@ -47,9 +47,9 @@ static bool ends_with(const char *s, const char *suffix) {
 static bool quantizable(const moe_st_tensor *t) {
     if (!is_float(t->dtype) || t->n_dims < 2 || t->n_dims > 3) return false;
     if (t->shape[t->n_dims - 1] % MOE_GRID_GROUP != 0 || t->n_values == 0) return false;
-    static const char *const never[] = {"embed",  "lm_head", "router", "norm",      "vision",
-                                        "audio",  "visual",  "multi_modal", ".gate.weight",
-                                        "shared_expert_gate"};
+    static const char *const never[] = {
+        "embed", "lm_head", "router",      "norm",         "vision",
+        "audio", "visual",  "multi_modal", ".gate.weight", "shared_expert_gate"};
     for (size_t i = 0; i < sizeof never / sizeof never[0]; i++)
         if (strstr(t->name, never[i])) return false;
     if (t->n_dims == 3) return ends_with(t->name, "_proj") || ends_with(t->name, "_proj.weight");
@@ -156,15 +156,15 @@ static void meta_f32(gguf_meta_ctx *m, const char *key, const char *const *cfg_k
 
 /* rope_parameters[kind].rope_theta (the transformers 5 layout), else rope_theta. */
 static double rope_theta(json_t *c, const char *kind, double fallback) {
-    json_t *v = json_object_get(json_object_get(json_object_get(c, "rope_parameters"), kind),
-                                "rope_theta");
+    json_t *v =
+        json_object_get(json_object_get(json_object_get(c, "rope_parameters"), kind), "rope_theta");
     if (json_is_number(v)) return json_number_value(v);
     v = json_object_get(c, "rope_theta");
     return json_is_number(v) ? json_number_value(v) : fallback;
 }
 static double partial_rotary(json_t *c, const char *kind) {
-    json_t *v = json_object_get(
-        json_object_get(json_object_get(c, "rope_parameters"), kind), "partial_rotary_factor");
+    json_t *v = json_object_get(json_object_get(json_object_get(c, "rope_parameters"), kind),
+                                "partial_rotary_factor");
     return json_is_number(v) ? json_number_value(v) : 1.0;
 }
 
@@ -201,9 +201,9 @@ static moe_status gemma4_metadata(moe_gguf_writer *w, json_t *config, const char
         moe_gguf_writer_set_f32(w, "gemma4.final_logit_softcapping", (float)v);
     meta_u32(&m, "gemma4.attention.sliding_window", CFG_KEYS("sliding_window"));
     meta_u32(&m, "gemma4.attention.shared_kv_layers", CFG_KEYS("num_kv_shared_layers"));
-    moe_gguf_writer_set_u32(
-        w, "gemma4.embedding_length_per_layer_input",
-        cfg_num(c, CFG_KEYS("hidden_size_per_layer_input"), &v) ? (uint32_t)v : 0);
+    moe_gguf_writer_set_u32(w, "gemma4.embedding_length_per_layer_input",
+                            cfg_num(c, CFG_KEYS("hidden_size_per_layer_input"), &v) ? (uint32_t)v
+                                                                                    : 0);
     uint8_t *swa = moe_xcalloc(n_layer + 1, 1);
     int32_t *kv = moe_xcalloc(n_layer + 1, sizeof *kv);
     double kv_swa = need(&m, CFG_KEYS("num_key_value_heads"));
@@ -276,9 +276,9 @@ static json_t *read_config(const char *dir, moe_error *err) {
 typedef struct group_job {
     const moe_st_tensor *t;
     moe_type scale_type, src;
-    uint8_t *q4_0;     /* [n_groups * 18] Q4_0 blocks, or NULL */
-    uint8_t *packed;   /* [n_groups * 16] int4 words (4 per group), or NULL */
-    uint16_t *scales;  /* [n_groups] stored scale bits, or NULL */
+    uint8_t *q4_0;                 /* [n_groups * 18] Q4_0 blocks, or NULL */
+    uint8_t *packed;               /* [n_groups * 16] int4 words (4 per group), or NULL */
+    uint16_t *scales;              /* [n_groups] stored scale bits, or NULL */
     uint64_t by_m[MAX_THREADS][9]; /* groups per m (0: all-zero) per thread */
     uint64_t off[MAX_THREADS];     /* off-grid groups per thread */
     int64_t first_off[MAX_THREADS];
@@ -370,8 +370,8 @@ static void progress_step(progress *p, uint64_t bytes) {
 }
 
 static void progress_start(progress *p, bool on, const char *what, uint64_t total) {
-    *p = (progress){.on = on, .tty = isatty(2), .total = total, .last = -1, .t0 = moe_now(),
-                    .what = what};
+    *p = (progress){
+        .on = on, .tty = isatty(2), .total = total, .last = -1, .t0 = moe_now(), .what = what};
 }
 
 /* ==== The plan: one entry per source tensor ==== */
@@ -549,8 +549,8 @@ static moe_status write_gguf(const moe_st *s, json_t *config, plan_entry *plan, 
             st = moe_error_set(err, MOE_ERR_UNSUPPORTED, "tensor '%s': %u dimensions",
                                order[i]->t->name, nd);
         else
-            st = moe_gguf_writer_add_tensor(w, order[i]->out_name, order[i]->out_type, nd, ne,
-                                            NULL, true, err);
+            st = moe_gguf_writer_add_tensor(w, order[i]->out_name, order[i]->out_type, nd, ne, NULL,
+                                            true, err);
     }
     if (st == MOE_OK) moe_gguf_writer_set_file_type(w);
     if (st == MOE_OK) st = moe_gguf_writer_stream_begin(w, out, err);
@@ -634,8 +634,8 @@ static size_t w4_modules(const moe_st_tensor *t, w4_module *out, size_t cap) {
             w4_module *m = &out[n++];
             const char *what = gate_up ? (part ? "up_proj" : "gate_proj") : "down_proj";
             if (fused)
-                snprintf(m->name, sizeof m->name, "%.*s.%lld.%s", (int)stem, t->name,
-                         (long long)e, what);
+                snprintf(m->name, sizeof m->name, "%.*s.%lld.%s", (int)stem, t->name, (long long)e,
+                         what);
             else
                 snprintf(m->name, sizeof m->name, "%.*s.%lld", (int)stem, t->name, (long long)e);
             int64_t rows = gate_up ? R / 2 : R;
@@ -671,13 +671,13 @@ static moe_status declare_module(moe_st_writer *w, const w4_module *m, moe_error
 static moe_status write_w4a16_config(json_t *config, const plan_entry *plan, uint64_t n,
                                      const char *dir, moe_error *err) {
     json_t *c = json_deep_copy(config);
-    json_t *weights = json_pack("{s:i, s:s, s:b, s:i, s:s, s:b, s:n, s:n, s:s}", "num_bits", 4,
-                                "type", "int", "symmetric", 1, "group_size", MOE_GRID_GROUP,
-                                "strategy", "group", "dynamic", 0, "actorder", "block_structure",
-                                "observer", "minmax");
-    json_t *group = json_pack("{s:[s], s:o, s:n, s:n, s:s}", "targets", "Linear", "weights",
-                              weights, "input_activations", "output_activations", "format",
-                              "pack-quantized");
+    json_t *weights =
+        json_pack("{s:i, s:s, s:b, s:i, s:s, s:b, s:n, s:n, s:s}", "num_bits", 4, "type", "int",
+                  "symmetric", 1, "group_size", MOE_GRID_GROUP, "strategy", "group", "dynamic", 0,
+                  "actorder", "block_structure", "observer", "minmax");
+    json_t *group =
+        json_pack("{s:[s], s:o, s:n, s:n, s:s}", "targets", "Linear", "weights", weights,
+                  "input_activations", "output_activations", "format", "pack-quantized");
     json_t *ignore = json_array();
     for (uint64_t i = 0; i < n; i++) {
         if (plan[i].kind == PLAN_QUANT || plan[i].kind == PLAN_SKIP) continue;
@@ -704,11 +704,10 @@ static moe_status write_w4a16_config(json_t *config, const plan_entry *plan, uin
 
 /* Files a serving stack needs besides the weights, copied when the source has them. */
 static void copy_side_files(const char *src_dir, const char *dir) {
-    static const char *const files[] = {"tokenizer.json", "tokenizer_config.json",
-                                        "generation_config.json", "special_tokens_map.json",
-                                        "chat_template.jinja", "chat_template.json",
-                                        "preprocessor_config.json", "processor_config.json",
-                                        "tokenizer.model"};
+    static const char *const files[] = {
+        "tokenizer.json",           "tokenizer_config.json", "generation_config.json",
+        "special_tokens_map.json",  "chat_template.jinja",   "chat_template.json",
+        "preprocessor_config.json", "processor_config.json", "tokenizer.model"};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
         char a[4096], b[4096];
         snprintf(a, sizeof a, "%s/%s", src_dir, files[i]);
@@ -874,7 +873,8 @@ static void verify_fn(void *arg, int64_t begin, int64_t end, int thread) {
             continue;
         }
         double num = 0, den = 0;
-        for (int k = 0; k < MOE_GRID_GROUP; k++) num += (double)w[k] * q[k], den += (double)q[k] * q[k];
+        for (int k = 0; k < MOE_GRID_GROUP; k++)
+            num += (double)w[k] * q[k], den += (double)q[k] * q[k];
         float d = j->scale_type == MOE_TYPE_F16 ? moe_fp16_to_f32(scale) : moe_bf16_to_f32(scale);
         if (den > 0) {
             double rel = fabs(d - num / den) / fabs(num / den);
@@ -889,7 +889,8 @@ typedef struct verifier {
     verify_job *job;
 } verifier;
 
-static void mismatch(moe_repack_check *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void mismatch(moe_repack_check *v, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 static void mismatch(moe_repack_check *v, const char *fmt, ...) {
     v->mismatches++;
     if (v->n_messages >= VERIFY_MAX_REPORTED) return;
@@ -998,8 +999,8 @@ static void verify_gguf(verifier *vf, const moe_st *s, json_t *config, const moe
         }
         if (o->type == MOE_TYPE_Q4_0 && quantizable(t)) {
             v->tensors_quantized++;
-            *vf->job = (verify_job){.t = t, .scale_type = MOE_TYPE_F16, .src = src_type(t->dtype),
-                                    .q4_0 = o->data};
+            *vf->job = (verify_job){
+                .t = t, .scale_type = MOE_TYPE_F16, .src = src_type(t->dtype), .q4_0 = o->data};
             verify_groups(vf, name, (int64_t)(t->n_values / MOE_GRID_GROUP));
         } else if (o->type == MOE_TYPE_F32 && t->dtype != MOE_ST_F32 && is_float(t->dtype)) {
             verify_copy(v, t, name, o->data, true);
@@ -1066,8 +1067,9 @@ static void verify_w4a16(verifier *vf, const moe_st *s, const moe_st *o) {
             const moe_st_tensor *sc = find_module_part(o, mods[m].name, "weight_scale");
             const moe_st_tensor *sh = find_module_part(o, mods[m].name, "weight_shape");
             if (!pk || !sc || !sh) {
-                mismatch(v, "module '%s' (of '%s'): weight_packed, weight_scale or weight_shape "
-                            "is missing",
+                mismatch(v,
+                         "module '%s' (of '%s'): weight_packed, weight_scale or weight_shape "
+                         "is missing",
                          mods[m].name, t->name);
                 continue;
             }

@@ -30,8 +30,8 @@ moe_role moe_tensor_role(const char *name);
 /* The same for HF (safetensors) names: model.layers.N.self_attn.q_proj.weight, ...experts... */
 moe_role moe_hf_tensor_role(const char *name);
 int64_t moe_hf_tensor_layer(const char *name); /* N of "layers.N.", else -1 */
-const char *moe_role_name(moe_role role); /* "routed experts", ... */
-const char *moe_role_id(moe_role role);   /* "routed_experts", ... (JSON keys) */
+const char *moe_role_name(moe_role role);      /* "routed experts", ... */
+const char *moe_role_id(moe_role role);        /* "routed_experts", ... (JSON keys) */
 /* N for "blk.N.<rest>", else -1. */
 int64_t moe_tensor_layer(const char *name);
 
@@ -386,7 +386,8 @@ typedef struct moe_repack_check {
     uint64_t groups, bad_groups;
     uint64_t tensors_quantized, tensors_copied, copied_bytes, skipped;
     uint64_t mismatches; /* bad groups + bad copies + missing / extra tensors */
-    double worst_scale_rel; /* max |stored scale - least-squares step of the stored levels| / step */
+    double
+        worst_scale_rel; /* max |stored scale - least-squares step of the stored levels| / step */
     char worst_scale_tensor[340];
     char messages[MOE_REPACK_MAX_MESSAGES][512]; /* the first mismatches, naming tensor and group */
     int n_messages;
