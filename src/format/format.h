@@ -324,6 +324,10 @@ const moe_st_file *moe_st_file_get(const moe_st *s, uint32_t i);
 uint64_t moe_st_n_tensors(const moe_st *s);
 const moe_st_tensor *moe_st_tensor_get(const moe_st *s, uint64_t i);
 const moe_st_tensor *moe_st_tensor_find(const moe_st *s, const char *name);
+/* Drop the mapped pages wholly inside t's bytes from this process (the page cache keeps them,
+ * a later read maps them again): a tool that streams a checkpoint tensor by tensor stays at one
+ * tensor's worth of resident memory. t->data stays valid. */
+void moe_st_tensor_release(const moe_st *s, const moe_st_tensor *t);
 /* __metadata__ of the first file, in header order. */
 size_t moe_st_n_meta(const moe_st *s);
 const char *moe_st_meta_key(const moe_st *s, size_t i);

@@ -634,6 +634,14 @@ bool moe_st_is_checkpoint(const char *path) {
     return ends_with(path, ".safetensors") || ends_with(path, ".safetensors.index.json");
 }
 
+void moe_st_tensor_release(const moe_st *s, const moe_st_tensor *t) {
+    if (t->file >= s->n_files || !s->state[t->file].map || !t->n_bytes) return;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t begin = (t->file_offset + page - 1) / page * page;
+    uint64_t end = (t->file_offset + t->n_bytes) / page * page;
+    if (end > begin) madvise((uint8_t *)s->state[t->file].map + begin, end - begin, MADV_DONTNEED);
+}
+
 /* ==== Values ==== */
 
 static float value_f32(moe_st_dtype d, const uint8_t *p) {

@@ -40,15 +40,18 @@ static float round_src(moe_type src, float v) {
     return v;
 }
 
-/* Levels of w on the grid of step d (round half away from zero, as torch.round is not: ties
- * cannot occur for on-grid values, so the rule does not matter there); false when one falls
- * outside -8..7. */
+/* The level of x = value / step: round half away from zero, and false unless it is in -8..7
+ * (NaN fails too). Inline arithmetic, not roundf: this is the inner loop of a repack. */
+static inline bool level_of(float x, int8_t *q) {
+    if (!(x > -8.5f && x < 7.5f)) return false;
+    *q = (int8_t)(int)(x < 0 ? x - 0.5f : x + 0.5f);
+    return true;
+}
+
+/* Levels of w on the grid of step d; false when one falls outside -8..7. */
 static bool levels_on(const float *w, int n, float d, int8_t *q) {
-    for (int i = 0; i < n; i++) {
-        float l = roundf(w[i] / d);
-        if (!(l >= -8.0f && l <= 7.0f)) return false;
-        q[i] = (int8_t)l;
-    }
+    for (int i = 0; i < n; i++)
+        if (!level_of(w[i] / d, &q[i])) return false;
     return true;
 }
 
@@ -60,8 +63,8 @@ int moe_grid_check(const float *w, int n, moe_type scale_type, moe_type src, uin
             if (w[i] != 0.0f) return i; /* a zero scale holds only zeros */
             continue;
         }
-        float l = roundf(w[i] / d);
-        if (!(l >= -8.0f && l <= 7.0f) || (float)levels[i] != l ||
+        int8_t l;
+        if (!level_of(w[i] / d, &l) || levels[i] != l ||
             round_src(src, d * (float)levels[i]) != w[i])
             return i;
     }
@@ -90,11 +93,27 @@ int moe_grid_recover(const float *w, int n, moe_type scale_type, moe_type src, u
         memset(levels, 0, (size_t)n);
         return 0;
     }
-    int8_t q[MOE_GRID_GROUP];
+    int8_t q[MOE_GRID_GROUP], near[MOE_GRID_GROUP];
     for (int m = 1; m <= 8; m++) {
+        /* On the right grid every w / (max|w| / m) is within 8 x 2^-7 (two bf16 roundings of a
+         * level <= 8) of an integer; a wrong m misses by far more on some value, found in the
+         * first few: the cheap test that spares the search below for most m. */
+        float inv = (float)m / amax;
+        bool ok = true;
+        for (int i = 0; i < n && ok; i++) {
+            float x = w[i] * inv; /* |x| <= m <= 8: the conversion cannot overflow */
+            near[i] = (int8_t)(int)(x < 0 ? x - 0.5f : x + 0.5f);
+            ok = fabsf(x - (float)near[i]) <= 0.1f;
+        }
+        if (!ok) continue;
         for (int sign = 1; sign >= -1; sign -= 2) {
-            float d0 = (float)sign * amax / (float)m;
-            if (!levels_on(w, n, d0, q)) continue;
+            bool in_range = true;
+            for (int i = 0; i < n && in_range; i++) {
+                int l = sign * near[i];
+                in_range = l >= -8 && l <= 7;
+                q[i] = (int8_t)l;
+            }
+            if (!in_range) continue;
             double num = 0, den = 0;
             for (int i = 0; i < n; i++) {
                 num += (double)w[i] * q[i];

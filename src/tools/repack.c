@@ -515,6 +515,7 @@ static moe_status plan_build(const moe_st *s, moe_repack_target to, moe_pool *po
         r->n_copied += e->kind == PLAN_COPY || e->kind == PLAN_OFFGRID;
         r->n_skipped += e->kind == PLAN_SKIP;
         if (e->kind == PLAN_COPY || e->kind == PLAN_OFFGRID) r->copied_bytes += e->t->n_bytes;
+        moe_st_tensor_release(s, e->t);
         progress_step(&pr, e->t->n_bytes);
     }
     free(job);
@@ -528,9 +529,15 @@ static moe_status write_gguf(const moe_st *s, json_t *config, plan_entry *plan, 
                              moe_error *err) {
     uint64_t n = moe_st_n_tensors(s);
     moe_gguf_writer *w = moe_gguf_writer_new();
-    const char *base = strrchr(moe_st_dir(s), '/');
-    base = base && base[1] ? base + 1 : moe_st_dir(s);
-    moe_status st = gemma4_metadata(w, config, base, moe_st_dir(s), err);
+    /* general.name: the checkpoint directory's name, as the converter takes it */
+    char name[256];
+    const char *dir = moe_st_dir(s);
+    size_t len = strlen(dir);
+    while (len > 1 && dir[len - 1] == '/') len--;
+    size_t start = len;
+    while (start > 0 && dir[start - 1] != '/') start--;
+    snprintf(name, sizeof name, "%.*s", (int)(len - start), dir + start);
+    moe_status st = gemma4_metadata(w, config, name, moe_st_dir(s), err);
     int64_t n_freqs = 0;
     float *freqs = st == MOE_OK ? gemma4_rope_freqs(config, &n_freqs) : NULL;
     /* the output order: tensors outside the layers, then layer by layer, names sorted */
@@ -591,6 +598,7 @@ static moe_status write_gguf(const moe_st *s, json_t *config, plan_entry *plan, 
             st = moe_gguf_writer_stream_tensor(w, t->data, err);
             r->bytes_out += t->n_bytes;
         }
+        moe_st_tensor_release(s, t);
         progress_step(&pr, t->n_bytes);
     }
     if (st == MOE_OK) st = moe_gguf_writer_stream_finish(w, err);
@@ -755,6 +763,7 @@ static moe_status write_w4a16(const moe_st *s, json_t *config, plan_entry *plan,
         if (e->kind != PLAN_QUANT) {
             st = moe_st_writer_write(w, t->data, (size_t)t->n_bytes, err);
             r->bytes_out += t->n_bytes;
+            moe_st_tensor_release(s, t);
             progress_step(&pr, t->n_bytes);
             continue;
         }
@@ -790,6 +799,7 @@ static moe_status write_w4a16(const moe_st *s, json_t *config, plan_entry *plan,
         }
         free(job->packed);
         free(job->scales);
+        moe_st_tensor_release(s, t);
         progress_step(&pr, t->n_bytes);
     }
     if (st == MOE_OK) st = moe_st_writer_finish(w, err);
@@ -821,7 +831,14 @@ moe_status moe_repack(const char *src, const char *out, const moe_repack_options
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     moe_pool *pool = moe_pool_new(threads);
     plan_entry *plan = moe_xcalloc((size_t)n + 1, sizeof *plan);
-    moe_status st = plan_build(s, o->to, pool, o->progress, plan, r, err);
+    moe_status st = MOE_OK;
+    const char *model_type = json_string_value(json_object_get(text_config(config), "model_type"));
+    if (o->to == MOE_REPACK_Q4_0_GGUF && (!model_type || strncmp(model_type, "gemma4", 6) != 0))
+        st = moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                           "%s/config.json: model_type '%s': --to q4_0-gguf maps the HF names and "
+                           "metadata of gemma4 only (--to w4a16 takes any architecture)",
+                           moe_st_dir(s), model_type ? model_type : "(none)");
+    if (st == MOE_OK) st = plan_build(s, o->to, pool, o->progress, plan, r, err);
     if (st == MOE_OK)
         st = o->to == MOE_REPACK_Q4_0_GGUF
                  ? write_gguf(s, config, plan, pool, out, o->progress, r, err)
@@ -998,6 +1015,7 @@ static void verify_gguf(verifier *vf, const moe_st *s, json_t *config, const moe
             continue;
         }
         if (o->type == MOE_TYPE_Q4_0 && quantizable(t)) {
+            /* (the source's pages are released after the check, below) */
             v->tensors_quantized++;
             *vf->job = (verify_job){
                 .t = t, .scale_type = MOE_TYPE_F16, .src = src_type(t->dtype), .q4_0 = o->data};
@@ -1010,6 +1028,7 @@ static void verify_gguf(verifier *vf, const moe_st *s, json_t *config, const moe
             mismatch(v, "tensor '%s': type %s does not hold source '%s' (%s)", name,
                      moe_type_name(o->type), t->name, moe_st_dtype_name(t->dtype));
         }
+        moe_st_tensor_release(s, t);
     }
     /* the one tensor the converter makes: rope_freqs from the config */
     int64_t n_freqs = 0;
@@ -1094,7 +1113,9 @@ static void verify_w4a16(verifier *vf, const moe_st *s, const moe_st *o) {
             char what[340];
             snprintf(what, sizeof what, "%s.weight_packed", mods[m].name);
             verify_groups(vf, what, ng);
+            moe_st_tensor_release(o, pk);
         }
+        moe_st_tensor_release(s, t);
     }
     free(mods);
     if (used != moe_st_n_tensors(o))
@@ -1113,7 +1134,11 @@ moe_status moe_repack_verify(const char *src, const char *out, int workers, moe_
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     verifier vf = {v, moe_pool_new(threads), moe_xcalloc(1, sizeof(verify_job))};
     moe_status st = MOE_OK;
-    if (ends_with(out, ".gguf")) {
+    FILE *f = fopen(out, "rb");
+    char magic[4] = {0};
+    bool is_gguf = f && fread(magic, 1, 4, f) == 4 && memcmp(magic, "GGUF", 4) == 0;
+    if (f) fclose(f);
+    if (is_gguf) {
         json_t *config = read_config(moe_st_dir(s), err);
         moe_gguf *g = config ? moe_gguf_open(out, err) : NULL;
         if (g) {
