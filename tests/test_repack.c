@@ -265,18 +265,26 @@ static void errors(void **state) {
     assert_int_equal(run(cmd, &text), 1);
     assert_non_null(strstr(text, "nothing"));
     free(text);
-    /* a checkpoint whose names have no GGUF map */
+    /* a llama checkpoint: GGUF names and metadata are mapped for gemma4 only */
+    const char *tmp = moe_test_tmpdir();
     snprintf(cmd, sizeof cmd,
-             "mkdir -p '%s/foreign' && cp '%s/dtypes.safetensors' '%s/foreign/model.safetensors' "
-             "2>/dev/null || " PY " dtypes '%s/foreign/model.safetensors' '%s/foreign/v.f32' && "
-             "echo '{}' > '%s/foreign/config.json'",
-             moe_test_tmpdir(), moe_test_tmpdir(), moe_test_tmpdir(), moe_test_tmpdir(),
-             moe_test_tmpdir(), moe_test_tmpdir());
+             "mkdir -p '%s/foreign' && " PY " dtypes '%s/foreign/model.safetensors' "
+             "'%s/foreign/v.f32' && echo '{\"model_type\": \"llama\"}' > '%s/foreign/config.json'",
+             tmp, tmp, tmp, tmp);
     run_ok(cmd);
     snprintf(cmd, sizeof cmd, "%s repack '%s/foreign' '%s/f.gguf' --to q4_0-gguf", moe_test_bin(),
-             moe_test_tmpdir(), moe_test_tmpdir());
+             tmp, tmp);
     assert_int_equal(run(cmd, &text), 1);
-    assert_non_null(strstr(text, "no GGUF name for it"));
+    assert_non_null(strstr(text, "model_type 'llama': --to q4_0-gguf maps"));
+    free(text);
+    /* gemma4 by its config, with a tensor name the map does not know */
+    snprintf(cmd, sizeof cmd, "echo '{\"model_type\": \"gemma4\"}' > '%s/foreign/config.json'",
+             tmp);
+    run_ok(cmd);
+    snprintf(cmd, sizeof cmd, "%s repack '%s/foreign' '%s/f.gguf' --to q4_0-gguf", moe_test_bin(),
+             tmp, tmp);
+    assert_int_equal(run(cmd, &text), 1);
+    assert_non_null(strstr(text, "tensor 'f32': no GGUF name for it"));
     free(text);
 }
 
