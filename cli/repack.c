@@ -21,8 +21,7 @@ static void report_json(moe_json *j, const moe_repack_report *r, const char *src
     moe_json_key(j, "groups_by_m");
     moe_json_object_begin(j);
     for (int m = 0; m < 9; m++) {
-        char k[4];
-        snprintf(k, sizeof k, "%d", m);
+        char k[2] = {(char)('0' + m), 0};
         moe_json_kv_uint(j, k, r->groups_by_m[m]);
     }
     moe_json_object_end(j);

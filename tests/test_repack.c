@@ -66,8 +66,7 @@ static void check_report(json_t *report, json_t *expect) {
     json_t *by_m = json_object_get(report, "groups_by_m"),
            *want = json_object_get(expect, "groups_by_m");
     for (int m = 0; m <= 8; m++) {
-        char k[4];
-        snprintf(k, sizeof k, "%d", m);
+        char k[2] = {(char)('0' + m), 0};
         if (json_integer_value(json_object_get(by_m, k)) !=
             json_integer_value(json_array_get(want, (size_t)m)))
             fail_msg("groups recovered with m=%d: moe %lld, generated %lld", m,
