@@ -232,6 +232,7 @@ int moe_cmd_bench(int argc, char **argv) {
         return moe_cli_usage_error("bench", "--ctx: bench sizes its context from --pp and --tg");
     p.n_threads = engine.n_threads;
     p.kv_type = engine.kv_type;
+    p.expert_cache_bytes = engine.expert_cache_bytes;
     p.probe_bytes = (size_t)probe_mib << 20;
     if (csv && json) return moe_cli_usage_error("bench", "--csv and --json exclude each other");
     moe_bench_result r;

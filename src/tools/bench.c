@@ -175,7 +175,9 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
         m ? moe_read_bandwidth(pool, p->probe_bytes, p->runs, &r->bandwidth, err) : err->code;
     if (st == MOE_OK && !p->use_mmap) {
         t = moe_now();
-        st = moe_gguf_to_memory(m->gguf, pool, &r->loaded_bytes, err);
+        st = moe_gguf_to_memory_except(m->gguf, pool,
+                                       p->expert_cache_bytes ? moe_model_is_routed : NULL, m,
+                                       &r->loaded_bytes, err);
         r->load_seconds += moe_now() - t;
     }
     moe_pool_free(pool);
@@ -196,7 +198,8 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                          .n_seq = max_seq,
                          .max_rows = max_rows,
                          .kv_type = p->kv_type,
-                         .n_threads = p->n_threads};
+                         .n_threads = p->n_threads,
+                         .expert_cache_bytes = p->expert_cache_bytes};
     moe_ctx *ctx = moe_ctx_new(m, &cp, err);
     if (!ctx) {
         moe_model_free(m);
