@@ -313,7 +313,8 @@ def check_w4a16(src, out):
             used += 3
             need(pk[0] == "I32" and pk[1] == (nr, cols // 8), f"{mod}: weight_packed {pk[:2]}")
             need(sc[0] == "BF16" and sc[1] == (nr, cols // GROUP), f"{mod}: weight_scale {sc[:2]}")
-            need(sh[0] == "I32" and list(np.frombuffer(sh[2], "<i4")) == [nr, cols],
+            # int64: compressed-tensors stores torch.tensor(weight.shape)
+            need(sh[0] == "I64" and list(np.frombuffer(sh[2], "<i8")) == [nr, cols],
                  f"{mod}: weight_shape")
             lv = unpack_int4(pk[2], nr, cols).reshape(-1, GROUP)
             g0, g1 = r0 * cols // GROUP, (r0 + nr) * cols // GROUP

@@ -669,8 +669,9 @@ static moe_status declare_module(moe_st_writer *w, const w4_module *m, moe_error
     if (st == MOE_OK)
         st = moe_st_writer_declare(w, name, MOE_ST_BF16, 2,
                                    (int64_t[]){m->rows, m->cols / MOE_GRID_GROUP}, err);
+    /* int64, as compressed-tensors writes it (torch.tensor(weight.shape)) */
     snprintf(name, sizeof name, "%s.weight_shape", m->name);
-    if (st == MOE_OK) st = moe_st_writer_declare(w, name, MOE_ST_I32, 1, (int64_t[]){2}, err);
+    if (st == MOE_OK) st = moe_st_writer_declare(w, name, MOE_ST_I64, 1, (int64_t[]){2}, err);
     return st;
 }
 
@@ -781,10 +782,10 @@ static moe_status write_w4a16(const moe_st *s, json_t *config, plan_entry *plan,
         for (size_t m = 0; m < k && st == MOE_OK; m++) {
             int64_t g0 = mods[m].first_row * (mods[m].cols / MOE_GRID_GROUP);
             int64_t ng = mods[m].rows * (mods[m].cols / MOE_GRID_GROUP);
-            uint8_t shape[8];
-            for (int b = 0; b < 4; b++) {
-                shape[b] = (uint8_t)((uint32_t)mods[m].rows >> (8 * b));
-                shape[4 + b] = (uint8_t)((uint32_t)mods[m].cols >> (8 * b));
+            uint8_t shape[16];
+            for (int b = 0; b < 8; b++) {
+                shape[b] = (uint8_t)((uint64_t)mods[m].rows >> (8 * b));
+                shape[8 + b] = (uint8_t)((uint64_t)mods[m].cols >> (8 * b));
             }
             uint8_t *sc = moe_xmalloc((size_t)ng * 2 + 1);
             for (int64_t g = 0; g < ng; g++) {
@@ -793,8 +794,8 @@ static moe_status write_w4a16(const moe_st *s, json_t *config, plan_entry *plan,
             }
             st = moe_st_writer_write(w, job->packed + g0 * 16, (size_t)ng * 16, err);
             if (st == MOE_OK) st = moe_st_writer_write(w, sc, (size_t)ng * 2, err);
-            if (st == MOE_OK) st = moe_st_writer_write(w, shape, 8, err);
-            r->bytes_out += (uint64_t)ng * 18 + 8;
+            if (st == MOE_OK) st = moe_st_writer_write(w, shape, 16, err);
+            r->bytes_out += (uint64_t)ng * 18 + 16;
             free(sc);
         }
         free(job->packed);
@@ -1096,7 +1097,8 @@ static void verify_w4a16(verifier *vf, const moe_st *s, const moe_st *o) {
             int64_t ng = mods[m].rows * (mods[m].cols / MOE_GRID_GROUP);
             float shape[2] = {0, 0};
             moe_error e = {0};
-            if (sh->dtype == MOE_ST_I32 && sh->n_values == 2) moe_st_to_f32(sh, 0, 2, shape, &e);
+            if ((sh->dtype == MOE_ST_I64 || sh->dtype == MOE_ST_I32) && sh->n_values == 2)
+                moe_st_to_f32(sh, 0, 2, shape, &e);
             if (pk->dtype != MOE_ST_I32 || pk->n_bytes != (uint64_t)ng * 16 ||
                 sc->dtype != MOE_ST_BF16 || sc->n_values != (uint64_t)ng ||
                 shape[0] != (float)mods[m].rows || shape[1] != (float)mods[m].cols) {
