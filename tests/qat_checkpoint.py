@@ -19,6 +19,8 @@ below are written from the formats' specifications, not from moe's code.
       Reads the GGUF and checks Q4_0 levels against the generated ones, d x level against the
       source, F32 / BF16 copies, and the tensor names, shapes, types and metadata against the
       llama.cpp-made fixture's (FIXTURE.json).
+  qat_checkpoint.py dequant-w4a16 OUT MODULE FILE.f32
+      One module of a W4A16 checkpoint dequantized as compressed-tensors does (float32).
   qat_checkpoint.py dtypes FILE.safetensors FILE.f32
       One tensor of every dtype moe reads, and their values as float32 (numpy's conversion;
       bf16 and F8_E4M3 decoded here from their bit layouts), for the reader test.
@@ -477,6 +479,15 @@ def check_gguf(src, out, fixture):
     need(list(rf) == [1.0] * 8 + [np.float32(1e30)] * 24, "rope_freqs")
 
 
+def dequant_w4a16(out, module, f32_path):
+    """compressed-tensors' decompression of one module (unpack_from_int32, then x_q * scale)"""
+    o = st_read_dir(out)
+    rows, cols = (int(x) for x in np.frombuffer(o[module + ".weight_shape"][2], "<i8"))
+    q = unpack_int4(o[module + ".weight_packed"][2], rows, cols).astype(np.float32)
+    scale = bf16_to_f32(o[module + ".weight_scale"][2]).reshape(rows, cols // GROUP)
+    (q * np.repeat(scale, GROUP, axis=1)).astype("<f4").tofile(f32_path)
+
+
 def make_dtypes(path, f32_path):
     rng = np.random.default_rng(7)
     ts, vals = [], []
@@ -532,6 +543,8 @@ def main():
             check_w4a16(a[1], a[2])
         elif a[0] == "check-gguf":
             check_gguf(a[1], a[2], a[3])
+        elif a[0] == "dequant-w4a16":
+            dequant_w4a16(a[1], a[2], a[3])
         elif a[0] == "dtypes":
             make_dtypes(a[1], a[2])
         elif a[0] == "read":

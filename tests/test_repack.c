@@ -139,7 +139,7 @@ static json_t *repack_checked(const char *src, const char *name, const char *to,
 static void w4a16(void **state) {
     (void)state;
     const char *src = checkpoint();
-    char out[600], cmd[2048], path[700];
+    char out[600], cmd[4096], path[700];
     char *text = NULL;
     json_decref(repack_checked(src, "w4a16", "w4a16", out, sizeof out));
 
@@ -152,6 +152,22 @@ static void w4a16(void **state) {
     assert_true(json_is_true(json_object_get(v, "ok")));
     assert_int_equal(json_integer_value(json_object_get(v, "bad_groups")), 0);
     json_decref(v);
+
+    /* moe dump of a module equals compressed-tensors' decompression (numpy) */
+    const char *dmod = "model.language_model.layers.4.experts.6.gate_proj";
+    char f_moe[700], f_py[700];
+    snprintf(f_moe, sizeof f_moe, "%s/dump.moe.f32", moe_test_tmpdir());
+    snprintf(f_py, sizeof f_py, "%s/dump.py.f32", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd, "%s dump '%s' %s.weight --out '%s'", moe_test_bin(), out, dmod,
+             f_moe);
+    run_ok(cmd);
+    snprintf(cmd, sizeof cmd, PY " dequant-w4a16 '%s' %s '%s' && cmp '%s' '%s'", out, dmod, f_py,
+             f_moe, f_py);
+    run_ok(cmd);
+    moe_error cerr = {0};
+    assert_int_equal(moe_w4a16_config_check(out, &cerr), MOE_OK);
+    assert_int_equal(moe_w4a16_config_check(src, &cerr), MOE_ERR_UNSUPPORTED);
+    assert_non_null(strstr(cerr.msg, "quantization_config is not compressed-tensors"));
 
     /* corrupt group 3 of one module's levels, then one byte of a copied tensor */
     moe_error err = {0};

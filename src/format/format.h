@@ -349,6 +349,27 @@ moe_status moe_st_dequant_fp8_blocks(const moe_st_tensor *w, const moe_st_tensor
                                      int64_t block_rows, int64_t block_cols, float *out,
                                      moe_error *err);
 
+/* ==== compressed-tensors W4A16 (safetensors.c) ====
+ *
+ * A quantized linear module M is three tensors: M.weight_packed (I32 [rows, cols / 8]: int4
+ * levels + 8, value k of a row in word k / 8 at bits 4 * (k % 8)), M.weight_scale (bf16
+ * [rows, cols / 32], one scale per group of 32 along the row) and M.weight_shape ([rows, cols],
+ * I64 as compressed-tensors writes it; I32 accepted). w = scale x level. */
+typedef struct moe_w4a16_module {
+    const moe_st_tensor *packed, *scale, *shape;
+    int64_t rows, cols;
+} moe_w4a16_module;
+
+/* The module's tensors, checked to fit each other (group size 32). */
+moe_status moe_w4a16_module_find(const moe_st *s, const char *module, moe_w4a16_module *m,
+                                 moe_error *err);
+/* Rows [r0, r1) as f32: out[(r - r0) * cols + c]. */
+moe_status moe_w4a16_dequant_rows(const moe_w4a16_module *m, int64_t r0, int64_t r1, float *out,
+                                  moe_error *err);
+/* DIR/config.json's quantization_config: every config group compressed-tensors
+ * pack-quantized, 4 bits, symmetric, group_size 32 (what moe reads); else why not. */
+moe_status moe_w4a16_config_check(const char *dir, moe_error *err);
+
 /* The writer streams: declare every tensor (in data order), begin (writes the header), write
  * the tensors' bytes in that order in any chunks, finish (checks the byte count). The header is
  * padded with spaces to a multiple of 8, as the reference writer does. */

@@ -870,3 +870,102 @@ moe_status moe_st_writer_finish(moe_st_writer *w, moe_error *err) {
         return moe_error_set(err, MOE_ERR_IO, "%s: write failed: %s", w->path, strerror(errno));
     return MOE_OK;
 }
+
+/* ==== compressed-tensors W4A16 (pack-quantized, symmetric int4) ==== */
+
+moe_status moe_w4a16_module_find(const moe_st *s, const char *module, moe_w4a16_module *m,
+                                 moe_error *err) {
+    static const char *const parts[3] = {"weight_packed", "weight_scale", "weight_shape"};
+    const moe_st_tensor *t[3];
+    char e[3 * ERR_NAME_MAX];
+    for (int i = 0; i < 3; i++) {
+        size_t n = strlen(module) + strlen(parts[i]) + 2;
+        char *name = moe_xmalloc(n);
+        snprintf(name, n, "%s.%s", module, parts[i]);
+        t[i] = moe_st_tensor_find(s, name);
+        free(name);
+        if (!t[i])
+            return moe_error_set(err, MOE_ERR_NOT_FOUND, "no W4A16 module '%s' (no %s)",
+                                 esc(e, sizeof e, module), parts[i]);
+    }
+    float shape[2] = {0, 0};
+    if ((t[2]->dtype == MOE_ST_I64 || t[2]->dtype == MOE_ST_I32) && t[2]->n_values == 2)
+        moe_st_to_f32(t[2], 0, 2, shape, err);
+    int64_t rows = (int64_t)shape[0], cols = (int64_t)shape[1];
+    int64_t groups = cols / MOE_GRID_GROUP;
+    bool ok =
+        rows > 0 && cols > 0 && cols % MOE_GRID_GROUP == 0 && t[0]->dtype == MOE_ST_I32 &&
+        t[0]->n_dims == 2 && t[0]->shape[0] == rows && t[0]->shape[1] == cols / 8 &&
+        (t[1]->dtype == MOE_ST_BF16 || t[1]->dtype == MOE_ST_F16 || t[1]->dtype == MOE_ST_F32) &&
+        t[1]->n_dims == 2 && t[1]->shape[0] == rows && t[1]->shape[1] == groups;
+    if (!ok)
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "W4A16 module '%s': weight_shape [%lld, %lld], weight_packed %s "
+                             "[%lld, %lld] and weight_scale %s [%lld, %lld] do not fit int4 in "
+                             "int32 with one scale per %d",
+                             esc(e, sizeof e, module), (long long)rows, (long long)cols,
+                             moe_st_dtype_name(t[0]->dtype), (long long)t[0]->shape[0],
+                             (long long)t[0]->shape[1], moe_st_dtype_name(t[1]->dtype),
+                             (long long)t[1]->shape[0], (long long)t[1]->shape[1], MOE_GRID_GROUP);
+    *m = (moe_w4a16_module){t[0], t[1], t[2], rows, cols};
+    return MOE_OK;
+}
+
+moe_status moe_w4a16_dequant_rows(const moe_w4a16_module *m, int64_t r0, int64_t r1, float *out,
+                                  moe_error *err) {
+    if (r0 < 0 || r1 > m->rows || r0 > r1)
+        return moe_error_set(err, MOE_ERR_ARG, "rows %lld..%lld of %lld", (long long)r0,
+                             (long long)r1, (long long)m->rows);
+    int64_t groups = m->cols / MOE_GRID_GROUP;
+    int8_t q[MOE_GRID_GROUP];
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float scale;
+            moe_status st = moe_st_to_f32(m->scale, (uint64_t)(r * groups + g), 1, &scale, err);
+            if (st != MOE_OK) return st;
+            moe_grid_unpack_int4(m->packed->data + (r * groups + g) * 16, MOE_GRID_GROUP, q);
+            float *o = out + (r - r0) * m->cols + g * MOE_GRID_GROUP;
+            for (int i = 0; i < MOE_GRID_GROUP; i++) o[i] = scale * (float)q[i];
+        }
+    return MOE_OK;
+}
+
+moe_status moe_w4a16_config_check(const char *dir, moe_error *err) {
+    size_t n = strlen(dir) + 16;
+    char *path = moe_xmalloc(n);
+    snprintf(path, n, "%s/config.json", dir);
+    json_error_t je;
+    json_t *c = json_load_file(path, 0, &je);
+    moe_status st = MOE_OK;
+    json_t *q = json_object_get(c, "quantization_config");
+    json_t *groups = json_object_get(q, "config_groups");
+    const char *method = json_string_value(json_object_get(q, "quant_method"));
+    if (!c) {
+        st = moe_error_set(err, MOE_ERR_FORMAT, "%s: %s", path, je.text);
+    } else if (!method || strcmp(method, "compressed-tensors") != 0 || !json_is_object(groups)) {
+        st = moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                           "%s: quantization_config is not compressed-tensors", path);
+    } else {
+        const char *key;
+        json_t *g;
+        json_object_foreach(groups, key, g) {
+            json_t *w = json_object_get(g, "weights");
+            const char *fmt = json_string_value(json_object_get(g, "format"));
+            if (!fmt) fmt = json_string_value(json_object_get(q, "format"));
+            bool ok = fmt && strcmp(fmt, "pack-quantized") == 0 &&
+                      json_integer_value(json_object_get(w, "num_bits")) == 4 &&
+                      json_is_true(json_object_get(w, "symmetric")) &&
+                      json_integer_value(json_object_get(w, "group_size")) == MOE_GRID_GROUP;
+            if (!ok) {
+                st = moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                                   "%s: quantization_config.config_groups.%s is not "
+                                   "pack-quantized symmetric int4 with group_size %d",
+                                   path, key, MOE_GRID_GROUP);
+                break;
+            }
+        }
+    }
+    json_decref(c);
+    free(path);
+    return st;
+}

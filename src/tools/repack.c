@@ -1049,13 +1049,6 @@ static void verify_gguf(verifier *vf, const moe_st *s, json_t *config, const moe
                  (unsigned long long)moe_gguf_n_tensors(g), (unsigned long long)used);
 }
 
-static const moe_st_tensor *find_module_part(const moe_st *o, const char *module,
-                                             const char *part) {
-    char name[340];
-    snprintf(name, sizeof name, "%s.%s", module, part);
-    return moe_st_tensor_find(o, name);
-}
-
 static void verify_w4a16(verifier *vf, const moe_st *s, const moe_st *o) {
     moe_repack_check *v = vf->v;
     uint64_t n = moe_st_n_tensors(s), used = 0;
@@ -1083,39 +1076,33 @@ static void verify_w4a16(verifier *vf, const moe_st *s, const moe_st *o) {
         k = w4_modules(t, mods, cap);
         v->tensors_quantized++;
         for (size_t m = 0; m < k; m++) {
-            const moe_st_tensor *pk = find_module_part(o, mods[m].name, "weight_packed");
-            const moe_st_tensor *sc = find_module_part(o, mods[m].name, "weight_scale");
-            const moe_st_tensor *sh = find_module_part(o, mods[m].name, "weight_shape");
-            if (!pk || !sc || !sh) {
-                mismatch(v,
-                         "module '%s' (of '%s'): weight_packed, weight_scale or weight_shape "
-                         "is missing",
-                         mods[m].name, t->name);
+            moe_w4a16_module wm;
+            moe_error e = {0};
+            if (moe_w4a16_module_find(o, mods[m].name, &wm, &e) != MOE_OK) {
+                mismatch(v, "module '%s' (of '%s'): %s", mods[m].name, t->name, e.msg);
                 continue;
             }
             used += 3;
             int64_t ng = mods[m].rows * (mods[m].cols / MOE_GRID_GROUP);
-            float shape[2] = {0, 0};
-            moe_error e = {0};
-            if ((sh->dtype == MOE_ST_I64 || sh->dtype == MOE_ST_I32) && sh->n_values == 2)
-                moe_st_to_f32(sh, 0, 2, shape, &e);
-            if (pk->dtype != MOE_ST_I32 || pk->n_bytes != (uint64_t)ng * 16 ||
-                sc->dtype != MOE_ST_BF16 || sc->n_values != (uint64_t)ng ||
-                shape[0] != (float)mods[m].rows || shape[1] != (float)mods[m].cols) {
-                mismatch(v, "module '%s': packed / scale / shape tensors do not fit [%lld, %lld]",
-                         mods[m].name, (long long)mods[m].rows, (long long)mods[m].cols);
+            if (wm.rows != mods[m].rows || wm.cols != mods[m].cols ||
+                wm.scale->dtype != MOE_ST_BF16) {
+                mismatch(v,
+                         "module '%s': [%lld, %lld] with %s scales, the source gives [%lld, %lld]",
+                         mods[m].name, (long long)wm.rows, (long long)wm.cols,
+                         moe_st_dtype_name(wm.scale->dtype), (long long)mods[m].rows,
+                         (long long)mods[m].cols);
                 continue;
             }
             *vf->job = (verify_job){.t = t,
                                     .g0 = mods[m].first_row * (mods[m].cols / MOE_GRID_GROUP),
                                     .scale_type = MOE_TYPE_BF16,
                                     .src = src_type(t->dtype),
-                                    .packed = pk->data,
-                                    .scales = sc->data};
+                                    .packed = wm.packed->data,
+                                    .scales = wm.scale->data};
             char what[340];
             snprintf(what, sizeof what, "%s.weight_packed", mods[m].name);
             verify_groups(vf, what, ng);
-            moe_st_tensor_release(o, pk);
+            moe_st_tensor_release(o, wm.packed);
         }
         moe_st_tensor_release(s, t);
     }
