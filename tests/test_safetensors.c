@@ -180,7 +180,11 @@ static void malformed_refused(void **state) {
          "\"data_offsets\":[0,8]}}",
          8, 0, "shape overflows"},
         {"{\"a\\u0001b\":{\"dtype\":\"F31\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, 0,
-         "tensor 'a\\x01b'"},
+         "tensor 'a\\x01b': unknown dtype 'F31'"},
+        {"{\"a_long_tensor_name_that_fills_more_of_the_message_buffer_than_one_hundred_and_four_"
+         "bytes_0123456789\":{\"dtype\":\"Q9\",\"shape\":[2],\"data_offsets\":[0,8]}}",
+         8, 0,
+         "tensor 'a_long_tensor_name_that_fills_more_of_the_message_buffer_than_one_hundred_"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         moe_error err = {0};

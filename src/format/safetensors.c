@@ -256,10 +256,11 @@ static moe_status parse_entry(const char *path, const char *key, json_t *v, moe_
                              "%s: tensor '%s': %zu fields, expected exactly dtype, shape, "
                              "data_offsets",
                              path, n, json_object_size(v));
-    if (!moe_st_dtype_from_name(json_string_value(dt), &t->dtype))
-        return moe_error_set(
-            err, MOE_ERR_FORMAT, "%s: tensor '%s': unknown dtype '%s'", path, n,
-            esc(e + ERR_NAME_MAX + 8, sizeof e - ERR_NAME_MAX - 8, json_string_value(dt)));
+    if (!moe_st_dtype_from_name(json_string_value(dt), &t->dtype)) {
+        char d[3 * ERR_NAME_MAX]; /* its own buffer: n points into e */
+        return moe_error_set(err, MOE_ERR_FORMAT, "%s: tensor '%s': unknown dtype '%s'", path, n,
+                             esc(d, sizeof d, json_string_value(dt)));
+    }
     size_t nd = json_array_size(sh);
     if (nd > MOE_ST_MAX_DIMS)
         return moe_error_set(err, MOE_ERR_FORMAT, "%s: tensor '%s': %zu dimensions, at most %d",
