@@ -4,6 +4,7 @@
  * the JSON report with --json (and into --report FILE). Exit 1 on any verify mismatch. */
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -104,17 +105,41 @@ static int verify(const char *src, const char *out, int workers, bool json) {
     return v.mismatches ? 1 : 0;
 }
 
+/* "5GB", "500MB", "2GiB", "123456" (bytes) -> bytes; false when it is not one of those. */
+static bool parse_size(const char *text, uint64_t *out) {
+    char *end;
+    double v = strtod(text, &end);
+    if (end == text || !(v > 0) || v > 1e18) return false;
+    static const struct {
+        const char *unit;
+        double scale;
+    } units[] = {{"", 1},     {"B", 1},        {"KB", 1e3},        {"MB", 1e6},
+                 {"GB", 1e9}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
+        if (strcmp(end, units[i].unit) == 0) {
+            *out = (uint64_t)(v * units[i].scale);
+            return *out > 0;
+        }
+    return false;
+}
+
 int moe_cmd_repack(int argc, char **argv) {
     const char *paths[2] = {0}, *to = NULL, *report = NULL;
     int n_paths = 0;
     bool json = false, do_verify = false, progress = true;
     long long workers = 0;
+    uint64_t max_shard = 5000000000ull; /* transformers' save_pretrained default, "5GB" */
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--to") == 0 && v) {
             to = argv[++i];
         } else if (strcmp(a, "--workers") == 0) {
             if (!moe_arg_int("repack", a, v, 1, 512, &workers)) return 2;
+            i++;
+        } else if (strcmp(a, "--max-shard-size") == 0 && v) {
+            if (!parse_size(v, &max_shard))
+                return moe_cli_usage_error("repack", "--max-shard-size %s: like 5GB, 500MB, 2GiB",
+                                           v);
             i++;
         } else if (strcmp(a, "--report") == 0 && v) {
             report = argv[++i];
@@ -134,7 +159,8 @@ int moe_cmd_repack(int argc, char **argv) {
     }
     if (n_paths != 2) return moe_cli_usage_error("repack", "needs SRC and OUT");
     if (do_verify) return verify(paths[0], paths[1], (int)workers, json);
-    moe_repack_options o = {.workers = (int)workers, .progress = progress && !json};
+    moe_repack_options o = {
+        .workers = (int)workers, .progress = progress && !json, .max_shard_bytes = max_shard};
     if (!to) return moe_cli_usage_error("repack", "--to q4_0-gguf or --to w4a16");
     if (strcmp(to, "q4_0-gguf") == 0)
         o.to = MOE_REPACK_Q4_0_GGUF;

@@ -139,7 +139,7 @@ static json_t *repack_checked(const char *src, const char *name, const char *to,
 static void w4a16(void **state) {
     (void)state;
     const char *src = checkpoint();
-    char out[600], cmd[4096], path[700];
+    char out[600], cmd[8192], path[700];
     char *text = NULL;
     json_decref(repack_checked(src, "w4a16", "w4a16", out, sizeof out));
 
@@ -152,6 +152,16 @@ static void w4a16(void **state) {
     assert_true(json_is_true(json_object_get(v, "ok")));
     assert_int_equal(json_integer_value(json_object_get(v, "bad_groups")), 0);
     json_decref(v);
+
+    /* the same in shards of at most 100 kB, with model.safetensors.index.json */
+    char sharded[700];
+    snprintf(sharded, sizeof sharded, "%s/qat/w4a16-sharded", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd,
+             "%s repack '%s' '%s' --to w4a16 --max-shard-size 100KB --no-progress && "
+             "test -f '%s/model-00005-of-00005.safetensors' && " PY " check-w4a16 '%s' '%s' && "
+             "%s repack --verify '%s' '%s'",
+             moe_test_bin(), src, sharded, sharded, src, sharded, moe_test_bin(), src, sharded);
+    run_ok(cmd);
 
     /* moe dump of a module equals compressed-tensors' decompression (numpy) */
     const char *dmod = "model.language_model.layers.4.experts.6.gate_proj";

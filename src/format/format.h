@@ -382,5 +382,7 @@ moe_status moe_st_writer_declare(moe_st_writer *w, const char *name, moe_st_dtyp
 moe_status moe_st_writer_begin(moe_st_writer *w, const char *path, moe_error *err);
 moe_status moe_st_writer_write(moe_st_writer *w, const void *data, size_t n, moe_error *err);
 moe_status moe_st_writer_finish(moe_st_writer *w, moe_error *err);
+/* Data bytes still to write (before begin: all the declared tensors'). */
+uint64_t moe_st_writer_remaining(const moe_st_writer *w);
 
 #endif

@@ -857,6 +857,13 @@ moe_status moe_st_writer_write(moe_st_writer *w, const void *data, size_t n, moe
     return MOE_OK;
 }
 
+uint64_t moe_st_writer_remaining(const moe_st_writer *w) {
+    if (w->f) return w->expected - w->written;
+    uint64_t total = 0;
+    for (size_t i = 0; i < w->n; i++) total += w->e[i].n_bytes;
+    return total;
+}
+
 moe_status moe_st_writer_finish(moe_st_writer *w, moe_error *err) {
     if (!w->f) return moe_error_set(err, MOE_ERR_ARG, "safetensors writer: finish before begin");
     FILE *f = w->f;

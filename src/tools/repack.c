@@ -660,18 +660,110 @@ static size_t w4_n_modules(const moe_st_tensor *t) {
     return (size_t)t->shape[0] * (gate_up ? 2 : 1);
 }
 
-static moe_status declare_module(moe_st_writer *w, const w4_module *m, moe_error *err) {
+/* The W4A16 output as shards of at most max_bytes of data each (a larger tensor gets a shard
+ * of its own), named as transformers names them, with model.safetensors.index.json; one file
+ * model.safetensors when it all fits. Tensors are declared in data order, then written in
+ * that order: each shard's header goes out when its first byte does. */
+typedef struct shard_out {
+    moe_st_writer **w; /* [n] */
+    size_t n, cur;     /* shards; the one being written */
+    uint64_t max_bytes, last_bytes, total;
+    json_t *where; /* tensor name -> shard index */
+    const char *dir;
+} shard_out;
+
+static moe_status so_declare(shard_out *so, const char *name, moe_st_dtype dtype, uint32_t n_dims,
+                             const int64_t *shape, moe_error *err) {
+    uint64_t bytes = moe_st_dtype_size(dtype);
+    for (uint32_t d = 0; d < n_dims; d++) bytes *= (uint64_t)shape[d];
+    if (!so->n || (so->last_bytes && so->last_bytes + bytes > so->max_bytes)) {
+        so->w = moe_xrealloc(so->w, (so->n + 1) * sizeof *so->w);
+        so->w[so->n] = moe_st_writer_new();
+        moe_st_writer_set_meta(so->w[so->n++], "format", "pt");
+        so->last_bytes = 0;
+    }
+    so->last_bytes += bytes;
+    so->total += bytes;
+    json_object_set_new(so->where, name, json_integer((json_int_t)so->n - 1));
+    return moe_st_writer_declare(so->w[so->n - 1], name, dtype, n_dims, shape, err);
+}
+
+static void so_path(const shard_out *so, size_t i, char *path, size_t cap) {
+    if (so->n == 1)
+        snprintf(path, cap, "%s/model.safetensors", so->dir);
+    else
+        snprintf(path, cap, "%s/model-%05zu-of-%05zu.safetensors", so->dir, i + 1, so->n);
+}
+
+/* Finish the shards that are complete and begin the next; at the start, begin the first. */
+static moe_status so_advance(shard_out *so, bool start, moe_error *err) {
+    char path[4096];
+    moe_status st = MOE_OK;
+    if (start && so->n) {
+        so_path(so, 0, path, sizeof path);
+        st = moe_st_writer_begin(so->w[0], path, err);
+    }
+    while (st == MOE_OK && so->cur < so->n && moe_st_writer_remaining(so->w[so->cur]) == 0) {
+        st = moe_st_writer_finish(so->w[so->cur], err);
+        if (st == MOE_OK && ++so->cur < so->n) {
+            so_path(so, so->cur, path, sizeof path);
+            st = moe_st_writer_begin(so->w[so->cur], path, err);
+        }
+    }
+    return st;
+}
+
+static moe_status so_write(shard_out *so, const void *data, size_t n, moe_error *err) {
+    if (so->cur >= so->n) return moe_error_set(err, MOE_ERR_ARG, "%s: all shards written", so->dir);
+    moe_status st = moe_st_writer_write(so->w[so->cur], data, n, err);
+    return st == MOE_OK ? so_advance(so, false, err) : st;
+}
+
+/* After the last write: every shard complete; the index when there are several. */
+static moe_status so_finish(shard_out *so, moe_error *err) {
+    if (so->cur != so->n)
+        return moe_error_set(err, MOE_ERR_ARG, "%s: shard %zu of %zu not complete", so->dir,
+                             so->cur + 1, so->n);
+    /* a previous run's files of the other layout would shadow or contradict these */
+    char stale[4096];
+    snprintf(stale, sizeof stale, "%s/%s", so->dir,
+             so->n < 2 ? "model.safetensors.index.json" : "model.safetensors");
+    unlink(stale);
+    if (so->n < 2) return MOE_OK;
+    json_t *map = json_object();
+    const char *key;
+    json_t *v;
+    json_object_foreach(so->where, key, v) {
+        char path[4096];
+        so_path(so, (size_t)json_integer_value(v), path, sizeof path);
+        json_object_set_new(map, key, json_string(strrchr(path, '/') + 1));
+    }
+    json_t *index = json_pack("{s:{s:I}, s:o}", "metadata", "total_size", (json_int_t)so->total,
+                              "weight_map", map);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", so->dir);
+    int rc = json_dump_file(index, path, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(index);
+    return rc == 0 ? MOE_OK : moe_error_set(err, MOE_ERR_IO, "%s: cannot write", path);
+}
+
+static void so_free(shard_out *so) {
+    for (size_t i = 0; i < so->n; i++) moe_st_writer_free(so->w[i]);
+    free(so->w);
+    json_decref(so->where);
+}
+
+static moe_status declare_module(shard_out *w, const w4_module *m, moe_error *err) {
     char name[340];
     snprintf(name, sizeof name, "%s.weight_packed", m->name);
-    moe_status st =
-        moe_st_writer_declare(w, name, MOE_ST_I32, 2, (int64_t[]){m->rows, m->cols / 8}, err);
+    moe_status st = so_declare(w, name, MOE_ST_I32, 2, (int64_t[]){m->rows, m->cols / 8}, err);
     snprintf(name, sizeof name, "%s.weight_scale", m->name);
     if (st == MOE_OK)
-        st = moe_st_writer_declare(w, name, MOE_ST_BF16, 2,
-                                   (int64_t[]){m->rows, m->cols / MOE_GRID_GROUP}, err);
+        st = so_declare(w, name, MOE_ST_BF16, 2, (int64_t[]){m->rows, m->cols / MOE_GRID_GROUP},
+                        err);
     /* int64, as compressed-tensors writes it (torch.tensor(weight.shape)) */
     snprintf(name, sizeof name, "%s.weight_shape", m->name);
-    if (st == MOE_OK) st = moe_st_writer_declare(w, name, MOE_ST_I64, 1, (int64_t[]){2}, err);
+    if (st == MOE_OK) st = so_declare(w, name, MOE_ST_I64, 1, (int64_t[]){2}, err);
     return st;
 }
 
@@ -731,13 +823,16 @@ static void copy_side_files(const char *src_dir, const char *dir) {
 }
 
 static moe_status write_w4a16(const moe_st *s, json_t *config, plan_entry *plan, moe_pool *pool,
-                              const char *dir, bool show_progress, moe_repack_report *r,
+                              const char *dir, const moe_repack_options *o, moe_repack_report *r,
                               moe_error *err) {
     if (mkdir(dir, 0777) != 0 && errno != EEXIST)
         return moe_error_set(err, MOE_ERR_IO, "%s: cannot create the directory", dir);
     uint64_t n = moe_st_n_tensors(s);
-    moe_st_writer *w = moe_st_writer_new();
-    moe_st_writer_set_meta(w, "format", "pt");
+    bool show_progress = o->progress;
+    shard_out so = {.max_bytes = o->max_shard_bytes ? o->max_shard_bytes : UINT64_MAX,
+                    .where = json_object(),
+                    .dir = dir};
+    shard_out *w = &so;
     moe_status st = MOE_OK;
     size_t cap = 0;
     w4_module *mods = NULL;
@@ -749,12 +844,10 @@ static moe_status write_w4a16(const moe_st *s, json_t *config, plan_entry *plan,
             k = w4_modules(e->t, mods, cap);
             for (size_t m = 0; m < k && st == MOE_OK; m++) st = declare_module(w, &mods[m], err);
         } else {
-            st = moe_st_writer_declare(w, e->t->name, e->t->dtype, e->t->n_dims, e->t->shape, err);
+            st = so_declare(w, e->t->name, e->t->dtype, e->t->n_dims, e->t->shape, err);
         }
     }
-    char path[4096];
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    if (st == MOE_OK) st = moe_st_writer_begin(w, path, err);
+    if (st == MOE_OK) st = so_advance(w, true, err);
     group_job *job = moe_xcalloc(1, sizeof *job);
     progress pr;
     progress_start(&pr, show_progress, "repack: writing", r->bytes_in);
@@ -762,7 +855,7 @@ static moe_status write_w4a16(const moe_st *s, json_t *config, plan_entry *plan,
         const plan_entry *e = &plan[i];
         const moe_st_tensor *t = e->t;
         if (e->kind != PLAN_QUANT) {
-            st = moe_st_writer_write(w, t->data, (size_t)t->n_bytes, err);
+            st = so_write(w, t->data, (size_t)t->n_bytes, err);
             r->bytes_out += t->n_bytes;
             moe_st_tensor_release(s, t);
             progress_step(&pr, t->n_bytes);
@@ -792,9 +885,9 @@ static moe_status write_w4a16(const moe_st *s, json_t *config, plan_entry *plan,
                 sc[2 * g] = (uint8_t)job->scales[g0 + g];
                 sc[2 * g + 1] = (uint8_t)(job->scales[g0 + g] >> 8);
             }
-            st = moe_st_writer_write(w, job->packed + g0 * 16, (size_t)ng * 16, err);
-            if (st == MOE_OK) st = moe_st_writer_write(w, sc, (size_t)ng * 2, err);
-            if (st == MOE_OK) st = moe_st_writer_write(w, shape, 16, err);
+            st = so_write(w, job->packed + g0 * 16, (size_t)ng * 16, err);
+            if (st == MOE_OK) st = so_write(w, sc, (size_t)ng * 2, err);
+            if (st == MOE_OK) st = so_write(w, shape, 16, err);
             r->bytes_out += (uint64_t)ng * 18 + 16;
             free(sc);
         }
@@ -803,8 +896,8 @@ static moe_status write_w4a16(const moe_st *s, json_t *config, plan_entry *plan,
         moe_st_tensor_release(s, t);
         progress_step(&pr, t->n_bytes);
     }
-    if (st == MOE_OK) st = moe_st_writer_finish(w, err);
-    moe_st_writer_free(w);
+    if (st == MOE_OK) st = so_finish(w, err);
+    so_free(w);
     free(job);
     free(mods);
     if (st == MOE_OK) st = write_w4a16_config(config, plan, n, dir, err);
@@ -843,7 +936,7 @@ moe_status moe_repack(const char *src, const char *out, const moe_repack_options
     if (st == MOE_OK)
         st = o->to == MOE_REPACK_Q4_0_GGUF
                  ? write_gguf(s, config, plan, pool, out, o->progress, r, err)
-                 : write_w4a16(s, config, plan, pool, out, o->progress, r, err);
+                 : write_w4a16(s, config, plan, pool, out, o, r, err);
     r->seconds = moe_now() - t0;
     free(plan);
     moe_pool_free(pool);

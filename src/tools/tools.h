@@ -353,8 +353,9 @@ typedef enum moe_repack_target { MOE_REPACK_Q4_0_GGUF, MOE_REPACK_W4A16 } moe_re
 
 typedef struct moe_repack_options {
     moe_repack_target to;
-    int workers;   /* threads recovering groups; 0: every core */
-    bool progress; /* a progress bar on stderr */
+    int workers;              /* threads recovering groups; 0: every core */
+    bool progress;            /* a progress bar on stderr */
+    uint64_t max_shard_bytes; /* W4A16: data bytes per safetensors shard (0: one file) */
 } moe_repack_options;
 
 /* A quantizable tensor kept at source precision because groups of it are off the grid. */
