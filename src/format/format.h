@@ -1,4 +1,5 @@
-/* format: GGUF files read and written; one model may span several shard files.
+/* format: GGUF and safetensors files read and written (safetensors, compressed-tensors W4A16:
+ * see their section below); one model may span several shard files.
  *
  * The reader parses the header, metadata and tensor directory of every shard through a cursor
  * that checks each read before it happens, then maps the files (mmap, read-only) so tensor data
