@@ -277,6 +277,12 @@ void moe_ctx_free(moe_ctx *c) {
 const moe_model *moe_ctx_model(const moe_ctx *c) {
     return c->m;
 }
+moe_pool *moe_ctx_pool(moe_ctx *c) {
+    return c->pool;
+}
+int moe_ctx_n_threads(const moe_ctx *c) {
+    return moe_pool_n_threads(c->pool);
+}
 uint32_t moe_ctx_n_ctx(const moe_ctx *c) {
     return c->p.n_ctx;
 }

@@ -63,6 +63,9 @@ moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_
                                moe_error *err);
 void moe_ctx_free(moe_ctx *c);
 const moe_model *moe_ctx_model(const moe_ctx *c);
+/* The context's thread pool (work that is not a forward pass may borrow it between calls). */
+moe_pool *moe_ctx_pool(moe_ctx *c);
+int moe_ctx_n_threads(const moe_ctx *c);
 uint32_t moe_ctx_n_ctx(const moe_ctx *c);
 
 /* Run the rows; logits gets one [n_vocab] row per row with .logits set, in batch order. */
@@ -191,5 +194,12 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits);
 /* Tell the sampler about prompt tokens (they count for the penalties). */
 void moe_sampler_accept(moe_sampler *s, int32_t token);
 void moe_sampler_reset(moe_sampler *s);
+/* The log-probability of a given token (a prompt token, not a draw) under the raw logits (no
+ * bias, penalties or temperature), and the sampler's n_top_logprobs best alternatives; the
+ * token is not remembered for the penalties. */
+moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token);
+/* log-softmax of one logits row at token: logit - max - log(sum exp(logit_i - max)), summed in
+ * double. What `moe eval` scores with; moe_sampler_score rounds the same value to float. */
+double moe_logprob(const float *logits, uint32_t n_vocab, int32_t token);
 
 #endif
