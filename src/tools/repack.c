@@ -194,9 +194,11 @@ static moe_status gemma4_metadata(moe_gguf_writer *w, json_t *config, const char
     moe_gguf_writer_set_f32(w, "gemma4.rope.freq_base_swa",
                             (float)rope_theta(c, "sliding_attention", 1e4));
     meta_f32(&m, "gemma4.attention.layer_norm_rms_epsilon", CFG_KEYS("rms_norm_eps"));
-    meta_u32(&m, "gemma4.expert_count", CFG_KEYS("num_experts", "num_local_experts"));
-    meta_u32(&m, "gemma4.expert_used_count", CFG_KEYS("top_k_experts", "num_experts_per_tok"));
     double v;
+    if (cfg_num(c, CFG_KEYS("num_experts", "num_local_experts"), &v)) /* absent: a dense model */
+        moe_gguf_writer_set_u32(w, "gemma4.expert_count", (uint32_t)v);
+    if (cfg_num(c, CFG_KEYS("top_k_experts", "num_experts_per_tok"), &v))
+        moe_gguf_writer_set_u32(w, "gemma4.expert_used_count", (uint32_t)v);
     if (cfg_num(c, CFG_KEYS("final_logit_softcapping"), &v) && v != 0)
         moe_gguf_writer_set_f32(w, "gemma4.final_logit_softcapping", (float)v);
     meta_u32(&m, "gemma4.attention.sliding_window", CFG_KEYS("sliding_window"));
@@ -208,7 +210,7 @@ static moe_status gemma4_metadata(moe_gguf_writer *w, json_t *config, const char
     int32_t *kv = moe_xcalloc(n_layer + 1, sizeof *kv);
     double kv_swa = need(&m, CFG_KEYS("num_key_value_heads"));
     double kv_full = kv_swa;
-    cfg_num(c, CFG_KEYS("num_global_key_value_heads"), &kv_full);
+    bool kv_array = cfg_num(c, CFG_KEYS("num_global_key_value_heads"), &kv_full);
     for (size_t i = 0; i < n_layer; i++) {
         const char *k = json_string_value(json_array_get(types, i));
         swa[i] = k && strcmp(k, "sliding_attention") == 0;
@@ -224,7 +226,20 @@ static moe_status gemma4_metadata(moe_gguf_writer *w, json_t *config, const char
     moe_gguf_writer_set_u32(w, "gemma4.attention.value_length_swa", (uint32_t)head_swa);
     if (cfg_num(c, CFG_KEYS("expert_intermediate_size", "moe_intermediate_size"), &v))
         moe_gguf_writer_set_u32(w, "gemma4.expert_feed_forward_length", (uint32_t)v);
-    moe_gguf_writer_set_arr(w, "gemma4.attention.head_count_kv", MOE_GGUF_I32, kv, n_layer);
+    if (kv_array) /* the converter writes per-layer heads only when global layers differ */
+        moe_gguf_writer_set_arr(w, "gemma4.attention.head_count_kv", MOE_GGUF_I32, kv, n_layer);
+    else
+        moe_gguf_writer_set_u32(w, "gemma4.attention.head_count_kv", (uint32_t)kv_swa);
+    if (json_is_true(json_object_get(c, "use_double_wide_mlp"))) {
+        /* layers from the first KV-sharing one on have twice the MLP (E2B / E4B) */
+        double ff = 0, shared = 0;
+        cfg_num(c, CFG_KEYS("intermediate_size"), &ff);
+        cfg_num(c, CFG_KEYS("num_kv_shared_layers"), &shared);
+        size_t first_shared =
+            shared >= 0 && shared < (double)n_layer ? n_layer - (size_t)shared : 0;
+        for (size_t i = 0; i < n_layer; i++) kv[i] = (int32_t)(i < first_shared ? ff : 2 * ff);
+        moe_gguf_writer_set_arr(w, "gemma4.feed_forward_length", MOE_GGUF_I32, kv, n_layer);
+    }
     double partial_swa = 1.0;
     cfg_num(c, CFG_KEYS("partial_rotary_factor"), &partial_swa);
     moe_gguf_writer_set_u32(w, "gemma4.rope.dimension_count", (uint32_t)head_full);
