@@ -43,6 +43,7 @@ static void report_json(moe_json *j, const moe_repack_report *r, const char *src
     moe_json_kv_uint(j, "copied_bytes", r->copied_bytes);
     moe_json_kv_uint(j, "bytes_in", r->bytes_in);
     moe_json_kv_uint(j, "bytes_out", r->bytes_out);
+    moe_json_kv_uint(j, "embd_rows_dropped", r->embd_rows_dropped);
     moe_json_kv_double(j, "seconds", r->seconds);
     moe_json_object_end(j);
 }
@@ -58,6 +59,11 @@ static void report_text(FILE *f, const moe_repack_report *r, const char *out) {
             r->n_quantized, r->n_copied, r->copied_bytes);
     if (r->n_skipped) fprintf(f, ", %" PRIu64 " vision/audio not written (mmproj)", r->n_skipped);
     fputc('\n', f);
+    if (r->embd_rows_dropped)
+        fprintf(f,
+                "token_embd: the last %" PRIu64 " rows (past tokenizer.json's vocabulary) "
+                "dropped, as llama.cpp's converter does\n",
+                r->embd_rows_dropped);
     for (size_t i = 0; i < r->n_offgrid; i++)
         fprintf(f,
                 "kept at source precision: %s (%" PRIu64 " groups off the grid, first %" PRId64

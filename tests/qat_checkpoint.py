@@ -3,7 +3,7 @@
 moe writes. numpy only (no torch, no safetensors package): the safetensors and GGUF readers
 below are written from the formats' specifications, not from moe's code.
 
-  qat_checkpoint.py qat DIR [--seed S] [--offgrid]
+  qat_checkpoint.py qat DIR [--seed S] [--offgrid] [--tokenizer N]
       A gemma4-shaped QAT checkpoint (the dimensions of ../shared/parity/gemma4-moe-q4_0, HF
       names, config.json, two shards + model.safetensors.index.json). Every group of 32 along
       the input dimension is bf16(step x level), step an 8-bit number that bf16 and f16 hold
@@ -11,6 +11,8 @@ below are written from the formats' specifications, not from moe's code.
       group), 1..8; the levels of a group share no common factor. With --offgrid two tensors
       get groups with one value moved off the grid. Writes DIR/expected.json (group counts per
       m, off-grid tensors and groups) and DIR/levels/<tensor>.i8 (every generated level).
+      --tokenizer N adds a tokenizer.json of N tokens + 4 added ones (its size is all that
+      matters: the converter keeps that many rows of embed_tokens).
   qat_checkpoint.py check-w4a16 SRC OUT
       Reads OUT (compressed-tensors pack-quantized) and checks every module's levels against
       the generated ones, scale x level against the source values, copied tensors byte for
@@ -186,6 +188,13 @@ def qat_group(rng, m):
         lv[rng.integers(0, GROUP)] = peak
         if np.gcd.reduce(np.abs(lv)) == 1:
             return lv.astype(np.int8)
+
+
+def add_tokenizer(d, n_vocab, n_added):
+    """a tokenizer.json with n_vocab BPE entries and n_added added tokens (only counted)"""
+    t = {"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(n_vocab)}, "merges": []},
+         "added_tokens": [{"id": n_vocab + i, "content": f"<a{i}>"} for i in range(n_added)]}
+    json.dump(t, open(os.path.join(d, "tokenizer.json"), "w"))
 
 
 def make_qat(d, seed, offgrid):
@@ -431,8 +440,15 @@ def check_gguf(src, out, fixture):
     meta, tensors = gguf_read(out)
     shapes = {n: sh for n, sh, _ in tensor_list()}
     off = exp["offgrid_tensors"]
+    # token_embd keeps len(tokenizer.json vocab) + len(added_tokens) rows (Gemma3Model)
+    keep = VOCAB
+    tj = os.path.join(src, "tokenizer.json")
+    if os.path.exists(tj):
+        t = json.load(open(tj))
+        keep = min(VOCAB, len(t["model"]["vocab"]) + len(t.get("added_tokens", [])))
     # names, shapes, types against the llama.cpp-made fixture
-    want = {t["name"]: t for t in fx["tensors"]}
+    want = {t["name"]: dict(t) for t in fx["tensors"]}
+    want["token_embd.weight"]["ne"] = [D, keep]
     need(set(want) == set(tensors), f"tensor names differ: {sorted(set(want) ^ set(tensors))[:6]}")
     for name, t in want.items():
         typ, ne, _ = tensors[name]
@@ -474,7 +490,8 @@ def check_gguf(src, out, fixture):
         elif typ == 0:
             need(np.frombuffer(data, "<f4").tobytes() == src_vals.tobytes(), f"{name}: F32 values")
         else:
-            need(data == raw, f"{name}: BF16 bytes differ")
+            need(data == raw[:len(data)] and len(data) == len(raw) // shape[0] * ne[-1],
+                 f"{name}: BF16 bytes differ")
     rf = np.frombuffer(tensors["rope_freqs.weight"][2], "<f4")
     need(list(rf) == [1.0] * 8 + [np.float32(1e30)] * 24, "rope_freqs")
 
@@ -539,6 +556,8 @@ def main():
         if a[0] == "qat":
             seed = int(a[a.index("--seed") + 1]) if "--seed" in a else 1
             make_qat(a[1], seed, "--offgrid" in a)
+            if "--tokenizer" in a:
+                add_tokenizer(a[1], int(a[a.index("--tokenizer") + 1]), 4)
         elif a[0] == "check-w4a16":
             check_w4a16(a[1], a[2])
         elif a[0] == "check-gguf":

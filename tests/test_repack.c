@@ -235,6 +235,32 @@ static void q4_0_gguf(void **state) {
                    "weight'): value 3");
 }
 
+/* With a tokenizer.json of 500 + 4 tokens, token_embd keeps its first 504 of 512 rows, as the
+ * converter trims it; the rest of the file is unchanged (Python checks both against the
+ * fixture), and verify accepts the trimmed copy. */
+static void q4_0_gguf_trims_embeddings(void **state) {
+    (void)state;
+    const char *fixture = moe_test_shared("parity/gemma4-moe-q4_0.json");
+    MOE_SKIP_IF_NULL(fixture);
+    char src[600], out[700], cmd[4096];
+    snprintf(src, sizeof src, "%s/qat-tok/" CKPT_NAME, moe_test_tmpdir());
+    snprintf(out, sizeof out, "%s/qat-tok/out.gguf", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s/qat-tok' && " PY " qat '%s' --tokenizer 500",
+             moe_test_tmpdir(), src);
+    run_ok(cmd);
+    snprintf(cmd, sizeof cmd, "%s repack '%s' '%s' --to q4_0-gguf --json", moe_test_bin(), src,
+             out);
+    char *text = NULL;
+    if (run(cmd, &text) != 0) fail_msg("%s", text);
+    json_t *report = load_json_text(text);
+    free(text);
+    assert_int_equal(json_integer_value(json_object_get(report, "embd_rows_dropped")), 8);
+    json_decref(report);
+    snprintf(cmd, sizeof cmd, PY " check-gguf '%s' '%s' '%s' && %s repack --verify '%s' '%s'", src,
+             out, fixture, moe_test_bin(), src, out);
+    run_ok(cmd);
+}
+
 /* The trap the recovery exists for, on hand-made groups: peak at level 5, step 0.25. */
 static void grid_peak_not_at_8(void **state) {
     (void)state;
@@ -318,6 +344,7 @@ int moe_suite_repack(void) {
         cmocka_unit_test(grid_peak_not_at_8),
         cmocka_unit_test(w4a16),
         cmocka_unit_test(q4_0_gguf),
+        cmocka_unit_test(q4_0_gguf_trims_embeddings),
         cmocka_unit_test(errors),
     };
     return cmocka_run_group_tests_name("repack", tests, NULL, NULL);

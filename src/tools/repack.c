@@ -265,6 +265,28 @@ static float *gemma4_rope_freqs(json_t *config, int64_t *n) {
     return f;
 }
 
+/* The rows of gemma's embed_tokens llama.cpp's converter keeps (Gemma3Model.modify_tensors,
+ * which Gemma4Model runs): len(tokenizer.json's model.vocab) + len(added_tokens). -1 when it
+ * cannot be told here: no tokenizer.json, or a tokenizer.model (the converter then counts the
+ * SentencePiece pieces, a protobuf moe does not read). */
+static int64_t gemma_vocab_rows(const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.model", dir);
+    if (access(path, F_OK) == 0) return -1;
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    json_error_t je;
+    json_t *t = json_load_file(path, 0, &je);
+    if (!t) return -1;
+    json_t *vocab = json_object_get(json_object_get(t, "model"), "vocab");
+    json_t *added = json_object_get(t, "added_tokens");
+    int64_t n = -1;
+    if (json_is_object(vocab) || json_is_array(vocab))
+        n = (int64_t)(json_is_object(vocab) ? json_object_size(vocab) : json_array_size(vocab)) +
+            (int64_t)json_array_size(added);
+    json_decref(t);
+    return n;
+}
+
 /* ==== Reading config.json ==== */
 
 static json_t *read_config(const char *dir, moe_error *err) {
@@ -406,6 +428,7 @@ typedef struct plan_entry {
     int64_t layer;      /* for the GGUF order */
     uint64_t off_groups;
     int64_t first_off;
+    int64_t keep_rows; /* GGUF: the first rows only (token_embd trimmed to the vocabulary), or -1 */
 } plan_entry;
 
 static void report_add_offgrid(moe_repack_report *r, const plan_entry *e) {
@@ -500,6 +523,14 @@ static moe_status plan_build(const moe_st *s, moe_repack_target to, moe_pool *po
                 break;
             }
             e->layer = moe_tensor_layer(e->out_name);
+            e->keep_rows = -1;
+            if (strcmp(e->out_name, "token_embd.weight") == 0 && e->t->n_dims == 2) {
+                int64_t rows = gemma_vocab_rows(moe_st_dir(s));
+                if (rows >= 0 && rows < e->t->shape[0]) {
+                    e->keep_rows = rows;
+                    r->embd_rows_dropped = (uint64_t)(e->t->shape[0] - rows);
+                }
+            }
         }
         if (e->kind == PLAN_QUANT) {
             job->t = e->t;
@@ -567,6 +598,7 @@ static moe_status write_gguf(const moe_st *s, json_t *config, plan_entry *plan, 
     for (size_t i = 0; i < n_out && st == MOE_OK; i++) {
         int64_t ne[MOE_ST_MAX_DIMS];
         uint32_t nd = order[i] == &rope ? (ne[0] = n_freqs, 1) : gguf_ne(order[i]->t, ne);
+        if (order[i] != &rope && order[i]->keep_rows >= 0) ne[1] = order[i]->keep_rows;
         if (nd > MOE_GGUF_MAX_DIMS)
             st = moe_error_set(err, MOE_ERR_UNSUPPORTED, "tensor '%s': %u dimensions",
                                order[i]->t->name, nd);
@@ -609,9 +641,11 @@ static moe_status write_gguf(const moe_st *s, json_t *config, plan_entry *plan, 
             if (st == MOE_OK) st = moe_gguf_writer_stream_tensor(w, f, err);
             r->bytes_out += t->n_values * 4;
             free(f);
-        } else {
+        } else { /* the writer takes the declared bytes: a trimmed tensor's first rows */
             st = moe_gguf_writer_stream_tensor(w, t->data, err);
-            r->bytes_out += t->n_bytes;
+            r->bytes_out += e->keep_rows >= 0
+                                ? (uint64_t)e->keep_rows * (t->n_bytes / (uint64_t)t->shape[0])
+                                : t->n_bytes;
         }
         moe_st_tensor_release(s, t);
         progress_step(&pr, t->n_bytes);
@@ -1066,11 +1100,12 @@ static void verify_groups(verifier *vf, const char *what, int64_t n_groups) {
 
 /* A copied tensor: identical bytes, or (widened) identical values as f32. */
 static void verify_copy(moe_repack_check *v, const moe_st_tensor *t, const char *what,
-                        const uint8_t *data, bool widened) {
+                        const uint8_t *data, bool widened, uint64_t n_values) {
+    uint64_t n_bytes = n_values * moe_st_dtype_size(t->dtype);
     v->tensors_copied++;
-    v->copied_bytes += t->n_bytes;
+    v->copied_bytes += n_bytes;
     if (!widened) {
-        for (uint64_t i = 0; i < t->n_bytes; i++)
+        for (uint64_t i = 0; i < n_bytes; i++)
             if (data[i] != t->data[i]) {
                 mismatch(v, "tensor '%s' (copy of '%s'): byte %llu (value %llu) differs", what,
                          t->name, (unsigned long long)i,
@@ -1079,7 +1114,7 @@ static void verify_copy(moe_repack_check *v, const moe_st_tensor *t, const char 
             }
         return;
     }
-    for (uint64_t i = 0; i < t->n_values; i++) {
+    for (uint64_t i = 0; i < n_values; i++) {
         float a, b;
         moe_error e = {0};
         moe_st_to_f32(t, i, 1, &a, &e);
@@ -1092,9 +1127,10 @@ static void verify_copy(moe_repack_check *v, const moe_st_tensor *t, const char 
     }
 }
 
-static bool same_shape_gguf(const moe_st_tensor *t, const moe_tensor *g) {
+static bool same_shape_gguf(const moe_st_tensor *t, const moe_tensor *g, int64_t keep_rows) {
     int64_t ne[MOE_ST_MAX_DIMS];
     uint32_t nd = gguf_ne(t, ne);
+    if (keep_rows >= 0 && nd == 2) ne[1] = keep_rows;
     if (nd != g->n_dims) return false;
     for (uint32_t d = 0; d < nd; d++)
         if (ne[d] != g->ne[d]) return false;
@@ -1119,7 +1155,12 @@ static void verify_gguf(verifier *vf, const moe_st *s, json_t *config, const moe
             continue;
         }
         used++;
-        if (!same_shape_gguf(t, o)) {
+        int64_t keep = -1; /* token_embd: the rows the converter keeps */
+        if (strcmp(name, "token_embd.weight") == 0 && t->n_dims == 2) {
+            keep = gemma_vocab_rows(moe_st_dir(s));
+            if (keep >= t->shape[0]) keep = -1;
+        }
+        if (!same_shape_gguf(t, o, keep)) {
             mismatch(v, "tensor '%s': its shape is not the source's ('%s')", name, t->name);
             continue;
         }
@@ -1130,9 +1171,11 @@ static void verify_gguf(verifier *vf, const moe_st *s, json_t *config, const moe
                 .t = t, .scale_type = MOE_TYPE_F16, .src = src_type(t->dtype), .q4_0 = o->data};
             verify_groups(vf, name, (int64_t)(t->n_values / MOE_GRID_GROUP));
         } else if (o->type == MOE_TYPE_F32 && t->dtype != MOE_ST_F32 && is_float(t->dtype)) {
-            verify_copy(v, t, name, o->data, true);
-        } else if (o->n_bytes == t->n_bytes && (o->type != MOE_TYPE_Q4_0)) {
-            verify_copy(v, t, name, o->data, false);
+            verify_copy(v, t, name, o->data, true, t->n_values);
+        } else if (o->type != MOE_TYPE_Q4_0 &&
+                   o->n_bytes == (keep >= 0 ? (uint64_t)keep * (t->n_bytes / (uint64_t)t->shape[0])
+                                            : t->n_bytes)) {
+            verify_copy(v, t, name, o->data, false, o->n_values);
         } else {
             mismatch(v, "tensor '%s': type %s does not hold source '%s' (%s)", name,
                      moe_type_name(o->type), t->name, moe_st_dtype_name(t->dtype));
@@ -1172,7 +1215,7 @@ static void verify_w4a16(verifier *vf, const moe_st *s, const moe_st *o) {
             if (!same)
                 mismatch(v, "tensor '%s': dtype or shape differs from the source", t->name);
             else
-                verify_copy(v, t, t->name, c->data, false);
+                verify_copy(v, t, t->name, c->data, false, t->n_values);
             continue;
         }
         if (!quantizable(t)) {

@@ -527,6 +527,7 @@ typedef struct moe_repack_report {
     uint64_t n_quantized, n_copied; /* source tensors (copied includes the off-grid ones) */
     uint64_t n_skipped;             /* GGUF: vision / audio tensors (mmproj), not written */
     uint64_t copied_bytes, bytes_in, bytes_out;
+    uint64_t embd_rows_dropped; /* GGUF: token_embd rows past tokenizer.json's vocabulary */
     double seconds;
 } moe_repack_report;
 
