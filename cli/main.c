@@ -41,8 +41,8 @@ static const moe_command commands[] = {
     {"repack", moe_cmd_repack,
      "a QAT bf16 safetensors checkpoint to Q4_0 GGUF or W4A16 with each group's 4-bit step "
      "recovered; --verify checks every group",
-     "SRC OUT --to q4_0-gguf|w4a16 [--workers N] [--max-shard-size 5GB] [--json] [--report FILE]\n"
-     "        [--no-progress]\n"
+     "SRC OUT --to q4_0-gguf|w4a16 [--workers N] [--max-shard-size 5GB] [--vocab-from F.gguf]\n"
+     "        [--json] [--report FILE] [--no-progress]\n"
      "        | --verify SRC OUT [--workers N] [--json]"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "

@@ -130,7 +130,7 @@ static bool parse_size(const char *text, uint64_t *out) {
 }
 
 int moe_cmd_repack(int argc, char **argv) {
-    const char *paths[2] = {0}, *to = NULL, *report = NULL;
+    const char *paths[2] = {0}, *to = NULL, *report = NULL, *vocab_from = NULL;
     int n_paths = 0;
     bool json = false, do_verify = false, progress = true;
     long long workers = 0;
@@ -147,6 +147,8 @@ int moe_cmd_repack(int argc, char **argv) {
                 return moe_cli_usage_error("repack", "--max-shard-size %s: like 5GB, 500MB, 2GiB",
                                            v);
             i++;
+        } else if (strcmp(a, "--vocab-from") == 0 && v) {
+            vocab_from = argv[++i];
         } else if (strcmp(a, "--report") == 0 && v) {
             report = argv[++i];
         } else if (strcmp(a, "--json") == 0) {
@@ -165,8 +167,10 @@ int moe_cmd_repack(int argc, char **argv) {
     }
     if (n_paths != 2) return moe_cli_usage_error("repack", "needs SRC and OUT");
     if (do_verify) return verify(paths[0], paths[1], (int)workers, json);
-    moe_repack_options o = {
-        .workers = (int)workers, .progress = progress && !json, .max_shard_bytes = max_shard};
+    moe_repack_options o = {.workers = (int)workers,
+                            .progress = progress && !json,
+                            .max_shard_bytes = max_shard,
+                            .vocab_from = vocab_from};
     if (!to) return moe_cli_usage_error("repack", "--to q4_0-gguf or --to w4a16");
     if (strcmp(to, "q4_0-gguf") == 0)
         o.to = MOE_REPACK_Q4_0_GGUF;

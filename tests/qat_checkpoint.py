@@ -17,10 +17,10 @@ below are written from the formats' specifications, not from moe's code.
       Reads OUT (compressed-tensors pack-quantized) and checks every module's levels against
       the generated ones, scale x level against the source values, copied tensors byte for
       byte, weight_shape and quantization_config.
-  qat_checkpoint.py check-gguf SRC OUT.gguf FIXTURE.json
+  qat_checkpoint.py check-gguf SRC OUT.gguf FIXTURE.json [--vocab]
       Reads the GGUF and checks Q4_0 levels against the generated ones, d x level against the
       source, F32 / BF16 copies, and the tensor names, shapes, types and metadata against the
-      llama.cpp-made fixture's (FIXTURE.json).
+      llama.cpp-made fixture's (FIXTURE.json); --vocab: its tokenizer.* keys too.
   qat_checkpoint.py dequant-w4a16 OUT MODULE FILE.f32
       One module of a W4A16 checkpoint dequantized as compressed-tensors does (float32).
   qat_checkpoint.py dtypes FILE.safetensors FILE.f32
@@ -433,7 +433,7 @@ def hf_to_gguf(name):
     return f"blk.{l}.{m[rest]}.weight"
 
 
-def check_gguf(src, out, fixture):
+def check_gguf(src, out, fixture, with_vocab=False):
     exp = json.load(open(os.path.join(src, "expected.json")))
     fx = json.load(open(fixture))
     s = st_read_dir(src)
@@ -468,8 +468,15 @@ def check_gguf(src, out, fixture):
             need(abs(meta[k] - v) <= 1e-6 * abs(v), f"{k}: {meta[k]} != {v}")
         else:
             need(meta[k] == v, f"{k}: {meta[k]} != {v}")
-    need(not [k for k in meta if k not in fx["metadata"] and k != "general.alignment"],
-         "extra metadata keys")
+    if with_vocab:  # the tokenizer keys of the fixture GGUF itself, value for value
+        fmeta, _ = gguf_read(fixture[:-len(".json")] + ".gguf")
+        need(set(meta) == set(fmeta), f"metadata keys differ: {sorted(set(meta) ^ set(fmeta))}")
+        for k, v in fmeta.items():
+            if k.startswith("tokenizer."):
+                need(meta[k] == v, f"{k} differs from the fixture's")
+    else:
+        need(not [k for k in meta if k not in fx["metadata"] and k != "general.alignment"],
+             "extra metadata keys")
     # values
     for hf, (dt, shape, raw) in s.items():
         name = hf_to_gguf(hf)
@@ -561,7 +568,7 @@ def main():
         elif a[0] == "check-w4a16":
             check_w4a16(a[1], a[2])
         elif a[0] == "check-gguf":
-            check_gguf(a[1], a[2], a[3])
+            check_gguf(a[1], a[2], a[3], "--vocab" in a)
         elif a[0] == "dequant-w4a16":
             dequant_w4a16(a[1], a[2], a[3])
         elif a[0] == "dtypes":

@@ -205,12 +205,21 @@ static void q4_0_gguf(void **state) {
     const char *fixture = moe_test_shared("parity/gemma4-moe-q4_0.json");
     MOE_SKIP_IF_NULL(fixture);
     const char *src = checkpoint();
-    char out[600], cmd[2048];
+    char out[600], cmd[8192];
     json_t *report = repack_checked(src, "out.gguf", "q4_0-gguf", out, sizeof out);
     assert_int_equal(json_integer_value(json_object_get(report, "tensors_skipped")), 1);
     json_decref(report);
 
     snprintf(cmd, sizeof cmd, PY " check-gguf '%s' '%s' '%s'", src, out, fixture);
+    run_ok(cmd);
+    /* with the fixture's tokenizer keys copied, every key and value is the fixture's */
+    const char *fixture_gguf = moe_test_shared("parity/gemma4-moe-q4_0.gguf");
+    char with_vocab[700];
+    snprintf(with_vocab, sizeof with_vocab, "%s/qat/vocab.gguf", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd,
+             "%s repack '%s' '%s' --to q4_0-gguf --vocab-from '%s' --no-progress && " PY
+             " check-gguf '%s' '%s' '%s' --vocab",
+             moe_test_bin(), src, with_vocab, fixture_gguf, src, with_vocab, fixture);
     run_ok(cmd);
     snprintf(cmd, sizeof cmd, "%s repack --verify '%s' '%s'", moe_test_bin(), src, out);
     run_ok(cmd);
@@ -316,6 +325,15 @@ static void errors(void **state) {
     assert_int_equal(run(cmd, &text), 1);
     assert_non_null(strstr(text, "nothing"));
     free(text);
+    /* a vocabulary of another size than the embeddings */
+    const char *spm = moe_test_shared("tokenizers/ggml-vocab-llama-spm.gguf");
+    if (spm) {
+        snprintf(cmd, sizeof cmd, "%s repack '%s' '%s/v.gguf' --to q4_0-gguf --vocab-from '%s'",
+                 moe_test_bin(), checkpoint(), moe_test_tmpdir(), spm);
+        assert_int_equal(run(cmd, &text), 1);
+        assert_non_null(strstr(text, "32000 tokens, but token_embd has 512 rows"));
+        free(text);
+    }
     /* a llama checkpoint: GGUF names and metadata are mapped for gemma4 only */
     const char *tmp = moe_test_tmpdir();
     snprintf(cmd, sizeof cmd,

@@ -570,9 +570,35 @@ static moe_status plan_build(const moe_st *s, moe_repack_target to, moe_pool *po
 
 /* ==== Writing a Q4_0 GGUF ==== */
 
-static moe_status write_gguf(const moe_st *s, json_t *config, plan_entry *plan, moe_pool *pool,
-                             const char *out, bool show_progress, moe_repack_report *r,
+/* The tokenizer.* keys of a llama.cpp-made GGUF of the same model (the converter builds them
+ * from tokenizer.json with gguf-py's vocab classes, which moe does not reimplement), checked to
+ * name as many tokens as token_embd has rows. */
+static moe_status copy_vocab(moe_gguf_writer *w, const char *path, int64_t embd_rows,
                              moe_error *err) {
+    moe_gguf *g = moe_gguf_open(path, err);
+    if (!g) return err->code;
+    moe_status st = MOE_OK;
+    const moe_gguf_value *tokens = moe_gguf_find(g, "tokenizer.ggml.tokens");
+    if (!tokens || tokens->type != MOE_GGUF_ARRAY)
+        st = moe_error_set(err, MOE_ERR_FORMAT, "%s: no tokenizer.ggml.tokens array", path);
+    else if (embd_rows >= 0 && tokens->arr.n != (uint64_t)embd_rows)
+        st = moe_error_set(err, MOE_ERR_FORMAT,
+                           "%s: %llu tokens, but token_embd has %lld rows: not this model's "
+                           "vocabulary",
+                           path, (unsigned long long)tokens->arr.n, (long long)embd_rows);
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g) && st == MOE_OK; i++) {
+        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
+        if (strncmp(kv->key.ptr, "tokenizer.", 10) == 0)
+            moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
+    }
+    moe_gguf_close(g);
+    return st;
+}
+
+static moe_status write_gguf(const moe_st *s, json_t *config, plan_entry *plan, moe_pool *pool,
+                             const char *out, const moe_repack_options *o, moe_repack_report *r,
+                             moe_error *err) {
+    bool show_progress = o->progress;
     uint64_t n = moe_st_n_tensors(s);
     moe_gguf_writer *w = moe_gguf_writer_new();
     /* general.name: the checkpoint directory's name, as the converter takes it */
@@ -584,6 +610,13 @@ static moe_status write_gguf(const moe_st *s, json_t *config, plan_entry *plan, 
     while (start > 0 && dir[start - 1] != '/') start--;
     snprintf(name, sizeof name, "%.*s", (int)(len - start), dir + start);
     moe_status st = gemma4_metadata(w, config, name, moe_st_dir(s), err);
+    if (st == MOE_OK && o->vocab_from) {
+        int64_t rows = -1;
+        for (uint64_t i = 0; i < n; i++)
+            if (plan[i].kind != PLAN_SKIP && strcmp(plan[i].out_name, "token_embd.weight") == 0)
+                rows = plan[i].keep_rows >= 0 ? plan[i].keep_rows : plan[i].t->shape[0];
+        st = copy_vocab(w, o->vocab_from, rows, err);
+    }
     int64_t n_freqs = 0;
     float *freqs = st == MOE_OK ? gemma4_rope_freqs(config, &n_freqs) : NULL;
     /* the output order: tensors outside the layers, then layer by layer, names sorted */
@@ -983,9 +1016,8 @@ moe_status moe_repack(const char *src, const char *out, const moe_repack_options
                            moe_st_dir(s), model_type ? model_type : "(none)");
     if (st == MOE_OK) st = plan_build(s, o->to, pool, o->progress, plan, r, err);
     if (st == MOE_OK)
-        st = o->to == MOE_REPACK_Q4_0_GGUF
-                 ? write_gguf(s, config, plan, pool, out, o->progress, r, err)
-                 : write_w4a16(s, config, plan, pool, out, o, r, err);
+        st = o->to == MOE_REPACK_Q4_0_GGUF ? write_gguf(s, config, plan, pool, out, o, r, err)
+                                           : write_w4a16(s, config, plan, pool, out, o, r, err);
     r->seconds = moe_now() - t0;
     free(plan);
     moe_pool_free(pool);

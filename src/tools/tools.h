@@ -509,6 +509,7 @@ typedef struct moe_repack_options {
     int workers;              /* threads recovering groups; 0: every core */
     bool progress;            /* a progress bar on stderr */
     uint64_t max_shard_bytes; /* W4A16: data bytes per safetensors shard (0: one file) */
+    const char *vocab_from;   /* GGUF: copy the tokenizer.* keys of this GGUF (NULL: none) */
 } moe_repack_options;
 
 /* A quantizable tensor kept at source precision because groups of it are off the grid. */
