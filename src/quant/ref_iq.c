@@ -1,7 +1,7 @@
 /* ref_iq.c: scalar reference for the codebook ("IQ") types: decoders for IQ1_S IQ1_M IQ2_XXS
  * IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ4_XS into the super-block mold of blocks.h, and ggml's IQ4_NL /
- * IQ4_XS quantizer (no importance matrix). The IQ1 / IQ2 / IQ3 quantizers are not here: they
- * need ggml's run-time neighbour maps and an importance matrix, and moe only reads those types.
+ * IQ4_XS quantizer (with or without an importance vector). The IQ1 / IQ2 / IQ3 quantizers, with
+ * their lattice searches, are in quantize_iq.c.
  *
  * Grids come from iq_tables.c; value k of a grid entry is bits 8k..8k+7 of the integer, so the
  * decoders do not depend on the host's byte order. The trap: ggml writes these dequantizers as
@@ -11,6 +11,7 @@
  * rounded once, and every other factor is a power of two or an exact small integer, while the
  * fp16 d keeps all intermediate values far from float subnormals. */
 #include "blocks.h"
+#include "quantize_internal.h"
 
 #include <math.h>
 #include <string.h>
@@ -176,7 +177,7 @@ MOE_KQ_KERNELS(iq1_s)
 MOE_KQ_KERNELS(iq1_m)
 MOE_KQ_KERNELS(iq4_xs)
 
-/* ==== IQ4_NL / IQ4_XS quantizer (ggml's quantize_row_iq4_nl_impl, ntry 7, no imatrix) ==== */
+/* ==== IQ4_NL / IQ4_XS quantizer (ggml's quantize_row_iq4_nl_impl, ntry 7) ==== */
 
 #define GROUP_MAX_EPS 1e-15f
 
@@ -196,13 +197,15 @@ static int nearest_codebook(const int8_t *values, int n, float x) {
 }
 
 /* Best scale for one 32-value block: starts at d = -max/values[0], refits by weighted least
- * squares (weight x^2), then tries 15 scales (itry + values[0])/max and keeps the best. Leaves
- * the block's codes in L; returns the scale (0 for an all-zero block, L then untouched). */
-static float iq4_fit_block(const float *xb, uint8_t *L) {
+ * squares (weights: qw[j] * sqrt(sigma2 + x^2) with an importance vector, else x^2), then tries
+ * 15 scales (itry + values[0])/max and keeps the best. Leaves the block's codes in L; returns the
+ * scale (0 for an all-zero block, L then untouched). */
+static float iq4_fit_block(const float *xb, const float *qw, float sigma2, uint8_t *L) {
     const int8_t *values = moe_kvalues_iq4nl;
     const int ntry = 7;
     float weight[32];
-    for (int j = 0; j < 32; j++) weight[j] = xb[j] * xb[j];
+    for (int j = 0; j < 32; j++)
+        weight[j] = qw ? qw[j] * sqrtf(sigma2 + xb[j] * xb[j]) : xb[j] * xb[j];
     float amax = 0, max = 0;
     for (int j = 0; j < 32; j++) {
         float ax = fabsf(xb[j]);
@@ -219,7 +222,7 @@ static float iq4_fit_block(const float *xb, uint8_t *L) {
         sumqx += w * q * xb[j];
         sumq2 += w * q * q;
     }
-    d = sumqx / sumq2;
+    d = sumq2 > 0 ? sumqx / sumq2 : 0.f;
     float best = d * sumqx;
     for (int itry = -ntry; itry <= ntry; ++itry) {
         id = (itry + values[0]) / max;
@@ -248,43 +251,60 @@ static void iq4_pack(const uint8_t L[32], uint8_t qs[16]) {
     for (int j = 0; j < 16; j++) qs[j] = (uint8_t)(L[j] | L[16 + j] << 4);
 }
 
-MOE_REF_FROM_FLOAT(iq4_nl) {
-    moe_block_iq4_nl *y = blocks;
+/* sigma2 of ggml's quantize_row_iq4_nl_impl: 2/n times the sum of squares of n values */
+static float iq4_sigma2(const float *x, int n) {
+    float s = 0;
+    for (int j = 0; j < n; ++j) s += x[j] * x[j];
+    return s * (2.f / n);
+}
+
+MOE_QUANTIZE_FN(iq4_nl) {
+    moe_block_iq4_nl *b = y;
     uint8_t L[32];
-    for (int64_t i = 0; i < n / 32; i++, in += 32) {
+    for (int64_t i = 0; i < n / 32; i++, x += 32) {
         /* the fitted codes are recomputed from the fp32 scale (ggml does the same) */
-        const float d = iq4_fit_block(in, L);
-        y[i].d = moe_f32_to_fp16(d);
-        iq4_codes(in, d, L);
-        iq4_pack(L, y[i].qs);
+        const float d = iq4_fit_block(x, qw ? qw + 32 * i : NULL, qw ? iq4_sigma2(x, 32) : 0, L);
+        b[i].d = moe_f32_to_fp16(d);
+        iq4_codes(x, d, L);
+        iq4_pack(L, b[i].qs);
     }
 }
 
-MOE_REF_FROM_FLOAT(iq4_xs) {
-    moe_block_iq4_xs *y = blocks;
+MOE_QUANTIZE_FN(iq4_xs) {
+    moe_block_iq4_xs *b = y;
     uint8_t L[32];
     float scales[8];
-    for (int64_t i = 0; i < n / MOE_QK_K; i++, in += MOE_QK_K) {
+    for (int64_t i = 0; i < n / MOE_QK_K; i++, x += MOE_QK_K) {
+        const float sigma2 = qw ? iq4_sigma2(x, MOE_QK_K) : 0;
         float max_scale = 0, amax_scale = 0;
         for (int ib = 0; ib < 8; ib++) {
-            scales[ib] = iq4_fit_block(in + 32 * ib, L);
+            scales[ib] =
+                iq4_fit_block(x + 32 * ib, qw ? qw + MOE_QK_K * i + 32 * ib : NULL, sigma2, L);
             if (fabsf(scales[ib]) > amax_scale)
                 amax_scale = fabsf(scales[ib]), max_scale = scales[ib];
         }
         /* 6-bit sub-block scales ls - 32 relative to d = -max_scale/32 */
         const float d = -max_scale / 32;
         const float id = d ? 1 / d : 0.f;
-        y[i].d = moe_f32_to_fp16(d);
-        y[i].scales_h = 0;
-        memset(y[i].scales_l, 0, sizeof y[i].scales_l);
+        b[i].d = moe_f32_to_fp16(d);
+        b[i].scales_h = 0;
+        memset(b[i].scales_l, 0, sizeof b[i].scales_l);
         for (int ib = 0; ib < 8; ib++) {
             int l = moe_nearest_int(id * scales[ib]);
             l = l < -32 ? -32 : l > 31 ? 31 : l;
-            iq4_codes(in + 32 * ib, d * l, L);
-            iq4_pack(L, y[i].qs + 16 * ib);
+            iq4_codes(x + 32 * ib, d * l, L);
+            iq4_pack(L, b[i].qs + 16 * ib);
             l += 32;
-            y[i].scales_l[ib / 2] |= (uint8_t)((l & 0xF) << (4 * (ib % 2)));
-            y[i].scales_h |= (uint16_t)((l >> 4) << (2 * ib));
+            b[i].scales_l[ib / 2] |= (uint8_t)((l & 0xF) << (4 * (ib % 2)));
+            b[i].scales_h |= (uint16_t)((l >> 4) << (2 * ib));
         }
     }
+}
+
+MOE_REF_FROM_FLOAT(iq4_nl) {
+    moe_quantize_iq4_nl(in, blocks, n, NULL);
+}
+
+MOE_REF_FROM_FLOAT(iq4_xs) {
+    moe_quantize_iq4_xs(in, blocks, n, NULL);
 }
