@@ -80,13 +80,17 @@ asan:
 	$(MAKE) BUILD=build/asan OPT=-O1 MOE_BIN=build/asan/moe TEST_BIN=build/asan/run \
 	  SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
 
-## bench: kernel micro-benchmarks: GB/s per type per ISA table vs read bandwidth (BENCH_ARGS)
+## bench: kernel micro-benchmarks: GB/s per type per ISA table vs read bandwidth (BENCH_ARGS),
+## then quantizer throughput: rows/s per type, 1 and N threads (QBENCH_ARGS)
 BENCH_BIN ?= $(BUILD)/bench/kernels
+QBENCH_BIN ?= $(BUILD)/bench/quantize
 BENCH_ARGS ?=
-bench: $(BENCH_BIN)
+QBENCH_ARGS ?=
+bench: $(BENCH_BIN) $(QBENCH_BIN)
 	./$(BENCH_BIN) $(BENCH_ARGS)
-$(BENCH_BIN): $(BUILD)/bench/kernels.o $(LIB)
-	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/kernels.o $(LIB) $(LDFLAGS) $(LDLIBS)
+	./$(QBENCH_BIN) $(QBENCH_ARGS)
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
+	$(CC) $(CFLAGS) -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
 
 ## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
 # Seeds: tests/data/gguf (small valid files and past crashes) and the ../shared GGUFs (cut to

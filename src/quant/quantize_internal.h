@@ -40,4 +40,15 @@ float moe_fit_positive(int n, int nmax, const float *x, uint8_t *L, const float 
 /* sum of x^2 over n values, accumulated in order (ggml's sigma2 sums). */
 float moe_sum_sq(const float *x, int64_t n);
 
+/* Weighted squared distances of xval[dims] to `count` codebook entries whose odd levels are in
+ * soa, [dims][count rounded up to 8], the entry's values being level * a + b, times scale:
+ * d2[j] = sum_i w[i] * (scale * q_i - xval[i])^2, summed over i in order. The AVX2 version
+ * (quantize_iq_avx2.c) gives the reference's bits. */
+typedef void (*moe_iq_neighbour_d2_fn)(const int8_t *soa, int count, int dims, const float *xval,
+                                       const float *w, float scale, float a, float b, float *d2);
+void moe_iq_neighbour_d2_ref(const int8_t *soa, int count, int dims, const float *xval,
+                             const float *w, float scale, float a, float b, float *d2);
+void moe_iq_neighbour_d2_avx2(const int8_t *soa, int count, int dims, const float *xval,
+                              const float *w, float scale, float a, float b, float *d2);
+
 #endif

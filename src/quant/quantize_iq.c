@@ -37,9 +37,34 @@ typedef struct {
     int dims;             /* values per entry: 8 (IQ1 / IQ2) or 4 (IQ3) */
     int bits;             /* bits per coordinate in a map index: 2 or 3 */
     int8_t *grid;         /* [grid_size][dims] odd levels 2l+1 */
+    int8_t *soa;          /* per off-grid index: its neighbours' levels, [dims][count rounded up
+                             to 8] (padded with the first), for the distance kernels */
+    uint32_t *soa_at;     /* [1 << bits*dims] where an off-grid index's block of soa starts */
     int32_t *map;         /* [1 << bits*dims]: >= 0 entry; < 0 -(offset + 1) into neighbours */
     uint16_t *neighbours; /* per off-grid index: count, then entry indices */
 } iq_lattice;
+
+/* The distance kernel: scalar here, AVX2 in quantize_iq_avx2.c (bit-identical: each lane sums
+ * in the scalar order), chosen once from moe_cpu_isa(). */
+void moe_iq_neighbour_d2_ref(const int8_t *soa, int count, int dims, const float *xval,
+                             const float *w, float scale, float a, float b, float *d2) {
+    const int padded = (count + 7) & ~7;
+    for (int j = 0; j < count; ++j) {
+        float s = 0;
+        for (int i = 0; i < dims; ++i) {
+            float q = (float)soa[i * padded + j] * a + b;
+            float diff = scale * q - xval[i];
+            s += w[i] * diff * diff;
+        }
+        d2[j] = s;
+    }
+}
+
+static moe_iq_neighbour_d2_fn neighbour_d2 = moe_iq_neighbour_d2_ref;
+static pthread_once_t neighbour_d2_once = PTHREAD_ONCE_INIT;
+static void neighbour_d2_choose(void) {
+    if (moe_cpu_isa() >= MOE_ISA_AVX2) neighbour_d2 = moe_iq_neighbour_d2_avx2;
+}
 
 enum { LAT_IQ2_XXS, LAT_IQ2_XS, LAT_IQ2_S, LAT_IQ1, LAT_IQ3_XXS, LAT_IQ3_S, LAT_COUNT };
 
@@ -122,8 +147,9 @@ static void lattice_build(int lat) {
      * distinct squared distances, by distance then entry index (ggml's qsort order) */
     const int maxl = max_level(g), mask = (1 << g->bits) - 1;
     int *d2 = moe_xmalloc((size_t)n * sizeof(int));
-    size_t cap = 1 << 16, used = 0;
+    size_t cap = 1 << 16, used = 1; /* list[0] unused: map -1 stays "no list" */
     uint16_t *list = moe_xmalloc(cap * sizeof(uint16_t));
+    list[0] = 0;
     for (int i = 0; i < map_size; i++) {
         if (g->map[i] >= 0) continue;
         int pos[8], reachable = 1;
@@ -168,6 +194,25 @@ static void lattice_build(int lat) {
     }
     free(d2);
     g->neighbours = list;
+
+    /* the neighbours' levels, transposed for the distance kernels */
+    size_t soa_size = 0;
+    for (int i = 0; i < map_size; i++)
+        if (g->map[i] < -1) soa_size += (size_t)((list[-g->map[i] - 1] + 7) & ~7) * dims;
+    g->soa = moe_xmalloc(soa_size ? soa_size : 1);
+    g->soa_at = moe_xmalloc((size_t)map_size * sizeof(uint32_t));
+    size_t at = 0;
+    for (int i = 0; i < map_size; i++) {
+        g->soa_at[i] = (uint32_t)at;
+        if (g->map[i] >= -1) continue;
+        const uint16_t *nb = list + (-g->map[i] - 1);
+        const int padded = (nb[0] + 7) & ~7;
+        for (int k = 0; k < dims; k++)
+            for (int j = 0; j < padded; j++)
+                g->soa[at + (size_t)k * padded + j] =
+                    g->grid[nb[1 + (j < nb[0] ? j : 0)] * dims + k];
+        at += (size_t)padded * dims;
+    }
 }
 
 #define DEFINE_LATTICE_INIT(L)                                                                     \
@@ -182,6 +227,7 @@ DEFINE_LATTICE_INIT(LAT_IQ3_XXS)
 DEFINE_LATTICE_INIT(LAT_IQ3_S)
 
 static const iq_lattice *lattice_get(int lat) {
+    pthread_once(&neighbour_d2_once, neighbour_d2_choose);
     static void (*const init[LAT_COUNT])(void) = {
         lattice_init_LAT_IQ2_XXS, lattice_init_LAT_IQ2_XS,  lattice_init_LAT_IQ2_S,
         lattice_init_LAT_IQ1,     lattice_init_LAT_IQ3_XXS, lattice_init_LAT_IQ3_S,
@@ -201,24 +247,20 @@ static const uint16_t *neighbours_of(const iq_lattice *g, int u) {
     return g->neighbours + (-g->map[u] - 1);
 }
 
-/* Among u's neighbours, the entry whose levels times scale are nearest to xval under weights
- * (first on ties); its levels go to L. ggml's iq2_find_best_neighbour / iq3_find_best_neighbour. */
-static int best_neighbour(const iq_lattice *g, int u, const float *xval, const float *weight,
-                          float scale, int8_t *L) {
+/* Among u's neighbours, the entry whose values (a * level + b) times scale are nearest to xval
+ * under weights w (the first on ties); its levels go to L. With a = 1, b = 0 this is ggml's
+ * iq2_find_best_neighbour / iq3_find_best_neighbour (w the square roots of the weights); IQ1
+ * maps levels 1, 3, 5 to its value set xg[0..2] = xg[0] + 0..2 exactly with a = 1/2,
+ * b = xg[0] - 1/2 (ggml's iq1_find_best_neighbour2). */
+static int best_neighbour(const iq_lattice *g, int u, const float *xval, const float *w,
+                          float scale, float a, float b, int8_t *L) {
     const uint16_t *nb = neighbours_of(g, u);
+    float d2[320];
+    neighbour_d2(g->soa + g->soa_at[u], nb[0], g->dims, xval, w, scale, a, b, d2);
     float best_d2 = FLT_MAX;
-    int best = -1;
-    for (int j = 1; j <= nb[0]; ++j) {
-        const int8_t *pg = g->grid + nb[j] * g->dims;
-        float d2 = 0;
-        for (int i = 0; i < g->dims; ++i) {
-            float q = pg[i];
-            float diff = scale * q - xval[i];
-            d2 += weight[i] * diff * diff;
-        }
-        if (d2 < best_d2) best_d2 = d2, best = nb[j];
-    }
-    if (best < 0) best = nb[1]; /* NaN weights: any neighbour keeps the block valid */
+    int best = nb[1]; /* NaN distances: any neighbour keeps the block valid */
+    for (int j = 0; j < nb[0]; ++j)
+        if (d2[j] < best_d2) best_d2 = d2[j], best = nb[1 + j];
     const int8_t *pg = g->grid + best * g->dims;
     for (int i = 0; i < g->dims; ++i) L[i] = (int8_t)((pg[i] - 1) / 2);
     return best;
@@ -302,7 +344,7 @@ static float search_scale(const iq_lattice *g, int n, const float *xval, const f
             int u = lattice_index(g, Lk);
             on_grid_aux[k] = g->map[u] >= 0;
             if (!on_grid_aux[k])
-                best_neighbour(g, u, xval + g->dims * k, waux + g->dims * k, this_scale, Lk);
+                best_neighbour(g, u, xval + g->dims * k, waux + g->dims * k, this_scale, 1, 0, Lk);
         }
         float sumqx, sumq2;
         odd_sums(weight, xval, Laux, n, &sumqx, &sumq2);
@@ -326,7 +368,8 @@ static float search_scale(const iq_lattice *g, int n, const float *xval, const f
             int u = lattice_index(g, lv);
             if (refine == REFINE_OFF_GRID) memcpy(Lk, lv, (size_t)g->dims);
             int e = g->map[u];
-            if (e < 0) e = best_neighbour(g, u, xval + g->dims * k, waux + g->dims * k, scale, Lk);
+            if (e < 0)
+                e = best_neighbour(g, u, xval + g->dims * k, waux + g->dims * k, scale, 1, 0, Lk);
             if (refine != REFINE_OFF_GRID) {
                 const int8_t *pg = g->grid + e * g->dims;
                 for (int i = 0; i < g->dims; ++i) Lk[i] = (int8_t)((pg[i] - 1) / 2);
@@ -630,30 +673,6 @@ static int value_at_cmp(const void *a, const void *b) {
     return l->v < r->v ? -1 : l->v > r->v ? 1 : l->i - r->i;
 }
 
-/* Among u's neighbours, the entry whose values xg[level] times scale are nearest to xval under
- * weights. ggml's iq1_find_best_neighbour2. */
-static int best_neighbour_iq1(const iq_lattice *g, int u, const float *xval, const float *weight,
-                              float scale, const float *xg, int8_t *L) {
-    const uint16_t *nb = neighbours_of(g, u);
-    float best_score = FLT_MAX;
-    int best = -1;
-    for (int j = 1; j <= nb[0]; ++j) {
-        const int8_t *pg = g->grid + nb[j] * 8;
-        float d2 = 0;
-        for (int i = 0; i < 8; ++i) {
-            float q = xg[(pg[i] - 1) / 2];
-            float w = weight[i];
-            float diff = scale * q - xval[i];
-            d2 += w * diff * diff;
-        }
-        if (d2 < best_score) best_score = d2, best = nb[j];
-    }
-    if (best < 0) best = nb[1];
-    const int8_t *pg = g->grid + best * 8;
-    for (int i = 0; i < 8; ++i) L[i] = (int8_t)((pg[i] - 1) / 2);
-    return best;
-}
-
 static const float IQ1_XP[3] = {-1 + MOE_IQ1_DELTA, MOE_IQ1_DELTA, 1 + MOE_IQ1_DELTA};
 static const float IQ1_XM[3] = {-1 - MOE_IQ1_DELTA, -MOE_IQ1_DELTA, 1 - MOE_IQ1_DELTA};
 
@@ -667,7 +686,8 @@ static float iq1_snap(const iq_lattice *g, const float *xb, const float *weight,
         int e = g->map[u];
         if (e < 0) {
             all_on_grid = false;
-            e = best_neighbour_iq1(g, u, xb + 8 * k, weight + 8 * k, scale, xx[k], L + 8 * k);
+            e = best_neighbour(g, u, xb + 8 * k, weight + 8 * k, scale, 0.5f, xx[k][0] - 0.5f,
+                               L + 8 * k);
         }
         index[k] = (uint16_t)e;
     }
