@@ -36,6 +36,14 @@ static const moe_command commands[] = {
      "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff "
      "N]\n"
      "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...] [--random-blocks]"},
+    {"quantize", moe_cmd_quantize,
+     "requantize a GGUF model to a type or a mix, optionally with an importance matrix",
+     "IN OUT [--type TYPE|Q4_K_M|Q5_K_M|IQ4_XS|IQ3_XXS|IQ2_M|ud-iq3_xxs] [--rule 'REGEX=TYPE' "
+     "...]\n"
+     "        [--imatrix FILE.gguf] [-t N] [--split-max-tensors N] [--quiet]\n"
+     "  --type: a mix (llama.cpp's rules; default Q4_K_M) or one type for every weight matrix;\n"
+     "  --rule: a tensor's type by name, first match wins, before the mix (norms and routers\n"
+     "  stay as they are); IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S need --imatrix (llama.cpp GGUF)"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},

@@ -274,6 +274,36 @@ const char *moe_synth_preset_names(void);
  * engine will load it); refuses types moe cannot quantize, naming the tensor. */
 moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err);
 
+/* ==== Requantizing a model (moe quantize, quantize.c) ==== */
+
+typedef struct moe_quantize_params {
+    const char *in, *out;        /* GGUF paths (a split input: any shard; output split below) */
+    const char *preset;          /* a mix (moe_quantize_preset_names), or NULL: `type` alone */
+    moe_type type;               /* the base type: every quantizable weight no rule/mix picks */
+    const moe_synth_rule *rules; /* per-tensor types, first match wins (searched, as written) */
+    uint32_t n_rules;
+    const char *imatrix_path; /* llama.cpp GGUF imatrix, or NULL */
+    int n_threads;
+    uint32_t split_max_tensors; /* > 0: shards of at most this many tensors */
+    bool progress;              /* progress on stderr (a bar on a terminal, else lines) */
+} moe_quantize_params;
+
+typedef struct moe_quantize_report {
+    uint32_t n_tensors, n_quantized;
+    uint32_t tensors_by_type[MOE_TYPE_COUNT];
+    uint64_t bytes_in, bytes_out;
+    int file_type; /* general.file_type written (-1: none) */
+    double seconds;
+} moe_quantize_report;
+
+/* "Q4_K_M, Q5_K_M, IQ4_XS, IQ3_XXS, IQ2_M, ud-iq3_xxs" */
+const char *moe_quantize_preset_names(void);
+/* The preset's base type; false for an unknown preset. */
+bool moe_quantize_preset_base(const char *preset, moe_type *base);
+/* Read, requantize and write: refuses (before writing) a type moe cannot quantize, a source it
+ * cannot decode, and IQ1 / IQ2 tensors without an importance matrix entry, naming the tensor. */
+moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report *r, moe_error *err);
+
 /* ==== Throughput benchmark (moe bench) ==== */
 
 #define MOE_BENCH_MAX_RUNS        64

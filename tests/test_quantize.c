@@ -1,0 +1,424 @@
+/* Suite "quantize": `moe quantize` end to end.
+ *
+ * What is checked and against what:
+ * - the file reads as GGUF with Hugging Face's parser (@huggingface/gguf from npm, through
+ *   tests/clients/gguf_read.mjs): every tensor, its ggml type as the rules and llama.cpp's mix
+ *   rules say (written out here from llama.cpp's llama_tensor_get_type, not from moe), shapes,
+ *   aligned offsets that leave room for each tensor's bytes, general.file_type and
+ *   general.quantization_version as llama.cpp writes them;
+ * - the file runs: on real F32 models (stories260K, the deepseek2 parity model) the quantized
+ *   model's logits equal those of the same weights dequantized to F32 up to the engine's 8-bit
+ *   activation quantization (TOL_ACT, the gap ../shared/parity/README.md documents), and every
+ *   quantized tensor's rel-Frobenius error against the source is inside its type's budget;
+ * - an importance matrix in llama.cpp's GGUF format (written here as its format says) lowers the
+ *   error weighted by it; IQ1 / IQ2 types without one are refused with a message.
+ * Needs ../shared (skips without it, fails under CI=true) and node_modules for the parser
+ * check. */
+#include "testutil.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "../src/format/format.h"
+
+#define CLIENTS_DIR "tests/clients"
+/* quantized vs the same weights in F32: the engine quantizes activations to 8 bits for
+ * quantized weights (Q8_0 / Q8_K blocks), which moves logits by up to ~2e-2 of their range */
+#define TOL_ACT 2.5e-2
+
+static const char *tmp_path(const char *name) {
+    static char paths[8][512];
+    static int next;
+    char *p = paths[next++ % 8];
+    snprintf(p, 512, "%s/%s", moe_test_tmpdir(), name);
+    return p;
+}
+
+static char *run_ok(const char *cmd) {
+    char *out;
+    const int rc = moe_test_run(cmd, &out);
+    if (rc != 0) fail_msg("`%s` exited %d:\n%s", cmd, rc, out);
+    return out;
+}
+
+static void quantize(const char *in, const char *out, const char *flags) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s quantize '%s' '%s' --quiet %s", moe_test_bin(), in, out, flags);
+    free(run_ok(cmd));
+}
+
+/* ==== The file as another GGUF reader sees it ==== */
+
+static json_t *read_with_huggingface(const char *path) {
+    struct stat st;
+    if (stat(CLIENTS_DIR "/node_modules/@huggingface/gguf/package.json", &st) != 0) {
+        if (getenv("CI") && !strcmp(getenv("CI"), "true"))
+            fail_msg("%s/node_modules lacks @huggingface/gguf and CI=true: run `make clients`",
+                     CLIENTS_DIR);
+        print_message("[  SKIP    ] %s/node_modules is absent (run `make clients`)\n", CLIENTS_DIR);
+        skip();
+    }
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "node %s/gguf_read.mjs '%s'", CLIENTS_DIR, path);
+    char *out = run_ok(cmd);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    if (!j) fail_msg("gguf_read.mjs printed no JSON (%s): %s", je.text, out);
+    free(out);
+    return j;
+}
+
+/* ggml type ids and block geometry (ggml-common.h), for the types this suite writes */
+static const struct {
+    const char *name;
+    int id, block_values, block_bytes;
+} GGML_TYPES[] = {
+    {"F32", 0, 1, 4},       {"Q8_0", 8, 32, 34},     {"Q4_K", 12, 256, 144}, {"Q5_K", 13, 256, 176},
+    {"Q6_K", 14, 256, 210}, {"IQ3_S", 21, 256, 110}, {"IQ2_S", 22, 256, 82}, {"IQ4_NL", 20, 32, 18},
+};
+
+static int ggml_id(const char *name) {
+    for (size_t i = 0; i < sizeof GGML_TYPES / sizeof GGML_TYPES[0]; i++)
+        if (!strcmp(GGML_TYPES[i].name, name)) return GGML_TYPES[i].id;
+    fail_msg("no ggml id for %s in this test", name);
+    return -1;
+}
+
+static int64_t ggml_bytes(int id, int64_t n_values) {
+    for (size_t i = 0; i < sizeof GGML_TYPES / sizeof GGML_TYPES[0]; i++)
+        if (GGML_TYPES[i].id == id)
+            return n_values / GGML_TYPES[i].block_values * GGML_TYPES[i].block_bytes;
+    fail_msg("unexpected ggml type %d", id);
+    return 0;
+}
+
+/* llama.cpp's use_more_bits(i_layer, n_layer) */
+static bool more_bits(int i, int n) {
+    return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
+}
+
+/* The type llama-quantize's Q4_K_M mix gives a tensor of the synthetic 4-layer qwen3moe (16
+ * experts, GQA 2), after the test's rules `blk\.0\.=Q8_0` and `ffn_down_exps=IQ3_S`. */
+static const char *expected_type(const char *name) {
+    if (strstr(name, "norm") || strstr(name, "ffn_gate_inp")) return "F32";
+    if (!strncmp(name, "blk.0.", 6)) return "Q8_0";
+    if (strstr(name, "ffn_down_exps")) return "IQ3_S";
+    if (!strcmp(name, "output.weight")) return "Q6_K";
+    int layer = -1;
+    sscanf(name, "blk.%d.", &layer);
+    if (strstr(name, "attn_v.weight")) return more_bits(layer, 4) ? "Q6_K" : "Q4_K";
+    return "Q4_K";
+}
+
+static void file_reads_as_llama_cpp_writes_it(void **state) {
+    (void)state;
+    const char *src = moe_test_synth("q-src.gguf", "--preset tiny");
+    const char *out = tmp_path("q-mix.gguf");
+    quantize(src, out, "--type Q4_K_M --rule 'blk\\.0\\.=Q8_0' --rule 'ffn_down_exps=IQ3_S'");
+    json_t *j = read_with_huggingface(out);
+    json_t *meta = json_object_get(j, "metadata");
+    /* LLAMA_FTYPE_MOSTLY_Q4_K_M = 15, GGML_QNT_VERSION = 2 */
+    assert_int_equal(json_integer_value(json_object_get(meta, "general.file_type")), 15);
+    assert_int_equal(json_integer_value(json_object_get(meta, "general.quantization_version")), 2);
+    assert_string_equal(json_string_value(json_object_get(meta, "general.architecture")),
+                        "qwen3moe");
+    json_t *tensors = json_object_get(j, "tensors");
+    const int64_t data_offset = json_integer_value(json_object_get(j, "data_offset"));
+    assert_int_equal(data_offset % 32, 0);
+    struct stat st;
+    assert_int_equal(stat(out, &st), 0);
+    size_t i, n_quant = 0;
+    json_t *t;
+    int64_t prev_end = 0;
+    json_array_foreach(tensors, i, t) {
+        const char *name = json_string_value(json_object_get(t, "name"));
+        const int type = (int)json_integer_value(json_object_get(t, "type"));
+        const int64_t offset = json_integer_value(json_object_get(t, "offset"));
+        int64_t n_values = 1;
+        size_t d;
+        json_t *dim;
+        json_array_foreach(json_object_get(t, "shape"), d, dim) n_values *= json_integer_value(dim);
+        const char *want = expected_type(name);
+        if (type != ggml_id(want))
+            fail_msg("%s: ggml type %d, the rules say %s (%d)", name, type, want, ggml_id(want));
+        n_quant += type != 0;
+        assert_int_equal(offset % 32, 0);
+        assert_true(offset >= prev_end);
+        prev_end = offset + ggml_bytes(type, n_values);
+    }
+    assert_int_equal(json_array_size(tensors), 51); /* synth's tiny qwen3moe */
+    assert_int_equal(n_quant, 30);
+    assert_true(data_offset + prev_end <= (int64_t)st.st_size);
+    json_decref(j);
+}
+
+/* ==== The file runs: logits against the dequantized weights ==== */
+
+static float *read_f32(const char *path, size_t *n) {
+    uint8_t *data;
+    size_t size;
+    moe_error err = {0};
+    if (moe_file_read(path, &data, &size, &err) != MOE_OK) fail_msg("%s", err.msg);
+    *n = size / sizeof(float);
+    return (float *)data;
+}
+
+static const char *PROMPT = "1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426";
+
+static float *logits_of(const char *model, const char *name, size_t *n) {
+    char cmd[2048];
+    const char *out = tmp_path(name);
+    snprintf(cmd, sizeof cmd, "%s logits '%s' --tokens %s --out '%s'", moe_test_bin(), model,
+             PROMPT, out);
+    free(run_ok(cmd));
+    return read_f32(out, n);
+}
+
+/* max over rows of max |a - b| / max |b| (rows of n_vocab) */
+static double worst_row(const float *a, const float *b, size_t n, size_t n_vocab) {
+    double worst = 0;
+    for (size_t r = 0; r < n / n_vocab; r++) {
+        double d = 0, m = 0;
+        for (size_t k = 0; k < n_vocab; k++) {
+            const double x = a[r * n_vocab + k], y = b[r * n_vocab + k];
+            d = fabs(x - y) > d ? fabs(x - y) : d;
+            m = fabs(y) > m ? fabs(y) : m;
+        }
+        worst = d / m > worst ? d / m : worst;
+    }
+    return worst;
+}
+
+/* rel-Frobenius budgets of moe audit's per-tensor figure, by type (~1.5x what the quant suite
+ * measures on gaussian rows: these weights are trained or small) */
+static double fro_budget(const char *type) {
+    if (!strcmp(type, "Q8_0")) return 0.012;
+    if (!strcmp(type, "IQ4_NL") || !strcmp(type, "Q4_K") || !strcmp(type, "Q5_0") ||
+        !strcmp(type, "Q4_0") || !strcmp(type, "Q5_1"))
+        return 0.16;
+    if (!strcmp(type, "Q6_K")) return 0.04;
+    return 0.0;
+}
+
+static void check_model(const char *rel, size_t n_vocab, const char *flags) {
+    const char *src = moe_test_shared(rel);
+    if (!src) return;
+    const char *q = tmp_path("m-q.gguf"), *deq = tmp_path("m-deq.gguf");
+    quantize(src, q, flags);
+    quantize(q, deq, "--type F32");
+    size_t nq, nd;
+    float *lq = logits_of(q, "lq.f32", &nq), *ld = logits_of(deq, "ld.f32", &nd);
+    assert_int_equal(nq, nd);
+    const double err = worst_row(lq, ld, nq, n_vocab);
+    print_message("[ MEASURE  ] %s %s: logits vs the dequantized weights %.2e (tol %.1e)\n", rel,
+                  flags, err, TOL_ACT);
+    assert_true(err <= TOL_ACT);
+    free(lq), free(ld);
+    /* every quantized tensor against its source */
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s audit '%s' '%s' --json", moe_test_bin(), q, src);
+    char *out = run_ok(cmd);
+    json_error_t je;
+    json_t *a = json_loads(out, 0, &je);
+    if (!a) fail_msg("audit json: %s", je.text);
+    size_t i;
+    json_t *t;
+    int checked = 0;
+    json_array_foreach(json_object_get(a, "tensors"), i, t) {
+        const char *type = json_string_value(json_object_get(t, "format"));
+        const double fro = json_real_value(json_object_get(t, "rel_fro"));
+        if (!strcmp(type, "F32")) continue;
+        if (!(fro <= fro_budget(type)))
+            fail_msg("%s (%s): rel-Frobenius %.4f over %.3f",
+                     json_string_value(json_object_get(t, "tensor")), type, fro, fro_budget(type));
+        checked++;
+    }
+    assert_true(checked > 0);
+    json_decref(a);
+    free(out);
+}
+
+static void stories260k_logits_match_dequantized(void **state) {
+    (void)state;
+    check_model("models/stories260K/stories260K.gguf", 512, "--type Q8_0");
+    /* rows of 64: Q4_K falls back to Q5_0 as llama.cpp's does; output Q6_K -> Q8_0 */
+    check_model("models/stories260K/stories260K.gguf", 512, "--type Q4_K_M");
+}
+
+static void deepseek2_logits_match_dequantized(void **state) {
+    (void)state;
+    check_model("parity/deepseek2-f32.gguf", 512, "--type IQ4_NL --rule 'ffn_down=Q8_0'");
+}
+
+/* ==== Importance matrix ==== */
+
+/* llama.cpp's GGUF imatrix for every 2-D / 3-D weight of `model`: <name>.in_sum2 [n_in, n_mat]
+ * and <name>.counts [1, n_mat], F32, general.type "imatrix"; importances log-normal per column,
+ * counts 10 (so the mean is sum / 10). Returns the importances of `which` ([n_mat][n_in]). */
+static float *write_imatrix(const char *model, const char *path, const char *which) {
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(model, &err);
+    if (!g) fail_msg("%s", err.msg);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    moe_gguf_writer_set_str(w, "general.type", "imatrix");
+    moe_gguf_writer_set_u32(w, "imatrix.chunk_count", 10);
+    uint64_t seed = 5;
+    float *kept = NULL;
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        if (t->n_dims < 2) continue;
+        char name[256], key[300];
+        snprintf(name, sizeof name, "%.*s", (int)t->name.len, t->name.ptr);
+        const int64_t n_in = t->ne[0], n_mat = t->n_dims > 2 ? t->ne[2] : 1;
+        float *sums = moe_xmalloc((size_t)(n_in * n_mat) * sizeof(float));
+        float counts[64];
+        assert_true(n_mat <= 64);
+        for (int64_t k = 0; k < n_in * n_mat; k++)
+            sums[k] = 10.0f * (float)exp(1.5 * moe_rng_gaussian(&seed));
+        for (int64_t m = 0; m < n_mat; m++) counts[m] = 10.0f;
+        snprintf(key, sizeof key, "%s.in_sum2", name);
+        const int64_t ne_s[2] = {n_in, n_mat}, ne_c[2] = {1, n_mat};
+        assert_int_equal(
+            moe_gguf_writer_add_tensor(w, key, MOE_TYPE_F32, 2, ne_s, sums, false, &err), MOE_OK);
+        snprintf(key, sizeof key, "%s.counts", name);
+        assert_int_equal(
+            moe_gguf_writer_add_tensor(w, key, MOE_TYPE_F32, 2, ne_c, counts, false, &err), MOE_OK);
+        if (!strcmp(name, which)) {
+            kept = sums;
+            for (int64_t k = 0; k < n_in * n_mat; k++) kept[k] /= 10.0f;
+        } else {
+            free(sums);
+        }
+    }
+    assert_int_equal(moe_gguf_writer_write(w, path, 0, &err), MOE_OK);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+    assert_non_null(kept);
+    return kept;
+}
+
+/* sum over the tensor's values of imatrix[mat][col] * (deq - src)^2 */
+static double weighted_error(const char *quant, const char *src, const char *name,
+                             const float *im) {
+    moe_error err = {0};
+    moe_gguf *q = moe_gguf_open(quant, &err), *s = moe_gguf_open(src, &err);
+    if (!q || !s) fail_msg("%s", err.msg);
+    const moe_tensor *tq = moe_gguf_tensor_find(q, name), *ts = moe_gguf_tensor_find(s, name);
+    assert_non_null(tq), assert_non_null(ts);
+    assert_int_equal(ts->type, MOE_TYPE_F32);
+    const int64_t n = tq->ne[0], rows = (int64_t)(tq->n_values / (uint64_t)n), per_mat = tq->ne[1];
+    const uint64_t rb = moe_type_row_bytes(tq->type, n);
+    float *row = moe_xmalloc((size_t)n * sizeof(float));
+    double e = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        moe_type_traits_get(tq->type)->to_float(tq->data + (uint64_t)r * rb, row, n);
+        const float *x = (const float *)ts->data + r * n, *w = im + (r / per_mat) * n;
+        for (int64_t k = 0; k < n; k++) e += w[k] * ((double)row[k] - x[k]) * (row[k] - x[k]);
+    }
+    free(row);
+    moe_gguf_close(q), moe_gguf_close(s);
+    return e;
+}
+
+static void imatrix_lowers_weighted_error_and_is_required(void **state) {
+    (void)state;
+    const char *src =
+        moe_test_synth("im-src.gguf", "--preset tiny --layers 2 --experts 4 --experts-used 2");
+    char im_path[512];
+    snprintf(im_path, sizeof im_path, "%s", tmp_path("imatrix.gguf"));
+    const char *name = "blk.1.ffn_down_exps.weight";
+    float *im = write_imatrix(src, im_path, name);
+    /* IQ2_S without an importance matrix: refused, saying why */
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "%s quantize '%s' '%s' --quiet --type Q4_K --rule 'exps=IQ2_S'",
+             moe_test_bin(), src, tmp_path("refused.gguf"));
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "importance matrix"));
+    free(out);
+    char flags[1024];
+    const char *types[] = {"Q4_K", "IQ3_S", "IQ2_S"};
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        const char *with = tmp_path("with.gguf"), *without = tmp_path("without.gguf");
+        snprintf(flags, sizeof flags, "--type Q8_0 --rule 'exps=%s' --imatrix '%s'", types[t],
+                 im_path);
+        quantize(src, with, flags);
+        /* without: all-ones importance (IQ2_S needs one), the same type */
+        const char *ones = tmp_path("ones.gguf");
+        if (!strcmp(types[t], "IQ2_S")) {
+            moe_error err = {0};
+            moe_gguf *g = moe_gguf_open(im_path, &err);
+            moe_gguf_writer *w = moe_gguf_writer_new();
+            for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+                const moe_tensor *x = moe_gguf_tensor_get(g, i);
+                char key[300];
+                snprintf(key, sizeof key, "%.*s", (int)x->name.len, x->name.ptr);
+                float *v = moe_xmalloc((size_t)x->n_values * sizeof(float));
+                for (uint64_t k = 0; k < x->n_values; k++) v[k] = 10.0f;
+                moe_gguf_writer_add_tensor(w, key, MOE_TYPE_F32, x->n_dims, x->ne, v, false, &err);
+                free(v);
+            }
+            assert_int_equal(moe_gguf_writer_write(w, ones, 0, &err), MOE_OK);
+            moe_gguf_writer_free(w), moe_gguf_close(g);
+            snprintf(flags, sizeof flags, "--type Q8_0 --rule 'exps=%s' --imatrix '%s'", types[t],
+                     ones);
+        } else {
+            snprintf(flags, sizeof flags, "--type Q8_0 --rule 'exps=%s'", types[t]);
+        }
+        quantize(src, without, flags);
+        const double ew = weighted_error(with, src, name, im);
+        const double eo = weighted_error(without, src, name, im);
+        print_message("[ MEASURE  ] %s: error weighted by the imatrix %.4g with it, %.4g without\n",
+                      types[t], ew, eo);
+        assert_true(ew < eo);
+    }
+    free(im);
+}
+
+/* ==== Bad input ==== */
+
+static void bad_arguments_are_refused(void **state) {
+    (void)state;
+    const char *src =
+        moe_test_synth("bad-src.gguf", "--preset tiny --layers 1 --experts 4 --experts-used 2");
+    const struct {
+        const char *flags, *says;
+        int rc;
+    } cases[] = {
+        {"--type Q9_Z", "neither a mix", 2},
+        {"--rule 'x=NOPE'", "REGEX=TYPE", 2},
+        {"--rule '(=Q4_K'", "not a valid regular expression", 1},
+        {"--imatrix /nonexistent.gguf", "/nonexistent.gguf", 1},
+        {"--type Q4_K --rule 'attn_q=TQ1_0'", "no quantizer for TQ1_0", 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char cmd[2048], *out;
+        snprintf(cmd, sizeof cmd, "%s quantize '%s' '%s' --quiet %s", moe_test_bin(), src,
+                 tmp_path("bad.gguf"), cases[i].flags);
+        const int rc = moe_test_run(cmd, &out);
+        if (rc != cases[i].rc || !strstr(out, cases[i].says))
+            fail_msg("`%s`: exit %d (want %d), output lacks '%s':\n%s", cases[i].flags, rc,
+                     cases[i].rc, cases[i].says, out);
+        free(out);
+    }
+    char cmd[1024], *out;
+    snprintf(cmd, sizeof cmd, "%s quantize /nonexistent.gguf '%s'", moe_test_bin(),
+             tmp_path("x.gguf"));
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "/nonexistent.gguf"));
+    free(out);
+}
+
+int moe_suite_quantize(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(file_reads_as_llama_cpp_writes_it),
+        cmocka_unit_test(stories260k_logits_match_dequantized),
+        cmocka_unit_test(deepseek2_logits_match_dequantized),
+        cmocka_unit_test(imatrix_lowers_weighted_error_and_is_required),
+        cmocka_unit_test(bad_arguments_are_refused),
+    };
+    return cmocka_run_group_tests_name("quantize", tests, NULL, NULL);
+}
