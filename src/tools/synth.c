@@ -1,9 +1,10 @@
 /* synth.c: GGUF models of a supported architecture with seeded random weights -- `moe synth`
  * and the built-in demo model. Shapes come from presets or flags, weight types from rules
  * "REGEX=TYPE" matched against tensor names (first match wins, as written on the command
- * line); norms and routers stay F32 as llama.cpp keeps them. With random_blocks, quantized
- * tensors are random valid blocks instead (any type with a decoder, also those moe cannot
- * quantize yet; much faster for large presets), each block scaled to the same N(0, 1/n_in)
+ * line); norms and routers stay F32 as llama.cpp keeps them. Weights are quantized with the
+ * real quantizers of quant/ (IQ1 / IQ2 with an all-ones importance vector). With random_blocks,
+ * quantized tensors are random valid blocks instead (any type with a decoder; much faster for
+ * large presets, whose IQ searches take minutes), each block scaled to the same N(0, 1/n_in)
  * magnitude: for speed measurements random valid blocks are as good as real ones.
  * general.file_type names the type holding the most bytes, as llama-quantize names a mix.
  *
@@ -241,13 +242,11 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
     const moe_type type = keep_f32 ? MOE_TYPE_F32 : type_for(s, name, n_in);
     const moe_type_traits *t = moe_type_traits_get(type);
     const bool random_blocks = s->p->random_blocks && t->is_quantized;
-    if (!t->from_float && !random_blocks)
-        return moe_error_set(
-            s->err, MOE_ERR_UNSUPPORTED,
-            "tensor '%s': moe has no quantizer for %s yet (it can read it, not "
-            "write it); quantizable: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K "
-            "Q6_K IQ4_NL IQ4_XS; --random-blocks writes random valid blocks of any type)",
-            name, t->name);
+    if (!moe_type_can_quantize(type) && !random_blocks)
+        return moe_error_set(s->err, MOE_ERR_UNSUPPORTED,
+                             "tensor '%s': moe has no quantizer for %s (it can read it, not "
+                             "write it); --random-blocks writes random valid blocks of any type",
+                             name, t->name);
     const uint64_t row_bytes = moe_type_row_bytes(type, n_in);
     const uint64_t n_rows = (uint64_t)(n_out * n_mat);
     uint8_t *blocks = malloc(row_bytes * n_rows);
@@ -269,7 +268,7 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
         }
         for (int64_t i = 0; i < n_in; i++)
             row[i] = live ? (float)moe_rng_gaussian(&s->rng) * scale : 0.0f;
-        t->from_float(row, blocks + r * row_bytes, n_in);
+        moe_quantize_row(type, row, blocks + r * row_bytes, n_in, NULL);
     }
     const int64_t ne[3] = {n_in, n_out, n_mat};
     moe_status st = moe_gguf_writer_add_tensor(
