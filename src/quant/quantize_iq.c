@@ -411,64 +411,82 @@ static float max_of(const float *x, int n) {
     return m;
 }
 
-/* ggml's quantize_row_iq2_xxs_impl: 8 sub-blocks of 32, 4-bit odd scales, 7 sign bits + parity
- * per 8 values, a starting scale from the weighted positive fit. */
-MOE_QUANTIZE_FN(iq2_xxs) {
-    const iq_lattice *g = lattice_get(LAT_IQ2_XXS);
-    moe_block_iq2_xxs *blocks = y;
+/* IQ2_XXS and IQ3_XXS (ggml's quantize_row_iq2_xxs_impl / quantize_row_iq3_xxs_impl with grid
+ * 256): 8 sub-blocks of 32 with 7 sign bits + parity per 8 values and a 4-bit odd scale per
+ * sub-block, stored per sub-block as a uint32 of 4 x 7 sign bits | scale << 28 beside the grid
+ * indices (IQ2_XXS: 4 index bytes then that word, interleaved; IQ3_XXS: 64 index bytes, then
+ * the 8 words). IQ2_XXS starts its scan from the weighted positive fit, IQ3_XXS from max/15. */
+static void quantize_xxs(const float *x, void *y, int64_t n, const float *qw, bool iq3) {
+    const iq_lattice *g = lattice_get(iq3 ? LAT_IQ3_XXS : LAT_IQ2_XXS);
     float scales[8], weight[32], xval[32], waux[32];
     int8_t L[32];
-    uint8_t block_signs[4];
-    uint32_t q2[16];
     for (int64_t ibl = 0; ibl < n / MOE_QK_K; ++ibl) {
         const float *xbl = x + MOE_QK_K * ibl;
-        blocks[ibl].d = moe_f32_to_fp16(0.f);
-        memset(q2, 0, sizeof q2);
+        uint8_t idx[64]; /* grid indices: IQ2_XXS 4 per sub-block, IQ3_XXS 8 */
+        uint32_t words[8];
+        memset(idx, 0, sizeof idx), memset(words, 0, sizeof words);
         float max_scale = 0;
-        const float sigma2 = moe_sum_sq(xbl, MOE_QK_K) / MOE_QK_K;
+        const float sigma2 = (iq3 ? 2 : 1) * moe_sum_sq(xbl, MOE_QK_K) / MOE_QK_K;
         for (int ib = 0; ib < 8; ++ib) {
             const float *xb = xbl + 32 * ib;
+            uint8_t signs[4];
             sub_block_weights(qw ? qw + MOE_QK_K * ibl + 32 * ib : NULL, xb, 32, sigma2, false,
                               weight, waux);
             for (int k = 0; k < 4; ++k)
-                block_signs[k] = split_signs(xb + 8 * k, weight + 8 * k, xval + 8 * k, true);
-            if (max_of(xval, 32) < GROUP_MAX_EPS) {
-                scales[ib] = 0;
-                continue;
-            }
-            uint8_t Lqp[32];
-            const float start = moe_fit_positive(32, 4, xval, Lqp, weight);
-            const float eff_max = start * 3;
-            if (eff_max <= 0) {
-                scales[ib] = 0;
-                continue;
-            }
+                signs[k] = split_signs(xb + 8 * k, weight + 8 * k, xval + 8 * k, true);
+            const float max = max_of(xval, 32);
+            scales[ib] = 0;
             memset(L, 0, sizeof L);
-            float scale = search_scale(g, 32, xval, weight, waux, start, eff_max, 5, 0.1f, -6, 6,
-                                       true, REFINE_ALL_FROM_GRID, L);
+            if (max < (iq3 ? GROUP_MAX_EPS_IQ3_XXS : GROUP_MAX_EPS)) continue;
+            float scale;
+            if (iq3) {
+                scale = search_scale(g, 32, xval, weight, waux, max / 15, max, 15, 0.2f, -15, 15,
+                                     true, REFINE_OFF_GRID_FROM_GRID, L);
+            } else {
+                uint8_t Lqp[32];
+                const float start = moe_fit_positive(32, 4, xval, Lqp, weight);
+                if (start * 3 <= 0) continue;
+                scale = search_scale(g, 32, xval, weight, waux, start, start * 3, 5, 0.1f, -6, 6,
+                                     true, REFINE_ALL_FROM_GRID, L);
+            }
             if (scale < 0) {
                 scale = -scale;
-                for (int k = 0; k < 4; ++k) block_signs[k] = (uint8_t)(~block_signs[k] & 127);
+                for (int k = 0; k < 4; ++k) signs[k] = (uint8_t)(~signs[k] & 127);
             }
-            for (int k = 0; k < 4; ++k) {
-                q2[2 * ib + 0] |= (uint32_t)entry_of(g, L + 8 * k) << (8 * k);
-                q2[2 * ib + 1] |= (uint32_t)block_signs[k] << (7 * k);
-            }
+            const int per = iq3 ? 8 : 4; /* groups (grid entries) per sub-block */
+            for (int k = 0; k < per; ++k)
+                idx[per * ib + k] = (uint8_t)entry_of(g, L + (32 / per) * k);
+            for (int k = 0; k < 4; ++k) words[ib] |= (uint32_t)signs[k] << (7 * k);
             scales[ib] = scale;
             max_scale = scale > max_scale ? scale : max_scale;
         }
+        uint8_t *qs = iq3 ? ((moe_block_iq3_xxs *)y + ibl)->qs
+                          : (uint8_t *)((moe_block_iq2_xxs *)y + ibl)->qs;
+        uint16_t *dh =
+            iq3 ? &((moe_block_iq3_xxs *)y + ibl)->d : &((moe_block_iq2_xxs *)y + ibl)->d;
+        const size_t qs_bytes = iq3 ? 96 : 64;
+        *dh = moe_f32_to_fp16(0.f);
         if (!max_scale) {
-            memset(blocks[ibl].qs, 0, sizeof blocks[ibl].qs);
+            memset(qs, 0, qs_bytes);
             continue;
         }
         const float d = max_scale / 31;
-        blocks[ibl].d = moe_f32_to_fp16(d);
+        *dh = moe_f32_to_fp16(iq3 ? d * 1.0125f : d);
         const float id = 1 / d;
-        for (int ib = 0; ib < 8; ++ib)
-            q2[2 * ib + 1] |= (uint32_t)odd_scale_index(id, scales[ib], 15) << 28;
-        for (int j = 0; j < 16; ++j) /* little-endian uint32 words */
-            for (int b = 0; b < 2; ++b) blocks[ibl].qs[2 * j + b] = (uint16_t)(q2[j] >> (16 * b));
+        for (int ib = 0; ib < 8; ++ib) {
+            words[ib] |= (uint32_t)odd_scale_index(id, scales[ib], 15) << 28;
+            uint8_t *w = iq3 ? qs + 64 + 4 * ib : qs + 8 * ib + 4; /* little-endian words */
+            if (iq3)
+                memcpy(qs + 8 * ib, idx + 8 * ib, 8);
+            else
+                memcpy(qs + 8 * ib, idx + 4 * ib, 4);
+            for (int k = 0; k < 4; ++k) w[k] = (uint8_t)(words[ib] >> (8 * k));
+        }
     }
+}
+
+MOE_QUANTIZE_FN(iq2_xxs) {
+    quantize_xxs(x, y, n, qw, false);
 }
 
 /* Sub-blocks of 16 with 4-bit scales, two 8-value groups each: IQ2_XS (9-bit index + 7 sign
@@ -554,60 +572,8 @@ MOE_QUANTIZE_FN(iq2_s) {
 
 /* ==== IQ3_XXS / IQ3_S ==== */
 
-/* ggml's quantize_row_iq3_xxs_impl (grid 256): 8 sub-blocks of 32 = 8 groups of 4, 7 sign bits
- * + parity per 8 values, a uint32 of signs and a 4-bit scale per sub-block. */
 MOE_QUANTIZE_FN(iq3_xxs) {
-    const iq_lattice *g = lattice_get(LAT_IQ3_XXS);
-    moe_block_iq3_xxs *blocks = y;
-    float scales[8], weight[32], xval[32], waux[32];
-    int8_t L[32];
-    uint8_t block_signs[4];
-    for (int64_t ibl = 0; ibl < n / MOE_QK_K; ++ibl) {
-        const float *xbl = x + MOE_QK_K * ibl;
-        uint8_t q3[64];
-        uint32_t signs_scales[8];
-        memset(q3, 0, sizeof q3), memset(signs_scales, 0, sizeof signs_scales);
-        blocks[ibl].d = moe_f32_to_fp16(0.f);
-        float max_scale = 0;
-        const float sigma2 = 2 * moe_sum_sq(xbl, MOE_QK_K) / MOE_QK_K;
-        for (int ib = 0; ib < 8; ++ib) {
-            const float *xb = xbl + 32 * ib;
-            sub_block_weights(qw ? qw + MOE_QK_K * ibl + 32 * ib : NULL, xb, 32, sigma2, false,
-                              weight, waux);
-            for (int k = 0; k < 4; ++k)
-                block_signs[k] = split_signs(xb + 8 * k, weight + 8 * k, xval + 8 * k, true);
-            const float max = max_of(xval, 32);
-            memset(L, 0, sizeof L);
-            if (max < GROUP_MAX_EPS_IQ3_XXS) {
-                scales[ib] = 0;
-                continue;
-            }
-            float scale = search_scale(g, 32, xval, weight, waux, max / 15, max, 15, 0.2f, -15, 15,
-                                       true, REFINE_OFF_GRID_FROM_GRID, L);
-            if (scale < 0) {
-                scale = -scale;
-                for (int k = 0; k < 4; ++k) block_signs[k] = (uint8_t)(~block_signs[k] & 127);
-            }
-            for (int k = 0; k < 8; ++k) q3[8 * ib + k] = (uint8_t)entry_of(g, L + 4 * k);
-            signs_scales[ib] = (uint32_t)block_signs[0] | (uint32_t)block_signs[1] << 7 |
-                               (uint32_t)block_signs[2] << 14 | (uint32_t)block_signs[3] << 21;
-            scales[ib] = scale;
-            max_scale = scale > max_scale ? scale : max_scale;
-        }
-        if (!max_scale) {
-            memset(blocks[ibl].qs, 0, sizeof blocks[ibl].qs);
-            continue;
-        }
-        const float d = max_scale / 31;
-        blocks[ibl].d = moe_f32_to_fp16(d * 1.0125f);
-        const float id = 1 / d;
-        memcpy(blocks[ibl].qs, q3, 64);
-        for (int ib = 0; ib < 8; ++ib) {
-            const uint32_t w = signs_scales[ib] | (uint32_t)odd_scale_index(id, scales[ib], 15)
-                                                      << 28;
-            for (int b = 0; b < 4; ++b) blocks[ibl].qs[64 + 4 * ib + b] = (uint8_t)(w >> (8 * b));
-        }
-    }
+    quantize_xxs(x, y, n, qw, true);
 }
 
 /* ggml's quantize_row_iq3_s_impl with 32-value sub-blocks: 9-bit indices, full sign bytes. */
@@ -713,208 +679,226 @@ static void sort_values(const float *xb, int n, value_at *order) {
     qsort(order, (size_t)n, sizeof *order, value_at_cmp);
 }
 
+/* A sub-block's weights and its values sorted; returns max |x|, or 0 when that is below eps
+ * (an empty sub-block: nothing sorted). */
+static float iq1_prepare(const float *qw, const float *xb, int n, float sigma2, float eps,
+                         float *weight, value_at *order) {
+    sub_block_weights(qw, xb, n, sigma2, false, weight, NULL);
+    float max = fabsf(xb[0]);
+    for (int i = 1; i < n; ++i) max = fabsf(xb[i]) > max ? fabsf(xb[i]) : max;
+    if (max < eps) return 0;
+    sort_values(xb, n, order);
+    return max;
+}
+
 /* Levels from the two split points of the sorted order: below i1 -> 0, below i2 -> 1, else 2. */
 static void levels_from_split(const value_at *order, int n, int i1, int i2, int8_t *L) {
     for (int j = 0; j < n; ++j) L[order[j].i] = (int8_t)(j < i1 ? 0 : j < i2 ? 1 : 2);
 }
 
-/* ggml's quantize_row_iq1_s_impl: 8 sub-blocks of 32 with a 3-bit scale and one delta sign;
- * the split into three levels is solved exactly over the sorted values. */
-MOE_QUANTIZE_FN(iq1_s) {
-    const iq_lattice *g = lattice_get(LAT_IQ1);
-    moe_block_iq1_s *blocks = y;
-    float scales[8], weight[32], sumx[33], sumw[33];
-    int8_t L[32], shifts[8];
-    uint16_t index[4];
+/* The best three-level split of IQ1_S's 32 sorted values: both value sets (x_p, x_m) for every
+ * pair of split points, by prefix sums. *shift: 1 for x_p, -1 for x_m, 0 when none scored. */
+static float iq1_split_s(const float *xb, const float *weight, const value_at *order, float max,
+                         int *i1_out, int *i2_out, int *shift) {
+    float sumx[33], sumw[33];
+    sumx[0] = sumw[0] = 0;
+    for (int j = 0; j < 32; ++j) {
+        const int i = order[j].i;
+        sumx[j + 1] = sumx[j] + weight[i] * xb[i];
+        sumw[j + 1] = sumw[j] + weight[i];
+    }
+    float best_score = -FLT_MAX, scale = max;
+    *shift = 0;
+    for (int i1 = 0; i1 <= 32; ++i1)
+        for (int i2 = i1; i2 <= 32; ++i2)
+            for (int s = 0; s < 2; ++s) {
+                const float *v = s == 0 ? IQ1_XP : IQ1_XM;
+                float sumqx = (sumx[i1] - sumx[0]) * v[0] + (sumx[i2] - sumx[i1]) * v[1] +
+                              (sumx[32] - sumx[i2]) * v[2];
+                float sumq2 = (sumw[i1] - sumw[0]) * v[0] * v[0] +
+                              (sumw[i2] - sumw[i1]) * v[1] * v[1] +
+                              (sumw[32] - sumw[i2]) * v[2] * v[2];
+                if (sumq2 > 0 && sumqx * sumqx > best_score * sumq2) {
+                    scale = sumqx / sumq2, best_score = scale * sumqx;
+                    *i1_out = i1, *i2_out = i2, *shift = s == 0 ? 1 : -1;
+                }
+            }
+    return scale;
+}
+
+/* The same for IQ1_M's 16 values, each half of 8 with its own value set: *shift = 2 * (first
+ * half uses x_m) + (second half uses x_m), -1 when none scored. Per-half prefix sums; since
+ * v[0] - v[1] = v[1] - v[2] = -1 for both sets, a split's sum is T v[2] - px[i1] - px[i2]. */
+static float iq1_split_m(const float *xb, const float *weight, const value_at *order, float max,
+                         int *i1_out, int *i2_out, int *shift) {
+    float px[2][17], pw[2][17];
+    px[0][0] = px[1][0] = pw[0][0] = pw[1][0] = 0;
+    for (int j = 0; j < 16; ++j) {
+        const int i = order[j].i, h = i < 8 ? 0 : 1;
+        px[h][j + 1] = px[h][j] + weight[i] * xb[i];
+        px[1 - h][j + 1] = px[1 - h][j];
+        pw[h][j + 1] = pw[h][j] + weight[i];
+        pw[1 - h][j + 1] = pw[1 - h][j];
+    }
+    const float txs[2] = {px[0][16], px[1][16]}, tws[2] = {pw[0][16], pw[1][16]};
+    const float p2 = IQ1_XP[2], m2 = IQ1_XM[2];
+    const float cp1 = IQ1_XP[0] * IQ1_XP[0] - IQ1_XP[1] * IQ1_XP[1];
+    const float cp2 = IQ1_XP[1] * IQ1_XP[1] - IQ1_XP[2] * IQ1_XP[2];
+    const float cm1 = IQ1_XM[0] * IQ1_XM[0] - IQ1_XM[1] * IQ1_XM[1];
+    const float cm2 = IQ1_XM[1] * IQ1_XM[1] - IQ1_XM[2] * IQ1_XM[2];
+    float best_score = -FLT_MAX, scale = max;
+    *shift = -1;
+    for (int i1 = 0; i1 <= 16; ++i1)
+        for (int i2 = i1; i2 <= 16; ++i2) {
+            float qx_p[2], qx_m[2], q2_p[2], q2_m[2], sumqx[4], sumq2[4];
+            for (int h = 0; h < 2; ++h) {
+                const float sx = px[h][i1] + px[h][i2];
+                qx_p[h] = txs[h] * p2 - sx;
+                qx_m[h] = txs[h] * m2 - sx;
+                q2_p[h] = tws[h] * p2 * p2 + pw[h][i1] * cp1 + pw[h][i2] * cp2;
+                q2_m[h] = tws[h] * m2 * m2 + pw[h][i1] * cm1 + pw[h][i2] * cm2;
+            }
+            sumqx[0] = qx_p[0] + qx_p[1], sumqx[1] = qx_p[0] + qx_m[1];
+            sumqx[2] = qx_m[0] + qx_p[1], sumqx[3] = qx_m[0] + qx_m[1];
+            sumq2[0] = q2_p[0] + q2_p[1], sumq2[1] = q2_p[0] + q2_m[1];
+            sumq2[2] = q2_m[0] + q2_p[1], sumq2[3] = q2_m[0] + q2_m[1];
+            for (int k = 0; k < 4; ++k)
+                if (sumq2[k] > 0 && sumqx[k] * sumqx[k] > best_score * sumq2[k]) {
+                    scale = sumqx[k] / sumq2[k], best_score = scale * sumqx[k];
+                    *i1_out = i1, *i2_out = i2, *shift = k;
+                }
+        }
+    return scale;
+}
+
+/* The value set of group k (of 8) of an IQ1 sub-block with sign choice `shift`. */
+static const float *iq1_values(bool is_m, int shift, int k) {
+    if (!is_m) return shift == 1 ? IQ1_XP : IQ1_XM;
+    return (k == 0 ? shift < 2 : shift % 2 == 0) ? IQ1_XP : IQ1_XM;
+}
+
+/* One IQ1 sub-block (32 values for IQ1_S, 16 for IQ1_M): weights, the exact split, the flip to a
+ * positive scale, the snap to the codebook. Returns the scale, 0 for a sub-block left empty
+ * (*shift is then IQ1_S's 1 / IQ1_M's 0, as ggml leaves it); index gets the entries. */
+static float iq1_sub_block(const iq_lattice *g, bool is_m, const float *xb, const float *qw,
+                           float sigma2, uint16_t *index, int *shift) {
+    const int n = is_m ? 16 : 32;
+    float weight[32];
+    int8_t L[32];
     value_at order[32];
+    const float max = iq1_prepare(qw, xb, n, sigma2,
+                                  is_m ? GROUP_MAX_EPS_IQ1_M : GROUP_MAX_EPS_IQ1_S, weight, order);
+    int i1 = -1, i2 = -1;
+    float scale = 0;
+    if (max != 0)
+        scale = is_m ? iq1_split_m(xb, weight, order, max, &i1, &i2, shift)
+                     : iq1_split_s(xb, weight, order, max, &i1, &i2, shift);
+    if (max == 0 || i1 < 0 || i2 < 0 || *shift == (is_m ? -1 : 0)) {
+        *shift = is_m ? 0 : 1;
+        return 0;
+    }
+    levels_from_split(order, n, i1, i2, L);
+    if (scale < 0) {
+        for (int j = 0; j < n; ++j) L[j] = (int8_t)(2 - L[j]);
+        scale = -scale, *shift = is_m ? 3 - *shift : -*shift;
+    }
+    const float *xxs[4];
+    for (int k = 0; k < n / 8; ++k) xxs[k] = iq1_values(is_m, *shift, k);
+    return iq1_snap(g, xb, weight, n, scale, xxs, L, index);
+}
+
+/* IQ1_M's super-block scale: refitted over all sub-blocks at their rounded 3-bit scales l,
+ * which go to sc[4] (3 bits each) with the shift bits to qh, as ggml's impl does. */
+static float iq1_m_refit(const iq_lattice *g, moe_block_iq1_m *b, const float *xbl, const float *qw,
+                         float sigma2, const float *scales, const int *shifts, float max_scale,
+                         uint16_t sc[4]) {
+    static const uint8_t masks[4] = {0x00, 0x80, 0x08, 0x88};
+    float weight[16], d = max_scale / 15;
+    const float id = 1 / d;
+    float sumqx_f = 0, sumq2_f = 0;
+    for (int ib = 0; ib < 16; ++ib) {
+        const int l = odd_scale_index(id, scales[ib], 7);
+        sc[ib / 4] |= (uint16_t)(l << 3 * (ib % 4));
+        b->qh[ib] |= masks[shifts[ib]];
+        const float *xb = xbl + 16 * ib;
+        sub_block_weights(qw ? qw + 16 * ib : NULL, xb, 16, sigma2, false, weight, NULL);
+        for (int k = 0; k < 2; ++k) {
+            const float *xx = iq1_values(true, shifts[ib], k);
+            const int e = b->qs[2 * ib + k] | ((b->qh[ib] << (8 - 4 * k)) & 0x700);
+            const int8_t *pg = g->grid + e * 8;
+            for (int j = 0; j < 8; ++j) {
+                float w = weight[8 * k + j];
+                float q = xx[(pg[j] - 1) / 2] * (2 * l + 1);
+                sumqx_f += w * q * xb[8 * k + j];
+                sumq2_f += w * q * q;
+            }
+        }
+    }
+    return sumq2_f > 0 ? sumqx_f / sumq2_f : d;
+}
+
+/* ggml's quantize_row_iq1_s_impl (8 sub-blocks of 32, a 3-bit scale and one delta sign each) and
+ * quantize_row_iq1_m_impl (16 sub-blocks of 16, 3-bit scales, a delta sign per 8 values, the
+ * fp16 super-block scale spread over the scale words' top nibbles). */
+static void quantize_iq1(const float *x, void *y, int64_t n, const float *qw, bool is_m) {
+    const iq_lattice *g = lattice_get(LAT_IQ1);
+    const int sub = is_m ? 16 : 32, n_sub = MOE_QK_K / sub;
+    float scales[16];
+    int shifts[16];
     for (int64_t ibl = 0; ibl < n / MOE_QK_K; ++ibl) {
-        const float *xbl = x + MOE_QK_K * ibl;
-        moe_block_iq1_s *b = &blocks[ibl];
-        memset(b, 0, sizeof *b);
+        const float *xbl = x + MOE_QK_K * ibl, *qwb = qw ? qw + MOE_QK_K * ibl : NULL;
+        moe_block_iq1_s *bs = (moe_block_iq1_s *)y + ibl;
+        moe_block_iq1_m *bm = (moe_block_iq1_m *)y + ibl;
+        is_m ? memset(bm, 0, sizeof *bm) : memset(bs, 0, sizeof *bs);
         float max_scale = 0;
         const float sigma2 = 2 * moe_sum_sq(xbl, MOE_QK_K) / MOE_QK_K;
-        for (int ib = 0; ib < 8; ++ib) {
-            const float *xb = xbl + 32 * ib;
-            sub_block_weights(qw ? qw + MOE_QK_K * ibl + 32 * ib : NULL, xb, 32, sigma2, false,
-                              weight, NULL);
-            float max = fabsf(xb[0]);
-            for (int i = 1; i < 32; ++i) max = fabsf(xb[i]) > max ? fabsf(xb[i]) : max;
-            if (max < GROUP_MAX_EPS_IQ1_S) {
-                scales[ib] = 0, shifts[ib] = 1;
-                continue;
+        for (int ib = 0; ib < n_sub; ++ib) {
+            uint16_t index[4];
+            scales[ib] = iq1_sub_block(g, is_m, xbl + sub * ib, qwb ? qwb + sub * ib : NULL, sigma2,
+                                       index, &shifts[ib]);
+            if (scales[ib] == 0) continue;
+            if (is_m) {
+                bm->qs[2 * ib + 0] = (uint8_t)(index[0] & 255);
+                bm->qs[2 * ib + 1] = (uint8_t)(index[1] & 255);
+                bm->qh[ib] = (uint8_t)((index[0] >> 8) | ((index[1] >> 8) << 4));
+            } else {
+                for (int k = 0; k < 4; ++k) {
+                    bs->qs[4 * ib + k] = (uint8_t)(index[k] & 255);
+                    bs->qh[ib] |= (uint16_t)((index[k] >> 8) << 3 * k);
+                }
             }
-            sort_values(xb, 32, order);
-            sumx[0] = sumw[0] = 0;
-            for (int j = 0; j < 32; ++j) {
-                const int i = order[j].i;
-                sumx[j + 1] = sumx[j] + weight[i] * xb[i];
-                sumw[j + 1] = sumw[j] + weight[i];
-            }
-            float best_score = -FLT_MAX, scale = max;
-            int besti1 = -1, besti2 = -1, best_shift = 0;
-            for (int i1 = 0; i1 <= 32; ++i1)
-                for (int i2 = i1; i2 <= 32; ++i2)
-                    for (int s = 0; s < 2; ++s) {
-                        const float *v = s == 0 ? IQ1_XP : IQ1_XM;
-                        float sumqx = (sumx[i1] - sumx[0]) * v[0] + (sumx[i2] - sumx[i1]) * v[1] +
-                                      (sumx[32] - sumx[i2]) * v[2];
-                        float sumq2 = (sumw[i1] - sumw[0]) * v[0] * v[0] +
-                                      (sumw[i2] - sumw[i1]) * v[1] * v[1] +
-                                      (sumw[32] - sumw[i2]) * v[2] * v[2];
-                        if (sumq2 > 0 && sumqx * sumqx > best_score * sumq2) {
-                            scale = sumqx / sumq2, best_score = scale * sumqx;
-                            besti1 = i1, besti2 = i2, best_shift = s == 0 ? 1 : -1;
-                        }
-                    }
-            if (besti1 < 0 || besti2 < 0 || best_shift == 0) {
-                scales[ib] = 0, shifts[ib] = 1;
-                continue;
-            }
-            levels_from_split(order, 32, besti1, besti2, L);
-            if (scale < 0) {
-                for (int j = 0; j < 32; ++j) L[j] = (int8_t)(2 - L[j]);
-                scale = -scale, best_shift = -best_shift;
-            }
-            const float *xx = best_shift == 1 ? IQ1_XP : IQ1_XM;
-            const float *xxs[4] = {xx, xx, xx, xx};
-            scale = iq1_snap(g, xb, weight, 32, scale, xxs, L, index);
-            uint16_t h = 0;
-            for (int k = 0; k < 4; ++k) {
-                b->qs[4 * ib + k] = (uint8_t)(index[k] & 255);
-                h |= (uint16_t)((index[k] >> 8) << 3 * k);
-            }
-            b->qh[ib] = h;
-            scales[ib] = scale, shifts[ib] = (int8_t)best_shift;
-            max_scale = scale > max_scale ? scale : max_scale;
+            max_scale = scales[ib] > max_scale ? scales[ib] : max_scale;
         }
         if (!max_scale) continue;
-        const float d = max_scale / 15;
-        b->d = moe_f32_to_fp16(d * 1.125f);
-        const float id = 1 / d;
-        for (int ib = 0; ib < 8; ++ib) {
-            int l = odd_scale_index(id, scales[ib], 7);
-            if (shifts[ib] == -1) l |= 8;
-            b->qh[ib] |= (uint16_t)(l << 12);
+        if (is_m) {
+            uint16_t sc[4] = {0, 0, 0, 0};
+            const float d = iq1_m_refit(g, bm, xbl, qwb, sigma2, scales, shifts, max_scale, sc);
+            const uint16_t s = moe_f32_to_fp16(d * 1.1125f);
+            sc[0] |= (uint16_t)((s & 0x000f) << 12);
+            sc[1] |= (uint16_t)((s & 0x00f0) << 8);
+            sc[2] |= (uint16_t)((s & 0x0f00) << 4);
+            sc[3] |= (uint16_t)(s & 0xf000);
+            for (int j = 0; j < 4; ++j) {
+                bm->scales[2 * j] = (uint8_t)(sc[j] & 0xff);
+                bm->scales[2 * j + 1] = (uint8_t)(sc[j] >> 8);
+            }
+        } else {
+            const float d = max_scale / 15;
+            bs->d = moe_f32_to_fp16(d * 1.125f);
+            const float id = 1 / d;
+            for (int ib = 0; ib < 8; ++ib) {
+                int l = odd_scale_index(id, scales[ib], 7);
+                if (shifts[ib] == -1) l |= 8;
+                bs->qh[ib] |= (uint16_t)(l << 12);
+            }
         }
     }
 }
 
-/* ggml's quantize_row_iq1_m_impl: 16 sub-blocks of 16 with 3-bit scales and a delta sign per
- * 8 values; the split is solved over both halves' sign choices at once. */
+MOE_QUANTIZE_FN(iq1_s) {
+    quantize_iq1(x, y, n, qw, false);
+}
+
 MOE_QUANTIZE_FN(iq1_m) {
-    const iq_lattice *g = lattice_get(LAT_IQ1);
-    moe_block_iq1_m *blocks = y;
-    static const uint8_t masks[4] = {0x00, 0x80, 0x08, 0x88};
-    float scales[16], weight[16];
-    int8_t L[16], shifts[16];
-    uint16_t index[2];
-    value_at order[16];
-    for (int64_t ibl = 0; ibl < n / MOE_QK_K; ++ibl) {
-        const float *xbl = x + MOE_QK_K * ibl;
-        moe_block_iq1_m *b = &blocks[ibl];
-        memset(b, 0, sizeof *b);
-        float max_scale = 0;
-        const float sigma2 = 2 * moe_sum_sq(xbl, MOE_QK_K) / MOE_QK_K;
-        for (int ib = 0; ib < 16; ++ib) {
-            const float *xb = xbl + 16 * ib;
-            sub_block_weights(qw ? qw + MOE_QK_K * ibl + 16 * ib : NULL, xb, 16, sigma2, false,
-                              weight, NULL);
-            float max = fabsf(xb[0]);
-            for (int i = 1; i < 16; ++i) max = fabsf(xb[i]) > max ? fabsf(xb[i]) : max;
-            if (max < GROUP_MAX_EPS_IQ1_M) {
-                scales[ib] = 0, shifts[ib] = 0;
-                continue;
-            }
-            sort_values(xb, 16, order);
-            float best_score = -FLT_MAX, scale = max;
-            int besti1 = -1, besti2 = -1, best_k = -1;
-            /* prefix sums per half: each half of 8 may use x_p or x_m (k = 2 * first + second) */
-            float px[2][17], pw[2][17];
-            px[0][0] = px[1][0] = pw[0][0] = pw[1][0] = 0;
-            for (int j = 0; j < 16; ++j) {
-                const int i = order[j].i, h = i < 8 ? 0 : 1;
-                px[h][j + 1] = px[h][j] + weight[i] * xb[i];
-                px[1 - h][j + 1] = px[1 - h][j];
-                pw[h][j + 1] = pw[h][j] + weight[i];
-                pw[1 - h][j + 1] = pw[1 - h][j];
-            }
-            const float txs[2] = {px[0][16], px[1][16]}, tws[2] = {pw[0][16], pw[1][16]};
-            const float p2 = IQ1_XP[2], m2 = IQ1_XM[2];
-            const float cp1 = IQ1_XP[0] * IQ1_XP[0] - IQ1_XP[1] * IQ1_XP[1];
-            const float cp2 = IQ1_XP[1] * IQ1_XP[1] - IQ1_XP[2] * IQ1_XP[2];
-            const float cm1 = IQ1_XM[0] * IQ1_XM[0] - IQ1_XM[1] * IQ1_XM[1];
-            const float cm2 = IQ1_XM[1] * IQ1_XM[1] - IQ1_XM[2] * IQ1_XM[2];
-            for (int i1 = 0; i1 <= 16; ++i1)
-                for (int i2 = i1; i2 <= 16; ++i2) {
-                    float qx_p[2], qx_m[2], q2_p[2], q2_m[2], sumqx[4], sumq2[4];
-                    for (int h = 0; h < 2; ++h) {
-                        const float sx = px[h][i1] + px[h][i2];
-                        qx_p[h] = txs[h] * p2 - sx;
-                        qx_m[h] = txs[h] * m2 - sx;
-                        q2_p[h] = tws[h] * p2 * p2 + pw[h][i1] * cp1 + pw[h][i2] * cp2;
-                        q2_m[h] = tws[h] * m2 * m2 + pw[h][i1] * cm1 + pw[h][i2] * cm2;
-                    }
-                    sumqx[0] = qx_p[0] + qx_p[1], sumqx[1] = qx_p[0] + qx_m[1];
-                    sumqx[2] = qx_m[0] + qx_p[1], sumqx[3] = qx_m[0] + qx_m[1];
-                    sumq2[0] = q2_p[0] + q2_p[1], sumq2[1] = q2_p[0] + q2_m[1];
-                    sumq2[2] = q2_m[0] + q2_p[1], sumq2[3] = q2_m[0] + q2_m[1];
-                    for (int k = 0; k < 4; ++k)
-                        if (sumq2[k] > 0 && sumqx[k] * sumqx[k] > best_score * sumq2[k]) {
-                            scale = sumqx[k] / sumq2[k], best_score = scale * sumqx[k];
-                            besti1 = i1, besti2 = i2, best_k = k;
-                        }
-                }
-            if (besti1 < 0 || besti2 < 0 || best_k < 0) {
-                scales[ib] = 0, shifts[ib] = 0;
-                continue;
-            }
-            levels_from_split(order, 16, besti1, besti2, L);
-            if (scale < 0) {
-                for (int j = 0; j < 16; ++j) L[j] = (int8_t)(2 - L[j]);
-                scale = -scale, best_k = 3 - best_k;
-            }
-            const float *xxs[2] = {best_k < 2 ? IQ1_XP : IQ1_XM, best_k % 2 == 0 ? IQ1_XP : IQ1_XM};
-            scale = iq1_snap(g, xb, weight, 16, scale, xxs, L, index);
-            b->qs[2 * ib + 0] = (uint8_t)(index[0] & 255);
-            b->qs[2 * ib + 1] = (uint8_t)(index[1] & 255);
-            b->qh[ib] = (uint8_t)((index[0] >> 8) | ((index[1] >> 8) << 4));
-            scales[ib] = scale, shifts[ib] = (int8_t)best_k;
-            max_scale = scale > max_scale ? scale : max_scale;
-        }
-        if (!max_scale) continue;
-        uint16_t sc[4] = {0, 0, 0, 0};
-        float d = max_scale / 15;
-        const float id = 1 / d;
-        float sumqx_f = 0, sumq2_f = 0;
-        for (int ib = 0; ib < 16; ++ib) {
-            const int l = odd_scale_index(id, scales[ib], 7);
-            sc[ib / 4] |= (uint16_t)(l << 3 * (ib % 4));
-            b->qh[ib] |= masks[shifts[ib]];
-            const float *xb = xbl + 16 * ib;
-            sub_block_weights(qw ? qw + MOE_QK_K * ibl + 16 * ib : NULL, xb, 16, sigma2, false,
-                              weight, NULL);
-            for (int k = 0; k < 2; ++k) {
-                const float *xx = k == 0 ? (shifts[ib] < 2 ? IQ1_XP : IQ1_XM)
-                                         : (shifts[ib] % 2 == 0 ? IQ1_XP : IQ1_XM);
-                const int e = b->qs[2 * ib + k] | ((b->qh[ib] << (8 - 4 * k)) & 0x700);
-                const int8_t *pg = g->grid + e * 8;
-                for (int j = 0; j < 8; ++j) {
-                    float w = weight[8 * k + j];
-                    float q = xx[(pg[j] - 1) / 2] * (2 * l + 1);
-                    sumqx_f += w * q * xb[8 * k + j];
-                    sumq2_f += w * q * q;
-                }
-            }
-        }
-        if (sumq2_f > 0) d = sumqx_f / sumq2_f;
-        const uint16_t s = moe_f32_to_fp16(d * 1.1125f);
-        sc[0] |= (uint16_t)((s & 0x000f) << 12);
-        sc[1] |= (uint16_t)((s & 0x00f0) << 8);
-        sc[2] |= (uint16_t)((s & 0x0f00) << 4);
-        sc[3] |= (uint16_t)(s & 0xf000);
-        for (int j = 0; j < 4; ++j) {
-            b->scales[2 * j] = (uint8_t)(sc[j] & 0xff);
-            b->scales[2 * j + 1] = (uint8_t)(sc[j] >> 8);
-        }
-    }
+    quantize_iq1(x, y, n, qw, true);
 }

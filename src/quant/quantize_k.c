@@ -36,16 +36,23 @@ static inline float implicit_weight(int rmse_type, float x) {
  * -nmax / (signed max), refits by weighted least squares, then tries 18 neighbouring scales
  * -(nmax + 0.1 is)/max and keeps the best. Weights qw, or x^2 (rmse_type 1) when qw is NULL.
  * Returns the scale. ggml's make_qx_quants with rmse_type 1. */
-float moe_fit_symmetric(int n, int nmax, const float *x, int8_t *L, const float *qw) {
-    float max = 0, amax = 0;
+/* The value of largest magnitude (the first of equals); false, with L zeroed, when every value
+ * is below GROUP_MAX_EPS. */
+static bool signed_max(int n, const float *x, int8_t *L, float *max) {
+    float amax = 0;
+    *max = 0;
     for (int i = 0; i < n; ++i) {
         float ax = fabsf(x[i]);
-        if (ax > amax) amax = ax, max = x[i];
+        if (ax > amax) amax = ax, *max = x[i];
     }
-    if (amax < GROUP_MAX_EPS) {
-        memset(L, 0, (size_t)n);
-        return 0.f;
-    }
+    if (amax >= GROUP_MAX_EPS) return true;
+    memset(L, 0, (size_t)n);
+    return false;
+}
+
+float moe_fit_symmetric(int n, int nmax, const float *x, int8_t *L, const float *qw) {
+    float max;
+    if (!signed_max(n, x, L, &max)) return 0.f;
     float iscale = -nmax / max;
     float sumlx = 0, suml2 = 0;
     for (int i = 0; i < n; ++i) {
@@ -81,15 +88,8 @@ float moe_fit_symmetric(int n, int nmax, const float *x, int8_t *L, const float 
  * move single values to the level that most improves the x^2-weighted fit. L gets l + nmax.
  * ggml's make_q3_quants with do_rmse. */
 static float fit_symmetric_sweep(int n, int nmax, const float *x, int8_t *L) {
-    float max = 0, amax = 0;
-    for (int i = 0; i < n; ++i) {
-        float ax = fabsf(x[i]);
-        if (ax > amax) amax = ax, max = x[i];
-    }
-    if (amax < GROUP_MAX_EPS) {
-        memset(L, 0, (size_t)n);
-        return 0.f;
-    }
+    float max;
+    if (!signed_max(n, x, L, &max)) return 0.f;
     float iscale = -nmax / max;
     float sumlx = 0, suml2 = 0;
     for (int i = 0; i < n; ++i) {
@@ -656,48 +656,46 @@ static void pack_q5_k(const uint8_t *L, moe_block_q5_k *y) {
         }
 }
 
-MOE_REF_FROM_FLOAT(q4_k) {
-    moe_block_q4_k *y = blocks;
+/* One row of Q4_K (q5 false: 4-bit codes) or Q5_K: without an importance vector ggml's
+ * reference fit, with one its weighted fit; then codes against the rounded scales. */
+static void quantize_k4_row(const float *x, void *blocks, int64_t n, const float *qw, bool q5) {
+    const int nmax = q5 ? 31 : 15;
     uint8_t L[MOE_QK_K];
-    for (int64_t i = 0; i < n / MOE_QK_K; i++, in += MOE_QK_K) {
-        memset(y[i].scales, 0, 12);
-        k4_scales_ref(in, 15, -1.f, 20, L, y[i].scales, &y[i].d, &y[i].dmin);
-        requantize_k4(in, y[i].scales, y[i].d, y[i].dmin, 15, L);
-        pack_q4_k(L, &y[i]);
+    for (int64_t i = 0; i < n / MOE_QK_K; i++, x += MOE_QK_K) {
+        moe_block_q4_k *b4 = (moe_block_q4_k *)blocks + i;
+        moe_block_q5_k *b5 = (moe_block_q5_k *)blocks + i;
+        uint8_t *scales = q5 ? b5->scales : b4->scales;
+        uint16_t d, dmin;
+        memset(scales, 0, 12);
+        if (qw)
+            k4_scales_weighted(x, qw + MOE_QK_K * i, nmax, L, scales, &d, &dmin);
+        else
+            k4_scales_ref(x, nmax, q5 ? -0.5f : -1.f, q5 ? 15 : 20, L, scales, &d, &dmin);
+        requantize_k4(x, scales, d, dmin, nmax, L);
+        if (q5) {
+            b5->d = d, b5->dmin = dmin;
+            pack_q5_k(L, b5);
+        } else {
+            b4->d = d, b4->dmin = dmin;
+            pack_q4_k(L, b4);
+        }
     }
+}
+
+MOE_REF_FROM_FLOAT(q4_k) {
+    quantize_k4_row(in, blocks, n, NULL, false);
 }
 
 MOE_REF_FROM_FLOAT(q5_k) {
-    moe_block_q5_k *y = blocks;
-    uint8_t L[MOE_QK_K];
-    for (int64_t i = 0; i < n / MOE_QK_K; i++, in += MOE_QK_K) {
-        memset(y[i].scales, 0, 12);
-        k4_scales_ref(in, 31, -0.5f, 15, L, y[i].scales, &y[i].d, &y[i].dmin);
-        requantize_k4(in, y[i].scales, y[i].d, y[i].dmin, 31, L);
-        pack_q5_k(L, &y[i]);
-    }
+    quantize_k4_row(in, blocks, n, NULL, true);
 }
 
 void moe_quantize_q4_k(const float *x, void *blocks, int64_t n, const float *qw) {
-    if (!qw) return moe_ref_q4_k_from_float(x, blocks, n);
-    moe_block_q4_k *y = blocks;
-    uint8_t L[MOE_QK_K];
-    for (int64_t i = 0; i < n / MOE_QK_K; i++, x += MOE_QK_K) {
-        k4_scales_weighted(x, qw + MOE_QK_K * i, 15, L, y[i].scales, &y[i].d, &y[i].dmin);
-        requantize_k4(x, y[i].scales, y[i].d, y[i].dmin, 15, L);
-        pack_q4_k(L, &y[i]);
-    }
+    quantize_k4_row(x, blocks, n, qw, false);
 }
 
 void moe_quantize_q5_k(const float *x, void *blocks, int64_t n, const float *qw) {
-    if (!qw) return moe_ref_q5_k_from_float(x, blocks, n);
-    moe_block_q5_k *y = blocks;
-    uint8_t L[MOE_QK_K];
-    for (int64_t i = 0; i < n / MOE_QK_K; i++, x += MOE_QK_K) {
-        k4_scales_weighted(x, qw + MOE_QK_K * i, 31, L, y[i].scales, &y[i].d, &y[i].dmin);
-        requantize_k4(x, y[i].scales, y[i].d, y[i].dmin, 31, L);
-        pack_q5_k(L, &y[i]);
-    }
+    quantize_k4_row(x, blocks, n, qw, true);
 }
 
 /* ==== Q6_K ==== */
