@@ -254,6 +254,27 @@ static void deepseek2_logits_match_dequantized(void **state) {
     check_model("parity/deepseek2-f32.gguf", 512, "--type IQ4_NL --rule 'ffn_down=Q8_0'");
 }
 
+/* --split-max-tensors: llama.cpp's gguf-split naming, and the shards load as the one file does */
+static void split_output_loads_as_one(void **state) {
+    (void)state;
+    const char *src = moe_test_shared("models/stories260K/stories260K.gguf");
+    if (!src) return;
+    char one[512], split[512], first[512];
+    snprintf(one, sizeof one, "%s", tmp_path("one.gguf"));
+    snprintf(split, sizeof split, "%s", tmp_path("split.gguf"));
+    snprintf(first, sizeof first, "%s", tmp_path("split-00001-of-00003.gguf"));
+    quantize(src, one, "--type Q8_0");
+    quantize(src, split, "--type Q8_0 --split-max-tensors 20"); /* 48 tensors: 20 + 20 + 8 */
+    struct stat st;
+    assert_int_equal(stat(tmp_path("split-00003-of-00003.gguf"), &st), 0);
+    assert_int_not_equal(stat(tmp_path("split-00004-of-00004.gguf"), &st), 0);
+    size_t na, nb;
+    float *a = logits_of(one, "one.f32", &na), *b = logits_of(first, "split.f32", &nb);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na * sizeof(float));
+    free(a), free(b);
+}
+
 /* ==== Importance matrix ==== */
 
 /* llama.cpp's GGUF imatrix for every 2-D / 3-D weight of `model`: <name>.in_sum2 [n_in, n_mat]
@@ -417,6 +438,7 @@ int moe_suite_quantize(void) {
         cmocka_unit_test(file_reads_as_llama_cpp_writes_it),
         cmocka_unit_test(stories260k_logits_match_dequantized),
         cmocka_unit_test(deepseek2_logits_match_dequantized),
+        cmocka_unit_test(split_output_loads_as_one),
         cmocka_unit_test(imatrix_lowers_weighted_error_and_is_required),
         cmocka_unit_test(bad_arguments_are_refused),
     };
