@@ -26,7 +26,11 @@ static const moe_command commands[] = {
      "[--kv-type f16|f32|q8_0] [--no-vision] [--ladder] [--json] [--svg FILE]"},
     {"audit", moe_cmd_audit,
      "quantization error of chosen rows against a float reference (rel. Frobenius, cosine, matvec)",
-     "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
+     "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]\n"
+     "       moe audit --ladder SRC --types IQ2_S,IQ3_S,IQ4_XS,Q4_K,... [--tensor REGEX] "
+     "[--experts ...]\n"
+     "        [--rows N] [--imatrix F.gguf] [-t N] [--json]  (each rung quantized from SRC's "
+     "floats)"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
     {"synth", moe_cmd_synth,

@@ -399,6 +399,73 @@ static void imatrix_lowers_weighted_error_and_is_required(void **state) {
     free(im);
 }
 
+/* ==== moe audit --ladder ==== */
+
+static json_t *audit_json(const char *args) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s audit %s --json", moe_test_bin(), args);
+    char *out = run_ok(cmd);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    if (!j) fail_msg("audit printed no JSON (%s): %s", je.text, out);
+    free(out);
+    return j;
+}
+
+/* A rung is what `moe quantize` would write: its figures equal `moe audit` of a file quantized
+ * to that type, number for number; more bits, less error; IQ2_S needs the imatrix. */
+static void ladder_matches_quantized_files(void **state) {
+    (void)state;
+    const char *src = moe_test_synth("ladder-src.gguf", "--preset tiny --layers 2");
+    char q[512], im_path[512], args[2048];
+    snprintf(q, sizeof q, "%s", tmp_path("ladder-q4k.gguf"));
+    snprintf(im_path, sizeof im_path, "%s", tmp_path("ladder-im.gguf"));
+    quantize(src, q, "--type Q4_K");
+    const char *sel = "--tensor 'blk\\.1\\.ffn_(gate|down)_exps' --experts 0,3 --rows 64";
+    snprintf(args, sizeof args, "--ladder '%s' --types IQ3_XXS,IQ3_S,IQ4_XS,Q4_K,Q6_K %s", src,
+             sel);
+    json_t *ladder = audit_json(args);
+    snprintf(args, sizeof args, "'%s' '%s' %s", q, src, sel);
+    json_t *file = audit_json(args);
+    size_t i, matched = 0;
+    json_t *a, *b;
+    double prev = INFINITY;
+    json_array_foreach(json_object_get(ladder, "tensors"), i, a) {
+        const double fro = json_real_value(json_object_get(a, "rel_fro"));
+        /* rungs in order of bits within one (tensor, expert): the error falls */
+        if (i % 5 == 0) prev = INFINITY;
+        assert_true(fro < prev);
+        prev = fro;
+        if (strcmp(json_string_value(json_object_get(a, "format")), "Q4_K")) continue;
+        size_t k;
+        json_array_foreach(json_object_get(file, "tensors"), k, b) {
+            if (strcmp(json_string_value(json_object_get(a, "tensor")),
+                       json_string_value(json_object_get(b, "tensor"))) ||
+                json_integer_value(json_object_get(a, "expert")) !=
+                    json_integer_value(json_object_get(b, "expert")))
+                continue;
+            assert_true(json_real_value(json_object_get(a, "rel_fro")) ==
+                        json_real_value(json_object_get(b, "rel_fro")));
+            assert_true(json_real_value(json_object_get(a, "matvec_rel")) ==
+                        json_real_value(json_object_get(b, "matvec_rel")));
+            matched++;
+        }
+    }
+    assert_int_equal(matched, 4); /* 2 tensors x 2 experts */
+    json_decref(ladder), json_decref(file);
+    /* IQ2_S: refused without an importance matrix, measured with one */
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "%s audit --ladder '%s' --types IQ2_S %s", moe_test_bin(), src, sel);
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "needs an importance matrix"));
+    free(out);
+    free(write_imatrix(src, im_path, "blk.1.ffn_down_exps.weight"));
+    snprintf(args, sizeof args, "--ladder '%s' --types IQ2_S --imatrix '%s' %s", src, im_path, sel);
+    json_t *im = audit_json(args);
+    assert_int_equal(json_array_size(json_object_get(im, "tensors")), 4);
+    json_decref(im);
+}
+
 /* ==== Bad input ==== */
 
 static void bad_arguments_are_refused(void **state) {
@@ -440,6 +507,7 @@ int moe_suite_quantize(void) {
         cmocka_unit_test(deepseek2_logits_match_dequantized),
         cmocka_unit_test(split_output_loads_as_one),
         cmocka_unit_test(imatrix_lowers_weighted_error_and_is_required),
+        cmocka_unit_test(ladder_matches_quantized_files),
         cmocka_unit_test(bad_arguments_are_refused),
     };
     return cmocka_run_group_tests_name("quantize", tests, NULL, NULL);

@@ -176,83 +176,12 @@ static moe_type fit_row(moe_type want, int64_t n) {
     return moe_type_row_bytes(MOE_TYPE_F16, n) ? MOE_TYPE_F16 : MOE_TYPE_F32;
 }
 
-/* ==== Importance matrix (llama.cpp's GGUF imatrix: <name>.in_sum2 and <name>.counts) ==== */
-
-typedef struct imatrix_entry {
-    char *name;    /* the weight's name */
-    float *values; /* [n_mat][n_in] mean squared activation per column */
-    int64_t n_in, n_mat;
-} imatrix_entry;
-
-typedef struct imatrix {
-    imatrix_entry *e;
-    size_t n;
-} imatrix;
-
-static void imatrix_free(imatrix *m) {
-    for (size_t i = 0; i < m->n; i++) free(m->e[i].name), free(m->e[i].values);
-    free(m->e);
-    m->e = NULL, m->n = 0;
-}
-
-static const imatrix_entry *imatrix_find(const imatrix *m, const char *name) {
-    for (size_t i = 0; i < m->n; i++)
-        if (!strcmp(m->e[i].name, name)) return &m->e[i];
-    return NULL;
-}
-
-/* Reads every <name>.in_sum2 with its <name>.counts: values = sums / count per matrix, 1 where
- * a matrix never saw input (llama.cpp does the same for partial data). */
-static moe_status imatrix_load(const char *path, imatrix *out, moe_error *err) {
-    moe_gguf *g = moe_gguf_open(path, err);
-    if (!g) {
-        moe_error_prefix(err, "--imatrix %s (llama.cpp's GGUF imatrix format is read): ", path);
-        return err->code;
-    }
-    const uint64_t nt = moe_gguf_n_tensors(g);
-    for (uint64_t i = 0; i < nt && !err->code; i++) {
-        const moe_tensor *s = moe_gguf_tensor_get(g, i);
-        char *name = moe_xstrndup(s->name.ptr, s->name.len);
-        if (!ends_with(name, ".in_sum2")) {
-            free(name);
-            continue;
-        }
-        name[strlen(name) - strlen(".in_sum2")] = '\0';
-        char *cname = moe_xmalloc(strlen(name) + 8);
-        sprintf(cname, "%s.counts", name);
-        const moe_tensor *c = moe_gguf_tensor_find(g, cname);
-        free(cname);
-        const int64_t n_in = s->ne[0], n_mat = s->ne[1];
-        if (s->type != MOE_TYPE_F32 || !c || c->type != MOE_TYPE_F32 ||
-            (int64_t)c->n_values != n_mat || s->n_dims > 2 || !s->data || !c->data) {
-            moe_error_set(err, MOE_ERR_FORMAT,
-                          "--imatrix %s: '%s.in_sum2' needs an F32 [n_in, n_mat] tensor and an F32 "
-                          "'%s.counts' of n_mat values",
-                          path, name, name);
-            free(name);
-            break;
-        }
-        imatrix_entry e = {.name = name, .n_in = n_in, .n_mat = n_mat};
-        e.values = moe_xmalloc((size_t)(n_in * n_mat) * sizeof(float));
-        const float *sums = (const float *)s->data, *counts = (const float *)c->data;
-        for (int64_t m = 0; m < n_mat; m++)
-            for (int64_t j = 0; j < n_in; j++)
-                e.values[m * n_in + j] = counts[m] > 0 ? sums[m * n_in + j] / counts[m] : 1.0f;
-        out->e = moe_xrealloc(out->e, (out->n + 1) * sizeof *out->e);
-        out->e[out->n++] = e;
-    }
-    moe_gguf_close(g);
-    if (!err->code && !out->n)
-        moe_error_set(err, MOE_ERR_FORMAT, "--imatrix %s: no '<tensor>.in_sum2' entries", path);
-    return err->code;
-}
-
 /* ==== The conversion ==== */
 
 typedef struct quantizer {
     const moe_quantize_params *p;
     moe_gguf *in;
-    imatrix im;
+    moe_imatrix *im;
     regex_t *rules;
     moe_pool *pool;
     /* progress */
@@ -267,7 +196,7 @@ typedef struct out_tensor {
     const moe_tensor *src;
     moe_type type;
     bool copy; /* bytes as they are */
-    const imatrix_entry *im;
+    const moe_imatrix_entry *im;
 } out_tensor;
 
 static void progress(quantizer *q, const char *name, moe_type type) {
@@ -330,7 +259,7 @@ static moe_status fill_tensor(void *ctx, const char *name, void *out, uint64_t n
             if (r1 > rows) r1 = rows;
             j.row0 = r0;
             moe_pool_for(q->pool, r1 - r0, 16, decode_rows, &j);
-            const float *imv = o->im ? o->im->values + (o->im->n_mat > 1 ? mat : 0) * n : NULL;
+            const float *imv = o->im ? moe_imatrix_values(o->im, mat) : NULL;
             moe_quantize_rows(o->type, f32, (uint8_t *)out + (uint64_t)r0 * orb, r1 - r0, n, imv,
                               q->pool);
             r0 = r1;
@@ -390,7 +319,7 @@ static void read_mix_model(quantizer *q, mix_model *mm) {
         }
     }
     mm->has_output = moe_gguf_tensor_find(q->in, "output.weight") != NULL;
-    mm->has_imatrix = q->im.n > 0;
+    mm->has_imatrix = q->im != NULL;
     const uint64_t nt = moe_gguf_n_tensors(q->in);
     for (uint64_t i = 0; i < nt; i++) {
         const moe_tensor *t = moe_gguf_tensor_get(q->in, i);
@@ -426,7 +355,7 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
             goto done;
         }
     }
-    if (p->imatrix_path && imatrix_load(p->imatrix_path, &q.im, err) != MOE_OK) goto done;
+    if (p->imatrix_path && !(q.im = moe_imatrix_load(p->imatrix_path, err))) goto done;
     q.in = moe_gguf_open(p->in, err);
     if (!q.in) goto done;
     q.pool = moe_pool_new(p->n_threads > 0 ? p->n_threads : 1);
@@ -455,7 +384,7 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
                               "tensor '%s': moe has no "
                               "quantizer for %s",
                               name, moe_type_name(o->type));
-            o->im = q.im.n ? imatrix_find(&q.im, name) : NULL;
+            o->im = q.im ? moe_imatrix_find(q.im, name) : NULL;
             if (o->im && (o->im->n_in != t->ne[0] ||
                           (o->im->n_mat != 1 && o->im->n_mat != (t->n_dims > 2 ? t->ne[2] : 1))))
                 moe_error_set(err, MOE_ERR_FORMAT,
@@ -470,7 +399,7 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
                               "columns that matter, and llama.cpp refuses these types without one "
                               "too%s",
                               name, moe_type_name(o->type),
-                              q.im.n ? " (the given matrix has no entry for this tensor)" : "");
+                              q.im ? " (the given matrix has no entry for this tensor)" : "");
             const bool exact_source = t->type == MOE_TYPE_F32 || t->type == MOE_TYPE_F16 ||
                                       t->type == MOE_TYPE_BF16 || t->type == MOE_TYPE_Q8_0;
             if (!err->code && !exact_source && !warned_requant) {
@@ -530,7 +459,7 @@ done:
     free(outs);
     if (q.in) moe_gguf_close(q.in);
     moe_pool_free(q.pool);
-    imatrix_free(&q.im);
+    moe_imatrix_free(q.im);
     for (uint32_t i = 0; i < compiled; i++) regfree(&q.rules[i]);
     free(q.rules);
     return err->code;

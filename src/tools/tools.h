@@ -182,6 +182,24 @@ const char *moe_budget_kv_name(moe_type kv_type);
 uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64_t ctx,
                              uint64_t streams);
 
+/* ==== Importance matrices (imatrix.c): llama.cpp's GGUF imatrix format ==== */
+
+typedef struct moe_imatrix moe_imatrix;
+typedef struct moe_imatrix_entry {
+    char *name;    /* the weight's name */
+    float *values; /* [n_mat][n_in]: mean squared activation of each input column */
+    int64_t n_in, n_mat;
+} moe_imatrix_entry;
+
+/* Every "<name>.in_sum2" / "<name>.counts" pair, as sums / counts (ones where a count is 0);
+ * NULL with err set (a message naming the file) on a file that is not one. */
+moe_imatrix *moe_imatrix_load(const char *path, moe_error *err);
+void moe_imatrix_free(moe_imatrix *m);
+size_t moe_imatrix_count(const moe_imatrix *m);
+const moe_imatrix_entry *moe_imatrix_find(const moe_imatrix *m, const char *name);
+/* The importance vector of matrix (expert) `mat` (the only one for a 2-D weight). */
+const float *moe_imatrix_values(const moe_imatrix_entry *e, int64_t mat);
+
 /* ==== moe audit: what quantization cost, measured on chosen rows ====
  *
  * For each selected tensor of the quantized model (and each selected expert of a 3-D expert
@@ -201,6 +219,14 @@ typedef struct moe_audit_options {
     size_t n_experts;
     uint64_t rows; /* rows per (tensor, expert); 0: all */
     uint64_t seed; /* of X */
+    /* the ladder (moe audit --ladder SRC): `quant` is then an F32/F16/BF16 source, `ref` the
+     * same model; each selected float matrix's rows are quantized at every rung (with the
+     * importance matrix's vector for the tensor and expert, where given) and compared with
+     * themselves. A rung whose block does not divide the rows is skipped for that tensor. */
+    const moe_type *ladder;
+    size_t n_ladder;
+    const moe_imatrix *imatrix;
+    moe_pool *pool; /* quantizes a rung's rows (NULL: the caller) */
 } moe_audit_options;
 
 typedef struct moe_audit_row {
@@ -215,7 +241,8 @@ typedef struct moe_audit_row {
 typedef struct moe_audit_report {
     moe_audit_row *rows;
     size_t n_rows;
-    size_t n_skipped; /* tensors matching the regex without a usable reference */
+    size_t n_skipped; /* tensors matching the regex without a usable reference (ladder: also
+                       * tensor x rung pairs whose rows are not whole blocks) */
 } moe_audit_report;
 
 /* X[c][j] for c < cols, j < MOE_AUDIT_X_COLS, row-major: value i = c * 64 + j is the
