@@ -48,6 +48,12 @@ static const moe_command commands[] = {
      "  --type: a mix (llama.cpp's rules; default Q4_K_M) or one type for every weight matrix;\n"
      "  --rule: a tensor's type by name, first match wins, before the mix (norms and routers\n"
      "  stay as they are); IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S need --imatrix (llama.cpp GGUF)"},
+    {"imatrix", moe_cmd_imatrix,
+     "importance matrix of a model over a text (llama.cpp's GGUF imatrix, for moe quantize)",
+     "MODEL --text FILE [-o OUT.gguf] [--chunks N] [--ctx N] [-t N] [--process-output] "
+     "[--quiet]\n"
+     "  per weight (per expert for *_exps): the sum of each input column's squared activation and\n"
+     "  the rows counted, over chunks of --ctx tokens (512), each starting with BOS"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},

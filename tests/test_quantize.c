@@ -399,6 +399,106 @@ static void imatrix_lowers_weighted_error_and_is_required(void **state) {
     free(im);
 }
 
+/* ==== moe imatrix ==== */
+
+static const json_t *find_tensor(json_t *tensors, const char *name) {
+    size_t i;
+    json_t *t;
+    json_array_foreach(
+        tensors, i, t) if (!strcmp(json_string_value(json_object_get(t, "name")), name)) return t;
+    return NULL;
+}
+
+static float *tensor_f32(const char *path, const char *name, size_t n) {
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(path, &err);
+    if (!g) fail_msg("%s", err.msg);
+    const moe_tensor *t = moe_gguf_tensor_find(g, name);
+    if (!t || t->type != MOE_TYPE_F32 || t->n_values != n)
+        fail_msg("%s: no F32 %s[%zu]", path, name, n);
+    float *v = moe_xmalloc(n * sizeof(float));
+    memcpy(v, t->data, n * sizeof(float));
+    moe_gguf_close(g);
+    return v;
+}
+
+/* moe imatrix over a text on stories260K (dense) and the deepseek2 parity model (experts): the
+ * file reads as llama.cpp's format with Hugging Face's parser (keys, shapes, counts); matmuls
+ * that share an input have equal sums; expert counts add up to tokens x experts used; and
+ * quantizing with it lowers the error it weights. */
+static void imatrix_collects_llama_cpp_format(void **state) {
+    (void)state;
+    const char *text = moe_test_shared("models/stories260K/runc_greedy_bos_n256.txt");
+    const char *dense = moe_test_shared("models/stories260K/stories260K.gguf");
+    const char *moe_model = moe_test_shared("parity/deepseek2-f32.gguf");
+    if (!text || !dense || !moe_model) return;
+    char im[512], cmd[2048];
+    snprintf(im, sizeof im, "%s", tmp_path("collected.gguf"));
+    snprintf(cmd, sizeof cmd, "%s imatrix '%s' --text '%s' -o '%s' --ctx 32 --chunks 3 --quiet",
+             moe_test_bin(), dense, text, im);
+    free(run_ok(cmd));
+    json_t *j = read_with_huggingface(im);
+    json_t *meta = json_object_get(j, "metadata"), *tensors = json_object_get(j, "tensors");
+    assert_string_equal(json_string_value(json_object_get(meta, "general.type")), "imatrix");
+    assert_int_equal(json_integer_value(json_object_get(meta, "imatrix.chunk_count")), 3);
+    assert_int_equal(json_integer_value(json_object_get(meta, "imatrix.chunk_size")), 32);
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(meta, "imatrix.datasets"), "array")), 1);
+    /* stories260K: 5 layers x (q k v o gate up down); the tied head is not collected */
+    assert_int_equal(json_array_size(tensors), 5 * 7 * 2);
+    const json_t *q = find_tensor(tensors, "blk.2.attn_q.weight.in_sum2");
+    const json_t *c = find_tensor(tensors, "blk.2.ffn_down.weight.counts");
+    assert_non_null(q), assert_non_null(c);
+    assert_int_equal(json_integer_value(json_array_get(json_object_get(q, "shape"), 0)), 64);
+    assert_int_equal(json_integer_value(json_array_get(json_object_get(q, "shape"), 1)), 1);
+    assert_int_equal(json_integer_value(json_array_get(json_object_get(c, "shape"), 0)), 1);
+    json_decref(j);
+    float *cq = tensor_f32(im, "blk.2.attn_q.weight.counts", 1);
+    assert_true(cq[0] == 3 * 32);
+    float *sq = tensor_f32(im, "blk.2.attn_q.weight.in_sum2", 64);
+    float *sk = tensor_f32(im, "blk.2.attn_k.weight.in_sum2", 64);
+    float *sg = tensor_f32(im, "blk.2.ffn_gate.weight.in_sum2", 64);
+    float *su = tensor_f32(im, "blk.2.ffn_up.weight.in_sum2", 64);
+    assert_memory_equal(sq, sk, 64 * sizeof(float)); /* q and k read the same normed rows */
+    assert_memory_equal(sg, su, 64 * sizeof(float));
+    for (int k = 0; k < 64; k++) assert_true(sq[k] > 0);
+    free(cq), free(sq), free(sk), free(sg), free(su);
+
+    /* experts: per-expert counts over the routed rows (2 of 8 per token) */
+    snprintf(cmd, sizeof cmd, "%s imatrix '%s' --text '%s' -o '%s' --ctx 16 --chunks 2 --quiet",
+             moe_test_bin(), moe_model, text, im);
+    free(run_ok(cmd));
+    float *ce = tensor_f32(im, "blk.1.ffn_down_exps.weight.counts", 8);
+    double total = 0;
+    for (int e = 0; e < 8; e++) total += ce[e];
+    assert_true(total == 2 * 16 * 2); /* chunks x ctx x experts used */
+    free(ce);
+    float *cs = tensor_f32(im, "blk.1.ffn_gate_exps.weight.in_sum2", 64 * 8);
+    float *cu = tensor_f32(im, "blk.1.ffn_up_exps.weight.in_sum2", 64 * 8);
+    assert_memory_equal(cs, cu, 64 * 8 * sizeof(float));
+    free(cs), free(cu);
+
+    /* quantizing the dense model with the collected matrix lowers the error it weights */
+    snprintf(cmd, sizeof cmd, "%s imatrix '%s' --text '%s' -o '%s' --ctx 64 --quiet",
+             moe_test_bin(), dense, text, im);
+    free(run_ok(cmd));
+    const char *name = "blk.3.ffn_up.weight";
+    float *imv = tensor_f32(im, "blk.3.ffn_up.weight.in_sum2", 64);
+    char with[512], without[512], flags[1024];
+    snprintf(with, sizeof with, "%s", tmp_path("dense-with.gguf"));
+    snprintf(without, sizeof without, "%s", tmp_path("dense-without.gguf"));
+    snprintf(flags, sizeof flags, "--type Q4_0 --imatrix '%s'", im);
+    quantize(dense, with, flags);
+    quantize(dense, without, "--type Q4_0");
+    const double ew = weighted_error(with, dense, name, imv);
+    const double eo = weighted_error(without, dense, name, imv);
+    print_message("[ MEASURE  ] stories260K %s Q4_0: activation-weighted error %.4g with the "
+                  "collected imatrix, %.4g without\n",
+                  name, ew, eo);
+    assert_true(ew < eo);
+    free(imv);
+}
+
 /* ==== moe audit --ladder ==== */
 
 static json_t *audit_json(const char *args) {
@@ -507,6 +607,7 @@ int moe_suite_quantize(void) {
         cmocka_unit_test(deepseek2_logits_match_dequantized),
         cmocka_unit_test(split_output_loads_as_one),
         cmocka_unit_test(imatrix_lowers_weighted_error_and_is_required),
+        cmocka_unit_test(imatrix_collects_llama_cpp_format),
         cmocka_unit_test(ladder_matches_quantized_files),
         cmocka_unit_test(bad_arguments_are_refused),
     };

@@ -428,12 +428,23 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
     for (uint64_t i = 0; i < moe_gguf_n_kv(q.in); i++) {
         const moe_gguf_kv *kv = moe_gguf_kv_get(q.in, i);
         if (kv->key.len >= 6 && !memcmp(kv->key.ptr, "split.", 6)) continue;
-        if (key_is(kv, "general.file_type") || key_is(kv, "general.quantization_version")) continue;
+        if (key_is(kv, "general.file_type") || key_is(kv, "general.quantization_version") ||
+            (kv->key.len >= 17 && !memcmp(kv->key.ptr, "quantize.imatrix.", 17)))
+            continue;
         char *key = moe_xstrndup(kv->key.ptr, kv->key.len);
         moe_gguf_writer_set_value(w, key, &kv->value);
         free(key);
     }
     moe_gguf_writer_set_u32(w, "general.quantization_version", GGML_QNT_VERSION);
+    if (q.im) { /* what llama-quantize records of the importance matrix it used */
+        moe_gguf_writer_set_str(w, "quantize.imatrix.file", p->imatrix_path);
+        if (moe_imatrix_dataset(q.im))
+            moe_gguf_writer_set_str(w, "quantize.imatrix.dataset", moe_imatrix_dataset(q.im));
+        moe_gguf_writer_set_i32(w, "quantize.imatrix.entries_count",
+                                (int32_t)moe_imatrix_count(q.im));
+        moe_gguf_writer_set_i32(w, "quantize.imatrix.chunks_count",
+                                (int32_t)moe_imatrix_chunks(q.im));
+    }
     uint32_t ftype = 0;
     bool have_ftype = false;
     for (size_t i = 0; p->preset && i < sizeof mixes / sizeof mixes[0]; i++)

@@ -196,9 +196,31 @@ typedef struct moe_imatrix_entry {
 moe_imatrix *moe_imatrix_load(const char *path, moe_error *err);
 void moe_imatrix_free(moe_imatrix *m);
 size_t moe_imatrix_count(const moe_imatrix *m);
+const char *moe_imatrix_dataset(const moe_imatrix *m); /* imatrix.datasets[0] or NULL */
+uint32_t moe_imatrix_chunks(const moe_imatrix *m);     /* imatrix.chunk_count or 0 */
 const moe_imatrix_entry *moe_imatrix_find(const moe_imatrix *m, const char *name);
 /* The importance vector of matrix (expert) `mat` (the only one for a 2-D weight). */
 const float *moe_imatrix_values(const moe_imatrix_entry *e, int64_t mat);
+
+typedef struct moe_imatrix_params {
+    const char *model_path, *text_path, *out_path;
+    uint32_t n_ctx;      /* tokens per chunk (0: 512, llama-imatrix's default) */
+    uint64_t max_chunks; /* 0: every whole chunk of the text */
+    int n_threads;
+    bool process_output; /* also the output head (llama-imatrix --process-output) */
+    bool progress;       /* a line per chunk on stderr */
+} moe_imatrix_params;
+
+typedef struct moe_imatrix_report {
+    uint64_t chunks, tokens;
+    size_t entries; /* weights with statistics */
+} moe_imatrix_report;
+
+/* Run the model over the text in chunks and write the sums of squared matmul inputs per weight
+ * and expert, with their counts, as llama-imatrix writes them (general.type "imatrix",
+ * imatrix.datasets / chunk_count / chunk_size, <name>.in_sum2 [n_in, n_mat], <name>.counts
+ * [1, n_mat]). */
+moe_status moe_imatrix_collect(const moe_imatrix_params *p, moe_imatrix_report *r, moe_error *err);
 
 /* ==== moe audit: what quantization cost, measured on chosen rows ====
  *
