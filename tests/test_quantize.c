@@ -592,7 +592,40 @@ static void bad_arguments_are_refused(void **state) {
                      cases[i].rc, cases[i].says, out);
         free(out);
     }
+    /* a NaN in the source: refused, naming the tensor, row and column */
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(src, &err);
+    if (!g) fail_msg("%s", err.msg);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
+        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
+        char key[256];
+        snprintf(key, sizeof key, "%.*s", (int)kv->key.len, kv->key.ptr);
+        moe_gguf_writer_set_value(w, key, &kv->value);
+    }
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)t->name.len, t->name.ptr);
+        float *v = moe_xmalloc((size_t)t->n_bytes);
+        memcpy(v, t->data, (size_t)t->n_bytes);
+        if (!strcmp(name, "blk.0.attn_k.weight")) v[3 * t->ne[0] + 7] = NAN;
+        assert_int_equal(
+            moe_gguf_writer_add_tensor(w, name, t->type, t->n_dims, t->ne, v, false, &err), MOE_OK);
+        free(v);
+    }
+    char nan_path[512];
+    snprintf(nan_path, sizeof nan_path, "%s", tmp_path("nan.gguf"));
+    assert_int_equal(moe_gguf_writer_write(w, nan_path, 0, &err), MOE_OK);
+    moe_gguf_writer_free(w), moe_gguf_close(g);
     char cmd[1024], *out;
+    snprintf(cmd, sizeof cmd, "%s quantize '%s' '%s' --quiet --type Q4_K", moe_test_bin(), nan_path,
+             tmp_path("x.gguf"));
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "tensor 'blk.0.attn_k.weight' row 3 column 7 is NaN"));
+    free(out);
+    struct stat st;
+    assert_int_not_equal(stat(tmp_path("x.gguf"), &st), 0); /* nothing half-written left */
     snprintf(cmd, sizeof cmd, "%s quantize /nonexistent.gguf '%s'", moe_test_bin(),
              tmp_path("x.gguf"));
     assert_int_equal(moe_test_run(cmd, &out), 1);

@@ -259,6 +259,15 @@ static moe_status fill_tensor(void *ctx, const char *name, void *out, uint64_t n
             if (r1 > rows) r1 = rows;
             j.row0 = r0;
             moe_pool_for(q->pool, r1 - r0, 16, decode_rows, &j);
+            for (int64_t k = 0; k < (r1 - r0) * n; k++)
+                if (!isfinite(f32[k])) {
+                    free(f32);
+                    return moe_error_set(err, MOE_ERR_FORMAT,
+                                         "tensor '%s' row %lld column %lld is %s: refusing to "
+                                         "quantize it",
+                                         name, (long long)(r0 + k / n), (long long)(k % n),
+                                         isnan(f32[k]) ? "NaN" : "infinite");
+                }
             const float *imv = o->im ? moe_imatrix_values(o->im, mat) : NULL;
             moe_quantize_rows(o->type, f32, (uint8_t *)out + (uint64_t)r0 * orb, r1 - r0, n, imv,
                               q->pool);
@@ -463,7 +472,9 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
     q.bytes_total = r->bytes_out;
     q.tensors_total = (uint32_t)nt;
     q.t0 = moe_now();
-    moe_gguf_writer_write(w, p->out, p->split_max_tensors, err);
+    if (moe_gguf_writer_write(w, p->out, p->split_max_tensors, err) != MOE_OK &&
+        !p->split_max_tensors)
+        unlink(p->out); /* no half-written model left behind */
     r->seconds = moe_now() - q.t0;
 done:
     moe_gguf_writer_free(w);
