@@ -51,4 +51,14 @@ void moe_iq_neighbour_d2_ref(const int8_t *soa, int count, int dims, const float
 void moe_iq_neighbour_d2_avx2(const int8_t *soa, int count, int dims, const float *xval,
                               const float *w, float scale, float a, float b, float *d2);
 
+/* One pass of the IQ4 scale search over a 32-value block: each value's nearest IQ4_NL codebook
+ * entry at inverse scale id (codes to L unless NULL), and sum w q x and sum w q^2 in order. The
+ * AVX2 version (quantize_iq_avx2.c) gives the reference's bits. */
+typedef void (*moe_iq4_pass_fn)(const float *xb, const float *weight, float id, uint8_t *L,
+                                float *sumqx, float *sumq2);
+void moe_iq4_pass_ref(const float *xb, const float *weight, float id, uint8_t *L, float *sumqx,
+                      float *sumq2);
+void moe_iq4_pass_avx2(const float *xb, const float *weight, float id, uint8_t *L, float *sumqx,
+                       float *sumq2);
+
 #endif

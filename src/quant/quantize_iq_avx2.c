@@ -10,6 +10,8 @@
 
 #include "quantize_internal.h"
 
+#include "blocks.h"
+
 void moe_iq_neighbour_d2_avx2(const int8_t *soa, int count, int dims, const float *xval,
                               const float *w, float scale, float a, float b, float *d2) {
     const int padded = (count + 7) & ~7;
@@ -32,4 +34,48 @@ void moe_iq_neighbour_d2_avx2(const int8_t *soa, int count, int dims, const floa
             for (int l = 0; j + l < count; l++) d2[j + l] = lanes[l];
         }
     }
+}
+
+/* The IQ4 pass: nearest codebook entries for 8 values at a time, then the two sums in the
+ * reference's order (the per-value products are the reference's, only the adds stay serial).
+ * The nearest entry as the reference finds it: the largest lo with values[lo] <= x (values
+ * 1..14 counted; a value below all or above all lands on 0 or 14), then lo or lo + 1 by
+ * x - values[lo] < values[lo + 1] - x -- which also gives 0 below and 15 above. */
+void moe_iq4_pass_avx2(const float *xb, const float *weight, float id, uint8_t *L, float *sumqx,
+                       float *sumq2) {
+    float tab[16], wqx[32], wqq[32];
+    for (int k = 0; k < 16; k++) tab[k] = moe_kvalues_iq4nl[k];
+    const __m256 t0 = _mm256_loadu_ps(tab), t1 = _mm256_loadu_ps(tab + 8);
+    const __m256 vid = _mm256_set1_ps(id);
+    const __m256i seven = _mm256_set1_epi32(7), one = _mm256_set1_epi32(1);
+    for (int j = 0; j < 32; j += 8) {
+        const __m256 x = _mm256_loadu_ps(xb + j);
+        const __m256 al = _mm256_mul_ps(vid, x);
+        __m256i lo = _mm256_setzero_si256();
+        for (int k = 1; k < 15; k++) /* count of values[1..14] <= al: compare masks are -1 */
+            lo = _mm256_sub_epi32(
+                lo, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(tab[k]), al, _CMP_LE_OQ)));
+        const __m256i hi = _mm256_add_epi32(lo, one);
+        /* tab[i] for 8 lane indices i < 16: two permutes and a blend on i > 7 */
+#define IQ4_LOOKUP(i)                                                                              \
+    _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, i), _mm256_permutevar8x32_ps(t1, i),             \
+                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(i, seven)))
+        const __m256 vlo = IQ4_LOOKUP(lo), vhi = IQ4_LOOKUP(hi);
+#undef IQ4_LOOKUP
+        const __m256 pick_lo =
+            _mm256_cmp_ps(_mm256_sub_ps(al, vlo), _mm256_sub_ps(vhi, al), _CMP_LT_OQ);
+        const __m256i l = _mm256_sub_epi32(hi, _mm256_and_si256(_mm256_castps_si256(pick_lo), one));
+        const __m256 q = _mm256_blendv_ps(vhi, vlo, pick_lo);
+        const __m256 wq = _mm256_mul_ps(_mm256_loadu_ps(weight + j), q);
+        _mm256_storeu_ps(wqx + j, _mm256_mul_ps(wq, x));
+        _mm256_storeu_ps(wqq + j, _mm256_mul_ps(wq, q));
+        if (L) {
+            int32_t li[8];
+            _mm256_storeu_si256((__m256i *)li, l);
+            for (int k = 0; k < 8; k++) L[j + k] = (uint8_t)li[k];
+        }
+    }
+    float a = 0, b = 0;
+    for (int j = 0; j < 32; j++) a += wqx[j], b += wqq[j];
+    *sumqx = a, *sumq2 = b;
 }

@@ -14,6 +14,7 @@
 #include "quantize_internal.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 /* ==== Grid and sign decoding, shared by IQ2_* and IQ3_* ==== */
@@ -181,29 +182,47 @@ MOE_KQ_KERNELS(iq4_xs)
 
 #define GROUP_MAX_EPS 1e-15f
 
-/* Index of the codebook value nearest to x (values sorted ascending; ties go up). */
-static int nearest_codebook(const int8_t *values, int n, float x) {
+/* Index of the codebook value nearest to x (16 values sorted ascending; ties go up), as ggml's
+ * best_index_int8 decides it: the bracketing pair, then x - lo < hi - x in float. The bracket is
+ * found without branches (the largest i with values[i] <= x), which is the same pair ggml's
+ * bisection ends on, for speed: this runs 16 times per value in the IQ4 scale search. */
+static int nearest_codebook(const int8_t *values, float x) {
     if (x <= values[0]) return 0;
-    if (x >= values[n - 1]) return n - 1;
-    int ml = 0, mu = n - 1;
-    while (mu - ml > 1) {
-        int mid = (ml + mu) / 2;
-        if (x < values[mid])
-            mu = mid;
-        else
-            ml = mid;
-    }
-    return x - values[mu - 1] < values[mu] - x ? mu - 1 : mu;
+    if (x >= values[15]) return 15;
+    int lo = 0;
+    for (int step = 8; step > 0; step >>= 1) lo = x >= values[lo + step] ? lo + step : lo;
+    return x - values[lo] < values[lo + 1] - x ? lo : lo + 1;
 }
 
 /* Best scale for one 32-value block: starts at d = -max/values[0], refits by weighted least
  * squares (weights: qw[j] * sqrt(sigma2 + x^2) with an importance vector, else x^2), then tries
  * 15 scales (itry + values[0])/max and keeps the best. Leaves the block's codes in L; returns the
  * scale (0 for an all-zero block, L then untouched). */
+void moe_iq4_pass_ref(const float *xb, const float *weight, float id, uint8_t *L, float *sumqx,
+                      float *sumq2) {
+    const int8_t *values = moe_kvalues_iq4nl;
+    float a = 0, b = 0;
+    for (int j = 0; j < 32; j++) {
+        int l = nearest_codebook(values, id * xb[j]);
+        if (L) L[j] = (uint8_t)l;
+        float q = values[l], w = weight[j];
+        a += w * q * xb[j];
+        b += w * q * q;
+    }
+    *sumqx = a, *sumq2 = b;
+}
+
+static moe_iq4_pass_fn iq4_pass = moe_iq4_pass_ref;
+static pthread_once_t iq4_pass_once = PTHREAD_ONCE_INIT;
+static void iq4_pass_choose(void) {
+    if (moe_cpu_isa() >= MOE_ISA_AVX2) iq4_pass = moe_iq4_pass_avx2;
+}
+
 static float iq4_fit_block(const float *xb, const float *qw, float sigma2, uint8_t *L) {
     const int8_t *values = moe_kvalues_iq4nl;
     const int ntry = 7;
     float weight[32];
+    pthread_once(&iq4_pass_once, iq4_pass_choose);
     for (int j = 0; j < 32; j++)
         weight[j] = qw ? qw[j] * sqrtf(sigma2 + xb[j] * xb[j]) : xb[j] * xb[j];
     float amax = 0, max = 0;
@@ -214,25 +233,13 @@ static float iq4_fit_block(const float *xb, const float *qw, float sigma2, uint8
     if (amax < GROUP_MAX_EPS) return 0;
     float d = -max / values[0];
     float id = 1 / d;
-    float sumqx = 0, sumq2 = 0;
-    for (int j = 0; j < 32; j++) {
-        int l = nearest_codebook(values, 16, id * xb[j]);
-        L[j] = (uint8_t)l;
-        float q = values[l], w = weight[j];
-        sumqx += w * q * xb[j];
-        sumq2 += w * q * q;
-    }
+    float sumqx, sumq2;
+    iq4_pass(xb, weight, id, L, &sumqx, &sumq2);
     d = sumq2 > 0 ? sumqx / sumq2 : 0.f;
     float best = d * sumqx;
     for (int itry = -ntry; itry <= ntry; ++itry) {
         id = (itry + values[0]) / max;
-        sumqx = sumq2 = 0;
-        for (int j = 0; j < 32; j++) {
-            int l = nearest_codebook(values, 16, id * xb[j]);
-            float q = values[l], w = weight[j];
-            sumqx += w * q * xb[j];
-            sumq2 += w * q * q;
-        }
+        iq4_pass(xb, weight, id, NULL, &sumqx, &sumq2);
         if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
             d = sumqx / sumq2;
             best = d * sumqx;
@@ -243,8 +250,7 @@ static float iq4_fit_block(const float *xb, const float *qw, float sigma2, uint8
 
 static void iq4_codes(const float *xb, float scale, uint8_t L[32]) {
     const float id = scale ? 1 / scale : 0.f;
-    for (int j = 0; j < 32; j++)
-        L[j] = (uint8_t)nearest_codebook(moe_kvalues_iq4nl, 16, id * xb[j]);
+    for (int j = 0; j < 32; j++) L[j] = (uint8_t)nearest_codebook(moe_kvalues_iq4nl, id * xb[j]);
 }
 
 static void iq4_pack(const uint8_t L[32], uint8_t qs[16]) {
