@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "../src/quant/blocks.h"
+#include "../src/quant/quantize_internal.h"
 
 /* ==== Tolerances and budgets (the only numbers the assertions use) ==== */
 
@@ -667,6 +668,40 @@ static void imatrix_lowers_weighted_error(void **state) {
     if (failed[0]) fail_msg("importance vector did not lower the weighted error for: %s", failed);
 }
 
+/* The quantizers' AVX2 helpers give the scalar reference's bits (the byte-exact test above runs
+ * whichever level the CPU picks; this pins the other one too), on values around the codebook
+ * midpoints, ties, and out of range. */
+static void quantizer_kernels_match_scalar(void **state) {
+    (void)state;
+    if (moe_cpu_isa_supported() < MOE_ISA_AVX2) skip();
+    uint64_t seed = 3;
+    float x[32], w[32], sa[2], sb[2];
+    uint8_t la[32], lb[32];
+    for (int t = 0; t < 2000; t++) {
+        for (int j = 0; j < 32; j++) {
+            x[j] = (float)moe_rng_gaussian(&seed) * (t % 3 ? 1.0f : 1e-3f);
+            w[j] = (float)moe_rng_uniform(&seed);
+        }
+        if (t % 5 == 0) x[t % 32] = 0.0f;
+        const float id = t % 7 == 0 ? 0.0f : (float)(moe_rng_gaussian(&seed) * 80.0);
+        moe_iq4_pass_ref(x, w, id, la, &sa[0], &sa[1]);
+        moe_iq4_pass_avx2(x, w, id, lb, &sb[0], &sb[1]);
+        assert_memory_equal(la, lb, sizeof la);
+        assert_memory_equal(sa, sb, sizeof sa);
+    }
+    int8_t soa[8 * 40];
+    float d2a[40], d2b[40];
+    for (int t = 0; t < 500; t++) {
+        const int dims = t % 2 ? 8 : 4, count = 1 + t % 37, padded = (count + 7) & ~7;
+        for (int k = 0; k < dims * padded; k++) soa[k] = (int8_t)(1 + 2 * (moe_rng_u64(&seed) % 8));
+        for (int j = 0; j < dims; j++) x[j] = (float)moe_rng_uniform(&seed) * 15, w[j] = x[j] + 1;
+        const float scale = (float)moe_rng_uniform(&seed), a = t % 3 ? 1.0f : 0.5f;
+        moe_iq_neighbour_d2_ref(soa, count, dims, x, w, scale, a, a == 1 ? 0 : -1.375f, d2a);
+        moe_iq_neighbour_d2_avx2(soa, count, dims, x, w, scale, a, a == 1 ? 0 : -1.375f, d2b);
+        assert_memory_equal(d2a, d2b, (size_t)count * sizeof(float));
+    }
+}
+
 int moe_suite_quant(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(block_geometry_matches_manifest),
@@ -683,6 +718,7 @@ int moe_suite_quant(void) {
         cmocka_unit_test(quantizers_match_ggml_blocks),
         cmocka_unit_test(quantize_rows_threads_agree),
         cmocka_unit_test(imatrix_lowers_weighted_error),
+        cmocka_unit_test(quantizer_kernels_match_scalar),
     };
     return cmocka_run_group_tests_name("quant", tests, NULL, NULL);
 }
