@@ -801,6 +801,17 @@ void moe_bind_ffn(moe_binder *b, uint32_t il, moe_layer_weights *l) {
         bind_gated_ffn(b, il, "", b->m->cfg.n_ff, &l->ffn);
 }
 
+bool moe_model_is_routed(const moe_tensor *t, void *model) {
+    const moe_model *m = model;
+    for (uint32_t il = 0; il < m->cfg.n_layer + m->n_layer_mtp; il++) {
+        const moe_layer_weights *l = &m->layers[il];
+        if (l->plan.ffn == MOE_FFN_EXPERTS &&
+            (t == l->experts.gate || t == l->experts.up || t == l->experts.down))
+            return true;
+    }
+    return false;
+}
+
 int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {
     int n = 0;
 #define ADD(t) (out[n] = (t), n += (t) != NULL)
