@@ -261,12 +261,13 @@ static moe_status fill_tensor(void *ctx, const char *name, void *out, uint64_t n
             moe_pool_for(q->pool, r1 - r0, 16, decode_rows, &j);
             for (int64_t k = 0; k < (r1 - r0) * n; k++)
                 if (!isfinite(f32[k])) {
+                    const bool is_nan = isnan(f32[k]);
                     free(f32);
                     return moe_error_set(err, MOE_ERR_FORMAT,
                                          "tensor '%s' row %lld column %lld is %s: refusing to "
                                          "quantize it",
                                          name, (long long)(r0 + k / n), (long long)(k % n),
-                                         isnan(f32[k]) ? "NaN" : "infinite");
+                                         is_nan ? "NaN" : "infinite");
                 }
             const float *imv = o->im ? moe_imatrix_values(o->im, mat) : NULL;
             moe_quantize_rows(o->type, f32, (uint8_t *)out + (uint64_t)r0 * orb, r1 - r0, n, imv,
