@@ -504,6 +504,60 @@ static void imatrix_collects_llama_cpp_format(void **state) {
     free(imv);
 }
 
+/* The ud-iq3_xxs mix from an imatrix moe collected: Unsloth's expert map (routed gate/up IQ2_S,
+ * down IQ3_S) and llama.cpp's IQ3_XXS rules elsewhere (with an imatrix: attn_q / attn_k IQ2_S,
+ * attn_v IQ3_XXS at GQA 2, attn_output IQ3_S, token_embd IQ3_S, output Q5_K), file type 23
+ * (LLAMA_FTYPE_MOSTLY_IQ3_XXS); the model runs. */
+static void ud_iq3_xxs_mix_from_collected_imatrix(void **state) {
+    (void)state;
+    const char *text = moe_test_shared("models/stories260K/runc_greedy_bos_n256.txt");
+    if (!text) return;
+    const char *src = moe_test_synth("ud-src.gguf", "--preset tiny --layers 2");
+    char im[512], out[512], cmd[2048];
+    snprintf(im, sizeof im, "%s", tmp_path("ud-im.gguf"));
+    snprintf(out, sizeof out, "%s", tmp_path("ud.gguf"));
+    snprintf(cmd, sizeof cmd, "%s imatrix '%s' --text '%s' -o '%s' --ctx 32 --chunks 2 --quiet",
+             moe_test_bin(), src, text, im);
+    free(run_ok(cmd));
+    char flags[1024];
+    snprintf(flags, sizeof flags, "--type ud-iq3_xxs --imatrix '%s'", im);
+    quantize(src, out, flags);
+    json_t *j = read_with_huggingface(out);
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(j, "metadata"), "general.file_type")),
+        23);
+    static const struct {
+        const char *suffix;
+        int ggml_type;
+    } want[] = {
+        {"ffn_gate_exps.weight", 22}, {"ffn_up_exps.weight", 22}, {"ffn_down_exps.weight", 21},
+        {"attn_q.weight", 22},        {"attn_k.weight", 22},      {"attn_v.weight", 18},
+        {"attn_output.weight", 21},   {"token_embd.weight", 21},  {"output.weight", 13},
+        {"ffn_gate_inp.weight", 0},   {"attn_norm.weight", 0},
+    };
+    size_t i, checked = 0;
+    json_t *t;
+    json_array_foreach(json_object_get(j, "tensors"), i, t) {
+        const char *name = json_string_value(json_object_get(t, "name"));
+        for (size_t k = 0; k < sizeof want / sizeof want[0]; k++) {
+            /* a layer tensor by its suffix after "blk.N.", the others by their whole name */
+            const char *dot = !strncmp(name, "blk.", 4) ? strchr(name + 4, '.') : NULL;
+            if (strcmp(dot ? dot + 1 : name, want[k].suffix)) continue;
+            if (json_integer_value(json_object_get(t, "type")) != want[k].ggml_type)
+                fail_msg("%s: ggml type %lld, the mix says %d", name,
+                         (long long)json_integer_value(json_object_get(t, "type")),
+                         want[k].ggml_type);
+            checked++;
+        }
+    }
+    assert_int_equal(checked, 2 * 9 + 2); /* 9 kinds per layer x 2 layers, embd and head */
+    json_decref(j);
+    snprintf(cmd, sizeof cmd, "%s run '%s' -n 4 -p 'the model'", moe_test_bin(), out);
+    char *o = run_ok(cmd);
+    assert_non_null(strstr(o, "generated: 4 tokens"));
+    free(o);
+}
+
 /* ==== moe audit --ladder ==== */
 
 static json_t *audit_json(const char *args) {
@@ -634,6 +688,7 @@ int moe_suite_quantize(void) {
         cmocka_unit_test(split_output_loads_as_one),
         cmocka_unit_test(imatrix_lowers_weighted_error_and_is_required),
         cmocka_unit_test(imatrix_collects_llama_cpp_format),
+        cmocka_unit_test(ud_iq3_xxs_mix_from_collected_imatrix),
         cmocka_unit_test(ladder_matches_quantized_files),
         cmocka_unit_test(bad_arguments_are_refused),
     };
