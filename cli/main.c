@@ -45,7 +45,8 @@ static const moe_command commands[] = {
      "IN OUT [--type TYPE|Q4_K_M|Q5_K_M|IQ4_XS|IQ3_XXS|IQ2_M|ud-iq3_xxs] [--rule 'REGEX=TYPE' "
      "...]\n"
      "        [--imatrix FILE.gguf] [-t N] [--split-max-tensors N] [--quiet]\n"
-     "  --type: a mix (llama.cpp's rules; default Q4_K_M) or one type for every weight matrix;\n"
+     "  --type: a mix (llama.cpp's rules; default Q4_K_M) or one type for every weight matrix\n"
+     "  (IQ4_XS and IQ3_XXS name the mixes: --rule '.=IQ4_XS' puts one type everywhere);\n"
      "  --rule: a tensor's type by name, first match wins, before the mix (norms and routers\n"
      "  stay as they are); IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S need --imatrix (llama.cpp GGUF)"},
     {"imatrix", moe_cmd_imatrix,
