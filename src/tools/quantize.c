@@ -7,7 +7,9 @@
  * its name (searched, anchored only as written), else the preset's choice (llama.cpp's rules
  * for that mix, with per-layer bits from the layer index in the name), else --type. A row that
  * is not whole blocks of the chosen type falls back as llama.cpp does (IQ / Q2_K / Q3_K ->
- * IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), and then to F16 / F32.
+ * IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), else stays as it is. Tensors the model's
+ * architecture reads as floats (its binder's declaration: routers, gates, indexer vectors)
+ * are never quantized, so the file loads wherever the source did.
  *
  * Sources of any type are decoded to f32 row by row (F32 / F16 / BF16 / Q8_0 exactly; other
  * quantized sources are requantized, which compounds errors: a warning says so). The output is
@@ -16,6 +18,8 @@
  * a 3-D expert tensor [n_in, n_out, n_expert] takes the matrix's per-expert vectors (n_expert
  * x n_in values), each expert's rows its own. */
 #include "tools.h"
+
+#include "../model/model.h"
 
 #include <math.h>
 #include <regex.h>
@@ -149,8 +153,9 @@ static bool quantizable(const moe_tensor *t, const char *name) {
     return true;
 }
 
-/* The type a row of n values can take when `want` cannot (llama.cpp's fallbacks), then F16 /
- * F32. */
+/* The type a row of n values can take when `want` cannot (llama.cpp's fallbacks); MOE_TYPE_COUNT
+ * when none can (llama.cpp then writes F16; moe keeps the tensor as it is, which the engine
+ * reads whenever it read the source). */
 static moe_type fit_row(moe_type want, int64_t n) {
     if (moe_type_row_bytes(want, n)) return want;
     moe_type f;
@@ -172,8 +177,7 @@ static moe_type fit_row(moe_type want, int64_t n) {
         f = MOE_TYPE_IQ4_NL;
         break;
     }
-    if (moe_type_row_bytes(f, n)) return f;
-    return moe_type_row_bytes(MOE_TYPE_F16, n) ? MOE_TYPE_F16 : MOE_TYPE_F32;
+    return moe_type_row_bytes(f, n) ? f : MOE_TYPE_COUNT; /* none: the tensor stays as it is */
 }
 
 /* ==== The conversion ==== */
@@ -184,6 +188,8 @@ typedef struct quantizer {
     moe_imatrix *im;
     regex_t *rules;
     moe_pool *pool;
+    char **f32; /* tensors the architecture reads as floats: never quantized */
+    size_t n_f32;
     /* progress */
     uint64_t bytes_total, bytes_done;
     uint32_t tensors_total, tensors_done;
@@ -283,9 +289,15 @@ static moe_status fill_tensor(void *ctx, const char *name, void *out, uint64_t n
 }
 
 /* The output type of one tensor (and why, for the report). */
+static bool declared_f32(const quantizer *q, const char *name) {
+    for (size_t i = 0; i < q->n_f32; i++)
+        if (!strcmp(q->f32[i], name)) return true;
+    return false;
+}
+
 static moe_type choose_type(quantizer *q, const moe_tensor *t, const char *name, mix_model *mm,
                             bool *copy) {
-    *copy = !quantizable(t, name);
+    *copy = !quantizable(t, name) || declared_f32(q, name);
     if (*copy) return t->type;
     const moe_quantize_params *p = q->p;
     moe_type want = p->type;
@@ -300,7 +312,12 @@ static moe_type choose_type(quantizer *q, const moe_tensor *t, const char *name,
     const moe_type got = fit_row(want, t->ne[0]);
     if (got != want)
         moe_log(MOE_LOG_WARN, "quantize: '%s' rows of %lld values are not whole %s blocks: %s",
-                name, (long long)t->ne[0], moe_type_name(want), moe_type_name(got));
+                name, (long long)t->ne[0], moe_type_name(want),
+                got == MOE_TYPE_COUNT ? "kept as it is" : moe_type_name(got));
+    if (got == MOE_TYPE_COUNT) {
+        *copy = true;
+        return t->type;
+    }
     if (got == t->type && !moe_type_traits_get(t->type)->is_quantized) {
         *copy = true; /* a float tensor kept in its own type */
     }
@@ -309,6 +326,32 @@ static moe_type choose_type(quantizer *q, const moe_tensor *t, const char *name,
 
 static bool key_is(const moe_gguf_kv *kv, const char *key) {
     return kv->key.len == strlen(key) && !memcmp(kv->key.ptr, key, kv->key.len);
+}
+
+static bool note_f32(void *ctx, const moe_tensor_decl *d) {
+    quantizer *q = ctx;
+    if (d->f32) {
+        q->f32 = moe_xrealloc(q->f32, (q->n_f32 + 1) * sizeof *q->f32);
+        q->f32[q->n_f32++] = moe_xstrdup(d->name);
+    }
+    return true;
+}
+
+/* The tensors the model's architecture reads as floats (routers, norms, small vectors), from its
+ * own binder: quantizing them would make a file moe cannot load. An architecture moe does not
+ * run adds none (the name rules still keep norms and routers). */
+static void read_f32_tensors(quantizer *q) {
+    const char *arch = moe_gguf_get_str(q->in, "general.architecture");
+    moe_model_config c;
+    moe_error e = {0};
+    if (!arch || !moe_arch_find(arch) || moe_model_config_read(q->in, q->p->in, &c, &e) != MOE_OK)
+        return;
+    if (!c.n_vocab) {
+        const moe_tensor *emb = moe_gguf_tensor_find(q->in, "token_embd.weight");
+        c.n_vocab = emb ? (uint32_t)emb->ne[1] : 0;
+    }
+    moe_model_declare(&c, note_f32, q, &e);
+    moe_model_config_free(&c);
 }
 
 /* The model-wide facts a mix needs. */
@@ -371,6 +414,7 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
     q.pool = moe_pool_new(p->n_threads > 0 ? p->n_threads : 1);
     mix_model mm;
     read_mix_model(&q, &mm);
+    read_f32_tensors(&q);
 
     /* every tensor's type first: refuse before writing anything */
     const uint64_t nt = moe_gguf_n_tensors(q.in);
@@ -483,6 +527,8 @@ done:
     if (q.in) moe_gguf_close(q.in);
     moe_pool_free(q.pool);
     moe_imatrix_free(q.im);
+    for (size_t i = 0; i < q.n_f32; i++) free(q.f32[i]);
+    free(q.f32);
     for (uint32_t i = 0; i < compiled; i++) regfree(&q.rules[i]);
     free(q.rules);
     return err->code;
