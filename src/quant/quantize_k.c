@@ -50,23 +50,32 @@ static bool signed_max(int n, const float *x, int8_t *L, float *max) {
     return false;
 }
 
-float moe_fit_symmetric(int n, int nmax, const float *x, int8_t *L, const float *qw) {
-    float max;
-    if (!signed_max(n, x, L, &max)) return 0.f;
-    float iscale = -nmax / max;
-    float sumlx = 0, suml2 = 0;
+/* The first guess of both symmetric fits: levels at -nmax / (signed max), stored + bias in L,
+ * and their weighted sums (weights qw, or x^2). False for an all-zero group (L zeroed). */
+static bool symmetric_start(int n, int nmax, const float *x, const float *qw, int bias, int8_t *L,
+                            float *max, float *sumlx, float *suml2) {
+    if (!signed_max(n, x, L, max)) return false;
+    const float iscale = -nmax / *max;
+    float lx = 0, l2 = 0;
     for (int i = 0; i < n; ++i) {
         int l = clamp_int(moe_nearest_int(iscale * x[i]), -nmax, nmax - 1);
-        L[i] = (int8_t)(l + nmax);
+        L[i] = (int8_t)(l + bias);
         float w = qw ? qw[i] : implicit_weight(1, x[i]);
-        sumlx += w * x[i] * l;
-        suml2 += w * l * l;
+        lx += w * x[i] * l;
+        l2 += w * l * l;
     }
+    *sumlx = lx, *suml2 = l2;
+    return true;
+}
+
+float moe_fit_symmetric(int n, int nmax, const float *x, int8_t *L, const float *qw) {
+    float max, sumlx, suml2;
+    if (!symmetric_start(n, nmax, x, qw, nmax, L, &max, &sumlx, &suml2)) return 0.f;
     float scale = suml2 ? sumlx / suml2 : 0.0f;
     float best = scale * sumlx;
     for (int is = -9; is <= 9; ++is) {
         if (is == 0) continue;
-        iscale = -(nmax + 0.1f * is) / max;
+        const float iscale = -(nmax + 0.1f * is) / max;
         sumlx = suml2 = 0;
         for (int i = 0; i < n; ++i) {
             int l = clamp_int(moe_nearest_int(iscale * x[i]), -nmax, nmax - 1);
@@ -88,17 +97,8 @@ float moe_fit_symmetric(int n, int nmax, const float *x, int8_t *L, const float 
  * move single values to the level that most improves the x^2-weighted fit. L gets l + nmax.
  * ggml's make_q3_quants with do_rmse. */
 static float fit_symmetric_sweep(int n, int nmax, const float *x, int8_t *L) {
-    float max;
-    if (!signed_max(n, x, L, &max)) return 0.f;
-    float iscale = -nmax / max;
-    float sumlx = 0, suml2 = 0;
-    for (int i = 0; i < n; ++i) {
-        int l = clamp_int(moe_nearest_int(iscale * x[i]), -nmax, nmax - 1);
-        L[i] = (int8_t)l;
-        float w = x[i] * x[i];
-        sumlx += w * x[i] * l;
-        suml2 += w * l * l;
-    }
+    float max, sumlx, suml2;
+    if (!symmetric_start(n, nmax, x, NULL, 0, L, &max, &sumlx, &suml2)) return 0.f;
     for (int itry = 0; itry < 5; ++itry) {
         int n_changed = 0;
         for (int i = 0; i < n; ++i) {
