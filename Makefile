@@ -91,7 +91,7 @@ bench: $(BENCH_BIN) $(QBENCH_BIN)
 	./$(QBENCH_BIN) $(QBENCH_ARGS)
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
-.PRECIOUS: $(BUILD)/bench/%.o
+.SECONDARY: $(BUILD)/bench/kernels.o $(BUILD)/bench/quantize.o
 
 ## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
 # Seeds: tests/data/gguf (small valid files and past crashes) and the ../shared GGUFs (cut to
