@@ -242,8 +242,20 @@ static void matmul_many_items(void *arg, int64_t begin, int64_t end, int thread)
     }
 }
 
+static moe_matmul_observer_fn matmul_observer;
+static void *matmul_observer_ctx;
+
+void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx) {
+    matmul_observer = fn;
+    matmul_observer_ctx = ctx;
+}
+
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) {
     MOE_CHECK(n_tasks >= 0 && n_tasks <= MOE_MATMUL_MANY_MAX);
+    if (matmul_observer)
+        for (int i = 0; i < n_tasks; i++)
+            matmul_observer(matmul_observer_ctx, tasks[i].w, tasks[i].matrix, tasks[i].x,
+                            tasks[i].n_rows);
     matmul_many m;
     m.n = n_tasks;
     m.first[0] = 0;

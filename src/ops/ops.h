@@ -81,6 +81,13 @@ typedef struct moe_matmul_task {
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks);
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
                 float *y, void *scratch);
+/* An observer of every matmul's input rows (moe imatrix): called on the calling thread, once per
+ * task before its product, with the weight, its 2-D slice (the expert) and the float activation
+ * rows. Process-wide and not synchronised: set it before a forward pass, never while one runs;
+ * NULL (the default) observes nothing. */
+typedef void (*moe_matmul_observer_fn)(void *ctx, const moe_tensor *w, int64_t matrix,
+                                       const float *x, int64_t n_rows);
+void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx);
 /* Row `row` of a 2-D tensor dequantized to float (embedding lookup). */
 void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out);
 
