@@ -426,6 +426,98 @@ static const parity_case qwen35_mtp_f32 = {"qwen35-mtp-f32", TOL_F32};
 #define PARITY_TEST(c)                                                                             \
     { "parity_" #c, parity_case_run, NULL, NULL, (void *)&c }
 
+/* ==== Gemma 4 ==== */
+
+/* The quantized model at `relpath` with every tensor dequantized to F32 by moe's decoders (the
+ * quant suite checks them against ggml's floats) into the scratch directory, as a path. */
+static const char *dequantized_copy(const char *relpath, const char *out_name) {
+    const char *src = moe_test_shared(relpath);
+    if (!src) return NULL;
+    static char path[512];
+    snprintf(path, sizeof path, "%s/%s", moe_test_tmpdir(), out_name);
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(src, &err);
+    assert_non_null(g);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
+        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
+        moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
+    }
+    moe_gguf_writer_set_u32(w, "general.file_type", 0); /* ALL_F32 */
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        const int64_t n = t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3];
+        float *f = moe_xmalloc(sizeof(float) * (size_t)n);
+        moe_type_traits_get(t->type)->to_float(t->data, f, n);
+        assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne,
+                                                    f, false, &err),
+                         MOE_OK);
+        free(f);
+    }
+    assert_int_equal(moe_gguf_writer_write(w, path, 0, &err), MOE_OK);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+    return path;
+}
+
+/* `moe logits` of a fixture's 32 ids (one prefill of all of them) at every ISA level this
+ * machine runs, each against the reference file `ref` of fixture `name`: every row within tol
+ * (of max|ref|), and the 16 greedy ids the argmax of the rows that chose them. */
+static void logits_every_isa(const char *name, const char *model, const char *ref_kind,
+                             double tol) {
+    fixture f;
+    char rel[256], ids[512] = "", out_path[512], cmd[2048], *out;
+    if (!fixture_open(&f, name, ref_kind, 0)) return;
+    for (uint32_t i = 0; i < f.n; i++)
+        snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%d" : "%d", f.ids[i]);
+    if (!model) {
+        snprintf(rel, sizeof rel, "parity/%s.gguf", name);
+        model = moe_test_shared(rel);
+    }
+    const uint32_t nv = f.m->cfg.n_vocab;
+    for (int isa = MOE_ISA_SCALAR; isa <= (int)moe_cpu_isa_supported(); isa++) {
+        snprintf(out_path, sizeof out_path, "%s/%s.%s.f32", moe_test_tmpdir(), name,
+                 moe_isa_name((moe_isa)isa));
+        snprintf(cmd, sizeof cmd, "MOE_ISA=%s %s logits %s --tokens %s --out %s",
+                 moe_isa_name((moe_isa)isa), moe_test_bin(), model, ids, out_path);
+        if (moe_test_run(cmd, &out) != 0) fail_msg("%s: %s", cmd, out);
+        free(out);
+        size_t n_bytes;
+        uint8_t *bytes;
+        moe_error err = {0};
+        assert_int_equal(moe_file_read(out_path, &bytes, &n_bytes, &err), MOE_OK);
+        assert_int_equal(n_bytes, sizeof(float) * f.n * nv);
+        const float *ours = (const float *)bytes;
+        double worst = 0;
+        for (uint32_t r = 0; r < f.n; r++) {
+            const double e = row_rel_err(ours + r * nv, f.ref + r * nv, nv);
+            worst = fmax(worst, e);
+            if (e > tol)
+                fail_msg("%s (%s) at %s: row %u: rel err %.3g > %g", name, ref_kind,
+                         moe_isa_name((moe_isa)isa), r, e, tol);
+            if (r + 1 >= f.n_prompt && r + 1 < f.n && argmax(ours + r * nv, nv) != f.ids[r + 1])
+                fail_msg("%s at %s: row %u: argmax %d, greedy id %d", name,
+                         moe_isa_name((moe_isa)isa), r, argmax(ours + r * nv, nv), f.ids[r + 1]);
+        }
+        print_message("%s vs %s at %s: worst row rel err %.3g (limit %g), greedy ids equal\n",
+                      model, ref_kind, moe_isa_name((moe_isa)isa), worst, tol);
+        free(bytes);
+    }
+    fixture_close(&f);
+}
+
+/* Gemma 4's math on float weights: the Q4_0 fixture dequantized to F32 against the
+ * f32-activation reference (numpy float64, exact GELU) at 1e-4, at every ISA level: the
+ * sliding / full layout with its own head widths and rope, proportional rope, V = K on full
+ * layers, q/k/v norms, scale 1, post norms, the MLP beside routed experts with its own norms,
+ * the scaled router, fused gate_up, per-expert scales, layer scales, softcap. */
+static void parity_gemma4_f32(void **state) {
+    (void)state;
+    const char *f32 = dequantized_copy("parity/gemma4-moe-q4_0.gguf", "gemma4-moe-f32.gguf");
+    MOE_SKIP_IF_NULL(f32);
+    logits_every_isa("gemma4-moe-q4_0", f32, "logits_f32act", TOL_F32);
+}
+
 /* ==== Routing ==== */
 
 /* DeepSeek-V3 grouped top-k on a hand-made row, as llama.cpp's build_moe_ffn does it: scores
@@ -665,6 +757,7 @@ int moe_suite_model(void) {
         PARITY_TEST(kimi_linear_f32),
         PARITY_TEST(qwen35_mtp_f32),
         cmocka_unit_test(mtp_qwen35),
+        cmocka_unit_test(parity_gemma4_f32),
         cmocka_unit_test(grouped_routing_hand_made),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),
