@@ -15,11 +15,11 @@
 #include "../src/tools/tools.h"
 
 static const char *const shared_ggufs[] = {
-    "models/stories260K/stories260K.gguf",  "parity/deepseek2-f32.gguf",
-    "parity/deepseek2-q8_0-q4_k.gguf",      "parity/gpt-oss-mxfp4.gguf",
-    "parity/kimi-linear-f32.gguf",          "parity/llama-q8_0.gguf",
-    "parity/qwen3moe-mixed.gguf",           "parity/qwen3next-f32.gguf",
-    "tokenizers/ggml-vocab-llama-spm.gguf",
+    "models/stories260K/stories260K.gguf", "parity/deepseek2-f32.gguf",
+    "parity/deepseek2-q8_0-q4_k.gguf",     "parity/gpt-oss-mxfp4.gguf",
+    "parity/kimi-linear-f32.gguf",         "parity/llama-q8_0.gguf",
+    "parity/qwen3moe-mixed.gguf",          "parity/qwen3next-f32.gguf",
+    "parity/gemma4-moe-q4_0.gguf",         "tokenizers/ggml-vocab-llama-spm.gguf",
 };
 
 static moe_gguf *open_ok(const char *path) {
@@ -123,8 +123,9 @@ static uint32_t layers_with(json_t *tensors, const char *what) {
  * layer kinds the fixtures' own tensor lists show; an architecture moe does not run says so. */
 static void inspect_plan(void **state) {
     (void)state;
-    static const char *const models[] = {"llama-q8_0",    "qwen3moe-mixed", "deepseek2-f32",
-                                         "gpt-oss-mxfp4", "qwen3next-f32",  "kimi-linear-f32"};
+    static const char *const models[] = {"llama-q8_0",     "qwen3moe-mixed", "deepseek2-f32",
+                                         "gpt-oss-mxfp4",  "qwen3next-f32",  "kimi-linear-f32",
+                                         "gemma4-moe-q4_0"};
     MOE_SKIP_IF_NULL(moe_test_shared("parity/llama-q8_0.json"));
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
         char rel[256], cmd[1024], *out;
@@ -141,7 +142,7 @@ static void inspect_plan(void **state) {
                *kinds = json_object_get(plan, "layers_by_kind");
         const uint32_t n_layer = (uint32_t)json_integer_value(
             json_object_get(json_object_get(fixture, "config"), "n_layer"));
-        const uint32_t experts = layers_with(tensors, ".ffn_gate_exps.");
+        const uint32_t experts = layers_with(tensors, ".ffn_down_exps.");
         const uint32_t linear = layers_with(tensors, ".ssm_");
         const uint32_t mla = layers_with(tensors, ".attn_kv_a_mqa.");
 #define PLAN_INT(obj, key) ((uint32_t)json_integer_value(json_object_get(obj, key)))
@@ -154,6 +155,14 @@ static void inspect_plan(void **state) {
             fail_msg("%s: plan %s disagrees with the fixture: %u layers, %u expert, %u linear, "
                      "%u MLA",
                      models[i], json_dumps(plan, JSON_COMPACT), n_layer, experts, linear, mla);
+        /* gemma4's config lists its sliding layers */
+        json_t *swa = json_object_get(json_object_get(fixture, "config"), "swa_pattern");
+        uint32_t sliding = 0;
+        for (size_t l = 0; l < json_array_size(swa); l++)
+            sliding += json_integer_value(json_array_get(swa, l)) != 0;
+        if (swa && PLAN_INT(kinds, "sliding window") != sliding)
+            fail_msg("%s: %u sliding layers, the fixture says %u", models[i],
+                     PLAN_INT(kinds, "sliding window"), sliding);
 #undef PLAN_INT
         json_decref(report);
         json_decref(fixture);
