@@ -642,11 +642,19 @@ static void grouped_routing_hand_made(void **state) {
 
 /* ==== Load errors: each names what is wrong ==== */
 
-typedef enum { EDIT_DROP_TENSOR, EDIT_RESHAPE_TENSOR, EDIT_ARCH } edit_kind;
+typedef enum {
+    EDIT_DROP_TENSOR,
+    EDIT_RESHAPE_TENSOR,
+    EDIT_ARCH,
+    EDIT_DROP_KEY,
+    EDIT_SET_U32, /* target = value */
+} edit_kind;
 
-/* Copy stories260K through the writer with one edit, then load it and return the error. */
-static void load_edited(edit_kind edit, const char *target, moe_error *err) {
-    const char *src = moe_test_shared("models/stories260K/stories260K.gguf");
+/* Copy a shared model through the writer with one edit (key `target` set to `value` for
+ * EDIT_SET_U32), then load it and return the error. */
+static void load_edited_from(const char *relpath, edit_kind edit, const char *target,
+                             uint32_t value, moe_error *err) {
+    const char *src = moe_test_shared(relpath);
     if (!src) return;
     moe_error e = {0};
     moe_gguf *g = moe_gguf_open(src, &e);
@@ -656,7 +664,9 @@ static void load_edited(edit_kind edit, const char *target, moe_error *err) {
         const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
         if (edit == EDIT_ARCH && strcmp(kv->key.ptr, "general.architecture") == 0)
             moe_gguf_writer_set_str(w, kv->key.ptr, target);
-        else
+        else if (edit == EDIT_SET_U32 && strcmp(kv->key.ptr, target) == 0)
+            moe_gguf_writer_set_u32(w, kv->key.ptr, value);
+        else if (edit != EDIT_DROP_KEY || strcmp(kv->key.ptr, target) != 0)
             moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
     }
     for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
@@ -682,6 +692,10 @@ static void load_edited(edit_kind edit, const char *target, moe_error *err) {
     print_message("error: %s\n", err->msg);
 }
 
+static void load_edited(edit_kind edit, const char *target, moe_error *err) {
+    load_edited_from("models/stories260K/stories260K.gguf", edit, target, 0, err);
+}
+
 static void missing_tensor_is_named(void **state) {
     (void)state;
     moe_error err = {0};
@@ -705,6 +719,42 @@ static void unknown_arch_is_named(void **state) {
     load_edited(EDIT_ARCH, "mamba9000", &err);
     if (!err.code) return;
     assert_non_null(strstr(err.msg, "unknown architecture 'mamba9000'"));
+}
+
+/* Broken or not yet supported Gemma 4 files: each error names the key or tensor. */
+static void gemma4_errors_are_named(void **state) {
+    (void)state;
+    static const struct {
+        edit_kind edit;
+        const char *target;
+        uint32_t value;
+        const char *want;
+    } cases[] = {
+        {EDIT_SET_U32, "gemma4.attention.shared_kv_layers", 2,
+         "gemma4.attention.shared_kv_layers = 2: moe does not run KV sharing across layers"},
+        {EDIT_SET_U32, "gemma4.embedding_length_per_layer_input", 256,
+         "does not run per-layer input embeddings (Gemma 4 E2B / E4B) yet"},
+        {EDIT_DROP_KEY, "gemma4.attention.sliding_window_pattern", 0,
+         "missing required key 'gemma4.attention.sliding_window_pattern'"},
+        {EDIT_SET_U32, "gemma4.attention.sliding_window", 0,
+         "layer 0 is a sliding-window layer, but gemma4.attention.sliding_window"},
+        {EDIT_SET_U32, "gemma4.attention.key_length_swa", 128, "key_length_swa 128"},
+        {EDIT_DROP_TENSOR, "rope_freqs.weight", 0, "missing tensor 'rope_freqs.weight'"},
+        {EDIT_DROP_TENSOR, "blk.2.ffn_gate_inp.scale", 0,
+         "missing tensor 'blk.2.ffn_gate_inp.scale'"},
+        {EDIT_RESHAPE_TENSOR, "blk.5.attn_q.weight", 0,
+         "'blk.5.attn_q.weight' has shape [256, 64, 1, 1], expected [64, 256]"},
+        {EDIT_DROP_TENSOR, "blk.1.post_ffw_norm_2.weight", 0,
+         "missing tensor 'blk.1.post_ffw_norm_2.weight'"},
+    };
+    MOE_SKIP_IF_NULL(moe_test_shared("parity/gemma4-moe-q4_0.gguf"));
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        moe_error err = {0};
+        load_edited_from("parity/gemma4-moe-q4_0.gguf", cases[i].edit, cases[i].target,
+                         cases[i].value, &err);
+        if (!strstr(err.msg, cases[i].want))
+            fail_msg("edit of %s: '%s' does not say '%s'", cases[i].target, err.msg, cases[i].want);
+    }
 }
 
 static void run_on_non_gguf_says_so(void **state) {
@@ -844,6 +894,7 @@ int moe_suite_model(void) {
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),
         cmocka_unit_test(unknown_arch_is_named),
+        cmocka_unit_test(gemma4_errors_are_named),
         cmocka_unit_test(run_on_non_gguf_says_so),
         cmocka_unit_test(run_stories_matches_runc),
         cmocka_unit_test(run_demo_model),

@@ -40,14 +40,14 @@ static bool read_swa_pattern(moe_meta *r, uint32_t n, uint32_t *sliding) {
 static bool refuse_unsupported(moe_meta *r) {
     static const char *const keys[] = {"attention.shared_kv_layers",
                                        "embedding_length_per_layer_input"};
-    static const char *const what[] = {"KV shared across layers", "per-layer input embeddings"};
+    static const char *const what[] = {"KV sharing across layers", "per-layer input embeddings"};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
         uint32_t v = 0;
         if (!moe_meta_u32(r, keys[i], false, 0, &v)) return false;
         if (v)
             return moe_meta_fail(r, MOE_ERR_UNSUPPORTED,
-                                 "%s.%s = %u: %s (Gemma 4 E2B / E4B) are not supported yet",
-                                 r->arch, keys[i], v, what[i]);
+                                 "%s.%s = %u: moe does not run %s (Gemma 4 E2B / E4B) yet", r->arch,
+                                 keys[i], v, what[i]);
     }
     return true;
 }
