@@ -1084,24 +1084,7 @@ static void budget_ladder_and_svg(void **state) {
     char wide[600], svg[600], cmd[4096], *out;
     snprintf(wide, sizeof wide, "%s/qwen3moe-f32.gguf", moe_test_tmpdir());
     snprintf(svg, sizeof svg, "%s/budget.svg", moe_test_tmpdir());
-    moe_error err = {0};
-    moe_gguf *g = moe_gguf_open("../shared/parity/qwen3moe-mixed.gguf", &err);
-    assert_non_null(g);
-    moe_gguf_writer *w = moe_gguf_writer_new();
-    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++)
-        moe_gguf_writer_set_value(w, moe_gguf_kv_get(g, i)->key.ptr, &moe_gguf_kv_get(g, i)->value);
-    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
-        const moe_tensor *t = moe_gguf_tensor_get(g, i);
-        float *f = moe_xmalloc(t->n_values * sizeof *f);
-        moe_type_traits_get(t->type)->to_float(t->data, f, (int64_t)t->n_values);
-        assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne,
-                                                    f, false, &err),
-                         MOE_OK);
-        free(f);
-    }
-    assert_int_equal(moe_gguf_writer_write(w, wide, 0, &err), MOE_OK);
-    moe_gguf_writer_free(w);
-    moe_gguf_close(g);
+    moe_test_dequantize_gguf("../shared/parity/qwen3moe-mixed.gguf", wide);
 
     snprintf(cmd, sizeof cmd,
              "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "

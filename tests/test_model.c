@@ -442,35 +442,14 @@ static const parity_case qwen35_mtp_f32 = {"qwen35-mtp-f32", TOL_F32};
 
 /* ==== Gemma 4 ==== */
 
-/* The quantized model at `relpath` with every tensor dequantized to F32 by moe's decoders (the
- * quant suite checks them against ggml's floats) into the scratch directory, as a path. */
+/* The quantized model at `relpath` with every tensor dequantized to F32 into the scratch
+ * directory, as a path (NULL when the fixture is absent). */
 static const char *dequantized_copy(const char *relpath, const char *out_name) {
     const char *src = moe_test_shared(relpath);
     if (!src) return NULL;
     static char path[512];
     snprintf(path, sizeof path, "%s/%s", moe_test_tmpdir(), out_name);
-    moe_error err = {0};
-    moe_gguf *g = moe_gguf_open(src, &err);
-    assert_non_null(g);
-    moe_gguf_writer *w = moe_gguf_writer_new();
-    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
-        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
-        moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
-    }
-    moe_gguf_writer_set_u32(w, "general.file_type", 0); /* ALL_F32 */
-    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
-        const moe_tensor *t = moe_gguf_tensor_get(g, i);
-        const int64_t n = t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3];
-        float *f = moe_xmalloc(sizeof(float) * (size_t)n);
-        moe_type_traits_get(t->type)->to_float(t->data, f, n);
-        assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne,
-                                                    f, false, &err),
-                         MOE_OK);
-        free(f);
-    }
-    assert_int_equal(moe_gguf_writer_write(w, path, 0, &err), MOE_OK);
-    moe_gguf_writer_free(w);
-    moe_gguf_close(g);
+    moe_test_dequantize_gguf(src, path);
     return path;
 }
 

@@ -246,3 +246,24 @@ const char *moe_test_chat_model(const char *name, const char *template_rel) {
     moe_gguf_close(g);
     return out;
 }
+
+void moe_test_dequantize_gguf(const char *src, const char *dst) {
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(src, &err);
+    if (!g) fail_msg("%s", err.msg);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++)
+        moe_gguf_writer_set_value(w, moe_gguf_kv_get(g, i)->key.ptr, &moe_gguf_kv_get(g, i)->value);
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        float *f = moe_xmalloc(t->n_values * sizeof *f);
+        moe_type_traits_get(t->type)->to_float(t->data, f, (int64_t)t->n_values);
+        if (moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne, f, false,
+                                       &err) != MOE_OK)
+            fail_msg("%s", err.msg);
+        free(f);
+    }
+    if (moe_gguf_writer_write(w, dst, 0, &err) != MOE_OK) fail_msg("%s", err.msg);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+}

@@ -29,6 +29,9 @@ const char *moe_test_tmpdir(void);
 const char *moe_test_bin(void);
 /* Run a shell command, capturing stdout+stderr (caller frees *out); returns the exit status. */
 int moe_test_run(const char *cmd, char **out);
+/* Copy the GGUF at src to dst with its metadata as is and every tensor decoded to F32 by moe's
+ * decoders (bit-exact with ggml's, checked in the quant suite); fails the test on an error. */
+void moe_test_dequantize_gguf(const char *src, const char *dst);
 /* `moe synth -o <tmpdir>/<file> <flags>` (flags as on the command line); fails the test when
  * synth does. The path, static per call (valid until the next call). */
 const char *moe_test_synth(const char *file, const char *flags);
