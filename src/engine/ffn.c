@@ -13,13 +13,13 @@
 
 /* out = row_gate[r] * down(act(gate(xn)) * up(xn)) for every row r (row_gate NULL: 1), or
  * out += that (RMSNormed by post_norm first, when given) when accumulate: the dense FFN, and the
- * shared expert beside the routed ones. */
-static void gated_ffn(moe_ctx *c, const moe_ffn_weights *w, const float *row_gate,
+ * shared expert beside the routed ones. act is the config's ffn_act; limit clamps a SwiGLU. */
+static void gated_ffn(moe_ctx *c, const moe_ffn_weights *w, float limit, const float *row_gate,
                       const moe_tensor *post_norm, bool accumulate, float *out, uint32_t n_rows) {
     const int64_t n_embd = c->m->cfg.n_embd, n_ff = w->gate->ne[1];
     moe_matmul(c->pool, w->gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
     moe_matmul(c->pool, w->up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
-    moe_glu(c->m->cfg.ffn_act, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
+    moe_glu(c->m->cfg.ffn_act, limit, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
     if (!accumulate) {
         moe_matmul(c->pool, w->down, 0, c->ff_up, n_rows, out, c->mm_scratch);
         return;
@@ -33,12 +33,13 @@ static void gated_ffn(moe_ctx *c, const moe_ffn_weights *w, const float *row_gat
 }
 
 void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
-    gated_ffn(c, &l->ffn, NULL, NULL, false, c->y, n_rows);
+    gated_ffn(c, &l->ffn, l->plan.clamp_ffn, NULL, NULL, false, c->y, n_rows);
     moe_rows_post_norm(c, c->y, l->ffn_post_norm, n_rows, c->m->cfg.n_embd);
 }
 
 /* y += [sigmoid(w . xn) *] shared_expert(xn); xn is consumed. */
-static void shared_expert(moe_ctx *c, const moe_expert_weights *w, uint32_t n_rows) {
+static void shared_expert(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
+    const moe_expert_weights *w = &l->experts;
     const int64_t n_embd = c->m->cfg.n_embd;
     if (w->shared_gate) {
         const float *g = (const float *)w->shared_gate->data;
@@ -48,8 +49,8 @@ static void shared_expert(moe_ctx *c, const moe_expert_weights *w, uint32_t n_ro
             c->shexp_gate[r] = 1.0f / (1.0f + expf(-dot));
         }
     }
-    gated_ffn(c, &w->shared, w->shared_gate ? c->shexp_gate : NULL, w->shared_out_norm, true, c->y,
-              n_rows);
+    gated_ffn(c, &w->shared, l->plan.clamp_ffn, w->shared_gate ? c->shexp_gate : NULL,
+              w->shared_out_norm, true, c->y, n_rows);
 }
 
 /* c->xn2 = RMSNorm(x_in) * norm for n_rows rows (norm NULL: no weight). */
@@ -104,7 +105,8 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
                                     .gate_b = w->gate_b,
                                     .up_b = w->up_b,
                                     .down_b = w->down_b,
-                                    .act = cfg->expert_act};
+                                    .act = cfg->expert_act,
+                                    .limit = l->plan.clamp_exp};
     const float *in = c->xn;
     if (w->in_norm) {
         norm_input(c, w->in_norm, n_rows);
@@ -114,6 +116,6 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
     moe_experts_forward(c->pool, &experts, in, n_rows, c->expert_ids, c->expert_w,
                         (int)cfg->n_expert_used, c->y, &c->experts, &c->stats);
     moe_rows_post_norm(c, c->y, w->out_norm, n_rows, cfg->n_embd);
-    if (w->shared.gate) shared_expert(c, w, n_rows);
+    if (w->shared.gate) shared_expert(c, l, n_rows);
     moe_rows_post_norm(c, c->y, l->ffn_post_norm, n_rows, cfg->n_embd);
 }

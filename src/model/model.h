@@ -62,9 +62,15 @@ typedef struct moe_layer_plan {
     uint32_t head_dim_k, head_dim_v; /* this layer's attention head widths (<= the config's) */
     uint32_t rope_dims;              /* leading dims of each head that rotate (<= head_dim_k) */
     float rope_base;                 /* this layer's theta */
+    bool indexed;      /* MLA attending only to the keys its lightning indexer selects */
+    bool index_shared; /* ... those the previous indexed layer selected (no indexer of its own) */
+    float clamp_exp;   /* SwiGLU clamp of the routed experts (0: none): silu(min(gate, L)) *
+                        * clamp(up, -L, L) */
+    float clamp_ffn;   /* the same for the shared experts and the dense FFN */
 } moe_layer_plan;
 
 #define MOE_CONV_MAX_TAPS 16 /* short-conv kernel of linear attention: real models use 4 */
+#define MOE_MAX_HC        16 /* hyper-connection streams per token: real models use 4 */
 
 typedef struct moe_arch_desc moe_arch_desc;
 
@@ -128,6 +134,21 @@ typedef struct moe_model_config {
     uint32_t ssm_n_k_heads;
     uint32_t ssm_n_v_heads;
     bool ssm_tiled_heads;
+    float kda_gate_bound; /* KDA decay g = bound * sigmoid(exp(A_log) (f_b f_a x + dt_bias)) when
+                           * negative (GLM-5.3); 0: g = -exp(A_log) softplus(...) (Kimi) */
+    float l2_eps;         /* q/k L2 norm of linear attention: x / max(|x|, l2_eps) */
+    /* hyper-connections (n_hc == 0: the plain residual). n_hc streams per token; every block's
+     * input is a weighted sum of them and its output is added back to each after the streams are
+     * mixed by a doubly stochastic matrix (Sinkhorn iterations). */
+    uint32_t n_hc;
+    uint32_t hc_sinkhorn_iters;
+    float hc_eps;
+    /* lightning indexer of sparse MLA layers (plan.indexed): idx_n_head heads of idx_head_dim
+     * score pools of idx_kpool cached keys; a query attends to the idx_top_k / idx_kpool best
+     * complete pools and the incomplete tail, or to everything while that is no more */
+    uint32_t idx_n_head, idx_head_dim, idx_top_k, idx_kpool;
+    float idx_norm_eps;    /* the LayerNorm of the indexer keys */
+    bool idx_rope;         /* rope (the model's, rope_dims) on the indexer's queries and keys */
     moe_layer_plan *layer; /* [n_layer + n_layer_nextn] what each layer runs */
 } moe_model_config;
 
@@ -160,6 +181,14 @@ typedef struct moe_mla_weights {
     const moe_tensor *wk_b;      /* [head_dim_k_mla - rope_dims] -> [n_lora_kv], x n_head */
     const moe_tensor *wv_b;      /* [n_lora_kv] -> [head_dim_v_mla], x n_head */
     const moe_tensor *wo;        /* [n_head * head_dim_v_mla] -> [n_embd] */
+    /* the pooled lightning indexer (plan.indexed; ih = idx_n_head, id = idx_head_dim) */
+    const moe_tensor *idx_q_b;    /* [n_lora_q] -> [ih * id] queries from the q latent */
+    const moe_tensor *idx_k;      /* [n_embd] -> [id] per-token key, then LayerNorm: */
+    const moe_tensor *idx_k_norm; /* [id] f32 weight */
+    const moe_tensor *idx_k_bias; /* [id] f32 bias */
+    const moe_tensor *idx_proj;   /* [n_embd] -> [ih] per-head weights of a query's score */
+    const moe_tensor *idx_gate;   /* [n_embd] -> [id] per-token pooling logits */
+    const moe_tensor *idx_ape;    /* f32 [id] x kpool: pooling logit by position in the pool */
 } moe_mla_weights;
 
 /* Linear attention (MOE_MIXER_GDN, MOE_MIXER_KDA); K = n_k_heads * head_dim,
@@ -228,10 +257,19 @@ typedef struct moe_nextn_weights {
     const moe_tensor *head;      /* its own LM head (shared_head_head), or NULL: output */
 } moe_nextn_weights;
 
+/* One site's hyper-connection mixer: m = fn . RMSNorm(all streams) gives n_hc pre weights,
+ * n_hc post weights and the n_hc x n_hc combination logits, each scaled and offset. */
+typedef struct moe_hc_weights {
+    const moe_tensor *fn;    /* f32 [n_hc n_embd] -> [(2 + n_hc) n_hc] */
+    const moe_tensor *base;  /* f32 [(2 + n_hc) n_hc] */
+    const moe_tensor *scale; /* f32 [3]: of the pre, post and combination logits */
+} moe_hc_weights;
+
 /* One layer: its plan, its two input norms (and output norms where the architecture has them),
  * and the weights of its mixer and FFN kinds. */
 typedef struct moe_layer_weights {
     moe_layer_plan plan;
+    moe_hc_weights hc_attn, hc_ffn;   /* around the mixer and the FFN (n_hc > 0, trunk layers) */
     const moe_tensor *attn_norm;      /* [n_embd] f32: the mixer's input RMSNorm */
     const moe_tensor *ffn_norm;       /* [n_embd] f32: the FFN's input RMSNorm */
     const moe_tensor *attn_post_norm; /* [n_embd] f32 RMSNorm of the mixer's output, or NULL */
@@ -295,8 +333,14 @@ void moe_model_config_free(moe_model_config *c);
  * counts as K) and f32 values per sequence (a linear layer's recurrent state). */
 typedef struct moe_layer_state {
     uint64_t k_values, v_values, state_values;
+    uint64_t index_values; /* f32 values per token of an indexed layer's indexer cache */
 } moe_layer_state;
 moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il);
+/* f32 values of one position's indexer row: the key, and with pools (idx_kpool > 1) its pooling
+ * logits and the pooled key (kept in a pool's first cell). */
+static inline uint64_t moe_index_row_values(const moe_model_config *c) {
+    return (c->idx_kpool > 1 ? 3ull : 1ull) * c->idx_head_dim;
+}
 
 /* ==== Declaring a model's tensors (moe synth) ==== */
 

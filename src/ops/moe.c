@@ -168,7 +168,7 @@ void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
                                          (uint8_t *)s->mm + (uint64_t)off * xq_ff};
             off += n;
         }
-        moe_glu(set->act, s->up, s->gate, rows * n_ff);
+        moe_glu(set->act, set->limit, s->up, s->gate, rows * n_ff);
         moe_matmul_many(pool, tasks, n_group);
         off = 0;
         for (int g = 0; g < n_group; g++) {

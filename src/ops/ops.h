@@ -18,6 +18,9 @@
 
 /* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] (w NULL: no weight); out may alias x. */
 void moe_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps);
+/* out = (x - mean(x)) / sqrt(var(x) + eps) * w + b (LayerNorm); out may alias x. */
+void moe_layernorm(float *out, const float *x, const float *w, const float *b, int64_t n,
+                   float eps);
 /* x[i] = silu(gate[i]) * x[i] (SwiGLU: x holds `up`). */
 void moe_swiglu(float *x, const float *gate, int64_t n);
 /* gpt-oss's clamped SwiGLU (ggml swiglu_oai): g = min(gate, limit), u = clamp(x, +-limit),
@@ -31,7 +34,11 @@ float moe_gelu(float x);
 /* x[i] = gelu(gate[i]) * x[i] (GEGLU: x holds `up`). */
 void moe_geglu(float *x, const float *gate, int64_t n);
 /* x[i] = act(gate[i]) * x[i] for the activation kind. */
-void moe_glu(moe_ffn_act act, float *x, const float *gate, int64_t n);
+/* SwiGLU with both inputs clamped (GLM-5.3): x = silu(min(gate, limit)) * clamp(x, -limit, limit).
+ */
+void moe_swiglu_clamped(float *x, const float *gate, int64_t n, float limit);
+/* x = act(gate) * x; limit > 0 clamps a SwiGLU (MOE_ACT_SILU) as moe_swiglu_clamped. */
+void moe_glu(moe_ffn_act act, float limit, float *x, const float *gate, int64_t n);
 /* y[r][i] += b[i] for n_rows rows of n values, b = row `index` of the F32 tensor bias (0 for a
  * vector; e.g. an expert's row of a [n] x n_expert bias). NULL bias: nothing. */
 void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n);
@@ -100,6 +107,16 @@ typedef struct moe_attn_shape {
 } moe_attn_shape;
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
                        int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out, float *scores);
+
+/* ==== Hyper-connections (hyper.c) ==== */
+
+/* One row's hyper-connection weights for n streams from its mixing logits m [(2 + n) n], each
+ * logit scaled by scale[part] and offset by base: pre[s] = sigmoid(.) + eps (the block input's
+ * weights), post[s] = 2 sigmoid(.) (the block output's weight into stream s), and comb [n][n]
+ * (comb[src * n + dst]: how much of stream src goes to dst): a softmax over dst plus eps, made
+ * doubly stochastic by `iters` Sinkhorn normalisations (columns first, each sum + eps). */
+void moe_hc_mix_weights(const float *m, const float *base, const float *scale, int n, int iters,
+                        float eps, float *pre, float *post, float *comb);
 
 /* ==== Linear attention (linear_attn.c) ==== */
 
@@ -178,6 +195,7 @@ typedef struct moe_expert_set {
     const moe_tensor *gate_b, *up_b; /* F32 [n_ff] x n_expert biases, or NULL */
     const moe_tensor *down_b;        /* F32 [n_in] x n_expert, or NULL */
     moe_ffn_act act;
+    float limit; /* SwiGLU clamp (0: none), see moe_glu */
 } moe_expert_set;
 
 /* Buffers for moe_experts_forward, sized by the caller for its largest batch. */

@@ -72,8 +72,9 @@ typedef struct moe_inspect_plan {
     uint32_t kind_count[MOE_LAYER_KIND_COUNT]; /* layers by mixer kind */
     uint32_t n_dense_ffn, n_expert_ffn;        /* layers by FFN kind */
     uint32_t n_expert, n_expert_used;
-    uint64_t kv_values_per_token;  /* K + V values over all layers (MLA: the latent row) */
-    uint64_t state_values_per_seq; /* f32 recurrent state over the linear layers */
+    uint64_t kv_values_per_token;    /* K + V values over all layers (MLA: the latent row) */
+    uint64_t index_values_per_token; /* f32 lightning-indexer rows over the indexed layers */
+    uint64_t state_values_per_seq;   /* f32 recurrent state over the linear layers */
 } moe_inspect_plan;
 
 typedef struct moe_inspect_report {
@@ -134,6 +135,7 @@ typedef struct moe_budget_model {
     uint64_t *k_values;     /* [n_layer] K (or MLA latent + rope) values per token */
     uint64_t *v_values;     /* [n_layer] V values per token (0 for MLA, linear) */
     uint64_t *state_values; /* [n_layer] f32 state values per sequence (linear layers) */
+    uint64_t *index_values; /* [n_layer] f32 lightning-indexer values per token (with the KV) */
     uint64_t window;        /* sliding window in tokens (0: none) */
     uint64_t ctx_train;     /* <arch>.context_length (0: unknown) */
     uint64_t n_embd, n_vocab, n_head, ff_active; /* for the scratch estimate */
