@@ -736,6 +736,111 @@ static void gemma4_split_prefill_equals_one_shot(void **state) {
     fixture_close(&f);
 }
 
+/* The F32 gemma4 at `src` reduced to Gemma 4's dense form (the 31B's layout): without the
+ * experts, the router and the expert branch's norms, and without the expert keys. */
+static const char *gemma4_dense_copy(const char *src) {
+    static const char *const drop_keys[] = {"gemma4.expert_count", "gemma4.expert_used_count",
+                                            "gemma4.expert_feed_forward_length"};
+    static const char *const drop_tensors[] = {"_exps.", "ffn_gate_inp.", "pre_ffw_norm_2.",
+                                               "post_ffw_norm_1.", "post_ffw_norm_2."};
+    static char path[512];
+    snprintf(path, sizeof path, "%s/gemma4-dense-f32.gguf", moe_test_tmpdir());
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(src, &err);
+    if (!g) fail_msg("%s", err.msg);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
+        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
+        bool keep = true;
+        for (size_t k = 0; k < sizeof drop_keys / sizeof drop_keys[0]; k++)
+            keep &= strcmp(kv->key.ptr, drop_keys[k]) != 0;
+        if (keep) moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
+    }
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        bool keep = true;
+        for (size_t k = 0; k < sizeof drop_tensors / sizeof drop_tensors[0]; k++)
+            keep &= strstr(t->name.ptr, drop_tensors[k]) == NULL;
+        if (keep && moe_gguf_writer_add_tensor(w, t->name.ptr, t->type, t->n_dims, t->ne, t->data,
+                                               true, &err) != MOE_OK)
+            fail_msg("%s", err.msg);
+    }
+    if (moe_gguf_writer_write(w, path, 0, &err) != MOE_OK) fail_msg("%s", err.msg);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+    return path;
+}
+
+/* tests/gemma4_reference.py's logits (numpy float64 from llama.cpp's gemma4.cpp) of model on the
+ * fixture's ids into a buffer the caller frees. */
+static float *gemma4_reference(const char *python, const char *model, const fixture *f,
+                               const char *out_name) {
+    char ids[512] = "", out_path[512], cmd[2048], *out;
+    for (uint32_t i = 0; i < f->n; i++)
+        snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%d" : "%d", f->ids[i]);
+    snprintf(out_path, sizeof out_path, "%s/%s", moe_test_tmpdir(), out_name);
+    snprintf(cmd, sizeof cmd, "%s tests/gemma4_reference.py %s %s %s", python, model, ids,
+             out_path);
+    if (moe_test_run(cmd, &out) != 0) fail_msg("%s failed:\n%s", cmd, out);
+    free(out);
+    size_t size;
+    uint8_t *ref;
+    moe_error err = {0};
+    assert_int_equal(moe_file_read(out_path, &ref, &size, &err), MOE_OK);
+    assert_int_equal(size, sizeof(float) * f->n * f->m->cfg.n_vocab);
+    return (float *)ref;
+}
+
+/* Gemma 4's dense form, which no fixture has: the F32 copy without its experts against
+ * tests/gemma4_reference.py, an independent float64 forward of llama.cpp's gemma4.cpp -- which
+ * first shows it reproduces the fixture's own logits_f32act on the MoE form. Prefill in one
+ * call, in calls of 7 (inside the window of 8) and token by token. */
+static void gemma4_dense_matches_reference(void **state) {
+    (void)state;
+    const char *python = moe_test_python_numpy();
+    MOE_SKIP_IF_NULL(python);
+    const char *f32 = dequantized_copy("parity/gemma4-moe-q4_0.gguf", "gemma4-moe-f32.gguf");
+    MOE_SKIP_IF_NULL(f32);
+    fixture f;
+    assert_true(fixture_open(&f, "gemma4-moe-q4_0", "logits_f32act", 0));
+    const uint32_t nv = f.m->cfg.n_vocab;
+    float *moe_ref = gemma4_reference(python, f32, &f, "gemma4-moe.ref.f32");
+    double script = 0;
+    for (uint32_t r = 0; r < f.n; r++)
+        script = fmax(script, row_rel_err(moe_ref + r * nv, f.ref + r * nv, nv));
+    print_message("gemma4_reference.py vs logits_f32act (MoE form): %.3g\n", script);
+    assert_true(script <= TOL_F32);
+    const char *dense_path = gemma4_dense_copy(f32);
+    moe_model *dense = load_model_file(dense_path);
+    assert_int_equal(dense->cfg.n_expert, 0);
+    assert_int_equal(dense->layers[0].plan.ffn, MOE_FFN_DENSE);
+    float *ref = gemma4_reference(python, dense_path, &f, "gemma4-dense.ref.f32");
+    float *got = moe_xmalloc(sizeof(float) * f.n * nv);
+    double apart = 0;
+    for (uint32_t r = 0; r < f.n; r++)
+        apart = fmax(apart, row_rel_err(ref + r * nv, moe_ref + r * nv, nv));
+    assert_true(apart > 100 * TOL_F32); /* the experts mattered */
+    const uint32_t steps[] = {f.n, 7, 1};
+    for (size_t s = 0; s < sizeof steps / sizeof steps[0]; s++) {
+        feed_all(dense, f.ids, f.n, steps[s], got);
+        double worst = 0;
+        for (uint32_t r = 0; r < f.n; r++) {
+            const float *ours = got + (size_t)r * nv, *theirs = ref + (size_t)r * nv;
+            worst = fmax(worst, row_rel_err(ours, theirs, nv));
+            if (top2_margin(theirs, nv) > TOL_F32)
+                assert_int_equal(argmax(ours, nv), argmax(theirs, nv));
+        }
+        print_message("gemma4 dense, calls of %u rows: worst row rel err %.3g (limit %g)\n",
+                      steps[s], worst, TOL_F32);
+        assert_true(worst <= TOL_F32);
+    }
+    free(got);
+    free(ref);
+    free(moe_ref);
+    moe_model_free(dense);
+    fixture_close(&f);
+}
+
 /* ==== Routing ==== */
 
 /* DeepSeek-V3 grouped top-k on a hand-made row, as llama.cpp's build_moe_ffn does it: scores
@@ -1032,6 +1137,7 @@ int moe_suite_model(void) {
         cmocka_unit_test(parity_gemma4_f32),
         cmocka_unit_test(parity_gemma4_q4_0),
         cmocka_unit_test(gemma4_split_prefill_equals_one_shot),
+        cmocka_unit_test(gemma4_dense_matches_reference),
         cmocka_unit_test(grouped_routing_hand_made),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),
