@@ -612,16 +612,35 @@ static const char *dequantized_copy(const char *relpath, const char *out_name) {
     return path;
 }
 
+/* The fixture's ids as "1,403,...". */
+static void ids_csv(const fixture *f, char *buf, size_t cap) {
+    buf[0] = '\0';
+    for (uint32_t i = 0; i < f->n; i++)
+        snprintf(buf + strlen(buf), cap - strlen(buf), i ? ",%d" : "%d", f->ids[i]);
+}
+
+/* Run cmd (it must succeed), then read the n_floats float32 values it wrote to out_path. */
+static float *run_for_floats(const char *cmd, const char *out_path, size_t n_floats) {
+    char *out;
+    if (moe_test_run(cmd, &out) != 0) fail_msg("%s failed:\n%s", cmd, out);
+    free(out);
+    size_t size;
+    uint8_t *bytes;
+    moe_error err = {0};
+    assert_int_equal(moe_file_read(out_path, &bytes, &size, &err), MOE_OK);
+    assert_int_equal(size, sizeof(float) * n_floats);
+    return (float *)bytes;
+}
+
 /* `moe logits` of a fixture's 32 ids (one prefill of all of them) at every ISA level this
  * machine runs, each against the reference file `ref` of fixture `name`: every row within tol
  * (of max|ref|), and the 16 greedy ids the argmax of the rows that chose them. */
 static void logits_every_isa(const char *name, const char *model, const char *ref_kind,
                              double tol) {
     fixture f;
-    char rel[256], ids[512] = "", out_path[512], cmd[2048], *out;
+    char rel[256], ids[512], out_path[512], cmd[2048];
     if (!fixture_open(&f, name, ref_kind, 0)) return;
-    for (uint32_t i = 0; i < f.n; i++)
-        snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%d" : "%d", f.ids[i]);
+    ids_csv(&f, ids, sizeof ids);
     if (!model) {
         snprintf(rel, sizeof rel, "parity/%s.gguf", name);
         model = moe_test_shared(rel);
@@ -632,14 +651,7 @@ static void logits_every_isa(const char *name, const char *model, const char *re
                  moe_isa_name((moe_isa)isa));
         snprintf(cmd, sizeof cmd, "MOE_ISA=%s %s logits %s --tokens %s --out %s",
                  moe_isa_name((moe_isa)isa), moe_test_bin(), model, ids, out_path);
-        if (moe_test_run(cmd, &out) != 0) fail_msg("%s: %s", cmd, out);
-        free(out);
-        size_t n_bytes;
-        uint8_t *bytes;
-        moe_error err = {0};
-        assert_int_equal(moe_file_read(out_path, &bytes, &n_bytes, &err), MOE_OK);
-        assert_int_equal(n_bytes, sizeof(float) * f.n * nv);
-        const float *ours = (const float *)bytes;
+        float *ours = run_for_floats(cmd, out_path, (size_t)f.n * nv);
         double worst = 0;
         for (uint32_t r = 0; r < f.n; r++) {
             const double e = row_rel_err(ours + r * nv, f.ref + r * nv, nv);
@@ -653,7 +665,7 @@ static void logits_every_isa(const char *name, const char *model, const char *re
         }
         print_message("%s vs %s at %s: worst row rel err %.3g (limit %g), greedy ids equal\n",
                       model, ref_kind, moe_isa_name((moe_isa)isa), worst, tol);
-        free(bytes);
+        free(ours);
     }
     fixture_close(&f);
 }
@@ -775,20 +787,12 @@ static const char *gemma4_dense_copy(const char *src) {
  * fixture's ids into a buffer the caller frees. */
 static float *gemma4_reference(const char *python, const char *model, const fixture *f,
                                const char *out_name) {
-    char ids[512] = "", out_path[512], cmd[2048], *out;
-    for (uint32_t i = 0; i < f->n; i++)
-        snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%d" : "%d", f->ids[i]);
+    char ids[512], out_path[512], cmd[2048];
+    ids_csv(f, ids, sizeof ids);
     snprintf(out_path, sizeof out_path, "%s/%s", moe_test_tmpdir(), out_name);
     snprintf(cmd, sizeof cmd, "%s tests/gemma4_reference.py %s %s %s", python, model, ids,
              out_path);
-    if (moe_test_run(cmd, &out) != 0) fail_msg("%s failed:\n%s", cmd, out);
-    free(out);
-    size_t size;
-    uint8_t *ref;
-    moe_error err = {0};
-    assert_int_equal(moe_file_read(out_path, &ref, &size, &err), MOE_OK);
-    assert_int_equal(size, sizeof(float) * f->n * f->m->cfg.n_vocab);
-    return (float *)ref;
+    return run_for_floats(cmd, out_path, (size_t)f->n * f->m->cfg.n_vocab);
 }
 
 /* Gemma 4's dense form, which no fixture has: the F32 copy without its experts against
