@@ -175,7 +175,9 @@ typedef struct moe_stream_ops {
     void (*begin)(moe_ctx *c, const float *embd, uint32_t n_rows);
     /* The input of layer l's block at `site`, [n_rows][n_embd] (before its norm). */
     const float *(*pre)(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows);
-    /* Take the block's output (c->y) into the streams. */
+    /* Take the block's output (c->y) into the streams; after the FFN, scale them by the
+     * layer's out_scale where it has one (the plain stream does; hyper-connections do not
+     * meet a model with one yet). */
     void (*post)(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows);
     /* The hidden state of row r that the output head reads, [n_embd]. */
     const float *(*final)(moe_ctx *c, uint32_t r);
