@@ -896,7 +896,8 @@ typedef enum {
     EDIT_RESHAPE_TENSOR,
     EDIT_ARCH,
     EDIT_DROP_KEY,
-    EDIT_SET_U32, /* target = value */
+    EDIT_SET_U32,      /* target = value */
+    EDIT_SET_LAST_I32, /* the last element of the i32 array target = value */
 } edit_kind;
 
 /* Copy a shared model through the writer with one edit (key `target` set to `value` for
@@ -915,7 +916,15 @@ static void load_edited_from(const char *relpath, edit_kind edit, const char *ta
             moe_gguf_writer_set_str(w, kv->key.ptr, target);
         else if (edit == EDIT_SET_U32 && strcmp(kv->key.ptr, target) == 0)
             moe_gguf_writer_set_u32(w, kv->key.ptr, value);
-        else if (edit != EDIT_DROP_KEY || strcmp(kv->key.ptr, target) != 0)
+        else if (edit == EDIT_SET_LAST_I32 && strcmp(kv->key.ptr, target) == 0) {
+            assert_int_equal(kv->value.arr.elem_type, MOE_GGUF_I32);
+            const uint64_t n = kv->value.arr.n;
+            int32_t *a = moe_xmalloc(sizeof *a * n);
+            memcpy(a, kv->value.arr.data, sizeof *a * n);
+            a[n - 1] = (int32_t)value;
+            moe_gguf_writer_set_arr(w, kv->key.ptr, MOE_GGUF_I32, a, n);
+            free(a);
+        } else if (edit != EDIT_DROP_KEY || strcmp(kv->key.ptr, target) != 0)
             moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
     }
     for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
@@ -988,6 +997,8 @@ static void gemma4_errors_are_named(void **state) {
         {EDIT_SET_U32, "gemma4.attention.sliding_window", 0,
          "layer 0 is a sliding-window layer, but gemma4.attention.sliding_window"},
         {EDIT_SET_U32, "gemma4.attention.key_length_swa", 128, "key_length_swa 128"},
+        {EDIT_SET_LAST_I32, "gemma4.attention.head_count_kv", 0,
+         "head_count_kv is 0 for layer 5: every Gemma 4 layer attends"},
         {EDIT_DROP_TENSOR, "rope_freqs.weight", 0, "missing tensor 'rope_freqs.weight'"},
         {EDIT_DROP_TENSOR, "blk.2.ffn_gate_inp.scale", 0,
          "missing tensor 'blk.2.ffn_gate_inp.scale'"},

@@ -81,6 +81,13 @@ static bool gemma4_config(moe_meta *r, moe_model_config *c) {
     bool ok = read_swa_pattern(r, c->n_layer, sliding);
     for (uint32_t il = 0; ok && il < c->n_layer; il++) {
         moe_layer_plan *p = &c->layer[il];
+        if (p->n_head_kv == 0) {
+            ok = moe_meta_fail(r, MOE_ERR_FORMAT,
+                               "%s.attention.head_count_kv is 0 for layer %u: every Gemma 4 layer "
+                               "attends",
+                               r->arch, il);
+            break;
+        }
         if (!sliding[il]) continue;
         if (c->n_swa == 0) {
             ok =
