@@ -92,7 +92,9 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     char *path = moe_arg_model_path(cmd, o->model_path);
     if (!path) return false;
     g->model = moe_model_load(path, &err);
-    if (g->model) g->tok = moe_tokenizer_from_gguf(g->model->gguf, &err);
+    if (g->model && o->engine.expert_cache_bytes) /* the rest resident, the experts on demand */
+        moe_gguf_to_memory_except(g->model->gguf, NULL, moe_model_is_routed, g->model, NULL, &err);
+    if (g->model && !err.code) g->tok = moe_tokenizer_from_gguf(g->model->gguf, &err);
     if (g->tok && moe_tokenizer_n_vocab(g->tok) != g->model->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(g->tok), g->model->cfg.n_vocab);
@@ -101,6 +103,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                              .n_seq = 1,
                              .max_rows = PREFILL_CHUNK,
                              .kv_type = o->engine.kv_type,
+                             .expert_cache_bytes = o->engine.expert_cache_bytes,
                              .n_threads = o->engine.n_threads,
                              .n_verify = o->spec ? o->n_draft + 1 : 0};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
@@ -354,6 +357,19 @@ void moe_gen_print_stats(const moe_gen *g) {
         g->prompt_seconds > 0 ? (double)g->n_prompt / g->prompt_seconds : 0.0,
         (unsigned long long)g->n_generated,
         g->gen_seconds > 0 ? (double)g->n_generated / g->gen_seconds : 0.0, g->load_seconds * 1e3);
+    const moe_expert_cache_stats cs = moe_ctx_expert_cache_stats(g->ctx);
+    if (cs.slots) {
+        const uint64_t acquired = cs.hits + cs.misses, tokens = g->n_prompt + g->n_generated;
+        fprintf(stderr,
+                "expert cache: %u experts of %.2f MiB, hit rate %.1f%%, %.1f MiB read from disk "
+                "(%.2f MiB per token) at %.0f MiB/s%s, %.0f ms waiting for it\n",
+                cs.slots, (double)cs.slot_bytes / 1048576.0,
+                acquired ? 100.0 * (double)cs.hits / (double)acquired : 0.0,
+                (double)cs.bytes_read / 1048576.0,
+                tokens ? (double)cs.bytes_read / 1048576.0 / (double)tokens : 0.0,
+                cs.read_seconds > 0 ? (double)cs.bytes_read / 1048576.0 / cs.read_seconds : 0.0,
+                cs.direct ? " (O_DIRECT)" : "", cs.read_seconds * 1e3);
+    }
     if (!g->opt.spec || !g->n_steps) return;
     fprintf(stderr, "spec %s: %.2f tokens per step, drafts accepted by position:",
             g->opt.spec == MOE_GEN_SPEC_MTP ? "mtp" : "ngram",

@@ -215,6 +215,14 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     }
     moe_linear_alloc(x);
     moe_indexer_alloc(x, n_layer_run(m));
+    if (params.expert_cache_bytes) {
+        x->expert_cache =
+            moe_expert_cache_new(m, n_layer_run(m), x->pool, params.expert_cache_bytes, err);
+        if (!x->expert_cache) {
+            moe_ctx_free(x);
+            return NULL;
+        }
+    }
     return x;
 }
 
@@ -237,6 +245,7 @@ void moe_ctx_free(moe_ctx *c) {
     moe_linear_free(c);
     moe_hc_free(c);
     moe_indexer_free(c);
+    moe_expert_cache_free(c->expert_cache);
     free(c->k_cache);
     free(c->v_cache);
     free(c->x);
@@ -275,12 +284,23 @@ void moe_ctx_free(moe_ctx *c) {
 const moe_model *moe_ctx_model(const moe_ctx *c) {
     return c->m;
 }
+moe_pool *moe_ctx_pool(moe_ctx *c) {
+    return c->pool;
+}
+int moe_ctx_n_threads(const moe_ctx *c) {
+    return moe_pool_n_threads(c->pool);
+}
 uint32_t moe_ctx_n_ctx(const moe_ctx *c) {
     return c->p.n_ctx;
 }
 
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c) {
     return c->stats;
+}
+
+moe_expert_cache_stats moe_ctx_expert_cache_stats(const moe_ctx *c) {
+    return c->expert_cache ? moe_expert_cache_stats_of(c->expert_cache)
+                           : (moe_expert_cache_stats){0};
 }
 
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq) {
@@ -446,6 +466,14 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->y[i] *= m->cfg.embd_scale;
     c->stream->begin(c, c->y, n_rows);
     for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, il, rows, n_rows);
+    if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {
+        /* the step's state is half written (linear layers advanced): its sequences start over */
+        for (uint32_t r = 0; r < n_rows; r++) {
+            moe_error ignored = {0};
+            moe_ctx_seq_truncate(c, rows[r].seq, 0, &ignored);
+        }
+        return err->code;
+    }
     for (uint32_t r = 0; r < n_rows; r++) {
         c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
         c->tokens[(uint64_t)rows[r].seq * c->p.n_ctx + (uint32_t)rows[r].pos] = rows[r].token;
@@ -513,6 +541,10 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
     c->stream = &moe_stream_plain; /* the NextN block is a plain pre-norm block */
     c->stream->begin(c, c->y, n_rows);
     run_layer(c, il, rows, n_rows);
+    if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {
+        c->stream = c->trunk;
+        return err->code;
+    }
     for (uint32_t r = 0; r < n_rows; r++) c->mtp_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
     output_head(c, rows, n_rows, w->head_norm ? w->head_norm : m->output_norm,
                 w->head ? w->head : m->output, logits);

@@ -63,6 +63,17 @@ typedef struct moe_index_ctx {
     uint8_t *gather;     /* [n_threads][top_k + kpool - 1] latent rows a query attends to */
 } moe_index_ctx;
 
+/* The expert cache (expert_cache.c). */
+typedef struct moe_expert_cache moe_expert_cache;
+moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, moe_pool *pool,
+                                       uint64_t bytes, moe_error *err);
+void moe_expert_cache_free(moe_expert_cache *c);
+/* Layer il's experts through the cache, for moe_expert_set.source. */
+const moe_expert_source *moe_expert_cache_source(moe_expert_cache *c, uint32_t il);
+/* The first read error since the last call, into err (true), or false. */
+bool moe_expert_cache_take_error(moe_expert_cache *c, moe_error *err);
+moe_expert_cache_stats moe_expert_cache_stats_of(const moe_expert_cache *c);
+
 /* A recurrent-state snapshot: sequence seq's state after its first pos tokens. */
 typedef struct moe_snapshot {
     int32_t seq; /* -1: the slot is free */
@@ -117,6 +128,7 @@ struct moe_ctx {
     const struct moe_stream_ops *stream; /* how block outputs join the residual stream */
     const struct moe_stream_ops *trunk;  /* ... in the trunk's layers (MTP layers: plain) */
     moe_hc_ctx hc;
+    moe_expert_cache *expert_cache; /* NULL: the routed experts are resident */
     moe_index_ctx idx;
     moe_linear_ctx lin;
     /* verify steps: for each sequence its length before the last one and its rows in it (0:

@@ -365,6 +365,9 @@ moe_model *moe_model_load(const char *path, moe_error *err);
 /* Bind a model from an already opened file; on success the model owns g. */
 moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err);
 void moe_model_free(moe_model *m);
+/* Whether t is one of m's routed-expert matrices (ffn_*_exps of a layer it runs); takes the
+ * model as void * to serve as moe_gguf_to_memory_except's skip. */
+bool moe_model_is_routed(const moe_tensor *t, void *model);
 /* The projection matrices of a layer (those moe_matmul reads), by its plan: *n of them. */
 #define MOE_LAYER_MAX_MATRICES 24
 int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out);

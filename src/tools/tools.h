@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "../base/base.h"
+#include "../engine/engine.h"
 #include "../format/format.h"
 
 /* ==== Tensor roles, from llama.cpp tensor names ==== */
@@ -290,10 +291,11 @@ typedef struct moe_bench_params {
     int n_gen;                          /* decode test: this many single-row steps (0: skip) */
     int streams[MOE_BENCH_MAX_STREAMS]; /* batched decode: streams per test */
     int n_streams;
-    int stream_steps;   /* steps per batched decode test */
-    bool use_mmap;      /* keep weights in the mapped file instead of anonymous memory */
-    moe_type kv_type;   /* KV cache elements (default F16, as llama-bench) */
-    size_t probe_bytes; /* bandwidth probe buffer */
+    int stream_steps;            /* steps per batched decode test */
+    bool use_mmap;               /* keep weights in the mapped file instead of anonymous memory */
+    moe_type kv_type;            /* KV cache elements (default F16, as llama-bench) */
+    uint64_t expert_cache_bytes; /* routed experts read on demand into a cache (0: resident) */
+    size_t probe_bytes;          /* bandwidth probe buffer */
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
@@ -325,6 +327,11 @@ typedef struct moe_bench_result {
     moe_bench_figure pp, tg;
     moe_bench_stream streams[MOE_BENCH_MAX_STREAMS];
     int n_streams;
+    /* with --expert-cache: the cache over the decode test, and the disk it reads from */
+    moe_expert_cache_stats tg_cache; /* counters of the tg test's steps (warm-up included) */
+    double tg_cache_tokens;          /* tokens those steps made */
+    double disk_mib_s;               /* sequential read of the model file (its own probe) */
+    bool disk_direct;                /* ... with O_DIRECT (else through the page cache) */
 } moe_bench_result;
 
 /* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */
