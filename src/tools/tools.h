@@ -140,6 +140,7 @@ typedef struct moe_budget_model {
     uint64_t window;        /* sliding window in tokens (0: none) */
     uint64_t ctx_train;     /* <arch>.context_length (0: unknown) */
     uint64_t n_embd, n_vocab, n_head, ff_active; /* for the scratch estimate */
+    uint32_t n_expert, n_expert_used;            /* routed experts per layer, per token */
 } moe_budget_model;
 
 /* Read a model's facts; false with err set when its architecture's keys are missing. */
@@ -156,6 +157,7 @@ typedef struct moe_budget_config {
     uint64_t streams;        /* concurrent sequences */
     moe_type kv_type;        /* F16, F32 or Q8_0 */
     bool vision;             /* count the vision tower */
+    uint64_t expert_cache;   /* --expert-cache: routed experts resident at most (0: all) */
 } moe_budget_config;
 
 #define MOE_BUDGET_MAX_DEVICES  4096
@@ -172,8 +174,9 @@ typedef struct moe_budget_plan {
     uint64_t kv_bytes_per_token;     /* full + MLA layers, all of them */
     uint64_t swa_kv_bytes_per_token; /* sliding layers (up to `window` tokens) */
     uint64_t state_bytes_per_stream;
-    uint64_t max_ctx;     /* largest context that fits with config.streams (0: none) */
-    uint64_t max_streams; /* largest stream count that fits at config.ctx (0: none) */
+    uint64_t max_ctx;                /* largest context that fits with config.streams (0: none) */
+    uint64_t max_streams;            /* largest stream count that fits at config.ctx (0: none) */
+    uint64_t expert_bytes_per_token; /* routed experts one token runs (n_used of n_expert) */
 } moe_budget_plan;
 
 void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
