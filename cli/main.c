@@ -24,7 +24,8 @@ static const moe_command commands[] = {
     {"budget", moe_cmd_budget,
      "memory per device for a model (or a ladder of builds): fits, largest context and streams",
      "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
-     "[--kv-type f16|f32|q8_0] [--expert-cache SIZE] [--no-vision] [--ladder] [--json] [--svg FILE]"},
+     "[--kv-type f16|f32|q8_0] [--expert-cache SIZE] [--no-vision] [--ladder] [--json] [--svg "
+     "FILE]"},
     {"audit", moe_cmd_audit,
      "quantization error of chosen rows against a float reference (rel. Frobenius, cosine, matvec)",
      "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
@@ -44,6 +45,12 @@ static const moe_command commands[] = {
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
      "        [--kv-type f16|f32] [--mmap] [--expert-cache SIZE] [--csv | --json]"},
+    {"eval", moe_cmd_eval,
+     "score labelled records by label probability, compare two runs, KL against a reference",
+     "labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] [--json]\n"
+     "        | compare A.jsonl B.jsonl [--resamples N] [--seed S] [--json]\n"
+     "        | kl MODEL --ref REF_MODEL (--text F | --tokens IDS) [--ctx N] [--json]\n"
+     "        (`moe eval labels --help` etc. for each)"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
      "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},
