@@ -1084,7 +1084,7 @@ static void budget_ladder_and_svg(void **state) {
     char wide[600], svg[600], cmd[4096], *out;
     snprintf(wide, sizeof wide, "%s/qwen3moe-f32.gguf", moe_test_tmpdir());
     snprintf(svg, sizeof svg, "%s/budget.svg", moe_test_tmpdir());
-    moe_test_dequantize_gguf("../shared/parity/qwen3moe-mixed.gguf", wide);
+    moe_test_copy_gguf("../shared/parity/qwen3moe-mixed.gguf", wide, NULL, NULL, true);
 
     snprintf(cmd, sizeof cmd,
              "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "

@@ -714,7 +714,7 @@ static const char *dequantized_copy(const char *relpath, const char *out_name) {
     if (!src) return NULL;
     static char path[512];
     snprintf(path, sizeof path, "%s/%s", moe_test_tmpdir(), out_name);
-    moe_test_dequantize_gguf(src, path);
+    moe_test_copy_gguf(src, path, NULL, NULL, true);
     return path;
 }
 
@@ -857,34 +857,12 @@ static void gemma4_split_prefill_equals_one_shot(void **state) {
  * experts, the router and the expert branch's norms, and without the expert keys. */
 static const char *gemma4_dense_copy(const char *src) {
     static const char *const drop_keys[] = {"gemma4.expert_count", "gemma4.expert_used_count",
-                                            "gemma4.expert_feed_forward_length"};
-    static const char *const drop_tensors[] = {"_exps.", "ffn_gate_inp.", "pre_ffw_norm_2.",
-                                               "post_ffw_norm_1.", "post_ffw_norm_2."};
+                                            "gemma4.expert_feed_forward_length", NULL};
+    static const char *const drop_tensors[] = {
+        "_exps.", "ffn_gate_inp.", "pre_ffw_norm_2.", "post_ffw_norm_1.", "post_ffw_norm_2.", NULL};
     static char path[512];
     snprintf(path, sizeof path, "%s/gemma4-dense-f32.gguf", moe_test_tmpdir());
-    moe_error err = {0};
-    moe_gguf *g = moe_gguf_open(src, &err);
-    if (!g) fail_msg("%s", err.msg);
-    moe_gguf_writer *w = moe_gguf_writer_new();
-    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
-        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
-        bool keep = true;
-        for (size_t k = 0; k < sizeof drop_keys / sizeof drop_keys[0]; k++)
-            keep &= strcmp(kv->key.ptr, drop_keys[k]) != 0;
-        if (keep) moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
-    }
-    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
-        const moe_tensor *t = moe_gguf_tensor_get(g, i);
-        bool keep = true;
-        for (size_t k = 0; k < sizeof drop_tensors / sizeof drop_tensors[0]; k++)
-            keep &= strstr(t->name.ptr, drop_tensors[k]) == NULL;
-        if (keep && moe_gguf_writer_add_tensor(w, t->name.ptr, t->type, t->n_dims, t->ne, t->data,
-                                               true, &err) != MOE_OK)
-            fail_msg("%s", err.msg);
-    }
-    if (moe_gguf_writer_write(w, path, 0, &err) != MOE_OK) fail_msg("%s", err.msg);
-    moe_gguf_writer_free(w);
-    moe_gguf_close(g);
+    moe_test_copy_gguf(src, path, drop_keys, drop_tensors, false);
     return path;
 }
 
