@@ -2,7 +2,8 @@
  * for parsed model output (replayed, no model) on their own.
  *
  * Two servers are started once (on free ports, found by --port 0 and read from their stdout):
- *   base: stories260K (../shared) with --ctx 1024 --parallel 16 and an API key;
+ *   base: stories260K (../shared) with --ctx 1024 --parallel 16, an API key and --cors for one
+ *         origin;
  *   slow: the built-in demo model with --parallel 1 --queue 1 --queue-timeout 1 --step-delay 20
  *         --keepalive 0.01, where a stream lasts long enough to be aborted, queued behind or
  *         refused, and keep-alives come between tokens;
@@ -149,8 +150,10 @@ static bool servers(void) {
         skip();
         return false;
     }
-    char *base_args[] = {(char *)model, "--ctx",     "1024",  "--parallel",
-                         "16",          "--api-key", API_KEY, NULL};
+    char *base_args[] = {(char *)model, "--ctx",  "1024",
+                         "--parallel",  "16",     "--api-key",
+                         API_KEY,       "--cors", "http://allowed.example",
+                         NULL};
     char *slow_args[] = {
         "--parallel", "1",           "--queue", "1", "--queue-timeout", "1", "--step-delay",
         "20",         "--keepalive", "0.01",    NULL};
@@ -220,6 +223,7 @@ CLIENT_CASE(anthropic_stream)
 CLIENT_CASE(tools_shape)
 CLIENT_CASE(responses)
 CLIENT_CASE(errors)
+CLIENT_CASE(cors)
 CLIENT_CASE(concurrent_streams)
 CLIENT_CASE(disconnect)
 CLIENT_CASE(disconnect_storm)
@@ -774,6 +778,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_tools_shape),
         cmocka_unit_test(client_responses),
         cmocka_unit_test(client_errors),
+        cmocka_unit_test(client_cors),
         cmocka_unit_test(client_concurrent_streams),
         cmocka_unit_test(client_disconnect),
         cmocka_unit_test(client_disconnect_storm),

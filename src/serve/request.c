@@ -28,7 +28,6 @@ static const char *reason_api_type(serve_api api, int status) {
             return "request_too_large";
         case 429:
             return "rate_limit_error";
-        case 503:
         case 529:
             return "overloaded_error";
         default:
@@ -47,6 +46,7 @@ static const char *reason_api_type(serve_api api, int status) {
 
 void serve_reply_error(serve_http *h, serve_api api, int status, const char *param,
                        const char *code, const char *fmt, ...) {
+    if (api == SERVE_API_ANTHROPIC && status == 503) status = 529; /* Anthropic's "overloaded" */
     char msg[1024];
     va_list ap;
     va_start(ap, fmt);

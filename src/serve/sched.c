@@ -95,6 +95,11 @@ serve_req *serve_req_new(void) {
     return r;
 }
 
+void serve_req_notify(serve_req *r) {
+    pthread_cond_broadcast(&r->cv);
+    if (r->wake) r->wake(r->wake_ud);
+}
+
 void serve_req_release(serve_req *r) {
     if (!r) return;
     pthread_mutex_lock(&r->mu);
@@ -110,7 +115,10 @@ void serve_req_release(serve_req *r) {
 }
 
 void serve_req_cancel(serve_req *r) {
+    pthread_mutex_lock(&r->mu);
+    if (!atomic_load(&r->cancel)) r->generated_at_cancel = r->n_generated;
     atomic_store(&r->cancel, true);
+    pthread_mutex_unlock(&r->mu);
     serve_sched *s = r->sched;
     if (s) {
         pthread_mutex_lock(&s->mu);
@@ -174,7 +182,7 @@ static void emit(serve_req *r, serve_event_kind kind, const char *text, size_t l
     else
         memset(&e->sample, 0, sizeof e->sample);
     moe_strbuf_put(&r->text, text, len);
-    pthread_cond_broadcast(&r->cv);
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -241,7 +249,7 @@ static void admit(serve_sched *s, serve_req *r) {
     pthread_mutex_lock(&r->mu);
     r->admitted = true;
     r->n_cached = reuse;
-    pthread_cond_broadcast(&r->cv);
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     if (reuse) s->metrics->prefix_hits++;
@@ -277,11 +285,17 @@ static void finish(serve_sched *s, int idx, serve_finish why, int stop_index, co
     r->stop_index = stop_index;
     if (error) snprintf(r->error, sizeof r->error, "%s", error);
     r->done = true;
-    pthread_cond_broadcast(&r->cv);
+    const uint32_t after_cancel = r->n_generated - r->generated_at_cancel;
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     if (why == SERVE_FINISH_CANCELLED) {
         pthread_mutex_lock(&s->metrics->mu);
         s->metrics->cancelled++;
+        if (atomic_load(&r->cancel)) {
+            s->metrics->tokens_after_cancel += after_cancel;
+            if (after_cancel > s->metrics->tokens_after_cancel_max)
+                s->metrics->tokens_after_cancel_max = after_cancel;
+        }
         pthread_mutex_unlock(&s->metrics->mu);
     }
     serve_req_release(r);
@@ -292,7 +306,7 @@ static void finish_waiting(serve_sched *s, serve_req *r) {
     pthread_mutex_lock(&r->mu);
     r->finish = SERVE_FINISH_CANCELLED;
     r->done = true;
-    pthread_cond_broadcast(&r->cv);
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     s->metrics->cancelled++;

@@ -29,18 +29,19 @@
     (16u << 20)                   /* request body: a long prompt fits, a runaway upload not */
 #define SERVE_MAX_JSON_DEPTH   64 /* real requests nest < 10 deep; jansson recurses */
 #define SERVE_MAX_HEADER_BYTES (64u << 10) /* per-connection memory for request line + headers */
-#define SERVE_MAX_CONNECTIONS  256         /* one thread each */
-#define SERVE_MAX_STOP         16          /* stop strings per request (OpenAI allows 4) */
-#define SERVE_MAX_STOP_BYTES   256         /* one stop string */
-#define SERVE_MAX_BIAS         1024        /* logit_bias entries */
-#define SERVE_MAX_MESSAGES     100000      /* messages in one conversation */
-#define SERVE_MAX_TOOLS        1024
+#define SERVE_CONN_RESERVE                                                                         \
+    32 /* connections accepted above --max-connections (and per address): a newcomer gets in       \
+        * and an idle one is closed for it, so /health answers while idle sockets fill the rest */
+#define SERVE_MAX_STOP       16     /* stop strings per request (OpenAI allows 4) */
+#define SERVE_MAX_STOP_BYTES 256    /* one stop string */
+#define SERVE_MAX_BIAS       1024   /* logit_bias entries */
+#define SERVE_MAX_MESSAGES   100000 /* messages in one conversation */
+#define SERVE_MAX_TOOLS      1024
 #define SERVE_MAX_CALL_DEPTH                                                                       \
-    32                           /* a tool call's JSON from the model; our writer nests            \
-                                  * it inside a response, under MOE_JSON_MAX_DEPTH */
-#define SERVE_PREFILL_CHUNK  256 /* prompt rows per forward step, beside the decode rows */
-#define SERVE_CONN_TIMEOUT_S 600 /* idle connection closed after this */
-#define SERVE_POLL_MS        50  /* how often a waiting HTTP thread looks for a hang-up */
+    32                          /* a tool call's JSON from the model; our writer nests             \
+                                 * it inside a response, under MOE_JSON_MAX_DEPTH */
+#define SERVE_PREFILL_CHUNK 256 /* prompt rows per forward step, beside the decode rows */
+#define SERVE_WATCH_MS      200 /* the watcher's longest sleep: read timeouts are this late */
 
 double serve_now(void); /* monotonic seconds */
 
@@ -87,7 +88,11 @@ typedef struct serve_sched serve_sched;
 typedef struct serve_req {
     serve_gen gen; /* immutable once submitted */
     double t_submit;
-    atomic_bool cancel;        /* set by the HTTP side; the engine acts on it at the next step */
+    atomic_bool cancel; /* set by the HTTP side; the engine acts on it at the next step */
+    /* called (under mu) at every event, admission and the end: the transport resumes the
+     * connection waiting for it. Set and cleared by the transport under mu. */
+    void (*wake)(void *ud);
+    void *wake_ud;
     struct serve_req *next;    /* the scheduler's waiting list (under the scheduler's lock) */
     struct serve_sched *sched; /* set at submit: cancel wakes it */
 
@@ -97,6 +102,7 @@ typedef struct serve_req {
     bool admitted, done;
     uint32_t n_cached; /* prompt tokens reused from a resident sequence */
     uint32_t n_generated;
+    uint32_t generated_at_cancel; /* n_generated when serve_req_cancel was first called */
     double t_first_token;
     serve_finish finish;
     int stop_index; /* SERVE_FINISH_STOP: which stop string */
@@ -109,6 +115,8 @@ typedef struct serve_req {
 serve_req *serve_req_new(void); /* refs = 1 (the HTTP side) */
 void serve_req_release(serve_req *r);
 void serve_req_cancel(serve_req *r);
+/* Engine side, under r->mu: wake whoever waits for r (its condition and its wake hook). */
+void serve_req_notify(serve_req *r);
 
 /* The HTTP side's copy of events taken from a request (reused across takes). */
 typedef struct serve_taken {
@@ -132,6 +140,13 @@ typedef struct serve_metrics {
     uint64_t requests[6][5]; /* [endpoint][status class 1xx..5xx] */
     uint64_t prompt_tokens, generated_tokens, cached_tokens;
     uint64_t prefix_hits, cancelled, rejected_queue_full, rejected_timeout;
+    uint64_t hangups[2];              /* clients gone mid-request: [0] whole replies, [1] streams */
+    uint64_t tokens_after_cancel;     /* generated after a cancel was asked (a step's worth) */
+    uint32_t tokens_after_cancel_max; /* the most for one request */
+    uint64_t conn_accepted, conn_evicted, conn_read_timeouts;
+    uint32_t conn_open;                     /* connections open now */
+    uint32_t conn_limit, conn_limit_per_ip; /* the limits (--max-connections ...) */
+    double read_timeout_s;
     double prefill_seconds, decode_seconds;
     uint64_t prefill_rows, decode_rows;
     double prefill_tps, decode_tps; /* the last step's rate */
@@ -250,8 +265,11 @@ void serve_output_free(serve_output *o);
 
 /* ==== Transport (http.c): the server, one request's exchange, replies, streams ==== */
 
+typedef struct serve_net serve_net; /* http.c's: connections, the watcher */
+
 struct serve_server {
     moe_serve_params p;
+    serve_net *net;
     char model_id[256];
     serve_sched *sched;
     moe_chat_template *tmpl; /* immutable once loaded: every HTTP thread renders with it */
@@ -261,31 +279,45 @@ struct serve_server {
     atomic_ulong next_id;
 };
 
-/* One HTTP exchange, from the access handler's point of view. */
+typedef struct serve_exchange serve_exchange; /* http.c's: one request on its connection */
+
+/* One HTTP exchange, from the access handler's point of view (rebuilt at every call). */
 struct serve_http {
     serve_server *srv;
     struct MHD_Connection *conn;
+    serve_exchange *ex;
     const char *method, *path;
     const char *body;
     size_t body_len;
-    int fd;     /* the client's socket, to notice a hang-up */
-    int status; /* what was sent (access log, metrics) */
+    int status; /* what was sent (access log, metrics); 499: the client went away */
     bool replied;
-    int retry_after; /* seconds for a Retry-After header, 0: none */
+    bool parked;             /* serve_park was called: the exchange goes on later */
+    bool hung_up;            /* resumed because the client went away */
+    int retry_after;         /* seconds for a Retry-After header, 0: none */
+    const char *cors_origin; /* an allowed cross-origin request's Origin: echoed back */
     uint32_t log_prompt, log_completion, log_cached;
 };
 
 void serve_reply_json(serve_http *h, int status, const moe_json *j);
 void serve_reply_text(serve_http *h, int status, const char *content_type, const char *text,
                       size_t len);
-bool serve_client_gone(int fd);
+
+/* A handler that must wait for the engine parks its exchange instead of blocking an HTTP
+ * thread: fn(h, ud) runs again, on an HTTP thread with h rebuilt, at every piece of news of req
+ * (events, admission, the end), after the client hung up (h->hung_up; req is then cancelled),
+ * and at `deadline` (serve_now() seconds; 0: none). While parked, libmicrohttpd does not look
+ * at the connection; the transport's watcher does. fn replies, hands over a stream, parks again,
+ * or (client gone) does none of these. drop(ud) frees ud if the connection ends while parked. */
+typedef void (*serve_resume_fn)(serve_http *h, void *ud);
+void serve_park(serve_http *h, serve_req *req, double deadline, serve_resume_fn fn,
+                void (*drop)(void *ud), void *ud);
 const char *serve_header(serve_http *h, const char *name);
 
 /* A server-sent-event stream: the pump (generate.c's) turns taken events into SSE bytes. */
 typedef struct serve_sse serve_sse;
 typedef void (*serve_sse_pump)(serve_sse *s, const serve_taken *t);
 struct serve_sse {
-    serve_http h_copy; /* srv, fd, for the pump */
+    serve_http h_copy; /* srv, ex, for the pump and the transport */
     serve_req *req;
     serve_taken taken;
     moe_strbuf out; /* SSE bytes not yet handed over */

@@ -407,10 +407,45 @@ const cases = {
     assert.equal(e7.status, 404);
     res = await post('/v1/chat/completions', '['.repeat(100000) + ']'.repeat(100000));
     assert.equal(res.status, 400);
-    // CORS preflight
-    res = await fetch(`${args.base}/v1/chat/completions`, { method: 'OPTIONS' });
+  },
+
+  async cors() {
+    // off unless --cors: the base server allows only http://allowed.example (and same-origin)
+    const url = `${args.base}/v1/chat/completions`;
+    const auth = { authorization: `Bearer ${KEY}`, 'content-type': 'application/json' };
+    const body = JSON.stringify({ model: 'x', messages: STORY, max_tokens: 2 });
+    let res = await fetch(url, { method: 'OPTIONS' });
     assert.equal(res.status, 204);
-    assert.equal(res.headers.get('access-control-allow-origin'), '*');
+    assert.equal(res.headers.get('access-control-allow-origin'), null);
+    const preflight = (origin) => fetch(url, { method: 'OPTIONS', headers: { origin,
+      'access-control-request-method': 'POST', 'access-control-request-headers': 'authorization, content-type' } });
+    res = await preflight('http://allowed.example');
+    assert.equal(res.status, 204);
+    assert.equal(res.headers.get('access-control-allow-origin'), 'http://allowed.example');
+    assert.match(res.headers.get('access-control-allow-methods'), /POST/);
+    assert.match(res.headers.get('access-control-allow-headers'), /authorization/);
+    assert.match(res.headers.get('vary'), /Origin/);
+    res = await preflight('http://evil.example');
+    assert.equal(res.status, 403);
+    assert.equal(res.headers.get('access-control-allow-origin'), null);
+    // a page elsewhere cannot drive the API, not even with a "simple" request
+    res = await fetch(url, { method: 'POST', headers: { ...auth, origin: 'http://evil.example' }, body });
+    assert.equal(res.status, 403);
+    assert.match((await res.json()).error.message, /--cors/);
+    res = await fetch(`${args.base}/v1/messages`, { method: 'POST', body,
+      headers: { ...auth, origin: 'http://evil.example', 'anthropic-version': '2023-06-01' } });
+    assert.equal(res.status, 403);
+    assert.equal((await res.json()).type, 'error');
+    res = await fetch(url, { method: 'POST', headers: { ...auth, origin: 'http://allowed.example' }, body });
+    assert.equal(res.status, 200);
+    assert.equal(res.headers.get('access-control-allow-origin'), 'http://allowed.example');
+    // same origin (a page the server itself serves) needs no --cors; no Origin: no CORS headers
+    const host = new URL(args.base).host;
+    res = await fetch(url, { method: 'POST', headers: { ...auth, origin: `http://${host}` }, body });
+    assert.equal(res.status, 200);
+    res = await fetch(url, { method: 'POST', headers: auth, body });
+    assert.equal(res.status, 200);
+    assert.equal(res.headers.get('access-control-allow-origin'), null);
   },
 
   async concurrent_streams() {
@@ -491,6 +526,10 @@ const cases = {
     // B waits past --queue-timeout 1 and gets 503
     const eb = await expectStatus(bPromise, 503);
     assert.match(eb.message, /overloaded/);
+    // the same through the Anthropic API: 529 overloaded_error, Anthropic's own status
+    await waitFor('B to leave the queue', async () => (await metric(args.slow, 'moe_queue_depth')) === 0, 3000);
+    const ec = await expectStatus(slowAn.messages.create({ model: 'x', max_tokens: 5, messages: STORY }), 529);
+    assert.equal(ec.error.error.type, 'overloaded_error');
     acA.abort();
     await waitFor('A to end', async () => (await metric(args.slow, 'moe_streams_active')) === 0, 3000);
   },
