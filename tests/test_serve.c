@@ -227,6 +227,7 @@ CLIENT_CASE(cors)
 CLIENT_CASE(concurrent_streams)
 CLIENT_CASE(disconnect)
 CLIENT_CASE(disconnect_storm)
+CLIENT_CASE(disconnect_whole)
 CLIENT_CASE(queue_limits)
 CLIENT_CASE(demo_model)
 CLIENT_CASE(ops)
@@ -251,6 +252,44 @@ static int teardown(void **state) {
     server_stop(&slow_srv);
     server_stop(&hybrid_srv);
     return 0;
+}
+
+/* ==== Connections under fire (tests/serve_flood.py) ==== */
+
+/* 1000 idle connections and 50 header-tricklers against a server of its own: /health and a
+ * chat request still answered, threads and RSS bounded, tricklers closed by --read-timeout,
+ * nothing left once they close. Twice: with limits above the flood (every connection held, one
+ * thread each no longer), and with the default limits (newcomers close the idle-longest ones,
+ * all from one address). The script prints its measurements; times are shown, not asserted. */
+static void flood_one(const char *name, char *const extra[]) {
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    char *args[16] = {(char *)model, "--api-key", API_KEY, "--read-timeout", "2"};
+    int n = 5;
+    for (int i = 0; extra[i] && n < 15; i++) args[n++] = extra[i];
+    args[n] = NULL;
+    server s = {0};
+    if (!server_start(&s, name, args))
+        fail_msg("the %s server did not start (log: %s)", name, s.log);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "/usr/bin/python3 tests/serve_flood.py --url %s --pid %d --key %s 2>&1", s.url,
+             (int)s.pid, API_KEY);
+    const int rc = moe_test_run(cmd, &out);
+    const int stopped = server_stop(&s);
+    print_message("%s", out);
+    if (rc != 0 || !strstr(out, "ok flood"))
+        fail_msg("%s: serve_flood.py failed (log: %s)", name, s.log);
+    if (stopped != 0) fail_msg("%s: the server exited with %d (log: %s)", name, stopped, s.log);
+    free(out);
+}
+
+static void connection_flood(void **state) {
+    (void)state;
+    char *roomy[] = {"--max-connections", "1100", "--max-connections-per-ip", "1100", NULL};
+    char *defaults[] = {NULL};
+    flood_one("flood-roomy", roomy);
+    flood_one("flood-limited", defaults);
 }
 
 /* ==== Chat templates through the server and `moe chat` ==== */
@@ -782,12 +821,14 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_concurrent_streams),
         cmocka_unit_test(client_disconnect),
         cmocka_unit_test(client_disconnect_storm),
+        cmocka_unit_test(client_disconnect_whole),
         cmocka_unit_test(client_queue_limits),
         cmocka_unit_test(client_demo_model),
         cmocka_unit_test(client_ops),
         cmocka_unit_test(client_keepalive),
         cmocka_unit_test(client_bench_8_streams),
         cmocka_unit_test(servers_stop_cleanly),
+        cmocka_unit_test(connection_flood),
     };
     return cmocka_run_group_tests_name("serve", tests, NULL, teardown);
 }

@@ -786,20 +786,30 @@ static bool model_check(const char *path, char *out, size_t out_size) {
     return !err.code;
 }
 
+/* libmicrohttpd's own limit behind --max-connections: connections are accepted past ours while
+ * make_room closes the idle-longest for each newcomer (closed ones count until libmicrohttpd has
+ * seen them go, and a burst of newcomers outruns that); refused at accept past it. One address
+ * gets the same backstop: with its own smaller one, a burst from the address that floods would
+ * shut out that address's next /health until the closes catch up (make_room keeps it to
+ * --max-connections-per-ip live connections either way). */
+static unsigned backstop(int limit) {
+    return (unsigned)limit + (unsigned)limit / 2 + SERVE_CONN_RESERVE;
+}
+
 /* Enough descriptors for every connection libmicrohttpd may accept, the model and spare:
  * raise the soft limit towards the hard one, and cap the connections to what it allows. */
 static void fit_fd_limit(moe_serve_params *p) {
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
-    const rlim_t want = (rlim_t)p->max_connections + SERVE_CONN_RESERVE + 64;
+    const rlim_t want = (rlim_t)backstop(p->max_connections) + 64;
     if (rl.rlim_cur < want) {
         rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > want ? want : rl.rlim_max;
         setrlimit(RLIMIT_NOFILE, &rl);
         getrlimit(RLIMIT_NOFILE, &rl);
     }
     if (rl.rlim_cur < want) {
-        const int fit = rl.rlim_cur > SERVE_CONN_RESERVE + 64 + 16
-                            ? (int)(rl.rlim_cur - SERVE_CONN_RESERVE - 64)
+        const int fit = rl.rlim_cur > SERVE_CONN_RESERVE + 64 + 32
+                            ? (int)((rl.rlim_cur - SERVE_CONN_RESERVE - 64) * 2 / 3)
                             : 16;
         fprintf(stderr,
                 "moe serve: the file descriptor limit (%llu) allows %d connections, not %d\n",
@@ -855,14 +865,12 @@ int moe_serve_run(const moe_serve_params *params) {
     srv->net = net_start(srv);
     unsigned flags = MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    /* libmicrohttpd's own limits sit a reserve above ours: make_room closes idle connections
-     * before they are reached */
+    /* libmicrohttpd's own limits sit above ours: make_room closes idle connections first */
     struct MHD_Daemon *d = MHD_start_daemon(
         flags, (uint16_t)srv->p.port, NULL, NULL, on_request, srv, MHD_OPTION_SOCK_ADDR,
         ai->ai_addr, MHD_OPTION_THREAD_POOL_SIZE, (unsigned)srv->p.http_threads,
-        MHD_OPTION_CONNECTION_LIMIT, (unsigned)(srv->p.max_connections + SERVE_CONN_RESERVE),
-        MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-        (unsigned)(srv->p.max_connections_per_ip + SERVE_CONN_RESERVE),
+        MHD_OPTION_CONNECTION_LIMIT, backstop(srv->p.max_connections),
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, backstop(srv->p.max_connections),
         MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)SERVE_MAX_HEADER_BYTES,
         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)ceil(srv->p.read_timeout_s),
         MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv, MHD_OPTION_NOTIFY_CONNECTION, on_connection,

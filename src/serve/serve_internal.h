@@ -30,8 +30,9 @@
 #define SERVE_MAX_JSON_DEPTH   64 /* real requests nest < 10 deep; jansson recurses */
 #define SERVE_MAX_HEADER_BYTES (64u << 10) /* per-connection memory for request line + headers */
 #define SERVE_CONN_RESERVE                                                                         \
-    32 /* connections accepted above --max-connections (and per address): a newcomer gets in       \
-        * and an idle one is closed for it, so /health answers while idle sockets fill the rest */
+    32 /* libmicrohttpd accepts this many (and half of --max-connections) past our limit, where    \
+        * each newcomer closes the idle-longest connection, so /health answers while idle          \
+        * sockets fill the rest */
 #define SERVE_MAX_STOP       16     /* stop strings per request (OpenAI allows 4) */
 #define SERVE_MAX_STOP_BYTES 256    /* one stop string */
 #define SERVE_MAX_BIAS       1024   /* logit_bias entries */

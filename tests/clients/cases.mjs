@@ -507,6 +507,28 @@ const cases = {
     assert.equal(r.usage.completion_tokens, 4);
   },
 
+  async disconnect_whole() {
+    // a non-streaming request whose client hangs up is cancelled within a step, as a stream is
+    const whole = 'moe_client_hangups_total{mode="whole"}';
+    const hang0 = await metric(args.slow, whole), cancelled0 = await metric(args.slow, 'moe_requests_cancelled_total');
+    const g0 = await metric(args.slow, 'moe_generated_tokens_total');
+    const ac = new AbortController();
+    const p = slowOa.chat.completions.create({ model: 'x', messages: STORY, max_tokens: 2000, ignore_eos: true },
+      { signal: ac.signal });
+    p.catch(() => {});
+    await waitFor('tokens to flow', async () => (await metric(args.slow, 'moe_generated_tokens_total')) >= g0 + 3, 5000);
+    ac.abort();
+    await waitFor('the generation to stop', async () => (await metric(args.slow, 'moe_streams_active')) === 0, 3000);
+    assert.equal(await metric(args.slow, whole), hang0 + 1);
+    assert.equal(await metric(args.slow, 'moe_requests_cancelled_total'), cancelled0 + 1);
+    // at most the step that was running when the cancel came (over every cancel so far)
+    const after = await metric(args.slow, 'moe_tokens_after_cancel_max');
+    assert.ok(after <= 1, `${after} tokens generated after a cancel`);
+    const generated = await metric(args.slow, 'moe_generated_tokens_total') - g0;
+    assert.ok(generated < 2000, `${generated} tokens: the request ran to max_tokens`);
+    console.log(`disconnect_whole: cancelled after ${generated} tokens, <= ${after} after the hang-up`);
+  },
+
   async queue_limits() {
     // --parallel 1 --queue 1: one stream runs, one waits, the third is refused with 429
     const acA = new AbortController(), acB = new AbortController();
