@@ -224,6 +224,7 @@ CLIENT_CASE(tools_shape)
 CLIENT_CASE(responses)
 CLIENT_CASE(errors)
 CLIENT_CASE(cors)
+CLIENT_CASE(round_trip)
 CLIENT_CASE(concurrent_streams)
 CLIENT_CASE(disconnect)
 CLIENT_CASE(disconnect_storm)
@@ -545,7 +546,7 @@ static bool replay_setup(replay_env *e, bool tools) {
     e->srv.tmpl = moe_chat_template_load_file(tpl, &err);
     assert_non_null(e->srv.tmpl);
     snprintf(e->srv.model_id, sizeof e->srv.model_id, "replayed");
-    serve_chat_add(&e->chat, "user")->content = moe_xstrdup("Weather in Paris and Nice?");
+    moe_strbuf_puts(&serve_chat_add(&e->chat, "user")->content, "Weather in Paris and Nice?");
     if (tools) e->chat.tools = json_loads(WEATHER_TOOLS, 0, NULL);
     return true;
 }
@@ -818,6 +819,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_responses),
         cmocka_unit_test(client_errors),
         cmocka_unit_test(client_cors),
+        cmocka_unit_test(client_round_trip),
         cmocka_unit_test(client_concurrent_streams),
         cmocka_unit_test(client_disconnect),
         cmocka_unit_test(client_disconnect_storm),

@@ -49,6 +49,11 @@ const char *moe_chat_template_source(const moe_chat_template *t);
 moe_status moe_chat_render(const moe_chat_template *t, const char *messages_json,
                            const char *tools_json, const char *kwargs_json, char **out,
                            moe_error *err);
+/* The same with the output's length: strings of the JSON may hold \u0000 (a NUL byte), which
+ * reaches the output as it is. */
+moe_status moe_chat_render_n(const moe_chat_template *t, const char *messages_json,
+                             const char *tools_json, const char *kwargs_json, char **out,
+                             size_t *out_len, moe_error *err);
 
 /* The prompt of a conversation whose strings come from a client, as tokens. Renders like
  * moe_chat_render with `bos_token` / `eos_token` set to tok's (over any in kwargs), then

@@ -43,8 +43,8 @@ void serve_chat_free(serve_chat *c) {
     for (size_t i = 0; i < c->n_msgs; i++) {
         serve_message *m = &c->msgs[i];
         free(m->role);
-        free(m->content);
-        free(m->reasoning);
+        moe_strbuf_free(&m->content);
+        moe_strbuf_free(&m->reasoning);
         free(m->tool_call_id);
         free(m->name);
         serve_tool_calls_free(m->tool_calls, m->n_tool_calls);
@@ -66,8 +66,11 @@ static json_t *chat_messages_json(const serve_chat *c) {
         const serve_message *m = &c->msgs[i];
         json_t *j = json_object();
         json_object_set_new(j, "role", json_string(m->role));
-        json_object_set_new(j, "content", json_string(m->content ? m->content : ""));
-        if (m->reasoning) json_object_set_new(j, "reasoning_content", json_string(m->reasoning));
+        json_object_set_new(j, "content",
+                            json_stringn(m->content.s ? m->content.s : "", m->content.len));
+        if (m->reasoning.s)
+            json_object_set_new(j, "reasoning_content",
+                                json_stringn(m->reasoning.s, m->reasoning.len));
         if (m->n_tool_calls) {
             json_t *calls = json_array();
             for (size_t k = 0; k < m->n_tool_calls; k++) {

@@ -119,7 +119,8 @@ json_t *serve_parse_body(serve_http *h, serve_api api) {
         return NULL;
     }
     json_error_t e;
-    json_t *v = json_loadb(h->body ? h->body : "", h->body_len, 0, &e);
+    /* \u0000 is valid JSON and a model may write it: what we send we must take back */
+    json_t *v = json_loadb(h->body ? h->body : "", h->body_len, JSON_ALLOW_NUL, &e);
     if (!v) {
         serve_reply_error(h, api, 400, NULL, NULL,
                           "could not parse the JSON body of the request: %s (line %d, column %d)",

@@ -192,9 +192,9 @@ typedef struct serve_tool_call {
 void serve_tool_calls_free(serve_tool_call *calls, size_t n);
 
 typedef struct serve_message {
-    char *role;      /* system, user, assistant, tool */
-    char *content;   /* text, parts joined */
-    char *reasoning; /* assistant thinking, or NULL */
+    char *role;           /* system, user, assistant, tool */
+    moe_strbuf content;   /* text, parts joined: NUL bytes may be inside (len counts) */
+    moe_strbuf reasoning; /* assistant thinking (.s NULL: none) */
     serve_tool_call *tool_calls;
     size_t n_tool_calls;
     char *tool_call_id, *name; /* role tool: which call this answers */
@@ -468,8 +468,9 @@ void serve_anthropic_messages(serve_http *h);
 void serve_anthropic_count_tokens(serve_http *h);
 void serve_anthropic_models(serve_http *h);
 
-/* OpenAI content (a string, null, or text parts) as one string; false after answering 400. */
-bool serve_openai_content_text(serve_http *h, json_t *content, const char *field, char **out);
+/* OpenAI content (a string, null, or text parts) appended to *out as one string; false after
+ * answering 400. */
+bool serve_openai_content_text(serve_http *h, json_t *content, const char *field, moe_strbuf *out);
 
 /* Anthropic's and Responses' flat tool definitions ({type, name, description, <schema_key>})
  * in OpenAI's nested shape, the one chat templates expect. keep_type: the type kept ("function");

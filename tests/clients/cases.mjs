@@ -448,6 +448,52 @@ const cases = {
     assert.equal(res.headers.get('access-control-allow-origin'), null);
   },
 
+  async round_trip() {
+    // what the server sends it takes back: 100 replies (sampled at temperature 1, a third pushed
+    // by logit_bias towards the byte tokens of control characters, NUL first: ids 3.. are
+    // <0x00>..), each sent back as assistant history through OpenAI chat, Anthropic or Responses
+    const replies = [];
+    for (let b = 0; b < 100; b += 20)
+      replies.push(...await Promise.all(Array.from({ length: 20 }, async (_, k) => {
+        const i = b + k;
+        const bias = i % 3 === 0 ? { [3 + (i % 32)]: 30, 3: 30 } : undefined;
+        const r = await oa.chat.completions.create({ model: 'x', messages: [{ role: 'user', content: `Tale ${i}` }],
+          max_tokens: 16, temperature: 1, seed: i, logit_bias: bias });
+        return r.choices[0].message.content;
+      })));
+    const controls = replies.filter((c) => /[\u0000-\u001f]/.test(c.replace(/\n/g, '')));
+    assert.ok(replies.some((c) => c.includes('\u0000')), 'no reply holds a NUL: the bias did not work');
+    let accepted = 0;
+    for (let b = 0; b < replies.length; b += 20)
+      await Promise.all(replies.slice(b, b + 20).map(async (content, k) => {
+        const i = b + k, turn = [{ role: 'user', content: `Tale ${i}` }];
+        if (i % 3 === 0) {
+          const r = await oa.chat.completions.create({ model: 'x', max_tokens: 2,
+            messages: [...turn, { role: 'assistant', content }, { role: 'user', content: 'More.' }] });
+          assert.equal(r.object, 'chat.completion');
+        } else if (i % 3 === 1) {
+          const r = await an.messages.create({ model: 'x', max_tokens: 2,
+            messages: [...turn, { role: 'assistant', content }, { role: 'user', content: 'More.' }] });
+          assert.equal(r.type, 'message');
+        } else {
+          const r = await oa.responses.create({ model: 'x', max_output_tokens: 2,
+            input: [...turn, { role: 'assistant', content }, { role: 'user', content: 'More.' }] });
+          assert.equal(r.object, 'response');
+        }
+        accepted++;
+      }));
+    assert.equal(accepted, replies.length);
+    // and the NUL reaches the model as its byte token, not cut off
+    const nul = replies.find((c) => c.includes('\u0000'));
+    const tok = await (await fetch(`${args.base}/tokenize`, { method: 'POST',
+      headers: { authorization: `Bearer ${KEY}` }, body: JSON.stringify({ content: `a${nul}b` }) })).json();
+    assert.ok(tok.tokens.includes(3), JSON.stringify(tok));
+    const full = await oa.chat.completions.create({ model: 'x', max_tokens: 1, messages: [{ role: 'user', content: `a${nul}b` }] });
+    const cut = await oa.chat.completions.create({ model: 'x', max_tokens: 1, messages: [{ role: 'user', content: 'a' }] });
+    assert.ok(full.usage.prompt_tokens > cut.usage.prompt_tokens, 'the text after the NUL was dropped');
+    console.log(`round_trip: ${accepted} replies accepted back as history, ${controls.length} of them with control characters`);
+  },
+
   async concurrent_streams() {
     // 16 greedy streams at once give each the tokens it gets alone: batching changes nothing
     const prompts = Array.from({ length: 16 }, (_, i) => [1, 300 + i * 7]);
