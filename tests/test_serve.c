@@ -293,6 +293,20 @@ static void connection_flood(void **state) {
     flood_one("flood-limited", defaults);
 }
 
+/* A file that is not a model fails before "listening": no port is opened for it. */
+static void model_checked_before_listening(void **state) {
+    (void)state;
+    char bad[600], cmd[1400], *out = NULL;
+    snprintf(bad, sizeof bad, "%s/not-a-model.gguf", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(bad, "hello, world", 12, &err), MOE_OK);
+    snprintf(cmd, sizeof cmd, "%s serve '%s' --port 0 2>&1", moe_test_bin(), bad);
+    const int rc = moe_test_run(cmd, &out);
+    if (rc == 0 || strstr(out, "listening") || !strstr(out, "not a GGUF file"))
+        fail_msg("moe serve on a bad file: exit %d, output:\n%s", rc, out);
+    free(out);
+}
+
 /* ==== Chat templates through the server and `moe chat` ==== */
 
 static size_t curl_collect(char *p, size_t size, size_t n, void *ud) {
@@ -831,6 +845,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_bench_8_streams),
         cmocka_unit_test(servers_stop_cleanly),
         cmocka_unit_test(connection_flood),
+        cmocka_unit_test(model_checked_before_listening),
     };
     return cmocka_run_group_tests_name("serve", tests, NULL, teardown);
 }

@@ -491,6 +491,12 @@ static void reply_preflight(serve_http *h) {
 void serve_reply_text(serve_http *h, int status, const char *content_type, const char *text,
                       size_t len) {
     if (h->replied) return;
+    if (!h->conn) {
+        if (h->offline_reply) moe_strbuf_put(h->offline_reply, text, len);
+        h->replied = true;
+        h->status = status;
+        return;
+    }
     struct MHD_Response *r =
         MHD_create_response_from_buffer(len, (void *)text, MHD_RESPMEM_MUST_COPY);
     MHD_add_response_header(r, "Content-Type", content_type);
@@ -511,7 +517,7 @@ void serve_reply_json(serve_http *h, int status, const moe_json *j) {
 }
 
 const char *serve_header(serve_http *h, const char *name) {
-    return MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, name);
+    return h->conn ? MHD_lookup_connection_value(h->conn, MHD_HEADER_KIND, name) : NULL;
 }
 
 static void access_log(serve_server *srv, const char *method, const char *path, int status,
@@ -890,6 +896,11 @@ int moe_serve_run(const moe_serve_params *params) {
     const int port = di ? di->port : srv->p.port;
     printf("moe serve: listening on http://%s:%d\n", srv->p.host, port);
     fflush(stdout);
+    fprintf(stderr,
+            "moe serve: connections: %d kept open (%d per address), %g s to send a request, %d "
+            "HTTP threads, cross-origin: %s\n",
+            srv->p.max_connections, srv->p.max_connections_per_ip, srv->p.read_timeout_s,
+            srv->p.http_threads, srv->p.cors ? srv->p.cors : "none (--cors)");
     char err[MOE_ERROR_MSG_MAX];
     int rc = 0;
     if (!serve_sched_wait_loaded(srv->sched, err, sizeof err)) {

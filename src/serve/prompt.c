@@ -285,7 +285,10 @@ json_t *serve_tools_from_flat(json_t *tools, const char *keep_type, const char *
         json_t *desc = json_object_get(t, "description");
         if (json_is_string(desc)) json_object_set(fn, "description", desc);
         json_t *schema = json_object_get(t, schema_key);
-        json_object_set(fn, "parameters", schema ? schema : json_object());
+        if (schema)
+            json_object_set(fn, "parameters", schema);
+        else
+            json_object_set_new(fn, "parameters", json_object()); /* (set would leak it) */
         json_t *wrap = json_object();
         json_object_set_new(wrap, "type", json_string("function"));
         json_object_set_new(wrap, "function", fn);

@@ -646,6 +646,16 @@ serve_sched *serve_sched_start(const moe_serve_params *p, serve_metrics *metrics
     return s;
 }
 
+serve_sched *serve_sched_offline(moe_tokenizer *tok, uint32_t n_ctx) {
+    serve_sched *s = moe_xcalloc(1, sizeof *s);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->tok = tok;
+    s->n_ctx = n_ctx;
+    s->n_vocab = moe_tokenizer_n_vocab(tok);
+    return s; /* not loaded: every submit answers SERVE_SUBMIT_NOT_READY */
+}
+
 bool serve_sched_wait_loaded(serve_sched *s, char *err, size_t err_size) {
     pthread_mutex_lock(&s->mu);
     while (!s->loaded && !s->load_failed) pthread_cond_wait(&s->cv, &s->mu);

@@ -172,6 +172,10 @@ typedef enum serve_submit_result {
  * went. */
 serve_sched *serve_sched_start(const moe_serve_params *p, serve_metrics *metrics);
 bool serve_sched_wait_loaded(serve_sched *s, char *err, size_t err_size);
+/* A scheduler without an engine thread or model, for fuzzing the request parsers: its
+ * tokenizer (taken) and context length answer as after a load; every submit is refused
+ * (SERVE_SUBMIT_NOT_READY). Freed with serve_sched_free; never started or stopped. */
+serve_sched *serve_sched_offline(moe_tokenizer *tok, uint32_t n_ctx);
 bool serve_sched_ready(serve_sched *s);
 /* End every request (cancelled) and the thread; submits fail from here on. */
 void serve_sched_stop(serve_sched *s);
@@ -285,7 +289,9 @@ typedef struct serve_exchange serve_exchange; /* http.c's: one request on its co
 /* One HTTP exchange, from the access handler's point of view (rebuilt at every call). */
 struct serve_http {
     serve_server *srv;
-    struct MHD_Connection *conn;
+    struct MHD_Connection *conn; /* NULL: an exchange without a connection (fuzz/http.c): the
+                                  * reply's body goes to offline_reply, headers are absent */
+    moe_strbuf *offline_reply;
     serve_exchange *ex;
     const char *method, *path;
     const char *body;
