@@ -293,6 +293,37 @@ static void connection_flood(void **state) {
     flood_one("flood-limited", defaults);
 }
 
+/* ==== The fuzz target's seeds and past findings (tests/data/http) ==== */
+
+#include "../fuzz/http.c"
+
+/* Every seed through fuzz/http.c's checks (answered once, 200/4xx/503/529, valid JSON); under
+ * `make asan` LeakSanitizer judges the found leak's input too. */
+static void request_parser_seeds(void **state) {
+    (void)state;
+    MOE_SKIP_IF_NULL(moe_test_shared("models/stories260K/stories260K.gguf"));
+    static const char *const seeds[] = {
+        "apply-template",          "chat",         "chat-tools", "completions",
+        "completions-ids",         "count-tokens", "messages",   "responses",
+        "leak-tool-without-schema"};
+    setenv("MOE_FUZZ_MODEL", moe_test_shared("models/stories260K/stories260K.gguf"), 1);
+    for (size_t i = 0; i < sizeof seeds / sizeof seeds[0]; i++) {
+        char path[256];
+        snprintf(path, sizeof path, "tests/data/http/%s", seeds[i]);
+        uint8_t *data = NULL;
+        size_t size = 0;
+        moe_error err = {0};
+        if (moe_file_read(path, &data, &size, &err) != MOE_OK) fail_msg("%s", err.msg);
+        LLVMFuzzerTestOneInput(data, size); /* aborts on a wrong answer */
+        free(data);
+    }
+    serve_sched_free(srv->sched);
+    moe_chat_template_free(srv->tmpl);
+    pthread_mutex_destroy(&srv->metrics.mu);
+    free(srv);
+    srv = NULL;
+}
+
 /* A file that is not a model fails before "listening": no port is opened for it. */
 static void model_checked_before_listening(void **state) {
     (void)state;
@@ -846,6 +877,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(servers_stop_cleanly),
         cmocka_unit_test(connection_flood),
         cmocka_unit_test(model_checked_before_listening),
+        cmocka_unit_test(request_parser_seeds),
     };
     return cmocka_run_group_tests_name("serve", tests, NULL, teardown);
 }
