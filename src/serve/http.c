@@ -35,6 +35,7 @@
 #include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../model/model.h"
@@ -405,6 +406,20 @@ static void *watcher_main(void *arg) {
         const bool stop = n->stopping;
         pthread_mutex_unlock(&n->mu);
         if (stop) return NULL;
+    }
+}
+
+/* Up to `seconds` for every watched exchange to end: resumed ones answer (their request ended
+ * cancelled) before the daemon closes their connections. */
+static void wait_unwatched(serve_net *n, double seconds) {
+    const double until = serve_now() + seconds;
+    for (;;) {
+        pthread_mutex_lock(&n->mu);
+        const size_t left = n->n_watched;
+        pthread_mutex_unlock(&n->mu);
+        if (!left || serve_now() > until) return;
+        const struct timespec d = {0, 10 * 1000000L};
+        nanosleep(&d, NULL);
     }
 }
 
@@ -921,6 +936,7 @@ int moe_serve_run(const moe_serve_params *params) {
         fprintf(stderr, "moe serve: signal %d: stopping\n", sig);
     }
     serve_sched_stop(srv->sched); /* ends every request: each parked exchange is resumed */
+    wait_unwatched(srv->net, SERVE_STOP_GRACE_S);
     MHD_stop_daemon(d);
     net_stop(srv->net);
     serve_sched_free(srv->sched);

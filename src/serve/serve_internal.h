@@ -42,6 +42,7 @@
     32                          /* a tool call's JSON from the model; our writer nests             \
                                  * it inside a response, under MOE_JSON_MAX_DEPTH */
 #define SERVE_PREFILL_CHUNK 256 /* prompt rows per forward step, beside the decode rows */
+#define SERVE_STOP_GRACE_S  1.0 /* at a stop, time for requests ended "cancelled" to answer */
 #define SERVE_WATCH_MS      200 /* the watcher's longest sleep: read timeouts are this late */
 
 double serve_now(void); /* monotonic seconds */
