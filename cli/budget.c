@@ -219,6 +219,7 @@ static void print_json(FILE *out, const moe_budget_model *const *m, const moe_bu
             moe_json_kv_uint(&j, "k_values", mm->k_values[l]);
             moe_json_kv_uint(&j, "v_values", mm->v_values[l]);
             moe_json_kv_uint(&j, "state_values", mm->state_values[l]);
+            moe_json_kv_uint(&j, "index_values", mm->index_values[l]);
             moe_json_object_end(&j);
         }
         moe_json_array_end(&j);

@@ -108,6 +108,7 @@ int moe_cmd_serve(int argc, char **argv) {
     p.n_ctx = engine.n_ctx;
     p.n_threads = engine.n_threads;
     p.kv_type = engine.kv_type;
+    p.expert_cache_bytes = engine.expert_cache_bytes;
     if (p.cache_slots + p.parallel > 4096)
         return moe_cli_usage_error("serve", "--parallel + --cache-slots must stay <= 4096");
     char *path = moe_arg_model_path("serve", p.model_path);

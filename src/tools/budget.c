@@ -123,12 +123,14 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
     m->k_values = moe_xcalloc(m->n_layer, sizeof *m->k_values);
     m->v_values = moe_xcalloc(m->n_layer, sizeof *m->v_values);
     m->state_values = moe_xcalloc(m->n_layer, sizeof *m->state_values);
+    m->index_values = moe_xcalloc(m->n_layer, sizeof *m->index_values);
     for (uint32_t l = 0; l < m->n_layer; l++) {
         const moe_layer_state ls = moe_layer_state_of(&c, l);
         m->kind[l] = moe_layer_kind_of(&c.layer[l]);
         m->k_values[l] = ls.k_values;
         m->v_values[l] = ls.v_values;
         m->state_values[l] = ls.state_values;
+        m->index_values[l] = ls.index_values;
         if (c.layer[l].window) m->window = c.layer[l].window;
     }
     moe_model_config_free(&c);
@@ -150,6 +152,7 @@ void moe_budget_model_free(moe_budget_model *m) {
     free(m->k_values);
     free(m->v_values);
     free(m->state_values);
+    free(m->index_values);
     memset(m, 0, sizeof *m);
 }
 
@@ -175,7 +178,8 @@ static uint64_t kv_row_bytes(moe_type t, uint64_t n) {
 static void kv_per_token(const moe_budget_model *m, moe_type t, uint64_t *full, uint64_t *swa) {
     *full = *swa = 0;
     for (uint32_t l = 0; l < m->n_layer; l++) {
-        uint64_t b = kv_row_bytes(t, m->k_values[l]) + kv_row_bytes(t, m->v_values[l]);
+        uint64_t b = kv_row_bytes(t, m->k_values[l]) + kv_row_bytes(t, m->v_values[l]) +
+                     m->index_values[l] * sizeof(float);
         if (m->kind[l] == MOE_LAYER_SLIDING)
             *swa += b;
         else
