@@ -267,9 +267,10 @@ static char *dump(const json_t *v) {
 
 moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenizer *tok,
                                   const char *messages_json, const char *tools_json,
-                                  const char *kwargs_json, char **text, int32_t **ids,
-                                  size_t *n_ids, moe_error *err) {
+                                  const char *kwargs_json, char **text, size_t *text_len,
+                                  int32_t **ids, size_t *n_ids, moe_error *err) {
     if (text) *text = NULL;
+    if (text_len) *text_len = 0;
     *ids = NULL;
     *n_ids = 0;
     json_t *messages = parse_or_null(messages_json, "messages", json_array(), err);
@@ -341,6 +342,7 @@ moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenize
     if (!has_bos) flags |= MOE_ENCODE_ADD_SPECIAL;
     st = moe_tokenizer_encode_spans(tok, prompt, len, flags, spans.v, spans.n, ids, n_ids, err);
     free(spans.v);
+    if (st == MOE_OK && text_len) *text_len = len;
     if (st == MOE_OK && text)
         *text = prompt;
     else

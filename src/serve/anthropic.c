@@ -209,7 +209,7 @@ static bool parse_request(serve_http *h, json_t *body, serve_req *req, serve_cha
     return parse_system(h, body, chat) && parse_messages(h, body, chat) &&
            parse_tools(h, body, chat) &&
            serve_parse_template_kwargs(h, SERVE_API_ANTHROPIC, body, chat) &&
-           serve_chat_prompt(h, SERVE_API_ANTHROPIC, chat, &req->gen, prompt);
+           serve_chat_prompt(h, SERVE_API_ANTHROPIC, chat, &req->gen, prompt, NULL);
 }
 
 /* ==== Output ==== */

@@ -580,7 +580,7 @@ void serve_openai_chat(serve_http *h) {
     }
     char *prompt = NULL;
     ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
-         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
+         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt, NULL);
     generate(h, body, s, req, &chat, prompt, ok);
     free(prompt);
     serve_chat_free(&chat);
@@ -673,13 +673,15 @@ void serve_openai_apply_template(serve_http *h) {
     serve_chat chat = {0};
     serve_gen gen = {0};
     char *prompt = NULL;
+    size_t prompt_len = 0;
     if (parse_messages(h, body, &chat) && parse_tools(h, body, &chat) &&
         serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
-        serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &gen, &prompt)) {
+        serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &gen, &prompt, &prompt_len)) {
         moe_json j;
         moe_json_init(&j, false);
         moe_json_object_begin(&j);
-        moe_json_kv_string(&j, "prompt", prompt);
+        moe_json_key(&j, "prompt");
+        moe_json_string_n(&j, prompt, prompt_len);
         moe_json_key(&j, "tokens");
         moe_json_array_begin(&j);
         for (uint32_t i = 0; i < gen.n_prompt; i++) moe_json_int(&j, gen.prompt[i]);

@@ -167,7 +167,7 @@ bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
 }
 
 bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
-                       char **text) {
+                       char **text, size_t *text_len) {
     json_t *msgs = chat_messages_json(chat);
     char *messages = json_dumps(msgs, JSON_COMPACT);
     json_decref(msgs);
@@ -177,8 +177,9 @@ bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, ser
     moe_error err = {0};
     int32_t *ids = NULL;
     size_t n = 0;
-    const moe_status st = moe_chat_render_tokens(h->srv->tmpl, serve_sched_tokenizer(h->srv->sched),
-                                                 messages, tools, kwargs, text, &ids, &n, &err);
+    const moe_status st =
+        moe_chat_render_tokens(h->srv->tmpl, serve_sched_tokenizer(h->srv->sched), messages, tools,
+                               kwargs, text, text_len, &ids, &n, &err);
     free(messages);
     free(tools);
     free(kwargs);

@@ -478,7 +478,7 @@ void serve_openai_responses(serve_http *h) {
     }
     char *prompt = NULL;
     ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
-         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
+         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt, NULL);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
     serve_generate(h, &s->answer, req, &chat, prompt, ok, stream);

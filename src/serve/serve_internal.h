@@ -232,10 +232,10 @@ bool serve_template_load(serve_server *srv, char *err, size_t err_size);
  * member of chat_template_kwargs (last, so it wins). Replies 400 on a bad field. */
 bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat);
 /* Render the conversation with the template and tokenize it into g; *text (may be NULL) gets
- * the prompt. Replies 400 with the template's message when it raises, or when the prompt does
- * not fit the context. */
+ * the prompt, *text_len (may be NULL) its length. Replies 400 with the template's message when
+ * it raises, or when the prompt does not fit the context. */
 bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
-                       char **text);
+                       char **text, size_t *text_len);
 
 /* Model text -> content, reasoning and tool calls, as it streams. */
 typedef enum serve_segment_kind {

@@ -491,6 +491,9 @@ const cases = {
     const full = await oa.chat.completions.create({ model: 'x', max_tokens: 1, messages: [{ role: 'user', content: `a${nul}b` }] });
     const cut = await oa.chat.completions.create({ model: 'x', max_tokens: 1, messages: [{ role: 'user', content: 'a' }] });
     assert.ok(full.usage.prompt_tokens > cut.usage.prompt_tokens, 'the text after the NUL was dropped');
+    const shown = await (await fetch(`${args.base}/apply-template`, { method: 'POST',
+      headers: { authorization: `Bearer ${KEY}` }, body: JSON.stringify({ messages: [{ role: 'user', content: `a${nul}b` }] }) })).json();
+    assert.ok(shown.prompt.includes(`a${nul}b`), JSON.stringify(shown.prompt));
     console.log(`round_trip: ${accepted} replies accepted back as history, ${controls.length} of them with control characters`);
   },
 
