@@ -4,7 +4,8 @@
 Opens IDLE idle TCP connections and TRICKLE clients that send a request header one byte at a
 time, from the same address as the checks, then checks that /health and a chat request are still
 answered, that the server's threads and memory (read from /proc/PID/status) stay bounded while
-they are held, that tricklers are closed once --read-timeout passes, and that once the clients
+they are held, that another address (127.0.0.2) is answered too, that tricklers are closed once
+--read-timeout passes, and that once the clients
 close, the server's descriptors and open-connection gauge come back to where they were.
 
 Prints the measured figures (times are reported, not asserted) and exits non-zero with a
@@ -46,10 +47,11 @@ class Server:
         u = urllib.parse.urlparse(url)
         self.host, self.port, self.key = u.hostname, u.port, key
 
-    def request(self, method, path, body=None, timeout=30):
-        """(status, body, seconds) of one request on a new connection."""
+    def request(self, method, path, body=None, timeout=30, source=None):
+        """(status, body, seconds) of one request on a new connection (from address source)."""
         t0 = time.monotonic()
-        c = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        c = http.client.HTTPConnection(self.host, self.port, timeout=timeout,
+                                       source_address=(source, 0) if source else None)
         headers = {"Authorization": f"Bearer {self.key}"}
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -133,16 +135,21 @@ def main():
     status_c, body, t_chat = srv.request(
         "POST", "/v1/chat/completions",
         {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    # another address (127.0.0.2 is loopback too) is not held back by the flooding one's limit
+    status_o, _, t_other = srv.request("GET", "/health", source="127.0.0.2")
     held = srv.metric("moe_connections_open")
     evicted = srv.metric("moe_connections_evicted_total")
     print(f"flood: {len(idle)} idle + {len(trick)} trickling connections opened ({refused} refused "
           f"at connect), server holds {held:.0f} (limits {limit:.0f}, {limit_ip:.0f} per address), "
           f"{evicted:.0f} idle ones closed for newcomers; /health {status_h} in {t_health * 1e3:.1f} "
-          f"ms, chat {status_c} in {t_chat * 1e3:.1f} ms; threads {before['threads']} -> "
+          f"ms, chat {status_c} in {t_chat * 1e3:.1f} ms, /health from 127.0.0.2 {status_o} in "
+          f"{t_other * 1e3:.1f} ms; threads {before['threads']} -> "
           f"{during['threads']}, RSS {before['rss_kib'] / 1024:.1f} -> "
           f"{during['rss_kib'] / 1024:.1f} MiB, fds {before['fds']} -> {during['fds']}")
     if status_h != 200:
         fail(f"/health answered {status_h} under the flood")
+    if status_o != 200:
+        fail(f"/health from another address answered {status_o} under the flood")
     if status_c != 200:
         fail(f"the chat request answered {status_c} under the flood: {body[:200]!r}")
     reply = json.loads(body)
