@@ -5,8 +5,8 @@ Opens IDLE idle TCP connections and TRICKLE clients that send a request header o
 time, from the same address as the checks, then checks that /health and a chat request are still
 answered, that the server's threads and memory (read from /proc/PID/status) stay bounded while
 they are held, that another address (127.0.0.2) is answered too, that tricklers are closed once
---read-timeout passes, and that once the clients
-close, the server's descriptors and open-connection gauge come back to where they were.
+--read-timeout passes, and that once the clients close, the server's descriptors and
+open-connection gauge come back to where they were.
 
 Prints the measured figures (times are reported, not asserted) and exits non-zero with a
 message on the first failed check.
