@@ -23,6 +23,8 @@ static const char usage_text[] =
     "  --stream-steps N  decode steps per batched test (default 32)\n"
     "  --probe-mib N     bandwidth probe buffer (default 512)\n"
     "  --kv-type f16|f32 KV cache element type (default f16)\n"
+    "  --expert-cache SIZE  routed experts read on demand into a cache of SIZE; reports the\n"
+    "                    decode's hit rate and disk bytes per token beside a disk probe\n"
     "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
     "  --csv | --json    machine-readable output\n";
 

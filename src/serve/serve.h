@@ -36,8 +36,9 @@ typedef struct moe_serve_params {
     int step_delay_ms;           /* tests only: sleep after each forward step */
     bool use_mmap;               /* keep weights in the mapped file (default: anonymous memory) */
     uint64_t expert_cache_bytes; /* --expert-cache: routed experts read on demand (0: resident) */
-    int http_threads;            /* libmicrohttpd's epoll workers */
-    int max_connections;         /* connections kept open; idle ones make room for newcomers */
+    const char *expert_stats, *pin_experts; /* --expert-stats, --pin-experts files, or NULL */
+    int http_threads;                       /* libmicrohttpd's epoll workers */
+    int max_connections; /* connections kept open; idle ones make room for newcomers */
     int max_connections_per_ip;
     double read_timeout_s; /* a request's header and body must arrive within this */
     const char *cors;      /* "ORIGIN[,ORIGIN...]" allowed cross-origin ("*": any), or NULL */
