@@ -2,7 +2,8 @@
  * for parsed model output (replayed, no model) on their own.
  *
  * Two servers are started once (on free ports, found by --port 0 and read from their stdout):
- *   base: stories260K (../shared) with --ctx 1024 --parallel 16 and an API key;
+ *   base: stories260K (../shared) with --ctx 1024 --parallel 16, an API key and --cors for one
+ *         origin;
  *   slow: the built-in demo model with --parallel 1 --queue 1 --queue-timeout 1 --step-delay 20
  *         --keepalive 0.01, where a stream lasts long enough to be aborted, queued behind or
  *         refused, and keep-alives come between tokens;
@@ -149,8 +150,10 @@ static bool servers(void) {
         skip();
         return false;
     }
-    char *base_args[] = {(char *)model, "--ctx",     "1024",  "--parallel",
-                         "16",          "--api-key", API_KEY, NULL};
+    char *base_args[] = {(char *)model, "--ctx",  "1024",
+                         "--parallel",  "16",     "--api-key",
+                         API_KEY,       "--cors", "http://allowed.example",
+                         NULL};
     char *slow_args[] = {
         "--parallel", "1",           "--queue", "1", "--queue-timeout", "1", "--step-delay",
         "20",         "--keepalive", "0.01",    NULL};
@@ -220,9 +223,12 @@ CLIENT_CASE(anthropic_stream)
 CLIENT_CASE(tools_shape)
 CLIENT_CASE(responses)
 CLIENT_CASE(errors)
+CLIENT_CASE(cors)
+CLIENT_CASE(round_trip)
 CLIENT_CASE(concurrent_streams)
 CLIENT_CASE(disconnect)
 CLIENT_CASE(disconnect_storm)
+CLIENT_CASE(disconnect_whole)
 CLIENT_CASE(queue_limits)
 CLIENT_CASE(demo_model)
 CLIENT_CASE(ops)
@@ -247,6 +253,89 @@ static int teardown(void **state) {
     server_stop(&slow_srv);
     server_stop(&hybrid_srv);
     return 0;
+}
+
+/* ==== Connections under fire (tests/serve_flood.py) ==== */
+
+/* 1000 idle connections and 50 header-tricklers against a server of its own: /health and a
+ * chat request still answered, threads and RSS bounded, tricklers closed by --read-timeout,
+ * nothing left once they close. Twice: with limits above the flood (every connection held, one
+ * thread each no longer), and with the default limits (newcomers close the idle-longest ones,
+ * all from one address). The script prints its measurements; times are shown, not asserted. */
+static void flood_one(const char *name, char *const extra[]) {
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    char *args[16] = {(char *)model, "--api-key", API_KEY, "--read-timeout", "2"};
+    int n = 5;
+    for (int i = 0; extra[i] && n < 15; i++) args[n++] = extra[i];
+    args[n] = NULL;
+    server s = {0};
+    if (!server_start(&s, name, args))
+        fail_msg("the %s server did not start (log: %s)", name, s.log);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "/usr/bin/python3 tests/serve_flood.py --url %s --pid %d --key %s 2>&1", s.url,
+             (int)s.pid, API_KEY);
+    const int rc = moe_test_run(cmd, &out);
+    const int stopped = server_stop(&s);
+    print_message("%s", out);
+    if (rc != 0 || !strstr(out, "ok flood"))
+        fail_msg("%s: serve_flood.py failed (log: %s)", name, s.log);
+    if (stopped != 0) fail_msg("%s: the server exited with %d (log: %s)", name, stopped, s.log);
+    free(out);
+}
+
+static void connection_flood(void **state) {
+    (void)state;
+    char *roomy[] = {"--max-connections", "1100", "--max-connections-per-ip", "1100", NULL};
+    char *defaults[] = {NULL};
+    flood_one("flood-roomy", roomy);
+    flood_one("flood-limited", defaults);
+}
+
+/* ==== The fuzz target's seeds and past findings (tests/data/http) ==== */
+
+#include "../fuzz/http.c"
+
+/* Every seed through fuzz/http.c's checks (answered once, 200/4xx/503/529, valid JSON); under
+ * `make asan` LeakSanitizer judges the found leak's input too. */
+static void request_parser_seeds(void **state) {
+    (void)state;
+    MOE_SKIP_IF_NULL(moe_test_shared("models/stories260K/stories260K.gguf"));
+    static const char *const seeds[] = {
+        "apply-template",          "chat",         "chat-tools", "completions",
+        "completions-ids",         "count-tokens", "messages",   "responses",
+        "leak-tool-without-schema"};
+    setenv("MOE_FUZZ_MODEL", moe_test_shared("models/stories260K/stories260K.gguf"), 1);
+    for (size_t i = 0; i < sizeof seeds / sizeof seeds[0]; i++) {
+        char path[256];
+        snprintf(path, sizeof path, "tests/data/http/%s", seeds[i]);
+        uint8_t *data = NULL;
+        size_t size = 0;
+        moe_error err = {0};
+        if (moe_file_read(path, &data, &size, &err) != MOE_OK) fail_msg("%s", err.msg);
+        LLVMFuzzerTestOneInput(data, size); /* aborts on a wrong answer */
+        free(data);
+    }
+    serve_sched_free(srv->sched);
+    moe_chat_template_free(srv->tmpl);
+    pthread_mutex_destroy(&srv->metrics.mu);
+    free(srv);
+    srv = NULL;
+}
+
+/* A file that is not a model fails before "listening": no port is opened for it. */
+static void model_checked_before_listening(void **state) {
+    (void)state;
+    char bad[600], cmd[1400], *out = NULL;
+    snprintf(bad, sizeof bad, "%s/not-a-model.gguf", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(bad, "hello, world", 12, &err), MOE_OK);
+    snprintf(cmd, sizeof cmd, "%s serve '%s' --port 0 2>&1", moe_test_bin(), bad);
+    const int rc = moe_test_run(cmd, &out);
+    if (rc == 0 || strstr(out, "listening") || !strstr(out, "not a GGUF file"))
+        fail_msg("moe serve on a bad file: exit %d, output:\n%s", rc, out);
+    free(out);
 }
 
 /* ==== Chat templates through the server and `moe chat` ==== */
@@ -502,7 +591,7 @@ static bool replay_setup(replay_env *e, bool tools) {
     e->srv.tmpl = moe_chat_template_load_file(tpl, &err);
     assert_non_null(e->srv.tmpl);
     snprintf(e->srv.model_id, sizeof e->srv.model_id, "replayed");
-    serve_chat_add(&e->chat, "user")->content = moe_xstrdup("Weather in Paris and Nice?");
+    moe_strbuf_puts(&serve_chat_add(&e->chat, "user")->content, "Weather in Paris and Nice?");
     if (tools) e->chat.tools = json_loads(WEATHER_TOOLS, 0, NULL);
     return true;
 }
@@ -774,15 +863,21 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_tools_shape),
         cmocka_unit_test(client_responses),
         cmocka_unit_test(client_errors),
+        cmocka_unit_test(client_cors),
+        cmocka_unit_test(client_round_trip),
         cmocka_unit_test(client_concurrent_streams),
         cmocka_unit_test(client_disconnect),
         cmocka_unit_test(client_disconnect_storm),
+        cmocka_unit_test(client_disconnect_whole),
         cmocka_unit_test(client_queue_limits),
         cmocka_unit_test(client_demo_model),
         cmocka_unit_test(client_ops),
         cmocka_unit_test(client_keepalive),
         cmocka_unit_test(client_bench_8_streams),
         cmocka_unit_test(servers_stop_cleanly),
+        cmocka_unit_test(connection_flood),
+        cmocka_unit_test(model_checked_before_listening),
+        cmocka_unit_test(request_parser_seeds),
     };
     return cmocka_run_group_tests_name("serve", tests, NULL, teardown);
 }

@@ -946,7 +946,7 @@ static guarded render_guarded(const moe_tokenizer *tok, const char *src, const c
     assert_non_null(t);
     guarded g = {0};
     if (moe_chat_render_tokens(t, tok, messages, tools, "{\"add_generation_prompt\":true}", &g.text,
-                               &g.ids, &g.n_ids, &err) != MOE_OK)
+                               NULL, &g.ids, &g.n_ids, &err) != MOE_OK)
         fail_msg("%s", err.msg);
     g.n_start = count_id(g.ids, g.n_ids, 3);
     g.n_end = count_id(g.ids, g.n_ids, 4);

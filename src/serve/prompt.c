@@ -43,8 +43,8 @@ void serve_chat_free(serve_chat *c) {
     for (size_t i = 0; i < c->n_msgs; i++) {
         serve_message *m = &c->msgs[i];
         free(m->role);
-        free(m->content);
-        free(m->reasoning);
+        moe_strbuf_free(&m->content);
+        moe_strbuf_free(&m->reasoning);
         free(m->tool_call_id);
         free(m->name);
         serve_tool_calls_free(m->tool_calls, m->n_tool_calls);
@@ -66,8 +66,11 @@ static json_t *chat_messages_json(const serve_chat *c) {
         const serve_message *m = &c->msgs[i];
         json_t *j = json_object();
         json_object_set_new(j, "role", json_string(m->role));
-        json_object_set_new(j, "content", json_string(m->content ? m->content : ""));
-        if (m->reasoning) json_object_set_new(j, "reasoning_content", json_string(m->reasoning));
+        json_object_set_new(j, "content",
+                            json_stringn(m->content.s ? m->content.s : "", m->content.len));
+        if (m->reasoning.s)
+            json_object_set_new(j, "reasoning_content",
+                                json_stringn(m->reasoning.s, m->reasoning.len));
         if (m->n_tool_calls) {
             json_t *calls = json_array();
             for (size_t k = 0; k < m->n_tool_calls; k++) {
@@ -164,7 +167,7 @@ bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
 }
 
 bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
-                       char **text) {
+                       char **text, size_t *text_len) {
     json_t *msgs = chat_messages_json(chat);
     char *messages = json_dumps(msgs, JSON_COMPACT);
     json_decref(msgs);
@@ -174,8 +177,9 @@ bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, ser
     moe_error err = {0};
     int32_t *ids = NULL;
     size_t n = 0;
-    const moe_status st = moe_chat_render_tokens(h->srv->tmpl, serve_sched_tokenizer(h->srv->sched),
-                                                 messages, tools, kwargs, text, &ids, &n, &err);
+    const moe_status st =
+        moe_chat_render_tokens(h->srv->tmpl, serve_sched_tokenizer(h->srv->sched), messages, tools,
+                               kwargs, text, text_len, &ids, &n, &err);
     free(messages);
     free(tools);
     free(kwargs);
@@ -282,7 +286,10 @@ json_t *serve_tools_from_flat(json_t *tools, const char *keep_type, const char *
         json_t *desc = json_object_get(t, "description");
         if (json_is_string(desc)) json_object_set(fn, "description", desc);
         json_t *schema = json_object_get(t, schema_key);
-        json_object_set(fn, "parameters", schema ? schema : json_object());
+        if (schema)
+            json_object_set(fn, "parameters", schema);
+        else
+            json_object_set_new(fn, "parameters", json_object()); /* (set would leak it) */
         json_t *wrap = json_object();
         json_object_set_new(wrap, "type", json_string("function"));
         json_object_set_new(wrap, "function", fn);

@@ -100,6 +100,11 @@ serve_req *serve_req_new(void) {
     return r;
 }
 
+void serve_req_notify(serve_req *r) {
+    pthread_cond_broadcast(&r->cv);
+    if (r->wake) r->wake(r->wake_ud);
+}
+
 void serve_req_release(serve_req *r) {
     if (!r) return;
     pthread_mutex_lock(&r->mu);
@@ -115,7 +120,10 @@ void serve_req_release(serve_req *r) {
 }
 
 void serve_req_cancel(serve_req *r) {
+    pthread_mutex_lock(&r->mu);
+    if (!atomic_load(&r->cancel)) r->generated_at_cancel = r->n_generated;
     atomic_store(&r->cancel, true);
+    pthread_mutex_unlock(&r->mu);
     serve_sched *s = r->sched;
     if (s) {
         pthread_mutex_lock(&s->mu);
@@ -179,7 +187,7 @@ static void emit(serve_req *r, serve_event_kind kind, const char *text, size_t l
     else
         memset(&e->sample, 0, sizeof e->sample);
     moe_strbuf_put(&r->text, text, len);
-    pthread_cond_broadcast(&r->cv);
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -248,7 +256,7 @@ static void admit(serve_sched *s, serve_req *r) {
     pthread_mutex_lock(&r->mu);
     r->admitted = true;
     r->n_cached = reuse;
-    pthread_cond_broadcast(&r->cv);
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     if (reuse) s->metrics->prefix_hits++;
@@ -284,11 +292,17 @@ static void finish(serve_sched *s, int idx, serve_finish why, int stop_index, co
     r->stop_index = stop_index;
     if (error) snprintf(r->error, sizeof r->error, "%s", error);
     r->done = true;
-    pthread_cond_broadcast(&r->cv);
+    const uint32_t after_cancel = r->n_generated - r->generated_at_cancel;
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     if (why == SERVE_FINISH_CANCELLED) {
         pthread_mutex_lock(&s->metrics->mu);
         s->metrics->cancelled++;
+        if (atomic_load(&r->cancel)) {
+            s->metrics->tokens_after_cancel += after_cancel;
+            if (after_cancel > s->metrics->tokens_after_cancel_max)
+                s->metrics->tokens_after_cancel_max = after_cancel;
+        }
         pthread_mutex_unlock(&s->metrics->mu);
     }
     serve_req_release(r);
@@ -299,7 +313,7 @@ static void finish_waiting(serve_sched *s, serve_req *r) {
     pthread_mutex_lock(&r->mu);
     r->finish = SERVE_FINISH_CANCELLED;
     r->done = true;
-    pthread_cond_broadcast(&r->cv);
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     s->metrics->cancelled++;
@@ -672,6 +686,16 @@ serve_sched *serve_sched_start(const moe_serve_params *p, serve_metrics *metrics
     if (pthread_create(&s->thread, NULL, engine_main, s) != 0)
         moe_die("cannot start the engine thread");
     return s;
+}
+
+serve_sched *serve_sched_offline(moe_tokenizer *tok, uint32_t n_ctx) {
+    serve_sched *s = moe_xcalloc(1, sizeof *s);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->tok = tok;
+    s->n_ctx = n_ctx;
+    s->n_vocab = moe_tokenizer_n_vocab(tok);
+    return s; /* not loaded: every submit answers SERVE_SUBMIT_NOT_READY */
 }
 
 bool serve_sched_wait_loaded(serve_sched *s, char *err, size_t err_size) {
