@@ -285,6 +285,79 @@ static void templates_match_jinja2(void **state) {
     assert_int_equal(total_unexpected, 0);
 }
 
+/* ==== GLM-5.3-Flash's own template (tests/data/jinja), against Python Jinja2 ==== */
+
+#define GLM5_TEMPLATE "tests/data/jinja/GLM-5.3-Flash.jinja"
+#define GLM5_CASES    "tests/data/jinja/GLM-5.3-Flash.cases.json"
+
+/* Every conversation of GLM5_CASES with every kwargs set of it: the tool-result reordering by
+ * call id, reasoning kept or cleared in history, content parts, tool references, the effort
+ * line and the generation prompt all take their branches. */
+static void glm5_template_matches_jinja2(void **state) {
+    (void)state;
+    json_error_t je;
+    json_t *cases_file = json_load_file(GLM5_CASES, 0, &je);
+    if (!cases_file) fail_msg("%s: %s", GLM5_CASES, je.text);
+    json_t *tools = json_object_get(cases_file, "tools");
+    json_t *convs = json_object_get(cases_file, "conversations");
+    json_t *kwsets = json_object_get(cases_file, "kwargs");
+    assert_true(json_array_size(convs) >= 10 && json_array_size(kwsets) >= 8);
+    char *tools_s = json_dumps(tools, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    json_t *spec = json_object(), *cases = json_array();
+    json_object_set_new(spec, "fixed_date", json_string(FIXED_DATE));
+    size_t i, k;
+    json_t *c, *kw;
+    json_array_foreach(convs, i, c) {
+        json_array_foreach(kwsets, k, kw) {
+            json_t *cs = json_object();
+            json_object_set_new(cs, "template", json_string(GLM5_TEMPLATE));
+            json_object_set(cs, "messages", json_object_get(c, "messages"));
+            json_object_set(cs, "tools",
+                            json_is_true(json_object_get(c, "tools")) ? tools : json_null());
+            json_object_set(cs, "kwargs", kw);
+            json_array_append_new(cases, cs);
+        }
+    }
+    json_object_set_new(spec, "cases", cases);
+    json_t *results = moe_test_render_jinja(spec, "glm5");
+    json_decref(spec);
+    const size_t n_kw = json_array_size(kwsets);
+    assert_int_equal(json_array_size(results), json_array_size(convs) * n_kw);
+
+    setenv("MOE_FIXED_DATE", FIXED_DATE, 1);
+    moe_error err = {0};
+    moe_chat_template *t = moe_chat_template_load_file(GLM5_TEMPLATE, &err);
+    if (!t) fail_msg("%s", err.msg);
+    size_t match = 0, total = 0, rendered = 0;
+    json_array_foreach(convs, i, c) {
+        char *msgs = json_dumps(json_object_get(c, "messages"), JSON_COMPACT | JSON_PRESERVE_ORDER);
+        json_array_foreach(kwsets, k, kw) {
+            char *kws = json_dumps(kw, JSON_COMPACT | JSON_PRESERVE_ORDER);
+            char what[256];
+            snprintf(what, sizeof what, "GLM-5.3-Flash / %s / kwargs %zu",
+                     json_string_value(json_object_get(c, "name")), k);
+            json_t *ref = json_array_get(results, i * n_kw + k);
+            bool both_failed;
+            const bool with_tools = json_is_true(json_object_get(c, "tools"));
+            match += same_as_jinja2(what, t, &err, msgs, with_tools ? tools_s : NULL, kws, ref,
+                                    &both_failed);
+            rendered += json_is_true(json_object_get(ref, "ok"));
+            total++;
+            free(kws);
+        }
+        free(msgs);
+    }
+    print_message("  GLM-5.3-Flash template: %zu/%zu conversations x kwargs match Python Jinja2 "
+                  "(%zu render, the rest raise on both sides)\n",
+                  match, total, rendered);
+    moe_chat_template_free(t);
+    json_decref(results);
+    json_decref(cases_file);
+    free(tools_s);
+    assert_int_equal(match, total);
+    assert_int_equal(rendered, total); /* none of these conversations is one it refuses */
+}
+
 /* ==== Features one template at a time, against Python Jinja2 ==== */
 
 /* The variables every feature template sees (besides messages = [] and tools = none). */
@@ -1081,6 +1154,7 @@ int moe_suite_template(void) {
         cmocka_unit_test(interpreter_basics),
         cmocka_unit_test(interpreter_errors),
         cmocka_unit_test(templates_match_jinja2),
+        cmocka_unit_test(glm5_template_matches_jinja2),
         cmocka_unit_test(features_match_jinja2),
         cmocka_unit_test(parsers_whole_and_streamed),
         cmocka_unit_test(parse_options_from_templates),
