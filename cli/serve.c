@@ -27,6 +27,8 @@ static const char usage_text[] =
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
     "  --queue-timeout S  seconds a request may wait before 503 (default 600)\n"
     "  --keepalive S      seconds of silence before an SSE keep-alive (default 15)\n"
+    "  --reasoning-budget N  at most N tokens of reasoning per reply: then the think block is\n"
+    "                     closed and the answer follows (default -1: no limit; 0: thinking off)\n"
     "  --step-delay MS    for tests: sleep MS after every forward step\n";
 
 int moe_cmd_serve(int argc, char **argv) {
@@ -60,6 +62,7 @@ int moe_cmd_serve(int argc, char **argv) {
         INT_OPT("--cache-slots", 0, 4096, p.cache_slots)
         INT_OPT("--queue", 0, 1 << 20, p.queue_limit)
         INT_OPT("--step-delay", 0, 60000, p.step_delay_ms)
+        INT_OPT("--reasoning-budget", -1, 1 << 30, p.reasoning_budget)
         FLOAT_OPT("--queue-timeout", 0.01, 1e7, p.queue_timeout_s)
         FLOAT_OPT("--keepalive", 0.01, 1e5, p.keepalive_s)
 #undef INT_OPT

@@ -477,6 +477,198 @@ static void chat_templates_served(void **state) {
     assert_int_equal(server_stop(&over), 0);
 }
 
+/* ==== Reasoning controls through the server ==== */
+
+#define GLM5_TEMPLATE "tests/data/jinja/GLM-5.3-Flash.jinja"
+/* a template that opens <think> and reads neither enable_thinking nor reasoning_effort */
+#define THINK_TEMPLATE                                                                             \
+    "{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}{%- endfor %}"                         \
+    "{%- if add_generation_prompt %}<|assistant|><think>{%- endif %}"
+#define STORY "[{\"role\":\"user\",\"content\":\"Tell me a story.\"}]"
+
+/* POST and parse; fails the test unless 200. */
+static json_t *post_json(const server *s, const char *path, const char *body) {
+    long status;
+    char *reply = http_post(s->url, path, body, &status);
+    json_t *j = json_loads(reply, 0, NULL);
+    if (status != 200 || !j) fail_msg("POST %s %s: %ld %s", path, body, status, reply);
+    free(reply);
+    return j;
+}
+
+/* Greedy /v1/completions text of a prompt (a JSON string or token array). */
+static char *greedy_completion(const server *s, json_t *prompt, int max_tokens) {
+    json_t *b = json_pack("{s:s,s:O,s:i,s:f}", "model", "x", "prompt", prompt, "max_tokens",
+                          max_tokens, "temperature", 0.0);
+    char *body = json_dumps(b, JSON_COMPACT);
+    json_t *r = post_json(s, "/v1/completions", body);
+    char *text = moe_xstrdup(json_string_value(
+        json_object_get(json_array_get(json_object_get(r, "choices"), 0), "text")));
+    json_decref(r);
+    json_decref(b);
+    free(body);
+    return text;
+}
+
+/* The answer after a closed think block starts mid-stream, so it keeps the space a first token's
+ * piece carries, which /v1/completions strips from its first token. */
+static void expect_answer(const char *got, const char *want, const char *what) {
+    if (strcmp(got, want) && !(got[0] == ' ' && !strcmp(got + 1, want)))
+        fail_msg("%s: answer [%s], the unbudgeted continuation gives [%s]", what, got, want);
+}
+
+static json_int_t usage_reasoning(json_t *r) {
+    return json_integer_value(
+        json_object_get(json_object_get(json_object_get(r, "usage"), "completion_tokens_details"),
+                        "reasoning_tokens"));
+}
+
+/* stories260K with GLM-5.3-Flash's own template (no enable_thinking switch; reasoning_effort
+ * low / high / max) behind --reasoning-budget 10, and with a template without any switch.
+ * References: Python Jinja2 for the prompts; the same model's unbudgeted greedy continuation
+ * (/v1/completions) for what a budgeted reply must be -- its first tokens as the reasoning, then
+ * the closing tag, then what the model writes after it. */
+static void reasoning_budget_served(void **state) {
+    (void)state;
+    const char *model = moe_test_chat_model("think-chat", NULL);
+    MOE_SKIP_IF_NULL(model);
+    char plain_tpl[600];
+    snprintf(plain_tpl, sizeof plain_tpl, "%s/think.jinja", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(plain_tpl, THINK_TEMPLATE, strlen(THINK_TEMPLATE), &err),
+                     MOE_OK);
+    server glm = {0}, plain = {0};
+    char *glm_args[] = {
+        (char *)model,        "--ctx", "1024", "--chat-template-file", (char *)GLM5_TEMPLATE,
+        "--reasoning-budget", "10",    NULL};
+    char *plain_args[] = {(char *)model, "--ctx", "1024", "--chat-template-file", plain_tpl, NULL};
+    if (!server_start(&glm, "think-glm5", glm_args) ||
+        !server_start(&plain, "think-plain", plain_args))
+        fail_msg("a reasoning server did not start (logs in %s)", moe_test_tmpdir());
+
+    /* the prompts: the template's own (effort High, ends inside <think>); thinking off, which
+     * it has no switch for, closes the block */
+    json_t *on = post_json(&glm, "/apply-template",
+                           "{\"messages\":" STORY ",\"reasoning_effort\":\"high\"}");
+    json_t *off = post_json(&glm, "/apply-template",
+                            "{\"messages\":" STORY ",\"chat_template_kwargs\":"
+                            "{\"enable_thinking\":false}}");
+    json_t *spec =
+        json_pack("{s:s,s:[o,o]}", "fixed_date", "2026-01-15T09:30:00", "cases",
+                  reference_case(GLM5_TEMPLATE, STORY, NULL, "{\"reasoning_effort\":\"high\"}"),
+                  reference_case(GLM5_TEMPLATE, STORY, NULL, "{\"enable_thinking\":false}"));
+    json_t *ref = moe_test_render_jinja(spec, "think");
+    json_decref(spec);
+    const char *p_on = json_string_value(json_object_get(on, "prompt"));
+    const char *p_off = json_string_value(json_object_get(off, "prompt"));
+    const char *r_on = json_string_value(json_object_get(json_array_get(ref, 0), "text"));
+    const char *r_off = json_string_value(json_object_get(json_array_get(ref, 1), "text"));
+    assert_non_null(r_on);
+    assert_non_null(r_off);
+    assert_string_equal(p_on, r_on);
+    assert_non_null(strstr(p_on, "Reasoning Effort: High<|user|>"));
+    char *closed;
+    if (asprintf(&closed, "%s</think>", r_off) < 0) fail_msg("asprintf");
+    assert_string_equal(p_off, closed);
+    free(closed);
+    /* the closing tag as the server feeds it: after text, no SentencePiece dummy prefix */
+    moe_gguf *gg = moe_gguf_open(model, &err);
+    assert_non_null(gg);
+    moe_tokenizer *tok = moe_tokenizer_from_gguf(gg, &err);
+    assert_non_null(tok);
+    int32_t *close_ids;
+    size_t n_close_ids;
+    assert_int_equal(moe_tokenizer_encode(tok, "</think>", 8, MOE_ENCODE_CONTINUATION, &close_ids,
+                                          &n_close_ids, &err),
+                     MOE_OK);
+    const int n_close = (int)n_close_ids;
+    assert_true(n_close > 0);
+    free(close_ids);
+    moe_tokenizer_free(tok);
+    moe_gguf_close(gg);
+
+    /* Anthropic's budget_tokens (6, under the server's 10): 6 tokens of thinking, the tag, the
+     * answer */
+    json_t *r = post_json(&glm, "/v1/messages",
+                          "{\"model\":\"x\",\"max_tokens\":30,\"temperature\":0,\"thinking\":"
+                          "{\"type\":\"enabled\",\"budget_tokens\":6},\"messages\":" STORY "}");
+    json_t *content = json_object_get(r, "content");
+    assert_int_equal(json_array_size(content), 2);
+    json_t *think = json_array_get(content, 0), *text = json_array_get(content, 1);
+    assert_string_equal(json_string_value(json_object_get(think, "type")), "thinking");
+    assert_string_equal(json_string_value(json_object_get(text, "type")), "text");
+    char *c1 = greedy_completion(&glm, json_object_get(on, "tokens"), 6);
+    assert_string_equal(json_string_value(json_object_get(think, "thinking")), c1);
+    char *resumed;
+    if (asprintf(&resumed, "%s%s</think>", p_on, c1) < 0) fail_msg("asprintf");
+    json_t *resumed_j = json_string(resumed);
+    char *c2 = greedy_completion(&glm, resumed_j, 30 - 6 - n_close);
+    expect_answer(json_string_value(json_object_get(text, "text")), c2, "budget_tokens 6");
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(r, "usage"), "output_tokens")), 30);
+    json_decref(resumed_j);
+    free(resumed);
+    free(c1);
+    free(c2);
+    json_decref(r);
+
+    /* OpenAI, no budget in the request: the server's 10 */
+    r = post_json(&glm, "/v1/chat/completions",
+                  "{\"model\":\"x\",\"max_tokens\":30,\"temperature\":0,\"messages\":" STORY "}");
+    json_t *msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
+    c1 = greedy_completion(&glm, json_object_get(on, "tokens"), 10);
+    assert_string_equal(json_string_value(json_object_get(msg, "reasoning_content")), c1);
+    assert_int_equal(usage_reasoning(r), 10 + n_close);
+    free(c1);
+    json_decref(r);
+
+    /* thinking off: no reasoning, the answer the closed prompt gives */
+    r = post_json(&glm, "/v1/chat/completions",
+                  "{\"model\":\"x\",\"max_tokens\":8,\"temperature\":0,\"messages\":" STORY
+                  ",\"chat_template_kwargs\":{\"enable_thinking\":false}}");
+    msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
+    assert_null(json_string_value(json_object_get(msg, "reasoning_content")));
+    c1 = greedy_completion(&glm, json_object_get(off, "tokens"), 8);
+    assert_string_equal(json_string_value(json_object_get(msg, "content")), c1);
+    assert_int_equal(usage_reasoning(r), 0);
+    free(c1);
+    json_decref(r);
+
+    /* a template with no switch at all: reasoning_effort minimal -> 256 tokens, medium -> no
+     * limit (stories260K never writes </think> itself); "none" -> the closed prompt */
+    r = post_json(&plain, "/v1/chat/completions",
+                  "{\"model\":\"x\",\"max_tokens\":300,\"temperature\":0,\"reasoning_effort\":"
+                  "\"minimal\",\"messages\":" STORY "}");
+    assert_int_equal(usage_reasoning(r), 256 + n_close);
+    json_decref(r);
+    r = post_json(&plain, "/v1/chat/completions",
+                  "{\"model\":\"x\",\"max_tokens\":300,\"temperature\":0,\"reasoning_effort\":"
+                  "\"medium\",\"messages\":" STORY "}");
+    assert_int_equal(usage_reasoning(r), 300);
+    json_decref(r);
+    r = post_json(&plain, "/apply-template",
+                  "{\"messages\":" STORY ",\"reasoning_effort\":\"none\"}");
+    assert_string_equal(json_string_value(json_object_get(r, "prompt")),
+                        "<|user|>Tell me a story.<|assistant|><think></think>");
+    json_decref(r);
+
+    /* a budget that is not a count is the client's error */
+    long status;
+    char *reply = http_post(glm.url, "/v1/messages",
+                            "{\"model\":\"x\",\"max_tokens\":4,\"thinking\":{\"type\":\"enabled\","
+                            "\"budget_tokens\":-5},\"messages\":" STORY "}",
+                            &status);
+    assert_int_equal(status, 400);
+    if (!strstr(reply, "thinking.budget_tokens")) fail_msg("%s", reply);
+    free(reply);
+
+    json_decref(ref);
+    json_decref(on);
+    json_decref(off);
+    assert_int_equal(server_stop(&glm), 0);
+    assert_int_equal(server_stop(&plain), 0);
+}
+
 /* ==== Parsed output in each API's shape (replayed through the adapters, no model) ==== */
 
 #define WEATHER_TOOLS                                                                              \
@@ -761,6 +953,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(anthropic_shapes),
         cmocka_unit_test(responses_shapes),
         cmocka_unit_test(chat_templates_served),
+        cmocka_unit_test(reasoning_budget_served),
         cmocka_unit_test(client_models),
         cmocka_unit_test(client_chat_nonstream),
         cmocka_unit_test(client_chat_stream),

@@ -34,6 +34,7 @@ void moe_serve_params_default(moe_serve_params *p) {
     p->queue_limit = 64;
     p->queue_timeout_s = 600;
     p->keepalive_s = 15;
+    p->reasoning_budget = -1;
 }
 
 /* ==== Per-connection state ==== */

@@ -19,6 +19,9 @@
  * A request for prompt log-probabilities (echo) reuses nothing: every prompt row runs with
  * logits (at most SERVE_PROMPT_LOGPROB_ROWS of them per step) and each gives the next prompt
  * token's log-probability as an event before the first sample.
+ * A reply with a reasoning budget (serve_gen.think_budget) has its reasoning tokens counted
+ * between the template's tags; once the budget is spent inside a block, the closing tag's
+ * tokens take the place of the next samples, and the answer is sampled after them.
  * The trap: a sampled token joins the sequence only when it is fed as a row, so a finished
  * stream's last token is not there. */
 #include "serve_internal.h"
@@ -48,6 +51,12 @@ typedef struct slot {
     moe_detok *detok;
     moe_strbuf hold; /* text held back: it may be the start of a stop string */
     uint32_t n_generated;
+    /* reasoning: inside a block?, its tokens so far, the closing tag's tokens still to force
+     * (budget spent), and the last generated tokens (to see a tag complete) */
+    bool in_think;
+    uint32_t n_think, n_forcing;
+    int32_t tail[SERVE_MAX_THINK_TAG];
+    uint32_t n_tail;
 } slot;
 
 struct serve_sched {
@@ -96,6 +105,7 @@ serve_req *serve_req_new(void) {
     r->refs = 1;
     r->stop_index = -1;
     r->gen.max_tokens = -1;
+    r->gen.think_budget = -1;
     atomic_init(&r->cancel, false);
     return r;
 }
@@ -235,6 +245,8 @@ static void admit(serve_sched *s, serve_req *r) {
     sl->decoding = false;
     sl->n_generated = 0;
     sl->hold.len = 0;
+    sl->in_think = r->gen.n_think_close && r->gen.think_at_start;
+    sl->n_think = sl->n_forcing = sl->n_tail = 0;
     sl->last_used = s->step;
     r->gen.sampling.bias_tokens = r->gen.bias_tokens;
     r->gen.sampling.bias_values = r->gen.bias_values;
@@ -353,6 +365,43 @@ static int stop_feed(slot *sl, const moe_sample *sample, const char *text, size_
     return -1;
 }
 
+/* ==== Reasoning budget ==== */
+
+static bool tail_ends_with(const slot *sl, const int32_t *tag, uint32_t n) {
+    if (!n || sl->n_tail < n) return false;
+    return memcmp(sl->tail + sl->n_tail - n, tag, n * sizeof *tag) == 0;
+}
+
+/* The next token: sampled, or -- once the budget is spent inside a block -- the closing tag's
+ * next token, scored (its logprob) and remembered for the penalties like a sampled one. */
+static moe_sample next_token(slot *sl, const float *logits) {
+    const serve_gen *g = &sl->req->gen;
+    if (!sl->n_forcing && sl->in_think && g->think_budget >= 0 && sl->n_think >= g->think_budget)
+        sl->n_forcing = g->n_think_close;
+    if (!sl->n_forcing) return moe_sampler_sample(sl->sampler, logits);
+    const int32_t token = g->think_close[g->n_think_close - sl->n_forcing--];
+    moe_sample smp = moe_sampler_score(sl->sampler, logits, token);
+    moe_sampler_accept(sl->sampler, token);
+    return smp;
+}
+
+/* A generated token: counts inside a block; a completed tag opens or closes one. */
+static void track_reasoning(slot *sl, int32_t token) {
+    const serve_gen *g = &sl->req->gen;
+    if (!g->n_think_close) return;
+    if (sl->n_tail == SERVE_MAX_THINK_TAG) {
+        memmove(sl->tail, sl->tail + 1, (SERVE_MAX_THINK_TAG - 1) * sizeof *sl->tail);
+        sl->n_tail--;
+    }
+    sl->tail[sl->n_tail++] = token;
+    if (sl->in_think) {
+        sl->n_think++;
+        if (tail_ends_with(sl, g->think_close, g->n_think_close)) sl->in_think = false;
+    } else if (tail_ends_with(sl, g->think_open, g->n_think_open)) {
+        sl->in_think = true;
+    }
+}
+
 /* ==== The step ==== */
 
 static void on_logits(serve_sched *s, int idx, const float *logits) {
@@ -362,7 +411,7 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
         finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
         return;
     }
-    const moe_sample smp = moe_sampler_sample(sl->sampler, logits);
+    const moe_sample smp = next_token(sl, logits);
     if (sl->n_generated == 0) {
         const double now = serve_now();
         pthread_mutex_lock(&r->mu);
@@ -382,8 +431,10 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
         return;
     }
     sl->n_generated++;
+    track_reasoning(sl, smp.token);
     pthread_mutex_lock(&r->mu);
     r->n_generated = sl->n_generated;
+    r->n_reasoning = sl->n_think;
     pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     s->metrics->generated_tokens++;

@@ -42,6 +42,8 @@
 #define SERVE_PROMPT_LOGPROB_ROWS                                                                  \
     64 /* prompt rows with logits per step (echo + logprobs): each holds a [n_vocab] row of the    \
         * logits buffer, sized at load */
+#define SERVE_MAX_THINK_TAG                                                                        \
+    16 /* tokens of a reasoning tag (<think> is one or a few): longer ones are not tracked */
 #define SERVE_CONN_TIMEOUT_S 600 /* idle connection closed after this */
 #define SERVE_POLL_MS        50  /* how often a waiting HTTP thread looks for a hang-up */
 
@@ -81,6 +83,14 @@ typedef struct serve_gen {
     int64_t max_tokens; /* < 0: until end of generation or a full context */
     char *stop[SERVE_MAX_STOP];
     uint32_t n_stop;
+    /* Reasoning (prompt.c fills it from the template's tags; the scheduler counts and limits):
+     * the tags as tokens, whether the prompt leaves a block open, and at most think_budget
+     * tokens inside blocks (< 0: no limit) -- when spent, think_close is fed as the next
+     * tokens and the answer follows. No tags (n_think_close 0): nothing is counted. */
+    int32_t think_open[SERVE_MAX_THINK_TAG], think_close[SERVE_MAX_THINK_TAG];
+    uint32_t n_think_open, n_think_close;
+    bool think_at_start;
+    int64_t think_budget;
     bool logprobs;        /* report sample logprobs in events */
     bool prompt_logprobs; /* also every prompt token's after the first (SERVE_EV_PROMPT): the
                            * prompt is computed whole, no prefix reuse; max_tokens may be 0 */
@@ -104,6 +114,7 @@ typedef struct serve_req {
     bool admitted, done;
     uint32_t n_cached; /* prompt tokens reused from a resident sequence */
     uint32_t n_generated;
+    uint32_t n_reasoning; /* of them, inside reasoning blocks (counted when the tags are known) */
     double t_first_token;
     serve_finish finish;
     int stop_index; /* SERVE_FINISH_STOP: which stop string */
@@ -198,6 +209,7 @@ typedef struct serve_chat {
     json_t *tools; /* OpenAI form: [{"type":"function","function":{name,description,parameters}}] */
     bool tool_choice_none;
     json_t *kwargs; /* template variables from the request (serve_parse_template_kwargs), or NULL */
+    int64_t think_budget; /* the request's thinking.budget_tokens, or -1 */
 } serve_chat;
 
 serve_message *serve_chat_add(serve_chat *c, const char *role);
@@ -214,12 +226,17 @@ typedef enum serve_api {
  * the reason) when the one asked for does not parse. */
 bool serve_template_load(serve_server *srv, char *err, size_t err_size);
 /* Template variables a request may set: add_generation_prompt (true), enable_thinking,
- * reasoning_effort (also Responses' reasoning.effort), Anthropic's thinking.type, and every
- * member of chat_template_kwargs (last, so it wins). Replies 400 on a bad field. */
+ * reasoning_effort (also Responses' reasoning.effort; "none" also sets enable_thinking false),
+ * Anthropic's thinking.type, and every member of chat_template_kwargs (last, so it wins); and
+ * thinking.budget_tokens. Replies 400 on a bad field. */
 bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat);
 /* Render the conversation with the template and tokenize it into g; *text (may be NULL) gets
- * the prompt. Replies 400 with the template's message when it raises, or when the prompt does
- * not fit the context. */
+ * the prompt. Then the reasoning controls: the template's reasoning tags as tokens, and the
+ * budget -- the least of --reasoning-budget, the request's thinking.budget_tokens and, for a
+ * template without the switch asked for, 0 for thinking off (enable_thinking false) or a
+ * budget for a low reasoning_effort. A budget of 0 with the prompt inside a reasoning block
+ * closes the block in the prompt itself. Replies 400 with the template's message when it
+ * raises, or when the prompt does not fit the context. */
 bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
                        char **text);
 
