@@ -732,6 +732,58 @@ static void expect_arguments(const char *args, const char *want) {
     json_decref(w);
 }
 
+/* An OpenAI chat stream's deltas add up to this content, reasoning and calls (their ids sent
+ * once each), and it ends in finish_reason "tool_calls" and [DONE]. */
+static void expect_openai_stream(const char *sse, const char *want_content,
+                                 const char *want_reasoning, const char *const *want_args,
+                                 size_t n_calls) {
+    json_t *evs = sse_events(sse);
+    moe_strbuf content = {0}, reasoning = {0}, args[4] = {{0}};
+    assert_true(n_calls <= 4);
+    const char *finish = NULL;
+    size_t i, n_ids = 0;
+    json_t *ev;
+    json_array_foreach(evs, i, ev) {
+        json_t *d = json_object_get(ev, "data");
+        if (json_is_string(d)) {
+            assert_int_equal(i, json_array_size(evs) - 1); /* [DONE] last */
+            continue;
+        }
+        json_t *ch = json_array_get(json_object_get(d, "choices"), 0);
+        json_t *delta = json_object_get(ch, "delta");
+        const char *t = json_string_value(json_object_get(delta, "content"));
+        if (t) moe_strbuf_puts(&content, t);
+        t = json_string_value(json_object_get(delta, "reasoning_content"));
+        if (t) moe_strbuf_puts(&reasoning, t);
+        size_t k;
+        json_t *tc;
+        json_array_foreach(json_object_get(delta, "tool_calls"), k, tc) {
+            json_int_t idx = json_integer_value(json_object_get(tc, "index"));
+            assert_true(idx >= 0 && (size_t)idx < n_calls);
+            if (json_string_value(json_object_get(tc, "id"))) n_ids++;
+            moe_strbuf_puts(&args[idx], json_string_value(json_object_get(
+                                            json_object_get(tc, "function"), "arguments")));
+        }
+        if (json_string_value(json_object_get(ch, "finish_reason")))
+            finish = json_string_value(json_object_get(ch, "finish_reason"));
+    }
+    moe_strbuf_put(&content, "", 0);
+    moe_strbuf_put(&reasoning, "", 0);
+    assert_string_equal(content.s, want_content);
+    assert_string_equal(reasoning.s, want_reasoning);
+    assert_int_equal(n_ids, n_calls);
+    for (size_t k = 0; k < n_calls; k++) {
+        moe_strbuf_put(&args[k], "", 0);
+        expect_arguments(args[k].s, want_args[k]);
+        moe_strbuf_free(&args[k]);
+    }
+    assert_non_null(finish);
+    assert_string_equal(finish, "tool_calls");
+    moe_strbuf_free(&content);
+    moe_strbuf_free(&reasoning);
+    json_decref(evs);
+}
+
 static void openai_shapes(void **state) {
     (void)state;
     replay_env e;
@@ -762,50 +814,7 @@ static void openai_shapes(void **state) {
     for (size_t chunk = 1; chunk <= 7; chunk += 3) {
         out.len = 0;
         serve_openai_replay(&e.srv, &e.chat, "", REPLY, chunk, true, &out);
-        json_t *evs = sse_events(out.s);
-        moe_strbuf content = {0}, reasoning = {0}, args[2] = {{0}};
-        const char *finish = NULL;
-        size_t i, n_ids = 0;
-        json_t *ev;
-        json_array_foreach(evs, i, ev) {
-            json_t *d = json_object_get(ev, "data");
-            if (json_is_string(d)) {
-                assert_int_equal(i, json_array_size(evs) - 1); /* [DONE] last */
-                continue;
-            }
-            json_t *ch = json_array_get(json_object_get(d, "choices"), 0);
-            json_t *delta = json_object_get(ch, "delta");
-            const char *t = json_string_value(json_object_get(delta, "content"));
-            if (t) moe_strbuf_puts(&content, t);
-            t = json_string_value(json_object_get(delta, "reasoning_content"));
-            if (t) moe_strbuf_puts(&reasoning, t);
-            size_t k;
-            json_t *tc;
-            json_array_foreach(json_object_get(delta, "tool_calls"), k, tc) {
-                json_int_t idx = json_integer_value(json_object_get(tc, "index"));
-                assert_true(idx >= 0 && idx < 2);
-                if (json_string_value(json_object_get(tc, "id"))) n_ids++;
-                moe_strbuf_puts(&args[idx], json_string_value(json_object_get(
-                                                json_object_get(tc, "function"), "arguments")));
-            }
-            if (json_string_value(json_object_get(ch, "finish_reason")))
-                finish = json_string_value(json_object_get(ch, "finish_reason"));
-        }
-        moe_strbuf_put(&content, "", 0);
-        moe_strbuf_put(&reasoning, "", 0);
-        assert_string_equal(content.s, "\n\nOn it.\n");
-        assert_string_equal(reasoning.s, "\nCheck both.\n");
-        assert_int_equal(n_ids, 2);
-        for (int k = 0; k < 2; k++) {
-            moe_strbuf_put(&args[k], "", 0);
-            expect_arguments(args[k].s, want_args[k]);
-            moe_strbuf_free(&args[k]);
-        }
-        assert_non_null(finish);
-        assert_string_equal(finish, "tool_calls");
-        moe_strbuf_free(&content);
-        moe_strbuf_free(&reasoning);
-        json_decref(evs);
+        expect_openai_stream(out.s, "\n\nOn it.\n", "\nCheck both.\n", want_args, 2);
     }
     json_decref(r);
     /* without tools in the request, call markup is the model's text */
@@ -828,6 +837,40 @@ static void openai_shapes(void **state) {
     assert_string_equal(json_string_value(json_object_get(msg, "content")), "done");
     json_decref(r);
     moe_strbuf_free(&out);
+    replay_free(&e);
+}
+
+/* GLM-5.3-Flash: its generation prompt opens <think>; the reply closes it, answers and calls
+ * in GLM's shape -- streamed in pieces of every small size, through the OpenAI adapter. */
+static void glm5_replayed(void **state) {
+    (void)state;
+    replay_env e;
+    memset(&e, 0, sizeof e);
+    moe_error err = {0};
+    e.srv.tmpl = moe_chat_template_load_file(GLM5_TEMPLATE, &err);
+    if (!e.srv.tmpl) fail_msg("%s", err.msg);
+    snprintf(e.srv.model_id, sizeof e.srv.model_id, "replayed");
+    serve_chat_add(&e.chat, "user")->content = moe_xstrdup("Weather in Paris and Nice?");
+    e.chat.tools = json_loads(WEATHER_TOOLS, 0, NULL);
+    char *prompt;
+    assert_int_equal(
+        moe_chat_render(e.srv.tmpl,
+                        "[{\"role\":\"user\",\"content\":\"Weather in Paris and Nice?\"}]",
+                        WEATHER_TOOLS, "{\"add_generation_prompt\":true}", &prompt, &err),
+        MOE_OK);
+    const char *reply =
+        "Two cities.</think>On it.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
+        "</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call><tool_call>"
+        "get_weather<arg_key>city</arg_key><arg_value>Nice</arg_value></tool_call>";
+    const char *want_args[2] = {"{\"city\":\"Paris\",\"days\":2}", "{\"city\":\"Nice\"}"};
+    moe_strbuf out = {0};
+    for (size_t chunk = 1; chunk <= 7; chunk += 3) {
+        out.len = 0;
+        serve_openai_replay(&e.srv, &e.chat, prompt, reply, chunk, true, &out);
+        expect_openai_stream(out.s, "On it.", "Two cities.", want_args, 2);
+    }
+    moe_strbuf_free(&out);
+    free(prompt);
     replay_free(&e);
 }
 
@@ -950,6 +993,7 @@ int moe_suite_serve(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(json_depth_counts_outside_strings),
         cmocka_unit_test(openai_shapes),
+        cmocka_unit_test(glm5_replayed),
         cmocka_unit_test(anthropic_shapes),
         cmocka_unit_test(responses_shapes),
         cmocka_unit_test(chat_templates_served),
