@@ -355,6 +355,13 @@ static size_t count_token(json_t *tokens, json_int_t id) {
     return n;
 }
 
+/* Write text to NAME in the scratch directory; its path into path. */
+static void tmp_file(char *path, size_t size, const char *name, const char *text) {
+    snprintf(path, size, "%s/%s", moe_test_tmpdir(), name);
+    moe_error err = {0};
+    if (moe_file_write(path, text, strlen(text), &err) != MOE_OK) fail_msg("%s", err.msg);
+}
+
 /* The prompt `moe chat --verbose-prompt` printed for its first turn. */
 static char *chat_prompt_of(const char *model, const char *extra) {
     char cmd[2048];
@@ -378,10 +385,7 @@ static void chat_templates_served(void **state) {
     MOE_SKIP_IF_NULL(model);
     MOE_SKIP_IF_NULL(qwen3);
     char custom[600];
-    snprintf(custom, sizeof custom, "%s/custom.jinja", moe_test_tmpdir());
-    moe_error err = {0};
-    assert_int_equal(moe_file_write(custom, CUSTOM_TEMPLATE, strlen(CUSTOM_TEMPLATE), &err),
-                     MOE_OK);
+    tmp_file(custom, sizeof custom, "custom.jinja", CUSTOM_TEMPLATE);
     server own = {0}, over = {0};
     char *own_args[] = {(char *)model, "--ctx", "2048", NULL};
     char *over_args[] = {(char *)model, "--ctx", "2048", "--chat-template-file", custom, NULL};
@@ -533,10 +537,8 @@ static void reasoning_budget_served(void **state) {
     const char *model = moe_test_chat_model("think-chat", NULL);
     MOE_SKIP_IF_NULL(model);
     char plain_tpl[600];
-    snprintf(plain_tpl, sizeof plain_tpl, "%s/think.jinja", moe_test_tmpdir());
+    tmp_file(plain_tpl, sizeof plain_tpl, "think.jinja", THINK_TEMPLATE);
     moe_error err = {0};
-    assert_int_equal(moe_file_write(plain_tpl, THINK_TEMPLATE, strlen(THINK_TEMPLATE), &err),
-                     MOE_OK);
     server glm = {0}, plain = {0};
     char *glm_args[] = {
         (char *)model,        "--ctx", "1024", "--chat-template-file", (char *)GLM5_TEMPLATE,
