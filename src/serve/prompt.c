@@ -237,6 +237,12 @@ static void reasoning_controls(const serve_server *srv, const serve_chat *chat, 
     g->n_think_open = g->n_think_close = 0;
     if (!o.think_open || !tag_tokens(tok, o.think_close, g->think_close, &g->n_think_close)) return;
     tag_tokens(tok, o.think_open, g->think_open, &g->n_think_open);
+    g->think_open_text[0] = g->think_close_text[0] = '\0';
+    if (strlen(o.think_open) < SERVE_MAX_THINK_TEXT &&
+        strlen(o.think_close) < SERVE_MAX_THINK_TEXT) {
+        snprintf(g->think_open_text, sizeof g->think_open_text, "%s", o.think_open);
+        snprintf(g->think_close_text, sizeof g->think_close_text, "%s", o.think_close);
+    }
     g->think_at_start = o.reasoning_open;
     g->think_budget = think_budget(srv, chat, src);
     if (g->think_budget != 0 || !o.reasoning_open) return;

@@ -52,11 +52,13 @@ typedef struct slot {
     moe_strbuf hold; /* text held back: it may be the start of a stop string */
     uint32_t n_generated;
     /* reasoning: inside a block?, its tokens so far, the closing tag's tokens still to force
-     * (budget spent), and the last generated tokens (to see a tag complete) */
+     * (budget spent), and the last generated tokens and bytes (to see a tag complete) */
     bool in_think;
     uint32_t n_think, n_forcing;
     int32_t tail[SERVE_MAX_THINK_TAG];
     uint32_t n_tail;
+    char ttail[SERVE_MAX_THINK_TEXT];
+    size_t n_ttail;
 } slot;
 
 struct serve_sched {
@@ -247,6 +249,7 @@ static void admit(serve_sched *s, serve_req *r) {
     sl->hold.len = 0;
     sl->in_think = r->gen.n_think_close && r->gen.think_at_start;
     sl->n_think = sl->n_forcing = sl->n_tail = 0;
+    sl->n_ttail = 0;
     sl->last_used = s->step;
     r->gen.sampling.bias_tokens = r->gen.bias_tokens;
     r->gen.sampling.bias_values = r->gen.bias_values;
@@ -385,20 +388,52 @@ static moe_sample next_token(slot *sl, const float *logits) {
     return smp;
 }
 
-/* A generated token: counts inside a block; a completed tag opens or closes one. */
-static void track_reasoning(slot *sl, int32_t token) {
-    const serve_gen *g = &sl->req->gen;
-    if (!g->n_think_close) return;
+static bool text_ends_with(const slot *sl, const char *tag) {
+    const size_t n = strlen(tag);
+    return n && sl->n_ttail >= n && memcmp(sl->ttail + sl->n_ttail - n, tag, n) == 0;
+}
+
+/* Keep the last SERVE_MAX_THINK_TAG ids and SERVE_MAX_THINK_TEXT - 1 bytes generated. */
+static void tails_push(slot *sl, int32_t token, const char *text, size_t len) {
     if (sl->n_tail == SERVE_MAX_THINK_TAG) {
         memmove(sl->tail, sl->tail + 1, (SERVE_MAX_THINK_TAG - 1) * sizeof *sl->tail);
         sl->n_tail--;
     }
     sl->tail[sl->n_tail++] = token;
+    const size_t cap = SERVE_MAX_THINK_TEXT - 1;
+    if (len >= cap) {
+        memcpy(sl->ttail, text + len - cap, cap);
+        sl->n_ttail = cap;
+        return;
+    }
+    if (sl->n_ttail + len > cap) {
+        const size_t drop = sl->n_ttail + len - cap;
+        memmove(sl->ttail, sl->ttail + drop, sl->n_ttail - drop);
+        sl->n_ttail -= drop;
+    }
+    memcpy(sl->ttail + sl->n_ttail, text, len);
+    sl->n_ttail += len;
+}
+
+/* A generated token and the text it released: counts inside a block; a tag completed -- as the
+ * tag's own tokens, or as its text however the model spelled it in tokens -- opens or closes
+ * one (and clears the tails, so that it is not seen twice). */
+static void track_reasoning(slot *sl, int32_t token, const char *text, size_t len) {
+    const serve_gen *g = &sl->req->gen;
+    if (!g->n_think_close) return;
+    tails_push(sl, token, text, len);
+    bool flip;
     if (sl->in_think) {
         sl->n_think++;
-        if (tail_ends_with(sl, g->think_close, g->n_think_close)) sl->in_think = false;
-    } else if (tail_ends_with(sl, g->think_open, g->n_think_open)) {
-        sl->in_think = true;
+        flip = tail_ends_with(sl, g->think_close, g->n_think_close) ||
+               text_ends_with(sl, g->think_close_text);
+    } else {
+        flip = tail_ends_with(sl, g->think_open, g->n_think_open) ||
+               text_ends_with(sl, g->think_open_text);
+    }
+    if (flip) {
+        sl->in_think = !sl->in_think;
+        sl->n_tail = sl->n_ttail = 0;
     }
 }
 
@@ -431,11 +466,6 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
         return;
     }
     sl->n_generated++;
-    track_reasoning(sl, smp.token);
-    pthread_mutex_lock(&r->mu);
-    r->n_generated = sl->n_generated;
-    r->n_reasoning = sl->n_think;
-    pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     s->metrics->generated_tokens++;
     pthread_mutex_unlock(&s->metrics->mu);
@@ -446,6 +476,11 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
         finish(s, idx, SERVE_FINISH_ERROR, -1, err.msg);
         return;
     }
+    track_reasoning(sl, smp.token, text, len);
+    pthread_mutex_lock(&r->mu);
+    r->n_generated = sl->n_generated;
+    r->n_reasoning = sl->n_think;
+    pthread_mutex_unlock(&r->mu);
     const int stop = stop_feed(sl, &smp, text, len);
     if (stop >= 0)
         finish(s, idx, SERVE_FINISH_STOP, stop, NULL);

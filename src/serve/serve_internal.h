@@ -44,6 +44,8 @@
         * logits buffer, sized at load */
 #define SERVE_MAX_THINK_TAG                                                                        \
     16 /* tokens of a reasoning tag (<think> is one or a few): longer ones are not tracked */
+#define SERVE_MAX_THINK_TEXT                                                                       \
+    32 /* bytes of a reasoning tag's text + 1: longer ones are tracked by their tokens only */
 #define SERVE_CONN_TIMEOUT_S 600 /* idle connection closed after this */
 #define SERVE_POLL_MS        50  /* how often a waiting HTTP thread looks for a hang-up */
 
@@ -86,9 +88,11 @@ typedef struct serve_gen {
     /* Reasoning (prompt.c fills it from the template's tags; the scheduler counts and limits):
      * the tags as tokens, whether the prompt leaves a block open, and at most think_budget
      * tokens inside blocks (< 0: no limit) -- when spent, think_close is fed as the next
-     * tokens and the answer follows. No tags (n_think_close 0): nothing is counted. */
+     * tokens and the answer follows. A tag is seen as its tokens or as its text (a model may
+     * spell it in other tokens). No tags (n_think_close 0): nothing is counted. */
     int32_t think_open[SERVE_MAX_THINK_TAG], think_close[SERVE_MAX_THINK_TAG];
     uint32_t n_think_open, n_think_close;
+    char think_open_text[SERVE_MAX_THINK_TEXT], think_close_text[SERVE_MAX_THINK_TEXT];
     bool think_at_start;
     int64_t think_budget;
     bool logprobs;        /* report sample logprobs in events */
