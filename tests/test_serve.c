@@ -11,6 +11,10 @@
  * Two more, for chat templates, start in their own test: stories260K written again with
  * ChatML's control tokens and Qwen3's template in the GGUF, served as is and with
  * --chat-template-file; the prompts they render (/apply-template) must equal Python Jinja2's.
+ * Two more for the reasoning controls: stories260K with GLM-5.3-Flash's template behind
+ * --reasoning-budget 10, and with a template that has no switch; budgeted replies must equal the
+ * model's own greedy continuation with the closing tag put in by hand, and the SDK case
+ * reasoning_controls (cases.mjs --think) runs against the first.
  * The client cases live in tests/clients/cases.mjs (node, with the npm packages installed by
  * `npm ci --prefix tests/clients`); without node_modules they skip with a message, and fail
  * under CI=true. The last test stops both servers with SIGTERM and requires a clean exit
@@ -663,6 +667,21 @@ static void reasoning_budget_served(void **state) {
     assert_int_equal(status, 400);
     if (!strstr(reply, "thinking.budget_tokens")) fail_msg("%s", reply);
     free(reply);
+
+    /* the same through the official SDKs (streamed too) */
+    struct stat st;
+    if (stat(CLIENTS_DIR "/node_modules/openai/package.json", &st) == 0) {
+        char cmd[1024];
+        snprintf(cmd, sizeof cmd, "node %s/cases.mjs --key unused --think %s", CLIENTS_DIR,
+                 glm.url);
+        char *out;
+        if (moe_test_run(cmd, &out) != 0) fail_msg("%s", out);
+        free(out);
+    } else if (in_ci()) {
+        fail_msg("%s/node_modules is missing and CI=true", CLIENTS_DIR);
+    } else {
+        print_message("  (the SDK part skipped: %s/node_modules is absent)\n", CLIENTS_DIR);
+    }
 
     json_decref(ref);
     json_decref(on);
