@@ -568,6 +568,15 @@ const thinkCases = {
     }
     assert.equal(thinking, m.content[0].thinking);
     assert.equal(text, m.content[1].text);
+    // budgets differ per stream in one batch: each reply equals the same request alone
+    const budgets = [1, 2, 3, 5, 7, 9];
+    const alone = [];
+    for (const b of budgets)
+      alone.push(await thinkAn.messages.create({ ...req, thinking: { type: 'enabled', budget_tokens: b } }));
+    const together = await Promise.all(budgets.map((b) =>
+      thinkAn.messages.create({ ...req, thinking: { type: 'enabled', budget_tokens: b } })));
+    for (let i = 0; i < budgets.length; i++) assert.deepEqual(together[i].content, alone[i].content);
+    assert.ok(alone[0].content[0].thinking.length < alone[5].content[0].thinking.length);
     // thinking off, which the template cannot switch: no thinking block at all
     const off = await thinkAn.messages.create({ ...req, thinking: { type: 'disabled' } });
     assert.deepEqual(off.content.map((b) => b.type), ['text']);
