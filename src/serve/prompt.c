@@ -172,6 +172,10 @@ bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
              sizeof srv->tmpl_origin - strlen(srv->tmpl_origin), ", tool calls %s%s%s",
              moe_chat_format_name(o.format), o.think_open ? ", reasoning " : "",
              o.think_open ? o.think_open : "");
+    if (o.think_open && srv->p.reasoning_budget >= 0)
+        snprintf(srv->tmpl_origin + strlen(srv->tmpl_origin),
+                 sizeof srv->tmpl_origin - strlen(srv->tmpl_origin), " at most %lld tokens",
+                 (long long)srv->p.reasoning_budget);
     return true;
 }
 
