@@ -38,6 +38,8 @@ static const char usage_text[] =
     "                     keep-alive connection stays open (default 10)\n"
     "  --cors ORIGIN[,ORIGIN...]  let web pages from these origins call the API ('*': any);\n"
     "                     default: none (same-origin pages only; other Origins get 403)\n"
+    "  --reasoning-budget N  at most N tokens of reasoning per reply: then the think block is\n"
+    "                     closed and the answer follows (default -1: no limit; 0: thinking off)\n"
     "  --step-delay MS    for tests: sleep MS after every forward step\n";
 
 int moe_cmd_serve(int argc, char **argv) {
@@ -75,6 +77,7 @@ int moe_cmd_serve(int argc, char **argv) {
         INT_OPT("--max-connections", 16, 1 << 20, p.max_connections)
         INT_OPT("--max-connections-per-ip", 1, 1 << 20, p.max_connections_per_ip)
         FLOAT_OPT("--read-timeout", 1, 3600, p.read_timeout_s)
+        INT_OPT("--reasoning-budget", -1, 1 << 30, p.reasoning_budget)
         FLOAT_OPT("--queue-timeout", 0.01, 1e7, p.queue_timeout_s)
         FLOAT_OPT("--keepalive", 0.01, 1e5, p.keepalive_s)
 #undef INT_OPT

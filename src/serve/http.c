@@ -57,6 +57,7 @@ void moe_serve_params_default(moe_serve_params *p) {
     p->max_connections = 1024;
     p->max_connections_per_ip = 256;
     p->read_timeout_s = 10;
+    p->reasoning_budget = -1;
 }
 
 /* ==== Connections and exchanges ==== */

@@ -410,7 +410,7 @@ static void json_usage(moe_json *j, const serve_req *r) {
     moe_json_object_end(j);
     moe_json_key(j, "completion_tokens_details");
     moe_json_object_begin(j);
-    moe_json_kv_uint(j, "reasoning_tokens", 0);
+    moe_json_kv_uint(j, "reasoning_tokens", r->n_reasoning);
     moe_json_object_end(j);
     moe_json_object_end(j);
 }

@@ -223,7 +223,7 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
         moe_json_kv_uint(j, "output_tokens", r->n_generated);
         moe_json_key(j, "output_tokens_details");
         moe_json_object_begin(j);
-        moe_json_kv_uint(j, "reasoning_tokens", 0);
+        moe_json_kv_uint(j, "reasoning_tokens", r->n_reasoning);
         moe_json_object_end(j);
         moe_json_kv_uint(j, "total_tokens", (uint64_t)r->gen.n_prompt + r->n_generated);
         moe_json_object_end(j);

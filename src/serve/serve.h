@@ -40,8 +40,10 @@ typedef struct moe_serve_params {
     int http_threads;                       /* libmicrohttpd's epoll workers */
     int max_connections; /* connections kept open; idle ones make room for newcomers */
     int max_connections_per_ip;
-    double read_timeout_s; /* a request's header and body must arrive within this */
-    const char *cors;      /* "ORIGIN[,ORIGIN...]" allowed cross-origin ("*": any), or NULL */
+    double read_timeout_s;    /* a request's header and body must arrive within this */
+    const char *cors;         /* "ORIGIN[,ORIGIN...]" allowed cross-origin ("*": any), or NULL */
+    int64_t reasoning_budget; /* tokens of reasoning per reply before its block is closed
+                               * (-1: no limit; 0: thinking off) */
 } moe_serve_params;
 
 void moe_serve_params_default(moe_serve_params *p);

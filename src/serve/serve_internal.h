@@ -47,6 +47,10 @@
         * logits buffer, sized at load */
 #define SERVE_STOP_GRACE_S 1.0 /* at a stop, time for requests ended "cancelled" to answer */
 #define SERVE_WATCH_MS     200 /* the watcher's longest sleep: read timeouts are this late */
+#define SERVE_MAX_THINK_TAG                                                                        \
+    16 /* tokens of a reasoning tag (<think> is one or a few): longer ones are not tracked */
+#define SERVE_MAX_THINK_TEXT                                                                       \
+    32 /* bytes of a reasoning tag's text + 1: longer ones are tracked by their tokens only */
 
 double serve_now(void); /* monotonic seconds */
 
@@ -84,6 +88,16 @@ typedef struct serve_gen {
     int64_t max_tokens; /* < 0: until end of generation or a full context */
     char *stop[SERVE_MAX_STOP];
     uint32_t n_stop;
+    /* Reasoning (prompt.c fills it from the template's tags; the scheduler counts and limits):
+     * the tags as tokens, whether the prompt leaves a block open, and at most think_budget
+     * tokens inside blocks (< 0: no limit) -- when spent, think_close is fed as the next
+     * tokens and the answer follows. A tag is seen as its tokens or as its text (a model may
+     * spell it in other tokens). No tags (n_think_close 0): nothing is counted. */
+    int32_t think_open[SERVE_MAX_THINK_TAG], think_close[SERVE_MAX_THINK_TAG];
+    uint32_t n_think_open, n_think_close;
+    char think_open_text[SERVE_MAX_THINK_TEXT], think_close_text[SERVE_MAX_THINK_TEXT];
+    bool think_at_start;
+    int64_t think_budget;
     bool logprobs;        /* report sample logprobs in events */
     bool prompt_logprobs; /* also every prompt token's after the first (SERVE_EV_PROMPT): the
                            * prompt is computed whole, no prefix reuse; max_tokens may be 0 */
@@ -112,6 +126,7 @@ typedef struct serve_req {
     uint32_t n_cached; /* prompt tokens reused from a resident sequence */
     uint32_t n_generated;
     uint32_t generated_at_cancel; /* n_generated when serve_req_cancel was first called */
+    uint32_t n_reasoning; /* of them, inside reasoning blocks (counted when the tags are known) */
     double t_first_token;
     serve_finish finish;
     int stop_index; /* SERVE_FINISH_STOP: which stop string */
@@ -219,6 +234,7 @@ typedef struct serve_chat {
     json_t *tools; /* OpenAI form: [{"type":"function","function":{name,description,parameters}}] */
     bool tool_choice_none;
     json_t *kwargs; /* template variables from the request (serve_parse_template_kwargs), or NULL */
+    int64_t think_budget; /* the request's thinking.budget_tokens, or -1 */
 } serve_chat;
 
 serve_message *serve_chat_add(serve_chat *c, const char *role);
@@ -235,12 +251,17 @@ typedef enum serve_api {
  * the reason) when the one asked for does not parse. */
 bool serve_template_load(serve_server *srv, char *err, size_t err_size);
 /* Template variables a request may set: add_generation_prompt (true), enable_thinking,
- * reasoning_effort (also Responses' reasoning.effort), Anthropic's thinking.type, and every
- * member of chat_template_kwargs (last, so it wins). Replies 400 on a bad field. */
+ * reasoning_effort (also Responses' reasoning.effort; "none" also sets enable_thinking false),
+ * Anthropic's thinking.type, and every member of chat_template_kwargs (last, so it wins); and
+ * thinking.budget_tokens. Replies 400 on a bad field. */
 bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat);
 /* Render the conversation with the template and tokenize it into g; *text (may be NULL) gets
- * the prompt, *text_len (may be NULL) its length. Replies 400 with the template's message when
- * it raises, or when the prompt does not fit the context. */
+ * the prompt, *text_len (may be NULL) its length. Then the reasoning controls: the template's
+ * reasoning tags as tokens, and the budget -- the least of --reasoning-budget, the request's
+ * thinking.budget_tokens and, for a template without the switch asked for, 0 for thinking off
+ * (enable_thinking false) or a budget for a low reasoning_effort. A budget of 0 with the prompt
+ * inside a reasoning block closes the block in the prompt itself. Replies 400 with the template's
+ * message when it raises, or when the prompt does not fit the context. */
 bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
                        char **text, size_t *text_len);
 

@@ -8,6 +8,8 @@
 //         be interfered with and keep-alives come between tokens;
 // --hybrid: a server on ../shared/parity/qwen3next-f32 (linear-attention hybrid) with
 //         --parallel 2 --cache-slots 4, fresh when hybrid_reuse starts.
+// --think: instead of the cases above, the reasoning ones, on a server with GLM-5.3-Flash's
+//         template (no enable_thinking switch) and --reasoning-budget 10 (no key).
 // No CASE: every case, in order. Prints "ok CASE" per passing case and "FAIL CASE: reason"
 // per failing one, exiting 1 if any failed. Every loop is
 // bounded and every wait has a deadline.
@@ -657,9 +659,54 @@ const cases = {
   },
 };
 
+// Reasoning controls through both SDKs (run with --think only).
+const thinkOa = new OpenAI({ baseURL: `${args.think}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 30000 });
+const thinkAn = new Anthropic({ baseURL: args.think, apiKey: 'unused', maxRetries: 0, timeout: 30000 });
+const thinkCases = {
+  async reasoning_controls() {
+    // Anthropic: a budget under the server's; the stream adds up to the whole reply
+    const req = { model: 'x', max_tokens: 24, temperature: 0, messages: STORY,
+      thinking: { type: 'enabled', budget_tokens: 4 } };
+    const m = await thinkAn.messages.create(req);
+    assert.deepEqual(m.content.map((b) => b.type), ['thinking', 'text']);
+    assert.ok(m.content[0].thinking.length > 0 && m.content[1].text.length > 0);
+    assert.equal(m.usage.output_tokens, 24);
+    let thinking = '', text = '';
+    for await (const ev of await thinkAn.messages.create({ ...req, stream: true })) {
+      if (ev.type === 'content_block_delta' && ev.delta.type === 'thinking_delta') thinking += ev.delta.thinking;
+      if (ev.type === 'content_block_delta' && ev.delta.type === 'text_delta') text += ev.delta.text;
+    }
+    assert.equal(thinking, m.content[0].thinking);
+    assert.equal(text, m.content[1].text);
+    // budgets differ per stream in one batch: each reply equals the same request alone
+    const budgets = [1, 2, 3, 5, 7, 9];
+    const alone = [];
+    for (const b of budgets)
+      alone.push(await thinkAn.messages.create({ ...req, thinking: { type: 'enabled', budget_tokens: b } }));
+    const together = await Promise.all(budgets.map((b) =>
+      thinkAn.messages.create({ ...req, thinking: { type: 'enabled', budget_tokens: b } })));
+    for (let i = 0; i < budgets.length; i++) assert.deepEqual(together[i].content, alone[i].content);
+    assert.ok(alone[0].content[0].thinking.length < alone[5].content[0].thinking.length);
+    // thinking off, which the template cannot switch: no thinking block at all
+    const off = await thinkAn.messages.create({ ...req, thinking: { type: 'disabled' } });
+    assert.deepEqual(off.content.map((b) => b.type), ['text']);
+    // OpenAI: the server's budget of 10, then reasoning_effort "none"
+    const r = await thinkOa.chat.completions.create({ model: 'x', messages: STORY, max_tokens: 30, temperature: 0 });
+    assert.ok(r.choices[0].message.reasoning_content.length > 0);
+    const rt = r.usage.completion_tokens_details.reasoning_tokens;
+    assert.ok(rt > 10 && rt < 30, `reasoning_tokens ${rt}: the budget of 10 and the closing tag`);
+    const none = await thinkOa.chat.completions.create({ model: 'x', messages: STORY, max_tokens: 8, temperature: 0,
+      reasoning_effort: 'none' });
+    assert.equal(none.choices[0].message.reasoning_content, undefined);
+    assert.equal(none.usage.completion_tokens_details.reasoning_tokens, 0);
+    assert.ok(none.choices[0].message.content.length > 0);
+  },
+};
+
 let failed = 0;
-for (const name of args.cases.length ? args.cases : Object.keys(cases)) {
-  const fn = cases[name];
+const table = args.think ? thinkCases : cases;
+for (const name of args.cases.length ? args.cases : Object.keys(table)) {
+  const fn = table[name];
   if (!fn) {
     console.log(`FAIL ${name}: no such case`);
     failed++;
