@@ -327,10 +327,11 @@ struct serve_http {
     size_t body_len;
     int status; /* what was sent (access log, metrics); 499: the client went away */
     bool replied;
-    bool parked;             /* serve_park was called: the exchange goes on later */
-    bool hung_up;            /* resumed because the client went away */
-    int retry_after;         /* seconds for a Retry-After header, 0: none */
-    const char *cors_origin; /* an allowed cross-origin request's Origin: echoed back */
+    bool parked;                      /* serve_park was called: the exchange goes on later */
+    bool hung_up;                     /* resumed because the client went away */
+    int retry_after;                  /* seconds for a Retry-After header, 0: none */
+    const char *cors_origin;          /* an allowed cross-origin request's Origin: echoed back */
+    const char *const *extra_headers; /* more reply headers: name, value, ..., NULL */
     uint32_t log_prompt, log_completion, log_cached;
 };
 
@@ -348,6 +349,9 @@ typedef void (*serve_resume_fn)(serve_http *h, void *ud);
 void serve_park(serve_http *h, serve_req *req, double deadline, serve_resume_fn fn,
                 void (*drop)(void *ud), void *ud);
 const char *serve_header(serve_http *h, const char *name);
+
+/* web.c: GET / (the chat page), /chat.js, /chat.css, embedded in the binary. */
+void serve_web_asset(serve_http *h);
 
 /* A server-sent-event stream: the pump (generate.c's) turns taken events into SSE bytes. */
 typedef struct serve_sse serve_sse;
