@@ -327,12 +327,13 @@ struct serve_http {
     size_t body_len;
     int status; /* what was sent (access log, metrics); 499: the client went away */
     bool replied;
-    bool parked;                      /* serve_park was called: the exchange goes on later */
-    bool hung_up;                     /* resumed because the client went away */
-    int retry_after;                  /* seconds for a Retry-After header, 0: none */
-    const char *cors_origin;          /* an allowed cross-origin request's Origin: echoed back */
-    const char *const *extra_headers; /* more reply headers: name, value, ..., NULL */
+    bool parked;             /* serve_park was called: the exchange goes on later */
+    bool hung_up;            /* resumed because the client went away */
+    int retry_after;         /* seconds for a Retry-After header, 0: none */
+    const char *cors_origin; /* an allowed cross-origin request's Origin: echoed back */
     uint32_t log_prompt, log_completion, log_cached;
+    /* more reply headers (web.c's page): name, value, ..., NULL */
+    const char *const *extra_headers;
 };
 
 void serve_reply_json(serve_http *h, int status, const moe_json *j);
