@@ -1,34 +1,69 @@
 // The chat page of `moe serve` in headless Chromium, driven over the DevTools protocol (a pipe:
 // --remote-debugging-pipe, JSON messages ended by NUL on fds 3 and 4; no npm packages needed).
 //
-//   node tests/web_chat.mjs --url http://127.0.0.1:PORT --key KEY --tmp DIR
+//   node tests/web_chat.mjs --bin ./moe --model CHAT.gguf --tmp DIR [--keep SHOT.png]
 //
-// Loads the page, reads the model line (/v1/models, with the key typed in), sends a message,
-// waits for streamed text to grow, saves a screenshot mid-stream (its path printed), presses
-// Stop and checks the reply ends "stopped" with the server's cancel counter up by one; then
-// reloads the page and checks the conversation came back from localStorage. Every request the
-// page makes must stay on the server's origin, and the console must show no error (a CSP
-// violation is one). Prints "web: ok" at the end; any failure exits 1 with the reason.
+// Starts `moe serve` (an API key, --step-delay so a reply lasts long enough to stop), checks
+// the page's files as served (bytes equal to src/serve/web/, Content-Type, CSP), then in the
+// browser: the model line asks for the key, the key typed in, the model line from /v1/models, a
+// message sent, streamed text seen growing, a screenshot saved mid-stream (its path printed),
+// Stop pressed: the reply ends "stopped" and the server's cancel counter moves by one; a reload
+// brings the conversation back from localStorage; a canned stream (reasoning, code, a tool
+// call) is rendered as it should be. Every request the page makes must stay on the server's
+// origin, and the console must show no error (a CSP violation is one). The server must then
+// exit cleanly on SIGTERM. Prints "web: ok" at the end; any failure exits 1 with the reason.
 import { spawn } from "node:child_process";
-import { writeFileSync } from "node:fs";
+import { readFileSync, writeFileSync } from "node:fs";
 
 const args = {};
 for (let i = 2; i < process.argv.length; i += 2) args[process.argv[i].slice(2)] = process.argv[i + 1];
-const base = args.url, key = args.key || "", tmp = args.tmp;
-if (!base || !tmp) throw new Error("usage: web_chat.mjs --url URL --key KEY --tmp DIR");
+const { bin, model: modelPath, tmp } = args;
+if (!bin || !modelPath || !tmp) throw new Error("usage: web_chat.mjs --bin MOE --model GGUF --tmp DIR");
+const key = "sk-web-test";
 
+let browser = null, server = null, done = false;
 const fail = (msg) => {
   console.log("web: FAIL " + msg);
-  try { browser.kill("SIGKILL"); } catch { /* already gone */ }
+  for (const p of [browser, server]) try { if (p) p.kill("SIGKILL"); } catch { /* gone */ }
   process.exit(1);
 };
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-setTimeout(() => fail("the whole check took over 90 s"), 90000).unref();
+setTimeout(() => fail("the whole check took over 100 s"), 100000).unref();
+
+// ==== The server ====
+
+server = spawn(bin, ["serve", modelPath, "--port", "0", "--api-key", key, "--ctx", "512",
+  "--step-delay", "30"], { stdio: ["ignore", "pipe", "pipe"] });
+let serverOut = "", serverErr = "";
+server.stderr.on("data", (d) => { serverErr += d; });
+server.on("exit", (code) => { if (!done) fail(`moe serve exited (${code}):\n${serverErr.slice(-2000)}`); });
+const base = await new Promise((resolve) => {
+  server.stdout.on("data", (d) => {
+    serverOut += d;
+    const m = /listening on (http:\/\/\S+)/.exec(serverOut);
+    if (m && serverOut.includes("moe serve: ready\n")) resolve(m[1]);
+  });
+});
+
+// the page's files, as served: the bytes of src/serve/web/, their type, the CSP
+for (const [path, file, type] of [["/", "index.html", "text/html"], ["/chat.js", "chat.js",
+  "text/javascript"], ["/chat.css", "chat.css", "text/css"]]) {
+  const res = await fetch(base + path);
+  const body = Buffer.from(await res.arrayBuffer());
+  const csp = res.headers.get("content-security-policy") || "";
+  if (res.status !== 200) fail(`GET ${path}: ${res.status}`);
+  if (!(res.headers.get("content-type") || "").startsWith(type + "; charset=utf-8"))
+    fail(`GET ${path}: Content-Type ${res.headers.get("content-type")}`);
+  if (!csp.includes("default-src 'none'") || !csp.includes("connect-src 'self'") ||
+      !csp.includes("script-src 'self'"))
+    fail(`GET ${path}: Content-Security-Policy "${csp}"`);
+  if (!body.equals(readFileSync("src/serve/web/" + file))) fail(`GET ${path}: not src/serve/web/${file}`);
+}
 
 // ==== The browser and its protocol ====
 
 // as root (CI) Chromium needs --no-sandbox; the network flags keep it off a closed network
-const browser = spawn("chromium", [
+browser = spawn("chromium", [
   "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
   "--disable-background-networking", "--disable-component-update", "--disable-sync",
   "--disable-dev-shm-usage", "--hide-scrollbars", "--window-size=1200,800",
@@ -37,7 +72,6 @@ const browser = spawn("chromium", [
 let stderr = "";
 browser.stdio[2].on("data", (d) => { stderr += d; });
 browser.on("exit", (code) => { if (!done) fail(`chromium exited (${code}):\n${stderr.slice(-2000)}`); });
-let done = false;
 
 let nextId = 1, inbox = "";
 const pending = new Map();
@@ -72,8 +106,10 @@ listeners.push((m) => {
   if (m.sessionId !== sessionId) return;
   if (m.method === "Runtime.exceptionThrown")
     problems.push("exception: " + JSON.stringify(m.params.exceptionDetails).slice(0, 500));
-  if (m.method === "Log.entryAdded" && m.params.entry.level === "error")
-    problems.push("console: " + m.params.entry.text);
+  const e = m.method === "Log.entryAdded" && m.params.entry;
+  const keyless = e && e.source === "network" && /\/v1\/models$/.test(e.url || "") &&
+    e.text.includes("401"); /* the model line before the key is typed: expected */
+  if (e && e.level === "error" && !keyless) problems.push("console: " + e.text);
   if (m.method === "Runtime.consoleAPICalled" && m.params.type === "error")
     problems.push("console.error: " + JSON.stringify(m.params.args).slice(0, 500));
   if (m.method === "Network.requestWillBeSent") requests.push(m.params.request.url);
@@ -114,6 +150,9 @@ async function cancelledOnServer() {
 
 await load();
 await waitFor("the page's script", "typeof renderMarkdown === 'function'", 10);
+// without the key, /v1/models is refused and the model line says so
+await waitFor("the model line asking for the key",
+  "document.getElementById('model').textContent.includes('401')", 10);
 // the key typed in (a change event, as a user's), then the model line from /v1/models
 await page("Runtime.evaluate", { expression: "document.getElementById('api-key').focus()" });
 await page("Input.insertText", { text: key });
@@ -143,6 +182,10 @@ const shot = await page("Page.captureScreenshot", { format: "png" });
 const shotPath = `${tmp}/web-chat-midstream.png`;
 writeFileSync(shotPath, Buffer.from(shot.data, "base64"));
 console.log(`web: screenshot mid-stream (${later.length} characters in, ${stats}): ${shotPath}`);
+if (args.keep) { /* the tmpdir goes at exit: a copy that stays */
+  writeFileSync(args.keep, Buffer.from(shot.data, "base64"));
+  console.log(`web: kept as ${args.keep}`);
+}
 if (!(await evaluate("!document.getElementById('stop').hidden"))) fail("no Stop button while streaming");
 
 await evaluate("document.getElementById('stop').click()");
@@ -170,11 +213,57 @@ const restored = await evaluate(`[document.querySelectorAll('#chats li').length,
 if (restored[0] !== 1 || restored[1] !== "Once upon a time" || restored[2] !== stopped)
   fail(`the conversation did not come back from localStorage: ${JSON.stringify(restored)}`);
 
+// a canned stream (the Fetch domain answers in the server's place) with what stories260K never
+// writes: reasoning (shown collapsed), a fenced code block, inline code, markup that must stay
+// text, and a tool call
+const canned = [
+  { delta: { role: "assistant", reasoning_content: "The user wants code." } },
+  { delta: { content: "Here:\n\n```c\nint main(void) { return 0; }\n```\n\nuse `cc` <img src=x>" } },
+  { delta: { tool_calls: [{ index: 0, id: "call_1", type: "function",
+    function: { name: "get_weather", arguments: '{"city":"Paris"}' } }] } },
+  { delta: {}, finish_reason: "tool_calls" },
+].map((c) => "data: " + JSON.stringify({ object: "chat.completion.chunk",
+  choices: [{ index: 0, ...c }] }) + "\n\n").join("") + "data: [DONE]\n\n";
+listeners.push((m) => {
+  if (m.sessionId !== sessionId || m.method !== "Fetch.requestPaused") return;
+  page("Fetch.fulfillRequest", { requestId: m.params.requestId, responseCode: 200,
+    responseHeaders: [{ name: "Content-Type", value: "text/event-stream" }],
+    body: Buffer.from(canned).toString("base64") });
+});
+await page("Fetch.enable", { patterns: [{ urlPattern: "*/v1/chat/completions" }] });
+await evaluate("document.getElementById('new-chat').click()");
+await page("Runtime.evaluate", { expression: "document.getElementById('prompt').focus()" });
+await page("Input.insertText", { text: "weather?" });
+await evaluate("document.getElementById('send').click()");
+await waitFor("the canned reply", `${reply} && ${reply}.dataset.state === 'done'`, 10);
+await page("Fetch.disable");
+const shown = await evaluate(`(() => { const r = ${reply}, d = r.querySelector('details.reasoning');
+  const pre = r.querySelector('.content pre');
+  return { chats: document.querySelectorAll('#chats li').length,
+    reasoning: d && d.textContent, open: d && d.open, lang: pre && pre.dataset.lang,
+    code: pre && pre.textContent, inline: [...r.querySelectorAll('.content p code')].map(c => c.textContent),
+    imgs: document.querySelectorAll('#messages img').length,
+    text: r.querySelector('.content').textContent,
+    tool: r.querySelector('.tool-call b') && r.querySelector('.tool-call b').textContent,
+    args: r.querySelector('.tool-call pre') && JSON.parse(r.querySelector('.tool-call pre').textContent),
+    meta: r.querySelector('.meta').textContent }; })()`);
+const want = { chats: 2, reasoning: "ReasoningThe user wants code.", open: false, lang: "c",
+  code: "int main(void) { return 0; }", inline: ["cc"], imgs: 0, tool: "get_weather" };
+for (const [k, v] of Object.entries(want))
+  if (JSON.stringify(shown[k]) !== JSON.stringify(v))
+    fail(`canned reply: ${k} is ${JSON.stringify(shown[k])}, expected ${JSON.stringify(v)}`);
+if (!shown.text.includes("<img src=x>")) fail(`markup was not kept as text: ${shown.text}`);
+if (shown.args.city !== "Paris") fail(`tool arguments: ${JSON.stringify(shown.args)}`);
+if (!shown.meta.includes("tool_calls")) fail(`no finish reason in "${shown.meta}"`);
+console.log("web: reasoning collapsed, code block, inline code, markup as text, tool call: shown");
+
 const foreign = requests.filter((u) => !u.startsWith(base + "/") && !u.startsWith("data:"));
 if (foreign.length) fail("requests off the server's origin: " + foreign.join(", "));
 if (problems.length) fail("the page reported errors:\n" + problems.join("\n"));
 done = true;
-writeFileSync(`${tmp}/web-chat-requests.txt`, requests.join("\n") + "\n");
-console.log("web: ok");
 browser.kill("SIGTERM");
+server.kill("SIGTERM");
+const code = await new Promise((r) => server.on("exit", (c, sig) => r(sig || c)));
+if (code !== 0) { done = false; fail(`moe serve exited ${code} on SIGTERM:\n${serverErr.slice(-2000)}`); }
+console.log("web: ok");
 process.exit(0);
