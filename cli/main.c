@@ -76,7 +76,8 @@ static const moe_command commands[] = {
      "        | compare A.jsonl B.jsonl [--resamples N] [--seed S] [--json]\n"
      "        | kl MODEL --ref REF_MODEL (--text F | --tokens IDS) [--ctx N] [--json]\n"
      "        (`moe eval labels --help` etc. for each)"},
-    {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
+    {"serve", moe_cmd_serve,
+     "OpenAI- and Anthropic-compatible HTTP server (continuous batching), a chat page at /",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
      "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},
     {0},
