@@ -237,7 +237,9 @@ int moe_cmd_bench(int argc, char **argv) {
         } else if (strcmp(a, "--help-options") == 0) {
             fputs(usage_text, stdout);
             return 0;
-        } else if (a[0] != '-' && !p.model_path) {
+        } else if (a[0] == '-') {
+            return moe_cli_unknown_option("bench", a);
+        } else if (!p.model_path) {
             p.model_path = a;
         } else {
             return moe_cli_usage_error("bench", "unexpected argument '%s'", a);

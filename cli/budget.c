@@ -321,7 +321,7 @@ int moe_cmd_budget(int argc, char **argv) {
             svg = v;
             i++;
         } else if (a[0] == '-' && a[1]) {
-            return moe_cli_usage_error("budget", "unknown option %s", a);
+            return moe_cli_unknown_option("budget", a);
         } else if (n_paths == MAX_MODELS) {
             return moe_cli_usage_error("budget", "at most %d models", MAX_MODELS);
         } else {

@@ -62,6 +62,8 @@ void moe_gen_options_default(moe_gen_options *o);
 /* Parse one option at argv[*i] into o; returns 1 if consumed, 0 if not an option of ours, -1 on
  * a usage error (already reported). */
 int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **argv, int *i);
+/* --help lines for every option moe_gen_parse_option takes, with defaults from `defaults`. */
+void moe_gen_print_options(FILE *out, const moe_gen_options *defaults);
 
 bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd);
 void moe_gen_close(moe_gen *g);

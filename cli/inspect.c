@@ -649,7 +649,7 @@ int moe_cmd_inspect(int argc, char **argv) {
         else if (strcmp(argv[i], "--formats") == 0)
             formats = true;
         else if (argv[i][0] == '-' && argv[i][1])
-            return moe_cli_usage_error("inspect", "unknown option %s", argv[i]);
+            return moe_cli_unknown_option("inspect", argv[i]);
         else if (path)
             return moe_cli_usage_error("inspect", "one file at a time (got %s and %s)", path,
                                        argv[i]);

@@ -42,6 +42,10 @@ static const char usage_text[] =
     "                     closed and the answer follows (default -1: no limit; 0: thinking off)\n"
     "  --step-delay MS    for tests: sleep MS after every forward step\n";
 
+void moe_cmd_serve_options(FILE *out) {
+    fputs(usage_text, out);
+}
+
 int moe_cmd_serve(int argc, char **argv) {
     moe_serve_params p;
     moe_serve_params_default(&p);
@@ -105,8 +109,7 @@ int moe_cmd_serve(int argc, char **argv) {
             fputs(usage_text, stdout);
             return 0;
         } else if (a[0] == '-') {
-            return moe_cli_usage_error("serve", "unknown option '%s' (options:\n%s)", a,
-                                       usage_text);
+            return moe_cli_unknown_option("serve", a);
         } else if (!p.model_path) {
             p.model_path = a;
         } else {

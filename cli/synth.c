@@ -70,6 +70,9 @@ int moe_cmd_synth(int argc, char **argv) {
             rules[n_rules] = (moe_synth_rule){patterns[n_rules], t};
             n_rules++;
             i++;
+        } else if (a[0] == '-') {
+            moe_cli_unknown_option("synth", a);
+            goto done;
         } else {
             moe_cli_usage_error("synth", "unexpected argument '%s'", a);
             goto done;
