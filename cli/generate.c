@@ -87,6 +87,9 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     char *path = moe_arg_model_path(cmd, o->model_path);
     if (!path) return false;
     g->model = moe_model_load(path, &err);
+    static char label[48]; /* outlives the read: the progress lines' */
+    snprintf(label, sizeof label, "moe %s", cmd);
+    if (g->model) moe_gguf_set_progress(g->model->gguf, label);
     if (g->model && o->engine.expert_cache_bytes) /* the rest resident, the experts on demand */
         moe_gguf_to_memory_except(g->model->gguf, NULL, moe_model_is_routed, g->model, NULL, &err);
     if (g->model && !err.code) g->tok = moe_tokenizer_from_gguf(g->model->gguf, &err);

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static char *run_moe(const char *args, int *rc) {
     char cmd[1024];
@@ -153,10 +154,40 @@ static void suggests_the_nearest(void **state) {
     free(out);
 }
 
+/* Reading the weights reports its progress past a second (MOE_PROGRESS_AFTER=0: always, with
+ * its last line at least): the bytes read are the weights' part of the file, so at most the
+ * file's size as stat says and most of it; a quick load says nothing. */
+static void load_progress(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("parity/deepseek2-f32.gguf"); /* has routed experts */
+    MOE_SKIP_IF_NULL(model);
+    struct stat st;
+    assert_int_equal(stat(model, &st), 0);
+    char args[600];
+    snprintf(args, sizeof args, "run '%s' --expert-cache 1M -n 1 --tokens 1,2", model);
+    int rc;
+    char *quiet = run_moe(args, &rc);
+    assert_null(strstr(quiet, "weights"));
+    free(quiet);
+    char env[700];
+    snprintf(env, sizeof env, "MOE_PROGRESS_AFTER=0 '%s' %s", moe_test_bin(), args);
+    char *out = NULL;
+    moe_test_run(env, &out);
+    const char *at = strstr(out, "moe run: weights read: ");
+    double mib = 0, seconds = -1;
+    if (!at || sscanf(at, "moe run: weights read: %lf MiB in %lf s", &mib, &seconds) != 2)
+        fail_msg("no progress line:\n%s", out);
+    const double file_mib = (double)st.st_size / 1048576.0;
+    if (mib > file_mib + 0.05 || mib < 0.5 * file_mib || seconds < 0)
+        fail_msg("%.2f MiB read of a %.2f MiB file:\n%s", mib, file_mib, out);
+    free(out);
+}
+
 int moe_suite_cli(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(help_lists_every_option),
         cmocka_unit_test(suggests_the_nearest),
+        cmocka_unit_test(load_progress),
     };
     return cmocka_run_group_tests_name("cli", tests, NULL, NULL);
 }

@@ -98,7 +98,7 @@ static bool server_start(server *s, const char *name, char *const extra[]) {
         if (got <= 0) break;
         len += (size_t)got;
         buf[len] = '\0';
-        ready = strstr(buf, "moe serve: ready\n") != NULL;
+        ready = strstr(buf, "moe serve: ready") && strchr(strstr(buf, "moe serve: ready"), '\n');
     }
     close(fds[0]);
     const char *at = strstr(buf, "listening on ");

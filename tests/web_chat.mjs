@@ -41,9 +41,12 @@ const base = await new Promise((resolve) => {
   server.stdout.on("data", (d) => {
     serverOut += d;
     const m = /listening on (http:\/\/\S+)/.exec(serverOut);
-    if (m && serverOut.includes("moe serve: ready\n")) resolve(m[1]);
+    if (m && /moe serve: ready.*\n/.test(serverOut)) resolve(m[1]);
   });
 });
+
+if (!/moe serve: ready \(loaded in \d+\.\d\d s\)\n/.test(serverOut))
+  fail(`the ready line gives no load time:\n${serverOut}`);
 
 // the page's files, as served: the bytes of src/serve/web/, their type, the CSP
 for (const [path, file, type] of [["/", "index.html", "text/html"], ["/chat.js", "chat.js",

@@ -155,6 +155,11 @@ unsigned moe_gguf_vtype_size(uint32_t t);
  * not mapped or already read. On a read error (which names the file and byte) the shard's
  * tensors still point into the mapping. */
 moe_status moe_gguf_to_memory(moe_gguf *g, moe_pool *pool, uint64_t *bytes_read, moe_error *err);
+/* Make moe_gguf_to_memory(_except) report on stderr, as "LABEL: reading weights: X of Y MiB
+ * (P%)" (updated in place on a terminal, a line per tenth otherwise) and "LABEL: weights read:
+ * ... in T s", when the read takes over a second (the env MOE_PROGRESS_AFTER=SECONDS changes
+ * that, for tests). label must outlive the reads; NULL: silent (the default). */
+void moe_gguf_set_progress(moe_gguf *g, const char *label);
 /* The same, leaving out the tensors skip says yes to: they are not read (their pages of the
  * anonymous copy are never touched, so cost nothing) and their `data` becomes NULL (whoever
  * needs them reads them from the file: the expert cache). */

@@ -932,7 +932,7 @@ int moe_serve_run(const moe_serve_params *params) {
                 srv->model_id, m->cfg.arch_name, m->cfg.n_layer, serve_sched_n_ctx(srv->sched),
                 srv->p.parallel, srv->p.cache_slots, srv->tmpl_origin, srv->p.n_threads,
                 srv->p.n_api_keys ? "API key required" : "no API key");
-        printf("moe serve: ready\n");
+        printf("moe serve: ready (loaded in %.2f s)\n", serve_now() - srv->t_start);
         fflush(stdout);
         int sig = 0;
         sigwait(&sigs, &sig);
