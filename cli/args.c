@@ -186,7 +186,10 @@ int moe_cli_option_parse(const char *cmd, const moe_cli_option *table, size_t n,
             char list[256] = "";
             for (int c = 0; o->choices[c]; c++)
                 snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s",
-                         c == 0 ? "" : o->choices[c + 1] ? ", " : " or ", o->choices[c]);
+                         c == 0              ? ""
+                         : o->choices[c + 1] ? ", "
+                                             : " or ",
+                         o->choices[c]);
             moe_cli_usage_error(cmd, "%s expects %s, got '%s'", a, list, v ? v : "(nothing)");
             return -1;
         }

@@ -123,8 +123,10 @@ int moe_cmd_chat(int argc, char **argv) {
         return 1;
     }
     fprintf(stderr,
-            "moe chat: chat template %s; type a message and press enter; an empty line or "
-            "end of input quits.\n",
+            "moe chat: ready (loaded in %.2f s), chat template %s; type a message and press "
+            "enter; Ctrl-C stops a reply; an empty line, end of input or Ctrl-C at the prompt "
+            "quits.\n",
+            g.load_seconds,
             template_file ? template_file
             : builtin     ? "built-in ChatML"
                           : "from the model");
@@ -132,8 +134,10 @@ int moe_cmd_chat(int argc, char **argv) {
     if (system) add_message(messages, "system", system);
     char *line = moe_xmalloc(CHAT_LINE_MAX);
     int rc = 0;
+    moe_gen_catch_interrupt(); /* Ctrl-C: ends the reply being written; at the prompt, the chat */
     for (;;) {
         fprintf(stderr, "> ");
+        moe_gen_interrupted = 0;
         if (!fgets(line, CHAT_LINE_MAX, stdin)) break;
         line[strcspn(line, "\n")] = '\0';
         if (!line[0]) break;
@@ -144,6 +148,8 @@ int moe_cmd_chat(int argc, char **argv) {
             break;
         }
         printf("\n");
+        fflush(stdout);
+        if (g.interrupted) fprintf(stderr, "[stopped: Ctrl-C again at the prompt quits]\n");
     }
     moe_gen_print_stats(&g);
     free(line);

@@ -1,10 +1,12 @@
 /* generate.c: load + prefill + sample + stream, shared by `moe run` and `moe chat`. */
 #include "generate.h"
 
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "args.h"
 #include "cli.h"
@@ -82,6 +84,7 @@ void moe_gen_print_options(FILE *out, const moe_gen_options *defaults) {
 bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     memset(g, 0, sizeof *g);
     g->opt = *o;
+    g->tty = isatty(1);
     moe_error err = {0};
     const double t0 = now_seconds();
     char *path = moe_arg_model_path(cmd, o->model_path);
@@ -210,6 +213,39 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
     return true;
 }
 
+/* ==== Ctrl-C and the terminal ==== */
+
+volatile sig_atomic_t moe_gen_interrupted;
+
+static void on_interrupt(int sig) {
+    (void)sig;
+    moe_gen_interrupted = 1;
+}
+
+void moe_gen_catch_interrupt(void) {
+    struct sigaction sa = {.sa_handler = on_interrupt}; /* no SA_RESTART: a read at a prompt
+                                                         * returns EINTR */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+}
+
+/* Model text on stdout: on a terminal, control characters (but newline and tab) are shown as
+ * \xNN, so a model cannot move the cursor, retitle the window or ring the bell; into a file or
+ * pipe the bytes go as they are. */
+static void show(const moe_gen *g, const char *text, size_t len) {
+    if (!g->tty) {
+        fwrite(text, 1, len, stdout);
+        return;
+    }
+    for (size_t i = 0; i < len; i++) {
+        const unsigned char c = (unsigned char)text[i];
+        if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f)
+            printf("\\x%02x", c);
+        else
+            putchar(c);
+    }
+}
+
 /* What became of a token the sampler chose. */
 typedef enum { EMIT_ON, EMIT_END, EMIT_ERROR } emit_result;
 
@@ -233,7 +269,7 @@ static emit_result emit(moe_gen *g, emitter *e, int32_t token, moe_error *err) {
     const char *text;
     size_t len;
     if (moe_detok_push(e->detok, token, &text, &len, err) != MOE_OK) return EMIT_ERROR;
-    fwrite(text, 1, len, stdout);
+    show(g, text, len);
     fflush(stdout);
     reply_put(g, text, len);
     if (!e->stop_len || e->stop_len >= sizeof e->tail) return EMIT_ON;
@@ -326,7 +362,13 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
     const uint64_t start = g->n_generated;
     int32_t next = -1; /* a token already picked by the last step */
     emit_result r = EMIT_ON;
+    g->interrupted = false;
     while (r == EMIT_ON && (n_predict < 0 || (int64_t)(g->n_generated - start) < n_predict)) {
+        if (moe_gen_interrupted) { /* Ctrl-C: this reply ends here */
+            moe_gen_interrupted = 0;
+            g->interrupted = true;
+            break;
+        }
         if (moe_ctx_seq_len(g->ctx, 0) >= moe_ctx_n_ctx(g->ctx)) {
             fprintf(stderr, "\n[context full: %u tokens]\n", moe_ctx_n_ctx(g->ctx));
             break;
@@ -340,7 +382,7 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
     if (!g->opt.print_ids) {
         size_t len;
         const char *rest = moe_detok_flush(e.detok, &len);
-        fwrite(rest, 1, len, stdout);
+        show(g, rest, len);
         reply_put(g, rest, len);
     }
     fflush(stdout);

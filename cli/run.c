@@ -75,12 +75,18 @@ int moe_cmd_run(int argc, char **argv) {
         fflush(stdout);
     }
     int rc = 0;
+    moe_gen_catch_interrupt(); /* Ctrl-C: stop generating, still print the stats */
     if (err.code || !moe_gen_prefill(&g, ids, n_ids, &err) ||
         !moe_gen_run(&g, o.n_predict, NULL, &err)) {
         fprintf(stderr, "\nmoe run: %s\n", err.msg);
         rc = 1;
     } else {
         printf("\n");
+        fflush(stdout);
+        if (g.interrupted) {
+            fprintf(stderr, "[interrupted]");
+            rc = 130; /* as a shell reports a process ended by SIGINT */
+        }
         moe_gen_print_stats(&g);
     }
     free(ids);

@@ -1,7 +1,8 @@
 /* Suite "cli": what the `moe` command line tells its user -- every command's --help lists every
  * option its parser takes (the flags are read from the command's source, cli/<command>.c and the
  * shared tables it uses, not from a list kept here), and a mistyped command or option gets the
- * nearest one suggested. */
+ * nearest one suggested; loading reports progress; Ctrl-C stops a reply (run: with its stats,
+ * chat: not the session) and control characters from the model are escaped on a terminal. */
 #include "testutil.h"
 
 #include <ctype.h>
@@ -183,11 +184,29 @@ static void load_progress(void **state) {
     free(out);
 }
 
+/* Ctrl-C in run and chat, and control characters on a terminal: tests/cli_terminal.py (a
+ * Python pty and signals), on stories260K and its ChatML copy. */
+static void terminal(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    const char *chat = moe_test_chat_model("cli-chat", NULL);
+    MOE_SKIP_IF_NULL(chat);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "timeout 300 /usr/bin/python3 tests/cli_terminal.py '%s' '%s' '%s'",
+             moe_test_bin(), model, chat);
+    const int rc = moe_test_run(cmd, &out);
+    print_message("%s", out);
+    if (rc != 0) fail_msg("tests/cli_terminal.py failed (exit %d)", rc);
+    free(out);
+}
+
 int moe_suite_cli(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(help_lists_every_option),
         cmocka_unit_test(suggests_the_nearest),
         cmocka_unit_test(load_progress),
+        cmocka_unit_test(terminal),
     };
     return cmocka_run_group_tests_name("cli", tests, NULL, NULL);
 }
