@@ -628,7 +628,9 @@ static void update_gauges(serve_sched *s) {
     pthread_mutex_lock(&s->mu);
     const uint32_t waiting = s->n_waiting;
     pthread_mutex_unlock(&s->mu);
+    const moe_expert_cache_stats cache = moe_ctx_expert_cache_stats(s->ctx);
     pthread_mutex_lock(&s->metrics->mu);
+    s->metrics->expert_cache = cache;
     s->metrics->active = active;
     s->metrics->resident = resident;
     s->metrics->waiting = waiting;

@@ -178,6 +178,7 @@ typedef struct serve_metrics {
     uint64_t ttft_buckets[SERVE_TTFT_BUCKETS + 1], ttft_count;
     double ttft_sum;
     uint32_t active, waiting, resident;
+    moe_expert_cache_stats expert_cache; /* --expert-cache's counters (slots 0: no cache) */
 } serve_metrics;
 
 extern const double serve_ttft_bounds[SERVE_TTFT_BUCKETS];
