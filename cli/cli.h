@@ -41,7 +41,8 @@ int moe_cli_usage_error(const char *cmd, const char *fmt, ...)
  * mean"), then the usage; returns 2. `cmd` may name a subcommand after the command ("eval kl"). */
 int moe_cli_unknown_option(const char *cmd, const char *arg);
 /* The candidate nearest to word by edit distance, or NULL when none is near enough to be a
- * likely typo (at most a third of the word's length, at least 2, edits away). */
+ * likely typo (at most a third of the word's length, at least 2, edits away; none for a one-letter
+ * flag). */
 const char *moe_cli_nearest(const char *word, const char *const *candidates, size_t n);
 
 #endif

@@ -153,7 +153,9 @@ static size_t edit_distance(const char *a, const char *b) {
 }
 
 const char *moe_cli_nearest(const char *word, const char *const *candidates, size_t n) {
-    const size_t len = strlen(word);
+    const size_t len = strlen(word) - strspn(word, "-");
+    if (word[0] == '-' && len < 2)
+        return NULL; /* "-m" is one edit from every short flag: no guess */
     size_t limit = len / 3 > 2 ? len / 3 : 2, best = SIZE_MAX;
     const char *found = NULL;
     for (size_t k = 0; k < n; k++) {

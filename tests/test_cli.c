@@ -149,6 +149,10 @@ static void suggests_the_nearest(void **state) {
     assert_non_null(strstr(out, "unknown option '--zzzzzzzzzz'"));
     assert_null(strstr(out, "did you mean"));
     free(out);
+    out = run_moe("run -m x.gguf", &rc); /* one edit from -n, -p, -t: no guess */
+    assert_int_equal(rc, 2);
+    assert_null(strstr(out, "did you mean"));
+    free(out);
     out = run_moe("qqqqqqq", &rc);
     assert_int_equal(rc, 2);
     assert_null(strstr(out, "did you mean"));
