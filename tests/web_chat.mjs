@@ -258,7 +258,10 @@ for (const [k, v] of Object.entries(want))
 if (!shown.text.includes("<img src=x>")) fail(`markup was not kept as text: ${shown.text}`);
 if (shown.args.city !== "Paris") fail(`tool arguments: ${JSON.stringify(shown.args)}`);
 if (!shown.meta.includes("tool_calls")) fail(`no finish reason in "${shown.meta}"`);
-console.log("web: reasoning collapsed, code block, inline code, markup as text, tool call: shown");
+const shot2 = await page("Page.captureScreenshot", { format: "png" });
+writeFileSync(`${tmp}/web-chat-canned.png`, Buffer.from(shot2.data, "base64"));
+console.log("web: reasoning collapsed, code block, inline code, markup as text, tool call: shown " +
+  `(${tmp}/web-chat-canned.png)`);
 
 const foreign = requests.filter((u) => !u.startsWith(base + "/") && !u.startsWith("data:"));
 if (foreign.length) fail("requests off the server's origin: " + foreign.join(", "));
