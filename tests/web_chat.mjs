@@ -267,7 +267,11 @@ const foreign = requests.filter((u) => !u.startsWith(base + "/") && !u.startsWit
 if (foreign.length) fail("requests off the server's origin: " + foreign.join(", "));
 if (problems.length) fail("the page reported errors:\n" + problems.join("\n"));
 done = true;
+// Chromium gone before its profile directory (in the caller's tmpdir) is removed
+const browserGone = browser.exitCode !== null ? Promise.resolve()
+  : new Promise((r) => browser.on("exit", r));
 browser.kill("SIGTERM");
+await browserGone;
 server.kill("SIGTERM");
 const code = await new Promise((r) => server.on("exit", (c, sig) => r(sig || c)));
 if (code !== 0) { done = false; fail(`moe serve exited ${code} on SIGTERM:\n${serverErr.slice(-2000)}`); }
