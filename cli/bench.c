@@ -15,7 +15,8 @@
 #include "cli.h"
 
 static const char usage_text[] =
-    "  -t, --threads N   threads for the forward pass and the bandwidth probe (default: CPUs)\n"
+    "  -t, --threads N   threads for the forward pass and the bandwidth probe (default: the\n"
+    "                    physical cores)\n"
     "  --runs N          timed runs per test after one warm-up (default 5)\n"
     "  --pp N            prefill test: one forward of N prompt rows (default 512; 0 skips)\n"
     "  --tg N            decode test: N single-row steps (default 128; 0 skips)\n"
@@ -189,8 +190,7 @@ static bool parse_streams(const char *text, moe_bench_params *p) {
 int moe_cmd_bench(int argc, char **argv) {
     moe_bench_params p;
     moe_bench_params_default(&p);
-    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    p.n_threads = cpus > 0 ? (int)cpus : 1;
+    p.n_threads = moe_cpu_cores();
     bool csv = false, json = false;
     int probe_mib = (int)(p.probe_bytes >> 20);
     moe_engine_args engine = {.n_threads = p.n_threads, .kv_type = p.kv_type};

@@ -18,7 +18,7 @@ static const char usage_text[] =
     "  --ctx N            context per sequence (default: the model's, at most 4096)\n"
     "  --parallel B       streams decoded together in one batch (default 4)\n"
     "  --cache-slots N    extra finished sequences kept for prefix reuse (default: B)\n"
-    "  -t, --threads T    forward-pass threads (default 1)\n"
+    "  -t, --threads T    forward-pass threads (default: the physical cores)\n"
     "  --kv-type f32|f16  KV cache element type (default f16)\n"
     "  --expert-cache SIZE  routed experts read from the file on demand into a cache of SIZE\n"
     "                     (e.g. 12G); everything else stays resident\n"

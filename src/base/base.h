@@ -200,6 +200,9 @@ typedef struct moe_cpu_features {
 const moe_cpu_features *moe_cpu_features_get(void);
 /* The best level the CPU can run. */
 moe_isa moe_cpu_isa_supported(void);
+/* Physical cores this process may run on (online CPUs less SMT siblings; from sysfs topology,
+ * else the online CPU count): the default thread count, as llama.cpp's. */
+int moe_cpu_cores(void);
 /* The level in use: the best supported one, lowered by MOE_ISA (read once, on first call). */
 moe_isa moe_cpu_isa(void);
 /* Resolve a MOE_ISA request (NULL or "" = none) against a supported level. A request above
