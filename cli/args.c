@@ -40,6 +40,31 @@ bool moe_arg_float(const char *cmd, const char *flag, const char *text, double m
     return true;
 }
 
+bool moe_arg_size(const char *cmd, const char *flag, const char *text, uint64_t *out) {
+    static const char units[] = "KMGT";
+    char *end;
+    errno = 0;
+    const double v = text ? strtod(text, &end) : 0;
+    double scale = 1;
+    bool ok = text && !errno && end != text && isfinite(v) && v >= 0;
+    if (ok && *end) {
+        const char *u = strchr(units, end[0] & ~0x20);
+        ok = end[0] && u;
+        if (ok) scale = (double)(1ull << (10 * (u - units + 1)));
+        end += ok;
+        if (ok && (*end == 'i' || *end == 'I')) end++;
+        if (ok && (*end == 'B' || *end == 'b')) end++;
+        ok = ok && !*end;
+    }
+    if (!ok || v * scale >= 0x1p63) {
+        moe_cli_usage_error(cmd, "%s expects a size like 512M, 8G or 1.5T (binary units), got '%s'",
+                            flag, text ? text : "(nothing)");
+        return false;
+    }
+    *out = (uint64_t)(v * scale);
+    return true;
+}
+
 bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int32_t **ids,
                         size_t *n) {
     size_t cap = 16, count = 0;

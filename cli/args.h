@@ -15,6 +15,8 @@ bool moe_arg_int(const char *cmd, const char *flag, const char *text, long long 
                  long long *out);
 bool moe_arg_float(const char *cmd, const char *flag, const char *text, double min, double max,
                    double *out);
+/* A byte count: a number with an optional K, M, G or T (KiB ... TiB; "iB"/"B" may follow). */
+bool moe_arg_size(const char *cmd, const char *flag, const char *text, uint64_t *out);
 /* "1,2,3" -> ids (caller frees); false with a message on a bad or out-of-range id. */
 bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int32_t **ids,
                         size_t *n);

@@ -25,7 +25,11 @@ static const char usage_text[] =
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
     "  --queue-timeout S  seconds a request may wait before 503 (default 600)\n"
     "  --keepalive S      seconds of silence before an SSE keep-alive (default 15)\n"
-    "  --step-delay MS    for tests: sleep MS after every forward step\n";
+    "  --step-delay MS    for tests: sleep MS after every forward step\n"
+    "  --cache-dir DIR    disk prefix cache: finished sequences are saved to DIR and a prompt\n"
+    "                     they start is loaded from there, also after a restart (off by default)\n"
+    "  --cache-disk-size SIZE  its size limit, least recently used entries go first\n"
+    "                     (default 8G; K, M, G, T)\n";
 
 int moe_cmd_serve(int argc, char **argv) {
     moe_serve_params p;
@@ -75,6 +79,14 @@ int moe_cmd_serve(int argc, char **argv) {
             if (p.n_api_keys == MOE_SERVE_MAX_API_KEYS)
                 return moe_cli_usage_error("serve", "at most %d --api-key", MOE_SERVE_MAX_API_KEYS);
             p.api_keys[p.n_api_keys++] = v;
+            i++;
+        } else if (strcmp(a, "--cache-dir") == 0 && v) {
+            p.cache_dir = v;
+            i++;
+        } else if (strcmp(a, "--cache-disk-size") == 0) {
+            if (!moe_arg_size("serve", a, v, &p.cache_disk_bytes)) return 2;
+            if (p.cache_disk_bytes == 0)
+                return moe_cli_usage_error("serve", "--cache-disk-size must be above 0");
             i++;
         } else if (strcmp(a, "--mmap") == 0) {
             p.use_mmap = true;

@@ -16,6 +16,10 @@
  * sequence or at a snapshot: each prompt is prefilled up to its last token, snapshotted there,
  * and the last token runs in the next step, so the same prompt again (or one that extends it)
  * reuses all but its last token. A request never runs on state holding tokens it did not send.
+ *
+ * With --cache-dir, finished sequences also go to the engine's disk prefix cache (whole; on a
+ * hybrid also at the prompt's snapshot), written by its own thread while the slot stays as it
+ * is; a request whose prompt the disk can give more of than RAM loads it into its slot.
  * The trap: a sampled token joins the sequence only when it is fed as a row, so a finished
  * stream's last token is not there. */
 #include "serve_internal.h"
@@ -59,6 +63,7 @@ struct serve_sched {
     moe_model *model;
     moe_tokenizer *tok;
     moe_ctx *ctx;
+    moe_disk_cache *disk; /* --cache-dir, or NULL */
     uint32_t n_ctx, n_slots, n_vocab;
     bool hybrid; /* recurrent layers: prefixes come back only whole or from snapshots */
     slot *slots;
@@ -67,6 +72,10 @@ struct serve_sched {
     float *logits;     /* [parallel][n_vocab] */
     uint64_t step;
 };
+
+const char *serve_cache_source_name(serve_cache_source src) {
+    return src == SERVE_CACHE_DISK ? "disk" : src == SERVE_CACHE_RAM ? "ram" : "none";
+}
 
 double serve_now(void) {
     struct timespec ts;
@@ -190,11 +199,16 @@ static uint32_t slot_len(const serve_sched *s, int idx) {
  * resident one evicted: the best-prefix one if it can give anything, else the least recently
  * used. (The engine may still copy a prefix into the chosen slot from another one.) */
 static int slot_choose(serve_sched *s, const serve_gen *g) {
-    int best = -1, empty = -1, lru = -1;
+    int best = -1, empty = -1, lru = -1, saving = -1;
     uint32_t best_n = 0;
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];
         if (sl->state == SLOT_ACTIVE) continue;
+        /* a resident sequence the disk cache is still saving stays as it is */
+        if (sl->state == SLOT_RESIDENT && s->disk && moe_disk_cache_busy(s->disk, (int32_t)i)) {
+            if (saving < 0 || sl->last_used < s->slots[saving].last_used) saving = (int)i;
+            continue;
+        }
         if (sl->state == SLOT_EMPTY) {
             if (empty < 0) empty = (int)i;
             continue;
@@ -211,7 +225,34 @@ static int slot_choose(serve_sched *s, const serve_gen *g) {
         pick = best;
     else
         pick = empty >= 0 ? empty : lru;
+    if (pick < 0 && saving >= 0) { /* every other slot is busy: wait for the oldest save */
+        moe_disk_cache_wait(s->disk, (int32_t)saving);
+        pick = saving;
+    }
     return pick;
+}
+
+/* The disk cache gives more of the prompt than RAM did (reuse tokens in the slot): load it. */
+static uint32_t disk_reuse(serve_sched *s, int idx, const serve_gen *g, uint32_t reuse) {
+    moe_disk_hit hit;
+    if (!s->disk || moe_disk_cache_find(s->disk, g->prompt, g->n_prompt - 1, &hit) <= reuse)
+        return reuse;
+    moe_error err = {0};
+    if (moe_disk_cache_load(s->disk, idx, &hit, g->prompt, g->n_prompt - 1, &err) != MOE_OK) {
+        moe_log(MOE_LOG_WARN, "serve: prefix not taken from disk: %s", err.msg);
+        return reuse;
+    }
+    return hit.n;
+}
+
+/* A finished sequence to the disk cache: all of it, and on a hybrid also the prompt's
+ * snapshot (the point a conversation's next turn or a retry can come back to). */
+static void disk_save(serve_sched *s, int idx, const serve_gen *g) {
+    const uint32_t len = slot_len(s, idx);
+    if (!s->disk || !len) return;
+    moe_disk_cache_save(s->disk, idx, len);
+    if (s->hybrid && g->n_prompt >= 2 && g->n_prompt - 1 < len)
+        moe_disk_cache_save(s->disk, idx, g->n_prompt - 1);
 }
 
 static void admit(serve_sched *s, serve_req *r) {
@@ -223,6 +264,8 @@ static void admit(serve_sched *s, serve_req *r) {
     moe_error err = {0};
     MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, r->gen.n_prompt - 1, &reuse, &err) ==
               MOE_OK);
+    const uint32_t ram = reuse;
+    reuse = disk_reuse(s, idx, &r->gen, reuse);
     sl->state = SLOT_ACTIVE;
     sl->snapped = !s->hybrid || r->gen.n_prompt < 2;
     sl->req = r;
@@ -241,11 +284,16 @@ static void admit(serve_sched *s, serve_req *r) {
     pthread_mutex_lock(&r->mu);
     r->admitted = true;
     r->n_cached = reuse;
+    r->cached_from = reuse > ram ? SERVE_CACHE_DISK : reuse ? SERVE_CACHE_RAM : SERVE_CACHE_NONE;
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     if (reuse) s->metrics->prefix_hits++;
     s->metrics->cached_tokens += reuse;
+    if (reuse > ram) {
+        s->metrics->disk_hits++;
+        s->metrics->disk_tokens += reuse;
+    }
     pthread_mutex_unlock(&s->metrics->mu);
 }
 
@@ -270,6 +318,8 @@ static void finish(serve_sched *s, int idx, serve_finish why, int stop_index, co
         moe_error err = {0};
         MOE_CHECK(moe_ctx_seq_truncate(s->ctx, idx, 0, &err) == MOE_OK); /* 0 always works */
         sl->state = SLOT_EMPTY;
+    } else {
+        disk_save(s, idx, &r->gen);
     }
     sl->last_used = s->step;
     pthread_mutex_lock(&r->mu);
@@ -492,11 +542,57 @@ static void update_gauges(serve_sched *s) {
     pthread_mutex_lock(&s->mu);
     const uint32_t waiting = s->n_waiting;
     pthread_mutex_unlock(&s->mu);
+    moe_disk_cache_stats disk = {0};
+    if (s->disk) moe_disk_cache_get_stats(s->disk, &disk);
     pthread_mutex_lock(&s->metrics->mu);
     s->metrics->active = active;
     s->metrics->resident = resident;
     s->metrics->waiting = waiting;
+    s->metrics->disk_cache = s->disk != NULL;
+    s->metrics->disk_stats = disk;
     pthread_mutex_unlock(&s->metrics->mu);
+}
+
+/* ==== Metrics of the prefix cache ==== */
+
+void serve_metrics_write_prefix_cache(const serve_metrics *m, moe_strbuf *o) {
+    const struct {
+        const char *name, *help;
+        uint64_t ram, disk;
+    } by_source[] = {
+        {"moe_prefix_cache_hits_total", "Requests that reused a prefix, by where it came from.",
+         m->prefix_hits - m->disk_hits, m->disk_hits},
+        {"moe_prefix_cache_tokens_total", "Prompt tokens reused instead of recomputed, by source.",
+         m->cached_tokens - m->disk_tokens, m->disk_tokens},
+    };
+    for (size_t i = 0; i < sizeof by_source / sizeof by_source[0]; i++)
+        moe_strbuf_printf(o,
+                          "# HELP %s %s\n# TYPE %s counter\n%s{source=\"ram\"} %llu\n"
+                          "%s{source=\"disk\"} %llu\n",
+                          by_source[i].name, by_source[i].help, by_source[i].name,
+                          by_source[i].name, (unsigned long long)by_source[i].ram,
+                          by_source[i].name, (unsigned long long)by_source[i].disk);
+    if (!m->disk_cache) return;
+    const moe_disk_cache_stats *d = &m->disk_stats;
+    const struct {
+        const char *name, *type, *help;
+        uint64_t v;
+    } disk[] = {
+        {"moe_disk_cache_entries", "gauge", "Entries in the cache directory.", d->entries},
+        {"moe_disk_cache_bytes", "gauge", "Bytes of the entries in the cache directory.", d->bytes},
+        {"moe_disk_cache_limit_bytes", "gauge", "--cache-disk-size.", d->max_bytes},
+        {"moe_disk_cache_writes_total", "counter", "Entries written.", d->writes},
+        {"moe_disk_cache_write_bytes_total", "counter", "Bytes written.", d->write_bytes},
+        {"moe_disk_cache_evictions_total", "counter",
+         "Entries removed for the size limit or superseded by a longer one.", d->evicted},
+        {"moe_disk_cache_corrupt_total", "counter",
+         "Damaged or truncated entries found, removed and not used.", d->corrupt},
+        {"moe_disk_cache_write_errors_total", "counter", "Entries that could not be written.",
+         d->write_errors},
+    };
+    for (size_t i = 0; i < sizeof disk / sizeof disk[0]; i++)
+        moe_strbuf_printf(o, "# HELP %s %s\n# TYPE %s %s\n%s %llu\n", disk[i].name, disk[i].help,
+                          disk[i].name, disk[i].type, disk[i].name, (unsigned long long)disk[i].v);
 }
 
 /* ==== The thread ==== */
@@ -524,6 +620,17 @@ static bool load(serve_sched *s) {
                          .n_threads = s->p.n_threads};
     s->ctx = moe_ctx_new(s->model, &cp, &err);
     if (!s->ctx) goto fail;
+    if (s->p.cache_dir) {
+        const uint64_t limit =
+            s->p.cache_disk_bytes ? s->p.cache_disk_bytes : SERVE_CACHE_DISK_DEFAULT;
+        s->disk = moe_disk_cache_open(s->ctx, s->p.cache_dir, limit, &err);
+        if (!s->disk) goto fail;
+        moe_disk_cache_stats st;
+        moe_disk_cache_get_stats(s->disk, &st);
+        moe_log(MOE_LOG_INFO, "serve: disk cache %s: %llu entries, %.1f of %.1f MiB",
+                s->p.cache_dir, (unsigned long long)st.entries, (double)st.bytes / (1 << 20),
+                (double)limit / (1 << 20));
+    }
     s->n_ctx = moe_ctx_n_ctx(s->ctx);
     s->n_vocab = s->model->cfg.n_vocab;
     s->hybrid = s->model->cfg.n_layer_linear > 0;
@@ -618,6 +725,9 @@ static void *engine_main(void *arg) {
         finish_waiting(s, w);
         w = next;
     }
+    moe_disk_cache_close(s->disk); /* the queued saves are written first */
+    s->disk = NULL;
+    update_gauges(s);
     return NULL;
 }
 

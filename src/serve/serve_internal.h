@@ -41,6 +41,8 @@
 #define SERVE_PREFILL_CHUNK  256 /* prompt rows per forward step, beside the decode rows */
 #define SERVE_CONN_TIMEOUT_S 600 /* idle connection closed after this */
 #define SERVE_POLL_MS        50  /* how often a waiting HTTP thread looks for a hang-up */
+#define SERVE_CACHE_DISK_DEFAULT                                                                   \
+    (8ull << 30) /* --cache-disk-size: a few long agent histories of a large model */
 
 double serve_now(void); /* monotonic seconds */
 
@@ -84,6 +86,15 @@ void serve_gen_free(serve_gen *g);
 
 typedef struct serve_sched serve_sched;
 
+typedef enum serve_cache_source {
+    SERVE_CACHE_NONE, /* nothing reused */
+    SERVE_CACHE_RAM,  /* a resident sequence or snapshot */
+    SERVE_CACHE_DISK, /* the disk prefix cache (--cache-dir) */
+} serve_cache_source;
+
+/* "none", "ram", "disk": what usage reports as cache_source */
+const char *serve_cache_source_name(serve_cache_source s);
+
 typedef struct serve_req {
     serve_gen gen; /* immutable once submitted */
     double t_submit;
@@ -95,7 +106,8 @@ typedef struct serve_req {
     pthread_cond_t cv;  /* signalled on every event */
     int refs;
     bool admitted, done;
-    uint32_t n_cached; /* prompt tokens reused from a resident sequence */
+    uint32_t n_cached;              /* prompt tokens reused instead of recomputed ... */
+    serve_cache_source cached_from; /* ... and where they came from */
     uint32_t n_generated;
     double t_first_token;
     serve_finish finish;
@@ -132,6 +144,9 @@ typedef struct serve_metrics {
     uint64_t requests[6][5]; /* [endpoint][status class 1xx..5xx] */
     uint64_t prompt_tokens, generated_tokens, cached_tokens;
     uint64_t prefix_hits, cancelled, rejected_queue_full, rejected_timeout;
+    uint64_t disk_hits, disk_tokens; /* of prefix_hits / cached_tokens: from the disk cache */
+    bool disk_cache;                 /* --cache-dir given: disk_stats below are live */
+    moe_disk_cache_stats disk_stats;
     double prefill_seconds, decode_seconds;
     uint64_t prefill_rows, decode_rows;
     double prefill_tps, decode_tps; /* the last step's rate */
@@ -143,6 +158,9 @@ typedef struct serve_metrics {
 
 extern const double serve_ttft_bounds[SERVE_TTFT_BUCKETS];
 void serve_metrics_write(serve_metrics *m, moe_strbuf *out);
+/* The prefix cache's part (sched.c): hits and tokens by source (RAM, disk), the disk cache's
+ * entries, bytes, writes, evictions and damaged entries. Called with m->mu held. */
+void serve_metrics_write_prefix_cache(const serve_metrics *m, moe_strbuf *out);
 
 /* ==== Scheduler: the engine thread ==== */
 
