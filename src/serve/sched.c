@@ -647,6 +647,7 @@ fail:
 static void *engine_main(void *arg) {
     serve_sched *s = arg;
     const bool ok = load(s);
+    if (ok) update_gauges(s); /* /metrics has the disk cache's figures from the start */
     pthread_mutex_lock(&s->mu);
     s->loaded = ok;
     s->load_failed = !ok;
