@@ -1,6 +1,8 @@
 /* bench.c: `moe bench MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8]
  * [--stream-steps N] [--mmap] [--csv | --json]` -- throughput of a model on this machine beside
  * the machine's read bandwidth (src/tools/bench.c measures; this file parses and prints).
+ * `moe bench --server URL [--concurrency N] [--tokens N] [--repeats N] [--start-cmd CMD]
+ * [--svg FILE] [--json]` -- load on a running server instead (src/tools/bench_server.c).
  *
  * Every text and CSV line names the kernel table and thread count, so a pasted line still says
  * what it measured. JSON is one object: pp_tok_s, tg_tok_s, streams [{n, aggregate_tok_s,
@@ -24,7 +26,157 @@ static const char usage_text[] =
     "  --probe-mib N     bandwidth probe buffer (default 512)\n"
     "  --kv-type f16|f32 KV cache element type (default f16)\n"
     "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
-    "  --csv | --json    machine-readable output\n";
+    "  --csv | --json    machine-readable output\n"
+    "moe bench --server URL: load on a running OpenAI-compatible server (moe serve, ...)\n"
+    "  --concurrency N   requests streamed at once (default 16)\n"
+    "  --tokens N        output tokens per request, exactly (ignore_eos; default 256)\n"
+    "  --repeats N       rounds of N concurrent requests; tok/s is their median (default 3)\n"
+    "  --start-cmd CMD   start the server with /bin/sh -c CMD first, time it to ready (GET\n"
+    "                    URL/health answers 200), stop it at the end\n"
+    "  --ready-timeout S seconds --start-cmd may take (default 600)\n"
+    "  --api-key K       sent as Authorization: Bearer K\n"
+    "  --prompt TEXT     each request's prompt, after its index (default: a story's start)\n"
+    "  --svg FILE        the latency distribution (TTFT, inter-token) as an SVG chart\n"
+    "  --json            one JSON object\n";
+
+/* ==== moe bench --server ==== */
+
+static void print_server_json(const moe_bench_server_result *r, const moe_bench_server_params *p) {
+    moe_json j;
+    moe_json_init(&j, true);
+    moe_json_object_begin(&j);
+    moe_json_kv_string(&j, "url", p->url);
+    moe_json_kv_int(&j, "concurrency", p->concurrency);
+    moe_json_kv_int(&j, "tokens", p->tokens);
+    moe_json_kv_int(&j, "repeats", p->repeats);
+    moe_json_kv_int(&j, "requests", r->requests);
+    moe_json_kv_int(&j, "errors", r->errors);
+    moe_json_kv_uint(&j, "output_tokens", r->output_tokens);
+    const struct {
+        const char *key;
+        double v;
+    } figures[] = {
+        {"output_tok_s", r->tok_s.median},  {"output_tok_s_min", r->tok_s.min},
+        {"output_tok_s_max", r->tok_s.max}, {"ttft_p50_ms", r->ttft_p50 * 1e3},
+        {"ttft_p99_ms", r->ttft_p99 * 1e3}, {"itl_p50_ms", r->itl_p50 * 1e3},
+        {"itl_p99_ms", r->itl_p99 * 1e3},
+    };
+    for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++)
+        moe_json_kv_double(&j, figures[i].key, figures[i].v);
+    moe_json_kv_uint(&j, "ttft_samples", r->n_ttft);
+    moe_json_kv_uint(&j, "itl_samples", r->n_itl);
+    moe_json_key(&j, "time_to_ready_s");
+    if (r->time_to_ready_s >= 0)
+        moe_json_double(&j, r->time_to_ready_s);
+    else
+        moe_json_null(&j);
+    moe_json_key(&j, "first_error");
+    if (r->errors)
+        moe_json_string(&j, r->first_error);
+    else
+        moe_json_null(&j);
+    moe_json_object_end(&j);
+    fwrite(j.buf, 1, j.len, stdout);
+    fputc('\n', stdout);
+    moe_json_free(&j);
+}
+
+static void print_server_text(const moe_bench_server_result *r, const moe_bench_server_params *p) {
+    printf("moe bench --server %s: %d concurrent requests x %d tokens, %d repeats\n", p->url,
+           p->concurrency, p->tokens, p->repeats);
+    if (r->time_to_ready_s >= 0)
+        printf("time to ready:   %.3f s (--start-cmd)\n", r->time_to_ready_s);
+    printf("output:          %.2f tok/s median (%.2f - %.2f), %llu tokens\n", r->tok_s.median,
+           r->tok_s.min, r->tok_s.max, (unsigned long long)r->output_tokens);
+    printf("time to first:   p50 %.2f ms, p99 %.2f ms (%zu requests)\n", r->ttft_p50 * 1e3,
+           r->ttft_p99 * 1e3, r->n_ttft);
+    printf("between tokens:  p50 %.2f ms, p99 %.2f ms (%zu gaps)\n", r->itl_p50 * 1e3,
+           r->itl_p99 * 1e3, r->n_itl);
+    printf("errors:          %d of %d requests%s%s\n", r->errors, r->requests,
+           r->errors ? "; first: " : "", r->errors ? r->first_error : "");
+}
+
+static int bench_server(int argc, char **argv) {
+    moe_bench_server_params p;
+    moe_bench_server_params_default(&p);
+    const char *svg = NULL;
+    bool json = false;
+    long long n;
+    double f;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        const struct {
+            const char *flag;
+            int *dst;
+            long long lo, hi;
+        } ints[] = {
+            {"--concurrency", &p.concurrency, 1, MOE_BENCH_SERVER_MAX_CONCURRENCY},
+            {"--tokens", &p.tokens, 1, 1 << 20},
+            {"--repeats", &p.repeats, 1, MOE_BENCH_MAX_RUNS},
+        };
+        bool taken = false;
+        for (size_t k = 0; k < sizeof ints / sizeof ints[0] && !taken; k++) {
+            if (strcmp(a, ints[k].flag) != 0) continue;
+            if (!moe_arg_int("bench", a, v, ints[k].lo, ints[k].hi, &n)) return 2;
+            *ints[k].dst = (int)n;
+            taken = true;
+        }
+        const struct {
+            const char *flag;
+            const char **dst;
+        } strs[] = {{"--server", &p.url},
+                    {"--start-cmd", &p.start_cmd},
+                    {"--api-key", &p.api_key},
+                    {"--prompt", &p.prompt},
+                    {"--svg", &svg}};
+        for (size_t k = 0; k < sizeof strs / sizeof strs[0] && !taken; k++) {
+            if (strcmp(a, strs[k].flag) != 0) continue;
+            if (!v) return moe_cli_usage_error("bench", "%s needs a value", a);
+            *strs[k].dst = v;
+            taken = true;
+        }
+        if (taken) {
+            i++;
+        } else if (strcmp(a, "--ready-timeout") == 0) {
+            if (!moe_arg_float("bench", a, v, 0.1, 1e6, &f)) return 2;
+            p.ready_timeout_s = f;
+            i++;
+        } else if (strcmp(a, "--json") == 0) {
+            json = true;
+        } else {
+            return moe_cli_usage_error("bench", "--server: unexpected argument '%s' (options:\n%s)",
+                                       a, usage_text);
+        }
+    }
+    char url[2048];
+    snprintf(url, sizeof url, "%s", p.url);
+    for (size_t len = strlen(url); len && url[len - 1] == '/';) url[--len] = '\0';
+    p.url = url;
+    moe_bench_server_result r;
+    moe_error err = {0};
+    if (moe_bench_server_run(&p, &r, &err) != MOE_OK) {
+        fprintf(stderr, "moe bench: %s\n", err.msg);
+        return 1;
+    }
+    if (json)
+        print_server_json(&r, &p);
+    else
+        print_server_text(&r, &p);
+    int rc = r.errors ? 1 : 0;
+    if (svg) {
+        char sub[2300];
+        snprintf(sub, sizeof sub, "%s: %d concurrent x %d tokens, %d repeats; %.1f tok/s", p.url,
+                 p.concurrency, p.tokens, p.repeats, r.tok_s.median);
+        char *text = moe_latency_svg(&r, sub);
+        if (moe_file_write(svg, text, strlen(text), &err) != MOE_OK) {
+            fprintf(stderr, "moe bench: %s\n", err.msg);
+            rc = 1;
+        }
+        free(text);
+    }
+    moe_bench_server_result_free(&r);
+    return rc;
+}
 
 static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
     const moe_bandwidth *bw = &r->bandwidth;
@@ -171,6 +323,8 @@ static bool parse_streams(const char *text, moe_bench_params *p) {
 }
 
 int moe_cmd_bench(int argc, char **argv) {
+    for (int i = 0; i < argc; i++)
+        if (strcmp(argv[i], "--server") == 0) return bench_server(argc, argv);
     moe_bench_params p;
     moe_bench_params_default(&p);
     const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
