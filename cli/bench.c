@@ -41,17 +41,31 @@ static const char usage_text[] =
 
 /* ==== moe bench --server ==== */
 
+/* The object on stdout, one line after it; frees the writer. */
+static void json_emit(moe_json *j) {
+    fwrite(j->buf, 1, j->len, stdout);
+    fputc('\n', stdout);
+    moe_json_free(j);
+}
+
 static void print_server_json(const moe_bench_server_result *r, const moe_bench_server_params *p) {
     moe_json j;
     moe_json_init(&j, true);
     moe_json_object_begin(&j);
     moe_json_kv_string(&j, "url", p->url);
-    moe_json_kv_int(&j, "concurrency", p->concurrency);
-    moe_json_kv_int(&j, "tokens", p->tokens);
-    moe_json_kv_int(&j, "repeats", p->repeats);
-    moe_json_kv_int(&j, "requests", r->requests);
-    moe_json_kv_int(&j, "errors", r->errors);
-    moe_json_kv_uint(&j, "output_tokens", r->output_tokens);
+    const struct {
+        const char *key;
+        uint64_t v;
+    } counts[] = {{"concurrency", (uint64_t)p->concurrency},
+                  {"tokens", (uint64_t)p->tokens},
+                  {"repeats", (uint64_t)p->repeats},
+                  {"requests", (uint64_t)r->requests},
+                  {"errors", (uint64_t)r->errors},
+                  {"output_tokens", r->output_tokens},
+                  {"ttft_samples", r->n_ttft},
+                  {"itl_samples", r->n_itl}};
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        moe_json_kv_uint(&j, counts[i].key, counts[i].v);
     const struct {
         const char *key;
         double v;
@@ -63,8 +77,6 @@ static void print_server_json(const moe_bench_server_result *r, const moe_bench_
     };
     for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++)
         moe_json_kv_double(&j, figures[i].key, figures[i].v);
-    moe_json_kv_uint(&j, "ttft_samples", r->n_ttft);
-    moe_json_kv_uint(&j, "itl_samples", r->n_itl);
     moe_json_key(&j, "time_to_ready_s");
     if (r->time_to_ready_s >= 0)
         moe_json_double(&j, r->time_to_ready_s);
@@ -76,9 +88,7 @@ static void print_server_json(const moe_bench_server_result *r, const moe_bench_
     else
         moe_json_null(&j);
     moe_json_object_end(&j);
-    fwrite(j.buf, 1, j.len, stdout);
-    fputc('\n', stdout);
-    moe_json_free(&j);
+    json_emit(&j);
 }
 
 static void print_server_text(const moe_bench_server_result *r, const moe_bench_server_params *p) {
@@ -143,6 +153,9 @@ static int bench_server(int argc, char **argv) {
             i++;
         } else if (strcmp(a, "--json") == 0) {
             json = true;
+        } else if (strcmp(a, "--help-options") == 0) {
+            fputs(usage_text, stdout);
+            return 0;
         } else {
             return moe_cli_usage_error("bench", "--server: unexpected argument '%s' (options:\n%s)",
                                        a, usage_text);
@@ -299,9 +312,7 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
         moe_json_double(&j, facts[i].v);
     }
     moe_json_object_end(&j);
-    fwrite(j.buf, 1, j.len, stdout);
-    fputc('\n', stdout);
-    moe_json_free(&j);
+    json_emit(&j);
 }
 
 /* "1,2,4,8" into p->streams; "0" clears the list. */

@@ -42,10 +42,13 @@ static const moe_command commands[] = {
     {"bench", moe_cmd_bench,
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
-     "        [--kv-type f16|f32] [--mmap] [--csv | --json]"},
+     "        [--kv-type f16|f32] [--mmap] [--csv | --json]\n"
+     "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
+     "[--start-cmd CMD] [--svg FILE] [--json]"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
-     "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},
+     "[--queue N] [--queue-timeout S]\n"
+     "        [--cache-dir DIR [--cache-disk-size SIZE]]  (`moe serve --help-options` lists all)"},
     {0},
 };
 

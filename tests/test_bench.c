@@ -95,21 +95,27 @@ static void bench_csv_and_text(void **state) {
     free(out);
 }
 
+/* `moe bench ARGS` (printf-style) exits rc and says `want`. */
+static void expect_bench(int rc, const char *want, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void expect_bench(int rc, const char *want, const char *fmt, ...) {
+    char args[2048], cmd[2304], *out;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(cmd, sizeof cmd, "%s bench %s", moe_test_bin(), args);
+    const int got = moe_test_run(cmd, &out);
+    if (got != rc || !strstr(out, want))
+        fail_msg("`%s` exited %d (want %d), output lacks '%s':\n%s", cmd, got, rc, want, out);
+    free(out);
+}
+
 static void bench_usage_errors(void **state) {
     (void)state;
-    char cmd[2048], *out;
-    snprintf(cmd, sizeof cmd, "%s bench", moe_test_bin());
-    assert_int_equal(moe_test_run(cmd, &out), 2);
-    assert_non_null(strstr(out, "a model file is required"));
-    free(out);
-    snprintf(cmd, sizeof cmd, "%s bench %s --streams 1,x", moe_test_bin(), tiny_model());
-    assert_int_equal(moe_test_run(cmd, &out), 2);
-    assert_non_null(strstr(out, "--streams expects"));
-    free(out);
-    snprintf(cmd, sizeof cmd, "%s bench /nonexistent.gguf --runs 1", moe_test_bin());
-    assert_int_equal(moe_test_run(cmd, &out), 1);
-    assert_non_null(strstr(out, "cannot open"));
-    free(out);
+    expect_bench(2, "a model file is required", "%s", "");
+    expect_bench(2, "--streams expects", "%s --streams 1,x", tiny_model());
+    expect_bench(1, "cannot open", "/nonexistent.gguf --runs 1");
 }
 
 /* ==== moe bench --server ==== */
@@ -225,19 +231,9 @@ static void bench_server_start_cmd(void **state) {
     assert_non_null(strstr(json_string_value(json_object_get(j, "first_error")), want));
     json_decref(j);
     /* a start command that dies, and usage errors */
-    char cmd[1024], *out;
-    snprintf(cmd, sizeof cmd, "%s bench --server http://127.0.0.1:%d --start-cmd 'exit 3'",
-             moe_test_bin(), port);
-    assert_int_equal(moe_test_run(cmd, &out), 1);
-    assert_non_null(strstr(out, "exited (status 3)"));
-    free(out);
-    snprintf(cmd, sizeof cmd, "%s bench --server", moe_test_bin());
-    assert_int_equal(moe_test_run(cmd, &out), 2);
-    free(out);
-    snprintf(cmd, sizeof cmd, "%s bench --server ftp://x --concurrency 1", moe_test_bin());
-    assert_int_equal(moe_test_run(cmd, &out), 1);
-    assert_non_null(strstr(out, "not an http(s):// URL"));
-    free(out);
+    expect_bench(1, "exited (status 3)", "--server http://127.0.0.1:%d --start-cmd 'exit 3'", port);
+    expect_bench(2, "--server needs a value", "--server");
+    expect_bench(1, "not an http(s):// URL", "--server ftp://x --concurrency 1");
 }
 
 int moe_suite_bench(void) {

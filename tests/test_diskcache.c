@@ -281,21 +281,8 @@ static void restart_model(const model_case *mc) {
     reply_free(&d);
 }
 
-static void restart_stories(void **state) {
-    (void)state;
-    restart_model(&cases[0]);
-}
-static void restart_qwen3next(void **state) {
-    (void)state;
-    restart_model(&cases[1]);
-}
-static void restart_kimi_linear(void **state) {
-    (void)state;
-    restart_model(&cases[2]);
-}
-static void restart_qwen35(void **state) {
-    (void)state;
-    restart_model(&cases[3]);
+static void restart(void **state) {
+    restart_model(*state);
 }
 
 /* --cache-disk-size: the directory stays under it, the least recently used going first. */
@@ -337,8 +324,10 @@ static void size_limit(void **state) {
 
 int moe_suite_diskcache(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(restart_stories),     cmocka_unit_test(restart_qwen3next),
-        cmocka_unit_test(restart_kimi_linear), cmocka_unit_test(restart_qwen35),
+        cmocka_unit_test_prestate(restart, (void *)&cases[0]),
+        cmocka_unit_test_prestate(restart, (void *)&cases[1]),
+        cmocka_unit_test_prestate(restart, (void *)&cases[2]),
+        cmocka_unit_test_prestate(restart, (void *)&cases[3]),
         cmocka_unit_test(size_limit),
     };
     return cmocka_run_group_tests_name("diskcache", tests, NULL, NULL);
