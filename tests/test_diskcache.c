@@ -9,9 +9,10 @@
  * or nothing (hybrid: no state there) and still makes its own text. Entries with a flipped byte
  * (in the payload: found when loaded; in the token ids: found at start-up), truncated entries
  * and an entry renamed to another prefix's key are all ignored and removed (counted in
- * /metrics), and the text is still right. A small --cache-disk-size keeps the directory under
- * it. Prompts are token ids: the parity fixtures' prompt (llama.cpp's tokens.json), and for
- * stories260K run.c's greedy tokens from BOS. */
+ * /metrics), and the text is still right. With one slot, a prompt evicted from RAM by another
+ * comes back from disk. A small --cache-disk-size keeps the directory under it. Prompts are token
+ * ids: the parity fixtures' prompt (llama.cpp's tokens.json), and for stories260K run.c's greedy
+ * tokens from BOS. */
 #include "testutil.h"
 
 #include <dirent.h>
@@ -133,18 +134,17 @@ static void flip_byte(const char *path, long offset) {
     fclose(f);
 }
 
+/* `moe serve GGUF` with two streams and two resident sequences, --cache-dir DIR (unless NULL),
+ * then the options in extra (NULL-terminated; later ones win). */
 static void start(moe_test_server *s, const char *name, const char *gguf, const char *dir,
-                  const char *size) {
-    char *args[16] = {(char *)gguf, "--ctx", "256", "--parallel", "2", "--cache-slots", "2"};
+                  char *const *extra) {
+    char *args[24] = {(char *)gguf, "--ctx", "256", "--parallel", "2", "--cache-slots", "2"};
     int n = 7;
     if (dir) {
         args[n++] = "--cache-dir";
         args[n++] = (char *)dir;
     }
-    if (size) {
-        args[n++] = "--cache-disk-size";
-        args[n++] = (char *)size;
-    }
+    for (int i = 0; extra && extra[i] && n < 23; i++) args[n++] = extra[i];
     args[n] = NULL;
     if (!moe_test_server_start(s, name, args)) fail_msg("%s did not start (log %s)", name, s->log);
 }
@@ -285,6 +285,43 @@ static void restart(void **state) {
     restart_model(*state);
 }
 
+/* One stream, no resident sequences: a second prompt evicts the first from RAM (waiting for its
+ * save to finish), and the first again comes back from disk. */
+static void ram_eviction(void **state) {
+    const model_case *mc = *state;
+    const char *gguf = moe_test_shared(mc->gguf);
+    int32_t p[N_PROMPT], q[N_PROMPT];
+    if (!gguf || !read_prompt(mc, p)) {
+        skip();
+        return;
+    }
+    q[0] = p[0]; /* BOS, then nothing in common */
+    for (int i = 1; i < N_PROMPT; i++) q[i] = 320 + i;
+    char dir[600], name[128];
+    snprintf(dir, sizeof dir, "%s/evict-%s", moe_test_tmpdir(), mc->name);
+    char *one_slot[] = {"--parallel", "1", "--cache-slots", "0", NULL};
+    moe_test_server srv = {0};
+    snprintf(name, sizeof name, "%s-evict-nocache", mc->name);
+    start(&srv, name, gguf, NULL, one_slot);
+    reply ref = complete(&srv, p, N_PROMPT);
+    stop(&srv);
+    snprintf(name, sizeof name, "%s-evict", mc->name);
+    start(&srv, name, gguf, dir, one_slot);
+    reply a = complete(&srv, p, N_PROMPT), other = complete(&srv, q, N_PROMPT),
+          b = complete(&srv, p, N_PROMPT);
+    assert_string_equal(a.source, "none");
+    assert_string_not_equal(other.source, "disk");
+    assert_int_equal(b.cached, N_PROMPT - 1);
+    assert_string_equal(b.source, "disk");
+    expect_text(&a, ref.text, "first");
+    expect_text(&b, ref.text, "from disk after eviction");
+    stop(&srv);
+    reply_free(&ref);
+    reply_free(&a);
+    reply_free(&other);
+    reply_free(&b);
+}
+
 /* --cache-disk-size: the directory stays under it, the least recently used going first. */
 static void size_limit(void **state) {
     (void)state;
@@ -307,7 +344,7 @@ static void size_limit(void **state) {
     assert_int_equal(entries(dir, files, sizes), 1);
     char limit[32];
     snprintf(limit, sizeof limit, "%lld", (long long)(sizes[0] * 5 / 2));
-    start(&srv, "limit", gguf, dir, limit);
+    start(&srv, "limit", gguf, dir, (char *[]){"--cache-disk-size", limit, NULL});
     for (int k = 0; k < 6; k++) { /* six prompts that share only BOS */
         int32_t q[N_PROMPT];
         for (int i = 0; i < N_PROMPT; i++) q[i] = i ? 260 + 17 * k + i : 1;
@@ -328,6 +365,8 @@ int moe_suite_diskcache(void) {
         cmocka_unit_test_prestate(restart, (void *)&cases[1]),
         cmocka_unit_test_prestate(restart, (void *)&cases[2]),
         cmocka_unit_test_prestate(restart, (void *)&cases[3]),
+        cmocka_unit_test_prestate(ram_eviction, (void *)&cases[0]),
+        cmocka_unit_test_prestate(ram_eviction, (void *)&cases[1]),
         cmocka_unit_test(size_limit),
     };
     return cmocka_run_group_tests_name("diskcache", tests, NULL, NULL);
