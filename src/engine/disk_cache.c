@@ -2,10 +2,13 @@
  * prefix, loaded back into a sequence (the rules are in engine.h).
  *
  * Owns the directory's index (every entry's name, size and last use; the token ids of this
- * context's own entries) and one writer thread. The engine thread finds and loads; it queues
- * saves, which the writer gathers straight from the context's K/V rows (the scheduler keeps a
- * sequence with a queued save unchanged) and writes as NAME.PID.tmp, renamed when complete, so
- * an entry that exists is whole unless the disk damaged it -- which the checksums catch.
+ * context's own entries) and one thread for the disk. The engine thread finds entries and queues
+ * loads and saves; the cache's thread does them, loads first: a save gathers straight from the
+ * context's K/V rows and writes NAME.PID.tmp, renamed when complete (so an entry that exists is
+ * whole unless the disk damaged it -- which the checksums catch); a load reads and checks each
+ * chunk and puts its rows straight into the sequence. The scheduler leaves a sequence with a
+ * queued job alone; the engine thread commits a finished load (length, token ids, recurrent
+ * state) itself.
  *
  * An entry file (little-endian, this machine's layout; the identity pins the rest):
  *   entry_header                     fixed, below
@@ -63,14 +66,47 @@ typedef struct entry {
     int32_t *tokens; /* own entries only, else NULL */
 } entry;
 
+/* A save (seq's first n tokens to a new entry) or a load (entry `name` into seq, which holds
+ * `have` tokens already, up to n). */
 typedef struct job {
     struct job *next;
+    bool load;
     int32_t seq;
-    uint32_t n;
-    uint64_t key;
-    int32_t *tokens; /* [n] */
-    float *state;    /* hybrids: the recurrent state after n tokens, copied */
+    uint32_t n, have;
+    uint64_t key;    /* save: the entry's key */
+    int32_t *tokens; /* [n] the tokens saved, or the caller's (a load checks the entry's) */
+    float *state;    /* hybrids: the recurrent state after n tokens (save: copied; load: read) */
+    char name[64];   /* load: the entry */
+    bool done;       /* load: finished (under mu); err says how */
+    moe_error err;
 } job;
+
+typedef struct job_queue {
+    job *head, *tail;
+} job_queue;
+
+static void queue_push(job_queue *q, job *j) {
+    if (q->tail)
+        q->tail->next = j;
+    else
+        q->head = j;
+    q->tail = j;
+}
+
+static job *queue_pop(job_queue *q) {
+    job *j = q->head;
+    if (j) {
+        q->head = j->next;
+        if (!q->head) q->tail = NULL;
+    }
+    return j;
+}
+
+static void job_free(job *j) {
+    free(j->tokens);
+    free(j->state);
+    free(j);
+}
 
 struct moe_disk_cache {
     moe_ctx *c;
@@ -84,8 +120,11 @@ struct moe_disk_cache {
     entry *entries;
     size_t n_entries, cap_entries;
     uint64_t total_bytes;
-    job *head, *tail;
-    uint32_t *busy; /* [n_seq] queued saves per sequence */
+    job_queue loads, saves; /* loads go first: a request waits for them */
+    uint32_t *busy;         /* [n_seq] queued jobs per sequence */
+    job **loading;          /* [n_seq] the load into each sequence, until load_end takes it */
+    void (*notify)(void *); /* called when a load is done */
+    void *notify_arg;
     bool stop;
     moe_disk_cache_stats stats;
     pthread_t writer;
@@ -405,62 +444,98 @@ static moe_status load_rows(moe_disk_cache *d, int fd, const char *name, const e
     return MOE_OK;
 }
 
-moe_status moe_disk_cache_load(moe_disk_cache *d, int32_t seq, const moe_disk_hit *hit,
-                               const int32_t *tokens, uint32_t n, moe_error *err) {
+/* A load job on the cache's thread: the entry's rows past what seq holds straight into seq's rows
+ * (the scheduler leaves seq alone meanwhile), its recurrent state into j->state. A damaged entry
+ * is removed. Nothing else of the context is touched: the engine thread commits. */
+static void run_load(moe_disk_cache *d, job *j) {
+    char path[4096];
+    entry_path(d, j->name, path, sizeof path);
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    bool gone = fd < 0, damaged = false;
+    if (gone) {
+        moe_error_set(&j->err, MOE_ERR_IO, "disk cache: %s: %s", j->name, strerror(errno));
+    } else {
+        entry_header h;
+        int32_t *ftok = NULL;
+        uint64_t *sums = NULL;
+        damaged = read_header(d, fd, j->name, &h, &ftok, &sums, &j->err) != MOE_OK;
+        if (!damaged && (h.n_tokens < j->n || (d->state_bytes && h.n_tokens != j->n) ||
+                         memcmp(ftok, j->tokens, (size_t)j->n * sizeof *ftok) != 0))
+            moe_error_set(&j->err, MOE_ERR_ARG,
+                          "disk cache: %s holds other tokens than its index said (not used)",
+                          j->name);
+        else if (!damaged)
+            damaged = load_rows(d, fd, j->name, &h, sums, j->seq, j->have, j->n, &j->state,
+                                &j->err) != MOE_OK;
+        close(fd);
+        free(ftok);
+        free(sums);
+    }
+    pthread_mutex_lock(&d->mu);
+    if (gone || damaged) index_remove_name(d, j->name);
+    if (damaged) {
+        moe_error_prefix(&j->err, "disk cache: removed");
+        d->stats.corrupt++;
+    }
+    j->done = true;
+    d->busy[j->seq]--;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    if (d->notify) d->notify(d->notify_arg);
+}
+
+moe_status moe_disk_cache_load_begin(moe_disk_cache *d, int32_t seq, const moe_disk_hit *hit,
+                                     const int32_t *tokens, uint32_t n, moe_error *err) {
     moe_ctx *c = d->c;
     if (seq < 0 || (uint32_t)seq >= c->p.n_seq)
         return moe_error_set(err, MOE_ERR_ARG, "disk cache: sequence %d out of range", seq);
     const uint32_t have = c->seq_len[seq];
-    if (hit->n <= have || hit->n > n)
+    if (hit->n <= have || hit->n > n || d->loading[seq])
         return moe_error_set(err, MOE_ERR_ARG, "disk cache: %u tokens from %s do not extend %u",
                              hit->n, hit->name, have);
-    char path[4096];
-    entry_path(d, hit->name, path, sizeof path);
-    const int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        pthread_mutex_lock(&d->mu);
-        index_remove_name(d, hit->name);
-        pthread_mutex_unlock(&d->mu);
-        return moe_error_set(err, MOE_ERR_IO, "disk cache: %s: %s", hit->name, strerror(errno));
-    }
-    entry_header h;
-    int32_t *ftok = NULL;
-    uint64_t *sums = NULL;
-    float *state = NULL;
-    moe_status st = read_header(d, fd, hit->name, &h, &ftok, &sums, err);
-    bool damaged = st != MOE_OK;
-    if (st == MOE_OK && (h.n_tokens < hit->n || (d->state_bytes && h.n_tokens != hit->n) ||
-                         memcmp(ftok, tokens, (size_t)hit->n * sizeof *tokens) != 0))
-        st = moe_error_set(err, MOE_ERR_ARG,
-                           "disk cache: %s holds other tokens than its index said (not used)",
-                           hit->name);
-    if (st == MOE_OK) {
-        st = load_rows(d, fd, hit->name, &h, sums, seq, have, hit->n, &state, err);
-        damaged = st != MOE_OK;
-    }
-    close(fd);
+    job *j = moe_xcalloc(1, sizeof *j);
+    j->load = true;
+    j->seq = seq;
+    j->n = hit->n;
+    j->have = have;
+    j->tokens = moe_xmalloc((size_t)hit->n * sizeof *tokens);
+    memcpy(j->tokens, tokens, (size_t)hit->n * sizeof *tokens);
+    snprintf(j->name, sizeof j->name, "%s", hit->name);
     pthread_mutex_lock(&d->mu);
-    if (damaged) {
-        moe_error_prefix(err, "disk cache: removed");
-        index_remove_name(d, hit->name);
-        d->stats.corrupt++;
-    } else if (st == MOE_OK) {
-        /* rows past `have` are in place: seq now holds the entry's first hit->n tokens */
-        memcpy(c->tokens + (uint64_t)seq * c->p.n_ctx + have, tokens + have,
-               (size_t)(hit->n - have) * sizeof *tokens);
-        c->seq_len[seq] = hit->n;
+    d->loading[seq] = j;
+    d->busy[seq]++;
+    queue_push(&d->loads, j);
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    return MOE_OK;
+}
+
+bool moe_disk_cache_load_end(moe_disk_cache *d, int32_t seq, moe_error *err) {
+    moe_ctx *c = d->c;
+    pthread_mutex_lock(&d->mu);
+    job *j = d->loading[seq];
+    const bool done = j && j->done;
+    if (done) d->loading[seq] = NULL;
+    pthread_mutex_unlock(&d->mu);
+    if (!done) return false;
+    if (!j->err.code) {
+        /* rows past `have` are in place: seq now holds the entry's first n tokens */
+        memcpy(c->tokens + (uint64_t)seq * c->p.n_ctx + j->have, j->tokens + j->have,
+               (size_t)(j->n - j->have) * sizeof *j->tokens);
+        c->seq_len[seq] = j->n;
         c->verify_rows[seq] = 0;
-        if (state) memcpy(moe_linear_seq_state(c, seq), state, d->state_bytes);
-        entry *e = index_find(d, hit->name);
+        if (j->state) memcpy(moe_linear_seq_state(c, seq), j->state, d->state_bytes);
+        pthread_mutex_lock(&d->mu);
+        entry *e = index_find(d, j->name);
         if (e) touch(d, e);
         d->stats.hits++;
-        d->stats.hit_tokens += hit->n;
+        d->stats.hit_tokens += j->n;
+        pthread_mutex_unlock(&d->mu);
+    } else {
+        *err = j->err;
     }
-    pthread_mutex_unlock(&d->mu);
-    free(ftok);
-    free(sums);
-    free(state);
-    return st;
+    job_free(j);
+    return true;
 }
 
 /* ==== Saving ==== */
@@ -514,11 +589,7 @@ bool moe_disk_cache_save(moe_disk_cache *d, int32_t seq, uint32_t n) {
     }
     pthread_mutex_lock(&d->mu);
     d->busy[seq]++;
-    if (d->tail)
-        d->tail->next = j;
-    else
-        d->head = j;
-    d->tail = j;
+    queue_push(&d->saves, j);
     pthread_cond_broadcast(&d->cv);
     pthread_mutex_unlock(&d->mu);
     return true;
@@ -597,43 +668,52 @@ static void drop_superseded(moe_disk_cache *d, const int32_t *tokens, uint32_t n
     }
 }
 
-static void *writer_main(void *arg) {
+/* A save job on the cache's thread: the file, then the index. */
+static void run_save(moe_disk_cache *d, job *j) {
+    char name[64];
+    snprintf(name, sizeof name, "%016" PRIx64 "-%016" PRIx64 DISK_SUFFIX, d->identity, j->key);
+    moe_error err = {0};
+    uint64_t bytes = 0;
+    const moe_status st = write_entry(d, j, name, &bytes, &err);
+    if (st != MOE_OK) moe_log(MOE_LOG_WARN, "disk cache: cannot save an entry: %s", err.msg);
+    pthread_mutex_lock(&d->mu);
+    d->busy[j->seq]--;
+    if (st == MOE_OK) {
+        entry *old = index_find(d, name); /* the same tokens again: the file was replaced */
+        if (old) index_forget(d, old);
+        entry e = {.identity = d->identity, .bytes = bytes, .used = now_ns(), .n = j->n};
+        snprintf(e.name, sizeof e.name, "%s", name);
+        e.tokens = j->tokens;
+        j->tokens = NULL;
+        index_add(d, &e);
+        drop_superseded(d, e.tokens, e.n, name);
+        index_trim(d);
+        d->stats.writes++;
+        d->stats.write_bytes += bytes;
+    } else {
+        d->stats.write_errors++;
+    }
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    job_free(j);
+}
+
+/* The cache's thread: loads first (a request waits for each), then saves; at stop, whatever is
+ * queued is still done. */
+static void *worker_main(void *arg) {
     moe_disk_cache *d = arg;
     pthread_mutex_lock(&d->mu);
     for (;;) {
-        while (!d->head && !d->stop) pthread_cond_wait(&d->cv, &d->mu);
-        job *j = d->head;
+        while (!d->loads.head && !d->saves.head && !d->stop) pthread_cond_wait(&d->cv, &d->mu);
+        job *j = queue_pop(&d->loads);
+        if (!j) j = queue_pop(&d->saves);
         if (!j) break; /* stopping, and nothing left */
-        d->head = j->next;
-        if (!d->head) d->tail = NULL;
         pthread_mutex_unlock(&d->mu);
-        char name[64];
-        snprintf(name, sizeof name, "%016" PRIx64 "-%016" PRIx64 DISK_SUFFIX, d->identity, j->key);
-        moe_error err = {0};
-        uint64_t bytes = 0;
-        const moe_status st = write_entry(d, j, name, &bytes, &err);
-        if (st != MOE_OK) moe_log(MOE_LOG_WARN, "disk cache: cannot save an entry: %s", err.msg);
+        if (j->load)
+            run_load(d, j); /* the job stays d->loading[seq]'s until load_end */
+        else
+            run_save(d, j);
         pthread_mutex_lock(&d->mu);
-        d->busy[j->seq]--;
-        if (st == MOE_OK) {
-            entry *old = index_find(d, name); /* the same tokens again: the file was replaced */
-            if (old) index_forget(d, old);
-            entry e = {.identity = d->identity, .bytes = bytes, .used = now_ns(), .n = j->n};
-            snprintf(e.name, sizeof e.name, "%s", name);
-            e.tokens = j->tokens;
-            j->tokens = NULL;
-            index_add(d, &e);
-            drop_superseded(d, e.tokens, e.n, name);
-            index_trim(d);
-            d->stats.writes++;
-            d->stats.write_bytes += bytes;
-        } else {
-            d->stats.write_errors++;
-        }
-        pthread_cond_broadcast(&d->cv);
-        free(j->tokens);
-        free(j->state);
-        free(j);
     }
     pthread_mutex_unlock(&d->mu);
     return NULL;
@@ -662,13 +742,14 @@ moe_disk_cache *moe_disk_cache_open(moe_ctx *c, const char *dir, uint64_t max_by
     d->pos_bytes = (uint64_t)d->n_kv * (c->k_row_bytes + c->v_row_bytes);
     d->state_bytes = (uint64_t)c->lin.n_layer * c->lin.layer_floats * sizeof(float);
     d->busy = moe_xcalloc(c->p.n_seq, sizeof *d->busy);
+    d->loading = moe_xcalloc(c->p.n_seq, sizeof *d->loading);
     pthread_mutex_init(&d->mu, NULL);
     pthread_cond_init(&d->cv, NULL);
     if (identity_of(d, err) != MOE_OK || scan(d, err) != MOE_OK) {
         moe_disk_cache_close(d);
         return NULL;
     }
-    if (pthread_create(&d->writer, NULL, writer_main, d) != 0)
+    if (pthread_create(&d->writer, NULL, worker_main, d) != 0)
         moe_die("cannot start the disk cache writer");
     d->writer_started = true;
     return d;
@@ -682,13 +763,23 @@ void moe_disk_cache_close(moe_disk_cache *d) {
     pthread_mutex_unlock(&d->mu);
     if (d->writer_started) pthread_join(d->writer, NULL);
     for (size_t i = 0; i < d->n_entries; i++) free(d->entries[i].tokens);
+    for (uint32_t i = 0; d->loading && i < d->c->p.n_seq; i++)
+        if (d->loading[i]) job_free(d->loading[i]); /* finished, never taken */
     free(d->entries);
     free(d->busy);
+    free(d->loading);
     free(d->kv_layers);
     free(d->dir);
     pthread_mutex_destroy(&d->mu);
     pthread_cond_destroy(&d->cv);
     free(d);
+}
+
+void moe_disk_cache_on_load(moe_disk_cache *d, void (*fn)(void *arg), void *arg) {
+    pthread_mutex_lock(&d->mu);
+    d->notify = fn;
+    d->notify_arg = arg;
+    pthread_mutex_unlock(&d->mu);
 }
 
 bool moe_disk_cache_busy(moe_disk_cache *d, int32_t seq) {

@@ -136,8 +136,8 @@ const int32_t *moe_ctx_seq_tokens(const moe_ctx *c, int32_t seq);
  * uses only its own. Everything is checksummed (the header with the token ids, each chunk of
  * positions, the recurrent state); a damaged or truncated entry is removed, never resumed. A
  * load checks the token ids stored in the entry itself against the caller's, not only the hash.
- * Saves are written by the cache's own thread: the saved sequence's first n positions must not
- * change until moe_disk_cache_busy() says false (moe_disk_cache_wait waits for that). Without
+ * Loads and saves run on the cache's own thread: a sequence with one queued must not change
+ * until moe_disk_cache_busy() says false (moe_disk_cache_wait waits for that). Without
  * linear layers any prefix of an entry is usable; with them only the whole entry (the recurrent
  * state exists for its last position only). The directory is kept under a size limit by
  * removing the least recently used entries, whichever context wrote them. */
@@ -167,16 +167,21 @@ void moe_disk_cache_close(moe_disk_cache *d);
 /* The longest prefix of tokens[0..n) an entry can give (0: none; *hit names it). */
 uint32_t moe_disk_cache_find(moe_disk_cache *d, const int32_t *tokens, uint32_t n,
                              moe_disk_hit *hit);
-/* Extend seq, which holds a prefix of tokens[0..n) (moe_ctx_seq_reuse), to hit->n tokens from
- * the entry. On failure seq still holds what it held and err says why; a damaged entry is
- * removed. */
-moe_status moe_disk_cache_load(moe_disk_cache *d, int32_t seq, const moe_disk_hit *hit,
-                               const int32_t *tokens, uint32_t n, moe_error *err);
+/* Start extending seq, which holds a prefix of tokens[0..n) (moe_ctx_seq_reuse), to hit->n
+ * tokens from the entry, on the cache's thread; seq must stay untouched until
+ * moe_disk_cache_load_end says it is done (moe_disk_cache_on_load's fn is called then). */
+moe_status moe_disk_cache_load_begin(moe_disk_cache *d, int32_t seq, const moe_disk_hit *hit,
+                                     const int32_t *tokens, uint32_t n, moe_error *err);
+/* false while seq's load runs. Then true: seq holds hit->n tokens (err untouched), or still what
+ * it held with err saying why (a damaged entry is removed). On the engine thread. */
+bool moe_disk_cache_load_end(moe_disk_cache *d, int32_t seq, moe_error *err);
+/* fn(arg) on the cache's thread whenever a load is done (wakes the engine thread). */
+void moe_disk_cache_on_load(moe_disk_cache *d, void (*fn)(void *arg), void *arg);
 /* Queue a save of seq's first n tokens (n: its length, or on a hybrid the position of one of
  * its snapshots). false: nothing queued (an entry already holds them, no snapshot there, too
  * large for the limit). */
 bool moe_disk_cache_save(moe_disk_cache *d, int32_t seq, uint32_t n);
-/* A queued save still reads seq's rows. */
+/* A queued save or load still uses seq's rows. */
 bool moe_disk_cache_busy(moe_disk_cache *d, int32_t seq);
 void moe_disk_cache_wait(moe_disk_cache *d, int32_t seq);
 void moe_disk_cache_get_stats(moe_disk_cache *d, moe_disk_cache_stats *out);

@@ -19,7 +19,9 @@
  *
  * With --cache-dir, finished sequences also go to the engine's disk prefix cache (whole; on a
  * hybrid also at the prompt's snapshot), written by its own thread while the slot stays as it
- * is; a request whose prompt the disk can give more of than RAM loads it into its slot.
+ * is; a request whose prompt the disk can give more of than RAM gets its slot LOADING: the
+ * cache's thread reads the prefix into it while the other streams go on, and the stream starts
+ * at the first step after (the engine thread is woken for it).
  * The trap: a sampled token joins the sequence only when it is fed as a row, so a finished
  * stream's last token is not there. */
 #include "serve_internal.h"
@@ -32,7 +34,9 @@
 
 #include "../model/model.h"
 
-typedef enum slot_state { SLOT_EMPTY, SLOT_RESIDENT, SLOT_ACTIVE } slot_state;
+/* LOADING: admitted, its prefix coming from the disk cache (the cache's thread writes its rows);
+ * it runs once the load is done. */
+typedef enum slot_state { SLOT_EMPTY, SLOT_RESIDENT, SLOT_LOADING, SLOT_ACTIVE } slot_state;
 
 typedef struct slot {
     slot_state state;
@@ -47,6 +51,7 @@ typedef struct slot {
     moe_detok *detok;
     moe_strbuf hold; /* text held back: it may be the start of a stop string */
     uint32_t n_generated;
+    uint32_t ram_reuse; /* LOADING: the prefix RAM gave, before the disk's */
 } slot;
 
 struct serve_sched {
@@ -58,6 +63,7 @@ struct serve_sched {
     serve_req *wait_head, *wait_tail;
     uint32_t n_waiting;
     bool stop, loaded, load_failed;
+    bool disk_loaded; /* a disk cache load finished: the engine thread has work */
     char load_error[MOE_ERROR_MSG_MAX];
     /* engine-thread state (read-only for others once loaded: model, tok, n_ctx) */
     moe_model *model;
@@ -203,7 +209,7 @@ static int slot_choose(serve_sched *s, const serve_gen *g) {
     uint32_t best_n = 0;
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];
-        if (sl->state == SLOT_ACTIVE) continue;
+        if (sl->state == SLOT_ACTIVE || sl->state == SLOT_LOADING) continue;
         /* a resident sequence the disk cache is still saving stays as it is */
         if (sl->state == SLOT_RESIDENT && s->disk && moe_disk_cache_busy(s->disk, (int32_t)i)) {
             if (saving < 0 || sl->last_used < s->slots[saving].last_used) saving = (int)i;
@@ -232,17 +238,26 @@ static int slot_choose(serve_sched *s, const serve_gen *g) {
     return pick;
 }
 
-/* The disk cache gives more of the prompt than RAM did (reuse tokens in the slot): load it. */
-static uint32_t disk_reuse(serve_sched *s, int idx, const serve_gen *g, uint32_t reuse) {
+/* The disk cache can give more of the prompt than RAM did (reuse tokens in the slot): start
+ * loading it; false when there is nothing to load (or it could not start). */
+static bool disk_load_begin(serve_sched *s, int idx, const serve_gen *g, uint32_t reuse) {
     moe_disk_hit hit;
     if (!s->disk || moe_disk_cache_find(s->disk, g->prompt, g->n_prompt - 1, &hit) <= reuse)
-        return reuse;
+        return false;
     moe_error err = {0};
-    if (moe_disk_cache_load(s->disk, idx, &hit, g->prompt, g->n_prompt - 1, &err) != MOE_OK) {
-        moe_log(MOE_LOG_WARN, "serve: prefix not taken from disk: %s", err.msg);
-        return reuse;
-    }
-    return hit.n;
+    if (moe_disk_cache_load_begin(s->disk, idx, &hit, g->prompt, g->n_prompt - 1, &err) == MOE_OK)
+        return true;
+    moe_log(MOE_LOG_WARN, "serve: prefix not taken from disk: %s", err.msg);
+    return false;
+}
+
+/* The disk cache's thread finished a load: wake the engine thread. */
+static void disk_loaded(void *arg) {
+    serve_sched *s = arg;
+    pthread_mutex_lock(&s->mu);
+    s->disk_loaded = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
 }
 
 /* A finished sequence to the disk cache: all of it, and on a hybrid also the prompt's
@@ -255,17 +270,10 @@ static void disk_save(serve_sched *s, int idx, const serve_gen *g) {
         moe_disk_cache_save(s->disk, idx, g->n_prompt - 1);
 }
 
-static void admit(serve_sched *s, serve_req *r) {
-    const int idx = slot_choose(s, &r->gen);
-    MOE_CHECK(idx >= 0);
+/* The slot's sequence holds `reuse` tokens of the prompt (ram of them from RAM, the rest from
+ * disk): the stream starts, and the request learns it has one. */
+static void admit_finish(serve_sched *s, int idx, serve_req *r, uint32_t reuse, uint32_t ram) {
     slot *sl = &s->slots[idx];
-    /* prompts are never empty (the HTTP layer refuses them); leave the last token to run */
-    uint32_t reuse = 0;
-    moe_error err = {0};
-    MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, r->gen.n_prompt - 1, &reuse, &err) ==
-              MOE_OK);
-    const uint32_t ram = reuse;
-    reuse = disk_reuse(s, idx, &r->gen, reuse);
     sl->state = SLOT_ACTIVE;
     sl->snapped = !s->hybrid || r->gen.n_prompt < 2;
     sl->req = r;
@@ -295,6 +303,39 @@ static void admit(serve_sched *s, serve_req *r) {
         s->metrics->disk_tokens += reuse;
     }
     pthread_mutex_unlock(&s->metrics->mu);
+}
+
+static void admit(serve_sched *s, serve_req *r) {
+    const int idx = slot_choose(s, &r->gen);
+    MOE_CHECK(idx >= 0);
+    slot *sl = &s->slots[idx];
+    /* prompts are never empty (the HTTP layer refuses them); leave the last token to run */
+    uint32_t reuse = 0;
+    moe_error err = {0};
+    MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, r->gen.n_prompt - 1, &reuse, &err) ==
+              MOE_OK);
+    if (disk_load_begin(s, idx, &r->gen, reuse)) { /* admit_finish once it is in */
+        sl->state = SLOT_LOADING;
+        sl->req = r;
+        sl->ram_reuse = reuse;
+        sl->last_used = s->step;
+        return;
+    }
+    admit_finish(s, idx, r, reuse, reuse);
+}
+
+/* Slots whose disk load is done start their streams (with RAM's prefix when it failed). wait:
+ * wait for every load (shutting down). */
+static void disk_loads_end(serve_sched *s, bool wait) {
+    for (uint32_t i = 0; i < s->n_slots; i++) {
+        slot *sl = &s->slots[i];
+        if (sl->state != SLOT_LOADING) continue;
+        if (wait) moe_disk_cache_wait(s->disk, (int32_t)i);
+        moe_error err = {0};
+        if (!moe_disk_cache_load_end(s->disk, (int32_t)i, &err)) continue;
+        if (err.code) moe_log(MOE_LOG_WARN, "serve: prefix not taken from disk: %s", err.msg);
+        admit_finish(s, (int)i, sl->req, slot_len(s, (int)i), sl->ram_reuse);
+    }
 }
 
 /* The stream is over: release held text, report, free per-stream state, keep the sequence. */
@@ -536,7 +577,7 @@ static bool step(serve_sched *s) {
 static void update_gauges(serve_sched *s) {
     uint32_t active = 0, resident = 0;
     for (uint32_t i = 0; i < s->n_slots; i++) {
-        active += s->slots[i].state == SLOT_ACTIVE;
+        active += s->slots[i].state == SLOT_ACTIVE || s->slots[i].state == SLOT_LOADING;
         resident += s->slots[i].state == SLOT_RESIDENT;
     }
     pthread_mutex_lock(&s->mu);
@@ -625,6 +666,7 @@ static bool load(serve_sched *s) {
             s->p.cache_disk_bytes ? s->p.cache_disk_bytes : SERVE_CACHE_DISK_DEFAULT;
         s->disk = moe_disk_cache_open(s->ctx, s->p.cache_dir, limit, &err);
         if (!s->disk) goto fail;
+        moe_disk_cache_on_load(s->disk, disk_loaded, s);
         moe_disk_cache_stats st;
         moe_disk_cache_get_stats(s->disk, &st);
         moe_log(MOE_LOG_INFO, "serve: disk cache %s: %llu entries, %.1f of %.1f MiB",
@@ -658,7 +700,8 @@ static void *engine_main(void *arg) {
     for (;;) {
         /* admit: waiting requests into free streams, dropping the cancelled */
         uint32_t active = 0;
-        for (uint32_t i = 0; i < s->n_slots; i++) active += s->slots[i].state == SLOT_ACTIVE;
+        for (uint32_t i = 0; i < s->n_slots; i++)
+            active += s->slots[i].state == SLOT_ACTIVE || s->slots[i].state == SLOT_LOADING;
         uint32_t n_new = 0, n_dropped = 0;
         serve_req *dropped[64];
         pthread_mutex_lock(&s->mu);
@@ -666,6 +709,7 @@ static void *engine_main(void *arg) {
             pthread_mutex_unlock(&s->mu);
             break;
         }
+        s->disk_loaded = false; /* looked at below */
         for (serve_req **pp = &s->wait_head; *pp && n_dropped < 64;) {
             serve_req *r = *pp;
             if (atomic_load(&r->cancel)) {
@@ -695,6 +739,7 @@ static void *engine_main(void *arg) {
         pthread_mutex_unlock(&s->mu);
         for (uint32_t i = 0; i < n_dropped; i++) finish_waiting(s, dropped[i]);
         for (uint32_t i = 0; i < n_new; i++) admit(s, batch[i]);
+        if (s->disk) disk_loads_end(s, false);
         /* cancel streams whose client went away */
         for (uint32_t i = 0; i < s->n_slots; i++)
             if (s->slots[i].state == SLOT_ACTIVE && atomic_load(&s->slots[i].req->cancel))
@@ -711,10 +756,11 @@ static void *engine_main(void *arg) {
         }
         /* nothing to run: sleep until a submit, a cancel or stop */
         pthread_mutex_lock(&s->mu);
-        if (!s->stop && !s->wait_head) pthread_cond_wait(&s->cv, &s->mu);
+        if (!s->stop && !s->wait_head && !s->disk_loaded) pthread_cond_wait(&s->cv, &s->mu);
         pthread_mutex_unlock(&s->mu);
     }
     /* shutting down: end every stream and waiting request */
+    if (s->disk) disk_loads_end(s, true);
     for (uint32_t i = 0; i < s->n_slots; i++)
         if (s->slots[i].state == SLOT_ACTIVE) finish(s, (int)i, SERVE_FINISH_CANCELLED, -1, NULL);
     pthread_mutex_lock(&s->mu);
