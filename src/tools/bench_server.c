@@ -312,8 +312,8 @@ moe_status moe_bench_server_run(const moe_bench_server_params *p, moe_bench_serv
     r->tok_s.max = rates[p->repeats - 1];
     r->tok_s.median = moe_median(rates, p->repeats);
     free(rates);
-    qsort(r->ttft, r->n_ttft, sizeof *r->ttft, cmp_double);
-    qsort(r->itl, r->n_itl, sizeof *r->itl, cmp_double);
+    if (r->n_ttft) qsort(r->ttft, r->n_ttft, sizeof *r->ttft, cmp_double);
+    if (r->n_itl) qsort(r->itl, r->n_itl, sizeof *r->itl, cmp_double);
     r->ttft_p50 = percentile(r->ttft, r->n_ttft, 50);
     r->ttft_p99 = percentile(r->ttft, r->n_ttft, 99);
     r->itl_p50 = percentile(r->itl, r->n_itl, 50);
