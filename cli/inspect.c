@@ -189,10 +189,10 @@ static void print_plan(FILE *out, const moe_inspect_plan *p) {
             fprintf(out, " %u %s,", p->kind_count[k], moe_layer_kind_name((moe_layer_kind)k));
     fprintf(out, " FFN: %u dense, %u routed", p->n_dense_ffn, p->n_expert_ffn);
     if (p->n_expert_ffn) fprintf(out, " (%u experts, %u per token)", p->n_expert, p->n_expert_used);
-    fprintf(out,
-            "\n  state: %" PRIu64 " KV values per token, %" PRIu64
-            " recurrent-state values per sequence\n",
-            p->kv_values_per_token, p->state_values_per_seq);
+    fprintf(out, "\n  state: %" PRIu64 " KV values per token", p->kv_values_per_token);
+    if (p->index_values_per_token)
+        fprintf(out, " + %" PRIu64 " indexer values (f32)", p->index_values_per_token);
+    fprintf(out, ", %" PRIu64 " recurrent-state values per sequence\n", p->state_values_per_seq);
 }
 
 static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r) {
@@ -472,6 +472,7 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     moe_json_kv_uint(&j, "n_expert", p->n_expert);
     moe_json_kv_uint(&j, "n_expert_used", p->n_expert_used);
     moe_json_kv_uint(&j, "kv_values_per_token", p->kv_values_per_token);
+    moe_json_kv_uint(&j, "index_values_per_token", p->index_values_per_token);
     moe_json_kv_uint(&j, "state_values_per_seq", p->state_values_per_seq);
     moe_json_object_end(&j);
 

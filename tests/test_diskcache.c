@@ -10,7 +10,10 @@
  * (in the payload: found when loaded; in the token ids: found at start-up), truncated entries
  * and an entry renamed to another prefix's key are all ignored and removed (counted in
  * /metrics), and the text is still right. With one slot, a prompt evicted from RAM by another
- * comes back from disk. A small --cache-disk-size keeps the directory under it. Prompts are token
+ * comes back from disk. A small --cache-disk-size keeps the directory under it. On glm-dsa
+ * (sparse MLA: latent and indexer rows; tests/glm_dsa_reference.py's model and float64 logits,
+ * through the engine's API since the model has no tokenizer) a loaded prefix continues as the
+ * reference does. Prompts are token
  * ids: the parity fixtures' prompt (llama.cpp's tokens.json), and for stories260K run.c's greedy
  * tokens from BOS. */
 #include "testutil.h"
@@ -23,6 +26,9 @@
 #include <unistd.h>
 
 #include <jansson.h>
+#include <math.h>
+
+#include "../src/engine/engine.h"
 
 #define N_PROMPT    16 /* prompt tokens */
 #define N_GEN       16 /* greedy tokens asked for */
@@ -322,6 +328,99 @@ static void ram_eviction(void **state) {
     reply_free(&b);
 }
 
+/* ==== Sparse MLA: the indexer's rows go to disk too ==== */
+
+#define DSA_SAVED 30 /* of the reference's 40 tokens; its indexer selects 6 from position 6 on */
+
+/* Prefill ids[0..n) of seq in one call; the logits of its last row into out (or none). */
+static void feed(moe_ctx *c, int32_t seq, const int32_t *ids, uint32_t from, uint32_t to,
+                 float *out) {
+    moe_row rows[64];
+    for (uint32_t i = from; i < to; i++)
+        rows[i - from] =
+            (moe_row){.seq = seq, .pos = (int32_t)i, .token = ids[i], .logits = out != NULL};
+    moe_error err = {0};
+    if (moe_ctx_decode(c, rows, to - from, out, &err) != MOE_OK) fail_msg("%s", err.msg);
+}
+
+/* glm-dsa (tests/glm_dsa_reference.py writes the model and its float64 logits): 30 tokens saved
+ * from one context, loaded into another (a restart), the last 10 fed after them: their logits
+ * equal those of the context that computed all 40 bit for bit, and the reference's within
+ * 1e-4 of each row's largest; without the loaded rows they would not. */
+static void indexer_rows(void **state) {
+    (void)state;
+    const char *python = moe_test_python_numpy();
+    MOE_SKIP_IF_NULL(python);
+    char dir[600], cmd[1400], path[700], *out;
+    snprintf(dir, sizeof dir, "%s/dsa", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd, "mkdir -p %s && %s tests/glm_dsa_reference.py %s 15", dir, python,
+             dir);
+    if (moe_test_run(cmd, &out) != 0) fail_msg("%s failed:\n%s", cmd, out);
+    free(out);
+    moe_error err = {0};
+    snprintf(path, sizeof path, "%s/glm-dsa.gguf", dir);
+    moe_model *m = moe_model_load(path, &err);
+    if (!m) fail_msg("%s", err.msg);
+    const uint32_t nv = m->cfg.n_vocab, n = 40;
+    snprintf(path, sizeof path, "%s/tokens.txt", dir);
+    uint8_t *text;
+    size_t size;
+    assert_int_equal(moe_file_read(path, &text, &size, &err), MOE_OK);
+    int32_t ids[64];
+    char *p = (char *)text;
+    for (uint32_t i = 0; i < n; i++, p++) ids[i] = (int32_t)strtol(p, &p, 10);
+    free(text);
+    float *ref;
+    snprintf(path, sizeof path, "%s/logits.f32", dir);
+    assert_int_equal(moe_file_read(path, (uint8_t **)&ref, &size, &err), MOE_OK);
+    assert_int_equal(size, sizeof(float) * n * nv);
+
+    const moe_ctx_params cp = {.n_ctx = 64, .n_seq = 2, .max_rows = 64, .kv_type = MOE_TYPE_F32};
+    char cache[700];
+    snprintf(cache, sizeof cache, "%s/cache", dir);
+    float *whole = moe_xmalloc(sizeof(float) * nv), *loaded = moe_xmalloc(sizeof(float) * nv);
+    moe_ctx *a = moe_ctx_new(m, &cp, &err), *b = moe_ctx_new(m, &cp, &err);
+    assert_non_null(a);
+    assert_non_null(b);
+    feed(a, 0, ids, 0, DSA_SAVED, NULL);
+    moe_disk_cache *d = moe_disk_cache_open(a, cache, 1 << 30, &err);
+    assert_non_null(d);
+    assert_true(moe_disk_cache_save(d, 0, DSA_SAVED));
+    moe_disk_cache_close(d); /* written */
+    d = moe_disk_cache_open(b, cache, 1 << 30, &err);
+    assert_non_null(d);
+    moe_disk_hit hit;
+    assert_int_equal(moe_disk_cache_find(d, ids, n - 1, &hit), DSA_SAVED);
+    uint32_t reused;
+    assert_int_equal(moe_ctx_seq_reuse(b, 1, ids, n - 1, &reused, &err), MOE_OK);
+    assert_int_equal(reused, 0);
+    assert_int_equal(moe_disk_cache_load_begin(d, 1, &hit, ids, n - 1, &err), MOE_OK);
+    moe_disk_cache_wait(d, 1);
+    assert_true(moe_disk_cache_load_end(d, 1, &err));
+    assert_int_equal(err.code, MOE_OK);
+    assert_int_equal(moe_ctx_seq_len(b, 1), DSA_SAVED);
+    for (uint32_t i = DSA_SAVED; i < n; i++) {
+        feed(a, 0, ids, i, i + 1, whole);
+        feed(b, 1, ids, i, i + 1, loaded);
+        assert_memory_equal(whole, loaded, sizeof(float) * nv);
+        double max_ref = 0, max_diff = 0;
+        for (uint32_t k = 0; k < nv; k++) {
+            const double r = ref[(size_t)i * nv + k];
+            max_ref = fmax(max_ref, fabs(r));
+            max_diff = fmax(max_diff, fabs(loaded[k] - r));
+        }
+        if (max_diff > 1e-4 * max_ref)
+            fail_msg("position %u: logits %g off the reference (largest %g)", i, max_diff, max_ref);
+    }
+    moe_disk_cache_close(d);
+    moe_ctx_free(a);
+    moe_ctx_free(b);
+    moe_model_free(m);
+    free(whole);
+    free(loaded);
+    free(ref);
+}
+
 /* --cache-disk-size: the directory stays under it, the least recently used going first. */
 static void size_limit(void **state) {
     (void)state;
@@ -368,6 +467,7 @@ int moe_suite_diskcache(void) {
         cmocka_unit_test_prestate(ram_eviction, (void *)&cases[0]),
         cmocka_unit_test_prestate(ram_eviction, (void *)&cases[1]),
         cmocka_unit_test(size_limit),
+        cmocka_unit_test(indexer_rows),
     };
     return cmocka_run_group_tests_name("diskcache", tests, NULL, NULL);
 }

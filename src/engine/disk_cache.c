@@ -15,7 +15,8 @@
  *   int32  tokens[n_tokens]
  *   uint64 chunk_sum[n_chunks]       moe_hash64 of each chunk of the payload
  *   payload: chunks of DISK_CHUNK_TOKENS positions; in a chunk of m positions, for each trunk
- *            attention layer in order, its m K rows then its m V rows (the context's KV type)
+ *            attention layer in order, its m K rows, its m V rows (the context's KV type; MLA:
+ *            the latent rows, no V) and its m indexer rows (sparse MLA; f32)
  *   state:   the recurrent state after n_tokens tokens (hybrids; state_sum)
  * header_sum covers the fixed header (header_sum itself as 0), the tokens and the chunk sums.
  * Chunks let a load read and check only the positions it needs.
@@ -114,6 +115,7 @@ struct moe_disk_cache {
     uint64_t identity, max_bytes;
     uint32_t n_kv;       /* trunk attention layers */
     uint32_t *kv_layers; /* [n_kv] their layer indices */
+    uint64_t *idx_bytes; /* [n_kv] bytes of a layer's indexer row per position (0: none) */
     uint64_t pos_bytes, state_bytes;
     pthread_mutex_t mu; /* guards everything below */
     pthread_cond_t cv;  /* a job queued, a job done, stop */
@@ -152,8 +154,9 @@ static moe_status identity_of(moe_disk_cache *d, moe_error *err) {
     h = moe_hash64(kernels, strlen(kernels), h);
     const char *exact = getenv("MOE_EXACT");
     if (exact) h = moe_hash64(exact, strlen(exact), h ^ 1);
-    const uint64_t settings[6] = {(uint64_t)c->p.kv_type, c->p.n_ctx, c->k_row_bytes,
-                                  c->v_row_bytes,         d->n_kv,    d->state_bytes};
+    const uint64_t settings[7] = {(uint64_t)c->p.kv_type, c->p.n_ctx, c->k_row_bytes,
+                                  c->v_row_bytes,         d->n_kv,    d->pos_bytes,
+                                  d->state_bytes};
     h = moe_hash64(settings, sizeof settings, h);
     const moe_gguf *g = c->m->gguf;
     for (uint32_t i = 0; i < moe_gguf_n_shards(g); i++) {
@@ -374,19 +377,25 @@ static moe_status scan(moe_disk_cache *d, moe_error *err) {
 /* ==== Rows: where a position's K/V lives, in the context and in a chunk ==== */
 
 /* Copy positions [lo, hi) of seq between the context and a chunk that starts at position p0
- * and holds m positions; to_ctx: chunk -> context. */
+ * and holds m positions; to_ctx: chunk -> context. A chunk holds, per trunk attention layer,
+ * its m K rows, m V rows and m indexer rows (sparse MLA), as moe_ctx_seq_reuse copies them. */
 static void chunk_rows(moe_disk_cache *d, int32_t seq, uint8_t *chunk, uint32_t p0, uint32_t m,
                        uint32_t lo, uint32_t hi, bool to_ctx) {
     moe_ctx *c = d->c;
-    const uint64_t kb = c->k_row_bytes, vb = c->v_row_bytes;
+    const uint64_t kb = c->k_row_bytes, vb = c->v_row_bytes, n = hi - lo, skip = lo - p0;
+    uint8_t *layer = chunk;
     for (uint32_t i = 0; i < d->n_kv; i++) {
-        uint8_t *k = chunk + (uint64_t)i * m * (kb + vb) + (uint64_t)(lo - p0) * kb;
-        uint8_t *v = chunk + (uint64_t)i * m * (kb + vb) + (uint64_t)m * kb + (lo - p0) * vb;
-        uint8_t *ck = moe_kv_slot(c, c->k_cache, kb, seq, d->kv_layers[i], lo);
-        uint8_t *cv = moe_kv_slot(c, c->v_cache, vb, seq, d->kv_layers[i], lo);
-        const uint64_t nk = (uint64_t)(hi - lo) * kb, nv = (uint64_t)(hi - lo) * vb;
-        memcpy(to_ctx ? ck : k, to_ctx ? k : ck, nk);
-        if (vb) memcpy(to_ctx ? cv : v, to_ctx ? v : cv, nv);
+        const uint32_t l = d->kv_layers[i];
+        const uint64_t ib = d->idx_bytes[i];
+        uint8_t *at[3] = {layer + skip * kb, layer + m * kb + skip * vb,
+                          layer + m * (kb + vb) + skip * ib};
+        uint8_t *ctx[3] = {moe_kv_slot(c, c->k_cache, kb, seq, l, lo),
+                           moe_kv_slot(c, c->v_cache, vb, seq, l, lo),
+                           ib ? (uint8_t *)moe_indexer_row(c, seq, l, lo) : NULL};
+        const uint64_t bytes[3] = {n * kb, n * vb, n * ib};
+        for (int k = 0; k < 3; k++)
+            if (bytes[k]) memcpy(to_ctx ? ctx[k] : at[k], to_ctx ? at[k] : ctx[k], bytes[k]);
+        layer += m * (kb + vb + ib);
     }
 }
 
@@ -737,9 +746,14 @@ moe_disk_cache *moe_disk_cache_open(moe_ctx *c, const char *dir, uint64_t max_by
     d->dir = moe_xstrdup(dir);
     d->max_bytes = max_bytes;
     d->kv_layers = moe_xcalloc(c->m->cfg.n_layer + 1, sizeof *d->kv_layers);
-    for (uint32_t l = 0; l < c->m->cfg.n_layer; l++)
-        if (moe_layer_state_of(&c->m->cfg, l).k_values) d->kv_layers[d->n_kv++] = l;
-    d->pos_bytes = (uint64_t)d->n_kv * (c->k_row_bytes + c->v_row_bytes);
+    d->idx_bytes = moe_xcalloc(c->m->cfg.n_layer + 1, sizeof *d->idx_bytes);
+    for (uint32_t l = 0; l < c->m->cfg.n_layer; l++) {
+        const moe_layer_state ls = moe_layer_state_of(&c->m->cfg, l);
+        if (!ls.k_values) continue;
+        d->idx_bytes[d->n_kv] = ls.index_values * sizeof(float);
+        d->pos_bytes += c->k_row_bytes + c->v_row_bytes + d->idx_bytes[d->n_kv];
+        d->kv_layers[d->n_kv++] = l;
+    }
     d->state_bytes = (uint64_t)c->lin.n_layer * c->lin.layer_floats * sizeof(float);
     d->busy = moe_xcalloc(c->p.n_seq, sizeof *d->busy);
     d->loading = moe_xcalloc(c->p.n_seq, sizeof *d->loading);
@@ -769,6 +783,7 @@ void moe_disk_cache_close(moe_disk_cache *d) {
     free(d->busy);
     free(d->loading);
     free(d->kv_layers);
+    free(d->idx_bytes);
     free(d->dir);
     pthread_mutex_destroy(&d->mu);
     pthread_cond_destroy(&d->cv);

@@ -172,6 +172,7 @@ static void read_plan(const moe_gguf *g, moe_inspect_plan *p) {
             p->n_dense_ffn++;
         p->kv_values_per_token += s.k_values + s.v_values;
         p->state_values_per_seq += s.state_values;
+        p->index_values_per_token += s.index_values;
     }
     moe_model_config_free(&c);
 }
