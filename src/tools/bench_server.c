@@ -47,7 +47,6 @@ typedef struct request {
     size_t n_chunks, cap_chunks;
     long completion_tokens; /* from usage; -1 until seen */
     moe_strbuf pending;     /* bytes of an event not yet complete */
-    bool bad_event;
     char error[512];
     pthread_t thread;
     bool running; /* thread started: join it */
@@ -64,15 +63,17 @@ static void on_event(request *q, const char *ev, size_t len, double t) {
     if (!data) return; /* comments (keep-alives) and other fields */
     while (*data == ' ') data++;
     if (strncmp(data, "[DONE]", 6) == 0) return;
-    json_t *j = json_loadb(data, (size_t)(ev + len - data), 0, NULL);
+    /* a model may emit NUL bytes: the server escapes them as \u0000 */
+    json_t *j = json_loadb(data, (size_t)(ev + len - data), JSON_ALLOW_NUL, NULL);
     if (!j) {
-        q->bad_event = true;
+        if (!q->error[0])
+            snprintf(q->error, sizeof q->error, "an event's data is not JSON: %.*s",
+                     (int)(ev + len - data < 120 ? ev + len - data : 120), data);
         return;
     }
     /* a chunk with text is a token's (the closing one has only finish_reason) */
-    const char *text = json_string_value(
-        json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text"));
-    if (text && *text) {
+    json_t *text = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text");
+    if (json_string_length(text) > 0) {
         if (q->n_chunks == q->cap_chunks) {
             q->cap_chunks = q->cap_chunks ? 2 * q->cap_chunks : 256;
             q->chunk_t = moe_xrealloc(q->chunk_t, q->cap_chunks * sizeof *q->chunk_t);
@@ -149,8 +150,6 @@ static void *request_main(void *arg) {
     else if (status != 200)
         snprintf(q->error, sizeof q->error, "%.200s: HTTP %ld: %.120s", url, status,
                  q->pending.s ? q->pending.s : "");
-    else if (q->bad_event)
-        snprintf(q->error, sizeof q->error, "%.200s: an event's data is not JSON", url);
     else if (q->completion_tokens != p->tokens)
         snprintf(q->error, sizeof q->error, "%.200s: %ld tokens streamed, %d asked for", url,
                  q->completion_tokens, p->tokens);
