@@ -47,6 +47,12 @@ static const moe_command commands[] = {
      "        [--kv-type f16|f32] [--mmap] [--expert-cache SIZE] [--csv | --json]\n"
      "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
      "[--start-cmd CMD] [--svg FILE] [--json]"},
+    {"eval", moe_cmd_eval,
+     "score labelled records by label probability, compare two runs, KL against a reference",
+     "labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] [--json]\n"
+     "        | compare A.jsonl B.jsonl [--resamples N] [--seed S] [--json]\n"
+     "        | kl MODEL --ref REF_MODEL (--text F | --tokens IDS) [--ctx N] [--json]\n"
+     "        (`moe eval labels --help` etc. for each)"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
      "[--queue N] [--queue-timeout S]\n"

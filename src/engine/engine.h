@@ -254,5 +254,12 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits);
 /* Tell the sampler about prompt tokens (they count for the penalties). */
 void moe_sampler_accept(moe_sampler *s, int32_t token);
 void moe_sampler_reset(moe_sampler *s);
+/* The log-probability of a given token (a prompt token, not a draw) under the raw logits (no
+ * bias, penalties or temperature), and the sampler's n_top_logprobs best alternatives; the
+ * token is not remembered for the penalties. */
+moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token);
+/* log-softmax of one logits row at token: logit - max - log(sum exp(logit_i - max)), summed in
+ * double. What `moe eval` scores with; moe_sampler_score rounds the same value to float. */
+double moe_logprob(const float *logits, uint32_t n_vocab, int32_t token);
 
 #endif

@@ -16,6 +16,9 @@
  * sequence or at a snapshot: each prompt is prefilled up to its last token, snapshotted there,
  * and the last token runs in the next step, so the same prompt again (or one that extends it)
  * reuses all but its last token. A request never runs on state holding tokens it did not send.
+ * A request for prompt log-probabilities (echo) reuses nothing: every prompt row runs with
+ * logits (at most SERVE_PROMPT_LOGPROB_ROWS of them per step) and each gives the next prompt
+ * token's log-probability as an event before the first sample.
  *
  * With --cache-dir, finished sequences also go to the engine's disk prefix cache (whole; on a
  * hybrid also at the prompt's snapshot), written by its own thread while the slot stays as it
@@ -46,7 +49,9 @@ typedef struct slot {
     bool decoding; /* prompt done: the next row feeds next_token */
     bool snapped;  /* hybrid: the prompt's state before its last token is snapshotted */
     int32_t next_token;
-    int32_t logits_row; /* this step: index of its logits row, or -1 */
+    int32_t logits_row;    /* this step: index of its logits row, or -1 */
+    int32_t lp_row;        /* prompt_logprobs, this step: first of its prompt rows' logits rows */
+    uint32_t lp_pos, lp_n; /* ... the position of the first of them, and how many */
     moe_sampler *sampler;
     moe_detok *detok;
     moe_strbuf hold; /* text held back: it may be the start of a stop string */
@@ -75,7 +80,7 @@ struct serve_sched {
     slot *slots;
     moe_row *rows;     /* [parallel + SERVE_PREFILL_CHUNK] */
     int32_t *row_slot; /* [same] which slot each row belongs to */
-    float *logits;     /* [parallel][n_vocab] */
+    float *logits;     /* [parallel + SERVE_PROMPT_LOGPROB_ROWS][n_vocab] */
     uint64_t step;
 };
 
@@ -238,15 +243,14 @@ static int slot_choose(serve_sched *s, const serve_gen *g) {
     return pick;
 }
 
-/* The disk cache can give more of the prompt than RAM did (reuse tokens in the slot): start
- * loading it; false when there is nothing to load (or it could not start). */
-static bool disk_load_begin(serve_sched *s, int idx, const serve_gen *g, uint32_t reuse) {
+/* The disk cache can give more of the first n prompt tokens than RAM did (reuse tokens in the
+ * slot): start loading it; false when there is nothing to load (or it could not start). */
+static bool disk_load_begin(serve_sched *s, int idx, const serve_gen *g, uint32_t n,
+                            uint32_t reuse) {
     moe_disk_hit hit;
-    if (!s->disk || moe_disk_cache_find(s->disk, g->prompt, g->n_prompt - 1, &hit) <= reuse)
-        return false;
+    if (!s->disk || moe_disk_cache_find(s->disk, g->prompt, n, &hit) <= reuse) return false;
     moe_error err = {0};
-    if (moe_disk_cache_load_begin(s->disk, idx, &hit, g->prompt, g->n_prompt - 1, &err) == MOE_OK)
-        return true;
+    if (moe_disk_cache_load_begin(s->disk, idx, &hit, g->prompt, n, &err) == MOE_OK) return true;
     moe_log(MOE_LOG_WARN, "serve: prefix not taken from disk: %s", err.msg);
     return false;
 }
@@ -283,7 +287,8 @@ static void admit_finish(serve_sched *s, int idx, serve_req *r, uint32_t reuse, 
     sl->last_used = s->step;
     r->gen.sampling.bias_tokens = r->gen.bias_tokens;
     r->gen.sampling.bias_values = r->gen.bias_values;
-    r->gen.sampling.n_top_logprobs = r->gen.logprobs ? r->gen.sampling.n_top_logprobs : 0;
+    r->gen.sampling.n_top_logprobs =
+        r->gen.logprobs || r->gen.prompt_logprobs ? r->gen.sampling.n_top_logprobs : 0;
     sl->sampler = moe_sampler_new(&r->gen.sampling, s->n_vocab);
     for (uint32_t i = 0; i < r->gen.n_prompt; i++)
         moe_sampler_accept(sl->sampler, r->gen.prompt[i]);
@@ -312,9 +317,10 @@ static void admit(serve_sched *s, serve_req *r) {
     /* prompts are never empty (the HTTP layer refuses them); leave the last token to run */
     uint32_t reuse = 0;
     moe_error err = {0};
-    MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, r->gen.n_prompt - 1, &reuse, &err) ==
-              MOE_OK);
-    if (disk_load_begin(s, idx, &r->gen, reuse)) { /* admit_finish once it is in */
+    /* prompt log-probabilities need the logits of every prompt row: nothing is reused */
+    const uint32_t n_reusable = r->gen.prompt_logprobs ? 0 : r->gen.n_prompt - 1;
+    MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, n_reusable, &reuse, &err) == MOE_OK);
+    if (disk_load_begin(s, idx, &r->gen, n_reusable, reuse)) { /* admit_finish once it is in */
         sl->state = SLOT_LOADING;
         sl->req = r;
         sl->ram_reuse = reuse;
@@ -442,6 +448,10 @@ static int stop_feed(slot *sl, const moe_sample *sample, const char *text, size_
 static void on_logits(serve_sched *s, int idx, const float *logits) {
     slot *sl = &s->slots[idx];
     serve_req *r = sl->req;
+    if (r->gen.max_tokens == 0) { /* echo of the prompt alone */
+        finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
+        return;
+    }
     const moe_sample smp = moe_sampler_sample(sl->sampler, logits);
     if (sl->n_generated == 0) {
         const double now = serve_now();
@@ -488,6 +498,19 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
     }
 }
 
+/* The prompt rows this step ran with logits: each scores the prompt token after it. */
+static void prompt_logprobs(serve_sched *s, slot *sl) {
+    const serve_gen *g = &sl->req->gen;
+    for (uint32_t k = 0; k < sl->lp_n; k++) {
+        const uint32_t pos = sl->lp_pos + k;
+        if (pos + 1 >= g->n_prompt) break;
+        const float *row = s->logits + (size_t)(sl->lp_row + (int32_t)k) * s->n_vocab;
+        const moe_sample smp = moe_sampler_score(sl->sampler, row, g->prompt[pos + 1]);
+        emit(sl->req, SERVE_EV_PROMPT, "", 0, &smp);
+    }
+    sl->lp_n = 0;
+}
+
 /* One forward step over every active stream; false when there was nothing to do. */
 static bool step(serve_sched *s) {
     uint32_t n_rows = 0, n_logits = 0, n_decode = 0;
@@ -506,6 +529,7 @@ static bool step(serve_sched *s) {
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];
         sl->logits_row = -1;
+        sl->lp_n = 0;
         if (sl->state != SLOT_ACTIVE || !sl->decoding) continue;
         s->rows[n_rows] = (moe_row){.seq = (int32_t)i,
                                     .pos = (int32_t)slot_len(s, (int)i),
@@ -516,7 +540,7 @@ static bool step(serve_sched *s) {
         n_decode++;
     }
     /* then prompt rows, oldest request first, up to the chunk budget */
-    uint32_t budget = SERVE_PREFILL_CHUNK;
+    uint32_t budget = SERVE_PREFILL_CHUNK, lp_budget = SERVE_PROMPT_LOGPROB_ROWS;
     while (budget) {
         int pick = -1;
         for (uint32_t i = 0; i < s->n_slots; i++) {
@@ -532,13 +556,23 @@ static bool step(serve_sched *s) {
         /* not yet snapshotted: stop before the last prompt token (the next step takes it) */
         uint32_t n = g->n_prompt - len - (sl->snapped ? 0 : 1);
         if (n > budget) n = budget;
+        if (g->prompt_logprobs) {
+            if (n > lp_budget) n = lp_budget;
+            lp_budget -= n;
+            sl->lp_row = (int32_t)n_logits;
+            sl->lp_pos = len;
+            sl->lp_n = n;
+        }
         for (uint32_t k = 0; k < n; k++) {
             const uint32_t pos = len + k;
             const bool last = pos + 1 == g->n_prompt;
-            s->rows[n_rows] = (moe_row){
-                .seq = pick, .pos = (int32_t)pos, .token = g->prompt[pos], .logits = last};
+            s->rows[n_rows] = (moe_row){.seq = pick,
+                                        .pos = (int32_t)pos,
+                                        .token = g->prompt[pos],
+                                        .logits = last || g->prompt_logprobs};
             s->row_slot[n_rows++] = pick;
-            if (last) sl->logits_row = (int32_t)n_logits++;
+            if (last) sl->logits_row = (int32_t)n_logits;
+            if (last || g->prompt_logprobs) n_logits++;
         }
         budget -= n;
         if (sl->logits_row < 0) sl->logits_row = -2; /* has rows this step, no logits yet */
@@ -566,6 +600,7 @@ static bool step(serve_sched *s) {
             finish(s, (int)i, SERVE_FINISH_ERROR, -1, err.msg);
             continue;
         }
+        prompt_logprobs(s, sl);
         if (sl->logits_row >= 0)
             on_logits(s, (int)i, s->logits + (size_t)sl->logits_row * s->n_vocab);
     }
@@ -682,7 +717,8 @@ static bool load(serve_sched *s) {
     s->slots = moe_xcalloc(s->n_slots, sizeof *s->slots);
     s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);
     s->row_slot = moe_xmalloc(sizeof(int32_t) * max_rows);
-    s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab * (size_t)s->p.parallel);
+    s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab *
+                            ((size_t)s->p.parallel + SERVE_PROMPT_LOGPROB_ROWS));
     return true;
 fail:
     snprintf(s->load_error, sizeof s->load_error, "%s", err.msg);
