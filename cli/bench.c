@@ -41,6 +41,25 @@ static const char usage_text[] =
     "  --svg FILE        the latency distribution (TTFT, inter-token) as an SVG chart\n"
     "  --json            one JSON object\n";
 
+/* An integer option: flag, where its value goes, its range. */
+typedef struct int_opt {
+    const char *flag;
+    int *dst;
+    long long lo, hi;
+} int_opt;
+
+/* a is one of opts: its value v read (1), or a usage error reported (-1); 0: not one of them. */
+static int take_int_opt(const int_opt *opts, size_t n_opts, const char *a, const char *v) {
+    for (size_t k = 0; k < n_opts; k++) {
+        if (strcmp(a, opts[k].flag) != 0) continue;
+        long long n;
+        if (!moe_arg_int("bench", a, v, opts[k].lo, opts[k].hi, &n)) return -1;
+        *opts[k].dst = (int)n;
+        return 1;
+    }
+    return 0;
+}
+
 /* ==== moe bench --server ==== */
 
 /* The object on stdout, one line after it; frees the writer. */
@@ -108,31 +127,28 @@ static void print_server_text(const moe_bench_server_result *r, const moe_bench_
            r->errors ? "; first: " : "", r->errors ? r->first_error : "");
 }
 
+/* The error on stderr; the exit status. */
+static int failed(const moe_error *err) {
+    fprintf(stderr, "moe bench: %s\n", err->msg);
+    return 1;
+}
+
 static int bench_server(int argc, char **argv) {
     moe_bench_server_params p;
     moe_bench_server_params_default(&p);
     const char *svg = NULL;
     bool json = false;
-    long long n;
     double f;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        const struct {
-            const char *flag;
-            int *dst;
-            long long lo, hi;
-        } ints[] = {
+        const int_opt ints[] = {
             {"--concurrency", &p.concurrency, 1, MOE_BENCH_SERVER_MAX_CONCURRENCY},
             {"--tokens", &p.tokens, 1, 1 << 20},
             {"--repeats", &p.repeats, 1, MOE_BENCH_MAX_RUNS},
         };
-        bool taken = false;
-        for (size_t k = 0; k < sizeof ints / sizeof ints[0] && !taken; k++) {
-            if (strcmp(a, ints[k].flag) != 0) continue;
-            if (!moe_arg_int("bench", a, v, ints[k].lo, ints[k].hi, &n)) return 2;
-            *ints[k].dst = (int)n;
-            taken = true;
-        }
+        const int took = take_int_opt(ints, sizeof ints / sizeof ints[0], a, v);
+        if (took < 0) return 2;
+        bool taken = took > 0;
         const struct {
             const char *flag;
             const char **dst;
@@ -169,24 +185,15 @@ static int bench_server(int argc, char **argv) {
     p.url = url;
     moe_bench_server_result r;
     moe_error err = {0};
-    if (moe_bench_server_run(&p, &r, &err) != MOE_OK) {
-        fprintf(stderr, "moe bench: %s\n", err.msg);
-        return 1;
-    }
-    if (json)
-        print_server_json(&r, &p);
-    else
-        print_server_text(&r, &p);
+    if (moe_bench_server_run(&p, &r, &err) != MOE_OK) return failed(&err);
+    (json ? print_server_json : print_server_text)(&r, &p);
     int rc = r.errors ? 1 : 0;
     if (svg) {
         char sub[2300];
         snprintf(sub, sizeof sub, "%s: %d concurrent x %d tokens, %d repeats; %.1f tok/s", p.url,
                  p.concurrency, p.tokens, p.repeats, r.tok_s.median);
         char *text = moe_latency_svg(&r, sub);
-        if (moe_file_write(svg, text, strlen(text), &err) != MOE_OK) {
-            fprintf(stderr, "moe bench: %s\n", err.msg);
-            rc = 1;
-        }
+        if (moe_file_write(svg, text, strlen(text), &err) != MOE_OK) rc = failed(&err);
         free(text);
     }
     moe_bench_server_result_free(&r);
@@ -359,32 +366,24 @@ int moe_cmd_bench(int argc, char **argv) {
     bool csv = false, json = false;
     int probe_mib = (int)(p.probe_bytes >> 20);
     moe_engine_args engine = {.n_threads = p.n_threads, .kv_type = p.kv_type};
-    long long n;
     for (int i = 0; i < argc; i++) {
         const int engine_arg = moe_engine_args_parse("bench", &engine, argc, argv, &i);
         if (engine_arg < 0) return 2;
         if (engine_arg) continue;
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        const struct {
-            const char *flag;
-            int *dst;
-            long long lo, hi;
-        } ints[] = {
+        const int_opt ints[] = {
             {"--runs", &p.runs, 1, MOE_BENCH_MAX_RUNS},
             {"--pp", &p.n_prompt, 0, 65536},
             {"--tg", &p.n_gen, 0, 65536},
             {"--stream-steps", &p.stream_steps, 1, 65536},
             {"--probe-mib", &probe_mib, 4, 1 << 20},
         };
-        bool taken = false;
-        for (size_t k = 0; k < sizeof ints / sizeof ints[0] && !taken; k++) {
-            if (strcmp(a, ints[k].flag) != 0) continue;
-            if (!moe_arg_int("bench", a, v, ints[k].lo, ints[k].hi, &n)) return 2;
-            *ints[k].dst = (int)n;
-            taken = true;
+        const int took = take_int_opt(ints, sizeof ints / sizeof ints[0], a, v);
+        if (took < 0) return 2;
+        if (took) {
             i++;
+            continue;
         }
-        if (taken) continue;
         if (strcmp(a, "--streams") == 0) {
             if (!parse_streams(v, &p))
                 return moe_cli_usage_error("bench",
