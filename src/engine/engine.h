@@ -161,8 +161,8 @@ const int32_t *moe_ctx_seq_tokens(const moe_ctx *c, int32_t seq);
  *
  * Sequences saved to files in a directory, so a prefix survives a restart or its sequence's
  * eviction from RAM. An entry holds one sequence's first n tokens: the token ids, the K/V (or
- * latent) rows of its attention layers and, on a hybrid model, the recurrent state after those
- * n tokens. Entries are keyed by a hash of the token prefix and of the context's identity (the
+ * latent) rows of its attention layers with their indexer rows (sparse MLA) and, on a hybrid
+ * model, the recurrent state after those n tokens. Entries are keyed by a hash of the token prefix and of the context's identity (the
  * model file's size, mtime and GGUF header, the KV type, n_ctx and the kernel table): a context
  * uses only its own. Everything is checksummed (the header with the token ids, each chunk of
  * positions, the recurrent state); a damaged or truncated entry is removed, never resumed. A
@@ -193,7 +193,7 @@ typedef struct moe_disk_cache_stats {
  * reads every entry's header, removes damaged ones and trims to max_bytes. */
 moe_disk_cache *moe_disk_cache_open(moe_ctx *c, const char *dir, uint64_t max_bytes,
                                     moe_error *err);
-/* Finish the queued saves, then free. */
+/* Finish the queued loads and saves, then free. */
 void moe_disk_cache_close(moe_disk_cache *d);
 /* The longest prefix of tokens[0..n) an entry can give (0: none; *hit names it). */
 uint32_t moe_disk_cache_find(moe_disk_cache *d, const int32_t *tokens, uint32_t n,
