@@ -32,6 +32,10 @@ typedef struct moe_ctx_params {
     uint32_t n_verify;    /* rows per sequence a verify step can take back (0: no verify steps) */
     uint64_t expert_cache_bytes; /* routed experts read from the file into a cache of this size
                                   * (0: the model's experts are all resident) */
+    const char *expert_stats;    /* with a cache: use counts kept in this file across runs (the
+                                  * hottest experts read at start), or NULL */
+    const char *pin_experts;     /* with a cache: experts always resident, listed one per line as
+                                  * "LAYER EXPERT", or NULL */
 } moe_ctx_params;
 
 /* The expert cache's counters (cumulative; all zero without one). */

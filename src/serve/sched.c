@@ -696,7 +696,9 @@ static bool load(serve_sched *s) {
                          .max_rows = max_rows,
                          .kv_type = s->p.kv_type,
                          .n_threads = s->p.n_threads,
-                         .expert_cache_bytes = s->p.expert_cache_bytes};
+                         .expert_cache_bytes = s->p.expert_cache_bytes,
+                         .expert_stats = s->p.expert_stats,
+                         .pin_experts = s->p.pin_experts};
     s->ctx = moe_ctx_new(s->model, &cp, &err);
     if (!s->ctx) goto fail;
     if (s->p.cache_dir) {

@@ -37,6 +37,7 @@ typedef struct moe_serve_params {
     uint64_t expert_cache_bytes; /* --expert-cache: routed experts read on demand (0: resident) */
     const char *cache_dir;       /* disk prefix cache directory, or NULL (off) */
     uint64_t cache_disk_bytes;   /* its size limit (0: SERVE_CACHE_DISK_DEFAULT) */
+    const char *expert_stats, *pin_experts; /* --expert-stats, --pin-experts files, or NULL */
 } moe_serve_params;
 
 void moe_serve_params_default(moe_serve_params *p);
