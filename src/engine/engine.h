@@ -166,16 +166,16 @@ const int32_t *moe_ctx_seq_tokens(const moe_ctx *c, int32_t seq);
  * Sequences saved to files in a directory, so a prefix survives a restart or its sequence's
  * eviction from RAM. An entry holds one sequence's first n tokens: the token ids, the K/V (or
  * latent) rows of its attention layers with their indexer rows (sparse MLA) and, on a hybrid
- * model, the recurrent state after those n tokens. Entries are keyed by a hash of the token prefix and of the context's identity (the
- * model file's size, mtime and GGUF header, the KV type, n_ctx and the kernel table): a context
- * uses only its own. Everything is checksummed (the header with the token ids, each chunk of
- * positions, the recurrent state); a damaged or truncated entry is removed, never resumed. A
- * load checks the token ids stored in the entry itself against the caller's, not only the hash.
- * Loads and saves run on the cache's own thread: a sequence with one queued must not change
- * until moe_disk_cache_busy() says false (moe_disk_cache_wait waits for that). Without
- * linear layers any prefix of an entry is usable; with them only the whole entry (the recurrent
- * state exists for its last position only). The directory is kept under a size limit by
- * removing the least recently used entries, whichever context wrote them. */
+ * model, the recurrent state after those n tokens. Entries are keyed by a hash of the token prefix
+ * and of the context's identity (the model file's size, mtime and GGUF header, the KV type, n_ctx
+ * and the kernel table): a context uses only its own. Everything is checksummed (the header with
+ * the token ids, each chunk of positions, the recurrent state); a damaged or truncated entry is
+ * removed, never resumed. A load checks the token ids stored in the entry itself against the
+ * caller's, not only the hash. Loads and saves run on the cache's own thread: a sequence with one
+ * queued must not change until moe_disk_cache_busy() says false (moe_disk_cache_wait waits for
+ * that). Without linear layers any prefix of an entry is usable; with them only the whole entry
+ * (the recurrent state exists for its last position only). The directory is kept under a size
+ * limit by removing the least recently used entries, whichever context wrote them. */
 
 typedef struct moe_disk_cache moe_disk_cache;
 
