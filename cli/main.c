@@ -20,7 +20,7 @@ static const moe_command commands[] = {
      "[--expert-cache SIZE]"},
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
-     "FILE|SHARD|URL [--json | --formats]"},
+     "FILE|SHARD|URL|DIR|F.safetensors [--json | --formats]"},
     {"budget", moe_cmd_budget,
      "memory per device for a model (or a ladder of builds): fits, largest context and streams",
      "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
@@ -30,7 +30,7 @@ static const moe_command commands[] = {
      "quantization error of chosen rows against a float reference (rel. Frobenius, cosine, matvec)",
      "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
-     "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
+     "FILE|CHECKPOINT TENSOR|W4A16-MODULE [--rows A:B] [--out FILE.f32]"},
     {"synth", moe_cmd_synth,
      "write a GGUF model of a supported architecture with seeded random weights",
      "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads "
@@ -38,6 +38,12 @@ static const moe_command commands[] = {
      "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff "
      "N]\n"
      "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...] [--random-blocks]"},
+    {"repack", moe_cmd_repack,
+     "a QAT bf16 safetensors checkpoint to Q4_0 GGUF or W4A16 with each group's 4-bit step "
+     "recovered; --verify checks every group",
+     "SRC OUT --to q4_0-gguf|w4a16 [--workers N] [--max-shard-size 5GB] [--vocab-from F.gguf]\n"
+     "        [--json] [--report FILE] [--no-progress]\n"
+     "        | --verify SRC OUT [--workers N] [--json]"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},

@@ -72,7 +72,7 @@ void moe_expert_cache_free(moe_expert_cache *c);
 const moe_expert_source *moe_expert_cache_source(moe_expert_cache *c, uint32_t il);
 /* The first read error since the last call, into err (true), or false. */
 bool moe_expert_cache_take_error(moe_expert_cache *c, moe_error *err);
-moe_expert_cache_stats moe_expert_cache_stats_of(const moe_expert_cache *c);
+moe_expert_cache_stats moe_expert_cache_stats_of(moe_expert_cache *c);
 /* Pin the experts a --pin-experts file lists ("LAYER EXPERT" or "LAYER:EXPERT" lines), then warm
  * the free slots with the experts a --expert-stats file says were used most (a missing file is a
  * cold start); either path may be NULL. */

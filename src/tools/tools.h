@@ -28,15 +28,19 @@ typedef enum moe_role {
 } moe_role;
 
 moe_role moe_tensor_role(const char *name);
-const char *moe_role_name(moe_role role); /* "routed experts", ... */
-const char *moe_role_id(moe_role role);   /* "routed_experts", ... (JSON keys) */
+/* The same for HF (safetensors) names: model.layers.N.self_attn.q_proj.weight, ...experts... */
+moe_role moe_hf_tensor_role(const char *name);
+int64_t moe_hf_tensor_layer(const char *name); /* N of "layers.N.", else -1 */
+const char *moe_role_name(moe_role role);      /* "routed experts", ... */
+const char *moe_role_id(moe_role role);        /* "routed_experts", ... (JSON keys) */
 /* N for "blk.N.<rest>", else -1. */
 int64_t moe_tensor_layer(const char *name);
 
 /* ==== moe inspect ==== */
 
 typedef struct moe_inspect_type {
-    uint32_t type;
+    uint32_t type;    /* moe_type (GGUF) or moe_st_dtype (safetensors) */
+    const char *name; /* its name, static */
     uint64_t count, bytes;
 } moe_inspect_type;
 
@@ -94,6 +98,8 @@ typedef struct moe_inspect_report {
 } moe_inspect_report;
 
 moe_inspect_report *moe_inspect_analyze(const moe_gguf *g);
+/* The same facts of a safetensors checkpoint (HF names; no plan: config.json is not read). */
+moe_inspect_report *moe_inspect_analyze_st(const moe_st *s);
 void moe_inspect_report_free(moe_inspect_report *r);
 
 /* ==== moe budget: the memory plan of a model on N devices ====
@@ -535,5 +541,64 @@ double moe_eval_percentile(const double *sorted, size_t n, double q);
 char *moe_demo_model_path(moe_error *err);
 /* Write the demo model to `path` (what moe_demo_model_path does on a cache miss). */
 moe_status moe_demo_model_write(const char *path, moe_error *err);
+
+/* ==== moe repack: a QAT bf16 checkpoint to Q4_0 GGUF or compressed-tensors W4A16 ==== */
+
+typedef enum moe_repack_target { MOE_REPACK_Q4_0_GGUF, MOE_REPACK_W4A16 } moe_repack_target;
+
+typedef struct moe_repack_options {
+    moe_repack_target to;
+    int workers;              /* threads recovering groups; 0: every core */
+    bool progress;            /* a progress bar on stderr */
+    uint64_t max_shard_bytes; /* W4A16: data bytes per safetensors shard (0: one file) */
+    const char *vocab_from;   /* GGUF: copy the tokenizer.* keys of this GGUF (NULL: none) */
+} moe_repack_options;
+
+/* A quantizable tensor kept at source precision because groups of it are off the grid. */
+typedef struct moe_repack_offgrid {
+    char name[256];
+    uint64_t groups;     /* groups off the grid */
+    int64_t first_group; /* the first of them */
+} moe_repack_offgrid;
+
+typedef struct moe_repack_report {
+    uint64_t groups;         /* groups of 32 in the quantizable tensors */
+    uint64_t groups_by_m[9]; /* groups recovered with step max|w|/m ([0]: all-zero groups) */
+    uint64_t offgrid_groups;
+    moe_repack_offgrid *offgrid; /* [n_offgrid] */
+    size_t n_offgrid;
+    uint64_t n_quantized, n_copied; /* source tensors (copied includes the off-grid ones) */
+    uint64_t n_skipped;             /* GGUF: vision / audio tensors (mmproj), not written */
+    uint64_t copied_bytes, bytes_in, bytes_out;
+    uint64_t embd_rows_dropped; /* GGUF: token_embd rows past tokenizer.json's vocabulary */
+    double seconds;
+} moe_repack_report;
+
+/* SRC: a safetensors checkpoint with config.json (HF layout). OUT: a .gguf file (gemma4's names
+ * and metadata, as llama.cpp's converter writes them) or a directory (model.safetensors +
+ * config.json with quantization_config, tokenizer files copied). One tensor in memory at a
+ * time. The report is filled also on failure as far as the work went. */
+moe_status moe_repack(const char *src, const char *out, const moe_repack_options *o,
+                      moe_repack_report *r, moe_error *err);
+void moe_repack_report_free(moe_repack_report *r);
+
+#define MOE_REPACK_MAX_MESSAGES 10
+typedef struct moe_repack_check {
+    uint64_t groups, bad_groups;
+    uint64_t tensors_quantized, tensors_copied, copied_bytes, skipped;
+    uint64_t mismatches; /* bad groups + bad copies + missing / extra tensors */
+    double
+        worst_scale_rel; /* max |stored scale - least-squares step of the stored levels| / step */
+    char worst_scale_tensor[340];
+    char messages[MOE_REPACK_MAX_MESSAGES][512]; /* the first mismatches, naming tensor and group */
+    int n_messages;
+    double seconds;
+} moe_repack_check;
+
+/* Reread SRC and OUT (as moe_repack wrote it) and check every group (each stored level is the
+ * source value's rank on the stored grid and reproduces it exactly) and every copied tensor. A
+ * file that cannot be read is an error; mismatches are counted in v (the caller exits non-zero). */
+moe_status moe_repack_verify(const char *src, const char *out, int workers, moe_repack_check *v,
+                             moe_error *err);
 
 #endif
