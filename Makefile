@@ -80,13 +80,18 @@ asan:
 	$(MAKE) BUILD=build/asan OPT=-O1 MOE_BIN=build/asan/moe TEST_BIN=build/asan/run \
 	  SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
 
-## bench: kernel micro-benchmarks: GB/s per type per ISA table vs read bandwidth (BENCH_ARGS)
+## bench: kernel micro-benchmarks: GB/s per type per ISA table vs read bandwidth (BENCH_ARGS),
+## then quantizer throughput: rows/s per type, 1 and N threads (QBENCH_ARGS)
 BENCH_BIN ?= $(BUILD)/bench/kernels
+QBENCH_BIN ?= $(BUILD)/bench/quantize
 BENCH_ARGS ?=
-bench: $(BENCH_BIN)
+QBENCH_ARGS ?=
+bench: $(BENCH_BIN) $(QBENCH_BIN)
 	./$(BENCH_BIN) $(BENCH_ARGS)
-$(BENCH_BIN): $(BUILD)/bench/kernels.o $(LIB)
-	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/kernels.o $(LIB) $(LDFLAGS) $(LDLIBS)
+	./$(QBENCH_BIN) $(QBENCH_ARGS)
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
+	$(CC) $(CFLAGS) -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
+.SECONDARY: $(BUILD)/bench/kernels.o $(BUILD)/bench/quantize.o
 
 ## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
 # Seeds: tests/data/gguf (small valid files and past crashes) and the ../shared GGUFs (cut to
@@ -144,7 +149,8 @@ format-check:
 ## deps: install the Debian packages the build and tests need (run as root)
 # python3-numpy: the safetensors / repack suites' reference checks (tests/qat_checkpoint.py)
 # nginx: the HTTP server with range support the audit suite serves models from on loopback;
-# chromium: the headless browser it renders `moe budget --svg` in
+# chromium: the headless browser it renders `moe budget --svg` in; python3-numpy: tests/quant_sources.py
+# regenerates the rows ggml quantized into ../shared/quant
 DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
   libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 python3-numpy nginx chromium
 # Node.js + npm (the SDK clients, the npm tokenizers) only when absent: a machine with a newer

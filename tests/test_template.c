@@ -684,6 +684,19 @@ static const parse_case parse_cases[] = {
      "get_weather({\"city\":\"Oslo\"});"},
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "It is {cold}.", "It is {cold}.", "", ""},
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "{not json", "{not json", "", ""},
+    /* Gemma 4: the thought channel, then calls with quoted strings, bare keys, nesting */
+    {MOE_CHAT_FORMAT_GEMMA4, "<|channel>thought", "<channel|>", false,
+     "<|channel>thought\nNeed data.<channel|>Let me look.<|tool_call>call:search{filters:{site:"
+     "<|\"|>a, b}<|\"|>},limit:2.5,query:<|\"|>cats & dogs<|\"|>,safe:true,tags:[<|\"|>x<|\"|>,"
+     "null]}<tool_call|><|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>,days:3}<tool_call|>",
+     "Let me look.", "\nNeed data.",
+     "search({\"filters\":{\"site\":\"a, b}\"},\"limit\":2.5,\"query\":\"cats & "
+     "dogs\",\"safe\":true,\"tags\":[\"x\",null]});get_weather({\"city\":\"Paris\",\"days\":3});"},
+    /* ... a block that is not a call (unclosed string, text after the arguments) stays content */
+    {MOE_CHAT_FORMAT_GEMMA4, "<|channel>thought", "<channel|>", false,
+     "a<|tool_call>call:f{x:<|\"|>open}<tool_call|>b<|tool_call>call:g{} extra<tool_call|>",
+     "a<|tool_call>call:f{x:<|\"|>open}<tool_call|>b<|tool_call>call:g{} extra<tool_call|>", "",
+     ""},
     /* fuzz: an empty reply once moved bytes from a NULL buffer (UBSan, `make asan`) */
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "", "", "", ""},
     {MOE_CHAT_FORMAT_MISTRAL, "[THINK]", "[/THINK]", false,
@@ -754,6 +767,8 @@ static void parse_options_from_templates(void **state) {
         {"unsloth-mistral-Devstral-Small-2507.jinja", "mistral"},
         {"mistralai-Ministral-3-14B-Reasoning-2512.jinja", "mistral"},
         {"openai-gpt-oss-120b.jinja", "harmony"},
+        {"google-gemma-4-31B-it.jinja", "gemma4"},
+        {"google-gemma-4-31B-it-interleaved.jinja", "gemma4"},
         {"google-gemma-2-2b-it.jinja", "hermes"}, /* unknown: the fallback */
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
@@ -810,6 +825,8 @@ static void round_trip_tool_calls(void **state) {
         {"unsloth-mistral-Devstral-Small-2507.jinja", "</s>", false},
         {"mistralai-Ministral-3-14B-Reasoning-2512.jinja", "</s>", false},
         {"openai-gpt-oss-120b.jinja", NULL, true},
+        {"google-gemma-4-31B-it.jinja", "<|tool_response>", false},
+        {"google-gemma-4-31B-it-interleaved.jinja", "<|tool_response>", false},
     };
     static const char *const one_call =
         "[{\"id\":\"a1b2c3d4e\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\","

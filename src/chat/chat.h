@@ -83,6 +83,7 @@ typedef enum moe_chat_format {
     MOE_CHAT_FORMAT_LLAMA3,  /* the whole reply {"name": .., "parameters": {..}} */
     MOE_CHAT_FORMAT_MISTRAL, /* [TOOL_CALLS][{"name": .., "arguments": ..}] or f[ARGS]{..} */
     MOE_CHAT_FORMAT_HARMONY, /* gpt-oss channels: analysis, commentary to=functions.f, final */
+    MOE_CHAT_FORMAT_GEMMA4,  /* <|tool_call>call:f{k:v,..}<tool_call|>, strings in <|"|> */
     MOE_CHAT_FORMAT_COUNT
 } moe_chat_format;
 
