@@ -39,7 +39,8 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan bench fuzz fuzz-jinja fuzz-safetensors format format-check deps fixtures clients help clean
+.PHONY: all test asan bench fuzz fuzz-jinja fuzz-safetensors fuzz-http format format-check deps \
+  fixtures clients help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -137,6 +138,15 @@ fuzz-safetensors: $(FUZZ_ST)
 	@mkdir -p fuzz/corpus/safetensors fuzz/out
 	./$(FUZZ_ST) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 \
 	  -artifact_prefix=fuzz/out/ -print_final_stats=1 fuzz/corpus/safetensors tests/data/safetensors
+
+## fuzz-http: libFuzzer + ASan over the serve request parsers (the four APIs' JSON) for FUZZ_SECONDS
+# Seeds: tests/data/http (first byte: the endpoint); needs ../shared's stories260K (or
+# MOE_FUZZ_MODEL) for its tokenizer and template.
+FUZZ_HTTP = $(BUILD)/fuzz/http
+fuzz-http: $(FUZZ_HTTP)
+	@mkdir -p fuzz/corpus/http fuzz/out
+	./$(FUZZ_HTTP) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 -timeout=30 \
+	  -artifact_prefix=fuzz/out/ -print_final_stats=1 fuzz/corpus/http tests/data/http
 
 ## format: clang-format every C file in place; format-check only reports
 # src/quant/iq_tables.c is generated (scripts/gen_iq_tables.py) and keeps the generator's layout
