@@ -34,6 +34,7 @@ int moe_cmd_eval(int argc, char **argv);
 void moe_cmd_run_options(FILE *out);
 void moe_cmd_chat_options(FILE *out);
 void moe_cmd_serve_options(FILE *out);
+void moe_cmd_bench_options(FILE *out);
 
 int moe_cli_usage_error(const char *cmd, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));

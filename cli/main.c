@@ -89,8 +89,10 @@ static const moe_command commands[] = {
     {"bench", moe_cmd_bench,
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N] [--probe-mib N]\n"
-     "        [--mmap] [--csv | --json] [engine options below]  (`--help-options` explains each)",
-     engine_options},
+     "        [--mmap] [--csv | --json] [-t N] [--kv-type T] [--expert-cache SIZE] ...\n"
+     "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
+     "[--start-cmd CMD] [--svg FILE] [--json]",
+     moe_cmd_bench_options},
     {"eval", moe_cmd_eval,
      "score labelled records by label probability, compare two runs, KL against a reference",
      "labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] [--json]\n"
@@ -101,7 +103,8 @@ static const moe_command commands[] = {
     {"serve", moe_cmd_serve,
      "OpenAI- and Anthropic-compatible HTTP server (continuous batching), a chat page at /",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
-     "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)",
+     "[--queue N] [--queue-timeout S]\n"
+     "        [--cache-dir DIR [--cache-disk-size SIZE]]  (`moe serve --help-options` lists all)",
      moe_cmd_serve_options},
     {0},
 };
