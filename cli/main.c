@@ -31,11 +31,11 @@ static const moe_command commands[] = {
      "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
     {"synth", moe_cmd_synth,
      "write a GGUF model of a supported architecture with seeded random weights",
-     "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads "
+     "-o FILE [--preset tiny|llama-tiny|glm4moe-tiny|qwen3-30b-a3b|glm53-flash|glm5next-tiny]\n"
+     "        [--arch A] [--layers N] [--embd N] [--heads N] [--heads-kv N] [--head-dim N] [--ff "
      "N]\n"
-     "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff "
-     "N]\n"
-     "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...] [--random-blocks]"},
+     "        [--experts N] [--experts-used N] [--expert-ff N] [--vocab N] [--ctx N] [--seed S]\n"
+     "        [--type 'REGEX=TYPE' ...] [--types ud-iq3_xxs] [--random-blocks] [--header-only]"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},

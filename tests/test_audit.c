@@ -653,7 +653,9 @@ static const char *part_of(const char *name) {
     if (strstr(name, "_shexp")) return "shared_experts";
     if (strstr(name, "norm")) return "norms_other";
     const char *b = strncmp(name, "blk.", 4) == 0 ? strchr(name + 4, '.') + 1 : name;
-    if (!strncmp(b, "attn_", 5) || !strncmp(b, "ssm_", 4)) return "attention";
+    if (b != name && !strncmp(b, "hc_", 3)) return "hyper_connections";
+    if (!strncmp(b, "attn_", 5) || !strncmp(b, "ssm_", 4) || !strncmp(b, "indexer", 7))
+        return "attention";
     if (!strncmp(b, "ffn_gate.", 9) || !strncmp(b, "ffn_up.", 7) || !strncmp(b, "ffn_down.", 9))
         return "dense_ffn";
     if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output.weight"))
@@ -769,10 +771,11 @@ static void budget_parity_models(void **state) {
         assert_int_equal(jnum(d0, "kv_cache"), streams * (ctx * kv + swa_tokens * swa));
         assert_int_equal(jnum(d0, "recurrent_state"), streams * st);
         uint64_t total = 0;
-        const char *all[] = {"routed_experts",    "shared_experts", "attention", "dense_ffn",
-                             "embeddings_output", "norms_other",    "vision",    "kv_cache",
-                             "recurrent_state",   "scratch"};
-        for (size_t p = 0; p < 10; p++) total += jnum(d0, all[p]);
+        const char *all[] = {
+            "routed_experts",    "shared_experts",  "attention",  "dense_ffn", "hyper_connections",
+            "embeddings_output", "norms_other",     "mtp_layers", "vision",    "kv_cache",
+            "indexer_cache",     "recurrent_state", "scratch"};
+        for (size_t p = 0; p < sizeof all / sizeof all[0]; p++) total += jnum(d0, all[p]);
         assert_int_equal(jnum(m, "device_total_max"), total);
         assert_int_equal((uint64_t)json_integer_value(json_object_get(m, "spare")), mem - total);
         assert_true(json_is_true(json_object_get(m, "fits")));

@@ -220,7 +220,9 @@ void moe_gguf_writer_set_value(moe_gguf_writer *w, const char *key, const moe_gg
  * nested arrays go through moe_gguf_writer_set_value. */
 void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype elem_type,
                              const void *elems, uint64_t n);
-/* Add a tensor; data (n_bytes of the type/shape) is copied, or referenced if `borrow`. */
+/* Add a tensor; data (n_bytes of the type/shape) is copied, or referenced if `borrow`. data
+ * NULL: the tensor has no bytes here; the file gets a hole of its size (a sparse file that reads
+ * as zeros: a full-size header for tools that read only the directory). */
 moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
                                       uint32_t n_dims, const int64_t *ne, const void *data,
                                       bool borrow, moe_error *err);

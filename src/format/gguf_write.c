@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ==== The writer's state ==== */
 
@@ -30,7 +31,7 @@ typedef struct writer_tensor {
     uint32_t n_dims;
     int64_t ne[MOE_GGUF_MAX_DIMS];
     uint64_t n_bytes;
-    const void *data; /* owned unless borrowed */
+    const void *data; /* owned unless borrowed; NULL: no bytes, a hole in the file */
     bool borrowed;
 } writer_tensor;
 
@@ -215,7 +216,7 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
         return moe_error_set(err, MOE_ERR_ARG, "tensor '%s' is too large", name);
     t.name = moe_xstrdup(name);
     t.borrowed = borrow;
-    if (borrow) {
+    if (borrow || !data) {
         t.data = data;
     } else {
         void *p = moe_xmalloc((size_t)t.n_bytes);
@@ -274,6 +275,7 @@ typedef struct out_file {
     const char *path;
     uint64_t pos;
     bool failed;
+    bool holes; /* seeked over data-less tensors: the file's size must be set at the end */
 } out_file;
 
 static void put(out_file *o, const void *p, size_t n) {
@@ -291,6 +293,14 @@ static void put_le(out_file *o, uint64_t v, unsigned bytes) {
 static void put_str(out_file *o, const char *p, uint64_t len) {
     put_le(o, len, 8);
     put(o, p, (size_t)len);
+}
+
+/* n bytes left unwritten (a data-less tensor): a hole, zeros when read, no disk blocks. */
+static void skip(out_file *o, uint64_t n) {
+    if (o->failed || n == 0) return;
+    if (n > INT64_MAX || fseeko(o->f, (off_t)n, SEEK_CUR) != 0) o->failed = true;
+    o->pos += n;
+    o->holes = true;
 }
 
 static void put_zeros(out_file *o, uint64_t n) {
@@ -404,8 +414,12 @@ static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t
     if (t1 > t0) put_zeros(o, pad_to(o->pos, alignment)); /* no data section, no padding */
     for (size_t i = t0; i < t1; i++) {
         const writer_tensor *t = &w->tensors[i];
-        put(o, t->data, (size_t)t->n_bytes);
-        put_zeros(o, pad_to(t->n_bytes, alignment));
+        if (t->data) {
+            put(o, t->data, (size_t)t->n_bytes);
+            put_zeros(o, pad_to(t->n_bytes, alignment));
+        } else {
+            skip(o, t->n_bytes + pad_to(t->n_bytes, alignment));
+        }
     }
 }
 
@@ -414,6 +428,9 @@ static moe_status write_one(const moe_gguf_writer *w, const char *path, size_t t
     out_file o = {.f = fopen(path, "wb"), .path = path};
     if (!o.f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
     write_shard(w, &o, t0, t1, split_no, n_split);
+    /* a file ending in a hole: its size is where the writer stands, not the last byte put */
+    if (o.holes && !o.failed && (fflush(o.f) != 0 || ftruncate(fileno(o.f), (off_t)o.pos) != 0))
+        o.failed = true;
     int closed = fclose(o.f);
     if (o.failed || closed != 0)
         return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s", path,
