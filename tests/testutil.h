@@ -63,6 +63,12 @@ uint8_t *moe_test_quant_read(const moe_test_quant_fixture *f, const char *suffix
 struct json_t;
 struct json_t *moe_test_render_jinja(struct json_t *spec, const char *name);
 
+/* Run a command and parse its stdout as JSON (stderr dropped); fails the test when it exits
+ * non-zero or prints something else. The caller decrefs. */
+struct json_t *moe_test_run_json(const char *cmd);
+/* The unsigned integer member `key` of a JSON object; fails the test when there is none. */
+uint64_t moe_test_json_uint(struct json_t *object, const char *key);
+
 /* ==== A chat model ==== */
 
 /* stories260K (../shared) written again as <tmpdir>/<name>.gguf, with ids 3 and 4 (byte tokens
