@@ -256,6 +256,9 @@ static void synth_glm53_flash_header(void **state) {
         if (mla[l] != (l % 4 == 3 || l == 45) || kda[l] != !mla[l])
             fail_msg("blk.%d: MLA %d, KDA %d", l, mla[l], kda[l]);
     assert_true(data_end <= (uint64_t)st.st_size && (uint64_t)st.st_size - data_end < 32);
+    json_t *plan = json_object_get(ins, "plan");
+    assert_int_equal(moe_test_json_uint(plan, "trunk_routed_bytes"), 109867696128ull);
+    assert_int_equal(moe_test_json_uint(plan, "nextn_bytes"), mtp);
     json_decref(ins);
 
     /* per token: the latent (kv_lora_rank 512, f16) on the 11 MLA layers, and their indexer rows

@@ -271,6 +271,13 @@ moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
     free(layers);
     free(e);
     read_plan(g, &r->plan);
+    for (size_t i = 0; r->plan.known && i < r->n_layers; i++) { /* the trunk and its NextN */
+        const moe_inspect_layer *l = &r->layers[i];
+        if (l->layer < (int64_t)r->plan.n_layer)
+            r->plan.trunk_routed_bytes += l->role_bytes[MOE_ROLE_ROUTED_EXPERTS];
+        else if (l->layer < (int64_t)(r->plan.n_layer + r->plan.n_layer_nextn))
+            r->plan.nextn_bytes += l->bytes;
+    }
     return r;
 }
 

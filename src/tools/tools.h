@@ -77,6 +77,8 @@ typedef struct moe_inspect_plan {
     uint64_t kv_values_per_token;    /* K + V values over all layers (MLA: the latent row) */
     uint64_t index_values_per_token; /* f32 lightning-indexer rows over the indexed layers */
     uint64_t state_values_per_seq;   /* f32 recurrent state over the linear layers */
+    uint64_t trunk_routed_bytes;     /* routed experts of the trunk's layers */
+    uint64_t nextn_bytes;            /* every tensor of the NextN / MTP layers */
 } moe_inspect_plan;
 
 typedef struct moe_inspect_report {
