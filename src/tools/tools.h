@@ -315,8 +315,11 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
 /* ==== Throughput benchmark (moe bench) ==== */
 
 #define MOE_BENCH_MAX_RUNS        64
-#define MOE_BENCH_MAX_STREAMS     8   /* stream counts in one invocation */
-#define MOE_BENCH_MAX_STREAM_ROWS 256 /* streams decoded together in one test */
+#define MOE_BENCH_MAX_STREAMS     8         /* stream counts in one invocation */
+#define MOE_BENCH_MAX_STREAM_ROWS 256       /* streams decoded together in one test */
+#define MOE_BENCH_MAX_DEPTHS      8         /* context depths in one invocation */
+#define MOE_BENCH_MAX_DEPTH       (1 << 20) /* tokens of context before a decode test */
+#define MOE_BENCH_FILL_ROWS       512 /* rows per forward while filling the context to a depth */
 
 typedef struct moe_bench_params {
     const char *model_path;
@@ -326,7 +329,11 @@ typedef struct moe_bench_params {
     int n_gen;                          /* decode test: this many single-row steps (0: skip) */
     int streams[MOE_BENCH_MAX_STREAMS]; /* batched decode: streams per test */
     int n_streams;
-    int stream_steps;   /* steps per batched decode test */
+    int stream_steps; /* steps per batched decode test */
+    /* decode tests at depth: n_gen steps after depths[i] tokens of context (ascending; the
+     * context is filled once, untimed, MOE_BENCH_FILL_ROWS rows per forward) */
+    int depths[MOE_BENCH_MAX_DEPTHS];
+    int n_depths;
     bool use_mmap;      /* keep weights in the mapped file instead of anonymous memory */
     moe_type kv_type;   /* KV cache elements (default F16, as llama-bench) */
     size_t probe_bytes; /* bandwidth probe buffer */
@@ -361,6 +368,8 @@ typedef struct moe_bench_result {
     moe_bench_figure pp, tg;
     moe_bench_stream streams[MOE_BENCH_MAX_STREAMS];
     int n_streams;
+    moe_bench_figure tg_depth[MOE_BENCH_MAX_DEPTHS]; /* decode at params.depths[i] */
+    double fill_seconds;                             /* filling the context to the last depth */
 } moe_bench_result;
 
 /* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */
