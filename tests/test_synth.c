@@ -312,6 +312,11 @@ static void synth_glm5next_tiny_runs(void **state) {
     out = run_ok(cmd);
     assert_non_null(strstr(out, "generated: 6 tokens"));
     free(out);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset glm5next-tiny --layers 3", moe_test_bin(),
+             path);
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "3 layers: glm5next runs attention in every 4-th layer"));
+    free(out);
     snprintf(cmd, sizeof cmd, "%s synth -o %s --types nope", moe_test_bin(), path);
     assert_int_equal(moe_test_run(cmd, &out), 2);
     assert_non_null(strstr(out, "unknown --types 'nope' (known: ud-iq3_xxs)"));

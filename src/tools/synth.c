@@ -23,6 +23,16 @@
 
 /* ==== Presets ==== */
 
+/* What GLM-5.3-Flash's sizes share: one latent KV head, one shared expert, one MTP layer,
+ * sigmoid routing scaled 2.5, every 4th trunk layer attention, 4-tap KDA convs with decay bound
+ * -5, 4 hyper-connection streams (20 Sinkhorn iterations), indexer pools of 4, SwiGLU clamp 10. */
+#define GLM5NEXT_COMMON                                                                            \
+    .arch = "glm5next", .n_head_kv = 1, .n_shared_expert = 1, .n_nextn = 1, .gating = 2,           \
+    .expert_weights_scale = 2.5f, .rms_eps = 1e-5f, .linear_interval = 4, .d_conv = 4,             \
+    .kda_gate_bound = -5.0f, .n_hc = 4, .hc_iters = 20, .hc_eps = 1e-6f, .idx_kpool = 4,           \
+    .idx_norm_eps = 1e-6f, .swiglu_clamp_exp = 10.0f, .swiglu_clamp_shexp = 10.0f,                 \
+    .optional = "output\\.weight|.*exp_probs_b\\.bias|.*nextn\\.shared_head_norm\\.weight"
+
 static const moe_synth_params presets[] = {
     /* a small qwen3moe: the built-in demo model's shape */
     {.preset = "tiny",
@@ -94,84 +104,40 @@ static const moe_synth_params presets[] = {
      * x 11 + KDA, 288 experts, one MTP layer (blk.45). Shapes from zai-org/GLM-5.3-Flash's
      * config.json as llama.cpp's conversion/glm5next.py maps it; the RMSNorm epsilon (1e-5,
      * GLM's) is assumed, not read from the release. */
-    {.preset = "glm53-flash",
-     .arch = "glm5next",
+    {GLM5NEXT_COMMON,
+     .preset = "glm53-flash",
      .name = "GLM-5.3-Flash layout (moe synth, random weights)",
      .n_vocab = 154880,
      .n_ctx = 1048576,
      .n_embd = 4096,
      .n_layer = 45,
      .n_head = 64,
-     .n_head_kv = 1,
      .head_dim = 256,
      .n_ff = 12288,
      .n_expert = 288,
      .n_expert_used = 8,
      .n_ff_exp = 2048,
      .n_dense_lead = 3,
-     .n_shared_expert = 1,
-     .n_nextn = 1,
-     .gating = 2,
-     .expert_weights_scale = 2.5f,
-     .rms_eps = 1e-5f,
      .n_lora_q = 1536,
      .n_lora_kv = 512,
      .head_dim_k_mla = 256,
      .head_dim_v_mla = 256,
-     .linear_interval = 4,
      .kda_head_dim = 128,
-     .d_conv = 4,
-     .kda_gate_bound = -5.0f,
-     .n_hc = 4,
-     .hc_iters = 20,
-     .hc_eps = 1e-6f,
      .idx_n_head = 32,
      .idx_head_dim = 128,
-     .idx_top_k = 2048,
-     .idx_kpool = 4,
-     .idx_norm_eps = 1e-6f,
-     .swiglu_clamp_exp = 10.0f,
-     .swiglu_clamp_shexp = 10.0f,
-     .optional = "output\\.weight|.*exp_probs_b\\.bias|.*nextn\\.shared_head_norm\\.weight"},
+     .idx_top_k = 2048},
     /* glm53-flash's layout at toy size: every kind of layer and tensor, small enough for tests */
-    {.preset = "glm5next-tiny",
-     .arch = "glm5next",
-     .n_vocab = 512,
-     .n_ctx = 131072,
-     .n_embd = 256,
-     .n_layer = 4,
-     .n_head = 4,
-     .n_head_kv = 1,
-     .head_dim = 32,
-     .n_ff = 512,
-     .n_expert = 16,
-     .n_expert_used = 4,
-     .n_ff_exp = 256,
-     .n_dense_lead = 1,
-     .n_shared_expert = 1,
-     .n_nextn = 1,
-     .gating = 2,
-     .expert_weights_scale = 2.5f,
-     .rms_eps = 1e-5f,
-     .n_lora_q = 64,
-     .n_lora_kv = 64,
-     .head_dim_k_mla = 32,
-     .head_dim_v_mla = 32,
-     .linear_interval = 4,
-     .kda_head_dim = 32,
-     .d_conv = 4,
-     .kda_gate_bound = -5.0f,
-     .n_hc = 4,
-     .hc_iters = 20,
-     .hc_eps = 1e-6f,
-     .idx_n_head = 4,
-     .idx_head_dim = 32,
-     .idx_top_k = 16,
-     .idx_kpool = 4,
-     .idx_norm_eps = 1e-6f,
-     .swiglu_clamp_exp = 10.0f,
-     .swiglu_clamp_shexp = 10.0f,
-     .optional = "output\\.weight|.*exp_probs_b\\.bias|.*nextn\\.shared_head_norm\\.weight"},
+    {GLM5NEXT_COMMON,      .preset = "glm5next-tiny",
+     .n_vocab = 512,       .n_ctx = 131072,
+     .n_embd = 256,        .n_layer = 4,
+     .n_head = 4,          .head_dim = 32,
+     .n_ff = 512,          .n_expert = 16,
+     .n_expert_used = 4,   .n_ff_exp = 256,
+     .n_dense_lead = 1,    .n_lora_q = 64,
+     .n_lora_kv = 64,      .head_dim_k_mla = 32,
+     .head_dim_v_mla = 32, .kda_head_dim = 32,
+     .idx_n_head = 4,      .idx_head_dim = 32,
+     .idx_top_k = 16},
 };
 
 bool moe_synth_preset(const char *name, moe_synth_params *out) {
@@ -571,6 +537,11 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
                              "heads %u/%u, head_dim %u, vocab %u >= 260, experts %u/%u, ff %u/%u)",
                              p->n_embd, p->n_layer, p->n_head, p->n_head_kv, p->head_dim,
                              p->n_vocab, p->n_expert_used, p->n_expert, p->n_ff, p->n_ff_exp);
+    if (p->linear_interval && p->n_layer < p->linear_interval)
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "synth: %u layers: %s runs attention in every %u-th layer, so it "
+                             "needs at least %u (--layers)",
+                             p->n_layer, p->arch, p->linear_interval, p->linear_interval);
     synth s = {.p = p, .w = moe_gguf_writer_new(), .rng = p->seed, .err = err};
     s.rules = moe_xcalloc(p->n_rules ? p->n_rules : 1, sizeof(regex_t));
     uint32_t compiled = 0;
