@@ -65,9 +65,13 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
     for (int i = 0; i < p->n_depths; i++) {
         const moe_bench_figure *f = &r->tg_depth[i];
         snprintf(label, sizeof label, "tg%d@d%d", p->n_gen, p->depths[i]);
-        printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d  (%.2f ms per token)\n",
-               label, f->median, f->min, f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa,
-               r->threads, f->median > 0 ? 1e3 / f->median : 0.0);
+        printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d  (%.2f ms per token", label,
+               f->median, f->min, f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads,
+               f->median > 0 ? 1e3 / f->median : 0.0);
+        if (r->score_ms[i] > 0 || r->attend_ms[i] > 0)
+            printf("; sparse MLA layers: indexer scoring %.3f ms, attention %.3f ms",
+                   r->score_ms[i], r->attend_ms[i]);
+        printf(")\n");
     }
     if (p->n_depths)
         printf("context filled to %d tokens in %.1f s (untimed)  [%s, %d threads]\n",
@@ -138,6 +142,8 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
         moe_json_object_begin(&j);
         moe_json_kv_int(&j, "depth", p->depths[i]);
         json_figure(&j, "tg_", &r->tg_depth[i]);
+        moe_json_kv_double(&j, "indexer_score_ms_per_token", r->score_ms[i]);
+        moe_json_kv_double(&j, "indexer_attend_ms_per_token", r->attend_ms[i]);
         moe_json_object_end(&j);
     }
     moe_json_array_end(&j);

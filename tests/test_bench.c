@@ -107,7 +107,10 @@ static void bench_depths(void **state) {
         json_t *d = json_array_get(depths, i);
         assert_int_equal(json_integer_value(json_object_get(d, "depth")), want[i]);
         positive(d, "tg_tok_s");
+        positive(d, "indexer_attend_ms_per_token"); /* the MLA layer attends at every depth */
     }
+    /* at depth 90: 22 complete pools, more than the 4 it keeps, so it scores them */
+    positive(json_array_get(depths, 1), "indexer_score_ms_per_token");
     positive(j, "fill_seconds");
     json_decref(j);
     snprintf(cmd, sizeof cmd,

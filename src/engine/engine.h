@@ -67,6 +67,13 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
                               float *logits, moe_error *err);
 /* Expert dispatch counters of the last moe_ctx_decode, summed over its MoE layers. */
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c);
+/* Seconds the indexed (sparse MLA) layers spent since the context was made, summed over
+ * threads: scoring the indexer's pools and choosing the best, and attending (to the selected
+ * keys, or to every key while that is no more). For benchmarks, which read differences. */
+typedef struct moe_indexer_time {
+    double score_seconds, attend_seconds;
+} moe_indexer_time;
+moe_indexer_time moe_ctx_indexer_time(const moe_ctx *c);
 /* Tokens held for a sequence (its next position). */
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq);
 

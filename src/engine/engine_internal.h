@@ -59,6 +59,7 @@ typedef struct moe_index_ctx {
     float *scores;       /* [n_threads][n_pool_max] */
     int32_t *sel;        /* [n_threads][top_k + kpool - 1] chosen pools */
     uint8_t *gather;     /* [n_threads][top_k + kpool - 1] latent rows a query attends to */
+    double *seconds;     /* [n_threads][2] time scoring pools, time attending (benchmarks) */
 } moe_index_ctx;
 
 /* A recurrent-state snapshot: sequence seq's state after its first pos tokens. */

@@ -54,6 +54,16 @@ void moe_indexer_alloc(moe_ctx *c, uint32_t n_layer_run) {
     ix->scores = moe_xcalloc((uint64_t)n_threads * ix->n_pool_max, sizeof(float));
     ix->sel = moe_xcalloc((uint64_t)n_threads * max_selected(cfg), sizeof(int32_t));
     ix->gather = moe_xcalloc((uint64_t)n_threads * max_selected(cfg), c->k_row_bytes);
+    ix->seconds = moe_xcalloc((uint64_t)n_threads * 2, sizeof(double));
+}
+
+moe_indexer_time moe_ctx_indexer_time(const moe_ctx *c) {
+    moe_indexer_time t = {0};
+    for (int i = 0; c->idx.seconds && i < moe_pool_n_threads(c->pool); i++) {
+        t.score_seconds += c->idx.seconds[2 * i];
+        t.attend_seconds += c->idx.seconds[2 * i + 1];
+    }
+    return t;
 }
 
 void moe_indexer_free(moe_ctx *c) {
@@ -66,6 +76,7 @@ void moe_indexer_free(moe_ctx *c) {
     free(ix->scores);
     free(ix->sel);
     free(ix->gather);
+    free(ix->seconds);
     memset(ix, 0, sizeof *ix);
 }
 
@@ -176,14 +187,17 @@ static void indexed_rows(void *arg, int64_t begin, int64_t end, int thread) {
     int32_t *sel = ix->sel + (int64_t)thread * max_selected(cfg);
     uint8_t *gather = ix->gather + (uint64_t)thread * max_selected(cfg) * c->k_row_bytes;
     float *att_scores = c->scores + (int64_t)thread * c->p.n_ctx;
+    double *seconds = ix->seconds + 2 * thread;
     for (int64_t r = begin; r < end; r++) {
         const moe_row *row = &j->rows[r];
         const uint8_t *k0 = moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, 0);
         const int32_t n_pool = (row->pos + 1) / (int32_t)kp;
+        const double t0 = moe_now();
         if (n_pool <= n_keep) { /* no more complete pools than it keeps: dense */
             moe_attention_row(s, c->q + r * q_w, k0, k0, (int64_t)c->k_row_bytes,
                               (int64_t)c->k_row_bytes, row->pos + 1, c->att + r * att_w,
                               att_scores);
+            seconds[1] += moe_now() - t0;
             continue;
         }
         const float *q = ix->q + r * ih * id, *hw = ix->w + r * ih;
@@ -198,6 +212,8 @@ static void indexed_rows(void *arg, int64_t begin, int64_t end, int thread) {
             score[p] = sum;
         }
         top_pools(score, n_pool, n_keep, sel);
+        const double t1 = moe_now();
+        seconds[0] += t1 - t0;
         int64_t n = 0; /* the chosen pools' cells, then the tail, in position order */
         for (int32_t i = 0; i < n_keep; i++)
             for (int64_t m = 0; m < kp; m++)
@@ -207,6 +223,7 @@ static void indexed_rows(void *arg, int64_t begin, int64_t end, int thread) {
             memcpy(gather + n++ * c->k_row_bytes, k0 + p * c->k_row_bytes, c->k_row_bytes);
         moe_attention_row(s, c->q + r * q_w, gather, gather, (int64_t)c->k_row_bytes,
                           (int64_t)c->k_row_bytes, n, c->att + r * att_w, att_scores);
+        seconds[1] += moe_now() - t1;
     }
 }
 

@@ -173,7 +173,12 @@ static moe_status run_depths(bench_run *b, const moe_bench_params *p, moe_bench_
         st = fill_to(b, (uint32_t)p->depths[i], &snapshot, err);
         r->fill_seconds += moe_now() - t0;
         b->depth = (uint32_t)p->depths[i];
+        const moe_indexer_time before = moe_ctx_indexer_time(b->ctx);
         if (st == MOE_OK) st = run_test(b, p, 0, 1, (uint32_t)p->n_gen, &r->tg_depth[i], NULL, err);
+        const moe_indexer_time after = moe_ctx_indexer_time(b->ctx);
+        const double steps = (double)(p->runs + 1) * p->n_gen; /* the warm-up's too */
+        r->score_ms[i] = 1e3 * (after.score_seconds - before.score_seconds) / steps;
+        r->attend_ms[i] = 1e3 * (after.attend_seconds - before.attend_seconds) / steps;
         if (st == MOE_OK) st = moe_ctx_seq_truncate(b->ctx, 0, b->depth, err);
         if (snapshot >= 0) moe_ctx_snapshot_drop(b->ctx, snapshot);
     }

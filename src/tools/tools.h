@@ -369,7 +369,10 @@ typedef struct moe_bench_result {
     moe_bench_stream streams[MOE_BENCH_MAX_STREAMS];
     int n_streams;
     moe_bench_figure tg_depth[MOE_BENCH_MAX_DEPTHS]; /* decode at params.depths[i] */
-    double fill_seconds;                             /* filling the context to the last depth */
+    /* ... of which, per token (mean over every step at that depth, the warm-up's too), in the
+     * sparse MLA layers: scoring the indexer's pools, and attending */
+    double score_ms[MOE_BENCH_MAX_DEPTHS], attend_ms[MOE_BENCH_MAX_DEPTHS];
+    double fill_seconds; /* filling the context to the last depth */
 } moe_bench_result;
 
 /* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */
