@@ -111,12 +111,14 @@ int moe_cmd_synth(int argc, char **argv) {
         rc = 1;
         goto done;
     }
-    printf("wrote %s: %s, %u layers, embd %u, %u experts (%u used), vocab %u, seed %llu; %s\n", out,
-           p.arch, p.n_layer, p.n_embd, p.n_expert, p.n_expert_used, p.n_vocab,
-           (unsigned long long)p.seed,
-           p.header_only     ? "header only (tensor data is a hole: a sparse file, not loadable)"
-           : p.random_blocks ? "weights are random (quantized tensors: random valid blocks)"
-                             : "weights are random");
+    printf(
+        "wrote %s: %s, %u layers, embd %u, %u experts (%u used), vocab %u, seed %llu; %s\n", out,
+        p.arch, p.n_layer, p.n_embd, p.n_expert, p.n_expert_used, p.n_vocab,
+        (unsigned long long)p.seed,
+        p.header_only
+            ? "header only (the tensor data is a hole that reads as zeros: for inspect and budget)"
+        : p.random_blocks ? "weights are random (quantized tensors: random valid blocks)"
+                          : "weights are random");
     rc = 0;
 done:
     for (uint32_t i = 0; i < n_rules; i++) free(patterns[i]);
