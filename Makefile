@@ -136,7 +136,7 @@ format-check:
 # nginx: the HTTP server with range support the audit suite serves models from on loopback;
 # chromium: the headless browser it renders `moe budget --svg` in
 DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
-  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 nginx chromium
+  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 python3-numpy nginx chromium
 # Node.js + npm (the SDK clients, the npm tokenizers) only when absent: a machine with a newer
 # Node (nodesource's, which bundles npm) must not get Debian's npm, which would downgrade it.
 deps:

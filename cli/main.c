@@ -11,19 +11,21 @@
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] "
-     "[--spec ngram|none] [--draft N] ..."},
+     "[--spec ngram|mtp|none] [--draft N] [--expert-cache SIZE] ..."},
     {"chat", moe_cmd_chat, "chat with a model in the terminal",
      "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "
      "options]"},
     {"logits", moe_cmd_logits, "write the logits of every position of a token-id prompt",
-     "MODEL --tokens ID,ID,... [--mtp] [--out FILE.f32] [--kv-type f32|f16] [-t N] [--ctx N]"},
+     "MODEL --tokens ID,ID,... [--mtp] [--out FILE.f32] [--kv-type f32|f16] [-t N] [--ctx N] "
+     "[--expert-cache SIZE]"},
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
      "FILE|SHARD|URL [--json | --formats]"},
     {"budget", moe_cmd_budget,
      "memory per device for a model (or a ladder of builds): fits, largest context and streams",
      "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
-     "[--kv-type f16|f32|q8_0] [--no-vision] [--ladder] [--json] [--svg FILE]"},
+     "[--kv-type f16|f32|q8_0] [--expert-cache SIZE] [--no-vision] [--ladder] [--json] [--svg "
+     "FILE]"},
     {"audit", moe_cmd_audit,
      "quantization error of chosen rows against a float reference (rel. Frobenius, cosine, matvec)",
      "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
@@ -42,7 +44,8 @@ static const moe_command commands[] = {
     {"bench", moe_cmd_bench,
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
-     "        [--depth 1024,4096,16384] [--kv-type f16|f32] [--mmap] [--csv | --json]"},
+     "        [--depth 1024,4096,16384] [--kv-type f16|f32] [--mmap] [--expert-cache SIZE]\n"
+     "        [--csv | --json]"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
      "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},

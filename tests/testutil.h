@@ -63,6 +63,9 @@ uint8_t *moe_test_quant_read(const moe_test_quant_fixture *f, const char *suffix
 struct json_t;
 struct json_t *moe_test_render_jinja(struct json_t *spec, const char *name);
 
+/* A Python 3 with numpy for test-side references ("/usr/bin/python3" or "python3"), or NULL
+ * (with a skip message; a failure when CI=true) when there is none. */
+const char *moe_test_python_numpy(void);
 /* Run a command and parse its stdout as JSON (stderr dropped); fails the test when it exits
  * non-zero or prints something else. The caller decrefs. */
 struct json_t *moe_test_run_json(const char *cmd);

@@ -46,21 +46,34 @@ typedef struct moe_hc_ctx {
     float *comb; /* [n_hc n_hc] */
 } moe_hc_ctx;
 
-/* The lightning indexer of sparse MLA layers (indexer.c): each indexed layer's per-position
- * rows [key | pooling logits | pooled key] of idx_head_dim floats each, and scratch. */
+/* The lightning indexer of sparse MLA layers (indexer.c): each scoring layer's per-position
+ * rows (moe_index_row_values: [key] or [key | pooling logits | pooled key]), and scratch. */
 typedef struct moe_index_ctx {
     uint32_t n_layer;    /* indexed layers (0: none) */
     uint32_t *slot;      /* [layers run] index among the indexed layers */
-    float *cache;        /* [n_seq][n_layer][n_ctx][3 idx_head_dim] */
+    float *cache;        /* [n_seq][n_layer][n_ctx][moe_index_row_values] */
     float *k;            /* [max_rows][idx_head_dim] projections on their way to the cache */
     float *q;            /* [max_rows][idx_n_head idx_head_dim] indexer queries */
     float *w;            /* [max_rows][idx_n_head] per-head score weights */
     uint32_t n_pool_max; /* pools a context holds, + 1 */
     float *scores;       /* [n_threads][n_pool_max] */
     int32_t *sel;        /* [n_threads][top_k + kpool - 1] chosen pools */
+    int32_t *chosen;     /* [max_rows][top_k + kpool - 1] the cells each row attends to, */
+    int32_t *n_chosen;   /* [max_rows] how many (-1: all), kept for the layers that share them */
     uint8_t *gather;     /* [n_threads][top_k + kpool - 1] latent rows a query attends to */
     double *seconds;     /* [n_threads][2] time scoring pools, time attending (benchmarks) */
 } moe_index_ctx;
+
+/* The expert cache (expert_cache.c). */
+typedef struct moe_expert_cache moe_expert_cache;
+moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, moe_pool *pool,
+                                       uint64_t bytes, moe_error *err);
+void moe_expert_cache_free(moe_expert_cache *c);
+/* Layer il's experts through the cache, for moe_expert_set.source. */
+const moe_expert_source *moe_expert_cache_source(moe_expert_cache *c, uint32_t il);
+/* The first read error since the last call, into err (true), or false. */
+bool moe_expert_cache_take_error(moe_expert_cache *c, moe_error *err);
+moe_expert_cache_stats moe_expert_cache_stats_of(const moe_expert_cache *c);
 
 /* A recurrent-state snapshot: sequence seq's state after its first pos tokens. */
 typedef struct moe_snapshot {
@@ -86,10 +99,11 @@ struct moe_ctx {
     float *x;          /* [max_rows][max(1, n_hc)][n_embd] the residual stream(s) */
     float *xn;         /* [max_rows][max(n_embd, n_head * head_dim_v)] a block's normed input */
     float *y;          /* [max_rows][n_embd] a block's output */
-    float *hidden;     /* [max_rows][n_embd] normed final hidden states of the last call's
-                        * logit rows, packed (what the MTP head takes) */
+    float *hidden;     /* [max_rows][n_embd] normed final hidden states of the last call's rows
+                        * (what the MTP head takes) */
     uint32_t n_hidden; /* rows in hidden */
     float *mtp_in;     /* [max_rows][2 n_embd] the MTP head's normed [embedding ; hidden] */
+    float *mtp_h;      /* [n_embd] the hidden state a draft chain feeds back */
     float *q, *k, *v, *att, *ff_gate, *ff_up;
     float *scores; /* [n_threads][n_ctx] attention scores */
     /* multi-head latent attention scratch (NULL without MLA) */
@@ -111,6 +125,7 @@ struct moe_ctx {
     const struct moe_stream_ops *stream; /* how block outputs join the residual stream */
     const struct moe_stream_ops *trunk;  /* ... in the trunk's layers (MTP layers: plain) */
     moe_hc_ctx hc;
+    moe_expert_cache *expert_cache; /* NULL: the routed experts are resident */
     moe_index_ctx idx;
     moe_linear_ctx lin;
     /* verify steps: for each sequence its length before the last one and its rows in it (0:

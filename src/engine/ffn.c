@@ -64,16 +64,21 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
                                     .n_group = (int)cfg->n_expert_group,
                                     .topk_group = (int)cfg->n_group_used};
     moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
-    const moe_expert_set experts = {.gate = w->gate,
-                                    .up = w->up,
-                                    .down = w->down,
-                                    .gate_b = w->gate_b,
-                                    .up_b = w->up_b,
-                                    .down_b = w->down_b,
-                                    .act = cfg->expert_act,
-                                    .limit = l->plan.clamp_exp};
+    const moe_expert_set experts = {
+        .gate = w->gate,
+        .up = w->up,
+        .down = w->down,
+        .gate_b = w->gate_b,
+        .up_b = w->up_b,
+        .down_b = w->down_b,
+        .act = cfg->expert_act,
+        .limit = l->plan.clamp_exp,
+        .source = c->expert_cache
+                      ? moe_expert_cache_source(c->expert_cache, (uint32_t)(l - c->m->layers))
+                      : NULL};
     memset(c->y, 0, sizeof(float) * n_rows * cfg->n_embd);
-    moe_experts_forward(c->pool, &experts, c->xn, n_rows, c->expert_ids, c->expert_w,
-                        (int)cfg->n_expert_used, c->y, &c->experts, &c->stats);
+    if (!moe_experts_forward(c->pool, &experts, c->xn, n_rows, c->expert_ids, c->expert_w,
+                             (int)cfg->n_expert_used, c->y, &c->experts, &c->stats))
+        return; /* the cache keeps the read error; the step fails with it */
     if (w->shared.gate) shared_expert(c, l, n_rows);
 }

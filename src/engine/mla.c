@@ -74,7 +74,7 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
                         n_rows);
 
     if (l->plan.indexed) {
-        moe_indexer_update(c, l, il, rows, n_rows);
+        if (!l->plan.index_shared) moe_indexer_update(c, l, il, rows, n_rows);
         moe_attend_rows_indexed(c, &shape, l, il, rows, n_rows);
     } else {
         moe_attend_rows(c, &shape, il, rows, n_rows, 0, true);

@@ -154,6 +154,12 @@ unsigned moe_gguf_vtype_size(uint32_t t);
  * not mapped or already read. On a read error (which names the file and byte) the shard's
  * tensors still point into the mapping. */
 moe_status moe_gguf_to_memory(moe_gguf *g, moe_pool *pool, uint64_t *bytes_read, moe_error *err);
+/* The same, leaving out the tensors skip says yes to: they are not read (their pages of the
+ * anonymous copy are never touched, so cost nothing) and their `data` becomes NULL (whoever
+ * needs them reads them from the file: the expert cache). */
+moe_status moe_gguf_to_memory_except(moe_gguf *g, moe_pool *pool,
+                                     bool (*skip)(const moe_tensor *t, void *ctx), void *skip_ctx,
+                                     uint64_t *bytes_read, moe_error *err);
 
 /* Tensors of all shards, in file order (shard 0 first). */
 uint64_t moe_gguf_n_tensors(const moe_gguf *g);

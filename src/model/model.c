@@ -20,12 +20,13 @@
 /* ==== The architectures ==== */
 
 extern const moe_arch_desc moe_arch_llama, moe_arch_qwen3moe, moe_arch_deepseek2, moe_arch_gpt_oss,
-    moe_arch_qwen3next, moe_arch_kimi_linear, moe_arch_glm4moe, moe_arch_qwen35, moe_arch_glm5next;
+    moe_arch_qwen3next, moe_arch_kimi_linear, moe_arch_glm4moe, moe_arch_qwen35, moe_arch_glm5next,
+    moe_arch_glm_dsa, moe_arch_qwen35moe;
 
 static const moe_arch_desc *const archs[] = {
-    &moe_arch_llama,   &moe_arch_qwen3moe,  &moe_arch_deepseek2,
-    &moe_arch_gpt_oss, &moe_arch_qwen3next, &moe_arch_kimi_linear,
-    &moe_arch_glm4moe, &moe_arch_qwen35,    &moe_arch_glm5next,
+    &moe_arch_llama,     &moe_arch_qwen3moe,    &moe_arch_deepseek2, &moe_arch_gpt_oss,
+    &moe_arch_qwen3next, &moe_arch_kimi_linear, &moe_arch_glm4moe,   &moe_arch_qwen35,
+    &moe_arch_glm5next,  &moe_arch_glm_dsa,     &moe_arch_qwen35moe,
 };
 #define N_ARCHS (sizeof archs / sizeof archs[0])
 
@@ -409,6 +410,27 @@ void moe_config_plan_mixer(moe_model_config *c, uint32_t il, moe_mixer mixer) {
     if (linear) c->layer[il].n_head_kv = 0;
 }
 
+#define ROPE_SECTIONS 4 /* rope.dimension_sections: t, h, w, e pairs */
+
+/* The sections must cover exactly the rotated dims (text sees one position in all of them). */
+bool moe_config_rope_sections(moe_meta *r, const moe_model_config *c) {
+    uint32_t sections[ROPE_SECTIONS];
+    char key[128];
+    snprintf(key, sizeof key, "%s.rope.dimension_sections", r->arch);
+    const moe_gguf_value *v = moe_gguf_find(r->g, key);
+    if (!v) return true;
+    if (v->type != MOE_GGUF_ARRAY || v->arr.n != ROPE_SECTIONS ||
+        !moe_meta_u32_per_layer(r, "rope.dimension_sections", 0, ROPE_SECTIONS, sections))
+        return moe_meta_fail(r, MOE_ERR_FORMAT, "key '%s' must be %d integers", key, ROPE_SECTIONS);
+    uint32_t pairs = 0;
+    for (int i = 0; i < ROPE_SECTIONS; i++) pairs += sections[i];
+    if (2 * pairs != c->rope_dims)
+        return moe_meta_fail(r, MOE_ERR_FORMAT,
+                             "rope sections cover %u dims, rope.dimension_count is %u", 2 * pairs,
+                             c->rope_dims);
+    return true;
+}
+
 bool moe_config_hc(moe_meta *r, moe_model_config *c) {
     if (!moe_meta_u32(r, "hyper_connection.count", true, 0, &c->n_hc) ||
         !moe_meta_u32(r, "hyper_connection.sinkhorn_iterations", true, 0, &c->hc_sinkhorn_iters) ||
@@ -495,9 +517,8 @@ moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il) {
         break;
     case MOE_MIXER_MLA: /* one row: the latent then the roped key; V is the latent part */
         s.k_values = (uint64_t)c->n_lora_kv + c->rope_dims;
-        /* the indexer's row: the key, the pooling logits, and the pooled key (in a pool's
-         * first cell) */
-        if (p->indexed) s.index_values = 3ull * c->idx_head_dim;
+        /* the indexer's row beside the latent (a layer sharing another's selection has none) */
+        if (p->indexed && !p->index_shared) s.index_values = moe_index_row_values(c);
         break;
     case MOE_MIXER_GDN:
     case MOE_MIXER_KDA: { /* the conv tail over q|k|v channels, and a k x v matrix per v head */
@@ -685,6 +706,7 @@ void moe_bind_indexer(moe_binder *b, uint32_t il, moe_mla_weights *w) {
     w->idx_k_norm = moe_bind_f32(b, il, "indexer.k_norm", "weight", id, 0, 0, true);
     w->idx_k_bias = moe_bind_f32(b, il, "indexer.k_norm", "bias", id, 0, 0, true);
     w->idx_proj = moe_bind_matrix(b, il, "indexer.proj", c->n_embd, ih);
+    if (c->idx_kpool == 1) return; /* positions are not pooled */
     w->idx_gate = moe_bind_matrix(b, il, "indexer_compressor_gate", c->n_embd, id);
     w->idx_ape = moe_bind_f32(b, il, "indexer_compressor_ape", "weight", id, c->idx_kpool, 0, true);
 }
@@ -777,6 +799,17 @@ void moe_bind_ffn(moe_binder *b, uint32_t il, moe_layer_weights *l) {
         bind_experts(b, il, &l->experts);
     else
         bind_gated_ffn(b, il, "", b->m->cfg.n_ff, &l->ffn);
+}
+
+bool moe_model_is_routed(const moe_tensor *t, void *model) {
+    const moe_model *m = model;
+    for (uint32_t il = 0; il < m->cfg.n_layer + m->n_layer_mtp; il++) {
+        const moe_layer_weights *l = &m->layers[il];
+        if (l->plan.ffn == MOE_FFN_EXPERTS &&
+            (t == l->experts.gate || t == l->experts.up || t == l->experts.down))
+            return true;
+    }
+    return false;
 }
 
 int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {

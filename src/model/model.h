@@ -57,6 +57,7 @@ typedef struct moe_layer_plan {
     uint32_t n_head_kv; /* attention.head_count_kv of this layer (0 in linear layers) */
     uint32_t window;    /* sliding window in positions (0: full attention) */
     bool indexed;       /* MLA attending only to the keys its lightning indexer selects */
+    bool index_shared;  /* ... those the previous indexed layer selected (no indexer of its own) */
     float clamp_exp;    /* SwiGLU clamp of the routed experts (0: none): silu(min(gate, L)) *
                          * clamp(up, -L, L) */
     float clamp_ffn;    /* the same for the shared experts and the dense FFN */
@@ -137,6 +138,7 @@ typedef struct moe_model_config {
      * complete pools and the incomplete tail, or to everything while that is no more */
     uint32_t idx_n_head, idx_head_dim, idx_top_k, idx_kpool;
     float idx_norm_eps;    /* the LayerNorm of the indexer keys */
+    bool idx_rope;         /* rope (the model's, rope_dims) on the indexer's queries and keys */
     moe_layer_plan *layer; /* [n_layer + n_layer_nextn] what each layer runs */
 } moe_model_config;
 
@@ -307,6 +309,11 @@ typedef struct moe_layer_state {
     uint64_t index_values; /* f32 values per token of an indexed layer's indexer cache */
 } moe_layer_state;
 moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il);
+/* f32 values of one position's indexer row: the key, and with pools (idx_kpool > 1) its pooling
+ * logits and the pooled key (kept in a pool's first cell). */
+static inline uint64_t moe_index_row_values(const moe_model_config *c) {
+    return (c->idx_kpool > 1 ? 3ull : 1ull) * c->idx_head_dim;
+}
 
 /* ==== Declaring a model's tensors (moe synth) ==== */
 
@@ -331,6 +338,9 @@ moe_model *moe_model_load(const char *path, moe_error *err);
 /* Bind a model from an already opened file; on success the model owns g. */
 moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err);
 void moe_model_free(moe_model *m);
+/* Whether t is one of m's routed-expert matrices (ffn_*_exps of a layer it runs); takes the
+ * model as void * to serve as moe_gguf_to_memory_except's skip. */
+bool moe_model_is_routed(const moe_tensor *t, void *model);
 /* The projection matrices of a layer (those moe_matmul reads), by its plan: *n of them. */
 #define MOE_LAYER_MAX_MATRICES 24
 int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out);

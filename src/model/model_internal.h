@@ -64,6 +64,9 @@ bool moe_config_experts(moe_meta *r, moe_model_config *c, moe_gating gating, boo
 /* Linear-attention widths (GDN: ssm.* keys; KDA: kda.head_dim with n_head heads) and checks. */
 bool moe_config_gdn(moe_meta *r, moe_model_config *c);
 bool moe_config_kda(moe_meta *r, moe_model_config *c);
+/* Multi-section rope (Qwen3.5): rope.dimension_sections, when present, must be 4 sections
+ * covering exactly the rotated dims (text puts one position in all of them). */
+bool moe_config_rope_sections(moe_meta *r, const moe_model_config *c);
 /* Hyper-connections: hyper_connection.count streams, Sinkhorn iterations and epsilon. */
 bool moe_config_hc(moe_meta *r, moe_model_config *c);
 /* The lightning indexer of sparse MLA: heads, key width, top_k, pool size (block_size, default
@@ -113,6 +116,9 @@ void moe_bind_gdn(moe_binder *b, uint32_t il, bool ba, moe_linear_weights *w);
 void moe_bind_kda(moe_binder *b, uint32_t il, bool a_flat, moe_linear_weights *w);
 /* The lightning indexer's tensors of an indexed MLA layer. */
 void moe_bind_indexer(moe_binder *b, uint32_t il, moe_mla_weights *w);
+/* A Qwen3.5 layer (GDN or gated attention, post_attention_norm, the plan's FFN, NextN tensors
+ * after the trunk): qwen35 and qwen35moe bind alike. */
+void moe_bind_qwen35_layer(moe_binder *b, uint32_t il, moe_layer_weights *l);
 /* hc_<site>_fn / _base / _scale: one site's hyper-connection mixer (site "attn" or "ffn"). */
 void moe_bind_hc(moe_binder *b, uint32_t il, const char *site, moe_hc_weights *w);
 /* The FFN the plan says: ffn_gate/up/down n_ff wide, or the router, routed and shared experts. */

@@ -176,6 +176,17 @@ typedef struct moe_expert_stats {
     uint64_t experts; /* distinct experts run (each one's weights read once) */
 } moe_expert_stats;
 
+/* Where a layer's experts come from when they are not all resident (an expert cache): before a
+ * group of experts runs, acquire makes them resident and keeps them so until release; views
+ * [3 n] get, for ids[i], its gate, up and down matrix as one-matrix tensors. acquire false: they
+ * could not be read (the source keeps the error); the dispatch stops. */
+typedef struct moe_expert_source {
+    bool (*acquire)(void *ctx, const int32_t *ids, int n, moe_tensor *views);
+    void (*release)(void *ctx, const int32_t *ids, int n);
+    void *ctx;
+    int max_group; /* experts resident at once at most */
+} moe_expert_source;
+
 /* One layer's routed experts as the dispatch runs them. */
 typedef struct moe_expert_set {
     const moe_tensor *gate, *up;     /* [n_in] -> [n_ff], x n_expert */
@@ -183,7 +194,8 @@ typedef struct moe_expert_set {
     const moe_tensor *gate_b, *up_b; /* F32 [n_ff] x n_expert biases, or NULL */
     const moe_tensor *down_b;        /* F32 [n_in] x n_expert, or NULL */
     moe_ffn_act act;
-    float limit; /* SwiGLU clamp (0: none), see moe_glu */
+    float limit;                     /* SwiGLU clamp (0: none), see moe_glu */
+    const moe_expert_source *source; /* NULL: gate, up and down are resident */
 } moe_expert_set;
 
 /* Buffers for moe_experts_forward, sized by the caller for its largest batch. */
@@ -202,7 +214,8 @@ typedef struct moe_expert_scratch {
 /* out[r] += sum_k weights[r][k] * (down_e(act(gate_e(x[r]) + gb_e) * (up_e(x[r]) + ub_e)) + db_e)
  * with e = ids[r][k] (biases where present). Rows are grouped by expert so each expert runs
  * once over all rows routed to it. */
-void moe_experts_forward(moe_pool *pool, const moe_expert_set *e, const float *x, int64_t n_rows,
+/* Returns false when the set's source could not provide an expert (out is then incomplete). */
+bool moe_experts_forward(moe_pool *pool, const moe_expert_set *e, const float *x, int64_t n_rows,
                          const int32_t *ids, const float *weights, int n_used, float *out,
                          const moe_expert_scratch *s, moe_expert_stats *stats);
 

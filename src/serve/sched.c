@@ -507,7 +507,9 @@ static bool load(serve_sched *s) {
     s->model = moe_model_load(path, &err);
     if (s->model && !s->p.use_mmap) {
         moe_pool *readers = moe_pool_new(s->p.n_threads); /* the weights are read on every thread */
-        moe_gguf_to_memory(s->model->gguf, readers, NULL, &err);
+        moe_gguf_to_memory_except(s->model->gguf, readers,
+                                  s->p.expert_cache_bytes ? moe_model_is_routed : NULL, s->model,
+                                  NULL, &err);
         moe_pool_free(readers);
     }
     if (s->model && !err.code) s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
@@ -521,7 +523,8 @@ static bool load(serve_sched *s) {
                          .n_seq = s->n_slots,
                          .max_rows = max_rows,
                          .kv_type = s->p.kv_type,
-                         .n_threads = s->p.n_threads};
+                         .n_threads = s->p.n_threads,
+                         .expert_cache_bytes = s->p.expert_cache_bytes};
     s->ctx = moe_ctx_new(s->model, &cp, &err);
     if (!s->ctx) goto fail;
     s->n_ctx = moe_ctx_n_ctx(s->ctx);

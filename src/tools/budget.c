@@ -122,6 +122,8 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
     m->n_embd = c.n_embd;
     m->n_head = c.n_head;
     m->ctx_train = c.n_ctx_train;
+    m->n_expert = c.n_expert;
+    m->n_expert_used = c.n_expert_used;
     const moe_tensor *embd = moe_gguf_tensor_find(g, "token_embd.weight");
     m->n_vocab = embd && embd->n_dims >= 2 ? (uint64_t)embd->ne[1] : vocab_size_key(g, arch);
     const uint64_t moe_ff = (uint64_t)c.n_expert_used * c.n_ff_exp + c.n_ff_shexp;
@@ -271,6 +273,9 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
     kv_per_token(m, c->kv_type, &p->kv_bytes_per_token, &p->swa_kv_bytes_per_token);
     p->index_bytes_per_token = index_per_token(m);
     p->state_bytes_per_stream = state_per_stream(m);
+    if (m->n_expert)
+        p->expert_bytes_per_token =
+            m->weights[MOE_ROLE_ROUTED_EXPERTS] / m->n_expert * m->n_expert_used;
     uint64_t kv = moe_budget_kv_bytes(m, c->kv_type, c->ctx, c->streams);
     uint64_t index = moe_budget_index_bytes(m, c->ctx, c->streams);
     uint64_t state = sat_mul(c->streams, p->state_bytes_per_stream);
@@ -289,6 +294,8 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
             uint64_t rows = s->rows / n + (d < s->rows % n);
             dev[s->mtp ? MOE_PART_MTP : MOE_ROLE_ROUTED_EXPERTS] += rows * s->slices * s->row_bytes;
         }
+        if (c->expert_cache && dev[MOE_ROLE_ROUTED_EXPERTS] > c->expert_cache)
+            dev[MOE_ROLE_ROUTED_EXPERTS] = c->expert_cache; /* the rest stays in the file */
         dev[MOE_PART_KV] = kv;
         dev[MOE_PART_INDEX] = index;
         dev[MOE_PART_STATE] = state;

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "../base/base.h"
+#include "../engine/engine.h"
 #include "../format/format.h"
 
 /* ==== Tensor roles, from llama.cpp tensor names ==== */
@@ -148,6 +149,7 @@ typedef struct moe_budget_model {
     uint64_t window;            /* sliding window in tokens (0: none) */
     uint64_t ctx_train;         /* <arch>.context_length (0: unknown) */
     uint64_t n_embd, n_vocab, n_head, ff_active; /* for the scratch estimate */
+    uint32_t n_expert, n_expert_used;            /* routed experts per layer, per token */
 } moe_budget_model;
 
 /* Read a model's facts; false with err set when its architecture's keys are missing. */
@@ -164,6 +166,7 @@ typedef struct moe_budget_config {
     uint64_t streams;        /* concurrent sequences */
     moe_type kv_type;        /* F16, F32 or Q8_0 */
     bool vision;             /* count the vision tower */
+    uint64_t expert_cache;   /* --expert-cache: routed experts resident at most (0: all) */
 } moe_budget_config;
 
 #define MOE_BUDGET_MAX_DEVICES  4096
@@ -181,8 +184,9 @@ typedef struct moe_budget_plan {
     uint64_t swa_kv_bytes_per_token; /* sliding layers (up to `window` tokens) */
     uint64_t index_bytes_per_token;  /* the indexed MLA layers' indexer rows (f32) */
     uint64_t state_bytes_per_stream;
-    uint64_t max_ctx;     /* largest context that fits with config.streams (0: none) */
-    uint64_t max_streams; /* largest stream count that fits at config.ctx (0: none) */
+    uint64_t max_ctx;                /* largest context that fits with config.streams (0: none) */
+    uint64_t max_streams;            /* largest stream count that fits at config.ctx (0: none) */
+    uint64_t expert_bytes_per_token; /* routed experts one token runs (n_used of n_expert) */
 } moe_budget_plan;
 
 void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
@@ -334,9 +338,10 @@ typedef struct moe_bench_params {
      * context is filled once, untimed, MOE_BENCH_FILL_ROWS rows per forward) */
     int depths[MOE_BENCH_MAX_DEPTHS];
     int n_depths;
-    bool use_mmap;      /* keep weights in the mapped file instead of anonymous memory */
-    moe_type kv_type;   /* KV cache elements (default F16, as llama-bench) */
-    size_t probe_bytes; /* bandwidth probe buffer */
+    bool use_mmap;               /* keep weights in the mapped file instead of anonymous memory */
+    moe_type kv_type;            /* KV cache elements (default F16, as llama-bench) */
+    uint64_t expert_cache_bytes; /* routed experts read on demand into a cache (0: resident) */
+    size_t probe_bytes;          /* bandwidth probe buffer */
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
@@ -373,6 +378,11 @@ typedef struct moe_bench_result {
      * sparse MLA layers: scoring the indexer's pools, and attending */
     double score_ms[MOE_BENCH_MAX_DEPTHS], attend_ms[MOE_BENCH_MAX_DEPTHS];
     double fill_seconds; /* filling the context to the last depth */
+    /* with --expert-cache: the cache over the decode test, and the disk it reads from */
+    moe_expert_cache_stats tg_cache; /* counters of the tg test's steps (warm-up included) */
+    double tg_cache_tokens;          /* tokens those steps made */
+    double disk_mib_s;               /* sequential read of the model file (its own probe) */
+    bool disk_direct;                /* ... with O_DIRECT (else through the page cache) */
 } moe_bench_result;
 
 /* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */

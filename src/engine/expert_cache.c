@@ -1,0 +1,369 @@
+/* expert_cache.c: routed experts kept in a resident cache of fixed size and read from the model
+ * file on demand, for models larger than memory.
+ *
+ * The unit is one expert of one layer: its gate, up and down matrices (three slices of the
+ * stacked *_exps tensors) in one slot. Everything else the model has stays resident as before;
+ * the experts' own bytes are never touched through the mapping. Before the dispatch runs a group
+ * of experts, the group is made resident: the misses get slots (empty ones first, else the
+ * unpinned expert used least often, the least recently among equals: routing is skewed and
+ * stable, so frequency beats recency) and are read in parallel on the pool's threads, with
+ * O_DIRECT through an aligned bounce buffer where the filesystem takes it (else pread, then the
+ * page cache is told to drop what was read), so the page cache neither doubles the memory nor
+ * evicts the wrong pages. Slots of the running group are pinned until the group is done. The
+ * bytes read are the file's, so logits equal the fully resident run bit for bit. The trap: a
+ * read error cannot return through the matmuls; it is kept here and the step fails with it. */
+#include "engine_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define DIRECT_ALIGN 4096 /* O_DIRECT's offset, length and buffer alignment */
+
+typedef struct slot {
+    int32_t layer, expert; /* owner, or layer -1: empty */
+    uint64_t last_use;
+    int pinned;
+} slot;
+
+typedef struct layer_source {
+    moe_expert_cache *cache;
+    uint32_t layer;
+    moe_expert_source source;
+} layer_source;
+
+struct moe_expert_cache {
+    const moe_model *m;
+    moe_pool *pool;
+    uint64_t slot_bytes;
+    uint32_t n_slots;
+    uint8_t *mem; /* [n_slots][slot_bytes] anonymous */
+    size_t mem_size;
+    slot *slots;
+    int32_t *slot_of; /* [n_layer_run][n_expert]: the slot holding the expert, or -1 */
+    uint32_t *uses;   /* [n_layer_run][n_expert] acquisitions */
+    uint32_t n_layer; /* layers run (trunk + MTP) */
+    int *fd;          /* [n_shards] O_DIRECT where the filesystem allows, else plain */
+    bool *direct;     /* [n_shards] */
+    uint8_t *bounce;  /* [n_threads][bounce_bytes], DIRECT_ALIGN-aligned */
+    uint64_t bounce_bytes;
+    layer_source *sources; /* [n_layer_run] */
+    uint64_t clock;
+    moe_expert_cache_stats stats;
+    moe_error err; /* the first read error */
+    /* the misses of one acquire, read in parallel */
+    int32_t miss_expert[MOE_MATMUL_MANY_MAX / 2], miss_slot[MOE_MATMUL_MANY_MAX / 2];
+    uint32_t miss_layer;
+    moe_error miss_err[MOE_MATMUL_MANY_MAX / 2];
+};
+
+static const moe_tensor *expert_tensor(const moe_model *m, uint32_t il, int k) {
+    const moe_layer_weights *l = &m->layers[il];
+    if (l->plan.ffn != MOE_FFN_EXPERTS) return NULL;
+    return k == 0 ? l->experts.gate : k == 1 ? l->experts.up : l->experts.down;
+}
+
+static uint64_t slice_bytes(const moe_tensor *t) {
+    return t->n_bytes / (uint64_t)t->ne[2];
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ==== Reading ==== */
+
+/* n bytes at file offset `at` of shard `shard` into dst; false with err set. */
+static bool read_bytes(moe_expert_cache *c, uint32_t shard, uint64_t at, uint64_t n, uint8_t *dst,
+                       int thread, const char *what, moe_error *err) {
+    const moe_gguf_shard *sh = moe_gguf_shard_get(c->m->gguf, shard);
+    const int fd = c->fd[shard];
+    uint64_t head = 0, len = n, from = at;
+    uint8_t *buf = dst;
+    if (c->direct[shard]) { /* an aligned superset into the bounce buffer */
+        from = at / DIRECT_ALIGN * DIRECT_ALIGN;
+        head = at - from;
+        len = (head + n + DIRECT_ALIGN - 1) / DIRECT_ALIGN * DIRECT_ALIGN;
+        buf = c->bounce + (uint64_t)thread * c->bounce_bytes;
+    }
+    uint64_t got = 0;
+    while (got < head + n) {
+        const ssize_t r = pread(fd, buf + got, (size_t)(len - got), (off_t)(from + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            if (r < 0)
+                moe_error_set(err, MOE_ERR_IO, "%s: reading %s at byte %" PRIu64 " failed: %s",
+                              sh->path, what, from + got, strerror(errno));
+            else
+                moe_error_set(err, MOE_ERR_IO,
+                              "%s: the file ends at byte %" PRIu64 ", inside %s (truncated since "
+                              "it was loaded?)",
+                              sh->path, from + got, what);
+            return false;
+        }
+        got += (uint64_t)r;
+    }
+    if (c->direct[shard])
+        memcpy(dst, buf + head, (size_t)n);
+    else /* read once: the cache holds it now, the page cache need not */
+        posix_fadvise(fd, (off_t)at, (off_t)n, POSIX_FADV_DONTNEED);
+    return true;
+}
+
+static void read_misses(void *arg, int64_t begin, int64_t end, int thread) {
+    moe_expert_cache *c = arg;
+    for (int64_t i = begin; i < end; i++) {
+        uint8_t *dst = c->mem + (uint64_t)c->miss_slot[i] * c->slot_bytes;
+        for (int k = 0; k < 3; k++) {
+            const moe_tensor *t = expert_tensor(c->m, c->miss_layer, k);
+            const uint64_t n = slice_bytes(t);
+            char what[160];
+            snprintf(what, sizeof what, "expert %d of '%.*s'", c->miss_expert[i], (int)t->name.len,
+                     t->name.ptr);
+            if (!read_bytes(c, t->shard, t->file_offset + (uint64_t)c->miss_expert[i] * n, n, dst,
+                            thread, what, &c->miss_err[i]))
+                break;
+            dst += n;
+        }
+    }
+}
+
+/* ==== Slots ==== */
+
+/* A slot for a new expert: an empty one, else the unpinned one used least (least recently among
+ * equals); -1 when every slot is pinned. */
+static int32_t victim(const moe_expert_cache *c) {
+    int32_t best = -1;
+    uint64_t best_uses = UINT64_MAX, best_use = UINT64_MAX;
+    for (uint32_t i = 0; i < c->n_slots; i++) {
+        const slot *s = &c->slots[i];
+        if (s->layer < 0) return (int32_t)i;
+        if (s->pinned) continue;
+        const uint64_t uses =
+            c->uses[(uint64_t)s->layer * c->m->cfg.n_expert + (uint32_t)s->expert];
+        if (uses < best_uses || (uses == best_uses && s->last_use < best_use)) {
+            best = (int32_t)i;
+            best_uses = uses;
+            best_use = s->last_use;
+        }
+    }
+    return best;
+}
+
+static void view_of(const moe_expert_cache *c, uint32_t il, int32_t slot_id, moe_tensor *views) {
+    const uint8_t *p = c->mem + (uint64_t)slot_id * c->slot_bytes;
+    for (int k = 0; k < 3; k++) {
+        const moe_tensor *t = expert_tensor(c->m, il, k);
+        views[k] = *t;
+        views[k].ne[2] = 1;
+        views[k].n_values = (uint64_t)t->ne[0] * (uint64_t)t->ne[1];
+        views[k].n_bytes = slice_bytes(t);
+        views[k].data = p;
+        p += views[k].n_bytes;
+    }
+}
+
+static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
+    layer_source *ls = arg;
+    moe_expert_cache *c = ls->cache;
+    const uint32_t il = ls->layer, n_expert = c->m->cfg.n_expert;
+    int32_t *slot_of = c->slot_of + (uint64_t)il * n_expert;
+    int n_miss = 0;
+    for (int i = 0; i < n; i++) { /* hits first: pinned, so no miss evicts them */
+        c->uses[(uint64_t)il * n_expert + (uint32_t)ids[i]]++;
+        const int32_t s = slot_of[ids[i]];
+        if (s < 0) continue;
+        c->slots[s].pinned++;
+        c->slots[s].last_use = ++c->clock;
+        c->stats.hits++;
+    }
+    for (int i = 0; i < n; i++) {
+        if (slot_of[ids[i]] >= 0) continue;
+        const int32_t s = victim(c);
+        if (s < 0) { /* cannot happen while n <= n_slots (the source's max_group) */
+            moe_error_set(&c->err, MOE_ERR_RANGE, "expert cache: all %u slots are in use",
+                          c->n_slots);
+            return false;
+        }
+        slot *v = &c->slots[s];
+        if (v->layer >= 0) {
+            c->slot_of[(uint64_t)v->layer * n_expert + (uint32_t)v->expert] = -1;
+            c->stats.evictions++;
+        }
+        *v = (slot){.layer = (int32_t)il, .expert = ids[i], .last_use = ++c->clock, .pinned = 1};
+        slot_of[ids[i]] = s;
+        c->miss_expert[n_miss] = ids[i];
+        c->miss_slot[n_miss] = s;
+        c->miss_err[n_miss] = (moe_error){0};
+        n_miss++;
+    }
+    if (n_miss) {
+        const double t0 = now_seconds();
+        c->miss_layer = il;
+        moe_pool_for(c->pool, n_miss, 1, read_misses, c);
+        c->stats.read_seconds += now_seconds() - t0;
+        c->stats.misses += (uint64_t)n_miss;
+        c->stats.bytes_read += (uint64_t)n_miss * (slice_bytes(expert_tensor(c->m, il, 0)) +
+                                                   slice_bytes(expert_tensor(c->m, il, 1)) +
+                                                   slice_bytes(expert_tensor(c->m, il, 2)));
+        for (int i = 0; i < n_miss; i++) {
+            if (!c->miss_err[i].code) continue;
+            if (!c->err.code) c->err = c->miss_err[i];
+            /* the slot holds garbage: forget it */
+            slot_of[c->miss_expert[i]] = -1;
+            c->slots[c->miss_slot[i]] = (slot){.layer = -1};
+        }
+        if (c->err.code) {
+            for (int i = 0; i < n; i++)
+                if (slot_of[ids[i]] >= 0) c->slots[slot_of[ids[i]]].pinned--;
+            return false;
+        }
+    }
+    for (int i = 0; i < n; i++) view_of(c, il, slot_of[ids[i]], views + 3 * i);
+    return true;
+}
+
+static void release(void *arg, const int32_t *ids, int n) {
+    layer_source *ls = arg;
+    moe_expert_cache *c = ls->cache;
+    const int32_t *slot_of = c->slot_of + (uint64_t)ls->layer * c->m->cfg.n_expert;
+    for (int i = 0; i < n; i++) c->slots[slot_of[ids[i]]].pinned--;
+}
+
+/* ==== Lifetime ==== */
+
+uint64_t moe_expert_cache_slot_bytes(const moe_model *m, uint32_t n_layer_run) {
+    uint64_t most = 0;
+    for (uint32_t il = 0; il < n_layer_run; il++) {
+        if (!expert_tensor(m, il, 0)) continue;
+        uint64_t b = 0;
+        for (int k = 0; k < 3; k++) b += slice_bytes(expert_tensor(m, il, k));
+        if (b > most) most = b;
+    }
+    return most;
+}
+
+moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, moe_pool *pool,
+                                       uint64_t bytes, moe_error *err) {
+    const uint64_t slot_bytes = moe_expert_cache_slot_bytes(m, n_layer_run);
+    if (!slot_bytes) {
+        moe_error_set(err, MOE_ERR_ARG, "--expert-cache: %s has no routed experts",
+                      m->path ? m->path : "the model");
+        return NULL;
+    }
+    const uint64_t n_slots = bytes / slot_bytes;
+    if (n_slots < 2 || n_slots > (uint64_t)m->cfg.n_expert * n_layer_run * 2) {
+        if (n_slots < 2)
+            moe_error_set(err, MOE_ERR_ARG,
+                          "--expert-cache %.1f MiB holds %" PRIu64 " experts of %.2f MiB; give it "
+                          "at least 2 (%.1f MiB)",
+                          (double)bytes / 1048576.0, n_slots, (double)slot_bytes / 1048576.0,
+                          2.0 * (double)slot_bytes / 1048576.0);
+        else
+            moe_error_set(err, MOE_ERR_ARG,
+                          "--expert-cache %.1f MiB is more than the %u x %u experts take: load "
+                          "the model whole instead",
+                          (double)bytes / 1048576.0, n_layer_run, m->cfg.n_expert);
+        return NULL;
+    }
+    moe_expert_cache *c = moe_xcalloc(1, sizeof *c);
+    c->m = m;
+    c->pool = pool;
+    c->slot_bytes = slot_bytes;
+    c->n_slots = (uint32_t)n_slots;
+    c->n_layer = n_layer_run;
+    c->mem_size = (size_t)(n_slots * slot_bytes);
+    c->mem = mmap(NULL, c->mem_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (c->mem == MAP_FAILED) {
+        c->mem = NULL;
+        moe_error_set(err, MOE_ERR_NOMEM, "--expert-cache: cannot allocate %.1f MiB: %s",
+                      (double)c->mem_size / 1048576.0, strerror(errno));
+        moe_expert_cache_free(c);
+        return NULL;
+    }
+    c->slots = moe_xcalloc(n_slots, sizeof *c->slots);
+    for (uint64_t i = 0; i < n_slots; i++) c->slots[i].layer = -1;
+    const uint64_t n_ids = (uint64_t)n_layer_run * m->cfg.n_expert;
+    c->slot_of = moe_xmalloc(n_ids * sizeof *c->slot_of);
+    for (uint64_t i = 0; i < n_ids; i++) c->slot_of[i] = -1;
+    c->uses = moe_xcalloc(n_ids, sizeof *c->uses);
+    const uint32_t n_shards = moe_gguf_n_shards(m->gguf);
+    c->fd = moe_xcalloc(n_shards, sizeof *c->fd);
+    c->direct = moe_xcalloc(n_shards, sizeof *c->direct);
+    for (uint32_t s = 0; s < n_shards; s++) {
+        const char *path = moe_gguf_shard_get(m->gguf, s)->path;
+        c->fd[s] = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        c->direct[s] = c->fd[s] >= 0;
+        if (c->fd[s] < 0) c->fd[s] = open(path, O_RDONLY | O_CLOEXEC); /* e.g. tmpfs */
+        if (c->fd[s] < 0) {
+            moe_error_set(err, MOE_ERR_IO, "--expert-cache: cannot open %s: %s", path,
+                          strerror(errno));
+            moe_expert_cache_free(c);
+            return NULL;
+        }
+    }
+    uint64_t slice_max = 0;
+    for (uint32_t il = 0; il < n_layer_run; il++)
+        for (int k = 0; expert_tensor(m, il, 0) && k < 3; k++)
+            if (slice_bytes(expert_tensor(m, il, k)) > slice_max)
+                slice_max = slice_bytes(expert_tensor(m, il, k));
+    c->bounce_bytes = (slice_max + 2 * DIRECT_ALIGN) / DIRECT_ALIGN * DIRECT_ALIGN;
+    c->bounce =
+        aligned_alloc(DIRECT_ALIGN, (size_t)(c->bounce_bytes * (uint64_t)moe_pool_n_threads(pool)));
+    if (!c->bounce) moe_die("out of memory (expert cache bounce buffers)");
+    c->sources = moe_xcalloc(n_layer_run, sizeof *c->sources);
+    for (uint32_t il = 0; il < n_layer_run; il++) {
+        layer_source *ls = &c->sources[il];
+        ls->cache = c;
+        ls->layer = il;
+        ls->source = (moe_expert_source){.acquire = acquire,
+                                         .release = release,
+                                         .ctx = ls,
+                                         .max_group = c->n_slots < MOE_MATMUL_MANY_MAX / 2
+                                                          ? (int)c->n_slots
+                                                          : MOE_MATMUL_MANY_MAX / 2};
+    }
+    return c;
+}
+
+void moe_expert_cache_free(moe_expert_cache *c) {
+    if (!c) return;
+    if (c->mem) munmap(c->mem, c->mem_size);
+    for (uint32_t s = 0; c->fd && s < moe_gguf_n_shards(c->m->gguf); s++)
+        if (c->fd[s] > 0) close(c->fd[s]);
+    free(c->fd);
+    free(c->direct);
+    free(c->bounce);
+    free(c->slots);
+    free(c->slot_of);
+    free(c->uses);
+    free(c->sources);
+    free(c);
+}
+
+const moe_expert_source *moe_expert_cache_source(moe_expert_cache *c, uint32_t il) {
+    return &c->sources[il].source;
+}
+
+bool moe_expert_cache_take_error(moe_expert_cache *c, moe_error *err) {
+    if (!c->err.code) return false;
+    *err = c->err;
+    c->err = (moe_error){0};
+    return true;
+}
+
+moe_expert_cache_stats moe_expert_cache_stats_of(const moe_expert_cache *c) {
+    moe_expert_cache_stats s = c->stats;
+    s.slots = c->n_slots;
+    s.slot_bytes = c->slot_bytes;
+    s.direct = c->direct[0];
+    return s;
+}
