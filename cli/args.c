@@ -136,9 +136,24 @@ int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **
         if (!moe_arg_kv_type(cmd, v, false, &a->kv_type)) return -1;
     } else if (strcmp(flag, "--expert-cache") == 0) {
         if (!moe_arg_size(cmd, flag, v, &a->expert_cache_bytes)) return -1;
+    } else if (strcmp(flag, "--expert-stats") == 0 || strcmp(flag, "--pin-experts") == 0) {
+        if (!v) {
+            moe_cli_usage_error(cmd, "%s needs a file name", flag);
+            return -1;
+        }
+        *(flag[2] == 'e' ? &a->expert_stats : &a->pin_experts) = v;
     } else {
         return 0;
     }
     ++*i;
     return 1;
+}
+
+bool moe_engine_args_check(const char *cmd, const moe_engine_args *a) {
+    if ((a->expert_stats || a->pin_experts) && !a->expert_cache_bytes) {
+        moe_cli_usage_error(cmd, "%s needs --expert-cache SIZE",
+                            a->expert_stats ? "--expert-stats" : "--pin-experts");
+        return false;
+    }
+    return true;
 }

@@ -33,6 +33,8 @@ typedef struct moe_engine_args {
     moe_type kv_type;            /* --kv-type: KV cache elements, MOE_TYPE_F32 or MOE_TYPE_F16 */
     uint64_t expert_cache_bytes; /* --expert-cache SIZE: routed experts read on demand into a
                                   * cache of this size (0: all resident) */
+    const char *expert_stats;    /* --expert-stats FILE: the cache's use counts across runs */
+    const char *pin_experts;     /* --pin-experts FILE: experts the cache always holds */
 } moe_engine_args;
 
 /* A byte size: a positive number with an optional binary unit K, M, G or T (KiB, GB, ...). */
@@ -41,5 +43,7 @@ bool moe_arg_size(const char *cmd, const char *flag, const char *text, uint64_t 
 /* argv[*i] if it is one of them: 1 consumed (*i moved past its value), 0 not one of them, -1 a
  * usage error (reported). */
 int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i);
+/* Once every flag is in: combinations that need another flag (reported; false). */
+bool moe_engine_args_check(const char *cmd, const moe_engine_args *a);
 
 #endif

@@ -104,6 +104,8 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                              .max_rows = PREFILL_CHUNK,
                              .kv_type = o->engine.kv_type,
                              .expert_cache_bytes = o->engine.expert_cache_bytes,
+                             .expert_stats = o->engine.expert_stats,
+                             .pin_experts = o->engine.pin_experts,
                              .n_threads = o->engine.n_threads,
                              .n_verify = o->spec ? o->n_draft + 1 : 0};
         g->ctx = moe_ctx_new(g->model, &cp, &err);

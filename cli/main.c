@@ -46,6 +46,12 @@ static const moe_command commands[] = {
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
      "        [--depth 1024,4096,16384] [--kv-type f16|f32] [--mmap] [--expert-cache SIZE]\n"
      "        [--csv | --json]"},
+    {"eval", moe_cmd_eval,
+     "score labelled records by label probability, compare two runs, KL against a reference",
+     "labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] [--json]\n"
+     "        | compare A.jsonl B.jsonl [--resamples N] [--seed S] [--json]\n"
+     "        | kl MODEL --ref REF_MODEL (--text F | --tokens IDS) [--ctx N] [--json]\n"
+     "        (`moe eval labels --help` etc. for each)"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
      "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},

@@ -4,7 +4,9 @@
  * sequence and for interleaved ones; the cache really was smaller than the experts (it evicted).
  * Loading with the experts left out reads only the rest. A file truncated after loading makes
  * the step fail with an error naming the file, never a crash or a silently wrong token, and a
- * size the cache cannot work with is refused with the size it needs. */
+ * size the cache cannot work with is refused with the size it needs. Use counts kept in a file
+ * warm the next run's cache (its first step already hits), pinned experts are resident from the
+ * start, and a malformed list is an error naming its line. */
 #include "testutil.h"
 
 #include <stdio.h>
@@ -166,12 +168,86 @@ static void truncated_file_is_an_error(void **state) {
     moe_model_free(m);
 }
 
+static moe_ctx *cache_ctx(const moe_model *m, const char *stats, const char *pins, moe_error *err) {
+    moe_ctx_params cp = {.n_ctx = 64,
+                         .n_seq = 1,
+                         .max_rows = 16,
+                         .n_threads = 2,
+                         .expert_cache_bytes = 2 * quarter(m),
+                         .expert_stats = stats,
+                         .pin_experts = pins};
+    return moe_ctx_new(m, &cp, err);
+}
+
+/* One 16-token prefill; the cache's counters after it. */
+static moe_expert_cache_stats prefill(moe_ctx *c) {
+    moe_row rows[16];
+    for (int i = 0; i < 16; i++) rows[i] = (moe_row){0, i, 10 + 3 * i, i == 15};
+    float *logits = malloc(sizeof(float) * moe_ctx_model(c)->cfg.n_vocab);
+    moe_error err = {0};
+    if (moe_ctx_decode(c, rows, 16, logits, &err) != MOE_OK) fail_msg("%s", err.msg);
+    free(logits);
+    return moe_ctx_expert_cache_stats(c);
+}
+
+static void stats_and_pins(void **state) {
+    (void)state;
+    const char *path = moe_test_shared("parity/qwen3moe-mixed.gguf");
+    MOE_SKIP_IF_NULL(path);
+    moe_error err = {0};
+    moe_model *m = moe_model_load(path, &err);
+    assert_non_null(m);
+    char stats[512], pins[512];
+    snprintf(stats, sizeof stats, "%s/experts.stats", moe_test_tmpdir());
+    snprintf(pins, sizeof pins, "%s/experts.pin", moe_test_tmpdir());
+    unlink(stats);
+    moe_ctx *c = cache_ctx(m, stats, NULL, &err);
+    assert_non_null(c);
+    const moe_expert_cache_stats cold = prefill(c);
+    moe_ctx_free(c); /* writes the counts */
+    FILE *f = fopen(stats, "r");
+    assert_non_null(f);
+    char head[64] = "";
+    assert_non_null(fgets(head, sizeof head, f));
+    fclose(f);
+    assert_non_null(strstr(head, "moe-expert-stats 1 2 8"));
+    c = cache_ctx(m, stats, NULL, &err);
+    assert_non_null(c);
+    const moe_expert_cache_stats warm = prefill(c);
+    moe_ctx_free(c);
+    print_message("16-token prefill: cold hit rate %.2f, warmed from the statistics %.2f\n",
+                  (double)cold.hits / (double)(cold.hits + cold.misses),
+                  (double)warm.hits / (double)(warm.hits + warm.misses));
+    assert_true(warm.hits > cold.hits);
+
+    f = fopen(pins, "w");
+    fputs("# layer expert\n0 1\n1:5\n", f);
+    fclose(f);
+    c = cache_ctx(m, NULL, pins, &err);
+    if (!c) fail_msg("%s", err.msg);
+    moe_expert_cache_stats st = moe_ctx_expert_cache_stats(c);
+    assert_int_equal(st.misses, 0); /* the pins were read before counting started */
+    moe_ctx_free(c);
+    f = fopen(pins, "w");
+    fputs("0 1\n7 1\n", f); /* there are 2 layers */
+    fclose(f);
+    err = (moe_error){0};
+    assert_null(cache_ctx(m, NULL, pins, &err));
+    print_message("%s\n", err.msg);
+    assert_non_null(strstr(err.msg, "experts.pin:2"));
+    moe_model_free(m);
+}
+
 static void option_errors(void **state) {
     (void)state;
     char cmd[1024], *out;
     snprintf(cmd, sizeof cmd, "%s run --expert-cache 12X -n 1", moe_test_bin());
     assert_int_equal(moe_test_run(cmd, &out), 2);
     assert_non_null(strstr(out, "--expert-cache expects a size"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s run --pin-experts x.pin -n 1", moe_test_bin());
+    assert_int_equal(moe_test_run(cmd, &out), 2);
+    assert_non_null(strstr(out, "--pin-experts needs --expert-cache"));
     free(out);
     const char *model = moe_test_shared("parity/qwen3moe-mixed.gguf");
     MOE_SKIP_IF_NULL(model);
@@ -191,6 +267,7 @@ int moe_suite_experts(void) {
         cmocka_unit_test(cache_equals_resident),
         cmocka_unit_test(load_without_experts),
         cmocka_unit_test(truncated_file_is_an_error),
+        cmocka_unit_test(stats_and_pins),
         cmocka_unit_test(option_errors),
     };
     return cmocka_run_group_tests_name("experts", tests, NULL, NULL);

@@ -133,9 +133,10 @@ static void conv_state_rolls(void **st) {
 
 /* ==== The engine on qwen3next ==== */
 
-#define MODEL    "parity/qwen3next-f32.gguf" /* the default hybrid; some tests run on each below */
-#define GLM5NEXT "parity/glm5next-f32.gguf"  /* KDA with hyper-connections and the pooled indexer  \
-                                              */
+#define MODEL "parity/qwen3next-f32.gguf" /* the default hybrid; some tests run on each below */
+#define GLM5NEXT                                                                                   \
+    "parity/glm5next-f32.gguf" /* KDA with hyper-connections and the pooled indexer                \
+                                */
 enum { N_LONG = 300 };
 
 /* The model a test's state names (NULL state: MODEL), or NULL without ../shared. */

@@ -212,7 +212,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     if (params.expert_cache_bytes) {
         x->expert_cache =
             moe_expert_cache_new(m, n_layer_run(m), x->pool, params.expert_cache_bytes, err);
-        if (!x->expert_cache) {
+        if (!x->expert_cache || !moe_expert_cache_prepare(x->expert_cache, params.expert_stats,
+                                                          params.pin_experts, err)) {
             moe_ctx_free(x);
             return NULL;
         }
@@ -239,6 +240,9 @@ void moe_ctx_free(moe_ctx *c) {
     moe_linear_free(c);
     moe_hc_free(c);
     moe_indexer_free(c);
+    moe_error err = {0};
+    if (c->expert_cache && !moe_expert_cache_save_stats(c->expert_cache, &err))
+        moe_log(MOE_LOG_WARN, "expert statistics not saved: %s", err.msg);
     moe_expert_cache_free(c->expert_cache);
     free(c->k_cache);
     free(c->v_cache);

@@ -32,6 +32,10 @@ typedef struct moe_ctx_params {
     uint32_t n_verify;    /* rows per sequence a verify step can take back (0: no verify steps) */
     uint64_t expert_cache_bytes; /* routed experts read from the file into a cache of this size
                                   * (0: the model's experts are all resident) */
+    const char *expert_stats;    /* with a cache: use counts kept in this file across runs (the
+                                  * hottest experts read at start), or NULL */
+    const char *pin_experts;     /* with a cache: experts always resident, listed one per line as
+                                  * "LAYER EXPERT", or NULL */
 } moe_ctx_params;
 
 /* The expert cache's counters (cumulative; all zero without one). */
@@ -201,5 +205,12 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits);
 /* Tell the sampler about prompt tokens (they count for the penalties). */
 void moe_sampler_accept(moe_sampler *s, int32_t token);
 void moe_sampler_reset(moe_sampler *s);
+/* The log-probability of a given token (a prompt token, not a draw) under the raw logits (no
+ * bias, penalties or temperature), and the sampler's n_top_logprobs best alternatives; the
+ * token is not remembered for the penalties. */
+moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token);
+/* log-softmax of one logits row at token: logit - max - log(sum exp(logit_i - max)), summed in
+ * double. What `moe eval` scores with; moe_sampler_score rounds the same value to float. */
+double moe_logprob(const float *logits, uint32_t n_vocab, int32_t token);
 
 #endif

@@ -74,6 +74,13 @@ const moe_expert_source *moe_expert_cache_source(moe_expert_cache *c, uint32_t i
 /* The first read error since the last call, into err (true), or false. */
 bool moe_expert_cache_take_error(moe_expert_cache *c, moe_error *err);
 moe_expert_cache_stats moe_expert_cache_stats_of(const moe_expert_cache *c);
+/* Pin the experts a --pin-experts file lists ("LAYER EXPERT" or "LAYER:EXPERT" lines), then warm
+ * the free slots with the experts a --expert-stats file says were used most (a missing file is a
+ * cold start); either path may be NULL. */
+bool moe_expert_cache_prepare(moe_expert_cache *c, const char *stats_path, const char *pin_path,
+                              moe_error *err);
+/* Write the use counts to the --expert-stats file (no file: nothing to do). */
+bool moe_expert_cache_save_stats(const moe_expert_cache *c, moe_error *err);
 
 /* A recurrent-state snapshot: sequence seq's state after its first pos tokens. */
 typedef struct moe_snapshot {

@@ -10,7 +10,9 @@
  * O_DIRECT through an aligned bounce buffer where the filesystem takes it (else pread, then the
  * page cache is told to drop what was read), so the page cache neither doubles the memory nor
  * evicts the wrong pages. Slots of the running group are pinned until the group is done. The
- * bytes read are the file's, so logits equal the fully resident run bit for bit. The trap: a
+ * bytes read are the file's, so logits equal the fully resident run bit for bit. The use counts
+ * can be kept in a file (--expert-stats) so a restart warms the cache with the experts used most,
+ * and a list of experts can be pinned (--pin-experts): read at start, never evicted. The trap: a
  * read error cannot return through the matmuls; it is kept here and the step fails with it. */
 #include "engine_internal.h"
 
@@ -56,7 +58,8 @@ struct moe_expert_cache {
     layer_source *sources; /* [n_layer_run] */
     uint64_t clock;
     moe_expert_cache_stats stats;
-    moe_error err; /* the first read error */
+    moe_error err;          /* the first read error */
+    const char *stats_path; /* where the use counts are kept (NULL: nowhere) */
     /* the misses of one acquire, read in parallel */
     int32_t miss_expert[MOE_MATMUL_MANY_MAX / 2], miss_slot[MOE_MATMUL_MANY_MAX / 2];
     uint32_t miss_layer;
@@ -347,6 +350,142 @@ void moe_expert_cache_free(moe_expert_cache *c) {
     free(c->uses);
     free(c->sources);
     free(c);
+}
+
+/* ==== Use statistics and pins ==== */
+
+#define STATS_MAGIC "moe-expert-stats 1"
+
+/* Read (layer, expert) pairs into pairs[] (at most max): a stats file's lines "L E COUNT" after
+ * its header (counts into uses), or a pin list's "L E" / "L:E" lines ('#' comments). */
+static bool read_pairs(moe_expert_cache *c, const char *path, bool stats, uint32_t *pairs,
+                       uint32_t max, uint32_t *n, moe_error *err) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        if (stats && errno == ENOENT) return true; /* no statistics yet: a cold start */
+        return moe_error_set(err, MOE_ERR_IO, "%s: %s", path, strerror(errno)) == MOE_OK;
+    }
+    char line[256];
+    uint32_t n_layer = 0, n_expert = 0, line_no = 0;
+    bool ok = true;
+    *n = 0;
+    if (stats && (!fgets(line, sizeof line, f) || strncmp(line, STATS_MAGIC, strlen(STATS_MAGIC)) ||
+                  sscanf(line + strlen(STATS_MAGIC), "%u %u", &n_layer, &n_expert) != 2 ||
+                  n_layer != c->n_layer || n_expert != c->m->cfg.n_expert)) {
+        moe_log(MOE_LOG_WARN,
+                "%s: not expert statistics of this model (%u layers x %u experts); "
+                "starting cold",
+                path, c->n_layer, c->m->cfg.n_expert);
+        fclose(f);
+        return true;
+    }
+    while (ok && fgets(line, sizeof line, f)) {
+        line_no++;
+        char *p = line + strspn(line, " \t");
+        if (*p == '#' || *p == '\n' || !*p) continue;
+        unsigned layer, expert, count = 0;
+        const int got = sscanf(p, stats ? "%u %u %u" : "%u%*[ :]%u", &layer, &expert, &count);
+        if (got < 2 || layer >= c->n_layer || expert >= c->m->cfg.n_expert ||
+            !expert_tensor(c->m, layer, 0)) {
+            ok = moe_error_set(err, MOE_ERR_FORMAT,
+                               "%s:%u: expected 'LAYER EXPERT%s' of a MoE layer (< %u) and an "
+                               "expert (< %u)",
+                               path, stats ? line_no + 1 : line_no, stats ? " COUNT" : "",
+                               c->n_layer, c->m->cfg.n_expert) == MOE_OK;
+            break;
+        }
+        if (stats) c->uses[(uint64_t)layer * c->m->cfg.n_expert + expert] = count;
+        if (*n < max) pairs[(*n)++] = layer * c->m->cfg.n_expert + expert;
+    }
+    fclose(f);
+    return ok;
+}
+
+/* Read the experts ids[0..n) (layer * n_expert + expert, by layer) into free slots; pinned for
+ * good when `pin`. */
+static bool preload(moe_expert_cache *c, const uint32_t *ids, uint32_t n, bool pin,
+                    moe_error *err) {
+    const uint32_t n_expert = c->m->cfg.n_expert;
+    for (uint32_t i = 0; i < n;) {
+        /* one layer's run of experts at a time (acquire reads a layer's misses in parallel) */
+        const uint32_t layer = ids[i] / n_expert;
+        int32_t group[MOE_MATMUL_MANY_MAX / 2];
+        int k = 0;
+        for (; i < n && ids[i] / n_expert == layer && k < c->sources[layer].source.max_group; i++)
+            if (c->slot_of[ids[i]] < 0) group[k++] = (int32_t)(ids[i] % n_expert);
+        if (!k) continue;
+        moe_tensor views[3 * (MOE_MATMUL_MANY_MAX / 2)];
+        if (!acquire(&c->sources[layer], group, k, views)) {
+            moe_expert_cache_take_error(c, err);
+            return false;
+        }
+        release(&c->sources[layer], group, k);
+        for (int g = 0; g < k; g++) c->uses[(uint64_t)layer * n_expert + (uint32_t)group[g]]--;
+        for (int g = 0; pin && g < k; g++)
+            c->slots[c->slot_of[(uint64_t)layer * n_expert + (uint32_t)group[g]]].pinned = 1 << 20;
+    }
+    return true;
+}
+
+static int cmp_uses_desc(const void *a, const void *b, void *uses) {
+    const uint32_t *u = uses, x = u[*(const uint32_t *)a], y = u[*(const uint32_t *)b];
+    return x > y ? -1 : x < y;
+}
+
+bool moe_expert_cache_prepare(moe_expert_cache *c, const char *stats_path, const char *pin_path,
+                              moe_error *err) {
+    const uint64_t n_ids = (uint64_t)c->n_layer * c->m->cfg.n_expert;
+    uint32_t *ids = moe_xcalloc(n_ids + 1, sizeof *ids), n = 0;
+    bool ok = true;
+    if (pin_path) { /* pinned first: they take their slots for good */
+        ok = read_pairs(c, pin_path, false, ids, (uint32_t)n_ids, &n, err);
+        if (ok && n + 2 > c->n_slots)
+            ok = moe_error_set(err, MOE_ERR_ARG,
+                               "%s pins %u experts; the cache holds %u and needs 2 free", pin_path,
+                               n, c->n_slots) == MOE_OK;
+        if (ok) ok = preload(c, ids, n, true, err);
+    }
+    if (ok && stats_path) { /* then the experts used most, while there is room */
+        ok = read_pairs(c, stats_path, true, ids, (uint32_t)n_ids, &n, err);
+        n = 0;
+        for (uint64_t i = 0; ok && i < n_ids; i++)
+            if (c->uses[i] && expert_tensor(c->m, (uint32_t)(i / c->m->cfg.n_expert), 0))
+                ids[n++] = (uint32_t)i;
+        qsort_r(ids, n, sizeof *ids, cmp_uses_desc, c->uses);
+        uint32_t free_slots = 0;
+        for (uint32_t i = 0; i < c->n_slots; i++) free_slots += c->slots[i].layer < 0;
+        if (n > free_slots) n = free_slots;
+        /* by layer, so each layer's experts are read together */
+        for (uint32_t i = 1; i < n; i++)
+            for (uint32_t k = i; k > 0 && ids[k - 1] > ids[k]; k--) {
+                const uint32_t t = ids[k];
+                ids[k] = ids[k - 1];
+                ids[k - 1] = t;
+            }
+        if (ok) ok = preload(c, ids, n, false, err);
+    }
+    free(ids);
+    if (ok) c->stats_path = stats_path; /* never overwrite a file that could not be read */
+    c->stats.hits = c->stats.misses = c->stats.evictions = 0; /* count from the first step */
+    c->stats.bytes_read = 0;
+    c->stats.read_seconds = 0;
+    return ok;
+}
+
+bool moe_expert_cache_save_stats(const moe_expert_cache *c, moe_error *err) {
+    if (!c->stats_path) return true;
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", c->stats_path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return moe_error_set(err, MOE_ERR_IO, "%s: %s", tmp, strerror(errno)) == MOE_OK;
+    fprintf(f, "%s %u %u\n", STATS_MAGIC, c->n_layer, c->m->cfg.n_expert);
+    for (uint64_t i = 0; i < (uint64_t)c->n_layer * c->m->cfg.n_expert; i++)
+        if (c->uses[i])
+            fprintf(f, "%u %u %u\n", (unsigned)(i / c->m->cfg.n_expert),
+                    (unsigned)(i % c->m->cfg.n_expert), c->uses[i]);
+    const bool ok = fclose(f) == 0 && rename(tmp, c->stats_path) == 0;
+    if (!ok) moe_error_set(err, MOE_ERR_IO, "%s: %s", c->stats_path, strerror(errno));
+    return ok;
 }
 
 const moe_expert_source *moe_expert_cache_source(moe_expert_cache *c, uint32_t il) {

@@ -192,6 +192,12 @@ bool moe_path_is_url(const char *path);
  * first; *file_size (may be NULL) is the file's full size from Content-Range. */
 moe_status moe_http_read(moe_http *h, const char *url, uint64_t offset, uint64_t n, void *buf,
                          uint64_t *got, uint64_t *file_size, moe_error *err);
+/* POST a JSON body to url (an API call, not a file read): the reply's body into *reply (reset
+ * first) and its HTTP status into *status. bearer, when not NULL, goes in an Authorization
+ * header. Fails only on transport errors; the caller judges the status. */
+#define MOE_HTTP_MAX_REPLY (256u << 20) /* an API reply past 256 MiB is not one */
+moe_status moe_http_post_json(moe_http *h, const char *url, const char *body, size_t len,
+                              const char *bearer, moe_strbuf *reply, long *status, moe_error *err);
 /* Open a GGUF model by URL (every shard of a split, found from any shard's name); tensor
  * `data` pointers are NULL. Shard paths are the shards' URLs. */
 moe_gguf *moe_gguf_open_url(moe_http *h, const char *url, moe_error *err);

@@ -35,6 +35,7 @@ typedef struct moe_serve_params {
     int step_delay_ms;           /* tests only: sleep after each forward step */
     bool use_mmap;               /* keep weights in the mapped file (default: anonymous memory) */
     uint64_t expert_cache_bytes; /* --expert-cache: routed experts read on demand (0: resident) */
+    const char *expert_stats, *pin_experts; /* --expert-stats, --pin-experts files, or NULL */
 } moe_serve_params;
 
 void moe_serve_params_default(moe_serve_params *p);

@@ -389,6 +389,150 @@ typedef struct moe_bench_result {
 void moe_bench_params_default(moe_bench_params *p);
 moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_error *err);
 
+/* ==== moe eval: labels by probability, paired comparisons, KL divergence (eval.c) ==== */
+
+#define MOE_EVAL_MAX_LABELS        64          /* candidate labels of one record */
+#define MOE_EVAL_MAX_LINE          (16u << 20) /* one record's JSON line */
+#define MOE_EVAL_MAX_RECORDS       10000000    /* records in one file */
+#define MOE_EVAL_ROWS              128 /* rows per forward call: the logits buffer is [rows][n_vocab] */
+#define MOE_EVAL_DEFAULT_RESAMPLES 10000
+#define MOE_EVAL_MIN_RESAMPLES     2000
+/* labels scored side by side: each holds a copy of the prompt's KV cache, so 64 labels of a long
+ * prompt would cost 64 caches */
+#define MOE_EVAL_LABEL_SEQS 8
+
+/* One record of a --records file (a JSON object per line): "prompt" (text) or "messages" (an
+ * OpenAI-style chat, rendered with the model's chat template and its generation prompt);
+ * "labels" (2..MOE_EVAL_MAX_LABELS strings); optional "id", "answer" (the right label's index,
+ * or its text) and "options" (one string per label: the text "{options}" in the prompt or in
+ * a message's content becomes one line per label, "<label without surrounding spaces>. <option>",
+ * which --reverse-options lists in reverse order for three-label records). */
+typedef struct moe_eval_record {
+    char *id;       /* "id" (a string or a number's text), else the line number */
+    size_t line;    /* 1-based line of the file */
+    char *prompt;   /* with "{options}" filled in; NULL for a chat record */
+    char *messages; /* chat: the messages array as JSON text, options filled in; else NULL */
+    char **labels;  /* [n_labels] */
+    uint32_t n_labels;
+    int32_t answer; /* index into labels, -1 when not given */
+    bool reversed;  /* the --reverse-options copy of the record before it */
+} moe_eval_record;
+
+/* Read every record; with reverse_options each three-label record with options is followed by
+ * its reversed copy (options in reverse order, the answer index mirrored). Errors name the
+ * file, the line and the field. */
+moe_status moe_eval_records_read(const char *path, bool reverse_options, moe_eval_record **out,
+                                 size_t *n, moe_error *err);
+void moe_eval_records_free(moe_eval_record *r, size_t n);
+
+/* What a scorer makes of a record: the label whose tokens have the highest summed
+ * log-probability after the prompt's tokens. Prompt tokens: the text with the vocabulary's BOS
+ * and special tokens parsed (a chat: the template's rendering); label tokens: the label's text
+ * alone, special tokens parsed, no BOS -- so `/tokenize` of a server gives the same ids. */
+typedef struct moe_eval_score {
+    double logprob[MOE_EVAL_MAX_LABELS];    /* sum over the label's tokens */
+    uint32_t n_tokens[MOE_EVAL_MAX_LABELS]; /* the label's tokens */
+    uint32_t n_prompt;                      /* the prompt's tokens */
+    int32_t pred;                           /* the highest sum (the first of equals) */
+    /* the ids scored (malloc'd; moe_eval_score_free): prompt, then each label's */
+    int32_t *prompt_ids;
+    int32_t *label_ids[MOE_EVAL_MAX_LABELS];
+} moe_eval_score;
+
+void moe_eval_score_free(moe_eval_score *s);
+
+typedef struct moe_eval_scorer moe_eval_scorer;
+
+typedef struct moe_eval_engine_params {
+    int n_threads;
+    moe_type kv_type;          /* KV cache elements (F32: exact) */
+    const char *chat_template; /* a .jinja file over the model's own template, or NULL */
+} moe_eval_engine_params;
+
+/* The engine: prompts run once per record, then the labels' rows batched together (a sequence
+ * per label, up to MOE_EVAL_LABEL_SEQS at once, the prompt's KV copied into each). The context
+ * is sized for the records given. */
+moe_eval_scorer *moe_eval_scorer_engine(const char *model_path, const moe_eval_engine_params *p,
+                                        const moe_eval_record *records, size_t n_records,
+                                        moe_error *err);
+/* An OpenAI-compatible server at url (its root or its /v1): ids from POST /tokenize
+ * ({"content", "add_special"} as llama-server and `moe serve` read it, and vLLM's "prompt",
+ * "add_special_tokens"), chat prompts from POST
+ * /apply-template, and each label's log-probabilities from POST /v1/completions with the
+ * prompt and label ids, "echo": true, "logprobs": 0, "max_tokens": 1 (the generated token is
+ * ignored). api_key and model may be NULL. */
+moe_eval_scorer *moe_eval_scorer_url(const char *url, const char *api_key, const char *model,
+                                     moe_error *err);
+/* Score one record into *out (free it with moe_eval_score_free, also after a failure). */
+moe_status moe_eval_scorer_run(moe_eval_scorer *s, const moe_eval_record *r, moe_eval_score *out,
+                               moe_error *err);
+void moe_eval_scorer_free(moe_eval_scorer *s);
+
+/* One line of a labels results file, as `moe eval compare` reads it back. */
+typedef struct moe_eval_result {
+    char *id;
+    bool reversed;
+    int32_t pred, answer; /* answer -1: unknown */
+} moe_eval_result;
+
+moe_status moe_eval_results_read(const char *path, moe_eval_result **out, size_t *n,
+                                 moe_error *err);
+void moe_eval_results_free(moe_eval_result *r, size_t n);
+
+/* Paired bootstrap of accuracy(B) - accuracy(A) over the records both files scored with a
+ * known answer (paired by id and reversed). Resample r = 0..resamples-1 draws n indices in
+ * turn, index = moe_rng_u64(&state) % n with state starting at `seed` (splitmix64, one stream
+ * for all resamples); its difference is (sum over the draws of correct_B - correct_A) / n. The
+ * interval is the 2.5 and 97.5 percentiles of the sorted differences, linearly interpolated at
+ * q * (resamples - 1) (numpy's default percentile). */
+typedef struct moe_eval_compare {
+    size_t n;                  /* paired records with an answer */
+    size_t n_only_a, n_only_b; /* records in one file only (not compared) */
+    size_t correct_a, correct_b;
+    double acc_a, acc_b, diff, ci_low, ci_high;
+    uint32_t resamples;
+    uint64_t seed;
+    size_t a_right_b_wrong, a_wrong_b_right, pred_changed;
+    char **flipped; /* [n_flipped] ids whose correctness differs ("id (reversed)") */
+    size_t n_flipped;
+} moe_eval_compare;
+
+moe_status moe_eval_compare_run(const moe_eval_result *a, size_t n_a, const moe_eval_result *b,
+                                size_t n_b, uint32_t resamples, uint64_t seed,
+                                moe_eval_compare *out, moe_error *err);
+void moe_eval_compare_free(moe_eval_compare *c);
+
+/* KL(REF || MODEL) per token as llama-perplexity --kl-divergence reports it: the tokens
+ * (BOS added as the vocabulary asks) cut into chunks of n_ctx, each chunk's first token made
+ * BOS when the vocabulary adds one, and in each chunk the positions n_ctx/2 .. n_ctx-2 scored
+ * against the token after them: KL = sum_i p_ref(i) (log p_ref(i) - log p(i)) over the whole
+ * vocabulary in double (llama.cpp skips p_ref below e^-16 and stores the reference at 16 bits),
+ * nll = -log p(next), top-1 agreement = the two argmaxes (first of equals) agree. */
+typedef struct moe_eval_kl_params {
+    const char *model, *ref;
+    const char *text_path; /* text to tokenize, or NULL when tokens are given */
+    const int32_t *tokens; /* token ids as given (no BOS added) */
+    size_t n_tokens;
+    uint32_t n_ctx; /* chunk length (default 512) */
+    int n_threads;
+    moe_type kv_type;
+} moe_eval_kl_params;
+
+typedef struct moe_eval_kl {
+    size_t n_text_tokens; /* the whole text's tokens */
+    uint32_t n_ctx, n_chunks;
+    size_t n_scored; /* positions scored */
+    double kl_mean, kl_median, kl_p90, kl_p95, kl_p99, kl_p999, kl_max, kl_min;
+    double top1_agreement; /* fraction */
+    double ppl, ppl_ref;   /* exp(mean nll) of each */
+    double *kl;            /* [n_scored] per position, sorted ascending */
+} moe_eval_kl;
+
+moe_status moe_eval_kl_run(const moe_eval_kl_params *p, moe_eval_kl *out, moe_error *err);
+void moe_eval_kl_free(moe_eval_kl *k);
+/* Linear interpolation at q * (n - 1) over sorted values (q in [0, 1]). */
+double moe_eval_percentile(const double *sorted, size_t n, double q);
+
 /* ==== Demo model ==== */
 
 /* Path of the built-in demo model, generating it into the cache directory
