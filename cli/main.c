@@ -20,7 +20,7 @@ static const moe_command commands[] = {
      "[--expert-cache SIZE]"},
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
-     "FILE|SHARD|URL [--json | --formats]"},
+     "FILE|SHARD|URL|DIR|F.safetensors [--json | --formats]"},
     {"budget", moe_cmd_budget,
      "memory per device for a model (or a ladder of builds): fits, largest context and streams",
      "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
@@ -28,9 +28,13 @@ static const moe_command commands[] = {
      "FILE]"},
     {"audit", moe_cmd_audit,
      "quantization error of chosen rows against a float reference (rel. Frobenius, cosine, matvec)",
-     "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
+     "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]\n"
+     "       moe audit --ladder SRC --types IQ2_S,IQ3_S,IQ4_XS,Q4_K,... [--tensor REGEX] "
+     "[--experts ...]\n"
+     "        [--rows N] [--imatrix F.gguf] [-t N] [--json]  (each rung quantized from SRC's "
+     "floats)"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
-     "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
+     "FILE|CHECKPOINT TENSOR|W4A16-MODULE [--rows A:B] [--out FILE.f32]"},
     {"synth", moe_cmd_synth,
      "write a GGUF model of a supported architecture with seeded random weights",
      "-o FILE [--preset tiny|llama-tiny|glm4moe-tiny|qwen3-30b-a3b|glm53-flash|glm5next-tiny]\n"
@@ -38,6 +42,27 @@ static const moe_command commands[] = {
      "N]\n"
      "        [--experts N] [--experts-used N] [--expert-ff N] [--vocab N] [--ctx N] [--seed S]\n"
      "        [--type 'REGEX=TYPE' ...] [--types ud-iq3_xxs] [--random-blocks] [--header-only]"},
+    {"repack", moe_cmd_repack,
+     "a QAT bf16 safetensors checkpoint to Q4_0 GGUF or W4A16 with each group's 4-bit step "
+     "recovered; --verify checks every group",
+     "SRC OUT --to q4_0-gguf|w4a16 [--workers N] [--max-shard-size 5GB] [--vocab-from F.gguf]\n"
+     "        [--json] [--report FILE] [--no-progress]\n"
+     "        | --verify SRC OUT [--workers N] [--json]"},
+    {"quantize", moe_cmd_quantize,
+     "requantize a GGUF model to a type or a mix, optionally with an importance matrix",
+     "IN OUT [--type TYPE|Q4_K_M|Q5_K_M|IQ4_XS|IQ3_XXS|IQ2_M|ud-iq3_xxs] [--rule 'REGEX=TYPE' "
+     "...]\n"
+     "        [--imatrix FILE.gguf] [-t N] [--split-max-tensors N] [--quiet]\n"
+     "  --type: a mix (llama.cpp's rules; default Q4_K_M) or one type for every weight matrix\n"
+     "  (IQ4_XS and IQ3_XXS name the mixes: --rule '.=IQ4_XS' puts one type everywhere);\n"
+     "  --rule: a tensor's type by name, first match wins, before the mix (norms and routers\n"
+     "  stay as they are); IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S need --imatrix (llama.cpp GGUF)"},
+    {"imatrix", moe_cmd_imatrix,
+     "importance matrix of a model over a text (llama.cpp's GGUF imatrix, for moe quantize)",
+     "MODEL --text FILE [-o OUT.gguf] [--chunks N] [--ctx N] [-t N] [--process-output] "
+     "[--quiet]\n"
+     "  per weight (per expert for *_exps): the sum of each input column's squared activation and\n"
+     "  the rows counted, over chunks of --ctx tokens (512), each starting with BOS"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},

@@ -41,11 +41,12 @@ typedef struct moe_ctx_params {
 /* The expert cache's counters (cumulative; all zero without one). */
 typedef struct moe_expert_cache_stats {
     uint64_t hits, misses, evictions; /* experts acquired: resident, read, thrown out for them */
-    uint64_t bytes_read;              /* from the model file */
-    double read_seconds;              /* waiting for those reads */
-    uint32_t slots;                   /* experts it holds */
-    uint64_t slot_bytes;              /* one expert of the widest layer: gate + up + down */
-    bool direct;                      /* reads bypass the page cache (O_DIRECT) */
+    uint64_t read_ahead; /* reads made ahead by the reader thread (no step waited for them) */
+    uint64_t bytes_read; /* from the model file */
+    double read_seconds; /* waiting for those reads */
+    uint32_t slots;      /* experts it holds */
+    uint64_t slot_bytes; /* one expert of the widest layer: gate + up + down */
+    bool direct;         /* reads bypass the page cache (O_DIRECT) */
 } moe_expert_cache_stats;
 
 /* What a context's state costs, decided before anything is allocated (moe budget, load). */

@@ -9,7 +9,10 @@
  * stable, so frequency beats recency) and are read in parallel on the pool's threads, with
  * O_DIRECT through an aligned bounce buffer where the filesystem takes it (else pread, then the
  * page cache is told to drop what was read), so the page cache neither doubles the memory nor
- * evicts the wrong pages. Slots of the running group are pinned until the group is done. The
+ * evicts the wrong pages. Slots of the running group are pinned until the group is done. While a
+ * layer's experts compute, a reader thread reads ahead the next MoE layer's experts used most
+ * that are not resident (the ones routing is likely to pick), so the disk works while the CPU
+ * does. The
  * bytes read are the file's, so logits equal the fully resident run bit for bit. The use counts
  * can be kept in a file (--expert-stats) so a restart warms the cache with the experts used most,
  * and a list of experts can be pinned (--pin-experts): read at start, never evicted. The trap: a
@@ -19,6 +22,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,7 +36,10 @@ typedef struct slot {
     int32_t layer, expert; /* owner, or layer -1: empty */
     uint64_t last_use;
     int pinned;
+    bool loading; /* the reader thread is filling it (not usable, not evictable) */
 } slot;
+
+#define READ_AHEAD_MAX 64 /* queued read-ahead experts */
 
 typedef struct layer_source {
     moe_expert_cache *cache;
@@ -64,16 +71,27 @@ struct moe_expert_cache {
     int32_t miss_expert[MOE_MATMUL_MANY_MAX / 2], miss_slot[MOE_MATMUL_MANY_MAX / 2];
     uint32_t miss_layer;
     moe_error miss_err[MOE_MATMUL_MANY_MAX / 2];
+    /* read-ahead: slots queued for the reader thread (slot states and counters under mu) */
+    pthread_t reader;
+    bool reader_started, stop;
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    int32_t queue[READ_AHEAD_MAX]; /* slot ids, FIFO */
+    uint32_t q_head, q_len;
+    int reader_bounce; /* its bounce buffer: the one after the pool threads' */
 };
 
+/* Matrix k of a layer's experts: 0 gate (or the fused gate_up of Gemma 4: then a slot holds two
+ * slices), 1 up (NULL when fused), 2 down; NULL for a layer without experts. */
 static const moe_tensor *expert_tensor(const moe_model *m, uint32_t il, int k) {
     const moe_layer_weights *l = &m->layers[il];
     if (l->plan.ffn != MOE_FFN_EXPERTS) return NULL;
-    return k == 0 ? l->experts.gate : k == 1 ? l->experts.up : l->experts.down;
+    const moe_expert_weights *w = &l->experts;
+    return k == 0 ? (w->gate_up ? w->gate_up : w->gate) : k == 1 ? w->up : w->down;
 }
 
 static uint64_t slice_bytes(const moe_tensor *t) {
-    return t->n_bytes / (uint64_t)t->ne[2];
+    return t ? t->n_bytes / (uint64_t)t->ne[2] : 0;
 }
 
 static double now_seconds(void) {
@@ -121,25 +139,68 @@ static bool read_bytes(moe_expert_cache *c, uint32_t shard, uint64_t at, uint64_
     return true;
 }
 
+/* Expert `expert` of layer il (gate, up, down) into slot s. */
+static bool read_expert(moe_expert_cache *c, uint32_t il, int32_t expert, int32_t s, int thread,
+                        moe_error *err) {
+    uint8_t *dst = c->mem + (uint64_t)s * c->slot_bytes;
+    for (int k = 0; k < 3; k++) {
+        const moe_tensor *t = expert_tensor(c->m, il, k);
+        if (!t) continue; /* up, fused into gate_up */
+        const uint64_t n = slice_bytes(t);
+        char what[160];
+        snprintf(what, sizeof what, "expert %d of '%.*s'", expert, (int)t->name.len, t->name.ptr);
+        if (!read_bytes(c, t->shard, t->file_offset + (uint64_t)expert * n, n, dst, thread, what,
+                        err))
+            return false;
+        dst += n;
+    }
+    return true;
+}
+
 static void read_misses(void *arg, int64_t begin, int64_t end, int thread) {
     moe_expert_cache *c = arg;
-    for (int64_t i = begin; i < end; i++) {
-        uint8_t *dst = c->mem + (uint64_t)c->miss_slot[i] * c->slot_bytes;
-        for (int k = 0; k < 3; k++) {
-            const moe_tensor *t = expert_tensor(c->m, c->miss_layer, k);
-            const uint64_t n = slice_bytes(t);
-            char what[160];
-            snprintf(what, sizeof what, "expert %d of '%.*s'", c->miss_expert[i], (int)t->name.len,
-                     t->name.ptr);
-            if (!read_bytes(c, t->shard, t->file_offset + (uint64_t)c->miss_expert[i] * n, n, dst,
-                            thread, what, &c->miss_err[i]))
-                break;
-            dst += n;
+    for (int64_t i = begin; i < end; i++)
+        read_expert(c, c->miss_layer, c->miss_expert[i], c->miss_slot[i], thread, &c->miss_err[i]);
+}
+
+/* The reader thread: queued slots filled in order; a failed read empties its slot (the expert
+ * is read again, with its error, if a step needs it). */
+static void *reader_main(void *arg) {
+    moe_expert_cache *c = arg;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->stop && !c->q_len) pthread_cond_wait(&c->work, &c->mu);
+        if (c->stop) break;
+        const int32_t s = c->queue[c->q_head];
+        c->q_head = (c->q_head + 1) % READ_AHEAD_MAX;
+        c->q_len--;
+        const slot job = c->slots[s];
+        pthread_mutex_unlock(&c->mu);
+        moe_error err = {0};
+        const bool ok = read_expert(c, (uint32_t)job.layer, job.expert, s, c->reader_bounce, &err);
+        pthread_mutex_lock(&c->mu);
+        c->slots[s].loading = false;
+        if (ok) {
+            c->stats.bytes_read += c->slot_bytes;
+            c->stats.read_ahead++;
+        } else {
+            c->slot_of[(uint64_t)job.layer * c->m->cfg.n_expert + (uint32_t)job.expert] = -1;
+            c->slots[s] = (slot){.layer = -1};
         }
+        pthread_cond_broadcast(&c->done);
     }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
 }
 
 /* ==== Slots ==== */
+
+/* Slots the reader thread is filling (under mu). */
+static uint32_t loading(const moe_expert_cache *c) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < c->n_slots; i++) n += c->slots[i].loading;
+    return n;
+}
 
 /* A slot for a new expert: an empty one, else the unpinned one used least (least recently among
  * equals); -1 when every slot is pinned. */
@@ -149,7 +210,7 @@ static int32_t victim(const moe_expert_cache *c) {
     for (uint32_t i = 0; i < c->n_slots; i++) {
         const slot *s = &c->slots[i];
         if (s->layer < 0) return (int32_t)i;
-        if (s->pinned) continue;
+        if (s->pinned || s->loading) continue;
         const uint64_t uses =
             c->uses[(uint64_t)s->layer * c->m->cfg.n_expert + (uint32_t)s->expert];
         if (uses < best_uses || (uses == best_uses && s->last_use < best_use)) {
@@ -165,6 +226,10 @@ static void view_of(const moe_expert_cache *c, uint32_t il, int32_t slot_id, moe
     const uint8_t *p = c->mem + (uint64_t)slot_id * c->slot_bytes;
     for (int k = 0; k < 3; k++) {
         const moe_tensor *t = expert_tensor(c->m, il, k);
+        if (!t) { /* up, fused into gate_up: the dispatch does not read it */
+            views[k] = (moe_tensor){0};
+            continue;
+        }
         views[k] = *t;
         views[k].ne[2] = 1;
         views[k].n_values = (uint64_t)t->ne[0] * (uint64_t)t->ne[1];
@@ -174,15 +239,54 @@ static void view_of(const moe_expert_cache *c, uint32_t il, int32_t slot_id, moe
     }
 }
 
+/* Queue the next MoE layer's most used experts that are not resident, at most n_expert_used,
+ * for the reader thread (under mu). */
+static void read_ahead(moe_expert_cache *c, uint32_t il) {
+    const uint32_t n_expert = c->m->cfg.n_expert;
+    /* only in a cache with room to spare: a step's own experts must always find slots */
+    if (c->n_slots < 4 * c->m->cfg.n_expert_used || loading(c) >= c->n_slots / 4) return;
+    uint32_t next = il + 1;
+    while (next < c->n_layer && !expert_tensor(c->m, next, 0)) next++;
+    if (next >= c->n_layer) return;
+    const uint32_t *uses = c->uses + (uint64_t)next * n_expert;
+    int32_t *slot_of = c->slot_of + (uint64_t)next * n_expert;
+    for (uint32_t k = 0; k < c->m->cfg.n_expert_used && c->q_len < READ_AHEAD_MAX; k++) {
+        int32_t best = -1; /* the most used not yet resident or queued */
+        for (uint32_t e = 0; e < n_expert; e++)
+            if (slot_of[e] < 0 && uses[e] && (best < 0 || uses[e] > uses[best])) best = (int32_t)e;
+        if (best < 0) return;
+        const int32_t s = victim(c);
+        if (s < 0) return;
+        slot *v = &c->slots[s];
+        if (v->layer >= 0) { /* never throw out what is used as much for a guess */
+            if (c->uses[(uint64_t)v->layer * n_expert + (uint32_t)v->expert] >= uses[best]) return;
+            c->slot_of[(uint64_t)v->layer * n_expert + (uint32_t)v->expert] = -1;
+            c->stats.evictions++;
+        }
+        *v =
+            (slot){.layer = (int32_t)next, .expert = best, .last_use = ++c->clock, .loading = true};
+        slot_of[best] = s;
+        c->queue[(c->q_head + c->q_len++) % READ_AHEAD_MAX] = s;
+        pthread_cond_signal(&c->work);
+    }
+}
+
 static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
     layer_source *ls = arg;
     moe_expert_cache *c = ls->cache;
     const uint32_t il = ls->layer, n_expert = c->m->cfg.n_expert;
     int32_t *slot_of = c->slot_of + (uint64_t)il * n_expert;
     int n_miss = 0;
+    pthread_mutex_lock(&c->mu);
     for (int i = 0; i < n; i++) { /* hits first: pinned, so no miss evicts them */
         c->uses[(uint64_t)il * n_expert + (uint32_t)ids[i]]++;
-        const int32_t s = slot_of[ids[i]];
+        int32_t s = slot_of[ids[i]];
+        if (s >= 0 && c->slots[s].loading) { /* read ahead, still arriving: wait for it */
+            const double t0 = now_seconds();
+            while (c->slots[s].loading) pthread_cond_wait(&c->done, &c->mu);
+            c->stats.read_seconds += now_seconds() - t0;
+            s = slot_of[ids[i]]; /* -1 when the read failed */
+        }
         if (s < 0) continue;
         c->slots[s].pinned++;
         c->slots[s].last_use = ++c->clock;
@@ -190,10 +294,18 @@ static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
     }
     for (int i = 0; i < n; i++) {
         if (slot_of[ids[i]] >= 0) continue;
-        const int32_t s = victim(c);
+        int32_t s = victim(c);
+        while (s < 0 && c->q_len + loading(c) > 0) { /* slots being read ahead: wait for one */
+            pthread_cond_wait(&c->done, &c->mu);
+            s = victim(c);
+        }
         if (s < 0) { /* cannot happen while n <= n_slots (the source's max_group) */
             moe_error_set(&c->err, MOE_ERR_RANGE, "expert cache: all %u slots are in use",
                           c->n_slots);
+            for (int k = 0; k < n; k++)
+                if (slot_of[ids[k]] >= 0 && c->slots[slot_of[ids[k]]].pinned)
+                    c->slots[slot_of[ids[k]]].pinned--;
+            pthread_mutex_unlock(&c->mu);
             return false;
         }
         slot *v = &c->slots[s];
@@ -208,10 +320,13 @@ static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
         c->miss_err[n_miss] = (moe_error){0};
         n_miss++;
     }
-    if (n_miss) {
+    read_ahead(c, il);
+    pthread_mutex_unlock(&c->mu);
+    if (n_miss) { /* the misses' slots are pinned and not loading: the reader leaves them */
         const double t0 = now_seconds();
         c->miss_layer = il;
         moe_pool_for(c->pool, n_miss, 1, read_misses, c);
+        pthread_mutex_lock(&c->mu);
         c->stats.read_seconds += now_seconds() - t0;
         c->stats.misses += (uint64_t)n_miss;
         c->stats.bytes_read += (uint64_t)n_miss * (slice_bytes(expert_tensor(c->m, il, 0)) +
@@ -227,8 +342,10 @@ static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
         if (c->err.code) {
             for (int i = 0; i < n; i++)
                 if (slot_of[ids[i]] >= 0) c->slots[slot_of[ids[i]]].pinned--;
+            pthread_mutex_unlock(&c->mu);
             return false;
         }
+        pthread_mutex_unlock(&c->mu);
     }
     for (int i = 0; i < n; i++) view_of(c, il, slot_of[ids[i]], views + 3 * i);
     return true;
@@ -238,7 +355,9 @@ static void release(void *arg, const int32_t *ids, int n) {
     layer_source *ls = arg;
     moe_expert_cache *c = ls->cache;
     const int32_t *slot_of = c->slot_of + (uint64_t)ls->layer * c->m->cfg.n_expert;
+    pthread_mutex_lock(&c->mu);
     for (int i = 0; i < n; i++) c->slots[slot_of[ids[i]]].pinned--;
+    pthread_mutex_unlock(&c->mu);
 }
 
 /* ==== Lifetime ==== */
@@ -319,9 +438,15 @@ moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run,
             if (slice_bytes(expert_tensor(m, il, k)) > slice_max)
                 slice_max = slice_bytes(expert_tensor(m, il, k));
     c->bounce_bytes = (slice_max + 2 * DIRECT_ALIGN) / DIRECT_ALIGN * DIRECT_ALIGN;
+    c->reader_bounce = moe_pool_n_threads(pool);
     c->bounce =
-        aligned_alloc(DIRECT_ALIGN, (size_t)(c->bounce_bytes * (uint64_t)moe_pool_n_threads(pool)));
+        aligned_alloc(DIRECT_ALIGN, (size_t)(c->bounce_bytes * (uint64_t)(c->reader_bounce + 1)));
     if (!c->bounce) moe_die("out of memory (expert cache bounce buffers)");
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->work, NULL);
+    pthread_cond_init(&c->done, NULL);
+    c->reader_started = pthread_create(&c->reader, NULL, reader_main, c) == 0;
+    if (!c->reader_started) moe_die("cannot start the expert cache's reader thread");
     c->sources = moe_xcalloc(n_layer_run, sizeof *c->sources);
     for (uint32_t il = 0; il < n_layer_run; il++) {
         layer_source *ls = &c->sources[il];
@@ -339,6 +464,16 @@ moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run,
 
 void moe_expert_cache_free(moe_expert_cache *c) {
     if (!c) return;
+    if (c->reader_started) {
+        pthread_mutex_lock(&c->mu);
+        c->stop = true;
+        pthread_cond_signal(&c->work);
+        pthread_mutex_unlock(&c->mu);
+        pthread_join(c->reader, NULL);
+        pthread_mutex_destroy(&c->mu);
+        pthread_cond_destroy(&c->work);
+        pthread_cond_destroy(&c->done);
+    }
     if (c->mem) munmap(c->mem, c->mem_size);
     for (uint32_t s = 0; c->fd && s < moe_gguf_n_shards(c->m->gguf); s++)
         if (c->fd[s] > 0) close(c->fd[s]);
@@ -466,9 +601,9 @@ bool moe_expert_cache_prepare(moe_expert_cache *c, const char *stats_path, const
     }
     free(ids);
     if (ok) c->stats_path = stats_path; /* never overwrite a file that could not be read */
-    c->stats.hits = c->stats.misses = c->stats.evictions = 0; /* count from the first step */
-    c->stats.bytes_read = 0;
-    c->stats.read_seconds = 0;
+    pthread_mutex_lock(&c->mu);
+    c->stats = (moe_expert_cache_stats){0}; /* count from the first step */
+    pthread_mutex_unlock(&c->mu);
     return ok;
 }
 
@@ -499,8 +634,10 @@ bool moe_expert_cache_take_error(moe_expert_cache *c, moe_error *err) {
     return true;
 }
 
-moe_expert_cache_stats moe_expert_cache_stats_of(const moe_expert_cache *c) {
+moe_expert_cache_stats moe_expert_cache_stats_of(moe_expert_cache *c) {
+    pthread_mutex_lock(&c->mu);
     moe_expert_cache_stats s = c->stats;
+    pthread_mutex_unlock(&c->mu);
     s.slots = c->n_slots;
     s.slot_bytes = c->slot_bytes;
     s.direct = c->direct[0];

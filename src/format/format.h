@@ -1,4 +1,5 @@
-/* format: GGUF files read and written; one model may span several shard files.
+/* format: GGUF and safetensors files read and written (safetensors, compressed-tensors W4A16:
+ * see their section below); one model may span several shard files.
  *
  * The reader parses the header, metadata and tensor directory of every shard through a cursor
  * that checks each read before it happens, then maps the files (mmap, read-only) so tensor data
@@ -232,12 +233,21 @@ void moe_gguf_writer_set_value(moe_gguf_writer *w, const char *key, const moe_gg
  * nested arrays go through moe_gguf_writer_set_value. */
 void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype elem_type,
                              const void *elems, uint64_t n);
-/* Add a tensor; data (n_bytes of the type/shape) is copied, or referenced if `borrow`. data
- * NULL: the tensor has no bytes here; the file gets a hole of its size (a sparse file that reads
- * as zeros: a full-size header for tools that read only the directory). */
+/* Add a tensor; data (n_bytes of the type/shape) is copied, or referenced if `borrow`. NULL
+ * data adds a tensor whose bytes are streamed (moe_gguf_writer_stream_*). */
 moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
                                       uint32_t n_dims, const int64_t *ne, const void *data,
                                       bool borrow, moe_error *err);
+/* A deferred tensor's producer: fill out[n_bytes] with the tensor's bytes when the writer reaches
+ * it (tensors are produced in the order added, one at a time); an error stops the write. */
+typedef moe_status (*moe_gguf_tensor_fill_fn)(void *ctx, const char *name, void *out,
+                                              uint64_t n_bytes, moe_error *err);
+/* Add a tensor whose bytes `fill` produces during moe_gguf_writer_write (each write calls it
+ * again), so a writer of a large model holds one tensor at a time. */
+moe_status moe_gguf_writer_add_tensor_deferred(moe_gguf_writer *w, const char *name, moe_type type,
+                                               uint32_t n_dims, const int64_t *ne,
+                                               moe_gguf_tensor_fill_fn fill, void *ctx,
+                                               moe_error *err);
 /* general.file_type: llama.cpp's `enum llama_ftype` (include/llama.h) for a file whose weights
  * are mostly `type`, named as llama-quantize names its outputs (Q4_K -> MOSTLY_Q4_K_M = 15,
  * MXFP4 -> MOSTLY_MXFP4_MOE = 38, F32 -> ALL_F32 = 0); false for types no ftype names (Q8_1,
@@ -252,8 +262,149 @@ bool moe_gguf_writer_set_file_type(moe_gguf_writer *w);
  * 00001-of-0000N.gguf", each carrying split.no / split.count / split.tensors.count. */
 moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
                                  uint32_t max_tensors_per_shard, moe_error *err);
+/* Streaming, for files larger than memory: add every tensor with NULL data first, then begin
+ * (writes header, keys and directory), hand each tensor's n_bytes in the order added, finish.
+ * One file, no split. */
+moe_status moe_gguf_writer_stream_begin(moe_gguf_writer *w, const char *path, moe_error *err);
+moe_status moe_gguf_writer_stream_tensor(moe_gguf_writer *w, const void *data, moe_error *err);
+moe_status moe_gguf_writer_stream_finish(moe_gguf_writer *w, moe_error *err);
+/* The keys and tensor directory of the file moe_gguf_writer_write would make, at that file's
+ * full size with the tensor data left a hole (a sparse file that reads as zeros): a model's
+ * layout for tools that read only the directory (inspect, budget). Tensors need no data. */
+moe_status moe_gguf_writer_write_header_only(const moe_gguf_writer *w, const char *path,
+                                             moe_error *err);
 /* The keys set so far as a reader sees them: a header without tensors, parsed (the caller
  * closes it). Lets a writer check what it wrote with the same code that will load it. */
 moe_gguf *moe_gguf_writer_read_keys(const moe_gguf_writer *w, moe_error *err);
+
+/* ==== safetensors (safetensors.c) ====
+ *
+ * A .safetensors file is an 8-byte little-endian header length N, N bytes of JSON (an object:
+ * tensor name -> {"dtype", "shape", "data_offsets": [begin, end]}, plus an optional
+ * "__metadata__" object of strings), then the data; offsets count from the end of the header.
+ * Shapes are row-major, the LAST dimension contiguous (the reverse of GGUF's ne[]). A sharded
+ * checkpoint is a directory with model.safetensors.index.json, whose "weight_map" names the
+ * file of every tensor. Files are mapped read-only; tensor `data` points into the mapping. */
+
+#define MOE_ST_MAX_HEADER  (100u << 20) /* the reference implementation's limit on the JSON */
+#define MOE_ST_MAX_DIMS    8            /* no model tensor has more; bounds the shape array */
+#define MOE_ST_MAX_TENSORS (1u << 20)   /* tensors over all shards; DeepSeek-V3 has ~92k */
+#define MOE_ST_MAX_SHARDS  4096         /* files of one checkpoint */
+
+typedef enum moe_st_dtype {
+    MOE_ST_BOOL,
+    MOE_ST_U8,
+    MOE_ST_I8,
+    MOE_ST_F8_E4M3, /* "fn": no infinities; with block scales (weight_scale_inv) in FP8 models */
+    MOE_ST_F8_E5M2,
+    MOE_ST_F8_E8M0, /* a power of two (MX scales) */
+    MOE_ST_I16,
+    MOE_ST_U16,
+    MOE_ST_F16,
+    MOE_ST_BF16,
+    MOE_ST_I32,
+    MOE_ST_U32,
+    MOE_ST_F32,
+    MOE_ST_F64,
+    MOE_ST_I64,
+    MOE_ST_U64,
+    MOE_ST_DTYPE_COUNT
+} moe_st_dtype;
+
+const char *moe_st_dtype_name(moe_st_dtype d); /* "BF16", as the header spells it */
+unsigned moe_st_dtype_size(moe_st_dtype d);    /* bytes of one value; 0 if unknown */
+bool moe_st_dtype_from_name(const char *name, moe_st_dtype *out);
+float moe_f8_e4m3_to_f32(uint8_t b);
+
+typedef struct moe_st_tensor {
+    char *name;
+    moe_st_dtype dtype;
+    uint32_t n_dims;                /* 0 for a scalar */
+    int64_t shape[MOE_ST_MAX_DIMS]; /* shape[n_dims - 1] is contiguous */
+    uint64_t n_values, n_bytes;     /* product of shape; n_values x dtype size */
+    uint32_t file;                  /* index into the files */
+    uint64_t offset;                /* from the start of the file's data section */
+    uint64_t file_offset;           /* from the start of the file */
+    const uint8_t *data;            /* mapped bytes */
+} moe_st_tensor;
+
+typedef struct moe_st_file {
+    char *path;
+    uint64_t file_size;
+    uint64_t header_bytes; /* 8 + the JSON header (with its padding) */
+    uint64_t tensor_bytes; /* the data section, tiled exactly by the tensors */
+    uint32_t n_tensors;
+} moe_st_file;
+
+typedef struct moe_st moe_st;
+
+/* Open a .safetensors file, a model.safetensors.index.json, or a checkpoint directory (its
+ * index, else its model.safetensors). Tensors are in file order, each file's by offset. */
+moe_st *moe_st_open(const char *path, moe_error *err);
+/* Parse one whole file held in memory (fuzzing, tests); `name` names it in errors. */
+moe_st *moe_st_parse(const void *buf, size_t size, const char *name, moe_error *err);
+void moe_st_close(moe_st *s);
+/* True for a directory holding a checkpoint or a path ending in .safetensors(.index.json). */
+bool moe_st_is_checkpoint(const char *path);
+const char *moe_st_dir(const moe_st *s); /* the checkpoint's directory (config.json lives there) */
+uint32_t moe_st_n_files(const moe_st *s);
+const moe_st_file *moe_st_file_get(const moe_st *s, uint32_t i);
+uint64_t moe_st_n_tensors(const moe_st *s);
+const moe_st_tensor *moe_st_tensor_get(const moe_st *s, uint64_t i);
+const moe_st_tensor *moe_st_tensor_find(const moe_st *s, const char *name);
+/* Drop the mapped pages wholly inside t's bytes from this process (the page cache keeps them,
+ * a later read maps them again): a tool that streams a checkpoint tensor by tensor stays at one
+ * tensor's worth of resident memory. t->data stays valid. */
+void moe_st_tensor_release(const moe_st *s, const moe_st_tensor *t);
+/* __metadata__ of the first file, in header order. */
+size_t moe_st_n_meta(const moe_st *s);
+const char *moe_st_meta_key(const moe_st *s, size_t i);
+const char *moe_st_meta_value(const moe_st *s, size_t i);
+const char *moe_st_meta_find(const moe_st *s, const char *key);
+/* Values [first, first + n) of t (row-major) as f32: floats and ints of every dtype. */
+moe_status moe_st_to_f32(const moe_st_tensor *t, uint64_t first, uint64_t n, float *out,
+                         moe_error *err);
+/* A 2-D F8_E4M3 weight times its block scales (DeepSeek-style weight_scale_inv, one per
+ * block_rows x block_cols block, shape [ceil(rows / br), ceil(cols / bc)]) into out[rows * cols].
+ */
+moe_status moe_st_dequant_fp8_blocks(const moe_st_tensor *w, const moe_st_tensor *scale_inv,
+                                     int64_t block_rows, int64_t block_cols, float *out,
+                                     moe_error *err);
+
+/* ==== compressed-tensors W4A16 (safetensors.c) ====
+ *
+ * A quantized linear module M is three tensors: M.weight_packed (I32 [rows, cols / 8]: int4
+ * levels + 8, value k of a row in word k / 8 at bits 4 * (k % 8)), M.weight_scale (bf16
+ * [rows, cols / 32], one scale per group of 32 along the row) and M.weight_shape ([rows, cols],
+ * I64 as compressed-tensors writes it; I32 accepted). w = scale x level. */
+typedef struct moe_w4a16_module {
+    const moe_st_tensor *packed, *scale, *shape;
+    int64_t rows, cols;
+} moe_w4a16_module;
+
+/* The module's tensors, checked to fit each other (group size 32). */
+moe_status moe_w4a16_module_find(const moe_st *s, const char *module, moe_w4a16_module *m,
+                                 moe_error *err);
+/* Rows [r0, r1) as f32: out[(r - r0) * cols + c]. */
+moe_status moe_w4a16_dequant_rows(const moe_w4a16_module *m, int64_t r0, int64_t r1, float *out,
+                                  moe_error *err);
+/* DIR/config.json's quantization_config: every config group compressed-tensors
+ * pack-quantized, 4 bits, symmetric, group_size 32 (what moe reads); else why not. */
+moe_status moe_w4a16_config_check(const char *dir, moe_error *err);
+
+/* The writer streams: declare every tensor (in data order), begin (writes the header), write
+ * the tensors' bytes in that order in any chunks, finish (checks the byte count). The header is
+ * padded with spaces to a multiple of 8, as the reference writer does. */
+typedef struct moe_st_writer moe_st_writer;
+moe_st_writer *moe_st_writer_new(void);
+void moe_st_writer_free(moe_st_writer *w);
+void moe_st_writer_set_meta(moe_st_writer *w, const char *key, const char *value);
+moe_status moe_st_writer_declare(moe_st_writer *w, const char *name, moe_st_dtype dtype,
+                                 uint32_t n_dims, const int64_t *shape, moe_error *err);
+moe_status moe_st_writer_begin(moe_st_writer *w, const char *path, moe_error *err);
+moe_status moe_st_writer_write(moe_st_writer *w, const void *data, size_t n, moe_error *err);
+moe_status moe_st_writer_finish(moe_st_writer *w, moe_error *err);
+/* Data bytes still to write (before begin: all the declared tensors'). */
+uint64_t moe_st_writer_remaining(const moe_st_writer *w);
 
 #endif

@@ -1,6 +1,8 @@
 /* gguf_write.c: the GGUF v3 writer -- metadata, tensors, alignment padding, split output.
  *
- * Owns building a file from keys and tensors held in memory; it does not quantize (quant/ does)
+ * Owns building a file from keys and tensors held in memory, or produced one at a time while the
+ * file is written (deferred tensors: a converter holds one tensor, not the model); it does not
+ * quantize (quant/ does)
  * and never reads back what it wrote (tests do that with the reader); it names general.file_type
  * (llama.cpp's ftype numbers) from the tensors it holds when asked. Layout is llama.cpp's:
  * header, key/value pairs, tensor directory, zero padding to the alignment, then each tensor's
@@ -31,15 +33,29 @@ typedef struct writer_tensor {
     uint32_t n_dims;
     int64_t ne[MOE_GGUF_MAX_DIMS];
     uint64_t n_bytes;
-    const void *data; /* owned unless borrowed; NULL: no bytes, a hole in the file */
+    const void *data; /* owned unless borrowed; NULL for a deferred tensor */
     bool borrowed;
+    moe_gguf_tensor_fill_fn fill; /* deferred: produces the bytes while the file is written */
+    void *fill_ctx;
 } writer_tensor;
+
+typedef struct out_file {
+    FILE *f;
+    const char *path;
+    uint64_t pos;
+    bool failed;
+    moe_error *fill_err; /* where a deferred tensor's producer reports (NULL: none allowed) */
+    bool fill_failed;
+} out_file;
 
 struct moe_gguf_writer {
     writer_kv *kv;
     size_t n_kv, cap_kv;
     writer_tensor *tensors;
     size_t n_tensors, cap_tensors;
+    out_file stream;    /* moe_gguf_writer_stream_*: the file being written */
+    char *stream_path;  /* owned */
+    size_t stream_next; /* the tensor whose bytes come next */
 };
 
 /* Keys the writer itself sets on every shard of a split (llama.cpp's names). */
@@ -118,6 +134,8 @@ void moe_gguf_writer_free(moe_gguf_writer *w) {
     }
     free(w->kv);
     free(w->tensors);
+    if (w->stream.f) fclose(w->stream.f);
+    free(w->stream_path);
     free(w);
 }
 
@@ -182,9 +200,9 @@ void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype
     moe_gguf_writer_set_value(w, key, &v);
 }
 
-moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
-                                      uint32_t n_dims, const int64_t *ne, const void *data,
-                                      bool borrow, moe_error *err) {
+static moe_status add_tensor(moe_gguf_writer *w, const char *name, moe_type type, uint32_t n_dims,
+                             const int64_t *ne, const void *data, bool borrow,
+                             moe_gguf_tensor_fill_fn fill, void *fill_ctx, moe_error *err) {
     const moe_type_traits *tr = moe_type_traits_get(type);
     if (!tr)
         return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': type id %u is not known", name,
@@ -216,7 +234,10 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
         return moe_error_set(err, MOE_ERR_ARG, "tensor '%s' is too large", name);
     t.name = moe_xstrdup(name);
     t.borrowed = borrow;
-    if (borrow || !data) {
+    if (!data && fill) {
+        t.fill = fill, t.fill_ctx = fill_ctx;
+    } else if (borrow || !data) { /* NULL data: streamed later (moe_gguf_writer_stream_tensor) */
+        t.borrowed = true;
         t.data = data;
     } else {
         void *p = moe_xmalloc((size_t)t.n_bytes);
@@ -229,6 +250,20 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
     }
     w->tensors[w->n_tensors++] = t;
     return MOE_OK;
+}
+
+moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
+                                      uint32_t n_dims, const int64_t *ne, const void *data,
+                                      bool borrow, moe_error *err) {
+    return add_tensor(w, name, type, n_dims, ne, data, borrow, NULL, NULL, err);
+}
+
+moe_status moe_gguf_writer_add_tensor_deferred(moe_gguf_writer *w, const char *name, moe_type type,
+                                               uint32_t n_dims, const int64_t *ne,
+                                               moe_gguf_tensor_fill_fn fill, void *ctx,
+                                               moe_error *err) {
+    if (!fill) return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': no producer", name);
+    return add_tensor(w, name, type, n_dims, ne, NULL, false, fill, ctx, err);
 }
 
 /* ==== general.file_type ==== */
@@ -270,14 +305,6 @@ bool moe_gguf_writer_set_file_type(moe_gguf_writer *w) {
 
 /* ==== Serialising ==== */
 
-typedef struct out_file {
-    FILE *f;
-    const char *path;
-    uint64_t pos;
-    bool failed;
-    bool holes; /* seeked over data-less tensors: the file's size must be set at the end */
-} out_file;
-
 static void put(out_file *o, const void *p, size_t n) {
     if (o->failed || n == 0) return;
     if (fwrite(p, 1, n, o->f) != n) o->failed = true;
@@ -293,14 +320,6 @@ static void put_le(out_file *o, uint64_t v, unsigned bytes) {
 static void put_str(out_file *o, const char *p, uint64_t len) {
     put_le(o, len, 8);
     put(o, p, (size_t)len);
-}
-
-/* n bytes left unwritten (a data-less tensor): a hole, zeros when read, no disk blocks. */
-static void skip(out_file *o, uint64_t n) {
-    if (o->failed || n == 0) return;
-    if (n > INT64_MAX || fseeko(o->f, (off_t)n, SEEK_CUR) != 0) o->failed = true;
-    o->pos += n;
-    o->holes = true;
 }
 
 static void put_zeros(out_file *o, uint64_t n) {
@@ -371,10 +390,10 @@ static uint32_t writer_alignment(const moe_gguf_writer *w) {
     return MOE_GGUF_DEFAULT_ALIGNMENT;
 }
 
-/* One file: tensors [t0, t1); a split shard when n_split > 0. */
-/* Shard split_no of n_split (0 of 0: the whole file) with tensors [t0, t1) into o. */
-static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t t1,
-                        uint32_t split_no, uint32_t n_split) {
+/* The header, keys and tensor directory of shard split_no of n_split (0 of 0: the whole file)
+ * holding tensors [t0, t1), padded to where the data starts. */
+static void write_header(const moe_gguf_writer *w, out_file *o, size_t t0, size_t t1,
+                         uint32_t split_no, uint32_t n_split) {
     uint32_t alignment = writer_alignment(w);
     bool first = split_no == 0;
     uint64_t n_kv = 0;
@@ -412,26 +431,49 @@ static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t
         offset += t->n_bytes + pad_to(t->n_bytes, alignment);
     }
     if (t1 > t0) put_zeros(o, pad_to(o->pos, alignment)); /* no data section, no padding */
+}
+
+/* Shard split_no of n_split (0 of 0: the whole file) with tensors [t0, t1) into o. */
+static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t t1,
+                        uint32_t split_no, uint32_t n_split) {
+    uint32_t alignment = writer_alignment(w);
+    write_header(w, o, t0, t1, split_no, n_split);
     for (size_t i = t0; i < t1; i++) {
         const writer_tensor *t = &w->tensors[i];
-        if (t->data) {
-            put(o, t->data, (size_t)t->n_bytes);
-            put_zeros(o, pad_to(t->n_bytes, alignment));
+        if (t->fill) {
+            if (o->failed) return;
+            void *buf = malloc((size_t)t->n_bytes);
+            if (!buf || !o->fill_err ||
+                t->fill(t->fill_ctx, t->name, buf, t->n_bytes, o->fill_err) != MOE_OK) {
+                if (!buf && o->fill_err)
+                    moe_error_set(o->fill_err, MOE_ERR_NOMEM,
+                                  "tensor '%s': cannot allocate %llu bytes", t->name,
+                                  (unsigned long long)t->n_bytes);
+                free(buf);
+                o->failed = o->fill_failed = true;
+                return;
+            }
+            put(o, buf, (size_t)t->n_bytes);
+            free(buf);
         } else {
-            skip(o, t->n_bytes + pad_to(t->n_bytes, alignment));
+            put(o, t->data, (size_t)t->n_bytes);
         }
+        put_zeros(o, pad_to(t->n_bytes, alignment));
     }
 }
 
 static moe_status write_one(const moe_gguf_writer *w, const char *path, size_t t0, size_t t1,
                             uint32_t split_no, uint32_t n_split, moe_error *err) {
-    out_file o = {.f = fopen(path, "wb"), .path = path};
+    for (size_t i = t0; i < t1; i++)
+        if (!w->tensors[i].data && !w->tensors[i].fill)
+            return moe_error_set(err, MOE_ERR_ARG,
+                                 "tensor '%s' has no data: it was added to be streamed",
+                                 w->tensors[i].name);
+    out_file o = {.f = fopen(path, "wb"), .path = path, .fill_err = err};
     if (!o.f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
     write_shard(w, &o, t0, t1, split_no, n_split);
-    /* a file ending in a hole: its size is where the writer stands, not the last byte put */
-    if (o.holes && !o.failed && (fflush(o.f) != 0 || ftruncate(fileno(o.f), (off_t)o.pos) != 0))
-        o.failed = true;
     int closed = fclose(o.f);
+    if (o.fill_failed) return err->code;
     if (o.failed || closed != 0)
         return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s", path,
                              (unsigned long long)o.pos, strerror(errno));
@@ -471,4 +513,68 @@ moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
     }
     free(name);
     return s;
+}
+
+moe_status moe_gguf_writer_write_header_only(const moe_gguf_writer *w, const char *path,
+                                             moe_error *err) {
+    out_file o = {.f = fopen(path, "wb"), .path = path};
+    if (!o.f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+    write_header(w, &o, 0, w->n_tensors, 0, 0);
+    const uint32_t alignment = writer_alignment(w);
+    uint64_t size = o.pos; /* where the data section starts, then where the file ends */
+    for (size_t i = 0; i < w->n_tensors; i++)
+        size += w->tensors[i].n_bytes + pad_to(w->tensors[i].n_bytes, alignment);
+    if (!o.failed &&
+        (size > INT64_MAX || fflush(o.f) != 0 || ftruncate(fileno(o.f), (off_t)size) != 0))
+        o.failed = true;
+    const int closed = fclose(o.f);
+    if (o.failed || closed != 0)
+        return moe_error_set(err, MOE_ERR_IO, "%s: cannot write a %llu-byte header-only file: %s",
+                             path, (unsigned long long)size, strerror(errno));
+    return MOE_OK;
+}
+
+/* ==== Streaming: the header first, then each tensor's bytes as they are made ==== */
+
+moe_status moe_gguf_writer_stream_begin(moe_gguf_writer *w, const char *path, moe_error *err) {
+    if (w->stream.f) return moe_error_set(err, MOE_ERR_ARG, "%s: a stream is already open", path);
+    w->stream = (out_file){.f = fopen(path, "wb")};
+    if (!w->stream.f)
+        return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+    free(w->stream_path);
+    w->stream_path = moe_xstrdup(path);
+    w->stream.path = w->stream_path;
+    w->stream_next = 0;
+    write_header(w, &w->stream, 0, w->n_tensors, 0, 0);
+    if (w->stream.failed)
+        return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s", path,
+                             (unsigned long long)w->stream.pos, strerror(errno));
+    return MOE_OK;
+}
+
+moe_status moe_gguf_writer_stream_tensor(moe_gguf_writer *w, const void *data, moe_error *err) {
+    if (!w->stream.f) return moe_error_set(err, MOE_ERR_ARG, "GGUF writer: no stream open");
+    if (w->stream_next >= w->n_tensors)
+        return moe_error_set(err, MOE_ERR_ARG, "%s: more tensors than were added", w->stream_path);
+    const writer_tensor *t = &w->tensors[w->stream_next++];
+    put(&w->stream, data, (size_t)t->n_bytes);
+    put_zeros(&w->stream, pad_to(t->n_bytes, writer_alignment(w)));
+    if (w->stream.failed)
+        return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu (tensor '%s'): %s",
+                             w->stream_path, (unsigned long long)w->stream.pos, t->name,
+                             strerror(errno));
+    return MOE_OK;
+}
+
+moe_status moe_gguf_writer_stream_finish(moe_gguf_writer *w, moe_error *err) {
+    if (!w->stream.f) return moe_error_set(err, MOE_ERR_ARG, "GGUF writer: no stream open");
+    int closed = fclose(w->stream.f);
+    w->stream.f = NULL;
+    if (w->stream_next != w->n_tensors)
+        return moe_error_set(err, MOE_ERR_ARG, "%s: %zu of %zu tensors written", w->stream_path,
+                             w->stream_next, w->n_tensors);
+    if (w->stream.failed || closed != 0)
+        return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s", w->stream_path,
+                             (unsigned long long)w->stream.pos, strerror(errno));
+    return MOE_OK;
 }
