@@ -161,8 +161,10 @@ static bool servers(void) {
     char *slow_args[] = {
         "--parallel", "1",           "--queue", "1", "--queue-timeout", "1", "--step-delay",
         "20",         "--keepalive", "0.01",    NULL};
-    char *hybrid_args[] = {(char *)hybrid,  "--ctx", "128", "--parallel", "2",
-                           "--cache-slots", "4",     NULL};
+    /* the hybrid's experts stream through a cache of 5 of its 16 (logits stay bit for bit) */
+    char *hybrid_args[] = {
+        (char *)hybrid,   "--ctx", "128", "--parallel", "2", "--cache-slots", "4",
+        "--expert-cache", "100K",  NULL};
     if (!server_start(&base_srv, "base", base_args) ||
         !server_start(&slow_srv, "slow", slow_args) ||
         !server_start(&hybrid_srv, "hybrid", hybrid_args))
