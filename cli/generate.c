@@ -66,18 +66,9 @@ int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **a
     const int engine = moe_engine_args_parse(cmd, &o->engine, argc, argv, i);
     if (engine) return engine;
     if (strcmp(a, "--spec") == 0) {
-        static const char *const kinds[] = {[MOE_GEN_SPEC_NONE] = "none",
-                                            [MOE_GEN_SPEC_NGRAM] = "ngram",
-                                            [MOE_GEN_SPEC_MTP] = "mtp"};
-        for (int k = 0; v && k < 3; k++)
-            if (strcmp(v, kinds[k]) == 0) {
-                o->spec = (moe_gen_spec)k;
-                ++*i;
-                return 1;
-            }
-        moe_cli_usage_error(cmd, "--spec expects ngram, mtp or none, got '%s'",
-                            v ? v : "(nothing)");
-        return -1;
+        if (!moe_arg_spec(cmd, v, &o->spec)) return -1;
+        ++*i;
+        return 1;
     }
     if (strcmp(a, "--print-ids") == 0) return o->print_ids = true, 1;
     if (strcmp(a, "--ignore-eos") == 0) return o->ignore_eos = true, 1;
@@ -118,7 +109,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                     mem.recurrent_bytes / 1048576.0, mem.recurrent_bytes_per_seq / 1024.0,
                     mem.snapshot_bytes / 1048576.0);
     }
-    if (!err.code && o->spec == MOE_GEN_SPEC_MTP && !g->model->n_layer_mtp)
+    if (!err.code && o->spec == MOE_SPEC_MTP && !g->model->n_layer_mtp)
         moe_error_set(&err, MOE_ERR_UNSUPPORTED,
                       "--spec mtp: %s has no multi-token-prediction layer moe can run "
                       "(--spec ngram drafts without one)",
@@ -135,7 +126,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     g->verify = moe_xmalloc(sizeof(float) * (o->n_draft + 1) * n_vocab);
     g->hist = moe_xmalloc(sizeof(int32_t) * (moe_ctx_n_ctx(g->ctx) + 1));
     g->rows = moe_xmalloc(sizeof(moe_row) * PREFILL_CHUNK);
-    if (o->spec == MOE_GEN_SPEC_MTP) {
+    if (o->spec == MOE_SPEC_MTP) {
         const uint32_t pending = PREFILL_CHUNK + o->n_draft + 1; /* a step's rows, then a chunk */
         g->mtp_h = moe_xmalloc(sizeof(float) * pending * g->model->cfg.n_embd);
         g->mtp_tok = moe_xmalloc(sizeof(int32_t) * pending);
@@ -264,7 +255,7 @@ static emit_result step(moe_gen *g, emitter *e, int32_t token, int64_t budget, i
     uint32_t want = g->opt.n_draft < room ? g->opt.n_draft : room;
     if (budget >= 0 && budget <= 1) want = 0;
     if (budget > 1 && (uint64_t)budget - 1 < want) want = (uint32_t)(budget - 1);
-    if (g->opt.spec == MOE_GEN_SPEC_NGRAM && want) {
+    if (g->opt.spec == MOE_SPEC_NGRAM && want) {
         memcpy(g->hist, moe_ctx_seq_tokens(c, 0), sizeof(int32_t) * len);
         g->hist[len] = token;
         n_draft = moe_draft_ngram(g->hist, len + 1, want, drafts);
@@ -374,7 +365,7 @@ void moe_gen_print_stats(const moe_gen *g) {
     }
     if (!g->opt.spec || !g->n_steps) return;
     fprintf(stderr, "spec %s: %.2f tokens per step, drafts accepted by position:",
-            g->opt.spec == MOE_GEN_SPEC_MTP ? "mtp" : "ngram",
+            g->opt.spec == MOE_SPEC_MTP ? "mtp" : "ngram",
             (double)g->n_generated / (double)g->n_steps);
     for (uint32_t i = 0; i < g->opt.n_draft && g->drafted[i]; i++)
         fprintf(stderr, " %.0f%% of %llu", 100.0 * (double)g->accepted[i] / (double)g->drafted[i],
