@@ -370,6 +370,7 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
 #define MOE_BENCH_MAX_RUNS        64
 #define MOE_BENCH_MAX_STREAMS     8   /* stream counts in one invocation */
 #define MOE_BENCH_MAX_STREAM_ROWS 256 /* streams decoded together in one test */
+#define MOE_BENCH_MAX_VERIFY      (MOE_SPEC_MAX_DRAFT + 1) /* rows of one verify step */
 
 typedef struct moe_bench_params {
     const char *model_path;
@@ -384,6 +385,11 @@ typedef struct moe_bench_params {
     moe_type kv_type;            /* KV cache elements (default F16, as llama-bench) */
     uint64_t expert_cache_bytes; /* routed experts read on demand into a cache (0: resident) */
     size_t probe_bytes;          /* bandwidth probe buffer */
+    int verify_max; /* verify steps of 1..verify_max rows against a 1-row step (0: skip) */
+    /* --accept: per draft position, the fraction of steps whose draft there is kept (so each is
+     * at most the one before); projects decode rates with 1..n_accept drafts */
+    double accept[MOE_SPEC_MAX_DRAFT];
+    int n_accept;
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
@@ -415,6 +421,16 @@ typedef struct moe_bench_result {
     moe_bench_figure pp, tg;
     moe_bench_stream streams[MOE_BENCH_MAX_STREAMS];
     int n_streams;
+    /* verify steps (speculative decoding's cost): a plain 1-row step, then verify steps of k =
+     * 1..n_verify rows of one sequence, each followed by keeping only its first row (the rollback
+     * of refused drafts included); figures in steps per second */
+    moe_bench_figure verify_base, verify[MOE_BENCH_MAX_VERIFY];
+    int n_verify;
+    double verify_ratio[MOE_BENCH_MAX_VERIFY]; /* seconds of a k-row verify step / a 1-row step */
+    /* with --accept: the decode rate projected with d = 1..n_accept drafts per step:
+     * verify_base x (1 + accept[0] + ... + accept[d - 1]) / verify_ratio[d] */
+    double projected_tok_s[MOE_SPEC_MAX_DRAFT];
+    int n_projected;
     /* with --expert-cache: the cache over the decode test, and the disk it reads from */
     moe_expert_cache_stats tg_cache; /* counters of the tg test's steps (warm-up included) */
     double tg_cache_tokens;          /* tokens those steps made */
@@ -422,7 +438,8 @@ typedef struct moe_bench_result {
     bool disk_direct;                /* ... with O_DIRECT (else through the page cache) */
 } moe_bench_result;
 
-/* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */
+/* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, verify steps of 1..4
+ * rows (stream_steps each), anonymous memory. */
 void moe_bench_params_default(moe_bench_params *p);
 moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_error *err);
 
