@@ -93,7 +93,8 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
     printf("verify steps (one sequence, all but the first row rolled back), %d steps each  [%s, "
            "%d threads]\n",
            p->stream_steps, r->isa, r->threads);
-    printf("%-12s %10s %19s %11s  isa, threads\n", "test", "steps/s", "range", "cost x 1-row");
+    printf("%-12s %10s %19s %11s  isa, threads  [%s, %d threads]\n", "test", "steps/s", "range",
+           "cost x 1-row", r->isa, r->threads);
     printf("%-12s %10.2f %8.2f - %8.2f %11.2f  %s, %d\n", "decode 1", r->verify_base.median,
            r->verify_base.min, r->verify_base.max, 1.0, r->isa, r->threads);
     for (int k = 1; k <= r->n_verify; k++) {
