@@ -67,6 +67,7 @@ int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **a
     if (engine) return engine;
     if (strcmp(a, "--spec") == 0) {
         if (!moe_arg_spec(cmd, v, &o->spec)) return -1;
+        o->spec_given = true;
         ++*i;
         return 1;
     }
@@ -89,6 +90,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     if (g->tok && moe_tokenizer_n_vocab(g->tok) != g->model->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(g->tok), g->model->cfg.n_vocab);
+    if (!err.code && !o->spec_given && g->model->n_layer_mtp) g->opt.spec = MOE_SPEC_MTP;
     if (!err.code) {
         moe_ctx_params cp = {.n_ctx = o->engine.n_ctx,
                              .n_seq = 1,
@@ -98,7 +100,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                              .expert_stats = o->engine.expert_stats,
                              .pin_experts = o->engine.pin_experts,
                              .n_threads = o->engine.n_threads,
-                             .n_verify = o->spec ? o->n_draft + 1 : 0};
+                             .n_verify = g->opt.spec ? o->n_draft + 1 : 0};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
         moe_ctx_memory mem;
         if (g->ctx && moe_ctx_memory_plan(g->model, &cp, &mem, &err) == MOE_OK)
@@ -109,7 +111,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                     mem.recurrent_bytes / 1048576.0, mem.recurrent_bytes_per_seq / 1024.0,
                     mem.snapshot_bytes / 1048576.0);
     }
-    if (!err.code && o->spec == MOE_SPEC_MTP && !g->model->n_layer_mtp)
+    if (!err.code && g->opt.spec == MOE_SPEC_MTP && !g->model->n_layer_mtp)
         moe_error_set(&err, MOE_ERR_UNSUPPORTED,
                       "--spec mtp: %s has no multi-token-prediction layer moe can run "
                       "(--spec ngram drafts without one)",
@@ -126,7 +128,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     g->verify = moe_xmalloc(sizeof(float) * (o->n_draft + 1) * n_vocab);
     g->hist = moe_xmalloc(sizeof(int32_t) * (moe_ctx_n_ctx(g->ctx) + 1));
     g->rows = moe_xmalloc(sizeof(moe_row) * PREFILL_CHUNK);
-    if (o->spec == MOE_SPEC_MTP) {
+    if (g->opt.spec == MOE_SPEC_MTP) {
         const uint32_t pending = PREFILL_CHUNK + o->n_draft + 1; /* a step's rows, then a chunk */
         g->mtp_h = moe_xmalloc(sizeof(float) * pending * g->model->cfg.n_embd);
         g->mtp_tok = moe_xmalloc(sizeof(int32_t) * pending);

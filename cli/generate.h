@@ -19,6 +19,7 @@ typedef struct moe_gen_options {
     bool print_ids;     /* show ids instead of text */
     bool ignore_eos;    /* keep going past end-of-generation tokens */
     moe_spec_kind spec; /* --spec: where speculative drafts come from */
+    bool spec_given;    /* --spec was given (else: mtp where the model has an MTP layer) */
     uint32_t n_draft;   /* --draft N: drafts per step (default 3) */
 } moe_gen_options;
 

@@ -11,7 +11,8 @@
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] "
-     "[--spec ngram|mtp|none] [--draft N] [--expert-cache SIZE] ..."},
+     "[--spec ngram|mtp|none (default: mtp where the model has an MTP layer)] [--draft N] "
+     "[--expert-cache SIZE] ..."},
     {"chat", moe_cmd_chat, "chat with a model in the terminal",
      "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "
      "options]"},
@@ -69,7 +70,8 @@ static const moe_command commands[] = {
     {"bench", moe_cmd_bench,
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
-     "        [--kv-type f16|f32] [--mmap] [--expert-cache SIZE] [--csv | --json]"},
+     "        [--verify N] [--accept 0.87,0.66,0.52] [--kv-type f16|f32] [--mmap]\n"
+     "        [--expert-cache SIZE] [--csv | --json]"},
     {"eval", moe_cmd_eval,
      "score labelled records by label probability, compare two runs, KL against a reference",
      "labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] [--json]\n"
@@ -78,7 +80,8 @@ static const moe_command commands[] = {
      "        (`moe eval labels --help` etc. for each)"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
-     "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},
+     "[--queue N] [--queue-timeout S] [--spec ngram|none] [--draft N]  (`moe serve "
+     "--help-options` lists all)"},
     {0},
 };
 

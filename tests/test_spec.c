@@ -187,6 +187,24 @@ static void spec_option_errors(void **state) {
     free(out);
 }
 
+/* Without --spec, a model with an MTP layer drafts with it (the stats line says so), one
+ * without does not speculate. */
+static void mtp_is_the_default(void **state) {
+    (void)state;
+    const char *mtp = moe_test_shared("parity/qwen35-mtp-f32.gguf");
+    MOE_SKIP_IF_NULL(mtp);
+    const char *plain = moe_test_shared("models/stories260K/stories260K.gguf");
+    char cmd[1024], *out;
+    snprintf(cmd, sizeof cmd, "%s run %s --tokens 1,403,407 -n 8 --temp 0", moe_test_bin(), mtp);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    if (!strstr(out, "\nspec mtp: ")) fail_msg("no MTP stats line:\n%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s run %s --tokens 1,403,407 -n 8 --temp 0", moe_test_bin(), plain);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    if (strstr(out, "\nspec ")) fail_msg("speculation without an MTP layer or --spec:\n%s", out);
+    free(out);
+}
+
 /* ==== The accept/reject rule keeps the target distribution ==== */
 
 #define CHI_SEEDS 3000   /* requests per temperature */
@@ -362,6 +380,7 @@ int moe_suite_spec(void) {
         cmocka_unit_test(spec_equals_plain_sampled),
         cmocka_unit_test(spec_option_errors),
         cmocka_unit_test(mtp_drafts),
+        cmocka_unit_test(mtp_is_the_default),
         cmocka_unit_test(accept_reject_keeps_distribution),
     };
     return cmocka_run_group_tests_name("spec", tests, NULL, NULL);
