@@ -71,7 +71,9 @@ static const moe_command commands[] = {
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
      "        [--verify N] [--accept 0.87,0.66,0.52] [--kv-type f16|f32] [--mmap]\n"
-     "        [--expert-cache SIZE] [--csv | --json]"},
+     "        [--expert-cache SIZE] [--csv | --json]\n"
+     "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
+     "[--start-cmd CMD] [--svg FILE] [--json]"},
     {"eval", moe_cmd_eval,
      "score labelled records by label probability, compare two runs, KL against a reference",
      "labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] [--json]\n"
@@ -80,8 +82,8 @@ static const moe_command commands[] = {
      "        (`moe eval labels --help` etc. for each)"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
-     "[--queue N] [--queue-timeout S] [--spec ngram|none] [--draft N]  (`moe serve "
-     "--help-options` lists all)"},
+     "[--queue N] [--queue-timeout S] [--spec ngram|none] [--draft N]\n"
+     "        [--cache-dir DIR [--cache-disk-size SIZE]]  (`moe serve --help-options` lists all)"},
     {0},
 };
 
