@@ -1047,26 +1047,6 @@ static double metric_value(const char *metrics, const char *name) {
     return sum;
 }
 
-static size_t curl_collect(char *p, size_t size, size_t n, void *ud) {
-    moe_strbuf_put(ud, p, size * n);
-    return size * n;
-}
-
-/* A POST of a JSON body for a curl multi handle (its URL is copied), the reply into *out. */
-static CURL *http_post_handle(const char *base, const char *path, const char *body,
-                              struct curl_slist *hdr, moe_strbuf *out) {
-    char url[512];
-    snprintf(url, sizeof url, "%s%s", base, path);
-    CURL *c = curl_easy_init();
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdr);
-    curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, curl_collect);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, out);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
-    return c;
-}
-
 /* 8 streams at once through `moe serve --spec ngram --parallel 8` equal each stream run alone
  * through a server without speculation (--parallel 1, one request at a time), token for token;
  * /metrics shows drafts accepted and several streams' drafts verified in one step. */
@@ -1093,7 +1073,9 @@ static void spec_streams(const char *rel, double temp) {
     moe_strbuf out[SPEC_STREAMS] = {0};
     struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
     for (int i = 0; i < SPEC_STREAMS; i++) {
-        easy[i] = http_post_handle(spec.url, "/v1/completions", body[i], hdr, &out[i]);
+        char url[256];
+        snprintf(url, sizeof url, "%s/v1/completions", spec.url);
+        easy[i] = moe_test_http_handle(url, body[i], hdr, &out[i]);
         curl_multi_add_handle(multi, easy[i]);
     }
     for (int running = 1; running;) {
