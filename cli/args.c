@@ -97,6 +97,19 @@ bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_typ
     return false;
 }
 
+bool moe_arg_spec(const char *cmd, const char *text, moe_spec_kind *out) {
+    static const char *const kinds[] = {
+        [MOE_SPEC_NONE] = "none", [MOE_SPEC_NGRAM] = "ngram", [MOE_SPEC_MTP] = "mtp"};
+    for (int k = 0; text && k < 3; k++)
+        if (strcmp(text, kinds[k]) == 0) {
+            *out = (moe_spec_kind)k;
+            return true;
+        }
+    moe_cli_usage_error(cmd, "--spec expects ngram, mtp or none, got '%s'",
+                        text ? text : "(nothing)");
+    return false;
+}
+
 bool moe_arg_size(const char *cmd, const char *flag, const char *text, uint64_t *out) {
     char *end;
     errno = 0;

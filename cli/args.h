@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "../src/engine/engine.h"
 #include "../src/quant/quant.h"
 
 bool moe_arg_int(const char *cmd, const char *flag, const char *text, long long min, long long max,
@@ -31,6 +32,9 @@ bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char
 
 /* --kv-type's value: f32 or f16, and q8_0 where allow_q8_0 (what `moe budget` plans). */
 bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_type *out);
+
+/* --spec's value: ngram, mtp or none. */
+bool moe_arg_spec(const char *cmd, const char *text, moe_spec_kind *out);
 
 /* The engine options of run, chat, logits, serve and bench. The caller sets the defaults. */
 typedef struct moe_engine_args {

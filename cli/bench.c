@@ -1,14 +1,15 @@
 /* bench.c: `moe bench MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8]
- * [--stream-steps N] [--depth 1024,4096] [--mmap] [--csv | --json]` -- throughput of a model on
- * this machine beside the machine's read bandwidth (src/tools/bench.c measures; this file parses
- * and prints). `moe bench --server URL [--concurrency N] [--tokens N] [--repeats N]
- * [--start-cmd CMD] [--svg FILE] [--json]` -- load on a running server instead
- * (src/tools/bench_server.c).
+ * [--stream-steps N] [--depth 1024,4096] [--verify N] [--accept 0.87,0.66,0.52] [--mmap]
+ * [--csv | --json]` -- throughput of a model on this machine beside the machine's read bandwidth
+ * (src/tools/bench.c measures; this file parses and prints). `moe bench --server URL
+ * [--concurrency N] [--tokens N] [--repeats N] [--start-cmd CMD] [--svg FILE] [--json]` -- load
+ * on a running server instead (src/tools/bench_server.c).
  *
  * Every text and CSV line names the kernel table and thread count, so a pasted line still says
  * what it measured. JSON is one object: pp_tok_s, tg_tok_s, depths [{depth, tg_tok_s}],
- * streams [{n, aggregate_tok_s, per_stream_tok_s}], read_bw_gb_s, active_bytes_per_token, isa,
- * threads, and the ranges. */
+ * streams [{n, aggregate_tok_s, per_stream_tok_s}], verify [{rows, steps_s, cost_ratio}],
+ * projected [{drafts, tok_s}], read_bw_gb_s, active_bytes_per_token, isa, threads, and the
+ * ranges. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,12 @@ static const char usage_text[] =
     "  --stream-steps N  decode steps per batched test (default 32)\n"
     "  --depth LIST      decode tests after that many tokens of context, e.g. 1024,4096,16384\n"
     "                    (ascending; the context is filled once, untimed, 512 rows a step)\n"
+    "  --verify N        speculation's ceiling: verify steps of 1..N rows of one sequence (the\n"
+    "                    refused rows rolled back) against a 1-row step, --stream-steps each\n"
+    "                    (default 4; 0 skips)\n"
+    "  --accept LIST     acceptance by draft position (e.g. 0.87,0.66,0.52: the fraction of\n"
+    "                    steps whose 1st, 2nd, 3rd draft is kept): the decode rate projected\n"
+    "                    with 1, 2, 3 drafts per step from the verify costs\n"
     "  --probe-mib N     bandwidth probe buffer (default 512)\n"
     "  --kv-type f16|f32 KV cache element type (default f16)\n"
     "  --ctx N           positions per sequence (default: the model's, capped)\n"
@@ -280,6 +287,28 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
                s->aggregate.median, s->aggregate.min, s->aggregate.max, s->per_stream_tok_s,
                s->aggregate.gb_s, 100 * s->aggregate.gb_s / probe, r->isa, r->threads);
     }
+    if (!r->n_verify) return;
+    printf("verify steps (one sequence, all but the first row rolled back), %d steps each  [%s, "
+           "%d threads]\n",
+           p->stream_steps, r->isa, r->threads);
+    printf("%-12s %10s %19s %11s  isa, threads  [%s, %d threads]\n", "test", "steps/s", "range",
+           "cost x 1-row", r->isa, r->threads);
+    printf("%-12s %10.2f %8.2f - %8.2f %11.2f  %s, %d\n", "decode 1", r->verify_base.median,
+           r->verify_base.min, r->verify_base.max, 1.0, r->isa, r->threads);
+    for (int k = 1; k <= r->n_verify; k++) {
+        const moe_bench_figure *f = &r->verify[k - 1];
+        snprintf(label, sizeof label, "verify %d", k);
+        printf("%-12s %10.2f %8.2f - %8.2f %11.2f  %s, %d\n", label, f->median, f->min, f->max,
+               r->verify_ratio[k - 1], r->isa, r->threads);
+    }
+    for (int d = 1; d <= r->n_projected; d++) {
+        double tokens = 1;
+        for (int i = 0; i < d; i++) tokens += p->accept[i];
+        printf("projected with %d draft%s: %.2f tokens per step at %.2fx the cost of a 1-row step: "
+               "%.2f tok/s (%.2fx plain decode)  [%s, %d threads]\n",
+               d, d > 1 ? "s" : "", tokens, r->verify_ratio[d], r->projected_tok_s[d - 1],
+               r->projected_tok_s[d - 1] / r->verify_base.median, r->isa, r->threads);
+    }
 }
 
 static void csv_row(const moe_bench_result *r, const char *test, int n, const moe_bench_figure *f,
@@ -304,6 +333,9 @@ static void print_csv(const moe_bench_result *r, const moe_bench_params *p) {
     for (int i = 0; i < r->n_streams; i++)
         csv_row(r, "streams", r->streams[i].n, &r->streams[i].aggregate,
                 r->streams[i].per_stream_tok_s);
+    if (r->n_verify) csv_row(r, "decode1", 1, &r->verify_base, r->verify_base.median);
+    for (int k = 1; k <= r->n_verify; k++) /* "streams": rows of the step; tok_s: steps per s */
+        csv_row(r, "verify", k, &r->verify[k - 1], r->verify[k - 1].median);
 }
 
 static void json_figure(moe_json *j, const char *prefix, const moe_bench_figure *f) {
@@ -359,6 +391,26 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
         moe_json_object_end(&j);
     }
     moe_json_array_end(&j);
+    moe_json_kv_double(&j, "decode1_steps_s", r->verify_base.median);
+    moe_json_key(&j, "verify");
+    moe_json_array_begin(&j);
+    for (int k = 1; k <= r->n_verify; k++) {
+        moe_json_object_begin(&j);
+        moe_json_kv_int(&j, "rows", k);
+        moe_json_kv_double(&j, "steps_s", r->verify[k - 1].median);
+        moe_json_kv_double(&j, "cost_ratio", r->verify_ratio[k - 1]);
+        moe_json_object_end(&j);
+    }
+    moe_json_array_end(&j);
+    moe_json_key(&j, "projected");
+    moe_json_array_begin(&j);
+    for (int d = 1; d <= r->n_projected; d++) {
+        moe_json_object_begin(&j);
+        moe_json_kv_int(&j, "drafts", d);
+        moe_json_kv_double(&j, "tok_s", r->projected_tok_s[d - 1]);
+        moe_json_object_end(&j);
+    }
+    moe_json_array_end(&j);
     const struct {
         const char *key;
         double v;
@@ -397,6 +449,21 @@ static bool parse_list(const char *text, int *out, int *n, int max, long hi) {
     return *n > 0;
 }
 
+/* "0.87,0.66,0.52" into p->accept: fractions in [0, 1], each at most the one before. */
+static bool parse_accept(const char *text, moe_bench_params *p) {
+    p->n_accept = 0;
+    for (const char *s = text; s && *s;) {
+        char *end;
+        const double v = strtod(s, &end);
+        if (end == s || !(v >= 0 && v <= 1) || p->n_accept == MOE_SPEC_MAX_DRAFT ||
+            (p->n_accept && v > p->accept[p->n_accept - 1]) || (*end && *end != ','))
+            return false;
+        p->accept[p->n_accept++] = v;
+        s = *end ? end + 1 : end;
+    }
+    return p->n_accept > 0;
+}
+
 int moe_cmd_bench(int argc, char **argv) {
     for (int i = 0; i < argc; i++)
         if (strcmp(argv[i], "--server") == 0) return bench_server(argc, argv);
@@ -417,6 +484,7 @@ int moe_cmd_bench(int argc, char **argv) {
             {"--tg", &p.n_gen, 0, 65536},
             {"--stream-steps", &p.stream_steps, 1, 65536},
             {"--probe-mib", &probe_mib, 4, 1 << 20},
+            {"--verify", &p.verify_max, 0, MOE_BENCH_MAX_VERIFY},
         };
         const int took = take_int_opt(ints, sizeof ints / sizeof ints[0], a, v);
         if (took < 0) return 2;
@@ -432,6 +500,13 @@ int moe_cmd_bench(int argc, char **argv) {
                                            "(1..%d, at most %d) or 0, got '%s'",
                                            MOE_BENCH_MAX_STREAM_ROWS, MOE_BENCH_MAX_STREAMS,
                                            v ? v : "");
+            i++;
+        } else if (strcmp(a, "--accept") == 0) {
+            if (!parse_accept(v, &p))
+                return moe_cli_usage_error("bench",
+                                           "--accept expects up to %d fractions in [0, 1], each at "
+                                           "most the one before (e.g. 0.87,0.66,0.52), got '%s'",
+                                           MOE_SPEC_MAX_DRAFT, v ? v : "");
             i++;
         } else if (strcmp(a, "--depth") == 0) {
             if (!parse_list(v, p.depths, &p.n_depths, MOE_BENCH_MAX_DEPTHS, MOE_BENCH_MAX_DEPTH))

@@ -37,7 +37,7 @@ void moe_gen_options_default(moe_gen_options *o) {
 
 #define GEN(field) MOE_OPT_FIELD(moe_gen_options, field)
 static const char *const spec_kinds[] = {
-    [MOE_GEN_SPEC_NONE] = "none", [MOE_GEN_SPEC_NGRAM] = "ngram", [MOE_GEN_SPEC_MTP] = "mtp", NULL};
+    [MOE_SPEC_NONE] = "none", [MOE_SPEC_NGRAM] = "ngram", [MOE_SPEC_MTP] = "mtp", NULL};
 static const moe_cli_option gen_options[] = {
     {"--n-predict", "-n", "N", "tokens to generate (-1: until end of generation or context)",
      MOE_OPT_INT, GEN(n_predict), -1, 1 << 30, NULL},
@@ -71,6 +71,7 @@ static const moe_cli_option gen_options[] = {
 #undef GEN
 
 int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **argv, int *i) {
+    if (strcmp(argv[*i], "--spec") == 0) o->spec_given = true; /* else: mtp where there is one */
     const int r = moe_cli_option_parse(cmd, gen_options, sizeof gen_options / sizeof gen_options[0],
                                        o, argc, argv, i);
     return r ? r : moe_engine_args_parse(cmd, &o->engine, argc, argv, i);
@@ -99,6 +100,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     if (g->tok && moe_tokenizer_n_vocab(g->tok) != g->model->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(g->tok), g->model->cfg.n_vocab);
+    if (!err.code && !o->spec_given && g->model->n_layer_mtp) g->opt.spec = MOE_SPEC_MTP;
     if (!err.code) {
         moe_ctx_params cp = {.n_ctx = o->engine.n_ctx,
                              .n_seq = 1,
@@ -108,7 +110,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                              .expert_stats = o->engine.expert_stats,
                              .pin_experts = o->engine.pin_experts,
                              .n_threads = o->engine.n_threads,
-                             .n_verify = o->spec ? o->n_draft + 1 : 0};
+                             .n_verify = g->opt.spec ? o->n_draft + 1 : 0};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
         moe_ctx_memory mem;
         if (g->ctx && moe_ctx_memory_plan(g->model, &cp, &mem, &err) == MOE_OK)
@@ -119,7 +121,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                     mem.recurrent_bytes / 1048576.0, mem.recurrent_bytes_per_seq / 1024.0,
                     mem.snapshot_bytes / 1048576.0);
     }
-    if (!err.code && o->spec == MOE_GEN_SPEC_MTP && !g->model->n_layer_mtp)
+    if (!err.code && g->opt.spec == MOE_SPEC_MTP && !g->model->n_layer_mtp)
         moe_error_set(&err, MOE_ERR_UNSUPPORTED,
                       "--spec mtp: %s has no multi-token-prediction layer moe can run "
                       "(--spec ngram drafts without one)",
@@ -136,7 +138,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     g->verify = moe_xmalloc(sizeof(float) * (o->n_draft + 1) * n_vocab);
     g->hist = moe_xmalloc(sizeof(int32_t) * (moe_ctx_n_ctx(g->ctx) + 1));
     g->rows = moe_xmalloc(sizeof(moe_row) * PREFILL_CHUNK);
-    if (o->spec == MOE_GEN_SPEC_MTP) {
+    if (g->opt.spec == MOE_SPEC_MTP) {
         const uint32_t pending = PREFILL_CHUNK + o->n_draft + 1; /* a step's rows, then a chunk */
         g->mtp_h = moe_xmalloc(sizeof(float) * pending * g->model->cfg.n_embd);
         g->mtp_tok = moe_xmalloc(sizeof(int32_t) * pending);
@@ -298,7 +300,7 @@ static emit_result step(moe_gen *g, emitter *e, int32_t token, int64_t budget, i
     uint32_t want = g->opt.n_draft < room ? g->opt.n_draft : room;
     if (budget >= 0 && budget <= 1) want = 0;
     if (budget > 1 && (uint64_t)budget - 1 < want) want = (uint32_t)(budget - 1);
-    if (g->opt.spec == MOE_GEN_SPEC_NGRAM && want) {
+    if (g->opt.spec == MOE_SPEC_NGRAM && want) {
         memcpy(g->hist, moe_ctx_seq_tokens(c, 0), sizeof(int32_t) * len);
         g->hist[len] = token;
         n_draft = moe_draft_ngram(g->hist, len + 1, want, drafts);
@@ -414,7 +416,7 @@ void moe_gen_print_stats(const moe_gen *g) {
     }
     if (!g->opt.spec || !g->n_steps) return;
     fprintf(stderr, "spec %s: %.2f tokens per step, drafts accepted by position:",
-            g->opt.spec == MOE_GEN_SPEC_MTP ? "mtp" : "ngram",
+            g->opt.spec == MOE_SPEC_MTP ? "mtp" : "ngram",
             (double)g->n_generated / (double)g->n_steps);
     for (uint32_t i = 0; i < g->opt.n_draft && g->drafted[i]; i++)
         fprintf(stderr, " %.0f%% of %llu", 100.0 * (double)g->accepted[i] / (double)g->drafted[i],

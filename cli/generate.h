@@ -12,24 +12,19 @@
 #include "../src/text/text.h"
 #include "args.h"
 
-typedef enum moe_gen_spec {
-    MOE_GEN_SPEC_NONE,
-    MOE_GEN_SPEC_NGRAM, /* prompt lookup: the tokens after an earlier occurrence of the suffix */
-    MOE_GEN_SPEC_MTP,   /* the model's own multi-token-prediction head */
-} moe_gen_spec;
-
 typedef struct moe_gen_options {
     const char *model_path; /* NULL: the built-in demo model */
     int64_t n_predict;      /* tokens to generate (< 0: until end of generation or context) */
     moe_engine_args engine; /* --ctx, -t, --kv-type */
     moe_sampler_params sampling;
-    bool print_ids;    /* show ids instead of text */
-    bool ignore_eos;   /* keep going past end-of-generation tokens */
-    moe_gen_spec spec; /* --spec: where speculative drafts come from */
-    uint32_t n_draft;  /* --draft N: drafts per step (default 3) */
+    bool print_ids;     /* show ids instead of text */
+    bool ignore_eos;    /* keep going past end-of-generation tokens */
+    moe_spec_kind spec; /* --spec: where speculative drafts come from */
+    bool spec_given;    /* --spec was given (else: mtp where the model has an MTP layer) */
+    uint32_t n_draft;   /* --draft N: drafts per step (default 3) */
 } moe_gen_options;
 
-#define MOE_GEN_MAX_DRAFT 16 /* --draft N at most */
+#define MOE_GEN_MAX_DRAFT MOE_SPEC_MAX_DRAFT
 
 typedef struct moe_gen {
     moe_gen_options opt;

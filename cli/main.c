@@ -19,7 +19,8 @@ static void engine_options(FILE *out) {
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] "
-     "[--spec ngram|mtp|none] [--draft N] [--expert-cache SIZE] ...",
+     "[--spec ngram|mtp|none (default: mtp where the model has an MTP layer)] [--draft N] "
+     "[--expert-cache SIZE] ...",
      moe_cmd_run_options},
     {"chat", moe_cmd_chat, "chat with a model in the terminal",
      "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "
@@ -89,8 +90,9 @@ static const moe_command commands[] = {
     {"bench", moe_cmd_bench,
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
-     "        [--depth 1024,4096,16384] [--kv-type f16|f32] [--mmap] [--expert-cache SIZE]\n"
-     "        [--csv | --json] ...\n"
+     "        [--depth 1024,4096,16384] [--verify N] [--accept 0.87,0.66,0.52] [--kv-type "
+     "f16|f32]\n"
+     "        [--mmap] [--expert-cache SIZE] [--csv | --json] ...\n"
      "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
      "[--start-cmd CMD] [--svg FILE] [--json]",
      moe_cmd_bench_options},
@@ -104,7 +106,7 @@ static const moe_command commands[] = {
     {"serve", moe_cmd_serve,
      "OpenAI- and Anthropic-compatible HTTP server (continuous batching), a chat page at /",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
-     "[--queue N] [--queue-timeout S]\n"
+     "[--queue N] [--queue-timeout S] [--spec ngram|none] [--draft N]\n"
      "        [--cache-dir DIR [--cache-disk-size SIZE]]  (`moe serve --help-options` lists all)",
      moe_cmd_serve_options},
     {0},

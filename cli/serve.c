@@ -40,6 +40,9 @@ static const char usage_text[] =
     "                     default: none (same-origin pages only; other Origins get 403)\n"
     "  --reasoning-budget N  at most N tokens of reasoning per reply: then the think block is\n"
     "                     closed and the answer follows (default -1: no limit; 0: thinking off)\n"
+    "  --spec ngram|none  speculative decoding: each stream's drafts (prompt lookup over its\n"
+    "                     tokens) verified together in one step; output unchanged (default none)\n"
+    "  --draft N          drafts per stream and step with --spec (default 3, at most 16)\n"
     "  --cache-dir DIR    disk prefix cache: finished sequences are saved to DIR and a prompt\n"
     "                     they start is loaded from there, also after a restart (off by default)\n"
     "  --cache-disk-size SIZE  its size limit, least recently used entries go first\n"
@@ -86,11 +89,15 @@ int moe_cmd_serve(int argc, char **argv) {
         INT_OPT("--max-connections-per-ip", 1, 1 << 20, p.max_connections_per_ip)
         FLOAT_OPT("--read-timeout", 1, 3600, p.read_timeout_s)
         INT_OPT("--reasoning-budget", -1, 1 << 30, p.reasoning_budget)
+        INT_OPT("--draft", 1, MOE_SPEC_MAX_DRAFT, p.n_draft)
         FLOAT_OPT("--queue-timeout", 0.01, 1e7, p.queue_timeout_s)
         FLOAT_OPT("--keepalive", 0.01, 1e5, p.keepalive_s)
 #undef INT_OPT
 #undef FLOAT_OPT
-        if (strcmp(a, "--host") == 0 && v) {
+        if (strcmp(a, "--spec") == 0) {
+            if (!moe_arg_spec("serve", v, &p.spec)) return 2;
+            i++;
+        } else if (strcmp(a, "--host") == 0 && v) {
             p.host = v;
             i++;
         } else if (strcmp(a, "--cors") == 0 && v) {

@@ -9,6 +9,7 @@
 
 #include <arpa/inet.h>
 #include <jansson.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,7 +27,9 @@ static const char *tiny_model(void) {
     return path;
 }
 
-#define BENCH_SMALL "-t 2 --runs 2 --pp 16 --tg 4 --streams 1,2,4 --stream-steps 2 --probe-mib 16"
+#define BENCH_SMALL                                                                                \
+    "-t 2 --runs 2 --pp 16 --tg 4 --streams 1,2,4 --stream-steps 2 --probe-mib 16 --verify 2 "     \
+    "--accept 0.5"
 
 static double positive(json_t *obj, const char *key) {
     json_t *v = json_object_get(obj, key);
@@ -64,6 +67,21 @@ static void bench_json_fields(void **state) {
         const double agg = positive(s, "aggregate_tok_s"), per = positive(s, "per_stream_tok_s");
         assert_true(per * want[i] <= agg * 1.000001 && per * want[i] >= agg * 0.999999);
     }
+    /* verify steps of 1 and 2 rows; the rate projected for one draft kept half the time is the
+     * 1-row step rate x 1.5 tokens / the 2-row step's cost */
+    json_t *verify = json_object_get(j, "verify"), *projected = json_object_get(j, "projected");
+    assert_int_equal(json_array_size(verify), 2);
+    assert_int_equal(json_array_size(projected), 1);
+    const double base = positive(j, "decode1_steps_s");
+    for (size_t i = 0; i < 2; i++) {
+        json_t *v = json_array_get(verify, i);
+        assert_int_equal(json_integer_value(json_object_get(v, "rows")), (int)i + 1);
+        const double steps = positive(v, "steps_s"), ratio = positive(v, "cost_ratio");
+        assert_true(fabs(ratio - base / steps) <= 1e-6 * ratio);
+    }
+    const double ratio2 = positive(json_array_get(verify, 1), "cost_ratio");
+    const double tok_s = positive(json_array_get(projected, 0), "tok_s");
+    assert_true(fabs(tok_s - base * 1.5 / ratio2) <= 1e-6 * tok_s);
     /* the tiny model's dense part alone (head 256 x 512 Q8_0) is 139 KB a token */
     assert_true(json_number_value(json_object_get(j, "active_bytes_per_token")) > 139000);
     json_decref(j);
@@ -78,7 +96,8 @@ static void bench_csv_and_text(void **state) {
     assert_int_equal(moe_test_run(cmd, &out), 0);
     int lines = 0;
     for (const char *c = out; *c; c++) lines += *c == '\n';
-    assert_int_equal(lines, 1 + 2 + 3); /* header, pp, tg, three stream counts */
+    assert_int_equal(lines, 1 + 2 + 3 + 3); /* header, pp, tg, 3 stream counts, 1-row, verify 1-2 */
+    assert_non_null(strstr(out, "\nverify,2,"));
     assert_non_null(strstr(out, "test,streams,tok_s,"));
     assert_non_null(strstr(out, "\nstreams,4,"));
     free(out);
@@ -158,6 +177,9 @@ static void bench_usage_errors(void **state) {
     expect_bench(2, "a model file is required", "%s", "");
     expect_bench(2, "--streams expects", "%s --streams 1,x", tiny_model());
     expect_bench(1, "cannot open", "/nonexistent.gguf --runs 1");
+    expect_bench(2, "--accept expects", "%s --accept 0.5,0.7", tiny_model());
+    expect_bench(1, "(--verify 3)",
+                 "%s --runs 1 --pp 0 --tg 0 --streams 0 --verify 2 --accept 0.9,0.5", tiny_model());
 }
 
 /* ==== moe bench --server ==== */

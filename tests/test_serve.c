@@ -1005,6 +1005,130 @@ static void json_depth_counts_outside_strings(void **state) {
     assert_int_equal(serve_json_depth("[\"\\\"[\"]", 7), 1);
 }
 
+/* ==== Speculation inside continuous batching ==== */
+
+#define SPEC_STREAMS 8
+#define SPEC_TOKENS  64
+
+/* Stream i's completion request: BOS then ids with repeats, so that prompt lookup drafts (the
+ * spec suite's prompts); a seed of its own for the sampled case. */
+static char *spec_request(int i, double temp) {
+    static const int base[] = {403, 407, 261, 378, 432, 383, 286, 376, 298, 315, 421, 395};
+    json_t *prompt = json_pack("[i]", 1);
+    for (int k = 0; k < 9; k++)
+        json_array_append_new(prompt, json_integer(base[(i + k % (2 + i % 4)) % 12]));
+    json_t *b = json_pack("{s:s,s:o,s:i,s:f,s:i}", "model", "x", "prompt", prompt, "max_tokens",
+                          SPEC_TOKENS, "temperature", temp, "seed", 7 + i);
+    char *body = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return body;
+}
+
+/* choices[0].text of a completion reply, as a JSON string (a random model's text may hold NUL);
+ * fails the test on anything else. */
+static char *completion_text(const char *reply, long status) {
+    json_t *r = json_loads(reply, JSON_ALLOW_NUL, NULL);
+    json_t *text = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "text");
+    if (status != 200 || !json_is_string(text)) fail_msg("completion: %ld %s", status, reply);
+    char *out = json_dumps(text, JSON_ENCODE_ANY);
+    json_decref(r);
+    return out;
+}
+
+/* The value of a /metrics line, summed over its labels (0 when absent). */
+static double metric_value(const char *metrics, const char *name) {
+    double sum = 0;
+    const size_t n = strlen(name);
+    for (const char *line = metrics; line && *line; line = strchr(line, '\n'), line += !!line) {
+        if (strncmp(line, name, n) != 0 || (line[n] != ' ' && line[n] != '{')) continue;
+        const char *v = strchr(line, ' ');
+        if (v) sum += strtod(v + 1, NULL);
+    }
+    return sum;
+}
+
+/* 8 streams at once through `moe serve --spec ngram --parallel 8` equal each stream run alone
+ * through a server without speculation (--parallel 1, one request at a time), token for token;
+ * /metrics shows drafts accepted and several streams' drafts verified in one step. */
+static void spec_streams(const char *rel, double temp) {
+    const char *model = moe_test_shared(rel);
+    MOE_SKIP_IF_NULL(model);
+    char *plain_args[] = {(char *)model, "--ctx", "256", "--parallel", "1", NULL};
+    char *spec_args[] = {(char *)model, "--ctx",   "256", "--parallel",   "8", "--spec",
+                         "ngram",       "--draft", "4",   "--step-delay", "2", NULL};
+    server plain = {0}, spec = {0};
+    if (!server_start(&plain, "spec-plain", plain_args) ||
+        !server_start(&spec, "spec-ngram", spec_args))
+        fail_msg("a server did not start (logs: %s, %s)", plain.log, spec.log);
+    char *alone[SPEC_STREAMS], *body[SPEC_STREAMS];
+    for (int i = 0; i < SPEC_STREAMS; i++) {
+        body[i] = spec_request(i, temp);
+        long status;
+        char *reply = http_post(plain.url, "/v1/completions", body[i], &status);
+        alone[i] = completion_text(reply, status);
+        free(reply);
+    }
+    CURLM *multi = curl_multi_init();
+    CURL *easy[SPEC_STREAMS];
+    moe_strbuf out[SPEC_STREAMS] = {0};
+    struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
+    for (int i = 0; i < SPEC_STREAMS; i++) {
+        char url[256];
+        snprintf(url, sizeof url, "%s/v1/completions", spec.url);
+        easy[i] = moe_test_http_handle(url, body[i], hdr, &out[i]);
+        curl_multi_add_handle(multi, easy[i]);
+    }
+    for (int running = 1; running;) {
+        if (curl_multi_perform(multi, &running) != CURLM_OK) fail_msg("curl_multi_perform");
+        if (running) curl_multi_poll(multi, NULL, 0, 1000, NULL);
+    }
+    for (int i = 0; i < SPEC_STREAMS; i++) {
+        long status = 0;
+        curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &status);
+        moe_strbuf_put(&out[i], "", 0);
+        char *text = completion_text(out[i].s, status);
+        if (strcmp(text, alone[i]) != 0)
+            fail_msg("%s, temperature %g, stream %d: with --spec ngram among 8 streams\n%s\nbut "
+                     "alone without speculation\n%s",
+                     rel, temp, i, text, alone[i]);
+        free(text);
+        free(alone[i]);
+        free(body[i]);
+        moe_strbuf_free(&out[i]);
+        curl_multi_remove_handle(multi, easy[i]);
+        curl_easy_cleanup(easy[i]);
+    }
+    curl_multi_cleanup(multi);
+    curl_slist_free_all(hdr);
+    char url[256];
+    snprintf(url, sizeof url, "%s/metrics", spec.url);
+    long metrics_status;
+    char *metrics = moe_test_http(url, NULL, &metrics_status);
+    const double drafted = metric_value(metrics, "moe_spec_drafts_total"),
+                 accepted = metric_value(metrics, "moe_spec_drafts_accepted_total"),
+                 together = metric_value(metrics, "moe_spec_verify_streams_max"),
+                 per_step = metric_value(metrics, "moe_decode_tokens_per_step");
+    print_message("%s, temperature %g: %.0f of %.0f drafts accepted, %.3f tokens per step, up to "
+                  "%.0f streams' drafts in one verify step\n",
+                  rel, temp, accepted, drafted, per_step, together);
+    if (accepted < 1 || per_step <= 1 || together < 2)
+        fail_msg("%s: /metrics shows no accepted drafts or no batched verify step:\n%s", rel,
+                 metrics);
+    free(metrics);
+    const int a = server_stop(&plain), b = server_stop(&spec);
+    if (a != 0 || b != 0)
+        fail_msg("servers exited with %d and %d (logs: %s, %s)", a, b, plain.log, spec.log);
+}
+
+static void spec_in_continuous_batching(void **state) {
+    (void)state;
+    spec_streams("models/stories260K/stories260K.gguf", 0);
+    spec_streams("models/stories260K/stories260K.gguf", 0.8);
+    /* hybrids: refused drafts roll the recurrent state back to the accepted row's checkpoint */
+    spec_streams("parity/qwen3next-f32.gguf", 0);
+    spec_streams("parity/qwen35-mtp-f32.gguf", 0);
+}
+
 int moe_suite_serve(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(json_depth_counts_outside_strings),
@@ -1040,6 +1164,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_bench_8_streams),
         cmocka_unit_test(servers_stop_cleanly),
         cmocka_unit_test(connection_flood),
+        cmocka_unit_test(spec_in_continuous_batching),
         cmocka_unit_test(model_checked_before_listening),
         cmocka_unit_test(request_parser_seeds),
     };

@@ -9,14 +9,23 @@
  * `--spec mtp` (drafts from the model's MTP head) likewise, on the two fixtures with one; their
  * random heads never agree with the trunk, so every draft is refused and rolled back. The
  * drafts themselves are the head's: the first one equals the argmax of the fixture's own MTP
- * logits at that position, after the head's cache caught up with the trunk. */
+ * logits at that position, after the head's cache caught up with the trunk.
+ * At temperature > 0 the accept/reject rule keeps the target distribution: requests with many
+ * seeds through the server's scheduler (--spec ngram) at a context whose draft is known, the
+ * token emitted where the draft is verified compared by chi-square with run.c's probabilities
+ * there -- over all tokens, and over those emitted where the draft was refused (the target
+ * conditioned on differing from the draft); critical values from Wilson-Hilferty. */
 #include "testutil.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <math.h>
+#include <unistd.h>
+
 #include "../src/engine/engine.h"
+#include "../src/serve/serve_internal.h"
 
 enum { N_PROMPTS = 12 };
 
@@ -178,12 +187,201 @@ static void spec_option_errors(void **state) {
     free(out);
 }
 
+/* Without --spec, a model with an MTP layer drafts with it (the stats line says so), one
+ * without does not speculate. */
+static void mtp_is_the_default(void **state) {
+    (void)state;
+    const char *mtp = moe_test_shared("parity/qwen35-mtp-f32.gguf");
+    MOE_SKIP_IF_NULL(mtp);
+    const char *plain = moe_test_shared("models/stories260K/stories260K.gguf");
+    char cmd[1024], *out;
+    snprintf(cmd, sizeof cmd, "%s run %s --tokens 1,403,407 -n 8 --temp 0", moe_test_bin(), mtp);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    if (!strstr(out, "\nspec mtp: ")) fail_msg("no MTP stats line:\n%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s run %s --tokens 1,403,407 -n 8 --temp 0", moe_test_bin(), plain);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    if (strstr(out, "\nspec ")) fail_msg("speculation without an MTP layer or --spec:\n%s", out);
+    free(out);
+}
+
+/* ==== The accept/reject rule keeps the target distribution ==== */
+
+#define CHI_SEEDS 3000   /* requests per temperature */
+#define CHI_Z     3.0902 /* the normal quantile of 1 - 0.001: the tests' false-alarm rate */
+
+/* Pearson's statistic of counts against n x probs (categories expected below 5 pooled, and the
+ * pool folded into the smallest category when it is still below 5); *df its degrees of freedom. */
+static double chi_square(const uint32_t *counts, const double *probs, uint32_t n_cat, double n,
+                         int *df) {
+    double stat = 0, pool_o = 0, pool_e = 0, small_o = 0, small_e = INFINITY;
+    int cats = 0;
+    for (uint32_t x = 0; x < n_cat; x++) {
+        const double e = n * probs[x];
+        if (e < 5) {
+            pool_o += counts[x];
+            pool_e += e;
+            continue;
+        }
+        stat += (counts[x] - e) * (counts[x] - e) / e;
+        cats++;
+        if (e < small_e) small_e = e, small_o = counts[x];
+    }
+    if (pool_e >= 5) {
+        stat += (pool_o - pool_e) * (pool_o - pool_e) / pool_e;
+        cats++;
+    } else if (pool_e > 0 && cats) { /* fold: the smallest category's term becomes the merged one */
+        stat -= (small_o - small_e) * (small_o - small_e) / small_e;
+        const double o = small_o + pool_o, e = small_e + pool_e;
+        stat += (o - e) * (o - e) / e;
+    }
+    *df = cats - 1;
+    return stat;
+}
+
+/* Wilson-Hilferty: the chi-square distribution's quantile at the normal quantile z. */
+static double chi_square_critical(int df, double z) {
+    const double k = df, a = 2.0 / (9.0 * k);
+    return k * pow(1 - a + z * sqrt(a), 3);
+}
+
+/* The greedy tokens from BOS and run.c's logits after each of the first 32 (../shared). The
+ * context is tokens[0..8]: its last token, 261, came before at position 3, so prompt lookup drafts
+ * tokens[4] = 378 after it. The prompt is tokens[0..7] (the 8th, tokens[8], is sampled first with
+ * probability 0.999; only requests that sampled it count); max_tokens 3 makes the second sampled
+ * token the pick at the draft's row. A logit bias on the draft gives it the largest logit, so that
+ * it is kept about half the time and refused the rest. */
+static void chi_square_at(serve_sched *sched, serve_metrics *metrics, const int32_t *tokens,
+                          const float *logits_runc, float temp) {
+    const uint32_t nv = 512, k = 8;
+    const int32_t draft = tokens[4];
+    const float *row = logits_runc + (size_t)k * nv; /* after feeding tokens[8] */
+    float top = row[0];
+    for (uint32_t x = 1; x < nv; x++)
+        if (row[x] > top) top = row[x];
+    const float bias = top - row[draft];
+    double probs[512], sum = 0; /* the target: softmax((logits + bias) / temp), in double */
+    for (uint32_t x = 0; x < nv; x++)
+        sum += probs[x] = exp(((double)row[x] + (x == (uint32_t)draft ? bias : 0) - top) / temp);
+    for (uint32_t x = 0; x < nv; x++) probs[x] /= sum;
+    uint32_t all[512] = {0}, refused[512] = {0}, n_ctx_ok = 0, n_refused = 0;
+    pthread_mutex_lock(&metrics->mu);
+    const uint64_t drafted_before = metrics->spec_drafted[0];
+    pthread_mutex_unlock(&metrics->mu);
+    enum { BATCH = 8 };
+    for (uint32_t seed = 0; seed < CHI_SEEDS; seed += BATCH) {
+        serve_req *reqs[BATCH];
+        for (int b = 0; b < BATCH; b++) {
+            serve_req *r = reqs[b] = serve_req_new();
+            r->gen.prompt = moe_xmalloc(sizeof(int32_t) * k);
+            memcpy(r->gen.prompt, tokens, sizeof(int32_t) * k);
+            r->gen.n_prompt = k;
+            r->gen.max_tokens = 3;
+            r->gen.ignore_eos = true;
+            r->gen.bias_tokens = moe_xmalloc(sizeof(int32_t));
+            r->gen.bias_values = moe_xmalloc(sizeof(float));
+            r->gen.bias_tokens[0] = draft;
+            r->gen.bias_values[0] = bias;
+            r->gen.sampling = (moe_sampler_params){.temperature = temp,
+                                                   .top_p = 1,
+                                                   .repeat_penalty = 1,
+                                                   .seed = 1000003u * (seed + b) + 17,
+                                                   .n_bias = 1};
+            assert_int_equal(serve_sched_submit(sched, r), SERVE_SUBMIT_OK);
+        }
+        for (int b = 0; b < BATCH; b++) {
+            serve_taken t = {0};
+            int32_t got[3];
+            uint32_t n_got = 0;
+            while (!t.done) {
+                serve_req_take(reqs[b], &t, 5.0);
+                for (uint32_t e = 0; e < t.n_events; e++)
+                    if (t.events[e].kind == SERVE_EV_TOKEN && n_got < 3)
+                        got[n_got++] = t.events[e].sample.token;
+            }
+            serve_taken_free(&t);
+            if (reqs[b]->finish == SERVE_FINISH_ERROR)
+                fail_msg("request failed: %s", reqs[b]->error);
+            serve_req_release(reqs[b]);
+            if (n_got < 2 || got[0] != tokens[k]) continue; /* not at the context */
+            n_ctx_ok++;
+            all[got[1]]++;
+            if (got[1] != draft) n_refused++, refused[got[1]]++;
+        }
+    }
+    pthread_mutex_lock(&metrics->mu);
+    const uint64_t drafted = metrics->spec_drafted[0] - drafted_before;
+    pthread_mutex_unlock(&metrics->mu);
+    if (drafted < n_ctx_ok)
+        fail_msg("%u requests reached the context but only %llu drafts were verified", n_ctx_ok,
+                 (unsigned long long)drafted);
+    int df_all, df_ref;
+    const double x_all = chi_square(all, probs, nv, n_ctx_ok, &df_all);
+    double cond[512];
+    for (uint32_t x = 0; x < nv; x++)
+        cond[x] = x == (uint32_t)draft ? 0 : probs[x] / (1 - probs[draft]);
+    const double x_ref = chi_square(refused, cond, nv, n_refused, &df_ref);
+    const double c_all = chi_square_critical(df_all, CHI_Z),
+                 c_ref = chi_square_critical(df_ref, CHI_Z);
+    print_message("temperature %g: %u of %u requests at the context, draft kept %u times (target "
+                  "%.3f); chi-square all %.2f (df %d, critical %.2f), refused %.2f (df %d, "
+                  "critical %.2f)\n",
+                  temp, n_ctx_ok, CHI_SEEDS, n_ctx_ok - n_refused, probs[draft], x_all, df_all,
+                  c_all, x_ref, df_ref, c_ref);
+    if (df_all < 2 || df_ref < 1 || x_all > c_all || x_ref > c_ref)
+        fail_msg("temperature %g: the emitted tokens do not follow the target distribution", temp);
+}
+
+static void accept_reject_keeps_distribution(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    size_t size;
+    float *logits = (float *)moe_test_shared_read(
+        "models/stories260K/logits_greedy_bos_first32.runc.f32", &size);
+    assert_int_equal(size, sizeof(float) * 32 * 512);
+    int32_t tokens[16];
+    { /* the greedy ids the logits were made from */
+        char cmd[512], *out;
+        snprintf(cmd, sizeof cmd,
+                 "/usr/bin/python3 -c \"import json;d=json.load(open('%s'));"
+                 "print(','.join(map(str,d['tokens'][:16])))\"",
+                 moe_test_shared("models/stories260K/greedy_bos_tokens.json"));
+        assert_int_equal(moe_test_run(cmd, &out), 0);
+        char *p = out;
+        for (int i = 0; i < 16; i++) tokens[i] = (int32_t)strtol(p, &p, 10), p += *p == ',';
+        free(out);
+    }
+    moe_serve_params p;
+    moe_serve_params_default(&p);
+    p.model_path = model;
+    p.n_ctx = 64;
+    p.parallel = 8;
+    p.cache_slots = 8;
+    p.kv_type = MOE_TYPE_F32;
+    p.spec = MOE_SPEC_NGRAM;
+    p.n_draft = 4;
+    serve_metrics metrics = {0};
+    pthread_mutex_init(&metrics.mu, NULL);
+    serve_sched *sched = serve_sched_start(&p, &metrics);
+    char err[MOE_ERROR_MSG_MAX];
+    if (!serve_sched_wait_loaded(sched, err, sizeof err)) fail_msg("%s", err);
+    chi_square_at(sched, &metrics, tokens, logits, 1.0f);
+    chi_square_at(sched, &metrics, tokens, logits, 0.7f);
+    serve_sched_stop(sched);
+    serve_sched_free(sched);
+    pthread_mutex_destroy(&metrics.mu);
+    free(logits);
+}
+
 int moe_suite_spec(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(spec_equals_plain_greedy),
         cmocka_unit_test(spec_equals_plain_sampled),
         cmocka_unit_test(spec_option_errors),
         cmocka_unit_test(mtp_drafts),
+        cmocka_unit_test(mtp_is_the_default),
+        cmocka_unit_test(accept_reject_keeps_distribution),
     };
     return cmocka_run_group_tests_name("spec", tests, NULL, NULL);
 }

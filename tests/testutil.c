@@ -206,16 +206,21 @@ static size_t curl_collect(char *p, size_t size, size_t n, void *ud) {
     return size * n;
 }
 
-char *moe_test_http(const char *url, const char *body, long *status) {
-    moe_strbuf out = {0};
+void *moe_test_http_handle(const char *url, const char *body, void *headers, moe_strbuf *out) {
     CURL *c = curl_easy_init();
-    struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
     curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdr);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
     if (body) curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, curl_collect);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &out);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, out);
     curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
+    return c;
+}
+
+char *moe_test_http(const char *url, const char *body, long *status) {
+    moe_strbuf out = {0};
+    struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
+    CURL *c = moe_test_http_handle(url, body, hdr, &out);
     const CURLcode rc = curl_easy_perform(c);
     *status = 0;
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, status);

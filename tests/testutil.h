@@ -56,6 +56,9 @@ int moe_test_server_stop(moe_test_server *s);
 /* GET (body NULL) or POST a JSON body; the reply body (caller frees), its status in *status.
  * Fails the test when the transfer fails. */
 char *moe_test_http(const char *url, const char *body, long *status);
+/* The same request as a CURL easy handle not yet run (for a curl multi handle): headers a curl
+ * slist the caller keeps, the reply collected into *out (the URL is copied). */
+void *moe_test_http_handle(const char *url, const char *body, void *headers, moe_strbuf *out);
 
 /* ==== Seeded random numbers (splitmix64; the same stream on every machine) ==== */
 

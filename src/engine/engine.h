@@ -116,6 +116,14 @@ moe_status moe_ctx_verify(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 /* Keep the first n_keep (1..its rows) of seq's rows in the last verify step. */
 moe_status moe_ctx_seq_accept(moe_ctx *c, int32_t seq, uint32_t n_keep, moe_error *err);
 
+/* Where speculative drafts come from (moe run / chat / serve --spec). */
+typedef enum moe_spec_kind {
+    MOE_SPEC_NONE,
+    MOE_SPEC_NGRAM, /* prompt lookup: the tokens after an earlier occurrence of the suffix */
+    MOE_SPEC_MTP,   /* the model's own multi-token-prediction head */
+} moe_spec_kind;
+#define MOE_SPEC_MAX_DRAFT 16 /* drafts per step (--draft N) at most */
+
 /* N-gram (prompt-lookup) drafts (spec.c): the tokens that followed the most recent earlier
  * occurrence of hist's last MOE_NGRAM_MAX (else fewer, down to 1) tokens, at most max_draft of
  * them into out; 0 when the suffix never occurred before. */

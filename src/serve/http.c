@@ -58,6 +58,7 @@ void moe_serve_params_default(moe_serve_params *p) {
     p->max_connections_per_ip = 256;
     p->read_timeout_s = 10;
     p->reasoning_budget = -1;
+    p->n_draft = 3;
 }
 
 /* ==== Connections and exchanges ==== */
@@ -928,10 +929,11 @@ int moe_serve_run(const moe_serve_params *params) {
         const moe_model *m = serve_sched_model(srv->sched);
         fprintf(stderr,
                 "moe serve: model %s (%s, %u layers), context %u per sequence, %d streams + %d "
-                "resident sequences, chat template %s, %d threads, %s\n",
+                "resident sequences, chat template %s, %d threads, %s, speculation %s\n",
                 srv->model_id, m->cfg.arch_name, m->cfg.n_layer, serve_sched_n_ctx(srv->sched),
                 srv->p.parallel, srv->p.cache_slots, srv->tmpl_origin, srv->p.n_threads,
-                srv->p.n_api_keys ? "API key required" : "no API key");
+                srv->p.n_api_keys ? "API key required" : "no API key",
+                srv->p.spec == MOE_SPEC_NGRAM ? "ngram" : "none");
         printf("moe serve: ready (loaded in %.2f s)\n", serve_now() - srv->t_start);
         fflush(stdout);
         int sig = 0;

@@ -43,6 +43,43 @@ static void health(serve_http *h) {
 const double serve_ttft_bounds[SERVE_TTFT_BUCKETS] = {0.01, 0.025, 0.05, 0.1, 0.25,
                                                       0.5,  1,     2.5,  5,   10};
 
+/* Speculation: drafts and accepted drafts by position (1 = the first draft after the fed
+ * token), and the tokens a stream's decode step chose on average. Caller holds m->mu. */
+static void spec_metrics_write(const serve_metrics *m, moe_strbuf *o) {
+    moe_strbuf_puts(o, "# HELP moe_spec_drafts_total Draft tokens verified, by draft position.\n"
+                       "# TYPE moe_spec_drafts_total counter\n");
+    for (int k = 0; k < MOE_SPEC_MAX_DRAFT && m->spec_drafted[k]; k++)
+        moe_strbuf_printf(o, "moe_spec_drafts_total{position=\"%d\"} %llu\n", k + 1,
+                          (unsigned long long)m->spec_drafted[k]);
+    moe_strbuf_puts(o, "# HELP moe_spec_drafts_accepted_total Draft tokens kept (equal to the "
+                       "sampler's pick), by draft position.\n"
+                       "# TYPE moe_spec_drafts_accepted_total counter\n");
+    for (int k = 0; k < MOE_SPEC_MAX_DRAFT && m->spec_drafted[k]; k++)
+        moe_strbuf_printf(o, "moe_spec_drafts_accepted_total{position=\"%d\"} %llu\n", k + 1,
+                          (unsigned long long)m->spec_accepted[k]);
+    moe_strbuf_puts(o, "# HELP moe_spec_acceptance_ratio Accepted over verified drafts, by draft "
+                       "position.\n# TYPE moe_spec_acceptance_ratio gauge\n");
+    for (int k = 0; k < MOE_SPEC_MAX_DRAFT && m->spec_drafted[k]; k++)
+        moe_strbuf_printf(o, "moe_spec_acceptance_ratio{position=\"%d\"} %.4f\n", k + 1,
+                          (double)m->spec_accepted[k] / (double)m->spec_drafted[k]);
+    moe_strbuf_printf(o,
+                      "# HELP moe_decode_stream_steps_total Decode steps summed over streams.\n"
+                      "# TYPE moe_decode_stream_steps_total counter\n"
+                      "moe_decode_stream_steps_total %llu\n"
+                      "# HELP moe_decode_tokens_per_step Tokens a stream's decode step chose, on "
+                      "average (above 1: drafts kept).\n"
+                      "# TYPE moe_decode_tokens_per_step gauge\n"
+                      "moe_decode_tokens_per_step %.4f\n"
+                      "# HELP moe_spec_verify_streams_max Most streams whose drafts were verified "
+                      "in one step.\n"
+                      "# TYPE moe_spec_verify_streams_max gauge\n"
+                      "moe_spec_verify_streams_max %u\n",
+                      (unsigned long long)m->stream_steps,
+                      m->stream_steps ? (double)m->stream_step_tokens / (double)m->stream_steps
+                                      : 0.0,
+                      m->spec_streams_max);
+}
+
 void serve_metrics_write(serve_metrics *m, moe_strbuf *o) {
     pthread_mutex_lock(&m->mu);
     moe_strbuf_puts(o, "# HELP moe_requests_total HTTP requests by endpoint and status class.\n"
@@ -94,6 +131,7 @@ void serve_metrics_write(serve_metrics *m, moe_strbuf *o) {
           "%.3f", m->decode_tps);
     GAUGE("moe_decode_batch_rows_max", "Most streams decoded together in one forward step.", "%u",
           m->decode_batch_max);
+    spec_metrics_write(m, o);
     moe_strbuf_printf(o,
                       "# HELP moe_client_hangups_total Requests whose client went away before the "
                       "reply ended (their generation is cancelled).\n"

@@ -22,6 +22,13 @@
  * A reply with a reasoning budget (serve_gen.think_budget) has its reasoning tokens counted
  * between the template's tags; once the budget is spent inside a block, the closing tag's
  * tokens take the place of the next samples, and the answer is sampled after them.
+ * With speculation (--spec ngram), each decoding stream's row is followed by its drafts (prompt
+ * lookup over its own tokens) and all of them run in one verify step (moe_ctx_verify; prompt
+ * rows then run in a plain call of their own, as a verify step takes back at most n_draft + 1
+ * rows of a sequence). Each stream's sampler picks from its rows in turn exactly as it would
+ * step by step; a draft is kept while it equals the pick, and the sequence keeps the rows up to
+ * the first one that differs (moe_ctx_seq_accept: KV rows past it dropped, recurrent state from
+ * that row's checkpoint), so the output is the one plain decoding makes, at any temperature.
  *
  * With --cache-dir, finished sequences also go to the engine's disk prefix cache (whole; on a
  * hybrid also at the prompt's snapshot), written by its own thread while the slot stays as it
@@ -52,6 +59,12 @@ typedef struct slot {
     bool decoding; /* prompt done: the next row feeds next_token */
     bool snapped;  /* hybrid: the prompt's state before its last token is snapshotted */
     int32_t next_token;
+    int32_t drafts[MOE_SPEC_MAX_DRAFT]; /* this step: the drafts fed after next_token */
+    uint32_t n_draft;
+    /* picking from a verify step's rows: a stream that ends meanwhile is saved to disk only
+     * once its sequence has dropped the refused rows (its prompt length kept for that) */
+    bool in_verify, save_pending;
+    uint32_t save_n_prompt;
     int32_t logits_row;    /* this step: index of its logits row, or -1 */
     int32_t lp_row;        /* prompt_logprobs, this step: first of its prompt rows' logits rows */
     uint32_t lp_pos, lp_n; /* ... the position of the first of them, and how many */
@@ -89,9 +102,11 @@ struct serve_sched {
     uint32_t n_ctx, n_slots, n_vocab;
     bool hybrid; /* recurrent layers: prefixes come back only whole or from snapshots */
     slot *slots;
-    moe_row *rows;     /* [parallel + SERVE_PREFILL_CHUNK] */
-    int32_t *row_slot; /* [same] which slot each row belongs to */
-    float *logits;     /* [parallel + SERVE_PROMPT_LOGPROB_ROWS][n_vocab] */
+    moe_row *rows;            /* [parallel + SERVE_PREFILL_CHUNK] */
+    int32_t *row_slot;        /* [same] which slot each row belongs to */
+    uint32_t decode_rows_max; /* parallel x (1 + drafts per step) */
+    float *logits;            /* [decode_rows_max + SERVE_PROMPT_LOGPROB_ROWS][n_vocab] */
+    int32_t *hist;            /* [n_ctx + 1] --spec ngram: a stream's tokens and the one to feed */
     uint64_t step;
 };
 
@@ -286,12 +301,12 @@ static void disk_loaded(void *arg) {
 
 /* A finished sequence to the disk cache: all of it, and on a hybrid also the prompt's
  * snapshot (the point a conversation's next turn or a retry can come back to). */
-static void disk_save(serve_sched *s, int idx, const serve_gen *g) {
+static void disk_save(serve_sched *s, int idx, uint32_t n_prompt) {
     const uint32_t len = slot_len(s, idx);
     if (!s->disk || !len) return;
     moe_disk_cache_save(s->disk, idx, len);
-    if (s->hybrid && g->n_prompt >= 2 && g->n_prompt - 1 < len)
-        moe_disk_cache_save(s->disk, idx, g->n_prompt - 1);
+    if (s->hybrid && n_prompt >= 2 && n_prompt - 1 < len)
+        moe_disk_cache_save(s->disk, idx, n_prompt - 1);
 }
 
 /* The slot's sequence holds `reuse` tokens of the prompt (ram of them from RAM, the rest from
@@ -388,8 +403,11 @@ static void finish(serve_sched *s, int idx, serve_finish why, int stop_index, co
         moe_error err = {0};
         MOE_CHECK(moe_ctx_seq_truncate(s->ctx, idx, 0, &err) == MOE_OK); /* 0 always works */
         sl->state = SLOT_EMPTY;
+    } else if (sl->in_verify) { /* on_decoded saves it after taking refused rows back */
+        sl->save_pending = true;
+        sl->save_n_prompt = r->gen.n_prompt;
     } else {
-        disk_save(s, idx, &r->gen);
+        disk_save(s, idx, r->gen.n_prompt);
     }
     sl->last_used = s->step;
     pthread_mutex_lock(&r->mu);
@@ -543,7 +561,8 @@ static void track_reasoning(slot *sl, int32_t token, const char *text, size_t le
 
 /* ==== The step ==== */
 
-static void on_logits(serve_sched *s, int idx, const float *logits) {
+/* A logits row of stream idx, whose sequence then holds `held` tokens: the next token. */
+static void on_logits(serve_sched *s, int idx, const float *logits, uint32_t held) {
     slot *sl = &s->slots[idx];
     serve_req *r = sl->req;
     if (r->gen.max_tokens == 0) { /* echo of the prompt alone */
@@ -590,12 +609,69 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
         finish(s, idx, SERVE_FINISH_STOP, stop, NULL);
     else if (r->gen.max_tokens >= 0 && sl->n_generated >= (uint64_t)r->gen.max_tokens)
         finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
-    else if (slot_len(s, idx) >= s->n_ctx)
+    else if (held >= s->n_ctx)
         finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
     else {
         sl->decoding = true;
         sl->next_token = smp.token;
     }
+}
+
+/* Stream idx's rows this step: its next token, then its drafts. The sampler picks from each
+ * row in turn as it would step by step; a draft is kept while it equals the pick, and the
+ * sequence keeps the rows up to the first pick that differs (or that ended the stream). */
+static void on_decoded(serve_sched *s, int idx, const float *logits) {
+    slot *sl = &s->slots[idx];
+    const uint32_t n_draft = sl->n_draft, before = sl->n_generated;
+    const uint32_t held = slot_len(s, idx) - n_draft; /* without the drafts */
+    uint32_t kept = 0;
+    uint64_t drafted[MOE_SPEC_MAX_DRAFT] = {0}, accepted[MOE_SPEC_MAX_DRAFT] = {0};
+    sl->in_verify = n_draft > 0;
+    sl->save_pending = false;
+    for (;;) {
+        on_logits(s, idx, logits + (size_t)kept * s->n_vocab, held + kept);
+        if (kept == n_draft || sl->state != SLOT_ACTIVE) break;
+        drafted[kept]++;
+        if (sl->next_token != sl->drafts[kept]) break;
+        accepted[kept++]++;
+    }
+    moe_error err = {0};
+    if (kept < n_draft && moe_ctx_seq_accept(s->ctx, idx, kept + 1, &err) != MOE_OK) {
+        if (sl->state == SLOT_ACTIVE)
+            finish(s, idx, SERVE_FINISH_ERROR, -1, err.msg);
+        else if (sl->state == SLOT_RESIDENT) { /* never keep a sequence holding refused drafts */
+            MOE_CHECK(moe_ctx_seq_truncate(s->ctx, idx, 0, &err) == MOE_OK);
+            sl->state = SLOT_EMPTY;
+        }
+    }
+    sl->in_verify = false;
+    if (sl->save_pending && sl->state == SLOT_RESIDENT) disk_save(s, idx, sl->save_n_prompt);
+    sl->save_pending = false;
+    pthread_mutex_lock(&s->metrics->mu);
+    for (uint32_t k = 0; k < n_draft; k++) {
+        s->metrics->spec_drafted[k] += drafted[k];
+        s->metrics->spec_accepted[k] += accepted[k];
+    }
+    s->metrics->stream_steps++;
+    s->metrics->stream_step_tokens += sl->n_generated - before;
+    pthread_mutex_unlock(&s->metrics->mu);
+}
+
+/* --spec ngram: the drafts to feed after stream idx's next token this step (sl->n_draft of
+ * them), as many as --draft, the context and max_tokens leave room for. */
+static void draft(serve_sched *s, int idx) {
+    slot *sl = &s->slots[idx];
+    const serve_gen *g = &sl->req->gen;
+    const uint32_t len = slot_len(s, idx);
+    uint32_t want = s->p.spec == MOE_SPEC_NGRAM ? s->p.n_draft : 0;
+    if (want > s->n_ctx - len - 1) want = s->n_ctx - len - 1; /* each draft takes a position */
+    if (g->max_tokens >= 0 && want >= (uint64_t)g->max_tokens - sl->n_generated)
+        want = (uint32_t)((uint64_t)g->max_tokens - sl->n_generated - 1); /* its pick: a token */
+    sl->n_draft = 0;
+    if (!want) return;
+    memcpy(s->hist, moe_ctx_seq_tokens(s->ctx, idx), sizeof(int32_t) * len);
+    s->hist[len] = sl->next_token;
+    sl->n_draft = moe_draft_ngram(s->hist, len + 1, want, sl->drafts);
 }
 
 /* The prompt rows this step ran with logits: each scores the prompt token after it. */
@@ -613,7 +689,7 @@ static void prompt_logprobs(serve_sched *s, slot *sl) {
 
 /* One forward step over every active stream; false when there was nothing to do. */
 static bool step(serve_sched *s) {
-    uint32_t n_rows = 0, n_logits = 0, n_decode = 0;
+    uint32_t n_rows = 0, n_logits = 0, n_decode = 0, n_drafts = 0, n_streams = 0, n_drafting = 0;
     /* hybrid: snapshot each prompt that reached its last token, before that token runs */
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];
@@ -625,19 +701,28 @@ static bool step(serve_sched *s) {
         if (moe_ctx_seq_snapshot(s->ctx, (int32_t)i, &err) < 0)
             moe_log(MOE_LOG_WARN, "serve: no prompt snapshot: %s", err.msg);
     }
-    /* decode rows first: one per running stream */
+    /* decode rows first: one per running stream, each followed by its drafts */
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];
         sl->logits_row = -1;
         sl->lp_n = 0;
+        sl->n_draft = 0;
         if (sl->state != SLOT_ACTIVE || !sl->decoding) continue;
-        s->rows[n_rows] = (moe_row){.seq = (int32_t)i,
-                                    .pos = (int32_t)slot_len(s, (int)i),
-                                    .token = sl->next_token,
-                                    .logits = true};
-        s->row_slot[n_rows++] = (int32_t)i;
-        sl->logits_row = (int32_t)n_logits++;
-        n_decode++;
+        draft(s, (int)i);
+        const uint32_t len = slot_len(s, (int)i);
+        sl->logits_row = (int32_t)n_logits;
+        for (uint32_t k = 0; k <= sl->n_draft; k++) {
+            s->rows[n_rows] = (moe_row){.seq = (int32_t)i,
+                                        .pos = (int32_t)(len + k),
+                                        .token = k ? sl->drafts[k - 1] : sl->next_token,
+                                        .logits = true};
+            s->row_slot[n_rows++] = (int32_t)i;
+            n_logits++;
+        }
+        n_decode += 1 + sl->n_draft;
+        n_drafts += sl->n_draft;
+        n_drafting += sl->n_draft > 0;
+        n_streams++;
     }
     /* then prompt rows, oldest request first, up to the chunk budget */
     uint32_t budget = SERVE_PREFILL_CHUNK, lp_budget = SERVE_PROMPT_LOGPROB_ROWS;
@@ -680,7 +765,15 @@ static bool step(serve_sched *s) {
     if (!n_rows) return false;
     const double t0 = serve_now();
     moe_error err = {0};
-    const moe_status st = moe_ctx_decode(s->ctx, s->rows, n_rows, s->logits, &err);
+    moe_status st;
+    if (n_drafts) { /* the decode rows may be taken back; the prompt rows in a call of their own */
+        st = moe_ctx_verify(s->ctx, s->rows, n_decode, s->logits, &err);
+        if (st == MOE_OK && n_rows > n_decode)
+            st = moe_ctx_decode(s->ctx, s->rows + n_decode, n_rows - n_decode,
+                                s->logits + (size_t)n_decode * s->n_vocab, &err);
+    } else {
+        st = moe_ctx_decode(s->ctx, s->rows, n_rows, s->logits, &err);
+    }
     const double dt = serve_now() - t0;
     pthread_mutex_lock(&s->metrics->mu);
     const uint32_t n_prefill = n_rows - n_decode;
@@ -691,7 +784,8 @@ static bool step(serve_sched *s) {
     s->metrics->decode_seconds += dt * n_decode / n_rows;
     if (n_prefill) s->metrics->prefill_tps = n_prefill / (dt * n_prefill / n_rows);
     if (n_decode) s->metrics->decode_tps = n_decode / (dt * n_decode / n_rows);
-    if (n_decode > s->metrics->decode_batch_max) s->metrics->decode_batch_max = n_decode;
+    if (n_streams > s->metrics->decode_batch_max) s->metrics->decode_batch_max = n_streams;
+    if (n_drafting > s->metrics->spec_streams_max) s->metrics->spec_streams_max = n_drafting;
     pthread_mutex_unlock(&s->metrics->mu);
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];
@@ -701,8 +795,12 @@ static bool step(serve_sched *s) {
             continue;
         }
         prompt_logprobs(s, sl);
-        if (sl->logits_row >= 0)
-            on_logits(s, (int)i, s->logits + (size_t)sl->logits_row * s->n_vocab);
+        if (sl->logits_row < 0) continue;
+        const float *row = s->logits + (size_t)sl->logits_row * s->n_vocab;
+        if (sl->decoding)
+            on_decoded(s, (int)i, row);
+        else
+            on_logits(s, (int)i, row, slot_len(s, (int)i));
     }
     if (st != MOE_OK) moe_log(MOE_LOG_ERROR, "serve: forward step failed: %s", err.msg);
     s->step++;
@@ -792,8 +890,15 @@ static bool load(serve_sched *s) {
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(s->tok), s->model->cfg.n_vocab);
     if (err.code) goto fail;
+    if (s->p.spec == MOE_SPEC_MTP) {
+        moe_error_set(&err, MOE_ERR_UNSUPPORTED,
+                      "--spec mtp is not supported by moe serve yet (--spec ngram is)");
+        goto fail;
+    }
     s->n_slots = (uint32_t)(s->p.parallel + s->p.cache_slots);
-    const uint32_t max_rows = (uint32_t)s->p.parallel + SERVE_PREFILL_CHUNK;
+    const uint32_t n_verify = s->p.spec ? s->p.n_draft + 1 : 0;
+    s->decode_rows_max = (uint32_t)s->p.parallel * (n_verify ? n_verify : 1);
+    const uint32_t max_rows = s->decode_rows_max + SERVE_PREFILL_CHUNK;
     moe_ctx_params cp = {.n_ctx = s->p.n_ctx,
                          .n_seq = s->n_slots,
                          .max_rows = max_rows,
@@ -801,7 +906,8 @@ static bool load(serve_sched *s) {
                          .n_threads = s->p.n_threads,
                          .expert_cache_bytes = s->p.expert_cache_bytes,
                          .expert_stats = s->p.expert_stats,
-                         .pin_experts = s->p.pin_experts};
+                         .pin_experts = s->p.pin_experts,
+                         .n_verify = n_verify};
     s->ctx = moe_ctx_new(s->model, &cp, &err);
     if (!s->ctx) goto fail;
     if (s->p.cache_dir) {
@@ -823,7 +929,8 @@ static bool load(serve_sched *s) {
     s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);
     s->row_slot = moe_xmalloc(sizeof(int32_t) * max_rows);
     s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab *
-                            ((size_t)s->p.parallel + SERVE_PROMPT_LOGPROB_ROWS));
+                            ((size_t)s->decode_rows_max + SERVE_PROMPT_LOGPROB_ROWS));
+    s->hist = moe_xmalloc(sizeof(int32_t) * ((size_t)s->n_ctx + 1));
     return true;
 fail:
     snprintf(s->load_error, sizeof s->load_error, "%s", err.msg);
@@ -974,6 +1081,7 @@ void serve_sched_free(serve_sched *s) {
     free(s->rows);
     free(s->row_slot);
     free(s->logits);
+    free(s->hist);
     moe_ctx_free(s->ctx);
     moe_tokenizer_free(s->tok);
     moe_model_free(s->model);

@@ -46,6 +46,8 @@ typedef struct moe_serve_params {
     const char *cors;         /* "ORIGIN[,ORIGIN...]" allowed cross-origin ("*": any), or NULL */
     int64_t reasoning_budget; /* tokens of reasoning per reply before its block is closed
                                * (-1: no limit; 0: thinking off) */
+    moe_spec_kind spec;       /* --spec: where each stream's speculative drafts come from */
+    uint32_t n_draft;         /* --draft N: drafts per stream and step (1..MOE_SPEC_MAX_DRAFT) */
 } moe_serve_params;
 
 void moe_serve_params_default(moe_serve_params *p);

@@ -190,6 +190,11 @@ typedef struct serve_metrics {
     uint64_t prefill_rows, decode_rows;
     double prefill_tps, decode_tps; /* the last step's rate */
     uint32_t decode_batch_max;      /* most decode rows (streams) in one forward step */
+    /* speculation (--spec): drafts verified and kept by draft position; a stream's decode steps
+     * and the tokens they chose (tokens per step: the second over the first) */
+    uint64_t spec_drafted[MOE_SPEC_MAX_DRAFT], spec_accepted[MOE_SPEC_MAX_DRAFT];
+    uint64_t stream_steps, stream_step_tokens;
+    uint32_t spec_streams_max; /* most streams with drafts in one verify step */
     uint64_t ttft_buckets[SERVE_TTFT_BUCKETS + 1], ttft_count;
     double ttft_sum;
     uint32_t active, waiting, resident;

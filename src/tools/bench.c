@@ -37,6 +37,7 @@ void moe_bench_params_default(moe_bench_params *p) {
     memcpy(p->streams, streams, sizeof streams);
     p->probe_bytes = BENCH_PROBE_BYTES;
     p->kv_type = MOE_TYPE_F16;
+    p->verify_max = 4;
 }
 
 /* ==== What a forward reads ==== */
@@ -73,6 +74,8 @@ typedef struct bench_run {
     float *logits;
     uint64_t seed;
     uint32_t n_vocab;
+    uint32_t verify_rows; /* > 0: each decode step is a verify step of this many rows of one
+                           * sequence, of which only the first is kept */
     const moe_bench_result *r;
 } bench_run;
 
@@ -108,7 +111,16 @@ static moe_status run_once(bench_run *b, uint32_t prompt, uint32_t n_seq, uint32
         if (moe_ctx_decode(b->ctx, b->rows, prompt, b->logits, err) != MOE_OK) return err->code;
         *bytes += forward_bytes(b, prompt);
     }
-    for (uint32_t step = 0; step < steps; step++) {
+    for (uint32_t step = 0; step < steps && b->verify_rows; step++) {
+        for (uint32_t k = 0; k < b->verify_rows; k++) /* the next token and its "drafts" */
+            b->rows[k] = (moe_row){
+                .seq = 0, .pos = (int32_t)(step + k), .token = next_token(b), .logits = true};
+        if (moe_ctx_verify(b->ctx, b->rows, b->verify_rows, b->logits, err) != MOE_OK ||
+            moe_ctx_seq_accept(b->ctx, 0, 1, err) != MOE_OK)
+            return err->code;
+        *bytes += forward_bytes(b, b->verify_rows);
+    }
+    for (uint32_t step = 0; step < steps && !b->verify_rows; step++) {
         for (uint32_t s = 0; s < n_seq; s++)
             b->rows[s] = (moe_row){.seq = (int32_t)s,
                                    .pos = (int32_t)((s ? 0 : depth) + step),
@@ -147,6 +159,29 @@ static moe_status run_test(bench_run *b, const moe_bench_params *p, uint32_t pro
     f->median = moe_median(tok_s, p->runs);
     f->gb_s = moe_median(gb_s, p->runs);
     f->bytes_per_token = bytes_sum / p->runs / tokens;
+    return MOE_OK;
+}
+
+/* Speculation's ceiling: a 1-row step, then verify steps of 1..p->verify_max rows, and the rates
+ * --accept projects from them. */
+static moe_status verify_tests(bench_run *b, const moe_bench_params *p, moe_bench_result *r,
+                               moe_error *err) {
+    const uint32_t steps = (uint32_t)p->stream_steps;
+    if (run_test(b, p, 0, 1, steps, &r->verify_base, NULL, err) != MOE_OK) return err->code;
+    for (int k = 1; k <= p->verify_max; k++) {
+        b->verify_rows = (uint32_t)k;
+        const moe_status st = run_test(b, p, 0, 1, steps, &r->verify[k - 1], NULL, err);
+        b->verify_rows = 0;
+        if (st != MOE_OK) return st;
+        r->verify_ratio[k - 1] = r->verify_base.median / r->verify[k - 1].median;
+        r->n_verify = k;
+    }
+    double tokens = 1; /* expected tokens per step: the sampled one and the drafts kept */
+    for (int d = 1; d <= p->n_accept && d < r->n_verify; d++) {
+        tokens += p->accept[d - 1];
+        r->projected_tok_s[d - 1] = r->verify_base.median * tokens / r->verify_ratio[d];
+        r->n_projected = d;
+    }
     return MOE_OK;
 }
 
@@ -242,11 +277,17 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     memset(r, 0, sizeof *r);
     if (p->runs < 1 || p->runs > MOE_BENCH_MAX_RUNS || p->n_threads < 1 || p->n_prompt < 0 ||
         p->n_gen < 0 || p->stream_steps < 1 || p->n_streams < 0 ||
-        p->n_streams > MOE_BENCH_MAX_STREAMS)
+        p->n_streams > MOE_BENCH_MAX_STREAMS || p->verify_max < 0 ||
+        p->verify_max > MOE_BENCH_MAX_VERIFY || p->n_accept < 0 || p->n_accept > MOE_SPEC_MAX_DRAFT)
         return moe_error_set(err, MOE_ERR_ARG,
                              "bench: runs 1..%d, threads >= 1, up to %d "
-                             "stream counts",
-                             MOE_BENCH_MAX_RUNS, MOE_BENCH_MAX_STREAMS);
+                             "stream counts, verify steps of at most %d rows",
+                             MOE_BENCH_MAX_RUNS, MOE_BENCH_MAX_STREAMS, MOE_BENCH_MAX_VERIFY);
+    if (p->n_accept && p->n_accept >= p->verify_max)
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "bench: --accept gives %d draft positions, so verify steps of up to "
+                             "%d rows are needed (--verify %d)",
+                             p->n_accept, p->n_accept + 1, p->n_accept + 1);
     if (p->n_depths < 0 || p->n_depths > MOE_BENCH_MAX_DEPTHS || (p->n_depths && !p->n_gen))
         return moe_error_set(err, MOE_ERR_ARG, "bench: up to %d depths, with decode steps (--tg)",
                              MOE_BENCH_MAX_DEPTHS);
@@ -299,8 +340,10 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
         (uint32_t)(p->n_gen > p->stream_steps ? p->n_gen : p->stream_steps) + deepest;
     uint32_t max_rows = (uint32_t)p->n_prompt > max_seq ? (uint32_t)p->n_prompt : max_seq;
     if (deepest && max_rows < MOE_BENCH_FILL_ROWS) max_rows = MOE_BENCH_FILL_ROWS;
-    moe_ctx_params cp = {.n_ctx =
-                             ((uint32_t)p->n_prompt > steps ? (uint32_t)p->n_prompt : steps) + 1,
+    if ((uint32_t)p->verify_max > max_rows) max_rows = (uint32_t)p->verify_max;
+    moe_ctx_params cp = {.n_ctx = ((uint32_t)p->n_prompt > steps ? (uint32_t)p->n_prompt : steps) +
+                                  (uint32_t)p->verify_max + 1,
+                         .n_verify = (uint32_t)p->verify_max,
                          .n_seq = max_seq,
                          .max_rows = max_rows,
                          .kv_type = p->kv_type,
@@ -313,7 +356,9 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     }
     bench_run b = {.ctx = ctx,
                    .rows = moe_xmalloc(sizeof(moe_row) * max_rows),
-                   .logits = moe_xmalloc(sizeof(float) * (size_t)m->cfg.n_vocab * max_seq),
+                   .logits = moe_xmalloc(
+                       sizeof(float) * (size_t)m->cfg.n_vocab *
+                       (max_seq > (uint32_t)p->verify_max ? max_seq : (uint32_t)p->verify_max)),
                    .seed = BENCH_SEED,
                    .n_vocab = m->cfg.n_vocab,
                    .r = r};
@@ -341,6 +386,7 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
             run_test(&b, p, 0, (uint32_t)s->n, (uint32_t)p->stream_steps, &s->aggregate, NULL, err);
         s->per_stream_tok_s = s->aggregate.median / s->n;
     }
+    if (st == MOE_OK && p->verify_max > 0) st = verify_tests(&b, p, r, err);
     if (st == MOE_OK && p->n_gen == 0 && r->n_streams && r->streams[0].n == 1)
         r->active_bytes_per_token = r->streams[0].aggregate.bytes_per_token;
     free(b.rows);

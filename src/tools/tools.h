@@ -409,6 +409,7 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
 #define MOE_BENCH_MAX_DEPTHS      8         /* context depths in one invocation */
 #define MOE_BENCH_MAX_DEPTH       (1 << 20) /* tokens of context before a decode test */
 #define MOE_BENCH_FILL_ROWS       512 /* rows per forward while filling the context to a depth */
+#define MOE_BENCH_MAX_VERIFY      (MOE_SPEC_MAX_DRAFT + 1) /* rows of one verify step */
 
 typedef struct moe_bench_params {
     const char *model_path;
@@ -427,6 +428,11 @@ typedef struct moe_bench_params {
     moe_type kv_type;            /* KV cache elements (default F16, as llama-bench) */
     uint64_t expert_cache_bytes; /* routed experts read on demand into a cache (0: resident) */
     size_t probe_bytes;          /* bandwidth probe buffer */
+    int verify_max; /* verify steps of 1..verify_max rows against a 1-row step (0: skip) */
+    /* --accept: per draft position, the fraction of steps whose draft there is kept (so each is
+     * at most the one before); projects decode rates with 1..n_accept drafts */
+    double accept[MOE_SPEC_MAX_DRAFT];
+    int n_accept;
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
@@ -458,6 +464,16 @@ typedef struct moe_bench_result {
     moe_bench_figure pp, tg;
     moe_bench_stream streams[MOE_BENCH_MAX_STREAMS];
     int n_streams;
+    /* verify steps (speculative decoding's cost): a plain 1-row step, then verify steps of k =
+     * 1..n_verify rows of one sequence, each followed by keeping only its first row (the rollback
+     * of refused drafts included); figures in steps per second */
+    moe_bench_figure verify_base, verify[MOE_BENCH_MAX_VERIFY];
+    int n_verify;
+    double verify_ratio[MOE_BENCH_MAX_VERIFY]; /* seconds of a k-row verify step / a 1-row step */
+    /* with --accept: the decode rate projected with d = 1..n_accept drafts per step:
+     * verify_base x (1 + accept[0] + ... + accept[d - 1]) / verify_ratio[d] */
+    double projected_tok_s[MOE_SPEC_MAX_DRAFT];
+    int n_projected;
     moe_bench_figure tg_depth[MOE_BENCH_MAX_DEPTHS]; /* decode at params.depths[i] */
     /* ... of which, per token (mean over every step at that depth, the warm-up's too), in the
      * sparse MLA layers: scoring the indexer's pools, and attending */
@@ -470,7 +486,8 @@ typedef struct moe_bench_result {
     bool disk_direct;                /* ... with O_DIRECT (else through the page cache) */
 } moe_bench_result;
 
-/* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */
+/* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, verify steps of 1..4
+ * rows (stream_steps each), anonymous memory. */
 void moe_bench_params_default(moe_bench_params *p);
 moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_error *err);
 
