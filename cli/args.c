@@ -142,6 +142,17 @@ int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **
             return -1;
         }
         *(flag[2] == 'e' ? &a->expert_stats : &a->pin_experts) = v;
+    } else if (strcmp(flag, "--split") == 0) {
+        if (strcmp(cmd, "run") != 0 && strcmp(cmd, "logits") != 0) {
+            moe_cli_usage_error(cmd, "--split is not supported by moe %s yet (run, logits)", cmd);
+            return -1;
+        }
+        if (!v || (strcmp(v, "experts") != 0 && strcmp(v, "none") != 0)) {
+            moe_cli_usage_error(cmd, "--split expects experts or none, got '%s'",
+                                v ? v : "(nothing)");
+            return -1;
+        }
+        a->split = v[0] == 'e' ? MOE_SPLIT_EXPERTS : MOE_SPLIT_NONE;
     } else {
         return 0;
     }
@@ -162,6 +173,18 @@ bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char
 }
 
 bool moe_engine_args_check(const char *cmd, const moe_engine_args *a) {
+    if (a->split != MOE_SPLIT_NONE) {
+        /* MPI starts here, before any output: rank 0 owns stdout, the others' goes nowhere */
+        moe_error err = {0};
+        if (moe_dist_init(&err) != MOE_OK) {
+            moe_cli_usage_error(cmd, "--split: %s", err.msg);
+            return false;
+        }
+        if (moe_dist_rank() != 0 && !freopen("/dev/null", "w", stdout)) {
+            fprintf(stderr, "moe %s: rank %d: cannot silence stdout\n", cmd, moe_dist_rank());
+            return false;
+        }
+    }
     if ((a->expert_stats || a->pin_experts) && !a->expert_cache_bytes) {
         moe_cli_usage_error(cmd, "%s needs --expert-cache SIZE",
                             a->expert_stats ? "--expert-stats" : "--pin-experts");

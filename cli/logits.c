@@ -79,6 +79,7 @@ int moe_cmd_logits(int argc, char **argv) {
                          .expert_cache_bytes = engine.expert_cache_bytes,
                          .expert_stats = engine.expert_stats,
                          .pin_experts = engine.pin_experts,
+                         .split = engine.split,
                          .n_threads = engine.n_threads};
     moe_ctx *ctx = n <= UINT32_MAX / 2 ? moe_ctx_new(m, &cp, &err) : NULL;
     moe_row *rows = moe_xcalloc(n, sizeof *rows);
@@ -99,7 +100,9 @@ int moe_cmd_logits(int argc, char **argv) {
         ok = moe_ctx_decode_mtp(ctx, rows, (uint32_t)n, hidden, logits, &err) == MOE_OK;
         free(hidden);
     }
-    if (ok) {
+    if (ok && moe_dist_rank() != 0) { /* split across ranks: rank 0 writes the result */
+        rc = 0;
+    } else if (ok) {
         if (out_path) {
             if (moe_file_write(out_path, logits, sizeof(float) * n * n_vocab, &err) == MOE_OK) {
                 printf("wrote %zu x %u float32 logits to %s\n", n, n_vocab, out_path);

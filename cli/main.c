@@ -6,6 +6,7 @@
 
 #include "moe.h"
 #include "cli.h"
+#include "../src/engine/engine.h"
 #include "../src/quant/quant.h"
 
 static const moe_command commands[] = {
@@ -113,7 +114,8 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
         char cpu[256];
         moe_cpu_describe(cpu, sizeof cpu);
-        printf("moe %s\nkernels: %s (cpu: %s)\n", moe_version(), moe_kernels_get()->name, cpu);
+        printf("moe %s\nkernels: %s (cpu: %s)\nmpi: %s\n", moe_version(), moe_kernels_get()->name,
+               cpu, moe_dist_describe());
         return 0;
     }
     for (const moe_command *c = commands; c->name; c++) {
@@ -122,7 +124,14 @@ int main(int argc, char **argv) {
             printf("usage: moe %s %s\n\n%s\n", c->name, c->usage, c->summary);
             return 0;
         }
-        return c->run(argc - 2, argv + 2);
+        const int rc = c->run(argc - 2, argv + 2);
+        if (rc && moe_dist_size() > 1) { /* the other ranks may be waiting for this one */
+            fprintf(stderr, "moe %s: rank %d failed: ending every rank of the job\n", c->name,
+                    moe_dist_rank());
+            moe_dist_abort(rc);
+        }
+        moe_dist_finalize();
+        return rc;
     }
     fprintf(stderr, "moe: unknown command '%s'\n\n", argv[1]);
     print_help(stderr);

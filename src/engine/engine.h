@@ -22,6 +22,14 @@ typedef struct moe_row {
     bool logits;   /* compute this row's logits */
 } moe_row;
 
+/* How the ranks of an MPI job share the routed experts (engine/dist.c). */
+typedef enum moe_split {
+    MOE_SPLIT_NONE,    /* every rank holds and runs everything (one rank: the only choice) */
+    MOE_SPLIT_EXPERTS, /* rank r runs the routed experts e with e % n_ranks == r; the MoE block's
+                        * partial outputs are summed across ranks in rank order */
+    MOE_SPLIT_COUNT
+} moe_split;
+
 typedef struct moe_ctx_params {
     uint32_t n_ctx;       /* positions per sequence (0: the model's training context, capped) */
     uint32_t n_seq;       /* sequences held at once */
@@ -36,6 +44,8 @@ typedef struct moe_ctx_params {
                                   * hottest experts read at start), or NULL */
     const char *pin_experts;     /* with a cache: experts always resident, listed one per line as
                                   * "LAYER EXPERT", or NULL */
+    moe_split split; /* across the ranks of an MPI job (MOE_SPLIT_NONE: no MPI calls at all);
+                      * every rank must create its context with the same parameters */
 } moe_ctx_params;
 
 /* The expert cache's counters (cumulative; all zero without one). */
@@ -206,5 +216,21 @@ moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token)
 /* log-softmax of one logits row at token: logit - max - log(sum exp(logit_i - max)), summed in
  * double. What `moe eval` scores with; moe_sampler_score rounds the same value to float. */
 double moe_logprob(const float *logits, uint32_t n_vocab, int32_t token);
+
+/* ==== Ranks of an MPI job (dist.c) ====
+ * Built with `make MPI=1` these are Open MPI; otherwise one rank: moe_dist_init fails with a
+ * message saying how to build with MPI, and the rest do nothing. Collectives must be called by
+ * every rank in the same order, from one thread at a time. */
+bool moe_dist_built(void);                /* built with MOE_MPI */
+moe_status moe_dist_init(moe_error *err); /* idempotent; also fine outside mpirun (one rank) */
+void moe_dist_finalize(void);
+void moe_dist_abort(int code); /* end every rank of a job of more than one (so none hangs) */
+int moe_dist_rank(void);       /* 0 before init */
+int moe_dist_size(void);       /* 1 before init */
+/* buf[0..n) = the sum over ranks r = 0, 1, ... of rank r's buf, added in that order on rank 0 and
+ * broadcast: every rank gets the same bits, whatever the timing. */
+void moe_dist_sum(float *buf, size_t n);
+void moe_dist_bcast(void *buf, size_t bytes); /* rank 0's bytes to every rank */
+const char *moe_dist_describe(void);          /* the MPI library, for --version */
 
 #endif
