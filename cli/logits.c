@@ -100,6 +100,14 @@ int moe_cmd_logits(int argc, char **argv) {
         ok = moe_ctx_decode_mtp(ctx, rows, (uint32_t)n, hidden, logits, &err) == MOE_OK;
         free(hidden);
     }
+    if (ok && engine.split != MOE_SPLIT_NONE) { /* what this rank's share was */
+        const moe_expert_stats st = moe_ctx_expert_stats(ctx);
+        fprintf(stderr,
+                "moe logits: rank %d of %d ran %llu experts (the step routed %llu (row, expert) "
+                "pairs)\n",
+                moe_dist_rank(), moe_dist_size(), (unsigned long long)st.experts,
+                (unsigned long long)st.pairs);
+    }
     if (ok && moe_dist_rank() != 0) { /* split across ranks: rank 0 writes the result */
         rc = 0;
     } else if (ok) {
