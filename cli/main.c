@@ -24,7 +24,8 @@ static const moe_command commands[] = {
      "FILE|SHARD|URL|DIR|F.safetensors [--json | --formats]"},
     {"budget", moe_cmd_budget,
      "memory per device for a model (or a ladder of builds): fits, largest context and streams",
-     "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
+     "MODEL|URL [MODEL...] [--devices N] [--split rows|experts] [--mem-per-device GiB] [--ctx N] "
+     "[--streams N] "
      "[--kv-type f16|f32|q8_0] [--expert-cache SIZE] [--no-vision] [--ladder] [--json] [--svg "
      "FILE]"},
     {"audit", moe_cmd_audit,

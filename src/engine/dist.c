@@ -15,6 +15,31 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* ==== What a rank holds ==== */
+
+uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, int n_ranks,
+                                uint64_t *all) {
+    uint64_t mine = 0, total = 0;
+    for (uint32_t il = 0; il < m->cfg.n_layer + m->n_layer_mtp; il++) {
+        const moe_layer_weights *l = &m->layers[il];
+        if (l->plan.ffn != MOE_FFN_EXPERTS) continue;
+        const moe_tensor *t[4] = {l->experts.gate, l->experts.up, l->experts.down,
+                                  l->experts.gate_up};
+        for (int k = 0; k < 4; k++) {
+            if (!t[k]) continue;
+            const uint64_t n_expert = (uint64_t)t[k]->ne[2], per = t[k]->n_bytes / n_expert;
+            uint64_t owned = n_expert;
+            if (split == MOE_SPLIT_EXPERTS && n_ranks > 1) /* experts e with e % n_ranks == rank */
+                owned =
+                    n_expert / (uint64_t)n_ranks + ((uint64_t)rank < n_expert % (uint64_t)n_ranks);
+            mine += owned * per;
+            total += t[k]->n_bytes;
+        }
+    }
+    if (all) *all = total;
+    return mine;
+}
+
 #ifdef MOE_MPI
 #include <mpi.h>
 

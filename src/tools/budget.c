@@ -267,11 +267,17 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
             if (k != MOE_ROLE_ROUTED_EXPERTS && (k != MOE_PART_VISION || c->vision))
                 dev[k] = m->weights[k];
         /* rows of every expert matrix, split as evenly as rows allow: device d gets
-         * rows/n, plus one of the remainder when d < rows % n */
+         * rows/n, plus one of the remainder when d < rows % n; or whole experts, expert e on
+         * device e % n: slices/n of them, plus one when d < slices % n */
         for (size_t i = 0; i < m->n_sharded; i++) {
             const moe_budget_sharded *s = &m->sharded[i];
-            uint64_t rows = s->rows / n + (d < s->rows % n);
-            dev[MOE_ROLE_ROUTED_EXPERTS] += rows * s->slices * s->row_bytes;
+            if (c->split_experts) {
+                const uint64_t slices = s->slices / n + (d < s->slices % n);
+                dev[MOE_ROLE_ROUTED_EXPERTS] += slices * s->rows * s->row_bytes;
+            } else {
+                const uint64_t rows = s->rows / n + (d < s->rows % n);
+                dev[MOE_ROLE_ROUTED_EXPERTS] += rows * s->slices * s->row_bytes;
+            }
         }
         if (c->expert_cache && dev[MOE_ROLE_ROUTED_EXPERTS] > c->expert_cache)
             dev[MOE_ROLE_ROUTED_EXPERTS] = c->expert_cache; /* the rest stays in the file */

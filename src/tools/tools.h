@@ -106,8 +106,8 @@ void moe_inspect_report_free(moe_inspect_report *r);
  *
  * Weights by part come from the tensor directory; the KV cache, recurrent state and scratch
  * from the architecture's metadata. Routed experts are sharded across devices as rows of every
- * expert matrix; everything else (attention, shared experts, embeddings, KV cache, state,
- * scratch) is held whole by every device. */
+ * expert matrix, or as whole experts (split_experts); everything else (attention, shared experts,
+ * embeddings, KV cache, state, scratch) is held whole by every device. */
 
 typedef enum moe_budget_part {
     /* the first MOE_ROLE_COUNT parts are the tensor roles, in moe_role order */
@@ -164,6 +164,9 @@ typedef struct moe_budget_config {
     moe_type kv_type;        /* F16, F32 or Q8_0 */
     bool vision;             /* count the vision tower */
     uint64_t expert_cache;   /* --expert-cache: routed experts resident at most (0: all) */
+    bool split_experts;      /* --split experts: whole experts per device (expert e on device e % N,
+                              * as `mpirun -np N moe ... --split experts` runs them); false: rows of
+                              * every expert matrix split N ways (--split rows) */
 } moe_budget_config;
 
 #define MOE_BUDGET_MAX_DEVICES  4096
