@@ -3,7 +3,8 @@
  * test-mpi` builds it) against one rank of the default build, on every MoE parity model in
  * ../shared: logits within 1e-6 of max|logit| and the same argmax per row, that argmax equal to
  * llama.cpp's greedy tokens (the fixture's), and the ranks' shares of the experts adding up to
- * the one-rank count (so the split is real). Without mpirun or an MPI build the MPI tests skip
+ * the one-rank count (so the split is real), each rank's routed-expert bytes those `moe budget
+ * --devices K --split experts` plans. Without mpirun or an MPI build the MPI tests skip
  * with a message, even under CI=true: MPI is optional. The argument errors need no MPI. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,11 +64,45 @@ static size_t argmax(const float *row, size_t n) {
 }
 
 /* Run a command; fail the test with its output when it exits non-zero. Returns the output. */
-static char *run_ok(const char *cmd) {
+__attribute__((noinline)) static char *run_ok(const char *cmd) {
     char *out = NULL;
     const int rc = moe_test_run(cmd, &out);
     if (rc != 0) fail_msg("%s exited %d:\n%s", cmd, rc, out);
     return out;
+}
+
+/* `moe budget --devices k --split experts`'s routed-expert bytes per device into want[k]. */
+static void budget_routed(const char *model, int k, long long *want) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "%s budget %s --devices %d --split experts --mem-per-device 64 --json 2>/dev/null",
+             moe_test_bin(), model, k);
+    char *out = run_ok(cmd);
+    json_error_t jerr;
+    json_t *root = json_loads(out, 0, &jerr);
+    if (!root) fail_msg("%s: %s in:\n%s", cmd, jerr.text, out);
+    json_t *devices =
+        json_object_get(json_array_get(json_object_get(root, "models"), 0), "devices");
+    assert_int_equal(json_array_size(devices), k);
+    for (int d = 0; d < k; d++)
+        want[d] = (long long)json_integer_value(json_object_get(
+            json_object_get(json_array_get(devices, (size_t)d), "parts"), "routed_experts"));
+    json_decref(root);
+    free(out);
+}
+
+/* Each rank's "holds H of A bytes of routed experts" equals the budget's device H. */
+static void check_held(const char *out, int k, const long long *want, const char *name) {
+    for (int r = 0; r < k; r++) {
+        char key[64];
+        snprintf(key, sizeof key, "moe logits: rank %d of %d ran", r, k);
+        const char *p = strstr(out, key), *h = p ? strstr(p, "holds ") : NULL;
+        long long held = -1;
+        if (!h || sscanf(h, "holds %lld of", &held) != 1 || held != want[r])
+            fail_msg("%s -np %d: rank %d holds %lld bytes of routed experts, the budget says %lld:"
+                     "\n%s",
+                     name, k, r, held, want[r], out);
+    }
 }
 
 /* The experts each rank reports running ("rank R of K ran E experts"), summed; -1 unless every
@@ -97,11 +132,14 @@ static double check_split(const char *bin, const char *model, const char *tokens
     snprintf(out_path, sizeof out_path, "%s/%s.np%d.f32", moe_test_tmpdir(), name, k);
     snprintf(cmd, sizeof cmd, MPIRUN " %d %s logits %s --tokens %s --split experts --out %s 2>&1",
              k, bin, model, tokens, out_path);
+    long long want[8];
+    budget_routed(model, k, want);
     char *out = run_ok(cmd);
     const long long shares = experts_ran(out, k);
     if (shares != one_rank_experts)
         fail_msg("%s -np %d: the ranks' expert shares add to %lld, one rank ran %lld:\n%s", name, k,
                  shares, one_rank_experts, out);
+    check_held(out, k, want, name);
     free(out);
     size_t n;
     float *got = read_f32(out_path, &n);

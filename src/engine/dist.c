@@ -35,6 +35,10 @@ uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, i
             mine += owned * per;
             total += t[k]->n_bytes;
         }
+        const moe_tensor *whole[4] = {l->experts.gate_b, l->experts.up_b, l->experts.down_b,
+                                      l->experts.down_scale}; /* every rank holds them whole */
+        for (int k = 0; k < 4; k++)
+            if (whole[k]) mine += whole[k]->n_bytes, total += whole[k]->n_bytes;
     }
     if (all) *all = total;
     return mine;

@@ -232,8 +232,10 @@ int moe_dist_size(void);       /* 1 before init */
 void moe_dist_sum(float *buf, size_t n);
 void moe_dist_bcast(void *buf, size_t bytes); /* rank 0's bytes to every rank */
 const char *moe_dist_describe(void);          /* the MPI library, for --version */
-/* Bytes of routed-expert weights rank `rank` of n_ranks holds under `split` (MOE_SPLIT_NONE: all
- * of them); *all (when not NULL) gets every rank's together. What `moe budget --split` predicts. */
+/* Bytes of routed-expert weights rank `rank` of n_ranks holds under `split`: its share of the
+ * stacked matrices (MOE_SPLIT_NONE: all of them) and every expert's biases and scales, which
+ * every rank holds whole; *all (when not NULL) gets the model's. What `moe budget --split`
+ * predicts for a device. */
 uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, int n_ranks,
                                 uint64_t *all);
 

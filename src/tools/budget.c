@@ -86,6 +86,7 @@ static void add_tensor(moe_budget_model *m, const moe_tensor *t, bool vision) {
         .rows = t->n_dims >= 2 ? (uint64_t)t->ne[1] : 1,
         .slices = (uint64_t)t->ne[2] * (uint64_t)t->ne[3],
         .row_bytes = moe_type_row_bytes(t->type, t->ne[0]),
+        .per_expert = t->n_dims < 3,
     };
     m->sharded = moe_xrealloc(m->sharded, (m->n_sharded + 1) * sizeof *m->sharded);
     m->sharded[m->n_sharded++] = s;
@@ -271,7 +272,9 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
          * device e % n: slices/n of them, plus one when d < slices % n */
         for (size_t i = 0; i < m->n_sharded; i++) {
             const moe_budget_sharded *s = &m->sharded[i];
-            if (c->split_experts) {
+            if (c->split_experts && s->per_expert) {
+                dev[MOE_ROLE_ROUTED_EXPERTS] += s->slices * s->rows * s->row_bytes;
+            } else if (c->split_experts) {
                 const uint64_t slices = s->slices / n + (d < s->slices % n);
                 dev[MOE_ROLE_ROUTED_EXPERTS] += slices * s->rows * s->row_bytes;
             } else {

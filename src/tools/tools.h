@@ -126,6 +126,9 @@ typedef struct moe_budget_sharded {
     uint64_t rows;      /* rows per expert (ne[1]) */
     uint64_t slices;    /* experts (ne[2] * ne[3]) */
     uint64_t row_bytes; /* bytes of one row */
+    bool per_expert;    /* an expert's bias or scale (fewer than 3 dims, not a stacked matrix):
+                         * whole experts (split_experts) keep it on every device, as the engine
+                         * does */
 } moe_budget_sharded;
 
 typedef struct moe_budget_model {
