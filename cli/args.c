@@ -143,8 +143,9 @@ int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **
         }
         *(flag[2] == 'e' ? &a->expert_stats : &a->pin_experts) = v;
     } else if (strcmp(flag, "--split") == 0) {
-        if (strcmp(cmd, "run") != 0 && strcmp(cmd, "logits") != 0) {
-            moe_cli_usage_error(cmd, "--split is not supported by moe %s yet (run, logits)", cmd);
+        if (strcmp(cmd, "run") != 0 && strcmp(cmd, "logits") != 0 && strcmp(cmd, "bench") != 0) {
+            moe_cli_usage_error(cmd, "--split is not supported by moe %s yet (run, logits, bench)",
+                                cmd);
             return -1;
         }
         if (!v || (strcmp(v, "experts") != 0 && strcmp(v, "none") != 0)) {

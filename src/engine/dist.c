@@ -49,7 +49,8 @@ uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, i
 
 static bool dist_started; /* we called MPI_Init_thread (and owe MPI_Finalize) */
 static int dist_rank, dist_size = 1;
-static float *gather_buf; /* [size][gather_cap] floats: the partials rank 0 adds in rank order */
+static moe_dist_times times; /* of moe_dist_sum, since the start */
+static float *gather_buf;    /* [size][gather_cap] floats: the partials rank 0 adds in rank order */
 static size_t gather_cap;
 
 bool moe_dist_built(void) {
@@ -99,6 +100,10 @@ int moe_dist_size(void) {
 void moe_dist_sum(float *buf, size_t n) {
     if (dist_size <= 1 || n == 0) return;
     MOE_CHECK(n <= (size_t)INT32_MAX);
+    /* the barrier splits the time into waiting for the slowest rank and the reduction itself */
+    const double t0 = moe_now();
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t1 = moe_now();
     if (dist_rank == 0 && n > gather_cap) { /* grows to the largest step once, then stays */
         free(gather_buf);
         gather_buf = moe_xmalloc(sizeof(float) * n * (size_t)dist_size);
@@ -112,12 +117,20 @@ void moe_dist_sum(float *buf, size_t n) {
             for (size_t i = 0; i < n; i++) buf[i] += p[i];
         }
     MPI_Bcast(buf, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    times.wait_seconds += t1 - t0;
+    times.reduce_seconds += moe_now() - t1;
+    times.sums++;
+    times.bytes += sizeof(float) * n;
 }
 
 void moe_dist_bcast(void *buf, size_t bytes) {
     if (dist_size <= 1 || bytes == 0) return;
     MOE_CHECK(bytes <= (size_t)INT32_MAX);
     MPI_Bcast(buf, (int)bytes, MPI_BYTE, 0, MPI_COMM_WORLD);
+}
+
+moe_dist_times moe_dist_timing(void) {
+    return times;
 }
 
 const char *moe_dist_describe(void) {
@@ -155,6 +168,9 @@ void moe_dist_sum(float *buf, size_t n) {
 }
 void moe_dist_bcast(void *buf, size_t bytes) {
     (void)buf, (void)bytes;
+}
+moe_dist_times moe_dist_timing(void) {
+    return (moe_dist_times){0};
 }
 const char *moe_dist_describe(void) {
     return "none (make MPI=1 to build with Open MPI)";

@@ -231,7 +231,13 @@ int moe_dist_size(void);       /* 1 before init */
  * broadcast: every rank gets the same bits, whatever the timing. */
 void moe_dist_sum(float *buf, size_t n);
 void moe_dist_bcast(void *buf, size_t bytes); /* rank 0's bytes to every rank */
-const char *moe_dist_describe(void);          /* the MPI library, for --version */
+typedef struct moe_dist_times {
+    double wait_seconds;   /* in moe_dist_sum, waiting for the slowest rank to arrive */
+    double reduce_seconds; /* in moe_dist_sum, moving and adding the partials */
+    uint64_t sums, bytes;  /* moe_dist_sum calls, and the bytes of their buffers */
+} moe_dist_times;
+moe_dist_times moe_dist_timing(void); /* cumulative since the start */
+const char *moe_dist_describe(void);  /* the MPI library, for --version */
 /* Bytes of routed-expert weights rank `rank` of n_ranks holds under `split`: its share of the
  * stacked matrices (MOE_SPLIT_NONE: all of them) and every expert's biases and scales, which
  * every rank holds whole; *all (when not NULL) gets the model's. What `moe budget --split`

@@ -390,6 +390,7 @@ typedef struct moe_bench_params {
     moe_type kv_type;            /* KV cache elements (default F16, as llama-bench) */
     uint64_t expert_cache_bytes; /* routed experts read on demand into a cache (0: resident) */
     size_t probe_bytes;          /* bandwidth probe buffer */
+    moe_split split;             /* across the ranks of an mpirun job (--split experts) */
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
@@ -424,8 +425,12 @@ typedef struct moe_bench_result {
     /* with --expert-cache: the cache over the decode test, and the disk it reads from */
     moe_expert_cache_stats tg_cache; /* counters of the tg test's steps (warm-up included) */
     double tg_cache_tokens;          /* tokens those steps made */
-    double disk_mib_s;               /* sequential read of the model file (its own probe) */
-    bool disk_direct;                /* ... with O_DIRECT (else through the page cache) */
+    /* under mpirun with a split: the decode test's time split (warm-up included) */
+    int ranks;              /* 1: alone */
+    double tg_seconds;      /* the decode test's steps, in all */
+    moe_dist_times tg_dist; /* of those, in the ranks' reductions */
+    double disk_mib_s;      /* sequential read of the model file (its own probe) */
+    bool disk_direct;       /* ... with O_DIRECT (else through the page cache) */
 } moe_bench_result;
 
 /* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */
