@@ -12,13 +12,13 @@
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] "
-     "[--spec ngram|mtp|none] [--draft N] [--expert-cache SIZE] ..."},
+     "[--spec ngram|mtp|none] [--draft N] [--expert-cache SIZE] [--split experts] ..."},
     {"chat", moe_cmd_chat, "chat with a model in the terminal",
      "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "
      "options]"},
     {"logits", moe_cmd_logits, "write the logits of every position of a token-id prompt",
      "MODEL --tokens ID,ID,... [--mtp] [--out FILE.f32] [--kv-type f32|f16] [-t N] [--ctx N] "
-     "[--expert-cache SIZE]"},
+     "[--expert-cache SIZE] [--split experts]"},
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
      "FILE|SHARD|URL|DIR|F.safetensors [--json | --formats]"},
@@ -71,7 +71,8 @@ static const moe_command commands[] = {
     {"bench", moe_cmd_bench,
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
-     "        [--kv-type f16|f32] [--mmap] [--expert-cache SIZE] [--csv | --json]"},
+     "        [--kv-type f16|f32] [--mmap] [--expert-cache SIZE] [--split experts] [--csv | "
+     "--json]"},
     {"eval", moe_cmd_eval,
      "score labelled records by label probability, compare two runs, KL against a reference",
      "labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] [--json]\n"

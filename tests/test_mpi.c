@@ -186,10 +186,7 @@ static void parity_models_split_experts(void **state) {
     const char *index = moe_test_shared("parity/INDEX.json");
     MOE_SKIP_IF_NULL(index);
     const char *bin = mpi_bin();
-    if (!bin) {
-        skip();
-        return;
-    }
+    MOE_SKIP_IF_NULL(bin);
     json_error_t jerr;
     json_t *root = json_load_file(index, 0, &jerr);
     if (!root) fail_msg("%s: %s", index, jerr.text);
@@ -246,10 +243,7 @@ static void parity_models_split_experts(void **state) {
 static void many_experts_per_token(void **state) {
     (void)state;
     const char *bin = mpi_bin();
-    if (!bin) {
-        skip();
-        return;
-    }
+    MOE_SKIP_IF_NULL(bin);
     const char *model = moe_test_synth(
         "mpi8of32.gguf", "--arch qwen3moe --layers 4 --embd 256 --heads 4 --heads-kv 2 --head-dim "
                          "64 --experts 32 --experts-used 8 --expert-ff 128 --vocab 512 --seed 7");
@@ -272,10 +266,7 @@ static void run_greedy_tokens(void **state) {
     const char *model = moe_test_shared("parity/qwen3moe-mixed.gguf");
     MOE_SKIP_IF_NULL(model);
     const char *bin = mpi_bin();
-    if (!bin) {
-        skip();
-        return;
-    }
+    MOE_SKIP_IF_NULL(bin);
     const char *args = "--tokens 1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426 "
                        "-n 16 --temp 0 --print-ids";
     char cmd[1024];
@@ -300,7 +291,8 @@ static void split_argument_errors(void **state) {
     } cases[] = {
         {"logits x.gguf --tokens 1 --split rows", "--split expects experts or none, got 'rows'"},
         {"logits x.gguf --tokens 1 --split", "--split expects experts or none"},
-        {"bench x.gguf --split experts", "--split is not supported by moe bench yet"},
+        {"chat x.gguf --split experts", "--split is not supported by moe chat yet"},
+        {"serve x.gguf --split experts", "--split is not supported by moe serve yet"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char cmd[512], *out = NULL;
