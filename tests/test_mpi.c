@@ -318,12 +318,32 @@ static void split_argument_errors(void **state) {
     free(out);
 }
 
+/* One rank fails (its model file is missing) while the other waits for it in a collective: the
+ * job ends with the failing rank's message instead of hanging (`timeout` only guards the suite
+ * against a hang; it asserts nothing about speed). */
+static void failing_rank_ends_job(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("parity/qwen3moe-mixed.gguf");
+    MOE_SKIP_IF_NULL(model);
+    const char *bin = mpi_bin();
+    MOE_SKIP_IF_NULL(bin);
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "timeout 300 " MPIRUN " 2 sh -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then exec %s "
+             "logits %s/missing.gguf --tokens 1,2 --split experts; else exec %s logits %s --tokens "
+             "1,2 --split experts; fi'",
+             bin, moe_test_tmpdir(), bin, model);
+    const int rc = moe_test_run(cmd, &out);
+    if (rc == 0 || rc == 124 || !strstr(out, "rank 1 failed: ending every rank of the job"))
+        fail_msg("%s: exit %d, expected a failure naming rank 1 in:\n%s", cmd, rc, out);
+    free(out);
+}
+
 int moe_suite_mpi(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(split_argument_errors),
-        cmocka_unit_test(parity_models_split_experts),
-        cmocka_unit_test(many_experts_per_token),
-        cmocka_unit_test(run_greedy_tokens),
+        cmocka_unit_test(split_argument_errors),  cmocka_unit_test(parity_models_split_experts),
+        cmocka_unit_test(many_experts_per_token), cmocka_unit_test(run_greedy_tokens),
+        cmocka_unit_test(failing_rank_ends_job),
     };
     return cmocka_run_group_tests_name("mpi", tests, NULL, NULL);
 }
