@@ -63,16 +63,27 @@ void serve_metrics_write(serve_metrics *m, moe_strbuf *o) {
             (unsigned long long)m->prompt_tokens);
     COUNTER("moe_generated_tokens_total", "Tokens generated.", "%llu",
             (unsigned long long)m->generated_tokens);
-    COUNTER("moe_prefix_cache_hits_total", "Requests that reused a resident prefix.", "%llu",
-            (unsigned long long)m->prefix_hits);
-    COUNTER("moe_prefix_cache_tokens_total", "Prompt tokens reused instead of recomputed.", "%llu",
-            (unsigned long long)m->cached_tokens);
+    serve_metrics_write_prefix_cache(m, o);
     COUNTER("moe_requests_cancelled_total", "Requests cancelled (client gone, timeout).", "%llu",
             (unsigned long long)m->cancelled);
     COUNTER("moe_requests_rejected_queue_full_total", "429 replies: the queue was full.", "%llu",
             (unsigned long long)m->rejected_queue_full);
     COUNTER("moe_requests_rejected_timeout_total", "503 replies: waited past the timeout.", "%llu",
             (unsigned long long)m->rejected_timeout);
+    const moe_expert_cache_stats *ec = &m->expert_cache;
+    if (ec->slots) {
+        GAUGE("moe_expert_cache_slots", "Experts the --expert-cache holds.", "%u", ec->slots);
+        COUNTER("moe_expert_cache_hits_total", "Experts a step found resident.", "%llu",
+                (unsigned long long)ec->hits);
+        COUNTER("moe_expert_cache_misses_total", "Experts a step had to read from the file.",
+                "%llu", (unsigned long long)ec->misses);
+        COUNTER("moe_expert_cache_read_ahead_total", "Experts read ahead of the step needing them.",
+                "%llu", (unsigned long long)ec->read_ahead);
+        COUNTER("moe_expert_cache_read_bytes_total", "Bytes of experts read from the model file.",
+                "%llu", (unsigned long long)ec->bytes_read);
+        COUNTER("moe_expert_cache_stall_seconds_total", "Time steps waited for expert reads.",
+                "%.6f", ec->read_seconds);
+    }
     COUNTER("moe_prefill_seconds_total", "Forward time spent on prompt rows.", "%.6f",
             m->prefill_seconds);
     COUNTER("moe_decode_seconds_total", "Forward time spent on decode rows.", "%.6f",

@@ -7,7 +7,8 @@
 //         --step-delay 20 --keepalive 0.01 (no key), where a stream stays open long enough to
 //         be interfered with and keep-alives come between tokens;
 // --hybrid: a server on ../shared/parity/qwen3next-f32 (linear-attention hybrid) with
-//         --parallel 2 --cache-slots 4, fresh when hybrid_reuse starts.
+//         --parallel 2 --cache-slots 4 --expert-cache 100K (5 of its 16 experts resident),
+//         fresh when hybrid_reuse starts.
 // --think: instead of the cases above, the reasoning ones, on a server with GLM-5.3-Flash's
 //         template (no enable_thinking switch) and --reasoning-budget 10 (no key).
 // No CASE: every case, in order. Prints "ok CASE" per passing case and "FAIL CASE: reason"
