@@ -260,13 +260,18 @@ static void many_experts_per_token(void **state) {
     free(base);
 }
 
+/* The qwen3moe parity model, and the MPI build in *bin; NULL (the test skipped) without either. */
+static const char *qwen3moe_and_bin(const char **bin) {
+    const char *model = moe_test_shared("parity/qwen3moe-mixed.gguf");
+    *bin = model ? mpi_bin() : NULL;
+    return *bin ? model : NULL;
+}
+
 /* `moe run` greedy under -np 2 and -np 4 prints the same tokens as one rank. */
 static void run_greedy_tokens(void **state) {
     (void)state;
-    const char *model = moe_test_shared("parity/qwen3moe-mixed.gguf");
+    const char *bin, *model = qwen3moe_and_bin(&bin);
     MOE_SKIP_IF_NULL(model);
-    const char *bin = mpi_bin();
-    MOE_SKIP_IF_NULL(bin);
     const char *args = "--tokens 1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426 "
                        "-n 16 --temp 0 --print-ids";
     char cmd[1024];
@@ -283,6 +288,16 @@ static void run_greedy_tokens(void **state) {
     free(want);
 }
 
+/* `moe ARGS` exits 2 with `expect` in its output. */
+static void expect_usage_error(const char *args, const char *expect) {
+    char cmd[512], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s %s 2>&1", moe_test_bin(), args);
+    const int rc = moe_test_run(cmd, &out);
+    if (rc != 2 || !strstr(out, expect))
+        fail_msg("%s: exit %d, expected 2 and '%s' in:\n%s", cmd, rc, expect, out);
+    free(out);
+}
+
 /* Wrong uses of --split say what is wrong (the default build has no MPI). */
 static void split_argument_errors(void **state) {
     (void)state;
@@ -294,27 +309,13 @@ static void split_argument_errors(void **state) {
         {"chat x.gguf --split experts", "--split is not supported by moe chat yet"},
         {"serve x.gguf --split experts", "--split is not supported by moe serve yet"},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char cmd[512], *out = NULL;
-        snprintf(cmd, sizeof cmd, "%s %s 2>&1", moe_test_bin(), cases[i].args);
-        const int rc = moe_test_run(cmd, &out);
-        if (rc != 2 || !strstr(out, cases[i].expect))
-            fail_msg("%s: exit %d, expected 2 and '%s' in:\n%s", cmd, rc, cases[i].expect, out);
-        free(out);
-    }
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        expect_usage_error(cases[i].args, cases[i].expect);
     /* the default build: --split needs MPI, and says how to get it */
     char cmd[512], *out = NULL;
-    snprintf(cmd, sizeof cmd, "%s --version", moe_test_bin());
-    free(run_ok(cmd));
     snprintf(cmd, sizeof cmd, "%s --version | grep -q 'mpi: none'", moe_test_bin());
-    if (moe_test_run(cmd, &out) == 0) {
-        free(out);
-        snprintf(cmd, sizeof cmd, "%s logits x.gguf --tokens 1 --split experts 2>&1",
-                 moe_test_bin());
-        const int rc = moe_test_run(cmd, &out);
-        if (rc != 2 || !strstr(out, "make MPI=1"))
-            fail_msg("%s: exit %d, expected 2 and 'make MPI=1' in:\n%s", cmd, rc, out);
-    }
+    if (moe_test_run(cmd, &out) == 0)
+        expect_usage_error("logits x.gguf --tokens 1 --split experts", "make MPI=1");
     free(out);
 }
 
@@ -323,10 +324,8 @@ static void split_argument_errors(void **state) {
  * against a hang; it asserts nothing about speed). */
 static void failing_rank_ends_job(void **state) {
     (void)state;
-    const char *model = moe_test_shared("parity/qwen3moe-mixed.gguf");
+    const char *bin, *model = qwen3moe_and_bin(&bin);
     MOE_SKIP_IF_NULL(model);
-    const char *bin = mpi_bin();
-    MOE_SKIP_IF_NULL(bin);
     char cmd[2048], *out = NULL;
     snprintf(cmd, sizeof cmd,
              "timeout 300 " MPIRUN " 2 sh -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then exec %s "
