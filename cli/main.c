@@ -39,11 +39,11 @@ static const moe_command commands[] = {
      "FILE|CHECKPOINT TENSOR|W4A16-MODULE [--rows A:B] [--out FILE.f32]"},
     {"synth", moe_cmd_synth,
      "write a GGUF model of a supported architecture with seeded random weights",
-     "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads "
+     "-o FILE [--preset tiny|llama-tiny|glm4moe-tiny|qwen3-30b-a3b|glm53-flash|glm5next-tiny]\n"
+     "        [--arch A] [--layers N] [--embd N] [--heads N] [--heads-kv N] [--head-dim N] [--ff "
      "N]\n"
-     "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff "
-     "N]\n"
-     "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...] [--random-blocks]"},
+     "        [--experts N] [--experts-used N] [--expert-ff N] [--vocab N] [--ctx N] [--seed S]\n"
+     "        [--type 'REGEX=TYPE' ...] [--types ud-iq3_xxs] [--random-blocks] [--header-only]"},
     {"repack", moe_cmd_repack,
      "a QAT bf16 safetensors checkpoint to Q4_0 GGUF or W4A16 with each group's 4-bit step "
      "recovered; --verify checks every group",
@@ -71,8 +71,8 @@ static const moe_command commands[] = {
     {"bench", moe_cmd_bench,
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
-     "        [--kv-type f16|f32] [--mmap] [--expert-cache SIZE] [--split experts] [--csv | "
-     "--json]\n"
+     "        [--depth 1024,4096,16384] [--kv-type f16|f32] [--mmap] [--expert-cache SIZE]\n"
+     "        [--split experts] [--csv | --json]\n"
      "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
      "[--start-cmd CMD] [--svg FILE] [--json]"},
     {"eval", moe_cmd_eval,

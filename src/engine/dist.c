@@ -20,7 +20,7 @@
 uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, int n_ranks,
                                 uint64_t *all) {
     uint64_t mine = 0, total = 0;
-    for (uint32_t il = 0; il < m->cfg.n_layer + m->n_layer_mtp; il++) {
+    for (uint32_t il = 0; il < m->cfg.n_layer; il++) { /* the trunk (MTP layers: the same split) */
         const moe_layer_weights *l = &m->layers[il];
         if (l->plan.ffn != MOE_FFN_EXPERTS) continue;
         const moe_tensor *t[4] = {l->experts.gate, l->experts.up, l->experts.down,

@@ -268,6 +268,11 @@ moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
 moe_status moe_gguf_writer_stream_begin(moe_gguf_writer *w, const char *path, moe_error *err);
 moe_status moe_gguf_writer_stream_tensor(moe_gguf_writer *w, const void *data, moe_error *err);
 moe_status moe_gguf_writer_stream_finish(moe_gguf_writer *w, moe_error *err);
+/* The keys and tensor directory of the file moe_gguf_writer_write would make, at that file's
+ * full size with the tensor data left a hole (a sparse file that reads as zeros): a model's
+ * layout for tools that read only the directory (inspect, budget). Tensors need no data. */
+moe_status moe_gguf_writer_write_header_only(const moe_gguf_writer *w, const char *path,
+                                             moe_error *err);
 /* The keys set so far as a reader sees them: a header without tensors, parsed (the caller
  * closes it). Lets a writer check what it wrote with the same code that will load it. */
 moe_gguf *moe_gguf_writer_read_keys(const moe_gguf_writer *w, moe_error *err);
