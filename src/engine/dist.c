@@ -7,8 +7,9 @@
  * The trap: the sum must not depend on timing or on Open MPI's choice of reduction algorithm,
  * or two runs (and two ranks) could disagree in the last bit. So it is not MPI_Allreduce: every
  * rank's partial goes to rank 0 (MPI_Gather), rank 0 adds them in rank order 0, 1, ..., K-1 and
- * broadcasts the result, so every rank holds the same bits. Only the thread that called
- * moe_dist_init makes MPI calls at a time (MPI_THREAD_SERIALIZED). */
+ * broadcasts the result, so every rank holds the same bits (a barrier first splits the time into
+ * waiting for the slowest rank and the reduction proper, for `moe bench`). Only the thread that
+ * called moe_dist_init makes MPI calls at a time (MPI_THREAD_SERIALIZED). */
 #include "engine.h"
 
 #include <stdio.h>
