@@ -6,6 +6,16 @@
 # built at two levels, see AVX512VNNI_OBJ); everything else is built for the baseline x86-64 so
 # the binary runs anywhere and dispatches at run time.
 
+# MPI=1: the same sources built with Open MPI's mpicc and MOE_MPI (engine/dist.c talks to the
+# other ranks; without it every rank is alone), into their own build folder and binary so the
+# default build never links MPI: `make MPI=1` leaves build/mpi/moe for `mpirun -np K`.
+ifeq ($(MPI),1)
+CC      = mpicc
+BUILD   ?= build/mpi
+MOE_BIN ?= $(BUILD)/moe
+TEST_BIN ?= $(BUILD)/run
+CFLAGS_MPI = -DMOE_MPI
+endif
 CC      ?= cc
 BUILD   ?= build
 OPT     ?= -O2
@@ -14,7 +24,7 @@ SAN     ?=
 MOE_BIN ?= moe
 TEST_BIN ?= tests/run
 CFLAGS  ?= $(OPT) -g
-CFLAGS  += $(SAN) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -Iinclude -MMD -MP -fno-strict-aliasing
+CFLAGS  += $(CFLAGS_MPI) $(SAN) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -Iinclude -MMD -MP -fno-strict-aliasing
 LDLIBS  += -lmicrohttpd -lpcre2-8 -ljansson -lcurl -lm -lpthread
 TEST_LDLIBS = -lcmocka -ljansson
 
@@ -39,7 +49,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan bench fuzz fuzz-jinja fuzz-safetensors fuzz-http format format-check deps \
+.PHONY: all test test-mpi asan bench fuzz fuzz-jinja fuzz-safetensors fuzz-http format format-check deps \
   fixtures clients help clean
 all: $(MOE_BIN)
 
@@ -77,7 +87,19 @@ $(TEST_BIN): $(TEST_OBJ) $(LIB)
 
 ## test: build and run every test suite (cmocka); SUITE=name runs one
 test: $(MOE_BIN) $(TEST_BIN)
+	@# an MPI build made before (make test-mpi) is brought up to date, so the mpi suite tests these sources
+	@if [ -x build/mpi/moe ] && command -v mpicc >/dev/null; then $(MPI_MAKE) >/dev/null; fi
 	MOE_BIN=./$(MOE_BIN) ./$(TEST_BIN) $(if $(SUITE),--suite $(SUITE))
+
+## test-mpi: build build/mpi/moe (MPI=1) and run the mpi suite: `mpirun -np 2` and `-np 4` with
+## --split experts against one rank on every MoE parity model (skips without mpirun)
+# (named in full: a caller's BUILD / SAN must not leak into the MPI build)
+MPI_MAKE = $(MAKE) MPI=1 BUILD=build/mpi MOE_BIN=build/mpi/moe TEST_BIN=build/mpi/run SAN= OPT=-O2 \
+  build/mpi/moe
+test-mpi: $(MOE_BIN) $(TEST_BIN)
+	@if command -v mpicc >/dev/null; then $(MPI_MAKE); \
+	  else echo "test-mpi: no mpicc (Debian libopenmpi-dev): the mpi suite will skip"; fi
+	MOE_BIN=./$(MOE_BIN) MOE_MPI_BIN=build/mpi/moe ./$(TEST_BIN) --suite mpi
 
 ## asan: the whole suite under AddressSanitizer + UndefinedBehaviorSanitizer
 asan:
@@ -162,10 +184,11 @@ format-check:
 ## deps: install the Debian packages the build and tests need (run as root)
 # python3-numpy: the safetensors / repack suites' reference checks (tests/qat_checkpoint.py)
 # nginx: the HTTP server with range support the audit suite serves models from on loopback;
+# libopenmpi-dev, openmpi-bin: `make MPI=1` (mpicc) and the mpi suite's mpirun;
 # chromium: the headless browser it renders `moe budget --svg` in; python3-numpy: tests/quant_sources.py
 # regenerates the rows ggml quantized into ../shared/quant
 DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
-  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 python3-numpy nginx chromium
+  libcurl4-openssl-dev libmicrohttpd-dev libopenmpi-dev openmpi-bin python3 python3-jinja2 python3-numpy nginx chromium
 # Node.js + npm (the SDK clients, the npm tokenizers) only when absent: a machine with a newer
 # Node (nodesource's, which bundles npm) must not get Debian's npm, which would downgrade it.
 deps:

@@ -249,6 +249,8 @@ void moe_cli_options_print(FILE *out, const moe_cli_option *table, size_t n, con
 /* ==== The engine options ==== */
 
 #define ENGINE(field) MOE_OPT_FIELD(moe_engine_args, field)
+static const char *const split_kinds[] = {
+    [MOE_SPLIT_NONE] = "none", [MOE_SPLIT_EXPERTS] = "experts", NULL};
 static const moe_cli_option engine_options[] = {
     {"--ctx", NULL, "N", "positions per sequence (default: the model's, capped)", MOE_OPT_INT,
      ENGINE(n_ctx), 1, 1 << 24, NULL},
@@ -263,6 +265,9 @@ static const moe_cli_option engine_options[] = {
      MOE_OPT_STRING, ENGINE(expert_stats), 0, 0, NULL},
     {"--pin-experts", NULL, "FILE", "experts always resident, one \"LAYER EXPERT\" per line",
      MOE_OPT_STRING, ENGINE(pin_experts), 0, 0, NULL},
+    {"--split", NULL, "none|experts",
+     "under mpirun: share the routed experts among the ranks (run, logits, bench)", MOE_OPT_CHOICE,
+     ENGINE(split), 0, 0, split_kinds},
 };
 #undef ENGINE
 #define N_ENGINE_OPTIONS (sizeof engine_options / sizeof engine_options[0])
@@ -288,6 +293,24 @@ bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char
 }
 
 bool moe_engine_args_check(const char *cmd, const moe_engine_args *a) {
+    if (a->split != MOE_SPLIT_NONE && strcmp(cmd, "run") != 0 && strcmp(cmd, "logits") != 0 &&
+        strcmp(cmd, "bench") != 0) {
+        moe_cli_usage_error(cmd, "--split is not supported by moe %s yet (run, logits, bench)",
+                            cmd);
+        return false;
+    }
+    if (a->split != MOE_SPLIT_NONE) {
+        /* MPI starts here, before any output: rank 0 owns stdout, the others' goes nowhere */
+        moe_error err = {0};
+        if (moe_dist_init(&err) != MOE_OK) {
+            moe_cli_usage_error(cmd, "--split: %s", err.msg);
+            return false;
+        }
+        if (moe_dist_rank() != 0 && !freopen("/dev/null", "w", stdout)) {
+            fprintf(stderr, "moe %s: rank %d: cannot silence stdout\n", cmd, moe_dist_rank());
+            return false;
+        }
+    }
     if ((a->expert_stats || a->pin_experts) && !a->expert_cache_bytes) {
         moe_cli_usage_error(cmd, "%s needs --expert-cache SIZE",
                             a->expert_stats ? "--expert-stats" : "--pin-experts");

@@ -136,7 +136,10 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
                 human(dev0, a, sizeof a));
         if (c->devices > 1) fprintf(out, " %14s", human(all, b, sizeof b));
         if (k == MOE_ROLE_ROUTED_EXPERTS && c->devices > 1)
-            fprintf(out, "  (rows of every expert matrix split %u ways)", c->devices);
+            fprintf(out,
+                    c->split_experts ? "  (whole experts: expert e on device e %% %u)"
+                                     : "  (rows of every expert matrix split %u ways)",
+                    c->devices);
         if (k == MOE_PART_VISION && !c->vision) fprintf(out, "  (left out: --no-vision)");
         fputc('\n', out);
     }
@@ -207,6 +210,7 @@ static void print_json(FILE *out, const moe_budget_model *const *m, const moe_bu
     moe_json_key(&j, "config");
     moe_json_object_begin(&j);
     moe_json_kv_uint(&j, "devices", c->devices);
+    moe_json_kv_string(&j, "split", c->split_experts ? "experts" : "rows");
     moe_json_kv_uint(&j, "mem_per_device", c->mem_per_device);
     moe_json_kv_uint(&j, "ctx", c->ctx);
     moe_json_kv_uint(&j, "streams", c->streams);
@@ -322,6 +326,12 @@ int moe_cmd_budget(int argc, char **argv) {
             i++;
         } else if (!strcmp(a, "--expert-cache")) {
             if (!moe_arg_size("budget", a, v, &c.expert_cache)) return 2;
+            i++;
+        } else if (!strcmp(a, "--split")) {
+            if (!v || (strcmp(v, "rows") != 0 && strcmp(v, "experts") != 0))
+                return moe_cli_usage_error("budget", "--split expects rows or experts, got '%s'",
+                                           v ? v : "(nothing)");
+            c.split_experts = v[0] == 'e';
             i++;
         } else if (!strcmp(a, "--svg")) {
             if (!v) return moe_cli_usage_error("budget", "--svg needs a file name");

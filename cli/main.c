@@ -9,6 +9,7 @@
 #include "moe.h"
 #include "args.h"
 #include "cli.h"
+#include "../src/engine/engine.h"
 #include "../src/quant/quant.h"
 
 /* The engine options (--ctx, -t, --kv-type, --expert-cache...) of logits and bench. */
@@ -20,7 +21,7 @@ static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] "
      "[--spec ngram|mtp|none (default: mtp where the model has an MTP layer)] [--draft N] "
-     "[--expert-cache SIZE] ...",
+     "[--expert-cache SIZE] [--split experts] ...",
      moe_cmd_run_options},
     {"chat", moe_cmd_chat, "chat with a model in the terminal",
      "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "
@@ -33,7 +34,8 @@ static const moe_command commands[] = {
      "FILE|SHARD|URL|DIR|F.safetensors [--json | --formats]", NULL},
     {"budget", moe_cmd_budget,
      "memory per device for a model (or a ladder of builds): fits, largest context and streams",
-     "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
+     "MODEL|URL [MODEL...] [--devices N] [--split rows|experts] [--mem-per-device GiB] [--ctx N] "
+     "[--streams N] "
      "[--kv-type f16|f32|q8_0] [--expert-cache SIZE] [--no-vision] [--ladder] [--json] [--svg "
      "FILE]",
      NULL},
@@ -92,7 +94,7 @@ static const moe_command commands[] = {
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
      "        [--depth 1024,4096,16384] [--verify N] [--accept 0.87,0.66,0.52] [--kv-type "
      "f16|f32]\n"
-     "        [--mmap] [--expert-cache SIZE] [--csv | --json] ...\n"
+     "        [--mmap] [--expert-cache SIZE] [--split experts] [--csv | --json] ...\n"
      "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
      "[--start-cmd CMD] [--svg FILE] [--json]",
      moe_cmd_bench_options},
@@ -220,7 +222,8 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
         char cpu[256];
         moe_cpu_describe(cpu, sizeof cpu);
-        printf("moe %s\nkernels: %s (cpu: %s)\n", moe_version(), moe_kernels_get()->name, cpu);
+        printf("moe %s\nkernels: %s (cpu: %s)\nmpi: %s\n", moe_version(), moe_kernels_get()->name,
+               cpu, moe_dist_describe());
         return 0;
     }
     for (const moe_command *c = commands; c->name; c++) {
@@ -233,7 +236,14 @@ int main(int argc, char **argv) {
             }
             return 0;
         }
-        return c->run(argc - 2, argv + 2);
+        const int rc = c->run(argc - 2, argv + 2);
+        if (rc && moe_dist_size() > 1) { /* the other ranks may be waiting for this one */
+            fprintf(stderr, "moe %s: rank %d failed: ending every rank of the job\n", c->name,
+                    moe_dist_rank());
+            moe_dist_abort(rc);
+        }
+        moe_dist_finalize();
+        return rc;
     }
     const char *names[sizeof commands / sizeof commands[0]];
     size_t n_names = 0;

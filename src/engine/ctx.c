@@ -10,6 +10,7 @@
 #include "engine_internal.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -68,6 +69,10 @@ static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, mo
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
                              "context: KV cache type %s is not supported (f32 or f16)",
                              moe_type_name(out->kv_type));
+    if ((unsigned)out->split >= MOE_SPLIT_COUNT)
+        return moe_error_set(err, MOE_ERR_ARG, "context: split mode %d is not one moe knows",
+                             (int)out->split);
+    if (out->split != MOE_SPLIT_NONE && moe_dist_init(err) != MOE_OK) return err->code;
     if (out->n_seq > MOE_MAX_SEQ || out->max_rows > MOE_MAX_ROWS ||
         out->n_snapshots > 2 * MOE_MAX_SEQ || out->n_verify > MOE_MAX_VERIFY)
         return moe_error_set(err, MOE_ERR_ARG,
@@ -148,6 +153,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         moe_ctx_free(x);
         return NULL;
     }
+    if (params.split != MOE_SPLIT_NONE)
+        x->dist_rows = moe_xcalloc(params.max_rows, sizeof(moe_row));
     x->snaps = moe_xcalloc(params.n_snapshots, sizeof *x->snaps);
     for (uint32_t i = 0; i < params.n_snapshots; i++) x->snaps[i].seq = -1;
     const uint64_t rows = params.max_rows;
@@ -229,6 +236,7 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
 
 void moe_ctx_free(moe_ctx *c) {
     if (!c) return;
+    free(c->dist_rows);
     free(c->seq_len);
     free(c->mtp_len);
     free(c->verify_base);
@@ -455,8 +463,30 @@ static void output_head(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const 
             logits[i] = tanhf(logits[i] * (1.0f / cap)) * cap;
 }
 
+/* Split across ranks: every rank runs rank 0's rows (a rank whose caller asked for a different
+ * number of rows or logits rows would write past its logits buffer: the job ends, named). */
+static const moe_row *dist_rows(moe_ctx *c, const moe_row *rows, uint32_t *n_rows) {
+    if (c->p.split == MOE_SPLIT_NONE || moe_dist_size() <= 1) return rows;
+    uint32_t head[2] = {*n_rows, 0}; /* rows, logits rows */
+    for (uint32_t r = 0; r < *n_rows; r++) head[1] += rows[r].logits;
+    const uint32_t mine[2] = {head[0], head[1]};
+    moe_dist_bcast(head, sizeof head);
+    if (head[0] != mine[0] || head[1] != mine[1] || head[0] > c->p.max_rows) {
+        fprintf(stderr,
+                "moe: rank %d was given %u rows (%u with logits), rank 0 %u (%u): the ranks' "
+                "steps diverged; ending the job\n",
+                moe_dist_rank(), mine[0], mine[1], head[0], head[1]);
+        moe_dist_abort(1);
+        return rows;
+    }
+    if (moe_dist_rank() == 0) memcpy(c->dist_rows, rows, sizeof(moe_row) * head[0]);
+    moe_dist_bcast(c->dist_rows, sizeof(moe_row) * head[0]);
+    return c->dist_rows;
+}
+
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err) {
+    rows = dist_rows(c, rows, &n_rows);
     if (check_rows(c, rows, n_rows, c->seq_len, err) != MOE_OK) return err->code;
     memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;

@@ -22,6 +22,14 @@ typedef struct moe_row {
     bool logits;   /* compute this row's logits */
 } moe_row;
 
+/* How the ranks of an MPI job share the routed experts (engine/dist.c). */
+typedef enum moe_split {
+    MOE_SPLIT_NONE,    /* every rank holds and runs everything (one rank: the only choice) */
+    MOE_SPLIT_EXPERTS, /* rank r runs the routed experts e with e % n_ranks == r; the MoE block's
+                        * partial outputs are summed across ranks in rank order */
+    MOE_SPLIT_COUNT
+} moe_split;
+
 typedef struct moe_ctx_params {
     uint32_t n_ctx;       /* positions per sequence (0: the model's training context, capped) */
     uint32_t n_seq;       /* sequences held at once */
@@ -36,6 +44,8 @@ typedef struct moe_ctx_params {
                                   * hottest experts read at start), or NULL */
     const char *pin_experts;     /* with a cache: experts always resident, listed one per line as
                                   * "LAYER EXPERT", or NULL */
+    moe_split split; /* across the ranks of an MPI job (MOE_SPLIT_NONE: no MPI calls at all);
+                      * every rank must create its context with the same parameters */
 } moe_ctx_params;
 
 /* The expert cache's counters (cumulative; all zero without one). */
@@ -281,5 +291,34 @@ moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token)
 /* log-softmax of one logits row at token: logit - max - log(sum exp(logit_i - max)), summed in
  * double. What `moe eval` scores with; moe_sampler_score rounds the same value to float. */
 double moe_logprob(const float *logits, uint32_t n_vocab, int32_t token);
+
+/* ==== Ranks of an MPI job (dist.c) ====
+ * Built with `make MPI=1` these are Open MPI; otherwise one rank: moe_dist_init fails with a
+ * message saying how to build with MPI, and the rest do nothing. Collectives must be called by
+ * every rank in the same order, from one thread at a time. */
+bool moe_dist_built(void);                /* built with MOE_MPI */
+moe_status moe_dist_init(moe_error *err); /* idempotent; also fine outside mpirun (one rank) */
+void moe_dist_finalize(void);
+void moe_dist_abort(int code); /* end every rank of a job of more than one (so none hangs) */
+int moe_dist_rank(void);       /* 0 before init */
+int moe_dist_size(void);       /* 1 before init */
+/* buf[0..n) = the sum over ranks r = 0, 1, ... of rank r's buf, added in that order on rank 0 and
+ * broadcast: every rank gets the same bits, whatever the timing. */
+void moe_dist_sum(float *buf, size_t n);
+void moe_dist_bcast(void *buf, size_t bytes); /* rank 0's bytes to every rank */
+typedef struct moe_dist_times {
+    double wait_seconds;   /* in moe_dist_sum, waiting for the slowest rank to arrive */
+    double reduce_seconds; /* in moe_dist_sum, moving and adding the partials */
+    uint64_t sums, bytes;  /* moe_dist_sum calls, and the bytes of their buffers */
+} moe_dist_times;
+moe_dist_times moe_dist_timing(void); /* cumulative since the start */
+const char *moe_dist_describe(void);  /* the MPI library, for --version */
+/* Bytes of the trunk's routed-expert weights (NextN / MTP layers, split alike, left out as
+ * `moe budget` counts them apart) rank `rank` of n_ranks holds under `split`: its share of the
+ * stacked matrices (MOE_SPLIT_NONE: all of them) and every expert's biases and scales, which
+ * every rank holds whole; *all (when not NULL) gets the model's. What `moe budget --split`
+ * predicts for a device. */
+uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, int n_ranks,
+                                uint64_t *all);
 
 #endif

@@ -103,18 +103,19 @@ struct moe_ctx {
     uint8_t *k_cache, *v_cache;
     uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
     /* scratch, [max_rows][width] floats each */
-    float *x;          /* [max_rows][max(1, n_hc)][n_embd] the residual stream(s) */
-    float *xn;         /* [max_rows][max(n_embd, n_head * head_dim_v)] a block's normed input */
-    const float *x_in; /* [n_rows][n_embd] the running block's input before its norm (the
-                        * stream's), for blocks that norm it more than one way (Gemma 4's FFN) */
-    float *xn2;        /* [max_rows][n_embd] a second normed input (routed experts with their own
-                        * input norm), NULL when no layer has one */
-    float *y;          /* [max_rows][n_embd] a block's output */
-    float *hidden;     /* [max_rows][n_embd] normed final hidden states of the last call's rows
-                        * (what the MTP head takes) */
-    uint32_t n_hidden; /* rows in hidden */
-    float *mtp_in;     /* [max_rows][2 n_embd] the MTP head's normed [embedding ; hidden] */
-    float *mtp_h;      /* [n_embd] the hidden state a draft chain feeds back */
+    float *x;           /* [max_rows][max(1, n_hc)][n_embd] the residual stream(s) */
+    float *xn;          /* [max_rows][max(n_embd, n_head * head_dim_v)] a block's normed input */
+    const float *x_in;  /* [n_rows][n_embd] the running block's input before its norm (the
+                         * stream's), for blocks that norm it more than one way (Gemma 4's FFN) */
+    float *xn2;         /* [max_rows][n_embd] a second normed input (routed experts with their own
+                         * input norm), NULL when no layer has one */
+    float *y;           /* [max_rows][n_embd] a block's output */
+    moe_row *dist_rows; /* [max_rows] rank 0's rows of the step, with a split (else NULL) */
+    float *hidden;      /* [max_rows][n_embd] normed final hidden states of the last call's rows
+                         * (what the MTP head takes) */
+    uint32_t n_hidden;  /* rows in hidden */
+    float *mtp_in;      /* [max_rows][2 n_embd] the MTP head's normed [embedding ; hidden] */
+    float *mtp_h;       /* [n_embd] the hidden state a draft chain feeds back */
     float *q, *k, *v, *att, *ff_gate, *ff_up;
     float *scores; /* [n_threads][n_ctx] attention scores */
     /* multi-head latent attention scratch (NULL without MLA) */

@@ -110,16 +110,21 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
         .limit = l->plan.clamp_exp,
         .source = c->expert_cache
                       ? moe_expert_cache_source(c->expert_cache, (uint32_t)(l - c->m->layers))
-                      : NULL};
+                      : NULL,
+        .shard = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_rank() : 0,
+        .n_shards = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_size() : 1};
     const float *in = c->xn;
     if (w->in_norm) {
         norm_input(c, w->in_norm, n_rows);
         in = c->xn2;
     }
     memset(c->y, 0, sizeof(float) * n_rows * cfg->n_embd);
-    if (!moe_experts_forward(c->pool, &experts, in, n_rows, c->expert_ids, c->expert_w,
-                             (int)cfg->n_expert_used, c->y, &c->experts, &c->stats))
-        return; /* the cache keeps the read error; the step fails with it */
+    const bool ok = moe_experts_forward(c->pool, &experts, in, n_rows, c->expert_ids, c->expert_w,
+                                        (int)cfg->n_expert_used, c->y, &c->experts, &c->stats);
+    /* split by experts: each rank added only its experts; the ranks' partials are summed in
+     * rank order (even after a failed read, so no rank waits for one that left) */
+    if (c->p.split == MOE_SPLIT_EXPERTS) moe_dist_sum(c->y, (size_t)n_rows * cfg->n_embd);
+    if (!ok) return; /* the cache keeps the read error; the step fails with it */
     moe_rows_post_norm(c, c->y, w->out_norm, n_rows, cfg->n_embd);
     if (w->shared.gate) shared_expert(c, l, n_rows);
     moe_rows_post_norm(c, c->y, l->ffn_post_norm, n_rows, cfg->n_embd);

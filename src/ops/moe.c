@@ -124,7 +124,7 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
         int64_t rows = 0;
         for (; e < n_expert && n_group < max_group; e++) {
             const int64_t n = s->counts[e] - (e ? s->counts[e - 1] : 0);
-            if (n == 0) continue;
+            if (n == 0 || (set->n_shards > 1 && e % set->n_shards != set->shard)) continue;
             if (rows + n > s->max_rows) break; /* the next group starts with e */
             group[n_group++] = (int32_t)e;
             rows += n;

@@ -216,6 +216,8 @@ typedef struct moe_expert_set {
     moe_ffn_act act;
     float limit;                     /* SwiGLU clamp (0: none), see moe_glu */
     const moe_expert_source *source; /* NULL: gate, up and down are resident */
+    int shard, n_shards; /* run only the experts e with e % n_shards == shard, the others adding
+                          * nothing (n_shards <= 1: every expert): one rank's share */
 } moe_expert_set;
 
 /* Buffers for moe_experts_forward, sized by the caller for its largest batch. */

@@ -348,7 +348,8 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                          .max_rows = max_rows,
                          .kv_type = p->kv_type,
                          .n_threads = p->n_threads,
-                         .expert_cache_bytes = p->expert_cache_bytes};
+                         .expert_cache_bytes = p->expert_cache_bytes,
+                         .split = p->split};
     moe_ctx *ctx = moe_ctx_new(m, &cp, err);
     if (!ctx) {
         moe_model_free(m);
@@ -366,7 +367,16 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     if (p->n_prompt > 0) st = run_test(&b, p, (uint32_t)p->n_prompt, 0, 0, &r->pp, NULL, err);
     if (st == MOE_OK && p->n_gen > 0) {
         const moe_expert_cache_stats before = moe_ctx_expert_cache_stats(ctx);
+        const moe_dist_times dist_before = moe_dist_timing();
+        const double t_tg = moe_now();
         st = run_test(&b, p, 0, 1, (uint32_t)p->n_gen, &r->tg, &r->experts_per_token, err);
+        r->tg_seconds = moe_now() - t_tg;
+        r->tg_dist = moe_dist_timing();
+        r->tg_dist.wait_seconds -= dist_before.wait_seconds;
+        r->tg_dist.reduce_seconds -= dist_before.reduce_seconds;
+        r->tg_dist.sums -= dist_before.sums;
+        r->tg_dist.bytes -= dist_before.bytes;
+        r->ranks = moe_dist_size();
         r->active_bytes_per_token = r->tg.bytes_per_token;
         r->tg_cache = moe_ctx_expert_cache_stats(ctx);
         r->tg_cache.hits -= before.hits;

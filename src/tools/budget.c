@@ -91,6 +91,7 @@ static void add_tensor(moe_budget_model *m, const moe_tensor *t, bool vision) {
         .rows = t->n_dims >= 2 ? (uint64_t)t->ne[1] : 1,
         .slices = (uint64_t)t->ne[2] * (uint64_t)t->ne[3],
         .row_bytes = moe_type_row_bytes(t->type, t->ne[0]),
+        .per_expert = t->n_dims < 3,
         .mtp = mtp,
     };
     m->sharded = moe_xrealloc(m->sharded, (m->n_sharded + 1) * sizeof *m->sharded);
@@ -288,11 +289,20 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
                 dev[k] = m->weights[k];
         dev[MOE_PART_MTP] -= m->mtp_sharded_bytes; /* added back by rows below */
         /* rows of every expert matrix, split as evenly as rows allow: device d gets
-         * rows/n, plus one of the remainder when d < rows % n */
+         * rows/n, plus one of the remainder when d < rows % n; or whole experts, expert e on
+         * device e % n: slices/n of them, plus one when d < slices % n */
         for (size_t i = 0; i < m->n_sharded; i++) {
             const moe_budget_sharded *s = &m->sharded[i];
-            uint64_t rows = s->rows / n + (d < s->rows % n);
-            dev[s->mtp ? MOE_PART_MTP : MOE_ROLE_ROUTED_EXPERTS] += rows * s->slices * s->row_bytes;
+            uint64_t *part = &dev[s->mtp ? MOE_PART_MTP : MOE_ROLE_ROUTED_EXPERTS];
+            if (c->split_experts && s->per_expert) {
+                *part += s->slices * s->rows * s->row_bytes;
+            } else if (c->split_experts) {
+                const uint64_t slices = s->slices / n + (d < s->slices % n);
+                *part += slices * s->rows * s->row_bytes;
+            } else {
+                const uint64_t rows = s->rows / n + (d < s->rows % n);
+                *part += rows * s->slices * s->row_bytes;
+            }
         }
         if (c->expert_cache && dev[MOE_ROLE_ROUTED_EXPERTS] > c->expert_cache)
             dev[MOE_ROLE_ROUTED_EXPERTS] = c->expert_cache; /* the rest stays in the file */

@@ -110,8 +110,8 @@ void moe_inspect_report_free(moe_inspect_report *r);
  *
  * Weights by part come from the tensor directory; the KV cache, recurrent state and scratch
  * from the architecture's metadata. Routed experts are sharded across devices as rows of every
- * expert matrix; everything else (attention, shared experts, embeddings, KV cache, state,
- * scratch) is held whole by every device. */
+ * expert matrix, or as whole experts (split_experts); everything else (attention, shared experts,
+ * embeddings, KV cache, state, scratch) is held whole by every device. */
 
 typedef enum moe_budget_part {
     /* the first MOE_ROLE_COUNT parts are the tensor roles (of the trunk), in moe_role order */
@@ -132,6 +132,9 @@ typedef struct moe_budget_sharded {
     uint64_t rows;      /* rows per expert (ne[1]) */
     uint64_t slices;    /* experts (ne[2] * ne[3]) */
     uint64_t row_bytes; /* bytes of one row */
+    bool per_expert;    /* an expert's bias or scale (fewer than 3 dims, not a stacked matrix):
+                         * whole experts (split_experts) keep it on every device, as the engine
+                         * does */
     bool mtp;           /* of a NextN / MTP layer (counted in MOE_PART_MTP) */
 } moe_budget_sharded;
 
@@ -173,6 +176,9 @@ typedef struct moe_budget_config {
     moe_type kv_type;        /* F16, F32 or Q8_0 */
     bool vision;             /* count the vision tower */
     uint64_t expert_cache;   /* --expert-cache: routed experts resident at most (0: all) */
+    bool split_experts;      /* --split experts: whole experts per device (expert e on device e % N,
+                              * as `mpirun -np N moe ... --split experts` runs them); false: rows of
+                              * every expert matrix split N ways (--split rows) */
 } moe_budget_config;
 
 #define MOE_BUDGET_MAX_DEVICES  4096
@@ -433,6 +439,7 @@ typedef struct moe_bench_params {
      * at most the one before); projects decode rates with 1..n_accept drafts */
     double accept[MOE_SPEC_MAX_DRAFT];
     int n_accept;
+    moe_split split; /* across the ranks of an mpirun job (--split experts) */
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
@@ -482,8 +489,12 @@ typedef struct moe_bench_result {
     /* with --expert-cache: the cache over the decode test, and the disk it reads from */
     moe_expert_cache_stats tg_cache; /* counters of the tg test's steps (warm-up included) */
     double tg_cache_tokens;          /* tokens those steps made */
-    double disk_mib_s;               /* sequential read of the model file (its own probe) */
-    bool disk_direct;                /* ... with O_DIRECT (else through the page cache) */
+    /* under mpirun with a split: the decode test's time split (warm-up included) */
+    int ranks;              /* 1: alone */
+    double tg_seconds;      /* the decode test's steps, in all */
+    moe_dist_times tg_dist; /* of those, in the ranks' reductions */
+    double disk_mib_s;      /* sequential read of the model file (its own probe) */
+    bool disk_direct;       /* ... with O_DIRECT (else through the page cache) */
 } moe_bench_result;
 
 /* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, verify steps of 1..4

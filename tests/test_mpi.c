@@ -1,0 +1,348 @@
+/* test_mpi: expert parallelism over Open MPI (engine/dist.c, --split experts). `mpirun -np 2`
+ * and `-np 4` (as root, oversubscribed) of the MPI build (build/mpi/moe, or MOE_MPI_BIN; `make
+ * test-mpi` builds it) against one rank of the default build, on every MoE parity model in
+ * ../shared: logits within 1e-6 of max|logit| and the same argmax per row, that argmax equal to
+ * llama.cpp's greedy tokens (the fixture's), and the ranks' shares of the experts adding up to
+ * the one-rank count (so the split is real), each rank's routed-expert bytes those `moe budget
+ * --devices K --split experts` plans. Without mpirun or an MPI build the MPI tests skip
+ * with a message, even under CI=true: MPI is optional. The argument errors need no MPI. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <jansson.h>
+
+#include "testutil.h"
+
+#define MPIRUN     "mpirun --allow-run-as-root --oversubscribe -np"
+#define REL_TOL    1e-6 /* of max|logit|: the bound for a split run */
+#define MAX_TOKENS 64
+
+/* The MPI build's path, or NULL (with a message) when it or mpirun is missing. */
+static const char *mpi_bin(void) {
+    static char path[512];
+    const char *env = getenv("MOE_MPI_BIN");
+    snprintf(path, sizeof path, "%s", env && *env ? env : "build/mpi/moe");
+    struct stat st;
+    char *out = NULL;
+    if (stat(path, &st) != 0) {
+        print_message("mpi: no MPI build at %s (`make test-mpi` builds it): skipped\n", path);
+        return NULL;
+    }
+    if (moe_test_run("command -v mpirun", &out) != 0) {
+        free(out);
+        print_message("mpi: no mpirun (Debian openmpi-bin): skipped\n");
+        return NULL;
+    }
+    free(out);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "%s --version", path);
+    if (moe_test_run(cmd, &out) != 0 || !strstr(out, "mpi: Open MPI")) {
+        print_message("mpi: %s was not built with MPI=1: skipped\n", path);
+        free(out);
+        return NULL;
+    }
+    free(out);
+    return path;
+}
+
+static float *read_f32(const char *path, size_t *n) {
+    size_t bytes = 0;
+    moe_error err = {0};
+    uint8_t *data = NULL;
+    if (moe_file_read(path, &data, &bytes, &err) != MOE_OK) fail_msg("%s: %s", path, err.msg);
+    *n = bytes / sizeof(float);
+    return (float *)data;
+}
+
+static size_t argmax(const float *row, size_t n) {
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (row[i] > row[best]) best = i;
+    return best;
+}
+
+/* Run a command; fail the test with its output when it exits non-zero. Returns the output. */
+__attribute__((noinline)) static char *run_ok(const char *cmd) {
+    char *out = NULL;
+    const int rc = moe_test_run(cmd, &out);
+    if (rc != 0) fail_msg("%s exited %d:\n%s", cmd, rc, out);
+    return out;
+}
+
+/* `moe budget --devices k --split experts`'s routed-expert bytes per device into want[k]. */
+static void budget_routed(const char *model, int k, long long *want) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "%s budget %s --devices %d --split experts --mem-per-device 64 --json 2>/dev/null",
+             moe_test_bin(), model, k);
+    char *out = run_ok(cmd);
+    json_error_t jerr;
+    json_t *root = json_loads(out, 0, &jerr);
+    if (!root) fail_msg("%s: %s in:\n%s", cmd, jerr.text, out);
+    json_t *devices =
+        json_object_get(json_array_get(json_object_get(root, "models"), 0), "devices");
+    assert_int_equal(json_array_size(devices), k);
+    for (int d = 0; d < k; d++)
+        want[d] = (long long)json_integer_value(json_object_get(
+            json_object_get(json_array_get(devices, (size_t)d), "parts"), "routed_experts"));
+    json_decref(root);
+    free(out);
+}
+
+/* Each rank's "holds H of A bytes of routed experts" equals the budget's device H. */
+static void check_held(const char *out, int k, const long long *want, const char *name) {
+    for (int r = 0; r < k; r++) {
+        char key[64];
+        snprintf(key, sizeof key, "moe logits: rank %d of %d ran", r, k);
+        const char *p = strstr(out, key), *h = p ? strstr(p, "holds ") : NULL;
+        long long held = -1;
+        if (!h || sscanf(h, "holds %lld of", &held) != 1 || held != want[r])
+            fail_msg("%s -np %d: rank %d holds %lld bytes of routed experts, the budget says %lld:"
+                     "\n%s",
+                     name, k, r, held, want[r], out);
+    }
+}
+
+/* The experts each rank reports running ("rank R of K ran E experts"), summed; -1 unless every
+ * rank 0..K-1 reported once. */
+static long long experts_ran(const char *out, int k) {
+    long long sum = 0;
+    int seen = 0;
+    for (const char *p = out; (p = strstr(p, "moe logits: rank ")) != NULL; p++) {
+        int r, size;
+        long long e;
+        if (sscanf(p, "moe logits: rank %d of %d ran %lld experts", &r, &size, &e) != 3 ||
+            size != k || r < 0 || r >= k || (seen & (1 << r)))
+            return -1;
+        seen |= 1 << r;
+        sum += e;
+    }
+    return seen == (1 << k) - 1 ? sum : -1;
+}
+
+/* One model, k ranks against the one-rank logits `base` ([n_rows][n_vocab]); returns the largest
+ * |difference| / max|logit| and checks the argmax rows and the expert shares (one_rank_experts:
+ * what one rank ran). */
+static double check_split(const char *bin, const char *model, const char *tokens, int k,
+                          const float *base, size_t n_rows, size_t n_vocab,
+                          long long one_rank_experts, const char *name) {
+    char out_path[512], cmd[4096];
+    snprintf(out_path, sizeof out_path, "%s/%s.np%d.f32", moe_test_tmpdir(), name, k);
+    snprintf(cmd, sizeof cmd, MPIRUN " %d %s logits %s --tokens %s --split experts --out %s 2>&1",
+             k, bin, model, tokens, out_path);
+    long long want[8];
+    budget_routed(model, k, want);
+    char *out = run_ok(cmd);
+    const long long shares = experts_ran(out, k);
+    if (shares != one_rank_experts)
+        fail_msg("%s -np %d: the ranks' expert shares add to %lld, one rank ran %lld:\n%s", name, k,
+                 shares, one_rank_experts, out);
+    check_held(out, k, want, name);
+    free(out);
+    size_t n;
+    float *got = read_f32(out_path, &n);
+    assert_int_equal(n, n_rows * n_vocab);
+    double max_abs = 0, max_diff = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double a = base[i] < 0 ? -base[i] : base[i], d = (double)got[i] - base[i];
+        if (a > max_abs) max_abs = a;
+        if ((d < 0 ? -d : d) > max_diff) max_diff = d < 0 ? -d : d;
+    }
+    for (size_t r = 0; r < n_rows; r++)
+        if (argmax(got + r * n_vocab, n_vocab) != argmax(base + r * n_vocab, n_vocab))
+            fail_msg("%s -np %d: row %zu's argmax differs from one rank's", name, k, r);
+    if (max_diff > REL_TOL * max_abs)
+        fail_msg("%s -np %d: max |diff| %.3g > %.0e x max|logit| %.3g", name, k, max_diff, REL_TOL,
+                 max_abs);
+    free(got);
+    return max_abs > 0 ? max_diff / max_abs : 0;
+}
+
+/* The model's logits with one rank (the default build, no split) into *base; the experts the
+ * MPI build runs alone (one rank, --split experts). */
+static float *one_rank(const char *bin, const char *model, const char *tokens, const char *name,
+                       size_t *n, long long *experts) {
+    char path[512], cmd[4096];
+    snprintf(path, sizeof path, "%s/%s.np1.f32", moe_test_tmpdir(), name);
+    snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s --out %s 2>&1", moe_test_bin(), model,
+             tokens, path);
+    free(run_ok(cmd));
+    snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s --split experts --out %s.split 2>&1", bin,
+             model, tokens, path);
+    char *out = run_ok(cmd);
+    *experts = experts_ran(out, 1);
+    if (*experts <= 0) fail_msg("one rank reported no expert count:\n%s", out);
+    free(out);
+    return read_f32(path, n);
+}
+
+/* Every MoE model of ../shared/parity (config.n_expert > 0), its whole token sequence (prompt and
+ * llama.cpp's greedy continuation) as one batch: -np 2 and -np 4 against one rank, and the
+ * argmax of the last prompt row onwards equal to llama.cpp's greedy tokens. */
+static void parity_models_split_experts(void **state) {
+    (void)state;
+    const char *index = moe_test_shared("parity/INDEX.json");
+    MOE_SKIP_IF_NULL(index);
+    const char *bin = mpi_bin();
+    MOE_SKIP_IF_NULL(bin);
+    json_error_t jerr;
+    json_t *root = json_load_file(index, 0, &jerr);
+    if (!root) fail_msg("%s: %s", index, jerr.text);
+    size_t i, n_checked = 0;
+    json_t *entry;
+    json_array_foreach(json_object_get(root, "models"), i, entry) {
+        const char *name = json_string_value(json_object_get(entry, "name"));
+        char rel[256], model[512];
+        snprintf(rel, sizeof rel, "parity/%s.json", name);
+        json_t *meta = json_load_file(moe_test_shared(rel), 0, &jerr);
+        if (!meta) fail_msg("%s: %s", rel, jerr.text);
+        const json_int_t n_expert =
+            json_integer_value(json_object_get(json_object_get(meta, "config"), "n_expert"));
+        json_decref(meta);
+        if (n_expert <= 0) continue; /* a dense model: nothing to split */
+        snprintf(rel, sizeof rel, "parity/%s.tokens.json", name);
+        json_t *tok = json_load_file(moe_test_shared(rel), 0, &jerr);
+        if (!tok) fail_msg("%s: %s", rel, jerr.text);
+        json_t *all = json_object_get(tok, "all_tokens"), *prompt = json_object_get(tok, "prompt");
+        const size_t n_tok = json_array_size(all), n_prompt = json_array_size(prompt);
+        assert_true(n_tok > n_prompt && n_prompt > 0 && n_tok <= MAX_TOKENS);
+        char tokens[MAX_TOKENS * 12] = "";
+        for (size_t t = 0; t < n_tok; t++)
+            snprintf(tokens + strlen(tokens), sizeof tokens - strlen(tokens), t ? ",%lld" : "%lld",
+                     (long long)json_integer_value(json_array_get(all, t)));
+        snprintf(rel, sizeof rel, "parity/%s", json_string_value(json_object_get(entry, "file")));
+        snprintf(model, sizeof model, "%s", moe_test_shared(rel));
+        size_t n;
+        long long experts;
+        float *base = one_rank(bin, model, tokens, name, &n, &experts);
+        assert_int_equal(n % n_tok, 0);
+        const size_t n_vocab = n / n_tok;
+        for (int k = 2; k <= 4; k += 2) {
+            const double rel_diff =
+                check_split(bin, model, tokens, k, base, n_tok, n_vocab, experts, name);
+            print_message("mpi: %-22s -np %d: max |diff| / max|logit| = %.3g%s\n", name, k,
+                          rel_diff, rel_diff == 0 ? " (bit-identical)" : "");
+        }
+        /* llama.cpp's greedy: argmax(row p) = all_tokens[p + 1] from the last prompt row on */
+        for (size_t p = n_prompt - 1; p + 1 < n_tok; p++)
+            if ((json_int_t)argmax(base + p * n_vocab, n_vocab) !=
+                json_integer_value(json_array_get(all, p + 1)))
+                fail_msg("%s: row %zu's argmax is not llama.cpp's greedy token", name, p);
+        free(base);
+        json_decref(tok);
+        n_checked++;
+    }
+    json_decref(root);
+    assert_true(n_checked > 0);
+}
+
+/* 8 of 32 experts per token: a rank's partial sums several experts, so the sum's order changes
+ * and the logits need not be bit-identical; they stay within the bound. */
+static void many_experts_per_token(void **state) {
+    (void)state;
+    const char *bin = mpi_bin();
+    MOE_SKIP_IF_NULL(bin);
+    const char *model = moe_test_synth(
+        "mpi8of32.gguf", "--arch qwen3moe --layers 4 --embd 256 --heads 4 --heads-kv 2 --head-dim "
+                         "64 --experts 32 --experts-used 8 --expert-ff 128 --vocab 512 --seed 7");
+    const char *tokens = "1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426";
+    size_t n;
+    long long experts;
+    float *base = one_rank(bin, model, tokens, "mpi8of32", &n, &experts);
+    const size_t n_rows = 16;
+    for (int k = 2; k <= 4; k++) {
+        const double rel_diff =
+            check_split(bin, model, tokens, k, base, n_rows, n / n_rows, experts, "mpi8of32");
+        print_message("mpi: 8 of 32 experts -np %d: max |diff| / max|logit| = %.3g\n", k, rel_diff);
+    }
+    free(base);
+}
+
+/* The qwen3moe parity model, and the MPI build in *bin; NULL (the test skipped) without either. */
+static const char *qwen3moe_and_bin(const char **bin) {
+    const char *model = moe_test_shared("parity/qwen3moe-mixed.gguf");
+    *bin = model ? mpi_bin() : NULL;
+    return *bin ? model : NULL;
+}
+
+/* `moe run` greedy under -np 2 and -np 4 prints the same tokens as one rank. */
+static void run_greedy_tokens(void **state) {
+    (void)state;
+    const char *bin, *model = qwen3moe_and_bin(&bin);
+    MOE_SKIP_IF_NULL(model);
+    const char *args = "--tokens 1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426 "
+                       "-n 16 --temp 0 --print-ids";
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "(%s run %s %s 2>/dev/null)", moe_test_bin(), model, args);
+    char *want = run_ok(cmd);
+    for (int k = 2; k <= 4; k += 2) {
+        snprintf(cmd, sizeof cmd, "(" MPIRUN " %d %s run %s %s --split experts 2>/dev/null)", k,
+                 bin, model, args);
+        char *got = run_ok(cmd);
+        if (strcmp(got, want) != 0)
+            fail_msg("-np %d printed\n%s\none rank printed\n%s", k, got, want);
+        free(got);
+    }
+    free(want);
+}
+
+/* `moe ARGS` exits 2 with `expect` in its output. */
+static void expect_usage_error(const char *args, const char *expect) {
+    char cmd[512], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s %s 2>&1", moe_test_bin(), args);
+    const int rc = moe_test_run(cmd, &out);
+    if (rc != 2 || !strstr(out, expect))
+        fail_msg("%s: exit %d, expected 2 and '%s' in:\n%s", cmd, rc, expect, out);
+    free(out);
+}
+
+/* Wrong uses of --split say what is wrong (the default build has no MPI). */
+static void split_argument_errors(void **state) {
+    (void)state;
+    static const struct {
+        const char *args, *expect;
+    } cases[] = {
+        {"logits x.gguf --tokens 1 --split rows", "--split expects experts or none, got 'rows'"},
+        {"logits x.gguf --tokens 1 --split", "--split expects experts or none"},
+        {"chat x.gguf --split experts", "--split is not supported by moe chat yet"},
+        {"serve x.gguf --split experts", "--split is not supported by moe serve yet"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        expect_usage_error(cases[i].args, cases[i].expect);
+    /* the default build: --split needs MPI, and says how to get it */
+    char cmd[512], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s --version | grep -q 'mpi: none'", moe_test_bin());
+    if (moe_test_run(cmd, &out) == 0)
+        expect_usage_error("logits x.gguf --tokens 1 --split experts", "make MPI=1");
+    free(out);
+}
+
+/* One rank fails (its model file is missing) while the other waits for it in a collective: the
+ * job ends with the failing rank's message instead of hanging (`timeout` only guards the suite
+ * against a hang; it asserts nothing about speed). */
+static void failing_rank_ends_job(void **state) {
+    (void)state;
+    const char *bin, *model = qwen3moe_and_bin(&bin);
+    MOE_SKIP_IF_NULL(model);
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "timeout 300 " MPIRUN " 2 sh -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then exec %s "
+             "logits %s/missing.gguf --tokens 1,2 --split experts; else exec %s logits %s --tokens "
+             "1,2 --split experts; fi'",
+             bin, moe_test_tmpdir(), bin, model);
+    const int rc = moe_test_run(cmd, &out);
+    if (rc == 0 || rc == 124 || !strstr(out, "rank 1 failed: ending every rank of the job"))
+        fail_msg("%s: exit %d, expected a failure naming rank 1 in:\n%s", cmd, rc, out);
+    free(out);
+}
+
+int moe_suite_mpi(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(split_argument_errors),  cmocka_unit_test(parity_models_split_experts),
+        cmocka_unit_test(many_experts_per_token), cmocka_unit_test(run_greedy_tokens),
+        cmocka_unit_test(failing_rank_ends_job),
+    };
+    return cmocka_run_group_tests_name("mpi", tests, NULL, NULL);
+}
