@@ -304,8 +304,8 @@ static void split_argument_errors(void **state) {
     static const struct {
         const char *args, *expect;
     } cases[] = {
-        {"logits x.gguf --tokens 1 --split rows", "--split expects experts or none, got 'rows'"},
-        {"logits x.gguf --tokens 1 --split", "--split expects experts or none"},
+        {"logits x.gguf --tokens 1 --split rows", "--split expects none or experts, got 'rows'"},
+        {"logits x.gguf --tokens 1 --split", "--split expects none or experts"},
         {"chat x.gguf --split experts", "--split is not supported by moe chat yet"},
         {"serve x.gguf --split experts", "--split is not supported by moe serve yet"},
     };
