@@ -5,8 +5,9 @@
  * the untempered distribution, then the temperature over the survivors and a draw. Ranking is
  * a bounded heap over the vocabulary, never a full sort unless nothing truncates it.
  * Log-probabilities are reported from the raw logits (after bias and penalties, before temperature
- * and truncation), as OpenAI's API does. The trap: every buffer is allocated once at creation;
- * sample() must not allocate. */
+ * and truncation), as OpenAI's API does. A grammar, when given, masks the tokens it does not
+ * allow after bias and penalties, before anything else looks at the logits. The trap: every buffer
+ * is allocated once at creation; sample() must not allocate. */
 #include "engine.h"
 
 #include <math.h>
@@ -27,6 +28,7 @@ struct moe_sampler {
     uint32_t n_recent, recent_head, window;
     uint32_t *counts; /* [n_vocab] occurrences within the window */
     uint64_t rng;
+    moe_grammar_state *grammar; /* NULL: unconstrained */
 };
 
 moe_sampler *moe_sampler_new(const moe_sampler_params *p, uint32_t n_vocab) {
@@ -50,6 +52,8 @@ moe_sampler *moe_sampler_new(const moe_sampler_params *p, uint32_t n_vocab) {
     s->p.bias_values = s->bias_values;
     if (s->p.n_top_logprobs > MOE_SAMPLER_MAX_TOP) s->p.n_top_logprobs = MOE_SAMPLER_MAX_TOP;
     s->rng = p->seed;
+    if (p->grammar && p->grammar_vocab)
+        s->grammar = moe_grammar_state_new(p->grammar, p->grammar_vocab);
     return s;
 }
 
@@ -62,6 +66,7 @@ void moe_sampler_free(moe_sampler *s) {
     free(s->recent);
     free(s->bias_tokens);
     free(s->bias_values);
+    moe_grammar_state_free(s->grammar);
     free(s);
 }
 
@@ -69,6 +74,11 @@ void moe_sampler_reset(moe_sampler *s) {
     memset(s->counts, 0, sizeof(uint32_t) * s->n_vocab);
     s->n_recent = s->recent_head = 0;
     s->rng = s->p.seed;
+    if (s->grammar) moe_grammar_state_reset(s->grammar);
+}
+
+moe_grammar_state *moe_sampler_grammar(moe_sampler *s) {
+    return s->grammar;
 }
 
 void moe_sampler_accept(moe_sampler *s, int32_t token) {
@@ -147,6 +157,12 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
         }
         for (uint32_t i = 0; i < s->n_recent; i++) s->counts[s->recent[i]] &= 0x7fffffffu;
     }
+    if (s->grammar && !moe_grammar_state_apply(s->grammar, s->work)) {
+        /* nothing can continue the grammar: end the generation */
+        moe_sample out = {.token = moe_grammar_vocab_eog(p->grammar_vocab), .logprob = -INFINITY};
+        if (out.token < 0) out.token = 0;
+        return out;
+    }
 
     /* log-softmax of the adjusted logits, for the reported log-probabilities */
     float max = -INFINITY;
@@ -223,5 +239,6 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
         out.top_logprobs[i] = s->work[s->order[i]] - log_z;
     }
     moe_sampler_accept(s, out.token);
+    if (s->grammar) moe_grammar_state_accept(s->grammar, out.token);
     return out;
 }
