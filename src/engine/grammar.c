@@ -766,6 +766,7 @@ static void umap_free(umap *m) {
 /* An unfinished UTF-8 sequence: the bits so far and how many continuation bytes are missing. */
 typedef struct partial {
     uint32_t value, missing;
+    uint32_t min; /* the smallest code point of this length: shorter forms are overlong */
 } partial;
 
 typedef struct gnode {
@@ -925,7 +926,10 @@ static uint32_t transition(moe_grammar_state *st, uint32_t set, uint32_t cp) {
 }
 
 static bool partial_possible(const moe_grammar_state *st, uint32_t set, partial p) {
-    const uint32_t lo = p.value << (6 * p.missing), hi = lo | ((1u << (6 * p.missing)) - 1);
+    uint32_t lo = p.value << (6 * p.missing), hi = lo | ((1u << (6 * p.missing)) - 1);
+    if (lo < p.min) lo = p.min;
+    if (hi > 0x10FFFF) hi = 0x10FFFF;
+    if (lo > hi) return false;
     const uint32_t o = st->set_off[set], n = st->set_off[set + 1] - o;
     for (uint32_t i = 0; i < n; i++) {
         const uint32_t top = st->tops[o + i];
@@ -941,8 +945,9 @@ static uint32_t step_byte(moe_grammar_state *st, uint32_t set, partial *p, uint8
         p->value = p->value << 6 | (b & 0x3F);
         if (--p->missing) return partial_possible(st, set, *p) ? set : DEAD;
         const uint32_t cp = p->value;
-        p->value = 0;
-        return transition(st, set, cp);
+        const bool valid = cp >= p->min && cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF);
+        *p = (partial){0, 0, 0};
+        return valid ? transition(st, set, cp) : DEAD;
     }
     if (b < 0x80) return transition(st, set, b);
     const uint32_t missing = (b & 0xE0) == 0xC0   ? 1
@@ -950,7 +955,8 @@ static uint32_t step_byte(moe_grammar_state *st, uint32_t set, partial *p, uint8
                              : (b & 0xF8) == 0xF0 ? 3
                                                   : 0;
     if (!missing) return DEAD; /* a stray continuation byte or not UTF-8 at all */
-    *p = (partial){b & (0x3Fu >> missing), missing};
+    static const uint32_t min_of[4] = {0, 0x80, 0x800, 0x10000};
+    *p = (partial){b & (0x3Fu >> missing), missing, min_of[missing]};
     return partial_possible(st, set, *p) ? set : DEAD;
 }
 
@@ -971,7 +977,7 @@ moe_grammar_state *moe_grammar_state_new(const moe_grammar *g, const moe_grammar
 
 void moe_grammar_state_reset(moe_grammar_state *st) {
     st->set = st->initial_set;
-    st->part = (partial){0, 0};
+    st->part = (partial){0, 0, 0};
     st->strip_pending = st->v && st->v->strip_first_space;
     st->ended = false;
 }
@@ -1038,8 +1044,12 @@ static void walk(moe_grammar_state *st, uint32_t node, uint32_t set, partial p, 
 /* The mask of the current state: from the cache, or walked and cached. */
 static const uint64_t *current_mask(moe_grammar_state *st) {
     const moe_grammar_vocab *v = st->v;
-    const uint64_t key = (uint64_t)st->set << 32 | st->part.value << 3 | st->part.missing << 1 |
-                         (uint64_t)st->strip_pending;
+    const uint32_t len_code = st->part.min >= 0x10000 ? 3
+                              : st->part.min >= 0x800 ? 2
+                              : st->part.min          ? 1
+                                                      : 0;
+    const uint64_t key = (uint64_t)st->set << 32 | (uint64_t)st->part.value << 5 | len_code << 3 |
+                         st->part.missing << 1 | (uint64_t)st->strip_pending;
     uint32_t slot;
     if (umap_get(&st->mask_ids, key, &slot)) return st->masks + (size_t)slot * st->words;
     if ((size_t)(st->n_masks + 1) * st->words * 8 > GRAMMAR_MASK_CACHE_MAX) {

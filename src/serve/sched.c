@@ -58,6 +58,7 @@ struct serve_sched {
     /* engine-thread state (read-only for others once loaded: model, tok, n_ctx) */
     moe_model *model;
     moe_tokenizer *tok;
+    moe_grammar_vocab *grammar_vocab; /* the tokenizer's byte trie, for constrained decoding */
     moe_ctx *ctx;
     uint32_t n_ctx, n_slots, n_vocab;
     bool hybrid; /* recurrent layers: prefixes come back only whole or from snapshots */
@@ -80,6 +81,7 @@ void serve_gen_free(serve_gen *g) {
     free(g->prompt);
     free(g->bias_tokens);
     free(g->bias_values);
+    moe_grammar_free(g->grammar);
     for (uint32_t i = 0; i < g->n_stop; i++) free(g->stop[i]);
     memset(g, 0, sizeof *g);
 }
@@ -233,6 +235,8 @@ static void admit(serve_sched *s, serve_req *r) {
     r->gen.sampling.bias_tokens = r->gen.bias_tokens;
     r->gen.sampling.bias_values = r->gen.bias_values;
     r->gen.sampling.n_top_logprobs = r->gen.logprobs ? r->gen.sampling.n_top_logprobs : 0;
+    r->gen.sampling.grammar = r->gen.grammar;
+    r->gen.sampling.grammar_vocab = r->gen.grammar ? s->grammar_vocab : NULL;
     sl->sampler = moe_sampler_new(&r->gen.sampling, s->n_vocab);
     for (uint32_t i = 0; i < r->gen.n_prompt; i++)
         moe_sampler_accept(sl->sampler, r->gen.prompt[i]);
@@ -526,6 +530,7 @@ static bool load(serve_sched *s) {
     if (!s->ctx) goto fail;
     s->n_ctx = moe_ctx_n_ctx(s->ctx);
     s->n_vocab = s->model->cfg.n_vocab;
+    s->grammar_vocab = moe_chat_grammar_vocab(s->tok); /* once: every grammar walks it */
     s->hybrid = s->model->cfg.n_layer_linear > 0;
     s->slots = moe_xcalloc(s->n_slots, sizeof *s->slots);
     s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);
@@ -664,6 +669,7 @@ void serve_sched_free(serve_sched *s) {
     free(s->row_slot);
     free(s->logits);
     moe_ctx_free(s->ctx);
+    moe_grammar_vocab_free(s->grammar_vocab);
     moe_tokenizer_free(s->tok);
     moe_model_free(s->model);
     pthread_mutex_destroy(&s->mu);

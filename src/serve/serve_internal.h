@@ -78,6 +78,7 @@ typedef struct serve_gen {
     uint32_t n_stop;
     bool logprobs; /* report sample logprobs in events */
     bool ignore_eos;
+    moe_grammar *grammar; /* constrained decoding (owned), or NULL */
 } serve_gen;
 
 void serve_gen_free(serve_gen *g);
@@ -190,6 +191,10 @@ typedef struct serve_chat {
     size_t n_msgs, cap_msgs;
     json_t *tools; /* OpenAI form: [{"type":"function","function":{name,description,parameters}}] */
     bool tool_choice_none;
+    bool tool_required;      /* tool_choice required / a named tool / Anthropic any / tool */
+    char *tool_name;         /* ... that one tool, or NULL: any of them */
+    json_t *response_schema; /* structured output: a JSON schema, or NULL (json_object mode is
+                              * {"type": "object"}) */
     json_t *kwargs; /* template variables from the request (serve_parse_template_kwargs), or NULL */
 } serve_chat;
 
@@ -210,7 +215,17 @@ bool serve_template_load(serve_server *srv, char *err, size_t err_size);
  * reasoning_effort (also Responses' reasoning.effort), Anthropic's thinking.type, and every
  * member of chat_template_kwargs (last, so it wins). Replies 400 on a bad field. */
 bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat);
-/* Render the conversation with the template and tokenize it into g; *text (may be NULL) gets
+/* tool_choice asks for a call (of `name`, or any tool when NULL): 400 naming `field` when the
+ * request has no tools or none of that name. */
+bool serve_chat_force_tool(serve_http *h, serve_api api, serve_chat *chat, const char *name,
+                           const char *field);
+/* response_format (chat completions: {type: text | json_object | json_schema, json_schema:
+ * {schema}}) or Responses' text.format ({type, schema}); 400 naming field when malformed. */
+bool serve_parse_response_format(serve_http *h, serve_api api, json_t *format, const char *field,
+                                 serve_chat *chat);
+/* Render the conversation with the template and tokenize it into g; then, when the request
+ * forces a tool call or asks for JSON, the grammar that makes the reply one (400 when it cannot
+ * be built, or when the request also has its own `grammar`); *text (may be NULL) gets
  * the prompt. Replies 400 with the template's message when it raises, or when the prompt does
  * not fit the context. */
 bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
