@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "../src/base/base.h"
+#include "../src/engine/engine.h"
 #include "../src/tools/tools.h"
 #include "cli.h"
 
@@ -112,4 +113,26 @@ int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **
     }
     ++*i;
     return 1;
+}
+
+char *moe_cli_read_grammar(const char *cmd, const char *path) {
+    moe_error err = {0};
+    uint8_t *data = NULL;
+    size_t size = 0;
+    if (moe_file_read(path, &data, &size, &err) != MOE_OK) {
+        fprintf(stderr, "moe %s: --grammar-file: %s\n", cmd, err.msg);
+        return NULL;
+    }
+    char *src = moe_xmalloc(size + 1);
+    memcpy(src, data, size);
+    src[size] = '\0';
+    free(data);
+    moe_grammar *g = moe_grammar_parse(src, size, NULL, &err);
+    if (!g) {
+        fprintf(stderr, "moe %s: %s: %s\n", cmd, path, err.msg);
+        free(src);
+        return NULL;
+    }
+    moe_grammar_free(g);
+    return src;
 }

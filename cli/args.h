@@ -37,4 +37,7 @@ typedef struct moe_engine_args {
  * usage error (reported). */
 int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i);
 
+/* A GBNF grammar file's text (malloc'd), checked to parse; NULL after printing why. */
+char *moe_cli_read_grammar(const char *cmd, const char *path);
+
 #endif

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../src/chat/chat.h"
 #include "args.h"
 #include "cli.h"
 
@@ -74,6 +75,15 @@ int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **a
         ++*i;
         return 1;
     }
+    if (strcmp(a, "--grammar-file") == 0) {
+        if (!v) {
+            moe_cli_usage_error(cmd, "--grammar-file expects a file");
+            return -1;
+        }
+        o->grammar_file = v;
+        ++*i;
+        return 1;
+    }
     if (strcmp(a, "--print-ids") == 0) return o->print_ids = true, 1;
     if (strcmp(a, "--ignore-eos") == 0) return o->ignore_eos = true, 1;
     return 0;
@@ -115,7 +125,20 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
         return false;
     }
     const uint32_t n_vocab = g->model->cfg.n_vocab;
-    g->sampler = moe_sampler_new(&o->sampling, n_vocab);
+    moe_sampler_params sp = o->sampling;
+    if (o->grammar_file) {
+        char *src = moe_cli_read_grammar(cmd, o->grammar_file);
+        if (src) g->grammar = moe_grammar_parse(src, strlen(src), NULL, &err);
+        free(src);
+        if (!g->grammar) {
+            moe_gen_close(g);
+            return false;
+        }
+        g->grammar_vocab = moe_chat_grammar_vocab(g->tok, false); /* follows the prompt */
+        sp.grammar = g->grammar;
+        sp.grammar_vocab = g->grammar_vocab;
+    }
+    g->sampler = moe_sampler_new(&sp, n_vocab);
     g->logits = moe_xmalloc(sizeof(float) * n_vocab);
     g->verify = moe_xmalloc(sizeof(float) * (o->n_draft + 1) * n_vocab);
     g->hist = moe_xmalloc(sizeof(int32_t) * (moe_ctx_n_ctx(g->ctx) + 1));
@@ -137,6 +160,8 @@ static void reply_put(moe_gen *g, const char *text, size_t len) {
 void moe_gen_close(moe_gen *g) {
     free(g->reply);
     moe_sampler_free(g->sampler);
+    moe_grammar_free(g->grammar);
+    moe_grammar_vocab_free(g->grammar_vocab);
     moe_ctx_free(g->ctx);
     moe_tokenizer_free(g->tok);
     moe_model_free(g->model);

@@ -20,6 +20,7 @@ typedef struct moe_gen_options {
     bool ignore_eos;  /* keep going past end-of-generation tokens */
     bool spec_ngram;  /* --spec ngram: speculative decoding with prompt-lookup drafts */
     uint32_t n_draft; /* --draft N: drafts per step (default 3) */
+    const char *grammar_file; /* --grammar-file: constrain the output to this GBNF grammar */
 } moe_gen_options;
 
 #define MOE_GEN_MAX_DRAFT 16 /* --draft N at most */
@@ -30,6 +31,8 @@ typedef struct moe_gen {
     moe_tokenizer *tok;
     moe_ctx *ctx;
     moe_sampler *sampler;
+    moe_grammar *grammar;             /* --grammar-file, or NULL */
+    moe_grammar_vocab *grammar_vocab; /* the tokenizer's trie, with a grammar */
     float *logits;     /* [n_vocab] the next token's */
     float *verify;     /* [n_draft + 1][n_vocab] a verify step's rows */
     int32_t *hist;     /* [n_ctx + 1] the sequence's tokens and the one about to be fed */

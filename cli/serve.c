@@ -25,7 +25,9 @@ static const char usage_text[] =
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
     "  --queue-timeout S  seconds a request may wait before 503 (default 600)\n"
     "  --keepalive S      seconds of silence before an SSE keep-alive (default 15)\n"
-    "  --step-delay MS    for tests: sleep MS after every forward step\n";
+    "  --step-delay MS    for tests: sleep MS after every forward step\n"
+    "  --grammar-file F   GBNF grammar for every request that sets no grammar, response_format\n"
+    "                     or forced tool call of its own\n";
 
 int moe_cmd_serve(int argc, char **argv) {
     moe_serve_params p;
@@ -33,6 +35,7 @@ int moe_cmd_serve(int argc, char **argv) {
     moe_engine_args engine = {.n_ctx = p.n_ctx, .n_threads = p.n_threads, .kv_type = p.kv_type};
     long long n;
     double f;
+    char *grammar = NULL;
     for (int i = 0; i < argc; i++) {
         const int taken = moe_engine_args_parse("serve", &engine, argc, argv, &i);
         if (taken < 0) return 2;
@@ -76,6 +79,10 @@ int moe_cmd_serve(int argc, char **argv) {
                 return moe_cli_usage_error("serve", "at most %d --api-key", MOE_SERVE_MAX_API_KEYS);
             p.api_keys[p.n_api_keys++] = v;
             i++;
+        } else if (strcmp(a, "--grammar-file") == 0 && v) {
+            if (!(grammar = moe_cli_read_grammar("serve", v))) return 2;
+            p.grammar = grammar;
+            i++;
         } else if (strcmp(a, "--mmap") == 0) {
             p.use_mmap = true;
         } else if (strcmp(a, "--help-options") == 0) {
@@ -101,5 +108,6 @@ int moe_cmd_serve(int argc, char **argv) {
     p.model_path = path;
     const int rc = moe_serve_run(&p);
     free(path);
+    free(grammar);
     return rc;
 }

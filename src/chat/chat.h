@@ -164,8 +164,10 @@ char *moe_chat_schema_grammar(const char *schema_json, const char *prefix, moe_e
 char *moe_chat_tool_grammar(const moe_chat_parse_options *o, const char *tools_json,
                             const char *only, const char *prefix, moe_error *err);
 /* The tokenizer's token trie for the engine's grammars: each token's output bytes (control
- * tokens none), its end-of-generation flag, SPM's dummy-prefix space. */
+ * tokens none) and its end-of-generation flag. strip_first_space: the output is decoded with
+ * MOE_DECODE_STRIP_PREFIX_SPACE from its first token (the server's replies), so SPM's dummy
+ * prefix space of the first piece is not part of the text the grammar must match. */
 struct moe_grammar_vocab;
-struct moe_grammar_vocab *moe_chat_grammar_vocab(const moe_tokenizer *tok);
+struct moe_grammar_vocab *moe_chat_grammar_vocab(const moe_tokenizer *tok, bool strip_first_space);
 
 #endif

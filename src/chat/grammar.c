@@ -790,7 +790,7 @@ static const char *token_piece(void *ud, int32_t id, size_t *len, bool *eog) {
     return moe_tokenizer_token_piece(tok, id, false, len);
 }
 
-moe_grammar_vocab *moe_chat_grammar_vocab(const moe_tokenizer *tok) {
+moe_grammar_vocab *moe_chat_grammar_vocab(const moe_tokenizer *tok, bool strip_first_space) {
     return moe_grammar_vocab_new(moe_tokenizer_n_vocab(tok), token_piece, (void *)tok,
-                                 moe_tokenizer_adds_space_prefix(tok));
+                                 strip_first_space && moe_tokenizer_adds_space_prefix(tok));
 }

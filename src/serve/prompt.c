@@ -218,6 +218,10 @@ static bool chat_grammar(serve_http *h, serve_api api, const serve_chat *chat, s
                          const char *prompt) {
     const bool tool = chat->tool_required && chat_has_tools(chat);
     if (!tool && !chat->response_schema) return true;
+    if (g->grammar && g->grammar_is_default) {
+        moe_grammar_free(g->grammar);
+        g->grammar = NULL;
+    }
     if (g->grammar)
         SERVE_BAD(h, api, "grammar",
                   "grammar: cannot be combined with a forced tool call or a response format");

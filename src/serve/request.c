@@ -224,6 +224,11 @@ bool serve_parse_sampling(serve_http *h, serve_api api, json_t *body, serve_gen 
             return false;
         }
     }
+    if (!g->grammar && h->srv->p.grammar) { /* --grammar-file: checked at start-up */
+        moe_error err = {0};
+        g->grammar = moe_grammar_parse(h->srv->p.grammar, strlen(h->srv->p.grammar), NULL, &err);
+        g->grammar_is_default = true;
+    }
     json_t *stop = stop_field ? json_object_get(body, stop_field) : NULL;
     if (stop && !json_is_null(stop)) {
         json_t *one = json_is_string(stop) ? stop : NULL;

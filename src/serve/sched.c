@@ -530,7 +530,7 @@ static bool load(serve_sched *s) {
     if (!s->ctx) goto fail;
     s->n_ctx = moe_ctx_n_ctx(s->ctx);
     s->n_vocab = s->model->cfg.n_vocab;
-    s->grammar_vocab = moe_chat_grammar_vocab(s->tok); /* once: every grammar walks it */
+    s->grammar_vocab = moe_chat_grammar_vocab(s->tok, true); /* once: every grammar walks it */
     s->hybrid = s->model->cfg.n_layer_linear > 0;
     s->slots = moe_xcalloc(s->n_slots, sizeof *s->slots);
     s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);

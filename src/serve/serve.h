@@ -34,6 +34,7 @@ typedef struct moe_serve_params {
     double keepalive_s;     /* SSE keep-alive interval */
     int step_delay_ms;      /* tests only: sleep after each forward step */
     bool use_mmap;          /* keep weights in the mapped file (default: anonymous memory) */
+    const char *grammar;    /* GBNF (checked) for requests that ask for no output format */
 } moe_serve_params;
 
 void moe_serve_params_default(moe_serve_params *p);

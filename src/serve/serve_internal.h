@@ -79,6 +79,7 @@ typedef struct serve_gen {
     bool logprobs; /* report sample logprobs in events */
     bool ignore_eos;
     moe_grammar *grammar; /* constrained decoding (owned), or NULL */
+    bool grammar_is_default; /* it is --grammar-file's: a response format replaces it */
 } serve_gen;
 
 void serve_gen_free(serve_gen *g);
