@@ -39,7 +39,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan bench fuzz fuzz-jinja format format-check deps fixtures clients help clean
+.PHONY: all test asan bench bench-grammar fuzz fuzz-jinja format format-check deps fixtures clients help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -88,6 +88,13 @@ bench: $(BENCH_BIN)
 $(BENCH_BIN): $(BUILD)/bench/kernels.o $(LIB)
 	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/kernels.o $(LIB) $(LDFLAGS) $(LDLIBS)
 
+## bench-grammar: constrained decoding's cost per token vs the forward pass (BENCH_ARGS)
+GRAMMAR_BENCH_BIN ?= $(BUILD)/bench/grammar
+bench-grammar: $(GRAMMAR_BENCH_BIN)
+	./$(GRAMMAR_BENCH_BIN) $(BENCH_ARGS)
+$(GRAMMAR_BENCH_BIN): $(BUILD)/bench/grammar.o $(LIB)
+	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/grammar.o $(LIB) $(LDFLAGS) $(LDLIBS)
+
 ## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
 # Seeds: tests/data/gguf (small valid files and past crashes) and the ../shared GGUFs (cut to
 # -max_len); the corpus grows in fuzz/corpus/gguf, crashes land in fuzz/out/.
@@ -134,9 +141,11 @@ format-check:
 
 ## deps: install the Debian packages the build and tests need (run as root)
 # nginx: the HTTP server with range support the audit suite serves models from on loopback;
-# chromium: the headless browser it renders `moe budget --svg` in
+# chromium: the headless browser it renders `moe budget --svg` in;
+# python3-regex, python3-jsonschema: the grammar suite's references (partial regex matches, schema validation)
 DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
-  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 nginx chromium
+  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 python3-regex \
+  python3-jsonschema nginx chromium
 # Node.js + npm (the SDK clients, the npm tokenizers) only when absent: a machine with a newer
 # Node (nodesource's, which bundles npm) must not get Debian's npm, which would downgrade it.
 deps:
@@ -178,4 +187,4 @@ help:
 clean:
 	rm -rf build moe tests/run
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BUILD)/bench/kernels.d
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BUILD)/bench/kernels.d $(BUILD)/bench/grammar.d

@@ -16,10 +16,10 @@ typedef struct moe_gen_options {
     int64_t n_predict;      /* tokens to generate (< 0: until end of generation or context) */
     moe_engine_args engine; /* --ctx, -t, --kv-type */
     moe_sampler_params sampling;
-    bool print_ids;   /* show ids instead of text */
-    bool ignore_eos;  /* keep going past end-of-generation tokens */
-    bool spec_ngram;  /* --spec ngram: speculative decoding with prompt-lookup drafts */
-    uint32_t n_draft; /* --draft N: drafts per step (default 3) */
+    bool print_ids;           /* show ids instead of text */
+    bool ignore_eos;          /* keep going past end-of-generation tokens */
+    bool spec_ngram;          /* --spec ngram: speculative decoding with prompt-lookup drafts */
+    uint32_t n_draft;         /* --draft N: drafts per step (default 3) */
     const char *grammar_file; /* --grammar-file: constrain the output to this GBNF grammar */
 } moe_gen_options;
 
@@ -33,8 +33,8 @@ typedef struct moe_gen {
     moe_sampler *sampler;
     moe_grammar *grammar;             /* --grammar-file, or NULL */
     moe_grammar_vocab *grammar_vocab; /* the tokenizer's trie, with a grammar */
-    float *logits;     /* [n_vocab] the next token's */
-    float *verify;     /* [n_draft + 1][n_vocab] a verify step's rows */
+    float *logits;                    /* [n_vocab] the next token's */
+    float *verify;                    /* [n_draft + 1][n_vocab] a verify step's rows */
     int32_t *hist;     /* [n_ctx + 1] the sequence's tokens and the one about to be fed */
     moe_row *rows;     /* [chunk] prefill rows */
     bool text_started; /* some text of this sequence was shown (keeps SPM's leading space) */

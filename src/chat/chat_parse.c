@@ -117,8 +117,8 @@ static const block_marker *format_markers(moe_chat_format f) {
 bool moe_chat_call_shape_of(moe_chat_format f, moe_chat_call_shape *out) {
     switch (f) {
     case MOE_CHAT_FORMAT_HERMES:
-        *out = (moe_chat_call_shape){"<tool_call>\n{\"name\": ", ", \"arguments\": ",
-                                     "}\n</tool_call>", true};
+        *out = (moe_chat_call_shape){
+            "<tool_call>\n{\"name\": ", ", \"arguments\": ", "}\n</tool_call>", true};
         return true;
     case MOE_CHAT_FORMAT_LLAMA3:
         *out = (moe_chat_call_shape){"{\"name\": ", ", \"parameters\": ", "}", true};
@@ -131,8 +131,8 @@ bool moe_chat_call_shape_of(moe_chat_format f, moe_chat_call_shape *out) {
                                      "\n```" DS_CALL_END DS_CALLS_END, false};
         return true;
     case MOE_CHAT_FORMAT_DEEPSEEK_V31:
-        *out = (moe_chat_call_shape){DS_CALLS_BEGIN DS_CALL_BEGIN, DS_SEP,
-                                     DS_CALL_END DS_CALLS_END, false};
+        *out = (moe_chat_call_shape){DS_CALLS_BEGIN DS_CALL_BEGIN, DS_SEP, DS_CALL_END DS_CALLS_END,
+                                     false};
         return true;
     case MOE_CHAT_FORMAT_KIMI_K2:
         *out = (moe_chat_call_shape){"<|tool_calls_section_begin|><|tool_call_begin|>functions.",

@@ -18,15 +18,15 @@
 #include "../engine/engine.h"
 #include "chat.h"
 
-#define SCHEMA_MAX_DEPTH 64      /* nested schemas: each level is a C frame */
-#define SCHEMA_MAX_RULES 10000   /* rules generated for one schema */
-#define SCHEMA_INT_DIGITS 15     /* integers without bounds: at most this many digits */
+#define SCHEMA_MAX_DEPTH  64    /* nested schemas: each level is a C frame */
+#define SCHEMA_MAX_RULES  10000 /* rules generated for one schema */
+#define SCHEMA_INT_DIGITS 15    /* integers without bounds: at most this many digits */
 
 typedef struct conv {
-    json_t *root;        /* the whole schema ($ref targets) */
-    moe_strbuf rules;    /* GBNF rules written so far */
+    json_t *root;     /* the whole schema ($ref targets) */
+    moe_strbuf rules; /* GBNF rules written so far */
     uint32_t n_rules;
-    json_t *defined;     /* rule name -> true: written (or being written) */
+    json_t *defined; /* rule name -> true: written (or being written) */
     moe_error *err;
     bool failed;
     uint32_t root_tag; /* which schema root: $ref rules of different roots never mix */
@@ -101,8 +101,8 @@ static const char *use(conv *c, const char *name) {
     for (size_t i = 0; i < sizeof primitives / sizeof *primitives; i++)
         if (strcmp(primitives[i].name, name) == 0) {
             define(c, name, primitives[i].body);
-            static const char *const needs[] = {"ws", "char", "string", "number", "boolean",
-                                                "null", "object", "array", "value"};
+            static const char *const needs[] = {"ws",   "char",   "string", "number", "boolean",
+                                                "null", "object", "array",  "value"};
             for (size_t k = 0; k < sizeof needs / sizeof *needs; k++)
                 if (strstr(primitives[i].body, needs[k])) use(c, needs[k]);
             return name;
@@ -114,10 +114,10 @@ static char *new_rule_name(conv *c, const char *hint) {
     char name[96];
     size_t k = 0;
     for (const char *s = hint; *s && k < 48; s++)
-        name[k++] = (char)((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') ||
-                                   (*s >= '0' && *s <= '9')
-                               ? *s
-                               : '-');
+        name[k++] =
+            (char)((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9')
+                       ? *s
+                       : '-');
     snprintf(name + k, sizeof name - k, "-%u", c->n_rules++);
     return moe_xstrdup(name);
 }
@@ -428,8 +428,7 @@ static void visit_object(conv *c, json_t *s, const char *path, int depth, moe_st
             snprintf(p2, sizeof p2, "%s/additionalProperties", path);
             char *v = visit_rule(c, ap, p2, "map-value", depth);
             const char *str = use(c, "string");
-            moe_strbuf_printf(out,
-                              "\"{\" %s (%s \":\" %s %s (\",\" %s %s \":\" %s %s)*)? \"}\" %s",
+            moe_strbuf_printf(out, "\"{\" %s (%s \":\" %s %s (\",\" %s %s \":\" %s %s)*)? \"}\" %s",
                               use(c, "ws"), str, "ws", v, "ws", str, "ws", v, "ws");
             free(v);
         } else if (json_is_false(ap)) {
@@ -459,8 +458,8 @@ static void visit_object(conv *c, json_t *s, const char *path, int depth, moe_st
         kv[i] = moe_strbuf_take(&b);
         size_t r;
         json_t *rv;
-        json_array_foreach(req, r, rv) if (json_is_string(rv) && !strcmp(json_string_value(rv), key))
-            required[i] = true;
+        json_array_foreach(req, r, rv) if (json_is_string(rv) &&
+                                           !strcmp(json_string_value(rv), key)) required[i] = true;
         i++;
     }
     /* rest_i: properties i.. after one was written (each behind a comma); first_i: none yet */
@@ -559,10 +558,10 @@ static void visit_ref(conv *c, const char *ref, const char *path, int depth, moe
     snprintf(rule, sizeof rule, "ref");
     size_t k = 3;
     for (const char *s = name; *s && k < 100; s++)
-        rule[k++] = (char)((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') ||
-                                   (*s >= '0' && *s <= '9')
-                               ? *s
-                               : '-');
+        rule[k++] =
+            (char)((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9')
+                       ? *s
+                       : '-');
     rule[k] = 0;
     char key[160];
     snprintf(key, sizeof key, "%u#%s#%s", c->root_tag, rule, name);
@@ -581,8 +580,8 @@ static void visit_ref(conv *c, const char *ref, const char *path, int depth, moe
     free(rn);
 }
 
-static void visit_alternatives(conv *c, json_t *list, const char *path, const char *what,
-                               int depth, moe_strbuf *out) {
+static void visit_alternatives(conv *c, json_t *list, const char *path, const char *what, int depth,
+                               moe_strbuf *out) {
     if (!json_is_array(list) || !json_array_size(list)) {
         conv_fail(c, path, "%s: expected a non-empty array", what);
         return;
@@ -659,8 +658,7 @@ static void visit(conv *c, json_t *s, const char *path, int depth, moe_strbuf *o
         }
         moe_strbuf_puts(out, ")");
     } else if ((v = json_object_get(s, "anyOf")) || (v = json_object_get(s, "oneOf"))) {
-        visit_alternatives(c, v, path, json_object_get(s, "anyOf") ? "anyOf" : "oneOf", depth,
-                           out);
+        visit_alternatives(c, v, path, json_object_get(s, "anyOf") ? "anyOf" : "oneOf", depth, out);
     } else if ((v = json_object_get(s, "allOf"))) {
         if (json_is_array(v) && json_array_size(v) == 1)
             visit(c, json_array_get(v, 0), path, depth + 1, out);

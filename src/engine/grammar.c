@@ -929,11 +929,22 @@ static bool partial_possible(const moe_grammar_state *st, uint32_t set, partial 
     uint32_t lo = p.value << (6 * p.missing), hi = lo | ((1u << (6 * p.missing)) - 1);
     if (lo < p.min) lo = p.min;
     if (hi > 0x10FFFF) hi = 0x10FFFF;
-    if (lo > hi) return false;
+    /* the code points this could still become, surrogates (never valid UTF-8) left out */
+    uint32_t span[2][2] = {{lo, hi}, {1, 0}};
+    if (lo <= 0xDFFF && hi >= 0xD800) {
+        span[0][1] = 0xD7FF;
+        span[1][0] = 0xE000;
+        span[1][1] = hi;
+    }
     const uint32_t o = st->set_off[set], n = st->set_off[set + 1] - o;
-    for (uint32_t i = 0; i < n; i++) {
-        const uint32_t top = st->tops[o + i];
-        if (top && class_overlaps(st->g, st->g->el[st->nodes[top].pos].value, lo, hi)) return true;
+    for (int k = 0; k < 2; k++) {
+        if (span[k][0] > span[k][1]) continue;
+        for (uint32_t i = 0; i < n; i++) {
+            const uint32_t top = st->tops[o + i];
+            if (top &&
+                class_overlaps(st->g, st->g->el[st->nodes[top].pos].value, span[k][0], span[k][1]))
+                return true;
+        }
     }
     return false;
 }

@@ -176,7 +176,8 @@ bool serve_chat_force_tool(serve_http *h, serve_api api, serve_chat *chat, const
         size_t i;
         json_t *t;
         json_array_foreach(chat->tools, i, t) {
-            const char *n = json_string_value(json_object_get(json_object_get(t, "function"), "name"));
+            const char *n =
+                json_string_value(json_object_get(json_object_get(t, "function"), "name"));
             found = found || (n && strcmp(n, name) == 0);
         }
         if (!found) SERVE_BAD(h, api, field, "%s: there is no tool named '%s'", field, name);
@@ -192,8 +193,8 @@ bool serve_parse_response_format(serve_http *h, serve_api api, json_t *format, c
     if (!format || json_is_null(format)) return true;
     const char *type = json_string_value(json_object_get(format, "type"));
     if (!json_is_object(format) || !type)
-        SERVE_BAD(h, api, field, "%s: expected {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
-                  field);
+        SERVE_BAD(h, api, field,
+                  "%s: expected {\"type\": \"text\" | \"json_object\" | \"json_schema\"}", field);
     if (strcmp(type, "text") == 0) return true;
     json_decref(chat->response_schema);
     chat->response_schema = NULL;
@@ -205,7 +206,7 @@ bool serve_parse_response_format(serve_http *h, serve_api api, json_t *format, c
         SERVE_BAD(h, api, field, "%s.type: '%s' is not text, json_object or json_schema", field,
                   type);
     json_t *schema = json_object_get(json_object_get(format, "json_schema"), "schema"); /* chat */
-    if (!schema) schema = json_object_get(format, "schema");                            /* Responses */
+    if (!schema) schema = json_object_get(format, "schema"); /* Responses */
     if (!json_is_object(schema) && !json_is_boolean(schema))
         SERVE_BAD(h, api, field, "%s: json_schema needs a schema object", field);
     chat->response_schema = json_incref(schema);

@@ -78,7 +78,7 @@ typedef struct serve_gen {
     uint32_t n_stop;
     bool logprobs; /* report sample logprobs in events */
     bool ignore_eos;
-    moe_grammar *grammar; /* constrained decoding (owned), or NULL */
+    moe_grammar *grammar;    /* constrained decoding (owned), or NULL */
     bool grammar_is_default; /* it is --grammar-file's: a response format replaces it */
 } serve_gen;
 
