@@ -289,6 +289,100 @@ static void schema_errors_name_the_path(void **state) {
     free(g);
 }
 
+/* ==== Forced calls: what the grammar writes, the format's own parser reads back ==== */
+
+static const char *byte_piece(void *ud, int32_t id, size_t *len, bool *eog) {
+    static char bytes[256];
+    (void)ud;
+    *eog = id == 256;
+    *len = id < 256;
+    bytes[id & 255] = (char)id;
+    return bytes + (id & 255);
+}
+
+static void forced_calls_parse_in_every_format(void **state) {
+    (void)state;
+    static const char tools[] =
+        "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{"
+        "\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\",\"maxLength\":6},"
+        "\"days\":{\"type\":\"integer\",\"minimum\":1,\"maximum\":7}},\"required\":[\"city\"]}}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"ping\"}}]";
+    static const moe_chat_format formats[] = {
+        MOE_CHAT_FORMAT_HERMES,      MOE_CHAT_FORMAT_LLAMA3,       MOE_CHAT_FORMAT_MISTRAL,
+        MOE_CHAT_FORMAT_DEEPSEEK_V3, MOE_CHAT_FORMAT_DEEPSEEK_V31, MOE_CHAT_FORMAT_KIMI_K2};
+    moe_grammar_vocab *v = moe_grammar_vocab_new(257, byte_piece, NULL, false);
+    float logits[257];
+    uint64_t rng = 11;
+    for (size_t fi = 0; fi <= sizeof formats / sizeof *formats; fi++) {
+        /* the last round: Hermes behind an open reasoning block, closed by the grammar */
+        const bool thinking = fi == sizeof formats / sizeof *formats;
+        moe_chat_parse_options o = {.format = thinking ? MOE_CHAT_FORMAT_HERMES : formats[fi],
+                                    .tools_json = tools};
+        if (thinking) {
+            o.think_open = "<think>";
+            o.think_close = "</think>";
+            o.reasoning_open = true;
+        }
+        moe_error err = {0};
+        char *src = moe_chat_tool_grammar(&o, tools, NULL, thinking ? "\"</think>\" " : NULL, &err);
+        if (!src) fail_msg("%s: %s", moe_chat_format_name(o.format), err.msg);
+        moe_grammar *g = moe_grammar_parse(src, strlen(src), NULL, &err);
+        if (!g) fail_msg("%s: %s\n%s", moe_chat_format_name(o.format), err.msg, src);
+        for (int run = 0; run < 20; run++) {
+            moe_sampler_params p = {.temperature = 1.0f,
+                                    .top_p = 1,
+                                    .repeat_penalty = 1,
+                                    .seed = (uint64_t)run,
+                                    .grammar = g,
+                                    .grammar_vocab = v};
+            moe_sampler *s = moe_sampler_new(&p, 257);
+            moe_strbuf text = {0};
+            int32_t t = 0;
+            for (int step = 0; step < 4000 && t != 256; step++) {
+                for (int i = 0; i < 257; i++) logits[i] = (float)(moe_rng_uniform(&rng) * 4.0);
+                t = moe_sampler_sample(s, logits).token;
+                if (t < 256) moe_strbuf_putc(&text, (char)t);
+            }
+            assert_int_equal(t, 256); /* the grammar ended it */
+            moe_chat_parser *cp = moe_chat_parser_new(&o, &err);
+            moe_chat_delta d = {0};
+            assert_int_equal(moe_chat_parser_feed(cp, text.s, text.len, &d, &err), MOE_OK);
+            assert_int_equal(moe_chat_parser_finish(cp, &d, &err), MOE_OK);
+            if (d.n_calls != 1 || d.content_len)
+                fail_msg("%s: %zu calls and %zu bytes of content from:\n%s",
+                         moe_chat_format_name(o.format), d.n_calls, d.content_len, text.s);
+            json_t *args = json_loads(d.calls[0].arguments, 0, NULL);
+            assert_true(json_is_object(args));
+            if (strcmp(d.calls[0].name, "get_weather") == 0) {
+                json_t *city = json_object_get(args, "city"), *days = json_object_get(args, "days");
+                assert_true(json_is_string(city));
+                assert_true(!days || (json_is_integer(days) && json_integer_value(days) >= 1 &&
+                                      json_integer_value(days) <= 7));
+            } else {
+                assert_string_equal(d.calls[0].name, "ping");
+            }
+            json_decref(args);
+            moe_chat_delta_clear(&d);
+            moe_chat_parser_free(cp);
+            moe_strbuf_free(&text);
+            moe_sampler_free(s);
+        }
+        moe_grammar_free(g);
+        free(src);
+    }
+    /* formats whose arguments are not one JSON object are refused, by name */
+    moe_chat_parse_options o = {.format = MOE_CHAT_FORMAT_QWEN3_CODER};
+    moe_error err = {0};
+    assert_null(moe_chat_tool_grammar(&o, tools, NULL, NULL, &err));
+    assert_int_equal(err.code, MOE_ERR_UNSUPPORTED);
+    assert_non_null(strstr(err.msg, "qwen3-coder"));
+    o.format = MOE_CHAT_FORMAT_HERMES;
+    err = (moe_error){0};
+    assert_null(moe_chat_tool_grammar(&o, tools, "nope", NULL, &err));
+    assert_string_equal(err.msg, "no tool named 'nope'");
+    moe_grammar_vocab_free(v);
+}
+
 /* ==== Through the server, validated by Python ==== */
 
 /* The held-out schema: nested object through $ref, optional properties, bounded strings, a
@@ -416,6 +510,7 @@ int moe_suite_grammar(void) {
         cmocka_unit_test(masks_match_python),
         cmocka_unit_test(sampler_never_leaves_the_grammar),
         cmocka_unit_test(schema_errors_name_the_path),
+        cmocka_unit_test(forced_calls_parse_in_every_format),
         cmocka_unit_test(structured_output_stories260k),
         cmocka_unit_test(structured_output_parity_model),
     };

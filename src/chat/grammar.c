@@ -76,11 +76,15 @@ static const struct {
     const char *name, *body;
 } primitives[] = {
     {"ws", "| \" \" | \"\\n\" [ \\t]{0,20}"},
-    {"char", "[^\"\\\\\\x7F\\x00-\\x1F] | \"\\\\\" ([\"\\\\/bfnrt] | \"u\" [0-9a-fA-F]{4})"},
+    /* \u escapes: no lone surrogates and no NUL (parsers refuse them) */
+    {"char", "[^\"\\\\\\x7F\\x00-\\x1F] | \"\\\\\" ([\"\\\\/bfnrt] | \"u\" hex-escape)"},
+    {"hex-escape", "[1-9a-cA-CeEfF] [0-9a-fA-F]{3} | [dD] [0-7] [0-9a-fA-F]{2} | \"0\" "
+                   "[1-9a-fA-F] [0-9a-fA-F]{2} | \"00\" [1-9a-fA-F] [0-9a-fA-F] | \"000\" "
+                   "[1-9a-fA-F]"},
     {"string", "\"\\\"\" char* \"\\\"\" ws"},
     {"integer", "\"-\"? ([0-9] | [1-9] [0-9]{0,14}) ws"},
     {"number",
-     "\"-\"? ([0-9] | [1-9] [0-9]{0,14}) (\".\" [0-9]{1,15})? ([eE] [-+]? [0-9]{1,3})? ws"},
+     "\"-\"? ([0-9] | [1-9] [0-9]{0,14}) (\".\" [0-9]{1,15})? ([eE] [-+]? [0-9]{1,2})? ws"},
     {"boolean", "(\"true\" | \"false\") ws"},
     {"null", "\"null\" ws"},
     {"value", "object | array | string | number | boolean | null"},
@@ -101,8 +105,8 @@ static const char *use(conv *c, const char *name) {
     for (size_t i = 0; i < sizeof primitives / sizeof *primitives; i++)
         if (strcmp(primitives[i].name, name) == 0) {
             define(c, name, primitives[i].body);
-            static const char *const needs[] = {"ws",   "char",   "string", "number", "boolean",
-                                                "null", "object", "array",  "value"};
+            static const char *const needs[] = {"ws",      "char", "hex-escape", "string", "number",
+                                                "boolean", "null", "object",     "array",  "value"};
             for (size_t k = 0; k < sizeof needs / sizeof *needs; k++)
                 if (strstr(primitives[i].body, needs[k])) use(c, needs[k]);
             return name;

@@ -235,7 +235,7 @@ static bool chat_grammar(serve_http *h, serve_api api, const serve_chat *chat, s
             if (*s == '"' || *s == '\\') moe_strbuf_putc(&prefix, '\\');
             moe_strbuf_putc(&prefix, *s);
         }
-        moe_strbuf_puts(&prefix, "\" [ \\n]{0,4} ");
+        moe_strbuf_puts(&prefix, "\" "); /* no whitespace after it: that would be content */
     }
     moe_error err = {0};
     char *src = NULL;
