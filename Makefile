@@ -39,7 +39,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan bench bench-grammar fuzz fuzz-jinja format format-check deps fixtures clients help clean
+.PHONY: all test asan bench bench-grammar fuzz fuzz-jinja fuzz-grammar format format-check deps fixtures clients help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -130,6 +130,13 @@ fuzz-jinja: $(FUZZ_JINJA)
 	@mkdir -p fuzz/corpus/jinja fuzz/out
 	./$(FUZZ_JINJA) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 -timeout=30 \
 	  -artifact_prefix=fuzz/out/ fuzz/corpus/jinja ../shared/templates $(wildcard tests/data/jinja)
+
+## fuzz-grammar: libFuzzer + ASan over the GBNF parser, grammar walks and JSON Schema conversion
+FUZZ_GRAMMAR = $(BUILD)/fuzz/grammar
+fuzz-grammar: $(FUZZ_GRAMMAR)
+	@mkdir -p fuzz/corpus/grammar fuzz/out
+	./$(FUZZ_GRAMMAR) -max_total_time=$(FUZZ_SECONDS) -max_len=8192 -rss_limit_mb=4096 -timeout=30 \
+	  -artifact_prefix=fuzz/out/ fuzz/corpus/grammar $(wildcard tests/data/grammar)
 
 ## format: clang-format every C file in place; format-check only reports
 # src/quant/iq_tables.c is generated (scripts/gen_iq_tables.py) and keeps the generator's layout

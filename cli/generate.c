@@ -288,6 +288,8 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
         .stop_len = stop ? strlen(stop) : 0};
     g->text_started = true;
     g->reply_len = 0;
+    moe_grammar_state *grammar = moe_sampler_grammar(g->sampler);
+    if (grammar) moe_grammar_state_reset(grammar); /* each reply is a sentence of its own */
     reply_put(g, "", 0);
     const uint64_t start = g->n_generated;
     int32_t next = -1; /* a token already picked by the last step */

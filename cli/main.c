@@ -11,10 +11,10 @@
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] "
-     "[--spec ngram|none] [--draft N] ..."},
+     "[--spec ngram|none] [--draft N] [--grammar-file F.gbnf] ..."},
     {"chat", moe_cmd_chat, "chat with a model in the terminal",
-     "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "
-     "options]"},
+     "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [--grammar-file "
+     "F.gbnf] [sampling options]"},
     {"logits", moe_cmd_logits, "write the logits of every position of a token-id prompt",
      "MODEL --tokens ID,ID,... [--mtp] [--out FILE.f32] [--kv-type f32|f16] [-t N] [--ctx N]"},
     {"inspect", moe_cmd_inspect,

@@ -150,6 +150,10 @@ static void digits_range(moe_strbuf *b, const char *lo, const char *hi, size_t n
         moe_strbuf_puts(b, "\"\"");
         return;
     }
+    if (strspn(lo, "0") >= n && strspn(hi, "9") >= n) { /* every n-digit string */
+        moe_strbuf_printf(b, "[0-9]{%zu}", n);
+        return;
+    }
     if (lo[0] == hi[0]) {
         moe_strbuf_printf(b, "\"%c\" (", lo[0]);
         digits_range(b, lo + 1, hi + 1, n - 1);
@@ -395,11 +399,22 @@ static bool pattern_grammar(const char *pat, moe_strbuf *out) {
     return !r.bad && r.pos == r.len;
 }
 
+/* The translated pattern is GBNF the engine takes (a reversed range would not be). */
+static bool gbnf_parses(const char *expr) {
+    moe_strbuf b = {0};
+    moe_strbuf_printf(&b, "root ::= %s\n", expr);
+    moe_error err = {0};
+    moe_grammar *g = moe_grammar_parse(b.s, b.len, NULL, &err);
+    moe_strbuf_free(&b);
+    moe_grammar_free(g);
+    return g != NULL;
+}
+
 static void visit_string(conv *c, json_t *s, moe_strbuf *out) {
     const char *pattern = json_string_value(json_object_get(s, "pattern"));
     if (pattern) {
         moe_strbuf inner = {0};
-        if (pattern_grammar(pattern, &inner)) {
+        if (pattern_grammar(pattern, &inner) && gbnf_parses(inner.s)) {
             moe_strbuf_printf(out, "\"\\\"\" %s \"\\\"\" %s", inner.s, use(c, "ws"));
             moe_strbuf_free(&inner);
             return;

@@ -28,6 +28,7 @@
 #define GRAMMAR_MAX_REPEAT     10000 /* {m,n} bounds: each repetition is a copy of the item */
 #define GRAMMAR_MAX_NESTING    256   /* ( ) groups inside each other: each level is a C frame */
 #define GRAMMAR_MAX_EXPAND     4096  /* rule references followed without consuming a character */
+#define GRAMMAR_MAX_STACKS     1024  /* live parses of one text: an ambiguous grammar is cut here */
 #define GRAMMAR_MASK_CACHE_MAX (32u << 20) /* bytes of cached token masks per sequence */
 
 /* ==== Growable arrays ==== */
@@ -279,9 +280,9 @@ static int by_lo(const void *a, const void *b) {
 
 /* Sort and merge ranges[first..] into a class; returns its id. */
 static uint32_t make_class(parser *p, uint32_t first, bool negate) {
-    grange *r = p->ranges + first;
     uint32_t n = p->n_ranges - first, k = 0;
-    qsort(r, n, sizeof *r, by_lo);
+    grange *r = n ? p->ranges + first : NULL;
+    if (n) qsort(r, n, sizeof *r, by_lo);
     for (uint32_t i = 0; i < n; i++) {
         if (k && r[i].lo <= r[k - 1].hi + 1) {
             if (r[i].hi > r[k - 1].hi) r[k - 1].hi = r[i].hi;
@@ -315,7 +316,7 @@ static void repeat_last(parser *p, uint32_t rule, uint32_t start, uint32_t min, 
     prule *r = &p->rules[rule];
     const uint32_t n_item = r->n - start;
     gelem *item = moe_xmalloc(sizeof(gelem) * (n_item ? n_item : 1));
-    memcpy(item, r->el + start, sizeof(gelem) * n_item);
+    if (n_item) memcpy(item, r->el + start, sizeof(gelem) * n_item);
     p->rules[rule].n = start;
     for (uint32_t k = 0; k < min && !p->failed; k++)
         for (uint32_t i = 0; i < n_item; i++) push(p, rule, item[i].type, item[i].value);
@@ -588,7 +589,7 @@ static moe_grammar *flatten(parser *p, uint32_t root) {
     g->rule_start = moe_xmalloc(sizeof(uint32_t) * p->n_rules);
     for (uint32_t r = 0; r < p->n_rules; r++) {
         g->rule_start[r] = g->n_el;
-        memcpy(g->el + g->n_el, p->rules[r].el, sizeof(gelem) * p->rules[r].n);
+        if (p->rules[r].n) memcpy(g->el + g->n_el, p->rules[r].el, sizeof(gelem) * p->rules[r].n);
         g->n_el += p->rules[r].n;
         g->el[g->n_el++] = (gelem){G_END, 0};
     }
@@ -786,8 +787,10 @@ struct moe_grammar_state {
     uint32_t n_tops, cap_tops;
     uint32_t *set_off;
     uint32_t n_sets, cap_sets;
-    umap set_ids;    /* hash of the tops -> set (collisions chained by rehash below) */
-    umap trans;      /* (set, code point) -> set or DEAD */
+    umap set_ids; /* hash of the tops -> set (collisions chained by rehash below) */
+    umap trans;   /* (set, code point) -> set or DEAD */
+    umap seen;    /* (pos, parent) -> the closure that expanded it (each once per closure) */
+    uint32_t closure;
     umap mask_ids;   /* state key -> mask slot */
     uint64_t *masks; /* [n_masks][words] allowed tokens */
     uint32_t n_masks, cap_masks, words;
@@ -825,6 +828,12 @@ static void expand_rule(moe_grammar_state *st, uint32_t rule, uint32_t parent, i
 
 /* Every stack top reachable from element pos (under parent) without reading a character. */
 static void expand(moe_grammar_state *st, uint32_t pos, uint32_t parent, int depth) {
+    /* what (pos, parent) reaches does not depend on how we got here: once per closure, or
+     * nullable alternatives would be followed exponentially often */
+    const uint64_t key = (uint64_t)pos << 32 | parent;
+    uint32_t when;
+    if (umap_get(&st->seen, key, &when) && when == st->closure) return;
+    umap_put(&st->seen, key, st->closure);
     const gelem *el = st->g->el;
     while (is_end(el[pos])) { /* this sequence is done: continue where its rule was called */
         if (!parent) {
@@ -868,7 +877,7 @@ static uint32_t intern_scratch(moe_grammar_state *st) {
     uint32_t *t = st->scratch;
     qsort(t, n, sizeof *t, cmp_u32);
     uint32_t k = 0;
-    for (uint32_t i = 0; i < n; i++)
+    for (uint32_t i = 0; i < n && k < GRAMMAR_MAX_STACKS; i++)
         if (!k || t[i] != t[k - 1]) t[k++] = t[i];
     uint64_t h = 0x9e3779b97f4a7c15ull ^ k;
     for (uint32_t i = 0; i < k; i++) h = mix64(h ^ t[i]);
@@ -914,6 +923,7 @@ static uint32_t transition(moe_grammar_state *st, uint32_t set, uint32_t cp) {
     uint32_t out;
     if (umap_get(&st->trans, key, &out)) return out;
     const uint32_t o = st->set_off[set], n = st->set_off[set + 1] - o;
+    st->closure++;
     for (uint32_t i = 0; i < n; i++) {
         const uint32_t top = st->tops[o + i];
         if (!top) continue;
@@ -980,6 +990,7 @@ moe_grammar_state *moe_grammar_state_new(const moe_grammar *g, const moe_grammar
     st->nodes[st->n_nodes++] = (gnode){0, 0};
     GROW(st->set_off, st->n_sets, st->cap_sets, 1);
     st->set_off[0] = 0;
+    st->closure = 1;
     expand_rule(st, g->root, 0, 0);
     st->initial_set = intern_scratch(st);
     moe_grammar_state_reset(st);
@@ -1001,6 +1012,7 @@ void moe_grammar_state_free(moe_grammar_state *st) {
     free(st->set_off);
     umap_free(&st->set_ids);
     umap_free(&st->trans);
+    umap_free(&st->seen);
     umap_free(&st->mask_ids);
     free(st->masks);
     free(st->scratch);
