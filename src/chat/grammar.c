@@ -573,23 +573,15 @@ static void visit_ref(conv *c, const char *ref, const char *path, int depth, moe
         conv_fail(c, path, "$ref '%s' points at nothing", ref);
         return;
     }
-    char rule[128];
-    snprintf(rule, sizeof rule, "ref");
-    size_t k = 3;
-    for (const char *s = name; *s && k < 100; s++)
-        rule[k++] =
-            (char)((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9')
-                       ? *s
-                       : '-');
-    rule[k] = 0;
-    char key[160];
-    snprintf(key, sizeof key, "%u#%s#%s", c->root_tag, rule, name);
+    char key[300], hint[128];
+    snprintf(key, sizeof key, "%u#ref#%s", c->root_tag, name); /* rule names never hold '#' */
+    snprintf(hint, sizeof hint, "ref-%s", name);
     json_t *known = json_object_get(c->defined, key);
     if (known) {
         moe_strbuf_puts(out, json_string_value(known));
         return;
     }
-    char *rn = new_rule_name(c, rule);
+    char *rn = new_rule_name(c, hint);
     json_object_set_new(c->defined, key, json_string(rn)); /* before: recursion refers to it */
     moe_strbuf body = {0};
     visit(c, target, ref, depth + 1, &body);
