@@ -175,8 +175,8 @@ static void masks_match_python(void **state) {
     print_message("    %u steps over 24 walks (%u tokens ended inside a character):\n", n_steps,
                   n_partial);
     print_lines(out);
-    if (rc != 0) fail_msg("python's masks differ (exit %d)", rc);
     free(out);
+    if (rc != 0) fail_msg("python's masks differ (exit %d)", rc);
     assert_true(n_partial > 0);
     moe_grammar_vocab_free(v);
     moe_grammar_free(g);
@@ -432,7 +432,7 @@ static const char serve_cases[] =
      * max_tokens is excused (at least one must finish) */
     "{\"name\":\"json_object\",\"kind\":\"content\",\"n\":10,\"allow_length\":true,\"schema\":{"
     "\"type\":\"object\"},"
-    "\"request\":{\"messages\":" USER_MSG ",\"temperature\":1,\"max_tokens\":1500,"
+    "\"request\":{\"messages\":" USER_MSG ",\"temperature\":1,\"max_tokens\":600,"
     "\"response_format\":{\"type\":\"json_object\"}}},"
     /* Responses API text.format */
     "{\"name\":\"responses_text_format\",\"kind\":\"responses\",\"n\":5,\"path\":\"/v1/responses\","
@@ -490,8 +490,8 @@ static void served_by(const char *model_rel) {
     char *out;
     const int rc = moe_test_run(cmd, &out);
     print_lines(out);
-    if (rc != 0) fail_msg("structured output on %s failed (exit %d)", model_rel, rc);
     free(out);
+    if (rc != 0) fail_msg("structured output on %s failed (exit %d)", model_rel, rc);
 }
 
 static void structured_output_stories260k(void **state) {
