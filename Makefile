@@ -39,7 +39,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan bench bench-grammar fuzz fuzz-jinja fuzz-grammar format format-check deps fixtures clients help clean
+.PHONY: all test asan bench bench-grammar fuzz fuzz-jinja fuzz-safetensors fuzz-grammar format format-check deps fixtures clients help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -138,6 +138,15 @@ fuzz-grammar: $(FUZZ_GRAMMAR)
 	./$(FUZZ_GRAMMAR) -max_total_time=$(FUZZ_SECONDS) -max_len=8192 -rss_limit_mb=4096 -timeout=30 \
 	  -artifact_prefix=fuzz/out/ fuzz/corpus/grammar $(wildcard tests/data/grammar)
 
+## fuzz-safetensors: libFuzzer + ASan over the safetensors reader for FUZZ_SECONDS
+# Seeds: tests/data/safetensors (small valid files and past crashes); the corpus grows in
+# fuzz/corpus/safetensors.
+FUZZ_ST = $(BUILD)/fuzz/safetensors
+fuzz-safetensors: $(FUZZ_ST)
+	@mkdir -p fuzz/corpus/safetensors fuzz/out
+	./$(FUZZ_ST) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 \
+	  -artifact_prefix=fuzz/out/ -print_final_stats=1 fuzz/corpus/safetensors tests/data/safetensors
+
 ## format: clang-format every C file in place; format-check only reports
 # src/quant/iq_tables.c is generated (scripts/gen_iq_tables.py) and keeps the generator's layout
 FORMAT_FILES = $(filter-out src/quant/iq_tables.c,$(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c))
@@ -147,11 +156,12 @@ format-check:
 	clang-format --dry-run --Werror $(FORMAT_FILES)
 
 ## deps: install the Debian packages the build and tests need (run as root)
+# python3-numpy: the safetensors / repack suites' reference checks (tests/qat_checkpoint.py)
 # nginx: the HTTP server with range support the audit suite serves models from on loopback;
 # chromium: the headless browser it renders `moe budget --svg` in;
 # python3-regex, python3-jsonschema: the grammar suite's references (partial regex matches, schema validation)
 DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
-  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 python3-regex \
+  libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 python3-numpy python3-regex \
   python3-jsonschema nginx chromium
 # Node.js + npm (the SDK clients, the npm tokenizers) only when absent: a machine with a newer
 # Node (nodesource's, which bundles npm) must not get Debian's npm, which would downgrade it.

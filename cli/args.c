@@ -97,6 +97,33 @@ bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_typ
     return false;
 }
 
+bool moe_arg_size(const char *cmd, const char *flag, const char *text, uint64_t *out) {
+    char *end;
+    errno = 0;
+    const double v = text ? strtod(text, &end) : 0;
+    static const char units[] = "KMGT";
+    double scale = 1;
+    bool ok = text && !errno && end != text && isfinite(v) && v > 0;
+    if (ok && *end) {
+        const char *u = strchr(units, *end & ~0x20); /* K, M, G, T in either case */
+        ok = u && *end;
+        if (ok) {
+            for (const char *k = units; k <= u; k++) scale *= 1024;
+            end++;
+            if (*end == 'i') end++;
+            if (*end == 'B' || *end == 'b') end++;
+            ok = !*end;
+        }
+    }
+    if (!ok || v * scale >= 18e18) {
+        moe_cli_usage_error(cmd, "%s expects a size such as 512M, 12G or 1.5T, got '%s'", flag,
+                            text ? text : "(nothing)");
+        return false;
+    }
+    *out = (uint64_t)(v * scale);
+    return true;
+}
+
 int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i) {
     const char *flag = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     long long n;
@@ -108,11 +135,28 @@ int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **
         a->n_threads = (int)n;
     } else if (strcmp(flag, "--kv-type") == 0) {
         if (!moe_arg_kv_type(cmd, v, false, &a->kv_type)) return -1;
+    } else if (strcmp(flag, "--expert-cache") == 0) {
+        if (!moe_arg_size(cmd, flag, v, &a->expert_cache_bytes)) return -1;
+    } else if (strcmp(flag, "--expert-stats") == 0 || strcmp(flag, "--pin-experts") == 0) {
+        if (!v) {
+            moe_cli_usage_error(cmd, "%s needs a file name", flag);
+            return -1;
+        }
+        *(flag[2] == 'e' ? &a->expert_stats : &a->pin_experts) = v;
     } else {
         return 0;
     }
     ++*i;
     return 1;
+}
+
+bool moe_engine_args_check(const char *cmd, const moe_engine_args *a) {
+    if ((a->expert_stats || a->pin_experts) && !a->expert_cache_bytes) {
+        moe_cli_usage_error(cmd, "%s needs --expert-cache SIZE",
+                            a->expert_stats ? "--expert-stats" : "--pin-experts");
+        return false;
+    }
+    return true;
 }
 
 char *moe_cli_read_grammar(const char *cmd, const char *path) {

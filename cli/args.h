@@ -28,14 +28,23 @@ bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_typ
 
 /* The engine options of run, chat, logits, serve and bench. The caller sets the defaults. */
 typedef struct moe_engine_args {
-    uint32_t n_ctx;   /* --ctx: positions per sequence (0: the model's, capped) */
-    int n_threads;    /* -t, --threads */
-    moe_type kv_type; /* --kv-type: KV cache elements, MOE_TYPE_F32 or MOE_TYPE_F16 */
+    uint32_t n_ctx;              /* --ctx: positions per sequence (0: the model's, capped) */
+    int n_threads;               /* -t, --threads */
+    moe_type kv_type;            /* --kv-type: KV cache elements, MOE_TYPE_F32 or MOE_TYPE_F16 */
+    uint64_t expert_cache_bytes; /* --expert-cache SIZE: routed experts read on demand into a
+                                  * cache of this size (0: all resident) */
+    const char *expert_stats;    /* --expert-stats FILE: the cache's use counts across runs */
+    const char *pin_experts;     /* --pin-experts FILE: experts the cache always holds */
 } moe_engine_args;
+
+/* A byte size: a positive number with an optional binary unit K, M, G or T (KiB, GB, ...). */
+bool moe_arg_size(const char *cmd, const char *flag, const char *text, uint64_t *out);
 
 /* argv[*i] if it is one of them: 1 consumed (*i moved past its value), 0 not one of them, -1 a
  * usage error (reported). */
 int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i);
+/* Once every flag is in: combinations that need another flag (reported; false). */
+bool moe_engine_args_check(const char *cmd, const moe_engine_args *a);
 
 /* A GBNF grammar file's text (malloc'd), checked to parse; NULL after printing why. */
 char *moe_cli_read_grammar(const char *cmd, const char *path);

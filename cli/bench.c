@@ -23,6 +23,8 @@ static const char usage_text[] =
     "  --stream-steps N  decode steps per batched test (default 32)\n"
     "  --probe-mib N     bandwidth probe buffer (default 512)\n"
     "  --kv-type f16|f32 KV cache element type (default f16)\n"
+    "  --expert-cache SIZE  routed experts read on demand into a cache of SIZE; reports the\n"
+    "                    decode's hit rate and disk bytes per token beside a disk probe\n"
     "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
     "  --csv | --json    machine-readable output\n";
 
@@ -44,6 +46,20 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
            r->active_bytes_per_token / 1e6, (r->dense_bytes + r->embd_row_bytes) / 1e6,
            r->experts_per_token * r->moe_layers * r->expert_bytes / 1e6, r->experts_per_token,
            r->n_expert, r->moe_layers, r->expert_bytes / 1e6, r->isa, r->threads);
+    const moe_expert_cache_stats *cs = &r->tg_cache;
+    if (cs->slots && r->tg_cache_tokens > 0) {
+        const double per_tok = (double)cs->bytes_read / 1048576.0 / r->tg_cache_tokens;
+        printf("expert cache: %u experts of %.2f MiB (%.0f%% of the %u x %u), decode: hit rate "
+               "%.1f%%, %.2f MiB from disk per token, %.1f ms per token waiting for reads at "
+               "%.0f MiB/s; disk probe: %.0f MiB/s%s, so the disk alone allows %.1f tok/s\n",
+               cs->slots, (double)cs->slot_bytes / 1048576.0,
+               100.0 * cs->slots / ((double)r->moe_layers * r->n_expert), r->moe_layers,
+               r->n_expert, 100.0 * (double)cs->hits / (double)(cs->hits + cs->misses + !cs->hits),
+               per_tok, 1e3 * cs->read_seconds / r->tg_cache_tokens,
+               cs->read_seconds > 0 ? (double)cs->bytes_read / 1048576.0 / cs->read_seconds : 0.0,
+               r->disk_mib_s, r->disk_direct ? " (O_DIRECT)" : " (through the page cache)",
+               per_tok > 0 ? r->disk_mib_s / per_tok : 0.0);
+    }
     printf("%-12s %10s %19s %11s %8s %8s  isa, threads  [%s, %d threads]\n", "test", "tok/s",
            "range", "per stream", "GB/s", "% probe", r->isa, r->threads);
     const struct {
@@ -232,6 +248,7 @@ int moe_cmd_bench(int argc, char **argv) {
         return moe_cli_usage_error("bench", "--ctx: bench sizes its context from --pp and --tg");
     p.n_threads = engine.n_threads;
     p.kv_type = engine.kv_type;
+    p.expert_cache_bytes = engine.expert_cache_bytes;
     p.probe_bytes = (size_t)probe_mib << 20;
     if (csv && json) return moe_cli_usage_error("bench", "--csv and --json exclude each other");
     moe_bench_result r;

@@ -135,6 +135,17 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
         fputc('\n', out);
     }
     fprintf(out, "  %-20s %14s\n", "total", human(p->device_total_max, a, sizeof a));
+    if (c->expert_cache && m->n_expert) {
+        const uint64_t routed = m->weights[MOE_ROLE_ROUTED_EXPERTS];
+        const double per_tok = (double)p->expert_bytes_per_token / 1048576.0;
+        fprintf(out,
+                "expert cache: %s of the %s of routed experts resident (%.0f%%), the rest read "
+                "from the file; a token runs %.1f MiB of experts: from disk per token %.1f / "
+                "%.1f / %.1f MiB at hit rates 50 / 80 / 95%%\n",
+                human(p->device[MOE_ROLE_ROUTED_EXPERTS], a, sizeof a), human(routed, b, sizeof b),
+                routed ? 100.0 * (double)p->device[MOE_ROLE_ROUTED_EXPERTS] / (double)routed : 0.0,
+                per_tok, 0.5 * per_tok, 0.2 * per_tok, 0.05 * per_tok);
+    }
     print_fit(out, m, p);
 }
 
@@ -219,6 +230,7 @@ static void print_json(FILE *out, const moe_budget_model *const *m, const moe_bu
             moe_json_kv_uint(&j, "k_values", mm->k_values[l]);
             moe_json_kv_uint(&j, "v_values", mm->v_values[l]);
             moe_json_kv_uint(&j, "state_values", mm->state_values[l]);
+            moe_json_kv_uint(&j, "index_values", mm->index_values[l]);
             moe_json_object_end(&j);
         }
         moe_json_array_end(&j);
@@ -300,6 +312,9 @@ int moe_cmd_budget(int argc, char **argv) {
             i++;
         } else if (!strcmp(a, "--kv-type")) {
             if (!moe_arg_kv_type("budget", v, true, &c.kv_type)) return 2;
+            i++;
+        } else if (!strcmp(a, "--expert-cache")) {
+            if (!moe_arg_size("budget", a, v, &c.expert_cache)) return 2;
             i++;
         } else if (!strcmp(a, "--svg")) {
             if (!v) return moe_cli_usage_error("budget", "--svg needs a file name");

@@ -89,6 +89,7 @@ int moe_cmd_chat(int argc, char **argv) {
             return moe_cli_usage_error("chat", "unexpected argument '%s'", argv[i]);
     }
     moe_gen g;
+    if (!moe_engine_args_check("chat", &o.engine)) return 2;
     if (!moe_gen_open(&g, &o, "chat")) return 1;
     moe_error err = {0};
     bool builtin;

@@ -22,6 +22,8 @@ int moe_cmd_synth(int argc, char **argv);
 int moe_cmd_template(int argc, char **argv);
 int moe_cmd_serve(int argc, char **argv);
 int moe_cmd_bench(int argc, char **argv);
+int moe_cmd_repack(int argc, char **argv);
+int moe_cmd_eval(int argc, char **argv);
 
 int moe_cli_usage_error(const char *cmd, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));

@@ -67,13 +67,18 @@ int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **a
     const int engine = moe_engine_args_parse(cmd, &o->engine, argc, argv, i);
     if (engine) return engine;
     if (strcmp(a, "--spec") == 0) {
-        if (!v || (strcmp(v, "ngram") != 0 && strcmp(v, "none") != 0)) {
-            moe_cli_usage_error(cmd, "--spec expects ngram or none, got '%s'", v ? v : "(nothing)");
-            return -1;
-        }
-        o->spec_ngram = strcmp(v, "ngram") == 0;
-        ++*i;
-        return 1;
+        static const char *const kinds[] = {[MOE_GEN_SPEC_NONE] = "none",
+                                            [MOE_GEN_SPEC_NGRAM] = "ngram",
+                                            [MOE_GEN_SPEC_MTP] = "mtp"};
+        for (int k = 0; v && k < 3; k++)
+            if (strcmp(v, kinds[k]) == 0) {
+                o->spec = (moe_gen_spec)k;
+                ++*i;
+                return 1;
+            }
+        moe_cli_usage_error(cmd, "--spec expects ngram, mtp or none, got '%s'",
+                            v ? v : "(nothing)");
+        return -1;
     }
     if (strcmp(a, "--grammar-file") == 0) {
         if (!v) {
@@ -97,7 +102,9 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     char *path = moe_arg_model_path(cmd, o->model_path);
     if (!path) return false;
     g->model = moe_model_load(path, &err);
-    if (g->model) g->tok = moe_tokenizer_from_gguf(g->model->gguf, &err);
+    if (g->model && o->engine.expert_cache_bytes) /* the rest resident, the experts on demand */
+        moe_gguf_to_memory_except(g->model->gguf, NULL, moe_model_is_routed, g->model, NULL, &err);
+    if (g->model && !err.code) g->tok = moe_tokenizer_from_gguf(g->model->gguf, &err);
     if (g->tok && moe_tokenizer_n_vocab(g->tok) != g->model->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(g->tok), g->model->cfg.n_vocab);
@@ -106,8 +113,11 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                              .n_seq = 1,
                              .max_rows = PREFILL_CHUNK,
                              .kv_type = o->engine.kv_type,
+                             .expert_cache_bytes = o->engine.expert_cache_bytes,
+                             .expert_stats = o->engine.expert_stats,
+                             .pin_experts = o->engine.pin_experts,
                              .n_threads = o->engine.n_threads,
-                             .n_verify = o->spec_ngram ? o->n_draft + 1 : 0};
+                             .n_verify = o->spec ? o->n_draft + 1 : 0};
         g->ctx = moe_ctx_new(g->model, &cp, &err);
         moe_ctx_memory mem;
         if (g->ctx && moe_ctx_memory_plan(g->model, &cp, &mem, &err) == MOE_OK)
@@ -118,6 +128,11 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                     mem.recurrent_bytes / 1048576.0, mem.recurrent_bytes_per_seq / 1024.0,
                     mem.snapshot_bytes / 1048576.0);
     }
+    if (!err.code && o->spec == MOE_GEN_SPEC_MTP && !g->model->n_layer_mtp)
+        moe_error_set(&err, MOE_ERR_UNSUPPORTED,
+                      "--spec mtp: %s has no multi-token-prediction layer moe can run "
+                      "(--spec ngram drafts without one)",
+                      path);
     free(path);
     if (err.code) {
         fprintf(stderr, "moe %s: %s\n", cmd, err.msg);
@@ -143,6 +158,12 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     g->verify = moe_xmalloc(sizeof(float) * (o->n_draft + 1) * n_vocab);
     g->hist = moe_xmalloc(sizeof(int32_t) * (moe_ctx_n_ctx(g->ctx) + 1));
     g->rows = moe_xmalloc(sizeof(moe_row) * PREFILL_CHUNK);
+    if (o->spec == MOE_GEN_SPEC_MTP) {
+        const uint32_t pending = PREFILL_CHUNK + o->n_draft + 1; /* a step's rows, then a chunk */
+        g->mtp_h = moe_xmalloc(sizeof(float) * pending * g->model->cfg.n_embd);
+        g->mtp_tok = moe_xmalloc(sizeof(int32_t) * pending);
+        g->mtp_logits = moe_xmalloc(sizeof(float) * n_vocab);
+    }
     g->load_seconds = now_seconds() - t0;
     return true;
 }
@@ -169,7 +190,30 @@ void moe_gen_close(moe_gen *g) {
     free(g->verify);
     free(g->hist);
     free(g->rows);
+    free(g->mtp_h);
+    free(g->mtp_tok);
+    free(g->mtp_logits);
     memset(g, 0, sizeof *g);
+}
+
+/* --spec mtp: the last call's first n rows (fed ids[0..n)) join the hidden states the MTP cache
+ * lacks; all but the newest, whose follower is not known yet, are fed to it now. */
+static bool mtp_take(moe_gen *g, const int32_t *ids, uint32_t n, moe_error *err) {
+    const uint32_t n_embd = g->model->cfg.n_embd;
+    uint32_t n_h;
+    const float *h = moe_ctx_hidden(g->ctx, &n_h);
+    if (g->mtp_pending) g->mtp_tok[g->mtp_pending - 1] = ids[0];
+    memcpy(g->mtp_h + (size_t)g->mtp_pending * n_embd, h, sizeof(float) * n * n_embd);
+    for (uint32_t i = 0; i + 1 < n; i++) g->mtp_tok[g->mtp_pending + i] = ids[i + 1];
+    g->mtp_pending += n;
+    const uint32_t ready = g->mtp_pending - 1;
+    if (ready &&
+        !moe_draft_mtp(g->ctx, 0, g->mtp_h, g->mtp_tok, ready, 0, NULL, g->mtp_logits, err) &&
+        err->code)
+        return false;
+    memmove(g->mtp_h, g->mtp_h + (size_t)ready * n_embd, sizeof(float) * n_embd);
+    g->mtp_pending = 1;
+    return true;
 }
 
 bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
@@ -185,6 +229,7 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
             moe_sampler_accept(g->sampler, ids[done + r]);
         }
         if (moe_ctx_decode(g->ctx, g->rows, chunk, g->logits, err) != MOE_OK) return false;
+        if (g->mtp_h && !mtp_take(g, ids + done, chunk, err)) return false;
         done += chunk;
     }
     g->n_prompt += n;
@@ -229,7 +274,7 @@ static emit_result emit(moe_gen *g, emitter *e, int32_t token, moe_error *err) {
                : EMIT_ON;
 }
 
-/* Feed `token` and, with --spec ngram, the drafts that follow it, then choose what comes next.
+/* Feed `token` and, with --spec, the drafts that follow it, then choose what comes next.
  * The sampler picks from each verify row in turn exactly as it would one step at a time; a draft
  * is kept while it equals the pick (for a draft that is one token, not a distribution, this is
  * the accept/reject rule: the output is the one plain decoding makes, at any temperature). The
@@ -241,19 +286,28 @@ static emit_result step(moe_gen *g, emitter *e, int32_t token, int64_t budget, i
     const uint32_t len = moe_ctx_seq_len(c, 0), n_vocab = g->model->cfg.n_vocab;
     int32_t drafts[MOE_GEN_MAX_DRAFT];
     uint32_t n_draft = 0, room = moe_ctx_n_ctx(c) - len - 1;
-    if (g->opt.spec_ngram && budget > 1) {
+    uint32_t want = g->opt.n_draft < room ? g->opt.n_draft : room;
+    if (budget >= 0 && budget <= 1) want = 0;
+    if (budget > 1 && (uint64_t)budget - 1 < want) want = (uint32_t)(budget - 1);
+    if (g->opt.spec == MOE_GEN_SPEC_NGRAM && want) {
         memcpy(g->hist, moe_ctx_seq_tokens(c, 0), sizeof(int32_t) * len);
         g->hist[len] = token;
-        uint32_t want = g->opt.n_draft < room ? g->opt.n_draft : room;
-        if (budget >= 0 && (uint64_t)budget - 1 < want) want = (uint32_t)(budget - 1);
         n_draft = moe_draft_ngram(g->hist, len + 1, want, drafts);
+    } else if (g->mtp_h && g->mtp_pending && want) { /* the head catches up, then drafts */
+        g->mtp_tok[g->mtp_pending - 1] = token;
+        n_draft = moe_draft_mtp(c, 0, g->mtp_h, g->mtp_tok, g->mtp_pending, want, drafts,
+                                g->mtp_logits, err);
+        if (!n_draft && err->code) return EMIT_ERROR;
+        g->mtp_pending = 0;
     }
     *next = -1;
     g->n_steps++;
     moe_row rows[MOE_GEN_MAX_DRAFT + 1];
     rows[0] = (moe_row){0, (int32_t)len, token, true};
-    if (!n_draft)
-        return moe_ctx_decode(c, rows, 1, g->logits, err) == MOE_OK ? EMIT_ON : EMIT_ERROR;
+    if (!n_draft) {
+        if (moe_ctx_decode(c, rows, 1, g->logits, err) != MOE_OK) return EMIT_ERROR;
+        return !g->mtp_h || mtp_take(g, &token, 1, err) ? EMIT_ON : EMIT_ERROR;
+    }
     for (uint32_t i = 0; i < n_draft; i++)
         rows[i + 1] = (moe_row){0, (int32_t)(len + 1 + i), drafts[i], true};
     if (moe_ctx_verify(c, rows, n_draft + 1, g->verify, err) != MOE_OK) return EMIT_ERROR;
@@ -271,6 +325,13 @@ static emit_result step(moe_gen *g, emitter *e, int32_t token, int64_t budget, i
         r = emit(g, e, pick, err);
         if (r != EMIT_ON) break; /* as plain decoding, a token that ends generation is not fed */
         kept++;
+    }
+    if (g->mtp_h) { /* the kept rows' states: fed to the head at the next step */
+        const uint32_t n_embd = g->model->cfg.n_embd;
+        uint32_t n_h;
+        memcpy(g->mtp_h, moe_ctx_hidden(c, &n_h), sizeof(float) * (kept + 1) * n_embd);
+        memcpy(g->mtp_tok, drafts, sizeof(int32_t) * kept);
+        g->mtp_pending = kept + 1;
     }
     if (kept < n_draft && moe_ctx_seq_accept(c, 0, kept + 1, err) != MOE_OK) return EMIT_ERROR;
     if (kept == n_draft)
@@ -325,8 +386,22 @@ void moe_gen_print_stats(const moe_gen *g) {
         g->prompt_seconds > 0 ? (double)g->n_prompt / g->prompt_seconds : 0.0,
         (unsigned long long)g->n_generated,
         g->gen_seconds > 0 ? (double)g->n_generated / g->gen_seconds : 0.0, g->load_seconds * 1e3);
-    if (!g->opt.spec_ngram || !g->n_steps) return;
-    fprintf(stderr, "spec ngram: %.2f tokens per step, drafts accepted by position:",
+    const moe_expert_cache_stats cs = moe_ctx_expert_cache_stats(g->ctx);
+    if (cs.slots) {
+        const uint64_t acquired = cs.hits + cs.misses, tokens = g->n_prompt + g->n_generated;
+        fprintf(stderr,
+                "expert cache: %u experts of %.2f MiB, hit rate %.1f%%, %.1f MiB read from disk "
+                "(%.2f MiB per token) at %.0f MiB/s%s, %.0f ms waiting for it\n",
+                cs.slots, (double)cs.slot_bytes / 1048576.0,
+                acquired ? 100.0 * (double)cs.hits / (double)acquired : 0.0,
+                (double)cs.bytes_read / 1048576.0,
+                tokens ? (double)cs.bytes_read / 1048576.0 / (double)tokens : 0.0,
+                cs.read_seconds > 0 ? (double)cs.bytes_read / 1048576.0 / cs.read_seconds : 0.0,
+                cs.direct ? " (O_DIRECT)" : "", cs.read_seconds * 1e3);
+    }
+    if (!g->opt.spec || !g->n_steps) return;
+    fprintf(stderr, "spec %s: %.2f tokens per step, drafts accepted by position:",
+            g->opt.spec == MOE_GEN_SPEC_MTP ? "mtp" : "ngram",
             (double)g->n_generated / (double)g->n_steps);
     for (uint32_t i = 0; i < g->opt.n_draft && g->drafted[i]; i++)
         fprintf(stderr, " %.0f%% of %llu", 100.0 * (double)g->accepted[i] / (double)g->drafted[i],

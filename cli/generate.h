@@ -11,6 +11,12 @@
 #include "../src/text/text.h"
 #include "args.h"
 
+typedef enum moe_gen_spec {
+    MOE_GEN_SPEC_NONE,
+    MOE_GEN_SPEC_NGRAM, /* prompt lookup: the tokens after an earlier occurrence of the suffix */
+    MOE_GEN_SPEC_MTP,   /* the model's own multi-token-prediction head */
+} moe_gen_spec;
+
 typedef struct moe_gen_options {
     const char *model_path; /* NULL: the built-in demo model */
     int64_t n_predict;      /* tokens to generate (< 0: until end of generation or context) */
@@ -18,7 +24,7 @@ typedef struct moe_gen_options {
     moe_sampler_params sampling;
     bool print_ids;           /* show ids instead of text */
     bool ignore_eos;          /* keep going past end-of-generation tokens */
-    bool spec_ngram;          /* --spec ngram: speculative decoding with prompt-lookup drafts */
+    moe_gen_spec spec;        /* --spec: where speculative drafts come from */
     uint32_t n_draft;         /* --draft N: drafts per step (default 3) */
     const char *grammar_file; /* --grammar-file: constrain the output to this GBNF grammar */
 } moe_gen_options;
@@ -35,8 +41,15 @@ typedef struct moe_gen {
     moe_grammar_vocab *grammar_vocab; /* the tokenizer's trie, with a grammar */
     float *logits;                    /* [n_vocab] the next token's */
     float *verify;                    /* [n_draft + 1][n_vocab] a verify step's rows */
-    int32_t *hist;     /* [n_ctx + 1] the sequence's tokens and the one about to be fed */
-    moe_row *rows;     /* [chunk] prefill rows */
+    int32_t *hist; /* [n_ctx + 1] the sequence's tokens and the one about to be fed */
+    moe_row *rows; /* [chunk] prefill rows */
+    /* --spec mtp: the trunk's hidden states the MTP head's cache still lacks (positions from its
+     * length to the sequence's), and the tokens that followed them; the last one's follower is
+     * the token about to be fed */
+    float *mtp_h;     /* [chunk + n_draft + 1][n_embd] */
+    int32_t *mtp_tok; /* [chunk + n_draft + 1] */
+    uint32_t mtp_pending;
+    float *mtp_logits; /* [n_vocab] the head's scratch */
     bool text_started; /* some text of this sequence was shown (keeps SPM's leading space) */
     char *reply;       /* [reply_len] the text the last moe_gen_run showed */
     size_t reply_len, reply_cap;

@@ -1,5 +1,5 @@
-/* inspect.c: `moe inspect FILE|SHARD|URL [--json | --formats]` -- what is in a GGUF file, byte by
- * byte.
+/* inspect.c: `moe inspect FILE|SHARD|URL|CHECKPOINT [--json | --formats]` -- what is in a GGUF
+ * file or a safetensors checkpoint (a file, an index or a directory), byte by byte.
  *
  * Parses arguments, opens the model (every shard of a split; by HTTP range requests for a URL,
  * then the request count is the last line), asks tools/ for the analysis and prints it as text
@@ -189,11 +189,13 @@ static void print_plan(FILE *out, const moe_inspect_plan *p) {
             fprintf(out, " %u %s,", p->kind_count[k], moe_layer_kind_name((moe_layer_kind)k));
     fprintf(out, " FFN: %u dense, %u routed", p->n_dense_ffn, p->n_expert_ffn);
     if (p->n_expert_ffn) fprintf(out, " (%u experts, %u per token)", p->n_expert, p->n_expert_used);
-    fprintf(out,
-            "\n  state: %" PRIu64 " KV values per token, %" PRIu64
-            " recurrent-state values per sequence\n",
-            p->kv_values_per_token, p->state_values_per_seq);
+    fprintf(out, "\n  state: %" PRIu64 " KV values per token", p->kv_values_per_token);
+    if (p->index_values_per_token)
+        fprintf(out, " + %" PRIu64 " indexer values (f32)", p->index_values_per_token);
+    fprintf(out, ", %" PRIu64 " recurrent-state values per sequence\n", p->state_values_per_seq);
 }
+
+static void print_report_text(FILE *out, const moe_inspect_report *r, bool many_files);
 
 static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r) {
     uint32_t ns = moe_gguf_n_shards(g);
@@ -242,11 +244,15 @@ static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r
         fputc('\n', out);
     }
 
+    print_report_text(out, r, ns > 1);
+}
+
+/* The part of the text report that comes from the analysis alone (both formats). */
+static void print_report_text(FILE *out, const moe_inspect_report *r, bool many_files) {
     fprintf(out, "\ntypes:\n");
     for (size_t i = 0; i < r->n_types; i++)
-        fprintf(out, "  %-8s %6" PRIu64 " tensors %14" PRIu64 " bytes %6.2f%%\n",
-                moe_type_name(r->types[i].type), r->types[i].count, r->types[i].bytes,
-                percent(r->types[i].bytes, r->tensor_bytes));
+        fprintf(out, "  %-8s %6" PRIu64 " tensors %14" PRIu64 " bytes %6.2f%%\n", r->types[i].name,
+                r->types[i].count, r->types[i].bytes, percent(r->types[i].bytes, r->tensor_bytes));
 
     fprintf(out, "\nbytes by role:\n");
     for (int k = 0; k < MOE_ROLE_COUNT; k++)
@@ -280,7 +286,7 @@ static void print_text(FILE *out, const moe_gguf *g, const moe_inspect_report *r
             "\nreconciles: tensor bytes %" PRIu64 " + header %" PRIu64 " + padding %" PRIu64
             " %s file size %" PRIu64 "%s\n",
             r->tensor_bytes, r->header_bytes, r->padding_bytes,
-            r->reconciles ? "=" : "!=", r->file_bytes, ns > 1 ? " (all shards)" : "");
+            r->reconciles ? "=" : "!=", r->file_bytes, many_files ? " (all shards)" : "");
 }
 
 /* ==== JSON ==== */
@@ -331,6 +337,8 @@ static void json_value(moe_json *j, const moe_gguf_value *v) {
         break;
     }
 }
+
+static void json_report(moe_json *jp, const moe_inspect_report *r);
 
 static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r) {
     moe_json j;
@@ -399,11 +407,22 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     }
     moe_json_array_end(&j);
 
+    json_report(&j, r);
+    moe_json_object_end(&j);
+    fwrite(j.buf, 1, j.len, out);
+    fputc('\n', out);
+    moe_json_free(&j);
+}
+
+/* The JSON from the analysis alone (both formats): types, roles, layers, formats, plan,
+ * totals; the caller has the document's object open. */
+static void json_report(moe_json *jp, const moe_inspect_report *r) {
+#define j (*jp)
     moe_json_key(&j, "types");
     moe_json_array_begin(&j);
     for (size_t i = 0; i < r->n_types; i++) {
         moe_json_object_begin(&j);
-        moe_json_kv_string(&j, "type", moe_type_name(r->types[i].type));
+        moe_json_kv_string(&j, "type", r->types[i].name);
         moe_json_kv_uint(&j, "count", r->types[i].count);
         moe_json_kv_uint(&j, "bytes", r->types[i].bytes);
         moe_json_kv_double(&j, "percent", percent(r->types[i].bytes, r->tensor_bytes));
@@ -472,6 +491,7 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     moe_json_kv_uint(&j, "n_expert", p->n_expert);
     moe_json_kv_uint(&j, "n_expert_used", p->n_expert_used);
     moe_json_kv_uint(&j, "kv_values_per_token", p->kv_values_per_token);
+    moe_json_kv_uint(&j, "index_values_per_token", p->index_values_per_token);
     moe_json_kv_uint(&j, "state_values_per_seq", p->state_values_per_seq);
     moe_json_object_end(&j);
 
@@ -484,10 +504,138 @@ static void print_json(FILE *out, const moe_gguf *g, const moe_inspect_report *r
     moe_json_kv_uint(&j, "file_bytes", r->file_bytes);
     moe_json_kv_bool(&j, "reconciles", r->reconciles);
     moe_json_object_end(&j);
+#undef j
+}
+
+/* ==== safetensors ==== */
+
+static void print_st_shape(FILE *out, const moe_st_tensor *t) {
+    char b[160];
+    int k = snprintf(b, sizeof b, "[");
+    for (uint32_t d = 0; d < t->n_dims; d++)
+        k += snprintf(b + k, sizeof b - (size_t)k, "%s%" PRId64, d ? ", " : "", t->shape[d]);
+    snprintf(b + k, sizeof b - (size_t)k, "]");
+    fprintf(out, "%-24s", b);
+}
+
+static void print_st_text(FILE *out, const moe_st *s, const moe_inspect_report *r) {
+    uint32_t nf = moe_st_n_files(s);
+    const moe_st_file *f0 = moe_st_file_get(s, 0);
+    fprintf(out, "file: %s (%" PRIu64 " bytes)\n", f0->path, f0->file_size);
+    fprintf(out,
+            "safetensors, %" PRIu64 " tensors, %zu metadata keys (row-major shapes, last "
+            "dimension contiguous)\n",
+            r->n_tensors, moe_st_n_meta(s));
+    if (nf > 1) {
+        fprintf(out, "shards: %u\n", nf);
+        for (uint32_t i = 0; i < nf; i++) {
+            const moe_st_file *f = moe_st_file_get(s, i);
+            fprintf(out,
+                    "  %u/%u %s: %" PRIu64 " bytes, %u tensors, header %" PRIu64
+                    ", tensor bytes %" PRIu64 "\n",
+                    i + 1, nf, f->path, f->file_size, f->n_tensors, f->header_bytes,
+                    f->tensor_bytes);
+        }
+    }
+    fprintf(out, "\nmetadata:\n");
+    for (size_t i = 0; i < moe_st_n_meta(s); i++) {
+        const char *k = moe_st_meta_key(s, i), *v = moe_st_meta_value(s, i);
+        fputs("  ", out);
+        print_escaped(out, k, strlen(k), 128);
+        fputs(" = \"", out);
+        print_escaped(out, v, strlen(v), TEXT_STRING_MAX);
+        fputs("\"\n", out);
+    }
+    size_t w = 4;
+    for (uint64_t i = 0; i < r->n_tensors; i++) {
+        size_t l = strlen(moe_st_tensor_get(s, i)->name);
+        if (l > w) w = l < 72 ? l : 72;
+    }
+    fprintf(out, "\ntensors:\n  %-*s %-8s %-24s %12s %12s%s\n", (int)w, "name", "dtype", "shape",
+            "bytes", "offset", nf > 1 ? " file" : "");
+    for (uint64_t i = 0; i < r->n_tensors; i++) {
+        const moe_st_tensor *t = moe_st_tensor_get(s, i);
+        size_t l = strlen(t->name);
+        fputs("  ", out);
+        print_escaped(out, t->name, l, 72);
+        fprintf(out, "%*s %-8s ", (int)(w > l ? w - l : 0), "", moe_st_dtype_name(t->dtype));
+        print_st_shape(out, t);
+        fprintf(out, " %12" PRIu64 " %12" PRIu64, t->n_bytes, t->file_offset);
+        if (nf > 1) fprintf(out, " %u", t->file + 1);
+        fputc('\n', out);
+    }
+    print_report_text(out, r, nf > 1);
+}
+
+static void print_st_json(FILE *out, const moe_st *s, const moe_inspect_report *r) {
+    moe_json j;
+    moe_json_init(&j, true);
+    moe_json_object_begin(&j);
+    moe_json_kv_string(&j, "format", "safetensors");
+    moe_json_key(&j, "files");
+    moe_json_array_begin(&j);
+    for (uint32_t i = 0; i < moe_st_n_files(s); i++) {
+        const moe_st_file *f = moe_st_file_get(s, i);
+        moe_json_object_begin(&j);
+        moe_json_kv_string(&j, "path", f->path);
+        moe_json_kv_uint(&j, "file_bytes", f->file_size);
+        moe_json_kv_uint(&j, "header_bytes", f->header_bytes);
+        moe_json_kv_uint(&j, "tensor_bytes", f->tensor_bytes);
+        moe_json_kv_uint(&j, "n_tensors", f->n_tensors);
+        moe_json_object_end(&j);
+    }
+    moe_json_array_end(&j);
+    moe_json_key(&j, "metadata");
+    moe_json_object_begin(&j);
+    for (size_t i = 0; i < moe_st_n_meta(s); i++)
+        moe_json_kv_string(&j, moe_st_meta_key(s, i), moe_st_meta_value(s, i));
+    moe_json_object_end(&j);
+    moe_json_key(&j, "tensors");
+    moe_json_array_begin(&j);
+    for (uint64_t i = 0; i < r->n_tensors; i++) {
+        const moe_st_tensor *t = moe_st_tensor_get(s, i);
+        moe_json_object_begin(&j);
+        moe_json_kv_string(&j, "name", t->name);
+        moe_json_kv_string(&j, "type", moe_st_dtype_name(t->dtype));
+        moe_json_key(&j, "shape");
+        moe_json_array_begin(&j);
+        for (uint32_t d = 0; d < t->n_dims; d++) moe_json_int(&j, t->shape[d]);
+        moe_json_array_end(&j);
+        moe_json_kv_uint(&j, "bytes", t->n_bytes);
+        moe_json_kv_uint(&j, "offset", t->offset);
+        moe_json_kv_uint(&j, "file_offset", t->file_offset);
+        moe_json_kv_uint(&j, "shard", t->file);
+        moe_json_kv_string(&j, "role", moe_role_id(moe_hf_tensor_role(t->name)));
+        moe_json_object_end(&j);
+    }
+    moe_json_array_end(&j);
+    json_report(&j, r);
     moe_json_object_end(&j);
     fwrite(j.buf, 1, j.len, out);
     fputc('\n', out);
     moe_json_free(&j);
+}
+
+/* `moe inspect` of a safetensors file, index or checkpoint directory. */
+static int inspect_st(const char *path, bool json, bool formats) {
+    moe_error err = {0};
+    moe_st *s = moe_st_open(path, &err);
+    if (!s) {
+        fprintf(stderr, "moe inspect: %s\n", err.msg);
+        return 1;
+    }
+    moe_inspect_report *r = moe_inspect_analyze_st(s);
+    if (json)
+        print_st_json(stdout, s, r);
+    else if (formats)
+        print_formats(stdout, r);
+    else
+        print_st_text(stdout, s, r);
+    bool ok = r->reconciles;
+    moe_inspect_report_free(r);
+    moe_st_close(s);
+    if (fflush(stdout) != 0) return 1;
+    return ok ? 0 : 1;
 }
 
 /* ==== Command ==== */
@@ -509,6 +657,8 @@ int moe_cmd_inspect(int argc, char **argv) {
             path = argv[i];
     }
     if (!path) return moe_cli_usage_error("inspect", "which file?");
+    if (!moe_path_is_url(path) && moe_st_is_checkpoint(path))
+        return inspect_st(path, json, formats);
     moe_error err = {0};
     moe_http *http = NULL;
     moe_gguf *g = moe_gguf_open_any(path, &http, &err);

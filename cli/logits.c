@@ -58,8 +58,14 @@ int moe_cmd_logits(int argc, char **argv) {
         return moe_cli_usage_error("logits", "--mtp needs at least 2 tokens");
     }
 
+    if (!moe_engine_args_check("logits", &engine)) return 2;
     moe_error err = {0};
     moe_model *m = moe_model_load(model_path, &err);
+    if (m && engine.expert_cache_bytes && /* the rest resident, the experts on demand */
+        moe_gguf_to_memory_except(m->gguf, NULL, moe_model_is_routed, m, NULL, &err) != MOE_OK) {
+        moe_model_free(m);
+        m = NULL;
+    }
     if (!m) {
         fprintf(stderr, "moe logits: %s\n", err.msg);
         free(ids);
@@ -70,6 +76,9 @@ int moe_cmd_logits(int argc, char **argv) {
                          .n_seq = 1,
                          .max_rows = (uint32_t)n,
                          .kv_type = engine.kv_type,
+                         .expert_cache_bytes = engine.expert_cache_bytes,
+                         .expert_stats = engine.expert_stats,
+                         .pin_experts = engine.pin_experts,
                          .n_threads = engine.n_threads};
     moe_ctx *ctx = n <= UINT32_MAX / 2 ? moe_ctx_new(m, &cp, &err) : NULL;
     moe_row *rows = moe_xcalloc(n, sizeof *rows);

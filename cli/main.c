@@ -11,24 +11,26 @@
 static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] "
-     "[--spec ngram|none] [--draft N] [--grammar-file F.gbnf] ..."},
+     "[--spec ngram|mtp|none] [--draft N] [--expert-cache SIZE] [--grammar-file F.gbnf] ..."},
     {"chat", moe_cmd_chat, "chat with a model in the terminal",
      "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [--grammar-file "
      "F.gbnf] [sampling options]"},
     {"logits", moe_cmd_logits, "write the logits of every position of a token-id prompt",
-     "MODEL --tokens ID,ID,... [--mtp] [--out FILE.f32] [--kv-type f32|f16] [-t N] [--ctx N]"},
+     "MODEL --tokens ID,ID,... [--mtp] [--out FILE.f32] [--kv-type f32|f16] [-t N] [--ctx N] "
+     "[--expert-cache SIZE]"},
     {"inspect", moe_cmd_inspect,
      "header, metadata, tensor table, types histogram, bytes by role and layer",
-     "FILE|SHARD|URL [--json | --formats]"},
+     "FILE|SHARD|URL|DIR|F.safetensors [--json | --formats]"},
     {"budget", moe_cmd_budget,
      "memory per device for a model (or a ladder of builds): fits, largest context and streams",
      "MODEL|URL [MODEL...] [--devices N] [--mem-per-device GiB] [--ctx N] [--streams N] "
-     "[--kv-type f16|f32|q8_0] [--no-vision] [--ladder] [--json] [--svg FILE]"},
+     "[--kv-type f16|f32|q8_0] [--expert-cache SIZE] [--no-vision] [--ladder] [--json] [--svg "
+     "FILE]"},
     {"audit", moe_cmd_audit,
      "quantization error of chosen rows against a float reference (rel. Frobenius, cosine, matvec)",
      "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
-     "FILE TENSOR [--rows A:B] [--out FILE.f32]"},
+     "FILE|CHECKPOINT TENSOR|W4A16-MODULE [--rows A:B] [--out FILE.f32]"},
     {"synth", moe_cmd_synth,
      "write a GGUF model of a supported architecture with seeded random weights",
      "-o FILE [--preset tiny|llama-tiny|qwen3-30b-a3b] [--arch A] [--layers N] [--embd N] [--heads "
@@ -36,13 +38,25 @@ static const moe_command commands[] = {
      "        [--heads-kv N] [--head-dim N] [--ff N] [--experts N] [--experts-used N] [--expert-ff "
      "N]\n"
      "        [--vocab N] [--ctx N] [--seed S] [--type 'REGEX=TYPE' ...] [--random-blocks]"},
+    {"repack", moe_cmd_repack,
+     "a QAT bf16 safetensors checkpoint to Q4_0 GGUF or W4A16 with each group's 4-bit step "
+     "recovered; --verify checks every group",
+     "SRC OUT --to q4_0-gguf|w4a16 [--workers N] [--max-shard-size 5GB] [--vocab-from F.gguf]\n"
+     "        [--json] [--report FILE] [--no-progress]\n"
+     "        | --verify SRC OUT [--workers N] [--json]"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},
     {"bench", moe_cmd_bench,
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
-     "        [--kv-type f16|f32] [--mmap] [--csv | --json]"},
+     "        [--kv-type f16|f32] [--mmap] [--expert-cache SIZE] [--csv | --json]"},
+    {"eval", moe_cmd_eval,
+     "score labelled records by label probability, compare two runs, KL against a reference",
+     "labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] [--json]\n"
+     "        | compare A.jsonl B.jsonl [--resamples N] [--seed S] [--json]\n"
+     "        | kl MODEL --ref REF_MODEL (--text F | --tokens IDS) [--ctx N] [--json]\n"
+     "        (`moe eval labels --help` etc. for each)"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
      "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},

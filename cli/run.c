@@ -33,6 +33,7 @@ int moe_cmd_run(int argc, char **argv) {
     if (tokens_arg && !moe_arg_token_list("run", "--tokens", tokens_arg, &ids, &n_ids)) return 2;
 
     moe_gen g;
+    if (!moe_engine_args_check("run", &o.engine)) return 2;
     if (!moe_gen_open(&g, &o, "run")) {
         free(ids);
         return 1;

@@ -20,6 +20,11 @@ static const char usage_text[] =
     "  --cache-slots N    extra finished sequences kept for prefix reuse (default: B)\n"
     "  -t, --threads T    forward-pass threads (default 1)\n"
     "  --kv-type f32|f16  KV cache element type (default f16)\n"
+    "  --expert-cache SIZE  routed experts read from the file on demand into a cache of SIZE\n"
+    "                     (e.g. 12G); everything else stays resident\n"
+    "  --expert-stats FILE  keep the cache's use counts in FILE: a restart reads the experts used\n"
+    "                     most first\n"
+    "  --pin-experts FILE experts always resident, one \"LAYER EXPERT\" per line\n"
     "  --mmap             serve weights from the mapped file (default: read into anonymous\n"
     "                     memory at load, so the host cannot reclaim their pages)\n"
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
@@ -100,6 +105,10 @@ int moe_cmd_serve(int argc, char **argv) {
     p.n_ctx = engine.n_ctx;
     p.n_threads = engine.n_threads;
     p.kv_type = engine.kv_type;
+    p.expert_cache_bytes = engine.expert_cache_bytes;
+    p.expert_stats = engine.expert_stats;
+    p.pin_experts = engine.pin_experts;
+    if (!moe_engine_args_check("serve", &engine)) return 2;
     if (p.cache_slots + p.parallel > 4096)
         return moe_cli_usage_error("serve", "--parallel + --cache-slots must stay <= 4096");
     char *path = moe_arg_model_path("serve", p.model_path);

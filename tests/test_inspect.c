@@ -104,16 +104,17 @@ static void inspect_shared_files(void **state) {
     free(out);
 }
 
-/* Layers of a parity fixture whose tensor list (its JSON, written by the fixture's generator)
- * has a tensor whose name contains `what`. */
-static uint32_t layers_with(json_t *tensors, const char *what) {
+/* Trunk layers (below n_layer: not the NextN ones) of a parity fixture whose tensor list (its
+ * JSON, written by the fixture's generator) has a tensor whose name contains `what`. */
+static uint32_t layers_with(json_t *tensors, const char *what, uint32_t n_layer) {
     uint64_t seen = 0; /* the fixtures have fewer than 64 layers */
     size_t i;
     json_t *t;
     json_array_foreach(tensors, i, t) {
         const char *name = json_string_value(json_object_get(t, "name"));
         unsigned layer;
-        if (name && strstr(name, what) && sscanf(name, "blk.%u.", &layer) == 1 && layer < 64)
+        if (name && strstr(name, what) && sscanf(name, "blk.%u.", &layer) == 1 && layer < n_layer &&
+            layer < 64)
             seen |= 1ull << layer;
     }
     return (uint32_t)__builtin_popcountll(seen);
@@ -123,8 +124,9 @@ static uint32_t layers_with(json_t *tensors, const char *what) {
  * layer kinds the fixtures' own tensor lists show; an architecture moe does not run says so. */
 static void inspect_plan(void **state) {
     (void)state;
-    static const char *const models[] = {"llama-q8_0",    "qwen3moe-mixed", "deepseek2-f32",
-                                         "gpt-oss-mxfp4", "qwen3next-f32",  "kimi-linear-f32"};
+    static const char *const models[] = {"llama-q8_0",     "qwen3moe-mixed", "deepseek2-f32",
+                                         "gpt-oss-mxfp4",  "qwen3next-f32",  "kimi-linear-f32",
+                                         "qwen35-mtp-f32", "glm5next-f32"};
     MOE_SKIP_IF_NULL(moe_test_shared("parity/llama-q8_0.json"));
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
         char rel[256], cmd[1024], *out;
@@ -141,9 +143,9 @@ static void inspect_plan(void **state) {
                *kinds = json_object_get(plan, "layers_by_kind");
         const uint32_t n_layer = (uint32_t)json_integer_value(
             json_object_get(json_object_get(fixture, "config"), "n_layer"));
-        const uint32_t experts = layers_with(tensors, ".ffn_gate_exps.");
-        const uint32_t linear = layers_with(tensors, ".ssm_");
-        const uint32_t mla = layers_with(tensors, ".attn_kv_a_mqa.");
+        const uint32_t experts = layers_with(tensors, ".ffn_gate_exps.", n_layer);
+        const uint32_t linear = layers_with(tensors, ".ssm_", n_layer);
+        const uint32_t mla = layers_with(tensors, ".attn_kv_a_mqa.", n_layer);
 #define PLAN_INT(obj, key) ((uint32_t)json_integer_value(json_object_get(obj, key)))
         if (!json_is_true(json_object_get(plan, "known")) || PLAN_INT(plan, "n_layer") != n_layer ||
             PLAN_INT(plan, "expert_layers") != experts ||
@@ -160,11 +162,22 @@ static void inspect_plan(void **state) {
         free(out);
     }
     /* not (yet) an architecture moe runs: the plan says why */
-    char cmd[1024], *out;
-    snprintf(cmd, sizeof cmd, "%s inspect ../shared/parity/glm5next-f32.gguf", moe_test_bin());
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    moe_gguf_writer_set_str(w, "general.architecture", "mystery");
+    static uint8_t data[64 * 4];
+    const int64_t ne[3] = {64};
+    moe_error err = {0};
+    assert_int_equal(
+        moe_gguf_writer_add_tensor(w, "output_norm.weight", MOE_TYPE_F32, 1, ne, data, true, &err),
+        MOE_OK);
+    char path[512], cmd[1024], *out;
+    snprintf(path, sizeof path, "%s/mystery.gguf", moe_test_tmpdir());
+    assert_int_equal(moe_gguf_writer_write(w, path, 0, &err), MOE_OK);
+    moe_gguf_writer_free(w);
+    snprintf(cmd, sizeof cmd, "%s inspect %s", moe_test_bin(), path);
     assert_int_equal(moe_test_run(cmd, &out), 0);
     assert_non_null(strstr(out, "plan: none: "));
-    assert_non_null(strstr(out, "unknown architecture 'glm5next'"));
+    assert_non_null(strstr(out, "unknown architecture 'mystery'"));
     free(out);
 }
 

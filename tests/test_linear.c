@@ -133,16 +133,24 @@ static void conv_state_rolls(void **st) {
 
 /* ==== The engine on qwen3next ==== */
 
-#define MODEL "parity/qwen3next-f32.gguf"
+#define MODEL "parity/qwen3next-f32.gguf" /* the default hybrid; some tests run on each below */
+#define GLM5NEXT                                                                                   \
+    "parity/glm5next-f32.gguf" /* KDA with hyper-connections and the pooled indexer                \
+                                */
 enum { N_LONG = 300 };
 
-static moe_model *load_model(void) {
-    const char *path = moe_test_shared(MODEL);
+/* The model a test's state names (NULL state: MODEL), or NULL without ../shared. */
+static moe_model *load_model_at(void **st) {
+    const char *path = moe_test_shared(st && *st ? (const char *)*st : MODEL);
     if (!path) return NULL;
     moe_error err = {0};
     moe_model *m = moe_model_load(path, &err);
     if (!m) fail_msg("%s", err.msg);
     return m;
+}
+
+static moe_model *load_model(void) {
+    return load_model_at(NULL);
 }
 
 /* Contexts of many sequences run on two threads: the heads of the delta rule and the matmuls
@@ -180,8 +188,7 @@ static void feed(moe_ctx *c, int32_t seq, const int32_t *ids, uint32_t from, uin
 /* One call of 300 rows (the chunked delta rule: 64 + 64 + 64 + 64 + 44) against 300 calls of
  * one row (token by token): every row's logits. */
 static void prefill_chunked_equals_token_by_token(void **st) {
-    (void)st;
-    moe_model *m = load_model();
+    moe_model *m = load_model_at(st);
     MOE_SKIP_IF_NULL(m);
     const uint32_t nv = m->cfg.n_vocab;
     int32_t ids[N_LONG];
@@ -203,8 +210,7 @@ static void prefill_chunked_equals_token_by_token(void **st) {
 /* The prompt in two calls split at 1, 63, 64, 65 and 200 gives one call's logits, and the
  * greedy continuation after it is the same. */
 static void prefill_split_equals_one_shot(void **st) {
-    (void)st;
-    moe_model *m = load_model();
+    moe_model *m = load_model_at(st);
     MOE_SKIP_IF_NULL(m);
     const uint32_t nv = m->cfg.n_vocab, splits[] = {1, 63, 64, 65, 200};
     enum { N_GEN = 8 };
@@ -261,8 +267,7 @@ static void generate_alone(const moe_model *m, const int32_t *prompt, uint32_t n
  * generated tokens), feeds only its extension and decodes with the others, one row per sequence
  * per step. Every sequence makes exactly the tokens it makes alone. */
 static void interleaved_and_reused_match_alone(void **st) {
-    (void)st;
-    moe_model *m = load_model();
+    moe_model *m = load_model_at(st);
     MOE_SKIP_IF_NULL(m);
     const uint32_t nv = m->cfg.n_vocab;
     int32_t prompt[N_SEQ][N_PROMPT + EXT] = {
@@ -476,8 +481,11 @@ int moe_suite_linear(void) {
         cmocka_unit_test(delta_chunked_equals_recurrent_kda),
         cmocka_unit_test(conv_state_rolls),
         cmocka_unit_test(prefill_chunked_equals_token_by_token),
+        cmocka_unit_test_prestate(prefill_chunked_equals_token_by_token, GLM5NEXT),
         cmocka_unit_test(prefill_split_equals_one_shot),
+        cmocka_unit_test_prestate(prefill_split_equals_one_shot, GLM5NEXT),
         cmocka_unit_test(interleaved_and_reused_match_alone),
+        cmocka_unit_test_prestate(interleaved_and_reused_match_alone, GLM5NEXT),
         cmocka_unit_test(truncate_needs_snapshot),
         cmocka_unit_test(memory_plan_counts_recurrent_state),
         cmocka_unit_test(verify_accept_exact),

@@ -63,13 +63,16 @@ static double top2_margin(const float *x, uint32_t n) {
     return (a - b) / max_abs;
 }
 
-static moe_model *load_shared_model(const char *relpath) {
-    const char *path = moe_test_shared(relpath);
-    if (!path) return NULL;
+static moe_model *load_model_file(const char *path) {
     moe_error err = {0};
     moe_model *m = moe_model_load(path, &err);
     if (!m) fail_msg("%s", err.msg);
     return m;
+}
+
+static moe_model *load_shared_model(const char *relpath) {
+    const char *path = moe_test_shared(relpath);
+    return path ? load_model_file(path) : NULL;
 }
 
 /* ==== stories260K against run.c ==== */
@@ -175,30 +178,33 @@ static void fixture_close(fixture *f) {
 
 /* Prefill the 16 prompt ids in one call, then 16 decode steps feeding the reference's greedy
  * ids; every row within tol, our argmax equal wherever the reference's margin exceeds tol. */
+/* The fixture's rows as the reference made them, into logits [f->n][n_vocab]: the prompt in one
+ * call, then one call per greedy id (the last reference row comes from feeding the last one). */
+static void teacher_forced(const fixture *f, float *logits) {
+    const moe_model *m = f->m;
+    const uint32_t nv = m->cfg.n_vocab;
+    moe_error err = {0};
+    moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = f->n_prompt, .kv_type = MOE_TYPE_F32};
+    moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
+    if (!ctx) fail_msg("%s", err.msg);
+    moe_row rows[64];
+    for (uint32_t i = 0; i < f->n; i++) rows[i] = (moe_row){0, (int32_t)i, f->ids[i], true};
+    assert_int_equal(moe_ctx_decode(ctx, rows, f->n_prompt, logits, &err), MOE_OK);
+    for (uint32_t i = f->n_prompt; i < f->n; i++)
+        assert_int_equal(moe_ctx_decode(ctx, &rows[i], 1, logits + i * nv, &err), MOE_OK);
+    moe_ctx_free(ctx);
+}
+
 static void parity_check(const char *name, double tol) {
     fixture f;
     if (!fixture_open(&f, name, "logits", 0)) return;
-    const int32_t *prompt = f.ids, *greedy = f.ids + f.n_prompt;
+    const int32_t *greedy = f.ids + f.n_prompt;
     const size_t n_prompt = f.n_prompt, n_greedy = f.n - f.n_prompt;
     const float *ref = f.ref;
     moe_model *m = f.m;
     const uint32_t nv = m->cfg.n_vocab, n_rows = f.n;
-    moe_error err = {0};
-    moe_ctx_params cp = {
-        .n_ctx = 64, .n_seq = 1, .max_rows = (uint32_t)n_prompt, .kv_type = MOE_TYPE_F32};
-    moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
-    assert_non_null(ctx);
     float *logits = moe_xmalloc(sizeof(float) * n_rows * nv);
-    moe_row rows[64];
-    for (uint32_t i = 0; i < n_prompt; i++) rows[i] = (moe_row){0, (int32_t)i, prompt[i], true};
-    assert_int_equal(moe_ctx_decode(ctx, rows, (uint32_t)n_prompt, logits, &err), MOE_OK);
-    for (uint32_t i = 0; i + 1 < n_greedy; i++) {
-        moe_row row = {0, (int32_t)(n_prompt + i), greedy[i], true};
-        assert_int_equal(moe_ctx_decode(ctx, &row, 1, logits + (n_prompt + i) * nv, &err), MOE_OK);
-    }
-    /* the last reference row comes from feeding greedy[15]; run it too */
-    moe_row last = {0, (int32_t)(n_prompt + n_greedy - 1), greedy[n_greedy - 1], true};
-    assert_int_equal(moe_ctx_decode(ctx, &last, 1, logits + (n_rows - 1) * nv, &err), MOE_OK);
+    teacher_forced(&f, logits);
     double worst = 0;
     for (uint32_t i = 0; i < n_rows; i++) {
         const float *ours = logits + i * nv, *theirs = ref + i * nv;
@@ -213,7 +219,6 @@ static void parity_check(const char *name, double tol) {
     }
     print_message("%s: worst row rel err %.3g over %u rows (limit %g)\n", name, worst, n_rows, tol);
     free(logits);
-    moe_ctx_free(ctx);
     fixture_close(&f);
 }
 
@@ -269,6 +274,76 @@ static void mtp_parity_check(const char *name, double tol) {
 static void mtp_qwen35(void **state) {
     (void)state;
     mtp_parity_check("qwen35-mtp-f32", TOL_F32);
+}
+
+/* GLM-5.3's draft head: a plain pre-norm block (no hyper-connections), MLA attending densely. */
+static void mtp_glm5next(void **state) {
+    (void)state;
+    mtp_parity_check("glm5next-f32", TOL_F32);
+}
+
+/* ||a - b|| / ||b|| over n values. */
+static double rel_l2(const float *a, const float *b, size_t n) {
+    double d = 0, r = 0;
+    for (size_t i = 0; i < n; i++) {
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        r += (double)b[i] * b[i];
+    }
+    return sqrt(d / r);
+}
+
+/* Each piece of GLM-5.3 matters and is the reference's piece: breaking it the way the fixture's
+ * generator did moves the logits by the rel-L2 its `ablations` record (not just "far"), and by
+ * far more than the parity tolerance. */
+static void glm5next_ablations(void **state) {
+    (void)state;
+    static const struct {
+        const char *name; /* the fixture's key in ablations.results */
+        int what;
+    } cases[] = {{"no_mhc (hc_mult 1 residual)", 0},
+                 {"sinkhorn_iters=1", 1},
+                 {"dense attention (indexer off)", 2},
+                 {"kda gate = kimi softplus", 3}};
+    json_error_t jerr;
+    const char *json = moe_test_shared("parity/glm5next-f32.json");
+    MOE_SKIP_IF_NULL(json);
+    json_t *root = json_load_file(json, 0, &jerr);
+    assert_non_null(root);
+    json_t *results = json_object_get(json_object_get(root, "ablations"), "results");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        fixture f;
+        if (!fixture_open(&f, "glm5next-f32", "logits", 0)) return;
+        moe_model *m = f.m;
+        switch (cases[i].what) {
+        case 0:
+            m->cfg.n_hc = 0;
+            break;
+        case 1:
+            m->cfg.hc_sinkhorn_iters = 1;
+            break;
+        case 2:
+            for (uint32_t il = 0; il < m->cfg.n_layer; il++)
+                m->cfg.layer[il].indexed = m->layers[il].plan.indexed = false;
+            break;
+        default:
+            m->cfg.kda_gate_bound = 0;
+            break;
+        }
+        const uint32_t nv = m->cfg.n_vocab;
+        float *logits = moe_xmalloc(sizeof(float) * f.n * nv);
+        teacher_forced(&f, logits);
+        const double got = rel_l2(logits, f.ref, (size_t)f.n * nv);
+        const double want =
+            json_real_value(json_object_get(json_object_get(results, cases[i].name), "rel_l2"));
+        print_message("ablation '%s': rel-L2 %.4f, the reference's %.4f\n", cases[i].name, got,
+                      want);
+        assert_true(want > 0.05);
+        if (fabs(got - want) > 0.02 * want)
+            fail_msg("%s: rel-L2 %g, want %g", cases[i].name, got, want);
+        free(logits);
+        fixture_close(&f);
+    }
+    json_decref(root);
 }
 
 static void parity_llama_q8_0(void **state) {
@@ -352,7 +427,8 @@ static void batch_equals_alone(void **state) {
     static const char *const models[] = {
         "parity/qwen3moe-mixed.gguf",  "parity/deepseek2-q8_0-q4_k.gguf",
         "parity/gpt-oss-mxfp4.gguf",   "parity/qwen3next-f32.gguf",
-        "parity/kimi-linear-f32.gguf", "parity/qwen35-mtp-f32.gguf"};
+        "parity/kimi-linear-f32.gguf", "parity/qwen35-mtp-f32.gguf",
+        "parity/glm5next-f32.gguf"};
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
         moe_model *m = load_shared_model(models[i]);
         MOE_SKIP_IF_NULL(m);
@@ -391,6 +467,191 @@ static void glm4moe_synthetic(void **state) {
     moe_model_free(m);
 }
 
+/* Logits of ids[0..n) fed in calls of at most `step` rows into out [n][n_vocab]. */
+static void feed_all(const moe_model *m, const int32_t *ids, uint32_t n, uint32_t step,
+                     float *out) {
+    moe_error err = {0};
+    moe_ctx_params cp = {.n_ctx = 64, .n_seq = 1, .max_rows = step, .kv_type = MOE_TYPE_F32};
+    moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
+    if (!ctx) fail_msg("%s", err.msg);
+    moe_row rows[64];
+    for (uint32_t at = 0; at < n; at += step) {
+        const uint32_t k = n - at < step ? n - at : step;
+        for (uint32_t i = 0; i < k; i++)
+            rows[i] = (moe_row){0, (int32_t)(at + i), ids[at + i], true};
+        if (moe_ctx_decode(ctx, rows, k, out + (size_t)at * m->cfg.n_vocab, &err) != MOE_OK)
+            fail_msg("%s", err.msg);
+    }
+    moe_ctx_free(ctx);
+}
+
+/* GLM-5 (glm-dsa) has no llama.cpp fixture in ../shared: tests/glm_dsa_reference.py writes a
+ * random one (two full indexer layers, one sharing the previous one's choice) and its logits
+ * from its own float64 forward of llama.cpp's glm-dsa.cpp semantics. Sparse selection starts at
+ * position top_k = 6 of 40. Prefill in one call, in calls of 7 (splits inside the selection)
+ * and token by token all match it; attending densely instead is far off. */
+static void glm_dsa_reference(void **state) {
+    (void)state;
+    const char *python = moe_test_python_numpy();
+    MOE_SKIP_IF_NULL(python);
+    char cmd[1024], path[512], *out;
+    const char *dir = moe_test_tmpdir();
+    snprintf(cmd, sizeof cmd, "%s tests/glm_dsa_reference.py %s 15", python, dir);
+    if (moe_test_run(cmd, &out) != 0) fail_msg("%s failed:\n%s", cmd, out);
+    print_message("%s", out);
+    free(out);
+    snprintf(path, sizeof path, "%s/glm-dsa.gguf", dir);
+    moe_model *m = load_model_file(path);
+    const uint32_t nv = m->cfg.n_vocab;
+    assert_true(m->layers[2].plan.index_shared && !m->layers[1].plan.index_shared);
+    snprintf(path, sizeof path, "%s/tokens.txt", dir);
+    size_t size;
+    uint8_t *text;
+    moe_error err = {0};
+    assert_int_equal(moe_file_read(path, &text, &size, &err), MOE_OK);
+    int32_t ids[64];
+    uint32_t n = 0;
+    for (char *p = (char *)text; n < 64 && p < (char *)text + size; p++) {
+        ids[n++] = (int32_t)strtol(p, &p, 10);
+        if (*p != ',') break;
+    }
+    free(text);
+    assert_int_equal(n, 40);
+    snprintf(path, sizeof path, "%s/logits.f32", dir);
+    float *ref;
+    assert_int_equal(moe_file_read(path, (uint8_t **)&ref, &size, &err), MOE_OK);
+    assert_int_equal(size, sizeof(float) * n * nv);
+    float *got = moe_xmalloc(size);
+    const uint32_t steps[] = {n, 7, 1};
+    for (size_t s = 0; s < sizeof steps / sizeof steps[0]; s++) {
+        feed_all(m, ids, n, steps[s], got);
+        double worst = 0;
+        for (uint32_t r = 0; r < n; r++) {
+            const float *ours = got + (size_t)r * nv, *theirs = ref + (size_t)r * nv;
+            worst = fmax(worst, row_rel_err(ours, theirs, nv));
+            if (top2_margin(theirs, nv) > TOL_F32)
+                assert_int_equal(argmax(ours, nv), argmax(theirs, nv));
+        }
+        print_message("glm-dsa, calls of %u rows: worst row rel err %.3g (limit %g)\n", steps[s],
+                      worst, TOL_F32);
+        assert_true(worst <= TOL_F32);
+    }
+    for (uint32_t il = 0; il < m->cfg.n_layer; il++) /* the ablation: every layer dense */
+        m->cfg.layer[il].indexed = m->layers[il].plan.indexed = false;
+    feed_all(m, ids, n, n, got);
+    double dense = 0;
+    for (uint32_t r = 0; r < n; r++)
+        dense = fmax(dense, row_rel_err(got + (size_t)r * nv, ref + (size_t)r * nv, nv));
+    print_message("glm-dsa attending densely: worst row rel err %.3g\n", dense);
+    assert_true(dense > 100 * TOL_F32);
+    free(got);
+    free(ref);
+    moe_model_free(m);
+}
+
+/* qwen35moe has no fixture in ../shared: the qwen35 one made into it. Each dense FFN becomes
+ * two identical routed experts (softmax over two, both used and renormalised: weights sum to 1,
+ * so they are the dense FFN again whatever the router says) beside a shared expert of zeros; the
+ * keys move from qwen35.* to qwen35moe.*. The trunk must then give the llama.cpp logits of the
+ * qwen35 fixture (and its MTP layer, MoE too, binds). */
+static void qwen35moe_from_dense(void **state) {
+    (void)state;
+    const char *src = moe_test_shared("parity/qwen35-mtp-f32.gguf");
+    MOE_SKIP_IF_NULL(src);
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(src, &err);
+    if (!g) fail_msg("%s", err.msg);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
+        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
+        char key[256];
+        snprintf(key, sizeof key, "%.*s", (int)kv->key.len, kv->key.ptr);
+        if (strcmp(key, "general.architecture") == 0) {
+            moe_gguf_writer_set_str(w, key, "qwen35moe");
+            continue;
+        }
+        if (strncmp(key, "qwen35.", 7) == 0) {
+            char moved[300];
+            snprintf(moved, sizeof moved, "qwen35moe.%s", key + 7);
+            moe_gguf_writer_set_value(w, moved, &kv->value);
+        } else {
+            moe_gguf_writer_set_value(w, key, &kv->value);
+        }
+    }
+    uint32_t n_ff = 0, n_embd = 0;
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)t->name.len, t->name.ptr);
+        const char *ffn = strstr(name, ".ffn_");
+        if (!ffn) {
+            assert_int_equal(
+                moe_gguf_writer_add_tensor(w, name, t->type, t->n_dims, t->ne, t->data, true, &err),
+                MOE_OK);
+            continue;
+        }
+        /* blk.N.ffn_{gate,up,down}.weight -> two stacked copies as *_exps */
+        const int64_t ne[3] = {t->ne[0], t->ne[1], 2};
+        float *two = moe_xmalloc(2 * t->n_bytes);
+        memcpy(two, t->data, t->n_bytes);
+        memcpy((uint8_t *)two + t->n_bytes, t->data, t->n_bytes);
+        char exps[300];
+        snprintf(exps, sizeof exps, "%.*s_exps.weight", (int)(strstr(ffn, ".weight") - name), name);
+        assert_int_equal(moe_gguf_writer_add_tensor(w, exps, t->type, 3, ne, two, false, &err),
+                         MOE_OK);
+        free(two);
+        if (strstr(ffn, "ffn_gate.")) {
+            n_embd = (uint32_t)t->ne[0], n_ff = (uint32_t)t->ne[1];
+            const int layer = atoi(name + 4);
+            float *zeros = moe_xcalloc((size_t)n_embd * n_ff, sizeof(float));
+            const struct {
+                const char *what;
+                int64_t ne0, ne1;
+            } extra[] = {{"ffn_gate_inp", n_embd, 2},
+                         {"ffn_gate_inp_shexp", n_embd, 0},
+                         {"ffn_gate_shexp", n_embd, n_ff},
+                         {"ffn_up_shexp", n_embd, n_ff},
+                         {"ffn_down_shexp", n_ff, n_embd}};
+            for (size_t k = 0; k < sizeof extra / sizeof extra[0]; k++) {
+                const int64_t ne2[2] = {extra[k].ne0, extra[k].ne1};
+                snprintf(exps, sizeof exps, "blk.%d.%s.weight", layer, extra[k].what);
+                assert_int_equal(moe_gguf_writer_add_tensor(w, exps, MOE_TYPE_F32,
+                                                            extra[k].ne1 ? 2 : 1, ne2, zeros, false,
+                                                            &err),
+                                 MOE_OK);
+            }
+            free(zeros);
+        }
+    }
+    moe_gguf_writer_set_u32(w, "qwen35moe.expert_count", 2);
+    moe_gguf_writer_set_u32(w, "qwen35moe.expert_used_count", 2);
+    moe_gguf_writer_set_u32(w, "qwen35moe.expert_feed_forward_length", n_ff);
+    moe_gguf_writer_set_u32(w, "qwen35moe.expert_shared_feed_forward_length", n_ff);
+    char path[512];
+    snprintf(path, sizeof path, "%s/qwen35moe.gguf", moe_test_tmpdir());
+    assert_int_equal(moe_gguf_writer_write(w, path, 0, &err), MOE_OK);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+
+    fixture f;
+    if (!fixture_open(&f, "qwen35-mtp-f32", "logits", 0)) return;
+    moe_model_free(f.m);
+    f.m = load_model_file(path);
+    assert_string_equal(f.m->cfg.arch_name, "qwen35moe");
+    assert_int_equal(f.m->layers[0].plan.ffn, MOE_FFN_EXPERTS);
+    assert_int_equal(f.m->n_layer_mtp, 1);
+    const uint32_t nv = f.m->cfg.n_vocab;
+    float *logits = moe_xmalloc(sizeof(float) * f.n * nv);
+    teacher_forced(&f, logits);
+    double worst = 0;
+    for (uint32_t r = 0; r < f.n; r++)
+        worst = fmax(worst, row_rel_err(logits + (size_t)r * nv, f.ref + (size_t)r * nv, nv));
+    print_message("qwen35moe from the qwen35 fixture: worst row rel err %.3g\n", worst);
+    assert_true(worst <= TOL_F32);
+    free(logits);
+    fixture_close(&f);
+}
+
 /* Parity cases run from a table: the fixture name and its tolerance. */
 typedef struct parity_case {
     const char *name;
@@ -423,6 +684,8 @@ static const parity_case kimi_linear_f32 = {"kimi-linear-f32", TOL_F32};
  * says the fixture), layer 3 gated attention with multi-section rope on 16 of 64 dims; dense
  * SwiGLU everywhere; its MTP block (blk.4) is not run. */
 static const parity_case qwen35_mtp_f32 = {"qwen35-mtp-f32", TOL_F32};
+/* GLM-5.3-Flash: the reference is an independent float64 forward (no llama.cpp yet) */
+static const parity_case glm5next_f32 = {"glm5next-f32", TOL_F32};
 #define PARITY_TEST(c)                                                                             \
     { "parity_" #c, parity_case_run, NULL, NULL, (void *)&c }
 
@@ -665,6 +928,11 @@ int moe_suite_model(void) {
         PARITY_TEST(kimi_linear_f32),
         PARITY_TEST(qwen35_mtp_f32),
         cmocka_unit_test(mtp_qwen35),
+        PARITY_TEST(glm5next_f32),
+        cmocka_unit_test(mtp_glm5next),
+        cmocka_unit_test(glm5next_ablations),
+        cmocka_unit_test(glm_dsa_reference),
+        cmocka_unit_test(qwen35moe_from_dense),
         cmocka_unit_test(grouped_routing_hand_made),
         cmocka_unit_test(missing_tensor_is_named),
         cmocka_unit_test(wrong_shape_is_named),

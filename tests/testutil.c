@@ -30,6 +30,20 @@ const char *moe_test_shared(const char *relpath) {
     return NULL;
 }
 
+const char *moe_test_python_numpy(void) {
+    static const char *const candidates[] = {"/usr/bin/python3", "python3"};
+    for (size_t i = 0; i < sizeof candidates / sizeof candidates[0]; i++) {
+        char cmd[256], *out;
+        snprintf(cmd, sizeof cmd, "%s -c 'import numpy' 2>&1", candidates[i]);
+        const int rc = moe_test_run(cmd, &out);
+        free(out);
+        if (rc == 0) return candidates[i];
+    }
+    if (in_ci()) fail_msg("no python3 with numpy and CI=true: `make deps` installs python3-numpy");
+    print_message("[  SKIP    ] no python3 with numpy (Debian python3-numpy)\n");
+    return NULL;
+}
+
 uint8_t *moe_test_shared_read(const char *relpath, size_t *size) {
     const char *p = moe_test_shared(relpath);
     if (!p) return NULL;

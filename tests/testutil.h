@@ -63,6 +63,10 @@ uint8_t *moe_test_quant_read(const moe_test_quant_fixture *f, const char *suffix
 struct json_t;
 struct json_t *moe_test_render_jinja(struct json_t *spec, const char *name);
 
+/* A Python 3 with numpy for test-side references ("/usr/bin/python3" or "python3"), or NULL
+ * (with a skip message; a failure when CI=true) when there is none. */
+const char *moe_test_python_numpy(void);
+
 /* ==== A chat model ==== */
 
 /* stories260K (../shared) written again as <tmpdir>/<name>.gguf, with ids 3 and 4 (byte tokens

@@ -87,7 +87,10 @@ moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_
     kv_row_bytes(m, params.kv_type, &k_row, &v_row);
     moe_linear_ctx lin;
     moe_linear_plan(m, &lin);
-    out->kv_bytes_per_token = n_layer_kv(m) * (k_row + v_row);
+    uint32_t n_indexed;
+    uint64_t index_floats;
+    moe_indexer_plan(m, n_layer_run(m), &n_indexed, &index_floats);
+    out->kv_bytes_per_token = n_layer_kv(m) * (k_row + v_row) + index_floats * sizeof(float);
     out->recurrent_bytes_per_seq = (uint64_t)lin.n_layer * lin.layer_floats * sizeof(float);
     uint64_t positions;
     if (moe_mul_overflow(params.n_seq, params.n_ctx, &positions) ||
@@ -130,7 +133,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->layer_slot = moe_xcalloc(n_layer_run(m), sizeof *x->layer_slot);
     for (uint32_t il = 0, n_lin = 0; il < n_layer_run(m); il++)
         x->layer_slot[il] = moe_layer_state_of(c, il).k_values ? x->n_layer_kv++ : n_lin++;
-    x->stream = &moe_stream_plain;
+    x->trunk = x->stream = c->n_hc ? &moe_stream_hc : &moe_stream_plain;
+    if (c->n_hc) moe_hc_alloc(x);
     x->k_cache = calloc(1, k_bytes ? k_bytes : 1);
     x->v_cache = calloc(1, v_bytes ? v_bytes : 1);
     x->tokens = calloc(1, plan.token_bytes);
@@ -149,11 +153,14 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     const uint64_t rows = params.max_rows;
     const uint64_t q_w = (uint64_t)c->n_head * c->head_dim_k;
     const uint64_t att_w = (uint64_t)c->n_head * c->head_dim_v;
-    x->x = moe_xcalloc(rows * x->stream->n_streams * c->n_embd, sizeof(float));
+    x->x = moe_xcalloc(rows * (c->n_hc ? c->n_hc : 1) * c->n_embd, sizeof(float));
     x->xn = moe_xcalloc(rows * max_u64(c->n_embd, att_w), sizeof(float));
     x->y = moe_xcalloc(rows * c->n_embd, sizeof(float));
     x->hidden = moe_xcalloc(rows * c->n_embd, sizeof(float));
-    if (m->n_layer_mtp) x->mtp_in = moe_xcalloc(rows * 2 * c->n_embd, sizeof(float));
+    if (m->n_layer_mtp) {
+        x->mtp_in = moe_xcalloc(rows * 2 * c->n_embd, sizeof(float));
+        x->mtp_h = moe_xcalloc(c->n_embd, sizeof(float));
+    }
     x->q = moe_xcalloc(rows * q_w * (c->attn_output_gate ? 2 : 1), sizeof(float));
     if (c->attn_output_gate) x->att_gate = moe_xcalloc(rows * att_w, sizeof(float));
     if (c->n_ff_shexp) x->shexp_gate = moe_xcalloc(rows, sizeof(float));
@@ -201,6 +208,16 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         x->experts.max_rows = (int64_t)rows;
     }
     moe_linear_alloc(x);
+    moe_indexer_alloc(x, n_layer_run(m));
+    if (params.expert_cache_bytes) {
+        x->expert_cache =
+            moe_expert_cache_new(m, n_layer_run(m), x->pool, params.expert_cache_bytes, err);
+        if (!x->expert_cache || !moe_expert_cache_prepare(x->expert_cache, params.expert_stats,
+                                                          params.pin_experts, err)) {
+            moe_ctx_free(x);
+            return NULL;
+        }
+    }
     return x;
 }
 
@@ -213,6 +230,7 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->ckpt);
     free(c->hidden);
     free(c->mtp_in);
+    free(c->mtp_h);
     free(c->tokens);
     free(c->layer_slot);
     free(c->snaps);
@@ -220,6 +238,12 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->att_gate);
     free(c->shexp_gate);
     moe_linear_free(c);
+    moe_hc_free(c);
+    moe_indexer_free(c);
+    moe_error err = {0};
+    if (c->expert_cache && !moe_expert_cache_save_stats(c->expert_cache, &err))
+        moe_log(MOE_LOG_WARN, "expert statistics not saved: %s", err.msg);
+    moe_expert_cache_free(c->expert_cache);
     free(c->k_cache);
     free(c->v_cache);
     free(c->x);
@@ -257,12 +281,23 @@ void moe_ctx_free(moe_ctx *c) {
 const moe_model *moe_ctx_model(const moe_ctx *c) {
     return c->m;
 }
+moe_pool *moe_ctx_pool(moe_ctx *c) {
+    return c->pool;
+}
+int moe_ctx_n_threads(const moe_ctx *c) {
+    return moe_pool_n_threads(c->pool);
+}
 uint32_t moe_ctx_n_ctx(const moe_ctx *c) {
     return c->p.n_ctx;
 }
 
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c) {
     return c->stats;
+}
+
+moe_expert_cache_stats moe_ctx_expert_cache_stats(const moe_ctx *c) {
+    return c->expert_cache ? moe_expert_cache_stats_of(c->expert_cache)
+                           : (moe_expert_cache_stats){0};
 }
 
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq) {
@@ -310,7 +345,6 @@ static const float *plain_final(moe_ctx *c, uint32_t r) {
 }
 
 const moe_stream_ops moe_stream_plain = {
-    .n_streams = 1,
     .begin = plain_begin,
     .pre = plain_pre,
     .post = plain_post,
@@ -381,21 +415,21 @@ static void run_layer(moe_ctx *c, uint32_t il, const moe_row *rows, uint32_t n_r
     c->stream->post(c, l, MOE_SITE_FFN, n_rows);
 }
 
-/* The head over the rows that asked for logits, packed: their normed final hidden states into
- * c->hidden, then `head` times those into logits. */
+/* The normed final hidden state of every row into c->hidden (what the MTP head takes), then
+ * `head` times those of the rows that asked for logits, packed into logits. */
 static void output_head(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const moe_tensor *norm,
                         const moe_tensor *head, float *logits) {
     const moe_model_config *cfg = &c->m->cfg;
     const int64_t n_embd = cfg->n_embd;
     uint32_t n_out = 0;
     for (uint32_t r = 0; r < n_rows; r++) {
-        if (!rows[r].logits) continue;
-        moe_rmsnorm(c->hidden + n_out * n_embd, c->stream->final(c, r), (const float *)norm->data,
-                    n_embd, cfg->rms_eps);
-        n_out++;
+        float *h = c->hidden + r * n_embd;
+        moe_rmsnorm(h, c->stream->final(c, r), (const float *)norm->data, n_embd, cfg->rms_eps);
+        if (rows[r].logits) /* xn is spent: the head's input, packed */
+            memcpy(c->xn + n_out++ * n_embd, h, sizeof(float) * (size_t)n_embd);
     }
-    c->n_hidden = n_out;
-    if (n_out) moe_matmul(c->pool, head, 0, c->hidden, n_out, logits, c->mm_scratch);
+    c->n_hidden = n_rows;
+    if (n_out) moe_matmul(c->pool, head, 0, c->xn, n_out, logits, c->mm_scratch);
 }
 
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
@@ -411,6 +445,14 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         moe_tensor_row_f32(m->token_embd, rows[r].token, c->y + r * n_embd);
     c->stream->begin(c, c->y, n_rows);
     for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, il, rows, n_rows);
+    if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {
+        /* the step's state is half written (linear layers advanced): its sequences start over */
+        for (uint32_t r = 0; r < n_rows; r++) {
+            moe_error ignored = {0};
+            moe_ctx_seq_truncate(c, rows[r].seq, 0, &ignored);
+        }
+        return err->code;
+    }
     for (uint32_t r = 0; r < n_rows; r++) {
         c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
         c->tokens[(uint64_t)rows[r].seq * c->p.n_ctx + (uint32_t)rows[r].pos] = rows[r].token;
@@ -447,6 +489,14 @@ const float *moe_ctx_hidden(const moe_ctx *c, uint32_t *n_rows) {
     return c->hidden;
 }
 
+uint32_t moe_ctx_mtp_len(const moe_ctx *c, int32_t seq) {
+    return seq >= 0 && (uint32_t)seq < c->p.n_seq ? c->mtp_len[seq] : 0;
+}
+
+void moe_ctx_mtp_rewind(moe_ctx *c, int32_t seq, uint32_t n) {
+    if (seq >= 0 && (uint32_t)seq < c->p.n_seq && c->mtp_len[seq] > n) c->mtp_len[seq] = n;
+}
+
 moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const float *h,
                               float *logits, moe_error *err) {
     const moe_model *m = c->m;
@@ -467,10 +517,16 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
                     m->cfg.rms_eps);
     }
     moe_matmul(c->pool, w->eh_proj, 0, c->mtp_in, n_rows, c->y, c->mm_scratch);
+    c->stream = &moe_stream_plain; /* the NextN block is a plain pre-norm block */
     c->stream->begin(c, c->y, n_rows);
     run_layer(c, il, rows, n_rows);
+    if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {
+        c->stream = c->trunk;
+        return err->code;
+    }
     for (uint32_t r = 0; r < n_rows; r++) c->mtp_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
     output_head(c, rows, n_rows, w->head_norm ? w->head_norm : m->output_norm,
                 w->head ? w->head : m->output, logits);
+    c->stream = c->trunk;
     return MOE_OK;
 }

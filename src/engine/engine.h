@@ -30,7 +30,24 @@ typedef struct moe_ctx_params {
     int n_threads;        /* threads for the forward pass, including the caller (0: 1) */
     uint32_t n_snapshots; /* recurrent-state snapshots held at once (0: 2 per sequence) */
     uint32_t n_verify;    /* rows per sequence a verify step can take back (0: no verify steps) */
+    uint64_t expert_cache_bytes; /* routed experts read from the file into a cache of this size
+                                  * (0: the model's experts are all resident) */
+    const char *expert_stats;    /* with a cache: use counts kept in this file across runs (the
+                                  * hottest experts read at start), or NULL */
+    const char *pin_experts;     /* with a cache: experts always resident, listed one per line as
+                                  * "LAYER EXPERT", or NULL */
 } moe_ctx_params;
+
+/* The expert cache's counters (cumulative; all zero without one). */
+typedef struct moe_expert_cache_stats {
+    uint64_t hits, misses, evictions; /* experts acquired: resident, read, thrown out for them */
+    uint64_t read_ahead; /* reads made ahead by the reader thread (no step waited for them) */
+    uint64_t bytes_read; /* from the model file */
+    double read_seconds; /* waiting for those reads */
+    uint32_t slots;      /* experts it holds */
+    uint64_t slot_bytes; /* one expert of the widest layer: gate + up + down */
+    bool direct;         /* reads bypass the page cache (O_DIRECT) */
+} moe_expert_cache_stats;
 
 /* What a context's state costs, decided before anything is allocated (moe budget, load). */
 typedef struct moe_ctx_memory {
@@ -51,14 +68,21 @@ moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_
                                moe_error *err);
 void moe_ctx_free(moe_ctx *c);
 const moe_model *moe_ctx_model(const moe_ctx *c);
+/* The context's thread pool (work that is not a forward pass may borrow it between calls). */
+moe_pool *moe_ctx_pool(moe_ctx *c);
+int moe_ctx_n_threads(const moe_ctx *c);
 uint32_t moe_ctx_n_ctx(const moe_ctx *c);
 
 /* Run the rows; logits gets one [n_vocab] row per row with .logits set, in batch order. */
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err);
-/* The normed final hidden states (after output_norm) of the last call's logit rows, packed in
- * batch order: *n_rows of [n_embd]. Valid until the next call. */
+/* The normed final hidden states (after output_norm; after the MTP head's norm for a
+ * moe_ctx_decode_mtp call) of every row of the last call, in batch order: *n_rows of [n_embd].
+ * Valid until the next call. */
 const float *moe_ctx_hidden(const moe_ctx *c, uint32_t *n_rows);
+/* Entries seq holds in the MTP head's cache, and taking back those past the first n. */
+uint32_t moe_ctx_mtp_len(const moe_ctx *c, int32_t seq);
+void moe_ctx_mtp_rewind(moe_ctx *c, int32_t seq, uint32_t n);
 /* The MTP / NextN head (models with one; else MOE_ERR_UNSUPPORTED): row r pairs h[r] (a hidden
  * state from moe_ctx_hidden, [n_rows][n_embd]) with rows[r].token, the token that followed it,
  * at the sequence's next MTP position (its own cache, positions from 0); logits are its draft
@@ -67,6 +91,9 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
                               float *logits, moe_error *err);
 /* Expert dispatch counters of the last moe_ctx_decode, summed over its MoE layers. */
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c);
+moe_expert_cache_stats moe_ctx_expert_cache_stats(const moe_ctx *c);
+/* Bytes of one expert cache slot for m (0: no routed experts): sizes --expert-cache. */
+uint64_t moe_expert_cache_slot_bytes(const moe_model *m, uint32_t n_layer_run);
 /* Tokens held for a sequence (its next position). */
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq);
 
@@ -87,6 +114,15 @@ moe_status moe_ctx_seq_accept(moe_ctx *c, int32_t seq, uint32_t n_keep, moe_erro
  * them into out; 0 when the suffix never occurred before. */
 #define MOE_NGRAM_MAX 3
 uint32_t moe_draft_ngram(const int32_t *hist, uint32_t n_hist, uint32_t max_draft, int32_t *out);
+/* MTP drafts (spec.c): first the entries seq's MTP cache lacks -- for i < n_in, h[i] (a trunk
+ * hidden state, [n_embd]) at MTP position moe_ctx_mtp_len + i with tokens[i], the token that
+ * followed it (the last one: the token about to be fed) -- then n_draft greedy drafts: the first
+ * from the last entry, each next one from the head run on the draft before and the head's own
+ * hidden state. The drafts' entries are taken back (the cache keeps the n_in entries fed).
+ * logits: [n_vocab] scratch. Returns the drafts written (n_draft, or 0 on an error). */
+uint32_t moe_draft_mtp(moe_ctx *c, int32_t seq, const float *h, const int32_t *tokens,
+                       uint32_t n_in, uint32_t n_draft, int32_t *drafts, float *logits,
+                       moe_error *err);
 
 /* ==== Sequence state: truncation, snapshots, prefix reuse (state.c) ====
  *
@@ -210,5 +246,12 @@ moe_grammar_state *moe_sampler_grammar(moe_sampler *s);
 /* Tell the sampler about prompt tokens (they count for the penalties). */
 void moe_sampler_accept(moe_sampler *s, int32_t token);
 void moe_sampler_reset(moe_sampler *s);
+/* The log-probability of a given token (a prompt token, not a draw) under the raw logits (no
+ * bias, penalties or temperature), and the sampler's n_top_logprobs best alternatives; the
+ * token is not remembered for the penalties. */
+moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token);
+/* log-softmax of one logits row at token: logit - max - log(sum exp(logit_i - max)), summed in
+ * double. What `moe eval` scores with; moe_sampler_score rounds the same value to float. */
+double moe_logprob(const float *logits, uint32_t n_vocab, int32_t token);
 
 #endif

@@ -37,6 +37,50 @@ typedef struct moe_linear_ctx {
     float *delta_scratch; /* [n_threads][moe_delta_scratch_floats] */
 } moe_linear_ctx;
 
+/* Hyper-connection scratch (hyper.c), [max_rows][width] floats each. */
+typedef struct moe_hc_ctx {
+    float *wide; /* [n_hc n_embd] the normed streams, then the mixed ones */
+    float *mix;  /* [(2 + n_hc) n_hc] mixing logits */
+    float *in;   /* [n_embd] a block's input; at the end the streams' mean */
+    float *post; /* [n_hc] */
+    float *comb; /* [n_hc n_hc] */
+} moe_hc_ctx;
+
+/* The lightning indexer of sparse MLA layers (indexer.c): each scoring layer's per-position
+ * rows (moe_index_row_values: [key] or [key | pooling logits | pooled key]), and scratch. */
+typedef struct moe_index_ctx {
+    uint32_t n_layer;    /* indexed layers (0: none) */
+    uint32_t *slot;      /* [layers run] index among the indexed layers */
+    float *cache;        /* [n_seq][n_layer][n_ctx][moe_index_row_values] */
+    float *k;            /* [max_rows][idx_head_dim] projections on their way to the cache */
+    float *q;            /* [max_rows][idx_n_head idx_head_dim] indexer queries */
+    float *w;            /* [max_rows][idx_n_head] per-head score weights */
+    uint32_t n_pool_max; /* pools a context holds, + 1 */
+    float *scores;       /* [n_threads][n_pool_max] */
+    int32_t *sel;        /* [n_threads][top_k + kpool - 1] chosen pools */
+    int32_t *chosen;     /* [max_rows][top_k + kpool - 1] the cells each row attends to, */
+    int32_t *n_chosen;   /* [max_rows] how many (-1: all), kept for the layers that share them */
+    uint8_t *gather;     /* [n_threads][top_k + kpool - 1] latent rows a query attends to */
+} moe_index_ctx;
+
+/* The expert cache (expert_cache.c). */
+typedef struct moe_expert_cache moe_expert_cache;
+moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, moe_pool *pool,
+                                       uint64_t bytes, moe_error *err);
+void moe_expert_cache_free(moe_expert_cache *c);
+/* Layer il's experts through the cache, for moe_expert_set.source. */
+const moe_expert_source *moe_expert_cache_source(moe_expert_cache *c, uint32_t il);
+/* The first read error since the last call, into err (true), or false. */
+bool moe_expert_cache_take_error(moe_expert_cache *c, moe_error *err);
+moe_expert_cache_stats moe_expert_cache_stats_of(moe_expert_cache *c);
+/* Pin the experts a --pin-experts file lists ("LAYER EXPERT" or "LAYER:EXPERT" lines), then warm
+ * the free slots with the experts a --expert-stats file says were used most (a missing file is a
+ * cold start); either path may be NULL. */
+bool moe_expert_cache_prepare(moe_expert_cache *c, const char *stats_path, const char *pin_path,
+                              moe_error *err);
+/* Write the use counts to the --expert-stats file (no file: nothing to do). */
+bool moe_expert_cache_save_stats(const moe_expert_cache *c, moe_error *err);
+
 /* A recurrent-state snapshot: sequence seq's state after its first pos tokens. */
 typedef struct moe_snapshot {
     int32_t seq; /* -1: the slot is free */
@@ -58,13 +102,14 @@ struct moe_ctx {
     uint8_t *k_cache, *v_cache;
     uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
     /* scratch, [max_rows][width] floats each */
-    float *x;          /* [max_rows][n_streams][n_embd] the residual stream(s) */
+    float *x;          /* [max_rows][max(1, n_hc)][n_embd] the residual stream(s) */
     float *xn;         /* [max_rows][max(n_embd, n_head * head_dim_v)] a block's normed input */
     float *y;          /* [max_rows][n_embd] a block's output */
-    float *hidden;     /* [max_rows][n_embd] normed final hidden states of the last call's
-                        * logit rows, packed (what the MTP head takes) */
+    float *hidden;     /* [max_rows][n_embd] normed final hidden states of the last call's rows
+                        * (what the MTP head takes) */
     uint32_t n_hidden; /* rows in hidden */
     float *mtp_in;     /* [max_rows][2 n_embd] the MTP head's normed [embedding ; hidden] */
+    float *mtp_h;      /* [n_embd] the hidden state a draft chain feeds back */
     float *q, *k, *v, *att, *ff_gate, *ff_up;
     float *scores; /* [n_threads][n_ctx] attention scores */
     /* multi-head latent attention scratch (NULL without MLA) */
@@ -84,6 +129,10 @@ struct moe_ctx {
     float *att_gate;                     /* [max_rows][n_head * head_dim_v] attention output gate */
     float *shexp_gate;                   /* [max_rows] shared-expert gate logits */
     const struct moe_stream_ops *stream; /* how block outputs join the residual stream */
+    const struct moe_stream_ops *trunk;  /* ... in the trunk's layers (MTP layers: plain) */
+    moe_hc_ctx hc;
+    moe_expert_cache *expert_cache; /* NULL: the routed experts are resident */
+    moe_index_ctx idx;
     moe_linear_ctx lin;
     /* verify steps: for each sequence its length before the last one and its rows in it (0:
      * nothing to accept), and the recurrent state after each of those rows */
@@ -111,6 +160,24 @@ void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n);
 void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, const moe_row *rows,
                      uint32_t n_rows, uint32_t window, bool latent_v);
 
+/* ==== The lightning indexer (indexer.c) ==== */
+
+/* Indexed layers among the first n_layer_run, and their f32 values per token of context. */
+void moe_indexer_plan(const moe_model *m, uint32_t n_layer_run, uint32_t *n_layer,
+                      uint64_t *floats_per_token);
+/* Allocate c->idx (after the KV rows and the pool are set up). */
+void moe_indexer_alloc(moe_ctx *c, uint32_t n_layer_run);
+void moe_indexer_free(moe_ctx *c);
+/* The indexer row of one sequence, indexed layer and position. */
+float *moe_indexer_row(const moe_ctx *c, int32_t seq, uint32_t layer, uint32_t pos);
+/* Write the rows' keys and pooling logits (from c->xn) and the pools they complete. */
+void moe_indexer_update(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,
+                        uint32_t n_rows);
+/* moe_attend_rows over a latent cache, each query restricted to what the indexer selects (its
+ * queries from the normed q latent c->mla_qa and c->xn). */
+void moe_attend_rows_indexed(moe_ctx *c, const moe_attn_shape *shape, const moe_layer_weights *l,
+                             uint32_t il, const moe_row *rows, uint32_t n_rows);
+
 /* ==== The residual stream ==== */
 
 typedef enum moe_site { MOE_SITE_MIXER, MOE_SITE_FFN } moe_site;
@@ -119,7 +186,6 @@ typedef enum moe_site { MOE_SITE_MIXER, MOE_SITE_FFN } moe_site;
  * output goes. The plain residual keeps one stream per row (x += block(norm(x))); a model with
  * hyper-connections keeps several per row and mixes them around every block. */
 typedef struct moe_stream_ops {
-    uint32_t n_streams; /* residual streams per row in c->x */
     /* Start the streams of n_rows rows from their embeddings ([n_rows][n_embd]). */
     void (*begin)(moe_ctx *c, const float *embd, uint32_t n_rows);
     /* The input of layer l's block at `site`, [n_rows][n_embd] (before its norm). */
@@ -131,6 +197,10 @@ typedef struct moe_stream_ops {
 } moe_stream_ops;
 
 extern const moe_stream_ops moe_stream_plain;
+/* cfg.n_hc streams per row, mixed around every block (hyper.c). */
+extern const moe_stream_ops moe_stream_hc;
+void moe_hc_alloc(moe_ctx *c);
+void moe_hc_free(moe_ctx *c);
 
 /* ==== Layer blocks: c->xn (normed input, [n_rows][n_embd]) in, c->y ([n_rows][n_embd]) out ==== */
 

@@ -10,12 +10,12 @@
 
 /* out = row_gate[r] * down(silu(gate(xn)) * up(xn)) for every row r (row_gate NULL: 1), or
  * out += that when accumulate: the dense FFN, and the shared expert beside the routed ones. */
-static void swiglu(moe_ctx *c, const moe_ffn_weights *w, const float *row_gate, bool accumulate,
-                   float *out, uint32_t n_rows) {
+static void swiglu(moe_ctx *c, const moe_ffn_weights *w, float limit, const float *row_gate,
+                   bool accumulate, float *out, uint32_t n_rows) {
     const int64_t n_embd = c->m->cfg.n_embd, n_ff = w->gate->ne[1];
     moe_matmul(c->pool, w->gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
     moe_matmul(c->pool, w->up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
-    moe_swiglu(c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
+    moe_glu(MOE_ACT_SILU, limit, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
     if (!accumulate) {
         moe_matmul(c->pool, w->down, 0, c->ff_up, n_rows, out, c->mm_scratch);
         return;
@@ -28,11 +28,12 @@ static void swiglu(moe_ctx *c, const moe_ffn_weights *w, const float *row_gate, 
 }
 
 void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
-    swiglu(c, &l->ffn, NULL, false, c->y, n_rows);
+    swiglu(c, &l->ffn, l->plan.clamp_ffn, NULL, false, c->y, n_rows);
 }
 
 /* y += [sigmoid(w . xn) *] shared_expert(xn); xn is consumed. */
-static void shared_expert(moe_ctx *c, const moe_expert_weights *w, uint32_t n_rows) {
+static void shared_expert(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
+    const moe_expert_weights *w = &l->experts;
     const int64_t n_embd = c->m->cfg.n_embd;
     if (w->shared_gate) {
         const float *g = (const float *)w->shared_gate->data;
@@ -42,7 +43,8 @@ static void shared_expert(moe_ctx *c, const moe_expert_weights *w, uint32_t n_ro
             c->shexp_gate[r] = 1.0f / (1.0f + expf(-dot));
         }
     }
-    swiglu(c, &w->shared, w->shared_gate ? c->shexp_gate : NULL, true, c->y, n_rows);
+    swiglu(c, &w->shared, l->plan.clamp_ffn, w->shared_gate ? c->shexp_gate : NULL, true, c->y,
+           n_rows);
 }
 
 /* y = the routed experts' weighted sum (in expert order), then + the shared expert's output:
@@ -62,15 +64,21 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
                                     .n_group = (int)cfg->n_expert_group,
                                     .topk_group = (int)cfg->n_group_used};
     moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
-    const moe_expert_set experts = {.gate = w->gate,
-                                    .up = w->up,
-                                    .down = w->down,
-                                    .gate_b = w->gate_b,
-                                    .up_b = w->up_b,
-                                    .down_b = w->down_b,
-                                    .act = cfg->expert_act};
+    const moe_expert_set experts = {
+        .gate = w->gate,
+        .up = w->up,
+        .down = w->down,
+        .gate_b = w->gate_b,
+        .up_b = w->up_b,
+        .down_b = w->down_b,
+        .act = cfg->expert_act,
+        .limit = l->plan.clamp_exp,
+        .source = c->expert_cache
+                      ? moe_expert_cache_source(c->expert_cache, (uint32_t)(l - c->m->layers))
+                      : NULL};
     memset(c->y, 0, sizeof(float) * n_rows * cfg->n_embd);
-    moe_experts_forward(c->pool, &experts, c->xn, n_rows, c->expert_ids, c->expert_w,
-                        (int)cfg->n_expert_used, c->y, &c->experts, &c->stats);
-    if (w->shared.gate) shared_expert(c, w, n_rows);
+    if (!moe_experts_forward(c->pool, &experts, c->xn, n_rows, c->expert_ids, c->expert_w,
+                             (int)cfg->n_expert_used, c->y, &c->experts, &c->stats))
+        return; /* the cache keeps the read error; the step fails with it */
+    if (w->shared.gate) shared_expert(c, l, n_rows);
 }

@@ -172,7 +172,12 @@ static void project_kda(moe_ctx *c, const moe_linear_weights *w, const linear_di
     const float *a_log = (const float *)w->a->data, *dt_b = (const float *)w->dt_b->data;
     for (uint32_t r = 0; r < n_rows; r++) {
         float *g = lin->g + r * d->V;
-        for (int64_t i = 0; i < d->V; i++) g[i] = a_log[i / d->hd] * moe_softplus(g[i] + dt_b[i]);
+        const float bound = c->m->cfg.kda_gate_bound;
+        for (int64_t i = 0; i < d->V; i++) {
+            const float a = a_log[i / d->hd], t = g[i] + dt_b[i];
+            /* a = -exp(A_log): Kimi's unbounded decay, or GLM-5.3's bound * sigmoid(-a t) */
+            g[i] = bound < 0 ? bound / (1.0f + expf(a * t)) : a * moe_softplus(t);
+        }
         for (int64_t h = 0; h < d->nv; h++) {
             float *b = &lin->beta[r * d->nv + h];
             *b = 1.0f / (1.0f + expf(-*b));
@@ -289,7 +294,7 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
     }
     for (uint32_t i = 0; i < n_rows; i++)
         for (int64_t h = 0; h < 2 * d.nk; h++)
-            moe_l2norm(lin->qkv + i * d.conv_ch + h * d.hd, d.hd, cfg->rms_eps);
+            moe_l2norm(lin->qkv + i * d.conv_ch + h * d.hd, d.hd, cfg->l2_eps);
 
     delta_job job = {.c = c, .d = &d, .slot = slot};
     moe_pool_for(c->pool, (int64_t)n_seg * d.nv, 1, delta_heads, &job);

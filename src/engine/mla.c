@@ -73,7 +73,12 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
         per_head_matmul(c, w->wk_b, h, c->mla_q + h * hd_q, q_w, c->q + h * lat_w, n_head * lat_w,
                         n_rows);
 
-    moe_attend_rows(c, &shape, il, rows, n_rows, 0, true);
+    if (l->plan.indexed) {
+        if (!l->plan.index_shared) moe_indexer_update(c, l, il, rows, n_rows);
+        moe_attend_rows_indexed(c, &shape, l, il, rows, n_rows);
+    } else {
+        moe_attend_rows(c, &shape, il, rows, n_rows, 0, true);
+    }
 
     /* decompress each head's attended latent with attn_v_b, then the output projection */
     for (int64_t h = 0; h < n_head; h++)

@@ -132,6 +132,39 @@ static void select_top(moe_sampler *s, uint32_t n, uint32_t k) {
     qsort_r(h, k, sizeof(int32_t), by_value_desc, s->work);
 }
 
+/* max and log(sum exp(l - max)) of a logits row, the sum in double (-inf entries add 0) */
+static double log_partition(const float *logits, uint32_t n, float *max_out) {
+    float max = -INFINITY;
+    for (uint32_t i = 0; i < n; i++) max = logits[i] > max ? logits[i] : max;
+    double z = 0.0;
+    for (uint32_t i = 0; i < n; i++)
+        z += logits[i] == -INFINITY ? 0.0 : exp((double)logits[i] - (double)max);
+    *max_out = max;
+    return log(z);
+}
+
+double moe_logprob(const float *logits, uint32_t n_vocab, int32_t token) {
+    float max;
+    const double log_z = log_partition(logits, n_vocab, &max);
+    return (double)logits[token] - (double)max - log_z;
+}
+
+moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token) {
+    const uint32_t n = s->n_vocab;
+    memcpy(s->work, logits, sizeof(float) * n);
+    float max;
+    const double log_z = log_partition(logits, n, &max);
+    moe_sample out = {.token = token};
+    out.logprob = (float)((double)logits[token] - (double)max - log_z);
+    out.n_top = s->p.n_top_logprobs < n ? s->p.n_top_logprobs : n;
+    if (out.n_top) select_top(s, n, out.n_top);
+    for (uint32_t i = 0; i < out.n_top; i++) {
+        out.top_tokens[i] = s->order[i];
+        out.top_logprobs[i] = (float)((double)logits[s->order[i]] - (double)max - log_z);
+    }
+    return out;
+}
+
 moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
     const uint32_t n = s->n_vocab;
     const moe_sampler_params *p = &s->p;

@@ -52,6 +52,10 @@ static void become(moe_ctx *c, int32_t seq, int32_t src, uint32_t n, const float
                    moe_kv_slot(c, c->k_cache, c->k_row_bytes, src, l, 0), n * c->k_row_bytes);
             memcpy(moe_kv_slot(c, c->v_cache, c->v_row_bytes, seq, l, 0),
                    moe_kv_slot(c, c->v_cache, c->v_row_bytes, src, l, 0), n * c->v_row_bytes);
+            const uint64_t index_values = moe_layer_state_of(&c->m->cfg, l).index_values;
+            if (index_values) /* the indexer's rows and pools beside the latent */
+                memcpy(moe_indexer_row(c, seq, l, 0), moe_indexer_row(c, src, l, 0),
+                       n * index_values * sizeof(float));
         }
         memcpy(seq_tokens(c, seq), seq_tokens(c, src), n * sizeof(int32_t));
     }

@@ -1,4 +1,5 @@
-/* format: GGUF files read and written; one model may span several shard files.
+/* format: GGUF and safetensors files read and written (safetensors, compressed-tensors W4A16:
+ * see their section below); one model may span several shard files.
  *
  * The reader parses the header, metadata and tensor directory of every shard through a cursor
  * that checks each read before it happens, then maps the files (mmap, read-only) so tensor data
@@ -154,6 +155,12 @@ unsigned moe_gguf_vtype_size(uint32_t t);
  * not mapped or already read. On a read error (which names the file and byte) the shard's
  * tensors still point into the mapping. */
 moe_status moe_gguf_to_memory(moe_gguf *g, moe_pool *pool, uint64_t *bytes_read, moe_error *err);
+/* The same, leaving out the tensors skip says yes to: they are not read (their pages of the
+ * anonymous copy are never touched, so cost nothing) and their `data` becomes NULL (whoever
+ * needs them reads them from the file: the expert cache). */
+moe_status moe_gguf_to_memory_except(moe_gguf *g, moe_pool *pool,
+                                     bool (*skip)(const moe_tensor *t, void *ctx), void *skip_ctx,
+                                     uint64_t *bytes_read, moe_error *err);
 
 /* Tensors of all shards, in file order (shard 0 first). */
 uint64_t moe_gguf_n_tensors(const moe_gguf *g);
@@ -186,6 +193,12 @@ bool moe_path_is_url(const char *path);
  * first; *file_size (may be NULL) is the file's full size from Content-Range. */
 moe_status moe_http_read(moe_http *h, const char *url, uint64_t offset, uint64_t n, void *buf,
                          uint64_t *got, uint64_t *file_size, moe_error *err);
+/* POST a JSON body to url (an API call, not a file read): the reply's body into *reply (reset
+ * first) and its HTTP status into *status. bearer, when not NULL, goes in an Authorization
+ * header. Fails only on transport errors; the caller judges the status. */
+#define MOE_HTTP_MAX_REPLY (256u << 20) /* an API reply past 256 MiB is not one */
+moe_status moe_http_post_json(moe_http *h, const char *url, const char *body, size_t len,
+                              const char *bearer, moe_strbuf *reply, long *status, moe_error *err);
 /* Open a GGUF model by URL (every shard of a split, found from any shard's name); tensor
  * `data` pointers are NULL. Shard paths are the shards' URLs. */
 moe_gguf *moe_gguf_open_url(moe_http *h, const char *url, moe_error *err);
@@ -220,7 +233,8 @@ void moe_gguf_writer_set_value(moe_gguf_writer *w, const char *key, const moe_gg
  * nested arrays go through moe_gguf_writer_set_value. */
 void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype elem_type,
                              const void *elems, uint64_t n);
-/* Add a tensor; data (n_bytes of the type/shape) is copied, or referenced if `borrow`. */
+/* Add a tensor; data (n_bytes of the type/shape) is copied, or referenced if `borrow`. NULL
+ * data adds a tensor whose bytes are streamed (moe_gguf_writer_stream_*). */
 moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
                                       uint32_t n_dims, const int64_t *ne, const void *data,
                                       bool borrow, moe_error *err);
@@ -238,8 +252,144 @@ bool moe_gguf_writer_set_file_type(moe_gguf_writer *w);
  * 00001-of-0000N.gguf", each carrying split.no / split.count / split.tensors.count. */
 moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
                                  uint32_t max_tensors_per_shard, moe_error *err);
+/* Streaming, for files larger than memory: add every tensor with NULL data first, then begin
+ * (writes header, keys and directory), hand each tensor's n_bytes in the order added, finish.
+ * One file, no split. */
+moe_status moe_gguf_writer_stream_begin(moe_gguf_writer *w, const char *path, moe_error *err);
+moe_status moe_gguf_writer_stream_tensor(moe_gguf_writer *w, const void *data, moe_error *err);
+moe_status moe_gguf_writer_stream_finish(moe_gguf_writer *w, moe_error *err);
 /* The keys set so far as a reader sees them: a header without tensors, parsed (the caller
  * closes it). Lets a writer check what it wrote with the same code that will load it. */
 moe_gguf *moe_gguf_writer_read_keys(const moe_gguf_writer *w, moe_error *err);
+
+/* ==== safetensors (safetensors.c) ====
+ *
+ * A .safetensors file is an 8-byte little-endian header length N, N bytes of JSON (an object:
+ * tensor name -> {"dtype", "shape", "data_offsets": [begin, end]}, plus an optional
+ * "__metadata__" object of strings), then the data; offsets count from the end of the header.
+ * Shapes are row-major, the LAST dimension contiguous (the reverse of GGUF's ne[]). A sharded
+ * checkpoint is a directory with model.safetensors.index.json, whose "weight_map" names the
+ * file of every tensor. Files are mapped read-only; tensor `data` points into the mapping. */
+
+#define MOE_ST_MAX_HEADER  (100u << 20) /* the reference implementation's limit on the JSON */
+#define MOE_ST_MAX_DIMS    8            /* no model tensor has more; bounds the shape array */
+#define MOE_ST_MAX_TENSORS (1u << 20)   /* tensors over all shards; DeepSeek-V3 has ~92k */
+#define MOE_ST_MAX_SHARDS  4096         /* files of one checkpoint */
+
+typedef enum moe_st_dtype {
+    MOE_ST_BOOL,
+    MOE_ST_U8,
+    MOE_ST_I8,
+    MOE_ST_F8_E4M3, /* "fn": no infinities; with block scales (weight_scale_inv) in FP8 models */
+    MOE_ST_F8_E5M2,
+    MOE_ST_F8_E8M0, /* a power of two (MX scales) */
+    MOE_ST_I16,
+    MOE_ST_U16,
+    MOE_ST_F16,
+    MOE_ST_BF16,
+    MOE_ST_I32,
+    MOE_ST_U32,
+    MOE_ST_F32,
+    MOE_ST_F64,
+    MOE_ST_I64,
+    MOE_ST_U64,
+    MOE_ST_DTYPE_COUNT
+} moe_st_dtype;
+
+const char *moe_st_dtype_name(moe_st_dtype d); /* "BF16", as the header spells it */
+unsigned moe_st_dtype_size(moe_st_dtype d);    /* bytes of one value; 0 if unknown */
+bool moe_st_dtype_from_name(const char *name, moe_st_dtype *out);
+float moe_f8_e4m3_to_f32(uint8_t b);
+
+typedef struct moe_st_tensor {
+    char *name;
+    moe_st_dtype dtype;
+    uint32_t n_dims;                /* 0 for a scalar */
+    int64_t shape[MOE_ST_MAX_DIMS]; /* shape[n_dims - 1] is contiguous */
+    uint64_t n_values, n_bytes;     /* product of shape; n_values x dtype size */
+    uint32_t file;                  /* index into the files */
+    uint64_t offset;                /* from the start of the file's data section */
+    uint64_t file_offset;           /* from the start of the file */
+    const uint8_t *data;            /* mapped bytes */
+} moe_st_tensor;
+
+typedef struct moe_st_file {
+    char *path;
+    uint64_t file_size;
+    uint64_t header_bytes; /* 8 + the JSON header (with its padding) */
+    uint64_t tensor_bytes; /* the data section, tiled exactly by the tensors */
+    uint32_t n_tensors;
+} moe_st_file;
+
+typedef struct moe_st moe_st;
+
+/* Open a .safetensors file, a model.safetensors.index.json, or a checkpoint directory (its
+ * index, else its model.safetensors). Tensors are in file order, each file's by offset. */
+moe_st *moe_st_open(const char *path, moe_error *err);
+/* Parse one whole file held in memory (fuzzing, tests); `name` names it in errors. */
+moe_st *moe_st_parse(const void *buf, size_t size, const char *name, moe_error *err);
+void moe_st_close(moe_st *s);
+/* True for a directory holding a checkpoint or a path ending in .safetensors(.index.json). */
+bool moe_st_is_checkpoint(const char *path);
+const char *moe_st_dir(const moe_st *s); /* the checkpoint's directory (config.json lives there) */
+uint32_t moe_st_n_files(const moe_st *s);
+const moe_st_file *moe_st_file_get(const moe_st *s, uint32_t i);
+uint64_t moe_st_n_tensors(const moe_st *s);
+const moe_st_tensor *moe_st_tensor_get(const moe_st *s, uint64_t i);
+const moe_st_tensor *moe_st_tensor_find(const moe_st *s, const char *name);
+/* Drop the mapped pages wholly inside t's bytes from this process (the page cache keeps them,
+ * a later read maps them again): a tool that streams a checkpoint tensor by tensor stays at one
+ * tensor's worth of resident memory. t->data stays valid. */
+void moe_st_tensor_release(const moe_st *s, const moe_st_tensor *t);
+/* __metadata__ of the first file, in header order. */
+size_t moe_st_n_meta(const moe_st *s);
+const char *moe_st_meta_key(const moe_st *s, size_t i);
+const char *moe_st_meta_value(const moe_st *s, size_t i);
+const char *moe_st_meta_find(const moe_st *s, const char *key);
+/* Values [first, first + n) of t (row-major) as f32: floats and ints of every dtype. */
+moe_status moe_st_to_f32(const moe_st_tensor *t, uint64_t first, uint64_t n, float *out,
+                         moe_error *err);
+/* A 2-D F8_E4M3 weight times its block scales (DeepSeek-style weight_scale_inv, one per
+ * block_rows x block_cols block, shape [ceil(rows / br), ceil(cols / bc)]) into out[rows * cols].
+ */
+moe_status moe_st_dequant_fp8_blocks(const moe_st_tensor *w, const moe_st_tensor *scale_inv,
+                                     int64_t block_rows, int64_t block_cols, float *out,
+                                     moe_error *err);
+
+/* ==== compressed-tensors W4A16 (safetensors.c) ====
+ *
+ * A quantized linear module M is three tensors: M.weight_packed (I32 [rows, cols / 8]: int4
+ * levels + 8, value k of a row in word k / 8 at bits 4 * (k % 8)), M.weight_scale (bf16
+ * [rows, cols / 32], one scale per group of 32 along the row) and M.weight_shape ([rows, cols],
+ * I64 as compressed-tensors writes it; I32 accepted). w = scale x level. */
+typedef struct moe_w4a16_module {
+    const moe_st_tensor *packed, *scale, *shape;
+    int64_t rows, cols;
+} moe_w4a16_module;
+
+/* The module's tensors, checked to fit each other (group size 32). */
+moe_status moe_w4a16_module_find(const moe_st *s, const char *module, moe_w4a16_module *m,
+                                 moe_error *err);
+/* Rows [r0, r1) as f32: out[(r - r0) * cols + c]. */
+moe_status moe_w4a16_dequant_rows(const moe_w4a16_module *m, int64_t r0, int64_t r1, float *out,
+                                  moe_error *err);
+/* DIR/config.json's quantization_config: every config group compressed-tensors
+ * pack-quantized, 4 bits, symmetric, group_size 32 (what moe reads); else why not. */
+moe_status moe_w4a16_config_check(const char *dir, moe_error *err);
+
+/* The writer streams: declare every tensor (in data order), begin (writes the header), write
+ * the tensors' bytes in that order in any chunks, finish (checks the byte count). The header is
+ * padded with spaces to a multiple of 8, as the reference writer does. */
+typedef struct moe_st_writer moe_st_writer;
+moe_st_writer *moe_st_writer_new(void);
+void moe_st_writer_free(moe_st_writer *w);
+void moe_st_writer_set_meta(moe_st_writer *w, const char *key, const char *value);
+moe_status moe_st_writer_declare(moe_st_writer *w, const char *name, moe_st_dtype dtype,
+                                 uint32_t n_dims, const int64_t *shape, moe_error *err);
+moe_status moe_st_writer_begin(moe_st_writer *w, const char *path, moe_error *err);
+moe_status moe_st_writer_write(moe_st_writer *w, const void *data, size_t n, moe_error *err);
+moe_status moe_st_writer_finish(moe_st_writer *w, moe_error *err);
+/* Data bytes still to write (before begin: all the declared tensors'). */
+uint64_t moe_st_writer_remaining(const moe_st_writer *w);
 
 #endif

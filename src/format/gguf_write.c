@@ -34,11 +34,21 @@ typedef struct writer_tensor {
     bool borrowed;
 } writer_tensor;
 
+typedef struct out_file {
+    FILE *f;
+    const char *path;
+    uint64_t pos;
+    bool failed;
+} out_file;
+
 struct moe_gguf_writer {
     writer_kv *kv;
     size_t n_kv, cap_kv;
     writer_tensor *tensors;
     size_t n_tensors, cap_tensors;
+    out_file stream;    /* moe_gguf_writer_stream_*: the file being written */
+    char *stream_path;  /* owned */
+    size_t stream_next; /* the tensor whose bytes come next */
 };
 
 /* Keys the writer itself sets on every shard of a split (llama.cpp's names). */
@@ -117,6 +127,8 @@ void moe_gguf_writer_free(moe_gguf_writer *w) {
     }
     free(w->kv);
     free(w->tensors);
+    if (w->stream.f) fclose(w->stream.f);
+    free(w->stream_path);
     free(w);
 }
 
@@ -215,7 +227,8 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
         return moe_error_set(err, MOE_ERR_ARG, "tensor '%s' is too large", name);
     t.name = moe_xstrdup(name);
     t.borrowed = borrow;
-    if (borrow) {
+    if (borrow || !data) { /* NULL data: streamed later (moe_gguf_writer_stream_tensor) */
+        t.borrowed = true;
         t.data = data;
     } else {
         void *p = moe_xmalloc((size_t)t.n_bytes);
@@ -268,13 +281,6 @@ bool moe_gguf_writer_set_file_type(moe_gguf_writer *w) {
 }
 
 /* ==== Serialising ==== */
-
-typedef struct out_file {
-    FILE *f;
-    const char *path;
-    uint64_t pos;
-    bool failed;
-} out_file;
 
 static void put(out_file *o, const void *p, size_t n) {
     if (o->failed || n == 0) return;
@@ -361,10 +367,10 @@ static uint32_t writer_alignment(const moe_gguf_writer *w) {
     return MOE_GGUF_DEFAULT_ALIGNMENT;
 }
 
-/* One file: tensors [t0, t1); a split shard when n_split > 0. */
-/* Shard split_no of n_split (0 of 0: the whole file) with tensors [t0, t1) into o. */
-static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t t1,
-                        uint32_t split_no, uint32_t n_split) {
+/* The header, keys and tensor directory of shard split_no of n_split (0 of 0: the whole file)
+ * holding tensors [t0, t1), padded to where the data starts. */
+static void write_header(const moe_gguf_writer *w, out_file *o, size_t t0, size_t t1,
+                         uint32_t split_no, uint32_t n_split) {
     uint32_t alignment = writer_alignment(w);
     bool first = split_no == 0;
     uint64_t n_kv = 0;
@@ -402,6 +408,13 @@ static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t
         offset += t->n_bytes + pad_to(t->n_bytes, alignment);
     }
     if (t1 > t0) put_zeros(o, pad_to(o->pos, alignment)); /* no data section, no padding */
+}
+
+/* Shard split_no of n_split (0 of 0: the whole file) with tensors [t0, t1) into o. */
+static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t t1,
+                        uint32_t split_no, uint32_t n_split) {
+    uint32_t alignment = writer_alignment(w);
+    write_header(w, o, t0, t1, split_no, n_split);
     for (size_t i = t0; i < t1; i++) {
         const writer_tensor *t = &w->tensors[i];
         put(o, t->data, (size_t)t->n_bytes);
@@ -411,6 +424,11 @@ static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t
 
 static moe_status write_one(const moe_gguf_writer *w, const char *path, size_t t0, size_t t1,
                             uint32_t split_no, uint32_t n_split, moe_error *err) {
+    for (size_t i = t0; i < t1; i++)
+        if (!w->tensors[i].data)
+            return moe_error_set(err, MOE_ERR_ARG,
+                                 "tensor '%s' has no data: it was added to be streamed",
+                                 w->tensors[i].name);
     out_file o = {.f = fopen(path, "wb"), .path = path};
     if (!o.f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
     write_shard(w, &o, t0, t1, split_no, n_split);
@@ -454,4 +472,49 @@ moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
     }
     free(name);
     return s;
+}
+
+/* ==== Streaming: the header first, then each tensor's bytes as they are made ==== */
+
+moe_status moe_gguf_writer_stream_begin(moe_gguf_writer *w, const char *path, moe_error *err) {
+    if (w->stream.f) return moe_error_set(err, MOE_ERR_ARG, "%s: a stream is already open", path);
+    w->stream = (out_file){.f = fopen(path, "wb")};
+    if (!w->stream.f)
+        return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+    free(w->stream_path);
+    w->stream_path = moe_xstrdup(path);
+    w->stream.path = w->stream_path;
+    w->stream_next = 0;
+    write_header(w, &w->stream, 0, w->n_tensors, 0, 0);
+    if (w->stream.failed)
+        return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s", path,
+                             (unsigned long long)w->stream.pos, strerror(errno));
+    return MOE_OK;
+}
+
+moe_status moe_gguf_writer_stream_tensor(moe_gguf_writer *w, const void *data, moe_error *err) {
+    if (!w->stream.f) return moe_error_set(err, MOE_ERR_ARG, "GGUF writer: no stream open");
+    if (w->stream_next >= w->n_tensors)
+        return moe_error_set(err, MOE_ERR_ARG, "%s: more tensors than were added", w->stream_path);
+    const writer_tensor *t = &w->tensors[w->stream_next++];
+    put(&w->stream, data, (size_t)t->n_bytes);
+    put_zeros(&w->stream, pad_to(t->n_bytes, writer_alignment(w)));
+    if (w->stream.failed)
+        return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu (tensor '%s'): %s",
+                             w->stream_path, (unsigned long long)w->stream.pos, t->name,
+                             strerror(errno));
+    return MOE_OK;
+}
+
+moe_status moe_gguf_writer_stream_finish(moe_gguf_writer *w, moe_error *err) {
+    if (!w->stream.f) return moe_error_set(err, MOE_ERR_ARG, "GGUF writer: no stream open");
+    int closed = fclose(w->stream.f);
+    w->stream.f = NULL;
+    if (w->stream_next != w->n_tensors)
+        return moe_error_set(err, MOE_ERR_ARG, "%s: %zu of %zu tensors written", w->stream_path,
+                             w->stream_next, w->n_tensors);
+    if (w->stream.failed || closed != 0)
+        return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s", w->stream_path,
+                             (unsigned long long)w->stream.pos, strerror(errno));
+    return MOE_OK;
 }

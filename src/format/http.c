@@ -204,6 +204,52 @@ moe_status moe_http_read(moe_http *h, const char *url, uint64_t offset, uint64_t
     return MOE_OK;
 }
 
+/* ==== JSON API calls ==== */
+
+static size_t on_reply(char *data, size_t size, size_t n, void *arg) {
+    moe_strbuf *b = arg;
+    const size_t len = size * n;
+    if (len > MOE_HTTP_MAX_REPLY - b->len) return 0; /* curl reports a write error */
+    moe_strbuf_put(b, data, len);
+    return len;
+}
+
+moe_status moe_http_post_json(moe_http *h, const char *url, const char *body, size_t len,
+                              const char *bearer, moe_strbuf *reply, long *status, moe_error *err) {
+    moe_strbuf_reset(reply);
+    *status = 0;
+    char curl_err[CURL_ERROR_SIZE] = "";
+    CURL *c = h->curl;
+    curl_easy_reset(c);
+    struct curl_slist *headers = curl_slist_append(NULL, "Content-Type: application/json");
+    char auth[512];
+    if (bearer) {
+        snprintf(auth, sizeof auth, "Authorization: Bearer %s", bearer);
+        headers = curl_slist_append(headers, auth);
+    }
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_POST, 1L);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)len);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
+    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT, (long)CONNECT_TIMEOUT_S);
+    curl_easy_setopt(c, CURLOPT_USERAGENT, "moe");
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_ERRORBUFFER, curl_err);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_reply);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, reply);
+    const CURLcode rc = curl_easy_perform(c);
+    curl_slist_free_all(headers);
+    h->requests++;
+    h->bytes += reply->len;
+    if (rc != CURLE_OK)
+        return moe_error_set(err, MOE_ERR_IO, "%s: %s%s%s", url, curl_easy_strerror(rc),
+                             curl_err[0] ? ": " : "", curl_err);
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, status);
+    return MOE_OK;
+}
+
 /* ==== Where a header ends ==== */
 
 typedef enum { SCAN_DONE, SCAN_MORE, SCAN_ODD } scan_result;

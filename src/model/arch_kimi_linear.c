@@ -26,7 +26,7 @@ static bool kimi_linear_config(moe_meta *r, moe_model_config *c) {
 static void kimi_linear_bind_layer(moe_binder *b, uint32_t il, moe_layer_weights *l) {
     l->attn_norm = moe_bind_norm(b, il, "attn_norm");
     if (l->plan.mixer == MOE_MIXER_KDA)
-        moe_bind_kda(b, il, &l->linear);
+        moe_bind_kda(b, il, false, &l->linear);
     else
         moe_bind_mla(b, il, &l->mla);
     l->ffn_norm = moe_bind_norm(b, il, "ffn_norm");

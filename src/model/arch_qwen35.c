@@ -7,39 +7,16 @@
  * tiled over the v heads (v head h reads k head h % n_k) as the converter stores them. Every
  * layer has a dense SwiGLU; the FFN's input norm is post_attention_norm. The trailing
  * multi-token-prediction block (nextn_predict_layers) is a full-attention layer plus its NextN
- * projection and norms; it is not run yet. */
+ * projection and norms (the draft head of --spec mtp). */
 #include "model_internal.h"
-
-#include <stdio.h>
-
-#define ROPE_SECTIONS 4 /* rope.dimension_sections: t, h, w, e pairs */
-
-/* The sections must cover exactly the rotated dims (text sees one position in all of them). */
-static bool rope_sections_check(moe_meta *r, const moe_model_config *c) {
-    uint32_t sections[ROPE_SECTIONS];
-    char key[128];
-    snprintf(key, sizeof key, "%s.rope.dimension_sections", r->arch);
-    const moe_gguf_value *v = moe_gguf_find(r->g, key);
-    if (!v) return true;
-    if (v->type != MOE_GGUF_ARRAY || v->arr.n != ROPE_SECTIONS ||
-        !moe_meta_u32_per_layer(r, "rope.dimension_sections", 0, ROPE_SECTIONS, sections))
-        return moe_meta_fail(r, MOE_ERR_FORMAT, "key '%s' must be %d integers", key, ROPE_SECTIONS);
-    uint32_t pairs = 0;
-    for (int i = 0; i < ROPE_SECTIONS; i++) pairs += sections[i];
-    if (2 * pairs != c->rope_dims)
-        return moe_meta_fail(r, MOE_ERR_FORMAT,
-                             "rope sections cover %u dims, rope.dimension_count is %u", 2 * pairs,
-                             c->rope_dims);
-    return true;
-}
 
 static bool qwen35_config(moe_meta *r, moe_model_config *c) {
     c->ssm_tiled_heads = true;
     return moe_config_transformer(r, c, MOE_ROPE_NEOX, true) && moe_config_rope(r, c, false) &&
-           rope_sections_check(r, c) && moe_config_gdn_hybrid(r, c);
+           moe_config_rope_sections(r, c) && moe_config_gdn_hybrid(r, c);
 }
 
-static void qwen35_bind_layer(moe_binder *b, uint32_t il, moe_layer_weights *l) {
+void moe_bind_qwen35_layer(moe_binder *b, uint32_t il, moe_layer_weights *l) {
     l->attn_norm = moe_bind_norm(b, il, "attn_norm");
     if (l->plan.mixer == MOE_MIXER_GDN)
         moe_bind_gdn(b, il, false, &l->linear);
@@ -53,5 +30,5 @@ static void qwen35_bind_layer(moe_binder *b, uint32_t il, moe_layer_weights *l) 
 const moe_arch_desc moe_arch_qwen35 = {
     .name = "qwen35",
     .config = qwen35_config,
-    .bind_layer = qwen35_bind_layer,
+    .bind_layer = moe_bind_qwen35_layer,
 };

@@ -20,11 +20,13 @@
 /* ==== The architectures ==== */
 
 extern const moe_arch_desc moe_arch_llama, moe_arch_qwen3moe, moe_arch_deepseek2, moe_arch_gpt_oss,
-    moe_arch_qwen3next, moe_arch_kimi_linear, moe_arch_glm4moe, moe_arch_qwen35;
+    moe_arch_qwen3next, moe_arch_kimi_linear, moe_arch_glm4moe, moe_arch_qwen35, moe_arch_glm5next,
+    moe_arch_glm_dsa, moe_arch_qwen35moe;
 
 static const moe_arch_desc *const archs[] = {
     &moe_arch_llama,     &moe_arch_qwen3moe,    &moe_arch_deepseek2, &moe_arch_gpt_oss,
     &moe_arch_qwen3next, &moe_arch_kimi_linear, &moe_arch_glm4moe,   &moe_arch_qwen35,
+    &moe_arch_glm5next,  &moe_arch_glm_dsa,     &moe_arch_qwen35moe,
 };
 #define N_ARCHS (sizeof archs / sizeof archs[0])
 
@@ -132,6 +134,27 @@ bool moe_meta_u32_per_layer(moe_meta *r, const char *suffix, uint32_t fallback, 
     return true;
 }
 
+bool moe_meta_f32_per_layer(moe_meta *r, const char *suffix, float fallback, uint32_t n,
+                            float *out) {
+    char key[256];
+    meta_key(r, suffix, key, sizeof key);
+    const moe_gguf_value *v = moe_gguf_find(r->g, key);
+    if (!v || v->type != MOE_GGUF_ARRAY) {
+        if (!moe_meta_f32(r, suffix, false, fallback, &out[0])) return false;
+        for (uint32_t i = 1; i < n; i++) out[i] = out[0];
+        return true;
+    }
+    if (v->arr.elem_type != MOE_GGUF_F32 || v->arr.n != n)
+        return moe_meta_fail(r, MOE_ERR_FORMAT,
+                             "key '%s' must be a float or %u floats (one per layer)", key, n);
+    for (uint32_t i = 0; i < n; i++) {
+        memcpy(&out[i], (const uint8_t *)v->arr.data + (uint64_t)i * sizeof(float), sizeof(float));
+        if (!isfinite(out[i]))
+            return moe_meta_fail(r, MOE_ERR_RANGE, "key '%s'[%u] is not finite", key, i);
+    }
+    return true;
+}
+
 /* ==== Config steps ==== */
 
 bool moe_config_transformer(moe_meta *r, moe_model_config *c, moe_rope_kind rope,
@@ -175,6 +198,7 @@ bool moe_config_transformer(moe_meta *r, moe_model_config *c, moe_rope_kind rope
         !moe_meta_f32(r, "attention.layer_norm_rms_epsilon", true, 0, &c->rms_eps) ||
         !moe_meta_u32(r, "attention.sliding_window", false, 0, &c->n_swa))
         return false;
+    c->l2_eps = c->rms_eps;
     c->rope_kind = rope;
     if (c->n_head_kv == 0 || c->n_head % c->n_head_kv != 0)
         return moe_meta_fail(r, MOE_ERR_FORMAT,
@@ -351,8 +375,10 @@ bool moe_config_gdn(moe_meta *r, moe_model_config *c) {
 
 bool moe_config_kda(moe_meta *r, moe_model_config *c) {
     /* q, k and v all have n_head heads */
+    uint32_t state_size = 0;
     if (!moe_meta_u32(r, "ssm.conv_kernel", true, 0, &c->ssm_d_conv) ||
-        !moe_meta_u32(r, "kda.head_dim", true, 0, &c->ssm_head_dim))
+        !moe_meta_u32(r, "ssm.state_size", false, 0, &state_size) ||
+        !moe_meta_u32(r, "kda.head_dim", state_size == 0, state_size, &c->ssm_head_dim))
         return false;
     c->ssm_n_k_heads = c->ssm_n_v_heads = c->n_head;
     return config_linear_check(r, c);
@@ -382,6 +408,59 @@ void moe_config_plan_mixer(moe_model_config *c, uint32_t il, moe_mixer mixer) {
     if (il < c->n_layer) c->n_layer_linear += (uint32_t)linear - (uint32_t)was_linear;
     c->layer[il].mixer = mixer;
     if (linear) c->layer[il].n_head_kv = 0;
+}
+
+#define ROPE_SECTIONS 4 /* rope.dimension_sections: t, h, w, e pairs */
+
+/* The sections must cover exactly the rotated dims (text sees one position in all of them). */
+bool moe_config_rope_sections(moe_meta *r, const moe_model_config *c) {
+    uint32_t sections[ROPE_SECTIONS];
+    char key[128];
+    snprintf(key, sizeof key, "%s.rope.dimension_sections", r->arch);
+    const moe_gguf_value *v = moe_gguf_find(r->g, key);
+    if (!v) return true;
+    if (v->type != MOE_GGUF_ARRAY || v->arr.n != ROPE_SECTIONS ||
+        !moe_meta_u32_per_layer(r, "rope.dimension_sections", 0, ROPE_SECTIONS, sections))
+        return moe_meta_fail(r, MOE_ERR_FORMAT, "key '%s' must be %d integers", key, ROPE_SECTIONS);
+    uint32_t pairs = 0;
+    for (int i = 0; i < ROPE_SECTIONS; i++) pairs += sections[i];
+    if (2 * pairs != c->rope_dims)
+        return moe_meta_fail(r, MOE_ERR_FORMAT,
+                             "rope sections cover %u dims, rope.dimension_count is %u", 2 * pairs,
+                             c->rope_dims);
+    return true;
+}
+
+bool moe_config_hc(moe_meta *r, moe_model_config *c) {
+    if (!moe_meta_u32(r, "hyper_connection.count", true, 0, &c->n_hc) ||
+        !moe_meta_u32(r, "hyper_connection.sinkhorn_iterations", true, 0, &c->hc_sinkhorn_iters) ||
+        !moe_meta_f32(r, "hyper_connection.epsilon", true, 0, &c->hc_eps))
+        return false;
+    if (c->n_hc < 1 || c->n_hc > MOE_MAX_HC || c->hc_sinkhorn_iters < 1 ||
+        c->hc_sinkhorn_iters > 1000 || !(c->hc_eps >= 0))
+        return moe_meta_fail(r, MOE_ERR_FORMAT,
+                             "%s.hyper_connection: count %u (1..%d), sinkhorn_iterations %u "
+                             "(1..1000) or epsilon %g out of range",
+                             r->arch, c->n_hc, MOE_MAX_HC, c->hc_sinkhorn_iters, c->hc_eps);
+    return true;
+}
+
+bool moe_config_indexer(moe_meta *r, moe_model_config *c) {
+    if (!moe_meta_u32(r, "attention.indexer.head_count", true, 0, &c->idx_n_head) ||
+        !moe_meta_u32(r, "attention.indexer.key_length", true, 0, &c->idx_head_dim) ||
+        !moe_meta_u32(r, "attention.indexer.top_k", true, 0, &c->idx_top_k) ||
+        !moe_meta_u32(r, "attention.indexer.block_size", false, 1, &c->idx_kpool) ||
+        !moe_meta_f32(r, "attention.layer_norm_epsilon", false, 0.0f, &c->idx_norm_eps))
+        return false;
+    if (c->idx_n_head == 0 || c->idx_head_dim == 0 || c->idx_head_dim > MOE_MAX_WIDTH ||
+        c->idx_kpool == 0 || c->idx_kpool > 1024 || c->idx_top_k < c->idx_kpool ||
+        c->idx_top_k % c->idx_kpool != 0 || c->idx_top_k > MOE_MAX_WIDTH)
+        return moe_meta_fail(r, MOE_ERR_FORMAT,
+                             "%s.attention.indexer: head_count %u, key_length %u, top_k %u and "
+                             "block_size %u are inconsistent (top_k a positive multiple of "
+                             "block_size)",
+                             r->arch, c->idx_n_head, c->idx_head_dim, c->idx_top_k, c->idx_kpool);
+    return true;
 }
 
 /* An architecture moe does not run, read as far as every transformer goes. */
@@ -438,6 +517,8 @@ moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il) {
         break;
     case MOE_MIXER_MLA: /* one row: the latent then the roped key; V is the latent part */
         s.k_values = (uint64_t)c->n_lora_kv + c->rope_dims;
+        /* the indexer's row beside the latent (a layer sharing another's selection has none) */
+        if (p->indexed && !p->index_shared) s.index_values = moe_index_row_values(c);
         break;
     case MOE_MIXER_GDN:
     case MOE_MIXER_KDA: { /* the conv tail over q|k|v channels, and a k x v matrix per v head */
@@ -617,6 +698,31 @@ void moe_bind_mla(moe_binder *b, uint32_t il, moe_mla_weights *w) {
         moe_bind_matrix(b, il, "attn_output", (int64_t)c->n_head * c->head_dim_v_mla, c->n_embd);
 }
 
+void moe_bind_indexer(moe_binder *b, uint32_t il, moe_mla_weights *w) {
+    const moe_model_config *c = &b->m->cfg;
+    const int64_t id = c->idx_head_dim, ih = c->idx_n_head;
+    w->idx_q_b = moe_bind_matrix(b, il, "indexer.attn_q_b", c->n_lora_q, ih * id);
+    w->idx_k = moe_bind_matrix(b, il, "indexer.attn_k", c->n_embd, id);
+    w->idx_k_norm = moe_bind_f32(b, il, "indexer.k_norm", "weight", id, 0, 0, true);
+    w->idx_k_bias = moe_bind_f32(b, il, "indexer.k_norm", "bias", id, 0, 0, true);
+    w->idx_proj = moe_bind_matrix(b, il, "indexer.proj", c->n_embd, ih);
+    if (c->idx_kpool == 1) return; /* positions are not pooled */
+    w->idx_gate = moe_bind_matrix(b, il, "indexer_compressor_gate", c->n_embd, id);
+    w->idx_ape = moe_bind_f32(b, il, "indexer_compressor_ape", "weight", id, c->idx_kpool, 0, true);
+}
+
+void moe_bind_hc(moe_binder *b, uint32_t il, const char *site, moe_hc_weights *w) {
+    const moe_model_config *c = &b->m->cfg;
+    const int64_t n_mix = (2 + (int64_t)c->n_hc) * c->n_hc;
+    char name[32];
+    snprintf(name, sizeof name, "hc_%s_fn", site);
+    w->fn = moe_bind_matrix(b, il, name, (int64_t)c->n_hc * c->n_embd, n_mix);
+    snprintf(name, sizeof name, "hc_%s_base", site);
+    w->base = moe_bind_f32(b, il, name, "weight", n_mix, 0, 0, true);
+    snprintf(name, sizeof name, "hc_%s_scale", site);
+    w->scale = moe_bind_f32(b, il, name, "weight", 3, 0, 0, true);
+}
+
 void moe_bind_gdn(moe_binder *b, uint32_t il, bool ba, moe_linear_weights *w) {
     const moe_model_config *c = &b->m->cfg;
     const int64_t hd = c->ssm_head_dim, nv = c->ssm_n_v_heads, d = c->ssm_d_conv;
@@ -636,7 +742,7 @@ void moe_bind_gdn(moe_binder *b, uint32_t il, bool ba, moe_linear_weights *w) {
     w->norm = moe_bind_f32(b, il, "ssm_norm", "weight", hd, 0, 0, true);
 }
 
-void moe_bind_kda(moe_binder *b, uint32_t il, moe_linear_weights *w) {
+void moe_bind_kda(moe_binder *b, uint32_t il, bool a_flat, moe_linear_weights *w) {
     const moe_model_config *c = &b->m->cfg;
     const int64_t hd = c->ssm_head_dim, nv = c->ssm_n_v_heads, d = c->ssm_d_conv;
     const int64_t K = c->ssm_n_k_heads * hd, V = nv * hd;
@@ -646,7 +752,7 @@ void moe_bind_kda(moe_binder *b, uint32_t il, moe_linear_weights *w) {
     w->conv1d[0] = moe_bind_f32(b, il, "ssm_conv1d_q", "weight", d, 1, K, true);
     w->conv1d[1] = moe_bind_f32(b, il, "ssm_conv1d_k", "weight", d, 1, K, true);
     w->conv1d[2] = moe_bind_f32(b, il, "ssm_conv1d_v", "weight", d, 1, V, true);
-    w->a = moe_bind_f32(b, il, "ssm_a", NULL, 1, nv, 0, true);
+    w->a = moe_bind_f32(b, il, "ssm_a", NULL, a_flat ? nv : 1, a_flat ? 0 : nv, 0, true);
     w->dt_b = moe_bind_f32(b, il, "ssm_dt", "bias", V, 0, 0, true);
     w->beta = moe_bind_matrix(b, il, "ssm_beta", c->n_embd, nv);
     w->f_a = moe_bind_matrix(b, il, "ssm_f_a", c->n_embd, hd);
@@ -695,6 +801,17 @@ void moe_bind_ffn(moe_binder *b, uint32_t il, moe_layer_weights *l) {
         bind_gated_ffn(b, il, "", b->m->cfg.n_ff, &l->ffn);
 }
 
+bool moe_model_is_routed(const moe_tensor *t, void *model) {
+    const moe_model *m = model;
+    for (uint32_t il = 0; il < m->cfg.n_layer + m->n_layer_mtp; il++) {
+        const moe_layer_weights *l = &m->layers[il];
+        if (l->plan.ffn == MOE_FFN_EXPERTS &&
+            (t == l->experts.gate || t == l->experts.up || t == l->experts.down))
+            return true;
+    }
+    return false;
+}
+
 int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {
     int n = 0;
 #define ADD(t) (out[n] = (t), n += (t) != NULL)
@@ -705,6 +822,7 @@ int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {
     case MOE_MIXER_MLA:
         ADD(l->mla.wq), ADD(l->mla.wq_a), ADD(l->mla.wq_b), ADD(l->mla.wkv_a_mqa);
         ADD(l->mla.wk_b), ADD(l->mla.wv_b), ADD(l->mla.wo);
+        ADD(l->mla.idx_q_b), ADD(l->mla.idx_k), ADD(l->mla.idx_proj), ADD(l->mla.idx_gate);
         break;
     default: /* linear attention */
         ADD(l->linear.qkv), ADD(l->linear.gate), ADD(l->linear.ba), ADD(l->linear.alpha);
@@ -718,6 +836,7 @@ int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {
         ADD(l->experts.router), ADD(l->experts.gate), ADD(l->experts.up), ADD(l->experts.down);
     }
     ADD(f->gate), ADD(f->up), ADD(f->down);
+    ADD(l->hc_attn.fn), ADD(l->hc_ffn.fn);
 #undef ADD
     return n;
 }

@@ -56,9 +56,15 @@ typedef struct moe_layer_plan {
     moe_ffn_kind ffn;
     uint32_t n_head_kv; /* attention.head_count_kv of this layer (0 in linear layers) */
     uint32_t window;    /* sliding window in positions (0: full attention) */
+    bool indexed;       /* MLA attending only to the keys its lightning indexer selects */
+    bool index_shared;  /* ... those the previous indexed layer selected (no indexer of its own) */
+    float clamp_exp;    /* SwiGLU clamp of the routed experts (0: none): silu(min(gate, L)) *
+                         * clamp(up, -L, L) */
+    float clamp_ffn;    /* the same for the shared experts and the dense FFN */
 } moe_layer_plan;
 
 #define MOE_CONV_MAX_TAPS 16 /* short-conv kernel of linear attention: real models use 4 */
+#define MOE_MAX_HC        16 /* hyper-connection streams per token: real models use 4 */
 
 typedef struct moe_arch_desc moe_arch_desc;
 
@@ -118,6 +124,21 @@ typedef struct moe_model_config {
     uint32_t ssm_n_k_heads;
     uint32_t ssm_n_v_heads;
     bool ssm_tiled_heads;
+    float kda_gate_bound; /* KDA decay g = bound * sigmoid(exp(A_log) (f_b f_a x + dt_bias)) when
+                           * negative (GLM-5.3); 0: g = -exp(A_log) softplus(...) (Kimi) */
+    float l2_eps;         /* q/k L2 norm of linear attention: x / max(|x|, l2_eps) */
+    /* hyper-connections (n_hc == 0: the plain residual). n_hc streams per token; every block's
+     * input is a weighted sum of them and its output is added back to each after the streams are
+     * mixed by a doubly stochastic matrix (Sinkhorn iterations). */
+    uint32_t n_hc;
+    uint32_t hc_sinkhorn_iters;
+    float hc_eps;
+    /* lightning indexer of sparse MLA layers (plan.indexed): idx_n_head heads of idx_head_dim
+     * score pools of idx_kpool cached keys; a query attends to the idx_top_k / idx_kpool best
+     * complete pools and the incomplete tail, or to everything while that is no more */
+    uint32_t idx_n_head, idx_head_dim, idx_top_k, idx_kpool;
+    float idx_norm_eps;    /* the LayerNorm of the indexer keys */
+    bool idx_rope;         /* rope (the model's, rope_dims) on the indexer's queries and keys */
     moe_layer_plan *layer; /* [n_layer + n_layer_nextn] what each layer runs */
 } moe_model_config;
 
@@ -148,6 +169,14 @@ typedef struct moe_mla_weights {
     const moe_tensor *wk_b;      /* [head_dim_k_mla - rope_dims] -> [n_lora_kv], x n_head */
     const moe_tensor *wv_b;      /* [n_lora_kv] -> [head_dim_v_mla], x n_head */
     const moe_tensor *wo;        /* [n_head * head_dim_v_mla] -> [n_embd] */
+    /* the pooled lightning indexer (plan.indexed; ih = idx_n_head, id = idx_head_dim) */
+    const moe_tensor *idx_q_b;    /* [n_lora_q] -> [ih * id] queries from the q latent */
+    const moe_tensor *idx_k;      /* [n_embd] -> [id] per-token key, then LayerNorm: */
+    const moe_tensor *idx_k_norm; /* [id] f32 weight */
+    const moe_tensor *idx_k_bias; /* [id] f32 bias */
+    const moe_tensor *idx_proj;   /* [n_embd] -> [ih] per-head weights of a query's score */
+    const moe_tensor *idx_gate;   /* [n_embd] -> [id] per-token pooling logits */
+    const moe_tensor *idx_ape;    /* f32 [id] x kpool: pooling logit by position in the pool */
 } moe_mla_weights;
 
 /* Linear attention (MOE_MIXER_GDN, MOE_MIXER_KDA); K = n_k_heads * head_dim,
@@ -205,15 +234,24 @@ typedef struct moe_nextn_weights {
     const moe_tensor *head;      /* its own LM head (shared_head_head), or NULL: output */
 } moe_nextn_weights;
 
+/* One site's hyper-connection mixer: m = fn . RMSNorm(all streams) gives n_hc pre weights,
+ * n_hc post weights and the n_hc x n_hc combination logits, each scaled and offset. */
+typedef struct moe_hc_weights {
+    const moe_tensor *fn;    /* f32 [n_hc n_embd] -> [(2 + n_hc) n_hc] */
+    const moe_tensor *base;  /* f32 [(2 + n_hc) n_hc] */
+    const moe_tensor *scale; /* f32 [3]: of the pre, post and combination logits */
+} moe_hc_weights;
+
 /* One layer: its plan, its two input norms, and the weights of its mixer and FFN kinds. */
 typedef struct moe_layer_weights {
     moe_layer_plan plan;
-    const moe_tensor *attn_norm;   /* [n_embd] f32: the mixer's input RMSNorm */
-    const moe_tensor *ffn_norm;    /* [n_embd] f32: the FFN's input RMSNorm */
-    union {                        /* by plan.mixer */
-        moe_attn_weights attn;     /* MOE_MIXER_ATTENTION */
-        moe_mla_weights mla;       /* MOE_MIXER_MLA */
-        moe_linear_weights linear; /* MOE_MIXER_GDN, MOE_MIXER_KDA */
+    moe_hc_weights hc_attn, hc_ffn; /* around the mixer and the FFN (n_hc > 0, trunk layers) */
+    const moe_tensor *attn_norm;    /* [n_embd] f32: the mixer's input RMSNorm */
+    const moe_tensor *ffn_norm;     /* [n_embd] f32: the FFN's input RMSNorm */
+    union {                         /* by plan.mixer */
+        moe_attn_weights attn;      /* MOE_MIXER_ATTENTION */
+        moe_mla_weights mla;        /* MOE_MIXER_MLA */
+        moe_linear_weights linear;  /* MOE_MIXER_GDN, MOE_MIXER_KDA */
     };
     union {                         /* by plan.ffn */
         moe_ffn_weights ffn;        /* MOE_FFN_DENSE */
@@ -268,8 +306,14 @@ void moe_model_config_free(moe_model_config *c);
  * counts as K) and f32 values per sequence (a linear layer's recurrent state). */
 typedef struct moe_layer_state {
     uint64_t k_values, v_values, state_values;
+    uint64_t index_values; /* f32 values per token of an indexed layer's indexer cache */
 } moe_layer_state;
 moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il);
+/* f32 values of one position's indexer row: the key, and with pools (idx_kpool > 1) its pooling
+ * logits and the pooled key (kept in a pool's first cell). */
+static inline uint64_t moe_index_row_values(const moe_model_config *c) {
+    return (c->idx_kpool > 1 ? 3ull : 1ull) * c->idx_head_dim;
+}
 
 /* ==== Declaring a model's tensors (moe synth) ==== */
 
@@ -294,6 +338,9 @@ moe_model *moe_model_load(const char *path, moe_error *err);
 /* Bind a model from an already opened file; on success the model owns g. */
 moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err);
 void moe_model_free(moe_model *m);
+/* Whether t is one of m's routed-expert matrices (ffn_*_exps of a layer it runs); takes the
+ * model as void * to serve as moe_gguf_to_memory_except's skip. */
+bool moe_model_is_routed(const moe_tensor *t, void *model);
 /* The projection matrices of a layer (those moe_matmul reads), by its plan: *n of them. */
 #define MOE_LAYER_MAX_MATRICES 24
 int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out);

@@ -37,6 +37,9 @@ bool moe_meta_bool(moe_meta *r, const char *suffix, bool fallback, bool *out);
 /* An integer key that may be one value or an array of n values (per layer): out[0..n). */
 bool moe_meta_u32_per_layer(moe_meta *r, const char *suffix, uint32_t fallback, uint32_t n,
                             uint32_t *out);
+/* A float key that may be one value or an array of n values (per layer). */
+bool moe_meta_f32_per_layer(moe_meta *r, const char *suffix, float fallback, uint32_t n,
+                            float *out);
 /* Set a format error naming the file; returns false. */
 bool moe_meta_fail(moe_meta *r, moe_status code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -61,6 +64,14 @@ bool moe_config_experts(moe_meta *r, moe_model_config *c, moe_gating gating, boo
 /* Linear-attention widths (GDN: ssm.* keys; KDA: kda.head_dim with n_head heads) and checks. */
 bool moe_config_gdn(moe_meta *r, moe_model_config *c);
 bool moe_config_kda(moe_meta *r, moe_model_config *c);
+/* Multi-section rope (Qwen3.5): rope.dimension_sections, when present, must be 4 sections
+ * covering exactly the rotated dims (text puts one position in all of them). */
+bool moe_config_rope_sections(moe_meta *r, const moe_model_config *c);
+/* Hyper-connections: hyper_connection.count streams, Sinkhorn iterations and epsilon. */
+bool moe_config_hc(moe_meta *r, moe_model_config *c);
+/* The lightning indexer of sparse MLA: heads, key width, top_k, pool size (block_size, default
+ * 1: one key per token) and the key LayerNorm's epsilon (layer_norm_epsilon, default 0). */
+bool moe_config_indexer(moe_meta *r, moe_model_config *c);
 /* Layers with a plan: the trunk and the NextN layers after it. */
 static inline uint32_t moe_config_n_planned(const moe_model_config *c) {
     return c->n_layer + c->n_layer_nextn;
@@ -101,7 +112,15 @@ void moe_bind_mla(moe_binder *b, uint32_t il, moe_mla_weights *w);
 /* Gated DeltaNet; ba: beta and alpha from one interleaved ssm_ba (Qwen3-Next), else from
  * ssm_beta and ssm_alpha (Qwen3.5/3.8). */
 void moe_bind_gdn(moe_binder *b, uint32_t il, bool ba, moe_linear_weights *w);
-void moe_bind_kda(moe_binder *b, uint32_t il, moe_linear_weights *w);
+/* Kimi Delta Attention; a_flat: ssm_a stored [n_head] (GLM-5.3), else [1, n_head] (Kimi). */
+void moe_bind_kda(moe_binder *b, uint32_t il, bool a_flat, moe_linear_weights *w);
+/* The lightning indexer's tensors of an indexed MLA layer. */
+void moe_bind_indexer(moe_binder *b, uint32_t il, moe_mla_weights *w);
+/* A Qwen3.5 layer (GDN or gated attention, post_attention_norm, the plan's FFN, NextN tensors
+ * after the trunk): qwen35 and qwen35moe bind alike. */
+void moe_bind_qwen35_layer(moe_binder *b, uint32_t il, moe_layer_weights *l);
+/* hc_<site>_fn / _base / _scale: one site's hyper-connection mixer (site "attn" or "ffn"). */
+void moe_bind_hc(moe_binder *b, uint32_t il, const char *site, moe_hc_weights *w);
 /* The FFN the plan says: ffn_gate/up/down n_ff wide, or the router, routed and shared experts. */
 void moe_bind_ffn(moe_binder *b, uint32_t il, moe_layer_weights *l);
 

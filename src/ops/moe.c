@@ -83,7 +83,7 @@ void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, i
 
 /* ==== Grouped expert dispatch ==== */
 
-void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float *x, int64_t n_rows,
+bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float *x, int64_t n_rows,
                          const int32_t *ids, const float *weights, int n_used, float *out,
                          const moe_expert_scratch *s, moe_expert_stats *stats) {
     const moe_tensor *gate = set->gate, *up = set->up, *down = set->down;
@@ -105,6 +105,10 @@ void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
      * the same order whatever else is in the batch. */
     moe_matmul_task tasks[MOE_MATMUL_MANY_MAX];
     int32_t group[MOE_MATMUL_MANY_MAX / 2];
+    moe_tensor views[3 * (MOE_MATMUL_MANY_MAX / 2)]; /* a group's matrices from the source */
+    const moe_expert_source *src = set->source;
+    const int max_group =
+        src && src->max_group < MOE_MATMUL_MANY_MAX / 2 ? src->max_group : MOE_MATMUL_MANY_MAX / 2;
     const uint64_t xq_in = moe_matmul_scratch_bytes(gate, 1) > moe_matmul_scratch_bytes(up, 1)
                                ? moe_matmul_scratch_bytes(gate, 1)
                                : moe_matmul_scratch_bytes(up, 1);
@@ -113,13 +117,17 @@ void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
     for (int64_t e = 0; e < n_expert;) {
         int n_group = 0;
         int64_t rows = 0;
-        for (; e < n_expert && n_group < MOE_MATMUL_MANY_MAX / 2; e++) {
+        for (; e < n_expert && n_group < max_group; e++) {
             const int64_t n = s->counts[e] - (e ? s->counts[e - 1] : 0);
             if (n == 0) continue;
             if (rows + n > s->max_rows) break; /* the next group starts with e */
             group[n_group++] = (int32_t)e;
             rows += n;
         }
+        if (src && n_group && !src->acquire(src->ctx, group, n_group, views)) return false;
+            /* an expert's matrices: its slice of the stacked tensors, or the source's views */
+#define EXPERT_W(g, k, t) (src ? &views[3 * (g) + (k)] : (t))
+#define EXPERT_I(g)       (src ? 0 : group[g])
         /* gather each expert's rows, then gate and up for the whole group */
         int64_t off = 0;
         for (int g = 0; g < n_group; g++) {
@@ -128,18 +136,14 @@ void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
             for (int64_t i = 0; i < n; i++)
                 memcpy(s->x + (off + i) * n_in, x + (int64_t)s->pair_row[begin + i] * n_in,
                        sizeof(float) * (size_t)n_in);
-            tasks[2 * g] = (moe_matmul_task){gate,
-                                             ge,
-                                             s->x + off * n_in,
-                                             n,
-                                             s->gate + off * n_ff,
-                                             (uint8_t *)s->mm + (uint64_t)off * xq_in};
-            tasks[2 * g + 1] = (moe_matmul_task){up,
-                                                 ge,
-                                                 s->x + off * n_in,
-                                                 n,
-                                                 s->up + off * n_ff,
-                                                 (uint8_t *)s->mm_up + (uint64_t)off * xq_in};
+            tasks[2 * g] =
+                (moe_matmul_task){EXPERT_W(g, 0, gate), EXPERT_I(g),
+                                  s->x + off * n_in,    n,
+                                  s->gate + off * n_ff, (uint8_t *)s->mm + (uint64_t)off * xq_in};
+            tasks[2 * g + 1] =
+                (moe_matmul_task){EXPERT_W(g, 1, up), EXPERT_I(g),
+                                  s->x + off * n_in,  n,
+                                  s->up + off * n_ff, (uint8_t *)s->mm_up + (uint64_t)off * xq_in};
             off += n;
         }
         moe_matmul_many(pool, tasks, 2 * n_group);
@@ -148,16 +152,17 @@ void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
             const int64_t ge = group[g], n = s->counts[ge] - (ge ? s->counts[ge - 1] : 0);
             moe_add_bias(s->gate + off * n_ff, set->gate_b, ge, n, n_ff);
             moe_add_bias(s->up + off * n_ff, set->up_b, ge, n, n_ff);
-            tasks[g] = (moe_matmul_task){down,
-                                         ge,
-                                         s->up + off * n_ff,
-                                         n,
-                                         s->y + off * n_in,
-                                         (uint8_t *)s->mm + (uint64_t)off * xq_ff};
+            tasks[g] =
+                (moe_matmul_task){EXPERT_W(g, 2, down), EXPERT_I(g),
+                                  s->up + off * n_ff,   n,
+                                  s->y + off * n_in,    (uint8_t *)s->mm + (uint64_t)off * xq_ff};
             off += n;
         }
-        moe_glu(set->act, s->up, s->gate, rows * n_ff);
+        moe_glu(set->act, set->limit, s->up, s->gate, rows * n_ff);
         moe_matmul_many(pool, tasks, n_group);
+        if (src && n_group) src->release(src->ctx, group, n_group);
+#undef EXPERT_W
+#undef EXPERT_I
         off = 0;
         for (int g = 0; g < n_group; g++) {
             const int64_t ge = group[g], begin = ge ? s->counts[ge - 1] : 0,
@@ -177,4 +182,5 @@ void moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
         stats->pairs += (uint64_t)n_pairs;
         stats->experts += touched;
     }
+    return true;
 }

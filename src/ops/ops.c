@@ -15,7 +15,22 @@ void moe_rmsnorm(float *out, const float *x, const float *w, int64_t n, float ep
     double sum = 0.0; /* ggml sums squares in a wider type, then divides */
     for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
     const float scale = 1.0f / sqrtf((float)(sum / (double)n) + eps);
+    if (!w) {
+        for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale;
+        return;
+    }
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+}
+
+void moe_layernorm(float *out, const float *x, const float *w, const float *b, int64_t n,
+                   float eps) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += x[i];
+    const float mean = (float)(sum / (double)n);
+    double var = 0.0;
+    for (int64_t i = 0; i < n; i++) var += (double)((x[i] - mean) * (x[i] - mean));
+    const float scale = 1.0f / sqrtf((float)(var / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mean) * scale * w[i] + b[i];
 }
 
 void moe_swiglu(float *x, const float *gate, int64_t n) {
@@ -34,9 +49,18 @@ void moe_swiglu_oai(float *x, const float *gate, int64_t n) {
     }
 }
 
-void moe_glu(moe_ffn_act act, float *x, const float *gate, int64_t n) {
+void moe_swiglu_clamped(float *x, const float *gate, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = fminf(gate[i], limit);
+        x[i] = fminf(fmaxf(x[i], -limit), limit) * (g / (1.0f + expf(-g)));
+    }
+}
+
+void moe_glu(moe_ffn_act act, float limit, float *x, const float *gate, int64_t n) {
     if (act == MOE_ACT_SWIGLU_OAI)
         moe_swiglu_oai(x, gate, n);
+    else if (limit > 0)
+        moe_swiglu_clamped(x, gate, n, limit);
     else
         moe_swiglu(x, gate, n);
 }

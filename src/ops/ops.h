@@ -16,8 +16,11 @@
 
 /* ==== Elementwise and norms ==== */
 
-/* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]; out may alias x. */
+/* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] (w NULL: no weight); out may alias x. */
 void moe_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps);
+/* out = (x - mean(x)) / sqrt(var(x) + eps) * w + b (LayerNorm); out may alias x. */
+void moe_layernorm(float *out, const float *x, const float *w, const float *b, int64_t n,
+                   float eps);
 /* x[i] = silu(gate[i]) * x[i] (SwiGLU: x holds `up`). */
 void moe_swiglu(float *x, const float *gate, int64_t n);
 /* gpt-oss's clamped SwiGLU (ggml swiglu_oai): g = min(gate, limit), u = clamp(x, +-limit),
@@ -26,7 +29,11 @@ void moe_swiglu(float *x, const float *gate, int64_t n);
 #define MOE_SWIGLU_OAI_LIMIT 7.0f
 void moe_swiglu_oai(float *x, const float *gate, int64_t n);
 /* x[i] = act(gate[i]) * x[i] for the activation kind. */
-void moe_glu(moe_ffn_act act, float *x, const float *gate, int64_t n);
+/* SwiGLU with both inputs clamped (GLM-5.3): x = silu(min(gate, limit)) * clamp(x, -limit, limit).
+ */
+void moe_swiglu_clamped(float *x, const float *gate, int64_t n, float limit);
+/* x = act(gate) * x; limit > 0 clamps a SwiGLU (MOE_ACT_SILU) as moe_swiglu_clamped. */
+void moe_glu(moe_ffn_act act, float limit, float *x, const float *gate, int64_t n);
 /* y[r][i] += b[i] for n_rows rows of n values, b = row `index` of the F32 tensor bias (0 for a
  * vector; e.g. an expert's row of a [n] x n_expert bias). NULL bias: nothing. */
 void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n);
@@ -91,6 +98,16 @@ typedef struct moe_attn_shape {
 } moe_attn_shape;
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
                        int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out, float *scores);
+
+/* ==== Hyper-connections (hyper.c) ==== */
+
+/* One row's hyper-connection weights for n streams from its mixing logits m [(2 + n) n], each
+ * logit scaled by scale[part] and offset by base: pre[s] = sigmoid(.) + eps (the block input's
+ * weights), post[s] = 2 sigmoid(.) (the block output's weight into stream s), and comb [n][n]
+ * (comb[src * n + dst]: how much of stream src goes to dst): a softmax over dst plus eps, made
+ * doubly stochastic by `iters` Sinkhorn normalisations (columns first, each sum + eps). */
+void moe_hc_mix_weights(const float *m, const float *base, const float *scale, int n, int iters,
+                        float eps, float *pre, float *post, float *comb);
 
 /* ==== Linear attention (linear_attn.c) ==== */
 
@@ -159,6 +176,17 @@ typedef struct moe_expert_stats {
     uint64_t experts; /* distinct experts run (each one's weights read once) */
 } moe_expert_stats;
 
+/* Where a layer's experts come from when they are not all resident (an expert cache): before a
+ * group of experts runs, acquire makes them resident and keeps them so until release; views
+ * [3 n] get, for ids[i], its gate, up and down matrix as one-matrix tensors. acquire false: they
+ * could not be read (the source keeps the error); the dispatch stops. */
+typedef struct moe_expert_source {
+    bool (*acquire)(void *ctx, const int32_t *ids, int n, moe_tensor *views);
+    void (*release)(void *ctx, const int32_t *ids, int n);
+    void *ctx;
+    int max_group; /* experts resident at once at most */
+} moe_expert_source;
+
 /* One layer's routed experts as the dispatch runs them. */
 typedef struct moe_expert_set {
     const moe_tensor *gate, *up;     /* [n_in] -> [n_ff], x n_expert */
@@ -166,6 +194,8 @@ typedef struct moe_expert_set {
     const moe_tensor *gate_b, *up_b; /* F32 [n_ff] x n_expert biases, or NULL */
     const moe_tensor *down_b;        /* F32 [n_in] x n_expert, or NULL */
     moe_ffn_act act;
+    float limit;                     /* SwiGLU clamp (0: none), see moe_glu */
+    const moe_expert_source *source; /* NULL: gate, up and down are resident */
 } moe_expert_set;
 
 /* Buffers for moe_experts_forward, sized by the caller for its largest batch. */
@@ -184,7 +214,8 @@ typedef struct moe_expert_scratch {
 /* out[r] += sum_k weights[r][k] * (down_e(act(gate_e(x[r]) + gb_e) * (up_e(x[r]) + ub_e)) + db_e)
  * with e = ids[r][k] (biases where present). Rows are grouped by expert so each expert runs
  * once over all rows routed to it. */
-void moe_experts_forward(moe_pool *pool, const moe_expert_set *e, const float *x, int64_t n_rows,
+/* Returns false when the set's source could not provide an expert (out is then incomplete). */
+bool moe_experts_forward(moe_pool *pool, const moe_expert_set *e, const float *x, int64_t n_rows,
                          const int32_t *ids, const float *weights, int n_used, float *out,
                          const moe_expert_scratch *s, moe_expert_stats *stats);
 

@@ -178,4 +178,30 @@ const moe_type_kernels *moe_kernels_type(moe_type wtype);
 void moe_dot_rows(const moe_type_kernels *k, const void *w, const void *x, size_t x_stride,
                   int64_t n_rows, int64_t n, float *out, int64_t out_stride);
 
+/* ==== 4-bit QAT grids (grid.c): step recovery, Q4_0 blocks, compressed-tensors int4 ==== */
+
+#define MOE_GRID_GROUP 32 /* weights per group: Q4_0's block, W4A16's group_size */
+
+/* Recover the grid of one group w[n] (n <= 32) whose values are `src`-precision numbers
+ * (MOE_TYPE_BF16, F16 or F32) of step x level, level in -8..7: for m = 1..8 the step max|w|/m
+ * (either sign), refined by least squares and rounded to scale_type (MOE_TYPE_F16 for Q4_0,
+ * MOE_TYPE_BF16 for W4A16; nearby stored values tried too) is kept when every level re-derived
+ * on the stored grid, times the stored scale, rounded to `src`, is w[i] exactly. Returns the m
+ * (1..8), 0 for an all-zero group (scale 0, levels 0), -1 when no grid reproduces the group
+ * (off the grid). *scale gets the stored bits, levels[n] the levels. */
+int moe_grid_recover(const float *w, int n, moe_type scale_type, moe_type src, uint16_t *scale,
+                     int8_t *levels);
+/* -1 when a stored group is w's grid: every levels[i] is round(w[i] / scale) in -8..7 (its rank
+ * on the stored grid) and scale x level rounded to `src` is w[i] exactly (a zero scale holds
+ * only zeros); else the first i that is not. What `moe repack --verify` checks. */
+int moe_grid_check(const float *w, int n, moe_type scale_type, moe_type src, uint16_t scale,
+                   const int8_t *levels);
+/* One Q4_0 block (18 bytes) from an f16 scale and 32 levels in -8..7, and back. */
+void moe_grid_q4_0_block(uint16_t scale, const int8_t *levels, void *out);
+void moe_grid_q4_0_levels(const void *block, uint16_t *scale, int8_t *levels);
+/* compressed-tensors pack_to_int32 of n levels in -8..7 (one row): 4 * ceil(n / 8) bytes,
+ * value k in word k / 8 at bits 4 * (k % 8), stored as level + 8; and its inverse. */
+void moe_grid_pack_int4(const int8_t *levels, int64_t n, uint8_t *out);
+void moe_grid_unpack_int4(const uint8_t *packed, int64_t n, int8_t *levels);
+
 #endif

@@ -8,6 +8,7 @@
  * bad one is a 400 naming it (`param`), never a crash or a silent default. */
 #include "serve_internal.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -157,14 +158,16 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
 }
 
 /* max_tokens / max_completion_tokens, n, logprobs: the fields chat and completions share */
-static bool parse_limits(serve_http *h, json_t *body, serve_gen *g, const char *max_field2) {
+static bool parse_limits(serve_http *h, json_t *body, serve_gen *g, const char *max_field2,
+                         int min_tokens) {
     const char *fields[2] = {"max_tokens", max_field2};
     for (int f = 0; f < 2; f++) {
         if (!fields[f]) continue;
         json_t *v = json_object_get(body, fields[f]);
         if (!v || json_is_null(v)) continue;
-        if (!json_is_integer(v) || json_integer_value(v) < 1)
-            BAD(h, fields[f], "%s: expected an integer >= 1", fields[f]);
+        if (!json_is_integer(v) || json_integer_value(v) < min_tokens)
+            BAD(h, fields[f], "%s: expected an integer >= %d%s", fields[f], min_tokens,
+                min_tokens ? " (0 only with echo)" : "");
         g->max_tokens = json_integer_value(v);
     }
     json_t *n = json_object_get(body, "n");
@@ -193,6 +196,10 @@ typedef struct oa_state {
     const moe_sample *pending_sample; /* logprobs to attach to the next chunk */
     /* completions logprobs: text offsets */
     size_t text_offset;
+    /* completions echo: the prompt's text before the completion's (samples then start with the
+     * prompt's tokens, the first one's logprob NaN: null in JSON) */
+    char *echo_text;
+    size_t echo_len;
 } oa_state;
 
 static void oa_state_clear(void *p) {
@@ -200,6 +207,7 @@ static void oa_state_clear(void *p) {
     moe_strbuf_free(&s->content);
     moe_strbuf_free(&s->reasoning);
     free(s->samples);
+    free(s->echo_text);
 }
 
 static void json_logprob_entry(moe_json *j, const moe_tokenizer *tok, const moe_sample *smp,
@@ -240,6 +248,10 @@ static void json_legacy_logprobs(moe_json *j, const moe_tokenizer *tok, const mo
     moe_json_key(j, "top_logprobs");
     moe_json_array_begin(j);
     for (size_t i = 0; i < n; i++) {
+        if (isnan(smp[i].logprob)) { /* the first prompt token: nothing predicted it */
+            moe_json_null(j);
+            continue;
+        }
         moe_json_object_begin(j);
         for (uint32_t k = 0; k < smp[i].n_top && k < n_top; k++) {
             size_t len;
@@ -372,16 +384,24 @@ static void on_segment(void *ud, const serve_segment *seg) {
     }
 }
 
+static void push_sample(oa_state *s, const moe_sample *smp) {
+    s->samples = moe_xrealloc(s->samples, (s->n_samples + 1) * sizeof *s->samples);
+    s->samples[s->n_samples++] = *smp;
+}
+
 static void feed_events(void *ud, const serve_taken *t) {
     oa_state *s = ud;
     for (size_t i = 0; i < t->n_events; i++) {
         const serve_event *e = &t->events[i];
+        if (e->kind == SERVE_EV_PROMPT) { /* echo: a prompt token's logprob, no text */
+            if (s->logprobs) push_sample(s, &e->sample);
+            continue;
+        }
         if (e->kind == SERVE_EV_TOKEN && s->logprobs) {
             if (s->answer.sse) {
                 s->pending_sample = &e->sample;
             } else {
-                s->samples = moe_xrealloc(s->samples, (s->n_samples + 1) * sizeof *s->samples);
-                s->samples[s->n_samples++] = e->sample;
+                push_sample(s, &e->sample);
             }
         }
         serve_output_feed(&s->answer.out, t->text.s + e->text_off, e->text_len, on_segment, s);
@@ -520,7 +540,15 @@ static void json_whole(moe_json *j, void *state, const serve_req *r) {
         }
     } else {
         moe_json_key(j, "text");
-        moe_json_string_n(j, s->content.s ? s->content.s : "", s->content.len);
+        if (s->echo_text) { /* the prompt, then the completion */
+            moe_strbuf both = {0};
+            moe_strbuf_put(&both, s->echo_text, s->echo_len);
+            moe_strbuf_put(&both, s->content.s ? s->content.s : "", s->content.len);
+            moe_json_string_n(j, both.s, both.len);
+            moe_strbuf_free(&both);
+        } else {
+            moe_json_string_n(j, s->content.s ? s->content.s : "", s->content.len);
+        }
         moe_json_key(j, "logprobs");
         if (s->logprobs)
             json_legacy_logprobs(j, s->tok, s->samples, s->n_samples, s->n_top, &s->text_offset);
@@ -571,7 +599,7 @@ void serve_openai_chat(serve_http *h) {
     serve_req *req = serve_req_new();
     oa_state *s = oa_state_new(true);
     bool ok = parse_messages(h, body, &chat) && parse_tools(h, body, &chat) &&
-              parse_limits(h, body, &req->gen, "max_completion_tokens") &&
+              parse_limits(h, body, &req->gen, "max_completion_tokens", 1) &&
               serve_parse_sampling(h, SERVE_API_OPENAI, body, &req->gen, "stop");
     if (ok) {
         json_t *lp = json_object_get(body, "logprobs"),
@@ -612,13 +640,48 @@ void serve_openai_replay(serve_server *srv, const serve_chat *chat, const char *
 
 /* ==== /v1/completions ==== */
 
+/* echo: the prompt's text goes before the completion's -- a string prompt as sent, token ids
+ * as their pieces (the bytes text_offset counts) -- and with logprobs, every prompt token's
+ * log-probability goes before the completion's (the first one's null). */
+static void echo_prompt(serve_http *h, json_t *body, oa_state *s, serve_gen *g) {
+    const moe_tokenizer *tok = serve_sched_tokenizer(h->srv->sched);
+    json_t *prompt = json_object_get(body, "prompt");
+    if (json_is_array(prompt) && json_is_string(json_array_get(prompt, 0)))
+        prompt = json_array_get(prompt, 0);
+    moe_strbuf text = {0};
+    if (json_is_string(prompt)) {
+        moe_strbuf_put(&text, json_string_value(prompt), json_string_length(prompt));
+    } else {
+        for (uint32_t i = 0; i < g->n_prompt; i++) {
+            size_t len;
+            const char *p = moe_tokenizer_token_piece(tok, g->prompt[i], false, &len);
+            moe_strbuf_put(&text, p, len);
+        }
+    }
+    s->echo_len = text.len;
+    s->echo_text = text.s ? moe_strbuf_take(&text) : moe_xstrdup("");
+    if (!s->logprobs) return;
+    g->prompt_logprobs = true;
+    push_sample(s, &(moe_sample){.token = g->prompt[0], .logprob = NAN});
+}
+
 void serve_openai_completions(serve_http *h) {
     json_t *body = serve_parse_body(h, SERVE_API_OPENAI);
     if (!body) return;
     serve_req *req = serve_req_new();
     oa_state *s = oa_state_new(false);
-    bool ok = parse_limits(h, body, &req->gen, NULL) &&
-              serve_parse_sampling(h, SERVE_API_OPENAI, body, &req->gen, "stop");
+    json_t *echo = json_object_get(body, "echo");
+    bool ok = true;
+    if (echo && !json_is_boolean(echo) && !json_is_null(echo)) {
+        serve_reply_error(h, SERVE_API_OPENAI, 400, "echo", NULL, "echo: expected a boolean");
+        ok = false;
+    } else if (json_is_true(echo) && json_is_true(json_object_get(body, "stream"))) {
+        serve_reply_error(h, SERVE_API_OPENAI, 400, "echo", NULL,
+                          "echo: not supported with stream (ask without streaming)");
+        ok = false;
+    }
+    ok = ok && parse_limits(h, body, &req->gen, NULL, json_is_true(echo) ? 0 : 1) &&
+         serve_parse_sampling(h, SERVE_API_OPENAI, body, &req->gen, "stop");
     if (ok && json_object_get(body, "max_tokens") == NULL) req->gen.max_tokens = 16; /* OpenAI's */
     json_t *lp = json_object_get(body, "logprobs");
     if (ok && lp && !json_is_null(lp)) {
@@ -631,10 +694,6 @@ void serve_openai_completions(serve_http *h) {
             s->n_top = (uint32_t)json_integer_value(lp);
             req->gen.sampling.n_top_logprobs = s->n_top;
         }
-    }
-    if (ok && json_is_true(json_object_get(body, "echo"))) {
-        serve_reply_error(h, SERVE_API_OPENAI, 400, "echo", NULL, "echo: not supported");
-        ok = false;
     }
     if (ok) {
         json_t *prompt = json_object_get(body, "prompt");
@@ -677,6 +736,7 @@ void serve_openai_completions(serve_http *h) {
             ok = false;
         }
     }
+    if (ok && json_is_true(echo)) echo_prompt(h, body, s, &req->gen);
     generate(h, body, s, req, NULL, NULL, ok);
     json_decref(body);
 }

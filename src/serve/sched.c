@@ -16,6 +16,9 @@
  * sequence or at a snapshot: each prompt is prefilled up to its last token, snapshotted there,
  * and the last token runs in the next step, so the same prompt again (or one that extends it)
  * reuses all but its last token. A request never runs on state holding tokens it did not send.
+ * A request for prompt log-probabilities (echo) reuses nothing: every prompt row runs with
+ * logits (at most SERVE_PROMPT_LOGPROB_ROWS of them per step) and each gives the next prompt
+ * token's log-probability as an event before the first sample.
  * The trap: a sampled token joins the sequence only when it is fed as a row, so a finished
  * stream's last token is not there. */
 #include "serve_internal.h"
@@ -38,7 +41,9 @@ typedef struct slot {
     bool decoding; /* prompt done: the next row feeds next_token */
     bool snapped;  /* hybrid: the prompt's state before its last token is snapshotted */
     int32_t next_token;
-    int32_t logits_row; /* this step: index of its logits row, or -1 */
+    int32_t logits_row;    /* this step: index of its logits row, or -1 */
+    int32_t lp_row;        /* prompt_logprobs, this step: first of its prompt rows' logits rows */
+    uint32_t lp_pos, lp_n; /* ... the position of the first of them, and how many */
     moe_sampler *sampler;
     moe_detok *detok;
     moe_strbuf hold; /* text held back: it may be the start of a stop string */
@@ -65,7 +70,7 @@ struct serve_sched {
     slot *slots;
     moe_row *rows;     /* [parallel + SERVE_PREFILL_CHUNK] */
     int32_t *row_slot; /* [same] which slot each row belongs to */
-    float *logits;     /* [parallel][n_vocab] */
+    float *logits;     /* [parallel + SERVE_PROMPT_LOGPROB_ROWS][n_vocab] */
     uint64_t step;
 };
 
@@ -223,8 +228,9 @@ static void admit(serve_sched *s, serve_req *r) {
     /* prompts are never empty (the HTTP layer refuses them); leave the last token to run */
     uint32_t reuse = 0;
     moe_error err = {0};
-    MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, r->gen.n_prompt - 1, &reuse, &err) ==
-              MOE_OK);
+    /* prompt log-probabilities need the logits of every prompt row: nothing is reused */
+    const uint32_t n_reusable = r->gen.prompt_logprobs ? 0 : r->gen.n_prompt - 1;
+    MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, n_reusable, &reuse, &err) == MOE_OK);
     sl->state = SLOT_ACTIVE;
     sl->snapped = !s->hybrid || r->gen.n_prompt < 2;
     sl->req = r;
@@ -234,7 +240,8 @@ static void admit(serve_sched *s, serve_req *r) {
     sl->last_used = s->step;
     r->gen.sampling.bias_tokens = r->gen.bias_tokens;
     r->gen.sampling.bias_values = r->gen.bias_values;
-    r->gen.sampling.n_top_logprobs = r->gen.logprobs ? r->gen.sampling.n_top_logprobs : 0;
+    r->gen.sampling.n_top_logprobs =
+        r->gen.logprobs || r->gen.prompt_logprobs ? r->gen.sampling.n_top_logprobs : 0;
     r->gen.sampling.grammar = r->gen.grammar;
     r->gen.sampling.grammar_vocab = r->gen.grammar ? s->grammar_vocab : NULL;
     sl->sampler = moe_sampler_new(&r->gen.sampling, s->n_vocab);
@@ -355,6 +362,10 @@ static int stop_feed(slot *sl, const moe_sample *sample, const char *text, size_
 static void on_logits(serve_sched *s, int idx, const float *logits) {
     slot *sl = &s->slots[idx];
     serve_req *r = sl->req;
+    if (r->gen.max_tokens == 0) { /* echo of the prompt alone */
+        finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
+        return;
+    }
     const moe_sample smp = moe_sampler_sample(sl->sampler, logits);
     if (sl->n_generated == 0) {
         const double now = serve_now();
@@ -401,6 +412,19 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
     }
 }
 
+/* The prompt rows this step ran with logits: each scores the prompt token after it. */
+static void prompt_logprobs(serve_sched *s, slot *sl) {
+    const serve_gen *g = &sl->req->gen;
+    for (uint32_t k = 0; k < sl->lp_n; k++) {
+        const uint32_t pos = sl->lp_pos + k;
+        if (pos + 1 >= g->n_prompt) break;
+        const float *row = s->logits + (size_t)(sl->lp_row + (int32_t)k) * s->n_vocab;
+        const moe_sample smp = moe_sampler_score(sl->sampler, row, g->prompt[pos + 1]);
+        emit(sl->req, SERVE_EV_PROMPT, "", 0, &smp);
+    }
+    sl->lp_n = 0;
+}
+
 /* One forward step over every active stream; false when there was nothing to do. */
 static bool step(serve_sched *s) {
     uint32_t n_rows = 0, n_logits = 0, n_decode = 0;
@@ -419,6 +443,7 @@ static bool step(serve_sched *s) {
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];
         sl->logits_row = -1;
+        sl->lp_n = 0;
         if (sl->state != SLOT_ACTIVE || !sl->decoding) continue;
         s->rows[n_rows] = (moe_row){.seq = (int32_t)i,
                                     .pos = (int32_t)slot_len(s, (int)i),
@@ -429,7 +454,7 @@ static bool step(serve_sched *s) {
         n_decode++;
     }
     /* then prompt rows, oldest request first, up to the chunk budget */
-    uint32_t budget = SERVE_PREFILL_CHUNK;
+    uint32_t budget = SERVE_PREFILL_CHUNK, lp_budget = SERVE_PROMPT_LOGPROB_ROWS;
     while (budget) {
         int pick = -1;
         for (uint32_t i = 0; i < s->n_slots; i++) {
@@ -445,13 +470,23 @@ static bool step(serve_sched *s) {
         /* not yet snapshotted: stop before the last prompt token (the next step takes it) */
         uint32_t n = g->n_prompt - len - (sl->snapped ? 0 : 1);
         if (n > budget) n = budget;
+        if (g->prompt_logprobs) {
+            if (n > lp_budget) n = lp_budget;
+            lp_budget -= n;
+            sl->lp_row = (int32_t)n_logits;
+            sl->lp_pos = len;
+            sl->lp_n = n;
+        }
         for (uint32_t k = 0; k < n; k++) {
             const uint32_t pos = len + k;
             const bool last = pos + 1 == g->n_prompt;
-            s->rows[n_rows] = (moe_row){
-                .seq = pick, .pos = (int32_t)pos, .token = g->prompt[pos], .logits = last};
+            s->rows[n_rows] = (moe_row){.seq = pick,
+                                        .pos = (int32_t)pos,
+                                        .token = g->prompt[pos],
+                                        .logits = last || g->prompt_logprobs};
             s->row_slot[n_rows++] = pick;
-            if (last) sl->logits_row = (int32_t)n_logits++;
+            if (last) sl->logits_row = (int32_t)n_logits;
+            if (last || g->prompt_logprobs) n_logits++;
         }
         budget -= n;
         if (sl->logits_row < 0) sl->logits_row = -2; /* has rows this step, no logits yet */
@@ -479,6 +514,7 @@ static bool step(serve_sched *s) {
             finish(s, (int)i, SERVE_FINISH_ERROR, -1, err.msg);
             continue;
         }
+        prompt_logprobs(s, sl);
         if (sl->logits_row >= 0)
             on_logits(s, (int)i, s->logits + (size_t)sl->logits_row * s->n_vocab);
     }
@@ -511,7 +547,9 @@ static bool load(serve_sched *s) {
     s->model = moe_model_load(path, &err);
     if (s->model && !s->p.use_mmap) {
         moe_pool *readers = moe_pool_new(s->p.n_threads); /* the weights are read on every thread */
-        moe_gguf_to_memory(s->model->gguf, readers, NULL, &err);
+        moe_gguf_to_memory_except(s->model->gguf, readers,
+                                  s->p.expert_cache_bytes ? moe_model_is_routed : NULL, s->model,
+                                  NULL, &err);
         moe_pool_free(readers);
     }
     if (s->model && !err.code) s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
@@ -525,7 +563,10 @@ static bool load(serve_sched *s) {
                          .n_seq = s->n_slots,
                          .max_rows = max_rows,
                          .kv_type = s->p.kv_type,
-                         .n_threads = s->p.n_threads};
+                         .n_threads = s->p.n_threads,
+                         .expert_cache_bytes = s->p.expert_cache_bytes,
+                         .expert_stats = s->p.expert_stats,
+                         .pin_experts = s->p.pin_experts};
     s->ctx = moe_ctx_new(s->model, &cp, &err);
     if (!s->ctx) goto fail;
     s->n_ctx = moe_ctx_n_ctx(s->ctx);
@@ -535,7 +576,8 @@ static bool load(serve_sched *s) {
     s->slots = moe_xcalloc(s->n_slots, sizeof *s->slots);
     s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);
     s->row_slot = moe_xmalloc(sizeof(int32_t) * max_rows);
-    s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab * (size_t)s->p.parallel);
+    s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab *
+                            ((size_t)s->p.parallel + SERVE_PROMPT_LOGPROB_ROWS));
     return true;
 fail:
     snprintf(s->load_error, sizeof s->load_error, "%s", err.msg);

@@ -23,18 +23,20 @@ typedef struct moe_serve_params {
     const char *host;               /* address to bind (default 127.0.0.1) */
     int port;                       /* 0: any free port (printed on stdout) */
     const char *api_keys[MOE_SERVE_MAX_API_KEYS];
-    int n_api_keys;         /* 0: no authentication */
-    uint32_t n_ctx;         /* per sequence (0: the model's, capped) */
-    int parallel;           /* streams decoded together */
-    int cache_slots;        /* extra resident sequences kept for prefix reuse */
-    int n_threads;          /* forward-pass threads */
-    moe_type kv_type;       /* KV cache elements: F32 or F16 */
-    int queue_limit;        /* requests waiting for a stream before 429 */
-    double queue_timeout_s; /* waiting longer than this: 503 */
-    double keepalive_s;     /* SSE keep-alive interval */
-    int step_delay_ms;      /* tests only: sleep after each forward step */
-    bool use_mmap;          /* keep weights in the mapped file (default: anonymous memory) */
-    const char *grammar;    /* GBNF (checked) for requests that ask for no output format */
+    int n_api_keys;              /* 0: no authentication */
+    uint32_t n_ctx;              /* per sequence (0: the model's, capped) */
+    int parallel;                /* streams decoded together */
+    int cache_slots;             /* extra resident sequences kept for prefix reuse */
+    int n_threads;               /* forward-pass threads */
+    moe_type kv_type;            /* KV cache elements: F32 or F16 */
+    int queue_limit;             /* requests waiting for a stream before 429 */
+    double queue_timeout_s;      /* waiting longer than this: 503 */
+    double keepalive_s;          /* SSE keep-alive interval */
+    int step_delay_ms;           /* tests only: sleep after each forward step */
+    bool use_mmap;               /* keep weights in the mapped file (default: anonymous memory) */
+    uint64_t expert_cache_bytes; /* --expert-cache: routed experts read on demand (0: resident) */
+    const char *expert_stats, *pin_experts; /* --expert-stats, --pin-experts files, or NULL */
+    const char *grammar; /* GBNF (checked) for requests that ask for no output format */
 } moe_serve_params;
 
 void moe_serve_params_default(moe_serve_params *p);

@@ -36,9 +36,12 @@
 #define SERVE_MAX_MESSAGES     100000      /* messages in one conversation */
 #define SERVE_MAX_TOOLS        1024
 #define SERVE_MAX_CALL_DEPTH                                                                       \
-    32                           /* a tool call's JSON from the model; our writer nests            \
-                                  * it inside a response, under MOE_JSON_MAX_DEPTH */
-#define SERVE_PREFILL_CHUNK  256 /* prompt rows per forward step, beside the decode rows */
+    32                          /* a tool call's JSON from the model; our writer nests             \
+                                 * it inside a response, under MOE_JSON_MAX_DEPTH */
+#define SERVE_PREFILL_CHUNK 256 /* prompt rows per forward step, beside the decode rows */
+#define SERVE_PROMPT_LOGPROB_ROWS                                                                  \
+    64 /* prompt rows with logits per step (echo + logprobs): each holds a [n_vocab] row of the    \
+        * logits buffer, sized at load */
 #define SERVE_CONN_TIMEOUT_S 600 /* idle connection closed after this */
 #define SERVE_POLL_MS        50  /* how often a waiting HTTP thread looks for a hang-up */
 
@@ -56,8 +59,10 @@ typedef enum serve_finish {
 } serve_finish;
 
 typedef enum serve_event_kind {
-    SERVE_EV_TOKEN, /* a generated token (sample valid) and the text it released (maybe none) */
-    SERVE_EV_TEXT,  /* text only: held-back bytes released at the end */
+    SERVE_EV_TOKEN,  /* a generated token (sample valid) and the text it released (maybe none) */
+    SERVE_EV_TEXT,   /* text only: held-back bytes released at the end */
+    SERVE_EV_PROMPT, /* a prompt token's log-probability (prompt_logprobs; no text), in order
+                      * from the second prompt token */
 } serve_event_kind;
 
 typedef struct serve_event {
@@ -76,7 +81,9 @@ typedef struct serve_gen {
     int64_t max_tokens; /* < 0: until end of generation or a full context */
     char *stop[SERVE_MAX_STOP];
     uint32_t n_stop;
-    bool logprobs; /* report sample logprobs in events */
+    bool logprobs;        /* report sample logprobs in events */
+    bool prompt_logprobs; /* also every prompt token's after the first (SERVE_EV_PROMPT): the
+                           * prompt is computed whole, no prefix reuse; max_tokens may be 0 */
     bool ignore_eos;
     moe_grammar *grammar;    /* constrained decoding (owned), or NULL */
     bool grammar_is_default; /* it is --grammar-file's: a response format replaces it */

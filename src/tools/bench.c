@@ -12,9 +12,12 @@
  * batched decode reuse each weight over many rows, so their GB/s is expected to be low. */
 #include "tools.h"
 
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "../engine/engine.h"
 #include "../quant/quant.h"
@@ -142,6 +145,53 @@ static moe_status run_test(bench_run *b, const moe_bench_params *p, uint32_t pro
     return MOE_OK;
 }
 
+/* ==== The disk ==== */
+
+#define DISK_BLOCK ((uint64_t)4 << 20)   /* one read */
+#define DISK_PROBE ((uint64_t)512 << 20) /* at most this much of the file */
+
+typedef struct disk_job {
+    int fd;
+    uint8_t *buf; /* [n_threads][DISK_BLOCK] aligned */
+    uint64_t bytes[64];
+} disk_job;
+
+static void disk_blocks(void *arg, int64_t begin, int64_t end, int thread) {
+    disk_job *j = arg;
+    for (int64_t b = begin; b < end; b++) {
+        const ssize_t n = pread(j->fd, j->buf + (uint64_t)thread * DISK_BLOCK, DISK_BLOCK,
+                                (off_t)((uint64_t)b * DISK_BLOCK));
+        if (n > 0 && thread < 64) j->bytes[thread] += (uint64_t)n;
+    }
+}
+
+/* The expert cache's read path at full speed: the model file read in DISK_BLOCK pieces on the
+ * pool's threads, with O_DIRECT where it is allowed (what the cache does), up to DISK_PROBE. */
+static void disk_probe(const char *path, moe_ctx *ctx, double *mib_s, bool *direct) {
+    *mib_s = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+    *direct = fd >= 0;
+    if (fd < 0) fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        if (fd >= 0) close(fd);
+        return;
+    }
+    const int n_threads = moe_ctx_n_threads(ctx);
+    disk_job j = {.fd = fd, .buf = aligned_alloc(4096, (size_t)(DISK_BLOCK * (uint64_t)n_threads))};
+    if (!j.buf) moe_die("out of memory (disk probe)");
+    const uint64_t size = (uint64_t)st.st_size < DISK_PROBE ? (uint64_t)st.st_size : DISK_PROBE;
+    const double t0 = moe_now();
+    moe_pool_for(moe_ctx_pool(ctx), (int64_t)((size + DISK_BLOCK - 1) / DISK_BLOCK), 1, disk_blocks,
+                 &j);
+    const double sec = moe_now() - t0;
+    uint64_t total = 0;
+    for (int i = 0; i < 64; i++) total += j.bytes[i];
+    if (sec > 0) *mib_s = (double)total / 1048576.0 / sec;
+    free(j.buf);
+    close(fd);
+}
+
 /* ==== Entry ==== */
 
 moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_error *err) {
@@ -175,7 +225,9 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
         m ? moe_read_bandwidth(pool, p->probe_bytes, p->runs, &r->bandwidth, err) : err->code;
     if (st == MOE_OK && !p->use_mmap) {
         t = moe_now();
-        st = moe_gguf_to_memory(m->gguf, pool, &r->loaded_bytes, err);
+        st = moe_gguf_to_memory_except(m->gguf, pool,
+                                       p->expert_cache_bytes ? moe_model_is_routed : NULL, m,
+                                       &r->loaded_bytes, err);
         r->load_seconds += moe_now() - t;
     }
     moe_pool_free(pool);
@@ -196,7 +248,8 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                          .n_seq = max_seq,
                          .max_rows = max_rows,
                          .kv_type = p->kv_type,
-                         .n_threads = p->n_threads};
+                         .n_threads = p->n_threads,
+                         .expert_cache_bytes = p->expert_cache_bytes};
     moe_ctx *ctx = moe_ctx_new(m, &cp, err);
     if (!ctx) {
         moe_model_free(m);
@@ -211,9 +264,19 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     st = MOE_OK;
     if (p->n_prompt > 0) st = run_test(&b, p, (uint32_t)p->n_prompt, 0, 0, &r->pp, NULL, err);
     if (st == MOE_OK && p->n_gen > 0) {
+        const moe_expert_cache_stats before = moe_ctx_expert_cache_stats(ctx);
         st = run_test(&b, p, 0, 1, (uint32_t)p->n_gen, &r->tg, &r->experts_per_token, err);
         r->active_bytes_per_token = r->tg.bytes_per_token;
+        r->tg_cache = moe_ctx_expert_cache_stats(ctx);
+        r->tg_cache.hits -= before.hits;
+        r->tg_cache.misses -= before.misses;
+        r->tg_cache.evictions -= before.evictions;
+        r->tg_cache.bytes_read -= before.bytes_read;
+        r->tg_cache.read_seconds -= before.read_seconds;
+        r->tg_cache_tokens = (double)(p->runs + 1) * p->n_gen; /* run_test warms up once */
     }
+    if (st == MOE_OK && p->expert_cache_bytes)
+        disk_probe(p->model_path, ctx, &r->disk_mib_s, &r->disk_direct);
     for (int i = 0; st == MOE_OK && i < p->n_streams; i++) {
         moe_bench_stream *s = &r->streams[r->n_streams++];
         s->n = p->streams[i];

@@ -115,6 +115,8 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
     m->n_embd = c.n_embd;
     m->n_head = c.n_head;
     m->ctx_train = c.n_ctx_train;
+    m->n_expert = c.n_expert;
+    m->n_expert_used = c.n_expert_used;
     const moe_tensor *embd = moe_gguf_tensor_find(g, "token_embd.weight");
     m->n_vocab = embd && embd->n_dims >= 2 ? (uint64_t)embd->ne[1] : vocab_size_key(g, arch);
     const uint64_t moe_ff = (uint64_t)c.n_expert_used * c.n_ff_exp + c.n_ff_shexp;
@@ -123,12 +125,14 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
     m->k_values = moe_xcalloc(m->n_layer, sizeof *m->k_values);
     m->v_values = moe_xcalloc(m->n_layer, sizeof *m->v_values);
     m->state_values = moe_xcalloc(m->n_layer, sizeof *m->state_values);
+    m->index_values = moe_xcalloc(m->n_layer, sizeof *m->index_values);
     for (uint32_t l = 0; l < m->n_layer; l++) {
         const moe_layer_state ls = moe_layer_state_of(&c, l);
         m->kind[l] = moe_layer_kind_of(&c.layer[l]);
         m->k_values[l] = ls.k_values;
         m->v_values[l] = ls.v_values;
         m->state_values[l] = ls.state_values;
+        m->index_values[l] = ls.index_values;
         if (c.layer[l].window) m->window = c.layer[l].window;
     }
     moe_model_config_free(&c);
@@ -150,6 +154,7 @@ void moe_budget_model_free(moe_budget_model *m) {
     free(m->k_values);
     free(m->v_values);
     free(m->state_values);
+    free(m->index_values);
     memset(m, 0, sizeof *m);
 }
 
@@ -175,7 +180,8 @@ static uint64_t kv_row_bytes(moe_type t, uint64_t n) {
 static void kv_per_token(const moe_budget_model *m, moe_type t, uint64_t *full, uint64_t *swa) {
     *full = *swa = 0;
     for (uint32_t l = 0; l < m->n_layer; l++) {
-        uint64_t b = kv_row_bytes(t, m->k_values[l]) + kv_row_bytes(t, m->v_values[l]);
+        uint64_t b = kv_row_bytes(t, m->k_values[l]) + kv_row_bytes(t, m->v_values[l]) +
+                     m->index_values[l] * sizeof(float);
         if (m->kind[l] == MOE_LAYER_SLIDING)
             *swa += b;
         else
@@ -248,6 +254,9 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
     p->device = moe_xcalloc((size_t)n * MOE_PART_COUNT, sizeof *p->device);
     kv_per_token(m, c->kv_type, &p->kv_bytes_per_token, &p->swa_kv_bytes_per_token);
     p->state_bytes_per_stream = state_per_stream(m);
+    if (m->n_expert)
+        p->expert_bytes_per_token =
+            m->weights[MOE_ROLE_ROUTED_EXPERTS] / m->n_expert * m->n_expert_used;
     uint64_t kv = moe_budget_kv_bytes(m, c->kv_type, c->ctx, c->streams);
     uint64_t state = sat_mul(c->streams, p->state_bytes_per_stream);
     uint64_t scratch = scratch_bytes(m, c->ctx, c->streams);
@@ -264,6 +273,8 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
             uint64_t rows = s->rows / n + (d < s->rows % n);
             dev[MOE_ROLE_ROUTED_EXPERTS] += rows * s->slices * s->row_bytes;
         }
+        if (c->expert_cache && dev[MOE_ROLE_ROUTED_EXPERTS] > c->expert_cache)
+            dev[MOE_ROLE_ROUTED_EXPERTS] = c->expert_cache; /* the rest stays in the file */
         dev[MOE_PART_KV] = kv;
         dev[MOE_PART_STATE] = state;
         dev[MOE_PART_SCRATCH] = scratch;

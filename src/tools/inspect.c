@@ -33,17 +33,22 @@ const char *moe_role_id(moe_role role) {
     return (unsigned)role < MOE_ROLE_COUNT ? role_ids[role] : "unknown";
 }
 
-/* The name after "blk.N.", with N in *layer (-1 when there is no such prefix). */
-static const char *after_layer(const char *name, int64_t *layer) {
+/* p at "N.<rest>": <rest>, with N in *layer; `name` (and *layer -1) when p does not hold that. */
+static const char *layer_number(const char *name, const char *p, int64_t *layer) {
     *layer = -1;
-    if (strncmp(name, "blk.", 4) != 0) return name;
-    const char *p = name + 4;
     int64_t n = 0;
     int digits = 0;
     while (*p >= '0' && *p <= '9' && digits < 18) n = n * 10 + (*p++ - '0'), digits++;
     if (digits == 0 || *p != '.') return name;
     *layer = n;
     return p + 1;
+}
+
+/* The name after "blk.N.", with N in *layer (-1 when there is no such prefix). */
+static const char *after_layer(const char *name, int64_t *layer) {
+    *layer = -1;
+    if (strncmp(name, "blk.", 4) != 0) return name;
+    return layer_number(name, name + 4, layer);
 }
 
 int64_t moe_tensor_layer(const char *name) {
@@ -71,11 +76,55 @@ moe_role moe_tensor_role(const char *name) {
     return MOE_ROLE_OTHER;
 }
 
+/* HF (safetensors) names: "model.layers.N.<rest>" (any prefix before "layers.N."). */
+static const char *hf_after_layer(const char *name, int64_t *layer) {
+    *layer = -1;
+    const char *p = strstr(name, "layers.");
+    while (p && p != name && p[-1] != '.') p = strstr(p + 1, "layers.");
+    return p ? layer_number(name, p + 7, layer) : name;
+}
+
+int64_t moe_hf_tensor_layer(const char *name) {
+    int64_t layer;
+    if (strstr(name, "vision") || strstr(name, "audio") || strstr(name, "visual"))
+        return -1; /* a tower's own layers are not the model's */
+    hf_after_layer(name, &layer);
+    return layer;
+}
+
+moe_role moe_hf_tensor_role(const char *name) {
+    if (strstr(name, "vision") || strstr(name, "audio") || strstr(name, "visual"))
+        return MOE_ROLE_OTHER;
+    if (strstr(name, "shared_expert")) return MOE_ROLE_SHARED_EXPERTS;
+    if (strstr(name, "experts.")) return MOE_ROLE_ROUTED_EXPERTS;
+    if (strstr(name, "norm") || strstr(name, "router") || strstr(name, "mlp.gate."))
+        return MOE_ROLE_OTHER;
+    if (strstr(name, "self_attn.") || strstr(name, "linear_attn.") || strstr(name, "attention."))
+        return MOE_ROLE_ATTENTION;
+    if (strstr(name, "mlp.")) return MOE_ROLE_DENSE_FFN;
+    if (strstr(name, "embed_tokens") || strstr(name, "lm_head")) return MOE_ROLE_EMBEDDINGS;
+    return MOE_ROLE_OTHER;
+}
+
 /* The short name a format line uses: "gate" for blk.3.ffn_gate_exps.weight, "kv_a_mqa" for
  * blk.0.attn_kv_a_mqa.weight, "gate.bias" for a bias. */
-static void part_name(const char *name, moe_role role, char *out, size_t cap) {
+static void part_name(const char *name, moe_role role, bool hf, char *out, size_t cap) {
     int64_t layer;
-    const char *b = after_layer(name, &layer);
+    const char *b = hf ? hf_after_layer(name, &layer) : after_layer(name, &layer);
+    if (hf && moe_hf_tensor_layer(name) < 0) b = name; /* outside the layers: the whole name */
+    if (hf) { /* "self_attn.q_proj", "experts.*.gate_proj.weight_packed": experts collapse */
+        const char *e = strstr(b, "experts.");
+        const char *d = e ? e + 8 : NULL;
+        if (d && *d >= '0' && *d <= '9') {
+            while (*d >= '0' && *d <= '9') d++;
+            snprintf(out, cap, "%.*s*%s", (int)(e + 8 - b), b, d);
+        } else {
+            snprintf(out, cap, "%s", b);
+        }
+        size_t n = strlen(out);
+        if (n > 7 && strcmp(out + n - 7, ".weight") == 0) out[n - 7] = '\0';
+        return;
+    }
     if ((role == MOE_ROLE_ATTENTION && starts(b, "attn_")) ||
         (role != MOE_ROLE_ATTENTION && role != MOE_ROLE_OTHER && starts(b, "ffn_")))
         b += role == MOE_ROLE_ATTENTION ? 5 : 4;
@@ -90,6 +139,27 @@ static void part_name(const char *name, moe_role role, char *out, size_t cap) {
 }
 
 /* ==== Analysis ==== */
+
+/* One tensor as the analysis sees it, whatever the file format. */
+typedef struct item {
+    const char *name;
+    uint32_t type; /* moe_type for GGUF, moe_st_dtype for safetensors */
+    uint64_t n_bytes;
+} item;
+
+typedef struct source {
+    const item *items;
+    uint64_t n;
+    bool hf;                              /* HF names (safetensors), else llama.cpp names */
+    const char *(*type_name)(uint32_t t); /* names the `type` of an item */
+} source;
+
+static const char *gguf_type_name(uint32_t t) {
+    return moe_type_name(t);
+}
+static const char *st_type_name(uint32_t t) {
+    return moe_st_dtype_name((moe_st_dtype)t);
+}
 
 typedef struct entry {
     moe_role role;
@@ -110,24 +180,32 @@ static int cmp_type_bytes(const void *a, const void *b) {
     return x->type < y->type ? -1 : x->type > y->type;
 }
 
-/* "gate/up IQ2_S, down IQ3_S" for the tensors e[0..n) (one role, one layer, file order). */
-static char *signature(const moe_gguf *g, const entry *e, size_t n) {
+/* "gate/up IQ2_S, down IQ3_S" for the tensors e[0..n) (one role, one layer, file order); a part
+ * named twice (HF experts, one module each) is listed once. */
+static char *signature(const source *src, const entry *e, size_t n) {
     moe_strbuf b = {0};
     bool *done = moe_xcalloc(n, sizeof *done);
     for (size_t i = 0; i < n; i++) {
         if (done[i]) continue;
-        uint32_t type = moe_gguf_tensor_get(g, e[i].index)->type;
+        uint32_t type = src->items[e[i].index].type;
         if (b.len) moe_strbuf_printf(&b, ", ");
+        size_t start = b.len;
         for (size_t k = i, first = 1; k < n; k++) {
-            const moe_tensor *t = moe_gguf_tensor_get(g, e[k].index);
+            const item *t = &src->items[e[k].index];
             if (done[k] || t->type != type) continue;
-            char part[128];
-            part_name(t->name.ptr, e[k].role, part, sizeof part);
-            moe_strbuf_printf(&b, "%s%s", first ? "" : "/", part);
             done[k] = true;
+            char part[160], listed[168];
+            part_name(t->name, e[k].role, src->hf, part, sizeof part);
+            snprintf(listed, sizeof listed, "/%s/", part);
+            char *so_far = moe_xmalloc(b.len - start + 3);
+            snprintf(so_far, b.len - start + 3, "/%s/", b.len > start ? b.s + start : "");
+            bool dup = strstr(so_far, listed) != NULL;
+            free(so_far);
+            if (dup) continue;
+            moe_strbuf_printf(&b, "%s%s", first ? "" : "/", part);
             first = 0;
         }
-        moe_strbuf_printf(&b, " %s", moe_type_name(type));
+        moe_strbuf_printf(&b, " %s", src->type_name(type));
     }
     free(done);
     return moe_strbuf_take(&b);
@@ -172,38 +250,39 @@ static void read_plan(const moe_gguf *g, moe_inspect_plan *p) {
             p->n_dense_ffn++;
         p->kv_values_per_token += s.k_values + s.v_values;
         p->state_values_per_seq += s.state_values;
+        p->index_values_per_token += s.index_values;
     }
     moe_model_config_free(&c);
 }
 
-moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
+/* The analysis common to both formats; the caller fills the file totals and the plan. */
+static moe_inspect_report *analyze(const source *src) {
     moe_inspect_report *r = moe_xcalloc(1, sizeof *r);
-    uint64_t n = moe_gguf_n_tensors(g);
+    uint64_t n = src->n;
     r->n_tensors = n;
-    for (uint32_t s = 0; s < moe_gguf_n_shards(g); s++) {
-        const moe_gguf_shard *sh = moe_gguf_shard_get(g, s);
-        r->file_bytes += sh->file_size;
-        r->header_bytes += sh->header_bytes;
-        r->padding_bytes += sh->padding_bytes;
-    }
-
     /* types histogram and role totals */
-    uint64_t type_count[MOE_TYPE_COUNT] = {0}, type_bytes[MOE_TYPE_COUNT] = {0};
+    enum {
+        N_TYPES = (int)MOE_TYPE_COUNT > (int)MOE_ST_DTYPE_COUNT ? (int)MOE_TYPE_COUNT
+                                                                : (int)MOE_ST_DTYPE_COUNT
+    };
+    uint64_t type_count[N_TYPES] = {0}, type_bytes[N_TYPES] = {0};
     entry *e = moe_xcalloc((size_t)n + 1, sizeof *e);
     for (uint64_t i = 0; i < n; i++) {
-        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        const item *t = &src->items[i];
+        MOE_CHECK(t->type < N_TYPES); /* both readers admit only known types */
         type_count[t->type]++;
         type_bytes[t->type] += t->n_bytes;
         r->tensor_bytes += t->n_bytes;
-        e[i] = (entry){moe_tensor_role(t->name.ptr), moe_tensor_layer(t->name.ptr), i};
+        e[i] = src->hf ? (entry){moe_hf_tensor_role(t->name), moe_hf_tensor_layer(t->name), i}
+                       : (entry){moe_tensor_role(t->name), moe_tensor_layer(t->name), i};
         r->role_count[e[i].role]++;
         r->role_bytes[e[i].role] += t->n_bytes;
     }
-    r->reconciles = r->tensor_bytes + r->header_bytes + r->padding_bytes == r->file_bytes;
-    r->types = moe_xcalloc(MOE_TYPE_COUNT, sizeof *r->types);
-    for (uint32_t t = 0; t < MOE_TYPE_COUNT; t++)
+    r->types = moe_xcalloc(N_TYPES, sizeof *r->types);
+    for (uint32_t t = 0; t < N_TYPES; t++)
         if (type_count[t])
-            r->types[r->n_types++] = (moe_inspect_type){t, type_count[t], type_bytes[t]};
+            r->types[r->n_types++] =
+                (moe_inspect_type){t, src->type_name(t), type_count[t], type_bytes[t]};
     qsort(r->types, r->n_types, sizeof *r->types, cmp_type_bytes);
 
     /* per layer: sort (layer, index) once; entries of one layer are then adjacent */
@@ -217,7 +296,7 @@ moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
         if (!r->n_layers || r->layers[r->n_layers - 1].layer != by_layer[i].layer)
             r->layers[r->n_layers++].layer = by_layer[i].layer;
         moe_inspect_layer *l = &r->layers[r->n_layers - 1];
-        const moe_tensor *t = moe_gguf_tensor_get(g, by_layer[i].index);
+        const item *t = &src->items[by_layer[i].index];
         l->count++;
         l->bytes += t->n_bytes;
         l->role_bytes[e[by_layer[i].index].role] += t->n_bytes;
@@ -237,7 +316,8 @@ moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
     for (uint64_t i = 0; i < n;) {
         uint64_t j = i;
         while (j < n && e[j].role == e[i].role && e[j].layer == e[i].layer) j++;
-        runs[n_runs++] = (run){e[i].role, e[i].layer, signature(g, e + i, (size_t)(j - i)), false};
+        runs[n_runs++] =
+            (run){e[i].role, e[i].layer, signature(src, e + i, (size_t)(j - i)), false};
         i = j;
     }
     r->formats = moe_xcalloc(n_runs + 1, sizeof *r->formats);
@@ -260,7 +340,48 @@ moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
     free(runs);
     free(layers);
     free(e);
+    return r;
+}
+
+moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
+    uint64_t n = moe_gguf_n_tensors(g);
+    item *items = moe_xcalloc((size_t)n + 1, sizeof *items);
+    for (uint64_t i = 0; i < n; i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        items[i] = (item){t->name.ptr, t->type, t->n_bytes};
+    }
+    moe_inspect_report *r = analyze(&(source){items, n, false, gguf_type_name});
+    free(items);
+    for (uint32_t s = 0; s < moe_gguf_n_shards(g); s++) {
+        const moe_gguf_shard *sh = moe_gguf_shard_get(g, s);
+        r->file_bytes += sh->file_size;
+        r->header_bytes += sh->header_bytes;
+        r->padding_bytes += sh->padding_bytes;
+    }
+    r->reconciles = r->tensor_bytes + r->header_bytes + r->padding_bytes == r->file_bytes;
     read_plan(g, &r->plan);
+    return r;
+}
+
+moe_inspect_report *moe_inspect_analyze_st(const moe_st *s) {
+    uint64_t n = moe_st_n_tensors(s);
+    item *items = moe_xcalloc((size_t)n + 1, sizeof *items);
+    for (uint64_t i = 0; i < n; i++) {
+        const moe_st_tensor *t = moe_st_tensor_get(s, i);
+        items[i] = (item){t->name, t->dtype, t->n_bytes};
+    }
+    moe_inspect_report *r = analyze(&(source){items, n, true, st_type_name});
+    free(items);
+    for (uint32_t f = 0; f < moe_st_n_files(s); f++) {
+        const moe_st_file *sf = moe_st_file_get(s, f);
+        r->file_bytes += sf->file_size;
+        r->header_bytes += sf->header_bytes;
+        /* the reader refuses gaps, so a safetensors file has no padding but its header's */
+    }
+    r->reconciles = r->tensor_bytes + r->header_bytes + r->padding_bytes == r->file_bytes;
+    snprintf(r->plan.note, sizeof r->plan.note,
+             "a safetensors checkpoint: the architecture descriptors read GGUF metadata, not "
+             "config.json");
     return r;
 }
 

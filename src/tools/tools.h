@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "../base/base.h"
+#include "../engine/engine.h"
 #include "../format/format.h"
 
 /* ==== Tensor roles, from llama.cpp tensor names ==== */
@@ -27,15 +28,19 @@ typedef enum moe_role {
 } moe_role;
 
 moe_role moe_tensor_role(const char *name);
-const char *moe_role_name(moe_role role); /* "routed experts", ... */
-const char *moe_role_id(moe_role role);   /* "routed_experts", ... (JSON keys) */
+/* The same for HF (safetensors) names: model.layers.N.self_attn.q_proj.weight, ...experts... */
+moe_role moe_hf_tensor_role(const char *name);
+int64_t moe_hf_tensor_layer(const char *name); /* N of "layers.N.", else -1 */
+const char *moe_role_name(moe_role role);      /* "routed experts", ... */
+const char *moe_role_id(moe_role role);        /* "routed_experts", ... (JSON keys) */
 /* N for "blk.N.<rest>", else -1. */
 int64_t moe_tensor_layer(const char *name);
 
 /* ==== moe inspect ==== */
 
 typedef struct moe_inspect_type {
-    uint32_t type;
+    uint32_t type;    /* moe_type (GGUF) or moe_st_dtype (safetensors) */
+    const char *name; /* its name, static */
     uint64_t count, bytes;
 } moe_inspect_type;
 
@@ -72,8 +77,9 @@ typedef struct moe_inspect_plan {
     uint32_t kind_count[MOE_LAYER_KIND_COUNT]; /* layers by mixer kind */
     uint32_t n_dense_ffn, n_expert_ffn;        /* layers by FFN kind */
     uint32_t n_expert, n_expert_used;
-    uint64_t kv_values_per_token;  /* K + V values over all layers (MLA: the latent row) */
-    uint64_t state_values_per_seq; /* f32 recurrent state over the linear layers */
+    uint64_t kv_values_per_token;    /* K + V values over all layers (MLA: the latent row) */
+    uint64_t index_values_per_token; /* f32 lightning-indexer rows over the indexed layers */
+    uint64_t state_values_per_seq;   /* f32 recurrent state over the linear layers */
 } moe_inspect_plan;
 
 typedef struct moe_inspect_report {
@@ -92,6 +98,8 @@ typedef struct moe_inspect_report {
 } moe_inspect_report;
 
 moe_inspect_report *moe_inspect_analyze(const moe_gguf *g);
+/* The same facts of a safetensors checkpoint (HF names; no plan: config.json is not read). */
+moe_inspect_report *moe_inspect_analyze_st(const moe_st *s);
 void moe_inspect_report_free(moe_inspect_report *r);
 
 /* ==== moe budget: the memory plan of a model on N devices ====
@@ -134,9 +142,11 @@ typedef struct moe_budget_model {
     uint64_t *k_values;     /* [n_layer] K (or MLA latent + rope) values per token */
     uint64_t *v_values;     /* [n_layer] V values per token (0 for MLA, linear) */
     uint64_t *state_values; /* [n_layer] f32 state values per sequence (linear layers) */
+    uint64_t *index_values; /* [n_layer] f32 lightning-indexer values per token (with the KV) */
     uint64_t window;        /* sliding window in tokens (0: none) */
     uint64_t ctx_train;     /* <arch>.context_length (0: unknown) */
     uint64_t n_embd, n_vocab, n_head, ff_active; /* for the scratch estimate */
+    uint32_t n_expert, n_expert_used;            /* routed experts per layer, per token */
 } moe_budget_model;
 
 /* Read a model's facts; false with err set when its architecture's keys are missing. */
@@ -153,6 +163,7 @@ typedef struct moe_budget_config {
     uint64_t streams;        /* concurrent sequences */
     moe_type kv_type;        /* F16, F32 or Q8_0 */
     bool vision;             /* count the vision tower */
+    uint64_t expert_cache;   /* --expert-cache: routed experts resident at most (0: all) */
 } moe_budget_config;
 
 #define MOE_BUDGET_MAX_DEVICES  4096
@@ -169,8 +180,9 @@ typedef struct moe_budget_plan {
     uint64_t kv_bytes_per_token;     /* full + MLA layers, all of them */
     uint64_t swa_kv_bytes_per_token; /* sliding layers (up to `window` tokens) */
     uint64_t state_bytes_per_stream;
-    uint64_t max_ctx;     /* largest context that fits with config.streams (0: none) */
-    uint64_t max_streams; /* largest stream count that fits at config.ctx (0: none) */
+    uint64_t max_ctx;                /* largest context that fits with config.streams (0: none) */
+    uint64_t max_streams;            /* largest stream count that fits at config.ctx (0: none) */
+    uint64_t expert_bytes_per_token; /* routed experts one token runs (n_used of n_expert) */
 } moe_budget_plan;
 
 void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
@@ -288,10 +300,11 @@ typedef struct moe_bench_params {
     int n_gen;                          /* decode test: this many single-row steps (0: skip) */
     int streams[MOE_BENCH_MAX_STREAMS]; /* batched decode: streams per test */
     int n_streams;
-    int stream_steps;   /* steps per batched decode test */
-    bool use_mmap;      /* keep weights in the mapped file instead of anonymous memory */
-    moe_type kv_type;   /* KV cache elements (default F16, as llama-bench) */
-    size_t probe_bytes; /* bandwidth probe buffer */
+    int stream_steps;            /* steps per batched decode test */
+    bool use_mmap;               /* keep weights in the mapped file instead of anonymous memory */
+    moe_type kv_type;            /* KV cache elements (default F16, as llama-bench) */
+    uint64_t expert_cache_bytes; /* routed experts read on demand into a cache (0: resident) */
+    size_t probe_bytes;          /* bandwidth probe buffer */
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
@@ -323,11 +336,160 @@ typedef struct moe_bench_result {
     moe_bench_figure pp, tg;
     moe_bench_stream streams[MOE_BENCH_MAX_STREAMS];
     int n_streams;
+    /* with --expert-cache: the cache over the decode test, and the disk it reads from */
+    moe_expert_cache_stats tg_cache; /* counters of the tg test's steps (warm-up included) */
+    double tg_cache_tokens;          /* tokens those steps made */
+    double disk_mib_s;               /* sequential read of the model file (its own probe) */
+    bool disk_direct;                /* ... with O_DIRECT (else through the page cache) */
 } moe_bench_result;
 
 /* Defaults: 1 thread, 5 runs, pp 512, tg 128, streams 1 2 4 8 of 32 steps, anonymous memory. */
 void moe_bench_params_default(moe_bench_params *p);
 moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_error *err);
+
+/* ==== moe eval: labels by probability, paired comparisons, KL divergence (eval.c) ==== */
+
+#define MOE_EVAL_MAX_LABELS        64          /* candidate labels of one record */
+#define MOE_EVAL_MAX_LINE          (16u << 20) /* one record's JSON line */
+#define MOE_EVAL_MAX_RECORDS       10000000    /* records in one file */
+#define MOE_EVAL_ROWS              128 /* rows per forward call: the logits buffer is [rows][n_vocab] */
+#define MOE_EVAL_DEFAULT_RESAMPLES 10000
+#define MOE_EVAL_MIN_RESAMPLES     2000
+/* labels scored side by side: each holds a copy of the prompt's KV cache, so 64 labels of a long
+ * prompt would cost 64 caches */
+#define MOE_EVAL_LABEL_SEQS 8
+
+/* One record of a --records file (a JSON object per line): "prompt" (text) or "messages" (an
+ * OpenAI-style chat, rendered with the model's chat template and its generation prompt);
+ * "labels" (2..MOE_EVAL_MAX_LABELS strings); optional "id", "answer" (the right label's index,
+ * or its text) and "options" (one string per label: the text "{options}" in the prompt or in
+ * a message's content becomes one line per label, "<label without surrounding spaces>. <option>",
+ * which --reverse-options lists in reverse order for three-label records). */
+typedef struct moe_eval_record {
+    char *id;       /* "id" (a string or a number's text), else the line number */
+    size_t line;    /* 1-based line of the file */
+    char *prompt;   /* with "{options}" filled in; NULL for a chat record */
+    char *messages; /* chat: the messages array as JSON text, options filled in; else NULL */
+    char **labels;  /* [n_labels] */
+    uint32_t n_labels;
+    int32_t answer; /* index into labels, -1 when not given */
+    bool reversed;  /* the --reverse-options copy of the record before it */
+} moe_eval_record;
+
+/* Read every record; with reverse_options each three-label record with options is followed by
+ * its reversed copy (options in reverse order, the answer index mirrored). Errors name the
+ * file, the line and the field. */
+moe_status moe_eval_records_read(const char *path, bool reverse_options, moe_eval_record **out,
+                                 size_t *n, moe_error *err);
+void moe_eval_records_free(moe_eval_record *r, size_t n);
+
+/* What a scorer makes of a record: the label whose tokens have the highest summed
+ * log-probability after the prompt's tokens. Prompt tokens: the text with the vocabulary's BOS
+ * and special tokens parsed (a chat: the template's rendering); label tokens: the label's text
+ * alone, special tokens parsed, no BOS -- so `/tokenize` of a server gives the same ids. */
+typedef struct moe_eval_score {
+    double logprob[MOE_EVAL_MAX_LABELS];    /* sum over the label's tokens */
+    uint32_t n_tokens[MOE_EVAL_MAX_LABELS]; /* the label's tokens */
+    uint32_t n_prompt;                      /* the prompt's tokens */
+    int32_t pred;                           /* the highest sum (the first of equals) */
+    /* the ids scored (malloc'd; moe_eval_score_free): prompt, then each label's */
+    int32_t *prompt_ids;
+    int32_t *label_ids[MOE_EVAL_MAX_LABELS];
+} moe_eval_score;
+
+void moe_eval_score_free(moe_eval_score *s);
+
+typedef struct moe_eval_scorer moe_eval_scorer;
+
+typedef struct moe_eval_engine_params {
+    int n_threads;
+    moe_type kv_type;          /* KV cache elements (F32: exact) */
+    const char *chat_template; /* a .jinja file over the model's own template, or NULL */
+} moe_eval_engine_params;
+
+/* The engine: prompts run once per record, then the labels' rows batched together (a sequence
+ * per label, up to MOE_EVAL_LABEL_SEQS at once, the prompt's KV copied into each). The context
+ * is sized for the records given. */
+moe_eval_scorer *moe_eval_scorer_engine(const char *model_path, const moe_eval_engine_params *p,
+                                        const moe_eval_record *records, size_t n_records,
+                                        moe_error *err);
+/* An OpenAI-compatible server at url (its root or its /v1): ids from POST /tokenize
+ * ({"content", "add_special"} as llama-server and `moe serve` read it, and vLLM's "prompt",
+ * "add_special_tokens"), chat prompts from POST
+ * /apply-template, and each label's log-probabilities from POST /v1/completions with the
+ * prompt and label ids, "echo": true, "logprobs": 0, "max_tokens": 1 (the generated token is
+ * ignored). api_key and model may be NULL. */
+moe_eval_scorer *moe_eval_scorer_url(const char *url, const char *api_key, const char *model,
+                                     moe_error *err);
+/* Score one record into *out (free it with moe_eval_score_free, also after a failure). */
+moe_status moe_eval_scorer_run(moe_eval_scorer *s, const moe_eval_record *r, moe_eval_score *out,
+                               moe_error *err);
+void moe_eval_scorer_free(moe_eval_scorer *s);
+
+/* One line of a labels results file, as `moe eval compare` reads it back. */
+typedef struct moe_eval_result {
+    char *id;
+    bool reversed;
+    int32_t pred, answer; /* answer -1: unknown */
+} moe_eval_result;
+
+moe_status moe_eval_results_read(const char *path, moe_eval_result **out, size_t *n,
+                                 moe_error *err);
+void moe_eval_results_free(moe_eval_result *r, size_t n);
+
+/* Paired bootstrap of accuracy(B) - accuracy(A) over the records both files scored with a
+ * known answer (paired by id and reversed). Resample r = 0..resamples-1 draws n indices in
+ * turn, index = moe_rng_u64(&state) % n with state starting at `seed` (splitmix64, one stream
+ * for all resamples); its difference is (sum over the draws of correct_B - correct_A) / n. The
+ * interval is the 2.5 and 97.5 percentiles of the sorted differences, linearly interpolated at
+ * q * (resamples - 1) (numpy's default percentile). */
+typedef struct moe_eval_compare {
+    size_t n;                  /* paired records with an answer */
+    size_t n_only_a, n_only_b; /* records in one file only (not compared) */
+    size_t correct_a, correct_b;
+    double acc_a, acc_b, diff, ci_low, ci_high;
+    uint32_t resamples;
+    uint64_t seed;
+    size_t a_right_b_wrong, a_wrong_b_right, pred_changed;
+    char **flipped; /* [n_flipped] ids whose correctness differs ("id (reversed)") */
+    size_t n_flipped;
+} moe_eval_compare;
+
+moe_status moe_eval_compare_run(const moe_eval_result *a, size_t n_a, const moe_eval_result *b,
+                                size_t n_b, uint32_t resamples, uint64_t seed,
+                                moe_eval_compare *out, moe_error *err);
+void moe_eval_compare_free(moe_eval_compare *c);
+
+/* KL(REF || MODEL) per token as llama-perplexity --kl-divergence reports it: the tokens
+ * (BOS added as the vocabulary asks) cut into chunks of n_ctx, each chunk's first token made
+ * BOS when the vocabulary adds one, and in each chunk the positions n_ctx/2 .. n_ctx-2 scored
+ * against the token after them: KL = sum_i p_ref(i) (log p_ref(i) - log p(i)) over the whole
+ * vocabulary in double (llama.cpp skips p_ref below e^-16 and stores the reference at 16 bits),
+ * nll = -log p(next), top-1 agreement = the two argmaxes (first of equals) agree. */
+typedef struct moe_eval_kl_params {
+    const char *model, *ref;
+    const char *text_path; /* text to tokenize, or NULL when tokens are given */
+    const int32_t *tokens; /* token ids as given (no BOS added) */
+    size_t n_tokens;
+    uint32_t n_ctx; /* chunk length (default 512) */
+    int n_threads;
+    moe_type kv_type;
+} moe_eval_kl_params;
+
+typedef struct moe_eval_kl {
+    size_t n_text_tokens; /* the whole text's tokens */
+    uint32_t n_ctx, n_chunks;
+    size_t n_scored; /* positions scored */
+    double kl_mean, kl_median, kl_p90, kl_p95, kl_p99, kl_p999, kl_max, kl_min;
+    double top1_agreement; /* fraction */
+    double ppl, ppl_ref;   /* exp(mean nll) of each */
+    double *kl;            /* [n_scored] per position, sorted ascending */
+} moe_eval_kl;
+
+moe_status moe_eval_kl_run(const moe_eval_kl_params *p, moe_eval_kl *out, moe_error *err);
+void moe_eval_kl_free(moe_eval_kl *k);
+/* Linear interpolation at q * (n - 1) over sorted values (q in [0, 1]). */
+double moe_eval_percentile(const double *sorted, size_t n, double q);
 
 /* ==== Demo model ==== */
 
@@ -337,5 +499,64 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
 char *moe_demo_model_path(moe_error *err);
 /* Write the demo model to `path` (what moe_demo_model_path does on a cache miss). */
 moe_status moe_demo_model_write(const char *path, moe_error *err);
+
+/* ==== moe repack: a QAT bf16 checkpoint to Q4_0 GGUF or compressed-tensors W4A16 ==== */
+
+typedef enum moe_repack_target { MOE_REPACK_Q4_0_GGUF, MOE_REPACK_W4A16 } moe_repack_target;
+
+typedef struct moe_repack_options {
+    moe_repack_target to;
+    int workers;              /* threads recovering groups; 0: every core */
+    bool progress;            /* a progress bar on stderr */
+    uint64_t max_shard_bytes; /* W4A16: data bytes per safetensors shard (0: one file) */
+    const char *vocab_from;   /* GGUF: copy the tokenizer.* keys of this GGUF (NULL: none) */
+} moe_repack_options;
+
+/* A quantizable tensor kept at source precision because groups of it are off the grid. */
+typedef struct moe_repack_offgrid {
+    char name[256];
+    uint64_t groups;     /* groups off the grid */
+    int64_t first_group; /* the first of them */
+} moe_repack_offgrid;
+
+typedef struct moe_repack_report {
+    uint64_t groups;         /* groups of 32 in the quantizable tensors */
+    uint64_t groups_by_m[9]; /* groups recovered with step max|w|/m ([0]: all-zero groups) */
+    uint64_t offgrid_groups;
+    moe_repack_offgrid *offgrid; /* [n_offgrid] */
+    size_t n_offgrid;
+    uint64_t n_quantized, n_copied; /* source tensors (copied includes the off-grid ones) */
+    uint64_t n_skipped;             /* GGUF: vision / audio tensors (mmproj), not written */
+    uint64_t copied_bytes, bytes_in, bytes_out;
+    uint64_t embd_rows_dropped; /* GGUF: token_embd rows past tokenizer.json's vocabulary */
+    double seconds;
+} moe_repack_report;
+
+/* SRC: a safetensors checkpoint with config.json (HF layout). OUT: a .gguf file (gemma4's names
+ * and metadata, as llama.cpp's converter writes them) or a directory (model.safetensors +
+ * config.json with quantization_config, tokenizer files copied). One tensor in memory at a
+ * time. The report is filled also on failure as far as the work went. */
+moe_status moe_repack(const char *src, const char *out, const moe_repack_options *o,
+                      moe_repack_report *r, moe_error *err);
+void moe_repack_report_free(moe_repack_report *r);
+
+#define MOE_REPACK_MAX_MESSAGES 10
+typedef struct moe_repack_check {
+    uint64_t groups, bad_groups;
+    uint64_t tensors_quantized, tensors_copied, copied_bytes, skipped;
+    uint64_t mismatches; /* bad groups + bad copies + missing / extra tensors */
+    double
+        worst_scale_rel; /* max |stored scale - least-squares step of the stored levels| / step */
+    char worst_scale_tensor[340];
+    char messages[MOE_REPACK_MAX_MESSAGES][512]; /* the first mismatches, naming tensor and group */
+    int n_messages;
+    double seconds;
+} moe_repack_check;
+
+/* Reread SRC and OUT (as moe_repack wrote it) and check every group (each stored level is the
+ * source value's rank on the stored grid and reproduces it exactly) and every copied tensor. A
+ * file that cannot be read is an error; mismatches are counted in v (the caller exits non-zero). */
+moe_status moe_repack_verify(const char *src, const char *out, int workers, moe_repack_check *v,
+                             moe_error *err);
 
 #endif

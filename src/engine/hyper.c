@@ -1,0 +1,131 @@
+/* hyper.c: the residual stream of a model with hyper-connections (GLM-5.3's mHC): n_hc streams
+ * per token instead of one.
+ *
+ * Around every block: the mixing logits come from the RMS-normed (unweighted) concatenation of a
+ * row's streams through the site's hc_*_fn; the block's input is the pre-weighted sum of the
+ * streams, and its output is added to each stream with the post weights after the streams are
+ * mixed by the Sinkhorn-balanced combination matrix (ops/hyper.c). The embedding starts every
+ * stream; the head reads their plain mean. Rows are independent, so the row loops run on the
+ * pool and a row's result never depends on the others in its batch. */
+#include "engine_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../ops/ops.h"
+
+void moe_hc_alloc(moe_ctx *c) {
+    const moe_model_config *cfg = &c->m->cfg;
+    moe_hc_ctx *hc = &c->hc;
+    const uint64_t rows = c->p.max_rows, n = cfg->n_hc;
+    hc->wide = moe_xcalloc(rows * n * cfg->n_embd, sizeof(float));
+    hc->mix = moe_xcalloc(rows * (2 + n) * n, sizeof(float));
+    hc->in = moe_xcalloc(rows * cfg->n_embd, sizeof(float));
+    hc->post = moe_xcalloc(rows * n, sizeof(float));
+    hc->comb = moe_xcalloc(rows * n * n, sizeof(float));
+}
+
+void moe_hc_free(moe_ctx *c) {
+    moe_hc_ctx *hc = &c->hc;
+    free(hc->wide);
+    free(hc->mix);
+    free(hc->in);
+    free(hc->post);
+    free(hc->comb);
+    memset(hc, 0, sizeof *hc);
+}
+
+typedef struct hc_job {
+    moe_ctx *c;
+    const moe_hc_weights *w;
+} hc_job;
+
+static void hc_begin(moe_ctx *c, const float *embd, uint32_t n_rows) {
+    const int64_t n_embd = c->m->cfg.n_embd, n = c->m->cfg.n_hc;
+    for (uint32_t r = 0; r < n_rows; r++)
+        for (int64_t s = 0; s < n; s++)
+            memcpy(c->x + (r * n + s) * n_embd, embd + r * n_embd, sizeof(float) * (size_t)n_embd);
+}
+
+/* Rows [begin, end): pre / post / combination weights from the mixing logits, and the block
+ * input = sum of the streams by their pre weights. */
+static void pre_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const hc_job *j = arg;
+    moe_ctx *c = j->c;
+    const moe_model_config *cfg = &c->m->cfg;
+    moe_hc_ctx *hc = &c->hc;
+    const int64_t n_embd = cfg->n_embd, n = cfg->n_hc, n_mix = (2 + n) * n;
+    float pre[MOE_MAX_HC];
+    for (int64_t r = begin; r < end; r++) {
+        moe_hc_mix_weights(hc->mix + r * n_mix, (const float *)j->w->base->data,
+                           (const float *)j->w->scale->data, (int)n, (int)cfg->hc_sinkhorn_iters,
+                           cfg->hc_eps, pre, hc->post + r * n, hc->comb + r * n * n);
+        const float *x = c->x + r * n * n_embd;
+        float *in = hc->in + r * n_embd;
+        for (int64_t i = 0; i < n_embd; i++) {
+            float sum = 0.0f;
+            for (int64_t s = 0; s < n; s++) sum += pre[s] * x[s * n_embd + i];
+            in[i] = sum;
+        }
+    }
+}
+
+static const float *hc_pre(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows) {
+    const moe_model_config *cfg = &c->m->cfg;
+    moe_hc_ctx *hc = &c->hc;
+    const int64_t wide = (int64_t)cfg->n_hc * cfg->n_embd;
+    hc_job job = {.c = c, .w = site == MOE_SITE_MIXER ? &l->hc_attn : &l->hc_ffn};
+    for (uint32_t r = 0; r < n_rows; r++)
+        moe_rmsnorm(hc->wide + r * wide, c->x + r * wide, NULL, wide, cfg->rms_eps);
+    moe_matmul(c->pool, job.w->fn, 0, hc->wide, n_rows, hc->mix, c->mm_scratch);
+    moe_pool_for(c->pool, n_rows, 1, pre_rows, &job);
+    return hc->in;
+}
+
+/* Rows [begin, end): stream dst = post[dst] * y + sum over src of comb[src][dst] * stream src. */
+static void post_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const hc_job *j = arg;
+    moe_ctx *c = j->c;
+    const moe_model_config *cfg = &c->m->cfg;
+    moe_hc_ctx *hc = &c->hc;
+    const int64_t n_embd = cfg->n_embd, n = cfg->n_hc;
+    for (int64_t r = begin; r < end; r++) {
+        float *x = c->x + r * n * n_embd, *out = hc->wide + r * n * n_embd;
+        const float *y = c->y + r * n_embd, *post = hc->post + r * n, *comb = hc->comb + r * n * n;
+        for (int64_t dst = 0; dst < n; dst++)
+            for (int64_t i = 0; i < n_embd; i++) {
+                float sum = post[dst] * y[i];
+                for (int64_t src = 0; src < n; src++)
+                    sum += comb[src * n + dst] * x[src * n_embd + i];
+                out[dst * n_embd + i] = sum;
+            }
+        memcpy(x, out, sizeof(float) * (size_t)(n * n_embd));
+    }
+}
+
+static void hc_post(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows) {
+    (void)l, (void)site;
+    hc_job job = {.c = c};
+    moe_pool_for(c->pool, n_rows, 1, post_rows, &job);
+}
+
+static const float *hc_final(moe_ctx *c, uint32_t r) {
+    const int64_t n_embd = c->m->cfg.n_embd, n = c->m->cfg.n_hc;
+    const float *x = c->x + (int64_t)r * n * n_embd;
+    float *mean = c->hc.in + (int64_t)r * n_embd;
+    for (int64_t i = 0; i < n_embd; i++) {
+        float sum = 0.0f;
+        for (int64_t s = 0; s < n; s++) sum += x[s * n_embd + i];
+        mean[i] = sum / (float)n;
+    }
+    return mean;
+}
+
+const moe_stream_ops moe_stream_hc = {
+    .begin = hc_begin,
+    .pre = hc_pre,
+    .post = hc_post,
+    .final = hc_final,
+};

@@ -1,0 +1,588 @@
+#!/usr/bin/python3
+"""Synthetic checkpoints for the safetensors and repack suites, and independent checks of what
+moe writes. numpy only (no torch, no safetensors package): the safetensors and GGUF readers
+below are written from the formats' specifications, not from moe's code.
+
+  qat_checkpoint.py qat DIR [--seed S] [--offgrid] [--tokenizer N]
+      A gemma4-shaped QAT checkpoint (the dimensions of ../shared/parity/gemma4-moe-q4_0, HF
+      names, config.json, two shards + model.safetensors.index.json). Every group of 32 along
+      the input dimension is bf16(step x level), step an 8-bit number that bf16 and f16 hold
+      exactly, level in -8..7, the group's peak at level +-m for m cycling 0 (an all-zero
+      group), 1..8; the levels of a group share no common factor. With --offgrid two tensors
+      get groups with one value moved off the grid. Writes DIR/expected.json (group counts per
+      m, off-grid tensors and groups) and DIR/levels/<tensor>.i8 (every generated level).
+      --tokenizer N adds a tokenizer.json of N tokens + 4 added ones (its size is all that
+      matters: the converter keeps that many rows of embed_tokens).
+  qat_checkpoint.py check-w4a16 SRC OUT
+      Reads OUT (compressed-tensors pack-quantized) and checks every module's levels against
+      the generated ones, scale x level against the source values, copied tensors byte for
+      byte, weight_shape and quantization_config.
+  qat_checkpoint.py check-gguf SRC OUT.gguf FIXTURE.json [--vocab]
+      Reads the GGUF and checks Q4_0 levels against the generated ones, d x level against the
+      source, F32 / BF16 copies, and the tensor names, shapes, types and metadata against the
+      llama.cpp-made fixture's (FIXTURE.json); --vocab: its tokenizer.* keys too.
+  qat_checkpoint.py dequant-w4a16 OUT MODULE FILE.f32
+      One module of a W4A16 checkpoint dequantized as compressed-tensors does (float32).
+  qat_checkpoint.py dtypes FILE.safetensors FILE.f32
+      One tensor of every dtype moe reads, and their values as float32 (numpy's conversion;
+      bf16 and F8_E4M3 decoded here from their bit layouts), for the reader test.
+  qat_checkpoint.py read FILE.safetensors
+      Prints name dtype shape and the float64 sum of every tensor (checks moe's writer).
+Exit status 0 when every check passes; otherwise the first failure is printed.
+"""
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+
+GROUP = 32
+
+
+# ==== safetensors, from the format description ====
+
+def st_write(path, tensors, metadata=None):
+    """tensors: list of (name, dtype string, shape, raw bytes)."""
+    header = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    off = 0
+    for name, dtype, shape, raw in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for _, _, _, raw in tensors:
+            f.write(raw)
+
+
+def st_read(path):
+    """{name: (dtype, shape, raw bytes)}, metadata"""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    meta = header.pop("__metadata__", None)
+    out = {}
+    for name, e in header.items():
+        b, en = e["data_offsets"]
+        out[name] = (e["dtype"], tuple(e["shape"]), data[8 + n + b:8 + n + en])
+    return out, meta
+
+
+def st_read_dir(d):
+    idx = os.path.join(d, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        files = sorted(set(json.load(open(idx))["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    out = {}
+    for f in files:
+        out.update(st_read(os.path.join(d, f))[0])
+    return out
+
+
+def bf16_to_f32(raw):
+    u = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+    return u.view(np.float32)
+
+
+def f32_to_bf16_bits(x):
+    """round to nearest even, as torch does"""
+    u = np.atleast_1d(np.asarray(x, dtype=np.float32)).view(np.uint32).astype(np.uint64)
+    sh, one = np.uint64(16), np.uint64(1)
+    r = (u + np.uint64(0x7FFF) + ((u >> sh) & one)) >> sh
+    return r.astype(np.uint16)
+
+
+def f8_e4m3_to_f32(raw):
+    out = []
+    for b in raw:
+        s, e, m = b >> 7, (b >> 3) & 15, b & 7
+        if e == 15 and m == 7:
+            v = float("nan")
+        elif e == 0:
+            v = m * 2.0 ** -9
+        else:
+            v = (1 + m / 8) * 2.0 ** (e - 7)
+        out.append(-v if s else v)
+    return np.array(out, dtype=np.float32)
+
+
+# ==== the gemma4-shaped QAT checkpoint ====
+
+D, LAYERS, HEADS, HD_SWA, HD_FULL, FF, E, TOPK, EFF, VOCAB = 64, 6, 4, 32, 64, 64, 8, 2, 32, 512
+SWA = [True] * 5 + [False]
+KV = [2] * 5 + [1]
+NAME = "synth-shared-gemma4-moe-f32"  # the fixture's general.name: the converter takes the dir name
+# (tensor, group) pairs moved off the grid with --offgrid
+OFFGRID = {"model.language_model.layers.1.mlp.up_proj.weight": [0, 5, 17],
+           "model.language_model.layers.2.experts.down_proj": [100]}
+
+
+def config():
+    t = {
+        "model_type": "gemma4_text", "hidden_size": D, "intermediate_size": FF,
+        "moe_intermediate_size": EFF, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV[0], "num_global_key_value_heads": KV[-1], "head_dim": HD_SWA,
+        "global_head_dim": HD_FULL,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in SWA],
+        "sliding_window": 8, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "num_experts": E, "top_k_experts": TOPK, "enable_moe_block": True,
+        "final_logit_softcapping": 30.0, "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0, "vocab_size": VOCAB, "attention_k_eq_v": True,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                               "partial_rotary_factor": 0.25},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    }
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+            "text_config": t, "torch_dtype": "bfloat16"}
+
+
+def tensor_list():
+    """(name, shape, quantized) in HF layout"""
+    p = "model.language_model."
+    out = [(p + "embed_tokens.weight", (VOCAB, D), False)]
+    for l in range(LAYERS):
+        b = f"{p}layers.{l}."
+        hd = HD_SWA if SWA[l] else HD_FULL
+        out += [(b + "self_attn.q_proj.weight", (HEADS * hd, D), True),
+                (b + "self_attn.k_proj.weight", (KV[l] * hd, D), True)]
+        if SWA[l]:
+            out.append((b + "self_attn.v_proj.weight", (KV[l] * hd, D), True))
+        out += [(b + "self_attn.o_proj.weight", (D, HEADS * hd), True),
+                (b + "self_attn.q_norm.weight", (hd,), False),
+                (b + "self_attn.k_norm.weight", (hd,), False)]
+        for n in ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "post_feedforward_layernorm_1",
+                  "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"]:
+            out.append((b + n + ".weight", (D,), False))
+        out += [(b + "mlp.gate_proj.weight", (FF, D), True),
+                (b + "mlp.up_proj.weight", (FF, D), True),
+                (b + "mlp.down_proj.weight", (D, FF), True),
+                (b + "router.proj.weight", (E, D), False),
+                (b + "router.scale", (D,), False),
+                (b + "router.per_expert_scale", (E,), False),
+                (b + "experts.gate_up_proj", (E, 2 * EFF, D), True),
+                (b + "experts.down_proj", (E, D, EFF), True),
+                (b + "layer_scalar", (1,), False)]
+    out.append((p + "norm.weight", (D,), False))
+    out.append(("model.vision_tower.encoder.layers.0.mlp.fc1.weight", (64, 32), False))
+    return out
+
+
+def qat_group(rng, m):
+    """levels (int8[32]) with peak |level| m (m == 0: all zero) and no common factor"""
+    if m == 0:
+        return np.zeros(GROUP, dtype=np.int8)
+    while True:
+        lo, hi = -m, min(m, 7)
+        lv = rng.integers(lo, hi + 1, size=GROUP)
+        peak = -m if m == 8 or rng.integers(0, 2) else m
+        lv[rng.integers(0, GROUP)] = peak
+        if np.gcd.reduce(np.abs(lv)) == 1:
+            return lv.astype(np.int8)
+
+
+def add_tokenizer(d, n_vocab, n_added):
+    """a tokenizer.json with n_vocab BPE entries and n_added added tokens (only counted)"""
+    t = {"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(n_vocab)}, "merges": []},
+         "added_tokens": [{"id": n_vocab + i, "content": f"<a{i}>"} for i in range(n_added)]}
+    json.dump(t, open(os.path.join(d, "tokenizer.json"), "w"))
+
+
+def make_qat(d, seed, offgrid):
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(d, "levels"), exist_ok=True)
+    json.dump(config(), open(os.path.join(d, "config.json"), "w"), indent=2)
+    json.dump({"note": "not a real tokenizer"}, open(os.path.join(d, "tokenizer_config.json"), "w"))
+    by_m = [0] * 9
+    exp = {"groups": 0, "offgrid_groups": 0, "offgrid_tensors": {}, "quantized": [],
+           "copied": []}
+    shards = [[], []]
+    g_all = 0
+    for i, (name, shape, quant) in enumerate(tensor_list()):
+        n = int(np.prod(shape))
+        if quant:
+            ng = n // GROUP
+            levels = np.zeros((ng, GROUP), dtype=np.int8)
+            steps = np.zeros(ng, dtype=np.float32)
+            for g in range(ng):
+                m = g_all % 9
+                g_all += 1
+                levels[g] = qat_group(rng, m)
+                steps[g] = np.float32((128 + rng.integers(0, 128)) / 128 * 2.0 ** rng.integers(-12, -4))
+            vals = (steps[:, None] * levels.astype(np.float32)).astype(np.float32)
+            bits = f32_to_bf16_bits(vals)
+            off = OFFGRID.get(name, []) if offgrid else []
+            for g in off:  # one value a third of a step off its level
+                v = np.float32(steps[g] * (float(levels[g, 7]) + 0.37))
+                bits[g, 7] = f32_to_bf16_bits(v)[0]
+            for g in range(ng):
+                if g not in off:
+                    by_m[int(np.abs(levels[g].astype(int)).max())] += 1
+            exp["groups"] += ng
+            exp["offgrid_groups"] += len(off)
+            if off:
+                exp["offgrid_tensors"][name] = off
+            levels.tofile(os.path.join(d, "levels", name + ".i8"))
+            exp["quantized"].append(name)
+            raw = bits.astype("<u2").tobytes()
+        else:
+            if name.endswith("norm.weight") or name.endswith("scale") or name.endswith("scalar"):
+                v = 1 + 0.05 * rng.standard_normal(n)
+            else:
+                v = 0.05 * rng.standard_normal(n)
+            raw = f32_to_bf16_bits(v.astype(np.float32)).astype("<u2").tobytes()
+            exp["copied"].append(name)
+        shards[0 if ".layers." not in name or ".layers.0." in name or ".layers.1." in name else 1].append(
+            (name, "BF16", shape, raw))
+    exp["groups_by_m"] = by_m
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    wm = {}
+    for f, ts in zip(files, shards):
+        st_write(os.path.join(d, f), ts, {"format": "pt"})
+        for t in ts:
+            wm[t[0]] = f
+    json.dump({"metadata": {}, "weight_map": wm},
+              open(os.path.join(d, "model.safetensors.index.json"), "w"), indent=1)
+    json.dump(exp, open(os.path.join(d, "expected.json"), "w"), indent=1)
+
+
+# ==== checks ====
+
+class Fail(Exception):
+    pass
+
+
+def need(cond, msg):
+    if not cond:
+        raise Fail(msg)
+
+
+def levels_of(src_dir, name, shape):
+    return np.fromfile(os.path.join(src_dir, "levels", name + ".i8"), dtype=np.int8).reshape(
+        int(np.prod(shape)) // GROUP, GROUP)
+
+
+def check_group_values(src_vals, lv, scale, what):
+    """scale x level rounded to bf16 is the source value, for every group"""
+    back = bf16_to_f32(f32_to_bf16_bits(scale[:, None] * lv.astype(np.float32)).tobytes())
+    bad = np.nonzero(back.reshape(-1) != src_vals.reshape(-1))[0]
+    need(len(bad) == 0, f"{what}: value {bad[:1]} is not scale x level")
+
+
+def unpack_int4(raw, rows, cols):
+    """compressed-tensors unpack_from_int32 (num_bits 4, packed_dim 1)"""
+    w = np.frombuffer(raw, dtype="<i4").reshape(rows, cols // 8).view(np.uint32)
+    out = np.zeros((rows, cols), dtype=np.int16)
+    for i in range(8):
+        out[:, i::8] = (w >> (4 * i)) & 15
+    return (out - 8).astype(np.int8)
+
+
+def check_w4a16(src, out):
+    exp = json.load(open(os.path.join(src, "expected.json")))
+    s = st_read_dir(src)
+    o = st_read_dir(out)
+    shapes = {n: sh for n, sh, _ in tensor_list()}
+    used = 0
+    off = exp["offgrid_tensors"]
+    for name in exp["copied"] + list(off):
+        need(name in o, f"copied tensor {name} missing")
+        need(o[name] == s[name], f"copied tensor {name} differs")
+        used += 1
+    for name in exp["quantized"]:
+        if name in off:
+            continue
+        shape = shapes[name]
+        lv_all = levels_of(src, name, shape)
+        src_vals = bf16_to_f32(s[name][2])
+        cols = shape[-1]
+        if len(shape) == 2:
+            mods = [(name[:-len(".weight")], 0, shape[0])]
+        else:
+            stem = name[:name.rindex(".") + 1]
+            rows = shape[1]
+            mods = []
+            for e in range(shape[0]):
+                if name.endswith("gate_up_proj"):
+                    mods += [(f"{stem}{e}.gate_proj", e * rows, rows // 2),
+                             (f"{stem}{e}.up_proj", e * rows + rows // 2, rows // 2)]
+                else:
+                    mods.append((f"{stem}{e}.down_proj", e * rows, rows))
+        for mod, r0, nr in mods:
+            pk, sc, sh = (o.get(mod + ".weight_packed"), o.get(mod + ".weight_scale"),
+                          o.get(mod + ".weight_shape"))
+            need(pk and sc and sh, f"module {mod}: packed/scale/shape missing")
+            used += 3
+            need(pk[0] == "I32" and pk[1] == (nr, cols // 8), f"{mod}: weight_packed {pk[:2]}")
+            need(sc[0] == "BF16" and sc[1] == (nr, cols // GROUP), f"{mod}: weight_scale {sc[:2]}")
+            # int64: compressed-tensors stores torch.tensor(weight.shape)
+            need(sh[0] == "I64" and list(np.frombuffer(sh[2], "<i8")) == [nr, cols],
+                 f"{mod}: weight_shape")
+            lv = unpack_int4(pk[2], nr, cols).reshape(-1, GROUP)
+            g0, g1 = r0 * cols // GROUP, (r0 + nr) * cols // GROUP
+            bad = np.nonzero((lv != lv_all[g0:g1]).any(axis=1))[0]
+            need(len(bad) == 0, f"{mod}: group {bad[:1]} levels differ from the generated ones")
+            scale = bf16_to_f32(sc[2])
+            check_group_values(src_vals.reshape(-1, GROUP)[g0:g1], lv, scale, mod)
+    need(used == len(o), f"output holds {len(o)} tensors, {used} accounted for")
+    q = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    w = q["config_groups"]["group_0"]["weights"]
+    need(q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized",
+         "quantization_config: method / format")
+    need(w["num_bits"] == 4 and w["group_size"] == 32 and w["symmetric"] and w["strategy"] == "group",
+         "quantization_config: weights")
+    for name in off:
+        mod = name[:-len(".weight")] if name.endswith(".weight") else name
+        need(mod in q["ignore"], f"off-grid module {mod} not in ignore")
+    need(os.path.exists(os.path.join(out, "tokenizer_config.json")), "tokenizer_config.json not copied")
+
+
+GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+                11: "<q", 12: "<d"}
+
+
+def gguf_read(path):
+    """metadata {key: value}, tensors {name: (type, ne, data)}: GGUF v3 from its description"""
+    data = open(path, "rb").read()
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        v = struct.unpack_from(fmt, data, pos)[0]
+        pos += struct.calcsize(fmt)
+        return v
+
+    def string():
+        nonlocal pos
+        n = take("<Q")
+        s = data[pos:pos + n].decode()
+        pos += n
+        return s
+
+    def value(t):
+        if t in GGUF_SCALARS:
+            return take(GGUF_SCALARS[t])
+        if t == 8:
+            return string()
+        et, n = take("<I"), take("<Q")
+        return [value(et) for _ in range(n)]
+
+    need(data[:4] == b"GGUF", "not a GGUF")
+    pos = 4
+    take("<I")
+    nt, nkv = take("<Q"), take("<Q")
+    meta = {}
+    for _ in range(nkv):
+        k = string()
+        meta[k] = value(take("<I"))
+    infos = []
+    for _ in range(nt):
+        name = string()
+        nd = take("<I")
+        ne = [take("<Q") for _ in range(nd)]
+        infos.append((name, ne, take("<I"), take("<Q")))
+    align = meta.get("general.alignment", 32)
+    start = (pos + align - 1) // align * align
+    sizes = {0: (1, 4), 30: (1, 2), 2: (32, 18), 1: (1, 2)}
+    tensors = {}
+    for name, ne, t, off in infos:
+        bv, bb = sizes[t]
+        n = int(np.prod(ne))
+        tensors[name] = (t, ne, data[start + off:start + off + n // bv * bb])
+    return meta, tensors
+
+
+def hf_to_gguf(name):
+    """the converter's names for gemma4 (tensor_mapping.py), written out here independently"""
+    p = "model.language_model."
+    if not name.startswith(p):
+        return None
+    n = name[len(p):]
+    if n == "embed_tokens.weight":
+        return "token_embd.weight"
+    if n == "norm.weight":
+        return "output_norm.weight"
+    l, rest = n.split(".")[1], ".".join(n.split(".")[2:])
+    m = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q",
+         "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
+         "self_attn.o_proj.weight": "attn_output", "self_attn.q_norm.weight": "attn_q_norm",
+         "self_attn.k_norm.weight": "attn_k_norm",
+         "post_attention_layernorm.weight": "post_attention_norm",
+         "pre_feedforward_layernorm.weight": "ffn_norm",
+         "post_feedforward_layernorm.weight": "post_ffw_norm",
+         "post_feedforward_layernorm_1.weight": "post_ffw_norm_1",
+         "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2",
+         "post_feedforward_layernorm_2.weight": "post_ffw_norm_2",
+         "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
+         "mlp.down_proj.weight": "ffn_down", "router.proj.weight": "ffn_gate_inp",
+         "experts.gate_up_proj": "ffn_gate_up_exps", "experts.down_proj": "ffn_down_exps",
+         "layer_scalar": "layer_output_scale"}
+    if rest == "router.scale":
+        return f"blk.{l}.ffn_gate_inp.scale"
+    if rest == "router.per_expert_scale":
+        return f"blk.{l}.ffn_down_exps.scale"
+    return f"blk.{l}.{m[rest]}.weight"
+
+
+def check_gguf(src, out, fixture, with_vocab=False):
+    exp = json.load(open(os.path.join(src, "expected.json")))
+    fx = json.load(open(fixture))
+    s = st_read_dir(src)
+    meta, tensors = gguf_read(out)
+    shapes = {n: sh for n, sh, _ in tensor_list()}
+    off = exp["offgrid_tensors"]
+    # token_embd keeps len(tokenizer.json vocab) + len(added_tokens) rows (Gemma3Model)
+    keep = VOCAB
+    tj = os.path.join(src, "tokenizer.json")
+    if os.path.exists(tj):
+        t = json.load(open(tj))
+        keep = min(VOCAB, len(t["model"]["vocab"]) + len(t.get("added_tokens", [])))
+    # names, shapes, types against the llama.cpp-made fixture
+    want = {t["name"]: dict(t) for t in fx["tensors"]}
+    want["token_embd.weight"]["ne"] = [D, keep]
+    need(set(want) == set(tensors), f"tensor names differ: {sorted(set(want) ^ set(tensors))[:6]}")
+    for name, t in want.items():
+        typ, ne, _ = tensors[name]
+        need(list(ne) == t["ne"], f"{name}: ne {ne} != {t['ne']}")
+        src_name = next((h for h in s if hf_to_gguf(h) == name), None)
+        expect = {"F32": 0, "Q4_0": 2}[t["type"]]
+        if name == "token_embd.weight":
+            expect = 30  # embeddings are copied at bf16 (the fixture's --pure quantized them)
+        if src_name in off:
+            expect = 30
+        need(typ == expect, f"{name}: type {typ}, expected {expect}")
+    for k, v in fx["metadata"].items():
+        if k.startswith("tokenizer."):
+            continue
+        need(k in meta, f"metadata key {k} missing")
+        if isinstance(v, float):
+            need(abs(meta[k] - v) <= 1e-6 * abs(v), f"{k}: {meta[k]} != {v}")
+        else:
+            need(meta[k] == v, f"{k}: {meta[k]} != {v}")
+    if with_vocab:  # the tokenizer keys of the fixture GGUF itself, value for value
+        fmeta, _ = gguf_read(fixture[:-len(".json")] + ".gguf")
+        need(set(meta) == set(fmeta), f"metadata keys differ: {sorted(set(meta) ^ set(fmeta))}")
+        for k, v in fmeta.items():
+            if k.startswith("tokenizer."):
+                need(meta[k] == v, f"{k} differs from the fixture's")
+    else:
+        need(not [k for k in meta if k not in fx["metadata"] and k != "general.alignment"],
+             "extra metadata keys")
+    # values
+    for hf, (dt, shape, raw) in s.items():
+        name = hf_to_gguf(hf)
+        if name is None:
+            continue
+        typ, ne, data = tensors[name]
+        src_vals = bf16_to_f32(raw)
+        if typ == 2:
+            b = np.frombuffer(data, dtype=np.uint8).reshape(-1, 18)
+            d = b[:, :2].copy().view("<f2").astype(np.float32).reshape(-1)
+            q = np.zeros((len(b), 32), dtype=np.int8)
+            q[:, :16] = (b[:, 2:] & 15).astype(np.int8) - 8
+            q[:, 16:] = (b[:, 2:] >> 4).astype(np.int8) - 8
+            lv = levels_of(src, hf, shapes[hf])
+            bad = np.nonzero((q != lv).any(axis=1))[0]
+            need(len(bad) == 0, f"{name}: group {bad[:1]} levels differ from the generated ones")
+            check_group_values(src_vals.reshape(-1, GROUP), q, d, name)
+        elif typ == 0:
+            need(np.frombuffer(data, "<f4").tobytes() == src_vals.tobytes(), f"{name}: F32 values")
+        else:
+            need(data == raw[:len(data)] and len(data) == len(raw) // shape[0] * ne[-1],
+                 f"{name}: BF16 bytes differ")
+    rf = np.frombuffer(tensors["rope_freqs.weight"][2], "<f4")
+    need(list(rf) == [1.0] * 8 + [np.float32(1e30)] * 24, "rope_freqs")
+
+
+def dequant_w4a16(out, module, f32_path):
+    """compressed-tensors' decompression of one module (unpack_from_int32, then x_q * scale)"""
+    o = st_read_dir(out)
+    rows, cols = (int(x) for x in np.frombuffer(o[module + ".weight_shape"][2], "<i8"))
+    q = unpack_int4(o[module + ".weight_packed"][2], rows, cols).astype(np.float32)
+    scale = bf16_to_f32(o[module + ".weight_scale"][2]).reshape(rows, cols // GROUP)
+    (q * np.repeat(scale, GROUP, axis=1)).astype("<f4").tofile(f32_path)
+
+
+def make_dtypes(path, f32_path):
+    rng = np.random.default_rng(7)
+    ts, vals = [], []
+
+    def add(name, dtype, arr, raw, values):
+        ts.append((name, dtype, arr, raw))
+        vals.append(np.asarray(values, dtype=np.float32).reshape(-1))
+
+    x = rng.standard_normal(24).astype(np.float32)
+    add("f32", "F32", (4, 6), x.astype("<f4").tobytes(), x)
+    add("f16", "F16", (2, 3, 4), x.astype("<f2").tobytes(), x.astype(np.float16))
+    b = f32_to_bf16_bits(x)
+    add("bf16", "BF16", (24,), b.astype("<u2").tobytes(), bf16_to_f32(b.tobytes()))
+    add("f64", "F64", (3, 8), x.astype("<f8").tobytes(), x.astype(np.float64))
+    f8 = np.arange(256, dtype=np.uint8)
+    f8 = f8[(f8 & 0x7F) != 0x7F]  # leave NaN out: NaN != NaN
+    add("f8_e4m3", "F8_E4M3", (len(f8),), f8.tobytes(), f8_e4m3_to_f32(f8.tobytes()))
+    i = rng.integers(-128, 128, size=16)
+    add("i8", "I8", (16,), i.astype("<i1").tobytes(), i)
+    add("u8", "U8", (2, 8), (i + 128).astype("<u1").tobytes(), i + 128)
+    add("i16", "I16", (16,), (i * 200).astype("<i2").tobytes(), i * 200)
+    add("i32", "I32", (4, 4), (i * 100000).astype("<i4").tobytes(), i * 100000)
+    add("i64", "I64", (16,), (i * 1000).astype("<i8").tobytes(), i * 1000)
+    add("scalar", "F32", (), np.float32(2.5).tobytes(), [2.5])
+    add("empty", "F32", (0, 5), b"", [])
+    st_write(path, ts, {"format": "pt", "note": "dtypes"})
+    np.concatenate(vals).astype("<f4").tofile(f32_path)
+
+
+def read_print(path):
+    t, meta = st_read(path)
+    print(json.dumps(meta, sort_keys=True))
+    for name in sorted(t):
+        dt, shape, raw = t[name]
+        if dt == "F32":
+            v = np.frombuffer(raw, "<f4").astype(np.float64)
+        elif dt == "BF16":
+            v = bf16_to_f32(raw).astype(np.float64)
+        elif dt == "I32":
+            v = np.frombuffer(raw, "<i4").astype(np.float64)
+        else:
+            v = np.frombuffer(raw, np.uint8).astype(np.float64)
+        print(name, dt, list(shape), repr(float(v.sum())))
+
+
+def main():
+    a = sys.argv[1:]
+    try:
+        if a[0] == "qat":
+            seed = int(a[a.index("--seed") + 1]) if "--seed" in a else 1
+            make_qat(a[1], seed, "--offgrid" in a)
+            if "--tokenizer" in a:
+                add_tokenizer(a[1], int(a[a.index("--tokenizer") + 1]), 4)
+        elif a[0] == "check-w4a16":
+            check_w4a16(a[1], a[2])
+        elif a[0] == "check-gguf":
+            check_gguf(a[1], a[2], a[3], "--vocab" in a)
+        elif a[0] == "dequant-w4a16":
+            dequant_w4a16(a[1], a[2], a[3])
+        elif a[0] == "dtypes":
+            make_dtypes(a[1], a[2])
+        elif a[0] == "read":
+            read_print(a[1])
+        else:
+            raise Fail("unknown command " + a[0])
+    except Fail as e:
+        print("FAIL:", e)
+        return 1
+    print("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
