@@ -29,7 +29,7 @@
 #define GRAMMAR_MAX_NESTING    256   /* ( ) groups inside each other: each level is a C frame */
 #define GRAMMAR_MAX_EXPAND     4096  /* rule references followed without consuming a character */
 #define GRAMMAR_MAX_STACKS     1024  /* live parses of one text: an ambiguous grammar is cut here */
-#define GRAMMAR_MASK_CACHE_MAX (32u << 20) /* bytes of cached token masks per sequence */
+#define GRAMMAR_MASK_CACHE_MAX (8u << 20) /* bytes of cached token masks per sequence */
 
 /* ==== Growable arrays ==== */
 
