@@ -39,7 +39,8 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test asan bench bench-grammar fuzz fuzz-jinja fuzz-safetensors fuzz-grammar format format-check deps fixtures clients help clean
+.PHONY: all test asan bench bench-grammar fuzz fuzz-jinja fuzz-safetensors fuzz-http fuzz-grammar \
+  format format-check deps fixtures clients help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -80,13 +81,18 @@ asan:
 	$(MAKE) BUILD=build/asan OPT=-O1 MOE_BIN=build/asan/moe TEST_BIN=build/asan/run \
 	  SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
 
-## bench: kernel micro-benchmarks: GB/s per type per ISA table vs read bandwidth (BENCH_ARGS)
+## bench: kernel micro-benchmarks: GB/s per type per ISA table vs read bandwidth (BENCH_ARGS),
+## then quantizer throughput: rows/s per type, 1 and N threads (QBENCH_ARGS)
 BENCH_BIN ?= $(BUILD)/bench/kernels
+QBENCH_BIN ?= $(BUILD)/bench/quantize
 BENCH_ARGS ?=
-bench: $(BENCH_BIN)
+QBENCH_ARGS ?=
+bench: $(BENCH_BIN) $(QBENCH_BIN)
 	./$(BENCH_BIN) $(BENCH_ARGS)
-$(BENCH_BIN): $(BUILD)/bench/kernels.o $(LIB)
-	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/kernels.o $(LIB) $(LDFLAGS) $(LDLIBS)
+	./$(QBENCH_BIN) $(QBENCH_ARGS)
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
+	$(CC) $(CFLAGS) -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
+.SECONDARY: $(BUILD)/bench/kernels.o $(BUILD)/bench/quantize.o
 
 ## bench-grammar: constrained decoding's cost per token vs the forward pass (BENCH_ARGS)
 GRAMMAR_BENCH_BIN ?= $(BUILD)/bench/grammar
@@ -147,6 +153,15 @@ fuzz-safetensors: $(FUZZ_ST)
 	./$(FUZZ_ST) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 \
 	  -artifact_prefix=fuzz/out/ -print_final_stats=1 fuzz/corpus/safetensors tests/data/safetensors
 
+## fuzz-http: libFuzzer + ASan over the serve request parsers (the four APIs' JSON) for FUZZ_SECONDS
+# Seeds: tests/data/http (first byte: the endpoint); needs ../shared's stories260K (or
+# MOE_FUZZ_MODEL) for its tokenizer and template.
+FUZZ_HTTP = $(BUILD)/fuzz/http
+fuzz-http: $(FUZZ_HTTP)
+	@mkdir -p fuzz/corpus/http fuzz/out
+	./$(FUZZ_HTTP) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 -timeout=30 \
+	  -artifact_prefix=fuzz/out/ -print_final_stats=1 fuzz/corpus/http tests/data/http
+
 ## format: clang-format every C file in place; format-check only reports
 # src/quant/iq_tables.c is generated (scripts/gen_iq_tables.py) and keeps the generator's layout
 FORMAT_FILES = $(filter-out src/quant/iq_tables.c,$(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c))
@@ -158,8 +173,10 @@ format-check:
 ## deps: install the Debian packages the build and tests need (run as root)
 # python3-numpy: the safetensors / repack suites' reference checks (tests/qat_checkpoint.py)
 # nginx: the HTTP server with range support the audit suite serves models from on loopback;
-# chromium: the headless browser it renders `moe budget --svg` in;
-# python3-regex, python3-jsonschema: the grammar suite's references (partial regex matches, schema validation)
+# chromium: the headless browser it renders `moe budget --svg` in; python3-numpy: tests/quant_sources.py
+# regenerates the rows ggml quantized into ../shared/quant
+# python3-regex, python3-jsonschema: the grammar suite's references (partial regex matches,
+# schema validation)
 DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
   libcurl4-openssl-dev libmicrohttpd-dev python3 python3-jinja2 python3-numpy python3-regex \
   python3-jsonschema nginx chromium

@@ -150,6 +150,18 @@ int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **
     return 1;
 }
 
+bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char **pattern,
+                       moe_type *type) {
+    const char *eq = text ? strrchr(text, '=') : NULL;
+    if (!eq || eq == text || !moe_type_from_name(eq + 1, type)) {
+        moe_cli_usage_error(cmd, "%s expects REGEX=TYPE (a type like Q8_0, Q4_K, IQ4_XS), got '%s'",
+                            flag, text ? text : "");
+        return false;
+    }
+    *pattern = moe_xstrndup(text, (size_t)(eq - text));
+    return true;
+}
+
 bool moe_engine_args_check(const char *cmd, const moe_engine_args *a) {
     if ((a->expert_stats || a->pin_experts) && !a->expert_cache_bytes) {
         moe_cli_usage_error(cmd, "%s needs --expert-cache SIZE",

@@ -23,6 +23,11 @@ bool moe_arg_token_list(const char *cmd, const char *flag, const char *text, int
  * printing why the demo model could not be made. */
 char *moe_arg_model_path(const char *cmd, const char *given);
 
+/* A "REGEX=TYPE" rule (moe synth --type, moe quantize --rule): the pattern before the last '='
+ * (malloc'd into *pattern) and a type name after it; false with a message naming `flag`. */
+bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char **pattern,
+                       moe_type *type);
+
 /* --kv-type's value: f32 or f16, and q8_0 where allow_q8_0 (what `moe budget` plans). */
 bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_type *out);
 

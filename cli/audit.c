@@ -1,5 +1,7 @@
 /* audit.c: `moe audit QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N]
- * [--seed S] [--json]` -- what a quantization cost, tensor by tensor, against its source.
+ * [--seed S] [--json]` -- what a quantization cost, tensor by tensor, against its source; and
+ * `moe audit --ladder SRC --types IQ2_S,IQ3_S,... [--imatrix F] [-t N]` -- what each rung would
+ * cost, quantizing the chosen rows of one float source.
  *
  * Opens both models (local or by URL: headers, then only the selected rows' bytes), asks
  * tools/ for the comparison and prints a table or JSON; a remote run ends with the requests
@@ -11,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "args.h"
 #include "cli.h"
@@ -51,10 +54,30 @@ static bool parse_experts(const char *text, int64_t **out, size_t *n) {
     return true;
 }
 
+/* "IQ2_S,IQ3_S,Q4_K" -> types moe can quantize; false with a usage message. */
+static bool parse_types(const char *text, moe_type *out, size_t *n) {
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", text ? text : "");
+    *n = 0;
+    for (char *save, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (*n == MOE_TYPE_COUNT || !moe_type_from_name(tok, &out[*n]) ||
+            !moe_type_can_quantize(out[*n])) {
+            moe_cli_usage_error("audit", "--types: '%s' is not a type moe can quantize", tok);
+            return false;
+        }
+        (*n)++;
+    }
+    if (!*n) moe_cli_usage_error("audit", "--ladder needs --types A,B,...");
+    return *n > 0;
+}
+
 int moe_cmd_audit(int argc, char **argv) {
     const char *paths[2] = {0};
     size_t n_paths = 0;
-    bool json = false;
+    bool json = false, ladder = false;
+    const char *types_arg = NULL, *imatrix_path = NULL;
+    long long threads = 0;
+    moe_type ladder_types[MOE_TYPE_COUNT];
     long long rows = MOE_AUDIT_DEFAULT_ROWS, seed = MOE_AUDIT_DEFAULT_SEED;
     int64_t *experts = NULL;
     moe_audit_options o = {0};
@@ -62,7 +85,18 @@ int moe_cmd_audit(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json"))
             json = true;
-        else if (!strcmp(a, "--tensor")) {
+        else if (!strcmp(a, "--ladder"))
+            ladder = true;
+        else if (!strcmp(a, "--types") && v) {
+            types_arg = v;
+            i++;
+        } else if (!strcmp(a, "--imatrix") && v) {
+            imatrix_path = v;
+            i++;
+        } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
+            if (!moe_arg_int("audit", a, v, 1, 512, &threads)) return 2;
+            i++;
+        } else if (!strcmp(a, "--tensor")) {
             if (!v) return moe_cli_usage_error("audit", "--tensor needs a regular expression");
             o.tensor_regex = v;
             i++;
@@ -87,15 +121,42 @@ int moe_cmd_audit(int argc, char **argv) {
             paths[n_paths++] = a;
         }
     }
-    if (n_paths != 2) {
+    if (n_paths != (ladder ? 1u : 2u)) {
         free(experts);
-        return moe_cli_usage_error("audit", "which models? QUANT REFERENCE");
+        return moe_cli_usage_error("audit", ladder ? "--ladder takes one model: the F32/F16/BF16 "
+                                                     "source"
+                                                   : "which models? QUANT REFERENCE");
+    }
+    if (!ladder && (types_arg || imatrix_path)) {
+        free(experts);
+        return moe_cli_usage_error("audit", "--types and --imatrix go with --ladder SRC");
+    }
+    if (ladder && !parse_types(types_arg, ladder_types, &o.n_ladder)) {
+        free(experts);
+        return 2;
+    }
+    if (ladder) {
+        paths[1] = paths[0];
+        o.ladder = ladder_types;
+        if (threads <= 0) {
+            const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+            threads = cpus > 0 ? (cpus < 512 ? cpus : 512) : 1;
+        }
+        o.pool = moe_pool_new((int)threads);
     }
     o.experts = experts;
     o.rows = (uint64_t)rows;
     o.seed = (uint64_t)seed;
 
     moe_error err = {0};
+    moe_imatrix *im = NULL;
+    if (imatrix_path && !(im = moe_imatrix_load(imatrix_path, &err))) {
+        fprintf(stderr, "moe audit: %s\n", err.msg);
+        moe_pool_free(o.pool);
+        free(experts);
+        return 1;
+    }
+    o.imatrix = im;
     moe_http *http = NULL; /* one connection pool for both models */
     moe_gguf *q = moe_gguf_open_any(paths[0], &http, &err);
     moe_gguf *ref = q ? moe_gguf_open_any(paths[1], &http, &err) : NULL;
@@ -104,6 +165,11 @@ int moe_cmd_audit(int argc, char **argv) {
     uint64_t req0 = moe_http_requests(http), bytes0 = moe_http_bytes(http);
     if (!q || !ref || moe_audit_run(q, http, ref, http, &o, &r, &err) != MOE_OK) {
         fprintf(stderr, "moe audit: %s\n", err.msg);
+        rc = 1;
+    } else if (r.n_rows == 0 && ladder) {
+        fprintf(stderr, "moe audit: no F32/F16/BF16 matrix%s%s%s whose rows the rungs divide\n",
+                o.tensor_regex ? " matching '" : "", o.tensor_regex ? o.tensor_regex : "",
+                o.tensor_regex ? "'" : "");
         rc = 1;
     } else if (r.n_rows == 0) {
         fprintf(stderr,
@@ -116,8 +182,9 @@ int moe_cmd_audit(int argc, char **argv) {
         moe_json j;
         moe_json_init(&j, true);
         moe_json_object_begin(&j);
-        moe_json_kv_string(&j, "quant", paths[0]);
-        moe_json_kv_string(&j, "reference", paths[1]);
+        moe_json_kv_string(&j, ladder ? "source" : "quant", paths[0]);
+        if (!ladder) moe_json_kv_string(&j, "reference", paths[1]);
+        if (imatrix_path) moe_json_kv_string(&j, "imatrix", imatrix_path);
         moe_json_kv_uint(&j, "seed", o.seed);
         moe_json_kv_uint(&j, "x_cols", MOE_AUDIT_X_COLS);
         moe_json_kv_uint(&j, "skipped", r.n_skipped);
@@ -161,9 +228,13 @@ int moe_cmd_audit(int argc, char **argv) {
                    moe_type_name(a->type), a->bits_per_weight, a->rows, a->rel_fro, a->cosine,
                    a->matvec_rel);
         }
-        printf("reference: %s; X: %d seeded N(0,1) columns (seed %" PRIu64 ")%s\n", paths[1],
+        printf("%s: %s%s%s; X: %d seeded N(0,1) columns (seed %" PRIu64 ")%s\n",
+               ladder ? "ladder of the source" : "reference", paths[1],
+               imatrix_path ? ", importance from " : "", imatrix_path ? imatrix_path : "",
                MOE_AUDIT_X_COLS, o.seed,
-               r.n_skipped ? "; some tensors had no usable reference" : "");
+               r.n_skipped ? (ladder ? "; some rungs skipped (rows not whole blocks)"
+                                     : "; some tensors had no usable reference")
+                           : "");
     }
     if (http)
         fprintf(json ? stderr : stdout,
@@ -175,6 +246,8 @@ int moe_cmd_audit(int argc, char **argv) {
     moe_gguf_close(q);
     moe_gguf_close(ref);
     moe_http_free(http);
+    moe_imatrix_free(im);
+    moe_pool_free(o.pool);
     free(experts);
     if (!rc && fflush(stdout) != 0) rc = 1;
     return rc;

@@ -43,7 +43,7 @@ static bool chat_turn(moe_gen *g, const moe_chat_template *t, json_t *messages, 
     int32_t *ids = NULL;
     size_t n = 0;
     moe_status st = moe_chat_render_tokens(
-        t, g->tok, msgs, NULL, "{\"add_generation_prompt\":true}", &prompt, &ids, &n, err);
+        t, g->tok, msgs, NULL, "{\"add_generation_prompt\":true}", &prompt, NULL, &ids, &n, err);
     free(msgs);
     if (st != MOE_OK) return false;
     if (verbose) fprintf(stderr, "[prompt: %zu tokens]\n%s\n[/prompt]\n", n, prompt);

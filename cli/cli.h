@@ -19,6 +19,8 @@ int moe_cmd_dump(int argc, char **argv);
 int moe_cmd_budget(int argc, char **argv);
 int moe_cmd_audit(int argc, char **argv);
 int moe_cmd_synth(int argc, char **argv);
+int moe_cmd_quantize(int argc, char **argv);
+int moe_cmd_imatrix(int argc, char **argv);
 int moe_cmd_template(int argc, char **argv);
 int moe_cmd_serve(int argc, char **argv);
 int moe_cmd_bench(int argc, char **argv);

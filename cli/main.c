@@ -28,7 +28,11 @@ static const moe_command commands[] = {
      "FILE]"},
     {"audit", moe_cmd_audit,
      "quantization error of chosen rows against a float reference (rel. Frobenius, cosine, matvec)",
-     "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]"},
+     "QUANT REFERENCE [--tensor REGEX] [--experts 0,100,287] [--rows N] [--seed S] [--json]\n"
+     "       moe audit --ladder SRC --types IQ2_S,IQ3_S,IQ4_XS,Q4_K,... [--tensor REGEX] "
+     "[--experts ...]\n"
+     "        [--rows N] [--imatrix F.gguf] [-t N] [--json]  (each rung quantized from SRC's "
+     "floats)"},
     {"dump", moe_cmd_dump, "the dequantized values of a tensor (or rows of it) as float32",
      "FILE|CHECKPOINT TENSOR|W4A16-MODULE [--rows A:B] [--out FILE.f32]"},
     {"synth", moe_cmd_synth,
@@ -44,6 +48,21 @@ static const moe_command commands[] = {
      "SRC OUT --to q4_0-gguf|w4a16 [--workers N] [--max-shard-size 5GB] [--vocab-from F.gguf]\n"
      "        [--json] [--report FILE] [--no-progress]\n"
      "        | --verify SRC OUT [--workers N] [--json]"},
+    {"quantize", moe_cmd_quantize,
+     "requantize a GGUF model to a type or a mix, optionally with an importance matrix",
+     "IN OUT [--type TYPE|Q4_K_M|Q5_K_M|IQ4_XS|IQ3_XXS|IQ2_M|ud-iq3_xxs] [--rule 'REGEX=TYPE' "
+     "...]\n"
+     "        [--imatrix FILE.gguf] [-t N] [--split-max-tensors N] [--quiet]\n"
+     "  --type: a mix (llama.cpp's rules; default Q4_K_M) or one type for every weight matrix\n"
+     "  (IQ4_XS and IQ3_XXS name the mixes: --rule '.=IQ4_XS' puts one type everywhere);\n"
+     "  --rule: a tensor's type by name, first match wins, before the mix (norms and routers\n"
+     "  stay as they are); IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S need --imatrix (llama.cpp GGUF)"},
+    {"imatrix", moe_cmd_imatrix,
+     "importance matrix of a model over a text (llama.cpp's GGUF imatrix, for moe quantize)",
+     "MODEL --text FILE [-o OUT.gguf] [--chunks N] [--ctx N] [-t N] [--process-output] "
+     "[--quiet]\n"
+     "  per weight (per expert for *_exps): the sum of each input column's squared activation and\n"
+     "  the rows counted, over chunks of --ctx tokens (512), each starting with BOS"},
     {"template", moe_cmd_template, "render a chat template, or parse model output (--parse)",
      "MODEL|FILE.jinja --messages FILE.json [--tools FILE.json] [--kwargs JSON] "
      "[--no-generation-prompt] | [MODEL|FILE.jinja] --parse FORMAT|auto [--tools FILE.json]"},

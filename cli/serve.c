@@ -30,6 +30,16 @@ static const char usage_text[] =
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
     "  --queue-timeout S  seconds a request may wait before 503 (default 600)\n"
     "  --keepalive S      seconds of silence before an SSE keep-alive (default 15)\n"
+    "  --http-threads N   HTTP worker threads, each serving many connections (default 4)\n"
+    "  --max-connections N  connections kept open (default 1024); past it each newcomer\n"
+    "                     closes the one idle the longest, or is refused when none is idle\n"
+    "  --max-connections-per-ip N  the same for one client address (default 256)\n"
+    "  --read-timeout S   seconds a client has to send a whole request, and that an idle\n"
+    "                     keep-alive connection stays open (default 10)\n"
+    "  --cors ORIGIN[,ORIGIN...]  let web pages from these origins call the API ('*': any);\n"
+    "                     default: none (same-origin pages only; other Origins get 403)\n"
+    "  --reasoning-budget N  at most N tokens of reasoning per reply: then the think block is\n"
+    "                     closed and the answer follows (default -1: no limit; 0: thinking off)\n"
     "  --step-delay MS    for tests: sleep MS after every forward step\n"
     "  --grammar-file F   GBNF grammar for every request that sets no grammar, response_format\n"
     "                     or forced tool call of its own\n";
@@ -66,12 +76,20 @@ int moe_cmd_serve(int argc, char **argv) {
         INT_OPT("--cache-slots", 0, 4096, p.cache_slots)
         INT_OPT("--queue", 0, 1 << 20, p.queue_limit)
         INT_OPT("--step-delay", 0, 60000, p.step_delay_ms)
+        INT_OPT("--http-threads", 1, 64, p.http_threads)
+        INT_OPT("--max-connections", 16, 1 << 20, p.max_connections)
+        INT_OPT("--max-connections-per-ip", 1, 1 << 20, p.max_connections_per_ip)
+        FLOAT_OPT("--read-timeout", 1, 3600, p.read_timeout_s)
+        INT_OPT("--reasoning-budget", -1, 1 << 30, p.reasoning_budget)
         FLOAT_OPT("--queue-timeout", 0.01, 1e7, p.queue_timeout_s)
         FLOAT_OPT("--keepalive", 0.01, 1e5, p.keepalive_s)
 #undef INT_OPT
 #undef FLOAT_OPT
         if (strcmp(a, "--host") == 0 && v) {
             p.host = v;
+            i++;
+        } else if (strcmp(a, "--cors") == 0 && v) {
+            p.cors = v;
             i++;
         } else if (strcmp(a, "--alias") == 0 && v) {
             p.alias = v;

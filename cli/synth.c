@@ -61,19 +61,12 @@ int moe_cmd_synth(int argc, char **argv) {
         } else if (strcmp(a, "--random-blocks") == 0) {
             p.random_blocks = true;
         } else if (strcmp(a, "--type") == 0 && v) {
-            const char *eq = strrchr(v, '=');
             moe_type t;
-            if (!eq || eq == v || !moe_type_from_name(eq + 1, &t)) {
-                moe_cli_usage_error(
-                    "synth", "--type expects REGEX=TYPE (a type like Q8_0, Q4_K, IQ4_XS), got '%s'",
-                    v);
-                goto done;
-            }
             if (n_rules == SYNTH_MAX_RULES) {
                 moe_cli_usage_error("synth", "at most %d --type rules", SYNTH_MAX_RULES);
                 goto done;
             }
-            patterns[n_rules] = moe_xstrndup(v, (size_t)(eq - v));
+            if (!moe_arg_type_rule("synth", a, v, &patterns[n_rules], &t)) goto done;
             rules[n_rules] = (moe_synth_rule){patterns[n_rules], t};
             n_rules++;
             i++;

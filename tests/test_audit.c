@@ -352,8 +352,8 @@ static int logged_requests(uint64_t *body_bytes) {
 }
 
 static const char *const parity_models[] = {
-    "llama-q8_0",    "qwen3moe-mixed", "deepseek2-f32",
-    "gpt-oss-mxfp4", "qwen3next-f32",  "kimi-linear-f32",
+    "llama-q8_0",    "qwen3moe-mixed",  "deepseek2-f32",   "gpt-oss-mxfp4",
+    "qwen3next-f32", "kimi-linear-f32", "gemma4-moe-q4_0",
 };
 #define N_PARITY (sizeof parity_models / sizeof parity_models[0])
 
@@ -691,6 +691,15 @@ static void hand_kv(json_t *d, uint64_t *kv, uint64_t *swa, uint64_t *state) {
         uint64_t conv = meta(md, "qwen3next.ssm.conv_kernel");
         /* conv tail over q, k (kh heads) and v (vh heads); a hd x hd matrix per v head */
         *state = (L - full) * ((conv - 1) * (2 * kh * hd + vh * hd) + vh * hd * hd) * 4;
+    } else if (!strcmp(arch, "gemma4")) { /* swa_pattern: 1 = sliding, its own heads and width */
+        json_t *pattern = json_object_get(c, "swa_pattern"),
+               *kv_heads = json_object_get(c, "n_head_kv_per_layer");
+        for (uint64_t l = 0; l < L; l++) {
+            const bool sliding = json_integer_value(json_array_get(pattern, l)) != 0;
+            const uint64_t per = 2 * (uint64_t)json_integer_value(json_array_get(kv_heads, l)) *
+                                 cfg(c, sliding ? "head_dim_swa" : "head_dim_full") * 2;
+            *(sliding ? swa : kv) += per;
+        }
     } else if (!strcmp(arch, "kimi-linear")) {
         uint64_t full = json_array_size(json_object_get(c, "full_attn_layers"));
         *kv = full * (cfg(c, "kv_lora_rank") + cfg(c, "qk_rope_head_dim")) * 2;
@@ -1075,24 +1084,7 @@ static void budget_ladder_and_svg(void **state) {
     char wide[600], svg[600], cmd[4096], *out;
     snprintf(wide, sizeof wide, "%s/qwen3moe-f32.gguf", moe_test_tmpdir());
     snprintf(svg, sizeof svg, "%s/budget.svg", moe_test_tmpdir());
-    moe_error err = {0};
-    moe_gguf *g = moe_gguf_open("../shared/parity/qwen3moe-mixed.gguf", &err);
-    assert_non_null(g);
-    moe_gguf_writer *w = moe_gguf_writer_new();
-    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++)
-        moe_gguf_writer_set_value(w, moe_gguf_kv_get(g, i)->key.ptr, &moe_gguf_kv_get(g, i)->value);
-    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
-        const moe_tensor *t = moe_gguf_tensor_get(g, i);
-        float *f = moe_xmalloc(t->n_values * sizeof *f);
-        moe_type_traits_get(t->type)->to_float(t->data, f, (int64_t)t->n_values);
-        assert_int_equal(moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne,
-                                                    f, false, &err),
-                         MOE_OK);
-        free(f);
-    }
-    assert_int_equal(moe_gguf_writer_write(w, wide, 0, &err), MOE_OK);
-    moe_gguf_writer_free(w);
-    moe_gguf_close(g);
+    moe_test_copy_gguf("../shared/parity/qwen3moe-mixed.gguf", wide, NULL, NULL, true);
 
     snprintf(cmd, sizeof cmd,
              "%s budget '%s' ../shared/parity/qwen3moe-mixed.gguf --ladder "

@@ -446,32 +446,8 @@ static void kl_self_is_zero(void **state) {
 
 /* src with every tensor dequantized to F32 (the same weights, no quantized dots) */
 static void write_f32_twin(const char *src, const char *dst) {
-    moe_error err = {0};
-    moe_gguf *g = moe_gguf_open(src, &err);
-    if (!g) fail_msg("%s", err.msg);
-    moe_gguf_writer *w = moe_gguf_writer_new();
-    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
-        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
-        if (strcmp(kv->key.ptr, "general.file_type") != 0)
-            moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
-    }
-    float **owned = moe_xcalloc(moe_gguf_n_tensors(g), sizeof *owned);
-    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
-        const moe_tensor *t = moe_gguf_tensor_get(g, i);
-        const moe_type_traits *tr = moe_type_traits_get(t->type);
-        assert_non_null(tr);
-        assert_non_null(tr->to_float);
-        owned[i] = moe_xmalloc(sizeof(float) * t->n_values);
-        tr->to_float(t->data, owned[i], (int64_t)t->n_values);
-        if (moe_gguf_writer_add_tensor(w, t->name.ptr, MOE_TYPE_F32, t->n_dims, t->ne, owned[i],
-                                       true, &err) != MOE_OK)
-            fail_msg("%s", err.msg);
-    }
-    if (moe_gguf_writer_write(w, dst, 0, &err) != MOE_OK) fail_msg("%s: %s", dst, err.msg);
-    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) free(owned[i]);
-    free(owned);
-    moe_gguf_writer_free(w);
-    moe_gguf_close(g);
+    static const char *const drop_keys[] = {"general.file_type", NULL};
+    moe_test_copy_gguf(src, dst, drop_keys, NULL, true);
 }
 
 /* KL of quant against ref, both as `moe eval kl` and as numpy over `moe logits` dumps */

@@ -18,7 +18,8 @@
 
 static const char *const moe_fixtures[] = {
     "parity/qwen3moe-mixed.gguf", "parity/deepseek2-q8_0-q4_k.gguf", "parity/gpt-oss-mxfp4.gguf",
-    "parity/qwen3next-f32.gguf",  "parity/kimi-linear-f32.gguf",     "parity/glm5next-f32.gguf"};
+    "parity/qwen3next-f32.gguf",  "parity/kimi-linear-f32.gguf",     "parity/glm5next-f32.gguf",
+    "parity/gemma4-moe-q4_0.gguf"};
 
 /* 1/div of the model's experts, at least 2 slots. */
 static uint64_t share(const moe_model *m, uint32_t div) {

@@ -19,11 +19,11 @@
 /* ==== Helpers ==== */
 
 static const char *const shared_ggufs[] = {
-    "models/stories260K/stories260K.gguf",  "parity/deepseek2-f32.gguf",
-    "parity/deepseek2-q8_0-q4_k.gguf",      "parity/gpt-oss-mxfp4.gguf",
-    "parity/kimi-linear-f32.gguf",          "parity/llama-q8_0.gguf",
-    "parity/qwen3moe-mixed.gguf",           "parity/qwen3next-f32.gguf",
-    "tokenizers/ggml-vocab-llama-spm.gguf",
+    "models/stories260K/stories260K.gguf", "parity/deepseek2-f32.gguf",
+    "parity/deepseek2-q8_0-q4_k.gguf",     "parity/gpt-oss-mxfp4.gguf",
+    "parity/kimi-linear-f32.gguf",         "parity/llama-q8_0.gguf",
+    "parity/qwen3moe-mixed.gguf",          "parity/qwen3next-f32.gguf",
+    "parity/gemma4-moe-q4_0.gguf",         "tokenizers/ggml-vocab-llama-spm.gguf",
 };
 #define N_SHARED (sizeof shared_ggufs / sizeof shared_ggufs[0])
 
@@ -205,7 +205,7 @@ static void parity_tensor_lists(void **state) {
     (void)state;
     static const char *const models[] = {"deepseek2-f32",   "deepseek2-q8_0-q4_k", "gpt-oss-mxfp4",
                                          "kimi-linear-f32", "llama-q8_0",          "qwen3moe-mixed",
-                                         "qwen3next-f32"};
+                                         "qwen3next-f32",   "gemma4-moe-q4_0"};
     for (size_t m = 0; m < sizeof models / sizeof models[0]; m++) {
         char rel[256];
         snprintf(rel, sizeof rel, "parity/%s.json", models[m]);

@@ -15,11 +15,11 @@
 #include "../src/tools/tools.h"
 
 static const char *const shared_ggufs[] = {
-    "models/stories260K/stories260K.gguf",  "parity/deepseek2-f32.gguf",
-    "parity/deepseek2-q8_0-q4_k.gguf",      "parity/gpt-oss-mxfp4.gguf",
-    "parity/kimi-linear-f32.gguf",          "parity/llama-q8_0.gguf",
-    "parity/qwen3moe-mixed.gguf",           "parity/qwen3next-f32.gguf",
-    "tokenizers/ggml-vocab-llama-spm.gguf",
+    "models/stories260K/stories260K.gguf", "parity/deepseek2-f32.gguf",
+    "parity/deepseek2-q8_0-q4_k.gguf",     "parity/gpt-oss-mxfp4.gguf",
+    "parity/kimi-linear-f32.gguf",         "parity/llama-q8_0.gguf",
+    "parity/qwen3moe-mixed.gguf",          "parity/qwen3next-f32.gguf",
+    "parity/gemma4-moe-q4_0.gguf",         "tokenizers/ggml-vocab-llama-spm.gguf",
 };
 
 static moe_gguf *open_ok(const char *path) {
@@ -126,7 +126,7 @@ static void inspect_plan(void **state) {
     (void)state;
     static const char *const models[] = {"llama-q8_0",     "qwen3moe-mixed", "deepseek2-f32",
                                          "gpt-oss-mxfp4",  "qwen3next-f32",  "kimi-linear-f32",
-                                         "qwen35-mtp-f32", "glm5next-f32"};
+                                         "qwen35-mtp-f32", "glm5next-f32",   "gemma4-moe-q4_0"};
     MOE_SKIP_IF_NULL(moe_test_shared("parity/llama-q8_0.json"));
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
         char rel[256], cmd[1024], *out;
@@ -143,7 +143,7 @@ static void inspect_plan(void **state) {
                *kinds = json_object_get(plan, "layers_by_kind");
         const uint32_t n_layer = (uint32_t)json_integer_value(
             json_object_get(json_object_get(fixture, "config"), "n_layer"));
-        const uint32_t experts = layers_with(tensors, ".ffn_gate_exps.", n_layer);
+        const uint32_t experts = layers_with(tensors, ".ffn_down_exps.", n_layer);
         const uint32_t linear = layers_with(tensors, ".ssm_", n_layer);
         const uint32_t mla = layers_with(tensors, ".attn_kv_a_mqa.", n_layer);
 #define PLAN_INT(obj, key) ((uint32_t)json_integer_value(json_object_get(obj, key)))
@@ -156,6 +156,14 @@ static void inspect_plan(void **state) {
             fail_msg("%s: plan %s disagrees with the fixture: %u layers, %u expert, %u linear, "
                      "%u MLA",
                      models[i], json_dumps(plan, JSON_COMPACT), n_layer, experts, linear, mla);
+        /* gemma4's config lists its sliding layers */
+        json_t *swa = json_object_get(json_object_get(fixture, "config"), "swa_pattern");
+        uint32_t sliding = 0;
+        for (size_t l = 0; l < json_array_size(swa); l++)
+            sliding += json_integer_value(json_array_get(swa, l)) != 0;
+        if (swa && PLAN_INT(kinds, "sliding window") != sliding)
+            fail_msg("%s: %u sliding layers, the fixture says %u", models[i],
+                     PLAN_INT(kinds, "sliding window"), sliding);
 #undef PLAN_INT
         json_decref(report);
         json_decref(fixture);

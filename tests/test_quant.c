@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "../src/quant/blocks.h"
+#include "../src/quant/quantize_internal.h"
 
 /* ==== Tolerances and budgets (the only numbers the assertions use) ==== */
 
@@ -42,11 +43,14 @@ static const struct {
     moe_type type;
     double budget;
 } QUANT_BUDGETS[] = {
-    {MOE_TYPE_F16, 2.8e-4},     {MOE_TYPE_BF16, 2.2e-3}, {MOE_TYPE_Q8_0, 1.2e-2},
-    {MOE_TYPE_Q8_1, 1.2e-2},    {MOE_TYPE_Q8_K, 2.8e-2}, {MOE_TYPE_Q4_0, 1.25e-1},
-    {MOE_TYPE_Q4_1, 1.3e-1},    {MOE_TYPE_Q5_0, 8.2e-2}, {MOE_TYPE_Q5_1, 6.0e-2},
-    {MOE_TYPE_Q4_K, 1.04e-1},   {MOE_TYPE_Q6_K, 3.4e-2}, {MOE_TYPE_IQ4_NL, 1.14e-1},
-    {MOE_TYPE_IQ4_XS, 1.15e-1},
+    {MOE_TYPE_F16, 2.8e-4},     {MOE_TYPE_BF16, 2.2e-3},    {MOE_TYPE_Q8_0, 1.2e-2},
+    {MOE_TYPE_Q8_1, 1.2e-2},    {MOE_TYPE_Q8_K, 2.8e-2},    {MOE_TYPE_Q4_0, 1.25e-1},
+    {MOE_TYPE_Q4_1, 1.3e-1},    {MOE_TYPE_Q5_0, 8.2e-2},    {MOE_TYPE_Q5_1, 6.0e-2},
+    {MOE_TYPE_Q4_K, 1.04e-1},   {MOE_TYPE_Q6_K, 3.4e-2},    {MOE_TYPE_IQ4_NL, 1.14e-1},
+    {MOE_TYPE_IQ4_XS, 1.15e-1}, {MOE_TYPE_Q2_K, 3.4e-1},    {MOE_TYPE_Q3_K, 1.7e-1},
+    {MOE_TYPE_Q5_K, 5.7e-2},    {MOE_TYPE_MXFP4, 1.75e-1},  {MOE_TYPE_IQ3_XXS, 4.0e-1},
+    {MOE_TYPE_IQ3_S, 3.2e-1},   {MOE_TYPE_IQ2_XXS, 8.6e-1}, {MOE_TYPE_IQ2_XS, 6.6e-1},
+    {MOE_TYPE_IQ2_S, 6.2e-1},   {MOE_TYPE_IQ1_S, 8.1e-1},   {MOE_TYPE_IQ1_M, 6.8e-1},
 };
 #define BUDGET_ROW_LEN 4096
 #define BUDGET_ROWS    8
@@ -491,6 +495,213 @@ static void quantize_error_budgets(void **state) {
     if (failed[0]) fail_msg("round-trip error over budget for: %s", failed);
 }
 
+/* ==== Weight quantizers against ggml's blocks (the rows regenerated) ====
+ *
+ * ../shared/quant stores ggml's source rows only for eight types; for the others
+ * tests/quant_sources.py regenerates them from the manifest's seeds and recipes (it checks
+ * itself: its rows equal every stored .src.f32 bit for bit, and its RMS against ggml's dequantized
+ * rows equals the manifest's figure for every type). Those rows are quantized here as ggml
+ * quantized them (no importance matrix; all-ones for IQ1 / IQ2, as the fixtures were made) and
+ * must give ggml's bytes.
+ *
+ * The one exception is IQ3_S on a super-block with an all-zero 32-value sub-block: ggml then
+ * writes the following sub-blocks' codes one slot early (its qs / signs pointers skip the
+ * advance), which decodes to wrong values; moe keeps every sub-block in its slot. Such rows must
+ * instead decode at least as close to the source as ggml's. */
+
+static const char *regenerated_sources(void) {
+    static char dir[512];
+    if (dir[0]) return dir;
+    const char *quant_dir = moe_test_shared("quant/MANIFEST.json");
+    if (!quant_dir) skip();
+    char shared[400];
+    snprintf(shared, sizeof shared, "%s", quant_dir);
+    *strrchr(shared, '/') = '\0';
+    snprintf(dir, sizeof dir, "%s/quant-src", moe_test_tmpdir());
+    char cmd[2048], *log;
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s' && /usr/bin/python3 tests/quant_sources.py '%s' '%s'",
+             dir, shared, dir);
+    const int rc = moe_test_run(cmd, &log);
+    if (rc != 0) {
+        dir[0] = '\0';
+        fail_msg("tests/quant_sources.py (needs /usr/bin/python3 with numpy) failed (%d): %s", rc,
+                 log);
+    }
+    free(log);
+    return dir;
+}
+
+static float *read_source_rows(const moe_test_quant_fixture *f) {
+    char path[640];
+    snprintf(path, sizeof path, "%s/%s.src.f32", regenerated_sources(), f->name);
+    const size_t n = (size_t)(f->row_len * f->n_rows);
+    uint8_t *data;
+    size_t size;
+    moe_error err = {0};
+    if (moe_file_read(path, &data, &size, &err) != MOE_OK) fail_msg("%s", err.msg);
+    if (size != n * sizeof(float)) fail_msg("%s: %zu bytes", path, size);
+    return (float *)data;
+}
+
+/* Whether a row has a 256-value super-block with an all-zero 32-value sub-block beside nonzero
+ * ones (where ggml's IQ3_S misplaces codes). */
+static bool has_zero_sub_block(const float *x, int64_t n) {
+    for (int64_t b = 0; b < n; b += MOE_QK_K) {
+        int zero = 0;
+        for (int s = 0; s < 8; s++) {
+            bool z = true;
+            for (int j = 0; j < 32; j++) z = z && x[b + 32 * s + j] == 0.0f;
+            zero += z;
+        }
+        if (zero > 0 && zero < 8) return true;
+    }
+    return false;
+}
+
+static double sq_err(const float *a, const float *b, int64_t n) {
+    double e = 0;
+    for (int64_t i = 0; i < n; i++) e += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+    return e;
+}
+
+static void quantizers_match_ggml_blocks(void **state) {
+    (void)state;
+    const moe_test_quant_fixture *fixtures;
+    const int n_fixtures = moe_test_quant_fixtures(&fixtures);
+    char exact[256] = "", failed[256] = "";
+    for (int i = 0; i < n_fixtures; i++) {
+        const moe_test_quant_fixture *f = &fixtures[i];
+        if (f->has_src || !moe_type_can_quantize(f->type)) continue;
+        const size_t rb = row_bytes(f), n = (size_t)f->row_len;
+        float *src = read_source_rows(f);
+        uint8_t *want = moe_test_quant_read(f, "blocks", rb * (size_t)f->n_rows);
+        float *want_deq = (float *)moe_test_quant_read(f, "f32", n * f->n_rows * sizeof(float));
+        uint8_t *got = moe_xmalloc(rb);
+        float *got_deq = moe_xmalloc(n * sizeof(float));
+        bool ok = true, all_exact = true;
+        for (int64_t r = 0; r < f->n_rows; r++) {
+            const float *x = src + r * n;
+            moe_quantize_row(f->type, x, got, (int64_t)n, NULL);
+            if (memcmp(got, want + r * rb, rb) == 0) continue;
+            all_exact = false;
+            if (f->type == MOE_TYPE_IQ3_S && has_zero_sub_block(x, (int64_t)n)) {
+                moe_type_traits_get(f->type)->to_float(got, got_deq, (int64_t)n);
+                const double e_moe = sq_err(got_deq, x, (int64_t)n);
+                const double e_ggml = sq_err(want_deq + r * n, x, (int64_t)n);
+                print_message("[ MEASURE  ] IQ3_S row %lld (zero sub-blocks): squared error moe "
+                              "%.4g, ggml %.4g\n",
+                              (long long)r, e_moe, e_ggml);
+                if (e_moe <= e_ggml) continue;
+            }
+            size_t k = 0;
+            while (got[k] == want[r * rb + k]) k++;
+            print_error("%s: row %lld byte %zu (block %zu) is 0x%02x, ggml has 0x%02x\n", f->name,
+                        (long long)r, k, k / f->block_bytes, got[k], want[r * rb + k]);
+            ok = false;
+            break;
+        }
+        if (!ok) strcat(failed, f->name), strcat(failed, " ");
+        if (all_exact) strcat(exact, f->name), strcat(exact, " ");
+        free(src), free(want), free(want_deq), free(got), free(got_deq);
+    }
+    print_message("[ MEASURE  ] byte-identical with ggml on every row: %s\n", exact);
+    if (failed[0]) fail_msg("quantizer differs from ggml for: %s", failed);
+}
+
+/* The same rows on 1 and 3 threads give the same bytes (rows are independent). */
+static void quantize_rows_threads_agree(void **state) {
+    (void)state;
+    const int64_t n = 1024, rows = 24;
+    float *x = moe_xmalloc((size_t)(n * rows) * sizeof(float));
+    uint64_t seed = 7;
+    for (int64_t i = 0; i < n * rows; i++) x[i] = (float)moe_rng_gaussian(&seed);
+    moe_pool *pool = moe_pool_new(3);
+    const moe_type types[] = {MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ3_S, MOE_TYPE_IQ1_M, MOE_TYPE_Q3_K};
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        const size_t bytes = (size_t)moe_type_row_bytes(types[t], n) * rows;
+        uint8_t *a = moe_xmalloc(bytes), *b = moe_xmalloc(bytes);
+        moe_quantize_rows(types[t], x, a, rows, n, NULL, NULL);
+        moe_quantize_rows(types[t], x, b, rows, n, NULL, pool);
+        assert_memory_equal(a, b, bytes);
+        free(a), free(b);
+    }
+    moe_pool_free(pool);
+    free(x);
+}
+
+/* With an importance vector, every quantizer that uses one must lower the error weighted by it:
+ * sum_j imatrix[j] (x_j - deq_j)^2 over rows, compared with the same type quantized without
+ * (IQ1 / IQ2: with all-ones). Importances are log-normal (a few columns matter a lot). */
+static void imatrix_lowers_weighted_error(void **state) {
+    (void)state;
+    const int64_t n = 2048, rows = 16;
+    float *x = moe_xmalloc((size_t)(n * rows) * sizeof(float)), *qw = moe_xmalloc(n * 4);
+    float *deq = moe_xmalloc(n * sizeof(float));
+    uint8_t *q = moe_xmalloc((size_t)n * 8);
+    uint64_t seed = 11;
+    for (int64_t i = 0; i < n * rows; i++) x[i] = (float)moe_rng_gaussian(&seed) * 0.02f;
+    for (int64_t j = 0; j < n; j++) qw[j] = (float)exp(1.5 * moe_rng_gaussian(&seed));
+    const moe_type types[] = {MOE_TYPE_Q4_0,  MOE_TYPE_Q4_1,    MOE_TYPE_Q5_0,   MOE_TYPE_Q5_1,
+                              MOE_TYPE_Q2_K,  MOE_TYPE_Q3_K,    MOE_TYPE_Q4_K,   MOE_TYPE_Q5_K,
+                              MOE_TYPE_Q6_K,  MOE_TYPE_IQ4_NL,  MOE_TYPE_IQ4_XS, MOE_TYPE_IQ3_XXS,
+                              MOE_TYPE_IQ3_S, MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ2_XS, MOE_TYPE_IQ2_S,
+                              MOE_TYPE_IQ1_S, MOE_TYPE_IQ1_M};
+    char failed[256] = "";
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        double e[2] = {0, 0}, ref = 0;
+        for (int with = 0; with < 2; with++)
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xr = x + r * n;
+                moe_quantize_row(types[t], xr, q, n, with ? qw : NULL);
+                moe_type_traits_get(types[t])->to_float(q, deq, n);
+                for (int64_t j = 0; j < n; j++) {
+                    const double d = (double)xr[j] - deq[j];
+                    e[with] += qw[j] * d * d;
+                    if (!with) ref += qw[j] * (double)xr[j] * xr[j];
+                }
+            }
+        print_message("[ MEASURE  ] %-8s weighted rel. error: %.4f without, %.4f with imatrix\n",
+                      moe_type_name(types[t]), sqrt(e[0] / ref), sqrt(e[1] / ref));
+        if (!(e[1] < e[0])) strcat(failed, moe_type_name(types[t])), strcat(failed, " ");
+    }
+    free(x), free(qw), free(deq), free(q);
+    if (failed[0]) fail_msg("importance vector did not lower the weighted error for: %s", failed);
+}
+
+/* The quantizers' AVX2 helpers give the scalar reference's bits (the byte-exact test above runs
+ * whichever level the CPU picks; this pins the other one too), on values around the codebook
+ * midpoints, ties, and out of range. */
+static void quantizer_kernels_match_scalar(void **state) {
+    (void)state;
+    if (moe_cpu_isa_supported() < MOE_ISA_AVX2) skip();
+    uint64_t seed = 3;
+    float x[32], w[32], sa[2], sb[2];
+    uint8_t la[32], lb[32];
+    for (int t = 0; t < 2000; t++) {
+        for (int j = 0; j < 32; j++) {
+            x[j] = (float)moe_rng_gaussian(&seed) * (t % 3 ? 1.0f : 1e-3f);
+            w[j] = (float)moe_rng_uniform(&seed);
+        }
+        if (t % 5 == 0) x[t % 32] = 0.0f;
+        const float id = t % 7 == 0 ? 0.0f : (float)(moe_rng_gaussian(&seed) * 80.0);
+        moe_iq4_pass_ref(x, w, id, la, &sa[0], &sa[1]);
+        moe_iq4_pass_avx2(x, w, id, lb, &sb[0], &sb[1]);
+        assert_memory_equal(la, lb, sizeof la);
+        assert_memory_equal(sa, sb, sizeof sa);
+    }
+    int8_t soa[8 * 40];
+    float d2a[40], d2b[40];
+    for (int t = 0; t < 500; t++) {
+        const int dims = t % 2 ? 8 : 4, count = 1 + t % 37, padded = (count + 7) & ~7;
+        for (int k = 0; k < dims * padded; k++) soa[k] = (int8_t)(1 + 2 * (moe_rng_u64(&seed) % 8));
+        for (int j = 0; j < dims; j++) x[j] = (float)moe_rng_uniform(&seed) * 15, w[j] = x[j] + 1;
+        const float scale = (float)moe_rng_uniform(&seed), a = t % 3 ? 1.0f : 0.5f;
+        moe_iq_neighbour_d2_ref(soa, count, dims, x, w, scale, a, a == 1 ? 0 : -1.375f, d2a);
+        moe_iq_neighbour_d2_avx2(soa, count, dims, x, w, scale, a, a == 1 ? 0 : -1.375f, d2b);
+        assert_memory_equal(d2a, d2b, (size_t)count * sizeof(float));
+    }
+}
+
 int moe_suite_quant(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(block_geometry_matches_manifest),
@@ -504,6 +715,10 @@ int moe_suite_quant(void) {
         cmocka_unit_test(dot_matches_ggml_cpu),
         cmocka_unit_test(dot_f32_ref_matches_float64),
         cmocka_unit_test(quantize_error_budgets),
+        cmocka_unit_test(quantizers_match_ggml_blocks),
+        cmocka_unit_test(quantize_rows_threads_agree),
+        cmocka_unit_test(imatrix_lowers_weighted_error),
+        cmocka_unit_test(quantizer_kernels_match_scalar),
     };
     return cmocka_run_group_tests_name("quant", tests, NULL, NULL);
 }

@@ -2,7 +2,8 @@
  * for parsed model output (replayed, no model) on their own.
  *
  * Two servers are started once (on free ports, found by --port 0 and read from their stdout):
- *   base: stories260K (../shared) with --ctx 1024 --parallel 16 and an API key;
+ *   base: stories260K (../shared) with --ctx 1024 --parallel 16, an API key and --cors for one
+ *         origin;
  *   slow: the built-in demo model with --parallel 1 --queue 1 --queue-timeout 1 --step-delay 20
  *         --keepalive 0.01, where a stream lasts long enough to be aborted, queued behind or
  *         refused, and keep-alives come between tokens;
@@ -11,6 +12,10 @@
  * Two more, for chat templates, start in their own test: stories260K written again with
  * ChatML's control tokens and Qwen3's template in the GGUF, served as is and with
  * --chat-template-file; the prompts they render (/apply-template) must equal Python Jinja2's.
+ * Two more for the reasoning controls: stories260K with GLM-5.3-Flash's template behind
+ * --reasoning-budget 10, and with a template that has no switch; budgeted replies must equal the
+ * model's own greedy continuation with the closing tag put in by hand, and the SDK case
+ * reasoning_controls (cases.mjs --think) runs against the first.
  * The client cases live in tests/clients/cases.mjs (node, with the npm packages installed by
  * `npm ci --prefix tests/clients`); without node_modules they skip with a message, and fail
  * under CI=true. The last test stops both servers with SIGTERM and requires a clean exit
@@ -149,13 +154,17 @@ static bool servers(void) {
         skip();
         return false;
     }
-    char *base_args[] = {(char *)model, "--ctx",     "1024",  "--parallel",
-                         "16",          "--api-key", API_KEY, NULL};
+    char *base_args[] = {(char *)model, "--ctx",  "1024",
+                         "--parallel",  "16",     "--api-key",
+                         API_KEY,       "--cors", "http://allowed.example",
+                         NULL};
     char *slow_args[] = {
         "--parallel", "1",           "--queue", "1", "--queue-timeout", "1", "--step-delay",
         "20",         "--keepalive", "0.01",    NULL};
-    char *hybrid_args[] = {(char *)hybrid,  "--ctx", "128", "--parallel", "2",
-                           "--cache-slots", "4",     NULL};
+    /* the hybrid's experts stream through a cache of 5 of its 16 (logits stay bit for bit) */
+    char *hybrid_args[] = {
+        (char *)hybrid,   "--ctx", "128", "--parallel", "2", "--cache-slots", "4",
+        "--expert-cache", "100K",  NULL};
     if (!server_start(&base_srv, "base", base_args) ||
         !server_start(&slow_srv, "slow", slow_args) ||
         !server_start(&hybrid_srv, "hybrid", hybrid_args))
@@ -221,9 +230,12 @@ CLIENT_CASE(tools_shape)
 CLIENT_CASE(structured_output)
 CLIENT_CASE(responses)
 CLIENT_CASE(errors)
+CLIENT_CASE(cors)
+CLIENT_CASE(round_trip)
 CLIENT_CASE(concurrent_streams)
 CLIENT_CASE(disconnect)
 CLIENT_CASE(disconnect_storm)
+CLIENT_CASE(disconnect_whole)
 CLIENT_CASE(queue_limits)
 CLIENT_CASE(demo_model)
 CLIENT_CASE(ops)
@@ -248,6 +260,89 @@ static int teardown(void **state) {
     server_stop(&slow_srv);
     server_stop(&hybrid_srv);
     return 0;
+}
+
+/* ==== Connections under fire (tests/serve_flood.py) ==== */
+
+/* 1000 idle connections and 50 header-tricklers against a server of its own: /health and a
+ * chat request still answered, threads and RSS bounded, tricklers closed by --read-timeout,
+ * nothing left once they close. Twice: with limits above the flood (every connection held, one
+ * thread each no longer), and with the default limits (newcomers close the idle-longest ones,
+ * all from one address). The script prints its measurements; times are shown, not asserted. */
+static void flood_one(const char *name, char *const extra[]) {
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    char *args[16] = {(char *)model, "--api-key", API_KEY, "--read-timeout", "2"};
+    int n = 5;
+    for (int i = 0; extra[i] && n < 15; i++) args[n++] = extra[i];
+    args[n] = NULL;
+    server s = {0};
+    if (!server_start(&s, name, args))
+        fail_msg("the %s server did not start (log: %s)", name, s.log);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "/usr/bin/python3 tests/serve_flood.py --url %s --pid %d --key %s 2>&1", s.url,
+             (int)s.pid, API_KEY);
+    const int rc = moe_test_run(cmd, &out);
+    const int stopped = server_stop(&s);
+    print_message("%s", out);
+    if (rc != 0 || !strstr(out, "ok flood"))
+        fail_msg("%s: serve_flood.py failed (log: %s)", name, s.log);
+    if (stopped != 0) fail_msg("%s: the server exited with %d (log: %s)", name, stopped, s.log);
+    free(out);
+}
+
+static void connection_flood(void **state) {
+    (void)state;
+    char *roomy[] = {"--max-connections", "1100", "--max-connections-per-ip", "1100", NULL};
+    char *defaults[] = {NULL};
+    flood_one("flood-roomy", roomy);
+    flood_one("flood-limited", defaults);
+}
+
+/* ==== The fuzz target's seeds and past findings (tests/data/http) ==== */
+
+#include "../fuzz/http.c"
+
+/* Every seed through fuzz/http.c's checks (answered once, 200/4xx/503/529, valid JSON); under
+ * `make asan` LeakSanitizer judges the found leak's input too. */
+static void request_parser_seeds(void **state) {
+    (void)state;
+    MOE_SKIP_IF_NULL(moe_test_shared("models/stories260K/stories260K.gguf"));
+    static const char *const seeds[] = {
+        "apply-template",          "chat",         "chat-tools", "completions",
+        "completions-ids",         "count-tokens", "messages",   "responses",
+        "leak-tool-without-schema"};
+    setenv("MOE_FUZZ_MODEL", moe_test_shared("models/stories260K/stories260K.gguf"), 1);
+    for (size_t i = 0; i < sizeof seeds / sizeof seeds[0]; i++) {
+        char path[256];
+        snprintf(path, sizeof path, "tests/data/http/%s", seeds[i]);
+        uint8_t *data = NULL;
+        size_t size = 0;
+        moe_error err = {0};
+        if (moe_file_read(path, &data, &size, &err) != MOE_OK) fail_msg("%s", err.msg);
+        LLVMFuzzerTestOneInput(data, size); /* aborts on a wrong answer */
+        free(data);
+    }
+    serve_sched_free(srv->sched);
+    moe_chat_template_free(srv->tmpl);
+    pthread_mutex_destroy(&srv->metrics.mu);
+    free(srv);
+    srv = NULL;
+}
+
+/* A file that is not a model fails before "listening": no port is opened for it. */
+static void model_checked_before_listening(void **state) {
+    (void)state;
+    char bad[600], cmd[1400], *out = NULL;
+    snprintf(bad, sizeof bad, "%s/not-a-model.gguf", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(bad, "hello, world", 12, &err), MOE_OK);
+    snprintf(cmd, sizeof cmd, "%s serve '%s' --port 0 2>&1", moe_test_bin(), bad);
+    const int rc = moe_test_run(cmd, &out);
+    if (rc == 0 || strstr(out, "listening") || !strstr(out, "not a GGUF file"))
+        fail_msg("moe serve on a bad file: exit %d, output:\n%s", rc, out);
+    free(out);
 }
 
 /* ==== Chat templates through the server and `moe chat` ==== */
@@ -356,6 +451,13 @@ static size_t count_token(json_t *tokens, json_int_t id) {
     return n;
 }
 
+/* Write text to NAME in the scratch directory; its path into path. */
+static void tmp_file(char *path, size_t size, const char *name, const char *text) {
+    snprintf(path, size, "%s/%s", moe_test_tmpdir(), name);
+    moe_error err = {0};
+    if (moe_file_write(path, text, strlen(text), &err) != MOE_OK) fail_msg("%s", err.msg);
+}
+
 /* The prompt `moe chat --verbose-prompt` printed for its first turn. */
 static char *chat_prompt_of(const char *model, const char *extra) {
     char cmd[2048];
@@ -379,10 +481,7 @@ static void chat_templates_served(void **state) {
     MOE_SKIP_IF_NULL(model);
     MOE_SKIP_IF_NULL(qwen3);
     char custom[600];
-    snprintf(custom, sizeof custom, "%s/custom.jinja", moe_test_tmpdir());
-    moe_error err = {0};
-    assert_int_equal(moe_file_write(custom, CUSTOM_TEMPLATE, strlen(CUSTOM_TEMPLATE), &err),
-                     MOE_OK);
+    tmp_file(custom, sizeof custom, "custom.jinja", CUSTOM_TEMPLATE);
     server own = {0}, over = {0};
     char *own_args[] = {(char *)model, "--ctx", "2048", NULL};
     char *over_args[] = {(char *)model, "--ctx", "2048", "--chat-template-file", custom, NULL};
@@ -478,6 +577,211 @@ static void chat_templates_served(void **state) {
     assert_int_equal(server_stop(&over), 0);
 }
 
+/* ==== Reasoning controls through the server ==== */
+
+#define GLM5_TEMPLATE "tests/data/jinja/GLM-5.3-Flash.jinja"
+/* a template that opens <think> and reads neither enable_thinking nor reasoning_effort */
+#define THINK_TEMPLATE                                                                             \
+    "{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}{%- endfor %}"                         \
+    "{%- if add_generation_prompt %}<|assistant|><think>{%- endif %}"
+#define STORY "[{\"role\":\"user\",\"content\":\"Tell me a story.\"}]"
+
+/* POST and parse; fails the test unless 200. */
+static json_t *post_json(const server *s, const char *path, const char *body) {
+    long status;
+    char *reply = http_post(s->url, path, body, &status);
+    json_t *j = json_loads(reply, 0, NULL);
+    if (status != 200 || !j) fail_msg("POST %s %s: %ld %s", path, body, status, reply);
+    free(reply);
+    return j;
+}
+
+/* Greedy /v1/completions text of a prompt (a JSON string or token array). */
+static char *greedy_completion(const server *s, json_t *prompt, int max_tokens) {
+    json_t *b = json_pack("{s:s,s:O,s:i,s:f}", "model", "x", "prompt", prompt, "max_tokens",
+                          max_tokens, "temperature", 0.0);
+    char *body = json_dumps(b, JSON_COMPACT);
+    json_t *r = post_json(s, "/v1/completions", body);
+    char *text = moe_xstrdup(json_string_value(
+        json_object_get(json_array_get(json_object_get(r, "choices"), 0), "text")));
+    json_decref(r);
+    json_decref(b);
+    free(body);
+    return text;
+}
+
+/* The answer after a closed think block starts mid-stream, so it keeps the space a first token's
+ * piece carries, which /v1/completions strips from its first token. */
+static void expect_answer(const char *got, const char *want, const char *what) {
+    if (strcmp(got, want) && !(got[0] == ' ' && !strcmp(got + 1, want)))
+        fail_msg("%s: answer [%s], the unbudgeted continuation gives [%s]", what, got, want);
+}
+
+static json_int_t usage_reasoning(json_t *r) {
+    return json_integer_value(
+        json_object_get(json_object_get(json_object_get(r, "usage"), "completion_tokens_details"),
+                        "reasoning_tokens"));
+}
+
+/* stories260K with GLM-5.3-Flash's own template (no enable_thinking switch; reasoning_effort
+ * low / high / max) behind --reasoning-budget 10, and with a template without any switch.
+ * References: Python Jinja2 for the prompts; the same model's unbudgeted greedy continuation
+ * (/v1/completions) for what a budgeted reply must be -- its first tokens as the reasoning, then
+ * the closing tag, then what the model writes after it. */
+static void reasoning_budget_served(void **state) {
+    (void)state;
+    const char *model = moe_test_chat_model("think-chat", NULL);
+    MOE_SKIP_IF_NULL(model);
+    char plain_tpl[600];
+    tmp_file(plain_tpl, sizeof plain_tpl, "think.jinja", THINK_TEMPLATE);
+    moe_error err = {0};
+    server glm = {0}, plain = {0};
+    char *glm_args[] = {
+        (char *)model,        "--ctx", "1024", "--chat-template-file", (char *)GLM5_TEMPLATE,
+        "--reasoning-budget", "10",    NULL};
+    char *plain_args[] = {(char *)model, "--ctx", "1024", "--chat-template-file", plain_tpl, NULL};
+    if (!server_start(&glm, "think-glm5", glm_args) ||
+        !server_start(&plain, "think-plain", plain_args))
+        fail_msg("a reasoning server did not start (logs in %s)", moe_test_tmpdir());
+
+    /* the prompts: the template's own (effort High, ends inside <think>); thinking off, which
+     * it has no switch for, closes the block */
+    json_t *on = post_json(&glm, "/apply-template",
+                           "{\"messages\":" STORY ",\"reasoning_effort\":\"high\"}");
+    json_t *off = post_json(&glm, "/apply-template",
+                            "{\"messages\":" STORY ",\"chat_template_kwargs\":"
+                            "{\"enable_thinking\":false}}");
+    json_t *spec =
+        json_pack("{s:s,s:[o,o]}", "fixed_date", "2026-01-15T09:30:00", "cases",
+                  reference_case(GLM5_TEMPLATE, STORY, NULL, "{\"reasoning_effort\":\"high\"}"),
+                  reference_case(GLM5_TEMPLATE, STORY, NULL, "{\"enable_thinking\":false}"));
+    json_t *ref = moe_test_render_jinja(spec, "think");
+    json_decref(spec);
+    const char *p_on = json_string_value(json_object_get(on, "prompt"));
+    const char *p_off = json_string_value(json_object_get(off, "prompt"));
+    const char *r_on = json_string_value(json_object_get(json_array_get(ref, 0), "text"));
+    const char *r_off = json_string_value(json_object_get(json_array_get(ref, 1), "text"));
+    assert_non_null(r_on);
+    assert_non_null(r_off);
+    assert_string_equal(p_on, r_on);
+    assert_non_null(strstr(p_on, "Reasoning Effort: High<|user|>"));
+    char *closed;
+    if (asprintf(&closed, "%s</think>", r_off) < 0) fail_msg("asprintf");
+    assert_string_equal(p_off, closed);
+    free(closed);
+    /* the closing tag as the server feeds it: after text, no SentencePiece dummy prefix */
+    moe_gguf *gg = moe_gguf_open(model, &err);
+    assert_non_null(gg);
+    moe_tokenizer *tok = moe_tokenizer_from_gguf(gg, &err);
+    assert_non_null(tok);
+    int32_t *close_ids;
+    size_t n_close_ids;
+    assert_int_equal(moe_tokenizer_encode(tok, "</think>", 8, MOE_ENCODE_CONTINUATION, &close_ids,
+                                          &n_close_ids, &err),
+                     MOE_OK);
+    const int n_close = (int)n_close_ids;
+    assert_true(n_close > 0);
+    free(close_ids);
+    moe_tokenizer_free(tok);
+    moe_gguf_close(gg);
+
+    /* Anthropic's budget_tokens (6, under the server's 10): 6 tokens of thinking, the tag, the
+     * answer */
+    json_t *r = post_json(&glm, "/v1/messages",
+                          "{\"model\":\"x\",\"max_tokens\":30,\"temperature\":0,\"thinking\":"
+                          "{\"type\":\"enabled\",\"budget_tokens\":6},\"messages\":" STORY "}");
+    json_t *content = json_object_get(r, "content");
+    assert_int_equal(json_array_size(content), 2);
+    json_t *think = json_array_get(content, 0), *text = json_array_get(content, 1);
+    assert_string_equal(json_string_value(json_object_get(think, "type")), "thinking");
+    assert_string_equal(json_string_value(json_object_get(text, "type")), "text");
+    char *c1 = greedy_completion(&glm, json_object_get(on, "tokens"), 6);
+    assert_string_equal(json_string_value(json_object_get(think, "thinking")), c1);
+    char *resumed;
+    if (asprintf(&resumed, "%s%s</think>", p_on, c1) < 0) fail_msg("asprintf");
+    json_t *resumed_j = json_string(resumed);
+    char *c2 = greedy_completion(&glm, resumed_j, 30 - 6 - n_close);
+    expect_answer(json_string_value(json_object_get(text, "text")), c2, "budget_tokens 6");
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(r, "usage"), "output_tokens")), 30);
+    json_decref(resumed_j);
+    free(resumed);
+    free(c1);
+    free(c2);
+    json_decref(r);
+
+    /* OpenAI, no budget in the request: the server's 10 */
+    r = post_json(&glm, "/v1/chat/completions",
+                  "{\"model\":\"x\",\"max_tokens\":30,\"temperature\":0,\"messages\":" STORY "}");
+    json_t *msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
+    c1 = greedy_completion(&glm, json_object_get(on, "tokens"), 10);
+    assert_string_equal(json_string_value(json_object_get(msg, "reasoning_content")), c1);
+    assert_int_equal(usage_reasoning(r), 10 + n_close);
+    free(c1);
+    json_decref(r);
+
+    /* thinking off: no reasoning, the answer the closed prompt gives */
+    r = post_json(&glm, "/v1/chat/completions",
+                  "{\"model\":\"x\",\"max_tokens\":8,\"temperature\":0,\"messages\":" STORY
+                  ",\"chat_template_kwargs\":{\"enable_thinking\":false}}");
+    msg = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "message");
+    assert_null(json_string_value(json_object_get(msg, "reasoning_content")));
+    c1 = greedy_completion(&glm, json_object_get(off, "tokens"), 8);
+    assert_string_equal(json_string_value(json_object_get(msg, "content")), c1);
+    assert_int_equal(usage_reasoning(r), 0);
+    free(c1);
+    json_decref(r);
+
+    /* a template with no switch at all: reasoning_effort minimal -> 256 tokens, medium -> no
+     * limit (stories260K never writes </think> itself); "none" -> the closed prompt */
+    r = post_json(&plain, "/v1/chat/completions",
+                  "{\"model\":\"x\",\"max_tokens\":300,\"temperature\":0,\"reasoning_effort\":"
+                  "\"minimal\",\"messages\":" STORY "}");
+    assert_int_equal(usage_reasoning(r), 256 + n_close);
+    json_decref(r);
+    r = post_json(&plain, "/v1/chat/completions",
+                  "{\"model\":\"x\",\"max_tokens\":300,\"temperature\":0,\"reasoning_effort\":"
+                  "\"medium\",\"messages\":" STORY "}");
+    assert_int_equal(usage_reasoning(r), 300);
+    json_decref(r);
+    r = post_json(&plain, "/apply-template",
+                  "{\"messages\":" STORY ",\"reasoning_effort\":\"none\"}");
+    assert_string_equal(json_string_value(json_object_get(r, "prompt")),
+                        "<|user|>Tell me a story.<|assistant|><think></think>");
+    json_decref(r);
+
+    /* a budget that is not a count is the client's error */
+    long status;
+    char *reply = http_post(glm.url, "/v1/messages",
+                            "{\"model\":\"x\",\"max_tokens\":4,\"thinking\":{\"type\":\"enabled\","
+                            "\"budget_tokens\":-5},\"messages\":" STORY "}",
+                            &status);
+    assert_int_equal(status, 400);
+    if (!strstr(reply, "thinking.budget_tokens")) fail_msg("%s", reply);
+    free(reply);
+
+    /* the same through the official SDKs (streamed too) */
+    struct stat st;
+    if (stat(CLIENTS_DIR "/node_modules/openai/package.json", &st) == 0) {
+        char cmd[1024];
+        snprintf(cmd, sizeof cmd, "node %s/cases.mjs --key unused --think %s", CLIENTS_DIR,
+                 glm.url);
+        char *out;
+        if (moe_test_run(cmd, &out) != 0) fail_msg("%s", out);
+        free(out);
+    } else if (in_ci()) {
+        fail_msg("%s/node_modules is missing and CI=true", CLIENTS_DIR);
+    } else {
+        print_message("  (the SDK part skipped: %s/node_modules is absent)\n", CLIENTS_DIR);
+    }
+
+    json_decref(ref);
+    json_decref(on);
+    json_decref(off);
+    assert_int_equal(server_stop(&glm), 0);
+    assert_int_equal(server_stop(&plain), 0);
+}
+
 /* ==== Parsed output in each API's shape (replayed through the adapters, no model) ==== */
 
 #define WEATHER_TOOLS                                                                              \
@@ -503,7 +807,7 @@ static bool replay_setup(replay_env *e, bool tools) {
     e->srv.tmpl = moe_chat_template_load_file(tpl, &err);
     assert_non_null(e->srv.tmpl);
     snprintf(e->srv.model_id, sizeof e->srv.model_id, "replayed");
-    serve_chat_add(&e->chat, "user")->content = moe_xstrdup("Weather in Paris and Nice?");
+    moe_strbuf_puts(&serve_chat_add(&e->chat, "user")->content, "Weather in Paris and Nice?");
     if (tools) e->chat.tools = json_loads(WEATHER_TOOLS, 0, NULL);
     return true;
 }
@@ -541,6 +845,58 @@ static void expect_arguments(const char *args, const char *want) {
     json_decref(w);
 }
 
+/* An OpenAI chat stream's deltas add up to this content, reasoning and calls (their ids sent
+ * once each), and it ends in finish_reason "tool_calls" and [DONE]. */
+static void expect_openai_stream(const char *sse, const char *want_content,
+                                 const char *want_reasoning, const char *const *want_args,
+                                 size_t n_calls) {
+    json_t *evs = sse_events(sse);
+    moe_strbuf content = {0}, reasoning = {0}, args[4] = {{0}};
+    assert_true(n_calls <= 4);
+    const char *finish = NULL;
+    size_t i, n_ids = 0;
+    json_t *ev;
+    json_array_foreach(evs, i, ev) {
+        json_t *d = json_object_get(ev, "data");
+        if (json_is_string(d)) {
+            assert_int_equal(i, json_array_size(evs) - 1); /* [DONE] last */
+            continue;
+        }
+        json_t *ch = json_array_get(json_object_get(d, "choices"), 0);
+        json_t *delta = json_object_get(ch, "delta");
+        const char *t = json_string_value(json_object_get(delta, "content"));
+        if (t) moe_strbuf_puts(&content, t);
+        t = json_string_value(json_object_get(delta, "reasoning_content"));
+        if (t) moe_strbuf_puts(&reasoning, t);
+        size_t k;
+        json_t *tc;
+        json_array_foreach(json_object_get(delta, "tool_calls"), k, tc) {
+            json_int_t idx = json_integer_value(json_object_get(tc, "index"));
+            assert_true(idx >= 0 && (size_t)idx < n_calls);
+            if (json_string_value(json_object_get(tc, "id"))) n_ids++;
+            moe_strbuf_puts(&args[idx], json_string_value(json_object_get(
+                                            json_object_get(tc, "function"), "arguments")));
+        }
+        if (json_string_value(json_object_get(ch, "finish_reason")))
+            finish = json_string_value(json_object_get(ch, "finish_reason"));
+    }
+    moe_strbuf_put(&content, "", 0);
+    moe_strbuf_put(&reasoning, "", 0);
+    assert_string_equal(content.s, want_content);
+    assert_string_equal(reasoning.s, want_reasoning);
+    assert_int_equal(n_ids, n_calls);
+    for (size_t k = 0; k < n_calls; k++) {
+        moe_strbuf_put(&args[k], "", 0);
+        expect_arguments(args[k].s, want_args[k]);
+        moe_strbuf_free(&args[k]);
+    }
+    assert_non_null(finish);
+    assert_string_equal(finish, "tool_calls");
+    moe_strbuf_free(&content);
+    moe_strbuf_free(&reasoning);
+    json_decref(evs);
+}
+
 static void openai_shapes(void **state) {
     (void)state;
     replay_env e;
@@ -571,50 +927,7 @@ static void openai_shapes(void **state) {
     for (size_t chunk = 1; chunk <= 7; chunk += 3) {
         out.len = 0;
         serve_openai_replay(&e.srv, &e.chat, "", REPLY, chunk, true, &out);
-        json_t *evs = sse_events(out.s);
-        moe_strbuf content = {0}, reasoning = {0}, args[2] = {{0}};
-        const char *finish = NULL;
-        size_t i, n_ids = 0;
-        json_t *ev;
-        json_array_foreach(evs, i, ev) {
-            json_t *d = json_object_get(ev, "data");
-            if (json_is_string(d)) {
-                assert_int_equal(i, json_array_size(evs) - 1); /* [DONE] last */
-                continue;
-            }
-            json_t *ch = json_array_get(json_object_get(d, "choices"), 0);
-            json_t *delta = json_object_get(ch, "delta");
-            const char *t = json_string_value(json_object_get(delta, "content"));
-            if (t) moe_strbuf_puts(&content, t);
-            t = json_string_value(json_object_get(delta, "reasoning_content"));
-            if (t) moe_strbuf_puts(&reasoning, t);
-            size_t k;
-            json_t *tc;
-            json_array_foreach(json_object_get(delta, "tool_calls"), k, tc) {
-                json_int_t idx = json_integer_value(json_object_get(tc, "index"));
-                assert_true(idx >= 0 && idx < 2);
-                if (json_string_value(json_object_get(tc, "id"))) n_ids++;
-                moe_strbuf_puts(&args[idx], json_string_value(json_object_get(
-                                                json_object_get(tc, "function"), "arguments")));
-            }
-            if (json_string_value(json_object_get(ch, "finish_reason")))
-                finish = json_string_value(json_object_get(ch, "finish_reason"));
-        }
-        moe_strbuf_put(&content, "", 0);
-        moe_strbuf_put(&reasoning, "", 0);
-        assert_string_equal(content.s, "\n\nOn it.\n");
-        assert_string_equal(reasoning.s, "\nCheck both.\n");
-        assert_int_equal(n_ids, 2);
-        for (int k = 0; k < 2; k++) {
-            moe_strbuf_put(&args[k], "", 0);
-            expect_arguments(args[k].s, want_args[k]);
-            moe_strbuf_free(&args[k]);
-        }
-        assert_non_null(finish);
-        assert_string_equal(finish, "tool_calls");
-        moe_strbuf_free(&content);
-        moe_strbuf_free(&reasoning);
-        json_decref(evs);
+        expect_openai_stream(out.s, "\n\nOn it.\n", "\nCheck both.\n", want_args, 2);
     }
     json_decref(r);
     /* without tools in the request, call markup is the model's text */
@@ -637,6 +950,40 @@ static void openai_shapes(void **state) {
     assert_string_equal(json_string_value(json_object_get(msg, "content")), "done");
     json_decref(r);
     moe_strbuf_free(&out);
+    replay_free(&e);
+}
+
+/* GLM-5.3-Flash: its generation prompt opens <think>; the reply closes it, answers and calls
+ * in GLM's shape -- streamed in pieces of every small size, through the OpenAI adapter. */
+static void glm5_replayed(void **state) {
+    (void)state;
+    replay_env e;
+    memset(&e, 0, sizeof e);
+    moe_error err = {0};
+    e.srv.tmpl = moe_chat_template_load_file(GLM5_TEMPLATE, &err);
+    if (!e.srv.tmpl) fail_msg("%s", err.msg);
+    snprintf(e.srv.model_id, sizeof e.srv.model_id, "replayed");
+    moe_strbuf_puts(&serve_chat_add(&e.chat, "user")->content, "Weather in Paris and Nice?");
+    e.chat.tools = json_loads(WEATHER_TOOLS, 0, NULL);
+    char *prompt;
+    assert_int_equal(
+        moe_chat_render(e.srv.tmpl,
+                        "[{\"role\":\"user\",\"content\":\"Weather in Paris and Nice?\"}]",
+                        WEATHER_TOOLS, "{\"add_generation_prompt\":true}", &prompt, &err),
+        MOE_OK);
+    const char *reply =
+        "Two cities.</think>On it.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
+        "</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call><tool_call>"
+        "get_weather<arg_key>city</arg_key><arg_value>Nice</arg_value></tool_call>";
+    const char *want_args[2] = {"{\"city\":\"Paris\",\"days\":2}", "{\"city\":\"Nice\"}"};
+    moe_strbuf out = {0};
+    for (size_t chunk = 1; chunk <= 7; chunk += 3) {
+        out.len = 0;
+        serve_openai_replay(&e.srv, &e.chat, prompt, reply, chunk, true, &out);
+        expect_openai_stream(out.s, "On it.", "Two cities.", want_args, 2);
+    }
+    moe_strbuf_free(&out);
+    free(prompt);
     replay_free(&e);
 }
 
@@ -759,9 +1106,11 @@ int moe_suite_serve(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(json_depth_counts_outside_strings),
         cmocka_unit_test(openai_shapes),
+        cmocka_unit_test(glm5_replayed),
         cmocka_unit_test(anthropic_shapes),
         cmocka_unit_test(responses_shapes),
         cmocka_unit_test(chat_templates_served),
+        cmocka_unit_test(reasoning_budget_served),
         cmocka_unit_test(client_models),
         cmocka_unit_test(client_chat_nonstream),
         cmocka_unit_test(client_chat_stream),
@@ -776,15 +1125,21 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_structured_output),
         cmocka_unit_test(client_responses),
         cmocka_unit_test(client_errors),
+        cmocka_unit_test(client_cors),
+        cmocka_unit_test(client_round_trip),
         cmocka_unit_test(client_concurrent_streams),
         cmocka_unit_test(client_disconnect),
         cmocka_unit_test(client_disconnect_storm),
+        cmocka_unit_test(client_disconnect_whole),
         cmocka_unit_test(client_queue_limits),
         cmocka_unit_test(client_demo_model),
         cmocka_unit_test(client_ops),
         cmocka_unit_test(client_keepalive),
         cmocka_unit_test(client_bench_8_streams),
         cmocka_unit_test(servers_stop_cleanly),
+        cmocka_unit_test(connection_flood),
+        cmocka_unit_test(model_checked_before_listening),
+        cmocka_unit_test(request_parser_seeds),
     };
     return cmocka_run_group_tests_name("serve", tests, NULL, teardown);
 }

@@ -97,9 +97,9 @@ static void synth_refuses_clearly(void **state) {
     (void)state;
     char cmd[1024], *out;
     const char *dir = moe_test_tmpdir();
-    snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --type 'exps=IQ2_S'", moe_test_bin(), dir);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --type 'exps=TQ1_0'", moe_test_bin(), dir);
     assert_int_equal(moe_test_run(cmd, &out), 1);
-    assert_non_null(strstr(out, "'blk.0.ffn_gate_exps.weight': moe has no quantizer for IQ2_S"));
+    assert_non_null(strstr(out, "'blk.0.ffn_gate_exps.weight': moe has no quantizer for TQ1_0"));
     free(out);
     snprintf(cmd, sizeof cmd, "%s synth -o %s/x.gguf --type 'exps=Q9_X'", moe_test_bin(), dir);
     assert_int_equal(moe_test_run(cmd, &out), 2);
@@ -120,8 +120,9 @@ static void synth_refuses_clearly(void **state) {
     free(out);
 }
 
-/* --random-blocks: types moe cannot quantize (the issue's IQ mix) are written as random valid
- * blocks at the preset's weight scale (each row's RMS is 1/sqrt(n_in)), and the model runs. */
+/* The issue's IQ mix, quantized for real (every type has a quantizer) and, with --random-blocks,
+ * as random valid blocks at the preset's weight scale (each row's RMS is 1/sqrt(n_in)); both
+ * models run. */
 static void synth_random_blocks(void **state) {
     (void)state;
     char path[512], f32[512], cmd[2048];
@@ -132,9 +133,11 @@ static void synth_random_blocks(void **state) {
         "--type 'attn_=Q8_0' --type 'output\\.weight=Q6_K' --type 'token_embd=Q4_K'";
     snprintf(cmd, sizeof cmd, "%s synth -o %s --preset tiny --layers 2 %s", moe_test_bin(), path,
              types);
-    char *out;
-    assert_int_equal(moe_test_run(cmd, &out), 1); /* no IQ2_S quantizer without the flag */
-    assert_non_null(strstr(out, "no quantizer for IQ2_S"));
+    char *out = run_ok(cmd); /* the real quantizers (IQ2_S with an all-ones importance) */
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s run %s -n 4 -p 'the model'", moe_test_bin(), path);
+    out = run_ok(cmd);
+    assert_non_null(strstr(out, "generated: 4 tokens"));
     free(out);
     snprintf(cmd, sizeof cmd, "%s synth -o %s --preset tiny --layers 2 --random-blocks %s",
              moe_test_bin(), path, types);

@@ -285,6 +285,79 @@ static void templates_match_jinja2(void **state) {
     assert_int_equal(total_unexpected, 0);
 }
 
+/* ==== GLM-5.3-Flash's own template (tests/data/jinja), against Python Jinja2 ==== */
+
+#define GLM5_TEMPLATE "tests/data/jinja/GLM-5.3-Flash.jinja"
+#define GLM5_CASES    "tests/data/jinja/GLM-5.3-Flash.cases.json"
+
+/* Every conversation of GLM5_CASES with every kwargs set of it: the tool-result reordering by
+ * call id, reasoning kept or cleared in history, content parts, tool references, the effort
+ * line and the generation prompt all take their branches. */
+static void glm5_template_matches_jinja2(void **state) {
+    (void)state;
+    json_error_t je;
+    json_t *cases_file = json_load_file(GLM5_CASES, 0, &je);
+    if (!cases_file) fail_msg("%s: %s", GLM5_CASES, je.text);
+    json_t *tools = json_object_get(cases_file, "tools");
+    json_t *convs = json_object_get(cases_file, "conversations");
+    json_t *kwsets = json_object_get(cases_file, "kwargs");
+    assert_true(json_array_size(convs) >= 10 && json_array_size(kwsets) >= 8);
+    char *tools_s = json_dumps(tools, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    json_t *spec = json_object(), *cases = json_array();
+    json_object_set_new(spec, "fixed_date", json_string(FIXED_DATE));
+    size_t i, k;
+    json_t *c, *kw;
+    json_array_foreach(convs, i, c) {
+        json_array_foreach(kwsets, k, kw) {
+            json_t *cs = json_object();
+            json_object_set_new(cs, "template", json_string(GLM5_TEMPLATE));
+            json_object_set(cs, "messages", json_object_get(c, "messages"));
+            json_object_set(cs, "tools",
+                            json_is_true(json_object_get(c, "tools")) ? tools : json_null());
+            json_object_set(cs, "kwargs", kw);
+            json_array_append_new(cases, cs);
+        }
+    }
+    json_object_set_new(spec, "cases", cases);
+    json_t *results = moe_test_render_jinja(spec, "glm5");
+    json_decref(spec);
+    const size_t n_kw = json_array_size(kwsets);
+    assert_int_equal(json_array_size(results), json_array_size(convs) * n_kw);
+
+    setenv("MOE_FIXED_DATE", FIXED_DATE, 1);
+    moe_error err = {0};
+    moe_chat_template *t = moe_chat_template_load_file(GLM5_TEMPLATE, &err);
+    if (!t) fail_msg("%s", err.msg);
+    size_t match = 0, total = 0, rendered = 0;
+    json_array_foreach(convs, i, c) {
+        char *msgs = json_dumps(json_object_get(c, "messages"), JSON_COMPACT | JSON_PRESERVE_ORDER);
+        json_array_foreach(kwsets, k, kw) {
+            char *kws = json_dumps(kw, JSON_COMPACT | JSON_PRESERVE_ORDER);
+            char what[256];
+            snprintf(what, sizeof what, "GLM-5.3-Flash / %s / kwargs %zu",
+                     json_string_value(json_object_get(c, "name")), k);
+            json_t *ref = json_array_get(results, i * n_kw + k);
+            bool both_failed;
+            const bool with_tools = json_is_true(json_object_get(c, "tools"));
+            match += same_as_jinja2(what, t, &err, msgs, with_tools ? tools_s : NULL, kws, ref,
+                                    &both_failed);
+            rendered += json_is_true(json_object_get(ref, "ok"));
+            total++;
+            free(kws);
+        }
+        free(msgs);
+    }
+    print_message("  GLM-5.3-Flash template: %zu/%zu conversations x kwargs match Python Jinja2 "
+                  "(%zu of them render on both sides)\n",
+                  match, total, rendered);
+    moe_chat_template_free(t);
+    json_decref(results);
+    json_decref(cases_file);
+    free(tools_s);
+    assert_int_equal(match, total);
+    assert_int_equal(rendered, total); /* none of these conversations is one it refuses */
+}
+
 /* ==== Features one template at a time, against Python Jinja2 ==== */
 
 /* The variables every feature template sees (besides messages = [] and tools = none). */
@@ -623,6 +696,23 @@ static const parse_case parse_cases[] = {
      "arg_value>\n"
      "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
      "\n", "hm", "get_weather({\"city\":\"Paris\",\"days\":3});"},
+    /* GLM-5.x: the generation prompt ends in <think>, the reply in the answer and calls */
+    {MOE_CHAT_FORMAT_GLM, THINK, true,
+     "The user wants Paris.</think>Let me check.<tool_call>get_weather<arg_key>city</arg_key>"
+     "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+     "<tool_call>search<arg_key>query</arg_key><arg_value>cats & dogs</arg_value><arg_key>tags"
+     "</arg_key><arg_value>[\"pets\"]</arg_value><arg_key>safe</arg_key><arg_value>true"
+     "</arg_value><arg_key>filters</arg_key><arg_value>{\"site\": \"x.org\"}</arg_value>"
+     "</tool_call>",
+     "Let me check.", "The user wants Paris.",
+     "get_weather({\"city\":\"Paris\",\"days\":3});search({\"query\":\"cats & dogs\","
+     "\"tags\":[\"pets\"],\"safe\":true,\"filters\":{\"site\":\"x.org\"}});"},
+    {MOE_CHAT_FORMAT_GLM, THINK, true, "Maybe <tool_call>get_weather</tool_call>? No.</think>Four.",
+     "Four.", "Maybe <tool_call>get_weather</tool_call>? No.", ""},
+    /* ... and in <think></think> when thinking is off */
+    {MOE_CHAT_FORMAT_GLM, THINK, false,
+     "Four.<tool_call>get_weather<arg_key>city</arg_key><arg_value>123</arg_value></tool_call>",
+     "Four.", "", "get_weather({\"city\":\"123\"});"},
     {MOE_CHAT_FORMAT_MINIMAX_M2, THINK, true,
      "plan</think>\n\n<minimax:tool_call>\n<invoke name=\"search\">\n<parameter name=\"query\">cats"
      "</parameter>\n<parameter name=\"limit\">2.5</parameter>\n</invoke>\n</minimax:tool_call>",
@@ -684,6 +774,19 @@ static const parse_case parse_cases[] = {
      "get_weather({\"city\":\"Oslo\"});"},
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "It is {cold}.", "It is {cold}.", "", ""},
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "{not json", "{not json", "", ""},
+    /* Gemma 4: the thought channel, then calls with quoted strings, bare keys, nesting */
+    {MOE_CHAT_FORMAT_GEMMA4, "<|channel>thought", "<channel|>", false,
+     "<|channel>thought\nNeed data.<channel|>Let me look.<|tool_call>call:search{filters:{site:"
+     "<|\"|>a, b}<|\"|>},limit:2.5,query:<|\"|>cats & dogs<|\"|>,safe:true,tags:[<|\"|>x<|\"|>,"
+     "null]}<tool_call|><|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>,days:3}<tool_call|>",
+     "Let me look.", "\nNeed data.",
+     "search({\"filters\":{\"site\":\"a, b}\"},\"limit\":2.5,\"query\":\"cats & "
+     "dogs\",\"safe\":true,\"tags\":[\"x\",null]});get_weather({\"city\":\"Paris\",\"days\":3});"},
+    /* ... a block that is not a call (unclosed string, text after the arguments) stays content */
+    {MOE_CHAT_FORMAT_GEMMA4, "<|channel>thought", "<channel|>", false,
+     "a<|tool_call>call:f{x:<|\"|>open}<tool_call|>b<|tool_call>call:g{} extra<tool_call|>",
+     "a<|tool_call>call:f{x:<|\"|>open}<tool_call|>b<|tool_call>call:g{} extra<tool_call|>", "",
+     ""},
     /* fuzz: an empty reply once moved bytes from a NULL buffer (UBSan, `make asan`) */
     {MOE_CHAT_FORMAT_LLAMA3, NULL, NULL, false, "", "", "", ""},
     {MOE_CHAT_FORMAT_MISTRAL, "[THINK]", "[/THINK]", false,
@@ -732,8 +835,36 @@ static void parsers_whole_and_streamed(void **state) {
                   sizeof parse_cases / sizeof parse_cases[0]);
 }
 
+/* GLM-5.3-Flash: GLM's call format and <think> tags, and a reply that starts inside the
+ * reasoning its generation prompt opens -- unless the prompt closed it. */
+static void glm5_parse_options(void) {
+    moe_error err = {0};
+    moe_chat_template *t = moe_chat_template_load_file(GLM5_TEMPLATE, &err);
+    if (!t) fail_msg("%s", err.msg);
+    char *prompt;
+    assert_int_equal(
+        moe_chat_render(t, "[{\"role\":\"user\",\"content\":\"Hi\"}]", TOOLS,
+                        "{\"add_generation_prompt\":true,\"reasoning_effort\":\"low\"}", &prompt,
+                        &err),
+        MOE_OK);
+    moe_chat_parse_options o;
+    moe_chat_parse_options_detect(moe_chat_template_source(t), prompt, &o);
+    assert_string_equal(moe_chat_format_name(o.format), "glm");
+    assert_string_equal(o.think_open, "<think>");
+    assert_string_equal(o.think_close, "</think>");
+    assert_true(o.reasoning_open);
+    char *closed;
+    if (asprintf(&closed, "%s</think>", prompt) < 0) fail_msg("asprintf");
+    moe_chat_parse_options_detect(moe_chat_template_source(t), closed, &o);
+    assert_false(o.reasoning_open);
+    free(closed);
+    free(prompt);
+    moe_chat_template_free(t);
+}
+
 static void parse_options_from_templates(void **state) {
     (void)state;
+    glm5_parse_options();
     static const struct {
         const char *template, *format;
     } want[] = {
@@ -754,6 +885,8 @@ static void parse_options_from_templates(void **state) {
         {"unsloth-mistral-Devstral-Small-2507.jinja", "mistral"},
         {"mistralai-Ministral-3-14B-Reasoning-2512.jinja", "mistral"},
         {"openai-gpt-oss-120b.jinja", "harmony"},
+        {"google-gemma-4-31B-it.jinja", "gemma4"},
+        {"google-gemma-4-31B-it-interleaved.jinja", "gemma4"},
         {"google-gemma-2-2b-it.jinja", "hermes"}, /* unknown: the fallback */
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
@@ -787,6 +920,7 @@ static void round_trip_tool_calls(void **state) {
         {"NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja", "<|im_end|>", false},
         {"GLM-4.6.jinja", NULL, false},
         {"GLM-4.7-Flash.jinja", NULL, false},
+        {GLM5_TEMPLATE, NULL, false},
         {"MiniMax-M2.jinja", "[e~[", false},
         {"deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
          "<\xef\xbd\x9c"
@@ -810,6 +944,8 @@ static void round_trip_tool_calls(void **state) {
         {"unsloth-mistral-Devstral-Small-2507.jinja", "</s>", false},
         {"mistralai-Ministral-3-14B-Reasoning-2512.jinja", "</s>", false},
         {"openai-gpt-oss-120b.jinja", NULL, true},
+        {"google-gemma-4-31B-it.jinja", "<|tool_response>", false},
+        {"google-gemma-4-31B-it-interleaved.jinja", "<|tool_response>", false},
     };
     static const char *const one_call =
         "[{\"id\":\"a1b2c3d4e\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\","
@@ -824,7 +960,9 @@ static void round_trip_tool_calls(void **state) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char rel[512];
         snprintf(rel, sizeof rel, "templates/%s", cases[i].template);
-        const char *path = moe_test_shared(rel);
+        /* tests/data/...: in the repository; the others in ../shared */
+        const char *path =
+            strncmp(cases[i].template, "tests/", 6) ? moe_test_shared(rel) : cases[i].template;
         MOE_SKIP_IF_NULL(path);
         moe_error err = {0};
         moe_chat_template *t = moe_chat_template_load_file(path, &err);
@@ -929,7 +1067,7 @@ static guarded render_guarded(const moe_tokenizer *tok, const char *src, const c
     assert_non_null(t);
     guarded g = {0};
     if (moe_chat_render_tokens(t, tok, messages, tools, "{\"add_generation_prompt\":true}", &g.text,
-                               &g.ids, &g.n_ids, &err) != MOE_OK)
+                               NULL, &g.ids, &g.n_ids, &err) != MOE_OK)
         fail_msg("%s", err.msg);
     g.n_start = count_id(g.ids, g.n_ids, 3);
     g.n_end = count_id(g.ids, g.n_ids, 4);
@@ -1081,6 +1219,7 @@ int moe_suite_template(void) {
         cmocka_unit_test(interpreter_basics),
         cmocka_unit_test(interpreter_errors),
         cmocka_unit_test(templates_match_jinja2),
+        cmocka_unit_test(glm5_template_matches_jinja2),
         cmocka_unit_test(features_match_jinja2),
         cmocka_unit_test(parsers_whole_and_streamed),
         cmocka_unit_test(parse_options_from_templates),

@@ -275,6 +275,21 @@ static void stories260k_gguf(void **state) {
     check_file(tok, "models/stories260K/tok512_encode_tests.inp",
                "models/stories260K/tok512_encode_tests.out", MOE_ENCODE_ADD_SPECIAL,
                "stories260K (gguf)");
+    /* a continuation (a tag after generated text) gets no dummy-prefix space */
+    int32_t *ids;
+    size_t n, len;
+    char *text;
+    moe_error err = {0};
+    /* a continuation (a tag after generated text) gets no dummy-prefix space */
+    for (int cont = 0; cont < 2; cont++) {
+        assert_int_equal(moe_tokenizer_encode(tok, "</think>", 8,
+                                              cont ? MOE_ENCODE_CONTINUATION : 0, &ids, &n, &err),
+                         MOE_OK);
+        assert_int_equal(moe_tokenizer_decode(tok, ids, n, 0, &text, &len, &err), MOE_OK);
+        assert_string_equal(text, cont ? "</think>" : " </think>");
+        free(text);
+        free(ids);
+    }
     moe_tokenizer_free(tok);
 }
 

@@ -260,3 +260,39 @@ const char *moe_test_chat_model(const char *name, const char *template_rel) {
     moe_gguf_close(g);
     return out;
 }
+
+/* Whether s is one of the NULL-terminated list (whole: exact; else: contains one), or not. */
+static bool listed(const char *s, const char *const *list, bool whole) {
+    for (; list && *list; list++)
+        if (whole ? strcmp(s, *list) == 0 : strstr(s, *list) != NULL) return true;
+    return false;
+}
+
+void moe_test_copy_gguf(const char *src, const char *dst, const char *const *drop_keys,
+                        const char *const *drop_tensors, bool dequantize) {
+    moe_error err = {0};
+    moe_gguf *g = moe_gguf_open(src, &err);
+    if (!g) fail_msg("%s", err.msg);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    for (uint64_t i = 0; i < moe_gguf_n_kv(g); i++) {
+        const moe_gguf_kv *kv = moe_gguf_kv_get(g, i);
+        if (!listed(kv->key.ptr, drop_keys, true))
+            moe_gguf_writer_set_value(w, kv->key.ptr, &kv->value);
+    }
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        if (listed(t->name.ptr, drop_tensors, false)) continue;
+        float *f = NULL;
+        if (dequantize) {
+            f = moe_xmalloc(t->n_values * sizeof *f);
+            moe_type_traits_get(t->type)->to_float(t->data, f, (int64_t)t->n_values);
+        }
+        if (moe_gguf_writer_add_tensor(w, t->name.ptr, f ? MOE_TYPE_F32 : t->type, t->n_dims, t->ne,
+                                       f ? (const void *)f : t->data, !f, &err) != MOE_OK)
+            fail_msg("%s", err.msg);
+        free(f);
+    }
+    if (moe_gguf_writer_write(w, dst, 0, &err) != MOE_OK) fail_msg("%s", err.msg);
+    moe_gguf_writer_free(w);
+    moe_gguf_close(g);
+}

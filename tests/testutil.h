@@ -29,6 +29,12 @@ const char *moe_test_tmpdir(void);
 const char *moe_test_bin(void);
 /* Run a shell command, capturing stdout+stderr (caller frees *out); returns the exit status. */
 int moe_test_run(const char *cmd, char **out);
+/* Copy the GGUF at src to dst: every key but those drop_keys names (NULL-terminated, or NULL),
+ * every tensor whose name contains none of drop_tensors (likewise); with dequantize, each tensor
+ * decoded to F32 by moe's decoders (bit-exact with ggml's, checked in the quant suite). Fails
+ * the test on an error. */
+void moe_test_copy_gguf(const char *src, const char *dst, const char *const *drop_keys,
+                        const char *const *drop_tensors, bool dequantize);
 /* `moe synth -o <tmpdir>/<file> <flags>` (flags as on the command line); fails the test when
  * synth does. The path, static per call (valid until the next call). */
 const char *moe_test_synth(const char *file, const char *flags);

@@ -122,7 +122,8 @@ static void decode_arguments(json_t *messages) {
             for (int h = 0; h < 2; h++) {
                 json_t *args = json_object_get(holders[h], "arguments");
                 if (!json_is_string(args)) continue;
-                json_t *obj = json_loads(json_string_value(args), 0, NULL);
+                json_t *obj = json_loadb(json_string_value(args), json_string_length(args),
+                                         JSON_ALLOW_NUL, NULL);
                 if (json_is_object(obj)) json_object_set(holders[h], "arguments", obj);
                 json_decref(obj);
             }
@@ -132,7 +133,7 @@ static void decode_arguments(json_t *messages) {
 
 static json_t *load_json(const char *text, const char *what, moe_error *err) {
     json_error_t je;
-    json_t *j = json_loads(text, JSON_DECODE_ANY, &je);
+    json_t *j = json_loads(text, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
     if (!j)
         moe_error_set(err, MOE_ERR_ARG, "%s: invalid JSON at line %d column %d: %s", what, je.line,
                       je.column, je.text);
@@ -155,7 +156,7 @@ static jinja_dict *build_vars(jinja_ctx *c, json_t *messages, json_t *tools, jso
 }
 
 static moe_status render_json(const moe_chat_template *t, json_t *messages, json_t *tools,
-                              json_t *kwargs, char **out, moe_error *err) {
+                              json_t *kwargs, char **out, size_t *out_len, moe_error *err) {
     /* on the heap: both change between setjmp and a longjmp back */
     jinja_arena *arena = moe_xmalloc(sizeof *arena);
     jinja_jump *jump = moe_xmalloc(sizeof *jump);
@@ -170,8 +171,7 @@ static moe_status render_json(const moe_chat_template *t, json_t *messages, json
     }
     jinja_dict *vars = build_vars(&c, messages, tools, kwargs);
     jinja_render_opts opts = {.fixed_now = getenv("MOE_FIXED_DATE")};
-    size_t len;
-    bool ok = jinja_render(&t->tpl, arena, jump, vars, &opts, out, &len, err);
+    bool ok = jinja_render(&t->tpl, arena, jump, vars, &opts, out, out_len, err);
     jinja_arena_free(arena);
     free(arena);
     free(jump);
@@ -181,7 +181,15 @@ static moe_status render_json(const moe_chat_template *t, json_t *messages, json
 moe_status moe_chat_render(const moe_chat_template *t, const char *messages_json,
                            const char *tools_json, const char *kwargs_json, char **out,
                            moe_error *err) {
+    size_t len;
+    return moe_chat_render_n(t, messages_json, tools_json, kwargs_json, out, &len, err);
+}
+
+moe_status moe_chat_render_n(const moe_chat_template *t, const char *messages_json,
+                             const char *tools_json, const char *kwargs_json, char **out,
+                             size_t *out_len, moe_error *err) {
     *out = NULL;
+    *out_len = 0;
     json_t *messages = load_json(messages_json ? messages_json : "[]", "messages", err);
     json_t *tools = tools_json ? load_json(tools_json, "tools", err) : json_null();
     json_t *kwargs = kwargs_json ? load_json(kwargs_json, "kwargs", err) : json_object();
@@ -196,7 +204,7 @@ moe_status moe_chat_render(const moe_chat_template *t, const char *messages_json
         st = moe_error_set(err, MOE_ERR_ARG, "kwargs must be a JSON object");
     if (st == MOE_OK) {
         decode_arguments(messages);
-        st = render_json(t, messages, tools, kwargs, out, err);
+        st = render_json(t, messages, tools, kwargs, out, out_len, err);
     }
     json_decref(messages);
     json_decref(tools);

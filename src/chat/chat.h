@@ -49,6 +49,11 @@ const char *moe_chat_template_source(const moe_chat_template *t);
 moe_status moe_chat_render(const moe_chat_template *t, const char *messages_json,
                            const char *tools_json, const char *kwargs_json, char **out,
                            moe_error *err);
+/* The same with the output's length: strings of the JSON may hold \u0000 (a NUL byte), which
+ * reaches the output as it is. */
+moe_status moe_chat_render_n(const moe_chat_template *t, const char *messages_json,
+                             const char *tools_json, const char *kwargs_json, char **out,
+                             size_t *out_len, moe_error *err);
 
 /* The prompt of a conversation whose strings come from a client, as tokens. Renders like
  * moe_chat_render with `bos_token` / `eos_token` set to tok's (over any in kwargs), then
@@ -58,11 +63,12 @@ moe_status moe_chat_render(const moe_chat_template *t, const char *messages_json
  * and tokenized as plain text (moe_tokenizer_encode_spans). BOS is added when the tokenizer
  * asks for it and the prompt does not already begin with its text (templates that write
  * {{ bos_token }} get one BOS, not two). *text (when not NULL) receives the prompt exactly as
- * tokenized; *ids and *text are malloc'd. Errors as moe_chat_render. */
+ * tokenized, and *text_len (when not NULL) its length (a NUL from a message may be inside);
+ * *ids and *text are malloc'd. Errors as moe_chat_render. */
 moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenizer *tok,
                                   const char *messages_json, const char *tools_json,
-                                  const char *kwargs_json, char **text, int32_t **ids,
-                                  size_t *n_ids, moe_error *err);
+                                  const char *kwargs_json, char **text, size_t *text_len,
+                                  int32_t **ids, size_t *n_ids, moe_error *err);
 
 /* The built-in template for a model that carries none: ChatML, with tools described and called
  * Hermes-style (<tools>, <tool_call>, <tool_response>). */
@@ -83,6 +89,7 @@ typedef enum moe_chat_format {
     MOE_CHAT_FORMAT_LLAMA3,  /* the whole reply {"name": .., "parameters": {..}} */
     MOE_CHAT_FORMAT_MISTRAL, /* [TOOL_CALLS][{"name": .., "arguments": ..}] or f[ARGS]{..} */
     MOE_CHAT_FORMAT_HARMONY, /* gpt-oss channels: analysis, commentary to=functions.f, final */
+    MOE_CHAT_FORMAT_GEMMA4,  /* <|tool_call>call:f{k:v,..}<tool_call|>, strings in <|"|> */
     MOE_CHAT_FORMAT_COUNT
 } moe_chat_format;
 

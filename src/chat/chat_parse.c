@@ -30,6 +30,7 @@ static const char *const format_names[MOE_CHAT_FORMAT_COUNT] = {
     [MOE_CHAT_FORMAT_LLAMA3] = "llama3",
     [MOE_CHAT_FORMAT_MISTRAL] = "mistral",
     [MOE_CHAT_FORMAT_HARMONY] = "harmony",
+    [MOE_CHAT_FORMAT_GEMMA4] = "gemma4",
 };
 
 const char *moe_chat_format_name(moe_chat_format f) {
@@ -85,6 +86,7 @@ static const block_marker markers_kimi[] = {
     {"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"}, {NULL, NULL}};
 static const block_marker markers_llama3[] = {{"<|python_tag|>", NULL}, {NULL, NULL}};
 static const block_marker markers_mistral[] = {{"[TOOL_CALLS]", NULL}, {NULL, NULL}};
+static const block_marker markers_gemma4[] = {{"<|tool_call>", "<tool_call|>"}, {NULL, NULL}};
 static const block_marker markers_none[] = {{NULL, NULL}};
 
 static const block_marker *format_markers(moe_chat_format f) {
@@ -107,6 +109,8 @@ static const block_marker *format_markers(moe_chat_format f) {
         return markers_llama3;
     case MOE_CHAT_FORMAT_MISTRAL:
         return markers_mistral;
+    case MOE_CHAT_FORMAT_GEMMA4:
+        return markers_gemma4;
     default:
         return markers_none;
     }
@@ -151,6 +155,8 @@ void moe_chat_parse_options_detect(const char *src, const char *prompt, moe_chat
     if (!src) src = "";
     if (strstr(src, "<|channel|>") && strstr(src, "<|start|>"))
         o->format = MOE_CHAT_FORMAT_HARMONY;
+    else if (strstr(src, "<|tool_call>call:"))
+        o->format = MOE_CHAT_FORMAT_GEMMA4;
     else if (strstr(src, DSML))
         o->format = MOE_CHAT_FORMAT_DSML;
     else if (strstr(src, "<|tool_call_begin|>"))
@@ -172,6 +178,9 @@ void moe_chat_parse_options_detect(const char *src, const char *prompt, moe_chat
 
     if (o->format == MOE_CHAT_FORMAT_HARMONY) {
         /* reasoning is the analysis channel */
+    } else if (o->format == MOE_CHAT_FORMAT_GEMMA4) { /* the thought channel */
+        o->think_open = "<|channel>thought";
+        o->think_close = "<channel|>";
     } else if (strstr(src, "<seed:think>")) {
         o->think_open = "<seed:think>";
         o->think_close = "</seed:think>";
@@ -720,6 +729,120 @@ static bool parse_mistral(moe_chat_parser *p, const char *s, size_t n, moe_chat_
     return d->n_calls > before;
 }
 
+/* ==== Gemma 4: call:NAME{key:value,...} with its own value syntax ==== */
+
+/* Nesting of Gemma 4 argument values parsed before giving up: the C stack, not a model, is
+ * what deeper input would spend. */
+#define GEMMA4_MAX_DEPTH 64
+#define GEMMA4_QUOTE     "<|\"|>" /* strings are <|"|>text<|"|>, with no escapes */
+
+static void skip_ws(const char **s, const char *end) {
+    while (*s < end && strchr(" \t\r\n", **s)) (*s)++;
+}
+
+static json_t *gemma4_value(const char **s, const char *end, int depth);
+
+/* {key:value,...} (keys bare or quoted) or [value,...] from *s at its opening bracket. */
+static json_t *gemma4_container(const char **s, const char *end, int depth) {
+    const bool object = **s == '{';
+    json_t *out = object ? json_object() : json_array();
+    (*s)++;
+    skip_ws(s, end);
+    if (*s < end && **s == (object ? '}' : ']')) {
+        (*s)++;
+        return out;
+    }
+    while (*s < end) {
+        char *key = NULL;
+        if (object) {
+            skip_ws(s, end);
+            const char *k = *s, *kend;
+            if (starts(k, (size_t)(end - k), GEMMA4_QUOTE)) {
+                k += 5;
+                kend = find(k, (size_t)(end - k), GEMMA4_QUOTE);
+                if (!kend) break;
+                *s = kend + 5;
+                skip_ws(s, end);
+            } else {
+                kend = memchr(k, ':', (size_t)(end - k));
+                if (!kend) break;
+                *s = kend;
+                while (kend > k && strchr(" \t\r\n", kend[-1])) kend--;
+            }
+            if (*s >= end || **s != ':' || kend == k) break;
+            (*s)++;
+            key = moe_xstrndup(k, (size_t)(kend - k));
+        }
+        json_t *v = gemma4_value(s, end, depth + 1);
+        if (!v) {
+            free(key);
+            break;
+        }
+        if (object)
+            json_object_set_new(out, key, v);
+        else
+            json_array_append_new(out, v);
+        free(key);
+        skip_ws(s, end);
+        if (*s < end && **s == ',') {
+            (*s)++;
+            continue;
+        }
+        if (*s < end && **s == (object ? '}' : ']')) {
+            (*s)++;
+            return out;
+        }
+        break;
+    }
+    json_decref(out);
+    return NULL;
+}
+
+/* One value at *s: a quoted string, an object, an array, or a bare scalar (true, false, null,
+ * a number; anything else is kept as a string). NULL when malformed. */
+static json_t *gemma4_value(const char **s, const char *end, int depth) {
+    skip_ws(s, end);
+    if (*s >= end || depth > GEMMA4_MAX_DEPTH) return NULL;
+    if (starts(*s, (size_t)(end - *s), GEMMA4_QUOTE)) {
+        const char *v = *s + 5, *vend = find(v, (size_t)(end - v), GEMMA4_QUOTE);
+        if (!vend) return NULL;
+        *s = vend + 5;
+        return json_stringn(v, (size_t)(vend - v));
+    }
+    if (**s == '{' || **s == '[') return gemma4_container(s, end, depth);
+    const char *v = *s;
+    while (*s < end && !strchr(",}]", **s)) (*s)++;
+    size_t vn = (size_t)(*s - v);
+    trim(&v, &vn);
+    if (!vn) return NULL;
+    json_t *j = json_loadb(v, vn, JSON_DECODE_ANY, NULL);
+    if (j && (json_is_number(j) || json_is_boolean(j) || json_is_null(j))) return j;
+    json_decref(j);
+    return json_stringn(v, vn);
+}
+
+/* <|tool_call>call:NAME{ARGS}<tool_call|> */
+static bool parse_gemma4(moe_chat_parser *p, const char *s, size_t n, moe_chat_delta *d) {
+    (void)p;
+    const char *end = s + n;
+    if (starts(s, n, "<|tool_call>")) s += 12;
+    const char *close = find(s, (size_t)(end - s), "<tool_call|>");
+    if (close) end = close;
+    skip_ws(&s, end);
+    if (!starts(s, (size_t)(end - s), "call:")) return false;
+    const char *name = s + 5, *brace = memchr(name, '{', (size_t)(end - name));
+    if (!brace) return false;
+    size_t name_len = (size_t)(brace - name);
+    trim(&name, &name_len);
+    const char *q = brace;
+    json_t *args = name_len ? gemma4_value(&q, end, 0) : NULL;
+    skip_ws(&q, end);
+    const bool ok = json_is_object(args) && q == end;
+    if (ok) emit_call(d, name, name_len, args);
+    json_decref(args);
+    return ok;
+}
+
 static block_parser format_block_parser(moe_chat_format f) {
     switch (f) {
     case MOE_CHAT_FORMAT_HERMES:
@@ -741,6 +864,8 @@ static block_parser format_block_parser(moe_chat_format f) {
         return parse_llama3;
     case MOE_CHAT_FORMAT_MISTRAL:
         return parse_mistral;
+    case MOE_CHAT_FORMAT_GEMMA4:
+        return parse_gemma4;
     default:
         return NULL;
     }

@@ -203,9 +203,8 @@ typedef struct span_list {
 /* The rendered text with each whole marker replaced by its token's text, noted in *spans (in
  * order, so sorted and disjoint); the pieces of a cut marker are dropped. A token's text may be
  * longer than its marker, so the output grows as needed. */
-static char *restore(const guard *g, const char *in, span_list *spans, size_t *out_len) {
+static char *restore(const guard *g, const char *in, size_t n, span_list *spans, size_t *out_len) {
     const moe_tokenizer *tok = g->tok;
-    const size_t n = strlen(in);
     size_t cap = n + 1, o = 0;
     char *out = moe_xmalloc(cap);
     for (size_t i = 0; i < n;) {
@@ -254,7 +253,7 @@ static char *restore(const guard *g, const char *in, span_list *spans, size_t *o
 static json_t *parse_or_null(const char *text, const char *what, json_t *dflt, moe_error *err) {
     if (!text) return dflt;
     json_error_t je;
-    json_t *j = json_loads(text, JSON_DECODE_ANY, &je);
+    json_t *j = json_loads(text, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
     if (!j)
         moe_error_set(err, MOE_ERR_ARG, "%s: invalid JSON at line %d column %d: %s", what, je.line,
                       je.column, je.text);
@@ -268,9 +267,10 @@ static char *dump(const json_t *v) {
 
 moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenizer *tok,
                                   const char *messages_json, const char *tools_json,
-                                  const char *kwargs_json, char **text, int32_t **ids,
-                                  size_t *n_ids, moe_error *err) {
+                                  const char *kwargs_json, char **text, size_t *text_len,
+                                  int32_t **ids, size_t *n_ids, moe_error *err) {
     if (text) *text = NULL;
+    if (text_len) *text_len = 0;
     *ids = NULL;
     *n_ids = 0;
     json_t *messages = parse_or_null(messages_json, "messages", json_array(), err);
@@ -296,6 +296,7 @@ moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenize
     note_used_json(&g, kwargs);
     moe_status st = MOE_OK;
     char *rendered = NULL;
+    size_t rendered_len = 0;
     if (!choose_markers(&g)) {
         st = moe_error_set(err, MOE_ERR_ARG,
                            "the request uses every code point from U+E000 to U+E0FF: no marker "
@@ -316,7 +317,7 @@ moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenize
         }
         char *m = dump(safe_messages), *tl = json_is_null(safe_tools) ? NULL : dump(safe_tools),
              *kw = dump(safe_kwargs);
-        st = moe_chat_render(t, m, tl, kw, &rendered, err);
+        st = moe_chat_render_n(t, m, tl, kw, &rendered, &rendered_len, err);
         free(m);
         free(tl);
         free(kw);
@@ -331,7 +332,7 @@ moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenize
 
     span_list spans = {0};
     size_t len;
-    char *prompt = restore(&g, rendered, &spans, &len);
+    char *prompt = restore(&g, rendered, rendered_len, &spans, &len);
     free(rendered);
     unsigned flags = MOE_ENCODE_PARSE_SPECIAL;
     size_t bos_len;
@@ -341,6 +342,7 @@ moe_status moe_chat_render_tokens(const moe_chat_template *t, const moe_tokenize
     if (!has_bos) flags |= MOE_ENCODE_ADD_SPECIAL;
     st = moe_tokenizer_encode_spans(tok, prompt, len, flags, spans.v, spans.n, ids, n_ids, err);
     free(spans.v);
+    if (st == MOE_OK && text_len) *text_len = len;
     if (st == MOE_OK && text)
         *text = prompt;
     else

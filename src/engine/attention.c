@@ -1,7 +1,9 @@
 /* attention.c: the grouped-query attention block -- q/k/v projections of the normed input (with
- * biases where the arch has them), optional per-head QK-norm, rope, the KV cache write, causal
- * attention per row (sinks and sliding windows where the layer has them), an optional output
- * gate (qwen3next: attn_q yields [q, gate] per head, out *= sigmoid(gate)), output projection.
+ * biases where the arch has them; without attn_v, V is the raw K projection), optional per-head
+ * QK-norm and weightless V-norm, rope (with freq factors where the layer has them), the KV cache
+ * write, causal attention per row (sinks and sliding windows where the layer has them), an
+ * optional output gate (qwen3next: attn_q yields [q, gate] per head, out *= sigmoid(gate)),
+ * output projection, optional output norm. Head widths, kv heads and rope are the layer's plan.
  *
  * Rows of one sequence in a batch attend to each other causally because every row's K/V is
  * written before any row attends, and a row at position p reads positions 0..p only (the last
@@ -42,9 +44,8 @@ static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
 
 /* Rows of [n_head][q, gate] become q rows [n_head][head_dim] and gate rows (in place: each
  * destination lies at or before its source). */
-static void split_q_gate(moe_ctx *c, uint32_t n_rows) {
-    const moe_model_config *cfg = &c->m->cfg;
-    const int64_t hd = cfg->head_dim_k, n_head = cfg->n_head;
+static void split_q_gate(moe_ctx *c, uint32_t n_rows, int64_t hd) {
+    const int64_t n_head = c->m->cfg.n_head;
     for (int64_t i = 0; i < (int64_t)n_rows * n_head; i++) {
         const float *src = c->q + i * 2 * hd;
         memcpy(c->att_gate + i * hd, src + hd, sizeof(float) * (size_t)hd);
@@ -67,37 +68,42 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
                          uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
     const moe_attn_weights *w = &l->attn;
-    const int64_t n_embd = cfg->n_embd;
-    const int64_t q_w = (int64_t)cfg->n_head * cfg->head_dim_k;
-    const int64_t k_w = (int64_t)cfg->n_head_kv * cfg->head_dim_k;
-    const int64_t v_w = (int64_t)cfg->n_head_kv * cfg->head_dim_v;
-    const moe_rope_params rope = moe_rope_params_from_config(cfg);
-    const moe_attn_shape shape = {.n_head = (int)cfg->n_head,
-                                  .n_head_kv = (int)cfg->n_head_kv,
-                                  .head_dim_k = (int)cfg->head_dim_k,
-                                  .head_dim_v = (int)cfg->head_dim_v,
+    const moe_layer_plan *p = &l->plan;
+    const int64_t n_embd = cfg->n_embd, hd_k = p->head_dim_k, hd_v = p->head_dim_v;
+    const int64_t n_head = cfg->n_head, n_head_kv = p->n_head_kv;
+    const int64_t q_w = n_head * hd_k, k_w = n_head_kv * hd_k, v_w = n_head_kv * hd_v;
+    moe_rope_params rope = moe_rope_params_of_layer(cfg, p);
+    rope.freq_factors = w->rope_freqs ? (const float *)w->rope_freqs->data : NULL;
+    const moe_attn_shape shape = {.n_head = (int)n_head,
+                                  .n_head_kv = (int)n_head_kv,
+                                  .head_dim_k = (int)hd_k,
+                                  .head_dim_v = (int)hd_v,
                                   .scale = cfg->kq_scale,
                                   .kv_type = c->p.kv_type,
                                   .sinks = w->sinks ? (const float *)w->sinks->data : NULL};
     moe_matmul(c->pool, w->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
-    if (cfg->attn_output_gate) split_q_gate(c, n_rows);
+    if (cfg->attn_output_gate) split_q_gate(c, n_rows, hd_k);
     moe_matmul(c->pool, w->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
-    moe_matmul(c->pool, w->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
+    if (w->wv)
+        moe_matmul(c->pool, w->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
+    else /* V is the raw K projection (hd_k == hd_v, checked at load) */
+        memcpy(c->v, c->k, sizeof(float) * (size_t)(n_rows * k_w));
     moe_add_bias(c->q, w->bq, 0, n_rows, q_w);
     moe_add_bias(c->k, w->bk, 0, n_rows, k_w);
     moe_add_bias(c->v, w->bv, 0, n_rows, v_w);
     if (w->q_norm) {
         const float *qn = (const float *)w->q_norm->data, *kn = (const float *)w->k_norm->data;
-        for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head; h++)
-            moe_rmsnorm(c->q + h * cfg->head_dim_k, c->q + h * cfg->head_dim_k, qn, cfg->head_dim_k,
-                        cfg->rms_eps);
-        for (int64_t h = 0; h < (int64_t)n_rows * cfg->n_head_kv; h++)
-            moe_rmsnorm(c->k + h * cfg->head_dim_k, c->k + h * cfg->head_dim_k, kn, cfg->head_dim_k,
-                        cfg->rms_eps);
+        for (int64_t h = 0; h < (int64_t)n_rows * n_head; h++)
+            moe_rmsnorm(c->q + h * hd_k, c->q + h * hd_k, qn, hd_k, cfg->rms_eps);
+        for (int64_t h = 0; h < (int64_t)n_rows * n_head_kv; h++)
+            moe_rmsnorm(c->k + h * hd_k, c->k + h * hd_k, kn, hd_k, cfg->rms_eps);
     }
+    if (cfg->attn_v_norm)
+        for (int64_t h = 0; h < (int64_t)n_rows * n_head_kv; h++)
+            moe_rmsnorm(c->v + h * hd_v, c->v + h * hd_v, NULL, hd_v, cfg->rms_eps);
     for (uint32_t r = 0; r < n_rows; r++) {
-        moe_rope(c->q + r * q_w, (int)cfg->n_head, (int)cfg->head_dim_k, rows[r].pos, &rope);
-        moe_rope(c->k + r * k_w, (int)cfg->n_head_kv, (int)cfg->head_dim_k, rows[r].pos, &rope);
+        moe_rope(c->q + r * q_w, (int)n_head, (int)hd_k, rows[r].pos, &rope);
+        moe_rope(c->k + r * k_w, (int)n_head_kv, (int)hd_k, rows[r].pos, &rope);
         moe_kv_store(
             c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
             c->k + r * k_w, (uint64_t)k_w);
@@ -107,8 +113,8 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
     }
     moe_attend_rows(c, &shape, il, rows, n_rows, l->plan.window, false);
     if (cfg->attn_output_gate)
-        moe_gate_mul(c->att, c->att_gate, (int64_t)n_rows * cfg->n_head * cfg->head_dim_v,
-                     MOE_GATE_SIGMOID);
+        moe_gate_mul(c->att, c->att_gate, (int64_t)n_rows * n_head * hd_v, MOE_GATE_SIGMOID);
     moe_matmul(c->pool, w->wo, 0, c->att, n_rows, c->y, c->mm_scratch);
     moe_add_bias(c->y, w->bo, 0, n_rows, n_embd);
+    moe_rows_post_norm(c, c->y, l->attn_post_norm, n_rows, n_embd);
 }

@@ -183,8 +183,13 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->scores =
         moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
+    bool fused_experts = false, expert_in_norm = false;
     for (uint32_t il = 0; il < n_layer_run(m); il++) {
         const moe_layer_weights *l = &m->layers[il];
+        if (l->plan.ffn == MOE_FFN_EXPERTS) {
+            fused_experts |= l->experts.gate_up != NULL;
+            expert_in_norm |= l->experts.in_norm != NULL || l->experts.router_in_scale != NULL;
+        }
         const moe_tensor *ts[MOE_LAYER_MAX_MATRICES + 2] = {l->nextn.eh_proj, l->nextn.head};
         const int n = 2 + moe_layer_matrices(l, ts + 2);
         for (int i = 0; i < n; i++)
@@ -200,12 +205,13 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         x->experts.pair_row = moe_xcalloc(rows * c->n_expert_used, sizeof(int32_t));
         x->experts.pair_w = moe_xcalloc(rows * c->n_expert_used, sizeof(float));
         x->experts.x = moe_xcalloc(rows * c->n_embd, sizeof(float));
-        x->experts.gate = moe_xcalloc(rows * c->n_ff_exp, sizeof(float));
+        x->experts.gate = moe_xcalloc(rows * c->n_ff_exp * (fused_experts ? 2 : 1), sizeof(float));
         x->experts.up = moe_xcalloc(rows * c->n_ff_exp, sizeof(float));
         x->experts.y = moe_xcalloc(rows * c->n_embd, sizeof(float));
         x->experts.mm = x->mm_scratch;
         x->experts.mm_up = moe_xmalloc(mm);
         x->experts.max_rows = (int64_t)rows;
+        if (expert_in_norm) x->xn2 = moe_xcalloc(rows * c->n_embd, sizeof(float));
     }
     moe_linear_alloc(x);
     moe_indexer_alloc(x, n_layer_run(m));
@@ -248,6 +254,7 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->v_cache);
     free(c->x);
     free(c->xn);
+    free(c->xn2);
     free(c->y);
     free(c->q);
     free(c->k);
@@ -335,9 +342,12 @@ static const float *plain_pre(moe_ctx *c, const moe_layer_weights *l, moe_site s
 }
 
 static void plain_post(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows) {
-    (void)l, (void)site;
     const int64_t n = (int64_t)n_rows * c->m->cfg.n_embd;
     for (int64_t i = 0; i < n; i++) c->x[i] += c->y[i];
+    if (site == MOE_SITE_FFN && l->out_scale) { /* the layer's output scale (Gemma 4) */
+        const float s = *(const float *)l->out_scale->data;
+        for (int64_t i = 0; i < n; i++) c->x[i] *= s;
+    }
 }
 
 static const float *plain_final(moe_ctx *c, uint32_t r) {
@@ -365,10 +375,19 @@ static void block_input(moe_ctx *c, const moe_layer_weights *l, moe_site site, u
     const moe_model_config *cfg = &c->m->cfg;
     const int64_t n_embd = cfg->n_embd;
     const float *in = c->stream->pre(c, l, site, n_rows);
+    c->x_in = in;
     const moe_tensor *norm = site == MOE_SITE_MIXER ? l->attn_norm : l->ffn_norm;
     for (uint32_t r = 0; r < n_rows; r++)
         moe_rmsnorm(c->xn + r * n_embd, in + r * n_embd, (const float *)norm->data, n_embd,
                     cfg->rms_eps);
+}
+
+void moe_rows_post_norm(moe_ctx *c, float *rows, const moe_tensor *norm, uint32_t n_rows,
+                        int64_t width) {
+    if (!norm) return;
+    for (uint32_t r = 0; r < n_rows; r++)
+        moe_rmsnorm(rows + r * width, rows + r * width, (const float *)norm->data, width,
+                    c->m->cfg.rms_eps);
 }
 
 /* Rows must continue their sequences in order from len[seq] (the trunk's or the MTP layers'). */
@@ -430,6 +449,10 @@ static void output_head(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const 
     }
     c->n_hidden = n_rows;
     if (n_out) moe_matmul(c->pool, head, 0, c->xn, n_out, logits, c->mm_scratch);
+    const float cap = cfg->final_softcap;
+    if (cap > 0.0f) /* as llama.cpp: scale by 1/cap, tanh, scale by cap */
+        for (int64_t i = 0; i < (int64_t)n_out * cfg->n_vocab; i++)
+            logits[i] = tanhf(logits[i] * (1.0f / cap)) * cap;
 }
 
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
@@ -443,6 +466,8 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 
     for (uint32_t r = 0; r < n_rows; r++)
         moe_tensor_row_f32(m->token_embd, rows[r].token, c->y + r * n_embd);
+    if (m->cfg.embd_scale != 0.0f)
+        for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->y[i] *= m->cfg.embd_scale;
     c->stream->begin(c, c->y, n_rows);
     for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, il, rows, n_rows);
     if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {

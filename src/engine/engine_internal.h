@@ -104,6 +104,10 @@ struct moe_ctx {
     /* scratch, [max_rows][width] floats each */
     float *x;          /* [max_rows][max(1, n_hc)][n_embd] the residual stream(s) */
     float *xn;         /* [max_rows][max(n_embd, n_head * head_dim_v)] a block's normed input */
+    const float *x_in; /* [n_rows][n_embd] the running block's input before its norm (the
+                        * stream's), for blocks that norm it more than one way (Gemma 4's FFN) */
+    float *xn2;        /* [max_rows][n_embd] a second normed input (routed experts with their own
+                        * input norm), NULL when no layer has one */
     float *y;          /* [max_rows][n_embd] a block's output */
     float *hidden;     /* [max_rows][n_embd] normed final hidden states of the last call's rows
                         * (what the MTP head takes) */
@@ -190,7 +194,9 @@ typedef struct moe_stream_ops {
     void (*begin)(moe_ctx *c, const float *embd, uint32_t n_rows);
     /* The input of layer l's block at `site`, [n_rows][n_embd] (before its norm). */
     const float *(*pre)(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows);
-    /* Take the block's output (c->y) into the streams. */
+    /* Take the block's output (c->y) into the streams; after the FFN, scale them by the
+     * layer's out_scale where it has one (the plain stream does; hyper-connections do not
+     * meet a model with one yet). */
     void (*post)(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows);
     /* The hidden state of row r that the output head reads, [n_embd]. */
     const float *(*final)(moe_ctx *c, uint32_t r);
@@ -203,6 +209,11 @@ void moe_hc_alloc(moe_ctx *c);
 void moe_hc_free(moe_ctx *c);
 
 /* ==== Layer blocks: c->xn (normed input, [n_rows][n_embd]) in, c->y ([n_rows][n_embd]) out ==== */
+
+/* rows[r] = RMSNorm(rows[r]) * norm in place for n_rows rows of `width` (norm NULL: nothing);
+ * a block's output norm (Gemma's post-attention and post-FFN norms). */
+void moe_rows_post_norm(moe_ctx *c, float *rows, const moe_tensor *norm, uint32_t n_rows,
+                        int64_t width);
 
 typedef void (*moe_mixer_block)(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
                                 const moe_row *rows, uint32_t n_rows);

@@ -81,14 +81,17 @@ struct moe_expert_cache {
     int reader_bounce; /* its bounce buffer: the one after the pool threads' */
 };
 
+/* Matrix k of a layer's experts: 0 gate (or the fused gate_up of Gemma 4: then a slot holds two
+ * slices), 1 up (NULL when fused), 2 down; NULL for a layer without experts. */
 static const moe_tensor *expert_tensor(const moe_model *m, uint32_t il, int k) {
     const moe_layer_weights *l = &m->layers[il];
     if (l->plan.ffn != MOE_FFN_EXPERTS) return NULL;
-    return k == 0 ? l->experts.gate : k == 1 ? l->experts.up : l->experts.down;
+    const moe_expert_weights *w = &l->experts;
+    return k == 0 ? (w->gate_up ? w->gate_up : w->gate) : k == 1 ? w->up : w->down;
 }
 
 static uint64_t slice_bytes(const moe_tensor *t) {
-    return t->n_bytes / (uint64_t)t->ne[2];
+    return t ? t->n_bytes / (uint64_t)t->ne[2] : 0;
 }
 
 static double now_seconds(void) {
@@ -142,6 +145,7 @@ static bool read_expert(moe_expert_cache *c, uint32_t il, int32_t expert, int32_
     uint8_t *dst = c->mem + (uint64_t)s * c->slot_bytes;
     for (int k = 0; k < 3; k++) {
         const moe_tensor *t = expert_tensor(c->m, il, k);
+        if (!t) continue; /* up, fused into gate_up */
         const uint64_t n = slice_bytes(t);
         char what[160];
         snprintf(what, sizeof what, "expert %d of '%.*s'", expert, (int)t->name.len, t->name.ptr);
@@ -222,6 +226,10 @@ static void view_of(const moe_expert_cache *c, uint32_t il, int32_t slot_id, moe
     const uint8_t *p = c->mem + (uint64_t)slot_id * c->slot_bytes;
     for (int k = 0; k < 3; k++) {
         const moe_tensor *t = expert_tensor(c->m, il, k);
+        if (!t) { /* up, fused into gate_up: the dispatch does not read it */
+            views[k] = (moe_tensor){0};
+            continue;
+        }
         views[k] = *t;
         views[k].ne[2] = 1;
         views[k].n_values = (uint64_t)t->ne[0] * (uint64_t)t->ne[1];

@@ -1,26 +1,31 @@
-/* ffn.c: the feed-forward blocks -- dense SwiGLU and routed experts -- from the normed input
- * (c->xn) to the block's output (c->y). The expert block routes every row (router bias, selection
- * bias, groups as the config says), then runs the grouped dispatch (ops/moe.c) so each chosen
- * expert is read once for all rows that chose it, then the shared expert if the model has one
- * (qwen3next gates it per row by sigmoid(w . x)). */
+/* ffn.c: the feed-forward blocks -- the dense gated FFN and routed experts -- from the normed
+ * input (c->xn) to the block's output (c->y). The expert block routes every row (router bias,
+ * selection bias, groups, per-expert output scales as the config says), then runs the grouped
+ * dispatch (ops/moe.c) so each chosen expert is read once for all rows that chose it, then the
+ * shared expert if the model has one (qwen3next gates it per row by sigmoid(w . x)). Gemma 4
+ * norms the FFN's input three ways (the router's, the routed experts' and the shared MLP's) and
+ * norms each branch's output and their sum: the trap is that the router and routed experts read
+ * the un-normed input (c->x_in), not c->xn. */
 #include "engine_internal.h"
 
 #include <math.h>
 #include <string.h>
 
-/* out = row_gate[r] * down(silu(gate(xn)) * up(xn)) for every row r (row_gate NULL: 1), or
- * out += that when accumulate: the dense FFN, and the shared expert beside the routed ones. */
-static void swiglu(moe_ctx *c, const moe_ffn_weights *w, float limit, const float *row_gate,
-                   bool accumulate, float *out, uint32_t n_rows) {
+/* out = row_gate[r] * down(act(gate(xn)) * up(xn)) for every row r (row_gate NULL: 1), or
+ * out += that (RMSNormed by post_norm first, when given) when accumulate: the dense FFN, and the
+ * shared expert beside the routed ones. act is the config's ffn_act; limit clamps a SwiGLU. */
+static void gated_ffn(moe_ctx *c, const moe_ffn_weights *w, float limit, const float *row_gate,
+                      const moe_tensor *post_norm, bool accumulate, float *out, uint32_t n_rows) {
     const int64_t n_embd = c->m->cfg.n_embd, n_ff = w->gate->ne[1];
     moe_matmul(c->pool, w->gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
     moe_matmul(c->pool, w->up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
-    moe_glu(MOE_ACT_SILU, limit, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
+    moe_glu(c->m->cfg.ffn_act, limit, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
     if (!accumulate) {
         moe_matmul(c->pool, w->down, 0, c->ff_up, n_rows, out, c->mm_scratch);
         return;
     }
     moe_matmul(c->pool, w->down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch); /* xn is spent */
+    moe_rows_post_norm(c, c->xn, post_norm, n_rows, n_embd);
     for (uint32_t r = 0; r < n_rows; r++) {
         const float g = row_gate ? row_gate[r] : 1.0f;
         for (int64_t i = 0; i < n_embd; i++) out[r * n_embd + i] += g * c->xn[r * n_embd + i];
@@ -28,7 +33,8 @@ static void swiglu(moe_ctx *c, const moe_ffn_weights *w, float limit, const floa
 }
 
 void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
-    swiglu(c, &l->ffn, l->plan.clamp_ffn, NULL, false, c->y, n_rows);
+    gated_ffn(c, &l->ffn, l->plan.clamp_ffn, NULL, NULL, false, c->y, n_rows);
+    moe_rows_post_norm(c, c->y, l->ffn_post_norm, n_rows, c->m->cfg.n_embd);
 }
 
 /* y += [sigmoid(w . xn) *] shared_expert(xn); xn is consumed. */
@@ -43,30 +49,59 @@ static void shared_expert(moe_ctx *c, const moe_layer_weights *l, uint32_t n_row
             c->shexp_gate[r] = 1.0f / (1.0f + expf(-dot));
         }
     }
-    swiglu(c, &w->shared, l->plan.clamp_ffn, w->shared_gate ? c->shexp_gate : NULL, true, c->y,
-           n_rows);
+    gated_ffn(c, &w->shared, l->plan.clamp_ffn, w->shared_gate ? c->shexp_gate : NULL,
+              w->shared_out_norm, true, c->y, n_rows);
 }
 
-/* y = the routed experts' weighted sum (in expert order), then + the shared expert's output:
- * the order llama.cpp sums them in, before the loop adds y to the residual. */
+/* c->xn2 = RMSNorm(x_in) * norm for n_rows rows (norm NULL: no weight). */
+static void norm_input(moe_ctx *c, const moe_tensor *norm, uint32_t n_rows) {
+    const int64_t n_embd = c->m->cfg.n_embd;
+    for (uint32_t r = 0; r < n_rows; r++)
+        moe_rmsnorm(c->xn2 + r * n_embd, c->x_in + r * n_embd,
+                    norm ? (const float *)norm->data : NULL, n_embd, c->m->cfg.rms_eps);
+}
+
+/* Router logits into c->router: of the normed input, or (Gemma 4) of
+ * RMSNorm(x_in) / sqrt(n_embd) * router_in_scale. */
+static void router_logits(moe_ctx *c, const moe_expert_weights *w, uint32_t n_rows) {
+    const moe_model_config *cfg = &c->m->cfg;
+    const float *in = c->xn;
+    if (w->router_in_scale) {
+        const int64_t n_embd = cfg->n_embd;
+        const float *s = (const float *)w->router_in_scale->data;
+        const float inv_sqrt = 1.0f / sqrtf((float)n_embd);
+        norm_input(c, NULL, n_rows);
+        for (uint32_t r = 0; r < n_rows; r++)
+            for (int64_t i = 0; i < n_embd; i++)
+                c->xn2[r * n_embd + i] = c->xn2[r * n_embd + i] * inv_sqrt * s[i];
+        in = c->xn2;
+    }
+    moe_matmul(c->pool, w->router, 0, in, n_rows, c->router, c->mm_scratch);
+    moe_add_bias(c->router, w->router_b, 0, n_rows, cfg->n_expert);
+}
+
+/* y = the routed experts' weighted sum (in expert order; normed by out_norm when given), then
+ * + the shared expert's output: the order llama.cpp sums them in, before the loop adds y to the
+ * residual; then the block's output norm. */
 void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
     const moe_expert_weights *w = &l->experts;
-    moe_matmul(c->pool, w->router, 0, c->xn, n_rows, c->router, c->mm_scratch);
-    moe_add_bias(c->router, w->router_b, 0, n_rows, cfg->n_expert);
-    const moe_route_params route = {.n_expert = (int)cfg->n_expert,
-                                    .n_used = (int)cfg->n_expert_used,
-                                    .gating = cfg->gating,
-                                    .norm = cfg->norm_topk,
-                                    .scale = cfg->expert_weights_scale,
-                                    .sel_bias =
-                                        w->sel_bias ? (const float *)w->sel_bias->data : NULL,
-                                    .n_group = (int)cfg->n_expert_group,
-                                    .topk_group = (int)cfg->n_group_used};
+    router_logits(c, w, n_rows);
+    const moe_route_params route = {
+        .n_expert = (int)cfg->n_expert,
+        .n_used = (int)cfg->n_expert_used,
+        .gating = cfg->gating,
+        .norm = cfg->norm_topk,
+        .scale = cfg->expert_weights_scale,
+        .sel_bias = w->sel_bias ? (const float *)w->sel_bias->data : NULL,
+        .n_group = (int)cfg->n_expert_group,
+        .topk_group = (int)cfg->n_group_used,
+        .expert_scale = w->down_scale ? (const float *)w->down_scale->data : NULL};
     moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
     const moe_expert_set experts = {
         .gate = w->gate,
         .up = w->up,
+        .gate_up = w->gate_up,
         .down = w->down,
         .gate_b = w->gate_b,
         .up_b = w->up_b,
@@ -76,9 +111,16 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
         .source = c->expert_cache
                       ? moe_expert_cache_source(c->expert_cache, (uint32_t)(l - c->m->layers))
                       : NULL};
+    const float *in = c->xn;
+    if (w->in_norm) {
+        norm_input(c, w->in_norm, n_rows);
+        in = c->xn2;
+    }
     memset(c->y, 0, sizeof(float) * n_rows * cfg->n_embd);
-    if (!moe_experts_forward(c->pool, &experts, c->xn, n_rows, c->expert_ids, c->expert_w,
+    if (!moe_experts_forward(c->pool, &experts, in, n_rows, c->expert_ids, c->expert_w,
                              (int)cfg->n_expert_used, c->y, &c->experts, &c->stats))
         return; /* the cache keeps the read error; the step fails with it */
+    moe_rows_post_norm(c, c->y, w->out_norm, n_rows, cfg->n_embd);
     if (w->shared.gate) shared_expert(c, l, n_rows);
+    moe_rows_post_norm(c, c->y, l->ffn_post_norm, n_rows, cfg->n_embd);
 }

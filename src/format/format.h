@@ -238,6 +238,16 @@ void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype
 moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
                                       uint32_t n_dims, const int64_t *ne, const void *data,
                                       bool borrow, moe_error *err);
+/* A deferred tensor's producer: fill out[n_bytes] with the tensor's bytes when the writer reaches
+ * it (tensors are produced in the order added, one at a time); an error stops the write. */
+typedef moe_status (*moe_gguf_tensor_fill_fn)(void *ctx, const char *name, void *out,
+                                              uint64_t n_bytes, moe_error *err);
+/* Add a tensor whose bytes `fill` produces during moe_gguf_writer_write (each write calls it
+ * again), so a writer of a large model holds one tensor at a time. */
+moe_status moe_gguf_writer_add_tensor_deferred(moe_gguf_writer *w, const char *name, moe_type type,
+                                               uint32_t n_dims, const int64_t *ne,
+                                               moe_gguf_tensor_fill_fn fill, void *ctx,
+                                               moe_error *err);
 /* general.file_type: llama.cpp's `enum llama_ftype` (include/llama.h) for a file whose weights
  * are mostly `type`, named as llama-quantize names its outputs (Q4_K -> MOSTLY_Q4_K_M = 15,
  * MXFP4 -> MOSTLY_MXFP4_MOE = 38, F32 -> ALL_F32 = 0); false for types no ftype names (Q8_1,

@@ -1,6 +1,8 @@
 /* gguf_write.c: the GGUF v3 writer -- metadata, tensors, alignment padding, split output.
  *
- * Owns building a file from keys and tensors held in memory; it does not quantize (quant/ does)
+ * Owns building a file from keys and tensors held in memory, or produced one at a time while the
+ * file is written (deferred tensors: a converter holds one tensor, not the model); it does not
+ * quantize (quant/ does)
  * and never reads back what it wrote (tests do that with the reader); it names general.file_type
  * (llama.cpp's ftype numbers) from the tensors it holds when asked. Layout is llama.cpp's:
  * header, key/value pairs, tensor directory, zero padding to the alignment, then each tensor's
@@ -30,8 +32,10 @@ typedef struct writer_tensor {
     uint32_t n_dims;
     int64_t ne[MOE_GGUF_MAX_DIMS];
     uint64_t n_bytes;
-    const void *data; /* owned unless borrowed */
+    const void *data; /* owned unless borrowed; NULL for a deferred tensor */
     bool borrowed;
+    moe_gguf_tensor_fill_fn fill; /* deferred: produces the bytes while the file is written */
+    void *fill_ctx;
 } writer_tensor;
 
 typedef struct out_file {
@@ -39,6 +43,8 @@ typedef struct out_file {
     const char *path;
     uint64_t pos;
     bool failed;
+    moe_error *fill_err; /* where a deferred tensor's producer reports (NULL: none allowed) */
+    bool fill_failed;
 } out_file;
 
 struct moe_gguf_writer {
@@ -193,9 +199,9 @@ void moe_gguf_writer_set_arr(moe_gguf_writer *w, const char *key, moe_gguf_vtype
     moe_gguf_writer_set_value(w, key, &v);
 }
 
-moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
-                                      uint32_t n_dims, const int64_t *ne, const void *data,
-                                      bool borrow, moe_error *err) {
+static moe_status add_tensor(moe_gguf_writer *w, const char *name, moe_type type, uint32_t n_dims,
+                             const int64_t *ne, const void *data, bool borrow,
+                             moe_gguf_tensor_fill_fn fill, void *fill_ctx, moe_error *err) {
     const moe_type_traits *tr = moe_type_traits_get(type);
     if (!tr)
         return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': type id %u is not known", name,
@@ -227,7 +233,9 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
         return moe_error_set(err, MOE_ERR_ARG, "tensor '%s' is too large", name);
     t.name = moe_xstrdup(name);
     t.borrowed = borrow;
-    if (borrow || !data) { /* NULL data: streamed later (moe_gguf_writer_stream_tensor) */
+    if (!data && fill) {
+        t.fill = fill, t.fill_ctx = fill_ctx;
+    } else if (borrow || !data) { /* NULL data: streamed later (moe_gguf_writer_stream_tensor) */
         t.borrowed = true;
         t.data = data;
     } else {
@@ -241,6 +249,20 @@ moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_
     }
     w->tensors[w->n_tensors++] = t;
     return MOE_OK;
+}
+
+moe_status moe_gguf_writer_add_tensor(moe_gguf_writer *w, const char *name, moe_type type,
+                                      uint32_t n_dims, const int64_t *ne, const void *data,
+                                      bool borrow, moe_error *err) {
+    return add_tensor(w, name, type, n_dims, ne, data, borrow, NULL, NULL, err);
+}
+
+moe_status moe_gguf_writer_add_tensor_deferred(moe_gguf_writer *w, const char *name, moe_type type,
+                                               uint32_t n_dims, const int64_t *ne,
+                                               moe_gguf_tensor_fill_fn fill, void *ctx,
+                                               moe_error *err) {
+    if (!fill) return moe_error_set(err, MOE_ERR_ARG, "tensor '%s': no producer", name);
+    return add_tensor(w, name, type, n_dims, ne, NULL, false, fill, ctx, err);
 }
 
 /* ==== general.file_type ==== */
@@ -417,7 +439,24 @@ static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t
     write_header(w, o, t0, t1, split_no, n_split);
     for (size_t i = t0; i < t1; i++) {
         const writer_tensor *t = &w->tensors[i];
-        put(o, t->data, (size_t)t->n_bytes);
+        if (t->fill) {
+            if (o->failed) return;
+            void *buf = malloc((size_t)t->n_bytes);
+            if (!buf || !o->fill_err ||
+                t->fill(t->fill_ctx, t->name, buf, t->n_bytes, o->fill_err) != MOE_OK) {
+                if (!buf && o->fill_err)
+                    moe_error_set(o->fill_err, MOE_ERR_NOMEM,
+                                  "tensor '%s': cannot allocate %llu bytes", t->name,
+                                  (unsigned long long)t->n_bytes);
+                free(buf);
+                o->failed = o->fill_failed = true;
+                return;
+            }
+            put(o, buf, (size_t)t->n_bytes);
+            free(buf);
+        } else {
+            put(o, t->data, (size_t)t->n_bytes);
+        }
         put_zeros(o, pad_to(t->n_bytes, alignment));
     }
 }
@@ -425,14 +464,15 @@ static void write_shard(const moe_gguf_writer *w, out_file *o, size_t t0, size_t
 static moe_status write_one(const moe_gguf_writer *w, const char *path, size_t t0, size_t t1,
                             uint32_t split_no, uint32_t n_split, moe_error *err) {
     for (size_t i = t0; i < t1; i++)
-        if (!w->tensors[i].data)
+        if (!w->tensors[i].data && !w->tensors[i].fill)
             return moe_error_set(err, MOE_ERR_ARG,
                                  "tensor '%s' has no data: it was added to be streamed",
                                  w->tensors[i].name);
-    out_file o = {.f = fopen(path, "wb"), .path = path};
+    out_file o = {.f = fopen(path, "wb"), .path = path, .fill_err = err};
     if (!o.f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
     write_shard(w, &o, t0, t1, split_no, n_split);
     int closed = fclose(o.f);
+    if (o.fill_failed) return err->code;
     if (o.failed || closed != 0)
         return moe_error_set(err, MOE_ERR_IO, "%s: write failed at byte %llu: %s", path,
                              (unsigned long long)o.pos, strerror(errno));

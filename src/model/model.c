@@ -21,12 +21,12 @@
 
 extern const moe_arch_desc moe_arch_llama, moe_arch_qwen3moe, moe_arch_deepseek2, moe_arch_gpt_oss,
     moe_arch_qwen3next, moe_arch_kimi_linear, moe_arch_glm4moe, moe_arch_qwen35, moe_arch_glm5next,
-    moe_arch_glm_dsa, moe_arch_qwen35moe;
+    moe_arch_glm_dsa, moe_arch_qwen35moe, moe_arch_gemma4;
 
 static const moe_arch_desc *const archs[] = {
     &moe_arch_llama,     &moe_arch_qwen3moe,    &moe_arch_deepseek2, &moe_arch_gpt_oss,
     &moe_arch_qwen3next, &moe_arch_kimi_linear, &moe_arch_glm4moe,   &moe_arch_qwen35,
-    &moe_arch_glm5next,  &moe_arch_glm_dsa,     &moe_arch_qwen35moe,
+    &moe_arch_glm5next,  &moe_arch_glm_dsa,     &moe_arch_qwen35moe, &moe_arch_gemma4,
 };
 #define N_ARCHS (sizeof archs / sizeof archs[0])
 
@@ -204,6 +204,17 @@ bool moe_config_transformer(moe_meta *r, moe_model_config *c, moe_rope_kind rope
         return moe_meta_fail(r, MOE_ERR_FORMAT,
                              "head_count %u is not a multiple of head_count_kv %u", c->n_head,
                              c->n_head_kv);
+    for (uint32_t il = 0; il < n_planned; il++) {
+        moe_layer_plan *p = &c->layer[il];
+        if (p->n_head_kv && c->n_head % p->n_head_kv != 0)
+            return moe_meta_fail(r, MOE_ERR_FORMAT,
+                                 "head_count %u is not a multiple of layer %u's head_count_kv %u",
+                                 c->n_head, il, p->n_head_kv);
+        p->head_dim_k = c->head_dim_k;
+        p->head_dim_v = c->head_dim_v;
+        p->rope_dims = c->rope_dims;
+        p->rope_base = c->rope_base;
+    }
     if (c->head_dim_k == 0 || c->rope_dims > c->head_dim_k || c->rope_dims % 2)
         return moe_meta_fail(r, MOE_ERR_FORMAT,
                              "rope.dimension_count %u must be even and at most the head "
@@ -512,8 +523,8 @@ moe_layer_state moe_layer_state_of(const moe_model_config *c, uint32_t il) {
     const moe_layer_plan *p = &c->layer[il];
     switch (p->mixer) {
     case MOE_MIXER_ATTENTION:
-        s.k_values = (uint64_t)p->n_head_kv * c->head_dim_k;
-        s.v_values = (uint64_t)p->n_head_kv * c->head_dim_v;
+        s.k_values = (uint64_t)p->n_head_kv * p->head_dim_k;
+        s.v_values = (uint64_t)p->n_head_kv * p->head_dim_v;
         break;
     case MOE_MIXER_MLA: /* one row: the latent then the roped key; V is the latent part */
         s.k_values = (uint64_t)c->n_lora_kv + c->rope_dims;
@@ -604,6 +615,11 @@ static const moe_tensor *bind_blk(moe_binder *b, uint32_t il, const char *what, 
     return bind_name(b, name, ne0, ne1, ne2, required, f32);
 }
 
+const moe_tensor *moe_bind_tensor(moe_binder *b, const char *name, int64_t ne0, int64_t ne1,
+                                  int64_t ne2, bool required, bool f32) {
+    return bind_name(b, name, ne0, ne1, ne2, required, f32);
+}
+
 const moe_tensor *moe_bind_blk(moe_binder *b, uint32_t il, const char *what, const char *suffix,
                                int64_t ne0, int64_t ne1, int64_t ne2, bool required) {
     return bind_blk(b, il, what, suffix, ne0, ne1, ne2, required, false);
@@ -642,16 +658,22 @@ void moe_bind_nextn(moe_binder *b, uint32_t il, moe_nextn_weights *w) {
 
 void moe_bind_gqa(moe_binder *b, uint32_t il, const moe_gqa_opts *o, moe_attn_weights *w) {
     const moe_model_config *c = &b->m->cfg;
-    const uint32_t n_kv = c->layer[il].n_head_kv;
-    int64_t q = (int64_t)c->n_head * c->head_dim_k, k = (int64_t)n_kv * c->head_dim_k;
-    int64_t v = (int64_t)n_kv * c->head_dim_v, out = (int64_t)c->n_head * c->head_dim_v;
+    const moe_layer_plan *p = &c->layer[il];
+    const uint32_t n_kv = p->n_head_kv;
+    int64_t q = (int64_t)c->n_head * p->head_dim_k, k = (int64_t)n_kv * p->head_dim_k;
+    int64_t v = (int64_t)n_kv * p->head_dim_v, out = (int64_t)c->n_head * p->head_dim_v;
     w->wq = moe_bind_matrix(b, il, "attn_q", c->n_embd, c->attn_output_gate ? 2 * q : q);
     w->wk = moe_bind_matrix(b, il, "attn_k", c->n_embd, k);
-    w->wv = moe_bind_matrix(b, il, "attn_v", c->n_embd, v);
+    w->wv = moe_bind_blk(b, il, "attn_v", "weight", c->n_embd, v, 0, !o->v_optional);
+    if (!w->wv && !b->err->code && p->head_dim_k != p->head_dim_v)
+        moe_error_set(b->err, MOE_ERR_FORMAT,
+                      "%s: layer %u has no attn_v, and its keys (%u wide) cannot be its values "
+                      "(%u wide)",
+                      b->path, il, p->head_dim_k, p->head_dim_v);
     w->wo = moe_bind_matrix(b, il, "attn_output", out, c->n_embd);
     if (o->qk_norm || o->qk_norm_optional) {
-        w->q_norm = moe_bind_f32(b, il, "attn_q_norm", "weight", c->head_dim_k, 0, 0, o->qk_norm);
-        w->k_norm = moe_bind_f32(b, il, "attn_k_norm", "weight", c->head_dim_k, 0, 0, o->qk_norm);
+        w->q_norm = moe_bind_f32(b, il, "attn_q_norm", "weight", p->head_dim_k, 0, 0, o->qk_norm);
+        w->k_norm = moe_bind_f32(b, il, "attn_k_norm", "weight", p->head_dim_k, 0, 0, o->qk_norm);
         if (!w->q_norm != !w->k_norm && !b->err->code)
             moe_error_set(b->err, MOE_ERR_FORMAT,
                           "%s: layer %u has only one of attn_q_norm and attn_k_norm", b->path, il);
@@ -763,8 +785,8 @@ void moe_bind_kda(moe_binder *b, uint32_t il, bool a_flat, moe_linear_weights *w
     w->norm = moe_bind_f32(b, il, "ssm_norm", "weight", hd, 0, 0, true);
 }
 
-static void bind_gated_ffn(moe_binder *b, uint32_t il, const char *suffix, int64_t width,
-                           moe_ffn_weights *w) {
+void moe_bind_gated_ffn(moe_binder *b, uint32_t il, const char *suffix, int64_t width,
+                        moe_ffn_weights *w) {
     const int64_t n_embd = b->m->cfg.n_embd;
     char name[32];
     snprintf(name, sizeof name, "ffn_gate%s", suffix);
@@ -789,7 +811,7 @@ static void bind_experts(moe_binder *b, uint32_t il, moe_expert_weights *w) {
     w->up_b = moe_bind_f32(b, il, "ffn_up_exps", "bias", ff, n, 0, false);
     w->down_b = moe_bind_f32(b, il, "ffn_down_exps", "bias", E, n, 0, false);
     if (c->n_ff_shexp) {
-        bind_gated_ffn(b, il, "_shexp", c->n_ff_shexp, &w->shared);
+        moe_bind_gated_ffn(b, il, "_shexp", c->n_ff_shexp, &w->shared);
         w->shared_gate = moe_bind_f32(b, il, "ffn_gate_inp_shexp", "weight", E, 0, 0, false);
     }
 }
@@ -798,15 +820,15 @@ void moe_bind_ffn(moe_binder *b, uint32_t il, moe_layer_weights *l) {
     if (l->plan.ffn == MOE_FFN_EXPERTS)
         bind_experts(b, il, &l->experts);
     else
-        bind_gated_ffn(b, il, "", b->m->cfg.n_ff, &l->ffn);
+        moe_bind_gated_ffn(b, il, "", b->m->cfg.n_ff, &l->ffn);
 }
 
 bool moe_model_is_routed(const moe_tensor *t, void *model) {
     const moe_model *m = model;
     for (uint32_t il = 0; il < m->cfg.n_layer + m->n_layer_mtp; il++) {
         const moe_layer_weights *l = &m->layers[il];
-        if (l->plan.ffn == MOE_FFN_EXPERTS &&
-            (t == l->experts.gate || t == l->experts.up || t == l->experts.down))
+        if (l->plan.ffn == MOE_FFN_EXPERTS && (t == l->experts.gate || t == l->experts.up ||
+                                               t == l->experts.down || t == l->experts.gate_up))
             return true;
     }
     return false;
@@ -834,6 +856,7 @@ int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {
     const moe_ffn_weights *f = l->plan.ffn == MOE_FFN_EXPERTS ? &l->experts.shared : &l->ffn;
     if (l->plan.ffn == MOE_FFN_EXPERTS) {
         ADD(l->experts.router), ADD(l->experts.gate), ADD(l->experts.up), ADD(l->experts.down);
+        ADD(l->experts.gate_up);
     }
     ADD(f->gate), ADD(f->up), ADD(f->down);
     ADD(l->hc_attn.fn), ADD(l->hc_ffn.fn);

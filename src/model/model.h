@@ -27,6 +27,7 @@ typedef enum moe_gating {
 typedef enum moe_ffn_act {
     MOE_ACT_SILU,       /* silu(gate) * up (SwiGLU) */
     MOE_ACT_SWIGLU_OAI, /* gpt-oss: clamped gate and up, gate * sigmoid(1.702 gate) * (up + 1) */
+    MOE_ACT_GELU,       /* gelu(gate) * up (GEGLU, tanh form: Gemma) */
 } moe_ffn_act;
 
 typedef enum moe_rope_kind {
@@ -50,17 +51,22 @@ typedef enum moe_ffn_kind {
     MOE_FFN_EXPERTS, /* a router, routed experts and optional shared experts */
 } moe_ffn_kind;
 
-/* What the forward pass runs in one layer. */
+/* What the forward pass runs in one layer. The attention widths and rope are the config's in
+ * every layer (moe_config_transformer fills them in) unless the architecture says otherwise
+ * (Gemma 4's sliding layers: narrower heads, their own rope base and dims). */
 typedef struct moe_layer_plan {
     moe_mixer mixer;
     moe_ffn_kind ffn;
     uint32_t n_head_kv; /* attention.head_count_kv of this layer (0 in linear layers) */
     uint32_t window;    /* sliding window in positions (0: full attention) */
-    bool indexed;       /* MLA attending only to the keys its lightning indexer selects */
-    bool index_shared;  /* ... those the previous indexed layer selected (no indexer of its own) */
-    float clamp_exp;    /* SwiGLU clamp of the routed experts (0: none): silu(min(gate, L)) *
-                         * clamp(up, -L, L) */
-    float clamp_ffn;    /* the same for the shared experts and the dense FFN */
+    uint32_t head_dim_k, head_dim_v; /* this layer's attention head widths (<= the config's) */
+    uint32_t rope_dims;              /* leading dims of each head that rotate (<= head_dim_k) */
+    float rope_base;                 /* this layer's theta */
+    bool indexed;      /* MLA attending only to the keys its lightning indexer selects */
+    bool index_shared; /* ... those the previous indexed layer selected (no indexer of its own) */
+    float clamp_exp;   /* SwiGLU clamp of the routed experts (0: none): silu(min(gate, L)) *
+                        * clamp(up, -L, L) */
+    float clamp_ffn;   /* the same for the shared experts and the dense FFN */
 } moe_layer_plan;
 
 #define MOE_CONV_MAX_TAPS 16 /* short-conv kernel of linear attention: real models use 4 */
@@ -107,7 +113,11 @@ typedef struct moe_model_config {
                                  * expert_shared_feed_forward_length (qwen3next), else
                                  * expert_shared_count x n_ff_exp (DeepSeek, Kimi) */
     moe_ffn_act expert_act;
+    moe_ffn_act ffn_act;   /* the dense FFN's and shared experts' activation (default SiLU) */
     bool attn_output_gate; /* attn_q yields [q, gate] per head; out *= sigmoid(gate) */
+    bool attn_v_norm;      /* RMSNorm of every v head, without a weight (Gemma 4) */
+    float embd_scale;      /* token embeddings times this (0: not scaled; Gemma: sqrt(n_embd)) */
+    float final_softcap;   /* logits = cap * tanh(logits / cap) (0: none) */
     /* multi-head latent attention (n_lora_kv == 0: none). The cache row of a position is the
      * latent [n_lora_kv] then the roped key [rope_dims]: head_dim_k = n_lora_kv + rope_dims,
      * head_dim_v = n_lora_kv, one kv head. */
@@ -155,6 +165,8 @@ typedef struct moe_attn_weights {
     const moe_tensor *bq, *bk, *bv; /* f32 biases of wq, wk, wv, or NULL */
     const moe_tensor *bo;           /* f32 [n_embd] bias of wo, or NULL */
     const moe_tensor *sinks;        /* f32 [n_head]: per-head logit in the softmax denominator */
+    const moe_tensor *rope_freqs;   /* f32 [rope_dims / 2]: pair i rotates by angle / freqs[i]
+                                     * (Gemma 4's proportional rope), or NULL */
 } moe_attn_weights;
 
 /* Multi-head latent attention (MOE_MIXER_MLA): the cache row of a position is the normed
@@ -211,16 +223,27 @@ typedef struct moe_ffn_weights {
 /* Routed experts (MOE_FFN_EXPERTS), with their biases where the file has them, and the
  * shared experts run on every token beside them. */
 typedef struct moe_expert_weights {
-    const moe_tensor *router;        /* ffn_gate_inp: [n_embd] -> [n_expert] */
-    const moe_tensor *router_b;      /* [n_expert] f32 router bias (gpt-oss), or NULL */
-    const moe_tensor *sel_bias;      /* [n_expert] f32 selection-only bias (DeepSeek-V3), or NULL */
-    const moe_tensor *gate;          /* [n_embd] -> [n_ff_exp], x n_expert */
-    const moe_tensor *up;            /* [n_embd] -> [n_ff_exp], x n_expert */
-    const moe_tensor *down;          /* [n_ff_exp] -> [n_embd], x n_expert */
-    const moe_tensor *gate_b, *up_b; /* [n_ff_exp] x n_expert f32, or NULL (gpt-oss) */
-    const moe_tensor *down_b;        /* [n_embd] x n_expert f32, or NULL */
-    moe_ffn_weights shared;          /* n_ff_shexp wide; all NULL without shared experts */
-    const moe_tensor *shared_gate;   /* [n_embd] f32: shared out *= sigmoid(w . x), or NULL */
+    const moe_tensor *router;          /* ffn_gate_inp: [n_embd] -> [n_expert] */
+    const moe_tensor *router_in_scale; /* [n_embd] f32: the router reads RMSNorm(x) / sqrt(n_embd)
+                                        * * this, x the FFN's un-normed input (Gemma 4), or NULL:
+                                        * the FFN's normed input */
+    const moe_tensor *router_b;        /* [n_expert] f32 router bias (gpt-oss), or NULL */
+    const moe_tensor *sel_bias;   /* [n_expert] f32 selection-only bias (DeepSeek-V3), or NULL */
+    const moe_tensor *gate;       /* [n_embd] -> [n_ff_exp], x n_expert */
+    const moe_tensor *up;         /* [n_embd] -> [n_ff_exp], x n_expert */
+    const moe_tensor *gate_up;    /* [n_embd] -> [2 n_ff_exp] (gate rows, then up rows), x
+                                   * n_expert: gate and up fused (Gemma 4), or NULL */
+    const moe_tensor *down;       /* [n_ff_exp] -> [n_embd], x n_expert */
+    const moe_tensor *down_scale; /* [n_expert] f32: expert e's output times [e], or NULL */
+    const moe_tensor *in_norm;    /* [n_embd] f32: the routed experts read RMSNorm(x) * this,
+                                   * x the FFN's un-normed input (Gemma 4's pre_ffw_norm_2),
+                                   * or NULL: the FFN's normed input, as the shared ones */
+    const moe_tensor *out_norm;   /* [n_embd] f32 RMSNorm of the routed experts' sum, or NULL */
+    const moe_tensor *shared_out_norm; /* [n_embd] f32 RMSNorm of the shared output, or NULL */
+    const moe_tensor *gate_b, *up_b;   /* [n_ff_exp] x n_expert f32, or NULL (gpt-oss) */
+    const moe_tensor *down_b;          /* [n_embd] x n_expert f32, or NULL */
+    moe_ffn_weights shared;            /* n_ff_shexp wide; all NULL without shared experts */
+    const moe_tensor *shared_gate;     /* [n_embd] f32: shared out *= sigmoid(w . x), or NULL */
 } moe_expert_weights;
 
 /* What a NextN / multi-token-prediction layer has beside a plain layer's weights: the previous
@@ -242,16 +265,20 @@ typedef struct moe_hc_weights {
     const moe_tensor *scale; /* f32 [3]: of the pre, post and combination logits */
 } moe_hc_weights;
 
-/* One layer: its plan, its two input norms, and the weights of its mixer and FFN kinds. */
+/* One layer: its plan, its two input norms (and output norms where the architecture has them),
+ * and the weights of its mixer and FFN kinds. */
 typedef struct moe_layer_weights {
     moe_layer_plan plan;
-    moe_hc_weights hc_attn, hc_ffn; /* around the mixer and the FFN (n_hc > 0, trunk layers) */
-    const moe_tensor *attn_norm;    /* [n_embd] f32: the mixer's input RMSNorm */
-    const moe_tensor *ffn_norm;     /* [n_embd] f32: the FFN's input RMSNorm */
-    union {                         /* by plan.mixer */
-        moe_attn_weights attn;      /* MOE_MIXER_ATTENTION */
-        moe_mla_weights mla;        /* MOE_MIXER_MLA */
-        moe_linear_weights linear;  /* MOE_MIXER_GDN, MOE_MIXER_KDA */
+    moe_hc_weights hc_attn, hc_ffn;   /* around the mixer and the FFN (n_hc > 0, trunk layers) */
+    const moe_tensor *attn_norm;      /* [n_embd] f32: the mixer's input RMSNorm */
+    const moe_tensor *ffn_norm;       /* [n_embd] f32: the FFN's input RMSNorm */
+    const moe_tensor *attn_post_norm; /* [n_embd] f32 RMSNorm of the mixer's output, or NULL */
+    const moe_tensor *ffn_post_norm;  /* [n_embd] f32 RMSNorm of the FFN's output, or NULL */
+    const moe_tensor *out_scale;      /* [1] f32: the stream times this after the layer, or NULL */
+    union {                           /* by plan.mixer */
+        moe_attn_weights attn;        /* MOE_MIXER_ATTENTION */
+        moe_mla_weights mla;          /* MOE_MIXER_MLA */
+        moe_linear_weights linear;    /* MOE_MIXER_GDN, MOE_MIXER_KDA */
     };
     union {                         /* by plan.ffn */
         moe_ffn_weights ffn;        /* MOE_FFN_DENSE */

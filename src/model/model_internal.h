@@ -85,6 +85,10 @@ void moe_config_plan_mixer(moe_model_config *c, uint32_t il, moe_mixer mixer);
 
 /* ==== Binding ==== */
 
+/* A tensor by its full name (one outside the blk.<il>. layers: rope_freqs.weight), shaped
+ * ne0 x ne1 x ne2; f32: read as floats, must be F32. */
+const moe_tensor *moe_bind_tensor(moe_binder *b, const char *name, int64_t ne0, int64_t ne1,
+                                  int64_t ne2, bool required, bool f32);
 /* blk.<il>.<what>.<suffix> shaped ne0 x ne1 x ne2 (0: absent dimension); suffix NULL:
  * blk.<il>.<what> (as ssm_a). A required tensor that is missing is an error. */
 const moe_tensor *moe_bind_blk(moe_binder *b, uint32_t il, const char *what, const char *suffix,
@@ -106,6 +110,7 @@ typedef struct moe_gqa_opts {
     bool qk_norm_optional; /* ... bound when the file has them (GLM-4.5: only the 355B) */
     bool qkv_bias;         /* attn_q/k/v biases */
     bool out_bias_sinks;   /* attn_output bias and attn_sinks (gpt-oss) */
+    bool v_optional;       /* no attn_v: V is the raw K projection (Gemma 4's full layers) */
 } moe_gqa_opts;
 void moe_bind_gqa(moe_binder *b, uint32_t il, const moe_gqa_opts *o, moe_attn_weights *w);
 void moe_bind_mla(moe_binder *b, uint32_t il, moe_mla_weights *w);
@@ -121,6 +126,9 @@ void moe_bind_indexer(moe_binder *b, uint32_t il, moe_mla_weights *w);
 void moe_bind_qwen35_layer(moe_binder *b, uint32_t il, moe_layer_weights *l);
 /* hc_<site>_fn / _base / _scale: one site's hyper-connection mixer (site "attn" or "ffn"). */
 void moe_bind_hc(moe_binder *b, uint32_t il, const char *site, moe_hc_weights *w);
+/* blk.<il>.ffn_{gate,up,down}<suffix>.weight, width wide (suffix "" or "_shexp"). */
+void moe_bind_gated_ffn(moe_binder *b, uint32_t il, const char *suffix, int64_t width,
+                        moe_ffn_weights *w);
 /* The FFN the plan says: ffn_gate/up/down n_ff wide, or the router, routed and shared experts. */
 void moe_bind_ffn(moe_binder *b, uint32_t il, moe_layer_weights *l);
 

@@ -78,6 +78,8 @@ void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, i
         }
         if (p->scale != 1.0f)
             for (int k = 0; k < K; k++) w[k] *= p->scale;
+        if (p->expert_scale)
+            for (int k = 0; k < K; k++) w[k] *= p->expert_scale[id[k]];
     }
 }
 
@@ -86,8 +88,10 @@ void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, i
 bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float *x, int64_t n_rows,
                          const int32_t *ids, const float *weights, int n_used, float *out,
                          const moe_expert_scratch *s, moe_expert_stats *stats) {
-    const moe_tensor *gate = set->gate, *up = set->up, *down = set->down;
-    const int64_t n_expert = gate->ne[2], n_in = gate->ne[0], n_ff = gate->ne[1];
+    const moe_tensor *gate = set->gate_up ? set->gate_up : set->gate, *up = set->up;
+    const moe_tensor *down = set->down;
+    const bool fused = set->gate_up != NULL;
+    const int64_t n_expert = gate->ne[2], n_in = gate->ne[0], n_ff = down->ne[0];
     /* counting sort of the pairs by expert: counts[e] becomes the start of e's run */
     memset(s->counts, 0, sizeof(int32_t) * (size_t)(n_expert + 1));
     const int64_t n_pairs = n_rows * n_used;
@@ -109,9 +113,10 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
     const moe_expert_source *src = set->source;
     const int max_group =
         src && src->max_group < MOE_MATMUL_MANY_MAX / 2 ? src->max_group : MOE_MATMUL_MANY_MAX / 2;
-    const uint64_t xq_in = moe_matmul_scratch_bytes(gate, 1) > moe_matmul_scratch_bytes(up, 1)
-                               ? moe_matmul_scratch_bytes(gate, 1)
-                               : moe_matmul_scratch_bytes(up, 1);
+    const uint64_t xq_in =
+        fused || moe_matmul_scratch_bytes(gate, 1) > moe_matmul_scratch_bytes(up, 1)
+            ? moe_matmul_scratch_bytes(gate, 1)
+            : moe_matmul_scratch_bytes(up, 1);
     const uint64_t xq_ff = moe_matmul_scratch_bytes(down, 1);
     uint64_t touched = 0;
     for (int64_t e = 0; e < n_expert;) {
@@ -128,25 +133,34 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
             /* an expert's matrices: its slice of the stacked tensors, or the source's views */
 #define EXPERT_W(g, k, t) (src ? &views[3 * (g) + (k)] : (t))
 #define EXPERT_I(g)       (src ? 0 : group[g])
-        /* gather each expert's rows, then gate and up for the whole group */
-        int64_t off = 0;
+        /* gather each expert's rows, then gate and up for the whole group (fused: one matmul
+         * per expert into rows of [gate, up], split below) */
+        int64_t off = 0, n_tasks = 0;
         for (int g = 0; g < n_group; g++) {
             const int64_t ge = group[g], begin = ge ? s->counts[ge - 1] : 0,
                           n = s->counts[ge] - begin;
             for (int64_t i = 0; i < n; i++)
                 memcpy(s->x + (off + i) * n_in, x + (int64_t)s->pair_row[begin + i] * n_in,
                        sizeof(float) * (size_t)n_in);
-            tasks[2 * g] =
-                (moe_matmul_task){EXPERT_W(g, 0, gate), EXPERT_I(g),
-                                  s->x + off * n_in,    n,
-                                  s->gate + off * n_ff, (uint8_t *)s->mm + (uint64_t)off * xq_in};
-            tasks[2 * g + 1] =
-                (moe_matmul_task){EXPERT_W(g, 1, up), EXPERT_I(g),
-                                  s->x + off * n_in,  n,
-                                  s->up + off * n_ff, (uint8_t *)s->mm_up + (uint64_t)off * xq_in};
+            tasks[n_tasks++] = (moe_matmul_task){EXPERT_W(g, 0, gate),
+                                                 EXPERT_I(g),
+                                                 s->x + off * n_in,
+                                                 n,
+                                                 s->gate + off * (fused ? 2 : 1) * n_ff,
+                                                 (uint8_t *)s->mm + (uint64_t)off * xq_in};
+            if (!fused)
+                tasks[n_tasks++] = (moe_matmul_task){
+                    EXPERT_W(g, 1, up), EXPERT_I(g),
+                    s->x + off * n_in,  n,
+                    s->up + off * n_ff, (uint8_t *)s->mm_up + (uint64_t)off * xq_in};
             off += n;
         }
-        moe_matmul_many(pool, tasks, 2 * n_group);
+        moe_matmul_many(pool, tasks, (int)n_tasks);
+        if (fused) /* rows [gate, up] -> gate rows and up rows (gate moves down in place) */
+            for (int64_t i = 0; i < rows; i++) {
+                memcpy(s->up + i * n_ff, s->gate + (2 * i + 1) * n_ff, sizeof(float) * n_ff);
+                memmove(s->gate + i * n_ff, s->gate + 2 * i * n_ff, sizeof(float) * n_ff);
+            }
         off = 0;
         for (int g = 0; g < n_group; g++) {
             const int64_t ge = group[g], n = s->counts[ge] - (ge ? s->counts[ge - 1] : 0);

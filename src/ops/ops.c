@@ -15,7 +15,7 @@ void moe_rmsnorm(float *out, const float *x, const float *w, int64_t n, float ep
     double sum = 0.0; /* ggml sums squares in a wider type, then divides */
     for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
     const float scale = 1.0f / sqrtf((float)(sum / (double)n) + eps);
-    if (!w) {
+    if (!w) { /* ggml_rms_norm without a weight */
         for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale;
         return;
     }
@@ -49,6 +49,15 @@ void moe_swiglu_oai(float *x, const float *gate, int64_t n) {
     }
 }
 
+float moe_gelu(float x) {
+    const float sqrt_2_over_pi = 0.79788456080286535588f, coef = 0.044715f;
+    return 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * x * (1.0f + coef * x * x)));
+}
+
+void moe_geglu(float *x, const float *gate, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] *= moe_gelu(gate[i]);
+}
+
 void moe_swiglu_clamped(float *x, const float *gate, int64_t n, float limit) {
     for (int64_t i = 0; i < n; i++) {
         const float g = fminf(gate[i], limit);
@@ -59,6 +68,8 @@ void moe_swiglu_clamped(float *x, const float *gate, int64_t n, float limit) {
 void moe_glu(moe_ffn_act act, float limit, float *x, const float *gate, int64_t n) {
     if (act == MOE_ACT_SWIGLU_OAI)
         moe_swiglu_oai(x, gate, n);
+    else if (act == MOE_ACT_GELU)
+        moe_geglu(x, gate, n);
     else if (limit > 0)
         moe_swiglu_clamped(x, gate, n, limit);
     else
@@ -98,10 +109,11 @@ static float rope_yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float b
     return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2 * (float)M_PI)) / (2 * logf(base));
 }
 
-moe_rope_params moe_rope_params_from_config(const moe_model_config *c) {
-    moe_rope_params p = {.n_dims = c->rope_kind == MOE_ROPE_NONE ? 0 : (int)c->rope_dims,
+/* The config's rope kind and scaling over n_dims dims with theta base. */
+static moe_rope_params rope_params(const moe_model_config *c, uint32_t n_dims, float base) {
+    moe_rope_params p = {.n_dims = c->rope_kind == MOE_ROPE_NONE ? 0 : (int)n_dims,
                          .neox = c->rope_kind == MOE_ROPE_NEOX,
-                         .base = c->rope_base,
+                         .base = base,
                          .freq_scale = c->rope_freq_scale,
                          .ext_factor = c->rope_ext_factor,
                          .attn_factor = c->rope_attn_factor};
@@ -111,6 +123,14 @@ moe_rope_params moe_rope_params_from_config(const moe_model_config *c) {
     p.corr_dims[0] = fmaxf(0.0f, start);
     p.corr_dims[1] = fminf((float)(p.n_dims - 1), end);
     return p;
+}
+
+moe_rope_params moe_rope_params_from_config(const moe_model_config *c) {
+    return rope_params(c, c->rope_dims, c->rope_base);
+}
+
+moe_rope_params moe_rope_params_of_layer(const moe_model_config *c, const moe_layer_plan *p) {
+    return rope_params(c, p->rope_dims, p->rope_base);
 }
 
 /* cos and sin of pair i0/2 at unscaled angle theta_extrap, as ggml's rope_yarn. */
@@ -137,7 +157,7 @@ void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_p
         float theta = (float)pos;
         for (int i = 0; i < half; i++) {
             float c, s;
-            rope_yarn(theta, 2 * i, p, &c, &s);
+            rope_yarn(p->freq_factors ? theta / p->freq_factors[i] : theta, 2 * i, p, &c, &s);
             const int a = p->neox ? i : 2 * i, b = p->neox ? i + half : 2 * i + 1;
             const float x0 = xh[a], x1 = xh[b];
             xh[a] = x0 * c - x1 * s;
@@ -242,8 +262,20 @@ static void matmul_many_items(void *arg, int64_t begin, int64_t end, int thread)
     }
 }
 
+static moe_matmul_observer_fn matmul_observer;
+static void *matmul_observer_ctx;
+
+void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx) {
+    matmul_observer = fn;
+    matmul_observer_ctx = ctx;
+}
+
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) {
     MOE_CHECK(n_tasks >= 0 && n_tasks <= MOE_MATMUL_MANY_MAX);
+    if (matmul_observer)
+        for (int i = 0; i < n_tasks; i++)
+            matmul_observer(matmul_observer_ctx, tasks[i].w, tasks[i].matrix, tasks[i].x,
+                            tasks[i].n_rows);
     matmul_many m;
     m.n = n_tasks;
     m.first[0] = 0;

@@ -28,6 +28,11 @@ void moe_swiglu(float *x, const float *gate, int64_t n);
 #define MOE_SWIGLU_OAI_ALPHA 1.702f
 #define MOE_SWIGLU_OAI_LIMIT 7.0f
 void moe_swiglu_oai(float *x, const float *gate, int64_t n);
+/* The tanh form of GELU, in f32: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). (ggml's CPU
+ * GELU goes through an fp16 table; this one does not.) */
+float moe_gelu(float x);
+/* x[i] = gelu(gate[i]) * x[i] (GEGLU: x holds `up`). */
+void moe_geglu(float *x, const float *gate, int64_t n);
 /* x[i] = act(gate[i]) * x[i] for the activation kind. */
 /* SwiGLU with both inputs clamped (GLM-5.3): x = silu(min(gate, limit)) * clamp(x, -limit, limit).
  */
@@ -50,11 +55,15 @@ typedef struct moe_rope_params {
     float ext_factor;   /* YaRN: how much of the unscaled angle the low dims keep (0: off) */
     float attn_factor;  /* cos/sin magnitude; YaRN multiplies it by 1 + 0.1 ln(1/freq_scale) */
     float corr_dims[2]; /* YaRN: pairs below [0] keep the unscaled angle, above [1] the scaled */
+    const float *freq_factors; /* [n_dims / 2]: pair i's angle divided by [i] (ggml's rope
+                                * freq_factors, Gemma 4's proportional rope), or NULL */
 } moe_rope_params;
 
 /* The rope of a model's config (its rope_dims, kind, base, scaling and YaRN correction range,
  * computed as ggml_rope_yarn_corr_dims does). */
 moe_rope_params moe_rope_params_from_config(const moe_model_config *c);
+/* The same over a layer's own rope dims and base (its plan); freq_factors left NULL. */
+moe_rope_params moe_rope_params_of_layer(const moe_model_config *c, const moe_layer_plan *p);
 /* Rotate n_heads heads of head_dim values each, for position pos, in place (the leading
  * n_dims values of each head; pass a pointer into the head for a rope part further in). */
 void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_params *p);
@@ -81,6 +90,13 @@ typedef struct moe_matmul_task {
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks);
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
                 float *y, void *scratch);
+/* An observer of every matmul's input rows (moe imatrix): called on the calling thread, once per
+ * task before its product, with the weight, its 2-D slice (the expert) and the float activation
+ * rows. Process-wide and not synchronised: set it before a forward pass, never while one runs;
+ * NULL (the default) observes nothing. */
+typedef void (*moe_matmul_observer_fn)(void *ctx, const moe_tensor *w, int64_t matrix,
+                                       const float *x, int64_t n_rows);
+void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx);
 /* Row `row` of a 2-D tensor dequantized to float (embedding lookup). */
 void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out);
 
@@ -157,10 +173,12 @@ void moe_delta_rule_chunked(const moe_delta_args *a, int64_t n_tok, float *state
 typedef struct moe_route_params {
     int n_expert, n_used;
     moe_gating gating;
-    bool norm;               /* renormalise the chosen weights to sum to 1 */
-    float scale;             /* multiply the chosen weights (routed_scaling_factor) */
-    const float *sel_bias;   /* [n_expert] added for selection only (exp_probs_b), or NULL */
-    int n_group, topk_group; /* grouped top-k (n_group <= 1: off) */
+    bool norm;                 /* renormalise the chosen weights to sum to 1 */
+    float scale;               /* multiply the chosen weights (routed_scaling_factor) */
+    const float *sel_bias;     /* [n_expert] added for selection only (exp_probs_b), or NULL */
+    int n_group, topk_group;   /* grouped top-k (n_group <= 1: off) */
+    const float *expert_scale; /* [n_expert]: a chosen expert's weight times [e] last (Gemma 4's
+                                * per-expert output scale), or NULL */
 } moe_route_params;
 
 /* Router logits [n_rows][n_expert] -> chosen experts ids [n_rows][n_used] (best first) and
@@ -178,8 +196,9 @@ typedef struct moe_expert_stats {
 
 /* Where a layer's experts come from when they are not all resident (an expert cache): before a
  * group of experts runs, acquire makes them resident and keeps them so until release; views
- * [3 n] get, for ids[i], its gate, up and down matrix as one-matrix tensors. acquire false: they
- * could not be read (the source keeps the error); the dispatch stops. */
+ * [3 n] get, for ids[i], its gate (or fused gate_up), up (unused when fused) and down matrix as
+ * one-matrix tensors. acquire false: they could not be read (the source keeps the error); the
+ * dispatch stops. */
 typedef struct moe_expert_source {
     bool (*acquire)(void *ctx, const int32_t *ids, int n, moe_tensor *views);
     void (*release)(void *ctx, const int32_t *ids, int n);
@@ -187,9 +206,10 @@ typedef struct moe_expert_source {
     int max_group; /* experts resident at once at most */
 } moe_expert_source;
 
-/* One layer's routed experts as the dispatch runs them. */
+/* One layer's routed experts as the dispatch runs them: gate and up apart, or fused. */
 typedef struct moe_expert_set {
-    const moe_tensor *gate, *up;     /* [n_in] -> [n_ff], x n_expert */
+    const moe_tensor *gate, *up;     /* [n_in] -> [n_ff], x n_expert; NULL with gate_up */
+    const moe_tensor *gate_up;       /* [n_in] -> [2 n_ff] (gate rows, then up), x n_expert */
     const moe_tensor *down;          /* [n_ff] -> [n_in], x n_expert */
     const moe_tensor *gate_b, *up_b; /* F32 [n_ff] x n_expert biases, or NULL */
     const moe_tensor *down_b;        /* F32 [n_in] x n_expert, or NULL */
@@ -204,7 +224,7 @@ typedef struct moe_expert_scratch {
     int32_t *pair_row; /* [max_rows * n_used] rows grouped by expert */
     float *pair_w;     /* [max_rows * n_used] their weights */
     float *x;          /* [max_rows][n_in] gathered rows of one expert */
-    float *gate, *up;  /* [max_rows][n_ff_exp] */
+    float *gate, *up;  /* [max_rows][n_ff_exp] ([max_rows][2 n_ff_exp] gate with gate_up) */
     float *y;          /* [max_rows][n_in] one expert's outputs */
     void *mm, *mm_up;  /* moe_matmul scratch for max_rows rows of the widest input, twice: the
                           gate and up matmuls of a group of experts convert their rows at once */

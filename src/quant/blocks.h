@@ -368,7 +368,8 @@ MOE_REF_TO_FLOAT(iq1_s);
 MOE_REF_TO_FLOAT(iq1_m);
 MOE_REF_TO_FLOAT(iq4_xs);
 
-/* Weight quantizers: ggml's *_ref quantizers with no importance matrix. */
+/* Weight quantizers: ggml's quantizers with no importance matrix (IQ1 / IQ2: an all-ones one,
+ * see quantize.c). */
 MOE_REF_FROM_FLOAT(f32);
 MOE_REF_FROM_FLOAT(f16);
 MOE_REF_FROM_FLOAT(bf16);
@@ -380,9 +381,20 @@ MOE_REF_FROM_FLOAT(q8_0);
 MOE_REF_FROM_FLOAT(q8_1);
 MOE_REF_FROM_FLOAT(q8_k);
 MOE_REF_FROM_FLOAT(iq4_nl);
+MOE_REF_FROM_FLOAT(q2_k);
+MOE_REF_FROM_FLOAT(q3_k);
 MOE_REF_FROM_FLOAT(q4_k);
+MOE_REF_FROM_FLOAT(q5_k);
 MOE_REF_FROM_FLOAT(q6_k);
 MOE_REF_FROM_FLOAT(iq4_xs);
+MOE_REF_FROM_FLOAT(mxfp4);
+MOE_REF_FROM_FLOAT(iq2_xxs);
+MOE_REF_FROM_FLOAT(iq2_xs);
+MOE_REF_FROM_FLOAT(iq2_s);
+MOE_REF_FROM_FLOAT(iq3_xxs);
+MOE_REF_FROM_FLOAT(iq3_s);
+MOE_REF_FROM_FLOAT(iq1_s);
+MOE_REF_FROM_FLOAT(iq1_m);
 
 /* Activation quantizers: what ggml-cpu's from_float writes for its dots (ref.c says how they
  * differ from the weight quantizers of the same type). */

@@ -98,6 +98,27 @@ void moe_quantize_row_for_dot(moe_type wtype, const float *x, void *out, int64_t
  * Slow but exact to float rounding; the quality yardstick for the integer paths. */
 float moe_dot_f32_ref(moe_type type, const void *w, const float *x, int64_t n);
 
+/* ==== Weight quantizers (quantize.c, quantize_k.c, quantize_iq.c) ====
+ *
+ * Every type moe writes, quantized as ggml_quantize_chunk does: without an importance vector the
+ * type's reference fit, with one (imatrix[n], per column of the row, the same for every row) the
+ * weighted fit ggml uses. Deterministic: the same floats give the same bytes on any thread count.
+ */
+
+/* One row of n values (a multiple of the block size) into blocks; imatrix may be NULL. */
+typedef void (*moe_quantize_fn)(const float *x, void *blocks, int64_t n, const float *imatrix);
+/* Whether moe has a quantizer for type t. */
+bool moe_type_can_quantize(moe_type t);
+/* IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S: llama.cpp refuses them without an importance matrix (too few
+ * bits to spend on unimportant columns); given none, moe_quantize_row uses all-ones. */
+bool moe_type_needs_imatrix(moe_type t);
+/* Quantize one row; dies on a type without a quantizer or n not a multiple of the block. */
+void moe_quantize_row(moe_type t, const float *x, void *out, int64_t n, const float *imatrix);
+/* n_rows rows of n values, row r at x + r * n, written at out + r * moe_type_row_bytes(t, n), on
+ * the pool's threads (NULL: the caller alone). */
+void moe_quantize_rows(moe_type t, const float *x, void *out, int64_t n_rows, int64_t n,
+                       const float *imatrix, moe_pool *pool);
+
 /* ==== Random valid rows (random.c): for tests, benchmarks and synthetic models ==== */
 
 /* Fill a row of n values of type t (n a multiple of the block size) with random valid data:

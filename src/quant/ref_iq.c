@@ -1,7 +1,7 @@
 /* ref_iq.c: scalar reference for the codebook ("IQ") types: decoders for IQ1_S IQ1_M IQ2_XXS
  * IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ4_XS into the super-block mold of blocks.h, and ggml's IQ4_NL /
- * IQ4_XS quantizer (no importance matrix). The IQ1 / IQ2 / IQ3 quantizers are not here: they
- * need ggml's run-time neighbour maps and an importance matrix, and moe only reads those types.
+ * IQ4_XS quantizer (with or without an importance vector). The IQ1 / IQ2 / IQ3 quantizers, with
+ * their lattice searches, are in quantize_iq.c.
  *
  * Grids come from iq_tables.c; value k of a grid entry is bits 8k..8k+7 of the integer, so the
  * decoders do not depend on the host's byte order. The trap: ggml writes these dequantizers as
@@ -11,8 +11,10 @@
  * rounded once, and every other factor is a power of two or an exact small integer, while the
  * fp16 d keeps all intermediate values far from float subnormals. */
 #include "blocks.h"
+#include "quantize_internal.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 /* ==== Grid and sign decoding, shared by IQ2_* and IQ3_* ==== */
@@ -176,33 +178,53 @@ MOE_KQ_KERNELS(iq1_s)
 MOE_KQ_KERNELS(iq1_m)
 MOE_KQ_KERNELS(iq4_xs)
 
-/* ==== IQ4_NL / IQ4_XS quantizer (ggml's quantize_row_iq4_nl_impl, ntry 7, no imatrix) ==== */
+/* ==== IQ4_NL / IQ4_XS quantizer (ggml's quantize_row_iq4_nl_impl, ntry 7) ==== */
 
 #define GROUP_MAX_EPS 1e-15f
 
-/* Index of the codebook value nearest to x (values sorted ascending; ties go up). */
-static int nearest_codebook(const int8_t *values, int n, float x) {
+/* Index of the codebook value nearest to x (16 values sorted ascending; ties go up), as ggml's
+ * best_index_int8 decides it: the bracketing pair, then x - lo < hi - x in float. The bracket is
+ * found without branches (the largest i with values[i] <= x), which is the same pair ggml's
+ * bisection ends on, for speed: this runs 16 times per value in the IQ4 scale search. */
+static int nearest_codebook(const int8_t *values, float x) {
     if (x <= values[0]) return 0;
-    if (x >= values[n - 1]) return n - 1;
-    int ml = 0, mu = n - 1;
-    while (mu - ml > 1) {
-        int mid = (ml + mu) / 2;
-        if (x < values[mid])
-            mu = mid;
-        else
-            ml = mid;
-    }
-    return x - values[mu - 1] < values[mu] - x ? mu - 1 : mu;
+    if (x >= values[15]) return 15;
+    int lo = 0;
+    for (int step = 8; step > 0; step >>= 1) lo = x >= values[lo + step] ? lo + step : lo;
+    return x - values[lo] < values[lo + 1] - x ? lo : lo + 1;
 }
 
 /* Best scale for one 32-value block: starts at d = -max/values[0], refits by weighted least
- * squares (weight x^2), then tries 15 scales (itry + values[0])/max and keeps the best. Leaves
- * the block's codes in L; returns the scale (0 for an all-zero block, L then untouched). */
-static float iq4_fit_block(const float *xb, uint8_t *L) {
+ * squares (weights: qw[j] * sqrt(sigma2 + x^2) with an importance vector, else x^2), then tries
+ * 15 scales (itry + values[0])/max and keeps the best. Leaves the block's codes in L; returns the
+ * scale (0 for an all-zero block, L then untouched). */
+void moe_iq4_pass_ref(const float *xb, const float *weight, float id, uint8_t *L, float *sumqx,
+                      float *sumq2) {
+    const int8_t *values = moe_kvalues_iq4nl;
+    float a = 0, b = 0;
+    for (int j = 0; j < 32; j++) {
+        int l = nearest_codebook(values, id * xb[j]);
+        if (L) L[j] = (uint8_t)l;
+        float q = values[l], w = weight[j];
+        a += w * q * xb[j];
+        b += w * q * q;
+    }
+    *sumqx = a, *sumq2 = b;
+}
+
+static moe_iq4_pass_fn iq4_pass = moe_iq4_pass_ref;
+static pthread_once_t iq4_pass_once = PTHREAD_ONCE_INIT;
+static void iq4_pass_choose(void) {
+    if (moe_cpu_isa() >= MOE_ISA_AVX2) iq4_pass = moe_iq4_pass_avx2;
+}
+
+static float iq4_fit_block(const float *xb, const float *qw, float sigma2, uint8_t *L) {
     const int8_t *values = moe_kvalues_iq4nl;
     const int ntry = 7;
     float weight[32];
-    for (int j = 0; j < 32; j++) weight[j] = xb[j] * xb[j];
+    pthread_once(&iq4_pass_once, iq4_pass_choose);
+    for (int j = 0; j < 32; j++)
+        weight[j] = qw ? qw[j] * sqrtf(sigma2 + xb[j] * xb[j]) : xb[j] * xb[j];
     float amax = 0, max = 0;
     for (int j = 0; j < 32; j++) {
         float ax = fabsf(xb[j]);
@@ -211,25 +233,13 @@ static float iq4_fit_block(const float *xb, uint8_t *L) {
     if (amax < GROUP_MAX_EPS) return 0;
     float d = -max / values[0];
     float id = 1 / d;
-    float sumqx = 0, sumq2 = 0;
-    for (int j = 0; j < 32; j++) {
-        int l = nearest_codebook(values, 16, id * xb[j]);
-        L[j] = (uint8_t)l;
-        float q = values[l], w = weight[j];
-        sumqx += w * q * xb[j];
-        sumq2 += w * q * q;
-    }
-    d = sumqx / sumq2;
+    float sumqx, sumq2;
+    iq4_pass(xb, weight, id, L, &sumqx, &sumq2);
+    d = sumq2 > 0 ? sumqx / sumq2 : 0.f;
     float best = d * sumqx;
     for (int itry = -ntry; itry <= ntry; ++itry) {
         id = (itry + values[0]) / max;
-        sumqx = sumq2 = 0;
-        for (int j = 0; j < 32; j++) {
-            int l = nearest_codebook(values, 16, id * xb[j]);
-            float q = values[l], w = weight[j];
-            sumqx += w * q * xb[j];
-            sumq2 += w * q * q;
-        }
+        iq4_pass(xb, weight, id, NULL, &sumqx, &sumq2);
         if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
             d = sumqx / sumq2;
             best = d * sumqx;
@@ -240,51 +250,67 @@ static float iq4_fit_block(const float *xb, uint8_t *L) {
 
 static void iq4_codes(const float *xb, float scale, uint8_t L[32]) {
     const float id = scale ? 1 / scale : 0.f;
-    for (int j = 0; j < 32; j++)
-        L[j] = (uint8_t)nearest_codebook(moe_kvalues_iq4nl, 16, id * xb[j]);
+    for (int j = 0; j < 32; j++) L[j] = (uint8_t)nearest_codebook(moe_kvalues_iq4nl, id * xb[j]);
 }
 
 static void iq4_pack(const uint8_t L[32], uint8_t qs[16]) {
     for (int j = 0; j < 16; j++) qs[j] = (uint8_t)(L[j] | L[16 + j] << 4);
 }
 
-MOE_REF_FROM_FLOAT(iq4_nl) {
-    moe_block_iq4_nl *y = blocks;
+/* sigma2 of ggml's quantize_row_iq4_nl_impl: 2/n times the sum of squares of n values */
+static float iq4_sigma2(const float *x, int n) {
+    float s = 0;
+    for (int j = 0; j < n; ++j) s += x[j] * x[j];
+    return s * (2.f / n);
+}
+
+MOE_QUANTIZE_FN(iq4_nl) {
+    moe_block_iq4_nl *b = y;
     uint8_t L[32];
-    for (int64_t i = 0; i < n / 32; i++, in += 32) {
+    for (int64_t i = 0; i < n / 32; i++, x += 32) {
         /* the fitted codes are recomputed from the fp32 scale (ggml does the same) */
-        const float d = iq4_fit_block(in, L);
-        y[i].d = moe_f32_to_fp16(d);
-        iq4_codes(in, d, L);
-        iq4_pack(L, y[i].qs);
+        const float d = iq4_fit_block(x, qw ? qw + 32 * i : NULL, qw ? iq4_sigma2(x, 32) : 0, L);
+        b[i].d = moe_f32_to_fp16(d);
+        iq4_codes(x, d, L);
+        iq4_pack(L, b[i].qs);
     }
 }
 
-MOE_REF_FROM_FLOAT(iq4_xs) {
-    moe_block_iq4_xs *y = blocks;
+MOE_QUANTIZE_FN(iq4_xs) {
+    moe_block_iq4_xs *b = y;
     uint8_t L[32];
     float scales[8];
-    for (int64_t i = 0; i < n / MOE_QK_K; i++, in += MOE_QK_K) {
+    for (int64_t i = 0; i < n / MOE_QK_K; i++, x += MOE_QK_K) {
+        const float sigma2 = qw ? iq4_sigma2(x, MOE_QK_K) : 0;
         float max_scale = 0, amax_scale = 0;
         for (int ib = 0; ib < 8; ib++) {
-            scales[ib] = iq4_fit_block(in + 32 * ib, L);
+            scales[ib] =
+                iq4_fit_block(x + 32 * ib, qw ? qw + MOE_QK_K * i + 32 * ib : NULL, sigma2, L);
             if (fabsf(scales[ib]) > amax_scale)
                 amax_scale = fabsf(scales[ib]), max_scale = scales[ib];
         }
         /* 6-bit sub-block scales ls - 32 relative to d = -max_scale/32 */
         const float d = -max_scale / 32;
         const float id = d ? 1 / d : 0.f;
-        y[i].d = moe_f32_to_fp16(d);
-        y[i].scales_h = 0;
-        memset(y[i].scales_l, 0, sizeof y[i].scales_l);
+        b[i].d = moe_f32_to_fp16(d);
+        b[i].scales_h = 0;
+        memset(b[i].scales_l, 0, sizeof b[i].scales_l);
         for (int ib = 0; ib < 8; ib++) {
             int l = moe_nearest_int(id * scales[ib]);
             l = l < -32 ? -32 : l > 31 ? 31 : l;
-            iq4_codes(in + 32 * ib, d * l, L);
-            iq4_pack(L, y[i].qs + 16 * ib);
+            iq4_codes(x + 32 * ib, d * l, L);
+            iq4_pack(L, b[i].qs + 16 * ib);
             l += 32;
-            y[i].scales_l[ib / 2] |= (uint8_t)((l & 0xF) << (4 * (ib % 2)));
-            y[i].scales_h |= (uint16_t)((l >> 4) << (2 * ib));
+            b[i].scales_l[ib / 2] |= (uint8_t)((l & 0xF) << (4 * (ib % 2)));
+            b[i].scales_h |= (uint16_t)((l >> 4) << (2 * ib));
         }
     }
+}
+
+MOE_REF_FROM_FLOAT(iq4_nl) {
+    moe_quantize_iq4_nl(in, blocks, n, NULL);
+}
+
+MOE_REF_FROM_FLOAT(iq4_xs) {
+    moe_quantize_iq4_xs(in, blocks, n, NULL);
 }

@@ -55,7 +55,8 @@ static bool parse_system(serve_http *h, json_t *body, serve_chat *chat) {
         size_t i;
         json_t *b;
         json_array_foreach(sys, i, b) {
-            const char *t = json_string_value(json_object_get(b, "text"));
+            json_t *tv = json_object_get(b, "text");
+            const char *t = json_string_value(tv);
             const char *type = json_string_value(json_object_get(b, "type"));
             if (!t || !type || strcmp(type, "text") != 0) {
                 moe_strbuf_free(&text);
@@ -63,14 +64,14 @@ static bool parse_system(serve_http *h, json_t *body, serve_chat *chat) {
             }
             if (i == 0 && strncmp(t, "x-anthropic-billing-header:", 27) == 0) continue;
             if (text.len) moe_strbuf_puts(&text, "\n\n");
-            moe_strbuf_puts(&text, t);
+            moe_strbuf_put(&text, t, json_string_length(tv));
         }
     } else if (!blocks_text(h, sys, "system", &text)) {
         moe_strbuf_free(&text);
         return false;
     }
     serve_message *m = serve_chat_add(chat, "system");
-    m->content = moe_strbuf_take(&text);
+    m->content = text; /* moved */
     return true;
 }
 
@@ -91,7 +92,7 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
         json_t *content = json_object_get(m, "content");
         if (json_is_string(content)) {
             serve_message *msg = serve_chat_add(chat, role);
-            msg->content = moe_xstrndup(json_string_value(content), json_string_length(content));
+            moe_strbuf_put(&msg->content, json_string_value(content), json_string_length(content));
             continue;
         }
         if (!json_is_array(content))
@@ -110,11 +111,12 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
         json_array_foreach(content, k, b) {
             const char *type = json_string_value(json_object_get(b, "type"));
             if (!type) type = "";
-            if (strcmp(type, "text") == 0 && json_is_string(json_object_get(b, "text"))) {
-                moe_strbuf_puts(&text, json_string_value(json_object_get(b, "text")));
+            json_t *t = json_object_get(b, strcmp(type, "text") == 0 ? "text" : "thinking");
+            if (strcmp(type, "text") == 0 && json_is_string(t)) {
+                moe_strbuf_put(&text, json_string_value(t), json_string_length(t));
             } else if (strcmp(type, "thinking") == 0 || strcmp(type, "redacted_thinking") == 0) {
-                const char *t = json_string_value(json_object_get(b, "thinking"));
-                if (t) moe_strbuf_puts(&thinking, t);
+                if (json_is_string(t))
+                    moe_strbuf_put(&thinking, json_string_value(t), json_string_length(t));
             } else if (strcmp(type, "tool_use") == 0 && msg) {
                 const char *id = json_string_value(json_object_get(b, "id"));
                 const char *name = json_string_value(json_object_get(b, "name"));
@@ -139,7 +141,7 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
                 char sub[160];
                 snprintf(sub, sizeof sub, "%s.content.%zu.content", field, k);
                 if (c && !json_is_null(c) && !blocks_text(h, c, sub, &r)) ok = false;
-                tm->content = moe_strbuf_take(&r);
+                tm->content = r; /* moved */
                 if (!ok) break;
             } else {
                 serve_reply_error(h, SERVE_API_ANTHROPIC, 400, field, NULL,
@@ -153,11 +155,13 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
             }
         }
         if (msg) {
-            msg->content = moe_strbuf_take(&text);
-            msg->reasoning = thinking.s; /* NULL when there was none */
-            thinking = (moe_strbuf){0};
+            moe_strbuf_put(&text, "", 0); /* present, if empty */
+            msg->content = text;          /* moved */
+            msg->reasoning = thinking;    /* .s NULL when there was none */
+            text = thinking = (moe_strbuf){0};
         } else if (text.len) {
-            serve_chat_add(chat, "user")->content = moe_strbuf_take(&text);
+            serve_chat_add(chat, "user")->content = text; /* moved */
+            text = (moe_strbuf){0};
         }
         moe_strbuf_free(&text);
         moe_strbuf_free(&thinking);
@@ -213,7 +217,7 @@ static bool parse_request(serve_http *h, json_t *body, serve_req *req, serve_cha
     return parse_system(h, body, chat) && parse_messages(h, body, chat) &&
            parse_tools(h, body, chat) &&
            serve_parse_template_kwargs(h, SERVE_API_ANTHROPIC, body, chat) &&
-           serve_chat_prompt(h, SERVE_API_ANTHROPIC, chat, &req->gen, prompt);
+           serve_chat_prompt(h, SERVE_API_ANTHROPIC, chat, &req->gen, prompt, NULL);
 }
 
 /* ==== Output ==== */

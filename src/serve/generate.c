@@ -5,87 +5,17 @@
  * of a failure, and of the whole response; everything else happens here once. Replays (the
  * tests' view of the adapters) run the same callbacks on given model text.
  *
+ * Nothing here waits: after submitting, the exchange is parked (serve_park) and the continuation
+ * runs again at every piece of news from the engine.
+ *
  * The trap: once the stream is handed to the transport (serve_reply_sse), the request and the
  * state belong to the stream, which frees them when the connection ends -- the handler must not
- * touch either after serve_generate returns. */
+ * touch either after serve_generate returns; before that, they belong to the parked job. */
 #include "serve_internal.h"
 
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-/* ==== Waiting for the engine ==== */
-
-/* Submit and wait for admission; replies (and returns false) on a full queue, a timeout, a
- * hang-up or a server not ready. */
-static bool submit_and_wait(serve_http *h, serve_api api, serve_req *req, serve_taken *t) {
-    switch (serve_sched_submit(h->srv->sched, req)) {
-    case SERVE_SUBMIT_OK:
-        break;
-    case SERVE_SUBMIT_QUEUE_FULL:
-        pthread_mutex_lock(&h->srv->metrics.mu);
-        h->srv->metrics.rejected_queue_full++;
-        pthread_mutex_unlock(&h->srv->metrics.mu);
-        h->retry_after = 1;
-        serve_reply_error(h, api, 429, NULL, "rate_limit_exceeded",
-                          "too many requests waiting (%d): try again shortly",
-                          h->srv->p.queue_limit);
-        return false;
-    case SERVE_SUBMIT_NOT_READY:
-        serve_reply_error(h, api, 503, NULL, NULL, "the server is not ready (loading or stopping)");
-        return false;
-    }
-    const double deadline = serve_now() + h->srv->p.queue_timeout_s;
-    while (!t->admitted && !t->done) {
-        if (serve_req_take(req, t, SERVE_POLL_MS / 1000.0) && (t->admitted || t->done)) break;
-        if (serve_client_gone(h->fd)) {
-            serve_req_cancel(req);
-            h->status = 499;
-            return false;
-        }
-        if (serve_now() > deadline) {
-            serve_req_cancel(req);
-            pthread_mutex_lock(&h->srv->metrics.mu);
-            h->srv->metrics.rejected_timeout++;
-            pthread_mutex_unlock(&h->srv->metrics.mu);
-            h->retry_after = 1;
-            serve_reply_error(h, api, 503, NULL, NULL,
-                              "no stream became free within %.0f s: the server is overloaded",
-                              h->srv->p.queue_timeout_s);
-            return false;
-        }
-    }
-    if (!t->admitted) {
-        serve_reply_error(h, api, 503, NULL, NULL, "the request was cancelled (server stopping)");
-        return false;
-    }
-    pthread_mutex_lock(&req->mu);
-    h->log_cached = req->n_cached;
-    pthread_mutex_unlock(&req->mu);
-    return true;
-}
-
-/* Wait for the end of a generation, handing every take to feed (t first, as it may already hold
- * events). false when the client went away (the request is then cancelled). */
-static bool wait_done(serve_http *h, serve_req *req, serve_taken *t,
-                      void (*feed)(void *state, const serve_taken *t), void *state) {
-    feed(state, t);
-    while (!t->done) {
-        if (serve_req_take(req, t, SERVE_POLL_MS / 1000.0)) {
-            feed(state, t);
-            continue;
-        }
-        if (serve_client_gone(h->fd)) {
-            serve_req_cancel(req);
-            h->status = 499;
-            return false;
-        }
-    }
-    pthread_mutex_lock(&req->mu);
-    h->log_completion = req->n_generated;
-    pthread_mutex_unlock(&req->mu);
-    return true;
-}
 
 /* ==== The answer ==== */
 
@@ -169,21 +99,111 @@ static void reply_whole(serve_http *h, serve_answer *ans, const serve_req *r) {
     moe_json_free(&j);
 }
 
+/* ==== Waiting for the engine ==== */
+
+/* A submitted generation between its continuations (the exchange is parked in between). */
+typedef struct gen_job {
+    serve_answer *ans;
+    serve_req *req;
+    serve_taken t;
+    bool stream;
+    double deadline; /* waiting for a stream past this: 503 */
+} gen_job;
+
+static void job_free(void *ud) {
+    gen_job *g = ud;
+    serve_taken_free(&g->t);
+    serve_req_release(g->req);
+    if (g->ans) answer_free(g->ans);
+    free(g);
+}
+
+static void count(serve_server *srv, uint64_t *counter) {
+    pthread_mutex_lock(&srv->metrics.mu);
+    (*counter)++;
+    pthread_mutex_unlock(&srv->metrics.mu);
+}
+
+/* The continuation: runs at every piece of news. Waits (parked) for admission -- 503 past the
+ * queue timeout -- then hands a stream to the transport, or feeds the answer until the end and
+ * replies with it. A client gone: no reply (the transport cancelled the request). */
+static void job_resume(serve_http *h, void *ud) {
+    gen_job *g = ud;
+    const serve_adapter *a = g->ans->adapter;
+    if (h->hung_up) {
+        h->status = 499;
+        job_free(g);
+        return;
+    }
+    serve_req_take(g->req, &g->t, 0);
+    if (!g->t.admitted && !g->t.done) {
+        if (serve_now() <= g->deadline) {
+            serve_park(h, g->req, g->deadline, job_resume, job_free, g);
+            return;
+        }
+        serve_req_cancel(g->req);
+        count(h->srv, &h->srv->metrics.rejected_timeout);
+        h->retry_after = 1;
+        serve_reply_error(h, a->api, 503, NULL, NULL,
+                          "no stream became free within %.0f s: the server is overloaded",
+                          h->srv->p.queue_timeout_s);
+    } else if (!g->t.admitted) {
+        serve_reply_error(h, a->api, 503, NULL, NULL,
+                          "the request was cancelled (server stopping)");
+    } else if (g->stream) { /* the events already taken go out first */
+        serve_reply_sse(h, g->req, &g->t, stream_pump, g->ans, answer_free, a->keepalive);
+        g->req = NULL;
+        g->ans = NULL;
+    } else {
+        a->feed(g->ans, &g->t);
+        if (!g->t.done) {
+            serve_park(h, g->req, 0, job_resume, job_free, g);
+            return;
+        }
+        pthread_mutex_lock(&g->req->mu);
+        h->log_prompt = g->req->gen.n_prompt;
+        h->log_cached = g->req->n_cached;
+        h->log_completion = g->req->n_generated;
+        pthread_mutex_unlock(&g->req->mu);
+        reply_whole(h, g->ans, g->req);
+    }
+    job_free(g);
+}
+
 void serve_generate(serve_http *h, serve_answer *ans, serve_req *req, const serve_chat *chat,
                     const char *prompt, bool ok, bool stream) {
     const serve_adapter *a = ans->adapter;
-    serve_taken t = {0};
-    if (ok) answer_init(ans, h->srv, chat, prompt);
-    if (ok && submit_and_wait(h, a->api, req, &t)) {
-        if (stream) { /* the events already taken go out first */
-            serve_reply_sse(h, req, &t, stream_pump, ans, answer_free, a->keepalive);
-            return;
-        }
-        if (wait_done(h, req, &t, a->feed, ans)) reply_whole(h, ans, req);
+    if (!ok) {
+        serve_req_release(req);
+        answer_free(ans);
+        return;
     }
-    serve_taken_free(&t);
-    serve_req_release(req);
-    answer_free(ans);
+    answer_init(ans, h->srv, chat, prompt);
+    switch (serve_sched_submit(h->srv->sched, req)) {
+    case SERVE_SUBMIT_OK:
+        break;
+    case SERVE_SUBMIT_QUEUE_FULL:
+        count(h->srv, &h->srv->metrics.rejected_queue_full);
+        h->retry_after = 1;
+        serve_reply_error(h, a->api, 429, NULL, "rate_limit_exceeded",
+                          "too many requests waiting (%d): try again shortly",
+                          h->srv->p.queue_limit);
+        serve_req_release(req);
+        answer_free(ans);
+        return;
+    case SERVE_SUBMIT_NOT_READY:
+        serve_reply_error(h, a->api, 503, NULL, NULL,
+                          "the server is not ready (loading or stopping)");
+        serve_req_release(req);
+        answer_free(ans);
+        return;
+    }
+    gen_job *g = moe_xcalloc(1, sizeof *g);
+    *g = (gen_job){.ans = ans,
+                   .req = req,
+                   .stream = stream,
+                   .deadline = serve_now() + h->srv->p.queue_timeout_s};
+    job_resume(h, g);
 }
 
 /* ==== Replaying model output ==== */

@@ -20,17 +20,17 @@
 
 /* content: a string, null, or an array of parts ({"type":"text","text":...}); Chat Completions'
  * and Responses' part names both (image, audio and file parts are refused by name). */
-bool serve_openai_content_text(serve_http *h, json_t *content, const char *field, char **out) {
+bool serve_openai_content_text(serve_http *h, json_t *content, const char *field, moe_strbuf *out) {
     if (!content || json_is_null(content)) {
-        *out = moe_xstrdup("");
+        moe_strbuf_put(out, "", 0);
         return true;
     }
     if (json_is_string(content)) {
-        *out = moe_xstrndup(json_string_value(content), json_string_length(content));
+        moe_strbuf_put(out, json_string_value(content), json_string_length(content));
         return true;
     }
     if (!json_is_array(content)) BAD(h, field, "%s: expected a string or an array of parts", field);
-    moe_strbuf b = {0};
+    moe_strbuf_put(out, "", 0);
     size_t i;
     json_t *part;
     json_array_foreach(content, i, part) {
@@ -38,18 +38,13 @@ bool serve_openai_content_text(serve_http *h, json_t *content, const char *field
         json_t *text = json_object_get(part, "text");
         if (type && (strcmp(type, "image_url") == 0 || strcmp(type, "input_image") == 0 ||
                      strcmp(type, "input_audio") == 0 || strcmp(type, "file") == 0 ||
-                     strcmp(type, "input_file") == 0)) {
-            moe_strbuf_free(&b);
+                     strcmp(type, "input_file") == 0))
             BAD(h, field, "%s[%zu]: %s parts are not supported: this server takes text only", field,
                 i, type);
-        }
-        if (!json_is_string(text)) {
-            moe_strbuf_free(&b);
+        if (!json_is_string(text))
             BAD(h, field, "%s[%zu]: expected a text part with a string 'text'", field, i);
-        }
-        moe_strbuf_put(&b, json_string_value(text), json_string_length(text));
+        moe_strbuf_put(out, json_string_value(text), json_string_length(text));
     }
-    *out = moe_strbuf_take(&b);
     return true;
 }
 
@@ -125,7 +120,8 @@ static bool parse_messages(serve_http *h, json_t *body, serve_chat *chat) {
         if (!serve_openai_content_text(h, json_object_get(m, "content"), field, &msg->content))
             return false;
         json_t *rc = json_object_get(m, "reasoning_content");
-        if (json_is_string(rc)) msg->reasoning = moe_xstrdup(json_string_value(rc));
+        if (json_is_string(rc))
+            moe_strbuf_put(&msg->reasoning, json_string_value(rc), json_string_length(rc));
         json_t *id = json_object_get(m, "tool_call_id");
         if (json_is_string(id)) msg->tool_call_id = moe_xstrdup(json_string_value(id));
         json_t *name = json_object_get(m, "name");
@@ -428,7 +424,7 @@ static void json_usage(moe_json *j, const serve_req *r) {
     moe_json_object_end(j);
     moe_json_key(j, "completion_tokens_details");
     moe_json_object_begin(j);
-    moe_json_kv_uint(j, "reasoning_tokens", 0);
+    moe_json_kv_uint(j, "reasoning_tokens", r->n_reasoning);
     moe_json_object_end(j);
     moe_json_object_end(j);
 }
@@ -626,7 +622,7 @@ void serve_openai_chat(serve_http *h) {
     }
     char *prompt = NULL;
     ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
-         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
+         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt, NULL);
     generate(h, body, s, req, &chat, prompt, ok);
     free(prompt);
     serve_chat_free(&chat);
@@ -751,13 +747,15 @@ void serve_openai_apply_template(serve_http *h) {
     serve_chat chat = {0};
     serve_gen gen = {0};
     char *prompt = NULL;
+    size_t prompt_len = 0;
     if (parse_messages(h, body, &chat) && parse_tools(h, body, &chat) &&
         serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
-        serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &gen, &prompt)) {
+        serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &gen, &prompt, &prompt_len)) {
         moe_json j;
         moe_json_init(&j, false);
         moe_json_object_begin(&j);
-        moe_json_kv_string(&j, "prompt", prompt);
+        moe_json_key(&j, "prompt");
+        moe_json_string_n(&j, prompt, prompt_len);
         moe_json_key(&j, "tokens");
         moe_json_array_begin(&j);
         for (uint32_t i = 0; i < gen.n_prompt; i++) moe_json_int(&j, gen.prompt[i]);

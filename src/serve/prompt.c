@@ -7,7 +7,9 @@
  * conversation (serve_chat), rendered with the request's tools and template kwargs
  * (chat_template_kwargs, enable_thinking, reasoning_effort, Anthropic `thinking`, Responses
  * `reasoning.effort`) and tokenized so that a client's text never becomes a control token
- * (moe_chat_render_tokens). The output parser is the template's format (Hermes when unknown);
+ * (moe_chat_render_tokens). Reasoning controls the template has no switch for become a
+ * thinking-token budget the scheduler enforces (reasoning_controls). The output parser is the
+ * template's format (Hermes when unknown);
  * without tools in the request, call markup stays content. The trap: a template may raise on a
  * conversation it does not accept (roles out of order, no user turn); that is the client's
  * request failing, a 400 with the template's own message, not a server error. */
@@ -43,8 +45,8 @@ void serve_chat_free(serve_chat *c) {
     for (size_t i = 0; i < c->n_msgs; i++) {
         serve_message *m = &c->msgs[i];
         free(m->role);
-        free(m->content);
-        free(m->reasoning);
+        moe_strbuf_free(&m->content);
+        moe_strbuf_free(&m->reasoning);
         free(m->tool_call_id);
         free(m->name);
         serve_tool_calls_free(m->tool_calls, m->n_tool_calls);
@@ -68,8 +70,11 @@ static json_t *chat_messages_json(const serve_chat *c) {
         const serve_message *m = &c->msgs[i];
         json_t *j = json_object();
         json_object_set_new(j, "role", json_string(m->role));
-        json_object_set_new(j, "content", json_string(m->content ? m->content : ""));
-        if (m->reasoning) json_object_set_new(j, "reasoning_content", json_string(m->reasoning));
+        json_object_set_new(j, "content",
+                            json_stringn(m->content.s ? m->content.s : "", m->content.len));
+        if (m->reasoning.s)
+            json_object_set_new(j, "reasoning_content",
+                                json_stringn(m->reasoning.s, m->reasoning.len));
         if (m->n_tool_calls) {
             json_t *calls = json_array();
             for (size_t k = 0; k < m->n_tool_calls; k++) {
@@ -97,6 +102,7 @@ static json_t *chat_messages_json(const serve_chat *c) {
 bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat) {
     json_t *kw = json_object();
     chat->kwargs = kw;
+    chat->think_budget = -1;
     json_object_set_new(kw, "add_generation_prompt", json_true());
     json_t *v = json_object_get(body, "enable_thinking");
     if (v && !json_is_null(v)) {
@@ -110,11 +116,20 @@ bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, ser
         if (!json_is_string(v))
             SERVE_BAD(h, api, "reasoning_effort", "reasoning_effort: expected a string");
         json_object_set(kw, "reasoning_effort", v);
+        if (!strcmp(json_string_value(v), "none")) /* OpenAI: no reasoning at all */
+            json_object_set_new(kw, "enable_thinking", json_false());
     }
-    const char *thinking =
-        json_string_value(json_object_get(json_object_get(body, "thinking"), "type"));
-    if (thinking) /* Anthropic: {"type": "enabled" | "disabled", ...} */
-        json_object_set_new(kw, "enable_thinking", json_boolean(strcmp(thinking, "disabled") != 0));
+    json_t *thinking = json_object_get(body, "thinking");
+    const char *type = json_string_value(json_object_get(thinking, "type"));
+    if (type) /* Anthropic: {"type": "enabled" | "disabled" | "adaptive", "budget_tokens": N} */
+        json_object_set_new(kw, "enable_thinking", json_boolean(strcmp(type, "disabled") != 0));
+    v = json_object_get(thinking, "budget_tokens");
+    if (v && !json_is_null(v)) {
+        if (!json_is_integer(v) || json_integer_value(v) < 0)
+            SERVE_BAD(h, api, "thinking.budget_tokens",
+                      "thinking.budget_tokens: expected a non-negative integer");
+        chat->think_budget = json_integer_value(v);
+    }
     v = json_object_get(body, "chat_template_kwargs"); /* vLLM and llama-server's extension */
     if (v && !json_is_null(v)) {
         if (!json_is_object(v))
@@ -162,6 +177,10 @@ bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
              sizeof srv->tmpl_origin - strlen(srv->tmpl_origin), ", tool calls %s%s%s",
              moe_chat_format_name(o.format), o.think_open ? ", reasoning " : "",
              o.think_open ? o.think_open : "");
+    if (o.think_open && srv->p.reasoning_budget >= 0)
+        snprintf(srv->tmpl_origin + strlen(srv->tmpl_origin),
+                 sizeof srv->tmpl_origin - strlen(srv->tmpl_origin), " at most %lld tokens",
+                 (long long)srv->p.reasoning_budget);
     return true;
 }
 
@@ -257,8 +276,89 @@ static bool chat_grammar(serve_http *h, serve_api api, const serve_chat *chat, s
     return true;
 }
 
+/* ==== Reasoning controls ==== */
+
+/* Budgets for a reasoning_effort the template has no switch for: OpenAI's lowest settings mean
+ * few reasoning tokens; "medium" (many clients' default) and above leave the model alone. */
+#define SERVE_EFFORT_MINIMAL_TOKENS 256
+#define SERVE_EFFORT_LOW_TOKENS     1024
+
+static int64_t budget_min(int64_t a, int64_t b) {
+    return a < 0 ? b : b < 0 ? a : a < b ? a : b;
+}
+
+/* The reply's reasoning budget (-1: none): the server's, the request's, and what its switches
+ * mean for a template that does not read them. */
+static int64_t think_budget(const serve_server *srv, const serve_chat *chat, const char *src) {
+    int64_t b = budget_min(srv->p.reasoning_budget, chat ? chat->think_budget : -1);
+    json_t *kw = chat ? chat->kwargs : NULL;
+    if (json_is_false(json_object_get(kw, "enable_thinking")) && !strstr(src, "enable_thinking"))
+        b = 0;
+    const char *effort = json_string_value(json_object_get(kw, "reasoning_effort"));
+    if (effort && !strstr(src, "reasoning_effort")) {
+        if (!strcmp(effort, "none"))
+            b = 0;
+        else if (!strcmp(effort, "minimal"))
+            b = budget_min(b, SERVE_EFFORT_MINIMAL_TOKENS);
+        else if (!strcmp(effort, "low"))
+            b = budget_min(b, SERVE_EFFORT_LOW_TOKENS);
+    }
+    return b;
+}
+
+/* A reasoning tag as tokens where it follows other text (its own control token where it has
+ * one); false when it is empty, does not tokenize or is longer than SERVE_MAX_THINK_TAG tokens. */
+static bool tag_tokens(const moe_tokenizer *tok, const char *tag, int32_t *out, uint32_t *n_out) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    moe_error err = {0};
+    *n_out = 0;
+    if (moe_tokenizer_encode(tok, tag, strlen(tag),
+                             MOE_ENCODE_PARSE_SPECIAL | MOE_ENCODE_CONTINUATION, &ids, &n,
+                             &err) != MOE_OK ||
+        n == 0 || n > SERVE_MAX_THINK_TAG) {
+        free(ids);
+        return false;
+    }
+    memcpy(out, ids, n * sizeof *ids);
+    *n_out = (uint32_t)n;
+    free(ids);
+    return true;
+}
+
+/* After rendering: the tags and budget into g; a budget of 0 inside an open block closes it in
+ * the prompt (*text and *ids grow by the closing tag). */
+static void reasoning_controls(const serve_server *srv, const serve_chat *chat, serve_gen *g,
+                               char **text, size_t *text_len, int32_t **ids, size_t *n_ids) {
+    const moe_tokenizer *tok = serve_sched_tokenizer(srv->sched);
+    const char *src = moe_chat_template_source(srv->tmpl);
+    moe_chat_parse_options o;
+    moe_chat_parse_options_detect(src, *text, &o);
+    g->think_budget = -1;
+    g->n_think_open = g->n_think_close = 0;
+    if (!o.think_open || !tag_tokens(tok, o.think_close, g->think_close, &g->n_think_close)) return;
+    tag_tokens(tok, o.think_open, g->think_open, &g->n_think_open);
+    g->think_open_text[0] = g->think_close_text[0] = '\0';
+    if (strlen(o.think_open) < SERVE_MAX_THINK_TEXT &&
+        strlen(o.think_close) < SERVE_MAX_THINK_TEXT) {
+        snprintf(g->think_open_text, sizeof g->think_open_text, "%s", o.think_open);
+        snprintf(g->think_close_text, sizeof g->think_close_text, "%s", o.think_close);
+    }
+    g->think_at_start = o.reasoning_open;
+    g->think_budget = think_budget(srv, chat, src);
+    if (g->think_budget != 0 || !o.reasoning_open) return;
+    size_t tl = *text_len, cl = strlen(o.think_close);
+    *text = moe_xrealloc(*text, tl + cl + 1);
+    memcpy(*text + tl, o.think_close, cl + 1);
+    *text_len = tl + cl;
+    *ids = moe_xrealloc(*ids, (*n_ids + g->n_think_close) * sizeof **ids);
+    memcpy(*ids + *n_ids, g->think_close, g->n_think_close * sizeof **ids);
+    *n_ids += g->n_think_close;
+    g->think_at_start = false;
+}
+
 bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
-                       char **text) {
+                       char **text, size_t *text_len) {
     json_t *msgs = chat_messages_json(chat);
     char *messages = json_dumps(msgs, JSON_COMPACT);
     json_decref(msgs);
@@ -268,8 +368,11 @@ bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, ser
     moe_error err = {0};
     int32_t *ids = NULL;
     size_t n = 0;
-    const moe_status st = moe_chat_render_tokens(h->srv->tmpl, serve_sched_tokenizer(h->srv->sched),
-                                                 messages, tools, kwargs, text, &ids, &n, &err);
+    char *rendered = NULL;
+    size_t rendered_len = 0;
+    const moe_status st =
+        moe_chat_render_tokens(h->srv->tmpl, serve_sched_tokenizer(h->srv->sched), messages, tools,
+                               kwargs, &rendered, &rendered_len, &ids, &n, &err);
     free(messages);
     free(tools);
     free(kwargs);
@@ -278,13 +381,13 @@ bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, ser
                           "the chat template refused the request: %s", err.msg);
         return false;
     }
-    if (serve_set_prompt(h, api, ids, n, g) && chat_grammar(h, api, chat, g, text ? *text : NULL))
-        return true;
-    if (text) {
-        free(*text);
-        *text = NULL;
-    }
-    return false;
+    reasoning_controls(h->srv, chat, g, &rendered, &rendered_len, &ids, &n);
+    if (text_len) *text_len = rendered_len;
+    /* the grammar reads the prompt as sent: did it leave a reasoning block open? */
+    const bool ok = serve_set_prompt(h, api, ids, n, g) && chat_grammar(h, api, chat, g, rendered);
+    if (text) *text = ok ? rendered : NULL;
+    if (!ok || !text) free(rendered);
+    return ok;
 }
 
 /* ==== Output ==== */
@@ -377,7 +480,10 @@ json_t *serve_tools_from_flat(json_t *tools, const char *keep_type, const char *
         json_t *desc = json_object_get(t, "description");
         if (json_is_string(desc)) json_object_set(fn, "description", desc);
         json_t *schema = json_object_get(t, schema_key);
-        json_object_set(fn, "parameters", schema ? schema : json_object());
+        if (schema)
+            json_object_set(fn, "parameters", schema);
+        else
+            json_object_set_new(fn, "parameters", json_object()); /* (set would leak it) */
         json_t *wrap = json_object();
         json_object_set_new(wrap, "type", json_string("function"));
         json_object_set_new(wrap, "function", fn);

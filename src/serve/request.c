@@ -28,7 +28,6 @@ static const char *reason_api_type(serve_api api, int status) {
             return "request_too_large";
         case 429:
             return "rate_limit_error";
-        case 503:
         case 529:
             return "overloaded_error";
         default:
@@ -47,6 +46,7 @@ static const char *reason_api_type(serve_api api, int status) {
 
 void serve_reply_error(serve_http *h, serve_api api, int status, const char *param,
                        const char *code, const char *fmt, ...) {
+    if (api == SERVE_API_ANTHROPIC && status == 503) status = 529; /* Anthropic's "overloaded" */
     char msg[1024];
     va_list ap;
     va_start(ap, fmt);
@@ -119,7 +119,8 @@ json_t *serve_parse_body(serve_http *h, serve_api api) {
         return NULL;
     }
     json_error_t e;
-    json_t *v = json_loadb(h->body ? h->body : "", h->body_len, 0, &e);
+    /* \u0000 is valid JSON and a model may write it: what we send we must take back */
+    json_t *v = json_loadb(h->body ? h->body : "", h->body_len, JSON_ALLOW_NUL, &e);
     if (!v) {
         serve_reply_error(h, api, 400, NULL, NULL,
                           "could not parse the JSON body of the request: %s (line %d, column %d)",

@@ -21,11 +21,12 @@
 static bool parse_input(serve_http *h, json_t *body, serve_chat *chat) {
     json_t *instr = json_object_get(body, "instructions");
     if (json_is_string(instr))
-        serve_chat_add(chat, "system")->content = moe_xstrdup(json_string_value(instr));
+        moe_strbuf_put(&serve_chat_add(chat, "system")->content, json_string_value(instr),
+                       json_string_length(instr));
     json_t *input = json_object_get(body, "input");
     if (json_is_string(input)) {
-        serve_chat_add(chat, "user")->content =
-            moe_xstrndup(json_string_value(input), json_string_length(input));
+        moe_strbuf_put(&serve_chat_add(chat, "user")->content, json_string_value(input),
+                       json_string_length(input));
         return true;
     }
     if (!json_is_array(input) || json_array_size(input) == 0)
@@ -58,7 +59,7 @@ static bool parse_input(serve_http *h, json_t *body, serve_chat *chat) {
             serve_message *m = chat->n_msgs ? &chat->msgs[chat->n_msgs - 1] : NULL;
             if (!m || strcmp(m->role, "assistant") != 0) {
                 m = serve_chat_add(chat, "assistant");
-                m->content = moe_xstrdup("");
+                moe_strbuf_put(&m->content, "", 0);
             }
             m->tool_calls =
                 moe_xrealloc(m->tool_calls, (m->n_tool_calls + 1) * sizeof *m->tool_calls);
@@ -233,7 +234,7 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
         moe_json_kv_uint(j, "output_tokens", r->n_generated);
         moe_json_key(j, "output_tokens_details");
         moe_json_object_begin(j);
-        moe_json_kv_uint(j, "reasoning_tokens", 0);
+        moe_json_kv_uint(j, "reasoning_tokens", r->n_reasoning);
         moe_json_object_end(j);
         moe_json_kv_uint(j, "total_tokens", (uint64_t)r->gen.n_prompt + r->n_generated);
         moe_json_object_end(j);
@@ -488,7 +489,7 @@ void serve_openai_responses(serve_http *h) {
     }
     char *prompt = NULL;
     ok = ok && serve_parse_template_kwargs(h, SERVE_API_OPENAI, body, &chat) &&
-         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt);
+         serve_chat_prompt(h, SERVE_API_OPENAI, &chat, &req->gen, &prompt, NULL);
     const bool stream = json_is_true(json_object_get(body, "stream"));
     json_decref(body);
     serve_generate(h, &s->answer, req, &chat, prompt, ok, stream);

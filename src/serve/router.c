@@ -73,6 +73,20 @@ void serve_metrics_write(serve_metrics *m, moe_strbuf *o) {
             (unsigned long long)m->rejected_queue_full);
     COUNTER("moe_requests_rejected_timeout_total", "503 replies: waited past the timeout.", "%llu",
             (unsigned long long)m->rejected_timeout);
+    const moe_expert_cache_stats *ec = &m->expert_cache;
+    if (ec->slots) {
+        GAUGE("moe_expert_cache_slots", "Experts the --expert-cache holds.", "%u", ec->slots);
+        COUNTER("moe_expert_cache_hits_total", "Experts a step found resident.", "%llu",
+                (unsigned long long)ec->hits);
+        COUNTER("moe_expert_cache_misses_total", "Experts a step had to read from the file.",
+                "%llu", (unsigned long long)ec->misses);
+        COUNTER("moe_expert_cache_read_ahead_total", "Experts read ahead of the step needing them.",
+                "%llu", (unsigned long long)ec->read_ahead);
+        COUNTER("moe_expert_cache_read_bytes_total", "Bytes of experts read from the model file.",
+                "%llu", (unsigned long long)ec->bytes_read);
+        COUNTER("moe_expert_cache_stall_seconds_total", "Time steps waited for expert reads.",
+                "%.6f", ec->read_seconds);
+    }
     COUNTER("moe_prefill_seconds_total", "Forward time spent on prompt rows.", "%.6f",
             m->prefill_seconds);
     COUNTER("moe_decode_seconds_total", "Forward time spent on decode rows.", "%.6f",
@@ -83,6 +97,32 @@ void serve_metrics_write(serve_metrics *m, moe_strbuf *o) {
           "%.3f", m->decode_tps);
     GAUGE("moe_decode_batch_rows_max", "Most streams decoded together in one forward step.", "%u",
           m->decode_batch_max);
+    moe_strbuf_printf(o,
+                      "# HELP moe_client_hangups_total Requests whose client went away before the "
+                      "reply ended (their generation is cancelled).\n"
+                      "# TYPE moe_client_hangups_total counter\n"
+                      "moe_client_hangups_total{mode=\"whole\"} %llu\n"
+                      "moe_client_hangups_total{mode=\"stream\"} %llu\n",
+                      (unsigned long long)m->hangups[0], (unsigned long long)m->hangups[1]);
+    COUNTER("moe_tokens_after_cancel_total",
+            "Tokens generated after a cancel was asked (the step already running).", "%llu",
+            (unsigned long long)m->tokens_after_cancel);
+    GAUGE("moe_tokens_after_cancel_max", "The most tokens one request generated after its cancel.",
+          "%u", m->tokens_after_cancel_max);
+    GAUGE("moe_connections_open", "TCP connections open now.", "%u", m->conn_open);
+    GAUGE("moe_connections_limit", "--max-connections: connections kept open.", "%u",
+          m->conn_limit);
+    GAUGE("moe_connections_limit_per_ip", "--max-connections-per-ip.", "%u", m->conn_limit_per_ip);
+    GAUGE("moe_read_timeout_seconds", "--read-timeout: time to send a whole request.", "%g",
+          m->read_timeout_s);
+    COUNTER("moe_connections_accepted_total", "TCP connections accepted.", "%llu",
+            (unsigned long long)m->conn_accepted);
+    COUNTER("moe_connections_evicted_total",
+            "Idle connections closed to make room for a newcomer (over a limit).", "%llu",
+            (unsigned long long)m->conn_evicted);
+    COUNTER("moe_connections_read_timeouts_total",
+            "Connections closed for not sending a whole request within --read-timeout.", "%llu",
+            (unsigned long long)m->conn_read_timeouts);
 #undef GAUGE
 #undef COUNTER
     moe_strbuf_puts(o, "# HELP moe_time_to_first_token_seconds From submit to the first token.\n"

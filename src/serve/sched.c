@@ -19,6 +19,9 @@
  * A request for prompt log-probabilities (echo) reuses nothing: every prompt row runs with
  * logits (at most SERVE_PROMPT_LOGPROB_ROWS of them per step) and each gives the next prompt
  * token's log-probability as an event before the first sample.
+ * A reply with a reasoning budget (serve_gen.think_budget) has its reasoning tokens counted
+ * between the template's tags; once the budget is spent inside a block, the closing tag's
+ * tokens take the place of the next samples, and the answer is sampled after them.
  * The trap: a sampled token joins the sequence only when it is fed as a row, so a finished
  * stream's last token is not there. */
 #include "serve_internal.h"
@@ -48,6 +51,14 @@ typedef struct slot {
     moe_detok *detok;
     moe_strbuf hold; /* text held back: it may be the start of a stop string */
     uint32_t n_generated;
+    /* reasoning: inside a block?, its tokens so far, the closing tag's tokens still to force
+     * (budget spent), and the last generated tokens and bytes (to see a tag complete) */
+    bool in_think;
+    uint32_t n_think, n_forcing;
+    int32_t tail[SERVE_MAX_THINK_TAG];
+    uint32_t n_tail;
+    char ttail[SERVE_MAX_THINK_TEXT];
+    size_t n_ttail;
 } slot;
 
 struct serve_sched {
@@ -98,8 +109,14 @@ serve_req *serve_req_new(void) {
     r->refs = 1;
     r->stop_index = -1;
     r->gen.max_tokens = -1;
+    r->gen.think_budget = -1;
     atomic_init(&r->cancel, false);
     return r;
+}
+
+void serve_req_notify(serve_req *r) {
+    pthread_cond_broadcast(&r->cv);
+    if (r->wake) r->wake(r->wake_ud);
 }
 
 void serve_req_release(serve_req *r) {
@@ -117,7 +134,10 @@ void serve_req_release(serve_req *r) {
 }
 
 void serve_req_cancel(serve_req *r) {
+    pthread_mutex_lock(&r->mu);
+    if (!atomic_load(&r->cancel)) r->generated_at_cancel = r->n_generated;
     atomic_store(&r->cancel, true);
+    pthread_mutex_unlock(&r->mu);
     serve_sched *s = r->sched;
     if (s) {
         pthread_mutex_lock(&s->mu);
@@ -181,7 +201,7 @@ static void emit(serve_req *r, serve_event_kind kind, const char *text, size_t l
     else
         memset(&e->sample, 0, sizeof e->sample);
     moe_strbuf_put(&r->text, text, len);
-    pthread_cond_broadcast(&r->cv);
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -237,6 +257,9 @@ static void admit(serve_sched *s, serve_req *r) {
     sl->decoding = false;
     sl->n_generated = 0;
     sl->hold.len = 0;
+    sl->in_think = r->gen.n_think_close && r->gen.think_at_start;
+    sl->n_think = sl->n_forcing = sl->n_tail = 0;
+    sl->n_ttail = 0;
     sl->last_used = s->step;
     r->gen.sampling.bias_tokens = r->gen.bias_tokens;
     r->gen.sampling.bias_values = r->gen.bias_values;
@@ -252,7 +275,7 @@ static void admit(serve_sched *s, serve_req *r) {
     pthread_mutex_lock(&r->mu);
     r->admitted = true;
     r->n_cached = reuse;
-    pthread_cond_broadcast(&r->cv);
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     if (reuse) s->metrics->prefix_hits++;
@@ -288,11 +311,17 @@ static void finish(serve_sched *s, int idx, serve_finish why, int stop_index, co
     r->stop_index = stop_index;
     if (error) snprintf(r->error, sizeof r->error, "%s", error);
     r->done = true;
-    pthread_cond_broadcast(&r->cv);
+    const uint32_t after_cancel = r->n_generated - r->generated_at_cancel;
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     if (why == SERVE_FINISH_CANCELLED) {
         pthread_mutex_lock(&s->metrics->mu);
         s->metrics->cancelled++;
+        if (atomic_load(&r->cancel)) {
+            s->metrics->tokens_after_cancel += after_cancel;
+            if (after_cancel > s->metrics->tokens_after_cancel_max)
+                s->metrics->tokens_after_cancel_max = after_cancel;
+        }
         pthread_mutex_unlock(&s->metrics->mu);
     }
     serve_req_release(r);
@@ -303,7 +332,7 @@ static void finish_waiting(serve_sched *s, serve_req *r) {
     pthread_mutex_lock(&r->mu);
     r->finish = SERVE_FINISH_CANCELLED;
     r->done = true;
-    pthread_cond_broadcast(&r->cv);
+    serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     s->metrics->cancelled++;
@@ -357,6 +386,75 @@ static int stop_feed(slot *sl, const moe_sample *sample, const char *text, size_
     return -1;
 }
 
+/* ==== Reasoning budget ==== */
+
+static bool tail_ends_with(const slot *sl, const int32_t *tag, uint32_t n) {
+    if (!n || sl->n_tail < n) return false;
+    return memcmp(sl->tail + sl->n_tail - n, tag, n * sizeof *tag) == 0;
+}
+
+/* The next token: sampled, or -- once the budget is spent inside a block -- the closing tag's
+ * next token, scored (its logprob) and remembered for the penalties like a sampled one. */
+static moe_sample next_token(slot *sl, const float *logits) {
+    const serve_gen *g = &sl->req->gen;
+    if (!sl->n_forcing && sl->in_think && g->think_budget >= 0 && sl->n_think >= g->think_budget)
+        sl->n_forcing = g->n_think_close;
+    if (!sl->n_forcing) return moe_sampler_sample(sl->sampler, logits);
+    const int32_t token = g->think_close[g->n_think_close - sl->n_forcing--];
+    moe_sample smp = moe_sampler_score(sl->sampler, logits, token);
+    moe_sampler_accept(sl->sampler, token);
+    return smp;
+}
+
+static bool text_ends_with(const slot *sl, const char *tag) {
+    const size_t n = strlen(tag);
+    return n && sl->n_ttail >= n && memcmp(sl->ttail + sl->n_ttail - n, tag, n) == 0;
+}
+
+/* Keep the last SERVE_MAX_THINK_TAG ids and SERVE_MAX_THINK_TEXT - 1 bytes generated. */
+static void tails_push(slot *sl, int32_t token, const char *text, size_t len) {
+    if (sl->n_tail == SERVE_MAX_THINK_TAG) {
+        memmove(sl->tail, sl->tail + 1, (SERVE_MAX_THINK_TAG - 1) * sizeof *sl->tail);
+        sl->n_tail--;
+    }
+    sl->tail[sl->n_tail++] = token;
+    const size_t cap = SERVE_MAX_THINK_TEXT - 1;
+    if (len >= cap) {
+        memcpy(sl->ttail, text + len - cap, cap);
+        sl->n_ttail = cap;
+        return;
+    }
+    if (sl->n_ttail + len > cap) {
+        const size_t drop = sl->n_ttail + len - cap;
+        memmove(sl->ttail, sl->ttail + drop, sl->n_ttail - drop);
+        sl->n_ttail -= drop;
+    }
+    memcpy(sl->ttail + sl->n_ttail, text, len);
+    sl->n_ttail += len;
+}
+
+/* A generated token and the text it released: counts inside a block; a tag completed -- as the
+ * tag's own tokens, or as its text however the model spelled it in tokens -- opens or closes
+ * one (and clears the tails, so that it is not seen twice). */
+static void track_reasoning(slot *sl, int32_t token, const char *text, size_t len) {
+    const serve_gen *g = &sl->req->gen;
+    if (!g->n_think_close) return;
+    tails_push(sl, token, text, len);
+    bool flip;
+    if (sl->in_think) {
+        sl->n_think++;
+        flip = tail_ends_with(sl, g->think_close, g->n_think_close) ||
+               text_ends_with(sl, g->think_close_text);
+    } else {
+        flip = tail_ends_with(sl, g->think_open, g->n_think_open) ||
+               text_ends_with(sl, g->think_open_text);
+    }
+    if (flip) {
+        sl->in_think = !sl->in_think;
+        sl->n_tail = sl->n_ttail = 0;
+    }
+}
+
 /* ==== The step ==== */
 
 static void on_logits(serve_sched *s, int idx, const float *logits) {
@@ -366,7 +464,7 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
         finish(s, idx, SERVE_FINISH_LENGTH, -1, NULL);
         return;
     }
-    const moe_sample smp = moe_sampler_sample(sl->sampler, logits);
+    const moe_sample smp = next_token(sl, logits);
     if (sl->n_generated == 0) {
         const double now = serve_now();
         pthread_mutex_lock(&r->mu);
@@ -386,9 +484,6 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
         return;
     }
     sl->n_generated++;
-    pthread_mutex_lock(&r->mu);
-    r->n_generated = sl->n_generated;
-    pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     s->metrics->generated_tokens++;
     pthread_mutex_unlock(&s->metrics->mu);
@@ -399,6 +494,11 @@ static void on_logits(serve_sched *s, int idx, const float *logits) {
         finish(s, idx, SERVE_FINISH_ERROR, -1, err.msg);
         return;
     }
+    track_reasoning(sl, smp.token, text, len);
+    pthread_mutex_lock(&r->mu);
+    r->n_generated = sl->n_generated;
+    r->n_reasoning = sl->n_think;
+    pthread_mutex_unlock(&r->mu);
     const int stop = stop_feed(sl, &smp, text, len);
     if (stop >= 0)
         finish(s, idx, SERVE_FINISH_STOP, stop, NULL);
@@ -532,7 +632,9 @@ static void update_gauges(serve_sched *s) {
     pthread_mutex_lock(&s->mu);
     const uint32_t waiting = s->n_waiting;
     pthread_mutex_unlock(&s->mu);
+    const moe_expert_cache_stats cache = moe_ctx_expert_cache_stats(s->ctx);
     pthread_mutex_lock(&s->metrics->mu);
+    s->metrics->expert_cache = cache;
     s->metrics->active = active;
     s->metrics->resident = resident;
     s->metrics->waiting = waiting;
@@ -677,6 +779,16 @@ serve_sched *serve_sched_start(const moe_serve_params *p, serve_metrics *metrics
     if (pthread_create(&s->thread, NULL, engine_main, s) != 0)
         moe_die("cannot start the engine thread");
     return s;
+}
+
+serve_sched *serve_sched_offline(moe_tokenizer *tok, uint32_t n_ctx) {
+    serve_sched *s = moe_xcalloc(1, sizeof *s);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->tok = tok;
+    s->n_ctx = n_ctx;
+    s->n_vocab = moe_tokenizer_n_vocab(tok);
+    return s; /* not loaded: every submit answers SERVE_SUBMIT_NOT_READY */
 }
 
 bool serve_sched_wait_loaded(serve_sched *s, char *err, size_t err_size) {

@@ -2,8 +2,9 @@
  * continuous-batching scheduler.
  *
  * One engine thread owns the model, the context (KV cache of every sequence) and the
- * scheduler; HTTP threads (libmicrohttpd, one per connection) parse and validate requests,
- * tokenize, enqueue, and turn the engine's token events into JSON or SSE. The trap: nothing on
+ * scheduler; a few HTTP threads (libmicrohttpd's epoll workers, each serving many connections)
+ * parse and validate requests, tokenize, enqueue, and turn the engine's token events into JSON or
+ * SSE without ever waiting for them (a waiting request is parked). The trap: nothing on
  * an HTTP thread may touch the model or the context -- they talk to the engine thread only
  * through a request's event queue (see serve_internal.h). */
 #ifndef MOE_SERVE_H
@@ -36,7 +37,14 @@ typedef struct moe_serve_params {
     bool use_mmap;               /* keep weights in the mapped file (default: anonymous memory) */
     uint64_t expert_cache_bytes; /* --expert-cache: routed experts read on demand (0: resident) */
     const char *expert_stats, *pin_experts; /* --expert-stats, --pin-experts files, or NULL */
-    const char *grammar; /* GBNF (checked) for requests that ask for no output format */
+    int http_threads;                       /* libmicrohttpd's epoll workers */
+    int max_connections; /* connections kept open; idle ones make room for newcomers */
+    int max_connections_per_ip;
+    double read_timeout_s;    /* a request's header and body must arrive within this */
+    const char *cors;         /* "ORIGIN[,ORIGIN...]" allowed cross-origin ("*": any), or NULL */
+    int64_t reasoning_budget; /* tokens of reasoning per reply before its block is closed
+                               * (-1: no limit; 0: thinking off) */
+    const char *grammar;      /* GBNF (checked) for requests that ask for no output format */
 } moe_serve_params;
 
 void moe_serve_params_default(moe_serve_params *p);

@@ -29,12 +29,15 @@
     (16u << 20)                   /* request body: a long prompt fits, a runaway upload not */
 #define SERVE_MAX_JSON_DEPTH   64 /* real requests nest < 10 deep; jansson recurses */
 #define SERVE_MAX_HEADER_BYTES (64u << 10) /* per-connection memory for request line + headers */
-#define SERVE_MAX_CONNECTIONS  256         /* one thread each */
-#define SERVE_MAX_STOP         16          /* stop strings per request (OpenAI allows 4) */
-#define SERVE_MAX_STOP_BYTES   256         /* one stop string */
-#define SERVE_MAX_BIAS         1024        /* logit_bias entries */
-#define SERVE_MAX_MESSAGES     100000      /* messages in one conversation */
-#define SERVE_MAX_TOOLS        1024
+#define SERVE_CONN_RESERVE                                                                         \
+    32 /* libmicrohttpd accepts this many (and half of --max-connections) past our limit, where    \
+        * each newcomer closes the idle-longest connection, so /health answers while idle          \
+        * sockets fill the rest */
+#define SERVE_MAX_STOP       16     /* stop strings per request (OpenAI allows 4) */
+#define SERVE_MAX_STOP_BYTES 256    /* one stop string */
+#define SERVE_MAX_BIAS       1024   /* logit_bias entries */
+#define SERVE_MAX_MESSAGES   100000 /* messages in one conversation */
+#define SERVE_MAX_TOOLS      1024
 #define SERVE_MAX_CALL_DEPTH                                                                       \
     32                          /* a tool call's JSON from the model; our writer nests             \
                                  * it inside a response, under MOE_JSON_MAX_DEPTH */
@@ -42,8 +45,12 @@
 #define SERVE_PROMPT_LOGPROB_ROWS                                                                  \
     64 /* prompt rows with logits per step (echo + logprobs): each holds a [n_vocab] row of the    \
         * logits buffer, sized at load */
-#define SERVE_CONN_TIMEOUT_S 600 /* idle connection closed after this */
-#define SERVE_POLL_MS        50  /* how often a waiting HTTP thread looks for a hang-up */
+#define SERVE_STOP_GRACE_S 1.0 /* at a stop, time for requests ended "cancelled" to answer */
+#define SERVE_WATCH_MS     200 /* the watcher's longest sleep: read timeouts are this late */
+#define SERVE_MAX_THINK_TAG                                                                        \
+    16 /* tokens of a reasoning tag (<think> is one or a few): longer ones are not tracked */
+#define SERVE_MAX_THINK_TEXT                                                                       \
+    32 /* bytes of a reasoning tag's text + 1: longer ones are tracked by their tokens only */
 
 double serve_now(void); /* monotonic seconds */
 
@@ -81,6 +88,16 @@ typedef struct serve_gen {
     int64_t max_tokens; /* < 0: until end of generation or a full context */
     char *stop[SERVE_MAX_STOP];
     uint32_t n_stop;
+    /* Reasoning (prompt.c fills it from the template's tags; the scheduler counts and limits):
+     * the tags as tokens, whether the prompt leaves a block open, and at most think_budget
+     * tokens inside blocks (< 0: no limit) -- when spent, think_close is fed as the next
+     * tokens and the answer follows. A tag is seen as its tokens or as its text (a model may
+     * spell it in other tokens). No tags (n_think_close 0): nothing is counted. */
+    int32_t think_open[SERVE_MAX_THINK_TAG], think_close[SERVE_MAX_THINK_TAG];
+    uint32_t n_think_open, n_think_close;
+    char think_open_text[SERVE_MAX_THINK_TEXT], think_close_text[SERVE_MAX_THINK_TEXT];
+    bool think_at_start;
+    int64_t think_budget;
     bool logprobs;        /* report sample logprobs in events */
     bool prompt_logprobs; /* also every prompt token's after the first (SERVE_EV_PROMPT): the
                            * prompt is computed whole, no prefix reuse; max_tokens may be 0 */
@@ -96,7 +113,11 @@ typedef struct serve_sched serve_sched;
 typedef struct serve_req {
     serve_gen gen; /* immutable once submitted */
     double t_submit;
-    atomic_bool cancel;        /* set by the HTTP side; the engine acts on it at the next step */
+    atomic_bool cancel; /* set by the HTTP side; the engine acts on it at the next step */
+    /* called (under mu) at every event, admission and the end: the transport resumes the
+     * connection waiting for it. Set and cleared by the transport under mu. */
+    void (*wake)(void *ud);
+    void *wake_ud;
     struct serve_req *next;    /* the scheduler's waiting list (under the scheduler's lock) */
     struct serve_sched *sched; /* set at submit: cancel wakes it */
 
@@ -106,6 +127,8 @@ typedef struct serve_req {
     bool admitted, done;
     uint32_t n_cached; /* prompt tokens reused from a resident sequence */
     uint32_t n_generated;
+    uint32_t generated_at_cancel; /* n_generated when serve_req_cancel was first called */
+    uint32_t n_reasoning; /* of them, inside reasoning blocks (counted when the tags are known) */
     double t_first_token;
     serve_finish finish;
     int stop_index; /* SERVE_FINISH_STOP: which stop string */
@@ -118,6 +141,8 @@ typedef struct serve_req {
 serve_req *serve_req_new(void); /* refs = 1 (the HTTP side) */
 void serve_req_release(serve_req *r);
 void serve_req_cancel(serve_req *r);
+/* Engine side, under r->mu: wake whoever waits for r (its condition and its wake hook). */
+void serve_req_notify(serve_req *r);
 
 /* The HTTP side's copy of events taken from a request (reused across takes). */
 typedef struct serve_taken {
@@ -141,6 +166,13 @@ typedef struct serve_metrics {
     uint64_t requests[6][5]; /* [endpoint][status class 1xx..5xx] */
     uint64_t prompt_tokens, generated_tokens, cached_tokens;
     uint64_t prefix_hits, cancelled, rejected_queue_full, rejected_timeout;
+    uint64_t hangups[2];              /* clients gone mid-request: [0] whole replies, [1] streams */
+    uint64_t tokens_after_cancel;     /* generated after a cancel was asked (a step's worth) */
+    uint32_t tokens_after_cancel_max; /* the most for one request */
+    uint64_t conn_accepted, conn_evicted, conn_read_timeouts;
+    uint32_t conn_open;                     /* connections open now */
+    uint32_t conn_limit, conn_limit_per_ip; /* the limits (--max-connections ...) */
+    double read_timeout_s;
     double prefill_seconds, decode_seconds;
     uint64_t prefill_rows, decode_rows;
     double prefill_tps, decode_tps; /* the last step's rate */
@@ -148,6 +180,7 @@ typedef struct serve_metrics {
     uint64_t ttft_buckets[SERVE_TTFT_BUCKETS + 1], ttft_count;
     double ttft_sum;
     uint32_t active, waiting, resident;
+    moe_expert_cache_stats expert_cache; /* --expert-cache's counters (slots 0: no cache) */
 } serve_metrics;
 
 extern const double serve_ttft_bounds[SERVE_TTFT_BUCKETS];
@@ -165,6 +198,10 @@ typedef enum serve_submit_result {
  * went. */
 serve_sched *serve_sched_start(const moe_serve_params *p, serve_metrics *metrics);
 bool serve_sched_wait_loaded(serve_sched *s, char *err, size_t err_size);
+/* A scheduler without an engine thread or model, for fuzzing the request parsers: its
+ * tokenizer (taken) and context length answer as after a load; every submit is refused
+ * (SERVE_SUBMIT_NOT_READY). Freed with serve_sched_free; never started or stopped. */
+serve_sched *serve_sched_offline(moe_tokenizer *tok, uint32_t n_ctx);
 bool serve_sched_ready(serve_sched *s);
 /* End every request (cancelled) and the thread; submits fail from here on. */
 void serve_sched_stop(serve_sched *s);
@@ -185,9 +222,9 @@ typedef struct serve_tool_call {
 void serve_tool_calls_free(serve_tool_call *calls, size_t n);
 
 typedef struct serve_message {
-    char *role;      /* system, user, assistant, tool */
-    char *content;   /* text, parts joined */
-    char *reasoning; /* assistant thinking, or NULL */
+    char *role;           /* system, user, assistant, tool */
+    moe_strbuf content;   /* text, parts joined: NUL bytes may be inside (len counts) */
+    moe_strbuf reasoning; /* assistant thinking (.s NULL: none) */
     serve_tool_call *tool_calls;
     size_t n_tool_calls;
     char *tool_call_id, *name; /* role tool: which call this answers */
@@ -204,6 +241,7 @@ typedef struct serve_chat {
     json_t *response_schema; /* structured output: a JSON schema, or NULL (json_object mode is
                               * {"type": "object"}) */
     json_t *kwargs; /* template variables from the request (serve_parse_template_kwargs), or NULL */
+    int64_t think_budget; /* the request's thinking.budget_tokens, or -1 */
 } serve_chat;
 
 serve_message *serve_chat_add(serve_chat *c, const char *role);
@@ -220,8 +258,9 @@ typedef enum serve_api {
  * the reason) when the one asked for does not parse. */
 bool serve_template_load(serve_server *srv, char *err, size_t err_size);
 /* Template variables a request may set: add_generation_prompt (true), enable_thinking,
- * reasoning_effort (also Responses' reasoning.effort), Anthropic's thinking.type, and every
- * member of chat_template_kwargs (last, so it wins). Replies 400 on a bad field. */
+ * reasoning_effort (also Responses' reasoning.effort; "none" also sets enable_thinking false),
+ * Anthropic's thinking.type, and every member of chat_template_kwargs (last, so it wins); and
+ * thinking.budget_tokens. Replies 400 on a bad field. */
 bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat);
 /* tool_choice asks for a call (of `name`, or any tool when NULL): 400 naming `field` when the
  * request has no tools or none of that name. */
@@ -231,13 +270,17 @@ bool serve_chat_force_tool(serve_http *h, serve_api api, serve_chat *chat, const
  * {schema}}) or Responses' text.format ({type, schema}); 400 naming field when malformed. */
 bool serve_parse_response_format(serve_http *h, serve_api api, json_t *format, const char *field,
                                  serve_chat *chat);
-/* Render the conversation with the template and tokenize it into g; then, when the request
- * forces a tool call or asks for JSON, the grammar that makes the reply one (400 when it cannot
- * be built, or when the request also has its own `grammar`); *text (may be NULL) gets
- * the prompt. Replies 400 with the template's message when it raises, or when the prompt does
- * not fit the context. */
+/* Render the conversation with the template and tokenize it into g; *text (may be NULL) gets
+ * the prompt, *text_len (may be NULL) its length. Then the reasoning controls: the template's
+ * reasoning tags as tokens, and the budget -- the least of --reasoning-budget, the request's
+ * thinking.budget_tokens and, for a template without the switch asked for, 0 for thinking off
+ * (enable_thinking false) or a budget for a low reasoning_effort. A budget of 0 with the prompt
+ * inside a reasoning block closes the block in the prompt itself. Last, when the request forces
+ * a tool call or asks for JSON, the grammar that makes the reply one (400 when it cannot be
+ * built, or when the request also has its own `grammar`). Replies 400 with the template's
+ * message when it raises, or when the prompt does not fit the context. */
 bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
-                       char **text);
+                       char **text, size_t *text_len);
 
 /* Model text -> content, reasoning and tool calls, as it streams. */
 typedef enum serve_segment_kind {
@@ -273,8 +316,11 @@ void serve_output_free(serve_output *o);
 
 /* ==== Transport (http.c): the server, one request's exchange, replies, streams ==== */
 
+typedef struct serve_net serve_net; /* http.c's: connections, the watcher */
+
 struct serve_server {
     moe_serve_params p;
+    serve_net *net;
     char model_id[256];
     serve_sched *sched;
     moe_chat_template *tmpl; /* immutable once loaded: every HTTP thread renders with it */
@@ -284,31 +330,47 @@ struct serve_server {
     atomic_ulong next_id;
 };
 
-/* One HTTP exchange, from the access handler's point of view. */
+typedef struct serve_exchange serve_exchange; /* http.c's: one request on its connection */
+
+/* One HTTP exchange, from the access handler's point of view (rebuilt at every call). */
 struct serve_http {
     serve_server *srv;
-    struct MHD_Connection *conn;
+    struct MHD_Connection *conn; /* NULL: an exchange without a connection (fuzz/http.c): the
+                                  * reply's body goes to offline_reply, headers are absent */
+    moe_strbuf *offline_reply;
+    serve_exchange *ex;
     const char *method, *path;
     const char *body;
     size_t body_len;
-    int fd;     /* the client's socket, to notice a hang-up */
-    int status; /* what was sent (access log, metrics) */
+    int status; /* what was sent (access log, metrics); 499: the client went away */
     bool replied;
-    int retry_after; /* seconds for a Retry-After header, 0: none */
+    bool parked;             /* serve_park was called: the exchange goes on later */
+    bool hung_up;            /* resumed because the client went away */
+    int retry_after;         /* seconds for a Retry-After header, 0: none */
+    const char *cors_origin; /* an allowed cross-origin request's Origin: echoed back */
     uint32_t log_prompt, log_completion, log_cached;
 };
 
 void serve_reply_json(serve_http *h, int status, const moe_json *j);
 void serve_reply_text(serve_http *h, int status, const char *content_type, const char *text,
                       size_t len);
-bool serve_client_gone(int fd);
+
+/* A handler that must wait for the engine parks its exchange instead of blocking an HTTP
+ * thread: fn(h, ud) runs again, on an HTTP thread with h rebuilt, at every piece of news of req
+ * (events, admission, the end), after the client hung up (h->hung_up; req is then cancelled),
+ * and at `deadline` (serve_now() seconds; 0: none). While parked, libmicrohttpd does not look
+ * at the connection; the transport's watcher does. fn replies, hands over a stream, parks again,
+ * or (client gone) does none of these. drop(ud) frees ud if the connection ends while parked. */
+typedef void (*serve_resume_fn)(serve_http *h, void *ud);
+void serve_park(serve_http *h, serve_req *req, double deadline, serve_resume_fn fn,
+                void (*drop)(void *ud), void *ud);
 const char *serve_header(serve_http *h, const char *name);
 
 /* A server-sent-event stream: the pump (generate.c's) turns taken events into SSE bytes. */
 typedef struct serve_sse serve_sse;
 typedef void (*serve_sse_pump)(serve_sse *s, const serve_taken *t);
 struct serve_sse {
-    serve_http h_copy; /* srv, fd, for the pump */
+    serve_http h_copy; /* srv, ex, for the pump and the transport */
     serve_req *req;
     serve_taken taken;
     moe_strbuf out; /* SSE bytes not yet handed over */
@@ -458,8 +520,9 @@ void serve_anthropic_messages(serve_http *h);
 void serve_anthropic_count_tokens(serve_http *h);
 void serve_anthropic_models(serve_http *h);
 
-/* OpenAI content (a string, null, or text parts) as one string; false after answering 400. */
-bool serve_openai_content_text(serve_http *h, json_t *content, const char *field, char **out);
+/* OpenAI content (a string, null, or text parts) appended to *out as one string; false after
+ * answering 400. */
+bool serve_openai_content_text(serve_http *h, json_t *content, const char *field, moe_strbuf *out);
 
 /* Anthropic's and Responses' flat tool definitions ({type, name, description, <schema_key>})
  * in OpenAI's nested shape, the one chat templates expect. keep_type: the type kept ("function");

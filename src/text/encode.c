@@ -381,7 +381,8 @@ moe_status moe_tokenizer_encode_spans(const moe_tokenizer *tok, const char *text
 
     if (add_special && tok->add_bos) ids_push(&out, tok->bos);
     if (len) partition(tok, text, len, flags & MOE_ENCODE_PARSE_SPECIAL, plain, n_plain, &frags);
-    bool prev_special = true; /* SPM: the dummy prefix goes before the first raw fragment */
+    /* SPM: the dummy prefix goes before the first raw fragment (and after special tokens) */
+    bool prev_special = !(flags & MOE_ENCODE_CONTINUATION);
     for (size_t f = 0; f < frags.n && st == MOE_OK; f++) {
         const fragment *fr = &frags.v[f];
         if (fr->id >= 0) {

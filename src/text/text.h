@@ -110,6 +110,9 @@ enum {
     /* Control and unknown tokens written in the text ("<|im_start|>") become their ids.
      * User-defined tokens always do, as in llama.cpp and Hugging Face. */
     MOE_ENCODE_PARSE_SPECIAL = 1u << 1,
+    /* The text continues one already tokenized (a tag fed after generated tokens): SPM adds no
+     * dummy-prefix space before its first fragment. */
+    MOE_ENCODE_CONTINUATION = 1u << 2,
 };
 
 /* Encode len bytes of text (any bytes; invalid UTF-8 survives through byte tokens). *ids is

@@ -4,7 +4,9 @@
  * Owns selection (regex on names, experts of 3-D tensors, the first N rows), reading exactly
  * those rows' bytes (mapped locally, one range request per (tensor, expert) and file remotely),
  * dequantization through the reference to_float of quant/, and the three metrics in double
- * precision. cli/audit.c prints. The trap: a 3-D expert tensor [cols, rows, experts] keeps
+ * precision; and the ladder: one float source quantized at several types (moe's own quantizers,
+ * optionally with an importance matrix) -- the audit of builds that do not exist yet.
+ * cli/audit.c prints. The trap: a 3-D expert tensor [cols, rows, experts] keeps
  * expert e's rows at byte (e * ne[1] + r) * row_bytes -- rows are expert-major, so the first N
  * rows of an expert are one contiguous range, which is why `--rows` takes the first rows rather
  * than a spread. */
@@ -89,6 +91,49 @@ static void add_row(moe_audit_report *r, const moe_audit_row *row) {
     r->rows[r->n_rows++] = *row;
 }
 
+/* The ladder for one (tensor, expert): f[rows * cols] quantized at every rung, dequantized into
+ * q, and measured against f. */
+static moe_status ladder_rows(const moe_tensor *t, int64_t e, const float *f, uint64_t rows,
+                              uint64_t cols, const double *x, const moe_audit_options *o, float *q,
+                              moe_audit_report *r, moe_error *err) {
+    const moe_imatrix_entry *im = moe_imatrix_find(o->imatrix, t->name.ptr);
+    if (im && (im->n_in != (int64_t)cols || (im->n_mat != 1 && e >= im->n_mat)))
+        return moe_error_set(
+            err, MOE_ERR_FORMAT, "--imatrix entry '%s' is %lld x %lld, the tensor has rows of %llu",
+            t->name.ptr, (long long)im->n_in, (long long)im->n_mat, (unsigned long long)cols);
+    const float *imv = im ? moe_imatrix_values(im, e < 0 ? 0 : e) : NULL;
+    for (size_t k = 0; k < o->n_ladder; k++) {
+        const moe_type type = o->ladder[k];
+        const uint64_t rb = moe_type_row_bytes(type, (int64_t)cols);
+        if (!rb) {
+            r->n_skipped++;
+            continue;
+        }
+        if (moe_type_needs_imatrix(type) && !imv)
+            return moe_error_set(err, MOE_ERR_ARG,
+                                 "%s at %s needs an importance matrix (--imatrix) with an entry "
+                                 "for it: llama.cpp refuses these types without one",
+                                 t->name.ptr, moe_type_name(type));
+        uint8_t *blocks = moe_xmalloc((size_t)(rows * rb));
+        moe_quantize_rows(type, f, blocks, (int64_t)rows, (int64_t)cols, imv, o->pool);
+        moe_type_traits_get(type)->to_float(blocks, q, (int64_t)(rows * cols));
+        free(blocks);
+        const moe_type_traits *tr = moe_type_traits_get(type);
+        moe_audit_row row = {
+            .tensor = moe_xstrdup(t->name.ptr),
+            .expert = e,
+            .type = type,
+            .ref_type = t->type,
+            .bits_per_weight = 8.0 * (double)tr->block_bytes / (double)tr->block_values,
+            .rows = rows,
+            .cols = cols,
+        };
+        metrics(q, f, x, rows, cols, &row);
+        add_row(r, &row);
+    }
+    return MOE_OK;
+}
+
 moe_status moe_audit_run(const moe_gguf *quant, moe_http *quant_http, const moe_gguf *ref,
                          moe_http *ref_http, const moe_audit_options *o, moe_audit_report *r,
                          moe_error *err) {
@@ -111,7 +156,8 @@ moe_status moe_audit_run(const moe_gguf *quant, moe_http *quant_http, const moe_
     for (uint64_t i = 0; i < moe_gguf_n_tensors(quant) && s == MOE_OK; i++) {
         const moe_tensor *t = moe_gguf_tensor_get(quant, i);
         const moe_type_traits *tr = moe_type_traits_get(t->type);
-        if (!tr->is_quantized || !tr->to_float || t->n_dims < 2) continue;
+        const bool selectable = o->n_ladder ? is_reference_type(t->type) : tr->is_quantized;
+        if (!selectable || !tr->to_float || t->n_dims < 2) continue;
         if (o->tensor_regex && regexec(&re, t->name.ptr, 0, NULL, 0) != 0) continue;
         const moe_tensor *w = moe_gguf_tensor_find(ref, t->name.ptr);
         bool same = w && w->n_dims == t->n_dims && is_reference_type(w->type);
@@ -147,6 +193,11 @@ moe_status moe_audit_run(const moe_gguf *quant, moe_http *quant_http, const moe_
                 s = moe_error_set(err, MOE_ERR_RANGE, "%s: expert %lld, but it has %llu experts",
                                   t->name.ptr, (long long)e, (unsigned long long)n_slices);
                 break;
+            }
+            if (o->n_ladder) {
+                s = read_rows(ref, ref_http, w, e, rows, f, err);
+                if (s == MOE_OK) s = ladder_rows(t, e, f, rows, cols, x, o, q, r, err);
+                continue;
             }
             s = read_rows(quant, quant_http, t, e, rows, q, err);
             if (s == MOE_OK) s = read_rows(ref, ref_http, w, e, rows, f, err);

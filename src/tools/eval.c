@@ -352,7 +352,7 @@ static moe_status engine_ids(moe_eval_scorer *s, const moe_eval_record *r, eval_
                                   &t->n_prompt, err);
     else
         st = moe_chat_render_tokens(s->tmpl, s->tok, r->messages, NULL,
-                                    "{\"add_generation_prompt\": true}", NULL, &t->prompt,
+                                    "{\"add_generation_prompt\": true}", NULL, NULL, &t->prompt,
                                     &t->n_prompt, err);
     for (uint32_t k = 0; st == MOE_OK && k < r->n_labels; k++)
         st = moe_tokenizer_encode(s->tok, r->labels[k], strlen(r->labels[k]),

@@ -1,9 +1,10 @@
 /* synth.c: GGUF models of a supported architecture with seeded random weights -- `moe synth`
  * and the built-in demo model. Shapes come from presets or flags, weight types from rules
  * "REGEX=TYPE" matched against tensor names (first match wins, as written on the command
- * line); norms and routers stay F32 as llama.cpp keeps them. With random_blocks, quantized
- * tensors are random valid blocks instead (any type with a decoder, also those moe cannot
- * quantize yet; much faster for large presets), each block scaled to the same N(0, 1/n_in)
+ * line); norms and routers stay F32 as llama.cpp keeps them. Weights are quantized with the
+ * real quantizers of quant/ (IQ1 / IQ2 with an all-ones importance vector). With random_blocks,
+ * quantized tensors are random valid blocks instead (any type with a decoder; much faster for
+ * large presets, whose IQ searches take minutes), each block scaled to the same N(0, 1/n_in)
  * magnitude: for speed measurements random valid blocks are as good as real ones.
  * general.file_type names the type holding the most bytes, as llama-quantize names a mix.
  *
@@ -18,8 +19,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../model/model.h"
+
+#define SYNTH_CHUNK_ROWS 256 /* rows drawn, then quantized together on the pool */
 
 /* ==== Presets ==== */
 
@@ -214,6 +218,7 @@ typedef struct synth {
     regex_t *rules;    /* [p->n_rules], compiled */
     regex_t optional;  /* p->optional, anchored */
     bool has_optional; /* p->optional given */
+    moe_pool *pool;    /* quantizes the drawn rows (every CPU) */
     moe_error *err;
 } synth;
 
@@ -241,40 +246,46 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
     const moe_type type = keep_f32 ? MOE_TYPE_F32 : type_for(s, name, n_in);
     const moe_type_traits *t = moe_type_traits_get(type);
     const bool random_blocks = s->p->random_blocks && t->is_quantized;
-    if (!t->from_float && !random_blocks)
-        return moe_error_set(
-            s->err, MOE_ERR_UNSUPPORTED,
-            "tensor '%s': moe has no quantizer for %s yet (it can read it, not "
-            "write it); quantizable: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K "
-            "Q6_K IQ4_NL IQ4_XS; --random-blocks writes random valid blocks of any type)",
-            name, t->name);
+    if (!moe_type_can_quantize(type) && !random_blocks)
+        return moe_error_set(s->err, MOE_ERR_UNSUPPORTED,
+                             "tensor '%s': moe has no quantizer for %s (it can read it, not "
+                             "write it); --random-blocks writes random valid blocks of any type",
+                             name, t->name);
     const uint64_t row_bytes = moe_type_row_bytes(type, n_in);
     const uint64_t n_rows = (uint64_t)(n_out * n_mat);
     uint8_t *blocks = malloc(row_bytes * n_rows);
-    float *row = moe_xmalloc(sizeof(float) * (size_t)n_in);
+    /* rows are drawn in order (one seed stream), then quantized a chunk at a time on the pool */
+    const uint64_t chunk = SYNTH_CHUNK_ROWS;
+    float *rows = moe_xmalloc(sizeof(float) * (size_t)(chunk * (uint64_t)n_in));
     if (!blocks) {
-        free(row);
+        free(rows);
         return moe_error_set(s->err, MOE_ERR_NOMEM, "tensor '%s': cannot allocate %llu bytes", name,
                              (unsigned long long)(row_bytes * n_rows));
     }
     const float scale = 1.0f / sqrtf((float)n_in);
-    for (uint64_t r = 0; r < n_rows; r++) {
-        const bool live = (int64_t)(r % (uint64_t)n_out) >= first_live_row;
-        if (random_blocks) {
-            if (live)
-                moe_type_random_row_rms(type, &s->rng, blocks + r * row_bytes, n_in, scale);
-            else
-                memset(blocks + r * row_bytes, 0, row_bytes);
-            continue;
+    for (uint64_t r0 = 0; r0 < n_rows; r0 += chunk) {
+        const uint64_t r1 = r0 + chunk < n_rows ? r0 + chunk : n_rows;
+        for (uint64_t r = r0; r < r1; r++) {
+            const bool live = (int64_t)(r % (uint64_t)n_out) >= first_live_row;
+            if (random_blocks) {
+                if (live)
+                    moe_type_random_row_rms(type, &s->rng, blocks + r * row_bytes, n_in, scale);
+                else
+                    memset(blocks + r * row_bytes, 0, row_bytes);
+                continue;
+            }
+            float *row = rows + (r - r0) * (uint64_t)n_in;
+            for (int64_t i = 0; i < n_in; i++)
+                row[i] = live ? (float)moe_rng_gaussian(&s->rng) * scale : 0.0f;
         }
-        for (int64_t i = 0; i < n_in; i++)
-            row[i] = live ? (float)moe_rng_gaussian(&s->rng) * scale : 0.0f;
-        t->from_float(row, blocks + r * row_bytes, n_in);
+        if (!random_blocks)
+            moe_quantize_rows(type, rows, blocks + r0 * row_bytes, (int64_t)(r1 - r0), n_in, NULL,
+                              s->pool);
     }
     const int64_t ne[3] = {n_in, n_out, n_mat};
     moe_status st = moe_gguf_writer_add_tensor(
         s->w, name, type, n_mat > 1 ? 3 : (n_out > 1 ? 2 : 1), ne, blocks, false, s->err);
-    free(row);
+    free(rows);
     free(blocks);
     return st;
 }
@@ -399,7 +410,12 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
                              "heads %u/%u, head_dim %u, vocab %u >= 260, experts %u/%u, ff %u/%u)",
                              p->n_embd, p->n_layer, p->n_head, p->n_head_kv, p->head_dim,
                              p->n_vocab, p->n_expert_used, p->n_expert, p->n_ff, p->n_ff_exp);
-    synth s = {.p = p, .w = moe_gguf_writer_new(), .rng = p->seed, .err = err};
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    synth s = {.p = p,
+               .w = moe_gguf_writer_new(),
+               .rng = p->seed,
+               .pool = moe_pool_new(cpus > 1 ? (int)(cpus < 64 ? cpus : 64) : 1),
+               .err = err};
     s.rules = moe_xcalloc(p->n_rules ? p->n_rules : 1, sizeof(regex_t));
     uint32_t compiled = 0;
     for (; compiled < p->n_rules; compiled++) {
@@ -434,5 +450,6 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
     if (s.has_optional) regfree(&s.optional);
     free(s.rules);
     moe_gguf_writer_free(s.w);
+    moe_pool_free(s.pool);
     return err->code;
 }

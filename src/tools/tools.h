@@ -194,6 +194,46 @@ const char *moe_budget_kv_name(moe_type kv_type);
 uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64_t ctx,
                              uint64_t streams);
 
+/* ==== Importance matrices (imatrix.c): llama.cpp's GGUF imatrix format ==== */
+
+typedef struct moe_imatrix moe_imatrix;
+typedef struct moe_imatrix_entry {
+    char *name;    /* the weight's name */
+    float *values; /* [n_mat][n_in]: mean squared activation of each input column */
+    int64_t n_in, n_mat;
+} moe_imatrix_entry;
+
+/* Every "<name>.in_sum2" / "<name>.counts" pair, as sums / counts (ones where a count is 0);
+ * NULL with err set (a message naming the file) on a file that is not one. */
+moe_imatrix *moe_imatrix_load(const char *path, moe_error *err);
+void moe_imatrix_free(moe_imatrix *m);
+size_t moe_imatrix_count(const moe_imatrix *m);
+const char *moe_imatrix_dataset(const moe_imatrix *m); /* imatrix.datasets[0] or NULL */
+uint32_t moe_imatrix_chunks(const moe_imatrix *m);     /* imatrix.chunk_count or 0 */
+const moe_imatrix_entry *moe_imatrix_find(const moe_imatrix *m, const char *name);
+/* The importance vector of matrix (expert) `mat` (the only one for a 2-D weight). */
+const float *moe_imatrix_values(const moe_imatrix_entry *e, int64_t mat);
+
+typedef struct moe_imatrix_params {
+    const char *model_path, *text_path, *out_path;
+    uint32_t n_ctx;      /* tokens per chunk (0: 512, llama-imatrix's default) */
+    uint64_t max_chunks; /* 0: every whole chunk of the text */
+    int n_threads;
+    bool process_output; /* also the output head (llama-imatrix --process-output) */
+    bool progress;       /* a line per chunk on stderr */
+} moe_imatrix_params;
+
+typedef struct moe_imatrix_report {
+    uint64_t chunks, tokens;
+    size_t entries; /* weights with statistics */
+} moe_imatrix_report;
+
+/* Run the model over the text in chunks and write the sums of squared matmul inputs per weight
+ * and expert, with their counts, as llama-imatrix writes them (general.type "imatrix",
+ * imatrix.datasets / chunk_count / chunk_size, <name>.in_sum2 [n_in, n_mat], <name>.counts
+ * [1, n_mat]). */
+moe_status moe_imatrix_collect(const moe_imatrix_params *p, moe_imatrix_report *r, moe_error *err);
+
 /* ==== moe audit: what quantization cost, measured on chosen rows ====
  *
  * For each selected tensor of the quantized model (and each selected expert of a 3-D expert
@@ -213,6 +253,14 @@ typedef struct moe_audit_options {
     size_t n_experts;
     uint64_t rows; /* rows per (tensor, expert); 0: all */
     uint64_t seed; /* of X */
+    /* the ladder (moe audit --ladder SRC): `quant` is then an F32/F16/BF16 source, `ref` the
+     * same model; each selected float matrix's rows are quantized at every rung (with the
+     * importance matrix's vector for the tensor and expert, where given) and compared with
+     * themselves. A rung whose block does not divide the rows is skipped for that tensor. */
+    const moe_type *ladder;
+    size_t n_ladder;
+    const moe_imatrix *imatrix;
+    moe_pool *pool; /* quantizes a rung's rows (NULL: the caller) */
 } moe_audit_options;
 
 typedef struct moe_audit_row {
@@ -227,7 +275,8 @@ typedef struct moe_audit_row {
 typedef struct moe_audit_report {
     moe_audit_row *rows;
     size_t n_rows;
-    size_t n_skipped; /* tensors matching the regex without a usable reference */
+    size_t n_skipped; /* tensors matching the regex without a usable reference (ladder: also
+                       * tensor x rung pairs whose rows are not whole blocks) */
 } moe_audit_report;
 
 /* X[c][j] for c < cols, j < MOE_AUDIT_X_COLS, row-major: value i = c * 64 + j is the
@@ -285,6 +334,36 @@ const char *moe_synth_preset_names(void);
 /* Write the model: its keys, then every tensor its architecture's descriptor binds (as the
  * engine will load it); refuses types moe cannot quantize, naming the tensor. */
 moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err);
+
+/* ==== Requantizing a model (moe quantize, quantize.c) ==== */
+
+typedef struct moe_quantize_params {
+    const char *in, *out;        /* GGUF paths (a split input: any shard; output split below) */
+    const char *preset;          /* a mix (moe_quantize_preset_names), or NULL: `type` alone */
+    moe_type type;               /* the base type: every quantizable weight no rule/mix picks */
+    const moe_synth_rule *rules; /* per-tensor types, first match wins (searched, as written) */
+    uint32_t n_rules;
+    const char *imatrix_path; /* llama.cpp GGUF imatrix, or NULL */
+    int n_threads;
+    uint32_t split_max_tensors; /* > 0: shards of at most this many tensors */
+    bool progress;              /* progress on stderr (a bar on a terminal, else lines) */
+} moe_quantize_params;
+
+typedef struct moe_quantize_report {
+    uint32_t n_tensors, n_quantized;
+    uint32_t tensors_by_type[MOE_TYPE_COUNT];
+    uint64_t bytes_in, bytes_out;
+    int file_type; /* general.file_type written (-1: none) */
+    double seconds;
+} moe_quantize_report;
+
+/* "Q4_K_M, Q5_K_M, IQ4_XS, IQ3_XXS, IQ2_M, ud-iq3_xxs" */
+const char *moe_quantize_preset_names(void);
+/* The preset's base type; false for an unknown preset. */
+bool moe_quantize_preset_base(const char *preset, moe_type *base);
+/* Read, requantize and write: refuses (before writing) a type moe cannot quantize, a source it
+ * cannot decode, and IQ1 / IQ2 tensors without an importance matrix entry, naming the tensor. */
+moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report *r, moe_error *err);
 
 /* ==== Throughput benchmark (moe bench) ==== */
 

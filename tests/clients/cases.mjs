@@ -7,7 +7,10 @@
 //         --step-delay 20 --keepalive 0.01 (no key), where a stream stays open long enough to
 //         be interfered with and keep-alives come between tokens;
 // --hybrid: a server on ../shared/parity/qwen3next-f32 (linear-attention hybrid) with
-//         --parallel 2 --cache-slots 4, fresh when hybrid_reuse starts.
+//         --parallel 2 --cache-slots 4 --expert-cache 100K (5 of its 16 experts resident),
+//         fresh when hybrid_reuse starts.
+// --think: instead of the cases above, the reasoning ones, on a server with GLM-5.3-Flash's
+//         template (no enable_thinking switch) and --reasoning-budget 10 (no key).
 // No CASE: every case, in order. Prints "ok CASE" per passing case and "FAIL CASE: reason"
 // per failing one, exiting 1 if any failed. Every loop is
 // bounded and every wait has a deadline.
@@ -454,10 +457,94 @@ const cases = {
     assert.equal(e7.status, 404);
     res = await post('/v1/chat/completions', '['.repeat(100000) + ']'.repeat(100000));
     assert.equal(res.status, 400);
-    // CORS preflight
-    res = await fetch(`${args.base}/v1/chat/completions`, { method: 'OPTIONS' });
+  },
+
+  async cors() {
+    // off unless --cors: the base server allows only http://allowed.example (and same-origin)
+    const url = `${args.base}/v1/chat/completions`;
+    const auth = { authorization: `Bearer ${KEY}`, 'content-type': 'application/json' };
+    const body = JSON.stringify({ model: 'x', messages: STORY, max_tokens: 2 });
+    let res = await fetch(url, { method: 'OPTIONS' });
     assert.equal(res.status, 204);
-    assert.equal(res.headers.get('access-control-allow-origin'), '*');
+    assert.equal(res.headers.get('access-control-allow-origin'), null);
+    const preflight = (origin) => fetch(url, { method: 'OPTIONS', headers: { origin,
+      'access-control-request-method': 'POST', 'access-control-request-headers': 'authorization, content-type' } });
+    res = await preflight('http://allowed.example');
+    assert.equal(res.status, 204);
+    assert.equal(res.headers.get('access-control-allow-origin'), 'http://allowed.example');
+    assert.match(res.headers.get('access-control-allow-methods'), /POST/);
+    assert.match(res.headers.get('access-control-allow-headers'), /authorization/);
+    assert.match(res.headers.get('vary'), /Origin/);
+    res = await preflight('http://evil.example');
+    assert.equal(res.status, 403);
+    assert.equal(res.headers.get('access-control-allow-origin'), null);
+    // a page elsewhere cannot drive the API, not even with a "simple" request
+    res = await fetch(url, { method: 'POST', headers: { ...auth, origin: 'http://evil.example' }, body });
+    assert.equal(res.status, 403);
+    assert.match((await res.json()).error.message, /--cors/);
+    res = await fetch(`${args.base}/v1/messages`, { method: 'POST', body,
+      headers: { ...auth, origin: 'http://evil.example', 'anthropic-version': '2023-06-01' } });
+    assert.equal(res.status, 403);
+    assert.equal((await res.json()).type, 'error');
+    res = await fetch(url, { method: 'POST', headers: { ...auth, origin: 'http://allowed.example' }, body });
+    assert.equal(res.status, 200);
+    assert.equal(res.headers.get('access-control-allow-origin'), 'http://allowed.example');
+    // same origin (a page the server itself serves) needs no --cors; no Origin: no CORS headers
+    const host = new URL(args.base).host;
+    res = await fetch(url, { method: 'POST', headers: { ...auth, origin: `http://${host}` }, body });
+    assert.equal(res.status, 200);
+    res = await fetch(url, { method: 'POST', headers: auth, body });
+    assert.equal(res.status, 200);
+    assert.equal(res.headers.get('access-control-allow-origin'), null);
+  },
+
+  async round_trip() {
+    // what the server sends it takes back: 100 replies (sampled at temperature 1, a third pushed
+    // by logit_bias towards the byte tokens of control characters, NUL first: ids 3.. are
+    // <0x00>..), each sent back as assistant history through OpenAI chat, Anthropic or Responses
+    const replies = [];
+    for (let b = 0; b < 100; b += 20)
+      replies.push(...await Promise.all(Array.from({ length: 20 }, async (_, k) => {
+        const i = b + k;
+        const bias = i % 3 === 0 ? { [3 + (i % 32)]: 30, 3: 30 } : undefined;
+        const r = await oa.chat.completions.create({ model: 'x', messages: [{ role: 'user', content: `Tale ${i}` }],
+          max_tokens: 16, temperature: 1, seed: i, logit_bias: bias });
+        return r.choices[0].message.content;
+      })));
+    const controls = replies.filter((c) => /[\u0000-\u001f]/.test(c.replace(/\n/g, '')));
+    assert.ok(replies.some((c) => c.includes('\u0000')), 'no reply holds a NUL: the bias did not work');
+    let accepted = 0;
+    for (let b = 0; b < replies.length; b += 20)
+      await Promise.all(replies.slice(b, b + 20).map(async (content, k) => {
+        const i = b + k, turn = [{ role: 'user', content: `Tale ${i}` }];
+        if (i % 3 === 0) {
+          const r = await oa.chat.completions.create({ model: 'x', max_tokens: 2,
+            messages: [...turn, { role: 'assistant', content }, { role: 'user', content: 'More.' }] });
+          assert.equal(r.object, 'chat.completion');
+        } else if (i % 3 === 1) {
+          const r = await an.messages.create({ model: 'x', max_tokens: 2,
+            messages: [...turn, { role: 'assistant', content }, { role: 'user', content: 'More.' }] });
+          assert.equal(r.type, 'message');
+        } else {
+          const r = await oa.responses.create({ model: 'x', max_output_tokens: 2,
+            input: [...turn, { role: 'assistant', content }, { role: 'user', content: 'More.' }] });
+          assert.equal(r.object, 'response');
+        }
+        accepted++;
+      }));
+    assert.equal(accepted, replies.length);
+    // and the NUL reaches the model as its byte token, not cut off
+    const nul = replies.find((c) => c.includes('\u0000'));
+    const tok = await (await fetch(`${args.base}/tokenize`, { method: 'POST',
+      headers: { authorization: `Bearer ${KEY}` }, body: JSON.stringify({ content: `a${nul}b` }) })).json();
+    assert.ok(tok.tokens.includes(3), JSON.stringify(tok));
+    const full = await oa.chat.completions.create({ model: 'x', max_tokens: 1, messages: [{ role: 'user', content: `a${nul}b` }] });
+    const cut = await oa.chat.completions.create({ model: 'x', max_tokens: 1, messages: [{ role: 'user', content: 'a' }] });
+    assert.ok(full.usage.prompt_tokens > cut.usage.prompt_tokens, 'the text after the NUL was dropped');
+    const shown = await (await fetch(`${args.base}/apply-template`, { method: 'POST',
+      headers: { authorization: `Bearer ${KEY}` }, body: JSON.stringify({ messages: [{ role: 'user', content: `a${nul}b` }] }) })).json();
+    assert.ok(shown.prompt.includes(`a${nul}b`), JSON.stringify(shown.prompt));
+    console.log(`round_trip: ${accepted} replies accepted back as history, ${controls.length} of them with control characters`);
   },
 
   async concurrent_streams() {
@@ -519,6 +606,28 @@ const cases = {
     assert.equal(r.usage.completion_tokens, 4);
   },
 
+  async disconnect_whole() {
+    // a non-streaming request whose client hangs up is cancelled within a step, as a stream is
+    const whole = 'moe_client_hangups_total{mode="whole"}';
+    const hang0 = await metric(args.slow, whole), cancelled0 = await metric(args.slow, 'moe_requests_cancelled_total');
+    const g0 = await metric(args.slow, 'moe_generated_tokens_total');
+    const ac = new AbortController();
+    const p = slowOa.chat.completions.create({ model: 'x', messages: STORY, max_tokens: 2000, ignore_eos: true },
+      { signal: ac.signal });
+    p.catch(() => {});
+    await waitFor('tokens to flow', async () => (await metric(args.slow, 'moe_generated_tokens_total')) >= g0 + 3, 5000);
+    ac.abort();
+    await waitFor('the generation to stop', async () => (await metric(args.slow, 'moe_streams_active')) === 0, 3000);
+    assert.equal(await metric(args.slow, whole), hang0 + 1);
+    assert.equal(await metric(args.slow, 'moe_requests_cancelled_total'), cancelled0 + 1);
+    // at most the step that was running when the cancel came (over every cancel so far)
+    const after = await metric(args.slow, 'moe_tokens_after_cancel_max');
+    assert.ok(after <= 1, `${after} tokens generated after a cancel`);
+    const generated = await metric(args.slow, 'moe_generated_tokens_total') - g0;
+    assert.ok(generated < 2000, `${generated} tokens: the request ran to max_tokens`);
+    console.log(`disconnect_whole: cancelled after ${generated} tokens, <= ${after} after the hang-up`);
+  },
+
   async queue_limits() {
     // --parallel 1 --queue 1: one stream runs, one waits, the third is refused with 429
     const acA = new AbortController(), acB = new AbortController();
@@ -538,6 +647,10 @@ const cases = {
     // B waits past --queue-timeout 1 and gets 503
     const eb = await expectStatus(bPromise, 503);
     assert.match(eb.message, /overloaded/);
+    // the same through the Anthropic API: 529 overloaded_error, Anthropic's own status
+    await waitFor('B to leave the queue', async () => (await metric(args.slow, 'moe_queue_depth')) === 0, 3000);
+    const ec = await expectStatus(slowAn.messages.create({ model: 'x', max_tokens: 5, messages: STORY }), 529);
+    assert.equal(ec.error.error.type, 'overloaded_error');
     acA.abort();
     await waitFor('A to end', async () => (await metric(args.slow, 'moe_streams_active')) === 0, 3000);
   },
@@ -594,9 +707,54 @@ const cases = {
   },
 };
 
+// Reasoning controls through both SDKs (run with --think only).
+const thinkOa = new OpenAI({ baseURL: `${args.think}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 30000 });
+const thinkAn = new Anthropic({ baseURL: args.think, apiKey: 'unused', maxRetries: 0, timeout: 30000 });
+const thinkCases = {
+  async reasoning_controls() {
+    // Anthropic: a budget under the server's; the stream adds up to the whole reply
+    const req = { model: 'x', max_tokens: 24, temperature: 0, messages: STORY,
+      thinking: { type: 'enabled', budget_tokens: 4 } };
+    const m = await thinkAn.messages.create(req);
+    assert.deepEqual(m.content.map((b) => b.type), ['thinking', 'text']);
+    assert.ok(m.content[0].thinking.length > 0 && m.content[1].text.length > 0);
+    assert.equal(m.usage.output_tokens, 24);
+    let thinking = '', text = '';
+    for await (const ev of await thinkAn.messages.create({ ...req, stream: true })) {
+      if (ev.type === 'content_block_delta' && ev.delta.type === 'thinking_delta') thinking += ev.delta.thinking;
+      if (ev.type === 'content_block_delta' && ev.delta.type === 'text_delta') text += ev.delta.text;
+    }
+    assert.equal(thinking, m.content[0].thinking);
+    assert.equal(text, m.content[1].text);
+    // budgets differ per stream in one batch: each reply equals the same request alone
+    const budgets = [1, 2, 3, 5, 7, 9];
+    const alone = [];
+    for (const b of budgets)
+      alone.push(await thinkAn.messages.create({ ...req, thinking: { type: 'enabled', budget_tokens: b } }));
+    const together = await Promise.all(budgets.map((b) =>
+      thinkAn.messages.create({ ...req, thinking: { type: 'enabled', budget_tokens: b } })));
+    for (let i = 0; i < budgets.length; i++) assert.deepEqual(together[i].content, alone[i].content);
+    assert.ok(alone[0].content[0].thinking.length < alone[5].content[0].thinking.length);
+    // thinking off, which the template cannot switch: no thinking block at all
+    const off = await thinkAn.messages.create({ ...req, thinking: { type: 'disabled' } });
+    assert.deepEqual(off.content.map((b) => b.type), ['text']);
+    // OpenAI: the server's budget of 10, then reasoning_effort "none"
+    const r = await thinkOa.chat.completions.create({ model: 'x', messages: STORY, max_tokens: 30, temperature: 0 });
+    assert.ok(r.choices[0].message.reasoning_content.length > 0);
+    const rt = r.usage.completion_tokens_details.reasoning_tokens;
+    assert.ok(rt > 10 && rt < 30, `reasoning_tokens ${rt}: the budget of 10 and the closing tag`);
+    const none = await thinkOa.chat.completions.create({ model: 'x', messages: STORY, max_tokens: 8, temperature: 0,
+      reasoning_effort: 'none' });
+    assert.equal(none.choices[0].message.reasoning_content, undefined);
+    assert.equal(none.usage.completion_tokens_details.reasoning_tokens, 0);
+    assert.ok(none.choices[0].message.content.length > 0);
+  },
+};
+
 let failed = 0;
-for (const name of args.cases.length ? args.cases : Object.keys(cases)) {
-  const fn = cases[name];
+const table = args.think ? thinkCases : cases;
+for (const name of args.cases.length ? args.cases : Object.keys(table)) {
+  const fn = table[name];
   if (!fn) {
     console.log(`FAIL ${name}: no such case`);
     failed++;
