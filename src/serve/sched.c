@@ -403,6 +403,8 @@ static moe_sample next_token(slot *sl, const float *logits) {
     const int32_t token = g->think_close[g->n_think_close - sl->n_forcing--];
     moe_sample smp = moe_sampler_score(sl->sampler, logits, token);
     moe_sampler_accept(sl->sampler, token);
+    moe_grammar_state *grammar = moe_sampler_grammar(sl->sampler);
+    if (grammar) moe_grammar_state_accept(grammar, token); /* a grammar follows the text too */
     return smp;
 }
 
