@@ -475,13 +475,12 @@ static const char serve_cases[] =
     "\"json_schema\":{\"schema\":{\"type\":\"decimal\"}}}}}"
     "]";
 
-static void served_by(const char *model_rel) {
-    const char *model = moe_test_shared(model_rel);
-    MOE_SKIP_IF_NULL(model);
+/* Run tests/grammar_check.py serve on a model file with these cases (JSON text). */
+static void served_by_cases(const char *model, const char *cases_json) {
     char cases[600], cmd[2048];
     snprintf(cases, sizeof cases, "%s/serve_cases.json", moe_test_tmpdir());
     json_error_t je;
-    json_t *j = json_loads(serve_cases, 0, &je);
+    json_t *j = json_loads(cases_json, 0, &je);
     if (!j) fail_msg("the cases are not JSON: %s at %d", je.text, je.position);
     json_dump_file(j, cases, 0);
     json_decref(j);
@@ -491,7 +490,45 @@ static void served_by(const char *model_rel) {
     const int rc = moe_test_run(cmd, &out);
     print_lines(out);
     free(out);
-    if (rc != 0) fail_msg("structured output on %s failed (exit %d)", model_rel, rc);
+    if (rc != 0) fail_msg("structured output on %s failed (exit %d)", model, rc);
+}
+
+static void served_by(const char *model_rel) {
+    const char *model = moe_test_shared(model_rel);
+    MOE_SKIP_IF_NULL(model);
+    served_by_cases(model, serve_cases);
+}
+
+/* The model's own call formats: stories260K with real templates in its GGUF (DeepSeek V3.1 with
+ * thinking on, so the prompt leaves a reasoning block open; Llama 3.1; Mistral Nemo). */
+static const char format_cases[] =
+    "["
+    "{\"name\":\"tool_choice_required\",\"kind\":\"tool\",\"n\":5,\"names\":[\"get_weather\","
+    "\"add\"],\"request\":{\"messages\":" USER_MSG ",\"temperature\":1,\"max_tokens\":300,"
+    "\"enable_thinking\":true,\"tools\":" TOOLS ",\"tool_choice\":\"required\"}},"
+    "{\"name\":\"tool_choice_named\",\"kind\":\"tool\",\"n\":3,\"names\":[\"add\"],"
+    "\"request\":{\"messages\":" USER_MSG ",\"temperature\":1,\"max_tokens\":300,"
+    "\"enable_thinking\":true,\"tools\":" TOOLS ",\"tool_choice\":{\"type\":\"function\","
+    "\"function\":{\"name\":\"add\"}}}},"
+    "{\"name\":\"json_schema\",\"kind\":\"content\",\"n\":5,\"schema\":" PERSON_SCHEMA ","
+    "\"request\":{\"messages\":" USER_MSG ",\"temperature\":1,\"max_tokens\":900,"
+    "\"enable_thinking\":true,\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+    "\"name\":\"person\",\"schema\":" PERSON_SCHEMA "}}}}"
+    "]";
+
+static void structured_output_in_model_formats(void **state) {
+    (void)state;
+    static const char *const templates[] = {"templates/deepseek-ai-DeepSeek-V3.1.jinja",
+                                            "templates/meta-llama-Llama-3.1-8B-Instruct.jinja",
+                                            "templates/mistralai-Mistral-Nemo-Instruct-2407.jinja"};
+    for (size_t i = 0; i < sizeof templates / sizeof *templates; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "format%zu", i);
+        const char *model = moe_test_chat_model(name, templates[i]);
+        MOE_SKIP_IF_NULL(model);
+        print_message("    %s:\n", templates[i]);
+        served_by_cases(model, format_cases);
+    }
 }
 
 static void structured_output_stories260k(void **state) {
@@ -513,6 +550,7 @@ int moe_suite_grammar(void) {
         cmocka_unit_test(forced_calls_parse_in_every_format),
         cmocka_unit_test(structured_output_stories260k),
         cmocka_unit_test(structured_output_parity_model),
+        cmocka_unit_test(structured_output_in_model_formats),
     };
     return cmocka_run_group_tests_name("grammar", tests, NULL, NULL);
 }
