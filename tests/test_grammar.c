@@ -108,6 +108,13 @@ static void masks_match_python(void **state) {
             uint32_t n = 0, n_text = 0;
             for (uint32_t t = 0; t < n_vocab; t++)
                 if (moe_grammar_state_allows(st, (int32_t)t)) allowed[n++] = (int32_t)t;
+            /* one token's check (the sampler's first try) agrees with the mask */
+            for (uint32_t t = 0, k = 0; t < n_vocab; t++) {
+                const bool in = k < n && allowed[k] == (int32_t)t;
+                k += in;
+                if (moe_grammar_state_can_take(st, (int32_t)t) != in)
+                    fail_msg("token %u: the mask says %d, the single check %d", t, in, !in);
+            }
             /* the mask the sampler applies is the same set */
             float *logits = moe_xcalloc(n_vocab, sizeof(float));
             assert_int_equal(moe_grammar_state_apply(st, logits), n);

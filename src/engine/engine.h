@@ -196,6 +196,8 @@ void moe_grammar_state_reset(moe_grammar_state *st);
  * tokens remain allowed. */
 uint32_t moe_grammar_state_apply(moe_grammar_state *st, float *logits);
 bool moe_grammar_state_allows(moe_grammar_state *st, int32_t token);
+/* The same answer for one token, by walking its bytes only (no mask is built). */
+bool moe_grammar_state_can_take(moe_grammar_state *st, int32_t token);
 /* Follow a chosen token (false, state unusable, if the grammar cannot take it). */
 bool moe_grammar_state_accept(moe_grammar_state *st, int32_t token);
 bool moe_grammar_state_accept_bytes(moe_grammar_state *st, const char *s, size_t len);

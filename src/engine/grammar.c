@@ -754,6 +754,22 @@ static void umap_put(umap *m, uint64_t key, uint32_t val) {
     m->vals[i] = val;
 }
 
+/* The value slot of key, inserted (value 0) when absent. */
+static uint32_t *umap_slot(umap *m, uint64_t key) {
+    if (2 * (m->n + 1) > m->cap) {
+        uint32_t v = 0;
+        if (!umap_get(m, key, &v)) umap_put(m, key, 0); /* grows the table */
+    }
+    uint32_t i = (uint32_t)mix64(key) & (m->cap - 1);
+    while (m->keys[i] != MAP_EMPTY && m->keys[i] != key) i = (i + 1) & (m->cap - 1);
+    if (m->keys[i] == MAP_EMPTY) {
+        m->keys[i] = key;
+        m->vals[i] = 0;
+        m->n++;
+    }
+    return &m->vals[i];
+}
+
 static void umap_free(umap *m) {
     free(m->keys);
     free(m->vals);
@@ -787,9 +803,11 @@ struct moe_grammar_state {
     uint32_t n_tops, cap_tops;
     uint32_t *set_off;
     uint32_t n_sets, cap_sets;
-    umap set_ids; /* hash of the tops -> set (collisions chained by rehash below) */
-    umap trans;   /* (set, code point) -> set or DEAD */
-    umap seen;    /* (pos, parent) -> the closure that expanded it (each once per closure) */
+    umap set_ids;    /* hash of the tops -> set (collisions chained by rehash below) */
+    umap trans;      /* (set, code point >= 128) -> set or DEAD */
+    uint32_t *ascii; /* [n_ascii_sets][128] transitions on ASCII, TRANS_UNKNOWN until known */
+    uint32_t n_ascii_sets;
+    umap seen; /* (pos, parent) -> the closure that expanded it (each once per closure) */
     uint32_t closure;
     umap mask_ids;   /* state key -> mask slot */
     uint64_t *masks; /* [n_masks][words] allowed tokens */
@@ -828,12 +846,6 @@ static void expand_rule(moe_grammar_state *st, uint32_t rule, uint32_t parent, i
 
 /* Every stack top reachable from element pos (under parent) without reading a character. */
 static void expand(moe_grammar_state *st, uint32_t pos, uint32_t parent, int depth) {
-    /* what (pos, parent) reaches does not depend on how we got here: once per closure, or
-     * nullable alternatives would be followed exponentially often */
-    const uint64_t key = (uint64_t)pos << 32 | parent;
-    uint32_t when;
-    if (umap_get(&st->seen, key, &when) && when == st->closure) return;
-    umap_put(&st->seen, key, st->closure);
     const gelem *el = st->g->el;
     while (is_end(el[pos])) { /* this sequence is done: continue where its rule was called */
         if (!parent) {
@@ -847,8 +859,13 @@ static void expand(moe_grammar_state *st, uint32_t pos, uint32_t parent, int dep
         scratch_push(st, node_get(st, pos, parent));
         return;
     }
+    /* a rule call. What (pos, parent) reaches does not depend on how we got here: once per
+     * closure, or nullable alternatives would be followed exponentially often */
+    uint32_t *when = umap_slot(&st->seen, (uint64_t)pos << 32 | parent);
+    if (*when == st->closure) return;
+    *when = st->closure;
     if (depth > GRAMMAR_MAX_EXPAND) return; /* unreachable for a checked grammar */
-    /* a rule call: return to pos + 1, or straight to the parent when nothing follows */
+    /* return to pos + 1, or straight to the parent when nothing follows */
     const uint32_t ret = is_end(el[pos + 1]) ? parent : node_get(st, pos + 1, parent);
     expand_rule(st, el[pos].value, ret, depth + 1);
 }
@@ -918,10 +935,24 @@ static bool class_overlaps(const moe_grammar *g, uint32_t cls, uint32_t lo, uint
     return c->negate;
 }
 
+#define TRANS_UNKNOWN (UINT32_MAX - 1) /* ascii[] entry not computed yet */
+
 static uint32_t transition(moe_grammar_state *st, uint32_t set, uint32_t cp) {
     const uint64_t key = (uint64_t)set << 21 | cp;
     uint32_t out;
-    if (umap_get(&st->trans, key, &out)) return out;
+    if (cp < 128) { /* most bytes of most texts: a direct table, no hashing */
+        if (set >= st->n_ascii_sets) {
+            const uint32_t n = st->n_sets > set + 1 ? st->n_sets : set + 1;
+            st->ascii = moe_xrealloc(st->ascii, sizeof(uint32_t) * 128 * (size_t)n);
+            for (size_t i = (size_t)st->n_ascii_sets * 128; i < (size_t)n * 128; i++)
+                st->ascii[i] = TRANS_UNKNOWN;
+            st->n_ascii_sets = n;
+        }
+        out = st->ascii[(size_t)set * 128 + cp];
+        if (out != TRANS_UNKNOWN) return out;
+    } else if (umap_get(&st->trans, key, &out)) {
+        return out;
+    }
     const uint32_t o = st->set_off[set], n = st->set_off[set + 1] - o;
     st->closure++;
     for (uint32_t i = 0; i < n; i++) {
@@ -931,7 +962,10 @@ static uint32_t transition(moe_grammar_state *st, uint32_t set, uint32_t cp) {
         if (class_match(st->g, st->g->el[nd.pos].value, cp)) expand(st, nd.pos + 1, nd.parent, 0);
     }
     out = intern_scratch(st);
-    umap_put(&st->trans, key, out);
+    if (cp < 128)
+        st->ascii[(size_t)set * 128 + cp] = out;
+    else
+        umap_put(&st->trans, key, out);
     return out;
 }
 
@@ -1012,6 +1046,7 @@ void moe_grammar_state_free(moe_grammar_state *st) {
     free(st->set_off);
     umap_free(&st->set_ids);
     umap_free(&st->trans);
+    free(st->ascii);
     umap_free(&st->seen);
     umap_free(&st->mask_ids);
     free(st->masks);
@@ -1049,6 +1084,24 @@ bool moe_grammar_state_accept(moe_grammar_state *st, int32_t token) {
     const uint32_t len = v->off[token + 1] - v->off[token];
     if (!len) return false;
     return moe_grammar_state_accept_bytes(st, (const char *)v->bytes + v->off[token], len);
+}
+
+bool moe_grammar_state_can_take(moe_grammar_state *st, int32_t token) {
+    const moe_grammar_vocab *v = st->v;
+    if (!v || token < 0 || (uint32_t)token >= v->n_vocab || st->set == DEAD || st->ended)
+        return false;
+    if (v->eog[token]) return moe_grammar_state_complete(st);
+    const uint8_t *b = v->bytes + v->off[token];
+    uint32_t len = v->off[token + 1] - v->off[token];
+    if (!len) return false;
+    if (st->strip_pending && b[0] == ' ') {
+        b++;
+        len--;
+    }
+    uint32_t set = st->set;
+    partial p = st->part;
+    for (uint32_t i = 0; i < len && set != DEAD; i++) set = step_byte(st, set, &p, b[i]);
+    return set != DEAD;
 }
 
 /* Depth-first over the trie below node: every token whose bytes the grammar can take. */

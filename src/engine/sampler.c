@@ -29,6 +29,9 @@ struct moe_sampler {
     uint32_t *counts; /* [n_vocab] occurrences within the window */
     uint64_t rng;
     moe_grammar_state *grammar; /* NULL: unconstrained */
+    /* how often the grammar took the first draw lately (halved every 64 tries): the first draw
+     * is tried while it pays, and every 16th step otherwise, to notice when it pays again */
+    uint32_t first_tries, first_hits, grammar_steps;
 };
 
 moe_sampler *moe_sampler_new(const moe_sampler_params *p, uint32_t n_vocab) {
@@ -75,6 +78,7 @@ void moe_sampler_reset(moe_sampler *s) {
     s->n_recent = s->recent_head = 0;
     s->rng = s->p.seed;
     if (s->grammar) moe_grammar_state_reset(s->grammar);
+    s->first_tries = s->first_hits = s->grammar_steps = 0;
 }
 
 moe_grammar_state *moe_sampler_grammar(moe_sampler *s) {
@@ -165,6 +169,39 @@ moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token)
     return out;
 }
 
+static int32_t argmax(const float *v, uint32_t n) {
+    int32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (v[i] > v[best]) best = (int32_t)i;
+    return best;
+}
+
+/* A draw at temperature t among order[0..keep) (max: the largest of their values). */
+static int32_t draw(moe_sampler *s, uint32_t keep, float max, float t) {
+    double total = 0.0;
+    for (uint32_t i = 0; i < keep; i++) {
+        const float v = s->work[s->order[i]];
+        s->probs[i] = v == -INFINITY ? 0.0f : (float)exp((double)(v - max) / t);
+        total += s->probs[i];
+    }
+    double r = moe_rng_uniform(&s->rng) * total;
+    uint32_t pick = keep - 1;
+    for (uint32_t i = 0; i < keep; i++) {
+        r -= s->probs[i];
+        if (r < 0) {
+            pick = i;
+            break;
+        }
+    }
+    return s->order[pick];
+}
+
+/* The same over every token, in id order. */
+static int32_t draw_all(moe_sampler *s, uint32_t n, float max, float t) {
+    for (uint32_t i = 0; i < n; i++) s->order[i] = (int32_t)i;
+    return draw(s, n, max, t);
+}
+
 moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
     const uint32_t n = s->n_vocab;
     const moe_sampler_params *p = &s->p;
@@ -190,14 +227,8 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
         }
         for (uint32_t i = 0; i < s->n_recent; i++) s->counts[s->recent[i]] &= 0x7fffffffu;
     }
-    if (s->grammar && !moe_grammar_state_apply(s->grammar, s->work)) {
-        /* nothing can continue the grammar: end the generation */
-        moe_sample out = {.token = moe_grammar_vocab_eog(p->grammar_vocab), .logprob = -INFINITY};
-        if (out.token < 0) out.token = 0;
-        return out;
-    }
-
-    /* log-softmax of the adjusted logits, for the reported log-probabilities */
+    /* log-softmax of the adjusted logits, for the reported log-probabilities (before a grammar's
+     * mask, as before truncation) */
     float max = -INFINITY;
     for (uint32_t i = 0; i < n; i++) max = s->work[i] > max ? s->work[i] : max;
     double z = 0.0;
@@ -207,11 +238,45 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
 
     moe_sample out = {0};
     const uint32_t n_top = p->n_top_logprobs < n ? p->n_top_logprobs : n;
+    if (s->grammar) {
+        /* Without truncation, a draw from all tokens that the grammar allows is a draw from the
+         * allowed ones (greedy: the same argmax; sampling: rejection, then the masked draw), so
+         * the mask -- a walk over the vocabulary -- is needed only when the first draw is
+         * refused. Truncation (top-k, top-p, min-p) ranks the allowed tokens, so it masks first. */
+        const bool plain = p->temperature <= 0.0f || ((p->top_k <= 0 || (uint32_t)p->top_k >= n) &&
+                                                      p->top_p >= 1.0f && p->min_p <= 0.0f);
+        const bool pays = s->first_hits * 2 >= s->first_tries || s->grammar_steps++ % 16 == 0;
+        if (plain && !n_top && pays) {
+            const int32_t first =
+                p->temperature <= 0.0f ? argmax(s->work, n) : draw_all(s, n, max, p->temperature);
+            const bool taken = moe_grammar_state_can_take(s->grammar, first);
+            s->first_hits += taken;
+            if (++s->first_tries == 64) {
+                s->first_tries /= 2;
+                s->first_hits /= 2;
+            }
+            if (taken) {
+                out.token = first;
+                goto chosen;
+            }
+        }
+        if (!moe_grammar_state_apply(s->grammar, s->work)) {
+            /* nothing can continue the grammar: end the generation */
+            out.token = moe_grammar_vocab_eog(p->grammar_vocab);
+            if (out.token < 0) out.token = 0;
+            out.logprob = -INFINITY;
+            return out;
+        }
+        /* the draw below runs over the allowed tokens (z: top-p's normaliser) */
+        max = -INFINITY;
+        for (uint32_t i = 0; i < n; i++) max = s->work[i] > max ? s->work[i] : max;
+        z = 0.0;
+        if (p->top_p < 1.0f)
+            for (uint32_t i = 0; i < n; i++)
+                z += s->work[i] == -INFINITY ? 0.0 : exp((double)(s->work[i] - max));
+    }
     if (p->temperature <= 0.0f) {
-        int32_t best = 0;
-        for (uint32_t i = 1; i < n; i++)
-            if (s->work[i] > s->work[best]) best = (int32_t)i;
-        out.token = best;
+        out.token = argmax(s->work, n);
         if (n_top) select_top(s, n, n_top);
     } else {
         /* llama.cpp's order: top-k, top-p, min-p on the untempered distribution, then the
@@ -244,27 +309,13 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
                     }
                 }
             }
+            out.token = draw(s, keep, max, p->temperature);
         } else {
-            for (uint32_t i = 0; i < n; i++) s->order[i] = (int32_t)i;
+            out.token = draw_all(s, n, max, p->temperature);
         }
-        double total = 0.0;
-        for (uint32_t i = 0; i < keep; i++) {
-            const float v = s->work[s->order[i]];
-            s->probs[i] = v == -INFINITY ? 0.0f : (float)exp((double)(v - max) / p->temperature);
-            total += s->probs[i];
-        }
-        double r = moe_rng_uniform(&s->rng) * total;
-        uint32_t pick = keep - 1;
-        for (uint32_t i = 0; i < keep; i++) {
-            r -= s->probs[i];
-            if (r < 0) {
-                pick = i;
-                break;
-            }
-        }
-        out.token = s->order[pick];
         if (n_top && (!truncated || keep < n_top)) select_top(s, n, n_top);
     }
+chosen:
     out.logprob = s->work[out.token] - log_z;
     out.n_top = n_top;
     for (uint32_t i = 0; i < out.n_top; i++) {
