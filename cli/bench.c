@@ -1,6 +1,8 @@
 /* bench.c: `moe bench MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8]
  * [--stream-steps N] [--mmap] [--csv | --json]` -- throughput of a model on this machine beside
  * the machine's read bandwidth (src/tools/bench.c measures; this file parses and prints).
+ * `moe bench --server URL [--concurrency N] [--tokens N] [--repeats N] [--start-cmd CMD]
+ * [--svg FILE] [--json]` -- load on a running server instead (src/tools/bench_server.c).
  *
  * Every text and CSV line names the kernel table and thread count, so a pasted line still says
  * what it measured. JSON is one object: pp_tok_s, tg_tok_s, streams [{n, aggregate_tok_s,
@@ -15,7 +17,8 @@
 #include "cli.h"
 
 static const char usage_text[] =
-    "  -t, --threads N   threads for the forward pass and the bandwidth probe (default: CPUs)\n"
+    "  -t, --threads N   threads for the forward pass and the bandwidth probe (default: the\n"
+    "                    physical cores)\n"
     "  --runs N          timed runs per test after one warm-up (default 5)\n"
     "  --pp N            prefill test: one forward of N prompt rows (default 512; 0 skips)\n"
     "  --tg N            decode test: N single-row steps (default 128; 0 skips)\n"
@@ -26,7 +29,177 @@ static const char usage_text[] =
     "  --expert-cache SIZE  routed experts read on demand into a cache of SIZE; reports the\n"
     "                    decode's hit rate and disk bytes per token beside a disk probe\n"
     "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
-    "  --csv | --json    machine-readable output\n";
+    "  --csv | --json    machine-readable output\n"
+    "moe bench --server URL: load on a running OpenAI-compatible server (moe serve, ...)\n"
+    "  --concurrency N   requests streamed at once (default 16)\n"
+    "  --tokens N        output tokens per request, exactly (ignore_eos; default 256)\n"
+    "  --repeats N       rounds of N concurrent requests; tok/s is their median (default 3)\n"
+    "  --start-cmd CMD   start the server with /bin/sh -c CMD first, time it to ready (GET\n"
+    "                    URL/health answers 200), stop it at the end\n"
+    "  --ready-timeout S seconds --start-cmd may take (default 600)\n"
+    "  --api-key K       sent as Authorization: Bearer K\n"
+    "  --prompt TEXT     each request's prompt, after its index (default: a story's start)\n"
+    "  --svg FILE        the latency distribution (TTFT, inter-token) as an SVG chart\n"
+    "  --json            one JSON object\n";
+
+/* An integer option: flag, where its value goes, its range. */
+typedef struct int_opt {
+    const char *flag;
+    int *dst;
+    long long lo, hi;
+} int_opt;
+
+/* a is one of opts: its value v read (1), or a usage error reported (-1); 0: not one of them. */
+static int take_int_opt(const int_opt *opts, size_t n_opts, const char *a, const char *v) {
+    for (size_t k = 0; k < n_opts; k++) {
+        if (strcmp(a, opts[k].flag) != 0) continue;
+        long long n;
+        if (!moe_arg_int("bench", a, v, opts[k].lo, opts[k].hi, &n)) return -1;
+        *opts[k].dst = (int)n;
+        return 1;
+    }
+    return 0;
+}
+
+/* ==== moe bench --server ==== */
+
+/* The object on stdout, one line after it; frees the writer. */
+static void json_emit(moe_json *j) {
+    fwrite(j->buf, 1, j->len, stdout);
+    fputc('\n', stdout);
+    moe_json_free(j);
+}
+
+static void print_server_json(const moe_bench_server_result *r, const moe_bench_server_params *p) {
+    moe_json j;
+    moe_json_init(&j, true);
+    moe_json_object_begin(&j);
+    moe_json_kv_string(&j, "url", p->url);
+    const struct {
+        const char *key;
+        uint64_t v;
+    } counts[] = {{"concurrency", (uint64_t)p->concurrency},
+                  {"tokens", (uint64_t)p->tokens},
+                  {"repeats", (uint64_t)p->repeats},
+                  {"requests", (uint64_t)r->requests},
+                  {"errors", (uint64_t)r->errors},
+                  {"output_tokens", r->output_tokens},
+                  {"ttft_samples", r->n_ttft},
+                  {"itl_samples", r->n_itl}};
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        moe_json_kv_uint(&j, counts[i].key, counts[i].v);
+    const struct {
+        const char *key;
+        double v;
+    } figures[] = {
+        {"output_tok_s", r->tok_s.median},  {"output_tok_s_min", r->tok_s.min},
+        {"output_tok_s_max", r->tok_s.max}, {"ttft_p50_ms", r->ttft_p50 * 1e3},
+        {"ttft_p99_ms", r->ttft_p99 * 1e3}, {"itl_p50_ms", r->itl_p50 * 1e3},
+        {"itl_p99_ms", r->itl_p99 * 1e3},
+    };
+    for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++)
+        moe_json_kv_double(&j, figures[i].key, figures[i].v);
+    moe_json_key(&j, "time_to_ready_s");
+    if (r->time_to_ready_s >= 0)
+        moe_json_double(&j, r->time_to_ready_s);
+    else
+        moe_json_null(&j);
+    moe_json_key(&j, "first_error");
+    if (r->errors)
+        moe_json_string(&j, r->first_error);
+    else
+        moe_json_null(&j);
+    moe_json_object_end(&j);
+    json_emit(&j);
+}
+
+static void print_server_text(const moe_bench_server_result *r, const moe_bench_server_params *p) {
+    printf("moe bench --server %s: %d concurrent requests x %d tokens, %d repeats\n", p->url,
+           p->concurrency, p->tokens, p->repeats);
+    if (r->time_to_ready_s >= 0)
+        printf("time to ready:   %.3f s (--start-cmd)\n", r->time_to_ready_s);
+    printf("output:          %.2f tok/s median (%.2f - %.2f), %llu tokens\n", r->tok_s.median,
+           r->tok_s.min, r->tok_s.max, (unsigned long long)r->output_tokens);
+    printf("time to first:   p50 %.2f ms, p99 %.2f ms (%zu requests)\n", r->ttft_p50 * 1e3,
+           r->ttft_p99 * 1e3, r->n_ttft);
+    printf("between tokens:  p50 %.2f ms, p99 %.2f ms (%zu gaps)\n", r->itl_p50 * 1e3,
+           r->itl_p99 * 1e3, r->n_itl);
+    printf("errors:          %d of %d requests%s%s\n", r->errors, r->requests,
+           r->errors ? "; first: " : "", r->errors ? r->first_error : "");
+}
+
+/* The error on stderr; the exit status. */
+static int failed(const moe_error *err) {
+    fprintf(stderr, "moe bench: %s\n", err->msg);
+    return 1;
+}
+
+static int bench_server(int argc, char **argv) {
+    moe_bench_server_params p;
+    moe_bench_server_params_default(&p);
+    const char *svg = NULL;
+    bool json = false;
+    double f;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        const int_opt ints[] = {
+            {"--concurrency", &p.concurrency, 1, MOE_BENCH_SERVER_MAX_CONCURRENCY},
+            {"--tokens", &p.tokens, 1, 1 << 20},
+            {"--repeats", &p.repeats, 1, MOE_BENCH_MAX_RUNS},
+        };
+        const int took = take_int_opt(ints, sizeof ints / sizeof ints[0], a, v);
+        if (took < 0) return 2;
+        bool taken = took > 0;
+        const struct {
+            const char *flag;
+            const char **dst;
+        } strs[] = {{"--server", &p.url},
+                    {"--start-cmd", &p.start_cmd},
+                    {"--api-key", &p.api_key},
+                    {"--prompt", &p.prompt},
+                    {"--svg", &svg}};
+        for (size_t k = 0; k < sizeof strs / sizeof strs[0] && !taken; k++) {
+            if (strcmp(a, strs[k].flag) != 0) continue;
+            if (!v) return moe_cli_usage_error("bench", "%s needs a value", a);
+            *strs[k].dst = v;
+            taken = true;
+        }
+        if (taken) {
+            i++;
+        } else if (strcmp(a, "--ready-timeout") == 0) {
+            if (!moe_arg_float("bench", a, v, 0.1, 1e6, &f)) return 2;
+            p.ready_timeout_s = f;
+            i++;
+        } else if (strcmp(a, "--json") == 0) {
+            json = true;
+        } else if (strcmp(a, "--help-options") == 0) {
+            fputs(usage_text, stdout);
+            return 0;
+        } else {
+            return moe_cli_usage_error("bench", "--server: unexpected argument '%s' (options:\n%s)",
+                                       a, usage_text);
+        }
+    }
+    char url[2048];
+    snprintf(url, sizeof url, "%s", p.url);
+    for (size_t len = strlen(url); len && url[len - 1] == '/';) url[--len] = '\0';
+    p.url = url;
+    moe_bench_server_result r;
+    moe_error err = {0};
+    if (moe_bench_server_run(&p, &r, &err) != MOE_OK) return failed(&err);
+    (json ? print_server_json : print_server_text)(&r, &p);
+    int rc = r.errors ? 1 : 0;
+    if (svg) {
+        char sub[2300];
+        snprintf(sub, sizeof sub, "%s: %d concurrent x %d tokens, %d repeats; %.1f tok/s", p.url,
+                 p.concurrency, p.tokens, p.repeats, r.tok_s.median);
+        char *text = moe_latency_svg(&r, sub);
+        if (moe_file_write(svg, text, strlen(text), &err) != MOE_OK) rc = failed(&err);
+        free(text);
+    }
+    moe_bench_server_result_free(&r);
+    return rc;
+}
 
 static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
     const moe_bandwidth *bw = &r->bandwidth;
@@ -163,9 +336,7 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
         moe_json_double(&j, facts[i].v);
     }
     moe_json_object_end(&j);
-    fwrite(j.buf, 1, j.len, stdout);
-    fputc('\n', stdout);
-    moe_json_free(&j);
+    json_emit(&j);
 }
 
 /* "1,2,4,8" into p->streams; "0" clears the list. */
@@ -187,39 +358,32 @@ static bool parse_streams(const char *text, moe_bench_params *p) {
 }
 
 int moe_cmd_bench(int argc, char **argv) {
+    for (int i = 0; i < argc; i++)
+        if (strcmp(argv[i], "--server") == 0) return bench_server(argc, argv);
     moe_bench_params p;
     moe_bench_params_default(&p);
-    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    p.n_threads = cpus > 0 ? (int)cpus : 1;
+    p.n_threads = moe_cpu_cores();
     bool csv = false, json = false;
     int probe_mib = (int)(p.probe_bytes >> 20);
     moe_engine_args engine = {.n_threads = p.n_threads, .kv_type = p.kv_type};
-    long long n;
     for (int i = 0; i < argc; i++) {
         const int engine_arg = moe_engine_args_parse("bench", &engine, argc, argv, &i);
         if (engine_arg < 0) return 2;
         if (engine_arg) continue;
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        const struct {
-            const char *flag;
-            int *dst;
-            long long lo, hi;
-        } ints[] = {
+        const int_opt ints[] = {
             {"--runs", &p.runs, 1, MOE_BENCH_MAX_RUNS},
             {"--pp", &p.n_prompt, 0, 65536},
             {"--tg", &p.n_gen, 0, 65536},
             {"--stream-steps", &p.stream_steps, 1, 65536},
             {"--probe-mib", &probe_mib, 4, 1 << 20},
         };
-        bool taken = false;
-        for (size_t k = 0; k < sizeof ints / sizeof ints[0] && !taken; k++) {
-            if (strcmp(a, ints[k].flag) != 0) continue;
-            if (!moe_arg_int("bench", a, v, ints[k].lo, ints[k].hi, &n)) return 2;
-            *ints[k].dst = (int)n;
-            taken = true;
+        const int took = take_int_opt(ints, sizeof ints / sizeof ints[0], a, v);
+        if (took < 0) return 2;
+        if (took) {
             i++;
+            continue;
         }
-        if (taken) continue;
         if (strcmp(a, "--streams") == 0) {
             if (!parse_streams(v, &p))
                 return moe_cli_usage_error("bench",

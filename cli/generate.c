@@ -22,7 +22,7 @@ void moe_gen_options_default(moe_gen_options *o) {
     memset(o, 0, sizeof *o);
     o->n_predict = 128;
     o->n_draft = 3;
-    o->engine = (moe_engine_args){.n_threads = 1, .kv_type = MOE_TYPE_F16};
+    o->engine = (moe_engine_args){.n_threads = moe_cpu_cores(), .kv_type = MOE_TYPE_F16};
     o->sampling = (moe_sampler_params){.temperature = 0.8f,
                                        .top_k = 40,
                                        .top_p = 0.95f,

@@ -30,7 +30,7 @@ static void print_top5(const float *row, uint32_t n_vocab, size_t pos, int32_t t
 int moe_cmd_logits(int argc, char **argv) {
     const char *model_path = NULL, *out_path = NULL, *tokens_arg = NULL;
     bool mtp = false;
-    moe_engine_args engine = {.n_threads = 1, .kv_type = MOE_TYPE_F32};
+    moe_engine_args engine = {.n_threads = moe_cpu_cores(), .kv_type = MOE_TYPE_F32};
     for (int i = 0; i < argc; i++) {
         const int taken = moe_engine_args_parse("logits", &engine, argc, argv, &i);
         if (taken < 0) return 2;

@@ -69,7 +69,9 @@ static const moe_command commands[] = {
     {"bench", moe_cmd_bench,
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
-     "        [--kv-type f16|f32] [--mmap] [--expert-cache SIZE] [--csv | --json]"},
+     "        [--kv-type f16|f32] [--mmap] [--expert-cache SIZE] [--csv | --json]\n"
+     "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
+     "[--start-cmd CMD] [--svg FILE] [--json]"},
     {"eval", moe_cmd_eval,
      "score labelled records by label probability, compare two runs, KL against a reference",
      "labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] [--json]\n"
@@ -78,7 +80,8 @@ static const moe_command commands[] = {
      "        (`moe eval labels --help` etc. for each)"},
     {"serve", moe_cmd_serve, "OpenAI- and Anthropic-compatible HTTP server (continuous batching)",
      "[MODEL] [--host H] [--port N] [--api-key K ...] [--ctx N] [--parallel B] [--threads T] "
-     "[--queue N] [--queue-timeout S]  (`moe serve --help-options` lists all)"},
+     "[--queue N] [--queue-timeout S]\n"
+     "        [--cache-dir DIR [--cache-disk-size SIZE]]  (`moe serve --help-options` lists all)"},
     {0},
 };
 

@@ -18,7 +18,7 @@ static const char usage_text[] =
     "  --ctx N            context per sequence (default: the model's, at most 4096)\n"
     "  --parallel B       streams decoded together in one batch (default 4)\n"
     "  --cache-slots N    extra finished sequences kept for prefix reuse (default: B)\n"
-    "  -t, --threads T    forward-pass threads (default 1)\n"
+    "  -t, --threads T    forward-pass threads (default: the physical cores)\n"
     "  --kv-type f32|f16  KV cache element type (default f16)\n"
     "  --expert-cache SIZE  routed experts read from the file on demand into a cache of SIZE\n"
     "                     (e.g. 12G); everything else stays resident\n"
@@ -40,6 +40,10 @@ static const char usage_text[] =
     "                     default: none (same-origin pages only; other Origins get 403)\n"
     "  --reasoning-budget N  at most N tokens of reasoning per reply: then the think block is\n"
     "                     closed and the answer follows (default -1: no limit; 0: thinking off)\n"
+    "  --cache-dir DIR    disk prefix cache: finished sequences are saved to DIR and a prompt\n"
+    "                     they start is loaded from there, also after a restart (off by default)\n"
+    "  --cache-disk-size SIZE  its size limit, least recently used entries go first\n"
+    "                     (default 8G; K, M, G, T)\n"
     "  --step-delay MS    for tests: sleep MS after every forward step\n"
     "  --grammar-file F   GBNF grammar for every request that sets no grammar, response_format\n"
     "                     or forced tool call of its own\n";
@@ -105,6 +109,14 @@ int moe_cmd_serve(int argc, char **argv) {
         } else if (strcmp(a, "--grammar-file") == 0 && v) {
             if (!(grammar = moe_cli_read_grammar("serve", v))) return 2;
             p.grammar = grammar;
+            i++;
+        } else if (strcmp(a, "--cache-dir") == 0 && v) {
+            p.cache_dir = v;
+            i++;
+        } else if (strcmp(a, "--cache-disk-size") == 0) {
+            if (!moe_arg_size("serve", a, v, &p.cache_disk_bytes)) return 2;
+            if (p.cache_disk_bytes == 0)
+                return moe_cli_usage_error("serve", "--cache-disk-size must be above 0");
             i++;
         } else if (strcmp(a, "--mmap") == 0) {
             p.use_mmap = true;

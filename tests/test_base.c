@@ -48,11 +48,38 @@ static void half_edges(void **state) {
     assert_int_equal(moe_f32_to_bf16(1.01171875f), 0x3f82); /* halfway, to even (up) */
 }
 
+/* The disk cache's checksum: every single-bit flip of a buffer changes it (each lane round is a
+ * bijection of its word), and so does a trailing zero byte, a swap of two words, or the seed. */
+static void hash_detects_changes(void **state) {
+    (void)state;
+    uint8_t buf[131]; /* four 32-byte rounds and a tail */
+    uint64_t rng = 42;
+    for (size_t i = 0; i < sizeof buf; i++) buf[i] = (uint8_t)moe_rng_u64(&rng);
+    const uint64_t h = moe_hash64(buf, sizeof buf, 7);
+    assert_true(h == moe_hash64(buf, sizeof buf, 7));
+    for (size_t bit = 0; bit < 8 * sizeof buf; bit++) {
+        buf[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+        assert_true(moe_hash64(buf, sizeof buf, 7) != h);
+        buf[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+    }
+    uint8_t longer[sizeof buf + 1] = {0};
+    memcpy(longer, buf, sizeof buf);
+    assert_true(moe_hash64(longer, sizeof longer, 7) != h);
+    assert_true(moe_hash64(buf, sizeof buf, 8) != h);
+    uint8_t swapped[sizeof buf];
+    memcpy(swapped, buf, sizeof buf);
+    memcpy(swapped, buf + 8, 8);
+    memcpy(swapped + 8, buf, 8);
+    assert_true(moe_hash64(swapped, sizeof swapped, 7) != h);
+    assert_true(moe_hash64(NULL, 0, 7) != moe_hash64(NULL, 0, 8));
+}
+
 int moe_suite_base(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(error_keeps_first),
         cmocka_unit_test(checked_arithmetic),
         cmocka_unit_test(half_edges),
+        cmocka_unit_test(hash_detects_changes),
     };
     return cmocka_run_group_tests_name("base", tests, NULL, NULL);
 }

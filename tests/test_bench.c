@@ -1,13 +1,20 @@
 /* Suite "bench": `moe bench` on a tiny synthetic model -- the JSON object has every field the
  * issue names, each a positive number (timings are never compared with targets here: this
  * machine is shared and noisy); CSV has one row per test; every text line names the kernel
- * table and the thread count; bad arguments are usage errors. */
+ * table and the thread count; bad arguments are usage errors. `moe bench --server` against
+ * `moe serve` on stories260K: the counts of requests, tokens and latency samples, the server's
+ * own token counter, the SVG (parsed by Python's XML parser), a server it starts itself
+ * (--start-cmd: time to ready, stopped afterwards) and one that is not there (errors). */
 #include "testutil.h"
 
+#include <arpa/inet.h>
 #include <jansson.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 static const char *tiny_model(void) {
     static char path[512];
@@ -88,28 +95,152 @@ static void bench_csv_and_text(void **state) {
     free(out);
 }
 
+/* `moe bench ARGS` (printf-style) exits rc and says `want`. */
+static void expect_bench(int rc, const char *want, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void expect_bench(int rc, const char *want, const char *fmt, ...) {
+    char args[2048], cmd[2304], *out;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(cmd, sizeof cmd, "%s bench %s", moe_test_bin(), args);
+    const int got = moe_test_run(cmd, &out);
+    if (got != rc || !strstr(out, want))
+        fail_msg("`%s` exited %d (want %d), output lacks '%s':\n%s", cmd, got, rc, want, out);
+    free(out);
+}
+
 static void bench_usage_errors(void **state) {
     (void)state;
+    expect_bench(2, "a model file is required", "%s", "");
+    expect_bench(2, "--streams expects", "%s --streams 1,x", tiny_model());
+    expect_bench(1, "cannot open", "/nonexistent.gguf --runs 1");
+}
+
+/* ==== moe bench --server ==== */
+
+static json_t *bench_server_json(const char *args, int want_rc) {
+    char cmd[4096], *out;
+    snprintf(cmd, sizeof cmd, "(%s bench %s --json 2>/dev/null)", moe_test_bin(), args);
+    const int rc = moe_test_run(cmd, &out);
+    json_error_t e;
+    json_t *j = json_loads(out, 0, &e);
+    if (rc != want_rc || !j) fail_msg("`%s` exited %d (want %d):\n%s", cmd, rc, want_rc, out);
+    free(out);
+    return j;
+}
+
+static long long int_field(json_t *j, const char *key) {
+    json_t *v = json_object_get(j, key);
+    if (!json_is_integer(v)) fail_msg("JSON field '%s' is missing or not an integer", key);
+    return json_integer_value(v);
+}
+
+/* A port nothing listens on just now. */
+static int free_port(void) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static void bench_server_counts(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    moe_test_server srv = {0};
+    char *srv_args[] = {(char *)model, "--ctx", "256", "--parallel", "4", NULL};
+    if (!moe_test_server_start(&srv, "bench-server", srv_args))
+        fail_msg("moe serve did not start (log %s)", srv.log);
+    char svg[600], args[2048];
+    snprintf(svg, sizeof svg, "%s/latency.svg", moe_test_tmpdir());
+    snprintf(args, sizeof args, "--server %s/ --concurrency 3 --tokens 8 --repeats 2 --svg %s",
+             srv.url, svg);
+    json_t *j = bench_server_json(args, 0);
+    assert_int_equal(int_field(j, "requests"), 6);
+    assert_int_equal(int_field(j, "errors"), 0);
+    assert_int_equal(int_field(j, "output_tokens"), 48);
+    assert_int_equal(int_field(j, "ttft_samples"), 6);
+    assert_int_equal(int_field(j, "itl_samples"), 6 * 7); /* gaps between 8 tokens */
+    positive(j, "output_tok_s");
+    positive(j, "ttft_p50_ms");
+    const char *ordered[][2] = {{"output_tok_s_min", "output_tok_s"},
+                                {"output_tok_s", "output_tok_s_max"},
+                                {"ttft_p50_ms", "ttft_p99_ms"},
+                                {"itl_p50_ms", "itl_p99_ms"}};
+    for (size_t i = 0; i < sizeof ordered / sizeof ordered[0]; i++) {
+        const double a = json_number_value(json_object_get(j, ordered[i][0])),
+                     b = json_number_value(json_object_get(j, ordered[i][1]));
+        if (!(a >= 0 && a <= b)) fail_msg("%s %g > %s %g", ordered[i][0], a, ordered[i][1], b);
+    }
+    assert_true(json_is_null(json_object_get(j, "time_to_ready_s")));
+    assert_true(json_is_null(json_object_get(j, "first_error")));
+    json_decref(j);
+    /* the server counted the same tokens */
+    char url[256];
+    snprintf(url, sizeof url, "%s/metrics", srv.url);
+    long status;
+    char *metrics = moe_test_http(url, NULL, &status);
+    if (!strstr(metrics, "\nmoe_generated_tokens_total 48\n")) fail_msg("%s", metrics);
+    free(metrics);
+    assert_int_equal(moe_test_server_stop(&srv), 0);
+    /* the SVG parses as XML; its bars count every sample */
     char cmd[2048], *out;
-    snprintf(cmd, sizeof cmd, "%s bench", moe_test_bin());
-    assert_int_equal(moe_test_run(cmd, &out), 2);
-    assert_non_null(strstr(out, "a model file is required"));
+    snprintf(cmd, sizeof cmd,
+             "/usr/bin/python3 -c \"import re,sys,xml.etree.ElementTree as E; "
+             "r=E.parse(sys.argv[1]).getroot(); ns='{http://www.w3.org/2000/svg}'; "
+             "assert r.tag==ns+'svg'; "
+             "n=[int(re.search(r': (\\\\d+)$', t.text).group(1)) for t in r.iter(ns+'title') "
+             "if ' ms: ' in (t.text or '')]; print(sum(n))\" %s",
+             svg);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    if (atoi(out) != 6 + 42) fail_msg("the SVG's bars hold %s samples, want 48", out);
     free(out);
-    snprintf(cmd, sizeof cmd, "%s bench %s --streams 1,x", moe_test_bin(), tiny_model());
-    assert_int_equal(moe_test_run(cmd, &out), 2);
-    assert_non_null(strstr(out, "--streams expects"));
-    free(out);
-    snprintf(cmd, sizeof cmd, "%s bench /nonexistent.gguf --runs 1", moe_test_bin());
-    assert_int_equal(moe_test_run(cmd, &out), 1);
-    assert_non_null(strstr(out, "cannot open"));
-    free(out);
+}
+
+static void bench_server_start_cmd(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    const int port = free_port();
+    char args[4096];
+    snprintf(args, sizeof args,
+             "--server http://127.0.0.1:%d --concurrency 2 --tokens 4 --repeats 1 --ready-timeout "
+             "60 --start-cmd "
+             "'exec %s serve %s --port %d --ctx 256 2>/dev/null >/dev/null'",
+             port, moe_test_bin(), model, port);
+    json_t *j = bench_server_json(args, 0);
+    positive(j, "time_to_ready_s");
+    assert_int_equal(int_field(j, "requests"), 2);
+    assert_int_equal(int_field(j, "errors"), 0);
+    assert_int_equal(int_field(j, "output_tokens"), 8);
+    json_decref(j);
+    /* it stopped the server: the same port now refuses, every request an error */
+    snprintf(args, sizeof args,
+             "--server http://127.0.0.1:%d --concurrency 2 --tokens 4 --repeats 1", port);
+    j = bench_server_json(args, 1);
+    assert_int_equal(int_field(j, "requests"), 2);
+    assert_int_equal(int_field(j, "errors"), 2);
+    assert_int_equal(int_field(j, "output_tokens"), 0);
+    char want[64];
+    snprintf(want, sizeof want, "127.0.0.1:%d/v1/completions", port);
+    assert_non_null(strstr(json_string_value(json_object_get(j, "first_error")), want));
+    json_decref(j);
+    /* a start command that dies, and usage errors */
+    expect_bench(1, "exited (status 3)", "--server http://127.0.0.1:%d --start-cmd 'exit 3'", port);
+    expect_bench(2, "--server needs a value", "--server");
+    expect_bench(1, "not an http(s):// URL", "--server ftp://x --concurrency 1");
 }
 
 int moe_suite_bench(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(bench_json_fields),
-        cmocka_unit_test(bench_csv_and_text),
-        cmocka_unit_test(bench_usage_errors),
+        cmocka_unit_test(bench_json_fields),      cmocka_unit_test(bench_csv_and_text),
+        cmocka_unit_test(bench_usage_errors),     cmocka_unit_test(bench_server_counts),
+        cmocka_unit_test(bench_server_start_cmd),
     };
     return cmocka_run_group_tests_name("bench", tests, NULL, NULL);
 }

@@ -37,18 +37,14 @@
 
 #include "../src/serve/serve_internal.h"
 
-#define SERVER_START_SECONDS 30 /* load + listen; generous for ASan builds */
-#define SERVER_STOP_SECONDS  10
-#define API_KEY              "sk-moe-test"
-#define CLIENTS_DIR          "tests/clients"
+#define API_KEY     "sk-moe-test"
+#define CLIENTS_DIR "tests/clients"
 
 /* ==== Servers ==== */
 
-typedef struct server {
-    pid_t pid;
-    char url[128];
-    char log[512];
-} server;
+typedef moe_test_server server; /* testutil: start, stop */
+#define server_start moe_test_server_start
+#define server_stop  moe_test_server_stop
 
 static server base_srv, slow_srv, hybrid_srv;
 static bool servers_tried, servers_ok;
@@ -57,77 +53,6 @@ static const char *runc_text;
 static int in_ci(void) {
     const char *ci = getenv("CI");
     return ci && strcmp(ci, "true") == 0;
-}
-
-/* Start `moe serve ARGS`; waits for its "ready" line and reads the URL. */
-static bool server_start(server *s, const char *name, char *const extra[]) {
-    int fds[2];
-    if (pipe(fds) != 0) return false;
-    snprintf(s->log, sizeof s->log, "%s/%s.log", moe_test_tmpdir(), name);
-    char *argv[32];
-    int n = 0;
-    argv[n++] = (char *)moe_test_bin();
-    argv[n++] = "serve";
-    argv[n++] = "--port";
-    argv[n++] = "0";
-    for (int i = 0; extra[i] && n < 31; i++) argv[n++] = extra[i];
-    argv[n] = NULL;
-    char cache[600];
-    snprintf(cache, sizeof cache, "%s/cache", moe_test_tmpdir());
-    const pid_t pid = fork();
-    if (pid < 0) return false;
-    if (pid == 0) {
-        dup2(fds[1], 1);
-        FILE *log = fopen(s->log, "w");
-        if (log) dup2(fileno(log), 2);
-        close(fds[0]);
-        setenv("XDG_CACHE_HOME", cache, 1);
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    close(fds[1]);
-    s->pid = pid;
-    char buf[4096];
-    size_t len = 0;
-    const time_t until = time(NULL) + SERVER_START_SECONDS;
-    bool ready = false;
-    while (!ready && time(NULL) < until && len < sizeof buf - 1) {
-        struct pollfd p = {.fd = fds[0], .events = POLLIN};
-        if (poll(&p, 1, 200) <= 0) continue;
-        const ssize_t got = read(fds[0], buf + len, sizeof buf - 1 - len);
-        if (got <= 0) break;
-        len += (size_t)got;
-        buf[len] = '\0';
-        ready = strstr(buf, "moe serve: ready\n") != NULL;
-    }
-    close(fds[0]);
-    const char *at = strstr(buf, "listening on ");
-    if (!ready || !at) {
-        print_message("moe serve (%s) did not become ready; its log: %s\n", name, s->log);
-        return false;
-    }
-    sscanf(at + 13, "%127s", s->url);
-    return true;
-}
-
-/* SIGTERM, then wait (bounded); the exit status, or -1 if it had to be killed. */
-static int server_stop(server *s) {
-    if (s->pid <= 0) return 0;
-    kill(s->pid, SIGTERM);
-    int status = 0;
-    for (int i = 0; i < SERVER_STOP_SECONDS * 20; i++) {
-        const pid_t r = waitpid(s->pid, &status, WNOHANG);
-        if (r == s->pid) {
-            s->pid = 0;
-            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        }
-        struct timespec d = {0, 50 * 1000000L};
-        nanosleep(&d, NULL);
-    }
-    kill(s->pid, SIGKILL);
-    waitpid(s->pid, &status, 0);
-    s->pid = 0;
-    return -1;
 }
 
 /* Both servers and the npm clients, started on first use; false: the test was skipped. */
@@ -347,32 +272,11 @@ static void model_checked_before_listening(void **state) {
 
 /* ==== Chat templates through the server and `moe chat` ==== */
 
-static size_t curl_collect(char *p, size_t size, size_t n, void *ud) {
-    moe_strbuf_put(ud, p, size * n);
-    return size * n;
-}
-
 /* POST a JSON body; the reply body (caller frees), its status in *status. */
 static char *http_post(const char *base, const char *path, const char *body, long *status) {
     char url[512];
     snprintf(url, sizeof url, "%s%s", base, path);
-    moe_strbuf out = {0};
-    CURL *c = curl_easy_init();
-    struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdr);
-    curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, curl_collect);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &out);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
-    const CURLcode rc = curl_easy_perform(c);
-    *status = 0;
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, status);
-    curl_slist_free_all(hdr);
-    curl_easy_cleanup(c);
-    if (rc != CURLE_OK) fail_msg("POST %s: %s", url, curl_easy_strerror(rc));
-    moe_strbuf_put(&out, "", 0);
-    return out.s;
+    return moe_test_http(url, body, status);
 }
 
 #define QWEN3_TEMPLATE "templates/Qwen-Qwen3-0.6B.jinja"

@@ -4,11 +4,17 @@
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
+
+#include <curl/curl.h>
 
 #include "../src/format/format.h"
 
@@ -119,6 +125,105 @@ const char *moe_test_synth(const char *file, const char *flags) {
     if (rc != 0) fail_msg("`%s` exited %d:\n%s", cmd, rc, out);
     free(out);
     return path;
+}
+
+/* ==== A server and HTTP ==== */
+
+#define SERVER_START_SECONDS 30 /* load + listen; generous for ASan builds */
+#define SERVER_STOP_SECONDS  10
+
+bool moe_test_server_start(moe_test_server *s, const char *name, char *const extra[]) {
+    int fds[2];
+    if (pipe(fds) != 0) return false;
+    snprintf(s->log, sizeof s->log, "%s/%s.log", moe_test_tmpdir(), name);
+    char *argv[32];
+    int n = 0;
+    argv[n++] = (char *)moe_test_bin();
+    argv[n++] = "serve";
+    argv[n++] = "--port";
+    argv[n++] = "0";
+    for (int i = 0; extra[i] && n < 31; i++) argv[n++] = extra[i];
+    argv[n] = NULL;
+    char cache[600];
+    snprintf(cache, sizeof cache, "%s/cache", moe_test_tmpdir());
+    const pid_t pid = fork();
+    if (pid < 0) return false;
+    if (pid == 0) {
+        dup2(fds[1], 1);
+        FILE *log = fopen(s->log, "w");
+        if (log) dup2(fileno(log), 2);
+        close(fds[0]);
+        setenv("XDG_CACHE_HOME", cache, 1);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    s->pid = pid;
+    char buf[4096];
+    size_t len = 0;
+    const time_t until = time(NULL) + SERVER_START_SECONDS;
+    bool ready = false;
+    while (!ready && time(NULL) < until && len < sizeof buf - 1) {
+        struct pollfd p = {.fd = fds[0], .events = POLLIN};
+        if (poll(&p, 1, 200) <= 0) continue;
+        const ssize_t got = read(fds[0], buf + len, sizeof buf - 1 - len);
+        if (got <= 0) break;
+        len += (size_t)got;
+        buf[len] = '\0';
+        ready = strstr(buf, "moe serve: ready\n") != NULL;
+    }
+    close(fds[0]);
+    const char *at = strstr(buf, "listening on ");
+    if (!ready || !at) {
+        print_message("moe serve (%s) did not become ready; its log: %s\n", name, s->log);
+        return false;
+    }
+    sscanf(at + 13, "%127s", s->url);
+    return true;
+}
+
+int moe_test_server_stop(moe_test_server *s) {
+    if (s->pid <= 0) return 0;
+    kill(s->pid, SIGTERM);
+    int status = 0;
+    for (int i = 0; i < SERVER_STOP_SECONDS * 20; i++) {
+        const pid_t r = waitpid(s->pid, &status, WNOHANG);
+        if (r == s->pid) {
+            s->pid = 0;
+            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        }
+        struct timespec d = {0, 50 * 1000000L};
+        nanosleep(&d, NULL);
+    }
+    kill(s->pid, SIGKILL);
+    waitpid(s->pid, &status, 0);
+    s->pid = 0;
+    return -1;
+}
+
+static size_t curl_collect(char *p, size_t size, size_t n, void *ud) {
+    moe_strbuf_put(ud, p, size * n);
+    return size * n;
+}
+
+char *moe_test_http(const char *url, const char *body, long *status) {
+    moe_strbuf out = {0};
+    CURL *c = curl_easy_init();
+    struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdr);
+    if (body) curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, curl_collect);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &out);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
+    const CURLcode rc = curl_easy_perform(c);
+    *status = 0;
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, status);
+    curl_slist_free_all(hdr);
+    curl_easy_cleanup(c);
+    if (rc != CURLE_OK) fail_msg("%s %s: %s", body ? "POST" : "GET", url, curl_easy_strerror(rc));
+    moe_strbuf_put(&out, "", 0);
+    return out.s;
 }
 
 /* ==== Seeded random numbers ==== */

@@ -10,6 +10,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 #include <cmocka.h>
 
 #include "../src/base/base.h"
@@ -38,6 +39,23 @@ void moe_test_copy_gguf(const char *src, const char *dst, const char *const *dro
 /* `moe synth -o <tmpdir>/<file> <flags>` (flags as on the command line); fails the test when
  * synth does. The path, static per call (valid until the next call). */
 const char *moe_test_synth(const char *file, const char *flags);
+
+/* ==== A server and HTTP ==== */
+
+typedef struct moe_test_server {
+    pid_t pid;
+    char url[128]; /* http://HOST:PORT */
+    char log[512]; /* its stderr */
+} moe_test_server;
+
+/* Start `moe serve --port 0 EXTRA...` (XDG_CACHE_HOME in the scratch directory, stderr to
+ * <tmpdir>/<name>.log); waits for its "ready" line and reads the URL. false: it did not start. */
+bool moe_test_server_start(moe_test_server *s, const char *name, char *const extra[]);
+/* SIGTERM, then wait (bounded); the exit status, or -1 if it had to be killed. */
+int moe_test_server_stop(moe_test_server *s);
+/* GET (body NULL) or POST a JSON body; the reply body (caller frees), its status in *status.
+ * Fails the test when the transfer fails. */
+char *moe_test_http(const char *url, const char *body, long *status);
 
 /* ==== Seeded random numbers (splitmix64; the same stream on every machine) ==== */
 

@@ -145,6 +145,37 @@ double moe_rng_gaussian(uint64_t *state) {
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
+/* ==== A checksum ==== */
+
+/* Four independent lanes take one 8-byte word each per round: xor it in, multiply by an odd
+ * constant, fold the high bits down. Each round is a bijection of the lane for a fixed word, so
+ * one changed word always changes its lane; the finish mixes lanes and length with splitmix64. */
+#define HASH_K1 0xd6e8feb86659fd93ull
+#define HASH_K2 0xa0761d6478bd642full
+
+static inline uint64_t hash_round(uint64_t lane, uint64_t word) {
+    lane = (lane ^ word) * HASH_K1;
+    return lane ^ (lane >> 29);
+}
+
+uint64_t moe_hash64(const void *data, size_t n, uint64_t seed) {
+    const uint8_t *p = data;
+    uint64_t lane[4] = {seed, seed ^ HASH_K2, seed + HASH_K1, ~seed};
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++) {
+            uint64_t w;
+            memcpy(&w, p + i + 8 * k, 8);
+            lane[k] = hash_round(lane[k], w);
+        }
+    uint64_t tail[4] = {0, 0, 0, 0};
+    if (n > i) memcpy(tail, p + i, n - i);
+    for (int k = 0; k < 4; k++) lane[k] = hash_round(lane[k], tail[k]);
+    uint64_t state = n;
+    for (int k = 0; k < 4; k++) state = moe_rng_u64(&state) ^ lane[k];
+    return moe_rng_u64(&state);
+}
+
 /* ==== A growable string ==== */
 
 /* Room for n more bytes and the NUL. */

@@ -63,6 +63,11 @@ uint64_t moe_rng_u64(uint64_t *state);
 double moe_rng_uniform(uint64_t *state);  /* in (0, 1): never 0, never 1 */
 double moe_rng_gaussian(uint64_t *state); /* N(0, 1) by Box-Muller (two uniforms per value) */
 
+/* ==== A checksum: 64 bits over bytes, several GB/s; not cryptographic ====
+ * Detects corrupted or mixed-up data (disk cache entries); moe_hash64(a ++ b) is not derived
+ * from the hashes of a and b, so feed one buffer per call and chain through `seed`. */
+uint64_t moe_hash64(const void *data, size_t n, uint64_t seed);
+
 /* ==== A growable string ====
  *
  * Memory comes from malloc, or -- when `alloc` is set -- from an arena: the buffer then grows by
@@ -200,6 +205,9 @@ typedef struct moe_cpu_features {
 const moe_cpu_features *moe_cpu_features_get(void);
 /* The best level the CPU can run. */
 moe_isa moe_cpu_isa_supported(void);
+/* Physical cores this process may run on (online CPUs less SMT siblings; from sysfs topology,
+ * else the online CPU count): the default thread count, as llama.cpp's. */
+int moe_cpu_cores(void);
 /* The level in use: the best supported one, lowered by MOE_ISA (read once, on first call). */
 moe_isa moe_cpu_isa(void);
 /* Resolve a MOE_ISA request (NULL or "" = none) against a supported level. A request above

@@ -10,6 +10,8 @@
 
 #include <ctype.h>
 #include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,4 +165,42 @@ void moe_cpu_describe(char *buf, size_t size) {
     for (size_t i = 0; i < sizeof flags / sizeof flags[0] && n < size; i++)
         if (*(const bool *)((const char *)f + flags[i].offset))
             n += (size_t)snprintf(buf + n, size - n, " %s", flags[i].name);
+}
+
+/* ==== Cores ==== */
+
+/* An integer from a small sysfs file, or -1. */
+static long sysfs_long(const char *path) {
+    FILE *f = fopen(path, "r");
+    long v = -1;
+    if (f) {
+        if (fscanf(f, "%ld", &v) != 1) v = -1;
+        fclose(f);
+    }
+    return v;
+}
+
+int moe_cpu_cores(void) {
+    cpu_set_t set;
+    const long online = sysconf(_SC_NPROCESSORS_ONLN);
+    if (sched_getaffinity(0, sizeof set, &set) != 0) CPU_ZERO(&set);
+    /* a core is (package, core id): count the distinct ones among the CPUs we may use */
+    long seen[CPU_SETSIZE][2];
+    int n_seen = 0, n_allowed = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {
+        if (!CPU_ISSET(cpu, &set)) continue;
+        n_allowed++;
+        char path[128];
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/core_id", cpu);
+        const long core = sysfs_long(path);
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/physical_package_id",
+                 cpu);
+        const long pkg = sysfs_long(path);
+        if (core < 0) return n_allowed > 0 ? n_allowed : (online > 0 ? (int)online : 1);
+        bool dup = false;
+        for (int i = 0; i < n_seen && !dup; i++) dup = seen[i][0] == pkg && seen[i][1] == core;
+        if (!dup) seen[n_seen][0] = pkg, seen[n_seen++][1] = core;
+    }
+    if (n_seen > 0) return n_seen;
+    return online > 0 ? (int)online : 1;
 }

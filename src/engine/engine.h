@@ -162,6 +162,66 @@ uint32_t moe_ctx_seq_prefix(const moe_ctx *c, int32_t seq, const int32_t *tokens
 /* The token ids seq holds (moe_ctx_seq_len of them). */
 const int32_t *moe_ctx_seq_tokens(const moe_ctx *c, int32_t seq);
 
+/* ==== Disk prefix cache (disk_cache.c) ====
+ *
+ * Sequences saved to files in a directory, so a prefix survives a restart or its sequence's
+ * eviction from RAM. An entry holds one sequence's first n tokens: the token ids, the K/V (or
+ * latent) rows of its attention layers with their indexer rows (sparse MLA) and, on a hybrid
+ * model, the recurrent state after those n tokens. Entries are keyed by a hash of the token prefix
+ * and of the context's identity (the model file's size, mtime and GGUF header, the KV type, n_ctx
+ * and the kernel table): a context uses only its own. Everything is checksummed (the header with
+ * the token ids, each chunk of positions, the recurrent state); a damaged or truncated entry is
+ * removed, never resumed. A load checks the token ids stored in the entry itself against the
+ * caller's, not only the hash. Loads and saves run on the cache's own thread: a sequence with one
+ * queued must not change until moe_disk_cache_busy() says false (moe_disk_cache_wait waits for
+ * that). Without linear layers any prefix of an entry is usable; with them only the whole entry
+ * (the recurrent state exists for its last position only). The directory is kept under a size
+ * limit by removing the least recently used entries, whichever context wrote them. */
+
+typedef struct moe_disk_cache moe_disk_cache;
+
+typedef struct moe_disk_hit {
+    char name[64]; /* the entry's file in the directory */
+    uint32_t n;    /* tokens it can give */
+} moe_disk_hit;
+
+typedef struct moe_disk_cache_stats {
+    uint64_t entries, bytes, max_bytes; /* in the directory now (every identity) */
+    uint64_t hits, hit_tokens;          /* loads that succeeded, tokens they gave */
+    uint64_t writes, write_bytes;       /* entries written */
+    uint64_t evicted;                   /* removed for the size limit or superseded */
+    uint64_t corrupt;                   /* damaged or truncated entries found (and removed) */
+    uint64_t write_errors;
+} moe_disk_cache_stats;
+
+/* Open (creating it) the directory for context c, whose model and settings are the identity;
+ * reads every entry's header, removes damaged ones and trims to max_bytes. */
+moe_disk_cache *moe_disk_cache_open(moe_ctx *c, const char *dir, uint64_t max_bytes,
+                                    moe_error *err);
+/* Finish the queued loads and saves, then free. */
+void moe_disk_cache_close(moe_disk_cache *d);
+/* The longest prefix of tokens[0..n) an entry can give (0: none; *hit names it). */
+uint32_t moe_disk_cache_find(moe_disk_cache *d, const int32_t *tokens, uint32_t n,
+                             moe_disk_hit *hit);
+/* Start extending seq, which holds a prefix of tokens[0..n) (moe_ctx_seq_reuse), to hit->n
+ * tokens from the entry, on the cache's thread; seq must stay untouched until
+ * moe_disk_cache_load_end says it is done (moe_disk_cache_on_load's fn is called then). */
+moe_status moe_disk_cache_load_begin(moe_disk_cache *d, int32_t seq, const moe_disk_hit *hit,
+                                     const int32_t *tokens, uint32_t n, moe_error *err);
+/* false while seq's load runs. Then true: seq holds hit->n tokens (err untouched), or still what
+ * it held with err saying why (a damaged entry is removed). On the engine thread. */
+bool moe_disk_cache_load_end(moe_disk_cache *d, int32_t seq, moe_error *err);
+/* fn(arg) on the cache's thread whenever a load is done (wakes the engine thread). */
+void moe_disk_cache_on_load(moe_disk_cache *d, void (*fn)(void *arg), void *arg);
+/* Queue a save of seq's first n tokens (n: its length, or on a hybrid the position of one of
+ * its snapshots). false: nothing queued (an entry already holds them, no snapshot there, too
+ * large for the limit). */
+bool moe_disk_cache_save(moe_disk_cache *d, int32_t seq, uint32_t n);
+/* A queued save or load still uses seq's rows. */
+bool moe_disk_cache_busy(moe_disk_cache *d, int32_t seq);
+void moe_disk_cache_wait(moe_disk_cache *d, int32_t seq);
+void moe_disk_cache_get_stats(moe_disk_cache *d, moe_disk_cache_stats *out);
+
 /* ==== Grammars: constrained decoding (grammar.c) ====
  *
  * A GBNF grammar (llama.cpp's language: `name ::= alternatives`, "literals", [classes],

@@ -248,6 +248,7 @@ static void json_usage(moe_json *j, const serve_req *r, bool with_output) {
     moe_json_kv_uint(j, "input_tokens", r->gen.n_prompt - r->n_cached);
     moe_json_kv_uint(j, "cache_creation_input_tokens", 0);
     moe_json_kv_uint(j, "cache_read_input_tokens", r->n_cached);
+    moe_json_kv_string(j, "cache_source", serve_cache_source_name(r->cached_from));
     moe_json_kv_uint(j, "output_tokens", with_output ? r->n_generated : 0);
     moe_json_object_end(j);
 }

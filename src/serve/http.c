@@ -48,7 +48,7 @@ void moe_serve_params_default(moe_serve_params *p) {
     p->port = 8080;
     p->parallel = 4;
     p->cache_slots = -1; /* = parallel */
-    p->n_threads = 1;
+    p->n_threads = moe_cpu_cores();
     p->kv_type = MOE_TYPE_F16;
     p->queue_limit = 64;
     p->queue_timeout_s = 600;

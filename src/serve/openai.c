@@ -421,6 +421,7 @@ static void json_usage(moe_json *j, const serve_req *r) {
     moe_json_key(j, "prompt_tokens_details");
     moe_json_object_begin(j);
     moe_json_kv_uint(j, "cached_tokens", r->n_cached);
+    moe_json_kv_string(j, "cache_source", serve_cache_source_name(r->cached_from));
     moe_json_object_end(j);
     moe_json_key(j, "completion_tokens_details");
     moe_json_object_begin(j);

@@ -230,6 +230,7 @@ static void json_response(moe_json *j, rs_state *s, const serve_req *r) {
         moe_json_key(j, "input_tokens_details");
         moe_json_object_begin(j);
         moe_json_kv_uint(j, "cached_tokens", r->n_cached);
+        moe_json_kv_string(j, "cache_source", serve_cache_source_name(r->cached_from));
         moe_json_object_end(j);
         moe_json_kv_uint(j, "output_tokens", r->n_generated);
         moe_json_key(j, "output_tokens_details");

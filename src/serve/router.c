@@ -63,10 +63,7 @@ void serve_metrics_write(serve_metrics *m, moe_strbuf *o) {
             (unsigned long long)m->prompt_tokens);
     COUNTER("moe_generated_tokens_total", "Tokens generated.", "%llu",
             (unsigned long long)m->generated_tokens);
-    COUNTER("moe_prefix_cache_hits_total", "Requests that reused a resident prefix.", "%llu",
-            (unsigned long long)m->prefix_hits);
-    COUNTER("moe_prefix_cache_tokens_total", "Prompt tokens reused instead of recomputed.", "%llu",
-            (unsigned long long)m->cached_tokens);
+    serve_metrics_write_prefix_cache(m, o);
     COUNTER("moe_requests_cancelled_total", "Requests cancelled (client gone, timeout).", "%llu",
             (unsigned long long)m->cancelled);
     COUNTER("moe_requests_rejected_queue_full_total", "429 replies: the queue was full.", "%llu",

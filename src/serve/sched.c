@@ -22,6 +22,12 @@
  * A reply with a reasoning budget (serve_gen.think_budget) has its reasoning tokens counted
  * between the template's tags; once the budget is spent inside a block, the closing tag's
  * tokens take the place of the next samples, and the answer is sampled after them.
+ *
+ * With --cache-dir, finished sequences also go to the engine's disk prefix cache (whole; on a
+ * hybrid also at the prompt's snapshot), written by its own thread while the slot stays as it
+ * is; a request whose prompt the disk can give more of than RAM gets its slot LOADING: the
+ * cache's thread reads the prefix into it while the other streams go on, and the stream starts
+ * at the first step after (the engine thread is woken for it).
  * The trap: a sampled token joins the sequence only when it is fed as a row, so a finished
  * stream's last token is not there. */
 #include "serve_internal.h"
@@ -34,7 +40,9 @@
 
 #include "../model/model.h"
 
-typedef enum slot_state { SLOT_EMPTY, SLOT_RESIDENT, SLOT_ACTIVE } slot_state;
+/* LOADING: admitted, its prefix coming from the disk cache (the cache's thread writes its rows);
+ * it runs once the load is done. */
+typedef enum slot_state { SLOT_EMPTY, SLOT_RESIDENT, SLOT_LOADING, SLOT_ACTIVE } slot_state;
 
 typedef struct slot {
     slot_state state;
@@ -51,6 +59,7 @@ typedef struct slot {
     moe_detok *detok;
     moe_strbuf hold; /* text held back: it may be the start of a stop string */
     uint32_t n_generated;
+    uint32_t ram_reuse; /* LOADING: the prefix RAM gave, before the disk's */
     /* reasoning: inside a block?, its tokens so far, the closing tag's tokens still to force
      * (budget spent), and the last generated tokens and bytes (to see a tag complete) */
     bool in_think;
@@ -70,12 +79,14 @@ struct serve_sched {
     serve_req *wait_head, *wait_tail;
     uint32_t n_waiting;
     bool stop, loaded, load_failed;
+    bool disk_loaded; /* a disk cache load finished: the engine thread has work */
     char load_error[MOE_ERROR_MSG_MAX];
     /* engine-thread state (read-only for others once loaded: model, tok, n_ctx) */
     moe_model *model;
     moe_tokenizer *tok;
     moe_grammar_vocab *grammar_vocab; /* the tokenizer's byte trie, for constrained decoding */
     moe_ctx *ctx;
+    moe_disk_cache *disk; /* --cache-dir, or NULL */
     uint32_t n_ctx, n_slots, n_vocab;
     bool hybrid; /* recurrent layers: prefixes come back only whole or from snapshots */
     slot *slots;
@@ -84,6 +95,10 @@ struct serve_sched {
     float *logits;     /* [parallel + SERVE_PROMPT_LOGPROB_ROWS][n_vocab] */
     uint64_t step;
 };
+
+const char *serve_cache_source_name(serve_cache_source src) {
+    return src == SERVE_CACHE_DISK ? "disk" : src == SERVE_CACHE_RAM ? "ram" : "none";
+}
 
 double serve_now(void) {
     struct timespec ts;
@@ -217,11 +232,16 @@ static uint32_t slot_len(const serve_sched *s, int idx) {
  * resident one evicted: the best-prefix one if it can give anything, else the least recently
  * used. (The engine may still copy a prefix into the chosen slot from another one.) */
 static int slot_choose(serve_sched *s, const serve_gen *g) {
-    int best = -1, empty = -1, lru = -1;
+    int best = -1, empty = -1, lru = -1, saving = -1;
     uint32_t best_n = 0;
     for (uint32_t i = 0; i < s->n_slots; i++) {
         slot *sl = &s->slots[i];
-        if (sl->state == SLOT_ACTIVE) continue;
+        if (sl->state == SLOT_ACTIVE || sl->state == SLOT_LOADING) continue;
+        /* a resident sequence the disk cache is still saving stays as it is */
+        if (sl->state == SLOT_RESIDENT && s->disk && moe_disk_cache_busy(s->disk, (int32_t)i)) {
+            if (saving < 0 || sl->last_used < s->slots[saving].last_used) saving = (int)i;
+            continue;
+        }
         if (sl->state == SLOT_EMPTY) {
             if (empty < 0) empty = (int)i;
             continue;
@@ -238,19 +258,48 @@ static int slot_choose(serve_sched *s, const serve_gen *g) {
         pick = best;
     else
         pick = empty >= 0 ? empty : lru;
+    if (pick < 0 && saving >= 0) { /* every other slot is busy: wait for the oldest save */
+        moe_disk_cache_wait(s->disk, (int32_t)saving);
+        pick = saving;
+    }
     return pick;
 }
 
-static void admit(serve_sched *s, serve_req *r) {
-    const int idx = slot_choose(s, &r->gen);
-    MOE_CHECK(idx >= 0);
-    slot *sl = &s->slots[idx];
-    /* prompts are never empty (the HTTP layer refuses them); leave the last token to run */
-    uint32_t reuse = 0;
+/* The disk cache can give more of the first n prompt tokens than RAM did (reuse tokens in the
+ * slot): start loading it; false when there is nothing to load (or it could not start). */
+static bool disk_load_begin(serve_sched *s, int idx, const serve_gen *g, uint32_t n,
+                            uint32_t reuse) {
+    moe_disk_hit hit;
+    if (!s->disk || moe_disk_cache_find(s->disk, g->prompt, n, &hit) <= reuse) return false;
     moe_error err = {0};
-    /* prompt log-probabilities need the logits of every prompt row: nothing is reused */
-    const uint32_t n_reusable = r->gen.prompt_logprobs ? 0 : r->gen.n_prompt - 1;
-    MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, n_reusable, &reuse, &err) == MOE_OK);
+    if (moe_disk_cache_load_begin(s->disk, idx, &hit, g->prompt, n, &err) == MOE_OK) return true;
+    moe_log(MOE_LOG_WARN, "serve: prefix not taken from disk: %s", err.msg);
+    return false;
+}
+
+/* The disk cache's thread finished a load: wake the engine thread. */
+static void disk_loaded(void *arg) {
+    serve_sched *s = arg;
+    pthread_mutex_lock(&s->mu);
+    s->disk_loaded = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* A finished sequence to the disk cache: all of it, and on a hybrid also the prompt's
+ * snapshot (the point a conversation's next turn or a retry can come back to). */
+static void disk_save(serve_sched *s, int idx, const serve_gen *g) {
+    const uint32_t len = slot_len(s, idx);
+    if (!s->disk || !len) return;
+    moe_disk_cache_save(s->disk, idx, len);
+    if (s->hybrid && g->n_prompt >= 2 && g->n_prompt - 1 < len)
+        moe_disk_cache_save(s->disk, idx, g->n_prompt - 1);
+}
+
+/* The slot's sequence holds `reuse` tokens of the prompt (ram of them from RAM, the rest from
+ * disk): the stream starts, and the request learns it has one. */
+static void admit_finish(serve_sched *s, int idx, serve_req *r, uint32_t reuse, uint32_t ram) {
+    slot *sl = &s->slots[idx];
     sl->state = SLOT_ACTIVE;
     sl->snapped = !s->hybrid || r->gen.n_prompt < 2;
     sl->req = r;
@@ -275,12 +324,51 @@ static void admit(serve_sched *s, serve_req *r) {
     pthread_mutex_lock(&r->mu);
     r->admitted = true;
     r->n_cached = reuse;
+    r->cached_from = reuse > ram ? SERVE_CACHE_DISK : reuse ? SERVE_CACHE_RAM : SERVE_CACHE_NONE;
     serve_req_notify(r);
     pthread_mutex_unlock(&r->mu);
     pthread_mutex_lock(&s->metrics->mu);
     if (reuse) s->metrics->prefix_hits++;
     s->metrics->cached_tokens += reuse;
+    if (reuse > ram) {
+        s->metrics->disk_hits++;
+        s->metrics->disk_tokens += reuse;
+    }
     pthread_mutex_unlock(&s->metrics->mu);
+}
+
+static void admit(serve_sched *s, serve_req *r) {
+    const int idx = slot_choose(s, &r->gen);
+    MOE_CHECK(idx >= 0);
+    slot *sl = &s->slots[idx];
+    /* prompts are never empty (the HTTP layer refuses them); leave the last token to run */
+    uint32_t reuse = 0;
+    moe_error err = {0};
+    /* prompt log-probabilities need the logits of every prompt row: nothing is reused */
+    const uint32_t n_reusable = r->gen.prompt_logprobs ? 0 : r->gen.n_prompt - 1;
+    MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, n_reusable, &reuse, &err) == MOE_OK);
+    if (disk_load_begin(s, idx, &r->gen, n_reusable, reuse)) { /* admit_finish once it is in */
+        sl->state = SLOT_LOADING;
+        sl->req = r;
+        sl->ram_reuse = reuse;
+        sl->last_used = s->step;
+        return;
+    }
+    admit_finish(s, idx, r, reuse, reuse);
+}
+
+/* Slots whose disk load is done start their streams (with RAM's prefix when it failed). wait:
+ * wait for every load (shutting down). */
+static void disk_loads_end(serve_sched *s, bool wait) {
+    for (uint32_t i = 0; i < s->n_slots; i++) {
+        slot *sl = &s->slots[i];
+        if (sl->state != SLOT_LOADING) continue;
+        if (wait) moe_disk_cache_wait(s->disk, (int32_t)i);
+        moe_error err = {0};
+        if (!moe_disk_cache_load_end(s->disk, (int32_t)i, &err)) continue;
+        if (err.code) moe_log(MOE_LOG_WARN, "serve: prefix not taken from disk: %s", err.msg);
+        admit_finish(s, (int)i, sl->req, slot_len(s, (int)i), sl->ram_reuse);
+    }
 }
 
 /* The stream is over: release held text, report, free per-stream state, keep the sequence. */
@@ -304,6 +392,8 @@ static void finish(serve_sched *s, int idx, serve_finish why, int stop_index, co
         moe_error err = {0};
         MOE_CHECK(moe_ctx_seq_truncate(s->ctx, idx, 0, &err) == MOE_OK); /* 0 always works */
         sl->state = SLOT_EMPTY;
+    } else {
+        disk_save(s, idx, &r->gen);
     }
     sl->last_used = s->step;
     pthread_mutex_lock(&r->mu);
@@ -628,19 +718,65 @@ static bool step(serve_sched *s) {
 static void update_gauges(serve_sched *s) {
     uint32_t active = 0, resident = 0;
     for (uint32_t i = 0; i < s->n_slots; i++) {
-        active += s->slots[i].state == SLOT_ACTIVE;
+        active += s->slots[i].state == SLOT_ACTIVE || s->slots[i].state == SLOT_LOADING;
         resident += s->slots[i].state == SLOT_RESIDENT;
     }
     pthread_mutex_lock(&s->mu);
     const uint32_t waiting = s->n_waiting;
     pthread_mutex_unlock(&s->mu);
+    moe_disk_cache_stats disk = {0};
+    if (s->disk) moe_disk_cache_get_stats(s->disk, &disk);
     const moe_expert_cache_stats cache = moe_ctx_expert_cache_stats(s->ctx);
     pthread_mutex_lock(&s->metrics->mu);
     s->metrics->expert_cache = cache;
     s->metrics->active = active;
     s->metrics->resident = resident;
     s->metrics->waiting = waiting;
+    s->metrics->disk_cache = s->disk != NULL;
+    s->metrics->disk_stats = disk;
     pthread_mutex_unlock(&s->metrics->mu);
+}
+
+/* ==== Metrics of the prefix cache ==== */
+
+void serve_metrics_write_prefix_cache(const serve_metrics *m, moe_strbuf *o) {
+    const struct {
+        const char *name, *help;
+        uint64_t ram, disk;
+    } by_source[] = {
+        {"moe_prefix_cache_hits_total", "Requests that reused a prefix, by where it came from.",
+         m->prefix_hits - m->disk_hits, m->disk_hits},
+        {"moe_prefix_cache_tokens_total", "Prompt tokens reused instead of recomputed, by source.",
+         m->cached_tokens - m->disk_tokens, m->disk_tokens},
+    };
+    for (size_t i = 0; i < sizeof by_source / sizeof by_source[0]; i++)
+        moe_strbuf_printf(o,
+                          "# HELP %s %s\n# TYPE %s counter\n%s{source=\"ram\"} %llu\n"
+                          "%s{source=\"disk\"} %llu\n",
+                          by_source[i].name, by_source[i].help, by_source[i].name,
+                          by_source[i].name, (unsigned long long)by_source[i].ram,
+                          by_source[i].name, (unsigned long long)by_source[i].disk);
+    if (!m->disk_cache) return;
+    const moe_disk_cache_stats *d = &m->disk_stats;
+    const struct {
+        const char *name, *type, *help;
+        uint64_t v;
+    } disk[] = {
+        {"moe_disk_cache_entries", "gauge", "Entries in the cache directory.", d->entries},
+        {"moe_disk_cache_bytes", "gauge", "Bytes of the entries in the cache directory.", d->bytes},
+        {"moe_disk_cache_limit_bytes", "gauge", "--cache-disk-size.", d->max_bytes},
+        {"moe_disk_cache_writes_total", "counter", "Entries written.", d->writes},
+        {"moe_disk_cache_write_bytes_total", "counter", "Bytes written.", d->write_bytes},
+        {"moe_disk_cache_evictions_total", "counter",
+         "Entries removed for the size limit or superseded by a longer one.", d->evicted},
+        {"moe_disk_cache_corrupt_total", "counter",
+         "Damaged or truncated entries found, removed and not used.", d->corrupt},
+        {"moe_disk_cache_write_errors_total", "counter", "Entries that could not be written.",
+         d->write_errors},
+    };
+    for (size_t i = 0; i < sizeof disk / sizeof disk[0]; i++)
+        moe_strbuf_printf(o, "# HELP %s %s\n# TYPE %s %s\n%s %llu\n", disk[i].name, disk[i].help,
+                          disk[i].name, disk[i].type, disk[i].name, (unsigned long long)disk[i].v);
 }
 
 /* ==== The thread ==== */
@@ -673,6 +809,18 @@ static bool load(serve_sched *s) {
                          .pin_experts = s->p.pin_experts};
     s->ctx = moe_ctx_new(s->model, &cp, &err);
     if (!s->ctx) goto fail;
+    if (s->p.cache_dir) {
+        const uint64_t limit =
+            s->p.cache_disk_bytes ? s->p.cache_disk_bytes : SERVE_CACHE_DISK_DEFAULT;
+        s->disk = moe_disk_cache_open(s->ctx, s->p.cache_dir, limit, &err);
+        if (!s->disk) goto fail;
+        moe_disk_cache_on_load(s->disk, disk_loaded, s);
+        moe_disk_cache_stats st;
+        moe_disk_cache_get_stats(s->disk, &st);
+        moe_log(MOE_LOG_INFO, "serve: disk cache %s: %llu entries, %.1f of %.1f MiB",
+                s->p.cache_dir, (unsigned long long)st.entries, (double)st.bytes / (1 << 20),
+                (double)limit / (1 << 20));
+    }
     s->n_ctx = moe_ctx_n_ctx(s->ctx);
     s->n_vocab = s->model->cfg.n_vocab;
     s->grammar_vocab = moe_chat_grammar_vocab(s->tok, true); /* once: every grammar walks it */
@@ -691,6 +839,7 @@ fail:
 static void *engine_main(void *arg) {
     serve_sched *s = arg;
     const bool ok = load(s);
+    if (ok) update_gauges(s); /* /metrics has the disk cache's figures from the start */
     pthread_mutex_lock(&s->mu);
     s->loaded = ok;
     s->load_failed = !ok;
@@ -701,7 +850,8 @@ static void *engine_main(void *arg) {
     for (;;) {
         /* admit: waiting requests into free streams, dropping the cancelled */
         uint32_t active = 0;
-        for (uint32_t i = 0; i < s->n_slots; i++) active += s->slots[i].state == SLOT_ACTIVE;
+        for (uint32_t i = 0; i < s->n_slots; i++)
+            active += s->slots[i].state == SLOT_ACTIVE || s->slots[i].state == SLOT_LOADING;
         uint32_t n_new = 0, n_dropped = 0;
         serve_req *dropped[64];
         pthread_mutex_lock(&s->mu);
@@ -709,6 +859,7 @@ static void *engine_main(void *arg) {
             pthread_mutex_unlock(&s->mu);
             break;
         }
+        s->disk_loaded = false; /* looked at below */
         for (serve_req **pp = &s->wait_head; *pp && n_dropped < 64;) {
             serve_req *r = *pp;
             if (atomic_load(&r->cancel)) {
@@ -738,6 +889,7 @@ static void *engine_main(void *arg) {
         pthread_mutex_unlock(&s->mu);
         for (uint32_t i = 0; i < n_dropped; i++) finish_waiting(s, dropped[i]);
         for (uint32_t i = 0; i < n_new; i++) admit(s, batch[i]);
+        if (s->disk) disk_loads_end(s, false);
         /* cancel streams whose client went away */
         for (uint32_t i = 0; i < s->n_slots; i++)
             if (s->slots[i].state == SLOT_ACTIVE && atomic_load(&s->slots[i].req->cancel))
@@ -754,10 +906,11 @@ static void *engine_main(void *arg) {
         }
         /* nothing to run: sleep until a submit, a cancel or stop */
         pthread_mutex_lock(&s->mu);
-        if (!s->stop && !s->wait_head) pthread_cond_wait(&s->cv, &s->mu);
+        if (!s->stop && !s->wait_head && !s->disk_loaded) pthread_cond_wait(&s->cv, &s->mu);
         pthread_mutex_unlock(&s->mu);
     }
     /* shutting down: end every stream and waiting request */
+    if (s->disk) disk_loads_end(s, true);
     for (uint32_t i = 0; i < s->n_slots; i++)
         if (s->slots[i].state == SLOT_ACTIVE) finish(s, (int)i, SERVE_FINISH_CANCELLED, -1, NULL);
     pthread_mutex_lock(&s->mu);
@@ -769,6 +922,9 @@ static void *engine_main(void *arg) {
         finish_waiting(s, w);
         w = next;
     }
+    moe_disk_cache_close(s->disk); /* the queued saves are written first */
+    s->disk = NULL;
+    update_gauges(s);
     return NULL;
 }
 

@@ -36,6 +36,8 @@ typedef struct moe_serve_params {
     int step_delay_ms;           /* tests only: sleep after each forward step */
     bool use_mmap;               /* keep weights in the mapped file (default: anonymous memory) */
     uint64_t expert_cache_bytes; /* --expert-cache: routed experts read on demand (0: resident) */
+    const char *cache_dir;       /* disk prefix cache directory, or NULL (off) */
+    uint64_t cache_disk_bytes;   /* its size limit (0: SERVE_CACHE_DISK_DEFAULT) */
     const char *expert_stats, *pin_experts; /* --expert-stats, --pin-experts files, or NULL */
     int http_threads;                       /* libmicrohttpd's epoll workers */
     int max_connections; /* connections kept open; idle ones make room for newcomers */

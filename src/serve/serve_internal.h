@@ -51,6 +51,8 @@
     16 /* tokens of a reasoning tag (<think> is one or a few): longer ones are not tracked */
 #define SERVE_MAX_THINK_TEXT                                                                       \
     32 /* bytes of a reasoning tag's text + 1: longer ones are tracked by their tokens only */
+#define SERVE_CACHE_DISK_DEFAULT                                                                   \
+    (8ull << 30) /* --cache-disk-size: a few long agent histories of a large model */
 
 double serve_now(void); /* monotonic seconds */
 
@@ -110,6 +112,15 @@ void serve_gen_free(serve_gen *g);
 
 typedef struct serve_sched serve_sched;
 
+typedef enum serve_cache_source {
+    SERVE_CACHE_NONE, /* nothing reused */
+    SERVE_CACHE_RAM,  /* a resident sequence or snapshot */
+    SERVE_CACHE_DISK, /* the disk prefix cache (--cache-dir) */
+} serve_cache_source;
+
+/* "none", "ram", "disk": what usage reports as cache_source */
+const char *serve_cache_source_name(serve_cache_source s);
+
 typedef struct serve_req {
     serve_gen gen; /* immutable once submitted */
     double t_submit;
@@ -125,7 +136,8 @@ typedef struct serve_req {
     pthread_cond_t cv;  /* signalled on every event */
     int refs;
     bool admitted, done;
-    uint32_t n_cached; /* prompt tokens reused from a resident sequence */
+    uint32_t n_cached;              /* prompt tokens reused instead of recomputed ... */
+    serve_cache_source cached_from; /* ... and where they came from */
     uint32_t n_generated;
     uint32_t generated_at_cancel; /* n_generated when serve_req_cancel was first called */
     uint32_t n_reasoning; /* of them, inside reasoning blocks (counted when the tags are known) */
@@ -166,6 +178,9 @@ typedef struct serve_metrics {
     uint64_t requests[6][5]; /* [endpoint][status class 1xx..5xx] */
     uint64_t prompt_tokens, generated_tokens, cached_tokens;
     uint64_t prefix_hits, cancelled, rejected_queue_full, rejected_timeout;
+    uint64_t disk_hits, disk_tokens; /* of prefix_hits / cached_tokens: from the disk cache */
+    bool disk_cache;                 /* --cache-dir given: disk_stats below are live */
+    moe_disk_cache_stats disk_stats;
     uint64_t hangups[2];              /* clients gone mid-request: [0] whole replies, [1] streams */
     uint64_t tokens_after_cancel;     /* generated after a cancel was asked (a step's worth) */
     uint32_t tokens_after_cancel_max; /* the most for one request */
@@ -185,6 +200,9 @@ typedef struct serve_metrics {
 
 extern const double serve_ttft_bounds[SERVE_TTFT_BUCKETS];
 void serve_metrics_write(serve_metrics *m, moe_strbuf *out);
+/* The prefix cache's part (sched.c): hits and tokens by source (RAM, disk), the disk cache's
+ * entries, bytes, writes, evictions and damaged entries. Called with m->mu held. */
+void serve_metrics_write_prefix_cache(const serve_metrics *m, moe_strbuf *out);
 
 /* ==== Scheduler: the engine thread ==== */
 

@@ -241,3 +241,101 @@ char *moe_budget_svg(const moe_budget_model *const *models, const moe_budget_pla
     free(body.s);
     return out.s;
 }
+
+/* ==== Latency distribution (moe bench --server) ==== */
+
+#define HIST_BINS 40
+#define HIST_W    560
+#define HIST_H    220
+
+/* A histogram of sorted samples (seconds, drawn in ms) at vertical offset y0, p50 and p99
+ * marked; samples past the 99.9th percentile count in the last bin. Returns its height. */
+static int histogram(moe_strbuf *b, int y0, const char *title, const double *v, size_t n,
+                     const char *colour) {
+    const int px = LEFT, py = y0 + 40;
+    moe_strbuf_printf(b, "<text x=\"20\" y=\"%d\" font-size=\"14\" font-weight=\"bold\">", y0 + 24);
+    sb_text(b, title);
+    moe_strbuf_printf(b, " (%zu samples)</text>\n", n);
+    double hi = n ? v[(size_t)floor(0.999 * (double)(n - 1))] * 1e3 : 1;
+    if (hi <= 0) hi = n ? v[n - 1] * 1e3 : 1;
+    if (hi <= 0) hi = 1;
+    const double xstep = nice_step(hi), xtop = ceil(hi / xstep) * xstep;
+    uint64_t bins[HIST_BINS] = {0}, most = 1;
+    for (size_t i = 0; i < n; i++) {
+        int k = (int)(v[i] * 1e3 / xtop * HIST_BINS);
+        bins[k < 0 ? 0 : k >= HIST_BINS ? HIST_BINS - 1 : k]++;
+    }
+    for (int k = 0; k < HIST_BINS; k++) most = bins[k] > most ? bins[k] : most;
+    const double ystep = nice_step((double)most), ytop = ceil((double)most / ystep) * ystep;
+    for (double y = 0; y <= ytop + ystep / 2; y += ystep) {
+        const double yy = py + HIST_H - y / ytop * HIST_H;
+        moe_strbuf_printf(
+            b,
+            "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+            "<text x=\"%d\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\">%g</text>\n",
+            px, yy, px + HIST_W, yy, px - 6, yy + 4, y);
+    }
+    for (double x = 0; x <= xtop + xstep / 2; x += xstep) {
+        const double xx = px + x / xtop * HIST_W;
+        moe_strbuf_printf(b,
+                          "<text x=\"%.1f\" y=\"%d\" font-size=\"11\" "
+                          "text-anchor=\"middle\">%g</text>\n",
+                          xx, py + HIST_H + 16, x);
+    }
+    moe_strbuf_printf(b,
+                      "<text x=\"%d\" y=\"%d\" font-size=\"12\" text-anchor=\"middle\">ms</text>"
+                      "<text x=\"28\" y=\"%d\" font-size=\"12\" text-anchor=\"middle\" "
+                      "transform=\"rotate(-90 28 %d)\">count</text>\n",
+                      px + HIST_W / 2, py + HIST_H + 34, py + HIST_H / 2, py + HIST_H / 2);
+    const double bw = (double)HIST_W / HIST_BINS;
+    for (int k = 0; k < HIST_BINS; k++) {
+        if (!bins[k]) continue;
+        const double h = (double)bins[k] / ytop * HIST_H;
+        moe_strbuf_printf(b,
+                          "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\">"
+                          "<title>%.3g-%.3g ms: %llu</title></rect>\n",
+                          px + k * bw, py + HIST_H - h, bw - 1, h, colour, k * xtop / HIST_BINS,
+                          (k + 1) * xtop / HIST_BINS, (unsigned long long)bins[k]);
+    }
+    moe_strbuf_printf(b, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#000\"/>\n", px,
+                      py + HIST_H, px + HIST_W, py + HIST_H);
+    const struct {
+        const char *name;
+        double pct;
+    } marks[] = {{"p50", 50}, {"p99", 99}};
+    for (size_t m = 0; m < 2 && n; m++) {
+        size_t rank = (size_t)ceil(marks[m].pct / 100.0 * (double)n);
+        const double ms = v[rank ? rank - 1 : 0] * 1e3;
+        const double xx = px + (ms < xtop ? ms : xtop) / xtop * HIST_W;
+        moe_strbuf_printf(b,
+                          "<line x1=\"%.1f\" y1=\"%d\" x2=\"%.1f\" y2=\"%d\" stroke=\"#c00\" "
+                          "stroke-dasharray=\"4 3\"/><text x=\"%.1f\" y=\"%d\" font-size=\"11\" "
+                          "fill=\"#c00\">%s %.3g ms</text>\n",
+                          xx, py, xx, py + HIST_H, xx + 3, py + 12 + 14 * (int)m, marks[m].name,
+                          ms);
+    }
+    return 40 + HIST_H + 50;
+}
+
+char *moe_latency_svg(const moe_bench_server_result *r, const char *subtitle) {
+    moe_strbuf body = {0};
+    moe_strbuf_printf(&body, "<text x=\"20\" y=\"28\" font-size=\"16\" font-weight=\"bold\">"
+                             "Latency: moe bench --server</text>\n"
+                             "<text x=\"20\" y=\"48\" font-size=\"12\" fill=\"#444\">");
+    sb_text(&body, subtitle);
+    moe_strbuf_printf(&body, "</text>\n");
+    int y = 56;
+    y += histogram(&body, y, "Time to first token", r->ttft, r->n_ttft, "#0072B2");
+    y += histogram(&body, y, "Inter-token latency", r->itl, r->n_itl, "#E69F00");
+    const int width = LEFT + HIST_W + 40;
+    moe_strbuf out = {0};
+    moe_strbuf_printf(&out,
+                      "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+                      "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"%d\" "
+                      "height=\"%d\" viewBox=\"0 0 %d %d\" font-family=\"sans-serif\">\n"
+                      "<title>moe bench --server</title>\n"
+                      "<rect width=\"100%%\" height=\"100%%\" fill=\"#fff\"/>\n%s</svg>\n",
+                      width, y, width, y, body.s);
+    free(body.s);
+    return out.s;
+}

@@ -426,6 +426,48 @@ typedef struct moe_bench_result {
 void moe_bench_params_default(moe_bench_params *p);
 moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_error *err);
 
+/* A latency distribution (moe bench --server): histograms of time to first token and of the
+ * time between tokens, p50 and p99 marked. Self-contained SVG 1.1 text; caller frees. */
+struct moe_bench_server_result;
+char *moe_latency_svg(const struct moe_bench_server_result *r, const char *subtitle);
+
+/* ==== Load benchmark of a running server (moe bench --server, bench_server.c) ====
+ *
+ * `concurrency` streaming /v1/completions requests at once, each for exactly `tokens` tokens
+ * (ignore_eos), `repeats` times. Per repeat: output tokens / wall time. Over all requests: time
+ * to first token (request sent -> first streamed chunk) and inter-token latency (between a
+ * request's chunks), p50 and p99. A request is an error when the transfer or the status fails
+ * or it streams other than `tokens` tokens. With start_cmd, the server is started by /bin/sh
+ * first and time to ready is from its start to the first 200 from /health; it is stopped
+ * (SIGTERM to its process group) at the end. */
+
+#define MOE_BENCH_SERVER_MAX_CONCURRENCY 1024
+
+typedef struct moe_bench_server_params {
+    const char *url;       /* http://host:port (no trailing path) */
+    const char *api_key;   /* or NULL */
+    const char *start_cmd; /* or NULL */
+    const char *prompt;    /* each request's prompt, its index prefixed ("17: ...") */
+    int concurrency, tokens, repeats;
+    double ready_timeout_s; /* for start_cmd */
+} moe_bench_server_params;
+
+typedef struct moe_bench_server_result {
+    int requests, errors;
+    uint64_t output_tokens;
+    moe_bench_figure tok_s; /* output tok/s per repeat: median, min, max (gb_s unused) */
+    double ttft_p50, ttft_p99, itl_p50, itl_p99; /* seconds */
+    double time_to_ready_s;                      /* < 0: no start_cmd */
+    double *ttft, *itl;                          /* every sample, sorted */
+    size_t n_ttft, n_itl;
+    char first_error[512];
+} moe_bench_server_result;
+
+void moe_bench_server_params_default(moe_bench_server_params *p);
+moe_status moe_bench_server_run(const moe_bench_server_params *p, moe_bench_server_result *r,
+                                moe_error *err);
+void moe_bench_server_result_free(moe_bench_server_result *r);
+
 /* ==== moe eval: labels by probability, paired comparisons, KL divergence (eval.c) ==== */
 
 #define MOE_EVAL_MAX_LABELS        64          /* candidate labels of one record */
