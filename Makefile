@@ -59,6 +59,9 @@ $(AVX512VNNI_OBJ): src/quant/x86_avx512.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(ISA_avx512vnni) -DMOE_AVX512_VNNI=1 -c -o $@ $<
 
+# The chat page's files are embedded by web.c's .incbin, which -MMD does not see.
+$(BUILD)/src/serve/web.o: $(wildcard src/serve/web/*)
+
 # The suite table is generated from the test file names, so adding a suite is adding a file.
 $(BUILD)/tests/suites.h: $(TEST_SRC) Makefile
 	@mkdir -p $(dir $@)

@@ -3,6 +3,7 @@
 #include "args.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,30 +125,142 @@ bool moe_arg_size(const char *cmd, const char *flag, const char *text, uint64_t 
     return true;
 }
 
-int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i) {
-    const char *flag = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
-    long long n;
-    if (strcmp(flag, "--ctx") == 0) {
-        if (!moe_arg_int(cmd, flag, v, 1, 1 << 24, &n)) return -1;
-        a->n_ctx = (uint32_t)n;
-    } else if (strcmp(flag, "-t") == 0 || strcmp(flag, "--threads") == 0) {
-        if (!moe_arg_int(cmd, flag, v, 1, 1024, &n)) return -1;
-        a->n_threads = (int)n;
-    } else if (strcmp(flag, "--kv-type") == 0) {
-        if (!moe_arg_kv_type(cmd, v, false, &a->kv_type)) return -1;
-    } else if (strcmp(flag, "--expert-cache") == 0) {
-        if (!moe_arg_size(cmd, flag, v, &a->expert_cache_bytes)) return -1;
-    } else if (strcmp(flag, "--expert-stats") == 0 || strcmp(flag, "--pin-experts") == 0) {
+/* ==== Option tables ==== */
+
+static const moe_cli_option *option_find(const moe_cli_option *table, size_t n, const char *a) {
+    for (size_t k = 0; k < n; k++)
+        if (strcmp(a, table[k].flag) == 0 || (table[k].alias && strcmp(a, table[k].alias) == 0))
+            return &table[k];
+    return NULL;
+}
+
+static void store_int(void *field, size_t size, long long v) {
+    if (size == 1)
+        *(int8_t *)field = (int8_t)v;
+    else if (size == 4)
+        *(int32_t *)field = (int32_t)v;
+    else if (size == 8)
+        *(int64_t *)field = (int64_t)v;
+    else
+        moe_die("option field of %zu bytes", size);
+}
+
+static long long load_int(const void *field, size_t size) {
+    if (size == 1) return *(const int8_t *)field;
+    if (size == 4) return *(const int32_t *)field;
+    return *(const int64_t *)field;
+}
+
+int moe_cli_option_parse(const char *cmd, const moe_cli_option *table, size_t n, void *base,
+                         int argc, char **argv, int *i) {
+    const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    const moe_cli_option *o = option_find(table, n, a);
+    if (!o) return 0;
+    void *field = (char *)base + o->offset;
+    long long num;
+    double f;
+    switch (o->kind) {
+    case MOE_OPT_SWITCH:
+        *(bool *)field = true;
+        return 1;
+    case MOE_OPT_INT: /* a double's 2^63 does not convert back: the bounds are clamped first */
+        if (!moe_arg_int(cmd, a, v, o->lo <= -9.2e18 ? LLONG_MIN : (long long)o->lo,
+                         o->hi >= 9.2e18 ? LLONG_MAX : (long long)o->hi, &num))
+            return -1;
+        store_int(field, o->size, num);
+        break;
+    case MOE_OPT_FLOAT:
+        if (!moe_arg_float(cmd, a, v, o->lo, o->hi, &f)) return -1;
+        *(float *)field = (float)f;
+        break;
+    case MOE_OPT_STRING:
         if (!v) {
-            moe_cli_usage_error(cmd, "%s needs a file name", flag);
+            moe_cli_usage_error(cmd, "%s needs %s", a, o->value ? o->value : "a value");
             return -1;
         }
-        *(flag[2] == 'e' ? &a->expert_stats : &a->pin_experts) = v;
-    } else {
-        return 0;
+        *(const char **)field = v;
+        break;
+    case MOE_OPT_CHOICE: {
+        int k = 0;
+        while (o->choices[k] && !(v && strcmp(v, o->choices[k]) == 0)) k++;
+        if (!o->choices[k]) { /* "ngram, mtp or none" */
+            char list[256] = "";
+            for (int c = 0; o->choices[c]; c++)
+                snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s",
+                         c == 0              ? ""
+                         : o->choices[c + 1] ? ", "
+                                             : " or ",
+                         o->choices[c]);
+            moe_cli_usage_error(cmd, "%s expects %s, got '%s'", a, list, v ? v : "(nothing)");
+            return -1;
+        }
+        store_int(field, o->size, k);
+        break;
+    }
+    case MOE_OPT_SIZE:
+        if (!moe_arg_size(cmd, a, v, (uint64_t *)field)) return -1;
+        break;
+    case MOE_OPT_KV_TYPE:
+        if (!moe_arg_kv_type(cmd, v, false, (moe_type *)field)) return -1;
+        break;
+    default:
+        moe_die("option %s: kind %d", o->flag, (int)o->kind);
     }
     ++*i;
     return 1;
+}
+
+void moe_cli_options_print(FILE *out, const moe_cli_option *table, size_t n, const void *defaults) {
+    for (size_t k = 0; k < n; k++) {
+        const moe_cli_option *o = &table[k];
+        char left[64];
+        snprintf(left, sizeof left, "%s%s%s%s%s", o->alias ? o->alias : "", o->alias ? ", " : "",
+                 o->flag, o->value ? " " : "", o->value ? o->value : "");
+        fprintf(out, "  %-26s %s", left, o->help);
+        const void *field = defaults ? (const char *)defaults + o->offset : NULL;
+        if (field && !strstr(o->help, "default")) {
+            if (o->kind == MOE_OPT_INT)
+                fprintf(out, " (default %lld)", load_int(field, o->size));
+            else if (o->kind == MOE_OPT_FLOAT)
+                fprintf(out, " (default %g)", *(const float *)field);
+            else if (o->kind == MOE_OPT_CHOICE)
+                fprintf(out, " (default %s)", o->choices[load_int(field, o->size)]);
+            else if (o->kind == MOE_OPT_KV_TYPE)
+                fprintf(out, " (default %s)", moe_type_name(*(const moe_type *)field));
+            else if (o->kind == MOE_OPT_STRING && *(const char *const *)field)
+                fprintf(out, " (default %s)", *(const char *const *)field);
+        }
+        fputc('\n', out);
+    }
+}
+
+/* ==== The engine options ==== */
+
+#define ENGINE(field) MOE_OPT_FIELD(moe_engine_args, field)
+static const moe_cli_option engine_options[] = {
+    {"--ctx", NULL, "N", "positions per sequence (default: the model's, capped)", MOE_OPT_INT,
+     ENGINE(n_ctx), 1, 1 << 24, NULL},
+    {"--threads", "-t", "N", "forward-pass threads", MOE_OPT_INT, ENGINE(n_threads), 1, 1024, NULL},
+    {"--kv-type", NULL, "f32|f16", "KV cache element type", MOE_OPT_KV_TYPE, ENGINE(kv_type), 0, 0,
+     NULL},
+    {"--expert-cache", NULL, "SIZE",
+     "routed experts read from the file on demand into a cache of SIZE (12G, 512M); "
+     "default: all resident",
+     MOE_OPT_SIZE, ENGINE(expert_cache_bytes), 0, 0, NULL},
+    {"--expert-stats", NULL, "FILE", "keep the expert cache's use counts across runs in FILE",
+     MOE_OPT_STRING, ENGINE(expert_stats), 0, 0, NULL},
+    {"--pin-experts", NULL, "FILE", "experts always resident, one \"LAYER EXPERT\" per line",
+     MOE_OPT_STRING, ENGINE(pin_experts), 0, 0, NULL},
+};
+#undef ENGINE
+#define N_ENGINE_OPTIONS (sizeof engine_options / sizeof engine_options[0])
+
+int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i) {
+    return moe_cli_option_parse(cmd, engine_options, N_ENGINE_OPTIONS, a, argc, argv, i);
+}
+
+void moe_engine_args_print(FILE *out, const moe_engine_args *defaults) {
+    moe_cli_options_print(out, engine_options, N_ENGINE_OPTIONS, defaults);
 }
 
 bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char **pattern,

@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "../src/quant/quant.h"
 
@@ -48,6 +49,40 @@ bool moe_arg_size(const char *cmd, const char *flag, const char *text, uint64_t 
 /* argv[*i] if it is one of them: 1 consumed (*i moved past its value), 0 not one of them, -1 a
  * usage error (reported). */
 int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i);
+/* Their --help lines, defaults taken from `defaults`. */
+void moe_engine_args_print(FILE *out, const moe_engine_args *defaults);
+
+/* ==== Option tables: one row per flag, parsed and listed in --help from the same row ==== */
+
+typedef enum moe_opt_kind {
+    MOE_OPT_INT,     /* an integer in lo..hi, into a 1-, 4- or 8-byte field */
+    MOE_OPT_FLOAT,   /* a number in lo..hi, into a float */
+    MOE_OPT_SWITCH,  /* no value: the bool field becomes true */
+    MOE_OPT_STRING,  /* the argument itself, into a const char * */
+    MOE_OPT_CHOICE,  /* one of `choices`, its index into an int-sized field */
+    MOE_OPT_SIZE,    /* moe_arg_size, into a uint64_t */
+    MOE_OPT_KV_TYPE, /* moe_arg_kv_type (f32 | f16), into a moe_type */
+    MOE_OPT_COUNT
+} moe_opt_kind;
+
+typedef struct moe_cli_option {
+    const char *flag, *alias; /* "--threads", "-t" (alias may be NULL) */
+    const char *value;        /* the value's name in --help ("N"); NULL for a switch */
+    const char *help;         /* one line; a default is appended unless it says "default" */
+    moe_opt_kind kind;
+    size_t offset, size;        /* the field in the options struct (MOE_OPT_FIELD) */
+    double lo, hi;              /* INT / FLOAT range */
+    const char *const *choices; /* CHOICE: the names, NULL-terminated */
+} moe_cli_option;
+
+#define MOE_OPT_FIELD(type, field) offsetof(type, field), sizeof(((type *)0)->field)
+
+/* argv[*i] if it is one of table's n flags: 1 consumed (stored into the struct at `base`, *i
+ * moved past its value), 0 not one of them, -1 a usage error (reported). */
+int moe_cli_option_parse(const char *cmd, const moe_cli_option *table, size_t n, void *base,
+                         int argc, char **argv, int *i);
+/* One --help line per option; the defaults read from the struct at `defaults` (may be NULL). */
+void moe_cli_options_print(FILE *out, const moe_cli_option *table, size_t n, const void *defaults);
 /* Once every flag is in: combinations that need another flag (reported; false). */
 bool moe_engine_args_check(const char *cmd, const moe_engine_args *a);
 

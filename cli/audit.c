@@ -113,7 +113,7 @@ int moe_cmd_audit(int argc, char **argv) {
             i++;
         } else if (a[0] == '-' && a[1]) {
             free(experts);
-            return moe_cli_usage_error("audit", "unknown option %s", a);
+            return moe_cli_unknown_option("audit", a);
         } else if (n_paths == 2) {
             free(experts);
             return moe_cli_usage_error("audit", "two models: QUANT REFERENCE (got a third, %s)", a);

@@ -1,12 +1,14 @@
 /* bench.c: `moe bench MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8]
- * [--stream-steps N] [--mmap] [--csv | --json]` -- throughput of a model on this machine beside
- * the machine's read bandwidth (src/tools/bench.c measures; this file parses and prints).
- * `moe bench --server URL [--concurrency N] [--tokens N] [--repeats N] [--start-cmd CMD]
- * [--svg FILE] [--json]` -- load on a running server instead (src/tools/bench_server.c).
+ * [--stream-steps N] [--depth 1024,4096] [--mmap] [--csv | --json]` -- throughput of a model on
+ * this machine beside the machine's read bandwidth (src/tools/bench.c measures; this file parses
+ * and prints). `moe bench --server URL [--concurrency N] [--tokens N] [--repeats N]
+ * [--start-cmd CMD] [--svg FILE] [--json]` -- load on a running server instead
+ * (src/tools/bench_server.c).
  *
  * Every text and CSV line names the kernel table and thread count, so a pasted line still says
- * what it measured. JSON is one object: pp_tok_s, tg_tok_s, streams [{n, aggregate_tok_s,
- * per_stream_tok_s}], read_bw_gb_s, active_bytes_per_token, isa, threads, and the ranges. */
+ * what it measured. JSON is one object: pp_tok_s, tg_tok_s, depths [{depth, tg_tok_s}],
+ * streams [{n, aggregate_tok_s, per_stream_tok_s}], read_bw_gb_s, active_bytes_per_token, isa,
+ * threads, and the ranges. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,10 +26,15 @@ static const char usage_text[] =
     "  --tg N            decode test: N single-row steps (default 128; 0 skips)\n"
     "  --streams LIST    batched decode: stream counts (default 1,2,4,8; 0 skips)\n"
     "  --stream-steps N  decode steps per batched test (default 32)\n"
+    "  --depth LIST      decode tests after that many tokens of context, e.g. 1024,4096,16384\n"
+    "                    (ascending; the context is filled once, untimed, 512 rows a step)\n"
     "  --probe-mib N     bandwidth probe buffer (default 512)\n"
     "  --kv-type f16|f32 KV cache element type (default f16)\n"
+    "  --ctx N           positions per sequence (default: the model's, capped)\n"
     "  --expert-cache SIZE  routed experts read on demand into a cache of SIZE; reports the\n"
     "                    decode's hit rate and disk bytes per token beside a disk probe\n"
+    "  --expert-stats FILE  keep the expert cache's use counts across runs in FILE\n"
+    "  --pin-experts FILE   experts always resident, one \"LAYER EXPERT\" per line\n"
     "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
     "  --csv | --json    machine-readable output\n"
     "moe bench --server URL: load on a running OpenAI-compatible server (moe serve, ...)\n"
@@ -41,6 +48,10 @@ static const char usage_text[] =
     "  --prompt TEXT     each request's prompt, after its index (default: a story's start)\n"
     "  --svg FILE        the latency distribution (TTFT, inter-token) as an SVG chart\n"
     "  --json            one JSON object\n";
+
+void moe_cmd_bench_options(FILE *out) {
+    fputs(usage_text, out);
+}
 
 /* An integer option: flag, where its value goes, its range. */
 typedef struct int_opt {
@@ -175,9 +186,10 @@ static int bench_server(int argc, char **argv) {
         } else if (strcmp(a, "--help-options") == 0) {
             fputs(usage_text, stdout);
             return 0;
+        } else if (a[0] == '-') {
+            return moe_cli_unknown_option("bench", a);
         } else {
-            return moe_cli_usage_error("bench", "--server: unexpected argument '%s' (options:\n%s)",
-                                       a, usage_text);
+            return moe_cli_usage_error("bench", "--server: unexpected argument '%s'", a);
         }
     }
     char url[2048];
@@ -247,6 +259,20 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
         printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d\n", label, f->median, f->min,
                f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads);
     }
+    for (int i = 0; i < p->n_depths; i++) {
+        const moe_bench_figure *f = &r->tg_depth[i];
+        snprintf(label, sizeof label, "tg%d@d%d", p->n_gen, p->depths[i]);
+        printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d  (%.2f ms per token", label,
+               f->median, f->min, f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads,
+               f->median > 0 ? 1e3 / f->median : 0.0);
+        if (r->score_ms[i] > 0 || r->attend_ms[i] > 0)
+            printf("; sparse MLA layers: indexer scoring %.3f ms, attention %.3f ms",
+                   r->score_ms[i], r->attend_ms[i]);
+        printf(")\n");
+    }
+    if (p->n_depths)
+        printf("context filled to %d tokens in %.1f s (untimed)  [%s, %d threads]\n",
+               p->depths[p->n_depths - 1], r->fill_seconds, r->isa, r->threads);
     for (int i = 0; i < r->n_streams; i++) {
         const moe_bench_stream *s = &r->streams[i];
         snprintf(label, sizeof label, "streams %d", s->n);
@@ -271,6 +297,10 @@ static void print_csv(const moe_bench_result *r, const moe_bench_params *p) {
            "read_bw_gb_s,active_bytes_per_token,isa,threads,runs\n");
     if (r->pp.median > 0) csv_row(r, pp, 1, &r->pp, r->pp.median);
     if (r->tg.median > 0) csv_row(r, tg, 1, &r->tg, r->tg.median);
+    for (int i = 0; i < p->n_depths; i++) {
+        snprintf(tg, sizeof tg, "tg%d@d%d", p->n_gen, p->depths[i]);
+        csv_row(r, tg, 1, &r->tg_depth[i], r->tg_depth[i].median);
+    }
     for (int i = 0; i < r->n_streams; i++)
         csv_row(r, "streams", r->streams[i].n, &r->streams[i].aggregate,
                 r->streams[i].per_stream_tok_s);
@@ -303,6 +333,18 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
     moe_json_kv_int(&j, "n_gen", p->n_gen);
     json_figure(&j, "pp_", &r->pp);
     json_figure(&j, "tg_", &r->tg);
+    moe_json_key(&j, "depths");
+    moe_json_array_begin(&j);
+    for (int i = 0; i < p->n_depths; i++) {
+        moe_json_object_begin(&j);
+        moe_json_kv_int(&j, "depth", p->depths[i]);
+        json_figure(&j, "tg_", &r->tg_depth[i]);
+        moe_json_kv_double(&j, "indexer_score_ms_per_token", r->score_ms[i]);
+        moe_json_kv_double(&j, "indexer_attend_ms_per_token", r->attend_ms[i]);
+        moe_json_object_end(&j);
+    }
+    moe_json_array_end(&j);
+    moe_json_kv_double(&j, "fill_seconds", r->fill_seconds);
     moe_json_key(&j, "streams");
     moe_json_array_begin(&j);
     for (int i = 0; i < r->n_streams; i++) {
@@ -339,22 +381,20 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
     json_emit(&j);
 }
 
-/* "1,2,4,8" into p->streams; "0" clears the list. */
-static bool parse_streams(const char *text, moe_bench_params *p) {
-    p->n_streams = 0;
+/* "1,2,4,8" into out[0..*n) (values 1..hi, at most max of them); "0" clears the list. */
+static bool parse_list(const char *text, int *out, int *n, int max, long hi) {
+    *n = 0;
     if (!text) return false;
     if (strcmp(text, "0") == 0) return true;
     const char *s = text;
     while (*s) {
         char *end;
         const long v = strtol(s, &end, 10);
-        if (end == s || v < 1 || v > MOE_BENCH_MAX_STREAM_ROWS ||
-            p->n_streams == MOE_BENCH_MAX_STREAMS || (*end && *end != ','))
-            return false;
-        p->streams[p->n_streams++] = (int)v;
+        if (end == s || v < 1 || v > hi || *n == max || (*end && *end != ',')) return false;
+        out[(*n)++] = (int)v;
         s = *end ? end + 1 : end;
     }
-    return p->n_streams > 0;
+    return *n > 0;
 }
 
 int moe_cmd_bench(int argc, char **argv) {
@@ -385,12 +425,20 @@ int moe_cmd_bench(int argc, char **argv) {
             continue;
         }
         if (strcmp(a, "--streams") == 0) {
-            if (!parse_streams(v, &p))
+            if (!parse_list(v, p.streams, &p.n_streams, MOE_BENCH_MAX_STREAMS,
+                            MOE_BENCH_MAX_STREAM_ROWS))
                 return moe_cli_usage_error("bench",
                                            "--streams expects counts like 1,2,4,8 "
                                            "(1..%d, at most %d) or 0, got '%s'",
                                            MOE_BENCH_MAX_STREAM_ROWS, MOE_BENCH_MAX_STREAMS,
                                            v ? v : "");
+            i++;
+        } else if (strcmp(a, "--depth") == 0) {
+            if (!parse_list(v, p.depths, &p.n_depths, MOE_BENCH_MAX_DEPTHS, MOE_BENCH_MAX_DEPTH))
+                return moe_cli_usage_error("bench",
+                                           "--depth expects token counts like 1024,4096 "
+                                           "(1..%d, at most %d), got '%s'",
+                                           MOE_BENCH_MAX_DEPTH, MOE_BENCH_MAX_DEPTHS, v ? v : "");
             i++;
         } else if (strcmp(a, "--mmap") == 0) {
             p.use_mmap = true;
@@ -401,7 +449,9 @@ int moe_cmd_bench(int argc, char **argv) {
         } else if (strcmp(a, "--help-options") == 0) {
             fputs(usage_text, stdout);
             return 0;
-        } else if (a[0] != '-' && !p.model_path) {
+        } else if (a[0] == '-') {
+            return moe_cli_unknown_option("bench", a);
+        } else if (!p.model_path) {
             p.model_path = a;
         } else {
             return moe_cli_usage_error("bench", "unexpected argument '%s'", a);

@@ -112,6 +112,11 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
     if (p->swa_kv_bytes_per_token)
         fprintf(out, " + %" PRIu64 " bytes per token of the last %" PRIu64 " (sliding window)",
                 p->swa_kv_bytes_per_token, m->window);
+    uint32_t indexed = 0;
+    for (uint32_t l = 0; l < m->n_layer; l++) indexed += m->index_values[l] != 0;
+    if (p->index_bytes_per_token)
+        fprintf(out, "; indexer cache (f32, %u layers): %" PRIu64 " bytes per token", indexed,
+                p->index_bytes_per_token);
     fprintf(out, "; recurrent state: %" PRIu64 " bytes per stream\n", p->state_bytes_per_stream);
     char mem[32];
     fprintf(out,
@@ -125,7 +130,8 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
     for (int k = 0; k < MOE_PART_COUNT; k++) {
         uint64_t dev0 = p->device[k], all = 0;
         for (uint32_t d = 0; d < c->devices; d++) all += p->device[(size_t)d * MOE_PART_COUNT + k];
-        if (k == MOE_PART_VISION && !m->weights[MOE_PART_VISION]) continue;
+        if ((k == MOE_PART_VISION || k == MOE_PART_MTP) && !m->weights[k]) continue;
+        if (k == MOE_PART_INDEX && !p->index_bytes_per_token) continue;
         fprintf(out, "  %-20s %14s", moe_budget_part_name((moe_budget_part)k),
                 human(dev0, a, sizeof a));
         if (c->devices > 1) fprintf(out, " %14s", human(all, b, sizeof b));
@@ -238,6 +244,7 @@ static void print_json(FILE *out, const moe_budget_model *const *m, const moe_bu
         moe_json_kv_uint(&j, "ctx_train", mm->ctx_train);
         moe_json_kv_uint(&j, "kv_bytes_per_token", p[i].kv_bytes_per_token);
         moe_json_kv_uint(&j, "swa_kv_bytes_per_token", p[i].swa_kv_bytes_per_token);
+        moe_json_kv_uint(&j, "index_bytes_per_token", p[i].index_bytes_per_token);
         moe_json_kv_uint(&j, "state_bytes_per_stream", p[i].state_bytes_per_stream);
         moe_json_key(&j, "devices");
         moe_json_array_begin(&j);
@@ -321,7 +328,7 @@ int moe_cmd_budget(int argc, char **argv) {
             svg = v;
             i++;
         } else if (a[0] == '-' && a[1]) {
-            return moe_cli_usage_error("budget", "unknown option %s", a);
+            return moe_cli_unknown_option("budget", a);
         } else if (n_paths == MAX_MODELS) {
             return moe_cli_usage_error("budget", "at most %d models", MAX_MODELS);
         } else {

@@ -65,29 +65,52 @@ static bool chat_turn(moe_gen *g, const moe_chat_template *t, json_t *messages, 
     return true;
 }
 
+typedef struct chat_args {
+    const char *system, *template_file;
+    bool verbose;
+} chat_args;
+
+static const moe_cli_option chat_options[] = {
+    {"--system", NULL, "TEXT", "a system message first", MOE_OPT_STRING,
+     MOE_OPT_FIELD(chat_args, system), 0, 0, NULL},
+    {"--chat-template-file", NULL, "F.jinja",
+     "render with this template (default: the model's, or built-in ChatML)", MOE_OPT_STRING,
+     MOE_OPT_FIELD(chat_args, template_file), 0, 0, NULL},
+    {"--verbose-prompt", NULL, NULL, "show each rendered prompt on stderr", MOE_OPT_SWITCH,
+     MOE_OPT_FIELD(chat_args, verbose), 0, 0, NULL},
+};
+#define N_CHAT_OPTIONS (sizeof chat_options / sizeof chat_options[0])
+
+static void chat_defaults(moe_gen_options *o) {
+    moe_gen_options_default(o);
+    o->n_predict = -1;
+}
+
+void moe_cmd_chat_options(FILE *out) {
+    moe_gen_options d;
+    chat_defaults(&d);
+    moe_cli_options_print(out, chat_options, N_CHAT_OPTIONS, NULL);
+    moe_gen_print_options(out, &d);
+}
+
 int moe_cmd_chat(int argc, char **argv) {
     moe_gen_options o;
-    moe_gen_options_default(&o);
-    o.n_predict = -1;
-    const char *system = NULL, *template_file = NULL;
-    bool verbose = false;
+    chat_defaults(&o);
+    chat_args ca = {0};
     for (int i = 0; i < argc; i++) {
         int r = moe_gen_parse_option("chat", &o, argc, argv, &i);
+        if (!r) r = moe_cli_option_parse("chat", chat_options, N_CHAT_OPTIONS, &ca, argc, argv, &i);
         if (r < 0) return 2;
         if (r > 0) continue;
-        if (strcmp(argv[i], "--system") == 0 && i + 1 < argc)
-            system = argv[++i];
-        else if (strcmp(argv[i], "--chat-template-file") == 0 && i + 1 < argc)
-            template_file = argv[++i];
-        else if (strcmp(argv[i], "--verbose-prompt") == 0)
-            verbose = true;
-        else if (argv[i][0] == '-')
-            return moe_cli_usage_error("chat", "unknown option '%s'", argv[i]);
+        if (argv[i][0] == '-')
+            return moe_cli_unknown_option("chat", argv[i]);
         else if (!o.model_path)
             o.model_path = argv[i];
         else
             return moe_cli_usage_error("chat", "unexpected argument '%s'", argv[i]);
     }
+    const char *system = ca.system, *template_file = ca.template_file;
+    const bool verbose = ca.verbose;
     moe_gen g;
     if (!moe_engine_args_check("chat", &o.engine)) return 2;
     if (!moe_gen_open(&g, &o, "chat")) return 1;
@@ -100,8 +123,10 @@ int moe_cmd_chat(int argc, char **argv) {
         return 1;
     }
     fprintf(stderr,
-            "moe chat: chat template %s; type a message and press enter; an empty line or "
-            "end of input quits.\n",
+            "moe chat: ready (loaded in %.2f s), chat template %s; type a message and press "
+            "enter; Ctrl-C stops a reply; an empty line, end of input or Ctrl-C at the prompt "
+            "quits.\n",
+            g.load_seconds,
             template_file ? template_file
             : builtin     ? "built-in ChatML"
                           : "from the model");
@@ -109,8 +134,10 @@ int moe_cmd_chat(int argc, char **argv) {
     if (system) add_message(messages, "system", system);
     char *line = moe_xmalloc(CHAT_LINE_MAX);
     int rc = 0;
+    moe_gen_catch_interrupt(); /* Ctrl-C: ends the reply being written; at the prompt, the chat */
     for (;;) {
         fprintf(stderr, "> ");
+        moe_gen_interrupted = 0;
         if (!fgets(line, CHAT_LINE_MAX, stdin)) break;
         line[strcspn(line, "\n")] = '\0';
         if (!line[0]) break;
@@ -121,6 +148,8 @@ int moe_cmd_chat(int argc, char **argv) {
             break;
         }
         printf("\n");
+        fflush(stdout);
+        if (g.interrupted) fprintf(stderr, "[stopped: Ctrl-C again at the prompt quits]\n");
     }
     moe_gen_print_stats(&g);
     free(line);

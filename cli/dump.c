@@ -135,7 +135,7 @@ int moe_cmd_dump(int argc, char **argv) {
         else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc)
             out_path = argv[++i];
         else if (argv[i][0] == '-')
-            return moe_cli_usage_error("dump", "unknown option '%s'", argv[i]);
+            return moe_cli_unknown_option("dump", argv[i]);
         else if (!path)
             path = argv[i];
         else if (!name)

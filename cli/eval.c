@@ -12,7 +12,7 @@
 #include "cli.h"
 
 static const char labels_usage[] =
-    "usage: moe eval labels MODEL|URL --records F.jsonl [--reverse-options] [-o OUT.jsonl] "
+    "usage: moe eval labels MODEL|URL --records F.jsonl [--reverse-options] [-o|--out OUT.jsonl] "
     "[--json]\n"
     "         [-t N] [--kv-type f32|f16] [--chat-template-file F.jinja] [--api-key K] [--model "
     "NAME]\n\n"
@@ -158,6 +158,8 @@ static int cmd_labels(int argc, char **argv) {
         if (taken) continue;
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             fputs(labels_usage, stdout);
+            printf("\nengine options:\n");
+            moe_engine_args_print(stdout, &engine);
             return 0;
         } else if (strcmp(argv[i], "--records") == 0 && i + 1 < argc)
             records_path = argv[++i];
@@ -176,7 +178,7 @@ static int cmd_labels(int argc, char **argv) {
         else if (strcmp(argv[i], "--ids") == 0)
             ids = true;
         else if (argv[i][0] == '-')
-            return moe_cli_usage_error("eval", "labels: unknown option '%s'", argv[i]);
+            return moe_cli_unknown_option("eval labels", argv[i]);
         else if (!model)
             model = argv[i];
         else
@@ -262,7 +264,7 @@ static int cmd_compare(int argc, char **argv) {
         } else if (strcmp(argv[i], "--json") == 0) {
             json = true;
         } else if (argv[i][0] == '-') {
-            return moe_cli_usage_error("eval", "compare: unknown option '%s'", argv[i]);
+            return moe_cli_unknown_option("eval compare", argv[i]);
         } else if (!paths[0]) {
             paths[0] = argv[i];
         } else if (!paths[1]) {
@@ -350,6 +352,8 @@ static int cmd_kl(int argc, char **argv) {
         if (taken) continue;
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             fputs(kl_usage, stdout);
+            printf("\nengine options:\n");
+            moe_engine_args_print(stdout, &engine);
             return 0;
         } else if (strcmp(argv[i], "--ref") == 0 && i + 1 < argc)
             p.ref = argv[++i];
@@ -360,7 +364,7 @@ static int cmd_kl(int argc, char **argv) {
         else if (strcmp(argv[i], "--json") == 0)
             json = true;
         else if (argv[i][0] == '-')
-            return moe_cli_usage_error("eval", "kl: unknown option '%s'", argv[i]);
+            return moe_cli_unknown_option("eval kl", argv[i]);
         else if (!p.model)
             p.model = argv[i];
         else

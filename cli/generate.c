@@ -1,10 +1,12 @@
 /* generate.c: load + prefill + sample + stream, shared by `moe run` and `moe chat`. */
 #include "generate.h"
 
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../src/chat/chat.h"
 #include "args.h"
@@ -32,76 +34,68 @@ void moe_gen_options_default(moe_gen_options *o) {
                                        .seed = 0xC0FFEE};
 }
 
+/* ==== The options of run and chat: one table, parsed and listed from the same rows ==== */
+
+#define GEN(field) MOE_OPT_FIELD(moe_gen_options, field)
+static const char *const spec_kinds[] = {
+    [MOE_GEN_SPEC_NONE] = "none", [MOE_GEN_SPEC_NGRAM] = "ngram", [MOE_GEN_SPEC_MTP] = "mtp", NULL};
+static const moe_cli_option gen_options[] = {
+    {"--n-predict", "-n", "N", "tokens to generate (-1: until end of generation or context)",
+     MOE_OPT_INT, GEN(n_predict), -1, 1 << 30, NULL},
+    {"--temp", NULL, "T", "temperature (0: greedy)", MOE_OPT_FLOAT, GEN(sampling.temperature), 0,
+     100, NULL},
+    {"--top-k", NULL, "K", "sample among the K likeliest (0: off)", MOE_OPT_INT,
+     GEN(sampling.top_k), 0, 1 << 30, NULL},
+    {"--top-p", NULL, "P", "nucleus: the likeliest tokens up to mass P (1: off)", MOE_OPT_FLOAT,
+     GEN(sampling.top_p), 0, 1, NULL},
+    {"--min-p", NULL, "P", "drop tokens below P times the likeliest (0: off)", MOE_OPT_FLOAT,
+     GEN(sampling.min_p), 0, 1, NULL},
+    {"--repeat-penalty", NULL, "X", "divide recent tokens' positive logits by X (1: off)",
+     MOE_OPT_FLOAT, GEN(sampling.repeat_penalty), 0, 100, NULL},
+    {"--presence-penalty", NULL, "X", "subtract X once from every recent token's logit",
+     MOE_OPT_FLOAT, GEN(sampling.presence_penalty), -2, 2, NULL},
+    {"--frequency-penalty", NULL, "X", "subtract X per occurrence of a recent token", MOE_OPT_FLOAT,
+     GEN(sampling.frequency_penalty), -2, 2, NULL},
+    {"--repeat-last-n", NULL, "N", "the recent tokens the penalties look at", MOE_OPT_INT,
+     GEN(sampling.penalty_last_n), 0, 8192, NULL},
+    {"--seed", NULL, "S", "sampling seed", MOE_OPT_INT, GEN(sampling.seed), 0, INT64_MAX, NULL},
+    {"--spec", NULL, "ngram|mtp|none",
+     "speculative decoding: drafts from earlier text (ngram) or the model's MTP head",
+     MOE_OPT_CHOICE, GEN(spec), 0, 0, spec_kinds},
+    {"--draft", NULL, "N", "drafted tokens per step with --spec", MOE_OPT_INT, GEN(n_draft), 1,
+     MOE_GEN_MAX_DRAFT, NULL},
+    {"--print-ids", NULL, NULL, "show token ids instead of text", MOE_OPT_SWITCH, GEN(print_ids), 0,
+     0, NULL},
+    {"--ignore-eos", NULL, NULL, "keep going past end-of-generation tokens", MOE_OPT_SWITCH,
+     GEN(ignore_eos), 0, 0, NULL},
+    {"--grammar-file", NULL, "F.gbnf", "constrain the output to this GBNF grammar", MOE_OPT_STRING,
+     GEN(grammar_file), 0, 0, NULL},
+};
+#undef GEN
+
 int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **argv, int *i) {
-    const char *a = argv[*i];
-    const char *v = *i + 1 < argc ? argv[*i + 1] : NULL;
-    long long n;
-    double f;
-#define TAKE_INT(flag, lo, hi, dst)                                                                \
-    if (strcmp(a, flag) == 0) {                                                                    \
-        if (!moe_arg_int(cmd, flag, v, lo, hi, &n)) return -1;                                     \
-        dst = n;                                                                                   \
-        ++*i;                                                                                      \
-        return 1;                                                                                  \
-    }
-#define TAKE_FLOAT(flag, lo, hi, dst)                                                              \
-    if (strcmp(a, flag) == 0) {                                                                    \
-        if (!moe_arg_float(cmd, flag, v, lo, hi, &f)) return -1;                                   \
-        dst = (float)f;                                                                            \
-        ++*i;                                                                                      \
-        return 1;                                                                                  \
-    }
-    TAKE_INT("-n", -1, 1 << 30, o->n_predict)
-    TAKE_INT("--top-k", 0, 1 << 30, o->sampling.top_k)
-    TAKE_INT("--repeat-last-n", 0, 8192, o->sampling.penalty_last_n)
-    TAKE_INT("--seed", 0, INT64_MAX, o->sampling.seed)
-    TAKE_FLOAT("--temp", 0, 100, o->sampling.temperature)
-    TAKE_FLOAT("--top-p", 0, 1, o->sampling.top_p)
-    TAKE_FLOAT("--min-p", 0, 1, o->sampling.min_p)
-    TAKE_FLOAT("--repeat-penalty", 0, 100, o->sampling.repeat_penalty)
-    TAKE_FLOAT("--presence-penalty", -2, 2, o->sampling.presence_penalty)
-    TAKE_FLOAT("--frequency-penalty", -2, 2, o->sampling.frequency_penalty)
-    TAKE_INT("--draft", 1, MOE_GEN_MAX_DRAFT, o->n_draft)
-#undef TAKE_INT
-#undef TAKE_FLOAT
-    const int engine = moe_engine_args_parse(cmd, &o->engine, argc, argv, i);
-    if (engine) return engine;
-    if (strcmp(a, "--spec") == 0) {
-        static const char *const kinds[] = {[MOE_GEN_SPEC_NONE] = "none",
-                                            [MOE_GEN_SPEC_NGRAM] = "ngram",
-                                            [MOE_GEN_SPEC_MTP] = "mtp"};
-        for (int k = 0; v && k < 3; k++)
-            if (strcmp(v, kinds[k]) == 0) {
-                o->spec = (moe_gen_spec)k;
-                ++*i;
-                return 1;
-            }
-        moe_cli_usage_error(cmd, "--spec expects ngram, mtp or none, got '%s'",
-                            v ? v : "(nothing)");
-        return -1;
-    }
-    if (strcmp(a, "--grammar-file") == 0) {
-        if (!v) {
-            moe_cli_usage_error(cmd, "--grammar-file expects a file");
-            return -1;
-        }
-        o->grammar_file = v;
-        ++*i;
-        return 1;
-    }
-    if (strcmp(a, "--print-ids") == 0) return o->print_ids = true, 1;
-    if (strcmp(a, "--ignore-eos") == 0) return o->ignore_eos = true, 1;
-    return 0;
+    const int r = moe_cli_option_parse(cmd, gen_options, sizeof gen_options / sizeof gen_options[0],
+                                       o, argc, argv, i);
+    return r ? r : moe_engine_args_parse(cmd, &o->engine, argc, argv, i);
+}
+
+void moe_gen_print_options(FILE *out, const moe_gen_options *defaults) {
+    moe_cli_options_print(out, gen_options, sizeof gen_options / sizeof gen_options[0], defaults);
+    moe_engine_args_print(out, &defaults->engine);
 }
 
 bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     memset(g, 0, sizeof *g);
     g->opt = *o;
+    g->tty = isatty(1);
     moe_error err = {0};
     const double t0 = now_seconds();
     char *path = moe_arg_model_path(cmd, o->model_path);
     if (!path) return false;
     g->model = moe_model_load(path, &err);
+    static char label[48]; /* outlives the read: the progress lines' */
+    snprintf(label, sizeof label, "moe %s", cmd);
+    if (g->model) moe_gguf_set_progress(g->model->gguf, label);
     if (g->model && o->engine.expert_cache_bytes) /* the rest resident, the experts on demand */
         moe_gguf_to_memory_except(g->model->gguf, NULL, moe_model_is_routed, g->model, NULL, &err);
     if (g->model && !err.code) g->tok = moe_tokenizer_from_gguf(g->model->gguf, &err);
@@ -237,6 +231,39 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
     return true;
 }
 
+/* ==== Ctrl-C and the terminal ==== */
+
+volatile sig_atomic_t moe_gen_interrupted;
+
+static void on_interrupt(int sig) {
+    (void)sig;
+    moe_gen_interrupted = 1;
+}
+
+void moe_gen_catch_interrupt(void) {
+    struct sigaction sa = {.sa_handler = on_interrupt}; /* no SA_RESTART: a read at a prompt
+                                                         * returns EINTR */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+}
+
+/* Model text on stdout: on a terminal, control characters (but newline and tab) are shown as
+ * \xNN, so a model cannot move the cursor, retitle the window or ring the bell; into a file or
+ * pipe the bytes go as they are. */
+static void show(const moe_gen *g, const char *text, size_t len) {
+    if (!g->tty) {
+        fwrite(text, 1, len, stdout);
+        return;
+    }
+    for (size_t i = 0; i < len; i++) {
+        const unsigned char c = (unsigned char)text[i];
+        if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f)
+            printf("\\x%02x", c);
+        else
+            putchar(c);
+    }
+}
+
 /* What became of a token the sampler chose. */
 typedef enum { EMIT_ON, EMIT_END, EMIT_ERROR } emit_result;
 
@@ -260,7 +287,7 @@ static emit_result emit(moe_gen *g, emitter *e, int32_t token, moe_error *err) {
     const char *text;
     size_t len;
     if (moe_detok_push(e->detok, token, &text, &len, err) != MOE_OK) return EMIT_ERROR;
-    fwrite(text, 1, len, stdout);
+    show(g, text, len);
     fflush(stdout);
     reply_put(g, text, len);
     if (!e->stop_len || e->stop_len >= sizeof e->tail) return EMIT_ON;
@@ -355,7 +382,13 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
     const uint64_t start = g->n_generated;
     int32_t next = -1; /* a token already picked by the last step */
     emit_result r = EMIT_ON;
+    g->interrupted = false;
     while (r == EMIT_ON && (n_predict < 0 || (int64_t)(g->n_generated - start) < n_predict)) {
+        if (moe_gen_interrupted) { /* Ctrl-C: this reply ends here */
+            moe_gen_interrupted = 0;
+            g->interrupted = true;
+            break;
+        }
         if (moe_ctx_seq_len(g->ctx, 0) >= moe_ctx_n_ctx(g->ctx)) {
             fprintf(stderr, "\n[context full: %u tokens]\n", moe_ctx_n_ctx(g->ctx));
             break;
@@ -369,7 +402,7 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
     if (!g->opt.print_ids) {
         size_t len;
         const char *rest = moe_detok_flush(e.detok, &len);
-        fwrite(rest, 1, len, stdout);
+        show(g, rest, len);
         reply_put(g, rest, len);
     }
     fflush(stdout);

@@ -4,6 +4,7 @@
 #ifndef MOE_CLI_GENERATE_H
 #define MOE_CLI_GENERATE_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -51,6 +52,8 @@ typedef struct moe_gen {
     uint32_t mtp_pending;
     float *mtp_logits; /* [n_vocab] the head's scratch */
     bool text_started; /* some text of this sequence was shown (keeps SPM's leading space) */
+    bool tty;          /* stdout is a terminal: control characters are shown escaped */
+    bool interrupted;  /* the last moe_gen_run was ended by Ctrl-C */
     char *reply;       /* [reply_len] the text the last moe_gen_run showed */
     size_t reply_len, reply_cap;
     double load_seconds;
@@ -65,6 +68,8 @@ void moe_gen_options_default(moe_gen_options *o);
 /* Parse one option at argv[*i] into o; returns 1 if consumed, 0 if not an option of ours, -1 on
  * a usage error (already reported). */
 int moe_gen_parse_option(const char *cmd, moe_gen_options *o, int argc, char **argv, int *i);
+/* --help lines for every option moe_gen_parse_option takes, with defaults from `defaults`. */
+void moe_gen_print_options(FILE *out, const moe_gen_options *defaults);
 
 bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd);
 void moe_gen_close(moe_gen *g);
@@ -75,5 +80,10 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err);
  * with it. Returns false on an engine error. */
 bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err);
 void moe_gen_print_stats(const moe_gen *g);
+
+/* Ctrl-C (SIGINT) while moe_gen_catch_interrupt's handler is in: moe_gen_run stops at the next
+ * token (g->interrupted), and a blocking read returns EINTR instead of going on. */
+extern volatile sig_atomic_t moe_gen_interrupted;
+void moe_gen_catch_interrupt(void);
 
 #endif

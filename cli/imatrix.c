@@ -35,7 +35,7 @@ int moe_cmd_imatrix(int argc, char **argv) {
         } else if (!strcmp(a, "--quiet")) {
             p.progress = false;
         } else if (a[0] == '-' && a[1]) {
-            return moe_cli_usage_error("imatrix", "unexpected argument '%s'", a);
+            return moe_cli_unknown_option("imatrix", a);
         } else if (!p.model_path) {
             p.model_path = a;
         } else {

@@ -193,6 +193,11 @@ static void print_plan(FILE *out, const moe_inspect_plan *p) {
     if (p->index_values_per_token)
         fprintf(out, " + %" PRIu64 " indexer values (f32)", p->index_values_per_token);
     fprintf(out, ", %" PRIu64 " recurrent-state values per sequence\n", p->state_values_per_seq);
+    if (p->n_layer_nextn)
+        fprintf(out,
+                "  weights: routed experts of the trunk (layers 0-%u) %" PRIu64
+                " bytes; NextN/MTP layers %" PRIu64 " bytes\n",
+                p->n_layer - 1, p->trunk_routed_bytes, p->nextn_bytes);
 }
 
 static void print_report_text(FILE *out, const moe_inspect_report *r, bool many_files);
@@ -493,6 +498,8 @@ static void json_report(moe_json *jp, const moe_inspect_report *r) {
     moe_json_kv_uint(&j, "kv_values_per_token", p->kv_values_per_token);
     moe_json_kv_uint(&j, "index_values_per_token", p->index_values_per_token);
     moe_json_kv_uint(&j, "state_values_per_seq", p->state_values_per_seq);
+    moe_json_kv_uint(&j, "trunk_routed_bytes", p->trunk_routed_bytes);
+    moe_json_kv_uint(&j, "nextn_bytes", p->nextn_bytes);
     moe_json_object_end(&j);
 
     moe_json_key(&j, "totals");
@@ -649,7 +656,7 @@ int moe_cmd_inspect(int argc, char **argv) {
         else if (strcmp(argv[i], "--formats") == 0)
             formats = true;
         else if (argv[i][0] == '-' && argv[i][1])
-            return moe_cli_usage_error("inspect", "unknown option %s", argv[i]);
+            return moe_cli_unknown_option("inspect", argv[i]);
         else if (path)
             return moe_cli_usage_error("inspect", "one file at a time (got %s and %s)", path,
                                        argv[i]);

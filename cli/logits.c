@@ -42,7 +42,7 @@ int moe_cmd_logits(int argc, char **argv) {
         else if (strcmp(argv[i], "--mtp") == 0)
             mtp = true;
         else if (argv[i][0] == '-')
-            return moe_cli_usage_error("logits", "unknown option '%s'", argv[i]);
+            return moe_cli_unknown_option("logits", argv[i]);
         else if (!model_path)
             model_path = argv[i];
         else

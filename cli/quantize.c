@@ -59,7 +59,7 @@ int moe_cmd_quantize(int argc, char **argv) {
         } else if (!strcmp(a, "--quiet")) {
             p.progress = false;
         } else if (a[0] == '-' && a[1]) {
-            moe_cli_usage_error("quantize", "unexpected argument '%s'", a);
+            moe_cli_unknown_option("quantize", a);
             goto done;
         } else if (n_paths < 2) {
             paths[n_paths++] = a;

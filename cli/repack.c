@@ -158,7 +158,7 @@ int moe_cmd_repack(int argc, char **argv) {
         } else if (strcmp(a, "--no-progress") == 0) {
             progress = false;
         } else if (a[0] == '-' && a[1]) {
-            return moe_cli_usage_error("repack", "unknown option %s", a);
+            return moe_cli_unknown_option("repack", a);
         } else if (n_paths < 2) {
             paths[n_paths++] = a;
         } else {

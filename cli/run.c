@@ -8,25 +8,42 @@
 #include "cli.h"
 #include "generate.h"
 
+typedef struct run_args {
+    const char *prompt, *tokens;
+} run_args;
+
+static const moe_cli_option run_options[] = {
+    {"--prompt", "-p", "TEXT", "the prompt (default: none, generation starts from BOS)",
+     MOE_OPT_STRING, MOE_OPT_FIELD(run_args, prompt), 0, 0, NULL},
+    {"--tokens", NULL, "ID,...", "the prompt as token ids (instead of -p)", MOE_OPT_STRING,
+     MOE_OPT_FIELD(run_args, tokens), 0, 0, NULL},
+};
+#define N_RUN_OPTIONS (sizeof run_options / sizeof run_options[0])
+
+void moe_cmd_run_options(FILE *out) {
+    moe_gen_options d;
+    moe_gen_options_default(&d);
+    moe_cli_options_print(out, run_options, N_RUN_OPTIONS, NULL);
+    moe_gen_print_options(out, &d);
+}
+
 int moe_cmd_run(int argc, char **argv) {
     moe_gen_options o;
     moe_gen_options_default(&o);
-    const char *prompt = NULL, *tokens_arg = NULL;
+    run_args ra = {0};
     for (int i = 0; i < argc; i++) {
         int r = moe_gen_parse_option("run", &o, argc, argv, &i);
+        if (!r) r = moe_cli_option_parse("run", run_options, N_RUN_OPTIONS, &ra, argc, argv, &i);
         if (r < 0) return 2;
         if (r > 0) continue;
-        if (strcmp(argv[i], "-p") == 0 && i + 1 < argc)
-            prompt = argv[++i];
-        else if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
-            tokens_arg = argv[++i];
-        else if (argv[i][0] == '-' && argv[i][1])
-            return moe_cli_usage_error("run", "unknown option '%s'", argv[i]);
+        if (argv[i][0] == '-' && argv[i][1])
+            return moe_cli_unknown_option("run", argv[i]);
         else if (!o.model_path)
             o.model_path = argv[i];
         else
             return moe_cli_usage_error("run", "unexpected argument '%s'", argv[i]);
     }
+    const char *prompt = ra.prompt, *tokens_arg = ra.tokens;
     if (prompt && tokens_arg) return moe_cli_usage_error("run", "give -p or --tokens, not both");
     int32_t *ids = NULL;
     size_t n_ids = 0;
@@ -58,12 +75,18 @@ int moe_cmd_run(int argc, char **argv) {
         fflush(stdout);
     }
     int rc = 0;
+    moe_gen_catch_interrupt(); /* Ctrl-C: stop generating, still print the stats */
     if (err.code || !moe_gen_prefill(&g, ids, n_ids, &err) ||
         !moe_gen_run(&g, o.n_predict, NULL, &err)) {
         fprintf(stderr, "\nmoe run: %s\n", err.msg);
         rc = 1;
     } else {
         printf("\n");
+        fflush(stdout);
+        if (g.interrupted) {
+            fprintf(stderr, "[interrupted]");
+            rc = 130; /* as a shell reports a process ended by SIGINT */
+        }
         moe_gen_print_stats(&g);
     }
     free(ids);

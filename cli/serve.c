@@ -48,6 +48,10 @@ static const char usage_text[] =
     "  --grammar-file F   GBNF grammar for every request that sets no grammar, response_format\n"
     "                     or forced tool call of its own\n";
 
+void moe_cmd_serve_options(FILE *out) {
+    fputs(usage_text, out);
+}
+
 int moe_cmd_serve(int argc, char **argv) {
     moe_serve_params p;
     moe_serve_params_default(&p);
@@ -124,8 +128,7 @@ int moe_cmd_serve(int argc, char **argv) {
             fputs(usage_text, stdout);
             return 0;
         } else if (a[0] == '-') {
-            return moe_cli_usage_error("serve", "unknown option '%s' (options:\n%s)", a,
-                                       usage_text);
+            return moe_cli_unknown_option("serve", a);
         } else if (!p.model_path) {
             p.model_path = a;
         } else {

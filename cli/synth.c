@@ -1,5 +1,6 @@
-/* synth.c: `moe synth -o FILE [--preset P] [shape flags] [--type 'REGEX=TYPE' ...]` -- write a
- * GGUF model with seeded random weights (see src/tools/synth.c). */
+/* synth.c: `moe synth -o FILE [--preset P] [shape flags] [--type 'REGEX=TYPE' ...] [--types NAME]
+ * [--header-only]` -- write a GGUF model with seeded random weights, or only its header (see
+ * src/tools/synth.c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,8 @@ int moe_cmd_synth(int argc, char **argv) {
     moe_synth_rule rules[SYNTH_MAX_RULES];
     char *patterns[SYNTH_MAX_RULES];
     uint32_t n_rules = 0;
+    const moe_synth_rule *set_rules = NULL; /* --types NAME: after the --type rules */
+    uint32_t n_set_rules = 0;
     /* the preset first, so shape flags override it wherever they stand */
     for (int i = 0; i + 1 < argc; i++)
         if (strcmp(argv[i], "--preset") == 0) preset = argv[i + 1];
@@ -60,6 +63,15 @@ int moe_cmd_synth(int argc, char **argv) {
             i++;
         } else if (strcmp(a, "--random-blocks") == 0) {
             p.random_blocks = true;
+        } else if (strcmp(a, "--header-only") == 0) {
+            p.header_only = true;
+        } else if (strcmp(a, "--types") == 0 && v) {
+            if (!moe_synth_rule_set(v, &set_rules, &n_set_rules)) {
+                moe_cli_usage_error("synth", "unknown --types '%s' (known: %s)", v,
+                                    moe_synth_rule_set_names());
+                goto done;
+            }
+            i++;
         } else if (strcmp(a, "--type") == 0 && v) {
             moe_type t;
             if (n_rules == SYNTH_MAX_RULES) {
@@ -70,6 +82,9 @@ int moe_cmd_synth(int argc, char **argv) {
             rules[n_rules] = (moe_synth_rule){patterns[n_rules], t};
             n_rules++;
             i++;
+        } else if (a[0] == '-') {
+            moe_cli_unknown_option("synth", a);
+            goto done;
         } else {
             moe_cli_usage_error("synth", "unexpected argument '%s'", a);
             goto done;
@@ -79,19 +94,27 @@ int moe_cmd_synth(int argc, char **argv) {
         moe_cli_usage_error("synth", "an output file is required (-o FILE)");
         goto done;
     }
+    if (n_rules + n_set_rules > SYNTH_MAX_RULES) {
+        moe_cli_usage_error("synth", "at most %d --type rules with --types", SYNTH_MAX_RULES);
+        goto done;
+    }
+    for (uint32_t k = 0; k < n_set_rules; k++) rules[n_rules + k] = set_rules[k];
     p.rules = rules;
-    p.n_rules = n_rules;
+    p.n_rules = n_rules + n_set_rules;
     moe_error err = {0};
     if (moe_synth_write(&p, out, &err) != MOE_OK) {
         fprintf(stderr, "moe synth: %s\n", err.msg);
         rc = 1;
         goto done;
     }
-    printf("wrote %s: %s, %u layers, embd %u, %u experts (%u used), vocab %u, seed %llu; "
-           "weights are random%s\n",
-           out, p.arch, p.n_layer, p.n_embd, p.n_expert, p.n_expert_used, p.n_vocab,
-           (unsigned long long)p.seed,
-           p.random_blocks ? " (quantized tensors: random valid blocks)" : "");
+    printf(
+        "wrote %s: %s, %u layers, embd %u, %u experts (%u used), vocab %u, seed %llu; %s\n", out,
+        p.arch, p.n_layer, p.n_embd, p.n_expert, p.n_expert_used, p.n_vocab,
+        (unsigned long long)p.seed,
+        p.header_only
+            ? "header only (the tensor data is a hole that reads as zeros: for inspect and budget)"
+        : p.random_blocks ? "weights are random (quantized tensors: random valid blocks)"
+                          : "weights are random");
     rc = 0;
 done:
     for (uint32_t i = 0; i < n_rules; i++) free(patterns[i]);

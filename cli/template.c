@@ -152,7 +152,7 @@ int moe_cmd_template(int argc, char **argv) {
             parse = true;
             parse_format = argv[++i];
         } else if (a[0] == '-' && a[1])
-            return moe_cli_usage_error("template", "unknown option '%s'", a);
+            return moe_cli_unknown_option("template", a);
         else if (!path)
             path = a;
         else

@@ -353,7 +353,7 @@ static int logged_requests(uint64_t *body_bytes) {
 
 static const char *const parity_models[] = {
     "llama-q8_0",    "qwen3moe-mixed",  "deepseek2-f32",   "gpt-oss-mxfp4",
-    "qwen3next-f32", "kimi-linear-f32", "gemma4-moe-q4_0",
+    "qwen3next-f32", "kimi-linear-f32", "gemma4-moe-q4_0", "glm5next-f32",
 };
 #define N_PARITY (sizeof parity_models / sizeof parity_models[0])
 
@@ -627,33 +627,25 @@ static void remote_errors(void **state) {
 
 /* ==== moe budget ==== */
 
-/* Run a command and parse its stdout as JSON (stderr dropped). */
 static json_t *run_json(const char *cmd) {
-    char full[4096], *out;
-    snprintf(full, sizeof full, "(%s 2>/dev/null)", cmd);
-    int rc = moe_test_run(full, &out);
-    if (rc != 0) fail_msg("%s exited %d: %s", cmd, rc, out);
-    json_error_t e;
-    json_t *j = json_loads(out, 0, &e);
-    if (!j) fail_msg("%s: not JSON (%s): %.300s", cmd, e.text, out);
-    free(out);
-    return j;
+    return moe_test_run_json(cmd);
 }
 
 static uint64_t jnum(json_t *o, const char *key) {
-    json_t *v = json_object_get(o, key);
-    if (!json_is_integer(v)) fail_msg("no integer '%s'", key);
-    return (uint64_t)json_integer_value(v);
+    return moe_test_json_uint(o, key);
 }
 
 /* The part a tensor name belongs to, by the llama.cpp naming rules (written out here rather
  * than taken from tools/, so a change of the rules there shows up). */
-static const char *part_of(const char *name) {
+static const char *part_of(const char *name, uint64_t n_trunk) {
+    if (!strncmp(name, "blk.", 4) && strtoull(name + 4, NULL, 10) >= n_trunk) return "mtp_layers";
     if (strstr(name, "_exps")) return "routed_experts";
     if (strstr(name, "_shexp")) return "shared_experts";
     if (strstr(name, "norm")) return "norms_other";
     const char *b = strncmp(name, "blk.", 4) == 0 ? strchr(name + 4, '.') + 1 : name;
-    if (!strncmp(b, "attn_", 5) || !strncmp(b, "ssm_", 4)) return "attention";
+    if (b != name && !strncmp(b, "hc_", 3)) return "hyper_connections";
+    if (!strncmp(b, "attn_", 5) || !strncmp(b, "ssm_", 4) || !strncmp(b, "indexer", 7))
+        return "attention";
     if (!strncmp(b, "ffn_gate.", 9) || !strncmp(b, "ffn_up.", 7) || !strncmp(b, "ffn_down.", 9))
         return "dense_ffn";
     if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output.weight"))
@@ -670,11 +662,12 @@ static uint64_t meta(json_t *m, const char *key) {
 
 /* KV bytes per token (f16, all tokens) and per sliding-window token, and the f32 state bytes
  * per stream, from the parity config as the architectures define them. */
-static void hand_kv(json_t *d, uint64_t *kv, uint64_t *swa, uint64_t *state) {
+static void hand_kv(json_t *d, uint64_t *kv, uint64_t *swa, uint64_t *state, uint64_t *index) {
     json_t *c = json_object_get(d, "config"), *md = json_object_get(d, "metadata");
     const char *arch = json_string_value(json_object_get(c, "arch"));
+    if (!arch) arch = json_string_value(json_object_get(d, "arch")); /* glm5next-f32's place */
     uint64_t L = cfg(c, "n_layer");
-    *kv = *swa = *state = 0;
+    *kv = *swa = *state = *index = 0;
     if (!strcmp(arch, "llama") || !strcmp(arch, "qwen3moe")) {
         *kv = L * 2 * cfg(c, "n_head_kv") * cfg(c, "head_dim") * 2;
     } else if (!strcmp(arch, "deepseek2")) {
@@ -706,6 +699,16 @@ static void hand_kv(json_t *d, uint64_t *kv, uint64_t *swa, uint64_t *state) {
         uint64_t hd = cfg(c, "kda_head_dim"), h = cfg(c, "n_head");
         uint64_t conv = meta(md, "kimi-linear.ssm.conv_kernel");
         *state = (L - full) * ((conv - 1) * 3 * h * hd + h * hd * hd) * 4;
+    } else if (!strcmp(arch, "glm5next")) { /* DSA layers: the latent (no rope part) and the
+                                             * indexer's f32 key, pooling logits, pooled key */
+        uint64_t dsa = 0;
+        for (uint64_t l = 0; l < L; l++)
+            dsa += !strcmp(json_string_value(json_array_get(json_object_get(c, "layer_kinds"), l)),
+                           "DSA");
+        *kv = dsa * cfg(c, "kv_lora") * 2;
+        *index = dsa * 3 * cfg(c, "idx_d") * 4;
+        uint64_t hd = cfg(c, "kda_hd"), h = cfg(c, "n_head"), conv = cfg(c, "d_conv");
+        *state = (L - dsa) * ((conv - 1) * 3 * h * hd + h * hd * hd) * 4;
     } else {
         fail_msg("no hand formula for %s", arch);
     }
@@ -721,9 +724,12 @@ static void budget_parity_models(void **state) {
         json_t *d = json_load_file(path, 0, &e);
         if (!d) fail_msg("%s: %s", path, e.text);
         /* expected weights by part, parameters, and device 0's share of 3-way row sharding */
-        const char *parts[] = {"routed_experts", "shared_experts",    "attention",
-                               "dense_ffn",      "embeddings_output", "norms_other"};
-        uint64_t want[6] = {0}, params = 0, routed_dev0 = 0, routed_dev2 = 0;
+        const char *parts[] = {"routed_experts",    "shared_experts",    "attention",
+                               "dense_ffn",         "embeddings_output", "norms_other",
+                               "hyper_connections", "mtp_layers"};
+        enum { N_PARTS = sizeof parts / sizeof parts[0] };
+        uint64_t want[N_PARTS] = {0}, params = 0, routed_dev0 = 0, routed_dev2 = 0;
+        const uint64_t n_trunk = cfg(json_object_get(d, "config"), "n_layer");
         size_t k;
         json_t *t;
         json_array_foreach(json_object_get(d, "tensors"), k, t) {
@@ -733,9 +739,9 @@ static void budget_parity_models(void **state) {
             for (size_t x = 0; x < json_array_size(ne); x++)
                 n *= (uint64_t)json_integer_value(json_array_get(ne, x));
             params += n;
-            for (size_t p = 0; p < 6; p++)
-                if (!strcmp(part_of(name), parts[p])) want[p] += bytes;
-            if (!strcmp(part_of(name), "routed_experts")) {
+            for (size_t p = 0; p < N_PARTS; p++)
+                if (!strcmp(part_of(name, n_trunk), parts[p])) want[p] += bytes;
+            if (!strcmp(part_of(name, n_trunk), "routed_experts")) {
                 uint64_t rows = json_array_size(ne) >= 2
                                     ? (uint64_t)json_integer_value(json_array_get(ne, 1))
                                     : 1;
@@ -747,8 +753,8 @@ static void budget_parity_models(void **state) {
             }
         }
         assert_int_equal(params, jnum(d, "n_params"));
-        uint64_t kv, swa, st;
-        hand_kv(d, &kv, &swa, &st);
+        uint64_t kv, swa, st, index;
+        hand_kv(d, &kv, &swa, &st, &index);
 
         uint64_t ctx = 1000, streams = 3, mem = 1ull << 30;
         snprintf(cmd, sizeof cmd,
@@ -759,13 +765,14 @@ static void budget_parity_models(void **state) {
         json_t *m = json_array_get(json_object_get(b, "models"), 0);
         assert_int_equal(jnum(m, "n_params"), params);
         json_t *w = json_object_get(m, "weights");
-        for (size_t p = 0; p < 6; p++)
+        for (size_t p = 0; p < N_PARTS; p++)
             if (jnum(w, parts[p]) != want[p])
                 fail_msg("%s: %s %" PRIu64 " bytes, expected %" PRIu64, parity_models[i], parts[p],
                          jnum(w, parts[p]), want[p]);
         assert_int_equal(jnum(m, "kv_bytes_per_token"), kv);
         assert_int_equal(jnum(m, "swa_kv_bytes_per_token"), swa);
         assert_int_equal(jnum(m, "state_bytes_per_stream"), st);
+        assert_int_equal(jnum(m, "index_bytes_per_token"), index);
         json_t *devs = json_object_get(m, "devices");
         assert_int_equal(json_array_size(devs), 3);
         json_t *d0 = json_object_get(json_array_get(devs, 0), "parts");
@@ -777,11 +784,13 @@ static void budget_parity_models(void **state) {
         uint64_t swa_tokens = window && window < ctx ? window : ctx;
         assert_int_equal(jnum(d0, "kv_cache"), streams * (ctx * kv + swa_tokens * swa));
         assert_int_equal(jnum(d0, "recurrent_state"), streams * st);
+        assert_int_equal(jnum(d0, "indexer_cache"), streams * ctx * index);
         uint64_t total = 0;
-        const char *all[] = {"routed_experts",    "shared_experts", "attention", "dense_ffn",
-                             "embeddings_output", "norms_other",    "vision",    "kv_cache",
-                             "recurrent_state",   "scratch"};
-        for (size_t p = 0; p < 10; p++) total += jnum(d0, all[p]);
+        const char *all[] = {
+            "routed_experts",    "shared_experts",  "attention",  "dense_ffn", "hyper_connections",
+            "embeddings_output", "norms_other",     "mtp_layers", "vision",    "kv_cache",
+            "indexer_cache",     "recurrent_state", "scratch"};
+        for (size_t p = 0; p < sizeof all / sizeof all[0]; p++) total += jnum(d0, all[p]);
         assert_int_equal(jnum(m, "device_total_max"), total);
         assert_int_equal((uint64_t)json_integer_value(json_object_get(m, "spare")), mem - total);
         assert_true(json_is_true(json_object_get(m, "fits")));

@@ -111,6 +111,48 @@ static void expect_bench(int rc, const char *want, const char *fmt, ...) {
     free(out);
 }
 
+/* --depth: decode tests after that many tokens of context, on a hybrid model whose KDA state
+ * goes back to the filled context by a snapshot before every run; past top_k the glm5next
+ * layer attends sparsely. One JSON entry and one CSV row per depth; bad lists are refused. */
+static void bench_depths(void **state) {
+    (void)state;
+    const char *model = moe_test_synth("bench-glm5next.gguf", "--preset glm5next-tiny");
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd,
+             "%s bench %s -t 2 --runs 2 --pp 0 --tg 3 --streams 0 --probe-mib 16 --depth 20,90 "
+             "--json",
+             moe_test_bin(), model);
+    json_t *j = moe_test_run_json(cmd);
+    json_t *depths = json_object_get(j, "depths");
+    assert_int_equal(json_array_size(depths), 2);
+    const int want[] = {20, 90};
+    for (size_t i = 0; i < 2; i++) {
+        json_t *d = json_array_get(depths, i);
+        assert_int_equal(json_integer_value(json_object_get(d, "depth")), want[i]);
+        positive(d, "tg_tok_s");
+        positive(d, "indexer_attend_ms_per_token"); /* the MLA layer attends at every depth */
+    }
+    /* at depth 90: 22 complete pools, more than the 4 it keeps, so it scores them */
+    positive(json_array_get(depths, 1), "indexer_score_ms_per_token");
+    positive(j, "fill_seconds");
+    json_decref(j);
+    snprintf(cmd, sizeof cmd,
+             "(%s bench %s -t 2 --runs 1 --pp 0 --tg 2 --streams 0 --probe-mib 16 --depth 30 "
+             "--csv 2>/dev/null)",
+             moe_test_bin(), model);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "\ntg2@d30,1,"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s bench %s --depth 90,20", moe_test_bin(), model);
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "depths ascend"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s bench %s --depth 1,x", moe_test_bin(), model);
+    assert_int_equal(moe_test_run(cmd, &out), 2);
+    assert_non_null(strstr(out, "--depth expects"));
+    free(out);
+}
+
 static void bench_usage_errors(void **state) {
     (void)state;
     expect_bench(2, "a model file is required", "%s", "");
@@ -238,9 +280,9 @@ static void bench_server_start_cmd(void **state) {
 
 int moe_suite_bench(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(bench_json_fields),      cmocka_unit_test(bench_csv_and_text),
-        cmocka_unit_test(bench_usage_errors),     cmocka_unit_test(bench_server_counts),
-        cmocka_unit_test(bench_server_start_cmd),
+        cmocka_unit_test(bench_json_fields),   cmocka_unit_test(bench_csv_and_text),
+        cmocka_unit_test(bench_depths),        cmocka_unit_test(bench_usage_errors),
+        cmocka_unit_test(bench_server_counts), cmocka_unit_test(bench_server_start_cmd),
     };
     return cmocka_run_group_tests_name("bench", tests, NULL, NULL);
 }

@@ -289,6 +289,11 @@ static void tensor_roles(void **state) {
         {"blk.1.attn_output.weight", MOE_ROLE_ATTENTION, 1},
         {"blk.0.ssm_out.weight", MOE_ROLE_ATTENTION, 0},
         {"blk.1.attn_kv_a_norm.weight", MOE_ROLE_OTHER, 1},
+        {"blk.7.hc_attn_fn.weight", MOE_ROLE_HYPER, 7}, /* glm5next's hyper-connections */
+        {"blk.7.hc_ffn_scale.weight", MOE_ROLE_HYPER, 7},
+        {"blk.3.indexer.attn_q_b.weight", MOE_ROLE_ATTENTION, 3}, /* the lightning indexer */
+        {"blk.3.indexer_compressor_gate.weight", MOE_ROLE_ATTENTION, 3},
+        {"blk.3.indexer.k_norm.bias", MOE_ROLE_OTHER, 3},
         {"blk.0.ffn_gate.weight", MOE_ROLE_DENSE_FFN, 0},
         {"blk.0.ffn_gate_inp.weight", MOE_ROLE_OTHER, 0},
         {"blk.0.ffn_norm.weight", MOE_ROLE_OTHER, 0},

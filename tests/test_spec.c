@@ -163,7 +163,7 @@ static void spec_option_errors(void **state) {
     char cmd[512], *out;
     snprintf(cmd, sizeof cmd, "%s run --spec mtp2 -n 1", moe_test_bin());
     assert_int_equal(moe_test_run(cmd, &out), 2);
-    assert_non_null(strstr(out, "--spec expects ngram, mtp or none"));
+    assert_non_null(strstr(out, "--spec expects none, ngram or mtp"));
     free(out);
     const char *stories = moe_test_shared("models/stories260K/stories260K.gguf");
     if (stories) { /* a model without an MTP layer */

@@ -6,10 +6,13 @@
 
 #include "../src/format/format.h"
 
+#include <inttypes.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static char *run_ok(const char *cmd) {
     char *out;
@@ -166,6 +169,163 @@ static void synth_random_blocks(void **state) {
     free(out);
 }
 
+/* ==== GLM-5.3-Flash's layout, header only ==== */
+
+/* Bytes of n values of a type, from ggml's block layouts (values per block, bytes per block)
+ * written out here, not taken from moe's type table. */
+static uint64_t ggml_bytes(const char *type, uint64_t n) {
+    static const struct {
+        const char *name;
+        uint64_t values, bytes;
+    } blocks[] = {{"F32", 1, 4},
+                  {"Q8_0", 32, 34},
+                  {"IQ2_S", 256, 82},
+                  {"IQ3_S", 256, 110},
+                  {"IQ4_XS", 256, 136}};
+    for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)
+        if (!strcmp(type, blocks[i].name)) {
+            if (n % blocks[i].values)
+                fail_msg("%" PRIu64 " values are not whole %s blocks", n, type);
+            return n / blocks[i].values * blocks[i].bytes;
+        }
+    fail_msg("type %s is not in the test's table", type);
+    return 0;
+}
+
+/* UD-IQ3_XXS's routed experts (issue 14): layers 3-10 and 13-43 gate/up IQ2_S, down IQ3_S;
+ * layer 11 IQ3_S / IQ3_S / IQ4_XS; layers 12 and 44 IQ2_S / IQ2_S / IQ4_XS. */
+static const char *ud_expert_type(int64_t layer, bool down) {
+    if (layer == 11) return down ? "IQ4_XS" : "IQ3_S";
+    if (layer == 12 || layer == 44) return down ? "IQ4_XS" : "IQ2_S";
+    return down ? "IQ3_S" : "IQ2_S";
+}
+
+/* `moe synth --preset glm53-flash --types ud-iq3_xxs --header-only`: a sparse file of the full
+ * size whose tensors have the real model's names, shapes and the UD-IQ3_XXS expert formats; its
+ * routed experts of blk.3-44 come to the issue's 109,867,696,128 bytes, and `moe budget` splits
+ * them into 13,733,462,016 per device of 8, with the KV, indexer and KDA state the real shapes
+ * give at 262,144 and 1,048,576 tokens. */
+static void synth_glm53_flash_header(void **state) {
+    (void)state;
+    char path[512], cmd[2048];
+    snprintf(path, sizeof path, "%s/glm53-flash.gguf", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd,
+             "%s synth -o %s --preset glm53-flash --types ud-iq3_xxs --header-only", moe_test_bin(),
+             path);
+    free(run_ok(cmd));
+    struct stat st;
+    assert_int_equal(stat(path, &st), 0);
+    assert_true((uint64_t)st.st_blocks * 512 < (64u << 20)); /* sparse: the data is a hole */
+
+    snprintf(cmd, sizeof cmd, "%s inspect --json %s", moe_test_bin(), path);
+    json_t *ins = moe_test_run_json(cmd);
+    json_t *t;
+    size_t i;
+    uint64_t routed_trunk = 0, mtp = 0, hyper = 0, data_end = 0;
+    bool mla[46] = {0}, kda[46] = {0}, eh_proj = false;
+    json_array_foreach(json_object_get(ins, "tensors"), i, t) {
+        const char *name = json_string_value(json_object_get(t, "name"));
+        const char *type = json_string_value(json_object_get(t, "type"));
+        json_t *shape = json_object_get(t, "shape");
+        uint64_t n = 1, bytes = moe_test_json_uint(t, "bytes");
+        for (size_t d = 0; d < json_array_size(shape); d++)
+            n *= (uint64_t)json_integer_value(json_array_get(shape, d));
+        if (bytes != ggml_bytes(type, n)) fail_msg("%s: %" PRIu64 " bytes", name, bytes);
+        const uint64_t end = moe_test_json_uint(t, "file_offset") + bytes;
+        if (end > data_end) data_end = end;
+        int layer = -1, at = 0;
+        if (sscanf(name, "blk.%d.%n", &layer, &at) != 1 || layer < 0 || layer > 45) continue;
+        const char *part = name + at;
+        if (layer == 45) mtp += bytes;
+        if (!strncmp(part, "hc_", 3)) hyper += bytes;
+        mla[layer] |= !strcmp(part, "attn_kv_a_mqa.weight");
+        kda[layer] |= !strcmp(part, "ssm_a");
+        eh_proj |= layer == 45 && !strcmp(part, "nextn.eh_proj.weight") &&
+                   json_integer_value(json_array_get(shape, 0)) == 8192;
+        if (!strstr(part, "_exps.weight")) continue;
+        const bool down = strstr(part, "down") != NULL;
+        const int64_t want[3] = {down ? 2048 : 4096, down ? 4096 : 2048, 288};
+        for (size_t d = 0; d < 3; d++)
+            assert_int_equal(json_integer_value(json_array_get(shape, d)), want[d]);
+        if (layer <= 44) {
+            if (strcmp(type, ud_expert_type(layer, down)) != 0)
+                fail_msg("%s is %s, UD-IQ3_XXS has %s", name, type, ud_expert_type(layer, down));
+            routed_trunk += bytes;
+        }
+    }
+    assert_int_equal(routed_trunk, 109867696128ull);
+    assert_true(eh_proj);
+    for (int l = 0; l <= 45; l++) /* (KDA, KDA, KDA, MLA) x 11 + KDA, then the MTP layer */
+        if (mla[l] != (l % 4 == 3 || l == 45) || kda[l] != !mla[l])
+            fail_msg("blk.%d: MLA %d, KDA %d", l, mla[l], kda[l]);
+    assert_true(data_end <= (uint64_t)st.st_size && (uint64_t)st.st_size - data_end < 32);
+    json_t *plan = json_object_get(ins, "plan");
+    assert_int_equal(moe_test_json_uint(plan, "trunk_routed_bytes"), 109867696128ull);
+    assert_int_equal(moe_test_json_uint(plan, "nextn_bytes"), mtp);
+    json_decref(ins);
+
+    /* per token: the latent (kv_lora_rank 512, f16) on the 11 MLA layers, and their indexer rows
+     * (f32: the key, its pooling logits and the pooled key, 128 wide each); per sequence: the 34
+     * KDA layers' conv tails (3 taps over q, k, v of 64 heads x 128) and 64 states of 128 x 128 */
+    const uint64_t kv = 11 * 512 * 2, index = 11 * 3 * 128 * 4,
+                   kda_state = 34ull * (3 * 3 * 64 * 128 + 64 * 128 * 128) * 4;
+    const uint64_t ctxs[] = {262144, 1048576};
+    for (size_t c = 0; c < 2; c++) {
+        snprintf(cmd, sizeof cmd,
+                 "%s budget %s --json --devices 8 --mem-per-device 64 --ctx %" PRIu64,
+                 moe_test_bin(), path, ctxs[c]);
+        json_t *b = moe_test_run_json(cmd);
+        json_t *m = json_array_get(json_object_get(b, "models"), 0);
+        json_t *w = json_object_get(m, "weights");
+        assert_int_equal(moe_test_json_uint(w, "routed_experts"), 109867696128ull);
+        assert_int_equal(moe_test_json_uint(w, "mtp_layers"), mtp);
+        assert_int_equal(moe_test_json_uint(w, "hyper_connections"), hyper);
+        assert_int_equal(moe_test_json_uint(m, "kv_bytes_per_token"), kv);
+        assert_int_equal(moe_test_json_uint(m, "index_bytes_per_token"), index);
+        assert_int_equal(moe_test_json_uint(m, "state_bytes_per_stream"), kda_state);
+        json_t *devs = json_object_get(m, "devices");
+        assert_int_equal(json_array_size(devs), 8);
+        for (size_t d = 0; d < 8; d++) {
+            json_t *parts = json_object_get(json_array_get(devs, d), "parts");
+            assert_int_equal(moe_test_json_uint(parts, "routed_experts"), 13733462016ull);
+            assert_int_equal(moe_test_json_uint(parts, "kv_cache"), ctxs[c] * kv);
+            assert_int_equal(moe_test_json_uint(parts, "indexer_cache"), ctxs[c] * index);
+            assert_int_equal(moe_test_json_uint(parts, "recurrent_state"), kda_state);
+        }
+        json_decref(b);
+    }
+}
+
+/* glm53-flash's layout at toy size loads and generates, with the UD-IQ3_XXS rules as random
+ * blocks; --types names only sets it knows. */
+static void synth_glm5next_tiny_runs(void **state) {
+    (void)state;
+    char path[512], cmd[2048];
+    snprintf(path, sizeof path, "%s/glm5next-tiny.gguf", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd,
+             "%s synth -o %s --preset glm5next-tiny --types ud-iq3_xxs --random-blocks",
+             moe_test_bin(), path);
+    free(run_ok(cmd));
+    snprintf(cmd, sizeof cmd, "%s inspect --formats %s", moe_test_bin(), path);
+    char *out = run_ok(cmd);
+    assert_non_null(strstr(out, "routed experts: gate/up IQ2_S, down IQ3_S in layers 1-4 (4)"));
+    assert_non_null(strstr(out, "hyper-connections: hc_attn_fn/hc_ffn_fn Q8_0"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s run %s -n 6 -p 'the model'", moe_test_bin(), path);
+    out = run_ok(cmd);
+    assert_non_null(strstr(out, "generated: 6 tokens"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --preset glm5next-tiny --layers 3", moe_test_bin(),
+             path);
+    assert_int_equal(moe_test_run(cmd, &out), 1);
+    assert_non_null(strstr(out, "3 layers: glm5next runs attention in every 4-th layer"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s synth -o %s --types nope", moe_test_bin(), path);
+    assert_int_equal(moe_test_run(cmd, &out), 2);
+    assert_non_null(strstr(out, "unknown --types 'nope' (known: ud-iq3_xxs)"));
+    free(out);
+}
+
 static uint64_t file_type_of_file(const char *path) {
     moe_error err = {0};
     moe_gguf *g = moe_gguf_open(path, &err);
@@ -239,6 +399,8 @@ int moe_suite_synth(void) {
         cmocka_unit_test(synth_random_blocks),
         cmocka_unit_test(file_type_numbers_are_llama_cpps),
         cmocka_unit_test(synth_writes_file_type),
+        cmocka_unit_test(synth_glm53_flash_header),
+        cmocka_unit_test(synth_glm5next_tiny_runs),
     };
     return cmocka_run_group_tests_name("synth", tests, NULL, NULL);
 }

@@ -170,7 +170,7 @@ bool moe_test_server_start(moe_test_server *s, const char *name, char *const ext
         if (got <= 0) break;
         len += (size_t)got;
         buf[len] = '\0';
-        ready = strstr(buf, "moe serve: ready\n") != NULL;
+        ready = strstr(buf, "moe serve: ready") && strchr(strstr(buf, "moe serve: ready"), '\n');
     }
     close(fds[0]);
     const char *at = strstr(buf, "listening on ");
@@ -400,4 +400,22 @@ void moe_test_copy_gguf(const char *src, const char *dst, const char *const *dro
     if (moe_gguf_writer_write(w, dst, 0, &err) != MOE_OK) fail_msg("%s", err.msg);
     moe_gguf_writer_free(w);
     moe_gguf_close(g);
+}
+
+json_t *moe_test_run_json(const char *cmd) {
+    char full[4096], *out;
+    snprintf(full, sizeof full, "(%s 2>/dev/null)", cmd);
+    int rc = moe_test_run(full, &out);
+    if (rc != 0) fail_msg("%s exited %d: %s", cmd, rc, out);
+    json_error_t e;
+    json_t *j = json_loads(out, 0, &e);
+    if (!j) fail_msg("%s: not JSON (%s): %.300s", cmd, e.text, out);
+    free(out);
+    return j;
+}
+
+uint64_t moe_test_json_uint(json_t *object, const char *key) {
+    json_t *v = json_object_get(object, key);
+    if (!json_is_integer(v) || json_integer_value(v) < 0) fail_msg("no unsigned integer '%s'", key);
+    return (uint64_t)json_integer_value(v);
 }

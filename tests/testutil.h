@@ -90,6 +90,11 @@ struct json_t *moe_test_render_jinja(struct json_t *spec, const char *name);
 /* A Python 3 with numpy for test-side references ("/usr/bin/python3" or "python3"), or NULL
  * (with a skip message; a failure when CI=true) when there is none. */
 const char *moe_test_python_numpy(void);
+/* Run a command and parse its stdout as JSON (stderr dropped); fails the test when it exits
+ * non-zero or prints something else. The caller decrefs. */
+struct json_t *moe_test_run_json(const char *cmd);
+/* The unsigned integer member `key` of a JSON object; fails the test when there is none. */
+uint64_t moe_test_json_uint(struct json_t *object, const char *key);
 
 /* ==== A chat model ==== */
 

@@ -94,6 +94,13 @@ moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c);
 moe_expert_cache_stats moe_ctx_expert_cache_stats(const moe_ctx *c);
 /* Bytes of one expert cache slot for m (0: no routed experts): sizes --expert-cache. */
 uint64_t moe_expert_cache_slot_bytes(const moe_model *m, uint32_t n_layer_run);
+/* Seconds the indexed (sparse MLA) layers spent since the context was made, summed over
+ * threads: scoring the indexer's pools and choosing the best, and attending (to the selected
+ * keys, or to every key while that is no more). For benchmarks, which read differences. */
+typedef struct moe_indexer_time {
+    double score_seconds, attend_seconds;
+} moe_indexer_time;
+moe_indexer_time moe_ctx_indexer_time(const moe_ctx *c);
 /* Tokens held for a sequence (its next position). */
 uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq);
 

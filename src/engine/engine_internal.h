@@ -61,6 +61,7 @@ typedef struct moe_index_ctx {
     int32_t *chosen;     /* [max_rows][top_k + kpool - 1] the cells each row attends to, */
     int32_t *n_chosen;   /* [max_rows] how many (-1: all), kept for the layers that share them */
     uint8_t *gather;     /* [n_threads][top_k + kpool - 1] latent rows a query attends to */
+    double *seconds;     /* [n_threads][2] time scoring pools, time attending (benchmarks) */
 } moe_index_ctx;
 
 /* The expert cache (expert_cache.c). */

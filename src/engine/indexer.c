@@ -64,6 +64,16 @@ void moe_indexer_alloc(moe_ctx *c, uint32_t n_layer_run) {
     ix->chosen = moe_xcalloc(rows * max_selected(cfg), sizeof(int32_t));
     ix->n_chosen = moe_xcalloc(rows, sizeof(int32_t));
     ix->gather = moe_xcalloc((uint64_t)n_threads * max_selected(cfg), c->k_row_bytes);
+    ix->seconds = moe_xcalloc((uint64_t)n_threads * 2, sizeof(double));
+}
+
+moe_indexer_time moe_ctx_indexer_time(const moe_ctx *c) {
+    moe_indexer_time t = {0};
+    for (int i = 0; c->idx.seconds && i < moe_pool_n_threads(c->pool); i++) {
+        t.score_seconds += c->idx.seconds[2 * i];
+        t.attend_seconds += c->idx.seconds[2 * i + 1];
+    }
+    return t;
 }
 
 void moe_indexer_free(moe_ctx *c) {
@@ -78,6 +88,7 @@ void moe_indexer_free(moe_ctx *c) {
     free(ix->chosen);
     free(ix->n_chosen);
     free(ix->gather);
+    free(ix->seconds);
     memset(ix, 0, sizeof *ix);
 }
 
@@ -226,14 +237,19 @@ static void indexed_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const uint64_t row_bytes = c->k_row_bytes;
     uint8_t *gather = ix->gather + (uint64_t)thread * max_selected(cfg) * row_bytes;
     float *att_scores = c->scores + (int64_t)thread * c->p.n_ctx;
+    double *seconds = ix->seconds + 2 * thread;
     for (int64_t r = begin; r < end; r++) {
         const moe_row *row = &j->rows[r];
         const uint8_t *k0 = moe_kv_slot(c, c->k_cache, row_bytes, row->seq, j->layer, 0);
+        const double t0 = moe_now();
         if (!j->shared) select_cells(j, r, thread);
+        const double t1 = moe_now();
+        seconds[0] += t1 - t0;
         const int32_t n = ix->n_chosen[r];
         if (n < 0) {
             moe_attention_row(s, c->q + r * q_w, k0, k0, (int64_t)row_bytes, (int64_t)row_bytes,
                               row->pos + 1, c->att + r * att_w, att_scores);
+            seconds[1] += moe_now() - t1;
             continue;
         }
         const int32_t *cells = ix->chosen + r * max_selected(cfg);
@@ -241,6 +257,7 @@ static void indexed_rows(void *arg, int64_t begin, int64_t end, int thread) {
             memcpy(gather + i * row_bytes, k0 + cells[i] * row_bytes, row_bytes);
         moe_attention_row(s, c->q + r * q_w, gather, gather, (int64_t)row_bytes, (int64_t)row_bytes,
                           n, c->att + r * att_w, att_scores);
+        seconds[1] += moe_now() - t1;
     }
 }
 

@@ -155,6 +155,11 @@ unsigned moe_gguf_vtype_size(uint32_t t);
  * not mapped or already read. On a read error (which names the file and byte) the shard's
  * tensors still point into the mapping. */
 moe_status moe_gguf_to_memory(moe_gguf *g, moe_pool *pool, uint64_t *bytes_read, moe_error *err);
+/* Make moe_gguf_to_memory(_except) report on stderr, as "LABEL: reading weights: X of Y MiB
+ * (P%)" (updated in place on a terminal, a line per tenth otherwise) and "LABEL: weights read:
+ * ... in T s", when the read takes over a second (the env MOE_PROGRESS_AFTER=SECONDS changes
+ * that, for tests). label must outlive the reads; NULL: silent (the default). */
+void moe_gguf_set_progress(moe_gguf *g, const char *label);
 /* The same, leaving out the tensors skip says yes to: they are not read (their pages of the
  * anonymous copy are never touched, so cost nothing) and their `data` becomes NULL (whoever
  * needs them reads them from the file: the expert cache). */
@@ -268,6 +273,11 @@ moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
 moe_status moe_gguf_writer_stream_begin(moe_gguf_writer *w, const char *path, moe_error *err);
 moe_status moe_gguf_writer_stream_tensor(moe_gguf_writer *w, const void *data, moe_error *err);
 moe_status moe_gguf_writer_stream_finish(moe_gguf_writer *w, moe_error *err);
+/* The keys and tensor directory of the file moe_gguf_writer_write would make, at that file's
+ * full size with the tensor data left a hole (a sparse file that reads as zeros): a model's
+ * layout for tools that read only the directory (inspect, budget). Tensors need no data. */
+moe_status moe_gguf_writer_write_header_only(const moe_gguf_writer *w, const char *path,
+                                             moe_error *err);
 /* The keys set so far as a reader sees them: a header without tensors, parsed (the caller
  * closes it). Lets a writer check what it wrote with the same code that will load it. */
 moe_gguf *moe_gguf_writer_read_keys(const moe_gguf_writer *w, moe_error *err);

@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ==== The writer's state ==== */
 
@@ -512,6 +513,25 @@ moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
     }
     free(name);
     return s;
+}
+
+moe_status moe_gguf_writer_write_header_only(const moe_gguf_writer *w, const char *path,
+                                             moe_error *err) {
+    out_file o = {.f = fopen(path, "wb"), .path = path};
+    if (!o.f) return moe_error_set(err, MOE_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+    write_header(w, &o, 0, w->n_tensors, 0, 0);
+    const uint32_t alignment = writer_alignment(w);
+    uint64_t size = o.pos; /* where the data section starts, then where the file ends */
+    for (size_t i = 0; i < w->n_tensors; i++)
+        size += w->tensors[i].n_bytes + pad_to(w->tensors[i].n_bytes, alignment);
+    if (!o.failed &&
+        (size > INT64_MAX || fflush(o.f) != 0 || ftruncate(fileno(o.f), (off_t)size) != 0))
+        o.failed = true;
+    const int closed = fclose(o.f);
+    if (o.failed || closed != 0)
+        return moe_error_set(err, MOE_ERR_IO, "%s: cannot write a %llu-byte header-only file: %s",
+                             path, (unsigned long long)size, strerror(errno));
+    return MOE_OK;
 }
 
 /* ==== Streaming: the header first, then each tensor's bytes as they are made ==== */

@@ -517,6 +517,8 @@ void serve_reply_text(serve_http *h, int status, const char *content_type, const
         MHD_create_response_from_buffer(len, (void *)text, MHD_RESPMEM_MUST_COPY);
     MHD_add_response_header(r, "Content-Type", content_type);
     add_common_headers(h, r);
+    for (const char *const *x = h->extra_headers; x && x[0] && x[1]; x += 2)
+        MHD_add_response_header(r, x[0], x[1]);
     if (h->retry_after > 0) {
         char v[32];
         snprintf(v, sizeof v, "%d", h->retry_after);
@@ -930,7 +932,7 @@ int moe_serve_run(const moe_serve_params *params) {
                 srv->model_id, m->cfg.arch_name, m->cfg.n_layer, serve_sched_n_ctx(srv->sched),
                 srv->p.parallel, srv->p.cache_slots, srv->tmpl_origin, srv->p.n_threads,
                 srv->p.n_api_keys ? "API key required" : "no API key");
-        printf("moe serve: ready\n");
+        printf("moe serve: ready (loaded in %.2f s)\n", serve_now() - srv->t_start);
         fflush(stdout);
         int sig = 0;
         sigwait(&sigs, &sig);

@@ -233,6 +233,9 @@ typedef struct route {
 
 static const route routes[] = {
     {"GET", "/health", health, false, false},
+    {"GET", "/", serve_web_asset, false, false},
+    {"GET", "/chat.js", serve_web_asset, false, false},
+    {"GET", "/chat.css", serve_web_asset, false, false},
     {"GET", "/metrics", metrics, true, false},
     {"GET", "/v1/models", models, true, true},
     {"POST", "/v1/chat/completions", serve_openai_chat, true, true},

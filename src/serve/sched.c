@@ -787,6 +787,7 @@ static bool load(serve_sched *s) {
     s->model = moe_model_load(path, &err);
     if (s->model && !s->p.use_mmap) {
         moe_pool *readers = moe_pool_new(s->p.n_threads); /* the weights are read on every thread */
+        moe_gguf_set_progress(s->model->gguf, "moe serve");
         moe_gguf_to_memory_except(s->model->gguf, readers,
                                   s->p.expert_cache_bytes ? moe_model_is_routed : NULL, s->model,
                                   NULL, &err);

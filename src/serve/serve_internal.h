@@ -367,6 +367,8 @@ struct serve_http {
     int retry_after;         /* seconds for a Retry-After header, 0: none */
     const char *cors_origin; /* an allowed cross-origin request's Origin: echoed back */
     uint32_t log_prompt, log_completion, log_cached;
+    /* more reply headers (web.c's page): name, value, ..., NULL */
+    const char *const *extra_headers;
 };
 
 void serve_reply_json(serve_http *h, int status, const moe_json *j);
@@ -383,6 +385,9 @@ typedef void (*serve_resume_fn)(serve_http *h, void *ud);
 void serve_park(serve_http *h, serve_req *req, double deadline, serve_resume_fn fn,
                 void (*drop)(void *ud), void *ud);
 const char *serve_header(serve_http *h, const char *name);
+
+/* web.c: GET / (the chat page), /chat.js, /chat.css, embedded in the binary. */
+void serve_web_asset(serve_http *h);
 
 /* A server-sent-event stream: the pump (generate.c's) turns taken events into SSE bytes. */
 typedef struct serve_sse serve_sse;

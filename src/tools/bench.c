@@ -68,6 +68,7 @@ static void weight_bytes(const moe_model *m, moe_bench_result *r) {
 
 typedef struct bench_run {
     moe_ctx *ctx;
+    uint32_t depth; /* decode tests start at this position of sequence 0 (its snapshot) */
     moe_row *rows;
     float *logits;
     uint64_t seed;
@@ -93,8 +94,10 @@ static double forward_bytes(const bench_run *b, uint32_t n_rows) {
 static moe_status run_once(bench_run *b, uint32_t prompt, uint32_t n_seq, uint32_t steps,
                            double *seconds, double *bytes, double *experts_per_tok,
                            moe_error *err) {
+    const uint32_t depth = prompt ? 0 : b->depth;
     for (uint32_t s = 0; s < n_seq || s < 1; s++)
-        if (moe_ctx_seq_truncate(b->ctx, (int32_t)s, 0, err) != MOE_OK) return err->code;
+        if (moe_ctx_seq_truncate(b->ctx, (int32_t)s, s ? 0 : depth, err) != MOE_OK)
+            return err->code;
     *bytes = 0;
     double experts = 0;
     const double t0 = moe_now();
@@ -107,8 +110,10 @@ static moe_status run_once(bench_run *b, uint32_t prompt, uint32_t n_seq, uint32
     }
     for (uint32_t step = 0; step < steps; step++) {
         for (uint32_t s = 0; s < n_seq; s++)
-            b->rows[s] = (moe_row){
-                .seq = (int32_t)s, .pos = (int32_t)step, .token = next_token(b), .logits = true};
+            b->rows[s] = (moe_row){.seq = (int32_t)s,
+                                   .pos = (int32_t)((s ? 0 : depth) + step),
+                                   .token = next_token(b),
+                                   .logits = true};
         if (moe_ctx_decode(b->ctx, b->rows, n_seq, b->logits, err) != MOE_OK) return err->code;
         *bytes += forward_bytes(b, n_seq);
         experts += (double)moe_ctx_expert_stats(b->ctx).experts;
@@ -143,6 +148,45 @@ static moe_status run_test(bench_run *b, const moe_bench_params *p, uint32_t pro
     f->gb_s = moe_median(gb_s, p->runs);
     f->bytes_per_token = bytes_sum / p->runs / tokens;
     return MOE_OK;
+}
+
+/* Sequence 0 from its length up to `depth` tokens, MOE_BENCH_FILL_ROWS rows per forward
+ * (untimed), then a snapshot there so each decode run can go back to it. */
+static moe_status fill_to(bench_run *b, uint32_t depth, int32_t *snapshot, moe_error *err) {
+    for (uint32_t pos = moe_ctx_seq_len(b->ctx, 0); pos < depth;) {
+        const uint32_t n = depth - pos < MOE_BENCH_FILL_ROWS ? depth - pos : MOE_BENCH_FILL_ROWS;
+        for (uint32_t i = 0; i < n; i++)
+            b->rows[i] = (moe_row){
+                .seq = 0, .pos = (int32_t)(pos + i), .token = next_token(b), .logits = i + 1 == n};
+        if (moe_ctx_decode(b->ctx, b->rows, n, b->logits, err) != MOE_OK) return err->code;
+        pos += n;
+    }
+    *snapshot = moe_ctx_seq_snapshot(b->ctx, 0, err);
+    return *snapshot < 0 ? err->code : MOE_OK;
+}
+
+/* The decode test at each depth, ascending: the context is filled once, on from the last. */
+static moe_status run_depths(bench_run *b, const moe_bench_params *p, moe_bench_result *r,
+                             moe_error *err) {
+    moe_status st = MOE_OK;
+    if (moe_ctx_seq_truncate(b->ctx, 0, 0, err) != MOE_OK) return err->code;
+    for (int i = 0; st == MOE_OK && i < p->n_depths; i++) {
+        int32_t snapshot = -1;
+        const double t0 = moe_now();
+        st = fill_to(b, (uint32_t)p->depths[i], &snapshot, err);
+        r->fill_seconds += moe_now() - t0;
+        b->depth = (uint32_t)p->depths[i];
+        const moe_indexer_time before = moe_ctx_indexer_time(b->ctx);
+        if (st == MOE_OK) st = run_test(b, p, 0, 1, (uint32_t)p->n_gen, &r->tg_depth[i], NULL, err);
+        const moe_indexer_time after = moe_ctx_indexer_time(b->ctx);
+        const double steps = (double)(p->runs + 1) * p->n_gen; /* the warm-up's too */
+        r->score_ms[i] = 1e3 * (after.score_seconds - before.score_seconds) / steps;
+        r->attend_ms[i] = 1e3 * (after.attend_seconds - before.attend_seconds) / steps;
+        if (st == MOE_OK) st = moe_ctx_seq_truncate(b->ctx, 0, b->depth, err);
+        if (snapshot >= 0) moe_ctx_snapshot_drop(b->ctx, snapshot);
+    }
+    b->depth = 0;
+    return st;
 }
 
 /* ==== The disk ==== */
@@ -203,6 +247,15 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                              "bench: runs 1..%d, threads >= 1, up to %d "
                              "stream counts",
                              MOE_BENCH_MAX_RUNS, MOE_BENCH_MAX_STREAMS);
+    if (p->n_depths < 0 || p->n_depths > MOE_BENCH_MAX_DEPTHS || (p->n_depths && !p->n_gen))
+        return moe_error_set(err, MOE_ERR_ARG, "bench: up to %d depths, with decode steps (--tg)",
+                             MOE_BENCH_MAX_DEPTHS);
+    for (int i = 0; i < p->n_depths; i++)
+        if (p->depths[i] < 1 || p->depths[i] > MOE_BENCH_MAX_DEPTH ||
+            (i && p->depths[i] <= p->depths[i - 1]))
+            return moe_error_set(err, MOE_ERR_ARG,
+                                 "bench: depth %d: depths ascend, each 1..%d tokens", p->depths[i],
+                                 MOE_BENCH_MAX_DEPTH);
     uint32_t max_seq = 1;
     for (int i = 0; i < p->n_streams; i++) {
         if (p->streams[i] < 1 || p->streams[i] > MOE_BENCH_MAX_STREAM_ROWS)
@@ -241,8 +294,11 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     r->n_expert_used = m->cfg.n_expert_used;
     weight_bytes(m, r);
 
-    const uint32_t steps = (uint32_t)(p->n_gen > p->stream_steps ? p->n_gen : p->stream_steps);
-    const uint32_t max_rows = (uint32_t)p->n_prompt > max_seq ? (uint32_t)p->n_prompt : max_seq;
+    const uint32_t deepest = p->n_depths ? (uint32_t)p->depths[p->n_depths - 1] : 0;
+    const uint32_t steps =
+        (uint32_t)(p->n_gen > p->stream_steps ? p->n_gen : p->stream_steps) + deepest;
+    uint32_t max_rows = (uint32_t)p->n_prompt > max_seq ? (uint32_t)p->n_prompt : max_seq;
+    if (deepest && max_rows < MOE_BENCH_FILL_ROWS) max_rows = MOE_BENCH_FILL_ROWS;
     moe_ctx_params cp = {.n_ctx =
                              ((uint32_t)p->n_prompt > steps ? (uint32_t)p->n_prompt : steps) + 1,
                          .n_seq = max_seq,
@@ -275,6 +331,7 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
         r->tg_cache.read_seconds -= before.read_seconds;
         r->tg_cache_tokens = (double)(p->runs + 1) * p->n_gen; /* run_test warms up once */
     }
+    if (st == MOE_OK && p->n_depths) st = run_depths(&b, p, r, err);
     if (st == MOE_OK && p->expert_cache_bytes)
         disk_probe(p->model_path, ctx, &r->disk_mib_s, &r->disk_direct);
     for (int i = 0; st == MOE_OK && i < p->n_streams; i++) {

@@ -5,8 +5,11 @@
  * cli/budget.c prints. Per layer, by kind:
  *   full attention   K: n_kv(l) * key_length, V: n_kv(l) * value_length values per token
  *   sliding window   the same, for at most `window` tokens of each stream
- *   MLA              kv_lora_rank + rope dims per token (one latent row; V is read from it)
+ *   MLA              kv_lora_rank + rope dims per token (one latent row; V is read from it),
+ *                    and with a lightning indexer its f32 rows (their own part)
  *   linear attention no per-token growth; a per-stream f32 state (conv tail + recurrent matrix)
+ * Weights of the NextN / MTP layers after the trunk are their own part (a model serves without
+ * them; speculative decoding drafts with them); their routed experts shard like the others.
  * The KV type sets the bytes of a row (Q8_0 rounds each row up to 32-value blocks); recurrent
  * state stays f32. Scratch is an estimate (one prefill step of MOE_BUDGET_PREFILL_ROWS rows,
  * tiled attention, the logits of every stream), documented where it is computed.
@@ -23,16 +26,14 @@
 #include "../model/model.h"
 
 static const char *const part_names[MOE_PART_COUNT] = {
-    [MOE_PART_VISION] = "vision tower",
-    [MOE_PART_KV] = "KV cache",
-    [MOE_PART_STATE] = "recurrent state",
-    [MOE_PART_SCRATCH] = "scratch (estimate)",
+    [MOE_PART_MTP] = "NextN/MTP layers",  [MOE_PART_VISION] = "vision tower",
+    [MOE_PART_KV] = "KV cache",           [MOE_PART_INDEX] = "indexer cache",
+    [MOE_PART_STATE] = "recurrent state", [MOE_PART_SCRATCH] = "scratch (estimate)",
 };
 static const char *const part_ids[MOE_PART_COUNT] = {
-    [MOE_PART_VISION] = "vision",
-    [MOE_PART_KV] = "kv_cache",
-    [MOE_PART_STATE] = "recurrent_state",
-    [MOE_PART_SCRATCH] = "scratch",
+    [MOE_PART_MTP] = "mtp_layers",        [MOE_PART_VISION] = "vision",
+    [MOE_PART_KV] = "kv_cache",           [MOE_PART_INDEX] = "indexer_cache",
+    [MOE_PART_STATE] = "recurrent_state", [MOE_PART_SCRATCH] = "scratch",
 };
 
 const char *moe_budget_part_name(moe_budget_part p) {
@@ -77,15 +78,20 @@ static bool is_vision_tensor(const char *name) {
 
 static void add_tensor(moe_budget_model *m, const moe_tensor *t, bool vision) {
     moe_role role = moe_tensor_role(t->name.ptr);
-    int part = vision ? MOE_PART_VISION : (int)role;
+    const int64_t layer = moe_tensor_layer(t->name.ptr);
+    const bool mtp = !vision && m->n_layer_nextn && layer >= (int64_t)m->n_layer &&
+                     layer < (int64_t)m->n_layer + m->n_layer_nextn;
+    int part = vision ? MOE_PART_VISION : mtp ? MOE_PART_MTP : (int)role;
     m->weights[part] += t->n_bytes;
     m->params[part] += t->n_values;
     m->n_params += t->n_values;
     if (vision || role != MOE_ROLE_ROUTED_EXPERTS) return;
+    if (mtp) m->mtp_sharded_bytes += t->n_bytes;
     moe_budget_sharded s = {
         .rows = t->n_dims >= 2 ? (uint64_t)t->ne[1] : 1,
         .slices = (uint64_t)t->ne[2] * (uint64_t)t->ne[3],
         .row_bytes = moe_type_row_bytes(t->type, t->ne[0]),
+        .mtp = mtp,
     };
     m->sharded = moe_xrealloc(m->sharded, (m->n_sharded + 1) * sizeof *m->sharded);
     m->sharded[m->n_sharded++] = s;
@@ -99,10 +105,6 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
     m->arch = moe_xstrdup(arch ? arch : "unknown");
     for (uint32_t s = 0; s < moe_gguf_n_shards(g); s++)
         m->file_bytes += moe_gguf_shard_get(g, s)->file_size;
-    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) {
-        const moe_tensor *t = moe_gguf_tensor_get(g, i);
-        add_tensor(m, t, is_vision_tensor(t->name.ptr));
-    }
     if (!arch) return moe_error_set(err, MOE_ERR_FORMAT, "%s: no general.architecture", name);
     moe_model_config c;
     moe_status st = moe_model_config_read(g, name, &c, err);
@@ -112,6 +114,11 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
     }
     if (st != MOE_OK) return st;
     m->n_layer = c.n_layer;
+    m->n_layer_nextn = c.n_layer_nextn;
+    for (uint64_t i = 0; i < moe_gguf_n_tensors(g); i++) { /* by part: needs the trunk's depth */
+        const moe_tensor *t = moe_gguf_tensor_get(g, i);
+        add_tensor(m, t, is_vision_tensor(t->name.ptr));
+    }
     m->n_embd = c.n_embd;
     m->n_head = c.n_head;
     m->ctx_train = c.n_ctx_train;
@@ -180,8 +187,7 @@ static uint64_t kv_row_bytes(moe_type t, uint64_t n) {
 static void kv_per_token(const moe_budget_model *m, moe_type t, uint64_t *full, uint64_t *swa) {
     *full = *swa = 0;
     for (uint32_t l = 0; l < m->n_layer; l++) {
-        uint64_t b = kv_row_bytes(t, m->k_values[l]) + kv_row_bytes(t, m->v_values[l]) +
-                     m->index_values[l] * sizeof(float);
+        uint64_t b = kv_row_bytes(t, m->k_values[l]) + kv_row_bytes(t, m->v_values[l]);
         if (m->kind[l] == MOE_LAYER_SLIDING)
             *swa += b;
         else
@@ -199,6 +205,17 @@ uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64
     kv_per_token(m, kv_type, &full, &swa);
     uint64_t swa_tokens = m->window && m->window < ctx ? m->window : ctx;
     return sat_mul(streams, sat_add(sat_mul(ctx, full), sat_mul(swa_tokens, swa)));
+}
+
+/* The indexer's rows are f32 whatever the KV type, and never windowed. */
+static uint64_t index_per_token(const moe_budget_model *m) {
+    uint64_t n = 0;
+    for (uint32_t l = 0; l < m->n_layer; l++) n += m->index_values[l];
+    return n * sizeof(float);
+}
+
+uint64_t moe_budget_index_bytes(const moe_budget_model *m, uint64_t ctx, uint64_t streams) {
+    return sat_mul(streams, sat_mul(ctx, index_per_token(m)));
 }
 
 static uint64_t state_per_stream(const moe_budget_model *m) {
@@ -225,6 +242,7 @@ static uint64_t scratch_bytes(const moe_budget_model *m, uint64_t ctx, uint64_t 
 static uint64_t device_max_total(const moe_budget_model *m, const moe_budget_config *c,
                                  uint64_t weights_max, uint64_t ctx, uint64_t streams) {
     uint64_t t = sat_add(weights_max, moe_budget_kv_bytes(m, c->kv_type, ctx, streams));
+    t = sat_add(t, moe_budget_index_bytes(m, ctx, streams));
     t = sat_add(t, sat_mul(streams, state_per_stream(m)));
     return sat_add(t, scratch_bytes(m, ctx, streams));
 }
@@ -253,11 +271,13 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
     p->config.devices = n;
     p->device = moe_xcalloc((size_t)n * MOE_PART_COUNT, sizeof *p->device);
     kv_per_token(m, c->kv_type, &p->kv_bytes_per_token, &p->swa_kv_bytes_per_token);
+    p->index_bytes_per_token = index_per_token(m);
     p->state_bytes_per_stream = state_per_stream(m);
     if (m->n_expert)
         p->expert_bytes_per_token =
             m->weights[MOE_ROLE_ROUTED_EXPERTS] / m->n_expert * m->n_expert_used;
     uint64_t kv = moe_budget_kv_bytes(m, c->kv_type, c->ctx, c->streams);
+    uint64_t index = moe_budget_index_bytes(m, c->ctx, c->streams);
     uint64_t state = sat_mul(c->streams, p->state_bytes_per_stream);
     uint64_t scratch = scratch_bytes(m, c->ctx, c->streams);
     uint64_t weights_max = 0;
@@ -266,16 +286,18 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
         for (int k = 0; k <= MOE_PART_VISION; k++)
             if (k != MOE_ROLE_ROUTED_EXPERTS && (k != MOE_PART_VISION || c->vision))
                 dev[k] = m->weights[k];
+        dev[MOE_PART_MTP] -= m->mtp_sharded_bytes; /* added back by rows below */
         /* rows of every expert matrix, split as evenly as rows allow: device d gets
          * rows/n, plus one of the remainder when d < rows % n */
         for (size_t i = 0; i < m->n_sharded; i++) {
             const moe_budget_sharded *s = &m->sharded[i];
             uint64_t rows = s->rows / n + (d < s->rows % n);
-            dev[MOE_ROLE_ROUTED_EXPERTS] += rows * s->slices * s->row_bytes;
+            dev[s->mtp ? MOE_PART_MTP : MOE_ROLE_ROUTED_EXPERTS] += rows * s->slices * s->row_bytes;
         }
         if (c->expert_cache && dev[MOE_ROLE_ROUTED_EXPERTS] > c->expert_cache)
             dev[MOE_ROLE_ROUTED_EXPERTS] = c->expert_cache; /* the rest stays in the file */
         dev[MOE_PART_KV] = kv;
+        dev[MOE_PART_INDEX] = index;
         dev[MOE_PART_STATE] = state;
         dev[MOE_PART_SCRATCH] = scratch;
         uint64_t w = 0, total = 0;

@@ -16,14 +16,22 @@
 /* ==== Roles ==== */
 
 static const char *const role_names[MOE_ROLE_COUNT] = {
-    [MOE_ROLE_ROUTED_EXPERTS] = "routed experts", [MOE_ROLE_SHARED_EXPERTS] = "shared experts",
-    [MOE_ROLE_ATTENTION] = "attention",           [MOE_ROLE_DENSE_FFN] = "dense FFN",
-    [MOE_ROLE_EMBEDDINGS] = "embeddings/output",  [MOE_ROLE_OTHER] = "norms/other",
+    [MOE_ROLE_ROUTED_EXPERTS] = "routed experts",
+    [MOE_ROLE_SHARED_EXPERTS] = "shared experts",
+    [MOE_ROLE_ATTENTION] = "attention",
+    [MOE_ROLE_DENSE_FFN] = "dense FFN",
+    [MOE_ROLE_HYPER] = "hyper-connections",
+    [MOE_ROLE_EMBEDDINGS] = "embeddings/output",
+    [MOE_ROLE_OTHER] = "norms/other",
 };
 static const char *const role_ids[MOE_ROLE_COUNT] = {
-    [MOE_ROLE_ROUTED_EXPERTS] = "routed_experts", [MOE_ROLE_SHARED_EXPERTS] = "shared_experts",
-    [MOE_ROLE_ATTENTION] = "attention",           [MOE_ROLE_DENSE_FFN] = "dense_ffn",
-    [MOE_ROLE_EMBEDDINGS] = "embeddings_output",  [MOE_ROLE_OTHER] = "norms_other",
+    [MOE_ROLE_ROUTED_EXPERTS] = "routed_experts",
+    [MOE_ROLE_SHARED_EXPERTS] = "shared_experts",
+    [MOE_ROLE_ATTENTION] = "attention",
+    [MOE_ROLE_DENSE_FFN] = "dense_ffn",
+    [MOE_ROLE_HYPER] = "hyper_connections",
+    [MOE_ROLE_EMBEDDINGS] = "embeddings_output",
+    [MOE_ROLE_OTHER] = "norms_other",
 };
 
 const char *moe_role_name(moe_role role) {
@@ -66,8 +74,9 @@ moe_role moe_tensor_role(const char *name) {
     const char *b = after_layer(name, &layer);
     if (strstr(b, "_exps")) return MOE_ROLE_ROUTED_EXPERTS;
     if (strstr(b, "_shexp")) return MOE_ROLE_SHARED_EXPERTS;
+    if (layer >= 0 && starts(b, "hc_")) return MOE_ROLE_HYPER;
     if (strstr(b, "norm")) return MOE_ROLE_OTHER;
-    if (starts(b, "attn_") || starts(b, "ssm_")) return MOE_ROLE_ATTENTION;
+    if (starts(b, "attn_") || starts(b, "ssm_") || starts(b, "indexer")) return MOE_ROLE_ATTENTION;
     if (starts(b, "ffn_gate.") || starts(b, "ffn_up.") || starts(b, "ffn_down.") ||
         starts(b, "ffn_gate_up."))
         return MOE_ROLE_DENSE_FFN;
@@ -360,6 +369,13 @@ moe_inspect_report *moe_inspect_analyze(const moe_gguf *g) {
     }
     r->reconciles = r->tensor_bytes + r->header_bytes + r->padding_bytes == r->file_bytes;
     read_plan(g, &r->plan);
+    for (size_t i = 0; r->plan.known && i < r->n_layers; i++) { /* the trunk and its NextN */
+        const moe_inspect_layer *l = &r->layers[i];
+        if (l->layer < (int64_t)r->plan.n_layer)
+            r->plan.trunk_routed_bytes += l->role_bytes[MOE_ROLE_ROUTED_EXPERTS];
+        else if (l->layer < (int64_t)(r->plan.n_layer + r->plan.n_layer_nextn))
+            r->plan.nextn_bytes += l->bytes;
+    }
     return r;
 }
 

@@ -36,8 +36,8 @@ static void sb_text(moe_strbuf *b, const char *s) {
 
 /* Colour-blind-friendly palette (Okabe-Ito and kin), one per part. */
 static const char *const colours[MOE_PART_COUNT] = {
-    "#0072B2", "#56B4E9", "#E69F00", "#F0E442", "#009E73",
-    "#999999", "#CC79A7", "#D55E00", "#882255", "#BBBBBB",
+    "#0072B2", "#56B4E9", "#E69F00", "#F0E442", "#44AA99", "#009E73", "#999999",
+    "#117733", "#CC79A7", "#D55E00", "#AA4499", "#882255", "#BBBBBB",
 };
 
 typedef struct bar {

@@ -27,6 +27,16 @@
 
 /* ==== Presets ==== */
 
+/* What GLM-5.3-Flash's sizes share: one latent KV head, one shared expert, one MTP layer,
+ * sigmoid routing scaled 2.5, every 4th trunk layer attention, 4-tap KDA convs with decay bound
+ * -5, 4 hyper-connection streams (20 Sinkhorn iterations), indexer pools of 4, SwiGLU clamp 10. */
+#define GLM5NEXT_COMMON                                                                            \
+    .arch = "glm5next", .n_head_kv = 1, .n_shared_expert = 1, .n_nextn = 1, .gating = 2,           \
+    .expert_weights_scale = 2.5f, .rms_eps = 1e-5f, .linear_interval = 4, .d_conv = 4,             \
+    .kda_gate_bound = -5.0f, .n_hc = 4, .hc_iters = 20, .hc_eps = 1e-6f, .idx_kpool = 4,           \
+    .idx_norm_eps = 1e-6f, .swiglu_clamp_exp = 10.0f, .swiglu_clamp_shexp = 10.0f,                 \
+    .optional = "output\\.weight|.*exp_probs_b\\.bias|.*nextn\\.shared_head_norm\\.weight"
+
 static const moe_synth_params presets[] = {
     /* a small qwen3moe: the built-in demo model's shape */
     {.preset = "tiny",
@@ -94,6 +104,44 @@ static const moe_synth_params presets[] = {
      .n_ff_exp = 768,
      .rope_base = 1000000.0f,
      .optional = "output\\.weight"},
+    /* GLM-5.3-Flash (glm5next, 320B-A18B): hyper-connections around (KDA, KDA, KDA, sparse MLA)
+     * x 11 + KDA, 288 experts, one MTP layer (blk.45). Shapes from zai-org/GLM-5.3-Flash's
+     * config.json as llama.cpp's conversion/glm5next.py maps it; the RMSNorm epsilon (1e-5,
+     * GLM's) is assumed, not read from the release. */
+    {GLM5NEXT_COMMON,
+     .preset = "glm53-flash",
+     .name = "GLM-5.3-Flash layout (moe synth, random weights)",
+     .n_vocab = 154880,
+     .n_ctx = 1048576,
+     .n_embd = 4096,
+     .n_layer = 45,
+     .n_head = 64,
+     .head_dim = 256,
+     .n_ff = 12288,
+     .n_expert = 288,
+     .n_expert_used = 8,
+     .n_ff_exp = 2048,
+     .n_dense_lead = 3,
+     .n_lora_q = 1536,
+     .n_lora_kv = 512,
+     .head_dim_k_mla = 256,
+     .head_dim_v_mla = 256,
+     .kda_head_dim = 128,
+     .idx_n_head = 32,
+     .idx_head_dim = 128,
+     .idx_top_k = 2048},
+    /* glm53-flash's layout at toy size: every kind of layer and tensor, small enough for tests */
+    {GLM5NEXT_COMMON,      .preset = "glm5next-tiny",
+     .n_vocab = 512,       .n_ctx = 131072,
+     .n_embd = 256,        .n_layer = 4,
+     .n_head = 4,          .head_dim = 32,
+     .n_ff = 512,          .n_expert = 16,
+     .n_expert_used = 4,   .n_ff_exp = 256,
+     .n_dense_lead = 1,    .n_lora_q = 64,
+     .n_lora_kv = 64,      .head_dim_k_mla = 32,
+     .head_dim_v_mla = 32, .kda_head_dim = 32,
+     .idx_n_head = 4,      .idx_head_dim = 32,
+     .idx_top_k = 16},
 };
 
 bool moe_synth_preset(const char *name, moe_synth_params *out) {
@@ -107,7 +155,43 @@ bool moe_synth_preset(const char *name, moe_synth_params *out) {
 }
 
 const char *moe_synth_preset_names(void) {
-    return "tiny, llama-tiny, glm4moe-tiny, qwen3-30b-a3b";
+    return "tiny, llama-tiny, glm4moe-tiny, qwen3-30b-a3b, glm53-flash, glm5next-tiny";
+}
+
+/* ==== Named type rules ==== */
+
+/* Unsloth's UD-IQ3_XXS of GLM-5.3-Flash: the routed experts' formats by layer as its header
+ * has them (layers 3-10 and 13-43 gate/up IQ2_S, down IQ3_S; layer 11 IQ3_S / IQ3_S / IQ4_XS;
+ * layers 12 and 44 IQ2_S / IQ2_S / IQ4_XS). The MTP layer's experts take the common rule and
+ * every other matrix Q8_0: assumptions, not read from the release. */
+static const moe_synth_rule ud_iq3_xxs[] = {
+    {"^blk\\.11\\.ffn_(gate|up)_exps\\.", MOE_TYPE_IQ3_S},
+    {"^blk\\.(11|12|44)\\.ffn_down_exps\\.", MOE_TYPE_IQ4_XS},
+    {"ffn_(gate|up)_exps\\.", MOE_TYPE_IQ2_S},
+    {"ffn_down_exps\\.", MOE_TYPE_IQ3_S},
+    {".*", MOE_TYPE_Q8_0},
+};
+
+static const struct {
+    const char *name;
+    const moe_synth_rule *rules;
+    uint32_t n;
+} rule_sets[] = {
+    {"ud-iq3_xxs", ud_iq3_xxs, sizeof ud_iq3_xxs / sizeof ud_iq3_xxs[0]},
+};
+
+bool moe_synth_rule_set(const char *name, const moe_synth_rule **rules, uint32_t *n) {
+    for (size_t i = 0; i < sizeof rule_sets / sizeof rule_sets[0]; i++) {
+        if (strcmp(rule_sets[i].name, name) != 0) continue;
+        *rules = rule_sets[i].rules;
+        *n = rule_sets[i].n;
+        return true;
+    }
+    return false;
+}
+
+const char *moe_synth_rule_set_names(void) {
+    return "ud-iq3_xxs";
 }
 
 /* ==== Vocabulary: SentencePiece-style, bytes + characters + word pieces + fillers ==== */
@@ -244,6 +328,10 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
                               int64_t n_mat, int64_t first_live_row, bool keep_f32) {
     if (s->err->code) return s->err->code;
     const moe_type type = keep_f32 ? MOE_TYPE_F32 : type_for(s, name, n_in);
+    const int64_t ne[3] = {n_in, n_out, n_mat};
+    const uint32_t n_dims = n_mat > 1 ? 3 : (n_out > 1 ? 2 : 1);
+    if (s->p->header_only)
+        return moe_gguf_writer_add_tensor(s->w, name, type, n_dims, ne, NULL, false, s->err);
     const moe_type_traits *t = moe_type_traits_get(type);
     const bool random_blocks = s->p->random_blocks && t->is_quantized;
     if (!moe_type_can_quantize(type) && !random_blocks)
@@ -282,31 +370,25 @@ static moe_status add_weights(synth *s, const char *name, int64_t n_in, int64_t 
             moe_quantize_rows(type, rows, blocks + r0 * row_bytes, (int64_t)(r1 - r0), n_in, NULL,
                               s->pool);
     }
-    const int64_t ne[3] = {n_in, n_out, n_mat};
-    moe_status st = moe_gguf_writer_add_tensor(
-        s->w, name, type, n_mat > 1 ? 3 : (n_out > 1 ? 2 : 1), ne, blocks, false, s->err);
+    moe_status st = moe_gguf_writer_add_tensor(s->w, name, type, n_dims, ne, blocks, false, s->err);
     free(rows);
     free(blocks);
     return st;
 }
 
-/* A float vector of N(0, scale^2) values (biases). */
-static moe_status add_vector(synth *s, const char *name, int64_t n, float scale) {
+/* A float tensor of the declared shape: ones (scale 0: norm weights) or N(0, scale^2) values
+ * (biases, conv taps, mixer vectors). */
+static moe_status add_floats(synth *s, const moe_tensor_decl *d, float scale) {
     if (s->err->code) return s->err->code;
+    if (s->p->header_only)
+        return moe_gguf_writer_add_tensor(s->w, d->name, MOE_TYPE_F32, (uint32_t)d->n_dims, d->ne,
+                                          NULL, false, s->err);
+    const int64_t n = d->ne[0] * d->ne[1] * d->ne[2];
     float *v = moe_xmalloc(sizeof(float) * (size_t)n);
-    for (int64_t i = 0; i < n; i++) v[i] = (float)moe_rng_gaussian(&s->rng) * scale;
-    moe_status st = moe_gguf_writer_add_tensor(s->w, name, MOE_TYPE_F32, 1, &n, v, false, s->err);
+    for (int64_t i = 0; i < n; i++) v[i] = scale ? (float)moe_rng_gaussian(&s->rng) * scale : 1.0f;
+    moe_status st = moe_gguf_writer_add_tensor(s->w, d->name, MOE_TYPE_F32, (uint32_t)d->n_dims,
+                                               d->ne, v, false, s->err);
     free(v);
-    return st;
-}
-
-static moe_status add_ones(synth *s, const char *name, int64_t n) {
-    if (s->err->code) return s->err->code;
-    float *ones = moe_xmalloc(sizeof(float) * (size_t)n);
-    for (int64_t i = 0; i < n; i++) ones[i] = 1.0f;
-    moe_status st =
-        moe_gguf_writer_add_tensor(s->w, name, MOE_TYPE_F32, 1, &n, ones, false, s->err);
-    free(ones);
     return st;
 }
 
@@ -322,15 +404,70 @@ static void write_metadata(synth *s, const vocab *v) {
     moe_gguf_writer_set_str(w, "general.name", p->name ? p->name : "moe synth (random weights)");
     moe_gguf_writer_set_u32(w, ARCH_KEY("context_length"), p->n_ctx);
     moe_gguf_writer_set_u32(w, ARCH_KEY("embedding_length"), p->n_embd);
-    moe_gguf_writer_set_u32(w, ARCH_KEY("block_count"), p->n_layer + p->n_nextn);
+    const uint32_t n_all = p->n_layer + p->n_nextn;
+    moe_gguf_writer_set_u32(w, ARCH_KEY("block_count"), n_all);
     moe_gguf_writer_set_u32(w, ARCH_KEY("feed_forward_length"), p->n_ff);
     moe_gguf_writer_set_u32(w, ARCH_KEY("attention.head_count"), p->n_head);
-    moe_gguf_writer_set_u32(w, ARCH_KEY("attention.head_count_kv"), p->n_head_kv);
-    moe_gguf_writer_set_u32(w, ARCH_KEY("attention.key_length"), p->head_dim);
-    moe_gguf_writer_set_u32(w, ARCH_KEY("attention.value_length"), p->head_dim);
-    moe_gguf_writer_set_f32(w, ARCH_KEY("rope.freq_base"), p->rope_base);
-    moe_gguf_writer_set_f32(w, ARCH_KEY("attention.layer_norm_rms_epsilon"), 1e-6f);
-    if (p->rope_dims) moe_gguf_writer_set_u32(w, ARCH_KEY("rope.dimension_count"), p->rope_dims);
+    if (p->linear_interval) { /* per layer: 0 marks the KDA layers */
+        uint32_t *kv = moe_xcalloc(n_all, sizeof *kv);
+        for (uint32_t il = 0; il < n_all; il++)
+            kv[il] = il < p->n_layer && (il + 1) % p->linear_interval ? 0 : p->n_head_kv;
+        moe_gguf_writer_set_arr(w, ARCH_KEY("attention.head_count_kv"), MOE_GGUF_U32, kv, n_all);
+        free(kv);
+    } else {
+        moe_gguf_writer_set_u32(w, ARCH_KEY("attention.head_count_kv"), p->n_head_kv);
+    }
+    const bool mla = p->n_lora_kv != 0;
+    moe_gguf_writer_set_u32(w, ARCH_KEY("attention.key_length"),
+                            mla ? p->n_lora_kv + p->rope_dims : p->head_dim);
+    moe_gguf_writer_set_u32(w, ARCH_KEY("attention.value_length"),
+                            mla ? p->n_lora_kv : p->head_dim);
+    if (p->rope_base) moe_gguf_writer_set_f32(w, ARCH_KEY("rope.freq_base"), p->rope_base);
+    moe_gguf_writer_set_f32(w, ARCH_KEY("attention.layer_norm_rms_epsilon"),
+                            p->rms_eps ? p->rms_eps : 1e-6f);
+    if (p->rope_dims || mla)
+        moe_gguf_writer_set_u32(w, ARCH_KEY("rope.dimension_count"), p->rope_dims);
+    if (mla) {
+        if (p->n_lora_q) moe_gguf_writer_set_u32(w, ARCH_KEY("attention.q_lora_rank"), p->n_lora_q);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("attention.kv_lora_rank"), p->n_lora_kv);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("attention.key_length_mla"), p->head_dim_k_mla);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("attention.value_length_mla"), p->head_dim_v_mla);
+    }
+    if (p->linear_interval) { /* kda.head_dim as upstream's loader reads it, ssm.* as its
+                               * converter writes them */
+        moe_gguf_writer_set_u32(w, ARCH_KEY("ssm.conv_kernel"), p->d_conv);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("ssm.inner_size"), p->n_head * p->kda_head_dim);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("ssm.state_size"), p->kda_head_dim);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("ssm.group_count"), p->n_head);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("kda.head_dim"), p->kda_head_dim);
+    }
+    if (p->kda_gate_bound)
+        moe_gguf_writer_set_f32(w, ARCH_KEY("kda.gate_lower_bound"), p->kda_gate_bound);
+    if (p->n_hc) {
+        moe_gguf_writer_set_u32(w, ARCH_KEY("hyper_connection.count"), p->n_hc);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("hyper_connection.sinkhorn_iterations"), p->hc_iters);
+        moe_gguf_writer_set_f32(w, ARCH_KEY("hyper_connection.epsilon"), p->hc_eps);
+    }
+    if (p->idx_n_head) {
+        moe_gguf_writer_set_u32(w, ARCH_KEY("attention.indexer.head_count"), p->idx_n_head);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("attention.indexer.key_length"), p->idx_head_dim);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("attention.indexer.top_k"), p->idx_top_k);
+        moe_gguf_writer_set_u32(w, ARCH_KEY("attention.indexer.block_size"), p->idx_kpool);
+        moe_gguf_writer_set_f32(w, ARCH_KEY("attention.layer_norm_epsilon"), p->idx_norm_eps);
+    }
+    const struct {
+        const char *suffix;
+        float limit;
+    } clamps[] = {{"swiglu_clamp_exp", p->swiglu_clamp_exp},
+                  {"swiglu_clamp_shexp", p->swiglu_clamp_shexp}};
+    for (size_t k = 0; k < 2; k++) { /* one per layer, as the converter writes them */
+        if (!clamps[k].limit) continue;
+        float *limits = moe_xmalloc(sizeof(float) * n_all);
+        for (uint32_t il = 0; il < n_all; il++) limits[il] = clamps[k].limit;
+        snprintf(key, sizeof key, "%s.%s", p->arch, clamps[k].suffix);
+        moe_gguf_writer_set_arr(w, key, MOE_GGUF_F32, limits, n_all);
+        free(limits);
+    }
     if (p->n_expert) {
         moe_gguf_writer_set_u32(w, ARCH_KEY("expert_count"), p->n_expert);
         moe_gguf_writer_set_u32(w, ARCH_KEY("expert_used_count"), p->n_expert_used);
@@ -366,11 +503,12 @@ static bool add_declared(void *ctx, const moe_tensor_decl *d) {
     if (!d->required && (!s->has_optional || regexec(&s->optional, d->name, 0, NULL, 0) != 0))
         return false;
     const int64_t *ne = d->ne;
-    if (d->f32 && d->n_dims == 1 && strstr(d->name, "norm"))
-        add_ones(s, d->name, ne[0]);
+    const size_t len = strlen(d->name);
+    const bool bias = len > 5 && strcmp(d->name + len - 5, ".bias") == 0;
+    if (d->f32 && d->n_dims == 1 && strstr(d->name, "norm") && !bias)
+        add_floats(s, d, 0.0f);
     else if (d->f32)
-        add_vector(s, d->name, ne[0] * ne[1] * ne[2],
-                   strstr(d->name, "exp_probs_b") ? 0.05f : 0.02f);
+        add_floats(s, d, strstr(d->name, "exp_probs_b") ? 0.05f : 0.02f);
     else
         add_weights(s, d->name, ne[0], ne[1], ne[2],
                     /* the head: special and byte tokens muted when asked, so random text is
@@ -410,6 +548,11 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
                              "heads %u/%u, head_dim %u, vocab %u >= 260, experts %u/%u, ff %u/%u)",
                              p->n_embd, p->n_layer, p->n_head, p->n_head_kv, p->head_dim,
                              p->n_vocab, p->n_expert_used, p->n_expert, p->n_ff, p->n_ff_exp);
+    if (p->linear_interval && p->n_layer < p->linear_interval)
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "synth: %u layers: %s runs attention in every %u-th layer, so it "
+                             "needs at least %u (--layers)",
+                             p->n_layer, p->arch, p->linear_interval, p->linear_interval);
     const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     synth s = {.p = p,
                .w = moe_gguf_writer_new(),
@@ -445,7 +588,10 @@ moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_erro
         write_tensors(&s);
         moe_gguf_writer_set_file_type(s.w); /* none for a file led by Q8_1 / Q8_K */
     }
-    if (!err->code) moe_gguf_writer_write(s.w, path, 0, err);
+    if (!err->code && p->header_only)
+        moe_gguf_writer_write_header_only(s.w, path, err);
+    else if (!err->code)
+        moe_gguf_writer_write(s.w, path, 0, err);
     for (uint32_t i = 0; i < compiled; i++) regfree(&s.rules[i]);
     if (s.has_optional) regfree(&s.optional);
     free(s.rules);

@@ -19,9 +19,11 @@
 typedef enum moe_role {
     MOE_ROLE_ROUTED_EXPERTS, /* *_exps*: the MoE experts a router chooses among */
     MOE_ROLE_SHARED_EXPERTS, /* *_shexp*: experts every token runs */
-    MOE_ROLE_ATTENTION,      /* attn_* (MLA's attn_kv_a_mqa, attn_q_a/b, attn_k_b/v_b too) and
-                                linear attention ssm_*: the token mixers */
+    MOE_ROLE_ATTENTION,      /* attn_* (MLA's attn_kv_a_mqa, attn_q_a/b, attn_k_b/v_b too),
+                                the lightning indexer's indexer* and linear attention ssm_*:
+                                the token mixers */
     MOE_ROLE_DENSE_FFN,      /* ffn_gate/up/down(/gate_up) outside the experts */
+    MOE_ROLE_HYPER,          /* hc_*: the hyper-connection mixers around every block */
     MOE_ROLE_EMBEDDINGS,     /* token_embd, output (embeddings and the LM head) */
     MOE_ROLE_OTHER,          /* norms, routers (ffn_gate_inp), biases of the above, the rest */
     MOE_ROLE_COUNT
@@ -80,6 +82,8 @@ typedef struct moe_inspect_plan {
     uint64_t kv_values_per_token;    /* K + V values over all layers (MLA: the latent row) */
     uint64_t index_values_per_token; /* f32 lightning-indexer rows over the indexed layers */
     uint64_t state_values_per_seq;   /* f32 recurrent state over the linear layers */
+    uint64_t trunk_routed_bytes;     /* routed experts of the trunk's layers */
+    uint64_t nextn_bytes;            /* every tensor of the NextN / MTP layers */
 } moe_inspect_plan;
 
 typedef struct moe_inspect_report {
@@ -110,11 +114,13 @@ void moe_inspect_report_free(moe_inspect_report *r);
  * scratch) is held whole by every device. */
 
 typedef enum moe_budget_part {
-    /* the first MOE_ROLE_COUNT parts are the tensor roles, in moe_role order */
-    MOE_PART_VISION = MOE_ROLE_COUNT, /* v.* / mm.* tensors, or a whole mmproj (clip) file */
-    MOE_PART_KV,                      /* KV cache: per token of every stream's context */
-    MOE_PART_STATE,                   /* linear-attention state: fixed per stream */
-    MOE_PART_SCRATCH,                 /* activations of one step (estimate, see budget.c) */
+    /* the first MOE_ROLE_COUNT parts are the tensor roles (of the trunk), in moe_role order */
+    MOE_PART_MTP = MOE_ROLE_COUNT, /* every tensor of the NextN / MTP layers (drafting only) */
+    MOE_PART_VISION,               /* v.* / mm.* tensors, or a whole mmproj (clip) file */
+    MOE_PART_KV,                   /* KV cache: per token of every stream's context */
+    MOE_PART_INDEX,                /* lightning-indexer cache (f32): per token, indexed layers */
+    MOE_PART_STATE,                /* linear-attention state: fixed per stream */
+    MOE_PART_SCRATCH,              /* activations of one step (estimate, see budget.c) */
     MOE_PART_COUNT
 } moe_budget_part;
 
@@ -126,6 +132,7 @@ typedef struct moe_budget_sharded {
     uint64_t rows;      /* rows per expert (ne[1]) */
     uint64_t slices;    /* experts (ne[2] * ne[3]) */
     uint64_t row_bytes; /* bytes of one row */
+    bool mtp;           /* of a NextN / MTP layer (counted in MOE_PART_MTP) */
 } moe_budget_sharded;
 
 typedef struct moe_budget_model {
@@ -142,9 +149,11 @@ typedef struct moe_budget_model {
     uint64_t *k_values;     /* [n_layer] K (or MLA latent + rope) values per token */
     uint64_t *v_values;     /* [n_layer] V values per token (0 for MLA, linear) */
     uint64_t *state_values; /* [n_layer] f32 state values per sequence (linear layers) */
-    uint64_t *index_values; /* [n_layer] f32 lightning-indexer values per token (with the KV) */
-    uint64_t window;        /* sliding window in tokens (0: none) */
-    uint64_t ctx_train;     /* <arch>.context_length (0: unknown) */
+    uint64_t *index_values; /* [n_layer] f32 lightning-indexer values per token */
+    uint32_t n_layer_nextn; /* NextN / MTP layers after the trunk (their weights: MOE_PART_MTP) */
+    uint64_t mtp_sharded_bytes; /* routed-expert bytes within weights[MOE_PART_MTP] */
+    uint64_t window;            /* sliding window in tokens (0: none) */
+    uint64_t ctx_train;         /* <arch>.context_length (0: unknown) */
     uint64_t n_embd, n_vocab, n_head, ff_active; /* for the scratch estimate */
     uint32_t n_expert, n_expert_used;            /* routed experts per layer, per token */
 } moe_budget_model;
@@ -179,6 +188,7 @@ typedef struct moe_budget_plan {
     bool fits;
     uint64_t kv_bytes_per_token;     /* full + MLA layers, all of them */
     uint64_t swa_kv_bytes_per_token; /* sliding layers (up to `window` tokens) */
+    uint64_t index_bytes_per_token;  /* the indexed MLA layers' indexer rows (f32) */
     uint64_t state_bytes_per_stream;
     uint64_t max_ctx;                /* largest context that fits with config.streams (0: none) */
     uint64_t max_streams;            /* largest stream count that fits at config.ctx (0: none) */
@@ -190,9 +200,12 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
 void moe_budget_plan_free(moe_budget_plan *p);
 /* A KV element type as --kv-type spells it: "f32", "f16", "q8_0". */
 const char *moe_budget_kv_name(moe_type kv_type);
-/* Bytes of KV cache a device holds for that context and stream count. */
+/* Bytes of KV cache a device holds for that context and stream count (without the indexer's). */
 uint64_t moe_budget_kv_bytes(const moe_budget_model *m, moe_type kv_type, uint64_t ctx,
                              uint64_t streams);
+/* Bytes of lightning-indexer cache (f32 rows of the indexed layers) for that context and
+ * stream count. */
+uint64_t moe_budget_index_bytes(const moe_budget_model *m, uint64_t ctx, uint64_t streams);
 
 /* ==== Importance matrices (imatrix.c): llama.cpp's GGUF imatrix format ==== */
 
@@ -318,6 +331,24 @@ typedef struct moe_synth_params {
                                  * expert_weights_norm = true */
     float expert_weights_scale; /* routed_scaling_factor (0: the key omitted) */
     float rope_base;
+    float rms_eps; /* attention.layer_norm_rms_epsilon (0: 1e-6) */
+    /* multi-head latent attention (n_lora_kv 0: none): q LoRA rank (0: a plain attn_q), the
+     * cached latent width, the per-head q/k and v widths before absorption; key_length and
+     * value_length are then the latent layout's (n_lora_kv + rope_dims, n_lora_kv) and
+     * rope.dimension_count is written even when 0 */
+    uint32_t n_lora_q, n_lora_kv, head_dim_k_mla, head_dim_v_mla;
+    /* a KDA hybrid (linear_interval 0: none): every linear_interval-th trunk layer attends, the
+     * others are KDA of n_head heads of kda_head_dim with d_conv conv taps; head_count_kv is
+     * written per layer (0 in the KDA layers), as llama.cpp's converters mark them */
+    uint32_t linear_interval, kda_head_dim, d_conv;
+    float kda_gate_bound; /* kda.gate_lower_bound (0: the key omitted) */
+    /* hyper-connections (n_hc 0: none): streams, Sinkhorn iterations, epsilon */
+    uint32_t n_hc, hc_iters;
+    float hc_eps;
+    /* the pooled lightning indexer of the attention layers (idx_n_head 0: none) */
+    uint32_t idx_n_head, idx_head_dim, idx_top_k, idx_kpool;
+    float idx_norm_eps;                         /* attention.layer_norm_epsilon */
+    float swiglu_clamp_exp, swiglu_clamp_shexp; /* per-layer SwiGLU limits (0: omitted) */
     /* the optional tensors the architecture binds that the file has (an anchored regular
      * expression over tensor names; NULL: none, so the output head is tied) */
     const char *optional;
@@ -326,11 +357,16 @@ typedef struct moe_synth_params {
     uint32_t n_rules;
     bool mute_special_output; /* zero the head rows of special and byte tokens (demo) */
     bool random_blocks;       /* quantized tensors: random valid blocks, not quantized floats */
+    bool header_only; /* keys and tensor directory only: the data is a hole (a sparse file of
+                       * the full size, for inspect and budget on a real layout) */
 } moe_synth_params;
 
 /* Fill *out from a named preset (seed MOE_SYNTH_DEFAULT_SEED); false if unknown. */
 bool moe_synth_preset(const char *name, moe_synth_params *out);
 const char *moe_synth_preset_names(void);
+/* A named set of type rules (`--types NAME`): *rules and *n, false if unknown. */
+bool moe_synth_rule_set(const char *name, const moe_synth_rule **rules, uint32_t *n);
+const char *moe_synth_rule_set_names(void);
 /* Write the model: its keys, then every tensor its architecture's descriptor binds (as the
  * engine will load it); refuses types moe cannot quantize, naming the tensor. */
 moe_status moe_synth_write(const moe_synth_params *p, const char *path, moe_error *err);
@@ -368,8 +404,11 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
 /* ==== Throughput benchmark (moe bench) ==== */
 
 #define MOE_BENCH_MAX_RUNS        64
-#define MOE_BENCH_MAX_STREAMS     8   /* stream counts in one invocation */
-#define MOE_BENCH_MAX_STREAM_ROWS 256 /* streams decoded together in one test */
+#define MOE_BENCH_MAX_STREAMS     8         /* stream counts in one invocation */
+#define MOE_BENCH_MAX_STREAM_ROWS 256       /* streams decoded together in one test */
+#define MOE_BENCH_MAX_DEPTHS      8         /* context depths in one invocation */
+#define MOE_BENCH_MAX_DEPTH       (1 << 20) /* tokens of context before a decode test */
+#define MOE_BENCH_FILL_ROWS       512 /* rows per forward while filling the context to a depth */
 
 typedef struct moe_bench_params {
     const char *model_path;
@@ -379,7 +418,11 @@ typedef struct moe_bench_params {
     int n_gen;                          /* decode test: this many single-row steps (0: skip) */
     int streams[MOE_BENCH_MAX_STREAMS]; /* batched decode: streams per test */
     int n_streams;
-    int stream_steps;            /* steps per batched decode test */
+    int stream_steps; /* steps per batched decode test */
+    /* decode tests at depth: n_gen steps after depths[i] tokens of context (ascending; the
+     * context is filled once, untimed, MOE_BENCH_FILL_ROWS rows per forward) */
+    int depths[MOE_BENCH_MAX_DEPTHS];
+    int n_depths;
     bool use_mmap;               /* keep weights in the mapped file instead of anonymous memory */
     moe_type kv_type;            /* KV cache elements (default F16, as llama-bench) */
     uint64_t expert_cache_bytes; /* routed experts read on demand into a cache (0: resident) */
@@ -415,6 +458,11 @@ typedef struct moe_bench_result {
     moe_bench_figure pp, tg;
     moe_bench_stream streams[MOE_BENCH_MAX_STREAMS];
     int n_streams;
+    moe_bench_figure tg_depth[MOE_BENCH_MAX_DEPTHS]; /* decode at params.depths[i] */
+    /* ... of which, per token (mean over every step at that depth, the warm-up's too), in the
+     * sparse MLA layers: scoring the indexer's pools, and attending */
+    double score_ms[MOE_BENCH_MAX_DEPTHS], attend_ms[MOE_BENCH_MAX_DEPTHS];
+    double fill_seconds; /* filling the context to the last depth */
     /* with --expert-cache: the cache over the decode test, and the disk it reads from */
     moe_expert_cache_stats tg_cache; /* counters of the tg test's steps (warm-up included) */
     double tg_cache_tokens;          /* tokens those steps made */
