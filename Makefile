@@ -49,8 +49,8 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test test-mpi asan bench fuzz fuzz-jinja fuzz-safetensors fuzz-http format format-check deps \
-  fixtures clients help clean
+.PHONY: all test test-mpi asan bench bench-grammar fuzz fuzz-jinja fuzz-safetensors fuzz-http \
+  fuzz-grammar format format-check deps fixtures clients help clean
 all: $(MOE_BIN)
 
 $(MOE_BIN): $(CLI_OBJ) $(LIB)
@@ -119,6 +119,13 @@ $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
 .SECONDARY: $(BUILD)/bench/kernels.o $(BUILD)/bench/quantize.o
 
+## bench-grammar: constrained decoding's cost per token vs the forward pass (BENCH_ARGS)
+GRAMMAR_BENCH_BIN ?= $(BUILD)/bench/grammar
+bench-grammar: $(GRAMMAR_BENCH_BIN)
+	./$(GRAMMAR_BENCH_BIN) $(BENCH_ARGS)
+$(GRAMMAR_BENCH_BIN): $(BUILD)/bench/grammar.o $(LIB)
+	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/grammar.o $(LIB) $(LDFLAGS) $(LDLIBS)
+
 ## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
 # Seeds: tests/data/gguf (small valid files and past crashes) and the ../shared GGUFs (cut to
 # -max_len); the corpus grows in fuzz/corpus/gguf, crashes land in fuzz/out/.
@@ -155,6 +162,13 @@ fuzz-jinja: $(FUZZ_JINJA)
 	./$(FUZZ_JINJA) -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 -timeout=30 \
 	  -artifact_prefix=fuzz/out/ fuzz/corpus/jinja ../shared/templates $(wildcard tests/data/jinja)
 
+## fuzz-grammar: libFuzzer + ASan over the GBNF parser, grammar walks and JSON Schema conversion
+FUZZ_GRAMMAR = $(BUILD)/fuzz/grammar
+fuzz-grammar: $(FUZZ_GRAMMAR)
+	@mkdir -p fuzz/corpus/grammar fuzz/out
+	./$(FUZZ_GRAMMAR) -max_total_time=$(FUZZ_SECONDS) -max_len=8192 -rss_limit_mb=4096 -timeout=30 \
+	  -artifact_prefix=fuzz/out/ fuzz/corpus/grammar $(wildcard tests/data/grammar)
+
 ## fuzz-safetensors: libFuzzer + ASan over the safetensors reader for FUZZ_SECONDS
 # Seeds: tests/data/safetensors (small valid files and past crashes); the corpus grows in
 # fuzz/corpus/safetensors.
@@ -187,8 +201,11 @@ format-check:
 # libopenmpi-dev, openmpi-bin: `make MPI=1` (mpicc) and the mpi suite's mpirun;
 # chromium: the headless browser it renders `moe budget --svg` in; python3-numpy: tests/quant_sources.py
 # regenerates the rows ggml quantized into ../shared/quant
+# python3-regex, python3-jsonschema: the grammar suite's references (partial regex matches,
+# schema validation)
 DEB_PACKAGES = build-essential clang libcmocka-dev libjansson-dev libpcre2-dev \
-  libcurl4-openssl-dev libmicrohttpd-dev libopenmpi-dev openmpi-bin python3 python3-jinja2 python3-numpy nginx chromium
+  libcurl4-openssl-dev libmicrohttpd-dev libopenmpi-dev openmpi-bin python3 python3-jinja2 \
+  python3-numpy python3-regex python3-jsonschema nginx chromium
 # Node.js + npm (the SDK clients, the npm tokenizers) only when absent: a machine with a newer
 # Node (nodesource's, which bundles npm) must not get Debian's npm, which would downgrade it.
 deps:
@@ -230,4 +247,4 @@ help:
 clean:
 	rm -rf build moe tests/run
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BUILD)/bench/kernels.d
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BUILD)/bench/kernels.d $(BUILD)/bench/grammar.d

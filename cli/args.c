@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "../src/base/base.h"
+#include "../src/engine/engine.h"
 #include "../src/tools/tools.h"
 #include "cli.h"
 
@@ -317,4 +318,26 @@ bool moe_engine_args_check(const char *cmd, const moe_engine_args *a) {
         return false;
     }
     return true;
+}
+
+char *moe_cli_read_grammar(const char *cmd, const char *path) {
+    moe_error err = {0};
+    uint8_t *data = NULL;
+    size_t size = 0;
+    if (moe_file_read(path, &data, &size, &err) != MOE_OK) {
+        fprintf(stderr, "moe %s: --grammar-file: %s\n", cmd, err.msg);
+        return NULL;
+    }
+    char *src = moe_xmalloc(size + 1);
+    memcpy(src, data, size);
+    src[size] = '\0';
+    free(data);
+    moe_grammar *g = moe_grammar_parse(src, size, NULL, &err);
+    if (!g) {
+        fprintf(stderr, "moe %s: %s: %s\n", cmd, path, err.msg);
+        free(src);
+        return NULL;
+    }
+    moe_grammar_free(g);
+    return src;
 }

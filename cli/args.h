@@ -92,4 +92,7 @@ void moe_cli_options_print(FILE *out, const moe_cli_option *table, size_t n, con
 /* Once every flag is in: combinations that need another flag (reported; false). */
 bool moe_engine_args_check(const char *cmd, const moe_engine_args *a);
 
+/* A GBNF grammar file's text (malloc'd), checked to parse; NULL after printing why. */
+char *moe_cli_read_grammar(const char *cmd, const char *path);
+
 #endif

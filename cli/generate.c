@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../src/chat/chat.h"
 #include "args.h"
 #include "cli.h"
 
@@ -67,6 +68,8 @@ static const moe_cli_option gen_options[] = {
      0, NULL},
     {"--ignore-eos", NULL, NULL, "keep going past end-of-generation tokens", MOE_OPT_SWITCH,
      GEN(ignore_eos), 0, 0, NULL},
+    {"--grammar-file", NULL, "F.gbnf", "constrain the output to this GBNF grammar", MOE_OPT_STRING,
+     GEN(grammar_file), 0, 0, NULL},
 };
 #undef GEN
 
@@ -134,7 +137,20 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
         return false;
     }
     const uint32_t n_vocab = g->model->cfg.n_vocab;
-    g->sampler = moe_sampler_new(&o->sampling, n_vocab);
+    moe_sampler_params sp = o->sampling;
+    if (o->grammar_file) {
+        char *src = moe_cli_read_grammar(cmd, o->grammar_file);
+        if (src) g->grammar = moe_grammar_parse(src, strlen(src), NULL, &err);
+        free(src);
+        if (!g->grammar) {
+            moe_gen_close(g);
+            return false;
+        }
+        g->grammar_vocab = moe_chat_grammar_vocab(g->tok, false); /* follows the prompt */
+        sp.grammar = g->grammar;
+        sp.grammar_vocab = g->grammar_vocab;
+    }
+    g->sampler = moe_sampler_new(&sp, n_vocab);
     g->logits = moe_xmalloc(sizeof(float) * n_vocab);
     g->verify = moe_xmalloc(sizeof(float) * (o->n_draft + 1) * n_vocab);
     g->hist = moe_xmalloc(sizeof(int32_t) * (moe_ctx_n_ctx(g->ctx) + 1));
@@ -162,6 +178,8 @@ static void reply_put(moe_gen *g, const char *text, size_t len) {
 void moe_gen_close(moe_gen *g) {
     free(g->reply);
     moe_sampler_free(g->sampler);
+    moe_grammar_free(g->grammar);
+    moe_grammar_vocab_free(g->grammar_vocab);
     moe_ctx_free(g->ctx);
     moe_tokenizer_free(g->tok);
     moe_model_free(g->model);
@@ -361,6 +379,8 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
         .stop_len = stop ? strlen(stop) : 0};
     g->text_started = true;
     g->reply_len = 0;
+    moe_grammar_state *grammar = moe_sampler_grammar(g->sampler);
+    if (grammar) moe_grammar_state_reset(grammar); /* each reply is a sentence of its own */
     reply_put(g, "", 0);
     const uint64_t start = g->n_generated;
     int32_t next = -1; /* a token already picked by the last step */

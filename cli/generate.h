@@ -17,11 +17,12 @@ typedef struct moe_gen_options {
     int64_t n_predict;      /* tokens to generate (< 0: until end of generation or context) */
     moe_engine_args engine; /* --ctx, -t, --kv-type */
     moe_sampler_params sampling;
-    bool print_ids;     /* show ids instead of text */
-    bool ignore_eos;    /* keep going past end-of-generation tokens */
-    moe_spec_kind spec; /* --spec: where speculative drafts come from */
-    bool spec_given;    /* --spec was given (else: mtp where the model has an MTP layer) */
-    uint32_t n_draft;   /* --draft N: drafts per step (default 3) */
+    bool print_ids;           /* show ids instead of text */
+    bool ignore_eos;          /* keep going past end-of-generation tokens */
+    moe_spec_kind spec;       /* --spec: where speculative drafts come from */
+    bool spec_given;          /* --spec was given (else: mtp where the model has an MTP layer) */
+    uint32_t n_draft;         /* --draft N: drafts per step (default 3) */
+    const char *grammar_file; /* --grammar-file: constrain the output to this GBNF grammar */
 } moe_gen_options;
 
 #define MOE_GEN_MAX_DRAFT MOE_SPEC_MAX_DRAFT
@@ -32,8 +33,10 @@ typedef struct moe_gen {
     moe_tokenizer *tok;
     moe_ctx *ctx;
     moe_sampler *sampler;
-    float *logits; /* [n_vocab] the next token's */
-    float *verify; /* [n_draft + 1][n_vocab] a verify step's rows */
+    moe_grammar *grammar;             /* --grammar-file, or NULL */
+    moe_grammar_vocab *grammar_vocab; /* the tokenizer's trie, with a grammar */
+    float *logits;                    /* [n_vocab] the next token's */
+    float *verify;                    /* [n_draft + 1][n_vocab] a verify step's rows */
     int32_t *hist; /* [n_ctx + 1] the sequence's tokens and the one about to be fed */
     moe_row *rows; /* [chunk] prefill rows */
     /* --spec mtp: the trunk's hidden states the MTP head's cache still lacks (positions from its

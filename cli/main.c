@@ -21,7 +21,7 @@ static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] "
      "[--spec ngram|mtp|none (default: mtp where the model has an MTP layer)] [--draft N] "
-     "[--expert-cache SIZE] [--split experts] ...",
+     "[--expert-cache SIZE] [--split experts] [--grammar-file F.gbnf] ...",
      moe_cmd_run_options},
     {"chat", moe_cmd_chat, "chat with a model in the terminal",
      "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "

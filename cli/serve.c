@@ -48,7 +48,9 @@ static const char usage_text[] =
     "                     they start is loaded from there, also after a restart (off by default)\n"
     "  --cache-disk-size SIZE  its size limit, least recently used entries go first\n"
     "                     (default 8G; K, M, G, T)\n"
-    "  --step-delay MS    for tests: sleep MS after every forward step\n";
+    "  --step-delay MS    for tests: sleep MS after every forward step\n"
+    "  --grammar-file F   GBNF grammar for every request that sets no grammar, response_format\n"
+    "                     or forced tool call of its own\n";
 
 void moe_cmd_serve_options(FILE *out) {
     fputs(usage_text, out);
@@ -60,6 +62,7 @@ int moe_cmd_serve(int argc, char **argv) {
     moe_engine_args engine = {.n_ctx = p.n_ctx, .n_threads = p.n_threads, .kv_type = p.kv_type};
     long long n;
     double f;
+    char *grammar = NULL;
     for (int i = 0; i < argc; i++) {
         const int taken = moe_engine_args_parse("serve", &engine, argc, argv, &i);
         if (taken < 0) return 2;
@@ -115,6 +118,10 @@ int moe_cmd_serve(int argc, char **argv) {
                 return moe_cli_usage_error("serve", "at most %d --api-key", MOE_SERVE_MAX_API_KEYS);
             p.api_keys[p.n_api_keys++] = v;
             i++;
+        } else if (strcmp(a, "--grammar-file") == 0 && v) {
+            if (!(grammar = moe_cli_read_grammar("serve", v))) return 2;
+            p.grammar = grammar;
+            i++;
         } else if (strcmp(a, "--cache-dir") == 0 && v) {
             p.cache_dir = v;
             i++;
@@ -151,5 +158,6 @@ int moe_cmd_serve(int argc, char **argv) {
     p.model_path = path;
     const int rc = moe_serve_run(&p);
     free(path);
+    free(grammar);
     return rc;
 }

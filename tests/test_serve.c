@@ -152,6 +152,7 @@ CLIENT_CASE(hybrid_reuse)
 CLIENT_CASE(anthropic_messages)
 CLIENT_CASE(anthropic_stream)
 CLIENT_CASE(tools_shape)
+CLIENT_CASE(structured_output)
 CLIENT_CASE(responses)
 CLIENT_CASE(errors)
 CLIENT_CASE(cors)
@@ -1149,6 +1150,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(client_anthropic_messages),
         cmocka_unit_test(client_anthropic_stream),
         cmocka_unit_test(client_tools_shape),
+        cmocka_unit_test(client_structured_output),
         cmocka_unit_test(client_responses),
         cmocka_unit_test(client_errors),
         cmocka_unit_test(client_cors),

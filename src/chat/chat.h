@@ -147,4 +147,34 @@ moe_status moe_chat_parser_finish(moe_chat_parser *p, moe_chat_delta *d, moe_err
 void moe_chat_parser_free(moe_chat_parser *p);
 void moe_chat_delta_clear(moe_chat_delta *d);
 
+/* ==== Grammars for structured output (grammar.c) ==== */
+
+/* How a format writes one tool call whose arguments are a JSON object: open, the name (a JSON
+ * string when name_json, else raw), mid, the arguments, close. False for formats that write
+ * arguments otherwise (XML-ish parameters, harmony). */
+typedef struct moe_chat_call_shape {
+    const char *open, *mid, *close;
+    bool name_json;
+} moe_chat_call_shape;
+bool moe_chat_call_shape_of(moe_chat_format f, moe_chat_call_shape *out);
+
+/* GBNF text (malloc'd) whose root is `prefix` (GBNF, may be NULL) then a JSON value valid
+ * against the schema (JSON text): objects (properties in order, required / optional), arrays
+ * (items, minItems / maxItems), enum, const, strings (min/maxLength; pattern when we can
+ * translate it, else any string), integers (minimum / maximum, exclusive too), numbers,
+ * booleans, null, anyOf / oneOf, type lists, $ref to #, #/$defs/X, #/definitions/X. NULL with
+ * err naming the schema path of what is not supported. "{\"type\": \"object\"}" is any object. */
+char *moe_chat_schema_grammar(const char *schema_json, const char *prefix, moe_error *err);
+/* GBNF text for one tool call in o's format, to one of the tools (OpenAI tools JSON) or only to
+ * the one named `only`, with arguments valid against its parameters schema. MOE_ERR_NOT_FOUND
+ * for an unknown name; MOE_ERR_UNSUPPORTED for a format without a call shape. */
+char *moe_chat_tool_grammar(const moe_chat_parse_options *o, const char *tools_json,
+                            const char *only, const char *prefix, moe_error *err);
+/* The tokenizer's token trie for the engine's grammars: each token's output bytes (control
+ * tokens none) and its end-of-generation flag. strip_first_space: the output is decoded with
+ * MOE_DECODE_STRIP_PREFIX_SPACE from its first token (the server's replies), so SPM's dummy
+ * prefix space of the first piece is not part of the text the grammar must match. */
+struct moe_grammar_vocab;
+struct moe_grammar_vocab *moe_chat_grammar_vocab(const moe_tokenizer *tok, bool strip_first_space);
+
 #endif

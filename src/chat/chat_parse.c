@@ -116,6 +116,38 @@ static const block_marker *format_markers(moe_chat_format f) {
     }
 }
 
+/* ==== How a call is written, for forcing one (grammar.c) ==== */
+
+bool moe_chat_call_shape_of(moe_chat_format f, moe_chat_call_shape *out) {
+    switch (f) {
+    case MOE_CHAT_FORMAT_HERMES:
+        *out = (moe_chat_call_shape){
+            "<tool_call>\n{\"name\": ", ", \"arguments\": ", "}\n</tool_call>", true};
+        return true;
+    case MOE_CHAT_FORMAT_LLAMA3:
+        *out = (moe_chat_call_shape){"{\"name\": ", ", \"parameters\": ", "}", true};
+        return true;
+    case MOE_CHAT_FORMAT_MISTRAL:
+        *out = (moe_chat_call_shape){"[TOOL_CALLS][{\"name\": ", ", \"arguments\": ", "}]", true};
+        return true;
+    case MOE_CHAT_FORMAT_DEEPSEEK_V3:
+        *out = (moe_chat_call_shape){DS_CALLS_BEGIN DS_CALL_BEGIN "function" DS_SEP, "\n```json\n",
+                                     "\n```" DS_CALL_END DS_CALLS_END, false};
+        return true;
+    case MOE_CHAT_FORMAT_DEEPSEEK_V31:
+        *out = (moe_chat_call_shape){DS_CALLS_BEGIN DS_CALL_BEGIN, DS_SEP, DS_CALL_END DS_CALLS_END,
+                                     false};
+        return true;
+    case MOE_CHAT_FORMAT_KIMI_K2:
+        *out = (moe_chat_call_shape){"<|tool_calls_section_begin|><|tool_call_begin|>functions.",
+                                     ":0<|tool_call_argument_begin|>",
+                                     "<|tool_call_end|><|tool_calls_section_end|>", false};
+        return true;
+    default:
+        return false;
+    }
+}
+
 /* ==== Detection from the template ==== */
 
 void moe_chat_parse_options_detect(const char *src, const char *prompt, moe_chat_parse_options *o) {

@@ -247,6 +247,48 @@ bool moe_disk_cache_busy(moe_disk_cache *d, int32_t seq);
 void moe_disk_cache_wait(moe_disk_cache *d, int32_t seq);
 void moe_disk_cache_get_stats(moe_disk_cache *d, moe_disk_cache_stats *out);
 
+/* ==== Grammars: constrained decoding (grammar.c) ====
+ *
+ * A GBNF grammar (llama.cpp's language: `name ::= alternatives`, "literals", [classes],
+ * [^negated], ., ( groups ), * + ? {m} {m,} {m,n}, # comments) decides which tokens may come
+ * next. The engine sees ids only: the caller gives each token's bytes once (the vocabulary,
+ * made into a byte trie), and a per-sequence state follows the tokens chosen. */
+
+typedef struct moe_grammar moe_grammar;             /* parsed; immutable, shareable */
+typedef struct moe_grammar_vocab moe_grammar_vocab; /* a vocabulary's byte trie; immutable */
+typedef struct moe_grammar_state moe_grammar_state; /* one sequence's place in a grammar */
+
+/* Parse; errors say "grammar:LINE:COL: what". root: the start rule (NULL: "root"). */
+moe_grammar *moe_grammar_parse(const char *src, size_t len, const char *root, moe_error *err);
+void moe_grammar_free(moe_grammar *g);
+
+/* Token id -> the bytes it puts in the output (NULL-safe when *len is 0) and whether it ends
+ * generation (such tokens are allowed exactly when the grammar is complete). */
+typedef const char *(*moe_grammar_piece_fn)(void *ud, int32_t id, size_t *len, bool *eog);
+/* strip_first_space: the output drops one leading space of the first non-empty piece (SPM's
+ * dummy prefix, as the detokenizer does): the grammar then sees the piece without it. */
+moe_grammar_vocab *moe_grammar_vocab_new(uint32_t n_vocab, moe_grammar_piece_fn piece, void *ud,
+                                         bool strip_first_space);
+void moe_grammar_vocab_free(moe_grammar_vocab *v);
+/* The first end-of-generation token, or -1. */
+int32_t moe_grammar_vocab_eog(const moe_grammar_vocab *v);
+
+/* v may be NULL for a state fed bytes only (moe_grammar_state_accept_bytes). */
+moe_grammar_state *moe_grammar_state_new(const moe_grammar *g, const moe_grammar_vocab *v);
+void moe_grammar_state_free(moe_grammar_state *st);
+void moe_grammar_state_reset(moe_grammar_state *st);
+/* Set the logits of every token the grammar does not allow now to -inf; returns how many
+ * tokens remain allowed. */
+uint32_t moe_grammar_state_apply(moe_grammar_state *st, float *logits);
+bool moe_grammar_state_allows(moe_grammar_state *st, int32_t token);
+/* The same answer for one token, by walking its bytes only (no mask is built). */
+bool moe_grammar_state_can_take(moe_grammar_state *st, int32_t token);
+/* Follow a chosen token (false, state unusable, if the grammar cannot take it). */
+bool moe_grammar_state_accept(moe_grammar_state *st, int32_t token);
+bool moe_grammar_state_accept_bytes(moe_grammar_state *st, const char *s, size_t len);
+/* The text so far is a whole sentence of the grammar. */
+bool moe_grammar_state_complete(const moe_grammar_state *st);
+
 /* ==== Sampling ==== */
 
 typedef struct moe_sampler_params {
@@ -263,6 +305,11 @@ typedef struct moe_sampler_params {
     const float *bias_values;   /* ... and what is added to their logits (-inf bans) */
     uint32_t n_bias;
     uint32_t n_top_logprobs; /* alternatives reported per step (<= MOE_SAMPLER_MAX_TOP) */
+    /* constrained decoding: tokens the grammar does not allow are never chosen (both or
+     * neither; they must outlive the sampler). When the grammar allows nothing, the first
+     * end-of-generation token is chosen. */
+    const moe_grammar *grammar;
+    const moe_grammar_vocab *grammar_vocab;
 } moe_sampler_params;
 
 #define MOE_SAMPLER_MAX_TOP 20 /* OpenAI's top_logprobs maximum */
@@ -281,6 +328,8 @@ moe_sampler *moe_sampler_new(const moe_sampler_params *p, uint32_t n_vocab);
 void moe_sampler_free(moe_sampler *s);
 /* Pick the next token from one logits row (not modified); remembers it for the penalties. */
 moe_sample moe_sampler_sample(moe_sampler *s, const float *logits);
+/* The sampler's grammar state (NULL without a grammar). */
+moe_grammar_state *moe_sampler_grammar(moe_sampler *s);
 /* Tell the sampler about prompt tokens (they count for the penalties). */
 void moe_sampler_accept(moe_sampler *s, int32_t token);
 void moe_sampler_reset(moe_sampler *s);

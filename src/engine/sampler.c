@@ -5,8 +5,9 @@
  * the untempered distribution, then the temperature over the survivors and a draw. Ranking is
  * a bounded heap over the vocabulary, never a full sort unless nothing truncates it.
  * Log-probabilities are reported from the raw logits (after bias and penalties, before temperature
- * and truncation), as OpenAI's API does. The trap: every buffer is allocated once at creation;
- * sample() must not allocate. */
+ * and truncation), as OpenAI's API does. A grammar, when given, masks the tokens it does not
+ * allow after bias and penalties, before anything else looks at the logits. The trap: every buffer
+ * is allocated once at creation; sample() must not allocate. */
 #include "engine.h"
 
 #include <math.h>
@@ -27,6 +28,10 @@ struct moe_sampler {
     uint32_t n_recent, recent_head, window;
     uint32_t *counts; /* [n_vocab] occurrences within the window */
     uint64_t rng;
+    moe_grammar_state *grammar; /* NULL: unconstrained */
+    /* how often the grammar took the first draw lately (halved every 64 tries): the first draw
+     * is tried while it pays, and every 16th step otherwise, to notice when it pays again */
+    uint32_t first_tries, first_hits, grammar_steps;
 };
 
 moe_sampler *moe_sampler_new(const moe_sampler_params *p, uint32_t n_vocab) {
@@ -50,6 +55,8 @@ moe_sampler *moe_sampler_new(const moe_sampler_params *p, uint32_t n_vocab) {
     s->p.bias_values = s->bias_values;
     if (s->p.n_top_logprobs > MOE_SAMPLER_MAX_TOP) s->p.n_top_logprobs = MOE_SAMPLER_MAX_TOP;
     s->rng = p->seed;
+    if (p->grammar && p->grammar_vocab)
+        s->grammar = moe_grammar_state_new(p->grammar, p->grammar_vocab);
     return s;
 }
 
@@ -62,6 +69,7 @@ void moe_sampler_free(moe_sampler *s) {
     free(s->recent);
     free(s->bias_tokens);
     free(s->bias_values);
+    moe_grammar_state_free(s->grammar);
     free(s);
 }
 
@@ -69,6 +77,12 @@ void moe_sampler_reset(moe_sampler *s) {
     memset(s->counts, 0, sizeof(uint32_t) * s->n_vocab);
     s->n_recent = s->recent_head = 0;
     s->rng = s->p.seed;
+    if (s->grammar) moe_grammar_state_reset(s->grammar);
+    s->first_tries = s->first_hits = s->grammar_steps = 0;
+}
+
+moe_grammar_state *moe_sampler_grammar(moe_sampler *s) {
+    return s->grammar;
 }
 
 void moe_sampler_accept(moe_sampler *s, int32_t token) {
@@ -155,6 +169,39 @@ moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token)
     return out;
 }
 
+static int32_t argmax(const float *v, uint32_t n) {
+    int32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (v[i] > v[best]) best = (int32_t)i;
+    return best;
+}
+
+/* A draw at temperature t among order[0..keep) (max: the largest of their values). */
+static int32_t draw(moe_sampler *s, uint32_t keep, float max, float t) {
+    double total = 0.0;
+    for (uint32_t i = 0; i < keep; i++) {
+        const float v = s->work[s->order[i]];
+        s->probs[i] = v == -INFINITY ? 0.0f : (float)exp((double)(v - max) / t);
+        total += s->probs[i];
+    }
+    double r = moe_rng_uniform(&s->rng) * total;
+    uint32_t pick = keep - 1;
+    for (uint32_t i = 0; i < keep; i++) {
+        r -= s->probs[i];
+        if (r < 0) {
+            pick = i;
+            break;
+        }
+    }
+    return s->order[pick];
+}
+
+/* The same over every token, in id order. */
+static int32_t draw_all(moe_sampler *s, uint32_t n, float max, float t) {
+    for (uint32_t i = 0; i < n; i++) s->order[i] = (int32_t)i;
+    return draw(s, n, max, t);
+}
+
 moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
     const uint32_t n = s->n_vocab;
     const moe_sampler_params *p = &s->p;
@@ -180,8 +227,8 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
         }
         for (uint32_t i = 0; i < s->n_recent; i++) s->counts[s->recent[i]] &= 0x7fffffffu;
     }
-
-    /* log-softmax of the adjusted logits, for the reported log-probabilities */
+    /* log-softmax of the adjusted logits, for the reported log-probabilities (before a grammar's
+     * mask, as before truncation) */
     float max = -INFINITY;
     for (uint32_t i = 0; i < n; i++) max = s->work[i] > max ? s->work[i] : max;
     double z = 0.0;
@@ -191,11 +238,45 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
 
     moe_sample out = {0};
     const uint32_t n_top = p->n_top_logprobs < n ? p->n_top_logprobs : n;
+    if (s->grammar) {
+        /* Without truncation, a draw from all tokens that the grammar allows is a draw from the
+         * allowed ones (greedy: the same argmax; sampling: rejection, then the masked draw), so
+         * the mask -- a walk over the vocabulary -- is needed only when the first draw is
+         * refused. Truncation (top-k, top-p, min-p) ranks the allowed tokens, so it masks first. */
+        const bool plain = p->temperature <= 0.0f || ((p->top_k <= 0 || (uint32_t)p->top_k >= n) &&
+                                                      p->top_p >= 1.0f && p->min_p <= 0.0f);
+        const bool pays = s->first_hits * 2 >= s->first_tries || s->grammar_steps++ % 16 == 0;
+        if (plain && !n_top && pays) {
+            const int32_t first =
+                p->temperature <= 0.0f ? argmax(s->work, n) : draw_all(s, n, max, p->temperature);
+            const bool taken = moe_grammar_state_can_take(s->grammar, first);
+            s->first_hits += taken;
+            if (++s->first_tries == 64) {
+                s->first_tries /= 2;
+                s->first_hits /= 2;
+            }
+            if (taken) {
+                out.token = first;
+                goto chosen;
+            }
+        }
+        if (!moe_grammar_state_apply(s->grammar, s->work)) {
+            /* nothing can continue the grammar: end the generation */
+            out.token = moe_grammar_vocab_eog(p->grammar_vocab);
+            if (out.token < 0) out.token = 0;
+            out.logprob = -INFINITY;
+            return out;
+        }
+        /* the draw below runs over the allowed tokens (z: top-p's normaliser) */
+        max = -INFINITY;
+        for (uint32_t i = 0; i < n; i++) max = s->work[i] > max ? s->work[i] : max;
+        z = 0.0;
+        if (p->top_p < 1.0f)
+            for (uint32_t i = 0; i < n; i++)
+                z += s->work[i] == -INFINITY ? 0.0 : exp((double)(s->work[i] - max));
+    }
     if (p->temperature <= 0.0f) {
-        int32_t best = 0;
-        for (uint32_t i = 1; i < n; i++)
-            if (s->work[i] > s->work[best]) best = (int32_t)i;
-        out.token = best;
+        out.token = argmax(s->work, n);
         if (n_top) select_top(s, n, n_top);
     } else {
         /* llama.cpp's order: top-k, top-p, min-p on the untempered distribution, then the
@@ -228,27 +309,13 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
                     }
                 }
             }
+            out.token = draw(s, keep, max, p->temperature);
         } else {
-            for (uint32_t i = 0; i < n; i++) s->order[i] = (int32_t)i;
+            out.token = draw_all(s, n, max, p->temperature);
         }
-        double total = 0.0;
-        for (uint32_t i = 0; i < keep; i++) {
-            const float v = s->work[s->order[i]];
-            s->probs[i] = v == -INFINITY ? 0.0f : (float)exp((double)(v - max) / p->temperature);
-            total += s->probs[i];
-        }
-        double r = moe_rng_uniform(&s->rng) * total;
-        uint32_t pick = keep - 1;
-        for (uint32_t i = 0; i < keep; i++) {
-            r -= s->probs[i];
-            if (r < 0) {
-                pick = i;
-                break;
-            }
-        }
-        out.token = s->order[pick];
         if (n_top && (!truncated || keep < n_top)) select_top(s, n, n_top);
     }
+chosen:
     out.logprob = s->work[out.token] - log_z;
     out.n_top = n_top;
     for (uint32_t i = 0; i < out.n_top; i++) {
@@ -256,5 +323,6 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
         out.top_logprobs[i] = s->work[s->order[i]] - log_z;
     }
     moe_sampler_accept(s, out.token);
+    if (s->grammar) moe_grammar_state_accept(s->grammar, out.token);
     return out;
 }

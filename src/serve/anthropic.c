@@ -190,6 +190,14 @@ static bool parse_tools(serve_http *h, json_t *body, serve_chat *chat) {
          (strcmp(ct, "auto") && strcmp(ct, "any") && strcmp(ct, "tool") && strcmp(ct, "none"))))
         BAD(h, "tool_choice", "tool_choice: expected {\"type\": auto|any|tool|none}");
     chat->tool_choice_none = ct && strcmp(ct, "none") == 0;
+    if (ct && (strcmp(ct, "any") == 0 || strcmp(ct, "tool") == 0)) {
+        const char *name = json_string_value(json_object_get(choice, "name"));
+        if (strcmp(ct, "tool") == 0 && !name)
+            BAD(h, "tool_choice", "tool_choice: {\"type\": \"tool\"} needs a name");
+        if (!serve_chat_force_tool(h, SERVE_API_ANTHROPIC, chat, strcmp(ct, "tool") ? NULL : name,
+                                   "tool_choice"))
+            return false;
+    }
     return true;
 }
 

@@ -73,9 +73,23 @@ static bool parse_tools(serve_http *h, json_t *body, serve_chat *chat) {
         if (strcmp(c, "none") && strcmp(c, "auto") && strcmp(c, "required"))
             BAD(h, "tool_choice", "tool_choice: expected none, auto, required or a function");
         chat->tool_choice_none = strcmp(c, "none") == 0;
-    } else if (choice && !json_is_null(choice) && !json_is_object(choice)) {
+        if (strcmp(c, "required") == 0 &&
+            !serve_chat_force_tool(h, SERVE_API_OPENAI, chat, NULL, "tool_choice"))
+            return false;
+    } else if (json_is_object(choice)) {
+        const char *name =
+            json_string_value(json_object_get(json_object_get(choice, "function"), "name"));
+        if (!name) name = json_string_value(json_object_get(choice, "name"));
+        if (!name)
+            BAD(h, "tool_choice",
+                "tool_choice: expected {\"type\": \"function\", \"function\": {\"name\": ...}}");
+        if (!serve_chat_force_tool(h, SERVE_API_OPENAI, chat, name, "tool_choice")) return false;
+    } else if (choice && !json_is_null(choice)) {
         BAD(h, "tool_choice", "tool_choice: expected a string or an object");
     }
+    if (!serve_parse_response_format(h, SERVE_API_OPENAI, json_object_get(body, "response_format"),
+                                     "response_format", chat))
+        return false;
     json_t *ptc = json_object_get(body, "parallel_tool_calls");
     if (ptc && !json_is_boolean(ptc) && !json_is_null(ptc))
         BAD(h, "parallel_tool_calls", "parallel_tool_calls: expected a boolean");

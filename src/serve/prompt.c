@@ -54,6 +54,8 @@ void serve_chat_free(serve_chat *c) {
     free(c->msgs);
     json_decref(c->tools);
     json_decref(c->kwargs);
+    json_decref(c->response_schema);
+    free(c->tool_name);
     memset(c, 0, sizeof *c);
 }
 
@@ -182,6 +184,98 @@ bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
     return true;
 }
 
+/* ==== Structured output: grammars for forced tool calls and JSON replies ==== */
+
+bool serve_chat_force_tool(serve_http *h, serve_api api, serve_chat *chat, const char *name,
+                           const char *field) {
+    if (!chat->tools || !json_array_size(chat->tools))
+        SERVE_BAD(h, api, field, "%s: a tool call is required but the request has no tools", field);
+    if (name) {
+        bool found = false;
+        size_t i;
+        json_t *t;
+        json_array_foreach(chat->tools, i, t) {
+            const char *n =
+                json_string_value(json_object_get(json_object_get(t, "function"), "name"));
+            found = found || (n && strcmp(n, name) == 0);
+        }
+        if (!found) SERVE_BAD(h, api, field, "%s: there is no tool named '%s'", field, name);
+        free(chat->tool_name);
+        chat->tool_name = moe_xstrdup(name);
+    }
+    chat->tool_required = true;
+    return true;
+}
+
+bool serve_parse_response_format(serve_http *h, serve_api api, json_t *format, const char *field,
+                                 serve_chat *chat) {
+    if (!format || json_is_null(format)) return true;
+    const char *type = json_string_value(json_object_get(format, "type"));
+    if (!json_is_object(format) || !type)
+        SERVE_BAD(h, api, field,
+                  "%s: expected {\"type\": \"text\" | \"json_object\" | \"json_schema\"}", field);
+    if (strcmp(type, "text") == 0) return true;
+    json_decref(chat->response_schema);
+    chat->response_schema = NULL;
+    if (strcmp(type, "json_object") == 0) {
+        chat->response_schema = json_pack("{s:s}", "type", "object");
+        return true;
+    }
+    if (strcmp(type, "json_schema") != 0)
+        SERVE_BAD(h, api, field, "%s.type: '%s' is not text, json_object or json_schema", field,
+                  type);
+    json_t *schema = json_object_get(json_object_get(format, "json_schema"), "schema"); /* chat */
+    if (!schema) schema = json_object_get(format, "schema"); /* Responses */
+    if (!json_is_object(schema) && !json_is_boolean(schema))
+        SERVE_BAD(h, api, field, "%s: json_schema needs a schema object", field);
+    chat->response_schema = json_incref(schema);
+    return true;
+}
+
+/* The request's structured-output grammar into g (none asked: nothing to do). A reply that
+ * would open with reasoning (the prompt left it open) closes it first. */
+static bool chat_grammar(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
+                         const char *prompt) {
+    const bool tool = chat->tool_required && chat_has_tools(chat);
+    if (!tool && !chat->response_schema) return true;
+    if (g->grammar && g->grammar_is_default) {
+        moe_grammar_free(g->grammar);
+        g->grammar = NULL;
+    }
+    if (g->grammar)
+        SERVE_BAD(h, api, "grammar",
+                  "grammar: cannot be combined with a forced tool call or a response format");
+    moe_chat_parse_options opts;
+    moe_chat_parse_options_detect(moe_chat_template_source(h->srv->tmpl), prompt, &opts);
+    moe_strbuf prefix = {0};
+    if (opts.reasoning_open && opts.think_close) {
+        moe_strbuf_putc(&prefix, '"');
+        for (const char *s = opts.think_close; *s; s++) {
+            if (*s == '"' || *s == '\\') moe_strbuf_putc(&prefix, '\\');
+            moe_strbuf_putc(&prefix, *s);
+        }
+        moe_strbuf_puts(&prefix, "\" "); /* no whitespace after it: that would be content */
+    }
+    moe_error err = {0};
+    char *src = NULL;
+    if (tool) {
+        char *tools = json_dumps(chat->tools, JSON_COMPACT);
+        src = moe_chat_tool_grammar(&opts, tools, chat->tool_name, prefix.s, &err);
+        free(tools);
+    } else {
+        char *schema = json_dumps(chat->response_schema, JSON_COMPACT | JSON_ENCODE_ANY);
+        src = moe_chat_schema_grammar(schema, prefix.s, &err);
+        free(schema);
+    }
+    moe_strbuf_free(&prefix);
+    if (src) g->grammar = moe_grammar_parse(src, strlen(src), NULL, &err);
+    free(src);
+    if (!g->grammar)
+        SERVE_BAD(h, api, tool ? "tool_choice" : "response_format", "%s: %s",
+                  tool ? "tool_choice" : "response_format", err.msg);
+    return true;
+}
+
 /* ==== Reasoning controls ==== */
 
 /* Budgets for a reasoning_effort the template has no switch for: OpenAI's lowest settings mean
@@ -289,16 +383,11 @@ bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, ser
     }
     reasoning_controls(h->srv, chat, g, &rendered, &rendered_len, &ids, &n);
     if (text_len) *text_len = rendered_len;
-    if (text)
-        *text = rendered;
-    else
-        free(rendered);
-    if (serve_set_prompt(h, api, ids, n, g)) return true;
-    if (text) {
-        free(*text);
-        *text = NULL;
-    }
-    return false;
+    /* the grammar reads the prompt as sent: did it leave a reasoning block open? */
+    const bool ok = serve_set_prompt(h, api, ids, n, g) && chat_grammar(h, api, chat, g, rendered);
+    if (text) *text = ok ? rendered : NULL;
+    if (!ok || !text) free(rendered);
+    return ok;
 }
 
 /* ==== Output ==== */

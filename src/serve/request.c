@@ -211,6 +211,25 @@ bool serve_parse_sampling(serve_http *h, serve_api api, json_t *body, serve_gen 
             g->bias_values[g->sampling.n_bias++] = b <= -100 ? -INFINITY : (float)b;
         }
     }
+    json_t *grammar = json_object_get(body, "grammar"); /* llama-server's GBNF field */
+    if (grammar && !json_is_null(grammar)) {
+        if (!json_is_string(grammar)) {
+            serve_reply_error(h, api, 400, "grammar", NULL, "grammar: expected a GBNF string");
+            return false;
+        }
+        moe_error err = {0};
+        g->grammar =
+            moe_grammar_parse(json_string_value(grammar), json_string_length(grammar), NULL, &err);
+        if (!g->grammar) {
+            serve_reply_error(h, api, 400, "grammar", NULL, "grammar: %s", err.msg);
+            return false;
+        }
+    }
+    if (!g->grammar && h->srv->p.grammar) { /* --grammar-file: checked at start-up */
+        moe_error err = {0};
+        g->grammar = moe_grammar_parse(h->srv->p.grammar, strlen(h->srv->p.grammar), NULL, &err);
+        g->grammar_is_default = true;
+    }
     json_t *stop = stop_field ? json_object_get(body, stop_field) : NULL;
     if (stop && !json_is_null(stop)) {
         json_t *one = json_is_string(stop) ? stop : NULL;

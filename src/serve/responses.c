@@ -98,7 +98,18 @@ static bool parse_tools(serve_http *h, json_t *body, serve_chat *chat) {
     json_t *choice = json_object_get(body, "tool_choice");
     chat->tool_choice_none =
         json_is_string(choice) && strcmp(json_string_value(choice), "none") == 0;
-    return true;
+    if (json_is_string(choice) && strcmp(json_string_value(choice), "required") == 0 &&
+        !serve_chat_force_tool(h, SERVE_API_OPENAI, chat, NULL, "tool_choice"))
+        return false;
+    if (json_is_object(choice)) {
+        const char *name = json_string_value(json_object_get(choice, "name"));
+        if (!name)
+            BAD(h, "tool_choice", "tool_choice: expected {\"type\": \"function\", \"name\": ...}");
+        if (!serve_chat_force_tool(h, SERVE_API_OPENAI, chat, name, "tool_choice")) return false;
+    }
+    return serve_parse_response_format(h, SERVE_API_OPENAI,
+                                       json_object_get(json_object_get(body, "text"), "format"),
+                                       "text.format", chat);
 }
 
 /* ==== Output ==== */

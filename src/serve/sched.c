@@ -97,6 +97,7 @@ struct serve_sched {
     /* engine-thread state (read-only for others once loaded: model, tok, n_ctx) */
     moe_model *model;
     moe_tokenizer *tok;
+    moe_grammar_vocab *grammar_vocab; /* the tokenizer's byte trie, for constrained decoding */
     moe_ctx *ctx;
     moe_disk_cache *disk; /* --cache-dir, or NULL */
     uint32_t n_ctx, n_slots, n_vocab;
@@ -126,6 +127,7 @@ void serve_gen_free(serve_gen *g) {
     free(g->prompt);
     free(g->bias_tokens);
     free(g->bias_values);
+    moe_grammar_free(g->grammar);
     for (uint32_t i = 0; i < g->n_stop; i++) free(g->stop[i]);
     memset(g, 0, sizeof *g);
 }
@@ -327,6 +329,8 @@ static void admit_finish(serve_sched *s, int idx, serve_req *r, uint32_t reuse, 
     r->gen.sampling.bias_values = r->gen.bias_values;
     r->gen.sampling.n_top_logprobs =
         r->gen.logprobs || r->gen.prompt_logprobs ? r->gen.sampling.n_top_logprobs : 0;
+    r->gen.sampling.grammar = r->gen.grammar;
+    r->gen.sampling.grammar_vocab = r->gen.grammar ? s->grammar_vocab : NULL;
     sl->sampler = moe_sampler_new(&r->gen.sampling, s->n_vocab);
     for (uint32_t i = 0; i < r->gen.n_prompt; i++)
         moe_sampler_accept(sl->sampler, r->gen.prompt[i]);
@@ -507,6 +511,8 @@ static moe_sample next_token(slot *sl, const float *logits) {
     const int32_t token = g->think_close[g->n_think_close - sl->n_forcing--];
     moe_sample smp = moe_sampler_score(sl->sampler, logits, token);
     moe_sampler_accept(sl->sampler, token);
+    moe_grammar_state *grammar = moe_sampler_grammar(sl->sampler);
+    if (grammar) moe_grammar_state_accept(grammar, token); /* a grammar follows the text too */
     return smp;
 }
 
@@ -924,6 +930,7 @@ static bool load(serve_sched *s) {
     }
     s->n_ctx = moe_ctx_n_ctx(s->ctx);
     s->n_vocab = s->model->cfg.n_vocab;
+    s->grammar_vocab = moe_chat_grammar_vocab(s->tok, true); /* once: every grammar walks it */
     s->hybrid = s->model->cfg.n_layer_linear > 0;
     s->slots = moe_xcalloc(s->n_slots, sizeof *s->slots);
     s->rows = moe_xmalloc(sizeof(moe_row) * max_rows);
@@ -1083,6 +1090,7 @@ void serve_sched_free(serve_sched *s) {
     free(s->logits);
     free(s->hist);
     moe_ctx_free(s->ctx);
+    moe_grammar_vocab_free(s->grammar_vocab);
     moe_tokenizer_free(s->tok);
     moe_model_free(s->model);
     pthread_mutex_destroy(&s->mu);

@@ -104,6 +104,8 @@ typedef struct serve_gen {
     bool prompt_logprobs; /* also every prompt token's after the first (SERVE_EV_PROMPT): the
                            * prompt is computed whole, no prefix reuse; max_tokens may be 0 */
     bool ignore_eos;
+    moe_grammar *grammar;    /* constrained decoding (owned), or NULL */
+    bool grammar_is_default; /* it is --grammar-file's: a response format replaces it */
 } serve_gen;
 
 void serve_gen_free(serve_gen *g);
@@ -257,6 +259,10 @@ typedef struct serve_chat {
     size_t n_msgs, cap_msgs;
     json_t *tools; /* OpenAI form: [{"type":"function","function":{name,description,parameters}}] */
     bool tool_choice_none;
+    bool tool_required;      /* tool_choice required / a named tool / Anthropic any / tool */
+    char *tool_name;         /* ... that one tool, or NULL: any of them */
+    json_t *response_schema; /* structured output: a JSON schema, or NULL (json_object mode is
+                              * {"type": "object"}) */
     json_t *kwargs; /* template variables from the request (serve_parse_template_kwargs), or NULL */
     int64_t think_budget; /* the request's thinking.budget_tokens, or -1 */
 } serve_chat;
@@ -279,12 +285,22 @@ bool serve_template_load(serve_server *srv, char *err, size_t err_size);
  * Anthropic's thinking.type, and every member of chat_template_kwargs (last, so it wins); and
  * thinking.budget_tokens. Replies 400 on a bad field. */
 bool serve_parse_template_kwargs(serve_http *h, serve_api api, json_t *body, serve_chat *chat);
+/* tool_choice asks for a call (of `name`, or any tool when NULL): 400 naming `field` when the
+ * request has no tools or none of that name. */
+bool serve_chat_force_tool(serve_http *h, serve_api api, serve_chat *chat, const char *name,
+                           const char *field);
+/* response_format (chat completions: {type: text | json_object | json_schema, json_schema:
+ * {schema}}) or Responses' text.format ({type, schema}); 400 naming field when malformed. */
+bool serve_parse_response_format(serve_http *h, serve_api api, json_t *format, const char *field,
+                                 serve_chat *chat);
 /* Render the conversation with the template and tokenize it into g; *text (may be NULL) gets
  * the prompt, *text_len (may be NULL) its length. Then the reasoning controls: the template's
  * reasoning tags as tokens, and the budget -- the least of --reasoning-budget, the request's
  * thinking.budget_tokens and, for a template without the switch asked for, 0 for thinking off
  * (enable_thinking false) or a budget for a low reasoning_effort. A budget of 0 with the prompt
- * inside a reasoning block closes the block in the prompt itself. Replies 400 with the template's
+ * inside a reasoning block closes the block in the prompt itself. Last, when the request forces
+ * a tool call or asks for JSON, the grammar that makes the reply one (400 when it cannot be
+ * built, or when the request also has its own `grammar`). Replies 400 with the template's
  * message when it raises, or when the prompt does not fit the context. */
 bool serve_chat_prompt(serve_http *h, serve_api api, const serve_chat *chat, serve_gen *g,
                        char **text, size_t *text_len);

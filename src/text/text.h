@@ -84,6 +84,8 @@ int32_t moe_tokenizer_unk(const moe_tokenizer *tok);
 int32_t moe_tokenizer_pad(const moe_tokenizer *tok);
 bool moe_tokenizer_adds_bos(const moe_tokenizer *tok);
 bool moe_tokenizer_adds_eos(const moe_tokenizer *tok);
+/* SPM's dummy prefix: a space is put before the text (and decoding may take it off again). */
+bool moe_tokenizer_adds_space_prefix(const moe_tokenizer *tok);
 /* The GGUF pre-tokenizer name ("llama-bpe", "qwen2", ...), or NULL (SPM, unrecognised regex). */
 const char *moe_tokenizer_pre_name(const moe_tokenizer *tok);
 /* End of generation: EOS, EOT, EOM and the control tokens known to end a turn. */

@@ -461,6 +461,10 @@ bool moe_tokenizer_adds_bos(const moe_tokenizer *tok) {
 bool moe_tokenizer_adds_eos(const moe_tokenizer *tok) {
     return tok->add_eos;
 }
+
+bool moe_tokenizer_adds_space_prefix(const moe_tokenizer *tok) {
+    return tok->add_space_prefix;
+}
 const char *moe_tokenizer_pre_name(const moe_tokenizer *tok) {
     return tok->pre_name;
 }

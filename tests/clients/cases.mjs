@@ -317,6 +317,53 @@ const cases = {
       (e) => assert.equal(e.param, 'tools'));
   },
 
+  // Structured output through the SDKs: forced tool calls (OpenAI required / named, streamed
+  // too; Anthropic any) always come back as calls with JSON arguments, json_schema replies parse.
+  async structured_output() {
+    const tools = [{ type: 'function', function: { name: 'get_weather', parameters: { type: 'object',
+      properties: { city: { type: 'string', maxLength: 8 }, unit: { enum: ['c', 'f'] } }, required: ['city'] } } }];
+    const ask = [{ role: 'user', content: 'Weather?' }];
+    for (let seed = 1; seed <= 5; seed++) {
+      const r = await oa.chat.completions.create({ model: 'x', messages: ask, tools, tool_choice: 'required',
+        max_tokens: 200, temperature: 1, seed });
+      assert.equal(r.choices[0].finish_reason, 'tool_calls');
+      const calls = r.choices[0].message.tool_calls;
+      assert.equal(calls.length, 1);
+      assert.equal(calls[0].function.name, 'get_weather');
+      const a = JSON.parse(calls[0].function.arguments);
+      assert.equal(typeof a.city, 'string');
+      assert.ok([...a.city].length <= 8);
+    }
+    const stream = await oa.chat.completions.create({ model: 'x', messages: ask, tools, stream: true,
+      tool_choice: { type: 'function', function: { name: 'get_weather' } }, max_tokens: 200, temperature: 1, seed: 9 });
+    let name = '', argText = '', finish = null;
+    for await (const chunk of stream) {
+      const c = chunk.choices[0];
+      for (const tc of c?.delta?.tool_calls ?? []) {
+        name += tc.function?.name ?? '';
+        argText += tc.function?.arguments ?? '';
+      }
+      finish = c?.finish_reason ?? finish;
+    }
+    assert.equal(name, 'get_weather');
+    assert.equal(finish, 'tool_calls');
+    assert.equal(typeof JSON.parse(argText).city, 'string');
+    const schema = { type: 'object', properties: { n: { type: 'integer', minimum: 1, maximum: 9 },
+      w: { enum: ['cat', 'dog'] } }, required: ['n', 'w'], additionalProperties: false };
+    const j = await oa.chat.completions.create({ model: 'x', messages: STORY, max_tokens: 100, temperature: 1, seed: 3,
+      response_format: { type: 'json_schema', json_schema: { name: 'pet', schema } } });
+    const v = JSON.parse(j.choices[0].message.content);
+    assert.ok(Number.isInteger(v.n) && v.n >= 1 && v.n <= 9 && ['cat', 'dog'].includes(v.w));
+    const m = await an.messages.create({ model: 'x', max_tokens: 200, temperature: 1, messages: ask,
+      tools: [{ name: 'get_weather', input_schema: tools[0].function.parameters }], tool_choice: { type: 'any' } });
+    assert.equal(m.stop_reason, 'tool_use');
+    const use = m.content.find((b) => b.type === 'tool_use');
+    assert.equal(use.name, 'get_weather');
+    assert.equal(typeof use.input.city, 'string');
+    await expectStatus(oa.chat.completions.create({ model: 'x', messages: ask, tools,
+      tool_choice: { type: 'function', function: { name: 'nope' } } }), 400, (e) => assert.equal(e.param, 'tool_choice'));
+  },
+
   async responses() {
     const req = { model: 'x', instructions: 'Tell stories.', input: 'A story about a cat.', max_output_tokens: 12, temperature: 0 };
     const r = await oa.responses.create(req);
