@@ -138,7 +138,7 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->layer_slot = moe_xcalloc(n_layer_run(m), sizeof *x->layer_slot);
     for (uint32_t il = 0, n_lin = 0; il < n_layer_run(m); il++)
         x->layer_slot[il] = moe_layer_state_of(c, il).k_values ? x->n_layer_kv++ : n_lin++;
-    x->trunk = x->stream = c->n_hc ? &moe_stream_hc : &moe_stream_plain;
+    x->stream = c->n_hc ? &moe_stream_hc : &moe_stream_plain;
     if (c->n_hc) moe_hc_alloc(x);
     x->k_cache = calloc(1, k_bytes ? k_bytes : 1);
     x->v_cache = calloc(1, v_bytes ? v_bytes : 1);
@@ -378,11 +378,12 @@ static const moe_mixer_block mixer_blocks[MOE_MIXER_COUNT] = {
     [MOE_MIXER_KDA] = moe_block_linear,
 };
 
-/* c->xn = RMSNorm of the stream's input to layer l's block at `site`. */
-static void block_input(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows) {
+/* c->xn = RMSNorm of stream s's input to layer l's block at `site`. */
+static void block_input(moe_ctx *c, const moe_stream_ops *s, const moe_layer_weights *l,
+                        moe_site site, uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
     const int64_t n_embd = cfg->n_embd;
-    const float *in = c->stream->pre(c, l, site, n_rows);
+    const float *in = s->pre(c, l, site, n_rows);
     c->x_in = in;
     const moe_tensor *norm = site == MOE_SITE_MIXER ? l->attn_norm : l->ffn_norm;
     for (uint32_t r = 0; r < n_rows; r++)
@@ -428,30 +429,31 @@ static moe_status check_rows(const moe_ctx *c, const moe_row *rows, uint32_t n_r
     return MOE_OK;
 }
 
-/* One layer over the rows in the stream: the mixer its plan names, then its FFN. */
-static void run_layer(moe_ctx *c, uint32_t il, const moe_row *rows, uint32_t n_rows) {
+/* One layer over the rows in stream s: the mixer its plan names, then its FFN. */
+static void run_layer(moe_ctx *c, const moe_stream_ops *s, uint32_t il, const moe_row *rows,
+                      uint32_t n_rows) {
     const moe_layer_weights *l = &c->m->layers[il];
-    block_input(c, l, MOE_SITE_MIXER, n_rows);
+    block_input(c, s, l, MOE_SITE_MIXER, n_rows);
     mixer_blocks[l->plan.mixer](c, l, il, rows, n_rows);
-    c->stream->post(c, l, MOE_SITE_MIXER, n_rows);
-    block_input(c, l, MOE_SITE_FFN, n_rows);
+    s->post(c, l, MOE_SITE_MIXER, n_rows);
+    block_input(c, s, l, MOE_SITE_FFN, n_rows);
     if (l->plan.ffn == MOE_FFN_EXPERTS)
         moe_block_ffn_experts(c, l, n_rows);
     else
         moe_block_ffn_dense(c, l, n_rows);
-    c->stream->post(c, l, MOE_SITE_FFN, n_rows);
+    s->post(c, l, MOE_SITE_FFN, n_rows);
 }
 
 /* The normed final hidden state of every row into c->hidden (what the MTP head takes), then
  * `head` times those of the rows that asked for logits, packed into logits. */
-static void output_head(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const moe_tensor *norm,
-                        const moe_tensor *head, float *logits) {
+static void output_head(moe_ctx *c, const moe_stream_ops *s, const moe_row *rows, uint32_t n_rows,
+                        const moe_tensor *norm, const moe_tensor *head, float *logits) {
     const moe_model_config *cfg = &c->m->cfg;
     const int64_t n_embd = cfg->n_embd;
     uint32_t n_out = 0;
     for (uint32_t r = 0; r < n_rows; r++) {
         float *h = c->hidden + r * n_embd;
-        moe_rmsnorm(h, c->stream->final(c, r), (const float *)norm->data, n_embd, cfg->rms_eps);
+        moe_rmsnorm(h, s->final(c, r), (const float *)norm->data, n_embd, cfg->rms_eps);
         if (rows[r].logits) /* xn is spent: the head's input, packed */
             memcpy(c->xn + n_out++ * n_embd, h, sizeof(float) * (size_t)n_embd);
     }
@@ -499,7 +501,7 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     if (m->cfg.embd_scale != 0.0f)
         for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->y[i] *= m->cfg.embd_scale;
     c->stream->begin(c, c->y, n_rows);
-    for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, il, rows, n_rows);
+    for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, c->stream, il, rows, n_rows);
     if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {
         /* the step's state is half written (linear layers advanced): its sequences start over */
         for (uint32_t r = 0; r < n_rows; r++) {
@@ -512,7 +514,7 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         c->seq_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
         c->tokens[(uint64_t)rows[r].seq * c->p.n_ctx + (uint32_t)rows[r].pos] = rows[r].token;
     }
-    output_head(c, rows, n_rows, m->output_norm, m->output, logits);
+    output_head(c, c->stream, rows, n_rows, m->output_norm, m->output, logits);
     return MOE_OK;
 }
 
@@ -572,16 +574,12 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
                     m->cfg.rms_eps);
     }
     moe_matmul(c->pool, w->eh_proj, 0, c->mtp_in, n_rows, c->y, c->mm_scratch);
-    c->stream = &moe_stream_plain; /* the NextN block is a plain pre-norm block */
-    c->stream->begin(c, c->y, n_rows);
-    run_layer(c, il, rows, n_rows);
-    if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {
-        c->stream = c->trunk;
-        return err->code;
-    }
+    const moe_stream_ops *plain = &moe_stream_plain; /* the NextN block: a plain pre-norm one */
+    plain->begin(c, c->y, n_rows);
+    run_layer(c, plain, il, rows, n_rows);
+    if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) return err->code;
     for (uint32_t r = 0; r < n_rows; r++) c->mtp_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
-    output_head(c, rows, n_rows, w->head_norm ? w->head_norm : m->output_norm,
+    output_head(c, plain, rows, n_rows, w->head_norm ? w->head_norm : m->output_norm,
                 w->head ? w->head : m->output, logits);
-    c->stream = c->trunk;
     return MOE_OK;
 }

@@ -134,8 +134,8 @@ struct moe_ctx {
     void *mm_scratch;                    /* activation rows converted for the dot kernels */
     float *att_gate;                     /* [max_rows][n_head * head_dim_v] attention output gate */
     float *shexp_gate;                   /* [max_rows] shared-expert gate logits */
-    const struct moe_stream_ops *stream; /* how block outputs join the residual stream */
-    const struct moe_stream_ops *trunk;  /* ... in the trunk's layers (MTP layers: plain) */
+    const struct moe_stream_ops *stream; /* how the trunk's block outputs join the residual
+                                          * stream (the NextN block's: always plain) */
     moe_hc_ctx hc;
     moe_expert_cache *expert_cache; /* NULL: the routed experts are resident */
     moe_index_ctx idx;
