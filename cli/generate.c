@@ -14,12 +14,6 @@
 
 #define PREFILL_CHUNK 256 /* rows per prefill forward call: bounds scratch, keeps batches big */
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 void moe_gen_options_default(moe_gen_options *o) {
     memset(o, 0, sizeof *o);
     o->n_predict = 128;
@@ -90,7 +84,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     g->opt = *o;
     g->tty = isatty(1);
     moe_error err = {0};
-    const double t0 = now_seconds();
+    const double t0 = moe_now();
     char *path = moe_arg_model_path(cmd, o->model_path);
     if (!path) return false;
     g->model = moe_model_load(path, &err);
@@ -161,7 +155,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
         g->mtp_tok = moe_xmalloc(sizeof(int32_t) * pending);
         g->mtp_logits = moe_xmalloc(sizeof(float) * n_vocab);
     }
-    g->load_seconds = now_seconds() - t0;
+    g->load_seconds = moe_now() - t0;
     return true;
 }
 
@@ -214,7 +208,7 @@ static bool mtp_take(moe_gen *g, const int32_t *ids, uint32_t n, moe_error *err)
 }
 
 bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
-    const double t0 = now_seconds();
+    const double t0 = moe_now();
     for (size_t done = 0; done < n;) {
         uint32_t chunk = n - done < PREFILL_CHUNK ? (uint32_t)(n - done) : PREFILL_CHUNK;
         const uint32_t base = moe_ctx_seq_len(g->ctx, 0);
@@ -230,7 +224,7 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
         done += chunk;
     }
     g->n_prompt += n;
-    g->prompt_seconds += now_seconds() - t0;
+    g->prompt_seconds += moe_now() - t0;
     return true;
 }
 
@@ -370,7 +364,7 @@ static emit_result step(moe_gen *g, emitter *e, int32_t token, int64_t budget, i
 }
 
 bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err) {
-    const double t0 = now_seconds();
+    const double t0 = moe_now();
     /* the first piece after BOS carries SentencePiece's dummy-prefix space: drop it */
     emitter e = {
         .detok = moe_detok_new(g->tok, MOE_DECODE_SKIP_SPECIAL |
@@ -410,7 +404,7 @@ bool moe_gen_run(moe_gen *g, int64_t n_predict, const char *stop, moe_error *err
     }
     fflush(stdout);
     moe_detok_free(e.detok);
-    g->gen_seconds += now_seconds() - t0;
+    g->gen_seconds += moe_now() - t0;
     return r != EMIT_ERROR;
 }
 

@@ -27,7 +27,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 #define DIRECT_ALIGN 4096 /* O_DIRECT's offset, length and buffer alignment */
@@ -78,7 +77,8 @@ struct moe_expert_cache {
     pthread_cond_t work, done;
     int32_t queue[READ_AHEAD_MAX]; /* slot ids, FIFO */
     uint32_t q_head, q_len;
-    int reader_bounce; /* its bounce buffer: the one after the pool threads' */
+    uint32_t n_loading; /* slots queued or being read by the reader thread */
+    int reader_bounce;  /* its bounce buffer: the one after the pool threads' */
 };
 
 /* Matrix k of a layer's experts: 0 gate (or the fused gate_up of Gemma 4: then a slot holds two
@@ -92,12 +92,6 @@ static const moe_tensor *expert_tensor(const moe_model *m, uint32_t il, int k) {
 
 static uint64_t slice_bytes(const moe_tensor *t) {
     return t ? t->n_bytes / (uint64_t)t->ne[2] : 0;
-}
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* ==== Reading ==== */
@@ -180,6 +174,7 @@ static void *reader_main(void *arg) {
         const bool ok = read_expert(c, (uint32_t)job.layer, job.expert, s, c->reader_bounce, &err);
         pthread_mutex_lock(&c->mu);
         c->slots[s].loading = false;
+        c->n_loading--;
         if (ok) {
             c->stats.bytes_read += c->slot_bytes;
             c->stats.read_ahead++;
@@ -194,13 +189,6 @@ static void *reader_main(void *arg) {
 }
 
 /* ==== Slots ==== */
-
-/* Slots the reader thread is filling (under mu). */
-static uint32_t loading(const moe_expert_cache *c) {
-    uint32_t n = 0;
-    for (uint32_t i = 0; i < c->n_slots; i++) n += c->slots[i].loading;
-    return n;
-}
 
 /* A slot for a new expert: an empty one, else the unpinned one used least (least recently among
  * equals); -1 when every slot is pinned. */
@@ -244,7 +232,7 @@ static void view_of(const moe_expert_cache *c, uint32_t il, int32_t slot_id, moe
 static void read_ahead(moe_expert_cache *c, uint32_t il) {
     const uint32_t n_expert = c->m->cfg.n_expert;
     /* only in a cache with room to spare: a step's own experts must always find slots */
-    if (c->n_slots < 4 * c->m->cfg.n_expert_used || loading(c) >= c->n_slots / 4) return;
+    if (c->n_slots < 4 * c->m->cfg.n_expert_used || c->n_loading >= c->n_slots / 4) return;
     uint32_t next = il + 1;
     while (next < c->n_layer && !expert_tensor(c->m, next, 0)) next++;
     if (next >= c->n_layer) return;
@@ -266,6 +254,7 @@ static void read_ahead(moe_expert_cache *c, uint32_t il) {
         *v =
             (slot){.layer = (int32_t)next, .expert = best, .last_use = ++c->clock, .loading = true};
         slot_of[best] = s;
+        c->n_loading++;
         c->queue[(c->q_head + c->q_len++) % READ_AHEAD_MAX] = s;
         pthread_cond_signal(&c->work);
     }
@@ -282,9 +271,9 @@ static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
         c->uses[(uint64_t)il * n_expert + (uint32_t)ids[i]]++;
         int32_t s = slot_of[ids[i]];
         if (s >= 0 && c->slots[s].loading) { /* read ahead, still arriving: wait for it */
-            const double t0 = now_seconds();
+            const double t0 = moe_now();
             while (c->slots[s].loading) pthread_cond_wait(&c->done, &c->mu);
-            c->stats.read_seconds += now_seconds() - t0;
+            c->stats.read_seconds += moe_now() - t0;
             s = slot_of[ids[i]]; /* -1 when the read failed */
         }
         if (s < 0) continue;
@@ -295,7 +284,7 @@ static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
     for (int i = 0; i < n; i++) {
         if (slot_of[ids[i]] >= 0) continue;
         int32_t s = victim(c);
-        while (s < 0 && c->q_len + loading(c) > 0) { /* slots being read ahead: wait for one */
+        while (s < 0 && c->n_loading > 0) { /* slots being read ahead: wait for one */
             pthread_cond_wait(&c->done, &c->mu);
             s = victim(c);
         }
@@ -323,11 +312,11 @@ static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
     read_ahead(c, il);
     pthread_mutex_unlock(&c->mu);
     if (n_miss) { /* the misses' slots are pinned and not loading: the reader leaves them */
-        const double t0 = now_seconds();
+        const double t0 = moe_now();
         c->miss_layer = il;
         moe_pool_for(c->pool, n_miss, 1, read_misses, c);
         pthread_mutex_lock(&c->mu);
-        c->stats.read_seconds += now_seconds() - t0;
+        c->stats.read_seconds += moe_now() - t0;
         c->stats.misses += (uint64_t)n_miss;
         c->stats.bytes_read += (uint64_t)n_miss * (slice_bytes(expert_tensor(c->m, il, 0)) +
                                                    slice_bytes(expert_tensor(c->m, il, 1)) +

@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../ops/ops.h"
+
 #define MOE_PENALTY_WINDOW_MAX 8192 /* recent tokens kept for penalties */
 
 struct moe_sampler {
@@ -169,13 +171,6 @@ moe_sample moe_sampler_score(moe_sampler *s, const float *logits, int32_t token)
     return out;
 }
 
-static int32_t argmax(const float *v, uint32_t n) {
-    int32_t best = 0;
-    for (uint32_t i = 1; i < n; i++)
-        if (v[i] > v[best]) best = (int32_t)i;
-    return best;
-}
-
 /* A draw at temperature t among order[0..keep) (max: the largest of their values). */
 static int32_t draw(moe_sampler *s, uint32_t keep, float max, float t) {
     double total = 0.0;
@@ -247,8 +242,8 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
                                                       p->top_p >= 1.0f && p->min_p <= 0.0f);
         const bool pays = s->first_hits * 2 >= s->first_tries || s->grammar_steps++ % 16 == 0;
         if (plain && !n_top && pays) {
-            const int32_t first =
-                p->temperature <= 0.0f ? argmax(s->work, n) : draw_all(s, n, max, p->temperature);
+            const int32_t first = p->temperature <= 0.0f ? moe_argmax(s->work, n)
+                                                         : draw_all(s, n, max, p->temperature);
             const bool taken = moe_grammar_state_can_take(s->grammar, first);
             s->first_hits += taken;
             if (++s->first_tries == 64) {
@@ -276,7 +271,7 @@ moe_sample moe_sampler_sample(moe_sampler *s, const float *logits) {
                 z += s->work[i] == -INFINITY ? 0.0 : exp((double)(s->work[i] - max));
     }
     if (p->temperature <= 0.0f) {
-        out.token = argmax(s->work, n);
+        out.token = moe_argmax(s->work, n);
         if (n_top) select_top(s, n, n_top);
     } else {
         /* llama.cpp's order: top-k, top-p, min-p on the untempered distribution, then the

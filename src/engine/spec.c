@@ -12,6 +12,8 @@
 
 #include <string.h>
 
+#include "../ops/ops.h"
+
 uint32_t moe_draft_ngram(const int32_t *hist, uint32_t n_hist, uint32_t max_draft, int32_t *out) {
     /* the longest suffix first: it predicts best; an earlier match only if none later */
     for (uint32_t len = MOE_NGRAM_MAX < n_hist ? MOE_NGRAM_MAX : n_hist; len >= 1; len--) {
@@ -24,13 +26,6 @@ uint32_t moe_draft_ngram(const int32_t *hist, uint32_t n_hist, uint32_t max_draf
         }
     }
     return 0;
-}
-
-static int32_t argmax(const float *x, uint32_t n) {
-    uint32_t best = 0;
-    for (uint32_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return (int32_t)best;
 }
 
 uint32_t moe_draft_mtp(moe_ctx *c, int32_t seq, const float *h, const int32_t *tokens,
@@ -55,7 +50,7 @@ uint32_t moe_draft_mtp(moe_ctx *c, int32_t seq, const float *h, const int32_t *t
     float *g = c->mtp_h;
     uint32_t n = 0;
     while (n < n_draft) {
-        drafts[n] = argmax(logits, n_vocab);
+        drafts[n] = moe_argmax(logits, n_vocab);
         if (++n == n_draft) break;
         uint32_t n_h;
         const float *last = moe_ctx_hidden(c, &n_h) + (size_t)(n_h - 1) * n_embd;

@@ -33,6 +33,13 @@ void moe_layernorm(float *out, const float *x, const float *w, const float *b, i
     for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mean) * scale * w[i] + b[i];
 }
 
+int32_t moe_argmax(const float *v, uint32_t n) {
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (v[i] > v[best]) best = i;
+    return (int32_t)best;
+}
+
 void moe_swiglu(float *x, const float *gate, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         const float g = gate[i];

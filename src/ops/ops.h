@@ -21,6 +21,8 @@ void moe_rmsnorm(float *out, const float *x, const float *w, int64_t n, float ep
 /* out = (x - mean(x)) / sqrt(var(x) + eps) * w + b (LayerNorm); out may alias x. */
 void moe_layernorm(float *out, const float *x, const float *w, const float *b, int64_t n,
                    float eps);
+/* The index of the largest of v[0..n) (the first on a tie). */
+int32_t moe_argmax(const float *v, uint32_t n);
 /* x[i] = silu(gate[i]) * x[i] (SwiGLU: x holds `up`). */
 void moe_swiglu(float *x, const float *gate, int64_t n);
 /* gpt-oss's clamped SwiGLU (ggml swiglu_oai): g = min(gate, limit), u = clamp(x, +-limit),
