@@ -463,7 +463,7 @@ static bool origin_is_host(const char *origin, const char *host) {
     const size_t n = strcspn(host, ", ");
     const char *rest = strncmp(origin, "http://", 7) == 0    ? origin + 7
                        : strncmp(origin, "https://", 8) == 0 ? origin + 8
-                                                              : NULL;
+                                                             : NULL;
     return rest && n && strlen(rest) == n && strncasecmp(rest, host, n) == 0;
 }
 
