@@ -551,33 +551,32 @@ static const char format_cases[] =
     "\"name\":\"person\",\"schema\":" PERSON_SCHEMA "}}}}"
     "]";
 
-static void structured_output_in_model_formats(void **state) {
-    (void)state;
-    static const char *const templates[] = {"templates/deepseek-ai-DeepSeek-V3.1.jinja",
-                                            "templates/meta-llama-Llama-3.1-8B-Instruct.jinja",
-                                            "templates/mistralai-Mistral-Nemo-Instruct-2407.jinja"};
-    for (size_t i = 0; i < sizeof templates / sizeof *templates; i++) {
+/* Each template (in ../shared) in stories260K's GGUF, served the cases. */
+static void served_with_templates(const char *const *templates, size_t n, const char *cases) {
+    for (size_t i = 0; i < n; i++) {
         char name[32];
         snprintf(name, sizeof name, "format%zu", i);
         const char *model = moe_test_chat_model(name, templates[i]);
         MOE_SKIP_IF_NULL(model);
         print_message("    %s:\n", templates[i]);
-        served_by_cases(model, format_cases);
+        served_by_cases(model, cases);
     }
+}
+
+static void structured_output_in_model_formats(void **state) {
+    (void)state;
+    static const char *const templates[] = {"templates/deepseek-ai-DeepSeek-V3.1.jinja",
+                                            "templates/meta-llama-Llama-3.1-8B-Instruct.jinja",
+                                            "templates/mistralai-Mistral-Nemo-Instruct-2407.jinja"};
+    served_with_templates(templates, sizeof templates / sizeof *templates, format_cases);
     static const char *const call_templates[] = {"templates/Qwen3-Coder.jinja",
                                                  "templates/GLM-4.7-Flash.jinja",
                                                  "templates/MiniMax-M2.jinja",
                                                  "templates/deepseek-ai-DeepSeek-V3.2.jinja",
                                                  "templates/google-gemma-4-31B-it.jinja",
                                                  "templates/openai-gpt-oss-120b.jinja"};
-    for (size_t i = 0; i < sizeof call_templates / sizeof *call_templates; i++) {
-        char name[32];
-        snprintf(name, sizeof name, "calls%zu", i);
-        const char *model = moe_test_chat_model(name, call_templates[i]);
-        MOE_SKIP_IF_NULL(model);
-        print_message("    %s:\n", call_templates[i]);
-        served_by_cases(model, forced_call_cases);
-    }
+    served_with_templates(call_templates, sizeof call_templates / sizeof *call_templates,
+                          forced_call_cases);
 }
 
 static void structured_output_stories260k(void **state) {
