@@ -277,8 +277,27 @@ void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx) {
     matmul_observer_ctx = ctx;
 }
 
+/* MOE_PROFILE: a pass is recorded under its first tensor's name less the layer ("blk.N."), with
+ * the weight bytes of all its tasks. */
+static void matmul_profile(const moe_matmul_task *tasks, int n_tasks, double start) {
+    const double seconds = moe_now() - start;
+    double bytes = 0;
+    for (int i = 0; i < n_tasks; i++)
+        bytes +=
+            (double)tasks[i].w->ne[1] * moe_type_row_bytes(tasks[i].w->type, tasks[i].w->ne[0]);
+    const char *name = tasks[0].w->name.ptr;
+    size_t len = tasks[0].w->name.len;
+    if (len > 4 && !memcmp(name, "blk.", 4)) {
+        size_t i = 4;
+        while (i < len && name[i] != '.') i++;
+        if (i < len) name += i + 1, len -= i + 1;
+    }
+    moe_profile_add(name, len, seconds, bytes);
+}
+
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) {
     MOE_CHECK(n_tasks >= 0 && n_tasks <= MOE_MATMUL_MANY_MAX);
+    const double start = n_tasks && moe_profile_on() ? moe_now() : 0;
     if (matmul_observer)
         for (int i = 0; i < n_tasks; i++)
             matmul_observer(matmul_observer_ctx, tasks[i].w, tasks[i].matrix, tasks[i].x,
@@ -297,6 +316,7 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
         m.first[i + 1] = m.first[i] + (m.jobs[i].n_out + chunk - 1) / chunk;
     }
     moe_pool_for(pool, m.first[n_tasks], 1, matmul_many_items, &m);
+    if (start > 0) matmul_profile(tasks, n_tasks, start);
 }
 
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
