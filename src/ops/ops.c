@@ -200,6 +200,26 @@ typedef struct matmul_job {
 #define MATMUL_W_BLOCK 16
 #define MATMUL_X_TILE  (192u << 10)
 
+/* The weight stream through a chunk of rows is one run of addresses, but the hardware
+ * prefetcher starts over at every 4 KiB page and at the chunk's start; so while a block of rows
+ * computes, the bytes MATMUL_PREFETCH ahead of it (up to the matrix's end) are requested in
+ * software, and a chunk's first bytes before its first row. */
+#define MATMUL_PREFETCH (4u << 10)
+
+static inline void prefetch_bytes(const uint8_t *p, const uint8_t *end) {
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+/* Rows [o0, o1) are about to be read for the first time (the caller's chunk starts at begin). */
+static void matmul_prefetch_ahead(const matmul_job *j, int64_t begin, int64_t o0, int64_t o1) {
+    const uint8_t *w = j->wbase + (uint64_t)o0 * j->w_row_bytes,
+                  *w_end = j->wbase + (uint64_t)o1 * j->w_row_bytes,
+                  *m_end = j->wbase + (uint64_t)j->n_out * j->w_row_bytes;
+    const uint8_t *from = o0 == begin ? w : w + MATMUL_PREFETCH,
+                  *to = w_end + MATMUL_PREFETCH < m_end ? w_end + MATMUL_PREFETCH : m_end;
+    prefetch_bytes(from, to);
+}
+
 static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
     const matmul_job *j = arg;
@@ -207,6 +227,7 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     tile = tile < 4 ? 4 : tile & ~(int64_t)3; /* whole groups of the 4-row kernels */
     for (int64_t o0 = begin; o0 < end; o0 += MATMUL_W_BLOCK) {
         const int64_t o1 = o0 + MATMUL_W_BLOCK < end ? o0 + MATMUL_W_BLOCK : end;
+        matmul_prefetch_ahead(j, begin, o0, o1);
         for (int64_t r0 = 0; r0 < j->n_rows; r0 += tile) {
             const int64_t nr = j->n_rows - r0 < tile ? j->n_rows - r0 : tile;
             const uint8_t *x = j->xq + (uint64_t)r0 * j->xq_row_bytes;
@@ -226,6 +247,13 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
             }
         }
     }
+}
+
+void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes) {
+    if (!w->data) return;
+    const uint64_t m_bytes = (uint64_t)w->ne[1] * moe_type_row_bytes(w->type, w->ne[0]);
+    const uint8_t *m = w->data + (uint64_t)matrix * m_bytes;
+    prefetch_bytes(m, m + (bytes < m_bytes ? bytes : m_bytes));
 }
 
 /* One task made ready: activation rows converted once for the weight type's dot. */
