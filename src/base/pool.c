@@ -236,7 +236,11 @@ void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, v
      * left: it is on its way out), then open this one */
     const uint64_t g = atomic_load_explicit(&p->generation, memory_order_relaxed);
     atomic_store(&p->generation, g + 1);
-    while (atomic_load(&p->n_inside) > 0) cpu_relax();
+    for (int polls = 0; atomic_load(&p->n_inside) > 0; polls++)
+        if (polls < POOL_POLLS)
+            cpu_relax();
+        else
+            sched_yield(); /* it was descheduled on its way out */
     p->fn = fn;
     p->arg = arg;
     p->n_items = n_items;
