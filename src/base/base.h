@@ -108,8 +108,6 @@ typedef void (*moe_pool_fn)(void *arg, int64_t begin, int64_t end, int thread);
 moe_pool *moe_pool_new(int n_threads); /* n_threads includes the caller */
 void moe_pool_free(moe_pool *p);
 int moe_pool_n_threads(const moe_pool *p); /* 1 for a NULL pool */
-/* Times a worker was found late (preempted holding a chunk) and benched for a while. */
-uint64_t moe_pool_late_count(const moe_pool *p);
 /* Run fn over [0, n_items) in chunks of `chunk`, on all threads; returns when all are done.
  * A NULL pool runs everything on the caller. */
 void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, void *arg);

@@ -13,12 +13,12 @@
  * microseconds on a busy machine, as much as a small expert's matvec); a spinning one picks the
  * job up within a cache miss.
  *
- * Under contention (another process running on one of our cores) spinning is wrong twice over:
- * the spinner takes time from whoever shares its core, and a worker preempted while it holds a
- * chunk makes the caller wait a whole scheduler slice for it. So a worker that finds it was
- * descheduled while polling sleeps at once, and a caller that waits on a chunk far longer than
- * the job took it benches the workers still holding chunks: they skip jobs for POOL_BENCH_S
- * (doubling while the lateness repeats), and the remaining threads take all the chunks.
+ * Under contention (another process running on one of our cores) a spinner takes time from
+ * whoever shares its core, so a worker that finds it was descheduled while polling sleeps at
+ * once. A worker preempted while it holds a chunk still makes the caller wait for that chunk
+ * (yielding its core meanwhile). Benching such a worker for a while, the others taking all the
+ * chunks, was tried: on a machine oversubscribed by other processes it gave up the worker's
+ * share of the CPU and prefill fell by a quarter, so it is not done.
  * Results never depend on which thread ran which chunk (jobs write disjoint outputs; per-thread
  * scratch is indexed by `thread`, which stays each thread's own).
  *
@@ -39,25 +39,16 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define POOL_SPIN_S      300e-6 /* a worker polls this long for the next job before it sleeps */
-#define POOL_GAP_S       50e-6  /* a pause between two clock reads this long: we were descheduled */
-#define POOL_POLLS       64     /* polls between two clock reads (~2 us of pauses) */
-#define POOL_LATE_S      100e-6 /* a caller waiting 2x its own share plus this: a worker is late */
-#define POOL_BENCH_S     10e-3 /* first time a late worker sits out; doubles up to POOL_BENCH_MAX_S */
-#define POOL_BENCH_MAX_S 0.32
-
-typedef struct pool_worker {
-    pthread_t thread;
-    atomic_bool holding; /* running a chunk of the current job */
-    atomic_bool benched; /* skips jobs (set and cleared by the caller) */
-} pool_worker;
+#define POOL_SPIN_S    300e-6 /* a worker polls this long for the next job before it sleeps */
+#define POOL_GAP_S     50e-6  /* a pause between two clock reads this long: we were descheduled */
+#define POOL_POLLS     64     /* polls between two clock reads (~2 us of pauses) */
+#define POOL_WAIT_SPIN 20000  /* the caller's polls (a pause each, ~0.3 ms) before it yields */
 
 struct moe_pool {
-    int n_threads;        /* including the caller */
-    pool_worker *workers; /* [n_threads]; [0] is the caller's and unused */
+    int n_threads; /* including the caller */
+    pthread_t *threads;
     pthread_mutex_t mu;
-    pthread_cond_t wake;   /* a job is open */
-    pthread_cond_t rejoin; /* the benched workers may take jobs again */
+    pthread_cond_t wake; /* a job is open, or the stop */
     /* even: job generation/2 is open (its fields are set); odd: the caller is writing the next */
     atomic_uint_fast64_t generation;
     atomic_int n_inside; /* workers that entered the open job and have not left it */
@@ -68,10 +59,6 @@ struct moe_pool {
     int64_t n_items, chunk;
     atomic_int_fast64_t next; /* first item not handed out */
     atomic_int_fast64_t done; /* items finished */
-    /* contention (the caller's own) */
-    int n_benched;
-    double bench_until, bench_s, unbenched_at;
-    uint64_t n_late; /* times a late worker was benched */
 };
 
 static void run_chunks(moe_pool *p, int thread) {
@@ -79,9 +66,7 @@ static void run_chunks(moe_pool *p, int thread) {
         const int64_t begin = atomic_fetch_add(&p->next, p->chunk);
         if (begin >= p->n_items) break;
         const int64_t end = begin + p->chunk < p->n_items ? begin + p->chunk : p->n_items;
-        if (thread) atomic_store_explicit(&p->workers[thread].holding, true, memory_order_relaxed);
         p->fn(p->arg, begin, end, thread);
-        if (thread) atomic_store_explicit(&p->workers[thread].holding, false, memory_order_relaxed);
         atomic_fetch_add_explicit(&p->done, end - begin, memory_order_release);
     }
 }
@@ -91,44 +76,35 @@ typedef struct worker_arg {
     int index;
 } worker_arg;
 
-/* Whether the worker has something to do: the stop, or (unless benched) an open job it has not
- * seen. */
-static bool worker_called(moe_pool *p, const pool_worker *me, uint64_t seen) {
-    if (atomic_load_explicit(&p->stop, memory_order_relaxed)) return true;
-    if (atomic_load_explicit(&me->benched, memory_order_relaxed)) return false;
+/* Whether the worker has something to do: an open job it has not seen, or the stop. */
+static bool worker_called(moe_pool *p, uint64_t seen) {
     const uint64_t g = atomic_load_explicit(&p->generation, memory_order_acquire);
-    return g != seen && !(g & 1);
+    return (g != seen && !(g & 1)) || atomic_load_explicit(&p->stop, memory_order_relaxed);
 }
 
 static void *worker(void *varg) {
     worker_arg wa = *(worker_arg *)varg;
     free(varg);
     moe_pool *p = wa.pool;
-    pool_worker *me = &p->workers[wa.index];
     uint64_t seen = 0;
     for (;;) {
         /* poll while the jobs keep coming and nothing takes our core, else sleep */
         const double start = moe_now();
         double last = start;
-        while (!worker_called(p, me, seen) &&
-               !atomic_load_explicit(&me->benched, memory_order_relaxed)) {
-            for (int i = 0; i < POOL_POLLS && !worker_called(p, me, seen); i++) cpu_relax();
+        while (!worker_called(p, seen)) {
+            for (int i = 0; i < POOL_POLLS && !worker_called(p, seen); i++) cpu_relax();
             const double now = moe_now();
             if (now - start > POOL_SPIN_S || now - last > POOL_GAP_S) break;
             last = now;
         }
-        if (!worker_called(p, me, seen)) {
+        if (!worker_called(p, seen)) {
             pthread_mutex_lock(&p->mu);
-            while (!worker_called(p, me, seen))
-                pthread_cond_wait(atomic_load_explicit(&me->benched, memory_order_relaxed)
-                                      ? &p->rejoin
-                                      : &p->wake,
-                                  &p->mu);
+            while (!worker_called(p, seen)) pthread_cond_wait(&p->wake, &p->mu);
             pthread_mutex_unlock(&p->mu);
         }
         if (atomic_load(&p->stop)) break;
         const uint64_t g = atomic_load_explicit(&p->generation, memory_order_acquire);
-        if ((g & 1) || g == seen) continue; /* benched meanwhile, or the caller is between jobs */
+        if ((g & 1) || g == seen) continue; /* the caller is between jobs */
         seen = g;
         /* enter, then check the job is still the one seen: the caller closes a job (odd
          * generation) before it waits for n_inside to drop, so one of the two sees the other */
@@ -146,22 +122,16 @@ moe_pool *moe_pool_new(int n_threads) {
     p->n_threads = n_threads;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
-    pthread_cond_init(&p->rejoin, NULL);
     atomic_init(&p->generation, 0);
     atomic_init(&p->n_inside, 0);
     atomic_init(&p->stop, false);
     atomic_init(&p->next, 0);
     atomic_init(&p->done, 0);
-    p->bench_s = POOL_BENCH_S;
-    p->workers = moe_xcalloc((size_t)n_threads, sizeof(pool_worker));
-    for (int i = 0; i < n_threads; i++) {
-        atomic_init(&p->workers[i].holding, false);
-        atomic_init(&p->workers[i].benched, false);
-    }
+    p->threads = moe_xcalloc((size_t)n_threads, sizeof(pthread_t));
     for (int i = 1; i < n_threads; i++) {
         worker_arg *wa = moe_xmalloc(sizeof *wa);
         *wa = (worker_arg){p, i};
-        if (pthread_create(&p->workers[i].thread, NULL, worker, wa) != 0)
+        if (pthread_create(&p->threads[i], NULL, worker, wa) != 0)
             moe_die("cannot create thread %d of %d", i, n_threads);
     }
     return p;
@@ -172,13 +142,11 @@ void moe_pool_free(moe_pool *p) {
     pthread_mutex_lock(&p->mu);
     atomic_store(&p->stop, true);
     pthread_cond_broadcast(&p->wake);
-    pthread_cond_broadcast(&p->rejoin);
     pthread_mutex_unlock(&p->mu);
-    for (int i = 1; i < p->n_threads; i++) pthread_join(p->workers[i].thread, NULL);
+    for (int i = 1; i < p->n_threads; i++) pthread_join(p->threads[i], NULL);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->wake);
-    pthread_cond_destroy(&p->rejoin);
-    free(p->workers);
+    free(p->threads);
     free(p);
 }
 
@@ -186,49 +154,18 @@ int moe_pool_n_threads(const moe_pool *p) {
     return p ? p->n_threads : 1;
 }
 
-uint64_t moe_pool_late_count(const moe_pool *p) {
-    return p ? p->n_late : 0;
-}
-
-/* ==== Contention ==== */
-
-/* The benched workers rejoin once their time is up. */
-static void pool_unbench(moe_pool *p, double now) {
-    if (now < p->bench_until) return;
-    for (int i = 1; i < p->n_threads; i++)
-        atomic_store_explicit(&p->workers[i].benched, false, memory_order_relaxed);
-    pthread_mutex_lock(&p->mu); /* a worker checks its flag under the mutex before it waits */
-    pthread_cond_broadcast(&p->rejoin);
-    pthread_mutex_unlock(&p->mu);
-    p->n_benched = 0;
-    p->unbenched_at = now;
-}
-
-/* The caller has waited too long on chunks: bench the workers that hold them. Lateness soon
- * after the last rejoin means the contention goes on: each time, twice as long. */
-static void pool_bench_late(moe_pool *p, double now) {
-    int n = 0;
-    for (int i = 1; i < p->n_threads; i++)
-        if (atomic_load_explicit(&p->workers[i].holding, memory_order_relaxed) &&
-            !atomic_load_explicit(&p->workers[i].benched, memory_order_relaxed)) {
-            atomic_store_explicit(&p->workers[i].benched, true, memory_order_relaxed);
-            n++;
-        }
-    if (!n) return;
-    p->bench_s = p->unbenched_at > 0 && now - p->unbenched_at < 2 * p->bench_s
-                     ? (2 * p->bench_s < POOL_BENCH_MAX_S ? 2 * p->bench_s : POOL_BENCH_MAX_S)
-                     : POOL_BENCH_S;
-    p->n_benched += n;
-    p->bench_until = now + p->bench_s;
-    p->n_late++;
+/* Spin a while, then give the core away (to a worker that shares it, say). */
+static void pool_wait_poll(int polls) {
+    if (polls < POOL_WAIT_SPIN)
+        cpu_relax();
+    else
+        sched_yield();
 }
 
 void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, void *arg) {
     if (n_items <= 0) return;
     if (chunk < 1) chunk = 1;
-    const double start = p && p->n_threads > 1 ? moe_now() : 0;
-    if (p && p->n_benched) pool_unbench(p, start);
-    if (!p || p->n_threads == 1 || n_items <= chunk || p->n_benched == p->n_threads - 1) {
+    if (!p || p->n_threads == 1 || n_items <= chunk) {
         fn(arg, 0, n_items, 0);
         return;
     }
@@ -236,11 +173,7 @@ void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, v
      * left: it is on its way out), then open this one */
     const uint64_t g = atomic_load_explicit(&p->generation, memory_order_relaxed);
     atomic_store(&p->generation, g + 1);
-    for (int polls = 0; atomic_load(&p->n_inside) > 0; polls++)
-        if (polls < POOL_POLLS)
-            cpu_relax();
-        else
-            sched_yield(); /* it was descheduled on its way out */
+    for (int polls = 0; atomic_load(&p->n_inside) > 0; polls++) pool_wait_poll(polls);
     p->fn = fn;
     p->arg = arg;
     p->n_items = n_items;
@@ -253,20 +186,7 @@ void moe_pool_for(moe_pool *p, int64_t n_items, int64_t chunk, moe_pool_fn fn, v
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
     run_chunks(p, 0);
-    if (atomic_load_explicit(&p->done, memory_order_acquire) == n_items) return;
-    const double ran = moe_now(), busy = ran - start;
-    bool checked = false;
-    for (int polls = 0; atomic_load_explicit(&p->done, memory_order_acquire) < n_items; polls++) {
-        if (polls < POOL_POLLS) {
-            cpu_relax();
-            continue;
-        }
-        polls = 0;
-        const double now = moe_now();
-        if (!checked && now - ran > 2 * busy + POOL_LATE_S) {
-            pool_bench_late(p, now);
-            checked = true;
-        }
-        if (now - ran > POOL_SPIN_S) sched_yield(); /* the late worker may share our core */
-    }
+    /* only chunks still running are waited for, not workers that never took one */
+    for (int polls = 0; atomic_load_explicit(&p->done, memory_order_acquire) < n_items; polls++)
+        pool_wait_poll(polls);
 }
