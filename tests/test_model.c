@@ -921,10 +921,10 @@ static void fast_path_parity_rule(void **state) {
     fast_rule_check("gemma4-moe-q4_0", GEMMA4_Q8_ACT_SLACK);
 }
 
-/* A Q8_0 KV cache on the F32 fixtures whose heads are whole blocks: every row within
- * KV_Q8_0_TOL of the f32 cache's logits, the argmax equal wherever the f32 cache's top-2 margin
- * exceeds twice that; and a model whose heads are not (deepseek2's 48-value latent row) is
- * refused with the layer named. */
+/* A Q8_0 KV cache on the F32 fixtures whose heads are whole blocks: 34 bytes per 32 values in
+ * the memory plan, every row within KV_Q8_0_TOL of the f32 cache's logits, the argmax equal
+ * wherever the f32 cache's top-2 margin exceeds twice that; and a model whose heads are not
+ * (deepseek2's 48-value latent row) is refused with the layer named. */
 static void kv_q8_0_close_to_f32(void **state) {
     (void)state;
     static const char *const names[] = {"qwen3next-f32", "qwen35-mtp-f32"};
@@ -936,6 +936,13 @@ static void kv_q8_0_close_to_f32(void **state) {
               *q8 = moe_xmalloc(sizeof(float) * f.n * nv);
         teacher_forced_kv(&f, MOE_TYPE_F32, exact);
         teacher_forced_kv(&f, MOE_TYPE_Q8_0, q8);
+        moe_ctx_memory plan_f32, plan_q8; /* 34 bytes per 32 values against 128 */
+        moe_error err = {0};
+        moe_ctx_params cp = {.n_ctx = 64, .kv_type = MOE_TYPE_F32};
+        assert_int_equal(moe_ctx_memory_plan(f.m, &cp, &plan_f32, &err), MOE_OK);
+        cp.kv_type = MOE_TYPE_Q8_0;
+        assert_int_equal(moe_ctx_memory_plan(f.m, &cp, &plan_q8, &err), MOE_OK);
+        assert_int_equal(plan_q8.kv_bytes_per_token * 128, plan_f32.kv_bytes_per_token * 34);
         const double worst = worst_row_rel_err(q8, exact, f.n, nv);
         print_message("%s, q8_0 KV vs f32 KV: worst row rel err %.3g, mean KL %.3g (limit %g)\n",
                       names[i], worst, mean_kl(q8, exact, f.n, nv), KV_Q8_0_TOL);
