@@ -691,7 +691,7 @@ MOE_INLINE __m256 load8_kv(const void *x, moe_type kv_type, int i) {
     if (kv_type == MOE_TYPE_Q8_0) {
         const moe_block_q8_0 *b = (const moe_block_q8_0 *)x + i / MOE_QK32;
         const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + i % 32)));
-        return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(moe_fp16_to_f32(b->d)));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(avx2_fp16(b->d)));
     }
     return kv_type == MOE_TYPE_F16
                ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)))

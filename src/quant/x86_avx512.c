@@ -957,7 +957,7 @@ MOE_INLINE __m512 z_load16_kv(const void *x, moe_type kv_type, int i) {
     if (kv_type == MOE_TYPE_Q8_0) {
         const moe_block_q8_0 *b = (const moe_block_q8_0 *)x + i / MOE_QK32;
         const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b->qs + i % 32)));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(moe_fp16_to_f32(b->d)));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(avx2_fp16(b->d)));
     }
     return kv_type == MOE_TYPE_F16 ? _mm512_cvtph_ps(avx2_load((const uint16_t *)x + i))
                                    : _mm512_loadu_ps((const float *)x + i);
