@@ -14,7 +14,8 @@
 static const char labels_usage[] =
     "usage: moe eval labels MODEL|URL --records F.jsonl [--reverse-options] [-o|--out OUT.jsonl] "
     "[--json]\n"
-    "         [-t N] [--kv-type f32|f16] [--chat-template-file F.jinja] [--api-key K] [--model "
+    "         [-t N] [--kv-type f32|f16|q8_0] [--chat-template-file F.jinja] [--api-key K] "
+    "[--model "
     "NAME]\n\n"
     "Each record (a JSON object per line): \"prompt\" (text) or \"messages\" (a chat, rendered "
     "with\n"

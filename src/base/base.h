@@ -222,6 +222,12 @@ moe_isa moe_cpu_isa(void);
  * `supported`, or an unknown name, writes why into `why` and returns `supported`; otherwise
  * why[0] = 0. Pure: what moe_cpu_isa applies to the environment. */
 moe_isa moe_cpu_isa_resolve(const char *request, moe_isa supported, char *why, size_t why_size);
+/* MOE_EXACT=1 (any value but "" and "0"; read once, on first call): the kernels keep ggml's float
+ * order so logits reproduce llama.cpp's bits; otherwise the fast paths may sum in their own
+ * order within the parity rule (DESIGN.md). */
+bool moe_exact(void);
+/* Override it (tests run both paths in one process). */
+void moe_exact_set(bool on);
 /* "scalar", "avx2", "avx512", "avx512vnni" ("?" past the end). */
 const char *moe_isa_name(moe_isa isa);
 /* Parse a level name (case-sensitive, as moe_isa_name prints it); false if unknown. */

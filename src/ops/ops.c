@@ -383,3 +383,77 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
                        n_kv, s->kv_type, s->head_dim_v);
     }
 }
+
+/* Running softmax of one (row, head): max m and sum l of exp(score - m) so far, with the sink
+ * as a first term that adds to l and nothing to the output. */
+typedef struct attn_state {
+    float m;
+    double l;
+} attn_state;
+
+/* One (row, head) over keys lo..lo+n-1 of a tile: scores, the running max moved (rescaling the
+ * output accumulated so far), exp and the tile's sum, then its values mixed in. */
+static void attn_tile_head(const moe_kernels *kern, const moe_attn_shape *s, const float *qh,
+                           const void *kt, int64_t k_stride, const void *vt, int64_t v_stride,
+                           int64_t n, float *acc, attn_state *st) {
+    float p[MOE_ATTN_TILE];
+    kern->attn_scores(qh, kt, k_stride, n, s->kv_type, s->head_dim_k, s->scale, p);
+    float m = st->m;
+    for (int64_t j = 0; j < n; j++) m = p[j] > m ? p[j] : m;
+    if (m == -INFINITY) return; /* nothing visible yet: every weight is 0 */
+    if (m > st->m) {
+        const float rescale = expf(st->m - m); /* 0 from an empty start */
+        for (int d = 0; d < s->head_dim_v; d++) acc[d] *= rescale;
+        st->l *= rescale;
+        st->m = m;
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+    }
+    st->l += sum;
+    kern->attn_mix(acc, p, vt, v_stride, n, s->kv_type, s->head_dim_v);
+}
+
+void moe_attention_tiled(const moe_attn_shape *s, const moe_attn_block *b, int h0, int h1) {
+    const moe_kernels *kern = moe_kernels_get();
+    const int group = s->n_head / s->n_head_kv, hk = h0 / group, nh = h1 - h0;
+    MOE_CHECK(h0 >= 0 && h0 < h1 && (h1 - 1) / group == hk && b->n_rows >= 1 &&
+              b->n_rows <= MOE_ATTN_BLOCK_ROWS && nh * b->n_rows <= MOE_ATTN_STATES);
+    const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
+    const int64_t out_w = (int64_t)s->n_head * s->head_dim_v;
+    const uint8_t *k = kv_elem(b->k, s->kv_type, (int64_t)hk * s->head_dim_k);
+    const uint8_t *v = kv_elem(b->v, s->kv_type, (int64_t)hk * s->head_dim_v);
+    attn_state st[MOE_ATTN_STATES];
+    int64_t lo = b->first[0], hi = b->last[0];
+    for (int r = 0; r < b->n_rows; r++) {
+        lo = b->first[r] < lo ? b->first[r] : lo;
+        hi = b->last[r] > hi ? b->last[r] : hi;
+        for (int h = h0; h < h1; h++) {
+            const float sink = s->sinks ? s->sinks[h] : -INFINITY;
+            st[r * nh + h - h0] = (attn_state){sink, sink == -INFINITY ? 0.0 : 1.0};
+            memset(b->out + r * out_w + (int64_t)h * s->head_dim_v, 0,
+                   sizeof(float) * (size_t)s->head_dim_v);
+        }
+    }
+    /* tiles at fixed absolute positions: the same tiles for a row whatever its block */
+    for (int64_t t0 = lo / MOE_ATTN_TILE * MOE_ATTN_TILE; t0 <= hi; t0 += MOE_ATTN_TILE)
+        for (int r = 0; r < b->n_rows; r++) {
+            const int64_t j0 = b->first[r] > t0 ? b->first[r] : t0;
+            const int64_t j1 =
+                b->last[r] < t0 + MOE_ATTN_TILE - 1 ? b->last[r] : t0 + MOE_ATTN_TILE - 1;
+            if (j0 > j1) continue;
+            for (int h = h0; h < h1; h++)
+                attn_tile_head(kern, s, b->q + r * q_w + (int64_t)h * s->head_dim_k,
+                               k + j0 * b->k_stride, b->k_stride, v + j0 * b->v_stride, b->v_stride,
+                               j1 - j0 + 1, b->out + r * out_w + (int64_t)h * s->head_dim_v,
+                               &st[r * nh + h - h0]);
+        }
+    for (int r = 0; r < b->n_rows; r++)
+        for (int h = h0; h < h1; h++) {
+            float *oh = b->out + r * out_w + (int64_t)h * s->head_dim_v;
+            const float inv = (float)(1.0 / st[r * nh + h - h0].l);
+            for (int d = 0; d < s->head_dim_v; d++) oh[d] *= inv;
+        }
+}
