@@ -933,7 +933,9 @@ int moe_serve_run(const moe_serve_params *params) {
                 srv->model_id, m->cfg.arch_name, m->cfg.n_layer, serve_sched_n_ctx(srv->sched),
                 srv->p.parallel, srv->p.cache_slots, srv->tmpl_origin, srv->p.n_threads,
                 srv->p.n_api_keys ? "API key required" : "no API key",
-                srv->p.spec == MOE_SPEC_NGRAM ? "ngram" : "none");
+                serve_sched_spec(srv->sched) == MOE_SPEC_MTP     ? "mtp"
+                : serve_sched_spec(srv->sched) == MOE_SPEC_NGRAM ? "ngram"
+                                                                 : "none");
         printf("moe serve: ready (loaded in %.2f s)\n", serve_now() - srv->t_start);
         fflush(stdout);
         int sig = 0;

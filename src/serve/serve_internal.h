@@ -234,6 +234,7 @@ serve_submit_result serve_sched_submit(serve_sched *s, serve_req *r);
 const moe_tokenizer *serve_sched_tokenizer(serve_sched *s);
 const moe_model *serve_sched_model(serve_sched *s);
 uint32_t serve_sched_n_ctx(serve_sched *s);
+moe_spec_kind serve_sched_spec(serve_sched *s); /* in effect once loaded (mtp by default) */
 
 /* ==== Prompts and output: the model's chat template and its output parser (prompt.c) ==== */
 
