@@ -23,15 +23,15 @@
  * between the template's tags; once the budget is spent inside a block, the closing tag's
  * tokens take the place of the next samples, and the answer is sampled after them.
  * With speculation (--spec ngram|mtp), each decoding stream's row is followed by its drafts
- * (prompt lookup over its own tokens, or its MTP head's) and all of them run in one verify step (moe_ctx_verify; prompt
- * rows then run in a plain call of their own, as a verify step takes back at most n_draft + 1
- * rows of a sequence). Each stream's sampler picks from its rows in turn exactly as it would
- * step by step; a draft is kept while it equals the pick, and the sequence keeps the rows up to
- * the first one that differs (moe_ctx_seq_accept: KV rows past it dropped, recurrent state from
- * that row's checkpoint), so the output is the one plain decoding makes, at any temperature.
- * The MTP head's cache is the engine's, per sequence; what the slot adds is the hidden states
- * the head has not taken (the step's rows' states are copied out before the head runs: it
- * overwrites them) and where its cache starts after a prefix hit (mtp_reuse).
+ * (prompt lookup over its own tokens, or its MTP head's) and all of them run in one verify step
+ * (moe_ctx_verify; prompt rows then run in a plain call of their own, as a verify step takes back
+ * at most n_draft + 1 rows of a sequence). Each stream's sampler picks from its rows in turn
+ * exactly as it would step by step; a draft is kept while it equals the pick, and the sequence
+ * keeps the rows up to the first one that differs (moe_ctx_seq_accept: KV rows past it dropped,
+ * recurrent state from that row's checkpoint), so the output is the one plain decoding makes, at
+ * any temperature. The MTP head's cache is the engine's, per sequence; what the slot adds is the
+ * hidden states the head has not taken (the step's rows' states are copied out before the head
+ * runs: it overwrites them) and where its cache starts after a prefix hit (mtp_reuse).
  *
  * With --cache-dir, finished sequences also go to the engine's disk prefix cache (whole; on a
  * hybrid also at the prompt's snapshot), written by its own thread while the slot stays as it
