@@ -183,16 +183,13 @@ static void bench_spec_measured(void **state) {
     static const char text[] = "Tom had a red ball. Tom had a red ball. Tom had a red ball. Tom";
     char path[600], cmd[4096], *out;
     snprintf(path, sizeof path, "%s/bench-prompt.txt", moe_test_tmpdir());
-    FILE *f = fopen(path, "w");
-    assert_non_null(f);
-    fputs(text, f);
-    fclose(f);
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(path, text, strlen(text), &err), MOE_OK);
     snprintf(cmd, sizeof cmd,
              "(%s bench %s -t 1 --runs 1 --pp 0 --tg 48 --streams 0 --verify 0 --probe-mib 16 "
              "--spec ngram --draft 3 --prompt-file %s --json 2>/dev/null)",
              moe_test_bin(), model, path);
-    json_t *j = moe_test_run_json(cmd);
-    json_t *spec = json_object_get(j, "spec");
+    json_t *j = moe_test_run_json(cmd), *spec = json_object_get(j, "spec");
     positive(spec, "plain_tok_s");
     positive(spec, "spec_tok_s");
     const double per_step = positive(spec, "tokens_per_step");

@@ -14,7 +14,14 @@
  * seeds through the server's scheduler (--spec ngram) at a context whose draft is known, the
  * token emitted where the draft is verified compared by chi-square with run.c's probabilities
  * there -- over all tokens, and over those emitted where the draft was refused (the target
- * conditioned on differing from the draft); critical values from Wilson-Hilferty. */
+ * conditioned on differing from the draft); critical values from Wilson-Hilferty.
+ * `--spec mtp` inside the server's scheduler: 8 streams at once equal each alone without
+ * speculation over three turns (a second that extends the first: the prefix from RAM; a third
+ * after a restart: from the disk cache), greedy and seeded at 0.8; and, with each stream's
+ * logits biased toward a token its head drafts after it (found by running the head directly),
+ * the drafts kept by position among 8 streams equal those of each stream alone, and after a
+ * prefix hit those of the whole prompt prefilled. A scheduler that skipped the rollback, or fed
+ * a head another row's hidden states, or dropped the kept states at a prefix hit, fails here. */
 #include "testutil.h"
 
 #include <stdio.h>
@@ -181,14 +188,35 @@ static void spec_option_errors(void **state) {
         assert_non_null(strstr(out, "has no multi-token-prediction layer"));
         free(out);
     }
+    if (stories) { /* serve says so before it listens */
+        snprintf(cmd, sizeof cmd, "%s serve %s --spec mtp --port 0", moe_test_bin(), stories);
+        assert_int_not_equal(moe_test_run(cmd, &out), 0);
+        if (strstr(out, "listening") || !strstr(out, "has no multi-token-prediction layer"))
+            fail_msg("moe serve --spec mtp without an MTP layer:\n%s", out);
+        free(out);
+    }
     snprintf(cmd, sizeof cmd, "%s run --spec ngram --draft 99 -n 1", moe_test_bin());
     assert_int_equal(moe_test_run(cmd, &out), 2);
     assert_non_null(strstr(out, "--draft"));
     free(out);
 }
 
-/* Without --spec, a model with an MTP layer drafts with it (the stats line says so), one
- * without does not speculate. */
+/* The speculation `moe serve` says it runs (its ready line in the log), without --spec. */
+static void serve_spec_default(const char *model, const char *want) {
+    char *args[] = {(char *)model, "-t", "1", NULL}, *log;
+    moe_test_server srv = {0};
+    if (!moe_test_server_start(&srv, "spec-default", args)) fail_msg("no server: %s", srv.log);
+    const int rc = moe_test_server_stop(&srv);
+    size_t size;
+    moe_error err = {0};
+    if (moe_file_read(srv.log, (uint8_t **)&log, &size, &err) != MOE_OK) fail_msg("%s", err.msg);
+    if (rc != 0 || !memmem(log, size, want, strlen(want)))
+        fail_msg("moe serve %s (exit %d) did not say '%s':\n%.*s", model, rc, want, (int)size, log);
+    free(log);
+}
+
+/* Without --spec, a model with an MTP layer drafts with it (the stats line says so; moe serve
+ * too), one without does not speculate. */
 static void mtp_is_the_default(void **state) {
     (void)state;
     const char *mtp = moe_test_shared("parity/qwen35-mtp-f32.gguf");
@@ -203,6 +231,8 @@ static void mtp_is_the_default(void **state) {
     assert_int_equal(moe_test_run(cmd, &out), 0);
     if (strstr(out, "\nspec ")) fail_msg("speculation without an MTP layer or --spec:\n%s", out);
     free(out);
+    serve_spec_default(mtp, "speculation mtp");
+    serve_spec_default(plain, "speculation none");
 }
 
 /* ==== The accept/reject rule keeps the target distribution ==== */

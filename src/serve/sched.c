@@ -1001,6 +1001,16 @@ void serve_metrics_write_prefix_cache(const serve_metrics *m, moe_strbuf *o) {
 
 /* ==== The thread ==== */
 
+bool serve_spec_resolve(moe_serve_params *p, const moe_model *m, moe_error *err) {
+    if (!p->spec_given && m->n_layer_mtp) p->spec = MOE_SPEC_MTP; /* as run and chat */
+    if (p->spec == MOE_SPEC_MTP && !m->n_layer_mtp)
+        moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                      "--spec mtp: %s has no multi-token-prediction layer moe can run (--spec "
+                      "ngram drafts without one)",
+                      p->model_path);
+    return !err->code;
+}
+
 static bool load(serve_sched *s) {
     moe_error err = {0};
     const char *path = s->p.model_path;
@@ -1018,14 +1028,7 @@ static bool load(serve_sched *s) {
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(s->tok), s->model->cfg.n_vocab);
     if (err.code) goto fail;
-    if (!s->p.spec_given && s->model->n_layer_mtp) s->p.spec = MOE_SPEC_MTP; /* as run, chat */
-    if (s->p.spec == MOE_SPEC_MTP && !s->model->n_layer_mtp) {
-        moe_error_set(&err, MOE_ERR_UNSUPPORTED,
-                      "--spec mtp: %s has no multi-token-prediction layer moe can run (--spec "
-                      "ngram drafts without one)",
-                      path);
-        goto fail;
-    }
+    if (!serve_spec_resolve(&s->p, s->model, &err)) goto fail;
     s->n_slots = (uint32_t)(s->p.parallel + s->p.cache_slots);
     const uint32_t n_verify = s->p.spec ? s->p.n_draft + 1 : 0;
     s->decode_rows_max = (uint32_t)s->p.parallel * (n_verify ? n_verify : 1);
@@ -1273,7 +1276,4 @@ const moe_model *serve_sched_model(serve_sched *s) {
 }
 uint32_t serve_sched_n_ctx(serve_sched *s) {
     return s->n_ctx;
-}
-moe_spec_kind serve_sched_spec(serve_sched *s) {
-    return s->p.spec;
 }
