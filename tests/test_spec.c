@@ -413,6 +413,8 @@ static void accept_reject_keeps_distribution(void **state) {
 typedef struct mtp_prompt {
     int32_t ids[MTP_MAX_IDS];
     uint32_t n;
+    bool
+        prompt_logprobs; /* ask for them: the prompt runs whole, SERVE_PROMPT_LOGPROB_ROWS a step */
 } mtp_prompt;
 
 /* A scheduler on model: spec, parallel streams (as many resident), f32 KV, --draft 3, a disk
@@ -458,6 +460,7 @@ static void mtp_generate(serve_sched *s, const mtp_prompt *prompts, int n, float
         r->gen.n_prompt = prompts[i].n;
         r->gen.max_tokens = MTP_TOKENS;
         r->gen.ignore_eos = true;
+        r->gen.prompt_logprobs = prompts[i].prompt_logprobs;
         r->gen.sampling = (moe_sampler_params){.temperature = temp,
                                                .top_p = 1,
                                                .repeat_penalty = 1,
@@ -531,7 +534,7 @@ static void mtp_turns(const char *name, float temp) {
     serve_metrics mp, ms;
     serve_sched *plain = mtp_sched(model, MOE_SPEC_NONE, 1, NULL, &mp);
     serve_sched *spec = mtp_sched(model, MOE_SPEC_MTP, MTP_STREAMS, dir, &ms);
-    mtp_prompt prompts[MTP_STREAMS];
+    mtp_prompt prompts[MTP_STREAMS] = {0};
     for (int i = 0; i < MTP_STREAMS; i++) {
         char ids[256];
         prompt_ids(i, ids, sizeof ids);
@@ -553,6 +556,8 @@ static void mtp_turns(const char *name, float temp) {
     if (ms.disk_hits < MTP_STREAMS)
         fail_msg("%s: %llu of 8 prefixes came from the disk cache after the restart", name,
                  (unsigned long long)ms.disk_hits);
+    for (int i = 0; i < MTP_STREAMS; i++) prompts[i].prompt_logprobs = true;
+    mtp_compare(spec, plain, prompts, temp, name, "the third turn's prompts with logprobs");
     print_message("%s, temperature %g: 3 turns of 8 streams equal alone without speculation "
                   "(after the restart: %llu prefixes from disk, %llu drafts verified)\n",
                   name, temp, (unsigned long long)ms.disk_hits,
@@ -661,7 +666,7 @@ static void mtp_accepted(const char *name) {
     moe_error err = {0};
     moe_model *m = moe_model_load(model, &err);
     if (!m) fail_msg("%s", err.msg);
-    mtp_prompt prompts[MTP_STREAMS], got[MTP_STREAMS], alone[MTP_STREAMS];
+    mtp_prompt prompts[MTP_STREAMS] = {0}, got[MTP_STREAMS], alone[MTP_STREAMS];
     int32_t bias[MTP_STREAMS];
     uint32_t walk = 2026;
     for (int i = 0; i < MTP_STREAMS; i++)

@@ -326,6 +326,8 @@ static bool mtp_take(serve_sched *s, int idx, uint32_t row0, const int32_t *ids,
     memcpy(sl->mtp_h + sl->mtp_pending * n_embd, h, sizeof(float) * n * n_embd);
     for (uint32_t i = 0; i + 1 < n; i++) sl->mtp_tok[sl->mtp_pending + i] = ids[i + 1];
     sl->mtp_pending += n;
+    /* every position of the sequence is in the head's cache or waits for it, once */
+    MOE_CHECK(sl->mtp_off + moe_ctx_mtp_len(s->ctx, idx) + sl->mtp_pending == slot_len(s, idx));
     return true;
 }
 
@@ -857,8 +859,6 @@ static bool step(serve_sched *s) {
         /* not yet snapshotted: stop before the last prompt token (the next step takes it) */
         uint32_t n = g->n_prompt - len - (sl->snapped ? 0 : 1);
         if (n > budget) n = budget;
-        sl->row0 = n_rows;
-        sl->n_rows = n;
         if (g->prompt_logprobs) {
             if (n > lp_budget) n = lp_budget;
             lp_budget -= n;
@@ -866,6 +866,8 @@ static bool step(serve_sched *s) {
             sl->lp_pos = len;
             sl->lp_n = n;
         }
+        sl->row0 = n_rows;
+        sl->n_rows = n;
         for (uint32_t k = 0; k < n; k++) {
             const uint32_t pos = len + k;
             const bool last = pos + 1 == g->n_prompt;
