@@ -41,8 +41,10 @@ static const char usage_text[] =
     "                     default: none (same-origin pages only; other Origins get 403)\n"
     "  --reasoning-budget N  at most N tokens of reasoning per reply: then the think block is\n"
     "                     closed and the answer follows (default -1: no limit; 0: thinking off)\n"
-    "  --spec ngram|none  speculative decoding: each stream's drafts (prompt lookup over its\n"
-    "                     tokens) verified together in one step; output unchanged (default none)\n"
+    "  --spec ngram|mtp|none  speculative decoding: each stream's drafts (prompt lookup over\n"
+    "                     its tokens, or the model's MTP head) verified together in one step;\n"
+    "                     output unchanged (default mtp where the model has an MTP layer, else\n"
+    "                     none)\n"
     "  --draft N          drafts per stream and step with --spec (default 3, at most 16)\n"
     "  --cache-dir DIR    disk prefix cache: finished sequences are saved to DIR and a prompt\n"
     "                     they start is loaded from there, also after a restart (off by default)\n"
@@ -100,6 +102,7 @@ int moe_cmd_serve(int argc, char **argv) {
 #undef FLOAT_OPT
         if (strcmp(a, "--spec") == 0) {
             if (!moe_arg_spec("serve", v, &p.spec)) return 2;
+            p.spec_given = true;
             i++;
         } else if (strcmp(a, "--host") == 0 && v) {
             p.host = v;

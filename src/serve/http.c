@@ -810,15 +810,18 @@ static void model_id_from_path(serve_server *srv, const char *path) {
 }
 
 /* Before listening: the file opens as a model moe runs (every tensor bound; weights mapped,
- * not read) and its tokenizer loads and matches it -- a wrong path or file fails here, not after
- * "listening". The engine thread loads it for real. */
-static bool model_check(const char *path, char *out, size_t out_size) {
+ * not read), its tokenizer loads and matches it, and --spec applies to it (mtp by default where
+ * it has an MTP layer) -- a wrong path, file or --spec fails here, not after "listening". The
+ * engine thread loads it for real. */
+static bool model_check(moe_serve_params *p, char *out, size_t out_size) {
+    const char *path = p->model_path;
     moe_error err = {0};
     moe_model *m = moe_model_load(path, &err);
     moe_tokenizer *tok = m ? moe_tokenizer_from_gguf(m->gguf, &err) : NULL;
     if (tok && moe_tokenizer_n_vocab(tok) != m->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(tok), m->cfg.n_vocab);
+    if (tok && !err.code) serve_spec_resolve(p, m, &err);
     moe_tokenizer_free(tok);
     moe_model_free(m);
     if (err.code) snprintf(out, out_size, "%s", err.msg);
@@ -893,7 +896,7 @@ int moe_serve_run(const moe_serve_params *params) {
         return 1;
     }
     char terr[MOE_ERROR_MSG_MAX + 128];
-    if (!model_check(srv->p.model_path, terr, sizeof terr) ||
+    if (!model_check(&srv->p, terr, sizeof terr) ||
         !serve_template_load(srv, terr, sizeof terr)) { /* before any request can render */
         fprintf(stderr, "moe serve: %s\n", terr);
         freeaddrinfo(ai);
@@ -947,7 +950,9 @@ int moe_serve_run(const moe_serve_params *params) {
                 srv->model_id, m->cfg.arch_name, m->cfg.n_layer, serve_sched_n_ctx(srv->sched),
                 srv->p.parallel, srv->p.cache_slots, srv->tmpl_origin, srv->p.n_threads,
                 srv->p.n_api_keys ? "API key required" : "no API key",
-                srv->p.spec == MOE_SPEC_NGRAM ? "ngram" : "none");
+                srv->p.spec == MOE_SPEC_MTP     ? "mtp"
+                : srv->p.spec == MOE_SPEC_NGRAM ? "ngram"
+                                                : "none");
         printf("moe serve: ready (loaded in %.2f s)\n", serve_now() - srv->t_start);
         fflush(stdout);
         int sig = 0;
