@@ -251,7 +251,7 @@ void moe_cli_options_print(FILE *out, const moe_cli_option *table, size_t n, con
 
 #define ENGINE(field) MOE_OPT_FIELD(moe_engine_args, field)
 static const char *const split_kinds[] = {
-    [MOE_SPLIT_NONE] = "none", [MOE_SPLIT_EXPERTS] = "experts", NULL};
+    [MOE_SPLIT_NONE] = "none", [MOE_SPLIT_EXPERTS] = "experts", [MOE_SPLIT_ROWS] = "rows", NULL};
 static const moe_cli_option engine_options[] = {
     {"--ctx", NULL, "N", "positions per sequence (default: the model's, capped)", MOE_OPT_INT,
      ENGINE(n_ctx), 1, 1 << 24, NULL},
@@ -266,9 +266,10 @@ static const moe_cli_option engine_options[] = {
      MOE_OPT_STRING, ENGINE(expert_stats), 0, 0, NULL},
     {"--pin-experts", NULL, "FILE", "experts always resident, one \"LAYER EXPERT\" per line",
      MOE_OPT_STRING, ENGINE(pin_experts), 0, 0, NULL},
-    {"--split", NULL, "none|experts",
-     "under mpirun: share the routed experts among the ranks (run, logits, bench)", MOE_OPT_CHOICE,
-     ENGINE(split), 0, 0, split_kinds},
+    {"--split", NULL, "none|experts|rows",
+     "under mpirun: share the routed experts among the ranks, whole experts or rows of every one "
+     "(run, logits, bench)",
+     MOE_OPT_CHOICE, ENGINE(split), 0, 0, split_kinds},
 };
 #undef ENGINE
 #define N_ENGINE_OPTIONS (sizeof engine_options / sizeof engine_options[0])

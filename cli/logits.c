@@ -114,8 +114,8 @@ int moe_cmd_logits(int argc, char **argv) {
     if (ok && engine.split != MOE_SPLIT_NONE) { /* what this rank's share was */
         const moe_expert_stats st = moe_ctx_expert_stats(ctx);
         uint64_t all;
-        const uint64_t held =
-            moe_split_expert_bytes(m, engine.split, moe_dist_rank(), moe_dist_size(), &all);
+        moe_split_expert_bytes(m, MOE_SPLIT_NONE, 0, 1, &all);
+        const uint64_t held = moe_ctx_routed_bytes(ctx); /* split by rows: what it read */
         fprintf(stderr,
                 "moe logits: rank %d of %d ran %llu experts (the step routed %llu (row, expert) "
                 "pairs); holds %llu of %llu bytes of routed experts; RSS %.1f MiB\n",

@@ -25,7 +25,7 @@ static const char usage_text[] =
     "  --expert-stats FILE  keep the cache's use counts in FILE: a restart reads the experts used\n"
     "                     most first\n"
     "  --pin-experts FILE experts always resident, one \"LAYER EXPERT\" per line\n"
-    "  --split none|experts  sharing experts among mpirun ranks: not supported by serve yet\n"
+    "  --split none|experts|rows  sharing experts among mpirun ranks: not supported by serve yet\n"
     "  --mmap             serve weights from the mapped file (default: read into anonymous\n"
     "                     memory at load, so the host cannot reclaim their pages)\n"
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"

@@ -73,6 +73,10 @@ static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, mo
         return moe_error_set(err, MOE_ERR_ARG, "context: split mode %d is not one moe knows",
                              (int)out->split);
     if (out->split != MOE_SPLIT_NONE && moe_dist_init(err) != MOE_OK) return err->code;
+    if (out->split == MOE_SPLIT_ROWS && out->expert_cache_bytes)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "context: --split rows holds every expert's slice resident; it does "
+                             "not go with an expert cache (--split experts does)");
     if (out->n_seq > MOE_MAX_SEQ || out->max_rows > MOE_MAX_ROWS ||
         out->n_snapshots > 2 * MOE_MAX_SEQ || out->n_verify > MOE_MAX_VERIFY)
         return moe_error_set(err, MOE_ERR_ARG,
@@ -222,6 +226,11 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     }
     moe_linear_alloc(x);
     moe_indexer_alloc(x, n_layer_run(m));
+    if (params.split == MOE_SPLIT_ROWS && moe_dist_size() > 1 &&
+        moe_rows_load(x, n_layer_run(m), err) != MOE_OK) {
+        moe_ctx_free(x);
+        return NULL;
+    }
     if (params.expert_cache_bytes) {
         x->expert_cache =
             moe_expert_cache_new(m, n_layer_run(m), x->pool, params.expert_cache_bytes, err);
@@ -237,6 +246,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
 void moe_ctx_free(moe_ctx *c) {
     if (!c) return;
     free(c->dist_rows);
+    free(c->rows_slice);
+    free(c->rows_mem);
     free(c->seq_len);
     free(c->mtp_len);
     free(c->verify_base);
@@ -308,6 +319,19 @@ uint32_t moe_ctx_n_ctx(const moe_ctx *c) {
 
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c) {
     return c->stats;
+}
+
+uint64_t moe_ctx_routed_bytes(const moe_ctx *c) {
+    if (!c->rows_slice)
+        return moe_split_expert_bytes(c->m, c->p.split, moe_dist_rank(), moe_dist_size(), NULL);
+    uint64_t bytes = 0;
+    for (uint32_t il = 0; il < c->m->cfg.n_layer; il++) {
+        const moe_expert_weights *w = &c->m->layers[il].experts;
+        bytes += c->rows_slice[il].bytes;
+        if (w->down_b) bytes += w->down_b->n_bytes;
+        if (w->down_scale) bytes += w->down_scale->n_bytes;
+    }
+    return bytes;
 }
 
 moe_expert_cache_stats moe_ctx_expert_cache_stats(const moe_ctx *c) {

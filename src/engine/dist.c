@@ -18,28 +18,52 @@
 
 /* ==== What a rank holds ==== */
 
+moe_split_range moe_split_rows_range(int64_t n_ff, int64_t block, int rank, int n_ranks) {
+    if (n_ranks <= 1) return (moe_split_range){0, n_ff};
+    const int64_t blocks = n_ff / block;
+    return (moe_split_range){blocks * rank / n_ranks * block,
+                             blocks * (rank + 1) / n_ranks * block};
+}
+
 uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, int n_ranks,
                                 uint64_t *all) {
     uint64_t mine = 0, total = 0;
     for (uint32_t il = 0; il < m->cfg.n_layer; il++) { /* the trunk (MTP layers: the same split) */
         const moe_layer_weights *l = &m->layers[il];
         if (l->plan.ffn != MOE_FFN_EXPERTS) continue;
-        const moe_tensor *t[4] = {l->experts.gate, l->experts.up, l->experts.down,
-                                  l->experts.gate_up};
+        const moe_tensor *down = l->experts.down;
+        const moe_split_range ff =
+            moe_split_rows_range(down->ne[0], moe_type_traits_get(down->type)->block_values,
+                                 split == MOE_SPLIT_ROWS ? rank : 0, n_ranks);
+        const uint64_t n_ff = (uint64_t)(ff.end - ff.begin);
+        const moe_tensor *t[4] = {l->experts.gate, l->experts.up, l->experts.gate_up, down};
         for (int k = 0; k < 4; k++) {
             if (!t[k]) continue;
             const uint64_t n_expert = (uint64_t)t[k]->ne[2], per = t[k]->n_bytes / n_expert;
-            uint64_t owned = n_expert;
+            uint64_t owned = n_expert * per;
             if (split == MOE_SPLIT_EXPERTS && n_ranks > 1) /* experts e with e % n_ranks == rank */
-                owned =
-                    n_expert / (uint64_t)n_ranks + ((uint64_t)rank < n_expert % (uint64_t)n_ranks);
-            mine += owned * per;
+                owned = (n_expert / (uint64_t)n_ranks +
+                         ((uint64_t)rank < n_expert % (uint64_t)n_ranks)) *
+                        per;
+            else if (split == MOE_SPLIT_ROWS && k < 3) /* rows: n_ff of gate / up, 2 n_ff fused */
+                owned = n_expert * (k == 2 ? 2 : 1) * n_ff *
+                        moe_type_row_bytes(t[k]->type, t[k]->ne[0]);
+            else if (split == MOE_SPLIT_ROWS) /* down: n_ff input columns of every row */
+                owned = n_expert * (uint64_t)t[k]->ne[1] *
+                        moe_type_row_bytes(t[k]->type, (int64_t)n_ff);
+            mine += owned;
             total += t[k]->n_bytes;
         }
-        const moe_tensor *whole[4] = {l->experts.gate_b, l->experts.up_b, l->experts.down_b,
-                                      l->experts.down_scale}; /* every rank holds them whole */
-        for (int k = 0; k < 4; k++)
-            if (whole[k]) mine += whole[k]->n_bytes, total += whole[k]->n_bytes;
+        /* biases and scales: whole on every rank, but for rows the gate / up biases' slice */
+        const moe_tensor *bias[4] = {l->experts.gate_b, l->experts.up_b, l->experts.down_b,
+                                     l->experts.down_scale};
+        for (int k = 0; k < 4; k++) {
+            if (!bias[k]) continue;
+            mine += split == MOE_SPLIT_ROWS && k < 2
+                        ? sizeof(float) * n_ff * (uint64_t)bias[k]->ne[1]
+                        : bias[k]->n_bytes;
+            total += bias[k]->n_bytes;
+        }
     }
     if (all) *all = total;
     return mine;

@@ -27,6 +27,9 @@ typedef enum moe_split {
     MOE_SPLIT_NONE,    /* every rank holds and runs everything (one rank: the only choice) */
     MOE_SPLIT_EXPERTS, /* rank r runs the routed experts e with e % n_ranks == r; the MoE block's
                         * partial outputs are summed across ranks in rank order */
+    MOE_SPLIT_ROWS,    /* rank r runs every routed expert on its slice of the intermediate
+                        * (moe_split_rows_range): those rows of gate / up, those input columns of
+                        * down; the partial down projections are summed across ranks in rank order */
     MOE_SPLIT_COUNT
 } moe_split;
 
@@ -101,6 +104,10 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
                               float *logits, moe_error *err);
 /* Expert dispatch counters of the last moe_ctx_decode, summed over its MoE layers. */
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c);
+/* Bytes of the trunk's routed-expert weights this rank holds: split by rows, the slices it read
+ * (counted as they were laid out) and the down biases and scales it holds whole; otherwise
+ * moe_split_expert_bytes of its split. */
+uint64_t moe_ctx_routed_bytes(const moe_ctx *c);
 moe_expert_cache_stats moe_ctx_expert_cache_stats(const moe_ctx *c);
 /* Bytes of one expert cache slot for m (0: no routed experts): sizes --expert-cache. */
 uint64_t moe_expert_cache_slot_bytes(const moe_model *m, uint32_t n_layer_run);
@@ -362,11 +369,21 @@ typedef struct moe_dist_times {
 } moe_dist_times;
 moe_dist_times moe_dist_timing(void); /* cumulative since the start */
 const char *moe_dist_describe(void);  /* the MPI library, for --version */
+/* The slice [begin, end) of an expert's intermediate (n_ff values) that rank `rank` of n_ranks
+ * computes under MOE_SPLIT_ROWS. The down projection's quant blocks (`block` values, its type's
+ * block_values) run along the intermediate, so the slice is whole blocks: the n_ff / block blocks
+ * go out as evenly as they divide, rank r taking blocks [r nb / K, (r + 1) nb / K). When they do
+ * not divide evenly the slices differ by a block; with fewer blocks than ranks some ranks get
+ * none (they hold no routed expert of that layer and add zeros). */
+typedef struct moe_split_range {
+    int64_t begin, end;
+} moe_split_range;
+moe_split_range moe_split_rows_range(int64_t n_ff, int64_t block, int rank, int n_ranks);
 /* Bytes of the trunk's routed-expert weights (NextN / MTP layers, split alike, left out as
  * `moe budget` counts them apart) rank `rank` of n_ranks holds under `split`: its share of the
- * stacked matrices (MOE_SPLIT_NONE: all of them) and every expert's biases and scales, which
- * every rank holds whole; *all (when not NULL) gets the model's. What `moe budget --split`
- * predicts for a device. */
+ * stacked matrices (MOE_SPLIT_NONE: all of them), its slice of the gate / up biases by rows,
+ * and the other biases and scales, which every rank holds whole; *all (when not NULL) gets the
+ * model's. What `moe budget --split` predicts for a device. */
 uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, int n_ranks,
                                 uint64_t *all);
 

@@ -37,6 +37,18 @@ typedef struct moe_linear_ctx {
     float *delta_scratch; /* [n_threads][moe_delta_scratch_floats] */
 } moe_linear_ctx;
 
+/* A layer's routed experts as this rank holds them under MOE_SPLIT_ROWS (rows.c): the slice
+ * [ff.begin, ff.end) of every expert's intermediate -- those rows of gate and up (of both halves
+ * of a fused gate_up), those input columns of down, those values of the gate / up biases --
+ * read from the file into the context's memory, so a rank holds only its slices. A pointer is
+ * NULL where the model has no such tensor; the tensors have no rows when the slice is empty. */
+typedef struct moe_rows_slice {
+    moe_split_range ff;
+    const moe_tensor *gate, *up, *gate_up, *down, *gate_b, *up_b; /* into `t` */
+    moe_tensor t[6];
+    uint64_t bytes; /* of its slices, as read */
+} moe_rows_slice;
+
 /* Hyper-connection scratch (hyper.c), [max_rows][width] floats each. */
 typedef struct moe_hc_ctx {
     float *wide; /* [n_hc n_embd] the normed streams, then the mixed ones */
@@ -138,6 +150,8 @@ struct moe_ctx {
                                           * stream (the NextN block's: always plain) */
     moe_hc_ctx hc;
     moe_expert_cache *expert_cache; /* NULL: the routed experts are resident */
+    moe_rows_slice *rows_slice;     /* [layers run] split by rows over ranks (else NULL) */
+    uint8_t *rows_mem;              /* the slices' bytes */
     moe_index_ctx idx;
     moe_linear_ctx lin;
     /* verify steps: for each sequence its length before the last one and its rows in it (0:
@@ -149,6 +163,9 @@ struct moe_ctx {
     float *snap_state;   /* [p.n_snapshots][lin.n_layer][lin.layer_floats] */
     uint64_t snap_clock;
 };
+
+/* Read this rank's slices of every routed-expert layer (split by rows over several ranks). */
+moe_status moe_rows_load(moe_ctx *c, uint32_t n_layer_run, moe_error *err);
 
 /* ==== KV cache ==== */
 

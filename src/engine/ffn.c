@@ -98,14 +98,17 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
         .topk_group = (int)cfg->n_group_used,
         .expert_scale = w->down_scale ? (const float *)w->down_scale->data : NULL};
     moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
+    /* split by rows: this rank's slices of every expert (the rank whose slice starts the
+     * intermediate alone adds the down bias; ranks before it hold empty slices) */
+    const moe_rows_slice *rows = c->rows_slice ? &c->rows_slice[l - c->m->layers] : NULL;
     const moe_expert_set experts = {
-        .gate = w->gate,
-        .up = w->up,
-        .gate_up = w->gate_up,
-        .down = w->down,
-        .gate_b = w->gate_b,
-        .up_b = w->up_b,
-        .down_b = w->down_b,
+        .gate = rows ? rows->gate : w->gate,
+        .up = rows ? rows->up : w->up,
+        .gate_up = rows ? rows->gate_up : w->gate_up,
+        .down = rows ? rows->down : w->down,
+        .gate_b = rows ? rows->gate_b : w->gate_b,
+        .up_b = rows ? rows->up_b : w->up_b,
+        .down_b = rows && rows->ff.begin != 0 ? NULL : w->down_b,
         .act = cfg->expert_act,
         .limit = l->plan.clamp_exp,
         .source = c->expert_cache
@@ -119,11 +122,12 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
         in = c->xn2;
     }
     memset(c->y, 0, sizeof(float) * n_rows * cfg->n_embd);
-    const bool ok = moe_experts_forward(c->pool, &experts, in, n_rows, c->expert_ids, c->expert_w,
+    const bool ok = (rows && rows->ff.end == rows->ff.begin) || /* an empty slice adds zeros */
+                    moe_experts_forward(c->pool, &experts, in, n_rows, c->expert_ids, c->expert_w,
                                         (int)cfg->n_expert_used, c->y, &c->experts, &c->stats);
-    /* split by experts: each rank added only its experts; the ranks' partials are summed in
-     * rank order (even after a failed read, so no rank waits for one that left) */
-    if (c->p.split == MOE_SPLIT_EXPERTS) moe_dist_sum(c->y, (size_t)n_rows * cfg->n_embd);
+    /* split: each rank added only its experts, or its slices of them; the ranks' partials are
+     * summed in rank order (even after a failed read, so no rank waits for one that left) */
+    if (c->p.split != MOE_SPLIT_NONE) moe_dist_sum(c->y, (size_t)n_rows * cfg->n_embd);
     if (!ok) return; /* the cache keeps the read error; the step fails with it */
     moe_rows_post_norm(c, c->y, w->out_norm, n_rows, cfg->n_embd);
     if (w->shared.gate) shared_expert(c, l, n_rows);
