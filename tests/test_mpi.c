@@ -1,11 +1,14 @@
-/* test_mpi: expert parallelism over Open MPI (engine/dist.c, --split experts). `mpirun -np 2`
- * and `-np 4` (as root, oversubscribed) of the MPI build (build/mpi/moe, or MOE_MPI_BIN; `make
- * test-mpi` builds it) against one rank of the default build, on every MoE parity model in
- * ../shared: logits within 1e-6 of max|logit| and the same argmax per row, that argmax equal to
- * llama.cpp's greedy tokens (the fixture's), and the ranks' shares of the experts adding up to
- * the one-rank count (so the split is real), each rank's routed-expert bytes those `moe budget
- * --devices K --split experts` plans. Without mpirun or an MPI build the MPI tests skip
- * with a message, even under CI=true: MPI is optional. The argument errors need no MPI. */
+/* test_mpi: expert and tensor parallelism over Open MPI (engine/dist.c, engine/rows.c, --split
+ * experts|rows). `mpirun -np 2` and `-np 4` (as root, oversubscribed) of the MPI build
+ * (build/mpi/moe, or MOE_MPI_BIN; `make test-mpi` builds it) against one rank of the default
+ * build, on every MoE parity model in ../shared, both split modes: logits within 1e-6 of
+ * max|logit| and the same argmax per row, that argmax equal to llama.cpp's greedy tokens (the
+ * fixture's); split by experts the ranks' shares of the experts add up to the one-rank count,
+ * split by rows every rank runs every expert one rank ran (ranks whose slices are all empty:
+ * none); each rank's routed-expert bytes (by rows: what it read) are those `moe budget --devices K
+ * --split MODE` plans, and by rows its RSS follows them. Without mpirun or an MPI build the MPI
+ * tests skip with a message, even under CI=true: MPI is optional. The argument errors need no
+ * MPI. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,12 +74,12 @@ __attribute__((noinline)) static char *run_ok(const char *cmd) {
     return out;
 }
 
-/* `moe budget --devices k --split experts`'s routed-expert bytes per device into want[k]. */
-static void budget_routed(const char *model, int k, long long *want) {
+/* `moe budget --devices k --split split`'s routed-expert bytes per device into want[k]. */
+static void budget_routed(const char *model, int k, const char *split, long long *want) {
     char cmd[1024];
     snprintf(cmd, sizeof cmd,
-             "%s budget %s --devices %d --split experts --mem-per-device 64 --json 2>/dev/null",
-             moe_test_bin(), model, k);
+             "%s budget %s --devices %d --split %s --mem-per-device 64 --json 2>/dev/null",
+             moe_test_bin(), model, k, split);
     char *out = run_ok(cmd);
     json_error_t jerr;
     json_t *root = json_loads(out, 0, &jerr);
@@ -91,23 +94,28 @@ static void budget_routed(const char *model, int k, long long *want) {
     free(out);
 }
 
-/* Each rank's "holds H of A bytes of routed experts" equals the budget's device H. */
-static void check_held(const char *out, int k, const long long *want, const char *name) {
+/* Each rank's "holds H of A bytes of routed experts" equals the budget's device H; its RSS
+ * (MiB) into rss[r]. */
+static void check_held(const char *out, int k, const long long *want, double *rss,
+                       const char *name) {
     for (int r = 0; r < k; r++) {
         char key[64];
         snprintf(key, sizeof key, "moe logits: rank %d of %d ran", r, k);
         const char *p = strstr(out, key), *h = p ? strstr(p, "holds ") : NULL;
-        long long held = -1;
-        if (!h || sscanf(h, "holds %lld of", &held) != 1 || held != want[r])
+        long long held = -1, all;
+        if (!h ||
+            sscanf(h, "holds %lld of %lld bytes of routed experts; RSS %lf MiB", &held, &all,
+                   &rss[r]) != 3 ||
+            held != want[r])
             fail_msg("%s -np %d: rank %d holds %lld bytes of routed experts, the budget says %lld:"
                      "\n%s",
                      name, k, r, held, want[r], out);
     }
 }
 
-/* The experts each rank reports running ("rank R of K ran E experts"), summed; -1 unless every
- * rank 0..K-1 reported once. */
-static long long experts_ran(const char *out, int k) {
+/* The experts each rank reports running ("rank R of K ran E experts"), summed (max: the most any
+ * rank ran); -1 unless every rank 0..K-1 reported once. */
+static long long experts_ran(const char *out, int k, bool max) {
     long long sum = 0;
     int seen = 0;
     for (const char *p = out; (p = strstr(p, "moe logits: rank ")) != NULL; p++) {
@@ -117,29 +125,31 @@ static long long experts_ran(const char *out, int k) {
             size != k || r < 0 || r >= k || (seen & (1 << r)))
             return -1;
         seen |= 1 << r;
-        sum += e;
+        sum = max ? (e > sum ? e : sum) : sum + e;
     }
     return seen == (1 << k) - 1 ? sum : -1;
 }
 
-/* One model, k ranks against the one-rank logits `base` ([n_rows][n_vocab]); returns the largest
- * |difference| / max|logit| and checks the argmax rows and the expert shares (one_rank_experts:
- * what one rank ran). */
+/* One model, k ranks split by `split` against the one-rank logits `base` ([n_rows][n_vocab]);
+ * returns the largest |difference| / max|logit| and checks the argmax rows, the expert shares
+ * (one_rank_experts: what one rank ran) and the bytes held; each rank's RSS (MiB) into rss. */
 static double check_split(const char *bin, const char *model, const char *tokens, int k,
-                          const float *base, size_t n_rows, size_t n_vocab,
-                          long long one_rank_experts, const char *name) {
+                          const char *split, const float *base, size_t n_rows, size_t n_vocab,
+                          long long one_rank_experts, const char *name, long long *held,
+                          double *rss) {
     char out_path[512], cmd[4096];
-    snprintf(out_path, sizeof out_path, "%s/%s.np%d.f32", moe_test_tmpdir(), name, k);
-    snprintf(cmd, sizeof cmd, MPIRUN " %d %s logits %s --tokens %s --split experts --out %s 2>&1",
-             k, bin, model, tokens, out_path);
-    long long want[8];
-    budget_routed(model, k, want);
+    snprintf(out_path, sizeof out_path, "%s/%s.%s.np%d.f32", moe_test_tmpdir(), name, split, k);
+    snprintf(cmd, sizeof cmd, MPIRUN " %d %s logits %s --tokens %s --split %s --out %s 2>&1", k,
+             bin, model, tokens, split, out_path);
+    budget_routed(model, k, split, held);
     char *out = run_ok(cmd);
-    const long long shares = experts_ran(out, k);
+    const bool rows = !strcmp(split, "rows");
+    const long long shares = experts_ran(out, k, rows);
     if (shares != one_rank_experts)
-        fail_msg("%s -np %d: the ranks' expert shares add to %lld, one rank ran %lld:\n%s", name, k,
-                 shares, one_rank_experts, out);
-    check_held(out, k, want, name);
+        fail_msg("%s -np %d --split %s: the ranks' expert shares come to %lld, one rank ran "
+                 "%lld:\n%s",
+                 name, k, split, shares, one_rank_experts, out);
+    check_held(out, k, held, rss, name);
     free(out);
     size_t n;
     float *got = read_f32(out_path, &n);
@@ -152,10 +162,11 @@ static double check_split(const char *bin, const char *model, const char *tokens
     }
     for (size_t r = 0; r < n_rows; r++)
         if (argmax(got + r * n_vocab, n_vocab) != argmax(base + r * n_vocab, n_vocab))
-            fail_msg("%s -np %d: row %zu's argmax differs from one rank's", name, k, r);
+            fail_msg("%s -np %d --split %s: row %zu's argmax differs from one rank's", name, k,
+                     split, r);
     if (max_diff > REL_TOL * max_abs)
-        fail_msg("%s -np %d: max |diff| %.3g > %.0e x max|logit| %.3g", name, k, max_diff, REL_TOL,
-                 max_abs);
+        fail_msg("%s -np %d --split %s: max |diff| %.3g > %.0e x max|logit| %.3g", name, k, split,
+                 max_diff, REL_TOL, max_abs);
     free(got);
     return max_abs > 0 ? max_diff / max_abs : 0;
 }
@@ -172,16 +183,32 @@ static float *one_rank(const char *bin, const char *model, const char *tokens, c
     snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s --split experts --out %s.split 2>&1", bin,
              model, tokens, path);
     char *out = run_ok(cmd);
-    *experts = experts_ran(out, 1);
+    *experts = experts_ran(out, 1, false);
     if (*experts <= 0) fail_msg("one rank reported no expert count:\n%s", out);
     free(out);
     return read_f32(path, n);
 }
 
+/* Both split modes of one model at -np 2 and -np 4, printed. */
+static void check_both_splits(const char *bin, const char *model, const char *tokens,
+                              const float *base, size_t n_rows, size_t n_vocab, long long experts,
+                              const char *name) {
+    static const char *const splits[] = {"experts", "rows"};
+    for (int s = 0; s < 2; s++)
+        for (int k = 2; k <= 4; k += 2) {
+            long long held[8];
+            double rss[8];
+            const double rel_diff = check_split(bin, model, tokens, k, splits[s], base, n_rows,
+                                                n_vocab, experts, name, held, rss);
+            print_message("mpi: %-22s -np %d --split %-7s: max |diff| / max|logit| = %.3g%s\n",
+                          name, k, splits[s], rel_diff, rel_diff == 0 ? " (bit-identical)" : "");
+        }
+}
+
 /* Every MoE model of ../shared/parity (config.n_expert > 0), its whole token sequence (prompt and
  * llama.cpp's greedy continuation) as one batch: -np 2 and -np 4 against one rank, and the
  * argmax of the last prompt row onwards equal to llama.cpp's greedy tokens. */
-static void parity_models_split_experts(void **state) {
+static void parity_models_split(void **state) {
     (void)state;
     const char *index = moe_test_shared("parity/INDEX.json");
     MOE_SKIP_IF_NULL(index);
@@ -219,12 +246,7 @@ static void parity_models_split_experts(void **state) {
         float *base = one_rank(bin, model, tokens, name, &n, &experts);
         assert_int_equal(n % n_tok, 0);
         const size_t n_vocab = n / n_tok;
-        for (int k = 2; k <= 4; k += 2) {
-            const double rel_diff =
-                check_split(bin, model, tokens, k, base, n_tok, n_vocab, experts, name);
-            print_message("mpi: %-22s -np %d: max |diff| / max|logit| = %.3g%s\n", name, k,
-                          rel_diff, rel_diff == 0 ? " (bit-identical)" : "");
-        }
+        check_both_splits(bin, model, tokens, base, n_tok, n_vocab, experts, name);
         /* llama.cpp's greedy: argmax(row p) = all_tokens[p + 1] from the last prompt row on */
         for (size_t p = n_prompt - 1; p + 1 < n_tok; p++)
             if ((json_int_t)argmax(base + p * n_vocab, n_vocab) !=
@@ -253,38 +275,87 @@ static void many_experts_per_token(void **state) {
     float *base = one_rank(bin, model, tokens, "mpi8of32", &n, &experts);
     const size_t n_rows = 16;
     for (int k = 2; k <= 4; k++) {
-        const double rel_diff =
-            check_split(bin, model, tokens, k, base, n_rows, n / n_rows, experts, "mpi8of32");
+        long long held[8];
+        double rss[8];
+        const double rel_diff = check_split(bin, model, tokens, k, "experts", base, n_rows,
+                                            n / n_rows, experts, "mpi8of32", held, rss);
         print_message("mpi: 8 of 32 experts -np %d: max |diff| / max|logit| = %.3g\n", k, rel_diff);
     }
     free(base);
 }
 
-/* The qwen3moe parity model, and the MPI build in *bin; NULL (the test skipped) without either. */
-static const char *qwen3moe_and_bin(const char **bin) {
-    const char *model = moe_test_shared("parity/qwen3moe-mixed.gguf");
+/* Split by rows in quant blocks: Q4_K experts with an intermediate of 1024 (4 blocks of 256), so
+ * -np 2 and -np 4 split it evenly and -np 3 does not (blocks 1, 1, 2). One layer: a second
+ * layer would quantize the first one's output again for its own matmuls (8-bit activation
+ * blocks), where a last-bit change can move a rounding and so the logits by 1e-4; one layer
+ * keeps the comparison at the sum's own rounding. Each rank's RSS follows what it holds: within
+ * a job, the differences of RSS are the differences of held bytes (the mapped stacked tensors
+ * are never touched, only the slices read). */
+static void rows_split_in_blocks(void **state) {
+    (void)state;
+    const char *bin = mpi_bin();
+    MOE_SKIP_IF_NULL(bin);
+    const char *model = moe_test_synth(
+        "mpirowsq4k.gguf",
+        "--arch qwen3moe --layers 1 --embd 512 --heads 4 --heads-kv 2 --head-dim 64 --experts 32 "
+        "--experts-used 8 --expert-ff 1024 --vocab 512 --seed 9 --type exps=Q4_K --random-blocks");
+    const char *tokens = "1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426";
+    size_t n;
+    long long experts;
+    float *base = one_rank(bin, model, tokens, "mpirowsq4k", &n, &experts);
+    const size_t n_rows = 16;
+    for (int k = 2; k <= 4; k++) {
+        long long held[8];
+        double rss[8];
+        const double rel_diff = check_split(bin, model, tokens, k, "rows", base, n_rows, n / n_rows,
+                                            experts, "mpirowsq4k", held, rss);
+        print_message("mpi: Q4_K rows -np %d: max |diff| / max|logit| = %.3g; rank 0 holds "
+                      "%.1f MiB, RSS %.1f MiB\n",
+                      k, rel_diff, (double)held[0] / 1048576.0, rss[0]);
+        for (int r = 1; r < k; r++) {
+            const double d_rss = rss[r] - rss[0], d_held = (double)(held[r] - held[0]) / 1048576.0;
+            if (d_rss - d_held > 2.0 || d_held - d_rss > 2.0)
+                fail_msg("-np %d: rank %d's RSS is %.1f MiB from rank 0's, its routed experts "
+                         "%.1f MiB",
+                         k, r, d_rss, d_held);
+        }
+        if (k == 3 && held[2] != 2 * held[0]) /* blocks 1, 1, 2 */
+            fail_msg("-np 3: the ranks hold %lld, %lld, %lld bytes", held[0], held[1], held[2]);
+    }
+    free(base);
+}
+
+/* A parity model (parity/FILE), and the MPI build in *bin; NULL (the test skipped) without
+ * either. */
+static const char *parity_and_bin(const char *file, const char **bin) {
+    char rel[128];
+    snprintf(rel, sizeof rel, "parity/%s", file);
+    const char *model = moe_test_shared(rel);
     *bin = model ? mpi_bin() : NULL;
     return *bin ? model : NULL;
 }
 
-/* `moe run` greedy under -np 2 and -np 4 prints the same tokens as one rank. */
+/* `moe run` greedy under -np 2 and -np 4, both splits, prints the same tokens as one rank (a
+ * hybrid model whose F32 experts split by rows evenly: qwen3next). */
 static void run_greedy_tokens(void **state) {
     (void)state;
-    const char *bin, *model = qwen3moe_and_bin(&bin);
+    const char *bin, *model = parity_and_bin("qwen3next-f32.gguf", &bin);
     MOE_SKIP_IF_NULL(model);
     const char *args = "--tokens 1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426 "
                        "-n 16 --temp 0 --print-ids";
     char cmd[1024];
     snprintf(cmd, sizeof cmd, "(%s run %s %s 2>/dev/null)", moe_test_bin(), model, args);
     char *want = run_ok(cmd);
-    for (int k = 2; k <= 4; k += 2) {
-        snprintf(cmd, sizeof cmd, "(" MPIRUN " %d %s run %s %s --split experts 2>/dev/null)", k,
-                 bin, model, args);
-        char *got = run_ok(cmd);
-        if (strcmp(got, want) != 0)
-            fail_msg("-np %d printed\n%s\none rank printed\n%s", k, got, want);
-        free(got);
-    }
+    for (int k = 2; k <= 4; k += 2)
+        for (int rows = 0; rows < 2; rows++) {
+            snprintf(cmd, sizeof cmd, "(" MPIRUN " %d %s run %s %s --split %s 2>/dev/null)", k, bin,
+                     model, args, rows ? "rows" : "experts");
+            char *got = run_ok(cmd);
+            if (strcmp(got, want) != 0)
+                fail_msg("-np %d --split %s printed\n%s\none rank printed\n%s", k,
+                         rows ? "rows" : "experts", got, want);
+            free(got);
+        }
     free(want);
 }
 
@@ -304,8 +375,9 @@ static void split_argument_errors(void **state) {
     static const struct {
         const char *args, *expect;
     } cases[] = {
-        {"logits x.gguf --tokens 1 --split rows", "--split expects none or experts, got 'rows'"},
-        {"logits x.gguf --tokens 1 --split", "--split expects none or experts"},
+        {"logits x.gguf --tokens 1 --split cols",
+         "--split expects none, experts or rows, got 'cols'"},
+        {"logits x.gguf --tokens 1 --split", "--split expects none, experts or rows"},
         {"chat x.gguf --split experts", "--split is not supported by moe chat yet"},
         {"serve x.gguf --split experts", "--split is not supported by moe serve yet"},
     };
@@ -324,7 +396,7 @@ static void split_argument_errors(void **state) {
  * against a hang; it asserts nothing about speed). */
 static void failing_rank_ends_job(void **state) {
     (void)state;
-    const char *bin, *model = qwen3moe_and_bin(&bin);
+    const char *bin, *model = parity_and_bin("qwen3moe-mixed.gguf", &bin);
     MOE_SKIP_IF_NULL(model);
     char cmd[2048], *out = NULL;
     snprintf(cmd, sizeof cmd,
@@ -340,9 +412,9 @@ static void failing_rank_ends_job(void **state) {
 
 int moe_suite_mpi(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(split_argument_errors),  cmocka_unit_test(parity_models_split_experts),
-        cmocka_unit_test(many_experts_per_token), cmocka_unit_test(run_greedy_tokens),
-        cmocka_unit_test(failing_rank_ends_job),
+        cmocka_unit_test(split_argument_errors),  cmocka_unit_test(parity_models_split),
+        cmocka_unit_test(many_experts_per_token), cmocka_unit_test(rows_split_in_blocks),
+        cmocka_unit_test(run_greedy_tokens),      cmocka_unit_test(failing_rank_ends_job),
     };
     return cmocka_run_group_tests_name("mpi", tests, NULL, NULL);
 }
