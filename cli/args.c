@@ -268,7 +268,7 @@ static const moe_cli_option engine_options[] = {
      MOE_OPT_STRING, ENGINE(pin_experts), 0, 0, NULL},
     {"--split", NULL, "none|experts|rows",
      "under mpirun: share the routed experts among the ranks, whole experts or rows of every one "
-     "(run, logits, bench)",
+     "(run, chat, logits, bench, serve)",
      MOE_OPT_CHOICE, ENGINE(split), 0, 0, split_kinds},
 };
 #undef ENGINE
@@ -295,12 +295,6 @@ bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char
 }
 
 bool moe_engine_args_check(const char *cmd, const moe_engine_args *a) {
-    if (a->split != MOE_SPLIT_NONE && strcmp(cmd, "run") != 0 && strcmp(cmd, "logits") != 0 &&
-        strcmp(cmd, "bench") != 0) {
-        moe_cli_usage_error(cmd, "--split is not supported by moe %s yet (run, logits, bench)",
-                            cmd);
-        return false;
-    }
     if (a->split != MOE_SPLIT_NONE) {
         /* MPI starts here, before any output: rank 0 owns stdout, the others' goes nowhere */
         moe_error err = {0};

@@ -27,17 +27,6 @@ static void print_top5(const float *row, uint32_t n_vocab, size_t pos, int32_t t
     printf("\n");
 }
 
-/* This process's resident set (VmRSS of /proc/self/status), 0 when unknown. */
-static uint64_t rss_bytes(void) {
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    unsigned long long kib = 0;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "VmRSS: %llu kB", &kib) == 1) break;
-    if (f) fclose(f);
-    return (uint64_t)kib * 1024;
-}
-
 int moe_cmd_logits(int argc, char **argv) {
     const char *model_path = NULL, *out_path = NULL, *tokens_arg = NULL;
     bool mtp = false;
@@ -121,7 +110,7 @@ int moe_cmd_logits(int argc, char **argv) {
                 "pairs); holds %llu of %llu bytes of routed experts; RSS %.1f MiB\n",
                 moe_dist_rank(), moe_dist_size(), (unsigned long long)st.experts,
                 (unsigned long long)st.pairs, (unsigned long long)held, (unsigned long long)all,
-                (double)rss_bytes() / 1048576.0);
+                (double)moe_rss_bytes() / 1048576.0);
     }
     if (ok && moe_dist_rank() != 0) { /* split across ranks: rank 0 writes the result */
         rc = 0;

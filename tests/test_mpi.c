@@ -12,15 +12,22 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
 #include "testutil.h"
 
-#define MPIRUN     "mpirun --allow-run-as-root --oversubscribe -np"
-#define REL_TOL    1e-6 /* of max|logit|: the bound for a split run */
-#define MAX_TOKENS 64
+#define MPIRUN       "mpirun --allow-run-as-root --oversubscribe -np"
+#define REL_TOL      1e-6 /* of max|logit|: the bound for a split run */
+#define MAX_TOKENS   64
+#define API_KEY      "sk-moe-test"
+#define CLIENTS_DIR  "tests/clients"
+#define STOP_SECONDS 60 /* for a job to end once rank 0 is told to stop (a bound, not a timing) */
 
 /* The MPI build's path, or NULL (with a message) when it or mpirun is missing. */
 static const char *mpi_bin(void) {
@@ -378,8 +385,6 @@ static void split_argument_errors(void **state) {
         {"logits x.gguf --tokens 1 --split cols",
          "--split expects none, experts or rows, got 'cols'"},
         {"logits x.gguf --tokens 1 --split", "--split expects none, experts or rows"},
-        {"chat x.gguf --split experts", "--split is not supported by moe chat yet"},
-        {"serve x.gguf --split experts", "--split is not supported by moe serve yet"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         expect_usage_error(cases[i].args, cases[i].expect);
@@ -410,11 +415,162 @@ static void failing_rank_ends_job(void **state) {
     free(out);
 }
 
+/* `moe chat` under mpirun -np 2 (--split rows): rank 0 reads the terminal, rank 1 replays its
+ * calls; the greedy token ids equal one rank's, on qwen3next (routed experts split by rows) and
+ * on qwen35-mtp (MTP drafting by default: the draft head's calls replayed too). */
+static void chat_under_mpirun(void **state) {
+    (void)state;
+    static const char *const models[] = {"qwen3next-f32.gguf", "qwen35-mtp-f32.gguf"};
+    for (int i = 0; i < 2; i++) {
+        const char *bin, *model = parity_and_bin(models[i], &bin);
+        MOE_SKIP_IF_NULL(model);
+        char cmd[2048];
+        /* the ids only (a rank's stdout may reach mpirun's through a terminal, and the "> "
+         * prompts on stderr may land between them) */
+        snprintf(cmd, sizeof cmd,
+                 "printf 'hello there\\nhow are you\\n' | %s chat %s --temp 0 -n 12 --print-ids "
+                 "2>/dev/null | tr -cd '0-9,\\n'",
+                 moe_test_bin(), model);
+        char *want = run_ok(cmd);
+        snprintf(cmd, sizeof cmd,
+                 "printf 'hello there\\nhow are you\\n' | " MPIRUN
+                 " 2 %s chat %s --temp 0 -n 12 --print-ids --split rows 2>/dev/null | tr -cd "
+                 "'0-9,\\n'",
+                 bin, model);
+        char *got = run_ok(cmd);
+        if (strcmp(got, want) != 0)
+            fail_msg("%s: -np 2 chat printed\n%s\none rank printed\n%s", models[i], got, want);
+        free(got);
+        free(want);
+    }
+}
+
+/* ==== moe serve under mpirun ==== */
+
+static char *const mpi_two[] = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                                NULL};
+
+/* /health of a server under mpirun: both ranks, with distinct pids; rank 0's pid returned and
+ * each rank's routed-expert bytes into held[2]. */
+static long health_ranks(const moe_test_server *s, long long *held) {
+    char url[256];
+    snprintf(url, sizeof url, "%s/health", s->url);
+    long status = 0;
+    char *body = moe_test_http(url, NULL, &status);
+    json_error_t jerr;
+    json_t *root = json_loads(body, 0, &jerr), *ranks = json_object_get(root, "ranks");
+    if (status != 200 || json_array_size(ranks) != 2)
+        fail_msg("%s: status %ld, expected 200 and two ranks in: %s", url, status, body);
+    long pid[2];
+    for (size_t r = 0; r < 2; r++) {
+        json_t *rank = json_array_get(ranks, r);
+        pid[r] = (long)json_integer_value(json_object_get(rank, "pid"));
+        held[r] = (long long)json_integer_value(json_object_get(rank, "routed_expert_bytes"));
+        if (json_integer_value(json_object_get(rank, "rank")) != (json_int_t)r ||
+            strcmp(json_string_value(json_object_get(rank, "status")), "ok") != 0)
+            fail_msg("%s: rank %zu is not ok: %s", url, r, body);
+    }
+    if (pid[0] <= 0 || pid[0] == pid[1]) fail_msg("%s: the ranks' pids: %s", url, body);
+    json_decref(root);
+    free(body);
+    return pid[0];
+}
+
+/* Stop a server under mpirun as its user should: SIGTERM to rank 0 (a signal to mpirun ends
+ * every rank at once), which stops the others; the job's exit status, -1 if it had to be killed. */
+static int mpi_server_stop(moe_test_server *s) {
+    long long held[2];
+    kill((pid_t)health_ranks(s, held), SIGTERM);
+    int status = 0;
+    for (int i = 0; i < STOP_SECONDS * 20; i++) {
+        if (waitpid(s->pid, &status, WNOHANG) == s->pid) {
+            s->pid = 0;
+            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        }
+        struct timespec d = {0, 50 * 1000000L};
+        nanosleep(&d, NULL);
+    }
+    kill(s->pid, SIGKILL);
+    waitpid(s->pid, &status, 0);
+    s->pid = 0;
+    return -1;
+}
+
+/* node tests/clients/cases.mjs with these servers and cases; fails with its output unless every
+ * case passed, else prints their report lines. */
+static void client_cases(const char *base, const char *hybrid, const char *key, const char *runc,
+                         const char *cases) {
+    char cmd[4096], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "node %s/cases.mjs --base %s --slow %s --hybrid %s --key %s --runc %s %s", CLIENTS_DIR,
+             base, base, hybrid, key, runc, cases);
+    const int rc = moe_test_run(cmd, &out);
+    if (rc != 0) fail_msg("under mpirun -np 2: %s exited %d:\n%s", cmd, rc, out);
+    for (const char *l = out; *l; l += strcspn(l, "\n"), l += *l == '\n')
+        print_message("mpi serve: %.*s\n", (int)strcspn(l, "\n"), l);
+    free(out);
+}
+
+/* `mpirun -np 2 moe serve`: rank 0 serves, rank 1 replays its steps. The official SDK cases that
+ * need no slow server pass against stories260K (--split rows: a dense model, only the replay)
+ * and the qwen3next hybrid (--split rows: prefix reuse through snapshots, replayed on both
+ * ranks); 16 concurrent greedy streams on qwen3next split by experts give each the tokens it
+ * gets alone (concurrent_streams), and 8 of them are timed (bench_8_streams, shown). /health
+ * lists both ranks with what they hold (the budget's bytes); SIGTERM to rank 0 ends the job
+ * cleanly. */
+static void serve_under_mpirun(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    const char *runc = moe_test_shared("models/stories260K/runc_greedy_bos_n256.txt");
+    const char *hybrid = moe_test_shared("parity/qwen3next-f32.gguf");
+    MOE_SKIP_IF_NULL(model);
+    MOE_SKIP_IF_NULL(runc);
+    MOE_SKIP_IF_NULL(hybrid);
+    const char *bin = mpi_bin();
+    MOE_SKIP_IF_NULL(bin);
+    struct stat st;
+    if (stat(CLIENTS_DIR "/node_modules/openai/package.json", &st) != 0 ||
+        stat(CLIENTS_DIR "/node_modules/@anthropic-ai/sdk/package.json", &st) != 0) {
+        print_message("mpi: %s/node_modules is absent (`make clients`): skipped\n", CLIENTS_DIR);
+        skip();
+        return;
+    }
+    char *base_args[] = {(char *)model, "--ctx",  "1024",
+                         "--parallel",  "16",     "--api-key",
+                         API_KEY,       "--cors", "http://allowed.example",
+                         "--split",     "rows",   NULL};
+    char *hybrid_args[] = {(char *)hybrid,  "--ctx", "128",     "--parallel", "2",
+                           "--cache-slots", "4",     "--split", "rows",       NULL};
+    char *streams_args[] = {(char *)hybrid, "--ctx",   "256",     "--parallel",
+                            "16",           "--split", "experts", NULL};
+    moe_test_server base = {0}, hy = {0}, streams = {0};
+    if (!moe_test_server_start_with(&base, "mpi-base", mpi_two, bin, base_args) ||
+        !moe_test_server_start_with(&hy, "mpi-hybrid", mpi_two, bin, hybrid_args) ||
+        !moe_test_server_start_with(&streams, "mpi-streams", mpi_two, bin, streams_args))
+        fail_msg("a server under mpirun did not start (logs in %s)", moe_test_tmpdir());
+    long long held[2], want[8];
+    health_ranks(&hy, held);
+    budget_routed(hybrid, 2, "rows", want);
+    for (int r = 0; r < 2; r++)
+        if (held[r] != want[r])
+            fail_msg("/health: rank %d holds %lld bytes of routed experts, the budget says %lld", r,
+                     held[r], want[r]);
+    client_cases(base.url, hy.url, API_KEY, runc,
+                 "models chat_nonstream chat_stream completions_runc stop_strings logprobs "
+                 "cached_tokens hybrid_reuse anthropic_messages anthropic_stream tools_shape "
+                 "structured_output responses errors cors round_trip disconnect_storm ops");
+    client_cases(streams.url, streams.url, "unused", runc, "concurrent_streams bench_8_streams");
+    assert_int_equal(mpi_server_stop(&base), 0);
+    assert_int_equal(mpi_server_stop(&hy), 0);
+    assert_int_equal(mpi_server_stop(&streams), 0);
+}
+
 int moe_suite_mpi(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(split_argument_errors),  cmocka_unit_test(parity_models_split),
         cmocka_unit_test(many_experts_per_token), cmocka_unit_test(rows_split_in_blocks),
         cmocka_unit_test(run_greedy_tokens),      cmocka_unit_test(failing_rank_ends_job),
+        cmocka_unit_test(chat_under_mpirun),      cmocka_unit_test(serve_under_mpirun),
     };
     return cmocka_run_group_tests_name("mpi", tests, NULL, NULL);
 }

@@ -51,6 +51,10 @@ typedef struct moe_test_server {
 /* Start `moe serve --port 0 EXTRA...` (XDG_CACHE_HOME in the scratch directory, stderr to
  * <tmpdir>/<name>.log); waits for its "ready" line and reads the URL. false: it did not start. */
 bool moe_test_server_start(moe_test_server *s, const char *name, char *const extra[]);
+/* The same as `LAUNCHER... BIN serve --port 0 EXTRA...` (launcher NULL-terminated, looked up in
+ * PATH: mpirun -np 2 ...). */
+bool moe_test_server_start_with(moe_test_server *s, const char *name, char *const launcher[],
+                                const char *bin, char *const extra[]);
 /* SIGTERM, then wait (bounded); the exit status, or -1 if it had to be killed. */
 int moe_test_server_stop(moe_test_server *s);
 /* GET (body NULL) or POST a JSON body; the reply body (caller frees), its status in *status.

@@ -270,6 +270,16 @@ moe_status moe_file_read(const char *path, uint8_t **data, size_t *size, moe_err
     return MOE_OK;
 }
 
+uint64_t moe_rss_bytes(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    unsigned long long kib = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmRSS: %llu kB", &kib) == 1) break;
+    if (f) fclose(f);
+    return (uint64_t)kib * 1024;
+}
+
 moe_status moe_file_pread(int fd, const char *path, uint64_t at, uint64_t n, void *dst,
                           const char *what, moe_error *err) {
     for (uint64_t got = 0; got < n;) {

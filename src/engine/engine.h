@@ -86,7 +86,17 @@ moe_pool *moe_ctx_pool(moe_ctx *c);
 int moe_ctx_n_threads(const moe_ctx *c);
 uint32_t moe_ctx_n_ctx(const moe_ctx *c);
 
-/* Run the rows; logits gets one [n_vocab] row per row with .logits set, in batch order. */
+/* Serve and chat under mpirun: rank 0's context leads -- each call that changes its state is
+ * broadcast to the other ranks before it runs, and freeing it stops them -- and the others'
+ * follow: moe_ctx_follow runs rank 0's calls on them, computing no logits, until rank 0 frees
+ * its context (then MOE_OK; the caller frees its own). Both need a context with a split, made
+ * with the same parameters on every rank; a follower whose call differs from rank 0's (the
+ * ranks diverged) ends the job. No-ops with one rank. */
+void moe_ctx_lead(moe_ctx *c);
+moe_status moe_ctx_follow(moe_ctx *c, moe_error *err);
+
+/* Run the rows; logits gets one [n_vocab] row per row with .logits set, in batch order (NULL:
+ * none computed, the hidden states still are). */
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err);
 /* The normed final hidden states (after output_norm; after the MTP head's norm for a
@@ -362,6 +372,9 @@ int moe_dist_size(void);       /* 1 before init */
  * broadcast: every rank gets the same bits, whatever the timing. */
 void moe_dist_sum(float *buf, size_t n);
 void moe_dist_bcast(void *buf, size_t bytes); /* rank 0's bytes to every rank */
+/* Every rank's `bytes` at mine, in rank order, into rank 0's all ([n_ranks][bytes]; NULL and
+ * untouched elsewhere). */
+void moe_dist_gather(const void *mine, size_t bytes, void *all);
 typedef struct moe_dist_times {
     double wait_seconds;   /* in moe_dist_sum, waiting for the slowest rank to arrive */
     double reduce_seconds; /* in moe_dist_sum, moving and adding the partials */

@@ -47,6 +47,7 @@ typedef struct moe_serve_params {
     int64_t reasoning_budget; /* tokens of reasoning per reply before its block is closed
                                * (-1: no limit; 0: thinking off) */
     moe_spec_kind spec;       /* --spec: where each stream's speculative drafts come from */
+    moe_split split;          /* --split under mpirun: how the ranks share the routed experts */
     uint32_t n_draft;         /* --draft N: drafts per stream and step (1..MOE_SPEC_MAX_DRAFT) */
     const char *grammar;      /* GBNF (checked) for requests that ask for no output format */
 } moe_serve_params;
@@ -55,5 +56,8 @@ void moe_serve_params_default(moe_serve_params *p);
 /* Load the model, listen, serve until SIGINT or SIGTERM. Prints "listening on http://HOST:PORT"
  * on stdout once the socket is bound. Returns the process exit status. */
 int moe_serve_run(const moe_serve_params *p);
+/* The other ranks of `mpirun -np K moe serve --split ...`: open the same model and context as
+ * rank 0, then run rank 0's engine calls on them until it stops. Returns the exit status. */
+int moe_serve_follow(const moe_serve_params *p);
 
 #endif
