@@ -270,6 +270,9 @@ static const moe_cli_option engine_options[] = {
      "under mpirun: share the routed experts among the ranks, whole experts or rows of every one "
      "(run, chat, logits, bench, serve)",
      MOE_OPT_CHOICE, ENGINE(split), 0, 0, split_kinds},
+    {"--split-dense", NULL, NULL,
+     "with --split: each dense FFN and shared expert split by rows across the ranks too",
+     MOE_OPT_SWITCH, ENGINE(split_dense), 0, 0, NULL},
 };
 #undef ENGINE
 #define N_ENGINE_OPTIONS (sizeof engine_options / sizeof engine_options[0])
@@ -295,6 +298,10 @@ bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char
 }
 
 bool moe_engine_args_check(const char *cmd, const moe_engine_args *a) {
+    if (a->split_dense && a->split == MOE_SPLIT_NONE) {
+        moe_cli_usage_error(cmd, "--split-dense needs --split experts|rows");
+        return false;
+    }
     if (a->split != MOE_SPLIT_NONE) {
         /* MPI starts here, before any output: rank 0 owns stdout, the others' goes nowhere */
         moe_error err = {0};

@@ -553,6 +553,7 @@ int moe_cmd_bench(int argc, char **argv) {
     p.kv_type = engine.kv_type;
     p.expert_cache_bytes = engine.expert_cache_bytes;
     p.split = engine.split;
+    p.split_dense = engine.split_dense;
     if (!moe_engine_args_check("bench", &engine)) return 2;
     p.probe_bytes = (size_t)probe_mib << 20;
     if (csv && json) return moe_cli_usage_error("bench", "--csv and --json exclude each other");

@@ -80,6 +80,7 @@ int moe_cmd_logits(int argc, char **argv) {
                          .expert_stats = engine.expert_stats,
                          .pin_experts = engine.pin_experts,
                          .split = engine.split,
+                         .split_dense = engine.split_dense,
                          .n_threads = engine.n_threads};
     moe_ctx *ctx = n <= UINT32_MAX / 2 ? moe_ctx_new(m, &cp, &err) : NULL;
     moe_row *rows = moe_xcalloc(n, sizeof *rows);

@@ -151,6 +151,7 @@ int moe_cmd_serve(int argc, char **argv) {
     p.expert_stats = engine.expert_stats;
     p.pin_experts = engine.pin_experts;
     p.split = engine.split;
+    p.split_dense = engine.split_dense;
     if (!moe_engine_args_check("serve", &engine)) return 2;
     if (p.cache_slots + p.parallel > 4096)
         return moe_cli_usage_error("serve", "--parallel + --cache-slots must stay <= 4096");

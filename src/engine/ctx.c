@@ -73,6 +73,8 @@ static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, mo
         return moe_error_set(err, MOE_ERR_ARG, "context: split mode %d is not one moe knows",
                              (int)out->split);
     if (out->split != MOE_SPLIT_NONE && moe_dist_init(err) != MOE_OK) return err->code;
+    if (out->split_dense && out->split == MOE_SPLIT_NONE)
+        return moe_error_set(err, MOE_ERR_ARG, "context: --split-dense needs --split experts|rows");
     if (out->split == MOE_SPLIT_ROWS && out->expert_cache_bytes)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
                              "context: --split rows holds every expert's slice resident; it does "
@@ -226,7 +228,7 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     }
     moe_linear_alloc(x);
     moe_indexer_alloc(x, n_layer_run(m));
-    if (params.split == MOE_SPLIT_ROWS && moe_dist_size() > 1 &&
+    if ((params.split == MOE_SPLIT_ROWS || params.split_dense) && moe_dist_size() > 1 &&
         moe_rows_load(x, n_layer_run(m), err) != MOE_OK) {
         moe_ctx_free(x);
         return NULL;
@@ -250,6 +252,7 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->follow_tokens);
     free(c->dist_rows);
     free(c->rows_slice);
+    free(c->dense_slice);
     free(c->rows_mem);
     free(c->seq_len);
     free(c->mtp_len);
@@ -528,7 +531,7 @@ void moe_ctx_dist_op(moe_ctx *c, moe_dist_op_kind kind, int32_t seq, uint32_t a)
         op = c->pending;
         c->has_pending = false;
     } else {
-        moe_dist_bcast(&op, sizeof op);
+        moe_dist_bcast_idle(&op, sizeof op); /* as the follow loop takes it */
     }
     if (op.kind != mine.kind || op.seq != mine.seq || op.a != mine.a) {
         fprintf(stderr,
@@ -559,7 +562,7 @@ moe_status moe_ctx_follow(moe_ctx *c, moe_error *err) {
     c->follow_h = moe_xmalloc(sizeof(float) * c->p.max_rows * (size_t)n_embd);
     c->follow_tokens = moe_xmalloc(sizeof(int32_t) * c->p.n_ctx);
     for (;;) {
-        moe_dist_bcast(&c->pending, sizeof c->pending);
+        moe_dist_bcast_idle(&c->pending, sizeof c->pending);
         c->has_pending = true;
         const moe_dist_op op = c->pending;
         moe_error ignored = {0}; /* rank 0 meets the same error and answers its caller */

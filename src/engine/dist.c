@@ -71,6 +71,11 @@ uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, i
 
 #ifdef MOE_MPI
 #include <mpi.h>
+#include <time.h>
+
+/* A follower waiting for rank 0's next call sleeps between polls, up to this long: an idle
+ * server's other ranks then cost nothing, and a call waits at most this much longer. */
+#define IDLE_PAUSE_MAX_NS 1000000L
 
 static bool dist_started; /* we called MPI_Init_thread (and owe MPI_Finalize) */
 static int dist_rank, dist_size = 1;
@@ -154,6 +159,21 @@ void moe_dist_bcast(void *buf, size_t bytes) {
     MPI_Bcast(buf, (int)bytes, MPI_BYTE, 0, MPI_COMM_WORLD);
 }
 
+void moe_dist_bcast_idle(void *buf, size_t bytes) {
+    if (dist_size <= 1 || bytes == 0) return;
+    MOE_CHECK(bytes <= (size_t)INT32_MAX);
+    MPI_Request req;
+    MPI_Ibcast(buf, (int)bytes, MPI_BYTE, 0, MPI_COMM_WORLD, &req);
+    /* a blocking MPI_Bcast polls a core flat out for as long as rank 0 has nothing to send */
+    for (long pause_ns = 1000;; pause_ns = pause_ns < IDLE_PAUSE_MAX_NS ? pause_ns * 2 : pause_ns) {
+        int done = 0;
+        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        if (done) return;
+        struct timespec d = {0, pause_ns};
+        nanosleep(&d, NULL);
+    }
+}
+
 void moe_dist_gather(const void *mine, size_t bytes, void *all) {
     if (dist_size <= 1) {
         if (all) memcpy(all, mine, bytes);
@@ -201,6 +221,9 @@ void moe_dist_sum(float *buf, size_t n) {
     (void)buf, (void)n;
 }
 void moe_dist_bcast(void *buf, size_t bytes) {
+    (void)buf, (void)bytes;
+}
+void moe_dist_bcast_idle(void *buf, size_t bytes) {
     (void)buf, (void)bytes;
 }
 void moe_dist_gather(const void *mine, size_t bytes, void *all) {

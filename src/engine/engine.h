@@ -47,8 +47,10 @@ typedef struct moe_ctx_params {
                                   * hottest experts read at start), or NULL */
     const char *pin_experts;     /* with a cache: experts always resident, listed one per line as
                                   * "LAYER EXPERT", or NULL */
-    moe_split split; /* across the ranks of an MPI job (MOE_SPLIT_NONE: no MPI calls at all);
-                      * every rank must create its context with the same parameters */
+    moe_split split;  /* across the ranks of an MPI job (MOE_SPLIT_NONE: no MPI calls at all);
+                       * every rank must create its context with the same parameters */
+    bool split_dense; /* with a split: each dense FFN and shared expert split by its intermediate
+                       * too (as MOE_SPLIT_ROWS splits an expert), its partial sums summed */
 } moe_ctx_params;
 
 /* The expert cache's counters (cumulative; all zero without one). */
@@ -372,6 +374,9 @@ int moe_dist_size(void);       /* 1 before init */
  * broadcast: every rank gets the same bits, whatever the timing. */
 void moe_dist_sum(float *buf, size_t n);
 void moe_dist_bcast(void *buf, size_t bytes); /* rank 0's bytes to every rank */
+/* The same for a rank that may wait long (a follower between rank 0's calls): it sleeps between
+ * polls (up to 1 ms) instead of spinning a core. */
+void moe_dist_bcast_idle(void *buf, size_t bytes);
 /* Every rank's `bytes` at mine, in rank order, into rank 0's all ([n_ranks][bytes]; NULL and
  * untouched elsewhere). */
 void moe_dist_gather(const void *mine, size_t bytes, void *all);

@@ -177,6 +177,8 @@ struct moe_ctx {
     moe_hc_ctx hc;
     moe_expert_cache *expert_cache; /* NULL: the routed experts are resident */
     moe_rows_slice *rows_slice;     /* [layers run] split by rows over ranks (else NULL) */
+    moe_rows_slice *dense_slice;    /* [layers run] --split-dense: each layer's dense FFN or
+                                     * shared expert, sliced alike (gate, up, down; else NULL) */
     /* replicated (moe_ctx_lead / moe_ctx_follow): every state-changing call is rank 0's,
      * broadcast as an op before it runs; a follower's loop leaves the op it took in `pending` */
     bool replicate, has_pending;
@@ -196,7 +198,8 @@ struct moe_ctx {
     uint64_t snap_clock;
 };
 
-/* Read this rank's slices of every routed-expert layer (split by rows over several ranks). */
+/* Read this rank's slices of every routed-expert layer (split by rows over several ranks) and,
+ * with split_dense, of every dense FFN and shared expert. */
 moe_status moe_rows_load(moe_ctx *c, uint32_t n_layer_run, moe_error *err);
 
 /* ==== KV cache ==== */

@@ -1,6 +1,7 @@
 /* rows.c: what a rank holds of the routed experts under `--split rows` -- its slice of every
  * expert's intermediate (moe_split_rows_range): those rows of gate and up, those input columns of
- * down, those values of the gate / up biases -- read from the model file into memory of its own,
+ * down, those values of the gate / up biases -- and with `--split-dense` the same slice of every
+ * dense FFN and shared expert, read from the model file into memory of its own,
  * so a rank keeps resident only its slices whether the rest of the model is mapped or read into
  * memory (the stacked tensors' own pages are never touched). The MoE block (ffn.c) runs every
  * routed expert on these slices and sums the ranks' partial outputs.
@@ -37,7 +38,7 @@ static const moe_tensor *slice_tensor(moe_rows_slice *s, int k, const moe_tensor
 typedef struct rows_reader {
     const moe_gguf *g;
     int *fd;         /* [shards], opened on first use (-1: not yet) */
-    uint8_t *bounce; /* one expert's down matrix */
+    uint8_t *bounce; /* one expert's (or dense FFN's) down matrix */
 } rows_reader;
 
 static moe_status read_at(rows_reader *r, const moe_tensor *t, uint64_t at, uint64_t n, void *dst,
@@ -90,16 +91,45 @@ static void copy_bias(const moe_tensor *t, moe_split_range ff, float *dst) {
         memcpy(dst + e * n, b + e * t->ne[0] + ff.begin, sizeof(float) * (size_t)n);
 }
 
+/* The slice of a gated FFN (a dense one, or the shared expert beside routed ones) into s: its
+ * intermediate split as an expert's is; sized only with base NULL. */
+static void slice_ffn(moe_rows_slice *s, const moe_ffn_weights *w, int rank, int n_ranks,
+                      uint8_t *base, uint64_t *at) {
+    const int64_t n_ff = w->down->ne[0];
+    s->ff =
+        moe_split_rows_range(n_ff, moe_type_traits_get(w->down->type)->block_values, rank, n_ranks);
+    s->bytes = 0;
+    const int64_t n = s->ff.end - s->ff.begin;
+    s->gate = slice_tensor(s, SLICE_GATE, w->gate, w->gate->ne[0], n, 1, base, at);
+    s->up = slice_tensor(s, SLICE_UP, w->up, w->up->ne[0], n, 1, base, at);
+    s->down = slice_tensor(s, SLICE_DOWN, w->down, n, w->down->ne[1], 1, base, at);
+}
+
+/* The gated FFN of layer il this context splits (--split-dense), or NULL. */
+static const moe_ffn_weights *dense_ffn(const moe_layer_weights *l) {
+    const moe_ffn_weights *w = l->plan.ffn == MOE_FFN_EXPERTS ? &l->experts.shared : &l->ffn;
+    return w->gate && w->up && w->down ? w : NULL;
+}
+
 moe_status moe_rows_load(moe_ctx *c, uint32_t n_layer_run, moe_error *err) {
     const moe_model *m = c->m;
     const int rank = moe_dist_rank(), n_ranks = moe_dist_size();
-    c->rows_slice = moe_xcalloc(n_layer_run, sizeof *c->rows_slice);
+    if (c->p.split == MOE_SPLIT_ROWS)
+        c->rows_slice = moe_xcalloc(n_layer_run, sizeof *c->rows_slice);
+    if (c->p.split_dense) c->dense_slice = moe_xcalloc(n_layer_run, sizeof *c->dense_slice);
     /* the shapes first (one allocation for every slice), then the reads */
     uint64_t at = 0, bounce = 0;
     for (int pass = 0; pass < 2; pass++, at = 0) {
         for (uint32_t il = 0; il < n_layer_run; il++) {
             const moe_expert_weights *w = &m->layers[il].experts;
-            if (m->layers[il].plan.ffn != MOE_FFN_EXPERTS) continue;
+            const moe_ffn_weights *dense = dense_ffn(&m->layers[il]);
+            if (c->dense_slice && dense) {
+                slice_ffn(&c->dense_slice[il], dense, rank, n_ranks, c->rows_mem, &at);
+                const uint64_t matrix = moe_type_row_bytes(dense->down->type, dense->down->ne[0]) *
+                                        (uint64_t)dense->down->ne[1];
+                if (matrix > bounce) bounce = matrix;
+            }
+            if (!c->rows_slice || m->layers[il].plan.ffn != MOE_FFN_EXPERTS) continue;
             moe_rows_slice *s = &c->rows_slice[il];
             const int64_t n_ff = w->down->ne[0], n_embd = w->down->ne[1], E = w->down->ne[2];
             s->ff = moe_split_rows_range(n_ff, moe_type_traits_get(w->down->type)->block_values,
@@ -130,9 +160,21 @@ moe_status moe_rows_load(moe_ctx *c, uint32_t n_layer_run, moe_error *err) {
     for (uint32_t i = 0; i < n_shards; i++) r.fd[i] = -1;
     moe_status st = MOE_OK;
     for (uint32_t il = 0; il < n_layer_run && st == MOE_OK; il++) {
+        const moe_ffn_weights *dense = dense_ffn(&m->layers[il]);
+        const moe_rows_slice *d = c->dense_slice ? &c->dense_slice[il] : NULL;
+        if (d && dense && d->ff.end > d->ff.begin) {
+            const int64_t n_ff = dense->down->ne[0];
+            st = read_rows(&r, dense->gate, n_ff, 1, d->ff, (uint8_t *)d->gate->data, err);
+            if (st == MOE_OK)
+                st = read_rows(&r, dense->up, n_ff, 1, d->ff, (uint8_t *)d->up->data, err);
+            if (st == MOE_OK)
+                st = read_columns(&r, dense->down, d->ff, (uint8_t *)d->down->data, err);
+        }
         const moe_expert_weights *w = &m->layers[il].experts;
-        const moe_rows_slice *s = &c->rows_slice[il];
-        if (m->layers[il].plan.ffn != MOE_FFN_EXPERTS || s->ff.end == s->ff.begin) continue;
+        const moe_rows_slice *s = c->rows_slice ? &c->rows_slice[il] : NULL;
+        if (!s || st != MOE_OK || m->layers[il].plan.ffn != MOE_FFN_EXPERTS ||
+            s->ff.end == s->ff.begin)
+            continue;
         const int64_t n_ff = w->down->ne[0];
         if (s->gate) st = read_rows(&r, w->gate, n_ff, 1, s->ff, (uint8_t *)s->gate->data, err);
         if (s->up && st == MOE_OK)

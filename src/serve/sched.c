@@ -922,7 +922,8 @@ static bool open_engine(serve_sched *s, moe_error *err) {
                                .expert_stats = s->p.expert_stats,
                                .pin_experts = s->p.pin_experts,
                                .n_verify = n_verify,
-                               .split = s->p.split};
+                               .split = s->p.split,
+                               .split_dense = s->p.split_dense};
     s->ctx = moe_ctx_new(s->model, &cp, err);
     if (!s->ctx) return false;
     /* what each rank holds, for /health: gathered once, on every rank */

@@ -48,6 +48,7 @@ typedef struct moe_serve_params {
                                * (-1: no limit; 0: thinking off) */
     moe_spec_kind spec;       /* --spec: where each stream's speculative drafts come from */
     moe_split split;          /* --split under mpirun: how the ranks share the routed experts */
+    bool split_dense;         /* --split-dense: dense FFNs and shared experts split by rows too */
     uint32_t n_draft;         /* --draft N: drafts per stream and step (1..MOE_SPEC_MAX_DRAFT) */
     const char *grammar;      /* GBNF (checked) for requests that ask for no output format */
 } moe_serve_params;

@@ -351,7 +351,8 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                          .kv_type = p->kv_type,
                          .n_threads = p->n_threads,
                          .expert_cache_bytes = p->expert_cache_bytes,
-                         .split = p->split};
+                         .split = p->split,
+                         .split_dense = p->split_dense};
     moe_ctx *ctx = moe_ctx_new(m, &cp, err);
     if (!ctx) {
         moe_model_free(m);

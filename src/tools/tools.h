@@ -456,7 +456,8 @@ typedef struct moe_bench_params {
      * at most the one before); projects decode rates with 1..n_accept drafts */
     double accept[MOE_SPEC_MAX_DRAFT];
     int n_accept;
-    moe_split split; /* across the ranks of an mpirun job (--split experts) */
+    moe_split split;  /* across the ranks of an mpirun job (--split experts|rows) */
+    bool split_dense; /* --split-dense: dense FFNs and shared experts split by rows too */
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
