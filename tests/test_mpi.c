@@ -23,12 +23,11 @@
 
 #include "testutil.h"
 
-#define MPIRUN       "mpirun --allow-run-as-root --oversubscribe -np"
-#define REL_TOL      1e-6 /* of max|logit|: the bound for a split run */
-#define MAX_TOKENS   64
-#define API_KEY      "sk-moe-test"
-#define CLIENTS_DIR  "tests/clients"
-#define STOP_SECONDS 60 /* for a job to end once rank 0 is told to stop (a bound, not a timing) */
+#define MPIRUN      "mpirun --allow-run-as-root --oversubscribe -np"
+#define REL_TOL     1e-6 /* of max|logit|: the bound for a split run */
+#define MAX_TOKENS  64
+#define API_KEY     "sk-moe-test"
+#define CLIENTS_DIR "tests/clients"
 
 /* The MPI build's path, or NULL (with a message) when it or mpirun is missing. */
 static const char *mpi_bin(void) {
@@ -272,28 +271,52 @@ static void parity_models_split(void **state) {
     assert_true(n_checked > 0);
 }
 
+/* A synthetic model (moe synth FLAGS) run by one rank on SYNTH_TOKENS (16 rows). */
+#define SYNTH_TOKENS "1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426"
+typedef struct synth_run {
+    const char *bin, *model, *name;
+    float *base; /* [16][n_vocab] one rank's logits */
+    size_t n;    /* floats in base */
+    long long experts;
+} synth_run;
+
+/* false: skipped (no MPI build). */
+static bool synth_one_rank(synth_run *r, const char *name, const char *flags) {
+    r->bin = mpi_bin();
+    if (!r->bin) {
+        skip();
+        return false;
+    }
+    char file[64];
+    snprintf(file, sizeof file, "%s.gguf", name);
+    r->model = moe_test_synth(file, flags);
+    r->name = name;
+    r->base = one_rank(r->bin, r->model, SYNTH_TOKENS, name, &r->n, &r->experts);
+    return true;
+}
+
+/* check_split of the synthetic model at k ranks; each rank's held bytes and RSS (MiB). */
+static double synth_split(const synth_run *r, int k, const char *split, long long *held,
+                          double *rss) {
+    return check_split(r->bin, r->model, SYNTH_TOKENS, k, split, r->base, 16, r->n / 16, r->experts,
+                       r->name, held, rss);
+}
+
 /* 8 of 32 experts per token: a rank's partial sums several experts, so the sum's order changes
  * and the logits need not be bit-identical; they stay within the bound. */
 static void many_experts_per_token(void **state) {
     (void)state;
-    const char *bin = mpi_bin();
-    MOE_SKIP_IF_NULL(bin);
-    const char *model = moe_test_synth(
-        "mpi8of32.gguf", "--arch qwen3moe --layers 4 --embd 256 --heads 4 --heads-kv 2 --head-dim "
-                         "64 --experts 32 --experts-used 8 --expert-ff 128 --vocab 512 --seed 7");
-    const char *tokens = "1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426";
-    size_t n;
-    long long experts;
-    float *base = one_rank(bin, model, tokens, "mpi8of32", &n, &experts);
-    const size_t n_rows = 16;
-    for (int k = 2; k <= 4; k++) {
-        long long held[8];
-        double rss[8];
-        const double rel_diff = check_split(bin, model, tokens, k, "experts", base, n_rows,
-                                            n / n_rows, experts, "mpi8of32", held, rss);
-        print_message("mpi: 8 of 32 experts -np %d: max |diff| / max|logit| = %.3g\n", k, rel_diff);
-    }
-    free(base);
+    synth_run r;
+    if (!synth_one_rank(&r, "mpi8of32",
+                        "--arch qwen3moe --layers 4 --embd 256 --heads 4 --heads-kv 2 --head-dim "
+                        "64 --experts 32 --experts-used 8 --expert-ff 128 --vocab 512 --seed 7"))
+        return;
+    long long held[8];
+    double rss[8];
+    for (int k = 2; k <= 4; k++)
+        print_message("mpi: 8 of 32 experts -np %d: max |diff| / max|logit| = %.3g\n", k,
+                      synth_split(&r, k, "experts", held, rss));
+    free(r.base);
 }
 
 /* Split by rows in quant blocks: Q4_K experts with an intermediate of 1024 (4 blocks of 256), so
@@ -305,36 +328,31 @@ static void many_experts_per_token(void **state) {
  * are never touched, only the slices read). */
 static void rows_split_in_blocks(void **state) {
     (void)state;
-    const char *bin = mpi_bin();
-    MOE_SKIP_IF_NULL(bin);
-    const char *model = moe_test_synth(
-        "mpirowsq4k.gguf",
-        "--arch qwen3moe --layers 1 --embd 512 --heads 4 --heads-kv 2 --head-dim 64 --experts 32 "
-        "--experts-used 8 --expert-ff 1024 --vocab 512 --seed 9 --type exps=Q4_K --random-blocks");
-    const char *tokens = "1,403,407,261,378,432,383,286,261,376,298,315,421,395,317,426";
-    size_t n;
-    long long experts;
-    float *base = one_rank(bin, model, tokens, "mpirowsq4k", &n, &experts);
-    const size_t n_rows = 16;
+    synth_run r;
+    if (!synth_one_rank(&r, "mpirowsq4k",
+                        "--arch qwen3moe --layers 1 --embd 512 --heads 4 --heads-kv 2 --head-dim "
+                        "64 --experts 32 --experts-used 8 --expert-ff 1024 --vocab 512 --seed 9 "
+                        "--type exps=Q4_K --random-blocks"))
+        return;
+    long long held[8];
+    double rss[8];
     for (int k = 2; k <= 4; k++) {
-        long long held[8];
-        double rss[8];
-        const double rel_diff = check_split(bin, model, tokens, k, "rows", base, n_rows, n / n_rows,
-                                            experts, "mpirowsq4k", held, rss);
+        const double rel_diff = synth_split(&r, k, "rows", held, rss);
         print_message("mpi: Q4_K rows -np %d: max |diff| / max|logit| = %.3g; rank 0 holds "
                       "%.1f MiB, RSS %.1f MiB\n",
                       k, rel_diff, (double)held[0] / 1048576.0, rss[0]);
-        for (int r = 1; r < k; r++) {
-            const double d_rss = rss[r] - rss[0], d_held = (double)(held[r] - held[0]) / 1048576.0;
+        for (int rank = 1; rank < k; rank++) {
+            const double d_rss = rss[rank] - rss[0],
+                         d_held = (double)(held[rank] - held[0]) / 1048576.0;
             if (d_rss - d_held > 2.0 || d_held - d_rss > 2.0)
                 fail_msg("-np %d: rank %d's RSS is %.1f MiB from rank 0's, its routed experts "
                          "%.1f MiB",
-                         k, r, d_rss, d_held);
+                         k, rank, d_rss, d_held);
         }
         if (k == 3 && held[2] != 2 * held[0]) /* blocks 1, 1, 2 */
             fail_msg("-np 3: the ranks hold %lld, %lld, %lld bytes", held[0], held[1], held[2]);
     }
-    free(base);
+    free(r.base);
 }
 
 /* A parity model (parity/FILE), and the MPI build in *bin; NULL (the test skipped) without
@@ -487,20 +505,7 @@ static long health_ranks(const moe_test_server *s, long long *held) {
  * every rank at once), which stops the others; the job's exit status, -1 if it had to be killed. */
 static int mpi_server_stop(moe_test_server *s) {
     long long held[2];
-    kill((pid_t)health_ranks(s, held), SIGTERM);
-    int status = 0;
-    for (int i = 0; i < STOP_SECONDS * 20; i++) {
-        if (waitpid(s->pid, &status, WNOHANG) == s->pid) {
-            s->pid = 0;
-            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        }
-        struct timespec d = {0, 50 * 1000000L};
-        nanosleep(&d, NULL);
-    }
-    kill(s->pid, SIGKILL);
-    waitpid(s->pid, &status, 0);
-    s->pid = 0;
-    return -1;
+    return moe_test_server_stop_via(s, (pid_t)health_ranks(s, held));
 }
 
 /* node tests/clients/cases.mjs with these servers and cases; fails with its output unless every

@@ -190,8 +190,12 @@ bool moe_test_server_start_with(moe_test_server *s, const char *name, char *cons
 }
 
 int moe_test_server_stop(moe_test_server *s) {
+    return moe_test_server_stop_via(s, s->pid);
+}
+
+int moe_test_server_stop_via(moe_test_server *s, pid_t signalled) {
     if (s->pid <= 0) return 0;
-    kill(s->pid, SIGTERM);
+    kill(signalled, SIGTERM);
     int status = 0;
     for (int i = 0; i < SERVER_STOP_SECONDS * 20; i++) {
         const pid_t r = waitpid(s->pid, &status, WNOHANG);
