@@ -47,6 +47,7 @@ static const char usage_text[] =
     "                    share of the routed experts (whole experts, or its rows of every one);\n"
     "                    reports decode time split into compute, reduction and waiting (a rank\n"
     "                    keeps only its share: rows always, experts with --mmap)\n"
+    "  --split-dense     with --split: dense FFNs and shared experts split by rows too\n"
     "  --csv | --json    machine-readable output\n"
     "moe bench --server URL: load on a running OpenAI-compatible server (moe serve, ...)\n"
     "  --concurrency N   requests streamed at once (default 16)\n"

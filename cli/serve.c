@@ -27,6 +27,7 @@ static const char usage_text[] =
     "  --pin-experts FILE experts always resident, one \"LAYER EXPERT\" per line\n"
     "  --split none|experts|rows  under mpirun: rank 0 serves, the other ranks run its steps on\n"
     "                     their share of the routed experts (see moe run --help)\n"
+    "  --split-dense      with --split: dense FFNs and shared experts split by rows too\n"
     "  --mmap             serve weights from the mapped file (default: read into anonymous\n"
     "                     memory at load, so the host cannot reclaim their pages)\n"
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
