@@ -6,7 +6,7 @@
  * on a running server instead (src/tools/bench_server.c).
  *
  * Every text and CSV line names the kernel table and thread count, so a pasted line still says
- * what it measured. JSON is one object: pp_tok_s, tg_tok_s, depths [{depth, tg_tok_s}],
+ * what it measured. JSON is one object: pp_tok_s, tg_tok_s, depths [{depth, pp_tok_s, tg_tok_s}],
  * streams [{n, aggregate_tok_s, per_stream_tok_s}], verify [{rows, steps_s, cost_ratio}],
  * projected [{drafts, tok_s}], read_bw_gb_s, active_bytes_per_token, isa, threads, and the
  * ranges. */
@@ -27,8 +27,9 @@ static const char usage_text[] =
     "  --tg N            decode test: N single-row steps (default 128; 0 skips)\n"
     "  --streams LIST    batched decode: stream counts (default 1,2,4,8; 0 skips)\n"
     "  --stream-steps N  decode steps per batched test (default 32)\n"
-    "  --depth LIST      decode tests after that many tokens of context, e.g. 1024,4096,16384\n"
-    "                    (ascending; the context is filled once, untimed, 512 rows a step)\n"
+    "  --depth LIST      prefill (--pp) and decode (--tg) tests after that many tokens of\n"
+    "                    context, e.g. 8192,32768 (ascending; the context is filled once,\n"
+    "                    untimed, 512 rows a step)\n"
     "  --verify N        speculation's ceiling: verify steps of 1..N rows of one sequence (the\n"
     "                    refused rows rolled back) against a 1-row step, --stream-steps each\n"
     "                    (default 4; 0 skips)\n"
@@ -36,7 +37,7 @@ static const char usage_text[] =
     "                    steps whose 1st, 2nd, 3rd draft is kept): the decode rate projected\n"
     "                    with 1, 2, 3 drafts per step from the verify costs\n"
     "  --probe-mib N     bandwidth probe buffer (default 512)\n"
-    "  --kv-type f16|f32 KV cache element type (default f16)\n"
+    "  --kv-type f16|f32|q8_0 KV cache element type (default f16)\n"
     "  --ctx N           positions per sequence (default: the model's, capped)\n"
     "  --expert-cache SIZE  routed experts read on demand into a cache of SIZE; reports the\n"
     "                    decode's hit rate and disk bytes per token beside a disk probe\n"
@@ -282,7 +283,13 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
                f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads);
     }
     for (int i = 0; i < p->n_depths; i++) {
-        const moe_bench_figure *f = &r->tg_depth[i];
+        const moe_bench_figure *f = &r->pp_depth[i];
+        snprintf(label, sizeof label, "pp%d@d%d", p->n_prompt, p->depths[i]);
+        if (f->median > 0)
+            printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d\n", label, f->median,
+                   f->min, f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads);
+        f = &r->tg_depth[i];
+        if (f->median <= 0) continue;
         snprintf(label, sizeof label, "tg%d@d%d", p->n_gen, p->depths[i]);
         printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d  (%.2f ms per token", label,
                f->median, f->min, f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads,
@@ -342,8 +349,10 @@ static void print_csv(const moe_bench_result *r, const moe_bench_params *p) {
     if (r->pp.median > 0) csv_row(r, pp, 1, &r->pp, r->pp.median);
     if (r->tg.median > 0) csv_row(r, tg, 1, &r->tg, r->tg.median);
     for (int i = 0; i < p->n_depths; i++) {
+        snprintf(pp, sizeof pp, "pp%d@d%d", p->n_prompt, p->depths[i]);
+        if (r->pp_depth[i].median > 0) csv_row(r, pp, 1, &r->pp_depth[i], r->pp_depth[i].median);
         snprintf(tg, sizeof tg, "tg%d@d%d", p->n_gen, p->depths[i]);
-        csv_row(r, tg, 1, &r->tg_depth[i], r->tg_depth[i].median);
+        if (r->tg_depth[i].median > 0) csv_row(r, tg, 1, &r->tg_depth[i], r->tg_depth[i].median);
     }
     for (int i = 0; i < r->n_streams; i++)
         csv_row(r, "streams", r->streams[i].n, &r->streams[i].aggregate,
@@ -385,6 +394,7 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
     for (int i = 0; i < p->n_depths; i++) {
         moe_json_object_begin(&j);
         moe_json_kv_int(&j, "depth", p->depths[i]);
+        json_figure(&j, "pp_", &r->pp_depth[i]);
         json_figure(&j, "tg_", &r->tg_depth[i]);
         moe_json_kv_double(&j, "indexer_score_ms_per_token", r->score_ms[i]);
         moe_json_kv_double(&j, "indexer_attend_ms_per_token", r->attend_ms[i]);

@@ -19,7 +19,7 @@ static const char usage_text[] =
     "  --parallel B       streams decoded together in one batch (default 4)\n"
     "  --cache-slots N    extra finished sequences kept for prefix reuse (default: B)\n"
     "  -t, --threads T    forward-pass threads (default: the physical cores)\n"
-    "  --kv-type f32|f16  KV cache element type (default f16)\n"
+    "  --kv-type f32|f16|q8_0  KV cache element type (default f16)\n"
     "  --expert-cache SIZE  routed experts read from the file on demand into a cache of SIZE\n"
     "                     (e.g. 12G); everything else stays resident\n"
     "  --expert-stats FILE  keep the cache's use counts in FILE: a restart reads the experts used\n"

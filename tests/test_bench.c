@@ -130,15 +130,16 @@ static void expect_bench(int rc, const char *want, const char *fmt, ...) {
     free(out);
 }
 
-/* --depth: decode tests after that many tokens of context, on a hybrid model whose KDA state
- * goes back to the filled context by a snapshot before every run; past top_k the glm5next
- * layer attends sparsely. One JSON entry and one CSV row per depth; bad lists are refused. */
+/* --depth: prefill and decode tests after that many tokens of context, on a hybrid model whose
+ * KDA state goes back to the filled context by a snapshot before every run; past top_k the
+ * glm5next layer attends sparsely. One JSON entry and one CSV row per test and depth; bad lists
+ * are refused. */
 static void bench_depths(void **state) {
     (void)state;
     const char *model = moe_test_synth("bench-glm5next.gguf", "--preset glm5next-tiny");
     char cmd[2048], *out;
     snprintf(cmd, sizeof cmd,
-             "%s bench %s -t 2 --runs 2 --pp 0 --tg 3 --streams 0 --probe-mib 16 --depth 20,90 "
+             "%s bench %s -t 2 --runs 2 --pp 8 --tg 3 --streams 0 --probe-mib 16 --depth 20,90 "
              "--json",
              moe_test_bin(), model);
     json_t *j = moe_test_run_json(cmd);
@@ -148,6 +149,7 @@ static void bench_depths(void **state) {
     for (size_t i = 0; i < 2; i++) {
         json_t *d = json_array_get(depths, i);
         assert_int_equal(json_integer_value(json_object_get(d, "depth")), want[i]);
+        positive(d, "pp_tok_s");
         positive(d, "tg_tok_s");
         positive(d, "indexer_attend_ms_per_token"); /* the MLA layer attends at every depth */
     }
@@ -156,10 +158,11 @@ static void bench_depths(void **state) {
     positive(j, "fill_seconds");
     json_decref(j);
     snprintf(cmd, sizeof cmd,
-             "(%s bench %s -t 2 --runs 1 --pp 0 --tg 2 --streams 0 --probe-mib 16 --depth 30 "
+             "(%s bench %s -t 2 --runs 1 --pp 4 --tg 2 --streams 0 --probe-mib 16 --depth 30 "
              "--csv 2>/dev/null)",
              moe_test_bin(), model);
     assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "\npp4@d30,1,"));
     assert_non_null(strstr(out, "\ntg2@d30,1,"));
     free(out);
     snprintf(cmd, sizeof cmd, "%s bench %s --depth 90,20", moe_test_bin(), model);
