@@ -251,7 +251,7 @@ void moe_cli_options_print(FILE *out, const moe_cli_option *table, size_t n, con
 
 #define ENGINE(field) MOE_OPT_FIELD(moe_engine_args, field)
 static const char *const split_kinds[] = {
-    [MOE_SPLIT_NONE] = "none", [MOE_SPLIT_EXPERTS] = "experts", NULL};
+    [MOE_SPLIT_NONE] = "none", [MOE_SPLIT_EXPERTS] = "experts", [MOE_SPLIT_ROWS] = "rows", NULL};
 static const moe_cli_option engine_options[] = {
     {"--ctx", NULL, "N", "positions per sequence (default: the model's, capped)", MOE_OPT_INT,
      ENGINE(n_ctx), 1, 1 << 24, NULL},
@@ -266,9 +266,13 @@ static const moe_cli_option engine_options[] = {
      MOE_OPT_STRING, ENGINE(expert_stats), 0, 0, NULL},
     {"--pin-experts", NULL, "FILE", "experts always resident, one \"LAYER EXPERT\" per line",
      MOE_OPT_STRING, ENGINE(pin_experts), 0, 0, NULL},
-    {"--split", NULL, "none|experts",
-     "under mpirun: share the routed experts among the ranks (run, logits, bench)", MOE_OPT_CHOICE,
-     ENGINE(split), 0, 0, split_kinds},
+    {"--split", NULL, "none|experts|rows",
+     "under mpirun: share the routed experts among the ranks, whole experts or rows of every one "
+     "(run, chat, logits, bench, serve)",
+     MOE_OPT_CHOICE, ENGINE(split), 0, 0, split_kinds},
+    {"--split-dense", NULL, NULL,
+     "with --split: each dense FFN and shared expert split by rows across the ranks too",
+     MOE_OPT_SWITCH, ENGINE(split_dense), 0, 0, NULL},
 };
 #undef ENGINE
 #define N_ENGINE_OPTIONS (sizeof engine_options / sizeof engine_options[0])
@@ -294,10 +298,8 @@ bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char
 }
 
 bool moe_engine_args_check(const char *cmd, const moe_engine_args *a) {
-    if (a->split != MOE_SPLIT_NONE && strcmp(cmd, "run") != 0 && strcmp(cmd, "logits") != 0 &&
-        strcmp(cmd, "bench") != 0) {
-        moe_cli_usage_error(cmd, "--split is not supported by moe %s yet (run, logits, bench)",
-                            cmd);
+    if (a->split_dense && a->split == MOE_SPLIT_NONE) {
+        moe_cli_usage_error(cmd, "--split-dense needs --split experts|rows");
         return false;
     }
     if (a->split != MOE_SPLIT_NONE) {

@@ -45,8 +45,9 @@ typedef struct moe_engine_args {
                                   * cache of this size (0: all resident) */
     const char *expert_stats;    /* --expert-stats FILE: the cache's use counts across runs */
     const char *pin_experts;     /* --pin-experts FILE: experts the cache always holds */
-    moe_split split;             /* --split experts: share the routed experts among the ranks of
-                                  * an mpirun job (run and logits; needs `make MPI=1`) */
+    moe_split split;             /* --split experts|rows: share the routed experts among the ranks
+                                  * of an mpirun job (needs `make MPI=1`) */
+    bool split_dense;            /* --split-dense: dense FFNs and shared experts split by rows */
 } moe_engine_args;
 
 /* A byte size: a positive number with an optional binary unit K, M, G or T (KiB, GB, ...). */

@@ -52,9 +52,11 @@ static const char usage_text[] =
     "  --expert-stats FILE  keep the expert cache's use counts across runs in FILE\n"
     "  --pin-experts FILE   experts always resident, one \"LAYER EXPERT\" per line\n"
     "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
-    "  --split experts   under `mpirun -np K` (a `make MPI=1` build): each rank runs its share\n"
-    "                    of the routed experts; reports decode time split into compute,\n"
-    "                    reduction and waiting (with --mmap a rank keeps only its experts)\n"
+    "  --split experts|rows  under `mpirun -np K` (a `make MPI=1` build): each rank runs its\n"
+    "                    share of the routed experts (whole experts, or its rows of every one);\n"
+    "                    reports decode time split into compute, reduction and waiting (a rank\n"
+    "                    keeps only its share: rows always, experts with --mmap)\n"
+    "  --split-dense     with --split: dense FFNs and shared experts split by rows too\n"
     "  --csv | --json    machine-readable output\n"
     "moe bench --server URL: load on a running OpenAI-compatible server (moe serve, ...)\n"
     "  --concurrency N   requests streamed at once (default 16)\n"
@@ -394,10 +396,11 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
     if (p->split != MOE_SPLIT_NONE && r->tg_seconds > 0) {
         const double tokens = (double)(p->runs + 1) * p->n_gen, ms = 1e3 / tokens;
         const moe_dist_times *d = &r->tg_dist;
-        printf("ranks: %d, routed experts split by expert; decode per token: compute %.2f ms, "
+        printf("ranks: %d, routed experts split by %s; decode per token: compute %.2f ms, "
                "reduction %.3f ms, waiting %.3f ms (%.1f sums of %.1f KiB per token)\n",
-               r->ranks, (r->tg_seconds - d->reduce_seconds - d->wait_seconds) * ms,
-               d->reduce_seconds * ms, d->wait_seconds * ms, (double)d->sums / tokens,
+               r->ranks, p->split == MOE_SPLIT_ROWS ? "rows" : "expert",
+               (r->tg_seconds - d->reduce_seconds - d->wait_seconds) * ms, d->reduce_seconds * ms,
+               d->wait_seconds * ms, (double)d->sums / tokens,
                d->sums ? (double)d->bytes / (double)d->sums / 1024.0 : 0.0);
     }
     const moe_expert_cache_stats *cs = &r->tg_cache;
@@ -755,6 +758,7 @@ int moe_cmd_bench(int argc, char **argv) {
     p.kv_type = engine.kv_type;
     p.expert_cache_bytes = engine.expert_cache_bytes;
     p.split = engine.split;
+    p.split_dense = engine.split_dense;
     if (!moe_engine_args_check("bench", &engine)) return 2;
     p.probe_bytes = (size_t)probe_mib << 20;
     if (csv && json) return moe_cli_usage_error("bench", "--csv and --json exclude each other");

@@ -137,8 +137,9 @@ static void print_model(FILE *out, const moe_budget_model *m, const moe_budget_p
         if (c->devices > 1) fprintf(out, " %14s", human(all, b, sizeof b));
         if (k == MOE_ROLE_ROUTED_EXPERTS && c->devices > 1)
             fprintf(out,
-                    c->split_experts ? "  (whole experts: expert e on device e %% %u)"
-                                     : "  (rows of every expert matrix split %u ways)",
+                    c->split_experts
+                        ? "  (whole experts: expert e on device e %% %u)"
+                        : "  (every expert split %u ways by its intermediate, in down blocks)",
                     c->devices);
         if (k == MOE_PART_VISION && !c->vision) fprintf(out, "  (left out: --no-vision)");
         fputc('\n', out);

@@ -6,6 +6,7 @@
  * conversation grows (Qwen3 drops old reasoning), so the reusable prefix can end before the last
  * reply; the context is cut back to it rather than assumed to extend. */
 #include <jansson.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,6 +116,14 @@ int moe_cmd_chat(int argc, char **argv) {
     if (!moe_engine_args_check("chat", &o.engine)) return 2;
     if (!moe_gen_open(&g, &o, "chat")) return 1;
     moe_error err = {0};
+    if (moe_dist_rank() != 0) {  /* under mpirun: rank 0 chats, this rank runs its steps */
+        signal(SIGINT, SIG_IGN); /* Ctrl-C is rank 0's to read (mpirun hands it to every rank) */
+        const moe_status st = moe_ctx_follow(g.ctx, &err);
+        if (st != MOE_OK) fprintf(stderr, "moe chat: rank %d: %s\n", moe_dist_rank(), err.msg);
+        moe_gen_close(&g);
+        return st == MOE_OK ? 0 : 1;
+    }
+    moe_ctx_lead(g.ctx); /* with a split: the other ranks replay its calls; freeing stops them */
     bool builtin;
     moe_chat_template *t = chat_template(&g, template_file, &builtin, &err);
     if (!t) {

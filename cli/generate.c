@@ -107,6 +107,7 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
                              .expert_stats = o->engine.expert_stats,
                              .pin_experts = o->engine.pin_experts,
                              .split = o->engine.split,
+                             .split_dense = o->engine.split_dense,
                              .n_threads = o->engine.n_threads,
                              .n_verify = g->opt.spec ? o->n_draft + 1 : 0};
         g->ctx = moe_ctx_new(g->model, &cp, &err);

@@ -27,17 +27,6 @@ static void print_top5(const float *row, uint32_t n_vocab, size_t pos, int32_t t
     printf("\n");
 }
 
-/* This process's resident set (VmRSS of /proc/self/status), 0 when unknown. */
-static uint64_t rss_bytes(void) {
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    unsigned long long kib = 0;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "VmRSS: %llu kB", &kib) == 1) break;
-    if (f) fclose(f);
-    return (uint64_t)kib * 1024;
-}
-
 int moe_cmd_logits(int argc, char **argv) {
     const char *model_path = NULL, *out_path = NULL, *tokens_arg = NULL;
     bool mtp = false;
@@ -91,6 +80,7 @@ int moe_cmd_logits(int argc, char **argv) {
                          .expert_stats = engine.expert_stats,
                          .pin_experts = engine.pin_experts,
                          .split = engine.split,
+                         .split_dense = engine.split_dense,
                          .n_threads = engine.n_threads};
     moe_ctx *ctx = n <= UINT32_MAX / 2 ? moe_ctx_new(m, &cp, &err) : NULL;
     moe_row *rows = moe_xcalloc(n, sizeof *rows);
@@ -114,14 +104,14 @@ int moe_cmd_logits(int argc, char **argv) {
     if (ok && engine.split != MOE_SPLIT_NONE) { /* what this rank's share was */
         const moe_expert_stats st = moe_ctx_expert_stats(ctx);
         uint64_t all;
-        const uint64_t held =
-            moe_split_expert_bytes(m, engine.split, moe_dist_rank(), moe_dist_size(), &all);
+        moe_split_expert_bytes(m, MOE_SPLIT_NONE, 0, 1, &all);
+        const uint64_t held = moe_ctx_routed_bytes(ctx); /* split by rows: what it read */
         fprintf(stderr,
                 "moe logits: rank %d of %d ran %llu experts (the step routed %llu (row, expert) "
                 "pairs); holds %llu of %llu bytes of routed experts; RSS %.1f MiB\n",
                 moe_dist_rank(), moe_dist_size(), (unsigned long long)st.experts,
                 (unsigned long long)st.pairs, (unsigned long long)held, (unsigned long long)all,
-                (double)rss_bytes() / 1048576.0);
+                (double)moe_rss_bytes() / 1048576.0);
     }
     if (ok && moe_dist_rank() != 0) { /* split across ranks: rank 0 writes the result */
         rc = 0;

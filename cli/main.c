@@ -21,7 +21,7 @@ static const moe_command commands[] = {
     {"run", moe_cmd_run, "generate text from a prompt (no model: the built-in demo model)",
      "[MODEL] [-p PROMPT | --tokens ID,...] [-n N] [--temp T] [--seed S] [-t THREADS] "
      "[--spec ngram|mtp|none (default: mtp where the model has an MTP layer)] [--draft N] "
-     "[--expert-cache SIZE] [--split experts] [--grammar-file F.gbnf] ...",
+     "[--expert-cache SIZE] [--split experts|rows] [--grammar-file F.gbnf] ...",
      moe_cmd_run_options},
     {"chat", moe_cmd_chat, "chat with a model in the terminal",
      "[MODEL] [--system TEXT] [--chat-template-file F.jinja] [--verbose-prompt] [sampling "
@@ -94,7 +94,7 @@ static const moe_command commands[] = {
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
      "        [--depth 1024,4096,16384] [--verify N] [--accept 0.87,0.66,0.52] [--kv-type "
      "f16|f32|q8_0]\n"
-     "        [--mmap] [--expert-cache SIZE] [--split experts] [--csv | --json] ...\n"
+     "        [--mmap] [--expert-cache SIZE] [--split experts|rows] [--csv | --json] ...\n"
      "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
      "[--start-cmd CMD] [--svg FILE] [--json]",
      moe_cmd_bench_options},

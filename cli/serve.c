@@ -25,7 +25,9 @@ static const char usage_text[] =
     "  --expert-stats FILE  keep the cache's use counts in FILE: a restart reads the experts used\n"
     "                     most first\n"
     "  --pin-experts FILE experts always resident, one \"LAYER EXPERT\" per line\n"
-    "  --split none|experts  sharing experts among mpirun ranks: not supported by serve yet\n"
+    "  --split none|experts|rows  under mpirun: rank 0 serves, the other ranks run its steps on\n"
+    "                     their share of the routed experts (see moe run --help)\n"
+    "  --split-dense      with --split: dense FFNs and shared experts split by rows too\n"
     "  --mmap             serve weights from the mapped file (default: read into anonymous\n"
     "                     memory at load, so the host cannot reclaim their pages)\n"
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
@@ -152,6 +154,8 @@ int moe_cmd_serve(int argc, char **argv) {
     p.expert_cache_bytes = engine.expert_cache_bytes;
     p.expert_stats = engine.expert_stats;
     p.pin_experts = engine.pin_experts;
+    p.split = engine.split;
+    p.split_dense = engine.split_dense;
     if (!moe_engine_args_check("serve", &engine)) return 2;
     if (p.cache_slots + p.parallel > 4096)
         return moe_cli_usage_error("serve", "--parallel + --cache-slots must stay <= 4096");
@@ -159,7 +163,7 @@ int moe_cmd_serve(int argc, char **argv) {
     if (!path) return 1;
     if (!p.model_path && !p.alias) p.alias = "moe-demo";
     p.model_path = path;
-    const int rc = moe_serve_run(&p);
+    const int rc = moe_dist_rank() == 0 ? moe_serve_run(&p) : moe_serve_follow(&p);
     free(path);
     free(grammar);
     return rc;

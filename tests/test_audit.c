@@ -635,6 +635,36 @@ static uint64_t jnum(json_t *o, const char *key) {
     return moe_test_json_uint(o, key);
 }
 
+/* ggml's values per block of a type (by name), for the row splits below. */
+static uint64_t block_values(const char *type) {
+    static const char *const per32[] = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "IQ4_NL"};
+    if (!strcmp(type, "F32") || !strcmp(type, "F16") || !strcmp(type, "BF16")) return 1;
+    for (size_t i = 0; i < sizeof per32 / sizeof per32[0]; i++)
+        if (!strcmp(type, per32[i])) return 32;
+    return 256; /* the K and IQ super-blocks */
+}
+
+/* The parity description d's blk.LAYER.ffn_down_exps.weight: its ne[0] and type (0 / "F32"
+ * when the layer has none). */
+static json_t *down_of(json_t *d, int layer) {
+    char want[64];
+    snprintf(want, sizeof want, "blk.%d.ffn_down_exps.weight", layer);
+    size_t k;
+    json_t *t;
+    json_array_foreach(json_object_get(d, "tensors"), k, t) {
+        if (!strcmp(json_string_value(json_object_get(t, "name")), want)) return t;
+    }
+    return NULL;
+}
+static uint64_t down_ff(json_t *d, int layer) {
+    json_t *t = down_of(d, layer);
+    return t ? (uint64_t)json_integer_value(json_array_get(json_object_get(t, "ne"), 0)) : 0;
+}
+static const char *down_type(json_t *d, int layer) {
+    json_t *t = down_of(d, layer);
+    return t ? json_string_value(json_object_get(t, "type")) : "F32";
+}
+
 /* The part a tensor name belongs to, by the llama.cpp naming rules (written out here rather
  * than taken from tools/, so a change of the rules there shows up). */
 static const char *part_of(const char *name, uint64_t n_trunk) {
@@ -742,14 +772,18 @@ static void budget_parity_models(void **state) {
             for (size_t p = 0; p < N_PARTS; p++)
                 if (!strcmp(part_of(name, n_trunk), parts[p])) want[p] += bytes;
             if (!strcmp(part_of(name, n_trunk), "routed_experts")) {
-                uint64_t rows = json_array_size(ne) >= 2
-                                    ? (uint64_t)json_integer_value(json_array_get(ne, 1))
-                                    : 1;
-                uint64_t row_bytes =
-                    bytes / (n / (uint64_t)json_integer_value(json_array_get(ne, 0)));
-                uint64_t slices = n / (uint64_t)json_integer_value(json_array_get(ne, 0)) / rows;
-                routed_dev0 += (rows + 2) / 3 * slices * row_bytes;
-                routed_dev2 += rows / 3 * slices * row_bytes;
+                /* split by rows as the engine runs it: each layer's intermediate (its down's
+                 * ne[0]) in whole blocks of the down's type, blocks nb * d / 3 .. nb * (d+1) / 3
+                 * on device d; every expert tensor but the down bias and scale is cut along it,
+                 * so its bytes scale with the device's share */
+                int layer = -1;
+                sscanf(name, "blk.%d.", &layer);
+                const uint64_t ff = layer >= 0 ? down_ff(d, layer) : 0,
+                               nb = ff ? ff / block_values(down_type(d, layer)) : 0;
+                const bool whole = !ff || strstr(name, "ffn_down_exps.bias") ||
+                                   strstr(name, "ffn_down_exps.scale");
+                routed_dev0 += whole ? bytes : bytes * (nb / 3) / nb;
+                routed_dev2 += whole ? bytes : bytes * (nb - nb * 2 / 3) / nb;
             }
         }
         assert_int_equal(params, jnum(d, "n_params"));
@@ -790,7 +824,13 @@ static void budget_parity_models(void **state) {
             "routed_experts",    "shared_experts",  "attention",  "dense_ffn", "hyper_connections",
             "embeddings_output", "norms_other",     "mtp_layers", "vision",    "kv_cache",
             "indexer_cache",     "recurrent_state", "scratch"};
-        for (size_t p = 0; p < sizeof all / sizeof all[0]; p++) total += jnum(d0, all[p]);
+        /* the largest device: split by blocks the last takes the larger share, not the first */
+        for (size_t dev = 0; dev < 3; dev++) {
+            json_t *parts_d = json_object_get(json_array_get(devs, dev), "parts");
+            uint64_t sum = 0;
+            for (size_t p = 0; p < sizeof all / sizeof all[0]; p++) sum += jnum(parts_d, all[p]);
+            if (sum > total) total = sum;
+        }
         assert_int_equal(jnum(m, "device_total_max"), total);
         assert_int_equal((uint64_t)json_integer_value(json_object_get(m, "spare")), mem - total);
         assert_true(json_is_true(json_object_get(m, "fits")));

@@ -133,16 +133,23 @@ const char *moe_test_synth(const char *file, const char *flags) {
 #define SERVER_STOP_SECONDS  10
 
 bool moe_test_server_start(moe_test_server *s, const char *name, char *const extra[]) {
+    char *const none[] = {NULL};
+    return moe_test_server_start_with(s, name, none, moe_test_bin(), extra);
+}
+
+bool moe_test_server_start_with(moe_test_server *s, const char *name, char *const launcher[],
+                                const char *bin, char *const extra[]) {
     int fds[2];
     if (pipe(fds) != 0) return false;
     snprintf(s->log, sizeof s->log, "%s/%s.log", moe_test_tmpdir(), name);
-    char *argv[32];
+    char *argv[48];
     int n = 0;
-    argv[n++] = (char *)moe_test_bin();
+    for (int i = 0; launcher[i] && n < 16; i++) argv[n++] = launcher[i];
+    argv[n++] = (char *)bin;
     argv[n++] = "serve";
     argv[n++] = "--port";
     argv[n++] = "0";
-    for (int i = 0; extra[i] && n < 31; i++) argv[n++] = extra[i];
+    for (int i = 0; extra[i] && n < 47; i++) argv[n++] = extra[i];
     argv[n] = NULL;
     char cache[600];
     snprintf(cache, sizeof cache, "%s/cache", moe_test_tmpdir());
@@ -154,7 +161,7 @@ bool moe_test_server_start(moe_test_server *s, const char *name, char *const ext
         if (log) dup2(fileno(log), 2);
         close(fds[0]);
         setenv("XDG_CACHE_HOME", cache, 1);
-        execv(argv[0], argv);
+        execvp(argv[0], argv);
         _exit(127);
     }
     close(fds[1]);
@@ -183,8 +190,12 @@ bool moe_test_server_start(moe_test_server *s, const char *name, char *const ext
 }
 
 int moe_test_server_stop(moe_test_server *s) {
+    return moe_test_server_stop_via(s, s->pid);
+}
+
+int moe_test_server_stop_via(moe_test_server *s, pid_t signalled) {
     if (s->pid <= 0) return 0;
-    kill(s->pid, SIGTERM);
+    kill(signalled, SIGTERM);
     int status = 0;
     for (int i = 0; i < SERVER_STOP_SECONDS * 20; i++) {
         const pid_t r = waitpid(s->pid, &status, WNOHANG);

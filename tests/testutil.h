@@ -51,8 +51,14 @@ typedef struct moe_test_server {
 /* Start `moe serve --port 0 EXTRA...` (XDG_CACHE_HOME in the scratch directory, stderr to
  * <tmpdir>/<name>.log); waits for its "ready" line and reads the URL. false: it did not start. */
 bool moe_test_server_start(moe_test_server *s, const char *name, char *const extra[]);
+/* The same as `LAUNCHER... BIN serve --port 0 EXTRA...` (launcher NULL-terminated, looked up in
+ * PATH: mpirun -np 2 ...). */
+bool moe_test_server_start_with(moe_test_server *s, const char *name, char *const launcher[],
+                                const char *bin, char *const extra[]);
 /* SIGTERM, then wait (bounded); the exit status, or -1 if it had to be killed. */
 int moe_test_server_stop(moe_test_server *s);
+/* The same, with the SIGTERM sent to `signalled` (rank 0 of a server under mpirun). */
+int moe_test_server_stop_via(moe_test_server *s, pid_t signalled);
 /* GET (body NULL) or POST a JSON body; the reply body (caller frees), its status in *status.
  * Fails the test when the transfer fails. */
 char *moe_test_http(const char *url, const char *body, long *status);

@@ -6,10 +6,12 @@
 #include "base.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ==== Errors ==== */
 
@@ -265,6 +267,34 @@ moe_status moe_file_read(const char *path, uint8_t **data, size_t *size, moe_err
     buf[n] = '\0';
     *data = buf;
     *size = n;
+    return MOE_OK;
+}
+
+uint64_t moe_rss_bytes(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    unsigned long long kib = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmRSS: %llu kB", &kib) == 1) break;
+    if (f) fclose(f);
+    return (uint64_t)kib * 1024;
+}
+
+moe_status moe_file_pread(int fd, const char *path, uint64_t at, uint64_t n, void *dst,
+                          const char *what, moe_error *err) {
+    for (uint64_t got = 0; got < n;) {
+        const ssize_t r = pread(fd, (uint8_t *)dst + got, (size_t)(n - got), (off_t)(at + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0)
+            return moe_error_set(err, MOE_ERR_IO, "%s: reading %s at byte %" PRIu64 " failed: %s",
+                                 path, what, at + got, strerror(errno));
+        if (r == 0)
+            return moe_error_set(err, MOE_ERR_IO,
+                                 "%s: the file ends at byte %" PRIu64 ", inside %s (truncated "
+                                 "since it was loaded?)",
+                                 path, at + got, what);
+        got += (uint64_t)r;
+    }
     return MOE_OK;
 }
 

@@ -85,6 +85,12 @@ static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, mo
         return moe_error_set(err, MOE_ERR_ARG, "context: split mode %d is not one moe knows",
                              (int)out->split);
     if (out->split != MOE_SPLIT_NONE && moe_dist_init(err) != MOE_OK) return err->code;
+    if (out->split_dense && out->split == MOE_SPLIT_NONE)
+        return moe_error_set(err, MOE_ERR_ARG, "context: --split-dense needs --split experts|rows");
+    if (out->split == MOE_SPLIT_ROWS && out->expert_cache_bytes)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "context: --split rows holds every expert's slice resident; it does "
+                             "not go with an expert cache (--split experts does)");
     if (out->n_seq > MOE_MAX_SEQ || out->max_rows > MOE_MAX_ROWS ||
         out->n_snapshots > 2 * MOE_MAX_SEQ || out->n_verify > MOE_MAX_VERIFY)
         return moe_error_set(err, MOE_ERR_ARG,
@@ -235,6 +241,11 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     }
     moe_linear_alloc(x);
     moe_indexer_alloc(x, n_layer_run(m));
+    if ((params.split == MOE_SPLIT_ROWS || params.split_dense) && moe_dist_size() > 1 &&
+        moe_rows_load(x, n_layer_run(m), err) != MOE_OK) {
+        moe_ctx_free(x);
+        return NULL;
+    }
     if (params.expert_cache_bytes) {
         x->expert_cache =
             moe_expert_cache_new(m, n_layer_run(m), x->pool, params.expert_cache_bytes, err);
@@ -249,7 +260,13 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
 
 void moe_ctx_free(moe_ctx *c) {
     if (!c) return;
+    if (c->replicate && moe_dist_rank() == 0) moe_ctx_dist_op(c, MOE_OP_END, 0, 0);
+    free(c->follow_h);
+    free(c->follow_tokens);
     free(c->dist_rows);
+    free(c->rows_slice);
+    free(c->dense_slice);
+    free(c->rows_mem);
     free(c->seq_len);
     free(c->mtp_len);
     free(c->verify_base);
@@ -322,6 +339,19 @@ uint32_t moe_ctx_n_ctx(const moe_ctx *c) {
 
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c) {
     return c->stats;
+}
+
+uint64_t moe_ctx_routed_bytes(const moe_ctx *c) {
+    if (!c->rows_slice)
+        return moe_split_expert_bytes(c->m, c->p.split, moe_dist_rank(), moe_dist_size(), NULL);
+    uint64_t bytes = 0;
+    for (uint32_t il = 0; il < c->m->cfg.n_layer; il++) {
+        const moe_expert_weights *w = &c->m->layers[il].experts;
+        bytes += c->rows_slice[il].bytes;
+        if (w->down_b) bytes += w->down_b->n_bytes;
+        if (w->down_scale) bytes += w->down_scale->n_bytes;
+    }
+    return bytes;
 }
 
 moe_expert_cache_stats moe_ctx_expert_cache_stats(const moe_ctx *c) {
@@ -474,6 +504,7 @@ static void output_head(moe_ctx *c, const moe_stream_ops *s, const moe_row *rows
             memcpy(c->xn + n_out++ * n_embd, h, sizeof(float) * (size_t)n_embd);
     }
     c->n_hidden = n_rows;
+    if (!logits) return; /* a follower: rank 0 samples */
     if (n_out) moe_matmul(c->pool, head, 0, c->xn, n_out, logits, c->mm_scratch);
     const float cap = cfg->final_softcap;
     if (cap > 0.0f) /* as llama.cpp: scale by 1/cap, tanh, scale by cap */
@@ -482,14 +513,16 @@ static void output_head(moe_ctx *c, const moe_stream_ops *s, const moe_row *rows
 }
 
 /* Split across ranks: every rank runs rank 0's rows (a rank whose caller asked for a different
- * number of rows or logits rows would write past its logits buffer: the job ends, named). */
+ * number of rows or logits rows would write past its logits buffer: the job ends, named; a
+ * follower takes rank 0's, computing no logits). */
 static const moe_row *dist_rows(moe_ctx *c, const moe_row *rows, uint32_t *n_rows) {
     if (c->p.split == MOE_SPLIT_NONE || moe_dist_size() <= 1) return rows;
     uint32_t head[2] = {*n_rows, 0}; /* rows, logits rows */
     for (uint32_t r = 0; r < *n_rows; r++) head[1] += rows[r].logits;
     const uint32_t mine[2] = {head[0], head[1]};
     moe_dist_bcast(head, sizeof head);
-    if (head[0] != mine[0] || head[1] != mine[1] || head[0] > c->p.max_rows) {
+    const bool follower = c->replicate && moe_dist_rank() != 0;
+    if ((!follower && (head[0] != mine[0] || head[1] != mine[1])) || head[0] > c->p.max_rows) {
         fprintf(stderr,
                 "moe: rank %d was given %u rows (%u with logits), rank 0 %u (%u): the ranks' "
                 "steps diverged; ending the job\n",
@@ -497,13 +530,107 @@ static const moe_row *dist_rows(moe_ctx *c, const moe_row *rows, uint32_t *n_row
         moe_dist_abort(1);
         return rows;
     }
-    if (moe_dist_rank() == 0) memcpy(c->dist_rows, rows, sizeof(moe_row) * head[0]);
+    if (moe_dist_rank() == 0 && rows != c->dist_rows)
+        memcpy(c->dist_rows, rows, sizeof(moe_row) * head[0]);
     moe_dist_bcast(c->dist_rows, sizeof(moe_row) * head[0]);
+    *n_rows = head[0];
     return c->dist_rows;
+}
+
+/* ==== Replicated contexts: rank 0 leads, the others follow ==== */
+
+void moe_ctx_dist_op(moe_ctx *c, moe_dist_op_kind kind, int32_t seq, uint32_t a) {
+    if (!c->replicate) return;
+    moe_dist_op op = {(int32_t)kind, seq, a};
+    const moe_dist_op mine = op;
+    if (c->has_pending) { /* the follow loop's call: the op it received */
+        op = c->pending;
+        c->has_pending = false;
+    } else {
+        moe_dist_bcast_idle(&op, sizeof op); /* as the follow loop takes it */
+    }
+    if (op.kind != mine.kind || op.seq != mine.seq || op.a != mine.a) {
+        fprintf(stderr,
+                "moe: rank %d is at call %d (%d, %u), rank 0 at %d (%d, %u): the ranks' states "
+                "diverged; ending the job\n",
+                moe_dist_rank(), mine.kind, mine.seq, mine.a, op.kind, op.seq, op.a);
+        moe_dist_abort(1);
+    }
+}
+
+const void *moe_ctx_dist_payload(moe_ctx *c, const void *mine, void *theirs, size_t bytes) {
+    if (!c->replicate) return mine;
+    const bool lead = moe_dist_rank() == 0;
+    moe_dist_bcast(lead ? (void *)mine : theirs, bytes);
+    return lead ? mine : theirs;
+}
+
+void moe_ctx_lead(moe_ctx *c) {
+    c->replicate = c->p.split != MOE_SPLIT_NONE && moe_dist_size() > 1;
+}
+
+moe_status moe_ctx_follow(moe_ctx *c, moe_error *err) {
+    if (c->p.split == MOE_SPLIT_NONE || moe_dist_size() <= 1 || moe_dist_rank() == 0)
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "follow: only the other ranks of a split job follow");
+    c->replicate = true;
+    const int64_t n_embd = c->m->cfg.n_embd;
+    c->follow_h = moe_xmalloc(sizeof(float) * c->p.max_rows * (size_t)n_embd);
+    c->follow_tokens = moe_xmalloc(sizeof(int32_t) * c->p.n_ctx);
+    for (;;) {
+        moe_dist_bcast_idle(&c->pending, sizeof c->pending);
+        c->has_pending = true;
+        const moe_dist_op op = c->pending;
+        moe_error ignored = {0}; /* rank 0 meets the same error and answers its caller */
+        uint32_t reused;
+        switch (op.kind) {
+        case MOE_OP_END:
+            c->has_pending = false;
+            return MOE_OK;
+        case MOE_OP_DECODE:
+            moe_ctx_decode(c, c->dist_rows, op.a, NULL, &ignored);
+            break;
+        case MOE_OP_VERIFY:
+            moe_ctx_verify(c, c->dist_rows, op.a, NULL, &ignored);
+            break;
+        case MOE_OP_DECODE_MTP:
+            moe_ctx_decode_mtp(c, c->dist_rows, op.a, c->follow_h, NULL, &ignored);
+            break;
+        case MOE_OP_MTP_REWIND:
+            moe_ctx_mtp_rewind(c, op.seq, op.a);
+            break;
+        case MOE_OP_ACCEPT:
+            moe_ctx_seq_accept(c, op.seq, op.a, &ignored);
+            break;
+        case MOE_OP_TRUNCATE:
+            moe_ctx_seq_truncate(c, op.seq, op.a, &ignored);
+            break;
+        case MOE_OP_SNAPSHOT:
+            moe_ctx_seq_snapshot(c, op.seq, &ignored);
+            break;
+        case MOE_OP_RESTORE:
+            moe_ctx_seq_restore(c, op.seq, (int32_t)op.a, &ignored);
+            break;
+        case MOE_OP_DROP:
+            moe_ctx_snapshot_drop(c, (int32_t)op.a);
+            break;
+        case MOE_OP_REUSE:
+            moe_ctx_seq_reuse(c, op.seq, c->follow_tokens, op.a, &reused, &ignored);
+            break;
+        default:
+            fprintf(stderr,
+                    "moe: rank %d: rank 0 sent call %d, which this moe does not know; "
+                    "ending the job\n",
+                    moe_dist_rank(), op.kind);
+            moe_dist_abort(1);
+            return moe_error_set(err, MOE_ERR_FORMAT, "follow: unknown call %d", op.kind);
+        }
+    }
 }
 
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err) {
+    moe_ctx_dist_op(c, MOE_OP_DECODE, 0, n_rows);
     rows = dist_rows(c, rows, &n_rows);
     if (check_rows(c, rows, n_rows, c->seq_len, err) != MOE_OK) return err->code;
     const double start = moe_profile_on() ? moe_now() : 0;
@@ -539,6 +666,8 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 
 moe_status moe_ctx_verify(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err) {
+    moe_ctx_dist_op(c, MOE_OP_VERIFY, 0, n_rows);
+    if (c->replicate) rows = dist_rows(c, rows, &n_rows);
     if (check_rows(c, rows, n_rows, c->seq_len, err) != MOE_OK) return err->code;
     for (uint32_t r = 0; r < n_rows; r++) c->verify_rows[rows[r].seq] = 0;
     for (uint32_t r = 0; r < n_rows; r++) {
@@ -570,12 +699,18 @@ uint32_t moe_ctx_mtp_len(const moe_ctx *c, int32_t seq) {
 }
 
 void moe_ctx_mtp_rewind(moe_ctx *c, int32_t seq, uint32_t n) {
+    moe_ctx_dist_op(c, MOE_OP_MTP_REWIND, seq, n);
     if (seq >= 0 && (uint32_t)seq < c->p.n_seq && c->mtp_len[seq] > n) c->mtp_len[seq] = n;
 }
 
 moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, const float *h,
                               float *logits, moe_error *err) {
     const moe_model *m = c->m;
+    moe_ctx_dist_op(c, MOE_OP_DECODE_MTP, 0, n_rows);
+    if (c->replicate) {
+        rows = dist_rows(c, rows, &n_rows);
+        h = moe_ctx_dist_payload(c, h, c->follow_h, sizeof(float) * n_rows * m->cfg.n_embd);
+    }
     if (!m->n_layer_mtp)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s has no MTP layer moe can run",
                              m->path ? m->path : "the model");

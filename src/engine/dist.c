@@ -18,28 +18,52 @@
 
 /* ==== What a rank holds ==== */
 
+moe_split_range moe_split_rows_range(int64_t n_ff, int64_t block, int rank, int n_ranks) {
+    if (n_ranks <= 1) return (moe_split_range){0, n_ff};
+    const int64_t blocks = n_ff / block;
+    return (moe_split_range){blocks * rank / n_ranks * block,
+                             blocks * (rank + 1) / n_ranks * block};
+}
+
 uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, int n_ranks,
                                 uint64_t *all) {
     uint64_t mine = 0, total = 0;
     for (uint32_t il = 0; il < m->cfg.n_layer; il++) { /* the trunk (MTP layers: the same split) */
         const moe_layer_weights *l = &m->layers[il];
         if (l->plan.ffn != MOE_FFN_EXPERTS) continue;
-        const moe_tensor *t[4] = {l->experts.gate, l->experts.up, l->experts.down,
-                                  l->experts.gate_up};
+        const moe_tensor *down = l->experts.down;
+        const moe_split_range ff =
+            moe_split_rows_range(down->ne[0], moe_type_traits_get(down->type)->block_values,
+                                 split == MOE_SPLIT_ROWS ? rank : 0, n_ranks);
+        const uint64_t n_ff = (uint64_t)(ff.end - ff.begin);
+        const moe_tensor *t[4] = {l->experts.gate, l->experts.up, l->experts.gate_up, down};
         for (int k = 0; k < 4; k++) {
             if (!t[k]) continue;
             const uint64_t n_expert = (uint64_t)t[k]->ne[2], per = t[k]->n_bytes / n_expert;
-            uint64_t owned = n_expert;
+            uint64_t owned = n_expert * per;
             if (split == MOE_SPLIT_EXPERTS && n_ranks > 1) /* experts e with e % n_ranks == rank */
-                owned =
-                    n_expert / (uint64_t)n_ranks + ((uint64_t)rank < n_expert % (uint64_t)n_ranks);
-            mine += owned * per;
+                owned = (n_expert / (uint64_t)n_ranks +
+                         ((uint64_t)rank < n_expert % (uint64_t)n_ranks)) *
+                        per;
+            else if (split == MOE_SPLIT_ROWS && k < 3) /* rows: n_ff of gate / up, 2 n_ff fused */
+                owned = n_expert * (k == 2 ? 2 : 1) * n_ff *
+                        moe_type_row_bytes(t[k]->type, t[k]->ne[0]);
+            else if (split == MOE_SPLIT_ROWS) /* down: n_ff input columns of every row */
+                owned = n_expert * (uint64_t)t[k]->ne[1] *
+                        moe_type_row_bytes(t[k]->type, (int64_t)n_ff);
+            mine += owned;
             total += t[k]->n_bytes;
         }
-        const moe_tensor *whole[4] = {l->experts.gate_b, l->experts.up_b, l->experts.down_b,
-                                      l->experts.down_scale}; /* every rank holds them whole */
-        for (int k = 0; k < 4; k++)
-            if (whole[k]) mine += whole[k]->n_bytes, total += whole[k]->n_bytes;
+        /* biases and scales: whole on every rank, but for rows the gate / up biases' slice */
+        const moe_tensor *bias[4] = {l->experts.gate_b, l->experts.up_b, l->experts.down_b,
+                                     l->experts.down_scale};
+        for (int k = 0; k < 4; k++) {
+            if (!bias[k]) continue;
+            mine += split == MOE_SPLIT_ROWS && k < 2
+                        ? sizeof(float) * n_ff * (uint64_t)bias[k]->ne[1]
+                        : bias[k]->n_bytes;
+            total += bias[k]->n_bytes;
+        }
     }
     if (all) *all = total;
     return mine;
@@ -47,6 +71,11 @@ uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, i
 
 #ifdef MOE_MPI
 #include <mpi.h>
+#include <time.h>
+
+/* A follower waiting for rank 0's next call sleeps between polls, up to this long: an idle
+ * server's other ranks then cost nothing, and a call waits at most this much longer. */
+#define IDLE_PAUSE_MAX_NS 1000000L
 
 static bool dist_started; /* we called MPI_Init_thread (and owe MPI_Finalize) */
 static int dist_rank, dist_size = 1;
@@ -130,6 +159,30 @@ void moe_dist_bcast(void *buf, size_t bytes) {
     MPI_Bcast(buf, (int)bytes, MPI_BYTE, 0, MPI_COMM_WORLD);
 }
 
+void moe_dist_bcast_idle(void *buf, size_t bytes) {
+    if (dist_size <= 1 || bytes == 0) return;
+    MOE_CHECK(bytes <= (size_t)INT32_MAX);
+    MPI_Request req;
+    MPI_Ibcast(buf, (int)bytes, MPI_BYTE, 0, MPI_COMM_WORLD, &req);
+    /* a blocking MPI_Bcast polls a core flat out for as long as rank 0 has nothing to send */
+    for (long pause_ns = 1000;; pause_ns = pause_ns < IDLE_PAUSE_MAX_NS ? pause_ns * 2 : pause_ns) {
+        int done = 0;
+        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        if (done) return;
+        struct timespec d = {0, pause_ns};
+        nanosleep(&d, NULL);
+    }
+}
+
+void moe_dist_gather(const void *mine, size_t bytes, void *all) {
+    if (dist_size <= 1) {
+        if (all) memcpy(all, mine, bytes);
+        return;
+    }
+    MOE_CHECK(bytes <= (size_t)INT32_MAX);
+    MPI_Gather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, 0, MPI_COMM_WORLD);
+}
+
 moe_dist_times moe_dist_timing(void) {
     return times;
 }
@@ -169,6 +222,12 @@ void moe_dist_sum(float *buf, size_t n) {
 }
 void moe_dist_bcast(void *buf, size_t bytes) {
     (void)buf, (void)bytes;
+}
+void moe_dist_bcast_idle(void *buf, size_t bytes) {
+    (void)buf, (void)bytes;
+}
+void moe_dist_gather(const void *mine, size_t bytes, void *all) {
+    if (all) memcpy(all, mine, bytes);
 }
 moe_dist_times moe_dist_timing(void) {
     return (moe_dist_times){0};

@@ -27,6 +27,9 @@ typedef enum moe_split {
     MOE_SPLIT_NONE,    /* every rank holds and runs everything (one rank: the only choice) */
     MOE_SPLIT_EXPERTS, /* rank r runs the routed experts e with e % n_ranks == r; the MoE block's
                         * partial outputs are summed across ranks in rank order */
+    MOE_SPLIT_ROWS,    /* rank r runs every routed expert on its slice of the intermediate
+                        * (moe_split_rows_range): those rows of gate / up, those input columns of
+                        * down; the partial down projections are summed across ranks in rank order */
     MOE_SPLIT_COUNT
 } moe_split;
 
@@ -44,8 +47,10 @@ typedef struct moe_ctx_params {
                                   * hottest experts read at start), or NULL */
     const char *pin_experts;     /* with a cache: experts always resident, listed one per line as
                                   * "LAYER EXPERT", or NULL */
-    moe_split split; /* across the ranks of an MPI job (MOE_SPLIT_NONE: no MPI calls at all);
-                      * every rank must create its context with the same parameters */
+    moe_split split;  /* across the ranks of an MPI job (MOE_SPLIT_NONE: no MPI calls at all);
+                       * every rank must create its context with the same parameters */
+    bool split_dense; /* with a split: each dense FFN and shared expert split by its intermediate
+                       * too (as MOE_SPLIT_ROWS splits an expert), its partial sums summed */
 } moe_ctx_params;
 
 /* The expert cache's counters (cumulative; all zero without one). */
@@ -83,7 +88,17 @@ moe_pool *moe_ctx_pool(moe_ctx *c);
 int moe_ctx_n_threads(const moe_ctx *c);
 uint32_t moe_ctx_n_ctx(const moe_ctx *c);
 
-/* Run the rows; logits gets one [n_vocab] row per row with .logits set, in batch order. */
+/* Serve and chat under mpirun: rank 0's context leads -- each call that changes its state is
+ * broadcast to the other ranks before it runs, and freeing it stops them -- and the others'
+ * follow: moe_ctx_follow runs rank 0's calls on them, computing no logits, until rank 0 frees
+ * its context (then MOE_OK; the caller frees its own). Both need a context with a split, made
+ * with the same parameters on every rank; a follower whose call differs from rank 0's (the
+ * ranks diverged) ends the job. No-ops with one rank. */
+void moe_ctx_lead(moe_ctx *c);
+moe_status moe_ctx_follow(moe_ctx *c, moe_error *err);
+
+/* Run the rows; logits gets one [n_vocab] row per row with .logits set, in batch order (NULL:
+ * none computed, the hidden states still are). */
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err);
 /* The normed final hidden states (after output_norm; after the MTP head's norm for a
@@ -101,6 +116,10 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
                               float *logits, moe_error *err);
 /* Expert dispatch counters of the last moe_ctx_decode, summed over its MoE layers. */
 moe_expert_stats moe_ctx_expert_stats(const moe_ctx *c);
+/* Bytes of the trunk's routed-expert weights this rank holds: split by rows, the slices it read
+ * (counted as they were laid out) and the down biases and scales it holds whole; otherwise
+ * moe_split_expert_bytes of its split. */
+uint64_t moe_ctx_routed_bytes(const moe_ctx *c);
 moe_expert_cache_stats moe_ctx_expert_cache_stats(const moe_ctx *c);
 /* Bytes of one expert cache slot for m (0: no routed experts): sizes --expert-cache. */
 uint64_t moe_expert_cache_slot_bytes(const moe_model *m, uint32_t n_layer_run);
@@ -355,6 +374,12 @@ int moe_dist_size(void);       /* 1 before init */
  * broadcast: every rank gets the same bits, whatever the timing. */
 void moe_dist_sum(float *buf, size_t n);
 void moe_dist_bcast(void *buf, size_t bytes); /* rank 0's bytes to every rank */
+/* The same for a rank that may wait long (a follower between rank 0's calls): it sleeps between
+ * polls (up to 1 ms) instead of spinning a core. */
+void moe_dist_bcast_idle(void *buf, size_t bytes);
+/* Every rank's `bytes` at mine, in rank order, into rank 0's all ([n_ranks][bytes]; NULL and
+ * untouched elsewhere). */
+void moe_dist_gather(const void *mine, size_t bytes, void *all);
 typedef struct moe_dist_times {
     double wait_seconds;   /* in moe_dist_sum, waiting for the slowest rank to arrive */
     double reduce_seconds; /* in moe_dist_sum, moving and adding the partials */
@@ -362,11 +387,21 @@ typedef struct moe_dist_times {
 } moe_dist_times;
 moe_dist_times moe_dist_timing(void); /* cumulative since the start */
 const char *moe_dist_describe(void);  /* the MPI library, for --version */
+/* The slice [begin, end) of an expert's intermediate (n_ff values) that rank `rank` of n_ranks
+ * computes under MOE_SPLIT_ROWS. The down projection's quant blocks (`block` values, its type's
+ * block_values) run along the intermediate, so the slice is whole blocks: the n_ff / block blocks
+ * go out as evenly as they divide, rank r taking blocks [r nb / K, (r + 1) nb / K). When they do
+ * not divide evenly the slices differ by a block; with fewer blocks than ranks some ranks get
+ * none (they hold no routed expert of that layer and add zeros). */
+typedef struct moe_split_range {
+    int64_t begin, end;
+} moe_split_range;
+moe_split_range moe_split_rows_range(int64_t n_ff, int64_t block, int rank, int n_ranks);
 /* Bytes of the trunk's routed-expert weights (NextN / MTP layers, split alike, left out as
  * `moe budget` counts them apart) rank `rank` of n_ranks holds under `split`: its share of the
- * stacked matrices (MOE_SPLIT_NONE: all of them) and every expert's biases and scales, which
- * every rank holds whole; *all (when not NULL) gets the model's. What `moe budget --split`
- * predicts for a device. */
+ * stacked matrices (MOE_SPLIT_NONE: all of them), its slice of the gate / up biases by rows,
+ * and the other biases and scales, which every rank holds whole; *all (when not NULL) gets the
+ * model's. What `moe budget --split` predicts for a device. */
 uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, int n_ranks,
                                 uint64_t *all);
 

@@ -37,6 +37,44 @@ typedef struct moe_linear_ctx {
     float *delta_scratch; /* [n_threads][moe_delta_scratch_floats] */
 } moe_linear_ctx;
 
+/* What a replicated context's call is, as broadcast: its kind and arguments (ctx.c). */
+typedef enum moe_dist_op_kind {
+    MOE_OP_END = 1, /* the leader's context is freed: the followers stop */
+    MOE_OP_DECODE,  /* a: rows (the rows follow, broadcast) */
+    MOE_OP_VERIFY,
+    MOE_OP_DECODE_MTP, /* a: rows (the rows and their hidden states follow) */
+    MOE_OP_MTP_REWIND, /* seq, a: n */
+    MOE_OP_ACCEPT,     /* seq, a: n_keep */
+    MOE_OP_TRUNCATE,   /* seq, a: n */
+    MOE_OP_SNAPSHOT,   /* seq */
+    MOE_OP_RESTORE,    /* seq, a: snapshot */
+    MOE_OP_DROP,       /* a: snapshot */
+    MOE_OP_REUSE,      /* seq, a: tokens (they follow) */
+} moe_dist_op_kind;
+typedef struct moe_dist_op {
+    int32_t kind, seq;
+    uint32_t a;
+} moe_dist_op;
+/* This call is op: rank 0 broadcasts it, a follower takes it (the one its loop received, or
+ * for a call made inside another the one rank 0 broadcasts) and ends the job when its own call
+ * is a different one. Nothing for a context that is not replicated. */
+void moe_ctx_dist_op(moe_ctx *c, moe_dist_op_kind kind, int32_t seq, uint32_t a);
+/* A replicated call's payload: rank 0's `mine`, broadcast into a follower's `theirs` (returned
+ * there); `mine` untouched where the context is not replicated. */
+const void *moe_ctx_dist_payload(moe_ctx *c, const void *mine, void *theirs, size_t bytes);
+
+/* A layer's routed experts as this rank holds them under MOE_SPLIT_ROWS (rows.c): the slice
+ * [ff.begin, ff.end) of every expert's intermediate -- those rows of gate and up (of both halves
+ * of a fused gate_up), those input columns of down, those values of the gate / up biases --
+ * read from the file into the context's memory, so a rank holds only its slices. A pointer is
+ * NULL where the model has no such tensor; the tensors have no rows when the slice is empty. */
+typedef struct moe_rows_slice {
+    moe_split_range ff;
+    const moe_tensor *gate, *up, *gate_up, *down, *gate_b, *up_b; /* into `t` */
+    moe_tensor t[6];
+    uint64_t bytes; /* of its slices, as read */
+} moe_rows_slice;
+
 /* Hyper-connection scratch (hyper.c), [max_rows][width] floats each. */
 typedef struct moe_hc_ctx {
     float *wide; /* [n_hc n_embd] the normed streams, then the mixed ones */
@@ -139,6 +177,16 @@ struct moe_ctx {
                                           * stream (the NextN block's: always plain) */
     moe_hc_ctx hc;
     moe_expert_cache *expert_cache; /* NULL: the routed experts are resident */
+    moe_rows_slice *rows_slice;     /* [layers run] split by rows over ranks (else NULL) */
+    moe_rows_slice *dense_slice;    /* [layers run] --split-dense: each layer's dense FFN or
+                                     * shared expert, sliced alike (gate, up, down; else NULL) */
+    /* replicated (moe_ctx_lead / moe_ctx_follow): every state-changing call is rank 0's,
+     * broadcast as an op before it runs; a follower's loop leaves the op it took in `pending` */
+    bool replicate, has_pending;
+    moe_dist_op pending;
+    float *follow_h;        /* [max_rows][n_embd] a follower's copy of rank 0's MTP inputs */
+    int32_t *follow_tokens; /* [n_ctx] a follower's copy of rank 0's prefix tokens */
+    uint8_t *rows_mem;      /* the slices' bytes */
     moe_index_ctx idx;
     moe_linear_ctx lin;
     /* verify steps: for each sequence its length before the last one and its rows in it (0:
@@ -150,6 +198,10 @@ struct moe_ctx {
     float *snap_state;   /* [p.n_snapshots][lin.n_layer][lin.layer_floats] */
     uint64_t snap_clock;
 };
+
+/* Read this rank's slices of every routed-expert layer (split by rows over several ranks) and,
+ * with split_dense, of every dense FFN and shared expert. */
+moe_status moe_rows_load(moe_ctx *c, uint32_t n_layer_run, moe_error *err);
 
 /* ==== KV cache ==== */
 

@@ -13,18 +13,26 @@
 
 /* out = row_gate[r] * down(act(gate(xn)) * up(xn)) for every row r (row_gate NULL: 1), or
  * out += that (RMSNormed by post_norm first, when given) when accumulate: the dense FFN, and the
- * shared expert beside the routed ones. act is the config's ffn_act; limit clamps a SwiGLU. */
-static void gated_ffn(moe_ctx *c, const moe_ffn_weights *w, float limit, const float *row_gate,
-                      const moe_tensor *post_norm, bool accumulate, float *out, uint32_t n_rows) {
-    const int64_t n_embd = c->m->cfg.n_embd, n_ff = w->gate->ne[1];
-    moe_matmul(c->pool, w->gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
-    moe_matmul(c->pool, w->up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
-    moe_glu(c->m->cfg.ffn_act, limit, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
-    if (!accumulate) {
-        moe_matmul(c->pool, w->down, 0, c->ff_up, n_rows, out, c->mm_scratch);
-        return;
+ * shared expert beside the routed ones. act is the config's ffn_act; limit clamps a SwiGLU.
+ * --split-dense: this rank's slice of the intermediate (c->dense_slice), the ranks' partial down
+ * projections summed in rank order before anything else. */
+static void gated_ffn(moe_ctx *c, const moe_layer_weights *l, const moe_ffn_weights *w, float limit,
+                      const float *row_gate, const moe_tensor *post_norm, bool accumulate,
+                      float *out, uint32_t n_rows) {
+    const moe_rows_slice *part = c->dense_slice ? &c->dense_slice[l - c->m->layers] : NULL;
+    const moe_ffn_weights sliced = part ? (moe_ffn_weights){part->gate, part->up, part->down} : *w;
+    const int64_t n_embd = c->m->cfg.n_embd, n_ff = sliced.gate->ne[1];
+    float *down = accumulate ? c->xn : out; /* xn is spent once gate and up have read it */
+    if (n_ff) {
+        moe_matmul(c->pool, sliced.gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
+        moe_matmul(c->pool, sliced.up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
+        moe_glu(c->m->cfg.ffn_act, limit, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
+        moe_matmul(c->pool, sliced.down, 0, c->ff_up, n_rows, down, c->mm_scratch);
+    } else { /* an empty slice adds zeros */
+        memset(down, 0, sizeof(float) * (size_t)n_rows * (size_t)n_embd);
     }
-    moe_matmul(c->pool, w->down, 0, c->ff_up, n_rows, c->xn, c->mm_scratch); /* xn is spent */
+    if (part) moe_dist_sum(down, (size_t)n_rows * (size_t)n_embd);
+    if (!accumulate) return;
     moe_rows_post_norm(c, c->xn, post_norm, n_rows, n_embd);
     for (uint32_t r = 0; r < n_rows; r++) {
         const float g = row_gate ? row_gate[r] : 1.0f;
@@ -33,7 +41,7 @@ static void gated_ffn(moe_ctx *c, const moe_ffn_weights *w, float limit, const f
 }
 
 void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows) {
-    gated_ffn(c, &l->ffn, l->plan.clamp_ffn, NULL, NULL, false, c->y, n_rows);
+    gated_ffn(c, l, &l->ffn, l->plan.clamp_ffn, NULL, NULL, false, c->y, n_rows);
     moe_rows_post_norm(c, c->y, l->ffn_post_norm, n_rows, c->m->cfg.n_embd);
 }
 
@@ -49,7 +57,7 @@ static void shared_expert(moe_ctx *c, const moe_layer_weights *l, uint32_t n_row
             c->shexp_gate[r] = 1.0f / (1.0f + expf(-dot));
         }
     }
-    gated_ffn(c, &w->shared, l->plan.clamp_ffn, w->shared_gate ? c->shexp_gate : NULL,
+    gated_ffn(c, l, &w->shared, l->plan.clamp_ffn, w->shared_gate ? c->shexp_gate : NULL,
               w->shared_out_norm, true, c->y, n_rows);
 }
 
@@ -98,14 +106,17 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
         .topk_group = (int)cfg->n_group_used,
         .expert_scale = w->down_scale ? (const float *)w->down_scale->data : NULL};
     moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
+    /* split by rows: this rank's slices of every expert (the rank whose slice starts the
+     * intermediate alone adds the down bias; ranks before it hold empty slices) */
+    const moe_rows_slice *rows = c->rows_slice ? &c->rows_slice[l - c->m->layers] : NULL;
     const moe_expert_set experts = {
-        .gate = w->gate,
-        .up = w->up,
-        .gate_up = w->gate_up,
-        .down = w->down,
-        .gate_b = w->gate_b,
-        .up_b = w->up_b,
-        .down_b = w->down_b,
+        .gate = rows ? rows->gate : w->gate,
+        .up = rows ? rows->up : w->up,
+        .gate_up = rows ? rows->gate_up : w->gate_up,
+        .down = rows ? rows->down : w->down,
+        .gate_b = rows ? rows->gate_b : w->gate_b,
+        .up_b = rows ? rows->up_b : w->up_b,
+        .down_b = rows && rows->ff.begin != 0 ? NULL : w->down_b,
         .act = cfg->expert_act,
         .limit = l->plan.clamp_exp,
         .source = c->expert_cache
@@ -119,11 +130,12 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
         in = c->xn2;
     }
     memset(c->y, 0, sizeof(float) * n_rows * cfg->n_embd);
-    const bool ok = moe_experts_forward(c->pool, &experts, in, n_rows, c->expert_ids, c->expert_w,
+    const bool ok = (rows && rows->ff.end == rows->ff.begin) || /* an empty slice adds zeros */
+                    moe_experts_forward(c->pool, &experts, in, n_rows, c->expert_ids, c->expert_w,
                                         (int)cfg->n_expert_used, c->y, &c->experts, &c->stats);
-    /* split by experts: each rank added only its experts; the ranks' partials are summed in
-     * rank order (even after a failed read, so no rank waits for one that left) */
-    if (c->p.split == MOE_SPLIT_EXPERTS) moe_dist_sum(c->y, (size_t)n_rows * cfg->n_embd);
+    /* split: each rank added only its experts, or its slices of them; the ranks' partials are
+     * summed in rank order (even after a failed read, so no rank waits for one that left) */
+    if (c->p.split != MOE_SPLIT_NONE) moe_dist_sum(c->y, (size_t)n_rows * cfg->n_embd);
     if (!ok) return; /* the cache keeps the read error; the step fails with it */
     moe_rows_post_norm(c, c->y, w->out_norm, n_rows, cfg->n_embd);
     if (w->shared.gate) shared_expert(c, l, n_rows);

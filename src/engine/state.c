@@ -77,6 +77,7 @@ static void become(moe_ctx *c, int32_t seq, int32_t src, uint32_t n, const float
 /* ==== Verify steps ==== */
 
 moe_status moe_ctx_seq_accept(moe_ctx *c, int32_t seq, uint32_t n_keep, moe_error *err) {
+    moe_ctx_dist_op(c, MOE_OP_ACCEPT, seq, n_keep);
     if (seq < 0 || (uint32_t)seq >= c->p.n_seq)
         return moe_error_set(err, MOE_ERR_ARG, "accept: sequence %d out of range 0..%u", seq,
                              c->p.n_seq - 1);
@@ -95,6 +96,7 @@ moe_status moe_ctx_seq_accept(moe_ctx *c, int32_t seq, uint32_t n_keep, moe_erro
 /* ==== Truncation ==== */
 
 moe_status moe_ctx_seq_truncate(moe_ctx *c, int32_t seq, uint32_t n, moe_error *err) {
+    moe_ctx_dist_op(c, MOE_OP_TRUNCATE, seq, n);
     if (check_seq(c, seq, err) != MOE_OK) return err->code;
     if (n >= c->seq_len[seq]) return MOE_OK;
     if (!hybrid(c) || n == 0) {
@@ -122,6 +124,7 @@ moe_status moe_ctx_seq_truncate(moe_ctx *c, int32_t seq, uint32_t n, moe_error *
 /* ==== Snapshots ==== */
 
 int32_t moe_ctx_seq_snapshot(moe_ctx *c, int32_t seq, moe_error *err) {
+    moe_ctx_dist_op(c, MOE_OP_SNAPSHOT, seq, 0);
     if (check_seq(c, seq, err) != MOE_OK) return -1;
     if (c->p.n_snapshots == 0) {
         moe_error_set(err, MOE_ERR_ARG, "this context holds no snapshots (n_snapshots = 0)");
@@ -148,6 +151,7 @@ static bool snapshot_valid(const moe_ctx *c, int32_t slot) {
 }
 
 moe_status moe_ctx_seq_restore(moe_ctx *c, int32_t seq, int32_t snapshot, moe_error *err) {
+    moe_ctx_dist_op(c, MOE_OP_RESTORE, seq, (uint32_t)snapshot);
     if (check_seq(c, seq, err) != MOE_OK) return err->code;
     if (!snapshot_valid(c, snapshot))
         return moe_error_set(err, MOE_ERR_ARG,
@@ -161,6 +165,7 @@ moe_status moe_ctx_seq_restore(moe_ctx *c, int32_t seq, int32_t snapshot, moe_er
 }
 
 void moe_ctx_snapshot_drop(moe_ctx *c, int32_t snapshot) {
+    moe_ctx_dist_op(c, MOE_OP_DROP, 0, (uint32_t)snapshot);
     if (snapshot_valid(c, snapshot)) c->snaps[snapshot].seq = -1;
 }
 
@@ -206,6 +211,13 @@ uint32_t moe_ctx_seq_prefix(const moe_ctx *c, int32_t seq, const int32_t *tokens
 
 moe_status moe_ctx_seq_reuse(moe_ctx *c, int32_t seq, const int32_t *tokens, uint32_t n,
                              uint32_t *reused, moe_error *err) {
+    moe_ctx_dist_op(c, MOE_OP_REUSE, seq, n);
+    if (c->replicate && n > c->p.n_ctx) {
+        fprintf(stderr, "moe: prefix reuse of %u tokens, the context holds %u: ending the job\n", n,
+                c->p.n_ctx);
+        moe_dist_abort(1);
+    }
+    tokens = moe_ctx_dist_payload(c, tokens, c->follow_tokens, sizeof(int32_t) * n);
     *reused = 0;
     if (check_seq(c, seq, err) != MOE_OK) return err->code;
     /* the best source over every sequence and its snapshots; seq itself wins ties */

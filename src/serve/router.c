@@ -34,10 +34,32 @@ void serve_metrics_count(serve_server *srv, const char *path, int status) {
 
 /* ==== Operational endpoints ==== */
 
+/* {"status"} and, under mpirun, every rank: where it runs and what it holds. */
 static void health(serve_http *h) {
     const bool ready = serve_sched_ready(h->srv->sched);
-    const char *body = ready ? "{\"status\":\"ok\"}" : "{\"status\":\"loading\"}";
-    serve_reply_text(h, ready ? 200 : 503, "application/json", body, strlen(body));
+    int n_ranks;
+    const serve_rank *ranks = serve_sched_ranks(h->srv->sched, &n_ranks);
+    moe_strbuf o = {0};
+    moe_strbuf_printf(&o, "{\"status\":\"%s\"", ready ? "ok" : "loading");
+    if (n_ranks) {
+        moe_strbuf_puts(&o, ",\"ranks\":[");
+        for (int r = 0; r < n_ranks; r++) {
+            char host[sizeof ranks[r].host + 1];
+            snprintf(host, sizeof host, "%s", ranks[r].host);
+            for (char *c = host; *c; c++) /* a host name never needs escaping; keep it so */
+                if (*c == '"' || *c == '\\' || (unsigned char)*c < 0x20) *c = '?';
+            moe_strbuf_printf(&o,
+                              "%s{\"rank\":%d,\"status\":\"%s\",\"host\":\"%s\",\"pid\":%d,"
+                              "\"routed_expert_bytes\":%llu,\"rss_bytes_at_start\":%llu}",
+                              r ? "," : "", ranks[r].rank, ready ? "ok" : "stopped", host,
+                              ranks[r].pid, (unsigned long long)ranks[r].routed_bytes,
+                              (unsigned long long)ranks[r].rss_bytes);
+        }
+        moe_strbuf_puts(&o, "]");
+    }
+    moe_strbuf_puts(&o, "}");
+    serve_reply_text(h, ready ? 200 : 503, "application/json", o.s, o.len);
+    moe_strbuf_free(&o);
 }
 
 const double serve_ttft_bounds[SERVE_TTFT_BUCKETS] = {0.01, 0.025, 0.05, 0.1, 0.25,

@@ -43,10 +43,12 @@
 #include "serve_internal.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../model/model.h"
 
@@ -119,6 +121,8 @@ struct serve_sched {
     int32_t *row_slot;        /* [same] which slot each row belongs to */
     uint32_t decode_rows_max; /* parallel x (1 + drafts per step) */
     float *logits;            /* [decode_rows_max + SERVE_PROMPT_LOGPROB_ROWS][n_vocab] */
+    serve_rank *ranks;        /* [n_ranks] what each rank of an mpirun job holds (rank 0) */
+    int n_ranks;
     int32_t *hist;            /* [n_ctx + 1] --spec ngram: a stream's tokens and the one to feed */
     float *hidden;            /* --spec mtp: [max_rows][n_embd] the step's hidden states, by row */
     float *mtp_logits;        /* --spec mtp: [n_vocab] the head's scratch */
@@ -1013,39 +1017,68 @@ bool serve_spec_resolve(moe_serve_params *p, const moe_model *m, moe_error *err)
     return !err->code;
 }
 
-static bool load(serve_sched *s) {
-    moe_error err = {0};
+/* The model and context s->p asks for (every rank of a split job opens the same); false with
+ * err set. */
+static bool open_engine(serve_sched *s, moe_error *err) {
     const char *path = s->p.model_path;
-    s->model = moe_model_load(path, &err);
+    s->model = moe_model_load(path, err);
     if (s->model && !s->p.use_mmap) {
         moe_pool *readers = moe_pool_new(s->p.n_threads); /* the weights are read on every thread */
         moe_gguf_set_progress(s->model->gguf, "moe serve");
         moe_gguf_to_memory_except(s->model->gguf, readers,
-                                  s->p.expert_cache_bytes ? moe_model_is_routed : NULL, s->model,
-                                  NULL, &err);
+                                  s->p.expert_cache_bytes || s->p.split == MOE_SPLIT_ROWS
+                                      ? moe_model_is_routed /* read apart, or not at all */
+                                      : NULL,
+                                  s->model, NULL, err);
         moe_pool_free(readers);
     }
-    if (s->model && !err.code) s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
+    if (err->code) return false;
+    if (!serve_spec_resolve(&s->p, s->model, err)) return false;
+    if (s->p.split != MOE_SPLIT_NONE && s->p.cache_dir) {
+        moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                      "--cache-dir is not supported under mpirun (--split) yet: the disk cache "
+                      "would restore rank 0's state alone");
+        return false;
+    }
+    s->n_slots = (uint32_t)(s->p.parallel + s->p.cache_slots);
+    const uint32_t n_verify = s->p.spec ? s->p.n_draft + 1 : 0;
+    s->decode_rows_max = (uint32_t)s->p.parallel * (n_verify ? n_verify : 1);
+    const moe_ctx_params cp = {.n_ctx = s->p.n_ctx,
+                               .n_seq = s->n_slots,
+                               .max_rows = s->decode_rows_max + SERVE_PREFILL_CHUNK,
+                               .kv_type = s->p.kv_type,
+                               .n_threads = s->p.n_threads,
+                               .expert_cache_bytes = s->p.expert_cache_bytes,
+                               .expert_stats = s->p.expert_stats,
+                               .pin_experts = s->p.pin_experts,
+                               .n_verify = n_verify,
+                               .split = s->p.split,
+                               .split_dense = s->p.split_dense};
+    s->ctx = moe_ctx_new(s->model, &cp, err);
+    if (!s->ctx) return false;
+    /* what each rank holds, for /health: gathered once, on every rank */
+    serve_rank mine = {.rank = moe_dist_rank(),
+                       .pid = (int32_t)getpid(),
+                       .routed_bytes = moe_ctx_routed_bytes(s->ctx),
+                       .rss_bytes = moe_rss_bytes()};
+    gethostname(mine.host, sizeof mine.host - 1);
+    s->n_ranks = moe_dist_size();
+    if (moe_dist_rank() == 0) s->ranks = moe_xcalloc((size_t)s->n_ranks, sizeof *s->ranks);
+    moe_dist_gather(&mine, sizeof mine, s->ranks);
+    return true;
+}
+
+static bool load(serve_sched *s) {
+    moe_error err = {0};
+    const char *path = s->p.model_path;
+    if (!open_engine(s, &err)) goto fail;
+    s->tok = moe_tokenizer_from_gguf(s->model->gguf, &err);
     if (s->tok && moe_tokenizer_n_vocab(s->tok) != s->model->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(s->tok), s->model->cfg.n_vocab);
     if (err.code) goto fail;
-    if (!serve_spec_resolve(&s->p, s->model, &err)) goto fail;
-    s->n_slots = (uint32_t)(s->p.parallel + s->p.cache_slots);
-    const uint32_t n_verify = s->p.spec ? s->p.n_draft + 1 : 0;
-    s->decode_rows_max = (uint32_t)s->p.parallel * (n_verify ? n_verify : 1);
+    moe_ctx_lead(s->ctx); /* with a split: the other ranks replay its calls */
     const uint32_t max_rows = s->decode_rows_max + SERVE_PREFILL_CHUNK;
-    moe_ctx_params cp = {.n_ctx = s->p.n_ctx,
-                         .n_seq = s->n_slots,
-                         .max_rows = max_rows,
-                         .kv_type = s->p.kv_type,
-                         .n_threads = s->p.n_threads,
-                         .expert_cache_bytes = s->p.expert_cache_bytes,
-                         .expert_stats = s->p.expert_stats,
-                         .pin_experts = s->p.pin_experts,
-                         .n_verify = n_verify};
-    s->ctx = moe_ctx_new(s->model, &cp, &err);
-    if (!s->ctx) goto fail;
     if (s->p.cache_dir) {
         const uint64_t limit =
             s->p.cache_disk_bytes ? s->p.cache_disk_bytes : SERVE_CACHE_DISK_DEFAULT;
@@ -1234,7 +1267,8 @@ void serve_sched_free(serve_sched *s) {
     free(s->hist);
     free(s->hidden);
     free(s->mtp_logits);
-    moe_ctx_free(s->ctx);
+    free(s->ranks);
+    moe_ctx_free(s->ctx); /* a leading context stops the other ranks */
     moe_grammar_vocab_free(s->grammar_vocab);
     moe_tokenizer_free(s->tok);
     moe_model_free(s->model);
@@ -1268,6 +1302,24 @@ serve_submit_result serve_sched_submit(serve_sched *s, serve_req *r) {
     pthread_cond_signal(&s->cv);
     pthread_mutex_unlock(&s->mu);
     return SERVE_SUBMIT_OK;
+}
+
+const serve_rank *serve_sched_ranks(serve_sched *s, int *n) {
+    *n = s->ranks ? s->n_ranks : 0;
+    return s->ranks;
+}
+
+int moe_serve_follow(const moe_serve_params *p) {
+    /* mpirun hands a SIGTERM / SIGINT to every rank: rank 0 stops the server, then this rank */
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    serve_sched s = {.p = *p};
+    moe_error err = {0};
+    const bool ok = open_engine(&s, &err) && moe_ctx_follow(s.ctx, &err) == MOE_OK;
+    if (!ok) fprintf(stderr, "moe serve: rank %d: %s\n", moe_dist_rank(), err.msg);
+    moe_ctx_free(s.ctx);
+    moe_model_free(s.model);
+    return ok ? 0 : 1;
 }
 
 const moe_tokenizer *serve_sched_tokenizer(serve_sched *s) {

@@ -48,6 +48,8 @@ typedef struct moe_serve_params {
                                * (-1: no limit; 0: thinking off) */
     moe_spec_kind spec;       /* --spec: where each stream's speculative drafts come from */
     bool spec_given;          /* --spec was given; else mtp where the model has an MTP layer */
+    moe_split split;          /* --split under mpirun: how the ranks share the routed experts */
+    bool split_dense;         /* --split-dense: dense FFNs and shared experts split by rows too */
     uint32_t n_draft;         /* --draft N: drafts per stream and step (1..MOE_SPEC_MAX_DRAFT) */
     const char *grammar;      /* GBNF (checked) for requests that ask for no output format */
 } moe_serve_params;
@@ -56,5 +58,8 @@ void moe_serve_params_default(moe_serve_params *p);
 /* Load the model, listen, serve until SIGINT or SIGTERM. Prints "listening on http://HOST:PORT"
  * on stdout once the socket is bound. Returns the process exit status. */
 int moe_serve_run(const moe_serve_params *p);
+/* The other ranks of `mpirun -np K moe serve --split ...`: open the same model and context as
+ * rank 0, then run rank 0's engine calls on them until it stops. Returns the exit status. */
+int moe_serve_follow(const moe_serve_params *p);
 
 #endif

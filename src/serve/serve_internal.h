@@ -231,6 +231,15 @@ void serve_sched_stop(serve_sched *s);
 void serve_sched_free(serve_sched *s); /* after stop, once no HTTP thread can reach it */
 serve_submit_result serve_sched_submit(serve_sched *s, serve_req *r);
 /* Valid once loaded (immutable afterwards). */
+/* A rank of an mpirun job as /health reports it (gathered once the context is made). */
+typedef struct serve_rank {
+    int32_t rank, pid;
+    char host[64];
+    uint64_t routed_bytes; /* of the routed experts it holds */
+    uint64_t rss_bytes;    /* its resident set then */
+} serve_rank;
+/* Every rank's (rank 0 of a job of more than one; else NULL and *n = 0). */
+const serve_rank *serve_sched_ranks(serve_sched *s, int *n);
 const moe_tokenizer *serve_sched_tokenizer(serve_sched *s);
 const moe_model *serve_sched_model(serve_sched *s);
 uint32_t serve_sched_n_ctx(serve_sched *s);

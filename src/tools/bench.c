@@ -328,8 +328,10 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     if (st == MOE_OK && !p->use_mmap) {
         t = moe_now();
         st = moe_gguf_to_memory_except(m->gguf, pool,
-                                       p->expert_cache_bytes ? moe_model_is_routed : NULL, m,
-                                       &r->loaded_bytes, err);
+                                       p->expert_cache_bytes || p->split == MOE_SPLIT_ROWS
+                                           ? moe_model_is_routed /* read apart, or not at all */
+                                           : NULL,
+                                       m, &r->loaded_bytes, err);
         r->load_seconds += moe_now() - t;
     }
     moe_pool_free(pool);
@@ -357,7 +359,8 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                          .kv_type = p->kv_type,
                          .n_threads = p->n_threads,
                          .expert_cache_bytes = p->expert_cache_bytes,
-                         .split = p->split};
+                         .split = p->split,
+                         .split_dense = p->split_dense};
     moe_ctx *ctx = moe_ctx_new(m, &cp, err);
     if (!ctx) {
         moe_model_free(m);

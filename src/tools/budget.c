@@ -78,7 +78,8 @@ static bool is_vision_tensor(const char *name) {
 
 static void add_tensor(moe_budget_model *m, const moe_tensor *t, bool vision) {
     moe_role role = moe_tensor_role(t->name.ptr);
-    const int64_t layer = moe_tensor_layer(t->name.ptr);
+    int64_t layer;
+    const char *part_name = moe_tensor_layer_part(t->name.ptr, &layer);
     const bool mtp = !vision && m->n_layer_nextn && layer >= (int64_t)m->n_layer &&
                      layer < (int64_t)m->n_layer + m->n_layer_nextn;
     int part = vision ? MOE_PART_VISION : mtp ? MOE_PART_MTP : (int)role;
@@ -93,7 +94,23 @@ static void add_tensor(moe_budget_model *m, const moe_tensor *t, bool vision) {
         .row_bytes = moe_type_row_bytes(t->type, t->ne[0]),
         .per_expert = t->n_dims < 3,
         .mtp = mtp,
+        .layer = layer,
+        .type = t->type,
     };
+    if (!strcmp(part_name, "ffn_gate_exps.weight") || !strcmp(part_name, "ffn_up_exps.weight"))
+        s.ff_dim = MOE_BUDGET_FF_ROWS;
+    else if (!strcmp(part_name, "ffn_gate_up_exps.weight"))
+        s.ff_dim = MOE_BUDGET_FF_FUSED;
+    else if (!strcmp(part_name, "ffn_down_exps.weight") ||
+             !strcmp(part_name, "ffn_gate_exps.bias") || !strcmp(part_name, "ffn_up_exps.bias"))
+        s.ff_dim = MOE_BUDGET_FF_COLUMNS;
+    else
+        s.ff_dim = MOE_BUDGET_FF_WHOLE;
+    if (!strcmp(part_name, "ffn_down_exps.weight")) { /* the layer's intermediate and its blocks */
+        const moe_type_traits *tr = moe_type_traits_get(t->type);
+        s.ff = t->ne[0];
+        s.ff_block = tr ? tr->block_values : 0;
+    }
     m->sharded = moe_xrealloc(m->sharded, (m->n_sharded + 1) * sizeof *m->sharded);
     m->sharded[m->n_sharded++] = s;
 }
@@ -120,6 +137,12 @@ moe_status moe_budget_model_init(moe_budget_model *m, const moe_gguf *g, const c
         const moe_tensor *t = moe_gguf_tensor_get(g, i);
         add_tensor(m, t, is_vision_tensor(t->name.ptr));
     }
+    for (size_t i = 0; i < m->n_sharded; i++) /* every layer's tensors take its down's slice */
+        for (size_t j = 0; j < m->n_sharded && !m->sharded[i].ff_block; j++)
+            if (m->sharded[j].layer == m->sharded[i].layer && m->sharded[j].ff_block) {
+                m->sharded[i].ff = m->sharded[j].ff;
+                m->sharded[i].ff_block = m->sharded[j].ff_block;
+            }
     m->n_embd = c.n_embd;
     m->n_head = c.n_head;
     m->ctx_train = c.n_ctx_train;
@@ -299,6 +322,16 @@ void moe_budget_plan_make(const moe_budget_model *m, const moe_budget_config *c,
             } else if (c->split_experts) {
                 const uint64_t slices = s->slices / n + (d < s->slices % n);
                 *part += slices * s->rows * s->row_bytes;
+            } else if (s->ff_dim == MOE_BUDGET_FF_WHOLE) {
+                *part += s->rows * s->slices * s->row_bytes;
+            } else if (s->ff_block) {
+                const moe_split_range r = moe_split_rows_range(s->ff, s->ff_block, (int)d, (int)n);
+                const uint64_t ff = (uint64_t)(r.end - r.begin);
+                if (s->ff_dim == MOE_BUDGET_FF_COLUMNS)
+                    *part += s->rows * s->slices * moe_type_row_bytes(s->type, (int64_t)ff);
+                else
+                    *part +=
+                        (s->ff_dim == MOE_BUDGET_FF_FUSED ? 2 : 1) * ff * s->slices * s->row_bytes;
             } else {
                 const uint64_t rows = s->rows / n + (d < s->rows % n);
                 *part += rows * s->slices * s->row_bytes;

@@ -59,6 +59,10 @@ static const char *after_layer(const char *name, int64_t *layer) {
     return layer_number(name, name + 4, layer);
 }
 
+const char *moe_tensor_layer_part(const char *name, int64_t *layer) {
+    return after_layer(name, layer);
+}
+
 int64_t moe_tensor_layer(const char *name) {
     int64_t layer;
     after_layer(name, &layer);

@@ -37,6 +37,9 @@ const char *moe_role_name(moe_role role);      /* "routed experts", ... */
 const char *moe_role_id(moe_role role);        /* "routed_experts", ... (JSON keys) */
 /* N for "blk.N.<rest>", else -1. */
 int64_t moe_tensor_layer(const char *name);
+/* The name after "blk.N." ("ffn_down_exps.weight"), N in *layer; the whole name (and -1) when it
+ * has no such prefix. */
+const char *moe_tensor_layer_part(const char *name, int64_t *layer);
 
 /* ==== moe inspect ==== */
 
@@ -136,6 +139,20 @@ typedef struct moe_budget_sharded {
                          * whole experts (split_experts) keep it on every device, as the engine
                          * does */
     bool mtp;           /* of a NextN / MTP layer (counted in MOE_PART_MTP) */
+    /* split by rows, as the engine splits them (moe_split_rows_range): the slice of the layer's
+     * intermediate (ff values, in the layer's down blocks of ff_block; ff_block 0: the layer has
+     * no down projection here, its rows split evenly) is `rows` of gate / up (two halves of a
+     * fused gate_up), the input `columns` of down and of the gate / up biases; a down bias or
+     * scale is held whole */
+    enum {
+        MOE_BUDGET_FF_ROWS,
+        MOE_BUDGET_FF_FUSED,
+        MOE_BUDGET_FF_COLUMNS,
+        MOE_BUDGET_FF_WHOLE
+    } ff_dim;
+    int64_t layer;
+    uint32_t type;
+    int64_t ff, ff_block;
 } moe_budget_sharded;
 
 typedef struct moe_budget_model {
@@ -440,7 +457,8 @@ typedef struct moe_bench_params {
      * at most the one before); projects decode rates with 1..n_accept drafts */
     double accept[MOE_SPEC_MAX_DRAFT];
     int n_accept;
-    moe_split split; /* across the ranks of an mpirun job (--split experts) */
+    moe_split split;  /* across the ranks of an mpirun job (--split experts|rows) */
+    bool split_dense; /* --split-dense: dense FFNs and shared experts split by rows too */
 } moe_bench_params;
 
 typedef struct moe_bench_figure {
