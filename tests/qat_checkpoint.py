@@ -12,7 +12,17 @@ below are written from the formats' specifications, not from moe's code.
       get groups with one value moved off the grid. Writes DIR/expected.json (group counts per
       m, off-grid tensors and groups) and DIR/levels/<tensor>.i8 (every generated level).
       --tokenizer N adds a tokenizer.json of N tokens + 4 added ones (its size is all that
-      matters: the converter keeps that many rows of embed_tokens).
+      matters: the converter keeps that many rows of embed_tokens). --bpe-tokenizer N instead
+      adds a working byte-level BPE tokenizer.json (256 bytes + merges learned from a fixed
+      text up to N tokens, then <bos> <eos> <start_of_turn> <end_of_turn>) and a
+      tokenizer_config.json with BOS and a chat template: a complete small gemma4 model.
+      --embed-std S draws embed_tokens with standard deviation S (0.05 as every copied tensor
+      by default).
+  qat_checkpoint.py check-view SRC OUT VIEW.gguf
+      VIEW.gguf is the W4A16 checkpoint OUT as the engine reads it (moe_hf_open), written at
+      F32 by `moe quantize OUT VIEW.gguf --rule .=F32`: llama.cpp's names and shapes, every
+      quantized tensor equal to the decompressed modules (experts stacked back), the rest to
+      the source, bit for bit.
   qat_checkpoint.py check-w4a16 SRC OUT
       Reads OUT (compressed-tensors pack-quantized) and checks every module's levels against
       the generated ones, scale x level against the source values, copied tensors byte for
@@ -197,6 +207,80 @@ def add_tokenizer(d, n_vocab, n_added):
     json.dump(t, open(os.path.join(d, "tokenizer.json"), "w"))
 
 
+def byte_to_unicode():
+    """GPT-2's printable stand-ins for the 256 bytes (the byte-level BPE alphabet)"""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+BPE_TEXT = ("Once upon a time there was a little model that ran on a small computer. "
+            "It read the weights of the other models, and it was happy when the numbers "
+            "were the same. The end of the story is that every token came back again. ")
+
+
+def add_bpe_tokenizer(d, n_tokens):
+    """a real byte-level BPE tokenizer.json: the 256 bytes, merges learned from BPE_TEXT until
+    n_tokens, four added control tokens, GPT-2's pre-tokenizer; a tokenizer_config.json with
+    BOS and a chat template"""
+    b2u = byte_to_unicode()
+    vocab = {b2u[b]: b for b in range(256)}
+    words = {}
+    for w in BPE_TEXT.replace(" ", " \0").split("\0"):
+        w = ("Ġ" if w.startswith(" ") else "") + w.strip()
+        if w:
+            words[tuple(w)] = words.get(tuple(w), 0) + 1
+    merges = []
+    while len(vocab) < n_tokens:
+        pairs = {}
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] = pairs.get(p, 0) + c
+        if not pairs:
+            break
+        best = max(sorted(pairs), key=lambda p: pairs[p])
+        merges.append(best[0] + " " + best[1])
+        vocab[best[0] + best[1]] = len(vocab)
+        new = {}
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new[tuple(out)] = c
+        words = new
+    added = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+    t = {"version": "1.0", "added_tokens": [
+            {"id": len(vocab) + i, "content": a, "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": True} for i, a in enumerate(added)],
+         "normalizer": None,
+         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                           "use_regex": True},
+         "post_processor": None, "decoder": {"type": "ByteLevel"},
+         "model": {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False,
+                   "byte_fallback": False, "vocab": vocab, "merges": merges}}
+    json.dump(t, open(os.path.join(d, "tokenizer.json"), "w"), ensure_ascii=False)
+    cfg = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
+           "add_eos_token": False,
+           "chat_template": "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                            "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                            "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"}
+    json.dump(cfg, open(os.path.join(d, "tokenizer_config.json"), "w"))
+
+
+EMBED_STD = [0.05]  # --embed-std: larger embeddings give logits well above the rounding noise
+
+
 def make_qat(d, seed, offgrid):
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(d, "levels"), exist_ok=True)
@@ -238,7 +322,7 @@ def make_qat(d, seed, offgrid):
             if name.endswith("norm.weight") or name.endswith("scale") or name.endswith("scalar"):
                 v = 1 + 0.05 * rng.standard_normal(n)
             else:
-                v = 0.05 * rng.standard_normal(n)
+                v = (EMBED_STD[0] if "embed_tokens" in name else 0.05) * rng.standard_normal(n)
             raw = f32_to_bf16_bits(v.astype(np.float32)).astype("<u2").tobytes()
             exp["copied"].append(name)
         shards[0 if ".layers." not in name or ".layers.0." in name or ".layers.1." in name else 1].append(
@@ -287,6 +371,59 @@ def unpack_int4(raw, rows, cols):
     return (out - 8).astype(np.int8)
 
 
+def modules_of(name, shape):
+    """the W4A16 modules (name, first row, rows) a quantized tensor is written as, in row order:
+    one per 2-D weight, gate then up (or down) per expert of a fused 3-D one"""
+    if len(shape) == 2:
+        return [(name[:-len(".weight")], 0, shape[0])]
+    stem = name[:name.rindex(".") + 1]
+    rows = shape[1]
+    mods = []
+    for e in range(shape[0]):
+        if name.endswith("gate_up_proj"):
+            mods += [(f"{stem}{e}.gate_proj", e * rows, rows // 2),
+                     (f"{stem}{e}.up_proj", e * rows + rows // 2, rows // 2)]
+        else:
+            mods.append((f"{stem}{e}.down_proj", e * rows, rows))
+    return mods
+
+
+def check_view(src, out, view):
+    """VIEW.gguf: the W4A16 checkpoint OUT as moe serves it, converted to F32 by moe quantize.
+    Every tensor under llama.cpp's name, every quantized one equal to compressed-tensors'
+    decompression (scale x level, the modules stacked back into the fused experts) bit for bit,
+    the others to the source's values"""
+    exp = json.load(open(os.path.join(src, "expected.json")))
+    o = st_read_dir(out)
+    _, tensors = gguf_read(view)
+    used = 0
+    for name, shape, quant in tensor_list():
+        g = hf_to_gguf(name)
+        if g is None:
+            continue
+        need(g in tensors, f"{name}: no tensor {g}")
+        t, ne, raw = tensors[g]
+        need(t == 0, f"{g}: type {t}, not F32")
+        got = np.frombuffer(raw, "<f4")
+        if quant and name not in exp["offgrid_tensors"]:
+            cols = shape[-1]
+            parts = []
+            for mod, _, nr in modules_of(name, shape):
+                lv = unpack_int4(o[mod + ".weight_packed"][2], nr, cols).reshape(-1, GROUP)
+                scale = bf16_to_f32(o[mod + ".weight_scale"][2])
+                parts.append((lv.astype(np.float32) * scale[:, None]).reshape(-1))
+            want = np.concatenate(parts)
+        else:
+            want = bf16_to_f32(o[name][2])[:got.size]  # token_embd: the tokenizer's rows
+        need(got.size == want.size, f"{g}: {got.size} values, {want.size} expected")
+        bad = np.nonzero(got != want)[0]
+        need(len(bad) == 0, f"{g}: value {bad[:1]} is {got[bad[:1]]}, expected {want[bad[:1]]}")
+        need(list(ne) == list(reversed(shape))[:len(ne)] or g == "token_embd.weight",
+             f"{g}: ne {ne} for shape {shape}")
+        used += 1
+    need(used + 1 == len(tensors), f"{len(tensors)} tensors, {used} + rope_freqs accounted for")
+
+
 def check_w4a16(src, out):
     exp = json.load(open(os.path.join(src, "expected.json")))
     s = st_read_dir(src)
@@ -305,19 +442,7 @@ def check_w4a16(src, out):
         lv_all = levels_of(src, name, shape)
         src_vals = bf16_to_f32(s[name][2])
         cols = shape[-1]
-        if len(shape) == 2:
-            mods = [(name[:-len(".weight")], 0, shape[0])]
-        else:
-            stem = name[:name.rindex(".") + 1]
-            rows = shape[1]
-            mods = []
-            for e in range(shape[0]):
-                if name.endswith("gate_up_proj"):
-                    mods += [(f"{stem}{e}.gate_proj", e * rows, rows // 2),
-                             (f"{stem}{e}.up_proj", e * rows + rows // 2, rows // 2)]
-                else:
-                    mods.append((f"{stem}{e}.down_proj", e * rows, rows))
-        for mod, r0, nr in mods:
+        for mod, r0, nr in modules_of(name, shape):
             pk, sc, sh = (o.get(mod + ".weight_packed"), o.get(mod + ".weight_scale"),
                           o.get(mod + ".weight_shape"))
             need(pk and sc and sh, f"module {mod}: packed/scale/shape missing")
@@ -562,11 +687,17 @@ def main():
     try:
         if a[0] == "qat":
             seed = int(a[a.index("--seed") + 1]) if "--seed" in a else 1
+            if "--embed-std" in a:
+                EMBED_STD[0] = float(a[a.index("--embed-std") + 1])
             make_qat(a[1], seed, "--offgrid" in a)
             if "--tokenizer" in a:
                 add_tokenizer(a[1], int(a[a.index("--tokenizer") + 1]), 4)
+            if "--bpe-tokenizer" in a:
+                add_bpe_tokenizer(a[1], int(a[a.index("--bpe-tokenizer") + 1]))
         elif a[0] == "check-w4a16":
             check_w4a16(a[1], a[2])
+        elif a[0] == "check-view":
+            check_view(a[1], a[2], a[3])
         elif a[0] == "check-gguf":
             check_gguf(a[1], a[2], a[3], "--vocab" in a)
         elif a[0] == "dequant-w4a16":

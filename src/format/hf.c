@@ -1,0 +1,620 @@
+/* hf.c: a Hugging Face checkpoint (config.json, safetensors, tokenizer files) seen as the GGUF
+ * llama.cpp's converter would write from it -- the converter's metadata keys, tensor names and
+ * tensor edits -- so the engine and every tool read one model description, and `moe repack`
+ * writes the same keys and names to a file (one table for both).
+ *
+ * Architectures: gemma4 (conversion/gemma.py, Gemma4Model: names renamed, norms stored as they
+ * are used, token_embd cut to the tokenizer's size, rope_freqs made from the config). Tensors:
+ * bf16 / f16 / f32 weights stay in their type (1-D tensors, norms and the router become F32, as
+ * the converter writes them). compressed-tensors W4A16 modules become Q4_0 without loss: a Q4_0
+ * block is an f16 scale and the 32 levels + 8 of the same symmetric int4 grid, so a module
+ * converts exactly when every bf16 scale is an f16 number (bf16's 8 mantissa bits fit f16's 11;
+ * only the exponent range can fail: below 2^-24 or past 65504). A module with a scale outside
+ * f16 is dequantized to F32 instead (exact too) and named on stderr. Experts written one module
+ * per expert (P.experts.E.gate_proj / up_proj / down_proj, as moe repack writes them) are
+ * stacked back into the fused tensors. The tokenizer travels as tokenizer.json's text under
+ * tokenizer.huggingface.json (the GGUF spec's key) and tokenizer_config.json's under
+ * tokenizer.huggingface.config (text/ reads both); the chat template from tokenizer_config.json
+ * or chat_template.jinja becomes tokenizer.chat_template.
+ * The trap: the view holds every weight in anonymous memory (converted or copied), as
+ * moe_gguf_to_memory does for a GGUF file, and has no file of its own to read experts from. */
+#include "format.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static bool is_float(moe_st_dtype d) {
+    return d == MOE_ST_BF16 || d == MOE_ST_F16 || d == MOE_ST_F32;
+}
+static bool ends_with(const char *s, const char *suffix) {
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+/* ==== Names and metadata: gemma4 (llama.cpp conversion/gemma.py, Gemma4Model) ==== */
+
+static const struct {
+    const char *hf, *gguf;
+} gemma4_layer_names[] = {
+    {"input_layernorm.weight", "attn_norm.weight"},
+    {"self_attn.q_proj.weight", "attn_q.weight"},
+    {"self_attn.k_proj.weight", "attn_k.weight"},
+    {"self_attn.v_proj.weight", "attn_v.weight"},
+    {"self_attn.o_proj.weight", "attn_output.weight"},
+    {"self_attn.q_norm.weight", "attn_q_norm.weight"},
+    {"self_attn.k_norm.weight", "attn_k_norm.weight"},
+    {"post_attention_layernorm.weight", "post_attention_norm.weight"},
+    {"pre_feedforward_layernorm.weight", "ffn_norm.weight"},
+    {"post_feedforward_layernorm.weight", "post_ffw_norm.weight"},
+    {"post_feedforward_layernorm_1.weight", "post_ffw_norm_1.weight"},
+    {"pre_feedforward_layernorm_2.weight", "pre_ffw_norm_2.weight"},
+    {"post_feedforward_layernorm_2.weight", "post_ffw_norm_2.weight"},
+    {"mlp.gate_proj.weight", "ffn_gate.weight"},
+    {"mlp.up_proj.weight", "ffn_up.weight"},
+    {"mlp.down_proj.weight", "ffn_down.weight"},
+    {"router.proj.weight", "ffn_gate_inp.weight"},
+    {"router.scale", "ffn_gate_inp.scale"},
+    {"router.per_expert_scale", "ffn_down_exps.scale"},
+    {"experts.gate_up_proj", "ffn_gate_up_exps.weight"},
+    {"experts.down_proj", "ffn_down_exps.weight"},
+    {"layer_scalar", "layer_output_scale.weight"},
+};
+
+/* The GGUF name of a gemma4 HF tensor into out; 0 when mapped, 1 when the tensor belongs to the
+ * vision / audio towers (llama.cpp writes those to a separate mmproj file), -1 when unknown. */
+int moe_hf_gguf_name(const char *hf, char *out, size_t cap) {
+    const char *p = hf;
+    if (strncmp(p, "model.language_model.", 21) == 0)
+        p += 21;
+    else if (strncmp(p, "model.", 6) == 0)
+        p += 6;
+    else if (strcmp(p, "lm_head.weight") == 0)
+        return snprintf(out, cap, "output.weight"), 0;
+    if (strstr(hf, "vision") || strstr(hf, "audio")) return 1;
+    if (strcmp(p, "embed_tokens.weight") == 0) return snprintf(out, cap, "token_embd.weight"), 0;
+    if (strcmp(p, "norm.weight") == 0) return snprintf(out, cap, "output_norm.weight"), 0;
+    if (strncmp(p, "layers.", 7) != 0) return -1;
+    char *end;
+    long layer = strtol(p + 7, &end, 10);
+    if (end == p + 7 || *end != '.' || layer < 0) return -1;
+    for (size_t i = 0; i < sizeof gemma4_layer_names / sizeof gemma4_layer_names[0]; i++)
+        if (strcmp(end + 1, gemma4_layer_names[i].hf) == 0) {
+            snprintf(out, cap, "blk.%ld.%s", layer, gemma4_layer_names[i].gguf);
+            return 0;
+        }
+    return -1;
+}
+
+/* The HF config: text_config when the checkpoint is multimodal, else the top level. */
+static json_t *text_config(json_t *config) {
+    json_t *t = json_object_get(config, "text_config");
+    return json_is_object(t) ? t : config;
+}
+
+/* First of the keys present in c, as a number. */
+static bool cfg_num(json_t *c, const char *const *keys, double *out) {
+    for (; *keys; keys++) {
+        json_t *v = json_object_get(c, *keys);
+        if (json_is_number(v)) {
+            *out = json_number_value(v);
+            return true;
+        }
+    }
+    return false;
+}
+
+#define CFG_KEYS(...) ((const char *const[]){__VA_ARGS__, NULL})
+
+typedef struct gguf_meta_ctx {
+    moe_gguf_writer *w;
+    json_t *c;
+    const char *path;
+    moe_error *err;
+    moe_status st;
+} gguf_meta_ctx;
+
+/* key = the first config key present, as u32 / f32; missing: an error naming both. */
+static double need(gguf_meta_ctx *m, const char *const *keys) {
+    double v = 0;
+    if (!cfg_num(m->c, keys, &v))
+        m->st = moe_error_set(m->err, MOE_ERR_FORMAT, "%s: config has no \"%s\"", m->path, keys[0]);
+    return v;
+}
+static void meta_u32(gguf_meta_ctx *m, const char *key, const char *const *cfg_keys) {
+    double v = need(m, cfg_keys);
+    moe_gguf_writer_set_u32(m->w, key, (uint32_t)v);
+}
+static void meta_f32(gguf_meta_ctx *m, const char *key, const char *const *cfg_keys) {
+    double v = need(m, cfg_keys);
+    moe_gguf_writer_set_f32(m->w, key, (float)v);
+}
+
+/* rope_parameters[kind].rope_theta (the transformers 5 layout), else rope_theta. */
+static double rope_theta(json_t *c, const char *kind, double fallback) {
+    json_t *v =
+        json_object_get(json_object_get(json_object_get(c, "rope_parameters"), kind), "rope_theta");
+    if (json_is_number(v)) return json_number_value(v);
+    v = json_object_get(c, "rope_theta");
+    return json_is_number(v) ? json_number_value(v) : fallback;
+}
+static double partial_rotary(json_t *c, const char *kind) {
+    json_t *v = json_object_get(json_object_get(json_object_get(c, "rope_parameters"), kind),
+                                "partial_rotary_factor");
+    return json_is_number(v) ? json_number_value(v) : 1.0;
+}
+
+/* The checkpoint's directory name: general.name, as the converter takes it. */
+static void dir_name(const char *dir, char *out, size_t cap) {
+    size_t len = strlen(dir);
+    while (len > 1 && dir[len - 1] == '/') len--;
+    size_t start = len;
+    while (start > 0 && dir[start - 1] != '/') start--;
+    snprintf(out, cap, "%.*s", (int)(len - start), dir + start);
+}
+
+/* The keys llama.cpp's converter writes for gemma4 (Gemma3Model + Gemma4Model
+ * set_gguf_parameters), from the HF config; the tokenizer's keys are not written (see README). */
+moe_status moe_hf_write_metadata(moe_gguf_writer *w, json_t *config, const char *path,
+                                 moe_error *err) {
+    json_t *c = text_config(config);
+    gguf_meta_ctx m = {w, c, path, err, MOE_OK};
+    json_t *types = json_object_get(c, "layer_types");
+    size_t n_layer = json_array_size(types);
+    double blocks = need(&m, CFG_KEYS("num_hidden_layers"));
+    if (m.st == MOE_OK && (!json_is_array(types) || n_layer != (size_t)blocks))
+        return moe_error_set(err, MOE_ERR_FORMAT,
+                             "%s: layer_types must list the %zu layers' attention kinds", path,
+                             (size_t)blocks);
+    moe_gguf_writer_set_str(w, "general.architecture", "gemma4");
+    moe_gguf_writer_set_str(w, "general.type", "model");
+    char name[256];
+    dir_name(path, name, sizeof name);
+    moe_gguf_writer_set_str(w, "general.name", name);
+    meta_u32(&m, "gemma4.block_count", CFG_KEYS("num_hidden_layers"));
+    meta_u32(&m, "gemma4.context_length", CFG_KEYS("max_position_embeddings"));
+    meta_u32(&m, "gemma4.embedding_length", CFG_KEYS("hidden_size"));
+    meta_u32(&m, "gemma4.feed_forward_length", CFG_KEYS("intermediate_size"));
+    meta_u32(&m, "gemma4.attention.head_count", CFG_KEYS("num_attention_heads"));
+    moe_gguf_writer_set_f32(w, "gemma4.rope.freq_base",
+                            (float)rope_theta(c, "full_attention", 1e6));
+    moe_gguf_writer_set_f32(w, "gemma4.rope.freq_base_swa",
+                            (float)rope_theta(c, "sliding_attention", 1e4));
+    meta_f32(&m, "gemma4.attention.layer_norm_rms_epsilon", CFG_KEYS("rms_norm_eps"));
+    double v;
+    if (cfg_num(c, CFG_KEYS("num_experts", "num_local_experts"), &v)) /* absent: a dense model */
+        moe_gguf_writer_set_u32(w, "gemma4.expert_count", (uint32_t)v);
+    if (cfg_num(c, CFG_KEYS("top_k_experts", "num_experts_per_tok"), &v))
+        moe_gguf_writer_set_u32(w, "gemma4.expert_used_count", (uint32_t)v);
+    if (cfg_num(c, CFG_KEYS("final_logit_softcapping"), &v) && v != 0)
+        moe_gguf_writer_set_f32(w, "gemma4.final_logit_softcapping", (float)v);
+    meta_u32(&m, "gemma4.attention.sliding_window", CFG_KEYS("sliding_window"));
+    meta_u32(&m, "gemma4.attention.shared_kv_layers", CFG_KEYS("num_kv_shared_layers"));
+    moe_gguf_writer_set_u32(w, "gemma4.embedding_length_per_layer_input",
+                            cfg_num(c, CFG_KEYS("hidden_size_per_layer_input"), &v) ? (uint32_t)v
+                                                                                    : 0);
+    uint8_t *swa = moe_xcalloc(n_layer + 1, 1);
+    int32_t *kv = moe_xcalloc(n_layer + 1, sizeof *kv);
+    double kv_swa = need(&m, CFG_KEYS("num_key_value_heads"));
+    double kv_full = kv_swa;
+    bool kv_array = cfg_num(c, CFG_KEYS("num_global_key_value_heads"), &kv_full);
+    for (size_t i = 0; i < n_layer; i++) {
+        const char *k = json_string_value(json_array_get(types, i));
+        swa[i] = k && strcmp(k, "sliding_attention") == 0;
+        kv[i] = (int32_t)(swa[i] ? kv_swa : kv_full);
+    }
+    moe_gguf_writer_set_arr(w, "gemma4.attention.sliding_window_pattern", MOE_GGUF_BOOL, swa,
+                            n_layer);
+    double head_full = need(&m, CFG_KEYS("global_head_dim"));
+    double head_swa = need(&m, CFG_KEYS("head_dim"));
+    moe_gguf_writer_set_u32(w, "gemma4.attention.key_length", (uint32_t)head_full);
+    moe_gguf_writer_set_u32(w, "gemma4.attention.value_length", (uint32_t)head_full);
+    moe_gguf_writer_set_u32(w, "gemma4.attention.key_length_swa", (uint32_t)head_swa);
+    moe_gguf_writer_set_u32(w, "gemma4.attention.value_length_swa", (uint32_t)head_swa);
+    if (cfg_num(c, CFG_KEYS("expert_intermediate_size", "moe_intermediate_size"), &v))
+        moe_gguf_writer_set_u32(w, "gemma4.expert_feed_forward_length", (uint32_t)v);
+    if (kv_array) /* the converter writes per-layer heads only when global layers differ */
+        moe_gguf_writer_set_arr(w, "gemma4.attention.head_count_kv", MOE_GGUF_I32, kv, n_layer);
+    else
+        moe_gguf_writer_set_u32(w, "gemma4.attention.head_count_kv", (uint32_t)kv_swa);
+    if (json_is_true(json_object_get(c, "use_double_wide_mlp"))) {
+        /* layers from the first KV-sharing one on have twice the MLP (E2B / E4B) */
+        double ff = 0, shared = 0;
+        cfg_num(c, CFG_KEYS("intermediate_size"), &ff);
+        cfg_num(c, CFG_KEYS("num_kv_shared_layers"), &shared);
+        size_t first_shared =
+            shared >= 0 && shared < (double)n_layer ? n_layer - (size_t)shared : 0;
+        for (size_t i = 0; i < n_layer; i++) kv[i] = (int32_t)(i < first_shared ? ff : 2 * ff);
+        moe_gguf_writer_set_arr(w, "gemma4.feed_forward_length", MOE_GGUF_I32, kv, n_layer);
+    }
+    double partial_swa = 1.0;
+    cfg_num(c, CFG_KEYS("partial_rotary_factor"), &partial_swa);
+    moe_gguf_writer_set_u32(w, "gemma4.rope.dimension_count", (uint32_t)head_full);
+    moe_gguf_writer_set_u32(w, "gemma4.rope.dimension_count_swa",
+                            (uint32_t)(head_swa * partial_swa));
+    moe_gguf_writer_set_u32(w, "general.quantization_version", 2);
+    free(swa);
+    free(kv);
+    return m.st;
+}
+
+/* rope_freqs.weight: 1 for the rotated pairs of a global layer, 1e30 for the rest (how the
+ * converter expresses "proportional" RoPE with ggml's NEOX rope). n = global_head_dim / 2. */
+float *moe_hf_rope_freqs(json_t *config, int64_t *n) {
+    json_t *c = text_config(config);
+    double head_full = 0;
+    if (!cfg_num(c, CFG_KEYS("global_head_dim"), &head_full) || head_full < 2) return NULL;
+    int64_t half = (int64_t)head_full / 2;
+    int64_t rot = (int64_t)(head_full * partial_rotary(c, "full_attention") / 2);
+    float *f = moe_xcalloc((size_t)half, sizeof *f);
+    for (int64_t i = 0; i < half; i++) f[i] = i < rot ? 1.0f : 1e30f;
+    *n = half;
+    return f;
+}
+
+/* The rows of gemma's embed_tokens llama.cpp's converter keeps (Gemma3Model.modify_tensors,
+ * which Gemma4Model runs): len(tokenizer.json's model.vocab) + len(added_tokens). -1 when it
+ * cannot be told here: no tokenizer.json, or a tokenizer.model (the converter then counts the
+ * SentencePiece pieces, a protobuf moe does not read). */
+int64_t moe_hf_vocab_rows(const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.model", dir);
+    if (access(path, F_OK) == 0) return -1;
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    json_error_t je;
+    json_t *t = json_load_file(path, 0, &je);
+    if (!t) return -1;
+    json_t *vocab = json_object_get(json_object_get(t, "model"), "vocab");
+    json_t *added = json_object_get(t, "added_tokens");
+    int64_t n = -1;
+    if (json_is_object(vocab) || json_is_array(vocab))
+        n = (int64_t)(json_is_object(vocab) ? json_object_size(vocab) : json_array_size(vocab)) +
+            (int64_t)json_array_size(added);
+    json_decref(t);
+    return n;
+}
+
+/* ==== Reading config.json ==== */
+
+json_t *moe_hf_read_config(const char *dir, moe_error *err) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    json_error_t je;
+    json_t *c = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    if (!c) {
+        moe_error_set(err, MOE_ERR_FORMAT, "%s: %s (line %d)", path, je.text, je.line);
+        return NULL;
+    }
+    if (!json_is_object(c)) {
+        json_decref(c);
+        moe_error_set(err, MOE_ERR_FORMAT, "%s: not a JSON object", path);
+        return NULL;
+    }
+    return c;
+}
+
+const char *moe_hf_model_type(json_t *config) {
+    return json_string_value(json_object_get(text_config(config), "model_type"));
+}
+
+/* GGUF type for a copied tensor: 1-D, norms and the router as F32 (llama.cpp's converter), the
+ * rest in the source dtype. false when the dtype has no GGUF type. */
+bool moe_hf_copy_type(const moe_st_tensor *t, const char *gguf_name, moe_type *out) {
+    if (t->n_dims <= 1 || ends_with(gguf_name, "_norm.weight") || strstr(gguf_name, "ffn_gate_inp"))
+        return is_float(t->dtype) ? (*out = MOE_TYPE_F32, true) : false;
+    switch (t->dtype) {
+    case MOE_ST_BF16:
+        *out = MOE_TYPE_BF16;
+        return true;
+    case MOE_ST_F16:
+        *out = MOE_TYPE_F16;
+        return true;
+    case MOE_ST_F32:
+        *out = MOE_TYPE_F32;
+        return true;
+    case MOE_ST_I8:
+        *out = MOE_TYPE_I8;
+        return true;
+    case MOE_ST_I16:
+        *out = MOE_TYPE_I16;
+        return true;
+    case MOE_ST_I32:
+        *out = MOE_TYPE_I32;
+        return true;
+    case MOE_ST_I64:
+        *out = MOE_TYPE_I64;
+        return true;
+    case MOE_ST_F64:
+        *out = MOE_TYPE_F64;
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* ==== The checkpoint as a model: one GGUF tensor per source tensor or W4A16 module set ==== */
+
+/* Where one GGUF tensor's bytes come from: a safetensors tensor (maybe its first rows only),
+ * or W4A16 modules stacked along the rows (fused experts: gate then up for each expert). */
+typedef struct view_tensor {
+    char name[256];
+    const moe_st_tensor *t; /* a plain tensor, or NULL */
+    moe_w4a16_module *mods; /* [n_mods] */
+    size_t n_mods;
+    moe_type type;
+    uint32_t n_dims;
+    int64_t ne[MOE_GGUF_MAX_DIMS];
+    const char *dir; /* for messages */
+} view_tensor;
+
+static moe_status fill_plain(const view_tensor *v, void *out, uint64_t n_bytes, moe_error *err) {
+    if (v->type == MOE_TYPE_F32 && v->t->dtype != MOE_ST_F32)
+        return moe_st_to_f32(v->t, 0, n_bytes / 4, out, err);
+    memcpy(out, v->t->data, (size_t)n_bytes); /* the same type; the first rows when cut */
+    return MOE_OK;
+}
+
+/* Q4_0 blocks from the modules' levels and (f16-exact) scales, or their values as F32. */
+static moe_status fill_w4a16(const view_tensor *v, void *out, moe_error *err) {
+    uint8_t *o = out;
+    for (size_t k = 0; k < v->n_mods; k++) {
+        const moe_w4a16_module *m = &v->mods[k];
+        if (v->type == MOE_TYPE_F32) {
+            moe_status st = moe_w4a16_dequant_rows(m, 0, m->rows, (float *)o, err);
+            if (st != MOE_OK) return st;
+            o += (size_t)(m->rows * m->cols) * sizeof(float);
+            continue;
+        }
+        int64_t groups = m->rows * (m->cols / MOE_GRID_GROUP);
+        float scale;
+        int8_t q[MOE_GRID_GROUP];
+        for (int64_t g = 0; g < groups; g++, o += 18) {
+            moe_status st = moe_st_to_f32(m->scale, (uint64_t)g, 1, &scale, err);
+            if (st != MOE_OK) return st;
+            moe_grid_unpack_int4(m->packed->data + g * 16, MOE_GRID_GROUP, q);
+            moe_grid_q4_0_block(moe_f32_to_fp16(scale), q, o);
+        }
+    }
+    return MOE_OK;
+}
+
+static moe_status fill_view_tensor(void *ctx, const char *name, void *out, uint64_t n_bytes,
+                                   moe_error *err) {
+    (void)name;
+    const view_tensor *v = ctx;
+    return v->t ? fill_plain(v, out, n_bytes, err) : fill_w4a16(v, out, err);
+}
+
+/* Every scale of the modules an f16 number: Q4_0 holds them exactly. */
+static bool scales_fit_f16(const moe_w4a16_module *mods, size_t n, moe_error *err) {
+    for (size_t k = 0; k < n; k++)
+        for (uint64_t g = 0; g < mods[k].scale->n_values; g++) {
+            float s;
+            if (moe_st_to_f32(mods[k].scale, g, 1, &s, err) != MOE_OK) return false;
+            if (moe_fp16_to_f32(moe_f32_to_fp16(s)) != s) return false;
+        }
+    return true;
+}
+
+/* "P.experts.E.KIND" (KIND gate_proj, up_proj or down_proj): *stem_len = strlen("P.experts."),
+ * *expert = E, *kind the suffix; false for any other module name. */
+static bool expert_module(const char *module, size_t *stem_len, long *expert, const char **kind) {
+    const char *e = strstr(module, ".experts.");
+    if (!e) return false;
+    char *end;
+    *expert = strtol(e + 9, &end, 10);
+    if (end == e + 9 || *end != '.' || *expert < 0) return false;
+    *kind = end + 1;
+    *stem_len = (size_t)(e + 9 - module);
+    return strcmp(*kind, "gate_proj") == 0 || strcmp(*kind, "up_proj") == 0 ||
+           strcmp(*kind, "down_proj") == 0;
+}
+
+/* The modules of the GGUF tensor a W4A16 module belongs to, in row order; the HF name of the
+ * tensor into hf_name. 0 modules: this module is part of a tensor another one starts. */
+static moe_status w4a16_tensor_modules(const moe_st *s, const char *module, char *hf_name,
+                                       size_t cap, moe_w4a16_module **mods, size_t *n,
+                                       moe_error *err) {
+    size_t stem;
+    long expert;
+    const char *kind;
+    *mods = NULL;
+    *n = 0;
+    if (!expert_module(module, &stem, &expert, &kind)) {
+        snprintf(hf_name, cap, "%s.weight", module);
+        *mods = moe_xcalloc(1, sizeof **mods);
+        *n = 1;
+        return moe_w4a16_module_find(s, module, *mods, err);
+    }
+    if (expert != 0 || strcmp(kind, "up_proj") == 0) return MOE_OK;
+    bool gate_up = strcmp(kind, "gate_proj") == 0;
+    snprintf(hf_name, cap, "%.*s%s", (int)stem, module, gate_up ? "gate_up_proj" : "down_proj");
+    static const char *const parts[2][2] = {{"down_proj", NULL}, {"gate_proj", "up_proj"}};
+    char name[512];
+    for (long e = 0;; e++) {
+        for (int p = 0; p < 2 && parts[gate_up][p]; p++) {
+            snprintf(name, sizeof name, "%.*s%ld.%s", (int)stem, module, e, parts[gate_up][p]);
+            moe_w4a16_module m;
+            moe_error local = {0};
+            if (moe_w4a16_module_find(s, name, &m, &local) != MOE_OK) {
+                if (p == 0 && e > 0 && local.code == MOE_ERR_NOT_FOUND) return MOE_OK;
+                moe_error_set(err, local.code, "%s", local.msg);
+                return local.code;
+            }
+            if (*n && (m.cols != (*mods)[0].cols || m.rows != (*mods)[0].rows))
+                return moe_error_set(err, MOE_ERR_FORMAT,
+                                     "W4A16 module '%s': [%lld, %lld], unlike its expert 0's", name,
+                                     (long long)m.rows, (long long)m.cols);
+            *mods = moe_xrealloc(*mods, (*n + 1) * sizeof **mods);
+            (*mods)[(*n)++] = m;
+        }
+    }
+}
+
+/* One plain source tensor's view: GGUF name, type and shape; *skip for the vision / audio
+ * towers (which the converter writes to an mmproj file). */
+static moe_status plan_plain(const moe_st *s, const moe_st_tensor *t, view_tensor *v, bool *skip,
+                             moe_error *err) {
+    int k = moe_hf_gguf_name(t->name, v->name, sizeof v->name);
+    *skip = k == 1;
+    if (k < 0)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has no GGUF name",
+                             moe_st_dir(s), t->name);
+    if (*skip) return MOE_OK;
+    if (!moe_hf_copy_type(t, v->name, &v->type))
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s has no GGUF type",
+                             moe_st_dir(s), t->name, moe_st_dtype_name(t->dtype));
+    v->t = t;
+    v->n_dims = t->n_dims ? t->n_dims : 1;
+    v->ne[0] = 1;
+    for (uint32_t d = 0; d < t->n_dims; d++) v->ne[d] = t->shape[t->n_dims - 1 - d];
+    if (strcmp(v->name, "token_embd.weight") == 0 && t->n_dims == 2) {
+        int64_t rows = moe_hf_vocab_rows(moe_st_dir(s));
+        if (rows >= 0 && rows < v->ne[1]) v->ne[1] = rows;
+    }
+    return MOE_OK;
+}
+
+static moe_status plan_w4a16(const moe_st *s, const char *hf_name, view_tensor *v, bool *skip,
+                             moe_error *err) {
+    int k = moe_hf_gguf_name(hf_name, v->name, sizeof v->name);
+    *skip = k == 1;
+    if (k < 0)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: W4A16 tensor '%s' has no GGUF name",
+                             moe_st_dir(s), hf_name);
+    if (*skip) return MOE_OK;
+    const moe_w4a16_module *m = &v->mods[0];
+    bool fused = !ends_with(hf_name, ".weight"), gate_up = ends_with(hf_name, "gate_up_proj");
+    v->n_dims = fused ? 3 : 2;
+    v->ne[0] = m->cols;
+    v->ne[1] = gate_up ? 2 * m->rows : m->rows;
+    v->ne[2] = fused ? (int64_t)v->n_mods / (gate_up ? 2 : 1) : 1;
+    moe_error local = {0};
+    v->type = scales_fit_f16(v->mods, v->n_mods, &local) ? MOE_TYPE_Q4_0 : MOE_TYPE_F32;
+    if (local.code) return moe_error_set(err, local.code, "%s", local.msg);
+    if (v->type == MOE_TYPE_F32)
+        fprintf(stderr, "%s: %s: a scale outside f16's range: dequantized to F32 (not Q4_0)\n",
+                moe_st_dir(s), hf_name);
+    return MOE_OK;
+}
+
+/* tokenizer.json and tokenizer_config.json as they are, and the chat template, as keys. */
+static void add_tokenizer_keys(moe_gguf_writer *w, const char *dir) {
+    char path[4096];
+    uint8_t *data;
+    size_t size;
+    moe_error ignored = {0};
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    if (moe_file_read(path, &data, &size, &ignored) == MOE_OK) {
+        moe_gguf_writer_set_str(w, "tokenizer.huggingface.json", (const char *)data);
+        free(data);
+    }
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    if (moe_file_read(path, &data, &size, &ignored) == MOE_OK) {
+        moe_gguf_writer_set_str(w, "tokenizer.huggingface.config", (const char *)data);
+        free(data);
+    }
+    moe_hf_write_chat_template(w, dir);
+}
+
+void moe_hf_write_chat_template(moe_gguf_writer *w, const char *dir) {
+    char path[4096];
+    uint8_t *data;
+    size_t size;
+    moe_error ignored = {0};
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    json_t *template = NULL;
+    if (moe_file_read(path, &data, &size, &ignored) == MOE_OK) {
+        json_error_t je;
+        json_t *cfg = json_loadb((const char *)data, size, JSON_DECODE_INT_AS_REAL, &je);
+        template = json_incref(json_object_get(cfg, "chat_template"));
+        json_decref(cfg);
+        free(data);
+    }
+    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
+    if (moe_file_read(path, &data, &size, &ignored) == MOE_OK) {
+        moe_gguf_writer_set_str(w, "tokenizer.chat_template", (const char *)data);
+        free(data);
+    } else if (json_is_string(template)) {
+        moe_gguf_writer_set_str(w, "tokenizer.chat_template", json_string_value(template));
+    } else if (json_is_array(template)) { /* [{"name", "template"}]: the default and the rest */
+        for (size_t i = 0; i < json_array_size(template); i++) {
+            const char *name =
+                json_string_value(json_object_get(json_array_get(template, i), "name"));
+            const char *text =
+                json_string_value(json_object_get(json_array_get(template, i), "template"));
+            if (!name || !text) continue;
+            char key[300];
+            if (strcmp(name, "default") == 0)
+                snprintf(key, sizeof key, "tokenizer.chat_template");
+            else
+                snprintf(key, sizeof key, "tokenizer.chat_template.%s", name);
+            moe_gguf_writer_set_str(w, key, text);
+        }
+    }
+    json_decref(template);
+}
+
+moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err) {
+    moe_st *s = moe_st_open(path, err);
+    if (!s) return NULL;
+    const char *dir = moe_st_dir(s);
+    json_t *config = moe_hf_read_config(dir, err);
+    const char *model_type = config ? moe_hf_model_type(config) : NULL;
+    moe_status st = config ? MOE_OK : err->code;
+    if (st == MOE_OK && (!model_type || strncmp(model_type, "gemma4", 6) != 0))
+        st = moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                           "%s/config.json: model_type '%s': moe maps the HF names of gemma4 only",
+                           dir, model_type ? model_type : "(none)");
+    if (st == MOE_OK && json_object_get(config, "quantization_config"))
+        st = moe_w4a16_config_check(dir, err);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    if (st == MOE_OK) st = moe_hf_write_metadata(w, config, dir, err);
+    if (st == MOE_OK) add_tokenizer_keys(w, dir);
+    uint64_t n = moe_st_n_tensors(s), n_view = 0;
+    view_tensor *views = moe_xcalloc((size_t)n + 1, sizeof *views);
+    for (uint64_t i = 0; i < n && st == MOE_OK && !keys_only; i++) {
+        const moe_st_tensor *t = moe_st_tensor_get(s, i);
+        view_tensor *v = &views[n_view]; /* a slot left by a skipped tensor is used again */
+        free(v->mods);
+        memset(v, 0, sizeof *v);
+        v->dir = dir;
+        bool skip = false;
+        if (ends_with(t->name, ".weight_scale") || ends_with(t->name, ".weight_shape")) continue;
+        if (ends_with(t->name, ".weight_packed")) {
+            char module[512], hf_name[520];
+            snprintf(module, sizeof module, "%.*s", (int)(strlen(t->name) - 14), t->name);
+            st =
+                w4a16_tensor_modules(s, module, hf_name, sizeof hf_name, &v->mods, &v->n_mods, err);
+            if (st != MOE_OK || !v->n_mods) continue;
+            st = plan_w4a16(s, hf_name, v, &skip, err);
+        } else {
+            st = plan_plain(s, t, v, &skip, err);
+        }
+        if (st == MOE_OK && !skip)
+            st = moe_gguf_writer_add_tensor_deferred(w, v->name, v->type, v->n_dims, v->ne,
+                                                     fill_view_tensor, v, err);
+        if (st == MOE_OK && !skip) n_view++;
+    }
+    int64_t n_freqs = 0;
+    float *freqs = st == MOE_OK && !keys_only ? moe_hf_rope_freqs(config, &n_freqs) : NULL;
+    if (freqs)
+        st = moe_gguf_writer_add_tensor(w, "rope_freqs.weight", MOE_TYPE_F32, 1, &n_freqs, freqs,
+                                        true, err);
+    moe_gguf *g = NULL;
+    if (st == MOE_OK)
+        g = keys_only ? moe_gguf_writer_read_keys(w, err) : moe_gguf_writer_to_memory(w, dir, err);
+    for (uint64_t i = 0; i <= n_view && i < n; i++) free(views[i].mods);
+    free(views);
+    free(freqs);
+    moe_gguf_writer_free(w);
+    json_decref(config);
+    moe_st_close(s);
+    return g;
+}
+
+moe_gguf *moe_gguf_open_model(const char *path, moe_error *err) {
+    return moe_st_is_checkpoint(path) ? moe_hf_open(path, false, err) : moe_gguf_open(path, err);
+}
