@@ -1,7 +1,8 @@
 /* template.c: `moe template` -- render a chat template exactly as the model will see it, or
  * parse model output (stdin) into reasoning, content and tool calls with `--parse FORMAT`.
  *
- * The template comes from a GGUF file's tokenizer.chat_template or from a .jinja file. The
+ * The template comes from a GGUF file's tokenizer.chat_template, a checkpoint directory's
+ * (tokenizer_config.json or chat_template.jinja) or from a .jinja file. The
  * prompt is printed byte for byte: no newline is added at the end. */
 #include <stdio.h>
 #include <stdlib.h>

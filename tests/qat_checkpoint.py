@@ -23,6 +23,8 @@ below are written from the formats' specifications, not from moe's code.
       F32 by `moe quantize OUT VIEW.gguf --rule .=F32`: llama.cpp's names and shapes, every
       quantized tensor equal to the decompressed modules (experts stacked back), the rest to
       the source, bit for bit.
+  qat_checkpoint.py set-scale OUT MODULE VALUE
+      Overwrites the first scale of a W4A16 module with bf16(VALUE) (an error test's input).
   qat_checkpoint.py check-w4a16 SRC OUT
       Reads OUT (compressed-tensors pack-quantized) and checks every module's levels against
       the generated ones, scale x level against the source values, copied tensors byte for
@@ -424,6 +426,24 @@ def check_view(src, out, view):
     need(used + 1 == len(tensors), f"{len(tensors)} tensors, {used} + rope_freqs accounted for")
 
 
+def set_scale(d, module, value):
+    """overwrite the first weight_scale of a W4A16 module in place with bf16(value)"""
+    name = module + ".weight_scale"
+    for f in sorted(os.listdir(d)):
+        if not f.endswith(".safetensors"):
+            continue
+        path = os.path.join(d, f)
+        with open(path, "r+b") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+            if name in header:
+                need(header[name]["dtype"] == "BF16", f"{name}: not BF16")
+                fh.seek(8 + n + header[name]["data_offsets"][0])
+                fh.write(struct.pack("<H", int(f32_to_bf16_bits(np.array([value], np.float32))[0])))
+                return
+    raise Fail(f"no tensor {name} in {d}")
+
+
 def check_w4a16(src, out):
     exp = json.load(open(os.path.join(src, "expected.json")))
     s = st_read_dir(src)
@@ -696,6 +716,8 @@ def main():
                 add_bpe_tokenizer(a[1], int(a[a.index("--bpe-tokenizer") + 1]))
         elif a[0] == "check-w4a16":
             check_w4a16(a[1], a[2])
+        elif a[0] == "set-scale":
+            set_scale(a[1], a[2], float(a[3]))
         elif a[0] == "check-view":
             check_view(a[1], a[2], a[3])
         elif a[0] == "check-gguf":
