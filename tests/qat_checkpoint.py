@@ -23,6 +23,9 @@ below are written from the formats' specifications, not from moe's code.
       F32 by `moe quantize OUT VIEW.gguf --rule .=F32`: llama.cpp's names and shapes, every
       quantized tensor equal to the decompressed modules (experts stacked back), the rest to
       the source, bit for bit.
+  qat_checkpoint.py llama-from-gguf LLAMA.gguf DIR
+      A Hugging Face llama checkpoint (F32, config.json) of a llama GGUF's weights dequantized,
+      with HF's names and q / k row order (the inverse of the converter's permute).
   qat_checkpoint.py set-scale OUT MODULE VALUE
       Overwrites the first scale of a W4A16 module with bf16(VALUE) (an error test's input).
   qat_checkpoint.py check-w4a16 SRC OUT
@@ -444,6 +447,55 @@ def set_scale(d, module, value):
     raise Fail(f"no tensor {name} in {d}")
 
 
+def q8_0_to_f32(raw):
+    """ggml's Q8_0: blocks of an f16 scale and 32 int8, value = scale x q"""
+    b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 34)
+    d = b[:, :2].copy().view("<f2").astype(np.float32)
+    return (d * b[:, 2:].copy().view(np.int8).astype(np.float32)).reshape(-1)
+
+
+def llama_from_gguf(gguf, d):
+    """a Hugging Face llama checkpoint (F32 safetensors, config.json) holding a llama GGUF's
+    weights dequantized: HF names, and q / k rows put back in HF's rotate-half order (the
+    converter's permute undone: GGUF row h*hd + 2i + j is HF row h*hd + j*hd/2 + i)"""
+    meta, tensors = gguf_read(gguf)
+    a = meta["general.architecture"]
+    heads, kv = meta[a + ".attention.head_count"], meta[a + ".attention.head_count_kv"]
+    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    out = []
+    for g, (t, ne, raw) in tensors.items():
+        v = {0: lambda r: np.frombuffer(r, "<f4"), 8: q8_0_to_f32}[t](raw)
+        shape = list(reversed(ne))
+        v = v.reshape(shape)
+        if g == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif g == "output_norm.weight":
+            name = "model.norm.weight"
+        elif g == "output.weight":
+            name = "lm_head.weight"
+        else:
+            _, layer, kind, _ = g.split(".")
+            name = f"model.layers.{layer}.{names[kind]}.weight"
+            if kind in ("attn_q", "attn_k"):
+                n = heads if kind == "attn_q" else kv
+                v = v.reshape(n, shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(shape)
+        out.append((name, "F32", shape, np.ascontiguousarray(v, dtype="<f4").tobytes()))
+    os.makedirs(d, exist_ok=True)
+    st_write(os.path.join(d, "model.safetensors"), out, {"format": "pt"})
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "vocab_size": meta[a + ".vocab_size"], "hidden_size": meta[a + ".embedding_length"],
+           "intermediate_size": meta[a + ".feed_forward_length"],
+           "num_hidden_layers": meta[a + ".block_count"], "num_attention_heads": heads,
+           "num_key_value_heads": kv, "rms_norm_eps": meta[a + ".attention.layer_norm_rms_epsilon"],
+           "rope_theta": meta[a + ".rope.freq_base"],
+           "max_position_embeddings": meta[a + ".context_length"],
+           "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": "float32"}
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
+
+
 def check_w4a16(src, out):
     exp = json.load(open(os.path.join(src, "expected.json")))
     s = st_read_dir(src)
@@ -537,7 +589,7 @@ def gguf_read(path):
         infos.append((name, ne, take("<I"), take("<Q")))
     align = meta.get("general.alignment", 32)
     start = (pos + align - 1) // align * align
-    sizes = {0: (1, 4), 30: (1, 2), 2: (32, 18), 1: (1, 2)}
+    sizes = {0: (1, 4), 30: (1, 2), 2: (32, 18), 1: (1, 2), 8: (32, 34)}
     tensors = {}
     for name, ne, t, off in infos:
         bv, bb = sizes[t]
@@ -716,6 +768,8 @@ def main():
                 add_bpe_tokenizer(a[1], int(a[a.index("--bpe-tokenizer") + 1]))
         elif a[0] == "check-w4a16":
             check_w4a16(a[1], a[2])
+        elif a[0] == "llama-from-gguf":
+            llama_from_gguf(a[1], a[2])
         elif a[0] == "set-scale":
             set_scale(a[1], a[2], float(a[3]))
         elif a[0] == "check-view":

@@ -6,9 +6,11 @@
  * llama.cpp's names (numpy reads it); it gives the Q4_0 GGUF's greedy tokens at every ISA level
  * (its prompt tokenized from tokenizer.json, the GGUF's from the keys repack built); the bf16
  * checkpoint run directly gives the Q4_0 GGUF's logits within the gemma4 Q4_0 fixture's
- * tolerance; and errors name what is wrong. */
+ * tolerance. And llama: the llama parity fixture rewritten as an HF checkpoint gives llama.cpp's
+ * logits. Errors name what is wrong. */
 #include "testutil.h"
 
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,13 +28,6 @@ typedef struct hf_models {
     char w4[256];   /* moe repack --to w4a16 */
 } hf_models;
 
-static void run_ok(const char *cmd) {
-    char *out = NULL;
-    int rc = moe_test_run(cmd, &out);
-    if (rc != 0) fail_msg("`%s` failed (%d): %s", cmd, rc, out ? out : "");
-    free(out);
-}
-
 /* The three models, made once per process. */
 static const hf_models *models(void) {
     static hf_models m;
@@ -47,7 +42,7 @@ static const hf_models *models(void) {
              "--embed-std 0.3 && %s repack '%s' '%s' --to q4_0-gguf && %s repack '%s' '%s' --to "
              "w4a16",
              tmp, m.src, moe_test_bin(), m.src, m.q4_0, moe_test_bin(), m.src, m.w4);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     return &m;
 }
 
@@ -68,7 +63,7 @@ static void w4a16_view_is_exact(void **state) {
     char cmd[4096], view[300];
     snprintf(view, sizeof view, "%s/hf/w4a16-view-f32.gguf", moe_test_tmpdir());
     snprintf(cmd, sizeof cmd, "%s quantize '%s' '%s' --rule '.=F32'", moe_test_bin(), m->w4, view);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     snprintf(cmd, sizeof cmd, PY " check-view '%s' '%s' '%s'", m->src, m->w4, view);
     char *out = stdout_of(cmd);
     assert_string_equal(out, "ok\n");
@@ -194,6 +189,52 @@ static void bf16_source_matches_q4_0(void **state) {
     free(ids);
 }
 
+/* llama: the parity fixture's weights (Q8_0, dequantized) written as a Hugging Face checkpoint
+ * by numpy -- HF names, q / k rows in HF's rotate-half order -- and run directly give llama.cpp's
+ * f32-activation logits of the fixture within 1e-4 at every position: names, keys and the
+ * converter's q / k permutation as llama.cpp makes them. */
+static void llama_checkpoint_matches_fixture(void **state) {
+    (void)state;
+    const char *gguf = moe_test_shared("parity/llama-q8_0.gguf");
+    MOE_SKIP_IF_NULL(gguf);
+    size_t ref_size, tok_size;
+    float *ref = (float *)moe_test_shared_read("parity/llama-q8_0.logits_f32act.f32", &ref_size);
+    char *tokens_json = (char *)moe_test_shared_read("parity/llama-q8_0.tokens.json", &tok_size);
+    assert_non_null(ref);
+    assert_non_null(tokens_json);
+    json_error_t je;
+    json_t *t = json_loadb(tokens_json, tok_size, 0, &je), *all = json_object_get(t, "all_tokens");
+    char ids[2048] = "";
+    for (size_t i = 0; i < json_array_size(all); i++)
+        snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%lld" : "%lld",
+                 (long long)json_integer_value(json_array_get(all, i)));
+    const size_t n_rows = json_array_size(all), n_vocab = ref_size / sizeof(float) / n_rows;
+    char dir[300], out[300], cmd[4096];
+    snprintf(dir, sizeof dir, "%s/hf/llama-f32", moe_test_tmpdir());
+    snprintf(out, sizeof out, "%s/hf/llama-f32.logits", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd,
+             "mkdir -p '%s/hf' && " PY " llama-from-gguf '%s' '%s' && %s logits '%s' --tokens %s "
+             "--out '%s'",
+             moe_test_tmpdir(), gguf, dir, moe_test_bin(), dir, ids, out);
+    moe_test_run_ok(cmd);
+    size_t size;
+    float *got;
+    moe_error err = {0};
+    assert_int_equal(moe_file_read(out, (uint8_t **)&got, &size, &err), MOE_OK);
+    assert_int_equal(size, ref_size);
+    double worst = 0;
+    for (size_t r = 0; r < n_rows; r++)
+        worst = fmax(worst,
+                     moe_test_row_rel_err(got + r * n_vocab, ref + r * n_vocab, (uint32_t)n_vocab));
+    print_message("llama checkpoint vs llama.cpp's logits_f32act: worst row %.3g (limit 1e-4)\n",
+                  worst);
+    assert_true(worst <= 1e-4);
+    json_decref(t);
+    free(got);
+    free(ref);
+    free(tokens_json);
+}
+
 /* The chat template of tokenizer_config.json, rendered from the checkpoint directory (moe
  * template renders bos_token only from a template's caller, so none here). */
 static void chat_template_from_checkpoint(void **state) {
@@ -223,11 +264,11 @@ static void errors(void **state) {
     char cmd[4096], *out = NULL;
     const char *tmp = moe_test_tmpdir();
     snprintf(cmd, sizeof cmd,
-             "{ rm -rf '%s/hf/llama' && cp -r '%s' '%s/hf/llama' && sed -i 's/\"gemma4_text\"/"
-             "\"llama\"/' '%s/hf/llama/config.json' && %s run '%s/hf/llama' -p hi -n 1; }",
+             "{ rm -rf '%s/hf/qwen2' && cp -r '%s' '%s/hf/qwen2' && sed -i 's/\"gemma4_text\"/"
+             "\"qwen2\"/' '%s/hf/qwen2/config.json' && %s run '%s/hf/qwen2' -p hi -n 1; }",
              tmp, m->src, tmp, tmp, moe_test_bin(), tmp);
     assert_int_not_equal(moe_test_run(cmd, &out), 0);
-    assert_non_null(strstr(out, "model_type 'llama': moe maps the HF names of gemma4 only"));
+    assert_non_null(strstr(out, "model_type 'qwen2': moe maps the HF names of gemma4 and llama"));
     free(out);
     /* 2^20 as the first scale of a module: a bf16 number past f16's 65504 */
     snprintf(cmd, sizeof cmd,
@@ -250,6 +291,7 @@ int moe_suite_hf(void) {
         cmocka_unit_test(w4a16_greedy_equals_q4_0_twin),
         cmocka_unit_test(w4a16_argmax_equals_q4_0_twin),
         cmocka_unit_test(bf16_source_matches_q4_0),
+        cmocka_unit_test(llama_checkpoint_matches_fixture),
         cmocka_unit_test(chat_template_from_checkpoint),
         cmocka_unit_test(errors),
     };

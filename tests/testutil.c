@@ -125,6 +125,13 @@ int moe_test_run(const char *cmd, char **out) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
 }
 
+void moe_test_run_ok(const char *cmd) {
+    char *out = NULL;
+    int rc = moe_test_run(cmd, &out);
+    if (rc != 0) fail_msg("`%s` failed (%d): %s", cmd, rc, out ? out : "");
+    free(out);
+}
+
 const char *moe_test_synth(const char *file, const char *flags) {
     static char path[512];
     char cmd[2048], *out;

@@ -30,6 +30,8 @@ const char *moe_test_tmpdir(void);
 const char *moe_test_bin(void);
 /* Run a shell command, capturing stdout+stderr (caller frees *out); returns the exit status. */
 int moe_test_run(const char *cmd, char **out);
+/* moe_test_run of a command that must succeed: the test fails with its output otherwise. */
+void moe_test_run_ok(const char *cmd);
 /* Copy the GGUF at src to dst: every key but those drop_keys names (NULL-terminated, or NULL),
  * every tensor whose name contains none of drop_tensors (likewise); with dequantize, each tensor
  * decoded to F32 by moe's decoders (bit-exact with ggml's, checked in the quant suite). Fails

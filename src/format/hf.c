@@ -4,7 +4,9 @@
  * writes the same keys and names to a file (one table for both).
  *
  * Architectures: gemma4 (conversion/gemma.py, Gemma4Model: names renamed, norms stored as they
- * are used, token_embd cut to the tokenizer's size, rope_freqs made from the config). Tensors:
+ * are used, token_embd cut to the tokenizer's size, rope_freqs made from the config) and llama
+ * (conversion/llama.py, LlamaModel: q / k rows permuted from HF's rotate-half order to ggml's
+ * adjacent pairs, per head; rope scaling linear only). moe repack writes gemma4's. Tensors:
  * bf16 / f16 / f32 weights stay in their type (1-D tensors, norms and the router become F32, as
  * the converter writes them). compressed-tensors W4A16 modules become Q4_0 without loss: a Q4_0
  * block is an f16 scale and the 32 levels + 8 of the same symmetric int4 grid, so a module
@@ -36,9 +38,11 @@ static bool ends_with(const char *s, const char *suffix) {
 
 /* ==== Names and metadata: gemma4 (llama.cpp conversion/gemma.py, Gemma4Model) ==== */
 
-static const struct {
-    const char *hf, *gguf;
-} gemma4_layer_names[] = {
+typedef struct name_pair {
+    const char *hf, *gguf; /* a layer's tensor after "layers.N." -> after "blk.N." */
+} name_pair;
+
+static const name_pair gemma4_layer_names[] = {
     {"input_layernorm.weight", "attn_norm.weight"},
     {"self_attn.q_proj.weight", "attn_q.weight"},
     {"self_attn.k_proj.weight", "attn_k.weight"},
@@ -63,9 +67,10 @@ static const struct {
     {"layer_scalar", "layer_output_scale.weight"},
 };
 
-/* The GGUF name of a gemma4 HF tensor into out; 0 when mapped, 1 when the tensor belongs to the
- * vision / audio towers (llama.cpp writes those to a separate mmproj file), -1 when unknown. */
-int moe_hf_gguf_name(const char *hf, char *out, size_t cap) {
+/* The GGUF name of an HF tensor into out, with a layer's names from table[n]: 0 when mapped, 1
+ * when the converter leaves it out (the vision / audio towers, which go to an mmproj file;
+ * rotary inv_freq buffers), -1 when unknown. */
+static int map_name(const name_pair *table, size_t n, const char *hf, char *out, size_t cap) {
     const char *p = hf;
     if (strncmp(p, "model.language_model.", 21) == 0)
         p += 21;
@@ -73,19 +78,25 @@ int moe_hf_gguf_name(const char *hf, char *out, size_t cap) {
         p += 6;
     else if (strcmp(p, "lm_head.weight") == 0)
         return snprintf(out, cap, "output.weight"), 0;
-    if (strstr(hf, "vision") || strstr(hf, "audio")) return 1;
+    if (strstr(hf, "vision") || strstr(hf, "audio") || ends_with(hf, "rotary_emb.inv_freq"))
+        return 1;
     if (strcmp(p, "embed_tokens.weight") == 0) return snprintf(out, cap, "token_embd.weight"), 0;
     if (strcmp(p, "norm.weight") == 0) return snprintf(out, cap, "output_norm.weight"), 0;
     if (strncmp(p, "layers.", 7) != 0) return -1;
     char *end;
     long layer = strtol(p + 7, &end, 10);
     if (end == p + 7 || *end != '.' || layer < 0) return -1;
-    for (size_t i = 0; i < sizeof gemma4_layer_names / sizeof gemma4_layer_names[0]; i++)
-        if (strcmp(end + 1, gemma4_layer_names[i].hf) == 0) {
-            snprintf(out, cap, "blk.%ld.%s", layer, gemma4_layer_names[i].gguf);
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(end + 1, table[i].hf) == 0) {
+            snprintf(out, cap, "blk.%ld.%s", layer, table[i].gguf);
             return 0;
         }
     return -1;
+}
+
+int moe_hf_gguf_name(const char *hf, char *out, size_t cap) {
+    return map_name(gemma4_layer_names, sizeof gemma4_layer_names / sizeof gemma4_layer_names[0],
+                    hf, out, cap);
 }
 
 /* The HF config: text_config when the checkpoint is multimodal, else the top level. */
@@ -134,8 +145,8 @@ static void meta_f32(gguf_meta_ctx *m, const char *key, const char *const *cfg_k
 
 /* rope_parameters[kind].rope_theta (the transformers 5 layout), else rope_theta. */
 static double rope_theta(json_t *c, const char *kind, double fallback) {
-    json_t *v =
-        json_object_get(json_object_get(json_object_get(c, "rope_parameters"), kind), "rope_theta");
+    json_t *params = json_object_get(c, "rope_parameters"); /* per kind, or one for all (NULL) */
+    json_t *v = json_object_get(kind ? json_object_get(params, kind) : params, "rope_theta");
     if (json_is_number(v)) return json_number_value(v);
     v = json_object_get(c, "rope_theta");
     return json_is_number(v) ? json_number_value(v) : fallback;
@@ -276,6 +287,94 @@ int64_t moe_hf_vocab_rows(const char *dir) {
     return n;
 }
 
+/* ==== Names, metadata and edits: llama (llama.cpp conversion/llama.py, LlamaModel) ==== */
+
+static const name_pair llama_layer_names[] = {
+    {"input_layernorm.weight", "attn_norm.weight"},
+    {"self_attn.q_proj.weight", "attn_q.weight"},
+    {"self_attn.k_proj.weight", "attn_k.weight"},
+    {"self_attn.v_proj.weight", "attn_v.weight"},
+    {"self_attn.o_proj.weight", "attn_output.weight"},
+    {"post_attention_layernorm.weight", "ffn_norm.weight"},
+    {"mlp.gate_proj.weight", "ffn_gate.weight"},
+    {"mlp.up_proj.weight", "ffn_up.weight"},
+    {"mlp.down_proj.weight", "ffn_down.weight"},
+};
+
+static int llama_name(const char *hf, char *out, size_t cap) {
+    return map_name(llama_layer_names, sizeof llama_layer_names / sizeof llama_layer_names[0], hf,
+                    out, cap);
+}
+
+/* LlamaModel.set_gguf_parameters: the llama.* keys from the HF config. */
+static moe_status llama_metadata(moe_gguf_writer *w, json_t *config, const char *path,
+                                 moe_error *err) {
+    json_t *c = text_config(config);
+    gguf_meta_ctx m = {w, c, path, err, MOE_OK};
+    char name[256];
+    dir_name(path, name, sizeof name);
+    moe_gguf_writer_set_str(w, "general.architecture", "llama");
+    moe_gguf_writer_set_str(w, "general.type", "model");
+    moe_gguf_writer_set_str(w, "general.name", name);
+    meta_u32(&m, "llama.vocab_size", CFG_KEYS("vocab_size"));
+    meta_u32(&m, "llama.context_length", CFG_KEYS("max_position_embeddings"));
+    meta_u32(&m, "llama.embedding_length", CFG_KEYS("hidden_size"));
+    meta_u32(&m, "llama.block_count", CFG_KEYS("num_hidden_layers"));
+    meta_u32(&m, "llama.feed_forward_length", CFG_KEYS("intermediate_size"));
+    meta_u32(&m, "llama.attention.head_count", CFG_KEYS("num_attention_heads"));
+    meta_u32(&m, "llama.attention.head_count_kv",
+             CFG_KEYS("num_key_value_heads", "num_attention_heads"));
+    meta_f32(&m, "llama.attention.layer_norm_rms_epsilon", CFG_KEYS("rms_norm_eps"));
+    moe_gguf_writer_set_f32(w, "llama.rope.freq_base", (float)rope_theta(c, NULL, 10000.0));
+    double heads = need(&m, CFG_KEYS("num_attention_heads")), v;
+    double head_dim = cfg_num(c, CFG_KEYS("head_dim"), &v)
+                          ? v
+                          : need(&m, CFG_KEYS("hidden_size")) / (heads > 0 ? heads : 1);
+    moe_gguf_writer_set_u32(w, "llama.rope.dimension_count", (uint32_t)head_dim);
+    json_t *scaling = json_object_get(c, "rope_scaling");
+    if (json_is_object(scaling)) {
+        const char *type = json_string_value(json_object_get(scaling, "rope_type"));
+        if (!type) type = json_string_value(json_object_get(scaling, "type"));
+        json_t *factor = json_object_get(scaling, "factor");
+        if (!type || strcmp(type, "linear") != 0 || !json_is_number(factor))
+            return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                                 "%s: rope_scaling type '%s': moe reads linear scaling only", path,
+                                 type ? type : "(none)");
+        moe_gguf_writer_set_str(w, "llama.rope.scaling.type", "linear");
+        moe_gguf_writer_set_f32(w, "llama.rope.scaling.factor", (float)json_number_value(factor));
+    }
+    moe_gguf_writer_set_u32(w, "general.quantization_version", 2);
+    return m.st;
+}
+
+/* LlamaModel.permute: q's rows go from HF's per-head [half][pair] order (rotate_half rope) to
+ * the converter's [pair][half] (ggml's adjacent-pair rope), per query head; k's per KV head. */
+static uint32_t llama_rope_heads(json_t *config, const char *gguf_name) {
+    json_t *c = text_config(config);
+    double heads = 0, kv = 0;
+    cfg_num(c, CFG_KEYS("num_attention_heads"), &heads);
+    if (!cfg_num(c, CFG_KEYS("num_key_value_heads"), &kv)) kv = heads;
+    if (ends_with(gguf_name, ".attn_q.weight")) return (uint32_t)heads;
+    if (ends_with(gguf_name, ".attn_k.weight")) return (uint32_t)kv;
+    return 0;
+}
+
+/* ==== The architectures a checkpoint may be ==== */
+
+typedef struct hf_arch {
+    const char *model_type; /* config.json's (text_config's), as a prefix: gemma4, gemma4_text */
+    int (*name)(const char *hf, char *out, size_t cap);
+    moe_status (*metadata)(moe_gguf_writer *w, json_t *config, const char *path, moe_error *err);
+    float *(*rope_freqs)(json_t *config, int64_t *n);    /* NULL: no rope_freqs tensor */
+    bool trim_embd;                                      /* token_embd cut to the tokenizer */
+    uint32_t (*rope_heads)(json_t *c, const char *gguf); /* NULL: no rows permuted */
+} hf_arch;
+
+static const hf_arch hf_archs[] = {
+    {"gemma4", moe_hf_gguf_name, moe_hf_write_metadata, moe_hf_rope_freqs, true, NULL},
+    {"llama", llama_name, llama_metadata, NULL, false, llama_rope_heads},
+};
+
 /* ==== Reading config.json ==== */
 
 json_t *moe_hf_read_config(const char *dir, moe_error *err) {
@@ -341,41 +440,42 @@ bool moe_hf_copy_type(const moe_st_tensor *t, const char *gguf_name, moe_type *o
 typedef struct view_tensor {
     char name[256];
     const moe_st_tensor *t; /* a plain tensor, or NULL */
-    moe_w4a16_module *mods; /* [n_mods] */
+    moe_w4a16_module *mods; /* [n_mods], all of one shape */
     size_t n_mods;
     moe_type type;
     uint32_t n_dims;
     int64_t ne[MOE_GGUF_MAX_DIMS];
-    const char *dir; /* for messages */
+    uint32_t rope_heads; /* rows permuted per head for the converter's rope order, or 0 */
 } view_tensor;
 
-static moe_status fill_plain(const view_tensor *v, void *out, uint64_t n_bytes, moe_error *err) {
-    if (v->type == MOE_TYPE_F32 && v->t->dtype != MOE_ST_F32)
-        return moe_st_to_f32(v->t, 0, n_bytes / 4, out, err);
-    memcpy(out, v->t->data, (size_t)n_bytes); /* the same type; the first rows when cut */
-    return MOE_OK;
+/* The source row of output row r: llama's q / k rows go from HF's [head][half][pair] order to
+ * the converter's [head][pair][half]; every other tensor keeps its order. */
+static int64_t source_row(const view_tensor *v, int64_t r) {
+    if (!v->rope_heads) return r;
+    int64_t per_head = v->ne[1] / v->rope_heads, h = r / per_head, k = r % per_head;
+    return h * per_head + (k % 2) * (per_head / 2) + k / 2;
 }
 
-/* Q4_0 blocks from the modules' levels and (f16-exact) scales, or their values as F32. */
-static moe_status fill_w4a16(const view_tensor *v, void *out, moe_error *err) {
-    uint8_t *o = out;
-    for (size_t k = 0; k < v->n_mods; k++) {
-        const moe_w4a16_module *m = &v->mods[k];
-        if (v->type == MOE_TYPE_F32) {
-            moe_status st = moe_w4a16_dequant_rows(m, 0, m->rows, (float *)o, err);
-            if (st != MOE_OK) return st;
-            o += (size_t)(m->rows * m->cols) * sizeof(float);
-            continue;
-        }
-        int64_t groups = m->rows * (m->cols / MOE_GRID_GROUP);
+/* Row r of the output (of v->ne[0] values) into out. */
+static moe_status fill_row(const view_tensor *v, int64_t r, uint8_t *out, moe_error *err) {
+    const int64_t cols = v->ne[0], s = source_row(v, r);
+    if (v->t && v->type == MOE_TYPE_F32 && v->t->dtype != MOE_ST_F32)
+        return moe_st_to_f32(v->t, (uint64_t)(s * cols), (uint64_t)cols, (float *)out, err);
+    if (v->t) { /* the same type */
+        size_t row = (size_t)cols * moe_st_dtype_size(v->t->dtype);
+        memcpy(out, v->t->data + (size_t)s * row, row);
+        return MOE_OK;
+    }
+    const moe_w4a16_module *m = &v->mods[s / v->mods[0].rows];
+    const int64_t lr = s % v->mods[0].rows, groups = cols / MOE_GRID_GROUP;
+    if (v->type == MOE_TYPE_F32) return moe_w4a16_dequant_rows(m, lr, lr + 1, (float *)out, err);
+    int8_t q[MOE_GRID_GROUP];
+    for (int64_t g = 0; g < groups; g++) { /* Q4_0: the same levels, the scale as f16 */
         float scale;
-        int8_t q[MOE_GRID_GROUP];
-        for (int64_t g = 0; g < groups; g++, o += 18) {
-            moe_status st = moe_st_to_f32(m->scale, (uint64_t)g, 1, &scale, err);
-            if (st != MOE_OK) return st;
-            moe_grid_unpack_int4(m->packed->data + g * 16, MOE_GRID_GROUP, q);
-            moe_grid_q4_0_block(moe_f32_to_fp16(scale), q, o);
-        }
+        moe_status st = moe_st_to_f32(m->scale, (uint64_t)(lr * groups + g), 1, &scale, err);
+        if (st != MOE_OK) return st;
+        moe_grid_unpack_int4(m->packed->data + (lr * groups + g) * 16, MOE_GRID_GROUP, q);
+        moe_grid_q4_0_block(moe_f32_to_fp16(scale), q, out + g * 18);
     }
     return MOE_OK;
 }
@@ -384,7 +484,13 @@ static moe_status fill_view_tensor(void *ctx, const char *name, void *out, uint6
                                    moe_error *err) {
     (void)name;
     const view_tensor *v = ctx;
-    return v->t ? fill_plain(v, out, n_bytes, err) : fill_w4a16(v, out, err);
+    const int64_t rows = (int64_t)(v->ne[1] * v->ne[2] * v->ne[3]);
+    const uint64_t row_bytes = n_bytes / (uint64_t)rows;
+    for (int64_t r = 0; r < rows; r++) {
+        moe_status st = fill_row(v, r, (uint8_t *)out + (uint64_t)r * row_bytes, err);
+        if (st != MOE_OK) return st;
+    }
+    return MOE_OK;
 }
 
 /* Every scale of the modules an f16 number: Q4_0 holds them exactly. */
@@ -455,9 +561,9 @@ static moe_status w4a16_tensor_modules(const moe_st *s, const char *module, char
 
 /* One plain source tensor's view: GGUF name, type and shape; *skip for the vision / audio
  * towers (which the converter writes to an mmproj file). */
-static moe_status plan_plain(const moe_st *s, const moe_st_tensor *t, view_tensor *v, bool *skip,
-                             moe_error *err) {
-    int k = moe_hf_gguf_name(t->name, v->name, sizeof v->name);
+static moe_status plan_plain(const moe_st *s, const hf_arch *a, const moe_st_tensor *t,
+                             view_tensor *v, bool *skip, moe_error *err) {
+    int k = a->name(t->name, v->name, sizeof v->name);
     *skip = k == 1;
     if (k < 0)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has no GGUF name",
@@ -468,18 +574,21 @@ static moe_status plan_plain(const moe_st *s, const moe_st_tensor *t, view_tenso
                              moe_st_dir(s), t->name, moe_st_dtype_name(t->dtype));
     v->t = t;
     v->n_dims = t->n_dims ? t->n_dims : 1;
-    v->ne[0] = 1;
+    for (uint32_t d = 0; d < MOE_GGUF_MAX_DIMS; d++) v->ne[d] = 1;
+    if (t->n_dims > MOE_GGUF_MAX_DIMS)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has %u dimensions",
+                             moe_st_dir(s), t->name, t->n_dims);
     for (uint32_t d = 0; d < t->n_dims; d++) v->ne[d] = t->shape[t->n_dims - 1 - d];
-    if (strcmp(v->name, "token_embd.weight") == 0 && t->n_dims == 2) {
+    if (a->trim_embd && strcmp(v->name, "token_embd.weight") == 0 && t->n_dims == 2) {
         int64_t rows = moe_hf_vocab_rows(moe_st_dir(s));
         if (rows >= 0 && rows < v->ne[1]) v->ne[1] = rows;
     }
     return MOE_OK;
 }
 
-static moe_status plan_w4a16(const moe_st *s, const char *hf_name, view_tensor *v, bool *skip,
-                             moe_error *err) {
-    int k = moe_hf_gguf_name(hf_name, v->name, sizeof v->name);
+static moe_status plan_w4a16(const moe_st *s, const hf_arch *a, const char *hf_name, view_tensor *v,
+                             bool *skip, moe_error *err) {
+    int k = a->name(hf_name, v->name, sizeof v->name);
     *skip = k == 1;
     if (k < 0)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: W4A16 tensor '%s' has no GGUF name",
@@ -488,6 +597,7 @@ static moe_status plan_w4a16(const moe_st *s, const char *hf_name, view_tensor *
     const moe_w4a16_module *m = &v->mods[0];
     bool fused = !ends_with(hf_name, ".weight"), gate_up = ends_with(hf_name, "gate_up_proj");
     v->n_dims = fused ? 3 : 2;
+    v->ne[3] = 1;
     v->ne[0] = m->cols;
     v->ne[1] = gate_up ? 2 * m->rows : m->rows;
     v->ne[2] = fused ? (int64_t)v->n_mods / (gate_up ? 2 : 1) : 1;
@@ -564,14 +674,19 @@ moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err) {
     json_t *config = moe_hf_read_config(dir, err);
     const char *model_type = config ? moe_hf_model_type(config) : NULL;
     moe_status st = config ? MOE_OK : err->code;
-    if (st == MOE_OK && (!model_type || strncmp(model_type, "gemma4", 6) != 0))
+    const hf_arch *a = NULL;
+    for (size_t i = 0; i < sizeof hf_archs / sizeof hf_archs[0] && model_type; i++)
+        if (strncmp(model_type, hf_archs[i].model_type, strlen(hf_archs[i].model_type)) == 0)
+            a = &hf_archs[i];
+    if (st == MOE_OK && !a)
         st = moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                           "%s/config.json: model_type '%s': moe maps the HF names of gemma4 only",
+                           "%s/config.json: model_type '%s': moe maps the HF names of gemma4 and "
+                           "llama",
                            dir, model_type ? model_type : "(none)");
     if (st == MOE_OK && json_object_get(config, "quantization_config"))
         st = moe_w4a16_config_check(dir, err);
     moe_gguf_writer *w = moe_gguf_writer_new();
-    if (st == MOE_OK) st = moe_hf_write_metadata(w, config, dir, err);
+    if (st == MOE_OK) st = a->metadata(w, config, dir, err);
     if (st == MOE_OK) add_tokenizer_keys(w, dir);
     uint64_t n = moe_st_n_tensors(s), n_view = 0;
     view_tensor *views = moe_xcalloc((size_t)n + 1, sizeof *views);
@@ -580,7 +695,6 @@ moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err) {
         view_tensor *v = &views[n_view]; /* a slot left by a skipped tensor is used again */
         free(v->mods);
         memset(v, 0, sizeof *v);
-        v->dir = dir;
         bool skip = false;
         if (ends_with(t->name, ".weight_scale") || ends_with(t->name, ".weight_shape")) continue;
         if (ends_with(t->name, ".weight_packed")) {
@@ -589,17 +703,22 @@ moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err) {
             st =
                 w4a16_tensor_modules(s, module, hf_name, sizeof hf_name, &v->mods, &v->n_mods, err);
             if (st != MOE_OK || !v->n_mods) continue;
-            st = plan_w4a16(s, hf_name, v, &skip, err);
+            st = plan_w4a16(s, a, hf_name, v, &skip, err);
         } else {
-            st = plan_plain(s, t, v, &skip, err);
+            st = plan_plain(s, a, t, v, &skip, err);
         }
+        v->rope_heads = st == MOE_OK && !skip && a->rope_heads ? a->rope_heads(config, v->name) : 0;
+        if (v->rope_heads && (v->n_dims != 2 || v->ne[1] % (2 * (int64_t)v->rope_heads) != 0))
+            st = moe_error_set(err, MOE_ERR_FORMAT, "%s: %s: %lld rows do not split into %u heads",
+                               dir, v->name, (long long)v->ne[1], v->rope_heads);
         if (st == MOE_OK && !skip)
             st = moe_gguf_writer_add_tensor_deferred(w, v->name, v->type, v->n_dims, v->ne,
                                                      fill_view_tensor, v, err);
         if (st == MOE_OK && !skip) n_view++;
     }
     int64_t n_freqs = 0;
-    float *freqs = st == MOE_OK && !keys_only ? moe_hf_rope_freqs(config, &n_freqs) : NULL;
+    float *freqs =
+        st == MOE_OK && !keys_only && a->rope_freqs ? a->rope_freqs(config, &n_freqs) : NULL;
     if (freqs)
         st = moe_gguf_writer_add_tensor(w, "rope_freqs.weight", MOE_TYPE_F32, 1, &n_freqs, freqs,
                                         true, err);
