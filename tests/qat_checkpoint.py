@@ -23,9 +23,10 @@ below are written from the formats' specifications, not from moe's code.
       F32 by `moe quantize OUT VIEW.gguf --rule .=F32`: llama.cpp's names and shapes, every
       quantized tensor equal to the decompressed modules (experts stacked back), the rest to
       the source, bit for bit.
-  qat_checkpoint.py llama-from-gguf LLAMA.gguf DIR
-      A Hugging Face llama checkpoint (F32, config.json) of a llama GGUF's weights dequantized,
-      with HF's names and q / k row order (the inverse of the converter's permute).
+  qat_checkpoint.py hf-from-gguf MODEL.gguf DIR
+      A Hugging Face checkpoint (F32, config.json) of a llama or qwen3moe GGUF's weights (F32 or
+      Q8_0) dequantized: HF's names, one tensor per expert, llama's q / k rows in HF's order
+      (the inverse of the converter's permute).
   qat_checkpoint.py set-scale OUT MODULE VALUE
       Overwrites the first scale of a W4A16 module with bf16(VALUE) (an error test's input).
   qat_checkpoint.py check-w4a16 SRC OUT
@@ -454,45 +455,64 @@ def q8_0_to_f32(raw):
     return (d * b[:, 2:].copy().view(np.int8).astype(np.float32)).reshape(-1)
 
 
-def llama_from_gguf(gguf, d):
-    """a Hugging Face llama checkpoint (F32 safetensors, config.json) holding a llama GGUF's
-    weights dequantized: HF names, and q / k rows put back in HF's rotate-half order (the
-    converter's permute undone: GGUF row h*hd + 2i + j is HF row h*hd + j*hd/2 + i)"""
+def hf_from_gguf(gguf, d):
+    """a Hugging Face checkpoint (F32 safetensors, config.json) holding a llama or qwen3moe GGUF's
+    weights (F32 or Q8_0, dequantized): HF names, experts one tensor each, and llama's q / k rows
+    put back in HF's rotate-half order (the converter's permute undone: GGUF row h*hd + 2i + j
+    is HF row h*hd + j*hd/2 + i)"""
     meta, tensors = gguf_read(gguf)
     a = meta["general.architecture"]
     heads, kv = meta[a + ".attention.head_count"], meta[a + ".attention.head_count_kv"]
     names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+             "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+             "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "ffn_gate_inp": "mlp.gate"}
+    experts = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
     out = []
     for g, (t, ne, raw) in tensors.items():
         v = {0: lambda r: np.frombuffer(r, "<f4"), 8: q8_0_to_f32}[t](raw)
         shape = list(reversed(ne))
         v = v.reshape(shape)
+        parts = []
         if g == "token_embd.weight":
-            name = "model.embed_tokens.weight"
+            parts = [("model.embed_tokens.weight", v)]
         elif g == "output_norm.weight":
-            name = "model.norm.weight"
+            parts = [("model.norm.weight", v)]
         elif g == "output.weight":
-            name = "lm_head.weight"
+            parts = [("lm_head.weight", v)]
         else:
             _, layer, kind, _ = g.split(".")
-            name = f"model.layers.{layer}.{names[kind]}.weight"
-            if kind in ("attn_q", "attn_k"):
-                n = heads if kind == "attn_q" else kv
-                v = v.reshape(n, shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(shape)
-        out.append((name, "F32", shape, np.ascontiguousarray(v, dtype="<f4").tobytes()))
+            p = f"model.layers.{layer}."
+            if kind in experts:
+                parts = [(f"{p}mlp.experts.{e}.{experts[kind]}.weight", v[e])
+                         for e in range(shape[0])]
+            else:
+                if a == "llama" and kind in ("attn_q", "attn_k"):
+                    n = heads if kind == "attn_q" else kv
+                    v = v.reshape(n, shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(shape)
+                parts = [(f"{p}{names[kind]}.weight", v)]
+        for name, x in parts:
+            out.append((name, "F32", list(x.shape), np.ascontiguousarray(x, dtype="<f4").tobytes()))
     os.makedirs(d, exist_ok=True)
     st_write(os.path.join(d, "model.safetensors"), out, {"format": "pt"})
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           "vocab_size": meta[a + ".vocab_size"], "hidden_size": meta[a + ".embedding_length"],
+    cfg = {"vocab_size": tensors["token_embd.weight"][1][1],
+           "hidden_size": meta[a + ".embedding_length"],
            "intermediate_size": meta[a + ".feed_forward_length"],
            "num_hidden_layers": meta[a + ".block_count"], "num_attention_heads": heads,
            "num_key_value_heads": kv, "rms_norm_eps": meta[a + ".attention.layer_norm_rms_epsilon"],
            "rope_theta": meta[a + ".rope.freq_base"],
            "max_position_embeddings": meta[a + ".context_length"],
            "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": "float32"}
+    if a == "llama":
+        cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    else:
+        cfg.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                    "num_experts": meta[a + ".expert_count"],
+                    "num_experts_per_tok": meta[a + ".expert_used_count"],
+                    "moe_intermediate_size": meta[a + ".expert_feed_forward_length"],
+                    "head_dim": meta[a + ".attention.key_length"], "norm_topk_prob": True})
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
 
 
@@ -768,8 +788,8 @@ def main():
                 add_bpe_tokenizer(a[1], int(a[a.index("--bpe-tokenizer") + 1]))
         elif a[0] == "check-w4a16":
             check_w4a16(a[1], a[2])
-        elif a[0] == "llama-from-gguf":
-            llama_from_gguf(a[1], a[2])
+        elif a[0] == "hf-from-gguf":
+            hf_from_gguf(a[1], a[2])
         elif a[0] == "set-scale":
             set_scale(a[1], a[2], float(a[3]))
         elif a[0] == "check-view":

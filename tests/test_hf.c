@@ -6,8 +6,8 @@
  * llama.cpp's names (numpy reads it); it gives the Q4_0 GGUF's greedy tokens at every ISA level
  * (its prompt tokenized from tokenizer.json, the GGUF's from the keys repack built); the bf16
  * checkpoint run directly gives the Q4_0 GGUF's logits within the gemma4 Q4_0 fixture's
- * tolerance. And llama: the llama parity fixture rewritten as an HF checkpoint gives llama.cpp's
- * logits. Errors name what is wrong. */
+ * tolerance. And llama, qwen3moe: their parity fixtures rewritten as HF checkpoints give
+ * llama.cpp's logits. Errors name what is wrong. */
 #include "testutil.h"
 
 #include <jansson.h>
@@ -189,17 +189,21 @@ static void bf16_source_matches_q4_0(void **state) {
     free(ids);
 }
 
-/* llama: the parity fixture's weights (Q8_0, dequantized) written as a Hugging Face checkpoint
- * by numpy -- HF names, q / k rows in HF's rotate-half order -- and run directly give llama.cpp's
- * f32-activation logits of the fixture within 1e-4 at every position: names, keys and the
- * converter's q / k permutation as llama.cpp makes them. */
-static void llama_checkpoint_matches_fixture(void **state) {
-    (void)state;
-    const char *gguf = moe_test_shared("parity/llama-q8_0.gguf");
-    MOE_SKIP_IF_NULL(gguf);
+/* A parity fixture's weights written as a Hugging Face checkpoint by numpy (HF names, experts
+ * one tensor each, llama's q / k rows in HF's rotate-half order), run directly: llama.cpp's
+ * f32-activation logits of the fixture within 1e-4 at every position, so the names, keys and
+ * the converter's edits are llama.cpp's. numpy decodes Q8_0 itself; other types go through
+ * `moe quantize --rule .=F32` first (dequantization is bit-exact, suite quant). */
+static void checkpoint_matches_fixture(const char *name, bool through_f32) {
+    char rel[256];
+    snprintf(rel, sizeof rel, "parity/%s.gguf", name);
+    const char *gguf = moe_test_shared(rel);
+    if (!gguf) return;
     size_t ref_size, tok_size;
-    float *ref = (float *)moe_test_shared_read("parity/llama-q8_0.logits_f32act.f32", &ref_size);
-    char *tokens_json = (char *)moe_test_shared_read("parity/llama-q8_0.tokens.json", &tok_size);
+    snprintf(rel, sizeof rel, "parity/%s.logits_f32act.f32", name);
+    float *ref = (float *)moe_test_shared_read(rel, &ref_size);
+    snprintf(rel, sizeof rel, "parity/%s.tokens.json", name);
+    char *tokens_json = (char *)moe_test_shared_read(rel, &tok_size);
     assert_non_null(ref);
     assert_non_null(tokens_json);
     json_error_t je;
@@ -209,13 +213,21 @@ static void llama_checkpoint_matches_fixture(void **state) {
         snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%lld" : "%lld",
                  (long long)json_integer_value(json_array_get(all, i)));
     const size_t n_rows = json_array_size(all), n_vocab = ref_size / sizeof(float) / n_rows;
-    char dir[300], out[300], cmd[4096];
-    snprintf(dir, sizeof dir, "%s/hf/llama-f32", moe_test_tmpdir());
-    snprintf(out, sizeof out, "%s/hf/llama-f32.logits", moe_test_tmpdir());
+    char dir[300], f32[300], out[300], cmd[4096];
+    const char *tmp = moe_test_tmpdir();
+    snprintf(dir, sizeof dir, "%s/hf/%s-hf", tmp, name);
+    snprintf(f32, sizeof f32, "%s/hf/%s-f32.gguf", tmp, name);
+    snprintf(out, sizeof out, "%s/hf/%s-hf.logits", tmp, name);
+    if (through_f32) {
+        snprintf(cmd, sizeof cmd, "mkdir -p '%s/hf' && %s quantize '%s' '%s' --rule '.=F32'", tmp,
+                 moe_test_bin(), gguf, f32);
+        moe_test_run_ok(cmd);
+        gguf = f32;
+    }
     snprintf(cmd, sizeof cmd,
-             "mkdir -p '%s/hf' && " PY " llama-from-gguf '%s' '%s' && %s logits '%s' --tokens %s "
+             "mkdir -p '%s/hf' && " PY " hf-from-gguf '%s' '%s' && %s logits '%s' --tokens %s "
              "--out '%s'",
-             moe_test_tmpdir(), gguf, dir, moe_test_bin(), dir, ids, out);
+             tmp, gguf, dir, moe_test_bin(), dir, ids, out);
     moe_test_run_ok(cmd);
     size_t size;
     float *got;
@@ -226,13 +238,24 @@ static void llama_checkpoint_matches_fixture(void **state) {
     for (size_t r = 0; r < n_rows; r++)
         worst = fmax(worst,
                      moe_test_row_rel_err(got + r * n_vocab, ref + r * n_vocab, (uint32_t)n_vocab));
-    print_message("llama checkpoint vs llama.cpp's logits_f32act: worst row %.3g (limit 1e-4)\n",
-                  worst);
+    print_message("%s as an HF checkpoint vs llama.cpp's logits_f32act: worst row %.3g (limit "
+                  "1e-4)\n",
+                  name, worst);
     assert_true(worst <= 1e-4);
     json_decref(t);
     free(got);
     free(ref);
     free(tokens_json);
+}
+
+static void llama_checkpoint_matches_fixture(void **state) {
+    (void)state;
+    checkpoint_matches_fixture("llama-q8_0", false);
+}
+
+static void qwen3moe_checkpoint_matches_fixture(void **state) {
+    (void)state;
+    checkpoint_matches_fixture("qwen3moe-mixed", true);
 }
 
 /* The chat template of tokenizer_config.json, rendered from the checkpoint directory (moe
@@ -268,7 +291,7 @@ static void errors(void **state) {
              "\"qwen2\"/' '%s/hf/qwen2/config.json' && %s run '%s/hf/qwen2' -p hi -n 1; }",
              tmp, m->src, tmp, tmp, moe_test_bin(), tmp);
     assert_int_not_equal(moe_test_run(cmd, &out), 0);
-    assert_non_null(strstr(out, "model_type 'qwen2': moe maps the HF names of gemma4 and llama"));
+    assert_non_null(strstr(out, "model_type 'qwen2': moe maps the HF names of gemma4, llama"));
     free(out);
     /* 2^20 as the first scale of a module: a bf16 number past f16's 65504 */
     snprintf(cmd, sizeof cmd,
@@ -292,6 +315,7 @@ int moe_suite_hf(void) {
         cmocka_unit_test(w4a16_argmax_equals_q4_0_twin),
         cmocka_unit_test(bf16_source_matches_q4_0),
         cmocka_unit_test(llama_checkpoint_matches_fixture),
+        cmocka_unit_test(qwen3moe_checkpoint_matches_fixture),
         cmocka_unit_test(chat_template_from_checkpoint),
         cmocka_unit_test(errors),
     };

@@ -6,15 +6,18 @@
  * Architectures: gemma4 (conversion/gemma.py, Gemma4Model: names renamed, norms stored as they
  * are used, token_embd cut to the tokenizer's size, rope_freqs made from the config) and llama
  * (conversion/llama.py, LlamaModel: q / k rows permuted from HF's rotate-half order to ggml's
- * adjacent pairs, per head; rope scaling linear only). moe repack writes gemma4's. Tensors:
+ * adjacent pairs, per head; rope scaling linear only) and qwen3moe (conversion/qwen.py,
+ * Qwen3MoeModel: one tensor per expert stacked into *_exps). moe repack writes gemma4's. Tensors:
  * bf16 / f16 / f32 weights stay in their type (1-D tensors, norms and the router become F32, as
  * the converter writes them). compressed-tensors W4A16 modules become Q4_0 without loss: a Q4_0
  * block is an f16 scale and the 32 levels + 8 of the same symmetric int4 grid, so a module
  * converts exactly when every bf16 scale is an f16 number (bf16's 8 mantissa bits fit f16's 11;
- * only the exponent range can fail: below 2^-24 or past 65504). A module with a scale outside
- * f16 is dequantized to F32 instead (exact too) and named on stderr. Experts written one module
- * per expert (P.experts.E.gate_proj / up_proj / down_proj, as moe repack writes them) are
- * stacked back into the fused tensors. The tokenizer travels as tokenizer.json's text under
+ * only the exponent range can fail: past 65504, or below 2^-14 where f16 subnormals drop bits;
+ * checked scale by scale). A module with a scale outside
+ * f16 is dequantized to F32 instead (exact too) and named on stderr. Experts written one tensor
+ * or module per expert (P.experts.E.gate_proj / up_proj / down_proj, as HF qwen3moe and moe
+ * repack's W4A16 write them) are stacked into one tensor (gemma4: gate and up fused); a stack
+ * mixing modules and plain tensors is F32. The tokenizer travels as tokenizer.json's text under
  * tokenizer.huggingface.json (the GGUF spec's key) and tokenizer_config.json's under
  * tokenizer.huggingface.config (text/ reads both); the chat template from tokenizer_config.json
  * or chat_template.jinja becomes tokenizer.chat_template.
@@ -306,31 +309,56 @@ static int llama_name(const char *hf, char *out, size_t cap) {
                     out, cap);
 }
 
+/* ARCH.KEY as u32 / f32 from the first config key present (an error naming it when none is). */
+static void arch_u32(gguf_meta_ctx *m, const char *arch, const char *key,
+                     const char *const *cfg_keys) {
+    char k[128];
+    snprintf(k, sizeof k, "%s.%s", arch, key);
+    meta_u32(m, k, cfg_keys);
+}
+static void arch_f32(gguf_meta_ctx *m, const char *arch, const char *key,
+                     const char *const *cfg_keys) {
+    char k[128];
+    snprintf(k, sizeof k, "%s.%s", arch, key);
+    meta_f32(m, k, cfg_keys);
+}
+
+/* The keys TextModel.set_gguf_parameters writes for every transformer (conversion/base.py). */
+static void transformer_metadata(gguf_meta_ctx *m, const char *arch) {
+    char name[256], key[128];
+    dir_name(m->path, name, sizeof name);
+    moe_gguf_writer_set_str(m->w, "general.architecture", arch);
+    moe_gguf_writer_set_str(m->w, "general.type", "model");
+    moe_gguf_writer_set_str(m->w, "general.name", name);
+    arch_u32(m, arch, "context_length", CFG_KEYS("max_position_embeddings"));
+    arch_u32(m, arch, "embedding_length", CFG_KEYS("hidden_size"));
+    arch_u32(m, arch, "block_count", CFG_KEYS("num_hidden_layers"));
+    arch_u32(m, arch, "feed_forward_length", CFG_KEYS("intermediate_size"));
+    arch_u32(m, arch, "attention.head_count", CFG_KEYS("num_attention_heads"));
+    arch_u32(m, arch, "attention.head_count_kv",
+             CFG_KEYS("num_key_value_heads", "num_attention_heads"));
+    arch_f32(m, arch, "attention.layer_norm_rms_epsilon", CFG_KEYS("rms_norm_eps"));
+    snprintf(key, sizeof key, "%s.rope.freq_base", arch);
+    moe_gguf_writer_set_f32(m->w, key, (float)rope_theta(m->c, NULL, 10000.0));
+    moe_gguf_writer_set_u32(m->w, "general.quantization_version", 2);
+}
+
+/* head_dim, else hidden_size / num_attention_heads. */
+static double head_dim(gguf_meta_ctx *m) {
+    double v, heads = need(m, CFG_KEYS("num_attention_heads"));
+    return cfg_num(m->c, CFG_KEYS("head_dim"), &v)
+               ? v
+               : need(m, CFG_KEYS("hidden_size")) / (heads > 0 ? heads : 1);
+}
+
 /* LlamaModel.set_gguf_parameters: the llama.* keys from the HF config. */
 static moe_status llama_metadata(moe_gguf_writer *w, json_t *config, const char *path,
                                  moe_error *err) {
     json_t *c = text_config(config);
     gguf_meta_ctx m = {w, c, path, err, MOE_OK};
-    char name[256];
-    dir_name(path, name, sizeof name);
-    moe_gguf_writer_set_str(w, "general.architecture", "llama");
-    moe_gguf_writer_set_str(w, "general.type", "model");
-    moe_gguf_writer_set_str(w, "general.name", name);
+    transformer_metadata(&m, "llama");
     meta_u32(&m, "llama.vocab_size", CFG_KEYS("vocab_size"));
-    meta_u32(&m, "llama.context_length", CFG_KEYS("max_position_embeddings"));
-    meta_u32(&m, "llama.embedding_length", CFG_KEYS("hidden_size"));
-    meta_u32(&m, "llama.block_count", CFG_KEYS("num_hidden_layers"));
-    meta_u32(&m, "llama.feed_forward_length", CFG_KEYS("intermediate_size"));
-    meta_u32(&m, "llama.attention.head_count", CFG_KEYS("num_attention_heads"));
-    meta_u32(&m, "llama.attention.head_count_kv",
-             CFG_KEYS("num_key_value_heads", "num_attention_heads"));
-    meta_f32(&m, "llama.attention.layer_norm_rms_epsilon", CFG_KEYS("rms_norm_eps"));
-    moe_gguf_writer_set_f32(w, "llama.rope.freq_base", (float)rope_theta(c, NULL, 10000.0));
-    double heads = need(&m, CFG_KEYS("num_attention_heads")), v;
-    double head_dim = cfg_num(c, CFG_KEYS("head_dim"), &v)
-                          ? v
-                          : need(&m, CFG_KEYS("hidden_size")) / (heads > 0 ? heads : 1);
-    moe_gguf_writer_set_u32(w, "llama.rope.dimension_count", (uint32_t)head_dim);
+    moe_gguf_writer_set_u32(w, "llama.rope.dimension_count", (uint32_t)head_dim(&m));
     json_t *scaling = json_object_get(c, "rope_scaling");
     if (json_is_object(scaling)) {
         const char *type = json_string_value(json_object_get(scaling, "rope_type"));
@@ -343,7 +371,6 @@ static moe_status llama_metadata(moe_gguf_writer *w, json_t *config, const char 
         moe_gguf_writer_set_str(w, "llama.rope.scaling.type", "linear");
         moe_gguf_writer_set_f32(w, "llama.rope.scaling.factor", (float)json_number_value(factor));
     }
-    moe_gguf_writer_set_u32(w, "general.quantization_version", 2);
     return m.st;
 }
 
@@ -359,20 +386,57 @@ static uint32_t llama_rope_heads(json_t *config, const char *gguf_name) {
     return 0;
 }
 
+/* ==== Names and metadata: qwen3moe (llama.cpp conversion/qwen.py, Qwen3MoeModel) ==== */
+
+static const name_pair qwen3moe_layer_names[] = {
+    {"input_layernorm.weight", "attn_norm.weight"},
+    {"self_attn.q_proj.weight", "attn_q.weight"},
+    {"self_attn.k_proj.weight", "attn_k.weight"},
+    {"self_attn.v_proj.weight", "attn_v.weight"},
+    {"self_attn.o_proj.weight", "attn_output.weight"},
+    {"self_attn.q_norm.weight", "attn_q_norm.weight"},
+    {"self_attn.k_norm.weight", "attn_k_norm.weight"},
+    {"post_attention_layernorm.weight", "ffn_norm.weight"},
+    {"mlp.gate.weight", "ffn_gate_inp.weight"},
+    {"mlp.experts.gate_proj.weight", "ffn_gate_exps.weight"}, /* the experts stacked */
+    {"mlp.experts.up_proj.weight", "ffn_up_exps.weight"},
+    {"mlp.experts.down_proj.weight", "ffn_down_exps.weight"},
+};
+
+static int qwen3moe_name(const char *hf, char *out, size_t cap) {
+    return map_name(qwen3moe_layer_names,
+                    sizeof qwen3moe_layer_names / sizeof qwen3moe_layer_names[0], hf, out, cap);
+}
+
+static moe_status qwen3moe_metadata(moe_gguf_writer *w, json_t *config, const char *path,
+                                    moe_error *err) {
+    json_t *c = text_config(config);
+    gguf_meta_ctx m = {w, c, path, err, MOE_OK};
+    transformer_metadata(&m, "qwen3moe");
+    meta_u32(&m, "qwen3moe.expert_count", CFG_KEYS("num_experts"));
+    meta_u32(&m, "qwen3moe.expert_used_count", CFG_KEYS("num_experts_per_tok"));
+    moe_gguf_writer_set_u32(w, "qwen3moe.attention.key_length", (uint32_t)head_dim(&m));
+    moe_gguf_writer_set_u32(w, "qwen3moe.attention.value_length", (uint32_t)head_dim(&m));
+    meta_u32(&m, "qwen3moe.expert_feed_forward_length", CFG_KEYS("moe_intermediate_size"));
+    return m.st;
+}
+
 /* ==== The architectures a checkpoint may be ==== */
 
 typedef struct hf_arch {
     const char *model_type; /* config.json's (text_config's), as a prefix: gemma4, gemma4_text */
     int (*name)(const char *hf, char *out, size_t cap);
     moe_status (*metadata)(moe_gguf_writer *w, json_t *config, const char *path, moe_error *err);
-    float *(*rope_freqs)(json_t *config, int64_t *n);    /* NULL: no rope_freqs tensor */
-    bool trim_embd;                                      /* token_embd cut to the tokenizer */
+    float *(*rope_freqs)(json_t *config, int64_t *n); /* NULL: no rope_freqs tensor */
+    bool trim_embd;                                   /* token_embd cut to the tokenizer */
+    bool fused_gate_up; /* experts' gate and up in one tensor (gemma4's experts.gate_up_proj) */
     uint32_t (*rope_heads)(json_t *c, const char *gguf); /* NULL: no rows permuted */
 } hf_arch;
 
 static const hf_arch hf_archs[] = {
-    {"gemma4", moe_hf_gguf_name, moe_hf_write_metadata, moe_hf_rope_freqs, true, NULL},
-    {"llama", llama_name, llama_metadata, NULL, false, llama_rope_heads},
+    {"gemma4", moe_hf_gguf_name, moe_hf_write_metadata, moe_hf_rope_freqs, true, true, NULL},
+    {"llama", llama_name, llama_metadata, NULL, false, false, llama_rope_heads},
+    {"qwen3_moe", qwen3moe_name, qwen3moe_metadata, NULL, false, false, NULL},
 };
 
 /* ==== Reading config.json ==== */
@@ -433,15 +497,22 @@ bool moe_hf_copy_type(const moe_st_tensor *t, const char *gguf_name, moe_type *o
     }
 }
 
-/* ==== The checkpoint as a model: one GGUF tensor per source tensor or W4A16 module set ==== */
+/* ==== The checkpoint as a model: one GGUF tensor per source tensor or stack of experts ==== */
 
-/* Where one GGUF tensor's bytes come from: a safetensors tensor (maybe its first rows only),
- * or W4A16 modules stacked along the rows (fused experts: gate then up for each expert). */
+/* Where rows come from: a safetensors tensor (its rows of the last dimension), or a W4A16
+ * module (scale x level). */
+typedef struct view_unit {
+    const moe_st_tensor *t; /* a plain tensor, or NULL for the module */
+    moe_w4a16_module mod;
+} view_unit;
+
+/* One GGUF tensor: units of equal rows stacked in order (fused experts: gate then up of each
+ * expert), maybe its first rows only (token_embd cut to the tokenizer). */
 typedef struct view_tensor {
     char name[256];
-    const moe_st_tensor *t; /* a plain tensor, or NULL */
-    moe_w4a16_module *mods; /* [n_mods], all of one shape */
-    size_t n_mods;
+    view_unit *units; /* [n_units] */
+    size_t n_units;
+    int64_t unit_rows; /* rows of each unit */
     moe_type type;
     uint32_t n_dims;
     int64_t ne[MOE_GGUF_MAX_DIMS];
@@ -459,22 +530,23 @@ static int64_t source_row(const view_tensor *v, int64_t r) {
 /* Row r of the output (of v->ne[0] values) into out. */
 static moe_status fill_row(const view_tensor *v, int64_t r, uint8_t *out, moe_error *err) {
     const int64_t cols = v->ne[0], s = source_row(v, r);
-    if (v->t && v->type == MOE_TYPE_F32 && v->t->dtype != MOE_ST_F32)
-        return moe_st_to_f32(v->t, (uint64_t)(s * cols), (uint64_t)cols, (float *)out, err);
-    if (v->t) { /* the same type */
-        size_t row = (size_t)cols * moe_st_dtype_size(v->t->dtype);
-        memcpy(out, v->t->data + (size_t)s * row, row);
+    const view_unit *u = &v->units[s / v->unit_rows];
+    const int64_t lr = s % v->unit_rows, groups = cols / MOE_GRID_GROUP;
+    if (u->t && v->type == MOE_TYPE_F32 && u->t->dtype != MOE_ST_F32)
+        return moe_st_to_f32(u->t, (uint64_t)(lr * cols), (uint64_t)cols, (float *)out, err);
+    if (u->t) { /* the same type */
+        size_t row = (size_t)cols * moe_st_dtype_size(u->t->dtype);
+        memcpy(out, u->t->data + (size_t)lr * row, row);
         return MOE_OK;
     }
-    const moe_w4a16_module *m = &v->mods[s / v->mods[0].rows];
-    const int64_t lr = s % v->mods[0].rows, groups = cols / MOE_GRID_GROUP;
-    if (v->type == MOE_TYPE_F32) return moe_w4a16_dequant_rows(m, lr, lr + 1, (float *)out, err);
+    if (v->type == MOE_TYPE_F32)
+        return moe_w4a16_dequant_rows(&u->mod, lr, lr + 1, (float *)out, err);
     int8_t q[MOE_GRID_GROUP];
     for (int64_t g = 0; g < groups; g++) { /* Q4_0: the same levels, the scale as f16 */
         float scale;
-        moe_status st = moe_st_to_f32(m->scale, (uint64_t)(lr * groups + g), 1, &scale, err);
+        moe_status st = moe_st_to_f32(u->mod.scale, (uint64_t)(lr * groups + g), 1, &scale, err);
         if (st != MOE_OK) return st;
-        moe_grid_unpack_int4(m->packed->data + (lr * groups + g) * 16, MOE_GRID_GROUP, q);
+        moe_grid_unpack_int4(u->mod.packed->data + (lr * groups + g) * 16, MOE_GRID_GROUP, q);
         moe_grid_q4_0_block(moe_f32_to_fp16(scale), q, out + g * 18);
     }
     return MOE_OK;
@@ -493,120 +565,155 @@ static moe_status fill_view_tensor(void *ctx, const char *name, void *out, uint6
     return MOE_OK;
 }
 
-/* Every scale of the modules an f16 number: Q4_0 holds them exactly. */
-static bool scales_fit_f16(const moe_w4a16_module *mods, size_t n, moe_error *err) {
-    for (size_t k = 0; k < n; k++)
-        for (uint64_t g = 0; g < mods[k].scale->n_values; g++) {
-            float s;
-            if (moe_st_to_f32(mods[k].scale, g, 1, &s, err) != MOE_OK) return false;
-            if (moe_fp16_to_f32(moe_f32_to_fp16(s)) != s) return false;
-        }
+/* Every scale of a module an f16 number: Q4_0 holds it exactly. */
+static bool scales_fit_f16(const moe_w4a16_module *m, moe_error *err) {
+    for (uint64_t g = 0; g < m->scale->n_values; g++) {
+        float s;
+        if (moe_st_to_f32(m->scale, g, 1, &s, err) != MOE_OK) return false;
+        if (moe_fp16_to_f32(moe_f32_to_fp16(s)) != s) return false;
+    }
     return true;
 }
 
-/* "P.experts.E.KIND" (KIND gate_proj, up_proj or down_proj): *stem_len = strlen("P.experts."),
- * *expert = E, *kind the suffix; false for any other module name. */
-static bool expert_module(const char *module, size_t *stem_len, long *expert, const char **kind) {
-    const char *e = strstr(module, ".experts.");
-    if (!e) return false;
+/* The unit named `name` ("X.weight"): the tensor of that name, else the W4A16 module X.
+ * MOE_ERR_NOT_FOUND when neither exists. */
+static moe_status find_unit(const moe_st *s, const char *name, view_unit *u, moe_error *err) {
+    memset(u, 0, sizeof *u);
+    u->t = moe_st_tensor_find(s, name);
+    if (u->t) return MOE_OK;
+    char module[520];
+    snprintf(module, sizeof module, "%.*s",
+             (int)(ends_with(name, ".weight") ? strlen(name) - 7 : strlen(name)), name);
+    return moe_w4a16_module_find(s, module, &u->mod, err);
+}
+
+/* "P.experts.E.KIND.weight" (KIND gate_proj, up_proj or down_proj): *stem_len = strlen("P."
+ * "experts."), *expert = E, *kind the KIND; false for any other name. */
+static bool expert_unit(const char *name, size_t *stem_len, long *expert, const char **kind) {
+    const char *e = strstr(name, ".experts.");
+    if (!e || !ends_with(name, ".weight")) return false;
     char *end;
     *expert = strtol(e + 9, &end, 10);
     if (end == e + 9 || *end != '.' || *expert < 0) return false;
     *kind = end + 1;
-    *stem_len = (size_t)(e + 9 - module);
-    return strcmp(*kind, "gate_proj") == 0 || strcmp(*kind, "up_proj") == 0 ||
-           strcmp(*kind, "down_proj") == 0;
+    *stem_len = (size_t)(e + 9 - name);
+    return strcmp(*kind, "gate_proj.weight") == 0 || strcmp(*kind, "up_proj.weight") == 0 ||
+           strcmp(*kind, "down_proj.weight") == 0;
 }
 
-/* The modules of the GGUF tensor a W4A16 module belongs to, in row order; the HF name of the
- * tensor into hf_name. 0 modules: this module is part of a tensor another one starts. */
-static moe_status w4a16_tensor_modules(const moe_st *s, const char *module, char *hf_name,
-                                       size_t cap, moe_w4a16_module **mods, size_t *n,
-                                       moe_error *err) {
+/* The units of the GGUF tensor the unit `name` starts, in row order, and the HF name of that
+ * tensor (stacked experts: "P.experts.gate_up_proj" fused as gemma4 stores them, else
+ * "P.experts.KIND.weight"). 0 units: a tensor another unit starts holds this one. */
+static moe_status tensor_units(const moe_st *s, const hf_arch *a, const char *name, char *hf_name,
+                               size_t cap, view_tensor *v, moe_error *err) {
     size_t stem;
     long expert;
     const char *kind;
-    *mods = NULL;
-    *n = 0;
-    if (!expert_module(module, &stem, &expert, &kind)) {
-        snprintf(hf_name, cap, "%s.weight", module);
-        *mods = moe_xcalloc(1, sizeof **mods);
-        *n = 1;
-        return moe_w4a16_module_find(s, module, *mods, err);
+    if (!expert_unit(name, &stem, &expert, &kind)) {
+        snprintf(hf_name, cap, "%s", name);
+        v->units = moe_xcalloc(1, sizeof *v->units);
+        v->n_units = 1;
+        return find_unit(s, name, &v->units[0], err);
     }
-    if (expert != 0 || strcmp(kind, "up_proj") == 0) return MOE_OK;
-    bool gate_up = strcmp(kind, "gate_proj") == 0;
-    snprintf(hf_name, cap, "%.*s%s", (int)stem, module, gate_up ? "gate_up_proj" : "down_proj");
-    static const char *const parts[2][2] = {{"down_proj", NULL}, {"gate_proj", "up_proj"}};
-    char name[512];
-    for (long e = 0;; e++) {
-        for (int p = 0; p < 2 && parts[gate_up][p]; p++) {
-            snprintf(name, sizeof name, "%.*s%ld.%s", (int)stem, module, e, parts[gate_up][p]);
-            moe_w4a16_module m;
+    bool gate_up = a->fused_gate_up && strcmp(kind, "down_proj.weight") != 0;
+    if (expert != 0 || (gate_up && strcmp(kind, "up_proj.weight") == 0)) return MOE_OK;
+    if (gate_up)
+        snprintf(hf_name, cap, "%.*sgate_up_proj", (int)stem, name);
+    else if (a->fused_gate_up)
+        snprintf(hf_name, cap, "%.*sdown_proj", (int)stem, name);
+    else
+        snprintf(hf_name, cap, "%.*s%s", (int)stem, name, kind);
+    const char *parts[2] = {gate_up ? "gate_proj.weight" : kind, gate_up ? "up_proj.weight" : NULL};
+    char unit_name[600];
+    for (long e = 0;; e++)
+        for (int p = 0; p < 2 && parts[p]; p++) {
+            snprintf(unit_name, sizeof unit_name, "%.*s%ld.%s", (int)stem, name, e, parts[p]);
+            view_unit u;
             moe_error local = {0};
-            if (moe_w4a16_module_find(s, name, &m, &local) != MOE_OK) {
+            if (find_unit(s, unit_name, &u, &local) != MOE_OK) {
                 if (p == 0 && e > 0 && local.code == MOE_ERR_NOT_FOUND) return MOE_OK;
-                moe_error_set(err, local.code, "%s", local.msg);
-                return local.code;
+                return moe_error_set(err, local.code, "%s", local.msg);
             }
-            if (*n && (m.cols != (*mods)[0].cols || m.rows != (*mods)[0].rows))
-                return moe_error_set(err, MOE_ERR_FORMAT,
-                                     "W4A16 module '%s': [%lld, %lld], unlike its expert 0's", name,
-                                     (long long)m.rows, (long long)m.cols);
-            *mods = moe_xrealloc(*mods, (*n + 1) * sizeof **mods);
-            (*mods)[(*n)++] = m;
+            v->units = moe_xrealloc(v->units, (v->n_units + 1) * sizeof *v->units);
+            v->units[v->n_units++] = u;
         }
-    }
 }
 
-/* One plain source tensor's view: GGUF name, type and shape; *skip for the vision / audio
- * towers (which the converter writes to an mmproj file). */
-static moe_status plan_plain(const moe_st *s, const hf_arch *a, const moe_st_tensor *t,
-                             view_tensor *v, bool *skip, moe_error *err) {
-    int k = a->name(t->name, v->name, sizeof v->name);
-    *skip = k == 1;
-    if (k < 0)
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has no GGUF name",
-                             moe_st_dir(s), t->name);
-    if (*skip) return MOE_OK;
-    if (!moe_hf_copy_type(t, v->name, &v->type))
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s has no GGUF type",
-                             moe_st_dir(s), t->name, moe_st_dtype_name(t->dtype));
-    v->t = t;
-    v->n_dims = t->n_dims ? t->n_dims : 1;
-    for (uint32_t d = 0; d < MOE_GGUF_MAX_DIMS; d++) v->ne[d] = 1;
-    if (t->n_dims > MOE_GGUF_MAX_DIMS)
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has %u dimensions",
-                             moe_st_dir(s), t->name, t->n_dims);
-    for (uint32_t d = 0; d < t->n_dims; d++) v->ne[d] = t->shape[t->n_dims - 1 - d];
-    if (a->trim_embd && strcmp(v->name, "token_embd.weight") == 0 && t->n_dims == 2) {
-        int64_t rows = moe_hf_vocab_rows(moe_st_dir(s));
-        if (rows >= 0 && rows < v->ne[1]) v->ne[1] = rows;
+/* Rows and columns of a unit (a plain tensor's rows along its last dimension). */
+static void unit_shape(const view_unit *u, int64_t *rows, int64_t *cols) {
+    if (!u->t) {
+        *rows = u->mod.rows;
+        *cols = u->mod.cols;
+        return;
     }
-    return MOE_OK;
+    *cols = u->t->n_dims ? u->t->shape[u->t->n_dims - 1] : 1;
+    *rows = *cols ? (int64_t)(u->t->n_values / (uint64_t)*cols) : 0;
 }
 
-static moe_status plan_w4a16(const moe_st *s, const hf_arch *a, const char *hf_name, view_tensor *v,
-                             bool *skip, moe_error *err) {
+/* Name, type and shape of the GGUF tensor of v's units; *skip for tensors the converter leaves
+ * out (the vision / audio towers go to an mmproj file). */
+static moe_status plan_tensor(const moe_st *s, const hf_arch *a, const char *hf_name,
+                              view_tensor *v, bool *skip, moe_error *err) {
+    const char *dir = moe_st_dir(s);
     int k = a->name(hf_name, v->name, sizeof v->name);
     *skip = k == 1;
     if (k < 0)
-        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: W4A16 tensor '%s' has no GGUF name",
-                             moe_st_dir(s), hf_name);
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has no GGUF name", dir,
+                             hf_name);
     if (*skip) return MOE_OK;
-    const moe_w4a16_module *m = &v->mods[0];
-    bool fused = !ends_with(hf_name, ".weight"), gate_up = ends_with(hf_name, "gate_up_proj");
-    v->n_dims = fused ? 3 : 2;
-    v->ne[3] = 1;
-    v->ne[0] = m->cols;
-    v->ne[1] = gate_up ? 2 * m->rows : m->rows;
-    v->ne[2] = fused ? (int64_t)v->n_mods / (gate_up ? 2 : 1) : 1;
-    moe_error local = {0};
-    v->type = scales_fit_f16(v->mods, v->n_mods, &local) ? MOE_TYPE_Q4_0 : MOE_TYPE_F32;
-    if (local.code) return moe_error_set(err, local.code, "%s", local.msg);
-    if (v->type == MOE_TYPE_F32)
-        fprintf(stderr, "%s: %s: a scale outside f16's range: dequantized to F32 (not Q4_0)\n",
-                moe_st_dir(s), hf_name);
+    const view_unit *u0 = &v->units[0];
+    int64_t rows, cols;
+    unit_shape(u0, &rows, &cols);
+    bool all_plain = true, all_w4 = true, same_dtype = true;
+    for (size_t i = 0; i < v->n_units; i++) {
+        int64_t r, c;
+        unit_shape(&v->units[i], &r, &c);
+        if (r != rows || c != cols)
+            return moe_error_set(err, MOE_ERR_FORMAT, "%s: the parts of '%s' differ in shape", dir,
+                                 hf_name);
+        all_plain &= v->units[i].t != NULL;
+        all_w4 &= v->units[i].t == NULL;
+        same_dtype &= v->units[i].t && u0->t && v->units[i].t->dtype == u0->t->dtype;
+    }
+    for (uint32_t d = 0; d < MOE_GGUF_MAX_DIMS; d++) v->ne[d] = 1;
+    v->unit_rows = rows;
+    if (v->n_units == 1 && u0->t) { /* one tensor: its own shape */
+        if (u0->t->n_dims > MOE_GGUF_MAX_DIMS)
+            return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has %u dimensions", dir,
+                                 hf_name, u0->t->n_dims);
+        v->n_dims = u0->t->n_dims ? u0->t->n_dims : 1;
+        for (uint32_t d = 0; d < u0->t->n_dims; d++) v->ne[d] = u0->t->shape[u0->t->n_dims - 1 - d];
+    } else { /* a module, or experts stacked: [experts][rows of each][cols] */
+        int64_t per_expert = ends_with(hf_name, "gate_up_proj") ? 2 : 1;
+        v->n_dims = v->n_units == 1 ? 2 : 3;
+        v->ne[0] = cols;
+        v->ne[1] = rows * per_expert;
+        v->ne[2] = (int64_t)v->n_units / per_expert;
+    }
+    if (all_plain && same_dtype) {
+        if (!moe_hf_copy_type(u0->t, v->name, &v->type))
+            return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                                 "%s: tensor '%s': dtype %s has no GGUF "
+                                 "type",
+                                 dir, hf_name, moe_st_dtype_name(u0->t->dtype));
+    } else {
+        v->type = all_w4 ? MOE_TYPE_Q4_0 : MOE_TYPE_F32;
+        for (size_t i = 0; i < v->n_units && v->type == MOE_TYPE_Q4_0; i++) {
+            moe_error local = {0};
+            if (!scales_fit_f16(&v->units[i].mod, &local)) {
+                if (local.code) return moe_error_set(err, local.code, "%s", local.msg);
+                v->type = MOE_TYPE_F32;
+                fprintf(stderr,
+                        "%s: %s: a scale outside f16's range: dequantized to F32 (not "
+                        "Q4_0)\n",
+                        dir, hf_name);
+            }
+        }
+    }
+    if (a->trim_embd && strcmp(v->name, "token_embd.weight") == 0 && v->n_dims == 2) {
+        int64_t keep = moe_hf_vocab_rows(dir);
+        if (keep >= 0 && keep < v->ne[1]) v->ne[1] = keep;
+    }
     return MOE_OK;
 }
 
@@ -680,8 +787,8 @@ moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err) {
             a = &hf_archs[i];
     if (st == MOE_OK && !a)
         st = moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                           "%s/config.json: model_type '%s': moe maps the HF names of gemma4 and "
-                           "llama",
+                           "%s/config.json: model_type '%s': moe maps the HF names of gemma4, "
+                           "llama and qwen3_moe",
                            dir, model_type ? model_type : "(none)");
     if (st == MOE_OK && json_object_get(config, "quantization_config"))
         st = moe_w4a16_config_check(dir, err);
@@ -693,20 +800,18 @@ moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err) {
     for (uint64_t i = 0; i < n && st == MOE_OK && !keys_only; i++) {
         const moe_st_tensor *t = moe_st_tensor_get(s, i);
         view_tensor *v = &views[n_view]; /* a slot left by a skipped tensor is used again */
-        free(v->mods);
+        free(v->units);
         memset(v, 0, sizeof *v);
-        bool skip = false;
         if (ends_with(t->name, ".weight_scale") || ends_with(t->name, ".weight_shape")) continue;
-        if (ends_with(t->name, ".weight_packed")) {
-            char module[512], hf_name[520];
-            snprintf(module, sizeof module, "%.*s", (int)(strlen(t->name) - 14), t->name);
-            st =
-                w4a16_tensor_modules(s, module, hf_name, sizeof hf_name, &v->mods, &v->n_mods, err);
-            if (st != MOE_OK || !v->n_mods) continue;
-            st = plan_w4a16(s, a, hf_name, v, &skip, err);
-        } else {
-            st = plan_plain(s, a, t, v, &skip, err);
-        }
+        char unit[520], hf_name[600];
+        if (ends_with(t->name, ".weight_packed")) /* the module M as the unit "M.weight" */
+            snprintf(unit, sizeof unit, "%.*s.weight", (int)(strlen(t->name) - 14), t->name);
+        else
+            snprintf(unit, sizeof unit, "%s", t->name);
+        st = tensor_units(s, a, unit, hf_name, sizeof hf_name, v, err);
+        if (st != MOE_OK || !v->n_units) continue;
+        bool skip = false;
+        st = plan_tensor(s, a, hf_name, v, &skip, err);
         v->rope_heads = st == MOE_OK && !skip && a->rope_heads ? a->rope_heads(config, v->name) : 0;
         if (v->rope_heads && (v->n_dims != 2 || v->ne[1] % (2 * (int64_t)v->rope_heads) != 0))
             st = moe_error_set(err, MOE_ERR_FORMAT, "%s: %s: %lld rows do not split into %u heads",
@@ -725,7 +830,7 @@ moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err) {
     moe_gguf *g = NULL;
     if (st == MOE_OK)
         g = keys_only ? moe_gguf_writer_read_keys(w, err) : moe_gguf_writer_to_memory(w, dir, err);
-    for (uint64_t i = 0; i <= n_view && i < n; i++) free(views[i].mods);
+    for (uint64_t i = 0; i <= n_view && i < n; i++) free(views[i].units);
     free(views);
     free(freqs);
     moe_gguf_writer_free(w);
