@@ -45,7 +45,9 @@ typedef struct name_pair {
     const char *hf, *gguf; /* a layer's tensor after "layers.N." -> after "blk.N." */
 } name_pair;
 
-static const name_pair gemma4_layer_names[] = {
+/* The names every architecture shares (llama.cpp's tensor_mapping.py is one table for all);
+ * an architecture's own table is searched first. */
+static const name_pair common_layer_names[] = {
     {"input_layernorm.weight", "attn_norm.weight"},
     {"self_attn.q_proj.weight", "attn_q.weight"},
     {"self_attn.k_proj.weight", "attn_k.weight"},
@@ -53,15 +55,18 @@ static const name_pair gemma4_layer_names[] = {
     {"self_attn.o_proj.weight", "attn_output.weight"},
     {"self_attn.q_norm.weight", "attn_q_norm.weight"},
     {"self_attn.k_norm.weight", "attn_k_norm.weight"},
+    {"mlp.gate_proj.weight", "ffn_gate.weight"},
+    {"mlp.up_proj.weight", "ffn_up.weight"},
+    {"mlp.down_proj.weight", "ffn_down.weight"},
+};
+
+static const name_pair gemma4_layer_names[] = {
     {"post_attention_layernorm.weight", "post_attention_norm.weight"},
     {"pre_feedforward_layernorm.weight", "ffn_norm.weight"},
     {"post_feedforward_layernorm.weight", "post_ffw_norm.weight"},
     {"post_feedforward_layernorm_1.weight", "post_ffw_norm_1.weight"},
     {"pre_feedforward_layernorm_2.weight", "pre_ffw_norm_2.weight"},
     {"post_feedforward_layernorm_2.weight", "post_ffw_norm_2.weight"},
-    {"mlp.gate_proj.weight", "ffn_gate.weight"},
-    {"mlp.up_proj.weight", "ffn_up.weight"},
-    {"mlp.down_proj.weight", "ffn_down.weight"},
     {"router.proj.weight", "ffn_gate_inp.weight"},
     {"router.scale", "ffn_gate_inp.scale"},
     {"router.per_expert_scale", "ffn_down_exps.scale"},
@@ -70,7 +75,8 @@ static const name_pair gemma4_layer_names[] = {
     {"layer_scalar", "layer_output_scale.weight"},
 };
 
-/* The GGUF name of an HF tensor into out, with a layer's names from table[n]: 0 when mapped, 1
+/* The GGUF name of an HF tensor into out, with a layer's names from table[n] (then the common
+ * ones): 0 when mapped, 1
  * when the converter leaves it out (the vision / audio towers, which go to an mmproj file;
  * rotary inv_freq buffers), -1 when unknown. */
 static int map_name(const name_pair *table, size_t n, const char *hf, char *out, size_t cap) {
@@ -89,11 +95,14 @@ static int map_name(const name_pair *table, size_t n, const char *hf, char *out,
     char *end;
     long layer = strtol(p + 7, &end, 10);
     if (end == p + 7 || *end != '.' || layer < 0) return -1;
-    for (size_t i = 0; i < n; i++)
-        if (strcmp(end + 1, table[i].hf) == 0) {
-            snprintf(out, cap, "blk.%ld.%s", layer, table[i].gguf);
+    const size_t n_common = sizeof common_layer_names / sizeof common_layer_names[0];
+    for (size_t i = 0; i < n + n_common; i++) {
+        const name_pair *pair = i < n ? &table[i] : &common_layer_names[i - n];
+        if (strcmp(end + 1, pair->hf) == 0) {
+            snprintf(out, cap, "blk.%ld.%s", layer, pair->gguf);
             return 0;
         }
+    }
     return -1;
 }
 
@@ -293,15 +302,7 @@ int64_t moe_hf_vocab_rows(const char *dir) {
 /* ==== Names, metadata and edits: llama (llama.cpp conversion/llama.py, LlamaModel) ==== */
 
 static const name_pair llama_layer_names[] = {
-    {"input_layernorm.weight", "attn_norm.weight"},
-    {"self_attn.q_proj.weight", "attn_q.weight"},
-    {"self_attn.k_proj.weight", "attn_k.weight"},
-    {"self_attn.v_proj.weight", "attn_v.weight"},
-    {"self_attn.o_proj.weight", "attn_output.weight"},
     {"post_attention_layernorm.weight", "ffn_norm.weight"},
-    {"mlp.gate_proj.weight", "ffn_gate.weight"},
-    {"mlp.up_proj.weight", "ffn_up.weight"},
-    {"mlp.down_proj.weight", "ffn_down.weight"},
 };
 
 static int llama_name(const char *hf, char *out, size_t cap) {
@@ -323,8 +324,11 @@ static void arch_f32(gguf_meta_ctx *m, const char *arch, const char *key,
     meta_f32(m, k, cfg_keys);
 }
 
-/* The keys TextModel.set_gguf_parameters writes for every transformer (conversion/base.py). */
-static void transformer_metadata(gguf_meta_ctx *m, const char *arch) {
+/* The keys TextModel.set_gguf_parameters writes for every transformer (conversion/base.py);
+ * returns the context the architecture's own keys are written with. */
+static gguf_meta_ctx transformer_metadata(moe_gguf_writer *w, json_t *config, const char *path,
+                                          moe_error *err, const char *arch) {
+    gguf_meta_ctx ctx = {w, text_config(config), path, err, MOE_OK}, *m = &ctx;
     char name[256], key[128];
     dir_name(m->path, name, sizeof name);
     moe_gguf_writer_set_str(m->w, "general.architecture", arch);
@@ -341,6 +345,7 @@ static void transformer_metadata(gguf_meta_ctx *m, const char *arch) {
     snprintf(key, sizeof key, "%s.rope.freq_base", arch);
     moe_gguf_writer_set_f32(m->w, key, (float)rope_theta(m->c, NULL, 10000.0));
     moe_gguf_writer_set_u32(m->w, "general.quantization_version", 2);
+    return ctx;
 }
 
 /* head_dim, else hidden_size / num_attention_heads. */
@@ -354,12 +359,10 @@ static double head_dim(gguf_meta_ctx *m) {
 /* LlamaModel.set_gguf_parameters: the llama.* keys from the HF config. */
 static moe_status llama_metadata(moe_gguf_writer *w, json_t *config, const char *path,
                                  moe_error *err) {
-    json_t *c = text_config(config);
-    gguf_meta_ctx m = {w, c, path, err, MOE_OK};
-    transformer_metadata(&m, "llama");
+    gguf_meta_ctx m = transformer_metadata(w, config, path, err, "llama");
     meta_u32(&m, "llama.vocab_size", CFG_KEYS("vocab_size"));
     moe_gguf_writer_set_u32(w, "llama.rope.dimension_count", (uint32_t)head_dim(&m));
-    json_t *scaling = json_object_get(c, "rope_scaling");
+    json_t *scaling = json_object_get(m.c, "rope_scaling");
     if (json_is_object(scaling)) {
         const char *type = json_string_value(json_object_get(scaling, "rope_type"));
         if (!type) type = json_string_value(json_object_get(scaling, "type"));
@@ -389,13 +392,6 @@ static uint32_t llama_rope_heads(json_t *config, const char *gguf_name) {
 /* ==== Names and metadata: qwen3moe (llama.cpp conversion/qwen.py, Qwen3MoeModel) ==== */
 
 static const name_pair qwen3moe_layer_names[] = {
-    {"input_layernorm.weight", "attn_norm.weight"},
-    {"self_attn.q_proj.weight", "attn_q.weight"},
-    {"self_attn.k_proj.weight", "attn_k.weight"},
-    {"self_attn.v_proj.weight", "attn_v.weight"},
-    {"self_attn.o_proj.weight", "attn_output.weight"},
-    {"self_attn.q_norm.weight", "attn_q_norm.weight"},
-    {"self_attn.k_norm.weight", "attn_k_norm.weight"},
     {"post_attention_layernorm.weight", "ffn_norm.weight"},
     {"mlp.gate.weight", "ffn_gate_inp.weight"},
     {"mlp.experts.gate_proj.weight", "ffn_gate_exps.weight"}, /* the experts stacked */
@@ -410,9 +406,7 @@ static int qwen3moe_name(const char *hf, char *out, size_t cap) {
 
 static moe_status qwen3moe_metadata(moe_gguf_writer *w, json_t *config, const char *path,
                                     moe_error *err) {
-    json_t *c = text_config(config);
-    gguf_meta_ctx m = {w, c, path, err, MOE_OK};
-    transformer_metadata(&m, "qwen3moe");
+    gguf_meta_ctx m = transformer_metadata(w, config, path, err, "qwen3moe");
     meta_u32(&m, "qwen3moe.expert_count", CFG_KEYS("num_experts"));
     meta_u32(&m, "qwen3moe.expert_used_count", CFG_KEYS("num_experts_per_tok"));
     moe_gguf_writer_set_u32(w, "qwen3moe.attention.key_length", (uint32_t)head_dim(&m));
