@@ -122,6 +122,9 @@ static void print_help(FILE *out) {
     for (const moe_command *c = commands; c->name; c++)
         fprintf(out, "  %-9s %s\n", c->name, c->summary);
     fprintf(out, "\n`moe <command> --help` shows a command's arguments.\n");
+    fprintf(out, "MODEL is a GGUF file, or a Hugging Face checkpoint directory (gemma4, llama, "
+                 "qwen3moe: bf16/f16/f32 or compressed-tensors W4A16; config.json, "
+                 "tokenizer.json) converted in memory.\n");
 }
 
 int moe_cli_usage_error(const char *cmd, const char *fmt, ...) {

@@ -1,7 +1,8 @@
 /* template.c: `moe template` -- render a chat template exactly as the model will see it, or
  * parse model output (stdin) into reasoning, content and tool calls with `--parse FORMAT`.
  *
- * The template comes from a GGUF file's tokenizer.chat_template or from a .jinja file. The
+ * The template comes from a GGUF file's tokenizer.chat_template, a checkpoint directory's
+ * (tokenizer_config.json or chat_template.jinja) or from a .jinja file. The
  * prompt is printed byte for byte: no newline is added at the end. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,8 +30,10 @@ static moe_chat_template *load_template(const char *path, moe_error *err) {
     char magic[4] = {0};
     bool is_gguf = f && fread(magic, 1, 4, f) == 4 && memcmp(magic, "GGUF", 4) == 0;
     if (f) fclose(f);
-    if (!is_gguf || ends_with(path, ".jinja")) return moe_chat_template_load_file(path, err);
-    moe_gguf *g = moe_gguf_open(path, err);
+    bool checkpoint = moe_st_is_checkpoint(path);
+    if ((!is_gguf && !checkpoint) || ends_with(path, ".jinja"))
+        return moe_chat_template_load_file(path, err);
+    moe_gguf *g = checkpoint ? moe_hf_open(path, true, err) : moe_gguf_open(path, err);
     if (!g) return NULL;
     moe_chat_template *t = moe_chat_template_from_gguf(g, NULL, err);
     moe_gguf_close(g);

@@ -12,7 +12,23 @@ below are written from the formats' specifications, not from moe's code.
       get groups with one value moved off the grid. Writes DIR/expected.json (group counts per
       m, off-grid tensors and groups) and DIR/levels/<tensor>.i8 (every generated level).
       --tokenizer N adds a tokenizer.json of N tokens + 4 added ones (its size is all that
-      matters: the converter keeps that many rows of embed_tokens).
+      matters: the converter keeps that many rows of embed_tokens). --bpe-tokenizer N instead
+      adds a working byte-level BPE tokenizer.json (256 bytes + merges learned from a fixed
+      text up to N tokens, then <bos> <eos> <start_of_turn> <end_of_turn>) and a
+      tokenizer_config.json with BOS and a chat template: a complete small gemma4 model.
+      --embed-std S draws embed_tokens with standard deviation S (0.05 as every copied tensor
+      by default).
+  qat_checkpoint.py check-view SRC OUT VIEW.gguf
+      VIEW.gguf is the W4A16 checkpoint OUT as the engine reads it (moe_hf_open), written at
+      F32 by `moe quantize OUT VIEW.gguf --rule .=F32`: llama.cpp's names and shapes, every
+      quantized tensor equal to the decompressed modules (experts stacked back), the rest to
+      the source, bit for bit.
+  qat_checkpoint.py hf-from-gguf MODEL.gguf DIR
+      A Hugging Face checkpoint (F32, config.json) of a llama or qwen3moe GGUF's weights (F32 or
+      Q8_0) dequantized: HF's names, one tensor per expert, llama's q / k rows in HF's order
+      (the inverse of the converter's permute).
+  qat_checkpoint.py set-scale OUT MODULE VALUE
+      Overwrites the first scale of a W4A16 module with bf16(VALUE) (an error test's input).
   qat_checkpoint.py check-w4a16 SRC OUT
       Reads OUT (compressed-tensors pack-quantized) and checks every module's levels against
       the generated ones, scale x level against the source values, copied tensors byte for
@@ -197,6 +213,80 @@ def add_tokenizer(d, n_vocab, n_added):
     json.dump(t, open(os.path.join(d, "tokenizer.json"), "w"))
 
 
+def byte_to_unicode():
+    """GPT-2's printable stand-ins for the 256 bytes (the byte-level BPE alphabet)"""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+BPE_TEXT = ("Once upon a time there was a little model that ran on a small computer. "
+            "It read the weights of the other models, and it was happy when the numbers "
+            "were the same. The end of the story is that every token came back again. ")
+
+
+def add_bpe_tokenizer(d, n_tokens):
+    """a real byte-level BPE tokenizer.json: the 256 bytes, merges learned from BPE_TEXT until
+    n_tokens, four added control tokens, GPT-2's pre-tokenizer; a tokenizer_config.json with
+    BOS and a chat template"""
+    b2u = byte_to_unicode()
+    vocab = {b2u[b]: b for b in range(256)}
+    words = {}
+    for w in BPE_TEXT.replace(" ", " \0").split("\0"):
+        w = ("Ġ" if w.startswith(" ") else "") + w.strip()
+        if w:
+            words[tuple(w)] = words.get(tuple(w), 0) + 1
+    merges = []
+    while len(vocab) < n_tokens:
+        pairs = {}
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] = pairs.get(p, 0) + c
+        if not pairs:
+            break
+        best = max(sorted(pairs), key=lambda p: pairs[p])
+        merges.append(best[0] + " " + best[1])
+        vocab[best[0] + best[1]] = len(vocab)
+        new = {}
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new[tuple(out)] = c
+        words = new
+    added = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+    t = {"version": "1.0", "added_tokens": [
+            {"id": len(vocab) + i, "content": a, "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": True} for i, a in enumerate(added)],
+         "normalizer": None,
+         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                           "use_regex": True},
+         "post_processor": None, "decoder": {"type": "ByteLevel"},
+         "model": {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False,
+                   "byte_fallback": False, "vocab": vocab, "merges": merges}}
+    json.dump(t, open(os.path.join(d, "tokenizer.json"), "w"), ensure_ascii=False)
+    cfg = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
+           "add_eos_token": False,
+           "chat_template": "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                            "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                            "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"}
+    json.dump(cfg, open(os.path.join(d, "tokenizer_config.json"), "w"))
+
+
+EMBED_STD = [0.05]  # --embed-std: larger embeddings give logits well above the rounding noise
+
+
 def make_qat(d, seed, offgrid):
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(d, "levels"), exist_ok=True)
@@ -238,7 +328,7 @@ def make_qat(d, seed, offgrid):
             if name.endswith("norm.weight") or name.endswith("scale") or name.endswith("scalar"):
                 v = 1 + 0.05 * rng.standard_normal(n)
             else:
-                v = 0.05 * rng.standard_normal(n)
+                v = (EMBED_STD[0] if "embed_tokens" in name else 0.05) * rng.standard_normal(n)
             raw = f32_to_bf16_bits(v.astype(np.float32)).astype("<u2").tobytes()
             exp["copied"].append(name)
         shards[0 if ".layers." not in name or ".layers.0." in name or ".layers.1." in name else 1].append(
@@ -287,6 +377,145 @@ def unpack_int4(raw, rows, cols):
     return (out - 8).astype(np.int8)
 
 
+def modules_of(name, shape):
+    """the W4A16 modules (name, first row, rows) a quantized tensor is written as, in row order:
+    one per 2-D weight, gate then up (or down) per expert of a fused 3-D one"""
+    if len(shape) == 2:
+        return [(name[:-len(".weight")], 0, shape[0])]
+    stem = name[:name.rindex(".") + 1]
+    rows = shape[1]
+    mods = []
+    for e in range(shape[0]):
+        if name.endswith("gate_up_proj"):
+            mods += [(f"{stem}{e}.gate_proj", e * rows, rows // 2),
+                     (f"{stem}{e}.up_proj", e * rows + rows // 2, rows // 2)]
+        else:
+            mods.append((f"{stem}{e}.down_proj", e * rows, rows))
+    return mods
+
+
+def check_view(src, out, view):
+    """VIEW.gguf: the W4A16 checkpoint OUT as moe serves it, converted to F32 by moe quantize.
+    Every tensor under llama.cpp's name, every quantized one equal to compressed-tensors'
+    decompression (scale x level, the modules stacked back into the fused experts) bit for bit,
+    the others to the source's values"""
+    exp = json.load(open(os.path.join(src, "expected.json")))
+    o = st_read_dir(out)
+    _, tensors = gguf_read(view)
+    used = 0
+    for name, shape, quant in tensor_list():
+        g = hf_to_gguf(name)
+        if g is None:
+            continue
+        need(g in tensors, f"{name}: no tensor {g}")
+        t, ne, raw = tensors[g]
+        need(t == 0, f"{g}: type {t}, not F32")
+        got = np.frombuffer(raw, "<f4")
+        if quant and name not in exp["offgrid_tensors"]:
+            cols = shape[-1]
+            parts = []
+            for mod, _, nr in modules_of(name, shape):
+                lv = unpack_int4(o[mod + ".weight_packed"][2], nr, cols).reshape(-1, GROUP)
+                scale = bf16_to_f32(o[mod + ".weight_scale"][2])
+                parts.append((lv.astype(np.float32) * scale[:, None]).reshape(-1))
+            want = np.concatenate(parts)
+        else:
+            want = bf16_to_f32(o[name][2])[:got.size]  # token_embd: the tokenizer's rows
+        need(got.size == want.size, f"{g}: {got.size} values, {want.size} expected")
+        bad = np.nonzero(got != want)[0]
+        need(len(bad) == 0, f"{g}: value {bad[:1]} is {got[bad[:1]]}, expected {want[bad[:1]]}")
+        need(list(ne) == list(reversed(shape))[:len(ne)] or g == "token_embd.weight",
+             f"{g}: ne {ne} for shape {shape}")
+        used += 1
+    need(used + 1 == len(tensors), f"{len(tensors)} tensors, {used} + rope_freqs accounted for")
+
+
+def set_scale(d, module, value):
+    """overwrite the first weight_scale of a W4A16 module in place with bf16(value)"""
+    name = module + ".weight_scale"
+    for f in sorted(os.listdir(d)):
+        if not f.endswith(".safetensors"):
+            continue
+        path = os.path.join(d, f)
+        with open(path, "r+b") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+            if name in header:
+                need(header[name]["dtype"] == "BF16", f"{name}: not BF16")
+                fh.seek(8 + n + header[name]["data_offsets"][0])
+                fh.write(struct.pack("<H", int(f32_to_bf16_bits(np.array([value], np.float32))[0])))
+                return
+    raise Fail(f"no tensor {name} in {d}")
+
+
+def q8_0_to_f32(raw):
+    """ggml's Q8_0: blocks of an f16 scale and 32 int8, value = scale x q"""
+    b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 34)
+    d = b[:, :2].copy().view("<f2").astype(np.float32)
+    return (d * b[:, 2:].copy().view(np.int8).astype(np.float32)).reshape(-1)
+
+
+def hf_from_gguf(gguf, d):
+    """a Hugging Face checkpoint (F32 safetensors, config.json) holding a llama or qwen3moe GGUF's
+    weights (F32 or Q8_0, dequantized): HF names, experts one tensor each, and llama's q / k rows
+    put back in HF's rotate-half order (the converter's permute undone: GGUF row h*hd + 2i + j
+    is HF row h*hd + j*hd/2 + i)"""
+    meta, tensors = gguf_read(gguf)
+    a = meta["general.architecture"]
+    heads, kv = meta[a + ".attention.head_count"], meta[a + ".attention.head_count_kv"]
+    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+             "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "ffn_gate_inp": "mlp.gate"}
+    experts = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+    out = []
+    for g, (t, ne, raw) in tensors.items():
+        v = {0: lambda r: np.frombuffer(r, "<f4"), 8: q8_0_to_f32}[t](raw)
+        shape = list(reversed(ne))
+        v = v.reshape(shape)
+        parts = []
+        if g == "token_embd.weight":
+            parts = [("model.embed_tokens.weight", v)]
+        elif g == "output_norm.weight":
+            parts = [("model.norm.weight", v)]
+        elif g == "output.weight":
+            parts = [("lm_head.weight", v)]
+        else:
+            _, layer, kind, _ = g.split(".")
+            p = f"model.layers.{layer}."
+            if kind in experts:
+                parts = [(f"{p}mlp.experts.{e}.{experts[kind]}.weight", v[e])
+                         for e in range(shape[0])]
+            else:
+                if a == "llama" and kind in ("attn_q", "attn_k"):
+                    n = heads if kind == "attn_q" else kv
+                    v = v.reshape(n, shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(shape)
+                parts = [(f"{p}{names[kind]}.weight", v)]
+        for name, x in parts:
+            out.append((name, "F32", list(x.shape), np.ascontiguousarray(x, dtype="<f4").tobytes()))
+    os.makedirs(d, exist_ok=True)
+    st_write(os.path.join(d, "model.safetensors"), out, {"format": "pt"})
+    cfg = {"vocab_size": tensors["token_embd.weight"][1][1],
+           "hidden_size": meta[a + ".embedding_length"],
+           "intermediate_size": meta[a + ".feed_forward_length"],
+           "num_hidden_layers": meta[a + ".block_count"], "num_attention_heads": heads,
+           "num_key_value_heads": kv, "rms_norm_eps": meta[a + ".attention.layer_norm_rms_epsilon"],
+           "rope_theta": meta[a + ".rope.freq_base"],
+           "max_position_embeddings": meta[a + ".context_length"],
+           "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": "float32"}
+    if a == "llama":
+        cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    else:
+        cfg.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                    "num_experts": meta[a + ".expert_count"],
+                    "num_experts_per_tok": meta[a + ".expert_used_count"],
+                    "moe_intermediate_size": meta[a + ".expert_feed_forward_length"],
+                    "head_dim": meta[a + ".attention.key_length"], "norm_topk_prob": True})
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
+
+
 def check_w4a16(src, out):
     exp = json.load(open(os.path.join(src, "expected.json")))
     s = st_read_dir(src)
@@ -305,19 +534,7 @@ def check_w4a16(src, out):
         lv_all = levels_of(src, name, shape)
         src_vals = bf16_to_f32(s[name][2])
         cols = shape[-1]
-        if len(shape) == 2:
-            mods = [(name[:-len(".weight")], 0, shape[0])]
-        else:
-            stem = name[:name.rindex(".") + 1]
-            rows = shape[1]
-            mods = []
-            for e in range(shape[0]):
-                if name.endswith("gate_up_proj"):
-                    mods += [(f"{stem}{e}.gate_proj", e * rows, rows // 2),
-                             (f"{stem}{e}.up_proj", e * rows + rows // 2, rows // 2)]
-                else:
-                    mods.append((f"{stem}{e}.down_proj", e * rows, rows))
-        for mod, r0, nr in mods:
+        for mod, r0, nr in modules_of(name, shape):
             pk, sc, sh = (o.get(mod + ".weight_packed"), o.get(mod + ".weight_scale"),
                           o.get(mod + ".weight_shape"))
             need(pk and sc and sh, f"module {mod}: packed/scale/shape missing")
@@ -392,7 +609,7 @@ def gguf_read(path):
         infos.append((name, ne, take("<I"), take("<Q")))
     align = meta.get("general.alignment", 32)
     start = (pos + align - 1) // align * align
-    sizes = {0: (1, 4), 30: (1, 2), 2: (32, 18), 1: (1, 2)}
+    sizes = {0: (1, 4), 30: (1, 2), 2: (32, 18), 1: (1, 2), 8: (32, 34)}
     tensors = {}
     for name, ne, t, off in infos:
         bv, bb = sizes[t]
@@ -562,11 +779,21 @@ def main():
     try:
         if a[0] == "qat":
             seed = int(a[a.index("--seed") + 1]) if "--seed" in a else 1
+            if "--embed-std" in a:
+                EMBED_STD[0] = float(a[a.index("--embed-std") + 1])
             make_qat(a[1], seed, "--offgrid" in a)
             if "--tokenizer" in a:
                 add_tokenizer(a[1], int(a[a.index("--tokenizer") + 1]), 4)
+            if "--bpe-tokenizer" in a:
+                add_bpe_tokenizer(a[1], int(a[a.index("--bpe-tokenizer") + 1]))
         elif a[0] == "check-w4a16":
             check_w4a16(a[1], a[2])
+        elif a[0] == "hf-from-gguf":
+            hf_from_gguf(a[1], a[2])
+        elif a[0] == "set-scale":
+            set_scale(a[1], a[2], float(a[3]))
+        elif a[0] == "check-view":
+            check_view(a[1], a[2], a[3])
         elif a[0] == "check-gguf":
             check_gguf(a[1], a[2], a[3], "--vocab" in a)
         elif a[0] == "dequant-w4a16":

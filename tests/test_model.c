@@ -15,9 +15,6 @@
 /* Tolerances (../shared/parity/README.md): rows compare by max|ours - ref| / max|ref|. */
 #define TOL_F32    1e-4 /* float weights, float activations (run.c, llama.cpp F32) */
 #define TOL_Q8_ACT 1e-3 /* quantized weights with activations quantized like ggml's */
-/* gemma4-moe-q4_0 against its f32-activation reference: this many times llama.cpp's own distance
- * from it (Q8_0 activations, amplified through its six layers; see parity_gemma4_q4_0) */
-#define GEMMA4_Q8_ACT_SLACK 1.25
 
 /* ==== Fixture helpers ==== */
 
@@ -35,15 +32,6 @@ static int32_t *json_ids(const char *relpath, const char *key, size_t *n) {
     for (size_t i = 0; i < *n; i++) ids[i] = (int32_t)json_integer_value(json_array_get(arr, i));
     json_decref(root);
     return ids;
-}
-
-static double row_rel_err(const float *ours, const float *ref, uint32_t n) {
-    double max_ref = 0, max_diff = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        max_ref = fmax(max_ref, fabs(ref[i]));
-        max_diff = fmax(max_diff, fabs((double)ours[i] - ref[i]));
-    }
-    return max_ref > 0 ? max_diff / max_ref : max_diff;
 }
 
 static int32_t argmax(const float *x, uint32_t n) {
@@ -100,7 +88,7 @@ static void stories_logits_match_runc(void **state) {
     assert_int_equal(moe_ctx_decode(ctx, rows, n_rows, logits, &err), MOE_OK);
     double worst = 0;
     for (uint32_t i = 0; i < n_rows; i++)
-        worst = fmax(worst, row_rel_err(logits + i * nv, ref + i * nv, nv));
+        worst = fmax(worst, moe_test_row_rel_err(logits + i * nv, ref + i * nv, nv));
     print_message("stories260K: worst row rel err %.3g over %u positions (limit %g)\n", worst,
                   n_rows, TOL_F32);
     assert_true(worst <= TOL_F32);
@@ -224,7 +212,7 @@ static void parity_check_with(const char *name, const char *ref_kind, const char
     double worst = 0;
     for (uint32_t i = 0; i < n_rows; i++) {
         const float *ours = logits + i * nv, *theirs = ref + i * nv;
-        const double e = row_rel_err(ours, theirs, nv);
+        const double e = moe_test_row_rel_err(ours, theirs, nv);
         worst = fmax(worst, e);
         if (e > tol) fail_msg("%s: row %u: rel err %.3g > %g", name, i, e, tol);
         if (top2_margin(theirs, nv) > tol && argmax(ours, nv) != argmax(theirs, nv))
@@ -283,7 +271,7 @@ static void mtp_parity_check(const char *name, double tol) {
     double worst = 0;
     for (uint32_t i = 0; i + 1 < n; i++) {
         const float *ours = logits + i * nv, *theirs = ref + i * nv;
-        const double e = row_rel_err(ours, theirs, nv);
+        const double e = moe_test_row_rel_err(ours, theirs, nv);
         worst = fmax(worst, e);
         if (e > tol) fail_msg("%s MTP: row %u: rel err %.3g > %g", name, i, e, tol);
         if (top2_margin(theirs, nv) > tol && argmax(ours, nv) != argmax(theirs, nv))
@@ -562,7 +550,7 @@ static void glm_dsa_reference(void **state) {
         double worst = 0;
         for (uint32_t r = 0; r < n; r++) {
             const float *ours = got + (size_t)r * nv, *theirs = ref + (size_t)r * nv;
-            worst = fmax(worst, row_rel_err(ours, theirs, nv));
+            worst = fmax(worst, moe_test_row_rel_err(ours, theirs, nv));
             if (top2_margin(theirs, nv) > TOL_F32)
                 assert_int_equal(argmax(ours, nv), argmax(theirs, nv));
         }
@@ -575,7 +563,7 @@ static void glm_dsa_reference(void **state) {
     feed_all(m, ids, n, n, got);
     double dense = 0;
     for (uint32_t r = 0; r < n; r++)
-        dense = fmax(dense, row_rel_err(got + (size_t)r * nv, ref + (size_t)r * nv, nv));
+        dense = fmax(dense, moe_test_row_rel_err(got + (size_t)r * nv, ref + (size_t)r * nv, nv));
     print_message("glm-dsa attending densely: worst row rel err %.3g\n", dense);
     assert_true(dense > 100 * TOL_F32);
     free(got);
@@ -679,7 +667,8 @@ static void qwen35moe_from_dense(void **state) {
     teacher_forced(&f, logits);
     double worst = 0;
     for (uint32_t r = 0; r < f.n; r++)
-        worst = fmax(worst, row_rel_err(logits + (size_t)r * nv, f.ref + (size_t)r * nv, nv));
+        worst =
+            fmax(worst, moe_test_row_rel_err(logits + (size_t)r * nv, f.ref + (size_t)r * nv, nv));
     print_message("qwen35moe from the qwen35 fixture: worst row rel err %.3g\n", worst);
     assert_true(worst <= TOL_F32);
     free(logits);
@@ -778,7 +767,7 @@ static void logits_every_isa(const char *name, const char *model, const char *re
         float *ours = run_for_floats(cmd, out_path, (size_t)f.n * nv);
         double worst = 0;
         for (uint32_t r = 0; r < f.n; r++) {
-            const double e = row_rel_err(ours + r * nv, f.ref + r * nv, nv);
+            const double e = moe_test_row_rel_err(ours + r * nv, f.ref + r * nv, nv);
             worst = fmax(worst, e);
             if (e > tol)
                 fail_msg("%s (%s) at %s: row %u: rel err %.3g > %g", name, ref_kind,
@@ -816,8 +805,8 @@ static double llama_cpp_distance(const char *name) {
     assert_true(fixture_open(&b, name, "logits_f32act", 0));
     double worst = 0;
     for (uint32_t r = 0; r < a.n; r++)
-        worst = fmax(worst, row_rel_err(a.ref + r * a.m->cfg.n_vocab, b.ref + r * a.m->cfg.n_vocab,
-                                        a.m->cfg.n_vocab));
+        worst = fmax(worst, moe_test_row_rel_err(a.ref + r * a.m->cfg.n_vocab,
+                                                 b.ref + r * a.m->cfg.n_vocab, a.m->cfg.n_vocab));
     fixture_close(&a);
     fixture_close(&b);
     return worst;
@@ -834,7 +823,7 @@ static void parity_gemma4_q4_0(void **state) {
     (void)state;
     const double llama = llama_cpp_distance("gemma4-moe-q4_0");
     if (llama < 0) return;
-    const double tol = GEMMA4_Q8_ACT_SLACK * llama;
+    const double tol = MOE_TEST_GEMMA4_Q8_ACT_SLACK * llama;
     print_message("llama.cpp vs logits_f32act: %.3g; limit %.3g\n", llama, tol);
     logits_every_isa("gemma4-moe-q4_0", NULL, "logits_f32act", tol);
     parity_check_with("gemma4-moe-q4_0", "logits_f32act", NULL, tol);
@@ -1036,7 +1025,7 @@ static void gemma4_dense_matches_reference(void **state) {
     float *moe_ref = gemma4_reference(python, f32, &f, "gemma4-moe.ref.f32");
     double script = 0;
     for (uint32_t r = 0; r < f.n; r++)
-        script = fmax(script, row_rel_err(moe_ref + r * nv, f.ref + r * nv, nv));
+        script = fmax(script, moe_test_row_rel_err(moe_ref + r * nv, f.ref + r * nv, nv));
     print_message("gemma4_reference.py vs logits_f32act (MoE form): %.3g\n", script);
     assert_true(script <= TOL_F32);
     const char *dense_path = gemma4_dense_copy(f32);
@@ -1047,7 +1036,7 @@ static void gemma4_dense_matches_reference(void **state) {
     float *got = moe_xmalloc(sizeof(float) * f.n * nv);
     double apart = 0;
     for (uint32_t r = 0; r < f.n; r++)
-        apart = fmax(apart, row_rel_err(ref + r * nv, moe_ref + r * nv, nv));
+        apart = fmax(apart, moe_test_row_rel_err(ref + r * nv, moe_ref + r * nv, nv));
     assert_true(apart > 100 * TOL_F32); /* the experts mattered */
     const uint32_t steps[] = {f.n, 7, 1};
     for (size_t s = 0; s < sizeof steps / sizeof steps[0]; s++) {
@@ -1055,7 +1044,7 @@ static void gemma4_dense_matches_reference(void **state) {
         double worst = 0;
         for (uint32_t r = 0; r < f.n; r++) {
             const float *ours = got + (size_t)r * nv, *theirs = ref + (size_t)r * nv;
-            worst = fmax(worst, row_rel_err(ours, theirs, nv));
+            worst = fmax(worst, moe_test_row_rel_err(ours, theirs, nv));
             if (top2_margin(theirs, nv) > TOL_F32)
                 assert_int_equal(argmax(ours, nv), argmax(theirs, nv));
         }
@@ -1329,7 +1318,7 @@ static void logits_command_matches_runc(void **state) {
     assert_int_equal(moe_file_read(out_path, &ours, &n_ours, &err), MOE_OK);
     assert_int_equal(n_ours, n_ref);
     for (uint32_t i = 0; i < 32; i++)
-        assert_true(row_rel_err((float *)ours + i * 512, ref + i * 512, 512) <= TOL_F32);
+        assert_true(moe_test_row_rel_err((float *)ours + i * 512, ref + i * 512, 512) <= TOL_F32);
     /* the terminal summary names the top token of each position */
     snprintf(cmd, sizeof cmd, "%s logits %s --tokens %s", moe_test_bin(), model, ids);
     assert_int_equal(moe_test_run(cmd, &out), 0);

@@ -25,13 +25,6 @@ static int run(const char *cmd, char **out) {
     return moe_test_run(cmd, out);
 }
 
-static void run_ok(const char *cmd) {
-    char *out = NULL;
-    int rc = run(cmd, &out);
-    if (rc != 0) fail_msg("`%s` failed (%d): %s", cmd, rc, out ? out : "");
-    free(out);
-}
-
 /* The QAT checkpoint with off-grid groups, made once per process. */
 static const char *checkpoint(void) {
     static char dir[512];
@@ -40,7 +33,7 @@ static const char *checkpoint(void) {
     snprintf(dir, sizeof dir, "%s/qat/" CKPT_NAME, moe_test_tmpdir());
     snprintf(cmd, sizeof cmd, "mkdir -p '%s/qat' && " PY " qat '%s' --offgrid --seed 11",
              moe_test_tmpdir(), dir);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     return dir;
 }
 
@@ -114,7 +107,7 @@ static void verify_catches(const char *src, const char *out, const char *file, u
     if (rc != 1) fail_msg("verify of a corrupted output exited %d: %s", rc, text);
     if (!strstr(text, expect)) fail_msg("verify output lacks \"%s\":\n%s", expect, text);
     free(text);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
 }
 
 /* moe repack SRC <tmpdir>/qat/<name> --to <to>, its report checked against the generator's
@@ -144,7 +137,7 @@ static void w4a16(void **state) {
     json_decref(repack_checked(src, "w4a16", "w4a16", out, sizeof out));
 
     snprintf(cmd, sizeof cmd, PY " check-w4a16 '%s' '%s'", src, out);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     snprintf(cmd, sizeof cmd, "%s repack --verify '%s' '%s' --json", moe_test_bin(), src, out);
     assert_int_equal(run(cmd, &text), 0);
     json_t *v = load_json_text(text);
@@ -161,7 +154,7 @@ static void w4a16(void **state) {
              "test -f '%s/model-00005-of-00005.safetensors' && " PY " check-w4a16 '%s' '%s' && "
              "%s repack --verify '%s' '%s'",
              moe_test_bin(), src, sharded, sharded, src, sharded, moe_test_bin(), src, sharded);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
 
     /* moe dump of a module equals compressed-tensors' decompression (numpy) */
     const char *dmod = "model.language_model.layers.4.experts.6.gate_proj";
@@ -170,10 +163,10 @@ static void w4a16(void **state) {
     snprintf(f_py, sizeof f_py, "%s/dump.py.f32", moe_test_tmpdir());
     snprintf(cmd, sizeof cmd, "%s dump '%s' %s.weight --out '%s'", moe_test_bin(), out, dmod,
              f_moe);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     snprintf(cmd, sizeof cmd, PY " dequant-w4a16 '%s' %s '%s' && cmp '%s' '%s'", out, dmod, f_py,
              f_moe, f_py);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     moe_error cerr = {0};
     assert_int_equal(moe_w4a16_config_check(out, &cerr), MOE_OK);
     assert_int_equal(moe_w4a16_config_check(src, &cerr), MOE_ERR_UNSUPPORTED);
@@ -211,7 +204,7 @@ static void q4_0_gguf(void **state) {
     json_decref(report);
 
     snprintf(cmd, sizeof cmd, PY " check-gguf '%s' '%s' '%s'", src, out, fixture);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     /* with the fixture's tokenizer keys copied, every key and value is the fixture's */
     const char *fixture_gguf = moe_test_shared("parity/gemma4-moe-q4_0.gguf");
     char with_vocab[700];
@@ -220,9 +213,9 @@ static void q4_0_gguf(void **state) {
              "%s repack '%s' '%s' --to q4_0-gguf --vocab-from '%s' --no-progress && " PY
              " check-gguf '%s' '%s' '%s' --vocab",
              moe_test_bin(), src, with_vocab, fixture_gguf, src, with_vocab, fixture);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     snprintf(cmd, sizeof cmd, "%s repack --verify '%s' '%s'", moe_test_bin(), src, out);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
 
     /* the GGUF loads in our reader too, Q4_0 where the fixture has it */
     moe_error err = {0};
@@ -256,7 +249,7 @@ static void q4_0_gguf_trims_embeddings(void **state) {
     snprintf(out, sizeof out, "%s/qat-tok/out.gguf", moe_test_tmpdir());
     snprintf(cmd, sizeof cmd, "mkdir -p '%s/qat-tok' && " PY " qat '%s' --tokenizer 500",
              moe_test_tmpdir(), src);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     snprintf(cmd, sizeof cmd, "%s repack '%s' '%s' --to q4_0-gguf --json", moe_test_bin(), src,
              out);
     char *text = NULL;
@@ -267,7 +260,7 @@ static void q4_0_gguf_trims_embeddings(void **state) {
     json_decref(report);
     snprintf(cmd, sizeof cmd, PY " check-gguf '%s' '%s' '%s' && %s repack --verify '%s' '%s'", src,
              out, fixture, moe_test_bin(), src, out);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
 }
 
 /* The trap the recovery exists for, on hand-made groups: peak at level 5, step 0.25. */
@@ -340,7 +333,7 @@ static void errors(void **state) {
              "mkdir -p '%s/foreign' && " PY " dtypes '%s/foreign/model.safetensors' "
              "'%s/foreign/v.f32' && echo '{\"model_type\": \"llama\"}' > '%s/foreign/config.json'",
              tmp, tmp, tmp, tmp);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     snprintf(cmd, sizeof cmd, "%s repack '%s/foreign' '%s/f.gguf' --to q4_0-gguf", moe_test_bin(),
              tmp, tmp);
     assert_int_equal(run(cmd, &text), 1);
@@ -349,7 +342,7 @@ static void errors(void **state) {
     /* gemma4 by its config, with a tensor name the map does not know */
     snprintf(cmd, sizeof cmd, "echo '{\"model_type\": \"gemma4\"}' > '%s/foreign/config.json'",
              tmp);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     snprintf(cmd, sizeof cmd, "%s repack '%s/foreign' '%s/f.gguf' --to q4_0-gguf", moe_test_bin(),
              tmp, tmp);
     assert_int_equal(run(cmd, &text), 1);

@@ -16,13 +16,6 @@
 
 #define PY "/usr/bin/python3 tests/qat_checkpoint.py"
 
-static void run_ok(const char *cmd) {
-    char *out = NULL;
-    int rc = moe_test_run(cmd, &out);
-    if (rc != 0) fail_msg("`%s` failed (%d): %s", cmd, rc, out ? out : "");
-    free(out);
-}
-
 static moe_st *open_ok(const char *path) {
     moe_error err = {0};
     moe_st *s = moe_st_open(path, &err);
@@ -38,7 +31,7 @@ static void dtypes_match_numpy(void **state) {
     snprintf(path, sizeof path, "%s/dtypes.safetensors", moe_test_tmpdir());
     snprintf(f32, sizeof f32, "%s/dtypes.f32", moe_test_tmpdir());
     snprintf(cmd, sizeof cmd, PY " dtypes '%s' '%s'", path, f32);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     moe_st *s = open_ok(path);
     uint8_t *expect;
     size_t size;
@@ -222,7 +215,7 @@ static void make_checkpoint(const char *name, char *dir, size_t cap) {
     char cmd[1200];
     snprintf(dir, cap, "%s/%s", moe_test_tmpdir(), name);
     snprintf(cmd, sizeof cmd, PY " qat '%s'", dir);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
 }
 
 static void sharded_checkpoint(void **state) {
@@ -255,7 +248,7 @@ static void sharded_checkpoint(void **state) {
         "json.dump(d,open(sys.argv[2],\"w\"))' '%s/model.safetensors.index.json' "
         "'%s/model.safetensors.index.json'",
         bad, dir, bad, dir, bad);
-    run_ok(cmd);
+    moe_test_run_ok(cmd);
     moe_error err = {0};
     assert_null(moe_st_open(bad, &err));
     assert_non_null(strstr(err.msg, "weight_map['ghost.weight']"));

@@ -249,6 +249,34 @@ static moe_tokenizer *through_gguf(const moe_tokenizer *tok, const char *file) {
     return back;
 }
 
+/* The tokenizer.json file (and the tokenizer_config.json beside it) as a Hugging Face
+ * checkpoint's view carries them (format/hf.c: tokenizer.huggingface.json / .config), loaded
+ * back through moe_tokenizer_from_gguf. */
+static moe_tokenizer *through_hf_keys(const char *json_rel) {
+    const char *path = moe_test_fixture(json_rel);
+    if (!path) return NULL;
+    char cfg_path[1100];
+    snprintf(cfg_path, sizeof cfg_path, "%.*s/tokenizer_config.json",
+             (int)(strrchr(path, '/') - path), path);
+    uint8_t *json, *cfg;
+    size_t size;
+    moe_error err = {0};
+    assert_int_equal(moe_file_read(path, &json, &size, &err), MOE_OK);
+    assert_int_equal(moe_file_read(cfg_path, &cfg, &size, &err), MOE_OK);
+    moe_gguf_writer *w = moe_gguf_writer_new();
+    moe_gguf_writer_set_str(w, "tokenizer.huggingface.json", (const char *)json);
+    moe_gguf_writer_set_str(w, "tokenizer.huggingface.config", (const char *)cfg);
+    moe_gguf *g = moe_gguf_writer_read_keys(w, &err);
+    if (!g) fail_msg("%s", err.msg);
+    moe_tokenizer *tok = moe_tokenizer_from_gguf(g, &err);
+    if (!tok) fail_msg("%s", err.msg);
+    moe_gguf_close(g);
+    moe_gguf_writer_free(w);
+    free(json);
+    free(cfg);
+    return tok;
+}
+
 /* ==== Vector tests ==== */
 
 static void llama_spm_gguf(void **state) {
@@ -337,6 +365,25 @@ static void llama3_json_via_gguf(void **state) {
                "tokenizers/ggml-vocab-llama-bpe.gguf.out", 0, "llama-bpe (json -> gguf)");
     moe_tokenizer_free(tok);
     moe_tokenizer_free(json);
+}
+
+/* A checkpoint's tokenizer.json as the engine loads it from the checkpoint's view: the vectors,
+ * and BOS from its tokenizer_config.json as the file loader gives it. */
+static void json_in_checkpoint_view(void **state) {
+    (void)state;
+    moe_tokenizer *tok = through_hf_keys(LLAMA3_JSON);
+    MOE_SKIP_IF_NULL(tok);
+    moe_tokenizer *file = load_json_fixture(LLAMA3_JSON);
+    assert_int_equal(moe_tokenizer_bos(tok), moe_tokenizer_bos(file));
+    assert_int_equal(moe_tokenizer_adds_bos(tok), moe_tokenizer_adds_bos(file));
+    check_file(tok, "tokenizers/ggml-vocab-llama-bpe.gguf.inp",
+               "tokenizers/ggml-vocab-llama-bpe.gguf.out", 0, "llama-bpe (checkpoint view)");
+    moe_tokenizer_free(tok);
+    moe_tokenizer_free(file);
+    tok = through_hf_keys(QWEN3_JSON);
+    check_file(tok, "tokenizers/ggml-vocab-qwen2.gguf.inp", "tokenizers/ggml-vocab-qwen2.gguf.out",
+               0, "qwen2 (checkpoint view)");
+    moe_tokenizer_free(tok);
 }
 
 /* ==== Special tokens ==== */
@@ -687,6 +734,7 @@ int moe_suite_tokenizer(void) {
         cmocka_unit_test(llama3_json),
         cmocka_unit_test(qwen3_json_via_gguf),
         cmocka_unit_test(llama3_json_via_gguf),
+        cmocka_unit_test(json_in_checkpoint_view),
         cmocka_unit_test(special_tokens),
         cmocka_unit_test(llama3_bos),
         cmocka_unit_test(template_adds_bos),

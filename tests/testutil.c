@@ -36,6 +36,15 @@ const char *moe_test_shared(const char *relpath) {
     return NULL;
 }
 
+double moe_test_row_rel_err(const float *ours, const float *ref, uint32_t n) {
+    double max_ref = 0, max_diff = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        max_ref = fmax(max_ref, fabs(ref[i]));
+        max_diff = fmax(max_diff, fabs((double)ours[i] - ref[i]));
+    }
+    return max_ref > 0 ? max_diff / max_ref : max_diff;
+}
+
 const char *moe_test_python_numpy(void) {
     static const char *const candidates[] = {"/usr/bin/python3", "python3"};
     for (size_t i = 0; i < sizeof candidates / sizeof candidates[0]; i++) {
@@ -114,6 +123,13 @@ int moe_test_run(const char *cmd, char **out) {
     else
         free(buf);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+}
+
+void moe_test_run_ok(const char *cmd) {
+    char *out = NULL;
+    int rc = moe_test_run(cmd, &out);
+    if (rc != 0) fail_msg("`%s` failed (%d): %s", cmd, rc, out ? out : "");
+    free(out);
 }
 
 const char *moe_test_synth(const char *file, const char *flags) {

@@ -30,6 +30,8 @@ const char *moe_test_tmpdir(void);
 const char *moe_test_bin(void);
 /* Run a shell command, capturing stdout+stderr (caller frees *out); returns the exit status. */
 int moe_test_run(const char *cmd, char **out);
+/* moe_test_run of a command that must succeed: the test fails with its output otherwise. */
+void moe_test_run_ok(const char *cmd);
 /* Copy the GGUF at src to dst: every key but those drop_keys names (NULL-terminated, or NULL),
  * every tensor whose name contains none of drop_tensors (likewise); with dequantize, each tensor
  * decoded to F32 by moe's decoders (bit-exact with ggml's, checked in the quant suite). Fails
@@ -99,6 +101,12 @@ struct json_t *moe_test_render_jinja(struct json_t *spec, const char *name);
 /* A Python 3 with numpy for test-side references ("/usr/bin/python3" or "python3"), or NULL
  * (with a skip message; a failure when CI=true) when there is none. */
 const char *moe_test_python_numpy(void);
+/* gemma4-moe-q4_0 against its f32-activation reference: this many times llama.cpp's own distance
+ * from it (Q8_0 activations, amplified through its six layers; test_model.c parity_gemma4_q4_0);
+ * the hf suite holds its Q4_0 repack to the same against the bf16 checkpoint. */
+#define MOE_TEST_GEMMA4_Q8_ACT_SLACK 1.25
+/* max |ours - ref| over max |ref| of one row of n logits (max |ours - ref| when ref is all 0). */
+double moe_test_row_rel_err(const float *ours, const float *ref, uint32_t n);
 /* Run a command and parse its stdout as JSON (stderr dropped); fails the test when it exits
  * non-zero or prints something else. The caller decrefs. */
 struct json_t *moe_test_run_json(const char *cmd);

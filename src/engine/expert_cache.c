@@ -370,6 +370,13 @@ moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run,
                       m->path ? m->path : "the model");
         return NULL;
     }
+    if (moe_gguf_shard_get(m->gguf, 0)->file_size == 0) { /* format/hf.c's view of a checkpoint */
+        moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                      "--expert-cache: %s is converted in memory, with no file to read experts "
+                      "from (moe repack makes a GGUF of it)",
+                      m->path ? m->path : "the model");
+        return NULL;
+    }
     const uint64_t n_slots = bytes / slot_bytes;
     if (n_slots < 2 || n_slots > (uint64_t)m->cfg.n_expert * n_layer_run * 2) {
         if (n_slots < 2)

@@ -267,6 +267,10 @@ bool moe_gguf_writer_set_file_type(moe_gguf_writer *w);
  * 00001-of-0000N.gguf", each carrying split.no / split.count / split.tensors.count. */
 moe_status moe_gguf_writer_write(moe_gguf_writer *w, const char *path,
                                  uint32_t max_tensors_per_shard, moe_error *err);
+/* The model moe_gguf_writer_write would make, held in memory instead of a file: keys and
+ * directory parsed back by the reader, every tensor's bytes copied or produced (fill, in the
+ * order added) into anonymous memory the model owns. `name` stands for the file in messages. */
+moe_gguf *moe_gguf_writer_to_memory(const moe_gguf_writer *w, const char *name, moe_error *err);
 /* Streaming, for files larger than memory: add every tensor with NULL data first, then begin
  * (writes header, keys and directory), hand each tensor's n_bytes in the order added, finish.
  * One file, no split. */
@@ -411,5 +415,44 @@ moe_status moe_st_writer_write(moe_st_writer *w, const void *data, size_t n, moe
 moe_status moe_st_writer_finish(moe_st_writer *w, moe_error *err);
 /* Data bytes still to write (before begin: all the declared tensors'). */
 uint64_t moe_st_writer_remaining(const moe_st_writer *w);
+
+/* ==== Hugging Face checkpoints read as GGUF (hf.c) ====
+ *
+ * What llama.cpp's converter would make of a checkpoint directory (config.json, safetensors,
+ * tokenizer files): its metadata keys, tensor names and tensor edits, for gemma4 and llama
+ * (moe_hf_open; the functions below are gemma4's, what moe repack uses). moe repack
+ * writes them to a file; moe_hf_open serves them to the engine as a model in memory. config
+ * objects are jansson's (json_t). */
+struct json_t;
+/* DIR/config.json, parsed (json_decref it); NULL with err set when absent or not an object. */
+struct json_t *moe_hf_read_config(const char *dir, moe_error *err);
+/* model_type of the text model (text_config's in a multimodal config); NULL when absent. */
+const char *moe_hf_model_type(struct json_t *config);
+/* The GGUF name of a gemma4 HF tensor into out: 0 when mapped, 1 when it belongs to the vision /
+ * audio towers (the converter writes those to an mmproj file), -1 when unknown. */
+int moe_hf_gguf_name(const char *hf, char *out, size_t cap);
+/* The converter's general.* and gemma4.* keys from config; path is the checkpoint directory
+ * (general.name is its last component, as the converter takes it). */
+moe_status moe_hf_write_metadata(moe_gguf_writer *w, struct json_t *config, const char *path,
+                                 moe_error *err);
+/* tokenizer.chat_template (and tokenizer.chat_template.NAME) from DIR/chat_template.jinja or
+ * tokenizer_config.json's chat_template, when there is one. */
+void moe_hf_write_chat_template(moe_gguf_writer *w, const char *dir);
+/* rope_freqs.weight as the converter makes it (n values; free() it); NULL when the config has
+ * no global_head_dim. */
+float *moe_hf_rope_freqs(struct json_t *config, int64_t *n);
+/* Rows of embed_tokens the converter keeps: tokenizer.json's vocab + added tokens; -1 when it
+ * cannot be told (no tokenizer.json, or a tokenizer.model). */
+int64_t moe_hf_vocab_rows(const char *dir);
+/* The converter's GGUF type for a tensor copied as it is: 1-D, norms and the router as F32,
+ * the rest in the source dtype; false when the dtype has no GGUF type. */
+bool moe_hf_copy_type(const moe_st_tensor *t, const char *gguf_name, moe_type *out);
+/* The checkpoint at path (a directory or its index / .safetensors) as a model in memory: keys,
+ * tokenizer keys (tokenizer.huggingface.json, tokenizer.huggingface.config,
+ * tokenizer.chat_template) and tensors; W4A16 modules become Q4_0 exactly (F32 where a scale
+ * is not an f16 number). keys_only: the keys alone, no tensors read. */
+moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err);
+/* A GGUF file, or a checkpoint (moe_st_is_checkpoint) through moe_hf_open. */
+moe_gguf *moe_gguf_open_model(const char *path, moe_error *err);
 
 #endif

@@ -8,7 +8,7 @@
  * no allocation exceeds a small multiple of the input size. The trap: strings, keys and tensor
  * names from the file go into error messages escaped (see put_escaped), because an error is one
  * line and a name may hold a newline or a terminal escape. */
-#include "format.h"
+#include "format_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -1112,6 +1112,27 @@ static uint8_t *anon_alloc(size_t bytes, size_t *size) {
 #ifdef MADV_HUGEPAGE
     madvise(base, *size, MADV_HUGEPAGE); /* a hint: fewer TLB misses when it is granted */
 #endif
+    return base;
+}
+
+uint8_t *moe_gguf_alloc_data(moe_gguf *g, uint64_t bytes, moe_error *err) {
+    MOE_CHECK(g->n_shards == 1 && !g->state[0].map && !g->state[0].anon);
+    for (uint64_t i = 0; i < g->n_tensors; i++)
+        if (g->tensors[i].offset > bytes || g->tensors[i].n_bytes > bytes - g->tensors[i].offset) {
+            moe_error_set(err, MOE_ERR_RANGE, "%s: tensor '%s' lies outside the %llu-byte data",
+                          g->shards[0].path, g->tensors[i].name.ptr, (unsigned long long)bytes);
+            return NULL;
+        }
+    size_t size;
+    uint8_t *base = bytes > SIZE_MAX - ANON_ALIGN ? NULL : anon_alloc((size_t)bytes, &size);
+    if (!base) {
+        moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate %.1f MiB for the tensors",
+                      g->shards[0].path, (double)bytes / (1 << 20));
+        return NULL;
+    }
+    g->state[0].anon = base;
+    g->state[0].anon_size = size;
+    for (uint64_t i = 0; i < g->n_tensors; i++) g->tensors[i].data = base + g->tensors[i].offset;
     return base;
 }
 

@@ -12,7 +12,7 @@
  * split.count (u16) and split.tensors.count (i32), and only the first carries the model's keys.
  * The trap: general.alignment is metadata AND layout -- the writer pads to the value of that key
  * (when it is a valid u32 power of two), so copying a model's keys keeps its layout readable. */
-#include "format.h"
+#include "format_internal.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -489,6 +489,41 @@ moe_gguf *moe_gguf_writer_read_keys(const moe_gguf_writer *w, moe_error *err) {
     if (fclose(o.f) != 0 || o.failed) moe_die("writing keys to memory failed");
     moe_gguf *g = moe_gguf_parse_named(buf, size, false, "(keys being written)", err);
     free(buf);
+    return g;
+}
+
+moe_gguf *moe_gguf_writer_to_memory(const moe_gguf_writer *w, const char *name, moe_error *err) {
+    char *buf = NULL;
+    size_t size = 0;
+    out_file o = {.f = open_memstream(&buf, &size), .path = name};
+    if (!o.f) moe_die("open_memstream failed");
+    write_header(w, &o, 0, w->n_tensors, 0, 0);
+    if (fclose(o.f) != 0 || o.failed) moe_die("writing a header to memory failed");
+    moe_gguf *g = moe_gguf_parse_named(buf, size, false, name, err);
+    free(buf);
+    if (!g) return NULL;
+    const uint32_t alignment = writer_alignment(w);
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < w->n_tensors; i++)
+        bytes += w->tensors[i].n_bytes + pad_to(w->tensors[i].n_bytes, alignment);
+    uint8_t *data = moe_gguf_alloc_data(g, bytes, err);
+    for (size_t i = 0; data && i < w->n_tensors; i++) {
+        const writer_tensor *t = &w->tensors[i];
+        uint8_t *dst = (uint8_t *)moe_gguf_tensor_get(g, i)->data;
+        if (t->fill) {
+            if (t->fill(t->fill_ctx, t->name, dst, t->n_bytes, err) != MOE_OK) data = NULL;
+        } else if (t->data) {
+            memcpy(dst, t->data, (size_t)t->n_bytes);
+        } else {
+            moe_error_set(err, MOE_ERR_ARG, "tensor '%s' has no data: it was added to be streamed",
+                          t->name);
+            data = NULL;
+        }
+    }
+    if (!data) {
+        moe_gguf_close(g);
+        return NULL;
+    }
     return g;
 }
 

@@ -953,7 +953,7 @@ moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {
 }
 
 moe_model *moe_model_load(const char *path, moe_error *err) {
-    moe_gguf *g = moe_gguf_open(path, err);
+    moe_gguf *g = moe_gguf_open_model(path, err);
     if (!g) return NULL;
     moe_model *m = moe_model_from_gguf(g, path, err);
     if (!m) moe_gguf_close(g);

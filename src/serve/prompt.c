@@ -148,7 +148,9 @@ bool serve_template_load(serve_server *srv, char *err_out, size_t err_size) {
         srv->tmpl = moe_chat_template_load_file(path, &err);
         snprintf(srv->tmpl_origin, sizeof srv->tmpl_origin, "%s", path);
     } else {
-        moe_gguf *g = moe_gguf_open(srv->p.model_path, &err);
+        moe_gguf *g = moe_st_is_checkpoint(srv->p.model_path)
+                          ? moe_hf_open(srv->p.model_path, true, &err)
+                          : moe_gguf_open(srv->p.model_path, &err);
         if (g) {
             srv->tmpl = moe_chat_template_from_gguf(g, NULL, &err);
             moe_gguf_close(g);

@@ -40,6 +40,14 @@ static int32_t get_id(const moe_gguf *g, const char *key) {
 static moe_tokenizer *load(const moe_gguf *g, moe_error *err);
 
 moe_tokenizer *moe_tokenizer_from_gguf(const moe_gguf *g, moe_error *err) {
+    /* a Hugging Face checkpoint's view (format/hf.c) carries tokenizer.json as it is */
+    const moe_gguf_value *json = moe_gguf_find(g, "tokenizer.huggingface.json");
+    if (!moe_gguf_find(g, "tokenizer.ggml.model") && json && json->type == MOE_GGUF_STRING) {
+        const moe_gguf_value *cfg = moe_gguf_find(g, "tokenizer.huggingface.config");
+        bool has_cfg = cfg && cfg->type == MOE_GGUF_STRING;
+        return moe_tokenizer_from_json(json->s.ptr, json->s.len, has_cfg ? cfg->s.ptr : NULL,
+                                       has_cfg ? cfg->s.len : 0, err);
+    }
     /* a local error, so that "absent" and "wrong" stay apart even when the caller passes NULL */
     moe_error local = {0};
     moe_tokenizer *tok = load(g, &local);

@@ -59,7 +59,9 @@ typedef enum moe_token_type {
 
 /* ==== Loading ==== */
 
-/* From a GGUF file's metadata (a vocab-only GGUF works). */
+/* From a GGUF file's metadata (a vocab-only GGUF works), or, where it has no
+ * tokenizer.ggml.model, from the tokenizer.json text in tokenizer.huggingface.json (with
+ * tokenizer.huggingface.config as its tokenizer_config.json): a Hugging Face checkpoint's view. */
 moe_tokenizer *moe_tokenizer_from_gguf(const moe_gguf *g, moe_error *err);
 /* From a Hugging Face tokenizer.json (model type BPE). A tokenizer_config.json in the same
  * folder, when present, supplies bos/eos tokens and add_bos_token/add_eos_token. */

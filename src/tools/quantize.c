@@ -409,7 +409,7 @@ moe_status moe_quantize_model(const moe_quantize_params *p, moe_quantize_report 
         }
     }
     if (p->imatrix_path && !(q.im = moe_imatrix_load(p->imatrix_path, err))) goto done;
-    q.in = moe_gguf_open(p->in, err);
+    q.in = moe_gguf_open_model(p->in, err);
     if (!q.in) goto done;
     q.pool = moe_pool_new(p->n_threads > 0 ? p->n_threads : 1);
     mix_model mm;

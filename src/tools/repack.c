@@ -13,6 +13,7 @@
  * and the router as F32 (as llama.cpp's converter does), which widens bf16 exactly -- so
  * verify compares those by value, and everything else by bytes. */
 #include "tools.h"
+#include "../text/text.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -54,256 +55,6 @@ static bool quantizable(const moe_st_tensor *t) {
         if (strstr(t->name, never[i])) return false;
     if (t->n_dims == 3) return ends_with(t->name, "_proj") || ends_with(t->name, "_proj.weight");
     return ends_with(t->name, "_proj.weight");
-}
-
-/* ==== HF -> GGUF names and metadata: gemma4 (llama.cpp conversion/gemma.py, Gemma4Model) ==== */
-
-static const struct {
-    const char *hf, *gguf;
-} gemma4_layer_names[] = {
-    {"input_layernorm.weight", "attn_norm.weight"},
-    {"self_attn.q_proj.weight", "attn_q.weight"},
-    {"self_attn.k_proj.weight", "attn_k.weight"},
-    {"self_attn.v_proj.weight", "attn_v.weight"},
-    {"self_attn.o_proj.weight", "attn_output.weight"},
-    {"self_attn.q_norm.weight", "attn_q_norm.weight"},
-    {"self_attn.k_norm.weight", "attn_k_norm.weight"},
-    {"post_attention_layernorm.weight", "post_attention_norm.weight"},
-    {"pre_feedforward_layernorm.weight", "ffn_norm.weight"},
-    {"post_feedforward_layernorm.weight", "post_ffw_norm.weight"},
-    {"post_feedforward_layernorm_1.weight", "post_ffw_norm_1.weight"},
-    {"pre_feedforward_layernorm_2.weight", "pre_ffw_norm_2.weight"},
-    {"post_feedforward_layernorm_2.weight", "post_ffw_norm_2.weight"},
-    {"mlp.gate_proj.weight", "ffn_gate.weight"},
-    {"mlp.up_proj.weight", "ffn_up.weight"},
-    {"mlp.down_proj.weight", "ffn_down.weight"},
-    {"router.proj.weight", "ffn_gate_inp.weight"},
-    {"router.scale", "ffn_gate_inp.scale"},
-    {"router.per_expert_scale", "ffn_down_exps.scale"},
-    {"experts.gate_up_proj", "ffn_gate_up_exps.weight"},
-    {"experts.down_proj", "ffn_down_exps.weight"},
-    {"layer_scalar", "layer_output_scale.weight"},
-};
-
-/* The GGUF name of a gemma4 HF tensor into out; 0 when mapped, 1 when the tensor belongs to the
- * vision / audio towers (llama.cpp writes those to a separate mmproj file), -1 when unknown. */
-static int gemma4_gguf_name(const char *hf, char *out, size_t cap) {
-    const char *p = hf;
-    if (strncmp(p, "model.language_model.", 21) == 0)
-        p += 21;
-    else if (strncmp(p, "model.", 6) == 0)
-        p += 6;
-    else if (strcmp(p, "lm_head.weight") == 0)
-        return snprintf(out, cap, "output.weight"), 0;
-    if (strstr(hf, "vision") || strstr(hf, "audio")) return 1;
-    if (strcmp(p, "embed_tokens.weight") == 0) return snprintf(out, cap, "token_embd.weight"), 0;
-    if (strcmp(p, "norm.weight") == 0) return snprintf(out, cap, "output_norm.weight"), 0;
-    if (strncmp(p, "layers.", 7) != 0) return -1;
-    char *end;
-    long layer = strtol(p + 7, &end, 10);
-    if (end == p + 7 || *end != '.' || layer < 0) return -1;
-    for (size_t i = 0; i < sizeof gemma4_layer_names / sizeof gemma4_layer_names[0]; i++)
-        if (strcmp(end + 1, gemma4_layer_names[i].hf) == 0) {
-            snprintf(out, cap, "blk.%ld.%s", layer, gemma4_layer_names[i].gguf);
-            return 0;
-        }
-    return -1;
-}
-
-/* The HF config: text_config when the checkpoint is multimodal, else the top level. */
-static json_t *text_config(json_t *config) {
-    json_t *t = json_object_get(config, "text_config");
-    return json_is_object(t) ? t : config;
-}
-
-/* First of the keys present in c, as a number. */
-static bool cfg_num(json_t *c, const char *const *keys, double *out) {
-    for (; *keys; keys++) {
-        json_t *v = json_object_get(c, *keys);
-        if (json_is_number(v)) {
-            *out = json_number_value(v);
-            return true;
-        }
-    }
-    return false;
-}
-
-#define CFG_KEYS(...) ((const char *const[]){__VA_ARGS__, NULL})
-
-typedef struct gguf_meta_ctx {
-    moe_gguf_writer *w;
-    json_t *c;
-    const char *path;
-    moe_error *err;
-    moe_status st;
-} gguf_meta_ctx;
-
-/* key = the first config key present, as u32 / f32; missing: an error naming both. */
-static double need(gguf_meta_ctx *m, const char *const *keys) {
-    double v = 0;
-    if (!cfg_num(m->c, keys, &v))
-        m->st = moe_error_set(m->err, MOE_ERR_FORMAT, "%s: config has no \"%s\"", m->path, keys[0]);
-    return v;
-}
-static void meta_u32(gguf_meta_ctx *m, const char *key, const char *const *cfg_keys) {
-    double v = need(m, cfg_keys);
-    moe_gguf_writer_set_u32(m->w, key, (uint32_t)v);
-}
-static void meta_f32(gguf_meta_ctx *m, const char *key, const char *const *cfg_keys) {
-    double v = need(m, cfg_keys);
-    moe_gguf_writer_set_f32(m->w, key, (float)v);
-}
-
-/* rope_parameters[kind].rope_theta (the transformers 5 layout), else rope_theta. */
-static double rope_theta(json_t *c, const char *kind, double fallback) {
-    json_t *v =
-        json_object_get(json_object_get(json_object_get(c, "rope_parameters"), kind), "rope_theta");
-    if (json_is_number(v)) return json_number_value(v);
-    v = json_object_get(c, "rope_theta");
-    return json_is_number(v) ? json_number_value(v) : fallback;
-}
-static double partial_rotary(json_t *c, const char *kind) {
-    json_t *v = json_object_get(json_object_get(json_object_get(c, "rope_parameters"), kind),
-                                "partial_rotary_factor");
-    return json_is_number(v) ? json_number_value(v) : 1.0;
-}
-
-/* The keys llama.cpp's converter writes for gemma4 (Gemma3Model + Gemma4Model
- * set_gguf_parameters), from the HF config; the tokenizer's keys are not written (see README). */
-static moe_status gemma4_metadata(moe_gguf_writer *w, json_t *config, const char *name,
-                                  const char *path, moe_error *err) {
-    json_t *c = text_config(config);
-    gguf_meta_ctx m = {w, c, path, err, MOE_OK};
-    json_t *types = json_object_get(c, "layer_types");
-    size_t n_layer = json_array_size(types);
-    double blocks = need(&m, CFG_KEYS("num_hidden_layers"));
-    if (m.st == MOE_OK && (!json_is_array(types) || n_layer != (size_t)blocks))
-        return moe_error_set(err, MOE_ERR_FORMAT,
-                             "%s: layer_types must list the %zu layers' attention kinds", path,
-                             (size_t)blocks);
-    moe_gguf_writer_set_str(w, "general.architecture", "gemma4");
-    moe_gguf_writer_set_str(w, "general.type", "model");
-    moe_gguf_writer_set_str(w, "general.name", name);
-    meta_u32(&m, "gemma4.block_count", CFG_KEYS("num_hidden_layers"));
-    meta_u32(&m, "gemma4.context_length", CFG_KEYS("max_position_embeddings"));
-    meta_u32(&m, "gemma4.embedding_length", CFG_KEYS("hidden_size"));
-    meta_u32(&m, "gemma4.feed_forward_length", CFG_KEYS("intermediate_size"));
-    meta_u32(&m, "gemma4.attention.head_count", CFG_KEYS("num_attention_heads"));
-    moe_gguf_writer_set_f32(w, "gemma4.rope.freq_base",
-                            (float)rope_theta(c, "full_attention", 1e6));
-    moe_gguf_writer_set_f32(w, "gemma4.rope.freq_base_swa",
-                            (float)rope_theta(c, "sliding_attention", 1e4));
-    meta_f32(&m, "gemma4.attention.layer_norm_rms_epsilon", CFG_KEYS("rms_norm_eps"));
-    double v;
-    if (cfg_num(c, CFG_KEYS("num_experts", "num_local_experts"), &v)) /* absent: a dense model */
-        moe_gguf_writer_set_u32(w, "gemma4.expert_count", (uint32_t)v);
-    if (cfg_num(c, CFG_KEYS("top_k_experts", "num_experts_per_tok"), &v))
-        moe_gguf_writer_set_u32(w, "gemma4.expert_used_count", (uint32_t)v);
-    if (cfg_num(c, CFG_KEYS("final_logit_softcapping"), &v) && v != 0)
-        moe_gguf_writer_set_f32(w, "gemma4.final_logit_softcapping", (float)v);
-    meta_u32(&m, "gemma4.attention.sliding_window", CFG_KEYS("sliding_window"));
-    meta_u32(&m, "gemma4.attention.shared_kv_layers", CFG_KEYS("num_kv_shared_layers"));
-    moe_gguf_writer_set_u32(w, "gemma4.embedding_length_per_layer_input",
-                            cfg_num(c, CFG_KEYS("hidden_size_per_layer_input"), &v) ? (uint32_t)v
-                                                                                    : 0);
-    uint8_t *swa = moe_xcalloc(n_layer + 1, 1);
-    int32_t *kv = moe_xcalloc(n_layer + 1, sizeof *kv);
-    double kv_swa = need(&m, CFG_KEYS("num_key_value_heads"));
-    double kv_full = kv_swa;
-    bool kv_array = cfg_num(c, CFG_KEYS("num_global_key_value_heads"), &kv_full);
-    for (size_t i = 0; i < n_layer; i++) {
-        const char *k = json_string_value(json_array_get(types, i));
-        swa[i] = k && strcmp(k, "sliding_attention") == 0;
-        kv[i] = (int32_t)(swa[i] ? kv_swa : kv_full);
-    }
-    moe_gguf_writer_set_arr(w, "gemma4.attention.sliding_window_pattern", MOE_GGUF_BOOL, swa,
-                            n_layer);
-    double head_full = need(&m, CFG_KEYS("global_head_dim"));
-    double head_swa = need(&m, CFG_KEYS("head_dim"));
-    moe_gguf_writer_set_u32(w, "gemma4.attention.key_length", (uint32_t)head_full);
-    moe_gguf_writer_set_u32(w, "gemma4.attention.value_length", (uint32_t)head_full);
-    moe_gguf_writer_set_u32(w, "gemma4.attention.key_length_swa", (uint32_t)head_swa);
-    moe_gguf_writer_set_u32(w, "gemma4.attention.value_length_swa", (uint32_t)head_swa);
-    if (cfg_num(c, CFG_KEYS("expert_intermediate_size", "moe_intermediate_size"), &v))
-        moe_gguf_writer_set_u32(w, "gemma4.expert_feed_forward_length", (uint32_t)v);
-    if (kv_array) /* the converter writes per-layer heads only when global layers differ */
-        moe_gguf_writer_set_arr(w, "gemma4.attention.head_count_kv", MOE_GGUF_I32, kv, n_layer);
-    else
-        moe_gguf_writer_set_u32(w, "gemma4.attention.head_count_kv", (uint32_t)kv_swa);
-    if (json_is_true(json_object_get(c, "use_double_wide_mlp"))) {
-        /* layers from the first KV-sharing one on have twice the MLP (E2B / E4B) */
-        double ff = 0, shared = 0;
-        cfg_num(c, CFG_KEYS("intermediate_size"), &ff);
-        cfg_num(c, CFG_KEYS("num_kv_shared_layers"), &shared);
-        size_t first_shared =
-            shared >= 0 && shared < (double)n_layer ? n_layer - (size_t)shared : 0;
-        for (size_t i = 0; i < n_layer; i++) kv[i] = (int32_t)(i < first_shared ? ff : 2 * ff);
-        moe_gguf_writer_set_arr(w, "gemma4.feed_forward_length", MOE_GGUF_I32, kv, n_layer);
-    }
-    double partial_swa = 1.0;
-    cfg_num(c, CFG_KEYS("partial_rotary_factor"), &partial_swa);
-    moe_gguf_writer_set_u32(w, "gemma4.rope.dimension_count", (uint32_t)head_full);
-    moe_gguf_writer_set_u32(w, "gemma4.rope.dimension_count_swa",
-                            (uint32_t)(head_swa * partial_swa));
-    moe_gguf_writer_set_u32(w, "general.quantization_version", 2);
-    free(swa);
-    free(kv);
-    return m.st;
-}
-
-/* rope_freqs.weight: 1 for the rotated pairs of a global layer, 1e30 for the rest (how the
- * converter expresses "proportional" RoPE with ggml's NEOX rope). n = global_head_dim / 2. */
-static float *gemma4_rope_freqs(json_t *config, int64_t *n) {
-    json_t *c = text_config(config);
-    double head_full = 0;
-    if (!cfg_num(c, CFG_KEYS("global_head_dim"), &head_full) || head_full < 2) return NULL;
-    int64_t half = (int64_t)head_full / 2;
-    int64_t rot = (int64_t)(head_full * partial_rotary(c, "full_attention") / 2);
-    float *f = moe_xcalloc((size_t)half, sizeof *f);
-    for (int64_t i = 0; i < half; i++) f[i] = i < rot ? 1.0f : 1e30f;
-    *n = half;
-    return f;
-}
-
-/* The rows of gemma's embed_tokens llama.cpp's converter keeps (Gemma3Model.modify_tensors,
- * which Gemma4Model runs): len(tokenizer.json's model.vocab) + len(added_tokens). -1 when it
- * cannot be told here: no tokenizer.json, or a tokenizer.model (the converter then counts the
- * SentencePiece pieces, a protobuf moe does not read). */
-static int64_t gemma_vocab_rows(const char *dir) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/tokenizer.model", dir);
-    if (access(path, F_OK) == 0) return -1;
-    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
-    json_error_t je;
-    json_t *t = json_load_file(path, 0, &je);
-    if (!t) return -1;
-    json_t *vocab = json_object_get(json_object_get(t, "model"), "vocab");
-    json_t *added = json_object_get(t, "added_tokens");
-    int64_t n = -1;
-    if (json_is_object(vocab) || json_is_array(vocab))
-        n = (int64_t)(json_is_object(vocab) ? json_object_size(vocab) : json_array_size(vocab)) +
-            (int64_t)json_array_size(added);
-    json_decref(t);
-    return n;
-}
-
-/* ==== Reading config.json ==== */
-
-static json_t *read_config(const char *dir, moe_error *err) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    json_error_t je;
-    json_t *c = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
-    if (!c) {
-        moe_error_set(err, MOE_ERR_FORMAT, "%s: %s (line %d)", path, je.text, je.line);
-        return NULL;
-    }
-    if (!json_is_object(c)) {
-        json_decref(c);
-        moe_error_set(err, MOE_ERR_FORMAT, "%s: not a JSON object", path);
-        return NULL;
-    }
-    return c;
 }
 
 /* ==== Recovering every group of a tensor (on the pool) ==== */
@@ -444,41 +195,6 @@ void moe_repack_report_free(moe_repack_report *r) {
     memset(r, 0, sizeof *r);
 }
 
-/* GGUF type for a copied tensor: 1-D, norms and the router as F32 (llama.cpp's converter), the
- * rest in the source dtype. false when the dtype has no GGUF type. */
-static bool gguf_copy_type(const moe_st_tensor *t, const char *gguf_name, moe_type *out) {
-    if (t->n_dims <= 1 || ends_with(gguf_name, "_norm.weight") || strstr(gguf_name, "ffn_gate_inp"))
-        return is_float(t->dtype) ? (*out = MOE_TYPE_F32, true) : false;
-    switch (t->dtype) {
-    case MOE_ST_BF16:
-        *out = MOE_TYPE_BF16;
-        return true;
-    case MOE_ST_F16:
-        *out = MOE_TYPE_F16;
-        return true;
-    case MOE_ST_F32:
-        *out = MOE_TYPE_F32;
-        return true;
-    case MOE_ST_I8:
-        *out = MOE_TYPE_I8;
-        return true;
-    case MOE_ST_I16:
-        *out = MOE_TYPE_I16;
-        return true;
-    case MOE_ST_I32:
-        *out = MOE_TYPE_I32;
-        return true;
-    case MOE_ST_I64:
-        *out = MOE_TYPE_I64;
-        return true;
-    case MOE_ST_F64:
-        *out = MOE_TYPE_F64;
-        return true;
-    default:
-        return false;
-    }
-}
-
 /* GGUF ne[] of an HF shape (reversed; a scalar is [1]). */
 static uint32_t gguf_ne(const moe_st_tensor *t, int64_t *ne) {
     if (t->n_dims == 0) {
@@ -512,7 +228,7 @@ static moe_status plan_build(const moe_st *s, moe_repack_target to, moe_pool *po
         e->kind = quantizable(e->t) ? PLAN_QUANT : PLAN_COPY;
         e->layer = -1;
         if (to == MOE_REPACK_Q4_0_GGUF) {
-            int k = gemma4_gguf_name(e->t->name, e->out_name, sizeof e->out_name);
+            int k = moe_hf_gguf_name(e->t->name, e->out_name, sizeof e->out_name);
             if (k == 1) {
                 e->kind = PLAN_SKIP;
             } else if (k < 0) {
@@ -525,7 +241,7 @@ static moe_status plan_build(const moe_st *s, moe_repack_target to, moe_pool *po
             e->layer = moe_tensor_layer(e->out_name);
             e->keep_rows = -1;
             if (strcmp(e->out_name, "token_embd.weight") == 0 && e->t->n_dims == 2) {
-                int64_t rows = gemma_vocab_rows(moe_st_dir(s));
+                int64_t rows = moe_hf_vocab_rows(moe_st_dir(s));
                 if (rows >= 0 && rows < e->t->shape[0]) {
                     e->keep_rows = rows;
                     r->embd_rows_dropped = (uint64_t)(e->t->shape[0] - rows);
@@ -551,7 +267,7 @@ static moe_status plan_build(const moe_st *s, moe_repack_target to, moe_pool *po
         if (to == MOE_REPACK_Q4_0_GGUF) {
             if (e->kind == PLAN_QUANT) {
                 e->out_type = MOE_TYPE_Q4_0;
-            } else if (e->kind != PLAN_SKIP && !gguf_copy_type(e->t, e->out_name, &e->out_type)) {
+            } else if (e->kind != PLAN_SKIP && !moe_hf_copy_type(e->t, e->out_name, &e->out_type)) {
                 st = moe_error_set(err, MOE_ERR_UNSUPPORTED,
                                    "tensor '%s': dtype %s has no GGUF type", e->t->name,
                                    moe_st_dtype_name(e->t->dtype));
@@ -595,30 +311,51 @@ static moe_status copy_vocab(moe_gguf_writer *w, const char *path, int64_t embd_
     return st;
 }
 
+/* The tokenizer.* keys built from DIR/tokenizer.json (byte-level BPE; see text/load_json.c),
+ * checked to name as many tokens as token_embd has rows. A checkpoint without one, or with one
+ * moe does not read (a SentencePiece-style tokenizer.json), gets no tokenizer keys: a warning
+ * says so and --vocab-from gives them. */
+static moe_status vocab_from_json(moe_gguf_writer *w, const char *dir, int64_t embd_rows,
+                                  moe_error *err) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    if (access(path, F_OK) != 0) return MOE_OK;
+    moe_error why = {0};
+    moe_tokenizer *tok = moe_tokenizer_from_json_file(path, &why);
+    moe_status st = MOE_OK;
+    if (tok && embd_rows >= 0 && moe_tokenizer_n_vocab(tok) != (uint64_t)embd_rows)
+        st = moe_error_set(err, MOE_ERR_FORMAT, "%s: %u tokens, but token_embd has %lld rows", path,
+                           moe_tokenizer_n_vocab(tok), (long long)embd_rows);
+    if (tok && st == MOE_OK && moe_tokenizer_write_gguf(tok, w, &why) != MOE_OK) {
+        moe_tokenizer_free(tok);
+        tok = NULL;
+    }
+    if (!tok && st == MOE_OK)
+        fprintf(stderr,
+                "repack: no tokenizer keys written (%s); --vocab-from F.gguf copies them from a "
+                "llama.cpp conversion\n",
+                why.msg);
+    moe_tokenizer_free(tok);
+    return st;
+}
+
 static moe_status write_gguf(const moe_st *s, json_t *config, plan_entry *plan, moe_pool *pool,
                              const char *out, const moe_repack_options *o, moe_repack_report *r,
                              moe_error *err) {
     bool show_progress = o->progress;
     uint64_t n = moe_st_n_tensors(s);
     moe_gguf_writer *w = moe_gguf_writer_new();
-    /* general.name: the checkpoint directory's name, as the converter takes it */
-    char name[256];
-    const char *dir = moe_st_dir(s);
-    size_t len = strlen(dir);
-    while (len > 1 && dir[len - 1] == '/') len--;
-    size_t start = len;
-    while (start > 0 && dir[start - 1] != '/') start--;
-    snprintf(name, sizeof name, "%.*s", (int)(len - start), dir + start);
-    moe_status st = gemma4_metadata(w, config, name, moe_st_dir(s), err);
-    if (st == MOE_OK && o->vocab_from) {
-        int64_t rows = -1;
-        for (uint64_t i = 0; i < n; i++)
-            if (plan[i].kind != PLAN_SKIP && strcmp(plan[i].out_name, "token_embd.weight") == 0)
-                rows = plan[i].keep_rows >= 0 ? plan[i].keep_rows : plan[i].t->shape[0];
-        st = copy_vocab(w, o->vocab_from, rows, err);
-    }
+    moe_status st = moe_hf_write_metadata(w, config, moe_st_dir(s), err);
+    int64_t rows = -1;
+    for (uint64_t i = 0; i < n; i++)
+        if (plan[i].kind != PLAN_SKIP && strcmp(plan[i].out_name, "token_embd.weight") == 0)
+            rows = plan[i].keep_rows >= 0 ? plan[i].keep_rows : plan[i].t->shape[0];
+    if (st == MOE_OK) moe_hf_write_chat_template(w, moe_st_dir(s));
+    if (st == MOE_OK)
+        st = o->vocab_from ? copy_vocab(w, o->vocab_from, rows, err)
+                           : vocab_from_json(w, moe_st_dir(s), rows, err);
     int64_t n_freqs = 0;
-    float *freqs = st == MOE_OK ? gemma4_rope_freqs(config, &n_freqs) : NULL;
+    float *freqs = st == MOE_OK ? moe_hf_rope_freqs(config, &n_freqs) : NULL;
     /* the output order: tensors outside the layers, then layer by layer, names sorted */
     plan_entry **order = moe_xcalloc((size_t)n + 1, sizeof *order);
     size_t n_out = 0;
@@ -995,7 +732,7 @@ moe_status moe_repack(const char *src, const char *out, const moe_repack_options
     double t0 = moe_now();
     moe_st *s = moe_st_open(src, err);
     if (!s) return err->code;
-    json_t *config = read_config(moe_st_dir(s), err);
+    json_t *config = moe_hf_read_config(moe_st_dir(s), err);
     if (!config) {
         moe_st_close(s);
         return err->code;
@@ -1008,7 +745,7 @@ moe_status moe_repack(const char *src, const char *out, const moe_repack_options
     moe_pool *pool = moe_pool_new(threads);
     plan_entry *plan = moe_xcalloc((size_t)n + 1, sizeof *plan);
     moe_status st = MOE_OK;
-    const char *model_type = json_string_value(json_object_get(text_config(config), "model_type"));
+    const char *model_type = moe_hf_model_type(config);
     if (o->to == MOE_REPACK_Q4_0_GGUF && (!model_type || strncmp(model_type, "gemma4", 6) != 0))
         st = moe_error_set(err, MOE_ERR_UNSUPPORTED,
                            "%s/config.json: model_type '%s': --to q4_0-gguf maps the HF names and "
@@ -1175,7 +912,7 @@ static void verify_gguf(verifier *vf, const moe_st *s, json_t *config, const moe
     for (uint64_t i = 0; i < n; i++) {
         const moe_st_tensor *t = moe_st_tensor_get(s, i);
         char name[256];
-        int k = gemma4_gguf_name(t->name, name, sizeof name);
+        int k = moe_hf_gguf_name(t->name, name, sizeof name);
         if (k == 1) {
             v->skipped++;
             continue;
@@ -1189,7 +926,7 @@ static void verify_gguf(verifier *vf, const moe_st *s, json_t *config, const moe
         used++;
         int64_t keep = -1; /* token_embd: the rows the converter keeps */
         if (strcmp(name, "token_embd.weight") == 0 && t->n_dims == 2) {
-            keep = gemma_vocab_rows(moe_st_dir(s));
+            keep = moe_hf_vocab_rows(moe_st_dir(s));
             if (keep >= t->shape[0]) keep = -1;
         }
         if (!same_shape_gguf(t, o, keep)) {
@@ -1216,7 +953,7 @@ static void verify_gguf(verifier *vf, const moe_st *s, json_t *config, const moe
     }
     /* the one tensor the converter makes: rope_freqs from the config */
     int64_t n_freqs = 0;
-    float *freqs = gemma4_rope_freqs(config, &n_freqs);
+    float *freqs = moe_hf_rope_freqs(config, &n_freqs);
     const moe_tensor *rf = moe_gguf_tensor_find(g, "rope_freqs.weight");
     if (freqs && rf) {
         used++;
@@ -1311,7 +1048,7 @@ moe_status moe_repack_verify(const char *src, const char *out, int workers, moe_
     bool is_gguf = f && fread(magic, 1, 4, f) == 4 && memcmp(magic, "GGUF", 4) == 0;
     if (f) fclose(f);
     if (is_gguf) {
-        json_t *config = read_config(moe_st_dir(s), err);
+        json_t *config = moe_hf_read_config(moe_st_dir(s), err);
         moe_gguf *g = config ? moe_gguf_open(out, err) : NULL;
         if (g) {
             verify_gguf(&vf, s, config, g);
