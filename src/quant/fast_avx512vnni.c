@@ -1,0 +1,142 @@
+/* fast_avx512vnni.c: the fast path's kernels at the avx512vnni level (quant.h, "The two paths").
+ *
+ * Weight rows go 16 at a time into the lanes of a register: each weight block of the 16 rows is
+ * decoded once into an L1 tile of signed bytes, tile[g] holding values 4g .. 4g + 3 of row v in
+ * int32 lane v, and every activation row meets the tile through one vpdpbusd per 4 values with
+ * its 4 activation bytes broadcast (16 rows x 4 values = 64 multiply-adds an instruction). The
+ * activation bytes are made unsigned by adding 128, and 128 x (the row's sum of weights), worked
+ * out once per tile, comes off again: the int32 block sums are exact. Then, lane for lane, one
+ * multiply-add per block: the scalar reference's order (ref_fast.c), so a dot gives the same bits
+ * alone, in a batch, at any tile width. The trap: an activation byte of -128 would overflow the
+ * unsigned bias; the Q8 activation quantizers clamp to +-127. */
+#include "x86_avx2.h"
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#error "fast_avx512vnni.c needs the avx512vnni flags (Makefile)"
+#endif
+
+#define FAST_CHUNK 8  /* blocks decoded per pass (a Q8_0 chunk: 5 KiB) */
+#define FAST_GROUP 64 /* activation rows per decode of a chunk */
+
+/* One block of 16 weight rows, ready for the multiply. */
+typedef struct {
+    __m512i tile[8]; /* Q8_0: lane v of tile[g] = values 4g .. 4g + 3 of row v, int8 */
+    __m512i bias;    /* 128 x the sum of row v's values in the block */
+    __m512 d;        /* row v's block scale */
+} fast_tile32;
+
+/* 16 rows of 8 dwords (two to a register: row j in the low half, j + 8 in the high) to 8
+ * registers of 16 rows: an 8 x 8 transpose in each half, then the halves' 128-bit lanes put in
+ * row order. */
+MOE_INLINE void fast_transpose16x8(const __m512i z[8], __m512i out[8]) {
+    __m512i t[8], u[8];
+    for (int p = 0; p < 4; p++) {
+        t[2 * p] = _mm512_unpacklo_epi32(z[2 * p], z[2 * p + 1]);
+        t[2 * p + 1] = _mm512_unpackhi_epi32(z[2 * p], z[2 * p + 1]);
+    }
+    for (int q = 0; q < 2; q++) { /* rows 4q .. 4q + 3 of each half */
+        u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    /* u[c] (c < 4): 128-bit lanes [rows 0-3 dword c | rows 0-3 dword c + 4 | rows 8-11 dword c |
+     * rows 8-11 dword c + 4]; u[c + 4] the same for rows 4-7 and 12-15 */
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int c = 0; c < 4; c++) {
+        out[c] = _mm512_permutex2var_epi64(u[c], lo, u[c + 4]);
+        out[c + 4] = _mm512_permutex2var_epi64(u[c], hi, u[c + 4]);
+    }
+}
+
+/* Block i of n_w <= 16 Q8_0 rows ws bytes apart (rows past n_w repeat row 0). */
+MOE_INLINE void fast_tile_q8_0(const uint8_t *w, size_t ws, int n_w, int64_t i, __m512i row_at,
+                               fast_tile32 *o) {
+    __m512i z[8];
+    for (int j = 0; j < 8; j++) {
+        const moe_block_q8_0 *a = (const moe_block_q8_0 *)(w + (j < n_w ? j : 0) * ws) + i;
+        const moe_block_q8_0 *b = (const moe_block_q8_0 *)(w + (j + 8 < n_w ? j + 8 : 0) * ws) + i;
+        z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(avx2_load(a->qs)), avx2_load(b->qs), 1);
+    }
+    fast_transpose16x8(z, o->tile);
+    __m512i sum = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[g]);
+    o->bias = _mm512_slli_epi32(sum, 7);
+    /* the 16 fp16 scales: a dword gathered at each row's block (d and two qs bytes) */
+    const __m512i d32 = _mm512_i32gather_epi32(row_at, w + (size_t)i * sizeof(moe_block_q8_0), 1);
+    o->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d32));
+}
+
+/* R activation rows (xs bytes apart, block c0 on) against nc tiles; acc in and out. */
+MOE_INLINE void fast_rows_q8_0(int R, const fast_tile32 *tiles, int64_t nc, const uint8_t *x,
+                               size_t xs, int64_t c0, __m512 *accbuf) {
+    uint32_t xb[MOE_DOT_ROWS][8] __attribute__((aligned(32)));
+    __m512 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = accbuf[r];
+    for (int64_t j = 0; j < nc; j++) {
+        const fast_tile32 *t = &tiles[j];
+        __m512 dx[MOE_DOT_ROWS];
+        __m512i sum[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_0 *y = (const moe_block_q8_0 *)(x + (size_t)r * xs) + c0 + j;
+            _mm256_store_si256((__m256i *)xb[r],
+                               _mm256_xor_si256(avx2_load(y->qs), _mm256_set1_epi8((char)0x80)));
+            dx[r] = _mm512_set1_ps(avx2_fp16(y->d));
+            sum[r] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            const __m512i tg = _mm512_load_si512(&t->tile[g]);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                sum[r] = _mm512_dpbusd_epi32(sum[r], _mm512_set1_epi32((int)xb[r][g]), tg);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(t->d, dx[r]),
+                                     _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], t->bias)), acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) accbuf[r] = acc[r];
+}
+
+static void fast_tile_rows_q8_0(const void *w, size_t ws, int n_w, const void *x, size_t xs,
+                                int64_t n_rows, int64_t n, float *out, int64_t os) {
+    const int64_t nb = n / MOE_QK32;
+    const __mmask16 lanes = (__mmask16)((1u << n_w) - 1);
+    const __m512i row_at = _mm512_mullo_epi32(
+        _mm512_maskz_mov_epi32(
+            lanes, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32((int)ws));
+    fast_tile32 tiles[FAST_CHUNK];
+    __m512 accbuf[FAST_GROUP];
+    for (int64_t g0 = 0; g0 < n_rows; g0 += FAST_GROUP) {
+        const int64_t ng = n_rows - g0 < FAST_GROUP ? n_rows - g0 : FAST_GROUP;
+        for (int64_t r = 0; r < ng; r++) accbuf[r] = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < nb; c0 += FAST_CHUNK) {
+            const int64_t nc = nb - c0 < FAST_CHUNK ? nb - c0 : FAST_CHUNK;
+            for (int64_t j = 0; j < nc; j++) fast_tile_q8_0(w, ws, n_w, c0 + j, row_at, &tiles[j]);
+            int64_t r = 0;
+#define FAST_STEP(R, unused)                                                                       \
+    fast_rows_q8_0(R, tiles, nc, (const uint8_t *)x + (size_t)(g0 + r) * xs, xs, c0, accbuf + r)
+            MOE_ROW_GROUPS(r, ng, FAST_STEP, 0);
+#undef FAST_STEP
+        }
+        for (int64_t r = 0; r < ng; r++)
+            _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]);
+    }
+}
+
+static float fast_dot_q8_0(const void *w, const void *x, int64_t n) {
+    float out;
+    fast_tile_rows_q8_0(w, 0, 1, x, 0, 1, n, &out, 1);
+    return out;
+}
+
+void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
+    moe_kernels_set_fast_dot(k->types, MOE_TYPE_Q8_0, fast_dot_q8_0, fast_tile_rows_q8_0,
+                             MOE_ISA_AVX512VNNI);
+}
