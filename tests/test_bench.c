@@ -114,6 +114,32 @@ static void bench_csv_and_text(void **state) {
     free(out);
 }
 
+/* --exact-too: an exact-path line under pp, tg and each stream count, and the exact figures in
+ * the JSON beside the fast ones. */
+static void bench_exact_too(void **state) {
+    (void)state;
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "(%s bench %s " BENCH_SMALL " --exact-too 2>/dev/null)",
+             moe_test_bin(), tiny_model());
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    int exact_lines = 0;
+    for (const char *c = out; (c = strstr(c, "\n  exact ")); c++) exact_lines++;
+    assert_int_equal(exact_lines, 2 + 3);
+    assert_non_null(strstr(out, "(fast path "));
+    free(out);
+    snprintf(cmd, sizeof cmd, "(%s bench %s " BENCH_SMALL " --exact-too --json 2>/dev/null)",
+             moe_test_bin(), tiny_model());
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    json_error_t e;
+    json_t *j = json_loads(out, 0, &e);
+    if (!j) fail_msg("not JSON (%s): %s", e.text, out);
+    positive(j, "pp_exact_tok_s");
+    positive(j, "tg_exact_tok_s");
+    positive(json_array_get(json_object_get(j, "streams"), 2), "aggregate_exact_tok_s");
+    json_decref(j);
+    free(out);
+}
+
 /* `moe bench ARGS` (printf-style) exits rc and says `want`. */
 static void expect_bench(int rc, const char *want, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -302,9 +328,10 @@ static void bench_server_start_cmd(void **state) {
 
 int moe_suite_bench(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(bench_json_fields),   cmocka_unit_test(bench_csv_and_text),
-        cmocka_unit_test(bench_depths),        cmocka_unit_test(bench_usage_errors),
-        cmocka_unit_test(bench_server_counts), cmocka_unit_test(bench_server_start_cmd),
+        cmocka_unit_test(bench_json_fields),      cmocka_unit_test(bench_csv_and_text),
+        cmocka_unit_test(bench_exact_too),        cmocka_unit_test(bench_depths),
+        cmocka_unit_test(bench_usage_errors),     cmocka_unit_test(bench_server_counts),
+        cmocka_unit_test(bench_server_start_cmd),
     };
     return cmocka_run_group_tests_name("bench", tests, NULL, NULL);
 }
