@@ -9,14 +9,18 @@
  * multiply-add per block: the scalar reference's order (ref_fast.c), so a dot gives the same bits
  * alone, in a batch, at any tile width. The trap: an activation byte of -128 would overflow the
  * unsigned bias; the Q8 activation quantizers clamp to +-127. */
-#include "x86_avx2.h"
+#define MOE_AVX512_VNNI 1
+#include <math.h>
 
-#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#include "x86_avx512_iq.h" /* the codebook decodes (VBMI) */
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VBMI__))
 #error "fast_avx512vnni.c needs the avx512vnni flags (Makefile)"
 #endif
 
-#define FAST_CHUNK 8  /* blocks decoded per pass (a Q8_0 chunk: 5 KiB) */
-#define FAST_GROUP 64 /* activation rows per decode of a chunk */
+#define FAST_CHUNK    8  /* 32-value blocks decoded per pass (Q8_0: 5 KiB) */
+#define FAST_IQ_CHUNK 2  /* super-blocks decoded per pass (10 KiB) */
+#define FAST_GROUP    64 /* activation rows per decode of a chunk */
 
 /* One block of 16 weight rows, ready for the multiply. */
 typedef struct {
@@ -130,6 +134,203 @@ static void fast_tile_rows_q8_0(const void *w, size_t ws, int n_w, const void *x
     }
 }
 
+/* ==== Codebook types (and IQ4_XS): 256-value super-blocks against Q8_K ====
+ *
+ * Each row's block is decoded to registers by its type's decode (x86_avx512_iq.h: magnitudes,
+ * sign words, sixteen integer scales), signed, and the 16 rows' values transposed into the tile:
+ * tile[g] lane v = values 4g .. 4g + 3 of row v. Per sub-block of 16 values (tiles 4j .. 4j + 3)
+ * an activation row's int32 sums are multiplied by the rows' scales (vpmulld) and summed: the
+ * mold's sum_s scale[s] sum q x, exactly (blocks.h). */
+
+typedef struct {
+    __m512i tile[64];  /* lane v of tile[g]: values 4g .. 4g + 3 of row v, int8 with signs */
+    __m512i scale[16]; /* lane v of scale[j]: row v's integer scale of values 16j .. 16j + 15 */
+    __m512i bias;      /* 128 x sum_j scale[j] x (row v's values in sub-block j, summed) */
+    __m512 d;          /* row v's block scale */
+} fast_tile256;
+
+/* 16 registers of 16 dwords (row r in r[r]) transposed in place: r[c] lane v = old r[v] lane c. */
+MOE_INLINE void fast_transpose16x16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int p = 0; p < 8; p++) {
+        t[2 * p] = _mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; q++) { /* u[4q + m] lane L: rows 4q .. 4q + 3 of column 4L + m */
+        u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512i lo01 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+        const __m512i hi01 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xee);
+        const __m512i lo23 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512i hi23 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xee);
+        r[m] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(lo01, lo23, 0xdd);
+        r[8 + m] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(hi01, hi23, 0xdd);
+    }
+}
+
+/* Super-block i of n_w <= 16 rows ws bytes apart (rows past n_w repeat row 0). */
+MOE_INLINE void fast_tile_iq(z_iqb_fn regs, size_t block_bytes, const uint8_t *w, size_t ws,
+                             int n_w, int64_t i, fast_tile256 *o) {
+    __m512i stage[4][16], sc[16];
+    float d[16];
+    for (int v = 0; v < 16; v++) {
+        z_iqb b;
+        regs(w + (v < n_w ? v : 0) * ws + (size_t)i * block_bytes, &b);
+        for (int k = 0; k < 4; k++) stage[k][v] = z_apply_signs(b.g[k], _cvtu64_mask64(b.neg[k]));
+        sc[v] = _mm512_cvtepi16_epi32(b.sc);
+        d[v] = b.d;
+    }
+    for (int k = 0; k < 4; k++) {
+        fast_transpose16x16(stage[k]);
+        for (int c = 0; c < 16; c++) o->tile[16 * k + c] = stage[k][c];
+    }
+    fast_transpose16x16(sc);
+    __m512i bias = _mm512_setzero_si512();
+    for (int j = 0; j < 16; j++) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++)
+            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[4 * j + c]);
+        o->scale[j] = sc[j];
+        bias = _mm512_add_epi32(bias, _mm512_mullo_epi32(sum, sc[j]));
+    }
+    o->bias = _mm512_slli_epi32(bias, 7);
+    o->d = _mm512_loadu_ps(d);
+}
+
+/* R activation rows (xs bytes apart, block c0 on) against nc tiles; acc in and out. */
+MOE_INLINE void fast_rows_iq(int R, const fast_tile256 *tiles, int64_t nc, const uint8_t *x,
+                             size_t xs, int64_t c0, float mult, __m512 *accbuf) {
+    uint32_t xb[MOE_DOT_ROWS][64] __attribute__((aligned(64)));
+    __m512 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = accbuf[r];
+    for (int64_t j = 0; j < nc; j++) {
+        const fast_tile256 *t = &tiles[j];
+        __m512 dx[MOE_DOT_ROWS];
+        __m512i sum[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + c0 + j;
+            for (int k = 0; k < 4; k++)
+                _mm512_store_si512(xb[r] + 16 * k, _mm512_xor_si512(z_load(y->qs + 64 * k),
+                                                                    _mm512_set1_epi8((char)0x80)));
+            dx[r] = _mm512_set1_ps(y->d);
+            sum[r] = _mm512_setzero_si512();
+        }
+        for (int s = 0; s < 16; s++) {
+            __m512i part[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) part[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m512i tg = _mm512_load_si512(&t->tile[4 * s + c]);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    part[r] =
+                        _mm512_dpbusd_epi32(part[r], _mm512_set1_epi32((int)xb[r][4 * s + c]), tg);
+            }
+            const __m512i sc = _mm512_load_si512(&t->scale[s]);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[r], sc));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] =
+                _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(t->d, dx[r]), _mm512_set1_ps(mult)),
+                                _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], t->bias)), acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) accbuf[r] = acc[r];
+}
+
+/* Few activation rows (decode, a small expert): the tile's decode costs more than it saves, so
+ * one weight row at a time, its values in the lanes (the exact path's multiply: magnitudes x
+ * activations with the signs, pairs summed, times the scales), each block's int32 lanes summed
+ * and added to the row's accumulator with the same fma: the tile's bits. */
+#define FAST_TILE_MIN_ROWS 8
+MOE_INLINE void fast_lanes_iq(z_iqb_fn regs, size_t block_bytes, float mult, const uint8_t *w,
+                              const uint8_t *x, size_t xs, int64_t n_rows, int64_t n, float *out,
+                              int64_t os) {
+    float acc[FAST_TILE_MIN_ROWS] = {0};
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        z_iqb b;
+        regs(w + (size_t)i * block_bytes, &b);
+        const __m512i sc = _mm512_zextsi256_si512(b.sc);
+        for (int64_t r = 0; r < n_rows; r++) {
+            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+            __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m512i xk = z_apply_signs(z_load(y->qs + 64 * k), _cvtu64_mask64(b.neg[k]));
+                sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk),
+                                          z_scales(sc, z_idx4(4 * k)));
+            }
+            acc[r] = fmaf(b.d * y->d * mult, (float)_mm512_reduce_add_epi32(sum), acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < n_rows; r++) out[r * os] = acc[r];
+}
+
+MOE_INLINE void fast_tile_rows_iq(z_iqb_fn regs, size_t block_bytes, float mult, const void *w,
+                                  size_t ws, int n_w, const void *x, size_t xs, int64_t n_rows,
+                                  int64_t n, float *out, int64_t os) {
+    if (n_rows < FAST_TILE_MIN_ROWS) {
+        for (int v = 0; v < n_w; v++)
+            fast_lanes_iq(regs, block_bytes, mult, (const uint8_t *)w + v * ws, x, xs, n_rows, n,
+                          out + v, os);
+        return;
+    }
+    const int64_t nb = n / MOE_QK_K;
+    const __mmask16 lanes = (__mmask16)((1u << n_w) - 1);
+    fast_tile256 tiles[FAST_IQ_CHUNK];
+    __m512 accbuf[FAST_GROUP];
+    for (int64_t g0 = 0; g0 < n_rows; g0 += FAST_GROUP) {
+        const int64_t ng = n_rows - g0 < FAST_GROUP ? n_rows - g0 : FAST_GROUP;
+        for (int64_t r = 0; r < ng; r++) accbuf[r] = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < nb; c0 += FAST_IQ_CHUNK) {
+            const int64_t nc = nb - c0 < FAST_IQ_CHUNK ? nb - c0 : FAST_IQ_CHUNK;
+            for (int64_t j = 0; j < nc; j++)
+                fast_tile_iq(regs, block_bytes, w, ws, n_w, c0 + j, &tiles[j]);
+            int64_t r = 0;
+#define FAST_STEP(R, unused)                                                                       \
+    fast_rows_iq(R, tiles, nc, (const uint8_t *)x + (size_t)(g0 + r) * xs, xs, c0, mult, accbuf + r)
+            MOE_ROW_GROUPS(r, ng, FAST_STEP, 0);
+#undef FAST_STEP
+        }
+        for (int64_t r = 0; r < ng; r++)
+            _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]);
+    }
+}
+
+#define FAST_IQ_KERNELS(t, regs, mult)                                                             \
+    static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
+                                   int64_t n_rows, int64_t n, float *out, int64_t os) {            \
+        fast_tile_rows_iq(regs, sizeof(moe_block_##t), mult, w, ws, n_w, x, xs, n_rows, n, out,    \
+                          os);                                                                     \
+    }                                                                                              \
+    static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
+        float out;                                                                                 \
+        fast_tile_rows_##t(w, 0, 1, x, 0, 1, n, &out, 1);                                          \
+        return out;                                                                                \
+    }
+FAST_IQ_KERNELS(iq2_s, z_iqb_iq2_s, 0.125f)
+FAST_IQ_KERNELS(iq3_s, z_iqb_iq3_s, 1.0f)
+FAST_IQ_KERNELS(iq2_xxs, z_iqb_iq2_xxs, 0.125f)
+FAST_IQ_KERNELS(iq2_xs, z_iqb_iq2_xs, 0.125f)
+FAST_IQ_KERNELS(iq3_xxs, z_iqb_iq3_xxs, 0.25f)
+FAST_IQ_KERNELS(iq4_xs, z_iqb_iq4_xs, 1.0f)
+FAST_IQ_KERNELS(iq1_s, z_iqb_iq1_s, 0.125f)
+FAST_IQ_KERNELS(iq1_m, z_iqb_iq1_m, 0.125f)
+
+/* ==== The table ==== */
+
 static float fast_dot_q8_0(const void *w, const void *x, int64_t n) {
     float out;
     fast_tile_rows_q8_0(w, 0, 1, x, 0, 1, n, &out, 1);
@@ -137,6 +338,23 @@ static float fast_dot_q8_0(const void *w, const void *x, int64_t n) {
 }
 
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
-    moe_kernels_set_fast_dot(k->types, MOE_TYPE_Q8_0, fast_dot_q8_0, fast_tile_rows_q8_0,
-                             MOE_ISA_AVX512VNNI);
+    z_iq_tables_fill();
+    static const struct {
+        moe_type type;
+        moe_dot_fn dot;
+        moe_dot_tile_fn tile;
+    } dots[] = {
+        {MOE_TYPE_Q8_0, fast_dot_q8_0, fast_tile_rows_q8_0},
+        {MOE_TYPE_IQ2_S, fast_dot_iq2_s, fast_tile_rows_iq2_s},
+        {MOE_TYPE_IQ3_S, fast_dot_iq3_s, fast_tile_rows_iq3_s},
+        {MOE_TYPE_IQ2_XXS, fast_dot_iq2_xxs, fast_tile_rows_iq2_xxs},
+        {MOE_TYPE_IQ2_XS, fast_dot_iq2_xs, fast_tile_rows_iq2_xs},
+        {MOE_TYPE_IQ3_XXS, fast_dot_iq3_xxs, fast_tile_rows_iq3_xxs},
+        {MOE_TYPE_IQ4_XS, fast_dot_iq4_xs, fast_tile_rows_iq4_xs},
+        {MOE_TYPE_IQ1_S, fast_dot_iq1_s, fast_tile_rows_iq1_s},
+        {MOE_TYPE_IQ1_M, fast_dot_iq1_m, fast_tile_rows_iq1_m},
+    };
+    for (size_t i = 0; i < sizeof dots / sizeof dots[0]; i++)
+        moe_kernels_set_fast_dot(k->types, dots[i].type, dots[i].dot, dots[i].tile,
+                                 MOE_ISA_AVX512VNNI);
 }
