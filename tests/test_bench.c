@@ -39,16 +39,23 @@ static double positive(json_t *obj, const char *key) {
     return x;
 }
 
-static void bench_json_fields(void **state) {
-    (void)state;
+/* `moe bench` of the tiny model with BENCH_SMALL, `extra` and --json, parsed (stderr dropped:
+ * the object must parse from stdout alone). */
+static json_t *bench_json(const char *extra) {
     char cmd[2048], *out;
-    /* stderr dropped: the object must parse from stdout alone */
-    snprintf(cmd, sizeof cmd, "(%s bench %s " BENCH_SMALL " --json 2>/dev/null)", moe_test_bin(),
-             tiny_model());
+    snprintf(cmd, sizeof cmd, "(%s bench %s " BENCH_SMALL " %s --json 2>/dev/null)", moe_test_bin(),
+             tiny_model(), extra);
     assert_int_equal(moe_test_run(cmd, &out), 0);
     json_error_t e;
     json_t *j = json_loads(out, 0, &e);
     if (!j) fail_msg("not JSON (%s):\n%s", e.text, out);
+    free(out);
+    return j;
+}
+
+static void bench_json_fields(void **state) {
+    (void)state;
+    json_t *j = bench_json("");
     positive(j, "pp_tok_s");
     positive(j, "tg_tok_s");
     positive(j, "read_bw_gb_s");
@@ -85,7 +92,6 @@ static void bench_json_fields(void **state) {
     /* the tiny model's dense part alone (head 256 x 512 Q8_0) is 139 KB a token */
     assert_true(json_number_value(json_object_get(j, "active_bytes_per_token")) > 139000);
     json_decref(j);
-    free(out);
 }
 
 static void bench_csv_and_text(void **state) {
@@ -127,17 +133,11 @@ static void bench_exact_too(void **state) {
     assert_int_equal(exact_lines, 2 + 3);
     assert_non_null(strstr(out, "(fast path "));
     free(out);
-    snprintf(cmd, sizeof cmd, "(%s bench %s " BENCH_SMALL " --exact-too --json 2>/dev/null)",
-             moe_test_bin(), tiny_model());
-    assert_int_equal(moe_test_run(cmd, &out), 0);
-    json_error_t e;
-    json_t *j = json_loads(out, 0, &e);
-    if (!j) fail_msg("not JSON (%s): %s", e.text, out);
+    json_t *j = bench_json("--exact-too");
     positive(j, "pp_exact_tok_s");
     positive(j, "tg_exact_tok_s");
     positive(json_array_get(json_object_get(j, "streams"), 2), "aggregate_exact_tok_s");
     json_decref(j);
-    free(out);
 }
 
 /* `moe bench ARGS` (printf-style) exits rc and says `want`. */

@@ -18,16 +18,125 @@
 #error "fast_avx512vnni.c needs the avx512vnni flags (Makefile)"
 #endif
 
-#define FAST_CHUNK    8  /* 32-value blocks decoded per pass (Q8_0: 5 KiB) */
+#define FAST_CHUNK    8  /* 32-value blocks decoded per pass (Q8_0: 5 KiB touched) */
 #define FAST_IQ_CHUNK 2  /* super-blocks decoded per pass (10 KiB) */
 #define FAST_GROUP    64 /* activation rows per decode of a chunk */
 
-/* One block of 16 weight rows, ready for the multiply. */
+/* One block of 16 weight rows, ready for the multiply. Q8_0 fills tile[0 .. 7] and no scales
+ * (the rest is never touched, so costs no cache). */
 typedef struct {
-    __m512i tile[8]; /* Q8_0: lane v of tile[g] = values 4g .. 4g + 3 of row v, int8 */
-    __m512i bias;    /* 128 x the sum of row v's values in the block */
-    __m512 d;        /* row v's block scale */
-} fast_tile32;
+    __m512i tile[64];  /* lane v of tile[g]: values 4g .. 4g + 3 of row v, int8 with signs */
+    __m512i scale[16]; /* lane v of scale[j]: row v's integer scale of values 16j .. 16j + 15 */
+    __m512i bias;      /* 128 x sum_j scale[j] x (row v's values in sub-block j, summed) */
+    __m512 d;          /* row v's block scale */
+} fast_tile;
+
+/* What a tile kernel needs of its type: the codebook types' decode (NULL for Q8_0), the block
+ * size, the power of two the block scale is multiplied by after the activations'. */
+typedef struct {
+    z_iqb_fn regs;
+    size_t block_bytes;
+    float mult;
+} fast_type;
+
+/* Block i of n_w <= 16 rows ws bytes apart into a tile (rows past n_w repeat row 0). */
+typedef void (*fast_decode_fn)(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               void *tile);
+/* R activation rows (xs bytes apart, block c0 on) against nc tiles; the rows' accumulators in
+ * and out through accbuf. */
+typedef void (*fast_rows_fn)(int R, fast_type t, const void *tiles, int64_t nc, const uint8_t *x,
+                             size_t xs, int64_t c0, __m512 *accbuf);
+
+/* A tile kernel: FAST_GROUP activation rows at a time; per chunk of blocks, each block of the 16
+ * rows decoded once into `tiles`, then every group of rows run over the chunk. */
+MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows, void *tiles,
+                           size_t tile_bytes, int64_t chunk, const void *w, size_t ws, int n_w,
+                           const void *x, size_t xs, int64_t n_rows, int64_t nb, float *out,
+                           int64_t os) {
+    const __mmask16 lanes = (__mmask16)((1u << n_w) - 1);
+    __m512 accbuf[FAST_GROUP];
+    for (int64_t g0 = 0; g0 < n_rows; g0 += FAST_GROUP) {
+        const int64_t ng = n_rows - g0 < FAST_GROUP ? n_rows - g0 : FAST_GROUP;
+        for (int64_t r = 0; r < ng; r++) accbuf[r] = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+            const int64_t nc = nb - c0 < chunk ? nb - c0 : chunk;
+            for (int64_t j = 0; j < nc; j++)
+                decode(t, w, ws, n_w, c0 + j, (uint8_t *)tiles + (size_t)j * tile_bytes);
+            int64_t r = 0;
+#define FAST_STEP(R, unused)                                                                       \
+    rows(R, t, tiles, nc, (const uint8_t *)x + (size_t)(g0 + r) * xs, xs, c0, accbuf + r)
+            MOE_ROW_GROUPS(r, ng, FAST_STEP, 0);
+#undef FAST_STEP
+        }
+        for (int64_t r = 0; r < ng; r++)
+            _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]);
+    }
+}
+
+/* The multiply of both kinds (regs NULL: Q8_0 against Q8_0, 8 groups of 4 and no scales;
+ * else a super-block against Q8_K, 64 groups, a scale per 16 values): each activation row's
+ * bytes made unsigned (+128) into xb, then per sub-block of 4 groups one vpdpbusd per group with
+ * its 4 bytes broadcast, times the rows' scales; the bias off, then one fma per block. */
+MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t nc, const uint8_t *x,
+                          size_t xs, int64_t c0, __m512 *accbuf) {
+    const fast_tile *tiles = tile_buf;
+    const bool q8_0 = type.regs == NULL;
+    const int groups = q8_0 ? MOE_QK32 / 4 : MOE_QK_K / 4;
+    uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(64)));
+    __m512 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = accbuf[r];
+    for (int64_t j = 0; j < nc; j++) {
+        const fast_tile *t = &tiles[j];
+        __m512 dx[MOE_DOT_ROWS];
+        __m512i sum[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *xr = x + (size_t)r * xs;
+            if (q8_0) {
+                const moe_block_q8_0 *y = (const moe_block_q8_0 *)xr + c0 + j;
+                _mm256_store_si256(
+                    (__m256i *)xb[r],
+                    _mm256_xor_si256(avx2_load(y->qs), _mm256_set1_epi8((char)0x80)));
+                dx[r] = _mm512_set1_ps(avx2_fp16(y->d));
+            } else {
+                const moe_block_q8_k *y = (const moe_block_q8_k *)xr + c0 + j;
+                for (int k = 0; k < 4; k++)
+                    _mm512_store_si512(
+                        xb[r] + 16 * k,
+                        _mm512_xor_si512(z_load(y->qs + 64 * k), _mm512_set1_epi8((char)0x80)));
+                dx[r] = _mm512_set1_ps(y->d);
+            }
+            sum[r] = _mm512_setzero_si512();
+        }
+        for (int s = 0; s < groups / 4; s++) {
+            __m512i part[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) part[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m512i tg = _mm512_load_si512(&t->tile[4 * s + c]);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    part[r] =
+                        _mm512_dpbusd_epi32(part[r], _mm512_set1_epi32((int)xb[r][4 * s + c]), tg);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                sum[r] = _mm512_add_epi32(sum[r], q8_0 ? part[r]
+                                                       : _mm512_mullo_epi32(part[r], t->scale[s]));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(
+                _mm512_mul_ps(_mm512_mul_ps(t->d, dx[r]), _mm512_set1_ps(type.mult)),
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], t->bias)), acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) accbuf[r] = acc[r];
+}
+
+/* ==== Q8_0 ==== */
 
 /* 16 rows of 8 dwords (two to a register: row j in the low half, j + 8 in the high) to 8
  * registers of 16 rows: an 8 x 8 transpose in each half, then the halves' 128-bit lanes put in
@@ -54,9 +163,15 @@ MOE_INLINE void fast_transpose16x8(const __m512i z[8], __m512i out[8]) {
     }
 }
 
-/* Block i of n_w <= 16 Q8_0 rows ws bytes apart (rows past n_w repeat row 0). */
-MOE_INLINE void fast_tile_q8_0(const uint8_t *w, size_t ws, int n_w, int64_t i, __m512i row_at,
-                               fast_tile32 *o) {
+MOE_INLINE void fast_tile_q8_0(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               void *tile) {
+    (void)t;
+    fast_tile *o = tile;
+    const __m512i row_at =
+        _mm512_mullo_epi32(_mm512_maskz_mov_epi32((__mmask16)((1u << n_w) - 1),
+                                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                    10, 11, 12, 13, 14, 15)),
+                           _mm512_set1_epi32((int)ws));
     __m512i z[8];
     for (int j = 0; j < 8; j++) {
         const moe_block_q8_0 *a = (const moe_block_q8_0 *)(w + (j < n_w ? j : 0) * ws) + i;
@@ -72,66 +187,11 @@ MOE_INLINE void fast_tile_q8_0(const uint8_t *w, size_t ws, int n_w, int64_t i, 
     o->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d32));
 }
 
-/* R activation rows (xs bytes apart, block c0 on) against nc tiles; acc in and out. */
-MOE_INLINE void fast_rows_q8_0(int R, const fast_tile32 *tiles, int64_t nc, const uint8_t *x,
-                               size_t xs, int64_t c0, __m512 *accbuf) {
-    uint32_t xb[MOE_DOT_ROWS][8] __attribute__((aligned(32)));
-    __m512 acc[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = accbuf[r];
-    for (int64_t j = 0; j < nc; j++) {
-        const fast_tile32 *t = &tiles[j];
-        __m512 dx[MOE_DOT_ROWS];
-        __m512i sum[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const moe_block_q8_0 *y = (const moe_block_q8_0 *)(x + (size_t)r * xs) + c0 + j;
-            _mm256_store_si256((__m256i *)xb[r],
-                               _mm256_xor_si256(avx2_load(y->qs), _mm256_set1_epi8((char)0x80)));
-            dx[r] = _mm512_set1_ps(avx2_fp16(y->d));
-            sum[r] = _mm512_setzero_si512();
-        }
-#pragma GCC unroll 8
-        for (int g = 0; g < 8; g++) {
-            const __m512i tg = _mm512_load_si512(&t->tile[g]);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                sum[r] = _mm512_dpbusd_epi32(sum[r], _mm512_set1_epi32((int)xb[r][g]), tg);
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(t->d, dx[r]),
-                                     _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], t->bias)), acc[r]);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) accbuf[r] = acc[r];
-}
-
 static void fast_tile_rows_q8_0(const void *w, size_t ws, int n_w, const void *x, size_t xs,
                                 int64_t n_rows, int64_t n, float *out, int64_t os) {
-    const int64_t nb = n / MOE_QK32;
-    const __mmask16 lanes = (__mmask16)((1u << n_w) - 1);
-    const __m512i row_at = _mm512_mullo_epi32(
-        _mm512_maskz_mov_epi32(
-            lanes, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-        _mm512_set1_epi32((int)ws));
-    fast_tile32 tiles[FAST_CHUNK];
-    __m512 accbuf[FAST_GROUP];
-    for (int64_t g0 = 0; g0 < n_rows; g0 += FAST_GROUP) {
-        const int64_t ng = n_rows - g0 < FAST_GROUP ? n_rows - g0 : FAST_GROUP;
-        for (int64_t r = 0; r < ng; r++) accbuf[r] = _mm512_setzero_ps();
-        for (int64_t c0 = 0; c0 < nb; c0 += FAST_CHUNK) {
-            const int64_t nc = nb - c0 < FAST_CHUNK ? nb - c0 : FAST_CHUNK;
-            for (int64_t j = 0; j < nc; j++) fast_tile_q8_0(w, ws, n_w, c0 + j, row_at, &tiles[j]);
-            int64_t r = 0;
-#define FAST_STEP(R, unused)                                                                       \
-    fast_rows_q8_0(R, tiles, nc, (const uint8_t *)x + (size_t)(g0 + r) * xs, xs, c0, accbuf + r)
-            MOE_ROW_GROUPS(r, ng, FAST_STEP, 0);
-#undef FAST_STEP
-        }
-        for (int64_t r = 0; r < ng; r++)
-            _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]);
-    }
+    fast_tile tiles[FAST_CHUNK];
+    fast_drive((fast_type){NULL, sizeof(moe_block_q8_0), 1.0f}, fast_tile_q8_0, fast_rows, tiles,
+               sizeof tiles[0], FAST_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK32, out, os);
 }
 
 /* ==== Codebook types (and IQ4_XS): 256-value super-blocks against Q8_K ====
@@ -141,13 +201,6 @@ static void fast_tile_rows_q8_0(const void *w, size_t ws, int n_w, const void *x
  * tile[g] lane v = values 4g .. 4g + 3 of row v. Per sub-block of 16 values (tiles 4j .. 4j + 3)
  * an activation row's int32 sums are multiplied by the rows' scales (vpmulld) and summed: the
  * mold's sum_s scale[s] sum q x, exactly (blocks.h). */
-
-typedef struct {
-    __m512i tile[64];  /* lane v of tile[g]: values 4g .. 4g + 3 of row v, int8 with signs */
-    __m512i scale[16]; /* lane v of scale[j]: row v's integer scale of values 16j .. 16j + 15 */
-    __m512i bias;      /* 128 x sum_j scale[j] x (row v's values in sub-block j, summed) */
-    __m512 d;          /* row v's block scale */
-} fast_tile256;
 
 /* 16 registers of 16 dwords (row r in r[r]) transposed in place: r[c] lane v = old r[v] lane c. */
 MOE_INLINE void fast_transpose16x16(__m512i r[16]) {
@@ -174,14 +227,14 @@ MOE_INLINE void fast_transpose16x16(__m512i r[16]) {
     }
 }
 
-/* Super-block i of n_w <= 16 rows ws bytes apart (rows past n_w repeat row 0). */
-MOE_INLINE void fast_tile_iq(z_iqb_fn regs, size_t block_bytes, const uint8_t *w, size_t ws,
-                             int n_w, int64_t i, fast_tile256 *o) {
+MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                             void *tile) {
+    fast_tile *o = tile;
     __m512i stage[4][16], sc[16];
     float d[16];
     for (int v = 0; v < 16; v++) {
         z_iqb b;
-        regs(w + (v < n_w ? v : 0) * ws + (size_t)i * block_bytes, &b);
+        t.regs(w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes, &b);
         for (int k = 0; k < 4; k++) stage[k][v] = z_apply_signs(b.g[k], _cvtu64_mask64(b.neg[k]));
         sc[v] = _mm512_cvtepi16_epi32(b.sc);
         d[v] = b.d;
@@ -201,53 +254,6 @@ MOE_INLINE void fast_tile_iq(z_iqb_fn regs, size_t block_bytes, const uint8_t *w
     }
     o->bias = _mm512_slli_epi32(bias, 7);
     o->d = _mm512_loadu_ps(d);
-}
-
-/* R activation rows (xs bytes apart, block c0 on) against nc tiles; acc in and out. */
-MOE_INLINE void fast_rows_iq(int R, const fast_tile256 *tiles, int64_t nc, const uint8_t *x,
-                             size_t xs, int64_t c0, float mult, __m512 *accbuf) {
-    uint32_t xb[MOE_DOT_ROWS][64] __attribute__((aligned(64)));
-    __m512 acc[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = accbuf[r];
-    for (int64_t j = 0; j < nc; j++) {
-        const fast_tile256 *t = &tiles[j];
-        __m512 dx[MOE_DOT_ROWS];
-        __m512i sum[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + c0 + j;
-            for (int k = 0; k < 4; k++)
-                _mm512_store_si512(xb[r] + 16 * k, _mm512_xor_si512(z_load(y->qs + 64 * k),
-                                                                    _mm512_set1_epi8((char)0x80)));
-            dx[r] = _mm512_set1_ps(y->d);
-            sum[r] = _mm512_setzero_si512();
-        }
-        for (int s = 0; s < 16; s++) {
-            __m512i part[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) part[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m512i tg = _mm512_load_si512(&t->tile[4 * s + c]);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-                    part[r] =
-                        _mm512_dpbusd_epi32(part[r], _mm512_set1_epi32((int)xb[r][4 * s + c]), tg);
-            }
-            const __m512i sc = _mm512_load_si512(&t->scale[s]);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[r], sc));
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] =
-                _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(t->d, dx[r]), _mm512_set1_ps(mult)),
-                                _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], t->bias)), acc[r]);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) accbuf[r] = acc[r];
 }
 
 /* Few activation rows (decode, a small expert): the tile's decode costs more than it saves, so
@@ -278,42 +284,24 @@ MOE_INLINE void fast_lanes_iq(z_iqb_fn regs, size_t block_bytes, float mult, con
     for (int64_t r = 0; r < n_rows; r++) out[r * os] = acc[r];
 }
 
-MOE_INLINE void fast_tile_rows_iq(z_iqb_fn regs, size_t block_bytes, float mult, const void *w,
-                                  size_t ws, int n_w, const void *x, size_t xs, int64_t n_rows,
-                                  int64_t n, float *out, int64_t os) {
+MOE_INLINE void fast_tile_rows_iq(fast_type t, const void *w, size_t ws, int n_w, const void *x,
+                                  size_t xs, int64_t n_rows, int64_t n, float *out, int64_t os) {
     if (n_rows < FAST_TILE_MIN_ROWS) {
         for (int v = 0; v < n_w; v++)
-            fast_lanes_iq(regs, block_bytes, mult, (const uint8_t *)w + v * ws, x, xs, n_rows, n,
-                          out + v, os);
+            fast_lanes_iq(t.regs, t.block_bytes, t.mult, (const uint8_t *)w + v * ws, x, xs, n_rows,
+                          n, out + v, os);
         return;
     }
-    const int64_t nb = n / MOE_QK_K;
-    const __mmask16 lanes = (__mmask16)((1u << n_w) - 1);
-    fast_tile256 tiles[FAST_IQ_CHUNK];
-    __m512 accbuf[FAST_GROUP];
-    for (int64_t g0 = 0; g0 < n_rows; g0 += FAST_GROUP) {
-        const int64_t ng = n_rows - g0 < FAST_GROUP ? n_rows - g0 : FAST_GROUP;
-        for (int64_t r = 0; r < ng; r++) accbuf[r] = _mm512_setzero_ps();
-        for (int64_t c0 = 0; c0 < nb; c0 += FAST_IQ_CHUNK) {
-            const int64_t nc = nb - c0 < FAST_IQ_CHUNK ? nb - c0 : FAST_IQ_CHUNK;
-            for (int64_t j = 0; j < nc; j++)
-                fast_tile_iq(regs, block_bytes, w, ws, n_w, c0 + j, &tiles[j]);
-            int64_t r = 0;
-#define FAST_STEP(R, unused)                                                                       \
-    fast_rows_iq(R, tiles, nc, (const uint8_t *)x + (size_t)(g0 + r) * xs, xs, c0, mult, accbuf + r)
-            MOE_ROW_GROUPS(r, ng, FAST_STEP, 0);
-#undef FAST_STEP
-        }
-        for (int64_t r = 0; r < ng; r++)
-            _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]);
-    }
+    fast_tile tiles[FAST_IQ_CHUNK];
+    fast_drive(t, fast_tile_iq, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs,
+               n_rows, n / MOE_QK_K, out, os);
 }
 
 #define FAST_IQ_KERNELS(t, regs, mult)                                                             \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
-        fast_tile_rows_iq(regs, sizeof(moe_block_##t), mult, w, ws, n_w, x, xs, n_rows, n, out,    \
-                          os);                                                                     \
+        fast_tile_rows_iq((fast_type){regs, sizeof(moe_block_##t), mult}, w, ws, n_w, x, xs,       \
+                          n_rows, n, out, os);                                                     \
     }                                                                                              \
     static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
         float out;                                                                                 \
@@ -339,22 +327,17 @@ static float fast_dot_q8_0(const void *w, const void *x, int64_t n) {
 
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     z_iq_tables_fill();
-    static const struct {
-        moe_type type;
-        moe_dot_fn dot;
-        moe_dot_tile_fn tile;
-    } dots[] = {
-        {MOE_TYPE_Q8_0, fast_dot_q8_0, fast_tile_rows_q8_0},
-        {MOE_TYPE_IQ2_S, fast_dot_iq2_s, fast_tile_rows_iq2_s},
-        {MOE_TYPE_IQ3_S, fast_dot_iq3_s, fast_tile_rows_iq3_s},
-        {MOE_TYPE_IQ2_XXS, fast_dot_iq2_xxs, fast_tile_rows_iq2_xxs},
-        {MOE_TYPE_IQ2_XS, fast_dot_iq2_xs, fast_tile_rows_iq2_xs},
-        {MOE_TYPE_IQ3_XXS, fast_dot_iq3_xxs, fast_tile_rows_iq3_xxs},
-        {MOE_TYPE_IQ4_XS, fast_dot_iq4_xs, fast_tile_rows_iq4_xs},
-        {MOE_TYPE_IQ1_S, fast_dot_iq1_s, fast_tile_rows_iq1_s},
-        {MOE_TYPE_IQ1_M, fast_dot_iq1_m, fast_tile_rows_iq1_m},
-    };
-    for (size_t i = 0; i < sizeof dots / sizeof dots[0]; i++)
-        moe_kernels_set_fast_dot(k->types, dots[i].type, dots[i].dot, dots[i].tile,
-                                 MOE_ISA_AVX512VNNI);
+#define FAST_SET(T, t)                                                                             \
+    moe_kernels_set_fast_dot(k->types, MOE_TYPE_##T, fast_dot_##t, fast_tile_rows_##t,             \
+                             MOE_ISA_AVX512VNNI)
+    FAST_SET(Q8_0, q8_0);
+    FAST_SET(IQ2_S, iq2_s);
+    FAST_SET(IQ3_S, iq3_s);
+    FAST_SET(IQ2_XXS, iq2_xxs);
+    FAST_SET(IQ2_XS, iq2_xs);
+    FAST_SET(IQ3_XXS, iq3_xxs);
+    FAST_SET(IQ4_XS, iq4_xs);
+    FAST_SET(IQ1_S, iq1_s);
+    FAST_SET(IQ1_M, iq1_m);
+#undef FAST_SET
 }
