@@ -128,6 +128,14 @@ typedef struct moe_bandwidth {
 moe_status moe_read_bandwidth(moe_pool *pool, size_t bytes, int runs, moe_bandwidth *out,
                               moe_error *err);
 
+/* Per-op profile, on when the environment sets MOE_PROFILE (not "0"): time and bytes per kind
+ * of operation summed over the run and printed to stderr at exit, per step of the kind
+ * MOE_PROFILE_STEP (the whole forward), with what the other kinds leave of it. Only the thread
+ * that runs the steps records. */
+#define MOE_PROFILE_STEP "step"
+bool moe_profile_on(void);
+void moe_profile_add(const char *kind, size_t kind_len, double seconds, double bytes);
+
 /* ==== Half-precision conversions (IEEE binary16 and bfloat16), exact and portable ==== */
 
 float moe_fp16_to_f32(uint16_t h);

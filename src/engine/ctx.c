@@ -490,6 +490,7 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
                           moe_error *err) {
     rows = dist_rows(c, rows, &n_rows);
     if (check_rows(c, rows, n_rows, c->seq_len, err) != MOE_OK) return err->code;
+    const double start = moe_profile_on() ? moe_now() : 0;
     memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;
     const int64_t n_embd = m->cfg.n_embd;
@@ -515,6 +516,8 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         c->tokens[(uint64_t)rows[r].seq * c->p.n_ctx + (uint32_t)rows[r].pos] = rows[r].token;
     }
     output_head(c, c->stream, rows, n_rows, m->output_norm, m->output, logits);
+    if (start > 0)
+        moe_profile_add(MOE_PROFILE_STEP, strlen(MOE_PROFILE_STEP), moe_now() - start, 0);
     return MOE_OK;
 }
 

@@ -200,6 +200,26 @@ typedef struct matmul_job {
 #define MATMUL_W_BLOCK 16
 #define MATMUL_X_TILE  (192u << 10)
 
+/* The weight stream through a chunk of rows is one run of addresses, but the hardware
+ * prefetcher starts over at every 4 KiB page and at the chunk's start; so while a block of rows
+ * computes, the bytes MATMUL_PREFETCH ahead of it (up to the matrix's end) are requested in
+ * software, and a chunk's first bytes before its first row. */
+#define MATMUL_PREFETCH (4u << 10)
+
+static inline void prefetch_bytes(const uint8_t *p, const uint8_t *end) {
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+/* Rows [o0, o1) are about to be read for the first time (the caller's chunk starts at begin). */
+static void matmul_prefetch_ahead(const matmul_job *j, int64_t begin, int64_t o0, int64_t o1) {
+    const uint8_t *w = j->wbase + (uint64_t)o0 * j->w_row_bytes,
+                  *w_end = j->wbase + (uint64_t)o1 * j->w_row_bytes,
+                  *m_end = j->wbase + (uint64_t)j->n_out * j->w_row_bytes;
+    const uint8_t *from = o0 == begin ? w : w + MATMUL_PREFETCH,
+                  *to = w_end + MATMUL_PREFETCH < m_end ? w_end + MATMUL_PREFETCH : m_end;
+    prefetch_bytes(from, to);
+}
+
 static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
     const matmul_job *j = arg;
@@ -208,6 +228,7 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     if (j->k->dot_tile) { /* the fast path: MOE_DOT_TILE_W weight rows in the lanes at a time */
         for (int64_t o0 = begin; o0 < end; o0 += MOE_DOT_TILE_W) {
             const int n_w = (int)(end - o0 < MOE_DOT_TILE_W ? end - o0 : MOE_DOT_TILE_W);
+            matmul_prefetch_ahead(j, begin, o0, o0 + n_w);
             for (int64_t r0 = 0; r0 < j->n_rows; r0 += tile)
                 j->k->dot_tile(j->wbase + (uint64_t)o0 * j->w_row_bytes, j->w_row_bytes, n_w,
                                j->xq + (uint64_t)r0 * j->xq_row_bytes, j->xq_row_bytes,
@@ -218,6 +239,7 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     }
     for (int64_t o0 = begin; o0 < end; o0 += MATMUL_W_BLOCK) {
         const int64_t o1 = o0 + MATMUL_W_BLOCK < end ? o0 + MATMUL_W_BLOCK : end;
+        matmul_prefetch_ahead(j, begin, o0, o1);
         for (int64_t r0 = 0; r0 < j->n_rows; r0 += tile) {
             const int64_t nr = j->n_rows - r0 < tile ? j->n_rows - r0 : tile;
             const uint8_t *x = j->xq + (uint64_t)r0 * j->xq_row_bytes;
@@ -237,6 +259,13 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
             }
         }
     }
+}
+
+void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes) {
+    if (!w->data) return;
+    const uint64_t m_bytes = (uint64_t)w->ne[1] * moe_type_row_bytes(w->type, w->ne[0]);
+    const uint8_t *m = w->data + (uint64_t)matrix * m_bytes;
+    prefetch_bytes(m, m + (bytes < m_bytes ? bytes : m_bytes));
 }
 
 /* One task made ready: activation rows converted once for the weight type's dot. */
@@ -288,8 +317,27 @@ void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx) {
     matmul_observer_ctx = ctx;
 }
 
+/* MOE_PROFILE: a pass is recorded under its first tensor's name less the layer ("blk.N."), with
+ * the weight bytes of all its tasks. */
+static void matmul_profile(const moe_matmul_task *tasks, int n_tasks, double start) {
+    const double seconds = moe_now() - start;
+    double bytes = 0;
+    for (int i = 0; i < n_tasks; i++)
+        bytes +=
+            (double)tasks[i].w->ne[1] * moe_type_row_bytes(tasks[i].w->type, tasks[i].w->ne[0]);
+    const char *name = tasks[0].w->name.ptr;
+    size_t len = tasks[0].w->name.len;
+    if (len > 4 && !memcmp(name, "blk.", 4)) {
+        size_t i = 4;
+        while (i < len && name[i] != '.') i++;
+        if (i < len) name += i + 1, len -= i + 1;
+    }
+    moe_profile_add(name, len, seconds, bytes);
+}
+
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) {
     MOE_CHECK(n_tasks >= 0 && n_tasks <= MOE_MATMUL_MANY_MAX);
+    const double start = n_tasks && moe_profile_on() ? moe_now() : 0;
     if (matmul_observer)
         for (int i = 0; i < n_tasks; i++)
             matmul_observer(matmul_observer_ctx, tasks[i].w, tasks[i].matrix, tasks[i].x,
@@ -310,6 +358,7 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
         m.first[i + 1] = m.first[i] + (m.jobs[i].n_out + chunk - 1) / chunk;
     }
     moe_pool_for(pool, m.first[n_tasks], 1, matmul_many_items, &m);
+    if (start > 0) matmul_profile(tasks, n_tasks, start);
 }
 
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,

@@ -92,6 +92,9 @@ typedef struct moe_matmul_task {
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks);
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
                 float *y, void *scratch);
+/* Request the first `bytes` of the 2-D slice `matrix` of w from memory and return at once
+ * (software prefetch): a pass about to start on it finds its first lines on their way. */
+void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes);
 /* An observer of every matmul's input rows (moe imatrix): called on the calling thread, once per
  * task before its product, with the weight, its 2-D slice (the expert) and the float activation
  * rows. Process-wide and not synchronised: set it before a forward pass, never while one runs;

@@ -456,13 +456,27 @@ static void net_stop(serve_net *n) {
 
 /* ==== CORS ==== */
 
-/* The Origin header's verdict: 0 none (not a browser), 1 allowed (same origin as Host, or in
+/* Whether origin is http:// or https:// followed by exactly the host (a Host header's value, or
+ * the first of X-Forwarded-Host's list). */
+static bool origin_is_host(const char *origin, const char *host) {
+    if (!host) return false;
+    const size_t n = strcspn(host, ", ");
+    const char *rest = strncmp(origin, "http://", 7) == 0    ? origin + 7
+                       : strncmp(origin, "https://", 8) == 0 ? origin + 8
+                                                             : NULL;
+    return rest && n && strlen(rest) == n && strncasecmp(rest, host, n) == 0;
+}
+
+/* The Origin header's verdict: 0 none (not a browser), 1 allowed (same origin as Host -- or as
+ * X-Forwarded-Host, the host a reverse proxy, HTTPS or not, was asked for; a page cannot set
+ * that header on a cross-origin request without a preflight, which is refused --, or in
  * --cors), -1 refused. */
 static int origin_check(serve_http *h) {
     const char *origin = serve_header(h, "Origin");
     if (!origin) return 0;
-    const char *host = serve_header(h, "Host");
-    if (host && strncmp(origin, "http://", 7) == 0 && strcasecmp(origin + 7, host) == 0) return 1;
+    if (origin_is_host(origin, serve_header(h, "Host")) ||
+        origin_is_host(origin, serve_header(h, "X-Forwarded-Host")))
+        return 1;
     const char *list = h->srv->p.cors;
     const size_t len = strlen(origin);
     while (list && *list) {
