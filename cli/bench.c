@@ -1,9 +1,10 @@
 /* bench.c: `moe bench MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8]
  * [--stream-steps N] [--depth 1024,4096] [--verify N] [--accept 0.87,0.66,0.52]
- * [--spec ngram|mtp --prompt-file F [--draft N]] [--mmap] [--csv | --json]` -- throughput of a
- * model on this machine beside the machine's read bandwidth (src/tools/bench.c measures; this
- * file parses and prints). With --spec, greedy decode after a real prompt is also measured with
- * and without speculation, through run's generation loop (generate.c). `moe bench --server URL
+ * [--spec ngram|mtp --prompt-file F [--draft N]] [--mmap] [--exact-too] [--csv | --json]` --
+ * throughput of a model on this machine beside the machine's read bandwidth (src/tools/bench.c
+ * measures; this file parses and prints). With --spec, greedy decode after a real prompt is also
+ * measured with and without speculation, through run's generation loop (generate.c). `moe bench
+ * --server URL
  * [--concurrency N] [--tokens N] [--repeats N] [--start-cmd CMD] [--svg FILE] [--json]` -- load
  * on a running server instead (src/tools/bench_server.c).
  *
@@ -11,7 +12,7 @@
  * what it measured. JSON is one object: pp_tok_s, tg_tok_s, depths [{depth, pp_tok_s, tg_tok_s}],
  * streams [{n, aggregate_tok_s, per_stream_tok_s}], verify [{rows, steps_s, cost_ratio}],
  * projected [{drafts, tok_s}], read_bw_gb_s, active_bytes_per_token, isa, threads, and the
- * ranges. */
+ * ranges; with --exact-too, exact_tok_s beside each tok_s of pp, tg, depths and streams. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +53,9 @@ static const char usage_text[] =
     "  --expert-stats FILE  keep the expert cache's use counts across runs in FILE\n"
     "  --pin-experts FILE   experts always resident, one \"LAYER EXPERT\" per line\n"
     "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
+    "  --exact-too       run pp, tg, depth and stream tests on the exact path (MOE_EXACT=1,\n"
+    "                    ggml's float order) too, runs alternated with the fast path's; text\n"
+    "                    and JSON report both\n"
     "  --split experts|rows  under `mpirun -np K` (a `make MPI=1` build): each rank runs its\n"
     "                    share of the routed experts (whole experts, or its rows of every one);\n"
     "                    reports decode time split into compute, reduction and waiting (a rank\n"
@@ -375,6 +379,14 @@ static void print_spec_text(const spec_bench *sb, const moe_bench_result *r,
     printf("\n");
 }
 
+/* With --exact-too: a figure's exact-path line, under its fast-path one. */
+static void print_exact(const moe_bench_result *r, const moe_bench_figure *f, double probe) {
+    if (f->exact_median <= 0) return;
+    printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d  (fast path %.2fx)\n", "  exact",
+           f->exact_median, f->exact_min, f->exact_max, "", f->exact_gb_s,
+           100 * f->exact_gb_s / probe, r->isa, r->threads, f->median / f->exact_median);
+}
+
 static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
     const moe_bandwidth *bw = &r->bandwidth;
     const double probe = bw->median_gb_s;
@@ -430,6 +442,7 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
         snprintf(label, sizeof label, "%s%d", tests[i].name, i ? p->n_gen : p->n_prompt);
         printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d\n", label, f->median, f->min,
                f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads);
+        print_exact(r, f, probe);
     }
     for (int i = 0; i < p->n_depths; i++) {
         const moe_bench_figure *f = &r->pp_depth[i];
@@ -447,6 +460,7 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
             printf("; sparse MLA layers: indexer scoring %.3f ms, attention %.3f ms",
                    r->score_ms[i], r->attend_ms[i]);
         printf(")\n");
+        print_exact(r, f, probe);
     }
     if (p->n_depths)
         printf("context filled to %d tokens in %.1f s (untimed)  [%s, %d threads]\n",
@@ -457,6 +471,7 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
         printf("%-12s %10.2f %8.2f - %8.2f %11.2f %8.1f %7.0f%%  %s, %d\n", label,
                s->aggregate.median, s->aggregate.min, s->aggregate.max, s->per_stream_tok_s,
                s->aggregate.gb_s, 100 * s->aggregate.gb_s / probe, r->isa, r->threads);
+        print_exact(r, &s->aggregate, probe);
     }
     if (!r->n_verify) return;
     printf("verify steps (one sequence, all but the first row rolled back), %d steps each  [%s, "
@@ -528,6 +543,9 @@ static void json_figure(moe_json *j, const char *prefix, const moe_bench_figure 
         moe_json_key(j, key);
         moe_json_double(j, fields[i].v);
     }
+    if (f->exact_median <= 0) return;
+    snprintf(key, sizeof key, "%sexact_tok_s", prefix);
+    moe_json_kv_double(j, key, f->exact_median);
 }
 
 /* The "spec" object of --json: the measured rates, tokens per step, drafts by position. */
@@ -593,6 +611,8 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p, con
         moe_json_object_begin(&j);
         moe_json_kv_int(&j, "n", s->n);
         moe_json_kv_double(&j, "aggregate_tok_s", s->aggregate.median);
+        if (s->aggregate.exact_median > 0)
+            moe_json_kv_double(&j, "aggregate_exact_tok_s", s->aggregate.exact_median);
         moe_json_kv_double(&j, "aggregate_tok_s_min", s->aggregate.min);
         moe_json_kv_double(&j, "aggregate_tok_s_max", s->aggregate.max);
         moe_json_kv_double(&j, "per_stream_tok_s", s->per_stream_tok_s);
@@ -736,6 +756,8 @@ int moe_cmd_bench(int argc, char **argv) {
             i++;
         } else if (strcmp(a, "--mmap") == 0) {
             p.use_mmap = true;
+        } else if (strcmp(a, "--exact-too") == 0) {
+            p.exact_too = true;
         } else if (strcmp(a, "--csv") == 0) {
             csv = true;
         } else if (strcmp(a, "--json") == 0) {

@@ -225,8 +225,11 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
         char cpu[256];
         moe_cpu_describe(cpu, sizeof cpu);
-        printf("moe %s\nkernels: %s (cpu: %s)\nmpi: %s\n", moe_version(), moe_kernels_get()->name,
-               cpu, moe_dist_describe());
+        const moe_kernels *k = moe_kernels_get();
+        printf("moe %s\nkernels: %s (cpu: %s), %s\nmpi: %s\n", moe_version(), k->name, cpu,
+               k->exact ? "exact path (MOE_EXACT=1: ggml's float order)"
+                        : "fast path (MOE_EXACT=1 for ggml's float order)",
+               moe_dist_describe());
         return 0;
     }
     for (const moe_command *c = commands; c->name; c++) {

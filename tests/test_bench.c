@@ -39,16 +39,23 @@ static double positive(json_t *obj, const char *key) {
     return x;
 }
 
-static void bench_json_fields(void **state) {
-    (void)state;
+/* `moe bench` of the tiny model with BENCH_SMALL, `extra` and --json, parsed (stderr dropped:
+ * the object must parse from stdout alone). */
+static json_t *bench_json(const char *extra) {
     char cmd[2048], *out;
-    /* stderr dropped: the object must parse from stdout alone */
-    snprintf(cmd, sizeof cmd, "(%s bench %s " BENCH_SMALL " --json 2>/dev/null)", moe_test_bin(),
-             tiny_model());
+    snprintf(cmd, sizeof cmd, "(%s bench %s " BENCH_SMALL " %s --json 2>/dev/null)", moe_test_bin(),
+             tiny_model(), extra);
     assert_int_equal(moe_test_run(cmd, &out), 0);
     json_error_t e;
     json_t *j = json_loads(out, 0, &e);
     if (!j) fail_msg("not JSON (%s):\n%s", e.text, out);
+    free(out);
+    return j;
+}
+
+static void bench_json_fields(void **state) {
+    (void)state;
+    json_t *j = bench_json("");
     positive(j, "pp_tok_s");
     positive(j, "tg_tok_s");
     positive(j, "read_bw_gb_s");
@@ -85,7 +92,6 @@ static void bench_json_fields(void **state) {
     /* the tiny model's dense part alone (head 256 x 512 Q8_0) is 139 KB a token */
     assert_true(json_number_value(json_object_get(j, "active_bytes_per_token")) > 139000);
     json_decref(j);
-    free(out);
 }
 
 static void bench_csv_and_text(void **state) {
@@ -112,6 +118,26 @@ static void bench_csv_and_text(void **state) {
         tagged += strstr(line, tag) || strstr(line, "2 threads");
     assert_int_equal(tagged, text_lines);
     free(out);
+}
+
+/* --exact-too: an exact-path line under pp, tg and each stream count, and the exact figures in
+ * the JSON beside the fast ones. */
+static void bench_exact_too(void **state) {
+    (void)state;
+    char cmd[2048], *out;
+    snprintf(cmd, sizeof cmd, "(%s bench %s " BENCH_SMALL " --exact-too 2>/dev/null)",
+             moe_test_bin(), tiny_model());
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    int exact_lines = 0;
+    for (const char *c = out; (c = strstr(c, "\n  exact ")); c++) exact_lines++;
+    assert_int_equal(exact_lines, 2 + 3);
+    assert_non_null(strstr(out, "(fast path "));
+    free(out);
+    json_t *j = bench_json("--exact-too");
+    positive(j, "pp_exact_tok_s");
+    positive(j, "tg_exact_tok_s");
+    positive(json_array_get(json_object_get(j, "streams"), 2), "aggregate_exact_tok_s");
+    json_decref(j);
 }
 
 /* `moe bench ARGS` (printf-style) exits rc and says `want`. */
@@ -359,10 +385,10 @@ static void bench_server_start_cmd(void **state) {
 
 int moe_suite_bench(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(bench_json_fields),      cmocka_unit_test(bench_csv_and_text),
-        cmocka_unit_test(bench_depths),           cmocka_unit_test(bench_usage_errors),
-        cmocka_unit_test(bench_spec_measured),    cmocka_unit_test(bench_server_counts),
-        cmocka_unit_test(bench_server_start_cmd),
+        cmocka_unit_test(bench_json_fields),   cmocka_unit_test(bench_csv_and_text),
+        cmocka_unit_test(bench_exact_too),     cmocka_unit_test(bench_depths),
+        cmocka_unit_test(bench_usage_errors),  cmocka_unit_test(bench_spec_measured),
+        cmocka_unit_test(bench_server_counts), cmocka_unit_test(bench_server_start_cmd),
     };
     return cmocka_run_group_tests_name("bench", tests, NULL, NULL);
 }

@@ -403,6 +403,87 @@ static void dot_rows_equal_single_rows(void **state) {
     free(w), free(xq), free(x);
 }
 
+/* ==== The fast path (quant.h, "The two paths") ==== */
+
+/* Every level's fast table: where its dot is not the exact table's, it gives the scalar fast
+ * table's bits (the reference of the fast order, ref_fast.c) on random rows of 1..40 blocks, and
+ * that reference is within DOT_BUDGET of the exact scalar dot (the same sum in another order);
+ * its tile kernel gives each (weight row, activation row) the dot's bits at any tile width and
+ * row count. Everything else on the fast table is the exact table's. */
+static void fast_path_matches_its_reference(void **state) {
+    (void)state;
+    enum { MAX_W = MOE_DOT_TILE_W, MAX_X = 70, MAX_BLOCKS = 40 };
+    const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
+    const moe_kernels *exact_ref = moe_kernels_for_isa(MOE_ISA_SCALAR);
+    const int64_t max_n = MAX_BLOCKS * 256;
+    const size_t w_stride = (size_t)max_n * 2, x_stride = (size_t)max_n * 2;
+    uint8_t *w = moe_xmalloc(w_stride * MAX_W), *xq = moe_xmalloc(x_stride * MAX_X);
+    float *x = moe_xmalloc((size_t)max_n * sizeof(float));
+    float *out = moe_xmalloc(sizeof(float) * MAX_X * MAX_W);
+    int fast_kernels = 0;
+    for (int level = 0; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *k = moe_kernels_for_path((moe_isa)level, false);
+        const moe_kernels *ex = moe_kernels_for_isa((moe_isa)level);
+        if (!k) continue;
+        assert_false(k->exact);
+        assert_true(ex->exact);
+        uint64_t seed = 5 + (uint64_t)level;
+        for (int t = 0; t < MOE_TYPE_COUNT; t++) {
+            const moe_type_kernels *e = &k->types[t];
+            if (e->dot == ex->types[t].dot) { /* no fast kernel: the exact entry, untouched */
+                assert_true(memcmp(e, &ex->types[t], sizeof *e) == 0);
+                continue;
+            }
+            fast_kernels++;
+            const moe_type_traits *tr = moe_type_traits_get((uint32_t)t);
+            if (ref->types[t].dot == exact_ref->types[t].dot)
+                fail_msg("%s: fast %s kernel without a scalar reference", k->name, tr->name);
+            for (int64_t blocks = 1; blocks <= MAX_BLOCKS; blocks += 13) {
+                const int64_t n = blocks * tr->block_values;
+                for (int v = 0; v < MAX_W; v++)
+                    moe_type_random_row((moe_type)t, &seed, w + (size_t)v * w_stride, n);
+                for (int r = 0; r < MAX_X; r++) {
+                    random_activations(&seed, x, n);
+                    e->quantize_row_for_dot(x, xq + (size_t)r * x_stride, n);
+                }
+                for (int r = 0; r < 4; r++) {
+                    const uint8_t *xr = xq + (size_t)r * x_stride;
+                    const float got = e->dot(w, xr, n), want = ref->types[t].dot(w, xr, n);
+                    if (memcmp(&got, &want, sizeof got) != 0)
+                        fail_msg("%s fast %s, n = %lld: %.9g, reference %.9g", k->name, tr->name,
+                                 (long long)n, got, want);
+                    const double exact = exact_ref->types[t].dot(w, xr, n);
+                    const double mag = abs_dot((moe_type)t, w, xr, n);
+                    if (fabs(want - exact) > dot_budget((moe_type)t) * mag)
+                        fail_msg("fast %s reference, n = %lld: %.9g, exact %.9g", tr->name,
+                                 (long long)n, want, exact);
+                }
+                if (!e->dot_tile) continue;
+                static const int widths[] = {1, 5, MAX_W}, rows[] = {1, 3, 4, 7, MAX_X};
+                for (int a = 0; a < 3; a++)
+                    for (int b = 0; b < 5; b++) {
+                        memset(out, 0xff, sizeof(float) * MAX_X * MAX_W);
+                        e->dot_tile(w, w_stride, widths[a], xq, x_stride, rows[b], n, out, MAX_W);
+                        for (int r = 0; r < rows[b]; r++)
+                            for (int v = 0; v < widths[a]; v++) {
+                                const float one =
+                                    e->dot(w + (size_t)v * w_stride, xq + (size_t)r * x_stride, n);
+                                if (memcmp(&one, &out[r * MAX_W + v], sizeof one) != 0)
+                                    fail_msg("%s fast %s tile of %d x %d, n = %lld: weight row "
+                                             "%d, row %d is %.9g, alone %.9g",
+                                             k->name, tr->name, widths[a], rows[b], (long long)n, v,
+                                             r, out[r * MAX_W + v], one);
+                            }
+                    }
+            }
+        }
+    }
+    print_message("[ MEASURE  ] %d fast kernels (all levels) give their reference's bits\n",
+                  fast_kernels);
+    assert_true(fast_kernels > 0);
+    free(w), free(xq), free(x), free(out);
+}
+
 /* ==== moe --version names the table ==== */
 
 /* The types that carry the ../shared parity models give, at every level above AVX2, the AVX2
@@ -491,6 +572,11 @@ static void version_names_kernel_table(void **state) {
     snprintf(cmd, sizeof cmd, "MOE_ISA=scalar %s --version", moe_test_bin());
     assert_int_equal(moe_test_run(cmd, &out), 0);
     assert_non_null(strstr(out, "kernels: scalar"));
+    assert_non_null(strstr(out, "fast path"));
+    free(out);
+    snprintf(cmd, sizeof cmd, "MOE_EXACT=1 %s --version", moe_test_bin());
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "exact path"));
     free(out);
     /* an unknown or unavailable level: a message, and the best table */
     snprintf(cmd, sizeof cmd, "MOE_ISA=sse9 %s --version", moe_test_bin());
@@ -690,6 +776,7 @@ int moe_suite_kernels(void) {
         cmocka_unit_test(dot_rows_equal_single_rows),
         cmocka_unit_test(avx512_follows_avx2_floats),
         cmocka_unit_test(matmul_tiles_equal_single_dots),
+        cmocka_unit_test(fast_path_matches_its_reference),
         cmocka_unit_test(attention_kernels_bit_exact),
         cmocka_unit_test(tiled_attention_matches_f64),
         cmocka_unit_test(version_names_kernel_table),

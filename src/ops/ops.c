@@ -225,6 +225,18 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const matmul_job *j = arg;
     int64_t tile = (int64_t)(MATMUL_X_TILE / j->xq_row_bytes);
     tile = tile < 4 ? 4 : tile & ~(int64_t)3; /* whole groups of the 4-row kernels */
+    if (j->k->dot_tile) { /* the fast path: MOE_DOT_TILE_W weight rows in the lanes at a time */
+        for (int64_t o0 = begin; o0 < end; o0 += MOE_DOT_TILE_W) {
+            const int n_w = (int)(end - o0 < MOE_DOT_TILE_W ? end - o0 : MOE_DOT_TILE_W);
+            matmul_prefetch_ahead(j, begin, o0, o0 + n_w);
+            for (int64_t r0 = 0; r0 < j->n_rows; r0 += tile)
+                j->k->dot_tile(j->wbase + (uint64_t)o0 * j->w_row_bytes, j->w_row_bytes, n_w,
+                               j->xq + (uint64_t)r0 * j->xq_row_bytes, j->xq_row_bytes,
+                               j->n_rows - r0 < tile ? j->n_rows - r0 : tile, j->n_in,
+                               j->y + r0 * j->n_out + o0, j->n_out);
+        }
+        return;
+    }
     for (int64_t o0 = begin; o0 < end; o0 += MATMUL_W_BLOCK) {
         const int64_t o1 = o0 + MATMUL_W_BLOCK < end ? o0 + MATMUL_W_BLOCK : end;
         matmul_prefetch_ahead(j, begin, o0, o1);
@@ -337,7 +349,9 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
      * over the whole set of tasks */
     int64_t total_out = 0;
     for (int i = 0; i < n_tasks; i++) total_out += tasks[i].w->ne[1];
-    const int64_t chunk = total_out / (8 * moe_pool_n_threads(pool)) + 1;
+    /* whole tiles of the fast path's tile kernels */
+    const int64_t chunk = (total_out / (8 * moe_pool_n_threads(pool)) + MOE_DOT_TILE_W) &
+                          ~(int64_t)(MOE_DOT_TILE_W - 1);
     for (int i = 0; i < n_tasks; i++) {
         matmul_prepare(&tasks[i], &m.jobs[i]);
         m.chunk[i] = chunk;

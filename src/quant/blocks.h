@@ -324,13 +324,23 @@ void moe_kq_to_float(const void *blocks, size_t block_bytes, moe_kq_unpack_fn un
                      int64_t n);
 float moe_kq_dot(const void *w, size_t block_bytes, moe_kq_unpack_fn unpack, const void *x_q8_k,
                  int64_t n);
-/* to_float and dot of type t from its decoder `static void unpack_<t>(block, moe_kq_unpacked *)` */
+/* The same dot in the fast path's order (ref_fast.c): per super-block the int32 sum
+ * sum_s scale[s] * sum_{i in s} q[i] * q8[i] (|sum| < 2^31 for every type), then
+ * acc = fma(d * d_x * mult, (float)sum, acc), and with a min acc = fma(-(dmin * d_x),
+ * (float)sum_s min[s] * bsum_s, acc). */
+float moe_kq_dot_fast(const void *w, size_t block_bytes, moe_kq_unpack_fn unpack,
+                      const void *x_q8_k, int64_t n);
+/* to_float, dot and fast-order dot of type t from its decoder `static void unpack_<t>(block,
+ * moe_kq_unpacked *)` */
 #define MOE_KQ_KERNELS(t)                                                                          \
     MOE_REF_TO_FLOAT(t) {                                                                          \
         moe_kq_to_float(blocks, sizeof(moe_block_##t), unpack_##t, out, n);                        \
     }                                                                                              \
     MOE_REF_DOT(t) {                                                                               \
         return moe_kq_dot(w, sizeof(moe_block_##t), unpack_##t, x, n);                             \
+    }                                                                                              \
+    MOE_FAST_REF_DOT(t) {                                                                          \
+        return moe_kq_dot_fast(w, sizeof(moe_block_##t), unpack_##t, x, n);                        \
     }
 
 /* ==== Reference kernels (ref.c, ref_k.c, ref_iq.c) ==== */
@@ -341,6 +351,8 @@ float moe_kq_dot(const void *w, size_t block_bytes, moe_kq_unpack_fn unpack, con
 #define MOE_REF_FROM_FLOAT(t)                                                                      \
     void moe_ref_##t##_from_float(const float *in, void *blocks, int64_t n)
 #define MOE_REF_DOT(t) float moe_ref_##t##_dot(const void *w, const void *x, int64_t n)
+/* The fast path's order (quant.h, "The two paths"), for the table at MOE_ISA=scalar. */
+#define MOE_FAST_REF_DOT(t) float moe_fast_ref_##t##_dot(const void *w, const void *x, int64_t n)
 
 MOE_REF_TO_FLOAT(f32);
 MOE_REF_TO_FLOAT(f16);
@@ -427,6 +439,20 @@ MOE_REF_DOT(iq3_s);
 MOE_REF_DOT(iq1_s);
 MOE_REF_DOT(iq1_m);
 MOE_REF_DOT(iq4_xs);
+
+MOE_FAST_REF_DOT(q2_k);
+MOE_FAST_REF_DOT(q3_k);
+MOE_FAST_REF_DOT(q4_k);
+MOE_FAST_REF_DOT(q5_k);
+MOE_FAST_REF_DOT(q6_k);
+MOE_FAST_REF_DOT(iq2_xxs);
+MOE_FAST_REF_DOT(iq2_xs);
+MOE_FAST_REF_DOT(iq2_s);
+MOE_FAST_REF_DOT(iq3_xxs);
+MOE_FAST_REF_DOT(iq3_s);
+MOE_FAST_REF_DOT(iq1_s);
+MOE_FAST_REF_DOT(iq1_m);
+MOE_FAST_REF_DOT(iq4_xs);
 
 /* Scalar attention kernels (the reference every level reproduces bit for bit). */
 /* Value i of a KV cache row of kv_type (F32, F16, Q8_0): the SIMD levels' scalar tails. */

@@ -1,17 +1,22 @@
-/* kernels.c: builds the per-ISA kernel tables once and hands out the active one.
+/* kernels.c: builds the per-ISA kernel tables once, on both paths, and hands out the active one.
  *
  * Level by level: scalar = the trait table's reference dots and the reference activation
  * quantizers; every higher level starts as a copy of the one below and lets its ISA file
- * overwrite what it does faster. Only levels the CPU runs are built (moe_cpu_isa_supported), so
- * no ISA file runs on a CPU without its instructions. The trap: moe_kernels_get() follows
- * MOE_ISA, moe_kernels_for_isa() does not (tests walk every runnable level). */
+ * overwrite what it does faster. That chain is the exact path. Each level's fast table is a copy
+ * of its exact one with the level's own fast kernels over it (a type without one keeps its exact
+ * kernel; a fast kernel is never inherited from a lower level, whose speed would not be this
+ * level's). Only levels the CPU runs are built (moe_cpu_isa_supported), so no ISA file runs on a
+ * CPU without its instructions. The trap: moe_kernels_get() follows MOE_ISA and MOE_EXACT,
+ * moe_kernels_for_isa() / _for_path() do not (tests walk every runnable level). */
 #include "kernels.h"
 
 #include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "blocks.h"
 
-static moe_kernels tables[MOE_ISA_COUNT];
+static moe_kernels tables[2][MOE_ISA_COUNT]; /* [exact][level] */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void reference_quantize_q8_0(const float *x, void *out, int64_t n) {
@@ -48,39 +53,51 @@ static void build_scalar(moe_kernels *k) {
 
 static void build(void) {
     const moe_isa top = moe_cpu_isa_supported();
-    build_scalar(&tables[MOE_ISA_SCALAR]);
-    tables[MOE_ISA_SCALAR].attn_scores = moe_ref_attn_scores;
-    tables[MOE_ISA_SCALAR].attn_mix = moe_ref_attn_mix;
+    moe_kernels *exact = tables[1], *fast = tables[0];
+    build_scalar(&exact[MOE_ISA_SCALAR]);
+    exact[MOE_ISA_SCALAR].attn_scores = moe_ref_attn_scores;
+    exact[MOE_ISA_SCALAR].attn_mix = moe_ref_attn_mix;
     for (int level = MOE_ISA_SCALAR + 1; level <= (int)top; level++) {
-        tables[level] = tables[level - 1];
+        exact[level] = exact[level - 1];
         switch ((moe_isa)level) {
         case MOE_ISA_AVX2:
-            moe_kernels_fill_avx2(&tables[level]);
+            moe_kernels_fill_avx2(&exact[level]);
             break;
         case MOE_ISA_AVX512:
-            moe_kernels_fill_avx512(&tables[level]);
+            moe_kernels_fill_avx512(&exact[level]);
             break;
         case MOE_ISA_AVX512VNNI:
-            moe_kernels_fill_avx512vnni(&tables[level]);
+            moe_kernels_fill_avx512vnni(&exact[level]);
             break;
         default:
             break;
         }
     }
     for (int level = 0; level <= (int)top; level++) {
-        tables[level].isa = (moe_isa)level;
-        tables[level].name = moe_isa_name((moe_isa)level);
+        fast[level] = exact[level];
+        if (level == MOE_ISA_SCALAR) moe_kernels_fill_fast_scalar(&fast[level]);
+        if (level == MOE_ISA_AVX512VNNI) moe_kernels_fill_fast_avx512vnni(&fast[level]);
+        for (int e = 0; e < 2; e++) {
+            tables[e][level].isa = (moe_isa)level;
+            tables[e][level].name = moe_isa_name((moe_isa)level);
+            tables[e][level].exact = e;
+        }
     }
 }
 
-const moe_kernels *moe_kernels_for_isa(moe_isa isa) {
+const moe_kernels *moe_kernels_for_path(moe_isa isa, bool exact) {
     pthread_once(&once, build);
     if ((unsigned)isa >= MOE_ISA_COUNT || isa > moe_cpu_isa_supported()) return NULL;
-    return &tables[isa];
+    return &tables[exact][isa];
+}
+
+const moe_kernels *moe_kernels_for_isa(moe_isa isa) {
+    return moe_kernels_for_path(isa, true);
 }
 
 const moe_kernels *moe_kernels_get(void) {
-    return moe_kernels_for_isa(moe_cpu_isa());
+    pthread_once(&once, build);
+    return moe_kernels_for_path(moe_cpu_isa(), moe_exact());
 }
 
 const moe_type_kernels *moe_kernels_type(moe_type wtype) {

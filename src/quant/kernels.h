@@ -16,6 +16,9 @@
 void moe_kernels_fill_avx2(moe_kernels *k);
 void moe_kernels_fill_avx512(moe_kernels *k);
 void moe_kernels_fill_avx512vnni(moe_kernels *k);
+/* The fast path's kernels of a level, over a copy of that level's exact table (quant.h). */
+void moe_kernels_fill_fast_scalar(moe_kernels *k);
+void moe_kernels_fill_fast_avx512vnni(moe_kernels *k);
 /* The AVX2 attention mix, for the tails of the wider one. */
 void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
                        moe_type kv_type, int n);
@@ -31,7 +34,15 @@ static inline void moe_kernels_set_dot(moe_type_kernels types[MOE_TYPE_COUNT], m
     types[t].dot = dot;
     types[t].dot_rows = dot_rows;
     types[t].dot_rows2 = NULL; /* the same rule: only the level's own, set after its dot */
+    types[t].dot_tile = NULL;
     types[t].dot_isa = isa;
+}
+/* A fast-path dot and its tile kernel (NULL: row by row through dot): the exact level's many-row
+ * kernels go, whose float order differs. */
+static inline void moe_kernels_set_fast_dot(moe_type_kernels types[MOE_TYPE_COUNT], moe_type t,
+                                            moe_dot_fn dot, moe_dot_tile_fn tile, moe_isa isa) {
+    moe_kernels_set_dot(types, t, dot, NULL, isa);
+    if (types[t].dot) types[t].dot_tile = tile;
 }
 static inline void moe_kernels_set_dot_rows2(moe_type_kernels types[MOE_TYPE_COUNT], moe_type t,
                                              moe_dot_rows2_fn fn) {

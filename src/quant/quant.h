@@ -158,8 +158,19 @@ typedef void (*moe_dot_rows_fn)(const void *w, const void *x, size_t x_stride, i
 typedef void (*moe_dot_rows2_fn)(const void *w, size_t w_stride, const void *x, size_t x_stride,
                                  int64_t n_rows, int64_t n, float *out, int64_t out_stride);
 
+/* The fast path's many-row matmul (NULL on the exact path and for types without one): n_w <=
+ * MOE_DOT_TILE_W weight rows, w + v * w_stride, against n_rows activation rows x_stride bytes
+ * apart: out[r * out_stride + v] is exactly dot(w + v * w_stride, x + r * x_stride, n), bit for
+ * bit, whatever n_w and n_rows are -- each weight block is decoded once into an L1 tile for all
+ * the rows, and every (weight row, activation row) pair keeps the per-row float order of dot. */
+#define MOE_DOT_TILE_W 16
+typedef void (*moe_dot_tile_fn)(const void *w, size_t w_stride, int n_w, const void *x,
+                                size_t x_stride, int64_t n_rows, int64_t n, float *out,
+                                int64_t out_stride);
+
 typedef struct moe_type_kernels {
     moe_dot_fn dot;                         /* NULL where the type has no dot */
+    moe_dot_tile_fn dot_tile;               /* fast path only; NULL: dot_rows / dot_rows2 */
     moe_dot_rows_fn dot_rows;               /* NULL: moe_dot_rows loops over dot */
     moe_dot_rows2_fn dot_rows2;             /* NULL: weight rows one at a time */
     moe_from_float_fn quantize_row_for_dot; /* float activations -> dot_type; NULL with dot */
@@ -183,15 +194,32 @@ typedef void (*moe_attn_mix_fn)(float *y, const float *p, const void *v, int64_t
 typedef struct moe_kernels {
     moe_isa isa;      /* the level of this table */
     const char *name; /* moe_isa_name(isa) */
+    bool exact;       /* the exact path (ggml's float order) rather than the fast one */
     moe_type_kernels types[MOE_TYPE_COUNT];
     moe_attn_scores_fn attn_scores;
     moe_attn_mix_fn attn_mix;
 } moe_kernels;
 
-/* The active table: moe_cpu_isa()'s level (the best the CPU runs, lowered by MOE_ISA). */
+/* ==== The two paths ====
+ *
+ * Every level has two tables. The exact path (moe_exact(): MOE_EXACT=1 in the environment,
+ * read once, or moe_exact_set()) reproduces ggml-cpu's lane and float order, so logits match
+ * llama.cpp's to 1e-3. The fast path (the default) may sum a dot's float block terms in another
+ * order: for the types with a fast kernel (moe_kernels.types[t].dot_isa names its level; the others
+ * run their exact kernel on the fast path too) a weight row's dot is exact int32 sums per block,
+ * then one float multiply-add per block, acc = fma(d_w * d_x, (float)sum, acc), blocks in order, in
+ * a single accumulator per (weight row, activation row); the scalar level's fast table holds the
+ * reference of that order and the SIMD levels give its bits. Dequantization and the activation
+ * bytes are the same on both paths. On both paths a row's result never depends on how many
+ * rows share the call. */
+
+/* The active table: moe_cpu_isa()'s level (the best the CPU runs, lowered by MOE_ISA), on the
+ * path moe_exact() names (switch it between matmuls, never during one). */
 const moe_kernels *moe_kernels_get(void);
-/* The table of a given level; NULL when this CPU cannot run it (tests walk all levels). */
+/* The exact table of a given level; NULL when this CPU cannot run it (tests walk all levels). */
 const moe_kernels *moe_kernels_for_isa(moe_isa isa);
+/* The table of a level on either path; NULL when this CPU cannot run the level. */
+const moe_kernels *moe_kernels_for_path(moe_isa isa, bool exact);
 /* Shorthand: the active table's entry for a weight type (NULL for an unknown id). */
 const moe_type_kernels *moe_kernels_type(moe_type wtype);
 /* Through k->dot_rows where the level has a many-row kernel for the type, else k->dot row by

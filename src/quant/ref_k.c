@@ -34,32 +34,58 @@ void moe_kq_to_float(const void *blocks, size_t block_bytes, moe_kq_unpack_fn un
     }
 }
 
-float moe_kq_dot(const void *w, size_t block_bytes, moe_kq_unpack_fn unpack, const void *x_q8_k,
-                 int64_t n) {
+/* One super-block's exact integer sums against a Q8_K block: *isum = sum_s scale[s] *
+ * sum_{i in s} q[i] * q8[i], *msum = sum_s min[s] * bsum_s (0 without a min). */
+static void kq_block_sums(const moe_kq_unpacked *u, const moe_block_q8_k *x, int64_t *isum,
+                          int64_t *msum) {
+    const int groups = u->sub_values / 16; /* Q8_K bsums cover 16 values each */
+    *isum = *msum = 0;
+    for (int s = 0; s < MOE_QK_K / u->sub_values; s++) {
+        const int8_t *q = u->q + s * u->sub_values, *q8 = x->qs + s * u->sub_values;
+        int32_t sumi = 0;
+        for (int j = 0; j < u->sub_values; j++) sumi += (int32_t)q[j] * q8[j];
+        *isum += (int64_t)u->scale[s] * sumi;
+        if (u->has_min) {
+            int32_t bsum = 0;
+            for (int g = 0; g < groups; g++) bsum += x->bsums[s * groups + g];
+            *msum += (int64_t)u->min[s] * bsum;
+        }
+    }
+}
+
+/* Both orders of the super-block dot: ggml's (a double sum of the block terms, as the
+ * reference) or the fast path's (quant.h: one float fma per term, in order). */
+static float kq_dot(const void *w, size_t block_bytes, moe_kq_unpack_fn unpack, const void *x_q8_k,
+                    int64_t n, bool fast) {
     const uint8_t *p = w;
     const moe_block_q8_k *x = x_q8_k;
     double sum = 0;
+    float acc = 0.0f;
     moe_kq_unpacked u;
     for (int64_t i = 0; i < n / MOE_QK_K; i++, p += block_bytes) {
         unpack(p, &u);
-        const int groups = u.sub_values / 16; /* Q8_K bsums cover 16 values each */
-        int64_t isum = 0, msum = 0;
-        for (int s = 0; s < MOE_QK_K / u.sub_values; s++) {
-            const int8_t *q = u.q + s * u.sub_values, *q8 = x[i].qs + s * u.sub_values;
-            int32_t sumi = 0;
-            for (int j = 0; j < u.sub_values; j++) sumi += (int32_t)q[j] * q8[j];
-            isum += (int64_t)u.scale[s] * sumi;
-            if (u.has_min) {
-                int32_t bsum = 0;
-                for (int g = 0; g < groups; g++) bsum += x[i].bsums[s * groups + g];
-                msum += (int64_t)u.min[s] * bsum;
-            }
+        int64_t isum, msum; /* both within int32 for every type, as the SIMD kernels keep them */
+        kq_block_sums(&u, &x[i], &isum, &msum);
+        if (fast) {
+            acc = fmaf(u.d * x[i].d * u.mult, (float)(int32_t)isum, acc);
+            if (u.has_min) acc = fmaf(-(u.dmin * x[i].d), (float)(int32_t)msum, acc);
+            continue;
         }
         /* float scale products as ggml forms them; mult is a power of two; the rest is exact */
         sum += (double)(u.d * x[i].d) * u.mult * (double)isum;
         if (u.has_min) sum -= (double)(u.dmin * x[i].d) * (double)msum;
     }
-    return (float)sum;
+    return fast ? acc : (float)sum;
+}
+
+float moe_kq_dot(const void *w, size_t block_bytes, moe_kq_unpack_fn unpack, const void *x_q8_k,
+                 int64_t n) {
+    return kq_dot(w, block_bytes, unpack, x_q8_k, n, false);
+}
+
+float moe_kq_dot_fast(const void *w, size_t block_bytes, moe_kq_unpack_fn unpack,
+                      const void *x_q8_k, int64_t n) {
+    return kq_dot(w, block_bytes, unpack, x_q8_k, n, true);
 }
 
 /* ==== Decoders ==== */

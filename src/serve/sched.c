@@ -123,9 +123,9 @@ struct serve_sched {
     float *logits;            /* [decode_rows_max + SERVE_PROMPT_LOGPROB_ROWS][n_vocab] */
     serve_rank *ranks;        /* [n_ranks] what each rank of an mpirun job holds (rank 0) */
     int n_ranks;
-    int32_t *hist;            /* [n_ctx + 1] --spec ngram: a stream's tokens and the one to feed */
-    float *hidden;            /* --spec mtp: [max_rows][n_embd] the step's hidden states, by row */
-    float *mtp_logits;        /* --spec mtp: [n_vocab] the head's scratch */
+    int32_t *hist;     /* [n_ctx + 1] --spec ngram: a stream's tokens and the one to feed */
+    float *hidden;     /* --spec mtp: [max_rows][n_embd] the step's hidden states, by row */
+    float *mtp_logits; /* --spec mtp: [n_vocab] the head's scratch */
     uint64_t step;
 };
 

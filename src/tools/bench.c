@@ -138,29 +138,46 @@ static moe_status run_once(bench_run *b, uint32_t prompt, uint32_t n_seq, uint32
     return MOE_OK;
 }
 
-/* A test: warm-up, then `runs` timed runs; tok/s median and range, GB/s median. */
+static void min_max(const double *v, int n, double *lo, double *hi) {
+    *lo = *hi = v[0];
+    for (int i = 1; i < n; i++) {
+        if (v[i] < *lo) *lo = v[i];
+        if (v[i] > *hi) *hi = v[i];
+    }
+}
+
+/* A test: warm-up, then `runs` timed runs; tok/s median and range, GB/s median. With exact_too,
+ * every run (the warm-up too) is followed by one on the exact path. */
 static moe_status run_test(bench_run *b, const moe_bench_params *p, uint32_t prompt, uint32_t n_seq,
                            uint32_t steps, moe_bench_figure *f, double *experts_per_tok,
                            moe_error *err) {
-    double sec, bytes, tok_s[MOE_BENCH_MAX_RUNS], gb_s[MOE_BENCH_MAX_RUNS];
-    if (run_once(b, prompt, n_seq, steps, &sec, &bytes, NULL, err) != MOE_OK) return err->code;
+    double sec = 0, bytes = 0, tok_s[2][MOE_BENCH_MAX_RUNS] = {{0}},
+           gb_s[2][MOE_BENCH_MAX_RUNS] = {{0}};
     const double tokens = prompt ? prompt : (double)n_seq * steps;
+    const int paths = p->exact_too ? 2 : 1;
     double bytes_sum = 0;
-    for (int i = 0; i < p->runs; i++) {
-        if (run_once(b, prompt, n_seq, steps, &sec, &bytes, experts_per_tok, err) != MOE_OK)
-            return err->code;
-        tok_s[i] = tokens / sec;
-        gb_s[i] = bytes / sec / 1e9;
-        bytes_sum += bytes;
-    }
-    f->min = f->max = tok_s[0];
-    for (int i = 1; i < p->runs; i++) {
-        if (tok_s[i] < f->min) f->min = tok_s[i];
-        if (tok_s[i] > f->max) f->max = tok_s[i];
-    }
-    f->median = moe_median(tok_s, p->runs);
-    f->gb_s = moe_median(gb_s, p->runs);
+    moe_status st = MOE_OK;
+    for (int i = -1; i < p->runs && st == MOE_OK; i++)
+        for (int e = 0; e < paths && st == MOE_OK; e++) {
+            if (paths == 2) moe_exact_set(e);
+            st = run_once(b, prompt, n_seq, steps, &sec, &bytes, i >= 0 ? experts_per_tok : NULL,
+                          err);
+            if (i < 0 || st != MOE_OK) continue; /* the warm-up */
+            tok_s[e][i] = tokens / sec;
+            gb_s[e][i] = bytes / sec / 1e9;
+            if (e == 0) bytes_sum += bytes;
+        }
+    if (paths == 2) moe_exact_set(false);
+    if (st != MOE_OK) return st;
+    min_max(tok_s[0], p->runs, &f->min, &f->max);
+    f->median = moe_median(tok_s[0], p->runs);
+    f->gb_s = moe_median(gb_s[0], p->runs);
     f->bytes_per_token = bytes_sum / p->runs / tokens;
+    if (paths == 2) {
+        min_max(tok_s[1], p->runs, &f->exact_min, &f->exact_max);
+        f->exact_median = moe_median(tok_s[1], p->runs);
+        f->exact_gb_s = moe_median(gb_s[1], p->runs);
+    }
     return MOE_OK;
 }
 

@@ -448,8 +448,10 @@ typedef struct moe_bench_params {
      * forward) */
     int depths[MOE_BENCH_MAX_DEPTHS];
     int n_depths;
-    bool use_mmap;               /* keep weights in the mapped file instead of anonymous memory */
-    moe_type kv_type;            /* KV cache elements (default F16, as llama-bench) */
+    bool use_mmap;    /* keep weights in the mapped file instead of anonymous memory */
+    bool exact_too;   /* each test on the exact path (MOE_EXACT=1) too, its runs alternated with
+                       * the fast path's; the figures stay the fast path's */
+    moe_type kv_type; /* KV cache elements (default F16, as llama-bench) */
     uint64_t expert_cache_bytes; /* routed experts read on demand into a cache (0: resident) */
     size_t probe_bytes;          /* bandwidth probe buffer */
     int verify_max; /* verify steps of 1..verify_max rows against a 1-row step (0: skip) */
@@ -465,6 +467,8 @@ typedef struct moe_bench_figure {
     double median, min, max; /* tokens per second over the runs */
     double gb_s;             /* median of weight bytes read / seconds */
     double bytes_per_token;  /* weight bytes read per token, mean over the runs */
+    /* with exact_too: the same on the exact path (0 when not run) */
+    double exact_median, exact_min, exact_max, exact_gb_s;
 } moe_bench_figure;
 
 typedef struct moe_bench_stream {

@@ -1,0 +1,506 @@
+/* x86_avx512_iq.h: the AVX-512 helpers and codebook decodes shared by the kernel files built
+ * with the AVX-512 flags: x86_avx512.c (both of its builds) and fast_avx512vnni.c.
+ *
+ * Everything is static: each file gets its own copy, and its own copy of the lookup tables
+ * (z_iq_tables_fill fills them; call it from the file's fill function before any kernel runs).
+ * MOE_AVX512_VNNI (0 or 1) must be defined first: with 1 the decodes use VBMI. The trap: the
+ * tables are per file, so a file that decodes without filling its own reads zeros. */
+#ifndef MOE_QUANT_X86_AVX512_IQ_H
+#define MOE_QUANT_X86_AVX512_IQ_H
+
+#include "x86_avx2.h"
+
+#ifndef MOE_AVX512_VNNI
+#error "define MOE_AVX512_VNNI before including x86_avx512_iq.h"
+#endif
+
+/* ==== Helpers ==== */
+
+MOE_INLINE __m512i z_join(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+MOE_INLINE __m512i z_load(const void *p) {
+    return _mm512_loadu_si512(p);
+}
+MOE_INLINE __m512i z_load2(const void *lo, const void *hi) {
+    return z_join(avx2_load(lo), avx2_load(hi));
+}
+MOE_INLINE uint64_t z_load_u64(const void *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+/* x negated where bits of neg are set (one bit per byte). */
+MOE_INLINE __m512i z_apply_signs(__m512i x, __mmask64 neg) {
+    return _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+}
+/* int16 lane indices for vpermw: [a x16 | b x16] */
+MOE_INLINE __m512i z_idx2(int a, int b) {
+    return _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16((short)a),
+                                   _mm512_set1_epi16((short)b));
+}
+/* int16 lane indices for vpermw: [a x8 | a+1 x8 | a+2 x8 | a+3 x8] */
+MOE_INLINE __m512i z_idx4(int a) {
+    const __m512i v = z_idx2(a, a + 2);
+    return _mm512_mask_add_epi16(v, 0xff00ff00u, v, _mm512_set1_epi16(1));
+}
+/* Scales (int16 lanes 0..15 of sc) spread over the int16 pair sums of 64 values. */
+MOE_INLINE __m512i z_scales(__m512i sc, __m512i idx) {
+    return _mm512_permutexvar_epi16(idx, sc);
+}
+MOE_INLINE __m512i z_from_256(__m256i v) {
+    return _mm512_zextsi256_si512(v);
+}
+MOE_INLINE __m256i z_join128(__m128i lo, __m128i hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+MOE_INLINE __m512i z_from_128(__m128i v) {
+    return _mm512_zextsi128_si512(v);
+}
+
+/* ==== IQ types ==== */
+
+/* ---- Codebook types: each block decoded once into an L1 record, then read by every row ----
+ *
+ * A codebook lookup costs more than the multiply it feeds, so a block is decoded once into a
+ * z_iqd record (magnitudes, sign bits, scales) for all the activation rows that meet it --
+ * prefill, batched decode, the rows routed to one expert -- instead of once per four rows.
+ * Single thread, weights in L2, 32 rows: IQ2_S 11.5 TSC cycles per row and block against 19.6
+ * before, IQ3_S 11.3 against 21.4. How entries get into a record depends on the type: IQ2_S's
+ * 8-byte entries are put together in registers and stored a line at a time; IQ3_S's 4-byte
+ * entries are copied with plain loads and stores, their offsets computed 64 at a time in a
+ * vector, a chunk of blocks ahead of the multiplies, because a line read of fresh 8-byte stores
+ * waits for them to reach the cache (its matvec: 59 cycles a block, 64 with the 16-lane
+ * vpgatherdd it replaces).
+ *
+ * The multiply is the one the fused kernels did, lane for lane (magnitudes x activations with
+ * the weight's signs, pairs summed, times the scale of their 16 values, four values per int32
+ * lane), so the floats are those of the earlier single-block kernels bit for bit. */
+typedef struct {
+    uint8_t g[256];  /* grid magnitudes, unsigned */
+    uint64_t neg[4]; /* sign bits of values 64k.. */
+    int16_t sc[16];  /* integer scale of values 16j..16j+15 */
+    float d;         /* the block's float scale */
+} __attribute__((aligned(64))) z_iqd;
+
+/* A codebook block in registers: the magnitudes of its four 64-value chunks, its sign bits
+ * (one word per chunk), its sixteen integer scales (one per 16 values), its float scale. */
+typedef struct {
+    __m512i g[4];
+    uint64_t neg[4];
+    __m256i sc;
+    float d;
+} z_iqb;
+
+/* A type's decode, one of two kinds: into registers (z_iqb_fn), or into a record with the
+ * magnitudes left to z_copy_entries, the byte offsets of its 64 four-byte entries written to
+ * at instead (z_iqd_decode_fn). */
+typedef void (*z_iqb_fn)(const void *block, z_iqb *out);
+typedef void (*z_iqd_decode_fn)(const void *block, z_iqd *out, uint16_t *at);
+
+/* The 64 four-byte grid entries at byte offsets at[] of grid, copied to dst two per 8-byte
+ * store, the offsets read four per 8-byte load (the load ports are the limit). The asm keeps
+ * GCC from merging the stores back into vector inserts (the cost this avoids) and from reading
+ * the offsets out of the vector that stored them (vpextrw). */
+MOE_INLINE void z_copy_entries(uint8_t *dst, const uint8_t *grid, const uint16_t *at) {
+    __asm__ volatile("" ::: "memory");
+#pragma GCC unroll 16
+    for (int q = 0; q < 16; q++) {
+        uint64_t four;
+        memcpy(&four, at + 4 * q, 8);
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; i++) {
+            uint32_t a, b;
+            memcpy(&a, grid + (uint16_t)(four >> (32 * i)), 4);
+            memcpy(&b, grid + (uint16_t)(four >> (32 * i + 16)), 4);
+            const uint64_t v = a | (uint64_t)b << 32;
+            __asm__("movq %1, %0" : "=m"(*(uint64_t *)(dst + 16 * q + 8 * i)) : "r"(v));
+        }
+    }
+}
+
+/* Four sign words into a record, one 8-byte store each: the multiply loop reads them back 8
+ * bytes at a time, and a load that a wider store has to forward waits for that store to reach
+ * the cache. */
+MOE_INLINE void z_put_neg(z_iqd *o, const uint64_t neg[4]) {
+    for (int k = 0; k < 4; k++) __asm__("movq %1, %0" : "=m"(o->neg[k]) : "r"(neg[k]));
+}
+/* The 32 sign bytes of a block (a bit per value) as four sign words. */
+MOE_INLINE void z_sign_words(const uint8_t *src, uint64_t neg[4]) {
+    for (int k = 0; k < 4; k++) neg[k] = z_load_u64(src + 8 * k);
+}
+
+#if MOE_AVX512_VNNI
+/* ---- ksigns, for IQ2_XXS, IQ2_XS, IQ3_XXS (VBMI only: without it those keep the AVX2
+ * kernels, whose scalar sign lookups are as fast as any this level could do) ---- */
+
+/* Sign words from ksigns indices: value 8j + i of a block is negative where bit i of
+ * moe_ksigns_iq2xs[idx[j]] is set (32 indices of 7 bits, one vpermi2b). */
+MOE_INLINE void z_ksigns(__m256i idx, uint64_t neg[4]) {
+    const uint8_t *t = moe_ksigns_iq2xs;
+    const __m256i s = _mm512_castsi512_si256(
+        _mm512_permutex2var_epi8(z_load(t), _mm512_castsi256_si512(idx), z_load(t + 64)));
+    const __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
+    neg[0] = (uint64_t)_mm_cvtsi128_si64(lo), neg[1] = (uint64_t)_mm_extract_epi64(lo, 1);
+    neg[2] = (uint64_t)_mm_cvtsi128_si64(hi), neg[3] = (uint64_t)_mm_extract_epi64(hi, 1);
+}
+/* The 32 ksigns indices of 8 words holding four 7-bit fields each (bits 0, 7, 14, 21), word
+ * after word: IQ2_XXS and IQ3_XXS. */
+MOE_INLINE __m256i z_ksign_fields(__m256i words) {
+    const __m256i at = _mm256_set1_epi64x(0x352e2720150e0700); /* 0 7 14 21 32 39 46 53 */
+    return _mm256_and_si256(_mm256_multishift_epi64_epi8(at, words), _mm256_set1_epi8(0x7f));
+}
+/* Sixteen scales from eight 4-bit ones in the top bits of 8 words (2s + 1 for 32 values). */
+MOE_INLINE __m256i z_top4_scales(__m256i words) {
+    const __m256i s =
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(words, 28), 1), _mm256_set1_epi32(1));
+    return _mm256_or_si256(s, _mm256_slli_epi32(s, 16)); /* each word as two int16 lanes */
+}
+#endif
+
+MOE_INLINE void z_iqd_from_regs(const z_iqb *b, z_iqd *o) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) _mm512_store_si512(o->g + 64 * k, b->g[k]);
+    z_put_neg(o, b->neg);
+    _mm256_store_si256((__m256i *)o->sc, b->sc);
+    o->d = b->d;
+}
+
+/* ---- The types' decodes ---- */
+
+/* IQ2_S: 32 entries of 8 values, index = qs byte | 2 qh bits << 8, put together in registers
+ * (eight 64-bit loads per 64 values); a scale per 16 values. */
+MOE_INLINE __m512i z_iq2_s_grid(const moe_block_iq2_s *b, int k) {
+    const uint8_t *qs = b->qs + 8 * k;
+    const unsigned h0 = b->qh[2 * k], h1 = b->qh[2 * k + 1];
+    return z_join(avx2_grid4(moe_iq2s_grid[qs[0] | ((h0 << 8) & 0x300)],
+                             moe_iq2s_grid[qs[1] | ((h0 << 6) & 0x300)],
+                             moe_iq2s_grid[qs[2] | ((h0 << 4) & 0x300)],
+                             moe_iq2s_grid[qs[3] | ((h0 << 2) & 0x300)]),
+                  avx2_grid4(moe_iq2s_grid[qs[4] | ((h1 << 8) & 0x300)],
+                             moe_iq2s_grid[qs[5] | ((h1 << 6) & 0x300)],
+                             moe_iq2s_grid[qs[6] | ((h1 << 4) & 0x300)],
+                             moe_iq2s_grid[qs[7] | ((h1 << 2) & 0x300)]));
+}
+MOE_INLINE void z_iqb_iq2_s(const void *block, z_iqb *o) {
+    const moe_block_iq2_s *b = block;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) o->g[k] = z_iq2_s_grid(b, k);
+    o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
+    z_sign_words(b->qs + 32, o->neg);
+    o->d = avx2_fp16(b->d);
+}
+
+#if MOE_AVX512_VNNI
+/* IQ2_XXS: per 32 values 4 grid index bytes (8-value entries) and a word of four 7-bit ksigns
+ * indices | a 4-bit scale << 28. Entries put together in registers, as IQ2_S's. */
+MOE_INLINE void z_iqb_iq2_xxs(const void *block, z_iqb *o) {
+    const moe_block_iq2_xxs *b = block;
+    const uint8_t *q = (const uint8_t *)b->qs;
+    const uint64_t *grid = moe_iq2xxs_grid;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *a = q + 16 * k, *c = a + 8;
+        o->g[k] = z_join(avx2_grid4(grid[a[0]], grid[a[1]], grid[a[2]], grid[a[3]]),
+                         avx2_grid4(grid[c[0]], grid[c[1]], grid[c[2]], grid[c[3]]));
+    }
+    /* the odd words of the 64 bytes: the sign-and-scale words */
+    const __m256i words = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+        _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0), z_load(q)));
+    z_ksigns(z_ksign_fields(words), o->neg);
+    o->sc = z_top4_scales(words);
+    o->d = avx2_fp16(b->d);
+}
+
+/* IQ2_XS: per 8 values a word of a 9-bit grid index | a 7-bit ksigns index << 9; a scale per
+ * 16 values as IQ2_S's. */
+MOE_INLINE void z_iqb_iq2_xs(const void *block, z_iqb *o) {
+    const moe_block_iq2_xs *b = block;
+    const uint16_t *q = b->qs;
+    const uint64_t *grid = moe_iq2xs_grid;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const uint16_t *a = q + 8 * k;
+        o->g[k] = z_join(
+            avx2_grid4(grid[a[0] & 511], grid[a[1] & 511], grid[a[2] & 511], grid[a[3] & 511]),
+            avx2_grid4(grid[a[4] & 511], grid[a[5] & 511], grid[a[6] & 511], grid[a[7] & 511]));
+    }
+    z_ksigns(_mm512_cvtepi16_epi8(_mm512_srli_epi16(z_load(q), 9)), o->neg);
+    o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
+    o->d = avx2_fp16(b->d);
+}
+#endif
+
+/* IQ4_XS: 32 qs bytes (two 32-value groups) spread to [lo0 hi0 lo1 hi1] 16-byte chunks of
+ * nibble codes; the codebook is sorted, so codes 0..7 are the negative values: their sign
+ * becomes a sign bit and the magnitude comes from a table of |kvalues| (<= 127); a 6-bit scale
+ * per 32 values, stored twice. */
+/* |kvalues|, filled by the table's fill function. */
+static int8_t z_iq4_mag[16] __attribute__((aligned(16)));
+
+/* Chunk k (64 values) of an IQ4_XS block: magnitudes, and the sign bits as a mask. */
+MOE_INLINE __m512i z_iq4_xs_chunk(const moe_block_iq4_xs *b, int k, __mmask64 *neg) {
+    const __m512i book = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)z_iq4_mag));
+    const __m512i shifts =
+        _mm512_mask_blend_epi64(0xcc, _mm512_setzero_si512(), _mm512_set1_epi16(4));
+    const __m512i q = _mm512_castsi256_si512(avx2_load(b->qs + 32 * k));
+    const __m512i nib = _mm512_and_si512(
+        _mm512_srlv_epi16(_mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(1, 1, 0, 0)), shifts),
+        _mm512_set1_epi8(0x0f));
+    *neg = _mm512_cmplt_epu8_mask(nib, _mm512_set1_epi8(8));
+    return _mm512_shuffle_epi8(book, nib);
+}
+MOE_INLINE __m256i z_iq4_xs_scales(const moe_block_iq4_xs *b) {
+    const __m128i s = avx2_iq4xs_scales(b);
+    return z_join128(_mm_unpacklo_epi16(s, s), _mm_unpackhi_epi16(s, s));
+}
+MOE_INLINE void z_iqb_iq4_xs(const void *block, z_iqb *o) {
+    const moe_block_iq4_xs *b = block;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        __mmask64 neg;
+        o->g[k] = z_iq4_xs_chunk(b, k, &neg);
+        o->neg[k] = _cvtmask64_u64(neg);
+    }
+    o->sc = z_iq4_xs_scales(b);
+    o->d = avx2_fp16(b->d);
+}
+
+/* IQ1_S / IQ1_M: 8-value entries of -1, 0, +1 (iq1s_grid, 11-bit index) plus a delta of
+ * +-1/8 per 32 values (IQ1_S) or per 8 (IQ1_M); as in the reference, q = 8 grid +- 1 with mult
+ * 1/8, so magnitudes are 1, 7 or 9 and the sign bits are q's. deltas: bit j set where entry j
+ * of the chunk has the negative delta. */
+MOE_INLINE __m512i z_iq1_chunk(__m512i grid, __mmask8 deltas, __mmask64 *neg) {
+    const __m512i g8 = _mm512_and_si512(_mm512_slli_epi16(grid, 3), _mm512_set1_epi8((char)0xf8));
+    const __m512i q = _mm512_add_epi8(
+        g8, _mm512_mask_blend_epi64(deltas, _mm512_set1_epi8(1), _mm512_set1_epi8(-1)));
+    *neg = _mm512_movepi8_mask(q);
+    return _mm512_abs_epi8(q);
+}
+
+MOE_INLINE void z_iqb_iq1_s(const void *block, z_iqb *o) {
+    const moe_block_iq1_s *b = block;
+    const uint64_t *grid = moe_iq1s_grid;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const unsigned h0 = b->qh[2 * k], h1 = b->qh[2 * k + 1];
+        const uint8_t *a = b->qs + 8 * k, *c = a + 4;
+        const __m512i g =
+            z_join(avx2_grid4(grid[a[0] | ((h0 << 8) & 0x700)], grid[a[1] | ((h0 << 5) & 0x700)],
+                              grid[a[2] | ((h0 << 2) & 0x700)], grid[a[3] | ((h0 >> 1) & 0x700)]),
+                   avx2_grid4(grid[c[0] | ((h1 << 8) & 0x700)], grid[c[1] | ((h1 << 5) & 0x700)],
+                              grid[c[2] | ((h1 << 2) & 0x700)], grid[c[3] | ((h1 >> 1) & 0x700)]));
+        __mmask64 neg;
+        o->g[k] = z_iq1_chunk(g, (__mmask8)((h0 >> 15) * 0x0f | (h1 >> 15) * 0xf0), &neg);
+        o->neg[k] = _cvtmask64_u64(neg);
+    }
+    /* 2s + 1 per 32 values from bits 12..14 of each qh word, each stored twice */
+    const __m128i qh = _mm_loadu_si128((const __m128i *)b->qh);
+    const __m128i sc =
+        _mm_or_si128(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7)), 1),
+                     _mm_set1_epi16(1));
+    o->sc = z_join128(_mm_unpacklo_epi16(sc, sc), _mm_unpackhi_epi16(sc, sc));
+    o->d = avx2_fp16(b->d);
+}
+
+MOE_INLINE void z_iqb_iq1_m(const void *block, z_iqb *o) {
+    const moe_block_iq1_m *b = block;
+    const uint64_t *grid = moe_iq1s_grid;
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        /* entries 2j, 2j + 1 of the chunk: index qs | the low, high nibble of qh byte j (bits
+         * 0..2) << 8; bit 3 of that nibble the delta sign */
+        const uint8_t *a = b->qs + 8 * k, *h = b->qh + 4 * k;
+#define IQ1M_LO(j) grid[a[2 * (j)] | ((h[j] << 8) & 0x700)]
+#define IQ1M_HI(j) grid[a[2 * (j) + 1] | ((h[j] << 4) & 0x700)]
+        const __m512i g = z_join(avx2_grid4(IQ1M_LO(0), IQ1M_HI(0), IQ1M_LO(1), IQ1M_HI(1)),
+                                 avx2_grid4(IQ1M_LO(2), IQ1M_HI(2), IQ1M_LO(3), IQ1M_HI(3)));
+#undef IQ1M_LO
+#undef IQ1M_HI
+        unsigned deltas = 0;
+        for (int j = 0; j < 4; j++)
+            deltas |= (h[j] >> 3 & 1u) << (2 * j) | (h[j] >> 7) << (2 * j + 1);
+        __mmask64 neg;
+        o->g[k] = z_iq1_chunk(g, (__mmask8)deltas, &neg);
+        o->neg[k] = _cvtmask64_u64(neg);
+    }
+    /* 16 scales of 3 bits, four to a word (3 bits apart); the fp16 d in the words' top nibbles */
+    const uint64_t words = z_load_u64(b->scales);
+    const __m256i w =
+        _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm256_set1_epi64x((long long)words));
+    const __m256i s3 = _mm256_and_si256(
+        _mm256_srlv_epi16(w, _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9)),
+        _mm256_set1_epi16(7));
+    o->sc = _mm256_or_si256(_mm256_slli_epi16(s3, 1), _mm256_set1_epi16(1));
+    const uint16_t d16 = (uint16_t)((words >> 12 & 0x000f) | (words >> 24 & 0x00f0) |
+                                    (words >> 36 & 0x0f00) | (words >> 48 & 0xf000));
+    o->d = avx2_fp16(d16);
+}
+
+/* IQ3_S: 64 entries of 4 values, index = qs byte | qh bit << 8 (qh read as a 64-bit mask); a
+ * scale per 32 values, stored twice. */
+MOE_INLINE __m256i z_iq3_s_scales(const moe_block_iq3_s *b) {
+    const __m128i s = avx2_odd_scales8(b->scales);
+    return z_join128(_mm_unpacklo_epi16(s, s), _mm_unpackhi_epi16(s, s));
+}
+#if MOE_AVX512_VNNI
+/* With VBMI the grid lives within reach of vpermi2b. Its bytes are 1, 3, .. 15, so byte p of
+ * an entry is a 3-bit code, and the codes of bytes 0, 1 (and 2, 3) of every entry fit one byte:
+ * two 512-byte planes, four 128-byte tables each (index bits 0..6; bits 7 and 8 pick the
+ * table). All 64 entries of a block are looked up at once, a plane at a time, then turned to
+ * values (vpshufb) and interleaved back into value order (z_lookup_planes): 8 vpermi2b a
+ * block. z_iq3s_codes is filled by the table's fill function. */
+static uint8_t z_iq3s_codes[2][512] __attribute__((aligned(64)));
+
+/* Entries of a 128-byte table t for the low 7 bits of idx. */
+MOE_INLINE __m512i z_lookup128(__m512i idx, const uint8_t *t) {
+    return _mm512_permutex2var_epi8(z_load(t), idx, z_load(t + 64));
+}
+
+/* Entries 0..63 reordered for z_interleave4: slot 16L + 4j + i holds entry 16j + 4L + i (a
+ * 4 x 4 transpose of groups of four). vpermb indices; applied to the grid indices before the
+ * lookups, it saves the 128-bit lane transpose after them. */
+MOE_INLINE __m512i z_slot_order(void) {
+    const __m512i s = _mm512_set_epi8(
+        63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41,
+        40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+        17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i three = _mm512_set1_epi8(3);
+    /* s = 16L + 4j + i -> 16j + 4L + i */
+    const __m512i l = _mm512_and_si512(_mm512_srli_epi16(s, 4), three);
+    const __m512i j = _mm512_and_si512(_mm512_srli_epi16(s, 2), three);
+    return _mm512_or_si512(_mm512_or_si512(_mm512_slli_epi16(j, 4), _mm512_slli_epi16(l, 2)),
+                           _mm512_and_si512(s, three));
+}
+
+/* The bytes of 64 entries of 4 (byte p of each in r[p], entries in z_slot_order) in value
+ * order: g[k] holds entries 16k .. 16k + 15. */
+MOE_INLINE void z_interleave4(const __m512i r[4], __m512i g[4]) {
+    const __m512i t01l = _mm512_unpacklo_epi8(r[0], r[1]), t01h = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i t23l = _mm512_unpacklo_epi8(r[2], r[3]), t23h = _mm512_unpackhi_epi8(r[2], r[3]);
+    /* 128-bit lane L of these: slots 16L + 4j .. + 3, which hold entries 16j + 4L .. + 3 */
+    g[0] = _mm512_unpacklo_epi16(t01l, t23l);
+    g[1] = _mm512_unpackhi_epi16(t01l, t23l);
+    g[2] = _mm512_unpacklo_epi16(t01h, t23h);
+    g[3] = _mm512_unpackhi_epi16(t01h, t23h);
+}
+
+/* The values of the codes in the low (hi = 0) or high nibbles of c: IQ3_S's are 2c + 1, two
+ * ALU operations (the 16-bit shifts pull in a neighbour's bits, the mask drops them); IQ3_XXS's
+ * 4, 12, .. 52, 62 come from a vpshufb table. The shuffle unit is what these decodes wait on,
+ * so arithmetic wins where it exists. */
+typedef __m512i (*z_code_values_fn)(__m512i c, int hi);
+MOE_INLINE __m512i z_iq3s_values(__m512i c, int hi) {
+    const __m512i v = hi ? _mm512_srli_epi16(c, 3) : _mm512_slli_epi16(c, 1);
+    return _mm512_ternarylogic_epi32(v, _mm512_set1_epi8(0x1e), _mm512_set1_epi8(1), 0xea);
+}
+
+/* The 64 four-byte entries of a block into o->g: idx (in z_slot_order) and its bits 7 and 8
+ * (bit8 only for 512-entry grids, big) pick entries of two code planes, plane q (stride bytes
+ * apart) holding the 3-bit codes of entry bytes 2q and 2q + 1 as nibbles. */
+MOE_INLINE void z_lookup_planes(__m512i idx, __mmask64 bit7, __mmask64 bit8, bool big,
+                                const uint8_t *planes, size_t stride, z_code_values_fn values,
+                                z_iqb *o) {
+    __m512i r[4];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; q++) {
+        const uint8_t *t = planes + q * stride;
+        __m512i c = _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
+        if (big)
+            c = _mm512_mask_blend_epi8(
+                bit8, c,
+                _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t + 256), z_lookup128(idx, t + 384)));
+        r[2 * q] = values(c, 0);
+        r[2 * q + 1] = values(c, 1);
+    }
+    z_interleave4(r, o->g);
+}
+
+MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
+    const moe_block_iq3_s *b = block;
+    const __m512i order = z_slot_order();
+    const __m512i idx = _mm512_permutexvar_epi8(order, z_load(b->qs));
+    const __mmask64 bit8 = _mm512_movepi8_mask(
+        _mm512_permutexvar_epi8(order, _mm512_movm_epi8(_cvtu64_mask64(z_load_u64(b->qh)))));
+    z_lookup_planes(idx, _mm512_movepi8_mask(idx), bit8, true, z_iq3s_codes[0], 512, z_iq3s_values,
+                    o);
+    o->sc = z_iq3_s_scales(b);
+    z_sign_words(b->signs, o->neg);
+    o->d = avx2_fp16(b->d);
+}
+#define Z_IQB_IQ3_S    z_iqb_iq3_s
+#define Z_DECODE_IQ3_S NULL
+#define Z_GRID4_IQ3_S  NULL
+#else
+/* Without VBMI: the entries are copied (z_copy_entries), offsets computed here. */
+MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
+    const moe_block_iq3_s *b = block;
+    const uint64_t qh = z_load_u64(b->qh);
+    const __m512i bit8 = _mm512_set1_epi16(256);
+    for (int half = 0; half < 2; half++) {
+        const __m512i lo = _mm512_cvtepu8_epi16(avx2_load(b->qs + 32 * half));
+        const __m512i idx = _mm512_mask_add_epi16(lo, (__mmask32)(qh >> (32 * half)), lo, bit8);
+        _mm512_storeu_si512(at + 32 * half, _mm512_slli_epi16(idx, 2));
+    }
+    uint64_t neg[4];
+    z_sign_words(b->signs, neg);
+    z_put_neg(o, neg);
+    _mm256_store_si256((__m256i *)o->sc, z_iq3_s_scales(b));
+    o->d = avx2_fp16(b->d);
+}
+#define Z_IQB_IQ3_S    NULL
+#define Z_DECODE_IQ3_S z_decode_iq3_s
+#define Z_GRID4_IQ3_S  (const void *)moe_iq3s_grid
+#endif
+
+#if MOE_AVX512_VNNI
+/* IQ3_XXS: 64 grid index bytes (4-value entries of 4, 12, .. 52, 62), then per 32 values a word
+ * of four 7-bit ksigns indices | a 4-bit scale << 28. Looked up as IQ3_S: the 3-bit codes of entry
+ * bytes 0, 1 (2, 3) in a 256-byte plane, two vpermi2b tables each (bit 7 picks), then codes to
+ * values with vpshufb. z_iq3xxs_codes is filled by the table's fill function. */
+static uint8_t z_iq3xxs_codes[2][256] __attribute__((aligned(64)));
+static const uint8_t z_iq3xxs_grid_bytes[16] = {4, 12, 20, 28, 36, 44, 52, 62};
+MOE_INLINE __m512i z_iq3xxs_values(__m512i c, int hi) {
+    const __m512i lut =
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)z_iq3xxs_grid_bytes));
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    return _mm512_shuffle_epi8(lut, _mm512_and_si512(hi ? _mm512_srli_epi16(c, 4) : c, low4));
+}
+
+MOE_INLINE void z_iqb_iq3_xxs(const void *block, z_iqb *o) {
+    const moe_block_iq3_xxs *b = block;
+    const __m512i idx = _mm512_permutexvar_epi8(z_slot_order(), z_load(b->qs));
+    z_lookup_planes(idx, _mm512_movepi8_mask(idx), 0, false, z_iq3xxs_codes[0], 256,
+                    z_iq3xxs_values, o);
+    const __m256i words = avx2_load(b->qs + 64);
+    z_ksigns(z_ksign_fields(words), o->neg);
+    o->sc = z_top4_scales(words);
+    o->d = avx2_fp16(b->d);
+}
+#endif
+
+/* The decodes' lookup tables, from the shared codebooks. */
+static void z_iq_tables_fill(void) {
+    for (int i = 0; i < 16; i++) z_iq4_mag[i] = (int8_t)abs(moe_kvalues_iq4nl[i]);
+#if MOE_AVX512_VNNI
+    for (int i = 0; i < 512; i++)
+        for (int q = 0; q < 2; q++) {
+            const unsigned lo = moe_iq3s_grid[i] >> (16 * q) & 0xff,
+                           hi = moe_iq3s_grid[i] >> (16 * q + 8) & 0xff;
+            z_iq3s_codes[q][i] = (uint8_t)((lo - 1) / 2 | (hi - 1) / 2 << 4); /* 2c + 1 */
+        }
+    for (int i = 0; i < 256; i++)
+        for (int q = 0; q < 2; q++) {
+            unsigned c[2];
+            for (int h = 0; h < 2; h++) {
+                const unsigned v = moe_iq3xxs_grid[i] >> (16 * q + 8 * h) & 0xff;
+                c[h] = 0;
+                while (z_iq3xxs_grid_bytes[c[h]] != v) c[h]++;
+            }
+            z_iq3xxs_codes[q][i] = (uint8_t)(c[0] | c[1] << 4);
+        }
+#endif
+}
+
+#endif
