@@ -34,6 +34,13 @@ const char *moe_version(void) {
     return MOE_VERSION_STRING;
 }
 
+/* Control characters (a parser's quote of its input: jansson's "near '...'") become spaces, so
+ * a message stays one line in logs and in an HTTP error body. */
+static void one_line(char *msg) {
+    for (unsigned char *c = (unsigned char *)msg; *c; c++)
+        if (*c < 0x20 || *c == 0x7f) *c = ' ';
+}
+
 moe_status moe_error_set(moe_error *err, moe_status code, const char *fmt, ...) {
     if (!err) return code;
     if (err->code != MOE_OK) return err->code;
@@ -42,6 +49,7 @@ moe_status moe_error_set(moe_error *err, moe_status code, const char *fmt, ...) 
     va_start(ap, fmt);
     vsnprintf(err->msg, sizeof err->msg, fmt, ap);
     va_end(ap);
+    one_line(err->msg);
     return code;
 }
 
@@ -61,6 +69,7 @@ void moe_error_prefix(moe_error *err, const char *fmt, ...) {
     memcpy(joined + used, err->msg, rest);
     joined[used + rest] = '\0';
     memcpy(err->msg, joined, sizeof joined);
+    one_line(err->msg);
 }
 
 void moe_error_clear(moe_error *err) {

@@ -17,7 +17,8 @@
 
 /* ==== Errors ==== */
 
-/* Set the error if none is set yet; returns the status stored (the first one). */
+/* Set the error if none is set yet; returns the status stored (the first one). The message is
+ * one line: control characters in it become spaces (here and in moe_error_prefix). */
 moe_status moe_error_set(moe_error *err, moe_status code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Prefix the existing message with context ("tensor blk.0.attn_q.weight: ..."). */
