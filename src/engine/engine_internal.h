@@ -66,8 +66,8 @@ typedef struct moe_index_ctx {
 
 /* The expert cache (expert_cache.c). */
 typedef struct moe_expert_cache moe_expert_cache;
-moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, moe_pool *pool,
-                                       uint64_t bytes, moe_error *err);
+moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, uint64_t bytes,
+                                       moe_error *err);
 void moe_expert_cache_free(moe_expert_cache *c);
 /* Layer il's experts through the cache, for moe_expert_set.source. */
 const moe_expert_source *moe_expert_cache_source(moe_expert_cache *c, uint32_t il);
