@@ -379,6 +379,15 @@ static void stats_and_pins(void **state) {
     moe_expert_cache_stats st = moe_ctx_expert_cache_stats(c);
     assert_int_equal(st.misses, 0); /* the pins were read before counting started */
     moe_ctx_free(c);
+    /* 6 of the 8 slots pinned to layer 0: layer 1's experts go through the other 2 */
+    f = fopen(pins, "w");
+    fputs("0 0\n0 1\n0 2\n0 3\n0 4\n0 5\n", f);
+    fclose(f);
+    c = cache_ctx(m, NULL, pins, &err);
+    if (!c) fail_msg("%s", err.msg);
+    st = prefill(c);
+    assert_true(st.misses > 2);
+    moe_ctx_free(c);
     f = fopen(pins, "w");
     fputs("0 1\n7 1\n", f); /* there are 2 layers */
     fclose(f);

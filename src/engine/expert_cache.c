@@ -581,6 +581,11 @@ bool moe_expert_cache_prepare(moe_expert_cache *c, const char *stats_path, const
                                "%s pins %u experts; the cache holds %u and needs 2 free", pin_path,
                                n, c->n_slots) == MOE_OK;
         if (ok) ok = preload(c, ids, n, true, err);
+        uint32_t n_pinned = 0; /* a group must find its slots among the others */
+        for (uint32_t i = 0; i < c->n_slots; i++) n_pinned += c->slots[i].pinned > 0;
+        for (uint32_t il = 0; il < c->n_layer; il++)
+            if (c->sources[il].source.max_group > (int)(c->n_slots - n_pinned))
+                c->sources[il].source.max_group = (int)(c->n_slots - n_pinned);
     }
     if (ok && stats_path) { /* then the experts used most, while there is room */
         ok = read_pairs(c, stats_path, true, ids, (uint32_t)n_ids, &n, err);
