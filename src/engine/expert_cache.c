@@ -36,13 +36,15 @@ typedef struct slot {
     int32_t layer, expert; /* owner, or layer -1: empty */
     uint64_t last_use;
     int pinned;
-    bool loading; /* a reader thread is filling it (not usable, not evictable) */
-    bool wanted;  /* read because a step needs it (a miss), not ahead */
+    uint8_t loading; /* matrices the readers have still to fill (not usable, not evictable) */
+    bool failed;     /* one of them could not be read (its error in slot_err) */
+    bool wanted;     /* read because a step needs it (a miss), not ahead */
 } slot;
 
-#define READ_AHEAD_MAX 64                                         /* queued read-ahead experts */
-#define QUEUE_MAX      (READ_AHEAD_MAX + MOE_MATMUL_MANY_MAX / 2) /* and one group's misses */
-#define READERS_MAX    8 /* reader threads: the disk's queue depth for one step's misses */
+#define READ_AHEAD_MAX 64 /* queued read-ahead experts */
+/* queued matrices: of the experts read ahead and one group's misses */
+#define QUEUE_MAX   (3 * (READ_AHEAD_MAX + MOE_MATMUL_MANY_MAX / 2))
+#define READERS_MAX 16 /* reader threads: the disk's queue depth for one step's misses */
 
 typedef struct layer_source {
     moe_expert_cache *cache;
@@ -75,7 +77,9 @@ struct moe_expert_cache {
     bool stop;
     pthread_mutex_t mu;
     pthread_cond_t work, done;
-    int32_t queue[QUEUE_MAX]; /* slot ids: misses at the front, read-ahead at the back */
+    int32_t queue[QUEUE_MAX]; /* 3 slot + k (matrix k of the slot's expert): misses at the
+                               * front, read-ahead at the back */
+    moe_error *slot_err;      /* [n_slots] why a failed slot's read failed */
     uint32_t q_head, q_len;
     uint32_t n_loading; /* slots queued or being read */
 };
@@ -139,27 +143,18 @@ static bool read_bytes(moe_expert_cache *c, uint32_t shard, uint64_t at, uint64_
     return true;
 }
 
-/* Expert `expert` of layer il (gate, up, down) into slot s. */
-static bool read_expert(moe_expert_cache *c, uint32_t il, int32_t expert, int32_t s, int thread,
-                        moe_error *err) {
-    uint8_t *dst = c->mem + (uint64_t)s * c->slot_bytes;
-    for (int k = 0; k < 3; k++) {
-        const moe_tensor *t = expert_tensor(c->m, il, k);
-        if (!t) continue; /* up, fused into gate_up */
-        const uint64_t n = slice_bytes(t);
-        char what[160];
-        snprintf(what, sizeof what, "expert %d of '%.*s'", expert, (int)t->name.len, t->name.ptr);
-        if (!read_bytes(c, t->shard, t->file_offset + (uint64_t)expert * n, n, dst, thread, what,
-                        err))
-            return false;
-        dst += n;
-    }
-    return true;
+/* Where matrix k of a layer's expert lies in its slot. */
+static uint64_t slot_offset(const moe_model *m, uint32_t il, int k) {
+    uint64_t at = 0;
+    for (int j = 0; j < k; j++) at += slice_bytes(expert_tensor(m, il, j));
+    return at;
 }
 
-/* A reader thread: queued slots filled in order. A failed read empties its slot; when a step
- * holds the slot (a miss, or a read-ahead it is waiting for) the error is kept for the step, else
- * the expert is simply read again, with its error, if a step needs it. */
+/* A reader thread: queued matrices filled in order, so one expert's gate, up and down are read
+ * at once by different readers. A slot whose every matrix has arrived is usable; one with a
+ * failed read is emptied then, and when a step holds the slot (a miss, or a read-ahead it is
+ * waiting for) the error is kept for the step, else the expert is simply read again, with its
+ * error, if a step needs it. */
 static void *reader_main(void *arg) {
     moe_expert_cache *c = arg;
     pthread_mutex_lock(&c->mu);
@@ -167,39 +162,59 @@ static void *reader_main(void *arg) {
     for (;;) {
         while (!c->stop && !c->q_len) pthread_cond_wait(&c->work, &c->mu);
         if (c->stop) break;
-        const int32_t s = c->queue[c->q_head];
+        const int32_t s = c->queue[c->q_head] / 3, k = c->queue[c->q_head] % 3;
         c->q_head = (c->q_head + 1) % QUEUE_MAX;
         c->q_len--;
         const slot job = c->slots[s];
         pthread_mutex_unlock(&c->mu);
+        const moe_tensor *t = expert_tensor(c->m, (uint32_t)job.layer, k);
+        const uint64_t n = slice_bytes(t);
+        char what[160];
+        snprintf(what, sizeof what, "expert %d of '%.*s'", job.expert, (int)t->name.len,
+                 t->name.ptr);
         moe_error err = {0};
-        const bool ok = read_expert(c, (uint32_t)job.layer, job.expert, s, bounce, &err);
+        const bool ok = read_bytes(c, t->shard, t->file_offset + (uint64_t)job.expert * n, n,
+                                   c->mem + (uint64_t)s * c->slot_bytes +
+                                       slot_offset(c->m, (uint32_t)job.layer, k),
+                                   bounce, what, &err);
         pthread_mutex_lock(&c->mu);
         slot *v = &c->slots[s];
-        v->loading = false;
-        c->n_loading--;
-        if (ok) {
-            c->stats.bytes_read += expert_bytes(c->m, (uint32_t)job.layer);
-            if (!job.wanted) c->stats.read_ahead++;
-        } else {
-            if (v->pinned && !c->err.code) c->err = err;
-            c->slot_of[(uint64_t)job.layer * c->m->cfg.n_expert + (uint32_t)job.expert] = -1;
-            *v = (slot){.layer = -1};
+        if (!ok && !v->failed) {
+            v->failed = true;
+            c->slot_err[s] = err;
         }
-        pthread_cond_broadcast(&c->done);
+        if (--v->loading == 0) {
+            c->n_loading--;
+            if (!v->failed) {
+                c->stats.bytes_read += expert_bytes(c->m, (uint32_t)job.layer);
+                if (!job.wanted) c->stats.read_ahead++;
+            } else {
+                if (v->pinned && !c->err.code) c->err = c->slot_err[s];
+                c->slot_of[(uint64_t)job.layer * c->m->cfg.n_expert + (uint32_t)job.expert] = -1;
+                *v = (slot){.layer = -1};
+            }
+            pthread_cond_broadcast(&c->done);
+        }
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
 }
 
-/* Slot s to the readers (under mu): a miss before everything read ahead. */
+/* Slot s's matrices to the readers (under mu), its expert already set: a miss's before
+ * everything read ahead, gate first. */
 static void enqueue(moe_expert_cache *c, int32_t s, bool miss) {
-    MOE_CHECK(c->q_len < QUEUE_MAX);
-    if (miss) c->q_head = (c->q_head + QUEUE_MAX - 1) % QUEUE_MAX;
-    c->queue[miss ? c->q_head : (c->q_head + c->q_len) % QUEUE_MAX] = s;
-    c->q_len++;
+    slot *v = &c->slots[s];
+    for (int j = 0; j < 3; j++) {
+        const int k = miss ? 2 - j : j; /* pushed at the front: last one first */
+        if (!expert_tensor(c->m, (uint32_t)v->layer, k)) continue; /* up, fused into gate_up */
+        MOE_CHECK(c->q_len < QUEUE_MAX);
+        if (miss) c->q_head = (c->q_head + QUEUE_MAX - 1) % QUEUE_MAX;
+        c->queue[miss ? c->q_head : (c->q_head + c->q_len) % QUEUE_MAX] = 3 * s + k;
+        c->q_len++;
+        v->loading++;
+    }
     c->n_loading++;
-    pthread_cond_signal(&c->work);
+    pthread_cond_broadcast(&c->work);
 }
 
 /* ==== Slots ==== */
@@ -252,7 +267,7 @@ static void read_ahead(moe_expert_cache *c, uint32_t il) {
     if (next >= c->n_layer) return;
     const uint32_t *uses = c->uses + (uint64_t)next * n_expert;
     int32_t *slot_of = c->slot_of + (uint64_t)next * n_expert;
-    for (uint32_t k = 0; k < c->m->cfg.n_expert_used && c->q_len < READ_AHEAD_MAX; k++) {
+    for (uint32_t k = 0; k < c->m->cfg.n_expert_used && c->q_len < 3 * READ_AHEAD_MAX; k++) {
         int32_t best = -1; /* the most used not yet resident or queued */
         for (uint32_t e = 0; e < n_expert; e++)
             if (slot_of[e] < 0 && uses[e] && (best < 0 || uses[e] > uses[best])) best = (int32_t)e;
@@ -265,8 +280,7 @@ static void read_ahead(moe_expert_cache *c, uint32_t il) {
             c->slot_of[(uint64_t)v->layer * n_expert + (uint32_t)v->expert] = -1;
             c->stats.evictions++;
         }
-        *v =
-            (slot){.layer = (int32_t)next, .expert = best, .last_use = ++c->clock, .loading = true};
+        *v = (slot){.layer = (int32_t)next, .expert = best, .last_use = ++c->clock};
         slot_of[best] = s;
         enqueue(c, s, false);
     }
@@ -318,7 +332,6 @@ static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views, boo
                     .expert = ids[i],
                     .last_use = ++c->clock,
                     .pinned = 1,
-                    .loading = true,
                     .wanted = true};
         slot_of[ids[i]] = s;
         enqueue(c, s, true);
@@ -409,6 +422,7 @@ moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run,
         return NULL;
     }
     c->slots = moe_xcalloc(n_slots, sizeof *c->slots);
+    c->slot_err = moe_xcalloc(n_slots, sizeof *c->slot_err);
     for (uint64_t i = 0; i < n_slots; i++) c->slots[i].layer = -1;
     const uint64_t n_ids = (uint64_t)n_layer_run * m->cfg.n_expert;
     c->slot_of = moe_xmalloc(n_ids * sizeof *c->slot_of);
@@ -435,9 +449,10 @@ moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run,
             if (slice_bytes(expert_tensor(m, il, k)) > slice_max)
                 slice_max = slice_bytes(expert_tensor(m, il, k));
     c->bounce_bytes = (slice_max + 2 * DIRECT_ALIGN) / DIRECT_ALIGN * DIRECT_ALIGN;
-    /* a reader per expert a token uses (its misses are read at once), 2 to READERS_MAX */
+    /* a reader per matrix of the experts a token uses (a layer's misses are read at once), 3
+     * to READERS_MAX */
     const uint32_t n_used = m->cfg.n_expert_used;
-    const int n_readers = n_used < 2 ? 2 : n_used > READERS_MAX ? READERS_MAX : (int)n_used;
+    const int n_readers = 3 * n_used > READERS_MAX ? READERS_MAX : 3 * (int)n_used;
     c->bounce = aligned_alloc(DIRECT_ALIGN, (size_t)(c->bounce_bytes * (uint64_t)n_readers));
     if (!c->bounce) moe_die("out of memory (expert cache bounce buffers)");
     pthread_mutex_init(&c->mu, NULL);
@@ -481,6 +496,7 @@ void moe_expert_cache_free(moe_expert_cache *c) {
     free(c->direct);
     free(c->bounce);
     free(c->slots);
+    free(c->slot_err);
     free(c->slot_of);
     free(c->uses);
     free(c->sources);
