@@ -14,7 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../src/engine/engine.h"
+#include "../src/engine/engine_internal.h"
 
 static const char *const moe_fixtures[] = {
     "parity/qwen3moe-mixed.gguf", "parity/deepseek2-q8_0-q4_k.gguf", "parity/gpt-oss-mxfp4.gguf",
@@ -287,15 +287,7 @@ static void resident_experts_compute_first(void **state) {
             }
         fake_source f = {.stacked = {in_w, w->gate_up ? NULL : w->up, w->down}};
         const moe_expert_source src = {fake_acquire, fake_wait, fake_release, &f, 128};
-        moe_expert_set set = {.gate = w->gate,
-                              .up = w->up,
-                              .gate_up = w->gate_up,
-                              .down = w->down,
-                              .gate_b = w->gate_b,
-                              .up_b = w->up_b,
-                              .down_b = w->down_b,
-                              .act = cfg->expert_act,
-                              .limit = m->layers[il].plan.clamp_exp};
+        moe_expert_set set = moe_expert_set_of(cfg, &m->layers[il]);
         float *a = calloc((size_t)(rows * n_embd), sizeof(float));
         float *b = calloc((size_t)(rows * n_embd), sizeof(float));
         assert_true(

@@ -230,6 +230,8 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t layer, co
                       uint32_t n_rows);
 /* dense FFN and routed experts (ffn.c) */
 void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
+/* A layer's routed experts as the dispatch runs them, all resident (no source, one shard). */
+moe_expert_set moe_expert_set_of(const moe_model_config *cfg, const moe_layer_weights *l);
 void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
 
 /* ==== Linear attention state (linear.c) ==== */

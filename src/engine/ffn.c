@@ -80,6 +80,19 @@ static void router_logits(moe_ctx *c, const moe_expert_weights *w, uint32_t n_ro
     moe_add_bias(c->router, w->router_b, 0, n_rows, cfg->n_expert);
 }
 
+moe_expert_set moe_expert_set_of(const moe_model_config *cfg, const moe_layer_weights *l) {
+    const moe_expert_weights *w = &l->experts;
+    return (moe_expert_set){.gate = w->gate,
+                            .up = w->up,
+                            .gate_up = w->gate_up,
+                            .down = w->down,
+                            .gate_b = w->gate_b,
+                            .up_b = w->up_b,
+                            .down_b = w->down_b,
+                            .act = cfg->expert_act,
+                            .limit = l->plan.clamp_exp};
+}
+
 /* y = the routed experts' weighted sum (in expert order; normed by out_norm when given), then
  * + the shared expert's output: the order llama.cpp sums them in, before the loop adds y to the
  * residual; then the block's output norm. */
@@ -98,21 +111,11 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
         .topk_group = (int)cfg->n_group_used,
         .expert_scale = w->down_scale ? (const float *)w->down_scale->data : NULL};
     moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
-    const moe_expert_set experts = {
-        .gate = w->gate,
-        .up = w->up,
-        .gate_up = w->gate_up,
-        .down = w->down,
-        .gate_b = w->gate_b,
-        .up_b = w->up_b,
-        .down_b = w->down_b,
-        .act = cfg->expert_act,
-        .limit = l->plan.clamp_exp,
-        .source = c->expert_cache
-                      ? moe_expert_cache_source(c->expert_cache, (uint32_t)(l - c->m->layers))
-                      : NULL,
-        .shard = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_rank() : 0,
-        .n_shards = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_size() : 1};
+    moe_expert_set experts = moe_expert_set_of(cfg, l);
+    if (c->expert_cache)
+        experts.source = moe_expert_cache_source(c->expert_cache, (uint32_t)(l - c->m->layers));
+    experts.shard = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_rank() : 0;
+    experts.n_shards = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_size() : 1;
     const float *in = c->xn;
     if (w->in_norm) {
         norm_input(c, w->in_norm, n_rows);
