@@ -92,6 +92,7 @@ static void cache_equals_resident(void **state) {
                     (double)st.hits / (double)(st.hits + st.misses),
                     (unsigned long long)st.evictions, (unsigned long long)st.read_ahead);
                 assert_true(st.misses > 0 && (div == 2 || st.evictions > 0));
+                assert_true(st.bytes_read > 0 && st.busy_seconds > 0);
                 read_ahead += st.read_ahead;
                 if (memcmp(resident, cached, n * sizeof(float)) != 0)
                     fail_msg("%s: logits with the expert cache differ from the resident run",

@@ -82,6 +82,8 @@ struct moe_expert_cache {
     moe_error *slot_err;      /* [n_slots] why a failed slot's read failed */
     uint32_t q_head, q_len;
     uint32_t n_loading; /* slots queued or being read */
+    int n_reading;      /* reads in flight, and since when there were any (stats.busy_seconds) */
+    double busy_since;
 };
 
 /* Matrix k of a layer's experts: 0 gate (or the fused gate_up of Gemma 4: then a slot holds two
@@ -166,6 +168,7 @@ static void *reader_main(void *arg) {
         c->q_head = (c->q_head + 1) % QUEUE_MAX;
         c->q_len--;
         const slot job = c->slots[s];
+        if (c->n_reading++ == 0) c->busy_since = moe_now();
         pthread_mutex_unlock(&c->mu);
         const moe_tensor *t = expert_tensor(c->m, (uint32_t)job.layer, k);
         const uint64_t n = slice_bytes(t);
@@ -178,6 +181,7 @@ static void *reader_main(void *arg) {
                                        slot_offset(c->m, (uint32_t)job.layer, k),
                                    bounce, what, &err);
         pthread_mutex_lock(&c->mu);
+        if (--c->n_reading == 0) c->stats.busy_seconds += moe_now() - c->busy_since;
         slot *v = &c->slots[s];
         if (!ok && !v->failed) {
             v->failed = true;
