@@ -107,17 +107,21 @@ asan:
 	  SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
 
 ## bench: kernel micro-benchmarks: GB/s per type per ISA table vs read bandwidth (BENCH_ARGS),
-## then quantizer throughput: rows/s per type, 1 and N threads (QBENCH_ARGS)
+## then quantizer throughput: rows/s per type, 1 and N threads (QBENCH_ARGS), then attention at
+## depth, per-row vs tiled path (ABENCH_ARGS)
 BENCH_BIN ?= $(BUILD)/bench/kernels
 QBENCH_BIN ?= $(BUILD)/bench/quantize
+ABENCH_BIN ?= $(BUILD)/bench/attention
 BENCH_ARGS ?=
 QBENCH_ARGS ?=
-bench: $(BENCH_BIN) $(QBENCH_BIN)
+ABENCH_ARGS ?=
+bench: $(BENCH_BIN) $(QBENCH_BIN) $(ABENCH_BIN)
 	./$(BENCH_BIN) $(BENCH_ARGS)
 	./$(QBENCH_BIN) $(QBENCH_ARGS)
+	./$(ABENCH_BIN) $(ABENCH_ARGS)
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
-.SECONDARY: $(BUILD)/bench/kernels.o $(BUILD)/bench/quantize.o
+.SECONDARY: $(BUILD)/bench/kernels.o $(BUILD)/bench/quantize.o $(BUILD)/bench/attention.o
 
 ## bench-grammar: constrained decoding's cost per token vs the forward pass (BENCH_ARGS)
 GRAMMAR_BENCH_BIN ?= $(BUILD)/bench/grammar
@@ -247,4 +251,4 @@ help:
 clean:
 	rm -rf build moe tests/run
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BUILD)/bench/kernels.d $(BUILD)/bench/grammar.d
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BUILD)/bench/kernels.d $(BUILD)/bench/grammar.d $(BUILD)/bench/attention.d

@@ -86,15 +86,15 @@ char *moe_arg_model_path(const char *cmd, const char *given) {
     return demo;
 }
 
-bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_type *out) {
+bool moe_arg_kv_type(const char *cmd, const char *text, moe_type *out) {
     moe_type t;
     if (text && moe_type_from_name(text, &t) &&
-        (t == MOE_TYPE_F32 || t == MOE_TYPE_F16 || (allow_q8_0 && t == MOE_TYPE_Q8_0))) {
+        (t == MOE_TYPE_F32 || t == MOE_TYPE_F16 || t == MOE_TYPE_Q8_0)) {
         *out = t;
         return true;
     }
-    moe_cli_usage_error(cmd, "--kv-type expects %s, got '%s'",
-                        allow_q8_0 ? "f32, f16 or q8_0" : "f32 or f16", text ? text : "(nothing)");
+    moe_cli_usage_error(cmd, "--kv-type expects f32, f16 or q8_0, got '%s'",
+                        text ? text : "(nothing)");
     return false;
 }
 
@@ -214,7 +214,7 @@ int moe_cli_option_parse(const char *cmd, const moe_cli_option *table, size_t n,
         if (!moe_arg_size(cmd, a, v, (uint64_t *)field)) return -1;
         break;
     case MOE_OPT_KV_TYPE:
-        if (!moe_arg_kv_type(cmd, v, false, (moe_type *)field)) return -1;
+        if (!moe_arg_kv_type(cmd, v, (moe_type *)field)) return -1;
         break;
     default:
         moe_die("option %s: kind %d", o->flag, (int)o->kind);
@@ -256,8 +256,8 @@ static const moe_cli_option engine_options[] = {
     {"--ctx", NULL, "N", "positions per sequence (default: the model's, capped)", MOE_OPT_INT,
      ENGINE(n_ctx), 1, 1 << 24, NULL},
     {"--threads", "-t", "N", "forward-pass threads", MOE_OPT_INT, ENGINE(n_threads), 1, 1024, NULL},
-    {"--kv-type", NULL, "f32|f16", "KV cache element type", MOE_OPT_KV_TYPE, ENGINE(kv_type), 0, 0,
-     NULL},
+    {"--kv-type", NULL, "f32|f16|q8_0", "KV cache element type", MOE_OPT_KV_TYPE, ENGINE(kv_type),
+     0, 0, NULL},
     {"--expert-cache", NULL, "SIZE",
      "routed experts read from the file on demand into a cache of SIZE (12G, 512M); "
      "default: all resident",

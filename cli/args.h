@@ -30,8 +30,8 @@ char *moe_arg_model_path(const char *cmd, const char *given);
 bool moe_arg_type_rule(const char *cmd, const char *flag, const char *text, char **pattern,
                        moe_type *type);
 
-/* --kv-type's value: f32 or f16, and q8_0 where allow_q8_0 (what `moe budget` plans). */
-bool moe_arg_kv_type(const char *cmd, const char *text, bool allow_q8_0, moe_type *out);
+/* --kv-type's value: f32, f16 or q8_0. */
+bool moe_arg_kv_type(const char *cmd, const char *text, moe_type *out);
 
 /* --spec's value: ngram, mtp or none. */
 bool moe_arg_spec(const char *cmd, const char *text, moe_spec_kind *out);
@@ -40,7 +40,7 @@ bool moe_arg_spec(const char *cmd, const char *text, moe_spec_kind *out);
 typedef struct moe_engine_args {
     uint32_t n_ctx;              /* --ctx: positions per sequence (0: the model's, capped) */
     int n_threads;               /* -t, --threads */
-    moe_type kv_type;            /* --kv-type: KV cache elements, MOE_TYPE_F32 or MOE_TYPE_F16 */
+    moe_type kv_type;            /* --kv-type: KV cache elements, F32, F16 or Q8_0 */
     uint64_t expert_cache_bytes; /* --expert-cache SIZE: routed experts read on demand into a
                                   * cache of this size (0: all resident) */
     const char *expert_stats;    /* --expert-stats FILE: the cache's use counts across runs */

@@ -1,12 +1,14 @@
 /* bench.c: `moe bench MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8]
- * [--stream-steps N] [--depth 1024,4096] [--verify N] [--accept 0.87,0.66,0.52] [--mmap]
- * [--csv | --json]` -- throughput of a model on this machine beside the machine's read bandwidth
- * (src/tools/bench.c measures; this file parses and prints). `moe bench --server URL
+ * [--stream-steps N] [--depth 1024,4096] [--verify N] [--accept 0.87,0.66,0.52]
+ * [--spec ngram|mtp --prompt-file F [--draft N]] [--mmap] [--csv | --json]` -- throughput of a
+ * model on this machine beside the machine's read bandwidth (src/tools/bench.c measures; this
+ * file parses and prints). With --spec, greedy decode after a real prompt is also measured with
+ * and without speculation, through run's generation loop (generate.c). `moe bench --server URL
  * [--concurrency N] [--tokens N] [--repeats N] [--start-cmd CMD] [--svg FILE] [--json]` -- load
  * on a running server instead (src/tools/bench_server.c).
  *
  * Every text and CSV line names the kernel table and thread count, so a pasted line still says
- * what it measured. JSON is one object: pp_tok_s, tg_tok_s, depths [{depth, tg_tok_s}],
+ * what it measured. JSON is one object: pp_tok_s, tg_tok_s, depths [{depth, pp_tok_s, tg_tok_s}],
  * streams [{n, aggregate_tok_s, per_stream_tok_s}], verify [{rows, steps_s, cost_ratio}],
  * projected [{drafts, tok_s}], read_bw_gb_s, active_bytes_per_token, isa, threads, and the
  * ranges. */
@@ -18,6 +20,7 @@
 #include "../src/tools/tools.h"
 #include "args.h"
 #include "cli.h"
+#include "generate.h"
 
 static const char usage_text[] =
     "  -t, --threads N   threads for the forward pass and the bandwidth probe (default: the\n"
@@ -27,16 +30,22 @@ static const char usage_text[] =
     "  --tg N            decode test: N single-row steps (default 128; 0 skips)\n"
     "  --streams LIST    batched decode: stream counts (default 1,2,4,8; 0 skips)\n"
     "  --stream-steps N  decode steps per batched test (default 32)\n"
-    "  --depth LIST      decode tests after that many tokens of context, e.g. 1024,4096,16384\n"
-    "                    (ascending; the context is filled once, untimed, 512 rows a step)\n"
+    "  --depth LIST      prefill (--pp) and decode (--tg) tests after that many tokens of\n"
+    "                    context, e.g. 8192,32768 (ascending; the context is filled once,\n"
+    "                    untimed, 512 rows a step)\n"
     "  --verify N        speculation's ceiling: verify steps of 1..N rows of one sequence (the\n"
     "                    refused rows rolled back) against a 1-row step, --stream-steps each\n"
     "                    (default 4; 0 skips)\n"
     "  --accept LIST     acceptance by draft position (e.g. 0.87,0.66,0.52: the fraction of\n"
     "                    steps whose 1st, 2nd, 3rd draft is kept): the decode rate projected\n"
     "                    with 1, 2, 3 drafts per step from the verify costs\n"
+    "  --spec ngram|mtp  also measure greedy decode (--tg tokens) after the --prompt-file's\n"
+    "                    text with this speculation and without, in alternate runs: tok/s of\n"
+    "                    both, tokens per step, drafts kept by position (as --accept takes them)\n"
+    "  --prompt-file F   the prompt for --spec (e.g. code an agent quotes back: ngram drafts)\n"
+    "  --draft N         drafts per step with --spec (default 3)\n"
     "  --probe-mib N     bandwidth probe buffer (default 512)\n"
-    "  --kv-type f16|f32 KV cache element type (default f16)\n"
+    "  --kv-type f16|f32|q8_0 KV cache element type (default f16)\n"
     "  --ctx N           positions per sequence (default: the model's, capped)\n"
     "  --expert-cache SIZE  routed experts read on demand into a cache of SIZE; reports the\n"
     "                    decode's hit rate and disk bytes per token beside a disk probe\n"
@@ -223,6 +232,147 @@ static int bench_server(int argc, char **argv) {
     return rc;
 }
 
+/* ==== Measured speculation (--spec, --prompt-file) ==== */
+
+typedef struct spec_bench {
+    moe_spec_kind kind; /* MOE_SPEC_NONE: not measured */
+    const char *prompt_file;
+    int n_draft;
+    uint32_t n_prompt;
+    moe_bench_figure plain, spec; /* decode tok/s (gb_s unused) */
+    uint64_t steps, generated;    /* the timed speculative runs' */
+    uint64_t drafted[MOE_SPEC_MAX_DRAFT], accepted[MOE_SPEC_MAX_DRAFT];
+} spec_bench;
+
+static const char *spec_name(moe_spec_kind k) {
+    return k == MOE_SPEC_MTP ? "mtp" : k == MOE_SPEC_NGRAM ? "ngram" : "none";
+}
+
+/* Median and range of v[0..n). */
+static void figure_of(const double *v, int n, moe_bench_figure *f) {
+    double tmp[MOE_BENCH_MAX_RUNS];
+    memcpy(tmp, v, sizeof(double) * n);
+    f->min = f->max = v[0];
+    for (int i = 1; i < n; i++) {
+        if (v[i] < f->min) f->min = v[i];
+        if (v[i] > f->max) f->max = v[i];
+    }
+    f->median = moe_median(tmp, n);
+}
+
+/* One run: sequence 0 from empty, the prompt prefilled (untimed), n_gen greedy tokens with
+ * g->opt.spec; returns decode tok/s, or -1 on an error (reported). */
+static double spec_run(moe_gen *g, const int32_t *ids, size_t n_ids, int n_gen) {
+    moe_error err = {0};
+    moe_gen_reset(g);
+    if (!moe_gen_prefill(g, ids, n_ids, &err) || !moe_gen_run(g, n_gen, NULL, &err)) {
+        fprintf(stderr, "moe bench: --spec: %s\n", err.msg);
+        return -1;
+    }
+    return g->gen_seconds > 0 ? (double)g->n_generated / g->gen_seconds : 0;
+}
+
+/* Warm-up, then p->runs pairs of runs, plain and speculative in turn (so that the machine's
+ * drift falls on both); the replies must be equal (greedy: speculation changes no token). */
+static bool spec_measure(const moe_bench_params *p, spec_bench *sb) {
+    moe_gen_options o;
+    moe_gen_options_default(&o);
+    o.model_path = p->model_path;
+    o.n_predict = p->n_gen;
+    o.sampling.temperature = 0;
+    o.ignore_eos = true;
+    o.quiet = true;
+    o.spec = sb->kind;
+    o.spec_given = true;
+    o.n_draft = (uint32_t)sb->n_draft;
+    o.engine.n_threads = p->n_threads;
+    o.engine.kv_type = p->kv_type;
+    o.engine.expert_cache_bytes = p->expert_cache_bytes;
+    moe_error err = {0};
+    uint8_t *text = NULL;
+    size_t size = 0;
+    if (moe_file_read(sb->prompt_file, &text, &size, &err) != MOE_OK) {
+        fprintf(stderr, "moe bench: --prompt-file: %s\n", err.msg);
+        return false;
+    }
+    moe_gen g;
+    if (!moe_gen_open(&g, &o, "bench")) {
+        free(text);
+        return false;
+    }
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    moe_tokenizer_encode(g.tok, (const char *)text, size,
+                         MOE_ENCODE_ADD_SPECIAL | MOE_ENCODE_PARSE_SPECIAL, &ids, &n_ids, &err);
+    free(text);
+    if (!err.code &&
+        (n_ids == 0 || n_ids + (size_t)p->n_gen + (size_t)sb->n_draft + 1 > moe_ctx_n_ctx(g.ctx)))
+        moe_error_set(&err, MOE_ERR_ARG,
+                      "%s: %zu prompt tokens and --tg %d do not fit the context of %u (or the "
+                      "prompt is empty)",
+                      sb->prompt_file, n_ids, p->n_gen, moe_ctx_n_ctx(g.ctx));
+    bool ok = !err.code;
+    if (!ok) fprintf(stderr, "moe bench: --spec: %s\n", err.msg);
+    sb->n_prompt = (uint32_t)n_ids;
+    double plain[MOE_BENCH_MAX_RUNS], spec[MOE_BENCH_MAX_RUNS];
+    char *reply = NULL;
+    for (int run = -1; ok && run < p->runs; run++) { /* run -1: the warm-up */
+        g.opt.spec = MOE_SPEC_NONE;
+        const double a = spec_run(&g, ids, n_ids, p->n_gen);
+        if (!reply) reply = moe_xstrdup(g.reply ? g.reply : "");
+        g.opt.spec = sb->kind;
+        const double b = spec_run(&g, ids, n_ids, p->n_gen);
+        ok = a >= 0 && b >= 0;
+        if (ok && strcmp(reply, g.reply ? g.reply : "") != 0) {
+            fprintf(stderr, "moe bench: --spec %s changed the greedy reply: a bug\n",
+                    spec_name(sb->kind));
+            ok = false;
+        }
+        if (!ok || run < 0) continue;
+        plain[run] = a;
+        spec[run] = b;
+        sb->steps += g.n_steps;
+        sb->generated += g.n_generated;
+        for (int k = 0; k < MOE_SPEC_MAX_DRAFT; k++) {
+            sb->drafted[k] += g.drafted[k];
+            sb->accepted[k] += g.accepted[k];
+        }
+    }
+    if (ok) {
+        figure_of(plain, p->runs, &sb->plain);
+        figure_of(spec, p->runs, &sb->spec);
+    }
+    free(reply);
+    free(ids);
+    moe_gen_close(&g);
+    return ok;
+}
+
+/* The fraction of steps whose k-th draft was kept (what --accept takes). */
+static double spec_profile(const spec_bench *sb, int k) {
+    return sb->steps ? (double)sb->accepted[k] / (double)sb->steps : 0;
+}
+
+static void print_spec_text(const spec_bench *sb, const moe_bench_result *r,
+                            const moe_bench_params *p) {
+    printf("measured speculation: --spec %s --draft %d, greedy tg%d after %s (%u prompt tokens), "
+           "median of %d runs alternated with plain decode  [%s, %d threads]\n",
+           spec_name(sb->kind), sb->n_draft, p->n_gen, sb->prompt_file, sb->n_prompt, p->runs,
+           r->isa, r->threads);
+    printf("%-12s %10.2f %8.2f - %8.2f\n", "plain", sb->plain.median, sb->plain.min, sb->plain.max);
+    printf("%-12s %10.2f %8.2f - %8.2f  %.2fx plain\n", spec_name(sb->kind), sb->spec.median,
+           sb->spec.min, sb->spec.max,
+           sb->plain.median > 0 ? sb->spec.median / sb->plain.median : 0);
+    printf("%.2f tokens per step; drafts kept by position:",
+           sb->steps ? (double)sb->generated / (double)sb->steps : 0.0);
+    for (int k = 0; k < sb->n_draft && sb->drafted[k]; k++)
+        printf(" %d: %.0f%% of %llu", k + 1, 100.0 * (double)sb->accepted[k] / sb->drafted[k],
+               (unsigned long long)sb->drafted[k]);
+    printf("; as --accept:");
+    for (int k = 0; k < sb->n_draft; k++) printf("%s%.2f", k ? "," : " ", spec_profile(sb, k));
+    printf("\n");
+}
+
 static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
     const moe_bandwidth *bw = &r->bandwidth;
     const double probe = bw->median_gb_s;
@@ -280,7 +430,13 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
                f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads);
     }
     for (int i = 0; i < p->n_depths; i++) {
-        const moe_bench_figure *f = &r->tg_depth[i];
+        const moe_bench_figure *f = &r->pp_depth[i];
+        snprintf(label, sizeof label, "pp%d@d%d", p->n_prompt, p->depths[i]);
+        if (f->median > 0)
+            printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d\n", label, f->median,
+                   f->min, f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads);
+        f = &r->tg_depth[i];
+        if (f->median <= 0) continue;
         snprintf(label, sizeof label, "tg%d@d%d", p->n_gen, p->depths[i]);
         printf("%-12s %10.2f %8.2f - %8.2f %11s %8.1f %7.0f%%  %s, %d  (%.2f ms per token", label,
                f->median, f->min, f->max, "", f->gb_s, 100 * f->gb_s / probe, r->isa, r->threads,
@@ -331,7 +487,7 @@ static void csv_row(const moe_bench_result *r, const char *test, int n, const mo
            r->bandwidth.median_gb_s, r->active_bytes_per_token, r->isa, r->threads, r->runs);
 }
 
-static void print_csv(const moe_bench_result *r, const moe_bench_params *p) {
+static void print_csv(const moe_bench_result *r, const moe_bench_params *p, const spec_bench *sb) {
     char pp[32], tg[32];
     snprintf(pp, sizeof pp, "pp%d", p->n_prompt);
     snprintf(tg, sizeof tg, "tg%d", p->n_gen);
@@ -340,8 +496,10 @@ static void print_csv(const moe_bench_result *r, const moe_bench_params *p) {
     if (r->pp.median > 0) csv_row(r, pp, 1, &r->pp, r->pp.median);
     if (r->tg.median > 0) csv_row(r, tg, 1, &r->tg, r->tg.median);
     for (int i = 0; i < p->n_depths; i++) {
+        snprintf(pp, sizeof pp, "pp%d@d%d", p->n_prompt, p->depths[i]);
+        if (r->pp_depth[i].median > 0) csv_row(r, pp, 1, &r->pp_depth[i], r->pp_depth[i].median);
         snprintf(tg, sizeof tg, "tg%d@d%d", p->n_gen, p->depths[i]);
-        csv_row(r, tg, 1, &r->tg_depth[i], r->tg_depth[i].median);
+        if (r->tg_depth[i].median > 0) csv_row(r, tg, 1, &r->tg_depth[i], r->tg_depth[i].median);
     }
     for (int i = 0; i < r->n_streams; i++)
         csv_row(r, "streams", r->streams[i].n, &r->streams[i].aggregate,
@@ -349,6 +507,11 @@ static void print_csv(const moe_bench_result *r, const moe_bench_params *p) {
     if (r->n_verify) csv_row(r, "decode1", 1, &r->verify_base, r->verify_base.median);
     for (int k = 1; k <= r->n_verify; k++) /* "streams": rows of the step; tok_s: steps per s */
         csv_row(r, "verify", k, &r->verify[k - 1], r->verify[k - 1].median);
+    if (!sb->kind) return; /* "streams": the drafts per step */
+    snprintf(tg, sizeof tg, "spec_plain_tg%d", p->n_gen);
+    csv_row(r, tg, 0, &sb->plain, sb->plain.median);
+    snprintf(tg, sizeof tg, "spec_%s_tg%d", spec_name(sb->kind), p->n_gen);
+    csv_row(r, tg, sb->n_draft, &sb->spec, sb->spec.median);
 }
 
 static void json_figure(moe_json *j, const char *prefix, const moe_bench_figure *f) {
@@ -365,7 +528,37 @@ static void json_figure(moe_json *j, const char *prefix, const moe_bench_figure 
     }
 }
 
-static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
+/* The "spec" object of --json: the measured rates, tokens per step, drafts by position. */
+static void json_spec(moe_json *j, const spec_bench *sb) {
+    moe_json_key(j, "spec");
+    if (!sb->kind) {
+        moe_json_null(j);
+        return;
+    }
+    moe_json_object_begin(j);
+    moe_json_kv_string(j, "kind", spec_name(sb->kind));
+    moe_json_kv_int(j, "draft", sb->n_draft);
+    moe_json_kv_string(j, "prompt_file", sb->prompt_file);
+    moe_json_kv_int(j, "prompt_tokens", sb->n_prompt);
+    json_figure(j, "plain_", &sb->plain);
+    json_figure(j, "spec_", &sb->spec);
+    moe_json_kv_double(j, "tokens_per_step",
+                       sb->steps ? (double)sb->generated / (double)sb->steps : 0.0);
+    moe_json_key(j, "positions");
+    moe_json_array_begin(j);
+    for (int k = 0; k < sb->n_draft; k++) {
+        moe_json_object_begin(j);
+        moe_json_kv_int(j, "position", k + 1);
+        moe_json_kv_uint(j, "drafted", sb->drafted[k]);
+        moe_json_kv_uint(j, "accepted", sb->accepted[k]);
+        moe_json_kv_double(j, "accept", spec_profile(sb, k));
+        moe_json_object_end(j);
+    }
+    moe_json_array_end(j);
+    moe_json_object_end(j);
+}
+
+static void print_json(const moe_bench_result *r, const moe_bench_params *p, const spec_bench *sb) {
     moe_json j;
     moe_json_init(&j, true);
     moe_json_object_begin(&j);
@@ -383,6 +576,7 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
     for (int i = 0; i < p->n_depths; i++) {
         moe_json_object_begin(&j);
         moe_json_kv_int(&j, "depth", p->depths[i]);
+        json_figure(&j, "pp_", &r->pp_depth[i]);
         json_figure(&j, "tg_", &r->tg_depth[i]);
         moe_json_kv_double(&j, "indexer_score_ms_per_token", r->score_ms[i]);
         moe_json_kv_double(&j, "indexer_attend_ms_per_token", r->attend_ms[i]);
@@ -424,6 +618,7 @@ static void print_json(const moe_bench_result *r, const moe_bench_params *p) {
         moe_json_object_end(&j);
     }
     moe_json_array_end(&j);
+    json_spec(&j, sb);
     const struct {
         const char *key;
         double v;
@@ -485,6 +680,7 @@ int moe_cmd_bench(int argc, char **argv) {
     p.n_threads = moe_cpu_cores();
     bool csv = false, json = false;
     int probe_mib = (int)(p.probe_bytes >> 20);
+    spec_bench sb = {.kind = MOE_SPEC_NONE, .n_draft = 3};
     moe_engine_args engine = {.n_threads = p.n_threads, .kv_type = p.kv_type};
     for (int i = 0; i < argc; i++) {
         const int engine_arg = moe_engine_args_parse("bench", &engine, argc, argv, &i);
@@ -498,6 +694,7 @@ int moe_cmd_bench(int argc, char **argv) {
             {"--stream-steps", &p.stream_steps, 1, 65536},
             {"--probe-mib", &probe_mib, 4, 1 << 20},
             {"--verify", &p.verify_max, 0, MOE_BENCH_MAX_VERIFY},
+            {"--draft", &sb.n_draft, 1, MOE_SPEC_MAX_DRAFT},
         };
         const int took = take_int_opt(ints, sizeof ints / sizeof ints[0], a, v);
         if (took < 0) return 2;
@@ -528,6 +725,13 @@ int moe_cmd_bench(int argc, char **argv) {
                                            "(1..%d, at most %d), got '%s'",
                                            MOE_BENCH_MAX_DEPTH, MOE_BENCH_MAX_DEPTHS, v ? v : "");
             i++;
+        } else if (strcmp(a, "--spec") == 0) {
+            if (!moe_arg_spec("bench", v, &sb.kind)) return 2;
+            i++;
+        } else if (strcmp(a, "--prompt-file") == 0) {
+            if (!v) return moe_cli_usage_error("bench", "--prompt-file needs a file");
+            sb.prompt_file = v;
+            i++;
         } else if (strcmp(a, "--mmap") == 0) {
             p.use_mmap = true;
         } else if (strcmp(a, "--csv") == 0) {
@@ -555,17 +759,27 @@ int moe_cmd_bench(int argc, char **argv) {
     if (!moe_engine_args_check("bench", &engine)) return 2;
     p.probe_bytes = (size_t)probe_mib << 20;
     if (csv && json) return moe_cli_usage_error("bench", "--csv and --json exclude each other");
+    if (sb.kind && (!sb.prompt_file || !p.n_gen))
+        return moe_cli_usage_error("bench",
+                                   "--spec %s measures decode after a prompt: it needs "
+                                   "--prompt-file F and --tg above 0",
+                                   spec_name(sb.kind));
+    if (!sb.kind && sb.prompt_file)
+        return moe_cli_usage_error("bench", "--prompt-file is the prompt of --spec ngram|mtp");
     moe_bench_result r;
     moe_error err = {0};
     if (moe_bench_run(&p, &r, &err) != MOE_OK) {
         fprintf(stderr, "moe bench: %s\n", err.msg);
         return 1;
     }
-    if (json)
-        print_json(&r, &p);
-    else if (csv)
-        print_csv(&r, &p);
-    else
+    if (sb.kind && !spec_measure(&p, &sb)) return 1;
+    if (json) {
+        print_json(&r, &p, &sb);
+    } else if (csv) {
+        print_csv(&r, &p, &sb);
+    } else {
         print_text(&r, &p);
+        if (sb.kind) print_spec_text(&sb, &r, &p);
+    }
     return 0;
 }

@@ -322,7 +322,7 @@ int moe_cmd_budget(int argc, char **argv) {
                 return 2;
             i++;
         } else if (!strcmp(a, "--kv-type")) {
-            if (!moe_arg_kv_type("budget", v, true, &c.kv_type)) return 2;
+            if (!moe_arg_kv_type("budget", v, &c.kv_type)) return 2;
             i++;
         } else if (!strcmp(a, "--expert-cache")) {
             if (!moe_arg_size("budget", a, v, &c.expert_cache)) return 2;

@@ -14,7 +14,8 @@
 static const char labels_usage[] =
     "usage: moe eval labels MODEL|URL --records F.jsonl [--reverse-options] [-o|--out OUT.jsonl] "
     "[--json]\n"
-    "         [-t N] [--kv-type f32|f16] [--chat-template-file F.jinja] [--api-key K] [--model "
+    "         [-t N] [--kv-type f32|f16|q8_0] [--chat-template-file F.jinja] [--api-key K] "
+    "[--model "
     "NAME]\n\n"
     "Each record (a JSON object per line): \"prompt\" (text) or \"messages\" (a chat, rendered "
     "with\n"
@@ -30,7 +31,8 @@ static const char labels_usage[] =
     "Per-record results (JSONL) go to -o, else to stdout; the summary to stdout (with -o) or\n"
     "stderr, as one JSON object with --json. --ids adds the token ids scored to each result.\n"
     "Labels are tokenized alone (no BOS): on a SentencePiece vocabulary write them without a\n"
-    "leading space (its dummy prefix adds one). -t defaults to every CPU, --kv-type to f32;\n"
+    "leading space (its dummy prefix adds one). -t defaults to the physical cores, --kv-type\n"
+    "to f32;\n"
     "--model names the model to a server (vLLM wants its served name), --api-key its key.\n";
 
 static const char compare_usage[] =
@@ -51,10 +53,10 @@ static const char kl_usage[] =
     "p90,\n"
     "p95, p99, p99.9, max, min, top-1 agreement and both perplexities.\n";
 
-/* The engine options' defaults here: every CPU, and an f32 KV cache (exact scores). */
+/* The engine options' defaults here: the physical cores (as every forward-pass command), and an
+ * f32 KV cache (exact scores). */
 static moe_engine_args eval_engine_args(void) {
-    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    return (moe_engine_args){.n_threads = cpus > 0 ? (int)cpus : 1, .kv_type = MOE_TYPE_F32};
+    return (moe_engine_args){.n_threads = moe_cpu_cores(), .kv_type = MOE_TYPE_F32};
 }
 
 /* ==== labels ==== */

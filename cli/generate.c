@@ -187,6 +187,18 @@ void moe_gen_close(moe_gen *g) {
     memset(g, 0, sizeof *g);
 }
 
+void moe_gen_reset(moe_gen *g) {
+    moe_error err = {0};
+    MOE_CHECK(moe_ctx_seq_truncate(g->ctx, 0, 0, &err) == MOE_OK); /* 0 always works */
+    moe_sampler_reset(g->sampler);
+    g->mtp_pending = 0;
+    g->text_started = false;
+    g->n_prompt = g->n_generated = g->n_steps = 0;
+    memset(g->drafted, 0, sizeof g->drafted);
+    memset(g->accepted, 0, sizeof g->accepted);
+    g->prompt_seconds = g->gen_seconds = 0;
+}
+
 /* --spec mtp: the last call's first n rows (fed ids[0..n)) join the hidden states the MTP cache
  * lacks; all but the newest, whose follower is not known yet, are fed to it now. */
 static bool mtp_take(moe_gen *g, const int32_t *ids, uint32_t n, moe_error *err) {
@@ -220,7 +232,7 @@ bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err) {
             moe_sampler_accept(g->sampler, ids[done + r]);
         }
         if (moe_ctx_decode(g->ctx, g->rows, chunk, g->logits, err) != MOE_OK) return false;
-        if (g->mtp_h && !mtp_take(g, ids + done, chunk, err)) return false;
+        if (g->opt.spec == MOE_SPEC_MTP && !mtp_take(g, ids + done, chunk, err)) return false;
         done += chunk;
     }
     g->n_prompt += n;
@@ -248,6 +260,7 @@ void moe_gen_catch_interrupt(void) {
  * \xNN, so a model cannot move the cursor, retitle the window or ring the bell; into a file or
  * pipe the bytes go as they are. */
 static void show(const moe_gen *g, const char *text, size_t len) {
+    if (g->opt.quiet) return;
     if (!g->tty) {
         fwrite(text, 1, len, stdout);
         return;
@@ -317,7 +330,7 @@ static emit_result step(moe_gen *g, emitter *e, int32_t token, int64_t budget, i
         memcpy(g->hist, moe_ctx_seq_tokens(c, 0), sizeof(int32_t) * len);
         g->hist[len] = token;
         n_draft = moe_draft_ngram(g->hist, len + 1, want, drafts);
-    } else if (g->mtp_h && g->mtp_pending && want) { /* the head catches up, then drafts */
+    } else if (g->opt.spec == MOE_SPEC_MTP && g->mtp_pending && want) { /* catch up, draft */
         g->mtp_tok[g->mtp_pending - 1] = token;
         n_draft = moe_draft_mtp(c, 0, g->mtp_h, g->mtp_tok, g->mtp_pending, want, drafts,
                                 g->mtp_logits, err);
@@ -330,7 +343,7 @@ static emit_result step(moe_gen *g, emitter *e, int32_t token, int64_t budget, i
     rows[0] = (moe_row){0, (int32_t)len, token, true};
     if (!n_draft) {
         if (moe_ctx_decode(c, rows, 1, g->logits, err) != MOE_OK) return EMIT_ERROR;
-        return !g->mtp_h || mtp_take(g, &token, 1, err) ? EMIT_ON : EMIT_ERROR;
+        return g->opt.spec != MOE_SPEC_MTP || mtp_take(g, &token, 1, err) ? EMIT_ON : EMIT_ERROR;
     }
     for (uint32_t i = 0; i < n_draft; i++)
         rows[i + 1] = (moe_row){0, (int32_t)(len + 1 + i), drafts[i], true};
@@ -350,7 +363,7 @@ static emit_result step(moe_gen *g, emitter *e, int32_t token, int64_t budget, i
         if (r != EMIT_ON) break; /* as plain decoding, a token that ends generation is not fed */
         kept++;
     }
-    if (g->mtp_h) { /* the kept rows' states: fed to the head at the next step */
+    if (g->opt.spec == MOE_SPEC_MTP) { /* the kept rows' states: fed to the head next step */
         const uint32_t n_embd = g->model->cfg.n_embd;
         uint32_t n_h;
         memcpy(g->mtp_h, moe_ctx_hidden(c, &n_h), sizeof(float) * (kept + 1) * n_embd);

@@ -23,6 +23,7 @@ typedef struct moe_gen_options {
     bool spec_given;          /* --spec was given (else: mtp where the model has an MTP layer) */
     uint32_t n_draft;         /* --draft N: drafts per step (default 3) */
     const char *grammar_file; /* --grammar-file: constrain the output to this GBNF grammar */
+    bool quiet;               /* show nothing (moe bench): the reply is only kept in g->reply */
 } moe_gen_options;
 
 #define MOE_GEN_MAX_DRAFT MOE_SPEC_MAX_DRAFT
@@ -68,6 +69,9 @@ void moe_gen_print_options(FILE *out, const moe_gen_options *defaults);
 
 bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd);
 void moe_gen_close(moe_gen *g);
+/* Start over: an empty sequence, the sampler as new, the totals at zero (moe bench's runs;
+ * g->opt.spec may then be changed between none and the kind it was opened with). */
+void moe_gen_reset(moe_gen *g);
 /* Feed tokens (appended to sequence 0); leaves the last row's logits in g->logits. */
 bool moe_gen_prefill(moe_gen *g, const int32_t *ids, size_t n, moe_error *err);
 /* Generate until n_predict, end of generation or a full context; each id is streamed as text

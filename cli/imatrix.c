@@ -3,7 +3,6 @@
  * llama.cpp's GGUF imatrix format (src/tools/imatrix.c). */
 #include <stdio.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "../src/tools/tools.h"
 #include "args.h"
@@ -44,10 +43,7 @@ int moe_cmd_imatrix(int argc, char **argv) {
     }
     if (!p.model_path || !p.text_path)
         return moe_cli_usage_error("imatrix", "a model and --text FILE are required");
-    if (!p.n_threads) {
-        const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-        p.n_threads = cpus > 0 ? (int)(cpus < 512 ? cpus : 512) : 1;
-    }
+    if (!p.n_threads) p.n_threads = moe_cpu_cores();
     moe_imatrix_report r;
     moe_error err = {0};
     if (moe_imatrix_collect(&p, &r, &err) != MOE_OK) {

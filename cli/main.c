@@ -93,7 +93,7 @@ static const moe_command commands[] = {
      "throughput (prefill, decode, batched decode) beside the machine's read bandwidth",
      "MODEL [-t THREADS] [--runs N] [--pp N] [--tg N] [--streams 1,2,4,8] [--stream-steps N]\n"
      "        [--depth 1024,4096,16384] [--verify N] [--accept 0.87,0.66,0.52] [--kv-type "
-     "f16|f32]\n"
+     "f16|f32|q8_0]\n"
      "        [--mmap] [--expert-cache SIZE] [--split experts] [--csv | --json] ...\n"
      "   or: moe bench --server URL [--concurrency 16] [--tokens 256] [--repeats 3] "
      "[--start-cmd CMD] [--svg FILE] [--json]",

@@ -19,7 +19,7 @@ static const char usage_text[] =
     "  --parallel B       streams decoded together in one batch (default 4)\n"
     "  --cache-slots N    extra finished sequences kept for prefix reuse (default: B)\n"
     "  -t, --threads T    forward-pass threads (default: the physical cores)\n"
-    "  --kv-type f32|f16  KV cache element type (default f16)\n"
+    "  --kv-type f32|f16|q8_0  KV cache element type (default f16)\n"
     "  --expert-cache SIZE  routed experts read from the file on demand into a cache of SIZE\n"
     "                     (e.g. 12G); everything else stays resident\n"
     "  --expert-stats FILE  keep the cache's use counts in FILE: a restart reads the experts used\n"
@@ -41,8 +41,10 @@ static const char usage_text[] =
     "                     default: none (same-origin pages only; other Origins get 403)\n"
     "  --reasoning-budget N  at most N tokens of reasoning per reply: then the think block is\n"
     "                     closed and the answer follows (default -1: no limit; 0: thinking off)\n"
-    "  --spec ngram|none  speculative decoding: each stream's drafts (prompt lookup over its\n"
-    "                     tokens) verified together in one step; output unchanged (default none)\n"
+    "  --spec ngram|mtp|none  speculative decoding: each stream's drafts (prompt lookup over\n"
+    "                     its tokens, or the model's MTP head) verified together in one step;\n"
+    "                     output unchanged (default mtp where the model has an MTP layer, else\n"
+    "                     none)\n"
     "  --draft N          drafts per stream and step with --spec (default 3, at most 16)\n"
     "  --cache-dir DIR    disk prefix cache: finished sequences are saved to DIR and a prompt\n"
     "                     they start is loaded from there, also after a restart (off by default)\n"
@@ -100,6 +102,7 @@ int moe_cmd_serve(int argc, char **argv) {
 #undef FLOAT_OPT
         if (strcmp(a, "--spec") == 0) {
             if (!moe_arg_spec("serve", v, &p.spec)) return 2;
+            p.spec_given = true;
             i++;
         } else if (strcmp(a, "--host") == 0 && v) {
             p.host = v;

@@ -1,9 +1,14 @@
 /* Suite "base": the error struct keeps the first error, checked arithmetic catches overflow,
- * and the fp16/bf16 conversions agree with the IEEE definitions on edge values. */
+ * the fp16/bf16 conversions agree with the IEEE definitions on edge values, and the thread pool
+ * runs every item of every job exactly once, also with more threads than cores and with a
+ * worker that stalls while it holds a chunk. */
 #include "testutil.h"
 
 #include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static void error_keeps_first(void **state) {
     (void)state;
@@ -74,12 +79,87 @@ static void hash_detects_changes(void **state) {
     assert_true(moe_hash64(NULL, 0, 7) != moe_hash64(NULL, 0, 8));
 }
 
+/* ==== Thread pool ==== */
+
+#define POOL_ITEMS 3000
+
+typedef struct pool_count {
+    atomic_int hits[POOL_ITEMS];
+    atomic_int bad_thread;
+    int n_threads;
+    /* the stall test: the first worker chunk sleeps while the caller waits for it to start */
+    atomic_bool worker_started, stall;
+} pool_count;
+
+static void pool_count_items(void *arg, int64_t begin, int64_t end, int thread) {
+    pool_count *c = arg;
+    if (thread < 0 || thread >= c->n_threads) atomic_fetch_add(&c->bad_thread, 1);
+    if (atomic_load(&c->stall)) {
+        if (thread != 0 && !atomic_exchange(&c->worker_started, true)) {
+            nanosleep(&(struct timespec){0, 50 * 1000 * 1000}, NULL); /* preempted, as it were */
+        } else if (thread == 0) {
+            const double until = moe_now() + 1.0; /* a worker is never this late to start */
+            while (!atomic_load(&c->worker_started) && moe_now() < until) continue;
+        }
+    }
+    for (int64_t i = begin; i < end; i++) atomic_fetch_add(&c->hits[i], 1);
+}
+
+/* Jobs of every size and chunk on pools of 2..5 threads (more than the cores here): each item
+ * is run once per job, on a valid thread index. */
+static void pool_runs_each_item_once(void **state) {
+    (void)state;
+    pool_count *c = moe_xcalloc(1, sizeof *c);
+    for (int n_threads = 2; n_threads <= 5; n_threads++) {
+        moe_pool *pool = moe_pool_new(n_threads);
+        c->n_threads = n_threads;
+        memset(c->hits, 0, sizeof c->hits);
+        int jobs = 0;
+        for (int64_t n = 1; n <= POOL_ITEMS; n = n * 3 + 1)
+            for (int64_t chunk = 1; chunk <= 64; chunk *= 4)
+                for (int rep = 0; rep < 20; rep++, jobs++) {
+                    moe_pool_for(pool, n, chunk, pool_count_items, c);
+                    for (int64_t i = 0; i < n; i++) {
+                        assert_int_equal(atomic_load(&c->hits[i]), 1);
+                        atomic_store(&c->hits[i], 0);
+                    }
+                }
+        assert_true(jobs > 100);
+        moe_pool_free(pool);
+    }
+    assert_int_equal(atomic_load(&c->bad_thread), 0);
+    free(c);
+}
+
+/* A worker that sleeps 50 ms holding a chunk (as if preempted): the caller takes every other
+ * chunk, waits for that one, and each item still runs once; the jobs after it too. */
+static void pool_waits_for_a_stalled_chunk(void **state) {
+    (void)state;
+    pool_count *c = moe_xcalloc(1, sizeof *c);
+    moe_pool *pool = moe_pool_new(2);
+    c->n_threads = 2;
+    atomic_store(&c->stall, true);
+    moe_pool_for(pool, 64, 1, pool_count_items, c);
+    atomic_store(&c->stall, false);
+    assert_true(atomic_load(&c->worker_started));
+    for (int i = 0; i < 64; i++) assert_int_equal(atomic_load(&c->hits[i]), 1);
+    for (int jobs = 1; jobs <= 100; jobs++) {
+        moe_pool_for(pool, 64, 1, pool_count_items, c);
+        for (int i = 0; i < 64; i++) assert_int_equal(atomic_load(&c->hits[i]), 1 + jobs);
+    }
+    assert_int_equal(atomic_load(&c->bad_thread), 0);
+    moe_pool_free(pool);
+    free(c);
+}
+
 int moe_suite_base(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(error_keeps_first),
         cmocka_unit_test(checked_arithmetic),
         cmocka_unit_test(half_edges),
         cmocka_unit_test(hash_detects_changes),
+        cmocka_unit_test(pool_runs_each_item_once),
+        cmocka_unit_test(pool_waits_for_a_stalled_chunk),
     };
     return cmocka_run_group_tests_name("base", tests, NULL, NULL);
 }

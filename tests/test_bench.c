@@ -130,15 +130,16 @@ static void expect_bench(int rc, const char *want, const char *fmt, ...) {
     free(out);
 }
 
-/* --depth: decode tests after that many tokens of context, on a hybrid model whose KDA state
- * goes back to the filled context by a snapshot before every run; past top_k the glm5next
- * layer attends sparsely. One JSON entry and one CSV row per depth; bad lists are refused. */
+/* --depth: prefill and decode tests after that many tokens of context, on a hybrid model whose
+ * KDA state goes back to the filled context by a snapshot before every run; past top_k the
+ * glm5next layer attends sparsely. One JSON entry and one CSV row per test and depth; bad lists
+ * are refused. */
 static void bench_depths(void **state) {
     (void)state;
     const char *model = moe_test_synth("bench-glm5next.gguf", "--preset glm5next-tiny");
     char cmd[2048], *out;
     snprintf(cmd, sizeof cmd,
-             "%s bench %s -t 2 --runs 2 --pp 0 --tg 3 --streams 0 --probe-mib 16 --depth 20,90 "
+             "%s bench %s -t 2 --runs 2 --pp 8 --tg 3 --streams 0 --probe-mib 16 --depth 20,90 "
              "--json",
              moe_test_bin(), model);
     json_t *j = moe_test_run_json(cmd);
@@ -148,6 +149,7 @@ static void bench_depths(void **state) {
     for (size_t i = 0; i < 2; i++) {
         json_t *d = json_array_get(depths, i);
         assert_int_equal(json_integer_value(json_object_get(d, "depth")), want[i]);
+        positive(d, "pp_tok_s");
         positive(d, "tg_tok_s");
         positive(d, "indexer_attend_ms_per_token"); /* the MLA layer attends at every depth */
     }
@@ -156,10 +158,11 @@ static void bench_depths(void **state) {
     positive(j, "fill_seconds");
     json_decref(j);
     snprintf(cmd, sizeof cmd,
-             "(%s bench %s -t 2 --runs 1 --pp 0 --tg 2 --streams 0 --probe-mib 16 --depth 30 "
+             "(%s bench %s -t 2 --runs 1 --pp 4 --tg 2 --streams 0 --probe-mib 16 --depth 30 "
              "--csv 2>/dev/null)",
              moe_test_bin(), model);
     assert_int_equal(moe_test_run(cmd, &out), 0);
+    assert_non_null(strstr(out, "\npp4@d30,1,"));
     assert_non_null(strstr(out, "\ntg2@d30,1,"));
     free(out);
     snprintf(cmd, sizeof cmd, "%s bench %s --depth 90,20", moe_test_bin(), model);
@@ -172,12 +175,66 @@ static void bench_depths(void **state) {
     free(out);
 }
 
+/* --spec ngram --prompt-file: decode after the prompt measured with and without speculation.
+ * The drafts verified and kept by position, and the steps, equal what prompt lookup gives on
+ * the greedy tokens `moe run --spec none` prints, counted by tests/ngram_steps.py (the drafting
+ * rule and the step loop written again in Python). */
+static void bench_spec_measured(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
+    MOE_SKIP_IF_NULL(model);
+    static const char text[] = "Tom had a red ball. Tom had a red ball. Tom had a red ball. Tom";
+    char path[600], cmd[4096], *out;
+    snprintf(path, sizeof path, "%s/bench-prompt.txt", moe_test_tmpdir());
+    moe_error err = {0};
+    assert_int_equal(moe_file_write(path, text, strlen(text), &err), MOE_OK);
+    snprintf(cmd, sizeof cmd,
+             "(%s bench %s -t 1 --runs 1 --pp 0 --tg 48 --streams 0 --verify 0 --probe-mib 16 "
+             "--spec ngram --draft 3 --prompt-file %s --json 2>/dev/null)",
+             moe_test_bin(), model, path);
+    json_t *j = moe_test_run_json(cmd), *spec = json_object_get(j, "spec");
+    positive(spec, "plain_tok_s");
+    positive(spec, "spec_tok_s");
+    const double per_step = positive(spec, "tokens_per_step");
+    const long long n_prompt = json_integer_value(json_object_get(spec, "prompt_tokens"));
+    json_t *positions = json_object_get(spec, "positions");
+    assert_int_equal(json_array_size(positions), 3);
+    char got[256];
+    size_t used = 0;
+    for (size_t k = 0; k < 3; k++) {
+        json_t *e = json_array_get(positions, k);
+        used += (size_t)snprintf(got + used, sizeof got - used, "%lld %lld ",
+                                 json_integer_value(json_object_get(e, "drafted")),
+                                 json_integer_value(json_object_get(e, "accepted")));
+    }
+    snprintf(got + used, sizeof got - used, "%.4f", per_step);
+    snprintf(cmd, sizeof cmd,
+             "(%s run %s -p '%s' -n 48 --temp 0 --spec none --print-ids 2>/dev/null)",
+             moe_test_bin(), model, text);
+    assert_int_equal(moe_test_run(cmd, &out), 0);
+    out[strcspn(out, "\n")] = '\0';
+    char *want;
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 tests/ngram_steps.py %s %lld 48 3", out, n_prompt);
+    free(out);
+    assert_int_equal(moe_test_run(cmd, &want), 0);
+    want[strcspn(want, "\n")] = '\0';
+    print_message("drafted, accepted by position, tokens per step: %s (python: %s)\n", got, want);
+    if (strcmp(got, want) != 0)
+        fail_msg("moe bench --spec ngram counted %s, prompt lookup on the greedy tokens gives %s",
+                 got, want);
+    free(want);
+    json_decref(j);
+}
+
 static void bench_usage_errors(void **state) {
     (void)state;
     expect_bench(2, "a model file is required", "%s", "");
     expect_bench(2, "--streams expects", "%s --streams 1,x", tiny_model());
     expect_bench(1, "cannot open", "/nonexistent.gguf --runs 1");
     expect_bench(2, "--accept expects", "%s --accept 0.5,0.7", tiny_model());
+    expect_bench(2, "needs --prompt-file", "%s --spec ngram", tiny_model());
+    expect_bench(2, "--prompt-file is the prompt of", "%s --prompt-file x.txt", tiny_model());
+    expect_bench(2, "--spec expects", "%s --spec bigram --prompt-file x.txt", tiny_model());
     expect_bench(1, "(--verify 3)",
                  "%s --runs 1 --pp 0 --tg 0 --streams 0 --verify 2 --accept 0.9,0.5", tiny_model());
 }
@@ -302,9 +359,10 @@ static void bench_server_start_cmd(void **state) {
 
 int moe_suite_bench(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(bench_json_fields),   cmocka_unit_test(bench_csv_and_text),
-        cmocka_unit_test(bench_depths),        cmocka_unit_test(bench_usage_errors),
-        cmocka_unit_test(bench_server_counts), cmocka_unit_test(bench_server_start_cmd),
+        cmocka_unit_test(bench_json_fields),      cmocka_unit_test(bench_csv_and_text),
+        cmocka_unit_test(bench_depths),           cmocka_unit_test(bench_usage_errors),
+        cmocka_unit_test(bench_spec_measured),    cmocka_unit_test(bench_server_counts),
+        cmocka_unit_test(bench_server_start_cmd),
     };
     return cmocka_run_group_tests_name("bench", tests, NULL, NULL);
 }

@@ -503,48 +503,180 @@ static void version_names_kernel_table(void **state) {
 }
 
 /* The attention scores and mix of every level equal the reference bit for bit (they fix ggml's
- * summation order), over f32 and f16 cache rows 133 values apart, at every head length 1..130
- * (tails) and 1, 3, 5 keys. */
+ * summation order), over f32 and f16 cache rows 133 values apart at every head length 1..130
+ * (tails), and q8_0 rows (whole blocks: 32..128 values, rows 160 values apart), at 1, 3, 5 keys. */
 static void attention_kernels_bit_exact(void **state) {
     (void)state;
-    enum { N = 130, KV = 5, STRIDE = N + 3 };
-    float q[N], kf[KV * STRIDE], y0[N], y1[N], s0[KV], s1[KV], p[KV];
+    enum { N = 130, KV = 5, STRIDE = N + 3, Q8_STRIDE = 160 };
+    float q[N], kf[KV * Q8_STRIDE], y0[N], y1[N], s0[KV], s1[KV], p[KV];
     uint16_t kh[KV * STRIDE];
+    uint8_t k8[KV * Q8_STRIDE / 32 * sizeof(moe_block_q8_0)];
     uint64_t rng = 77;
     for (int i = 0; i < N; i++) q[i] = (float)moe_rng_gaussian(&rng);
-    for (int i = 0; i < KV * STRIDE; i++) {
-        kf[i] = (float)moe_rng_gaussian(&rng) * 3.0f;
-        kh[i] = moe_f32_to_fp16(kf[i]);
-    }
+    for (int i = 0; i < KV * Q8_STRIDE; i++) kf[i] = (float)moe_rng_gaussian(&rng) * 3.0f;
+    for (int i = 0; i < KV * STRIDE; i++) kh[i] = moe_f32_to_fp16(kf[i]);
+    moe_type_traits_get(MOE_TYPE_Q8_0)->from_float(kf, k8, KV * Q8_STRIDE);
     for (int j = 0; j < KV; j++) p[j] = (float)moe_rng_uniform(&rng);
     const moe_kernels *ref = moe_kernels_for_isa(MOE_ISA_SCALAR);
+    const moe_type types[] = {MOE_TYPE_F32, MOE_TYPE_F16, MOE_TYPE_Q8_0};
+    const void *caches[] = {kf, kh, k8};
     int checked = 0;
     for (int level = MOE_ISA_SCALAR; level < MOE_ISA_COUNT; level++) {
         const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
         if (!k) continue;
-        for (int f16 = 0; f16 < 2; f16++) {
-            const void *kv = f16 ? (const void *)kh : (const void *)kf;
-            const moe_type kv_type = f16 ? MOE_TYPE_F16 : MOE_TYPE_F32;
-            const int64_t stride = STRIDE * (f16 ? 2 : 4); /* bytes */
-            for (int n = 1; n <= N; n++)
+        for (int t = 0; t < 3; t++) {
+            const moe_type kv_type = types[t];
+            const void *kv = caches[t];
+            const int step = kv_type == MOE_TYPE_Q8_0 ? 32 : 1; /* whole blocks */
+            const int64_t stride =
+                (int64_t)moe_type_row_bytes(kv_type, kv_type == MOE_TYPE_Q8_0 ? Q8_STRIDE : STRIDE);
+            for (int n = step; n <= N; n += step)
                 for (int n_kv = 1; n_kv <= KV; n_kv += 2) {
                     ref->attn_scores(q, kv, stride, n_kv, kv_type, n, 0.3f, s0);
                     k->attn_scores(q, kv, stride, n_kv, kv_type, n, 0.3f, s1);
                     if (memcmp(s0, s1, sizeof(float) * (size_t)n_kv) != 0)
-                        fail_msg("%s attn_scores f16=%d n=%d n_kv=%d: %.9g vs reference %.9g",
-                                 k->name, f16, n, n_kv, s1[0], s0[0]);
+                        fail_msg("%s attn_scores %s n=%d n_kv=%d: %.9g vs reference %.9g", k->name,
+                                 moe_type_name(kv_type), n, n_kv, s1[0], s0[0]);
                     memcpy(y0, q, sizeof q);
                     memcpy(y1, q, sizeof q);
                     ref->attn_mix(y0, p, kv, stride, n_kv, kv_type, n);
                     k->attn_mix(y1, p, kv, stride, n_kv, kv_type, n);
                     if (memcmp(y0, y1, sizeof y0) != 0)
-                        fail_msg("%s attn_mix f16=%d n=%d n_kv=%d differs from the reference",
-                                 k->name, f16, n, n_kv);
+                        fail_msg("%s attn_mix %s n=%d n_kv=%d differs from the reference", k->name,
+                                 moe_type_name(kv_type), n, n_kv);
                     checked++;
                 }
         }
     }
-    assert_true(checked >= 2 * N * 3);
+    assert_true(checked >= (2 * N + 4) * 3);
+}
+
+/* ==== Tiled attention (ops) ==== */
+
+/* The tiled attention's distance from the float64 formula, relative to the row's largest output:
+ * f32 accumulation over a few hundred keys and the exp of f32 scores cost ~1e-7 each. */
+#define TILED_ATTN_BUDGET 2e-6
+
+enum { TA_HEAD = 8, TA_HEAD_KV = 2, TA_DK = 96, TA_DV = 64, TA_KEYS = 200, TA_ROWS = 9 };
+
+/* One row, one head, in float64: softmax over keys first..last of scale * q.k (and the sink's
+ * logit in the denominator), then the weighted sum of the values; K and V as the cache holds
+ * them (decoded by the type's to_float). */
+static void attention_f64(const float *q, const float *k, const float *v, int64_t first,
+                          int64_t last, double scale, double sink, double *out) {
+    double s[TA_KEYS], max = sink, sum = 0;
+    for (int64_t j = first; j <= last; j++) {
+        double d = 0;
+        for (int i = 0; i < TA_DK; i++) d += (double)q[i] * k[j * TA_HEAD_KV * TA_DK + i];
+        s[j] = d * scale;
+        max = fmax(max, s[j]);
+    }
+    for (int64_t j = first; j <= last; j++) sum += exp(s[j] - max);
+    if (sink != -INFINITY) sum += exp(sink - max);
+    for (int i = 0; i < TA_DV; i++) out[i] = 0;
+    for (int64_t j = first; j <= last; j++)
+        for (int i = 0; i < TA_DV; i++)
+            out[i] += exp(s[j] - max) / sum * v[j * TA_HEAD_KV * TA_DV + i];
+}
+
+/* moe_attention_tiled on f32, f16 and q8_0 caches of 200 keys (tiles end at 64, 128, 192), GQA
+ * 8 heads over 2, with and without a 70-key window and sinks: every row within the budget of the
+ * float64 formula, and each row's bits the same computed alone, in the block of nine, or with
+ * its kv head's group split into single heads. */
+static void tiled_attention_matches_f64(void **state) {
+    (void)state;
+    static const int64_t pos[TA_ROWS] = {0, 1, 63, 64, 65, 127, 128, 150, 199};
+    const int64_t kw = TA_HEAD_KV * TA_DK, vw = TA_HEAD_KV * TA_DV;
+    float *kf = moe_xmalloc(sizeof(float) * TA_KEYS * kw);
+    float *vf = moe_xmalloc(sizeof(float) * TA_KEYS * vw);
+    float *kd = moe_xmalloc(sizeof(float) * TA_KEYS * kw);
+    float *vd = moe_xmalloc(sizeof(float) * TA_KEYS * vw);
+    float *q = moe_xmalloc(sizeof(float) * TA_ROWS * TA_HEAD * TA_DK);
+    float block[TA_ROWS * TA_HEAD * TA_DV], alone[TA_HEAD * TA_DV],
+        split[TA_ROWS * TA_HEAD * TA_DV];
+    uint8_t *kc = moe_xmalloc(sizeof(float) * TA_KEYS * kw);
+    uint8_t *vc = moe_xmalloc(sizeof(float) * TA_KEYS * vw);
+    float sinks[TA_HEAD];
+    uint64_t rng = 31;
+    for (int64_t i = 0; i < TA_KEYS * kw; i++) kf[i] = 2.0f * (float)moe_rng_gaussian(&rng);
+    for (int64_t i = 0; i < TA_KEYS * vw; i++) vf[i] = (float)moe_rng_gaussian(&rng);
+    for (int64_t i = 0; i < TA_ROWS * TA_HEAD * TA_DK; i++) q[i] = (float)moe_rng_gaussian(&rng);
+    for (int h = 0; h < TA_HEAD; h++) sinks[h] = 3.0f * (float)moe_rng_gaussian(&rng);
+    static const moe_type types[] = {MOE_TYPE_F32, MOE_TYPE_F16, MOE_TYPE_Q8_0};
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        const moe_type_traits *tr = moe_type_traits_get(types[t]);
+        const int64_t kb = (int64_t)moe_type_row_bytes(types[t], kw),
+                      vb = (int64_t)moe_type_row_bytes(types[t], vw);
+        for (int j = 0; j < TA_KEYS; j++) { /* the cache, and the values it decodes to */
+            tr->from_float(kf + j * kw, kc + j * kb, kw);
+            tr->from_float(vf + j * vw, vc + j * vb, vw);
+            tr->to_float(kc + j * kb, kd + j * kw, kw);
+            tr->to_float(vc + j * vb, vd + j * vw, vw);
+        }
+        for (int variant = 0; variant < 4; variant++) {
+            const int64_t window = variant & 1 ? 70 : 0;
+            const moe_attn_shape s = {.n_head = TA_HEAD,
+                                      .n_head_kv = TA_HEAD_KV,
+                                      .head_dim_k = TA_DK,
+                                      .head_dim_v = TA_DV,
+                                      .scale = 1.0f / sqrtf((float)TA_DK),
+                                      .kv_type = types[t],
+                                      .sinks = variant & 2 ? sinks : NULL};
+            int64_t first[TA_ROWS], last[TA_ROWS];
+            for (int r = 0; r < TA_ROWS; r++) {
+                first[r] = window && pos[r] >= window ? pos[r] - window + 1 : 0;
+                last[r] = pos[r];
+            }
+            moe_attn_block b = {.q = q,
+                                .out = block,
+                                .first = first,
+                                .last = last,
+                                .n_rows = TA_ROWS,
+                                .k = kc,
+                                .v = vc,
+                                .k_stride = kb,
+                                .v_stride = vb};
+            const int group = TA_HEAD / TA_HEAD_KV;
+            for (int hk = 0; hk < TA_HEAD_KV; hk++)
+                moe_attention_tiled(&s, &b, hk * group, (hk + 1) * group);
+            b.out = split;
+            for (int h = 0; h < TA_HEAD; h++) moe_attention_tiled(&s, &b, h, h + 1);
+            if (memcmp(block, split, sizeof block) != 0)
+                fail_msg("%s variant %d: heads one by one differ from whole groups",
+                         moe_type_name(types[t]), variant);
+            for (int r = 0; r < TA_ROWS; r++) {
+                const moe_attn_block one = {.q = q + r * TA_HEAD * TA_DK,
+                                            .out = alone,
+                                            .first = &first[r],
+                                            .last = &last[r],
+                                            .n_rows = 1,
+                                            .k = kc,
+                                            .v = vc,
+                                            .k_stride = kb,
+                                            .v_stride = vb};
+                for (int hk = 0; hk < TA_HEAD_KV; hk++)
+                    moe_attention_tiled(&s, &one, hk * group, (hk + 1) * group);
+                if (memcmp(alone, block + r * TA_HEAD * TA_DV, sizeof alone) != 0)
+                    fail_msg("%s variant %d: row at %lld alone differs from the block",
+                             moe_type_name(types[t]), variant, (long long)pos[r]);
+                for (int h = 0; h < TA_HEAD; h++) {
+                    double want[TA_DV], max = 0, err = 0;
+                    const int hk = h / group;
+                    attention_f64(q + (r * TA_HEAD + h) * TA_DK, kd + hk * TA_DK, vd + hk * TA_DV,
+                                  first[r], last[r], 1.0 / sqrt((double)TA_DK),
+                                  s.sinks ? s.sinks[h] : -INFINITY, want);
+                    for (int i = 0; i < TA_DV; i++) {
+                        max = fmax(max, fabs(want[i]));
+                        err = fmax(err, fabs(want[i] - alone[h * TA_DV + i]));
+                    }
+                    if (err > TILED_ATTN_BUDGET * max)
+                        fail_msg("%s variant %d: row at %lld head %d: error %.3g of %.3g",
+                                 moe_type_name(types[t]), variant, (long long)pos[r], h, err, max);
+                }
+            }
+        }
+    }
+    free(kf), free(vf), free(kd), free(vd), free(q), free(kc), free(vc);
 }
 
 int moe_suite_kernels(void) {
@@ -559,6 +691,7 @@ int moe_suite_kernels(void) {
         cmocka_unit_test(avx512_follows_avx2_floats),
         cmocka_unit_test(matmul_tiles_equal_single_dots),
         cmocka_unit_test(attention_kernels_bit_exact),
+        cmocka_unit_test(tiled_attention_matches_f64),
         cmocka_unit_test(version_names_kernel_table),
     };
     return cmocka_run_group_tests_name("kernels", tests, NULL, NULL);

@@ -128,6 +128,14 @@ typedef struct moe_bandwidth {
 moe_status moe_read_bandwidth(moe_pool *pool, size_t bytes, int runs, moe_bandwidth *out,
                               moe_error *err);
 
+/* Per-op profile, on when the environment sets MOE_PROFILE (not "0"): time and bytes per kind
+ * of operation summed over the run and printed to stderr at exit, per step of the kind
+ * MOE_PROFILE_STEP (the whole forward), with what the other kinds leave of it. Only the thread
+ * that runs the steps records. */
+#define MOE_PROFILE_STEP "step"
+bool moe_profile_on(void);
+void moe_profile_add(const char *kind, size_t kind_len, double seconds, double bytes);
+
 /* ==== Half-precision conversions (IEEE binary16 and bfloat16), exact and portable ==== */
 
 float moe_fp16_to_f32(uint16_t h);
@@ -214,6 +222,12 @@ moe_isa moe_cpu_isa(void);
  * `supported`, or an unknown name, writes why into `why` and returns `supported`; otherwise
  * why[0] = 0. Pure: what moe_cpu_isa applies to the environment. */
 moe_isa moe_cpu_isa_resolve(const char *request, moe_isa supported, char *why, size_t why_size);
+/* MOE_EXACT=1 (any value but "" and "0"; read once, on first call): the kernels keep ggml's float
+ * order so logits reproduce llama.cpp's bits; otherwise the fast paths may sum in their own
+ * order within the parity rule (DESIGN.md). */
+bool moe_exact(void);
+/* Override it (tests run both paths in one process). */
+void moe_exact_set(bool on);
 /* "scalar", "avx2", "avx512", "avx512vnni" ("?" past the end). */
 const char *moe_isa_name(moe_isa isa);
 /* Parse a level name (case-sensitive, as moe_isa_name prints it); false if unknown. */

@@ -11,6 +11,7 @@
 #include <ctype.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -133,6 +134,24 @@ static void detect(void) {
     char why[160];
     isa_active = moe_cpu_isa_resolve(getenv("MOE_ISA"), isa_supported, why, sizeof why);
     if (why[0]) moe_log(MOE_LOG_ERROR, "%s", why);
+}
+
+static pthread_once_t exact_once = PTHREAD_ONCE_INIT;
+static atomic_bool exact;
+
+static void read_exact(void) {
+    const char *e = getenv("MOE_EXACT");
+    atomic_store(&exact, e && e[0] && strcmp(e, "0") != 0);
+}
+
+bool moe_exact(void) {
+    pthread_once(&exact_once, read_exact);
+    return atomic_load(&exact);
+}
+
+void moe_exact_set(bool on) {
+    pthread_once(&exact_once, read_exact);
+    atomic_store(&exact, on);
 }
 
 const moe_cpu_features *moe_cpu_features_get(void) {

@@ -9,6 +9,7 @@
  * page faults, so the buffer is written before anything is timed. */
 #include "base.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -132,4 +133,86 @@ moe_status moe_read_bandwidth(moe_pool *pool, size_t bytes, int runs, moe_bandwi
     out->threads = moe_pool_n_threads(pool);
     munmap(buf, bytes);
     return MOE_OK;
+}
+
+/* ==== Profile (MOE_PROFILE=1) ==== */
+
+/* Seconds and bytes summed per kind of operation, printed to stderr at exit. Kinds are few
+ * (tensor names without their layer), so a linear search is enough; only the thread that owns
+ * the model (the one that runs steps) records, so there is no lock. Off, a record costs the
+ * test of one cached flag. */
+#define PROFILE_MAX_KINDS 48
+#define PROFILE_KIND_LEN  40
+
+typedef struct profile_kind {
+    char kind[PROFILE_KIND_LEN];
+    uint64_t calls;
+    double seconds, bytes;
+} profile_kind;
+
+static struct {
+    int on; /* -1: MOE_PROFILE not read yet */
+    int n;
+    profile_kind k[PROFILE_MAX_KINDS];
+} profile = {.on = -1};
+
+static int profile_cmp(const void *a, const void *b) {
+    const double x = ((const profile_kind *)a)->seconds, y = ((const profile_kind *)b)->seconds;
+    return (x < y) - (x > y);
+}
+
+static void profile_print(void) {
+    double step_s = 0;
+    uint64_t steps = 0;
+    double in_kinds = 0;
+    for (int i = 0; i < profile.n; i++) {
+        if (!strcmp(profile.k[i].kind, MOE_PROFILE_STEP))
+            step_s = profile.k[i].seconds, steps = profile.k[i].calls;
+        else
+            in_kinds += profile.k[i].seconds;
+    }
+    qsort(profile.k, (size_t)profile.n, sizeof profile.k[0], profile_cmp);
+    const double per = steps ? 1e3 / (double)steps : 0;
+    fprintf(stderr,
+            "moe profile (MOE_PROFILE=1): %llu steps, %.3f s in steps\n"
+            "%-28s %9s %10s %7s %10s %8s\n",
+            (unsigned long long)steps, step_s, "kind", "calls", "ms/step", "% step", "MB/step",
+            "GB/s");
+    for (int i = 0; i < profile.n; i++) {
+        const profile_kind *k = &profile.k[i];
+        if (!strcmp(k->kind, MOE_PROFILE_STEP)) continue;
+        fprintf(stderr, "%-28s %9llu %10.3f %6.1f%% %10.2f %8.2f\n", k->kind,
+                (unsigned long long)k->calls, k->seconds * per,
+                step_s > 0 ? 100 * k->seconds / step_s : 0.0, k->bytes * per / 1e9,
+                k->seconds > 0 ? k->bytes / k->seconds / 1e9 : 0.0);
+    }
+    if (step_s > 0)
+        fprintf(stderr, "%-28s %9s %10.3f %6.1f%%\n", "(rest of the step)", "",
+                (step_s - in_kinds) * per, 100 * (step_s - in_kinds) / step_s);
+}
+
+bool moe_profile_on(void) {
+    if (profile.on < 0) {
+        const char *v = getenv("MOE_PROFILE");
+        profile.on = v && *v && strcmp(v, "0") != 0;
+        if (profile.on) atexit(profile_print);
+    }
+    return profile.on;
+}
+
+void moe_profile_add(const char *kind, size_t kind_len, double seconds, double bytes) {
+    if (kind_len >= PROFILE_KIND_LEN) kind_len = PROFILE_KIND_LEN - 1;
+    int i = 0;
+    while (i < profile.n &&
+           (strncmp(profile.k[i].kind, kind, kind_len) || profile.k[i].kind[kind_len]))
+        i++;
+    if (i == profile.n) {
+        if (profile.n == PROFILE_MAX_KINDS) return; /* a kind past the table is not shown */
+        memcpy(profile.k[i].kind, kind, kind_len);
+        profile.k[i].kind[kind_len] = 0;
+        profile.n++;
+    }
+    profile.k[i].calls++;
+    profile.k[i].seconds += seconds;
+    profile.k[i].bytes += bytes;
 }

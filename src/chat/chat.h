@@ -149,14 +149,27 @@ void moe_chat_delta_clear(moe_chat_delta *d);
 
 /* ==== Grammars for structured output (grammar.c) ==== */
 
-/* How a format writes one tool call whose arguments are a JSON object: open, the name (a JSON
- * string when name_json, else raw), mid, the arguments, close. False for formats that write
- * arguments otherwise (XML-ish parameters, harmony). */
+/* How a format writes one tool call: open, the name (a JSON string when name_json, else raw),
+ * mid, the arguments, close. The arguments are one JSON object, or -- where key_open is set --
+ * one entry per parameter in the schema's order: key_open KEY key_mid VALUE key_close, entries
+ * separated by sep. A string-typed VALUE is then raw text between str_open and str_close (""
+ * for the XML-ish formats), which never holds '<' followed by raw_stop (the formats' closing
+ * tags begin "</", Gemma 4's string quote "<|"); key_mid_string, where set, replaces key_mid
+ * before such a value (DSML's string="true"). Other values are JSON, or -- nested_json false
+ * (Gemma 4, whose nested values have their own syntax) -- only scalars. */
 typedef struct moe_chat_call_shape {
     const char *open, *mid, *close;
     bool name_json;
+    const char *key_open, *key_mid, *key_mid_string, *key_close, *sep, *str_open, *str_close;
+    char raw_stop;
+    bool nested_json;
 } moe_chat_call_shape;
 bool moe_chat_call_shape_of(moe_chat_format f, moe_chat_call_shape *out);
+/* The type a parameter's schema names ("string", "integer", ...): of a type list, "string" when
+ * listed, else the first that is not "null"; NULL when it names none (enum, anyOf, ...). The
+ * parsers decode a parameter written as text by it, and forced calls write it by it. */
+struct json_t;
+const char *moe_chat_schema_type(const struct json_t *schema);
 
 /* GBNF text (malloc'd) whose root is `prefix` (GBNF, may be NULL) then a JSON value valid
  * against the schema (JSON text): objects (properties in order, required / optional), arrays

@@ -118,34 +118,99 @@ static const block_marker *format_markers(moe_chat_format f) {
 
 /* ==== How a call is written, for forcing one (grammar.c) ==== */
 
+#define GEMMA4_QUOTE "<|\"|>" /* strings are <|"|>text<|"|>, with no escapes */
+
 bool moe_chat_call_shape_of(moe_chat_format f, moe_chat_call_shape *out) {
     switch (f) {
     case MOE_CHAT_FORMAT_HERMES:
-        *out = (moe_chat_call_shape){
-            "<tool_call>\n{\"name\": ", ", \"arguments\": ", "}\n</tool_call>", true};
+        *out = (moe_chat_call_shape){.open = "<tool_call>\n{\"name\": ",
+                                     .mid = ", \"arguments\": ",
+                                     .close = "}\n</tool_call>",
+                                     .name_json = true};
         return true;
     case MOE_CHAT_FORMAT_LLAMA3:
-        *out = (moe_chat_call_shape){"{\"name\": ", ", \"parameters\": ", "}", true};
+        *out = (moe_chat_call_shape){
+            .open = "{\"name\": ", .mid = ", \"parameters\": ", .close = "}", .name_json = true};
         return true;
     case MOE_CHAT_FORMAT_MISTRAL:
-        *out = (moe_chat_call_shape){"[TOOL_CALLS][{\"name\": ", ", \"arguments\": ", "}]", true};
+        *out = (moe_chat_call_shape){.open = "[TOOL_CALLS][{\"name\": ",
+                                     .mid = ", \"arguments\": ",
+                                     .close = "}]",
+                                     .name_json = true};
         return true;
     case MOE_CHAT_FORMAT_DEEPSEEK_V3:
-        *out = (moe_chat_call_shape){DS_CALLS_BEGIN DS_CALL_BEGIN "function" DS_SEP, "\n```json\n",
-                                     "\n```" DS_CALL_END DS_CALLS_END, false};
+        *out = (moe_chat_call_shape){.open = DS_CALLS_BEGIN DS_CALL_BEGIN "function" DS_SEP,
+                                     .mid = "\n```json\n",
+                                     .close = "\n```" DS_CALL_END DS_CALLS_END};
         return true;
     case MOE_CHAT_FORMAT_DEEPSEEK_V31:
-        *out = (moe_chat_call_shape){DS_CALLS_BEGIN DS_CALL_BEGIN, DS_SEP, DS_CALL_END DS_CALLS_END,
-                                     false};
+        *out = (moe_chat_call_shape){
+            .open = DS_CALLS_BEGIN DS_CALL_BEGIN, .mid = DS_SEP, .close = DS_CALL_END DS_CALLS_END};
         return true;
     case MOE_CHAT_FORMAT_KIMI_K2:
-        *out = (moe_chat_call_shape){"<|tool_calls_section_begin|><|tool_call_begin|>functions.",
-                                     ":0<|tool_call_argument_begin|>",
-                                     "<|tool_call_end|><|tool_calls_section_end|>", false};
+        *out = (moe_chat_call_shape){
+            .open = "<|tool_calls_section_begin|><|tool_call_begin|>functions.",
+            .mid = ":0<|tool_call_argument_begin|>",
+            .close = "<|tool_call_end|><|tool_calls_section_end|>"};
+        return true;
+    case MOE_CHAT_FORMAT_HARMONY: /* after the prompt's <|start|>assistant */
+        *out = (moe_chat_call_shape){.open = "<|channel|>commentary to=functions.",
+                                     .mid = " <|constrain|>json<|message|>",
+                                     .close = "<|call|>"};
+        return true;
+    case MOE_CHAT_FORMAT_QWEN3_CODER:
+        *out = (moe_chat_call_shape){.open = "<tool_call>\n<function=",
+                                     .mid = ">\n",
+                                     .close = "</function>\n</tool_call>",
+                                     .key_open = "<parameter=",
+                                     .key_mid = ">\n",
+                                     .key_close = "\n</parameter>\n"};
+        break;
+    case MOE_CHAT_FORMAT_GLM:
+        *out = (moe_chat_call_shape){.open = "<tool_call>",
+                                     .mid = "\n",
+                                     .close = "</tool_call>",
+                                     .key_open = "<arg_key>",
+                                     .key_mid = "</arg_key>\n<arg_value>",
+                                     .key_close = "</arg_value>\n"};
+        break;
+    case MOE_CHAT_FORMAT_MINIMAX_M2:
+        *out = (moe_chat_call_shape){.open = "<minimax:tool_call>\n<invoke name=\"",
+                                     .mid = "\">\n",
+                                     .close = "</invoke>\n</minimax:tool_call>",
+                                     .key_open = "<parameter name=\"",
+                                     .key_mid = "\">",
+                                     .key_close = "</parameter>\n"};
+        break;
+    case MOE_CHAT_FORMAT_DSML:
+        *out = (moe_chat_call_shape){.open = "<" DSML "function_calls>\n<" DSML "invoke name=\"",
+                                     .mid = "\">\n",
+                                     .close = "</" DSML "invoke>\n</" DSML "function_calls>",
+                                     .key_open = "<" DSML "parameter name=\"",
+                                     .key_mid = "\" string=\"false\">",
+                                     .key_mid_string = "\" string=\"true\">",
+                                     .key_close = "</" DSML "parameter>\n"};
+        break;
+    case MOE_CHAT_FORMAT_GEMMA4:
+        *out = (moe_chat_call_shape){.open = "<|tool_call>call:",
+                                     .mid = "{",
+                                     .close = "}<tool_call|>",
+                                     .key_open = "",
+                                     .key_mid = ":",
+                                     .key_close = "",
+                                     .sep = ",",
+                                     .str_open = GEMMA4_QUOTE,
+                                     .str_close = GEMMA4_QUOTE,
+                                     .raw_stop = '|'};
         return true;
     default:
         return false;
     }
+    /* the XML-ish formats */
+    out->sep = out->str_open = out->str_close = "";
+    out->raw_stop = '/';
+    out->nested_json = true;
+    return true;
 }
 
 /* ==== Detection from the template ==== */
@@ -361,6 +426,24 @@ static void emit_call(moe_chat_delta *d, const char *name, size_t name_len, json
 
 /* ==== Arguments typed by schema ==== */
 
+const char *moe_chat_schema_type(const json_t *schema) {
+    json_t *type = json_object_get(schema, "type");
+    if (json_is_string(type)) return json_string_value(type);
+    if (json_is_array(type)) { /* ["string", "null"]: string wins, else the first non-null */
+        const char *first = NULL;
+        size_t k;
+        json_t *ty;
+        json_array_foreach(type, k, ty) {
+            const char *s = json_string_value(ty);
+            if (!s) continue;
+            if (!strcmp(s, "string")) return "string";
+            if (!first && strcmp(s, "null")) first = s;
+        }
+        return first;
+    }
+    return NULL; /* enum without type, anyOf, ...: decode as JSON when it parses */
+}
+
 /* The JSON-schema type of parameter `key` of tool `name`, or NULL when unknown. */
 static const char *param_type(const moe_chat_parser *p, const char *name, size_t name_len,
                               const char *key) {
@@ -372,23 +455,8 @@ static const char *param_type(const moe_chat_parser *p, const char *name, size_t
         if (!fn) fn = t;
         const char *fname = json_string_value(json_object_get(fn, "name"));
         if (!fname || strlen(fname) != name_len || memcmp(fname, name, name_len)) continue;
-        json_t *prop =
-            json_object_get(json_object_get(json_object_get(fn, "parameters"), "properties"), key);
-        json_t *type = json_object_get(prop, "type");
-        if (json_is_string(type)) return json_string_value(type);
-        if (json_is_array(type)) { /* ["string", "null"]: string wins, else the first non-null */
-            const char *first = NULL;
-            size_t k;
-            json_t *ty;
-            json_array_foreach(type, k, ty) {
-                const char *s = json_string_value(ty);
-                if (!s) continue;
-                if (!strcmp(s, "string")) return "string";
-                if (!first && strcmp(s, "null")) first = s;
-            }
-            return first;
-        }
-        return NULL; /* enum without type, anyOf, ...: decode as JSON when it parses */
+        return moe_chat_schema_type(
+            json_object_get(json_object_get(json_object_get(fn, "parameters"), "properties"), key));
     }
     return NULL;
 }
@@ -734,7 +802,6 @@ static bool parse_mistral(moe_chat_parser *p, const char *s, size_t n, moe_chat_
 /* Nesting of Gemma 4 argument values parsed before giving up: the C stack, not a model, is
  * what deeper input would spend. */
 #define GEMMA4_MAX_DEPTH 64
-#define GEMMA4_QUOTE     "<|\"|>" /* strings are <|"|>text<|"|>, with no escapes */
 
 static void skip_ws(const char **s, const char *end) {
     while (*s < end && strchr(" \t\r\n", **s)) (*s)++;

@@ -438,6 +438,41 @@ static void visit_string(conv *c, json_t *s, moe_strbuf *out) {
 
 /* ==== Objects and arrays ==== */
 
+/* A rule for items[0..n) in order, each written when required[i] and optional otherwise, with
+ * the GBNF expression sep (may be "") between two written ones; returns its name (free it).
+ * rest_i: items i.. after one was written (each behind sep); first_i: none written yet. */
+static char *sequence_rule(conv *c, char *const *items, const bool *required, size_t n,
+                           const char *sep) {
+    char **rest = moe_xcalloc(n + 1, sizeof *rest), **first = moe_xcalloc(n + 1, sizeof *first);
+    rest[n] = moe_xstrdup("\"\"");
+    first[n] = moe_xstrdup("\"\"");
+    for (size_t k = n; k-- > 0;) {
+        moe_strbuf b = {0};
+        if (required[k])
+            moe_strbuf_printf(&b, "%s %s %s", sep, items[k], rest[k + 1]);
+        else
+            moe_strbuf_printf(&b, "(%s %s)? %s", sep, items[k], rest[k + 1]);
+        rest[k] = new_rule_name(c, "rest");
+        define(c, rest[k], b.s);
+        moe_strbuf_reset(&b);
+        if (required[k])
+            moe_strbuf_printf(&b, "%s %s", items[k], rest[k + 1]);
+        else
+            moe_strbuf_printf(&b, "%s %s | %s", items[k], rest[k + 1], first[k + 1]);
+        first[k] = new_rule_name(c, "props");
+        define(c, first[k], b.s);
+        moe_strbuf_free(&b);
+    }
+    char *out = first[0];
+    for (size_t k = 0; k <= n; k++) {
+        free(rest[k]);
+        if (k) free(first[k]);
+    }
+    free(rest);
+    free(first);
+    return out;
+}
+
 static void visit_object(conv *c, json_t *s, const char *path, int depth, moe_strbuf *out) {
     json_t *props = json_object_get(s, "properties"), *req = json_object_get(s, "required");
     if (!json_is_object(props) || !json_object_size(props)) {
@@ -481,35 +516,10 @@ static void visit_object(conv *c, json_t *s, const char *path, int depth, moe_st
                                            !strcmp(json_string_value(rv), key)) required[i] = true;
         i++;
     }
-    /* rest_i: properties i.. after one was written (each behind a comma); first_i: none yet */
-    char **rest = moe_xcalloc(n + 1, sizeof *rest), **first = moe_xcalloc(n + 1, sizeof *first);
-    rest[n] = moe_xstrdup("\"\"");
-    first[n] = moe_xstrdup("\"\"");
-    for (size_t k = n; k-- > 0;) {
-        moe_strbuf b = {0};
-        if (required[k])
-            moe_strbuf_printf(&b, "\",\" ws %s %s", kv[k], rest[k + 1]);
-        else
-            moe_strbuf_printf(&b, "(\",\" ws %s)? %s", kv[k], rest[k + 1]);
-        rest[k] = new_rule_name(c, "rest");
-        define(c, rest[k], b.s);
-        moe_strbuf_reset(&b);
-        if (required[k])
-            moe_strbuf_printf(&b, "%s %s", kv[k], rest[k + 1]);
-        else
-            moe_strbuf_printf(&b, "%s %s | %s", kv[k], rest[k + 1], first[k + 1]);
-        first[k] = new_rule_name(c, "props");
-        define(c, first[k], b.s);
-        moe_strbuf_free(&b);
-    }
-    moe_strbuf_printf(out, "\"{\" ws %s \"}\" ws", first[0]);
-    for (size_t k = 0; k <= n; k++) {
-        free(rest[k]);
-        free(first[k]);
-        if (k < n) free(kv[k]);
-    }
-    free(rest);
-    free(first);
+    char *seq = sequence_rule(c, kv, required, n, "\",\" ws");
+    moe_strbuf_printf(out, "\"{\" ws %s \"}\" ws", seq);
+    free(seq);
+    for (size_t k = 0; k < n; k++) free(kv[k]);
     free(kv);
     free(required);
 }
@@ -726,6 +736,108 @@ char *moe_chat_schema_grammar(const char *schema_json, const char *prefix, moe_e
 
 /* ==== Forced tool calls ==== */
 
+/* A string parameter written raw (the XML-ish formats, Gemma 4): an enum's values, text of a
+ * bounded length without '<', or any text in which '<' is never followed by the shape's
+ * raw_stop (nor ends it), so the value cannot close its tag early; never a NUL. */
+static void raw_string(conv *c, const moe_chat_call_shape *sh, json_t *s, moe_strbuf *out) {
+    put_literal(out, sh->str_open, strlen(sh->str_open));
+    json_t *en = json_object_get(s, "enum"), *mn = json_object_get(s, "minLength"),
+           *mx = json_object_get(s, "maxLength");
+    if (json_is_array(en) && json_array_size(en)) {
+        moe_strbuf_puts(out, " (");
+        size_t i;
+        json_t *v;
+        json_array_foreach(en, i, v) {
+            if (!json_is_string(v)) continue; /* not a string: never valid here */
+            moe_strbuf_puts(out, i ? " | " : "");
+            put_literal(out, json_string_value(v), json_string_length(v));
+        }
+        moe_strbuf_puts(out, ")");
+    } else if (json_is_integer(mn) || json_is_integer(mx)) {
+        const long long lo = json_is_integer(mn) && json_integer_value(mn) > 0
+                                 ? (long long)json_integer_value(mn)
+                                 : 0;
+        if (json_is_integer(mx))
+            moe_strbuf_printf(out, " [^<\\x00]{%lld,%lld}", lo, (long long)json_integer_value(mx));
+        else
+            moe_strbuf_printf(out, " [^<\\x00]{%lld,}", lo);
+    } else {
+        char name[32];
+        snprintf(name, sizeof name, "raw-text-%02x", (unsigned)(unsigned char)sh->raw_stop);
+        if (!json_object_get(c->defined, name)) {
+            char body[64];
+            snprintf(body, sizeof body, "([^<\\x00] | \"<\"+ [^<\\x00\\x%02X])*",
+                     (unsigned)(unsigned char)sh->raw_stop);
+            define(c, name, body);
+        }
+        moe_strbuf_printf(out, " %s", name);
+    }
+    moe_strbuf_putc(out, ' ');
+    put_literal(out, sh->str_close, strlen(sh->str_close));
+}
+
+/* A tool's arguments as the shape's parameter entries (key_open set), in the schema's order,
+ * the required ones always. */
+static void param_entries(conv *c, const moe_chat_call_shape *sh, json_t *schema, const char *path,
+                          int depth, moe_strbuf *out) {
+    json_t *props = json_object_get(schema, "properties"),
+           *req = json_object_get(schema, "required");
+    const size_t n = json_object_size(props);
+    char **items = moe_xcalloc(n + 1, sizeof *items);
+    bool *required = moe_xcalloc(n + 1, sizeof *required);
+    const char *key;
+    json_t *ps;
+    size_t i = 0;
+    json_object_foreach(props, key, ps) {
+        char p2[512];
+        snprintf(p2, sizeof p2, "%s/properties/%s", path, key);
+        const char *type = moe_chat_schema_type(ps);
+        bool is_string = type && !strcmp(type, "string");
+        if (!type && !sh->nested_json) { /* an enum of strings only: written as a string */
+            json_t *en = json_object_get(ps, "enum"), *v;
+            size_t k;
+            is_string = json_array_size(en) > 0;
+            json_array_foreach(en, k, v) is_string = is_string && json_is_string(v);
+        }
+        moe_strbuf b = {0};
+        put_literal(&b, sh->key_open, strlen(sh->key_open));
+        moe_strbuf_putc(&b, ' ');
+        put_literal(&b, key, strlen(key));
+        moe_strbuf_putc(&b, ' ');
+        const char *mid = is_string && sh->key_mid_string ? sh->key_mid_string : sh->key_mid;
+        put_literal(&b, mid, strlen(mid));
+        moe_strbuf_putc(&b, ' ');
+        if (is_string) {
+            raw_string(c, sh, ps, &b);
+        } else if (!sh->nested_json &&
+                   !(type && (!strcmp(type, "integer") || !strcmp(type, "number") ||
+                              !strcmp(type, "boolean") || !strcmp(type, "null")))) {
+            conv_fail(c, p2, "this call format writes only strings, numbers, booleans and null");
+        } else {
+            char *v = visit_rule(c, ps, p2, key, depth);
+            moe_strbuf_puts(&b, v);
+            free(v);
+        }
+        moe_strbuf_putc(&b, ' ');
+        put_literal(&b, sh->key_close, strlen(sh->key_close));
+        items[i] = moe_strbuf_take(&b);
+        size_t r;
+        json_t *rv;
+        json_array_foreach(req, r, rv) if (json_is_string(rv) &&
+                                           !strcmp(json_string_value(rv), key)) required[i] = true;
+        i++;
+    }
+    moe_strbuf sep = {0};
+    put_literal(&sep, sh->sep, strlen(sh->sep));
+    char *seq = sequence_rule(c, items, required, n, sep.s);
+    moe_strbuf_puts(out, seq);
+    free(seq);
+    moe_strbuf_free(&sep);
+    for (size_t k = 0; k < n; k++) free(items[k]);
+    free(items);
+    free(required);
+}
+
 char *moe_chat_tool_grammar(const moe_chat_parse_options *o, const char *tools_json,
                             const char *only, const char *prefix, moe_error *err) {
     moe_chat_call_shape shape;
@@ -750,7 +862,14 @@ char *moe_chat_tool_grammar(const moe_chat_parse_options *o, const char *tools_j
         c.root_tag = (uint32_t)i;
         char path[300];
         snprintf(path, sizeof path, "tools[%zu].function.parameters", i);
-        char *value = visit_rule(&c, schema, path, "args", 0);
+        char *value;
+        if (shape.key_open) {
+            moe_strbuf b = {0};
+            param_entries(&c, &shape, schema, path, 0, &b);
+            value = moe_strbuf_take(&b);
+        } else {
+            value = visit_rule(&c, schema, path, "args", 0);
+        }
         json_decref(schema);
         char *call = new_rule_name(&c, "call");
         moe_strbuf_printf(&calls, "%s%s", n ? " | " : "", call);

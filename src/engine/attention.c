@@ -53,6 +53,55 @@ static void split_q_gate(moe_ctx *c, uint32_t n_rows, int64_t hd) {
     }
 }
 
+/* The fast path: rows in blocks of one sequence (consecutive rows, at most
+ * MOE_ATTN_BLOCK_ROWS), each block x kv head x head range one work item of moe_attention_tiled.
+ * The head ranges split a group only when blocks x kv heads would leave threads idle (decode,
+ * MLA's single latent head); how rows are grouped never changes a row's bits. */
+typedef struct tiled_job {
+    attn_job a;
+    const uint32_t *block;       /* [n_blocks + 1] first row of each block */
+    int n_head_kv, split, chunk; /* items per block: n_head_kv * split of chunk heads */
+} tiled_job;
+
+static void attention_tiled(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const tiled_job *t = arg;
+    const attn_job *j = &t->a;
+    moe_ctx *c = j->c;
+    const moe_attn_shape *s = j->shape;
+    const int group = s->n_head / s->n_head_kv;
+    uint8_t *v_cache = j->latent_v ? c->k_cache : c->v_cache;
+    const uint64_t v_row_bytes = j->latent_v ? c->k_row_bytes : c->v_row_bytes;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t blk = item / ((int64_t)t->n_head_kv * t->split);
+        const int part = (int)(item % ((int64_t)t->n_head_kv * t->split));
+        const int h0 = part / t->split * group + part % t->split * t->chunk;
+        const int h1 = h0 + t->chunk < (part / t->split + 1) * group
+                           ? h0 + t->chunk
+                           : (part / t->split + 1) * group;
+        if (h0 >= h1) continue;
+        const uint32_t r0 = t->block[blk], n = t->block[blk + 1] - r0;
+        int64_t first[MOE_ATTN_BLOCK_ROWS], last[MOE_ATTN_BLOCK_ROWS];
+        for (uint32_t r = 0; r < n; r++) {
+            const int32_t pos = j->rows[r0 + r].pos;
+            /* a windowed layer masks key j for query p when p - j >= window */
+            first[r] = j->window && (uint32_t)pos >= j->window ? pos - (int64_t)j->window + 1 : 0;
+            last[r] = pos;
+        }
+        const int32_t seq = j->rows[r0].seq;
+        const moe_attn_block b = {.q = c->q + (int64_t)r0 * s->n_head * s->head_dim_k,
+                                  .out = c->att + (int64_t)r0 * s->n_head * s->head_dim_v,
+                                  .first = first,
+                                  .last = last,
+                                  .n_rows = (int)n,
+                                  .k = moe_kv_slot(c, c->k_cache, c->k_row_bytes, seq, j->layer, 0),
+                                  .v = moe_kv_slot(c, v_cache, v_row_bytes, seq, j->layer, 0),
+                                  .k_stride = (int64_t)c->k_row_bytes,
+                                  .v_stride = (int64_t)v_row_bytes};
+        moe_attention_tiled(s, &b, h0, h1);
+    }
+}
+
 void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, const moe_row *rows,
                      uint32_t n_rows, uint32_t window, bool latent_v) {
     attn_job job = {.c = c,
@@ -61,7 +110,28 @@ void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, co
                     .window = window,
                     .latent_v = latent_v,
                     .shape = shape};
-    moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
+    if (moe_exact()) { /* ggml's order: each row over its whole prefix */
+        moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
+        return;
+    }
+    int64_t n_blocks = 0;
+    for (uint32_t r = 0; r < n_rows; r++)
+        if (r == 0 || rows[r].seq != rows[r - 1].seq ||
+            r - c->attn_block[n_blocks - 1] == MOE_ATTN_BLOCK_ROWS)
+            c->attn_block[n_blocks++] = r;
+    c->attn_block[n_blocks] = n_rows;
+    const int group = shape->n_head / shape->n_head_kv;
+    int split = 1; /* enough items for every thread, and each call within MOE_ATTN_STATES */
+    while (split < group &&
+           (n_blocks * shape->n_head_kv * split < 4 * moe_pool_n_threads(c->pool) ||
+            (group + split - 1) / split * MOE_ATTN_BLOCK_ROWS > MOE_ATTN_STATES))
+        split *= 2;
+    tiled_job t = {.a = job,
+                   .block = c->attn_block,
+                   .n_head_kv = shape->n_head_kv,
+                   .split = split,
+                   .chunk = (group + split - 1) / split};
+    moe_pool_for(c->pool, n_blocks * shape->n_head_kv * split, 1, attention_tiled, &t);
 }
 
 void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,

@@ -65,10 +65,22 @@ static moe_status resolve_params(const moe_model *m, const moe_ctx_params *p, mo
     if (out->max_rows == 0) out->max_rows = 512;
     if (out->n_snapshots == 0) out->n_snapshots = 2 * out->n_seq;
     if (out->n_threads < 1) out->n_threads = 1;
-    if (out->kv_type != MOE_TYPE_F32 && out->kv_type != MOE_TYPE_F16)
+    if (out->kv_type != MOE_TYPE_F32 && out->kv_type != MOE_TYPE_F16 &&
+        out->kv_type != MOE_TYPE_Q8_0)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                             "context: KV cache type %s is not supported (f32 or f16)",
+                             "context: KV cache type %s is not supported (f32, f16 or q8_0)",
                              moe_type_name(out->kv_type));
+    if (out->kv_type == MOE_TYPE_Q8_0) /* every head (and MLA's latent) whole 32-value blocks */
+        for (uint32_t il = 0; il < n_layer_run(m); il++) {
+            const moe_layer_plan *pl = &m->layers[il].plan;
+            const uint32_t hk = c->n_lora_kv ? c->n_lora_kv + c->rope_dims : pl->head_dim_k,
+                           hv = c->n_lora_kv ? c->n_lora_kv : pl->head_dim_v;
+            if (moe_layer_state_of(c, il).k_values && (hk % 32 || hv % 32))
+                return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                                     "context: --kv-type q8_0 needs head widths in whole blocks of "
+                                     "32 values; layer %u has K %u, V %u",
+                                     il, hk, hv);
+        }
     if ((unsigned)out->split >= MOE_SPLIT_COUNT)
         return moe_error_set(err, MOE_ERR_ARG, "context: split mode %d is not one moe knows",
                              (int)out->split);
@@ -189,6 +201,7 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->pool = moe_pool_new(params.n_threads);
     x->scores =
         moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
+    x->attn_block = moe_xcalloc(rows + 1, sizeof *x->attn_block);
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
     bool fused_experts = false, expert_in_norm = false;
     for (uint32_t il = 0; il < n_layer_run(m); il++) {
@@ -270,6 +283,7 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->ff_gate);
     free(c->ff_up);
     free(c->scores);
+    free(c->attn_block);
     free(c->mla_qa);
     free(c->mla_q);
     free(c->mla_o);
@@ -331,6 +345,8 @@ void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n) 
     if (c->p.kv_type == MOE_TYPE_F16) {
         uint16_t *d = (uint16_t *)dst;
         for (uint64_t i = 0; i < n; i++) d[i] = moe_f32_to_fp16(src[i]);
+    } else if (c->p.kv_type == MOE_TYPE_Q8_0) { /* ggml's quantize_row_q8_0: round to nearest */
+        moe_type_traits_get(MOE_TYPE_Q8_0)->from_float(src, dst, (int64_t)n);
     } else {
         memcpy(dst, src, n * sizeof(float));
     }
@@ -489,6 +505,7 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
                           moe_error *err) {
     rows = dist_rows(c, rows, &n_rows);
     if (check_rows(c, rows, n_rows, c->seq_len, err) != MOE_OK) return err->code;
+    const double start = moe_profile_on() ? moe_now() : 0;
     memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;
     const int64_t n_embd = m->cfg.n_embd;
@@ -514,6 +531,8 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         c->tokens[(uint64_t)rows[r].seq * c->p.n_ctx + (uint32_t)rows[r].pos] = rows[r].token;
     }
     output_head(c, c->stream, rows, n_rows, m->output_norm, m->output, logits);
+    if (start > 0)
+        moe_profile_add(MOE_PROFILE_STEP, strlen(MOE_PROFILE_STEP), moe_now() - start, 0);
     return MOE_OK;
 }
 

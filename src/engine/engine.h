@@ -34,7 +34,7 @@ typedef struct moe_ctx_params {
     uint32_t n_ctx;       /* positions per sequence (0: the model's training context, capped) */
     uint32_t n_seq;       /* sequences held at once */
     uint32_t max_rows;    /* rows per forward call */
-    moe_type kv_type;     /* KV cache elements: MOE_TYPE_F32 (0, the default) or MOE_TYPE_F16 */
+    moe_type kv_type;     /* KV cache elements: MOE_TYPE_F32 (0, the default), F16 or Q8_0 */
     int n_threads;        /* threads for the forward pass, including the caller (0: 1) */
     uint32_t n_snapshots; /* recurrent-state snapshots held at once (0: 2 per sequence) */
     uint32_t n_verify;    /* rows per sequence a verify step can take back (0: no verify steps) */

@@ -97,9 +97,9 @@ struct moe_ctx {
     int32_t *tokens;      /* [n_seq][n_ctx] the token ids each sequence holds */
     uint32_t *layer_slot; /* [n_layer] index among the attention layers (KV) or the linear ones */
     uint32_t n_layer_kv;  /* attention layers (softmax or latent) */
-    /* KV cache: [n_seq][n_layer_kv][n_ctx][n_head_kv * head_dim], F32 or F16 by p.kv_type. With
-     * MLA, k_cache rows are the latent cache [n_lora_kv + rope_dims] and v_cache is unused
-     * (V is the latent part of each K row; v_row_bytes = 0). */
+    /* KV cache: [n_seq][n_layer_kv][n_ctx][n_head_kv * head_dim], F32, F16 or Q8_0 by p.kv_type.
+     * With MLA, k_cache rows are the latent cache [n_lora_kv + rope_dims] and v_cache is unused (V
+     * is the latent part of each K row; v_row_bytes = 0). */
     uint8_t *k_cache, *v_cache;
     uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
     /* scratch, [max_rows][width] floats each */
@@ -117,7 +117,8 @@ struct moe_ctx {
     float *mtp_in;      /* [max_rows][2 n_embd] the MTP head's normed [embedding ; hidden] */
     float *mtp_h;       /* [n_embd] the hidden state a draft chain feeds back */
     float *q, *k, *v, *att, *ff_gate, *ff_up;
-    float *scores; /* [n_threads][n_ctx] attention scores */
+    float *scores;        /* [n_threads][n_ctx] attention scores (MOE_EXACT=1, indexed MLA) */
+    uint32_t *attn_block; /* [max_rows + 1] first row of each block of the tiled attention */
     /* multi-head latent attention scratch (NULL without MLA) */
     float *mla_qa;           /* [max_rows][n_lora_q] q down-projection */
     float *mla_q;            /* [max_rows][n_head * head_dim_k_mla] q before absorption */

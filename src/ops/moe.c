@@ -85,6 +85,24 @@ void moe_route(const moe_route_params *p, const float *logits, int64_t n_rows, i
 
 /* ==== Grouped expert dispatch ==== */
 
+/* The routed experts' first bytes are requested as soon as the routing is known, while the rows
+ * are gathered and converted for the first pass: a few lines per matrix (the kernels' own
+ * look-ahead takes over from there), for the first experts only (a prefill routes to all). */
+#define EXPERT_PREFETCH_BYTES   1024
+#define EXPERT_PREFETCH_EXPERTS 32
+
+static void prefetch_routed(const moe_expert_set *set, const int32_t *starts, int64_t n_expert) {
+    const moe_tensor *m[3] = {set->gate_up ? set->gate_up : set->gate, set->up, set->down};
+    int n = 0;
+    for (int64_t e = 0; e < n_expert && n < EXPERT_PREFETCH_EXPERTS; e++) {
+        if (starts[e + 1] == starts[e] || (set->n_shards > 1 && e % set->n_shards != set->shard))
+            continue;
+        for (int k = 0; k < 3; k++)
+            if (m[k]) moe_matmul_prefetch(m[k], e, EXPERT_PREFETCH_BYTES);
+        n++;
+    }
+}
+
 /* What one group of experts shares while it runs: its experts (in expert order), where their
  * pairs start in the sorted pairs, the row offset of each one's rows in the scratch and its
  * matrices (the stacked tensors', or a source's views). */
@@ -174,6 +192,7 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
     const int64_t n_pairs = n_rows * n_used;
     for (int64_t i = 0; i < n_pairs; i++) s->counts[ids[i] + 1]++;
     for (int64_t e = 0; e < n_expert; e++) s->counts[e + 1] += s->counts[e];
+    if (!set->source) prefetch_routed(set, s->counts, n_expert);
     for (int64_t i = 0; i < n_pairs; i++) {
         const int32_t slot = s->counts[ids[i]]++;
         s->pair_row[slot] = (int32_t)(i / n_used);

@@ -200,6 +200,26 @@ typedef struct matmul_job {
 #define MATMUL_W_BLOCK 16
 #define MATMUL_X_TILE  (192u << 10)
 
+/* The weight stream through a chunk of rows is one run of addresses, but the hardware
+ * prefetcher starts over at every 4 KiB page and at the chunk's start; so while a block of rows
+ * computes, the bytes MATMUL_PREFETCH ahead of it (up to the matrix's end) are requested in
+ * software, and a chunk's first bytes before its first row. */
+#define MATMUL_PREFETCH (4u << 10)
+
+static inline void prefetch_bytes(const uint8_t *p, const uint8_t *end) {
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+/* Rows [o0, o1) are about to be read for the first time (the caller's chunk starts at begin). */
+static void matmul_prefetch_ahead(const matmul_job *j, int64_t begin, int64_t o0, int64_t o1) {
+    const uint8_t *w = j->wbase + (uint64_t)o0 * j->w_row_bytes,
+                  *w_end = j->wbase + (uint64_t)o1 * j->w_row_bytes,
+                  *m_end = j->wbase + (uint64_t)j->n_out * j->w_row_bytes;
+    const uint8_t *from = o0 == begin ? w : w + MATMUL_PREFETCH,
+                  *to = w_end + MATMUL_PREFETCH < m_end ? w_end + MATMUL_PREFETCH : m_end;
+    prefetch_bytes(from, to);
+}
+
 static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
     const matmul_job *j = arg;
@@ -207,6 +227,7 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     tile = tile < 4 ? 4 : tile & ~(int64_t)3; /* whole groups of the 4-row kernels */
     for (int64_t o0 = begin; o0 < end; o0 += MATMUL_W_BLOCK) {
         const int64_t o1 = o0 + MATMUL_W_BLOCK < end ? o0 + MATMUL_W_BLOCK : end;
+        matmul_prefetch_ahead(j, begin, o0, o1);
         for (int64_t r0 = 0; r0 < j->n_rows; r0 += tile) {
             const int64_t nr = j->n_rows - r0 < tile ? j->n_rows - r0 : tile;
             const uint8_t *x = j->xq + (uint64_t)r0 * j->xq_row_bytes;
@@ -226,6 +247,13 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
             }
         }
     }
+}
+
+void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes) {
+    if (!w->data) return;
+    const uint64_t m_bytes = (uint64_t)w->ne[1] * moe_type_row_bytes(w->type, w->ne[0]);
+    const uint8_t *m = w->data + (uint64_t)matrix * m_bytes;
+    prefetch_bytes(m, m + (bytes < m_bytes ? bytes : m_bytes));
 }
 
 /* One task made ready: activation rows converted once for the weight type's dot. */
@@ -277,8 +305,27 @@ void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx) {
     matmul_observer_ctx = ctx;
 }
 
+/* MOE_PROFILE: a pass is recorded under its first tensor's name less the layer ("blk.N."), with
+ * the weight bytes of all its tasks. */
+static void matmul_profile(const moe_matmul_task *tasks, int n_tasks, double start) {
+    const double seconds = moe_now() - start;
+    double bytes = 0;
+    for (int i = 0; i < n_tasks; i++)
+        bytes +=
+            (double)tasks[i].w->ne[1] * moe_type_row_bytes(tasks[i].w->type, tasks[i].w->ne[0]);
+    const char *name = tasks[0].w->name.ptr;
+    size_t len = tasks[0].w->name.len;
+    if (len > 4 && !memcmp(name, "blk.", 4)) {
+        size_t i = 4;
+        while (i < len && name[i] != '.') i++;
+        if (i < len) name += i + 1, len -= i + 1;
+    }
+    moe_profile_add(name, len, seconds, bytes);
+}
+
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) {
     MOE_CHECK(n_tasks >= 0 && n_tasks <= MOE_MATMUL_MANY_MAX);
+    const double start = n_tasks && moe_profile_on() ? moe_now() : 0;
     if (matmul_observer)
         for (int i = 0; i < n_tasks; i++)
             matmul_observer(matmul_observer_ctx, tasks[i].w, tasks[i].matrix, tasks[i].x,
@@ -297,6 +344,7 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
         m.first[i + 1] = m.first[i] + (m.jobs[i].n_out + chunk - 1) / chunk;
     }
     moe_pool_for(pool, m.first[n_tasks], 1, matmul_many_items, &m);
+    if (start > 0) matmul_profile(tasks, n_tasks, start);
 }
 
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
@@ -334,4 +382,78 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
         kern->attn_mix(oh, scores, kv_elem(v, s->kv_type, (int64_t)hk * s->head_dim_v), v_stride,
                        n_kv, s->kv_type, s->head_dim_v);
     }
+}
+
+/* Running softmax of one (row, head): max m and sum l of exp(score - m) so far, with the sink
+ * as a first term that adds to l and nothing to the output. */
+typedef struct attn_state {
+    float m;
+    double l;
+} attn_state;
+
+/* One (row, head) over keys lo..lo+n-1 of a tile: scores, the running max moved (rescaling the
+ * output accumulated so far), exp and the tile's sum, then its values mixed in. */
+static void attn_tile_head(const moe_kernels *kern, const moe_attn_shape *s, const float *qh,
+                           const void *kt, int64_t k_stride, const void *vt, int64_t v_stride,
+                           int64_t n, float *acc, attn_state *st) {
+    float p[MOE_ATTN_TILE];
+    kern->attn_scores(qh, kt, k_stride, n, s->kv_type, s->head_dim_k, s->scale, p);
+    float m = st->m;
+    for (int64_t j = 0; j < n; j++) m = p[j] > m ? p[j] : m;
+    if (m == -INFINITY) return; /* nothing visible yet: every weight is 0 */
+    if (m > st->m) {
+        const float rescale = expf(st->m - m); /* 0 from an empty start */
+        for (int d = 0; d < s->head_dim_v; d++) acc[d] *= rescale;
+        st->l *= rescale;
+        st->m = m;
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+    }
+    st->l += sum;
+    kern->attn_mix(acc, p, vt, v_stride, n, s->kv_type, s->head_dim_v);
+}
+
+void moe_attention_tiled(const moe_attn_shape *s, const moe_attn_block *b, int h0, int h1) {
+    const moe_kernels *kern = moe_kernels_get();
+    const int group = s->n_head / s->n_head_kv, hk = h0 / group, nh = h1 - h0;
+    MOE_CHECK(h0 >= 0 && h0 < h1 && (h1 - 1) / group == hk && b->n_rows >= 1 &&
+              b->n_rows <= MOE_ATTN_BLOCK_ROWS && nh * b->n_rows <= MOE_ATTN_STATES);
+    const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
+    const int64_t out_w = (int64_t)s->n_head * s->head_dim_v;
+    const uint8_t *k = kv_elem(b->k, s->kv_type, (int64_t)hk * s->head_dim_k);
+    const uint8_t *v = kv_elem(b->v, s->kv_type, (int64_t)hk * s->head_dim_v);
+    attn_state st[MOE_ATTN_STATES];
+    int64_t lo = b->first[0], hi = b->last[0];
+    for (int r = 0; r < b->n_rows; r++) {
+        lo = b->first[r] < lo ? b->first[r] : lo;
+        hi = b->last[r] > hi ? b->last[r] : hi;
+        for (int h = h0; h < h1; h++) {
+            const float sink = s->sinks ? s->sinks[h] : -INFINITY;
+            st[r * nh + h - h0] = (attn_state){sink, sink == -INFINITY ? 0.0 : 1.0};
+            memset(b->out + r * out_w + (int64_t)h * s->head_dim_v, 0,
+                   sizeof(float) * (size_t)s->head_dim_v);
+        }
+    }
+    /* tiles at fixed absolute positions: the same tiles for a row whatever its block */
+    for (int64_t t0 = lo / MOE_ATTN_TILE * MOE_ATTN_TILE; t0 <= hi; t0 += MOE_ATTN_TILE)
+        for (int r = 0; r < b->n_rows; r++) {
+            const int64_t j0 = b->first[r] > t0 ? b->first[r] : t0;
+            const int64_t j1 =
+                b->last[r] < t0 + MOE_ATTN_TILE - 1 ? b->last[r] : t0 + MOE_ATTN_TILE - 1;
+            if (j0 > j1) continue;
+            for (int h = h0; h < h1; h++)
+                attn_tile_head(kern, s, b->q + r * q_w + (int64_t)h * s->head_dim_k,
+                               k + j0 * b->k_stride, b->k_stride, v + j0 * b->v_stride, b->v_stride,
+                               j1 - j0 + 1, b->out + r * out_w + (int64_t)h * s->head_dim_v,
+                               &st[r * nh + h - h0]);
+        }
+    for (int r = 0; r < b->n_rows; r++)
+        for (int h = h0; h < h1; h++) {
+            float *oh = b->out + r * out_w + (int64_t)h * s->head_dim_v;
+            const float inv = (float)(1.0 / st[r * nh + h - h0].l);
+            for (int d = 0; d < s->head_dim_v; d++) oh[d] *= inv;
+        }
 }

@@ -92,6 +92,9 @@ typedef struct moe_matmul_task {
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks);
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
                 float *y, void *scratch);
+/* Request the first `bytes` of the 2-D slice `matrix` of w from memory and return at once
+ * (software prefetch): a pass about to start on it finds its first lines on their way. */
+void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes);
 /* An observer of every matmul's input rows (moe imatrix): called on the calling thread, once per
  * task before its product, with the weight, its 2-D slice (the expert) and the float activation
  * rows. Process-wide and not synchronised: set it before a forward pass, never while one runs;
@@ -111,11 +114,33 @@ void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out);
 typedef struct moe_attn_shape {
     int n_head, n_head_kv, head_dim_k, head_dim_v;
     float scale;        /* usually 1/sqrt(head_dim_k) */
-    moe_type kv_type;   /* MOE_TYPE_F32 or MOE_TYPE_F16, both k and v */
+    moe_type kv_type;   /* MOE_TYPE_F32, MOE_TYPE_F16 or MOE_TYPE_Q8_0, both k and v */
     const float *sinks; /* [n_head] logits that join each head's softmax denominator, or NULL */
 } moe_attn_shape;
 void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
                        int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out, float *scores);
+
+/* Tiled (flash-style) attention, the fast path: a block of query rows of one sequence against
+ * that sequence's cache, key positions taken in tiles of MOE_ATTN_TILE from position 0 with a
+ * running max and sum per (row, head), so no score row longer than a tile ever exists and each
+ * K / V tile is read once for all the block's rows and heads. Row r sees key positions
+ * first[r]..last[r] (causal prefix, sliding window). Only heads h0..h1-1 (all of one kv head's
+ * group) are computed; the caller splits work over blocks, kv heads and head ranges. A row's
+ * float order depends on its own first / last only (tiles are fixed in absolute positions), so
+ * it gives the same bits whatever shares its block, and a decode row the same as a prefill row.
+ * Not ggml's order: MOE_EXACT=1 keeps moe_attention_row. */
+#define MOE_ATTN_TILE       64   /* key positions per tile: a head's f16 K and V tiles in L1 */
+#define MOE_ATTN_BLOCK_ROWS 16   /* query rows per block at most */
+#define MOE_ATTN_STATES     1024 /* rows x heads of one call at most (running max / sum) */
+typedef struct moe_attn_block {
+    const float *q;              /* [n_rows][n_head * head_dim_k] */
+    float *out;                  /* [n_rows][n_head * head_dim_v] */
+    const int64_t *first, *last; /* [n_rows] visible key positions, first <= last */
+    int n_rows;                  /* <= MOE_ATTN_BLOCK_ROWS */
+    const void *k, *v;           /* position 0 of the sequence's K / V cache rows */
+    int64_t k_stride, v_stride;  /* bytes between positions */
+} moe_attn_block;
+void moe_attention_tiled(const moe_attn_shape *s, const moe_attn_block *b, int h0, int h1);
 
 /* ==== Hyper-connections (hyper.c) ==== */
 

@@ -429,6 +429,8 @@ MOE_REF_DOT(iq1_m);
 MOE_REF_DOT(iq4_xs);
 
 /* Scalar attention kernels (the reference every level reproduces bit for bit). */
+/* Value i of a KV cache row of kv_type (F32, F16, Q8_0): the SIMD levels' scalar tails. */
+float moe_ref_kv_value(const void *base, moe_type kv_type, int64_t i);
 void moe_ref_attn_scores(const float *q, const void *k, int64_t stride_bytes, int64_t n_kv,
                          moe_type kv_type, int n, float scale, float *out);
 void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,

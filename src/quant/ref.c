@@ -412,11 +412,21 @@ float moe_dot_f32_ref(moe_type type, const void *w, const float *x, int64_t n) {
 
 /* ==== Attention over the KV cache ==== */
 
-static inline float kv_value(const void *base, int f16, int64_t i) {
-    return f16 ? moe_fp16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+/* Value i of a KV cache row: F32, F16, or Q8_0 (d * q, as its to_float gives it). */
+static inline float kv_value(const void *base, moe_type kv_type, int64_t i) {
+    if (kv_type == MOE_TYPE_Q8_0) {
+        const moe_block_q8_0 *b = (const moe_block_q8_0 *)base + i / MOE_QK32;
+        return (float)b->qs[i % MOE_QK32] * moe_fp16_to_f32(b->d);
+    }
+    return kv_type == MOE_TYPE_F16 ? moe_fp16_to_f32(((const uint16_t *)base)[i])
+                                   : ((const float *)base)[i];
 }
 
-static float attn_dot(const float *q, const void *k, int k_f16, int n) {
+float moe_ref_kv_value(const void *base, moe_type kv_type, int64_t i) {
+    return kv_value(base, kv_type, i);
+}
+
+static float attn_dot(const float *q, const void *k, moe_type kv_type, int n) {
     enum { LANES = 8, ACCS = 4, STEP = LANES * ACCS };
     const int whole = n & ~(STEP - 1);
     float acc[ACCS][LANES] = {{0}};
@@ -424,7 +434,7 @@ static float attn_dot(const float *q, const void *k, int k_f16, int n) {
         for (int a = 0; a < ACCS; a++)
             for (int l = 0; l < LANES; l++) {
                 const int d = i + a * LANES + l;
-                const float prod = q[d] * kv_value(k, k_f16, d);
+                const float prod = q[d] * kv_value(k, kv_type, d);
                 acc[a][l] += prod;
             }
     float lane[LANES], half[LANES / 2];
@@ -432,7 +442,7 @@ static float attn_dot(const float *q, const void *k, int k_f16, int n) {
     for (int l = 0; l < LANES / 2; l++) half[l] = lane[l] + lane[l + LANES / 2];
     float sum = (half[0] + half[1]) + (half[2] + half[3]);
     for (int d = whole; d < n; d++) {
-        const float prod = q[d] * kv_value(k, k_f16, d);
+        const float prod = q[d] * kv_value(k, kv_type, d);
         sum += prod;
     }
     return sum;
@@ -440,18 +450,16 @@ static float attn_dot(const float *q, const void *k, int k_f16, int n) {
 
 void moe_ref_attn_scores(const float *q, const void *k, int64_t stride_bytes, int64_t n_kv,
                          moe_type kv_type, int n, float scale, float *out) {
-    const int f16 = kv_type == MOE_TYPE_F16;
     for (int64_t j = 0; j < n_kv; j++)
-        out[j] = attn_dot(q, (const uint8_t *)k + j * stride_bytes, f16, n) * scale;
+        out[j] = attn_dot(q, (const uint8_t *)k + j * stride_bytes, kv_type, n) * scale;
 }
 
 void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
                       moe_type kv_type, int n) {
-    const int f16 = kv_type == MOE_TYPE_F16;
     for (int64_t j = 0; j < n_kv; j++) {
         const void *vj = (const uint8_t *)v + j * stride_bytes;
         for (int d = 0; d < n; d++) {
-            const float prod = p[j] * kv_value(vj, f16, d);
+            const float prod = p[j] * kv_value(vj, kv_type, d);
             y[d] += prod;
         }
     }

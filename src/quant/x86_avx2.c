@@ -686,19 +686,26 @@ static void quantize_f32(const float *x, void *out, int64_t n) {
 
 /* ==== Attention over the KV cache (bit-exact with moe_ref_attn_*: mul then add, no FMA) ==== */
 
-MOE_INLINE __m256 load8_kv(const void *x, int f16, int i) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)))
+/* 8 values of a KV row from value i (a multiple of 8): F32, F16, or Q8_0 decoded as d * q. */
+MOE_INLINE __m256 load8_kv(const void *x, moe_type kv_type, int i) {
+    if (kv_type == MOE_TYPE_Q8_0) {
+        const moe_block_q8_0 *b = (const moe_block_q8_0 *)x + i / MOE_QK32;
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + i % 32)));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(avx2_fp16(b->d)));
+    }
+    return kv_type == MOE_TYPE_F16
+               ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)))
                : _mm256_loadu_ps((const float *)x + i);
 }
 
-MOE_INLINE float attn_dot(const float *q, const void *k, int k_f16, int n) {
+MOE_INLINE float attn_dot(const float *q, const void *k, moe_type kv_type, int n) {
     const int whole = n & ~31;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
     for (int i = 0; i < whole; i += 32)
         for (int a = 0; a < 4; a++)
             acc[a] = _mm256_add_ps(acc[a], _mm256_mul_ps(_mm256_loadu_ps(q + i + 8 * a),
-                                                         load8_kv(k, k_f16, i + 8 * a)));
+                                                         load8_kv(k, kv_type, i + 8 * a)));
     /* the reference's fold: (0+2) + (1+3), lanes l + l+4, then (0+1) + (2+3) */
     const __m256 lane = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
     const __m128 half = _mm_add_ps(_mm256_castps256_ps128(lane), _mm256_extractf128_ps(lane, 1));
@@ -706,8 +713,7 @@ MOE_INLINE float attn_dot(const float *q, const void *k, int k_f16, int n) {
     _mm_storeu_ps(h, half);
     float sum = (h[0] + h[1]) + (h[2] + h[3]);
     for (int d = whole; d < n; d++) { /* the tail one by one, onto the folded sum */
-        const float kd = k_f16 ? moe_fp16_to_f32(((const uint16_t *)k)[d]) : ((const float *)k)[d];
-        const float prod = q[d] * kd;
+        const float prod = q[d] * moe_ref_kv_value(k, kv_type, d);
         sum += prod;
     }
     return sum;
@@ -715,15 +721,13 @@ MOE_INLINE float attn_dot(const float *q, const void *k, int k_f16, int n) {
 
 static void attn_scores(const float *q, const void *k, int64_t stride_bytes, int64_t n_kv,
                         moe_type kv_type, int n, float scale, float *out) {
-    const int f16 = kv_type == MOE_TYPE_F16;
     for (int64_t j = 0; j < n_kv; j++)
-        out[j] = attn_dot(q, (const uint8_t *)k + j * stride_bytes, f16, n) * scale;
+        out[j] = attn_dot(q, (const uint8_t *)k + j * stride_bytes, kv_type, n) * scale;
 }
 
 /* y[d] += p[j] * v_j[d], key after key; 64 values of y stay in registers across all keys. */
 void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
                        moe_type kv_type, int n) {
-    const int f16 = kv_type == MOE_TYPE_F16;
     int d = 0;
     for (; d + 64 <= n; d += 64) {
         __m256 acc[8];
@@ -732,20 +736,19 @@ void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
             const __m256 a = _mm256_set1_ps(p[j]);
             const void *vj = (const uint8_t *)v + (size_t)(j * stride_bytes);
             for (int u = 0; u < 8; u++)
-                acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(a, load8_kv(vj, f16, d + 8 * u)));
+                acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(a, load8_kv(vj, kv_type, d + 8 * u)));
         }
         for (int u = 0; u < 8; u++) _mm256_storeu_ps(y + d + 8 * u, acc[u]);
     }
     for (; d + 8 <= n; d += 8) {
         __m256 acc = _mm256_loadu_ps(y + d);
-        for (int64_t j = 0; j < n_kv; j++)
-            acc = _mm256_add_ps(
-                acc,
-                _mm256_mul_ps(_mm256_set1_ps(p[j]),
-                              load8_kv((const uint8_t *)v + (size_t)(j * stride_bytes), f16, d)));
+        for (int64_t j = 0; j < n_kv; j++) {
+            const void *vj = (const uint8_t *)v + (size_t)(j * stride_bytes);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p[j]), load8_kv(vj, kv_type, d)));
+        }
         _mm256_storeu_ps(y + d, acc);
     }
-    if (d < n)
+    if (d < n) /* F32 / F16 only: a Q8_0 row is whole blocks */
         moe_ref_attn_mix(y + d, p, (const uint8_t *)v + moe_type_row_bytes(kv_type, d),
                          stride_bytes, n_kv, kv_type, n - d);
 }

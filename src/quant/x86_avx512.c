@@ -952,20 +952,26 @@ MOE_DOT_AND_ROWS(z_dot_bf16, z_dot_rows_bf16, z_float_rows, 2, z_load16_bf16, mo
 
 /* ==== Attention over the KV cache: the AVX2 kernels' operations, 16 lanes at a time ==== */
 
-MOE_INLINE __m512 z_load16_kv(const void *x, int f16, int i) {
-    return f16 ? _mm512_cvtph_ps(avx2_load((const uint16_t *)x + i))
-               : _mm512_loadu_ps((const float *)x + i);
+/* 16 values of a KV row from value i (a multiple of 16): F32, F16, or Q8_0 decoded as d * q. */
+MOE_INLINE __m512 z_load16_kv(const void *x, moe_type kv_type, int i) {
+    if (kv_type == MOE_TYPE_Q8_0) {
+        const moe_block_q8_0 *b = (const moe_block_q8_0 *)x + i / MOE_QK32;
+        const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b->qs + i % 32)));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(avx2_fp16(b->d)));
+    }
+    return kv_type == MOE_TYPE_F16 ? _mm512_cvtph_ps(avx2_load((const uint16_t *)x + i))
+                                   : _mm512_loadu_ps((const float *)x + i);
 }
 
 /* The AVX2 dot's four 8-lane accumulators as two registers: [0 | 1] and [2 | 3]; their sum is
  * [0+2 | 1+3], whose halves added give the AVX2 fold (0+2) + (1+3) lane for lane. */
-MOE_INLINE float z_attn_dot(const float *q, const void *k, int k_f16, int n) {
+MOE_INLINE float z_attn_dot(const float *q, const void *k, moe_type kv_type, int n) {
     const int whole = n & ~31;
     __m512 a01 = _mm512_setzero_ps(), a23 = _mm512_setzero_ps();
     for (int i = 0; i < whole; i += 32) {
-        a01 = _mm512_add_ps(a01, _mm512_mul_ps(_mm512_loadu_ps(q + i), z_load16_kv(k, k_f16, i)));
+        a01 = _mm512_add_ps(a01, _mm512_mul_ps(_mm512_loadu_ps(q + i), z_load16_kv(k, kv_type, i)));
         a23 = _mm512_add_ps(
-            a23, _mm512_mul_ps(_mm512_loadu_ps(q + i + 16), z_load16_kv(k, k_f16, i + 16)));
+            a23, _mm512_mul_ps(_mm512_loadu_ps(q + i + 16), z_load16_kv(k, kv_type, i + 16)));
     }
     const __m512 s = _mm512_add_ps(a01, a23);
     const __m256 lane = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
@@ -974,8 +980,7 @@ MOE_INLINE float z_attn_dot(const float *q, const void *k, int k_f16, int n) {
     _mm_storeu_ps(h, half);
     float sum = (h[0] + h[1]) + (h[2] + h[3]);
     for (int d = whole; d < n; d++) { /* the tail one by one, onto the folded sum */
-        const float kd = k_f16 ? moe_fp16_to_f32(((const uint16_t *)k)[d]) : ((const float *)k)[d];
-        const float prod = q[d] * kd;
+        const float prod = q[d] * moe_ref_kv_value(k, kv_type, d);
         sum += prod;
     }
     return sum;
@@ -983,15 +988,13 @@ MOE_INLINE float z_attn_dot(const float *q, const void *k, int k_f16, int n) {
 
 static void z_attn_scores(const float *q, const void *k, int64_t stride_bytes, int64_t n_kv,
                           moe_type kv_type, int n, float scale, float *out) {
-    const int f16 = kv_type == MOE_TYPE_F16;
     for (int64_t j = 0; j < n_kv; j++)
-        out[j] = z_attn_dot(q, (const uint8_t *)k + j * stride_bytes, f16, n) * scale;
+        out[j] = z_attn_dot(q, (const uint8_t *)k + j * stride_bytes, kv_type, n) * scale;
 }
 
 /* y[d] += p[j] * v_j[d], key after key; 128 values of y stay in registers across all keys. */
 static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
                        moe_type kv_type, int n) {
-    const int f16 = kv_type == MOE_TYPE_F16;
     int d = 0;
     for (; d + 128 <= n; d += 128) {
         __m512 acc[8];
@@ -1000,7 +1003,8 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
             const __m512 a = _mm512_set1_ps(p[j]);
             const void *vj = (const uint8_t *)v + (size_t)(j * stride_bytes);
             for (int u = 0; u < 8; u++)
-                acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(a, z_load16_kv(vj, f16, d + 16 * u)));
+                acc[u] =
+                    _mm512_add_ps(acc[u], _mm512_mul_ps(a, z_load16_kv(vj, kv_type, d + 16 * u)));
         }
         for (int u = 0; u < 8; u++) _mm512_storeu_ps(y + d + 16 * u, acc[u]);
     }

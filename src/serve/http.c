@@ -456,13 +456,27 @@ static void net_stop(serve_net *n) {
 
 /* ==== CORS ==== */
 
-/* The Origin header's verdict: 0 none (not a browser), 1 allowed (same origin as Host, or in
+/* Whether origin is http:// or https:// followed by exactly the host (a Host header's value, or
+ * the first of X-Forwarded-Host's list). */
+static bool origin_is_host(const char *origin, const char *host) {
+    if (!host) return false;
+    const size_t n = strcspn(host, ", ");
+    const char *rest = strncmp(origin, "http://", 7) == 0    ? origin + 7
+                       : strncmp(origin, "https://", 8) == 0 ? origin + 8
+                                                             : NULL;
+    return rest && n && strlen(rest) == n && strncasecmp(rest, host, n) == 0;
+}
+
+/* The Origin header's verdict: 0 none (not a browser), 1 allowed (same origin as Host -- or as
+ * X-Forwarded-Host, the host a reverse proxy, HTTPS or not, was asked for; a page cannot set
+ * that header on a cross-origin request without a preflight, which is refused --, or in
  * --cors), -1 refused. */
 static int origin_check(serve_http *h) {
     const char *origin = serve_header(h, "Origin");
     if (!origin) return 0;
-    const char *host = serve_header(h, "Host");
-    if (host && strncmp(origin, "http://", 7) == 0 && strcasecmp(origin + 7, host) == 0) return 1;
+    if (origin_is_host(origin, serve_header(h, "Host")) ||
+        origin_is_host(origin, serve_header(h, "X-Forwarded-Host")))
+        return 1;
     const char *list = h->srv->p.cors;
     const size_t len = strlen(origin);
     while (list && *list) {
@@ -796,15 +810,18 @@ static void model_id_from_path(serve_server *srv, const char *path) {
 }
 
 /* Before listening: the file opens as a model moe runs (every tensor bound; weights mapped,
- * not read) and its tokenizer loads and matches it -- a wrong path or file fails here, not after
- * "listening". The engine thread loads it for real. */
-static bool model_check(const char *path, char *out, size_t out_size) {
+ * not read), its tokenizer loads and matches it, and --spec applies to it (mtp by default where
+ * it has an MTP layer) -- a wrong path, file or --spec fails here, not after "listening". The
+ * engine thread loads it for real. */
+static bool model_check(moe_serve_params *p, char *out, size_t out_size) {
+    const char *path = p->model_path;
     moe_error err = {0};
     moe_model *m = moe_model_load(path, &err);
     moe_tokenizer *tok = m ? moe_tokenizer_from_gguf(m->gguf, &err) : NULL;
     if (tok && moe_tokenizer_n_vocab(tok) != m->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(tok), m->cfg.n_vocab);
+    if (tok && !err.code) serve_spec_resolve(p, m, &err);
     moe_tokenizer_free(tok);
     moe_model_free(m);
     if (err.code) snprintf(out, out_size, "%s", err.msg);
@@ -879,7 +896,7 @@ int moe_serve_run(const moe_serve_params *params) {
         return 1;
     }
     char terr[MOE_ERROR_MSG_MAX + 128];
-    if (!model_check(srv->p.model_path, terr, sizeof terr) ||
+    if (!model_check(&srv->p, terr, sizeof terr) ||
         !serve_template_load(srv, terr, sizeof terr)) { /* before any request can render */
         fprintf(stderr, "moe serve: %s\n", terr);
         freeaddrinfo(ai);
@@ -933,7 +950,9 @@ int moe_serve_run(const moe_serve_params *params) {
                 srv->model_id, m->cfg.arch_name, m->cfg.n_layer, serve_sched_n_ctx(srv->sched),
                 srv->p.parallel, srv->p.cache_slots, srv->tmpl_origin, srv->p.n_threads,
                 srv->p.n_api_keys ? "API key required" : "no API key",
-                srv->p.spec == MOE_SPEC_NGRAM ? "ngram" : "none");
+                srv->p.spec == MOE_SPEC_MTP     ? "mtp"
+                : srv->p.spec == MOE_SPEC_NGRAM ? "ngram"
+                                                : "none");
         printf("moe serve: ready (loaded in %.2f s)\n", serve_now() - srv->t_start);
         fflush(stdout);
         int sig = 0;

@@ -22,13 +22,16 @@
  * A reply with a reasoning budget (serve_gen.think_budget) has its reasoning tokens counted
  * between the template's tags; once the budget is spent inside a block, the closing tag's
  * tokens take the place of the next samples, and the answer is sampled after them.
- * With speculation (--spec ngram), each decoding stream's row is followed by its drafts (prompt
- * lookup over its own tokens) and all of them run in one verify step (moe_ctx_verify; prompt
- * rows then run in a plain call of their own, as a verify step takes back at most n_draft + 1
- * rows of a sequence). Each stream's sampler picks from its rows in turn exactly as it would
- * step by step; a draft is kept while it equals the pick, and the sequence keeps the rows up to
- * the first one that differs (moe_ctx_seq_accept: KV rows past it dropped, recurrent state from
- * that row's checkpoint), so the output is the one plain decoding makes, at any temperature.
+ * With speculation (--spec ngram|mtp), each decoding stream's row is followed by its drafts
+ * (prompt lookup over its own tokens, or its MTP head's) and all of them run in one verify step
+ * (moe_ctx_verify; prompt rows then run in a plain call of their own, as a verify step takes back
+ * at most n_draft + 1 rows of a sequence). Each stream's sampler picks from its rows in turn
+ * exactly as it would step by step; a draft is kept while it equals the pick, and the sequence
+ * keeps the rows up to the first one that differs (moe_ctx_seq_accept: KV rows past it dropped,
+ * recurrent state from that row's checkpoint), so the output is the one plain decoding makes, at
+ * any temperature. The MTP head's cache is the engine's, per sequence; what the slot adds is the
+ * hidden states the head has not taken (the step's rows' states are copied out before the head
+ * runs: it overwrites them) and where its cache starts after a prefix hit (mtp_reuse).
  *
  * With --cache-dir, finished sequences also go to the engine's disk prefix cache (whole; on a
  * hybrid also at the prompt's snapshot), written by its own thread while the slot stays as it
@@ -66,6 +69,7 @@ typedef struct slot {
     bool in_verify, save_pending;
     uint32_t save_n_prompt;
     int32_t logits_row;    /* this step: index of its logits row, or -1 */
+    uint32_t row0, n_rows; /* this step: its first row in the batch, and how many it has */
     int32_t lp_row;        /* prompt_logprobs, this step: first of its prompt rows' logits rows */
     uint32_t lp_pos, lp_n; /* ... the position of the first of them, and how many */
     moe_sampler *sampler;
@@ -73,6 +77,14 @@ typedef struct slot {
     moe_strbuf hold; /* text held back: it may be the start of a stop string */
     uint32_t n_generated;
     uint32_t ram_reuse; /* LOADING: the prefix RAM gave, before the disk's */
+    /* --spec mtp: the MTP head's cache holds entries for trunk positions mtp_off.. (entry q: the
+     * hidden state of position mtp_off + q and the token after it); the hidden states of the
+     * positions after those, up to the sequence's end, wait in mtp_h: mtp_pending of them, the
+     * last one's follower not known yet (it is the token fed next). So, between steps,
+     * mtp_off + the head's entries + mtp_pending = the sequence's length. */
+    uint32_t mtp_off, mtp_pending;
+    float *mtp_h;     /* [n_draft + 1][n_embd] */
+    int32_t *mtp_tok; /* [n_draft + 1] the token after each of them */
     /* reasoning: inside a block?, its tokens so far, the closing tag's tokens still to force
      * (budget spent), and the last generated tokens and bytes (to see a tag complete) */
     bool in_think;
@@ -108,6 +120,8 @@ struct serve_sched {
     uint32_t decode_rows_max; /* parallel x (1 + drafts per step) */
     float *logits;            /* [decode_rows_max + SERVE_PROMPT_LOGPROB_ROWS][n_vocab] */
     int32_t *hist;            /* [n_ctx + 1] --spec ngram: a stream's tokens and the one to feed */
+    float *hidden;            /* --spec mtp: [max_rows][n_embd] the step's hidden states, by row */
+    float *mtp_logits;        /* --spec mtp: [n_vocab] the head's scratch */
     uint64_t step;
 };
 
@@ -280,6 +294,63 @@ static int slot_choose(serve_sched *s, const serve_gen *g) {
     return pick;
 }
 
+/* ==== The MTP head per slot (--spec mtp) ==== */
+
+/* Feed stream idx's head n entries: h[i] (a trunk hidden state, [n_embd]) with tok[i], the token
+ * after it. */
+static bool mtp_feed(serve_sched *s, int idx, const float *h, const int32_t *tok, uint32_t n,
+                     moe_error *err) {
+    if (n) moe_draft_mtp(s->ctx, idx, h, tok, n, 0, NULL, s->mtp_logits, err);
+    return !err->code;
+}
+
+/* Rows row0.. of this step fed ids[0..n) to stream idx: their hidden states join the waiting
+ * ones. feed: all but the last go to the head now (a prompt chunk is more than a slot keeps);
+ * else they wait for the stream's next drafts, which feed them in the same call of the head. */
+static bool mtp_take(serve_sched *s, int idx, uint32_t row0, const int32_t *ids, uint32_t n,
+                     bool feed, moe_error *err) {
+    slot *sl = &s->slots[idx];
+    const size_t n_embd = s->model->cfg.n_embd;
+    const float *h = s->hidden + row0 * n_embd;
+    if (sl->mtp_pending) sl->mtp_tok[sl->mtp_pending - 1] = ids[0];
+    if (feed) {
+        if (!mtp_feed(s, idx, sl->mtp_h, sl->mtp_tok, sl->mtp_pending, err) ||
+            !mtp_feed(s, idx, h, ids + 1, n - 1, err))
+            return false;
+        sl->mtp_pending = 0;
+        h += (n - 1) * n_embd;
+        ids += n - 1;
+        n = 1;
+    }
+    MOE_CHECK(sl->mtp_pending + n <= s->p.n_draft + 1);
+    memcpy(sl->mtp_h + sl->mtp_pending * n_embd, h, sizeof(float) * n * n_embd);
+    for (uint32_t i = 0; i + 1 < n; i++) sl->mtp_tok[sl->mtp_pending + i] = ids[i + 1];
+    sl->mtp_pending += n;
+    /* every position of the sequence is in the head's cache or waits for it, once */
+    MOE_CHECK(sl->mtp_off + moe_ctx_mtp_len(s->ctx, idx) + sl->mtp_pending == slot_len(s, idx));
+    return true;
+}
+
+/* Stream idx's sequence was len_before tokens with its head at trunk position head_before
+ * (mtp_off + its entries) and now holds the first `held` tokens of a prompt, reused from itself
+ * (self) or from elsewhere. The head goes on where it was when its entries and the hidden states
+ * kept reach position held - 1 (every entry's follower inside the prefix). Otherwise -- a prefix
+ * from another sequence, from the disk cache, or from a snapshot before the head's position:
+ * their hidden states are not kept -- its cache is emptied and starts again at position held,
+ * the first one the prompt's prefill computes; drafts right after such a hit see only the new
+ * tokens (lower acceptance for a while), and the output never depends on them. */
+static void mtp_reuse(serve_sched *s, int idx, bool self, uint32_t len_before, uint32_t head_before,
+                      uint32_t held) {
+    slot *sl = &s->slots[idx];
+    if (self && head_before < held && head_before + sl->mtp_pending == len_before) {
+        sl->mtp_pending = held - head_before; /* the engine kept the head's entries (< held - 1) */
+        return;
+    }
+    moe_ctx_mtp_rewind(s->ctx, idx, 0);
+    sl->mtp_off = held;
+    sl->mtp_pending = 0;
+}
+
 /* The disk cache can give more of the first n prompt tokens than RAM did (reuse tokens in the
  * slot): start loading it; false when there is nothing to load (or it could not start). */
 static bool disk_load_begin(serve_sched *s, int idx, const serve_gen *g, uint32_t n,
@@ -361,7 +432,13 @@ static void admit(serve_sched *s, serve_req *r) {
     moe_error err = {0};
     /* prompt log-probabilities need the logits of every prompt row: nothing is reused */
     const uint32_t n_reusable = r->gen.prompt_logprobs ? 0 : r->gen.n_prompt - 1;
+    const bool mtp = s->p.spec == MOE_SPEC_MTP;
+    const uint32_t len_before = slot_len(s, idx),
+                   head_before = mtp ? sl->mtp_off + moe_ctx_mtp_len(s->ctx, idx) : 0,
+                   own = mtp ? moe_ctx_seq_prefix(s->ctx, idx, r->gen.prompt, n_reusable) : 0;
     MOE_CHECK(moe_ctx_seq_reuse(s->ctx, idx, r->gen.prompt, n_reusable, &reuse, &err) == MOE_OK);
+    /* the sequence itself wins ties: as much as it could give means it gave it */
+    if (mtp) mtp_reuse(s, idx, reuse == own, len_before, head_before, reuse);
     if (disk_load_begin(s, idx, &r->gen, n_reusable, reuse)) { /* admit_finish once it is in */
         sl->state = SLOT_LOADING;
         sl->req = r;
@@ -382,6 +459,8 @@ static void disk_loads_end(serve_sched *s, bool wait) {
         moe_error err = {0};
         if (!moe_disk_cache_load_end(s->disk, (int32_t)i, &err)) continue;
         if (err.code) moe_log(MOE_LOG_WARN, "serve: prefix not taken from disk: %s", err.msg);
+        if (s->p.spec == MOE_SPEC_MTP && slot_len(s, (int)i) > sl->ram_reuse)
+            mtp_reuse(s, (int)i, false, 0, 0, slot_len(s, (int)i));
         admit_finish(s, (int)i, sl->req, slot_len(s, (int)i), sl->ram_reuse);
     }
 }
@@ -629,6 +708,9 @@ static void on_logits(serve_sched *s, int idx, const float *logits, uint32_t hel
 static void on_decoded(serve_sched *s, int idx, const float *logits) {
     slot *sl = &s->slots[idx];
     const uint32_t n_draft = sl->n_draft, before = sl->n_generated;
+    int32_t fed[MOE_SPEC_MAX_DRAFT + 1]; /* the rows' tokens: next_token, then the drafts */
+    fed[0] = sl->next_token;
+    memcpy(fed + 1, sl->drafts, sizeof(int32_t) * n_draft);
     const uint32_t held = slot_len(s, idx) - n_draft; /* without the drafts */
     uint32_t kept = 0;
     uint64_t drafted[MOE_SPEC_MAX_DRAFT] = {0}, accepted[MOE_SPEC_MAX_DRAFT] = {0};
@@ -651,6 +733,9 @@ static void on_decoded(serve_sched *s, int idx, const float *logits) {
         }
     }
     sl->in_verify = false;
+    /* --spec mtp: the kept rows' hidden states wait for the stream's next drafts */
+    if (s->p.spec == MOE_SPEC_MTP && sl->state != SLOT_EMPTY)
+        mtp_take(s, idx, sl->row0, fed, kept + 1, false, &err);
     if (sl->save_pending && sl->state == SLOT_RESIDENT) disk_save(s, idx, sl->save_n_prompt);
     sl->save_pending = false;
     pthread_mutex_lock(&s->metrics->mu);
@@ -663,21 +748,41 @@ static void on_decoded(serve_sched *s, int idx, const float *logits) {
     pthread_mutex_unlock(&s->metrics->mu);
 }
 
-/* --spec ngram: the drafts to feed after stream idx's next token this step (sl->n_draft of
- * them), as many as --draft, the context and max_tokens leave room for. */
-static void draft(serve_sched *s, int idx) {
+/* With --spec: the drafts to feed after stream idx's next token this step (sl->n_draft of
+ * them), as many as --draft, the context and max_tokens leave room for; prompt lookup, or the
+ * MTP head once it has caught up with the stream's waiting hidden states (it catches up even
+ * when there is no room to draft). False on an error of the head. */
+static bool draft(serve_sched *s, int idx, moe_error *err) {
     slot *sl = &s->slots[idx];
     const serve_gen *g = &sl->req->gen;
     const uint32_t len = slot_len(s, idx);
-    uint32_t want = s->p.spec == MOE_SPEC_NGRAM ? s->p.n_draft : 0;
+    uint32_t want = s->p.spec ? s->p.n_draft : 0;
     if (want > s->n_ctx - len - 1) want = s->n_ctx - len - 1; /* each draft takes a position */
     if (g->max_tokens >= 0 && want >= (uint64_t)g->max_tokens - sl->n_generated)
         want = (uint32_t)((uint64_t)g->max_tokens - sl->n_generated - 1); /* its pick: a token */
     sl->n_draft = 0;
-    if (!want) return;
+    if (s->p.spec == MOE_SPEC_MTP) {
+        if (!sl->mtp_pending) return true;
+        sl->mtp_tok[sl->mtp_pending - 1] = sl->next_token;
+        sl->n_draft = moe_draft_mtp(s->ctx, idx, sl->mtp_h, sl->mtp_tok, sl->mtp_pending, want,
+                                    sl->drafts, s->mtp_logits, err);
+        sl->mtp_pending = 0;
+        return !err->code;
+    }
+    if (!want) return true;
     memcpy(s->hist, moe_ctx_seq_tokens(s->ctx, idx), sizeof(int32_t) * len);
     s->hist[len] = sl->next_token;
     sl->n_draft = moe_draft_ngram(s->hist, len + 1, want, sl->drafts);
+    return true;
+}
+
+/* --spec mtp: keep the last forward call's hidden states as the step's rows from `at` on. */
+static void hidden_keep(serve_sched *s, uint32_t at) {
+    if (!s->hidden) return;
+    const size_t n_embd = s->model->cfg.n_embd;
+    uint32_t n;
+    const float *h = moe_ctx_hidden(s->ctx, &n);
+    memcpy(s->hidden + at * n_embd, h, sizeof(float) * n * n_embd);
 }
 
 /* The prompt rows this step ran with logits: each scores the prompt token after it. */
@@ -713,10 +818,17 @@ static bool step(serve_sched *s) {
         sl->logits_row = -1;
         sl->lp_n = 0;
         sl->n_draft = 0;
+        sl->n_rows = 0;
         if (sl->state != SLOT_ACTIVE || !sl->decoding) continue;
-        draft(s, (int)i);
+        moe_error err = {0};
+        if (!draft(s, (int)i, &err)) {
+            finish(s, (int)i, SERVE_FINISH_ERROR, -1, err.msg);
+            continue;
+        }
         const uint32_t len = slot_len(s, (int)i);
         sl->logits_row = (int32_t)n_logits;
+        sl->row0 = n_rows;
+        sl->n_rows = 1 + sl->n_draft;
         for (uint32_t k = 0; k <= sl->n_draft; k++) {
             s->rows[n_rows] = (moe_row){.seq = (int32_t)i,
                                         .pos = (int32_t)(len + k),
@@ -754,6 +866,8 @@ static bool step(serve_sched *s) {
             sl->lp_pos = len;
             sl->lp_n = n;
         }
+        sl->row0 = n_rows;
+        sl->n_rows = n;
         for (uint32_t k = 0; k < n; k++) {
             const uint32_t pos = len + k;
             const bool last = pos + 1 == g->n_prompt;
@@ -774,11 +888,14 @@ static bool step(serve_sched *s) {
     moe_status st;
     if (n_drafts) { /* the decode rows may be taken back; the prompt rows in a call of their own */
         st = moe_ctx_verify(s->ctx, s->rows, n_decode, s->logits, &err);
+        if (st == MOE_OK) hidden_keep(s, 0);
         if (st == MOE_OK && n_rows > n_decode)
             st = moe_ctx_decode(s->ctx, s->rows + n_decode, n_rows - n_decode,
                                 s->logits + (size_t)n_decode * s->n_vocab, &err);
+        if (st == MOE_OK && n_rows > n_decode) hidden_keep(s, n_decode);
     } else {
         st = moe_ctx_decode(s->ctx, s->rows, n_rows, s->logits, &err);
+        if (st == MOE_OK) hidden_keep(s, 0);
     }
     const double dt = serve_now() - t0;
     pthread_mutex_lock(&s->metrics->mu);
@@ -801,6 +918,13 @@ static bool step(serve_sched *s) {
             continue;
         }
         prompt_logprobs(s, sl);
+        moe_error head_err = {0}; /* --spec mtp: prompt rows' hidden states go to the head */
+        if (s->hidden && !sl->decoding && sl->n_rows &&
+            !mtp_take(s, (int)i, sl->row0, sl->req->gen.prompt + slot_len(s, (int)i) - sl->n_rows,
+                      sl->n_rows, true, &head_err)) {
+            finish(s, (int)i, SERVE_FINISH_ERROR, -1, head_err.msg);
+            continue;
+        }
         if (sl->logits_row < 0) continue;
         const float *row = s->logits + (size_t)sl->logits_row * s->n_vocab;
         if (sl->decoding)
@@ -879,6 +1003,16 @@ void serve_metrics_write_prefix_cache(const serve_metrics *m, moe_strbuf *o) {
 
 /* ==== The thread ==== */
 
+bool serve_spec_resolve(moe_serve_params *p, const moe_model *m, moe_error *err) {
+    if (!p->spec_given && m->n_layer_mtp) p->spec = MOE_SPEC_MTP; /* as run and chat */
+    if (p->spec == MOE_SPEC_MTP && !m->n_layer_mtp)
+        moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                      "--spec mtp: %s has no multi-token-prediction layer moe can run (--spec "
+                      "ngram drafts without one)",
+                      p->model_path);
+    return !err->code;
+}
+
 static bool load(serve_sched *s) {
     moe_error err = {0};
     const char *path = s->p.model_path;
@@ -896,11 +1030,7 @@ static bool load(serve_sched *s) {
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(s->tok), s->model->cfg.n_vocab);
     if (err.code) goto fail;
-    if (s->p.spec == MOE_SPEC_MTP) {
-        moe_error_set(&err, MOE_ERR_UNSUPPORTED,
-                      "--spec mtp is not supported by moe serve yet (--spec ngram is)");
-        goto fail;
-    }
+    if (!serve_spec_resolve(&s->p, s->model, &err)) goto fail;
     s->n_slots = (uint32_t)(s->p.parallel + s->p.cache_slots);
     const uint32_t n_verify = s->p.spec ? s->p.n_draft + 1 : 0;
     s->decode_rows_max = (uint32_t)s->p.parallel * (n_verify ? n_verify : 1);
@@ -938,6 +1068,15 @@ static bool load(serve_sched *s) {
     s->logits = moe_xmalloc(sizeof(float) * (size_t)s->n_vocab *
                             ((size_t)s->decode_rows_max + SERVE_PROMPT_LOGPROB_ROWS));
     s->hist = moe_xmalloc(sizeof(int32_t) * ((size_t)s->n_ctx + 1));
+    if (s->p.spec == MOE_SPEC_MTP) {
+        const size_t n_embd = s->model->cfg.n_embd, keep = s->p.n_draft + 1;
+        s->hidden = moe_xmalloc(sizeof(float) * max_rows * n_embd);
+        s->mtp_logits = moe_xmalloc(sizeof(float) * s->n_vocab);
+        for (uint32_t i = 0; i < s->n_slots; i++) {
+            s->slots[i].mtp_h = moe_xmalloc(sizeof(float) * keep * n_embd);
+            s->slots[i].mtp_tok = moe_xmalloc(sizeof(int32_t) * keep);
+        }
+    }
     return true;
 fail:
     snprintf(s->load_error, sizeof s->load_error, "%s", err.msg);
@@ -1083,12 +1222,18 @@ void serve_sched_stop(serve_sched *s) {
 
 void serve_sched_free(serve_sched *s) {
     if (s->slots)
-        for (uint32_t i = 0; i < s->n_slots; i++) moe_strbuf_free(&s->slots[i].hold);
+        for (uint32_t i = 0; i < s->n_slots; i++) {
+            moe_strbuf_free(&s->slots[i].hold);
+            free(s->slots[i].mtp_h);
+            free(s->slots[i].mtp_tok);
+        }
     free(s->slots);
     free(s->rows);
     free(s->row_slot);
     free(s->logits);
     free(s->hist);
+    free(s->hidden);
+    free(s->mtp_logits);
     moe_ctx_free(s->ctx);
     moe_grammar_vocab_free(s->grammar_vocab);
     moe_tokenizer_free(s->tok);

@@ -47,6 +47,7 @@ typedef struct moe_serve_params {
     int64_t reasoning_budget; /* tokens of reasoning per reply before its block is closed
                                * (-1: no limit; 0: thinking off) */
     moe_spec_kind spec;       /* --spec: where each stream's speculative drafts come from */
+    bool spec_given;          /* --spec was given; else mtp where the model has an MTP layer */
     uint32_t n_draft;         /* --draft N: drafts per stream and step (1..MOE_SPEC_MAX_DRAFT) */
     const char *grammar;      /* GBNF (checked) for requests that ask for no output format */
 } moe_serve_params;

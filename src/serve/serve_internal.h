@@ -234,6 +234,9 @@ serve_submit_result serve_sched_submit(serve_sched *s, serve_req *r);
 const moe_tokenizer *serve_sched_tokenizer(serve_sched *s);
 const moe_model *serve_sched_model(serve_sched *s);
 uint32_t serve_sched_n_ctx(serve_sched *s);
+/* --spec as it applies to model m: mtp when not given and m has an MTP layer; false with err
+ * set when mtp is asked of a model without one. */
+bool serve_spec_resolve(moe_serve_params *p, const moe_model *m, moe_error *err);
 
 /* ==== Prompts and output: the model's chat template and its output parser (prompt.c) ==== */
 

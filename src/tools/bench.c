@@ -69,7 +69,7 @@ static void weight_bytes(const moe_model *m, moe_bench_result *r) {
 
 typedef struct bench_run {
     moe_ctx *ctx;
-    uint32_t depth; /* decode tests start at this position of sequence 0 (its snapshot) */
+    uint32_t depth; /* tests of sequence 0 start at this position (its snapshot) */
     moe_row *rows;
     float *logits;
     uint64_t seed;
@@ -92,12 +92,12 @@ static double forward_bytes(const bench_run *b, uint32_t n_rows) {
 }
 
 /* One test run: `steps` forwards of n_seq rows each (one per sequence), or one prefill forward
- * of `prompt` rows of sequence 0. Sequences start empty. Returns seconds; adds bytes read and
- * experts run per MoE layer and token. */
+ * of `prompt` rows of sequence 0. Sequence 0 starts at b->depth, the others empty. Returns
+ * seconds; adds bytes read and experts run per MoE layer and token. */
 static moe_status run_once(bench_run *b, uint32_t prompt, uint32_t n_seq, uint32_t steps,
                            double *seconds, double *bytes, double *experts_per_tok,
                            moe_error *err) {
-    const uint32_t depth = prompt ? 0 : b->depth;
+    const uint32_t depth = b->depth;
     for (uint32_t s = 0; s < n_seq || s < 1; s++)
         if (moe_ctx_seq_truncate(b->ctx, (int32_t)s, s ? 0 : depth, err) != MOE_OK)
             return err->code;
@@ -106,8 +106,10 @@ static moe_status run_once(bench_run *b, uint32_t prompt, uint32_t n_seq, uint32
     const double t0 = moe_now();
     if (prompt) {
         for (uint32_t i = 0; i < prompt; i++)
-            b->rows[i] = (moe_row){
-                .seq = 0, .pos = (int32_t)i, .token = next_token(b), .logits = i + 1 == prompt};
+            b->rows[i] = (moe_row){.seq = 0,
+                                   .pos = (int32_t)(depth + i),
+                                   .token = next_token(b),
+                                   .logits = i + 1 == prompt};
         if (moe_ctx_decode(b->ctx, b->rows, prompt, b->logits, err) != MOE_OK) return err->code;
         *bytes += forward_bytes(b, prompt);
     }
@@ -200,7 +202,8 @@ static moe_status fill_to(bench_run *b, uint32_t depth, int32_t *snapshot, moe_e
     return *snapshot < 0 ? err->code : MOE_OK;
 }
 
-/* The decode test at each depth, ascending: the context is filled once, on from the last. */
+/* The prefill and decode tests at each depth, ascending: the context is filled once, on from the
+ * last. */
 static moe_status run_depths(bench_run *b, const moe_bench_params *p, moe_bench_result *r,
                              moe_error *err) {
     moe_status st = MOE_OK;
@@ -211,8 +214,11 @@ static moe_status run_depths(bench_run *b, const moe_bench_params *p, moe_bench_
         st = fill_to(b, (uint32_t)p->depths[i], &snapshot, err);
         r->fill_seconds += moe_now() - t0;
         b->depth = (uint32_t)p->depths[i];
+        if (st == MOE_OK && p->n_prompt)
+            st = run_test(b, p, (uint32_t)p->n_prompt, 0, 0, &r->pp_depth[i], NULL, err);
         const moe_indexer_time before = moe_ctx_indexer_time(b->ctx);
-        if (st == MOE_OK) st = run_test(b, p, 0, 1, (uint32_t)p->n_gen, &r->tg_depth[i], NULL, err);
+        if (st == MOE_OK && p->n_gen)
+            st = run_test(b, p, 0, 1, (uint32_t)p->n_gen, &r->tg_depth[i], NULL, err);
         const moe_indexer_time after = moe_ctx_indexer_time(b->ctx);
         const double steps = (double)(p->runs + 1) * p->n_gen; /* the warm-up's too */
         r->score_ms[i] = 1e3 * (after.score_seconds - before.score_seconds) / steps;
@@ -288,8 +294,10 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                              "bench: --accept gives %d draft positions, so verify steps of up to "
                              "%d rows are needed (--verify %d)",
                              p->n_accept, p->n_accept + 1, p->n_accept + 1);
-    if (p->n_depths < 0 || p->n_depths > MOE_BENCH_MAX_DEPTHS || (p->n_depths && !p->n_gen))
-        return moe_error_set(err, MOE_ERR_ARG, "bench: up to %d depths, with decode steps (--tg)",
+    if (p->n_depths < 0 || p->n_depths > MOE_BENCH_MAX_DEPTHS ||
+        (p->n_depths && !p->n_gen && !p->n_prompt))
+        return moe_error_set(err, MOE_ERR_ARG,
+                             "bench: up to %d depths, with prefill (--pp) or decode (--tg) tests",
                              MOE_BENCH_MAX_DEPTHS);
     for (int i = 0; i < p->n_depths; i++)
         if (p->depths[i] < 1 || p->depths[i] > MOE_BENCH_MAX_DEPTH ||
@@ -341,8 +349,8 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
     uint32_t max_rows = (uint32_t)p->n_prompt > max_seq ? (uint32_t)p->n_prompt : max_seq;
     if (deepest && max_rows < MOE_BENCH_FILL_ROWS) max_rows = MOE_BENCH_FILL_ROWS;
     if ((uint32_t)p->verify_max > max_rows) max_rows = (uint32_t)p->verify_max;
-    moe_ctx_params cp = {.n_ctx = ((uint32_t)p->n_prompt > steps ? (uint32_t)p->n_prompt : steps) +
-                                  (uint32_t)p->verify_max + 1,
+    const uint32_t prefill = (uint32_t)p->n_prompt + deepest; /* the deepest pp test's end */
+    moe_ctx_params cp = {.n_ctx = (prefill > steps ? prefill : steps) + (uint32_t)p->verify_max + 1,
                          .n_verify = (uint32_t)p->verify_max,
                          .n_seq = max_seq,
                          .max_rows = max_rows,

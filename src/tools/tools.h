@@ -426,8 +426,9 @@ typedef struct moe_bench_params {
     int streams[MOE_BENCH_MAX_STREAMS]; /* batched decode: streams per test */
     int n_streams;
     int stream_steps; /* steps per batched decode test */
-    /* decode tests at depth: n_gen steps after depths[i] tokens of context (ascending; the
-     * context is filled once, untimed, MOE_BENCH_FILL_ROWS rows per forward) */
+    /* tests at depth: a prefill of n_prompt rows and n_gen decode steps after depths[i] tokens
+     * of context (ascending; the context is filled once, untimed, MOE_BENCH_FILL_ROWS rows per
+     * forward) */
     int depths[MOE_BENCH_MAX_DEPTHS];
     int n_depths;
     bool use_mmap;               /* keep weights in the mapped file instead of anonymous memory */
@@ -481,6 +482,7 @@ typedef struct moe_bench_result {
      * verify_base x (1 + accept[0] + ... + accept[d - 1]) / verify_ratio[d] */
     double projected_tok_s[MOE_SPEC_MAX_DRAFT];
     int n_projected;
+    moe_bench_figure pp_depth[MOE_BENCH_MAX_DEPTHS]; /* prefill at params.depths[i] */
     moe_bench_figure tg_depth[MOE_BENCH_MAX_DEPTHS]; /* decode at params.depths[i] */
     /* ... of which, per token (mean over every step at that depth, the warm-up's too), in the
      * sparse MLA layers: scoring the indexer's pools, and attending */

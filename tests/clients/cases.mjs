@@ -493,22 +493,39 @@ const cases = {
     const host = new URL(args.base).host;
     res = await fetch(url, { method: 'POST', headers: { ...auth, origin: `http://${host}` }, body });
     assert.equal(res.status, 200);
+    // behind a reverse proxy (TLS or not): the page's origin is the host the proxy was asked for
+    res = await fetch(url, { method: 'POST', headers: { ...auth, origin: `https://${host}` }, body });
+    assert.equal(res.status, 200);
+    const proxied = (origin) => fetch(url, { method: 'POST', body,
+      headers: { ...auth, origin, 'x-forwarded-host': 'chat.example.org' } });
+    assert.equal((await proxied('https://chat.example.org')).status, 200);
+    assert.equal((await proxied('https://evil.example')).status, 403);
+    assert.equal((await proxied('https://chat.example.org.evil.example')).status, 403);
+    assert.equal((await proxied('ftp://chat.example.org')).status, 403);
     res = await fetch(url, { method: 'POST', headers: auth, body });
     assert.equal(res.status, 200);
     assert.equal(res.headers.get('access-control-allow-origin'), null);
   },
 
   async round_trip() {
-    // what the server sends it takes back: 100 replies (sampled at temperature 1, a third pushed
+    // what the server sends it takes back: 200 replies (sampled at temperature 1, a third pushed
     // by logit_bias towards the byte tokens of control characters, NUL first: ids 3.. are
-    // <0x00>..), each sent back as assistant history through OpenAI chat, Anthropic or Responses
+    // <0x00>..; every fifth streamed and put together from its deltas), each sent back as
+    // assistant history through OpenAI chat, Anthropic or Responses
     const replies = [];
-    for (let b = 0; b < 100; b += 20)
+    for (let b = 0; b < 200; b += 20)
       replies.push(...await Promise.all(Array.from({ length: 20 }, async (_, k) => {
         const i = b + k;
         const bias = i % 3 === 0 ? { [3 + (i % 32)]: 30, 3: 30 } : undefined;
-        const r = await oa.chat.completions.create({ model: 'x', messages: [{ role: 'user', content: `Tale ${i}` }],
-          max_tokens: 16, temperature: 1, seed: i, logit_bias: bias });
+        const req = { model: 'x', messages: [{ role: 'user', content: `Tale ${i}` }],
+          max_tokens: 16, temperature: 1, seed: i, logit_bias: bias };
+        if (i % 5 === 4) {
+          let text = '';
+          for await (const chunk of await oa.chat.completions.create({ ...req, stream: true }))
+            text += chunk.choices[0]?.delta?.content ?? '';
+          return text;
+        }
+        const r = await oa.chat.completions.create(req);
         return r.choices[0].message.content;
       })));
     const controls = replies.filter((c) => /[\u0000-\u001f]/.test(c.replace(/\n/g, '')));

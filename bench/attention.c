@@ -1,0 +1,141 @@
+/* bench/attention.c: prefill and decode attention at depth, one thread -- the per-row path
+ * (moe_attention_row: ggml's order, what MOE_EXACT=1 runs) against the tiled one
+ * (moe_attention_tiled, the default), on Qwen3-30B-A3B's shape (32 query heads over 4 KV heads
+ * of 128 values).
+ *
+ * The cache holds --depth + --rows positions of random values in --kv-type (f16, q8_0 or f32);
+ * a prefill of --rows query rows sits at positions depth..depth+rows-1 (blocks of
+ * MOE_ATTN_BLOCK_ROWS for the tiled path), a decode is one row at `depth`. Figures are the median
+ * of --runs passes (default 3) in thread CPU time (what a loaded machine's wall clock would
+ * blur) and in ns per (query row x head x key). The trap: this is one layer's attention only;
+ * `moe bench --depth` gives the whole model's rate. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../src/ops/ops.h"
+
+enum { N_HEAD = 32, N_HEAD_KV = 4, HEAD_DIM = 128 };
+
+static double thread_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+typedef struct cache {
+    const moe_attn_shape *s;
+    const uint8_t *k, *v;
+    int64_t stride;
+    const float *q;
+    float *out, *scores;
+} cache;
+
+/* rows query rows from position `first_pos`, one path; seconds of thread CPU time */
+static double run(const cache *c, int64_t first_pos, int rows, bool tiled) {
+    const double t0 = thread_seconds();
+    const int64_t q_w = N_HEAD * HEAD_DIM;
+    if (!tiled)
+        for (int r = 0; r < rows; r++)
+            moe_attention_row(c->s, c->q + r * q_w, c->k, c->v, c->stride, c->stride,
+                              first_pos + r + 1, c->out + r * q_w, c->scores);
+    for (int r0 = 0; tiled && r0 < rows; r0 += MOE_ATTN_BLOCK_ROWS) {
+        int64_t first[MOE_ATTN_BLOCK_ROWS], last[MOE_ATTN_BLOCK_ROWS];
+        const int n = rows - r0 < MOE_ATTN_BLOCK_ROWS ? rows - r0 : MOE_ATTN_BLOCK_ROWS;
+        for (int r = 0; r < n; r++) first[r] = 0, last[r] = first_pos + r0 + r;
+        const moe_attn_block b = {.q = c->q + r0 * q_w,
+                                  .out = c->out + r0 * q_w,
+                                  .first = first,
+                                  .last = last,
+                                  .n_rows = n,
+                                  .k = c->k,
+                                  .v = c->v,
+                                  .k_stride = c->stride,
+                                  .v_stride = c->stride};
+        const int group = N_HEAD / N_HEAD_KV;
+        for (int hk = 0; hk < N_HEAD_KV; hk++)
+            moe_attention_tiled(c->s, &b, hk * group, (hk + 1) * group);
+    }
+    return thread_seconds() - t0;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    int64_t depth = 8192;
+    int rows = 64, runs = 3;
+    moe_type kv_type = MOE_TYPE_F16;
+    for (int i = 1; i < argc; i++) {
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(argv[i], "--depth") && v)
+            depth = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--rows") && v)
+            rows = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--runs") && v)
+            runs = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--kv-type") && v && moe_type_from_name(argv[++i], &kv_type) &&
+                 (kv_type == MOE_TYPE_F16 || kv_type == MOE_TYPE_Q8_0 || kv_type == MOE_TYPE_F32))
+            continue;
+        else {
+            fprintf(stderr,
+                    "usage: %s [--depth N] [--rows N] [--runs N] [--kv-type f16|q8_0|f32]\n",
+                    argv[0]);
+            return 2;
+        }
+    }
+    if (depth < 0 || rows < 1 || runs < 1 || runs > 64) {
+        fprintf(stderr, "attention bench: depth >= 0, rows >= 1, runs 1..64\n");
+        return 2;
+    }
+    const int64_t n_pos = depth + rows, kw = N_HEAD_KV * HEAD_DIM;
+    const int64_t stride = (int64_t)moe_type_row_bytes(kv_type, kw);
+    uint8_t *k = moe_xmalloc((size_t)(stride * n_pos)), *v = moe_xmalloc((size_t)(stride * n_pos));
+    float *row = moe_xmalloc(sizeof(float) * kw);
+    float *q = moe_xmalloc(sizeof(float) * (size_t)rows * N_HEAD * HEAD_DIM);
+    float *out = moe_xmalloc(sizeof(float) * (size_t)rows * N_HEAD * HEAD_DIM);
+    float *scores = moe_xmalloc(sizeof(float) * (size_t)n_pos);
+    uint64_t rng = 1;
+    const moe_type_traits *t = moe_type_traits_get(kv_type);
+    for (int64_t p = 0; p < n_pos; p++)
+        for (int kv = 0; kv < 2; kv++) {
+            for (int64_t i = 0; i < kw; i++) row[i] = (float)moe_rng_gaussian(&rng);
+            t->from_float(row, (kv ? v : k) + p * stride, kw);
+        }
+    for (int64_t i = 0; i < (int64_t)rows * N_HEAD * HEAD_DIM; i++)
+        q[i] = (float)moe_rng_gaussian(&rng);
+    const moe_attn_shape s = {.n_head = N_HEAD,
+                              .n_head_kv = N_HEAD_KV,
+                              .head_dim_k = HEAD_DIM,
+                              .head_dim_v = HEAD_DIM,
+                              .scale = 1.0f / sqrtf((float)HEAD_DIM),
+                              .kv_type = kv_type};
+    const cache c = {&s, k, v, stride, q, out, scores};
+    printf("attention, one thread, %s KV, %d heads over %d, head %d, depth %lld  [%s]\n",
+           moe_type_name(kv_type), N_HEAD, N_HEAD_KV, HEAD_DIM, (long long)depth,
+           moe_kernels_get()->name);
+    printf("%-22s %12s %12s %14s\n", "test", "per-row ms", "tiled ms", "tiled speed-up");
+    for (int test = 0; test < 2; test++) { /* prefill of `rows` rows, then a decode row */
+        const int n = test ? 1 : rows;
+        double sec[2][64];
+        for (int r = 0; r < runs; r++)
+            for (int tiled = 0; tiled < 2; tiled++) sec[tiled][r] = run(&c, depth, n, tiled);
+        qsort(sec[0], (size_t)runs, sizeof(double), cmp_double);
+        qsort(sec[1], (size_t)runs, sizeof(double), cmp_double);
+        const double a = sec[0][runs / 2], b = sec[1][runs / 2];
+        const double keys = (double)n * N_HEAD * ((double)depth + (n + 1) / 2.0);
+        char label[64];
+        if (test)
+            snprintf(label, sizeof label, "tg1@d%lld", (long long)depth);
+        else
+            snprintf(label, sizeof label, "pp%d@d%lld", n, (long long)depth);
+        printf("%-22s %12.2f %12.2f %13.2fx   (%.2f vs %.2f ns per row x head x key)\n", label,
+               1e3 * a, 1e3 * b, a / b, 1e9 * a / keys, 1e9 * b / keys);
+    }
+    free(k), free(v), free(row), free(q), free(out), free(scores);
+    return 0;
+}
