@@ -419,14 +419,15 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
     if (cs->slots && r->tg_cache_tokens > 0) {
         const double per_tok = (double)cs->bytes_read / 1048576.0 / r->tg_cache_tokens;
         printf("expert cache: %u experts of %.2f MiB (%.0f%% of the %u x %u), decode: hit rate "
-               "%.1f%%, %.2f MiB from disk per token, %.1f ms per token waiting for reads at "
-               "%.0f MiB/s; disk probe: %.0f MiB/s%s, so the disk alone allows %.1f tok/s\n",
+               "%.1f%%, %.2f MiB from disk per token read at %.0f MiB/s, %.1f ms per token "
+               "waiting for reads; disk probe: %.0f MiB/s%s, so the disk alone allows %.1f tok/s\n",
                cs->slots, (double)cs->slot_bytes / 1048576.0,
                100.0 * cs->slots / ((double)r->moe_layers * r->n_expert), r->moe_layers,
                r->n_expert, 100.0 * (double)cs->hits / (double)(cs->hits + cs->misses + !cs->hits),
-               per_tok, 1e3 * cs->read_seconds / r->tg_cache_tokens,
-               cs->read_seconds > 0 ? (double)cs->bytes_read / 1048576.0 / cs->read_seconds : 0.0,
-               r->disk_mib_s, r->disk_direct ? " (O_DIRECT)" : " (through the page cache)",
+               per_tok,
+               cs->busy_seconds > 0 ? (double)cs->bytes_read / 1048576.0 / cs->busy_seconds : 0.0,
+               1e3 * cs->read_seconds / r->tg_cache_tokens, r->disk_mib_s,
+               r->disk_direct ? " (O_DIRECT)" : " (through the page cache)",
                per_tok > 0 ? r->disk_mib_s / per_tok : 0.0);
     }
     printf("%-12s %10s %19s %11s %8s %8s  isa, threads  [%s, %d threads]\n", "test", "tok/s",

@@ -440,7 +440,7 @@ void moe_gen_print_stats(const moe_gen *g) {
                 acquired ? 100.0 * (double)cs.hits / (double)acquired : 0.0,
                 (double)cs.bytes_read / 1048576.0,
                 tokens ? (double)cs.bytes_read / 1048576.0 / (double)tokens : 0.0,
-                cs.read_seconds > 0 ? (double)cs.bytes_read / 1048576.0 / cs.read_seconds : 0.0,
+                cs.busy_seconds > 0 ? (double)cs.bytes_read / 1048576.0 / cs.busy_seconds : 0.0,
                 cs.direct ? " (O_DIRECT)" : "", cs.read_seconds * 1e3);
     }
     if (!g->opt.spec || !g->n_steps) return;

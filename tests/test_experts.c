@@ -14,7 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../src/engine/engine.h"
+#include "../src/engine/engine_internal.h"
 
 static const char *const moe_fixtures[] = {
     "parity/qwen3moe-mixed.gguf", "parity/deepseek2-q8_0-q4_k.gguf", "parity/gpt-oss-mxfp4.gguf",
@@ -92,6 +92,7 @@ static void cache_equals_resident(void **state) {
                     (double)st.hits / (double)(st.hits + st.misses),
                     (unsigned long long)st.evictions, (unsigned long long)st.read_ahead);
                 assert_true(st.misses > 0 && (div == 2 || st.evictions > 0));
+                assert_true(st.bytes_read > 0 && st.busy_seconds > 0);
                 read_ahead += st.read_ahead;
                 if (memcmp(resident, cached, n * sizeof(float)) != 0)
                     fail_msg("%s: logits with the expert cache differ from the resident run",
@@ -181,6 +182,136 @@ static void truncated_file_is_an_error(void **state) {
     moe_model_free(m);
 }
 
+/* ==== The dispatch computes what is resident while the rest is read ==== */
+
+/* A source over a layer's resident experts that says the odd ones are still being read. The
+ * matmul observer logs, in order, 'r' for a matmul of a ready expert, 'm' for one of a missing
+ * expert, and wait logs 'W'. */
+typedef struct fake_source {
+    const moe_tensor *stacked[3]; /* gate (or gate_up), up, down */
+    char log[1024];
+    int n_log;
+} fake_source;
+
+static void fake_view(const moe_tensor *t, int32_t e, moe_tensor *v) {
+    if (!t) {
+        *v = (moe_tensor){0};
+        return;
+    }
+    const uint64_t slice = t->n_bytes / (uint64_t)t->ne[2];
+    *v = *t;
+    v->ne[2] = 1;
+    v->n_values = (uint64_t)t->ne[0] * (uint64_t)t->ne[1];
+    v->n_bytes = slice;
+    v->data = t->data + (uint64_t)e * slice;
+}
+
+static bool fake_acquire(void *ctx, const int32_t *ids, int n, moe_tensor *views, bool *ready) {
+    fake_source *f = ctx;
+    for (int i = 0; i < n; i++) {
+        for (int k = 0; k < 3; k++) fake_view(f->stacked[k], ids[i], &views[3 * i + k]);
+        ready[i] = ids[i] % 2 == 0;
+    }
+    return true;
+}
+
+static bool fake_wait(void *ctx, const int32_t *ids, int n) {
+    (void)ids, (void)n;
+    fake_source *f = ctx;
+    f->log[f->n_log++] = 'W';
+    return true;
+}
+
+static void fake_release(void *ctx, const int32_t *ids, int n) {
+    (void)ctx, (void)ids, (void)n;
+}
+
+static void fake_observe(void *ctx, const moe_tensor *w, int64_t matrix, const float *x,
+                         int64_t n_rows) {
+    (void)matrix, (void)x, (void)n_rows;
+    fake_source *f = ctx;
+    for (int k = 0; k < 3; k++) {
+        const moe_tensor *t = f->stacked[k];
+        if (t && w->data >= t->data && w->data < t->data + t->n_bytes && f->n_log < 1000)
+            f->log[f->n_log++] =
+                (w->data - t->data) / (t->n_bytes / (uint64_t)t->ne[2]) % 2 ? 'm' : 'r';
+    }
+}
+
+/* Layer 0's experts over 5 rows (row r chooses experts r, r + 1, ... mod n_expert), once from
+ * the stacked tensors, once through the source: the ready experts' matmuls all come before the
+ * wait, the others' all after, and the outputs are the same bits. Separate gate and up, biases
+ * (gpt-oss) and fused gate_up (Gemma 4). */
+static void resident_experts_compute_first(void **state) {
+    (void)state;
+    static const char *const fixtures[] = {
+        "parity/qwen3moe-mixed.gguf", "parity/gpt-oss-mxfp4.gguf", "parity/gemma4-moe-q4_0.gguf"};
+    MOE_SKIP_IF_NULL(moe_test_shared(fixtures[0]));
+    moe_pool *pool = moe_pool_new(2);
+    for (size_t fi = 0; fi < sizeof fixtures / sizeof fixtures[0]; fi++) {
+        moe_error err = {0};
+        moe_model *m = moe_model_load(moe_test_shared(fixtures[fi]), &err);
+        if (!m) fail_msg("%s", err.msg);
+        const moe_model_config *cfg = &m->cfg;
+        uint32_t il = 0;
+        while (m->layers[il].plan.ffn != MOE_FFN_EXPERTS) il++;
+        const moe_expert_weights *w = &m->layers[il].experts;
+        const int64_t rows = 5, n_used = cfg->n_expert_used, n_embd = cfg->n_embd;
+        const int64_t n_ff = w->down->ne[0];
+        const moe_tensor *in_w = w->gate_up ? w->gate_up : w->gate;
+        uint64_t mm = moe_matmul_scratch_bytes(in_w, rows);
+        if (moe_matmul_scratch_bytes(w->down, rows) > mm)
+            mm = moe_matmul_scratch_bytes(w->down, rows);
+        const moe_expert_scratch s = {.counts = calloc(cfg->n_expert + 1, sizeof(int32_t)),
+                                      .pair_row = calloc((size_t)(rows * n_used), sizeof(int32_t)),
+                                      .pair_w = calloc((size_t)(rows * n_used), sizeof(float)),
+                                      .x = calloc((size_t)(rows * n_used * n_embd), sizeof(float)),
+                                      .gate =
+                                          calloc((size_t)(rows * n_used * n_ff * 2), sizeof(float)),
+                                      .up = calloc((size_t)(rows * n_used * n_ff), sizeof(float)),
+                                      .y = calloc((size_t)(rows * n_used * n_embd), sizeof(float)),
+                                      .mm = malloc(mm * (size_t)n_used),
+                                      .mm_up = malloc(mm * (size_t)n_used),
+                                      .max_rows = rows * n_used};
+        float *x = malloc(sizeof(float) * (size_t)(rows * n_embd));
+        int32_t *ids = malloc(sizeof(int32_t) * (size_t)(rows * n_used));
+        float *weights = malloc(sizeof(float) * (size_t)(rows * n_used));
+        uint32_t seed = 7;
+        for (int64_t i = 0; i < rows * n_embd; i++) {
+            seed = seed * 1664525u + 1013904223u;
+            x[i] = (float)(seed >> 8) / 16777216.0f - 0.5f;
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t k = 0; k < n_used; k++) {
+                ids[r * n_used + k] = (int32_t)((r + k) % cfg->n_expert);
+                weights[r * n_used + k] = 1.0f / (float)(k + 1 + r);
+            }
+        fake_source f = {.stacked = {in_w, w->gate_up ? NULL : w->up, w->down}};
+        const moe_expert_source src = {fake_acquire, fake_wait, fake_release, &f, 128};
+        moe_expert_set set = moe_expert_set_of(cfg, &m->layers[il]);
+        float *a = calloc((size_t)(rows * n_embd), sizeof(float));
+        float *b = calloc((size_t)(rows * n_embd), sizeof(float));
+        assert_true(
+            moe_experts_forward(pool, &set, x, rows, ids, weights, (int)n_used, a, &s, NULL));
+        set.source = &src;
+        moe_matmul_set_observer(fake_observe, &f);
+        assert_true(
+            moe_experts_forward(pool, &set, x, rows, ids, weights, (int)n_used, b, &s, NULL));
+        moe_matmul_set_observer(NULL, NULL);
+        f.log[f.n_log] = 0;
+        print_message("%s: %s\n", fixtures[fi], f.log);
+        const size_t n_ready = strspn(f.log, "r");
+        assert_true(n_ready > 0 && f.log[n_ready] == 'W' && f.log[n_ready + 1] == 'm');
+        assert_int_equal(strspn(f.log + n_ready + 1, "m"), strlen(f.log + n_ready + 1));
+        assert_memory_equal(a, b, sizeof(float) * (size_t)(rows * n_embd));
+        free(a), free(b), free(x), free(ids), free(weights);
+        free(s.counts), free(s.pair_row), free(s.pair_w), free(s.x), free(s.gate), free(s.up);
+        free(s.y), free(s.mm), free(s.mm_up);
+        moe_model_free(m);
+    }
+    moe_pool_free(pool);
+}
+
 static moe_ctx *cache_ctx(const moe_model *m, const char *stats, const char *pins, moe_error *err) {
     moe_ctx_params cp = {.n_ctx = 64,
                          .n_seq = 1,
@@ -241,6 +372,15 @@ static void stats_and_pins(void **state) {
     moe_expert_cache_stats st = moe_ctx_expert_cache_stats(c);
     assert_int_equal(st.misses, 0); /* the pins were read before counting started */
     moe_ctx_free(c);
+    /* 6 of the 8 slots pinned to layer 0: layer 1's experts go through the other 2 */
+    f = fopen(pins, "w");
+    fputs("0 0\n0 1\n0 2\n0 3\n0 4\n0 5\n", f);
+    fclose(f);
+    c = cache_ctx(m, NULL, pins, &err);
+    if (!c) fail_msg("%s", err.msg);
+    st = prefill(c);
+    assert_true(st.misses > 2);
+    moe_ctx_free(c);
     f = fopen(pins, "w");
     fputs("0 1\n7 1\n", f); /* there are 2 layers */
     fclose(f);
@@ -277,11 +417,9 @@ static void option_errors(void **state) {
 
 int moe_suite_experts(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(cache_equals_resident),
-        cmocka_unit_test(load_without_experts),
-        cmocka_unit_test(truncated_file_is_an_error),
-        cmocka_unit_test(stats_and_pins),
-        cmocka_unit_test(option_errors),
+        cmocka_unit_test(cache_equals_resident), cmocka_unit_test(resident_experts_compute_first),
+        cmocka_unit_test(load_without_experts),  cmocka_unit_test(truncated_file_is_an_error),
+        cmocka_unit_test(stats_and_pins),        cmocka_unit_test(option_errors),
     };
     return cmocka_run_group_tests_name("experts", tests, NULL, NULL);
 }

@@ -1048,23 +1048,21 @@ static double metric_value(const char *metrics, const char *name) {
     return sum;
 }
 
-/* 8 streams at once through `moe serve --spec KIND --parallel 8` equal each stream run alone
- * through a server without speculation (--parallel 1, one request at a time), token for token;
- * /metrics shows several streams' drafts verified in one step and, for ngram, drafts accepted
- * (the fixtures' random MTP heads agree with nothing: every draft is refused and rolled back;
- * the spec suite's mtp_drafts_accepted has drafts kept). */
-static void spec_streams(const char *rel, const char *kind, double temp) {
-    const char *model = moe_test_shared(rel);
-    MOE_SKIP_IF_NULL(model);
+/* 8 streams at once through `moe serve MODEL --parallel 8 TOGETHER...` equal each stream run
+ * alone through a plain server (--parallel 1, one request at a time), token for token; the
+ * together server's /metrics (caller frees). */
+static char *streams_equal_alone(const char *model, double temp, const char *what,
+                                 char *const together[]) {
     char *plain_args[] = {(char *)model, "--ctx", "256", "--parallel", "1",
                           "--spec",      "none",  "-t",  "1",          NULL};
-    char *spec_args[] = {(char *)model, "--ctx",      "256",     "--parallel", "8",
-                         "--spec",      (char *)kind, "--draft", "4",          "--step-delay",
-                         "2",           "-t",         "1",       NULL};
-    server plain = {0}, spec = {0};
-    if (!server_start(&plain, "spec-plain", plain_args) ||
-        !server_start(&spec, "spec-ngram", spec_args))
-        fail_msg("a server did not start (logs: %s, %s)", plain.log, spec.log);
+    char *args[32] = {(char *)model, "--ctx", "256", "--parallel", "8", "-t", "1"};
+    int n_args = 7;
+    while (*together && n_args < 31) args[n_args++] = *together++;
+    args[n_args] = NULL;
+    server plain = {0}, srv = {0};
+    if (!server_start(&plain, "streams-alone", plain_args) ||
+        !server_start(&srv, "streams-together", args))
+        fail_msg("a server did not start (logs: %s, %s)", plain.log, srv.log);
     char *alone[SPEC_STREAMS], *body[SPEC_STREAMS];
     for (int i = 0; i < SPEC_STREAMS; i++) {
         body[i] = spec_request(i, temp);
@@ -1079,7 +1077,7 @@ static void spec_streams(const char *rel, const char *kind, double temp) {
     struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
     for (int i = 0; i < SPEC_STREAMS; i++) {
         char url[256];
-        snprintf(url, sizeof url, "%s/v1/completions", spec.url);
+        snprintf(url, sizeof url, "%s/v1/completions", srv.url);
         easy[i] = moe_test_http_handle(url, body[i], hdr, &out[i]);
         curl_multi_add_handle(multi, easy[i]);
     }
@@ -1093,9 +1091,8 @@ static void spec_streams(const char *rel, const char *kind, double temp) {
         moe_strbuf_put(&out[i], "", 0);
         char *text = completion_text(out[i].s, status);
         if (strcmp(text, alone[i]) != 0)
-            fail_msg("%s, temperature %g, stream %d: with --spec %s among 8 streams\n%s\nbut "
-                     "alone without speculation\n%s",
-                     rel, temp, i, kind, text, alone[i]);
+            fail_msg("%s, temperature %g, stream %d: with %s among 8 streams\n%s\nbut alone\n%s",
+                     model, temp, i, what, text, alone[i]);
         free(text);
         free(alone[i]);
         free(body[i]);
@@ -1106,9 +1103,24 @@ static void spec_streams(const char *rel, const char *kind, double temp) {
     curl_multi_cleanup(multi);
     curl_slist_free_all(hdr);
     char url[256];
-    snprintf(url, sizeof url, "%s/metrics", spec.url);
+    snprintf(url, sizeof url, "%s/metrics", srv.url);
     long metrics_status;
     char *metrics = moe_test_http(url, NULL, &metrics_status);
+    const int a = server_stop(&plain), b = server_stop(&srv);
+    if (a != 0 || b != 0)
+        fail_msg("servers exited with %d and %d (logs: %s, %s)", a, b, plain.log, srv.log);
+    return metrics;
+}
+
+/* With speculation (--spec KIND) the 8 streams equal each one alone without it; /metrics shows
+ * several streams' drafts verified in one step and, for ngram, drafts accepted (the fixtures'
+ * random MTP heads agree with nothing: every draft is refused and rolled back; the spec suite's
+ * mtp_drafts_accepted has drafts kept). */
+static void spec_streams(const char *rel, const char *kind, double temp) {
+    const char *model = moe_test_shared(rel);
+    MOE_SKIP_IF_NULL(model);
+    char *spec_args[] = {"--spec", (char *)kind, "--draft", "4", "--step-delay", "2", NULL};
+    char *metrics = streams_equal_alone(model, temp, kind, spec_args);
     const double drafted = metric_value(metrics, "moe_spec_drafts_total"),
                  accepted = metric_value(metrics, "moe_spec_drafts_accepted_total"),
                  together = metric_value(metrics, "moe_spec_verify_streams_max"),
@@ -1121,9 +1133,6 @@ static void spec_streams(const char *rel, const char *kind, double temp) {
         fail_msg("%s: /metrics shows no accepted drafts or no batched verify step:\n%s", rel,
                  metrics);
     free(metrics);
-    const int a = server_stop(&plain), b = server_stop(&spec);
-    if (a != 0 || b != 0)
-        fail_msg("servers exited with %d and %d (logs: %s, %s)", a, b, plain.log, spec.log);
 }
 
 static void spec_in_continuous_batching(void **state) {
@@ -1138,6 +1147,45 @@ static void spec_in_continuous_batching(void **state) {
     spec_streams("parity/qwen35-mtp-f32.gguf", "mtp", 0.8);
     spec_streams("parity/glm5next-f32.gguf", "mtp", 0);
     spec_streams("parity/glm5next-f32.gguf", "mtp", 0.8);
+}
+/* 8 streams through an expert cache of a quarter of the experts (at least 2) equal each stream
+ * alone with every expert resident, token for token, greedy and sampled; /metrics shows the
+ * cache evicting (more misses than slots) and several streams decoded in one step. */
+static void experts_streamed_in_continuous_batching(void **state) {
+    (void)state;
+    static const char *const fixtures[] = {"parity/qwen3moe-mixed.gguf",
+                                           "parity/deepseek2-q8_0-q4_k.gguf"};
+    MOE_SKIP_IF_NULL(moe_test_shared(fixtures[0]));
+    for (size_t i = 0; i < sizeof fixtures / sizeof fixtures[0]; i++) {
+        const char *model = moe_test_shared(fixtures[i]);
+        moe_error err = {0};
+        moe_model *m = moe_model_load(model, &err);
+        if (!m) fail_msg("%s", err.msg);
+        const uint32_t n_layer = m->cfg.n_layer + m->n_layer_mtp;
+        const uint64_t slots = (uint64_t)n_layer * m->cfg.n_expert / 4;
+        char size[32];
+        snprintf(size, sizeof size, "%lluK",
+                 (unsigned long long)(((slots < 2 ? 2 : slots) *
+                                           moe_expert_cache_slot_bytes(m, n_layer) +
+                                       1023) /
+                                      1024));
+        moe_model_free(m);
+        char *cache_args[] = {"--expert-cache", size, "--step-delay", "2", NULL};
+        for (double temp = 0; temp < 1; temp += 0.8) {
+            char *metrics = streams_equal_alone(model, temp, "--expert-cache", cache_args);
+            const double n_slots = metric_value(metrics, "moe_expert_cache_slots"),
+                         misses = metric_value(metrics, "moe_expert_cache_misses_total"),
+                         hits = metric_value(metrics, "moe_expert_cache_hits_total"),
+                         rows = metric_value(metrics, "moe_decode_batch_rows_max");
+            print_message("%s, temperature %g, --expert-cache %s: %.0f slots, %.0f hits, %.0f "
+                          "misses, up to %.0f streams in one step\n",
+                          fixtures[i], temp, size, n_slots, hits, misses, rows);
+            if (n_slots < 2 || misses <= n_slots || rows < 2)
+                fail_msg("%s: /metrics shows no evicting expert cache or no batched step:\n%s",
+                         fixtures[i], metrics);
+            free(metrics);
+        }
+    }
 }
 
 int moe_suite_serve(void) {
@@ -1177,6 +1225,7 @@ int moe_suite_serve(void) {
         cmocka_unit_test(servers_stop_cleanly),
         cmocka_unit_test(connection_flood),
         cmocka_unit_test(spec_in_continuous_batching),
+        cmocka_unit_test(experts_streamed_in_continuous_batching),
         cmocka_unit_test(model_checked_before_listening),
         cmocka_unit_test(request_parser_seeds),
     };

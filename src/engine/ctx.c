@@ -247,8 +247,7 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         return NULL;
     }
     if (params.expert_cache_bytes) {
-        x->expert_cache =
-            moe_expert_cache_new(m, n_layer_run(m), x->pool, params.expert_cache_bytes, err);
+        x->expert_cache = moe_expert_cache_new(m, n_layer_run(m), params.expert_cache_bytes, err);
         if (!x->expert_cache || !moe_expert_cache_prepare(x->expert_cache, params.expert_stats,
                                                           params.pin_experts, err)) {
             moe_ctx_free(x);

@@ -58,7 +58,8 @@ typedef struct moe_expert_cache_stats {
     uint64_t hits, misses, evictions; /* experts acquired: resident, read, thrown out for them */
     uint64_t read_ahead; /* reads made ahead by the reader thread (no step waited for them) */
     uint64_t bytes_read; /* from the model file */
-    double read_seconds; /* waiting for those reads */
+    double read_seconds; /* steps waiting for those reads (stall) */
+    double busy_seconds; /* time at least one read was in flight (bytes_read / it: bandwidth) */
     uint32_t slots;      /* experts it holds */
     uint64_t slot_bytes; /* one expert of the widest layer: gate + up + down */
     bool direct;         /* reads bypass the page cache (O_DIRECT) */

@@ -104,8 +104,8 @@ typedef struct moe_index_ctx {
 
 /* The expert cache (expert_cache.c). */
 typedef struct moe_expert_cache moe_expert_cache;
-moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, moe_pool *pool,
-                                       uint64_t bytes, moe_error *err);
+moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, uint64_t bytes,
+                                       moe_error *err);
 void moe_expert_cache_free(moe_expert_cache *c);
 /* Layer il's experts through the cache, for moe_expert_set.source. */
 const moe_expert_source *moe_expert_cache_source(moe_expert_cache *c, uint32_t il);
@@ -283,6 +283,8 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t layer, co
                       uint32_t n_rows);
 /* dense FFN and routed experts (ffn.c) */
 void moe_block_ffn_dense(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
+/* A layer's routed experts as the dispatch runs them, all resident (no source, one shard). */
+moe_expert_set moe_expert_set_of(const moe_model_config *cfg, const moe_layer_weights *l);
 void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_rows);
 
 /* ==== Linear attention state (linear.c) ==== */

@@ -3,20 +3,21 @@
  *
  * The unit is one expert of one layer: its gate, up and down matrices (three slices of the
  * stacked *_exps tensors) in one slot. Everything else the model has stays resident as before;
- * the experts' own bytes are never touched through the mapping. Before the dispatch runs a group
- * of experts, the group is made resident: the misses get slots (empty ones first, else the
- * unpinned expert used least often, the least recently among equals: routing is skewed and
- * stable, so frequency beats recency) and are read in parallel on the pool's threads, with
- * O_DIRECT through an aligned bounce buffer where the filesystem takes it (else pread, then the
- * page cache is told to drop what was read), so the page cache neither doubles the memory nor
- * evicts the wrong pages. Slots of the running group are pinned until the group is done. While a
- * layer's experts compute, a reader thread reads ahead the next MoE layer's experts used most
+ * the experts' own bytes are never touched through the mapping. When the dispatch takes a group
+ * of experts, the misses get slots (empty ones first, else the unpinned expert used least often,
+ * the least recently among equals: routing is skewed and stable, so frequency beats recency) and
+ * go to the front of the reader threads' queue, one reader per expert a token uses, so the disk
+ * sees them at once; the dispatch computes the experts already resident meanwhile and waits only
+ * for the rest. Reads use O_DIRECT through an aligned bounce buffer where the filesystem takes it
+ * (else pread, then the page cache is told to drop what was read), so the page cache neither
+ * doubles the memory nor evicts the wrong pages. Slots of the running group are pinned until the
+ * group is done. Behind the misses, the readers read ahead the next MoE layer's experts used most
  * that are not resident (the ones routing is likely to pick), so the disk works while the CPU
- * does. The
- * bytes read are the file's, so logits equal the fully resident run bit for bit. The use counts
- * can be kept in a file (--expert-stats) so a restart warms the cache with the experts used most,
- * and a list of experts can be pinned (--pin-experts): read at start, never evicted. The trap: a
- * read error cannot return through the matmuls; it is kept here and the step fails with it. */
+ * does. The bytes read are the file's, so logits equal the fully resident run bit for bit. The
+ * use counts can be kept in a file (--expert-stats) so a restart warms the cache with the experts
+ * used most, and a list of experts can be pinned (--pin-experts): read at start, never evicted.
+ * The trap: a read error cannot return through the matmuls; it is kept here and the step fails
+ * with it. */
 #include "engine_internal.h"
 
 #include <errno.h>
@@ -35,10 +36,15 @@ typedef struct slot {
     int32_t layer, expert; /* owner, or layer -1: empty */
     uint64_t last_use;
     int pinned;
-    bool loading; /* the reader thread is filling it (not usable, not evictable) */
+    uint8_t loading; /* matrices the readers have still to fill (not usable, not evictable) */
+    bool failed;     /* one of them could not be read (its error in slot_err) */
+    bool wanted;     /* read because a step needs it (a miss), not ahead */
 } slot;
 
 #define READ_AHEAD_MAX 64 /* queued read-ahead experts */
+/* queued matrices: of the experts read ahead and one group's misses */
+#define QUEUE_MAX   (3 * (READ_AHEAD_MAX + MOE_MATMUL_MANY_MAX / 2))
+#define READERS_MAX 16 /* reader threads: the disk's queue depth for one step's misses */
 
 typedef struct layer_source {
     moe_expert_cache *cache;
@@ -48,7 +54,6 @@ typedef struct layer_source {
 
 struct moe_expert_cache {
     const moe_model *m;
-    moe_pool *pool;
     uint64_t slot_bytes;
     uint32_t n_slots;
     uint8_t *mem; /* [n_slots][slot_bytes] anonymous */
@@ -59,26 +64,26 @@ struct moe_expert_cache {
     uint32_t n_layer; /* layers run (trunk + MTP) */
     int *fd;          /* [n_shards] O_DIRECT where the filesystem allows, else plain */
     bool *direct;     /* [n_shards] */
-    uint8_t *bounce;  /* [n_threads][bounce_bytes], DIRECT_ALIGN-aligned */
+    uint8_t *bounce;  /* [n_readers][bounce_bytes], DIRECT_ALIGN-aligned */
     uint64_t bounce_bytes;
     layer_source *sources; /* [n_layer_run] */
     uint64_t clock;
     moe_expert_cache_stats stats;
     moe_error err;          /* the first read error */
     const char *stats_path; /* where the use counts are kept (NULL: nowhere) */
-    /* the misses of one acquire, read in parallel */
-    int32_t miss_expert[MOE_MATMUL_MANY_MAX / 2], miss_slot[MOE_MATMUL_MANY_MAX / 2];
-    uint32_t miss_layer;
-    moe_error miss_err[MOE_MATMUL_MANY_MAX / 2];
-    /* read-ahead: slots queued for the reader thread (slot states and counters under mu) */
-    pthread_t reader;
-    bool reader_started, stop;
+    /* the reader threads and the slots queued for them (slot states and counters under mu) */
+    pthread_t readers[READERS_MAX];
+    int n_readers, n_running; /* started; running (each takes the next bounce buffer) */
+    bool stop;
     pthread_mutex_t mu;
     pthread_cond_t work, done;
-    int32_t queue[READ_AHEAD_MAX]; /* slot ids, FIFO */
+    int32_t queue[QUEUE_MAX]; /* 3 slot + k (matrix k of the slot's expert): misses at the
+                               * front, read-ahead at the back */
+    moe_error *slot_err;      /* [n_slots] why a failed slot's read failed */
     uint32_t q_head, q_len;
-    uint32_t n_loading; /* slots queued or being read by the reader thread */
-    int reader_bounce;  /* its bounce buffer: the one after the pool threads' */
+    uint32_t n_loading; /* slots queued or being read */
+    int n_reading;      /* reads in flight, and since when there were any (stats.busy_seconds) */
+    double busy_since;
 };
 
 /* Matrix k of a layer's experts: 0 gate (or the fused gate_up of Gemma 4: then a slot holds two
@@ -92,6 +97,13 @@ static const moe_tensor *expert_tensor(const moe_model *m, uint32_t il, int k) {
 
 static uint64_t slice_bytes(const moe_tensor *t) {
     return t ? t->n_bytes / (uint64_t)t->ne[2] : 0;
+}
+
+/* One expert of layer il: its gate, up and down slices. */
+static uint64_t expert_bytes(const moe_model *m, uint32_t il) {
+    uint64_t b = 0;
+    for (int k = 0; k < 3; k++) b += slice_bytes(expert_tensor(m, il, k));
+    return b;
 }
 
 /* ==== Reading ==== */
@@ -133,59 +145,80 @@ static bool read_bytes(moe_expert_cache *c, uint32_t shard, uint64_t at, uint64_
     return true;
 }
 
-/* Expert `expert` of layer il (gate, up, down) into slot s. */
-static bool read_expert(moe_expert_cache *c, uint32_t il, int32_t expert, int32_t s, int thread,
-                        moe_error *err) {
-    uint8_t *dst = c->mem + (uint64_t)s * c->slot_bytes;
-    for (int k = 0; k < 3; k++) {
-        const moe_tensor *t = expert_tensor(c->m, il, k);
-        if (!t) continue; /* up, fused into gate_up */
-        const uint64_t n = slice_bytes(t);
-        char what[160];
-        snprintf(what, sizeof what, "expert %d of '%.*s'", expert, (int)t->name.len, t->name.ptr);
-        if (!read_bytes(c, t->shard, t->file_offset + (uint64_t)expert * n, n, dst, thread, what,
-                        err))
-            return false;
-        dst += n;
-    }
-    return true;
+/* Where matrix k of a layer's expert lies in its slot. */
+static uint64_t slot_offset(const moe_model *m, uint32_t il, int k) {
+    uint64_t at = 0;
+    for (int j = 0; j < k; j++) at += slice_bytes(expert_tensor(m, il, j));
+    return at;
 }
 
-static void read_misses(void *arg, int64_t begin, int64_t end, int thread) {
-    moe_expert_cache *c = arg;
-    for (int64_t i = begin; i < end; i++)
-        read_expert(c, c->miss_layer, c->miss_expert[i], c->miss_slot[i], thread, &c->miss_err[i]);
-}
-
-/* The reader thread: queued slots filled in order; a failed read empties its slot (the expert
- * is read again, with its error, if a step needs it). */
+/* A reader thread: queued matrices filled in order, so one expert's gate, up and down are read
+ * at once by different readers. A slot whose every matrix has arrived is usable; one with a
+ * failed read is emptied then, and when a step holds the slot (a miss, or a read-ahead it is
+ * waiting for) the error is kept for the step, else the expert is simply read again, with its
+ * error, if a step needs it. */
 static void *reader_main(void *arg) {
     moe_expert_cache *c = arg;
     pthread_mutex_lock(&c->mu);
+    const int bounce = c->n_running++;
     for (;;) {
         while (!c->stop && !c->q_len) pthread_cond_wait(&c->work, &c->mu);
         if (c->stop) break;
-        const int32_t s = c->queue[c->q_head];
-        c->q_head = (c->q_head + 1) % READ_AHEAD_MAX;
+        const int32_t s = c->queue[c->q_head] / 3, k = c->queue[c->q_head] % 3;
+        c->q_head = (c->q_head + 1) % QUEUE_MAX;
         c->q_len--;
         const slot job = c->slots[s];
+        if (c->n_reading++ == 0) c->busy_since = moe_now();
         pthread_mutex_unlock(&c->mu);
+        const moe_tensor *t = expert_tensor(c->m, (uint32_t)job.layer, k);
+        const uint64_t n = slice_bytes(t);
+        char what[160];
+        snprintf(what, sizeof what, "expert %d of '%.*s'", job.expert, (int)t->name.len,
+                 t->name.ptr);
         moe_error err = {0};
-        const bool ok = read_expert(c, (uint32_t)job.layer, job.expert, s, c->reader_bounce, &err);
+        const bool ok = read_bytes(c, t->shard, t->file_offset + (uint64_t)job.expert * n, n,
+                                   c->mem + (uint64_t)s * c->slot_bytes +
+                                       slot_offset(c->m, (uint32_t)job.layer, k),
+                                   bounce, what, &err);
         pthread_mutex_lock(&c->mu);
-        c->slots[s].loading = false;
-        c->n_loading--;
-        if (ok) {
-            c->stats.bytes_read += c->slot_bytes;
-            c->stats.read_ahead++;
-        } else {
-            c->slot_of[(uint64_t)job.layer * c->m->cfg.n_expert + (uint32_t)job.expert] = -1;
-            c->slots[s] = (slot){.layer = -1};
+        if (--c->n_reading == 0) c->stats.busy_seconds += moe_now() - c->busy_since;
+        slot *v = &c->slots[s];
+        if (!ok && !v->failed) {
+            v->failed = true;
+            c->slot_err[s] = err;
         }
-        pthread_cond_broadcast(&c->done);
+        if (--v->loading == 0) {
+            c->n_loading--;
+            if (!v->failed) {
+                c->stats.bytes_read += expert_bytes(c->m, (uint32_t)job.layer);
+                if (!job.wanted) c->stats.read_ahead++;
+            } else {
+                if (v->pinned && !c->err.code) c->err = c->slot_err[s];
+                c->slot_of[(uint64_t)job.layer * c->m->cfg.n_expert + (uint32_t)job.expert] = -1;
+                *v = (slot){.layer = -1};
+            }
+            pthread_cond_broadcast(&c->done);
+        }
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
+}
+
+/* Slot s's matrices to the readers (under mu), its expert already set: a miss's before
+ * everything read ahead, gate first. */
+static void enqueue(moe_expert_cache *c, int32_t s, bool miss) {
+    slot *v = &c->slots[s];
+    for (int j = 0; j < 3; j++) {
+        const int k = miss ? 2 - j : j; /* pushed at the front: last one first */
+        if (!expert_tensor(c->m, (uint32_t)v->layer, k)) continue; /* up, fused into gate_up */
+        MOE_CHECK(c->q_len < QUEUE_MAX);
+        if (miss) c->q_head = (c->q_head + QUEUE_MAX - 1) % QUEUE_MAX;
+        c->queue[miss ? c->q_head : (c->q_head + c->q_len) % QUEUE_MAX] = 3 * s + k;
+        c->q_len++;
+        v->loading++;
+    }
+    c->n_loading++;
+    pthread_cond_broadcast(&c->work);
 }
 
 /* ==== Slots ==== */
@@ -238,7 +271,7 @@ static void read_ahead(moe_expert_cache *c, uint32_t il) {
     if (next >= c->n_layer) return;
     const uint32_t *uses = c->uses + (uint64_t)next * n_expert;
     int32_t *slot_of = c->slot_of + (uint64_t)next * n_expert;
-    for (uint32_t k = 0; k < c->m->cfg.n_expert_used && c->q_len < READ_AHEAD_MAX; k++) {
+    for (uint32_t k = 0; k < c->m->cfg.n_expert_used && c->q_len < 3 * READ_AHEAD_MAX; k++) {
         int32_t best = -1; /* the most used not yet resident or queued */
         for (uint32_t e = 0; e < n_expert; e++)
             if (slot_of[e] < 0 && uses[e] && (best < 0 || uses[e] > uses[best])) best = (int32_t)e;
@@ -251,31 +284,28 @@ static void read_ahead(moe_expert_cache *c, uint32_t il) {
             c->slot_of[(uint64_t)v->layer * n_expert + (uint32_t)v->expert] = -1;
             c->stats.evictions++;
         }
-        *v =
-            (slot){.layer = (int32_t)next, .expert = best, .last_use = ++c->clock, .loading = true};
+        *v = (slot){.layer = (int32_t)next, .expert = best, .last_use = ++c->clock};
         slot_of[best] = s;
-        c->n_loading++;
-        c->queue[(c->q_head + c->q_len++) % READ_AHEAD_MAX] = s;
-        pthread_cond_signal(&c->work);
+        enqueue(c, s, false);
     }
 }
 
-static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
+/* Unpin the group's experts that still have their slots (under mu). */
+static void unpin(moe_expert_cache *c, const int32_t *slot_of, const int32_t *ids, int n) {
+    for (int i = 0; i < n; i++)
+        if (slot_of[ids[i]] >= 0 && c->slots[slot_of[ids[i]]].pinned)
+            c->slots[slot_of[ids[i]]].pinned--;
+}
+
+static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views, bool *ready) {
     layer_source *ls = arg;
     moe_expert_cache *c = ls->cache;
     const uint32_t il = ls->layer, n_expert = c->m->cfg.n_expert;
     int32_t *slot_of = c->slot_of + (uint64_t)il * n_expert;
-    int n_miss = 0;
     pthread_mutex_lock(&c->mu);
     for (int i = 0; i < n; i++) { /* hits first: pinned, so no miss evicts them */
         c->uses[(uint64_t)il * n_expert + (uint32_t)ids[i]]++;
-        int32_t s = slot_of[ids[i]];
-        if (s >= 0 && c->slots[s].loading) { /* read ahead, still arriving: wait for it */
-            const double t0 = moe_now();
-            while (c->slots[s].loading) pthread_cond_wait(&c->done, &c->mu);
-            c->stats.read_seconds += moe_now() - t0;
-            s = slot_of[ids[i]]; /* -1 when the read failed */
-        }
+        const int32_t s = slot_of[ids[i]]; /* perhaps read ahead and still arriving */
         if (s < 0) continue;
         c->slots[s].pinned++;
         c->slots[s].last_use = ++c->clock;
@@ -285,15 +315,15 @@ static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
         if (slot_of[ids[i]] >= 0) continue;
         int32_t s = victim(c);
         while (s < 0 && c->n_loading > 0) { /* slots being read ahead: wait for one */
+            const double t0 = moe_now();
             pthread_cond_wait(&c->done, &c->mu);
+            c->stats.read_seconds += moe_now() - t0;
             s = victim(c);
         }
-        if (s < 0) { /* cannot happen while n <= n_slots (the source's max_group) */
+        if (s < 0) { /* cannot happen while n <= the unpinned slots (the source's max_group) */
             moe_error_set(&c->err, MOE_ERR_RANGE, "expert cache: all %u slots are in use",
                           c->n_slots);
-            for (int k = 0; k < n; k++)
-                if (slot_of[ids[k]] >= 0 && c->slots[slot_of[ids[k]]].pinned)
-                    c->slots[slot_of[ids[k]]].pinned--;
+            unpin(c, slot_of, ids, n);
             pthread_mutex_unlock(&c->mu);
             return false;
         }
@@ -302,50 +332,48 @@ static bool acquire(void *arg, const int32_t *ids, int n, moe_tensor *views) {
             c->slot_of[(uint64_t)v->layer * n_expert + (uint32_t)v->expert] = -1;
             c->stats.evictions++;
         }
-        *v = (slot){.layer = (int32_t)il, .expert = ids[i], .last_use = ++c->clock, .pinned = 1};
+        *v = (slot){.layer = (int32_t)il,
+                    .expert = ids[i],
+                    .last_use = ++c->clock,
+                    .pinned = 1,
+                    .wanted = true};
         slot_of[ids[i]] = s;
-        c->miss_expert[n_miss] = ids[i];
-        c->miss_slot[n_miss] = s;
-        c->miss_err[n_miss] = (moe_error){0};
-        n_miss++;
+        enqueue(c, s, true);
+        c->stats.misses++;
     }
     read_ahead(c, il);
+    for (int i = 0; i < n; i++) ready[i] = !c->slots[slot_of[ids[i]]].loading;
     pthread_mutex_unlock(&c->mu);
-    if (n_miss) { /* the misses' slots are pinned and not loading: the reader leaves them */
-        const double t0 = moe_now();
-        c->miss_layer = il;
-        moe_pool_for(c->pool, n_miss, 1, read_misses, c);
-        pthread_mutex_lock(&c->mu);
-        c->stats.read_seconds += moe_now() - t0;
-        c->stats.misses += (uint64_t)n_miss;
-        c->stats.bytes_read += (uint64_t)n_miss * (slice_bytes(expert_tensor(c->m, il, 0)) +
-                                                   slice_bytes(expert_tensor(c->m, il, 1)) +
-                                                   slice_bytes(expert_tensor(c->m, il, 2)));
-        for (int i = 0; i < n_miss; i++) {
-            if (!c->miss_err[i].code) continue;
-            if (!c->err.code) c->err = c->miss_err[i];
-            /* the slot holds garbage: forget it */
-            slot_of[c->miss_expert[i]] = -1;
-            c->slots[c->miss_slot[i]] = (slot){.layer = -1};
-        }
-        if (c->err.code) {
-            for (int i = 0; i < n; i++)
-                if (slot_of[ids[i]] >= 0) c->slots[slot_of[ids[i]]].pinned--;
-            pthread_mutex_unlock(&c->mu);
-            return false;
-        }
-        pthread_mutex_unlock(&c->mu);
-    }
     for (int i = 0; i < n; i++) view_of(c, il, slot_of[ids[i]], views + 3 * i);
     return true;
+}
+
+/* Until every expert of the group has arrived; false (the error kept, the group let go) when a
+ * read failed. */
+static bool wait(void *arg, const int32_t *ids, int n) {
+    layer_source *ls = arg;
+    moe_expert_cache *c = ls->cache;
+    const int32_t *slot_of = c->slot_of + (uint64_t)ls->layer * c->m->cfg.n_expert;
+    pthread_mutex_lock(&c->mu);
+    const double t0 = moe_now();
+    for (int i = 0; i < n;) /* a failed read leaves the expert without a slot */
+        if (slot_of[ids[i]] >= 0 && c->slots[slot_of[ids[i]]].loading)
+            pthread_cond_wait(&c->done, &c->mu);
+        else
+            i++;
+    c->stats.read_seconds += moe_now() - t0;
+    bool ok = true;
+    for (int i = 0; i < n; i++) ok = ok && slot_of[ids[i]] >= 0;
+    if (!ok) unpin(c, slot_of, ids, n);
+    pthread_mutex_unlock(&c->mu);
+    return ok;
 }
 
 static void release(void *arg, const int32_t *ids, int n) {
     layer_source *ls = arg;
     moe_expert_cache *c = ls->cache;
-    const int32_t *slot_of = c->slot_of + (uint64_t)ls->layer * c->m->cfg.n_expert;
     pthread_mutex_lock(&c->mu);
-    for (int i = 0; i < n; i++) c->slots[slot_of[ids[i]]].pinned--;
+    unpin(c, c->slot_of + (uint64_t)ls->layer * c->m->cfg.n_expert, ids, n);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -354,16 +382,14 @@ static void release(void *arg, const int32_t *ids, int n) {
 uint64_t moe_expert_cache_slot_bytes(const moe_model *m, uint32_t n_layer_run) {
     uint64_t most = 0;
     for (uint32_t il = 0; il < n_layer_run; il++) {
-        if (!expert_tensor(m, il, 0)) continue;
-        uint64_t b = 0;
-        for (int k = 0; k < 3; k++) b += slice_bytes(expert_tensor(m, il, k));
+        const uint64_t b = expert_bytes(m, il);
         if (b > most) most = b;
     }
     return most;
 }
 
-moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, moe_pool *pool,
-                                       uint64_t bytes, moe_error *err) {
+moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run, uint64_t bytes,
+                                       moe_error *err) {
     const uint64_t slot_bytes = moe_expert_cache_slot_bytes(m, n_layer_run);
     if (!slot_bytes) {
         moe_error_set(err, MOE_ERR_ARG, "--expert-cache: %s has no routed experts",
@@ -394,7 +420,6 @@ moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run,
     }
     moe_expert_cache *c = moe_xcalloc(1, sizeof *c);
     c->m = m;
-    c->pool = pool;
     c->slot_bytes = slot_bytes;
     c->n_slots = (uint32_t)n_slots;
     c->n_layer = n_layer_run;
@@ -408,6 +433,7 @@ moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run,
         return NULL;
     }
     c->slots = moe_xcalloc(n_slots, sizeof *c->slots);
+    c->slot_err = moe_xcalloc(n_slots, sizeof *c->slot_err);
     for (uint64_t i = 0; i < n_slots; i++) c->slots[i].layer = -1;
     const uint64_t n_ids = (uint64_t)n_layer_run * m->cfg.n_expert;
     c->slot_of = moe_xmalloc(n_ids * sizeof *c->slot_of);
@@ -434,21 +460,25 @@ moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run,
             if (slice_bytes(expert_tensor(m, il, k)) > slice_max)
                 slice_max = slice_bytes(expert_tensor(m, il, k));
     c->bounce_bytes = (slice_max + 2 * DIRECT_ALIGN) / DIRECT_ALIGN * DIRECT_ALIGN;
-    c->reader_bounce = moe_pool_n_threads(pool);
-    c->bounce =
-        aligned_alloc(DIRECT_ALIGN, (size_t)(c->bounce_bytes * (uint64_t)(c->reader_bounce + 1)));
+    /* a reader per matrix of the experts a token uses (a layer's misses are read at once), 3
+     * to READERS_MAX */
+    const uint32_t n_used = m->cfg.n_expert_used;
+    const int n_readers = 3 * n_used > READERS_MAX ? READERS_MAX : 3 * (int)n_used;
+    c->bounce = aligned_alloc(DIRECT_ALIGN, (size_t)(c->bounce_bytes * (uint64_t)n_readers));
     if (!c->bounce) moe_die("out of memory (expert cache bounce buffers)");
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work, NULL);
     pthread_cond_init(&c->done, NULL);
-    c->reader_started = pthread_create(&c->reader, NULL, reader_main, c) == 0;
-    if (!c->reader_started) moe_die("cannot start the expert cache's reader thread");
+    for (; c->n_readers < n_readers; c->n_readers++)
+        if (pthread_create(&c->readers[c->n_readers], NULL, reader_main, c) != 0)
+            moe_die("cannot start the expert cache's reader threads");
     c->sources = moe_xcalloc(n_layer_run, sizeof *c->sources);
     for (uint32_t il = 0; il < n_layer_run; il++) {
         layer_source *ls = &c->sources[il];
         ls->cache = c;
         ls->layer = il;
         ls->source = (moe_expert_source){.acquire = acquire,
+                                         .wait = wait,
                                          .release = release,
                                          .ctx = ls,
                                          .max_group = c->n_slots < MOE_MATMUL_MANY_MAX / 2
@@ -460,12 +490,12 @@ moe_expert_cache *moe_expert_cache_new(const moe_model *m, uint32_t n_layer_run,
 
 void moe_expert_cache_free(moe_expert_cache *c) {
     if (!c) return;
-    if (c->reader_started) {
+    if (c->n_readers) {
         pthread_mutex_lock(&c->mu);
         c->stop = true;
-        pthread_cond_signal(&c->work);
+        pthread_cond_broadcast(&c->work);
         pthread_mutex_unlock(&c->mu);
-        pthread_join(c->reader, NULL);
+        for (int i = 0; i < c->n_readers; i++) pthread_join(c->readers[i], NULL);
         pthread_mutex_destroy(&c->mu);
         pthread_cond_destroy(&c->work);
         pthread_cond_destroy(&c->done);
@@ -477,6 +507,7 @@ void moe_expert_cache_free(moe_expert_cache *c) {
     free(c->direct);
     free(c->bounce);
     free(c->slots);
+    free(c->slot_err);
     free(c->slot_of);
     free(c->uses);
     free(c->sources);
@@ -546,7 +577,9 @@ static bool preload(moe_expert_cache *c, const uint32_t *ids, uint32_t n, bool p
             if (c->slot_of[ids[i]] < 0) group[k++] = (int32_t)(ids[i] % n_expert);
         if (!k) continue;
         moe_tensor views[3 * (MOE_MATMUL_MANY_MAX / 2)];
-        if (!acquire(&c->sources[layer], group, k, views)) {
+        bool ready[MOE_MATMUL_MANY_MAX / 2];
+        if (!acquire(&c->sources[layer], group, k, views, ready) ||
+            !wait(&c->sources[layer], group, k)) {
             moe_expert_cache_take_error(c, err);
             return false;
         }
@@ -575,6 +608,11 @@ bool moe_expert_cache_prepare(moe_expert_cache *c, const char *stats_path, const
                                "%s pins %u experts; the cache holds %u and needs 2 free", pin_path,
                                n, c->n_slots) == MOE_OK;
         if (ok) ok = preload(c, ids, n, true, err);
+        uint32_t n_pinned = 0; /* a group must find its slots among the others */
+        for (uint32_t i = 0; i < c->n_slots; i++) n_pinned += c->slots[i].pinned > 0;
+        for (uint32_t il = 0; il < c->n_layer; il++)
+            if (c->sources[il].source.max_group > (int)(c->n_slots - n_pinned))
+                c->sources[il].source.max_group = (int)(c->n_slots - n_pinned);
     }
     if (ok && stats_path) { /* then the experts used most, while there is room */
         ok = read_pairs(c, stats_path, true, ids, (uint32_t)n_ids, &n, err);

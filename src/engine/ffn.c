@@ -88,6 +88,19 @@ static void router_logits(moe_ctx *c, const moe_expert_weights *w, uint32_t n_ro
     moe_add_bias(c->router, w->router_b, 0, n_rows, cfg->n_expert);
 }
 
+moe_expert_set moe_expert_set_of(const moe_model_config *cfg, const moe_layer_weights *l) {
+    const moe_expert_weights *w = &l->experts;
+    return (moe_expert_set){.gate = w->gate,
+                            .up = w->up,
+                            .gate_up = w->gate_up,
+                            .down = w->down,
+                            .gate_b = w->gate_b,
+                            .up_b = w->up_b,
+                            .down_b = w->down_b,
+                            .act = cfg->expert_act,
+                            .limit = l->plan.clamp_exp};
+}
+
 /* y = the routed experts' weighted sum (in expert order; normed by out_norm when given), then
  * + the shared expert's output: the order llama.cpp sums them in, before the loop adds y to the
  * residual; then the block's output norm. */
@@ -109,21 +122,20 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
     /* split by rows: this rank's slices of every expert (the rank whose slice starts the
      * intermediate alone adds the down bias; ranks before it hold empty slices) */
     const moe_rows_slice *rows = c->rows_slice ? &c->rows_slice[l - c->m->layers] : NULL;
-    const moe_expert_set experts = {
-        .gate = rows ? rows->gate : w->gate,
-        .up = rows ? rows->up : w->up,
-        .gate_up = rows ? rows->gate_up : w->gate_up,
-        .down = rows ? rows->down : w->down,
-        .gate_b = rows ? rows->gate_b : w->gate_b,
-        .up_b = rows ? rows->up_b : w->up_b,
-        .down_b = rows && rows->ff.begin != 0 ? NULL : w->down_b,
-        .act = cfg->expert_act,
-        .limit = l->plan.clamp_exp,
-        .source = c->expert_cache
-                      ? moe_expert_cache_source(c->expert_cache, (uint32_t)(l - c->m->layers))
-                      : NULL,
-        .shard = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_rank() : 0,
-        .n_shards = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_size() : 1};
+    moe_expert_set experts = moe_expert_set_of(cfg, l);
+    if (rows) {
+        experts.gate = rows->gate;
+        experts.up = rows->up;
+        experts.gate_up = rows->gate_up;
+        experts.down = rows->down;
+        experts.gate_b = rows->gate_b;
+        experts.up_b = rows->up_b;
+        if (rows->ff.begin != 0) experts.down_b = NULL;
+    }
+    if (c->expert_cache)
+        experts.source = moe_expert_cache_source(c->expert_cache, (uint32_t)(l - c->m->layers));
+    experts.shard = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_rank() : 0;
+    experts.n_shards = c->p.split == MOE_SPLIT_EXPERTS ? moe_dist_size() : 1;
     const float *in = c->xn;
     if (w->in_norm) {
         norm_input(c, w->in_norm, n_rows);

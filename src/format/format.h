@@ -128,6 +128,10 @@ uint32_t moe_gguf_n_shards(const moe_gguf *g);
 const moe_gguf_shard *moe_gguf_shard_get(const moe_gguf *g, uint32_t i);
 /* A shard's own general.alignment (shards may differ; moe_gguf_alignment is shard 0's). */
 uint32_t moe_gguf_shard_alignment(const moe_gguf *g, uint32_t i);
+/* Whether shard i's tensor data is a hole: a sparse file with no data after the block the
+ * header ends in (`moe synth --header-only`), which reads as zeros. false where the file system
+ * cannot tell (no SEEK_DATA) or the data section is smaller than a block. */
+bool moe_gguf_shard_data_is_hole(const moe_gguf *g, uint32_t i);
 
 /* Metadata: of the first shard (split files repeat the model's keys there). */
 uint64_t moe_gguf_n_kv(const moe_gguf *g);

@@ -1091,6 +1091,17 @@ const moe_tensor *moe_gguf_tensor_find(const moe_gguf *g, const char *name) {
     return NULL;
 }
 
+bool moe_gguf_shard_data_is_hole(const moe_gguf *g, uint32_t i) {
+    const moe_gguf_shard *sh = moe_gguf_shard_get(g, i);
+    const uint64_t block = 4096, from = (sh->data_offset + block - 1) / block * block;
+    if (!sh->path || from >= sh->file_size) return false;
+    const int fd = open(sh->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    const bool hole = lseek(fd, (off_t)from, SEEK_DATA) < 0 && errno == ENXIO;
+    close(fd);
+    return hole;
+}
+
 /* ==== Tensor data in anonymous memory ==== */
 
 #define ANON_ALIGN (2u << 20) /* huge-page aligned, so the kernel may back it with 2 MiB pages */

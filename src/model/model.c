@@ -955,6 +955,15 @@ moe_model *moe_model_from_gguf(moe_gguf *g, const char *path, moe_error *err) {
 moe_model *moe_model_load(const char *path, moe_error *err) {
     moe_gguf *g = moe_gguf_open_model(path, err);
     if (!g) return NULL;
+    for (uint32_t i = 0; i < moe_gguf_n_shards(g); i++)
+        if (moe_gguf_shard_data_is_hole(g, i)) {
+            moe_error_set(err, MOE_ERR_FORMAT,
+                          "%s: the tensor data is a hole (a --header-only file?): it has the keys "
+                          "and tensor directory for inspect and budget, not the weights",
+                          moe_gguf_shard_get(g, i)->path);
+            moe_gguf_close(g);
+            return NULL;
+        }
     moe_model *m = moe_model_from_gguf(g, path, err);
     if (!m) moe_gguf_close(g);
     return m;

@@ -103,13 +103,90 @@ static void prefetch_routed(const moe_expert_set *set, const int32_t *starts, in
     }
 }
 
+/* What one group of experts shares while it runs: its experts (in expert order), where their
+ * pairs start in the sorted pairs, the row offset of each one's rows in the scratch and its
+ * matrices (the stacked tensors', or a source's views). */
+typedef struct expert_group {
+    const moe_expert_set *set;
+    const float *x;
+    const moe_expert_scratch *s;
+    int32_t expert[MOE_MATMUL_MANY_MAX / 2];
+    int64_t begin[MOE_MATMUL_MANY_MAX / 2], n[MOE_MATMUL_MANY_MAX / 2];
+    int64_t at[MOE_MATMUL_MANY_MAX / 2];             /* first scratch row */
+    moe_tensor views[3 * (MOE_MATMUL_MANY_MAX / 2)]; /* from the source */
+    uint64_t xq_in, xq_ff;                           /* matmul scratch bytes per row */
+} expert_group;
+
+/* Matrix k (0 gate or gate_up, 1 up, 2 down) of the group's expert g, and its index in it. */
+static const moe_tensor *group_matrix(const expert_group *eg, int g, int k) {
+    const moe_expert_set *set = eg->set;
+    if (set->source) return &eg->views[3 * g + k];
+    return k == 0 ? (set->gate_up ? set->gate_up : set->gate) : k == 1 ? set->up : set->down;
+}
+
+static int64_t group_index(const expert_group *eg, int g) {
+    return eg->set->source ? 0 : eg->expert[g];
+}
+
+/* The experts part[0..n_part) of the group, whose rows lie together from scratch row r0 (in
+ * part order): gather their rows, gate and up as one parallel pass (fused: one matmul per expert
+ * into rows of [gate, up], split below), the GLU, then down as another pass into s->y. Every
+ * expert's output depends only on its own rows and matrices, so the order in which parts run
+ * changes nothing. */
+static void group_compute(moe_pool *pool, const expert_group *eg, const int *part, int n_part) {
+    if (n_part <= 0) return;
+    const moe_expert_set *set = eg->set;
+    const moe_expert_scratch *s = eg->s;
+    const bool fused = set->gate_up != NULL;
+    const int64_t n_in = set->down->ne[1], n_ff = set->down->ne[0];
+    const int64_t r0 = eg->at[part[0]];
+    moe_matmul_task tasks[MOE_MATMUL_MANY_MAX];
+    int64_t rows = 0, n_tasks = 0;
+    for (int p = 0; p < n_part; p++) {
+        const int g = part[p];
+        const int64_t at = eg->at[g], n = eg->n[g];
+        for (int64_t i = 0; i < n; i++)
+            memcpy(s->x + (at + i) * n_in, eg->x + (int64_t)s->pair_row[eg->begin[g] + i] * n_in,
+                   sizeof(float) * (size_t)n_in);
+        tasks[n_tasks++] = (moe_matmul_task){group_matrix(eg, g, 0),
+                                             group_index(eg, g),
+                                             s->x + at * n_in,
+                                             n,
+                                             s->gate + at * (fused ? 2 : 1) * n_ff,
+                                             (uint8_t *)s->mm + (uint64_t)at * eg->xq_in};
+        if (!fused)
+            tasks[n_tasks++] = (moe_matmul_task){
+                group_matrix(eg, g, 1), group_index(eg, g),
+                s->x + at * n_in,       n,
+                s->up + at * n_ff,      (uint8_t *)s->mm_up + (uint64_t)at * eg->xq_in};
+        rows += n;
+    }
+    moe_matmul_many(pool, tasks, (int)n_tasks);
+    if (fused) /* rows [gate, up] -> gate rows and up rows (gate moves down in place) */
+        for (int64_t i = r0; i < r0 + rows; i++) {
+            memcpy(s->up + i * n_ff, s->gate + (2 * i + 1) * n_ff, sizeof(float) * n_ff);
+            memmove(s->gate + i * n_ff, s->gate + 2 * i * n_ff, sizeof(float) * n_ff);
+        }
+    for (int p = 0; p < n_part; p++) {
+        const int g = part[p];
+        const int64_t at = eg->at[g], n = eg->n[g];
+        moe_add_bias(s->gate + at * n_ff, set->gate_b, eg->expert[g], n, n_ff);
+        moe_add_bias(s->up + at * n_ff, set->up_b, eg->expert[g], n, n_ff);
+        tasks[p] =
+            (moe_matmul_task){group_matrix(eg, g, 2), group_index(eg, g),
+                              s->up + at * n_ff,      n,
+                              s->y + at * n_in,       (uint8_t *)s->mm + (uint64_t)at * eg->xq_ff};
+    }
+    moe_glu(set->act, set->limit, s->up + r0 * n_ff, s->gate + r0 * n_ff, rows * n_ff);
+    moe_matmul_many(pool, tasks, n_part);
+}
+
 bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float *x, int64_t n_rows,
                          const int32_t *ids, const float *weights, int n_used, float *out,
                          const moe_expert_scratch *s, moe_expert_stats *stats) {
     const moe_tensor *gate = set->gate_up ? set->gate_up : set->gate, *up = set->up;
     const moe_tensor *down = set->down;
-    const bool fused = set->gate_up != NULL;
-    const int64_t n_expert = gate->ne[2], n_in = gate->ne[0], n_ff = down->ne[0];
+    const int64_t n_expert = gate->ne[2], n_in = gate->ne[0];
     /* counting sort of the pairs by expert: counts[e] becomes the start of e's run */
     memset(s->counts, 0, sizeof(int32_t) * (size_t)(n_expert + 1));
     const int64_t n_pairs = n_rows * n_used;
@@ -123,20 +200,19 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
     }
     /* counts[e] now ends e's run; its start is counts[e - 1] (0 for e = 0). Experts go in
      * groups whose pairs fit the scratch: each group's gate and up matmuls run as one parallel
-     * pass, then its down matmuls as another (one pool hand-out each, not three per expert);
-     * the weighted outputs are added back in expert order, so every row sums its experts in
-     * the same order whatever else is in the batch. */
-    moe_matmul_task tasks[MOE_MATMUL_MANY_MAX];
-    int32_t group[MOE_MATMUL_MANY_MAX / 2];
-    moe_tensor views[3 * (MOE_MATMUL_MANY_MAX / 2)]; /* a group's matrices from the source */
+     * pass, then its down matmuls as another (one pool hand-out each, not three per expert).
+     * From a source, the experts already resident run first while the rest are read, then the
+     * rest. The weighted outputs are added back in expert order once the group is done, so
+     * every row sums its experts in the same order whatever else is in the batch and whatever
+     * was resident. */
+    expert_group eg = {.set = set, .x = x, .s = s};
     const moe_expert_source *src = set->source;
     const int max_group =
         src && src->max_group < MOE_MATMUL_MANY_MAX / 2 ? src->max_group : MOE_MATMUL_MANY_MAX / 2;
-    const uint64_t xq_in =
-        fused || moe_matmul_scratch_bytes(gate, 1) > moe_matmul_scratch_bytes(up, 1)
-            ? moe_matmul_scratch_bytes(gate, 1)
-            : moe_matmul_scratch_bytes(up, 1);
-    const uint64_t xq_ff = moe_matmul_scratch_bytes(down, 1);
+    eg.xq_in = set->gate_up || moe_matmul_scratch_bytes(gate, 1) > moe_matmul_scratch_bytes(up, 1)
+                   ? moe_matmul_scratch_bytes(gate, 1)
+                   : moe_matmul_scratch_bytes(up, 1);
+    eg.xq_ff = moe_matmul_scratch_bytes(down, 1);
     uint64_t touched = 0;
     for (int64_t e = 0; e < n_expert;) {
         int n_group = 0;
@@ -145,68 +221,35 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
             const int64_t n = s->counts[e] - (e ? s->counts[e - 1] : 0);
             if (n == 0 || (set->n_shards > 1 && e % set->n_shards != set->shard)) continue;
             if (rows + n > s->max_rows) break; /* the next group starts with e */
-            group[n_group++] = (int32_t)e;
+            eg.expert[n_group] = (int32_t)e;
+            eg.begin[n_group] = e ? s->counts[e - 1] : 0;
+            eg.n[n_group++] = n;
             rows += n;
         }
-        if (src && n_group && !src->acquire(src->ctx, group, n_group, views)) return false;
-            /* an expert's matrices: its slice of the stacked tensors, or the source's views */
-#define EXPERT_W(g, k, t) (src ? &views[3 * (g) + (k)] : (t))
-#define EXPERT_I(g)       (src ? 0 : group[g])
-        /* gather each expert's rows, then gate and up for the whole group (fused: one matmul
-         * per expert into rows of [gate, up], split below) */
-        int64_t off = 0, n_tasks = 0;
-        for (int g = 0; g < n_group; g++) {
-            const int64_t ge = group[g], begin = ge ? s->counts[ge - 1] : 0,
-                          n = s->counts[ge] - begin;
-            for (int64_t i = 0; i < n; i++)
-                memcpy(s->x + (off + i) * n_in, x + (int64_t)s->pair_row[begin + i] * n_in,
-                       sizeof(float) * (size_t)n_in);
-            tasks[n_tasks++] = (moe_matmul_task){EXPERT_W(g, 0, gate),
-                                                 EXPERT_I(g),
-                                                 s->x + off * n_in,
-                                                 n,
-                                                 s->gate + off * (fused ? 2 : 1) * n_ff,
-                                                 (uint8_t *)s->mm + (uint64_t)off * xq_in};
-            if (!fused)
-                tasks[n_tasks++] = (moe_matmul_task){
-                    EXPERT_W(g, 1, up), EXPERT_I(g),
-                    s->x + off * n_in,  n,
-                    s->up + off * n_ff, (uint8_t *)s->mm_up + (uint64_t)off * xq_in};
-            off += n;
+        if (!n_group) continue;
+        bool ready[MOE_MATMUL_MANY_MAX / 2];
+        if (src && !src->acquire(src->ctx, eg.expert, n_group, eg.views, ready)) return false;
+        /* the ready experts' rows first, then the others' */
+        int order[MOE_MATMUL_MANY_MAX / 2], n_ready = 0;
+        for (int g = 0; g < n_group; g++)
+            if (!src || ready[g]) order[n_ready++] = g;
+        for (int g = 0, k = n_ready; g < n_group; g++)
+            if (src && !ready[g]) order[k++] = g;
+        for (int k = 0, at = 0; k < n_group; at += (int)eg.n[order[k]], k++) eg.at[order[k]] = at;
+        group_compute(pool, &eg, order, n_ready);
+        if (n_ready < n_group) {
+            if (!src->wait(src->ctx, eg.expert, n_group)) return false;
+            group_compute(pool, &eg, order + n_ready, n_group - n_ready);
         }
-        moe_matmul_many(pool, tasks, (int)n_tasks);
-        if (fused) /* rows [gate, up] -> gate rows and up rows (gate moves down in place) */
-            for (int64_t i = 0; i < rows; i++) {
-                memcpy(s->up + i * n_ff, s->gate + (2 * i + 1) * n_ff, sizeof(float) * n_ff);
-                memmove(s->gate + i * n_ff, s->gate + 2 * i * n_ff, sizeof(float) * n_ff);
-            }
-        off = 0;
+        if (src) src->release(src->ctx, eg.expert, n_group);
         for (int g = 0; g < n_group; g++) {
-            const int64_t ge = group[g], n = s->counts[ge] - (ge ? s->counts[ge - 1] : 0);
-            moe_add_bias(s->gate + off * n_ff, set->gate_b, ge, n, n_ff);
-            moe_add_bias(s->up + off * n_ff, set->up_b, ge, n, n_ff);
-            tasks[g] =
-                (moe_matmul_task){EXPERT_W(g, 2, down), EXPERT_I(g),
-                                  s->up + off * n_ff,   n,
-                                  s->y + off * n_in,    (uint8_t *)s->mm + (uint64_t)off * xq_ff};
-            off += n;
-        }
-        moe_glu(set->act, set->limit, s->up, s->gate, rows * n_ff);
-        moe_matmul_many(pool, tasks, n_group);
-        if (src && n_group) src->release(src->ctx, group, n_group);
-#undef EXPERT_W
-#undef EXPERT_I
-        off = 0;
-        for (int g = 0; g < n_group; g++) {
-            const int64_t ge = group[g], begin = ge ? s->counts[ge - 1] : 0,
-                          n = s->counts[ge] - begin;
-            moe_add_bias(s->y + off * n_in, set->down_b, ge, n, n_in);
+            const int64_t at = eg.at[g], n = eg.n[g], begin = eg.begin[g];
+            moe_add_bias(s->y + at * n_in, set->down_b, eg.expert[g], n, n_in);
             for (int64_t i = 0; i < n; i++) {
                 float *o = out + (int64_t)s->pair_row[begin + i] * n_in;
-                const float w = s->pair_w[begin + i], *y = s->y + (off + i) * n_in;
+                const float w = s->pair_w[begin + i], *y = s->y + (at + i) * n_in;
                 for (int64_t d = 0; d < n_in; d++) o[d] += w * y[d];
             }
-            off += n;
         }
         touched += (uint64_t)n_group;
     }

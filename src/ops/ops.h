@@ -221,13 +221,16 @@ typedef struct moe_expert_stats {
     uint64_t experts; /* distinct experts run (each one's weights read once) */
 } moe_expert_stats;
 
-/* Where a layer's experts come from when they are not all resident (an expert cache): before a
- * group of experts runs, acquire makes them resident and keeps them so until release; views
- * [3 n] get, for ids[i], its gate (or fused gate_up), up (unused when fused) and down matrix as
- * one-matrix tensors. acquire false: they could not be read (the source keeps the error); the
+/* Where a layer's experts come from when they are not all resident (an expert cache). Before a
+ * group of experts runs, acquire keeps them for the group (until release) and starts reading the
+ * ones not resident; views [3 n] get, for ids[i], its gate (or fused gate_up), up (unused when
+ * fused) and down matrix as one-matrix tensors, and ready[i] says whether its bytes are there
+ * now. The dispatch computes the ready experts first, then waits for the rest (wait). acquire or
+ * wait false: they could not be read (the source keeps the error and has let the group go); the
  * dispatch stops. */
 typedef struct moe_expert_source {
-    bool (*acquire)(void *ctx, const int32_t *ids, int n, moe_tensor *views);
+    bool (*acquire)(void *ctx, const int32_t *ids, int n, moe_tensor *views, bool *ready);
+    bool (*wait)(void *ctx, const int32_t *ids, int n);
     void (*release)(void *ctx, const int32_t *ids, int n);
     void *ctx;
     int max_group; /* experts resident at once at most */

@@ -142,6 +142,9 @@ void serve_metrics_write(serve_metrics *m, moe_strbuf *o) {
                 "%llu", (unsigned long long)ec->bytes_read);
         COUNTER("moe_expert_cache_stall_seconds_total", "Time steps waited for expert reads.",
                 "%.6f", ec->read_seconds);
+        COUNTER("moe_expert_cache_read_busy_seconds_total",
+                "Time at least one expert read was in flight (read bytes over it: bandwidth).",
+                "%.6f", ec->busy_seconds);
     }
     COUNTER("moe_prefill_seconds_total", "Forward time spent on prompt rows.", "%.6f",
             m->prefill_seconds);

@@ -412,6 +412,7 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
         r->tg_cache.evictions -= before.evictions;
         r->tg_cache.bytes_read -= before.bytes_read;
         r->tg_cache.read_seconds -= before.read_seconds;
+        r->tg_cache.busy_seconds -= before.busy_seconds;
         r->tg_cache_tokens = (double)(p->runs + 1) * p->n_gen; /* run_test warms up once */
     }
     if (st == MOE_OK && p->n_depths) st = run_depths(&b, p, r, err);
