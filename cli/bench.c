@@ -254,18 +254,6 @@ static const char *spec_name(moe_spec_kind k) {
     return k == MOE_SPEC_MTP ? "mtp" : k == MOE_SPEC_NGRAM ? "ngram" : "none";
 }
 
-/* Median and range of v[0..n). */
-static void figure_of(const double *v, int n, moe_bench_figure *f) {
-    double tmp[MOE_BENCH_MAX_RUNS];
-    memcpy(tmp, v, sizeof(double) * n);
-    f->min = f->max = v[0];
-    for (int i = 1; i < n; i++) {
-        if (v[i] < f->min) f->min = v[i];
-        if (v[i] > f->max) f->max = v[i];
-    }
-    f->median = moe_median(tmp, n);
-}
-
 /* One run: sequence 0 from empty, the prompt prefilled (untimed), n_gen greedy tokens with
  * g->opt.spec; returns decode tok/s, or -1 on an error (reported). */
 static double spec_run(moe_gen *g, const int32_t *ids, size_t n_ids, int n_gen) {
@@ -345,8 +333,8 @@ static bool spec_measure(const moe_bench_params *p, spec_bench *sb) {
         }
     }
     if (ok) {
-        figure_of(plain, p->runs, &sb->plain);
-        figure_of(spec, p->runs, &sb->spec);
+        moe_bench_median_range(plain, p->runs, &sb->plain.median, &sb->plain.min, &sb->plain.max);
+        moe_bench_median_range(spec, p->runs, &sb->spec.median, &sb->spec.min, &sb->spec.max);
     }
     free(reply);
     free(ids);

@@ -138,12 +138,10 @@ static moe_status run_once(bench_run *b, uint32_t prompt, uint32_t n_seq, uint32
     return MOE_OK;
 }
 
-static void min_max(const double *v, int n, double *lo, double *hi) {
-    *lo = *hi = v[0];
-    for (int i = 1; i < n; i++) {
-        if (v[i] < *lo) *lo = v[i];
-        if (v[i] > *hi) *hi = v[i];
-    }
+void moe_bench_median_range(double *v, int n, double *median, double *lo, double *hi) {
+    *median = moe_median(v, n); /* sorted now */
+    *lo = n > 0 ? v[0] : 0;
+    *hi = n > 0 ? v[n - 1] : 0;
 }
 
 /* A test: warm-up, then `runs` timed runs; tok/s median and range, GB/s median. With exact_too,
@@ -169,13 +167,11 @@ static moe_status run_test(bench_run *b, const moe_bench_params *p, uint32_t pro
         }
     if (paths == 2) moe_exact_set(false);
     if (st != MOE_OK) return st;
-    min_max(tok_s[0], p->runs, &f->min, &f->max);
-    f->median = moe_median(tok_s[0], p->runs);
+    moe_bench_median_range(tok_s[0], p->runs, &f->median, &f->min, &f->max);
     f->gb_s = moe_median(gb_s[0], p->runs);
     f->bytes_per_token = bytes_sum / p->runs / tokens;
     if (paths == 2) {
-        min_max(tok_s[1], p->runs, &f->exact_min, &f->exact_max);
-        f->exact_median = moe_median(tok_s[1], p->runs);
+        moe_bench_median_range(tok_s[1], p->runs, &f->exact_median, &f->exact_min, &f->exact_max);
         f->exact_gb_s = moe_median(gb_s[1], p->runs);
     }
     return MOE_OK;

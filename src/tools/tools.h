@@ -470,6 +470,8 @@ typedef struct moe_bench_figure {
     /* with exact_too: the same on the exact path (0 when not run) */
     double exact_median, exact_min, exact_max, exact_gb_s;
 } moe_bench_figure;
+/* Median and range of v[0..n) (sorts v): what each figure reports of its runs. */
+void moe_bench_median_range(double *v, int n, double *median, double *lo, double *hi);
 
 typedef struct moe_bench_stream {
     int n; /* streams decoded together */
