@@ -7,8 +7,10 @@
  * activation bytes are made unsigned by adding 128, and 128 x (the row's sum of weights), worked
  * out once per tile, comes off again: the int32 block sums are exact. Then, lane for lane, one
  * multiply-add per block: the scalar reference's order (ref_fast.c), so a dot gives the same bits
- * alone, in a batch, at any tile width. The trap: an activation byte of -128 would overflow the
- * unsigned bias; the Q8 activation quantizers clamp to +-127. */
+ * alone, in a batch, at any tile width. Q4_K and Q5_K add a second multiply-add per block, for
+ * their mins against the activations' 16-value sums (vpdpwssd, the mins of 16 rows in the
+ * lanes). The trap: an activation byte of -128 would overflow the unsigned bias; the Q8
+ * activation quantizers clamp to +-127. */
 #define MOE_AVX512_VNNI 1
 #include <math.h>
 
@@ -22,19 +24,28 @@
 #define FAST_IQ_CHUNK 2  /* super-blocks decoded per pass (10 KiB) */
 #define FAST_GROUP    64 /* activation rows per decode of a chunk */
 
-/* One block of 16 weight rows, ready for the multiply. Q8_0 fills tile[0 .. 7] and no scales
- * (the rest is never touched, so costs no cache). */
+/* One block of 16 weight rows, ready for the multiply. The 32-value types fill tile[0 .. 7] and
+ * no scales (the rest is never touched, so costs no cache). */
 typedef struct {
     __m512i tile[64];  /* lane v of tile[g]: values 4g .. 4g + 3 of row v, int8 with signs */
     __m512i scale[16]; /* lane v of scale[j]: row v's integer scale of values 16j .. 16j + 15 */
+    __m512i mins[8];   /* Q4_K / Q5_K: lane v of mins[c]: row v's int16 min of values 32c ..
+                        * 32c + 31, twice (against the activation's bsums 2c and 2c + 1) */
     __m512i bias;      /* 128 x sum_j scale[j] x (row v's values in sub-block j, summed) */
-    __m512 d;          /* row v's block scale */
+    __m512 d, dmin;    /* row v's block scale (and min scale) */
 } fast_tile;
 
-/* What a tile kernel needs of its type: the codebook types' decode (NULL for Q8_0), the block
- * size, the power of two the block scale is multiplied by after the activations'. */
+/* The mins of a Q4_K / Q5_K block: sixteen int16, the min of values 16j .. 16j + 15 in lane j
+ * (each sub-block's twice), and the float min scale. */
+typedef void (*fast_mins_fn)(const void *block, __m256i *mins, float *dmin);
+
+/* What a tile kernel needs of its type: the decode (regs for the super-block types, q32 for the
+ * 32-value ones, the other NULL), the mins (NULL: no min term), the block size, the power of
+ * two the block scale is multiplied by after the activations'. */
 typedef struct {
     z_iqb_fn regs;
+    q32_decode_fn q32;
+    fast_mins_fn mins;
     size_t block_bytes;
     float mult;
 } fast_type;
@@ -73,15 +84,17 @@ MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows
     }
 }
 
-/* The multiply of both kinds (regs NULL: Q8_0 against Q8_0, 8 groups of 4 and no scales;
- * else a super-block against Q8_K, 64 groups, a scale per 16 values): each activation row's
- * bytes made unsigned (+128) into xb, then per sub-block of 4 groups one vpdpbusd per group with
- * its 4 bytes broadcast, times the rows' scales; the bias off, then one fma per block. */
+/* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
+ * scales; else a super-block against Q8_K, 64 groups, a scale per 16 values): each activation
+ * row's bytes made unsigned (+128) into xb, then per sub-block of 4 groups one vpdpbusd per
+ * group with its 4 bytes broadcast, times the rows' scales; the bias off, then one fma per
+ * block, and with mins a second: their int32 sum against the activation's bsums, two at a time
+ * (vpdpwssd). */
 MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t nc, const uint8_t *x,
                           size_t xs, int64_t c0, __m512 *accbuf) {
     const fast_tile *tiles = tile_buf;
-    const bool q8_0 = type.regs == NULL;
-    const int groups = q8_0 ? MOE_QK32 / 4 : MOE_QK_K / 4;
+    const bool q32 = type.regs == NULL, mins = type.mins != NULL;
+    const int groups = q32 ? MOE_QK32 / 4 : MOE_QK_K / 4;
     uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(64)));
     __m512 acc[MOE_DOT_ROWS];
 #pragma GCC unroll 4
@@ -89,11 +102,11 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
     for (int64_t j = 0; j < nc; j++) {
         const fast_tile *t = &tiles[j];
         __m512 dx[MOE_DOT_ROWS];
-        __m512i sum[MOE_DOT_ROWS];
+        __m512i sum[MOE_DOT_ROWS], msum[MOE_DOT_ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const uint8_t *xr = x + (size_t)r * xs;
-            if (q8_0) {
+            if (q32) {
                 const moe_block_q8_0 *y = (const moe_block_q8_0 *)xr + c0 + j;
                 _mm256_store_si256(
                     (__m256i *)xb[r],
@@ -106,6 +119,14 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
                         xb[r] + 16 * k,
                         _mm512_xor_si512(z_load(y->qs + 64 * k), _mm512_set1_epi8((char)0x80)));
                 dx[r] = _mm512_set1_ps(y->d);
+                if (mins) {
+                    msum[r] = _mm512_setzero_si512();
+                    for (int c = 0; c < 8; c++) {
+                        int32_t pair;
+                        memcpy(&pair, y->bsums + 2 * c, sizeof pair);
+                        msum[r] = _mm512_dpwssd_epi32(msum[r], _mm512_set1_epi32(pair), t->mins[c]);
+                    }
+                }
             }
             sum[r] = _mm512_setzero_si512();
         }
@@ -123,20 +144,24 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
             }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
-                sum[r] = _mm512_add_epi32(sum[r], q8_0 ? part[r]
-                                                       : _mm512_mullo_epi32(part[r], t->scale[s]));
+                sum[r] = _mm512_add_epi32(sum[r],
+                                          q32 ? part[r] : _mm512_mullo_epi32(part[r], t->scale[s]));
         }
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(
                 _mm512_mul_ps(_mm512_mul_ps(t->d, dx[r]), _mm512_set1_ps(type.mult)),
                 _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], t->bias)), acc[r]);
+            if (mins) /* acc - (dmin d_x) msum, one rounding: fma(-(dmin d_x), msum, acc) */
+                acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(t->dmin, dx[r]),
+                                          _mm512_cvtepi32_ps(msum[r]), acc[r]);
+        }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) accbuf[r] = acc[r];
 }
 
-/* ==== Q8_0 ==== */
+/* ==== 32-value types against Q8_0 (Q4_0 Q5_0 Q8_0 IQ4_NL MXFP4) ==== */
 
 /* 16 rows of 8 dwords (two to a register: row j in the low half, j + 8 in the high) to 8
  * registers of 16 rows: an 8 x 8 transpose in each half, then the halves' 128-bit lanes put in
@@ -163,36 +188,46 @@ MOE_INLINE void fast_transpose16x8(const __m512i z[8], __m512i out[8]) {
     }
 }
 
-MOE_INLINE void fast_tile_q8_0(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
-                               void *tile) {
-    (void)t;
+/* Block i of 16 rows of a 32-value type: each row's block decoded to 32 signed bytes and its
+ * scale (x86_avx2.h), two rows to a register, transposed into the tile. */
+MOE_INLINE void fast_tile_q32(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                              void *tile) {
     fast_tile *o = tile;
-    const __m512i row_at =
-        _mm512_mullo_epi32(_mm512_maskz_mov_epi32((__mmask16)((1u << n_w) - 1),
-                                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                    10, 11, 12, 13, 14, 15)),
-                           _mm512_set1_epi32((int)ws));
     __m512i z[8];
+    float d[16], unused;
     for (int j = 0; j < 8; j++) {
-        const moe_block_q8_0 *a = (const moe_block_q8_0 *)(w + (j < n_w ? j : 0) * ws) + i;
-        const moe_block_q8_0 *b = (const moe_block_q8_0 *)(w + (j + 8 < n_w ? j + 8 : 0) * ws) + i;
-        z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(avx2_load(a->qs)), avx2_load(b->qs), 1);
+        const uint8_t *a = w + (j < n_w ? j : 0) * ws + (size_t)i * t.block_bytes;
+        const uint8_t *b = w + (j + 8 < n_w ? j + 8 : 0) * ws + (size_t)i * t.block_bytes;
+        z[j] = z_join(t.q32(a, &d[j], &unused), t.q32(b, &d[j + 8], &unused));
     }
     fast_transpose16x8(z, o->tile);
     __m512i sum = _mm512_setzero_si512();
     for (int g = 0; g < 8; g++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[g]);
     o->bias = _mm512_slli_epi32(sum, 7);
-    /* the 16 fp16 scales: a dword gathered at each row's block (d and two qs bytes) */
-    const __m512i d32 = _mm512_i32gather_epi32(row_at, w + (size_t)i * sizeof(moe_block_q8_0), 1);
-    o->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d32));
+    o->d = _mm512_loadu_ps(d);
 }
 
-static void fast_tile_rows_q8_0(const void *w, size_t ws, int n_w, const void *x, size_t xs,
-                                int64_t n_rows, int64_t n, float *out, int64_t os) {
-    fast_tile tiles[FAST_CHUNK];
-    fast_drive((fast_type){NULL, sizeof(moe_block_q8_0), 1.0f}, fast_tile_q8_0, fast_rows, tiles,
-               sizeof tiles[0], FAST_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK32, out, os);
-}
+#define FAST_Q32_KERNELS(t)                                                                        \
+    static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
+                                   int64_t n_rows, int64_t n, float *out, int64_t os) {            \
+        fast_tile tiles[FAST_CHUNK];                                                               \
+        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), 1.0f},               \
+                   fast_tile_q32, fast_rows, tiles, sizeof tiles[0], FAST_CHUNK, w, ws, n_w, x,    \
+                   xs, n_rows, n / MOE_QK32, out, os);                                             \
+    }                                                                                              \
+    FAST_DOT(t)
+/* A one-row dot through the tile kernel. */
+#define FAST_DOT(t)                                                                                \
+    static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
+        float out;                                                                                 \
+        fast_tile_rows_##t(w, 0, 1, x, 0, 1, n, &out, 1);                                          \
+        return out;                                                                                \
+    }
+FAST_Q32_KERNELS(q4_0)
+FAST_Q32_KERNELS(q5_0)
+FAST_Q32_KERNELS(q8_0)
+FAST_Q32_KERNELS(iq4_nl)
+FAST_Q32_KERNELS(mxfp4)
 
 /* ==== Codebook types (and IQ4_XS): 256-value super-blocks against Q8_K ====
  *
@@ -231,13 +266,22 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
                              void *tile) {
     fast_tile *o = tile;
     __m512i stage[4][16], sc[16];
-    float d[16];
+    __m256i mins[16];
+    float d[16], dmin[16];
     for (int v = 0; v < 16; v++) {
+        const uint8_t *block = w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes;
         z_iqb b;
-        t.regs(w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes, &b);
+        t.regs(block, &b);
         for (int k = 0; k < 4; k++) stage[k][v] = z_apply_signs(b.g[k], _cvtu64_mask64(b.neg[k]));
         sc[v] = _mm512_cvtepi16_epi32(b.sc);
         d[v] = b.d;
+        if (t.mins) t.mins(block, &mins[v], &dmin[v]);
+    }
+    if (t.mins) { /* 16 rows of 8 min pairs: rows v and v + 8 to a register */
+        __m512i z[8];
+        for (int j = 0; j < 8; j++) z[j] = z_join(mins[j], mins[j + 8]);
+        fast_transpose16x8(z, o->mins);
+        o->dmin = _mm512_loadu_ps(dmin);
     }
     for (int k = 0; k < 4; k++) {
         fast_transpose16x16(stage[k]);
@@ -259,15 +303,19 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
 /* Few activation rows (decode, a small expert): the tile's decode costs more than it saves, so
  * one weight row at a time, its values in the lanes (the exact path's multiply: magnitudes x
  * activations with the signs, pairs summed, times the scales), each block's int32 lanes summed
- * and added to the row's accumulator with the same fma: the tile's bits. */
+ * and added to the row's accumulator with the same fma (and the mins' the same way): the tile's
+ * bits. */
 #define FAST_TILE_MIN_ROWS 8
-MOE_INLINE void fast_lanes_iq(z_iqb_fn regs, size_t block_bytes, float mult, const uint8_t *w,
-                              const uint8_t *x, size_t xs, int64_t n_rows, int64_t n, float *out,
-                              int64_t os) {
+MOE_INLINE void fast_lanes_iq(fast_type t, const uint8_t *w, const uint8_t *x, size_t xs,
+                              int64_t n_rows, int64_t n, float *out, int64_t os) {
     float acc[FAST_TILE_MIN_ROWS] = {0};
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const uint8_t *block = w + (size_t)i * t.block_bytes;
         z_iqb b;
-        regs(w + (size_t)i * block_bytes, &b);
+        t.regs(block, &b);
+        __m256i mins = _mm256_setzero_si256();
+        float dmin = 0;
+        if (t.mins) t.mins(block, &mins, &dmin);
         const __m512i sc = _mm512_zextsi256_si512(b.sc);
         for (int64_t r = 0; r < n_rows; r++) {
             const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
@@ -278,7 +326,12 @@ MOE_INLINE void fast_lanes_iq(z_iqb_fn regs, size_t block_bytes, float mult, con
                 sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk),
                                           z_scales(sc, z_idx4(4 * k)));
             }
-            acc[r] = fmaf(b.d * y->d * mult, (float)_mm512_reduce_add_epi32(sum), acc[r]);
+            acc[r] = fmaf(b.d * y->d * t.mult, (float)_mm512_reduce_add_epi32(sum), acc[r]);
+            if (t.mins) {
+                const __m256i m = _mm256_madd_epi16(mins, avx2_load(y->bsums));
+                acc[r] = fmaf(-(dmin * y->d),
+                              (float)_mm512_reduce_add_epi32(_mm512_zextsi256_si512(m)), acc[r]);
+            }
         }
     }
     for (int64_t r = 0; r < n_rows; r++) out[r * os] = acc[r];
@@ -288,8 +341,7 @@ MOE_INLINE void fast_tile_rows_iq(fast_type t, const void *w, size_t ws, int n_w
                                   size_t xs, int64_t n_rows, int64_t n, float *out, int64_t os) {
     if (n_rows < FAST_TILE_MIN_ROWS) {
         for (int v = 0; v < n_w; v++)
-            fast_lanes_iq(t.regs, t.block_bytes, t.mult, (const uint8_t *)w + v * ws, x, xs, n_rows,
-                          n, out + v, os);
+            fast_lanes_iq(t, (const uint8_t *)w + v * ws, x, xs, n_rows, n, out + v, os);
         return;
     }
     fast_tile tiles[FAST_IQ_CHUNK];
@@ -297,17 +349,14 @@ MOE_INLINE void fast_tile_rows_iq(fast_type t, const void *w, size_t ws, int n_w
                n_rows, n / MOE_QK_K, out, os);
 }
 
-#define FAST_IQ_KERNELS(t, regs, mult)                                                             \
+#define FAST_SB_KERNELS(t, regs, mins, mult)                                                       \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
-        fast_tile_rows_iq((fast_type){regs, sizeof(moe_block_##t), mult}, w, ws, n_w, x, xs,       \
-                          n_rows, n, out, os);                                                     \
+        fast_tile_rows_iq((fast_type){regs, NULL, mins, sizeof(moe_block_##t), mult}, w, ws, n_w,  \
+                          x, xs, n_rows, n, out, os);                                              \
     }                                                                                              \
-    static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
-        float out;                                                                                 \
-        fast_tile_rows_##t(w, 0, 1, x, 0, 1, n, &out, 1);                                          \
-        return out;                                                                                \
-    }
+    FAST_DOT(t)
+#define FAST_IQ_KERNELS(t, regs, mult) FAST_SB_KERNELS(t, regs, NULL, mult)
 FAST_IQ_KERNELS(iq2_s, z_iqb_iq2_s, 0.125f)
 FAST_IQ_KERNELS(iq3_s, z_iqb_iq3_s, 1.0f)
 FAST_IQ_KERNELS(iq2_xxs, z_iqb_iq2_xxs, 0.125f)
@@ -317,20 +366,86 @@ FAST_IQ_KERNELS(iq4_xs, z_iqb_iq4_xs, 1.0f)
 FAST_IQ_KERNELS(iq1_s, z_iqb_iq1_s, 0.125f)
 FAST_IQ_KERNELS(iq1_m, z_iqb_iq1_m, 0.125f)
 
-/* ==== The table ==== */
+/* ==== K quants: the super-block machinery with unsigned values (Q4_K, Q5_K: no sign words,
+ * and mins) or with Q6_K's q - 32 as magnitudes and signs ==== */
 
-static float fast_dot_q8_0(const void *w, const void *x, int64_t n) {
-    float out;
-    fast_tile_rows_q8_0(w, 0, 1, x, 0, 1, n, &out, 1);
-    return out;
+/* Q4_K / Q5_K: values 0..31 in value order (z_k4_values gives them a half-block apart: lo holds
+ * values 128 jj .. + 31 and 128 jj + 64 .., hi the 32 after each), scales per 32 values stored
+ * twice. */
+MOE_INLINE void fast_k4_regs(const uint8_t *qs, const uint8_t *qh, const uint8_t scales[12],
+                             uint16_t d, z_iqb *o) {
+    const __m512i hb = z_k4_fifth_bits(qh);
+#pragma GCC unroll 2
+    for (int jj = 0; jj < 2; jj++) {
+        __m512i lo, hi;
+        z_k4_values(qs, hb, jj, qh != NULL, &lo, &hi);
+        o->g[2 * jj] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+        o->g[2 * jj + 1] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+        o->neg[2 * jj] = o->neg[2 * jj + 1] = 0;
+    }
+    const __m128i sm = avx2_k4_scales(scales);
+    o->sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm));
+    o->d = avx2_fp16(d);
 }
+MOE_INLINE void fast_k4_mins(const uint8_t scales[12], uint16_t dmin16, __m256i *mins,
+                             float *dmin) {
+    const __m128i sm = avx2_k4_scales(scales);
+    *mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+    *dmin = avx2_fp16(dmin16);
+}
+MOE_INLINE void fast_regs_q4_k(const void *block, z_iqb *o) {
+    const moe_block_q4_k *b = block;
+    fast_k4_regs(b->qs, NULL, b->scales, b->d, o);
+}
+MOE_INLINE void fast_mins_q4_k(const void *block, __m256i *mins, float *dmin) {
+    const moe_block_q4_k *b = block;
+    fast_k4_mins(b->scales, b->dmin, mins, dmin);
+}
+MOE_INLINE void fast_regs_q5_k(const void *block, z_iqb *o) {
+    const moe_block_q5_k *b = block;
+    fast_k4_regs(b->qs, b->qh, b->scales, b->d, o);
+}
+MOE_INLINE void fast_mins_q5_k(const void *block, __m256i *mins, float *dmin) {
+    const moe_block_q5_k *b = block;
+    fast_k4_mins(b->scales, b->dmin, mins, dmin);
+}
+
+/* Q6_K: q - 32 (-32..31) as magnitudes and sign words, a signed scale per 16 values. */
+MOE_INLINE void fast_regs_q6_k(const void *block, z_iqb *o) {
+    const moe_block_q6_k *b = block;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m512i v[2];
+        z_q6_k_values(b, h, &v[0], &v[1]);
+        for (int k = 0; k < 2; k++) {
+            const __m512i q = _mm512_sub_epi8(v[k], _mm512_set1_epi8(32));
+            o->g[2 * h + k] = _mm512_abs_epi8(q);
+            o->neg[2 * h + k] = _cvtmask64_u64(_mm512_movepi8_mask(q));
+        }
+    }
+    o->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+    o->d = avx2_fp16(b->d);
+}
+
+FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 1.0f)
+FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 1.0f)
+FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 1.0f)
+
+/* ==== The table ==== */
 
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     z_iq_tables_fill();
 #define FAST_SET(T, t)                                                                             \
     moe_kernels_set_fast_dot(k->types, MOE_TYPE_##T, fast_dot_##t, fast_tile_rows_##t,             \
                              MOE_ISA_AVX512VNNI)
+    FAST_SET(Q4_0, q4_0);
+    FAST_SET(Q5_0, q5_0);
     FAST_SET(Q8_0, q8_0);
+    FAST_SET(IQ4_NL, iq4_nl);
+    FAST_SET(MXFP4, mxfp4);
+    FAST_SET(Q4_K, q4_k);
+    FAST_SET(Q5_K, q5_k);
+    FAST_SET(Q6_K, q6_k);
     FAST_SET(IQ2_S, iq2_s);
     FAST_SET(IQ3_S, iq3_s);
     FAST_SET(IQ2_XXS, iq2_xxs);
