@@ -40,13 +40,16 @@ typedef struct {
 typedef void (*fast_mins_fn)(const void *block, __m256i *mins, float *dmin);
 
 /* What a tile kernel needs of its type: the decode (regs for the super-block types, q32 for the
- * 32-value ones, the other NULL), the mins (NULL: no min term), the block size, the power of
- * two the block scale is multiplied by after the activations'. */
+ * 32-value ones, the other NULL), the mins (NULL: no min term), the block size, the values that
+ * share an integer scale (16 or 32: a vpmulld per row and that many values; 32 for the 32-value
+ * types, whose block has none), the power of two the block scale is multiplied by after the
+ * activations'. */
 typedef struct {
     z_iqb_fn regs;
     q32_decode_fn q32;
     fast_mins_fn mins;
     size_t block_bytes;
+    int scale_values;
     float mult;
 } fast_type;
 
@@ -130,22 +133,34 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
             }
             sum[r] = _mm512_setzero_si512();
         }
-        for (int s = 0; s < groups / 4; s++) {
-            __m512i part[MOE_DOT_ROWS];
+        /* the broadcasts below read xb from memory (a load port): left to itself GCC may keep
+         * the bytes in registers and pick each dword out with shuffles, which cost the shuffle
+         * port twice per vpdpbusd (measured a third slower on the 32-value types) */
+        __asm__("" : "+m"(xb));
+        /* per scale, chains of 4 vpdpbusd (a longer chain waits on its latency), then added */
+        const int per = type.scale_values / 16; /* chains of 4 groups under one scale */
+        for (int s = 0; s < groups / 4 / per; s++) {
+            __m512i part[2][MOE_DOT_ROWS];
+#pragma GCC unroll 2
+            for (int h = 0; h < per; h++) {
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) part[r] = _mm512_setzero_si512();
+                for (int r = 0; r < R; r++) part[h][r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m512i tg = _mm512_load_si512(&t->tile[4 * s + c]);
+                for (int c = 0; c < 4; c++) {
+                    const int g = 4 * (per * s + h) + c;
+                    const __m512i tg = _mm512_load_si512(&t->tile[g]);
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-                    part[r] =
-                        _mm512_dpbusd_epi32(part[r], _mm512_set1_epi32((int)xb[r][4 * s + c]), tg);
+                    for (int r = 0; r < R; r++)
+                        part[h][r] =
+                            _mm512_dpbusd_epi32(part[h][r], _mm512_set1_epi32((int)xb[r][g]), tg);
+                }
             }
+            const __m512i scale = t->scale[per * s];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                sum[r] = _mm512_add_epi32(sum[r],
-                                          q32 ? part[r] : _mm512_mullo_epi32(part[r], t->scale[s]));
+            for (int r = 0; r < R; r++) {
+                const __m512i p = per == 2 ? _mm512_add_epi32(part[0][r], part[1][r]) : part[0][r];
+                sum[r] = _mm512_add_epi32(sum[r], q32 ? p : _mm512_mullo_epi32(p, scale));
+            }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
@@ -211,7 +226,7 @@ MOE_INLINE void fast_tile_q32(fast_type t, const uint8_t *w, size_t ws, int n_w,
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
         fast_tile tiles[FAST_CHUNK];                                                               \
-        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), 1.0f},               \
+        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f},     \
                    fast_tile_q32, fast_rows, tiles, sizeof tiles[0], FAST_CHUNK, w, ws, n_w, x,    \
                    xs, n_rows, n / MOE_QK32, out, os);                                             \
     }                                                                                              \
@@ -349,22 +364,25 @@ MOE_INLINE void fast_tile_rows_iq(fast_type t, const void *w, size_t ws, int n_w
                n_rows, n / MOE_QK_K, out, os);
 }
 
-#define FAST_SB_KERNELS(t, regs, mins, mult)                                                       \
+/* A super-block type's kernels: its decode, mins (NULL: none), values per integer scale (the
+ * decodes give one per 16 values; a type whose scales cover 32 gives each twice, and says 32 here
+ * to halve the multiplies), and mult. */
+#define FAST_SB_KERNELS(t, regs, mins, scale_values, mult)                                         \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
-        fast_tile_rows_iq((fast_type){regs, NULL, mins, sizeof(moe_block_##t), mult}, w, ws, n_w,  \
-                          x, xs, n_rows, n, out, os);                                              \
+        fast_tile_rows_iq(                                                                         \
+            (fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult}, w, ws, n_w,  \
+            x, xs, n_rows, n, out, os);                                                            \
     }                                                                                              \
     FAST_DOT(t)
-#define FAST_IQ_KERNELS(t, regs, mult) FAST_SB_KERNELS(t, regs, NULL, mult)
-FAST_IQ_KERNELS(iq2_s, z_iqb_iq2_s, 0.125f)
-FAST_IQ_KERNELS(iq3_s, z_iqb_iq3_s, 1.0f)
-FAST_IQ_KERNELS(iq2_xxs, z_iqb_iq2_xxs, 0.125f)
-FAST_IQ_KERNELS(iq2_xs, z_iqb_iq2_xs, 0.125f)
-FAST_IQ_KERNELS(iq3_xxs, z_iqb_iq3_xxs, 0.25f)
-FAST_IQ_KERNELS(iq4_xs, z_iqb_iq4_xs, 1.0f)
-FAST_IQ_KERNELS(iq1_s, z_iqb_iq1_s, 0.125f)
-FAST_IQ_KERNELS(iq1_m, z_iqb_iq1_m, 0.125f)
+FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f)
+FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f)
+FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f)
+FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f)
+FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f)
+FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f)
+FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f)
+FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f)
 
 /* ==== K quants: the super-block machinery with unsigned values (Q4_K, Q5_K: no sign words,
  * and mins) or with Q6_K's q - 32 as magnitudes and signs ==== */
@@ -427,9 +445,9 @@ MOE_INLINE void fast_regs_q6_k(const void *block, z_iqb *o) {
     o->d = avx2_fp16(b->d);
 }
 
-FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 1.0f)
-FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 1.0f)
-FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 1.0f)
+FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f)
+FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f)
+FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 16, 1.0f)
 
 /* ==== The table ==== */
 
