@@ -88,15 +88,17 @@ MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows
 }
 
 /* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
- * scales; else a super-block against Q8_K, 64 groups, a scale per 16 values): each activation
- * row's bytes made unsigned (+128) into xb, then per sub-block of 4 groups one vpdpbusd per
- * group with its 4 bytes broadcast, times the rows' scales; the bias off, then one fma per
- * block, and with mins a second: their int32 sum against the activation's bsums, two at a time
- * (vpdpwssd). */
+ * scales; else a super-block against Q8_K, 64 groups, a scale per 16 or 32 values): each
+ * activation row's bytes made unsigned (+128) into xb, then per sub-block one vpdpbusd per group
+ * of 4 values with its 4 bytes broadcast, times the rows' scales; the bias off, then one fma per
+ * block. The types with mins (Q4_K, Q5_K) have unsigned values (0..31): their tile is vpdpbusd's
+ * unsigned operand and the activation bytes, broadcast as they are, its signed one, with no bias;
+ * and a second fma per block for the mins: their int32 sum against the activation's bsums, two
+ * at a time (vpdpwssd). */
 MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t nc, const uint8_t *x,
                           size_t xs, int64_t c0, __m512 *accbuf) {
     const fast_tile *tiles = tile_buf;
-    const bool q32 = type.regs == NULL, mins = type.mins != NULL;
+    const bool q32 = type.regs == NULL, mins = type.mins != NULL, plain = mins;
     const int groups = q32 ? MOE_QK32 / 4 : MOE_QK_K / 4;
     uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(64)));
     __m512 acc[MOE_DOT_ROWS];
@@ -106,6 +108,7 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
         const fast_tile *t = &tiles[j];
         __m512 dx[MOE_DOT_ROWS];
         __m512i sum[MOE_DOT_ROWS], msum[MOE_DOT_ROWS];
+        const uint8_t *bytes[MOE_DOT_ROWS]; /* the 4-byte groups to broadcast */
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const uint8_t *xr = x + (size_t)r * xs;
@@ -115,12 +118,18 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
                     (__m256i *)xb[r],
                     _mm256_xor_si256(avx2_load(y->qs), _mm256_set1_epi8((char)0x80)));
                 dx[r] = _mm512_set1_ps(avx2_fp16(y->d));
+                bytes[r] = (const uint8_t *)xb[r];
             } else {
                 const moe_block_q8_k *y = (const moe_block_q8_k *)xr + c0 + j;
-                for (int k = 0; k < 4; k++)
-                    _mm512_store_si512(
-                        xb[r] + 16 * k,
-                        _mm512_xor_si512(z_load(y->qs + 64 * k), _mm512_set1_epi8((char)0x80)));
+                if (plain)
+                    bytes[r] = (const uint8_t *)y->qs;
+                else {
+                    for (int k = 0; k < 4; k++)
+                        _mm512_store_si512(
+                            xb[r] + 16 * k,
+                            _mm512_xor_si512(z_load(y->qs + 64 * k), _mm512_set1_epi8((char)0x80)));
+                    bytes[r] = (const uint8_t *)xb[r];
+                }
                 dx[r] = _mm512_set1_ps(y->d);
                 if (mins) {
                     msum[r] = _mm512_setzero_si512();
@@ -150,9 +159,13 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
                     const int g = 4 * (per * s + h) + c;
                     const __m512i tg = _mm512_load_si512(&t->tile[g]);
 #pragma GCC unroll 4
-                    for (int r = 0; r < R; r++)
-                        part[h][r] =
-                            _mm512_dpbusd_epi32(part[h][r], _mm512_set1_epi32((int)xb[r][g]), tg);
+                    for (int r = 0; r < R; r++) {
+                        int32_t four;
+                        memcpy(&four, bytes[r] + 4 * g, sizeof four);
+                        const __m512i xg = _mm512_set1_epi32(four);
+                        part[h][r] = plain ? _mm512_dpbusd_epi32(part[h][r], tg, xg)
+                                           : _mm512_dpbusd_epi32(part[h][r], xg, tg);
+                    }
                 }
             }
             const __m512i scale = t->scale[per * s];
@@ -166,7 +179,7 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(
                 _mm512_mul_ps(_mm512_mul_ps(t->d, dx[r]), _mm512_set1_ps(type.mult)),
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], t->bias)), acc[r]);
+                _mm512_cvtepi32_ps(plain ? sum[r] : _mm512_sub_epi32(sum[r], t->bias)), acc[r]);
             if (mins) /* acc - (dmin d_x) msum, one rounding: fma(-(dmin d_x), msum, acc) */
                 acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(t->dmin, dx[r]),
                                           _mm512_cvtepi32_ps(msum[r]), acc[r]);
@@ -303,15 +316,17 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
         for (int c = 0; c < 16; c++) o->tile[16 * k + c] = stage[k][c];
     }
     fast_transpose16x16(sc);
-    __m512i bias = _mm512_setzero_si512();
-    for (int j = 0; j < 16; j++) {
-        __m512i sum = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++)
-            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[4 * j + c]);
-        o->scale[j] = sc[j];
-        bias = _mm512_add_epi32(bias, _mm512_mullo_epi32(sum, sc[j]));
+    for (int j = 0; j < 16; j++) o->scale[j] = sc[j];
+    if (!t.mins) { /* signed values (fast_rows): the bias */
+        __m512i bias = _mm512_setzero_si512();
+        for (int j = 0; j < 16; j++) {
+            __m512i sum = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++)
+                sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[4 * j + c]);
+            bias = _mm512_add_epi32(bias, _mm512_mullo_epi32(sum, sc[j]));
+        }
+        o->bias = _mm512_slli_epi32(bias, 7);
     }
-    o->bias = _mm512_slli_epi32(bias, 7);
     o->d = _mm512_loadu_ps(d);
 }
 

@@ -1,5 +1,6 @@
-/* x86_avx512_iq.h: the AVX-512 helpers and codebook decodes shared by the kernel files built
- * with the AVX-512 flags: x86_avx512.c (both of its builds) and fast_avx512vnni.c.
+/* x86_avx512_iq.h: the AVX-512 helpers, the K quants' value decodes and the codebook decodes
+ * shared by the kernel files built with the AVX-512 flags: x86_avx512.c (both of its builds) and
+ * fast_avx512vnni.c.
  *
  * Everything is static: each file gets its own copy, and its own copy of the lookup tables
  * (z_iq_tables_fill fills them; call it from the file's fill function before any kernel runs).
