@@ -7,10 +7,12 @@
  * activation bytes are made unsigned by adding 128, and 128 x (the row's sum of weights), worked
  * out once per tile, comes off again: the int32 block sums are exact. Then, lane for lane, one
  * multiply-add per block: the scalar reference's order (ref_fast.c), so a dot gives the same bits
- * alone, in a batch, at any tile width. Q4_K and Q5_K add a second multiply-add per block, for
- * their mins against the activations' 16-value sums (vpdpwssd, the mins of 16 rows in the
- * lanes). The trap: an activation byte of -128 would overflow the unsigned bias; the Q8
- * activation quantizers clamp to +-127. */
+ * alone, in a batch, at any tile width. Q4_K and Q5_K differ in two ways: their values are
+ * unsigned (0..31), so the tile is vpdpbusd's unsigned side and the activation bytes go in as
+ * they are, with no bias; and a second multiply-add per block takes their mins against the
+ * activations' 16-value sums (vpdpwssd, the mins of 16 rows in the lanes). The trap: an
+ * activation byte of -128 would overflow the unsigned bias; the Q8 activation quantizers clamp
+ * to +-127. */
 #define MOE_AVX512_VNNI 1
 #include <math.h>
 
@@ -31,7 +33,7 @@ typedef struct {
     __m512i scale[16]; /* lane v of scale[j]: row v's integer scale of values 16j .. 16j + 15 */
     __m512i mins[8];   /* Q4_K / Q5_K: lane v of mins[c]: row v's int16 min of values 32c ..
                         * 32c + 31, twice (against the activation's bsums 2c and 2c + 1) */
-    __m512i bias;      /* 128 x sum_j scale[j] x (row v's values in sub-block j, summed) */
+    __m512i bias;      /* signed types: 128 x sum_j scale[j] x (row v's values in sub-block j) */
     __m512 d, dmin;    /* row v's block scale (and min scale) */
 } fast_tile;
 
@@ -367,37 +369,39 @@ MOE_INLINE void fast_lanes_iq(fast_type t, const uint8_t *w, const uint8_t *x, s
     for (int64_t r = 0; r < n_rows; r++) out[r * os] = acc[r];
 }
 
-MOE_INLINE void fast_tile_rows_iq(fast_type t, const void *w, size_t ws, int n_w, const void *x,
-                                  size_t xs, int64_t n_rows, int64_t n, float *out, int64_t os) {
+MOE_INLINE void fast_tile_rows_iq(fast_type t, fast_decode_fn tile, const void *w, size_t ws,
+                                  int n_w, const void *x, size_t xs, int64_t n_rows, int64_t n,
+                                  float *out, int64_t os) {
     if (n_rows < FAST_TILE_MIN_ROWS) {
         for (int v = 0; v < n_w; v++)
             fast_lanes_iq(t, (const uint8_t *)w + v * ws, x, xs, n_rows, n, out + v, os);
         return;
     }
     fast_tile tiles[FAST_IQ_CHUNK];
-    fast_drive(t, fast_tile_iq, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs,
-               n_rows, n / MOE_QK_K, out, os);
+    fast_drive(t, tile, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows,
+               n / MOE_QK_K, out, os);
 }
 
-/* A super-block type's kernels: its decode, mins (NULL: none), values per integer scale (the
- * decodes give one per 16 values; a type whose scales cover 32 gives each twice, and says 32 here
- * to halve the multiplies), and mult. */
-#define FAST_SB_KERNELS(t, regs, mins, scale_values, mult)                                         \
+/* A super-block type's kernels: its decode to registers, mins (NULL: none), values per integer
+ * scale (the decodes give one per 16 values; a type whose scales cover 32 gives each twice, and
+ * says 32 here to halve the multiplies), mult, and its tile decode (fast_tile_iq: through the
+ * decode to registers). */
+#define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, tile)                                   \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
         fast_tile_rows_iq(                                                                         \
-            (fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult}, w, ws, n_w,  \
-            x, xs, n_rows, n, out, os);                                                            \
+            (fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult}, tile, w, ws, \
+            n_w, x, xs, n_rows, n, out, os);                                                       \
     }                                                                                              \
     FAST_DOT(t)
-FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f)
-FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f)
-FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f)
-FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f)
-FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f)
-FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f)
-FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f)
-FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f)
+FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f, fast_tile_iq)
+FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, fast_tile_iq)
+FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, fast_tile_iq)
+FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f, fast_tile_iq)
+FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, fast_tile_iq)
+FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f, fast_tile_iq)
+FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f, fast_tile_iq)
+FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, fast_tile_iq)
 
 /* ==== K quants: the super-block machinery with unsigned values (Q4_K, Q5_K: no sign words,
  * and mins) or with Q6_K's q - 32 as magnitudes and signs ==== */
@@ -460,9 +464,74 @@ MOE_INLINE void fast_regs_q6_k(const void *block, z_iqb *o) {
     o->d = avx2_fp16(b->d);
 }
 
-FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f)
-FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f)
-FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 16, 1.0f)
+/* The Q4_K / Q5_K tile straight from the blocks: the 16 rows' packed qs transposed as dwords
+ * (qs dword 8p + m holds values 64p + 4m .. + 3 in its low nibbles and the 32 after them in its
+ * high ones), then split into nibbles, so half the bytes go through the shuffles that the
+ * decode to registers would; Q5_K's fifth bits (qh dword m: bit 2p + h of each byte for the
+ * values of qs dword 8p + m, h = 0 low nibbles, 1 high) transposed likewise and put at bit 4.
+ * Scales and mins go through one transpose: per row 8 scales, then 8 mins each twice in a dword
+ * (against the bsum pairs). No bias: the values are unsigned (fast_rows). */
+MOE_INLINE void fast_tile_k4(const uint8_t *w, size_t ws, int n_w, int64_t i, size_t block_bytes,
+                             size_t qs_at, size_t qh_at, void *tile) {
+    fast_tile *o = tile;
+    __m512i q[2][16], sm[16];
+    __m256i h[16];
+    float d[16], dmin[16];
+    for (int v = 0; v < 16; v++) {
+        const uint8_t *b = w + (v < n_w ? v : 0) * ws + (size_t)i * block_bytes;
+        const moe_block_q4_k *head = (const moe_block_q4_k *)b; /* d, dmin, scales: both types */
+        q[0][v] = z_load(b + qs_at);
+        q[1][v] = z_load(b + qs_at + 64);
+        if (qh_at) h[v] = avx2_load(b + qh_at);
+        const __m512i s = _mm512_cvtepu8_epi32(avx2_k4_scales(head->scales));
+        sm[v] = _mm512_mask_or_epi32(s, 0xff00, s, _mm512_slli_epi32(s, 16));
+        d[v] = avx2_fp16(head->d);
+        dmin[v] = avx2_fp16(head->dmin);
+    }
+    __m512i hb[8];
+    if (qh_at) {
+        for (int m = 0; m < 8; m++) hb[m] = z_join(h[m], h[m + 8]);
+        fast_transpose16x8(hb, hb);
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    for (int half = 0; half < 2; half++) {
+        fast_transpose16x16(q[half]);
+        for (int k = 0; k < 16; k++) { /* qs dword 16 half + k = 8p + m */
+            const int p = 2 * half + k / 8, m = k % 8;
+            __m512i lo = _mm512_and_si512(q[half][k], low4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q[half][k], 4), low4);
+            if (qh_at) { /* bit 2p (+ 1) of each byte to bit 4, in the byte's own 16-bit lane */
+                const __m512i b = hb[m];
+                const int sl = 2 * p, sh = 2 * p + 1;
+                lo = _mm512_ternarylogic_epi32(
+                    lo, sl <= 4 ? _mm512_slli_epi16(b, 4 - sl) : _mm512_srli_epi16(b, sl - 4), bit4,
+                    0xf8); /* a | (b & c) */
+                hi = _mm512_ternarylogic_epi32(
+                    hi, sh <= 4 ? _mm512_slli_epi16(b, 4 - sh) : _mm512_srli_epi16(b, sh - 4), bit4,
+                    0xf8);
+            }
+            o->tile[16 * p + m] = lo;
+            o->tile[16 * p + 8 + m] = hi;
+        }
+    }
+    fast_transpose16x16(sm);
+    for (int s = 0; s < 8; s++) o->scale[2 * s] = sm[s], o->mins[s] = sm[8 + s];
+    o->d = _mm512_loadu_ps(d);
+    o->dmin = _mm512_loadu_ps(dmin);
+}
+MOE_INLINE void fast_tile_q4_k(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               void *tile) {
+    fast_tile_k4(w, ws, n_w, i, t.block_bytes, offsetof(moe_block_q4_k, qs), 0, tile);
+}
+MOE_INLINE void fast_tile_q5_k(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               void *tile) {
+    fast_tile_k4(w, ws, n_w, i, t.block_bytes, offsetof(moe_block_q5_k, qs),
+                 offsetof(moe_block_q5_k, qh), tile);
+}
+
+FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f, fast_tile_q4_k)
+FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
+FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 16, 1.0f, fast_tile_iq)
 
 /* ==== The table ==== */
 
