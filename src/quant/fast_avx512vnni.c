@@ -292,6 +292,18 @@ MOE_INLINE void fast_transpose16x16(__m512i r[16]) {
     }
 }
 
+/* The bias of a tile of signed values with a scale per 16 (fast_rows). */
+MOE_INLINE void fast_tile_bias(fast_tile *o) {
+    __m512i bias = _mm512_setzero_si512();
+    for (int j = 0; j < 16; j++) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++)
+            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[4 * j + c]);
+        bias = _mm512_add_epi32(bias, _mm512_mullo_epi32(sum, o->scale[j]));
+    }
+    o->bias = _mm512_slli_epi32(bias, 7);
+}
+
 MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
                              void *tile) {
     fast_tile *o = tile;
@@ -319,16 +331,7 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
     }
     fast_transpose16x16(sc);
     for (int j = 0; j < 16; j++) o->scale[j] = sc[j];
-    if (!t.mins) { /* signed values (fast_rows): the bias */
-        __m512i bias = _mm512_setzero_si512();
-        for (int j = 0; j < 16; j++) {
-            __m512i sum = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++)
-                sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[4 * j + c]);
-            bias = _mm512_add_epi32(bias, _mm512_mullo_epi32(sum, sc[j]));
-        }
-        o->bias = _mm512_slli_epi32(bias, 7);
-    }
+    if (!t.mins) fast_tile_bias(o); /* signed values (fast_rows) */
     o->d = _mm512_loadu_ps(d);
 }
 
@@ -531,7 +534,44 @@ MOE_INLINE void fast_tile_q5_k(fast_type t, const uint8_t *w, size_t ws, int n_w
 
 FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f, fast_tile_q4_k)
 FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
-FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 16, 1.0f, fast_tile_iq)
+/* The Q6_K tile straight from the blocks, as Q4_K's: the 16 rows' ql (32 dwords) and qh (16)
+ * transposed as dwords. In half hh of a block, values 4g .. 4g + 3 (g = 0..31) have their low 4
+ * bits in ql dword 16 hh + g % 16 (low nibbles for g < 16, high ones after) and their top 2 in
+ * qh dword 8 hh + g % 8, at bits 2 (g / 8) of each byte; less 32, signed. */
+MOE_INLINE void fast_tile_q6_k(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               void *tile) {
+    fast_tile *o = tile;
+    __m512i ql[2][16], qh[16], sc[16];
+    float d[16];
+    for (int v = 0; v < 16; v++) {
+        const moe_block_q6_k *b =
+            (const moe_block_q6_k *)(w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes);
+        ql[0][v] = z_load(b->ql);
+        ql[1][v] = z_load(b->ql + 64);
+        qh[v] = z_load(b->qh);
+        sc[v] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->scales));
+        d[v] = avx2_fp16(b->d);
+    }
+    fast_transpose16x16(ql[0]);
+    fast_transpose16x16(ql[1]);
+    fast_transpose16x16(qh);
+    fast_transpose16x16(sc);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    for (int hh = 0; hh < 2; hh++)
+        for (int g = 0; g < 32; g++) {
+            const __m512i l = ql[hh][g % 16], h = qh[8 * hh + g % 8];
+            const __m512i nib = _mm512_and_si512(g < 16 ? l : _mm512_srli_epi16(l, 4), low4);
+            const int at = 2 * (g / 8); /* the 2 bits to bits 4, 5, in the byte's 16-bit lane */
+            const __m512i top = at <= 4 ? _mm512_slli_epi16(h, 4 - at) : _mm512_srli_epi16(h, 2);
+            o->tile[32 * hh + g] = _mm512_sub_epi8(_mm512_ternarylogic_epi32(nib, top, top2, 0xf8),
+                                                   _mm512_set1_epi8(32)); /* a | (b & c) */
+        }
+    for (int j = 0; j < 16; j++) o->scale[j] = sc[j];
+    fast_tile_bias(o);
+    o->d = _mm512_loadu_ps(d);
+}
+
+FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 16, 1.0f, fast_tile_q6_k)
 
 /* ==== The table ==== */
 
