@@ -474,6 +474,9 @@ MOE_INLINE void fast_regs_q6_k(const void *block, z_iqb *o) {
  * values of qs dword 8p + m, h = 0 low nibbles, 1 high) transposed likewise and put at bit 4.
  * Scales and mins go through one transpose: per row 8 scales, then 8 mins each twice in a dword
  * (against the bsum pairs). No bias: the values are unsigned (fast_rows). */
+_Static_assert(offsetof(moe_block_q5_k, dmin) == offsetof(moe_block_q4_k, dmin) &&
+                   offsetof(moe_block_q5_k, scales) == offsetof(moe_block_q4_k, scales),
+               "Q4_K and Q5_K blocks start alike");
 MOE_INLINE void fast_tile_k4(const uint8_t *w, size_t ws, int n_w, int64_t i, size_t block_bytes,
                              size_t qs_at, size_t qh_at, void *tile) {
     fast_tile *o = tile;
