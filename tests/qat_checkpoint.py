@@ -27,6 +27,11 @@ below are written from the formats' specifications, not from moe's code.
       A Hugging Face checkpoint (F32, config.json) of a llama or qwen3moe GGUF's weights (F32 or
       Q8_0) dequantized: HF's names, one tensor per expert, llama's q / k rows in HF's order
       (the inverse of the converter's permute).
+  qat_checkpoint.py qwen35-from-gguf MODEL.gguf DIR [--keep-norm] [--keep-a-log] [--keep-v-heads]
+      A Qwen3.5 Hugging Face checkpoint (F32, HF's names and layout, its MTP block, config.json)
+      of a qwen35 GGUF's weights: every edit llama.cpp's converter makes undone (norms as w - 1,
+      A_log = log(-A), conv1d [channels][1][kernel], the value heads in HF's grouped order);
+      --keep-X leaves that one out, writing a checkpoint the converter would misread.
   qat_checkpoint.py set-scale OUT MODULE VALUE
       Overwrites the first scale of a W4A16 module with bf16(VALUE) (an error test's input).
   qat_checkpoint.py check-w4a16 SRC OUT
@@ -516,6 +521,117 @@ def hf_from_gguf(gguf, d):
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
 
 
+QWEN35_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
+                "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+                "ssm_out": "linear_attn.out_proj", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+                "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+QWEN35_MTP = {"nextn.eh_proj": "mtp.fc", "nextn.enorm": "mtp.pre_fc_norm_embedding",
+              "nextn.hnorm": "mtp.pre_fc_norm_hidden", "nextn.shared_head_norm": "mtp.norm"}
+
+
+def qwen35_from_gguf(gguf, d, undo=("norm", "a_log", "v_heads")):
+    """A Qwen3_5ForConditionalGeneration checkpoint (F32, model.language_model.* names, the MTP
+    block as mtp.*, a vision tower the converter leaves out) of a qwen35 GGUF, written from
+    what Hugging Face's Qwen3.5 stores and the converter (conversion/qwen.py: Qwen3NextModel,
+    _LinearAttentionVReorderBase, _Qwen35MtpMixin) changes, each change undone here: norms
+    stored as w - 1 (HF scales by 1 + w; not the linear attention's gated norm), A_log = log(-A),
+    conv1d [channels][1][kernel], and the value heads of the linear attention in HF's grouped
+    order (those of key head 0 first) instead of ggml's tiled one. `undo` lists the changes
+    undone: leaving one out writes a checkpoint the converter would misread (the test's proof
+    that each one matters)."""
+    meta, tensors = gguf_read(gguf)
+    a = "qwen35"
+    n_mtp = meta.get(a + ".nextn_predict_layers", 0)
+    n_layer = meta[a + ".block_count"] - n_mtp
+    nk, nv = meta[a + ".ssm.group_count"], meta[a + ".ssm.time_step_rank"]
+    dk, dv = meta[a + ".ssm.state_size"], meta[a + ".ssm.inner_size"] // nv
+
+    def grouped(x, axis, first, c):
+        """ggml's tiled value heads [nv/nk][nk][c] from index `first` on, back to [nk][nv/nk][c]"""
+        if "v_heads" not in undo or nk == nv:
+            return x
+        x = np.moveaxis(x, axis, 0)
+        head, tail = x[:first], x[first:]
+        tail = tail.reshape(nv // nk, nk, c, *tail.shape[1:]).swapaxes(0, 1).reshape(tail.shape)
+        return np.moveaxis(np.concatenate([head, tail]), 0, axis)
+
+    out = [("model.visual.blocks.0.attn.qkv.weight", "F32", [8, 4], np.zeros(32, "<f4").tobytes())]
+    for g, (t, ne, raw) in tensors.items():
+        need(t == 0, f"{g}: type {t}, not F32")
+        v = np.frombuffer(raw, "<f4").reshape(list(reversed(ne))).copy()
+        if g == "token_embd.weight":
+            name = "model.language_model.embed_tokens.weight"
+        elif g == "output_norm.weight":
+            name = "model.language_model.norm.weight"
+        elif g == "output.weight":
+            name = "lm_head.weight"
+        else:
+            _, layer, kind = g.split(".", 2)
+            kind = kind.rsplit(".", 1)[0]
+            layer = int(layer)
+            if layer >= n_layer:
+                p = f"mtp.layers.{layer - n_layer}."
+            else:
+                p = f"model.language_model.layers.{layer}."
+            if kind in QWEN35_MTP:
+                name = QWEN35_MTP[kind] + ".weight"
+            elif kind == "ssm_a":
+                name = p + "linear_attn.A_log"
+                if "a_log" in undo:
+                    v = np.log(-v)
+                v = grouped(v, 0, 0, 1)
+            elif kind == "ssm_dt":
+                name = p + "linear_attn.dt_bias"
+                v = grouped(v, 0, 0, 1)
+            else:
+                name = p + QWEN35_NAMES[kind] + ".weight"
+                if kind in ("attn_qkv", "ssm_conv1d"):
+                    v = grouped(v, 0, 2 * nk * dk, dv)
+                elif kind == "attn_gate":
+                    v = grouped(v, 0, 0, dv)
+                elif kind in ("ssm_alpha", "ssm_beta"):
+                    v = grouped(v, 0, 0, 1)
+                elif kind == "ssm_out":
+                    v = grouped(v, 1, 0, dv)
+                if kind == "ssm_conv1d":
+                    v = v[:, None, :]
+            if kind.endswith("norm") and kind != "ssm_norm" and "norm" in undo:
+                v = v - np.float32(1)
+        if g == "output_norm.weight" and "norm" in undo:
+            v = v - np.float32(1)
+        out.append((name, "F32", list(v.shape), np.ascontiguousarray(v, dtype="<f4").tobytes()))
+    os.makedirs(d, exist_ok=True)
+    st_write(os.path.join(d, "model.safetensors"), out, {"format": "pt"})
+    hd = meta[a + ".attention.key_length"]
+    text = {"model_type": "qwen3_5_text", "vocab_size": tensors["token_embd.weight"][1][1],
+            "hidden_size": meta[a + ".embedding_length"],
+            "intermediate_size": meta[a + ".feed_forward_length"],
+            "num_hidden_layers": n_layer, "mtp_num_hidden_layers": n_mtp,
+            "num_attention_heads": meta[a + ".attention.head_count"],
+            "num_key_value_heads": meta[a + ".attention.head_count_kv"], "head_dim": hd,
+            "rms_norm_eps": meta[a + ".attention.layer_norm_rms_epsilon"],
+            "max_position_embeddings": meta[a + ".context_length"],
+            "full_attention_interval": meta[a + ".full_attention_interval"],
+            "layer_types": ["full_attention" if (i + 1) % meta[a + ".full_attention_interval"] == 0
+                            else "linear_attention" for i in range(n_layer)],
+            "linear_conv_kernel_dim": meta[a + ".ssm.conv_kernel"],
+            "linear_key_head_dim": dk, "linear_value_head_dim": dv,
+            "linear_num_key_heads": nk, "linear_num_value_heads": nv,
+            "rope_parameters": {"rope_type": "default", "rope_theta": meta[a + ".rope.freq_base"],
+                                "mrope_section": meta[a + ".rope.dimension_sections"][:3],
+                                "mrope_interleaved": True,
+                                "partial_rotary_factor": meta[a + ".rope.dimension_count"] / hd},
+            "tie_word_embeddings": "output.weight" not in tensors}
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "text_config": text, "vision_config": {"depth": 1}, "torch_dtype": "float32"}
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
+
+
 def check_w4a16(src, out):
     exp = json.load(open(os.path.join(src, "expected.json")))
     s = st_read_dir(src)
@@ -790,6 +906,11 @@ def main():
             check_w4a16(a[1], a[2])
         elif a[0] == "hf-from-gguf":
             hf_from_gguf(a[1], a[2])
+        elif a[0] == "qwen35-from-gguf":
+            keep = [k for k in ("norm", "a_log", "v_heads")
+                    if "--keep-" + k.replace("_", "-") not in a]
+            paths = [x for x in a[1:] if not x.startswith("--")]
+            qwen35_from_gguf(paths[0], paths[1], keep)
         elif a[0] == "set-scale":
             set_scale(a[1], a[2], float(a[3]))
         elif a[0] == "check-view":
