@@ -32,6 +32,11 @@ below are written from the formats' specifications, not from moe's code.
       of a qwen35 GGUF's weights: every edit llama.cpp's converter makes undone (norms as w - 1,
       A_log = log(-A), conv1d [channels][1][kernel], the value heads in HF's grouped order);
       --keep-X leaves that one out, writing a checkpoint the converter would misread.
+  qat_checkpoint.py w4a16-twins SRC W4A16_DIR F32_DIR
+      SRC (an F32 checkpoint) with its 2-D weights as compressed-tensors W4A16 modules (levels
+      round(w / scale), bf16 scale max|w| / 7), and the same values scale x level at F32.
+  qat_checkpoint.py same-gguf A.gguf B.gguf
+      The two files hold the same tensors (names, shapes) with the same values (F32, Q4_0).
   qat_checkpoint.py set-scale OUT MODULE VALUE
       Overwrites the first scale of a W4A16 module with bf16(VALUE) (an error test's input).
   qat_checkpoint.py check-w4a16 SRC OUT
@@ -632,6 +637,72 @@ def qwen35_from_gguf(gguf, d, undo=("norm", "a_log", "v_heads")):
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
 
 
+def w4a16_twins(src, w4_dir, f32_dir):
+    """From an F32 checkpoint SRC: W4A16_DIR, its 2-D weights (not embeddings, head, norms or
+    conv1d) quantized as compressed-tensors pack-quantized modules (bf16 scale max|w| / 7 per
+    group of 32, level round(w / scale) in -8..7), and F32_DIR, the same checkpoint with those
+    modules' values scale x level at F32; the rest copied to both"""
+    t = st_read_dir(src)
+    w4, f32, ignore = [], [], []
+    for name, (dt, shape, raw) in t.items():
+        quant = (dt == "F32" and len(shape) == 2 and shape[1] % GROUP == 0 and
+                 name.endswith(".weight") and "norm" not in name and "embed" not in name and
+                 "conv1d" not in name and not name.startswith("lm_head"))
+        if not quant:
+            w4.append((name, dt, shape, raw))
+            f32.append((name, dt, shape, raw))
+            ignore.append(name[:-len(".weight")])
+            continue
+        rows, cols = shape
+        g = np.frombuffer(raw, "<f4").reshape(-1, GROUP)
+        peak = np.abs(g).max(axis=1)
+        scale = bf16_to_f32(f32_to_bf16_bits(np.where(peak > 0, peak / 7, 1)).tobytes())
+        lv = np.clip(np.rint(g / scale[:, None]), -8, 7).astype(np.int8)
+        vals = (lv.astype(np.float32) * scale[:, None]).astype("<f4")
+        f32.append((name, "F32", shape, vals.tobytes()))
+        u = (lv.reshape(rows, cols).astype(np.int32) + 8).astype(np.uint32)
+        packed = np.zeros((rows, cols // 8), dtype=np.uint32)
+        for i in range(8):
+            packed |= u[:, i::8] << np.uint32(4 * i)
+        mod = name[:-len(".weight")]
+        w4 += [(mod + ".weight_packed", "I32", [rows, cols // 8], packed.astype("<u4").tobytes()),
+               (mod + ".weight_scale", "BF16", [rows, cols // GROUP],
+                f32_to_bf16_bits(scale).astype("<u2").tobytes()),
+               (mod + ".weight_shape", "I64", [2], np.array([rows, cols], "<i8").tobytes())]
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    for d, ts in ((w4_dir, w4), (f32_dir, f32)):
+        os.makedirs(d, exist_ok=True)
+        st_write(os.path.join(d, "model.safetensors"), ts, {"format": "pt"})
+        if d == w4_dir:
+            cfg["quantization_config"] = {
+                "quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": GROUP}}}, "ignore": ignore}
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
+
+
+def q4_0_to_f32(raw):
+    """ggml's Q4_0: blocks of an f16 scale and 32 nibbles (low halves first), value = d x (q - 8)"""
+    b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 18)
+    d = b[:, :2].copy().view("<f2").astype(np.float32)
+    q = np.concatenate([b[:, 2:] & 15, b[:, 2:] >> 4], axis=1).astype(np.float32) - 8
+    return (d * q).reshape(-1)
+
+
+def same_gguf(a, b):
+    """two GGUFs with the same tensors (names, shapes) and values (F32 or Q4_0 decoded here)"""
+    _, ta = gguf_read(a)
+    _, tb = gguf_read(b)
+    need(set(ta) == set(tb), f"tensor names differ: {sorted(set(ta) ^ set(tb))[:6]}")
+    decode = {0: lambda r: np.frombuffer(r, "<f4"), 2: q4_0_to_f32}
+    for name in ta:
+        need(ta[name][1] == tb[name][1], f"{name}: shape {ta[name][1]} vs {tb[name][1]}")
+        x, y = decode[ta[name][0]](ta[name][2]), decode[tb[name][0]](tb[name][2])
+        bad = np.nonzero(x != y)[0]
+        need(len(bad) == 0, f"{name}: value {bad[:1]} is {x[bad[:1]]} vs {y[bad[:1]]}")
+
+
 def check_w4a16(src, out):
     exp = json.load(open(os.path.join(src, "expected.json")))
     s = st_read_dir(src)
@@ -911,6 +982,10 @@ def main():
                     if "--keep-" + k.replace("_", "-") not in a]
             paths = [x for x in a[1:] if not x.startswith("--")]
             qwen35_from_gguf(paths[0], paths[1], keep)
+        elif a[0] == "w4a16-twins":
+            w4a16_twins(a[1], a[2], a[3])
+        elif a[0] == "same-gguf":
+            same_gguf(a[1], a[2])
         elif a[0] == "set-scale":
             set_scale(a[1], a[2], float(a[3]))
         elif a[0] == "check-view":

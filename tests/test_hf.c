@@ -285,6 +285,30 @@ static void qwen35_checkpoint_matches_fixture(void **state) {
     }
 }
 
+/* A W4A16 qwen35: the fixture's HF checkpoint with its 2-D weights as compressed-tensors
+ * modules (numpy). Read through the same edits (Q4_0 rows reordered whole, ssm_out's value-head
+ * columns moved as whole Q4_0 blocks) and dequantized by moe quantize, it equals value for value
+ * the F32 checkpoint of the same values (numpy decodes both files); and it runs, MTP head too. */
+static void qwen35_w4a16_equals_f32_twin(void **state) {
+    (void)state;
+    const char *gguf = moe_test_shared("parity/qwen35-mtp-f32.gguf");
+    if (!gguf) return;
+    char d[300], cmd[8192];
+    snprintf(d, sizeof d, "%s/hf/qwen35-w4", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd,
+             "rm -rf '%s' && mkdir -p '%s' && " PY " qwen35-from-gguf '%s' '%s/hf' && " PY
+             " w4a16-twins '%s/hf' '%s/w4a16' '%s/f32' && %s quantize '%s/w4a16' '%s/a.gguf' "
+             "--rule '.=F32' && %s quantize '%s/f32' '%s/b.gguf' --rule '.=F32' && %s logits "
+             "'%s/w4a16' --tokens 1,403,407,261 --mtp --out '%s/mtp.f32'",
+             d, d, gguf, d, d, d, d, moe_test_bin(), d, d, moe_test_bin(), d, d, moe_test_bin(), d,
+             d);
+    free(stdout_of(cmd));
+    snprintf(cmd, sizeof cmd, PY " same-gguf '%s/a.gguf' '%s/b.gguf'", d, d);
+    char *out = stdout_of(cmd);
+    assert_string_equal(out, "ok\n");
+    free(out);
+}
+
 /* The chat template of tokenizer_config.json, rendered from the checkpoint directory (moe
  * template renders bos_token only from a template's caller, so none here). */
 static void chat_template_from_checkpoint(void **state) {
@@ -344,6 +368,7 @@ int moe_suite_hf(void) {
         cmocka_unit_test(llama_checkpoint_matches_fixture),
         cmocka_unit_test(qwen3moe_checkpoint_matches_fixture),
         cmocka_unit_test(qwen35_checkpoint_matches_fixture),
+        cmocka_unit_test(qwen35_w4a16_equals_f32_twin),
         cmocka_unit_test(chat_template_from_checkpoint),
         cmocka_unit_test(errors),
     };
