@@ -28,6 +28,8 @@ import re
 import struct
 import sys
 
+from qat_checkpoint import learn_merges
+
 SPACE = "\u2581"
 CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 N_MERGES = 300
@@ -60,30 +62,7 @@ def train():
     counts = {}
     for w in words(TEXT):
         counts[tuple(w)] = counts.get(tuple(w), 0) + 1
-    merges = []
-    while len(merges) < N_MERGES:
-        pairs = {}
-        for w, c in counts.items():
-            for p in zip(w, w[1:]):
-                pairs[p] = pairs.get(p, 0) + c
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        vocab.setdefault(best[0] + best[1], len(vocab))
-        new = {}
-        for w, c in counts.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new[tuple(out)] = new.get(tuple(out), 0) + c
-        counts = new
-    return vocab, merges
+    return vocab, learn_merges(counts, vocab, len(vocab) + N_MERGES)
 
 
 def write_json(d, vocab, merges):

@@ -241,6 +241,36 @@ BPE_TEXT = ("Once upon a time there was a little model that ran on a small compu
             "were the same. The end of the story is that every token came back again. ")
 
 
+def learn_merges(words, vocab, n_tokens):
+    """BPE training: merge the most frequent adjacent pair of words ({tuple of symbols: count};
+    the smallest pair on ties) until vocab holds n_tokens entries or no pair is left. New
+    tokens are appended to vocab; returns the merges as (left, right) pairs."""
+    merges = []
+    while len(vocab) < n_tokens:
+        pairs = {}
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] = pairs.get(p, 0) + c
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        vocab.setdefault(best[0] + best[1], len(vocab))
+        new = {}
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new[tuple(out)] = new.get(tuple(out), 0) + c
+        words = new
+    return merges
+
+
 def add_bpe_tokenizer(d, n_tokens):
     """a real byte-level BPE tokenizer.json: the 256 bytes, merges learned from BPE_TEXT until
     n_tokens, four added control tokens, GPT-2's pre-tokenizer; a tokenizer_config.json with
@@ -252,29 +282,7 @@ def add_bpe_tokenizer(d, n_tokens):
         w = ("Ġ" if w.startswith(" ") else "") + w.strip()
         if w:
             words[tuple(w)] = words.get(tuple(w), 0) + 1
-    merges = []
-    while len(vocab) < n_tokens:
-        pairs = {}
-        for w, c in words.items():
-            for p in zip(w, w[1:]):
-                pairs[p] = pairs.get(p, 0) + c
-        if not pairs:
-            break
-        best = max(sorted(pairs), key=lambda p: pairs[p])
-        merges.append(best[0] + " " + best[1])
-        vocab[best[0] + best[1]] = len(vocab)
-        new = {}
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new[tuple(out)] = c
-        words = new
+    merges = [a + " " + b for a, b in learn_merges(words, vocab, n_tokens)]
     added = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
     t = {"version": "1.0", "added_tokens": [
             {"id": len(vocab) + i, "content": a, "single_word": False, "lstrip": False,
