@@ -256,41 +256,94 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
     o->d = _mm512_loadu_ps(d);
 }
 
-/* Few activation rows (decode, a small expert): the tile's decode costs more than it saves, so
- * one weight row at a time, its values in the lanes (the exact path's multiply: magnitudes x
- * activations with the signs, pairs summed, times the scales), each block's int32 lanes summed
- * and added to the row's accumulator with the same fma: the tile's bits. */
+/* ---- Few activation rows (decode, a small expert): no tile ----
+ *
+ * Under FAST_TILE_MIN_ROWS rows the tile's transposes cost more than they save, so each weight
+ * row's block is multiplied where the decode leaves it, values in the lanes (the exact path's
+ * multiply: magnitudes x activations with the signs, pairs summed, times the scales), and the
+ * 16 weight rows' int32 lanes are summed at once by a transposing tree into lane v of one
+ * register: the exact block sums the tile gets, met by the same fma, so the tile's bits. */
 #define FAST_TILE_MIN_ROWS 8
-MOE_INLINE void fast_lanes_iq(z_iqb_fn regs, size_t block_bytes, float mult, const uint8_t *w,
-                              const uint8_t *x, size_t xs, int64_t n_rows, int64_t n, float *out,
-                              int64_t os) {
-    float acc[FAST_TILE_MIN_ROWS] = {0};
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        z_iqb b;
-        regs(w + (size_t)i * block_bytes, &b);
-        const __m512i sc = _mm512_zextsi256_si512(b.sc);
-        for (int64_t r = 0; r < n_rows; r++) {
-            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
-            __m512i sum = _mm512_setzero_si512();
+
+/* s[v] summed over its lanes into lane v (integer adds: exact in any order). */
+MOE_INLINE __m512i fast_sum16x16(const __m512i s[16]) {
+    __m512i t[8], u[4];
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) /* 128-bit lane L: s[2p], s[2p + 1], s[2p], s[2p + 1] */
+        t[p] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * p], s[2 * p + 1]),
+                                _mm512_unpackhi_epi32(s[2 * p], s[2 * p + 1]));
 #pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                const __m512i xk = z_apply_signs(z_load(y->qs + 64 * k), _cvtu64_mask64(b.neg[k]));
-                sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk),
-                                          z_scales(sc, z_idx4(4 * k)));
+    for (int q = 0; q < 4; q++) /* 128-bit lane L: L's part of s[4q .. 4q + 3] */
+        u[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * q], t[2 * q + 1]),
+                                _mm512_unpackhi_epi64(t[2 * q], t[2 * q + 1]));
+    const __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x44),
+                                       _mm512_shuffle_i32x4(u[0], u[1], 0xee));
+    const __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x44),
+                                       _mm512_shuffle_i32x4(u[2], u[3], 0xee));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
+}
+
+MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, int n_w,
+                              const uint8_t *x, size_t xs, int64_t nb, float *out, int64_t os) {
+    __m512 acc[FAST_TILE_MIN_ROWS];
+    __m512i part[FAST_TILE_MIN_ROWS][16];
+    float d[16] __attribute__((aligned(64))) = {0};
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        for (int v = n_w; v < 16; v++) part[r][v] = _mm512_setzero_si512();
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        for (int v = 0; v < n_w; v++) {
+            z_iqb b;
+            t.regs(w + v * ws + (size_t)i * t.block_bytes, &b);
+            const __m512i sc = _mm512_zextsi256_si512(b.sc);
+            __m512i scale[4];
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) scale[k] = z_scales(sc, z_idx4(4 * k));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+                __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const __m512i xk =
+                        z_apply_signs(z_load(y->qs + 64 * k), _cvtu64_mask64(b.neg[k]));
+                    sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk), scale[k]);
+                }
+                part[r][v] = sum;
             }
-            acc[r] = fmaf(b.d * y->d * mult, (float)_mm512_reduce_add_epi32(sum), acc[r]);
+            d[v] = b.d;
+        }
+        const __m512 dw = _mm512_load_ps(d);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+            acc[r] = _mm512_fmadd_ps(
+                _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y->d)), _mm512_set1_ps(t.mult)),
+                _mm512_cvtepi32_ps(fast_sum16x16(part[r])), acc[r]);
         }
     }
-    for (int64_t r = 0; r < n_rows; r++) out[r * os] = acc[r];
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(out + r * os, (__mmask16)((1u << n_w) - 1), acc[r]);
 }
 
 MOE_INLINE void fast_tile_rows_iq(fast_type t, const void *w, size_t ws, int n_w, const void *x,
                                   size_t xs, int64_t n_rows, int64_t n, float *out, int64_t os) {
-    if (n_rows < FAST_TILE_MIN_ROWS) {
-        for (int v = 0; v < n_w; v++)
-            fast_lanes_iq(t.regs, t.block_bytes, t.mult, (const uint8_t *)w + v * ws, x, xs, n_rows,
-                          n, out + v, os);
+    switch (n_rows) { /* a constant R for each count, so the row loops unroll */
+#define FAST_LANES(R)                                                                              \
+    case R:                                                                                        \
+        fast_lanes_iq(R, t, w, ws, n_w, x, xs, n / MOE_QK_K, out, os);                             \
         return;
+        FAST_LANES(1)
+        FAST_LANES(2)
+        FAST_LANES(3)
+        FAST_LANES(4)
+        FAST_LANES(5)
+        FAST_LANES(6)
+        FAST_LANES(7)
+#undef FAST_LANES
+    default:
+        break;
     }
     fast_tile tiles[FAST_IQ_CHUNK];
     fast_drive(t, fast_tile_iq, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs,
