@@ -18,6 +18,7 @@ void moe_kernels_fill_avx512(moe_kernels *k);
 void moe_kernels_fill_avx512vnni(moe_kernels *k);
 /* The fast path's kernels of a level, over a copy of that level's exact table (quant.h). */
 void moe_kernels_fill_fast_scalar(moe_kernels *k);
+void moe_kernels_fill_fast_avx2(moe_kernels *k);
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k);
 /* The AVX2 attention mix, for the tails of the wider one. */
 void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
