@@ -373,10 +373,10 @@ MOE_INLINE float iq3_xxs_block(int R, const void *block, const moe_block_q8_k *c
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *p = gi + 8 * ib;
         const uint32_t aux = moe_load_le32(ss + 4 * ib);
-        const __m256i g = _mm256_setr_epi32(
-            (int)moe_iq3xxs_grid[p[0]], (int)moe_iq3xxs_grid[p[1]], (int)moe_iq3xxs_grid[p[2]],
-            (int)moe_iq3xxs_grid[p[3]], (int)moe_iq3xxs_grid[p[4]], (int)moe_iq3xxs_grid[p[5]],
-            (int)moe_iq3xxs_grid[p[6]], (int)moe_iq3xxs_grid[p[7]]);
+        const __m256i g = _mm256_setr_epi32((int)moe_iq3xxs_grid[p[0]], (int)moe_iq3xxs_grid[p[1]],
+                                            (int)moe_iq3xxs_grid[p[2]], (int)moe_iq3xxs_grid[p[3]],
+                                            (int)moe_iq3xxs_grid[p[4]], (int)moe_iq3xxs_grid[p[5]],
+                                            (int)moe_iq3xxs_grid[p[6]], (int)moe_iq3xxs_grid[p[7]]);
         const __m256i s =
             avx2_grid4(moe_ksigns64[aux & 127], moe_ksigns64[(aux >> 7) & 127],
                        moe_ksigns64[(aux >> 14) & 127], moe_ksigns64[(aux >> 21) & 127]);
@@ -434,10 +434,9 @@ MOE_INLINE float iq1_s_block(int R, const void *block, const moe_block_q8_k *con
     for (int ib = 0; ib < 8; ib++) {
         const unsigned qh = b->qh[ib];
         const uint8_t *qs = b->qs + 4 * ib;
-        const __m256i g = avx2_grid4(moe_iq1s_grid[qs[0] | ((qh << 8) & 0x700)],
-                                     moe_iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
-                                     moe_iq1s_grid[qs[2] | ((qh << 2) & 0x700)],
-                                     moe_iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
+        const __m256i g = avx2_grid4(
+            moe_iq1s_grid[qs[0] | ((qh << 8) & 0x700)], moe_iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
+            moe_iq1s_grid[qs[2] | ((qh << 2) & 0x700)], moe_iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
         const __m256i q = iq1_values(g, _mm256_set1_epi64x((long long)iq1_delta(qh & 0x8000)));
         rows_i8_madd(R, q, _mm256_set1_epi16((short)(2 * ((qh >> 12) & 7) + 1)), y, 32 * ib, sumi);
     }
@@ -457,10 +456,9 @@ MOE_INLINE float iq1_m_block(int R, const void *block, const moe_block_q8_k *con
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *qs = b->qs + 4 * ib;
         const unsigned h0 = b->qh[2 * ib], h1 = b->qh[2 * ib + 1];
-        const __m256i g = avx2_grid4(moe_iq1s_grid[qs[0] | ((h0 << 8) & 0x700)],
-                                     moe_iq1s_grid[qs[1] | ((h0 << 4) & 0x700)],
-                                     moe_iq1s_grid[qs[2] | ((h1 << 8) & 0x700)],
-                                     moe_iq1s_grid[qs[3] | ((h1 << 4) & 0x700)]);
+        const __m256i g = avx2_grid4(
+            moe_iq1s_grid[qs[0] | ((h0 << 8) & 0x700)], moe_iq1s_grid[qs[1] | ((h0 << 4) & 0x700)],
+            moe_iq1s_grid[qs[2] | ((h1 << 8) & 0x700)], moe_iq1s_grid[qs[3] | ((h1 << 4) & 0x700)]);
         const __m256i delta = avx2_grid4(iq1_delta(h0 & 0x08), iq1_delta(h0 & 0x80),
                                          iq1_delta(h1 & 0x08), iq1_delta(h1 & 0x80));
         rows_i8_madd(R, iq1_values(g, delta), avx2_scale_pair16(sc, 2 * ib), y, 32 * ib, sumi);
@@ -744,8 +742,10 @@ void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
 
 /* s[v] summed over its lanes into lane v (integer adds: exact in any order). */
 MOE_INLINE __m256i fast_sum8x8(const __m256i s[8]) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    const __m256i a =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i b =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
     /* a: rows 0..3 of the low 128 bits, then of the high; b: rows 4..7 */
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
                             _mm256_permute2x128_si256(a, b, 0x31));
@@ -753,8 +753,8 @@ MOE_INLINE __m256i fast_sum8x8(const __m256i s[8]) {
 
 /* A type's block sums for R activation rows (block i of each, rows xs bytes apart): sumi[r]
  * (zero on entry) gets the 8 int32 lanes of row r, *dx[r] its activation scale; returns d_w. */
-typedef float (*fast_sums_fn)(int R, const uint8_t *w_block, const uint8_t *x, size_t xs,
-                              int64_t i, __m256i *sumi, float *dx);
+typedef float (*fast_sums_fn)(int R, const uint8_t *w_block, const uint8_t *x, size_t xs, int64_t i,
+                              __m256i *sumi, float *dx);
 
 MOE_INLINE float fast_sums_q8_0(int R, const uint8_t *w_block, const uint8_t *x, size_t xs,
                                 int64_t i, __m256i *sumi, float *dx) {
@@ -819,34 +819,38 @@ MOE_INLINE void fast_lanes(int R, fast_sums_fn sums, iq_block_fn block, size_t b
 }
 
 /* The tile kernel (quant.h, moe_dot_tile_fn): weight rows 8 at a time, activation rows in
- * groups of MOE_DOT_ROWS (a block is decoded once per group). */
-MOE_INLINE void fast_tile(fast_sums_fn sums, iq_block_fn block, size_t block_bytes,
-                          int block_values, float mult, const void *w, size_t ws, int n_w,
-                          const void *x, size_t xs, int64_t n_rows, int64_t n, float *out,
-                          int64_t os) {
-    for (int v0 = 0; v0 < n_w; v0 += 8) {
-        const uint8_t *wv = (const uint8_t *)w + (size_t)v0 * ws, *xb = x;
-        const int nv = n_w - v0 < 8 ? n_w - v0 : 8;
-        int64_t r = 0;
-#define FAST_STEP(R, unused)                                                                       \
-    fast_lanes(R, sums, block, block_bytes, mult, wv, ws, nv, xb + (size_t)r * xs, xs,             \
-               n / block_values, out + r * os + v0, os)
-        MOE_ROW_GROUPS(r, n_rows, FAST_STEP, 0);
-#undef FAST_STEP
+ * groups of MOE_DOT_ROWS (a block is decoded once per group). Each group size is a function of
+ * its own (fast_lanes_<t>_<R>), so the loop constants of one are not kept, spilled, across the
+ * others. */
+#define FAST_LANES_R(t, R, sums, block, values, mult)                                              \
+    static __attribute__((noinline)) void fast_lanes_##t##_##R(                                    \
+        const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs, int64_t n, float *out,  \
+        int64_t os) {                                                                              \
+        fast_lanes(R, sums, block, sizeof(moe_block_##t), mult, w, ws, n_w, x, xs, n / (values),   \
+                   out, os);                                                                       \
     }
-}
-
 #define FAST_KERNELS(t, sums, block, values, mult)                                                 \
+    FAST_LANES_R(t, 1, sums, block, values, mult)                                                  \
+    FAST_LANES_R(t, 2, sums, block, values, mult)                                                  \
+    FAST_LANES_R(t, 3, sums, block, values, mult)                                                  \
+    FAST_LANES_R(t, 4, sums, block, values, mult)                                                  \
     static void fast_tile_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,         \
                               int64_t n_rows, int64_t n, float *out, int64_t os) {                 \
-        fast_tile(sums, block, sizeof(moe_block_##t), values, mult, w, ws, n_w, x, xs, n_rows, n,  \
-                  out, os);                                                                        \
+        for (int v0 = 0; v0 < n_w; v0 += 8) {                                                      \
+            const uint8_t *wv = (const uint8_t *)w + (size_t)v0 * ws, *xb = x;                     \
+            const int nv = n_w - v0 < 8 ? n_w - v0 : 8;                                            \
+            int64_t r = 0;                                                                         \
+            MOE_ROW_GROUPS(r, n_rows, FAST_STEP_, t, wv, ws, nv, xb, xs, n, out, os, v0);          \
+        }                                                                                          \
     }                                                                                              \
     static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
         float out;                                                                                 \
-        fast_tile_##t(w, 0, 1, x, 0, 1, n, &out, 1);                                               \
+        fast_lanes_##t##_1(w, 0, 1, x, 0, n, &out, 1);                                             \
         return out;                                                                                \
     }
+#define FAST_STEP_(R, ...) FAST_CALL_(R, __VA_ARGS__) /* R expanded (MOE_DOT_ROWS) first */
+#define FAST_CALL_(R, t, wv, ws, nv, xb, xs, n, out, os, v0)                                       \
+    fast_lanes_##t##_##R(wv, ws, nv, xb + (size_t)r * xs, xs, n, out + r * os + v0, os)
 FAST_KERNELS(q8_0, fast_sums_q8_0, NULL, MOE_QK32, 1.0f)
 #define FAST_IQ(t, mult) FAST_KERNELS(t, NULL, t##_block, MOE_QK_K, mult)
 FAST_IQ(iq2_xxs, 0.125f)
