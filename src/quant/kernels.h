@@ -1,9 +1,9 @@
 /* kernels.h: quant's internal interface between the table builder (kernels.c) and the per-ISA
- * kernel files (x86_avx2.c; x86_avx512.c, built once per AVX-512 level).
+ * kernel files (x86_avx2.c; x86_avx512.c, built once per AVX-512 level; fast_avx512vnni.c).
  *
- * Each ISA file is compiled with its own -m flags (Makefile, isa_of) and each build exports
- * exactly one function: it overwrites the entries of a table it has a faster kernel for and
- * leaves the rest (inherited from the level below) alone. The trap: nothing may call into an ISA
+ * Each ISA file is compiled with its own -m flags (Makefile, isa_of) and exports its fill
+ * functions (the exact table's; x86_avx2.c also the fast table's): each overwrites the entries of
+ * a table it has a faster kernel for and leaves the rest (inherited from the level below) alone. The trap: nothing may call into an ISA
  * file before kernels.c has checked that the CPU runs that level -- the file's own static
  * initialisers and helpers may already use its instructions. */
 #ifndef MOE_QUANT_KERNELS_H

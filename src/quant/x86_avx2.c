@@ -6,7 +6,8 @@
  * forms the exact integer block sum with maddubs/madd, and accumulates block sum x float scale
  * product in float lanes: the integer part is exactly the reference's, only the float
  * summation order differs. A loop that works on several blocks at a time hands the blocks left
- * over to the scalar reference (the "scalar tail"). The trap: the activation conversions must
+ * over to the scalar reference (the "scalar tail"). The codebook types' block functions serve
+ * the fast path's avx2 kernels too (moe_kernels_fill_fast_avx2, at the end). The trap: the activation conversions must
  * write the reference's bytes exactly (round half to even via cvtps, the same float operations
  * in the same order), or every dot moves by ~1e-3; test_kernels checks them byte for byte. */
 #include "x86_avx2.h"
