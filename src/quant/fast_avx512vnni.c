@@ -8,8 +8,8 @@
  * out once per tile, comes off again: the int32 block sums are exact. Then, lane for lane, one
  * multiply-add per block: the scalar reference's order (ref_fast.c), so a dot gives the same bits
  * alone, in a batch, at any tile width. Under FAST_TILE_MIN_ROWS activation rows the codebook
- * types skip the tile (the lanes section) with the same bits. The trap: an activation byte of -128 would overflow the
- * unsigned bias; the Q8 activation quantizers clamp to +-127. */
+ * types skip the tile (the lanes section) with the same bits. The trap: an activation byte of -128
+ * would overflow the unsigned bias; the Q8 activation quantizers clamp to +-127. */
 #define MOE_AVX512_VNNI 1
 #include <math.h>
 

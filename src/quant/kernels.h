@@ -3,9 +3,9 @@
  *
  * Each ISA file is compiled with its own -m flags (Makefile, isa_of) and exports its fill
  * functions (the exact table's; x86_avx2.c also the fast table's): each overwrites the entries of
- * a table it has a faster kernel for and leaves the rest (inherited from the level below) alone. The trap: nothing may call into an ISA
- * file before kernels.c has checked that the CPU runs that level -- the file's own static
- * initialisers and helpers may already use its instructions. */
+ * a table it has a faster kernel for and leaves the rest (inherited from the level below) alone.
+ * The trap: nothing may call into an ISA file before kernels.c has checked that the CPU runs that
+ * level -- the file's own static initialisers and helpers may already use its instructions. */
 #ifndef MOE_QUANT_KERNELS_H
 #define MOE_QUANT_KERNELS_H
 

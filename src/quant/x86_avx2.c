@@ -7,9 +7,10 @@
  * product in float lanes: the integer part is exactly the reference's, only the float
  * summation order differs. A loop that works on several blocks at a time hands the blocks left
  * over to the scalar reference (the "scalar tail"). The codebook types' block functions serve
- * the fast path's avx2 kernels too (moe_kernels_fill_fast_avx2, at the end). The trap: the activation conversions must
- * write the reference's bytes exactly (round half to even via cvtps, the same float operations
- * in the same order), or every dot moves by ~1e-3; test_kernels checks them byte for byte. */
+ * the fast path's avx2 kernels too (moe_kernels_fill_fast_avx2, at the end). The trap: the
+ * activation conversions must write the reference's bytes exactly (round half to even via cvtps,
+ * the same float operations in the same order), or every dot moves by ~1e-3; test_kernels checks
+ * them byte for byte. */
 #include "x86_avx2.h"
 
 #include <math.h>
@@ -292,99 +293,101 @@ MOE_DOT_AND_ROWS(dot_q3_k, dot_rows_q3_k, k23_rows, true)
 
 /* ==== IQ types against Q8_K ==== */
 
-/* Each codebook type is one block function: it decodes a super-block once and adds, for each of
- * R activation rows (y[r]: the row's Q8_K block), the exact integer sum of the block's scaled
- * products in 8 int32 lanes to sumi[r] (zero on entry); it returns the block's float scale d_w.
- * The exact path (iq_rows) turns each sum into float lanes at once (ggml's order); the fast
- * path (below) sums the lanes of 8 weight rows' blocks first. */
-typedef float (*iq_block_fn)(int R, const void *block, const moe_block_q8_k *const *y,
-                             __m256i *sumi);
+/* Each codebook type is two decodes: its head (what the block keeps for all its values: the
+ * sub-block scales as the type stores them, d_w) and its chunks (32 values: magnitudes u, the
+ * sign mask, the int16 weight of each product pair's scale). Every use is a loop over a block's
+ * 8 chunks: the exact path's multiply (iq_block: each row's integer sums in 8 lanes, turned to
+ * float lanes at once, ggml's order) and the fast path's (below). Magnitudes are <= 62 for the
+ * grids (IQ2: 43, IQ3_XXS: 62, IQ3_S: 15, IQ1: 9) and <= 127 for IQ4_XS, so u x signed q8 fits
+ * maddubs. */
+typedef struct {
+    __m128i sc; /* the block's scales as its chunk decode reads them (unused by some types) */
+    float d;    /* d_w */
+} iq_head;
+typedef struct {
+    __m256i u, neg, scale;
+} iq_chunk;
+typedef iq_head (*iq_head_fn)(const void *block);
+typedef void (*iq_chunk_fn)(const void *block, const iq_head *h, int ib, iq_chunk *c);
 
-/* sumi[r] += scale x (signed q times row r's 32 activations at byte `at`): |q| moves to the
- * unsigned operand once, its signs onto each row's activations. */
-MOE_INLINE void rows_i8_madd(int R, __m256i q, __m256i scale, const moe_block_q8_k *const *y,
-                             int at, __m256i *sumi) {
-    const __m256i u = _mm256_sign_epi8(q, q);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const __m256i p16 = avx2_mul_u8_i8(u, _mm256_sign_epi8(avx2_load(y[r]->qs + at), q));
-        sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p16, scale));
-    }
+MOE_INLINE iq_head iq_head_d(float d) {
+    return (iq_head){_mm_setzero_si128(), d};
+}
+/* Signed q as magnitudes and a sign mask. */
+MOE_INLINE void iq_chunk_signed(__m256i q, __m256i scale, iq_chunk *c) {
+    c->u = _mm256_sign_epi8(q, q);
+    c->neg = _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
+    c->scale = scale;
+}
+/* The sign masks of four 7-bit ksigns indices (bits 0, 7, 14, 21 of aux). */
+MOE_INLINE __m256i iq_ksigns(uint32_t aux) {
+    return avx2_grid4(moe_ksigns64[aux & 127], moe_ksigns64[(aux >> 7) & 127],
+                      moe_ksigns64[(aux >> 14) & 127], moe_ksigns64[(aux >> 21) & 127]);
+}
+/* 2s + 1 from a 4-bit scale s in the top bits of aux, for all 32 values. */
+MOE_INLINE __m256i iq_top4_scale(uint32_t aux) {
+    return _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
 }
 
-/* IQ2_XXS: per 32 values 4 grid bytes, then 4 x 7-bit sign indices and a 4-bit scale. Grid
- * magnitudes are <= 43, so grid x signed q8 fits maddubs. */
-MOE_INLINE float iq2_xxs_block(int R, const void *block, const moe_block_q8_k *const *y,
-                               __m256i *sumi) {
-    const moe_block_iq2_xxs *b = block;
-    const uint8_t *qs = (const uint8_t *)b->qs;
-    for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *p = qs + 8 * ib;
-        const uint32_t aux = moe_load_le32(p + 4);
-        const __m256i g = avx2_grid4(moe_iq2xxs_grid[p[0]], moe_iq2xxs_grid[p[1]],
-                                     moe_iq2xxs_grid[p[2]], moe_iq2xxs_grid[p[3]]);
-        const __m256i s =
-            avx2_grid4(moe_ksigns64[aux & 127], moe_ksigns64[(aux >> 7) & 127],
-                       moe_ksigns64[(aux >> 14) & 127], moe_ksigns64[(aux >> 21) & 127]);
-        rows_signed_madd(R, g, s, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1)), y, 32 * ib,
-                         sumi);
-    }
-    return avx2_fp16(b->d);
+/* IQ2_XXS: per 32 values 4 grid bytes (8-value entries), then a word of 4 x 7-bit sign indices
+ * and a 4-bit scale. */
+MOE_INLINE iq_head iq2_xxs_head(const void *block) {
+    return iq_head_d(avx2_fp16(((const moe_block_iq2_xxs *)block)->d));
+}
+MOE_INLINE void iq2_xxs_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    (void)h;
+    const uint8_t *p = (const uint8_t *)((const moe_block_iq2_xxs *)block)->qs + 8 * ib;
+    const uint32_t aux = moe_load_le32(p + 4);
+    c->u = avx2_grid4(moe_iq2xxs_grid[p[0]], moe_iq2xxs_grid[p[1]], moe_iq2xxs_grid[p[2]],
+                      moe_iq2xxs_grid[p[3]]);
+    c->neg = iq_ksigns(aux);
+    c->scale = iq_top4_scale(aux);
 }
 
 /* IQ2_XS: per 8 values a 9-bit grid index and a 7-bit sign index; a scale per 16 values. */
-MOE_INLINE float iq2_xs_block(int R, const void *block, const moe_block_q8_k *const *y,
-                              __m256i *sumi) {
+MOE_INLINE iq_head iq2_xs_head(const void *block) {
     const moe_block_iq2_xs *b = block;
-    const __m128i sc = avx2_iq2_scales16(b->scales);
-    for (int ib = 0; ib < 8; ib++) {
-        const uint16_t *q = b->qs + 4 * ib;
-        const __m256i g = avx2_grid4(moe_iq2xs_grid[q[0] & 511], moe_iq2xs_grid[q[1] & 511],
-                                     moe_iq2xs_grid[q[2] & 511], moe_iq2xs_grid[q[3] & 511]);
-        const __m256i s = avx2_grid4(moe_ksigns64[q[0] >> 9], moe_ksigns64[q[1] >> 9],
-                                     moe_ksigns64[q[2] >> 9], moe_ksigns64[q[3] >> 9]);
-        rows_signed_madd(R, g, s, avx2_scale_pair16(sc, 2 * ib), y, 32 * ib, sumi);
-    }
-    return avx2_fp16(b->d);
+    return (iq_head){avx2_iq2_scales16(b->scales), avx2_fp16(b->d)};
+}
+MOE_INLINE void iq2_xs_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    const uint16_t *q = ((const moe_block_iq2_xs *)block)->qs + 4 * ib;
+    c->u = avx2_grid4(moe_iq2xs_grid[q[0] & 511], moe_iq2xs_grid[q[1] & 511],
+                      moe_iq2xs_grid[q[2] & 511], moe_iq2xs_grid[q[3] & 511]);
+    c->neg = avx2_grid4(moe_ksigns64[q[0] >> 9], moe_ksigns64[q[1] >> 9], moe_ksigns64[q[2] >> 9],
+                        moe_ksigns64[q[3] >> 9]);
+    c->scale = avx2_scale_pair16(h->sc, 2 * ib);
 }
 
-/* IQ2_S: 10-bit grid index (qs byte + 2 bits of qh), explicit sign bits. */
-MOE_INLINE float iq2_s_block(int R, const void *block, const moe_block_q8_k *const *y,
-                             __m256i *sumi) {
+/* IQ2_S: 10-bit grid index (qs byte + 2 bits of qh), explicit sign bits, a scale per 16. */
+MOE_INLINE iq_head iq2_s_head(const void *block) {
     const moe_block_iq2_s *b = block;
-    const __m128i sc = avx2_iq2_scales16(b->scales);
-    const uint8_t *qs = b->qs, *signs = b->qs + 32;
-    for (int ib = 0; ib < 8; ib++) {
-        const unsigned qh = b->qh[ib];
-        const __m256i g = avx2_grid4(moe_iq2s_grid[qs[4 * ib + 0] | ((qh << 8) & 0x300)],
-                                     moe_iq2s_grid[qs[4 * ib + 1] | ((qh << 6) & 0x300)],
-                                     moe_iq2s_grid[qs[4 * ib + 2] | ((qh << 4) & 0x300)],
-                                     moe_iq2s_grid[qs[4 * ib + 3] | ((qh << 2) & 0x300)]);
-        rows_signed_madd(R, g, avx2_bits_to_mask(moe_load_le32(signs + 4 * ib)),
-                         avx2_scale_pair16(sc, 2 * ib), y, 32 * ib, sumi);
-    }
-    return avx2_fp16(b->d);
+    return (iq_head){avx2_iq2_scales16(b->scales), avx2_fp16(b->d)};
+}
+MOE_INLINE void iq2_s_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    const moe_block_iq2_s *b = block;
+    const uint8_t *qs = b->qs + 4 * ib;
+    const unsigned qh = b->qh[ib];
+    c->u = avx2_grid4(
+        moe_iq2s_grid[qs[0] | ((qh << 8) & 0x300)], moe_iq2s_grid[qs[1] | ((qh << 6) & 0x300)],
+        moe_iq2s_grid[qs[2] | ((qh << 4) & 0x300)], moe_iq2s_grid[qs[3] | ((qh << 2) & 0x300)]);
+    c->neg = avx2_bits_to_mask(moe_load_le32(b->qs + 32 + 4 * ib));
+    c->scale = avx2_scale_pair16(h->sc, 2 * ib);
 }
 
-/* IQ3_XXS: 4-value grid entries (magnitudes <= 62), sign indices and scale as IQ2_XXS. */
-MOE_INLINE float iq3_xxs_block(int R, const void *block, const moe_block_q8_k *const *y,
-                               __m256i *sumi) {
-    const moe_block_iq3_xxs *b = block;
-    const uint8_t *gi = b->qs, *ss = b->qs + 64;
-    for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *p = gi + 8 * ib;
-        const uint32_t aux = moe_load_le32(ss + 4 * ib);
-        const __m256i g = _mm256_setr_epi32((int)moe_iq3xxs_grid[p[0]], (int)moe_iq3xxs_grid[p[1]],
-                                            (int)moe_iq3xxs_grid[p[2]], (int)moe_iq3xxs_grid[p[3]],
-                                            (int)moe_iq3xxs_grid[p[4]], (int)moe_iq3xxs_grid[p[5]],
-                                            (int)moe_iq3xxs_grid[p[6]], (int)moe_iq3xxs_grid[p[7]]);
-        const __m256i s =
-            avx2_grid4(moe_ksigns64[aux & 127], moe_ksigns64[(aux >> 7) & 127],
-                       moe_ksigns64[(aux >> 14) & 127], moe_ksigns64[(aux >> 21) & 127]);
-        rows_signed_madd(R, g, s, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1)), y, 32 * ib,
-                         sumi);
-    }
-    return avx2_fp16(b->d);
+/* IQ3_XXS: 4-value grid entries, sign indices and scale as IQ2_XXS. */
+MOE_INLINE iq_head iq3_xxs_head(const void *block) {
+    return iq_head_d(avx2_fp16(((const moe_block_iq3_xxs *)block)->d));
+}
+MOE_INLINE void iq3_xxs_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    (void)h;
+    const uint8_t *p = ((const moe_block_iq3_xxs *)block)->qs + 8 * ib;
+    const uint32_t aux = moe_load_le32(((const moe_block_iq3_xxs *)block)->qs + 64 + 4 * ib);
+    c->u = _mm256_setr_epi32((int)moe_iq3xxs_grid[p[0]], (int)moe_iq3xxs_grid[p[1]],
+                             (int)moe_iq3xxs_grid[p[2]], (int)moe_iq3xxs_grid[p[3]],
+                             (int)moe_iq3xxs_grid[p[4]], (int)moe_iq3xxs_grid[p[5]],
+                             (int)moe_iq3xxs_grid[p[6]], (int)moe_iq3xxs_grid[p[7]]);
+    c->neg = iq_ksigns(aux);
+    c->scale = iq_top4_scale(aux);
 }
 
 /* IQ3_S: 9-bit grid index (qs byte + a qh bit), explicit signs, a 4-bit scale per 32. The
@@ -393,35 +396,33 @@ MOE_INLINE float iq3_xxs_block(int R, const void *block, const moe_block_q8_k *c
 #ifndef MOE_IQ3S_GATHER
 #define MOE_IQ3S_GATHER 0
 #endif
-MOE_INLINE float iq3_s_block(int R, const void *block, const moe_block_q8_k *const *y,
-                             __m256i *sumi) {
+MOE_INLINE iq_head iq3_s_head(const void *block) {
     const moe_block_iq3_s *b = block;
-    const __m128i sc = avx2_odd_scales8(b->scales);
-#pragma GCC unroll 8
-    for (int ib = 0; ib < 8; ib++) {
+    return (iq_head){avx2_odd_scales8(b->scales), avx2_fp16(b->d)};
+}
+MOE_INLINE void iq3_s_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    const moe_block_iq3_s *b = block;
 #if MOE_IQ3S_GATHER
-        /* index k = qs[k] | bit k of qh << 8, one 8-lane gather */
-        const __m256i bit8_shift = _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1);
-        const __m256i idx = _mm256_or_si256(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + 8 * ib))),
-            _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(b->qh[ib]), bit8_shift),
-                             _mm256_set1_epi32(256)));
-        const __m256i g = _mm256_i32gather_epi32((const int *)moe_iq3s_grid, idx, 4);
+    /* index k = qs[k] | bit k of qh << 8, one 8-lane gather */
+    const __m256i idx = _mm256_or_si256(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + 8 * ib))),
+        _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(b->qh[ib]),
+                                           _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
+                         _mm256_set1_epi32(256)));
+    c->u = _mm256_i32gather_epi32((const int *)moe_iq3s_grid, idx, 4);
 #else
-        const uint8_t *qs = b->qs + 8 * ib;
-        const unsigned qh = b->qh[ib];
+    const uint8_t *qs = b->qs + 8 * ib;
+    const unsigned qh = b->qh[ib];
 #define IQ3S(k) (int)moe_iq3s_grid[qs[k] | ((qh << (8 - (k))) & 256)]
-        const __m256i g = _mm256_setr_epi32(IQ3S(0), IQ3S(1), IQ3S(2), IQ3S(3), IQ3S(4), IQ3S(5),
-                                            IQ3S(6), IQ3S(7));
+    c->u =
+        _mm256_setr_epi32(IQ3S(0), IQ3S(1), IQ3S(2), IQ3S(3), IQ3S(4), IQ3S(5), IQ3S(6), IQ3S(7));
 #undef IQ3S
 #endif
-        rows_signed_madd(R, g, avx2_bits_to_mask(moe_load_le32(b->signs + 4 * ib)),
-                         avx2_splat_i16(sc, ib), y, 32 * ib, sumi);
-    }
-    return avx2_fp16(b->d);
+    c->neg = avx2_bits_to_mask(moe_load_le32(b->signs + 4 * ib));
+    c->scale = avx2_splat_i16(h->sc, ib);
 }
 
-/* IQ1: q = 8 * grid (-1, 0, 1) + delta (+-1) per value, |q| <= 9; signed dot. */
+/* IQ1: q = 8 * grid (-1, 0, 1) + delta (+-1) per value, |q| <= 9. */
 MOE_INLINE __m256i iq1_values(__m256i grid, __m256i delta) {
     return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), grid), delta);
 }
@@ -429,23 +430,23 @@ MOE_INLINE uint64_t iq1_delta(bool negative) {
     return negative ? 0xffffffffffffffffull : 0x0101010101010101ull;
 }
 
-MOE_INLINE float iq1_s_block(int R, const void *block, const moe_block_q8_k *const *y,
-                             __m256i *sumi) {
+MOE_INLINE iq_head iq1_s_head(const void *block) {
+    return iq_head_d(avx2_fp16(((const moe_block_iq1_s *)block)->d));
+}
+MOE_INLINE void iq1_s_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    (void)h;
     const moe_block_iq1_s *b = block;
-    for (int ib = 0; ib < 8; ib++) {
-        const unsigned qh = b->qh[ib];
-        const uint8_t *qs = b->qs + 4 * ib;
-        const __m256i g = avx2_grid4(
-            moe_iq1s_grid[qs[0] | ((qh << 8) & 0x700)], moe_iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
-            moe_iq1s_grid[qs[2] | ((qh << 2) & 0x700)], moe_iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
-        const __m256i q = iq1_values(g, _mm256_set1_epi64x((long long)iq1_delta(qh & 0x8000)));
-        rows_i8_madd(R, q, _mm256_set1_epi16((short)(2 * ((qh >> 12) & 7) + 1)), y, 32 * ib, sumi);
-    }
-    return avx2_fp16(b->d);
+    const unsigned qh = b->qh[ib];
+    const uint8_t *qs = b->qs + 4 * ib;
+    const __m256i g = avx2_grid4(
+        moe_iq1s_grid[qs[0] | ((qh << 8) & 0x700)], moe_iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
+        moe_iq1s_grid[qs[2] | ((qh << 2) & 0x700)], moe_iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
+    iq_chunk_signed(iq1_values(g, _mm256_set1_epi64x((long long)iq1_delta(qh & 0x8000))),
+                    _mm256_set1_epi16((short)(2 * ((qh >> 12) & 7) + 1)), c);
 }
 
-MOE_INLINE float iq1_m_block(int R, const void *block, const moe_block_q8_k *const *y,
-                             __m256i *sumi) {
+/* IQ1_M: 3-bit scales four to a word, the fp16 d in the words' top nibbles. */
+MOE_INLINE iq_head iq1_m_head(const void *block) {
     const moe_block_iq1_m *b = block;
     uint16_t sw[4];
     memcpy(sw, b->scales, 8);
@@ -453,34 +454,62 @@ MOE_INLINE float iq1_m_block(int R, const void *block, const moe_block_q8_k *con
                                     ((sw[2] >> 4) & 0x0f00) | (sw[3] & 0xf000));
     int8_t scales[16];
     for (int s = 0; s < 16; s++) scales[s] = (int8_t)(2 * ((sw[s / 4] >> (3 * (s % 4))) & 7) + 1);
-    const __m128i sc = _mm_loadu_si128((const __m128i *)scales);
-    for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *qs = b->qs + 4 * ib;
-        const unsigned h0 = b->qh[2 * ib], h1 = b->qh[2 * ib + 1];
-        const __m256i g = avx2_grid4(
-            moe_iq1s_grid[qs[0] | ((h0 << 8) & 0x700)], moe_iq1s_grid[qs[1] | ((h0 << 4) & 0x700)],
-            moe_iq1s_grid[qs[2] | ((h1 << 8) & 0x700)], moe_iq1s_grid[qs[3] | ((h1 << 4) & 0x700)]);
-        const __m256i delta = avx2_grid4(iq1_delta(h0 & 0x08), iq1_delta(h0 & 0x80),
-                                         iq1_delta(h1 & 0x08), iq1_delta(h1 & 0x80));
-        rows_i8_madd(R, iq1_values(g, delta), avx2_scale_pair16(sc, 2 * ib), y, 32 * ib, sumi);
-    }
-    return avx2_fp16(d16);
+    return (iq_head){_mm_loadu_si128((const __m128i *)scales), avx2_fp16(d16)};
+}
+MOE_INLINE void iq1_m_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    const moe_block_iq1_m *b = block;
+    const uint8_t *qs = b->qs + 4 * ib;
+    const unsigned h0 = b->qh[2 * ib], h1 = b->qh[2 * ib + 1];
+    const __m256i g = avx2_grid4(
+        moe_iq1s_grid[qs[0] | ((h0 << 8) & 0x700)], moe_iq1s_grid[qs[1] | ((h0 << 4) & 0x700)],
+        moe_iq1s_grid[qs[2] | ((h1 << 8) & 0x700)], moe_iq1s_grid[qs[3] | ((h1 << 4) & 0x700)]);
+    const __m256i delta = avx2_grid4(iq1_delta(h0 & 0x08), iq1_delta(h0 & 0x80),
+                                     iq1_delta(h1 & 0x08), iq1_delta(h1 & 0x80));
+    iq_chunk_signed(iq1_values(g, delta), avx2_scale_pair16(h->sc, 2 * ib), c);
 }
 
 /* IQ4_XS: IQ4_NL codebook (signed, |v| <= 127) with a 6-bit scale per 32 values. */
-MOE_INLINE float iq4_xs_block(int R, const void *block, const moe_block_q8_k *const *y,
-                              __m256i *sumi) {
+MOE_INLINE iq_head iq4_xs_head(const void *block) {
     const moe_block_iq4_xs *b = block;
+    return (iq_head){avx2_iq4xs_scales(b), avx2_fp16(b->d)};
+}
+MOE_INLINE void iq4_xs_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
     const __m256i book =
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_iq4nl));
-    const __m128i ls = avx2_iq4xs_scales(b);
+    iq_chunk_signed(
+        _mm256_shuffle_epi8(book, avx2_nibbles32(((const moe_block_iq4_xs *)block)->qs + 16 * ib)),
+        avx2_splat_i16(h->sc, ib), c);
+}
+
+/* A block against R activation rows (y[r]: the row's Q8_K block): sumi[r] (zero on entry) gets
+ * the exact integer sum of the block's scaled products in 8 int32 lanes; returns d_w. */
+typedef float (*iq_block_fn)(int R, const void *block, const moe_block_q8_k *const *y,
+                             __m256i *sumi);
+MOE_INLINE float iq_block(int R, iq_head_fn head, iq_chunk_fn chunk, const void *block,
+                          const moe_block_q8_k *const *y, __m256i *sumi) {
+    const iq_head h = head(block);
 #pragma GCC unroll 8
     for (int ib = 0; ib < 8; ib++) {
-        const __m256i q = _mm256_shuffle_epi8(book, avx2_nibbles32(b->qs + 16 * ib));
-        rows_i8_madd(R, q, avx2_splat_i16(ls, ib), y, 32 * ib, sumi);
+        iq_chunk c;
+        chunk(block, &h, ib, &c);
+        rows_signed_madd(R, c.u, c.neg, c.scale, y, 32 * ib, sumi);
     }
-    return avx2_fp16(b->d);
+    return h.d;
 }
+#define IQ_BLOCK(t)                                                                                \
+    MOE_INLINE float t##_block(int R, const void *block, const moe_block_q8_k *const *y,           \
+                               __m256i *sumi) {                                                    \
+        return iq_block(R, t##_head, t##_chunk, block, y, sumi);                                   \
+    }
+IQ_BLOCK(iq2_xxs)
+IQ_BLOCK(iq2_xs)
+IQ_BLOCK(iq2_s)
+IQ_BLOCK(iq3_xxs)
+IQ_BLOCK(iq3_s)
+IQ_BLOCK(iq1_s)
+IQ_BLOCK(iq1_m)
+IQ_BLOCK(iq4_xs)
+#undef IQ_BLOCK
 
 /* The exact path: each block's lanes times d_w d_x mult into float lanes, rows in groups. */
 MOE_INLINE void iq_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
