@@ -55,23 +55,12 @@ MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows
                            const void *x, size_t xs, int64_t n_rows, int64_t nb, float *out,
                            int64_t os) {
     const __mmask16 lanes = (__mmask16)((1u << n_w) - 1);
-    __m512 accbuf[FAST_GROUP];
-    for (int64_t g0 = 0; g0 < n_rows; g0 += FAST_GROUP) {
-        const int64_t ng = n_rows - g0 < FAST_GROUP ? n_rows - g0 : FAST_GROUP;
-        for (int64_t r = 0; r < ng; r++) accbuf[r] = _mm512_setzero_ps();
-        for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
-            const int64_t nc = nb - c0 < chunk ? nb - c0 : chunk;
-            for (int64_t j = 0; j < nc; j++)
-                decode(t, w, ws, n_w, c0 + j, (uint8_t *)tiles + (size_t)j * tile_bytes);
-            int64_t r = 0;
 #define FAST_STEP(R, unused)                                                                       \
     rows(R, t, tiles, nc, (const uint8_t *)x + (size_t)(g0 + r) * xs, xs, c0, accbuf + r)
-            MOE_ROW_GROUPS(r, ng, FAST_STEP, 0);
+    MOE_TILE_LOOP(__m512, _mm512_setzero_ps, FAST_GROUP, chunk, n_rows, nb,
+                  decode(t, w, ws, n_w, c0 + j, (uint8_t *)tiles + (size_t)j * tile_bytes),
+                  FAST_STEP, _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]));
 #undef FAST_STEP
-        }
-        for (int64_t r = 0; r < ng; r++)
-            _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]);
-    }
 }
 
 /* The multiply of both kinds (regs NULL: Q8_0 against Q8_0, 8 groups of 4 and no scales;

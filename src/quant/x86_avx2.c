@@ -986,21 +986,11 @@ MOE_INLINE void fast_tile8_drive(iq_head_fn head, iq_chunk_fn chunk, size_t bloc
                                  const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,
                                  int64_t n_rows, int64_t nb, float *out, int64_t os) {
     fast_tile8 tiles[FAST_TILE_CHUNK];
-    __m256 accbuf[FAST_TILE_GROUP];
     const __m256i lanes =
         _mm256_cmpgt_epi32(_mm256_set1_epi32(n_w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (int64_t g0 = 0; g0 < n_rows; g0 += FAST_TILE_GROUP) {
-        const int64_t ng = n_rows - g0 < FAST_TILE_GROUP ? n_rows - g0 : FAST_TILE_GROUP;
-        for (int64_t r = 0; r < ng; r++) accbuf[r] = _mm256_setzero_ps();
-        for (int64_t c0 = 0; c0 < nb; c0 += FAST_TILE_CHUNK) {
-            const int64_t nc = nb - c0 < FAST_TILE_CHUNK ? nb - c0 : FAST_TILE_CHUNK;
-            for (int64_t j = 0; j < nc; j++)
-                fast_tile8_build(head, chunk, block_bytes, w, ws, n_w, c0 + j, &tiles[j]);
-            int64_t r = 0;
-            MOE_ROW_GROUPS(r, ng, FAST_TILE8_STEP_, 0);
-        }
-        for (int64_t r = 0; r < ng; r++) _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]);
-    }
+    MOE_TILE_LOOP(__m256, _mm256_setzero_ps, FAST_TILE_GROUP, FAST_TILE_CHUNK, n_rows, nb,
+                  fast_tile8_build(head, chunk, block_bytes, w, ws, n_w, c0 + j, &tiles[j]),
+                  FAST_TILE8_STEP_, _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]));
 }
 
 /* The tile kernel (quant.h, moe_dot_tile_fn): weight rows 8 at a time, activation rows in
