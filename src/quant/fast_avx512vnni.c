@@ -317,38 +317,48 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
         _mm512_mask_storeu_ps(out + r * os, (__mmask16)((1u << n_w) - 1), acc[r]);
 }
 
-MOE_INLINE void fast_tile_rows_iq(fast_type t, const void *w, size_t ws, int n_w, const void *x,
-                                  size_t xs, int64_t n_rows, int64_t n, float *out, int64_t os) {
-    switch (n_rows) { /* a constant R for each count, so the row loops unroll */
-#define FAST_LANES(R)                                                                              \
-    case R:                                                                                        \
-        fast_lanes_iq(R, t, w, ws, n_w, x, xs, n / MOE_QK_K, out, os);                             \
-        return;
-        FAST_LANES(1)
-        FAST_LANES(2)
-        FAST_LANES(3)
-        FAST_LANES(4)
-        FAST_LANES(5)
-        FAST_LANES(6)
-        FAST_LANES(7)
-#undef FAST_LANES
-    default:
-        break;
+/* The kernels of a codebook type: under FAST_TILE_MIN_ROWS rows a function per row count (its
+ * loops unrolled, nothing kept across the others), else the tile. */
+#define FAST_LANES_FN(t, regs, mult, R)                                                            \
+    static __attribute__((noinline)) void fast_lanes_##t##_##R(                                    \
+        const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n, float *out,        \
+        int64_t os) {                                                                              \
+        fast_lanes_iq(R, (fast_type){regs, sizeof(moe_block_##t), mult}, w, ws, n_w, x, xs,        \
+                      n / MOE_QK_K, out, os);                                                      \
     }
-    fast_tile tiles[FAST_IQ_CHUNK];
-    fast_drive(t, fast_tile_iq, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs,
-               n_rows, n / MOE_QK_K, out, os);
-}
-
+#define FAST_LANES_CASE(t, R)                                                                      \
+    case R:                                                                                        \
+        fast_lanes_##t##_##R(w, ws, n_w, x, xs, n, out, os);                                       \
+        return;
 #define FAST_IQ_KERNELS(t, regs, mult)                                                             \
+    FAST_LANES_FN(t, regs, mult, 1)                                                                \
+    FAST_LANES_FN(t, regs, mult, 2)                                                                \
+    FAST_LANES_FN(t, regs, mult, 3)                                                                \
+    FAST_LANES_FN(t, regs, mult, 4)                                                                \
+    FAST_LANES_FN(t, regs, mult, 5)                                                                \
+    FAST_LANES_FN(t, regs, mult, 6)                                                                \
+    FAST_LANES_FN(t, regs, mult, 7)                                                                \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
-        fast_tile_rows_iq((fast_type){regs, sizeof(moe_block_##t), mult}, w, ws, n_w, x, xs,       \
-                          n_rows, n, out, os);                                                     \
+        switch (n_rows) {                                                                          \
+            FAST_LANES_CASE(t, 1)                                                                  \
+            FAST_LANES_CASE(t, 2)                                                                  \
+            FAST_LANES_CASE(t, 3)                                                                  \
+            FAST_LANES_CASE(t, 4)                                                                  \
+            FAST_LANES_CASE(t, 5)                                                                  \
+            FAST_LANES_CASE(t, 6)                                                                  \
+            FAST_LANES_CASE(t, 7)                                                                  \
+        default:                                                                                   \
+            break;                                                                                 \
+        }                                                                                          \
+        fast_tile tiles[FAST_IQ_CHUNK];                                                            \
+        fast_drive((fast_type){regs, sizeof(moe_block_##t), mult}, fast_tile_iq, fast_rows, tiles, \
+                   sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out,   \
+                   os);                                                                            \
     }                                                                                              \
     static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
         float out;                                                                                 \
-        fast_tile_rows_##t(w, 0, 1, x, 0, 1, n, &out, 1);                                          \
+        fast_lanes_##t##_1(w, 0, 1, x, 0, n, &out, 1);                                             \
         return out;                                                                                \
     }
 FAST_IQ_KERNELS(iq2_s, z_iqb_iq2_s, 0.125f)
