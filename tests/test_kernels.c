@@ -459,9 +459,11 @@ static void fast_path_matches_its_reference(void **state) {
                                  (long long)n, want, exact);
                 }
                 if (!e->dot_tile) continue;
-                static const int widths[] = {1, 5, MAX_W}, rows[] = {1, 3, 4, 7, MAX_X};
-                for (int a = 0; a < 3; a++)
-                    for (int b = 0; b < 5; b++) {
+                /* rows: both sides of the avx512vnni kernels' switch from the lanes to the tile
+                 * (8) and of the row groups (4) */
+                static const int widths[] = {1, 5, 9, MAX_W}, rows[] = {1, 2, 3, 4, 7, 8, MAX_X};
+                for (int a = 0; a < 4; a++)
+                    for (int b = 0; b < 7; b++) {
                         memset(out, 0xff, sizeof(float) * MAX_X * MAX_W);
                         e->dot_tile(w, w_stride, widths[a], xq, x_stride, rows[b], n, out, MAX_W);
                         for (int r = 0; r < rows[b]; r++)
@@ -481,6 +483,19 @@ static void fast_path_matches_its_reference(void **state) {
     print_message("[ MEASURE  ] %d fast kernels (all levels) give their reference's bits\n",
                   fast_kernels);
     assert_true(fast_kernels > 0);
+    /* the levels with fast kernels of their own have them for Q8_0 and every codebook type */
+    static const moe_type own[] = {MOE_TYPE_Q8_0,  MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ2_XS,
+                                   MOE_TYPE_IQ2_S, MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ3_S,
+                                   MOE_TYPE_IQ1_S, MOE_TYPE_IQ1_M,   MOE_TYPE_IQ4_XS};
+    static const moe_isa levels[] = {MOE_ISA_AVX2, MOE_ISA_AVX512VNNI};
+    for (size_t l = 0; l < sizeof levels / sizeof levels[0]; l++) {
+        const moe_kernels *k = moe_kernels_for_path(levels[l], false);
+        if (!k) continue;
+        for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
+            if (k->types[own[i]].dot_isa != levels[l] || !k->types[own[i]].dot_tile)
+                fail_msg("%s fast table: no %s fast kernel of its own", k->name,
+                         moe_type_name(own[i]));
+    }
     free(w), free(xq), free(x), free(out);
 }
 

@@ -7,12 +7,13 @@
  * activation bytes are made unsigned by adding 128, and 128 x (the row's sum of weights), worked
  * out once per tile, comes off again: the int32 block sums are exact. Then, lane for lane, one
  * multiply-add per block: the scalar reference's order (ref_fast.c), so a dot gives the same bits
- * alone, in a batch, at any tile width. Q4_K and Q5_K differ in two ways: their values are
- * unsigned (0..31), so the tile is vpdpbusd's unsigned side and the activation bytes go in as
- * they are, with no bias; and a second multiply-add per block takes their mins against the
- * activations' 16-value sums (vpdpwssd, the mins of 16 rows in the lanes). The trap: an
- * activation byte of -128 would overflow the unsigned bias; the Q8 activation quantizers clamp
- * to +-127. */
+ * alone, in a batch, at any tile width. Under FAST_TILE_MIN_ROWS activation rows the super-block
+ * types skip the tile (the lanes section) with the same bits. Q4_K and Q5_K differ in two ways:
+ * their values are unsigned (0..31), so the tile is vpdpbusd's unsigned side and the activation
+ * bytes go in as they are, with no bias; and a second multiply-add per block takes their mins
+ * against the activations' 16-value sums (vpdpwssd, the mins of 16 rows in the lanes). The trap:
+ * an activation byte of -128 would overflow the unsigned bias; the Q8 activation quantizers
+ * clamp to +-127. */
 #define MOE_AVX512_VNNI 1
 #include <math.h>
 
@@ -70,23 +71,12 @@ MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows
                            const void *x, size_t xs, int64_t n_rows, int64_t nb, float *out,
                            int64_t os) {
     const __mmask16 lanes = (__mmask16)((1u << n_w) - 1);
-    __m512 accbuf[FAST_GROUP];
-    for (int64_t g0 = 0; g0 < n_rows; g0 += FAST_GROUP) {
-        const int64_t ng = n_rows - g0 < FAST_GROUP ? n_rows - g0 : FAST_GROUP;
-        for (int64_t r = 0; r < ng; r++) accbuf[r] = _mm512_setzero_ps();
-        for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
-            const int64_t nc = nb - c0 < chunk ? nb - c0 : chunk;
-            for (int64_t j = 0; j < nc; j++)
-                decode(t, w, ws, n_w, c0 + j, (uint8_t *)tiles + (size_t)j * tile_bytes);
-            int64_t r = 0;
 #define FAST_STEP(R, unused)                                                                       \
     rows(R, t, tiles, nc, (const uint8_t *)x + (size_t)(g0 + r) * xs, xs, c0, accbuf + r)
-            MOE_ROW_GROUPS(r, ng, FAST_STEP, 0);
+    MOE_TILE_LOOP(__m512, _mm512_setzero_ps, FAST_GROUP, chunk, n_rows, nb,
+                  decode(t, w, ws, n_w, c0 + j, (uint8_t *)tiles + (size_t)j * tile_bytes),
+                  FAST_STEP, _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]));
 #undef FAST_STEP
-        }
-        for (int64_t r = 0; r < ng; r++)
-            _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]);
-    }
 }
 
 /* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
@@ -335,66 +325,130 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
     o->d = _mm512_loadu_ps(d);
 }
 
-/* Few activation rows (decode, a small expert): the tile's decode costs more than it saves, so
- * one weight row at a time, its values in the lanes (the exact path's multiply: magnitudes x
- * activations with the signs, pairs summed, times the scales), each block's int32 lanes summed
- * and added to the row's accumulator with the same fma (and the mins' the same way): the tile's
- * bits. */
+/* ---- Few activation rows (decode, a small expert): no tile ----
+ *
+ * Under FAST_TILE_MIN_ROWS rows the tile's transposes cost more than they save, so each weight
+ * row's block is multiplied where the decode leaves it, values in the lanes (the exact path's
+ * multiply: magnitudes x activations with the signs, pairs summed, times the scales), and the
+ * 16 weight rows' int32 lanes are summed at once by a transposing tree into lane v of one
+ * register: the exact block sums the tile gets, met by the same fma, so the tile's bits (Q4_K
+ * and Q5_K: their mins' sums against the bsums likewise, and the second fma). */
 #define FAST_TILE_MIN_ROWS 8
-MOE_INLINE void fast_lanes_iq(fast_type t, const uint8_t *w, const uint8_t *x, size_t xs,
-                              int64_t n_rows, int64_t n, float *out, int64_t os) {
-    float acc[FAST_TILE_MIN_ROWS] = {0};
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const uint8_t *block = w + (size_t)i * t.block_bytes;
-        z_iqb b;
-        t.regs(block, &b);
-        __m256i mins = _mm256_setzero_si256();
-        float dmin = 0;
-        if (t.mins) t.mins(block, &mins, &dmin);
-        const __m512i sc = _mm512_zextsi256_si512(b.sc);
-        for (int64_t r = 0; r < n_rows; r++) {
-            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
-            __m512i sum = _mm512_setzero_si512();
+
+/* s[v] summed over its lanes into lane v (integer adds: exact in any order). */
+MOE_INLINE __m512i fast_sum16x16(const __m512i s[16]) {
+    __m512i t[8], u[4];
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) /* 128-bit lane L: s[2p], s[2p + 1], s[2p], s[2p + 1] */
+        t[p] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * p], s[2 * p + 1]),
+                                _mm512_unpackhi_epi32(s[2 * p], s[2 * p + 1]));
 #pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                const __m512i xk = z_apply_signs(z_load(y->qs + 64 * k), _cvtu64_mask64(b.neg[k]));
-                sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk),
-                                          z_scales(sc, z_idx4(4 * k)));
+    for (int q = 0; q < 4; q++) /* 128-bit lane L: L's part of s[4q .. 4q + 3] */
+        u[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * q], t[2 * q + 1]),
+                                _mm512_unpackhi_epi64(t[2 * q], t[2 * q + 1]));
+    const __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x44),
+                                       _mm512_shuffle_i32x4(u[0], u[1], 0xee));
+    const __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x44),
+                                       _mm512_shuffle_i32x4(u[2], u[3], 0xee));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
+}
+
+MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, int n_w,
+                              const uint8_t *x, size_t xs, int64_t nb, float *out, int64_t os) {
+    __m512 acc[FAST_TILE_MIN_ROWS];
+    __m512i part[FAST_TILE_MIN_ROWS][16], mpart[FAST_TILE_MIN_ROWS][16];
+    float d[16] __attribute__((aligned(64))) = {0}, dmin[16] __attribute__((aligned(64))) = {0};
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        for (int v = n_w; v < 16; v++) part[r][v] = mpart[r][v] = _mm512_setzero_si512();
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        for (int v = 0; v < n_w; v++) {
+            const uint8_t *block = w + v * ws + (size_t)i * t.block_bytes;
+            z_iqb b;
+            t.regs(block, &b);
+            __m256i mins = _mm256_setzero_si256();
+            if (t.mins) t.mins(block, &mins, &dmin[v]);
+            const __m512i sc = _mm512_zextsi256_si512(b.sc);
+            __m512i scale[4];
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) scale[k] = z_scales(sc, z_idx4(4 * k));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+                __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const __m512i xk =
+                        z_apply_signs(z_load(y->qs + 64 * k), _cvtu64_mask64(b.neg[k]));
+                    sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk), scale[k]);
+                }
+                part[r][v] = sum;
+                if (t.mins)
+                    mpart[r][v] =
+                        _mm512_zextsi256_si512(_mm256_madd_epi16(mins, avx2_load(y->bsums)));
             }
-            acc[r] = fmaf(b.d * y->d * t.mult, (float)_mm512_reduce_add_epi32(sum), acc[r]);
-            if (t.mins) {
-                const __m256i m = _mm256_madd_epi16(mins, avx2_load(y->bsums));
-                acc[r] = fmaf(-(dmin * y->d),
-                              (float)_mm512_reduce_add_epi32(_mm512_zextsi256_si512(m)), acc[r]);
-            }
+            d[v] = b.d;
+        }
+        const __m512 dw = _mm512_load_ps(d);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+            acc[r] = _mm512_fmadd_ps(
+                _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y->d)), _mm512_set1_ps(t.mult)),
+                _mm512_cvtepi32_ps(fast_sum16x16(part[r])), acc[r]);
+            if (t.mins)
+                acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_load_ps(dmin), _mm512_set1_ps(y->d)),
+                                          _mm512_cvtepi32_ps(fast_sum16x16(mpart[r])), acc[r]);
         }
     }
-    for (int64_t r = 0; r < n_rows; r++) out[r * os] = acc[r];
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(out + r * os, (__mmask16)((1u << n_w) - 1), acc[r]);
 }
 
-MOE_INLINE void fast_tile_rows_iq(fast_type t, fast_decode_fn tile, const void *w, size_t ws,
-                                  int n_w, const void *x, size_t xs, int64_t n_rows, int64_t n,
-                                  float *out, int64_t os) {
-    if (n_rows < FAST_TILE_MIN_ROWS) {
-        for (int v = 0; v < n_w; v++)
-            fast_lanes_iq(t, (const uint8_t *)w + v * ws, x, xs, n_rows, n, out + v, os);
-        return;
+/* The kernels of a super-block type: its decode to registers, mins (NULL: none), values per
+ * integer scale (the decodes give one per 16 values; a type whose scales cover 32 gives each twice,
+ * and says 32 here to halve the multiplies), mult, and its tile decode (fast_tile_iq: through the
+ * decode to registers). Under FAST_TILE_MIN_ROWS rows a function per row count (its loops
+ * unrolled, nothing kept across the others), else the tile. */
+#define FAST_SB_TYPE(t, regs, mins, scale_values, mult)                                            \
+    ((fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult})
+#define FAST_LANES_FN(t, regs, mins, scale_values, mult, R)                                        \
+    static __attribute__((noinline)) void fast_lanes_##t##_##R(                                    \
+        const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n, float *out,        \
+        int64_t os) {                                                                              \
+        fast_lanes_iq(R, FAST_SB_TYPE(t, regs, mins, scale_values, mult), w, ws, n_w, x, xs,       \
+                      n / MOE_QK_K, out, os);                                                      \
     }
-    fast_tile tiles[FAST_IQ_CHUNK];
-    fast_drive(t, tile, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows,
-               n / MOE_QK_K, out, os);
-}
-
-/* A super-block type's kernels: its decode to registers, mins (NULL: none), values per integer
- * scale (the decodes give one per 16 values; a type whose scales cover 32 gives each twice, and
- * says 32 here to halve the multiplies), mult, and its tile decode (fast_tile_iq: through the
- * decode to registers). */
+#define FAST_LANES_CASE(t, R)                                                                      \
+    case R:                                                                                        \
+        fast_lanes_##t##_##R(w, ws, n_w, x, xs, n, out, os);                                       \
+        return;
 #define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, tile)                                   \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, 1)                                            \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, 2)                                            \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, 3)                                            \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, 4)                                            \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, 5)                                            \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, 6)                                            \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, 7)                                            \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
-        fast_tile_rows_iq(                                                                         \
-            (fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult}, tile, w, ws, \
-            n_w, x, xs, n_rows, n, out, os);                                                       \
+        switch (n_rows) {                                                                          \
+            FAST_LANES_CASE(t, 1)                                                                  \
+            FAST_LANES_CASE(t, 2)                                                                  \
+            FAST_LANES_CASE(t, 3)                                                                  \
+            FAST_LANES_CASE(t, 4)                                                                  \
+            FAST_LANES_CASE(t, 5)                                                                  \
+            FAST_LANES_CASE(t, 6)                                                                  \
+            FAST_LANES_CASE(t, 7)                                                                  \
+        default:                                                                                   \
+            break;                                                                                 \
+        }                                                                                          \
+        fast_tile tiles[FAST_IQ_CHUNK];                                                            \
+        fast_drive(FAST_SB_TYPE(t, regs, mins, scale_values, mult), tile, fast_rows, tiles,        \
+                   sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out,   \
+                   os);                                                                            \
     }                                                                                              \
     FAST_DOT(t)
 FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f, fast_tile_iq)

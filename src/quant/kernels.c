@@ -76,6 +76,7 @@ static void build(void) {
     for (int level = 0; level <= (int)top; level++) {
         fast[level] = exact[level];
         if (level == MOE_ISA_SCALAR) moe_kernels_fill_fast_scalar(&fast[level]);
+        if (level == MOE_ISA_AVX2) moe_kernels_fill_fast_avx2(&fast[level]);
         if (level == MOE_ISA_AVX512VNNI) moe_kernels_fill_fast_avx512vnni(&fast[level]);
         for (int e = 0; e < 2; e++) {
             tables[e][level].isa = (moe_isa)level;

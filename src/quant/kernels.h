@@ -1,11 +1,11 @@
 /* kernels.h: quant's internal interface between the table builder (kernels.c) and the per-ISA
- * kernel files (x86_avx2.c; x86_avx512.c, built once per AVX-512 level).
+ * kernel files (x86_avx2.c; x86_avx512.c, built once per AVX-512 level; fast_avx512vnni.c).
  *
- * Each ISA file is compiled with its own -m flags (Makefile, isa_of) and each build exports
- * exactly one function: it overwrites the entries of a table it has a faster kernel for and
- * leaves the rest (inherited from the level below) alone. The trap: nothing may call into an ISA
- * file before kernels.c has checked that the CPU runs that level -- the file's own static
- * initialisers and helpers may already use its instructions. */
+ * Each ISA file is compiled with its own -m flags (Makefile, isa_of) and exports its fill
+ * functions (the exact table's; x86_avx2.c also the fast table's): each overwrites the entries of
+ * a table it has a faster kernel for and leaves the rest (inherited from the level below) alone.
+ * The trap: nothing may call into an ISA file before kernels.c has checked that the CPU runs that
+ * level -- the file's own static initialisers and helpers may already use its instructions. */
 #ifndef MOE_QUANT_KERNELS_H
 #define MOE_QUANT_KERNELS_H
 
@@ -18,6 +18,7 @@ void moe_kernels_fill_avx512(moe_kernels *k);
 void moe_kernels_fill_avx512vnni(moe_kernels *k);
 /* The fast path's kernels of a level, over a copy of that level's exact table (quant.h). */
 void moe_kernels_fill_fast_scalar(moe_kernels *k);
+void moe_kernels_fill_fast_avx2(moe_kernels *k);
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k);
 /* The AVX2 attention mix, for the tails of the wider one. */
 void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,

@@ -6,9 +6,11 @@
  * forms the exact integer block sum with maddubs/madd, and accumulates block sum x float scale
  * product in float lanes: the integer part is exactly the reference's, only the float
  * summation order differs. A loop that works on several blocks at a time hands the blocks left
- * over to the scalar reference (the "scalar tail"). The trap: the activation conversions must
- * write the reference's bytes exactly (round half to even via cvtps, the same float operations
- * in the same order), or every dot moves by ~1e-3; test_kernels checks them byte for byte. */
+ * over to the scalar reference (the "scalar tail"). The codebook types' block functions serve
+ * the fast path's avx2 kernels too (moe_kernels_fill_fast_avx2, at the end). The trap: the
+ * activation conversions must write the reference's bytes exactly (round half to even via cvtps,
+ * the same float operations in the same order), or every dot moves by ~1e-3; test_kernels checks
+ * them byte for byte. */
 #include "x86_avx2.h"
 
 #include <math.h>
@@ -291,115 +293,101 @@ MOE_DOT_AND_ROWS(dot_q3_k, dot_rows_q3_k, k23_rows, true)
 
 /* ==== IQ types against Q8_K ==== */
 
-/* IQ2_XXS: per 32 values 4 grid bytes, then 4 x 7-bit sign indices and a 4-bit scale. Grid
- * magnitudes are <= 43, so grid x signed q8 fits maddubs. */
-static float dot_iq2_xxs(const void *w, const void *x, int64_t n) {
-    const moe_block_iq2_xxs *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const uint8_t *qs = (const uint8_t *)b[i].qs;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *p = qs + 8 * ib;
-            const uint32_t aux = moe_load_le32(p + 4);
-            const __m256i g = avx2_grid4(moe_iq2xxs_grid[p[0]], moe_iq2xxs_grid[p[1]],
-                                         moe_iq2xxs_grid[p[2]], moe_iq2xxs_grid[p[3]]);
-            const __m256i s =
-                avx2_grid4(moe_ksigns64[aux & 127], moe_ksigns64[(aux >> 7) & 127],
-                           moe_ksigns64[(aux >> 14) & 127], moe_ksigns64[(aux >> 21) & 127]);
-            const __m256i p16 =
-                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
-            sumi = _mm256_add_epi32(
-                sumi, avx2_scale16(p16, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
-        }
-        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
-    }
-    return avx2_hsum_f32(acc);
+/* Each codebook type is two decodes: its head (what the block keeps for all its values: the
+ * sub-block scales as the type stores them, d_w) and its chunks (32 values: magnitudes u, the
+ * sign mask, the int16 weight of each product pair's scale). Every use is a loop over a block's
+ * 8 chunks: the exact path's multiply (iq_block: each row's integer sums in 8 lanes, turned to
+ * float lanes at once, ggml's order) and the fast path's (below). Magnitudes are <= 62 for the
+ * grids (IQ2: 43, IQ3_XXS: 62, IQ3_S: 15, IQ1: 9) and <= 127 for IQ4_XS, so u x signed q8 fits
+ * maddubs. */
+typedef struct {
+    __m128i sc; /* the block's scales as its chunk decode reads them (unused by some types) */
+    float d;    /* d_w */
+} iq_head;
+typedef struct {
+    __m256i u, neg, scale;
+} iq_chunk;
+typedef iq_head (*iq_head_fn)(const void *block);
+typedef void (*iq_chunk_fn)(const void *block, const iq_head *h, int ib, iq_chunk *c);
+
+MOE_INLINE iq_head iq_head_d(float d) {
+    return (iq_head){_mm_setzero_si128(), d};
+}
+/* Signed q as magnitudes and a sign mask. */
+MOE_INLINE void iq_chunk_signed(__m256i q, __m256i scale, iq_chunk *c) {
+    c->u = _mm256_sign_epi8(q, q);
+    c->neg = _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
+    c->scale = scale;
+}
+/* The sign masks of four 7-bit ksigns indices (bits 0, 7, 14, 21 of aux). */
+MOE_INLINE __m256i iq_ksigns(uint32_t aux) {
+    return avx2_grid4(moe_ksigns64[aux & 127], moe_ksigns64[(aux >> 7) & 127],
+                      moe_ksigns64[(aux >> 14) & 127], moe_ksigns64[(aux >> 21) & 127]);
+}
+/* 2s + 1 from a 4-bit scale s in the top bits of aux, for all 32 values. */
+MOE_INLINE __m256i iq_top4_scale(uint32_t aux) {
+    return _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
+}
+
+/* IQ2_XXS: per 32 values 4 grid bytes (8-value entries), then a word of 4 x 7-bit sign indices
+ * and a 4-bit scale. */
+MOE_INLINE iq_head iq2_xxs_head(const void *block) {
+    return iq_head_d(avx2_fp16(((const moe_block_iq2_xxs *)block)->d));
+}
+MOE_INLINE void iq2_xxs_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    (void)h;
+    const uint8_t *p = (const uint8_t *)((const moe_block_iq2_xxs *)block)->qs + 8 * ib;
+    const uint32_t aux = moe_load_le32(p + 4);
+    c->u = avx2_grid4(moe_iq2xxs_grid[p[0]], moe_iq2xxs_grid[p[1]], moe_iq2xxs_grid[p[2]],
+                      moe_iq2xxs_grid[p[3]]);
+    c->neg = iq_ksigns(aux);
+    c->scale = iq_top4_scale(aux);
 }
 
 /* IQ2_XS: per 8 values a 9-bit grid index and a 7-bit sign index; a scale per 16 values. */
-static float dot_iq2_xs(const void *w, const void *x, int64_t n) {
-    const moe_block_iq2_xs *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m128i sc = avx2_iq2_scales16(b[i].scales);
-        __m256i sumi = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const uint16_t *q = b[i].qs + 4 * ib;
-            const __m256i g = avx2_grid4(moe_iq2xs_grid[q[0] & 511], moe_iq2xs_grid[q[1] & 511],
-                                         moe_iq2xs_grid[q[2] & 511], moe_iq2xs_grid[q[3] & 511]);
-            const __m256i s = avx2_grid4(moe_ksigns64[q[0] >> 9], moe_ksigns64[q[1] >> 9],
-                                         moe_ksigns64[q[2] >> 9], moe_ksigns64[q[3] >> 9]);
-            const __m256i p16 =
-                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
-            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_scale_pair16(sc, 2 * ib)));
-        }
-        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
-    }
-    return avx2_hsum_f32(acc);
+MOE_INLINE iq_head iq2_xs_head(const void *block) {
+    const moe_block_iq2_xs *b = block;
+    return (iq_head){avx2_iq2_scales16(b->scales), avx2_fp16(b->d)};
+}
+MOE_INLINE void iq2_xs_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    const uint16_t *q = ((const moe_block_iq2_xs *)block)->qs + 4 * ib;
+    c->u = avx2_grid4(moe_iq2xs_grid[q[0] & 511], moe_iq2xs_grid[q[1] & 511],
+                      moe_iq2xs_grid[q[2] & 511], moe_iq2xs_grid[q[3] & 511]);
+    c->neg = avx2_grid4(moe_ksigns64[q[0] >> 9], moe_ksigns64[q[1] >> 9], moe_ksigns64[q[2] >> 9],
+                        moe_ksigns64[q[3] >> 9]);
+    c->scale = avx2_scale_pair16(h->sc, 2 * ib);
 }
 
-/* IQ2_S: 10-bit grid index (qs byte + 2 bits of qh), explicit sign bits. */
-MOE_INLINE void iq2_s_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
-                           int64_t os, int unused) {
-    (void)unused;
-    const moe_block_iq2_s *b = w;
-    const uint8_t *xb = x;
-    __m256 acc[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m128i sc = avx2_iq2_scales16(b[i].scales);
-        const uint8_t *qs = b[i].qs, *signs = b[i].qs + 32;
-        const moe_block_q8_k *y[MOE_DOT_ROWS];
-        __m256i sumi[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
-            sumi[r] = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const unsigned qh = b[i].qh[ib];
-            const __m256i g = avx2_grid4(moe_iq2s_grid[qs[4 * ib + 0] | ((qh << 8) & 0x300)],
-                                         moe_iq2s_grid[qs[4 * ib + 1] | ((qh << 6) & 0x300)],
-                                         moe_iq2s_grid[qs[4 * ib + 2] | ((qh << 4) & 0x300)],
-                                         moe_iq2s_grid[qs[4 * ib + 3] | ((qh << 2) & 0x300)]);
-            rows_signed_madd(R, g, avx2_bits_to_mask(moe_load_le32(signs + 4 * ib)),
-                             avx2_scale_pair16(sc, 2 * ib), y, 32 * ib, sumi);
-        }
-        rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 0.125f, sumi);
-    }
-    rows_store(R, acc, out, os);
+/* IQ2_S: 10-bit grid index (qs byte + 2 bits of qh), explicit sign bits, a scale per 16. */
+MOE_INLINE iq_head iq2_s_head(const void *block) {
+    const moe_block_iq2_s *b = block;
+    return (iq_head){avx2_iq2_scales16(b->scales), avx2_fp16(b->d)};
 }
-MOE_DOT_AND_ROWS(dot_iq2_s, dot_rows_iq2_s, iq2_s_rows, 0)
+MOE_INLINE void iq2_s_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    const moe_block_iq2_s *b = block;
+    const uint8_t *qs = b->qs + 4 * ib;
+    const unsigned qh = b->qh[ib];
+    c->u = avx2_grid4(
+        moe_iq2s_grid[qs[0] | ((qh << 8) & 0x300)], moe_iq2s_grid[qs[1] | ((qh << 6) & 0x300)],
+        moe_iq2s_grid[qs[2] | ((qh << 4) & 0x300)], moe_iq2s_grid[qs[3] | ((qh << 2) & 0x300)]);
+    c->neg = avx2_bits_to_mask(moe_load_le32(b->qs + 32 + 4 * ib));
+    c->scale = avx2_scale_pair16(h->sc, 2 * ib);
+}
 
-/* IQ3_XXS: 4-value grid entries (magnitudes <= 62), sign indices and scale as IQ2_XXS. */
-static float dot_iq3_xxs(const void *w, const void *x, int64_t n) {
-    const moe_block_iq3_xxs *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const uint8_t *gi = b[i].qs, *ss = b[i].qs + 64;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *p = gi + 8 * ib;
-            const uint32_t aux = moe_load_le32(ss + 4 * ib);
-            const __m256i g = _mm256_setr_epi32(
-                (int)moe_iq3xxs_grid[p[0]], (int)moe_iq3xxs_grid[p[1]], (int)moe_iq3xxs_grid[p[2]],
-                (int)moe_iq3xxs_grid[p[3]], (int)moe_iq3xxs_grid[p[4]], (int)moe_iq3xxs_grid[p[5]],
-                (int)moe_iq3xxs_grid[p[6]], (int)moe_iq3xxs_grid[p[7]]);
-            const __m256i s =
-                avx2_grid4(moe_ksigns64[aux & 127], moe_ksigns64[(aux >> 7) & 127],
-                           moe_ksigns64[(aux >> 14) & 127], moe_ksigns64[(aux >> 21) & 127]);
-            const __m256i p16 =
-                avx2_mul_u8_i8(g, avx2_apply_signs(avx2_load(y[i].qs + 32 * ib), s));
-            sumi = _mm256_add_epi32(
-                sumi, avx2_scale16(p16, _mm256_set1_epi16((short)(2 * (aux >> 28) + 1))));
-        }
-        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.25f, sumi);
-    }
-    return avx2_hsum_f32(acc);
+/* IQ3_XXS: 4-value grid entries, sign indices and scale as IQ2_XXS. */
+MOE_INLINE iq_head iq3_xxs_head(const void *block) {
+    return iq_head_d(avx2_fp16(((const moe_block_iq3_xxs *)block)->d));
+}
+MOE_INLINE void iq3_xxs_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    (void)h;
+    const uint8_t *p = ((const moe_block_iq3_xxs *)block)->qs + 8 * ib;
+    const uint32_t aux = moe_load_le32(((const moe_block_iq3_xxs *)block)->qs + 64 + 4 * ib);
+    c->u = _mm256_setr_epi32((int)moe_iq3xxs_grid[p[0]], (int)moe_iq3xxs_grid[p[1]],
+                             (int)moe_iq3xxs_grid[p[2]], (int)moe_iq3xxs_grid[p[3]],
+                             (int)moe_iq3xxs_grid[p[4]], (int)moe_iq3xxs_grid[p[5]],
+                             (int)moe_iq3xxs_grid[p[6]], (int)moe_iq3xxs_grid[p[7]]);
+    c->neg = iq_ksigns(aux);
+    c->scale = iq_top4_scale(aux);
 }
 
 /* IQ3_S: 9-bit grid index (qs byte + a qh bit), explicit signs, a 4-bit scale per 32. The
@@ -408,51 +396,33 @@ static float dot_iq3_xxs(const void *w, const void *x, int64_t n) {
 #ifndef MOE_IQ3S_GATHER
 #define MOE_IQ3S_GATHER 0
 #endif
-MOE_INLINE void iq3_s_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
-                           int64_t os, int unused) {
-    (void)unused;
-    const moe_block_iq3_s *b = w;
-    const uint8_t *xb = x;
-    __m256 acc[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i bit8_shift = _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1);
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m128i sc = avx2_odd_scales8(b[i].scales);
-        const moe_block_q8_k *y[MOE_DOT_ROWS];
-        __m256i sumi[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
-            sumi[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int ib = 0; ib < 8; ib++) {
+MOE_INLINE iq_head iq3_s_head(const void *block) {
+    const moe_block_iq3_s *b = block;
+    return (iq_head){avx2_odd_scales8(b->scales), avx2_fp16(b->d)};
+}
+MOE_INLINE void iq3_s_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    const moe_block_iq3_s *b = block;
 #if MOE_IQ3S_GATHER
-            /* index k = qs[k] | bit k of qh << 8, one 8-lane gather */
-            const __m256i idx = _mm256_or_si256(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b[i].qs + 8 * ib))),
-                _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(b[i].qh[ib]), bit8_shift),
-                                 _mm256_set1_epi32(256)));
-            const __m256i g = _mm256_i32gather_epi32((const int *)moe_iq3s_grid, idx, 4);
+    /* index k = qs[k] | bit k of qh << 8, one 8-lane gather */
+    const __m256i idx = _mm256_or_si256(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + 8 * ib))),
+        _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(b->qh[ib]),
+                                           _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
+                         _mm256_set1_epi32(256)));
+    c->u = _mm256_i32gather_epi32((const int *)moe_iq3s_grid, idx, 4);
 #else
-            const uint8_t *qs = b[i].qs + 8 * ib;
-            const unsigned qh = b[i].qh[ib];
-            (void)bit8_shift;
+    const uint8_t *qs = b->qs + 8 * ib;
+    const unsigned qh = b->qh[ib];
 #define IQ3S(k) (int)moe_iq3s_grid[qs[k] | ((qh << (8 - (k))) & 256)]
-            const __m256i g = _mm256_setr_epi32(IQ3S(0), IQ3S(1), IQ3S(2), IQ3S(3), IQ3S(4),
-                                                IQ3S(5), IQ3S(6), IQ3S(7));
+    c->u =
+        _mm256_setr_epi32(IQ3S(0), IQ3S(1), IQ3S(2), IQ3S(3), IQ3S(4), IQ3S(5), IQ3S(6), IQ3S(7));
 #undef IQ3S
 #endif
-            rows_signed_madd(R, g, avx2_bits_to_mask(moe_load_le32(b[i].signs + 4 * ib)),
-                             avx2_splat_i16(sc, ib), y, 32 * ib, sumi);
-        }
-        rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi);
-    }
-    rows_store(R, acc, out, os);
+    c->neg = avx2_bits_to_mask(moe_load_le32(b->signs + 4 * ib));
+    c->scale = avx2_splat_i16(h->sc, ib);
 }
-MOE_DOT_AND_ROWS(dot_iq3_s, dot_rows_iq3_s, iq3_s_rows, 0)
 
-/* IQ1: q = 8 * grid (-1, 0, 1) + delta (+-1) per value, |q| <= 9; signed dot. */
+/* IQ1: q = 8 * grid (-1, 0, 1) + delta (+-1) per value, |q| <= 9. */
 MOE_INLINE __m256i iq1_values(__m256i grid, __m256i delta) {
     return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), grid), delta);
 }
@@ -460,80 +430,116 @@ MOE_INLINE uint64_t iq1_delta(bool negative) {
     return negative ? 0xffffffffffffffffull : 0x0101010101010101ull;
 }
 
-static float dot_iq1_s(const void *w, const void *x, int64_t n) {
-    const moe_block_iq1_s *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        __m256i sumi = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const unsigned qh = b[i].qh[ib];
-            const uint8_t *qs = b[i].qs + 4 * ib;
-            const __m256i g = avx2_grid4(moe_iq1s_grid[qs[0] | ((qh << 8) & 0x700)],
-                                         moe_iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
-                                         moe_iq1s_grid[qs[2] | ((qh << 2) & 0x700)],
-                                         moe_iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
-            const __m256i q = iq1_values(g, _mm256_set1_epi64x((long long)iq1_delta(qh & 0x8000)));
-            const __m256i p16 = avx2_mul_i8_i8(q, avx2_load(y[i].qs + 32 * ib));
-            sumi = _mm256_add_epi32(
-                sumi, avx2_scale16(p16, _mm256_set1_epi16((short)(2 * ((qh >> 12) & 7) + 1))));
-        }
-        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 0.125f, sumi);
-    }
-    return avx2_hsum_f32(acc);
+MOE_INLINE iq_head iq1_s_head(const void *block) {
+    return iq_head_d(avx2_fp16(((const moe_block_iq1_s *)block)->d));
+}
+MOE_INLINE void iq1_s_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    (void)h;
+    const moe_block_iq1_s *b = block;
+    const unsigned qh = b->qh[ib];
+    const uint8_t *qs = b->qs + 4 * ib;
+    const __m256i g = avx2_grid4(
+        moe_iq1s_grid[qs[0] | ((qh << 8) & 0x700)], moe_iq1s_grid[qs[1] | ((qh << 5) & 0x700)],
+        moe_iq1s_grid[qs[2] | ((qh << 2) & 0x700)], moe_iq1s_grid[qs[3] | ((qh >> 1) & 0x700)]);
+    iq_chunk_signed(iq1_values(g, _mm256_set1_epi64x((long long)iq1_delta(qh & 0x8000))),
+                    _mm256_set1_epi16((short)(2 * ((qh >> 12) & 7) + 1)), c);
 }
 
-static float dot_iq1_m(const void *w, const void *x, int64_t n) {
-    const moe_block_iq1_m *b = w;
-    const moe_block_q8_k *y = x;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        uint16_t sw[4];
-        memcpy(sw, b[i].scales, 8);
-        const uint16_t d16 = (uint16_t)((sw[0] >> 12) | ((sw[1] >> 8) & 0x00f0) |
-                                        ((sw[2] >> 4) & 0x0f00) | (sw[3] & 0xf000));
-        int8_t scales[16];
-        for (int s = 0; s < 16; s++)
-            scales[s] = (int8_t)(2 * ((sw[s / 4] >> (3 * (s % 4))) & 7) + 1);
-        const __m128i sc = _mm_loadu_si128((const __m128i *)scales);
-        __m256i sumi = _mm256_setzero_si256();
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *qs = b[i].qs + 4 * ib;
-            const unsigned h0 = b[i].qh[2 * ib], h1 = b[i].qh[2 * ib + 1];
-            const __m256i g = avx2_grid4(moe_iq1s_grid[qs[0] | ((h0 << 8) & 0x700)],
-                                         moe_iq1s_grid[qs[1] | ((h0 << 4) & 0x700)],
-                                         moe_iq1s_grid[qs[2] | ((h1 << 8) & 0x700)],
-                                         moe_iq1s_grid[qs[3] | ((h1 << 4) & 0x700)]);
-            const __m256i delta = avx2_grid4(iq1_delta(h0 & 0x08), iq1_delta(h0 & 0x80),
-                                             iq1_delta(h1 & 0x08), iq1_delta(h1 & 0x80));
-            const __m256i p16 = avx2_mul_i8_i8(iq1_values(g, delta), avx2_load(y[i].qs + 32 * ib));
-            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_scale_pair16(sc, 2 * ib)));
-        }
-        acc = iq_accumulate(acc, avx2_fp16(d16), &y[i], 0.125f, sumi);
-    }
-    return avx2_hsum_f32(acc);
+/* IQ1_M: 3-bit scales four to a word, the fp16 d in the words' top nibbles. */
+MOE_INLINE iq_head iq1_m_head(const void *block) {
+    const moe_block_iq1_m *b = block;
+    uint16_t sw[4];
+    memcpy(sw, b->scales, 8);
+    const uint16_t d16 = (uint16_t)((sw[0] >> 12) | ((sw[1] >> 8) & 0x00f0) |
+                                    ((sw[2] >> 4) & 0x0f00) | (sw[3] & 0xf000));
+    int8_t scales[16];
+    for (int s = 0; s < 16; s++) scales[s] = (int8_t)(2 * ((sw[s / 4] >> (3 * (s % 4))) & 7) + 1);
+    return (iq_head){_mm_loadu_si128((const __m128i *)scales), avx2_fp16(d16)};
+}
+MOE_INLINE void iq1_m_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
+    const moe_block_iq1_m *b = block;
+    const uint8_t *qs = b->qs + 4 * ib;
+    const unsigned h0 = b->qh[2 * ib], h1 = b->qh[2 * ib + 1];
+    const __m256i g = avx2_grid4(
+        moe_iq1s_grid[qs[0] | ((h0 << 8) & 0x700)], moe_iq1s_grid[qs[1] | ((h0 << 4) & 0x700)],
+        moe_iq1s_grid[qs[2] | ((h1 << 8) & 0x700)], moe_iq1s_grid[qs[3] | ((h1 << 4) & 0x700)]);
+    const __m256i delta = avx2_grid4(iq1_delta(h0 & 0x08), iq1_delta(h0 & 0x80),
+                                     iq1_delta(h1 & 0x08), iq1_delta(h1 & 0x80));
+    iq_chunk_signed(iq1_values(g, delta), avx2_scale_pair16(h->sc, 2 * ib), c);
 }
 
 /* IQ4_XS: IQ4_NL codebook (signed, |v| <= 127) with a 6-bit scale per 32 values. */
-static float dot_iq4_xs(const void *w, const void *x, int64_t n) {
-    const moe_block_iq4_xs *b = w;
-    const moe_block_q8_k *y = x;
+MOE_INLINE iq_head iq4_xs_head(const void *block) {
+    const moe_block_iq4_xs *b = block;
+    return (iq_head){avx2_iq4xs_scales(b), avx2_fp16(b->d)};
+}
+MOE_INLINE void iq4_xs_chunk(const void *block, const iq_head *h, int ib, iq_chunk *c) {
     const __m256i book =
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)moe_kvalues_iq4nl));
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m128i ls = avx2_iq4xs_scales(&b[i]);
-        __m256i sumi = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int ib = 0; ib < 8; ib++) {
-            const __m256i q = _mm256_shuffle_epi8(book, avx2_nibbles32(b[i].qs + 16 * ib));
-            const __m256i p16 = avx2_mul_i8_i8(q, avx2_load(y[i].qs + 32 * ib));
-            sumi = _mm256_add_epi32(sumi, avx2_scale16(p16, avx2_splat_i16(ls, ib)));
-        }
-        acc = iq_accumulate(acc, avx2_fp16(b[i].d), &y[i], 1.0f, sumi);
-    }
-    return avx2_hsum_f32(acc);
+    iq_chunk_signed(
+        _mm256_shuffle_epi8(book, avx2_nibbles32(((const moe_block_iq4_xs *)block)->qs + 16 * ib)),
+        avx2_splat_i16(h->sc, ib), c);
 }
+
+/* A block against R activation rows (y[r]: the row's Q8_K block): sumi[r] (zero on entry) gets
+ * the exact integer sum of the block's scaled products in 8 int32 lanes; returns d_w. */
+typedef float (*iq_block_fn)(int R, const void *block, const moe_block_q8_k *const *y,
+                             __m256i *sumi);
+MOE_INLINE float iq_block(int R, iq_head_fn head, iq_chunk_fn chunk, const void *block,
+                          const moe_block_q8_k *const *y, __m256i *sumi) {
+    const iq_head h = head(block);
+#pragma GCC unroll 8
+    for (int ib = 0; ib < 8; ib++) {
+        iq_chunk c;
+        chunk(block, &h, ib, &c);
+        rows_signed_madd(R, c.u, c.neg, c.scale, y, 32 * ib, sumi);
+    }
+    return h.d;
+}
+#define IQ_BLOCK(t)                                                                                \
+    MOE_INLINE float t##_block(int R, const void *block, const moe_block_q8_k *const *y,           \
+                               __m256i *sumi) {                                                    \
+        return iq_block(R, t##_head, t##_chunk, block, y, sumi);                                   \
+    }
+IQ_BLOCK(iq2_xxs)
+IQ_BLOCK(iq2_xs)
+IQ_BLOCK(iq2_s)
+IQ_BLOCK(iq3_xxs)
+IQ_BLOCK(iq3_s)
+IQ_BLOCK(iq1_s)
+IQ_BLOCK(iq1_m)
+IQ_BLOCK(iq4_xs)
+#undef IQ_BLOCK
+
+/* The exact path: each block's lanes times d_w d_x mult into float lanes, rows in groups. */
+MOE_INLINE void iq_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
+                        int64_t os, iq_block_fn block, size_t block_bytes, float mult) {
+    const uint8_t *xb = x;
+    __m256 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const moe_block_q8_k *y[MOE_DOT_ROWS];
+        __m256i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i,
+            sumi[r] = _mm256_setzero_si256();
+        const float d = block(R, (const uint8_t *)w + (size_t)i * block_bytes, y, sumi);
+        rows_accumulate(R, acc, d, y, mult, sumi);
+    }
+    rows_store(R, acc, out, os);
+}
+#define IQ_DOT(t, mult)                                                                            \
+    MOE_DOT_AND_ROWS(dot_##t, dot_rows_##t, iq_rows, t##_block, sizeof(moe_block_##t), mult)
+IQ_DOT(iq2_xxs, 0.125f)
+IQ_DOT(iq2_xs, 0.125f)
+IQ_DOT(iq2_s, 0.125f)
+IQ_DOT(iq3_xxs, 0.25f)
+IQ_DOT(iq3_s, 1.0f)
+IQ_DOT(iq1_s, 0.125f)
+IQ_DOT(iq1_m, 0.125f)
+IQ_DOT(iq4_xs, 1.0f)
 
 /* ==== Float types ==== */
 
@@ -753,6 +759,313 @@ void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
                          stride_bytes, n_kv, kv_type, n - d);
 }
 
+/* ==== The fast path (quant.h, "The two paths") ====
+ *
+ * The same decodes and integer block sums as the exact kernels above, in another float order:
+ * the weight rows of a tile go 8 at a time (a register's lanes), and for each block the 8
+ * rows' int32 lanes are summed by one transposing tree into lane v of a register, which meets
+ * the block's scales in one vector fma per activation row: acc = fma(d_w d_x mult, sum, acc),
+ * blocks in order, the scalar reference's bits (ref_fast.c) at any tile width and row count.
+ * Without vpdpbusd the int8 tile of the avx512vnni kernels buys nothing here: a broadcast
+ * activation needs the same maddubs + madd as one in the lanes, and maddubs would saturate on
+ * biased activations against Q8_0's or IQ4_XS's weights. */
+
+/* s[v] summed over its lanes into lane v (integer adds: exact in any order). */
+MOE_INLINE __m256i fast_sum8x8(const __m256i s[8]) {
+    const __m256i a =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i b =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    /* a: rows 0..3 of the low 128 bits, then of the high; b: rows 4..7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* A type's block sums for R activation rows (block i of each, rows xs bytes apart): sumi[r]
+ * (zero on entry) gets the 8 int32 lanes of row r, *dx[r] its activation scale; returns d_w. */
+typedef float (*fast_sums_fn)(int R, const uint8_t *w_block, const uint8_t *x, size_t xs, int64_t i,
+                              __m256i *sumi, float *dx);
+
+MOE_INLINE float fast_sums_q8_0(int R, const uint8_t *w_block, const uint8_t *x, size_t xs,
+                                int64_t i, __m256i *sumi, float *dx) {
+    float d, m;
+    const __m256i q = decode_q8_0(w_block, &d, &m);
+    const __m256i u = _mm256_sign_epi8(q, q);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const moe_block_q8_0 *y = (const moe_block_q8_0 *)(x + (size_t)r * xs) + i;
+        sumi[r] = _mm256_madd_epi16(avx2_mul_u8_i8(u, _mm256_sign_epi8(avx2_load(y->qs), q)),
+                                    _mm256_set1_epi16(1));
+        dx[r] = avx2_fp16(y->d);
+    }
+    return d;
+}
+
+MOE_INLINE float fast_sums_iq(int R, iq_block_fn block, const uint8_t *w_block, const uint8_t *x,
+                              size_t xs, int64_t i, __m256i *sumi, float *dx) {
+    const moe_block_q8_k *y[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        y[r] = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+        dx[r] = y[r]->d;
+    }
+    return block(R, w_block, y, sumi);
+}
+
+/* R activation rows against n_w <= 8 weight rows ws bytes apart, nb blocks of block_bytes. */
+MOE_INLINE void fast_lanes(int R, fast_sums_fn sums, iq_block_fn block, size_t block_bytes,
+                           float mult, const uint8_t *w, size_t ws, int n_w, const uint8_t *x,
+                           size_t xs, int64_t nb, float *out, int64_t os) {
+    __m256 acc[MOE_DOT_ROWS];
+    __m256i part[MOE_DOT_ROWS][8];
+    float d[8] = {0}, dx[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        for (int v = n_w; v < 8; v++) part[r][v] = _mm256_setzero_si256();
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        for (int v = 0; v < n_w; v++) {
+            __m256i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+            const uint8_t *wb = w + v * ws + (size_t)i * block_bytes;
+            d[v] = sums ? sums(R, wb, x, xs, i, sumi, dx)
+                        : fast_sums_iq(R, block, wb, x, xs, i, sumi, dx);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) part[r][v] = sumi[r];
+        }
+        const __m256 dw = _mm256_loadu_ps(d);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[r])), _mm256_set1_ps(mult)),
+                _mm256_cvtepi32_ps(fast_sum8x8(part[r])), acc[r]);
+    }
+    const __m256i lanes =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n_w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm256_maskstore_ps(out + r * os, lanes, acc[r]);
+}
+
+/* ---- Many activation rows: an int8 tile of 8 weight rows ----
+ *
+ * From FAST_TILE_MIN_ROWS activation rows, the codebook types whose magnitudes are <= 64 (not
+ * IQ4_XS) decode each block of 8 weight rows once into an L1 tile, tile[g] lane v holding values
+ * 4g .. 4g + 3 of row v with their signs, and every activation row meets it with its 4 bytes
+ * made unsigned (+128) and broadcast: one maddubs (255 x 64 x 2 < 32768: it never saturates)
+ * and one madd by the 8 rows' sub-block scales per 4 values x 8 rows, against the lanes' sign
+ * step, maddubs and madd per 32 values x 1 row. 128 x (the row's scaled sum of weights), worked
+ * out once per tile, comes off again: the same exact block sums, so the lanes' bits. */
+#define FAST_TILE_MIN_ROWS 8
+#define FAST_TILE_CHUNK    4  /* blocks decoded per pass (10.5 KiB) */
+#define FAST_TILE_GROUP    64 /* activation rows per decode of a chunk */
+
+typedef struct {
+    __m256i tile[64];  /* lane v of tile[g]: values 4g .. 4g + 3 of row v, int8 with signs */
+    __m256i scale[16]; /* lane v of scale[j]: row v's scale of values 16j .. 16j + 15, twice */
+    __m256i bias;      /* 128 x sum_j scale[j] x (row v's values in sub-block j, summed) */
+    __m256 d;          /* row v's d_w */
+} fast_tile8;
+
+/* 8 rows of 8 dwords to 8 registers of 8 rows: out[c] lane v = r[v] dword c. */
+MOE_INLINE void fast_transpose8x8(const __m256i r[8], __m256i out[8]) {
+    __m256i t[8], u[8];
+    for (int p = 0; p < 4; p++) {
+        t[2 * p] = _mm256_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm256_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 2; q++) { /* rows 4q .. 4q + 3; 128-bit lane h: dwords c, c + 4 */
+        u[4 * q + 0] = _mm256_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 1] = _mm256_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 2] = _mm256_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[4 * q + 3] = _mm256_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        out[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20);
+        out[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
+    }
+}
+
+/* Block i of n_w <= 8 rows ws bytes apart into a tile (rows past n_w repeat row 0). */
+MOE_INLINE void fast_tile8_build(iq_head_fn head, iq_chunk_fn chunk, size_t block_bytes,
+                                 const uint8_t *w, size_t ws, int n_w, int64_t i, fast_tile8 *o) {
+    __m256i stage[8][8]; /* [chunk][row]: 32 signed values */
+    int16_t sc[16][8] __attribute__((aligned(16)));
+    float d[8];
+    for (int v = 0; v < 8; v++) {
+        const uint8_t *b = w + (size_t)(v < n_w ? v : 0) * ws + (size_t)i * block_bytes;
+        const iq_head h = head(b);
+#pragma GCC unroll 8
+        for (int ib = 0; ib < 8; ib++) {
+            iq_chunk c;
+            chunk(b, &h, ib, &c);
+            stage[ib][v] = avx2_apply_signs(c.u, c.neg);
+            sc[2 * ib][v] = (int16_t)_mm256_extract_epi16(c.scale, 0);
+            sc[2 * ib + 1][v] = (int16_t)_mm256_extract_epi16(c.scale, 8);
+        }
+        d[v] = h.d;
+    }
+    for (int ib = 0; ib < 8; ib++) fast_transpose8x8(stage[ib], o->tile + 8 * ib);
+    __m256i bias = _mm256_setzero_si256();
+    for (int j = 0; j < 16; j++) {
+        const __m256i s = _mm256_cvtepu16_epi32(_mm_load_si128((const __m128i *)sc[j]));
+        o->scale[j] = _mm256_or_si256(s, _mm256_slli_epi32(s, 16));
+        for (int c = 0; c < 4; c++)
+            bias = _mm256_add_epi32(
+                bias,
+                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), o->tile[4 * j + c]),
+                                  o->scale[j]));
+    }
+    o->bias = _mm256_slli_epi32(bias, 7);
+    o->d = _mm256_loadu_ps(d);
+}
+
+/* R activation rows (xs bytes apart, block c0 on) against nc tiles; the rows' accumulators in
+ * and out through accbuf. One function per R (the row loops unroll, nothing kept across). */
+MOE_INLINE void fast_tile8_rows(int R, const fast_tile8 *tiles, int64_t nc, const uint8_t *x,
+                                size_t xs, int64_t c0, float mult, __m256 *accbuf) {
+    __m256 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = accbuf[r];
+    for (int64_t j = 0; j < nc; j++) {
+        const fast_tile8 *t = &tiles[j];
+        uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(32)));
+        float dx[MOE_DOT_ROWS];
+        __m256i sum[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + c0 + j;
+            for (int k = 0; k < 8; k++)
+                _mm256_store_si256(
+                    (__m256i *)(xb[r] + 8 * k),
+                    _mm256_xor_si256(avx2_load(y->qs + 32 * k), _mm256_set1_epi8((char)0x80)));
+            dx[r] = y->d;
+            sum[r] = _mm256_setzero_si256();
+        }
+        for (int s = 0; s < 16; s++) {
+            const __m256i scale = _mm256_load_si256(&t->scale[s]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m256i tg = _mm256_load_si256(&t->tile[4 * s + c]);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    sum[r] = _mm256_add_epi32(
+                        sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                                      _mm256_set1_epi32((int)xb[r][4 * s + c]), tg),
+                                                  scale));
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_mul_ps(_mm256_mul_ps(t->d, _mm256_set1_ps(dx[r])), _mm256_set1_ps(mult)),
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r], t->bias)), acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) accbuf[r] = acc[r];
+}
+#define FAST_TILE8_ROWS(R)                                                                         \
+    static __attribute__((noinline)) void fast_tile8_rows_##R(                                     \
+        const fast_tile8 *tiles, int64_t nc, const uint8_t *x, size_t xs, int64_t c0, float mult,  \
+        __m256 *accbuf) {                                                                          \
+        fast_tile8_rows(R, tiles, nc, x, xs, c0, mult, accbuf);                                    \
+    }
+FAST_TILE8_ROWS(1)
+FAST_TILE8_ROWS(2)
+FAST_TILE8_ROWS(3)
+FAST_TILE8_ROWS(4)
+#undef FAST_TILE8_ROWS
+#define FAST_TILE8_STEP_(R, ...) FAST_TILE8_CALL_(R, __VA_ARGS__)
+#define FAST_TILE8_CALL_(R, unused)                                                                \
+    fast_tile8_rows_##R(tiles, nc, x + (size_t)(g0 + r) * xs, xs, c0, mult, accbuf + r)
+
+/* n_rows activation rows against n_w <= 8 weight rows: FAST_TILE_GROUP rows at a time; per
+ * chunk of blocks, each block of the 8 rows decoded once into a tile, then every row group. */
+MOE_INLINE void fast_tile8_drive(iq_head_fn head, iq_chunk_fn chunk, size_t block_bytes, float mult,
+                                 const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,
+                                 int64_t n_rows, int64_t nb, float *out, int64_t os) {
+    fast_tile8 tiles[FAST_TILE_CHUNK];
+    const __m256i lanes =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n_w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    MOE_TILE_LOOP(__m256, _mm256_setzero_ps, FAST_TILE_GROUP, FAST_TILE_CHUNK, n_rows, nb,
+                  fast_tile8_build(head, chunk, block_bytes, w, ws, n_w, c0 + j, &tiles[j]),
+                  FAST_TILE8_STEP_, _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]));
+}
+
+/* The tile kernel (quant.h, moe_dot_tile_fn): weight rows 8 at a time, activation rows in
+ * groups of MOE_DOT_ROWS (a block is decoded once per group). Each group size is a function of
+ * its own (fast_lanes_<t>_<R>), so the loop constants of one are not kept, spilled, across the
+ * others. */
+#define FAST_LANES_R(t, R, sums, block, values, mult)                                              \
+    static __attribute__((noinline)) void fast_lanes_##t##_##R(                                    \
+        const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs, int64_t n, float *out,  \
+        int64_t os) {                                                                              \
+        fast_lanes(R, sums, block, sizeof(moe_block_##t), mult, w, ws, n_w, x, xs, n / (values),   \
+                   out, os);                                                                       \
+    }
+#define FAST_KERNELS(t, sums, block, values, mult, many)                                           \
+    FAST_LANES_R(t, 1, sums, block, values, mult)                                                  \
+    FAST_LANES_R(t, 2, sums, block, values, mult)                                                  \
+    FAST_LANES_R(t, 3, sums, block, values, mult)                                                  \
+    FAST_LANES_R(t, 4, sums, block, values, mult)                                                  \
+    static void fast_tile_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,         \
+                              int64_t n_rows, int64_t n, float *out, int64_t os) {                 \
+        for (int v0 = 0; v0 < n_w; v0 += 8) {                                                      \
+            const uint8_t *wv = (const uint8_t *)w + (size_t)v0 * ws, *xb = x;                     \
+            const int nv = n_w - v0 < 8 ? n_w - v0 : 8;                                            \
+            int64_t r = 0;                                                                         \
+            const fast_many_fn many_ = many; /* NULL: the lanes for every row count */             \
+            if (n_rows >= FAST_TILE_MIN_ROWS && many_) {                                           \
+                many_(wv, ws, nv, xb, xs, n_rows, n, out + v0, os);                                \
+                continue;                                                                          \
+            }                                                                                      \
+            MOE_ROW_GROUPS(r, n_rows, FAST_STEP_, t, wv, ws, nv, xb, xs, n, out, os, v0);          \
+        }                                                                                          \
+    }                                                                                              \
+    static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
+        float out;                                                                                 \
+        fast_lanes_##t##_1(w, 0, 1, x, 0, n, &out, 1);                                             \
+        return out;                                                                                \
+    }
+#define FAST_STEP_(R, ...) FAST_CALL_(R, __VA_ARGS__) /* R expanded (MOE_DOT_ROWS) first */
+#define FAST_CALL_(R, t, wv, ws, nv, xb, xs, n, out, os, v0)                                       \
+    fast_lanes_##t##_##R(wv, ws, nv, xb + (size_t)r * xs, xs, n, out + r * os + v0, os)
+typedef void (*fast_many_fn)(const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,
+                             int64_t n_rows, int64_t n, float *out, int64_t os);
+FAST_KERNELS(q8_0, fast_sums_q8_0, NULL, MOE_QK32, 1.0f, NULL)
+FAST_KERNELS(iq4_xs, NULL, iq4_xs_block, MOE_QK_K, 1.0f, NULL)
+#define FAST_IQ(t, mult)                                                                           \
+    static void fast_many_##t(const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,   \
+                              int64_t n_rows, int64_t n, float *out, int64_t os) {                 \
+        fast_tile8_drive(t##_head, t##_chunk, sizeof(moe_block_##t), mult, w, ws, n_w, x, xs,      \
+                         n_rows, n / MOE_QK_K, out, os);                                           \
+    }                                                                                              \
+    FAST_KERNELS(t, NULL, t##_block, MOE_QK_K, mult, fast_many_##t)
+FAST_IQ(iq2_xxs, 0.125f)
+FAST_IQ(iq2_xs, 0.125f)
+FAST_IQ(iq2_s, 0.125f)
+FAST_IQ(iq3_xxs, 0.25f)
+FAST_IQ(iq3_s, 1.0f)
+FAST_IQ(iq1_s, 0.125f)
+FAST_IQ(iq1_m, 0.125f)
+#undef FAST_IQ
+
+void moe_kernels_fill_fast_avx2(moe_kernels *k) {
+#define FAST_SET(T, t)                                                                             \
+    moe_kernels_set_fast_dot(k->types, MOE_TYPE_##T, fast_dot_##t, fast_tile_##t, MOE_ISA_AVX2)
+    FAST_SET(Q8_0, q8_0);
+    FAST_SET(IQ2_XXS, iq2_xxs);
+    FAST_SET(IQ2_XS, iq2_xs);
+    FAST_SET(IQ2_S, iq2_s);
+    FAST_SET(IQ3_XXS, iq3_xxs);
+    FAST_SET(IQ3_S, iq3_s);
+    FAST_SET(IQ1_S, iq1_s);
+    FAST_SET(IQ1_M, iq1_m);
+    FAST_SET(IQ4_XS, iq4_xs);
+#undef FAST_SET
+}
+
 void moe_kernels_fill_avx2(moe_kernels *k) {
     moe_type_kernels *types = k->types;
     k->attn_scores = attn_scores;
@@ -777,14 +1090,14 @@ void moe_kernels_fill_avx2(moe_kernels *k) {
         {MOE_TYPE_Q4_K, dot_q4_k, dot_rows_q4_k},
         {MOE_TYPE_Q5_K, dot_q5_k, dot_rows_q5_k},
         {MOE_TYPE_Q6_K, dot_q6_k, dot_rows_q6_k},
-        {MOE_TYPE_IQ2_XXS, dot_iq2_xxs, NULL},
-        {MOE_TYPE_IQ2_XS, dot_iq2_xs, NULL},
+        {MOE_TYPE_IQ2_XXS, dot_iq2_xxs, dot_rows_iq2_xxs},
+        {MOE_TYPE_IQ2_XS, dot_iq2_xs, dot_rows_iq2_xs},
         {MOE_TYPE_IQ2_S, dot_iq2_s, dot_rows_iq2_s},
-        {MOE_TYPE_IQ3_XXS, dot_iq3_xxs, NULL},
+        {MOE_TYPE_IQ3_XXS, dot_iq3_xxs, dot_rows_iq3_xxs},
         {MOE_TYPE_IQ3_S, dot_iq3_s, dot_rows_iq3_s},
-        {MOE_TYPE_IQ1_S, dot_iq1_s, NULL},
-        {MOE_TYPE_IQ1_M, dot_iq1_m, NULL},
-        {MOE_TYPE_IQ4_XS, dot_iq4_xs, NULL},
+        {MOE_TYPE_IQ1_S, dot_iq1_s, dot_rows_iq1_s},
+        {MOE_TYPE_IQ1_M, dot_iq1_m, dot_rows_iq1_m},
+        {MOE_TYPE_IQ4_XS, dot_iq4_xs, dot_rows_iq4_xs},
     };
     for (size_t i = 0; i < sizeof dots / sizeof dots[0]; i++)
         moe_kernels_set_dot(types, dots[i].type, dots[i].dot, dots[i].dot_rows, MOE_ISA_AVX2);

@@ -48,6 +48,26 @@
         }                                                                                          \
     } while (0)
 
+/* The fast path's tile loop (fast_avx512vnni.c, the fast section of x86_avx2.c): activation
+ * rows `group` at a time, their accumulators (V, from vzero()) in accbuf; per chunk of up to
+ * `chunk` blocks, DECODE (with j the block of the chunk, c0 its first) once per block, then STEP
+ * per row group (MOE_ROW_GROUPS: r the group's first row, g0 the group's); then STORE per row. */
+#define MOE_TILE_LOOP(V, vzero, group, chunk, n_rows, nb, DECODE, STEP, STORE)                     \
+    do {                                                                                           \
+        V accbuf[group];                                                                           \
+        for (int64_t g0 = 0; g0 < (n_rows); g0 += (group)) {                                       \
+            const int64_t ng = (n_rows)-g0 < (group) ? (n_rows)-g0 : (group);                      \
+            for (int64_t r = 0; r < ng; r++) accbuf[r] = vzero();                                  \
+            for (int64_t c0 = 0; c0 < (nb); c0 += (chunk)) {                                       \
+                const int64_t nc = (nb)-c0 < (chunk) ? (nb)-c0 : (chunk);                          \
+                for (int64_t j = 0; j < nc; j++) DECODE;                                           \
+                int64_t r = 0;                                                                     \
+                MOE_ROW_GROUPS(r, ng, STEP, 0);                                                    \
+            }                                                                                      \
+            for (int64_t r = 0; r < ng; r++) STORE;                                                \
+        }                                                                                          \
+    } while (0)
+
 #define MOE_DOT_AND_ROWS(dot_name, rows_name, rows_fn, ...)                                        \
     static float dot_name(const void *w, const void *x, int64_t n) {                               \
         float out;                                                                                 \
