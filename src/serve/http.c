@@ -866,7 +866,7 @@ int moe_serve_run(const moe_serve_params *params) {
     MOE_CHECK(params->model_path); /* the caller resolves a missing model (cli/'s demo) */
     serve_server *srv = moe_xcalloc(1, sizeof *srv);
     srv->p = *params;
-    if (srv->p.cache_slots < 0) srv->p.cache_slots = srv->p.parallel;
+    srv->p.cache_slots = serve_cache_slots(&srv->p);
     srv->t_start = serve_now();
     pthread_mutex_init(&srv->metrics.mu, NULL);
     atomic_init(&srv->next_id, 1);

@@ -1040,7 +1040,7 @@ static bool open_engine(serve_sched *s, moe_error *err) {
                       "would restore rank 0's state alone");
         return false;
     }
-    s->n_slots = (uint32_t)(s->p.parallel + s->p.cache_slots);
+    s->n_slots = (uint32_t)(s->p.parallel + serve_cache_slots(&s->p));
     const uint32_t n_verify = s->p.spec ? s->p.n_draft + 1 : 0;
     s->decode_rows_max = (uint32_t)s->p.parallel * (n_verify ? n_verify : 1);
     const moe_ctx_params cp = {.n_ctx = s->p.n_ctx,
@@ -1307,6 +1307,10 @@ serve_submit_result serve_sched_submit(serve_sched *s, serve_req *r) {
 const serve_rank *serve_sched_ranks(serve_sched *s, int *n) {
     *n = s->ranks ? s->n_ranks : 0;
     return s->ranks;
+}
+
+int serve_cache_slots(const moe_serve_params *p) {
+    return p->cache_slots < 0 ? p->parallel : p->cache_slots;
 }
 
 int moe_serve_follow(const moe_serve_params *p) {

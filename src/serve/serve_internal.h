@@ -243,6 +243,10 @@ const serve_rank *serve_sched_ranks(serve_sched *s, int *n);
 const moe_tokenizer *serve_sched_tokenizer(serve_sched *s);
 const moe_model *serve_sched_model(serve_sched *s);
 uint32_t serve_sched_n_ctx(serve_sched *s);
+/* The resident sequences kept beside the streams: --cache-slots, or its default (= --parallel).
+ * Every rank of an mpirun job sizes its context with it: a follower with fewer sequences than
+ * rank 0 would refuse a step rank 0 runs. */
+int serve_cache_slots(const moe_serve_params *p);
 /* --spec as it applies to model m: mtp when not given and m has an MTP layer; false with err
  * set when mtp is asked of a model without one. */
 bool serve_spec_resolve(moe_serve_params *p, const moe_model *m, moe_error *err);
