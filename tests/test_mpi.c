@@ -506,10 +506,12 @@ static long health_ranks(const moe_test_server *s, long long *held) {
 }
 
 /* Stop a server under mpirun as its user should: SIGTERM to rank 0 (a signal to mpirun ends
- * every rank at once), which stops the others; the job's exit status, -1 if it had to be killed. */
+ * every rank at once), which stops the others; the job's exit status, -1 if it had to be killed.
+ * /health must show both ranks first. */
 static int mpi_server_stop(moe_test_server *s) {
     long long held[2];
-    return moe_test_server_stop_via(s, (pid_t)health_ranks(s, held));
+    if (health_ranks(s, held) != s->lead) fail_msg("%s: rank 0 is not the server's lead", s->url);
+    return moe_test_server_stop(s);
 }
 
 /* node tests/clients/cases.mjs with these servers and cases; fails with its output unless every
@@ -530,10 +532,8 @@ static void client_cases(const char *base, const char *hybrid, const char *key, 
 /* `mpirun -np 2 moe serve`: rank 0 serves, rank 1 replays its steps. The official SDK cases that
  * need no slow server pass against stories260K (--split rows: a dense model, only the replay)
  * and the qwen3next hybrid (--split rows: prefix reuse through snapshots, replayed on both
- * ranks). (Not here: concurrent_streams on a MoE server under mpirun hung at its 16th request,
- * rank 0 in a step's reduction and rank 1 waiting for that step's descriptor: open.) /health
- * lists both ranks with what they hold (the budget's bytes); SIGTERM to rank 0 ends the job
- * cleanly. */
+ * ranks), 16 concurrent streams among them. /health lists both ranks with what they hold (the
+ * budget's bytes); SIGTERM to rank 0 ends the job cleanly. */
 static void serve_under_mpirun(void **state) {
     (void)state;
     const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
@@ -570,18 +570,91 @@ static void serve_under_mpirun(void **state) {
                      held[r], want[r]);
     client_cases(base.url, hy.url, API_KEY, runc,
                  "models chat_nonstream chat_stream completions_runc stop_strings logprobs "
-                 "cached_tokens hybrid_reuse anthropic_messages anthropic_stream tools_shape "
+                 "concurrent_streams cached_tokens hybrid_reuse anthropic_messages "
+                 "anthropic_stream tools_shape "
                  "structured_output responses errors cors round_trip disconnect_storm ops");
     assert_int_equal(mpi_server_stop(&base), 0);
     assert_int_equal(mpi_server_stop(&hy), 0);
 }
 
+/* `moe serve` under mpirun -np 2: 8 streams at once, each equal to that stream alone through a
+ * server of the same split with --parallel 1, token for token, greedy and seeded sampled, both
+ * split modes, on the qwen3next hybrid (F32 experts, shared expert, snapshots replayed) and
+ * deepseek2-q8_0-q4_k (quantized experts, MLA); /metrics shows the 8 streams in one step. (The
+ * followers once sized their contexts without --cache-slots' default and refused the last
+ * slot's steps, leaving rank 0 in a reduction: the 8th stream hung.) */
+static void serve_streams_under_mpirun(void **state) {
+    (void)state;
+    static const char *const models[] = {"qwen3next-f32.gguf", "deepseek2-q8_0-q4_k.gguf"};
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+        const char *bin, *model = parity_and_bin(models[i], &bin);
+        MOE_SKIP_IF_NULL(model);
+        for (int rows = 0; rows < 2; rows++)
+            for (double temp = 0; temp < 1; temp += 0.8) {
+                char *split[] = {"--split", rows ? "rows" : "experts", NULL};
+                char *together[] = {"--split", split[1], "--step-delay", "2", NULL};
+                char what[64];
+                snprintf(what, sizeof what, "mpirun -np 2 --split %s", split[1]);
+                char *metrics =
+                    moe_test_streams_equal_alone(&(moe_test_streams){.model = model,
+                                                                     .temp = temp,
+                                                                     .what = what,
+                                                                     .launcher = mpi_two,
+                                                                     .bin = bin,
+                                                                     .alone_extra = split,
+                                                                     .together = together});
+                const double batch = moe_test_metric(metrics, "moe_decode_batch_rows_max");
+                print_message("mpi serve: %s --split %s, temperature %g: 8 streams equal alone, up "
+                              "to %.0f rows in one decode step\n",
+                              models[i], split[1], temp, batch);
+                if (batch < 8)
+                    fail_msg("%s: the 8 streams never shared a step:\n%s", what, metrics);
+                free(metrics);
+            }
+    }
+}
+
+/* serve's --spec mtp under mpirun -np 2 (glm5next: MoE, hyper-connections, its MTP head): the
+ * head's calls (drafts fed each stream's hidden states, rewinds) and the verify steps with their
+ * accepts are replayed; 8 streams equal each alone without speculation, greedy and sampled, both
+ * split modes; /metrics shows drafts verified for several streams in one step. */
+static void serve_mtp_under_mpirun(void **state) {
+    (void)state;
+    const char *bin, *model = parity_and_bin("glm5next-f32.gguf", &bin);
+    MOE_SKIP_IF_NULL(model);
+    for (int rows = 0; rows < 2; rows++)
+        for (double temp = 0; temp < 1; temp += 0.8) {
+            char *split[] = {"--split", rows ? "rows" : "experts", NULL};
+            char *together[] = {"--split", split[1],       "--spec", "mtp", "--draft",
+                                "4",       "--step-delay", "2",      NULL};
+            char what[64];
+            snprintf(what, sizeof what, "mpirun -np 2 --split %s --spec mtp", split[1]);
+            char *metrics = moe_test_streams_equal_alone(&(moe_test_streams){.model = model,
+                                                                             .temp = temp,
+                                                                             .what = what,
+                                                                             .launcher = mpi_two,
+                                                                             .bin = bin,
+                                                                             .alone_extra = split,
+                                                                             .together = together});
+            const double drafted = moe_test_metric(metrics, "moe_spec_drafts_total"),
+                         verified = moe_test_metric(metrics, "moe_spec_verify_streams_max");
+            print_message("mpi serve: glm5next-f32 --split %s --spec mtp, temperature %g: 8 "
+                          "streams equal alone, %.0f drafts, up to %.0f streams in one verify "
+                          "step\n",
+                          split[1], temp, drafted, verified);
+            if (drafted < 1 || verified < 2)
+                fail_msg("%s: no drafts or no batched verify step:\n%s", what, metrics);
+            free(metrics);
+        }
+}
+
 int moe_suite_mpi(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(split_argument_errors),  cmocka_unit_test(parity_models_split),
-        cmocka_unit_test(many_experts_per_token), cmocka_unit_test(rows_split_in_blocks),
-        cmocka_unit_test(run_greedy_tokens),      cmocka_unit_test(failing_rank_ends_job),
-        cmocka_unit_test(chat_under_mpirun),      cmocka_unit_test(serve_under_mpirun),
+        cmocka_unit_test(split_argument_errors),      cmocka_unit_test(parity_models_split),
+        cmocka_unit_test(many_experts_per_token),     cmocka_unit_test(rows_split_in_blocks),
+        cmocka_unit_test(run_greedy_tokens),          cmocka_unit_test(failing_rank_ends_job),
+        cmocka_unit_test(chat_under_mpirun),          cmocka_unit_test(serve_under_mpirun),
+        cmocka_unit_test(serve_streams_under_mpirun), cmocka_unit_test(serve_mtp_under_mpirun),
     };
     return cmocka_run_group_tests_name("mpi", tests, NULL, NULL);
 }

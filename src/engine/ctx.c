@@ -517,8 +517,8 @@ static void output_head(moe_ctx *c, const moe_stream_ops *s, const moe_row *rows
  * out first; a rank whose own call differs (another number of rows or logits rows: it would
  * write past its logits buffer) or that refuses what rank 0 runs ends the job, named; a
  * follower takes rank 0's rows, computing no logits. */
-static moe_status dist_rows(moe_ctx *c, const moe_row **rows, uint32_t *n_rows,
-                            const uint32_t *len, moe_error *err) {
+static moe_status dist_rows(moe_ctx *c, const moe_row **rows, uint32_t *n_rows, const uint32_t *len,
+                            moe_error *err) {
     if (c->p.split == MOE_SPLIT_NONE || moe_dist_size() <= 1)
         return check_rows(c, *rows, *n_rows, len, err);
     const bool follower = c->replicate && moe_dist_rank() != 0;
@@ -590,8 +590,17 @@ const void *moe_ctx_dist_payload(moe_ctx *c, const void *mine, void *theirs, siz
 
 /* What a follower's context must share with rank 0's to replay its calls: a follower with
  * fewer sequences, positions or rows than rank 0 would refuse a step rank 0 runs. */
-enum { SHAPE_N_CTX, SHAPE_N_SEQ, SHAPE_MAX_ROWS, SHAPE_KV_TYPE, SHAPE_N_SNAPSHOTS, SHAPE_N_VERIFY,
-       SHAPE_SPLIT, SHAPE_SPLIT_DENSE, SHAPE_COUNT };
+enum {
+    SHAPE_N_CTX,
+    SHAPE_N_SEQ,
+    SHAPE_MAX_ROWS,
+    SHAPE_KV_TYPE,
+    SHAPE_N_SNAPSHOTS,
+    SHAPE_N_VERIFY,
+    SHAPE_SPLIT,
+    SHAPE_SPLIT_DENSE,
+    SHAPE_COUNT
+};
 static void ctx_shape(const moe_ctx *c, uint32_t *shape) {
     shape[SHAPE_N_CTX] = c->p.n_ctx;
     shape[SHAPE_N_SEQ] = c->p.n_seq;
@@ -624,9 +633,8 @@ moe_status moe_ctx_follow(moe_ctx *c, moe_error *err) {
                 "verify rows) is not rank 0's (%u, %u, %u, %u, %u) or its KV type or split "
                 "differ: every rank must be started with the same options; ending the job\n",
                 moe_dist_rank(), mine[SHAPE_N_CTX], mine[SHAPE_N_SEQ], mine[SHAPE_MAX_ROWS],
-                mine[SHAPE_N_SNAPSHOTS], mine[SHAPE_N_VERIFY], lead[SHAPE_N_CTX],
-                lead[SHAPE_N_SEQ], lead[SHAPE_MAX_ROWS], lead[SHAPE_N_SNAPSHOTS],
-                lead[SHAPE_N_VERIFY]);
+                mine[SHAPE_N_SNAPSHOTS], mine[SHAPE_N_VERIFY], lead[SHAPE_N_CTX], lead[SHAPE_N_SEQ],
+                lead[SHAPE_MAX_ROWS], lead[SHAPE_N_SNAPSHOTS], lead[SHAPE_N_VERIFY]);
         moe_dist_abort(1);
         return moe_error_set(err, MOE_ERR_ARG, "follow: this rank's context is not rank 0's");
     }
