@@ -1,10 +1,10 @@
 /* test_mpi: expert and tensor parallelism over Open MPI (engine/dist.c, engine/rows.c, --split
  * experts|rows). `mpirun -np 2` and `-np 4` (as root, oversubscribed) of the MPI build
- * (build/mpi/moe, or MOE_MPI_BIN; `make test-mpi` builds it) against one rank of the default
- * build, on every MoE parity model in ../shared, both split modes: logits within 1e-6 of
- * max|logit| and the same argmax per row, that argmax equal to llama.cpp's greedy tokens (the
- * fixture's); split by experts the ranks' shares of the experts add up to the one-rank count,
- * split by rows every rank runs every expert one rank ran (ranks whose slices are all empty:
+ * (build/mpi/moe, or MOE_MPI_BIN; `make test` builds it where mpicc is installed) against one
+ * rank of the default build, on every MoE parity model in ../shared, both split modes: logits
+ * within 1e-6 of max|logit| and the same argmax per row, that argmax equal to llama.cpp's greedy
+ * tokens (the fixture's); split by experts the ranks' shares of the experts add up to the one-rank
+ * count, split by rows every rank runs every expert one rank ran (ranks whose slices are all empty:
  * none); each rank's routed-expert bytes (by rows: what it read) are those `moe budget --devices K
  * --split MODE` plans, and by rows its RSS follows them; rows with --split-dense (dense FFNs and
  * shared experts split too) holds the same bound at -np 2 (REL_TOL_DENSE_MANY above). Without
@@ -41,7 +41,8 @@ static const char *mpi_bin(void) {
     struct stat st;
     char *out = NULL;
     if (stat(path, &st) != 0) {
-        print_message("mpi: no MPI build at %s (`make test-mpi` builds it): skipped\n", path);
+        print_message("mpi: no MPI build at %s (`make test` builds it with mpicc): skipped\n",
+                      path);
         return NULL;
     }
     if (moe_test_run("command -v mpirun", &out) != 0) {
