@@ -88,7 +88,7 @@ $(TEST_BIN): $(TEST_OBJ) $(LIB)
 ## test: build and run every test suite (cmocka); SUITE=name runs one. With Open MPI's mpicc
 ## (`make deps`) the MPI build (build/mpi/moe) is made too, for the mpi suite
 test: $(MOE_BIN) $(TEST_BIN)
-	@if [ -z "$(SUITE)" -o "$(SUITE)" = mpi ]; then \
+	+@if [ -z "$(SUITE)" -o "$(SUITE)" = mpi ]; then \
 	  if command -v mpicc >/dev/null; then $(MPI_MAKE) >/dev/null; \
 	  else echo "test: no mpicc (Debian libopenmpi-dev): the mpi suite will skip"; fi; fi
 	MOE_BIN=./$(MOE_BIN) MOE_MPI_BIN=build/mpi/moe ./$(TEST_BIN) $(if $(SUITE),--suite $(SUITE))

@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <curl/curl.h>
 #include <jansson.h>
 
 #include "testutil.h"
@@ -649,13 +650,143 @@ static void serve_mtp_under_mpirun(void **state) {
         }
 }
 
+/* The job's exit status once it ends within `seconds` (checked every 50 ms); else it is killed
+ * and the test fails. */
+static int job_exit(moe_test_server *s, int seconds, const char *what) {
+    int status = 0;
+    for (int i = 0; i < seconds * 20; i++) {
+        if (waitpid(s->pid, &status, WNOHANG) == s->pid) {
+            s->pid = 0;
+            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        }
+        struct timespec d = {0, 50 * 1000000L};
+        nanosleep(&d, NULL);
+    }
+    kill(s->pid, SIGKILL);
+    waitpid(s->pid, &status, 0);
+    s->pid = 0;
+    fail_msg("%s: the job did not end within %d s (log: %s)", what, seconds, s->log);
+    return -1;
+}
+
+/* The server's log holds `want`; fails the test otherwise. */
+static void log_says(const moe_test_server *s, const char *want) {
+    size_t n;
+    moe_error err = {0};
+    uint8_t *log = NULL;
+    if (moe_file_read(s->log, &log, &n, &err) != MOE_OK) fail_msg("%s", err.msg);
+    log = moe_xrealloc(log, n + 1);
+    log[n] = 0;
+    if (!strstr((const char *)log, want)) fail_msg("%s lacks '%s':\n%s", s->log, want, log);
+    free(log);
+}
+
+/* A rank that dies (kill -9 of rank 1, its pid from /health) must not leave rank 0 waiting
+ * forever. Under `mpirun --enable-recovery` (mpirun leaves rank 0 running): a request in flight
+ * (slowed by --step-delay) fails with 503 naming the rank instead of hanging in its step's
+ * reduction, /health answers 503 with the rank "lost", a new request gets 503 with a JSON error
+ * naming it, and the job ends with that message. Under a plain mpirun, mpirun ends the
+ * job itself with its message naming rank 1. Every wait is bounded. */
+static void dead_rank(void **state) {
+    (void)state;
+    const char *bin, *model = parity_and_bin("qwen3next-f32.gguf", &bin);
+    MOE_SKIP_IF_NULL(model);
+    char *const recovery[] = {
+        "mpirun", "--allow-run-as-root", "--oversubscribe", "--enable-recovery", "-np", "2", NULL};
+    char *args[] = {(char *)model, "--split", "experts", "--step-delay", "20", NULL};
+    for (int keep = 1; keep >= 0; keep--) {
+        moe_test_server srv = {0};
+        if (!moe_test_server_start_with(&srv, keep ? "dead-rank-kept" : "dead-rank",
+                                        keep ? recovery : mpi_two, bin, args))
+            fail_msg("a server under mpirun did not start (logs in %s)", moe_test_tmpdir());
+        long long held[2];
+        char url[256], body[512], pid_text[64];
+        snprintf(url, sizeof url, "%s/health", srv.url);
+        long status;
+        char *reply = moe_test_http(url, NULL, &status);
+        json_t *health = json_loads(reply, 0, NULL);
+        const long pid1 = (long)json_integer_value(
+            json_object_get(json_array_get(json_object_get(health, "ranks"), 1), "pid"));
+        json_decref(health);
+        free(reply);
+        health_ranks(&srv, held);
+        snprintf(pid_text, sizeof pid_text, "rank 1 of 2 (pid %ld", pid1);
+        /* a request in flight: about 20 ms a token, far longer than the test waits */
+        snprintf(url, sizeof url, "%s/v1/completions", srv.url);
+        snprintf(body, sizeof body,
+                 "{\"prompt\":[1,403,407],\"max_tokens\":1000,\"ignore_eos\":true}");
+        struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
+        moe_strbuf out = {0};
+        CURLM *multi = curl_multi_init();
+        CURL *easy = moe_test_http_handle(url, body, hdr, &out);
+        curl_multi_add_handle(multi, easy);
+        int running = 1;
+        for (int i = 0; i < 10; i++) { /* let it start decoding */
+            curl_multi_perform(multi, &running);
+            curl_multi_poll(multi, NULL, 0, 50, NULL);
+        }
+        kill((pid_t)pid1, SIGKILL);
+        if (!keep) {
+            const int rc = job_exit(&srv, 30, "plain mpirun");
+            if (rc == 0) fail_msg("plain mpirun: the job exited 0 after rank 1 was killed");
+            log_says(&srv, "rank 1");
+        } else {
+            while (running) { /* bounded by the handle's own timeout */
+                if (curl_multi_perform(multi, &running) != CURLM_OK) fail_msg("curl_multi_perform");
+                if (running) curl_multi_poll(multi, NULL, 0, 1000, NULL);
+            }
+            curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status);
+            moe_strbuf_put(&out, "", 0);
+            if (status != 503 || !strstr(out.s, pid_text))
+                fail_msg("the request in flight got %ld, expected 503 naming %s): %s", status,
+                         pid_text, out.s);
+            snprintf(url, sizeof url, "%s/health", srv.url);
+            reply = moe_test_http(url, NULL, &status);
+            health = json_loads(reply, 0, NULL);
+            json_t *rank1 = json_array_get(json_object_get(health, "ranks"), 1);
+            if (status != 503 ||
+                strcmp(json_string_value(json_object_get(health, "status")), "rank_lost") != 0 ||
+                strcmp(json_string_value(json_object_get(rank1, "status")), "lost") != 0)
+                fail_msg("/health after rank 1 was killed: %ld %s", status, reply);
+            json_decref(health);
+            free(reply);
+            snprintf(url, sizeof url, "%s/v1/completions", srv.url);
+            reply = moe_test_http(url, body, &status);
+            json_t *err = json_loads(reply, 0, NULL), *e = json_object_get(err, "error");
+            if (status != 503 ||
+                !strstr(json_string_value(json_object_get(e, "message")), pid_text) ||
+                strcmp(json_string_value(json_object_get(e, "code")), "rank_lost") != 0)
+                fail_msg("a new request after rank 1 was killed: %ld %s", status, reply);
+            json_decref(err);
+            free(reply);
+            /* (mpirun --enable-recovery exits 0 whatever its ranks return: Open MPI 4.1) */
+            const int rc = job_exit(&srv, 30, "mpirun --enable-recovery");
+            log_says(&srv, pid_text);
+            print_message("mpi serve: rank 1 killed: 503 in flight, /health and new requests, the "
+                          "job ended (%d) naming it\n",
+                          rc);
+        }
+        curl_multi_remove_handle(multi, easy);
+        curl_easy_cleanup(easy);
+        curl_multi_cleanup(multi);
+        curl_slist_free_all(hdr);
+        moe_strbuf_free(&out);
+    }
+}
+
 int moe_suite_mpi(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(split_argument_errors),      cmocka_unit_test(parity_models_split),
-        cmocka_unit_test(many_experts_per_token),     cmocka_unit_test(rows_split_in_blocks),
-        cmocka_unit_test(run_greedy_tokens),          cmocka_unit_test(failing_rank_ends_job),
-        cmocka_unit_test(chat_under_mpirun),          cmocka_unit_test(serve_under_mpirun),
-        cmocka_unit_test(serve_streams_under_mpirun), cmocka_unit_test(serve_mtp_under_mpirun),
+        cmocka_unit_test(split_argument_errors),
+        cmocka_unit_test(parity_models_split),
+        cmocka_unit_test(many_experts_per_token),
+        cmocka_unit_test(rows_split_in_blocks),
+        cmocka_unit_test(run_greedy_tokens),
+        cmocka_unit_test(failing_rank_ends_job),
+        cmocka_unit_test(chat_under_mpirun),
+        cmocka_unit_test(serve_under_mpirun),
+        cmocka_unit_test(serve_streams_under_mpirun),
+        cmocka_unit_test(serve_mtp_under_mpirun),
+        cmocka_unit_test(dead_rank),
     };
     return cmocka_run_group_tests_name("mpi", tests, NULL, NULL);
 }

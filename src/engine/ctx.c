@@ -709,6 +709,8 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->y[i] *= m->cfg.embd_scale;
     c->stream->begin(c, c->y, n_rows);
     for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, c->stream, il, rows, n_rows);
+    if (c->p.split != MOE_SPLIT_NONE && moe_dist_lost(false, err) >= 0) /* sums never came */
+        return err->code;
     if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {
         /* the step's state is half written (linear layers advanced): its sequences start over */
         for (uint32_t r = 0; r < n_rows; r++) {
@@ -796,6 +798,7 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
     const moe_stream_ops *plain = &moe_stream_plain; /* the NextN block: a plain pre-norm one */
     plain->begin(c, c->y, n_rows);
     run_layer(c, plain, il, rows, n_rows);
+    if (c->p.split != MOE_SPLIT_NONE && moe_dist_lost(false, err) >= 0) return err->code;
     if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) return err->code;
     for (uint32_t r = 0; r < n_rows; r++) c->mtp_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
     output_head(c, plain, rows, n_rows, w->head_norm ? w->head_norm : m->output_norm,

@@ -957,7 +957,13 @@ int moe_serve_run(const moe_serve_params *params) {
         fflush(stdout);
         int sig = 0;
         sigwait(&sigs, &sig);
-        fprintf(stderr, "moe serve: signal %d: stopping\n", sig);
+        char lost[MOE_ERROR_MSG_MAX];
+        if (serve_sched_lost(srv->sched, lost, sizeof lost) >= 0) { /* the engine signalled */
+            fprintf(stderr, "moe serve: %s\n", lost);
+            rc = 1;
+        } else {
+            fprintf(stderr, "moe serve: signal %d: stopping\n", sig);
+        }
     }
     serve_sched_stop(srv->sched); /* ends every request: each parked exchange is resumed */
     wait_unwatched(srv->net, SERVE_STOP_GRACE_S);
