@@ -6,8 +6,8 @@
  * tokens (the fixture's); split by experts the ranks' shares of the experts add up to the one-rank
  * count, split by rows every rank runs every expert one rank ran (ranks whose slices are all empty:
  * none); each rank's routed-expert bytes (by rows: what it read) are those `moe budget --devices K
- * --split MODE` plans, and by rows its RSS follows them; rows with --split-dense (dense FFNs and
- * shared experts split too) holds the same bound at -np 2 (REL_TOL_DENSE_MANY above). Without
+ * --split MODE` plans, and by rows its RSS follows them; with --split-dense (dense FFNs and shared
+ * experts split too) each split gives its logits without it, bit for bit. Without
  * mpirun or an MPI build the MPI tests skip with a message, even under CI=true: MPI is optional.
  * The argument errors need no MPI. */
 #include <stdio.h>
@@ -24,15 +24,11 @@
 
 #include "testutil.h"
 
-#define MPIRUN  "mpirun --allow-run-as-root --oversubscribe -np"
-#define REL_TOL 1e-6 /* of max|logit|: the bound for a split run */
-/* --split-dense over more than 2 ranks splits every dense and shared block of every layer:
- * glm5next-f32 at -np 4 measured 1.03e-6 of max|logit| (float sums reordered in each block), over
- * the issue's bound; this is the bound it is held to */
-#define REL_TOL_DENSE_MANY 2e-6
-#define MAX_TOKENS         64
-#define API_KEY            "sk-moe-test"
-#define CLIENTS_DIR        "tests/clients"
+#define MPIRUN      "mpirun --allow-run-as-root --oversubscribe -np"
+#define REL_TOL     1e-6 /* of max|logit|: the bound for a split run */
+#define MAX_TOKENS  64
+#define API_KEY     "sk-moe-test"
+#define CLIENTS_DIR "tests/clients"
 
 /* The MPI build's path, or NULL (with a message) when it or mpirun is missing. */
 static const char *mpi_bin(void) {
@@ -180,10 +176,9 @@ static double check_split(const char *bin, const char *model, const char *tokens
         if (argmax(got + r * n_vocab, n_vocab) != argmax(base + r * n_vocab, n_vocab))
             fail_msg("%s -np %d --split %s: row %zu's argmax differs from one rank's", name, k,
                      split, r);
-    const double tol = dense && k > 2 ? REL_TOL_DENSE_MANY : REL_TOL;
-    if (max_diff > tol * max_abs)
+    if (max_diff > REL_TOL * max_abs)
         fail_msg("%s -np %d --split %s: max |diff| %.3g > %.0e x max|logit| %.3g", name, k, split,
-                 max_diff, tol, max_abs);
+                 max_diff, REL_TOL, max_abs);
     free(got);
     return max_abs > 0 ? max_diff / max_abs : 0;
 }
@@ -206,19 +201,33 @@ static float *one_rank(const char *bin, const char *model, const char *tokens, c
     return read_f32(path, n);
 }
 
-/* Both split modes of one model at -np 2 and -np 4, and rows with --split-dense, printed. */
+/* Both split modes of one model at -np 2 and -np 4, and each with --split-dense, printed. A
+ * dense block split computes every dot whole on one rank, so "+dense" gives the logits of the
+ * same split without it, bit for bit. */
 static void check_both_splits(const char *bin, const char *model, const char *tokens,
                               const float *base, size_t n_rows, size_t n_vocab, long long experts,
                               const char *name) {
-    static const char *const splits[] = {"experts", "rows", "rows+dense"};
-    for (int s = 0; s < 3; s++)
+    static const char *const splits[] = {"experts", "rows", "experts+dense", "rows+dense"};
+    for (int s = 0; s < 4; s++)
         for (int k = 2; k <= 4; k += 2) {
             long long held[8];
             double rss[8];
             const double rel_diff = check_split(bin, model, tokens, k, splits[s], base, n_rows,
                                                 n_vocab, experts, name, held, rss);
-            print_message("mpi: %-22s -np %d --split %-7s: max |diff| / max|logit| = %.3g%s\n",
+            print_message("mpi: %-22s -np %d --split %-13s: max |diff| / max|logit| = %.3g%s\n",
                           name, k, splits[s], rel_diff, rel_diff == 0 ? " (bit-identical)" : "");
+            if (s < 2) continue;
+            char with[512], without[512];
+            snprintf(with, sizeof with, "%s/%s.%s.np%d.f32", moe_test_tmpdir(), name, splits[s], k);
+            snprintf(without, sizeof without, "%s/%s.%s.np%d.f32", moe_test_tmpdir(), name,
+                     splits[s - 2], k);
+            size_t n_with, n_without;
+            float *a = read_f32(with, &n_with), *b = read_f32(without, &n_without);
+            if (n_with != n_without || memcmp(a, b, sizeof(float) * n_with) != 0)
+                fail_msg("%s -np %d: --split %s differs from --split %s", name, k, splits[s],
+                         splits[s - 2]);
+            free(a);
+            free(b);
         }
 }
 

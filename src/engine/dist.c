@@ -101,7 +101,8 @@ typedef struct dist_peer {
 static bool dist_started; /* we called MPI_Init_thread (and owe MPI_Finalize) */
 static int dist_rank, dist_size = 1;
 static moe_dist_times times; /* of moe_dist_sum, since the start */
-static float *gather_buf;    /* [size][gather_cap] floats: the partials rank 0 adds in rank order */
+static float *gather_buf;    /* [gather_cap] floats: the partials rank 0 adds in rank order, or the
+                              * columns moe_dist_join gathers */
 static size_t gather_cap;
 static dist_peer *peers;  /* [size] */
 static bool *watched;     /* [size] a pid this rank can see and depends on */
@@ -262,6 +263,16 @@ int moe_dist_lost(bool look_now, moe_error *err) {
     return lost;
 }
 
+/* gather_buf, at least n floats. */
+static float *scratch(size_t n) {
+    if (n > gather_cap) { /* grows to the largest step once, then stays */
+        free(gather_buf);
+        gather_buf = moe_xmalloc(sizeof(float) * n);
+        gather_cap = n;
+    }
+    return gather_buf;
+}
+
 void moe_dist_sum(float *buf, size_t n) {
     if (dist_size <= 1 || n == 0 || lost >= 0) return;
     MOE_CHECK(n <= (size_t)INT32_MAX);
@@ -271,17 +282,13 @@ void moe_dist_sum(float *buf, size_t n) {
     MPI_Ibarrier(MPI_COMM_WORLD, &req);
     if (!dist_wait(&req, false)) return;
     const double t1 = moe_now();
-    if (dist_rank == 0 && n > gather_cap) { /* grows to the largest step once, then stays */
-        free(gather_buf);
-        gather_buf = moe_xmalloc(sizeof(float) * n * (size_t)dist_size);
-        gather_cap = n;
-    }
+    float *got = dist_rank == 0 ? scratch(n * (size_t)dist_size) : NULL;
     /* rank 0's partial stays in buf; the gather lands every rank's partial in rank order */
-    MPI_Igather(buf, (int)n, MPI_FLOAT, gather_buf, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD, &req);
+    MPI_Igather(buf, (int)n, MPI_FLOAT, got, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD, &req);
     if (!dist_wait(&req, false)) return;
     if (dist_rank == 0)
         for (int r = 1; r < dist_size; r++) {
-            const float *p = gather_buf + (size_t)r * n;
+            const float *p = got + (size_t)r * n;
             for (size_t i = 0; i < n; i++) buf[i] += p[i];
         }
     MPI_Ibcast(buf, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD, &req);
@@ -319,6 +326,37 @@ void moe_dist_gather(const void *mine, size_t bytes, void *all) {
     MPI_Request req;
     MPI_Igather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, 0, MPI_COMM_WORLD, &req);
     dist_wait(&req, false);
+}
+
+void moe_dist_join(float *all, const float *mine, uint32_t n_rows, int64_t width) {
+    if (dist_size <= 1 || lost >= 0) {
+        if (dist_size <= 1 && all != mine)
+            memmove(all, mine, sizeof(float) * n_rows * (size_t)width);
+        return;
+    }
+    MOE_CHECK((uint64_t)n_rows * (uint64_t)width <= (uint64_t)INT32_MAX);
+    const double t0 = moe_now();
+    int counts[dist_size], displs[dist_size];
+    for (int r = 0, at = 0; r < dist_size; r++) {
+        const moe_split_range cols = moe_split_rows_range(width, 1, r, dist_size);
+        counts[r] = (int)(n_rows * (cols.end - cols.begin));
+        displs[r] = at;
+        at += counts[r];
+    }
+    float *got = scratch((size_t)n_rows * (size_t)width); /* rank after rank, each packed */
+    MPI_Request req;
+    MPI_Iallgatherv(mine, counts[dist_rank], MPI_FLOAT, got, counts, displs, MPI_FLOAT,
+                    MPI_COMM_WORLD, &req);
+    if (!dist_wait(&req, false)) return;
+    for (int r = 0; r < dist_size; r++) {
+        const moe_split_range cols = moe_split_rows_range(width, 1, r, dist_size);
+        const int64_t n = cols.end - cols.begin;
+        for (uint32_t i = 0; i < n_rows; i++)
+            memcpy(all + i * width + cols.begin, got + displs[r] + i * n, sizeof(float) * n);
+    }
+    times.reduce_seconds += moe_now() - t0;
+    times.sums++;
+    times.bytes += sizeof(float) * n_rows * (size_t)width;
 }
 
 moe_dist_times moe_dist_timing(void) {
@@ -371,6 +409,9 @@ void moe_dist_bcast_idle(void *buf, size_t bytes) {
 }
 void moe_dist_gather(const void *mine, size_t bytes, void *all) {
     if (all) memcpy(all, mine, bytes);
+}
+void moe_dist_join(float *all, const float *mine, uint32_t n_rows, int64_t width) {
+    if (all != mine) memmove(all, mine, sizeof(float) * n_rows * (size_t)width);
 }
 moe_dist_times moe_dist_timing(void) {
     return (moe_dist_times){0};

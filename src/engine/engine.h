@@ -381,6 +381,10 @@ void moe_dist_bcast_idle(void *buf, size_t bytes);
 /* Every rank's `bytes` at mine, in rank order, into rank 0's all ([n_ranks][bytes]; NULL and
  * untouched elsewhere). */
 void moe_dist_gather(const void *mine, size_t bytes, void *all);
+/* Rows of width values split by columns: rank r holds columns moe_split_rows_range(width, 1, r,
+ * K) of every row, packed ([n_rows][its columns] at mine); afterwards every rank's all
+ * ([n_rows][width]; it may be mine) holds every rank's columns. Only moved, never added. */
+void moe_dist_join(float *all, const float *mine, uint32_t n_rows, int64_t width);
 /* A rank whose process is gone: every wait above looks (each 0.1 s) whether the ranks it depends
  * on still exist -- rank 0 every other, the others rank 0; only processes on this machine, by
  * pid -- and one that finds a rank gone ends the job with a message naming it. Except rank 0
