@@ -588,12 +588,37 @@ static void serve_under_mpirun(void **state) {
     assert_int_equal(mpi_server_stop(&hy), 0);
 }
 
-/* `moe serve` under mpirun -np 2: 8 streams at once, each equal to that stream alone through a
- * server of the same split with --parallel 1, token for token, greedy and seeded sampled, both
- * split modes, on the qwen3next hybrid (F32 experts, shared expert, snapshots replayed) and
- * deepseek2-q8_0-q4_k (quantized experts, MLA); /metrics shows the 8 streams in one step. (The
- * followers once sized their contexts without --cache-slots' default and refused the last
- * slot's steps, leaving rank 0 in a reduction: the 8th stream hung.) */
+/* 8 streams at once through `mpirun -np 2 moe serve --split SPLIT` (with spec: --spec SPEC
+ * --draft 4), each equal to that stream alone through a server of the same split with
+ * --parallel 1 and no speculation, token for token; the together server's /metrics. */
+static char *mpi_streams(const char *bin, const char *model, const char *split, double temp,
+                         const char *spec) {
+    char *alone[] = {"--split", (char *)split, NULL};
+    char *together[] = {"--split", (char *)split, "--step-delay", "2", NULL,
+                        NULL,      NULL,          NULL,           NULL};
+    if (spec) {
+        together[4] = "--spec";
+        together[5] = (char *)spec;
+        together[6] = "--draft";
+        together[7] = "4";
+    }
+    char what[64];
+    snprintf(what, sizeof what, "mpirun -np 2 --split %s%s%s", split, spec ? " --spec " : "",
+             spec ? spec : "");
+    return moe_test_streams_equal_alone(&(moe_test_streams){.model = model,
+                                                            .temp = temp,
+                                                            .what = what,
+                                                            .launcher = mpi_two,
+                                                            .bin = bin,
+                                                            .alone_extra = alone,
+                                                            .together = together});
+}
+
+/* `moe serve` under mpirun -np 2: 8 streams at once, each equal to that stream alone, greedy and
+ * seeded sampled, both split modes, on the qwen3next hybrid (F32 experts, shared expert,
+ * snapshots replayed) and deepseek2-q8_0-q4_k (quantized experts, MLA); /metrics shows the 8
+ * streams in one step. (The followers once sized their contexts without --cache-slots' default
+ * and refused the last slot's steps, leaving rank 0 in a reduction: the 8th stream hung.) */
 static void serve_streams_under_mpirun(void **state) {
     (void)state;
     static const char *const models[] = {"qwen3next-f32.gguf", "deepseek2-q8_0-q4_k.gguf"};
@@ -602,24 +627,15 @@ static void serve_streams_under_mpirun(void **state) {
         MOE_SKIP_IF_NULL(model);
         for (int rows = 0; rows < 2; rows++)
             for (double temp = 0; temp < 1; temp += 0.8) {
-                char *split[] = {"--split", rows ? "rows" : "experts", NULL};
-                char *together[] = {"--split", split[1], "--step-delay", "2", NULL};
-                char what[64];
-                snprintf(what, sizeof what, "mpirun -np 2 --split %s", split[1]);
-                char *metrics =
-                    moe_test_streams_equal_alone(&(moe_test_streams){.model = model,
-                                                                     .temp = temp,
-                                                                     .what = what,
-                                                                     .launcher = mpi_two,
-                                                                     .bin = bin,
-                                                                     .alone_extra = split,
-                                                                     .together = together});
+                const char *split = rows ? "rows" : "experts";
+                char *metrics = mpi_streams(bin, model, split, temp, NULL);
                 const double batch = moe_test_metric(metrics, "moe_decode_batch_rows_max");
                 print_message("mpi serve: %s --split %s, temperature %g: 8 streams equal alone, up "
                               "to %.0f rows in one decode step\n",
-                              models[i], split[1], temp, batch);
+                              models[i], split, temp, batch);
                 if (batch < 8)
-                    fail_msg("%s: the 8 streams never shared a step:\n%s", what, metrics);
+                    fail_msg("%s --split %s: the 8 streams never shared a step:\n%s", models[i],
+                             split, metrics);
                 free(metrics);
             }
     }
@@ -635,47 +651,26 @@ static void serve_mtp_under_mpirun(void **state) {
     MOE_SKIP_IF_NULL(model);
     for (int rows = 0; rows < 2; rows++)
         for (double temp = 0; temp < 1; temp += 0.8) {
-            char *split[] = {"--split", rows ? "rows" : "experts", NULL};
-            char *together[] = {"--split", split[1],       "--spec", "mtp", "--draft",
-                                "4",       "--step-delay", "2",      NULL};
-            char what[64];
-            snprintf(what, sizeof what, "mpirun -np 2 --split %s --spec mtp", split[1]);
-            char *metrics = moe_test_streams_equal_alone(&(moe_test_streams){.model = model,
-                                                                             .temp = temp,
-                                                                             .what = what,
-                                                                             .launcher = mpi_two,
-                                                                             .bin = bin,
-                                                                             .alone_extra = split,
-                                                                             .together = together});
+            const char *split = rows ? "rows" : "experts";
+            char *metrics = mpi_streams(bin, model, split, temp, "mtp");
             const double drafted = moe_test_metric(metrics, "moe_spec_drafts_total"),
                          verified = moe_test_metric(metrics, "moe_spec_verify_streams_max");
             print_message("mpi serve: glm5next-f32 --split %s --spec mtp, temperature %g: 8 "
                           "streams equal alone, %.0f drafts, up to %.0f streams in one verify "
                           "step\n",
-                          split[1], temp, drafted, verified);
+                          split, temp, drafted, verified);
             if (drafted < 1 || verified < 2)
-                fail_msg("%s: no drafts or no batched verify step:\n%s", what, metrics);
+                fail_msg("--split %s --spec mtp: no drafts or no batched verify step:\n%s", split,
+                         metrics);
             free(metrics);
         }
 }
 
-/* The job's exit status once it ends within `seconds` (checked every 50 ms); else it is killed
- * and the test fails. */
+/* The job's exit status once it ends within `seconds`; else the test fails. */
 static int job_exit(moe_test_server *s, int seconds, const char *what) {
-    int status = 0;
-    for (int i = 0; i < seconds * 20; i++) {
-        if (waitpid(s->pid, &status, WNOHANG) == s->pid) {
-            s->pid = 0;
-            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        }
-        struct timespec d = {0, 50 * 1000000L};
-        nanosleep(&d, NULL);
-    }
-    kill(s->pid, SIGKILL);
-    waitpid(s->pid, &status, 0);
-    s->pid = 0;
-    fail_msg("%s: the job did not end within %d s (log: %s)", what, seconds, s->log);
-    return -1;
+    const int rc = moe_test_server_wait(s, seconds);
+    if (rc < 0) fail_msg("%s: the job did not end within %d s (log: %s)", what, seconds, s->log);
+    return rc;
 }
 
 /* The server's log holds `want`; fails the test otherwise. */

@@ -224,8 +224,12 @@ int moe_test_server_stop(moe_test_server *s) {
 int moe_test_server_stop_via(moe_test_server *s, pid_t signalled) {
     if (s->pid <= 0) return 0;
     kill(signalled, SIGTERM);
+    return moe_test_server_wait(s, SERVER_STOP_SECONDS);
+}
+
+int moe_test_server_wait(moe_test_server *s, int seconds) {
     int status = 0;
-    for (int i = 0; i < SERVER_STOP_SECONDS * 20; i++) {
+    for (int i = 0; i < seconds * 20; i++) {
         const pid_t r = waitpid(s->pid, &status, WNOHANG);
         if (r == s->pid) {
             s->pid = 0;

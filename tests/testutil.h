@@ -63,6 +63,9 @@ bool moe_test_server_start_with(moe_test_server *s, const char *name, char *cons
 int moe_test_server_stop(moe_test_server *s);
 /* The same, with the SIGTERM sent to `signalled` (rank 0 of a server under mpirun). */
 int moe_test_server_stop_via(moe_test_server *s, pid_t signalled);
+/* Wait up to `seconds` for the server to exit (of itself); its exit status, or -1 when it had
+ * to be killed. */
+int moe_test_server_wait(moe_test_server *s, int seconds);
 /* GET (body NULL) or POST a JSON body; the reply body (caller frees), its status in *status.
  * Fails the test when the transfer fails. */
 char *moe_test_http(const char *url, const char *body, long *status);
