@@ -78,6 +78,7 @@ uint64_t moe_split_expert_bytes(const moe_model *m, moe_split split, int rank, i
 #ifdef MOE_MPI
 #include <errno.h>
 #include <mpi.h>
+#include <sched.h>
 #include <signal.h>
 #include <time.h>
 #include <unistd.h>
@@ -196,6 +197,8 @@ static bool dist_wait(MPI_Request *req, bool idle) {
             struct timespec d = {0, pause_ns};
             nanosleep(&d, NULL);
             if (pause_ns < PAUSE_MAX_NS) pause_ns *= 2;
+        } else {
+            sched_yield(); /* a rank sharing this core (oversubscribed) runs meanwhile */
         }
     }
 }
