@@ -218,7 +218,7 @@ deps:
 	command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm
 	$(MAKE) fixtures clients
 
-## clients: the official openai / @anthropic-ai/sdk packages the serve tests use (npm ci)
+## clients: the official openai / @anthropic-ai/sdk packages the serve tests use, tokenizers.js (npm ci)
 clients:
 	npm ci --prefix tests/clients --no-audit --no-fund
 

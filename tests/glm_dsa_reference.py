@@ -28,7 +28,7 @@ import numpy as np
 
 CFG = dict(n_embd=64, n_layer=4, n_head=2, q_lora=12, kv_lora=16, nope=8, rope=4, v_head=4,
            n_ff=16, n_expert=4, n_used=2, ff_exp=8, n_shared=1, scale=2.5, rms_eps=1e-5,
-           idx_heads=8, idx_dim=8, top_k=6, types=[1, 1, 0, 1], n_vocab=64, n_tok=40,
+           idx_heads=8, idx_dim=8, top_k=6, types=[1, 1, 0, 1], n_vocab=64, n_tok=150,
            base=10000.0, ctx=4096)
 
 # ==== GGUF writer (version 3, F32 tensors only) ====

@@ -27,6 +27,16 @@ below are written from the formats' specifications, not from moe's code.
       A Hugging Face checkpoint (F32, config.json) of a llama or qwen3moe GGUF's weights (F32 or
       Q8_0) dequantized: HF's names, one tensor per expert, llama's q / k rows in HF's order
       (the inverse of the converter's permute).
+  qat_checkpoint.py qwen35-from-gguf MODEL.gguf DIR [--keep-norm] [--keep-a-log] [--keep-v-heads]
+      A Qwen3.5 Hugging Face checkpoint (F32, HF's names and layout, its MTP block, config.json)
+      of a qwen35 GGUF's weights: every edit llama.cpp's converter makes undone (norms as w - 1,
+      A_log = log(-A), conv1d [channels][1][kernel], the value heads in HF's grouped order);
+      --keep-X leaves that one out, writing a checkpoint the converter would misread.
+  qat_checkpoint.py w4a16-twins SRC W4A16_DIR F32_DIR
+      SRC (an F32 checkpoint) with its 2-D weights as compressed-tensors W4A16 modules (levels
+      round(w / scale), bf16 scale max|w| / 7), and the same values scale x level at F32.
+  qat_checkpoint.py same-gguf A.gguf B.gguf
+      The two files hold the same tensors (names, shapes) with the same values (F32, Q4_0).
   qat_checkpoint.py set-scale OUT MODULE VALUE
       Overwrites the first scale of a W4A16 module with bf16(VALUE) (an error test's input).
   qat_checkpoint.py check-w4a16 SRC OUT
@@ -231,6 +241,36 @@ BPE_TEXT = ("Once upon a time there was a little model that ran on a small compu
             "were the same. The end of the story is that every token came back again. ")
 
 
+def learn_merges(words, vocab, n_tokens):
+    """BPE training: merge the most frequent adjacent pair of words ({tuple of symbols: count};
+    the smallest pair on ties) until vocab holds n_tokens entries or no pair is left. New
+    tokens are appended to vocab; returns the merges as (left, right) pairs."""
+    merges = []
+    while len(vocab) < n_tokens:
+        pairs = {}
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] = pairs.get(p, 0) + c
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        vocab.setdefault(best[0] + best[1], len(vocab))
+        new = {}
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new[tuple(out)] = new.get(tuple(out), 0) + c
+        words = new
+    return merges
+
+
 def add_bpe_tokenizer(d, n_tokens):
     """a real byte-level BPE tokenizer.json: the 256 bytes, merges learned from BPE_TEXT until
     n_tokens, four added control tokens, GPT-2's pre-tokenizer; a tokenizer_config.json with
@@ -242,29 +282,7 @@ def add_bpe_tokenizer(d, n_tokens):
         w = ("Ġ" if w.startswith(" ") else "") + w.strip()
         if w:
             words[tuple(w)] = words.get(tuple(w), 0) + 1
-    merges = []
-    while len(vocab) < n_tokens:
-        pairs = {}
-        for w, c in words.items():
-            for p in zip(w, w[1:]):
-                pairs[p] = pairs.get(p, 0) + c
-        if not pairs:
-            break
-        best = max(sorted(pairs), key=lambda p: pairs[p])
-        merges.append(best[0] + " " + best[1])
-        vocab[best[0] + best[1]] = len(vocab)
-        new = {}
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new[tuple(out)] = c
-        words = new
+    merges = [a + " " + b for a, b in learn_merges(words, vocab, n_tokens)]
     added = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
     t = {"version": "1.0", "added_tokens": [
             {"id": len(vocab) + i, "content": a, "single_word": False, "lstrip": False,
@@ -514,6 +532,183 @@ def hf_from_gguf(gguf, d):
                     "moe_intermediate_size": meta[a + ".expert_feed_forward_length"],
                     "head_dim": meta[a + ".attention.key_length"], "norm_topk_prob": True})
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
+
+
+QWEN35_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
+                "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+                "ssm_out": "linear_attn.out_proj", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+                "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+QWEN35_MTP = {"nextn.eh_proj": "mtp.fc", "nextn.enorm": "mtp.pre_fc_norm_embedding",
+              "nextn.hnorm": "mtp.pre_fc_norm_hidden", "nextn.shared_head_norm": "mtp.norm"}
+
+
+def qwen35_from_gguf(gguf, d, undo=("norm", "a_log", "v_heads")):
+    """A Qwen3_5ForConditionalGeneration checkpoint (F32, model.language_model.* names, the MTP
+    block as mtp.*, a vision tower the converter leaves out) of a qwen35 GGUF, written from
+    what Hugging Face's Qwen3.5 stores and the converter (conversion/qwen.py: Qwen3NextModel,
+    _LinearAttentionVReorderBase, _Qwen35MtpMixin) changes, each change undone here: norms
+    stored as w - 1 (HF scales by 1 + w; not the linear attention's gated norm), A_log = log(-A),
+    conv1d [channels][1][kernel], and the value heads of the linear attention in HF's grouped
+    order (those of key head 0 first) instead of ggml's tiled one. `undo` lists the changes
+    undone: leaving one out writes a checkpoint the converter would misread (the test's proof
+    that each one matters)."""
+    meta, tensors = gguf_read(gguf)
+    a = "qwen35"
+    n_mtp = meta.get(a + ".nextn_predict_layers", 0)
+    n_layer = meta[a + ".block_count"] - n_mtp
+    nk, nv = meta[a + ".ssm.group_count"], meta[a + ".ssm.time_step_rank"]
+    dk, dv = meta[a + ".ssm.state_size"], meta[a + ".ssm.inner_size"] // nv
+
+    def grouped(x, axis, first, c):
+        """ggml's tiled value heads [nv/nk][nk][c] from index `first` on, back to [nk][nv/nk][c]"""
+        if "v_heads" not in undo or nk == nv:
+            return x
+        x = np.moveaxis(x, axis, 0)
+        head, tail = x[:first], x[first:]
+        tail = tail.reshape(nv // nk, nk, c, *tail.shape[1:]).swapaxes(0, 1).reshape(tail.shape)
+        return np.moveaxis(np.concatenate([head, tail]), 0, axis)
+
+    out = [("model.visual.blocks.0.attn.qkv.weight", "F32", [8, 4], np.zeros(32, "<f4").tobytes())]
+    for g, (t, ne, raw) in tensors.items():
+        need(t == 0, f"{g}: type {t}, not F32")
+        v = np.frombuffer(raw, "<f4").reshape(list(reversed(ne))).copy()
+        if g == "token_embd.weight":
+            name = "model.language_model.embed_tokens.weight"
+        elif g == "output_norm.weight":
+            name = "model.language_model.norm.weight"
+        elif g == "output.weight":
+            name = "lm_head.weight"
+        else:
+            _, layer, kind = g.split(".", 2)
+            kind = kind.rsplit(".", 1)[0]
+            layer = int(layer)
+            if layer >= n_layer:
+                p = f"mtp.layers.{layer - n_layer}."
+            else:
+                p = f"model.language_model.layers.{layer}."
+            if kind in QWEN35_MTP:
+                name = QWEN35_MTP[kind] + ".weight"
+            elif kind == "ssm_a":
+                name = p + "linear_attn.A_log"
+                if "a_log" in undo:
+                    v = np.log(-v)
+                v = grouped(v, 0, 0, 1)
+            elif kind == "ssm_dt":
+                name = p + "linear_attn.dt_bias"
+                v = grouped(v, 0, 0, 1)
+            else:
+                name = p + QWEN35_NAMES[kind] + ".weight"
+                if kind in ("attn_qkv", "ssm_conv1d"):
+                    v = grouped(v, 0, 2 * nk * dk, dv)
+                elif kind == "attn_gate":
+                    v = grouped(v, 0, 0, dv)
+                elif kind in ("ssm_alpha", "ssm_beta"):
+                    v = grouped(v, 0, 0, 1)
+                elif kind == "ssm_out":
+                    v = grouped(v, 1, 0, dv)
+                if kind == "ssm_conv1d":
+                    v = v[:, None, :]
+            if kind.endswith("norm") and kind != "ssm_norm" and "norm" in undo:
+                v = v - np.float32(1)
+        if g == "output_norm.weight" and "norm" in undo:
+            v = v - np.float32(1)
+        out.append((name, "F32", list(v.shape), np.ascontiguousarray(v, dtype="<f4").tobytes()))
+    os.makedirs(d, exist_ok=True)
+    st_write(os.path.join(d, "model.safetensors"), out, {"format": "pt"})
+    hd = meta[a + ".attention.key_length"]
+    text = {"model_type": "qwen3_5_text", "vocab_size": tensors["token_embd.weight"][1][1],
+            "hidden_size": meta[a + ".embedding_length"],
+            "intermediate_size": meta[a + ".feed_forward_length"],
+            "num_hidden_layers": n_layer, "mtp_num_hidden_layers": n_mtp,
+            "num_attention_heads": meta[a + ".attention.head_count"],
+            "num_key_value_heads": meta[a + ".attention.head_count_kv"], "head_dim": hd,
+            "rms_norm_eps": meta[a + ".attention.layer_norm_rms_epsilon"],
+            "max_position_embeddings": meta[a + ".context_length"],
+            "full_attention_interval": meta[a + ".full_attention_interval"],
+            "layer_types": ["full_attention" if (i + 1) % meta[a + ".full_attention_interval"] == 0
+                            else "linear_attention" for i in range(n_layer)],
+            "linear_conv_kernel_dim": meta[a + ".ssm.conv_kernel"],
+            "linear_key_head_dim": dk, "linear_value_head_dim": dv,
+            "linear_num_key_heads": nk, "linear_num_value_heads": nv,
+            "rope_parameters": {"rope_type": "default", "rope_theta": meta[a + ".rope.freq_base"],
+                                "mrope_section": meta[a + ".rope.dimension_sections"][:3],
+                                "mrope_interleaved": True,
+                                "partial_rotary_factor": meta[a + ".rope.dimension_count"] / hd},
+            "tie_word_embeddings": "output.weight" not in tensors}
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "text_config": text, "vision_config": {"depth": 1}, "torch_dtype": "float32"}
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
+
+
+def w4a16_twins(src, w4_dir, f32_dir):
+    """From an F32 checkpoint SRC: W4A16_DIR, its 2-D weights (not embeddings, head, norms or
+    conv1d) quantized as compressed-tensors pack-quantized modules (bf16 scale max|w| / 7 per
+    group of 32, level round(w / scale) in -8..7), and F32_DIR, the same checkpoint with those
+    modules' values scale x level at F32; the rest copied to both"""
+    t = st_read_dir(src)
+    w4, f32, ignore = [], [], []
+    for name, (dt, shape, raw) in t.items():
+        quant = (dt == "F32" and len(shape) == 2 and shape[1] % GROUP == 0 and
+                 name.endswith(".weight") and "norm" not in name and "embed" not in name and
+                 "conv1d" not in name and not name.startswith("lm_head"))
+        if not quant:
+            w4.append((name, dt, shape, raw))
+            f32.append((name, dt, shape, raw))
+            ignore.append(name[:-len(".weight")])
+            continue
+        rows, cols = shape
+        g = np.frombuffer(raw, "<f4").reshape(-1, GROUP)
+        peak = np.abs(g).max(axis=1)
+        scale = bf16_to_f32(f32_to_bf16_bits(np.where(peak > 0, peak / 7, 1)).tobytes())
+        lv = np.clip(np.rint(g / scale[:, None]), -8, 7).astype(np.int8)
+        vals = (lv.astype(np.float32) * scale[:, None]).astype("<f4")
+        f32.append((name, "F32", shape, vals.tobytes()))
+        u = (lv.reshape(rows, cols).astype(np.int32) + 8).astype(np.uint32)
+        packed = np.zeros((rows, cols // 8), dtype=np.uint32)
+        for i in range(8):
+            packed |= u[:, i::8] << np.uint32(4 * i)
+        mod = name[:-len(".weight")]
+        w4 += [(mod + ".weight_packed", "I32", [rows, cols // 8], packed.astype("<u4").tobytes()),
+               (mod + ".weight_scale", "BF16", [rows, cols // GROUP],
+                f32_to_bf16_bits(scale).astype("<u2").tobytes()),
+               (mod + ".weight_shape", "I64", [2], np.array([rows, cols], "<i8").tobytes())]
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    for d, ts in ((w4_dir, w4), (f32_dir, f32)):
+        os.makedirs(d, exist_ok=True)
+        st_write(os.path.join(d, "model.safetensors"), ts, {"format": "pt"})
+        if d == w4_dir:
+            cfg["quantization_config"] = {
+                "quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": GROUP}}}, "ignore": ignore}
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
+
+
+def q4_0_to_f32(raw):
+    """ggml's Q4_0: blocks of an f16 scale and 32 nibbles (low halves first), value = d x (q - 8)"""
+    b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 18)
+    d = b[:, :2].copy().view("<f2").astype(np.float32)
+    q = np.concatenate([b[:, 2:] & 15, b[:, 2:] >> 4], axis=1).astype(np.float32) - 8
+    return (d * q).reshape(-1)
+
+
+def same_gguf(a, b):
+    """two GGUFs with the same tensors (names, shapes) and values (F32 or Q4_0 decoded here)"""
+    _, ta = gguf_read(a)
+    _, tb = gguf_read(b)
+    need(set(ta) == set(tb), f"tensor names differ: {sorted(set(ta) ^ set(tb))[:6]}")
+    decode = {0: lambda r: np.frombuffer(r, "<f4"), 2: q4_0_to_f32}
+    for name in ta:
+        need(ta[name][1] == tb[name][1], f"{name}: shape {ta[name][1]} vs {tb[name][1]}")
+        x, y = decode[ta[name][0]](ta[name][2]), decode[tb[name][0]](tb[name][2])
+        bad = np.nonzero(x != y)[0]
+        need(len(bad) == 0, f"{name}: value {bad[:1]} is {x[bad[:1]]} vs {y[bad[:1]]}")
 
 
 def check_w4a16(src, out):
@@ -790,6 +985,15 @@ def main():
             check_w4a16(a[1], a[2])
         elif a[0] == "hf-from-gguf":
             hf_from_gguf(a[1], a[2])
+        elif a[0] == "qwen35-from-gguf":
+            keep = [k for k in ("norm", "a_log", "v_heads")
+                    if "--keep-" + k.replace("_", "-") not in a]
+            paths = [x for x in a[1:] if not x.startswith("--")]
+            qwen35_from_gguf(paths[0], paths[1], keep)
+        elif a[0] == "w4a16-twins":
+            w4a16_twins(a[1], a[2], a[3])
+        elif a[0] == "same-gguf":
+            same_gguf(a[1], a[2])
         elif a[0] == "set-scale":
             set_scale(a[1], a[2], float(a[3]))
         elif a[0] == "check-view":

@@ -373,7 +373,7 @@ static void indexer_rows(void **state) {
     float *ref;
     snprintf(path, sizeof path, "%s/logits.f32", dir);
     assert_int_equal(moe_file_read(path, (uint8_t **)&ref, &size, &err), MOE_OK);
-    assert_int_equal(size, sizeof(float) * n * nv);
+    assert_true(size >= sizeof(float) * n * nv); /* the reference's first n rows of its n_tok */
 
     const moe_ctx_params cp = {.n_ctx = 64, .n_seq = 2, .max_rows = 64, .kv_type = MOE_TYPE_F32};
     char cache[700];

@@ -6,8 +6,8 @@
  * llama.cpp's names (numpy reads it); it gives the Q4_0 GGUF's greedy tokens at every ISA level
  * (its prompt tokenized from tokenizer.json, the GGUF's from the keys repack built); the bf16
  * checkpoint run directly gives the Q4_0 GGUF's logits within the gemma4 Q4_0 fixture's
- * tolerance. And llama, qwen3moe: their parity fixtures rewritten as HF checkpoints give
- * llama.cpp's logits. Errors name what is wrong. */
+ * tolerance. And llama, qwen3moe, qwen35 (with its MTP head): their parity fixtures rewritten
+ * as HF checkpoints give llama.cpp's logits. Errors name what is wrong. */
 #include "testutil.h"
 
 #include <jansson.h>
@@ -189,18 +189,20 @@ static void bf16_source_matches_q4_0(void **state) {
     free(ids);
 }
 
-/* A parity fixture's weights written as a Hugging Face checkpoint by numpy (HF names, experts
- * one tensor each, llama's q / k rows in HF's rotate-half order), run directly: llama.cpp's
- * f32-activation logits of the fixture within 1e-4 at every position, so the names, keys and
- * the converter's edits are llama.cpp's. numpy decodes Q8_0 itself; other types go through
- * `moe quantize --rule .=F32` first (dequantization is bit-exact, suite quant). */
-static void checkpoint_matches_fixture(const char *name, bool through_f32) {
+/* A parity fixture's weights written as a Hugging Face checkpoint by numpy (qat_checkpoint.py's
+ * `py` command and options: HF names and layouts, every converter edit undone), run directly:
+ * the worst row (max |diff| over max |ref|) of its logits against the fixture's <ref>.f32
+ * (`mtp`: the MTP head's, through `moe logits --mtp`), or -1 when the fixture is absent (skip).
+ * tag names the checkpoint's directory. numpy decodes Q8_0 itself; other types go through `moe
+ * quantize --rule .=F32` first (dequantization is bit-exact, suite quant). */
+static double checkpoint_distance(const char *name, bool through_f32, const char *py,
+                                  const char *tag, const char *ref_kind) {
     char rel[256];
     snprintf(rel, sizeof rel, "parity/%s.gguf", name);
     const char *gguf = moe_test_shared(rel);
-    if (!gguf) return;
+    if (!gguf) return -1;
     size_t ref_size, tok_size;
-    snprintf(rel, sizeof rel, "parity/%s.logits_f32act.f32", name);
+    snprintf(rel, sizeof rel, "parity/%s.%s.f32", name, ref_kind);
     float *ref = (float *)moe_test_shared_read(rel, &ref_size);
     snprintf(rel, sizeof rel, "parity/%s.tokens.json", name);
     char *tokens_json = (char *)moe_test_shared_read(rel, &tok_size);
@@ -212,12 +214,13 @@ static void checkpoint_matches_fixture(const char *name, bool through_f32) {
     for (size_t i = 0; i < json_array_size(all); i++)
         snprintf(ids + strlen(ids), sizeof ids - strlen(ids), i ? ",%lld" : "%lld",
                  (long long)json_integer_value(json_array_get(all, i)));
-    const size_t n_rows = json_array_size(all), n_vocab = ref_size / sizeof(float) / n_rows;
+    const bool mtp = strcmp(ref_kind, "mtp") == 0;
+    const size_t n_rows = json_array_size(all) - mtp, n_vocab = ref_size / sizeof(float) / n_rows;
     char dir[300], f32[300], out[300], cmd[4096];
     const char *tmp = moe_test_tmpdir();
-    snprintf(dir, sizeof dir, "%s/hf/%s-hf", tmp, name);
+    snprintf(dir, sizeof dir, "%s/hf/%s-%s", tmp, name, tag);
     snprintf(f32, sizeof f32, "%s/hf/%s-f32.gguf", tmp, name);
-    snprintf(out, sizeof out, "%s/hf/%s-hf.logits", tmp, name);
+    snprintf(out, sizeof out, "%s/hf/%s-%s.%s", tmp, name, tag, ref_kind);
     if (through_f32) {
         snprintf(cmd, sizeof cmd, "mkdir -p '%s/hf' && %s quantize '%s' '%s' --rule '.=F32'", tmp,
                  moe_test_bin(), gguf, f32);
@@ -225,9 +228,9 @@ static void checkpoint_matches_fixture(const char *name, bool through_f32) {
         gguf = f32;
     }
     snprintf(cmd, sizeof cmd,
-             "mkdir -p '%s/hf' && " PY " hf-from-gguf '%s' '%s' && %s logits '%s' --tokens %s "
-             "--out '%s'",
-             tmp, gguf, dir, moe_test_bin(), dir, ids, out);
+             "mkdir -p '%s/hf' && rm -rf '%s' && " PY " %s '%s' "
+             "'%s' && %s logits '%s' --tokens %s%s --out '%s'",
+             tmp, dir, py, gguf, dir, moe_test_bin(), dir, ids, mtp ? " --mtp" : "", out);
     moe_test_run_ok(cmd);
     size_t size;
     float *got;
@@ -238,24 +241,72 @@ static void checkpoint_matches_fixture(const char *name, bool through_f32) {
     for (size_t r = 0; r < n_rows; r++)
         worst = fmax(worst,
                      moe_test_row_rel_err(got + r * n_vocab, ref + r * n_vocab, (uint32_t)n_vocab));
-    print_message("%s as an HF checkpoint vs llama.cpp's logits_f32act: worst row %.3g (limit "
-                  "1e-4)\n",
-                  name, worst);
-    assert_true(worst <= 1e-4);
+    print_message("%s as an HF checkpoint (%s) vs %s: worst row %.3g\n", name, py, ref_kind, worst);
     json_decref(t);
     free(got);
     free(ref);
     free(tokens_json);
+    return worst;
+}
+
+/* The fixture as an HF checkpoint within 1e-4 of llama.cpp's logits (f32-activation ones for a
+ * quantized fixture), so the names, keys and the converter's edits are llama.cpp's. */
+static void checkpoint_matches_fixture(const char *name, bool through_f32, const char *py,
+                                       const char *ref_kind) {
+    double worst = checkpoint_distance(name, through_f32, py, "hf", ref_kind);
+    if (worst >= 0) assert_true(worst <= 1e-4);
 }
 
 static void llama_checkpoint_matches_fixture(void **state) {
     (void)state;
-    checkpoint_matches_fixture("llama-q8_0", false);
+    checkpoint_matches_fixture("llama-q8_0", false, "hf-from-gguf", "logits_f32act");
 }
 
 static void qwen3moe_checkpoint_matches_fixture(void **state) {
     (void)state;
-    checkpoint_matches_fixture("qwen3moe-mixed", true);
+    checkpoint_matches_fixture("qwen3moe-mixed", true, "hf-from-gguf", "logits_f32act");
+}
+
+/* Qwen3.5 with its MTP head (model.language_model.* names, mtp.*, a vision tower left out):
+ * the trunk's logits and the head's within 1e-4 of llama.cpp's. And each of the converter's
+ * edits matters: a checkpoint written without undoing one (norms stored as w, not w - 1; A
+ * stored as A_log; value heads in ggml's order) is read as the converter would read it and
+ * lands far off (measured 1.06 to 2.25 of max|logit|). */
+static void qwen35_checkpoint_matches_fixture(void **state) {
+    (void)state;
+    checkpoint_matches_fixture("qwen35-mtp-f32", false, "qwen35-from-gguf", "logits");
+    checkpoint_matches_fixture("qwen35-mtp-f32", false, "qwen35-from-gguf", "mtp");
+    static const char *const kept[] = {"norm", "a-log", "v-heads"};
+    for (size_t i = 0; i < sizeof kept / sizeof kept[0]; i++) {
+        char py[64];
+        snprintf(py, sizeof py, "qwen35-from-gguf --keep-%s", kept[i]);
+        double worst = checkpoint_distance("qwen35-mtp-f32", false, py, kept[i], "logits");
+        if (worst >= 0 && worst < 0.1) fail_msg("--keep-%s: %.3g, not far off", kept[i], worst);
+    }
+}
+
+/* A W4A16 qwen35: the fixture's HF checkpoint with its 2-D weights as compressed-tensors
+ * modules (numpy). Read through the same edits (Q4_0 rows reordered whole, ssm_out's value-head
+ * columns moved as whole Q4_0 blocks) and dequantized by moe quantize, it equals value for value
+ * the F32 checkpoint of the same values (numpy decodes both files); and it runs, MTP head too. */
+static void qwen35_w4a16_equals_f32_twin(void **state) {
+    (void)state;
+    const char *gguf = moe_test_shared("parity/qwen35-mtp-f32.gguf");
+    if (!gguf) return;
+    char d[300], cmd[8192];
+    snprintf(d, sizeof d, "%s/hf/qwen35-w4", moe_test_tmpdir());
+    snprintf(cmd, sizeof cmd,
+             "rm -rf '%s' && mkdir -p '%s' && " PY " qwen35-from-gguf '%s' '%s/hf' && " PY
+             " w4a16-twins '%s/hf' '%s/w4a16' '%s/f32' && %s quantize '%s/w4a16' '%s/a.gguf' "
+             "--rule '.=F32' && %s quantize '%s/f32' '%s/b.gguf' --rule '.=F32' && %s logits "
+             "'%s/w4a16' --tokens 1,403,407,261 --mtp --out '%s/mtp.f32'",
+             d, d, gguf, d, d, d, d, moe_test_bin(), d, d, moe_test_bin(), d, d, moe_test_bin(), d,
+             d);
+    free(stdout_of(cmd));
+    snprintf(cmd, sizeof cmd, PY " same-gguf '%s/a.gguf' '%s/b.gguf'", d, d);
+    char *out = stdout_of(cmd);
+    assert_string_equal(out, "ok\n");
+    free(out);
 }
 
 /* The chat template of tokenizer_config.json, rendered from the checkpoint directory (moe
@@ -316,6 +367,8 @@ int moe_suite_hf(void) {
         cmocka_unit_test(bf16_source_matches_q4_0),
         cmocka_unit_test(llama_checkpoint_matches_fixture),
         cmocka_unit_test(qwen3moe_checkpoint_matches_fixture),
+        cmocka_unit_test(qwen35_checkpoint_matches_fixture),
+        cmocka_unit_test(qwen35_w4a16_equals_f32_twin),
         cmocka_unit_test(chat_template_from_checkpoint),
         cmocka_unit_test(errors),
     };

@@ -6,12 +6,16 @@
  * Every vocabulary is checked through each load path it has: GGUF as shipped, tokenizer.json
  * (npm fixtures from `make fixtures`), and tokenizer.json written to a GGUF by our writer and
  * read back. For every string, decode(encode(s)) must give s back, and the stream detokenizer
- * fed one id at a time must give the same text without ever emitting a partial character. */
+ * fed one id at a time must give the same text without ever emitting a partial character. The
+ * gemma4 tokenizer (SentencePiece-style BPE), for which no vector file exists, is checked against
+ * Hugging Face's tokenizers.js on a vocabulary tests/gemma4_tokenizer.py builds. */
 #include "testutil.h"
 
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "../src/text/text_internal.h"
 
@@ -386,6 +390,121 @@ static void json_in_checkpoint_view(void **state) {
     moe_tokenizer_free(tok);
 }
 
+/* ==== Gemma 4 (SentencePiece-style BPE) against Hugging Face's tokenizers.js ==== */
+
+/* The GGUF (tokenizer.ggml.model "gemma4"), its tokenizer.json twin (both written by
+ * tests/gemma4_tokenizer.py from one vocabulary and merge list) and our writer's GGUF of the
+ * latter, loaded and run on every string of texts.json: the ids and the decoded text equal
+ * those of tokenizers.js on the tokenizer.json (tests/hf_tokenize.mjs, npm's
+ * @huggingface/tokenizers from tests/clients). The GGUF also adds BOS, as llama.cpp forces for
+ * gemma4 though the file's add_bos_token may say otherwise. */
+static void gemma4_matches_hf_tokenizers(void **state) {
+    (void)state;
+    struct stat st;
+    if (stat("tests/clients/node_modules/@huggingface/tokenizers/package.json", &st) != 0) {
+        const char *ci = getenv("CI");
+        if (ci && strcmp(ci, "true") == 0)
+            fail_msg("tests/clients/node_modules is missing and CI=true: run `make clients`");
+        print_message("[  SKIP    ] tests/clients/node_modules is absent (run `make clients`)\n");
+        return;
+    }
+    char dir[512], cmd[2048];
+    snprintf(dir, sizeof dir, "%s/gemma4-tokenizer", moe_test_tmpdir());
+    const char *inp = moe_test_shared("tokenizers/ggml-vocab-llama-bpe.gguf.inp");
+    snprintf(cmd, sizeof cmd,
+             "/usr/bin/python3 tests/gemma4_tokenizer.py '%s' %s%s%s && node "
+             "tests/hf_tokenize.mjs '%s' > '%s/hf.json'",
+             dir, inp ? "'" : "", inp ? inp : "", inp ? "'" : "", dir, dir);
+    moe_test_run_ok(cmd);
+    char path[600];
+    json_error_t je;
+    snprintf(path, sizeof path, "%s/texts.json", dir);
+    json_t *texts = json_load_file(path, 0, &je);
+    snprintf(path, sizeof path, "%s/hf.json", dir);
+    json_t *hf = json_load_file(path, 0, &je);
+    assert_non_null(texts);
+    assert_non_null(hf);
+    assert_int_equal(json_array_size(texts), json_array_size(hf));
+    moe_error err = {0};
+    snprintf(path, sizeof path, "%s/vocab.gguf", dir);
+    moe_gguf *g = moe_gguf_open(path, &err);
+    assert_non_null(g);
+    moe_tokenizer *toks[3] = {moe_tokenizer_from_gguf(g, &err), NULL, NULL};
+    if (!toks[0]) fail_msg("%s", err.msg);
+    moe_gguf_close(g);
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    toks[1] = moe_tokenizer_from_json_file(path, &err);
+    if (!toks[1]) fail_msg("%s", err.msg);
+    toks[2] = through_gguf(toks[1], "gemma4-vocab.gguf");
+    static const char *const names[3] = {"gemma4 GGUF", "gemma4 tokenizer.json",
+                                         "gemma4 tokenizer.json -> GGUF"};
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(moe_tokenizer_get_kind(toks[k]), MOE_TOKENIZER_SPM_BPE);
+        size_t passed = 0, decoded = 0;
+        for (size_t i = 0; i < json_array_size(texts); i++) {
+            const char *text = json_string_value(json_array_get(texts, i));
+            const json_t *want = json_object_get(json_array_get(hf, i), "ids");
+            const char *want_text =
+                json_string_value(json_object_get(json_array_get(hf, i), "text"));
+            int32_t *ids;
+            size_t n;
+            assert_int_equal(moe_tokenizer_encode(toks[k], text, strlen(text),
+                                                  MOE_ENCODE_PARSE_SPECIAL, &ids, &n, &err),
+                             MOE_OK);
+            bool same = n == json_array_size(want);
+            for (size_t j = 0; same && j < n; j++)
+                same = ids[j] == json_integer_value(json_array_get(want, j));
+            if (same)
+                passed++;
+            else
+                print_ids(text, ids, n);
+            char *back;
+            size_t len;
+            assert_int_equal(
+                moe_tokenizer_decode(toks[k], ids, n, MOE_DECODE_RENDER_SPECIAL, &back, &len, &err),
+                MOE_OK);
+            if (len == strlen(want_text) && memcmp(back, want_text, len) == 0)
+                decoded++;
+            else
+                print_message("  %s: string %zu decodes to \"%s\", tokenizers.js \"%s\"\n",
+                              names[k], i, back, want_text);
+            free(back);
+            free(ids);
+        }
+        print_message("  %s: %zu/%zu encoded as tokenizers.js, %zu decoded alike\n", names[k],
+                      passed, json_array_size(texts), decoded);
+        assert_int_equal(passed, json_array_size(texts));
+        assert_int_equal(decoded, json_array_size(texts));
+    }
+    int32_t *ids;
+    size_t n;
+    assert_int_equal(moe_tokenizer_encode(toks[0], "hi", 2, MOE_ENCODE_ADD_SPECIAL, &ids, &n, &err),
+                     MOE_OK);
+    assert_true(n > 1);
+    assert_int_equal(ids[0], moe_tokenizer_find(toks[0], "<bos>", 5));
+    free(ids);
+    for (int k = 0; k < 3; k++) moe_tokenizer_free(toks[k]);
+    json_decref(texts);
+    json_decref(hf);
+    /* llama.cpp's rule where tokenizers.js would differ: a run of newlines that is a token no
+     * merge makes stays whole ("\n\n\n"); one that is no token goes to the merges ("\n\n") */
+    const char *json =
+        "{\"model\": {\"type\": \"BPE\", \"byte_fallback\": true, \"vocab\": {\"\\n\": 0, "
+        "\"\\n\\n\\n\": 1}, \"merges\": []}, \"normalizer\": {\"type\": \"Replace\", "
+        "\"pattern\": {\"String\": \" \"}, \"content\": \"\u2581\"}}";
+    moe_tokenizer *tok = moe_tokenizer_from_json(json, strlen(json), NULL, 0, &err);
+    if (!tok) fail_msg("%s", err.msg);
+    assert_int_equal(moe_tokenizer_encode(tok, "\n\n\n", 3, 0, &ids, &n, &err), MOE_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(ids[0], 1);
+    free(ids);
+    assert_int_equal(moe_tokenizer_encode(tok, "\n\n", 2, 0, &ids, &n, &err), MOE_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(ids[0] + ids[1], 0);
+    free(ids);
+    moe_tokenizer_free(tok);
+}
+
 /* ==== Special tokens ==== */
 
 static bool contains(const int32_t *ids, size_t n, int32_t id) {
@@ -582,8 +701,8 @@ static void detok_holds_partial_utf8(void **state) {
 
 static void pretok_presets_compile(void **state) {
     (void)state;
-    static const char *const names[] = {"default",      "gpt-2",          "llama-bpe",  "qwen2",
-                                        "deepseek-llm", "deepseek-coder", "deepseek-v3"};
+    static const char *const names[] = {"default",      "gpt-2",          "llama-bpe",   "qwen2",
+                                        "deepseek-llm", "deepseek-coder", "deepseek-v3", "gemma4"};
     const char *sample = "Hello world's 1234567 \xe4\xbd\xa0\xe5\xa5\xbd \xf0\x9f\xa6\x99!!\n\n  x";
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         const char *const *re;
@@ -644,6 +763,11 @@ static void hostile_json(void **state) {
         "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"pre_tokenizer\": "
         "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\": "
         "{\"Regex\": \"(\"}}, {\"type\": \"ByteLevel\"}]}}",
+        /* byte_fallback without Gemma's normalizer, and with a byte-level pre-tokenizer */
+        "{\"model\": {\"type\": \"BPE\", \"byte_fallback\": true, \"vocab\": {\"a\": 0}}}",
+        "{\"model\": {\"type\": \"BPE\", \"byte_fallback\": true, \"vocab\": {\"a\": 0}}, "
+        "\"normalizer\": {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, "
+        "\"content\": \"\u2581\"}, \"pre_tokenizer\": {\"type\": \"ByteLevel\"}}",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         moe_error err = {0};
@@ -735,6 +859,7 @@ int moe_suite_tokenizer(void) {
         cmocka_unit_test(qwen3_json_via_gguf),
         cmocka_unit_test(llama3_json_via_gguf),
         cmocka_unit_test(json_in_checkpoint_view),
+        cmocka_unit_test(gemma4_matches_hf_tokenizers),
         cmocka_unit_test(special_tokens),
         cmocka_unit_test(llama3_bos),
         cmocka_unit_test(template_adds_bos),

@@ -30,6 +30,9 @@ static int64_t pool_key_at(const moe_model_config *c) {
     return c->idx_kpool > 1 ? 2 * (int64_t)c->idx_head_dim : 0;
 }
 
+/* Pools scored per pass over the indexer heads (64 keys of 128 floats: 32 KiB). */
+#define SCORE_POOLS 64
+
 /* Keys a sparse query attends to at most: the selected pools and the tail. */
 static uint32_t max_selected(const moe_model_config *c) {
     return c->idx_top_k + c->idx_kpool - 1;
@@ -60,6 +63,7 @@ void moe_indexer_alloc(moe_ctx *c, uint32_t n_layer_run) {
     ix->w = moe_xcalloc(rows * ih, sizeof(float));
     ix->n_pool_max = c->p.n_ctx / cfg->idx_kpool + 1;
     ix->scores = moe_xcalloc((uint64_t)n_threads * ix->n_pool_max, sizeof(float));
+    ix->dots = moe_xcalloc((uint64_t)n_threads * SCORE_POOLS, sizeof(float));
     ix->sel = moe_xcalloc((uint64_t)n_threads * max_selected(cfg), sizeof(int32_t));
     ix->chosen = moe_xcalloc(rows * max_selected(cfg), sizeof(int32_t));
     ix->n_chosen = moe_xcalloc(rows, sizeof(int32_t));
@@ -84,6 +88,7 @@ void moe_indexer_free(moe_ctx *c) {
     free(ix->q);
     free(ix->w);
     free(ix->scores);
+    free(ix->dots);
     free(ix->sel);
     free(ix->chosen);
     free(ix->n_chosen);
@@ -207,16 +212,21 @@ static void select_cells(const indexed_job *j, int64_t r, int thread) {
     float *score = ix->scores + (int64_t)thread * ix->n_pool_max;
     int32_t *sel = ix->sel + (int64_t)thread * max_selected(cfg);
     const float *q = ix->q + r * ih * id, *hw = ix->w + r * ih;
-    for (int32_t p = 0; p < n_pool; p++) {
-        const float *key =
-            moe_indexer_row(c, row->seq, j->layer, (uint32_t)(p * kp)) + pool_key_at(cfg);
-        float sum = 0.0f;
+    /* score[p] = sum over heads h in order of hw[h] ReLU(q_h . K_p), the dots through the
+     * attention kernels' F32 scores (one query head against a stretch of pool keys); pools go
+     * SCORE_POOLS at a time so a stretch of keys stays in L1 for every head. */
+    const moe_kernels *k = moe_kernels_get();
+    float *dots = ix->dots + (int64_t)thread * SCORE_POOLS;
+    const float *keys = moe_indexer_row(c, row->seq, j->layer, 0) + pool_key_at(cfg);
+    const int64_t key_stride = kp * (int64_t)row_floats(cfg);
+    for (int32_t p0 = 0; p0 < n_pool; p0 += SCORE_POOLS) {
+        const int32_t np = n_pool - p0 < SCORE_POOLS ? n_pool - p0 : SCORE_POOLS;
+        for (int32_t p = 0; p < np; p++) score[p0 + p] = 0.0f;
         for (int64_t h = 0; h < ih; h++) {
-            float dot = 0.0f;
-            for (int64_t i = 0; i < id; i++) dot += q[h * id + i] * key[i];
-            sum += hw[h] * fmaxf(dot, 0.0f);
+            k->attn_scores(q + h * id, keys + p0 * key_stride, key_stride * (int64_t)sizeof(float),
+                           np, MOE_TYPE_F32, (int)id, 1.0f, dots);
+            for (int32_t p = 0; p < np; p++) score[p0 + p] += hw[h] * fmaxf(dots[p], 0.0f);
         }
-        score[p] = sum;
     }
     top_pools(score, n_pool, n_keep, sel);
     int32_t *cells = ix->chosen + r * max_selected(cfg), n = 0;

@@ -423,9 +423,9 @@ uint64_t moe_st_writer_remaining(const moe_st_writer *w);
 /* ==== Hugging Face checkpoints read as GGUF (hf.c) ====
  *
  * What llama.cpp's converter would make of a checkpoint directory (config.json, safetensors,
- * tokenizer files): its metadata keys, tensor names and tensor edits, for gemma4 and llama
- * (moe_hf_open; the functions below are gemma4's, what moe repack uses). moe repack
- * writes them to a file; moe_hf_open serves them to the engine as a model in memory. config
+ * tokenizer files): its metadata keys, tensor names and tensor edits, for gemma4, llama,
+ * qwen3moe and qwen35 (moe_hf_open; the functions below are gemma4's, what moe repack uses). moe
+ * repack writes them to a file; moe_hf_open serves them to the engine as a model in memory. config
  * objects are jansson's (json_t). */
 struct json_t;
 /* DIR/config.json, parsed (json_decref it); NULL with err set when absent or not an object. */

@@ -7,7 +7,11 @@
  * are used, token_embd cut to the tokenizer's size, rope_freqs made from the config) and llama
  * (conversion/llama.py, LlamaModel: q / k rows permuted from HF's rotate-half order to ggml's
  * adjacent pairs, per head; rope scaling linear only) and qwen3moe (conversion/qwen.py,
- * Qwen3MoeModel: one tensor per expert stacked into *_exps). moe repack writes gemma4's. Tensors:
+ * Qwen3MoeModel: one tensor per expert stacked into *_exps) and qwen35 (conversion/qwen.py,
+ * Qwen3_5TextModel: norms 1 + w, A_log to -exp(A_log), conv1d squeezed, the linear attention's
+ * value heads from HF's grouped order to ggml's tiled one, the mtp.* block as the last layer's
+ * NextN tensors). moe repack writes gemma4's. The edits (tensor_edit) are row and column
+ * reorderings and value changes applied as each row is filled. Tensors:
  * bf16 / f16 / f32 weights stay in their type (1-D tensors, norms and the router become F32, as
  * the converter writes them). compressed-tensors W4A16 modules become Q4_0 without loss: a Q4_0
  * block is an f16 scale and the 32 levels + 8 of the same symmetric int4 grid, so a module
@@ -26,6 +30,7 @@
 #include "format.h"
 
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +42,37 @@ static bool is_float(moe_st_dtype d) {
 static bool ends_with(const char *s, const char *suffix) {
     size_t a = strlen(s), b = strlen(suffix);
     return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+/* ==== Tensor edits: the converter's reorderings and value changes ==== */
+
+/* A reordering of one axis (rows, or the values of a row) as the converter makes it: from
+ * index `first` to the axis's end, each run of a x b x c indices is an [a][b][c] array in the
+ * checkpoint and its [b][a][c] transpose in the GGUF. a == 0: the axis keeps its order. */
+typedef struct axis_perm {
+    int64_t first, a, b, c;
+} axis_perm;
+
+typedef enum value_edit {
+    EDIT_NONE,
+    EDIT_NEG_EXP,  /* -exp(x): a linear-attention A_log stored as A */
+    EDIT_PLUS_ONE, /* 1 + x: a norm whose model multiplies by (1 + weight) */
+} value_edit;
+
+/* What the converter does to one tensor beyond renaming it. Values are edited in f32 (bf16
+ * sources widened first, as the converter does before its edits; an f16 source's result is
+ * rounded to f16, since the converter computes on f16 tensors in f16). */
+typedef struct tensor_edit {
+    axis_perm rows, cols;
+    value_edit value;
+    bool squeeze; /* dimensions of 1 dropped (torch's squeeze) */
+} tensor_edit;
+
+/* The source index of output index i along an axis reordered by p. */
+static int64_t perm_source(const axis_perm *p, int64_t i) {
+    if (!p->a || i < p->first) return i;
+    const int64_t run = p->a * p->b * p->c, k = (i - p->first) % run, q = k / p->c;
+    return i - k + ((q % p->a) * p->b + q / p->a) * p->c + k % p->c;
 }
 
 /* ==== Names and metadata: gemma4 (llama.cpp conversion/gemma.py, Gemma4Model) ==== */
@@ -87,7 +123,8 @@ static int map_name(const name_pair *table, size_t n, const char *hf, char *out,
         p += 6;
     else if (strcmp(p, "lm_head.weight") == 0)
         return snprintf(out, cap, "output.weight"), 0;
-    if (strstr(hf, "vision") || strstr(hf, "audio") || ends_with(hf, "rotary_emb.inv_freq"))
+    if (strstr(hf, "vision") || strstr(hf, "visual.") || strstr(hf, "audio") ||
+        ends_with(hf, "rotary_emb.inv_freq"))
         return 1;
     if (strcmp(p, "embed_tokens.weight") == 0) return snprintf(out, cap, "token_embd.weight"), 0;
     if (strcmp(p, "norm.weight") == 0) return snprintf(out, cap, "output_norm.weight"), 0;
@@ -305,7 +342,8 @@ static const name_pair llama_layer_names[] = {
     {"post_attention_layernorm.weight", "ffn_norm.weight"},
 };
 
-static int llama_name(const char *hf, char *out, size_t cap) {
+static int llama_name(json_t *config, const char *hf, char *out, size_t cap) {
+    (void)config;
     return map_name(llama_layer_names, sizeof llama_layer_names / sizeof llama_layer_names[0], hf,
                     out, cap);
 }
@@ -379,14 +417,17 @@ static moe_status llama_metadata(moe_gguf_writer *w, json_t *config, const char 
 
 /* LlamaModel.permute: q's rows go from HF's per-head [half][pair] order (rotate_half rope) to
  * the converter's [pair][half] (ggml's adjacent-pair rope), per query head; k's per KV head. */
-static uint32_t llama_rope_heads(json_t *config, const char *gguf_name) {
+static void llama_edit(json_t *config, const char *gguf_name, const int64_t *ne, tensor_edit *e) {
     json_t *c = text_config(config);
     double heads = 0, kv = 0;
     cfg_num(c, CFG_KEYS("num_attention_heads"), &heads);
     if (!cfg_num(c, CFG_KEYS("num_key_value_heads"), &kv)) kv = heads;
-    if (ends_with(gguf_name, ".attn_q.weight")) return (uint32_t)heads;
-    if (ends_with(gguf_name, ".attn_k.weight")) return (uint32_t)kv;
-    return 0;
+    const double n = ends_with(gguf_name, ".attn_q.weight")   ? heads
+                     : ends_with(gguf_name, ".attn_k.weight") ? kv
+                                                              : 0;
+    if (n < 1) return;
+    const int64_t head_rows = ne[1] / (int64_t)n;
+    e->rows = (axis_perm){0, 2, head_rows % 2 ? 0 : head_rows / 2, 1}; /* b 0: refused */
 }
 
 /* ==== Names and metadata: qwen3moe (llama.cpp conversion/qwen.py, Qwen3MoeModel) ==== */
@@ -399,7 +440,8 @@ static const name_pair qwen3moe_layer_names[] = {
     {"mlp.experts.down_proj.weight", "ffn_down_exps.weight"},
 };
 
-static int qwen3moe_name(const char *hf, char *out, size_t cap) {
+static int qwen3moe_name(json_t *config, const char *hf, char *out, size_t cap) {
+    (void)config;
     return map_name(qwen3moe_layer_names,
                     sizeof qwen3moe_layer_names / sizeof qwen3moe_layer_names[0], hf, out, cap);
 }
@@ -415,22 +457,155 @@ static moe_status qwen3moe_metadata(moe_gguf_writer *w, json_t *config, const ch
     return m.st;
 }
 
+/* ==== Names, metadata and edits: qwen35 (llama.cpp conversion/qwen.py, Qwen3_5TextModel) ==== */
+
+static const name_pair qwen35_layer_names[] = {
+    {"post_attention_layernorm.weight", "post_attention_norm.weight"},
+    {"linear_attn.in_proj_qkv.weight", "attn_qkv.weight"},
+    {"linear_attn.in_proj_z.weight", "attn_gate.weight"},
+    {"linear_attn.in_proj_a.weight", "ssm_alpha.weight"},
+    {"linear_attn.in_proj_b.weight", "ssm_beta.weight"},
+    {"linear_attn.conv1d.weight", "ssm_conv1d.weight"},
+    {"linear_attn.A_log", "ssm_a"},
+    {"linear_attn.dt_bias", "ssm_dt.bias"},
+    {"linear_attn.norm.weight", "ssm_norm.weight"},
+    {"linear_attn.out_proj.weight", "ssm_out.weight"},
+    /* the MTP block's own tensors, once qwen35_name has given them its layer */
+    {"eh_proj.weight", "nextn.eh_proj.weight"},
+    {"enorm.weight", "nextn.enorm.weight"},
+    {"hnorm.weight", "nextn.hnorm.weight"},
+    {"shared_head.norm.weight", "nextn.shared_head_norm.weight"},
+};
+
+/* _Qwen35MtpMixin: mtp.layers.K.X (or model.mtp...) is layer num_hidden_layers + K, and
+ * mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm are that layer's NextN
+ * projection and norms; the rest is named as every transformer's. */
+static int qwen35_name(json_t *config, const char *hf, char *out, size_t cap) {
+    static const name_pair mtp_names[] = {{"fc", "eh_proj"},
+                                          {"pre_fc_norm_embedding", "enorm"},
+                                          {"pre_fc_norm_hidden", "hnorm"},
+                                          {"norm", "shared_head.norm"}};
+    const size_t n_names = sizeof qwen35_layer_names / sizeof qwen35_layer_names[0];
+    const char *p = strncmp(hf, "model.mtp.", 10) == 0 ? hf + 6 : hf;
+    if (strncmp(p, "mtp.", 4) != 0) return map_name(qwen35_layer_names, n_names, hf, out, cap);
+    double n_layer = -1;
+    cfg_num(text_config(config), CFG_KEYS("num_hidden_layers"), &n_layer);
+    char moved[600];
+    const char *rest = p + 4, *dot = strchr(rest, '.');
+    if (n_layer < 0 || !dot) return -1;
+    if (strncmp(rest, "layers.", 7) == 0) {
+        char *end;
+        long k = strtol(rest + 7, &end, 10);
+        if (end == rest + 7 || *end != '.' || k < 0) return -1;
+        snprintf(moved, sizeof moved, "model.layers.%ld.%s", (long)n_layer + k, end + 1);
+        return map_name(qwen35_layer_names, n_names, moved, out, cap);
+    }
+    for (size_t i = 0; i < sizeof mtp_names / sizeof mtp_names[0]; i++)
+        if ((size_t)(dot - rest) == strlen(mtp_names[i].hf) &&
+            strncmp(rest, mtp_names[i].hf, (size_t)(dot - rest)) == 0 && !strchr(dot + 1, '.')) {
+            snprintf(moved, sizeof moved, "model.layers.%ld.%s.%s", (long)n_layer,
+                     mtp_names[i].gguf, dot + 1);
+            return map_name(qwen35_layer_names, n_names, moved, out, cap);
+        }
+    return -1;
+}
+
+/* Qwen3_5TextModel.set_gguf_parameters: the transformer's keys, the Gated DeltaNet's, the
+ * rope sections (mrope_section, else the converter's default [11, 11, 10, 0]) and the MTP
+ * layers counted in block_count. */
+static moe_status qwen35_metadata(moe_gguf_writer *w, json_t *config, const char *path,
+                                  moe_error *err) {
+    gguf_meta_ctx m = transformer_metadata(w, config, path, err, "qwen35");
+    double n_mtp = 0, interval = 4, v_heads, partial = 0.25, hd = head_dim(&m);
+    cfg_num(m.c, CFG_KEYS("mtp_num_hidden_layers"), &n_mtp);
+    moe_gguf_writer_set_u32(w, "qwen35.block_count",
+                            (uint32_t)(need(&m, CFG_KEYS("num_hidden_layers")) + n_mtp));
+    if (n_mtp > 0) moe_gguf_writer_set_u32(w, "qwen35.nextn_predict_layers", (uint32_t)n_mtp);
+    moe_gguf_writer_set_u32(w, "qwen35.attention.key_length", (uint32_t)hd);
+    moe_gguf_writer_set_u32(w, "qwen35.attention.value_length", (uint32_t)hd);
+    meta_u32(&m, "qwen35.ssm.conv_kernel", CFG_KEYS("linear_conv_kernel_dim"));
+    meta_u32(&m, "qwen35.ssm.state_size", CFG_KEYS("linear_key_head_dim"));
+    meta_u32(&m, "qwen35.ssm.group_count", CFG_KEYS("linear_num_key_heads"));
+    v_heads = need(&m, CFG_KEYS("linear_num_value_heads"));
+    moe_gguf_writer_set_u32(w, "qwen35.ssm.time_step_rank", (uint32_t)v_heads);
+    moe_gguf_writer_set_u32(w, "qwen35.ssm.inner_size",
+                            (uint32_t)(v_heads * need(&m, CFG_KEYS("linear_value_head_dim"))));
+    cfg_num(m.c, CFG_KEYS("full_attention_interval"), &interval);
+    moe_gguf_writer_set_u32(w, "qwen35.full_attention_interval", (uint32_t)interval);
+    json_t *params = json_object_get(m.c, "rope_parameters");
+    if (!cfg_num(m.c, CFG_KEYS("partial_rotary_factor"), &partial))
+        cfg_num(params, CFG_KEYS("partial_rotary_factor"), &partial);
+    moe_gguf_writer_set_u32(w, "qwen35.rope.dimension_count", (uint32_t)(hd * partial));
+    int32_t sections[4] = {11, 11, 10, 0};
+    json_t *mrope = json_object_get(params, "mrope_section");
+    if (json_is_array(mrope)) {
+        if (json_array_size(mrope) > 4)
+            return moe_error_set(err, MOE_ERR_FORMAT,
+                                 "%s: mrope_section has %zu entries (4 at most)", path,
+                                 json_array_size(mrope));
+        for (size_t i = 0; i < 4; i++)
+            sections[i] = (int32_t)json_number_value(json_array_get(mrope, i)); /* pad: 0 */
+    }
+    moe_gguf_writer_set_arr(w, "qwen35.rope.dimension_sections", MOE_GGUF_I32, sections, 4);
+    return m.st;
+}
+
+/* Qwen3NextModel.modify_tensors and _LinearAttentionVReorderBase: A_log becomes -exp(A_log),
+ * every norm but the linear attention's gated one becomes 1 + w (HF's Qwen3.5 RMSNorm scales
+ * by 1 + weight), conv1d loses its middle dimension; and with fewer key heads than value heads
+ * the value heads go from HF's grouped order (those of key head 0, then of key head 1, ...) to
+ * ggml's tiled one (value head j of every key head, then j + 1): rows of qkv's v part, of z,
+ * alpha and beta, the conv1d's v channels, A_log and dt_bias, and out_proj's columns. */
+static void qwen35_edit(json_t *config, const char *gguf, const int64_t *ne, tensor_edit *e) {
+    (void)ne;
+    json_t *c = text_config(config);
+    if (ends_with(gguf, "norm.weight") && !ends_with(gguf, ".ssm_norm.weight"))
+        e->value = EDIT_PLUS_ONE;
+    if (ends_with(gguf, ".ssm_a")) e->value = EDIT_NEG_EXP;
+    e->squeeze = ends_with(gguf, ".ssm_conv1d.weight");
+    double k_heads = 0, v_heads = 0, k_dim = 0, v_dim = 0;
+    cfg_num(c, CFG_KEYS("linear_num_key_heads"), &k_heads);
+    cfg_num(c, CFG_KEYS("linear_num_value_heads"), &v_heads);
+    cfg_num(c, CFG_KEYS("linear_key_head_dim"), &k_dim);
+    cfg_num(c, CFG_KEYS("linear_value_head_dim"), &v_dim);
+    if (k_heads < 1 || v_heads < 1 || k_heads == v_heads) return;
+    const int64_t nk = (int64_t)k_heads, per = (int64_t)v_heads / nk, qk = 2 * nk * (int64_t)k_dim;
+    const axis_perm heads = {0, nk, per, (int64_t)v_dim}, scalars = {0, nk, per, 1};
+    if (ends_with(gguf, ".attn_qkv.weight") || ends_with(gguf, ".ssm_conv1d.weight"))
+        e->rows = (axis_perm){qk, nk, per, (int64_t)v_dim};
+    else if (ends_with(gguf, ".attn_gate.weight"))
+        e->rows = heads;
+    else if (ends_with(gguf, ".ssm_alpha.weight") || ends_with(gguf, ".ssm_beta.weight"))
+        e->rows = scalars;
+    else if (ends_with(gguf, ".ssm_a") || ends_with(gguf, ".ssm_dt.bias"))
+        e->cols = scalars;
+    else if (ends_with(gguf, ".ssm_out.weight"))
+        e->cols = heads;
+}
+
 /* ==== The architectures a checkpoint may be ==== */
 
 typedef struct hf_arch {
     const char *model_type; /* config.json's (text_config's), as a prefix: gemma4, gemma4_text */
-    int (*name)(const char *hf, char *out, size_t cap);
+    int (*name)(json_t *config, const char *hf, char *out, size_t cap);
     moe_status (*metadata)(moe_gguf_writer *w, json_t *config, const char *path, moe_error *err);
     float *(*rope_freqs)(json_t *config, int64_t *n); /* NULL: no rope_freqs tensor */
     bool trim_embd;                                   /* token_embd cut to the tokenizer */
     bool fused_gate_up; /* experts' gate and up in one tensor (gemma4's experts.gate_up_proj) */
-    uint32_t (*rope_heads)(json_t *c, const char *gguf); /* NULL: no rows permuted */
+    /* the converter's edits of the tensor named gguf of shape ne (NULL: none) */
+    void (*edit)(json_t *c, const char *gguf, const int64_t *ne, tensor_edit *e);
 } hf_arch;
 
+static int gemma4_name(json_t *config, const char *hf, char *out, size_t cap) {
+    (void)config;
+    return moe_hf_gguf_name(hf, out, cap);
+}
+
 static const hf_arch hf_archs[] = {
-    {"gemma4", moe_hf_gguf_name, moe_hf_write_metadata, moe_hf_rope_freqs, true, true, NULL},
-    {"llama", llama_name, llama_metadata, NULL, false, false, llama_rope_heads},
+    {"gemma4", gemma4_name, moe_hf_write_metadata, moe_hf_rope_freqs, true, true, NULL},
+    {"llama", llama_name, llama_metadata, NULL, false, false, llama_edit},
     {"qwen3_moe", qwen3moe_name, qwen3moe_metadata, NULL, false, false, NULL},
+    {"qwen3_5_text", qwen35_name, qwen35_metadata, NULL, false, false, qwen35_edit},
 };
 
 /* ==== Reading config.json ==== */
@@ -459,7 +634,8 @@ const char *moe_hf_model_type(json_t *config) {
 /* GGUF type for a copied tensor: 1-D, norms and the router as F32 (llama.cpp's converter), the
  * rest in the source dtype. false when the dtype has no GGUF type. */
 bool moe_hf_copy_type(const moe_st_tensor *t, const char *gguf_name, moe_type *out) {
-    if (t->n_dims <= 1 || ends_with(gguf_name, "_norm.weight") || strstr(gguf_name, "ffn_gate_inp"))
+    if (t->n_dims <= 1 || ends_with(gguf_name, "_norm.weight") ||
+        strstr(gguf_name, "ffn_gate_inp") || strstr(gguf_name, "ssm_conv1d"))
         return is_float(t->dtype) ? (*out = MOE_TYPE_F32, true) : false;
     switch (t->dtype) {
     case MOE_ST_BF16:
@@ -510,22 +686,13 @@ typedef struct view_tensor {
     moe_type type;
     uint32_t n_dims;
     int64_t ne[MOE_GGUF_MAX_DIMS];
-    uint32_t rope_heads; /* rows permuted per head for the converter's rope order, or 0 */
+    tensor_edit edit; /* the converter's reorderings and value edit */
 } view_tensor;
 
-/* The source row of output row r: llama's q / k rows go from HF's [head][half][pair] order to
- * the converter's [head][pair][half]; every other tensor keeps its order. */
-static int64_t source_row(const view_tensor *v, int64_t r) {
-    if (!v->rope_heads) return r;
-    int64_t per_head = v->ne[1] / v->rope_heads, h = r / per_head, k = r % per_head;
-    return h * per_head + (k % 2) * (per_head / 2) + k / 2;
-}
-
-/* Row r of the output (of v->ne[0] values) into out. */
-static moe_status fill_row(const view_tensor *v, int64_t r, uint8_t *out, moe_error *err) {
-    const int64_t cols = v->ne[0], s = source_row(v, r);
-    const view_unit *u = &v->units[s / v->unit_rows];
-    const int64_t lr = s % v->unit_rows, groups = cols / MOE_GRID_GROUP;
+/* Row lr of unit u, in the source's value order, as v->type into out. */
+static moe_status source_row(const view_tensor *v, const view_unit *u, int64_t lr, uint8_t *out,
+                             moe_error *err) {
+    const int64_t cols = v->ne[0], groups = cols / MOE_GRID_GROUP;
     if (u->t && v->type == MOE_TYPE_F32 && u->t->dtype != MOE_ST_F32)
         return moe_st_to_f32(u->t, (uint64_t)(lr * cols), (uint64_t)cols, (float *)out, err);
     if (u->t) { /* the same type */
@@ -546,17 +713,42 @@ static moe_status fill_row(const view_tensor *v, int64_t r, uint8_t *out, moe_er
     return MOE_OK;
 }
 
+/* Row r of the output (of v->ne[0] values) into out: the edit's source row, its values in the
+ * edit's order (scratch: a row's bytes), edited. */
+static moe_status fill_row(const view_tensor *v, int64_t r, uint8_t *out, uint8_t *scratch,
+                           moe_error *err) {
+    const int64_t s = perm_source(&v->edit.rows, r);
+    const view_unit *u = &v->units[s / v->unit_rows];
+    moe_status st = source_row(v, u, s % v->unit_rows, v->edit.cols.a ? scratch : out, err);
+    if (st != MOE_OK) return st;
+    if (v->edit.cols.a) { /* whole blocks move: plan_tensor made sure the runs hold whole ones */
+        const moe_type_traits *tr = moe_type_traits_get(v->type);
+        const int64_t bv = tr->block_values, n = v->ne[0] / bv;
+        const axis_perm blocks = {v->edit.cols.first / bv, v->edit.cols.a, v->edit.cols.b,
+                                  v->edit.cols.c / bv};
+        for (int64_t i = 0; i < n; i++)
+            memcpy(out + i * tr->block_bytes, scratch + perm_source(&blocks, i) * tr->block_bytes,
+                   tr->block_bytes);
+    }
+    float *x = (float *)out; /* a value edit's tensor is F32 (plan_tensor) */
+    for (int64_t i = 0; i < v->ne[0] && v->edit.value; i++) {
+        x[i] = v->edit.value == EDIT_NEG_EXP ? -expf(x[i]) : 1.0f + x[i];
+        if (u->t && u->t->dtype == MOE_ST_F16) x[i] = moe_fp16_to_f32(moe_f32_to_fp16(x[i]));
+    }
+    return MOE_OK;
+}
 static moe_status fill_view_tensor(void *ctx, const char *name, void *out, uint64_t n_bytes,
                                    moe_error *err) {
     (void)name;
     const view_tensor *v = ctx;
     const int64_t rows = (int64_t)(v->ne[1] * v->ne[2] * v->ne[3]);
     const uint64_t row_bytes = n_bytes / (uint64_t)rows;
-    for (int64_t r = 0; r < rows; r++) {
-        moe_status st = fill_row(v, r, (uint8_t *)out + (uint64_t)r * row_bytes, err);
-        if (st != MOE_OK) return st;
-    }
-    return MOE_OK;
+    uint8_t *scratch = v->edit.cols.a ? moe_xmalloc(row_bytes) : NULL;
+    moe_status st = MOE_OK;
+    for (int64_t r = 0; r < rows && st == MOE_OK; r++)
+        st = fill_row(v, r, (uint8_t *)out + (uint64_t)r * row_bytes, scratch, err);
+    free(scratch);
+    return st;
 }
 
 /* Every scale of a module an f16 number: Q4_0 holds it exactly. */
@@ -646,10 +838,10 @@ static void unit_shape(const view_unit *u, int64_t *rows, int64_t *cols) {
 
 /* Name, type and shape of the GGUF tensor of v's units; *skip for tensors the converter leaves
  * out (the vision / audio towers go to an mmproj file). */
-static moe_status plan_tensor(const moe_st *s, const hf_arch *a, const char *hf_name,
-                              view_tensor *v, bool *skip, moe_error *err) {
+static moe_status plan_tensor(const moe_st *s, const hf_arch *a, json_t *config,
+                              const char *hf_name, view_tensor *v, bool *skip, moe_error *err) {
     const char *dir = moe_st_dir(s);
-    int k = a->name(hf_name, v->name, sizeof v->name);
+    int k = a->name(config, hf_name, v->name, sizeof v->name);
     *skip = k == 1;
     if (k < 0)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' has no GGUF name", dir,
@@ -684,6 +876,14 @@ static moe_status plan_tensor(const moe_st *s, const hf_arch *a, const char *hf_
         v->ne[1] = rows * per_expert;
         v->ne[2] = (int64_t)v->n_units / per_expert;
     }
+    if (a->edit) a->edit(config, v->name, v->ne, &v->edit);
+    if (v->edit.squeeze) {
+        uint32_t kept = 0;
+        for (uint32_t d = 0; d < v->n_dims; d++)
+            if (v->ne[d] != 1) v->ne[kept++] = v->ne[d];
+        for (uint32_t d = kept; d < MOE_GGUF_MAX_DIMS; d++) v->ne[d] = 1;
+        v->n_dims = kept ? kept : 1;
+    }
     if (all_plain && same_dtype) {
         if (!moe_hf_copy_type(u0->t, v->name, &v->type))
             return moe_error_set(err, MOE_ERR_UNSUPPORTED,
@@ -703,6 +903,23 @@ static moe_status plan_tensor(const moe_st *s, const hf_arch *a, const char *hf_
                         dir, hf_name);
             }
         }
+    }
+    if (v->edit.value) v->type = MOE_TYPE_F32;
+    const int64_t bv = moe_type_traits_get(v->type)->block_values;
+    if (v->edit.cols.a && (v->edit.cols.first % bv || v->edit.cols.c % bv))
+        v->type = MOE_TYPE_F32; /* Q4_0 blocks would be cut: the values move one by one */
+    const axis_perm *axes[2] = {&v->edit.rows, &v->edit.cols};
+    const int64_t lens[2] = {v->ne[1] * v->ne[2] * v->ne[3], v->ne[0]};
+    for (int i = 0; i < 2; i++) {
+        const axis_perm *p = axes[i];
+        if (p->a && (p->b < 1 || p->c < 1 || p->first > lens[i] ||
+                     (lens[i] - p->first) % (p->a * p->b * p->c) != 0))
+            return moe_error_set(err, MOE_ERR_FORMAT,
+                                 "%s: %s: %lld %s from %lld do not split into the converter's "
+                                 "[%lld][%lld][%lld] reordering (config.json's head counts?)",
+                                 dir, v->name, (long long)lens[i], i ? "columns" : "rows",
+                                 (long long)p->first, (long long)p->a, (long long)p->b,
+                                 (long long)p->c);
     }
     if (a->trim_embd && strcmp(v->name, "token_embd.weight") == 0 && v->n_dims == 2) {
         int64_t keep = moe_hf_vocab_rows(dir);
@@ -782,7 +999,7 @@ moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err) {
     if (st == MOE_OK && !a)
         st = moe_error_set(err, MOE_ERR_UNSUPPORTED,
                            "%s/config.json: model_type '%s': moe maps the HF names of gemma4, "
-                           "llama and qwen3_moe",
+                           "llama, qwen3_moe and qwen3_5_text",
                            dir, model_type ? model_type : "(none)");
     if (st == MOE_OK && json_object_get(config, "quantization_config"))
         st = moe_w4a16_config_check(dir, err);
@@ -805,11 +1022,7 @@ moe_gguf *moe_hf_open(const char *path, bool keys_only, moe_error *err) {
         st = tensor_units(s, a, unit, hf_name, sizeof hf_name, v, err);
         if (st != MOE_OK || !v->n_units) continue;
         bool skip = false;
-        st = plan_tensor(s, a, hf_name, v, &skip, err);
-        v->rope_heads = st == MOE_OK && !skip && a->rope_heads ? a->rope_heads(config, v->name) : 0;
-        if (v->rope_heads && (v->n_dims != 2 || v->ne[1] % (2 * (int64_t)v->rope_heads) != 0))
-            st = moe_error_set(err, MOE_ERR_FORMAT, "%s: %s: %lld rows do not split into %u heads",
-                               dir, v->name, (long long)v->ne[1], v->rope_heads);
+        st = plan_tensor(s, a, config, hf_name, v, &skip, err);
         if (st == MOE_OK && !skip)
             st = moe_gguf_writer_add_tensor_deferred(w, v->name, v->type, v->n_dims, v->ne,
                                                      fill_view_tensor, v, err);

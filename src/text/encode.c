@@ -1,10 +1,12 @@
-/* encode.c: text -> token ids. Special-token partition, then SentencePiece or byte-level BPE.
+/* encode.c: text -> token ids. Special-token partition, then SentencePiece or BPE.
  *
  * Owns the three steps of encoding: cutting special tokens out of the text (longest text first,
  * each one over every raw fragment left, as llama.cpp does), the SentencePiece merge loop
  * (highest-score adjacent pair first, leftmost on ties, unknown characters as <0xNN> bytes) and
- * the byte-level BPE merge loop (lowest merge rank first, leftmost on ties) over the words the
- * pre-tokenizer cut. Both loops share one heap of candidate pairs and one symbol list.
+ * the BPE merge loop (lowest merge rank first, leftmost on ties) over the words the
+ * pre-tokenizer cut: byte-level (each byte as GPT-2's stand-in character) or SentencePiece-style
+ * (gemma4: spaces as U+2581, UTF-8 characters as they are, a character with no token as its
+ * <0xNN> bytes). Both loops share one heap of candidate pairs and one symbol list.
  * The trap: a pair popped from the heap may be stale -- one of its symbols was merged away or
  * grew since it was pushed. A pair is applied only when both symbols are alive, still adjacent,
  * and unchanged (same byte length for SPM, same token id for BPE); otherwise it is dropped. */
@@ -211,7 +213,8 @@ static void bpe_try_pair(const moe_tokenizer *tok, work *w, int32_t left, int32_
     heap_push(w, p);
 }
 
-/* One pre-tokenized word, already mapped through GPT-2's byte-to-unicode table. */
+/* One pre-tokenized word: mapped through GPT-2's byte-to-unicode table (byte-level), or escaped
+ * text (SentencePiece-style, where a symbol with no token falls back to its bytes). */
 static moe_status bpe_word(const moe_tokenizer *tok, work *w, const char *word, size_t len,
                            id_list *out, moe_error *err) {
     if (tok->ignore_merges) {
@@ -241,6 +244,11 @@ static moe_status bpe_word(const moe_tokenizer *tok, work *w, const char *word, 
             ids_push(out, w->sym[i].id);
             continue;
         }
+        if (tok->kind == MOE_TOKENIZER_SPM_BPE) {
+            moe_status st = push_bytes(tok, word + w->sym[i].off, w->sym[i].len, out, err);
+            if (st != MOE_OK) return st;
+            continue;
+        }
         /* a byte whose mapped character is no token: only the unknown token can stand in */
         if (tok->unk < 0)
             return moe_error_set(err, MOE_ERR_UNSUPPORTED,
@@ -250,6 +258,10 @@ static moe_status bpe_word(const moe_tokenizer *tok, work *w, const char *word, 
     return MOE_OK;
 }
 
+/* The pre-tokenizer's words of text, each merged by bpe_word: byte-level words mapped into
+ * `mapped` first; SentencePiece-style text is escaped already, and a run of newlines that is
+ * itself a token stays whole (llama.cpp's rule for Gemma 4, whose newline tokens no merge makes).
+ */
 static moe_status bpe_tokenize(const moe_tokenizer *tok, work *w, const char *text, size_t len,
                                char *mapped, id_list *out, moe_error *err) {
     moe_span *spans;
@@ -258,6 +270,16 @@ static moe_status bpe_tokenize(const moe_tokenizer *tok, work *w, const char *te
     if (st != MOE_OK) return st;
     for (size_t s = 0; s < n_spans && st == MOE_OK; s++) {
         const char *raw = text + spans[s].off;
+        if (tok->kind == MOE_TOKENIZER_SPM_BPE) {
+            size_t k = 0;
+            while (k < spans[s].len && raw[k] == '\n') k++;
+            int32_t whole = k == spans[s].len ? moe_str_index_get(tok, raw, k) : MOE_TOKEN_NONE;
+            if (whole >= 0)
+                ids_push(out, whole);
+            else
+                st = bpe_word(tok, w, raw, spans[s].len, out, err);
+            continue;
+        }
         size_t n = 0;
         for (size_t i = 0; i < spans[s].len; i++) {
             uint32_t cp = moe_bytelevel_cp((uint8_t)raw[i]);
@@ -394,6 +416,9 @@ moe_status moe_tokenizer_encode_spans(const moe_tokenizer *tok, const char *text
             size_t n =
                 spm_escape(text + fr->off, fr->len, tok->add_space_prefix && prev_special, buf);
             st = spm_tokenize(tok, &w, buf, n, &out, err);
+        } else if (tok->kind == MOE_TOKENIZER_SPM_BPE) {
+            size_t n = spm_escape(text + fr->off, fr->len, false, buf);
+            st = bpe_tokenize(tok, &w, buf, n, NULL, &out, err); /* nothing to map */
         } else {
             st = bpe_tokenize(tok, &w, text + fr->off, fr->len, buf, &out, err);
         }

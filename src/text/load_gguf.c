@@ -69,9 +69,11 @@ static moe_tokenizer *load(const moe_gguf *g, moe_error *err) {
         kind = MOE_TOKENIZER_SPM;
     } else if (strcmp(model, "gpt2") == 0) {
         kind = MOE_TOKENIZER_BPE;
+    } else if (strcmp(model, "gemma4") == 0) {
+        kind = MOE_TOKENIZER_SPM_BPE;
     } else {
         moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                      "tokenizer.ggml.model '%s' is not supported (llama, gpt2)", model);
+                      "tokenizer.ggml.model '%s' is not supported (llama, gpt2, gemma4)", model);
         return NULL;
     }
 
@@ -107,7 +109,7 @@ static moe_tokenizer *load(const moe_gguf *g, moe_error *err) {
     }
     moe_vocab_index_texts(tok);
 
-    if (kind == MOE_TOKENIZER_BPE) {
+    if (kind != MOE_TOKENIZER_SPM) {
         const moe_gguf_value *merges =
             get_array(g, "tokenizer.ggml.merges", MOE_GGUF_STRING, UINT64_MAX, false, err);
         if (err->code != MOE_OK) goto fail;
@@ -125,8 +127,10 @@ static moe_tokenizer *load(const moe_gguf *g, moe_error *err) {
                                     err) != MOE_OK)
                 goto fail;
         }
+        /* gemma4 has one pre-tokenizer whatever the file says (llama.cpp sets it) */
         const char *pre = moe_gguf_get_str(g, "tokenizer.ggml.pre");
-        if (!pre) pre = "default";
+        if (kind == MOE_TOKENIZER_SPM_BPE || !pre)
+            pre = kind == MOE_TOKENIZER_BPE ? "default" : "gemma4";
         const char *const *regexes;
         uint32_t n_regexes;
         if (!moe_pretok_preset(pre, &regexes, &n_regexes, &tok->ignore_merges)) {
@@ -148,7 +152,8 @@ static moe_tokenizer *load(const moe_gguf *g, moe_error *err) {
     if (moe_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &b)) tok->add_bos = b;
     if (moe_gguf_get_bool(g, "tokenizer.ggml.add_eos_token", &b)) tok->add_eos = b;
     if (moe_gguf_get_bool(g, "tokenizer.ggml.add_space_prefix", &b)) tok->add_space_prefix = b;
-    if (kind == MOE_TOKENIZER_BPE) tok->add_space_prefix = false;
+    if (kind != MOE_TOKENIZER_SPM) tok->add_space_prefix = false;
+    if (kind == MOE_TOKENIZER_SPM_BPE) tok->add_bos = true; /* llama.cpp forces it for Gemma 4 */
     return moe_vocab_finish(tok, err);
 
 fail:

@@ -1,14 +1,19 @@
-/* load_json.c: a vocabulary from a Hugging Face tokenizer.json (byte-level BPE), via jansson.
+/* load_json.c: a vocabulary from a Hugging Face tokenizer.json (byte-level BPE, or Gemma's
+ * SentencePiece-style BPE), via jansson.
  *
  * Reads model.vocab, model.merges (both the "a b" string form and the ["a", "b"] array form),
  * model.ignore_merges, added_tokens (special -> control, otherwise user-defined), the
  * pre_tokenizer tree (Sequence, Split with a Regex or String pattern, ByteLevel, Digits) from
  * which it takes the regexes, and BOS/EOS from the post_processor template or from a
  * tokenizer_config.json beside the file. It does not tokenize. Everything not understood is
- * refused with MOE_ERR_UNSUPPORTED rather than tokenized differently from the reference.
+ * refused with MOE_ERR_UNSUPPORTED rather than tokenized differently from the reference. A BPE
+ * model with byte_fallback is read as Gemma's form (MOE_TOKENIZER_SPM_BPE) when its normalizer
+ * replaces ' ' with U+2581 and its pre-tokenizer is none or a Split (none: newline runs, as
+ * llama.cpp splits gemma4 text); its <0xNN> entries are byte tokens (the ByteFallback decoder).
  * The trap: an NFC normalizer is accepted but not applied -- text that is not already in NFC
  * (rare: decomposed accents) may tokenize differently from Hugging Face. */
 #include <jansson.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -233,6 +238,31 @@ static moe_status read_merges(moe_tokenizer *tok, const json_t *model, moe_error
     return MOE_OK;
 }
 
+/* Gemma's normalizer: Replace the String " " with U+2581 (alone, or the one step of a
+ * Sequence). */
+static bool escapes_spaces(const json_t *norm) {
+    const char *type = str_field(norm, "type");
+    if (type && strcmp(type, "Sequence") == 0) {
+        const json_t *list = json_object_get(norm, "normalizers");
+        return json_array_size(list) == 1 && escapes_spaces(json_array_get(list, 0));
+    }
+    const char *from = str_field(json_object_get(norm, "pattern"), "String");
+    const char *to = str_field(norm, "content");
+    return type && strcmp(type, "Replace") == 0 && from && strcmp(from, " ") == 0 && to &&
+           strcmp(to, "\xe2\x96\x81") == 0;
+}
+
+/* <0xNN> entries of a byte_fallback model: the bytes ByteFallback decodes them to. */
+static void mark_byte_tokens(moe_tokenizer *tok) {
+    for (int b = 0; b < 256; b++) {
+        char name[8];
+        int n = snprintf(name, sizeof name, "<0x%02X>", b);
+        int32_t id = moe_str_index_get(tok, name, (size_t)n);
+        if (id >= 0 && tok->tokens[id].type == MOE_TOKEN_NORMAL)
+            tok->tokens[id].type = MOE_TOKEN_BYTE;
+    }
+}
+
 static moe_status check_normalizer(const json_t *norm, moe_error *err) {
     if (!norm || json_is_null(norm)) return MOE_OK;
     const char *type = str_field(norm, "type");
@@ -255,27 +285,40 @@ static moe_tokenizer *load(const json_t *root, const json_t *cfg, moe_error *err
         moe_error_set(err, MOE_ERR_UNSUPPORTED, "model type %s is not supported (BPE)", type);
         return NULL;
     }
-    if (json_is_true(json_object_get(model, "byte_fallback"))) {
-        moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                      "a BPE model with byte_fallback (SentencePiece-style) is not supported; "
-                      "use the GGUF vocabulary");
+    const bool spm_bpe = json_is_true(json_object_get(model, "byte_fallback"));
+    const json_t *norm = json_object_get(root, "normalizer");
+    if (spm_bpe && !escapes_spaces(norm)) {
+        moe_error_set(
+            err, MOE_ERR_UNSUPPORTED,
+            "a BPE model with byte_fallback is read only with Gemma's normalizer (Replace "
+            "\" \" with U+2581); use the GGUF vocabulary");
         return NULL;
     }
-    if (check_normalizer(json_object_get(root, "normalizer"), err) != MOE_OK) return NULL;
+    if (!spm_bpe && check_normalizer(norm, err) != MOE_OK) return NULL;
 
     regex_list regexes = {0};
-    moe_tokenizer *tok = moe_vocab_new(MOE_TOKENIZER_BPE);
+    moe_tokenizer *tok = moe_vocab_new(spm_bpe ? MOE_TOKENIZER_SPM_BPE : MOE_TOKENIZER_BPE);
     tok->add_bos = false;
     tok->add_space_prefix = false;
     if (walk_pretok(json_object_get(root, "pre_tokenizer"), &regexes, 0, err) != MOE_OK) goto fail;
-    if (!regexes.byte_level) {
+    if (regexes.byte_level == spm_bpe) {
         moe_error_set(err, MOE_ERR_UNSUPPORTED,
-                      "pre_tokenizer has no ByteLevel step: not a byte-level BPE tokenizer");
+                      spm_bpe ? "pre_tokenizer: ByteLevel in a byte_fallback BPE model"
+                              : "pre_tokenizer has no ByteLevel step: not a byte-level BPE "
+                                "tokenizer");
         goto fail;
+    }
+    if (spm_bpe && regexes.n == 0) { /* no pre-tokenizer: newline runs apart, as llama.cpp */
+        const char *const *re;
+        uint32_t n;
+        bool ignore;
+        moe_pretok_preset("gemma4", &re, &n, &ignore);
+        for (uint32_t i = 0; i < n; i++) add_regex(&regexes, re[i], false, err);
     }
     if (read_vocab(tok, model, err) != MOE_OK) goto fail;
     if (read_added(tok, json_object_get(root, "added_tokens"), err) != MOE_OK) goto fail;
     moe_vocab_index_texts(tok);
+    if (spm_bpe) mark_byte_tokens(tok);
     if (read_merges(tok, model, err) != MOE_OK) goto fail;
     tok->ignore_merges = json_is_true(json_object_get(model, "ignore_merges"));
     tok->unk = named_token(tok, json_object_get(model, "unk_token"));

@@ -96,6 +96,10 @@ static const char *const re_deepseek_v3[] = {
 static const char *const re_llama3_hf[] = {RE_LLAMA3_HF};
 static const char *const re_qwen2_hf[] = {RE_QWEN2_HF};
 static const char *const re_gpt2_hf[] = {RE_GPT2_HF};
+/* SentencePiece-style BPE (Gemma 4): runs of newlines apart from everything else, as
+ * llama.cpp splits "gemma4" text; a tokenizer.json says the same with a Split on "\n+". */
+static const char *const re_gemma4[] = {"[^\\n]+|[\\n]+"};
+static const char *const re_gemma4_hf[] = {"\\n+"};
 
 #define N_OF(a) ((uint32_t)(sizeof(a) / sizeof((a)[0])))
 
@@ -134,6 +138,7 @@ static const preset presets[] = {
     {"deepseek-v3", re_deepseek_v3, N_OF(re_deepseek_v3), false},
     {"gpt-4o", re_gpt4o, N_OF(re_gpt4o), false},
     {"minimax-m2", re_gpt4o, N_OF(re_gpt4o), false},
+    {"gemma4", re_gemma4, N_OF(re_gemma4), false},
 };
 
 bool moe_pretok_preset(const char *pre_name, const char *const **regexes, uint32_t *n,
@@ -170,6 +175,8 @@ const char *moe_pretok_name_for(const char *const *regexes, uint32_t n, bool ign
         {re_deepseek_llm, N_OF(re_deepseek_llm), "deepseek-llm", NULL},
         {re_deepseek_coder, N_OF(re_deepseek_coder), "deepseek-coder", NULL},
         {re_deepseek_v3, N_OF(re_deepseek_v3), "deepseek-v3", NULL},
+        {re_gemma4, 1, "gemma4", NULL},
+        {re_gemma4_hf, 1, "gemma4", NULL},
     };
     for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
         if (!same_list(regexes, n, known[i].re, known[i].n)) continue;

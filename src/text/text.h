@@ -1,10 +1,12 @@
 /* text: text in and out of the model -- tokenizers, the streaming detokenizer.
  *
  * Two vocabulary sources fill one internal vocabulary: GGUF metadata (`tokenizer.ggml.*`) and a
- * Hugging Face `tokenizer.json`. Two algorithms run on it: SentencePiece-style (GGUF model
- * `llama`: dummy-prefix space, spaces as U+2581, highest-score merges, `<0xNN>` byte fallback)
- * and byte-level BPE (GGUF model `gpt2`: PCRE2 pre-tokenizer regexes, GPT-2's byte-to-unicode
- * mapping, merges by rank). Special tokens are cut out of the text before either runs. A tokenizer
+ * Hugging Face `tokenizer.json`. Three algorithms run on it: SentencePiece-style (GGUF model
+ * `llama`: dummy-prefix space, spaces as U+2581, highest-score merges, `<0xNN>` byte fallback),
+ * byte-level BPE (GGUF model `gpt2`: PCRE2 pre-tokenizer regexes, GPT-2's byte-to-unicode
+ * mapping, merges by rank) and SentencePiece-style BPE (GGUF model `gemma4`: spaces as U+2581,
+ * runs of newlines split from the rest, merges by rank over UTF-8 characters, `<0xNN>` byte
+ * fallback). Special tokens are cut out of the text before any runs. A tokenizer
  * is immutable after loading: any number of threads may encode and decode with it at once. Chat
  * templates and the output parsers live beside this folder, in chat/. The trap: pieces are
  * BYTES, not characters -- one token may hold half of a UTF-8 sequence (byte fallback, byte-level
@@ -38,8 +40,9 @@ typedef struct moe_tokenizer moe_tokenizer;
 
 /* The algorithm; GGUF's tokenizer.ggml.model names it. */
 typedef enum moe_tokenizer_kind {
-    MOE_TOKENIZER_SPM = 0, /* "llama": SentencePiece with byte fallback */
-    MOE_TOKENIZER_BPE = 1, /* "gpt2": byte-level BPE */
+    MOE_TOKENIZER_SPM = 0,     /* "llama": SentencePiece with byte fallback */
+    MOE_TOKENIZER_BPE = 1,     /* "gpt2": byte-level BPE */
+    MOE_TOKENIZER_SPM_BPE = 2, /* "gemma4": BPE over U+2581-escaped text, <0xNN> byte fallback */
     MOE_TOKENIZER_KIND_COUNT
 } moe_tokenizer_kind;
 
@@ -63,7 +66,8 @@ typedef enum moe_token_type {
  * tokenizer.ggml.model, from the tokenizer.json text in tokenizer.huggingface.json (with
  * tokenizer.huggingface.config as its tokenizer_config.json): a Hugging Face checkpoint's view. */
 moe_tokenizer *moe_tokenizer_from_gguf(const moe_gguf *g, moe_error *err);
-/* From a Hugging Face tokenizer.json (model type BPE). A tokenizer_config.json in the same
+/* From a Hugging Face tokenizer.json (model type BPE: byte-level, or with byte_fallback and a
+ * normalizer replacing ' ' by U+2581, Gemma's form). A tokenizer_config.json in the same
  * folder, when present, supplies bos/eos tokens and add_bos_token/add_eos_token. */
 moe_tokenizer *moe_tokenizer_from_json_file(const char *path, moe_error *err);
 /* The same from a buffer; config_json may be NULL. */

@@ -312,7 +312,7 @@ static void build_pieces(moe_tokenizer *tok) {
             break;
         }
         case MOE_TOKEN_NORMAL:
-            if (tok->kind == MOE_TOKENIZER_SPM) {
+            if (tok->kind != MOE_TOKENIZER_BPE) { /* U+2581 back to spaces */
                 for (size_t i = 0; i < t->text_len;) {
                     if (t->text_len - i >= 3 && memcmp(s + i, "\xe2\x96\x81", 3) == 0) {
                         out[n++] = ' ';
@@ -386,7 +386,7 @@ moe_tokenizer *moe_vocab_finish(moe_tokenizer *tok, moe_error *err) {
     for (int b = 0; b < 256; b++) {
         char name[8];
         size_t n;
-        if (tok->kind == MOE_TOKENIZER_SPM) {
+        if (tok->kind != MOE_TOKENIZER_BPE) {
             n = (size_t)snprintf(name, sizeof name, "<0x%02X>", b);
             tok->byte_ids[b] = moe_str_index_get(tok, name, n);
             if (tok->byte_ids[b] < 0 && b < 0x80) { /* no byte tokens: the character itself */
@@ -523,7 +523,11 @@ moe_status moe_tokenizer_write_gguf(const moe_tokenizer *tok, moe_gguf_writer *w
         scores[id] = tok->tokens[id].score;
         types[id] = tok->tokens[id].type;
     }
-    moe_gguf_writer_set_str(w, "tokenizer.ggml.model", spm ? "llama" : "gpt2");
+    static const char *const models[MOE_TOKENIZER_KIND_COUNT] = {[MOE_TOKENIZER_SPM] = "llama",
+                                                                 [MOE_TOKENIZER_BPE] = "gpt2",
+                                                                 [MOE_TOKENIZER_SPM_BPE] =
+                                                                     "gemma4"};
+    moe_gguf_writer_set_str(w, "tokenizer.ggml.model", models[tok->kind]);
     moe_gguf_writer_set_str(w, "tokenizer.ggml.pre", spm ? "default" : tok->pre_name);
     set_strings(w, "tokenizer.ggml.tokens", texts, n);
     moe_gguf_writer_set_arr(w, "tokenizer.ggml.scores", MOE_GGUF_F32, scores, n);
@@ -533,7 +537,8 @@ moe_status moe_tokenizer_write_gguf(const moe_tokenizer *tok, moe_gguf_writer *w
     free(types);
 
     if (!spm) {
-        /* "left right": byte-level token texts never hold a space, so the split is unambiguous */
+        /* "left right": byte-level and U+2581-escaped token texts hold no space, so the split is
+         * unambiguous */
         moe_str *merges = moe_xmalloc((tok->n_merges + 1) * sizeof *merges);
         char **owned = moe_xmalloc((tok->n_merges + 1) * sizeof *owned);
         for (uint32_t r = 0; r < tok->n_merges; r++) {

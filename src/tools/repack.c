@@ -311,10 +311,10 @@ static moe_status copy_vocab(moe_gguf_writer *w, const char *path, int64_t embd_
     return st;
 }
 
-/* The tokenizer.* keys built from DIR/tokenizer.json (byte-level BPE; see text/load_json.c),
- * checked to name as many tokens as token_embd has rows. A checkpoint without one, or with one
- * moe does not read (a SentencePiece-style tokenizer.json), gets no tokenizer keys: a warning
- * says so and --vocab-from gives them. */
+/* The tokenizer.* keys built from DIR/tokenizer.json (byte-level BPE, or Gemma's
+ * SentencePiece-style BPE as tokenizer.ggml.model gemma4; see text/load_json.c), checked to name
+ * as many tokens as token_embd has rows. A checkpoint without one, or with one moe does not read,
+ * gets no tokenizer keys: a warning says so and --vocab-from gives them. */
 static moe_status vocab_from_json(moe_gguf_writer *w, const char *dir, int64_t embd_rows,
                                   moe_error *err) {
     char path[4096];
