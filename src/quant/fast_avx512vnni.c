@@ -7,8 +7,12 @@
  * activation bytes are made unsigned by adding 128, and 128 x (the row's sum of weights), worked
  * out once per tile, comes off again: the int32 block sums are exact. Then, lane for lane, one
  * multiply-add per block: the scalar reference's order (ref_fast.c), so a dot gives the same bits
- * alone, in a batch, at any tile width. The trap: an activation byte of -128 would overflow the
- * unsigned bias; the Q8 activation quantizers clamp to +-127. */
+ * alone, in a batch, at any tile width. Q4_K and Q5_K differ in two ways: their values are
+ * unsigned (0..31), so the tile is vpdpbusd's unsigned side and the activation bytes go in as
+ * they are, with no bias; and a second multiply-add per block takes their mins against the
+ * activations' 16-value sums (vpdpwssd, the mins of 16 rows in the lanes). The trap: an
+ * activation byte of -128 would overflow the unsigned bias; the Q8 activation quantizers clamp
+ * to +-127. */
 #define MOE_AVX512_VNNI 1
 #include <math.h>
 
@@ -22,20 +26,32 @@
 #define FAST_IQ_CHUNK 2  /* super-blocks decoded per pass (10 KiB) */
 #define FAST_GROUP    64 /* activation rows per decode of a chunk */
 
-/* One block of 16 weight rows, ready for the multiply. Q8_0 fills tile[0 .. 7] and no scales
- * (the rest is never touched, so costs no cache). */
+/* One block of 16 weight rows, ready for the multiply. The 32-value types fill tile[0 .. 7] and
+ * no scales (the rest is never touched, so costs no cache). */
 typedef struct {
     __m512i tile[64];  /* lane v of tile[g]: values 4g .. 4g + 3 of row v, int8 with signs */
     __m512i scale[16]; /* lane v of scale[j]: row v's integer scale of values 16j .. 16j + 15 */
-    __m512i bias;      /* 128 x sum_j scale[j] x (row v's values in sub-block j, summed) */
-    __m512 d;          /* row v's block scale */
+    __m512i mins[8];   /* Q4_K / Q5_K: lane v of mins[c]: row v's int16 min of values 32c ..
+                        * 32c + 31, twice (against the activation's bsums 2c and 2c + 1) */
+    __m512i bias;      /* signed types: 128 x sum_j scale[j] x (row v's values in sub-block j) */
+    __m512 d, dmin;    /* row v's block scale (and min scale) */
 } fast_tile;
 
-/* What a tile kernel needs of its type: the codebook types' decode (NULL for Q8_0), the block
- * size, the power of two the block scale is multiplied by after the activations'. */
+/* The mins of a Q4_K / Q5_K block: sixteen int16, the min of values 16j .. 16j + 15 in lane j
+ * (each sub-block's twice), and the float min scale. */
+typedef void (*fast_mins_fn)(const void *block, __m256i *mins, float *dmin);
+
+/* What a tile kernel needs of its type: the decode (regs for the super-block types, q32 for the
+ * 32-value ones, the other NULL), the mins (NULL: no min term), the block size, the values that
+ * share an integer scale (16 or 32: a vpmulld per row and that many values; 32 for the 32-value
+ * types, whose block has none), the power of two the block scale is multiplied by after the
+ * activations'. */
 typedef struct {
     z_iqb_fn regs;
+    q32_decode_fn q32;
+    fast_mins_fn mins;
     size_t block_bytes;
+    int scale_values;
     float mult;
 } fast_type;
 
@@ -73,15 +89,19 @@ MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows
     }
 }
 
-/* The multiply of both kinds (regs NULL: Q8_0 against Q8_0, 8 groups of 4 and no scales;
- * else a super-block against Q8_K, 64 groups, a scale per 16 values): each activation row's
- * bytes made unsigned (+128) into xb, then per sub-block of 4 groups one vpdpbusd per group with
- * its 4 bytes broadcast, times the rows' scales; the bias off, then one fma per block. */
+/* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
+ * scales; else a super-block against Q8_K, 64 groups, a scale per 16 or 32 values): each
+ * activation row's bytes made unsigned (+128) into xb, then per sub-block one vpdpbusd per group
+ * of 4 values with its 4 bytes broadcast, times the rows' scales; the bias off, then one fma per
+ * block. The types with mins (Q4_K, Q5_K) have unsigned values (0..31): their tile is vpdpbusd's
+ * unsigned operand and the activation bytes, broadcast as they are, its signed one, with no bias;
+ * and a second fma per block for the mins: their int32 sum against the activation's bsums, two
+ * at a time (vpdpwssd). */
 MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t nc, const uint8_t *x,
                           size_t xs, int64_t c0, __m512 *accbuf) {
     const fast_tile *tiles = tile_buf;
-    const bool q8_0 = type.regs == NULL;
-    const int groups = q8_0 ? MOE_QK32 / 4 : MOE_QK_K / 4;
+    const bool q32 = type.regs == NULL, mins = type.mins != NULL, plain = mins;
+    const int groups = q32 ? MOE_QK32 / 4 : MOE_QK_K / 4;
     uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(64)));
     __m512 acc[MOE_DOT_ROWS];
 #pragma GCC unroll 4
@@ -89,54 +109,89 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
     for (int64_t j = 0; j < nc; j++) {
         const fast_tile *t = &tiles[j];
         __m512 dx[MOE_DOT_ROWS];
-        __m512i sum[MOE_DOT_ROWS];
+        __m512i sum[MOE_DOT_ROWS], msum[MOE_DOT_ROWS];
+        const uint8_t *bytes[MOE_DOT_ROWS]; /* the 4-byte groups to broadcast */
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const uint8_t *xr = x + (size_t)r * xs;
-            if (q8_0) {
+            if (q32) {
                 const moe_block_q8_0 *y = (const moe_block_q8_0 *)xr + c0 + j;
                 _mm256_store_si256(
                     (__m256i *)xb[r],
                     _mm256_xor_si256(avx2_load(y->qs), _mm256_set1_epi8((char)0x80)));
                 dx[r] = _mm512_set1_ps(avx2_fp16(y->d));
+                bytes[r] = (const uint8_t *)xb[r];
             } else {
                 const moe_block_q8_k *y = (const moe_block_q8_k *)xr + c0 + j;
-                for (int k = 0; k < 4; k++)
-                    _mm512_store_si512(
-                        xb[r] + 16 * k,
-                        _mm512_xor_si512(z_load(y->qs + 64 * k), _mm512_set1_epi8((char)0x80)));
+                if (plain)
+                    bytes[r] = (const uint8_t *)y->qs;
+                else {
+                    for (int k = 0; k < 4; k++)
+                        _mm512_store_si512(
+                            xb[r] + 16 * k,
+                            _mm512_xor_si512(z_load(y->qs + 64 * k), _mm512_set1_epi8((char)0x80)));
+                    bytes[r] = (const uint8_t *)xb[r];
+                }
                 dx[r] = _mm512_set1_ps(y->d);
+                if (mins) {
+                    msum[r] = _mm512_setzero_si512();
+                    for (int c = 0; c < 8; c++) {
+                        int32_t pair;
+                        memcpy(&pair, y->bsums + 2 * c, sizeof pair);
+                        msum[r] = _mm512_dpwssd_epi32(msum[r], _mm512_set1_epi32(pair), t->mins[c]);
+                    }
+                }
             }
             sum[r] = _mm512_setzero_si512();
         }
-        for (int s = 0; s < groups / 4; s++) {
-            __m512i part[MOE_DOT_ROWS];
+        /* the broadcasts below read xb from memory (a load port): left to itself GCC may keep
+         * the bytes in registers and pick each dword out with shuffles, which cost the shuffle
+         * port twice per vpdpbusd (measured a third slower on the 32-value types) */
+        __asm__("" : "+m"(xb));
+        /* per scale, chains of 4 vpdpbusd (a longer chain waits on its latency), then added */
+        const int per = type.scale_values / 16; /* chains of 4 groups under one scale */
+        for (int s = 0; s < groups / 4 / per; s++) {
+            __m512i part[2][MOE_DOT_ROWS];
+#pragma GCC unroll 2
+            for (int h = 0; h < per; h++) {
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) part[r] = _mm512_setzero_si512();
+                for (int r = 0; r < R; r++) part[h][r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m512i tg = _mm512_load_si512(&t->tile[4 * s + c]);
+                for (int c = 0; c < 4; c++) {
+                    const int g = 4 * (per * s + h) + c;
+                    const __m512i tg = _mm512_load_si512(&t->tile[g]);
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-                    part[r] =
-                        _mm512_dpbusd_epi32(part[r], _mm512_set1_epi32((int)xb[r][4 * s + c]), tg);
+                    for (int r = 0; r < R; r++) {
+                        int32_t four;
+                        memcpy(&four, bytes[r] + 4 * g, sizeof four);
+                        const __m512i xg = _mm512_set1_epi32(four);
+                        part[h][r] = plain ? _mm512_dpbusd_epi32(part[h][r], tg, xg)
+                                           : _mm512_dpbusd_epi32(part[h][r], xg, tg);
+                    }
+                }
             }
+            const __m512i scale = t->scale[per * s];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                sum[r] = _mm512_add_epi32(sum[r], q8_0 ? part[r]
-                                                       : _mm512_mullo_epi32(part[r], t->scale[s]));
+            for (int r = 0; r < R; r++) {
+                const __m512i p = per == 2 ? _mm512_add_epi32(part[0][r], part[1][r]) : part[0][r];
+                sum[r] = _mm512_add_epi32(sum[r], q32 ? p : _mm512_mullo_epi32(p, scale));
+            }
         }
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(
                 _mm512_mul_ps(_mm512_mul_ps(t->d, dx[r]), _mm512_set1_ps(type.mult)),
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], t->bias)), acc[r]);
+                _mm512_cvtepi32_ps(plain ? sum[r] : _mm512_sub_epi32(sum[r], t->bias)), acc[r]);
+            if (mins) /* acc - (dmin d_x) msum, one rounding: fma(-(dmin d_x), msum, acc) */
+                acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(t->dmin, dx[r]),
+                                          _mm512_cvtepi32_ps(msum[r]), acc[r]);
+        }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) accbuf[r] = acc[r];
 }
 
-/* ==== Q8_0 ==== */
+/* ==== 32-value types against Q8_0 (Q4_0 Q5_0 Q8_0 IQ4_NL MXFP4) ==== */
 
 /* 16 rows of 8 dwords (two to a register: row j in the low half, j + 8 in the high) to 8
  * registers of 16 rows: an 8 x 8 transpose in each half, then the halves' 128-bit lanes put in
@@ -163,36 +218,46 @@ MOE_INLINE void fast_transpose16x8(const __m512i z[8], __m512i out[8]) {
     }
 }
 
-MOE_INLINE void fast_tile_q8_0(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
-                               void *tile) {
-    (void)t;
+/* Block i of 16 rows of a 32-value type: each row's block decoded to 32 signed bytes and its
+ * scale (x86_avx2.h), two rows to a register, transposed into the tile. */
+MOE_INLINE void fast_tile_q32(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                              void *tile) {
     fast_tile *o = tile;
-    const __m512i row_at =
-        _mm512_mullo_epi32(_mm512_maskz_mov_epi32((__mmask16)((1u << n_w) - 1),
-                                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                    10, 11, 12, 13, 14, 15)),
-                           _mm512_set1_epi32((int)ws));
     __m512i z[8];
+    float d[16], unused;
     for (int j = 0; j < 8; j++) {
-        const moe_block_q8_0 *a = (const moe_block_q8_0 *)(w + (j < n_w ? j : 0) * ws) + i;
-        const moe_block_q8_0 *b = (const moe_block_q8_0 *)(w + (j + 8 < n_w ? j + 8 : 0) * ws) + i;
-        z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(avx2_load(a->qs)), avx2_load(b->qs), 1);
+        const uint8_t *a = w + (j < n_w ? j : 0) * ws + (size_t)i * t.block_bytes;
+        const uint8_t *b = w + (j + 8 < n_w ? j + 8 : 0) * ws + (size_t)i * t.block_bytes;
+        z[j] = z_join(t.q32(a, &d[j], &unused), t.q32(b, &d[j + 8], &unused));
     }
     fast_transpose16x8(z, o->tile);
     __m512i sum = _mm512_setzero_si512();
     for (int g = 0; g < 8; g++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[g]);
     o->bias = _mm512_slli_epi32(sum, 7);
-    /* the 16 fp16 scales: a dword gathered at each row's block (d and two qs bytes) */
-    const __m512i d32 = _mm512_i32gather_epi32(row_at, w + (size_t)i * sizeof(moe_block_q8_0), 1);
-    o->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d32));
+    o->d = _mm512_loadu_ps(d);
 }
 
-static void fast_tile_rows_q8_0(const void *w, size_t ws, int n_w, const void *x, size_t xs,
-                                int64_t n_rows, int64_t n, float *out, int64_t os) {
-    fast_tile tiles[FAST_CHUNK];
-    fast_drive((fast_type){NULL, sizeof(moe_block_q8_0), 1.0f}, fast_tile_q8_0, fast_rows, tiles,
-               sizeof tiles[0], FAST_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK32, out, os);
-}
+#define FAST_Q32_KERNELS(t)                                                                        \
+    static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
+                                   int64_t n_rows, int64_t n, float *out, int64_t os) {            \
+        fast_tile tiles[FAST_CHUNK];                                                               \
+        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f},     \
+                   fast_tile_q32, fast_rows, tiles, sizeof tiles[0], FAST_CHUNK, w, ws, n_w, x,    \
+                   xs, n_rows, n / MOE_QK32, out, os);                                             \
+    }                                                                                              \
+    FAST_DOT(t)
+/* A one-row dot through the tile kernel. */
+#define FAST_DOT(t)                                                                                \
+    static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
+        float out;                                                                                 \
+        fast_tile_rows_##t(w, 0, 1, x, 0, 1, n, &out, 1);                                          \
+        return out;                                                                                \
+    }
+FAST_Q32_KERNELS(q4_0)
+FAST_Q32_KERNELS(q5_0)
+FAST_Q32_KERNELS(q8_0)
+FAST_Q32_KERNELS(iq4_nl)
+FAST_Q32_KERNELS(mxfp4)
 
 /* ==== Codebook types (and IQ4_XS): 256-value super-blocks against Q8_K ====
  *
@@ -227,47 +292,65 @@ MOE_INLINE void fast_transpose16x16(__m512i r[16]) {
     }
 }
 
+/* The bias of a tile of signed values with a scale per 16 (fast_rows). */
+MOE_INLINE void fast_tile_bias(fast_tile *o) {
+    __m512i bias = _mm512_setzero_si512();
+    for (int j = 0; j < 16; j++) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++)
+            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[4 * j + c]);
+        bias = _mm512_add_epi32(bias, _mm512_mullo_epi32(sum, o->scale[j]));
+    }
+    o->bias = _mm512_slli_epi32(bias, 7);
+}
+
 MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
                              void *tile) {
     fast_tile *o = tile;
     __m512i stage[4][16], sc[16];
-    float d[16];
+    __m256i mins[16];
+    float d[16], dmin[16];
     for (int v = 0; v < 16; v++) {
+        const uint8_t *block = w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes;
         z_iqb b;
-        t.regs(w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes, &b);
+        t.regs(block, &b);
         for (int k = 0; k < 4; k++) stage[k][v] = z_apply_signs(b.g[k], _cvtu64_mask64(b.neg[k]));
         sc[v] = _mm512_cvtepi16_epi32(b.sc);
         d[v] = b.d;
+        if (t.mins) t.mins(block, &mins[v], &dmin[v]);
+    }
+    if (t.mins) { /* 16 rows of 8 min pairs: rows v and v + 8 to a register */
+        __m512i z[8];
+        for (int j = 0; j < 8; j++) z[j] = z_join(mins[j], mins[j + 8]);
+        fast_transpose16x8(z, o->mins);
+        o->dmin = _mm512_loadu_ps(dmin);
     }
     for (int k = 0; k < 4; k++) {
         fast_transpose16x16(stage[k]);
         for (int c = 0; c < 16; c++) o->tile[16 * k + c] = stage[k][c];
     }
     fast_transpose16x16(sc);
-    __m512i bias = _mm512_setzero_si512();
-    for (int j = 0; j < 16; j++) {
-        __m512i sum = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++)
-            sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[4 * j + c]);
-        o->scale[j] = sc[j];
-        bias = _mm512_add_epi32(bias, _mm512_mullo_epi32(sum, sc[j]));
-    }
-    o->bias = _mm512_slli_epi32(bias, 7);
+    for (int j = 0; j < 16; j++) o->scale[j] = sc[j];
+    if (!t.mins) fast_tile_bias(o); /* signed values (fast_rows) */
     o->d = _mm512_loadu_ps(d);
 }
 
 /* Few activation rows (decode, a small expert): the tile's decode costs more than it saves, so
  * one weight row at a time, its values in the lanes (the exact path's multiply: magnitudes x
  * activations with the signs, pairs summed, times the scales), each block's int32 lanes summed
- * and added to the row's accumulator with the same fma: the tile's bits. */
+ * and added to the row's accumulator with the same fma (and the mins' the same way): the tile's
+ * bits. */
 #define FAST_TILE_MIN_ROWS 8
-MOE_INLINE void fast_lanes_iq(z_iqb_fn regs, size_t block_bytes, float mult, const uint8_t *w,
-                              const uint8_t *x, size_t xs, int64_t n_rows, int64_t n, float *out,
-                              int64_t os) {
+MOE_INLINE void fast_lanes_iq(fast_type t, const uint8_t *w, const uint8_t *x, size_t xs,
+                              int64_t n_rows, int64_t n, float *out, int64_t os) {
     float acc[FAST_TILE_MIN_ROWS] = {0};
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
+        const uint8_t *block = w + (size_t)i * t.block_bytes;
         z_iqb b;
-        regs(w + (size_t)i * block_bytes, &b);
+        t.regs(block, &b);
+        __m256i mins = _mm256_setzero_si256();
+        float dmin = 0;
+        if (t.mins) t.mins(block, &mins, &dmin);
         const __m512i sc = _mm512_zextsi256_si512(b.sc);
         for (int64_t r = 0; r < n_rows; r++) {
             const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
@@ -278,59 +361,236 @@ MOE_INLINE void fast_lanes_iq(z_iqb_fn regs, size_t block_bytes, float mult, con
                 sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk),
                                           z_scales(sc, z_idx4(4 * k)));
             }
-            acc[r] = fmaf(b.d * y->d * mult, (float)_mm512_reduce_add_epi32(sum), acc[r]);
+            acc[r] = fmaf(b.d * y->d * t.mult, (float)_mm512_reduce_add_epi32(sum), acc[r]);
+            if (t.mins) {
+                const __m256i m = _mm256_madd_epi16(mins, avx2_load(y->bsums));
+                acc[r] = fmaf(-(dmin * y->d),
+                              (float)_mm512_reduce_add_epi32(_mm512_zextsi256_si512(m)), acc[r]);
+            }
         }
     }
     for (int64_t r = 0; r < n_rows; r++) out[r * os] = acc[r];
 }
 
-MOE_INLINE void fast_tile_rows_iq(fast_type t, const void *w, size_t ws, int n_w, const void *x,
-                                  size_t xs, int64_t n_rows, int64_t n, float *out, int64_t os) {
+MOE_INLINE void fast_tile_rows_iq(fast_type t, fast_decode_fn tile, const void *w, size_t ws,
+                                  int n_w, const void *x, size_t xs, int64_t n_rows, int64_t n,
+                                  float *out, int64_t os) {
     if (n_rows < FAST_TILE_MIN_ROWS) {
         for (int v = 0; v < n_w; v++)
-            fast_lanes_iq(t.regs, t.block_bytes, t.mult, (const uint8_t *)w + v * ws, x, xs, n_rows,
-                          n, out + v, os);
+            fast_lanes_iq(t, (const uint8_t *)w + v * ws, x, xs, n_rows, n, out + v, os);
         return;
     }
     fast_tile tiles[FAST_IQ_CHUNK];
-    fast_drive(t, fast_tile_iq, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs,
-               n_rows, n / MOE_QK_K, out, os);
+    fast_drive(t, tile, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows,
+               n / MOE_QK_K, out, os);
 }
 
-#define FAST_IQ_KERNELS(t, regs, mult)                                                             \
+/* A super-block type's kernels: its decode to registers, mins (NULL: none), values per integer
+ * scale (the decodes give one per 16 values; a type whose scales cover 32 gives each twice, and
+ * says 32 here to halve the multiplies), mult, and its tile decode (fast_tile_iq: through the
+ * decode to registers). */
+#define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, tile)                                   \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
-        fast_tile_rows_iq((fast_type){regs, sizeof(moe_block_##t), mult}, w, ws, n_w, x, xs,       \
-                          n_rows, n, out, os);                                                     \
+        fast_tile_rows_iq(                                                                         \
+            (fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult}, tile, w, ws, \
+            n_w, x, xs, n_rows, n, out, os);                                                       \
     }                                                                                              \
-    static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
-        float out;                                                                                 \
-        fast_tile_rows_##t(w, 0, 1, x, 0, 1, n, &out, 1);                                          \
-        return out;                                                                                \
+    FAST_DOT(t)
+FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f, fast_tile_iq)
+FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, fast_tile_iq)
+FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, fast_tile_iq)
+FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f, fast_tile_iq)
+FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, fast_tile_iq)
+FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f, fast_tile_iq)
+FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f, fast_tile_iq)
+FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, fast_tile_iq)
+
+/* ==== K quants: the super-block machinery with unsigned values (Q4_K, Q5_K: no sign words,
+ * and mins) or with Q6_K's q - 32 as magnitudes and signs ==== */
+
+/* Q4_K / Q5_K: values 0..31 in value order (z_k4_values gives them a half-block apart: lo holds
+ * values 128 jj .. + 31 and 128 jj + 64 .., hi the 32 after each), scales per 32 values stored
+ * twice. */
+MOE_INLINE void fast_k4_regs(const uint8_t *qs, const uint8_t *qh, const uint8_t scales[12],
+                             uint16_t d, z_iqb *o) {
+    const __m512i hb = z_k4_fifth_bits(qh);
+#pragma GCC unroll 2
+    for (int jj = 0; jj < 2; jj++) {
+        __m512i lo, hi;
+        z_k4_values(qs, hb, jj, qh != NULL, &lo, &hi);
+        o->g[2 * jj] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+        o->g[2 * jj + 1] = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+        o->neg[2 * jj] = o->neg[2 * jj + 1] = 0;
     }
-FAST_IQ_KERNELS(iq2_s, z_iqb_iq2_s, 0.125f)
-FAST_IQ_KERNELS(iq3_s, z_iqb_iq3_s, 1.0f)
-FAST_IQ_KERNELS(iq2_xxs, z_iqb_iq2_xxs, 0.125f)
-FAST_IQ_KERNELS(iq2_xs, z_iqb_iq2_xs, 0.125f)
-FAST_IQ_KERNELS(iq3_xxs, z_iqb_iq3_xxs, 0.25f)
-FAST_IQ_KERNELS(iq4_xs, z_iqb_iq4_xs, 1.0f)
-FAST_IQ_KERNELS(iq1_s, z_iqb_iq1_s, 0.125f)
-FAST_IQ_KERNELS(iq1_m, z_iqb_iq1_m, 0.125f)
+    const __m128i sm = avx2_k4_scales(scales);
+    o->sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm));
+    o->d = avx2_fp16(d);
+}
+MOE_INLINE void fast_k4_mins(const uint8_t scales[12], uint16_t dmin16, __m256i *mins,
+                             float *dmin) {
+    const __m128i sm = avx2_k4_scales(scales);
+    *mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+    *dmin = avx2_fp16(dmin16);
+}
+MOE_INLINE void fast_regs_q4_k(const void *block, z_iqb *o) {
+    const moe_block_q4_k *b = block;
+    fast_k4_regs(b->qs, NULL, b->scales, b->d, o);
+}
+MOE_INLINE void fast_mins_q4_k(const void *block, __m256i *mins, float *dmin) {
+    const moe_block_q4_k *b = block;
+    fast_k4_mins(b->scales, b->dmin, mins, dmin);
+}
+MOE_INLINE void fast_regs_q5_k(const void *block, z_iqb *o) {
+    const moe_block_q5_k *b = block;
+    fast_k4_regs(b->qs, b->qh, b->scales, b->d, o);
+}
+MOE_INLINE void fast_mins_q5_k(const void *block, __m256i *mins, float *dmin) {
+    const moe_block_q5_k *b = block;
+    fast_k4_mins(b->scales, b->dmin, mins, dmin);
+}
+
+/* Q6_K: q - 32 (-32..31) as magnitudes and sign words, a signed scale per 16 values. */
+MOE_INLINE void fast_regs_q6_k(const void *block, z_iqb *o) {
+    const moe_block_q6_k *b = block;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m512i v[2];
+        z_q6_k_values(b, h, &v[0], &v[1]);
+        for (int k = 0; k < 2; k++) {
+            const __m512i q = _mm512_sub_epi8(v[k], _mm512_set1_epi8(32));
+            o->g[2 * h + k] = _mm512_abs_epi8(q);
+            o->neg[2 * h + k] = _cvtmask64_u64(_mm512_movepi8_mask(q));
+        }
+    }
+    o->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+    o->d = avx2_fp16(b->d);
+}
+
+/* The Q4_K / Q5_K tile straight from the blocks: the 16 rows' packed qs transposed as dwords
+ * (qs dword 8p + m holds values 64p + 4m .. + 3 in its low nibbles and the 32 after them in its
+ * high ones), then split into nibbles, so half the bytes go through the shuffles that the
+ * decode to registers would; Q5_K's fifth bits (qh dword m: bit 2p + h of each byte for the
+ * values of qs dword 8p + m, h = 0 low nibbles, 1 high) transposed likewise and put at bit 4.
+ * Scales and mins go through one transpose: per row 8 scales, then 8 mins each twice in a dword
+ * (against the bsum pairs). No bias: the values are unsigned (fast_rows). */
+_Static_assert(offsetof(moe_block_q5_k, dmin) == offsetof(moe_block_q4_k, dmin) &&
+                   offsetof(moe_block_q5_k, scales) == offsetof(moe_block_q4_k, scales),
+               "Q4_K and Q5_K blocks start alike");
+MOE_INLINE void fast_tile_k4(const uint8_t *w, size_t ws, int n_w, int64_t i, size_t block_bytes,
+                             size_t qs_at, size_t qh_at, void *tile) {
+    fast_tile *o = tile;
+    __m512i q[2][16], sm[16];
+    __m256i h[16];
+    float d[16], dmin[16];
+    for (int v = 0; v < 16; v++) {
+        const uint8_t *b = w + (v < n_w ? v : 0) * ws + (size_t)i * block_bytes;
+        const moe_block_q4_k *head = (const moe_block_q4_k *)b; /* d, dmin, scales: both types */
+        q[0][v] = z_load(b + qs_at);
+        q[1][v] = z_load(b + qs_at + 64);
+        if (qh_at) h[v] = avx2_load(b + qh_at);
+        const __m512i s = _mm512_cvtepu8_epi32(avx2_k4_scales(head->scales));
+        sm[v] = _mm512_mask_or_epi32(s, 0xff00, s, _mm512_slli_epi32(s, 16));
+        d[v] = avx2_fp16(head->d);
+        dmin[v] = avx2_fp16(head->dmin);
+    }
+    __m512i hb[8];
+    if (qh_at) {
+        for (int m = 0; m < 8; m++) hb[m] = z_join(h[m], h[m + 8]);
+        fast_transpose16x8(hb, hb);
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    for (int half = 0; half < 2; half++) {
+        fast_transpose16x16(q[half]);
+        for (int k = 0; k < 16; k++) { /* qs dword 16 half + k = 8p + m */
+            const int p = 2 * half + k / 8, m = k % 8;
+            __m512i lo = _mm512_and_si512(q[half][k], low4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q[half][k], 4), low4);
+            if (qh_at) { /* bit 2p (+ 1) of each byte to bit 4, in the byte's own 16-bit lane */
+                const __m512i b = hb[m];
+                const int sl = 2 * p, sh = 2 * p + 1;
+                lo = _mm512_ternarylogic_epi32(
+                    lo, sl <= 4 ? _mm512_slli_epi16(b, 4 - sl) : _mm512_srli_epi16(b, sl - 4), bit4,
+                    0xf8); /* a | (b & c) */
+                hi = _mm512_ternarylogic_epi32(
+                    hi, sh <= 4 ? _mm512_slli_epi16(b, 4 - sh) : _mm512_srli_epi16(b, sh - 4), bit4,
+                    0xf8);
+            }
+            o->tile[16 * p + m] = lo;
+            o->tile[16 * p + 8 + m] = hi;
+        }
+    }
+    fast_transpose16x16(sm);
+    for (int s = 0; s < 8; s++) o->scale[2 * s] = sm[s], o->mins[s] = sm[8 + s];
+    o->d = _mm512_loadu_ps(d);
+    o->dmin = _mm512_loadu_ps(dmin);
+}
+MOE_INLINE void fast_tile_q4_k(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               void *tile) {
+    fast_tile_k4(w, ws, n_w, i, t.block_bytes, offsetof(moe_block_q4_k, qs), 0, tile);
+}
+MOE_INLINE void fast_tile_q5_k(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               void *tile) {
+    fast_tile_k4(w, ws, n_w, i, t.block_bytes, offsetof(moe_block_q5_k, qs),
+                 offsetof(moe_block_q5_k, qh), tile);
+}
+
+FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f, fast_tile_q4_k)
+FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
+/* The Q6_K tile straight from the blocks, as Q4_K's: the 16 rows' ql (32 dwords) and qh (16)
+ * transposed as dwords. In half hh of a block, values 4g .. 4g + 3 (g = 0..31) have their low 4
+ * bits in ql dword 16 hh + g % 16 (low nibbles for g < 16, high ones after) and their top 2 in
+ * qh dword 8 hh + g % 8, at bits 2 (g / 8) of each byte; less 32, signed. */
+MOE_INLINE void fast_tile_q6_k(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               void *tile) {
+    fast_tile *o = tile;
+    __m512i ql[2][16], qh[16], sc[16];
+    float d[16];
+    for (int v = 0; v < 16; v++) {
+        const moe_block_q6_k *b =
+            (const moe_block_q6_k *)(w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes);
+        ql[0][v] = z_load(b->ql);
+        ql[1][v] = z_load(b->ql + 64);
+        qh[v] = z_load(b->qh);
+        sc[v] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->scales));
+        d[v] = avx2_fp16(b->d);
+    }
+    fast_transpose16x16(ql[0]);
+    fast_transpose16x16(ql[1]);
+    fast_transpose16x16(qh);
+    fast_transpose16x16(sc);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    for (int hh = 0; hh < 2; hh++)
+        for (int g = 0; g < 32; g++) {
+            const __m512i l = ql[hh][g % 16], h = qh[8 * hh + g % 8];
+            const __m512i nib = _mm512_and_si512(g < 16 ? l : _mm512_srli_epi16(l, 4), low4);
+            const int at = 2 * (g / 8); /* the 2 bits to bits 4, 5, in the byte's 16-bit lane */
+            const __m512i top = at <= 4 ? _mm512_slli_epi16(h, 4 - at) : _mm512_srli_epi16(h, 2);
+            o->tile[32 * hh + g] = _mm512_sub_epi8(_mm512_ternarylogic_epi32(nib, top, top2, 0xf8),
+                                                   _mm512_set1_epi8(32)); /* a | (b & c) */
+        }
+    for (int j = 0; j < 16; j++) o->scale[j] = sc[j];
+    fast_tile_bias(o);
+    o->d = _mm512_loadu_ps(d);
+}
+
+FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 16, 1.0f, fast_tile_q6_k)
 
 /* ==== The table ==== */
-
-static float fast_dot_q8_0(const void *w, const void *x, int64_t n) {
-    float out;
-    fast_tile_rows_q8_0(w, 0, 1, x, 0, 1, n, &out, 1);
-    return out;
-}
 
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     z_iq_tables_fill();
 #define FAST_SET(T, t)                                                                             \
     moe_kernels_set_fast_dot(k->types, MOE_TYPE_##T, fast_dot_##t, fast_tile_rows_##t,             \
                              MOE_ISA_AVX512VNNI)
+    FAST_SET(Q4_0, q4_0);
+    FAST_SET(Q5_0, q5_0);
     FAST_SET(Q8_0, q8_0);
+    FAST_SET(IQ4_NL, iq4_nl);
+    FAST_SET(MXFP4, mxfp4);
+    FAST_SET(Q4_K, q4_k);
+    FAST_SET(Q5_K, q5_k);
+    FAST_SET(Q6_K, q6_k);
     FAST_SET(IQ2_S, iq2_s);
     FAST_SET(IQ3_S, iq3_s);
     FAST_SET(IQ2_XXS, iq2_xxs);

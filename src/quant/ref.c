@@ -156,11 +156,14 @@ static void q32_to_float(const void *blocks, size_t block_bytes, q32_unpack_fn u
 
 /* Dot against Q8_0 (x_is_q8_1 false) or Q8_1 blocks: per block the exact integer sum times
  * float(d_w * d_x), plus m_w * s_x for the types with a minimum (s is Q8_1's fp16 d*sum(q),
- * as ggml uses it: the exact sum of the q would land ~1e-3 away from ggml-cpu). */
+ * as ggml uses it: the exact sum of the q would land ~1e-3 away from ggml-cpu). With fast (the
+ * types without a minimum, against Q8_0): the fast path's order instead (quant.h, "The two
+ * paths"), acc = fma(d_w * d_x, (float)sum, acc), blocks in order. */
 static float q32_dot(const void *w, size_t block_bytes, q32_unpack_fn unpack, const void *x,
-                     bool x_is_q8_1, int64_t n) {
+                     bool x_is_q8_1, int64_t n, bool fast) {
     const uint8_t *p = w;
     double sum = 0;
+    float acc = 0.0f;
     q32_unpacked u;
     for (int64_t i = 0; i < n / MOE_QK32; i++, p += block_bytes) {
         const int8_t *xq;
@@ -175,11 +178,15 @@ static float q32_dot(const void *w, size_t block_bytes, q32_unpack_fn unpack, co
         unpack(p, &u);
         int32_t sumi = 0;
         for (int j = 0; j < MOE_QK32; j++) sumi += (int32_t)u.q[j] * xq[j];
+        if (fast) {
+            acc = fmaf(u.d * dx, (float)sumi, acc);
+            continue;
+        }
         /* the scale product is rounded to float as in ggml; the rest is exact in double */
         sum += (double)(u.d * dx) * sumi;
         if (u.has_min) sum += (double)u.m * sx;
     }
-    return (float)sum;
+    return fast ? acc : (float)sum;
 }
 
 #define Q32_KERNELS(t, dot_q8_1)                                                                   \
@@ -187,17 +194,23 @@ static float q32_dot(const void *w, size_t block_bytes, q32_unpack_fn unpack, co
         q32_to_float(blocks, sizeof(moe_block_##t), unpack_##t, out, n);                           \
     }                                                                                              \
     MOE_REF_DOT(t) {                                                                               \
-        return q32_dot(w, sizeof(moe_block_##t), unpack_##t, x, dot_q8_1, n);                      \
+        return q32_dot(w, sizeof(moe_block_##t), unpack_##t, x, dot_q8_1, n, false);               \
+    }
+/* The same, with the fast path's order (the types without a minimum). */
+#define Q32_FAST_KERNELS(t)                                                                        \
+    Q32_KERNELS(t, false)                                                                          \
+    MOE_FAST_REF_DOT(t) {                                                                          \
+        return q32_dot(w, sizeof(moe_block_##t), unpack_##t, x, false, n, true);                   \
     }
 
-Q32_KERNELS(q4_0, false)
+Q32_FAST_KERNELS(q4_0)
 Q32_KERNELS(q4_1, true)
-Q32_KERNELS(q5_0, false)
+Q32_FAST_KERNELS(q5_0)
 Q32_KERNELS(q5_1, true)
-Q32_KERNELS(q8_0, false)
+Q32_FAST_KERNELS(q8_0)
 Q32_KERNELS(q8_1, true)
-Q32_KERNELS(iq4_nl, false)
-Q32_KERNELS(mxfp4, false)
+Q32_FAST_KERNELS(iq4_nl)
+Q32_FAST_KERNELS(mxfp4)
 
 /* ==== 32-value weight quantizers (ggml's quantize_row_*_ref) ==== */
 

@@ -172,13 +172,12 @@ Z_Q32_KERNELS(q8_0)
 Z_Q32_KERNELS(iq4_nl)
 Z_Q32_KERNELS(mxfp4)
 
-/* ---- Q4_K / Q5_K (q5: the fifth bits in qh). A register of 64 qs bytes holds the AVX2
- * kernel's steps j = 2jj (low half) and 2jj + 1 (high half); the halves are added before the
- * float step, which gives the AVX2 kernel's eight integer lanes. ---- */
+/* ---- Q4_K / Q5_K (q5: the fifth bits in qh). A register of 64 qs bytes (z_k4_values) holds
+ * the AVX2 kernel's steps j = 2jj (low half) and 2jj + 1 (high half); the halves are added
+ * before the float step, which gives the AVX2 kernel's eight integer lanes. ---- */
 MOE_INLINE void z_k4_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
                           int64_t os, bool q5) {
     const uint8_t *xb = x;
-    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     __m256 acc[MOE_DOT_ROWS];
     __m128 acc_min[MOE_DOT_ROWS];
 #pragma GCC unroll 4
@@ -186,7 +185,7 @@ MOE_INLINE void z_k4_rows(const void *w, const void *x, size_t xs, int R, int64_
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const avx2_k4_block b = avx2_k4_at(w, i, q5);
         const __m512i sc = z_from_128(_mm_cvtepu8_epi16(b.sm));
-        const __m512i hb = q5 ? _mm512_broadcast_i64x4(avx2_load(b.qh)) : _mm512_setzero_si512();
+        const __m512i hb = z_k4_fifth_bits(b.qh);
         const moe_block_q8_k *y[MOE_DOT_ROWS];
         __m512i sumi[MOE_DOT_ROWS];
         avx2_k4_rows_begin(R, xb, xs, i, &b, y, acc_min);
@@ -194,17 +193,8 @@ MOE_INLINE void z_k4_rows(const void *w, const void *x, size_t xs, int R, int64_
         for (int r = 0; r < R; r++) sumi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 2
         for (int jj = 0; jj < 2; jj++) {
-            const __m512i q = z_load(b.qs + 64 * jj);
-            __m512i lo = _mm512_and_si512(q, low4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-            if (q5) { /* bit 2j of qh[l] is the fifth bit of the low value, bit 2j+1 the high */
-                const __m512i blo =
-                    _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi8((char)(1 << (4 * jj))),
-                                            _mm512_set1_epi8((char)(1 << (4 * jj + 2))));
-                const __m512i bhi = _mm512_add_epi8(blo, blo);
-                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hb, blo), lo, bit4);
-                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hb, bhi), hi, bit4);
-            }
+            __m512i lo, hi;
+            z_k4_values(b.qs, hb, jj, q5, &lo, &hi);
             const __m512i slo = z_scales(sc, z_idx2(4 * jj, 4 * jj + 2));
             const __m512i shi = z_scales(sc, z_idx2(4 * jj + 1, 4 * jj + 3));
 #pragma GCC unroll 4
@@ -227,16 +217,13 @@ MOE_INLINE void z_k4_rows(const void *w, const void *x, size_t xs, int R, int64_
 MOE_DOT_AND_ROWS(z_dot_q4_k, z_dot_rows_q4_k, z_k4_rows, false)
 MOE_DOT_AND_ROWS(z_dot_q5_k, z_dot_rows_q5_k, z_k4_rows, true)
 
-/* Q6_K: 64 ql bytes hold values 0..63 of a half in their low nibbles and 64..127 in their
- * high ones, in order; qh (32 bytes, broadcast) gives each its top two bits. q6 - 32 as in
- * the AVX2 kernel (the -32 from the bsums). */
+/* Q6_K: the values of each half (z_q6_k_values) against the activations; q6 - 32 as in the
+ * AVX2 kernel (the -32 from the bsums). */
 MOE_INLINE void z_q6_k_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
                             int64_t os, int unused) {
     (void)unused;
     const moe_block_q6_k *b = w;
     const uint8_t *xb = x;
-    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
-    const __m512i shift_lo = z_idx2(0, 2), shift_hi = z_idx2(4, 6);
     __m512 acc[MOE_DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -254,14 +241,8 @@ MOE_INLINE void z_q6_k_rows(const void *w, const void *x, size_t xs, int R, int6
         }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            const __m512i ql = z_load(b[i].ql + 64 * h);
-            const __m512i qh = _mm512_broadcast_i64x4(avx2_load(b[i].qh + 32 * h));
-            const __m512i vlo = _mm512_or_si512(
-                _mm512_and_si512(ql, low4),
-                _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, shift_lo), 4), top2));
-            const __m512i vhi = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, shift_hi), 4), top2));
+            __m512i vlo, vhi;
+            z_q6_k_values(&b[i], h, &vlo, &vhi);
             const __m512i slo = z_scales(sc, z_idx4(8 * h)), shi = z_scales(sc, z_idx4(8 * h + 4));
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {

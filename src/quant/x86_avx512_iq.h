@@ -1,5 +1,6 @@
-/* x86_avx512_iq.h: the AVX-512 helpers and codebook decodes shared by the kernel files built
- * with the AVX-512 flags: x86_avx512.c (both of its builds) and fast_avx512vnni.c.
+/* x86_avx512_iq.h: the AVX-512 helpers, the K quants' value decodes and the codebook decodes
+ * shared by the kernel files built with the AVX-512 flags: x86_avx512.c (both of its builds) and
+ * fast_avx512vnni.c.
  *
  * Everything is static: each file gets its own copy, and its own copy of the lookup tables
  * (z_iq_tables_fill fills them; call it from the file's fill function before any kernel runs).
@@ -56,6 +57,45 @@ MOE_INLINE __m256i z_join128(__m128i lo, __m128i hi) {
 }
 MOE_INLINE __m512i z_from_128(__m128i v) {
     return _mm512_zextsi128_si512(v);
+}
+
+/* ==== K quants' values (x86_avx512.c's exact kernels and the fast tiles) ==== */
+
+/* Q5_K's 32 qh bytes in both halves of a register (zero for Q4_K: qh NULL). */
+MOE_INLINE __m512i z_k4_fifth_bits(const uint8_t *qh) {
+    return qh ? _mm512_broadcast_i64x4(avx2_load(qh)) : _mm512_setzero_si512();
+}
+/* Q4_K / Q5_K: the 64 qs bytes at qs + 64 jj as values 0..15 (0..31 with q5, the fifth bits
+ * from hb = z_k4_fifth_bits): lo holds values 128 jj + l (low half) and 128 jj + 64 + l (high
+ * half), hi the same + 32, l = 0..31. The fifth bit of value 64p + 32h + l is bit 2p + h of
+ * qh[l]. */
+MOE_INLINE void z_k4_values(const uint8_t *qs, __m512i hb, int jj, bool q5, __m512i *lo,
+                            __m512i *hi) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    const __m512i q = z_load(qs + 64 * jj);
+    *lo = _mm512_and_si512(q, low4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+    if (q5) {
+        const __m512i blo = _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi8((char)(1 << (4 * jj))),
+                                                    _mm512_set1_epi8((char)(1 << (4 * jj + 2))));
+        const __m512i bhi = _mm512_add_epi8(blo, blo);
+        *lo = _mm512_mask_add_epi8(*lo, _mm512_test_epi8_mask(hb, blo), *lo, bit4);
+        *hi = _mm512_mask_add_epi8(*hi, _mm512_test_epi8_mask(hb, bhi), *hi, bit4);
+    }
+}
+/* Q6_K, half h (128 values): 64 ql bytes hold values 0..63 of the half in their low nibbles
+ * and 64..127 in their high ones, in order; qh (32 bytes, broadcast) gives each its top two
+ * bits. vlo gets values 0..63, vhi 64..127, unsigned (0..63: q6 + 32). */
+MOE_INLINE void z_q6_k_values(const moe_block_q6_k *b, int h, __m512i *vlo, __m512i *vhi) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    const __m512i ql = z_load(b->ql + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(avx2_load(b->qh + 32 * h));
+    *vlo = _mm512_or_si512(
+        _mm512_and_si512(ql, low4),
+        _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, z_idx2(0, 2)), 4), top2));
+    *vhi = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+        _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, z_idx2(4, 6)), 4), top2));
 }
 
 /* ==== IQ types ==== */
