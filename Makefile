@@ -85,21 +85,21 @@ $(BUILD)/tests/main.o: CFLAGS += -I$(BUILD)/tests
 $(TEST_BIN): $(TEST_OBJ) $(LIB)
 	$(CC) $(CFLAGS) -o $@ $(TEST_OBJ) $(LIB) $(LDFLAGS) $(LDLIBS) $(TEST_LDLIBS)
 
-## test: build and run every test suite (cmocka); SUITE=name runs one
+## test: build and run every test suite (cmocka); SUITE=name runs one. With Open MPI's mpicc
+## (`make deps`) the MPI build (build/mpi/moe) is made too, for the mpi suite
 test: $(MOE_BIN) $(TEST_BIN)
-	@# an MPI build made before (make test-mpi) is brought up to date, so the mpi suite tests these sources
-	@if [ -x build/mpi/moe ] && command -v mpicc >/dev/null; then $(MPI_MAKE) >/dev/null; fi
-	MOE_BIN=./$(MOE_BIN) ./$(TEST_BIN) $(if $(SUITE),--suite $(SUITE))
+	+@if [ -z "$(SUITE)" -o "$(SUITE)" = mpi ]; then \
+	  if command -v mpicc >/dev/null; then $(MPI_MAKE) >/dev/null; \
+	  else echo "test: no mpicc (Debian libopenmpi-dev): the mpi suite will skip"; fi; fi
+	MOE_BIN=./$(MOE_BIN) MOE_MPI_BIN=build/mpi/moe ./$(TEST_BIN) $(if $(SUITE),--suite $(SUITE))
 
-## test-mpi: build build/mpi/moe (MPI=1) and run the mpi suite: `mpirun -np 2` and `-np 4` with
-## --split experts against one rank on every MoE parity model (skips without mpirun)
+## test-mpi: the mpi suite alone (make test SUITE=mpi): `mpirun -np 2` and `-np 4`, both split
+## modes, against one rank on every MoE parity model, and serve under mpirun (skips without mpirun)
 # (named in full: a caller's BUILD / SAN must not leak into the MPI build)
 MPI_MAKE = $(MAKE) MPI=1 BUILD=build/mpi MOE_BIN=build/mpi/moe TEST_BIN=build/mpi/run SAN= OPT=-O2 \
   build/mpi/moe
-test-mpi: $(MOE_BIN) $(TEST_BIN)
-	@if command -v mpicc >/dev/null; then $(MPI_MAKE); \
-	  else echo "test-mpi: no mpicc (Debian libopenmpi-dev): the mpi suite will skip"; fi
-	MOE_BIN=./$(MOE_BIN) MOE_MPI_BIN=build/mpi/moe ./$(TEST_BIN) --suite mpi
+test-mpi:
+	$(MAKE) test SUITE=mpi
 
 ## asan: the whole suite under AddressSanitizer + UndefinedBehaviorSanitizer
 asan:

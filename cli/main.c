@@ -243,7 +243,8 @@ int main(int argc, char **argv) {
             return 0;
         }
         const int rc = c->run(argc - 2, argv + 2);
-        if (rc && moe_dist_size() > 1) { /* the other ranks may be waiting for this one */
+        /* the other ranks may be waiting for this one (a rank gone: finalize says which) */
+        if (rc && moe_dist_size() > 1 && moe_dist_lost(false, NULL) < 0) {
             fprintf(stderr, "moe %s: rank %d failed: ending every rank of the job\n", c->name,
                     moe_dist_rank());
             moe_dist_abort(rc);

@@ -1,13 +1,13 @@
 /* test_mpi: expert and tensor parallelism over Open MPI (engine/dist.c, engine/rows.c, --split
  * experts|rows). `mpirun -np 2` and `-np 4` (as root, oversubscribed) of the MPI build
- * (build/mpi/moe, or MOE_MPI_BIN; `make test-mpi` builds it) against one rank of the default
- * build, on every MoE parity model in ../shared, both split modes: logits within 1e-6 of
- * max|logit| and the same argmax per row, that argmax equal to llama.cpp's greedy tokens (the
- * fixture's); split by experts the ranks' shares of the experts add up to the one-rank count,
- * split by rows every rank runs every expert one rank ran (ranks whose slices are all empty:
+ * (build/mpi/moe, or MOE_MPI_BIN; `make test` builds it where mpicc is installed) against one
+ * rank of the default build, on every MoE parity model in ../shared, both split modes: logits
+ * within 1e-6 of max|logit| and the same argmax per row, that argmax equal to llama.cpp's greedy
+ * tokens (the fixture's); split by experts the ranks' shares of the experts add up to the one-rank
+ * count, split by rows every rank runs every expert one rank ran (ranks whose slices are all empty:
  * none); each rank's routed-expert bytes (by rows: what it read) are those `moe budget --devices K
- * --split MODE` plans, and by rows its RSS follows them; rows with --split-dense (dense FFNs and
- * shared experts split too) holds the same bound at -np 2 (REL_TOL_DENSE_MANY above). Without
+ * --split MODE` plans, and by rows its RSS follows them; with --split-dense (dense FFNs and shared
+ * experts split too) each split gives its logits without it, bit for bit. Without
  * mpirun or an MPI build the MPI tests skip with a message, even under CI=true: MPI is optional.
  * The argument errors need no MPI. */
 #include <stdio.h>
@@ -19,19 +19,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <curl/curl.h>
 #include <jansson.h>
 
 #include "testutil.h"
 
-#define MPIRUN  "mpirun --allow-run-as-root --oversubscribe -np"
-#define REL_TOL 1e-6 /* of max|logit|: the bound for a split run */
-/* --split-dense over more than 2 ranks splits every dense and shared block of every layer:
- * glm5next-f32 at -np 4 measured 1.03e-6 of max|logit| (float sums reordered in each block), over
- * the issue's bound; this is the bound it is held to */
-#define REL_TOL_DENSE_MANY 2e-6
-#define MAX_TOKENS         64
-#define API_KEY            "sk-moe-test"
-#define CLIENTS_DIR        "tests/clients"
+#define MPIRUN      "mpirun --allow-run-as-root --oversubscribe -np"
+#define REL_TOL     1e-6 /* of max|logit|: the bound for a split run */
+#define MAX_TOKENS  64
+#define API_KEY     "sk-moe-test"
+#define CLIENTS_DIR "tests/clients"
 
 /* The MPI build's path, or NULL (with a message) when it or mpirun is missing. */
 static const char *mpi_bin(void) {
@@ -41,7 +38,8 @@ static const char *mpi_bin(void) {
     struct stat st;
     char *out = NULL;
     if (stat(path, &st) != 0) {
-        print_message("mpi: no MPI build at %s (`make test-mpi` builds it): skipped\n", path);
+        print_message("mpi: no MPI build at %s (`make test` builds it with mpicc): skipped\n",
+                      path);
         return NULL;
     }
     if (moe_test_run("command -v mpirun", &out) != 0) {
@@ -178,10 +176,9 @@ static double check_split(const char *bin, const char *model, const char *tokens
         if (argmax(got + r * n_vocab, n_vocab) != argmax(base + r * n_vocab, n_vocab))
             fail_msg("%s -np %d --split %s: row %zu's argmax differs from one rank's", name, k,
                      split, r);
-    const double tol = dense && k > 2 ? REL_TOL_DENSE_MANY : REL_TOL;
-    if (max_diff > tol * max_abs)
+    if (max_diff > REL_TOL * max_abs)
         fail_msg("%s -np %d --split %s: max |diff| %.3g > %.0e x max|logit| %.3g", name, k, split,
-                 max_diff, tol, max_abs);
+                 max_diff, REL_TOL, max_abs);
     free(got);
     return max_abs > 0 ? max_diff / max_abs : 0;
 }
@@ -204,19 +201,33 @@ static float *one_rank(const char *bin, const char *model, const char *tokens, c
     return read_f32(path, n);
 }
 
-/* Both split modes of one model at -np 2 and -np 4, and rows with --split-dense, printed. */
+/* Both split modes of one model at -np 2 and -np 4, and each with --split-dense, printed. A
+ * dense block split computes every dot whole on one rank, so "+dense" gives the logits of the
+ * same split without it, bit for bit. */
 static void check_both_splits(const char *bin, const char *model, const char *tokens,
                               const float *base, size_t n_rows, size_t n_vocab, long long experts,
                               const char *name) {
-    static const char *const splits[] = {"experts", "rows", "rows+dense"};
-    for (int s = 0; s < 3; s++)
+    static const char *const splits[] = {"experts", "rows", "experts+dense", "rows+dense"};
+    for (int s = 0; s < 4; s++)
         for (int k = 2; k <= 4; k += 2) {
             long long held[8];
             double rss[8];
             const double rel_diff = check_split(bin, model, tokens, k, splits[s], base, n_rows,
                                                 n_vocab, experts, name, held, rss);
-            print_message("mpi: %-22s -np %d --split %-7s: max |diff| / max|logit| = %.3g%s\n",
+            print_message("mpi: %-22s -np %d --split %-13s: max |diff| / max|logit| = %.3g%s\n",
                           name, k, splits[s], rel_diff, rel_diff == 0 ? " (bit-identical)" : "");
+            if (s < 2) continue;
+            char with[512], without[512];
+            snprintf(with, sizeof with, "%s/%s.%s.np%d.f32", moe_test_tmpdir(), name, splits[s], k);
+            snprintf(without, sizeof without, "%s/%s.%s.np%d.f32", moe_test_tmpdir(), name,
+                     splits[s - 2], k);
+            size_t n_with, n_without;
+            float *a = read_f32(with, &n_with), *b = read_f32(without, &n_without);
+            if (n_with != n_without || memcmp(a, b, sizeof(float) * n_with) != 0)
+                fail_msg("%s -np %d: --split %s differs from --split %s", name, k, splits[s],
+                         splits[s - 2]);
+            free(a);
+            free(b);
         }
 }
 
@@ -506,10 +517,12 @@ static long health_ranks(const moe_test_server *s, long long *held) {
 }
 
 /* Stop a server under mpirun as its user should: SIGTERM to rank 0 (a signal to mpirun ends
- * every rank at once), which stops the others; the job's exit status, -1 if it had to be killed. */
+ * every rank at once), which stops the others; the job's exit status, -1 if it had to be killed.
+ * /health must show both ranks first. */
 static int mpi_server_stop(moe_test_server *s) {
     long long held[2];
-    return moe_test_server_stop_via(s, (pid_t)health_ranks(s, held));
+    if (health_ranks(s, held) != s->lead) fail_msg("%s: rank 0 is not the server's lead", s->url);
+    return moe_test_server_stop(s);
 }
 
 /* node tests/clients/cases.mjs with these servers and cases; fails with its output unless every
@@ -530,10 +543,8 @@ static void client_cases(const char *base, const char *hybrid, const char *key, 
 /* `mpirun -np 2 moe serve`: rank 0 serves, rank 1 replays its steps. The official SDK cases that
  * need no slow server pass against stories260K (--split rows: a dense model, only the replay)
  * and the qwen3next hybrid (--split rows: prefix reuse through snapshots, replayed on both
- * ranks). (Not here: concurrent_streams on a MoE server under mpirun hung at its 16th request,
- * rank 0 in a step's reduction and rank 1 waiting for that step's descriptor: open.) /health
- * lists both ranks with what they hold (the budget's bytes); SIGTERM to rank 0 ends the job
- * cleanly. */
+ * ranks), 16 concurrent streams among them. /health lists both ranks with what they hold (the
+ * budget's bytes); SIGTERM to rank 0 ends the job cleanly. */
 static void serve_under_mpirun(void **state) {
     (void)state;
     const char *model = moe_test_shared("models/stories260K/stories260K.gguf");
@@ -570,18 +581,216 @@ static void serve_under_mpirun(void **state) {
                      held[r], want[r]);
     client_cases(base.url, hy.url, API_KEY, runc,
                  "models chat_nonstream chat_stream completions_runc stop_strings logprobs "
-                 "cached_tokens hybrid_reuse anthropic_messages anthropic_stream tools_shape "
+                 "concurrent_streams cached_tokens hybrid_reuse anthropic_messages "
+                 "anthropic_stream tools_shape "
                  "structured_output responses errors cors round_trip disconnect_storm ops");
     assert_int_equal(mpi_server_stop(&base), 0);
     assert_int_equal(mpi_server_stop(&hy), 0);
 }
 
+/* 8 streams at once through `mpirun -np 2 moe serve --split SPLIT` (with spec: --spec SPEC
+ * --draft 4), each equal to that stream alone through a server of the same split with
+ * --parallel 1 and no speculation, token for token; the together server's /metrics. */
+static char *mpi_streams(const char *bin, const char *model, const char *split, double temp,
+                         const char *spec) {
+    char *alone[] = {"--split", (char *)split, NULL};
+    char *together[] = {"--split", (char *)split, "--step-delay", "2", NULL,
+                        NULL,      NULL,          NULL,           NULL};
+    if (spec) {
+        together[4] = "--spec";
+        together[5] = (char *)spec;
+        together[6] = "--draft";
+        together[7] = "4";
+    }
+    char what[64];
+    snprintf(what, sizeof what, "mpirun -np 2 --split %s%s%s", split, spec ? " --spec " : "",
+             spec ? spec : "");
+    return moe_test_streams_equal_alone(&(moe_test_streams){.model = model,
+                                                            .temp = temp,
+                                                            .what = what,
+                                                            .launcher = mpi_two,
+                                                            .bin = bin,
+                                                            .alone_extra = alone,
+                                                            .together = together});
+}
+
+/* `moe serve` under mpirun -np 2: 8 streams at once, each equal to that stream alone, greedy and
+ * seeded sampled, both split modes, on the qwen3next hybrid (F32 experts, shared expert,
+ * snapshots replayed) and deepseek2-q8_0-q4_k (quantized experts, MLA); /metrics shows the 8
+ * streams in one step. (The followers once sized their contexts without --cache-slots' default
+ * and refused the last slot's steps, leaving rank 0 in a reduction: the 8th stream hung.) */
+static void serve_streams_under_mpirun(void **state) {
+    (void)state;
+    static const char *const models[] = {"qwen3next-f32.gguf", "deepseek2-q8_0-q4_k.gguf"};
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+        const char *bin, *model = parity_and_bin(models[i], &bin);
+        MOE_SKIP_IF_NULL(model);
+        for (int rows = 0; rows < 2; rows++)
+            for (double temp = 0; temp < 1; temp += 0.8) {
+                const char *split = rows ? "rows" : "experts";
+                char *metrics = mpi_streams(bin, model, split, temp, NULL);
+                const double batch = moe_test_metric(metrics, "moe_decode_batch_rows_max");
+                print_message("mpi serve: %s --split %s, temperature %g: 8 streams equal alone, up "
+                              "to %.0f rows in one decode step\n",
+                              models[i], split, temp, batch);
+                if (batch < 8)
+                    fail_msg("%s --split %s: the 8 streams never shared a step:\n%s", models[i],
+                             split, metrics);
+                free(metrics);
+            }
+    }
+}
+
+/* serve's --spec mtp under mpirun -np 2 (glm5next: MoE, hyper-connections, its MTP head): the
+ * head's calls (drafts fed each stream's hidden states, rewinds) and the verify steps with their
+ * accepts are replayed; 8 streams equal each alone without speculation, greedy and sampled, both
+ * split modes; /metrics shows drafts verified for several streams in one step. */
+static void serve_mtp_under_mpirun(void **state) {
+    (void)state;
+    const char *bin, *model = parity_and_bin("glm5next-f32.gguf", &bin);
+    MOE_SKIP_IF_NULL(model);
+    for (int rows = 0; rows < 2; rows++)
+        for (double temp = 0; temp < 1; temp += 0.8) {
+            const char *split = rows ? "rows" : "experts";
+            char *metrics = mpi_streams(bin, model, split, temp, "mtp");
+            const double drafted = moe_test_metric(metrics, "moe_spec_drafts_total"),
+                         verified = moe_test_metric(metrics, "moe_spec_verify_streams_max");
+            print_message("mpi serve: glm5next-f32 --split %s --spec mtp, temperature %g: 8 "
+                          "streams equal alone, %.0f drafts, up to %.0f streams in one verify "
+                          "step\n",
+                          split, temp, drafted, verified);
+            if (drafted < 1 || verified < 2)
+                fail_msg("--split %s --spec mtp: no drafts or no batched verify step:\n%s", split,
+                         metrics);
+            free(metrics);
+        }
+}
+
+/* The job's exit status once it ends within `seconds`; else the test fails. */
+static int job_exit(moe_test_server *s, int seconds, const char *what) {
+    const int rc = moe_test_server_wait(s, seconds);
+    if (rc < 0) fail_msg("%s: the job did not end within %d s (log: %s)", what, seconds, s->log);
+    return rc;
+}
+
+/* The server's log holds `want`; fails the test otherwise. */
+static void log_says(const moe_test_server *s, const char *want) {
+    size_t n;
+    moe_error err = {0};
+    uint8_t *log = NULL;
+    if (moe_file_read(s->log, &log, &n, &err) != MOE_OK) fail_msg("%s", err.msg);
+    log = moe_xrealloc(log, n + 1);
+    log[n] = 0;
+    if (!strstr((const char *)log, want)) fail_msg("%s lacks '%s':\n%s", s->log, want, log);
+    free(log);
+}
+
+/* A rank that dies (kill -9 of rank 1, its pid from /health) must not leave rank 0 waiting
+ * forever. Under `mpirun --enable-recovery` (mpirun leaves rank 0 running): a request in flight
+ * (slowed by --step-delay) fails with 503 naming the rank instead of hanging in its step's
+ * reduction, /health answers 503 with the rank "lost", a new request gets 503 with a JSON error
+ * naming it, and the job ends with that message. Under a plain mpirun, mpirun ends the
+ * job itself with its message naming rank 1. Every wait is bounded. */
+static void dead_rank(void **state) {
+    (void)state;
+    const char *bin, *model = parity_and_bin("qwen3next-f32.gguf", &bin);
+    MOE_SKIP_IF_NULL(model);
+    char *const recovery[] = {
+        "mpirun", "--allow-run-as-root", "--oversubscribe", "--enable-recovery", "-np", "2", NULL};
+    char *args[] = {(char *)model, "--split", "experts", "--step-delay", "20", NULL};
+    for (int keep = 1; keep >= 0; keep--) {
+        moe_test_server srv = {0};
+        if (!moe_test_server_start_with(&srv, keep ? "dead-rank-kept" : "dead-rank",
+                                        keep ? recovery : mpi_two, bin, args))
+            fail_msg("a server under mpirun did not start (logs in %s)", moe_test_tmpdir());
+        long long held[2];
+        char url[256], body[512], pid_text[64];
+        snprintf(url, sizeof url, "%s/health", srv.url);
+        long status;
+        char *reply = moe_test_http(url, NULL, &status);
+        json_t *health = json_loads(reply, 0, NULL);
+        const long pid1 = (long)json_integer_value(
+            json_object_get(json_array_get(json_object_get(health, "ranks"), 1), "pid"));
+        json_decref(health);
+        free(reply);
+        health_ranks(&srv, held);
+        snprintf(pid_text, sizeof pid_text, "rank 1 of 2 (pid %ld", pid1);
+        /* a request in flight: about 20 ms a token, far longer than the test waits */
+        snprintf(url, sizeof url, "%s/v1/completions", srv.url);
+        snprintf(body, sizeof body,
+                 "{\"prompt\":[1,403,407],\"max_tokens\":1000,\"ignore_eos\":true}");
+        struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
+        moe_strbuf out = {0};
+        CURLM *multi = curl_multi_init();
+        CURL *easy = moe_test_http_handle(url, body, hdr, &out);
+        curl_multi_add_handle(multi, easy);
+        int running = 1;
+        for (int i = 0; i < 10; i++) { /* let it start decoding */
+            curl_multi_perform(multi, &running);
+            curl_multi_poll(multi, NULL, 0, 50, NULL);
+        }
+        kill((pid_t)pid1, SIGKILL);
+        if (!keep) {
+            const int rc = job_exit(&srv, 30, "plain mpirun");
+            if (rc == 0) fail_msg("plain mpirun: the job exited 0 after rank 1 was killed");
+            log_says(&srv, "rank 1");
+        } else {
+            while (running) { /* bounded by the handle's own timeout */
+                if (curl_multi_perform(multi, &running) != CURLM_OK) fail_msg("curl_multi_perform");
+                if (running) curl_multi_poll(multi, NULL, 0, 1000, NULL);
+            }
+            curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status);
+            moe_strbuf_put(&out, "", 0);
+            if (status != 503 || !strstr(out.s, pid_text))
+                fail_msg("the request in flight got %ld, expected 503 naming %s): %s", status,
+                         pid_text, out.s);
+            snprintf(url, sizeof url, "%s/health", srv.url);
+            reply = moe_test_http(url, NULL, &status);
+            health = json_loads(reply, 0, NULL);
+            json_t *rank1 = json_array_get(json_object_get(health, "ranks"), 1);
+            if (status != 503 ||
+                strcmp(json_string_value(json_object_get(health, "status")), "rank_lost") != 0 ||
+                strcmp(json_string_value(json_object_get(rank1, "status")), "lost") != 0)
+                fail_msg("/health after rank 1 was killed: %ld %s", status, reply);
+            json_decref(health);
+            free(reply);
+            snprintf(url, sizeof url, "%s/v1/completions", srv.url);
+            reply = moe_test_http(url, body, &status);
+            json_t *err = json_loads(reply, 0, NULL), *e = json_object_get(err, "error");
+            if (status != 503 ||
+                !strstr(json_string_value(json_object_get(e, "message")), pid_text) ||
+                strcmp(json_string_value(json_object_get(e, "code")), "rank_lost") != 0)
+                fail_msg("a new request after rank 1 was killed: %ld %s", status, reply);
+            json_decref(err);
+            free(reply);
+            /* (mpirun --enable-recovery exits 0 whatever its ranks return: Open MPI 4.1) */
+            const int rc = job_exit(&srv, 30, "mpirun --enable-recovery");
+            log_says(&srv, pid_text);
+            print_message("mpi serve: rank 1 killed: 503 in flight, /health and new requests, the "
+                          "job ended (%d) naming it\n",
+                          rc);
+        }
+        curl_multi_remove_handle(multi, easy);
+        curl_easy_cleanup(easy);
+        curl_multi_cleanup(multi);
+        curl_slist_free_all(hdr);
+        moe_strbuf_free(&out);
+    }
+}
+
 int moe_suite_mpi(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(split_argument_errors),  cmocka_unit_test(parity_models_split),
-        cmocka_unit_test(many_experts_per_token), cmocka_unit_test(rows_split_in_blocks),
-        cmocka_unit_test(run_greedy_tokens),      cmocka_unit_test(failing_rank_ends_job),
-        cmocka_unit_test(chat_under_mpirun),      cmocka_unit_test(serve_under_mpirun),
+        cmocka_unit_test(split_argument_errors),
+        cmocka_unit_test(parity_models_split),
+        cmocka_unit_test(many_experts_per_token),
+        cmocka_unit_test(rows_split_in_blocks),
+        cmocka_unit_test(run_greedy_tokens),
+        cmocka_unit_test(failing_rank_ends_job),
+        cmocka_unit_test(chat_under_mpirun),
+        cmocka_unit_test(serve_under_mpirun),
+        cmocka_unit_test(serve_streams_under_mpirun),
+        cmocka_unit_test(serve_mtp_under_mpirun),
+        cmocka_unit_test(dead_rank),
     };
     return cmocka_run_group_tests_name("mpi", tests, NULL, NULL);
 }

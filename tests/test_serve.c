@@ -1008,110 +1008,6 @@ static void json_depth_counts_outside_strings(void **state) {
 
 /* ==== Speculation inside continuous batching ==== */
 
-#define SPEC_STREAMS 8
-#define SPEC_TOKENS  64
-
-/* Stream i's completion request: BOS then ids with repeats, so that prompt lookup drafts (the
- * spec suite's prompts); a seed of its own for the sampled case. */
-static char *spec_request(int i, double temp) {
-    static const int base[] = {403, 407, 261, 378, 432, 383, 286, 376, 298, 315, 421, 395};
-    json_t *prompt = json_pack("[i]", 1);
-    for (int k = 0; k < 9; k++)
-        json_array_append_new(prompt, json_integer(base[(i + k % (2 + i % 4)) % 12]));
-    json_t *b = json_pack("{s:s,s:o,s:i,s:f,s:i}", "model", "x", "prompt", prompt, "max_tokens",
-                          SPEC_TOKENS, "temperature", temp, "seed", 7 + i);
-    char *body = json_dumps(b, JSON_COMPACT);
-    json_decref(b);
-    return body;
-}
-
-/* choices[0].text of a completion reply, as a JSON string (a random model's text may hold NUL);
- * fails the test on anything else. */
-static char *completion_text(const char *reply, long status) {
-    json_t *r = json_loads(reply, JSON_ALLOW_NUL, NULL);
-    json_t *text = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "text");
-    if (status != 200 || !json_is_string(text)) fail_msg("completion: %ld %s", status, reply);
-    char *out = json_dumps(text, JSON_ENCODE_ANY);
-    json_decref(r);
-    return out;
-}
-
-/* The value of a /metrics line, summed over its labels (0 when absent). */
-static double metric_value(const char *metrics, const char *name) {
-    double sum = 0;
-    const size_t n = strlen(name);
-    for (const char *line = metrics; line && *line; line = strchr(line, '\n'), line += !!line) {
-        if (strncmp(line, name, n) != 0 || (line[n] != ' ' && line[n] != '{')) continue;
-        const char *v = strchr(line, ' ');
-        if (v) sum += strtod(v + 1, NULL);
-    }
-    return sum;
-}
-
-/* 8 streams at once through `moe serve MODEL --parallel 8 TOGETHER...` equal each stream run
- * alone through a plain server (--parallel 1, one request at a time), token for token; the
- * together server's /metrics (caller frees). */
-static char *streams_equal_alone(const char *model, double temp, const char *what,
-                                 char *const together[]) {
-    char *plain_args[] = {(char *)model, "--ctx", "256", "--parallel", "1",
-                          "--spec",      "none",  "-t",  "1",          NULL};
-    char *args[32] = {(char *)model, "--ctx", "256", "--parallel", "8", "-t", "1"};
-    int n_args = 7;
-    while (*together && n_args < 31) args[n_args++] = *together++;
-    args[n_args] = NULL;
-    server plain = {0}, srv = {0};
-    if (!server_start(&plain, "streams-alone", plain_args) ||
-        !server_start(&srv, "streams-together", args))
-        fail_msg("a server did not start (logs: %s, %s)", plain.log, srv.log);
-    char *alone[SPEC_STREAMS], *body[SPEC_STREAMS];
-    for (int i = 0; i < SPEC_STREAMS; i++) {
-        body[i] = spec_request(i, temp);
-        long status;
-        char *reply = http_post(plain.url, "/v1/completions", body[i], &status);
-        alone[i] = completion_text(reply, status);
-        free(reply);
-    }
-    CURLM *multi = curl_multi_init();
-    CURL *easy[SPEC_STREAMS];
-    moe_strbuf out[SPEC_STREAMS] = {0};
-    struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
-    for (int i = 0; i < SPEC_STREAMS; i++) {
-        char url[256];
-        snprintf(url, sizeof url, "%s/v1/completions", srv.url);
-        easy[i] = moe_test_http_handle(url, body[i], hdr, &out[i]);
-        curl_multi_add_handle(multi, easy[i]);
-    }
-    for (int running = 1; running;) {
-        if (curl_multi_perform(multi, &running) != CURLM_OK) fail_msg("curl_multi_perform");
-        if (running) curl_multi_poll(multi, NULL, 0, 1000, NULL);
-    }
-    for (int i = 0; i < SPEC_STREAMS; i++) {
-        long status = 0;
-        curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &status);
-        moe_strbuf_put(&out[i], "", 0);
-        char *text = completion_text(out[i].s, status);
-        if (strcmp(text, alone[i]) != 0)
-            fail_msg("%s, temperature %g, stream %d: with %s among 8 streams\n%s\nbut alone\n%s",
-                     model, temp, i, what, text, alone[i]);
-        free(text);
-        free(alone[i]);
-        free(body[i]);
-        moe_strbuf_free(&out[i]);
-        curl_multi_remove_handle(multi, easy[i]);
-        curl_easy_cleanup(easy[i]);
-    }
-    curl_multi_cleanup(multi);
-    curl_slist_free_all(hdr);
-    char url[256];
-    snprintf(url, sizeof url, "%s/metrics", srv.url);
-    long metrics_status;
-    char *metrics = moe_test_http(url, NULL, &metrics_status);
-    const int a = server_stop(&plain), b = server_stop(&srv);
-    if (a != 0 || b != 0)
-        fail_msg("servers exited with %d and %d (logs: %s, %s)", a, b, plain.log, srv.log);
-    return metrics;
-}
-
 /* With speculation (--spec KIND) the 8 streams equal each one alone without it; /metrics shows
  * several streams' drafts verified in one step and, for ngram, drafts accepted (the fixtures'
  * random MTP heads agree with nothing: every draft is refused and rolled back; the spec suite's
@@ -1120,11 +1016,12 @@ static void spec_streams(const char *rel, const char *kind, double temp) {
     const char *model = moe_test_shared(rel);
     MOE_SKIP_IF_NULL(model);
     char *spec_args[] = {"--spec", (char *)kind, "--draft", "4", "--step-delay", "2", NULL};
-    char *metrics = streams_equal_alone(model, temp, kind, spec_args);
-    const double drafted = metric_value(metrics, "moe_spec_drafts_total"),
-                 accepted = metric_value(metrics, "moe_spec_drafts_accepted_total"),
-                 together = metric_value(metrics, "moe_spec_verify_streams_max"),
-                 per_step = metric_value(metrics, "moe_decode_tokens_per_step");
+    char *metrics = moe_test_streams_equal_alone(
+        &(moe_test_streams){.model = model, .temp = temp, .what = kind, .together = spec_args});
+    const double drafted = moe_test_metric(metrics, "moe_spec_drafts_total"),
+                 accepted = moe_test_metric(metrics, "moe_spec_drafts_accepted_total"),
+                 together = moe_test_metric(metrics, "moe_spec_verify_streams_max"),
+                 per_step = moe_test_metric(metrics, "moe_decode_tokens_per_step");
     print_message("%s, --spec %s, temperature %g: %.0f of %.0f drafts accepted, %.3f tokens per "
                   "step, up to %.0f streams' drafts in one verify step\n",
                   rel, kind, temp, accepted, drafted, per_step, together);
@@ -1172,11 +1069,12 @@ static void experts_streamed_in_continuous_batching(void **state) {
         moe_model_free(m);
         char *cache_args[] = {"--expert-cache", size, "--step-delay", "2", NULL};
         for (double temp = 0; temp < 1; temp += 0.8) {
-            char *metrics = streams_equal_alone(model, temp, "--expert-cache", cache_args);
-            const double n_slots = metric_value(metrics, "moe_expert_cache_slots"),
-                         misses = metric_value(metrics, "moe_expert_cache_misses_total"),
-                         hits = metric_value(metrics, "moe_expert_cache_hits_total"),
-                         rows = metric_value(metrics, "moe_decode_batch_rows_max");
+            char *metrics = moe_test_streams_equal_alone(&(moe_test_streams){
+                .model = model, .temp = temp, .what = "--expert-cache", .together = cache_args});
+            const double n_slots = moe_test_metric(metrics, "moe_expert_cache_slots"),
+                         misses = moe_test_metric(metrics, "moe_expert_cache_misses_total"),
+                         hits = moe_test_metric(metrics, "moe_expert_cache_hits_total"),
+                         rows = moe_test_metric(metrics, "moe_decode_batch_rows_max");
             print_message("%s, temperature %g, --expert-cache %s: %.0f slots, %.0f hits, %.0f "
                           "misses, up to %.0f streams in one step\n",
                           fixtures[i], temp, size, n_slots, hits, misses, rows);

@@ -202,18 +202,34 @@ bool moe_test_server_start_with(moe_test_server *s, const char *name, char *cons
         return false;
     }
     sscanf(at + 13, "%127s", s->url);
+    s->lead = 0;
+    if (launcher[0]) { /* rank 0's pid, from /health */
+        char url[256];
+        long status = 0;
+        snprintf(url, sizeof url, "%s/health", s->url);
+        char *body = moe_test_http(url, NULL, &status);
+        json_t *root = json_loads(body, 0, NULL);
+        s->lead = (pid_t)json_integer_value(
+            json_object_get(json_array_get(json_object_get(root, "ranks"), 0), "pid"));
+        json_decref(root);
+        free(body);
+    }
     return true;
 }
 
 int moe_test_server_stop(moe_test_server *s) {
-    return moe_test_server_stop_via(s, s->pid);
+    return moe_test_server_stop_via(s, s->lead ? s->lead : s->pid);
 }
 
 int moe_test_server_stop_via(moe_test_server *s, pid_t signalled) {
     if (s->pid <= 0) return 0;
     kill(signalled, SIGTERM);
+    return moe_test_server_wait(s, SERVER_STOP_SECONDS);
+}
+
+int moe_test_server_wait(moe_test_server *s, int seconds) {
     int status = 0;
-    for (int i = 0; i < SERVER_STOP_SECONDS * 20; i++) {
+    for (int i = 0; i < seconds * 20; i++) {
         const pid_t r = waitpid(s->pid, &status, WNOHANG);
         if (r == s->pid) {
             s->pid = 0;
@@ -256,6 +272,119 @@ char *moe_test_http(const char *url, const char *body, long *status) {
     if (rc != CURLE_OK) fail_msg("%s %s: %s", body ? "POST" : "GET", url, curl_easy_strerror(rc));
     moe_strbuf_put(&out, "", 0);
     return out.s;
+}
+
+/* ==== 8 streams together equal each alone ==== */
+
+#define STREAMS       8
+#define STREAM_TOKENS 64
+
+/* Stream i's completion request (the spec suite's prompts). */
+static char *stream_request(int i, double temp) {
+    static const int base[] = {403, 407, 261, 378, 432, 383, 286, 376, 298, 315, 421, 395};
+    json_t *prompt = json_pack("[i]", 1);
+    for (int k = 0; k < 9; k++)
+        json_array_append_new(prompt, json_integer(base[(i + k % (2 + i % 4)) % 12]));
+    json_t *b = json_pack("{s:s,s:o,s:i,s:f,s:i}", "model", "x", "prompt", prompt, "max_tokens",
+                          STREAM_TOKENS, "temperature", temp, "seed", 7 + i);
+    char *body = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return body;
+}
+
+/* choices[0].text of a completion reply, as a JSON string (a random model's text may hold NUL);
+ * fails the test on anything else. */
+static char *completion_text(const char *reply, long status) {
+    json_t *r = json_loads(reply, JSON_ALLOW_NUL, NULL);
+    json_t *text = json_object_get(json_array_get(json_object_get(r, "choices"), 0), "text");
+    if (status != 200 || !json_is_string(text)) fail_msg("completion: %ld %s", status, reply);
+    char *out = json_dumps(text, JSON_ENCODE_ANY);
+    json_decref(r);
+    return out;
+}
+
+double moe_test_metric(const char *metrics, const char *name) {
+    double sum = 0;
+    const size_t n = strlen(name);
+    for (const char *line = metrics; line && *line; line = strchr(line, '\n'), line += !!line) {
+        if (strncmp(line, name, n) != 0 || (line[n] != ' ' && line[n] != '{')) continue;
+        const char *v = strchr(line, ' ');
+        if (v) sum += strtod(v + 1, NULL);
+    }
+    return sum;
+}
+
+/* args = MODEL --ctx 256 -t 1 --parallel PARALLEL [--spec none] EXTRA... */
+static void stream_server_args(char **args, const char *model, const char *parallel, bool plain,
+                               char *const *extra) {
+    int n = 0;
+    char *const head[] = {(char *)model, "--ctx", "256", "-t", "1", "--parallel", (char *)parallel};
+    for (size_t i = 0; i < sizeof head / sizeof head[0]; i++) args[n++] = head[i];
+    if (plain) {
+        args[n++] = "--spec";
+        args[n++] = "none";
+    }
+    while (extra && *extra && n < 31) args[n++] = *extra++;
+    args[n] = NULL;
+}
+
+char *moe_test_streams_equal_alone(const moe_test_streams *t) {
+    char *const none[] = {NULL};
+    char *const *launcher = t->launcher ? t->launcher : none;
+    const char *bin = t->bin ? t->bin : moe_test_bin();
+    char *plain_args[32], *args[32];
+    stream_server_args(plain_args, t->model, "1", true, t->alone_extra);
+    stream_server_args(args, t->model, "8", false, t->together);
+    moe_test_server plain = {0}, srv = {0};
+    if (!moe_test_server_start_with(&plain, "streams-alone", launcher, bin, plain_args) ||
+        !moe_test_server_start_with(&srv, "streams-together", launcher, bin, args))
+        fail_msg("a server did not start (logs: %s, %s)", plain.log, srv.log);
+    char *alone[STREAMS], *body[STREAMS], url[256];
+    snprintf(url, sizeof url, "%s/v1/completions", plain.url);
+    for (int i = 0; i < STREAMS; i++) {
+        body[i] = stream_request(i, t->temp);
+        long status;
+        char *reply = moe_test_http(url, body[i], &status);
+        alone[i] = completion_text(reply, status);
+        free(reply);
+    }
+    CURLM *multi = curl_multi_init();
+    CURL *easy[STREAMS];
+    moe_strbuf out[STREAMS] = {0};
+    struct curl_slist *hdr = curl_slist_append(NULL, "content-type: application/json");
+    snprintf(url, sizeof url, "%s/v1/completions", srv.url);
+    for (int i = 0; i < STREAMS; i++) {
+        easy[i] = moe_test_http_handle(url, body[i], hdr, &out[i]);
+        curl_multi_add_handle(multi, easy[i]);
+    }
+    for (int running = 1; running;) {
+        if (curl_multi_perform(multi, &running) != CURLM_OK) fail_msg("curl_multi_perform");
+        if (running) curl_multi_poll(multi, NULL, 0, 1000, NULL);
+    }
+    for (int i = 0; i < STREAMS; i++) {
+        long status = 0;
+        curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &status);
+        moe_strbuf_put(&out[i], "", 0);
+        char *text = completion_text(out[i].s, status);
+        if (strcmp(text, alone[i]) != 0)
+            fail_msg("%s, temperature %g, stream %d: with %s among 8 streams\n%s\nbut alone\n%s",
+                     t->model, t->temp, i, t->what, text, alone[i]);
+        free(text);
+        free(alone[i]);
+        free(body[i]);
+        moe_strbuf_free(&out[i]);
+        curl_multi_remove_handle(multi, easy[i]);
+        curl_easy_cleanup(easy[i]);
+    }
+    curl_multi_cleanup(multi);
+    curl_slist_free_all(hdr);
+    snprintf(url, sizeof url, "%s/metrics", srv.url);
+    long metrics_status;
+    char *metrics = moe_test_http(url, NULL, &metrics_status);
+    const int a = moe_test_server_stop(&plain), b = moe_test_server_stop(&srv);
+    if (a != 0 || b != 0)
+        fail_msg("servers exited with %d and %d (logs: %s, %s)", a, b, plain.log, srv.log);
+    return metrics;
 }
 
 /* ==== Seeded random numbers ==== */

@@ -46,6 +46,7 @@ const char *moe_test_synth(const char *file, const char *flags);
 
 typedef struct moe_test_server {
     pid_t pid;
+    pid_t lead;    /* under a launcher (mpirun): rank 0, which a stop signals (0: pid itself) */
     char url[128]; /* http://HOST:PORT */
     char log[512]; /* its stderr */
 } moe_test_server;
@@ -54,19 +55,44 @@ typedef struct moe_test_server {
  * <tmpdir>/<name>.log); waits for its "ready" line and reads the URL. false: it did not start. */
 bool moe_test_server_start(moe_test_server *s, const char *name, char *const extra[]);
 /* The same as `LAUNCHER... BIN serve --port 0 EXTRA...` (launcher NULL-terminated, looked up in
- * PATH: mpirun -np 2 ...). */
+ * PATH: mpirun -np 2 ...); with a launcher, /health's rank 0 becomes s->lead. */
 bool moe_test_server_start_with(moe_test_server *s, const char *name, char *const launcher[],
                                 const char *bin, char *const extra[]);
-/* SIGTERM, then wait (bounded); the exit status, or -1 if it had to be killed. */
+/* SIGTERM (to s->lead when set: rank 0 stops the others and the job exits 0), then wait
+ * (bounded); the exit status, or -1 if it had to be killed. */
 int moe_test_server_stop(moe_test_server *s);
 /* The same, with the SIGTERM sent to `signalled` (rank 0 of a server under mpirun). */
 int moe_test_server_stop_via(moe_test_server *s, pid_t signalled);
+/* Wait up to `seconds` for the server to exit (of itself); its exit status, or -1 when it had
+ * to be killed. */
+int moe_test_server_wait(moe_test_server *s, int seconds);
 /* GET (body NULL) or POST a JSON body; the reply body (caller frees), its status in *status.
  * Fails the test when the transfer fails. */
 char *moe_test_http(const char *url, const char *body, long *status);
 /* The same request as a CURL easy handle not yet run (for a curl multi handle): headers a curl
  * slist the caller keeps, the reply collected into *out (the URL is copied). */
 void *moe_test_http_handle(const char *url, const char *body, void *headers, moe_strbuf *out);
+
+/* ==== 8 streams together equal each alone ==== */
+
+/* 8 completion requests (BOS then ids with repeats, so that prompt lookup drafts; a seed of its
+ * own each for a sampled case), run one at a time through a plain server (`--parallel 1 --spec
+ * none` and alone_extra) and then all at once through one with `--parallel 8` and together:
+ * each stream's text must equal its text alone, token for token. Both servers are
+ * `LAUNCHER... BIN serve MODEL --ctx 256 -t 1 ...` (launcher NULL: none; bin NULL: MOE_BIN). */
+typedef struct moe_test_streams {
+    const char *model;
+    double temp;
+    const char *what; /* names the together server's setting in a failure */
+    char *const *launcher;
+    const char *bin;
+    char *const *alone_extra, *const *together; /* NULL-terminated, or NULL */
+} moe_test_streams;
+/* Fails the test on a difference or a server that does not start or stop cleanly; the together
+ * server's /metrics (caller frees). */
+char *moe_test_streams_equal_alone(const moe_test_streams *t);
+/* The value of a /metrics line, summed over its labels (0 when absent). */
+double moe_test_metric(const char *metrics, const char *name);
 
 /* ==== Seeded random numbers (splitmix64; the same stream on every machine) ==== */
 

@@ -511,29 +511,53 @@ static void output_head(moe_ctx *c, const moe_stream_ops *s, const moe_row *rows
             logits[i] = tanhf(logits[i] * (1.0f / cap)) * cap;
 }
 
-/* Split across ranks: every rank runs rank 0's rows (a rank whose caller asked for a different
- * number of rows or logits rows would write past its logits buffer: the job ends, named; a
- * follower takes rank 0's, computing no logits). */
-static const moe_row *dist_rows(moe_ctx *c, const moe_row *rows, uint32_t *n_rows) {
-    if (c->p.split == MOE_SPLIT_NONE || moe_dist_size() <= 1) return rows;
-    uint32_t head[2] = {*n_rows, 0}; /* rows, logits rows */
-    for (uint32_t r = 0; r < *n_rows; r++) head[1] += rows[r].logits;
-    const uint32_t mine[2] = {head[0], head[1]};
-    moe_dist_bcast(head, sizeof head);
+/* Split across ranks: every rank runs rank 0's rows, checked (check_rows against len) before any
+ * rank computes, so that either every rank runs the step or none does: a rank that ran it alone
+ * would wait in its first reduction for ranks that never come. Rank 0's rows and its verdict go
+ * out first; a rank whose own call differs (another number of rows or logits rows: it would
+ * write past its logits buffer) or that refuses what rank 0 runs ends the job, named; a
+ * follower takes rank 0's rows, computing no logits. */
+static moe_status dist_rows(moe_ctx *c, const moe_row **rows, uint32_t *n_rows, const uint32_t *len,
+                            moe_error *err) {
+    if (c->p.split == MOE_SPLIT_NONE || moe_dist_size() <= 1)
+        return check_rows(c, *rows, *n_rows, len, err);
     const bool follower = c->replicate && moe_dist_rank() != 0;
-    if ((!follower && (head[0] != mine[0] || head[1] != mine[1])) || head[0] > c->p.max_rows) {
-        fprintf(stderr,
-                "moe: rank %d was given %u rows (%u with logits), rank 0 %u (%u): the ranks' "
-                "steps diverged; ending the job\n",
-                moe_dist_rank(), mine[0], mine[1], head[0], head[1]);
-        moe_dist_abort(1);
-        return rows;
+    uint32_t head[3] = {*n_rows, 0, 0}; /* rows, logits rows, rank 0 refused the step */
+    moe_status mine = MOE_OK;
+    if (!follower) {
+        for (uint32_t r = 0; r < *n_rows; r++) head[1] += (*rows)[r].logits;
+        mine = check_rows(c, *rows, *n_rows, len, err);
+        head[2] = mine != MOE_OK;
     }
-    if (moe_dist_rank() == 0 && rows != c->dist_rows)
-        memcpy(c->dist_rows, rows, sizeof(moe_row) * head[0]);
+    const uint32_t own[3] = {head[0], head[1], head[2]};
+    moe_dist_bcast(head, sizeof head);
+    const bool diverged =
+        !follower && (head[0] != own[0] || head[1] != own[1] || head[2] != own[2]);
+    if (!diverged && head[2]) /* refused everywhere: nothing runs */
+        return follower ? moe_error_set(err, MOE_ERR_ARG, "rank 0 refused this step") : mine;
+    if (diverged || head[0] > c->p.max_rows) {
+        fprintf(stderr,
+                "moe: rank %d was given %u rows (%u with logits%s), rank 0 %u (%u%s): the ranks' "
+                "steps diverged; ending the job\n",
+                moe_dist_rank(), own[0], own[1], own[2] ? ", refused" : "", head[0], head[1],
+                head[2] ? ", refused" : "");
+        moe_dist_abort(1);
+        return moe_error_set(err, MOE_ERR_ARG, "the ranks' steps diverged");
+    }
+    if (moe_dist_rank() == 0 && *rows != c->dist_rows)
+        memcpy(c->dist_rows, *rows, sizeof(moe_row) * head[0]);
     moe_dist_bcast(c->dist_rows, sizeof(moe_row) * head[0]);
     *n_rows = head[0];
-    return c->dist_rows;
+    *rows = c->dist_rows;
+    if (follower && check_rows(c, *rows, *n_rows, len, err) != MOE_OK) {
+        fprintf(stderr,
+                "moe: rank %d cannot run the step rank 0 runs (%s): the ranks' states diverged; "
+                "ending the job\n",
+                moe_dist_rank(), err->msg);
+        moe_dist_abort(1);
+        return err->code;
+    }
+    return MOE_OK;
 }
 
 /* ==== Replicated contexts: rank 0 leads, the others follow ==== */
@@ -564,8 +588,35 @@ const void *moe_ctx_dist_payload(moe_ctx *c, const void *mine, void *theirs, siz
     return lead ? mine : theirs;
 }
 
+/* What a follower's context must share with rank 0's to replay its calls: a follower with
+ * fewer sequences, positions or rows than rank 0 would refuse a step rank 0 runs. */
+enum {
+    SHAPE_N_CTX,
+    SHAPE_N_SEQ,
+    SHAPE_MAX_ROWS,
+    SHAPE_KV_TYPE,
+    SHAPE_N_SNAPSHOTS,
+    SHAPE_N_VERIFY,
+    SHAPE_SPLIT,
+    SHAPE_SPLIT_DENSE,
+    SHAPE_COUNT
+};
+static void ctx_shape(const moe_ctx *c, uint32_t *shape) {
+    shape[SHAPE_N_CTX] = c->p.n_ctx;
+    shape[SHAPE_N_SEQ] = c->p.n_seq;
+    shape[SHAPE_MAX_ROWS] = c->p.max_rows;
+    shape[SHAPE_KV_TYPE] = (uint32_t)c->p.kv_type;
+    shape[SHAPE_N_SNAPSHOTS] = c->p.n_snapshots;
+    shape[SHAPE_N_VERIFY] = c->p.n_verify;
+    shape[SHAPE_SPLIT] = (uint32_t)c->p.split;
+    shape[SHAPE_SPLIT_DENSE] = c->p.split_dense;
+}
+
 void moe_ctx_lead(moe_ctx *c) {
     c->replicate = c->p.split != MOE_SPLIT_NONE && moe_dist_size() > 1;
+    uint32_t shape[SHAPE_COUNT];
+    ctx_shape(c, shape);
+    if (c->replicate) moe_dist_bcast_idle(shape, sizeof shape); /* as moe_ctx_follow takes it */
 }
 
 moe_status moe_ctx_follow(moe_ctx *c, moe_error *err) {
@@ -573,6 +624,20 @@ moe_status moe_ctx_follow(moe_ctx *c, moe_error *err) {
         return moe_error_set(err, MOE_ERR_ARG,
                              "follow: only the other ranks of a split job follow");
     c->replicate = true;
+    uint32_t mine[SHAPE_COUNT], lead[SHAPE_COUNT];
+    ctx_shape(c, mine);
+    moe_dist_bcast_idle(lead, sizeof lead);
+    if (memcmp(mine, lead, sizeof mine) != 0) {
+        fprintf(stderr,
+                "moe: rank %d's context (%u positions, %u sequences, %u rows, %u snapshots, %u "
+                "verify rows) is not rank 0's (%u, %u, %u, %u, %u) or its KV type or split "
+                "differ: every rank must be started with the same options; ending the job\n",
+                moe_dist_rank(), mine[SHAPE_N_CTX], mine[SHAPE_N_SEQ], mine[SHAPE_MAX_ROWS],
+                mine[SHAPE_N_SNAPSHOTS], mine[SHAPE_N_VERIFY], lead[SHAPE_N_CTX], lead[SHAPE_N_SEQ],
+                lead[SHAPE_MAX_ROWS], lead[SHAPE_N_SNAPSHOTS], lead[SHAPE_N_VERIFY]);
+        moe_dist_abort(1);
+        return moe_error_set(err, MOE_ERR_ARG, "follow: this rank's context is not rank 0's");
+    }
     const int64_t n_embd = c->m->cfg.n_embd;
     c->follow_h = moe_xmalloc(sizeof(float) * c->p.max_rows * (size_t)n_embd);
     c->follow_tokens = moe_xmalloc(sizeof(int32_t) * c->p.n_ctx);
@@ -630,8 +695,7 @@ moe_status moe_ctx_follow(moe_ctx *c, moe_error *err) {
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err) {
     moe_ctx_dist_op(c, MOE_OP_DECODE, 0, n_rows);
-    rows = dist_rows(c, rows, &n_rows);
-    if (check_rows(c, rows, n_rows, c->seq_len, err) != MOE_OK) return err->code;
+    if (dist_rows(c, &rows, &n_rows, c->seq_len, err) != MOE_OK) return err->code;
     const double start = moe_profile_on() ? moe_now() : 0;
     memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;
@@ -645,6 +709,8 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
         for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->y[i] *= m->cfg.embd_scale;
     c->stream->begin(c, c->y, n_rows);
     for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, c->stream, il, rows, n_rows);
+    if (c->p.split != MOE_SPLIT_NONE && moe_dist_lost(false, err) >= 0) /* sums never came */
+        return err->code;
     if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) {
         /* the step's state is half written (linear layers advanced): its sequences start over */
         for (uint32_t r = 0; r < n_rows; r++) {
@@ -666,8 +732,9 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
 moe_status moe_ctx_verify(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err) {
     moe_ctx_dist_op(c, MOE_OP_VERIFY, 0, n_rows);
-    if (c->replicate) rows = dist_rows(c, rows, &n_rows);
-    if (check_rows(c, rows, n_rows, c->seq_len, err) != MOE_OK) return err->code;
+    if ((c->replicate ? dist_rows(c, &rows, &n_rows, c->seq_len, err)
+                      : check_rows(c, rows, n_rows, c->seq_len, err)) != MOE_OK)
+        return err->code;
     for (uint32_t r = 0; r < n_rows; r++) c->verify_rows[rows[r].seq] = 0;
     for (uint32_t r = 0; r < n_rows; r++) {
         const int32_t seq = rows[r].seq;
@@ -706,14 +773,15 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
                               float *logits, moe_error *err) {
     const moe_model *m = c->m;
     moe_ctx_dist_op(c, MOE_OP_DECODE_MTP, 0, n_rows);
-    if (c->replicate) {
-        rows = dist_rows(c, rows, &n_rows);
-        h = moe_ctx_dist_payload(c, h, c->follow_h, sizeof(float) * n_rows * m->cfg.n_embd);
-    }
     if (!m->n_layer_mtp)
         return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s has no MTP layer moe can run",
                              m->path ? m->path : "the model");
-    if (check_rows(c, rows, n_rows, c->mtp_len, err) != MOE_OK) return err->code;
+    if (c->replicate) {
+        if (dist_rows(c, &rows, &n_rows, c->mtp_len, err) != MOE_OK) return err->code;
+        h = moe_ctx_dist_payload(c, h, c->follow_h, sizeof(float) * n_rows * m->cfg.n_embd);
+    } else if (check_rows(c, rows, n_rows, c->mtp_len, err) != MOE_OK) {
+        return err->code;
+    }
     memset(&c->stats, 0, sizeof c->stats);
     const int64_t n_embd = m->cfg.n_embd;
     const uint32_t il = m->cfg.n_layer; /* the first MTP layer drafts the next token */
@@ -730,6 +798,7 @@ moe_status moe_ctx_decode_mtp(moe_ctx *c, const moe_row *rows, uint32_t n_rows, 
     const moe_stream_ops *plain = &moe_stream_plain; /* the NextN block: a plain pre-norm one */
     plain->begin(c, c->y, n_rows);
     run_layer(c, plain, il, rows, n_rows);
+    if (c->p.split != MOE_SPLIT_NONE && moe_dist_lost(false, err) >= 0) return err->code;
     if (c->expert_cache && moe_expert_cache_take_error(c->expert_cache, err)) return err->code;
     for (uint32_t r = 0; r < n_rows; r++) c->mtp_len[rows[r].seq] = (uint32_t)rows[r].pos + 1;
     output_head(c, plain, rows, n_rows, w->head_norm ? w->head_norm : m->output_norm,

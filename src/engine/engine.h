@@ -381,6 +381,19 @@ void moe_dist_bcast_idle(void *buf, size_t bytes);
 /* Every rank's `bytes` at mine, in rank order, into rank 0's all ([n_ranks][bytes]; NULL and
  * untouched elsewhere). */
 void moe_dist_gather(const void *mine, size_t bytes, void *all);
+/* Rows of width values split by columns: rank r holds columns moe_split_rows_range(width, 1, r,
+ * K) of every row, packed ([n_rows][its columns] at mine); afterwards every rank's all
+ * ([n_rows][width]; it may be mine) holds every rank's columns. Only moved, never added. */
+void moe_dist_join(float *all, const float *mine, uint32_t n_rows, int64_t width);
+/* A rank whose process is gone: every wait above looks (each 0.1 s) whether the ranks it depends
+ * on still exist -- rank 0 every other, the others rank 0; only processes on this machine, by
+ * pid -- and one that finds a rank gone ends the job with a message naming it. Except rank 0
+ * after moe_dist_outlive_loss: its waits return, every later call returns at once with nothing
+ * exchanged (the step's numbers are garbage), and moe_dist_lost reports the loss; its
+ * moe_dist_finalize ends the job. moe_dist_lost: the rank found gone (look_now: looked for now,
+ * else only as the waits found it), err naming it; -1 while none is. */
+void moe_dist_outlive_loss(void);
+int moe_dist_lost(bool look_now, moe_error *err);
 typedef struct moe_dist_times {
     double wait_seconds;   /* in moe_dist_sum, waiting for the slowest rank to arrive */
     double reduce_seconds; /* in moe_dist_sum, moving and adding the partials */

@@ -67,9 +67,12 @@ const void *moe_ctx_dist_payload(moe_ctx *c, const void *mine, void *theirs, siz
  * [ff.begin, ff.end) of every expert's intermediate -- those rows of gate and up (of both halves
  * of a fused gate_up), those input columns of down, those values of the gate / up biases --
  * read from the file into the context's memory, so a rank holds only its slices. A pointer is
- * NULL where the model has no such tensor; the tensors have no rows when the slice is empty. */
+ * NULL where the model has no such tensor; the tensors have no rows when the slice is empty.
+ * A dense FFN or shared expert under --split-dense: rows [ff.begin, ff.end) of gate and up, and
+ * rows [out.begin, out.end) of down (whole rows: every dot is computed whole by one rank). */
 typedef struct moe_rows_slice {
-    moe_split_range ff;
+    moe_split_range ff;  /* the intermediate values (rows of gate and up) this rank computes */
+    moe_split_range out; /* --split-dense: the output values (rows of down) it computes */
     const moe_tensor *gate, *up, *gate_up, *down, *gate_b, *up_b; /* into `t` */
     moe_tensor t[6];
     uint64_t bytes; /* of its slices, as read */
@@ -180,7 +183,7 @@ struct moe_ctx {
     moe_expert_cache *expert_cache; /* NULL: the routed experts are resident */
     moe_rows_slice *rows_slice;     /* [layers run] split by rows over ranks (else NULL) */
     moe_rows_slice *dense_slice;    /* [layers run] --split-dense: each layer's dense FFN or
-                                     * shared expert, sliced alike (gate, up, down; else NULL) */
+                                     * shared expert: rows of gate, up and down (else NULL) */
     /* replicated (moe_ctx_lead / moe_ctx_follow): every state-changing call is rank 0's,
      * broadcast as an op before it runs; a follower's loop leaves the op it took in `pending` */
     bool replicate, has_pending;

@@ -14,8 +14,9 @@
 /* out = row_gate[r] * down(act(gate(xn)) * up(xn)) for every row r (row_gate NULL: 1), or
  * out += that (RMSNormed by post_norm first, when given) when accumulate: the dense FFN, and the
  * shared expert beside the routed ones. act is the config's ffn_act; limit clamps a SwiGLU.
- * --split-dense: this rank's slice of the intermediate (c->dense_slice), the ranks' partial down
- * projections summed in rank order before anything else. */
+ * --split-dense: this rank's rows of gate and up (c->dense_slice), the ranks' slices of the
+ * intermediate joined, then its rows of down, the ranks' slices of the output joined: every dot
+ * is one rank's whole, so the result is one rank's bit for bit. */
 static void gated_ffn(moe_ctx *c, const moe_layer_weights *l, const moe_ffn_weights *w, float limit,
                       const float *row_gate, const moe_tensor *post_norm, bool accumulate,
                       float *out, uint32_t n_rows) {
@@ -27,11 +28,15 @@ static void gated_ffn(moe_ctx *c, const moe_layer_weights *l, const moe_ffn_weig
         moe_matmul(c->pool, sliced.gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
         moe_matmul(c->pool, sliced.up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
         moe_glu(c->m->cfg.ffn_act, limit, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
-        moe_matmul(c->pool, sliced.down, 0, c->ff_up, n_rows, down, c->mm_scratch);
-    } else { /* an empty slice adds zeros */
-        memset(down, 0, sizeof(float) * (size_t)n_rows * (size_t)n_embd);
     }
-    if (part) moe_dist_sum(down, (size_t)n_rows * (size_t)n_embd);
+    if (part) {
+        moe_dist_join(c->ff_up, c->ff_up, n_rows, w->down->ne[0]);
+        if (sliced.down->ne[1])
+            moe_matmul(c->pool, sliced.down, 0, c->ff_up, n_rows, down, c->mm_scratch);
+        moe_dist_join(down, down, n_rows, n_embd);
+    } else {
+        moe_matmul(c->pool, sliced.down, 0, c->ff_up, n_rows, down, c->mm_scratch);
+    }
     if (!accumulate) return;
     moe_rows_post_norm(c, c->xn, post_norm, n_rows, n_embd);
     for (uint32_t r = 0; r < n_rows; r++) {

@@ -1,10 +1,11 @@
 /* rows.c: what a rank holds of the routed experts under `--split rows` -- its slice of every
  * expert's intermediate (moe_split_rows_range): those rows of gate and up, those input columns of
- * down, those values of the gate / up biases -- and with `--split-dense` the same slice of every
- * dense FFN and shared expert, read from the model file into memory of its own,
+ * down, those values of the gate / up biases -- and with `--split-dense` its rows of every dense
+ * FFN's and shared expert's gate, up and down, read from the model file into memory of its own,
  * so a rank keeps resident only its slices whether the rest of the model is mapped or read into
  * memory (the stacked tensors' own pages are never touched). The MoE block (ffn.c) runs every
- * routed expert on these slices and sums the ranks' partial outputs.
+ * routed expert on these slices and sums the ranks' partial outputs; a dense block joins the
+ * ranks' slices of its intermediate, then of its output.
  *
  * The trap: a row of down runs along the intermediate in quant blocks, so a rank's columns of
  * down are whole blocks at the same place in every row; they are read a whole expert at a time
@@ -92,17 +93,18 @@ static void copy_bias(const moe_tensor *t, moe_split_range ff, float *dst) {
 }
 
 /* The slice of a gated FFN (a dense one, or the shared expert beside routed ones) into s: its
- * intermediate split as an expert's is; sized only with base NULL. */
+ * rows of gate and up (intermediate values) and of down (output values), whole rows split as
+ * evenly as they go; sized only with base NULL. */
 static void slice_ffn(moe_rows_slice *s, const moe_ffn_weights *w, int rank, int n_ranks,
                       uint8_t *base, uint64_t *at) {
-    const int64_t n_ff = w->down->ne[0];
-    s->ff =
-        moe_split_rows_range(n_ff, moe_type_traits_get(w->down->type)->block_values, rank, n_ranks);
+    const int64_t n_ff = w->down->ne[0], n_embd = w->down->ne[1];
+    s->ff = moe_split_rows_range(n_ff, 1, rank, n_ranks);
+    s->out = moe_split_rows_range(n_embd, 1, rank, n_ranks);
     s->bytes = 0;
     const int64_t n = s->ff.end - s->ff.begin;
     s->gate = slice_tensor(s, SLICE_GATE, w->gate, w->gate->ne[0], n, 1, base, at);
     s->up = slice_tensor(s, SLICE_UP, w->up, w->up->ne[0], n, 1, base, at);
-    s->down = slice_tensor(s, SLICE_DOWN, w->down, n, w->down->ne[1], 1, base, at);
+    s->down = slice_tensor(s, SLICE_DOWN, w->down, n_ff, s->out.end - s->out.begin, 1, base, at);
 }
 
 /* The gated FFN of layer il this context splits (--split-dense), or NULL. */
@@ -123,12 +125,8 @@ moe_status moe_rows_load(moe_ctx *c, uint32_t n_layer_run, moe_error *err) {
         for (uint32_t il = 0; il < n_layer_run; il++) {
             const moe_expert_weights *w = &m->layers[il].experts;
             const moe_ffn_weights *dense = dense_ffn(&m->layers[il]);
-            if (c->dense_slice && dense) {
+            if (c->dense_slice && dense)
                 slice_ffn(&c->dense_slice[il], dense, rank, n_ranks, c->rows_mem, &at);
-                const uint64_t matrix = moe_type_row_bytes(dense->down->type, dense->down->ne[0]) *
-                                        (uint64_t)dense->down->ne[1];
-                if (matrix > bounce) bounce = matrix;
-            }
             if (!c->rows_slice || m->layers[il].plan.ffn != MOE_FFN_EXPERTS) continue;
             moe_rows_slice *s = &c->rows_slice[il];
             const int64_t n_ff = w->down->ne[0], n_embd = w->down->ne[1], E = w->down->ne[2];
@@ -162,13 +160,13 @@ moe_status moe_rows_load(moe_ctx *c, uint32_t n_layer_run, moe_error *err) {
     for (uint32_t il = 0; il < n_layer_run && st == MOE_OK; il++) {
         const moe_ffn_weights *dense = dense_ffn(&m->layers[il]);
         const moe_rows_slice *d = c->dense_slice ? &c->dense_slice[il] : NULL;
-        if (d && dense && d->ff.end > d->ff.begin) {
+        if (d && dense) {
             const int64_t n_ff = dense->down->ne[0];
             st = read_rows(&r, dense->gate, n_ff, 1, d->ff, (uint8_t *)d->gate->data, err);
             if (st == MOE_OK)
                 st = read_rows(&r, dense->up, n_ff, 1, d->ff, (uint8_t *)d->up->data, err);
             if (st == MOE_OK)
-                st = read_columns(&r, dense->down, d->ff, (uint8_t *)d->down->data, err);
+                st = read_rows(&r, dense->down, n_ff, 1, d->out, (uint8_t *)d->down->data, err);
         }
         const moe_expert_weights *w = &m->layers[il].experts;
         const moe_rows_slice *s = c->rows_slice ? &c->rows_slice[il] : NULL;

@@ -79,7 +79,7 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
     const char *failed = failure(r, "the request was cancelled");
     if (failed) {
         a->stream_error(ans, failed);
-        sse->h_copy.status = 500;
+        sse->h_copy.status = r->unavailable ? 503 : 500;
     } else {
         a->stream_end(ans, r);
     }
@@ -89,7 +89,8 @@ static void stream_pump(serve_sse *sse, const serve_taken *t) {
 static void reply_whole(serve_http *h, serve_answer *ans, const serve_req *r) {
     const char *failed = failure(r, "cancelled");
     if (failed) {
-        serve_reply_error(h, ans->adapter->api, 500, NULL, NULL, "generation failed: %s", failed);
+        serve_reply_error(h, ans->adapter->api, r->unavailable ? 503 : 500, NULL,
+                          r->unavailable ? "rank_lost" : NULL, "generation failed: %s", failed);
         return;
     }
     moe_json j;
@@ -148,8 +149,13 @@ static void job_resume(serve_http *h, void *ud) {
                           "no stream became free within %.0f s: the server is overloaded",
                           h->srv->p.queue_timeout_s);
     } else if (!g->t.admitted) {
-        serve_reply_error(h, a->api, 503, NULL, NULL,
-                          "the request was cancelled (server stopping)");
+        pthread_mutex_lock(&g->req->mu);
+        if (g->req->unavailable) /* a rank of the job gone: the message names it */
+            serve_reply_error(h, a->api, 503, NULL, "rank_lost", "%s", g->req->error);
+        else
+            serve_reply_error(h, a->api, 503, NULL, NULL,
+                              "the request was cancelled (server stopping)");
+        pthread_mutex_unlock(&g->req->mu);
     } else if (g->stream) { /* the events already taken go out first */
         serve_reply_sse(h, g->req, &g->t, stream_pump, g->ans, answer_free, a->keepalive);
         g->req = NULL;
@@ -197,6 +203,14 @@ void serve_generate(serve_http *h, serve_answer *ans, serve_req *req, const serv
         serve_req_release(req);
         answer_free(ans);
         return;
+    case SERVE_SUBMIT_RANK_LOST: {
+        char why[MOE_ERROR_MSG_MAX];
+        serve_sched_lost(h->srv->sched, why, sizeof why);
+        serve_reply_error(h, a->api, 503, NULL, "rank_lost", "%s", why);
+        serve_req_release(req);
+        answer_free(ans);
+        return;
+    }
     }
     gen_job *g = moe_xcalloc(1, sizeof *g);
     *g = (gen_job){.ans = ans,

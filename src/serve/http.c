@@ -866,7 +866,7 @@ int moe_serve_run(const moe_serve_params *params) {
     MOE_CHECK(params->model_path); /* the caller resolves a missing model (cli/'s demo) */
     serve_server *srv = moe_xcalloc(1, sizeof *srv);
     srv->p = *params;
-    if (srv->p.cache_slots < 0) srv->p.cache_slots = srv->p.parallel;
+    srv->p.cache_slots = serve_cache_slots(&srv->p);
     srv->t_start = serve_now();
     pthread_mutex_init(&srv->metrics.mu, NULL);
     atomic_init(&srv->next_id, 1);
@@ -957,7 +957,13 @@ int moe_serve_run(const moe_serve_params *params) {
         fflush(stdout);
         int sig = 0;
         sigwait(&sigs, &sig);
-        fprintf(stderr, "moe serve: signal %d: stopping\n", sig);
+        char lost[MOE_ERROR_MSG_MAX];
+        if (serve_sched_lost(srv->sched, lost, sizeof lost) >= 0) { /* the engine signalled */
+            fprintf(stderr, "moe serve: %s\n", lost);
+            rc = 1;
+        } else {
+            fprintf(stderr, "moe serve: signal %d: stopping\n", sig);
+        }
     }
     serve_sched_stop(srv->sched); /* ends every request: each parked exchange is resumed */
     wait_unwatched(srv->net, SERVE_STOP_GRACE_S);

@@ -34,13 +34,24 @@ void serve_metrics_count(serve_server *srv, const char *path, int status) {
 
 /* ==== Operational endpoints ==== */
 
-/* {"status"} and, under mpirun, every rank: where it runs and what it holds. */
+/* {"status"} and, under mpirun, every rank: where it runs and what it holds, and whether it is
+ * still there ("lost": the job is ending, 503 with the error naming it). */
 static void health(serve_http *h) {
     const bool ready = serve_sched_ready(h->srv->sched);
     int n_ranks;
     const serve_rank *ranks = serve_sched_ranks(h->srv->sched, &n_ranks);
+    char why[MOE_ERROR_MSG_MAX];
+    const int lost = serve_sched_lost(h->srv->sched, why, sizeof why);
     moe_strbuf o = {0};
-    moe_strbuf_printf(&o, "{\"status\":\"%s\"", ready ? "ok" : "loading");
+    if (lost >= 0) {
+        moe_json j;
+        moe_json_init(&j, false);
+        moe_json_string(&j, why);
+        moe_strbuf_printf(&o, "{\"status\":\"rank_lost\",\"error\":%s", j.buf);
+        moe_json_free(&j);
+    } else {
+        moe_strbuf_printf(&o, "{\"status\":\"%s\"", ready ? "ok" : "loading");
+    }
     if (n_ranks) {
         moe_strbuf_puts(&o, ",\"ranks\":[");
         for (int r = 0; r < n_ranks; r++) {
@@ -51,14 +62,17 @@ static void health(serve_http *h) {
             moe_strbuf_printf(&o,
                               "%s{\"rank\":%d,\"status\":\"%s\",\"host\":\"%s\",\"pid\":%d,"
                               "\"routed_expert_bytes\":%llu,\"rss_bytes_at_start\":%llu}",
-                              r ? "," : "", ranks[r].rank, ready ? "ok" : "stopped", host,
-                              ranks[r].pid, (unsigned long long)ranks[r].routed_bytes,
+                              r ? "," : "", ranks[r].rank,
+                              r == lost ? "lost"
+                              : ready   ? "ok"
+                                        : "stopped",
+                              host, ranks[r].pid, (unsigned long long)ranks[r].routed_bytes,
                               (unsigned long long)ranks[r].rss_bytes);
         }
         moe_strbuf_puts(&o, "]");
     }
     moe_strbuf_puts(&o, "}");
-    serve_reply_text(h, ready ? 200 : 503, "application/json", o.s, o.len);
+    serve_reply_text(h, ready && lost < 0 ? 200 : 503, "application/json", o.s, o.len);
     moe_strbuf_free(&o);
 }
 

@@ -38,6 +38,9 @@
  * is; a request whose prompt the disk can give more of than RAM gets its slot LOADING: the
  * cache's thread reads the prefix into it while the other streams go on, and the stream starts
  * at the first step after (the engine thread is woken for it).
+ * Under mpirun the other ranks replay the engine calls (moe_ctx_lead); a rank found gone ends
+ * serving: every request fails naming it (503), new ones and /health get 503 for
+ * SERVE_RANK_LOST_LINGER_S, then the process signals itself to stop.
  * The trap: a sampled token joins the sequence only when it is fed as a row, so a finished
  * stream's last token is not there. */
 #include "serve_internal.h"
@@ -123,9 +126,12 @@ struct serve_sched {
     float *logits;            /* [decode_rows_max + SERVE_PROMPT_LOGPROB_ROWS][n_vocab] */
     serve_rank *ranks;        /* [n_ranks] what each rank of an mpirun job holds (rank 0) */
     int n_ranks;
-    int32_t *hist;     /* [n_ctx + 1] --spec ngram: a stream's tokens and the one to feed */
-    float *hidden;     /* --spec mtp: [max_rows][n_embd] the step's hidden states, by row */
-    float *mtp_logits; /* --spec mtp: [n_vocab] the head's scratch */
+    int lost_rank;         /* a rank found gone, or -1 (under mu) */
+    char lost_msg[256];    /* naming it, as a request's error (under mu) */
+    double rank_looked_at; /* when the engine thread last looked for one */
+    int32_t *hist;         /* [n_ctx + 1] --spec ngram: a stream's tokens and the one to feed */
+    float *hidden;         /* --spec mtp: [max_rows][n_embd] the step's hidden states, by row */
+    float *mtp_logits;     /* --spec mtp: [n_vocab] the head's scratch */
     uint64_t step;
 };
 
@@ -531,6 +537,70 @@ static void finish_waiting(serve_sched *s, serve_req *r) {
     serve_req_release(r);
 }
 
+/* ==== A rank of the job gone ==== */
+
+/* The request fails with error, answered 503 (the server cannot go on). */
+static void mark_unavailable(serve_req *r) {
+    pthread_mutex_lock(&r->mu);
+    r->unavailable = true;
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* Under mpirun: whether a rank of the job is gone (looked for at most every SERVE_RANK_WATCH_S,
+ * or found by the last step's waits). The first time, every stream and waiting request fails
+ * naming it, and submits are refused from then on. */
+static bool rank_loss(serve_sched *s) {
+    if (s->n_ranks <= 1) return false;
+    if (s->lost_rank >= 0) return true; /* only this thread writes it */
+    const double now = serve_now();
+    const bool look = now - s->rank_looked_at >= SERVE_RANK_WATCH_S;
+    if (look) s->rank_looked_at = now;
+    moe_error err = {0};
+    const int lost = moe_dist_lost(look, &err);
+    if (lost < 0) return false;
+    moe_log(MOE_LOG_ERROR, "serve: %s: failing every request, stopping in %.0f s", err.msg,
+            SERVE_RANK_LOST_LINGER_S);
+    pthread_mutex_lock(&s->mu);
+    s->lost_rank = lost;
+    snprintf(s->lost_msg, sizeof s->lost_msg, "%.200s: this server is stopping", err.msg);
+    serve_req *w = s->wait_head;
+    s->wait_head = s->wait_tail = NULL;
+    s->n_waiting = 0;
+    pthread_mutex_unlock(&s->mu);
+    for (uint32_t i = 0; i < s->n_slots; i++)
+        if (s->slots[i].state == SLOT_ACTIVE) {
+            mark_unavailable(s->slots[i].req);
+            finish(s, (int)i, SERVE_FINISH_ERROR, -1, s->lost_msg);
+        }
+    while (w) {
+        serve_req *next = w->next;
+        mark_unavailable(w);
+        pthread_mutex_lock(&w->mu);
+        w->finish = SERVE_FINISH_ERROR;
+        snprintf(w->error, sizeof w->error, "%s", s->lost_msg);
+        w->done = true;
+        serve_req_notify(w);
+        pthread_mutex_unlock(&w->mu);
+        serve_req_release(w);
+        w = next;
+    }
+    return true;
+}
+
+/* After a loss: answer 503 for SERVE_RANK_LOST_LINGER_S (unless stopped first), then signal the
+ * process to stop (moe_serve_run's sigwait), which ends the job. */
+static void rank_loss_linger(serve_sched *s) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)SERVE_RANK_LOST_LINGER_S;
+    pthread_mutex_lock(&s->mu);
+    while (!s->stop && pthread_cond_timedwait(&s->cv, &s->mu, &until) != ETIMEDOUT) {
+    }
+    const bool stopped = s->stop;
+    pthread_mutex_unlock(&s->mu);
+    if (!stopped) kill(getpid(), SIGTERM);
+}
+
 /* ==== Stop strings ==== */
 
 /* Longest suffix of text that is a proper prefix of some stop string. */
@@ -901,6 +971,7 @@ static bool step(serve_sched *s) {
         st = moe_ctx_decode(s->ctx, s->rows, n_rows, s->logits, &err);
         if (st == MOE_OK) hidden_keep(s, 0);
     }
+    if (st != MOE_OK && rank_loss(s)) return true; /* its streams failed naming the rank */
     const double dt = serve_now() - t0;
     pthread_mutex_lock(&s->metrics->mu);
     const uint32_t n_prefill = n_rows - n_decode;
@@ -1040,7 +1111,7 @@ static bool open_engine(serve_sched *s, moe_error *err) {
                       "would restore rank 0's state alone");
         return false;
     }
-    s->n_slots = (uint32_t)(s->p.parallel + s->p.cache_slots);
+    s->n_slots = (uint32_t)(s->p.parallel + serve_cache_slots(&s->p));
     const uint32_t n_verify = s->p.spec ? s->p.n_draft + 1 : 0;
     s->decode_rows_max = (uint32_t)s->p.parallel * (n_verify ? n_verify : 1);
     const moe_ctx_params cp = {.n_ctx = s->p.n_ctx,
@@ -1077,7 +1148,8 @@ static bool load(serve_sched *s) {
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
                       path, moe_tokenizer_n_vocab(s->tok), s->model->cfg.n_vocab);
     if (err.code) goto fail;
-    moe_ctx_lead(s->ctx); /* with a split: the other ranks replay its calls */
+    moe_ctx_lead(s->ctx);    /* with a split: the other ranks replay its calls */
+    moe_dist_outlive_loss(); /* a rank gone: answer 503, then stop (rank_loss) */
     const uint32_t max_rows = s->decode_rows_max + SERVE_PREFILL_CHUNK;
     if (s->p.cache_dir) {
         const uint64_t limit =
@@ -1128,6 +1200,10 @@ static void *engine_main(void *arg) {
     if (!ok) return NULL;
     serve_req *batch[64];
     for (;;) {
+        if (rank_loss(s)) {
+            rank_loss_linger(s);
+            break;
+        }
         /* admit: waiting requests into free streams, dropping the cancelled */
         uint32_t active = 0;
         for (uint32_t i = 0; i < s->n_slots; i++)
@@ -1184,9 +1260,21 @@ static void *engine_main(void *arg) {
             }
             continue;
         }
-        /* nothing to run: sleep until a submit, a cancel or stop */
+        /* nothing to run: sleep until a submit, a cancel or stop (under mpirun: at most until
+         * it is time to look for lost ranks again) */
         pthread_mutex_lock(&s->mu);
-        if (!s->stop && !s->wait_head && !s->disk_loaded) pthread_cond_wait(&s->cv, &s->mu);
+        if (!s->stop && !s->wait_head && !s->disk_loaded) {
+            if (s->n_ranks > 1) {
+                struct timespec until;
+                clock_gettime(CLOCK_REALTIME, &until);
+                until.tv_nsec += (long)(SERVE_RANK_WATCH_S * 1e9);
+                until.tv_sec += until.tv_nsec / 1000000000L;
+                until.tv_nsec %= 1000000000L;
+                pthread_cond_timedwait(&s->cv, &s->mu, &until);
+            } else {
+                pthread_cond_wait(&s->cv, &s->mu);
+            }
+        }
         pthread_mutex_unlock(&s->mu);
     }
     /* shutting down: end every stream and waiting request */
@@ -1211,6 +1299,7 @@ static void *engine_main(void *arg) {
 serve_sched *serve_sched_start(const moe_serve_params *p, serve_metrics *metrics) {
     serve_sched *s = moe_xcalloc(1, sizeof *s);
     s->p = *p;
+    s->lost_rank = -1;
     s->metrics = metrics;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -1221,6 +1310,7 @@ serve_sched *serve_sched_start(const moe_serve_params *p, serve_metrics *metrics
 
 serve_sched *serve_sched_offline(moe_tokenizer *tok, uint32_t n_ctx) {
     serve_sched *s = moe_xcalloc(1, sizeof *s);
+    s->lost_rank = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     s->tok = tok;
@@ -1279,6 +1369,10 @@ void serve_sched_free(serve_sched *s) {
 
 serve_submit_result serve_sched_submit(serve_sched *s, serve_req *r) {
     pthread_mutex_lock(&s->mu);
+    if (s->lost_rank >= 0) {
+        pthread_mutex_unlock(&s->mu);
+        return SERVE_SUBMIT_RANK_LOST;
+    }
     if (!s->loaded || s->stop) {
         pthread_mutex_unlock(&s->mu);
         return SERVE_SUBMIT_NOT_READY;
@@ -1307,6 +1401,18 @@ serve_submit_result serve_sched_submit(serve_sched *s, serve_req *r) {
 const serve_rank *serve_sched_ranks(serve_sched *s, int *n) {
     *n = s->ranks ? s->n_ranks : 0;
     return s->ranks;
+}
+
+int serve_sched_lost(serve_sched *s, char *msg, size_t size) {
+    pthread_mutex_lock(&s->mu);
+    const int lost = s->lost_rank;
+    if (lost >= 0) snprintf(msg, size, "%s", s->lost_msg);
+    pthread_mutex_unlock(&s->mu);
+    return lost;
+}
+
+int serve_cache_slots(const moe_serve_params *p) {
+    return p->cache_slots < 0 ? p->parallel : p->cache_slots;
 }
 
 int moe_serve_follow(const moe_serve_params *p) {

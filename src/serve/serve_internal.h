@@ -47,6 +47,12 @@
         * logits buffer, sized at load */
 #define SERVE_STOP_GRACE_S 1.0 /* at a stop, time for requests ended "cancelled" to answer */
 #define SERVE_WATCH_MS     200 /* the watcher's longest sleep: read timeouts are this late */
+#define SERVE_RANK_WATCH_S                                                                         \
+    0.2 /* under mpirun: how often the engine thread looks for lost ranks                          \
+         */
+#define SERVE_RANK_LOST_LINGER_S                                                                   \
+    5.0 /* a rank gone: requests and /health get 503 this long (a load balancer sees it), then     \
+         * the job ends */
 #define SERVE_MAX_THINK_TAG                                                                        \
     16 /* tokens of a reasoning tag (<think> is one or a few): longer ones are not tracked */
 #define SERVE_MAX_THINK_TEXT                                                                       \
@@ -145,6 +151,7 @@ typedef struct serve_req {
     serve_finish finish;
     int stop_index; /* SERVE_FINISH_STOP: which stop string */
     char error[256];
+    bool unavailable; /* failed because the server cannot go on (a rank of the job is gone): 503 */
     serve_event *events; /* pending, not yet taken by the HTTP side */
     size_t n_events, cap_events;
     moe_strbuf text; /* bytes the pending events point into */
@@ -215,6 +222,7 @@ typedef enum serve_submit_result {
     SERVE_SUBMIT_OK,
     SERVE_SUBMIT_QUEUE_FULL,
     SERVE_SUBMIT_NOT_READY,
+    SERVE_SUBMIT_RANK_LOST, /* a rank of the mpirun job is gone (serve_sched_lost says which) */
 } serve_submit_result;
 
 /* Starts the engine thread, which loads the model; serve_sched_wait_loaded() reports how that
@@ -240,9 +248,18 @@ typedef struct serve_rank {
 } serve_rank;
 /* Every rank's (rank 0 of a job of more than one; else NULL and *n = 0). */
 const serve_rank *serve_sched_ranks(serve_sched *s, int *n);
+/* Under mpirun, once a rank is gone (moe_dist_lost): which (its index in the ranks; else -1)
+ * and the message naming it into msg. The engine thread then fails every request with it (new
+ * ones get SERVE_SUBMIT_RANK_LOST), and SERVE_RANK_LOST_LINGER_S later signals the process to
+ * stop, so the job ends with that message. */
+int serve_sched_lost(serve_sched *s, char *msg, size_t size);
 const moe_tokenizer *serve_sched_tokenizer(serve_sched *s);
 const moe_model *serve_sched_model(serve_sched *s);
 uint32_t serve_sched_n_ctx(serve_sched *s);
+/* The resident sequences kept beside the streams: --cache-slots, or its default (= --parallel).
+ * Every rank of an mpirun job sizes its context with it: a follower with fewer sequences than
+ * rank 0 would refuse a step rank 0 runs. */
+int serve_cache_slots(const moe_serve_params *p);
 /* --spec as it applies to model m: mtp when not given and m has an MTP layer; false with err
  * set when mtp is asked of a model without one. */
 bool serve_spec_resolve(moe_serve_params *p, const moe_model *m, moe_error *err);
