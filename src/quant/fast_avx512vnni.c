@@ -461,7 +461,10 @@ FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f, fast_tile_iq)
 FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, fast_tile_iq)
 
 /* ==== K quants: the super-block machinery with unsigned values (Q4_K, Q5_K: no sign words,
- * and mins) or with Q6_K's q - 32 as magnitudes and signs ==== */
+ * and mins). Q6_K runs its exact kernel on the fast path: a fast Q6_K (q - 32 as magnitudes and
+ * signs, tiles from the packed bits) made prefill faster but a weight row against one activation
+ * row 1.5x slower (the output head at decode: 21.1 ms a step against 13.5 on q6-iq), and batch
+ * invariance rules out switching kernels by row count. ==== */
 
 /* Q4_K / Q5_K: values 0..31 in value order (z_k4_values gives them a half-block apart: lo holds
  * values 128 jj .. + 31 and 128 jj + 64 .., hi the 32 after each), scales per 32 values stored
@@ -502,23 +505,6 @@ MOE_INLINE void fast_regs_q5_k(const void *block, z_iqb *o) {
 MOE_INLINE void fast_mins_q5_k(const void *block, __m256i *mins, float *dmin) {
     const moe_block_q5_k *b = block;
     fast_k4_mins(b->scales, b->dmin, mins, dmin);
-}
-
-/* Q6_K: q - 32 (-32..31) as magnitudes and sign words, a signed scale per 16 values. */
-MOE_INLINE void fast_regs_q6_k(const void *block, z_iqb *o) {
-    const moe_block_q6_k *b = block;
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        __m512i v[2];
-        z_q6_k_values(b, h, &v[0], &v[1]);
-        for (int k = 0; k < 2; k++) {
-            const __m512i q = _mm512_sub_epi8(v[k], _mm512_set1_epi8(32));
-            o->g[2 * h + k] = _mm512_abs_epi8(q);
-            o->neg[2 * h + k] = _cvtmask64_u64(_mm512_movepi8_mask(q));
-        }
-    }
-    o->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
-    o->d = avx2_fp16(b->d);
 }
 
 /* The Q4_K / Q5_K tile straight from the blocks: the 16 rows' packed qs transposed as dwords
@@ -591,44 +577,6 @@ MOE_INLINE void fast_tile_q5_k(fast_type t, const uint8_t *w, size_t ws, int n_w
 
 FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f, fast_tile_q4_k)
 FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
-/* The Q6_K tile straight from the blocks, as Q4_K's: the 16 rows' ql (32 dwords) and qh (16)
- * transposed as dwords. In half hh of a block, values 4g .. 4g + 3 (g = 0..31) have their low 4
- * bits in ql dword 16 hh + g % 16 (low nibbles for g < 16, high ones after) and their top 2 in
- * qh dword 8 hh + g % 8, at bits 2 (g / 8) of each byte; less 32, signed. */
-MOE_INLINE void fast_tile_q6_k(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
-                               void *tile) {
-    fast_tile *o = tile;
-    __m512i ql[2][16], qh[16], sc[16];
-    float d[16];
-    for (int v = 0; v < 16; v++) {
-        const moe_block_q6_k *b =
-            (const moe_block_q6_k *)(w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes);
-        ql[0][v] = z_load(b->ql);
-        ql[1][v] = z_load(b->ql + 64);
-        qh[v] = z_load(b->qh);
-        sc[v] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->scales));
-        d[v] = avx2_fp16(b->d);
-    }
-    fast_transpose16x16(ql[0]);
-    fast_transpose16x16(ql[1]);
-    fast_transpose16x16(qh);
-    fast_transpose16x16(sc);
-    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
-    for (int hh = 0; hh < 2; hh++)
-        for (int g = 0; g < 32; g++) {
-            const __m512i l = ql[hh][g % 16], h = qh[8 * hh + g % 8];
-            const __m512i nib = _mm512_and_si512(g < 16 ? l : _mm512_srli_epi16(l, 4), low4);
-            const int at = 2 * (g / 8); /* the 2 bits to bits 4, 5, in the byte's 16-bit lane */
-            const __m512i top = at <= 4 ? _mm512_slli_epi16(h, 4 - at) : _mm512_srli_epi16(h, 2);
-            o->tile[32 * hh + g] = _mm512_sub_epi8(_mm512_ternarylogic_epi32(nib, top, top2, 0xf8),
-                                                   _mm512_set1_epi8(32)); /* a | (b & c) */
-        }
-    for (int j = 0; j < 16; j++) o->scale[j] = sc[j];
-    fast_tile_bias(o);
-    o->d = _mm512_loadu_ps(d);
-}
-
-FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 16, 1.0f, fast_tile_q6_k)
 
 /* ==== The table ==== */
 
@@ -644,7 +592,6 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     FAST_SET(MXFP4, mxfp4);
     FAST_SET(Q4_K, q4_k);
     FAST_SET(Q5_K, q5_k);
-    FAST_SET(Q6_K, q6_k);
     FAST_SET(IQ2_S, iq2_s);
     FAST_SET(IQ3_S, iq3_s);
     FAST_SET(IQ2_XXS, iq2_xxs);
