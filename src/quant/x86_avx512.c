@@ -579,20 +579,26 @@ MOE_INLINE void z_attn_scores4(const moe_attn_tile_args *a, const float *kc, int
                                const __m512i *lo, const __m512i *hi, float (*st)[MOE_ATTN_TILE_QV],
                                __m512 *mx) {
     __m512 acc[4][4];
+    _Pragma("GCC unroll 4")
     for (int u = 0; u < 4; u++)
+        _Pragma("GCC unroll 4")
         for (int v = 0; v < nv; v++) acc[u][v] = _mm512_setzero_ps();
     const float *k0 = kc + (int64_t)j * a->dk;
     for (int d = 0; d < a->dk; d++) {
         __m512 q[4];
+        _Pragma("GCC unroll 4")
         for (int v = 0; v < nv; v++)
             q[v] = _mm512_loadu_ps(a->qt + (int64_t)d * MOE_ATTN_TILE_QV + 16 * v);
+        _Pragma("GCC unroll 4")
         for (int u = 0; u < 4; u++) {
             const __m512 k = _mm512_set1_ps(k0[(int64_t)u * a->dk + d]);
+            _Pragma("GCC unroll 4")
             for (int v = 0; v < nv; v++) acc[u][v] = _mm512_fmadd_ps(q[v], k, acc[u][v]);
         }
     }
     for (int u = 0; u < 4 && j + u < a->n_key; u++) {
         const __m512i key = _mm512_set1_epi32(j + u);
+        _Pragma("GCC unroll 4")
         for (int v = 0; v < nv; v++) {
             const __mmask16 sees =
                 _mm512_cmpge_epi32_mask(key, lo[v]) & _mm512_cmple_epi32_mask(key, hi[v]);
@@ -610,22 +616,29 @@ MOE_INLINE void z_attn_mix_rows(const moe_attn_tile_args *a, const float *vc,
     for (int d = 0; d < a->dv; d += 64) {
         __mmask16 mask[4];
         __m512 acc[4][4];
+        _Pragma("GCC unroll 4")
         for (int u = 0; u < 4; u++) {
             const int w = a->dv - d - 16 * u;
             mask[u] = w >= 16 ? 0xffff : w > 0 ? (__mmask16)((1u << w) - 1) : 0;
+            _Pragma("GCC unroll 4")
             for (int r = 0; r < nq; r++)
                 acc[r][u] = _mm512_maskz_loadu_ps(mask[u], a->out[i + r] + d + 16 * u);
         }
         for (int j = 0; j < a->n_key; j++) {
             __m512 v[4];
+            _Pragma("GCC unroll 4")
             for (int u = 0; u < 4; u++)
                 v[u] = _mm512_maskz_loadu_ps(mask[u], vc + (int64_t)j * a->dv + d + 16 * u);
+            _Pragma("GCC unroll 4")
             for (int r = 0; r < nq; r++) {
                 const __m512 p = _mm512_set1_ps(st[j][i + r]);
+                _Pragma("GCC unroll 4")
                 for (int u = 0; u < 4; u++) acc[r][u] = _mm512_fmadd_ps(p, v[u], acc[r][u]);
             }
         }
+        _Pragma("GCC unroll 4")
         for (int r = 0; r < nq; r++)
+            _Pragma("GCC unroll 4")
             for (int u = 0; u < 4; u++)
                 _mm512_mask_storeu_ps(a->out[i + r] + d + 16 * u, mask[u], acc[r][u]);
     }
