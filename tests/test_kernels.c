@@ -710,7 +710,7 @@ static void attention_tile_levels_equal_reference(void **state) {
     memset(q1, 0, sizeof(float) * AT_DIM * QV);
     static const moe_type types[] = {MOE_TYPE_F32, MOE_TYPE_F16, MOE_TYPE_Q8_0};
     static const int dims[][2] = {{37, 21}, {AT_DIM, 64}};
-    static const int n_keys[] = {1, 5, KEYS}, n_qvs[] = {1, 5, 8, 17, QV};
+    static const int n_keys[] = {1, 5, KEYS}, n_qvs[] = {1, 5, 8, 17, 70, QV};
     const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
     int checked = 0;
     for (size_t t = 0; t < 3; t++) {
@@ -720,7 +720,7 @@ static void attention_tile_levels_equal_reference(void **state) {
             tr->from_float(kf + j * AT_STRIDE, kc + j * stride, AT_STRIDE);
         for (int dd = types[t] == MOE_TYPE_Q8_0; dd < 2; dd++)
             for (int nk = 0; nk < 3; nk++)
-                for (int nqi = 0; nqi < 5; nqi++) {
+                for (int nqi = 0; nqi < 6; nqi++) {
                     const int nq = n_qvs[nqi], n_key = n_keys[nk];
                     for (int i = 0; i < nq; i++) {
                         lo[i] = (int32_t)(moe_rng_u64(&rng) % (uint64_t)n_key);
@@ -771,7 +771,7 @@ static void attention_tile_levels_equal_reference(void **state) {
                     }
                 }
     }
-    assert_true(checked >= 5 * 3 * 5);
+    assert_true(checked >= 5 * 3 * 6);
     free(kf), free(kc), free(qt), free(q1), free(scratch), free(ys), free(y0), free(y1);
 }
 

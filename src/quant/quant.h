@@ -202,8 +202,8 @@ typedef void (*moe_attn_mix_fn)(float *y, const float *p, const void *v, int64_t
  *   p_j = exp(s_j - m'); l += p_j key after key; y_d = fma(p_j, v_jd, y_d) key after key,
  * over every key of the tile (an unseen key's p_j = 0 adds an exact zero: y is never -0), exp
  * being moe_attn_exp. So a vector's bits never depend on which others share the call. */
-#define MOE_ATTN_TILE_KEYS 64 /* keys per tile: fixed in absolute positions by the caller */
-#define MOE_ATTN_TILE_QV   64 /* query vectors per call at most */
+#define MOE_ATTN_TILE_KEYS 64  /* keys per tile: fixed in absolute positions by the caller */
+#define MOE_ATTN_TILE_QV   128 /* query vectors per call at most (16 rows x 8 heads) */
 typedef struct moe_attn_tile_args {
     const void *k, *v;          /* the tile's first key: its kv head's K and V values */
     int64_t k_stride, v_stride; /* bytes between keys */

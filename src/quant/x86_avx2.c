@@ -778,7 +778,8 @@ MOE_INLINE __m256 attn_exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P3));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P4));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P5));
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256 y =
+        _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
     return _mm256_and_ps(live, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e)));
 }
@@ -799,20 +800,20 @@ static void attn_convert8(const void *x, int64_t stride, moe_type kv_type, int n
 /* Scaled scores of keys j..j+3 of the tile for nv (1 or 2) registers of query vectors from
  * vector i0, into st[key][vector] (-inf where a vector does not see the key); maxima into mx. */
 MOE_INLINE void attn_scores4x8(const moe_attn_tile_args *a, const float *kc, int j, int i0, int nv,
-                               const int32_t *lo, const int32_t *hi,
-                               float (*st)[MOE_ATTN_TILE_QV], __m256 *mx) {
+                               const int32_t *lo, const int32_t *hi, float (*st)[MOE_ATTN_TILE_QV],
+                               __m256 *mx) {
     __m256 acc[4][2];
     _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
         _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) acc[u][v] = _mm256_setzero_ps();
     const float *k0 = kc + (int64_t)j * a->dk;
     for (int d = 0; d < a->dk; d++) {
         __m256 q[2];
-        _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++)
-            q[v] = _mm256_loadu_ps(a->qt + (int64_t)d * MOE_ATTN_TILE_QV + i0 + 8 * v);
+        _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) q[v] =
+            _mm256_loadu_ps(a->qt + (int64_t)d * MOE_ATTN_TILE_QV + i0 + 8 * v);
         _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
             const __m256 k = _mm256_set1_ps(k0[(int64_t)u * a->dk + d]);
-            _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++)
-                acc[u][v] = _mm256_fmadd_ps(q[v], k, acc[u][v]);
+            _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) acc[u][v] =
+                _mm256_fmadd_ps(q[v], k, acc[u][v]);
         }
     }
     for (int u = 0; u < 4 && j + u < a->n_key; u++) {
@@ -820,9 +821,11 @@ MOE_INLINE void attn_scores4x8(const moe_attn_tile_args *a, const float *kc, int
         for (int v = 0; v < nv; v++) {
             const __m256i l = _mm256_loadu_si256((const __m256i *)(lo + i0 + 8 * v));
             const __m256i h = _mm256_loadu_si256((const __m256i *)(hi + i0 + 8 * v));
-            const __m256i blind = _mm256_or_si256(_mm256_cmpgt_epi32(l, key), _mm256_cmpgt_epi32(key, h));
-            const __m256 s = _mm256_blendv_ps(_mm256_mul_ps(acc[u][v], _mm256_set1_ps(a->scale)),
-                                              _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(blind));
+            const __m256i blind =
+                _mm256_or_si256(_mm256_cmpgt_epi32(l, key), _mm256_cmpgt_epi32(key, h));
+            const __m256 s =
+                _mm256_blendv_ps(_mm256_mul_ps(acc[u][v], _mm256_set1_ps(a->scale)),
+                                 _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(blind));
             _mm256_storeu_ps(&st[j + u][i0 + 8 * v], s);
             mx[i0 / 8 + v] = _mm256_max_ps(mx[i0 / 8 + v], s);
         }
@@ -834,16 +837,16 @@ MOE_INLINE void attn_mix_rows8(const moe_attn_tile_args *a, const float *vc,
                                float (*st)[MOE_ATTN_TILE_QV], int i, int nq, int d, int nd) {
     __m256 acc[4][2];
     _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++)
-        _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++)
-            acc[r][u] = _mm256_loadu_ps(a->out[i + r] + d + 8 * u);
+        _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++) acc[r][u] =
+            _mm256_loadu_ps(a->out[i + r] + d + 8 * u);
     for (int j = 0; j < a->n_key; j++) {
         __m256 v[2];
-        _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++)
-            v[u] = _mm256_loadu_ps(vc + (int64_t)j * a->dv + d + 8 * u);
+        _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++) v[u] =
+            _mm256_loadu_ps(vc + (int64_t)j * a->dv + d + 8 * u);
         _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++) {
             const __m256 p = _mm256_set1_ps(st[j][i + r]);
-            _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++)
-                acc[r][u] = _mm256_fmadd_ps(p, v[u], acc[r][u]);
+            _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++) acc[r][u] =
+                _mm256_fmadd_ps(p, v[u], acc[r][u]);
         }
     }
     _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++)
@@ -860,7 +863,8 @@ MOE_INLINE void attn_mix_block8(const moe_attn_tile_args *a, const float *vc,
     for (int r = 0; r < nq; r++)
         for (int e = d; e < a->dv; e++) {
             float y = a->out[i + r][e];
-            for (int j = 0; j < a->n_key; j++) y = fmaf(st[j][i + r], vc[(int64_t)j * a->dv + e], y);
+            for (int j = 0; j < a->n_key; j++)
+                y = fmaf(st[j][i + r], vc[(int64_t)j * a->dv + e], y);
             a->out[i + r][e] = y;
         }
 }
@@ -907,9 +911,9 @@ static void attn_tile8(const moe_attn_tile_args *a) {
         float *y = a->out[i];
         int d = 0;
         for (; d + 8 <= a->dv; d += 8)
-            _mm256_storeu_ps(y + d, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(y + d),
-                                                                _mm256_set1_ps(c[i])),
-                                                  _mm256_setzero_ps()));
+            _mm256_storeu_ps(
+                y + d, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(y + d), _mm256_set1_ps(c[i])),
+                                     _mm256_setzero_ps()));
         for (; d < a->dv; d++) y[d] = y[d] * c[i] + 0.0f;
     }
     attn_convert8(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);

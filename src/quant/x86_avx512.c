@@ -573,39 +573,34 @@ static void z_attn_convert(const void *x, int64_t stride, moe_type kv_type, int 
     memset(out + (int64_t)n_key * dim, 0, sizeof(float) * (size_t)((-n_key & 3) * dim));
 }
 
-/* Scaled scores of keys j..j+3 of the tile for nv registers of query vectors into st[key][vector]
- * (-inf where a vector does not see the key), and their maximum into mx. */
-MOE_INLINE void z_attn_scores4(const moe_attn_tile_args *a, const float *kc, int j, int nv,
+/* Scaled scores of keys j..j+3 of the tile for nv registers of query vectors from vector i0,
+ * into st[key][vector] (-inf where a vector does not see the key); their maxima into mx. */
+MOE_INLINE void z_attn_scores4(const moe_attn_tile_args *a, const float *kc, int j, int i0, int nv,
                                const __m512i *lo, const __m512i *hi, float (*st)[MOE_ATTN_TILE_QV],
                                __m512 *mx) {
     __m512 acc[4][4];
-    _Pragma("GCC unroll 4")
-    for (int u = 0; u < 4; u++)
-        _Pragma("GCC unroll 4")
-        for (int v = 0; v < nv; v++) acc[u][v] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] = _mm512_setzero_ps();
     const float *k0 = kc + (int64_t)j * a->dk;
     for (int d = 0; d < a->dk; d++) {
         __m512 q[4];
-        _Pragma("GCC unroll 4")
-        for (int v = 0; v < nv; v++)
-            q[v] = _mm512_loadu_ps(a->qt + (int64_t)d * MOE_ATTN_TILE_QV + 16 * v);
-        _Pragma("GCC unroll 4")
-        for (int u = 0; u < 4; u++) {
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) q[v] =
+            _mm512_loadu_ps(a->qt + (int64_t)d * MOE_ATTN_TILE_QV + i0 + 16 * v);
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
             const __m512 k = _mm512_set1_ps(k0[(int64_t)u * a->dk + d]);
-            _Pragma("GCC unroll 4")
-            for (int v = 0; v < nv; v++) acc[u][v] = _mm512_fmadd_ps(q[v], k, acc[u][v]);
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] =
+                _mm512_fmadd_ps(q[v], k, acc[u][v]);
         }
     }
     for (int u = 0; u < 4 && j + u < a->n_key; u++) {
         const __m512i key = _mm512_set1_epi32(j + u);
-        _Pragma("GCC unroll 4")
-        for (int v = 0; v < nv; v++) {
-            const __mmask16 sees =
-                _mm512_cmpge_epi32_mask(key, lo[v]) & _mm512_cmple_epi32_mask(key, hi[v]);
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+            const __mmask16 sees = _mm512_cmpge_epi32_mask(key, lo[i0 / 16 + v]) &
+                                   _mm512_cmple_epi32_mask(key, hi[i0 / 16 + v]);
             const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), sees, acc[u][v],
                                                 _mm512_set1_ps(a->scale));
-            _mm512_storeu_ps(&st[j + u][16 * v], s);
-            mx[v] = _mm512_max_ps(mx[v], s);
+            _mm512_storeu_ps(&st[j + u][i0 + 16 * v], s);
+            mx[i0 / 16 + v] = _mm512_max_ps(mx[i0 / 16 + v], s);
         }
     }
 }
@@ -616,30 +611,24 @@ MOE_INLINE void z_attn_mix_rows(const moe_attn_tile_args *a, const float *vc,
     for (int d = 0; d < a->dv; d += 64) {
         __mmask16 mask[4];
         __m512 acc[4][4];
-        _Pragma("GCC unroll 4")
-        for (int u = 0; u < 4; u++) {
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
             const int w = a->dv - d - 16 * u;
             mask[u] = w >= 16 ? 0xffff : w > 0 ? (__mmask16)((1u << w) - 1) : 0;
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < nq; r++)
-                acc[r][u] = _mm512_maskz_loadu_ps(mask[u], a->out[i + r] + d + 16 * u);
+            _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++) acc[r][u] =
+                _mm512_maskz_loadu_ps(mask[u], a->out[i + r] + d + 16 * u);
         }
         for (int j = 0; j < a->n_key; j++) {
             __m512 v[4];
-            _Pragma("GCC unroll 4")
-            for (int u = 0; u < 4; u++)
-                v[u] = _mm512_maskz_loadu_ps(mask[u], vc + (int64_t)j * a->dv + d + 16 * u);
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < nq; r++) {
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) v[u] =
+                _mm512_maskz_loadu_ps(mask[u], vc + (int64_t)j * a->dv + d + 16 * u);
+            _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++) {
                 const __m512 p = _mm512_set1_ps(st[j][i + r]);
-                _Pragma("GCC unroll 4")
-                for (int u = 0; u < 4; u++) acc[r][u] = _mm512_fmadd_ps(p, v[u], acc[r][u]);
+                _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) acc[r][u] =
+                    _mm512_fmadd_ps(p, v[u], acc[r][u]);
             }
         }
-        _Pragma("GCC unroll 4")
-        for (int r = 0; r < nq; r++)
-            _Pragma("GCC unroll 4")
-            for (int u = 0; u < 4; u++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++)
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
                 _mm512_mask_storeu_ps(a->out[i + r] + d + 16 * u, mask[u], acc[r][u]);
     }
 }
@@ -655,28 +644,29 @@ static void z_attn_tile(const moe_attn_tile_args *a) {
         lo[i] = i < a->nq ? a->lo[i] : 1;
         hi[i] = i < a->nq ? a->hi[i] : 0;
     }
-    __m512i vlo[4], vhi[4];
-    __m512 mx[4];
+    __m512i vlo[MOE_ATTN_TILE_QV / 16], vhi[MOE_ATTN_TILE_QV / 16];
+    __m512 mx[MOE_ATTN_TILE_QV / 16];
     for (int v = 0; v < nv; v++) {
         vlo[v] = _mm512_loadu_si512(lo + 16 * v);
         vhi[v] = _mm512_loadu_si512(hi + 16 * v);
         mx[v] = _mm512_loadu_ps(m + 16 * v);
     }
     z_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
-    for (int j = 0; j < a->n_key; j += 4) switch (nv) {
-        case 1:
-            z_attn_scores4(a, a->scratch, j, 1, vlo, vhi, st, mx);
-            break;
-        case 2:
-            z_attn_scores4(a, a->scratch, j, 2, vlo, vhi, st, mx);
-            break;
-        case 3:
-            z_attn_scores4(a, a->scratch, j, 3, vlo, vhi, st, mx);
-            break;
-        default:
-            z_attn_scores4(a, a->scratch, j, 4, vlo, vhi, st, mx);
-            break;
-        }
+    for (int v = 0; v < nv; v += 4) /* 64 query vectors at a time against the whole tile */
+        for (int j = 0; j < a->n_key; j += 4) switch (nv - v) {
+            case 1:
+                z_attn_scores4(a, a->scratch, j, 16 * v, 1, vlo, vhi, st, mx);
+                break;
+            case 2:
+                z_attn_scores4(a, a->scratch, j, 16 * v, 2, vlo, vhi, st, mx);
+                break;
+            case 3:
+                z_attn_scores4(a, a->scratch, j, 16 * v, 3, vlo, vhi, st, mx);
+                break;
+            default:
+                z_attn_scores4(a, a->scratch, j, 16 * v, 4, vlo, vhi, st, mx);
+                break;
+            }
     for (int v = 0; v < nv; v++) { /* the running max moves, then the weights and their sum */
         const __m512 old = _mm512_loadu_ps(m + 16 * v);
         const __m512 rescale =
