@@ -766,29 +766,16 @@ void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
  * (broadcast from the f32 tile) x 16 query vectors; mix: 4 query vectors (broadcast weights) x
  * 16 output values, the values loaded once for the 4. */
 
-/* moe_attn_exp on 8 lanes, in its operations. */
-MOE_INLINE __m256 attn_exp8(__m256 x) {
-    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(MOE_ATTN_EXP_MIN), _CMP_GE_OQ);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(MOE_ATTN_EXP_LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(MOE_ATTN_EXP_LN2_A), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(MOE_ATTN_EXP_LN2_B), r);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(MOE_ATTN_EXP_P0), r, _mm256_set1_ps(MOE_ATTN_EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P5));
-    const __m256 y =
-        _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-    return _mm256_and_ps(live, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e)));
-}
-
 /* n_key rows of a KV tile as f32, dim values each, rows padded with zeros to a multiple of 4. */
-static void attn_convert8(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
-                          float *out) {
+void moe_avx2_attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
+                           float *out) {
+    const int64_t bytes = (int64_t)moe_type_row_bytes(kv_type, dim);
     for (int j = 0; j < n_key; j++) {
         const void *row = (const uint8_t *)x + j * stride;
+        /* the same row of the next tile, on its way while this one computes (a prefetch past
+         * the cache's end is dropped, never a fault) */
+        for (int64_t b = 0; b < bytes; b += 64)
+            _mm_prefetch((const char *)row + MOE_ATTN_TILE_KEYS * stride + b, _MM_HINT_T0);
         float *o = out + (int64_t)j * dim;
         int d = 0;
         for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(o + d, load8_kv(row, kv_type, d));
@@ -882,7 +869,7 @@ static void attn_tile8(const moe_attn_tile_args *a) {
     }
     __m256 mx[MOE_ATTN_TILE_QV / 8];
     for (int v = 0; v < nv; v++) mx[v] = _mm256_loadu_ps(m + 8 * v);
-    attn_convert8(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+    moe_avx2_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
     for (int v = 0; v < nv; v += 2)
         for (int j = 0; j < a->n_key; j += 4) {
             if (v + 1 < nv)
@@ -893,11 +880,11 @@ static void attn_tile8(const moe_attn_tile_args *a) {
     for (int v = 0; v < nv; v++) { /* the running max moves, then the weights and their sum */
         const __m256 old = _mm256_loadu_ps(m + 8 * v);
         const __m256 rescale =
-            _mm256_blendv_ps(_mm256_set1_ps(1.0f), attn_exp8(_mm256_sub_ps(old, mx[v])),
+            _mm256_blendv_ps(_mm256_set1_ps(1.0f), avx2_attn_exp(_mm256_sub_ps(old, mx[v])),
                              _mm256_cmp_ps(mx[v], old, _CMP_GT_OQ));
         __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(l + 8 * v), rescale);
         for (int j = 0; j < a->n_key; j++) {
-            const __m256 p = attn_exp8(_mm256_sub_ps(_mm256_loadu_ps(&st[j][8 * v]), mx[v]));
+            const __m256 p = avx2_attn_exp(_mm256_sub_ps(_mm256_loadu_ps(&st[j][8 * v]), mx[v]));
             sum = _mm256_add_ps(sum, p);
             _mm256_storeu_ps(&st[j][8 * v], p);
         }
@@ -916,7 +903,7 @@ static void attn_tile8(const moe_attn_tile_args *a) {
                                      _mm256_setzero_ps()));
         for (; d < a->dv; d++) y[d] = y[d] * c[i] + 0.0f;
     }
-    attn_convert8(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
+    moe_avx2_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
     int i = 0;
     for (; i + 4 <= a->nq; i += 4) attn_mix_block8(a, a->scratch, st, i, 4);
     for (; i < a->nq; i++) attn_mix_block8(a, a->scratch, st, i, 1);

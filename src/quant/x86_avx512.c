@@ -541,36 +541,11 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
  * (broadcast from the f32 tile) x up to 4 registers of query vectors; mix: 4 query vectors
  * (broadcast weights) x 64 output values, the values loaded once for the 4. */
 
-/* moe_attn_exp on 16 lanes, in its operations. */
+/* moe_attn_exp on 16 lanes: the AVX2 one on each half. */
 MOE_INLINE __m512 z_attn_exp(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(MOE_ATTN_EXP_MIN), _CMP_GE_OQ);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(MOE_ATTN_EXP_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(MOE_ATTN_EXP_LN2_A), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(MOE_ATTN_EXP_LN2_B), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(MOE_ATTN_EXP_P0), r, _mm512_set1_ps(MOE_ATTN_EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MOE_ATTN_EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MOE_ATTN_EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MOE_ATTN_EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MOE_ATTN_EXP_P5));
-    const __m512 y =
-        _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-    return _mm512_maskz_mov_ps(live,
-                               _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(y), e)));
-}
-
-/* n_key rows of a KV tile as f32, dim values each, rows padded with zeros to a multiple of 4. */
-static void z_attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
-                           float *out) {
-    for (int j = 0; j < n_key; j++) {
-        const void *row = (const uint8_t *)x + j * stride;
-        float *o = out + (int64_t)j * dim;
-        int d = 0;
-        for (; d + 16 <= dim; d += 16) _mm512_storeu_ps(o + d, z_load16_kv(row, kv_type, d));
-        for (; d < dim; d++) o[d] = moe_ref_kv_value(row, kv_type, d);
-    }
-    memset(out + (int64_t)n_key * dim, 0, sizeof(float) * (size_t)((-n_key & 3) * dim));
+    const __m256 lo = avx2_attn_exp(_mm512_castps512_ps256(x));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo),
+                              avx2_attn_exp(_mm512_extractf32x8_ps(x, 1)), 1);
 }
 
 /* Scaled scores of keys j..j+3 of the tile for nv registers of query vectors from vector i0,
@@ -651,7 +626,7 @@ static void z_attn_tile(const moe_attn_tile_args *a) {
         vhi[v] = _mm512_loadu_si512(hi + 16 * v);
         mx[v] = _mm512_loadu_ps(m + 16 * v);
     }
-    z_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+    moe_avx2_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
     for (int v = 0; v < nv; v += 4) /* 64 query vectors at a time against the whole tile */
         for (int j = 0; j < a->n_key; j += 4) switch (nv - v) {
             case 1:
@@ -692,7 +667,7 @@ static void z_attn_tile(const moe_attn_tile_args *a) {
             _mm512_mask_storeu_ps(a->out[i] + d, mask, _mm512_add_ps(y, _mm512_setzero_ps()));
         }
     }
-    z_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
+    moe_avx2_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
     int i = 0;
     for (; i + 4 <= a->nq; i += 4) z_attn_mix_rows(a, a->scratch, st, i, 4);
     for (; i < a->nq; i++) z_attn_mix_rows(a, a->scratch, st, i, 1);
