@@ -130,10 +130,10 @@ bench-grammar: $(GRAMMAR_BENCH_BIN)
 $(GRAMMAR_BENCH_BIN): $(BUILD)/bench/grammar.o $(LIB)
 	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/grammar.o $(LIB) $(LDFLAGS) $(LDLIBS)
 
-## bench-llamacpp: llama.cpp side by side with `moe bench`: pp, tg and batched decode on MODEL
-## (ARGS: -t, --runs, --pp, --tg, --streams, --fa, --csv; `ARGS=--parity` with a ../shared/parity
-## fixture as MODEL). Its llama.cpp is the prebuilt one of npm's @node-llama-cpp/linux-x64, which
-## `npm ci` installs into bench/llamacpp/node_modules (package-lock.json); not part of `make test`.
+## bench-llamacpp: llama.cpp on MODEL beside `moe bench`: pp, tg, batched decode (ARGS: see
+## --help; ARGS=--parity with a ../shared/parity fixture checks it against the fixture's logits)
+# Its llama.cpp is the prebuilt one of npm's @node-llama-cpp/linux-x64, which `npm ci` installs
+# into bench/llamacpp/node_modules (package-lock.json pins it). Not part of `make test`.
 LLAMACPP_DIR := bench/llamacpp
 LLAMACPP_LIBS := $(LLAMACPP_DIR)/node_modules/@node-llama-cpp/linux-x64/bins/linux-x64
 LLAMACPP_BIN ?= $(BUILD)/bench/llamacpp

@@ -248,7 +248,6 @@ static void lib_dir(char *dir, size_t size) {
 /* "<package version>, llama.cpp release <tag>" from the npm package next to the libraries. */
 static void package_info(const char *dir, char *out, size_t size) {
     char path[PATH_MAX + 64];
-    snprintf(out, size, "?");
     snprintf(path, sizeof path, "%s/../../package.json", dir);
     json_t *pkg = json_load_file(path, 0, NULL);
     snprintf(path, sizeof path, "%s/_nlcBuildMetadata.json", dir);
@@ -653,9 +652,11 @@ static bool parity_run(struct llama_model *m, const fixture *f, const char *labe
         b.n_tokens = 0;
         for (int i = 0; i < rows; i++) batch_add(&b, f->tokens[r + i], r + i, 0, true);
         decode(ctx, &b);
-        for (int i = 0; i < rows; i++)
-            memcpy(got + (size_t)(r + i) * f->n_vocab, llama_get_logits_ith(ctx, i),
-                   (size_t)f->n_vocab * sizeof *got);
+        for (int i = 0; i < rows; i++) {
+            const float *logits = llama_get_logits_ith(ctx, i);
+            if (!logits) fail("--parity: llama.cpp has no logits for row %d", r + i);
+            memcpy(got + (size_t)(r + i) * f->n_vocab, logits, (size_t)f->n_vocab * sizeof *got);
+        }
         r += rows;
     }
     double worst = 0, worst_abs = 0;
