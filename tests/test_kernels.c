@@ -509,15 +509,15 @@ static void fast_path_matches_its_reference(void **state) {
 static void rows16_layout_and_kernels(void **state) {
     (void)state;
     enum { MAX_X = 70, MAX_BLOCKS = 40 };
-    static const moe_type types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q4_0, MOE_TYPE_IQ4_NL,
-                                     MOE_TYPE_MXFP4};
+    static const moe_type types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q4_0, MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4};
     static const size_t heads[] = {2, 2, 2, 1};
     const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
     const int64_t max_n = MAX_BLOCKS * MOE_QK32;
     const size_t max_row = (size_t)moe_type_row_bytes(MOE_TYPE_Q8_0, max_n);
     uint8_t *rows = moe_xmalloc(max_row * 16), *group = moe_xmalloc(max_row * 16),
             *back = moe_xmalloc(max_row * 16), *xq = moe_xmalloc(max_row * MAX_X);
-    float *x = moe_xmalloc((size_t)max_n * sizeof(float)), *out = moe_xmalloc(sizeof(float) * 16 * MAX_X);
+    float *x = moe_xmalloc((size_t)max_n * sizeof(float)),
+          *out = moe_xmalloc(sizeof(float) * 16 * MAX_X);
     uint64_t seed = 18;
     int kernels = 0;
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {

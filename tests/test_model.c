@@ -970,8 +970,8 @@ static void repack_keeps_logits(void **state) {
             const moe_kernels *k = moe_kernels_for_path(level, exact);
             const bool can = k->types[MOE_TYPE_Q8_0].dot_tile_rows16 != NULL;
             if (did != can)
-                fail_msg("%s at %s: repacked %s, the table has %s kernels on ROWS16:\n%s",
-                         names[i], env, did ? "something" : "nothing", can ? "" : "no", said);
+                fail_msg("%s at %s: repacked %s, the table has %s kernels on ROWS16:\n%s", names[i],
+                         env, did ? "something" : "nothing", can ? "" : "no", said);
             assert_null(strstr(said_plain, "repacked"));
             free(said), free(said_plain), free(repacked), free(plain);
         }

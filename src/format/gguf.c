@@ -1110,8 +1110,8 @@ moe_status moe_gguf_tensor_repack(moe_gguf *g, const moe_tensor *t, moe_layout l
     void *scratch = moe_xmalloc((size_t)row_bytes * MOE_ROWS16);
     uint8_t *data = (uint8_t *)t->data;
     for (int64_t i = 0; i < n_matrices; i++)
-        moe_layout_pack_matrix(layout, t->type, data + (uint64_t)i * t->ne[1] * row_bytes,
-                               t->ne[1], t->ne[0], scratch);
+        moe_layout_pack_matrix(layout, t->type, data + (uint64_t)i * t->ne[1] * row_bytes, t->ne[1],
+                               t->ne[0], scratch);
     free(scratch);
     mprotect(first, span, PROT_READ); /* read-only again, as the weights were */
     own->layout = layout;

@@ -876,10 +876,10 @@ static bool read_by_rows(const moe_model *m, const moe_tensor *t) {
 }
 
 /* Repack one matrix if the active table has a kernel on a layout for its type. */
-static moe_status repack_one(moe_model *m, const moe_tensor *t, bool routed,
-                             moe_layout_report *out, moe_error *err) {
-    if (!t || !t->data || t->layout != MOE_LAYOUT_FILE || t->n_dims < 2 ||
-        t->ne[1] < MOE_ROWS16 || read_by_rows(m, t) || (!routed && moe_model_is_routed(t, m)))
+static moe_status repack_one(moe_model *m, const moe_tensor *t, bool routed, moe_layout_report *out,
+                             moe_error *err) {
+    if (!t || !t->data || t->layout != MOE_LAYOUT_FILE || t->n_dims < 2 || t->ne[1] < MOE_ROWS16 ||
+        read_by_rows(m, t) || (!routed && moe_model_is_routed(t, m)))
         return MOE_OK;
     const moe_type_kernels *k = moe_kernels_type(t->type);
     if (!k || !k->dot_tile_rows16) return MOE_OK;

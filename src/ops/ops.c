@@ -200,7 +200,7 @@ typedef struct matmul_job {
  * rows (over 1 MiB) from L3 once per weight row. One row (decode) is the plain matvec. */
 #define MATMUL_W_BLOCK 16
 _Static_assert(MOE_DOT_TILE_W == MOE_ROWS16, "a tile kernel's weight rows are a repacked group");
-#define MATMUL_X_TILE  (192u << 10)
+#define MATMUL_X_TILE (192u << 10)
 
 /* The weight stream through a chunk of rows is one run of addresses, but the hardware
  * prefetcher starts over at every 4 KiB page and at the chunk's start; so while a block of rows
@@ -237,9 +237,9 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
                 j->rows16 && n_w == MOE_ROWS16 ? j->k->dot_tile_rows16 : j->k->dot_tile;
             for (int64_t r0 = 0; r0 < j->n_rows; r0 += tile)
                 dot_tile(j->wbase + (uint64_t)o0 * j->w_row_bytes, j->w_row_bytes, n_w,
-                               j->xq + (uint64_t)r0 * j->xq_row_bytes, j->xq_row_bytes,
-                               j->n_rows - r0 < tile ? j->n_rows - r0 : tile, j->n_in,
-                               j->y + r0 * j->n_out + o0, j->n_out);
+                         j->xq + (uint64_t)r0 * j->xq_row_bytes, j->xq_row_bytes,
+                         j->n_rows - r0 < tile ? j->n_rows - r0 : tile, j->n_in,
+                         j->y + r0 * j->n_out + o0, j->n_out);
         }
         return;
     }
@@ -278,7 +278,8 @@ void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes) {
 static void matmul_prepare(const moe_matmul_task *t, matmul_job *j) {
     const moe_type_kernels *k = moe_kernels_type(t->w->type);
     const int64_t n_in = t->w->ne[0], n_out = t->w->ne[1];
-    if (t->w->layout != MOE_LAYOUT_FILE && (t->w->layout != MOE_LAYOUT_ROWS16 || !k->dot_tile_rows16))
+    if (t->w->layout != MOE_LAYOUT_FILE &&
+        (t->w->layout != MOE_LAYOUT_ROWS16 || !k->dot_tile_rows16))
         moe_die("%s: repacked for another kernel table than %s's %s path (the table changed after "
                 "load: load with --no-repack)",
                 t->w->name.ptr, moe_kernels_get()->name, moe_exact() ? "exact" : "fast");
