@@ -254,10 +254,13 @@ MOE_INLINE void fast_tile_rows16(const uint8_t *b, size_t head, const int8_t *bo
     fast_tile_q32_bias(o);
     if (head == 2)
         o->d = _mm512_cvtph_ps(avx2_load(b));
-    else {
-        float d[16];
-        for (int v = 0; v < 16; v++) d[v] = moe_e8m0_to_f32_half(b[v]);
-        o->d = _mm512_loadu_ps(d);
+    else { /* moe_e8m0_to_f32_half of 16 bytes: 2^(e - 128), as (e - 1) << 23, or the
+            * subnormals 0x00200000 << e for e < 2 */
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+        o->d = _mm512_castsi512_ps(_mm512_mask_blend_epi32(
+            _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
     }
 }
 
