@@ -953,6 +953,13 @@ static void repack_keeps_logits(void **state) {
         fixture f;
         if (!fixture_open(&f, names[i], "logits", 0)) return;
         const size_t bytes = sizeof(float) * f.n * f.m->cfg.n_vocab;
+        char rel[256]; /* the file, before and after: its mapping was repacked, never it */
+        snprintf(rel, sizeof rel, "parity/%s.gguf", names[i]);
+        uint8_t *file_before, *file_after;
+        size_t size_before, size_after;
+        moe_error err = {0};
+        assert_int_equal(moe_file_read(moe_test_shared(rel), &file_before, &size_before, &err),
+                         MOE_OK);
         for (int isa = MOE_ISA_SCALAR; isa <= (int)top + 1; isa++) {
             const bool exact = isa > (int)top; /* last: the exact path at the top level */
             const moe_isa level = exact ? top : (moe_isa)isa;
@@ -975,6 +982,11 @@ static void repack_keeps_logits(void **state) {
             assert_null(strstr(said_plain, "repacked"));
             free(said), free(said_plain), free(repacked), free(plain);
         }
+        assert_int_equal(moe_file_read(moe_test_shared(rel), &file_after, &size_after, &err),
+                         MOE_OK);
+        assert_int_equal(size_after, size_before);
+        assert_memory_equal(file_after, file_before, size_before);
+        free(file_before), free(file_after);
         fixture_close(&f);
     }
 }
