@@ -49,7 +49,7 @@ CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
 
-.PHONY: all test test-mpi asan bench bench-grammar fuzz fuzz-jinja fuzz-safetensors fuzz-http \
+.PHONY: all test test-mpi asan bench bench-grammar bench-llamacpp fuzz fuzz-jinja fuzz-safetensors fuzz-http \
   fuzz-grammar format format-check deps fixtures clients help clean
 all: $(MOE_BIN)
 
@@ -130,6 +130,25 @@ bench-grammar: $(GRAMMAR_BENCH_BIN)
 $(GRAMMAR_BENCH_BIN): $(BUILD)/bench/grammar.o $(LIB)
 	$(CC) $(CFLAGS) -o $@ $(BUILD)/bench/grammar.o $(LIB) $(LDFLAGS) $(LDLIBS)
 
+## bench-llamacpp: llama.cpp on MODEL beside `moe bench`: pp, tg, batched decode (ARGS: see
+## --help; ARGS=--parity with a ../shared/parity fixture checks it against the fixture's logits)
+# Its llama.cpp is the prebuilt one of npm's @node-llama-cpp/linux-x64, which `npm ci` installs
+# into bench/llamacpp/node_modules (package-lock.json pins it). Not part of `make test`.
+LLAMACPP_DIR := bench/llamacpp
+LLAMACPP_LIBS := $(LLAMACPP_DIR)/node_modules/@node-llama-cpp/linux-x64/bins/linux-x64
+LLAMACPP_BIN ?= $(BUILD)/bench/llamacpp
+bench-llamacpp: $(LLAMACPP_BIN)
+	@test -n "$(MODEL)" || { echo "usage: make bench-llamacpp MODEL=FILE.gguf [ARGS='-t 2 --runs 5']"; exit 2; }
+	./$(LLAMACPP_BIN) $(MODEL) $(ARGS)
+$(LLAMACPP_LIBS)/libllama.v0.5.0.so: $(LLAMACPP_DIR)/package.json $(LLAMACPP_DIR)/package-lock.json
+	cd $(LLAMACPP_DIR) && npm ci --no-audit --no-fund
+	@touch $@
+$(LLAMACPP_BIN): $(LLAMACPP_DIR)/llamacpp.c $(LLAMACPP_LIBS)/libllama.v0.5.0.so
+	@mkdir -p $(dir $@)
+	$(CC) $(OPT) -std=c11 -Wall -Wextra $(WERROR) -D_GNU_SOURCE -o $@ $< -L$(LLAMACPP_LIBS) \
+	  -l:libllama.v0.5.0.so -l:libggml.v0.5.0.so -l:libggml-base.so -l:libllama-common.so \
+	  -Wl,-rpath,$(abspath $(LLAMACPP_LIBS)) -ljansson -lm
+
 ## fuzz: libFuzzer + ASan over the GGUF reader for FUZZ_SECONDS (default 60)
 # Seeds: tests/data/gguf (small valid files and past crashes) and the ../shared GGUFs (cut to
 # -max_len); the corpus grows in fuzz/corpus/gguf, crashes land in fuzz/out/.
@@ -193,7 +212,7 @@ fuzz-http: $(FUZZ_HTTP)
 
 ## format: clang-format every C file in place; format-check only reports
 # src/quant/iq_tables.c is generated (scripts/gen_iq_tables.py) and keeps the generator's layout
-FORMAT_FILES = $(filter-out src/quant/iq_tables.c,$(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c))
+FORMAT_FILES = $(filter-out src/quant/iq_tables.c,$(wildcard include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch] fuzz/*.c bench/*.c bench/*/*.c))
 format:
 	clang-format -i $(FORMAT_FILES)
 format-check:
