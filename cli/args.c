@@ -273,12 +273,31 @@ static const moe_cli_option engine_options[] = {
     {"--split-dense", NULL, NULL,
      "with --split: each dense FFN and shared expert split by rows across the ranks too",
      MOE_OPT_SWITCH, ENGINE(split_dense), 0, 0, NULL},
+    {"--no-repack", NULL, NULL,
+     "keep the weights in the file's layout (default: matrices whose type has a faster kernel "
+     "on a 16-row interleaved layout are repacked at load, same bytes and same logits)",
+     MOE_OPT_SWITCH, ENGINE(no_repack), 0, 0, NULL},
 };
 #undef ENGINE
 #define N_ENGINE_OPTIONS (sizeof engine_options / sizeof engine_options[0])
 
 int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i) {
     return moe_cli_option_parse(cmd, engine_options, N_ENGINE_OPTIONS, a, argc, argv, i);
+}
+
+bool moe_engine_args_repack(const char *cmd, moe_model *m, const moe_engine_args *a) {
+    if (a->no_repack) return true;
+    moe_layout_report r;
+    moe_error err = {0};
+    if (moe_model_repack(m, !a->expert_cache_bytes && a->split == MOE_SPLIT_NONE, &r, &err) !=
+        MOE_OK) {
+        fprintf(stderr, "moe %s: %s\n", cmd, err.msg);
+        return false;
+    }
+    char label[64];
+    snprintf(label, sizeof label, "moe %s", cmd);
+    moe_layout_report_print(label, &r);
+    return true;
 }
 
 void moe_engine_args_print(FILE *out, const moe_engine_args *defaults) {

@@ -48,6 +48,7 @@ typedef struct moe_engine_args {
     moe_split split;             /* --split experts|rows: share the routed experts among the ranks
                                   * of an mpirun job (needs `make MPI=1`) */
     bool split_dense;            /* --split-dense: dense FFNs and shared experts split by rows */
+    bool no_repack;              /* --no-repack: the matrices stay in the file's layout */
 } moe_engine_args;
 
 /* A byte size: a positive number with an optional binary unit K, M, G or T (KiB, GB, ...). */
@@ -56,6 +57,10 @@ bool moe_arg_size(const char *cmd, const char *flag, const char *text, uint64_t 
 /* argv[*i] if it is one of them: 1 consumed (*i moved past its value), 0 not one of them, -1 a
  * usage error (reported). */
 int moe_engine_args_parse(const char *cmd, moe_engine_args *a, int argc, char **argv, int *i);
+/* After the model is loaded (and read into memory, if it is): its matrices repacked for the
+ * active kernel table unless --no-repack (moe_model_repack; the routed experts kept as they are
+ * under an expert cache or a split), and what was done printed; false after printing why not. */
+bool moe_engine_args_repack(const char *cmd, moe_model *m, const moe_engine_args *a);
 /* Their --help lines, defaults taken from `defaults`. */
 void moe_engine_args_print(FILE *out, const moe_engine_args *defaults);
 

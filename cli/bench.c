@@ -52,7 +52,11 @@ static const char usage_text[] =
     "                    decode's hit rate and disk bytes per token beside a disk probe\n"
     "  --expert-stats FILE  keep the expert cache's use counts across runs in FILE\n"
     "  --pin-experts FILE   experts always resident, one \"LAYER EXPERT\" per line\n"
-    "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory)\n"
+    "  --mmap            keep the weights in the mapped file (default: copy to anonymous memory;\n"
+    "                    not repacked)\n"
+    "  --no-repack       keep the weights in the file's layout (default: matrices whose type has\n"
+    "                    a faster kernel on a 16-row interleaved layout are repacked at load,\n"
+    "                    not with --exact-too)\n"
     "  --exact-too       run pp, tg, depth and stream tests on the exact path (MOE_EXACT=1,\n"
     "                    ggml's float order) too, runs alternated with the fast path's; text\n"
     "                    and JSON report both\n"
@@ -770,6 +774,7 @@ int moe_cmd_bench(int argc, char **argv) {
     p.expert_cache_bytes = engine.expert_cache_bytes;
     p.split = engine.split;
     p.split_dense = engine.split_dense;
+    p.no_repack = engine.no_repack;
     if (!moe_engine_args_check("bench", &engine)) return 2;
     p.probe_bytes = (size_t)probe_mib << 20;
     if (csv && json) return moe_cli_usage_error("bench", "--csv and --json exclude each other");

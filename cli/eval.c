@@ -195,8 +195,10 @@ static int cmd_labels(int argc, char **argv) {
         fprintf(stderr, "moe eval labels: %s\n", err.msg);
         return 1;
     }
-    moe_eval_engine_params ep = {
-        .n_threads = engine.n_threads, .kv_type = engine.kv_type, .chat_template = tmpl};
+    moe_eval_engine_params ep = {.n_threads = engine.n_threads,
+                                 .kv_type = engine.kv_type,
+                                 .chat_template = tmpl,
+                                 .no_repack = engine.no_repack};
     moe_eval_scorer *sc = moe_path_is_url(model)
                               ? moe_eval_scorer_url(model, api_key, model_name, &err)
                               : moe_eval_scorer_engine(model, &ep, recs, n, &err);
@@ -381,6 +383,7 @@ static int cmd_kl(int argc, char **argv) {
     p.tokens = ids;
     p.n_threads = engine.n_threads;
     p.kv_type = engine.kv_type;
+    p.no_repack = engine.no_repack;
     moe_error err = {0};
     moe_eval_kl k;
     const moe_status st = moe_eval_kl_run(&p, &k, &err);

@@ -93,6 +93,8 @@ bool moe_gen_open(moe_gen *g, const moe_gen_options *o, const char *cmd) {
     if (g->model) moe_gguf_set_progress(g->model->gguf, label);
     if (g->model && o->engine.expert_cache_bytes) /* the rest resident, the experts on demand */
         moe_gguf_to_memory_except(g->model->gguf, NULL, moe_model_is_routed, g->model, NULL, &err);
+    if (g->model && !err.code && !moe_engine_args_repack(cmd, g->model, &o->engine))
+        moe_error_set(&err, MOE_ERR_UNSUPPORTED, "cannot repack the weights (--no-repack)");
     if (g->model && !err.code) g->tok = moe_tokenizer_from_gguf(g->model->gguf, &err);
     if (g->tok && moe_tokenizer_n_vocab(g->tok) != g->model->cfg.n_vocab)
         moe_error_set(&err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",

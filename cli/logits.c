@@ -71,6 +71,11 @@ int moe_cmd_logits(int argc, char **argv) {
         free(ids);
         return 1;
     }
+    if (!moe_engine_args_repack("logits", m, &engine)) {
+        moe_model_free(m);
+        free(ids);
+        return 1;
+    }
     const uint32_t n_vocab = m->cfg.n_vocab;
     moe_ctx_params cp = {.n_ctx = engine.n_ctx ? engine.n_ctx : (uint32_t)n,
                          .n_seq = 1,

@@ -29,7 +29,10 @@ static const char usage_text[] =
     "                     their share of the routed experts (see moe run --help)\n"
     "  --split-dense      with --split: dense FFNs and shared experts split by rows too\n"
     "  --mmap             serve weights from the mapped file (default: read into anonymous\n"
-    "                     memory at load, so the host cannot reclaim their pages)\n"
+    "                     memory at load, so the host cannot reclaim their pages; not repacked)\n"
+    "  --no-repack        keep the weights in the file's layout (default: matrices whose type\n"
+    "                     has a faster kernel on a 16-row interleaved layout are repacked at\n"
+    "                     load: same bytes, same logits)\n"
     "  --queue N          requests allowed to wait for a stream before 429 (default 64)\n"
     "  --queue-timeout S  seconds a request may wait before 503 (default 600)\n"
     "  --keepalive S      seconds of silence before an SSE keep-alive (default 15)\n"
@@ -156,6 +159,7 @@ int moe_cmd_serve(int argc, char **argv) {
     p.pin_experts = engine.pin_experts;
     p.split = engine.split;
     p.split_dense = engine.split_dense;
+    p.no_repack = engine.no_repack;
     if (!moe_engine_args_check("serve", &engine)) return 2;
     if (p.cache_slots + p.parallel > 4096)
         return moe_cli_usage_error("serve", "--parallel + --cache-slots must stay <= 4096");

@@ -499,6 +499,83 @@ static void fast_path_matches_its_reference(void **state) {
     free(w), free(xq), free(x), free(out);
 }
 
+/* ==== Repacked layouts (quant.h, "Weight layouts in memory") ==== */
+
+/* MOE_LAYOUT_ROWS16, byte by byte as quant.h defines it (not through layout.c's own loop): 16
+ * random rows of 1..40 blocks packed, every head and body dword found where the definition puts
+ * it, unpacked back to the same bytes; then at every level whose fast table has a kernel on the
+ * layout, each (weight row, activation row) of the packed group gives the scalar fast
+ * reference's bits on the file's row (1..70 activation rows: both sides of the row groups). */
+static void rows16_layout_and_kernels(void **state) {
+    (void)state;
+    enum { MAX_X = 70, MAX_BLOCKS = 40 };
+    static const moe_type types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q4_0, MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4};
+    static const size_t heads[] = {2, 2, 2, 1};
+    const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
+    const int64_t max_n = MAX_BLOCKS * MOE_QK32;
+    const size_t max_row = (size_t)moe_type_row_bytes(MOE_TYPE_Q8_0, max_n);
+    uint8_t *rows = moe_xmalloc(max_row * 16), *group = moe_xmalloc(max_row * 16),
+            *back = moe_xmalloc(max_row * 16), *xq = moe_xmalloc(max_row * MAX_X);
+    float *x = moe_xmalloc((size_t)max_n * sizeof(float)),
+          *out = moe_xmalloc(sizeof(float) * 16 * MAX_X);
+    uint64_t seed = 18;
+    int kernels = 0;
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        const moe_type t = types[ti];
+        const size_t bb = moe_type_traits_get(t)->block_bytes, head = heads[ti];
+        assert_true(moe_layout_has_type(MOE_LAYOUT_ROWS16, t));
+        for (int64_t blocks = 1; blocks <= MAX_BLOCKS; blocks += 13) {
+            const int64_t n = blocks * MOE_QK32;
+            const size_t row_bytes = (size_t)moe_type_row_bytes(t, n);
+            for (int v = 0; v < 16; v++) moe_type_random_row(t, &seed, rows + v * row_bytes, n);
+            if (t == MOE_TYPE_MXFP4) /* the e8m0 exponents whose scales are subnormal */
+                for (int v = 0; v < 4; v++) rows[v * row_bytes + bb * (size_t)(v % blocks)] = v % 2;
+            moe_layout_rows16_pack(t, rows, group, n);
+            for (int64_t i = 0; i < blocks; i++)
+                for (int v = 0; v < 16; v++) {
+                    const uint8_t *blk = rows + v * row_bytes + i * bb, *g = group + i * 16 * bb;
+                    assert_memory_equal(g + v * head, blk, head);
+                    for (size_t k = 0; k < (bb - head) / 4; k++)
+                        assert_memory_equal(g + 16 * head + 64 * k + 4 * v, blk + head + 4 * k, 4);
+                }
+            moe_layout_rows16_unpack(t, group, back, n);
+            assert_memory_equal(back, rows, 16 * row_bytes);
+            const size_t xs = (size_t)moe_dot_row_bytes(t, n);
+            for (int r = 0; r < MAX_X; r++) {
+                random_activations(&seed, x, n);
+                ref->types[t].quantize_row_for_dot(x, xq + (size_t)r * xs, n);
+            }
+            for (int level = 0; level < MOE_ISA_COUNT; level++) {
+                const moe_kernels *k = moe_kernels_for_path((moe_isa)level, false);
+                if (!k || !k->types[t].dot_tile_rows16) continue;
+                kernels += blocks == 1;
+                static const int counts[] = {1, 2, 3, 7, 8, MAX_X};
+                for (int c = 0; c < 6; c++) {
+                    memset(out, 0xff, sizeof(float) * 16 * MAX_X);
+                    k->types[t].dot_tile_rows16(group, 0, 16, xq, xs, counts[c], n, out, 16);
+                    for (int r = 0; r < counts[c]; r++)
+                        for (int v = 0; v < 16; v++) {
+                            const float want =
+                                ref->types[t].dot(rows + v * row_bytes, xq + (size_t)r * xs, n);
+                            if (memcmp(&want, &out[r * 16 + v], sizeof want) != 0)
+                                fail_msg("%s %s on ROWS16, %d rows, n = %lld: weight row %d, "
+                                         "row %d is %.9g, the reference %.9g",
+                                         k->name, moe_type_name(t), counts[c], (long long)n, v, r,
+                                         out[r * 16 + v], want);
+                        }
+                }
+            }
+        }
+    }
+    print_message("[ MEASURE  ] %d kernels on MOE_LAYOUT_ROWS16 (all levels) give the reference's "
+                  "bits\n",
+                  kernels);
+    const moe_kernels *vnni = moe_kernels_for_path(MOE_ISA_AVX512VNNI, false);
+    if (vnni) assert_int_equal(kernels, 4); /* the level with the 16-lane tile has all four */
+    assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_Q4_K));
+    free(rows), free(group), free(back), free(xq), free(x), free(out);
+}
+
 /* ==== moe --version names the table ==== */
 
 /* The types that carry the ../shared parity models give, at every level above AVX2, the AVX2
@@ -918,6 +995,7 @@ int moe_suite_kernels(void) {
         cmocka_unit_test(avx512_follows_avx2_floats),
         cmocka_unit_test(matmul_tiles_equal_single_dots),
         cmocka_unit_test(fast_path_matches_its_reference),
+        cmocka_unit_test(rows16_layout_and_kernels),
         cmocka_unit_test(attention_kernels_bit_exact),
         cmocka_unit_test(attention_exp_within_2ulp),
         cmocka_unit_test(attention_tile_levels_equal_reference),

@@ -921,6 +921,76 @@ static void fast_rule_quantized_fixtures(void **state) {
     fast_rule_check("gemma4-moe-q4_0", MOE_TEST_GEMMA4_Q8_ACT_SLACK);
 }
 
+/* `moe logits` of a fixture's 32 ids with `env` and `flags`; its output (stderr too) in *said. */
+static float *logits_run(const fixture *f, const char *name, const char *env, const char *flags,
+                         char **said) {
+    char rel[256], ids[512], out_path[512], cmd[2048];
+    ids_csv(f, ids, sizeof ids);
+    snprintf(rel, sizeof rel, "parity/%s.gguf", name);
+    snprintf(out_path, sizeof out_path, "%s/%s.repack.f32", moe_test_tmpdir(), name);
+    snprintf(cmd, sizeof cmd, "%s %s logits %s --tokens %s --out %s %s", env, moe_test_bin(),
+             moe_test_shared(rel), ids, out_path, flags);
+    if (moe_test_run(cmd, said) != 0) fail_msg("%s failed:\n%s", cmd, *said);
+    size_t size;
+    uint8_t *bytes;
+    moe_error err = {0};
+    assert_int_equal(moe_file_read(out_path, &bytes, &size, &err), MOE_OK);
+    assert_int_equal(size, sizeof(float) * f->n * f->m->cfg.n_vocab);
+    return (float *)bytes;
+}
+
+/* The loader's repack (quant.h, "Weight layouts in memory") moves bytes only: on every quantized
+ * fixture, at every ISA level on the fast path and at the top level on the exact one, `moe
+ * logits` writes the same bytes with and without --no-repack. Where the level has kernels on a
+ * repacked layout (avx512vnni's fast table) it says it repacked matrices (every fixture has
+ * Q8_0, Q4_0 or MXFP4 ones), elsewhere it repacks nothing. */
+static void repack_keeps_logits(void **state) {
+    (void)state;
+    static const char *const names[] = {"deepseek2-q8_0-q4_k", "gpt-oss-mxfp4", "llama-q8_0",
+                                        "qwen3moe-mixed", "gemma4-moe-q4_0"};
+    const moe_isa top = moe_cpu_isa_supported();
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        fixture f;
+        if (!fixture_open(&f, names[i], "logits", 0)) return;
+        const size_t bytes = sizeof(float) * f.n * f.m->cfg.n_vocab;
+        char rel[256]; /* the file, before and after: its mapping was repacked, never it */
+        snprintf(rel, sizeof rel, "parity/%s.gguf", names[i]);
+        uint8_t *file_before, *file_after;
+        size_t size_before, size_after;
+        moe_error err = {0};
+        assert_int_equal(moe_file_read(moe_test_shared(rel), &file_before, &size_before, &err),
+                         MOE_OK);
+        for (int isa = MOE_ISA_SCALAR; isa <= (int)top + 1; isa++) {
+            const bool exact = isa > (int)top; /* last: the exact path at the top level */
+            const moe_isa level = exact ? top : (moe_isa)isa;
+            char env[96];
+            snprintf(env, sizeof env, "MOE_EXACT=%d MOE_ISA=%s", exact, moe_isa_name(level));
+            char *said, *said_plain;
+            float *repacked = logits_run(&f, names[i], env, "", &said);
+            float *plain = logits_run(&f, names[i], env, "--no-repack", &said_plain);
+            const bool did = strstr(said, "repacked") != NULL;
+            print_message("%s at %s%s: %s, logits %s\n", names[i], moe_isa_name(level),
+                          exact ? " (exact)" : "", did ? "repacked" : "nothing repacked",
+                          memcmp(repacked, plain, bytes) ? "DIFFER" : "bit-identical");
+            if (memcmp(repacked, plain, bytes) != 0)
+                fail_msg("%s at %s: the logits change with the repack", names[i], env);
+            const moe_kernels *k = moe_kernels_for_path(level, exact);
+            const bool can = k->types[MOE_TYPE_Q8_0].dot_tile_rows16 != NULL;
+            if (did != can)
+                fail_msg("%s at %s: repacked %s, the table has %s kernels on ROWS16:\n%s", names[i],
+                         env, did ? "something" : "nothing", can ? "" : "no", said);
+            assert_null(strstr(said_plain, "repacked"));
+            free(said), free(said_plain), free(repacked), free(plain);
+        }
+        assert_int_equal(moe_file_read(moe_test_shared(rel), &file_after, &size_after, &err),
+                         MOE_OK);
+        assert_int_equal(size_after, size_before);
+        assert_memory_equal(file_after, file_before, size_before);
+        free(file_before), free(file_after);
+        fixture_close(&f);
+    }
+}
+
 /* A Q8_0 KV cache on the F32 fixtures whose heads are whole blocks: 34 bytes per 32 values in
  * the memory plan, every row within KV_Q8_0_TOL of the f32 cache's logits, the argmax equal
  * wherever the f32 cache's top-2 margin exceeds twice that; and a model whose heads are not
@@ -1379,6 +1449,7 @@ int moe_suite_model(void) {
         cmocka_unit_test(parity_gemma4_f32),
         cmocka_unit_test(parity_gemma4_q4_0),
         cmocka_unit_test(fast_rule_quantized_fixtures),
+        cmocka_unit_test(repack_keeps_logits),
         cmocka_unit_test(kv_q8_0_close_to_f32),
         cmocka_unit_test(gemma4_split_prefill_equals_one_shot),
         cmocka_unit_test(gemma4_dense_matches_reference),

@@ -256,6 +256,7 @@ static void view_of(const moe_expert_cache *c, uint32_t il, int32_t slot_id, moe
         views[k].n_values = (uint64_t)t->ne[0] * (uint64_t)t->ne[1];
         views[k].n_bytes = slice_bytes(t);
         views[k].data = p;
+        views[k].layout = MOE_LAYOUT_FILE; /* read from the file as it lies */
         p += views[k].n_bytes;
     }
 }

@@ -91,6 +91,8 @@ typedef struct moe_tensor {
     uint64_t offset;               /* from the start of the shard's data section */
     uint64_t file_offset;          /* from the start of the shard file */
     const uint8_t *data;           /* mapped bytes, or NULL when the data is not mapped */
+    moe_layout layout; /* how the bytes at data lie (quant.h): the file's unless the loader
+                        * repacked them (moe_gguf_tensor_repack) */
 } moe_tensor;
 
 typedef struct moe_gguf_shard {
@@ -170,6 +172,15 @@ void moe_gguf_set_progress(moe_gguf *g, const char *label);
 moe_status moe_gguf_to_memory_except(moe_gguf *g, moe_pool *pool,
                                      bool (*skip)(const moe_tensor *t, void *ctx), void *skip_ctx,
                                      uint64_t *bytes_read, moe_error *err);
+
+/* Repack tensor t (one of g's) in place into `layout` (quant.h, "Weight layouts in memory"):
+ * every matrix of it (ne[0] x ne[1], ne[2] of them), whole groups of rows; its bytes stay where
+ * they are and t->layout says which layout they have. Its data must lie in g's anonymous copy
+ * (moe_gguf_to_memory) or mapping: the pages are made writable for the rewrite and read-only
+ * again; the mapping is private, so the file is never written, but pages of it rewritten become
+ * the process's own memory (*mapped_bytes += t's bytes when it was mapped; may be NULL). */
+moe_status moe_gguf_tensor_repack(moe_gguf *g, const moe_tensor *t, moe_layout layout,
+                                  uint64_t *mapped_bytes, moe_error *err);
 
 /* Tensors of all shards, in file order (shard 0 first). */
 uint64_t moe_gguf_n_tensors(const moe_gguf *g);

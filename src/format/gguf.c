@@ -1076,6 +1076,49 @@ const moe_tensor *moe_gguf_tensor_get(const moe_gguf *g, uint64_t i) {
     return i < g->n_tensors ? &g->tensors[i] : NULL;
 }
 
+/* ==== Repacking a tensor in place (the loader's: quant.h, "Weight layouts in memory") ==== */
+
+/* Whether [p, p + n) lies in [base, base + size). */
+static bool inside(const uint8_t *p, uint64_t n, const void *base, size_t size) {
+    const uint8_t *b = base;
+    return base && p >= b && (uint64_t)(p - b) <= size && n <= size - (uint64_t)(p - b);
+}
+
+moe_status moe_gguf_tensor_repack(moe_gguf *g, const moe_tensor *t, moe_layout layout,
+                                  uint64_t *mapped_bytes, moe_error *err) {
+    MOE_CHECK(t >= g->tensors && t < g->tensors + g->n_tensors && t->layout == MOE_LAYOUT_FILE);
+    moe_tensor *own = &g->tensors[t - g->tensors];
+    const shard_state *st = &g->state[t->shard];
+    const bool in_anon = t->data && inside(t->data, t->n_bytes, st->anon, st->anon_size);
+    const bool in_map = t->data && !in_anon && inside(t->data, t->n_bytes, st->map, st->map_size);
+    if (!in_anon && !in_map)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED,
+                             "%s: tensor '%s' is neither in memory nor mapped: cannot repack it",
+                             g->shards[t->shard].path, t->name.ptr);
+    if (!moe_layout_has_type(layout, t->type) || t->n_dims < 2)
+        return moe_error_set(err, MOE_ERR_UNSUPPORTED, "%s: tensor '%s' (%s) has no layout %d",
+                             g->shards[t->shard].path, t->name.ptr, moe_type_name(t->type),
+                             (int)layout);
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uint8_t *first = (uint8_t *)((uintptr_t)t->data & ~(page - 1));
+    const size_t span = (size_t)((uintptr_t)(t->data + t->n_bytes) - (uintptr_t)first);
+    if (mprotect(first, span, PROT_READ | PROT_WRITE) != 0)
+        return moe_error_set(err, MOE_ERR_IO, "%s: tensor '%s': cannot make it writable: %s",
+                             g->shards[t->shard].path, t->name.ptr, strerror(errno));
+    const uint64_t row_bytes = moe_type_row_bytes(t->type, t->ne[0]);
+    const int64_t n_matrices = (int64_t)(t->n_values / ((uint64_t)t->ne[0] * (uint64_t)t->ne[1]));
+    void *scratch = moe_xmalloc((size_t)row_bytes * MOE_ROWS16);
+    uint8_t *data = (uint8_t *)t->data;
+    for (int64_t i = 0; i < n_matrices; i++)
+        moe_layout_pack_matrix(layout, t->type, data + (uint64_t)i * t->ne[1] * row_bytes, t->ne[1],
+                               t->ne[0], scratch);
+    free(scratch);
+    mprotect(first, span, PROT_READ); /* read-only again, as the weights were */
+    own->layout = layout;
+    if (in_map && mapped_bytes) *mapped_bytes += t->n_bytes;
+    return MOE_OK;
+}
+
 const moe_tensor *moe_gguf_tensor_find(const moe_gguf *g, const char *name) {
     moe_str key = {name, strlen(name)};
     uint64_t lo = 0, hi = g->n_tensors;

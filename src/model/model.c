@@ -864,6 +864,54 @@ int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out) {
     return n;
 }
 
+/* ==== Repacking the matrices (quant.h, "Weight layouts in memory") ==== */
+
+/* Whether t's rows are read one by one (moe_tensor_row_f32: token embeddings), which needs
+ * the file's layout. */
+static bool read_by_rows(const moe_model *m, const moe_tensor *t) {
+    if (t == m->token_embd) return true;
+    for (uint32_t il = 0; il < m->cfg.n_layer + m->n_layer_mtp; il++)
+        if (t == m->layers[il].nextn.embed) return true;
+    return false;
+}
+
+/* Repack one matrix if the active table has a kernel on a layout for its type. */
+static moe_status repack_one(moe_model *m, const moe_tensor *t, bool routed, moe_layout_report *out,
+                             moe_error *err) {
+    if (!t || !t->data || t->layout != MOE_LAYOUT_FILE || t->n_dims < 2 || t->ne[1] < MOE_ROWS16 ||
+        read_by_rows(m, t) || (!routed && moe_model_is_routed(t, m)))
+        return MOE_OK;
+    const moe_type_kernels *k = moe_kernels_type(t->type);
+    if (!k || !k->dot_tile_rows16) return MOE_OK;
+    const moe_status st =
+        moe_gguf_tensor_repack(m->gguf, t, MOE_LAYOUT_ROWS16, &out->mapped_bytes, err);
+    if (st == MOE_OK) out->n_matrices++, out->bytes += t->n_bytes;
+    return st;
+}
+
+moe_status moe_model_repack(moe_model *m, bool routed, moe_layout_report *out, moe_error *err) {
+    *out = (moe_layout_report){.isa = moe_kernels_get()->isa};
+    for (uint32_t il = 0; il < m->cfg.n_layer + m->n_layer_mtp; il++) {
+        const moe_tensor *mats[MOE_LAYER_MAX_MATRICES];
+        const int n = moe_layer_matrices(&m->layers[il], mats);
+        for (int i = 0; i < n; i++)
+            if (repack_one(m, mats[i], routed, out, err) != MOE_OK) return err->code;
+    }
+    return repack_one(m, m->output, routed, out, err);
+}
+
+void moe_layout_report_print(const char *label, const moe_layout_report *r) {
+    if (!r->n_matrices) return;
+    char mapped[96] = "";
+    if (r->mapped_bytes)
+        snprintf(mapped, sizeof mapped, ", %.1f MiB of them mapped, now private memory",
+                 r->mapped_bytes / 1048576.0);
+    fprintf(stderr,
+            "%s: repacked %u matrices (%.1f MiB, no bytes added%s) into 16-row groups for %s's "
+            "fast kernels (--no-repack: the file's layout)\n",
+            label, r->n_matrices, r->bytes / 1048576.0, mapped, moe_isa_name(r->isa));
+}
+
 /* ==== Loading ==== */
 
 /* A file's NextN / MTP layers: runnable when every one binds with its NextN projection; a file

@@ -368,6 +368,28 @@ void moe_model_free(moe_model *m);
 /* Whether t is one of m's routed-expert matrices (ffn_*_exps of a layer it runs); takes the
  * model as void * to serve as moe_gguf_to_memory_except's skip. */
 bool moe_model_is_routed(const moe_tensor *t, void *model);
+/* What moe_model_repack did. */
+typedef struct moe_layout_report {
+    uint32_t n_matrices;   /* tensors repacked (a stacked expert tensor counts once) */
+    uint64_t bytes;        /* their bytes (moved, not added) */
+    uint64_t mapped_bytes; /* of those, bytes that were mapped: now the process's own memory */
+    moe_isa isa;           /* the kernel table they were repacked for */
+} moe_layout_report;
+/* Repack m's projection matrices (every layer's moe_layer_matrices and an untied output head)
+ * into the layout the active kernel table reads fastest (quant.h, "Weight layouts in memory"):
+ * those of a type whose fast tile kernel has a repacked twin at this level (today
+ * avx512vnni's Q8_0, Q4_0, IQ4_NL, MXFP4; MOE_EXACT=1 and lower levels have none, so nothing is
+ * repacked), in memory or mapped (moe_gguf_tensor_repack; the file is never written), at
+ * least 16 rows; routed experts only with `routed` (an expert cache or a split reads them from
+ * the file apart). Logits do not change by a bit: the repacked kernels give the file layout's
+ * bits. Call once, after moe_gguf_to_memory(_except) if at all and before the first forward
+ * pass; the kernel table must not change after (a repacked matrix on a table without its
+ * kernel stops the process, naming it). */
+moe_status moe_model_repack(moe_model *m, bool routed, moe_layout_report *out, moe_error *err);
+/* "LABEL: repacked N matrices (X MiB, Y MiB of them out of the mapping) for ISA's fast path"
+ * on stderr, when anything was. */
+void moe_layout_report_print(const char *label, const moe_layout_report *r);
+
 /* The projection matrices of a layer (those moe_matmul reads), by its plan: *n of them. */
 #define MOE_LAYER_MAX_MATRICES 24
 int moe_layer_matrices(const moe_layer_weights *l, const moe_tensor **out);

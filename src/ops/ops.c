@@ -184,6 +184,7 @@ uint64_t moe_matmul_scratch_bytes(const moe_tensor *w, int64_t n_rows) {
 
 typedef struct matmul_job {
     const moe_type_kernels *k; /* the active ISA table's entry for the weight type */
+    bool rows16;               /* the weights are in MOE_LAYOUT_ROWS16 (whole groups of rows) */
     const uint8_t *wbase;
     uint64_t w_row_bytes, xq_row_bytes;
     const uint8_t *xq;
@@ -198,7 +199,8 @@ typedef struct matmul_job {
  * MOE_DOT_ROWS activation rows. Without the tiles a 512-row prefill streams all 512 activation
  * rows (over 1 MiB) from L3 once per weight row. One row (decode) is the plain matvec. */
 #define MATMUL_W_BLOCK 16
-#define MATMUL_X_TILE  (192u << 10)
+_Static_assert(MOE_DOT_TILE_W == MOE_ROWS16, "a tile kernel's weight rows are a repacked group");
+#define MATMUL_X_TILE (192u << 10)
 
 /* The weight stream through a chunk of rows is one run of addresses, but the hardware
  * prefetcher starts over at every 4 KiB page and at the chunk's start; so while a block of rows
@@ -229,11 +231,15 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
         for (int64_t o0 = begin; o0 < end; o0 += MOE_DOT_TILE_W) {
             const int n_w = (int)(end - o0 < MOE_DOT_TILE_W ? end - o0 : MOE_DOT_TILE_W);
             matmul_prefetch_ahead(j, begin, o0, o0 + n_w);
+            /* a repacked group (o0 is a multiple of 16: chunks are whole tiles); the last
+             * rows % 16 rows of a repacked matrix are in the file's layout */
+            const moe_dot_tile_fn dot_tile =
+                j->rows16 && n_w == MOE_ROWS16 ? j->k->dot_tile_rows16 : j->k->dot_tile;
             for (int64_t r0 = 0; r0 < j->n_rows; r0 += tile)
-                j->k->dot_tile(j->wbase + (uint64_t)o0 * j->w_row_bytes, j->w_row_bytes, n_w,
-                               j->xq + (uint64_t)r0 * j->xq_row_bytes, j->xq_row_bytes,
-                               j->n_rows - r0 < tile ? j->n_rows - r0 : tile, j->n_in,
-                               j->y + r0 * j->n_out + o0, j->n_out);
+                dot_tile(j->wbase + (uint64_t)o0 * j->w_row_bytes, j->w_row_bytes, n_w,
+                         j->xq + (uint64_t)r0 * j->xq_row_bytes, j->xq_row_bytes,
+                         j->n_rows - r0 < tile ? j->n_rows - r0 : tile, j->n_in,
+                         j->y + r0 * j->n_out + o0, j->n_out);
         }
         return;
     }
@@ -272,7 +278,13 @@ void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes) {
 static void matmul_prepare(const moe_matmul_task *t, matmul_job *j) {
     const moe_type_kernels *k = moe_kernels_type(t->w->type);
     const int64_t n_in = t->w->ne[0], n_out = t->w->ne[1];
+    if (t->w->layout != MOE_LAYOUT_FILE &&
+        (t->w->layout != MOE_LAYOUT_ROWS16 || !k->dot_tile_rows16))
+        moe_die("%s: repacked for another kernel table than %s's %s path (the table changed after "
+                "load: load with --no-repack)",
+                t->w->name.ptr, moe_kernels_get()->name, moe_exact() ? "exact" : "fast");
     *j = (matmul_job){.k = k,
+                      .rows16 = t->w->layout == MOE_LAYOUT_ROWS16,
                       .n_in = n_in,
                       .n_out = n_out,
                       .n_rows = t->n_rows,
@@ -368,6 +380,7 @@ void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float
 }
 
 void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out) {
+    MOE_CHECK(w->layout == MOE_LAYOUT_FILE); /* the loader never repacks embeddings */
     const moe_type_traits *t = moe_type_traits_get(w->type);
     const uint64_t row_bytes = moe_type_row_bytes(w->type, w->ne[0]);
     t->to_float(w->data + (uint64_t)row * row_bytes, out, w->ne[0]);

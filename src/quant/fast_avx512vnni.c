@@ -208,6 +208,13 @@ MOE_INLINE void fast_transpose16x8(const __m512i z[8], __m512i out[8]) {
     }
 }
 
+/* The tile's bias (128 x each row's sum of its values), from the tile. */
+MOE_INLINE void fast_tile_q32_bias(fast_tile *o) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[g]);
+    o->bias = _mm512_slli_epi32(sum, 7);
+}
+
 /* Block i of 16 rows of a 32-value type: each row's block decoded to 32 signed bytes and its
  * scale (x86_avx2.h), two rows to a register, transposed into the tile. */
 MOE_INLINE void fast_tile_q32(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
@@ -221,12 +228,48 @@ MOE_INLINE void fast_tile_q32(fast_type t, const uint8_t *w, size_t ws, int n_w,
         z[j] = z_join(t.q32(a, &d[j], &unused), t.q32(b, &d[j + 8], &unused));
     }
     fast_transpose16x8(z, o->tile);
-    __m512i sum = _mm512_setzero_si512();
-    for (int g = 0; g < 8; g++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), o->tile[g]);
-    o->bias = _mm512_slli_epi32(sum, 7);
+    fast_tile_q32_bias(o);
     o->d = _mm512_loadu_ps(d);
 }
 
+/* Block i of a MOE_LAYOUT_ROWS16 group (quant.h): the tile as it lies, no transpose. The heads
+ * are the 16 rows' scales (f16; MXFP4: e8m0 bytes); the body's dword g of the 16 rows is tile[g]
+ * (Q8_0), or for the nibble types (book: their 16 values) dword c holds values 4c .. 4c + 3 of
+ * each row in its low nibbles (tile[c]) and values 16 + 4c .. in its high ones (tile[c + 4]). */
+MOE_INLINE void fast_tile_rows16(const uint8_t *b, size_t head, const int8_t *book, void *tile) {
+    fast_tile *o = tile;
+    const uint8_t *body = b + MOE_ROWS16 * head;
+    if (!book)
+        for (int g = 0; g < 8; g++) o->tile[g] = z_load(body + 64 * g);
+    else {
+        const __m512i map = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)book));
+        const __m512i low4 = _mm512_set1_epi8(0x0f);
+        for (int c = 0; c < 4; c++) {
+            const __m512i z = z_load(body + 64 * c);
+            o->tile[c] = _mm512_shuffle_epi8(map, _mm512_and_si512(z, low4));
+            o->tile[c + 4] =
+                _mm512_shuffle_epi8(map, _mm512_and_si512(_mm512_srli_epi16(z, 4), low4));
+        }
+    }
+    fast_tile_q32_bias(o);
+    if (head == 2)
+        o->d = _mm512_cvtph_ps(avx2_load(b));
+    else { /* moe_e8m0_to_f32_half of 16 bytes: 2^(e - 128), as (e - 1) << 23, or the
+            * subnormals 0x00200000 << e for e < 2 */
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+        o->d = _mm512_castsi512_ps(_mm512_mask_blend_epi32(
+            _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+    }
+}
+
+/* The Q4_0 values as a codebook: nibble - 8. */
+static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+
+/* A 32-value type's tile kernel on the file's rows, and (head: its block's scale bytes, book:
+ * NULL for Q8_0's bytes, else its nibbles' values) on MOE_LAYOUT_ROWS16 groups: the same tiles,
+ * so the same bits. */
 #define FAST_Q32_KERNELS(t)                                                                        \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
@@ -236,6 +279,21 @@ MOE_INLINE void fast_tile_q32(fast_type t, const uint8_t *w, size_t ws, int n_w,
                    xs, n_rows, n / MOE_QK32, out, os);                                             \
     }                                                                                              \
     FAST_DOT(t)
+#define FAST_ROWS16_KERNEL(t, book)                                                                \
+    MOE_INLINE void fast_tile_rows16_##t(fast_type ty, const uint8_t *w, size_t ws, int n_w,       \
+                                         int64_t i, void *tile) {                                  \
+        (void)ws, (void)n_w;                                                                       \
+        fast_tile_rows16(w + (size_t)i * MOE_ROWS16 * ty.block_bytes, offsetof(moe_block_##t, qs), \
+                         book, tile);                                                              \
+    }                                                                                              \
+    static void fast_rows16_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,       \
+                                int64_t n_rows, int64_t n, float *out, int64_t os) {               \
+        MOE_CHECK(n_w == MOE_ROWS16);                                                              \
+        fast_tile tiles[FAST_CHUNK];                                                               \
+        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f},     \
+                   fast_tile_rows16_##t, fast_rows, tiles, sizeof tiles[0], FAST_CHUNK, w, ws,     \
+                   n_w, x, xs, n_rows, n / MOE_QK32, out, os);                                     \
+    }
 /* A one-row dot through the tile kernel. */
 #define FAST_DOT(t)                                                                                \
     static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
@@ -248,6 +306,10 @@ FAST_Q32_KERNELS(q5_0)
 FAST_Q32_KERNELS(q8_0)
 FAST_Q32_KERNELS(iq4_nl)
 FAST_Q32_KERNELS(mxfp4)
+FAST_ROWS16_KERNEL(q8_0, NULL)
+FAST_ROWS16_KERNEL(q4_0, fast_q4_0_book)
+FAST_ROWS16_KERNEL(iq4_nl, moe_kvalues_iq4nl)
+FAST_ROWS16_KERNEL(mxfp4, moe_kvalues_mxfp4)
 
 /* ==== Codebook types (and IQ4_XS): 256-value super-blocks against Q8_K ====
  *
@@ -601,4 +663,8 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     FAST_SET(IQ1_S, iq1_s);
     FAST_SET(IQ1_M, iq1_m);
 #undef FAST_SET
+    k->types[MOE_TYPE_Q8_0].dot_tile_rows16 = fast_rows16_q8_0;
+    k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = fast_rows16_q4_0;
+    k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = fast_rows16_iq4_nl;
+    k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = fast_rows16_mxfp4;
 }

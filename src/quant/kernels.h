@@ -40,6 +40,7 @@ static inline void moe_kernels_set_dot(moe_type_kernels types[MOE_TYPE_COUNT], m
     types[t].dot_rows = dot_rows;
     types[t].dot_rows2 = NULL; /* the same rule: only the level's own, set after its dot */
     types[t].dot_tile = NULL;
+    types[t].dot_tile_rows16 = NULL;
     types[t].dot_isa = isa;
 }
 /* A fast-path dot and its tile kernel (NULL: row by row through dot): the exact level's many-row

@@ -131,6 +131,35 @@ void moe_type_random_row(moe_type t, uint64_t *seed, void *out, int64_t n);
  * random valid blocks at a weight scale a forward pass keeps finite (moe synth --random-blocks). */
 void moe_type_random_row_rms(moe_type t, uint64_t *seed, void *out, int64_t n, float rms);
 
+/* ==== Weight layouts in memory (layout.c): what the loader may repack a matrix into ====
+ *
+ * A matrix is row after row in the file (MOE_LAYOUT_FILE). The loader may move its bytes into a
+ * layout a fast kernel reads straight into its multiply (moe_model_repack); the tensor's
+ * `layout` says which, and a matmul hands a repacked matrix only to the kernel of its layout
+ * (moe_type_kernels.dot_tile_rows16). MOE_LAYOUT_ROWS16 (Q8_0, Q4_0, IQ4_NL, MXFP4): rows 16g ..
+ * 16g + 15 of a matrix (whole groups only: the last rows % 16 rows stay as in the file) interleaved
+ * block by block, block i of the group at 16 i block_bytes from the group's start: the 16 rows'
+ * block heads (the scale: f16, or MXFP4's e8m0 byte), row 0 first, then dword k of the 16 rows'
+ * block bodies (qs) at 16 heads + 64 k + 4 v. The same bytes as the file's, moved: no memory
+ * cost, and a group starts where the file's row 16g does. */
+typedef enum moe_layout {
+    MOE_LAYOUT_FILE = 0,   /* row after row, as the file has it */
+    MOE_LAYOUT_ROWS16 = 1, /* 16 rows interleaved block by block (above) */
+    MOE_LAYOUT_COUNT
+} moe_layout;
+#define MOE_ROWS16 16 /* rows per group of MOE_LAYOUT_ROWS16 */
+
+/* Whether a matrix of type t can have the layout (MOE_LAYOUT_FILE: always). */
+bool moe_layout_has_type(moe_layout layout, moe_type t);
+/* 16 rows of n values of type t (file layout, one after another) to one group of
+ * MOE_LAYOUT_ROWS16, and back. The buffers do not overlap. */
+void moe_layout_rows16_pack(moe_type t, const void *rows, void *group, int64_t n);
+void moe_layout_rows16_unpack(moe_type t, const void *group, void *rows, int64_t n);
+/* A matrix of n_rows rows of n values (file layout) into `layout` in place, whole groups;
+ * scratch holds MOE_ROWS16 rows. */
+void moe_layout_pack_matrix(moe_layout layout, moe_type t, void *m, int64_t n_rows, int64_t n,
+                            void *scratch);
+
 /* ==== Kernel tables: the fast dots, one table per ISA level (kernels.c) ====
  *
  * The engine's matmul goes through the active table, never through traits->dot:
@@ -171,6 +200,9 @@ typedef void (*moe_dot_tile_fn)(const void *w, size_t w_stride, int n_w, const v
 typedef struct moe_type_kernels {
     moe_dot_fn dot;                         /* NULL where the type has no dot */
     moe_dot_tile_fn dot_tile;               /* fast path only; NULL: dot_rows / dot_rows2 */
+    moe_dot_tile_fn dot_tile_rows16;        /* dot_tile on a MOE_LAYOUT_ROWS16 group: w its
+                                             * start, n_w 16, w_stride unused; the same bits as
+                                             * dot_tile on the rows unpacked (NULL: none) */
     moe_dot_rows_fn dot_rows;               /* NULL: moe_dot_rows loops over dot */
     moe_dot_rows2_fn dot_rows2;             /* NULL: weight rows one at a time */
     moe_from_float_fn quantize_row_for_dot; /* float activations -> dot_type; NULL with dot */

@@ -1104,6 +1104,13 @@ static bool open_engine(serve_sched *s, moe_error *err) {
         moe_pool_free(readers);
     }
     if (err->code) return false;
+    moe_layout_report repack;
+    if (!s->p.use_mmap && !s->p.no_repack) { /* --mmap: the mapping stays as it is */
+        if (moe_model_repack(s->model, !s->p.expert_cache_bytes && s->p.split == MOE_SPLIT_NONE,
+                             &repack, err) != MOE_OK)
+            return false;
+        moe_layout_report_print("moe serve", &repack);
+    }
     if (!serve_spec_resolve(&s->p, s->model, err)) return false;
     if (s->p.split != MOE_SPLIT_NONE && s->p.cache_dir) {
         moe_error_set(err, MOE_ERR_UNSUPPORTED,

@@ -35,6 +35,8 @@ typedef struct moe_serve_params {
     double keepalive_s;          /* SSE keep-alive interval */
     int step_delay_ms;           /* tests only: sleep after each forward step */
     bool use_mmap;               /* keep weights in the mapped file (default: anonymous memory) */
+    bool no_repack;              /* --no-repack: the weights stay in the file's layout (else
+                                  * moe_model_repack, in anonymous memory only) */
     uint64_t expert_cache_bytes; /* --expert-cache: routed experts read on demand (0: resident) */
     const char *cache_dir;       /* disk prefix cache directory, or NULL (off) */
     uint64_t cache_disk_bytes;   /* its size limit (0: SERVE_CACHE_DISK_DEFAULT) */

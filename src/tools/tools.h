@@ -449,6 +449,9 @@ typedef struct moe_bench_params {
     int depths[MOE_BENCH_MAX_DEPTHS];
     int n_depths;
     bool use_mmap;    /* keep weights in the mapped file instead of anonymous memory */
+    bool no_repack;   /* keep the weights in the file's layout (else moe_model_repack, in
+                       * anonymous memory, not with exact_too: the exact path has no kernels on
+                       * a repacked layout) */
     bool exact_too;   /* each test on the exact path (MOE_EXACT=1) too, its runs alternated with
                        * the fast path's; the figures stay the fast path's */
     moe_type kv_type; /* KV cache elements (default F16, as llama-bench) */
@@ -628,6 +631,7 @@ typedef struct moe_eval_engine_params {
     int n_threads;
     moe_type kv_type;          /* KV cache elements (F32: exact) */
     const char *chat_template; /* a .jinja file over the model's own template, or NULL */
+    bool no_repack;            /* the weights in the file's layout (else moe_model_repack) */
 } moe_eval_engine_params;
 
 /* The engine: prompts run once per record, then the labels' rows batched together (a sequence
@@ -697,6 +701,7 @@ typedef struct moe_eval_kl_params {
     uint32_t n_ctx; /* chunk length (default 512) */
     int n_threads;
     moe_type kv_type;
+    bool no_repack; /* both models in the file's layout (else moe_model_repack) */
 } moe_eval_kl_params;
 
 typedef struct moe_eval_kl {
