@@ -30,7 +30,7 @@ typedef struct cache {
     const uint8_t *k, *v;
     int64_t stride;
     const float *q;
-    float *out, *scores;
+    float *out, *scores, *scratch; /* scratch: the tiled path's */
 } cache;
 
 /* rows query rows from position `first_pos`, one path; seconds of thread CPU time */
@@ -53,7 +53,8 @@ static double run(const cache *c, int64_t first_pos, int rows, bool tiled) {
                                   .k = c->k,
                                   .v = c->v,
                                   .k_stride = c->stride,
-                                  .v_stride = c->stride};
+                                  .v_stride = c->stride,
+                                  .scratch = c->scratch};
         const int group = N_HEAD / N_HEAD_KV;
         for (int hk = 0; hk < N_HEAD_KV; hk++)
             moe_attention_tiled(c->s, &b, hk * group, (hk + 1) * group);
@@ -99,6 +100,7 @@ int main(int argc, char **argv) {
     float *q = moe_xmalloc(sizeof(float) * (size_t)rows * N_HEAD * HEAD_DIM);
     float *out = moe_xmalloc(sizeof(float) * (size_t)rows * N_HEAD * HEAD_DIM);
     float *scores = moe_xmalloc(sizeof(float) * (size_t)n_pos);
+    float *scratch = moe_xmalloc(sizeof(float) * moe_attention_tiled_scratch(HEAD_DIM));
     uint64_t rng = 1;
     const moe_type_traits *t = moe_type_traits_get(kv_type);
     for (int64_t p = 0; p < n_pos; p++)
@@ -114,7 +116,7 @@ int main(int argc, char **argv) {
                               .head_dim_v = HEAD_DIM,
                               .scale = 1.0f / sqrtf((float)HEAD_DIM),
                               .kv_type = kv_type};
-    const cache c = {&s, k, v, stride, q, out, scores};
+    const cache c = {&s, k, v, stride, q, out, scores, scratch};
     printf("attention, one thread, %s KV, %d heads over %d, head %d, depth %lld  [%s]\n",
            moe_type_name(kv_type), N_HEAD, N_HEAD_KV, HEAD_DIM, (long long)depth,
            moe_kernels_get()->name);
@@ -136,6 +138,6 @@ int main(int argc, char **argv) {
         printf("%-22s %12.2f %12.2f %13.2fx   (%.2f vs %.2f ns per row x head x key)\n", label,
                1e3 * a, 1e3 * b, a / b, 1e9 * a / keys, 1e9 * b / keys);
     }
-    free(k), free(v), free(row), free(q), free(out), free(scores);
+    free(k), free(v), free(row), free(q), free(out), free(scores), free(scratch);
     return 0;
 }

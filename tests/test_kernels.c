@@ -729,6 +729,129 @@ static void attention_kernels_bit_exact(void **state) {
     assert_true(checked >= (2 * N + 4) * 3);
 }
 
+/* The fast attention's exp within 2 ulp of libm's double exp over [-86, 0] (ulp of the exact
+ * value's float), exactly 1 at 0, and 0 below -86, at -inf and for NaN. */
+static void attention_exp_within_2ulp(void **state) {
+    (void)state;
+    double worst = 0;
+    float worst_x = 0;
+    for (int i = 0; i <= 4000000; i++) {
+        const float x = -86.0f * (float)i / 4000000.0f;
+        const double want = exp((double)x);
+        const double ulp = ldexp(1.0, ilogb(want) - 23);
+        const double err = fabs((double)moe_attn_exp(x) - want) / ulp;
+        if (err > worst) worst = err, worst_x = x;
+    }
+    print_message("moe_attn_exp: worst %.3f ulp at %.9g\n", worst, (double)worst_x);
+    assert_true(worst <= 2.0);
+    assert_true(moe_attn_exp(0.0f) == 1.0f && moe_attn_exp(-0.0f) == 1.0f);
+    assert_true(moe_attn_exp(-86.5f) == 0.0f && moe_attn_exp(-INFINITY) == 0.0f &&
+                moe_attn_exp(NAN) == 0.0f);
+}
+
+/* One attn_tile call from a start state (m, l, outputs y: nq rows DIM apart) into m, l, y. */
+enum { AT_DIM = 96, AT_STRIDE = 3 * AT_DIM };
+static void attn_tile_from(const moe_kernels *k, moe_attn_tile_args a, const float *m_start,
+                           const float *l_start, const float *y_start, float *m, float *l,
+                           float *y) {
+    float *out[MOE_ATTN_TILE_QV];
+    memcpy(m, m_start, sizeof(float) * (size_t)a.nq);
+    memcpy(l, l_start, sizeof(float) * (size_t)a.nq);
+    memcpy(y, y_start, sizeof(float) * (size_t)a.nq * AT_DIM);
+    for (int i = 0; i < a.nq; i++) out[i] = y + i * AT_DIM;
+    a.m = m, a.l = l, a.out = out;
+    k->attn_tile(&a);
+}
+
+/* Every level's attn_tile equals the scalar reference bit for bit (quant.h fixes the order),
+ * over f32 / f16 heads of 37 and 21 values (tails) and 96 / 64, q8_0 heads of 96 / 64, tiles of
+ * 1, 5 and 64 keys, 1..64 query vectors with their own visible ranges (some none), from running
+ * states with and without a sink; and each vector's bits are the same through a call of its own
+ * (batch invariance at the kernel). */
+static void attention_tile_levels_equal_reference(void **state) {
+    (void)state;
+    enum { KEYS = MOE_ATTN_TILE_KEYS, QV = MOE_ATTN_TILE_QV };
+    float *kf = moe_xmalloc(sizeof(float) * KEYS * AT_STRIDE);
+    uint8_t *kc = moe_xmalloc(sizeof(float) * KEYS * AT_STRIDE);
+    float *qt = moe_xmalloc(sizeof(float) * AT_DIM * QV),
+          *q1 = moe_xmalloc(sizeof(float) * AT_DIM * QV);
+    float *scratch = moe_xmalloc(sizeof(float) * KEYS * AT_DIM);
+    float *ys = moe_xmalloc(sizeof(float) * QV * AT_DIM),
+          *y0 = moe_xmalloc(sizeof(float) * QV * AT_DIM),
+          *y1 = moe_xmalloc(sizeof(float) * QV * AT_DIM);
+    float ms[QV], ls[QV], m0[QV], l0[QV], m1[QV], l1[QV];
+    int32_t lo[QV], hi[QV];
+    uint64_t rng = 5;
+    for (int i = 0; i < KEYS * AT_STRIDE; i++) kf[i] = 2.0f * (float)moe_rng_gaussian(&rng);
+    for (int i = 0; i < AT_DIM * QV; i++) qt[i] = (float)moe_rng_gaussian(&rng);
+    memset(q1, 0, sizeof(float) * AT_DIM * QV);
+    static const moe_type types[] = {MOE_TYPE_F32, MOE_TYPE_F16, MOE_TYPE_Q8_0};
+    static const int dims[][2] = {{37, 21}, {AT_DIM, 64}};
+    static const int n_keys[] = {1, 5, KEYS}, n_qvs[] = {1, 5, 8, 17, 70, QV};
+    const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
+    int checked = 0;
+    for (size_t t = 0; t < 3; t++) {
+        const moe_type_traits *tr = moe_type_traits_get(types[t]);
+        const int64_t stride = (int64_t)moe_type_row_bytes(types[t], AT_STRIDE);
+        for (int j = 0; j < KEYS; j++)
+            tr->from_float(kf + j * AT_STRIDE, kc + j * stride, AT_STRIDE);
+        for (int dd = types[t] == MOE_TYPE_Q8_0; dd < 2; dd++)
+            for (int nk = 0; nk < 3; nk++)
+                for (int nqi = 0; nqi < 6; nqi++) {
+                    const int nq = n_qvs[nqi], n_key = n_keys[nk];
+                    for (int i = 0; i < nq; i++) {
+                        lo[i] = (int32_t)(moe_rng_u64(&rng) % (uint64_t)n_key);
+                        hi[i] =
+                            i % 4 == 1 ? n_key - 1 : (int32_t)(moe_rng_u64(&rng) % (uint64_t)n_key);
+                        if (i % 7 == 3) lo[i] = n_key, hi[i] = n_key - 1; /* sees none */
+                        ms[i] = i % 2 ? -INFINITY : 1.5f * (float)moe_rng_gaussian(&rng);
+                        ls[i] = i % 2 ? 0.0f : 1.0f;
+                        for (int d = 0; d < AT_DIM; d++)
+                            ys[i * AT_DIM + d] = i % 2 ? 0.0f : (float)moe_rng_gaussian(&rng);
+                    }
+                    const moe_attn_tile_args a = {.k = kc,
+                                                  .v =
+                                                      kc + moe_type_row_bytes(types[t], 2 * AT_DIM),
+                                                  .k_stride = stride,
+                                                  .v_stride = stride,
+                                                  .kv_type = types[t],
+                                                  .n_key = n_key,
+                                                  .dk = dims[dd][0],
+                                                  .dv = dims[dd][1],
+                                                  .scale = 0.3f,
+                                                  .nq = nq,
+                                                  .qt = qt,
+                                                  .lo = lo,
+                                                  .hi = hi,
+                                                  .scratch = scratch};
+                    attn_tile_from(ref, a, ms, ls, ys, m0, l0, y0);
+                    for (int level = MOE_ISA_SCALAR; level < MOE_ISA_COUNT; level++) {
+                        const moe_kernels *k = moe_kernels_for_path((moe_isa)level, false);
+                        if (!k) continue;
+                        attn_tile_from(k, a, ms, ls, ys, m1, l1, y1);
+                        if (memcmp(l0, l1, sizeof(float) * (size_t)nq) ||
+                            memcmp(y0, y1, sizeof(float) * (size_t)nq * AT_DIM))
+                            fail_msg("%s attn_tile %s dk=%d dv=%d keys=%d nq=%d differs from "
+                                     "the reference",
+                                     k->name, moe_type_name(types[t]), a.dk, a.dv, n_key, nq);
+                        for (int i = 0; i < nq; i += 3) { /* vector i in a call of its own */
+                            moe_attn_tile_args one = a;
+                            for (int d = 0; d < a.dk; d++) q1[d * QV] = qt[d * QV + i];
+                            one.nq = 1, one.qt = q1, one.lo = lo + i, one.hi = hi + i;
+                            attn_tile_from(k, one, ms + i, ls + i, ys + i * AT_DIM, m1, l1, y1);
+                            if (l1[0] != l0[i] ||
+                                memcmp(y1, y0 + i * AT_DIM, sizeof(float) * AT_DIM))
+                                fail_msg("%s attn_tile %s keys=%d: vector %d of %d alone differs",
+                                         k->name, moe_type_name(types[t]), n_key, i, nq);
+                        }
+                        checked++;
+                    }
+                }
+    }
+    assert_true(checked >= 5 * 3 * 6);
+    free(kf), free(kc), free(qt), free(q1), free(scratch), free(ys), free(y0), free(y1);
+}
+
 /* ==== Tiled attention (ops) ==== */
 
 /* The tiled attention's distance from the float64 formula, relative to the row's largest output:
@@ -774,6 +897,7 @@ static void tiled_attention_matches_f64(void **state) {
         split[TA_ROWS * TA_HEAD * TA_DV];
     uint8_t *kc = moe_xmalloc(sizeof(float) * TA_KEYS * kw);
     uint8_t *vc = moe_xmalloc(sizeof(float) * TA_KEYS * vw);
+    float *scratch = moe_xmalloc(sizeof(float) * moe_attention_tiled_scratch(TA_DK));
     float sinks[TA_HEAD];
     uint64_t rng = 31;
     for (int64_t i = 0; i < TA_KEYS * kw; i++) kf[i] = 2.0f * (float)moe_rng_gaussian(&rng);
@@ -813,7 +937,8 @@ static void tiled_attention_matches_f64(void **state) {
                                 .k = kc,
                                 .v = vc,
                                 .k_stride = kb,
-                                .v_stride = vb};
+                                .v_stride = vb,
+                                .scratch = scratch};
             const int group = TA_HEAD / TA_HEAD_KV;
             for (int hk = 0; hk < TA_HEAD_KV; hk++)
                 moe_attention_tiled(&s, &b, hk * group, (hk + 1) * group);
@@ -831,7 +956,8 @@ static void tiled_attention_matches_f64(void **state) {
                                             .k = kc,
                                             .v = vc,
                                             .k_stride = kb,
-                                            .v_stride = vb};
+                                            .v_stride = vb,
+                                            .scratch = scratch};
                 for (int hk = 0; hk < TA_HEAD_KV; hk++)
                     moe_attention_tiled(&s, &one, hk * group, (hk + 1) * group);
                 if (memcmp(alone, block + r * TA_HEAD * TA_DV, sizeof alone) != 0)
@@ -854,7 +980,7 @@ static void tiled_attention_matches_f64(void **state) {
             }
         }
     }
-    free(kf), free(vf), free(kd), free(vd), free(q), free(kc), free(vc);
+    free(kf), free(vf), free(kd), free(vd), free(q), free(kc), free(vc), free(scratch);
 }
 
 int moe_suite_kernels(void) {
@@ -871,6 +997,8 @@ int moe_suite_kernels(void) {
         cmocka_unit_test(fast_path_matches_its_reference),
         cmocka_unit_test(rows16_layout_and_kernels),
         cmocka_unit_test(attention_kernels_bit_exact),
+        cmocka_unit_test(attention_exp_within_2ulp),
+        cmocka_unit_test(attention_tile_levels_equal_reference),
         cmocka_unit_test(tiled_attention_matches_f64),
         cmocka_unit_test(version_names_kernel_table),
     };

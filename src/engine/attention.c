@@ -56,7 +56,7 @@ static void split_q_gate(moe_ctx *c, uint32_t n_rows, int64_t hd) {
 /* The fast path: rows in blocks of one sequence (consecutive rows, at most
  * MOE_ATTN_BLOCK_ROWS), each block x kv head x head range one work item of moe_attention_tiled.
  * The head ranges split a group only when blocks x kv heads would leave threads idle (decode,
- * MLA's single latent head); how rows are grouped never changes a row's bits. */
+ * MLA's single latent head); how rows and heads are grouped never changes a row's bits. */
 typedef struct tiled_job {
     attn_job a;
     const uint32_t *block;       /* [n_blocks + 1] first row of each block */
@@ -64,7 +64,6 @@ typedef struct tiled_job {
 } tiled_job;
 
 static void attention_tiled(void *arg, int64_t begin, int64_t end, int thread) {
-    (void)thread;
     const tiled_job *t = arg;
     const attn_job *j = &t->a;
     moe_ctx *c = j->c;
@@ -97,7 +96,8 @@ static void attention_tiled(void *arg, int64_t begin, int64_t end, int thread) {
                                   .k = moe_kv_slot(c, c->k_cache, c->k_row_bytes, seq, j->layer, 0),
                                   .v = moe_kv_slot(c, v_cache, v_row_bytes, seq, j->layer, 0),
                                   .k_stride = (int64_t)c->k_row_bytes,
-                                  .v_stride = (int64_t)v_row_bytes};
+                                  .v_stride = (int64_t)v_row_bytes,
+                                  .scratch = c->attn_scratch + (size_t)thread * c->attn_scratch_n};
         moe_attention_tiled(s, &b, h0, h1);
     }
 }
@@ -121,10 +121,15 @@ void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, co
             c->attn_block[n_blocks++] = r;
     c->attn_block[n_blocks] = n_rows;
     const int group = shape->n_head / shape->n_head_kv;
-    int split = 1; /* enough items for every thread, and each call within MOE_ATTN_STATES */
-    while (split < group &&
-           (n_blocks * shape->n_head_kv * split < 4 * moe_pool_n_threads(c->pool) ||
-            (group + split - 1) / split * MOE_ATTN_BLOCK_ROWS > MOE_ATTN_STATES))
+    /* Items enough for every thread (4 each when they come cheap). A part of a group costs its
+     * own pass of conversion over the K / V tiles, and fewer than 16 query vectors cost as much
+     * as 16 (a register's lanes), so past one item per thread a group splits only into parts of
+     * 16 heads or more. */
+    const int64_t threads = moe_pool_n_threads(c->pool);
+    int split = 1;
+    for (int64_t items = n_blocks * shape->n_head_kv;
+         split < group && (items * split < threads ||
+                           (items * split < 4 * threads && (group + split - 1) / split >= 32));)
         split *= 2;
     tiled_job t = {.a = job,
                    .block = c->attn_block,

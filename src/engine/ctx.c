@@ -208,6 +208,11 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->scores =
         moe_xcalloc((size_t)params.n_ctx * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
     x->attn_block = moe_xcalloc(rows + 1, sizeof *x->attn_block);
+    const uint64_t attn_dim = max_u64(max_u64(c->head_dim_k, c->head_dim_v), /* every layer's */
+                                      c->n_lora_kv ? c->n_lora_kv + c->rope_dims : 0); /* MLA */
+    x->attn_scratch_n = moe_attention_tiled_scratch((int)attn_dim);
+    x->attn_scratch =
+        moe_xcalloc(x->attn_scratch_n * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
     bool fused_experts = false, expert_in_norm = false;
     for (uint32_t il = 0; il < n_layer_run(m); il++) {
@@ -300,6 +305,7 @@ void moe_ctx_free(moe_ctx *c) {
     free(c->ff_gate);
     free(c->ff_up);
     free(c->scores);
+    free(c->attn_scratch);
     free(c->attn_block);
     free(c->mla_qa);
     free(c->mla_q);

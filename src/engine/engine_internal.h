@@ -161,6 +161,8 @@ struct moe_ctx {
     float *q, *k, *v, *att, *ff_gate, *ff_up;
     float *scores;        /* [n_threads][n_ctx] attention scores (MOE_EXACT=1, indexed MLA) */
     uint32_t *attn_block; /* [max_rows + 1] first row of each block of the tiled attention */
+    float *attn_scratch;  /* [n_threads][attn_scratch_n] the tiled attention's (its K / V tile) */
+    size_t attn_scratch_n;
     /* multi-head latent attention scratch (NULL without MLA) */
     float *mla_qa;           /* [max_rows][n_lora_q] q down-projection */
     float *mla_q;            /* [max_rows][n_head * head_dim_k_mla] q before absorption */

@@ -411,76 +411,80 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
     }
 }
 
-/* Running softmax of one (row, head): max m and sum l of exp(score - m) so far, with the sink
- * as a first term that adds to l and nothing to the output. */
-typedef struct attn_state {
-    float m;
-    double l;
-} attn_state;
+size_t moe_attention_tiled_scratch(int dim) {
+    return (size_t)(MOE_ATTN_TILE_QV + MOE_ATTN_TILE_KEYS) * (size_t)dim;
+}
 
-/* One (row, head) over keys lo..lo+n-1 of a tile: scores, the running max moved (rescaling the
- * output accumulated so far), exp and the tile's sum, then its values mixed in. */
-static void attn_tile_head(const moe_kernels *kern, const moe_attn_shape *s, const float *qh,
-                           const void *kt, int64_t k_stride, const void *vt, int64_t v_stride,
-                           int64_t n, float *acc, attn_state *st) {
-    float p[MOE_ATTN_TILE];
-    kern->attn_scores(qh, kt, k_stride, n, s->kv_type, s->head_dim_k, s->scale, p);
-    float m = st->m;
-    for (int64_t j = 0; j < n; j++) m = p[j] > m ? p[j] : m;
-    if (m == -INFINITY) return; /* nothing visible yet: every weight is 0 */
-    if (m > st->m) {
-        const float rescale = expf(st->m - m); /* 0 from an empty start */
-        for (int d = 0; d < s->head_dim_v; d++) acc[d] *= rescale;
-        st->l *= rescale;
-        st->m = m;
+/* Query vectors g0..g0+nq-1 of the call (vector g is row g / nh, head h0 + g % nh) over every
+ * tile their rows see, then each output divided by its sum. */
+static void attn_tiled_vectors(const moe_kernels *kern, const moe_attn_shape *s,
+                               const moe_attn_block *b, int h0, int nh, int g0, int nq) {
+    const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
+    const int64_t out_w = (int64_t)s->n_head * s->head_dim_v;
+    const int group = s->n_head / s->n_head_kv, hk = h0 / group;
+    float *qt = b->scratch; /* [head_dim_k][MOE_ATTN_TILE_QV] */
+    float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], *out[MOE_ATTN_TILE_QV];
+    int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
+    int row[MOE_ATTN_TILE_QV];
+    int64_t first = INT64_MAX, last = -1;
+    for (int d = 0; d < s->head_dim_k; d++) /* the columns past nq stay zero */
+        memset(qt + (int64_t)d * MOE_ATTN_TILE_QV + nq, 0,
+               sizeof(float) * (size_t)(MOE_ATTN_TILE_QV - nq));
+    for (int i = 0; i < nq; i++) {
+        const int r = (g0 + i) / nh, h = h0 + (g0 + i) % nh;
+        const float *q = b->q + r * q_w + (int64_t)h * s->head_dim_k;
+        for (int d = 0; d < s->head_dim_k; d++) qt[(int64_t)d * MOE_ATTN_TILE_QV + i] = q[d];
+        const float sink = s->sinks ? s->sinks[h] : -INFINITY;
+        m[i] = sink;
+        l[i] = sink == -INFINITY ? 0.0f : 1.0f;
+        out[i] = b->out + r * out_w + (int64_t)h * s->head_dim_v;
+        memset(out[i], 0, sizeof(float) * (size_t)s->head_dim_v);
+        row[i] = r;
+        first = b->first[r] < first ? b->first[r] : first;
+        last = b->last[r] > last ? b->last[r] : last;
     }
-    double sum = 0.0;
-    for (int64_t j = 0; j < n; j++) {
-        p[j] = expf(p[j] - m);
-        sum += p[j];
+    moe_attn_tile_args t = {.k_stride = b->k_stride,
+                            .v_stride = b->v_stride,
+                            .kv_type = s->kv_type,
+                            .dk = s->head_dim_k,
+                            .dv = s->head_dim_v,
+                            .scale = s->scale,
+                            .nq = nq,
+                            .qt = qt,
+                            .lo = lo,
+                            .hi = hi,
+                            .m = m,
+                            .l = l,
+                            .out = out,
+                            .scratch = qt + (int64_t)s->head_dim_k * MOE_ATTN_TILE_QV};
+    const uint8_t *k = kv_elem(b->k, s->kv_type, (int64_t)hk * s->head_dim_k);
+    const uint8_t *v = kv_elem(b->v, s->kv_type, (int64_t)hk * s->head_dim_v);
+    /* tiles at fixed absolute positions: the same tiles for a row whatever its block */
+    for (int64_t t0 = first / MOE_ATTN_TILE * MOE_ATTN_TILE; t0 <= last; t0 += MOE_ATTN_TILE) {
+        const int64_t j0 = first > t0 ? first : t0;
+        const int64_t j1 = last < t0 + MOE_ATTN_TILE - 1 ? last : t0 + MOE_ATTN_TILE - 1;
+        for (int i = 0; i < nq; i++) { /* keys j0 + lo .. j0 + hi, none when hi < lo */
+            lo[i] = (int32_t)((b->first[row[i]] > j0 ? b->first[row[i]] : j0) - j0);
+            hi[i] = (int32_t)((b->last[row[i]] < j1 ? b->last[row[i]] : j1) - j0);
+        }
+        t.k = k + j0 * b->k_stride;
+        t.v = v + j0 * b->v_stride;
+        t.n_key = (int)(j1 - j0 + 1);
+        kern->attn_tile(&t);
     }
-    st->l += sum;
-    kern->attn_mix(acc, p, vt, v_stride, n, s->kv_type, s->head_dim_v);
+    for (int i = 0; i < nq; i++) {
+        const float inv = 1.0f / l[i];
+        for (int d = 0; d < s->head_dim_v; d++) out[i][d] *= inv;
+    }
 }
 
 void moe_attention_tiled(const moe_attn_shape *s, const moe_attn_block *b, int h0, int h1) {
     const moe_kernels *kern = moe_kernels_get();
     const int group = s->n_head / s->n_head_kv, hk = h0 / group, nh = h1 - h0;
     MOE_CHECK(h0 >= 0 && h0 < h1 && (h1 - 1) / group == hk && b->n_rows >= 1 &&
-              b->n_rows <= MOE_ATTN_BLOCK_ROWS && nh * b->n_rows <= MOE_ATTN_STATES);
-    const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
-    const int64_t out_w = (int64_t)s->n_head * s->head_dim_v;
-    const uint8_t *k = kv_elem(b->k, s->kv_type, (int64_t)hk * s->head_dim_k);
-    const uint8_t *v = kv_elem(b->v, s->kv_type, (int64_t)hk * s->head_dim_v);
-    attn_state st[MOE_ATTN_STATES];
-    int64_t lo = b->first[0], hi = b->last[0];
-    for (int r = 0; r < b->n_rows; r++) {
-        lo = b->first[r] < lo ? b->first[r] : lo;
-        hi = b->last[r] > hi ? b->last[r] : hi;
-        for (int h = h0; h < h1; h++) {
-            const float sink = s->sinks ? s->sinks[h] : -INFINITY;
-            st[r * nh + h - h0] = (attn_state){sink, sink == -INFINITY ? 0.0 : 1.0};
-            memset(b->out + r * out_w + (int64_t)h * s->head_dim_v, 0,
-                   sizeof(float) * (size_t)s->head_dim_v);
-        }
-    }
-    /* tiles at fixed absolute positions: the same tiles for a row whatever its block */
-    for (int64_t t0 = lo / MOE_ATTN_TILE * MOE_ATTN_TILE; t0 <= hi; t0 += MOE_ATTN_TILE)
-        for (int r = 0; r < b->n_rows; r++) {
-            const int64_t j0 = b->first[r] > t0 ? b->first[r] : t0;
-            const int64_t j1 =
-                b->last[r] < t0 + MOE_ATTN_TILE - 1 ? b->last[r] : t0 + MOE_ATTN_TILE - 1;
-            if (j0 > j1) continue;
-            for (int h = h0; h < h1; h++)
-                attn_tile_head(kern, s, b->q + r * q_w + (int64_t)h * s->head_dim_k,
-                               k + j0 * b->k_stride, b->k_stride, v + j0 * b->v_stride, b->v_stride,
-                               j1 - j0 + 1, b->out + r * out_w + (int64_t)h * s->head_dim_v,
-                               &st[r * nh + h - h0]);
-        }
-    for (int r = 0; r < b->n_rows; r++)
-        for (int h = h0; h < h1; h++) {
-            float *oh = b->out + r * out_w + (int64_t)h * s->head_dim_v;
-            const float inv = (float)(1.0 / st[r * nh + h - h0].l);
-            for (int d = 0; d < s->head_dim_v; d++) oh[d] *= inv;
-        }
+              b->n_rows <= MOE_ATTN_BLOCK_ROWS && b->scratch);
+    const int n_vec = b->n_rows * nh;
+    for (int g0 = 0; g0 < n_vec; g0 += MOE_ATTN_TILE_QV)
+        attn_tiled_vectors(kern, s, b, h0, nh, g0,
+                           n_vec - g0 < MOE_ATTN_TILE_QV ? n_vec - g0 : MOE_ATTN_TILE_QV);
 }

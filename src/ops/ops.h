@@ -122,16 +122,16 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
 
 /* Tiled (flash-style) attention, the fast path: a block of query rows of one sequence against
  * that sequence's cache, key positions taken in tiles of MOE_ATTN_TILE from position 0 with a
- * running max and sum per (row, head), so no score row longer than a tile ever exists and each
- * K / V tile is read once for all the block's rows and heads. Row r sees key positions
- * first[r]..last[r] (causal prefix, sliding window). Only heads h0..h1-1 (all of one kv head's
- * group) are computed; the caller splits work over blocks, kv heads and head ranges. A row's
- * float order depends on its own first / last only (tiles are fixed in absolute positions), so
- * it gives the same bits whatever shares its block, and a decode row the same as a prefill row.
- * Not ggml's order: MOE_EXACT=1 keeps moe_attention_row. */
-#define MOE_ATTN_TILE       64   /* key positions per tile: a head's f16 K and V tiles in L1 */
-#define MOE_ATTN_BLOCK_ROWS 16   /* query rows per block at most */
-#define MOE_ATTN_STATES     1024 /* rows x heads of one call at most (running max / sum) */
+ * running max and sum per (row, head), so no score row longer than a tile ever exists. Row r
+ * sees key positions first[r]..last[r] (causal prefix, sliding window). Only heads h0..h1-1 (all
+ * of one kv head's group) are computed; the caller splits work over blocks, kv heads and head
+ * ranges. The (row, head) query vectors go MOE_ATTN_TILE_QV at a time through the kernel table's
+ * attn_tile, which converts each K / V tile once for all of them and gives each vector the float
+ * order quant.h states: it depends on the row's own first / last only (tiles are fixed in
+ * absolute positions), so a row gets the same bits whatever shares its block, and a decode row
+ * the same as a prefill row. Not ggml's order: MOE_EXACT=1 keeps moe_attention_row. */
+#define MOE_ATTN_TILE       MOE_ATTN_TILE_KEYS
+#define MOE_ATTN_BLOCK_ROWS 16 /* query rows per block at most */
 typedef struct moe_attn_block {
     const float *q;              /* [n_rows][n_head * head_dim_k] */
     float *out;                  /* [n_rows][n_head * head_dim_v] */
@@ -139,7 +139,10 @@ typedef struct moe_attn_block {
     int n_rows;                  /* <= MOE_ATTN_BLOCK_ROWS */
     const void *k, *v;           /* position 0 of the sequence's K / V cache rows */
     int64_t k_stride, v_stride;  /* bytes between positions */
+    float *scratch; /* moe_attention_tiled_scratch(max(head_dim_k, head_dim_v)) floats */
 } moe_attn_block;
+/* Floats of scratch one moe_attention_tiled call needs for heads up to dim values wide. */
+size_t moe_attention_tiled_scratch(int dim);
 void moe_attention_tiled(const moe_attn_shape *s, const moe_attn_block *b, int h0, int h1);
 
 /* ==== Hyper-connections (hyper.c) ==== */

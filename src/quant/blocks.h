@@ -466,5 +466,19 @@ void moe_ref_attn_scores(const float *q, const void *k, int64_t stride_bytes, in
                          moe_type kv_type, int n, float scale, float *out);
 void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
                       moe_type kv_type, int n);
+/* moe_attn_exp's constants (Cephes expf): below MIN the result is 0; x = n ln2 + r with n =
+ * round(x LOG2E) and ln 2 in two parts; e^r = 1 + r + r^2 P(r), P of degree 5 from P0 down. */
+#define MOE_ATTN_EXP_MIN   (-86.0f)
+#define MOE_ATTN_EXP_LOG2E 1.44269504088896341f
+#define MOE_ATTN_EXP_LN2_A (-0.693359375f)
+#define MOE_ATTN_EXP_LN2_B 2.12194440e-4f
+#define MOE_ATTN_EXP_P0    1.9875691500e-4f
+#define MOE_ATTN_EXP_P1    1.3981999507e-3f
+#define MOE_ATTN_EXP_P2    8.3334519073e-3f
+#define MOE_ATTN_EXP_P3    4.1665795894e-2f
+#define MOE_ATTN_EXP_P4    1.6666665459e-1f
+#define MOE_ATTN_EXP_P5    5.0000001201e-1f
+/* The fast path's attention tile in the order quant.h states, query vector by query vector. */
+void moe_ref_attn_tile(const moe_attn_tile_args *a);
 
 #endif

@@ -57,6 +57,7 @@ static void build(void) {
     build_scalar(&exact[MOE_ISA_SCALAR]);
     exact[MOE_ISA_SCALAR].attn_scores = moe_ref_attn_scores;
     exact[MOE_ISA_SCALAR].attn_mix = moe_ref_attn_mix;
+    exact[MOE_ISA_SCALAR].attn_tile = moe_ref_attn_tile;
     for (int level = MOE_ISA_SCALAR + 1; level <= (int)top; level++) {
         exact[level] = exact[level - 1];
         switch ((moe_isa)level) {

@@ -223,6 +223,39 @@ typedef void (*moe_attn_scores_fn)(const float *q, const void *k, int64_t stride
 typedef void (*moe_attn_mix_fn)(float *y, const float *p, const void *v, int64_t stride_bytes,
                                 int64_t n_kv, moe_type kv_type, int n);
 
+/* The fast path's attention (ops' moe_attention_tiled): one tile of at most MOE_ATTN_TILE_KEYS
+ * keys of one kv head against nq <= MOE_ATTN_TILE_QV query vectors, each with a running max m
+ * and sum l of its softmax and its output row (the weighted values so far, not yet divided by l).
+ * K and V are converted to f32 once per tile for all the query vectors. Query vector i sees keys
+ * lo[i]..hi[i] of the tile (none when hi[i] < lo[i]); its float order, which the scalar
+ * reference defines and every level gives bit for bit, depends on nothing else:
+ *   s_j = (fma chain over d = 0.. of q_d k_jd, from 0) * scale, or -inf for a key it does not see;
+ *   m' = max(m, s_j ...); c = m' > m ? exp(m - m') : 1; l = l c; y = y c + 0 (when c != 1);
+ *   p_j = exp(s_j - m'); l += p_j key after key; y_d = fma(p_j, v_jd, y_d) key after key,
+ * over every key of the tile (an unseen key's p_j = 0 adds an exact zero: y is never -0), exp
+ * being moe_attn_exp. So a vector's bits never depend on which others share the call. */
+#define MOE_ATTN_TILE_KEYS 64  /* keys per tile: fixed in absolute positions by the caller */
+#define MOE_ATTN_TILE_QV   128 /* query vectors per call at most (16 rows x 8 heads) */
+typedef struct moe_attn_tile_args {
+    const void *k, *v;          /* the tile's first key: its kv head's K and V values */
+    int64_t k_stride, v_stride; /* bytes between keys */
+    moe_type kv_type;           /* MOE_TYPE_F32, F16 or Q8_0 */
+    int n_key, dk, dv;          /* keys in the tile, K and V widths */
+    float scale;
+    int nq;
+    const float *qt;        /* [dk][MOE_ATTN_TILE_QV]: query vector i in column i */
+    const int32_t *lo, *hi; /* [nq] the keys each query vector sees */
+    float *m, *l;           /* [nq] running max of the scaled scores, running sum of weights */
+    float *const *out;      /* [nq] output rows of dv floats */
+    float *scratch;         /* MOE_ATTN_TILE_KEYS * max(dk, dv) floats: the converted tile */
+} moe_attn_tile_args;
+typedef void (*moe_attn_tile_fn)(const moe_attn_tile_args *a);
+/* e^x for x <= 0 in float, the fast attention's softmax weights: Cephes' expf (x = n ln2 + r,
+ * a degree-7 polynomial in r by fma, 2^n added to the exponent) within 2 ulp of e^x (measured in
+ * the kernels suite), and 0 below -86 (e^-86 < 2^-124: nothing beside the maximum's weight 1)
+ * and for -inf or NaN. The SIMD levels compute it lane by lane in the same operations. */
+float moe_attn_exp(float x);
+
 typedef struct moe_kernels {
     moe_isa isa;      /* the level of this table */
     const char *name; /* moe_isa_name(isa) */
@@ -230,6 +263,7 @@ typedef struct moe_kernels {
     moe_type_kernels types[MOE_TYPE_COUNT];
     moe_attn_scores_fn attn_scores;
     moe_attn_mix_fn attn_mix;
+    moe_attn_tile_fn attn_tile; /* the fast path's; the exact path never calls it */
 } moe_kernels;
 
 /* ==== The two paths ====

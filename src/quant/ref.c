@@ -477,3 +477,52 @@ void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_by
         }
     }
 }
+
+/* ==== The fast path's attention tile (quant.h: moe_attn_tile_fn) ==== */
+
+float moe_attn_exp(float x) {
+    if (!(x >= MOE_ATTN_EXP_MIN)) return 0.0f;
+    const float n = rintf(x * MOE_ATTN_EXP_LOG2E); /* nearest, ties to even */
+    float r = fmaf(n, MOE_ATTN_EXP_LN2_A, x);
+    r = fmaf(n, MOE_ATTN_EXP_LN2_B, r);
+    float p = fmaf(MOE_ATTN_EXP_P0, r, MOE_ATTN_EXP_P1);
+    p = fmaf(p, r, MOE_ATTN_EXP_P2);
+    p = fmaf(p, r, MOE_ATTN_EXP_P3);
+    p = fmaf(p, r, MOE_ATTN_EXP_P4);
+    p = fmaf(p, r, MOE_ATTN_EXP_P5);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    uint32_t bits;
+    memcpy(&bits, &y, sizeof bits);
+    bits += (uint32_t)(int32_t)n << 23; /* n >= -124: the result stays normal */
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+void moe_ref_attn_tile(const moe_attn_tile_args *a) {
+    for (int i = 0; i < a->nq; i++) {
+        float s[MOE_ATTN_TILE_KEYS], m = a->m[i];
+        for (int j = 0; j < a->n_key; j++) {
+            s[j] = -INFINITY;
+            if (j < a->lo[i] || j > a->hi[i]) continue;
+            const void *kj = (const uint8_t *)a->k + j * a->k_stride;
+            float dot = 0.0f;
+            for (int d = 0; d < a->dk; d++)
+                dot = fmaf(a->qt[d * MOE_ATTN_TILE_QV + i], kv_value(kj, a->kv_type, d), dot);
+            s[j] = dot * a->scale;
+            m = s[j] > m ? s[j] : m;
+        }
+        const float c = m > a->m[i] ? moe_attn_exp(a->m[i] - m) : 1.0f;
+        float *y = a->out[i], l = a->l[i] * c;
+        if (c != 1.0f)
+            for (int d = 0; d < a->dv; d++) y[d] = y[d] * c + 0.0f;
+        for (int j = 0; j < a->n_key; j++) {
+            const float p = moe_attn_exp(s[j] - m);
+            const void *vj = (const uint8_t *)a->v + j * a->v_stride;
+            l += p;
+            for (int d = 0; d < a->dv; d++) y[d] = fmaf(p, kv_value(vj, a->kv_type, d), y[d]);
+        }
+        a->m[i] = m;
+        a->l[i] = l;
+    }
+}

@@ -759,6 +759,156 @@ void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
                          stride_bytes, n_kv, kv_type, n - d);
 }
 
+/* ==== The fast path's attention tile (quant.h: moe_attn_tile_fn) ====
+ *
+ * The query vectors lie in the lanes (8 per register), so a score is one lane's fma chain over
+ * d, the softmax a lane's own running max and sum, all in the reference's order. Scores: 4 keys
+ * (broadcast from the f32 tile) x 16 query vectors; mix: 4 query vectors (broadcast weights) x
+ * 16 output values, the values loaded once for the 4. */
+
+/* n_key rows of a KV tile as f32, dim values each, rows padded with zeros to a multiple of 4. */
+void moe_avx2_attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
+                           float *out) {
+    const int64_t bytes = (int64_t)moe_type_row_bytes(kv_type, dim);
+    for (int j = 0; j < n_key; j++) {
+        const void *row = (const uint8_t *)x + j * stride;
+        /* the same row of the next tile, on its way while this one computes (a prefetch past
+         * the cache's end is dropped, never a fault) */
+        for (int64_t b = 0; b < bytes; b += 64)
+            _mm_prefetch((const char *)row + MOE_ATTN_TILE_KEYS * stride + b, _MM_HINT_T0);
+        float *o = out + (int64_t)j * dim;
+        int d = 0;
+        for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(o + d, load8_kv(row, kv_type, d));
+        for (; d < dim; d++) o[d] = moe_ref_kv_value(row, kv_type, d);
+    }
+    memset(out + (int64_t)n_key * dim, 0, sizeof(float) * (size_t)((-n_key & 3) * dim));
+}
+
+/* Scaled scores of keys j..j+3 of the tile for nv (1 or 2) registers of query vectors from
+ * vector i0, into st[key][vector] (-inf where a vector does not see the key); maxima into mx. */
+MOE_INLINE void attn_scores4x8(const moe_attn_tile_args *a, const float *kc, int j, int i0, int nv,
+                               const int32_t *lo, const int32_t *hi, float (*st)[MOE_ATTN_TILE_QV],
+                               __m256 *mx) {
+    __m256 acc[4][2];
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
+        _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) acc[u][v] = _mm256_setzero_ps();
+    const float *k0 = kc + (int64_t)j * a->dk;
+    for (int d = 0; d < a->dk; d++) {
+        __m256 q[2];
+        _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) q[v] =
+            _mm256_loadu_ps(a->qt + (int64_t)d * MOE_ATTN_TILE_QV + i0 + 8 * v);
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+            const __m256 k = _mm256_set1_ps(k0[(int64_t)u * a->dk + d]);
+            _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) acc[u][v] =
+                _mm256_fmadd_ps(q[v], k, acc[u][v]);
+        }
+    }
+    for (int u = 0; u < 4 && j + u < a->n_key; u++) {
+        const __m256i key = _mm256_set1_epi32(j + u);
+        for (int v = 0; v < nv; v++) {
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(lo + i0 + 8 * v));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(hi + i0 + 8 * v));
+            const __m256i blind =
+                _mm256_or_si256(_mm256_cmpgt_epi32(l, key), _mm256_cmpgt_epi32(key, h));
+            const __m256 s =
+                _mm256_blendv_ps(_mm256_mul_ps(acc[u][v], _mm256_set1_ps(a->scale)),
+                                 _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(blind));
+            _mm256_storeu_ps(&st[j + u][i0 + 8 * v], s);
+            mx[i0 / 8 + v] = _mm256_max_ps(mx[i0 / 8 + v], s);
+        }
+    }
+}
+
+/* out[i..i+nq-1] += weights x values over the tile's keys for output values d..d+8 nd - 1. */
+MOE_INLINE void attn_mix_rows8(const moe_attn_tile_args *a, const float *vc,
+                               float (*st)[MOE_ATTN_TILE_QV], int i, int nq, int d, int nd) {
+    __m256 acc[4][2];
+    _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++)
+        _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++) acc[r][u] =
+            _mm256_loadu_ps(a->out[i + r] + d + 8 * u);
+    for (int j = 0; j < a->n_key; j++) {
+        __m256 v[2];
+        _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++) v[u] =
+            _mm256_loadu_ps(vc + (int64_t)j * a->dv + d + 8 * u);
+        _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++) {
+            const __m256 p = _mm256_set1_ps(st[j][i + r]);
+            _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++) acc[r][u] =
+                _mm256_fmadd_ps(p, v[u], acc[r][u]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++)
+        _Pragma("GCC unroll 2") for (int u = 0; u < nd; u++)
+            _mm256_storeu_ps(a->out[i + r] + d + 8 * u, acc[r][u]);
+}
+
+/* The same for nq (1 or 4) query vectors over all dv output values: 16, then 8, then one by one. */
+MOE_INLINE void attn_mix_block8(const moe_attn_tile_args *a, const float *vc,
+                                float (*st)[MOE_ATTN_TILE_QV], int i, int nq) {
+    int d = 0;
+    for (; d + 16 <= a->dv; d += 16) attn_mix_rows8(a, vc, st, i, nq, d, 2);
+    if (d + 8 <= a->dv) attn_mix_rows8(a, vc, st, i, nq, d, 1), d += 8;
+    for (int r = 0; r < nq; r++)
+        for (int e = d; e < a->dv; e++) {
+            float y = a->out[i + r][e];
+            for (int j = 0; j < a->n_key; j++)
+                y = fmaf(st[j][i + r], vc[(int64_t)j * a->dv + e], y);
+            a->out[i + r][e] = y;
+        }
+}
+
+static void attn_tile8(const moe_attn_tile_args *a) {
+    float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* scores, then weights */
+    float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], c[MOE_ATTN_TILE_QV];
+    int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
+    const int nv = (a->nq + 7) / 8;
+    for (int i = 0; i < 8 * nv; i++) { /* lanes past nq: no key seen, nothing stored */
+        m[i] = i < a->nq ? a->m[i] : -INFINITY;
+        l[i] = i < a->nq ? a->l[i] : 0.0f;
+        lo[i] = i < a->nq ? a->lo[i] : 1;
+        hi[i] = i < a->nq ? a->hi[i] : 0;
+    }
+    __m256 mx[MOE_ATTN_TILE_QV / 8];
+    for (int v = 0; v < nv; v++) mx[v] = _mm256_loadu_ps(m + 8 * v);
+    moe_avx2_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+    for (int v = 0; v < nv; v += 2)
+        for (int j = 0; j < a->n_key; j += 4) {
+            if (v + 1 < nv)
+                attn_scores4x8(a, a->scratch, j, 8 * v, 2, lo, hi, st, mx);
+            else
+                attn_scores4x8(a, a->scratch, j, 8 * v, 1, lo, hi, st, mx);
+        }
+    for (int v = 0; v < nv; v++) { /* the running max moves, then the weights and their sum */
+        const __m256 old = _mm256_loadu_ps(m + 8 * v);
+        const __m256 rescale =
+            _mm256_blendv_ps(_mm256_set1_ps(1.0f), avx2_attn_exp(_mm256_sub_ps(old, mx[v])),
+                             _mm256_cmp_ps(mx[v], old, _CMP_GT_OQ));
+        __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(l + 8 * v), rescale);
+        for (int j = 0; j < a->n_key; j++) {
+            const __m256 p = avx2_attn_exp(_mm256_sub_ps(_mm256_loadu_ps(&st[j][8 * v]), mx[v]));
+            sum = _mm256_add_ps(sum, p);
+            _mm256_storeu_ps(&st[j][8 * v], p);
+        }
+        _mm256_storeu_ps(m + 8 * v, mx[v]);
+        _mm256_storeu_ps(l + 8 * v, sum);
+        _mm256_storeu_ps(c + 8 * v, rescale);
+    }
+    for (int i = 0; i < a->nq; i++) {
+        a->m[i] = m[i], a->l[i] = l[i];
+        if (c[i] == 1.0f) continue;
+        float *y = a->out[i];
+        int d = 0;
+        for (; d + 8 <= a->dv; d += 8)
+            _mm256_storeu_ps(
+                y + d, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(y + d), _mm256_set1_ps(c[i])),
+                                     _mm256_setzero_ps()));
+        for (; d < a->dv; d++) y[d] = y[d] * c[i] + 0.0f;
+    }
+    moe_avx2_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
+    int i = 0;
+    for (; i + 4 <= a->nq; i += 4) attn_mix_block8(a, a->scratch, st, i, 4);
+    for (; i < a->nq; i++) attn_mix_block8(a, a->scratch, st, i, 1);
+}
+
 /* ==== The fast path (quant.h, "The two paths") ====
  *
  * The same decodes and integer block sums as the exact kernels above, in another float order:
@@ -1070,6 +1220,7 @@ void moe_kernels_fill_avx2(moe_kernels *k) {
     moe_type_kernels *types = k->types;
     k->attn_scores = attn_scores;
     k->attn_mix = moe_avx2_attn_mix;
+    k->attn_tile = attn_tile8;
     static const struct {
         moe_type type;
         moe_dot_fn dot;

@@ -10,6 +10,7 @@
 #define MOE_QUANT_X86_AVX2_H
 
 #include <immintrin.h>
+#include <math.h>
 
 #include "blocks.h"
 #include "kernels.h"
@@ -372,6 +373,24 @@ MOE_INLINE void avx2_k4_rows_store(int R, const __m256 *acc, const __m128 *acc_m
 /* Q8_K bsums (16 per block) as int16: the sums of 16 activations each. */
 MOE_INLINE __m256i avx2_bsums(const moe_block_q8_k *y) {
     return avx2_load(y->bsums);
+}
+
+/* moe_attn_exp on 8 lanes, in its operations. */
+MOE_INLINE __m256 avx2_attn_exp(__m256 x) {
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(MOE_ATTN_EXP_MIN), _CMP_GE_OQ);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(MOE_ATTN_EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(MOE_ATTN_EXP_LN2_A), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(MOE_ATTN_EXP_LN2_B), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(MOE_ATTN_EXP_P0), r, _mm256_set1_ps(MOE_ATTN_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P5));
+    const __m256 y =
+        _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    return _mm256_and_ps(live, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e)));
 }
 
 #endif

@@ -18,6 +18,8 @@
  * shared, so they move by 10 % or more between runs; `make bench` gives medians in GB/s. */
 #include "x86_avx2.h"
 
+#include <math.h>
+
 #ifndef MOE_AVX512_VNNI
 #error "build x86_avx512.c with -DMOE_AVX512_VNNI=0 or 1 (the Makefile does)"
 #elif MOE_AVX512_VNNI && !(defined(__AVX512VNNI__) && defined(__AVX512VBMI__))
@@ -532,6 +534,145 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
                           stride_bytes, n_kv, kv_type, n - d);
 }
 
+/* ==== The fast path's attention tile (quant.h: moe_attn_tile_fn) ====
+ *
+ * The query vectors lie in the lanes (16 per register), so a score is one lane's fma chain over
+ * d, the softmax a lane's own running max and sum, all in the reference's order. Scores: 4 keys
+ * (broadcast from the f32 tile) x up to 4 registers of query vectors; mix: 4 query vectors
+ * (broadcast weights) x 64 output values, the values loaded once for the 4. */
+
+/* moe_attn_exp on 16 lanes: the AVX2 one on each half. */
+MOE_INLINE __m512 z_attn_exp(__m512 x) {
+    const __m256 lo = avx2_attn_exp(_mm512_castps512_ps256(x));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo),
+                              avx2_attn_exp(_mm512_extractf32x8_ps(x, 1)), 1);
+}
+
+/* Scaled scores of keys j..j+3 of the tile for nv registers of query vectors from vector i0,
+ * into st[key][vector] (-inf where a vector does not see the key); their maxima into mx. */
+MOE_INLINE void z_attn_scores4(const moe_attn_tile_args *a, const float *kc, int j, int i0, int nv,
+                               const __m512i *lo, const __m512i *hi, float (*st)[MOE_ATTN_TILE_QV],
+                               __m512 *mx) {
+    __m512 acc[4][4];
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] = _mm512_setzero_ps();
+    const float *k0 = kc + (int64_t)j * a->dk;
+    for (int d = 0; d < a->dk; d++) {
+        __m512 q[4];
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) q[v] =
+            _mm512_loadu_ps(a->qt + (int64_t)d * MOE_ATTN_TILE_QV + i0 + 16 * v);
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+            const __m512 k = _mm512_set1_ps(k0[(int64_t)u * a->dk + d]);
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] =
+                _mm512_fmadd_ps(q[v], k, acc[u][v]);
+        }
+    }
+    for (int u = 0; u < 4 && j + u < a->n_key; u++) {
+        const __m512i key = _mm512_set1_epi32(j + u);
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+            const __mmask16 sees = _mm512_cmpge_epi32_mask(key, lo[i0 / 16 + v]) &
+                                   _mm512_cmple_epi32_mask(key, hi[i0 / 16 + v]);
+            const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), sees, acc[u][v],
+                                                _mm512_set1_ps(a->scale));
+            _mm512_storeu_ps(&st[j + u][i0 + 16 * v], s);
+            mx[i0 / 16 + v] = _mm512_max_ps(mx[i0 / 16 + v], s);
+        }
+    }
+}
+
+/* out[i..i+nq-1] += weights x values for dv values, 64 at a time (the last masked). */
+MOE_INLINE void z_attn_mix_rows(const moe_attn_tile_args *a, const float *vc,
+                                float (*st)[MOE_ATTN_TILE_QV], int i, int nq) {
+    for (int d = 0; d < a->dv; d += 64) {
+        __mmask16 mask[4];
+        __m512 acc[4][4];
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+            const int w = a->dv - d - 16 * u;
+            mask[u] = w >= 16 ? 0xffff : w > 0 ? (__mmask16)((1u << w) - 1) : 0;
+            _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++) acc[r][u] =
+                _mm512_maskz_loadu_ps(mask[u], a->out[i + r] + d + 16 * u);
+        }
+        for (int j = 0; j < a->n_key; j++) {
+            __m512 v[4];
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) v[u] =
+                _mm512_maskz_loadu_ps(mask[u], vc + (int64_t)j * a->dv + d + 16 * u);
+            _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++) {
+                const __m512 p = _mm512_set1_ps(st[j][i + r]);
+                _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) acc[r][u] =
+                    _mm512_fmadd_ps(p, v[u], acc[r][u]);
+            }
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < nq; r++)
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
+                _mm512_mask_storeu_ps(a->out[i + r] + d + 16 * u, mask[u], acc[r][u]);
+    }
+}
+
+static void z_attn_tile(const moe_attn_tile_args *a) {
+    float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* scores, then weights */
+    float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], c[MOE_ATTN_TILE_QV];
+    int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
+    const int nv = (a->nq + 15) / 16;
+    for (int i = 0; i < 16 * nv; i++) { /* lanes past nq: no key seen, nothing stored */
+        m[i] = i < a->nq ? a->m[i] : -INFINITY;
+        l[i] = i < a->nq ? a->l[i] : 0.0f;
+        lo[i] = i < a->nq ? a->lo[i] : 1;
+        hi[i] = i < a->nq ? a->hi[i] : 0;
+    }
+    __m512i vlo[MOE_ATTN_TILE_QV / 16], vhi[MOE_ATTN_TILE_QV / 16];
+    __m512 mx[MOE_ATTN_TILE_QV / 16];
+    for (int v = 0; v < nv; v++) {
+        vlo[v] = _mm512_loadu_si512(lo + 16 * v);
+        vhi[v] = _mm512_loadu_si512(hi + 16 * v);
+        mx[v] = _mm512_loadu_ps(m + 16 * v);
+    }
+    moe_avx2_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+    for (int v = 0; v < nv; v += 4) /* 64 query vectors at a time against the whole tile */
+        for (int j = 0; j < a->n_key; j += 4) switch (nv - v) {
+            case 1:
+                z_attn_scores4(a, a->scratch, j, 16 * v, 1, vlo, vhi, st, mx);
+                break;
+            case 2:
+                z_attn_scores4(a, a->scratch, j, 16 * v, 2, vlo, vhi, st, mx);
+                break;
+            case 3:
+                z_attn_scores4(a, a->scratch, j, 16 * v, 3, vlo, vhi, st, mx);
+                break;
+            default:
+                z_attn_scores4(a, a->scratch, j, 16 * v, 4, vlo, vhi, st, mx);
+                break;
+            }
+    for (int v = 0; v < nv; v++) { /* the running max moves, then the weights and their sum */
+        const __m512 old = _mm512_loadu_ps(m + 16 * v);
+        const __m512 rescale =
+            _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx[v], old, _CMP_GT_OQ), _mm512_set1_ps(1.0f),
+                                 z_attn_exp(_mm512_sub_ps(old, mx[v])));
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * v), rescale);
+        for (int j = 0; j < a->n_key; j++) {
+            const __m512 p = z_attn_exp(_mm512_sub_ps(_mm512_loadu_ps(&st[j][16 * v]), mx[v]));
+            sum = _mm512_add_ps(sum, p);
+            _mm512_storeu_ps(&st[j][16 * v], p);
+        }
+        _mm512_storeu_ps(m + 16 * v, mx[v]);
+        _mm512_storeu_ps(l + 16 * v, sum);
+        _mm512_storeu_ps(c + 16 * v, rescale);
+    }
+    for (int i = 0; i < a->nq; i++) {
+        a->m[i] = m[i], a->l[i] = l[i];
+        if (c[i] == 1.0f) continue;
+        const __m512 ci = _mm512_set1_ps(c[i]);
+        for (int d = 0; d < a->dv; d += 16) {
+            const __mmask16 mask = a->dv - d >= 16 ? 0xffff : (__mmask16)((1u << (a->dv - d)) - 1);
+            const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, a->out[i] + d), ci);
+            _mm512_mask_storeu_ps(a->out[i] + d, mask, _mm512_add_ps(y, _mm512_setzero_ps()));
+        }
+    }
+    moe_avx2_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
+    int i = 0;
+    for (; i + 4 <= a->nq; i += 4) z_attn_mix_rows(a, a->scratch, st, i, 4);
+    for (; i < a->nq; i++) z_attn_mix_rows(a, a->scratch, st, i, 1);
+}
+
 /* ==== The table ==== */
 
 void Z_FILL(moe_kernels *k) {
@@ -539,6 +680,7 @@ void Z_FILL(moe_kernels *k) {
     z_iq_tables_fill();
     k->attn_scores = z_attn_scores;
     k->attn_mix = z_attn_mix;
+    k->attn_tile = z_attn_tile;
     static const struct {
         moe_type type;
         moe_dot_fn dot;
