@@ -856,7 +856,7 @@ MOE_INLINE void attn_mix_block8(const moe_attn_tile_args *a, const float *vc,
 }
 
 static void attn_tile8(const moe_attn_tile_args *a) {
-    float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* scores, then weights */
+    _Alignas(64) float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* scores, then weights */
     float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], c[MOE_ATTN_TILE_QV];
     int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
     const int nv = (a->nq + 7) / 8;

@@ -734,8 +734,9 @@ static void z_attn_softmax_pairs(const moe_attn_tile_args *a, float (*st)[MOE_AT
                                  float *m, float *l, float *c) {
     enum { PAIRS = MOE_ATTN_TILE_KEYS / 2 };
     const int n_pair = (a->n_key + 1) / 2;
-    const float *kp = a->scratch;               /* pair p's value d at kp[2 p dk + 2 d ..] */
-    float sp[PAIRS][16], q2[Z_PAIR_DCHUNK][16]; /* scores by pair; the vectors' values twice */
+    const float *kp = a->scratch; /* pair p's value d at kp[2 p dk + 2 d ..] */
+    _Alignas(64) float sp[PAIRS][16],
+        q2[Z_PAIR_DCHUNK][16]; /* scores by pair; the vectors' values twice */
     const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i lo = z_pair_lanes_i32(a->lo, a->nq, 1), hi = z_pair_lanes_i32(a->hi, a->nq, 0);
     const __m512 old = z_pair_lanes(a->m, a->nq, -INFINITY);
@@ -821,7 +822,7 @@ MOE_INLINE void z_attn_mix_rows(const moe_attn_tile_args *a, const float *vc,
 }
 
 static void z_attn_tile(const moe_attn_tile_args *a) {
-    float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* weights: st[key][vector] */
+    _Alignas(64) float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* weights: st[key][vector] */
     float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], c[MOE_ATTN_TILE_QV];
     if (a->nq <= 8)
         z_attn_softmax_pairs(a, st, m, l, c);
