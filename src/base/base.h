@@ -55,6 +55,11 @@ static inline bool moe_add_overflow(uint64_t a, uint64_t b, uint64_t *out) {
 void *moe_xmalloc(size_t n);
 void *moe_xcalloc(size_t count, size_t size);
 void *moe_xrealloc(void *p, size_t n);
+/* Zeroed anonymous memory of at least `bytes`, aligned to 2 MiB and rounded up to it (*size:
+ * what moe_huge_free takes), with the kernel asked for huge pages (a hint: fewer TLB misses on
+ * memory read end to end, such as weights and the KV cache). NULL when it cannot be had. */
+void *moe_huge_alloc(size_t bytes, size_t *size);
+void moe_huge_free(void *p, size_t size);
 char *moe_xstrdup(const char *s);
 char *moe_xstrndup(const char *s, size_t n);
 
