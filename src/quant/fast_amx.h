@@ -22,8 +22,9 @@
 
 /* tmm0, tmm1: B (K / 4 rows of 64 bytes); tmm2, tmm3: A (16 rows of K bytes); tmm4, tmm5: C */
 #define FAST_AMX_LOAD(tmm, base, stride)                                                           \
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"((long)(stride)) : "memor"  \
-                                                                                          "y")
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"((long)(stride))            \
+                     : "memor"                                                                     \
+                       "y")
 #define FAST_AMX_STORE(tmm, base, stride)                                                          \
     __asm__ volatile("tilestored %%tmm" #tmm ", (%0,%1,1)" ::"r"(base), "r"((long)(stride))        \
                      : "memory")
@@ -82,6 +83,16 @@ MOE_INLINE void fast_amx_rows(fast_type type, const fast_tile *tiles, int64_t nc
             FAST_AMX_UNIT(u + 1, 1, 3, 5);
         }
         if (u < nj * subs) FAST_AMX_UNIT(u, 0, 2, 4);
+        /* the 32-value types' activation scales (f16) as floats, 16 rows at once, for the
+         * epilogue to broadcast from memory */
+        float dxf[UNITS][FAST_AMX_ROWS] __attribute__((aligned(64)));
+        if (q32)
+            for (int64_t jj = 0; jj < nj; jj++) {
+                uint16_t h[FAST_AMX_ROWS] __attribute__((aligned(32)));
+                for (int m = 0; m < FAST_AMX_ROWS; m++)
+                    h[m] = ((const moe_block_q8_0 *)(x + (size_t)m * xs) + c0 + j0 + jj)->d;
+                _mm512_store_ps(dxf[jj], _mm512_cvtph_ps(avx2_load(h)));
+            }
         for (int m = 0; m < FAST_AMX_ROWS; m++) {
             const uint8_t *xr = x + (size_t)m * xs;
             __m512 a = acc[m];
@@ -90,7 +101,7 @@ MOE_INLINE void fast_amx_rows(fast_type type, const fast_tile *tiles, int64_t nc
                 __m512i sum = _mm512_load_si512(c[jj * subs][m]);
                 __m512 dx;
                 if (q32)
-                    dx = _mm512_set1_ps(avx2_fp16(((const moe_block_q8_0 *)xr + c0 + j0 + jj)->d));
+                    dx = _mm512_set1_ps(dxf[jj][m]);
                 else {
                     const moe_block_q8_k *y = (const moe_block_q8_k *)xr + c0 + j0 + jj;
                     sum = _mm512_mullo_epi32(sum, t->scale[0]);
