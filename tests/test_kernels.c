@@ -582,8 +582,9 @@ static void rows16_layout_and_kernels(void **state) {
 /* ==== The amx level (fast_amx.h) ====
  *
  * Its tile kernels give avx512vnni's bits, bit for bit, at 16, 17, 64 and 70 activation rows (the
- * tiles, then the tiles and fast_rows for the rest) on random rows of 1..40 blocks, for every
- * type it has one for (Q8_0, Q4_0, IQ4_NL, MXFP4 and the super-block types at least, on the
+ * tiles from 16 rows for the 32-value types, from 32 or 64 for the super-block types, then
+ * fast_rows for the rows left over) on random rows of 1..40 blocks, for every type it has one for
+ * (the 32-value types and the super-block types with a scale per 32 values at least, on the
  * file's rows and on MOE_LAYOUT_ROWS16). Skipped where the CPU or the OS offers no AMX. */
 static void amx_tiles_equal_avx512vnni(void **state) {
     (void)state;
@@ -595,10 +596,9 @@ static void amx_tiles_equal_avx512vnni(void **state) {
         skip();
     }
     enum { MAX_X = 70, MAX_BLOCKS = 40 };
-    static const moe_type must[] = {MOE_TYPE_Q8_0,    MOE_TYPE_Q4_0,   MOE_TYPE_IQ4_NL,
-                                    MOE_TYPE_MXFP4,   MOE_TYPE_Q4_K,   MOE_TYPE_Q5_K,
-                                    MOE_TYPE_IQ2_S,   MOE_TYPE_IQ3_S,  MOE_TYPE_IQ2_XXS,
-                                    MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ4_XS, MOE_TYPE_IQ1_M};
+    static const moe_type must[] = {
+        MOE_TYPE_Q8_0, MOE_TYPE_Q4_0,  MOE_TYPE_IQ4_NL,  MOE_TYPE_MXFP4,   MOE_TYPE_Q4_K,
+        MOE_TYPE_Q5_K, MOE_TYPE_IQ3_S, MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ4_XS};
     for (size_t i = 0; i < sizeof must / sizeof must[0]; i++)
         if (amx->types[must[i]].dot_isa != MOE_ISA_AMX || !amx->types[must[i]].dot_tile)
             fail_msg("amx fast table: no %s tile kernel of its own", moe_type_name(must[i]));

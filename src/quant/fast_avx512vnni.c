@@ -523,10 +523,7 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
                    sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out,   \
                    os);                                                                            \
     }                                                                                              \
-    FAST_AMX_KERNEL(fast_amx_tile_rows_##t, fast_tile_rows_##t,                                    \
-                    FAST_SB_TYPE(t, regs, mins, scale_values, mult), tile, FAST_IQ_CHUNK,          \
-                    MOE_QK_K)                                                                      \
-    FAST_DOT(t)
+    FAST_AMX_SB_##scale_values(t, regs, mins, mult, tile) FAST_DOT(t)
 FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f, fast_tile_iq)
 FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, fast_tile_iq)
 FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, fast_tile_iq)
@@ -695,14 +692,11 @@ void moe_kernels_fill_fast_amx(moe_kernels *k) {
     AMX_SET(MXFP4, mxfp4);
     AMX_SET(Q4_K, q4_k);
     AMX_SET(Q5_K, q5_k);
-    AMX_SET(IQ2_S, iq2_s);
     AMX_SET(IQ3_S, iq3_s);
     AMX_SET(IQ2_XXS, iq2_xxs);
-    AMX_SET(IQ2_XS, iq2_xs);
     AMX_SET(IQ3_XXS, iq3_xxs);
     AMX_SET(IQ4_XS, iq4_xs);
     AMX_SET(IQ1_S, iq1_s);
-    AMX_SET(IQ1_M, iq1_m);
 #undef AMX_SET
     k->types[MOE_TYPE_Q8_0].dot_tile_rows16 = fast_amx_rows16_q8_0;
     k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = fast_amx_rows16_q4_0;
