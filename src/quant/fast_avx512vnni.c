@@ -653,6 +653,13 @@ FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
 
 /* ==== The table ==== */
 
+/* The kernels on MOE_LAYOUT_ROWS16 (named prefix##type) into table k. */
+#define FAST_ROWS16_SET(prefix)                                                                    \
+    (k->types[MOE_TYPE_Q8_0].dot_tile_rows16 = prefix##q8_0,                                       \
+     k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = prefix##q4_0,                                       \
+     k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = prefix##iq4_nl,                                   \
+     k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = prefix##mxfp4)
+
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     z_iq_tables_fill();
 #define FAST_SET(T, t)                                                                             \
@@ -674,10 +681,7 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     FAST_SET(IQ1_S, iq1_s);
     FAST_SET(IQ1_M, iq1_m);
 #undef FAST_SET
-    k->types[MOE_TYPE_Q8_0].dot_tile_rows16 = fast_rows16_q8_0;
-    k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = fast_rows16_q4_0;
-    k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = fast_rows16_iq4_nl;
-    k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = fast_rows16_mxfp4;
+    FAST_ROWS16_SET(fast_rows16_);
 }
 
 void moe_kernels_fill_fast_amx(moe_kernels *k) {
@@ -698,8 +702,5 @@ void moe_kernels_fill_fast_amx(moe_kernels *k) {
     AMX_SET(IQ4_XS, iq4_xs);
     AMX_SET(IQ1_S, iq1_s);
 #undef AMX_SET
-    k->types[MOE_TYPE_Q8_0].dot_tile_rows16 = fast_amx_rows16_q8_0;
-    k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = fast_amx_rows16_q4_0;
-    k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = fast_amx_rows16_iq4_nl;
-    k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = fast_amx_rows16_mxfp4;
+    FAST_ROWS16_SET(fast_amx_rows16_);
 }
