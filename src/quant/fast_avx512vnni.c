@@ -46,7 +46,9 @@ typedef void (*fast_mins_fn)(const void *block, __m256i *mins, float *dmin);
  * 32-value ones, the other NULL), the mins (NULL: no min term), the block size, the values that
  * share an integer scale (16 or 32: a vpmulld per row and that many values; 32 for the 32-value
  * types, whose block has none), the power of two the block scale is multiplied by after the
- * activations'. */
+ * activations', and the offset (Q6_K: 32) its unsigned values are stored with: the value is
+ * stored - offset, and offset x scale x (the activations' 16-value sums) comes off the integer
+ * block sum, so a block keeps one float term (ref_k.c's fast order). */
 typedef struct {
     z_iqb_fn regs;
     q32_decode_fn q32;
@@ -54,6 +56,7 @@ typedef struct {
     size_t block_bytes;
     int scale_values;
     float mult;
+    int offset;
 } fast_type;
 
 /* Block i of n_w <= 16 rows ws bytes apart into a tile (rows past n_w repeat row 0). */
@@ -86,11 +89,12 @@ MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows
  * block. The types with mins (Q4_K, Q5_K) have unsigned values (0..31): their tile is vpdpbusd's
  * unsigned operand and the activation bytes, broadcast as they are, its signed one, with no bias;
  * and a second fma per block for the mins: their int32 sum against the activation's bsums, two
- * at a time (vpdpwssd). */
+ * at a time (vpdpwssd). Q6_K's values are unsigned too (0..63, stored + 32): each chain of 4
+ * vpdpbusd starts from -32 x its 16 activations' sum, so the block sum is the reference's. */
 MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t nc, const uint8_t *x,
                           size_t xs, int64_t c0, __m512 *accbuf) {
     const fast_tile *tiles = tile_buf;
-    const bool q32 = type.regs == NULL, mins = type.mins != NULL, plain = mins;
+    const bool q32 = type.regs == NULL, mins = type.mins != NULL, plain = mins || type.offset;
     const int groups = q32 ? MOE_QK32 / 4 : MOE_QK_K / 4;
     uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(64)));
     __m512 acc[MOE_DOT_ROWS];
@@ -145,7 +149,12 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
 #pragma GCC unroll 2
             for (int h = 0; h < per; h++) {
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) part[h][r] = _mm512_setzero_si512();
+                for (int r = 0; r < R; r++) /* the offset's term, for these 16 values */
+                    part[h][r] = _mm512_set1_epi32(
+                        type.offset
+                            ? -type.offset * ((const moe_block_q8_k *)(x + (size_t)r * xs) + c0 + j)
+                                                 ->bsums[per * s + h]
+                            : 0);
 #pragma GCC unroll 4
                 for (int c = 0; c < 4; c++) {
                     const int g = 4 * (per * s + h) + c;
@@ -274,7 +283,7 @@ static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
         fast_tile tiles[FAST_CHUNK];                                                               \
-        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f},     \
+        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f, 0},  \
                    fast_tile_q32, fast_rows, tiles, sizeof tiles[0], FAST_CHUNK, w, ws, n_w, x,    \
                    xs, n_rows, n / MOE_QK32, out, os);                                             \
     }                                                                                              \
@@ -290,7 +299,7 @@ static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 
                                 int64_t n_rows, int64_t n, float *out, int64_t os) {               \
         MOE_CHECK(n_w == MOE_ROWS16);                                                              \
         fast_tile tiles[FAST_CHUNK];                                                               \
-        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f},     \
+        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f, 0},  \
                    fast_tile_rows16_##t, fast_rows, tiles, sizeof tiles[0], FAST_CHUNK, w, ws,     \
                    n_w, x, xs, n_rows, n / MOE_QK32, out, os);                                     \
     }
@@ -383,7 +392,7 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
     }
     fast_transpose16x16(sc);
     for (int j = 0; j < 16; j++) o->scale[j] = sc[j];
-    if (!t.mins) fast_tile_bias(o); /* signed values (fast_rows) */
+    if (!t.mins && !t.offset) fast_tile_bias(o); /* signed values (fast_rows) */
     o->d = _mm512_loadu_ps(d);
 }
 
@@ -445,6 +454,10 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
                         z_apply_signs(z_load(y->qs + 64 * k), _cvtu64_mask64(b.neg[k]));
                     sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk), scale[k]);
                 }
+                if (t.offset) /* offset x sum_j scale_j bsum_j off (fast_type) */
+                    sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_mullo_epi32(
+                                                    _mm256_madd_epi16(b.sc, avx2_load(y->bsums)),
+                                                    _mm256_set1_epi32(t.offset))));
                 part[r][v] = sum;
                 if (t.mins)
                     mpart[r][v] =
@@ -470,30 +483,30 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
 
 /* The kernels of a super-block type: its decode to registers, mins (NULL: none), values per
  * integer scale (the decodes give one per 16 values; a type whose scales cover 32 gives each twice,
- * and says 32 here to halve the multiplies), mult, and its tile decode (fast_tile_iq: through the
- * decode to registers). Under FAST_TILE_MIN_ROWS rows a function per row count (its loops
- * unrolled, nothing kept across the others), else the tile. */
-#define FAST_SB_TYPE(t, regs, mins, scale_values, mult)                                            \
-    ((fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult})
-#define FAST_LANES_FN(t, regs, mins, scale_values, mult, R)                                        \
+ * and says 32 here to halve the multiplies), mult, offset (fast_type), and its tile decode
+ * (fast_tile_iq: through the decode to registers). Under FAST_TILE_MIN_ROWS rows a function per row
+ * count (its loops unrolled, nothing kept across the others), else the tile. */
+#define FAST_SB_TYPE(t, regs, mins, scale_values, mult, offset)                                    \
+    ((fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult, offset})
+#define FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, R)                                \
     static __attribute__((noinline)) void fast_lanes_##t##_##R(                                    \
         const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n, float *out,        \
         int64_t os) {                                                                              \
-        fast_lanes_iq(R, FAST_SB_TYPE(t, regs, mins, scale_values, mult), w, ws, n_w, x, xs,       \
-                      n / MOE_QK_K, out, os);                                                      \
+        fast_lanes_iq(R, FAST_SB_TYPE(t, regs, mins, scale_values, mult, offset), w, ws, n_w, x,   \
+                      xs, n / MOE_QK_K, out, os);                                                  \
     }
 #define FAST_LANES_CASE(t, R)                                                                      \
     case R:                                                                                        \
         fast_lanes_##t##_##R(w, ws, n_w, x, xs, n, out, os);                                       \
         return;
-#define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, tile)                                   \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 1)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 2)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 3)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 4)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 5)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 6)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 7)                                            \
+#define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, offset, tile)                           \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 1)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 2)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 3)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 4)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 5)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 6)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 7)                                    \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
         switch (n_rows) {                                                                          \
@@ -508,25 +521,22 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
             break;                                                                                 \
         }                                                                                          \
         fast_tile tiles[FAST_IQ_CHUNK];                                                            \
-        fast_drive(FAST_SB_TYPE(t, regs, mins, scale_values, mult), tile, fast_rows, tiles,        \
-                   sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out,   \
-                   os);                                                                            \
+        fast_drive(FAST_SB_TYPE(t, regs, mins, scale_values, mult, offset), tile, fast_rows,       \
+                   tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, \
+                   out, os);                                                                       \
     }                                                                                              \
     FAST_DOT(t)
-FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f, fast_tile_iq)
-FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, fast_tile_iq)
-FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, fast_tile_iq)
-FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f, fast_tile_iq)
-FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, fast_tile_iq)
-FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f, fast_tile_iq)
-FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f, fast_tile_iq)
-FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, fast_tile_iq)
+FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
 
-/* ==== K quants: the super-block machinery with unsigned values (Q4_K, Q5_K: no sign words,
- * and mins). Q6_K runs its exact kernel on the fast path: a fast Q6_K (q - 32 as magnitudes and
- * signs, tiles from the packed bits) made prefill faster but a weight row against one activation
- * row 1.5x slower (the output head at decode: 21.1 ms a step against 13.5 on q6-iq), and batch
- * invariance rules out switching kernels by row count. ==== */
+/* ==== K quants: the super-block machinery with unsigned values (no sign words): Q4_K and Q5_K
+ * with mins, Q6_K with its offset (fast_type) ==== */
 
 /* Q4_K / Q5_K: values 0..31 in value order (z_k4_values gives them a half-block apart: lo holds
  * values 128 jj .. + 31 and 128 jj + 64 .., hi the 32 after each), scales per 32 values stored
@@ -637,8 +647,164 @@ MOE_INLINE void fast_tile_q5_k(fast_type t, const uint8_t *w, size_t ws, int n_w
                  offsetof(moe_block_q5_k, qh), tile);
 }
 
-FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f, fast_tile_q4_k)
-FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
+FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f, 0, fast_tile_q4_k)
+FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, 0, fast_tile_q5_k)
+
+/* Q6_K from the file's blocks: its values stored + 32 (0..63) in value order, a scale per 16;
+ * the tile through the decode to registers and the transposes (fast_tile_iq). */
+MOE_INLINE void fast_regs_q6_k(const void *block, z_iqb *o) {
+    const moe_block_q6_k *b = block;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        z_q6_k_values(b, h, &o->g[2 * h], &o->g[2 * h + 1]);
+        o->neg[2 * h] = o->neg[2 * h + 1] = 0;
+    }
+    o->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+    o->d = avx2_fp16(b->d);
+}
+#define FAST_Q6_K_TYPE FAST_SB_TYPE(q6_k, fast_regs_q6_k, NULL, 16, 1.0f, 32)
+FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 16, 1.0f, 32, fast_tile_iq)
+
+/* A MOE_LAYOUT_ROWS16 group of Q6_K (quant.h): per block the 16 rows' d, then body dword k in
+ * register k (lane v: row v's dword k): ql in 0..31, qh in 32..47, the scales in 48..51. The
+ * values 4g .. 4g + 3 (g = 32h + 8q + m: half h, quarter q of the half, m = 0..7) of the 16 rows
+ * are nibble q / 2 of ql dword 16h + 8 (q % 2) + m and bits 2q, 2q + 1 of qh dword 32 + 8h + m:
+ * they come out in the tile's lanes with no transpose, and so do the scales (scale j: byte j % 4
+ * of dword 48 + j / 4). */
+
+/* Tiles g = 32h + 8q + m of a block's body, q = 0..3, into v[q]. */
+MOE_INLINE void fast_q6_k_rows16_values(const uint8_t *body, int h, int m, __m512i v[4]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    const __m512i ql0 = z_load(body + 64 * (16 * h + m)),
+                  ql1 = z_load(body + 64 * (16 * h + 8 + m));
+    const __m512i qh = z_load(body + 64 * (32 + 8 * h + m));
+#define FAST_Q6_K_VALUES(lo, hi) /* (lo & 0x0f) | (hi & 0x30) */                                   \
+    _mm512_ternarylogic_epi32(lo, _mm512_and_si512(hi, top2), low4, 0xec)
+    v[0] = FAST_Q6_K_VALUES(ql0, _mm512_slli_epi16(qh, 4));
+    v[1] = FAST_Q6_K_VALUES(ql1, _mm512_slli_epi16(qh, 2));
+    v[2] = FAST_Q6_K_VALUES(_mm512_srli_epi16(ql0, 4), qh);
+    v[3] = FAST_Q6_K_VALUES(_mm512_srli_epi16(ql1, 4), _mm512_srli_epi16(qh, 2));
+#undef FAST_Q6_K_VALUES
+}
+/* Scale j of the 16 rows, int32. */
+MOE_INLINE __m512i fast_q6_k_rows16_scale(const uint8_t *body, int j) {
+    const __m512i sc = z_load(body + 64 * (48 + j / 4));
+    return _mm512_srai_epi32(j % 4 == 3 ? sc : _mm512_slli_epi32(sc, 24 - 8 * (j % 4)), 24);
+}
+
+MOE_INLINE void fast_tile_rows16_q6_k(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                                      void *tile) {
+    (void)ws, (void)n_w;
+    fast_tile *o = tile;
+    const uint8_t *b = w + (size_t)i * MOE_ROWS16 * t.block_bytes;
+    const uint8_t *body = b + MOE_ROWS16 * sizeof(uint16_t);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++)
+#pragma GCC unroll 8
+        for (int m = 0; m < 8; m++) {
+            __m512i v[4];
+            fast_q6_k_rows16_values(body, h, m, v);
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) o->tile[32 * h + 8 * q + m] = v[q];
+        }
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) o->scale[j] = fast_q6_k_rows16_scale(body, j);
+    o->d = _mm512_cvtph_ps(avx2_load(b));
+}
+
+/* Under FAST_TILE_MIN_ROWS activation rows no tile: each block's values meet the rows where the
+ * decode leaves them, four sub-blocks at a time (m = 0..3 of a half: sub-blocks 8h + 2q, q =
+ * 0..3; m = 4..7: 8h + 2q + 1), in fast_rows' operations: per sub-block a chain of 4 vpdpbusd
+ * from the offset's term, times the scale; one fma per block. So the tile's bits. */
+MOE_INLINE void fast_rows16_q6_k_lanes(int R, const uint8_t *w, const uint8_t *x, size_t xs,
+                                       int64_t nb, float *out, int64_t os) {
+    __m512 acc[FAST_TILE_MIN_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + (size_t)i * MOE_ROWS16 * sizeof(moe_block_q6_k);
+        const uint8_t *body = b + MOE_ROWS16 * sizeof(uint16_t);
+        const moe_block_q8_k *y[FAST_TILE_MIN_ROWS];
+        __m512i sum[FAST_TILE_MIN_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            y[r] = (const moe_block_q8_k *)(x + (size_t)r * xs) + i,
+            sum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                __m512i part[4][FAST_TILE_MIN_ROWS];
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++)
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++)
+                        part[q][r] = _mm512_set1_epi32(-32 * y[r]->bsums[8 * h + 2 * q + half]);
+#pragma GCC unroll 4
+                for (int m = 4 * half; m < 4 * half + 4; m++) {
+                    __m512i v[4];
+                    fast_q6_k_rows16_values(body, h, m, v);
+#pragma GCC unroll 4
+                    for (int q = 0; q < 4; q++)
+#pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) {
+                            int32_t four;
+                            memcpy(&four, y[r]->qs + 4 * (32 * h + 8 * q + m), sizeof four);
+                            part[q][r] =
+                                _mm512_dpbusd_epi32(part[q][r], v[q], _mm512_set1_epi32(four));
+                        }
+                }
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {
+                    const __m512i scale = fast_q6_k_rows16_scale(body, 8 * h + 2 * q + half);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++)
+                        sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[q][r], scale));
+                }
+            }
+        const __m512 d = _mm512_cvtph_ps(avx2_load(b));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(y[r]->d)),
+                                     _mm512_cvtepi32_ps(sum[r]), acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
+}
+#define FAST_Q6_K_LANES(R)                                                                         \
+    static __attribute__((noinline)) void fast_rows16_q6_k_##R(                                    \
+        const void *w, const void *x, size_t xs, int64_t n, float *out, int64_t os) {              \
+        fast_rows16_q6_k_lanes(R, w, x, xs, n / MOE_QK_K, out, os);                                \
+    }
+FAST_Q6_K_LANES(1)
+FAST_Q6_K_LANES(2)
+FAST_Q6_K_LANES(3)
+FAST_Q6_K_LANES(4)
+FAST_Q6_K_LANES(5)
+FAST_Q6_K_LANES(6)
+FAST_Q6_K_LANES(7)
+static void fast_rows16_q6_k(const void *w, size_t ws, int n_w, const void *x, size_t xs,
+                             int64_t n_rows, int64_t n, float *out, int64_t os) {
+    MOE_CHECK(n_w == MOE_ROWS16);
+    static void (*const lanes[FAST_TILE_MIN_ROWS])(const void *, const void *, size_t, int64_t,
+                                                   float *, int64_t) = {
+        NULL,
+        fast_rows16_q6_k_1,
+        fast_rows16_q6_k_2,
+        fast_rows16_q6_k_3,
+        fast_rows16_q6_k_4,
+        fast_rows16_q6_k_5,
+        fast_rows16_q6_k_6,
+        fast_rows16_q6_k_7,
+    };
+    if (n_rows < FAST_TILE_MIN_ROWS) {
+        lanes[n_rows](w, x, xs, n, out, os);
+        return;
+    }
+    fast_tile tiles[FAST_IQ_CHUNK];
+    fast_drive(FAST_Q6_K_TYPE, fast_tile_rows16_q6_k, fast_rows, tiles, sizeof tiles[0],
+               FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out, os);
+}
 
 /* ==== The table ==== */
 
@@ -654,6 +820,7 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     FAST_SET(MXFP4, mxfp4);
     FAST_SET(Q4_K, q4_k);
     FAST_SET(Q5_K, q5_k);
+    FAST_SET(Q6_K, q6_k);
     FAST_SET(IQ2_S, iq2_s);
     FAST_SET(IQ3_S, iq3_s);
     FAST_SET(IQ2_XXS, iq2_xxs);
@@ -667,4 +834,5 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = fast_rows16_q4_0;
     k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = fast_rows16_iq4_nl;
     k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = fast_rows16_mxfp4;
+    k->types[MOE_TYPE_Q6_K].dot_tile_rows16 = fast_rows16_q6_k;
 }
