@@ -515,16 +515,16 @@ static void fast_path_matches_its_reference(void **state) {
 
 /* MOE_LAYOUT_ROWS16, byte by byte as quant.h defines it (not through layout.c's own loop): 16
  * random rows of 1..40 blocks packed, every head and body dword found where the definition puts
- * it (Q6_K: the head is the block's last 2 bytes, its d), unpacked back to the same bytes; then at
- * every level whose fast table has a kernel on the layout, each (weight row, activation row) of the
- * packed group gives the scalar fast reference's bits on the file's row (1..70 activation rows:
- * both sides of the row groups). */
+ * it (Q4_K, Q5_K: the head is d and dmin; Q6_K: the block's last 2 bytes, its d), unpacked back to
+ * the same bytes; then at every level whose fast table has a kernel on the layout, each (weight
+ * row, activation row) of the packed group gives the scalar fast reference's bits on the file's row
+ * (1..70 activation rows: both sides of the row groups). */
 static void rows16_layout_and_kernels(void **state) {
     (void)state;
     enum { MAX_X = 70, MAX_BLOCKS = 40 };
     static const moe_type types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q4_0, MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4,
-                                     MOE_TYPE_Q6_K};
-    static const size_t heads[] = {2, 2, 2, 1, 2}, head_at[] = {0, 0, 0, 0, 208};
+                                     MOE_TYPE_Q6_K, MOE_TYPE_Q4_K, MOE_TYPE_Q5_K};
+    static const size_t heads[] = {2, 2, 2, 1, 2, 4, 4}, head_at[] = {0, 0, 0, 0, 208, 0, 0};
     const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
     const int64_t max_n = MAX_BLOCKS * MOE_QK_K;
     const size_t max_row = (size_t)moe_type_row_bytes(MOE_TYPE_Q8_K, max_n); /* > any type's */
@@ -587,8 +587,8 @@ static void rows16_layout_and_kernels(void **state) {
                   "bits\n",
                   kernels);
     const moe_kernels *vnni = moe_kernels_for_path(MOE_ISA_AVX512VNNI, false);
-    if (vnni) assert_int_equal(kernels, 5); /* the level with the 16-lane tile has all five */
-    assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_Q4_K));
+    if (vnni) assert_int_equal(kernels, 7); /* the level with the 16-lane tile has all seven */
+    assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_Q2_K));
     free(rows), free(group), free(back), free(xq), free(x), free(out);
 }
 

@@ -14,8 +14,9 @@
 
 /* Where a block's head lies in MOE_LAYOUT_ROWS16 (its float scales: *at, *bytes); false: the
  * type has no such layout. The rest of the block, before and after the head in that order, is
- * the body and must be whole dwords. Q6_K's head is its d, at the end of the block: its integer
- * scales stay in the body, so a kernel finds them already in the lanes (dwords 48 .. 51). */
+ * the body and must be whole dwords. The K quants' integer scales stay in the body, so a kernel
+ * finds them already in the lanes: Q4_K / Q5_K's head is d and dmin, Q6_K's its d, at the end of
+ * the block. */
 static bool rows16_head(moe_type t, size_t *at, size_t *bytes) {
     *at = 0;
     switch (t) {
@@ -30,6 +31,12 @@ static bool rows16_head(moe_type t, size_t *at, size_t *bytes) {
         return true;
     case MOE_TYPE_MXFP4:
         *bytes = offsetof(moe_block_mxfp4, qs);
+        return true;
+    case MOE_TYPE_Q4_K:
+        *bytes = offsetof(moe_block_q4_k, scales);
+        return true;
+    case MOE_TYPE_Q5_K:
+        *bytes = offsetof(moe_block_q5_k, scales);
         return true;
     case MOE_TYPE_Q6_K:
         *at = offsetof(moe_block_q6_k, d);
