@@ -11,7 +11,9 @@
  * types skip the tile (the lanes section) with the same bits. Q4_K and Q5_K differ in two ways:
  * their values are unsigned (0..31), so the tile is vpdpbusd's unsigned side and the activation
  * bytes go in as they are, with no bias; and a second multiply-add per block takes their mins
- * against the activations' 16-value sums (vpdpwssd, the mins of 16 rows in the lanes). The trap:
+ * against the activations' 16-value sums (vpdpwssd, the mins of 16 rows in the lanes). Q6_K's
+ * values are unsigned too (stored + 32); the 32 x scale x the 16-value sums come off each block's
+ * integer sum. On MOE_LAYOUT_ROWS16 the tiles are loads (ROWS16 sections). The trap:
  * an activation byte of -128 would overflow the unsigned bias; the Q8 activation quantizers
  * clamp to +-127. */
 #define MOE_AVX512_VNNI 1
