@@ -766,7 +766,7 @@ static void attention_exp_within_2ulp(void **state) {
 }
 
 /* One attn_tile call from a start state (m, l, outputs y: nq rows DIM apart) into m, l, y. */
-enum { AT_DIM = 96, AT_STRIDE = 3 * AT_DIM };
+enum { AT_DIM = 160, AT_STRIDE = 3 * AT_DIM };
 static void attn_tile_from(const moe_kernels *k, moe_attn_tile_args a, const float *m_start,
                            const float *l_start, const float *y_start, float *m, float *l,
                            float *y) {
@@ -780,10 +780,12 @@ static void attn_tile_from(const moe_kernels *k, moe_attn_tile_args a, const flo
 }
 
 /* Every level's attn_tile equals the scalar reference bit for bit (quant.h fixes the order),
- * over f32 / f16 heads of 37 and 21 values (tails) and 96 / 64, q8_0 heads of 96 / 64, tiles of
- * 1, 5 and 64 keys, 1..64 query vectors with their own visible ranges (some none), from running
- * states with and without a sink; and each vector's bits are the same through a call of its own
- * (batch invariance at the kernel). */
+ * over f32 / f16 heads of 37 and 21 values (tails) and 160 / 64, q8_0 heads of 160 / 64 (160:
+ * more values than a pass of the decode kernel's, which keeps its sums across passes), tiles of
+ * 1, 5 and 64 keys (odd: half a pair), 1..128 query vectors (up to 8: two keys per register at
+ * AVX-512) with their own visible ranges (some none), from running states with and without a
+ * sink; and each vector's bits are the same through a call of its own (batch invariance at the
+ * kernel). */
 static void attention_tile_levels_equal_reference(void **state) {
     (void)state;
     enum { KEYS = MOE_ATTN_TILE_KEYS, QV = MOE_ATTN_TILE_QV };

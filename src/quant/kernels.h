@@ -20,10 +20,6 @@ void moe_kernels_fill_avx512vnni(moe_kernels *k);
 void moe_kernels_fill_fast_scalar(moe_kernels *k);
 void moe_kernels_fill_fast_avx2(moe_kernels *k);
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k);
-/* A KV tile as f32 (the fast attention's): n_key rows stride bytes apart, dim values each, into
- * out [n_key][dim], rows padded with zeros to a multiple of 4. */
-void moe_avx2_attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
-                           float *out);
 /* The AVX2 attention mix, for the tails of the wider one. */
 void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
                        moe_type kv_type, int n);
