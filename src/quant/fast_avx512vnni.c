@@ -89,6 +89,45 @@ MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows
 #undef FAST_STEP
 }
 
+/* fast_rows' values under scale s of one block (tile t, the activations' block i): each row's
+ * chains of 4 vpdpbusd (from the offset's term), times the scale, into sum[r]. */
+MOE_INLINE void fast_rows_scale(int R, fast_type type, const fast_tile *t, int s,
+                                const uint8_t *const *bytes, const uint8_t *x, size_t xs, int64_t i,
+                                __m512i *sum, fast_values_fn values, const uint8_t *block) {
+    const bool q32 = type.regs == NULL, plain = type.mins != NULL || type.offset;
+    const int per = type.scale_values / 16; /* chains of 4 groups under one scale */
+    __m512i part[2][MOE_DOT_ROWS];
+#pragma GCC unroll 2
+    for (int h = 0; h < per; h++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) /* the offset's term, for these 16 values */
+            part[h][r] = _mm512_set1_epi32(
+                type.offset
+                    ? -type.offset *
+                          ((const moe_block_q8_k *)(x + (size_t)r * xs) + i)->bsums[per * s + h]
+                    : 0);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const int g = 4 * (per * s + h) + c;
+            const __m512i tg = values ? values(block, g) : _mm512_load_si512(&t->tile[g]);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, bytes[r] + 4 * g, sizeof four);
+                const __m512i xg = _mm512_set1_epi32(four);
+                part[h][r] = plain ? _mm512_dpbusd_epi32(part[h][r], tg, xg)
+                                   : _mm512_dpbusd_epi32(part[h][r], xg, tg);
+            }
+        }
+    }
+    const __m512i scale = t->scale[per * s];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m512i p = per == 2 ? _mm512_add_epi32(part[0][r], part[1][r]) : part[0][r];
+        sum[r] = _mm512_add_epi32(sum[r], q32 ? p : _mm512_mullo_epi32(p, scale));
+    }
+}
+
 /* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
  * scales; else a super-block against Q8_K, 64 groups, a scale per 16 or 32 values): each
  * activation row's bytes made unsigned (+128) into xb, then per sub-block one vpdpbusd per group
@@ -150,42 +189,17 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
          * the bytes in registers and pick each dword out with shuffles, which cost the shuffle
          * port twice per vpdpbusd (measured a third slower on the 32-value types) */
         __asm__("" : "+m"(xb));
-        /* per scale, chains of 4 vpdpbusd (a longer chain waits on its latency), then added */
-        const int per = type.scale_values / 16; /* chains of 4 groups under one scale */
+        /* per scale, chains of 4 vpdpbusd (a longer chain waits on its latency), then added;
+         * unrolled where the values are decoded here (their shifts need constant groups) */
+        const int n_scales = groups / 4 / (type.scale_values / 16);
         const uint8_t *block = values ? vsrc + (size_t)j * MOE_ROWS16 * type.block_bytes : NULL;
+        if (values) {
 #pragma GCC unroll 16
-        for (int s = 0; s < groups / 4 / per; s++) {
-            __m512i part[2][MOE_DOT_ROWS];
-#pragma GCC unroll 2
-            for (int h = 0; h < per; h++) {
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) /* the offset's term, for these 16 values */
-                    part[h][r] = _mm512_set1_epi32(
-                        type.offset
-                            ? -type.offset * ((const moe_block_q8_k *)(x + (size_t)r * xs) + c0 + j)
-                                                 ->bsums[per * s + h]
-                            : 0);
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) {
-                    const int g = 4 * (per * s + h) + c;
-                    const __m512i tg = values ? values(block, g) : _mm512_load_si512(&t->tile[g]);
-#pragma GCC unroll 4
-                    for (int r = 0; r < R; r++) {
-                        int32_t four;
-                        memcpy(&four, bytes[r] + 4 * g, sizeof four);
-                        const __m512i xg = _mm512_set1_epi32(four);
-                        part[h][r] = plain ? _mm512_dpbusd_epi32(part[h][r], tg, xg)
-                                           : _mm512_dpbusd_epi32(part[h][r], xg, tg);
-                    }
-                }
-            }
-            const __m512i scale = t->scale[per * s];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const __m512i p = per == 2 ? _mm512_add_epi32(part[0][r], part[1][r]) : part[0][r];
-                sum[r] = _mm512_add_epi32(sum[r], q32 ? p : _mm512_mullo_epi32(p, scale));
-            }
-        }
+            for (int s = 0; s < n_scales; s++)
+                fast_rows_scale(R, type, t, s, bytes, x, xs, c0 + j, sum, values, block);
+        } else
+            for (int s = 0; s < n_scales; s++)
+                fast_rows_scale(R, type, t, s, bytes, x, xs, c0 + j, sum, NULL, NULL);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(
