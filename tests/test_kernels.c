@@ -497,6 +497,18 @@ static void fast_path_matches_its_reference(void **state) {
                 fail_msg("%s fast table: no %s fast kernel of its own", k->name,
                          moe_type_name(own[i]));
     }
+    /* Q6_K's fast kernel is avx512vnni's (the one level with the ROWS16 twin); the levels below
+     * keep their exact kernel on the fast path */
+    for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *k = moe_kernels_for_path((moe_isa)level, false);
+        if (!k) continue;
+        const moe_type_kernels *e = &k->types[MOE_TYPE_Q6_K];
+        const bool own_q6_k = level >= MOE_ISA_AVX512VNNI; /* amx: avx512vnni's (no AMX tile) */
+        if ((e->dot_isa == MOE_ISA_AVX512VNNI && e->dot_tile && e->dot_tile_rows16) != own_q6_k ||
+            (!own_q6_k && e->dot != moe_kernels_for_isa((moe_isa)level)->types[MOE_TYPE_Q6_K].dot))
+            fail_msg("%s fast table: Q6_K %s", k->name,
+                     own_q6_k ? "without its fast and ROWS16 kernels" : "not the exact kernel");
+    }
     free(w), free(xq), free(x), free(out);
 }
 
@@ -504,17 +516,19 @@ static void fast_path_matches_its_reference(void **state) {
 
 /* MOE_LAYOUT_ROWS16, byte by byte as quant.h defines it (not through layout.c's own loop): 16
  * random rows of 1..40 blocks packed, every head and body dword found where the definition puts
- * it, unpacked back to the same bytes; then at every level whose fast table has a kernel on the
- * layout, each (weight row, activation row) of the packed group gives the scalar fast
- * reference's bits on the file's row (1..70 activation rows: both sides of the row groups). */
+ * it (Q4_K, Q5_K: the head is d and dmin; Q6_K: the block's last 2 bytes, its d), unpacked back to
+ * the same bytes; then at every level whose fast table has a kernel on the layout, each (weight
+ * row, activation row) of the packed group gives the scalar fast reference's bits on the file's row
+ * (1..70 activation rows: both sides of the row groups). */
 static void rows16_layout_and_kernels(void **state) {
     (void)state;
     enum { MAX_X = 70, MAX_BLOCKS = 40 };
-    static const moe_type types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q4_0, MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4};
-    static const size_t heads[] = {2, 2, 2, 1};
+    static const moe_type types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q4_0, MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4,
+                                     MOE_TYPE_Q6_K, MOE_TYPE_Q4_K, MOE_TYPE_Q5_K};
+    static const size_t heads[] = {2, 2, 2, 1, 2, 4, 4}, head_at[] = {0, 0, 0, 0, 208, 0, 0};
     const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
-    const int64_t max_n = MAX_BLOCKS * MOE_QK32;
-    const size_t max_row = (size_t)moe_type_row_bytes(MOE_TYPE_Q8_0, max_n);
+    const int64_t max_n = MAX_BLOCKS * MOE_QK_K;
+    const size_t max_row = (size_t)moe_type_row_bytes(MOE_TYPE_Q8_K, max_n); /* > any type's */
     uint8_t *rows = moe_xmalloc(max_row * 16), *group = moe_xmalloc(max_row * 16),
             *back = moe_xmalloc(max_row * 16), *xq = moe_xmalloc(max_row * MAX_X);
     float *x = moe_xmalloc((size_t)max_n * sizeof(float)),
@@ -523,10 +537,11 @@ static void rows16_layout_and_kernels(void **state) {
     int kernels = 0;
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         const moe_type t = types[ti];
-        const size_t bb = moe_type_traits_get(t)->block_bytes, head = heads[ti];
+        const moe_type_traits *tr = moe_type_traits_get(t);
+        const size_t bb = tr->block_bytes, head = heads[ti], at = head_at[ti];
         assert_true(moe_layout_has_type(MOE_LAYOUT_ROWS16, t));
         for (int64_t blocks = 1; blocks <= MAX_BLOCKS; blocks += 13) {
-            const int64_t n = blocks * MOE_QK32;
+            const int64_t n = blocks * tr->block_values;
             const size_t row_bytes = (size_t)moe_type_row_bytes(t, n);
             for (int v = 0; v < 16; v++) moe_type_random_row(t, &seed, rows + v * row_bytes, n);
             if (t == MOE_TYPE_MXFP4) /* the e8m0 exponents whose scales are subnormal */
@@ -535,9 +550,10 @@ static void rows16_layout_and_kernels(void **state) {
             for (int64_t i = 0; i < blocks; i++)
                 for (int v = 0; v < 16; v++) {
                     const uint8_t *blk = rows + v * row_bytes + i * bb, *g = group + i * 16 * bb;
-                    assert_memory_equal(g + v * head, blk, head);
-                    for (size_t k = 0; k < (bb - head) / 4; k++)
-                        assert_memory_equal(g + 16 * head + 64 * k + 4 * v, blk + head + 4 * k, 4);
+                    assert_memory_equal(g + v * head, blk + at, head);
+                    for (size_t k = 0; k < (bb - head) / 4; k++) /* the body: around the head */
+                        assert_memory_equal(g + 16 * head + 64 * k + 4 * v,
+                                            blk + (4 * k < at ? 4 * k : 4 * k + head), 4);
                 }
             moe_layout_rows16_unpack(t, group, back, n);
             assert_memory_equal(back, rows, 16 * row_bytes);
@@ -550,8 +566,8 @@ static void rows16_layout_and_kernels(void **state) {
                 const moe_kernels *k = moe_kernels_for_path((moe_isa)level, false);
                 if (!k || !k->types[t].dot_tile_rows16) continue;
                 kernels += blocks == 1;
-                static const int counts[] = {1, 2, 3, 7, 8, 16, 17, 64, MAX_X};
-                for (int c = 0; c < 9; c++) {
+                static const int counts[] = {1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 64, MAX_X};
+                for (int c = 0; c < (int)(sizeof counts / sizeof counts[0]); c++) {
                     memset(out, 0xff, sizeof(float) * 16 * MAX_X);
                     k->types[t].dot_tile_rows16(group, 0, 16, xq, xs, counts[c], n, out, 16);
                     for (int r = 0; r < counts[c]; r++)
@@ -571,11 +587,11 @@ static void rows16_layout_and_kernels(void **state) {
     print_message("[ MEASURE  ] %d kernels on MOE_LAYOUT_ROWS16 (all levels) give the reference's "
                   "bits\n",
                   kernels);
-    /* the levels with the 16-lane tile (avx512vnni, amx) have all four */
+    /* the levels with the 16-lane tile (avx512vnni, amx) have all seven */
     const int tile_levels = (moe_kernels_for_path(MOE_ISA_AVX512VNNI, false) != NULL) +
                             (moe_kernels_for_path(MOE_ISA_AMX, false) != NULL);
-    assert_int_equal(kernels, 4 * tile_levels);
-    assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_Q4_K));
+    assert_int_equal(kernels, 7 * tile_levels);
+    assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_Q2_K));
     free(rows), free(group), free(back), free(xq), free(x), free(out);
 }
 

@@ -379,9 +379,9 @@ typedef struct moe_layout_report {
 /* Repack m's projection matrices (every layer's moe_layer_matrices and an untied output head)
  * into the layout the active kernel table reads fastest (quant.h, "Weight layouts in memory"):
  * those of a type whose fast tile kernel has a repacked twin at this level (today
- * avx512vnni's Q8_0, Q4_0, IQ4_NL, MXFP4; MOE_EXACT=1 and lower levels have none, so nothing is
- * repacked), in memory or mapped (moe_gguf_tensor_repack; the file is never written), at
- * least 16 rows; routed experts only with `routed` (an expert cache or a split reads them from
+ * avx512vnni's Q8_0, Q4_0, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K; MOE_EXACT=1 and lower levels have none,
+ * so nothing is repacked), in memory or mapped (moe_gguf_tensor_repack; the file is never written),
+ * at least 16 rows; routed experts only with `routed` (an expert cache or a split reads them from
  * the file apart); over the pool's threads (NULL: the caller's). Logits do not change by a bit: the
  * repacked kernels give the file layout's bits. Call once, after moe_gguf_to_memory(_except) if at
  * all and before the first forward pass; the kernel table must not change after (a repacked matrix

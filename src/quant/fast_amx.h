@@ -146,7 +146,8 @@ MOE_INLINE void fast_amx_drive(fast_type t, fast_decode_fn decode, fast_tile *ti
             int64_t r = 0;
             for (; r + FAST_AMX_ROWS <= ng; r += FAST_AMX_ROWS)
                 fast_amx_rows(t, tiles, nc, xg + (size_t)r * xs, xs, c0, accbuf + r);
-#define FAST_AMX_STEP(R, unused) fast_rows(R, t, tiles, nc, xg + (size_t)r * xs, xs, c0, accbuf + r)
+#define FAST_AMX_STEP(R, unused)                                                                   \
+    fast_rows(R, t, tiles, nc, xg + (size_t)r * xs, xs, c0, accbuf + r, NULL, NULL)
             MOE_ROW_GROUPS(r, ng, FAST_AMX_STEP, 0);
 #undef FAST_AMX_STEP
         }
@@ -180,7 +181,8 @@ MOE_INLINE int64_t fast_amx_min_rows(fast_type t) {
                        os);                                                                        \
     }
 /* A super-block type's amx kernel by its values per scale (FAST_SB_KERNELS): none for 16. */
-#define FAST_AMX_SB_32(t, regs, mins, mult, tile)                                                  \
+#define FAST_AMX_SB_32(t, regs, mins, mult, offset, tile)                                          \
+    _Static_assert((offset) == 0, "the amx multiply has no offset term (fast_type)");              \
     FAST_AMX_KERNEL(fast_amx_tile_rows_##t, fast_tile_rows_##t,                                    \
-                    FAST_SB_TYPE(t, regs, mins, 32, mult), tile, FAST_IQ_CHUNK, MOE_QK_K)
-#define FAST_AMX_SB_16(t, regs, mins, mult, tile)
+                    FAST_SB_TYPE(t, regs, mins, 32, mult, offset), tile, FAST_IQ_CHUNK, MOE_QK_K)
+#define FAST_AMX_SB_16(t, regs, mins, mult, offset, tile)

@@ -11,7 +11,9 @@
  * types skip the tile (the lanes section) with the same bits. Q4_K and Q5_K differ in two ways:
  * their values are unsigned (0..31), so the tile is vpdpbusd's unsigned side and the activation
  * bytes go in as they are, with no bias; and a second multiply-add per block takes their mins
- * against the activations' 16-value sums (vpdpwssd, the mins of 16 rows in the lanes). The trap:
+ * against the activations' 16-value sums (vpdpwssd, the mins of 16 rows in the lanes). Q6_K's
+ * values are unsigned too (stored + 32); the 32 x scale x the 16-value sums come off each block's
+ * integer sum. On MOE_LAYOUT_ROWS16 the tiles are loads (ROWS16 sections). The trap:
  * an activation byte of -128 would overflow the unsigned bias; the Q8 activation quantizers
  * clamp to +-127. */
 #define MOE_AVX512_VNNI 1
@@ -46,7 +48,9 @@ typedef void (*fast_mins_fn)(const void *block, __m256i *mins, float *dmin);
  * 32-value ones, the other NULL), the mins (NULL: no min term), the block size, the values that
  * share an integer scale (16 or 32: a vpmulld per row and that many values; 32 for the 32-value
  * types, whose block has none), the power of two the block scale is multiplied by after the
- * activations'. */
+ * activations', and the offset (Q6_K: 32) its unsigned values are stored with: the value is
+ * stored - offset, and offset x scale x (the activations' 16-value sums) comes off the integer
+ * block sum, so a block keeps one float term (ref_k.c's fast order). */
 typedef struct {
     z_iqb_fn regs;
     q32_decode_fn q32;
@@ -54,15 +58,20 @@ typedef struct {
     size_t block_bytes;
     int scale_values;
     float mult;
+    int offset;
 } fast_type;
 
 /* Block i of n_w <= 16 rows ws bytes apart into a tile (rows past n_w repeat row 0). */
 typedef void (*fast_decode_fn)(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
                                void *tile);
+/* Values 4g .. 4g + 3 of a MOE_LAYOUT_ROWS16 block's 16 rows, as tile[g] holds them. */
+typedef __m512i (*fast_values_fn)(const uint8_t *block, int g);
 /* R activation rows (xs bytes apart, block c0 on) against nc tiles; the rows' accumulators in
- * and out through accbuf. */
+ * and out through accbuf. values NULL: the tiles hold the values; else they hold the rest
+ * (scales, mins, d) and the values come from ROWS16 blocks on, from vsrc, as each is needed. */
 typedef void (*fast_rows_fn)(int R, fast_type t, const void *tiles, int64_t nc, const uint8_t *x,
-                             size_t xs, int64_t c0, __m512 *accbuf);
+                             size_t xs, int64_t c0, __m512 *accbuf, fast_values_fn values,
+                             const uint8_t *vsrc);
 
 /* A tile kernel: FAST_GROUP activation rows at a time; per chunk of blocks, each block of the 16
  * rows decoded once into `tiles`, then every group of rows run over the chunk. */
@@ -72,7 +81,8 @@ MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows
                            int64_t os) {
     const __mmask16 lanes = (__mmask16)((1u << n_w) - 1);
 #define FAST_STEP(R, unused)                                                                       \
-    rows(R, t, tiles, nc, (const uint8_t *)x + (size_t)(g0 + r) * xs, xs, c0, accbuf + r)
+    rows(R, t, tiles, nc, (const uint8_t *)x + (size_t)(g0 + r) * xs, xs, c0, accbuf + r, NULL,    \
+         NULL)
     MOE_TILE_LOOP(__m512, _mm512_setzero_ps, FAST_GROUP, chunk, n_rows, nb,
                   decode(t, w, ws, n_w, c0 + j, (uint8_t *)tiles + (size_t)j * tile_bytes),
                   FAST_STEP, _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]));
@@ -91,6 +101,45 @@ MOE_INLINE __m512i fast_mins_sum(const moe_block_q8_k *y, const fast_tile *t) {
     return msum;
 }
 
+/* fast_rows' values under scale s of one block (tile t, the activations' block i): each row's
+ * chains of 4 vpdpbusd (from the offset's term), times the scale, into sum[r]. */
+MOE_INLINE void fast_rows_scale(int R, fast_type type, const fast_tile *t, int s,
+                                const uint8_t *const *bytes, const uint8_t *x, size_t xs, int64_t i,
+                                __m512i *sum, fast_values_fn values, const uint8_t *block) {
+    const bool q32 = type.regs == NULL, plain = type.mins != NULL || type.offset;
+    const int per = type.scale_values / 16; /* chains of 4 groups under one scale */
+    __m512i part[2][MOE_DOT_ROWS];
+#pragma GCC unroll 2
+    for (int h = 0; h < per; h++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) /* the offset's term, for these 16 values */
+            part[h][r] = _mm512_set1_epi32(
+                type.offset
+                    ? -type.offset *
+                          ((const moe_block_q8_k *)(x + (size_t)r * xs) + i)->bsums[per * s + h]
+                    : 0);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const int g = 4 * (per * s + h) + c;
+            const __m512i tg = values ? values(block, g) : _mm512_load_si512(&t->tile[g]);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, bytes[r] + 4 * g, sizeof four);
+                const __m512i xg = _mm512_set1_epi32(four);
+                part[h][r] = plain ? _mm512_dpbusd_epi32(part[h][r], tg, xg)
+                                   : _mm512_dpbusd_epi32(part[h][r], xg, tg);
+            }
+        }
+    }
+    const __m512i scale = t->scale[per * s];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m512i p = per == 2 ? _mm512_add_epi32(part[0][r], part[1][r]) : part[0][r];
+        sum[r] = _mm512_add_epi32(sum[r], q32 ? p : _mm512_mullo_epi32(p, scale));
+    }
+}
+
 /* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
  * scales; else a super-block against Q8_K, 64 groups, a scale per 16 or 32 values): each
  * activation row's bytes made unsigned (+128) into xb, then per sub-block one vpdpbusd per group
@@ -98,11 +147,13 @@ MOE_INLINE __m512i fast_mins_sum(const moe_block_q8_k *y, const fast_tile *t) {
  * block. The types with mins (Q4_K, Q5_K) have unsigned values (0..31): their tile is vpdpbusd's
  * unsigned operand and the activation bytes, broadcast as they are, its signed one, with no bias;
  * and a second fma per block for the mins: their int32 sum against the activation's bsums, two
- * at a time (vpdpwssd). */
+ * at a time (vpdpwssd). Q6_K's values are unsigned too (0..63, stored + 32): each chain of 4
+ * vpdpbusd starts from -32 x its 16 activations' sum, so the block sum is the reference's. */
 MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t nc, const uint8_t *x,
-                          size_t xs, int64_t c0, __m512 *accbuf) {
+                          size_t xs, int64_t c0, __m512 *accbuf, fast_values_fn values,
+                          const uint8_t *vsrc) {
     const fast_tile *tiles = tile_buf;
-    const bool q32 = type.regs == NULL, mins = type.mins != NULL, plain = mins;
+    const bool q32 = type.regs == NULL, mins = type.mins != NULL, plain = mins || type.offset;
     const int groups = q32 ? MOE_QK32 / 4 : MOE_QK_K / 4;
     uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(64)));
     __m512 acc[MOE_DOT_ROWS];
@@ -143,35 +194,17 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
          * the bytes in registers and pick each dword out with shuffles, which cost the shuffle
          * port twice per vpdpbusd (measured a third slower on the 32-value types) */
         __asm__("" : "+m"(xb));
-        /* per scale, chains of 4 vpdpbusd (a longer chain waits on its latency), then added */
-        const int per = type.scale_values / 16; /* chains of 4 groups under one scale */
-        for (int s = 0; s < groups / 4 / per; s++) {
-            __m512i part[2][MOE_DOT_ROWS];
-#pragma GCC unroll 2
-            for (int h = 0; h < per; h++) {
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) part[h][r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) {
-                    const int g = 4 * (per * s + h) + c;
-                    const __m512i tg = _mm512_load_si512(&t->tile[g]);
-#pragma GCC unroll 4
-                    for (int r = 0; r < R; r++) {
-                        int32_t four;
-                        memcpy(&four, bytes[r] + 4 * g, sizeof four);
-                        const __m512i xg = _mm512_set1_epi32(four);
-                        part[h][r] = plain ? _mm512_dpbusd_epi32(part[h][r], tg, xg)
-                                           : _mm512_dpbusd_epi32(part[h][r], xg, tg);
-                    }
-                }
-            }
-            const __m512i scale = t->scale[per * s];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const __m512i p = per == 2 ? _mm512_add_epi32(part[0][r], part[1][r]) : part[0][r];
-                sum[r] = _mm512_add_epi32(sum[r], q32 ? p : _mm512_mullo_epi32(p, scale));
-            }
-        }
+        /* per scale, chains of 4 vpdpbusd (a longer chain waits on its latency), then added;
+         * unrolled where the values are decoded here (their shifts need constant groups) */
+        const int n_scales = groups / 4 / (type.scale_values / 16);
+        const uint8_t *block = values ? vsrc + (size_t)j * MOE_ROWS16 * type.block_bytes : NULL;
+        if (values) {
+#pragma GCC unroll 16
+            for (int s = 0; s < n_scales; s++)
+                fast_rows_scale(R, type, t, s, bytes, x, xs, c0 + j, sum, values, block);
+        } else
+            for (int s = 0; s < n_scales; s++)
+                fast_rows_scale(R, type, t, s, bytes, x, xs, c0 + j, sum, NULL, NULL);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(
@@ -278,7 +311,7 @@ static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 
  * NULL for Q8_0's bytes, else its nibbles' values) on MOE_LAYOUT_ROWS16 groups: the same tiles,
  * so the same bits. */
 #define FAST_Q32_TYPE(t)                                                                           \
-    ((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f})
+    ((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f, 0})
 #define FAST_Q32_KERNELS(t)                                                                        \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
@@ -394,7 +427,7 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
     }
     fast_transpose16x16(sc);
     for (int j = 0; j < 16; j++) o->scale[j] = sc[j];
-    if (!t.mins) fast_tile_bias(o); /* signed values (fast_rows) */
+    if (!t.mins && !t.offset) fast_tile_bias(o); /* signed values (fast_rows) */
     o->d = _mm512_loadu_ps(d);
 }
 
@@ -456,6 +489,10 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
                         z_apply_signs(z_load(y->qs + 64 * k), _cvtu64_mask64(b.neg[k]));
                     sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk), scale[k]);
                 }
+                if (t.offset) /* offset x sum_j scale_j bsum_j off (fast_type) */
+                    sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_mullo_epi32(
+                                                    _mm256_madd_epi16(b.sc, avx2_load(y->bsums)),
+                                                    _mm256_set1_epi32(t.offset))));
                 part[r][v] = sum;
                 if (t.mins)
                     mpart[r][v] =
@@ -481,30 +518,30 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
 
 /* The kernels of a super-block type: its decode to registers, mins (NULL: none), values per
  * integer scale (the decodes give one per 16 values; a type whose scales cover 32 gives each twice,
- * and says 32 here to halve the multiplies), mult, and its tile decode (fast_tile_iq: through the
- * decode to registers). Under FAST_TILE_MIN_ROWS rows a function per row count (its loops
- * unrolled, nothing kept across the others), else the tile. */
-#define FAST_SB_TYPE(t, regs, mins, scale_values, mult)                                            \
-    ((fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult})
-#define FAST_LANES_FN(t, regs, mins, scale_values, mult, R)                                        \
+ * and says 32 here to halve the multiplies), mult, offset (fast_type), and its tile decode
+ * (fast_tile_iq: through the decode to registers). Under FAST_TILE_MIN_ROWS rows a function per row
+ * count (its loops unrolled, nothing kept across the others), else the tile. */
+#define FAST_SB_TYPE(t, regs, mins, scale_values, mult, offset)                                    \
+    ((fast_type){regs, NULL, mins, sizeof(moe_block_##t), scale_values, mult, offset})
+#define FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, R)                                \
     static __attribute__((noinline)) void fast_lanes_##t##_##R(                                    \
         const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n, float *out,        \
         int64_t os) {                                                                              \
-        fast_lanes_iq(R, FAST_SB_TYPE(t, regs, mins, scale_values, mult), w, ws, n_w, x, xs,       \
-                      n / MOE_QK_K, out, os);                                                      \
+        fast_lanes_iq(R, FAST_SB_TYPE(t, regs, mins, scale_values, mult, offset), w, ws, n_w, x,   \
+                      xs, n / MOE_QK_K, out, os);                                                  \
     }
 #define FAST_LANES_CASE(t, R)                                                                      \
     case R:                                                                                        \
         fast_lanes_##t##_##R(w, ws, n_w, x, xs, n, out, os);                                       \
         return;
-#define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, tile)                                   \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 1)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 2)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 3)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 4)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 5)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 6)                                            \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, 7)                                            \
+#define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, offset, tile)                           \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 1)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 2)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 3)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 4)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 5)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 6)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 7)                                    \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
         switch (n_rows) {                                                                          \
@@ -519,25 +556,22 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
             break;                                                                                 \
         }                                                                                          \
         fast_tile tiles[FAST_IQ_CHUNK];                                                            \
-        fast_drive(FAST_SB_TYPE(t, regs, mins, scale_values, mult), tile, fast_rows, tiles,        \
-                   sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out,   \
-                   os);                                                                            \
+        fast_drive(FAST_SB_TYPE(t, regs, mins, scale_values, mult, offset), tile, fast_rows,       \
+                   tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, \
+                   out, os);                                                                       \
     }                                                                                              \
-    FAST_AMX_SB_##scale_values(t, regs, mins, mult, tile) FAST_DOT(t)
-FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f, fast_tile_iq)
-FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, fast_tile_iq)
-FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, fast_tile_iq)
-FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f, fast_tile_iq)
-FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, fast_tile_iq)
-FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f, fast_tile_iq)
-FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f, fast_tile_iq)
-FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, fast_tile_iq)
+    FAST_AMX_SB_##scale_values(t, regs, mins, mult, offset, tile) FAST_DOT(t)
+FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
 
-/* ==== K quants: the super-block machinery with unsigned values (Q4_K, Q5_K: no sign words,
- * and mins). Q6_K runs its exact kernel on the fast path: a fast Q6_K (q - 32 as magnitudes and
- * signs, tiles from the packed bits) made prefill faster but a weight row against one activation
- * row 1.5x slower (the output head at decode: 21.1 ms a step against 13.5 on q6-iq), and batch
- * invariance rules out switching kernels by row count. ==== */
+/* ==== K quants: the super-block machinery with unsigned values (no sign words): Q4_K and Q5_K
+ * with mins, Q6_K with its offset (fast_type) ==== */
 
 /* Q4_K / Q5_K: values 0..31 in value order (z_k4_values gives them a half-block apart: lo holds
  * values 128 jj .. + 31 and 128 jj + 64 .., hi the 32 after each), scales per 32 values stored
@@ -580,6 +614,18 @@ MOE_INLINE void fast_mins_q5_k(const void *block, __m256i *mins, float *dmin) {
     fast_k4_mins(b->scales, b->dmin, mins, dmin);
 }
 
+/* Tile 16p + 8 high + m of Q4_K / Q5_K from the 16 rows' qs dword 8p + m (q) and qh dword m (qh:
+ * Q5_K only): its low nibbles (high: the high ones), and bit 2p + high of each qh byte put at bit
+ * 4, in the byte's own 16-bit lane. */
+MOE_INLINE __m512i fast_k4_group(__m512i q, __m512i qh, bool q5, int p, int high) {
+    const __m512i v = _mm512_and_si512(high ? _mm512_srli_epi16(q, 4) : q, _mm512_set1_epi8(0x0f));
+    if (!q5) return v;
+    const int bit = 2 * p + high;
+    return _mm512_ternarylogic_epi32(
+        v, bit <= 4 ? _mm512_slli_epi16(qh, 4 - bit) : _mm512_srli_epi16(qh, bit - 4),
+        _mm512_set1_epi8(0x10), 0xf8); /* a | (b & c) */
+}
+
 /* The Q4_K / Q5_K tile straight from the blocks: the 16 rows' packed qs transposed as dwords
  * (qs dword 8p + m holds values 64p + 4m .. + 3 in its low nibbles and the 32 after them in its
  * high ones), then split into nibbles, so half the bytes go through the shuffles that the
@@ -612,25 +658,12 @@ MOE_INLINE void fast_tile_k4(const uint8_t *w, size_t ws, int n_w, int64_t i, si
         for (int m = 0; m < 8; m++) hb[m] = z_join(h[m], h[m + 8]);
         fast_transpose16x8(hb, hb);
     }
-    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     for (int half = 0; half < 2; half++) {
         fast_transpose16x16(q[half]);
         for (int k = 0; k < 16; k++) { /* qs dword 16 half + k = 8p + m */
             const int p = 2 * half + k / 8, m = k % 8;
-            __m512i lo = _mm512_and_si512(q[half][k], low4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q[half][k], 4), low4);
-            if (qh_at) { /* bit 2p (+ 1) of each byte to bit 4, in the byte's own 16-bit lane */
-                const __m512i b = hb[m];
-                const int sl = 2 * p, sh = 2 * p + 1;
-                lo = _mm512_ternarylogic_epi32(
-                    lo, sl <= 4 ? _mm512_slli_epi16(b, 4 - sl) : _mm512_srli_epi16(b, sl - 4), bit4,
-                    0xf8); /* a | (b & c) */
-                hi = _mm512_ternarylogic_epi32(
-                    hi, sh <= 4 ? _mm512_slli_epi16(b, 4 - sh) : _mm512_srli_epi16(b, sh - 4), bit4,
-                    0xf8);
-            }
-            o->tile[16 * p + m] = lo;
-            o->tile[16 * p + 8 + m] = hi;
+            o->tile[16 * p + m] = fast_k4_group(q[half][k], hb[m], qh_at, p, 0);
+            o->tile[16 * p + 8 + m] = fast_k4_group(q[half][k], hb[m], qh_at, p, 1);
         }
     }
     fast_transpose16x16(sm);
@@ -648,8 +681,190 @@ MOE_INLINE void fast_tile_q5_k(fast_type t, const uint8_t *w, size_t ws, int n_w
                  offsetof(moe_block_q5_k, qh), tile);
 }
 
-FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f, fast_tile_q4_k)
-FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
+FAST_SB_KERNELS(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f, 0, fast_tile_q4_k)
+FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, 0, fast_tile_q5_k)
+
+/* Q6_K from the file's blocks: its values stored + 32 (0..63) in value order, a scale per 16;
+ * the tile through the decode to registers and the transposes (fast_tile_iq). */
+MOE_INLINE void fast_regs_q6_k(const void *block, z_iqb *o) {
+    const moe_block_q6_k *b = block;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        z_q6_k_values(b, h, &o->g[2 * h], &o->g[2 * h + 1]);
+        o->neg[2 * h] = o->neg[2 * h + 1] = 0;
+    }
+    o->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+    o->d = avx2_fp16(b->d);
+}
+#define FAST_Q6_K_TYPE FAST_SB_TYPE(q6_k, fast_regs_q6_k, NULL, 16, 1.0f, 32)
+FAST_SB_KERNELS(q6_k, fast_regs_q6_k, NULL, 16, 1.0f, 32, fast_tile_iq)
+
+/* ---- Super-block types on MOE_LAYOUT_ROWS16 ----
+ *
+ * A type's meta decode (fast_decode_fn: a block's scales, mins and d into a tile, not its values)
+ * and its values (fast_values_fn) read the layout's registers as they lie: body dword k of the 16
+ * rows is one load with row v in lane v, as the tile wants it, so nothing is transposed. From 8
+ * activation rows on, a block is decoded whole into a tile (fast_drive); under that, each value
+ * group is decoded where fast_rows needs it and meets the rows at once: the same integer sums
+ * and floats, so the same bits. */
+
+/* Block i of a ROWS16 group into a tile: the meta decode, then every value group. */
+MOE_INLINE void fast_tile_rows16_sb(fast_type t, fast_decode_fn meta, fast_values_fn values,
+                                    const uint8_t *w, int64_t i, void *tile) {
+    fast_tile *o = tile;
+    meta(t, w, 0, MOE_ROWS16, i, tile);
+    const uint8_t *block = w + (size_t)i * MOE_ROWS16 * t.block_bytes;
+#pragma GCC unroll 64
+    for (int g = 0; g < MOE_QK_K / 4; g++) o->tile[g] = values(block, g);
+}
+
+/* R < FAST_TILE_MIN_ROWS activation rows against a ROWS16 group of nb blocks, no tile. */
+MOE_INLINE void fast_rows16_lanes(int R, fast_type t, fast_decode_fn meta, fast_values_fn values,
+                                  const uint8_t *w, const uint8_t *x, size_t xs, int64_t nb,
+                                  float *out, int64_t os) {
+    __m512 acc[FAST_TILE_MIN_ROWS];
+    fast_tile m;
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        meta(t, w, 0, MOE_ROWS16, i, &m);
+        const uint8_t *block = w + (size_t)i * MOE_ROWS16 * t.block_bytes;
+        int64_t r = 0;
+#define FAST_ROWS16_STEP(RG, unused)                                                               \
+    fast_rows(RG, t, &m, 1, x + (size_t)r * xs, xs, i, acc + r, values, block)
+        MOE_ROW_GROUPS(r, R, FAST_ROWS16_STEP, 0);
+#undef FAST_ROWS16_STEP
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
+}
+
+/* The ROWS16 kernel of a super-block type (its fast_type, meta decode and values). */
+#define FAST_ROWS16_LANES_FN(t, type, meta, values, R)                                             \
+    static __attribute__((noinline)) void fast_lanes_rows16_##t##_##R(                             \
+        const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n, float *out,        \
+        int64_t os) {                                                                              \
+        (void)ws, (void)n_w;                                                                       \
+        fast_rows16_lanes(R, type, meta, values, w, x, xs, n / MOE_QK_K, out, os);                 \
+    }
+#define FAST_ROWS16_SB_KERNELS(t, type, meta, values)                                              \
+    FAST_ROWS16_LANES_FN(t, type, meta, values, 1)                                                 \
+    FAST_ROWS16_LANES_FN(t, type, meta, values, 2)                                                 \
+    FAST_ROWS16_LANES_FN(t, type, meta, values, 3)                                                 \
+    FAST_ROWS16_LANES_FN(t, type, meta, values, 4)                                                 \
+    FAST_ROWS16_LANES_FN(t, type, meta, values, 5)                                                 \
+    FAST_ROWS16_LANES_FN(t, type, meta, values, 6)                                                 \
+    FAST_ROWS16_LANES_FN(t, type, meta, values, 7)                                                 \
+    MOE_INLINE void fast_tile_rows16_##t(fast_type ty, const uint8_t *w, size_t ws, int n_w,       \
+                                         int64_t i, void *tile) {                                  \
+        (void)ws, (void)n_w;                                                                       \
+        fast_tile_rows16_sb(ty, meta, values, w, i, tile);                                         \
+    }                                                                                              \
+    static void fast_rows16_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,       \
+                                int64_t n_rows, int64_t n, float *out, int64_t os) {               \
+        MOE_CHECK(n_w == MOE_ROWS16);                                                              \
+        switch (n_rows) {                                                                          \
+            FAST_LANES_CASE(rows16_##t, 1)                                                         \
+            FAST_LANES_CASE(rows16_##t, 2)                                                         \
+            FAST_LANES_CASE(rows16_##t, 3)                                                         \
+            FAST_LANES_CASE(rows16_##t, 4)                                                         \
+            FAST_LANES_CASE(rows16_##t, 5)                                                         \
+            FAST_LANES_CASE(rows16_##t, 6)                                                         \
+            FAST_LANES_CASE(rows16_##t, 7)                                                         \
+        default:                                                                                   \
+            break;                                                                                 \
+        }                                                                                          \
+        fast_tile tiles[FAST_IQ_CHUNK];                                                            \
+        fast_drive(type, fast_tile_rows16_##t, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK,   \
+                   w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out, os);                              \
+    }
+
+/* Q6_K in ROWS16 (quant.h): per block the 16 rows' d, then body dword k in register k: ql in
+ * 0..31, qh in 32..47, the scales in 48..51. The values 4g .. 4g + 3 (g = 32h + 8q + m: half h,
+ * quarter q of the half, m = 0..7) are nibble q / 2 of ql dword 16h + 8 (q % 2) + m with bits
+ * 2q, 2q + 1 of qh dword 32 + 8h + m; scale j is byte j % 4 of dword 48 + j / 4. */
+MOE_INLINE __m512i fast_values_q6_k(const uint8_t *block, int g) {
+    const uint8_t *body = block + MOE_ROWS16 * sizeof(uint16_t);
+    const int h = g / 32, q = g % 32 / 8, m = g % 8;
+    const __m512i ql = z_load(body + 64 * (16 * h + 8 * (q % 2) + m));
+    const __m512i qh = z_load(body + 64 * (32 + 8 * h + m));
+    const __m512i lo = q < 2 ? ql : _mm512_srli_epi16(ql, 4);
+    const __m512i hi = q < 2   ? _mm512_slli_epi16(qh, 4 - 2 * q)
+                       : q > 2 ? _mm512_srli_epi16(qh, 2)
+                               : qh; /* bits 2q, 2q + 1 to bits 4, 5 */
+    /* (lo & 0x0f) | (hi & 0x30) */
+    return _mm512_ternarylogic_epi32(lo, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)),
+                                     _mm512_set1_epi8(0x0f), 0xec);
+}
+MOE_INLINE void fast_meta_q6_k(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               void *tile) {
+    (void)ws, (void)n_w;
+    fast_tile *o = tile;
+    const uint8_t *b = w + (size_t)i * MOE_ROWS16 * t.block_bytes;
+    const uint8_t *body = b + MOE_ROWS16 * sizeof(uint16_t);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m512i sc = z_load(body + 64 * (48 + k));
+        o->scale[4 * k] = _mm512_srai_epi32(_mm512_slli_epi32(sc, 24), 24);
+        o->scale[4 * k + 1] = _mm512_srai_epi32(_mm512_slli_epi32(sc, 16), 24);
+        o->scale[4 * k + 2] = _mm512_srai_epi32(_mm512_slli_epi32(sc, 8), 24);
+        o->scale[4 * k + 3] = _mm512_srai_epi32(sc, 24);
+    }
+    o->d = _mm512_cvtph_ps(avx2_load(b));
+}
+FAST_ROWS16_SB_KERNELS(q6_k, FAST_Q6_K_TYPE, fast_meta_q6_k, fast_values_q6_k)
+
+/* Q4_K and Q5_K in ROWS16 (quant.h): per block the 16 rows' d and dmin, then body dword k in
+ * register k: the packed scales and mins in 0..2, Q5_K's qh in 3..10, qs from qs_at (3 or 11) on.
+ * Value group 16p + 8 high + m is fast_k4_group of qs dword 8p + m and qh dword m. */
+MOE_INLINE __m512i fast_values_k4(const uint8_t *block, int g, bool q5) {
+    const uint8_t *body = block + MOE_ROWS16 * 2 * sizeof(uint16_t);
+    const int p = g / 16, high = g % 16 / 8, m = g % 8, qs_at = q5 ? 11 : 3;
+    return fast_k4_group(z_load(body + 64 * (qs_at + 8 * p + m)),
+                         q5 ? z_load(body + 64 * (3 + m)) : _mm512_setzero_si512(), q5, p, high);
+}
+MOE_INLINE __m512i fast_values_q4_k(const uint8_t *block, int g) {
+    return fast_values_k4(block, g, false);
+}
+MOE_INLINE __m512i fast_values_q5_k(const uint8_t *block, int g) {
+    return fast_values_k4(block, g, true);
+}
+/* The scales and mins as moe_k4_scale_min unpacks them, 16 rows at once from the packed bytes
+ * (dwords 0..2 of the body: bytes 0..3, 4..7, 8..11 of each row's scales[12]): sub-block s < 4
+ * has scale byte s & 63 and min byte 4 + s & 63; s = 4 + k has (byte 8 + k & 15) | (byte k >> 6)
+ * << 4 and (byte 8 + k >> 4) | (byte 4 + k >> 6) << 4. Scale s goes to scale[2s] (int32), min s
+ * to mins[s] (int16, twice: against the bsum pair 2s, 2s + 1). */
+MOE_INLINE void fast_meta_k4(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                             void *tile) {
+    (void)ws, (void)n_w;
+    fast_tile *o = tile;
+    const uint8_t *b = w + (size_t)i * MOE_ROWS16 * t.block_bytes;
+    const uint8_t *body = b + MOE_ROWS16 * 2 * sizeof(uint16_t);
+    const __m512i heads = z_load(b); /* lane v: row v's d, dmin */
+    o->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads));
+    o->dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(heads, 16)));
+    const __m512i b0 = z_load(body), b4 = z_load(body + 64), b8 = z_load(body + 128);
+    const __m512i low6 = _mm512_set1_epi8(0x3f), low4 = _mm512_set1_epi8(0x0f),
+                  top2 = _mm512_set1_epi8(0x30), byte = _mm512_set1_epi32(0xff);
+    const __m512i sc[2] = {_mm512_and_si512(b0, low6),
+                           _mm512_or_si512(_mm512_and_si512(b8, low4),
+                                           _mm512_and_si512(_mm512_srli_epi32(b0, 2), top2))};
+    const __m512i mn[2] = {_mm512_and_si512(b4, low6),
+                           _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(b8, 4), low4),
+                                           _mm512_and_si512(_mm512_srli_epi32(b4, 2), top2))};
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        o->scale[2 * s] = _mm512_and_si512(_mm512_srli_epi32(sc[s / 4], 8 * (s % 4)), byte);
+        const __m512i m = _mm512_and_si512(_mm512_srli_epi32(mn[s / 4], 8 * (s % 4)), byte);
+        o->mins[s] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+    }
+}
+#define FAST_Q4_K_TYPE FAST_SB_TYPE(q4_k, fast_regs_q4_k, fast_mins_q4_k, 32, 1.0f, 0)
+#define FAST_Q5_K_TYPE FAST_SB_TYPE(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, 0)
+FAST_ROWS16_SB_KERNELS(q4_k, FAST_Q4_K_TYPE, fast_meta_k4, fast_values_q4_k)
+FAST_ROWS16_SB_KERNELS(q5_k, FAST_Q5_K_TYPE, fast_meta_k4, fast_values_q5_k)
+FAST_AMX_KERNEL(fast_amx_rows16_q4_k, fast_rows16_q4_k, FAST_Q4_K_TYPE, fast_tile_rows16_q4_k,
+                FAST_IQ_CHUNK, MOE_QK_K)
+FAST_AMX_KERNEL(fast_amx_rows16_q5_k, fast_rows16_q5_k, FAST_Q5_K_TYPE, fast_tile_rows16_q5_k,
+                FAST_IQ_CHUNK, MOE_QK_K)
 
 /* ==== The table ==== */
 
@@ -658,7 +873,9 @@ FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
     (k->types[MOE_TYPE_Q8_0].dot_tile_rows16 = prefix##q8_0,                                       \
      k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = prefix##q4_0,                                       \
      k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = prefix##iq4_nl,                                   \
-     k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = prefix##mxfp4)
+     k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = prefix##mxfp4,                                     \
+     k->types[MOE_TYPE_Q4_K].dot_tile_rows16 = prefix##q4_k,                                       \
+     k->types[MOE_TYPE_Q5_K].dot_tile_rows16 = prefix##q5_k)
 
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     z_iq_tables_fill();
@@ -672,6 +889,7 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     FAST_SET(MXFP4, mxfp4);
     FAST_SET(Q4_K, q4_k);
     FAST_SET(Q5_K, q5_k);
+    FAST_SET(Q6_K, q6_k);
     FAST_SET(IQ2_S, iq2_s);
     FAST_SET(IQ3_S, iq3_s);
     FAST_SET(IQ2_XXS, iq2_xxs);
@@ -682,6 +900,7 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     FAST_SET(IQ1_M, iq1_m);
 #undef FAST_SET
     FAST_ROWS16_SET(fast_rows16_);
+    k->types[MOE_TYPE_Q6_K].dot_tile_rows16 = fast_rows16_q6_k; /* amx: the same (FAST_AMX_SB_16) */
 }
 
 void moe_kernels_fill_fast_amx(moe_kernels *k) {

@@ -12,32 +12,55 @@
 
 #include <string.h>
 
-/* Bytes of a block's head (its scale) in MOE_LAYOUT_ROWS16; 0: the type has no such layout. The
- * rest of the block (the body) must be whole dwords. */
-static size_t rows16_head_bytes(moe_type t) {
+/* Where a block's head lies in MOE_LAYOUT_ROWS16 (its float scales: *at, *bytes); false: the
+ * type has no such layout. The rest of the block, before and after the head in that order, is
+ * the body and must be whole dwords. The K quants' integer scales stay in the body, so a kernel
+ * finds them already in the lanes: Q4_K / Q5_K's head is d and dmin, Q6_K's its d, at the end of
+ * the block. */
+static bool rows16_head(moe_type t, size_t *at, size_t *bytes) {
+    *at = 0;
     switch (t) {
     case MOE_TYPE_Q8_0:
-        return offsetof(moe_block_q8_0, qs);
+        *bytes = offsetof(moe_block_q8_0, qs);
+        return true;
     case MOE_TYPE_Q4_0:
-        return offsetof(moe_block_q4_0, qs);
+        *bytes = offsetof(moe_block_q4_0, qs);
+        return true;
     case MOE_TYPE_IQ4_NL:
-        return offsetof(moe_block_iq4_nl, qs);
+        *bytes = offsetof(moe_block_iq4_nl, qs);
+        return true;
     case MOE_TYPE_MXFP4:
-        return offsetof(moe_block_mxfp4, qs);
+        *bytes = offsetof(moe_block_mxfp4, qs);
+        return true;
+    case MOE_TYPE_Q4_K:
+        *bytes = offsetof(moe_block_q4_k, scales);
+        return true;
+    case MOE_TYPE_Q5_K:
+        *bytes = offsetof(moe_block_q5_k, scales);
+        return true;
+    case MOE_TYPE_Q6_K:
+        *at = offsetof(moe_block_q6_k, d);
+        *bytes = sizeof(uint16_t);
+        return true;
     default:
-        return 0;
+        *bytes = 0;
+        return false;
     }
 }
 
 bool moe_layout_has_type(moe_layout layout, moe_type t) {
-    return layout == MOE_LAYOUT_FILE || (layout == MOE_LAYOUT_ROWS16 && rows16_head_bytes(t));
+    size_t at, bytes;
+    return layout == MOE_LAYOUT_FILE ||
+           (layout == MOE_LAYOUT_ROWS16 && rows16_head(t, &at, &bytes));
 }
 
 /* One group both ways: pack (file rows -> group) or not (group -> file rows). */
 static void rows16_move(moe_type t, const uint8_t *from, uint8_t *to, int64_t n, bool pack) {
     const moe_type_traits *tr = moe_type_traits_get(t);
-    const size_t head = rows16_head_bytes(t), bb = tr->block_bytes, words = (bb - head) / 4;
-    MOE_CHECK(head && (bb - head) % 4 == 0 && n % tr->block_values == 0);
+    size_t at, head;
+    MOE_CHECK(rows16_head(t, &at, &head));
+    const size_t bb = tr->block_bytes, words = (bb - head) / 4;
+    MOE_CHECK(at % 4 == 0 && (bb - head) % 4 == 0 && n % tr->block_values == 0);
     const int64_t nb = n / tr->block_values;
     const size_t row_bytes = (size_t)nb * bb;
     for (int64_t i = 0; i < nb; i++) {
@@ -46,12 +69,12 @@ static void rows16_move(moe_type t, const uint8_t *from, uint8_t *to, int64_t n,
             const size_t f = (size_t)v * row_bytes + (size_t)i * bb; /* row v's block i */
             const size_t gh = g + (size_t)v * head;
             if (pack)
-                memcpy(to + gh, from + f, head);
+                memcpy(to + gh, from + f + at, head);
             else
-                memcpy(to + f, from + gh, head);
+                memcpy(to + f + at, from + gh, head);
             for (size_t k = 0; k < words; k++) {
                 const size_t gw = g + MOE_ROWS16 * head + (k * MOE_ROWS16 + (size_t)v) * 4;
-                const size_t fw = f + head + 4 * k;
+                const size_t fw = f + (4 * k < at ? 4 * k : 4 * k + head); /* around the head */
                 if (pack)
                     memcpy(to + gw, from + fw, 4);
                 else
