@@ -502,30 +502,38 @@ static void fast_path_matches_its_reference(void **state) {
 /* ==== Repacked layouts (quant.h, "Weight layouts in memory") ==== */
 
 /* MOE_LAYOUT_ROWS16, byte by byte as quant.h defines it (not through layout.c's own loop): 16
- * random rows of 1..40 blocks packed, every head and body dword found where the definition puts
- * it, unpacked back to the same bytes; then at every level whose fast table has a kernel on the
- * layout, each (weight row, activation row) of the packed group gives the scalar fast
+ * random rows of 1..40 blocks (32 or 256 values) packed, every head and body dword found where the
+ * definition puts it, unpacked back to the same bytes; then at every level whose fast table has a
+ * kernel on the layout, each (weight row, activation row) of the packed group gives the scalar fast
  * reference's bits on the file's row (1..70 activation rows: both sides of the row groups). */
 static void rows16_layout_and_kernels(void **state) {
     (void)state;
     enum { MAX_X = 70, MAX_BLOCKS = 40 };
-    static const moe_type types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q4_0, MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4};
-    static const size_t heads[] = {2, 2, 2, 1};
+    static const moe_type types[] = {MOE_TYPE_Q8_0,  MOE_TYPE_Q4_0,    MOE_TYPE_IQ4_NL,
+                                     MOE_TYPE_MXFP4, MOE_TYPE_IQ3_S,   MOE_TYPE_IQ3_XXS,
+                                     MOE_TYPE_IQ2_S, MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ4_XS};
+    /* the head: the f16 d (IQ4_XS: d, scales_h, scales_l; MXFP4: the e8m0 byte) */
+    static const size_t heads[] = {2, 2, 2, 1, 2, 2, 2, 2, 8};
+    enum { N_TYPES = sizeof types / sizeof types[0] };
     const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
-    const int64_t max_n = MAX_BLOCKS * MOE_QK32;
-    const size_t max_row = (size_t)moe_type_row_bytes(MOE_TYPE_Q8_0, max_n);
+    const int64_t max_n = MAX_BLOCKS * MOE_QK_K;
+    const size_t max_row = (size_t)moe_type_row_bytes(MOE_TYPE_Q8_K, max_n) >
+                                   (size_t)moe_type_row_bytes(MOE_TYPE_IQ4_XS, max_n)
+                               ? (size_t)moe_type_row_bytes(MOE_TYPE_Q8_K, max_n)
+                               : (size_t)moe_type_row_bytes(MOE_TYPE_IQ4_XS, max_n);
     uint8_t *rows = moe_xmalloc(max_row * 16), *group = moe_xmalloc(max_row * 16),
             *back = moe_xmalloc(max_row * 16), *xq = moe_xmalloc(max_row * MAX_X);
     float *x = moe_xmalloc((size_t)max_n * sizeof(float)),
           *out = moe_xmalloc(sizeof(float) * 16 * MAX_X);
     uint64_t seed = 18;
     int kernels = 0;
-    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+    for (size_t ti = 0; ti < N_TYPES; ti++) {
         const moe_type t = types[ti];
-        const size_t bb = moe_type_traits_get(t)->block_bytes, head = heads[ti];
+        const moe_type_traits *tr = moe_type_traits_get(t);
+        const size_t bb = tr->block_bytes, head = heads[ti];
         assert_true(moe_layout_has_type(MOE_LAYOUT_ROWS16, t));
         for (int64_t blocks = 1; blocks <= MAX_BLOCKS; blocks += 13) {
-            const int64_t n = blocks * MOE_QK32;
+            const int64_t n = blocks * tr->block_values;
             const size_t row_bytes = (size_t)moe_type_row_bytes(t, n);
             for (int v = 0; v < 16; v++) moe_type_random_row(t, &seed, rows + v * row_bytes, n);
             if (t == MOE_TYPE_MXFP4) /* the e8m0 exponents whose scales are subnormal */
@@ -571,7 +579,7 @@ static void rows16_layout_and_kernels(void **state) {
                   "bits\n",
                   kernels);
     const moe_kernels *vnni = moe_kernels_for_path(MOE_ISA_AVX512VNNI, false);
-    if (vnni) assert_int_equal(kernels, 4); /* the level with the 16-lane tile has all four */
+    if (vnni) assert_int_equal(kernels, N_TYPES); /* the level with the 16-lane tile: all */
     assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_Q4_K));
     free(rows), free(group), free(back), free(xq), free(x), free(out);
 }

@@ -24,6 +24,16 @@ static size_t rows16_head_bytes(moe_type t) {
         return offsetof(moe_block_iq4_nl, qs);
     case MOE_TYPE_MXFP4:
         return offsetof(moe_block_mxfp4, qs);
+    case MOE_TYPE_IQ4_XS: /* d, scales_h, scales_l */
+        return offsetof(moe_block_iq4_xs, qs);
+    case MOE_TYPE_IQ3_S: /* d; qs, qh, signs and scales are the body */
+        return offsetof(moe_block_iq3_s, qs);
+    case MOE_TYPE_IQ3_XXS:
+        return offsetof(moe_block_iq3_xxs, qs);
+    case MOE_TYPE_IQ2_S:
+        return offsetof(moe_block_iq2_s, qs);
+    case MOE_TYPE_IQ2_XXS:
+        return offsetof(moe_block_iq2_xxs, qs);
     default:
         return 0;
     }
