@@ -100,8 +100,7 @@ static void tile_bench(const moe_type *types, int n_types, const int *counts, in
         double file[16];
         for (int c = 0; c < n_counts; c++)
             file[c] = tile_gbs(e->dot_tile, buf, rows, row_bytes, xq, xs, counts[c], n, y, runs);
-        if (e->dot_tile_rows16)
-            moe_layout_pack_matrix(MOE_LAYOUT_ROWS16, t, buf, rows, n, scratch);
+        if (e->dot_tile_rows16) moe_layout_pack_matrix(MOE_LAYOUT_ROWS16, t, buf, rows, n, scratch);
         printf("%-8s", moe_type_name(t));
         for (int c = 0; c < n_counts; c++) {
             if (!e->dot_tile_rows16) {
