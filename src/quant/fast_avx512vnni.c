@@ -536,24 +536,23 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, fast_tile_iq)
  * In a group (quant.h) body dword k of the 16 rows is one register, lane v = row v, so what
  * a row's block holds at one place -- four grid indices, 32 sign bits, eight scales -- the 16
  * rows hold in one register, and one decode fills a tile register for all of them with no
- * transpose. IQ3_S / IQ3_XXS: a register of grid indices is 64 four-value entries, looked up as
- * one row's block is (z_lookup_planes), its indices first put in the order that leaves entry
+ * transpose. IQ3_XXS: a register of grid indices is 64 four-value entries, looked up as one
+ * row's block is (z_lookup_planes), its indices first put in the order that leaves entry
  * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_S / IQ2_XXS: entries of 8 values, two
  * vpgatherqq of 8 rows each per entry, split into its two tile registers. Signs: a 32-bit word
- * per row and 32 values (IQ2_S and IQ3_S as stored; the XXS types' ksigns indices looked up
+ * per row and 32 values (IQ2_S's as stored; the XXS types' ksigns indices looked up
  * into one, 16 rows at a time), turned into the byte mask of each tile register by fast_bits4.
  * IQ4_XS: the 32-value types' nibble book, eight times. The tiles are those of fast_tile_iq, so
- * the bits are the file layout's. */
+ * the bits are the file layout's. IQ3_S stays in the file's layout: decoded the same way (its
+ * 9-bit indices through z_lookup_planes' four tables) its tile cost more than the per-row lanes
+ * path at 1 .. 4 activation rows (0.7x at one row in cache, 0.76x from DRAM; 1.1x at 16). */
 
 /* The byte mask of tile register 8s + e (values 4e .. 4e + 3 of each row's 32) from 16 rows'
- * 32-bit words for values 32s .. (bit i: value 32s + i): byte 4v + c gets bit 4e + c of lane v;
- * across: byte 16L + 4m + q gets bit 4e + m of lane 4L + q (fast_iq3_entries' order). Each byte
- * takes its row's byte e / 2 (vpshufb) and tests its bit. */
-MOE_INLINE __mmask64 fast_bits4(__m512i words, int e, bool across) {
-    const __m128i pick = across ? _mm_setr_epi8(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12)
-                                : _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-    const __m128i bit = across ? _mm_setr_epi8(1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8)
-                               : _mm_setr_epi8(1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8);
+ * 32-bit words for values 32s .. (bit i: value 32s + i): byte 4v + c gets bit 4e + c of lane v.
+ * Each byte takes its row's byte e / 2 (vpshufb) and tests its bit. */
+MOE_INLINE __mmask64 fast_bits4(__m512i words, int e) {
+    const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8);
     const __m512i b = _mm512_broadcast_i32x4(_mm_slli_epi16(bit, 4 * (e % 2)));
     const __m512i p = _mm512_broadcast_i32x4(_mm_add_epi8(pick, _mm_set1_epi8((char)(e / 2))));
     return _mm512_test_epi8_mask(_mm512_shuffle_epi8(words, p), b);
@@ -576,31 +575,19 @@ MOE_INLINE void fast_odd_scales32(fast_tile *o, int j, __m512i words, int shift)
         _mm512_add_epi32(_mm512_add_epi32(s, s), _mm512_set1_epi32(1));
 }
 
-/* tile[4k .. 4k + 3] from body register q of 16 rows' grid indices of entries 4k .. 4k + 3
- * (byte 4v + m: row v's entry 4k + m) and bit8 (the 9th index bits in fast_bits4's across order;
- * big: IQ3_S's 512-entry grid) through a type's code planes; the sign words `signs` applied. */
-MOE_INLINE void fast_iq3_entries(fast_tile *o, int k, __m512i q, __mmask64 bit8, bool big,
-                                 const uint8_t *planes, size_t stride, z_code_values_fn values,
-                                 __m512i signs) {
+/* tile[4k .. 4k + 3] from body register q of 16 rows' IQ3_XXS grid indices of entries 4k ..
+ * 4k + 3 (byte 4v + m: row v's entry 4k + m), the sign words `signs` applied. */
+MOE_INLINE void fast_iq3_entries(fast_tile *o, int k, __m512i q, __m512i signs) {
     /* byte 4m + q of each 128-bit lane from byte 4q + m: z_interleave4 then leaves lane v of
      * g[m] holding entry (v, 4k + m) */
     const __m512i order =
         _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
     const __m512i idx = _mm512_shuffle_epi8(q, order);
     z_iqb b;
-    z_lookup_planes(idx, _mm512_movepi8_mask(idx), bit8, big, planes, stride, values, &b);
+    z_lookup_planes(idx, _mm512_movepi8_mask(idx), 0, false, z_iq3xxs_codes[0], 256,
+                    z_iq3xxs_values, &b);
     for (int m = 0; m < 4; m++)
-        o->tile[4 * k + m] = z_apply_signs(b.g[m], fast_bits4(signs, 4 * (k % 2) + m, false));
-}
-
-/* IQ3_S body: qs dwords 0 .. 15, qh 16 .. 17, signs 18 .. 25, scales 26. */
-MOE_INLINE void fast_r16_iq3_s(const uint8_t *body, fast_tile *o) {
-    const __m512i qh[2] = {z_load(body + 64 * 16), z_load(body + 64 * 17)};
-    for (int k = 0; k < 16; k++)
-        fast_iq3_entries(o, k, z_load(body + 64 * k), fast_bits4(qh[k / 8], k % 8, true), true,
-                         z_iq3s_codes[0], 512, z_iq3s_values, z_load(body + 64 * (18 + k / 2)));
-    const __m512i sc = z_load(body + 64 * 26);
-    for (int j = 0; j < 8; j++) fast_odd_scales32(o, j, sc, 4 * j);
+        o->tile[4 * k + m] = z_apply_signs(b.g[m], fast_bits4(signs, 4 * (k % 2) + m));
 }
 
 /* IQ3_XXS body: grid indices dwords 0 .. 15, sign-and-scale words 16 .. 23. */
@@ -608,8 +595,7 @@ MOE_INLINE void fast_r16_iq3_xxs(const uint8_t *body, fast_tile *o) {
     for (int s = 0; s < 8; s++) {
         const __m512i words = z_load(body + 64 * (16 + s)), signs = fast_ksigns32(words);
         for (int h = 0; h < 2; h++)
-            fast_iq3_entries(o, 2 * s + h, z_load(body + 64 * (2 * s + h)), 0, false,
-                             z_iq3xxs_codes[0], 256, z_iq3xxs_values, signs);
+            fast_iq3_entries(o, 2 * s + h, z_load(body + 64 * (2 * s + h)), signs);
         fast_odd_scales32(o, s, words, 28);
     }
 }
@@ -624,9 +610,9 @@ MOE_INLINE void fast_iq2_entry(fast_tile *o, int s, int c, __m512i idx, const ui
         _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     o->tile[8 * s + 2 * c] =
-        z_apply_signs(_mm512_permutex2var_epi32(lo, even, hi), fast_bits4(signs, 2 * c, false));
+        z_apply_signs(_mm512_permutex2var_epi32(lo, even, hi), fast_bits4(signs, 2 * c));
     o->tile[8 * s + 2 * c + 1] =
-        z_apply_signs(_mm512_permutex2var_epi32(lo, odd, hi), fast_bits4(signs, 2 * c + 1, false));
+        z_apply_signs(_mm512_permutex2var_epi32(lo, odd, hi), fast_bits4(signs, 2 * c + 1));
 }
 
 /* IQ2_S body: grid index low bytes dwords 0 .. 7, signs 8 .. 15, qh 16 .. 17 (2 bits an entry),
@@ -698,7 +684,6 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
     }                                                                                              \
     FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult), FAST_IQ_CHUNK, MOE_QK_K)
 #define FAST_R16_F16(t) (fast_r16_##t(b + MOE_ROWS16 * 2, o), o->d = _mm512_cvtph_ps(avx2_load(b)))
-FAST_SB_ROWS16(iq3_s, z_iqb_iq3_s, 32, 1.0f, FAST_R16_F16(iq3_s))
 FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs))
 FAST_SB_ROWS16(iq2_s, z_iqb_iq2_s, 16, 0.125f, FAST_R16_F16(iq2_s))
 FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs))
@@ -850,7 +835,6 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = fast_rows16_q4_0;
     k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = fast_rows16_iq4_nl;
     k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = fast_rows16_mxfp4;
-    k->types[MOE_TYPE_IQ3_S].dot_tile_rows16 = fast_rows16_iq3_s;
     k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = fast_rows16_iq3_xxs;
     k->types[MOE_TYPE_IQ2_S].dot_tile_rows16 = fast_rows16_iq2_s;
     k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = fast_rows16_iq2_xxs;
