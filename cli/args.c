@@ -289,8 +289,11 @@ bool moe_engine_args_repack(const char *cmd, moe_model *m, const moe_engine_args
     if (a->no_repack) return true;
     moe_layout_report r;
     moe_error err = {0};
-    if (moe_model_repack(m, !a->expert_cache_bytes && a->split == MOE_SPLIT_NONE, &r, &err) !=
-        MOE_OK) {
+    moe_pool *pool = moe_pool_new(a->n_threads);
+    const moe_status st =
+        moe_model_repack(m, !a->expert_cache_bytes && a->split == MOE_SPLIT_NONE, pool, &r, &err);
+    moe_pool_free(pool);
+    if (st != MOE_OK) {
         fprintf(stderr, "moe %s: %s\n", cmd, err.msg);
         return false;
     }

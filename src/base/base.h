@@ -100,10 +100,10 @@ char *moe_strbuf_take(moe_strbuf *b);
 /* Whole file into memory, NUL-terminated (the NUL is not counted in *size). */
 moe_status moe_file_read(const char *path, uint8_t **data, size_t *size, moe_error *err);
 moe_status moe_file_write(const char *path, const void *data, size_t size, moe_error *err);
-/* n bytes at byte `at` of the open file fd (named path) into dst, however many reads it takes;
- * an error names the file, `what` was being read and the byte (a short file: "the file ends"). */
 /* This process's resident set (VmRSS of /proc/self/status), 0 when unknown. */
 uint64_t moe_rss_bytes(void);
+/* n bytes at byte `at` of the open file fd (named path) into dst, however many reads it takes;
+ * an error names the file, `what` was being read and the byte (a short file: "the file ends"). */
 moe_status moe_file_pread(int fd, const char *path, uint64_t at, uint64_t n, void *dst,
                           const char *what, moe_error *err);
 

@@ -178,9 +178,10 @@ moe_status moe_gguf_to_memory_except(moe_gguf *g, moe_pool *pool,
  * they are and t->layout says which layout they have. Its data must lie in g's anonymous copy
  * (moe_gguf_to_memory) or mapping: the pages are made writable for the rewrite and read-only
  * again; the mapping is private, so the file is never written, but pages of it rewritten become
- * the process's own memory (*mapped_bytes += t's bytes when it was mapped; may be NULL). */
+ * the process's own memory (*mapped_bytes += t's bytes when it was mapped; may be NULL). The
+ * groups are packed over the pool's threads (NULL: the caller's). */
 moe_status moe_gguf_tensor_repack(moe_gguf *g, const moe_tensor *t, moe_layout layout,
-                                  uint64_t *mapped_bytes, moe_error *err);
+                                  moe_pool *pool, uint64_t *mapped_bytes, moe_error *err);
 
 /* Tensors of all shards, in file order (shard 0 first). */
 uint64_t moe_gguf_n_tensors(const moe_gguf *g);

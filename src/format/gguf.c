@@ -1084,8 +1084,30 @@ static bool inside(const uint8_t *p, uint64_t n, const void *base, size_t size) 
     return base && p >= b && (uint64_t)(p - b) <= size && n <= size - (uint64_t)(p - b);
 }
 
+/* Groups of 16 rows of a tensor's matrices to pack, over the pool: item k is group k % per of
+ * matrix k / per; each thread packs through its own scratch. */
+typedef struct {
+    moe_layout layout;
+    moe_type type;
+    uint8_t *data;
+    int64_t n, rows, per;
+    uint64_t row_bytes;
+    uint8_t *scratch; /* a group's bytes per thread */
+} repack_job;
+
+static void repack_groups(void *arg, int64_t begin, int64_t end, int thread) {
+    const repack_job *j = arg;
+    const uint64_t group_bytes = MOE_ROWS16 * j->row_bytes;
+    for (int64_t k = begin; k < end; k++) {
+        uint8_t *at = j->data + (uint64_t)(k / j->per) * (uint64_t)j->rows * j->row_bytes +
+                      (uint64_t)(k % j->per) * group_bytes;
+        moe_layout_pack_matrix(j->layout, j->type, at, MOE_ROWS16, j->n,
+                               j->scratch + (size_t)thread * group_bytes);
+    }
+}
+
 moe_status moe_gguf_tensor_repack(moe_gguf *g, const moe_tensor *t, moe_layout layout,
-                                  uint64_t *mapped_bytes, moe_error *err) {
+                                  moe_pool *pool, uint64_t *mapped_bytes, moe_error *err) {
     MOE_CHECK(t >= g->tensors && t < g->tensors + g->n_tensors && t->layout == MOE_LAYOUT_FILE);
     moe_tensor *own = &g->tensors[t - g->tensors];
     const shard_state *st = &g->state[t->shard];
@@ -1106,13 +1128,17 @@ moe_status moe_gguf_tensor_repack(moe_gguf *g, const moe_tensor *t, moe_layout l
         return moe_error_set(err, MOE_ERR_IO, "%s: tensor '%s': cannot make it writable: %s",
                              g->shards[t->shard].path, t->name.ptr, strerror(errno));
     const uint64_t row_bytes = moe_type_row_bytes(t->type, t->ne[0]);
+    repack_job job = {.layout = layout,
+                      .type = t->type,
+                      .data = (uint8_t *)t->data,
+                      .n = t->ne[0],
+                      .rows = t->ne[1],
+                      .per = t->ne[1] / MOE_ROWS16,
+                      .row_bytes = row_bytes};
     const int64_t n_matrices = (int64_t)(t->n_values / ((uint64_t)t->ne[0] * (uint64_t)t->ne[1]));
-    void *scratch = moe_xmalloc((size_t)row_bytes * MOE_ROWS16);
-    uint8_t *data = (uint8_t *)t->data;
-    for (int64_t i = 0; i < n_matrices; i++)
-        moe_layout_pack_matrix(layout, t->type, data + (uint64_t)i * t->ne[1] * row_bytes, t->ne[1],
-                               t->ne[0], scratch);
-    free(scratch);
+    job.scratch = moe_xmalloc((size_t)moe_pool_n_threads(pool) * MOE_ROWS16 * row_bytes);
+    moe_pool_for(pool, n_matrices * job.per, 1, repack_groups, &job);
+    free(job.scratch);
     mprotect(first, span, PROT_READ); /* read-only again, as the weights were */
     own->layout = layout;
     if (in_map && mapped_bytes) *mapped_bytes += t->n_bytes;

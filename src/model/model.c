@@ -876,28 +876,32 @@ static bool read_by_rows(const moe_model *m, const moe_tensor *t) {
 }
 
 /* Repack one matrix if the active table has a kernel on a layout for its type. */
-static moe_status repack_one(moe_model *m, const moe_tensor *t, bool routed, moe_layout_report *out,
-                             moe_error *err) {
+static moe_status repack_one(moe_model *m, const moe_tensor *t, bool routed, moe_pool *pool,
+                             moe_layout_report *out, moe_error *err) {
     if (!t || !t->data || t->layout != MOE_LAYOUT_FILE || t->n_dims < 2 || t->ne[1] < MOE_ROWS16 ||
         read_by_rows(m, t) || (!routed && moe_model_is_routed(t, m)))
         return MOE_OK;
     const moe_type_kernels *k = moe_kernels_type(t->type);
     if (!k || !k->dot_tile_rows16) return MOE_OK;
     const moe_status st =
-        moe_gguf_tensor_repack(m->gguf, t, MOE_LAYOUT_ROWS16, &out->mapped_bytes, err);
+        moe_gguf_tensor_repack(m->gguf, t, MOE_LAYOUT_ROWS16, pool, &out->mapped_bytes, err);
     if (st == MOE_OK) out->n_matrices++, out->bytes += t->n_bytes;
     return st;
 }
 
-moe_status moe_model_repack(moe_model *m, bool routed, moe_layout_report *out, moe_error *err) {
+moe_status moe_model_repack(moe_model *m, bool routed, moe_pool *pool, moe_layout_report *out,
+                            moe_error *err) {
     *out = (moe_layout_report){.isa = moe_kernels_get()->isa};
+    const double t0 = moe_now();
     for (uint32_t il = 0; il < m->cfg.n_layer + m->n_layer_mtp; il++) {
         const moe_tensor *mats[MOE_LAYER_MAX_MATRICES];
         const int n = moe_layer_matrices(&m->layers[il], mats);
         for (int i = 0; i < n; i++)
-            if (repack_one(m, mats[i], routed, out, err) != MOE_OK) return err->code;
+            if (repack_one(m, mats[i], routed, pool, out, err) != MOE_OK) return err->code;
     }
-    return repack_one(m, m->output, routed, out, err);
+    const moe_status st = repack_one(m, m->output, routed, pool, out, err);
+    out->seconds = moe_now() - t0;
+    return st;
 }
 
 void moe_layout_report_print(const char *label, const moe_layout_report *r) {
@@ -908,8 +912,8 @@ void moe_layout_report_print(const char *label, const moe_layout_report *r) {
                  r->mapped_bytes / 1048576.0);
     fprintf(stderr,
             "%s: repacked %u matrices (%.1f MiB, no bytes added%s) into 16-row groups for %s's "
-            "fast kernels (--no-repack: the file's layout)\n",
-            label, r->n_matrices, r->bytes / 1048576.0, mapped, moe_isa_name(r->isa));
+            "fast kernels in %.2f s (--no-repack: the file's layout)\n",
+            label, r->n_matrices, r->bytes / 1048576.0, mapped, moe_isa_name(r->isa), r->seconds);
 }
 
 /* ==== Loading ==== */

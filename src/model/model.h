@@ -374,6 +374,7 @@ typedef struct moe_layout_report {
     uint64_t bytes;        /* their bytes (moved, not added) */
     uint64_t mapped_bytes; /* of those, bytes that were mapped: now the process's own memory */
     moe_isa isa;           /* the kernel table they were repacked for */
+    double seconds;        /* the repack's wall time */
 } moe_layout_report;
 /* Repack m's projection matrices (every layer's moe_layer_matrices and an untied output head)
  * into the layout the active kernel table reads fastest (quant.h, "Weight layouts in memory"):
@@ -381,12 +382,13 @@ typedef struct moe_layout_report {
  * avx512vnni's Q8_0, Q4_0, IQ4_NL, MXFP4; MOE_EXACT=1 and lower levels have none, so nothing is
  * repacked), in memory or mapped (moe_gguf_tensor_repack; the file is never written), at
  * least 16 rows; routed experts only with `routed` (an expert cache or a split reads them from
- * the file apart). Logits do not change by a bit: the repacked kernels give the file layout's
- * bits. Call once, after moe_gguf_to_memory(_except) if at all and before the first forward
- * pass; the kernel table must not change after (a repacked matrix on a table without its
- * kernel stops the process, naming it). */
-moe_status moe_model_repack(moe_model *m, bool routed, moe_layout_report *out, moe_error *err);
-/* "LABEL: repacked N matrices (X MiB, Y MiB of them out of the mapping) for ISA's fast path"
+ * the file apart); over the pool's threads (NULL: the caller's). Logits do not change by a bit: the
+ * repacked kernels give the file layout's bits. Call once, after moe_gguf_to_memory(_except) if at
+ * all and before the first forward pass; the kernel table must not change after (a repacked matrix
+ * on a table without its kernel stops the process, naming it). */
+moe_status moe_model_repack(moe_model *m, bool routed, moe_pool *pool, moe_layout_report *out,
+                            moe_error *err);
+/* "LABEL: repacked N matrices (X MiB, Y MiB of them out of the mapping) ... in S s"
  * on stderr, when anything was. */
 void moe_layout_report_print(const char *label, const moe_layout_report *r);
 

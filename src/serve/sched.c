@@ -1093,24 +1093,22 @@ bool serve_spec_resolve(moe_serve_params *p, const moe_model *m, moe_error *err)
 static bool open_engine(serve_sched *s, moe_error *err) {
     const char *path = s->p.model_path;
     s->model = moe_model_load(path, err);
+    moe_pool *readers = moe_pool_new(s->p.n_threads); /* the weights are read on every thread */
     if (s->model && !s->p.use_mmap) {
-        moe_pool *readers = moe_pool_new(s->p.n_threads); /* the weights are read on every thread */
         moe_gguf_set_progress(s->model->gguf, "moe serve");
         moe_gguf_to_memory_except(s->model->gguf, readers,
                                   s->p.expert_cache_bytes || s->p.split == MOE_SPLIT_ROWS
                                       ? moe_model_is_routed /* read apart, or not at all */
                                       : NULL,
                                   s->model, NULL, err);
-        moe_pool_free(readers);
     }
+    moe_layout_report repack = {0};
+    if (!err->code && !s->p.use_mmap && !s->p.no_repack) /* --mmap: the mapping stays as it is */
+        moe_model_repack(s->model, !s->p.expert_cache_bytes && s->p.split == MOE_SPLIT_NONE,
+                         readers, &repack, err);
+    moe_pool_free(readers);
     if (err->code) return false;
-    moe_layout_report repack;
-    if (!s->p.use_mmap && !s->p.no_repack) { /* --mmap: the mapping stays as it is */
-        if (moe_model_repack(s->model, !s->p.expert_cache_bytes && s->p.split == MOE_SPLIT_NONE,
-                             &repack, err) != MOE_OK)
-            return false;
-        moe_layout_report_print("moe serve", &repack);
-    }
+    moe_layout_report_print("moe serve", &repack);
     if (!serve_spec_resolve(&s->p, s->model, err)) return false;
     if (s->p.split != MOE_SPLIT_NONE && s->p.cache_dir) {
         moe_error_set(err, MOE_ERR_UNSUPPORTED,

@@ -347,15 +347,15 @@ moe_status moe_bench_run(const moe_bench_params *p, moe_bench_result *r, moe_err
                                        m, &r->loaded_bytes, err);
         r->load_seconds += moe_now() - t;
     }
-    moe_pool_free(pool);
     moe_layout_report repack;
     if (st == MOE_OK && !p->use_mmap && !p->no_repack && !p->exact_too) {
         t = moe_now();
-        st =
-            moe_model_repack(m, !p->expert_cache_bytes && p->split == MOE_SPLIT_NONE, &repack, err);
+        st = moe_model_repack(m, !p->expert_cache_bytes && p->split == MOE_SPLIT_NONE, pool,
+                              &repack, err);
         r->load_seconds += moe_now() - t;
         if (st == MOE_OK) moe_layout_report_print("moe bench", &repack);
     }
+    moe_pool_free(pool);
     if (st != MOE_OK) {
         moe_model_free(m);
         return st;

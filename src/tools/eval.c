@@ -362,12 +362,16 @@ static moe_status engine_ids(moe_eval_scorer *s, const moe_eval_record *r, eval_
     return st;
 }
 
-/* A model loaded for scoring, repacked for the active kernel table unless no_repack. */
-static moe_model *eval_model_load(const char *path, bool no_repack, moe_error *err) {
+/* A model loaded for scoring, repacked for the active kernel table (on n_threads) unless
+ * no_repack. */
+static moe_model *eval_model_load(const char *path, bool no_repack, int n_threads, moe_error *err) {
     moe_model *m = moe_model_load(path, err);
     moe_layout_report r;
     if (!m || no_repack) return m;
-    if (moe_model_repack(m, true, &r, err) != MOE_OK) {
+    moe_pool *pool = moe_pool_new(n_threads);
+    const moe_status st = moe_model_repack(m, true, pool, &r, err);
+    moe_pool_free(pool);
+    if (st != MOE_OK) {
         moe_model_free(m);
         return NULL;
     }
@@ -379,7 +383,7 @@ moe_eval_scorer *moe_eval_scorer_engine(const char *model_path, const moe_eval_e
                                         const moe_eval_record *records, size_t n_records,
                                         moe_error *err) {
     moe_eval_scorer *s = moe_xcalloc(1, sizeof *s);
-    s->model = eval_model_load(model_path, p->no_repack, err);
+    s->model = eval_model_load(model_path, p->no_repack, p->n_threads, err);
     if (s->model) s->tok = moe_tokenizer_from_gguf(s->model->gguf, err);
     if (s->tok && moe_tokenizer_n_vocab(s->tok) != s->model->cfg.n_vocab)
         moe_error_set(err, MOE_ERR_FORMAT, "%s: the vocabulary has %u tokens but the model %u",
@@ -882,7 +886,7 @@ static void kl_side_free(kl_side *s) {
 static moe_status kl_side_open(kl_side *s, const char *path, const moe_eval_kl_params *p,
                                moe_error *err) {
     memset(s, 0, sizeof *s);
-    s->model = eval_model_load(path, p->no_repack, err);
+    s->model = eval_model_load(path, p->no_repack, p->n_threads, err);
     if (s->model) s->tok = moe_tokenizer_from_gguf(s->model->gguf, err);
     if (!s->tok) return err->code;
     moe_ctx_params cp = {.n_ctx = p->n_ctx,
