@@ -27,7 +27,7 @@ for gguf in "$shared"/parity/*.gguf "$shared"/models/stories260K/stories260K.ggu
   fi
   for head in main mtp; do
     flag=$([ $head = mtp ] && echo --mtp || true)
-    for isa in scalar avx2 avx512 avx512vnni; do
+    for isa in scalar avx2 avx512 avx512vnni amx; do
       for kv in f32 f16; do
         out="$dir/$name.$head.$isa.$kv.f32"
         if [ "$mode" = record ]; then

@@ -460,10 +460,11 @@ static void fast_path_matches_its_reference(void **state) {
                 }
                 if (!e->dot_tile) continue;
                 /* rows: both sides of the avx512vnni kernels' switch from the lanes to the tile
-                 * (8) and of the row groups (4) */
-                static const int widths[] = {1, 5, 9, MAX_W}, rows[] = {1, 2, 3, 4, 7, 8, MAX_X};
+                 * (8), of the row groups (4) and of the amx level's 16-row tiles */
+                static const int widths[] = {1, 5, 9, MAX_W},
+                                 rows[] = {1, 2, 3, 4, 7, 8, 16, 17, 64, MAX_X};
                 for (int a = 0; a < 4; a++)
-                    for (int b = 0; b < 7; b++) {
+                    for (int b = 0; b < 10; b++) {
                         memset(out, 0xff, sizeof(float) * MAX_X * MAX_W);
                         e->dot_tile(w, w_stride, widths[a], xq, x_stride, rows[b], n, out, MAX_W);
                         for (int r = 0; r < rows[b]; r++)
@@ -557,8 +558,8 @@ static void rows16_layout_and_kernels(void **state) {
                 const moe_kernels *k = moe_kernels_for_path((moe_isa)level, false);
                 if (!k || !k->types[t].dot_tile_rows16) continue;
                 kernels += blocks == 1;
-                static const int counts[] = {1, 2, 3, 7, 8, MAX_X};
-                for (int c = 0; c < 6; c++) {
+                static const int counts[] = {1, 2, 3, 7, 8, 16, 17, 64, MAX_X};
+                for (int c = 0; c < 9; c++) {
                     memset(out, 0xff, sizeof(float) * 16 * MAX_X);
                     k->types[t].dot_tile_rows16(group, 0, 16, xq, xs, counts[c], n, out, 16);
                     for (int r = 0; r < counts[c]; r++)
@@ -578,11 +579,89 @@ static void rows16_layout_and_kernels(void **state) {
     print_message("[ MEASURE  ] %d kernels on MOE_LAYOUT_ROWS16 (all levels) give the reference's "
                   "bits\n",
                   kernels);
-    const moe_kernels *vnni = moe_kernels_for_path(MOE_ISA_AVX512VNNI, false);
-    if (vnni) assert_int_equal(kernels, N_TYPES); /* the level with the 16-lane tile: all */
+    /* the levels with the 16-lane tile (avx512vnni, amx) have all */
+    const int tile_levels = (moe_kernels_for_path(MOE_ISA_AVX512VNNI, false) != NULL) +
+                            (moe_kernels_for_path(MOE_ISA_AMX, false) != NULL);
+    assert_int_equal(kernels, N_TYPES * tile_levels);
     assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_Q4_K));
     assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_IQ3_S)); /* fast_avx512vnni.c */
     free(rows), free(group), free(back), free(xq), free(x), free(out);
+}
+
+/* ==== The amx level (fast_amx.h) ====
+ *
+ * Its tile kernels give avx512vnni's bits, bit for bit, at 16, 17, 64 and 70 activation rows (the
+ * tiles from 16 rows for the 32-value types, from 32 or 64 for the super-block types, then
+ * fast_rows for the rows left over) on random rows of 1..40 blocks, for every type it has one for
+ * (the 32-value types and the super-block types with a scale per 32 values at least, on the
+ * file's rows and on MOE_LAYOUT_ROWS16). Skipped where the CPU or the OS offers no AMX. */
+static void amx_tiles_equal_avx512vnni(void **state) {
+    (void)state;
+    const moe_kernels *amx = moe_kernels_for_path(MOE_ISA_AMX, false),
+                      *vnni = moe_kernels_for_path(MOE_ISA_AVX512VNNI, false);
+    if (!amx) {
+        print_message("[ SKIPPED  ] no AMX here (CPU or OS): %s is the best kernel table\n",
+                      moe_isa_name(moe_cpu_isa_supported()));
+        skip();
+    }
+    enum { MAX_X = 70, MAX_BLOCKS = 40 };
+    static const moe_type must[] = {
+        MOE_TYPE_Q8_0, MOE_TYPE_Q4_0,  MOE_TYPE_IQ4_NL,  MOE_TYPE_MXFP4,   MOE_TYPE_Q4_K,
+        MOE_TYPE_Q5_K, MOE_TYPE_IQ3_S, MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ4_XS};
+    for (size_t i = 0; i < sizeof must / sizeof must[0]; i++)
+        if (amx->types[must[i]].dot_isa != MOE_ISA_AMX || !amx->types[must[i]].dot_tile)
+            fail_msg("amx fast table: no %s tile kernel of its own", moe_type_name(must[i]));
+    const int64_t max_n = MAX_BLOCKS * 256;
+    const size_t stride = (size_t)max_n * 2;
+    uint8_t *w = moe_xmalloc(stride * 16), *group = moe_xmalloc(stride * 16),
+            *xq = moe_xmalloc(stride * MAX_X);
+    float *x = moe_xmalloc((size_t)max_n * sizeof(float)),
+          *got = moe_xmalloc(sizeof(float) * 16 * MAX_X),
+          *want = moe_xmalloc(sizeof(float) * 16 * MAX_X);
+    uint64_t seed = 27;
+    int compared = 0;
+    for (int t = 0; t < MOE_TYPE_COUNT; t++) {
+        const moe_type_kernels *a = &amx->types[t], *v = &vnni->types[t];
+        if (a->dot_isa != MOE_ISA_AMX) continue;
+        const moe_type_traits *tr = moe_type_traits_get((uint32_t)t);
+        for (int64_t blocks = 1; blocks <= MAX_BLOCKS; blocks += 13) {
+            const int64_t n = blocks * tr->block_values;
+            const size_t row_bytes = (size_t)moe_type_row_bytes((moe_type)t, n),
+                         xs = (size_t)moe_dot_row_bytes((moe_type)t, n);
+            for (int r = 0; r < 16; r++)
+                moe_type_random_row((moe_type)t, &seed, w + r * row_bytes, n);
+            for (int r = 0; r < MAX_X; r++) {
+                random_activations(&seed, x, n);
+                a->quantize_row_for_dot(x, xq + (size_t)r * xs, n);
+            }
+            const bool rows16 = a->dot_tile_rows16 != NULL;
+            if (rows16) moe_layout_rows16_pack((moe_type)t, w, group, n);
+            static const int counts[] = {16, 17, 64, MAX_X}, widths[] = {16, 9};
+            for (int c = 0; c < 4; c++)
+                for (int k = 0; k < (rows16 ? 3 : 2); k++) {
+                    const int n_w = k == 2 ? 16 : widths[k];
+                    memset(got, 0xff, sizeof(float) * 16 * MAX_X);
+                    memset(want, 0xfe, sizeof(float) * 16 * MAX_X);
+                    if (k == 2) {
+                        a->dot_tile_rows16(group, 0, 16, xq, xs, counts[c], n, got, 16);
+                        v->dot_tile_rows16(group, 0, 16, xq, xs, counts[c], n, want, 16);
+                    } else {
+                        a->dot_tile(w, row_bytes, n_w, xq, xs, counts[c], n, got, 16);
+                        v->dot_tile(w, row_bytes, n_w, xq, xs, counts[c], n, want, 16);
+                    }
+                    for (int r = 0; r < counts[c]; r++)
+                        for (int o = 0; o < n_w; o++)
+                            if (memcmp(&got[r * 16 + o], &want[r * 16 + o], sizeof(float)) != 0)
+                                fail_msg("amx %s%s, %d rows, n = %lld: weight row %d, row %d is "
+                                         "%.9g, avx512vnni %.9g",
+                                         tr->name, k == 2 ? " on ROWS16" : "", counts[c],
+                                         (long long)n, o, r, got[r * 16 + o], want[r * 16 + o]);
+                    compared++;
+                }
+        }
+    }
+    print_message("[ MEASURE  ] %d amx tile runs give avx512vnni's bits\n", compared);
+    free(w), free(group), free(xq), free(x), free(got), free(want);
 }
 
 /* ==== moe --version names the table ==== */
@@ -759,7 +838,7 @@ static void attention_exp_within_2ulp(void **state) {
 }
 
 /* One attn_tile call from a start state (m, l, outputs y: nq rows DIM apart) into m, l, y. */
-enum { AT_DIM = 96, AT_STRIDE = 3 * AT_DIM };
+enum { AT_DIM = 160, AT_STRIDE = 3 * AT_DIM };
 static void attn_tile_from(const moe_kernels *k, moe_attn_tile_args a, const float *m_start,
                            const float *l_start, const float *y_start, float *m, float *l,
                            float *y) {
@@ -773,10 +852,12 @@ static void attn_tile_from(const moe_kernels *k, moe_attn_tile_args a, const flo
 }
 
 /* Every level's attn_tile equals the scalar reference bit for bit (quant.h fixes the order),
- * over f32 / f16 heads of 37 and 21 values (tails) and 96 / 64, q8_0 heads of 96 / 64, tiles of
- * 1, 5 and 64 keys, 1..64 query vectors with their own visible ranges (some none), from running
- * states with and without a sink; and each vector's bits are the same through a call of its own
- * (batch invariance at the kernel). */
+ * over f32 / f16 heads of 37 and 21 values (tails) and 160 / 64, q8_0 heads of 160 / 64 (160:
+ * more values than a pass of the decode kernel's, which keeps its sums across passes), tiles of
+ * 1, 5 and 64 keys (odd: half a pair), 1..128 query vectors (up to 8: two keys per register at
+ * AVX-512) with their own visible ranges (some none), from running states with and without a
+ * sink; and each vector's bits are the same through a call of its own (batch invariance at the
+ * kernel). */
 static void attention_tile_levels_equal_reference(void **state) {
     (void)state;
     enum { KEYS = MOE_ATTN_TILE_KEYS, QV = MOE_ATTN_TILE_QV };
@@ -1005,6 +1086,7 @@ int moe_suite_kernels(void) {
         cmocka_unit_test(matmul_tiles_equal_single_dots),
         cmocka_unit_test(fast_path_matches_its_reference),
         cmocka_unit_test(rows16_layout_and_kernels),
+        cmocka_unit_test(amx_tiles_equal_avx512vnni),
         cmocka_unit_test(attention_kernels_bit_exact),
         cmocka_unit_test(attention_exp_within_2ulp),
         cmocka_unit_test(attention_tile_levels_equal_reference),

@@ -383,8 +383,10 @@ static void parity_qwen3moe_mixed(void **state) {
 
 /* ==== Batches of many sequences ==== */
 
-/* Three sequences prefilled and decoded together (one row per sequence per step) give each the
- * logits it gets alone, bit for bit; and the expert counters show streams sharing experts. */
+/* Three sequences prefilled and decoded together (one row per sequence per step) on one thread
+ * give each the logits it gets alone on two, bit for bit (alone, the two threads split a row's
+ * attention heads, down to parts of one kv head's group where it has few: MLA's one latent
+ * head); and the expert counters show streams sharing experts. */
 static void batch_check(moe_model *m) {
     enum { N_SEQ = 3, N_PROMPT = 5, N_STEPS = 6 };
     const int32_t prompts[N_SEQ][N_PROMPT] = {
@@ -395,7 +397,7 @@ static void batch_check(moe_model *m) {
     moe_error err = {0};
     for (int s = 0; s < N_SEQ; s++) { /* each alone, prefill then greedy steps */
         moe_ctx_params cp = {
-            .n_ctx = 64, .n_seq = 1, .max_rows = N_PROMPT, .kv_type = MOE_TYPE_F32};
+            .n_ctx = 64, .n_seq = 1, .max_rows = N_PROMPT, .kv_type = MOE_TYPE_F32, .n_threads = 2};
         moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
         moe_row rows[N_PROMPT];
         for (int i = 0; i < N_PROMPT; i++)
@@ -425,7 +427,8 @@ static void batch_check(moe_model *m) {
         for (int s = 0; s < N_SEQ; s++)
             if (memcmp(together + (size_t)s * nv, alone + ((size_t)s * (N_STEPS + 1) + t) * nv,
                        sizeof(float) * nv) != 0)
-                fail_msg("step %d: sequence %d differs in a batch from alone", t, s);
+                fail_msg("step %d: sequence %d differs in a batch (one thread) from alone (two)", t,
+                         s);
         if (t == N_STEPS) break;
         for (int s = 0; s < N_SEQ; s++) rows[s] = (moe_row){s, N_PROMPT + t, next[s][t], true};
         assert_int_equal(moe_ctx_decode(ctx, rows, N_SEQ, together, &err), MOE_OK);
@@ -872,7 +875,8 @@ static void distance(const float *ours, const float *ref, uint32_t rows, uint32_
 
 /* The fast path on a quantized fixture, at every ISA level (`moe logits`, one prefill of the
  * 32 ids): its logits at least as close to the f32-activation reference as llama.cpp's are
- * (worst row rel err and mean KL, times slack), and the greedy ids its argmaxes. */
+ * (worst row rel err and mean KL, times slack), and the greedy ids its argmaxes; the amx level's
+ * logits are avx512vnni's, byte for byte (its tiles give the same integer sums, fast_amx.h). */
 static void fast_rule_check(const char *name, double slack) {
     fixture f, llama;
     char rel[256], ids[512], out_path[512], cmd[2048];
@@ -880,6 +884,7 @@ static void fast_rule_check(const char *name, double slack) {
     assert_true(fixture_open(&llama, name, "logits", 0));
     const uint32_t nv = f.m->cfg.n_vocab;
     double llama_rel, llama_kl;
+    float *vnni = NULL; /* the avx512vnni level's logits */
     distance(llama.ref, f.ref, f.n, nv, &llama_rel, &llama_kl);
     ids_csv(&f, ids, sizeof ids);
     snprintf(rel, sizeof rel, "parity/%s.gguf", name);
@@ -889,6 +894,12 @@ static void fast_rule_check(const char *name, double slack) {
         snprintf(cmd, sizeof cmd, "MOE_EXACT=0 MOE_ISA=%s %s logits %s --tokens %s --out %s", level,
                  moe_test_bin(), moe_test_shared(rel), ids, out_path);
         float *ours = run_for_floats(cmd, out_path, (size_t)f.n * nv);
+        if (isa == MOE_ISA_AMX) {
+            const bool same = memcmp(ours, vnni, sizeof(float) * f.n * nv) == 0;
+            print_message("%s fast at amx: logits %s avx512vnni's\n", name,
+                          same ? "byte-identical to" : "DIFFER from");
+            if (!same) fail_msg("%s fast at amx: the logits differ from avx512vnni's", name);
+        }
         double our_rel, our_kl;
         distance(ours, f.ref, f.n, nv, &our_rel, &our_kl);
         print_message("%s fast at %s vs logits_f32act: worst row rel err %.5g, mean KL %.5g; "
@@ -904,8 +915,12 @@ static void fast_rule_check(const char *name, double slack) {
             if (argmax(ours + (size_t)r * nv, nv) != f.ids[r + 1])
                 fail_msg("%s fast at %s: row %u: argmax %d, greedy id %d", name, level, r,
                          argmax(ours + (size_t)r * nv, nv), f.ids[r + 1]);
-        free(ours);
+        if (isa == MOE_ISA_AVX512VNNI)
+            vnni = ours; /* for the amx level */
+        else
+            free(ours);
     }
+    free(vnni);
     fixture_close(&llama);
     fixture_close(&f);
 }
@@ -942,8 +957,8 @@ static float *logits_run(const fixture *f, const char *name, const char *env, co
 /* The loader's repack (quant.h, "Weight layouts in memory") moves bytes only: on every quantized
  * fixture, at every ISA level on the fast path and at the top level on the exact one, `moe
  * logits` writes the same bytes with and without --no-repack. Where the level has kernels on a
- * repacked layout (avx512vnni's fast table) it says it repacked matrices (every fixture has
- * Q8_0, Q4_0 or MXFP4 ones), elsewhere it repacks nothing. */
+ * repacked layout (avx512vnni's and amx's fast tables) it says it repacked matrices (every fixture
+ * has Q8_0, Q4_0 or MXFP4 ones), elsewhere it repacks nothing. */
 static void repack_keeps_logits(void **state) {
     (void)state;
     static const char *const names[] = {"deepseek2-q8_0-q4_k", "gpt-oss-mxfp4", "llama-q8_0",

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 /* ==== Errors ==== */
@@ -125,6 +126,30 @@ void *moe_xrealloc(void *p, size_t n) {
     void *q = realloc(p, n ? n : 1);
     if (!q) moe_die("out of memory reallocating to %zu bytes", n);
     return q;
+}
+
+#define HUGE_ALIGN ((size_t)2 << 20)
+
+void *moe_huge_alloc(size_t bytes, size_t *size) {
+    if (bytes > SIZE_MAX / 2) return NULL;
+    /* over-allocate by the alignment, then trim both ends to an aligned region */
+    *size = (bytes + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
+    if (!*size) *size = HUGE_ALIGN;
+    uint8_t *raw =
+        mmap(NULL, *size + HUGE_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    uint8_t *base = (uint8_t *)(((uintptr_t)raw + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1));
+    if (base > raw) munmap(raw, (size_t)(base - raw));
+    if (base + *size < raw + *size + HUGE_ALIGN)
+        munmap(base + *size, (size_t)(raw + *size + HUGE_ALIGN - (base + *size)));
+#ifdef MADV_HUGEPAGE
+    madvise(base, *size, MADV_HUGEPAGE);
+#endif
+    return base;
+}
+
+void moe_huge_free(void *p, size_t size) {
+    if (p) munmap(p, size);
 }
 
 char *moe_xstrdup(const char *s) {

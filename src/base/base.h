@@ -55,6 +55,11 @@ static inline bool moe_add_overflow(uint64_t a, uint64_t b, uint64_t *out) {
 void *moe_xmalloc(size_t n);
 void *moe_xcalloc(size_t count, size_t size);
 void *moe_xrealloc(void *p, size_t n);
+/* Zeroed anonymous memory of at least `bytes`, aligned to 2 MiB and rounded up to it (*size:
+ * what moe_huge_free takes), with the kernel asked for huge pages (a hint: fewer TLB misses on
+ * memory read end to end, such as weights and the KV cache). NULL when it cannot be had. */
+void *moe_huge_alloc(size_t bytes, size_t *size);
+void moe_huge_free(void *p, size_t size);
 char *moe_xstrdup(const char *s);
 char *moe_xstrndup(const char *s, size_t n);
 
@@ -195,7 +200,7 @@ void moe_json_kv_bool(moe_json *j, const char *key, bool v);
  *
  * Detected once (CPUID + XGETBV: an instruction set counts only when the OS also saves its
  * registers). The ISA level names the kernel table quant/ uses; levels are ordered, each needs
- * everything the one below needs. MOE_ISA=scalar|avx2|avx512|avx512vnni in the environment
+ * everything the one below needs. MOE_ISA=scalar|avx2|avx512|avx512vnni|amx in the environment
  * lowers the level (for tests and benchmarks); asking for more than the CPU has logs an error and
  * keeps the best available level, so a forced level can never raise SIGILL. */
 
@@ -204,6 +209,8 @@ typedef enum moe_isa {
     MOE_ISA_AVX2,       /* AVX2 + FMA + F16C, OS saves YMM */
     MOE_ISA_AVX512,     /* + AVX-512 F/BW/VL/DQ, OS saves ZMM and opmasks */
     MOE_ISA_AVX512VNNI, /* + AVX-512 VNNI and VBMI (BF16 is reported, not required) */
+    MOE_ISA_AMX,        /* + AMX tiles and int8 products, OS saves tile state, and Linux let this
+                         * process use it (arch_prctl ARCH_REQ_XCOMP_PERM, asked once at detection) */
     MOE_ISA_COUNT
 } moe_isa;
 
@@ -211,9 +218,10 @@ typedef struct moe_cpu_features {
     bool avx2, fma, f16c;
     bool avx512f, avx512bw, avx512vl, avx512dq;
     bool avx512vnni, avx512vbmi, avx512bf16;
-    bool os_ymm, os_zmm; /* XGETBV: the OS saves YMM (and opmask + ZMM) state */
-    char vendor[13];     /* "AuthenticAMD", "" off x86 */
-    char brand[49];      /* CPUID brand string, trimmed */
+    bool amx_tile, amx_int8; /* usable: CPUID, XCR0 tile state and the OS's permission */
+    bool os_ymm, os_zmm;     /* XGETBV: the OS saves YMM (and opmask + ZMM) state */
+    char vendor[13];         /* "AuthenticAMD", "" off x86 */
+    char brand[49];          /* CPUID brand string, trimmed */
 } moe_cpu_features;
 
 /* What this CPU and OS offer (detected on first call; thread-safe). */
@@ -235,7 +243,7 @@ moe_isa moe_cpu_isa_resolve(const char *request, moe_isa supported, char *why, s
 bool moe_exact(void);
 /* Override it (tests run both paths in one process). */
 void moe_exact_set(bool on);
-/* "scalar", "avx2", "avx512", "avx512vnni" ("?" past the end). */
+/* "scalar", "avx2", "avx512", "avx512vnni", "amx" ("?" past the end). */
 const char *moe_isa_name(moe_isa isa);
 /* Parse a level name (case-sensitive, as moe_isa_name prints it); false if unknown. */
 bool moe_isa_from_name(const char *name, moe_isa *out);

@@ -3,9 +3,12 @@
  * Owns the detected features and the MOE_ISA override; it does not own the tables themselves
  * (quant/kernels.c). An AVX-512 bit in CPUID is not enough: the OS must also save the ZMM and
  * opmask registers across context switches (XCR0 bits 5-7), or the first context switch
- * corrupts them. The trap: everything here must compile and run on any x86-64 (and build off
- * x86), so no intrinsics beyond <cpuid.h> and one inline xgetbv, which is only executed after
- * CPUID says OSXSAVE is on. */
+ * corrupts them. AMX needs more: XCR0 bits 17-18 (tile config and data), and on Linux a
+ * per-process permission (arch_prctl ARCH_REQ_XCOMP_PERM, kernel >= 5.16) before the first tile
+ * instruction, or that instruction faults; detection asks for it once, so every thread of the
+ * process (the pool's too, whenever started) may then use the tiles. The trap: everything here must
+ * compile and run on any x86-64 (and build off x86), so no intrinsics beyond <cpuid.h> and one
+ * inline xgetbv, which is only executed after CPUID says OSXSAVE is on. */
 #include "base.h"
 
 #include <ctype.h>
@@ -21,12 +24,18 @@
 #include <cpuid.h>
 #define MOE_X86 1
 #endif
+#if defined(MOE_X86) && defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#define MOE_ARCH_REQ_XCOMP_PERM 0x1023 /* asm/prctl.h */
+#define MOE_XFEATURE_XTILEDATA  18     /* the XSAVE component of the tile data */
+#endif
 
 static moe_cpu_features features;
 static moe_isa isa_supported = MOE_ISA_SCALAR, isa_active = MOE_ISA_SCALAR;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
-static const char *const isa_names[MOE_ISA_COUNT] = {"scalar", "avx2", "avx512", "avx512vnni"};
+static const char *const isa_names[MOE_ISA_COUNT] = {"scalar", "avx2", "avx512", "avx512vnni",
+                                                     "amx"};
 
 const char *moe_isa_name(moe_isa isa) {
     return (unsigned)isa < MOE_ISA_COUNT ? isa_names[isa] : "?";
@@ -48,6 +57,16 @@ static uint64_t xgetbv0(void) {
     return (uint64_t)hi << 32 | lo;
 }
 
+/* Whether this process may use the AMX tile data (asking the kernel once; it grants it for the
+ * whole process). Off Linux, no: other systems are untested. */
+static bool amx_permission(void) {
+#ifdef MOE_ARCH_REQ_XCOMP_PERM
+    return syscall(SYS_arch_prctl, MOE_ARCH_REQ_XCOMP_PERM, MOE_XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+}
+
 static void detect_x86(moe_cpu_features *f) {
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return;
@@ -59,10 +78,12 @@ static void detect_x86(moe_cpu_features *f) {
     const bool osxsave = c >> 27 & 1, avx = c >> 28 & 1;
     f->fma = c >> 12 & 1;
     f->f16c = c >> 29 & 1;
+    bool os_tiles = false;
     if (osxsave && avx) {
         const uint64_t xcr0 = xgetbv0();
         f->os_ymm = (xcr0 & 0x6) == 0x6;                /* SSE + AVX state */
         f->os_zmm = f->os_ymm && (xcr0 & 0xe0) == 0xe0; /* opmask, ZMM_Hi256, Hi16_ZMM */
+        os_tiles = (xcr0 & 0x60000) == 0x60000;         /* XTILECFG, XTILEDATA */
     }
     if (max_leaf >= 7) {
         __cpuid_count(7, 0, a, b, c, d);
@@ -74,6 +95,8 @@ static void detect_x86(moe_cpu_features *f) {
         f->avx512vl = b >> 31 & 1;
         f->avx512vbmi = c >> 1 & 1;
         f->avx512vnni = c >> 11 & 1;
+        f->amx_tile = d >> 24 & 1;
+        f->amx_int8 = d >> 25 & 1;
         if (max_sub >= 1) {
             __cpuid_count(7, 1, a, b, c, d);
             f->avx512bf16 = a >> 5 & 1;
@@ -84,6 +107,8 @@ static void detect_x86(moe_cpu_features *f) {
     if (!f->os_zmm)
         f->avx512f = f->avx512bw = f->avx512vl = f->avx512dq = f->avx512vnni = f->avx512vbmi =
             f->avx512bf16 = false;
+    if (!(f->amx_tile && f->amx_int8 && os_tiles && amx_permission()))
+        f->amx_tile = f->amx_int8 = false;
 
     __get_cpuid(0x80000000, &a, &b, &c, &d);
     if (a >= 0x80000004) {
@@ -105,7 +130,8 @@ static moe_isa level_of(const moe_cpu_features *f) {
     if (!(f->avx2 && f->fma && f->f16c)) return MOE_ISA_SCALAR;
     if (!(f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq)) return MOE_ISA_AVX2;
     if (!(f->avx512vnni && f->avx512vbmi)) return MOE_ISA_AVX512;
-    return MOE_ISA_AVX512VNNI;
+    if (!(f->amx_tile && f->amx_int8)) return MOE_ISA_AVX512VNNI;
+    return MOE_ISA_AMX;
 }
 
 moe_isa moe_cpu_isa_resolve(const char *request, moe_isa supported, char *why, size_t why_size) {
@@ -113,9 +139,10 @@ moe_isa moe_cpu_isa_resolve(const char *request, moe_isa supported, char *why, s
     if (!request || !*request) return supported;
     moe_isa want;
     if (!moe_isa_from_name(request, &want)) {
-        snprintf(why, why_size,
-                 "MOE_ISA=%s is not a kernel table (scalar, avx2, avx512, avx512vnni); using %s",
-                 request, moe_isa_name(supported));
+        snprintf(
+            why, why_size,
+            "MOE_ISA=%s is not a kernel table (scalar, avx2, avx512, avx512vnni, amx); using %s",
+            request, moe_isa_name(supported));
         return supported;
     }
     if (want > supported) {
@@ -176,8 +203,9 @@ void moe_cpu_describe(char *buf, size_t size) {
         size_t offset;
     } flags[] = {
 #define FLAG(x) {#x, offsetof(moe_cpu_features, x)}
-        FLAG(avx2),     FLAG(fma),      FLAG(f16c),       FLAG(avx512f),    FLAG(avx512bw),
-        FLAG(avx512vl), FLAG(avx512dq), FLAG(avx512vnni), FLAG(avx512vbmi), FLAG(avx512bf16),
+        FLAG(avx2),       FLAG(fma),        FLAG(f16c),     FLAG(avx512f),
+        FLAG(avx512bw),   FLAG(avx512vl),   FLAG(avx512dq), FLAG(avx512vnni),
+        FLAG(avx512vbmi), FLAG(avx512bf16), FLAG(amx_tile), FLAG(amx_int8),
 #undef FLAG
     };
     size_t n = (size_t)snprintf(buf, size, "%s", f->brand[0] ? f->brand : "unknown cpu");

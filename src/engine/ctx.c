@@ -158,8 +158,8 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         x->layer_slot[il] = moe_layer_state_of(c, il).k_values ? x->n_layer_kv++ : n_lin++;
     x->stream = c->n_hc ? &moe_stream_hc : &moe_stream_plain;
     if (c->n_hc) moe_hc_alloc(x);
-    x->k_cache = calloc(1, k_bytes ? k_bytes : 1);
-    x->v_cache = calloc(1, v_bytes ? v_bytes : 1);
+    x->k_cache = moe_huge_alloc(k_bytes, &x->k_cache_size);
+    x->v_cache = moe_huge_alloc(v_bytes, &x->v_cache_size);
     x->tokens = calloc(1, plan.token_bytes);
     x->snap_state = calloc(1, plan.snapshot_bytes ? plan.snapshot_bytes : 1);
     x->ckpt = calloc(1, plan.checkpoint_bytes ? plan.checkpoint_bytes : 1);
@@ -292,8 +292,8 @@ void moe_ctx_free(moe_ctx *c) {
     if (c->expert_cache && !moe_expert_cache_save_stats(c->expert_cache, &err))
         moe_log(MOE_LOG_WARN, "expert statistics not saved: %s", err.msg);
     moe_expert_cache_free(c->expert_cache);
-    free(c->k_cache);
-    free(c->v_cache);
+    moe_huge_free(c->k_cache, c->k_cache_size);
+    moe_huge_free(c->v_cache, c->v_cache_size);
     free(c->x);
     free(c->xn);
     free(c->xn2);

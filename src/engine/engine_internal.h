@@ -143,6 +143,7 @@ struct moe_ctx {
      * With MLA, k_cache rows are the latent cache [n_lora_kv + rope_dims] and v_cache is unused (V
      * is the latent part of each K row; v_row_bytes = 0). */
     uint8_t *k_cache, *v_cache;
+    size_t k_cache_size, v_cache_size; /* what moe_huge_alloc gave (read end to end: huge pages) */
     uint64_t k_row_bytes, v_row_bytes; /* one position of one layer */
     /* scratch, [max_rows][width] floats each */
     float *x;           /* [max_rows][max(1, n_hc)][n_embd] the residual stream(s) */

@@ -653,7 +653,7 @@ void moe_gguf_close(moe_gguf *g) {
     if (!g) return;
     for (uint32_t i = 0; i < g->n_shards; i++) {
         if (g->state[i].map) munmap(g->state[i].map, g->state[i].map_size);
-        if (g->state[i].anon) munmap(g->state[i].anon, g->state[i].anon_size);
+        if (g->state[i].anon) moe_huge_free(g->state[i].anon, g->state[i].anon_size);
         free(g->shards[i].path);
     }
     free(g->shards);
@@ -1173,27 +1173,9 @@ bool moe_gguf_shard_data_is_hole(const moe_gguf *g, uint32_t i) {
 
 /* ==== Tensor data in anonymous memory ==== */
 
-#define ANON_ALIGN (2u << 20) /* huge-page aligned, so the kernel may back it with 2 MiB pages */
 /* Bytes per pread: large enough that system calls cost nothing beside the copy, small enough
  * that a shard splits into several for the pool's threads (and a read error names a place). */
 #define LOAD_CHUNK ((uint64_t)64 << 20)
-
-/* Anonymous memory of at least `bytes`, ANON_ALIGN-aligned and rounded up to it (*size). */
-static uint8_t *anon_alloc(size_t bytes, size_t *size) {
-    /* over-allocate by the alignment, then trim both ends to an aligned region */
-    *size = (bytes + ANON_ALIGN - 1) / ANON_ALIGN * ANON_ALIGN;
-    uint8_t *raw =
-        mmap(NULL, *size + ANON_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) return NULL;
-    uint8_t *base = (uint8_t *)(((uintptr_t)raw + ANON_ALIGN - 1) & ~(uintptr_t)(ANON_ALIGN - 1));
-    if (base > raw) munmap(raw, (size_t)(base - raw));
-    if (base + *size < raw + *size + ANON_ALIGN)
-        munmap(base + *size, (size_t)(raw + *size + ANON_ALIGN - (base + *size)));
-#ifdef MADV_HUGEPAGE
-    madvise(base, *size, MADV_HUGEPAGE); /* a hint: fewer TLB misses when it is granted */
-#endif
-    return base;
-}
 
 uint8_t *moe_gguf_alloc_data(moe_gguf *g, uint64_t bytes, moe_error *err) {
     MOE_CHECK(g->n_shards == 1 && !g->state[0].map && !g->state[0].anon);
@@ -1204,7 +1186,7 @@ uint8_t *moe_gguf_alloc_data(moe_gguf *g, uint64_t bytes, moe_error *err) {
             return NULL;
         }
     size_t size;
-    uint8_t *base = bytes > SIZE_MAX - ANON_ALIGN ? NULL : anon_alloc((size_t)bytes, &size);
+    uint8_t *base = moe_huge_alloc((size_t)bytes, &size);
     if (!base) {
         moe_error_set(err, MOE_ERR_NOMEM, "%s: cannot allocate %.1f MiB for the tensors",
                       g->shards[0].path, (double)bytes / (1 << 20));
@@ -1456,7 +1438,7 @@ moe_status moe_gguf_to_memory_except(moe_gguf *g, moe_pool *pool,
         if (!st->map || st->anon || sh->data_offset >= sh->file_size) continue;
         const size_t data = (size_t)(sh->file_size - sh->data_offset);
         size_t size;
-        uint8_t *base = anon_alloc(data, &size);
+        uint8_t *base = moe_huge_alloc(data, &size);
         if (!base) {
             result = moe_error_set(err, MOE_ERR_NOMEM,
                                    "%s: cannot allocate %.1f MiB of anonymous "
@@ -1468,7 +1450,7 @@ moe_status moe_gguf_to_memory_except(moe_gguf *g, moe_pool *pool,
         result =
             load_shard(g, i, pool, base, skip, skip_ctx, reporting ? &prog.done : NULL, &read, err);
         if (result != MOE_OK) {
-            munmap(base, size); /* the tensors still point into the mapping */
+            moe_huge_free(base, size); /* the tensors still point into the mapping */
             break;
         }
         mprotect(base, size, PROT_READ);            /* weights are read-only, as they were mapped */

@@ -411,8 +411,12 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
     }
 }
 
+/* The tiles start on a cache line: a 64-byte load across two lines costs two. */
+#define ATTN_SCRATCH_ALIGN 64
+
 size_t moe_attention_tiled_scratch(int dim) {
-    return (size_t)(MOE_ATTN_TILE_QV + MOE_ATTN_TILE_KEYS) * (size_t)dim;
+    return (size_t)(MOE_ATTN_TILE_QV + MOE_ATTN_TILE_KEYS) * (size_t)dim +
+           ATTN_SCRATCH_ALIGN / sizeof(float);
 }
 
 /* Query vectors g0..g0+nq-1 of the call (vector g is row g / nh, head h0 + g % nh) over every
@@ -422,7 +426,9 @@ static void attn_tiled_vectors(const moe_kernels *kern, const moe_attn_shape *s,
     const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
     const int64_t out_w = (int64_t)s->n_head * s->head_dim_v;
     const int group = s->n_head / s->n_head_kv, hk = h0 / group;
-    float *qt = b->scratch; /* [head_dim_k][MOE_ATTN_TILE_QV] */
+    /* [head_dim_k][MOE_ATTN_TILE_QV], then the K / V tile: both on a cache line */
+    float *qt = (float *)(((uintptr_t)b->scratch + ATTN_SCRATCH_ALIGN - 1) &
+                          ~(uintptr_t)(ATTN_SCRATCH_ALIGN - 1));
     float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], *out[MOE_ATTN_TILE_QV];
     int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
     int row[MOE_ATTN_TILE_QV];

@@ -79,6 +79,18 @@ MOE_INLINE void fast_drive(fast_type t, fast_decode_fn decode, fast_rows_fn rows
 #undef FAST_STEP
 }
 
+/* The int32 sum of a Q4_K / Q5_K tile's mins against an activation block's bsums, lane v for
+ * weight row v: two bsums at a time (vpdpwssd). */
+MOE_INLINE __m512i fast_mins_sum(const moe_block_q8_k *y, const fast_tile *t) {
+    __m512i msum = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) {
+        int32_t pair;
+        memcpy(&pair, y->bsums + 2 * c, sizeof pair);
+        msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(pair), t->mins[c]);
+    }
+    return msum;
+}
+
 /* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
  * scales; else a super-block against Q8_K, 64 groups, a scale per 16 or 32 values): each
  * activation row's bytes made unsigned (+128) into xb, then per sub-block one vpdpbusd per group
@@ -123,14 +135,7 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
                     bytes[r] = (const uint8_t *)xb[r];
                 }
                 dx[r] = _mm512_set1_ps(y->d);
-                if (mins) {
-                    msum[r] = _mm512_setzero_si512();
-                    for (int c = 0; c < 8; c++) {
-                        int32_t pair;
-                        memcpy(&pair, y->bsums + 2 * c, sizeof pair);
-                        msum[r] = _mm512_dpwssd_epi32(msum[r], _mm512_set1_epi32(pair), t->mins[c]);
-                    }
-                }
+                if (mins) msum[r] = fast_mins_sum(y, t);
             }
             sum[r] = _mm512_setzero_si512();
         }
@@ -180,6 +185,8 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) accbuf[r] = acc[r];
 }
+
+#include "fast_amx.h" /* the amx level's multiply: fast_rows on AMX tiles */
 
 /* ==== 32-value types against Q8_0 (Q4_0 Q5_0 Q8_0 IQ4_NL MXFP4) ==== */
 
@@ -274,14 +281,17 @@ static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 
 /* A 32-value type's tile kernel on the file's rows, and (head: its block's scale bytes, book:
  * NULL for Q8_0's bytes, else its nibbles' values) on MOE_LAYOUT_ROWS16 groups: the same tiles,
  * so the same bits. */
+#define FAST_Q32_TYPE(t)                                                                           \
+    ((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f})
 #define FAST_Q32_KERNELS(t)                                                                        \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
         fast_tile tiles[FAST_CHUNK];                                                               \
-        fast_drive((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f},     \
-                   fast_tile_q32, fast_rows, tiles, sizeof tiles[0], FAST_CHUNK, w, ws, n_w, x,    \
-                   xs, n_rows, n / MOE_QK32, out, os);                                             \
+        fast_drive(FAST_Q32_TYPE(t), fast_tile_q32, fast_rows, tiles, sizeof tiles[0], FAST_CHUNK, \
+                   w, ws, n_w, x, xs, n_rows, n / MOE_QK32, out, os);                              \
     }                                                                                              \
+    FAST_AMX_KERNEL(fast_amx_tile_rows_##t, fast_tile_rows_##t, FAST_Q32_TYPE(t), fast_tile_q32,   \
+                    FAST_CHUNK, MOE_QK32)                                                          \
     FAST_DOT(t)
 #define FAST_ROWS16_KERNEL(t, book)                                                                \
     MOE_INLINE void fast_tile_rows16_##t(fast_type ty, const uint8_t *w, size_t ws, int n_w,       \
@@ -290,9 +300,9 @@ static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 
         fast_tile_rows16(w + (size_t)i * MOE_ROWS16 * ty.block_bytes, offsetof(moe_block_##t, qs), \
                          book, tile);                                                              \
     }                                                                                              \
-    FAST_ROWS16_FN(t,                                                                              \
-                   ((fast_type){NULL, decode_##t, NULL, sizeof(moe_block_##t), MOE_QK32, 1.0f}),   \
-                   FAST_CHUNK, MOE_QK32)
+    FAST_ROWS16_FN(t, FAST_Q32_TYPE(t), FAST_CHUNK, MOE_QK32)                                      \
+    FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t, FAST_Q32_TYPE(t), fast_tile_rows16_##t,  \
+                    FAST_CHUNK, MOE_QK32)
 /* The kernel on MOE_LAYOUT_ROWS16 groups of a type whose tile decode is fast_tile_rows16_<t>:
  * chunk blocks of `values` decoded per pass. */
 #define FAST_ROWS16_FN(t, type, chunk, values)                                                     \
@@ -521,7 +531,7 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
                    sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out,   \
                    os);                                                                            \
     }                                                                                              \
-    FAST_DOT(t)
+    FAST_AMX_SB_##scale_values(t, regs, mins, mult, tile) FAST_DOT(t)
 FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s, NULL, 16, 0.125f, fast_tile_iq)
 FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, fast_tile_iq)
 FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, fast_tile_iq)
@@ -810,6 +820,20 @@ FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
 
 /* ==== The table ==== */
 
+/* The kernels on MOE_LAYOUT_ROWS16 (named prefix##type) into table k. */
+#define FAST_ROWS16_SET(prefix)                                                                    \
+    (k->types[MOE_TYPE_Q8_0].dot_tile_rows16 = prefix##q8_0,                                       \
+     k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = prefix##q4_0,                                       \
+     k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = prefix##iq4_nl,                                   \
+     k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = prefix##mxfp4)
+
+/* The codebook types' and IQ4_XS's kernels on ROWS16 (avx512vnni's at both tile levels). */
+#define FAST_ROWS16_SB_SET()                                                                       \
+    (k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = fast_rows16_iq3_xxs,                             \
+     k->types[MOE_TYPE_IQ2_S].dot_tile_rows16 = fast_rows16_iq2_s,                                 \
+     k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = fast_rows16_iq2_xxs,                             \
+     k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = fast_rows16_iq4_xs)
+
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     z_iq_tables_fill();
 #define FAST_SET(T, t)                                                                             \
@@ -831,12 +855,28 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     FAST_SET(IQ1_S, iq1_s);
     FAST_SET(IQ1_M, iq1_m);
 #undef FAST_SET
-    k->types[MOE_TYPE_Q8_0].dot_tile_rows16 = fast_rows16_q8_0;
-    k->types[MOE_TYPE_Q4_0].dot_tile_rows16 = fast_rows16_q4_0;
-    k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = fast_rows16_iq4_nl;
-    k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = fast_rows16_mxfp4;
-    k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = fast_rows16_iq3_xxs;
-    k->types[MOE_TYPE_IQ2_S].dot_tile_rows16 = fast_rows16_iq2_s;
-    k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = fast_rows16_iq2_xxs;
-    k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = fast_rows16_iq4_xs;
+    FAST_ROWS16_SET(fast_rows16_);
+    FAST_ROWS16_SB_SET();
+}
+
+void moe_kernels_fill_fast_amx(moe_kernels *k) {
+    moe_kernels_fill_fast_avx512vnni(k);
+#define AMX_SET(T, t)                                                                              \
+    (k->types[MOE_TYPE_##T].dot_tile = fast_amx_tile_rows_##t,                                     \
+     k->types[MOE_TYPE_##T].dot_isa = MOE_ISA_AMX)
+    AMX_SET(Q4_0, q4_0);
+    AMX_SET(Q5_0, q5_0);
+    AMX_SET(Q8_0, q8_0);
+    AMX_SET(IQ4_NL, iq4_nl);
+    AMX_SET(MXFP4, mxfp4);
+    AMX_SET(Q4_K, q4_k);
+    AMX_SET(Q5_K, q5_k);
+    AMX_SET(IQ3_S, iq3_s);
+    AMX_SET(IQ2_XXS, iq2_xxs);
+    AMX_SET(IQ3_XXS, iq3_xxs);
+    AMX_SET(IQ4_XS, iq4_xs);
+    AMX_SET(IQ1_S, iq1_s);
+#undef AMX_SET
+    FAST_ROWS16_SET(fast_amx_rows16_);
+    FAST_ROWS16_SB_SET(); /* avx512vnni's: the amx tables' bits, no amx kernel on ROWS16 yet */
 }

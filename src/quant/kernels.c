@@ -5,9 +5,10 @@
  * overwrite what it does faster. That chain is the exact path. Each level's fast table is a copy
  * of its exact one with the level's own fast kernels over it (a type without one keeps its exact
  * kernel; a fast kernel is never inherited from a lower level, whose speed would not be this
- * level's). Only levels the CPU runs are built (moe_cpu_isa_supported), so no ISA file runs on a
- * CPU without its instructions. The trap: moe_kernels_get() follows MOE_ISA and MOE_EXACT,
- * moe_kernels_for_isa() / _for_path() do not (tests walk every runnable level). */
+ * level's; the amx level, whose exact table is avx512vnni's, has avx512vnni's fast table with AMX
+ * many-row kernels over it). Only levels the CPU runs are built (moe_cpu_isa_supported), so no ISA
+ * file runs on a CPU without its instructions. The trap: moe_kernels_get() follows MOE_ISA and
+ * MOE_EXACT, moe_kernels_for_isa() / _for_path() do not (tests walk every runnable level). */
 #include "kernels.h"
 
 #include <pthread.h>
@@ -79,6 +80,7 @@ static void build(void) {
         if (level == MOE_ISA_SCALAR) moe_kernels_fill_fast_scalar(&fast[level]);
         if (level == MOE_ISA_AVX2) moe_kernels_fill_fast_avx2(&fast[level]);
         if (level == MOE_ISA_AVX512VNNI) moe_kernels_fill_fast_avx512vnni(&fast[level]);
+        if (level == MOE_ISA_AMX) moe_kernels_fill_fast_amx(&fast[level]);
         for (int e = 0; e < 2; e++) {
             tables[e][level].isa = (moe_isa)level;
             tables[e][level].name = moe_isa_name((moe_isa)level);

@@ -1,5 +1,6 @@
 /* kernels.h: quant's internal interface between the table builder (kernels.c) and the per-ISA
- * kernel files (x86_avx2.c; x86_avx512.c, built once per AVX-512 level; fast_avx512vnni.c).
+ * kernel files (x86_avx2.c; x86_avx512.c, built once per AVX-512 level; fast_avx512vnni.c, which
+ * also holds the amx level's kernels, fast_amx.h).
  *
  * Each ISA file is compiled with its own -m flags (Makefile, isa_of) and exports its fill
  * functions (the exact table's; x86_avx2.c also the fast table's): each overwrites the entries of
@@ -20,10 +21,8 @@ void moe_kernels_fill_avx512vnni(moe_kernels *k);
 void moe_kernels_fill_fast_scalar(moe_kernels *k);
 void moe_kernels_fill_fast_avx2(moe_kernels *k);
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k);
-/* A KV tile as f32 (the fast attention's): n_key rows stride bytes apart, dim values each, into
- * out [n_key][dim], rows padded with zeros to a multiple of 4. */
-void moe_avx2_attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
-                           float *out);
+/* avx512vnni's, then the AMX tile kernels (fast_amx.h) over it. */
+void moe_kernels_fill_fast_amx(moe_kernels *k);
 /* The AVX2 attention mix, for the tails of the wider one. */
 void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_bytes, int64_t n_kv,
                        moe_type kv_type, int n);

@@ -763,47 +763,46 @@ void moe_avx2_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
  *
  * The query vectors lie in the lanes (8 per register), so a score is one lane's fma chain over
  * d, the softmax a lane's own running max and sum, all in the reference's order. Scores: 4 keys
- * (broadcast from the f32 tile) x 16 query vectors; mix: 4 query vectors (broadcast weights) x
- * 16 output values, the values loaded once for the 4. */
+ * (broadcast from the f32 tile) x 16 query vectors, or 8 keys x 8 (8 chains in flight either
+ * way: an fma's latency times its ports); mix: 4 query vectors (broadcast weights) x 16 output
+ * values, the values loaded once for the 4. */
 
-/* n_key rows of a KV tile as f32, dim values each, rows padded with zeros to a multiple of 4. */
-void moe_avx2_attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
-                           float *out) {
+/* n_key rows of a KV tile as f32, dim values each, rows padded with zeros to a multiple of 16. */
+static void attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
+                         float *out) {
     const int64_t bytes = (int64_t)moe_type_row_bytes(kv_type, dim);
     for (int j = 0; j < n_key; j++) {
         const void *row = (const uint8_t *)x + j * stride;
-        /* the same row of the next tile, on its way while this one computes (a prefetch past
-         * the cache's end is dropped, never a fault) */
-        for (int64_t b = 0; b < bytes; b += 64)
-            _mm_prefetch((const char *)row + MOE_ATTN_TILE_KEYS * stride + b, _MM_HINT_T0);
+        avx2_attn_prefetch_next(row, stride, bytes);
         float *o = out + (int64_t)j * dim;
         int d = 0;
         for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(o + d, load8_kv(row, kv_type, d));
         for (; d < dim; d++) o[d] = moe_ref_kv_value(row, kv_type, d);
     }
-    memset(out + (int64_t)n_key * dim, 0, sizeof(float) * (size_t)((-n_key & 3) * dim));
+    avx2_attn_pad_keys(out, n_key, dim);
 }
 
-/* Scaled scores of keys j..j+3 of the tile for nv (1 or 2) registers of query vectors from
- * vector i0, into st[key][vector] (-inf where a vector does not see the key); maxima into mx. */
-MOE_INLINE void attn_scores4x8(const moe_attn_tile_args *a, const float *kc, int j, int i0, int nv,
-                               const int32_t *lo, const int32_t *hi, float (*st)[MOE_ATTN_TILE_QV],
-                               __m256 *mx) {
-    __m256 acc[4][2];
-    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
+/* Scaled scores of keys j..j+nk-1 of the tile for nv registers of query vectors from vector
+ * i0 (nk x nv = 8), into st[key][vector] (-inf where a vector does not see the key); maxima into
+ * mx. */
+MOE_INLINE void attn_scores8(const moe_attn_tile_args *a, const float *kc, int j, int nk, int i0,
+                             int nv, const int32_t *lo, const int32_t *hi,
+                             float (*st)[MOE_ATTN_TILE_QV], __m256 *mx) {
+    __m256 acc[8][2];
+    _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++)
         _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) acc[u][v] = _mm256_setzero_ps();
     const float *k0 = kc + (int64_t)j * a->dk;
     for (int d = 0; d < a->dk; d++) {
         __m256 q[2];
         _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) q[v] =
             _mm256_loadu_ps(a->qt + (int64_t)d * MOE_ATTN_TILE_QV + i0 + 8 * v);
-        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+        _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++) {
             const __m256 k = _mm256_set1_ps(k0[(int64_t)u * a->dk + d]);
             _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) acc[u][v] =
                 _mm256_fmadd_ps(q[v], k, acc[u][v]);
         }
     }
-    for (int u = 0; u < 4 && j + u < a->n_key; u++) {
+    for (int u = 0; u < nk && j + u < a->n_key; u++) {
         const __m256i key = _mm256_set1_epi32(j + u);
         for (int v = 0; v < nv; v++) {
             const __m256i l = _mm256_loadu_si256((const __m256i *)(lo + i0 + 8 * v));
@@ -857,7 +856,7 @@ MOE_INLINE void attn_mix_block8(const moe_attn_tile_args *a, const float *vc,
 }
 
 static void attn_tile8(const moe_attn_tile_args *a) {
-    float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* scores, then weights */
+    _Alignas(64) float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* scores, then weights */
     float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], c[MOE_ATTN_TILE_QV];
     int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
     const int nv = (a->nq + 7) / 8;
@@ -869,14 +868,15 @@ static void attn_tile8(const moe_attn_tile_args *a) {
     }
     __m256 mx[MOE_ATTN_TILE_QV / 8];
     for (int v = 0; v < nv; v++) mx[v] = _mm256_loadu_ps(m + 8 * v);
-    moe_avx2_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
-    for (int v = 0; v < nv; v += 2)
-        for (int j = 0; j < a->n_key; j += 4) {
-            if (v + 1 < nv)
-                attn_scores4x8(a, a->scratch, j, 8 * v, 2, lo, hi, st, mx);
-            else
-                attn_scores4x8(a, a->scratch, j, 8 * v, 1, lo, hi, st, mx);
-        }
+    attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+    for (int v = 0; v < nv; v += 2) {
+        if (v + 1 < nv)
+            for (int j = 0; j < a->n_key; j += 4)
+                attn_scores8(a, a->scratch, j, 4, 8 * v, 2, lo, hi, st, mx);
+        else
+            for (int j = 0; j < a->n_key; j += 8)
+                attn_scores8(a, a->scratch, j, 8, 8 * v, 1, lo, hi, st, mx);
+    }
     for (int v = 0; v < nv; v++) { /* the running max moves, then the weights and their sum */
         const __m256 old = _mm256_loadu_ps(m + 8 * v);
         const __m256 rescale =
@@ -903,7 +903,7 @@ static void attn_tile8(const moe_attn_tile_args *a) {
                                      _mm256_setzero_ps()));
         for (; d < a->dv; d++) y[d] = y[d] * c[i] + 0.0f;
     }
-    moe_avx2_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
+    attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
     int i = 0;
     for (; i + 4 <= a->nq; i += 4) attn_mix_block8(a, a->scratch, st, i, 4);
     for (; i < a->nq; i++) attn_mix_block8(a, a->scratch, st, i, 1);

@@ -375,6 +375,17 @@ MOE_INLINE __m256i avx2_bsums(const moe_block_q8_k *y) {
     return avx2_load(y->bsums);
 }
 
+/* The fast attention's KV tile conversion: the next tile's rows (the same rows
+ * MOE_ATTN_TILE_KEYS keys on) on their way while this one computes (a prefetch past the cache's
+ * end is dropped, never a fault), and the rows past n_key up to a multiple of 16 keys zeroed. */
+MOE_INLINE void avx2_attn_prefetch_next(const void *row, int64_t stride, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64)
+        _mm_prefetch((const char *)row + MOE_ATTN_TILE_KEYS * stride + b, _MM_HINT_T0);
+}
+MOE_INLINE void avx2_attn_pad_keys(float *out, int n_key, int dim) {
+    memset(out + (int64_t)n_key * dim, 0, sizeof(float) * (size_t)((-n_key & 15) * dim));
+}
+
 /* moe_attn_exp on 8 lanes, in its operations. */
 MOE_INLINE __m256 avx2_attn_exp(__m256 x) {
     const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(MOE_ATTN_EXP_MIN), _CMP_GE_OQ);

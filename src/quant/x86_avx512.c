@@ -536,10 +536,13 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
 
 /* ==== The fast path's attention tile (quant.h: moe_attn_tile_fn) ====
  *
- * The query vectors lie in the lanes (16 per register), so a score is one lane's fma chain over
- * d, the softmax a lane's own running max and sum, all in the reference's order. Scores: 4 keys
- * (broadcast from the f32 tile) x up to 4 registers of query vectors; mix: 4 query vectors
- * (broadcast weights) x 64 output values, the values loaded once for the 4. */
+ * A score is one lane's fma chain over d, the softmax a lane's own running max and sum, all in
+ * the reference's order. More than 8 query vectors (prefill) lie in the lanes, 16 per register:
+ * scores of 4 keys (broadcast from the f32 tile) x up to 4 registers of vectors, or 8 keys x 1
+ * (8 chains in flight either way: an fma's latency times its ports). Up to 8 (decode: one row's
+ * group of heads) take two keys per register, lane 2i + e holding vector i against key 2p + e of
+ * the tile's pair p, so they fill the 16 lanes too. Mix: 4 query vectors (broadcast weights) x
+ * 64 output values, the values loaded once for the 4. */
 
 /* moe_attn_exp on 16 lanes: the AVX2 one on each half. */
 MOE_INLINE __m512 z_attn_exp(__m512 x) {
@@ -548,26 +551,64 @@ MOE_INLINE __m512 z_attn_exp(__m512 x) {
                               avx2_attn_exp(_mm512_extractf32x8_ps(x, 1)), 1);
 }
 
-/* Scaled scores of keys j..j+3 of the tile for nv registers of query vectors from vector i0,
- * into st[key][vector] (-inf where a vector does not see the key); their maxima into mx. */
-MOE_INLINE void z_attn_scores4(const moe_attn_tile_args *a, const float *kc, int j, int i0, int nv,
-                               const __m512i *lo, const __m512i *hi, float (*st)[MOE_ATTN_TILE_QV],
-                               __m512 *mx) {
-    __m512 acc[4][4];
-    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
+/* The running max's move (old -> mx), the rescale c of the old sum and outputs, and the old sum
+ * l rescaled: the first steps of the reference's softmax on 16 lanes. */
+MOE_INLINE __m512 z_attn_rescale(__m512 old, __m512 mx, __m512 l, __m512 *c) {
+    *c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, old, _CMP_GT_OQ), _mm512_set1_ps(1.0f),
+                              z_attn_exp(_mm512_sub_ps(old, mx)));
+    return _mm512_mul_ps(l, *c);
+}
+
+/* The first n (of 16) lanes; none for n <= 0. */
+MOE_INLINE __mmask16 z_mask16(int n) {
+    return n >= 16 ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
+}
+
+/* Values d..d+15 of a KV row as f32, zeros past dim (a Q8_0 row is whole blocks). */
+MOE_INLINE __m512 z_load16_kv_upto(const void *row, moe_type kv_type, int d, int dim) {
+    if (d + 16 <= dim) return z_load16_kv(row, kv_type, d);
+    if (kv_type == MOE_TYPE_F16)
+        return _mm512_cvtph_ps(
+            _mm256_maskz_loadu_epi16(z_mask16(dim - d), (const uint16_t *)row + d));
+    return _mm512_maskz_loadu_ps(z_mask16(dim - d), (const float *)row + d);
+}
+
+/* n_key rows of a KV tile as f32, dim values each, into out [n_key][dim], rows padded with
+ * zeros to a multiple of 16. */
+static void z_attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
+                           float *out) {
+    const int64_t bytes = (int64_t)moe_type_row_bytes(kv_type, dim);
+    for (int j = 0; j < n_key; j++) {
+        const void *row = (const uint8_t *)x + j * stride;
+        avx2_attn_prefetch_next(row, stride, bytes);
+        for (int d = 0; d < dim; d += 16)
+            _mm512_mask_storeu_ps(out + (int64_t)j * dim + d, z_mask16(dim - d),
+                                  z_load16_kv_upto(row, kv_type, d, dim));
+    }
+    avx2_attn_pad_keys(out, n_key, dim);
+}
+
+/* Scaled scores of keys j..j+nk-1 of the tile for nv registers of query vectors from vector i0
+ * (nk x nv <= 16), into st[key][vector] (-inf where a vector does not see the key); their maxima
+ * into mx. */
+MOE_INLINE void z_attn_scores_keys(const moe_attn_tile_args *a, const float *kc, int j, int nk,
+                                   int i0, int nv, const __m512i *lo, const __m512i *hi,
+                                   float (*st)[MOE_ATTN_TILE_QV], __m512 *mx) {
+    __m512 acc[8][4];
+    _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++)
         _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] = _mm512_setzero_ps();
     const float *k0 = kc + (int64_t)j * a->dk;
     for (int d = 0; d < a->dk; d++) {
         __m512 q[4];
         _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) q[v] =
             _mm512_loadu_ps(a->qt + (int64_t)d * MOE_ATTN_TILE_QV + i0 + 16 * v);
-        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+        _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++) {
             const __m512 k = _mm512_set1_ps(k0[(int64_t)u * a->dk + d]);
             _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] =
                 _mm512_fmadd_ps(q[v], k, acc[u][v]);
         }
     }
-    for (int u = 0; u < 4 && j + u < a->n_key; u++) {
+    for (int u = 0; u < nk && j + u < a->n_key; u++) {
         const __m512i key = _mm512_set1_epi32(j + u);
         _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
             const __mmask16 sees = _mm512_cmpge_epi32_mask(key, lo[i0 / 16 + v]) &
@@ -578,6 +619,178 @@ MOE_INLINE void z_attn_scores4(const moe_attn_tile_args *a, const float *kc, int
             mx[i0 / 16 + v] = _mm512_max_ps(mx[i0 / 16 + v], s);
         }
     }
+}
+
+/* More than 8 query vectors: weights into st[key][vector], the new m, l and the rescale c. */
+static void z_attn_softmax_lanes(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
+                                 float *m, float *l, float *c) {
+    int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
+    const int nv = (a->nq + 15) / 16;
+    for (int i = 0; i < 16 * nv; i++) { /* lanes past nq: no key seen, nothing stored */
+        m[i] = i < a->nq ? a->m[i] : -INFINITY;
+        l[i] = i < a->nq ? a->l[i] : 0.0f;
+        lo[i] = i < a->nq ? a->lo[i] : 1;
+        hi[i] = i < a->nq ? a->hi[i] : 0;
+    }
+    __m512i vlo[MOE_ATTN_TILE_QV / 16], vhi[MOE_ATTN_TILE_QV / 16];
+    __m512 mx[MOE_ATTN_TILE_QV / 16];
+    for (int v = 0; v < nv; v++) {
+        vlo[v] = _mm512_loadu_si512(lo + 16 * v);
+        vhi[v] = _mm512_loadu_si512(hi + 16 * v);
+        mx[v] = _mm512_loadu_ps(m + 16 * v);
+    }
+    z_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+    for (int v = 0; v < nv; v += 4) /* 64 query vectors at a time against the whole tile */
+        switch (nv - v) {
+        case 1:
+            for (int j = 0; j < a->n_key; j += 8)
+                z_attn_scores_keys(a, a->scratch, j, 8, 16 * v, 1, vlo, vhi, st, mx);
+            break;
+        case 2:
+            for (int j = 0; j < a->n_key; j += 4)
+                z_attn_scores_keys(a, a->scratch, j, 4, 16 * v, 2, vlo, vhi, st, mx);
+            break;
+        case 3:
+            for (int j = 0; j < a->n_key; j += 4)
+                z_attn_scores_keys(a, a->scratch, j, 4, 16 * v, 3, vlo, vhi, st, mx);
+            break;
+        default:
+            for (int j = 0; j < a->n_key; j += 4)
+                z_attn_scores_keys(a, a->scratch, j, 4, 16 * v, 4, vlo, vhi, st, mx);
+            break;
+        }
+    for (int v = 0; v < nv; v++) { /* the running max moves, then the weights and their sum */
+        __m512 rescale;
+        __m512 sum = z_attn_rescale(_mm512_loadu_ps(m + 16 * v), mx[v], _mm512_loadu_ps(l + 16 * v),
+                                    &rescale);
+        for (int j = 0; j < a->n_key; j++) {
+            const __m512 p = z_attn_exp(_mm512_sub_ps(_mm512_loadu_ps(&st[j][16 * v]), mx[v]));
+            sum = _mm512_add_ps(sum, p);
+            _mm512_storeu_ps(&st[j][16 * v], p);
+        }
+        _mm512_storeu_ps(m + 16 * v, mx[v]);
+        _mm512_storeu_ps(l + 16 * v, sum);
+        _mm512_storeu_ps(c + 16 * v, rescale);
+    }
+}
+
+/* ---- Up to 8 query vectors: two keys per register ---- */
+
+/* The next stage's pair layout: out [n_key / 2][dim][2], keys 2p and 2p + 1's value d side by
+ * side, padded like z_attn_convert's. */
+static void z_attn_convert_pairs(const void *x, int64_t stride, moe_type kv_type, int n_key,
+                                 int dim, float *out) {
+    const int64_t bytes = (int64_t)moe_type_row_bytes(kv_type, dim);
+    /* a's lanes 0..7 (lo) or 8..15 (hi) with b's in between */
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int j = 0; j < n_key; j += 2) {
+        const void *r0 = (const uint8_t *)x + j * stride;
+        const void *r1 = j + 1 < n_key ? (const uint8_t *)r0 + stride : NULL;
+        avx2_attn_prefetch_next(r0, stride, bytes);
+        if (r1) avx2_attn_prefetch_next(r1, stride, bytes);
+        float *o = out + (int64_t)j * dim;
+        for (int d = 0; d < dim; d += 16) {
+            const __m512 a = z_load16_kv_upto(r0, kv_type, d, dim);
+            const __m512 b = r1 ? z_load16_kv_upto(r1, kv_type, d, dim) : _mm512_setzero_ps();
+            const int w = 2 * (dim - d); /* floats of the pair's values d.. */
+            _mm512_mask_storeu_ps(o + 2 * d, z_mask16(w), _mm512_permutex2var_ps(a, lo, b));
+            _mm512_mask_storeu_ps(o + 2 * d + 16, z_mask16(w - 16),
+                                  _mm512_permutex2var_ps(a, hi, b));
+        }
+    }
+    avx2_attn_pad_keys(out, n_key + (n_key & 1), dim);
+}
+
+#define Z_PAIR_DCHUNK 128 /* values d of the vectors laid out in pairs per pass: an 8 KB table */
+
+/* Both keys of a pair at value d, in the 16 lanes: one 64-bit broadcast. */
+MOE_INLINE __m512 z_pair_bcast(const float *kd) {
+    double both;
+    memcpy(&both, kd, sizeof both);
+    return _mm512_castpd_ps(_mm512_set1_pd(both));
+}
+
+/* Lane 2i + e <- a[i] (i < nq; the lanes past: pad). */
+MOE_INLINE __m512 z_pair_lanes(const float *a, int nq, float pad) {
+    float t[16];
+    for (int e = 0; e < 16; e++) t[e] = e / 2 < nq ? a[e / 2] : pad;
+    return _mm512_loadu_ps(t);
+}
+MOE_INLINE __m512i z_pair_lanes_i32(const int32_t *a, int nq, int32_t pad) {
+    int32_t t[16];
+    for (int e = 0; e < 16; e++) t[e] = e / 2 < nq ? a[e / 2] : pad;
+    return _mm512_loadu_si512(t);
+}
+
+/* Lanes 2i of x into out[i], i < nq. */
+MOE_INLINE void z_pair_even(__m512 x, int nq, float *out) {
+    float t[16];
+    _mm512_storeu_ps(t, x);
+    for (int i = 0; i < nq; i++) out[i] = t[2 * i];
+}
+
+static void z_attn_softmax_pairs(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
+                                 float *m, float *l, float *c) {
+    enum { PAIRS = MOE_ATTN_TILE_KEYS / 2 };
+    const int n_pair = (a->n_key + 1) / 2;
+    const float *kp = a->scratch; /* pair p's value d at kp[2 p dk + 2 d ..] */
+    _Alignas(64) float sp[PAIRS][16],
+        q2[Z_PAIR_DCHUNK][16]; /* scores by pair; the vectors' values twice */
+    const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i lo = z_pair_lanes_i32(a->lo, a->nq, 1), hi = z_pair_lanes_i32(a->hi, a->nq, 0);
+    const __m512 old = z_pair_lanes(a->m, a->nq, -INFINITY);
+    __m512 mx = old;
+    z_attn_convert_pairs(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+    for (int d0 = 0; d0 < a->dk; d0 += Z_PAIR_DCHUNK) {
+        const int nd = a->dk - d0 < Z_PAIR_DCHUNK ? a->dk - d0 : Z_PAIR_DCHUNK;
+        const bool last = d0 + nd == a->dk;
+        for (int d = 0; d < nd; d++) /* columns past nq: pairs nobody reads */
+            _mm512_storeu_ps(q2[d], _mm512_permutexvar_ps(
+                                        twice, _mm512_castps256_ps512(_mm256_loadu_ps(
+                                                   a->qt + (int64_t)(d0 + d) * MOE_ATTN_TILE_QV))));
+        for (int p0 = 0; p0 < n_pair; p0 += 8) { /* the convert padded to 8 pairs */
+            __m512 acc[8];
+            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] =
+                d0 ? _mm512_loadu_ps(sp[p0 + u]) : _mm512_setzero_ps();
+            const float *k0 = kp + (int64_t)2 * p0 * a->dk + 2 * d0;
+            for (int d = 0; d < nd; d++) {
+                const __m512 q = _mm512_loadu_ps(q2[d]);
+                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) acc[u] =
+                    _mm512_fmadd_ps(q, z_pair_bcast(k0 + (int64_t)2 * u * a->dk + 2 * d), acc[u]);
+            }
+            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {
+                if (!last) {
+                    _mm512_storeu_ps(sp[p0 + u], acc[u]);
+                    continue;
+                }
+                const __m512i key = _mm512_add_epi32(
+                    _mm512_set_epi32(1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0),
+                    _mm512_set1_epi32(2 * (p0 + u)));
+                const __mmask16 sees =
+                    _mm512_cmpge_epi32_mask(key, lo) & _mm512_cmple_epi32_mask(key, hi);
+                const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), sees, acc[u],
+                                                    _mm512_set1_ps(a->scale));
+                _mm512_storeu_ps(sp[p0 + u], s);
+                mx = _mm512_max_ps(mx, s);
+            }
+        }
+    }
+    mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0xb1)); /* both keys' maxima in both lanes */
+    __m512 rescale;
+    __m512 sum = z_attn_rescale(old, mx, z_pair_lanes(a->l, a->nq, 0.0f), &rescale);
+    /* lanes 2i then 2i + 1 by themselves (vector i's keys 2p, 2p + 1); weights into st */
+    const __m512i split = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int p = 0; p < n_pair; p++) {
+        const __m512 w = z_attn_exp(_mm512_sub_ps(_mm512_loadu_ps(sp[p]), mx));
+        sum = _mm512_add_ps(_mm512_add_ps(sum, w), _mm512_permute_ps(w, 0xb1));
+        const __m512 t = _mm512_permutexvar_ps(split, w);
+        _mm256_storeu_ps(st[2 * p], _mm512_castps512_ps256(t));
+        _mm256_storeu_ps(st[2 * p + 1], _mm512_extractf32x8_ps(t, 1));
+    }
+    z_pair_even(mx, a->nq, m);
+    z_pair_even(sum, a->nq, l);
+    z_pair_even(rescale, a->nq, c);
 }
 
 /* out[i..i+nq-1] += weights x values for dv values, 64 at a time (the last masked). */
@@ -609,54 +822,12 @@ MOE_INLINE void z_attn_mix_rows(const moe_attn_tile_args *a, const float *vc,
 }
 
 static void z_attn_tile(const moe_attn_tile_args *a) {
-    float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* scores, then weights */
+    _Alignas(64) float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* weights: st[key][vector] */
     float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], c[MOE_ATTN_TILE_QV];
-    int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
-    const int nv = (a->nq + 15) / 16;
-    for (int i = 0; i < 16 * nv; i++) { /* lanes past nq: no key seen, nothing stored */
-        m[i] = i < a->nq ? a->m[i] : -INFINITY;
-        l[i] = i < a->nq ? a->l[i] : 0.0f;
-        lo[i] = i < a->nq ? a->lo[i] : 1;
-        hi[i] = i < a->nq ? a->hi[i] : 0;
-    }
-    __m512i vlo[MOE_ATTN_TILE_QV / 16], vhi[MOE_ATTN_TILE_QV / 16];
-    __m512 mx[MOE_ATTN_TILE_QV / 16];
-    for (int v = 0; v < nv; v++) {
-        vlo[v] = _mm512_loadu_si512(lo + 16 * v);
-        vhi[v] = _mm512_loadu_si512(hi + 16 * v);
-        mx[v] = _mm512_loadu_ps(m + 16 * v);
-    }
-    moe_avx2_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
-    for (int v = 0; v < nv; v += 4) /* 64 query vectors at a time against the whole tile */
-        for (int j = 0; j < a->n_key; j += 4) switch (nv - v) {
-            case 1:
-                z_attn_scores4(a, a->scratch, j, 16 * v, 1, vlo, vhi, st, mx);
-                break;
-            case 2:
-                z_attn_scores4(a, a->scratch, j, 16 * v, 2, vlo, vhi, st, mx);
-                break;
-            case 3:
-                z_attn_scores4(a, a->scratch, j, 16 * v, 3, vlo, vhi, st, mx);
-                break;
-            default:
-                z_attn_scores4(a, a->scratch, j, 16 * v, 4, vlo, vhi, st, mx);
-                break;
-            }
-    for (int v = 0; v < nv; v++) { /* the running max moves, then the weights and their sum */
-        const __m512 old = _mm512_loadu_ps(m + 16 * v);
-        const __m512 rescale =
-            _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx[v], old, _CMP_GT_OQ), _mm512_set1_ps(1.0f),
-                                 z_attn_exp(_mm512_sub_ps(old, mx[v])));
-        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * v), rescale);
-        for (int j = 0; j < a->n_key; j++) {
-            const __m512 p = z_attn_exp(_mm512_sub_ps(_mm512_loadu_ps(&st[j][16 * v]), mx[v]));
-            sum = _mm512_add_ps(sum, p);
-            _mm512_storeu_ps(&st[j][16 * v], p);
-        }
-        _mm512_storeu_ps(m + 16 * v, mx[v]);
-        _mm512_storeu_ps(l + 16 * v, sum);
-        _mm512_storeu_ps(c + 16 * v, rescale);
-    }
+    if (a->nq <= 8)
+        z_attn_softmax_pairs(a, st, m, l, c);
+    else
+        z_attn_softmax_lanes(a, st, m, l, c);
     for (int i = 0; i < a->nq; i++) {
         a->m[i] = m[i], a->l[i] = l[i];
         if (c[i] == 1.0f) continue;
@@ -667,7 +838,7 @@ static void z_attn_tile(const moe_attn_tile_args *a) {
             _mm512_mask_storeu_ps(a->out[i] + d, mask, _mm512_add_ps(y, _mm512_setzero_ps()));
         }
     }
-    moe_avx2_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
+    z_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
     int i = 0;
     for (; i + 4 <= a->nq; i += 4) z_attn_mix_rows(a, a->scratch, st, i, 4);
     for (; i < a->nq; i++) z_attn_mix_rows(a, a->scratch, st, i, 1);

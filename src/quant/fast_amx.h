@@ -1,0 +1,186 @@
+/* fast_amx.h: the amx level's many-row multiply, included by fast_avx512vnni.c (whose tiles,
+ * decodes and row kernel it uses; nothing else may include it).
+ *
+ * The weight tile that fast_drive decodes is already AMX's "B" operand: tile[g] holds values
+ * 4g .. 4g + 3 of the 16 weight rows, so K values of a block are K / 4 rows of 64 bytes. The
+ * activations are the "A" operand as they lie: 16 activation rows, xs bytes apart, K = 32
+ * quantized bytes each from the block's qs. One TDPBSSD (Q4_K / Q5_K, whose values are unsigned:
+ * TDPBSUD) gives the 16 x 16 exact int32 sums of K values that vpdpbusd gives per lane in fast_rows
+ * (there less the +128 bias: the same integers, and int32 sums wrap alike in any order), stored to
+ * L1, then per activation row, lane for lane, fast_rows's epilogue: the super-block types' integer
+ * scales (vpmulld) and mins, one fma per block in block order. So the bits are fast_rows's, at
+ * any row count and in any batch (tested against it and the scalar reference).
+ *
+ * Rows go 16 at a time through the tiles; the n_rows % 16 left over, and a call under 16 rows,
+ * through fast_rows (the same bits). K is 32: a Q8_0 block, or the values under one integer
+ * scale of the super-block types that have a scale per 32 (those with a scale per 16 were no
+ * faster: fast_amx_min_rows). One tile configuration, loaded by a thread when it first needs
+ * it (it is per thread; the OS's permission was asked at detection, cpu.c).
+ * The trap: the tile instructions are written here as inline asm with a memory clobber, so the
+ * compiler cannot move the tiles' and activations' stores past the loads that read them. */
+
+#define FAST_AMX_ROWS 16 /* activation rows per tile multiply: a tile's rows */
+#define FAST_AMX_K    32 /* values per tile multiply: a Q8_0 block, a super-block's scale */
+
+/* tmm0, tmm1: B (K / 4 rows of 64 bytes); tmm2, tmm3: A (16 rows of K bytes); tmm4, tmm5: C
+ * (16 rows of 16 int32). tileloadd reads memory the compiler cannot see: hence the clobber. */
+#define FAST_AMX_MEM "memory"
+#define FAST_AMX_LOAD(tmm, base, stride)                                                           \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"((long)(stride))            \
+                     : FAST_AMX_MEM)
+#define FAST_AMX_STORE(tmm, base, stride)                                                          \
+    __asm__ volatile("tilestored %%tmm" #tmm ", (%0,%1,1)" ::"r"(base), "r"((long)(stride))        \
+                     : FAST_AMX_MEM)
+#define FAST_AMX_ZERO(tmm)       __asm__ volatile("tilezero %%tmm" #tmm ::)
+#define FAST_AMX_DP(op, c, a, b) __asm__ volatile(#op " %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+/* Load the tile configuration unless this thread has. */
+static void fast_amx_configure(void) {
+    static _Thread_local bool loaded;
+    if (loaded) return;
+    struct {
+        uint8_t palette, start_row, zero[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) cfg = {.palette = 1};
+    _Static_assert(sizeof cfg == 64, "the tile configuration is 64 bytes");
+    for (int i = 0; i < 6; i++) {
+        const bool b = i < 2, a = i >= 2 && i < 4;
+        cfg.rows[i] = (uint8_t)(b ? FAST_AMX_K / 4 : FAST_AMX_ROWS);
+        cfg.colsb[i] = (uint16_t)(a ? FAST_AMX_K : 64);
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+    loaded = true;
+}
+
+/* Unit u of a batch: sub-block s (K values) of block j against the 16 activation rows at x, its
+ * sums to c[u]. Two units in flight, in tiles 0/2/4 and 1/3/5. */
+#define FAST_AMX_UNIT(u, B, A, C)                                                                  \
+    do {                                                                                           \
+        const int64_t j = j0 + (u) / subs, s = (u) % subs;                                         \
+        FAST_AMX_LOAD(B, &tiles[j].tile[s * FAST_AMX_K / 4], 64);                                  \
+        FAST_AMX_LOAD(A, x + (size_t)(c0 + j) * x_block + qs_at + (size_t)s * FAST_AMX_K, xs);     \
+        FAST_AMX_ZERO(C);                                                                          \
+        if (mins)                                                                                  \
+            FAST_AMX_DP(tdpbsud, C, A, B);                                                         \
+        else                                                                                       \
+            FAST_AMX_DP(tdpbssd, C, A, B);                                                         \
+        FAST_AMX_STORE(C, c[u], 64);                                                               \
+    } while (0)
+
+/* 16 activation rows (xs bytes apart, block c0 on) against nc tiles: fast_rows with R = 16. */
+MOE_INLINE void fast_amx_rows(fast_type type, const fast_tile *tiles, int64_t nc, const uint8_t *x,
+                              size_t xs, int64_t c0, __m512 *acc) {
+    const bool q32 = type.regs == NULL, mins = type.mins != NULL;
+    const int subs = q32 ? 1 : MOE_QK_K / FAST_AMX_K; /* tile multiplies per block */
+    const size_t x_block = q32 ? sizeof(moe_block_q8_0) : sizeof(moe_block_q8_k);
+    const size_t qs_at = q32 ? offsetof(moe_block_q8_0, qs) : offsetof(moe_block_q8_k, qs);
+    enum { UNITS = 16 }; /* 32-value sums per batch: 16 KiB */
+    int32_t c[UNITS][FAST_AMX_ROWS][16] __attribute__((aligned(64)));
+    const int64_t per_batch = UNITS / subs;
+    for (int64_t j0 = 0; j0 < nc; j0 += per_batch) {
+        const int64_t nj = nc - j0 < per_batch ? nc - j0 : per_batch;
+        int64_t u = 0;
+        for (; u + 1 < nj * subs; u += 2) {
+            FAST_AMX_UNIT(u, 0, 2, 4);
+            FAST_AMX_UNIT(u + 1, 1, 3, 5);
+        }
+        if (u < nj * subs) FAST_AMX_UNIT(u, 0, 2, 4);
+        /* the 32-value types' activation scales (f16) as floats, 16 rows at once, for the
+         * epilogue to broadcast from memory */
+        float dxf[UNITS][FAST_AMX_ROWS] __attribute__((aligned(64)));
+        if (q32)
+            for (int64_t jj = 0; jj < nj; jj++) {
+                uint16_t h[FAST_AMX_ROWS] __attribute__((aligned(32)));
+                for (int m = 0; m < FAST_AMX_ROWS; m++)
+                    h[m] = ((const moe_block_q8_0 *)(x + (size_t)m * xs) + c0 + j0 + jj)->d;
+                _mm512_store_ps(dxf[jj], _mm512_cvtph_ps(avx2_load(h)));
+            }
+        for (int m = 0; m < FAST_AMX_ROWS; m++) {
+            const uint8_t *xr = x + (size_t)m * xs;
+            __m512 a = acc[m];
+            for (int64_t jj = 0; jj < nj; jj++) {
+                const fast_tile *t = &tiles[j0 + jj];
+                __m512i sum = _mm512_load_si512(c[jj * subs][m]);
+                __m512 dx;
+                if (q32)
+                    dx = _mm512_set1_ps(dxf[jj][m]);
+                else {
+                    const moe_block_q8_k *y = (const moe_block_q8_k *)xr + c0 + j0 + jj;
+                    sum = _mm512_mullo_epi32(sum, t->scale[0]);
+                    for (int s = 1; s < subs; s++)
+                        sum = _mm512_add_epi32(
+                            sum, _mm512_mullo_epi32(_mm512_load_si512(c[jj * subs + s][m]),
+                                                    t->scale[2 * s]));
+                    dx = _mm512_set1_ps(y->d);
+                }
+                a = _mm512_fmadd_ps(
+                    _mm512_mul_ps(_mm512_mul_ps(t->d, dx), _mm512_set1_ps(type.mult)),
+                    _mm512_cvtepi32_ps(sum), a);
+                if (mins)
+                    a = _mm512_fnmadd_ps(_mm512_mul_ps(t->dmin, dx),
+                                         _mm512_cvtepi32_ps(fast_mins_sum(
+                                             (const moe_block_q8_k *)xr + c0 + j0 + jj, t)),
+                                         a);
+            }
+            acc[m] = a;
+        }
+    }
+}
+#undef FAST_AMX_UNIT
+
+/* fast_drive with the rows 16 at a time through the tiles, the rest through fast_rows. */
+MOE_INLINE void fast_amx_drive(fast_type t, fast_decode_fn decode, fast_tile *tiles, int64_t chunk,
+                               const void *w, size_t ws, int n_w, const void *x, size_t xs,
+                               int64_t n_rows, int64_t nb, float *out, int64_t os) {
+    const __mmask16 lanes = (__mmask16)((1u << n_w) - 1);
+    fast_amx_configure();
+    __m512 accbuf[FAST_GROUP];
+    for (int64_t g0 = 0; g0 < n_rows; g0 += FAST_GROUP) {
+        const int64_t ng = n_rows - g0 < FAST_GROUP ? n_rows - g0 : FAST_GROUP;
+        const uint8_t *xg = (const uint8_t *)x + (size_t)g0 * xs;
+        for (int64_t r = 0; r < ng; r++) accbuf[r] = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+            const int64_t nc = nb - c0 < chunk ? nb - c0 : chunk;
+            for (int64_t j = 0; j < nc; j++) decode(t, w, ws, n_w, c0 + j, &tiles[j]);
+            int64_t r = 0;
+            for (; r + FAST_AMX_ROWS <= ng; r += FAST_AMX_ROWS)
+                fast_amx_rows(t, tiles, nc, xg + (size_t)r * xs, xs, c0, accbuf + r);
+#define FAST_AMX_STEP(R, unused) fast_rows(R, t, tiles, nc, xg + (size_t)r * xs, xs, c0, accbuf + r)
+            MOE_ROW_GROUPS(r, ng, FAST_AMX_STEP, 0);
+#undef FAST_AMX_STEP
+        }
+        for (int64_t r = 0; r < ng; r++)
+            _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]);
+    }
+}
+
+/* The fewest activation rows a call takes to the tiles (fewer: all through avx512vnni's kernel),
+ * measured (1 thread, against avx512vnni's, 2048 values, 16/32/48/64 rows): the 32-value types
+ * 1.35-1.6x from 16 rows; the super-block types' tile decode costs as much as the multiply at 16
+ * rows (0.9-1.05x), so those with a scale per 32 values from 32 rows (1.1-1.2x; 1.25-1.35x at 64),
+ * Q4_K and Q5_K, whose mins add to the epilogue, from 64 (0.91-0.96x at 32, 1.04-1.17x at 64).
+ * The types with a scale per 16 values (IQ2_S, IQ2_XS, IQ1_M: a tile multiply and store per 16
+ * values) measured 0.82-1.02x at every row count and have no amx kernel (FAST_AMX_SB_16). */
+MOE_INLINE int64_t fast_amx_min_rows(fast_type t) {
+    return t.regs == NULL ? FAST_AMX_ROWS : t.mins ? 4 * FAST_AMX_ROWS : 2 * FAST_AMX_ROWS;
+}
+
+/* The amx level's tile kernel of type t (fast_type ty, tile decode, blocks per chunk, values per
+ * block): under fast_amx_min_rows the avx512vnni one (vnni), else the tiles. */
+#define FAST_AMX_KERNEL(name, vnni, ty, decode, chunk, values)                                     \
+    static void name(const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n_rows,  \
+                     int64_t n, float *out, int64_t os) {                                          \
+        if (n_rows < fast_amx_min_rows(ty)) {                                                      \
+            vnni(w, ws, n_w, x, xs, n_rows, n, out, os);                                           \
+            return;                                                                                \
+        }                                                                                          \
+        fast_tile tiles[chunk];                                                                    \
+        fast_amx_drive(ty, decode, tiles, chunk, w, ws, n_w, x, xs, n_rows, n / (values), out,     \
+                       os);                                                                        \
+    }
+/* A super-block type's amx kernel by its values per scale (FAST_SB_KERNELS): none for 16. */
+#define FAST_AMX_SB_32(t, regs, mins, mult, tile)                                                  \
+    FAST_AMX_KERNEL(fast_amx_tile_rows_##t, fast_tile_rows_##t,                                    \
+                    FAST_SB_TYPE(t, regs, mins, 32, mult), tile, FAST_IQ_CHUNK, MOE_QK_K)
+#define FAST_AMX_SB_16(t, regs, mins, mult, tile)
