@@ -692,7 +692,13 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
         decode;                                                                                    \
         fast_tile_bias(o);                                                                         \
     }                                                                                              \
-    FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult), FAST_IQ_CHUNK, MOE_QK_K)
+    FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult), FAST_IQ_CHUNK, MOE_QK_K)    \
+    FAST_AMX_R16_##scale_values(t, regs, mult)
+/* The amx kernel on ROWS16 of a type with a scale per 32 values (none for 16: FAST_AMX_SB_16). */
+#define FAST_AMX_R16_32(t, regs, mult)                                                             \
+    FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t, FAST_SB_TYPE(t, regs, NULL, 32, mult),   \
+                    fast_tile_rows16_##t, FAST_IQ_CHUNK, MOE_QK_K)
+#define FAST_AMX_R16_16(t, regs, mult)
 #define FAST_R16_F16(t) (fast_r16_##t(b + MOE_ROWS16 * 2, o), o->d = _mm512_cvtph_ps(avx2_load(b)))
 FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs))
 FAST_SB_ROWS16(iq2_s, z_iqb_iq2_s, 16, 0.125f, FAST_R16_F16(iq2_s))
@@ -827,12 +833,12 @@ FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
      k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = prefix##iq4_nl,                                   \
      k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = prefix##mxfp4)
 
-/* The codebook types' and IQ4_XS's kernels on ROWS16 (avx512vnni's at both tile levels). */
-#define FAST_ROWS16_SB_SET()                                                                       \
-    (k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = fast_rows16_iq3_xxs,                             \
+/* The codebook types' and IQ4_XS's kernels on ROWS16 (IQ2_S: avx512vnni's at both levels). */
+#define FAST_ROWS16_SB_SET(prefix)                                                                 \
+    (k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = prefix##iq3_xxs,                                 \
      k->types[MOE_TYPE_IQ2_S].dot_tile_rows16 = fast_rows16_iq2_s,                                 \
-     k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = fast_rows16_iq2_xxs,                             \
-     k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = fast_rows16_iq4_xs)
+     k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = prefix##iq2_xxs,                                 \
+     k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = prefix##iq4_xs)
 
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     z_iq_tables_fill();
@@ -856,7 +862,7 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     FAST_SET(IQ1_M, iq1_m);
 #undef FAST_SET
     FAST_ROWS16_SET(fast_rows16_);
-    FAST_ROWS16_SB_SET();
+    FAST_ROWS16_SB_SET(fast_rows16_);
 }
 
 void moe_kernels_fill_fast_amx(moe_kernels *k) {
@@ -878,5 +884,5 @@ void moe_kernels_fill_fast_amx(moe_kernels *k) {
     AMX_SET(IQ1_S, iq1_s);
 #undef AMX_SET
     FAST_ROWS16_SET(fast_amx_rows16_);
-    FAST_ROWS16_SB_SET(); /* avx512vnni's: the amx tables' bits, no amx kernel on ROWS16 yet */
+    FAST_ROWS16_SB_SET(fast_amx_rows16_);
 }
