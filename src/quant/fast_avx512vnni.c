@@ -548,14 +548,16 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, fast_tile_iq)
  * rows hold in one register, and one decode fills a tile register for all of them with no
  * transpose. IQ3_XXS: a register of grid indices is 64 four-value entries, looked up as one
  * row's block is (z_lookup_planes), its indices first put in the order that leaves entry
- * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_S / IQ2_XXS: entries of 8 values, two
+ * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_XXS: entries of 8 values, two
  * vpgatherqq of 8 rows each per entry, split into its two tile registers. Signs: a 32-bit word
- * per row and 32 values (IQ2_S's as stored; the XXS types' ksigns indices looked up
+ * per row and 32 values (the XXS types' ksigns indices looked up
  * into one, 16 rows at a time), turned into the byte mask of each tile register by fast_bits4.
  * IQ4_XS: the 32-value types' nibble book, eight times. The tiles are those of fast_tile_iq, so
  * the bits are the file layout's. IQ3_S stays in the file's layout: decoded the same way (its
  * 9-bit indices through z_lookup_planes' four tables) its tile cost more than the per-row lanes
- * path at 1 .. 4 activation rows (0.7x at one row in cache, 0.76x from DRAM; 1.1x at 16). */
+ * path at 1 .. 4 activation rows (0.7x at one row in cache, 0.74x from DRAM; 1.1x at 16); so does
+ * IQ2_S (entries gathered as IQ2_XXS's: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16), whose
+ * rows are decode's bulk. */
 
 /* The byte mask of tile register 8s + e (values 4e .. 4e + 3 of each row's 32) from 16 rows'
  * 32-bit words for values 32s .. (bit i: value 32s + i): byte 4v + c gets bit 4e + c of lane v.
@@ -625,30 +627,6 @@ MOE_INLINE void fast_iq2_entry(fast_tile *o, int s, int c, __m512i idx, const ui
         z_apply_signs(_mm512_permutex2var_epi32(lo, odd, hi), fast_bits4(signs, 2 * c + 1));
 }
 
-/* IQ2_S body: grid index low bytes dwords 0 .. 7, signs 8 .. 15, qh 16 .. 17 (2 bits an entry),
- * scales 18 .. 19 (4 bits per 16 values). */
-MOE_INLINE void fast_r16_iq2_s(const uint8_t *body, fast_tile *o) {
-    const __m512i qh[2] = {z_load(body + 64 * 16), z_load(body + 64 * 17)};
-    const __m512i byte = _mm512_set1_epi32(0xff), high = _mm512_set1_epi32(0x300);
-    for (int s = 0; s < 8; s++) {
-        const __m512i q = z_load(body + 64 * s), signs = z_load(body + 64 * (8 + s));
-        for (int c = 0; c < 4; c++) {
-            const int g = 4 * s + c; /* the entry */
-            const __m512i h = _mm512_and_si512(
-                _mm512_slli_epi32(_mm512_srli_epi32(qh[g / 16], 2 * (g % 16)), 8), high);
-            const __m512i idx =
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q, 8 * c), byte), h);
-            fast_iq2_entry(o, s, c, idx, moe_iq2s_grid, signs);
-        }
-    }
-    for (int j = 0; j < 16; j++) {
-        const __m512i s =
-            _mm512_and_si512(_mm512_srli_epi32(z_load(body + 64 * (18 + j / 8)), 4 * (j % 8)),
-                             _mm512_set1_epi32(15));
-        o->scale[j] = _mm512_add_epi32(_mm512_add_epi32(s, s), _mm512_set1_epi32(1));
-    }
-}
-
 /* IQ2_XXS body: per 32 values s, grid indices dword 2s and the sign-and-scale word 2s + 1. */
 MOE_INLINE void fast_r16_iq2_xxs(const uint8_t *body, fast_tile *o) {
     for (int s = 0; s < 8; s++) {
@@ -701,7 +679,6 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
 #define FAST_AMX_R16_16(t, regs, mult)
 #define FAST_R16_F16(t) (fast_r16_##t(b + MOE_ROWS16 * 2, o), o->d = _mm512_cvtph_ps(avx2_load(b)))
 FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs))
-FAST_SB_ROWS16(iq2_s, z_iqb_iq2_s, 16, 0.125f, FAST_R16_F16(iq2_s))
 FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs))
 FAST_SB_ROWS16(iq4_xs, z_iqb_iq4_xs, 32, 1.0f,
                fast_r16_iq4_xs(b, b + MOE_ROWS16 * offsetof(moe_block_iq4_xs, qs), o))
@@ -833,10 +810,9 @@ FAST_SB_KERNELS(q5_k, fast_regs_q5_k, fast_mins_q5_k, 32, 1.0f, fast_tile_q5_k)
      k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = prefix##iq4_nl,                                   \
      k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = prefix##mxfp4)
 
-/* The codebook types' and IQ4_XS's kernels on ROWS16 (IQ2_S: avx512vnni's at both levels). */
+/* The codebook types' and IQ4_XS's kernels on ROWS16. */
 #define FAST_ROWS16_SB_SET(prefix)                                                                 \
     (k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = prefix##iq3_xxs,                                 \
-     k->types[MOE_TYPE_IQ2_S].dot_tile_rows16 = fast_rows16_iq2_s,                                 \
      k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = prefix##iq2_xxs,                                 \
      k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = prefix##iq4_xs)
 

@@ -16,7 +16,7 @@
  * rest of the block (the body) must be whole dwords. */
 _Static_assert(offsetof(moe_block_q8_0, qs) == 2 && offsetof(moe_block_q4_0, qs) == 2 &&
                    offsetof(moe_block_iq4_nl, qs) == 2 && offsetof(moe_block_iq3_xxs, qs) == 2 &&
-                   offsetof(moe_block_iq2_s, qs) == 2 && offsetof(moe_block_iq2_xxs, qs) == 2,
+                   offsetof(moe_block_iq2_xxs, qs) == 2,
                "these blocks are an f16 d, then the body");
 static size_t rows16_head_bytes(moe_type t) {
     switch (t) {
@@ -24,7 +24,6 @@ static size_t rows16_head_bytes(moe_type t) {
     case MOE_TYPE_Q4_0:
     case MOE_TYPE_IQ4_NL:
     case MOE_TYPE_IQ3_XXS: /* the grid indices, then sign-and-scale words, are the body */
-    case MOE_TYPE_IQ2_S:
     case MOE_TYPE_IQ2_XXS:
         return sizeof(uint16_t); /* d */
     case MOE_TYPE_MXFP4:

@@ -137,7 +137,7 @@ void moe_type_random_row_rms(moe_type t, uint64_t *seed, void *out, int64_t n, f
  * layout a fast kernel reads straight into its multiply (moe_model_repack); the tensor's
  * `layout` says which, and a matmul hands a repacked matrix only to the kernel of its layout
  * (moe_type_kernels.dot_tile_rows16). MOE_LAYOUT_ROWS16 (Q8_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS,
- * IQ3_XXS, IQ2_S, IQ2_XXS): rows 16g .. 16g + 15 of a matrix (whole groups only: the last
+ * IQ3_XXS, IQ2_XXS): rows 16g .. 16g + 15 of a matrix (whole groups only: the last
  * rows % 16 rows stay as in the file) interleaved block by block, block i of the group at 16 i
  * block_bytes from the group's start: the 16 rows' block heads (the bytes before qs: the f16
  * scale, MXFP4's e8m0 byte, IQ4_XS's d, scales_h and scales_l), row 0 first, then dword k of
