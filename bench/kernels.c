@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../src/quant/quant.h"
 
@@ -37,6 +38,85 @@ static double matmul_gbs(const moe_type_kernels *k, const uint8_t *w, int64_t ro
     return (double)rows * (double)row_bytes / moe_median(t, runs) / 1e9;
 }
 
+/* This thread's CPU seconds: a tile figure on a machine shared with other work (it counts the
+ * time this thread ran, not the time it waited for a core). */
+static double thread_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Median GB/s of weights (per second of this thread's CPU time) for the fast path's tile kernel
+ * f, groups of 16 rows against n_x activation rows, as the matmul calls it (file layout: rows
+ * row_bytes apart; ROWS16: w_stride unused), group after group through the whole buffer. */
+static double tile_gbs(moe_dot_tile_fn f, const uint8_t *w, int64_t rows, size_t row_bytes,
+                       const uint8_t *xq, size_t x_stride, int64_t n_x, int64_t n, float *y,
+                       int runs) {
+    double t[64];
+    const size_t group = MOE_ROWS16 * row_bytes;
+    for (int r = 0; r < runs; r++) {
+        const double t0 = thread_seconds();
+        for (int64_t g = 0; g < rows / MOE_ROWS16; g++)
+            f(w + (size_t)g * group, row_bytes, MOE_ROWS16, xq, x_stride, n_x, n, y, MOE_ROWS16);
+        t[r] = thread_seconds() - t0;
+        sink_f32 = y[0];
+    }
+    return (double)rows * (double)row_bytes / moe_median(t, runs) / 1e9;
+}
+
+/* --tile: per type with a fast tile kernel at the active level, GB/s of weights at each count
+ * of activation rows on the file's layout, then on MOE_LAYOUT_ROWS16 (the buffer repacked in
+ * place) where the level has a kernel on it. */
+static void tile_bench(const moe_type *types, int n_types, const int *counts, int n_counts,
+                       uint8_t *buf, size_t bytes, int64_t n, int runs, double bw) {
+    const moe_kernels *k = moe_kernels_for_path(moe_kernels_get()->isa, false);
+    printf("fast path tiles (%s): GB/s of weights, 16 weight rows a call against R activation "
+           "rows, per second of the thread's CPU time, file layout -> MOE_LAYOUT_ROWS16 (ratio); "
+           "1-thread read bandwidth %.1f GB/s\n",
+           k->name, bw);
+    printf("%-8s", "type");
+    for (int c = 0; c < n_counts; c++) printf("          R=%-3d        ", counts[c]);
+    printf("\n");
+    float *x = moe_xmalloc((size_t)n * sizeof(float));
+    uint64_t seed = 7;
+    int max_x = 1;
+    for (int c = 0; c < n_counts; c++) max_x = counts[c] > max_x ? counts[c] : max_x;
+    const size_t xs = (size_t)moe_dot_row_bytes(MOE_TYPE_Q8_K, n) + (size_t)n; /* any dot_type */
+    uint8_t *xq = moe_xmalloc(xs * (size_t)max_x);
+    float *y = moe_xmalloc(sizeof(float) * MOE_ROWS16 * (size_t)max_x);
+    void *scratch = moe_xmalloc(MOE_ROWS16 * (size_t)moe_type_row_bytes(MOE_TYPE_F32, n));
+    for (int ti = 0; ti < n_types; ti++) {
+        const moe_type t = types[ti];
+        const moe_type_kernels *e = &k->types[t];
+        const size_t row_bytes = (size_t)moe_type_row_bytes(t, n);
+        if (!e->dot_tile || !row_bytes) continue;
+        const int64_t rows = (int64_t)(bytes / row_bytes) / MOE_ROWS16 * MOE_ROWS16;
+        for (int64_t r = 0; r < rows; r++)
+            moe_type_random_row(t, &seed, buf + (size_t)r * row_bytes, n);
+        for (int r = 0; r < max_x; r++) {
+            moe_type_random_row(MOE_TYPE_F32, &seed, x, n);
+            e->quantize_row_for_dot(x, xq + (size_t)r * xs, n);
+        }
+        double file[16];
+        for (int c = 0; c < n_counts; c++)
+            file[c] = tile_gbs(e->dot_tile, buf, rows, row_bytes, xq, xs, counts[c], n, y, runs);
+        if (e->dot_tile_rows16) moe_layout_pack_matrix(MOE_LAYOUT_ROWS16, t, buf, rows, n, scratch);
+        printf("%-8s", moe_type_name(t));
+        for (int c = 0; c < n_counts; c++) {
+            if (!e->dot_tile_rows16) {
+                printf("  %6.2f ->   -          ", file[c]);
+                continue;
+            }
+            const double r16 =
+                tile_gbs(e->dot_tile_rows16, buf, rows, row_bytes, xq, xs, counts[c], n, y, runs);
+            printf("  %6.2f -> %6.2f (%.2fx)", file[c], r16, r16 / file[c]);
+        }
+        printf("\n");
+        fflush(stdout);
+    }
+    free(x), free(xq), free(y), free(scratch);
+}
+
 static const moe_type DEFAULT_TYPES[] = {
     MOE_TYPE_Q8_0,    MOE_TYPE_Q4_K,  MOE_TYPE_Q6_K,    MOE_TYPE_Q5_K,  MOE_TYPE_IQ4_XS,
     MOE_TYPE_IQ4_NL,  MOE_TYPE_IQ3_S, MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ2_S, MOE_TYPE_IQ2_XS,
@@ -48,7 +128,7 @@ static const moe_type DEFAULT_TYPES[] = {
 static void usage(void) {
     fprintf(stderr,
             "usage: kernels [--mib N] [--n VALUES] [--runs N] [--threads N] [--gemm-rows N]\n"
-            "               [--types q4_k,...]\n"
+            "               [--types q4_k,...] [--tile R,...]\n"
             "               [--isa scalar,avx2,...]\n");
     exit(2);
 }
@@ -58,7 +138,7 @@ int main(int argc, char **argv) {
     int64_t n = 4096;
     int runs = 5, threads = 2, gemm_rows = 8;
     moe_type types[64];
-    int n_types = 0;
+    int n_types = 0, tile_counts[16], n_tile = 0;
     bool isa_on[MOE_ISA_COUNT];
     for (int i = 0; i < MOE_ISA_COUNT; i++) isa_on[i] = true;
     for (int a = 1; a < argc; a++) {
@@ -82,6 +162,12 @@ int main(int argc, char **argv) {
                     fprintf(stderr, "kernels: unknown type %s\n", t);
                     return 2;
                 }
+            free(list);
+        } else if (!strcmp(argv[a - 1], "--tile")) {
+            char *list = moe_xstrdup(v), *save = NULL;
+            for (char *t = strtok_r(list, ",", &save); t && n_tile < 16;
+                 t = strtok_r(NULL, ",", &save))
+                if ((tile_counts[n_tile++] = atoi(t)) < 1 || tile_counts[n_tile - 1] > 256) usage();
             free(list);
         } else if (!strcmp(argv[a - 1], "--isa")) {
             for (int i = 0; i < MOE_ISA_COUNT; i++) isa_on[i] = false;
@@ -131,6 +217,11 @@ int main(int argc, char **argv) {
         one.load_bytes, mib, bw, one.min_gb_s, one.max_gb_s, many.threads, many.median_gb_s,
         many.min_gb_s, many.max_gb_s);
 
+    if (n_tile) {
+        tile_bench(types, n_types, tile_counts, n_tile, buf, bytes, n, runs, bw);
+        free(buf);
+        return 0;
+    }
     printf("%-8s %6s", "type", "bits/w");
     for (int i = 0; i < MOE_ISA_COUNT; i++)
         if (isa_on[i] && moe_kernels_for_isa((moe_isa)i)) printf(" %25s", moe_isa_name((moe_isa)i));

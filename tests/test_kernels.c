@@ -515,17 +515,21 @@ static void fast_path_matches_its_reference(void **state) {
 /* ==== Repacked layouts (quant.h, "Weight layouts in memory") ==== */
 
 /* MOE_LAYOUT_ROWS16, byte by byte as quant.h defines it (not through layout.c's own loop): 16
- * random rows of 1..40 blocks packed, every head and body dword found where the definition puts
- * it (Q4_K, Q5_K: the head is d and dmin; Q6_K: the block's last 2 bytes, its d), unpacked back to
- * the same bytes; then at every level whose fast table has a kernel on the layout, each (weight
- * row, activation row) of the packed group gives the scalar fast reference's bits on the file's row
- * (1..70 activation rows: both sides of the row groups). */
+ * random rows of 1..40 blocks (32 or 256 values) packed, every head and body dword found where the
+ * definition puts it (Q4_K, Q5_K: the head is d and dmin; Q6_K: the block's last 2 bytes, its d;
+ * IQ4_XS: d, scales_h, scales_l), unpacked back to the same bytes; then at every level whose fast
+ * table has a kernel on the layout, each (weight row, activation row) of the packed group gives
+ * the scalar fast reference's bits on the file's row (1..70 activation rows: both sides of the row
+ * groups). */
 static void rows16_layout_and_kernels(void **state) {
     (void)state;
     enum { MAX_X = 70, MAX_BLOCKS = 40 };
-    static const moe_type types[] = {MOE_TYPE_Q8_0, MOE_TYPE_Q4_0, MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4,
-                                     MOE_TYPE_Q6_K, MOE_TYPE_Q4_K, MOE_TYPE_Q5_K};
-    static const size_t heads[] = {2, 2, 2, 1, 2, 4, 4}, head_at[] = {0, 0, 0, 0, 208, 0, 0};
+    static const moe_type types[] = {
+        MOE_TYPE_Q8_0, MOE_TYPE_Q4_0, MOE_TYPE_IQ4_NL,  MOE_TYPE_MXFP4,   MOE_TYPE_Q6_K,
+        MOE_TYPE_Q4_K, MOE_TYPE_Q5_K, MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ4_XS};
+    static const size_t heads[] = {2, 2, 2, 1, 2, 4, 4, 2, 2, 8},
+                        head_at[] = {0, 0, 0, 0, 208, 0, 0, 0, 0, 0};
+    enum { N_TYPES = sizeof types / sizeof types[0] };
     const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
     const int64_t max_n = MAX_BLOCKS * MOE_QK_K;
     const size_t max_row = (size_t)moe_type_row_bytes(MOE_TYPE_Q8_K, max_n); /* > any type's */
@@ -535,7 +539,7 @@ static void rows16_layout_and_kernels(void **state) {
           *out = moe_xmalloc(sizeof(float) * 16 * MAX_X);
     uint64_t seed = 18;
     int kernels = 0;
-    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+    for (size_t ti = 0; ti < N_TYPES; ti++) {
         const moe_type t = types[ti];
         const moe_type_traits *tr = moe_type_traits_get(t);
         const size_t bb = tr->block_bytes, head = heads[ti], at = head_at[ti];
@@ -587,11 +591,13 @@ static void rows16_layout_and_kernels(void **state) {
     print_message("[ MEASURE  ] %d kernels on MOE_LAYOUT_ROWS16 (all levels) give the reference's "
                   "bits\n",
                   kernels);
-    /* the levels with the 16-lane tile (avx512vnni, amx) have all seven */
+    /* the levels with the 16-lane tile (avx512vnni, amx) have all */
     const int tile_levels = (moe_kernels_for_path(MOE_ISA_AVX512VNNI, false) != NULL) +
                             (moe_kernels_for_path(MOE_ISA_AMX, false) != NULL);
-    assert_int_equal(kernels, 7 * tile_levels);
+    assert_int_equal(kernels, N_TYPES * tile_levels);
     assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_Q2_K));
+    assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_IQ3_S)); /* fast_avx512vnni.c */
+    assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_IQ2_S));
     free(rows), free(group), free(back), free(xq), free(x), free(out);
 }
 

@@ -276,21 +276,25 @@ MOE_INLINE void fast_tile_q32(fast_type t, const uint8_t *w, size_t ws, int n_w,
  * are the 16 rows' scales (f16; MXFP4: e8m0 bytes); the body's dword g of the 16 rows is tile[g]
  * (Q8_0), or for the nibble types (book: their 16 values) dword c holds values 4c .. 4c + 3 of
  * each row in its low nibbles (tile[c]) and values 16 + 4c .. in its high ones (tile[c + 4]). */
+/* 32 values of 16 rows from four body registers of nibbles (values 4c .. 4c + 3 in the low
+ * nibbles of register c, 16 + 4c .. in the high ones) through a 16-entry book into tile[0 .. 7]. */
+MOE_INLINE void fast_tile_nibbles(const uint8_t *body, const int8_t *book, __m512i *tile) {
+    const __m512i map = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)book));
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < 4; c++) {
+        const __m512i z = z_load(body + 64 * c);
+        tile[c] = _mm512_shuffle_epi8(map, _mm512_and_si512(z, low4));
+        tile[c + 4] = _mm512_shuffle_epi8(map, _mm512_and_si512(_mm512_srli_epi16(z, 4), low4));
+    }
+}
+
 MOE_INLINE void fast_tile_rows16(const uint8_t *b, size_t head, const int8_t *book, void *tile) {
     fast_tile *o = tile;
     const uint8_t *body = b + MOE_ROWS16 * head;
     if (!book)
         for (int g = 0; g < 8; g++) o->tile[g] = z_load(body + 64 * g);
-    else {
-        const __m512i map = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)book));
-        const __m512i low4 = _mm512_set1_epi8(0x0f);
-        for (int c = 0; c < 4; c++) {
-            const __m512i z = z_load(body + 64 * c);
-            o->tile[c] = _mm512_shuffle_epi8(map, _mm512_and_si512(z, low4));
-            o->tile[c + 4] =
-                _mm512_shuffle_epi8(map, _mm512_and_si512(_mm512_srli_epi16(z, 4), low4));
-        }
-    }
+    else
+        fast_tile_nibbles(body, book, o->tile);
     fast_tile_q32_bias(o);
     if (head == 2)
         o->d = _mm512_cvtph_ps(avx2_load(b));
@@ -329,15 +333,19 @@ static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 
         fast_tile_rows16(w + (size_t)i * MOE_ROWS16 * ty.block_bytes, offsetof(moe_block_##t, qs), \
                          book, tile);                                                              \
     }                                                                                              \
+    FAST_ROWS16_FN(t, FAST_Q32_TYPE(t), FAST_CHUNK, MOE_QK32)                                      \
+    FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t, FAST_Q32_TYPE(t), fast_tile_rows16_##t,  \
+                    FAST_CHUNK, MOE_QK32)
+/* The kernel on MOE_LAYOUT_ROWS16 groups of a type whose tile decode is fast_tile_rows16_<t>:
+ * chunk blocks of `values` decoded per pass. */
+#define FAST_ROWS16_FN(t, type, chunk, values)                                                     \
     static void fast_rows16_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,       \
                                 int64_t n_rows, int64_t n, float *out, int64_t os) {               \
         MOE_CHECK(n_w == MOE_ROWS16);                                                              \
-        fast_tile tiles[FAST_CHUNK];                                                               \
-        fast_drive(FAST_Q32_TYPE(t), fast_tile_rows16_##t, fast_rows, tiles, sizeof tiles[0],      \
-                   FAST_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK32, out, os);                  \
-    }                                                                                              \
-    FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t, FAST_Q32_TYPE(t), fast_tile_rows16_##t,  \
-                    FAST_CHUNK, MOE_QK32)
+        fast_tile tiles[chunk];                                                                    \
+        fast_drive(type, fast_tile_rows16_##t, fast_rows, tiles, sizeof tiles[0], chunk, w, ws,    \
+                   n_w, x, xs, n_rows, n / (values), out, os);                                     \
+    }
 /* A one-row dot through the tile kernel. */
 #define FAST_DOT(t)                                                                                \
     static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
@@ -569,6 +577,149 @@ FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
+
+/* ---- Codebook types (and IQ4_XS) on MOE_LAYOUT_ROWS16 ----
+ *
+ * In a group (quant.h) body dword k of the 16 rows is one register, lane v = row v, so what
+ * a row's block holds at one place -- four grid indices, 32 sign bits, eight scales -- the 16
+ * rows hold in one register, and one decode fills a tile register for all of them with no
+ * transpose. IQ3_XXS: a register of grid indices is 64 four-value entries, looked up as one
+ * row's block is (z_lookup_planes), its indices first put in the order that leaves entry
+ * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_XXS: entries of 8 values, two
+ * vpgatherqq of 8 rows each per entry, split into its two tile registers. Signs: a 32-bit word
+ * per row and 32 values (the XXS types' ksigns indices looked up
+ * into one, 16 rows at a time), turned into the byte mask of each tile register by fast_bits4.
+ * IQ4_XS: the 32-value types' nibble book, eight times. The tiles are those of fast_tile_iq, so
+ * the bits are the file layout's. IQ3_S stays in the file's layout: decoded the same way (its
+ * 9-bit indices through z_lookup_planes' four tables) its tile cost more than the per-row lanes
+ * path at 1 .. 4 activation rows (0.7x at one row in cache, 0.74x from DRAM; 1.1x at 16); so does
+ * IQ2_S (entries gathered as IQ2_XXS's: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16), whose
+ * rows are decode's bulk. */
+
+/* The byte mask of tile register 8s + e (values 4e .. 4e + 3 of each row's 32) from 16 rows'
+ * 32-bit words for values 32s .. (bit i: value 32s + i): byte 4v + c gets bit 4e + c of lane v.
+ * Each byte takes its row's byte e / 2 (vpshufb) and tests its bit. */
+MOE_INLINE __mmask64 fast_bits4(__m512i words, int e) {
+    const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8);
+    const __m512i b = _mm512_broadcast_i32x4(_mm_slli_epi16(bit, 4 * (e % 2)));
+    const __m512i p = _mm512_broadcast_i32x4(_mm_add_epi8(pick, _mm_set1_epi8((char)(e / 2))));
+    return _mm512_test_epi8_mask(_mm512_shuffle_epi8(words, p), b);
+}
+
+/* 16 rows' sign words from their XXS sign-and-scale words (four 7-bit ksigns indices each). */
+MOE_INLINE __m512i fast_ksigns32(__m512i words) {
+    const uint8_t *t = moe_ksigns_iq2xs;
+    const __m512i at = _mm512_set1_epi64(0x352e2720150e0700); /* 0 7 14 21 32 39 46 53 */
+    const __m512i idx =
+        _mm512_and_si512(_mm512_multishift_epi64_epi8(at, words), _mm512_set1_epi8(0x7f));
+    return _mm512_permutex2var_epi8(z_load(t), idx, z_load(t + 64));
+}
+
+/* Scales 2 s + 1 of 32 values each, s the 4 bits at `shift` of each lane, into scale[2j] and
+ * scale[2j + 1] (the tile's scales are per 16 values). */
+MOE_INLINE void fast_odd_scales32(fast_tile *o, int j, __m512i words, int shift) {
+    const __m512i s = _mm512_and_si512(_mm512_srli_epi32(words, shift), _mm512_set1_epi32(15));
+    o->scale[2 * j] = o->scale[2 * j + 1] =
+        _mm512_add_epi32(_mm512_add_epi32(s, s), _mm512_set1_epi32(1));
+}
+
+/* tile[4k .. 4k + 3] from body register q of 16 rows' IQ3_XXS grid indices of entries 4k ..
+ * 4k + 3 (byte 4v + m: row v's entry 4k + m), the sign words `signs` applied. */
+MOE_INLINE void fast_iq3_entries(fast_tile *o, int k, __m512i q, __m512i signs) {
+    /* byte 4m + q of each 128-bit lane from byte 4q + m: z_interleave4 then leaves lane v of
+     * g[m] holding entry (v, 4k + m) */
+    const __m512i order =
+        _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i idx = _mm512_shuffle_epi8(q, order);
+    z_iqb b;
+    z_lookup_planes(idx, _mm512_movepi8_mask(idx), 0, false, z_iq3xxs_codes[0], 256,
+                    z_iq3xxs_values, &b);
+    for (int m = 0; m < 4; m++)
+        o->tile[4 * k + m] = z_apply_signs(b.g[m], fast_bits4(signs, 4 * (k % 2) + m));
+}
+
+/* IQ3_XXS body: grid indices dwords 0 .. 15, sign-and-scale words 16 .. 23. */
+MOE_INLINE void fast_r16_iq3_xxs(const uint8_t *body, fast_tile *o) {
+    for (int s = 0; s < 8; s++) {
+        const __m512i words = z_load(body + 64 * (16 + s)), signs = fast_ksigns32(words);
+        for (int h = 0; h < 2; h++)
+            fast_iq3_entries(o, 2 * s + h, z_load(body + 64 * (2 * s + h)), signs);
+        fast_odd_scales32(o, s, words, 28);
+    }
+}
+
+/* tile[8s + 2c], tile[8s + 2c + 1] from entries 8-value entries at indices idx (lane v: row v's,
+ * grid of uint64), the sign words of values 32s .. applied. */
+MOE_INLINE void fast_iq2_entry(fast_tile *o, int s, int c, __m512i idx, const uint64_t *grid,
+                               __m512i signs) {
+    const __m512i lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), grid, 8);
+    const __m512i hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), grid, 8);
+    const __m512i even =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    o->tile[8 * s + 2 * c] =
+        z_apply_signs(_mm512_permutex2var_epi32(lo, even, hi), fast_bits4(signs, 2 * c));
+    o->tile[8 * s + 2 * c + 1] =
+        z_apply_signs(_mm512_permutex2var_epi32(lo, odd, hi), fast_bits4(signs, 2 * c + 1));
+}
+
+/* IQ2_XXS body: per 32 values s, grid indices dword 2s and the sign-and-scale word 2s + 1. */
+MOE_INLINE void fast_r16_iq2_xxs(const uint8_t *body, fast_tile *o) {
+    for (int s = 0; s < 8; s++) {
+        const __m512i q = z_load(body + 64 * 2 * s), words = z_load(body + 64 * (2 * s + 1));
+        const __m512i signs = fast_ksigns32(words);
+        for (int c = 0; c < 4; c++)
+            fast_iq2_entry(o, s, c,
+                           _mm512_and_si512(_mm512_srli_epi32(q, 8 * c), _mm512_set1_epi32(0xff)),
+                           moe_iq2xxs_grid, signs);
+        fast_odd_scales32(o, s, words, 28);
+    }
+}
+
+/* IQ4_XS: heads of d, scales_h, scales_l (a qword a row); the body the qs, per 32 values four
+ * dwords of nibbles as the 32-value types' (fast_tile_nibbles). */
+MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_tile *o) {
+    const __m512i h0 = z_load(heads), h1 = z_load(heads + 64);
+    const __m512i even =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i dh = _mm512_permutex2var_epi32(h0, even, h1); /* d | scales_h << 16 */
+    const __m512i sl =
+        _mm512_permutex2var_epi32(h0, _mm512_add_epi32(even, _mm512_set1_epi32(1)), h1);
+    for (int j = 0; j < 8; j++) {
+        fast_tile_nibbles(body + 256 * j, moe_kvalues_iq4nl, o->tile + 8 * j);
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(sl, 4 * j), _mm512_set1_epi32(15));
+        const __m512i hi =
+            _mm512_and_si512(_mm512_srli_epi32(dh, 16 + 2 * j), _mm512_set1_epi32(3));
+        o->scale[2 * j] = o->scale[2 * j + 1] =
+            _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+    }
+    o->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
+}
+
+/* The kernel on ROWS16 groups of a codebook type (d the f16 heads) and of IQ4_XS. */
+#define FAST_SB_ROWS16(t, regs, scale_values, mult, decode)                                        \
+    MOE_INLINE void fast_tile_rows16_##t(fast_type ty, const uint8_t *w, size_t ws, int n_w,       \
+                                         int64_t i, void *tile) {                                  \
+        (void)ws, (void)n_w;                                                                       \
+        fast_tile *o = tile;                                                                       \
+        const uint8_t *b = w + (size_t)i * MOE_ROWS16 * ty.block_bytes;                            \
+        decode;                                                                                    \
+        fast_tile_bias(o);                                                                         \
+    }                                                                                              \
+    FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), FAST_IQ_CHUNK, MOE_QK_K) \
+    FAST_AMX_R16_##scale_values(t, regs, mult)
+/* The amx kernel on ROWS16 of a type with a scale per 32 values (none for 16: FAST_AMX_SB_16). */
+#define FAST_AMX_R16_32(t, regs, mult)                                                             \
+    FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t,                                          \
+                    FAST_SB_TYPE(t, regs, NULL, 32, mult, 0), fast_tile_rows16_##t, FAST_IQ_CHUNK, \
+                    MOE_QK_K)
+#define FAST_AMX_R16_16(t, regs, mult)
+#define FAST_R16_F16(t) (fast_r16_##t(b + MOE_ROWS16 * 2, o), o->d = _mm512_cvtph_ps(avx2_load(b)))
+FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs))
+FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs))
+FAST_SB_ROWS16(iq4_xs, z_iqb_iq4_xs, 32, 1.0f,
+               fast_r16_iq4_xs(b, b + MOE_ROWS16 * offsetof(moe_block_iq4_xs, qs), o))
 
 /* ==== K quants: the super-block machinery with unsigned values (no sign words): Q4_K and Q5_K
  * with mins, Q6_K with its offset (fast_type) ==== */
@@ -875,8 +1026,12 @@ FAST_AMX_KERNEL(fast_amx_rows16_q5_k, fast_rows16_q5_k, FAST_Q5_K_TYPE, fast_til
      k->types[MOE_TYPE_IQ4_NL].dot_tile_rows16 = prefix##iq4_nl,                                   \
      k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = prefix##mxfp4,                                     \
      k->types[MOE_TYPE_Q4_K].dot_tile_rows16 = prefix##q4_k,                                       \
-     k->types[MOE_TYPE_Q5_K].dot_tile_rows16 = prefix##q5_k)
+     k->types[MOE_TYPE_Q5_K].dot_tile_rows16 = prefix##q5_k,                                       \
+     k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = prefix##iq3_xxs,                                 \
+     k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = prefix##iq2_xxs,                                 \
+     k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = prefix##iq4_xs)
 
+/* The codebook types' and IQ4_XS's kernels on ROWS16. */
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     z_iq_tables_fill();
 #define FAST_SET(T, t)                                                                             \

@@ -16,21 +16,27 @@
  * type has no such layout. The rest of the block, before and after the head in that order, is
  * the body and must be whole dwords. The K quants' integer scales stay in the body, so a kernel
  * finds them already in the lanes: Q4_K / Q5_K's head is d and dmin, Q6_K's its d, at the end of
- * the block. */
+ * the block; IQ4_XS's head is d and its scales, the XXS types' their d (their grid indices, then
+ * sign-and-scale words, are the body). */
+_Static_assert(offsetof(moe_block_q8_0, qs) == 2 && offsetof(moe_block_q4_0, qs) == 2 &&
+                   offsetof(moe_block_iq4_nl, qs) == 2 && offsetof(moe_block_iq3_xxs, qs) == 2 &&
+                   offsetof(moe_block_iq2_xxs, qs) == 2,
+               "these blocks are an f16 d, then the body");
 static bool rows16_head(moe_type t, size_t *at, size_t *bytes) {
     *at = 0;
     switch (t) {
     case MOE_TYPE_Q8_0:
-        *bytes = offsetof(moe_block_q8_0, qs);
-        return true;
     case MOE_TYPE_Q4_0:
-        *bytes = offsetof(moe_block_q4_0, qs);
-        return true;
     case MOE_TYPE_IQ4_NL:
-        *bytes = offsetof(moe_block_iq4_nl, qs);
+    case MOE_TYPE_IQ3_XXS:
+    case MOE_TYPE_IQ2_XXS:
+        *bytes = sizeof(uint16_t); /* d */
         return true;
     case MOE_TYPE_MXFP4:
         *bytes = offsetof(moe_block_mxfp4, qs);
+        return true;
+    case MOE_TYPE_IQ4_XS: /* d, scales_h, scales_l */
+        *bytes = offsetof(moe_block_iq4_xs, qs);
         return true;
     case MOE_TYPE_Q4_K:
         *bytes = offsetof(moe_block_q4_k, scales);
