@@ -272,10 +272,6 @@ MOE_INLINE void fast_tile_q32(fast_type t, const uint8_t *w, size_t ws, int n_w,
     o->d = _mm512_loadu_ps(d);
 }
 
-/* Block i of a MOE_LAYOUT_ROWS16 group (quant.h): the tile as it lies, no transpose. The heads
- * are the 16 rows' scales (f16; MXFP4: e8m0 bytes); the body's dword g of the 16 rows is tile[g]
- * (Q8_0), or for the nibble types (book: their 16 values) dword c holds values 4c .. 4c + 3 of
- * each row in its low nibbles (tile[c]) and values 16 + 4c .. in its high ones (tile[c + 4]). */
 /* 32 values of 16 rows from four body registers of nibbles (values 4c .. 4c + 3 in the low
  * nibbles of register c, 16 + 4c .. in the high ones) through a 16-entry book into tile[0 .. 7]. */
 MOE_INLINE void fast_tile_nibbles(const uint8_t *body, const int8_t *book, __m512i *tile) {
@@ -288,6 +284,10 @@ MOE_INLINE void fast_tile_nibbles(const uint8_t *body, const int8_t *book, __m51
     }
 }
 
+/* Block i of a MOE_LAYOUT_ROWS16 group (quant.h): the tile as it lies, no transpose. The heads
+ * are the 16 rows' scales (f16; MXFP4: e8m0 bytes); the body's dword g of the 16 rows is tile[g]
+ * (Q8_0), or for the nibble types (book: their 16 values) dword c holds values 4c .. 4c + 3 of
+ * each row in its low nibbles (tile[c]) and values 16 + 4c .. in its high ones (tile[c + 4]). */
 MOE_INLINE void fast_tile_rows16(const uint8_t *b, size_t head, const int8_t *book, void *tile) {
     fast_tile *o = tile;
     const uint8_t *body = b + MOE_ROWS16 * head;
@@ -333,15 +333,17 @@ static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 
         fast_tile_rows16(w + (size_t)i * MOE_ROWS16 * ty.block_bytes, offsetof(moe_block_##t, qs), \
                          book, tile);                                                              \
     }                                                                                              \
-    FAST_ROWS16_FN(t, FAST_Q32_TYPE(t), FAST_CHUNK, MOE_QK32)                                      \
+    FAST_ROWS16_FN(t, FAST_Q32_TYPE(t), FAST_CHUNK, MOE_QK32, )                                    \
     FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t, FAST_Q32_TYPE(t), fast_tile_rows16_##t,  \
                     FAST_CHUNK, MOE_QK32)
 /* The kernel on MOE_LAYOUT_ROWS16 groups of a type whose tile decode is fast_tile_rows16_<t>:
- * chunk blocks of `values` decoded per pass. */
-#define FAST_ROWS16_FN(t, type, chunk, values)                                                     \
+ * chunk blocks of `values` decoded per pass, after `before` (empty, or FAST_LANES_SWITCH for the
+ * rows under the tile's). */
+#define FAST_ROWS16_FN(t, type, chunk, values, before)                                             \
     static void fast_rows16_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,       \
                                 int64_t n_rows, int64_t n, float *out, int64_t os) {               \
         MOE_CHECK(n_w == MOE_ROWS16);                                                              \
+        before;                                                                                    \
         fast_tile tiles[chunk];                                                                    \
         fast_drive(type, fast_tile_rows16_##t, fast_rows, tiles, sizeof tiles[0], chunk, w, ws,    \
                    n_w, x, xs, n_rows, n / (values), out, os);                                     \
@@ -542,6 +544,19 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
     case R:                                                                                        \
         fast_lanes_##t##_##R(w, ws, n_w, x, xs, n, out, os);                                       \
         return;
+/* Under FAST_TILE_MIN_ROWS rows, fast_lanes_<t>_<n_rows> (and return). */
+#define FAST_LANES_SWITCH(t)                                                                       \
+    switch (n_rows) {                                                                              \
+        FAST_LANES_CASE(t, 1)                                                                      \
+        FAST_LANES_CASE(t, 2)                                                                      \
+        FAST_LANES_CASE(t, 3)                                                                      \
+        FAST_LANES_CASE(t, 4)                                                                      \
+        FAST_LANES_CASE(t, 5)                                                                      \
+        FAST_LANES_CASE(t, 6)                                                                      \
+        FAST_LANES_CASE(t, 7)                                                                      \
+    default:                                                                                       \
+        break;                                                                                     \
+    }
 #define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, offset, tile)                           \
     FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 1)                                    \
     FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 2)                                    \
@@ -552,17 +567,7 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
     FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 7)                                    \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
-        switch (n_rows) {                                                                          \
-            FAST_LANES_CASE(t, 1)                                                                  \
-            FAST_LANES_CASE(t, 2)                                                                  \
-            FAST_LANES_CASE(t, 3)                                                                  \
-            FAST_LANES_CASE(t, 4)                                                                  \
-            FAST_LANES_CASE(t, 5)                                                                  \
-            FAST_LANES_CASE(t, 6)                                                                  \
-            FAST_LANES_CASE(t, 7)                                                                  \
-        default:                                                                                   \
-            break;                                                                                 \
-        }                                                                                          \
+        FAST_LANES_SWITCH(t)                                                                       \
         fast_tile tiles[FAST_IQ_CHUNK];                                                            \
         fast_drive(FAST_SB_TYPE(t, regs, mins, scale_values, mult, offset), tile, fast_rows,       \
                    tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, \
@@ -707,7 +712,8 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
         decode;                                                                                    \
         fast_tile_bias(o);                                                                         \
     }                                                                                              \
-    FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), FAST_IQ_CHUNK, MOE_QK_K) \
+    FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), FAST_IQ_CHUNK,           \
+                   MOE_QK_K, )                                                                     \
     FAST_AMX_R16_##scale_values(t, regs, mult)
 /* The amx kernel on ROWS16 of a type with a scale per 32 values (none for 16: FAST_AMX_SB_16). */
 #define FAST_AMX_R16_32(t, regs, mult)                                                             \
@@ -909,24 +915,7 @@ MOE_INLINE void fast_rows16_lanes(int R, fast_type t, fast_decode_fn meta, fast_
         (void)ws, (void)n_w;                                                                       \
         fast_tile_rows16_sb(ty, meta, values, w, i, tile);                                         \
     }                                                                                              \
-    static void fast_rows16_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,       \
-                                int64_t n_rows, int64_t n, float *out, int64_t os) {               \
-        MOE_CHECK(n_w == MOE_ROWS16);                                                              \
-        switch (n_rows) {                                                                          \
-            FAST_LANES_CASE(rows16_##t, 1)                                                         \
-            FAST_LANES_CASE(rows16_##t, 2)                                                         \
-            FAST_LANES_CASE(rows16_##t, 3)                                                         \
-            FAST_LANES_CASE(rows16_##t, 4)                                                         \
-            FAST_LANES_CASE(rows16_##t, 5)                                                         \
-            FAST_LANES_CASE(rows16_##t, 6)                                                         \
-            FAST_LANES_CASE(rows16_##t, 7)                                                         \
-        default:                                                                                   \
-            break;                                                                                 \
-        }                                                                                          \
-        fast_tile tiles[FAST_IQ_CHUNK];                                                            \
-        fast_drive(type, fast_tile_rows16_##t, fast_rows, tiles, sizeof tiles[0], FAST_IQ_CHUNK,   \
-                   w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out, os);                              \
-    }
+    FAST_ROWS16_FN(t, type, FAST_IQ_CHUNK, MOE_QK_K, FAST_LANES_SWITCH(rows16_##t))
 
 /* Q6_K in ROWS16 (quant.h): per block the 16 rows' d, then body dword k in register k: ql in
  * 0..31, qh in 32..47, the scales in 48..51. The values 4g .. 4g + 3 (g = 32h + 8q + m: half h,
@@ -1031,7 +1020,6 @@ FAST_AMX_KERNEL(fast_amx_rows16_q5_k, fast_rows16_q5_k, FAST_Q5_K_TYPE, fast_til
      k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = prefix##iq2_xxs,                                 \
      k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = prefix##iq4_xs)
 
-/* The codebook types' and IQ4_XS's kernels on ROWS16. */
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     z_iq_tables_fill();
 #define FAST_SET(T, t)                                                                             \
