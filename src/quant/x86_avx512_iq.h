@@ -232,34 +232,35 @@ MOE_INLINE void z_iqb_iq2_s(const void *block, z_iqb *o) {
 }
 
 #if MOE_AVX512_VNNI
-/* IQ2_S at the avx512vnni level: the 32 grid indices worked out at once in int16 lanes (the qs
- * bytes | the two qh bits of entry j, qh byte j / 4 shifted left by 8 - 2 (j % 4), masked to bits
- * 8 and 9), then the entries fetched 8 at a time by vpgatherdq: one gather per 64 values. */
+/* IQ2_S at the avx512vnni level: entry e's grid index is qs byte e | bits 2e, 2e + 1 of the qh
+ * bytes (read as one 64-bit word) << 8. Sixteen at a time in int32 lanes, the qh bits put at bit
+ * 8 by one vpmultishiftqb (byte 1 of lane j takes the word's bits from 2e on); then the entries
+ * fetched 8 at a time by vpgatherdq: one gather per 64 values. */
+#define Z_IQ2S_SHIFT(e) ((long long)(2 * (e)) << 8 | (long long)(2 * (e) + 2) << 40)
 MOE_INLINE void z_iqb_iq2_s_gather(const void *block, z_iqb *o) {
     const moe_block_iq2_s *b = block;
-    const __m512i j = _mm512_cvtepu8_epi16(
-        _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
-                         21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31));
-    const __m512i qh =
-        _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)b->qh)));
-    const __m512i h = _mm512_sllv_epi16(
-        _mm512_permutexvar_epi16(_mm512_srli_epi16(j, 2), qh),
-        _mm512_sub_epi16(_mm512_set1_epi16(8),
-                         _mm512_slli_epi16(_mm512_and_si512(j, _mm512_set1_epi16(3)), 1)));
-    /* qs | (h & 0x300) */
-    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_cvtepu8_epi16(avx2_load(b->qs)), h,
-                                                  _mm512_set1_epi16(0x300), 0xf8);
-    const __m256i lo = _mm512_castsi512_si256(idx), hi = _mm512_extracti64x4_epi64(idx, 1);
-    const __m128i q[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                          _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++)
-        o->g[k] =
-            _mm512_i32gather_epi64(_mm256_cvtepu16_epi32(q[k]), (const void *)moe_iq2s_grid, 8);
+    const __m512i qh = _mm512_set1_epi64((long long)z_load_u64(b->qh));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const int e = 16 * h;
+        const __m512i at = _mm512_setr_epi64(
+            Z_IQ2S_SHIFT(e), Z_IQ2S_SHIFT(e + 2), Z_IQ2S_SHIFT(e + 4), Z_IQ2S_SHIFT(e + 6),
+            Z_IQ2S_SHIFT(e + 8), Z_IQ2S_SHIFT(e + 10), Z_IQ2S_SHIFT(e + 12), Z_IQ2S_SHIFT(e + 14));
+        const __m512i idx = _mm512_ternarylogic_epi32(/* qs | (bits & 0x300) */
+                                                      _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                                          (const __m128i *)(b->qs + e))),
+                                                      _mm512_multishift_epi64_epi8(at, qh),
+                                                      _mm512_set1_epi32(0x300), 0xf8);
+        o->g[2 * h] =
+            _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), (const void *)moe_iq2s_grid, 8);
+        o->g[2 * h + 1] = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1),
+                                                 (const void *)moe_iq2s_grid, 8);
+    }
     o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
     z_sign_words(b->qs + 32, o->neg);
     o->d = avx2_fp16(b->d);
 }
+#undef Z_IQ2S_SHIFT
 
 /* IQ2_XXS: per 32 values 4 grid index bytes (8-value entries) and a word of four 7-bit ksigns
  * indices | a 4-bit scale << 28. Entries put together in registers, as IQ2_S's. */
