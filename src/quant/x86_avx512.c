@@ -417,7 +417,7 @@ MOE_INLINE void z_iqd_dot_rows(z_iq_type t, const void *w, const void *x, size_t
                           x, n);                                                                   \
     }
 Z_IQ_KERNELS(iq3_s, Z_IQB_IQ3_S, true, Z_DECODE_IQ3_S, Z_GRID4_IQ3_S, 1.0f)
-Z_IQ_KERNELS(iq2_s, z_iqb_iq2_s, false, NULL, NULL, 0.125f)
+Z_IQ_KERNELS(iq2_s, Z_IQB_IQ2_S, false, NULL, NULL, 0.125f)
 Z_IQ_KERNELS(iq1_s, z_iqb_iq1_s, false, NULL, NULL, 0.125f)
 Z_IQ_KERNELS(iq1_m, z_iqb_iq1_m, false, NULL, NULL, 0.125f)
 static void z_dot_rows_iq4_xs(const void *w, const void *x, size_t xs, int64_t n_rows, int64_t n,

@@ -235,7 +235,9 @@ MOE_INLINE void z_iqb_iq2_s(const void *block, z_iqb *o) {
 /* IQ2_S at the avx512vnni level: entry e's grid index is qs byte e | bits 2e, 2e + 1 of the qh
  * bytes (read as one 64-bit word) << 8. Sixteen at a time in int32 lanes, the qh bits put at bit
  * 8 by one vpmultishiftqb (byte 1 of lane j takes the word's bits from 2e on); then the entries
- * fetched 8 at a time by vpgatherdq: one gather per 64 values. */
+ * fetched 8 at a time by vpgatherdq: one gather per 64 values. Both of the level's IQ2_S
+ * kernels (exact and fast) decode with it: 1.5x z_iqb_iq2_s at one activation row, the same
+ * bytes. */
 #define Z_IQ2S_SHIFT(e) ((long long)(2 * (e)) << 8 | (long long)(2 * (e) + 2) << 40)
 MOE_INLINE void z_iqb_iq2_s_gather(const void *block, z_iqb *o) {
     const moe_block_iq2_s *b = block;
@@ -261,7 +263,12 @@ MOE_INLINE void z_iqb_iq2_s_gather(const void *block, z_iqb *o) {
     o->d = avx2_fp16(b->d);
 }
 #undef Z_IQ2S_SHIFT
+#define Z_IQB_IQ2_S z_iqb_iq2_s_gather
+#else
+#define Z_IQB_IQ2_S z_iqb_iq2_s
+#endif
 
+#if MOE_AVX512_VNNI
 /* IQ2_XXS: per 32 values 4 grid index bytes (8-value entries) and a word of four 7-bit ksigns
  * indices | a 4-bit scale << 28. Entries put together in registers, as IQ2_S's. */
 MOE_INLINE void z_iqb_iq2_xxs(const void *block, z_iqb *o) {
