@@ -541,8 +541,9 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
  * scores of 4 keys (broadcast from the f32 tile) x up to 4 registers of vectors, or 8 keys x 1
  * (8 chains in flight either way: an fma's latency times its ports). Up to 8 (decode: one row's
  * group of heads) take two keys per register, lane 2i + e holding vector i against key 2p + e of
- * the tile's pair p, so they fill the 16 lanes too. Mix: 4 query vectors (broadcast weights) x
- * 64 output values, the values loaded once for the 4. */
+ * the tile's pair p, so they fill the 16 lanes too. A Q8_0 cache's scores are integer work with
+ * the vectors in the lanes whatever their number (below). Mix: 4 query vectors (broadcast
+ * weights) x 64 output values, the values loaded once for the 4. */
 
 /* moe_attn_exp on 16 lanes, in the AVX2 one's operations (half the instructions of running it
  * on each half). */
