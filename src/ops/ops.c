@@ -502,7 +502,8 @@ void moe_attention_tiled(const moe_attn_shape *s, const moe_attn_block *b, int h
     const moe_kernels *kern = moe_kernels_get();
     const int group = s->n_head / s->n_head_kv, hk = h0 / group, nh = h1 - h0;
     MOE_CHECK(h0 >= 0 && h0 < h1 && (h1 - 1) / group == hk && b->n_rows >= 1 &&
-              b->n_rows <= MOE_ATTN_BLOCK_ROWS && b->scratch);
+              b->n_rows <= MOE_ATTN_BLOCK_ROWS && b->scratch &&
+              (s->kv_type != MOE_TYPE_Q8_0 || s->head_dim_k % 32 == 0));
     const int n_vec = b->n_rows * nh;
     for (int g0 = 0; g0 < n_vec; g0 += MOE_ATTN_TILE_QV)
         attn_tiled_vectors(kern, s, b, h0, nh, g0,
