@@ -547,19 +547,12 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
 
 /* moe_attn_exp on 16 lanes, in the AVX2 one's operations (half the instructions of running it
  * on each half). */
+AVX_ATTN_EXP_POLY_FN(z_attn_exp_poly, _mm512, __m512)
 MOE_INLINE __m512 z_attn_exp(__m512 x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(MOE_ATTN_EXP_MIN), _CMP_GE_OQ);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(MOE_ATTN_EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(MOE_ATTN_EXP_LN2_A), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(MOE_ATTN_EXP_LN2_B), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(MOE_ATTN_EXP_P0), r, _mm512_set1_ps(MOE_ATTN_EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MOE_ATTN_EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MOE_ATTN_EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MOE_ATTN_EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MOE_ATTN_EXP_P5));
-    const __m512 y =
-        _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512 y = z_attn_exp_poly(x, n);
     const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
     return _mm512_maskz_mov_ps(live,
                                _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(y), e)));
