@@ -879,6 +879,10 @@ static void attention_tile_levels_equal_reference(void **state) {
     float *qt = moe_xmalloc(sizeof(float) * AT_DIM * QV),
           *q1 = moe_xmalloc(sizeof(float) * AT_DIM * QV);
     float *scratch = moe_xmalloc(sizeof(float) * KEYS * AT_DIM);
+    /* a Q8_0 cache's queries: all QV vectors, and vector i alone in column 0 */
+    int8_t *qq = moe_xmalloc((size_t)AT_DIM * QV), *qq1 = moe_xcalloc((size_t)AT_DIM * QV, 1);
+    float *qd = moe_xmalloc(sizeof(float) * AT_DIM / 32 * QV),
+          *qd1 = moe_xcalloc(AT_DIM / 32 * QV, sizeof(float)), col[AT_DIM];
     float *ys = moe_xmalloc(sizeof(float) * QV * AT_DIM),
           *y0 = moe_xmalloc(sizeof(float) * QV * AT_DIM),
           *y1 = moe_xmalloc(sizeof(float) * QV * AT_DIM);
@@ -888,6 +892,10 @@ static void attention_tile_levels_equal_reference(void **state) {
     for (int i = 0; i < KEYS * AT_STRIDE; i++) kf[i] = 2.0f * (float)moe_rng_gaussian(&rng);
     for (int i = 0; i < AT_DIM * QV; i++) qt[i] = (float)moe_rng_gaussian(&rng);
     memset(q1, 0, sizeof(float) * AT_DIM * QV);
+    for (int i = 0; i < QV; i++) {
+        for (int d = 0; d < AT_DIM; d++) col[d] = qt[d * QV + i];
+        moe_attn_tile_quantize(col, AT_DIM, i, qq, qd);
+    }
     static const moe_type types[] = {MOE_TYPE_F32, MOE_TYPE_F16, MOE_TYPE_Q8_0};
     static const int dims[][2] = {{37, 21}, {AT_DIM, 64}};
     static const int n_keys[] = {1, 5, KEYS}, n_qvs[] = {1, 5, 8, 17, 70, QV};
@@ -924,6 +932,8 @@ static void attention_tile_levels_equal_reference(void **state) {
                                                   .scale = 0.3f,
                                                   .nq = nq,
                                                   .qt = qt,
+                                                  .qq = qq,
+                                                  .qd = qd,
                                                   .lo = lo,
                                                   .hi = hi,
                                                   .scratch = scratch};
@@ -939,8 +949,11 @@ static void attention_tile_levels_equal_reference(void **state) {
                                      k->name, moe_type_name(types[t]), a.dk, a.dv, n_key, nq);
                         for (int i = 0; i < nq; i += 3) { /* vector i in a call of its own */
                             moe_attn_tile_args one = a;
-                            for (int d = 0; d < a.dk; d++) q1[d * QV] = qt[d * QV + i];
-                            one.nq = 1, one.qt = q1, one.lo = lo + i, one.hi = hi + i;
+                            for (int d = 0; d < a.dk; d++) q1[d * QV] = col[d] = qt[d * QV + i];
+                            if (types[t] == MOE_TYPE_Q8_0)
+                                moe_attn_tile_quantize(col, a.dk, 0, qq1, qd1);
+                            one.nq = 1, one.qt = q1, one.qq = qq1, one.qd = qd1;
+                            one.lo = lo + i, one.hi = hi + i;
                             attn_tile_from(k, one, ms + i, ls + i, ys + i * AT_DIM, m1, l1, y1);
                             if (l1[0] != l0[i] ||
                                 memcmp(y1, y0 + i * AT_DIM, sizeof(float) * AT_DIM))
@@ -953,6 +966,7 @@ static void attention_tile_levels_equal_reference(void **state) {
     }
     assert_true(checked >= 5 * 3 * 6);
     free(kf), free(kc), free(qt), free(q1), free(scratch), free(ys), free(y0), free(y1);
+    free(qq), free(qq1), free(qd), free(qd1);
 }
 
 /* ==== Tiled attention (ops) ==== */
@@ -1069,9 +1083,17 @@ static void tiled_attention_matches_f64(void **state) {
                 for (int h = 0; h < TA_HEAD; h++) {
                     double want[TA_DV], max = 0, err = 0;
                     const int hk = h / group;
-                    attention_f64(q + (r * TA_HEAD + h) * TA_DK, kd + hk * TA_DK, vd + hk * TA_DV,
-                                  first[r], last[r], 1.0 / sqrt((double)TA_DK),
-                                  s.sinks ? s.sinks[h] : -INFINITY, want);
+                    float qh[TA_DK]; /* a Q8_0 cache sees the query through q8_0 (quant.h) */
+                    const float *qr = q + (r * TA_HEAD + h) * TA_DK;
+                    if (types[t] == MOE_TYPE_Q8_0) {
+                        moe_block_q8_0 qb[TA_DK / 32];
+                        moe_ref_q8_0_from_float_act(qr, qb, TA_DK);
+                        tr->to_float(qb, qh, TA_DK);
+                        qr = qh;
+                    }
+                    attention_f64(qr, kd + hk * TA_DK, vd + hk * TA_DV, first[r], last[r],
+                                  1.0 / sqrt((double)TA_DK), s.sinks ? s.sinks[h] : -INFINITY,
+                                  want);
                     for (int i = 0; i < TA_DV; i++) {
                         max = fmax(max, fabs(want[i]));
                         err = fmax(err, fabs(want[i] - alone[h * TA_DV + i]));

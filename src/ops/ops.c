@@ -433,13 +433,25 @@ static void attn_tiled_vectors(const moe_kernels *kern, const moe_attn_shape *s,
     int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
     int row[MOE_ATTN_TILE_QV];
     int64_t first = INT64_MAX, last = -1;
-    for (int d = 0; d < s->head_dim_k; d++) /* the columns past nq stay zero */
-        memset(qt + (int64_t)d * MOE_ATTN_TILE_QV + nq, 0,
-               sizeof(float) * (size_t)(MOE_ATTN_TILE_QV - nq));
+    /* a Q8_0 cache's queries in q8_0 instead, in qt's room: [dk / 4][QV][4] bytes, then
+     * [dk / 32][QV] scales (dk a multiple of 32: 1.125 dk QV bytes of qt's 4 dk QV) */
+    const bool q8 = s->kv_type == MOE_TYPE_Q8_0;
+    int8_t *qq = (int8_t *)qt;
+    float *qd = (float *)(qq + (int64_t)s->head_dim_k * MOE_ATTN_TILE_QV);
+    if (q8 && nq < MOE_ATTN_TILE_QV) { /* the columns past nq stay zero */
+        memset(qq, 0, (size_t)s->head_dim_k * MOE_ATTN_TILE_QV);
+        memset(qd, 0, sizeof(float) * (size_t)(s->head_dim_k / 32) * MOE_ATTN_TILE_QV);
+    } else if (!q8)
+        for (int d = 0; d < s->head_dim_k; d++)
+            memset(qt + (int64_t)d * MOE_ATTN_TILE_QV + nq, 0,
+                   sizeof(float) * (size_t)(MOE_ATTN_TILE_QV - nq));
     for (int i = 0; i < nq; i++) {
         const int r = (g0 + i) / nh, h = h0 + (g0 + i) % nh;
         const float *q = b->q + r * q_w + (int64_t)h * s->head_dim_k;
-        for (int d = 0; d < s->head_dim_k; d++) qt[(int64_t)d * MOE_ATTN_TILE_QV + i] = q[d];
+        if (q8)
+            moe_attn_tile_quantize(q, s->head_dim_k, i, qq, qd);
+        else
+            for (int d = 0; d < s->head_dim_k; d++) qt[(int64_t)d * MOE_ATTN_TILE_QV + i] = q[d];
         const float sink = s->sinks ? s->sinks[h] : -INFINITY;
         m[i] = sink;
         l[i] = sink == -INFINITY ? 0.0f : 1.0f;
@@ -457,6 +469,8 @@ static void attn_tiled_vectors(const moe_kernels *kern, const moe_attn_shape *s,
                             .scale = s->scale,
                             .nq = nq,
                             .qt = qt,
+                            .qq = qq,
+                            .qd = qd,
                             .lo = lo,
                             .hi = hi,
                             .m = m,
@@ -488,7 +502,8 @@ void moe_attention_tiled(const moe_attn_shape *s, const moe_attn_block *b, int h
     const moe_kernels *kern = moe_kernels_get();
     const int group = s->n_head / s->n_head_kv, hk = h0 / group, nh = h1 - h0;
     MOE_CHECK(h0 >= 0 && h0 < h1 && (h1 - 1) / group == hk && b->n_rows >= 1 &&
-              b->n_rows <= MOE_ATTN_BLOCK_ROWS && b->scratch);
+              b->n_rows <= MOE_ATTN_BLOCK_ROWS && b->scratch &&
+              (s->kv_type != MOE_TYPE_Q8_0 || s->head_dim_k % 32 == 0));
     const int n_vec = b->n_rows * nh;
     for (int g0 = 0; g0 < n_vec; g0 += MOE_ATTN_TILE_QV)
         attn_tiled_vectors(kern, s, b, h0, nh, g0,

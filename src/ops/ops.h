@@ -129,7 +129,8 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
  * attn_tile, which converts each K / V tile once for all of them and gives each vector the float
  * order quant.h states: it depends on the row's own first / last only (tiles are fixed in
  * absolute positions), so a row gets the same bits whatever shares its block, and a decode row
- * the same as a prefill row. Not ggml's order: MOE_EXACT=1 keeps moe_attention_row. */
+ * the same as a prefill row. A Q8_0 cache's query vectors are quantized to q8_0 once per call,
+ * for integer scores (quant.h). Not ggml's order: MOE_EXACT=1 keeps moe_attention_row. */
 #define MOE_ATTN_TILE       MOE_ATTN_TILE_KEYS
 #define MOE_ATTN_BLOCK_ROWS 16 /* query rows per block at most */
 typedef struct moe_attn_block {

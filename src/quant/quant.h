@@ -236,7 +236,12 @@ typedef void (*moe_attn_mix_fn)(float *y, const float *p, const void *v, int64_t
  *   m' = max(m, s_j ...); c = m' > m ? exp(m - m') : 1; l = l c; y = y c + 0 (when c != 1);
  *   p_j = exp(s_j - m'); l += p_j key after key; y_d = fma(p_j, v_jd, y_d) key after key,
  * over every key of the tile (an unseen key's p_j = 0 adds an exact zero: y is never -0), exp
- * being moe_attn_exp. So a vector's bits never depend on which others share the call. */
+ * being moe_attn_exp. So a vector's bits never depend on which others share the call.
+ * A Q8_0 cache (already lossy) takes the query vectors quantized as llama.cpp does for one:
+ * q8_0 per 32 values (moe_attn_tile_quantize), and a score is integer work then one float step
+ * per block b (32 values): s_j = (fma chain over b of (qd_b kd_b) x isum_b, from 0) * scale,
+ * isum_b the exact int32 sum of the block's 32 products, qd_b and kd_b the query's and key's
+ * block scales as f32; qt is not read then. */
 #define MOE_ATTN_TILE_KEYS 64  /* keys per tile: fixed in absolute positions by the caller */
 #define MOE_ATTN_TILE_QV   128 /* query vectors per call at most (16 rows x 8 heads) */
 typedef struct moe_attn_tile_args {
@@ -247,12 +252,18 @@ typedef struct moe_attn_tile_args {
     float scale;
     int nq;
     const float *qt;        /* [dk][MOE_ATTN_TILE_QV]: query vector i in column i */
+    const int8_t *qq;       /* Q8_0 cache: [dk / 4][MOE_ATTN_TILE_QV][4] vector i's q8_0 values
+                             * 4t..4t+3 at qq[(t * MOE_ATTN_TILE_QV + i) * 4], zero past nq */
+    const float *qd;        /* Q8_0 cache: [dk / 32][MOE_ATTN_TILE_QV] their block scales */
     const int32_t *lo, *hi; /* [nq] the keys each query vector sees */
     float *m, *l;           /* [nq] running max of the scaled scores, running sum of weights */
     float *const *out;      /* [nq] output rows of dv floats */
     float *scratch;         /* MOE_ATTN_TILE_KEYS * max(dk, dv) floats: the converted tile */
 } moe_attn_tile_args;
 typedef void (*moe_attn_tile_fn)(const moe_attn_tile_args *a);
+/* Query vector q (dk values, a multiple of 32) as column i of a Q8_0 tile's qq / qd, quantized
+ * as the activations of a Q8_0 dot are (ggml-cpu's quantize_row_q8_0, the scale kept as f16). */
+void moe_attn_tile_quantize(const float *q, int dk, int i, int8_t *qq, float *qd);
 /* e^x for x <= 0 in float, the fast attention's softmax weights: Cephes' expf (x = n ln2 + r,
  * a degree-7 polynomial in r by fma, 2^n added to the exponent) within 2 ulp of e^x (measured in
  * the kernels suite), and 0 below -86 (e^-86 < 2^-124: nothing beside the maximum's weight 1)

@@ -499,17 +499,46 @@ float moe_attn_exp(float x) {
     return out;
 }
 
+void moe_attn_tile_quantize(const float *q, int dk, int i, int8_t *qq, float *qd) {
+    moe_block_q8_0 b;
+    for (int k = 0; k < dk / MOE_QK32; k++) {
+        moe_ref_q8_0_from_float_act(q + k * MOE_QK32, &b, MOE_QK32);
+        qd[k * MOE_ATTN_TILE_QV + i] = moe_fp16_to_f32(b.d);
+        for (int e = 0; e < MOE_QK32; e++) {
+            const int d = k * MOE_QK32 + e;
+            qq[((d / 4) * MOE_ATTN_TILE_QV + i) * 4 + d % 4] = b.qs[e];
+        }
+    }
+}
+
+/* Query vector i's dot with key kj: an fma chain over values, or over q8_0 blocks (quant.h). */
+static float attn_tile_dot(const moe_attn_tile_args *a, int i, const void *kj) {
+    float dot = 0.0f;
+    if (a->kv_type == MOE_TYPE_Q8_0) {
+        const moe_block_q8_0 *kb = kj;
+        for (int k = 0; k < a->dk / MOE_QK32; k++) {
+            int32_t isum = 0;
+            for (int e = 0; e < MOE_QK32; e++) {
+                const int d = k * MOE_QK32 + e;
+                isum += a->qq[((d / 4) * MOE_ATTN_TILE_QV + i) * 4 + d % 4] * kb[k].qs[e];
+            }
+            const float dd = a->qd[k * MOE_ATTN_TILE_QV + i] * moe_fp16_to_f32(kb[k].d);
+            dot = fmaf(dd, (float)isum, dot);
+        }
+        return dot;
+    }
+    for (int d = 0; d < a->dk; d++)
+        dot = fmaf(a->qt[d * MOE_ATTN_TILE_QV + i], kv_value(kj, a->kv_type, d), dot);
+    return dot;
+}
+
 void moe_ref_attn_tile(const moe_attn_tile_args *a) {
     for (int i = 0; i < a->nq; i++) {
         float s[MOE_ATTN_TILE_KEYS], m = a->m[i];
         for (int j = 0; j < a->n_key; j++) {
             s[j] = -INFINITY;
             if (j < a->lo[i] || j > a->hi[i]) continue;
-            const void *kj = (const uint8_t *)a->k + j * a->k_stride;
-            float dot = 0.0f;
-            for (int d = 0; d < a->dk; d++)
-                dot = fmaf(a->qt[d * MOE_ATTN_TILE_QV + i], kv_value(kj, a->kv_type, d), dot);
-            s[j] = dot * a->scale;
+            s[j] = attn_tile_dot(a, i, (const uint8_t *)a->k + j * a->k_stride) * a->scale;
             m = s[j] > m ? s[j] : m;
         }
         const float c = m > a->m[i] ? moe_attn_exp(a->m[i] - m) : 1.0f;

@@ -818,6 +818,63 @@ MOE_INLINE void attn_scores8(const moe_attn_tile_args *a, const float *kc, int j
     }
 }
 
+/* A Q8_0 cache: integer scores (quant.h). A lane holds 4 values of one query vector, the key's
+ * 4 values broadcast beside it, its sign moved onto the query (|k| x +-q: pairs <= 2 x 128 x
+ * 127, so vpmaddubsw never saturates); exact int32 sums, then one fma per block. Keys
+ * j..j+nk-1 against query registers v0.. (8 vectors each) over block blk, the float chain
+ * carried in st between blocks; after the last, scaled and masked as attn_scores8 does. */
+MOE_INLINE void attn_q8_keys8(const moe_attn_tile_args *a, int blk, int j, int nk, int v0, int nv,
+                              const int32_t *lo, const int32_t *hi, float (*st)[MOE_ATTN_TILE_QV],
+                              __m256 *mx) {
+    const moe_block_q8_0 *kb[8];
+    __m256i acc[8][2];
+    _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++) { /* keys past the tile: the last's */
+        const int key = j + u < a->n_key ? j + u : a->n_key - 1;
+        kb[u] = (const moe_block_q8_0 *)((const uint8_t *)a->k + key * a->k_stride) + blk;
+        _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) acc[u][v] = _mm256_setzero_si256();
+    }
+    const int8_t *qq = a->qq + (int64_t)blk * 8 * MOE_ATTN_TILE_QV * 4 + 32 * v0;
+    _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
+        __m256i q[2];
+        _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) q[v] =
+            _mm256_loadu_si256((const __m256i *)(qq + (int64_t)t * MOE_ATTN_TILE_QV * 4 + 32 * v));
+        _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++) {
+            int32_t k4;
+            memcpy(&k4, kb[u]->qs + 4 * t, sizeof k4);
+            const __m256i k = _mm256_set1_epi32(k4), ku = _mm256_abs_epi8(k);
+            _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) acc[u][v] = _mm256_add_epi32(
+                acc[u][v], _mm256_madd_epi16(_mm256_maddubs_epi16(ku, _mm256_sign_epi8(q[v], k)),
+                                             _mm256_set1_epi16(1)));
+        }
+    }
+    const bool last = blk + 1 == a->dk / MOE_QK32;
+    const float *qd = a->qd + (int64_t)blk * MOE_ATTN_TILE_QV + 8 * v0;
+    _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++) { /* unrolled: acc stays in registers */
+        if (j + u >= a->n_key) break;
+        const __m256 kd = _mm256_set1_ps(avx2_fp16(kb[u]->d));
+        const __m256i key = _mm256_set1_epi32(j + u);
+        _Pragma("GCC unroll 2") for (int v = 0; v < nv; v++) {
+            float *sj = &st[j + u][8 * (v0 + v)];
+            const __m256 f = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(qd + 8 * v), kd),
+                                             _mm256_cvtepi32_ps(acc[u][v]),
+                                             blk ? _mm256_loadu_ps(sj) : _mm256_setzero_ps());
+            if (!last) {
+                _mm256_storeu_ps(sj, f);
+                continue;
+            }
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(lo + 8 * (v0 + v)));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(hi + 8 * (v0 + v)));
+            const __m256i blind =
+                _mm256_or_si256(_mm256_cmpgt_epi32(l, key), _mm256_cmpgt_epi32(key, h));
+            const __m256 sc =
+                _mm256_blendv_ps(_mm256_mul_ps(f, _mm256_set1_ps(a->scale)),
+                                 _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(blind));
+            _mm256_storeu_ps(sj, sc);
+            mx[v0 + v] = _mm256_max_ps(mx[v0 + v], sc);
+        }
+    }
+}
+
 /* out[i..i+nq-1] += weights x values over the tile's keys for output values d..d+8 nd - 1. */
 MOE_INLINE void attn_mix_rows8(const moe_attn_tile_args *a, const float *vc,
                                float (*st)[MOE_ATTN_TILE_QV], int i, int nq, int d, int nd) {
@@ -868,8 +925,22 @@ static void attn_tile8(const moe_attn_tile_args *a) {
     }
     __m256 mx[MOE_ATTN_TILE_QV / 8];
     for (int v = 0; v < nv; v++) mx[v] = _mm256_loadu_ps(m + 8 * v);
-    attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
-    for (int v = 0; v < nv; v += 2) {
+    if (a->kv_type == MOE_TYPE_Q8_0) {
+        for (int j = 0; j < a->n_key; j++) /* the next tile's keys on their way */
+            avx2_attn_prefetch_next((const uint8_t *)a->k + j * a->k_stride, a->k_stride,
+                                    (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dk));
+        for (int blk = 0; blk < a->dk / MOE_QK32; blk++)
+            for (int v = 0; v < nv; v += 2) {
+                if (v + 1 < nv)
+                    for (int j = 0; j < a->n_key; j += 4)
+                        attn_q8_keys8(a, blk, j, 4, v, 2, lo, hi, st, mx);
+                else
+                    for (int j = 0; j < a->n_key; j += 8)
+                        attn_q8_keys8(a, blk, j, 8, v, 1, lo, hi, st, mx);
+            }
+    } else
+        attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+    for (int v = 0; v < nv && a->kv_type != MOE_TYPE_Q8_0; v += 2) {
         if (v + 1 < nv)
             for (int j = 0; j < a->n_key; j += 4)
                 attn_scores8(a, a->scratch, j, 4, 8 * v, 2, lo, hi, st, mx);

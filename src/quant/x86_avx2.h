@@ -386,20 +386,27 @@ MOE_INLINE void avx2_attn_pad_keys(float *out, int n_key, int dim) {
     memset(out + (int64_t)n_key * dim, 0, sizeof(float) * (size_t)((-n_key & 15) * dim));
 }
 
+/* moe_attn_exp's polynomial at either width (P: _mm256 or _mm512, T: its float vector): from x
+ * and n = its nearest multiple of 1 / ln 2, the y that 2^n then scales. */
+#define AVX_ATTN_EXP_POLY_FN(name, P, T)                                                           \
+    MOE_INLINE T name(T x, T n) {                                                                  \
+        T r = P##_fmadd_ps(n, P##_set1_ps(MOE_ATTN_EXP_LN2_A), x);                                 \
+        r = P##_fmadd_ps(n, P##_set1_ps(MOE_ATTN_EXP_LN2_B), r);                                   \
+        T p = P##_fmadd_ps(P##_set1_ps(MOE_ATTN_EXP_P0), r, P##_set1_ps(MOE_ATTN_EXP_P1));         \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(MOE_ATTN_EXP_P2));                                      \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(MOE_ATTN_EXP_P3));                                      \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(MOE_ATTN_EXP_P4));                                      \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(MOE_ATTN_EXP_P5));                                      \
+        return P##_add_ps(P##_fmadd_ps(p, P##_mul_ps(r, r), r), P##_set1_ps(1.0f));                \
+    }
+AVX_ATTN_EXP_POLY_FN(avx2_attn_exp_poly, _mm256, __m256)
+
 /* moe_attn_exp on 8 lanes, in its operations. */
 MOE_INLINE __m256 avx2_attn_exp(__m256 x) {
     const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(MOE_ATTN_EXP_MIN), _CMP_GE_OQ);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(MOE_ATTN_EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(MOE_ATTN_EXP_LN2_A), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(MOE_ATTN_EXP_LN2_B), r);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(MOE_ATTN_EXP_P0), r, _mm256_set1_ps(MOE_ATTN_EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MOE_ATTN_EXP_P5));
-    const __m256 y =
-        _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256 y = avx2_attn_exp_poly(x, n);
     const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
     return _mm256_and_ps(live, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e)));
 }

@@ -541,14 +541,21 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
  * scores of 4 keys (broadcast from the f32 tile) x up to 4 registers of vectors, or 8 keys x 1
  * (8 chains in flight either way: an fma's latency times its ports). Up to 8 (decode: one row's
  * group of heads) take two keys per register, lane 2i + e holding vector i against key 2p + e of
- * the tile's pair p, so they fill the 16 lanes too. Mix: 4 query vectors (broadcast weights) x
- * 64 output values, the values loaded once for the 4. */
+ * the tile's pair p, so they fill the 16 lanes too. A Q8_0 cache's scores are integer work with
+ * the vectors in the lanes whatever their number (below). Mix: 4 query vectors (broadcast
+ * weights) x 64 output values, the values loaded once for the 4. */
 
-/* moe_attn_exp on 16 lanes: the AVX2 one on each half. */
+/* moe_attn_exp on 16 lanes, in the AVX2 one's operations (half the instructions of running it
+ * on each half). */
+AVX_ATTN_EXP_POLY_FN(z_attn_exp_poly, _mm512, __m512)
 MOE_INLINE __m512 z_attn_exp(__m512 x) {
-    const __m256 lo = avx2_attn_exp(_mm512_castps512_ps256(x));
-    return _mm512_insertf32x8(_mm512_castps256_ps512(lo),
-                              avx2_attn_exp(_mm512_extractf32x8_ps(x, 1)), 1);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(MOE_ATTN_EXP_MIN), _CMP_GE_OQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(MOE_ATTN_EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 y = z_attn_exp_poly(x, n);
+    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+    return _mm512_maskz_mov_ps(live,
+                               _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(y), e)));
 }
 
 /* The running max's move (old -> mx), the rescale c of the old sum and outputs, and the old sum
@@ -621,7 +628,114 @@ MOE_INLINE void z_attn_scores_keys(const moe_attn_tile_args *a, const float *kc,
     }
 }
 
-/* More than 8 query vectors: weights into st[key][vector], the new m, l and the rescale c. */
+/* ---- A Q8_0 cache: integer scores (quant.h), 4 values per int32 lane ----
+ * A lane holds 4 values of one query vector, the 4 values of a key broadcast beside it.
+ * vpdpbusd (VNNI) wants the key's bytes unsigned: it takes k + 128 (xor 0x80) and 128 x the
+ * query block's sum comes off after; without VNNI the key's sign moves onto the query (|k| x
+ * +-q: pairs <= 2 x 128 x 127, so vpmaddubsw never saturates). Either way the int32 sums are
+ * exact, then one fma per block as the reference does it. */
+
+/* Scores of keys j..j+nk-1 against query registers v0..v0+nv-1 (16 vectors each) over block
+ * blk: the float chain carried in st between blocks; after the last, scaled and masked as
+ * z_attn_scores_keys does, maxima into mx. */
+MOE_INLINE void z_attn_q8_keys(const moe_attn_tile_args *a, int blk, int j, int nk, int v0, int nv,
+                               const __m512i *bias, const __m512i *lo, const __m512i *hi,
+                               float (*st)[MOE_ATTN_TILE_QV], __m512 *mx) {
+    const moe_block_q8_0 *kb[8];
+    __m512i acc[8][4];
+    _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++) { /* keys past the tile: the last's */
+        const int key = j + u < a->n_key ? j + u : a->n_key - 1;
+        kb[u] = (const moe_block_q8_0 *)((const uint8_t *)a->k + key * a->k_stride) + blk;
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] = _mm512_setzero_si512();
+    }
+    const int8_t *qq = a->qq + (int64_t)blk * 8 * MOE_ATTN_TILE_QV * 4 + 64 * v0;
+    _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
+        __m512i q[4];
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) q[v] =
+            _mm512_loadu_si512(qq + (int64_t)t * MOE_ATTN_TILE_QV * 4 + 64 * v);
+        _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++) {
+            int32_t k4;
+            memcpy(&k4, kb[u]->qs + 4 * t, sizeof k4);
+#if MOE_AVX512_VNNI
+            const __m512i ku = _mm512_set1_epi32(k4 ^ (int32_t)0x80808080);
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] =
+                z_dp_u8_i8(acc[u][v], ku, q[v]);
+#else
+            const __m512i k = _mm512_set1_epi32(k4), ku = _mm512_abs_epi8(k);
+            const __mmask64 neg = _mm512_movepi8_mask(k);
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] = z_dp_u8_i8(
+                acc[u][v], ku, _mm512_mask_sub_epi8(q[v], neg, _mm512_setzero_si512(), q[v]));
+#endif
+        }
+    }
+    const bool last = blk + 1 == a->dk / MOE_QK32;
+    const float *qd = a->qd + (int64_t)blk * MOE_ATTN_TILE_QV + 16 * v0;
+    _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++) { /* unrolled: acc stays in registers */
+        if (j + u >= a->n_key) break;
+        const __m512 kd = _mm512_set1_ps(avx2_fp16(kb[u]->d));
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+            const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[u][v], bias[v0 + v]));
+            float *sj = &st[j + u][16 * (v0 + v)];
+            const __m512 f = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(qd + 16 * v), kd), isum,
+                                             blk ? _mm512_loadu_ps(sj) : _mm512_setzero_ps());
+            if (!last) {
+                _mm512_storeu_ps(sj, f);
+                continue;
+            }
+            const __m512i key = _mm512_set1_epi32(j + u);
+            const __mmask16 sees =
+                _mm512_cmpge_epi32_mask(key, lo[v0 + v]) & _mm512_cmple_epi32_mask(key, hi[v0 + v]);
+            const __m512 sc =
+                _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), sees, f, _mm512_set1_ps(a->scale));
+            _mm512_storeu_ps(sj, sc);
+            mx[v0 + v] = _mm512_max_ps(mx[v0 + v], sc);
+        }
+    }
+}
+
+/* All scores of the tile from a Q8_0 cache, block after block: 4 keys x 4 query registers, or
+ * 8 keys x 1. */
+static void z_attn_q8_scores(const moe_attn_tile_args *a, int nv, const __m512i *lo,
+                             const __m512i *hi, float (*st)[MOE_ATTN_TILE_QV], __m512 *mx) {
+    for (int j = 0; j < a->n_key; j++) /* the next tile's keys on their way */
+        avx2_attn_prefetch_next((const uint8_t *)a->k + j * a->k_stride, a->k_stride,
+                                (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dk));
+    for (int blk = 0; blk < a->dk / MOE_QK32; blk++) {
+        __m512i bias[MOE_ATTN_TILE_QV / 16]; /* what the key's + 128 added: 128 x sum q */
+        for (int v = 0; v < nv; v++) {
+            bias[v] = _mm512_setzero_si512();
+#if MOE_AVX512_VNNI
+            for (int t = 0; t < 8; t++)
+                bias[v] = z_dp_u8_i8(
+                    bias[v], _mm512_set1_epi8(1),
+                    _mm512_loadu_si512(a->qq +
+                                       ((int64_t)(blk * 8 + t) * MOE_ATTN_TILE_QV + 16 * v) * 4));
+            bias[v] = _mm512_slli_epi32(bias[v], 7);
+#endif
+        }
+        for (int v = 0; v < nv; v += 4) switch (nv - v) {
+            case 1:
+                for (int j = 0; j < a->n_key; j += 8)
+                    z_attn_q8_keys(a, blk, j, 8, v, 1, bias, lo, hi, st, mx);
+                break;
+            case 2:
+                for (int j = 0; j < a->n_key; j += 4)
+                    z_attn_q8_keys(a, blk, j, 4, v, 2, bias, lo, hi, st, mx);
+                break;
+            case 3:
+                for (int j = 0; j < a->n_key; j += 4)
+                    z_attn_q8_keys(a, blk, j, 4, v, 3, bias, lo, hi, st, mx);
+                break;
+            default:
+                for (int j = 0; j < a->n_key; j += 4)
+                    z_attn_q8_keys(a, blk, j, 4, v, 4, bias, lo, hi, st, mx);
+                break;
+            }
+    }
+}
+
+/* More than 8 query vectors, or a Q8_0 cache: weights into st[key][vector], the new m, l and
+ * the rescale c. */
 static void z_attn_softmax_lanes(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
                                  float *m, float *l, float *c) {
     int32_t lo[MOE_ATTN_TILE_QV], hi[MOE_ATTN_TILE_QV];
@@ -639,8 +753,11 @@ static void z_attn_softmax_lanes(const moe_attn_tile_args *a, float (*st)[MOE_AT
         vhi[v] = _mm512_loadu_si512(hi + 16 * v);
         mx[v] = _mm512_loadu_ps(m + 16 * v);
     }
-    z_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
-    for (int v = 0; v < nv; v += 4) /* 64 query vectors at a time against the whole tile */
+    if (a->kv_type == MOE_TYPE_Q8_0)
+        z_attn_q8_scores(a, nv, vlo, vhi, st, mx);
+    else
+        z_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+    for (int v = 0; v < nv && a->kv_type != MOE_TYPE_Q8_0; v += 4) /* 64 vectors at a time */
         switch (nv - v) {
         case 1:
             for (int j = 0; j < a->n_key; j += 8)
@@ -824,7 +941,7 @@ MOE_INLINE void z_attn_mix_rows(const moe_attn_tile_args *a, const float *vc,
 static void z_attn_tile(const moe_attn_tile_args *a) {
     _Alignas(64) float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* weights: st[key][vector] */
     float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], c[MOE_ATTN_TILE_QV];
-    if (a->nq <= 8)
+    if (a->nq <= 8 && a->kv_type != MOE_TYPE_Q8_0)
         z_attn_softmax_pairs(a, st, m, l, c);
     else
         z_attn_softmax_lanes(a, st, m, l, c);
