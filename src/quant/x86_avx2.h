@@ -49,7 +49,7 @@
         }                                                                                          \
     } while (0)
 
-/* The fast path's tile loop (fast_avx512vnni.c, the fast section of x86_avx2.c): activation
+/* The fast path's tile loop (fast_avx512vnni.c, fast_avx2.c): activation
  * rows `group` at a time, their accumulators (V, from vzero()) in accbuf; per chunk of up to
  * `chunk` blocks, DECODE (with j the block of the chunk, c0 its first) once per block, then STEP
  * per row group (MOE_ROW_GROUPS: r the group's first row, g0 the group's); then STORE per row. */
