@@ -469,6 +469,14 @@ MOE_INLINE __m512i fast_sum16x16(const __m512i s[16]) {
     return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
 }
 
+/* The weight blocks are read a block of each of the 16 rows at a time, 16 streams a row apart,
+ * which the hardware prefetcher does not follow (nor the matmul's prefetch, issued in row order
+ * before the call): so each row's block FAST_LANES_AHEAD blocks on in that order (past the row's
+ * end: the next group's row v + 16, which the matmul's next call reads) is requested as a block
+ * is decoded. Q6_K, 2048-value rows, one activation row, 2 threads streaming: 2.8 GB/s without,
+ * 4.5 at 1 block ahead, 5.3-5.8 at 2..6; the exact kernel, one row at a time, 4.1 (load 6.5). */
+#define FAST_LANES_AHEAD 4
+
 MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, int n_w,
                               const uint8_t *x, size_t xs, int64_t nb, float *out, int64_t os) {
     __m512 acc[FAST_TILE_MIN_ROWS];
@@ -479,8 +487,13 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
         for (int v = n_w; v < 16; v++) part[r][v] = mpart[r][v] = _mm512_setzero_si512();
     }
     for (int64_t i = 0; i < nb; i++) {
+        const int64_t a = i + FAST_LANES_AHEAD; /* block a % nb of row v + 16 (a / nb) */
+        const size_t ahead =
+            (size_t)(a / nb) * MOE_DOT_TILE_W * ws + (size_t)(a % nb) * t.block_bytes;
         for (int v = 0; v < n_w; v++) {
             const uint8_t *block = w + v * ws + (size_t)i * t.block_bytes;
+            for (size_t o = 0; o < t.block_bytes; o += 64)
+                _mm_prefetch((const char *)w + v * ws + ahead + o, _MM_HINT_T0);
             z_iqb b;
             t.regs(block, &b);
             __m256i mins = _mm256_setzero_si256();
