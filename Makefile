@@ -2,8 +2,8 @@
 #
 # Sources are found by wildcard: src/<layer>/*.c make libmoe, cli/*.c the `moe` binary,
 # tests/*.c the test runner (one suite per tests/test_<suite>.c, registered automatically).
-# Files named *_avx2.c / *_avx512.c / *_avx512vnni.c get their own ISA flags (x86_avx512.c is
-# built at two levels, see AVX512VNNI_OBJ); everything else is built for the baseline x86-64 so
+# Files named *_avx2.c / *_avx512.c / *_avx512vnni.c get their own ISA flags (x86_avx512.c and
+# fast_avx2.c are built at two levels each, see AVX512VNNI_OBJ and AVXVNNI_OBJ); everything else is built for the baseline x86-64 so
 # the binary runs anywhere and dispatches at run time.
 
 # MPI=1: the same sources built with Open MPI's mpicc and MOE_MPI (engine/dist.c talks to the
@@ -29,6 +29,7 @@ LDLIBS  += -lmicrohttpd -lpcre2-8 -ljansson -lcurl -lm -lpthread
 TEST_LDLIBS = -lcmocka -ljansson
 
 ISA_avx2       = -mavx2 -mfma -mf16c
+ISA_avxvnni    = $(ISA_avx2) -mavxvnni
 ISA_avx512     = $(ISA_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512dq
 ISA_avx512vnni = $(ISA_avx512) -mavx512vnni -mavx512vbmi -mavx512bf16
 # first match wins: *_avx512vnni.c must not also pick up the avx512 suffix rule
@@ -45,6 +46,9 @@ LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
 # at the avx512vnni level into avx512vnni/, MOE_AVX512_VNNI telling the code which it is.
 AVX512VNNI_OBJ := $(BUILD)/src/quant/avx512vnni/x86_avx512.o
 LIB_OBJ  += $(AVX512VNNI_OBJ)
+# So is fast_avx2.c: at avx2 as itself, at avxvnni into avxvnni/ (MOE_AVX_VNNI).
+AVXVNNI_OBJ := $(BUILD)/src/quant/avxvnni/fast_avx2.o
+LIB_OBJ  += $(AVXVNNI_OBJ)
 CLI_OBJ  := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIB      := $(BUILD)/libmoe.a
@@ -68,6 +72,10 @@ $(BUILD)/src/quant/x86_avx512.o: CFLAGS += -DMOE_AVX512_VNNI=0
 $(AVX512VNNI_OBJ): src/quant/x86_avx512.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(ISA_avx512vnni) -DMOE_AVX512_VNNI=1 -c -o $@ $<
+$(BUILD)/src/quant/fast_avx2.o: CFLAGS += -DMOE_AVX_VNNI=0
+$(AVXVNNI_OBJ): src/quant/fast_avx2.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(ISA_avxvnni) -DMOE_AVX_VNNI=1 -c -o $@ $<
 
 # The chat page's files are embedded by web.c's .incbin, which -MMD does not see.
 $(BUILD)/src/serve/web.o: $(wildcard src/serve/web/*)

@@ -73,24 +73,47 @@ static void isa_levels_resolve(void **state) {
         assert_int_equal(back, i);
     }
     assert_false(moe_isa_from_name("avx", &(moe_isa){0}));
-    assert_int_equal(moe_cpu_isa_resolve(NULL, MOE_ISA_AVX512, why, sizeof why), MOE_ISA_AVX512);
+    const unsigned skx = 1u << MOE_ISA_AVX2 | 1u << MOE_ISA_AVX512,
+                   adl = 1u << MOE_ISA_AVX2 | 1u << MOE_ISA_AVXVNNI,
+                   all = (1u << MOE_ISA_COUNT) - 1;
+    assert_int_equal(moe_cpu_isa_resolve(NULL, skx, why, sizeof why), MOE_ISA_AVX512);
     assert_string_equal(why, "");
-    assert_int_equal(moe_cpu_isa_resolve("", MOE_ISA_AVX2, why, sizeof why), MOE_ISA_AVX2);
-    assert_int_equal(moe_cpu_isa_resolve("scalar", MOE_ISA_AVX512VNNI, why, sizeof why),
-                     MOE_ISA_SCALAR);
+    assert_int_equal(moe_cpu_isa_resolve("", 1u << MOE_ISA_AVX2, why, sizeof why), MOE_ISA_AVX2);
+    assert_int_equal(moe_cpu_isa_resolve("scalar", all, why, sizeof why), MOE_ISA_SCALAR);
     assert_string_equal(why, "");
-    assert_int_equal(moe_cpu_isa_resolve("avx2", MOE_ISA_AVX512, why, sizeof why), MOE_ISA_AVX2);
-    /* more than the CPU has: the best it has, and a reason */
-    assert_int_equal(moe_cpu_isa_resolve("avx512vnni", MOE_ISA_AVX2, why, sizeof why),
+    assert_int_equal(moe_cpu_isa_resolve("avx2", skx, why, sizeof why), MOE_ISA_AVX2);
+    assert_int_equal(moe_cpu_isa_resolve(NULL, adl, why, sizeof why), MOE_ISA_AVXVNNI);
+    assert_int_equal(moe_cpu_isa_resolve("avxvnni", all, why, sizeof why), MOE_ISA_AVXVNNI);
+    assert_int_equal(moe_cpu_isa_resolve(NULL, all, why, sizeof why), MOE_ISA_AMX);
+    /* a level the CPU does not run: the best it has, and a reason */
+    assert_int_equal(moe_cpu_isa_resolve("avx512vnni", 1u << MOE_ISA_AVX2, why, sizeof why),
                      MOE_ISA_AVX2);
-    assert_non_null(strstr(why, "at most avx2"));
-    assert_int_equal(moe_cpu_isa_resolve("sse9", MOE_ISA_AVX512, why, sizeof why), MOE_ISA_AVX512);
+    assert_non_null(strstr(why, "runs scalar, avx2)"));
+    assert_int_equal(moe_cpu_isa_resolve("avxvnni", skx, why, sizeof why), MOE_ISA_AVX512);
+    assert_non_null(strstr(why, "runs scalar, avx2, avx512)"));
+    assert_int_equal(moe_cpu_isa_resolve("avx512", adl, why, sizeof why), MOE_ISA_AVXVNNI);
+    assert_int_equal(moe_cpu_isa_resolve("sse9", skx, why, sizeof why), MOE_ISA_AVX512);
     assert_non_null(strstr(why, "sse9"));
+    /* which CPUs run avxvnni: a branch off avx2, never implied by AVX-512 */
+    moe_cpu_features f = {.avx2 = true, .fma = true, .f16c = true};
+    assert_int_equal(moe_cpu_levels_of(&f), 1u | 1u << MOE_ISA_AVX2);
+    f.avxvnni = true; /* Alder Lake */
+    assert_int_equal(moe_cpu_levels_of(&f), 1u | adl);
+    f.avxvnni = false, f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = true; /* Skylake-X */
+    assert_int_equal(moe_cpu_levels_of(&f), 1u | skx);
+    f.avx512vnni = f.avx512vbmi = true; /* Ice Lake */
+    assert_int_equal(moe_cpu_levels_of(&f), 1u | skx | 1u << MOE_ISA_AVX512VNNI);
+    f.avxvnni = f.amx_tile = f.amx_int8 = true; /* Sapphire Rapids: amx is still the best */
+    assert_int_equal(moe_cpu_levels_of(&f), 1u | all);
+    assert_int_equal(moe_cpu_isa_resolve(NULL, moe_cpu_levels_of(&f), why, sizeof why),
+                     MOE_ISA_AMX);
+    f.avx2 = false; /* no AVX2: nothing but scalar, whatever else is set */
+    assert_int_equal(moe_cpu_levels_of(&f), 1u);
     /* the process's own level follows MOE_ISA when that is runnable */
     moe_isa want = moe_cpu_isa_supported();
     const char *env = getenv("MOE_ISA");
     moe_isa asked;
-    if (env && moe_isa_from_name(env, &asked) && asked <= want) want = asked;
+    if (env && moe_isa_from_name(env, &asked) && moe_cpu_isa_runs(asked)) want = asked;
     assert_int_equal(moe_cpu_isa(), want);
     assert_int_equal(moe_kernels_get()->isa, want);
     char desc[256];
@@ -101,10 +124,9 @@ static void isa_levels_resolve(void **state) {
 
 static void tables_cover_every_dot(void **state) {
     (void)state;
-    const moe_isa top = moe_cpu_isa_supported();
     for (int level = 0; level < MOE_ISA_COUNT; level++) {
         const moe_kernels *k = moe_kernels_for_isa((moe_isa)level);
-        if (level > (int)top) {
+        if (!moe_cpu_isa_runs((moe_isa)level)) {
             assert_null(k);
             continue;
         }
@@ -123,6 +145,9 @@ static void tables_cover_every_dot(void **state) {
             assert_non_null(e->quantize_row_for_dot);
             assert_int_equal(e->dot_type, tr->dot_type);
             assert_true(e->dot_isa <= k->isa && e->quantize_isa <= k->isa);
+            /* avxvnni is no level below avx512: nothing of it reaches another table */
+            if (level != MOE_ISA_AVXVNNI)
+                assert_true(e->dot_isa != MOE_ISA_AVXVNNI && e->quantize_isa != MOE_ISA_AVXVNNI);
             if (level == MOE_ISA_SCALAR) assert_ptr_equal(e->dot, tr->dot);
             if (e->dot_isa == k->isa && level > 0)
                 snprintf(line + strlen(line), sizeof line - strlen(line), " %s", tr->name);
@@ -462,9 +487,9 @@ static void fast_path_matches_its_reference(void **state) {
                 /* rows: both sides of the avx512vnni kernels' switch from the lanes to the tile
                  * (8), of the row groups (4) and of the amx level's 16-row tiles */
                 static const int widths[] = {1, 5, 9, MAX_W},
-                                 rows[] = {1, 2, 3, 4, 7, 8, 16, 17, 64, MAX_X};
+                                 rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 64, MAX_X};
                 for (int a = 0; a < 4; a++)
-                    for (int b = 0; b < 10; b++) {
+                    for (int b = 0; b < (int)(sizeof rows / sizeof rows[0]); b++) {
                         memset(out, 0xff, sizeof(float) * MAX_X * MAX_W);
                         e->dot_tile(w, w_stride, widths[a], xq, x_stride, rows[b], n, out, MAX_W);
                         for (int r = 0; r < rows[b]; r++)
@@ -488,7 +513,7 @@ static void fast_path_matches_its_reference(void **state) {
     static const moe_type own[] = {MOE_TYPE_Q8_0,  MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ2_XS,
                                    MOE_TYPE_IQ2_S, MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ3_S,
                                    MOE_TYPE_IQ1_S, MOE_TYPE_IQ1_M,   MOE_TYPE_IQ4_XS};
-    static const moe_isa levels[] = {MOE_ISA_AVX2, MOE_ISA_AVX512VNNI};
+    static const moe_isa levels[] = {MOE_ISA_AVX2, MOE_ISA_AVXVNNI, MOE_ISA_AVX512VNNI};
     for (size_t l = 0; l < sizeof levels / sizeof levels[0]; l++) {
         const moe_kernels *k = moe_kernels_for_path(levels[l], false);
         if (!k) continue;
@@ -599,6 +624,89 @@ static void rows16_layout_and_kernels(void **state) {
     assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_IQ3_S)); /* fast_avx512vnni.c */
     assert_false(moe_layout_has_type(MOE_LAYOUT_ROWS16, MOE_TYPE_IQ2_S));
     free(rows), free(group), free(back), free(xq), free(x), free(out);
+}
+
+/* The avxvnni level: its exact table is avx2's, entry for entry; its fast table has a kernel of
+ * its own where avx2's has one (avx2's fast kernels built with vpdpbusd), and each gives avx2's
+ * fast bits, bit for bit, single rows and tiles of 1..70 activation rows (the int8 tile from 8),
+ * on random rows and on activations at +-127 (for Q8_0 and IQ4_XS with weights at their largest
+ * magnitudes too: where a saturating multiply would part). Skipped where the CPU has no AVX-VNNI.
+ */
+static void avxvnni_is_avx2_with_vpdpbusd(void **state) {
+    (void)state;
+    const moe_kernels *vx = moe_kernels_for_isa(MOE_ISA_AVXVNNI),
+                      *ax = moe_kernels_for_isa(MOE_ISA_AVX2),
+                      *vf = moe_kernels_for_path(MOE_ISA_AVXVNNI, false),
+                      *af = moe_kernels_for_path(MOE_ISA_AVX2, false);
+    if (!vx) {
+        print_message("[ SKIPPED  ] no AVX-VNNI here: %s is the best kernel table\n",
+                      moe_isa_name(moe_cpu_isa_supported()));
+        skip();
+    }
+    assert_memory_equal(vx->types, ax->types, sizeof vx->types);
+    assert_true(vx->attn_scores == ax->attn_scores && vx->attn_mix == ax->attn_mix &&
+                vx->attn_tile == ax->attn_tile);
+    enum { MAX_W = MOE_DOT_TILE_W, MAX_X = 70, BLOCKS = 7, N = BLOCKS * 256 };
+    const size_t w_stride = 2 * N, x_stride = 2 * N; /* bytes: more than any type's row */
+    uint8_t *w = moe_xmalloc(w_stride * MAX_W + x_stride * MAX_X), *xq = w + w_stride * MAX_W;
+    float *x = moe_xmalloc(sizeof(float) * (N + MAX_X * MAX_W)), *out = x + N;
+    uint64_t seed = 44;
+    int own = 0;
+    for (int t = 0; t < MOE_TYPE_COUNT; t++) {
+        const moe_type_kernels *v = &vf->types[t], *a = &af->types[t];
+        if (!v->dot) continue;
+        if ((v->dot_isa == MOE_ISA_AVXVNNI) !=
+            (a->dot_isa == MOE_ISA_AVX2 && a->dot != ax->types[t].dot))
+            fail_msg("avxvnni fast %s: %s", moe_type_name((moe_type)t),
+                     v->dot_isa == MOE_ISA_AVXVNNI ? "a kernel avx2 has not" : "no twin of avx2's");
+        if (v->dot_isa != MOE_ISA_AVXVNNI) {
+            assert_memory_equal(v, &vx->types[t], sizeof *v);
+            continue;
+        }
+        own++;
+        assert_non_null(v->dot_tile);
+        const moe_type_traits *tr = moe_type_traits_get((uint32_t)t);
+        const int64_t n = BLOCKS * tr->block_values;
+        for (int pass = 0; pass < 2; pass++) {
+            for (int j = 0; j < MAX_W; j++)
+                moe_type_random_row((moe_type)t, &seed, w + (size_t)j * w_stride, n);
+            /* then the largest magnitudes where a block starts with its fp16 d (kept): Q8_0's
+             * -128 and +-127, IQ4_XS's -127 at scale -32 and 113 at 31 */
+            static const uint8_t fill[4] = {0x00, 0xff, 0x80, 0x81};
+            if (pass && (t == MOE_TYPE_Q8_0 || t == MOE_TYPE_IQ4_XS))
+                for (int j = 0; j < MAX_W; j++)
+                    for (int64_t b = 0; b < (int64_t)moe_type_row_bytes((moe_type)t, n); b++)
+                        if ((size_t)b % tr->block_bytes >= 2)
+                            w[(size_t)j * w_stride + (size_t)b] = fill[j % 4];
+            for (int r = 0; r < MAX_X; r++) {
+                if (pass)
+                    for (int64_t i = 0; i < n; i++) x[i] = (i + r) % 3 ? 1.0f : -1.0f;
+                else
+                    random_activations(&seed, x, n);
+                v->quantize_row_for_dot(x, xq + (size_t)r * x_stride, n);
+            }
+            static const int rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 64, MAX_X};
+            for (int b = 0; b < (int)(sizeof rows / sizeof rows[0]); b++) {
+                memset(out, 0xff, sizeof(float) * MAX_X * MAX_W);
+                v->dot_tile(w, w_stride, MAX_W, xq, x_stride, rows[b], n, out, MAX_W);
+                for (int r = 0; r < rows[b]; r++)
+                    for (int j = 0; j < MAX_W; j++) {
+                        const uint8_t *wr = w + (size_t)j * w_stride,
+                                      *xr = xq + (size_t)r * x_stride;
+                        const float want = a->dot(wr, xr, n), one = v->dot(wr, xr, n);
+                        if (memcmp(&want, &out[r * MAX_W + j], sizeof want) != 0 ||
+                            memcmp(&want, &one, sizeof want) != 0)
+                            fail_msg("avxvnni fast %s (%s), %d rows: weight row %d, row %d is "
+                                     "%.9g (alone %.9g), avx2 %.9g",
+                                     tr->name, pass ? "largest" : "random", rows[b], j, r,
+                                     out[r * MAX_W + j], one, want);
+                    }
+            }
+        }
+    }
+    print_message("[ MEASURE  ] avxvnni: %d fast kernels give avx2's fast bits\n", own);
+    assert_true(own >= 9);
+    free(w), free(x);
 }
 
 /* ==== The amx level (fast_amx.h) ====
@@ -1121,6 +1229,7 @@ int moe_suite_kernels(void) {
         cmocka_unit_test(matmul_tiles_equal_single_dots),
         cmocka_unit_test(fast_path_matches_its_reference),
         cmocka_unit_test(rows16_layout_and_kernels),
+        cmocka_unit_test(avxvnni_is_avx2_with_vpdpbusd),
         cmocka_unit_test(amx_tiles_equal_avx512vnni),
         cmocka_unit_test(attention_kernels_bit_exact),
         cmocka_unit_test(attention_exp_within_2ulp),

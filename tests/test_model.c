@@ -770,7 +770,8 @@ static void logits_every_isa(const char *name, const char *model, const char *re
         model = moe_test_shared(rel);
     }
     const uint32_t nv = f.m->cfg.n_vocab;
-    for (int isa = MOE_ISA_SCALAR; isa <= (int)moe_cpu_isa_supported(); isa++) {
+    for (int isa = MOE_ISA_SCALAR; isa < MOE_ISA_COUNT; isa++) {
+        if (!moe_cpu_isa_runs((moe_isa)isa)) continue;
         snprintf(out_path, sizeof out_path, "%s/%s.%s.f32", moe_test_tmpdir(), name,
                  moe_isa_name((moe_isa)isa));
         snprintf(cmd, sizeof cmd, "MOE_ISA=%s %s logits %s --tokens %s --out %s",
@@ -875,8 +876,9 @@ static void distance(const float *ours, const float *ref, uint32_t rows, uint32_
 
 /* The fast path on a quantized fixture, at every ISA level (`moe logits`, one prefill of the
  * 32 ids): its logits at least as close to the f32-activation reference as llama.cpp's are
- * (worst row rel err and mean KL, times slack), and the greedy ids its argmaxes; the amx level's
- * logits are avx512vnni's, byte for byte (its tiles give the same integer sums, fast_amx.h). */
+ * (worst row rel err and mean KL, times slack), and the greedy ids its argmaxes; the avxvnni
+ * level's logits are avx2's and the amx level's avx512vnni's, byte for byte (the same integer
+ * sums in the same float order: fast_avx2.c, fast_amx.h). */
 static void fast_rule_check(const char *name, double slack) {
     fixture f, llama;
     char rel[256], ids[512], out_path[512], cmd[2048];
@@ -884,21 +886,24 @@ static void fast_rule_check(const char *name, double slack) {
     assert_true(fixture_open(&llama, name, "logits", 0));
     const uint32_t nv = f.m->cfg.n_vocab;
     double llama_rel, llama_kl;
-    float *vnni = NULL; /* the avx512vnni level's logits */
+    float *avx2 = NULL, *vnni = NULL; /* the avx2 and avx512vnni levels' logits */
     distance(llama.ref, f.ref, f.n, nv, &llama_rel, &llama_kl);
     ids_csv(&f, ids, sizeof ids);
     snprintf(rel, sizeof rel, "parity/%s.gguf", name);
-    for (int isa = MOE_ISA_SCALAR; isa <= (int)moe_cpu_isa_supported(); isa++) {
+    for (int isa = MOE_ISA_SCALAR; isa < MOE_ISA_COUNT; isa++) {
+        if (!moe_cpu_isa_runs((moe_isa)isa)) continue;
         const char *level = moe_isa_name((moe_isa)isa);
         snprintf(out_path, sizeof out_path, "%s/%s.fast.%s.f32", moe_test_tmpdir(), name, level);
         snprintf(cmd, sizeof cmd, "MOE_EXACT=0 MOE_ISA=%s %s logits %s --tokens %s --out %s", level,
                  moe_test_bin(), moe_test_shared(rel), ids, out_path);
         float *ours = run_for_floats(cmd, out_path, (size_t)f.n * nv);
-        if (isa == MOE_ISA_AMX) {
-            const bool same = memcmp(ours, vnni, sizeof(float) * f.n * nv) == 0;
-            print_message("%s fast at amx: logits %s avx512vnni's\n", name,
-                          same ? "byte-identical to" : "DIFFER from");
-            if (!same) fail_msg("%s fast at amx: the logits differ from avx512vnni's", name);
+        if (isa == MOE_ISA_AMX || isa == MOE_ISA_AVXVNNI) { /* the kernels of the level below */
+            const float *twin = isa == MOE_ISA_AMX ? vnni : avx2;
+            const char *of = isa == MOE_ISA_AMX ? "avx512vnni" : "avx2";
+            const bool same = memcmp(ours, twin, sizeof(float) * f.n * nv) == 0;
+            print_message("%s fast at %s: logits %s %s's\n", name, level,
+                          same ? "byte-identical to" : "DIFFER from", of);
+            if (!same) fail_msg("%s fast at %s: the logits differ from %s's", name, level, of);
         }
         double our_rel, our_kl;
         distance(ours, f.ref, f.n, nv, &our_rel, &our_kl);
@@ -917,10 +922,12 @@ static void fast_rule_check(const char *name, double slack) {
                          argmax(ours + (size_t)r * nv, nv), f.ids[r + 1]);
         if (isa == MOE_ISA_AVX512VNNI)
             vnni = ours; /* for the amx level */
+        else if (isa == MOE_ISA_AVX2)
+            avx2 = ours; /* for the avxvnni level */
         else
             free(ours);
     }
-    free(vnni);
+    free(avx2), free(vnni);
     fixture_close(&llama);
     fixture_close(&f);
 }

@@ -199,14 +199,17 @@ void moe_json_kv_bool(moe_json *j, const char *key, bool v);
 /* ==== CPU features and the kernel ISA level (cpu.c) ====
  *
  * Detected once (CPUID + XGETBV: an instruction set counts only when the OS also saves its
- * registers). The ISA level names the kernel table quant/ uses; levels are ordered, each needs
- * everything the one below needs. MOE_ISA=scalar|avx2|avx512|avx512vnni|amx in the environment
- * lowers the level (for tests and benchmarks); asking for more than the CPU has logs an error and
- * keeps the best available level, so a forced level can never raise SIGILL. */
+ * registers). The ISA level names the kernel table quant/ uses; the levels are ordered, each
+ * needs everything the one below needs, except avxvnni, a side branch off avx2 (AVX-512 CPUs
+ * without AVX-VNNI exist): a CPU runs a set of levels (moe_cpu_isa_runs), its best one is the
+ * highest. MOE_ISA=scalar|avx2|avxvnni|avx512|avx512vnni|amx in the environment picks another
+ * level of the set (for tests and benchmarks); asking for one the CPU does not run logs an error
+ * and keeps the best, so a forced level can never raise SIGILL. */
 
 typedef enum moe_isa {
     MOE_ISA_SCALAR = 0, /* plain C: the reference kernels */
     MOE_ISA_AVX2,       /* AVX2 + FMA + F16C, OS saves YMM */
+    MOE_ISA_AVXVNNI,    /* avx2 + AVX-VNNI (VEX vpdpbusd on ymm; Alder Lake on): not below avx512 */
     MOE_ISA_AVX512,     /* + AVX-512 F/BW/VL/DQ, OS saves ZMM and opmasks */
     MOE_ISA_AVX512VNNI, /* + AVX-512 VNNI and VBMI (BF16 is reported, not required) */
     MOE_ISA_AMX,        /* + AMX tiles and int8 products, OS saves tile state, and Linux let this
@@ -218,6 +221,7 @@ typedef struct moe_cpu_features {
     bool avx2, fma, f16c;
     bool avx512f, avx512bw, avx512vl, avx512dq;
     bool avx512vnni, avx512vbmi, avx512bf16;
+    bool avxvnni;            /* AVX-VNNI: CPUID leaf 7 subleaf 1 EAX bit 4 */
     bool amx_tile, amx_int8; /* usable: CPUID, XCR0 tile state and the OS's permission */
     bool os_ymm, os_zmm;     /* XGETBV: the OS saves YMM (and opmask + ZMM) state */
     char vendor[13];         /* "AuthenticAMD", "" off x86 */
@@ -228,15 +232,22 @@ typedef struct moe_cpu_features {
 const moe_cpu_features *moe_cpu_features_get(void);
 /* The best level the CPU can run. */
 moe_isa moe_cpu_isa_supported(void);
+/* The levels the CPU can run, as a set: bit i for level i. */
+unsigned moe_cpu_isa_levels(void);
+/* Whether the CPU runs `isa` (false for values out of range). */
+bool moe_cpu_isa_runs(moe_isa isa);
+/* The levels a feature set runs (what moe_cpu_isa_levels is for this CPU). Pure. */
+unsigned moe_cpu_levels_of(const moe_cpu_features *f);
 /* Physical cores this process may run on (online CPUs less SMT siblings; from sysfs topology,
  * else the online CPU count): the default thread count, as llama.cpp's. */
 int moe_cpu_cores(void);
 /* The level in use: the best supported one, lowered by MOE_ISA (read once, on first call). */
 moe_isa moe_cpu_isa(void);
-/* Resolve a MOE_ISA request (NULL or "" = none) against a supported level. A request above
- * `supported`, or an unknown name, writes why into `why` and returns `supported`; otherwise
- * why[0] = 0. Pure: what moe_cpu_isa applies to the environment. */
-moe_isa moe_cpu_isa_resolve(const char *request, moe_isa supported, char *why, size_t why_size);
+/* Resolve a MOE_ISA request (NULL or "" = none) against a set of levels (bit i: level i; the
+ * scalar one always runs). A level not in `levels`, or an unknown name, writes why into `why`
+ * and returns the set's best (highest) level; otherwise why[0] = 0. Pure: what moe_cpu_isa
+ * applies to the environment. */
+moe_isa moe_cpu_isa_resolve(const char *request, unsigned levels, char *why, size_t why_size);
 /* MOE_EXACT=1 (any value but "" and "0"; read once, on first call): the kernels keep ggml's float
  * order so logits reproduce llama.cpp's bits; otherwise the fast paths may sum in their own
  * order within the parity rule (DESIGN.md). */

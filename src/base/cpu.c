@@ -31,11 +31,12 @@
 #endif
 
 static moe_cpu_features features;
+static unsigned isa_levels = 1u << MOE_ISA_SCALAR;
 static moe_isa isa_supported = MOE_ISA_SCALAR, isa_active = MOE_ISA_SCALAR;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
-static const char *const isa_names[MOE_ISA_COUNT] = {"scalar", "avx2", "avx512", "avx512vnni",
-                                                     "amx"};
+static const char *const isa_names[MOE_ISA_COUNT] = {"scalar", "avx2",       "avxvnni",
+                                                     "avx512", "avx512vnni", "amx"};
 
 const char *moe_isa_name(moe_isa isa) {
     return (unsigned)isa < MOE_ISA_COUNT ? isa_names[isa] : "?";
@@ -99,11 +100,12 @@ static void detect_x86(moe_cpu_features *f) {
         f->amx_int8 = d >> 25 & 1;
         if (max_sub >= 1) {
             __cpuid_count(7, 1, a, b, c, d);
+            f->avxvnni = a >> 4 & 1;
             f->avx512bf16 = a >> 5 & 1;
         }
     }
     /* the features are usable only with the OS saving their registers */
-    if (!f->os_ymm) f->avx2 = f->fma = f->f16c = false;
+    if (!f->os_ymm) f->avx2 = f->fma = f->f16c = f->avxvnni = false;
     if (!f->os_zmm)
         f->avx512f = f->avx512bw = f->avx512vl = f->avx512dq = f->avx512vnni = f->avx512vbmi =
             f->avx512bf16 = false;
@@ -126,29 +128,50 @@ static void detect_x86(moe_cpu_features *f) {
 }
 #endif
 
-static moe_isa level_of(const moe_cpu_features *f) {
-    if (!(f->avx2 && f->fma && f->f16c)) return MOE_ISA_SCALAR;
-    if (!(f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq)) return MOE_ISA_AVX2;
-    if (!(f->avx512vnni && f->avx512vbmi)) return MOE_ISA_AVX512;
-    if (!(f->amx_tile && f->amx_int8)) return MOE_ISA_AVX512VNNI;
-    return MOE_ISA_AMX;
+unsigned moe_cpu_levels_of(const moe_cpu_features *f) {
+    unsigned set = 1u << MOE_ISA_SCALAR;
+    if (!(f->avx2 && f->fma && f->f16c)) return set;
+    set |= 1u << MOE_ISA_AVX2;
+    if (f->avxvnni) set |= 1u << MOE_ISA_AVXVNNI; /* a branch: not needed by avx512 */
+    if (!(f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq)) return set;
+    set |= 1u << MOE_ISA_AVX512;
+    if (!(f->avx512vnni && f->avx512vbmi)) return set;
+    set |= 1u << MOE_ISA_AVX512VNNI;
+    if (f->amx_tile && f->amx_int8) set |= 1u << MOE_ISA_AMX;
+    return set;
 }
 
-moe_isa moe_cpu_isa_resolve(const char *request, moe_isa supported, char *why, size_t why_size) {
+/* The highest level of a set (scalar for an empty one). */
+static moe_isa best_of(unsigned levels) {
+    moe_isa best = MOE_ISA_SCALAR;
+    for (int i = 0; i < MOE_ISA_COUNT; i++)
+        if (levels >> i & 1) best = (moe_isa)i;
+    return best;
+}
+
+moe_isa moe_cpu_isa_resolve(const char *request, unsigned levels, char *why, size_t why_size) {
     if (why_size) why[0] = 0;
-    if (!request || !*request) return supported;
+    levels |= 1u << MOE_ISA_SCALAR;
+    const moe_isa best = best_of(levels);
+    if (!request || !*request) return best;
     moe_isa want;
     if (!moe_isa_from_name(request, &want)) {
-        snprintf(
-            why, why_size,
-            "MOE_ISA=%s is not a kernel table (scalar, avx2, avx512, avx512vnni, amx); using %s",
-            request, moe_isa_name(supported));
-        return supported;
+        snprintf(why, why_size,
+                 "MOE_ISA=%s is not a kernel table (scalar, avx2, avxvnni, avx512, avx512vnni, "
+                 "amx); using %s",
+                 request, moe_isa_name(best));
+        return best;
     }
-    if (want > supported) {
-        snprintf(why, why_size, "MOE_ISA=%s: this CPU can run at most %s; using %s", request,
-                 moe_isa_name(supported), moe_isa_name(supported));
-        return supported;
+    if (!(levels >> want & 1)) {
+        char runs[96] = "";
+        size_t n = 0;
+        for (int i = 0; i < MOE_ISA_COUNT && n < sizeof runs; i++)
+            if (levels >> i & 1)
+                n += (size_t)snprintf(runs + n, sizeof runs - n, "%s%s", n ? ", " : "",
+                                      moe_isa_name((moe_isa)i));
+        snprintf(why, why_size, "MOE_ISA=%s: this CPU does not run it (it runs %s); using %s",
+                 request, runs, moe_isa_name(best));
+        return best;
     }
     return want;
 }
@@ -157,9 +180,10 @@ static void detect(void) {
 #ifdef MOE_X86
     detect_x86(&features);
 #endif
-    isa_supported = level_of(&features);
-    char why[160];
-    isa_active = moe_cpu_isa_resolve(getenv("MOE_ISA"), isa_supported, why, sizeof why);
+    isa_levels = moe_cpu_levels_of(&features);
+    isa_supported = best_of(isa_levels);
+    char why[200];
+    isa_active = moe_cpu_isa_resolve(getenv("MOE_ISA"), isa_levels, why, sizeof why);
     if (why[0]) moe_log(MOE_LOG_ERROR, "%s", why);
 }
 
@@ -191,6 +215,15 @@ moe_isa moe_cpu_isa_supported(void) {
     return isa_supported;
 }
 
+unsigned moe_cpu_isa_levels(void) {
+    pthread_once(&once, detect);
+    return isa_levels;
+}
+
+bool moe_cpu_isa_runs(moe_isa isa) {
+    return (unsigned)isa < MOE_ISA_COUNT && (moe_cpu_isa_levels() >> isa & 1);
+}
+
 moe_isa moe_cpu_isa(void) {
     pthread_once(&once, detect);
     return isa_active;
@@ -203,9 +236,9 @@ void moe_cpu_describe(char *buf, size_t size) {
         size_t offset;
     } flags[] = {
 #define FLAG(x) {#x, offsetof(moe_cpu_features, x)}
-        FLAG(avx2),       FLAG(fma),        FLAG(f16c),     FLAG(avx512f),
-        FLAG(avx512bw),   FLAG(avx512vl),   FLAG(avx512dq), FLAG(avx512vnni),
-        FLAG(avx512vbmi), FLAG(avx512bf16), FLAG(amx_tile), FLAG(amx_int8),
+        FLAG(avx2),       FLAG(fma),      FLAG(f16c),     FLAG(avxvnni),    FLAG(avx512f),
+        FLAG(avx512bw),   FLAG(avx512vl), FLAG(avx512dq), FLAG(avx512vnni), FLAG(avx512vbmi),
+        FLAG(avx512bf16), FLAG(amx_tile), FLAG(amx_int8),
 #undef FLAG
     };
     size_t n = (size_t)snprintf(buf, size, "%s", f->brand[0] ? f->brand : "unknown cpu");

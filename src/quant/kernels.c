@@ -1,13 +1,15 @@
 /* kernels.c: builds the per-ISA kernel tables once, on both paths, and hands out the active one.
  *
  * Level by level: scalar = the trait table's reference dots and the reference activation
- * quantizers; every higher level starts as a copy of the one below and lets its ISA file
- * overwrite what it does faster. That chain is the exact path. Each level's fast table is a copy
- * of its exact one with the level's own fast kernels over it (a type without one keeps its exact
- * kernel; a fast kernel is never inherited from a lower level, whose speed would not be this
- * level's; the amx level, whose exact table is avx512vnni's, has avx512vnni's fast table with AMX
- * many-row kernels over it). Only levels the CPU runs are built (moe_cpu_isa_supported), so no ISA
- * file runs on a CPU without its instructions. The trap: moe_kernels_get() follows MOE_ISA and
+ * quantizers; every higher level starts as a copy of the one below it (below(): avxvnni and
+ * avx512 both sit on avx2) and lets its ISA file overwrite what it does faster. That chain is the
+ * exact path. Each level's fast table is a copy of its exact one with the level's own fast
+ * kernels over it (a type without one keeps its exact kernel; a fast kernel is never inherited
+ * from a lower level, whose speed would not be this level's; the amx level, whose exact table is
+ * avx512vnni's, has avx512vnni's fast table with AMX many-row kernels over it; avxvnni's exact
+ * table is avx2's, its fast one avx2's fast kernels built with vpdpbusd, fast_avx2.c). Only levels
+ * the CPU runs are built (moe_cpu_isa_runs), so no ISA file runs on a CPU without its
+ * instructions. The trap: moe_kernels_get() follows MOE_ISA and
  * MOE_EXACT, moe_kernels_for_isa() / _for_path() do not (tests walk every runnable level). */
 #include "kernels.h"
 
@@ -52,15 +54,20 @@ static void build_scalar(moe_kernels *k) {
     }
 }
 
+/* The level a level's exact table starts from. */
+static moe_isa below(moe_isa level) {
+    return level == MOE_ISA_AVXVNNI || level == MOE_ISA_AVX512 ? MOE_ISA_AVX2 : level - 1;
+}
+
 static void build(void) {
-    const moe_isa top = moe_cpu_isa_supported();
     moe_kernels *exact = tables[1], *fast = tables[0];
     build_scalar(&exact[MOE_ISA_SCALAR]);
     exact[MOE_ISA_SCALAR].attn_scores = moe_ref_attn_scores;
     exact[MOE_ISA_SCALAR].attn_mix = moe_ref_attn_mix;
     exact[MOE_ISA_SCALAR].attn_tile = moe_ref_attn_tile;
-    for (int level = MOE_ISA_SCALAR + 1; level <= (int)top; level++) {
-        exact[level] = exact[level - 1];
+    for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
+        if (!moe_cpu_isa_runs((moe_isa)level)) continue;
+        exact[level] = exact[below((moe_isa)level)];
         switch ((moe_isa)level) {
         case MOE_ISA_AVX2:
             moe_kernels_fill_avx2(&exact[level]);
@@ -75,10 +82,12 @@ static void build(void) {
             break;
         }
     }
-    for (int level = 0; level <= (int)top; level++) {
+    for (int level = 0; level < MOE_ISA_COUNT; level++) {
+        if (!moe_cpu_isa_runs((moe_isa)level)) continue;
         fast[level] = exact[level];
         if (level == MOE_ISA_SCALAR) moe_kernels_fill_fast_scalar(&fast[level]);
         if (level == MOE_ISA_AVX2) moe_kernels_fill_fast_avx2(&fast[level]);
+        if (level == MOE_ISA_AVXVNNI) moe_kernels_fill_fast_avxvnni(&fast[level]);
         if (level == MOE_ISA_AVX512VNNI) moe_kernels_fill_fast_avx512vnni(&fast[level]);
         if (level == MOE_ISA_AMX) moe_kernels_fill_fast_amx(&fast[level]);
         for (int e = 0; e < 2; e++) {
@@ -91,7 +100,7 @@ static void build(void) {
 
 const moe_kernels *moe_kernels_for_path(moe_isa isa, bool exact) {
     pthread_once(&once, build);
-    if ((unsigned)isa >= MOE_ISA_COUNT || isa > moe_cpu_isa_supported()) return NULL;
+    if (!moe_cpu_isa_runs(isa)) return NULL;
     return &tables[exact][isa];
 }
 

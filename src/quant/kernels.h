@@ -1,9 +1,9 @@
 /* kernels.h: quant's internal interface between the table builder (kernels.c) and the per-ISA
- * kernel files (x86_avx2.c; x86_avx512.c, built once per AVX-512 level; fast_avx512vnni.c, which
- * also holds the amx level's kernels, fast_amx.h).
+ * kernel files (x86_avx2.c; fast_avx2.c, built at avx2 and at avxvnni; x86_avx512.c, built once
+ * per AVX-512 level; fast_avx512vnni.c, which also holds the amx level's kernels, fast_amx.h).
  *
  * Each ISA file is compiled with its own -m flags (Makefile, isa_of) and exports its fill
- * functions (the exact table's; x86_avx2.c also the fast table's): each overwrites the entries of
+ * functions (the exact table's, or the fast table's): each overwrites the entries of
  * a table it has a faster kernel for and leaves the rest (inherited from the level below) alone.
  * The trap: nothing may call into an ISA file before kernels.c has checked that the CPU runs that
  * level -- the file's own static initialisers and helpers may already use its instructions. */
@@ -20,6 +20,8 @@ void moe_kernels_fill_avx512vnni(moe_kernels *k);
 /* The fast path's kernels of a level, over a copy of that level's exact table (quant.h). */
 void moe_kernels_fill_fast_scalar(moe_kernels *k);
 void moe_kernels_fill_fast_avx2(moe_kernels *k);
+/* avx2's fast kernels built with vpdpbusd (fast_avx2.c): the same bits, IQ4_XS also in the tile. */
+void moe_kernels_fill_fast_avxvnni(moe_kernels *k);
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k);
 /* avx512vnni's, then the AMX tile kernels (fast_amx.h) over it. */
 void moe_kernels_fill_fast_amx(moe_kernels *k);

@@ -1,11 +1,11 @@
 /* x86_avx2.h: the AVX2 building blocks the x86 kernel files share -- horizontal sums, nibble
  * and bit unpacking, sign application, the signed 8-bit dot -- as always-inline functions.
  *
- * Included only by files built with at least the AVX2 flags (x86_avx2.c, x86_avx512.c), never
- * by baseline code. The trap: _mm256_maddubs_epi16 saturates its int16 pair sums, so its
- * unsigned operand must stay small enough that 2 * u * 127 < 32768 (u <= 128): every caller says
- * why its operand does (nibbles, grid magnitudes, |q8| via the sign trick). Activation bytes are
- * never -128 (the Q8 quantizers clamp to +-127), which the sign trick also relies on. */
+ * Included only by files built with at least the AVX2 flags (x86_avx2.c, fast_avx2.c,
+ * x86_avx512.c), never by baseline code. The trap: _mm256_maddubs_epi16 saturates its int16 pair
+ * sums, so its unsigned operand must stay small enough that 2 * u * 127 < 32768 (u <= 128): every
+ * caller says why its operand does (nibbles, grid magnitudes, |q8| via the sign trick). Activation
+ * bytes are never -128 (the Q8 quantizers clamp to +-127), which the sign trick also relies on. */
 #ifndef MOE_QUANT_X86_AVX2_H
 #define MOE_QUANT_X86_AVX2_H
 
@@ -49,7 +49,7 @@
         }                                                                                          \
     } while (0)
 
-/* The fast path's tile loop (fast_avx512vnni.c, the fast section of x86_avx2.c): activation
+/* The fast path's tile loop (fast_avx512vnni.c, fast_avx2.c): activation
  * rows `group` at a time, their accumulators (V, from vzero()) in accbuf; per chunk of up to
  * `chunk` blocks, DECODE (with j the block of the chunk, c0 its first) once per block, then STEP
  * per row group (MOE_ROW_GROUPS: r the group's first row, g0 the group's); then STORE per row. */

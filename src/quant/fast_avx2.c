@@ -1,0 +1,375 @@
+/* fast_avx2.c: the fast path's AVX2 kernels (quant.h, "The two paths"), written once and
+ * compiled twice (Makefile): as fast_avx2.o for the avx2 fast table (MOE_AVX_VNNI=0: int8
+ * products with maddubs + madd) and as avxvnni/fast_avx2.o for the avxvnni one (MOE_AVX_VNNI=1:
+ * the int8 tile's multiplies on the VEX vpdpbusd of AVX-VNNI; the lanes, where it measured no
+ * faster, are the same instructions in both). Each build exports its own fill function;
+ * everything else is static. Both builds form the same exact integer block sums and meet the
+ * scales in the same float order, so avxvnni's logits are avx2's bit for bit; vpdpbusd does not
+ * saturate, so at avxvnni the int8 tile also takes IQ4_XS (|v| <= 127). The trap: maddubs
+ * saturates where vpdpbusd does not, so whatever the avx2 build multiplies must keep the bound of
+ * x86_avx2.h (u x 127 x 2 < 32768), or the two builds part. */
+#include "x86_avx2_iq.h"
+
+#ifndef MOE_AVX_VNNI
+#error "build fast_avx2.c with -DMOE_AVX_VNNI=0 or 1 (the Makefile does)"
+#elif MOE_AVX_VNNI && !defined(__AVXVNNI__)
+#error "MOE_AVX_VNNI=1 needs the avxvnni flags (-mavxvnni)"
+#endif
+
+/* ==== The two builds: the int8 multiply-accumulates ====
+ *
+ * A sub-block's scaled sum goes begin / step per 4 values / end: at avx2 each step is maddubs
+ * (pairs) then madd by the int16 scale pair (fast_scale: the scale in both halves of a dword),
+ * straight into the sum; at avxvnni the steps' vpdpbusd sum the sub-block's products unscaled
+ * in int32 (no int16 stage to saturate), and the end multiplies them by the int32 scale once. */
+
+#if MOE_AVX_VNNI
+#define FAST_LEVEL MOE_ISA_AVXVNNI
+#define FAST_FILL  moe_kernels_fill_fast_avxvnni
+/* A sub-block scale (8 int16, one per weight row) as the steps want it: int32. */
+MOE_INLINE __m256i fast_scale(__m128i s16) {
+    return _mm256_cvtepi16_epi32(s16);
+}
+MOE_INLINE __m256i fast_sub_begin(__m256i sum) {
+    (void)sum;
+    return _mm256_setzero_si256();
+}
+MOE_INLINE __m256i fast_sub_step(__m256i part, __m256i u, __m256i s, __m256i scale) {
+    (void)scale;
+    return _mm256_dpbusd_avx_epi32(part, u, s);
+}
+MOE_INLINE __m256i fast_sub_end(__m256i sum, __m256i part, __m256i scale) {
+    return _mm256_add_epi32(sum, _mm256_mullo_epi32(part, scale));
+}
+#else
+#define FAST_LEVEL MOE_ISA_AVX2
+#define FAST_FILL  moe_kernels_fill_fast_avx2
+/* the int16 scale in both halves of each dword (the tile's scales are >= 0: zero-extended) */
+MOE_INLINE __m256i fast_scale(__m128i s16) {
+    const __m256i s = _mm256_cvtepu16_epi32(s16);
+    return _mm256_or_si256(s, _mm256_slli_epi32(s, 16));
+}
+MOE_INLINE __m256i fast_sub_begin(__m256i sum) {
+    return sum;
+}
+MOE_INLINE __m256i fast_sub_step(__m256i part, __m256i u, __m256i s, __m256i scale) {
+    return _mm256_add_epi32(part, _mm256_madd_epi16(avx2_mul_u8_i8(u, s), scale));
+}
+MOE_INLINE __m256i fast_sub_end(__m256i sum, __m256i part, __m256i scale) {
+    (void)sum, (void)scale;
+    return part;
+}
+#endif
+
+/* ==== The lanes ====
+ *
+ * The same decodes and integer block sums as the exact kernels above, in another float order:
+ * the weight rows of a tile go 8 at a time (a register's lanes), and for each block the 8
+ * rows' int32 lanes are summed by one transposing tree into lane v of a register, which meets
+ * the block's scales in one vector fma per activation row: acc = fma(d_w d_x mult, sum, acc),
+ * blocks in order, the scalar reference's bits (ref_fast.c) at any tile width and row count.
+ * Q8_0 and (at avx2) IQ4_XS stay in the lanes at every row count: a tile's biased activations
+ * against their weights would saturate maddubs. */
+
+/* s[v] summed over its lanes into lane v (integer adds: exact in any order). */
+MOE_INLINE __m256i fast_sum8x8(const __m256i s[8]) {
+    const __m256i a =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i b =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    /* a: rows 0..3 of the low 128 bits, then of the high; b: rows 4..7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* A type's block sums for R activation rows (block i of each, rows xs bytes apart): sumi[r]
+ * (zero on entry) gets the 8 int32 lanes of row r, *dx[r] its activation scale; returns d_w. */
+typedef float (*fast_sums_fn)(int R, const uint8_t *w_block, const uint8_t *x, size_t xs, int64_t i,
+                              __m256i *sumi, float *dx);
+
+MOE_INLINE float fast_sums_q8_0(int R, const uint8_t *w_block, const uint8_t *x, size_t xs,
+                                int64_t i, __m256i *sumi, float *dx) {
+    float d, m;
+    const __m256i q = decode_q8_0(w_block, &d, &m);
+    const __m256i u = _mm256_sign_epi8(q, q);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const moe_block_q8_0 *y = (const moe_block_q8_0 *)(x + (size_t)r * xs) + i;
+        /* maddubs + madd in both builds: vpdpbusd measured 8-13 % slower here at 4..64 rows */
+        sumi[r] = _mm256_madd_epi16(avx2_mul_u8_i8(u, _mm256_sign_epi8(avx2_load(y->qs), q)),
+                                    _mm256_set1_epi16(1));
+        dx[r] = avx2_fp16(y->d);
+    }
+    return d;
+}
+
+MOE_INLINE float fast_sums_iq(int R, iq_block_fn block, const uint8_t *w_block, const uint8_t *x,
+                              size_t xs, int64_t i, __m256i *sumi, float *dx) {
+    const moe_block_q8_k *y[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        y[r] = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+        dx[r] = y[r]->d;
+    }
+    return block(R, w_block, y, sumi);
+}
+
+/* R activation rows against n_w <= 8 weight rows ws bytes apart, nb blocks of block_bytes. */
+MOE_INLINE void fast_lanes(int R, fast_sums_fn sums, iq_block_fn block, size_t block_bytes,
+                           float mult, const uint8_t *w, size_t ws, int n_w, const uint8_t *x,
+                           size_t xs, int64_t nb, float *out, int64_t os) {
+    __m256 acc[MOE_DOT_ROWS];
+    __m256i part[MOE_DOT_ROWS][8];
+    float d[8] = {0}, dx[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        for (int v = n_w; v < 8; v++) part[r][v] = _mm256_setzero_si256();
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        for (int v = 0; v < n_w; v++) {
+            __m256i sumi[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+            const uint8_t *wb = w + v * ws + (size_t)i * block_bytes;
+            d[v] = sums ? sums(R, wb, x, xs, i, sumi, dx)
+                        : fast_sums_iq(R, block, wb, x, xs, i, sumi, dx);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) part[r][v] = sumi[r];
+        }
+        const __m256 dw = _mm256_loadu_ps(d);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[r])), _mm256_set1_ps(mult)),
+                _mm256_cvtepi32_ps(fast_sum8x8(part[r])), acc[r]);
+    }
+    const __m256i lanes =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n_w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm256_maskstore_ps(out + r * os, lanes, acc[r]);
+}
+
+/* ---- Many activation rows: an int8 tile of 8 weight rows ----
+ *
+ * From FAST_TILE_MIN_ROWS activation rows, the codebook types whose magnitudes are <= 64 (and
+ * at avxvnni IQ4_XS too) decode each block of 8 weight rows once into an L1 tile, tile[g] lane v
+ * holding values 4g .. 4g + 3 of row v with their signs, and every activation row meets it with
+ * its 4 bytes made unsigned (+128) and broadcast: at avx2 one maddubs (255 x 64 x 2 < 32768: it
+ * never saturates) and one madd by the 8 rows' sub-block scales per 4 values x 8 rows, at
+ * avxvnni one vpdpbusd, and a multiply by the scales per 16 values x 8 rows; against the lanes'
+ * sign step, maddubs and madd per 32 values x 1 row. 128 x (the row's scaled sum of weights),
+ * worked out once per tile, comes off again: the same exact block sums, so the lanes' bits. */
+#define FAST_TILE_MIN_ROWS 8
+#define FAST_TILE_CHUNK    4  /* blocks decoded per pass (10.5 KiB) */
+#define FAST_TILE_GROUP    64 /* activation rows per decode of a chunk */
+
+typedef struct {
+    __m256i tile[64];  /* lane v of tile[g]: values 4g .. 4g + 3 of row v, int8 with signs */
+    __m256i scale[16]; /* lane v of scale[j]: row v's scale of values 16j .. 16j + 15, twice */
+    __m256i bias;      /* 128 x sum_j scale[j] x (row v's values in sub-block j, summed) */
+    __m256 d;          /* row v's d_w */
+} fast_tile8;
+
+/* 8 rows of 8 dwords to 8 registers of 8 rows: out[c] lane v = r[v] dword c. */
+MOE_INLINE void fast_transpose8x8(const __m256i r[8], __m256i out[8]) {
+    __m256i t[8], u[8];
+    for (int p = 0; p < 4; p++) {
+        t[2 * p] = _mm256_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm256_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 2; q++) { /* rows 4q .. 4q + 3; 128-bit lane h: dwords c, c + 4 */
+        u[4 * q + 0] = _mm256_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 1] = _mm256_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[4 * q + 2] = _mm256_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[4 * q + 3] = _mm256_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        out[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20);
+        out[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
+    }
+}
+
+/* Block i of n_w <= 8 rows ws bytes apart into a tile (rows past n_w repeat row 0). */
+MOE_INLINE void fast_tile8_build(iq_head_fn head, iq_chunk_fn chunk, size_t block_bytes,
+                                 const uint8_t *w, size_t ws, int n_w, int64_t i, fast_tile8 *o) {
+    __m256i stage[8][8]; /* [chunk][row]: 32 signed values */
+    int16_t sc[16][8] __attribute__((aligned(16)));
+    float d[8];
+    for (int v = 0; v < 8; v++) {
+        const uint8_t *b = w + (size_t)(v < n_w ? v : 0) * ws + (size_t)i * block_bytes;
+        const iq_head h = head(b);
+#pragma GCC unroll 8
+        for (int ib = 0; ib < 8; ib++) {
+            iq_chunk c;
+            chunk(b, &h, ib, &c);
+            stage[ib][v] = avx2_apply_signs(c.u, c.neg);
+            sc[2 * ib][v] = (int16_t)_mm256_extract_epi16(c.scale, 0);
+            sc[2 * ib + 1][v] = (int16_t)_mm256_extract_epi16(c.scale, 8);
+        }
+        d[v] = h.d;
+    }
+    for (int ib = 0; ib < 8; ib++) fast_transpose8x8(stage[ib], o->tile + 8 * ib);
+    __m256i bias = _mm256_setzero_si256();
+    for (int j = 0; j < 16; j++) {
+        o->scale[j] = fast_scale(_mm_load_si128((const __m128i *)sc[j]));
+        __m256i part = fast_sub_begin(bias);
+        for (int c = 0; c < 4; c++)
+            part = fast_sub_step(part, _mm256_set1_epi8(1), o->tile[4 * j + c], o->scale[j]);
+        bias = fast_sub_end(bias, part, o->scale[j]);
+    }
+    o->bias = _mm256_slli_epi32(bias, 7);
+    o->d = _mm256_loadu_ps(d);
+}
+
+/* R activation rows (xs bytes apart, block c0 on) against nc tiles; the rows' accumulators in
+ * and out through accbuf. One function per R (the row loops unroll, nothing kept across). */
+MOE_INLINE void fast_tile8_rows(int R, const fast_tile8 *tiles, int64_t nc, const uint8_t *x,
+                                size_t xs, int64_t c0, float mult, __m256 *accbuf) {
+    __m256 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = accbuf[r];
+    for (int64_t j = 0; j < nc; j++) {
+        const fast_tile8 *t = &tiles[j];
+        uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(32)));
+        float dx[MOE_DOT_ROWS];
+        __m256i sum[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + c0 + j;
+            for (int k = 0; k < 8; k++)
+                _mm256_store_si256(
+                    (__m256i *)(xb[r] + 8 * k),
+                    _mm256_xor_si256(avx2_load(y->qs + 32 * k), _mm256_set1_epi8((char)0x80)));
+            dx[r] = y->d;
+            sum[r] = _mm256_setzero_si256();
+        }
+        for (int s = 0; s < 16; s++) {
+            const __m256i scale = _mm256_load_si256(&t->scale[s]);
+            __m256i part[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) part[r] = fast_sub_begin(sum[r]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m256i tg = _mm256_load_si256(&t->tile[4 * s + c]);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    part[r] =
+                        fast_sub_step(part[r], _mm256_set1_epi32((int)xb[r][4 * s + c]), tg, scale);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) sum[r] = fast_sub_end(sum[r], part[r], scale);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_mul_ps(_mm256_mul_ps(t->d, _mm256_set1_ps(dx[r])), _mm256_set1_ps(mult)),
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r], t->bias)), acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) accbuf[r] = acc[r];
+}
+#define FAST_TILE8_ROWS(R)                                                                         \
+    static __attribute__((noinline)) void fast_tile8_rows_##R(                                     \
+        const fast_tile8 *tiles, int64_t nc, const uint8_t *x, size_t xs, int64_t c0, float mult,  \
+        __m256 *accbuf) {                                                                          \
+        fast_tile8_rows(R, tiles, nc, x, xs, c0, mult, accbuf);                                    \
+    }
+FAST_TILE8_ROWS(1)
+FAST_TILE8_ROWS(2)
+FAST_TILE8_ROWS(3)
+FAST_TILE8_ROWS(4)
+#undef FAST_TILE8_ROWS
+#define FAST_TILE8_STEP_(R, ...) FAST_TILE8_CALL_(R, __VA_ARGS__)
+#define FAST_TILE8_CALL_(R, unused)                                                                \
+    fast_tile8_rows_##R(tiles, nc, x + (size_t)(g0 + r) * xs, xs, c0, mult, accbuf + r)
+
+/* n_rows activation rows against n_w <= 8 weight rows: FAST_TILE_GROUP rows at a time; per
+ * chunk of blocks, each block of the 8 rows decoded once into a tile, then every row group. */
+MOE_INLINE void fast_tile8_drive(iq_head_fn head, iq_chunk_fn chunk, size_t block_bytes, float mult,
+                                 const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,
+                                 int64_t n_rows, int64_t nb, float *out, int64_t os) {
+    fast_tile8 tiles[FAST_TILE_CHUNK];
+    const __m256i lanes =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n_w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    MOE_TILE_LOOP(__m256, _mm256_setzero_ps, FAST_TILE_GROUP, FAST_TILE_CHUNK, n_rows, nb,
+                  fast_tile8_build(head, chunk, block_bytes, w, ws, n_w, c0 + j, &tiles[j]),
+                  FAST_TILE8_STEP_, _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]));
+}
+
+/* The tile kernel (quant.h, moe_dot_tile_fn): weight rows 8 at a time, activation rows in
+ * groups of MOE_DOT_ROWS (a block is decoded once per group). Each group size is a function of
+ * its own (fast_lanes_<t>_<R>), so the loop constants of one are not kept, spilled, across the
+ * others. */
+#define FAST_LANES_R(t, R, sums, block, values, mult)                                              \
+    static __attribute__((noinline)) void fast_lanes_##t##_##R(                                    \
+        const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs, int64_t n, float *out,  \
+        int64_t os) {                                                                              \
+        fast_lanes(R, sums, block, sizeof(moe_block_##t), mult, w, ws, n_w, x, xs, n / (values),   \
+                   out, os);                                                                       \
+    }
+#define FAST_KERNELS(t, sums, block, values, mult, many)                                           \
+    FAST_LANES_R(t, 1, sums, block, values, mult)                                                  \
+    FAST_LANES_R(t, 2, sums, block, values, mult)                                                  \
+    FAST_LANES_R(t, 3, sums, block, values, mult)                                                  \
+    FAST_LANES_R(t, 4, sums, block, values, mult)                                                  \
+    static void fast_tile_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,         \
+                              int64_t n_rows, int64_t n, float *out, int64_t os) {                 \
+        for (int v0 = 0; v0 < n_w; v0 += 8) {                                                      \
+            const uint8_t *wv = (const uint8_t *)w + (size_t)v0 * ws, *xb = x;                     \
+            const int nv = n_w - v0 < 8 ? n_w - v0 : 8;                                            \
+            int64_t r = 0;                                                                         \
+            const fast_many_fn many_ = many; /* NULL: the lanes for every row count */             \
+            if (n_rows >= FAST_TILE_MIN_ROWS && many_) {                                           \
+                many_(wv, ws, nv, xb, xs, n_rows, n, out + v0, os);                                \
+                continue;                                                                          \
+            }                                                                                      \
+            MOE_ROW_GROUPS(r, n_rows, FAST_STEP_, t, wv, ws, nv, xb, xs, n, out, os, v0);          \
+        }                                                                                          \
+    }                                                                                              \
+    static float fast_dot_##t(const void *w, const void *x, int64_t n) {                           \
+        float out;                                                                                 \
+        fast_lanes_##t##_1(w, 0, 1, x, 0, n, &out, 1);                                             \
+        return out;                                                                                \
+    }
+#define FAST_STEP_(R, ...) FAST_CALL_(R, __VA_ARGS__) /* R expanded (MOE_DOT_ROWS) first */
+#define FAST_CALL_(R, t, wv, ws, nv, xb, xs, n, out, os, v0)                                       \
+    fast_lanes_##t##_##R(wv, ws, nv, xb + (size_t)r * xs, xs, n, out + r * os + v0, os)
+typedef void (*fast_many_fn)(const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,
+                             int64_t n_rows, int64_t n, float *out, int64_t os);
+FAST_KERNELS(q8_0, fast_sums_q8_0, NULL, MOE_QK32, 1.0f, NULL)
+#define FAST_IQ(t, mult)                                                                           \
+    static void fast_many_##t(const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,   \
+                              int64_t n_rows, int64_t n, float *out, int64_t os) {                 \
+        fast_tile8_drive(t##_head, t##_chunk, sizeof(moe_block_##t), mult, w, ws, n_w, x, xs,      \
+                         n_rows, n / MOE_QK_K, out, os);                                           \
+    }                                                                                              \
+    FAST_KERNELS(t, NULL, t##_block, MOE_QK_K, mult, fast_many_##t)
+FAST_IQ(iq2_xxs, 0.125f)
+FAST_IQ(iq2_xs, 0.125f)
+FAST_IQ(iq2_s, 0.125f)
+FAST_IQ(iq3_xxs, 0.25f)
+FAST_IQ(iq3_s, 1.0f)
+FAST_IQ(iq1_s, 0.125f)
+FAST_IQ(iq1_m, 0.125f)
+#if MOE_AVX_VNNI /* no int16 stage to saturate */
+FAST_IQ(iq4_xs, 1.0f)
+#else
+FAST_KERNELS(iq4_xs, NULL, iq4_xs_block, MOE_QK_K, 1.0f, NULL)
+#endif
+#undef FAST_IQ
+
+void FAST_FILL(moe_kernels *k) {
+#define FAST_SET(T, t)                                                                             \
+    moe_kernels_set_fast_dot(k->types, MOE_TYPE_##T, fast_dot_##t, fast_tile_##t, FAST_LEVEL)
+    FAST_SET(Q8_0, q8_0);
+    FAST_SET(IQ2_XXS, iq2_xxs);
+    FAST_SET(IQ2_XS, iq2_xs);
+    FAST_SET(IQ2_S, iq2_s);
+    FAST_SET(IQ3_XXS, iq3_xxs);
+    FAST_SET(IQ3_S, iq3_s);
+    FAST_SET(IQ1_S, iq1_s);
+    FAST_SET(IQ1_M, iq1_m);
+    FAST_SET(IQ4_XS, iq4_xs);
+#undef FAST_SET
+}
