@@ -230,64 +230,91 @@ MOE_INLINE void fast_tile8_build(iq_head_fn head, iq_chunk_fn chunk, size_t bloc
     o->d = _mm256_loadu_ps(d);
 }
 
-/* R activation rows (xs bytes apart, block c0 on) against nc tiles; the rows' accumulators in
- * and out through accbuf. One function per R (the row loops unroll, nothing kept across). */
-MOE_INLINE void fast_tile8_rows(int R, const fast_tile8 *tiles, int64_t nc, const uint8_t *x,
-                                size_t xs, int64_t c0, float mult, __m256 *accbuf) {
+/* Block b of R activation rows xs bytes apart (Q8_K, or Q8_0 for q8_0) for a tile: xb[r] its
+ * values made unsigned (+128), dx[r] its scale; sum[r] zeroed. */
+MOE_INLINE void fast_tile8_stage(int R, bool q8_0, const uint8_t *x, size_t xs, int64_t b,
+                                 uint32_t (*xb)[MOE_QK_K / 4], float *dx, __m256i *sum) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const uint8_t *row = x + (size_t)r * xs;
+        const int8_t *qs =
+            q8_0 ? ((const moe_block_q8_0 *)row)[b].qs : ((const moe_block_q8_k *)row)[b].qs;
+        for (int k = 0; k < (q8_0 ? 1 : 8); k++)
+            _mm256_store_si256(
+                (__m256i *)(xb[r] + 8 * k),
+                _mm256_xor_si256(avx2_load(qs + 32 * k), _mm256_set1_epi8((char)0x80)));
+        dx[r] = q8_0 ? avx2_fp16(((const moe_block_q8_0 *)row)[b].d)
+                     : ((const moe_block_q8_k *)row)[b].d;
+        sum[r] = _mm256_setzero_si256();
+    }
+}
+
+/* Tile j of tiles against R staged activation rows: sum[r] += the rows' exact int32 sums (their
+ * bias still on); *d, *bias: the tile's d_w and bias. One per kind of tile. */
+typedef void (*fast_tile_sums_fn)(int R, const void *tiles, int64_t j,
+                                  const uint32_t (*xb)[MOE_QK_K / 4], __m256i *sum, __m256 *d,
+                                  __m256i *bias);
+
+MOE_INLINE void fast_tile8_sums(int R, const void *tiles, int64_t j,
+                                const uint32_t (*xb)[MOE_QK_K / 4], __m256i *sum, __m256 *d,
+                                __m256i *bias) {
+    const fast_tile8 *t = (const fast_tile8 *)tiles + j;
+    for (int s = 0; s < 16; s++) {
+        const __m256i scale = _mm256_load_si256(&t->scale[s]);
+        __m256i part[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) part[r] = fast_sub_begin(sum[r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i tg = _mm256_load_si256(&t->tile[4 * s + c]);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                part[r] =
+                    fast_sub_step(part[r], _mm256_set1_epi32((int)xb[r][4 * s + c]), tg, scale);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) sum[r] = fast_sub_end(sum[r], part[r], scale);
+    }
+    *d = t->d;
+    *bias = t->bias;
+}
+
+/* R activation rows (xs bytes apart, block c0 on; Q8_0 blocks for q8_0, else Q8_K) against nc
+ * tiles; the rows' accumulators in and out through accbuf. One function per R and kind of tile
+ * (FAST_TILE_ROWS: the row loops unroll, nothing kept across). */
+MOE_INLINE void fast_tile_rows(int R, fast_tile_sums_fn sums, bool q8_0, const void *tiles,
+                               int64_t nc, const uint8_t *x, size_t xs, int64_t c0, float mult,
+                               __m256 *accbuf) {
     __m256 acc[MOE_DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = accbuf[r];
     for (int64_t j = 0; j < nc; j++) {
-        const fast_tile8 *t = &tiles[j];
         uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(32)));
         float dx[MOE_DOT_ROWS];
-        __m256i sum[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + c0 + j;
-            for (int k = 0; k < 8; k++)
-                _mm256_store_si256(
-                    (__m256i *)(xb[r] + 8 * k),
-                    _mm256_xor_si256(avx2_load(y->qs + 32 * k), _mm256_set1_epi8((char)0x80)));
-            dx[r] = y->d;
-            sum[r] = _mm256_setzero_si256();
-        }
-        for (int s = 0; s < 16; s++) {
-            const __m256i scale = _mm256_load_si256(&t->scale[s]);
-            __m256i part[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) part[r] = fast_sub_begin(sum[r]);
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m256i tg = _mm256_load_si256(&t->tile[4 * s + c]);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-                    part[r] =
-                        fast_sub_step(part[r], _mm256_set1_epi32((int)xb[r][4 * s + c]), tg, scale);
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) sum[r] = fast_sub_end(sum[r], part[r], scale);
-        }
+        __m256i sum[MOE_DOT_ROWS], bias;
+        __m256 d;
+        fast_tile8_stage(R, q8_0, x, xs, c0 + j, xb, dx, sum);
+        sums(R, tiles, j, (const uint32_t(*)[MOE_QK_K / 4]) xb, sum, &d, &bias);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            acc[r] = fast_block_fma(t->d, dx[r], mult, _mm256_sub_epi32(sum[r], t->bias), acc[r]);
+            acc[r] = fast_block_fma(d, dx[r], mult, _mm256_sub_epi32(sum[r], bias), acc[r]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) accbuf[r] = acc[r];
 }
-/* fn_R for R = 1..4: fn(R, ...) with its tiles of type T, one function each. */
-#define FAST_TILE_ROWS(fn, T)                                                                      \
-    FAST_TILE_ROWS_R(fn, T, 1)                                                                     \
-    FAST_TILE_ROWS_R(fn, T, 2)                                                                     \
-    FAST_TILE_ROWS_R(fn, T, 3)                                                                     \
-    FAST_TILE_ROWS_R(fn, T, 4)
-#define FAST_TILE_ROWS_R(fn, T, R)                                                                 \
-    static __attribute__((noinline)) void fn##_##R(const T *tiles, int64_t nc, const uint8_t *x,   \
-                                                   size_t xs, int64_t c0, float mult,              \
-                                                   __m256 *accbuf) {                               \
-        fn(R, tiles, nc, x, xs, c0, mult, accbuf);                                                 \
+/* name_R for R = 1..4: fast_tile_rows(R, sums, q8_0, ...), one function each. */
+#define FAST_TILE_ROWS(name, sums, q8_0)                                                           \
+    FAST_TILE_ROWS_R(name, sums, q8_0, 1)                                                          \
+    FAST_TILE_ROWS_R(name, sums, q8_0, 2)                                                          \
+    FAST_TILE_ROWS_R(name, sums, q8_0, 3)                                                          \
+    FAST_TILE_ROWS_R(name, sums, q8_0, 4)
+#define FAST_TILE_ROWS_R(name, sums, q8_0, R)                                                      \
+    static __attribute__((noinline)) void name##_##R(const void *tiles, int64_t nc,                \
+                                                     const uint8_t *x, size_t xs, int64_t c0,      \
+                                                     float mult, __m256 *accbuf) {                 \
+        fast_tile_rows(R, sums, q8_0, tiles, nc, x, xs, c0, mult, accbuf);                         \
     }
-FAST_TILE_ROWS(fast_tile8_rows, fast_tile8)
+FAST_TILE_ROWS(fast_tile8_rows, fast_tile8_sums, false)
 #define FAST_TILE8_STEP_(R, ...) FAST_TILE8_CALL_(R, __VA_ARGS__)
 #define FAST_TILE8_CALL_(R, unused)                                                                \
     fast_tile8_rows_##R(tiles, nc, x + (size_t)(g0 + r) * xs, xs, c0, mult, accbuf + r)
@@ -337,41 +364,22 @@ MOE_INLINE void fast_tile8_q8_0_build(const uint8_t *w, size_t ws, int n_w, int6
     o->d = _mm256_loadu_ps(d);
 }
 
-/* R activation rows (xs bytes apart, block c0 on) against nc tiles, as fast_tile8_rows. */
-MOE_INLINE void fast_tile8_q8_0_rows(int R, const fast_tile8_q8_0 *tiles, int64_t nc,
-                                     const uint8_t *x, size_t xs, int64_t c0, float mult,
-                                     __m256 *accbuf) {
-    __m256 acc[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = accbuf[r];
-    for (int64_t j = 0; j < nc; j++) {
-        const fast_tile8_q8_0 *t = &tiles[j];
-        uint32_t xb[MOE_DOT_ROWS][MOE_QK32 / 4] __attribute__((aligned(32)));
-        float dx[MOE_DOT_ROWS];
-        __m256i sum[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const moe_block_q8_0 *y = (const moe_block_q8_0 *)(x + (size_t)r * xs) + c0 + j;
-            _mm256_store_si256((__m256i *)xb[r],
-                               _mm256_xor_si256(avx2_load(y->qs), _mm256_set1_epi8((char)0x80)));
-            dx[r] = avx2_fp16(y->d);
-            sum[r] = _mm256_setzero_si256();
-        }
+/* Tile j against R staged rows: one vpdpbusd per 4 values x 8 rows (fast_tile_sums_fn). */
+MOE_INLINE void fast_tile8_q8_0_sums(int R, const void *tiles, int64_t j,
+                                     const uint32_t (*xb)[MOE_QK_K / 4], __m256i *sum, __m256 *d,
+                                     __m256i *bias) {
+    const fast_tile8_q8_0 *t = (const fast_tile8_q8_0 *)tiles + j;
 #pragma GCC unroll 8
-        for (int g = 0; g < 8; g++) {
-            const __m256i tg = _mm256_load_si256(&t->tile[g]);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                sum[r] = _mm256_dpbusd_avx_epi32(sum[r], _mm256_set1_epi32((int)xb[r][g]), tg);
-        }
+    for (int g = 0; g < 8; g++) {
+        const __m256i tg = _mm256_load_si256(&t->tile[g]);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            acc[r] = fast_block_fma(t->d, dx[r], mult, _mm256_sub_epi32(sum[r], t->bias), acc[r]);
+            sum[r] = _mm256_dpbusd_avx_epi32(sum[r], _mm256_set1_epi32((int)xb[r][g]), tg);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) accbuf[r] = acc[r];
+    *d = t->d;
+    *bias = t->bias;
 }
-FAST_TILE_ROWS(fast_tile8_q8_0_rows, fast_tile8_q8_0)
+FAST_TILE_ROWS(fast_tile8_q8_0_rows, fast_tile8_q8_0_sums, true)
 #define FAST_Q8_STEP_(R, ...) FAST_Q8_CALL_(R, __VA_ARGS__)
 #define FAST_Q8_CALL_(R, unused)                                                                   \
     fast_tile8_q8_0_rows_##R(tiles, nc, x + (size_t)(g0 + r) * xs, xs, c0, 1.0f, accbuf + r)
