@@ -666,7 +666,7 @@ static void avxvnni_is_avx2_with_vpdpbusd(void **state) {
         own++;
         assert_non_null(v->dot_tile);
         const moe_type_traits *tr = moe_type_traits_get((uint32_t)t);
-        const int64_t n = BLOCKS * tr->block_values;
+        const int64_t n = N; /* Q8_0: 56 blocks, more than one chunk of its int8 tile */
         for (int pass = 0; pass < 2; pass++) {
             for (int j = 0; j < MAX_W; j++)
                 moe_type_random_row((moe_type)t, &seed, w + (size_t)j * w_stride, n);

@@ -5,7 +5,7 @@
  * faster, are the same instructions in both). Each build exports its own fill function;
  * everything else is static. Both builds form the same exact integer block sums and meet the
  * scales in the same float order, so avxvnni's logits are avx2's bit for bit; vpdpbusd does not
- * saturate, so at avxvnni the int8 tile also takes IQ4_XS (|v| <= 127). The trap: maddubs
+ * saturate, so at avxvnni the int8 tile also takes IQ4_XS (|v| <= 127) and Q8_0. The trap: maddubs
  * saturates where vpdpbusd does not, so whatever the avx2 build multiplies must keep the bound of
  * x86_avx2.h (u x 127 x 2 < 32768), or the two builds part. */
 #include "x86_avx2_iq.h"
@@ -68,7 +68,7 @@ MOE_INLINE __m256i fast_sub_end(__m256i sum, __m256i part, __m256i scale) {
  * rows' int32 lanes are summed by one transposing tree into lane v of a register, which meets
  * the block's scales in one vector fma per activation row: acc = fma(d_w d_x mult, sum, acc),
  * blocks in order, the scalar reference's bits (ref_fast.c) at any tile width and row count.
- * Q8_0 and (at avx2) IQ4_XS stay in the lanes at every row count: a tile's biased activations
+ * At avx2, Q8_0 and IQ4_XS stay in the lanes at every row count: a tile's biased activations
  * against their weights would saturate maddubs. */
 
 /* s[v] summed over its lanes into lane v (integer adds: exact in any order). */
@@ -80,6 +80,17 @@ MOE_INLINE __m256i fast_sum8x8(const __m256i s[8]) {
     /* a: rows 0..3 of the low 128 bits, then of the high; b: rows 4..7 */
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
                             _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* acc + (d_w d_x mult) x sum: a block's one float step, the same order on every path. */
+MOE_INLINE __m256 fast_block_fma(__m256 dw, float dx, float mult, __m256i sum, __m256 acc) {
+    return _mm256_fmadd_ps(
+        _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_set1_ps(mult)),
+        _mm256_cvtepi32_ps(sum), acc);
+}
+/* The lanes of the first n_w <= 8 weight rows, for the masked stores. */
+MOE_INLINE __m256i fast_lane_mask(int n_w) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n_w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 /* A type's block sums for R activation rows (block i of each, rows xs bytes apart): sumi[r]
@@ -140,12 +151,9 @@ MOE_INLINE void fast_lanes(int R, fast_sums_fn sums, iq_block_fn block, size_t b
         const __m256 dw = _mm256_loadu_ps(d);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(
-                _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[r])), _mm256_set1_ps(mult)),
-                _mm256_cvtepi32_ps(fast_sum8x8(part[r])), acc[r]);
+            acc[r] = fast_block_fma(dw, dx[r], mult, fast_sum8x8(part[r]), acc[r]);
     }
-    const __m256i lanes =
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(n_w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i lanes = fast_lane_mask(n_w);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) _mm256_maskstore_ps(out + r * os, lanes, acc[r]);
 }
@@ -222,64 +230,91 @@ MOE_INLINE void fast_tile8_build(iq_head_fn head, iq_chunk_fn chunk, size_t bloc
     o->d = _mm256_loadu_ps(d);
 }
 
-/* R activation rows (xs bytes apart, block c0 on) against nc tiles; the rows' accumulators in
- * and out through accbuf. One function per R (the row loops unroll, nothing kept across). */
-MOE_INLINE void fast_tile8_rows(int R, const fast_tile8 *tiles, int64_t nc, const uint8_t *x,
-                                size_t xs, int64_t c0, float mult, __m256 *accbuf) {
+/* Block b of R activation rows xs bytes apart (Q8_K, or Q8_0 for q8_0) for a tile: xb[r] its
+ * values made unsigned (+128), dx[r] its scale; sum[r] zeroed. */
+MOE_INLINE void fast_tile8_stage(int R, bool q8_0, const uint8_t *x, size_t xs, int64_t b,
+                                 uint32_t (*xb)[MOE_QK_K / 4], float *dx, __m256i *sum) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const uint8_t *row = x + (size_t)r * xs;
+        const int8_t *qs =
+            q8_0 ? ((const moe_block_q8_0 *)row)[b].qs : ((const moe_block_q8_k *)row)[b].qs;
+        for (int k = 0; k < (q8_0 ? 1 : 8); k++)
+            _mm256_store_si256(
+                (__m256i *)(xb[r] + 8 * k),
+                _mm256_xor_si256(avx2_load(qs + 32 * k), _mm256_set1_epi8((char)0x80)));
+        dx[r] = q8_0 ? avx2_fp16(((const moe_block_q8_0 *)row)[b].d)
+                     : ((const moe_block_q8_k *)row)[b].d;
+        sum[r] = _mm256_setzero_si256();
+    }
+}
+
+/* Tile j of tiles against R staged activation rows: sum[r] += the rows' exact int32 sums (their
+ * bias still on); *d, *bias: the tile's d_w and bias. One per kind of tile. */
+typedef void (*fast_tile_sums_fn)(int R, const void *tiles, int64_t j,
+                                  const uint32_t (*xb)[MOE_QK_K / 4], __m256i *sum, __m256 *d,
+                                  __m256i *bias);
+
+MOE_INLINE void fast_tile8_sums(int R, const void *tiles, int64_t j,
+                                const uint32_t (*xb)[MOE_QK_K / 4], __m256i *sum, __m256 *d,
+                                __m256i *bias) {
+    const fast_tile8 *t = (const fast_tile8 *)tiles + j;
+    for (int s = 0; s < 16; s++) {
+        const __m256i scale = _mm256_load_si256(&t->scale[s]);
+        __m256i part[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) part[r] = fast_sub_begin(sum[r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i tg = _mm256_load_si256(&t->tile[4 * s + c]);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                part[r] =
+                    fast_sub_step(part[r], _mm256_set1_epi32((int)xb[r][4 * s + c]), tg, scale);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) sum[r] = fast_sub_end(sum[r], part[r], scale);
+    }
+    *d = t->d;
+    *bias = t->bias;
+}
+
+/* R activation rows (xs bytes apart, block c0 on; Q8_0 blocks for q8_0, else Q8_K) against nc
+ * tiles; the rows' accumulators in and out through accbuf. One function per R and kind of tile
+ * (FAST_TILE_ROWS: the row loops unroll, nothing kept across). */
+MOE_INLINE void fast_tile_rows(int R, fast_tile_sums_fn sums, bool q8_0, const void *tiles,
+                               int64_t nc, const uint8_t *x, size_t xs, int64_t c0, float mult,
+                               __m256 *accbuf) {
     __m256 acc[MOE_DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = accbuf[r];
     for (int64_t j = 0; j < nc; j++) {
-        const fast_tile8 *t = &tiles[j];
         uint32_t xb[MOE_DOT_ROWS][MOE_QK_K / 4] __attribute__((aligned(32)));
         float dx[MOE_DOT_ROWS];
-        __m256i sum[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + c0 + j;
-            for (int k = 0; k < 8; k++)
-                _mm256_store_si256(
-                    (__m256i *)(xb[r] + 8 * k),
-                    _mm256_xor_si256(avx2_load(y->qs + 32 * k), _mm256_set1_epi8((char)0x80)));
-            dx[r] = y->d;
-            sum[r] = _mm256_setzero_si256();
-        }
-        for (int s = 0; s < 16; s++) {
-            const __m256i scale = _mm256_load_si256(&t->scale[s]);
-            __m256i part[MOE_DOT_ROWS];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) part[r] = fast_sub_begin(sum[r]);
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m256i tg = _mm256_load_si256(&t->tile[4 * s + c]);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-                    part[r] =
-                        fast_sub_step(part[r], _mm256_set1_epi32((int)xb[r][4 * s + c]), tg, scale);
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) sum[r] = fast_sub_end(sum[r], part[r], scale);
-        }
+        __m256i sum[MOE_DOT_ROWS], bias;
+        __m256 d;
+        fast_tile8_stage(R, q8_0, x, xs, c0 + j, xb, dx, sum);
+        sums(R, tiles, j, (const uint32_t(*)[MOE_QK_K / 4]) xb, sum, &d, &bias);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(
-                _mm256_mul_ps(_mm256_mul_ps(t->d, _mm256_set1_ps(dx[r])), _mm256_set1_ps(mult)),
-                _mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r], t->bias)), acc[r]);
+            acc[r] = fast_block_fma(d, dx[r], mult, _mm256_sub_epi32(sum[r], bias), acc[r]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) accbuf[r] = acc[r];
 }
-#define FAST_TILE8_ROWS(R)                                                                         \
-    static __attribute__((noinline)) void fast_tile8_rows_##R(                                     \
-        const fast_tile8 *tiles, int64_t nc, const uint8_t *x, size_t xs, int64_t c0, float mult,  \
-        __m256 *accbuf) {                                                                          \
-        fast_tile8_rows(R, tiles, nc, x, xs, c0, mult, accbuf);                                    \
+/* name_R for R = 1..4: fast_tile_rows(R, sums, q8_0, ...), one function each. */
+#define FAST_TILE_ROWS(name, sums, q8_0)                                                           \
+    FAST_TILE_ROWS_R(name, sums, q8_0, 1)                                                          \
+    FAST_TILE_ROWS_R(name, sums, q8_0, 2)                                                          \
+    FAST_TILE_ROWS_R(name, sums, q8_0, 3)                                                          \
+    FAST_TILE_ROWS_R(name, sums, q8_0, 4)
+#define FAST_TILE_ROWS_R(name, sums, q8_0, R)                                                      \
+    static __attribute__((noinline)) void name##_##R(const void *tiles, int64_t nc,                \
+                                                     const uint8_t *x, size_t xs, int64_t c0,      \
+                                                     float mult, __m256 *accbuf) {                 \
+        fast_tile_rows(R, sums, q8_0, tiles, nc, x, xs, c0, mult, accbuf);                         \
     }
-FAST_TILE8_ROWS(1)
-FAST_TILE8_ROWS(2)
-FAST_TILE8_ROWS(3)
-FAST_TILE8_ROWS(4)
-#undef FAST_TILE8_ROWS
+FAST_TILE_ROWS(fast_tile8_rows, fast_tile8_sums, false)
 #define FAST_TILE8_STEP_(R, ...) FAST_TILE8_CALL_(R, __VA_ARGS__)
 #define FAST_TILE8_CALL_(R, unused)                                                                \
     fast_tile8_rows_##R(tiles, nc, x + (size_t)(g0 + r) * xs, xs, c0, mult, accbuf + r)
@@ -290,12 +325,77 @@ MOE_INLINE void fast_tile8_drive(iq_head_fn head, iq_chunk_fn chunk, size_t bloc
                                  const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,
                                  int64_t n_rows, int64_t nb, float *out, int64_t os) {
     fast_tile8 tiles[FAST_TILE_CHUNK];
-    const __m256i lanes =
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(n_w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i lanes = fast_lane_mask(n_w);
     MOE_TILE_LOOP(__m256, _mm256_setzero_ps, FAST_TILE_GROUP, FAST_TILE_CHUNK, n_rows, nb,
                   fast_tile8_build(head, chunk, block_bytes, w, ws, n_w, c0 + j, &tiles[j]),
                   FAST_TILE8_STEP_, _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]));
 }
+
+#if MOE_AVX_VNNI
+/* ---- Q8_0 in the int8 tile (avxvnni only) ----
+ *
+ * From FAST_TILE_MIN_ROWS activation rows, block i of 8 weight rows goes into a tile as the
+ * codebook types' does (tile[g] lane v: values 4g .. 4g + 3 of row v, bias lane v: 128 x row
+ * v's sum), and each activation row meets it with its 4 bytes made unsigned (+128, any int8:
+ * 0 .. 255) and broadcast, one vpdpbusd per 4 values x 8 rows, the bias off once per block:
+ * the lanes' exact int32 block sums (|sum| <= 32 x 255 x 128), then the lanes' one fma per
+ * block, so avx2's bits. Not at avx2: maddubs would saturate on 255 x 128 x 2. */
+#define FAST_Q8_CHUNK 32 /* blocks decoded per pass (10 KiB) */
+
+typedef struct {
+    __m256i tile[8]; /* lane v of tile[g]: values 4g .. 4g + 3 of row v */
+    __m256i bias;    /* 128 x (row v's values, summed) */
+    __m256 d;        /* row v's d_w */
+} fast_tile8_q8_0;
+
+/* Block i of n_w <= 8 rows ws bytes apart into a tile (rows past n_w repeat row 0). */
+MOE_INLINE void fast_tile8_q8_0_build(const uint8_t *w, size_t ws, int n_w, int64_t i,
+                                      fast_tile8_q8_0 *o) {
+    __m256i rows[8];
+    float d[8], m;
+    for (int v = 0; v < 8; v++)
+        rows[v] = decode_q8_0(
+            w + (size_t)(v < n_w ? v : 0) * ws + (size_t)i * sizeof(moe_block_q8_0), &d[v], &m);
+    fast_transpose8x8(rows, o->tile);
+    __m256i bias = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++)
+        bias = _mm256_dpbusd_avx_epi32(bias, _mm256_set1_epi8(1), o->tile[g]);
+    o->bias = _mm256_slli_epi32(bias, 7);
+    o->d = _mm256_loadu_ps(d);
+}
+
+/* Tile j against R staged rows: one vpdpbusd per 4 values x 8 rows (fast_tile_sums_fn). */
+MOE_INLINE void fast_tile8_q8_0_sums(int R, const void *tiles, int64_t j,
+                                     const uint32_t (*xb)[MOE_QK_K / 4], __m256i *sum, __m256 *d,
+                                     __m256i *bias) {
+    const fast_tile8_q8_0 *t = (const fast_tile8_q8_0 *)tiles + j;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        const __m256i tg = _mm256_load_si256(&t->tile[g]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            sum[r] = _mm256_dpbusd_avx_epi32(sum[r], _mm256_set1_epi32((int)xb[r][g]), tg);
+    }
+    *d = t->d;
+    *bias = t->bias;
+}
+FAST_TILE_ROWS(fast_tile8_q8_0_rows, fast_tile8_q8_0_sums, true)
+#define FAST_Q8_STEP_(R, ...) FAST_Q8_CALL_(R, __VA_ARGS__)
+#define FAST_Q8_CALL_(R, unused)                                                                   \
+    fast_tile8_q8_0_rows_##R(tiles, nc, x + (size_t)(g0 + r) * xs, xs, c0, 1.0f, accbuf + r)
+
+static void fast_many_q8_0(const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,
+                           int64_t n_rows, int64_t n, float *out, int64_t os) {
+    fast_tile8_q8_0 tiles[FAST_Q8_CHUNK];
+    const __m256i lanes = fast_lane_mask(n_w);
+    MOE_TILE_LOOP(__m256, _mm256_setzero_ps, FAST_TILE_GROUP, FAST_Q8_CHUNK, n_rows, n / MOE_QK32,
+                  fast_tile8_q8_0_build(w, ws, n_w, c0 + j, &tiles[j]), FAST_Q8_STEP_,
+                  _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]));
+}
+#define FAST_MANY_Q8_0 fast_many_q8_0
+#else
+#define FAST_MANY_Q8_0 NULL /* the lanes at every row count */
+#endif
 
 /* The tile kernel (quant.h, moe_dot_tile_fn): weight rows 8 at a time, activation rows in
  * groups of MOE_DOT_ROWS (a block is decoded once per group). Each group size is a function of
@@ -337,7 +437,7 @@ MOE_INLINE void fast_tile8_drive(iq_head_fn head, iq_chunk_fn chunk, size_t bloc
     fast_lanes_##t##_##R(wv, ws, nv, xb + (size_t)r * xs, xs, n, out + r * os + v0, os)
 typedef void (*fast_many_fn)(const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,
                              int64_t n_rows, int64_t n, float *out, int64_t os);
-FAST_KERNELS(q8_0, fast_sums_q8_0, NULL, MOE_QK32, 1.0f, NULL)
+FAST_KERNELS(q8_0, fast_sums_q8_0, NULL, MOE_QK32, 1.0f, FAST_MANY_Q8_0)
 #define FAST_IQ(t, mult)                                                                           \
     static void fast_many_##t(const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,   \
                               int64_t n_rows, int64_t n, float *out, int64_t os) {                 \
