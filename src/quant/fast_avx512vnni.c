@@ -299,6 +299,11 @@ MOE_INLINE void fast_tile_nibbles(const uint8_t *body, const int8_t *book, __m51
  * one activation row: 9.2-10.6 GB/s without, 11.4-11.9 at 4, 11.2-11.4 at 8 (load 3). */
 #define FAST_ROWS16_AHEAD 4
 
+/* The n bytes at p requested, a cache line at a time. */
+MOE_INLINE void fast_prefetch(const uint8_t *p, size_t n) {
+    for (size_t off = 0; off < n; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+}
+
 /* Block i of a MOE_LAYOUT_ROWS16 group (quant.h): the tile as it lies, no transpose. The heads
  * are the 16 rows' scales (f16; MXFP4: e8m0 bytes); the body's dword g of the 16 rows is tile[g]
  * (Q8_0), or for the nibble types (book: their 16 values) dword c holds values 4c .. 4c + 3 of
@@ -307,8 +312,7 @@ MOE_INLINE void fast_tile_rows16(const uint8_t *b, size_t head, const int8_t *bo
     fast_tile *o = tile;
     const uint8_t *body = b + MOE_ROWS16 * head;
     const size_t bytes = MOE_ROWS16 * head + (book ? 256 : 512);
-    for (size_t off = 0; off < bytes; off += 64)
-        _mm_prefetch((const char *)b + FAST_ROWS16_AHEAD * bytes + off, _MM_HINT_T0);
+    fast_prefetch(b + FAST_ROWS16_AHEAD * bytes, bytes);
     if (!book)
         for (int g = 0; g < 8; g++) o->tile[g] = z_load(body + 64 * g);
     else
@@ -510,8 +514,7 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
             (size_t)(a / nb) * MOE_DOT_TILE_W * ws + (size_t)(a % nb) * t.block_bytes;
         for (int v = 0; v < n_w; v++) {
             const uint8_t *block = w + v * ws + (size_t)i * t.block_bytes;
-            for (size_t o = 0; o < t.block_bytes; o += 64)
-                _mm_prefetch((const char *)w + v * ws + ahead + o, _MM_HINT_T0);
+            fast_prefetch(w + v * ws + ahead, t.block_bytes);
             z_iqb b;
             t.regs(block, &b);
             __m256i mins = _mm256_setzero_si256();
