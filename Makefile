@@ -130,6 +130,8 @@ bench: $(BENCH_BIN) $(QBENCH_BIN) $(ABENCH_BIN)
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIB)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB) $(LDFLAGS) $(LDLIBS)
 .SECONDARY: $(BUILD)/bench/kernels.o $(BUILD)/bench/quantize.o $(BUILD)/bench/attention.o
+# `make` builds them too, so a bench binary never measures an older library than `moe` runs.
+all: $(BENCH_BIN) $(QBENCH_BIN) $(ABENCH_BIN)
 
 ## bench-grammar: constrained decoding's cost per token vs the forward pass (BENCH_ARGS)
 GRAMMAR_BENCH_BIN ?= $(BUILD)/bench/grammar
