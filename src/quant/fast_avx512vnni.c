@@ -509,9 +509,9 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
         for (int v = n_w; v < 16; v++) part[r][v] = mpart[r][v] = _mm512_setzero_si512();
     }
     for (int64_t i = 0; i < nb; i++) {
-        const int64_t a = i + FAST_LANES_AHEAD; /* block a % nb of row v + 16 (a / nb) */
-        const size_t ahead =
-            (size_t)(a / nb) * MOE_DOT_TILE_W * ws + (size_t)(a % nb) * t.block_bytes;
+        const int64_t a = i + FAST_LANES_AHEAD; /* past the row: row v + 16, from its start */
+        const size_t ahead = a < nb ? (size_t)a * t.block_bytes
+                                    : MOE_DOT_TILE_W * ws + (size_t)(a - nb) * t.block_bytes;
         for (int v = 0; v < n_w; v++) {
             const uint8_t *block = w + v * ws + (size_t)i * t.block_bytes;
             fast_prefetch(w + v * ws + ahead, t.block_bytes);
