@@ -147,7 +147,9 @@ MOE_INLINE void fast_rows_scale(int R, fast_type type, const fast_tile *t, int s
  * starts there; past the matrix: nothing, a prefetch never faults). Q6_K, the output head's 151936
  * x 2048 through moe_matmul, one activation row, 1 thread, CPU ms (load 3.7-4.3): 21.2 with no
  * prefetch (the matmul's, a group at a time), 16.3-16.8 at 7-20 KiB into L2; into L1 19-24 at 1-7
- * KiB; a whole block's lines at once 0.82-0.95x of none. */
+ * KiB; a whole block's lines at once 0.82-0.95x of none. bench/kernels --tile, 512 MiB (load
+ * 5-6): Q6_K 0.81-0.84x of the file's layout at one row and 0.83-0.85x at 4 before, 0.98-0.99x
+ * at both with it; Q5_K 1.04-1.05x at one row (0.97-1.00x before); Q4_K unchanged. */
 #define FAST_ROWS16_LANES_AHEAD (10u << 10)
 
 /* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
@@ -209,12 +211,13 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
         const int n_scales = groups / 4 / (type.scale_values / 16);
         const uint8_t *block = values ? vsrc + (size_t)j * MOE_ROWS16 * type.block_bytes : NULL;
         if (values) {
-            const size_t group_bytes = MOE_ROWS16 * type.block_bytes;
+            /* Q4_K and Q5_K (mins) only under 4 rows: Q4_K at 4 measured 0.86x with it */
+            const size_t ahead_bytes = !mins || R < 4 ? MOE_ROWS16 * type.block_bytes : 0;
 #pragma GCC unroll 16
             for (int s = 0; s < n_scales; s++) {
                 /* lines (s / n_scales .. (s + 1) / n_scales of the block) ahead */
-                for (size_t at = (group_bytes * s / n_scales + 63) & ~(size_t)63;
-                     at < group_bytes * (s + 1) / n_scales; at += 64)
+                for (size_t at = (ahead_bytes * s / n_scales + 63) & ~(size_t)63;
+                     at < ahead_bytes * (s + 1) / n_scales; at += 64)
                     _mm_prefetch((const char *)block + FAST_ROWS16_LANES_AHEAD + at, _MM_HINT_T1);
                 fast_rows_scale(R, type, t, s, bytes, x, xs, c0 + j, sum, values, block);
             }
