@@ -7,8 +7,11 @@
  * it, as a decode step does. Each figure is the median of --runs passes (default 5). The read
  * bandwidth comes from the library's probe (moe_read_bandwidth: a streaming sum with the widest
  * loads of the active table), on one thread as the kernels run here, and on --threads threads
- * (default 2) for the ceiling `moe bench` compares against. The trap: the first pass over
- * fresh memory pays page faults, so every buffer is written before timing. */
+ * (default 2) for the ceiling `moe bench` compares against. --tile R,... measures the fast
+ * path's tile kernels instead, against R activation rows, at each level --isa names (default:
+ * the active one, which MOE_ISA sets), with the exact path's figures at the same R beside. The
+ * trap: the first pass over fresh memory pays page faults, so every buffer is written before
+ * timing. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -144,7 +147,9 @@ static void usage(void) {
     fprintf(stderr,
             "usage: kernels [--mib N] [--n VALUES] [--runs N] [--threads N] [--gemm-rows N]\n"
             "               [--types q4_k,...] [--tile R,...]\n"
-            "               [--isa scalar,avx2,...]\n");
+            "               [--isa scalar,avx2,...]\n"
+            "--tile: the fast path's tile kernels against R activation rows (and the exact\n"
+            "path's at the same R) at each --isa level (default: the active one)\n");
     exit(2);
 }
 
