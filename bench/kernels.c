@@ -7,8 +7,11 @@
  * it, as a decode step does. Each figure is the median of --runs passes (default 5). The read
  * bandwidth comes from the library's probe (moe_read_bandwidth: a streaming sum with the widest
  * loads of the active table), on one thread as the kernels run here, and on --threads threads
- * (default 2) for the ceiling `moe bench` compares against. The trap: the first pass over
- * fresh memory pays page faults, so every buffer is written before timing. */
+ * (default 2) for the ceiling `moe bench` compares against. --tile R,... measures the fast
+ * path's tile kernels instead, against R activation rows, at each level --isa names (default:
+ * the active one, which MOE_ISA sets), with the exact path's figures at the same R beside. The
+ * trap: the first pass over fresh memory pays page faults, so every buffer is written before
+ * timing. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,32 +21,33 @@
 
 static volatile float sink_f32;
 
-/* Median GB/s of weights for `rows` rows of `row_bytes` at w against n_x activation rows
- * (x_stride bytes apart): n_x = 1 is the matvec (k->dot), more is the GEMM (moe_dot_rows, as
- * moe_matmul calls it). GEMM figures count each weight byte once per pass over all n_x rows. */
-static double matmul_gbs(const moe_type_kernels *k, const uint8_t *w, int64_t rows,
-                         size_t row_bytes, const uint8_t *xq, size_t x_stride, int64_t n_x,
-                         int64_t n, float *y, int runs) {
-    double t[64];
-    for (int r = 0; r < runs; r++) {
-        const double t0 = moe_now();
-        if (n_x == 1)
-            for (int64_t i = 0; i < rows; i++) y[i] = k->dot(w + (size_t)i * row_bytes, xq, n);
-        else
-            for (int64_t i = 0; i < rows; i++)
-                moe_dot_rows(k, w + (size_t)i * row_bytes, xq, x_stride, n_x, n, y + i * n_x, 1);
-        t[r] = moe_now() - t0;
-        sink_f32 = y[rows / 2];
-    }
-    return (double)rows * (double)row_bytes / moe_median(t, runs) / 1e9;
-}
-
 /* This thread's CPU seconds: a tile figure on a machine shared with other work (it counts the
  * time this thread ran, not the time it waited for a core). */
 static double thread_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Median GB/s of weights for `rows` rows of `row_bytes` at w against n_x activation rows
+ * (x_stride bytes apart): n_x = 1 is the matvec (k->dot), more is the GEMM (moe_dot_rows, as
+ * moe_matmul calls it). GEMM figures count each weight byte once per pass over all n_x rows.
+ * clock: moe_now, or thread_seconds beside the tile figures. */
+static double matmul_gbs(const moe_type_kernels *k, const uint8_t *w, int64_t rows,
+                         size_t row_bytes, const uint8_t *xq, size_t x_stride, int64_t n_x,
+                         int64_t n, float *y, int runs, double (*clock)(void)) {
+    double t[64];
+    for (int r = 0; r < runs; r++) {
+        const double t0 = clock();
+        if (n_x == 1)
+            for (int64_t i = 0; i < rows; i++) y[i] = k->dot(w + (size_t)i * row_bytes, xq, n);
+        else
+            for (int64_t i = 0; i < rows; i++)
+                moe_dot_rows(k, w + (size_t)i * row_bytes, xq, x_stride, n_x, n, y + i * n_x, 1);
+        t[r] = clock() - t0;
+        sink_f32 = y[rows / 2];
+    }
+    return (double)rows * (double)row_bytes / moe_median(t, runs) / 1e9;
 }
 
 /* Median GB/s of weights (per second of this thread's CPU time) for the fast path's tile kernel
@@ -64,15 +68,16 @@ static double tile_gbs(moe_dot_tile_fn f, const uint8_t *w, int64_t rows, size_t
     return (double)rows * (double)row_bytes / moe_median(t, runs) / 1e9;
 }
 
-/* --tile: per type with a fast tile kernel at the active level, GB/s of weights at each count
- * of activation rows on the file's layout, then on MOE_LAYOUT_ROWS16 (the buffer repacked in
- * place) where the level has a kernel on it. */
-static void tile_bench(const moe_type *types, int n_types, const int *counts, int n_counts,
-                       uint8_t *buf, size_t bytes, int64_t n, int runs, double bw) {
-    const moe_kernels *k = moe_kernels_for_path(moe_kernels_get()->isa, false);
+/* --tile: per type with a fast tile kernel at the level, GB/s of weights at each count of
+ * activation rows on the file's layout, then on MOE_LAYOUT_ROWS16 (the buffer repacked in place)
+ * where the level has a kernel on it; and below, the exact path's at the same counts (its dot,
+ * or moe_dot_rows a weight row at a time, as moe_matmul runs a type without a tile kernel). */
+static void tile_bench(moe_isa level, const moe_type *types, int n_types, const int *counts,
+                       int n_counts, uint8_t *buf, size_t bytes, int64_t n, int runs, double bw) {
+    const moe_kernels *k = moe_kernels_for_path(level, false), *kx = moe_kernels_for_isa(level);
     printf("fast path tiles (%s): GB/s of weights, 16 weight rows a call against R activation "
            "rows, per second of the thread's CPU time, file layout -> MOE_LAYOUT_ROWS16 (ratio); "
-           "1-thread read bandwidth %.1f GB/s\n",
+           "the exact path's below; 1-thread read bandwidth %.1f GB/s\n",
            k->name, bw);
     printf("%-8s", "type");
     for (int c = 0; c < n_counts; c++) printf("          R=%-3d        ", counts[c]);
@@ -89,7 +94,7 @@ static void tile_bench(const moe_type *types, int n_types, const int *counts, in
         const moe_type t = types[ti];
         const moe_type_kernels *e = &k->types[t];
         const size_t row_bytes = (size_t)moe_type_row_bytes(t, n);
-        if (!e->dot_tile || !row_bytes) continue;
+        if (!e->dot || !row_bytes) continue;
         const int64_t rows = (int64_t)(bytes / row_bytes) / MOE_ROWS16 * MOE_ROWS16;
         for (int64_t r = 0; r < rows; r++)
             moe_type_random_row(t, &seed, buf + (size_t)r * row_bytes, n);
@@ -97,12 +102,23 @@ static void tile_bench(const moe_type *types, int n_types, const int *counts, in
             moe_type_random_row(MOE_TYPE_F32, &seed, x, n);
             e->quantize_row_for_dot(x, xq + (size_t)r * xs, n);
         }
-        double file[16];
-        for (int c = 0; c < n_counts; c++)
-            file[c] = tile_gbs(e->dot_tile, buf, rows, row_bytes, xq, xs, counts[c], n, y, runs);
+        double file[16], exact[16];
+        float *y_rows = moe_xmalloc(sizeof(float) * (size_t)rows * (size_t)max_x); /* matmul_gbs */
+        for (int c = 0; c < n_counts; c++) {
+            file[c] = e->dot_tile ? tile_gbs(e->dot_tile, buf, rows, row_bytes, xq, xs, counts[c],
+                                             n, y, runs)
+                                  : 0;
+            exact[c] = matmul_gbs(&kx->types[t], buf, rows, row_bytes, xq, xs, counts[c], n, y_rows,
+                                  runs, thread_seconds);
+        }
+        free(y_rows);
         if (e->dot_tile_rows16) moe_layout_pack_matrix(MOE_LAYOUT_ROWS16, t, buf, rows, n, scratch);
         printf("%-8s", moe_type_name(t));
         for (int c = 0; c < n_counts; c++) {
+            if (!e->dot_tile) {
+                printf("    -                   ");
+                continue;
+            }
             if (!e->dot_tile_rows16) {
                 printf("  %6.2f ->   -          ", file[c]);
                 continue;
@@ -111,6 +127,8 @@ static void tile_bench(const moe_type *types, int n_types, const int *counts, in
                 tile_gbs(e->dot_tile_rows16, buf, rows, row_bytes, xq, xs, counts[c], n, y, runs);
             printf("  %6.2f -> %6.2f (%.2fx)", file[c], r16, r16 / file[c]);
         }
+        printf("\n  exact ");
+        for (int c = 0; c < n_counts; c++) printf("  %6.2f                ", exact[c]);
         printf("\n");
         fflush(stdout);
     }
@@ -129,7 +147,9 @@ static void usage(void) {
     fprintf(stderr,
             "usage: kernels [--mib N] [--n VALUES] [--runs N] [--threads N] [--gemm-rows N]\n"
             "               [--types q4_k,...] [--tile R,...]\n"
-            "               [--isa scalar,avx2,...]\n");
+            "               [--isa scalar,avx2,...]\n"
+            "--tile: the fast path's tile kernels against R activation rows (and the exact\n"
+            "path's at the same R) at each --isa level (default: the active one)\n");
     exit(2);
 }
 
@@ -139,7 +159,7 @@ int main(int argc, char **argv) {
     int runs = 5, threads = 2, gemm_rows = 8;
     moe_type types[64];
     int n_types = 0, tile_counts[16], n_tile = 0;
-    bool isa_on[MOE_ISA_COUNT];
+    bool isa_on[MOE_ISA_COUNT], isa_named = false;
     for (int i = 0; i < MOE_ISA_COUNT; i++) isa_on[i] = true;
     for (int a = 1; a < argc; a++) {
         if (a + 1 >= argc) usage();
@@ -170,6 +190,7 @@ int main(int argc, char **argv) {
                 if ((tile_counts[n_tile++] = atoi(t)) < 1 || tile_counts[n_tile - 1] > 256) usage();
             free(list);
         } else if (!strcmp(argv[a - 1], "--isa")) {
+            isa_named = true;
             for (int i = 0; i < MOE_ISA_COUNT; i++) isa_on[i] = false;
             char *list = moe_xstrdup(v), *save = NULL;
             for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
@@ -217,8 +238,12 @@ int main(int argc, char **argv) {
         one.load_bytes, mib, bw, one.min_gb_s, one.max_gb_s, many.threads, many.median_gb_s,
         many.min_gb_s, many.max_gb_s);
 
-    if (n_tile) {
-        tile_bench(types, n_types, tile_counts, n_tile, buf, bytes, n, runs, bw);
+    if (n_tile) { /* at each level --isa names (default: the active one) the CPU runs */
+        for (int i = 0; i < MOE_ISA_COUNT; i++)
+            if (moe_kernels_for_isa((moe_isa)i) &&
+                (isa_named ? isa_on[i] : i == (int)moe_kernels_get()->isa))
+                tile_bench((moe_isa)i, types, n_types, tile_counts, n_tile, buf, bytes, n, runs,
+                           bw);
         free(buf);
         return 0;
     }
@@ -256,9 +281,10 @@ int main(int argc, char **argv) {
             const moe_type_kernels *e = &k->types[t];
             for (int r = 0; r < gemm_rows; r++)
                 e->quantize_row_for_dot(x, xq + (size_t)r * x_stride, n);
-            const double gbs = matmul_gbs(e, buf, rows, row_bytes, xq, x_stride, 1, n, y, runs);
+            const double gbs =
+                matmul_gbs(e, buf, rows, row_bytes, xq, x_stride, 1, n, y, runs, moe_now);
             const double gemm =
-                matmul_gbs(e, buf, rows, row_bytes, xq, x_stride, gemm_rows, n, y, runs);
+                matmul_gbs(e, buf, rows, row_bytes, xq, x_stride, gemm_rows, n, y, runs, moe_now);
             printf(" %6.1f (%4.0f%%) %c %6.1f %c", gbs, 100 * gbs / bw,
                    e->dot_isa == k->isa ? '*' : ' ', gemm, e->dot_rows ? 'g' : ' ');
             fflush(stdout);

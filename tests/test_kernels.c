@@ -430,11 +430,53 @@ static void dot_rows_equal_single_rows(void **state) {
 
 /* ==== The fast path (quant.h, "The two paths") ==== */
 
+/* Where a block of type t keeps its float scales (at, bytes: left alone when a block is filled
+ * with extreme integers); false: the test has no extreme blocks for the type. */
+static bool block_float_head(moe_type t, size_t *at, size_t *bytes) {
+    *at = 0, *bytes = 2; /* an f16 d first */
+    switch (t) {
+    case MOE_TYPE_Q4_0:
+    case MOE_TYPE_Q5_0:
+    case MOE_TYPE_Q8_0:
+    case MOE_TYPE_IQ4_NL:
+    case MOE_TYPE_IQ4_XS:
+        return true;
+    case MOE_TYPE_MXFP4: /* its e8m0 byte */
+        *bytes = 1;
+        return true;
+    case MOE_TYPE_Q4_K: /* d, dmin */
+    case MOE_TYPE_Q5_K:
+        *bytes = 4;
+        return true;
+    case MOE_TYPE_Q6_K: /* d, last */
+        *at = offsetof(moe_block_q6_k, d);
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* Every block of a row of type t (n values) but its float scales set to byte `fill`: integer
+ * values, scales and mins at their largest (0xff: Q4_K / Q5_K values 15 / 31 at scale and min
+ * 63, Q6_K 31 at scale -1, Q8_0 -1), smallest (0x80: Q8_0 -128, Q6_K scale -128) or
+ * mixed; false: block_float_head has none for t. */
+static bool extreme_row(moe_type t, uint8_t *row, int64_t n, uint8_t fill) {
+    size_t at, head;
+    if (!block_float_head(t, &at, &head)) return false;
+    const moe_type_traits *tr = moe_type_traits_get(t);
+    for (int64_t b = 0; b < (int64_t)moe_type_row_bytes(t, n); b++) {
+        const size_t k = (size_t)b % tr->block_bytes;
+        if (k < at || k >= at + head) row[b] = fill;
+    }
+    return true;
+}
+
 /* Every level's fast table: where its dot is not the exact table's, it gives the scalar fast
  * table's bits (the reference of the fast order, ref_fast.c) on random rows of 1..40 blocks, and
- * that reference is within DOT_BUDGET of the exact scalar dot (the same sum in another order);
- * its tile kernel gives each (weight row, activation row) the dot's bits at any tile width and
- * row count. Everything else on the fast table is the exact table's. */
+ * on rows of extreme blocks (extreme_row) against activations at +-127, and that reference is
+ * within DOT_BUDGET of the exact scalar dot (the same sum in another order); its tile kernel
+ * gives each (weight row, activation row) the dot's bits at any tile width and row count.
+ * Everything else on the fast table is the exact table's. */
 static void fast_path_matches_its_reference(void **state) {
     (void)state;
     enum { MAX_W = MOE_DOT_TILE_W, MAX_X = 70, MAX_BLOCKS = 40 };
@@ -463,12 +505,23 @@ static void fast_path_matches_its_reference(void **state) {
             const moe_type_traits *tr = moe_type_traits_get((uint32_t)t);
             if (ref->types[t].dot == exact_ref->types[t].dot)
                 fail_msg("%s: fast %s kernel without a scalar reference", k->name, tr->name);
-            for (int64_t blocks = 1; blocks <= MAX_BLOCKS; blocks += 13) {
-                const int64_t n = blocks * tr->block_values;
-                for (int v = 0; v < MAX_W; v++)
+            /* 1, 14, 27 and 40 blocks random; then 14 blocks extreme */
+            for (int64_t blocks = 1; blocks <= MAX_BLOCKS + 14; blocks += 13) {
+                const bool extreme = blocks > MAX_BLOCKS;
+                const int64_t n = (extreme ? 14 : blocks) * tr->block_values;
+                static const uint8_t fills[] = {0xff, 0x80, 0x7f, 0x81, 0x00};
+                for (int v = 0; v < MAX_W; v++) {
                     moe_type_random_row((moe_type)t, &seed, w + (size_t)v * w_stride, n);
+                    if (extreme && !extreme_row((moe_type)t, w + (size_t)v * w_stride, n,
+                                                fills[v % sizeof fills]))
+                        break;
+                }
+                if (extreme && !block_float_head((moe_type)t, &(size_t){0}, &(size_t){0})) continue;
                 for (int r = 0; r < MAX_X; r++) {
-                    random_activations(&seed, x, n);
+                    if (extreme)
+                        for (int64_t i = 0; i < n; i++) x[i] = (i + r) % 3 ? 1.0f : -1.0f;
+                    else
+                        random_activations(&seed, x, n);
                     e->quantize_row_for_dot(x, xq + (size_t)r * x_stride, n);
                 }
                 for (int r = 0; r < 4; r++) {
@@ -479,15 +532,15 @@ static void fast_path_matches_its_reference(void **state) {
                                  (long long)n, got, want);
                     const double exact = exact_ref->types[t].dot(w, xr, n);
                     const double mag = abs_dot((moe_type)t, w, xr, n);
-                    if (fabs(want - exact) > dot_budget((moe_type)t) * mag)
+                    if (!extreme && fabs(want - exact) > dot_budget((moe_type)t) * mag)
                         fail_msg("fast %s reference, n = %lld: %.9g, exact %.9g", tr->name,
                                  (long long)n, want, exact);
                 }
                 if (!e->dot_tile) continue;
-                /* rows: both sides of the avx512vnni kernels' switch from the lanes to the tile
-                 * (8), of the row groups (4) and of the amx level's 16-row tiles */
+                /* rows: both sides of the switch from the lanes to the tile (8; avx2's K quants
+                 * 32), of the row groups (4) and of the amx level's 16-row tiles */
                 static const int widths[] = {1, 5, 9, MAX_W},
-                                 rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 64, MAX_X};
+                                 rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 31, 32, 64, MAX_X};
                 for (int a = 0; a < 4; a++)
                     for (int b = 0; b < (int)(sizeof rows / sizeof rows[0]); b++) {
                         memset(out, 0xff, sizeof(float) * MAX_X * MAX_W);
@@ -509,10 +562,13 @@ static void fast_path_matches_its_reference(void **state) {
     print_message("[ MEASURE  ] %d fast kernels (all levels) give their reference's bits\n",
                   fast_kernels);
     assert_true(fast_kernels > 0);
-    /* the levels with fast kernels of their own have them for Q8_0 and every codebook type */
-    static const moe_type own[] = {MOE_TYPE_Q8_0,  MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ2_XS,
-                                   MOE_TYPE_IQ2_S, MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ3_S,
-                                   MOE_TYPE_IQ1_S, MOE_TYPE_IQ1_M,   MOE_TYPE_IQ4_XS};
+    /* the levels with fast kernels of their own have them for the 32-value types against Q8_0,
+     * the K quants of Q4_K_M-like builds and every codebook type */
+    static const moe_type own[] = {
+        MOE_TYPE_Q8_0,    MOE_TYPE_Q4_0,   MOE_TYPE_Q5_0,  MOE_TYPE_IQ4_NL,
+        MOE_TYPE_MXFP4,   MOE_TYPE_Q4_K,   MOE_TYPE_Q5_K,  MOE_TYPE_Q6_K,
+        MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ2_XS, MOE_TYPE_IQ2_S, MOE_TYPE_IQ3_XXS,
+        MOE_TYPE_IQ3_S,   MOE_TYPE_IQ1_S,  MOE_TYPE_IQ1_M, MOE_TYPE_IQ4_XS};
     static const moe_isa levels[] = {MOE_ISA_AVX2, MOE_ISA_AVXVNNI, MOE_ISA_AVX512VNNI};
     for (size_t l = 0; l < sizeof levels / sizeof levels[0]; l++) {
         const moe_kernels *k = moe_kernels_for_path(levels[l], false);
@@ -521,18 +577,6 @@ static void fast_path_matches_its_reference(void **state) {
             if (k->types[own[i]].dot_isa != levels[l] || !k->types[own[i]].dot_tile)
                 fail_msg("%s fast table: no %s fast kernel of its own", k->name,
                          moe_type_name(own[i]));
-    }
-    /* Q6_K's fast kernel is avx512vnni's (the one level with the ROWS16 twin); the levels below
-     * keep their exact kernel on the fast path */
-    for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
-        const moe_kernels *k = moe_kernels_for_path((moe_isa)level, false);
-        if (!k) continue;
-        const moe_type_kernels *e = &k->types[MOE_TYPE_Q6_K];
-        const bool own_q6_k = level >= MOE_ISA_AVX512VNNI; /* amx: avx512vnni's (no AMX tile) */
-        if ((e->dot_isa == MOE_ISA_AVX512VNNI && e->dot_tile && e->dot_tile_rows16) != own_q6_k ||
-            (!own_q6_k && e->dot != moe_kernels_for_isa((moe_isa)level)->types[MOE_TYPE_Q6_K].dot))
-            fail_msg("%s fast table: Q6_K %s", k->name,
-                     own_q6_k ? "without its fast and ROWS16 kernels" : "not the exact kernel");
     }
     free(w), free(xq), free(x), free(out);
 }
@@ -629,8 +673,8 @@ static void rows16_layout_and_kernels(void **state) {
 /* The avxvnni level: its exact table is avx2's, entry for entry; its fast table has a kernel of
  * its own where avx2's has one (avx2's fast kernels built with vpdpbusd), and each gives avx2's
  * fast bits, bit for bit, single rows and tiles of 1..70 activation rows (the int8 tile from 8),
- * on random rows and on activations at +-127 (for Q8_0 and IQ4_XS with weights at their largest
- * magnitudes too: where a saturating multiply would part). Skipped where the CPU has no AVX-VNNI.
+ * on random rows and on activations at +-127 (with weights at their largest magnitudes too,
+ * extreme_row: where a saturating multiply would part). Skipped where the CPU has no AVX-VNNI.
  */
 static void avxvnni_is_avx2_with_vpdpbusd(void **state) {
     (void)state;
@@ -670,14 +714,13 @@ static void avxvnni_is_avx2_with_vpdpbusd(void **state) {
         for (int pass = 0; pass < 2; pass++) {
             for (int j = 0; j < MAX_W; j++)
                 moe_type_random_row((moe_type)t, &seed, w + (size_t)j * w_stride, n);
-            /* then the largest magnitudes where a block starts with its fp16 d (kept): Q8_0's
-             * -128 and +-127, IQ4_XS's -127 at scale -32 and 113 at 31 */
+            /* then the largest magnitudes (extreme_row, the float scales kept): Q8_0's -128
+             * and +-127, IQ4_XS's -127 at scale -32 and 113 at 31, the K quants' largest values
+             * at their largest scales and mins */
             static const uint8_t fill[4] = {0x00, 0xff, 0x80, 0x81};
-            if (pass && (t == MOE_TYPE_Q8_0 || t == MOE_TYPE_IQ4_XS))
+            if (pass)
                 for (int j = 0; j < MAX_W; j++)
-                    for (int64_t b = 0; b < (int64_t)moe_type_row_bytes((moe_type)t, n); b++)
-                        if ((size_t)b % tr->block_bytes >= 2)
-                            w[(size_t)j * w_stride + (size_t)b] = fill[j % 4];
+                    extreme_row((moe_type)t, w + (size_t)j * w_stride, n, fill[j % 4]);
             for (int r = 0; r < MAX_X; r++) {
                 if (pass)
                     for (int64_t i = 0; i < n; i++) x[i] = (i + r) % 3 ? 1.0f : -1.0f;
@@ -705,7 +748,7 @@ static void avxvnni_is_avx2_with_vpdpbusd(void **state) {
         }
     }
     print_message("[ MEASURE  ] avxvnni: %d fast kernels give avx2's fast bits\n", own);
-    assert_true(own >= 9);
+    assert_true(own >= 16);
     free(w), free(x);
 }
 

@@ -116,42 +116,18 @@ Q32_DOT_Q8_1(q5_1)
 MOE_INLINE void k4_rows(const void *w, const void *x, size_t xs, int R, int64_t n, float *out,
                         int64_t os, bool q5) {
     const uint8_t *xb = x;
-    const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
     __m256 acc[MOE_DOT_ROWS];
     __m128 acc_min[MOE_DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), acc_min[r] = _mm_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
         const avx2_k4_block b = avx2_k4_at(w, i, q5);
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(b.sm));
-        const __m256i hb = q5 ? avx2_load(b.qh) : _mm256_setzero_si256();
         const moe_block_q8_k *y[MOE_DOT_ROWS];
         __m256i sumi[MOE_DOT_ROWS];
         avx2_k4_rows_begin(R, xb, xs, i, &b, y, acc_min);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
-            const __m256i q4 = avx2_load(b.qs + 32 * j);
-            __m256i lo = _mm256_and_si256(q4, low4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
-            if (q5) { /* bit 2j of qh[l] is the fifth bit of the low value, bit 2j+1 of the high */
-                const __m256i h = _mm256_srli_epi16(hb, 2 * j);
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
-            }
-            const __m256i slo =
-                _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0404 * j)));
-            const __m256i shi =
-                _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0302 + 0x0404 * j)));
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) { /* nibbles (<= 31) times q8 */
-                const __m256i plo = avx2_mul_u8_i8(lo, avx2_load(y[r]->qs + 64 * j));
-                const __m256i phi = avx2_mul_u8_i8(hi, avx2_load(y[r]->qs + 64 * j + 32));
-                sumi[r] = _mm256_add_epi32(
-                    sumi[r], _mm256_add_epi32(avx2_scale16(plo, slo), avx2_scale16(phi, shi)));
-            }
-        }
+        avx2_k4_sums(R, &b, y, sumi);
         avx2_k4_rows_end(R, &b, y, sumi, acc);
     }
     avx2_k4_rows_store(R, acc, acc_min, out, os);
@@ -164,52 +140,22 @@ MOE_INLINE void q6_k_rows(const void *w, const void *x, size_t xs, int R, int64_
     (void)unused;
     const moe_block_q6_k *b = w;
     const uint8_t *xb = x;
-    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
     __m256 acc[MOE_DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / MOE_QK_K; i++) {
-        const __m128i sc = _mm_loadu_si128((const __m128i *)b[i].scales);
         const moe_block_q8_k *y[MOE_DOT_ROWS];
         __m256i sumi[MOE_DOT_ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             y[r] = (const moe_block_q8_k *)(xb + (size_t)r * xs) + i;
-            const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_bsums(y[r]));
-            sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+            sumi[r] = _mm256_setzero_si256();
         }
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = b[i].ql + 64 * h;
-            const __m256i qa = avx2_load(ql), qb = avx2_load(ql + 32),
-                          qhb = avx2_load(b[i].qh + 32 * h);
-            /* values l, l+32, l+64, l+96 of the half; 16-bit shifts leak only outside 0x30 */
-            const __m256i v[4] = {
-                _mm256_or_si256(_mm256_and_si256(qa, low4),
-                                _mm256_and_si256(_mm256_slli_epi16(qhb, 4), top2)),
-                _mm256_or_si256(_mm256_and_si256(qb, low4),
-                                _mm256_and_si256(_mm256_slli_epi16(qhb, 2), top2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
-                                _mm256_and_si256(qhb, top2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
-                                _mm256_and_si256(_mm256_srli_epi16(qhb, 2), top2)),
-            };
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                const __m256i scale = avx2_scale_pair16(sc, 8 * h + 2 * k);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const __m256i p = avx2_mul_u8_i8(v[k], avx2_load(y[r]->qs + 128 * h + 32 * k));
-                    sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p, scale));
-                }
-            }
-        }
+        avx2_q6_k_sums(R, &b[i], y, sumi);
         rows_accumulate(R, acc, avx2_fp16(b[i].d), y, 1.0f, sumi); /* d_x d_w: exact as d_w d_x */
     }
     rows_store(R, acc, out, os);
 }
-/* Q6_K: q = q6 - 32 with q6 = 0..63; sum (q6 - 32) x = sum q6 x - 32 bsum, per 16-value
- * sub-block, so the offset costs one madd of the scales with the bsums per block. */
 MOE_DOT_AND_ROWS(dot_q6_k, dot_rows_q6_k, q6_k_rows, 0)
 
 /* Q2_K: 2-bit q, 4-bit scale and min per 16 values; min term from the bsums. */

@@ -370,6 +370,90 @@ MOE_INLINE void avx2_k4_rows_store(int R, const __m256 *acc, const __m128 *acc_m
     for (int r = 0; r < R; r++) out[r * os] = avx2_hsum_f32(acc[r]) - avx2_hsum_f32x4(acc_min[r]);
 }
 
+/* Q4_K / Q5_K values 64j .. 64j + 31 (lo) and 64j + 32 .. 64j + 63 (hi), 0..31: qs[32j + l]
+ * holds value 64j + l in its low nibble and 64j + 32 + l in its high one; Q5_K's fifth bits are
+ * bits 2j and 2j + 1 of qh[l] (hb: the 32 qh bytes; q5 false: Q4_K, hb unused). */
+MOE_INLINE void avx2_k4_values(const uint8_t *qs, __m256i hb, bool q5, int j, __m256i *lo,
+                               __m256i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i q4 = avx2_load(qs + 32 * j);
+    *lo = _mm256_and_si256(q4, low4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
+    if (q5) { /* 16-bit shifts leak only outside bit 4 */
+        const __m256i h = _mm256_srli_epi16(hb, 2 * j);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+    }
+}
+
+/* Rows' Q4_K / Q5_K block b: sumi[r] += the exact integer sum of the scaled products (values
+ * 0..31 unsigned against the q8, u x 127 x 2 < 32768), the mins left out, in 8 int32 lanes. */
+MOE_INLINE void avx2_k4_sums(int R, const avx2_k4_block *b, const moe_block_q8_k *const *y,
+                             __m256i *sumi) {
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(b->sm));
+    const __m256i hb = b->qh ? avx2_load(b->qh) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m256i lo, hi;
+        avx2_k4_values(b->qs, hb, b->qh != NULL, j, &lo, &hi);
+        const __m256i slo =
+            _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0404 * j)));
+        const __m256i shi =
+            _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0302 + 0x0404 * j)));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i plo = avx2_mul_u8_i8(lo, avx2_load(y[r]->qs + 64 * j));
+            const __m256i phi = avx2_mul_u8_i8(hi, avx2_load(y[r]->qs + 64 * j + 32));
+            sumi[r] = _mm256_add_epi32(
+                sumi[r], _mm256_add_epi32(avx2_scale16(plo, slo), avx2_scale16(phi, shi)));
+        }
+    }
+}
+
+/* Q6_K half h: v[k] = values 128h + 32k .. + 31 as stored (0..63, the value + 32). Per half,
+ * ql[l] / ql[l + 32] hold values l, l + 32 (low nibbles) and l + 64, l + 96 (high), qh[l] their
+ * top 2 bits at bits 0, 2, 4, 6; 16-bit shifts leak only outside 0x30. */
+MOE_INLINE void avx2_q6_k_values(const moe_block_q6_k *b, int h, __m256i v[4]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+    const uint8_t *ql = b->ql + 64 * h;
+    const __m256i qa = avx2_load(ql), qb = avx2_load(ql + 32), qhb = avx2_load(b->qh + 32 * h);
+    v[0] = _mm256_or_si256(_mm256_and_si256(qa, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(qhb, 4), top2));
+    v[1] = _mm256_or_si256(_mm256_and_si256(qb, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(qhb, 2), top2));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
+                           _mm256_and_si256(qhb, top2));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(qhb, 2), top2));
+}
+
+/* Rows' Q6_K block b: sumi[r] (zero on entry) gets the exact integer block sum in 8 int32 lanes.
+ * q = q6 - 32 with q6 = 0..63: sum (q6 - 32) x = sum q6 x - 32 bsum per 16-value sub-block, so
+ * the offset costs one madd of the scales with the bsums per row; q6 x 127 x 2 < 32768. */
+MOE_INLINE void avx2_q6_k_sums(int R, const moe_block_q6_k *b, const moe_block_q8_k *const *y,
+                               __m256i *sumi) {
+    const __m128i sc = _mm_loadu_si128((const __m128i *)b->scales);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), avx2_load(y[r]->bsums));
+        sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(offset, 5));
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m256i v[4];
+        avx2_q6_k_values(b, h, v);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m256i scale = avx2_scale_pair16(sc, 8 * h + 2 * k);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i p = avx2_mul_u8_i8(v[k], avx2_load(y[r]->qs + 128 * h + 32 * k));
+                sumi[r] = _mm256_add_epi32(sumi[r], avx2_scale16(p, scale));
+            }
+        }
+    }
+}
+
 /* Q8_K bsums (16 per block) as int16: the sums of 16 activations each. */
 MOE_INLINE __m256i avx2_bsums(const moe_block_q8_k *y) {
     return avx2_load(y->bsums);
