@@ -712,11 +712,10 @@ static void avxvnni_is_avx2_with_vpdpbusd(void **state) {
 /* ==== The amx level (fast_amx.h) ====
  *
  * Its tile kernels give avx512vnni's bits, bit for bit, at 16, 17, 64 and 70 activation rows (the
- * tiles from 16 rows for the 32-value types and those with a scale per 16 values, from 32 or 64
- * for the other super-block types, then fast_rows for the rows left over, or for the scaled
- * tiles the last 16 rows again, reaching back) on random rows of 1..40 blocks, for every type it
- * has one for (all the fast path's types at least, on the file's rows and on MOE_LAYOUT_ROWS16).
- * Skipped where the CPU or the OS offers no AMX. */
+ * tiles from 16 rows, Q4_K and Q5_K from 64, then fast_rows for the rows left over, or for the
+ * super-block types without mins, on the scaled tiles, the last 16 rows again, reaching back) on
+ * random rows of 1..40 blocks, for every type it has one for (all the fast path's types at least,
+ * on the file's rows and on MOE_LAYOUT_ROWS16). Skipped where the CPU or the OS offers no AMX. */
 static void amx_tiles_equal_avx512vnni(void **state) {
     (void)state;
     const moe_kernels *amx = moe_kernels_for_path(MOE_ISA_AMX, false),

@@ -13,8 +13,8 @@
  *
  * Rows go 16 at a time through the tiles; the n_rows % 16 left over, and a call under 16 rows,
  * through fast_rows (the same bits). K is 32: a Q8_0 block, or the values under one integer
- * scale of the super-block types that have a scale per 32. The types with a scale per 16 take
- * the scales into the weights instead (the scaled tiles, below: K = 64, no vpmulld). Two tile
+ * scale of Q4_K and Q5_K. The other super-block types take the scales into the weights instead
+ * (the scaled tiles, below: K = 64, no vpmulld, the rows left over reaching back). Two tile
  * configurations (K = 32 and 64), loaded by a thread when it needs the other (it is per thread;
  * the OS's permission was asked at detection, cpu.c).
  * The trap: the tile instructions are written here as inline asm with a memory clobber, so the
@@ -160,15 +160,13 @@ MOE_INLINE void fast_amx_drive(fast_type t, fast_decode_fn decode, fast_tile *ti
 
 /* The fewest activation rows a call takes to the tiles (fewer: all through avx512vnni's kernel),
  * measured (1 thread, against avx512vnni's, 2048 values, 16/32/48/64 rows): the 32-value types
- * 1.35-1.6x from 16 rows; the super-block types' tile decode costs as much as the multiply at 16
- * rows (0.9-1.05x), so those with a scale per 32 values from 32 rows (1.1-1.2x; 1.25-1.35x at 64),
- * Q4_K and Q5_K, whose mins add to the epilogue, from 64 (0.91-0.96x at 32, 1.04-1.17x at 64).
- * The types with a scale per 16 values, through the scaled tiles, from 16 (IQ2_S, rows of 4096,
- * 128 MiB: 1.6x at 16, 1.9x at 32, 2.1x at 64; Q6_K on ROWS16 1.05x, 1.4x, 1.8x). */
+ * 1.35-1.6x from 16 rows; Q4_K and Q5_K, whose tile decode costs as much as the multiply at 16
+ * rows and whose mins add to the epilogue, from 64 (0.91-0.96x at 32, 1.04-1.17x at 64). The
+ * other super-block types, through the scaled tiles, from 16 (rows of 4096, 128 MiB, 16/32/64
+ * rows: IQ2_S 1.3-1.5x, 1.55-1.9x, 1.9-2.1x of avx512vnni's; IQ3_S 1.04x, 1.13x, 1.23x of a tile
+ * multiply and vpmulld per 32 values, itself 0.9-1.05x of avx512vnni's at 16). */
 MOE_INLINE int64_t fast_amx_min_rows(fast_type t) {
-    return t.regs == NULL || t.scale_values == 16 ? FAST_AMX_ROWS
-           : t.mins                               ? 4 * FAST_AMX_ROWS
-                                                  : 2 * FAST_AMX_ROWS;
+    return t.mins ? 4 * FAST_AMX_ROWS : FAST_AMX_ROWS;
 }
 
 /* The amx level's tile kernel of type t (fast_type ty, tile decode, blocks per chunk, values per
@@ -184,18 +182,31 @@ MOE_INLINE int64_t fast_amx_min_rows(fast_type t) {
         fast_amx_drive(ty, decode, tiles, chunk, w, ws, n_w, x, xs, n_rows, n / (values), out,     \
                        os);                                                                        \
     }
-/* A super-block type's amx kernel by its values per scale (FAST_SB_KERNELS): none for 16. */
-#define FAST_AMX_SB_32(t, regs, mins, mult, offset, tile)                                          \
+/* A super-block type's amx kernel by its values per scale (FAST_SB_KERNELS), 32: with mins (Q4_K,
+ * Q5_K) a tile multiply per scale, else the scaled tiles as FAST_AMX_SB_16. */
+#define FAST_AMX_SB_32(t, regs, min_fn, mult, offset, tile)                                        \
     _Static_assert((offset) == 0, "the amx multiply has no offset term (fast_type)");              \
-    FAST_AMX_KERNEL(fast_amx_tile_rows_##t, fast_tile_rows_##t,                                    \
-                    FAST_SB_TYPE(t, regs, mins, 32, mult, offset), tile, FAST_IQ_CHUNK, MOE_QK_K)
+    static void fast_amx_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x,           \
+                                       size_t xs, int64_t n_rows, int64_t n, float *out,           \
+                                       int64_t os) {                                               \
+        const fast_type ty = FAST_SB_TYPE(t, regs, min_fn, 32, mult, offset);                      \
+        if (n_rows < fast_amx_min_rows(ty))                                                        \
+            fast_tile_rows_##t(w, ws, n_w, x, xs, n_rows, n, out, os);                             \
+        else if (ty.mins) {                                                                        \
+            fast_tile tiles[FAST_IQ_CHUNK];                                                        \
+            fast_amx_drive(ty, tile, tiles, FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows,              \
+                           n / MOE_QK_K, out, os);                                                 \
+        } else                                                                                     \
+            fast_amx_scaled_drive(ty, fast_tile_iq_values, w, ws, n_w, x, xs, n_rows,              \
+                                  n / MOE_QK_K, out, os);                                          \
+    }
 
-/* ---- The types with a scale per 16 values (IQ2_S, IQ2_XS, IQ1_M, Q6_K) ----
+/* ---- The super-block types without mins: the scaled tiles ----
  *
- * A tile multiply and a vpmulld per 16 values cost more than they save, so the integer scales go
- * into the weights instead: each value (less Q6_K's offset) times its scale, p = 256 hi + lo, as
- * two tiles of bytes, hi signed and lo unsigned (p's high and low byte: |p| <= 43 x 31 for the
- * IQ2 types, 32 x 128 for Q6_K, within int16). Then a block is 4 + 4 tile multiplies of K = 64
+ * A tile multiply and a vpmulld per 16 (or 32) values cost more than they save, so the integer
+ * scales go into the weights instead: each value (less Q6_K's offset) times its scale, p = 256 hi +
+ * lo, as two tiles of bytes, hi signed and lo unsigned (p's high and low byte: |p| <= 43 x 31 for
+ * the IQ2 types, 32 x 128 for Q6_K, within int16). Then a block is 4 + 4 tile multiplies of K = 64
  * into two int32 sums, hi's (TDPBSSD) and lo's (TDPBSUD), and 256 hi + lo is the block's exact
  * integer sum that fast_rows gets (|sum| <= 256 x 127 x 4096 < 2^31), met by the same fma: the
  * same bits. The rows go 16 at a time; the last 16 of a group of FAST_GROUP may reach back over
@@ -320,8 +331,9 @@ MOE_INLINE void fast_amx_scaled_drive(fast_type t, fast_decode_fn values, const 
     }
 }
 
-/* The amx kernel (name) of a type with a scale per 16 (fast_type ty; values: its tile decode
- * without the bias): under fast_amx_min_rows the avx512vnni one (vnni), else the scaled tiles. */
+/* The amx kernel (name) of a super-block type without mins (fast_type ty; values: its tile
+ * decode, the bias not needed): under fast_amx_min_rows the avx512vnni one (vnni), else the scaled
+ * tiles. */
 #define FAST_AMX_SCALED_KERNEL(name, vnni, ty, values)                                             \
     static void name(const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n_rows,  \
                      int64_t n, float *out, int64_t os) {                                          \
@@ -332,7 +344,7 @@ MOE_INLINE void fast_amx_scaled_drive(fast_type t, fast_decode_fn values, const 
         fast_amx_scaled_drive(ty, values, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out, os);       \
     }
 /* A super-block type's amx kernel by its values per scale (FAST_SB_KERNELS), 16: the scaled tiles,
- * the values decoded by fast_tile_iq's (every such type's tile decode). */
+ * the values decoded by fast_tile_iq's (the tile decode of every type without mins). */
 #define FAST_AMX_SB_16(t, regs, mins, mult, offset, tile)                                          \
     FAST_AMX_SCALED_KERNEL(fast_amx_tile_rows_##t, fast_tile_rows_##t,                             \
                            FAST_SB_TYPE(t, regs, mins, 16, mult, offset), fast_tile_iq_values)

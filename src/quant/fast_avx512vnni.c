@@ -771,11 +771,10 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
     FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), FAST_IQ_CHUNK,           \
                    MOE_QK_K, )                                                                     \
     FAST_AMX_R16_##scale_values(t, regs, mult)
-/* The amx kernel on ROWS16 of a type with a scale per 32 values (none for 16: FAST_AMX_SB_16). */
+/* The amx kernel on ROWS16 of a type with a scale per 32 values (none for 16: none has ROWS16). */
 #define FAST_AMX_R16_32(t, regs, mult)                                                             \
-    FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t,                                          \
-                    FAST_SB_TYPE(t, regs, NULL, 32, mult, 0), fast_tile_rows16_##t, FAST_IQ_CHUNK, \
-                    MOE_QK_K)
+    FAST_AMX_SCALED_KERNEL(fast_amx_rows16_##t, fast_rows16_##t,                                   \
+                           FAST_SB_TYPE(t, regs, NULL, 32, mult, 0), fast_tile_rows16_##t)
 #define FAST_AMX_R16_16(t, regs, mult)
 #define FAST_R16_F16(t) (fast_r16_##t(b + MOE_ROWS16 * 2, o), o->d = _mm512_cvtph_ps(avx2_load(b)))
 FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs))
