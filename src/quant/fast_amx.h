@@ -170,7 +170,9 @@ MOE_INLINE int64_t fast_amx_min_rows(fast_type t) {
 }
 
 /* The amx level's tile kernel of type t (fast_type ty, tile decode, blocks per chunk, values per
- * block): under fast_amx_min_rows the avx512vnni one (vnni), else the tiles. */
+ * block): under fast_amx_min_rows the avx512vnni one (vnni), else the tiles: the scaled ones for
+ * the super-block types without mins (below; Q6_K's offset goes into them, so the others have
+ * none), a tile multiply per 32 values for the rest. */
 #define FAST_AMX_KERNEL(name, vnni, ty, decode, chunk, values)                                     \
     static void name(const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n_rows,  \
                      int64_t n, float *out, int64_t os) {                                          \
@@ -178,36 +180,31 @@ MOE_INLINE int64_t fast_amx_min_rows(fast_type t) {
             vnni(w, ws, n_w, x, xs, n_rows, n, out, os);                                           \
             return;                                                                                \
         }                                                                                          \
+        if ((ty).regs && !(ty).mins) {                                                             \
+            fast_amx_scaled_drive(ty, decode, w, ws, n_w, x, xs, n_rows, n / (values), out, os);   \
+            return;                                                                                \
+        }                                                                                          \
         fast_tile tiles[chunk];                                                                    \
         fast_amx_drive(ty, decode, tiles, chunk, w, ws, n_w, x, xs, n_rows, n / (values), out,     \
                        os);                                                                        \
     }
-/* A super-block type's amx kernel by its values per scale (FAST_SB_KERNELS), 32: with mins (Q4_K,
- * Q5_K) a tile multiply per scale, else the scaled tiles as FAST_AMX_SB_16. */
-#define FAST_AMX_SB_32(t, regs, min_fn, mult, offset, tile)                                        \
-    _Static_assert((offset) == 0, "the amx multiply has no offset term (fast_type)");              \
-    static void fast_amx_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x,           \
-                                       size_t xs, int64_t n_rows, int64_t n, float *out,           \
-                                       int64_t os) {                                               \
-        const fast_type ty = FAST_SB_TYPE(t, regs, min_fn, 32, mult, offset);                      \
-        if (n_rows < fast_amx_min_rows(ty))                                                        \
-            fast_tile_rows_##t(w, ws, n_w, x, xs, n_rows, n, out, os);                             \
-        else if (ty.mins) {                                                                        \
-            fast_tile tiles[FAST_IQ_CHUNK];                                                        \
-            fast_amx_drive(ty, tile, tiles, FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows,              \
-                           n / MOE_QK_K, out, os);                                                 \
-        } else                                                                                     \
-            fast_amx_scaled_drive(ty, fast_tile_iq_values, w, ws, n_w, x, xs, n_rows,              \
-                                  n / MOE_QK_K, out, os);                                          \
-    }
+/* A super-block type's amx kernel (FAST_SB_KERNELS): its tile decode, or for the scaled tiles
+ * fast_tile_iq's without the bias (the tile decode of every type without mins). */
+#define FAST_AMX_SB(t, regs, min_fn, scale_values, mult, offset, tile)                             \
+    FAST_AMX_KERNEL(fast_amx_tile_rows_##t, fast_tile_rows_##t,                                    \
+                    FAST_SB_TYPE(t, regs, min_fn, scale_values, mult, offset),                     \
+                    FAST_SB_TYPE(t, regs, min_fn, scale_values, mult, offset).mins                 \
+                        ? (tile)                                                                   \
+                        : fast_tile_iq_values,                                                     \
+                    FAST_IQ_CHUNK, MOE_QK_K)
 
 /* ---- The super-block types without mins: the scaled tiles ----
  *
  * A tile multiply and a vpmulld per 16 (or 32) values cost more than they save, so the integer
  * scales go into the weights instead: each value (less Q6_K's offset) times its scale, p = 256 hi +
- * lo, as two tiles of bytes, hi signed and lo unsigned (p's high and low byte: |p| <= 43 x 31 for
- * the IQ2 types, 32 x 128 for Q6_K, within int16). Then a block is 4 + 4 tile multiplies of K = 64
- * into two int32 sums, hi's (TDPBSSD) and lo's (TDPBSUD), and 256 hi + lo is the block's exact
+ * lo, as two tiles of bytes, hi signed and lo unsigned (p's high and low byte: |p| <= 4096, from
+ * Q6_K's 32 x 128 and IQ4_XS's 127 x 32, within int16). Then a block is 4 + 4 tile multiplies of K
+ * = 64 into two int32 sums, hi's (TDPBSSD) and lo's (TDPBSUD), and 256 hi + lo is the block's exact
  * integer sum that fast_rows gets (|sum| <= 256 x 127 x 4096 < 2^31), met by the same fma: the
  * same bits. The rows go 16 at a time; the last 16 of a group of FAST_GROUP may reach back over
  * rows done already (a call has 16 rows at least), whose sums are not added twice. */
@@ -330,21 +327,3 @@ MOE_INLINE void fast_amx_scaled_drive(fast_type t, fast_decode_fn values, const 
             _mm512_mask_storeu_ps(out + (g0 + r) * os, lanes, accbuf[r]);
     }
 }
-
-/* The amx kernel (name) of a super-block type without mins (fast_type ty; values: its tile
- * decode, the bias not needed): under fast_amx_min_rows the avx512vnni one (vnni), else the scaled
- * tiles. */
-#define FAST_AMX_SCALED_KERNEL(name, vnni, ty, values)                                             \
-    static void name(const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n_rows,  \
-                     int64_t n, float *out, int64_t os) {                                          \
-        if (n_rows < fast_amx_min_rows(ty)) {                                                      \
-            vnni(w, ws, n_w, x, xs, n_rows, n, out, os);                                           \
-            return;                                                                                \
-        }                                                                                          \
-        fast_amx_scaled_drive(ty, values, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, out, os);       \
-    }
-/* A super-block type's amx kernel by its values per scale (FAST_SB_KERNELS), 16: the scaled tiles,
- * the values decoded by fast_tile_iq's (the tile decode of every type without mins). */
-#define FAST_AMX_SB_16(t, regs, mins, mult, offset, tile)                                          \
-    FAST_AMX_SCALED_KERNEL(fast_amx_tile_rows_##t, fast_tile_rows_##t,                             \
-                           FAST_SB_TYPE(t, regs, mins, 16, mult, offset), fast_tile_iq_values)

@@ -625,7 +625,7 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
                    tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, \
                    out, os);                                                                       \
     }                                                                                              \
-    FAST_AMX_SB_##scale_values(t, regs, mins, mult, offset, tile) FAST_DOT(t)
+    FAST_AMX_SB(t, regs, mins, scale_values, mult, offset, tile) FAST_DOT(t)
 /* IQ2_S's entries come by gathers (x86_avx512_iq.h); IQ3_S's by gathers at 2 .. 7 rows (1.1x at
  * 2 and 4), through vpermi2b at one row and in the tile (the gathers 0.93x at one row and 8,
  * where the multiply leaves the shuffle ports to the decode and the loads are the limit). */
@@ -770,12 +770,9 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
     }                                                                                              \
     FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), FAST_IQ_CHUNK,           \
                    MOE_QK_K, )                                                                     \
-    FAST_AMX_R16_##scale_values(t, regs, mult)
-/* The amx kernel on ROWS16 of a type with a scale per 32 values (none for 16: none has ROWS16). */
-#define FAST_AMX_R16_32(t, regs, mult)                                                             \
-    FAST_AMX_SCALED_KERNEL(fast_amx_rows16_##t, fast_rows16_##t,                                   \
-                           FAST_SB_TYPE(t, regs, NULL, 32, mult, 0), fast_tile_rows16_##t)
-#define FAST_AMX_R16_16(t, regs, mult)
+    FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t,                                          \
+                    FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), fast_tile_rows16_##t,      \
+                    FAST_IQ_CHUNK, MOE_QK_K)
 #define FAST_R16_F16(t) (fast_r16_##t(b + MOE_ROWS16 * 2, o), o->d = _mm512_cvtph_ps(avx2_load(b)))
 FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs))
 FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs))
@@ -1006,8 +1003,8 @@ MOE_INLINE void fast_meta_q6_k(fast_type t, const uint8_t *w, size_t ws, int n_w
     o->d = _mm512_cvtph_ps(avx2_load(b));
 }
 FAST_ROWS16_SB_KERNELS(q6_k, FAST_Q6_K_TYPE, fast_meta_q6_k, fast_values_q6_k)
-FAST_AMX_SCALED_KERNEL(fast_amx_rows16_q6_k, fast_rows16_q6_k, FAST_Q6_K_TYPE,
-                       fast_tile_rows16_q6_k)
+FAST_AMX_KERNEL(fast_amx_rows16_q6_k, fast_rows16_q6_k, FAST_Q6_K_TYPE, fast_tile_rows16_q6_k,
+                FAST_IQ_CHUNK, MOE_QK_K)
 
 /* Q4_K and Q5_K in ROWS16 (quant.h): per block the 16 rows' d and dmin, then body dword k in
  * register k: the packed scales and mins in 0..2, Q5_K's qh in 3..10, qs from qs_at (3 or 11) on.
