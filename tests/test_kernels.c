@@ -755,10 +755,10 @@ static void avxvnni_is_avx2_with_vpdpbusd(void **state) {
 /* ==== The amx level (fast_amx.h) ====
  *
  * Its tile kernels give avx512vnni's bits, bit for bit, at 16, 17, 64 and 70 activation rows (the
- * tiles from 16 rows for the 32-value types, from 32 or 64 for the super-block types, then
- * fast_rows for the rows left over) on random rows of 1..40 blocks, for every type it has one for
- * (the 32-value types and the super-block types with a scale per 32 values at least, on the
- * file's rows and on MOE_LAYOUT_ROWS16). Skipped where the CPU or the OS offers no AMX. */
+ * tiles from 16 rows, Q4_K and Q5_K from 64, then fast_rows for the rows left over, or for the
+ * super-block types without mins, on the scaled tiles, the last 16 rows again, reaching back) on
+ * random rows of 1..40 blocks, for every type it has one for (all the fast path's types at least,
+ * on the file's rows and on MOE_LAYOUT_ROWS16). Skipped where the CPU or the OS offers no AMX. */
 static void amx_tiles_equal_avx512vnni(void **state) {
     (void)state;
     const moe_kernels *amx = moe_kernels_for_path(MOE_ISA_AMX, false),
@@ -770,8 +770,9 @@ static void amx_tiles_equal_avx512vnni(void **state) {
     }
     enum { MAX_X = 70, MAX_BLOCKS = 40 };
     static const moe_type must[] = {
-        MOE_TYPE_Q8_0, MOE_TYPE_Q4_0,  MOE_TYPE_IQ4_NL,  MOE_TYPE_MXFP4,   MOE_TYPE_Q4_K,
-        MOE_TYPE_Q5_K, MOE_TYPE_IQ3_S, MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ4_XS};
+        MOE_TYPE_Q8_0,    MOE_TYPE_Q4_0,    MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4, MOE_TYPE_Q4_K,
+        MOE_TYPE_Q5_K,    MOE_TYPE_Q6_K,    MOE_TYPE_IQ3_S,  MOE_TYPE_IQ2_S, MOE_TYPE_IQ2_XS,
+        MOE_TYPE_IQ2_XXS, MOE_TYPE_IQ3_XXS, MOE_TYPE_IQ4_XS, MOE_TYPE_IQ1_S, MOE_TYPE_IQ1_M};
     for (size_t i = 0; i < sizeof must / sizeof must[0]; i++)
         if (amx->types[must[i]].dot_isa != MOE_ISA_AMX || !amx->types[must[i]].dot_tile)
             fail_msg("amx fast table: no %s tile kernel of its own", moe_type_name(must[i]));

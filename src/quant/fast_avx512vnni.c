@@ -451,14 +451,24 @@ MOE_INLINE void fast_tile_bias(fast_tile *o) {
     o->bias = _mm512_slli_epi32(bias, 7);
 }
 
-MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
-                             void *tile) {
+/* The tile decodes read 16 streams a row apart (as fast_tile_q32): so each row's block
+ * FAST_IQ_AHEAD blocks on is requested as a block is decoded; past a row's end (rows ws bytes
+ * apart, ws bytes long), row v + 16's start, which the matmul's next call reads (as the lanes'
+ * FAST_LANES_AHEAD). */
+#define FAST_IQ_AHEAD 4
+
+/* Block i of 16 rows of a super-block type into a tile: values, scales, d (and mins), no bias. */
+MOE_INLINE void fast_tile_iq_values(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                                    void *tile) {
     fast_tile *o = tile;
     __m512i stage[4][16], sc[16];
     __m256i mins[16];
     float d[16], dmin[16];
+    const size_t at = (size_t)(i + FAST_IQ_AHEAD) * t.block_bytes;
+    const size_t ahead = at < ws ? at : at + (MOE_DOT_TILE_W - 1) * ws;
     for (int v = 0; v < 16; v++) {
         const uint8_t *block = w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes;
+        fast_prefetch(w + (v < n_w ? v : 0) * ws + ahead, t.block_bytes);
         z_iqb b;
         t.regs(block, &b);
         for (int k = 0; k < 4; k++) stage[k][v] = z_apply_signs(b.g[k], _cvtu64_mask64(b.neg[k]));
@@ -478,8 +488,12 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
     }
     fast_transpose16x16(sc);
     for (int j = 0; j < 16; j++) o->scale[j] = sc[j];
-    if (!t.mins && !t.offset) fast_tile_bias(o); /* signed values (fast_rows) */
     o->d = _mm512_loadu_ps(d);
+}
+MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                             void *tile) {
+    fast_tile_iq_values(t, w, ws, n_w, i, tile);
+    if (!t.mins && !t.offset) fast_tile_bias(tile); /* signed values (fast_rows) */
 }
 
 /* ---- Few activation rows (decode, a small expert): no tile ----
@@ -630,7 +644,7 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
                    tiles, sizeof tiles[0], FAST_IQ_CHUNK, w, ws, n_w, x, xs, n_rows, n / MOE_QK_K, \
                    out, os);                                                                       \
     }                                                                                              \
-    FAST_AMX_SB_##scale_values(t, regs, mins, mult, offset, tile) FAST_DOT(t)
+    FAST_AMX_SB(t, regs, mins, scale_values, mult, offset, tile) FAST_DOT(t)
 /* IQ2_S's entries come by gathers (x86_avx512_iq.h); IQ3_S's by gathers at 2 .. 7 rows (1.1x at
  * 2 and 4), through vpermi2b at one row and in the tile (the gathers 0.93x at one row and 8,
  * where the multiply leaves the shuffle ports to the decode and the loads are the limit). */
@@ -777,13 +791,9 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
     }                                                                                              \
     FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), FAST_IQ_CHUNK,           \
                    MOE_QK_K, )                                                                     \
-    FAST_AMX_R16_##scale_values(t, regs, mult)
-/* The amx kernel on ROWS16 of a type with a scale per 32 values (none for 16: FAST_AMX_SB_16). */
-#define FAST_AMX_R16_32(t, regs, mult)                                                             \
     FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t,                                          \
-                    FAST_SB_TYPE(t, regs, NULL, 32, mult, 0), fast_tile_rows16_##t, FAST_IQ_CHUNK, \
-                    MOE_QK_K)
-#define FAST_AMX_R16_16(t, regs, mult)
+                    FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), fast_tile_rows16_##t,      \
+                    FAST_IQ_CHUNK, MOE_QK_K)
 #define FAST_R16_F16(t) (fast_r16_##t(b + MOE_ROWS16 * 2, o), o->d = _mm512_cvtph_ps(avx2_load(b)))
 FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs))
 FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs))
@@ -1014,6 +1024,8 @@ MOE_INLINE void fast_meta_q6_k(fast_type t, const uint8_t *w, size_t ws, int n_w
     o->d = _mm512_cvtph_ps(avx2_load(b));
 }
 FAST_ROWS16_SB_KERNELS(q6_k, FAST_Q6_K_TYPE, fast_meta_q6_k, fast_values_q6_k)
+FAST_AMX_KERNEL(fast_amx_rows16_q6_k, fast_rows16_q6_k, FAST_Q6_K_TYPE, fast_tile_rows16_q6_k,
+                FAST_IQ_CHUNK, MOE_QK_K)
 
 /* Q4_K and Q5_K in ROWS16 (quant.h): per block the 16 rows' d and dmin, then body dword k in
  * register k: the packed scales and mins in 0..2, Q5_K's qh in 3..10, qs from qs_at (3 or 11) on.
@@ -1079,6 +1091,7 @@ FAST_AMX_KERNEL(fast_amx_rows16_q5_k, fast_rows16_q5_k, FAST_Q5_K_TYPE, fast_til
      k->types[MOE_TYPE_MXFP4].dot_tile_rows16 = prefix##mxfp4,                                     \
      k->types[MOE_TYPE_Q4_K].dot_tile_rows16 = prefix##q4_k,                                       \
      k->types[MOE_TYPE_Q5_K].dot_tile_rows16 = prefix##q5_k,                                       \
+     k->types[MOE_TYPE_Q6_K].dot_tile_rows16 = prefix##q6_k,                                       \
      k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = prefix##iq3_xxs,                                 \
      k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = prefix##iq2_xxs,                                 \
      k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = prefix##iq4_xs)
@@ -1106,7 +1119,6 @@ void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
     FAST_SET(IQ1_M, iq1_m);
 #undef FAST_SET
     FAST_ROWS16_SET(fast_rows16_);
-    k->types[MOE_TYPE_Q6_K].dot_tile_rows16 = fast_rows16_q6_k; /* amx: the same (FAST_AMX_SB_16) */
 }
 
 void moe_kernels_fill_fast_amx(moe_kernels *k) {
@@ -1126,6 +1138,10 @@ void moe_kernels_fill_fast_amx(moe_kernels *k) {
     AMX_SET(IQ3_XXS, iq3_xxs);
     AMX_SET(IQ4_XS, iq4_xs);
     AMX_SET(IQ1_S, iq1_s);
+    AMX_SET(IQ2_S, iq2_s);
+    AMX_SET(IQ2_XS, iq2_xs);
+    AMX_SET(IQ1_M, iq1_m);
+    AMX_SET(Q6_K, q6_k);
 #undef AMX_SET
     FAST_ROWS16_SET(fast_amx_rows16_);
 }
