@@ -110,8 +110,10 @@ void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, co
                     .window = window,
                     .latent_v = latent_v,
                     .shape = shape};
+    const double start = moe_profile_start();
     if (moe_exact()) { /* ggml's order: each row over its whole prefix */
         moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
+        moe_profile_part("attention (QK, softmax, V)", start);
         return;
     }
     int64_t n_blocks = 0;
@@ -137,6 +139,7 @@ void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, co
                    .split = split,
                    .chunk = (group + split - 1) / split};
     moe_pool_for(c->pool, n_blocks * shape->n_head_kv * split, 1, attention_tiled, &t);
+    moe_profile_part("attention (QK, softmax, V)", start);
 }
 
 void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,
@@ -166,6 +169,7 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
     moe_add_bias(c->q, w->bq, 0, n_rows, q_w);
     moe_add_bias(c->k, w->bk, 0, n_rows, k_w);
     moe_add_bias(c->v, w->bv, 0, n_rows, v_w);
+    double start = moe_profile_start();
     if (w->q_norm) {
         const float *qn = (const float *)w->q_norm->data, *kn = (const float *)w->k_norm->data;
         for (int64_t h = 0; h < (int64_t)n_rows * n_head; h++)
@@ -176,6 +180,8 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
     if (cfg->attn_v_norm)
         for (int64_t h = 0; h < (int64_t)n_rows * n_head_kv; h++)
             moe_rmsnorm(c->v + h * hd_v, c->v + h * hd_v, NULL, hd_v, cfg->rms_eps);
+    moe_profile_part("rmsnorm", start);
+    start = moe_profile_start();
     for (uint32_t r = 0; r < n_rows; r++) {
         moe_rope(c->q + r * q_w, (int)n_head, (int)hd_k, rows[r].pos, &rope);
         moe_rope(c->k + r * k_w, (int)n_head_kv, (int)hd_k, rows[r].pos, &rope);
@@ -186,6 +192,7 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
             c, moe_kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
             c->v + r * v_w, (uint64_t)v_w);
     }
+    moe_profile_part("rope + KV store", start);
     moe_attend_rows(c, &shape, il, rows, n_rows, l->plan.window, false);
     if (cfg->attn_output_gate)
         moe_gate_mul(c->att, c->att_gate, (int64_t)n_rows * n_head * hd_v, MOE_GATE_SIGMOID);

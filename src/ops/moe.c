@@ -103,6 +103,9 @@ static void prefetch_routed(const moe_expert_set *set, const int32_t *starts, in
     }
 }
 
+/* MOE_PROFILE's part for the pairs' sort by expert and the gather of their rows. */
+#define PART_SORT "experts sort + gather"
+
 /* What one group of experts shares while it runs: its experts (in expert order), where their
  * pairs start in the sorted pairs, the row offset of each one's rows in the scratch and its
  * matrices (the stacked tensors', or a source's views). */
@@ -142,6 +145,7 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
     const int64_t r0 = eg->at[part[0]];
     moe_matmul_task tasks[MOE_MATMUL_MANY_MAX];
     int64_t rows = 0, n_tasks = 0;
+    double start = moe_profile_start();
     for (int p = 0; p < n_part; p++) {
         const int g = part[p];
         const int64_t at = eg->at[g], n = eg->n[g];
@@ -161,7 +165,9 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
                 s->up + at * n_ff,      (uint8_t *)s->mm_up + (uint64_t)at * eg->xq_in};
         rows += n;
     }
+    moe_profile_part(PART_SORT, start);
     moe_matmul_many(pool, tasks, (int)n_tasks);
+    start = moe_profile_start();
     if (fused) /* rows [gate, up] -> gate rows and up rows (gate moves down in place) */
         for (int64_t i = r0; i < r0 + rows; i++) {
             memcpy(s->up + i * n_ff, s->gate + (2 * i + 1) * n_ff, sizeof(float) * n_ff);
@@ -178,6 +184,7 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
                               s->y + at * n_in,       (uint8_t *)s->mm + (uint64_t)at * eg->xq_ff};
     }
     moe_glu(set->act, set->limit, s->up + r0 * n_ff, s->gate + r0 * n_ff, rows * n_ff);
+    moe_profile_part("experts GLU", start);
     moe_matmul_many(pool, tasks, n_part);
 }
 
@@ -187,6 +194,7 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
     const moe_tensor *gate = set->gate_up ? set->gate_up : set->gate, *up = set->up;
     const moe_tensor *down = set->down;
     const int64_t n_expert = gate->ne[2], n_in = gate->ne[0];
+    double start = moe_profile_start();
     /* counting sort of the pairs by expert: counts[e] becomes the start of e's run */
     memset(s->counts, 0, sizeof(int32_t) * (size_t)(n_expert + 1));
     const int64_t n_pairs = n_rows * n_used;
@@ -198,6 +206,7 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
         s->pair_row[slot] = (int32_t)(i / n_used);
         s->pair_w[slot] = weights[i];
     }
+    moe_profile_part(PART_SORT, start);
     /* counts[e] now ends e's run; its start is counts[e - 1] (0 for e = 0). Experts go in
      * groups whose pairs fit the scratch: each group's gate and up matmuls run as one parallel
      * pass, then its down matmuls as another (one pool hand-out each, not three per expert).
@@ -242,6 +251,7 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
             group_compute(pool, &eg, order + n_ready, n_group - n_ready);
         }
         if (src) src->release(src->ctx, eg.expert, n_group);
+        start = moe_profile_start();
         for (int g = 0; g < n_group; g++) {
             const int64_t at = eg.at[g], n = eg.n[g], begin = eg.begin[g];
             moe_add_bias(s->y + at * n_in, set->down_b, eg.expert[g], n, n_in);
@@ -251,6 +261,7 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
                 for (int64_t d = 0; d < n_in; d++) o[d] += w * y[d];
             }
         }
+        moe_profile_part("experts weighted sum", start);
         touched += (uint64_t)n_group;
     }
     if (stats) {

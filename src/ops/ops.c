@@ -274,7 +274,8 @@ void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes) {
     prefetch_bytes(m, m + (bytes < m_bytes ? bytes : m_bytes));
 }
 
-/* One task made ready: activation rows converted once for the weight type's dot. */
+/* One task made ready, but for its activation rows' conversion for the weight type's dot
+ * (matmul_quantize: j->xq is where they go). */
 static void matmul_prepare(const moe_matmul_task *t, matmul_job *j) {
     const moe_type_kernels *k = moe_kernels_type(t->w->type);
     const int64_t n_in = t->w->ne[0], n_out = t->w->ne[1];
@@ -295,19 +296,43 @@ static void matmul_prepare(const moe_matmul_task *t, matmul_job *j) {
     j->wbase = t->w->data + (uint64_t)t->matrix * (uint64_t)n_out * j->w_row_bytes;
     if (k->dot_type != MOE_TYPE_F32) {
         j->xq_row_bytes = moe_dot_row_bytes(t->w->type, n_in);
-        for (int64_t r = 0; r < t->n_rows; r++)
-            k->quantize_row_for_dot(t->x + r * n_in,
-                                    (uint8_t *)t->scratch + (uint64_t)r * j->xq_row_bytes, n_in);
         j->xq = t->scratch;
     }
 }
 
+/* Activation rows [r0, r1) of a prepared job converted (each row on its own: how the rows are
+ * shared out never changes a byte). */
+static void matmul_quantize(const moe_matmul_task *t, const matmul_job *j, int64_t r0, int64_t r1) {
+    if (j->k->dot_type == MOE_TYPE_F32) return;
+    for (int64_t r = r0; r < r1; r++)
+        j->k->quantize_row_for_dot(t->x + r * j->n_in,
+                                   (uint8_t *)j->xq + (uint64_t)r * j->xq_row_bytes, j->n_in);
+}
+
 typedef struct matmul_many {
+    const moe_matmul_task *tasks;
     matmul_job jobs[MOE_MATMUL_MANY_MAX];
+    int64_t row0[MOE_MATMUL_MANY_MAX + 1];  /* the tasks' activation rows, end to end */
     int64_t chunk[MOE_MATMUL_MANY_MAX];     /* output units per work item */
     int64_t first[MOE_MATMUL_MANY_MAX + 1]; /* first work item of each job */
     int n;
 } matmul_many;
+
+/* Rows [begin, end) of all the tasks' activation rows converted. */
+static void matmul_many_quantize(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const matmul_many *m = arg;
+    for (int j = 0; j < m->n && begin < end; j++) {
+        const int64_t r0 = begin > m->row0[j] ? begin : m->row0[j];
+        const int64_t r1 = end < m->row0[j + 1] ? end : m->row0[j + 1];
+        if (r0 < r1) matmul_quantize(&m->tasks[j], &m->jobs[j], r0 - m->row0[j], r1 - m->row0[j]);
+    }
+}
+
+/* Activation rows a pass converts on all threads (fewer: on the caller, as a decode step's one
+ * row is not worth a hand-out), and the rows per work item. */
+#define MATMUL_QUANTIZE_SHARED 16
+#define MATMUL_QUANTIZE_CHUNK  4
 
 static void matmul_many_items(void *arg, int64_t begin, int64_t end, int thread) {
     const matmul_many *m = arg;
@@ -330,9 +355,13 @@ void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx) {
 }
 
 /* MOE_PROFILE: a pass is recorded under its first tensor's name less the layer ("blk.N."), with
- * the weight bytes of all its tasks. */
-static void matmul_profile(const moe_matmul_task *tasks, int n_tasks, double start) {
-    const double seconds = moe_now() - start;
+ * the weight bytes of all its tasks, less the activations' conversion (its own part, which took
+ * quantize_s). */
+static void matmul_profile(const moe_matmul_task *tasks, int n_tasks, double start,
+                           double quantize_s) {
+    static const char part[] = "activation quantize";
+    moe_profile_add(part, sizeof part - 1, quantize_s, 0);
+    const double seconds = moe_now() - start - quantize_s;
     double bytes = 0;
     for (int i = 0; i < n_tasks; i++)
         bytes +=
@@ -355,8 +384,10 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
             matmul_observer(matmul_observer_ctx, tasks[i].w, tasks[i].matrix, tasks[i].x,
                             tasks[i].n_rows);
     matmul_many m;
+    m.tasks = tasks;
     m.n = n_tasks;
     m.first[0] = 0;
+    m.row0[0] = 0;
     /* chunks of output units: enough per chunk to amortise the hand-out, many chunks per thread
      * over the whole set of tasks */
     int64_t total_out = 0;
@@ -368,9 +399,16 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
         matmul_prepare(&tasks[i], &m.jobs[i]);
         m.chunk[i] = chunk;
         m.first[i + 1] = m.first[i] + (m.jobs[i].n_out + chunk - 1) / chunk;
+        m.row0[i + 1] = m.row0[i] + tasks[i].n_rows;
     }
+    const double quantize = start > 0 ? moe_now() : 0;
+    if (m.row0[n_tasks] < MATMUL_QUANTIZE_SHARED)
+        matmul_many_quantize(&m, 0, m.row0[n_tasks], 0);
+    else
+        moe_pool_for(pool, m.row0[n_tasks], MATMUL_QUANTIZE_CHUNK, matmul_many_quantize, &m);
+    const double quantize_s = start > 0 ? moe_now() - quantize : 0;
     moe_pool_for(pool, m.first[n_tasks], 1, matmul_many_items, &m);
-    if (start > 0) matmul_profile(tasks, n_tasks, start);
+    if (start > 0) matmul_profile(tasks, n_tasks, start, quantize_s);
 }
 
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,
