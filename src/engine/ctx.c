@@ -440,9 +440,7 @@ static void block_input(moe_ctx *c, const moe_stream_ops *s, const moe_layer_wei
     start = moe_profile_start();
     c->x_in = in;
     const moe_tensor *norm = site == MOE_SITE_MIXER ? l->attn_norm : l->ffn_norm;
-    for (uint32_t r = 0; r < n_rows; r++)
-        moe_rmsnorm(c->xn + r * n_embd, in + r * n_embd, (const float *)norm->data, n_embd,
-                    cfg->rms_eps);
+    moe_rmsnorm_rows(c->pool, c->xn, in, (const float *)norm->data, n_rows, n_embd, cfg->rms_eps);
     moe_profile_part("rmsnorm", start);
 }
 
@@ -450,9 +448,8 @@ void moe_rows_post_norm(moe_ctx *c, float *rows, const moe_tensor *norm, uint32_
                         int64_t width) {
     if (!norm) return;
     const double start = moe_profile_start();
-    for (uint32_t r = 0; r < n_rows; r++)
-        moe_rmsnorm(rows + r * width, rows + r * width, (const float *)norm->data, width,
-                    c->m->cfg.rms_eps);
+    moe_rmsnorm_rows(c->pool, rows, rows, (const float *)norm->data, n_rows, width,
+                     c->m->cfg.rms_eps);
     moe_profile_part("rmsnorm", start);
 }
 

@@ -27,7 +27,8 @@ static void gated_ffn(moe_ctx *c, const moe_layer_weights *l, const moe_ffn_weig
     if (n_ff) {
         moe_matmul(c->pool, sliced.gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
         moe_matmul(c->pool, sliced.up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
-        moe_glu(c->m->cfg.ffn_act, limit, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
+        moe_glu_pool(c->pool, c->m->cfg.ffn_act, limit, c->ff_up, c->ff_gate,
+                     (int64_t)n_rows * n_ff);
     }
     if (part) {
         moe_dist_join(c->ff_up, c->ff_up, n_rows, w->down->ne[0]);

@@ -131,6 +131,54 @@ static int64_t group_index(const expert_group *eg, int g) {
     return eg->set->source ? 0 : eg->expert[g];
 }
 
+/* The rows of experts part[begin, end) of a group gathered into the scratch (each expert's rows
+ * to their own place), and the weighted sum below: shared out on all threads from
+ * GATHER_MIN_VALUES values. */
+#define GATHER_MIN_VALUES (16 << 10)
+#define SCATTER_VALUES    256 /* values of every row per work item */
+
+typedef struct gather_job {
+    const expert_group *eg;
+    const int *part;
+} gather_job;
+
+static void gather_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const gather_job *j = arg;
+    const expert_group *eg = j->eg;
+    const moe_expert_scratch *s = eg->s;
+    const int64_t n_in = eg->set->down->ne[1];
+    for (int64_t p = begin; p < end; p++) {
+        const int g = j->part[p];
+        for (int64_t i = 0; i < eg->n[g]; i++)
+            memcpy(s->x + (eg->at[g] + i) * n_in,
+                   eg->x + (int64_t)s->pair_row[eg->begin[g] + i] * n_in,
+                   sizeof(float) * (size_t)n_in);
+    }
+}
+
+/* The group's weighted outputs added to their rows' outputs, values [begin, end) of every row:
+ * each row's experts in expert order, whatever thread adds which values. */
+typedef struct scatter_job {
+    const expert_group *eg;
+    int n_group;
+    float *out;
+} scatter_job;
+
+static void scatter_values(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const scatter_job *j = arg;
+    const expert_group *eg = j->eg;
+    const moe_expert_scratch *s = eg->s;
+    const int64_t n_in = eg->set->down->ne[1];
+    for (int g = 0; g < j->n_group; g++)
+        for (int64_t i = 0; i < eg->n[g]; i++) {
+            float *o = j->out + (int64_t)s->pair_row[eg->begin[g] + i] * n_in;
+            const float w = s->pair_w[eg->begin[g] + i], *y = s->y + (eg->at[g] + i) * n_in;
+            for (int64_t d = begin; d < end; d++) o[d] += w * y[d];
+        }
+}
+
 /* The experts part[0..n_part) of the group, whose rows lie together from scratch row r0 (in
  * part order): gather their rows, gate and up as one parallel pass (fused: one matmul per expert
  * into rows of [gate, up], split below), the GLU, then down as another pass into s->y. Every
@@ -146,12 +194,12 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
     moe_matmul_task tasks[MOE_MATMUL_MANY_MAX];
     int64_t rows = 0, n_tasks = 0;
     double start = moe_profile_start();
+    gather_job gj = {eg, part};
+    for (int p = 0; p < n_part; p++) rows += eg->n[part[p]];
+    moe_pool_for(pool, n_part, rows * n_in < GATHER_MIN_VALUES ? n_part : 1, gather_rows, &gj);
     for (int p = 0; p < n_part; p++) {
         const int g = part[p];
         const int64_t at = eg->at[g], n = eg->n[g];
-        for (int64_t i = 0; i < n; i++)
-            memcpy(s->x + (at + i) * n_in, eg->x + (int64_t)s->pair_row[eg->begin[g] + i] * n_in,
-                   sizeof(float) * (size_t)n_in);
         tasks[n_tasks++] = (moe_matmul_task){group_matrix(eg, g, 0),
                                              group_index(eg, g),
                                              s->x + at * n_in,
@@ -163,7 +211,6 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
                 group_matrix(eg, g, 1), group_index(eg, g),
                 s->x + at * n_in,       n,
                 s->up + at * n_ff,      (uint8_t *)s->mm_up + (uint64_t)at * eg->xq_in};
-        rows += n;
     }
     moe_profile_part(PART_SORT, start);
     moe_matmul_many(pool, tasks, (int)n_tasks);
@@ -183,7 +230,7 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
                               s->up + at * n_ff,      n,
                               s->y + at * n_in,       (uint8_t *)s->mm + (uint64_t)at * eg->xq_ff};
     }
-    moe_glu(set->act, set->limit, s->up + r0 * n_ff, s->gate + r0 * n_ff, rows * n_ff);
+    moe_glu_pool(pool, set->act, set->limit, s->up + r0 * n_ff, s->gate + r0 * n_ff, rows * n_ff);
     moe_profile_part("experts GLU", start);
     moe_matmul_many(pool, tasks, n_part);
 }
@@ -252,15 +299,11 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
         }
         if (src) src->release(src->ctx, eg.expert, n_group);
         start = moe_profile_start();
-        for (int g = 0; g < n_group; g++) {
-            const int64_t at = eg.at[g], n = eg.n[g], begin = eg.begin[g];
-            moe_add_bias(s->y + at * n_in, set->down_b, eg.expert[g], n, n_in);
-            for (int64_t i = 0; i < n; i++) {
-                float *o = out + (int64_t)s->pair_row[begin + i] * n_in;
-                const float w = s->pair_w[begin + i], *y = s->y + (at + i) * n_in;
-                for (int64_t d = 0; d < n_in; d++) o[d] += w * y[d];
-            }
-        }
+        for (int g = 0; g < n_group; g++)
+            moe_add_bias(s->y + eg.at[g] * n_in, set->down_b, eg.expert[g], eg.n[g], n_in);
+        scatter_job sj = {&eg, n_group, out};
+        moe_pool_for(pool, n_in, rows * n_in < GATHER_MIN_VALUES ? n_in : SCATTER_VALUES,
+                     scatter_values, &sj);
         moe_profile_part("experts weighted sum", start);
         touched += (uint64_t)n_group;
     }

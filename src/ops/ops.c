@@ -83,6 +83,57 @@ void moe_glu(moe_ffn_act act, float limit, float *x, const float *gate, int64_t 
         moe_swiglu(x, gate, n);
 }
 
+/* ==== The same on all of a pool's threads ====
+ * Rows (or runs of values) are independent, so how they are shared out never changes a bit; under
+ * PARALLEL_MIN_VALUES values the caller does it alone (a hand-out costs more). */
+#define PARALLEL_MIN_VALUES (16 << 10)
+#define PARALLEL_CHUNK      (4 << 10) /* values per work item */
+
+typedef struct rmsnorm_job {
+    float *out;
+    const float *x, *w;
+    int64_t n;
+    float eps;
+} rmsnorm_job;
+
+static void rmsnorm_items(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const rmsnorm_job *j = arg;
+    for (int64_t r = begin; r < end; r++)
+        moe_rmsnorm(j->out + r * j->n, j->x + r * j->n, j->w, j->n, j->eps);
+}
+
+void moe_rmsnorm_rows(moe_pool *pool, float *out, const float *x, const float *w, int64_t n_rows,
+                      int64_t n, float eps) {
+    rmsnorm_job j = {out, x, w, n, eps};
+    if (n_rows * n < PARALLEL_MIN_VALUES)
+        rmsnorm_items(&j, 0, n_rows, 0);
+    else
+        moe_pool_for(pool, n_rows, (PARALLEL_CHUNK + n - 1) / n, rmsnorm_items, &j);
+}
+
+typedef struct glu_job {
+    moe_ffn_act act;
+    float limit;
+    float *x;
+    const float *gate;
+} glu_job;
+
+static void glu_items(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const glu_job *j = arg;
+    moe_glu(j->act, j->limit, j->x + begin, j->gate + begin, end - begin);
+}
+
+void moe_glu_pool(moe_pool *pool, moe_ffn_act act, float limit, float *x, const float *gate,
+                  int64_t n) {
+    glu_job j = {act, limit, x, gate};
+    if (n < PARALLEL_MIN_VALUES)
+        glu_items(&j, 0, n, 0);
+    else
+        moe_pool_for(pool, n, PARALLEL_CHUNK, glu_items, &j);
+}
+
 void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n) {
     if (!bias) return;
     const float *b = (const float *)bias->data + index * n;
@@ -155,21 +206,29 @@ static void rope_yarn(float theta_extrap, int i0, const moe_rope_params *p, floa
     *s = sinf(theta) * mscale;
 }
 
+/* Rotation pairs a head may have (rope dims / 2). */
+#define ROPE_MAX_PAIRS 512
+
 void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_params *p) {
     if (p->n_dims <= 0) return; /* MOE_ROPE_NONE */
     const float theta_scale = powf(p->base, -2.0f / (float)p->n_dims);
     const int half = p->n_dims / 2;
+    MOE_CHECK(half <= ROPE_MAX_PAIRS);
+    /* every head turns by the same angles: their cos and sin once for all */
+    float cos_i[ROPE_MAX_PAIRS], sin_i[ROPE_MAX_PAIRS];
+    float theta = (float)pos;
+    for (int i = 0; i < half; i++) {
+        rope_yarn(p->freq_factors ? theta / p->freq_factors[i] : theta, 2 * i, p, &cos_i[i],
+                  &sin_i[i]);
+        theta *= theta_scale;
+    }
     for (int h = 0; h < n_heads; h++) {
         float *xh = x + (int64_t)h * head_dim;
-        float theta = (float)pos;
         for (int i = 0; i < half; i++) {
-            float c, s;
-            rope_yarn(p->freq_factors ? theta / p->freq_factors[i] : theta, 2 * i, p, &c, &s);
             const int a = p->neox ? i : 2 * i, b = p->neox ? i + half : 2 * i + 1;
-            const float x0 = xh[a], x1 = xh[b];
+            const float x0 = xh[a], x1 = xh[b], c = cos_i[i], s = sin_i[i];
             xh[a] = x0 * c - x1 * s;
             xh[b] = x0 * s + x1 * c;
-            theta *= theta_scale;
         }
     }
 }
