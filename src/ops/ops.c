@@ -287,6 +287,8 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     int64_t tile = (int64_t)(MATMUL_X_TILE / j->xq_row_bytes);
     tile = tile < 4 ? 4 : tile & ~(int64_t)3; /* whole groups of the 4-row kernels */
     if (j->k->dot_tile) { /* the fast path: MOE_DOT_TILE_W weight rows in the lanes at a time */
+        /* whole groups of 16 rows (amx's tile multiply; 88 rows left 8 to the slower kernel) */
+        if (tile >= 2 * MOE_ROWS16) tile &= ~(int64_t)(MOE_ROWS16 - 1);
         for (int64_t o0 = begin; o0 < end; o0 += MOE_DOT_TILE_W) {
             const int n_w = (int)(end - o0 < MOE_DOT_TILE_W ? end - o0 : MOE_DOT_TILE_W);
             matmul_prefetch_ahead(j, begin, o0, o0 + n_w);
