@@ -373,7 +373,8 @@ static void matmul_quantize(const moe_matmul_task *t, const matmul_job *j, int64
 typedef struct matmul_many {
     const moe_matmul_task *tasks;
     matmul_job jobs[MOE_MATMUL_MANY_MAX];
-    int64_t row0[MOE_MATMUL_MANY_MAX + 1];  /* the tasks' activation rows, end to end */
+    int64_t row0[MOE_MATMUL_MANY_MAX + 1];  /* the activation rows to convert, end to end (none
+                                             * for a task that shares the task before's) */
     int64_t chunk[MOE_MATMUL_MANY_MAX];     /* output units per work item */
     int64_t first[MOE_MATMUL_MANY_MAX + 1]; /* first work item of each job */
     int n;
@@ -460,7 +461,15 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
         matmul_prepare(&tasks[i], &m.jobs[i]);
         m.chunk[i] = chunk;
         m.first[i + 1] = m.first[i] + (m.jobs[i].n_out + chunk - 1) / chunk;
-        m.row0[i + 1] = m.row0[i] + tasks[i].n_rows;
+        /* the same rows converted the same way as the task before's (an expert's gate and
+         * up): its converted rows serve both */
+        const matmul_job *prev = i ? &m.jobs[i - 1] : NULL;
+        const bool shared = prev && tasks[i].x == tasks[i - 1].x &&
+                            tasks[i].n_rows == tasks[i - 1].n_rows &&
+                            prev->n_in == m.jobs[i].n_in && prev->k->dot_type != MOE_TYPE_F32 &&
+                            prev->k->quantize_row_for_dot == m.jobs[i].k->quantize_row_for_dot;
+        if (shared) m.jobs[i].xq = prev->xq;
+        m.row0[i + 1] = m.row0[i] + (shared ? 0 : tasks[i].n_rows);
     }
     const double quantize = start > 0 ? moe_now() : 0;
     if (m.row0[n_tasks] < MATMUL_QUANTIZE_SHARED)
