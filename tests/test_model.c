@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../src/engine/engine.h"
 #include "../src/tools/tools.h"
@@ -465,6 +466,25 @@ static void batch_equals_alone(void **state) {
         }
         moe_exact_set(was);
         moe_model_free(m);
+    }
+}
+
+/* batch_equals_alone at every other level the CPU runs: the level is chosen once per process
+ * (and the loader repacks for it), so each runs this binary again with MOE_ISA set. */
+static void batch_equals_alone_every_level(void **state) {
+    (void)state;
+    for (int isa = MOE_ISA_SCALAR; isa < MOE_ISA_COUNT; isa++) {
+        if (!moe_cpu_isa_runs((moe_isa)isa) || isa == (int)moe_cpu_isa()) continue;
+        char self[512] = {0}, cmd[1024], *said = NULL;
+        assert_true(readlink("/proc/self/exe", self, sizeof self - 1) > 0);
+        snprintf(cmd, sizeof cmd, "MOE_ISA=%s '%s' --suite model --test batch_equals_alone",
+                 moe_isa_name((moe_isa)isa), self);
+        const int rc = moe_test_run(cmd, &said);
+        if (rc != 0 || !strstr(said, "[       OK ] batch_equals_alone"))
+            fail_msg("at %s (`%s`, exit %d):\n%s", moe_isa_name((moe_isa)isa), cmd, rc, said);
+        if (strstr(said, "SKIPPED")) print_message("%s", said);
+        print_message("batch == alone at %s: on both paths\n", moe_isa_name((moe_isa)isa));
+        free(said);
     }
 }
 
@@ -1455,6 +1475,7 @@ int moe_suite_model(void) {
         cmocka_unit_test(parity_llama_q8_0),
         cmocka_unit_test(parity_qwen3moe_mixed),
         cmocka_unit_test(batch_equals_alone),
+        cmocka_unit_test(batch_equals_alone_every_level),
         cmocka_unit_test(glm4moe_synthetic),
         PARITY_TEST(deepseek2_f32),
         PARITY_TEST(deepseek2_q8_0_q4_k),
