@@ -134,7 +134,7 @@ static int64_t group_index(const expert_group *eg, int g) {
 /* The rows of experts part[begin, end) of a group gathered into the scratch (each expert's rows
  * to their own place), and the weighted sum below: shared out on all threads from
  * GATHER_MIN_VALUES values. */
-#define GATHER_MIN_VALUES (16 << 10)
+#define GATHER_MIN_VALUES (64 << 10)
 #define SCATTER_VALUES    256 /* values of every row per work item */
 
 typedef struct gather_job {
