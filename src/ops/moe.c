@@ -137,44 +137,36 @@ static int64_t group_index(const expert_group *eg, int g) {
 #define GATHER_MIN_VALUES (64 << 10)
 #define SCATTER_VALUES    256 /* values of every row per work item */
 
-typedef struct gather_job {
+typedef struct rows_job {
     const expert_group *eg;
-    const int *part;
-} gather_job;
+    const int *part; /* the gather's experts */
+    int n_group;     /* the weighted sum's */
+    float *out;
+} rows_job;
 
 static void gather_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
-    const gather_job *j = arg;
+    const rows_job *j = arg;
     const expert_group *eg = j->eg;
-    const moe_expert_scratch *s = eg->s;
     const int64_t n_in = eg->set->down->ne[1];
-    for (int64_t p = begin; p < end; p++) {
-        const int g = j->part[p];
-        for (int64_t i = 0; i < eg->n[g]; i++)
-            memcpy(s->x + (eg->at[g] + i) * n_in,
-                   eg->x + (int64_t)s->pair_row[eg->begin[g] + i] * n_in,
+    for (int64_t p = begin; p < end; p++)
+        for (int64_t g = j->part[p], i = 0; i < eg->n[g]; i++)
+            memcpy(eg->s->x + (eg->at[g] + i) * n_in,
+                   eg->x + (int64_t)eg->s->pair_row[eg->begin[g] + i] * n_in,
                    sizeof(float) * (size_t)n_in);
-    }
 }
 
 /* The group's weighted outputs added to their rows' outputs, values [begin, end) of every row:
  * each row's experts in expert order, whatever thread adds which values. */
-typedef struct scatter_job {
-    const expert_group *eg;
-    int n_group;
-    float *out;
-} scatter_job;
-
 static void scatter_values(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
-    const scatter_job *j = arg;
-    const expert_group *eg = j->eg;
-    const moe_expert_scratch *s = eg->s;
-    const int64_t n_in = eg->set->down->ne[1];
+    const rows_job *j = arg;
+    const moe_expert_scratch *s = j->eg->s;
+    const int64_t n_in = j->eg->set->down->ne[1];
     for (int g = 0; g < j->n_group; g++)
-        for (int64_t i = 0; i < eg->n[g]; i++) {
-            float *o = j->out + (int64_t)s->pair_row[eg->begin[g] + i] * n_in;
-            const float w = s->pair_w[eg->begin[g] + i], *y = s->y + (eg->at[g] + i) * n_in;
+        for (int64_t i = 0, at = j->eg->begin[g]; i < j->eg->n[g]; i++) {
+            float *o = j->out + (int64_t)s->pair_row[at + i] * n_in;
+            const float w = s->pair_w[at + i], *y = s->y + (j->eg->at[g] + i) * n_in;
             for (int64_t d = begin; d < end; d++) o[d] += w * y[d];
         }
 }
@@ -194,7 +186,7 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
     moe_matmul_task tasks[MOE_MATMUL_MANY_MAX];
     int64_t rows = 0, n_tasks = 0;
     double start = moe_profile_start();
-    gather_job gj = {eg, part};
+    rows_job gj = {.eg = eg, .part = part};
     for (int p = 0; p < n_part; p++) rows += eg->n[part[p]];
     moe_pool_for(pool, n_part, rows * n_in < GATHER_MIN_VALUES ? n_part : 1, gather_rows, &gj);
     for (int p = 0; p < n_part; p++) {
@@ -301,7 +293,7 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
         start = moe_profile_start();
         for (int g = 0; g < n_group; g++)
             moe_add_bias(s->y + eg.at[g] * n_in, set->down_b, eg.expert[g], eg.n[g], n_in);
-        scatter_job sj = {&eg, n_group, out};
+        rows_job sj = {.eg = &eg, .n_group = n_group, .out = out};
         moe_pool_for(pool, n_in, rows * n_in < GATHER_MIN_VALUES ? n_in : SCATTER_VALUES,
                      scatter_values, &sj);
         moe_profile_part("experts weighted sum", start);
