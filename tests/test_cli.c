@@ -188,6 +188,43 @@ static void load_progress(void **state) {
     free(out);
 }
 
+/* MOE_PROFILE=1 names the step's parts outside the matmuls (README's list), each on its own
+ * line with calls, ms and share but no weight bytes, beside the matmuls' lines with theirs. */
+static void profile_names_the_parts(void **state) {
+    (void)state;
+    const char *model = moe_test_shared("parity/qwen3moe-mixed.gguf"); /* attention + experts */
+    MOE_SKIP_IF_NULL(model);
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "MOE_PROFILE=1 '%s' run '%s' -n 1 --tokens 1,2,3,4", moe_test_bin(),
+             model);
+    char *out = NULL;
+    if (moe_test_run(cmd, &out) != 0) fail_msg("%s", out);
+    static const char *const parts[] = {"attention (QK, softmax, V)",
+                                        "rope + KV store",
+                                        "rmsnorm",
+                                        "activation quantize",
+                                        "router top-k",
+                                        "experts sort + gather",
+                                        "experts GLU",
+                                        "experts weighted sum",
+                                        "residual stream",
+                                        "token embedding"};
+    unsigned calls;
+    double ms, share, mb, gbs;
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+        const char *line = strstr(out, parts[i]);
+        if (!line ||
+            sscanf(line + strlen(parts[i]), "%u %lf %lf%% %lf", &calls, &ms, &share, &mb) != 3)
+            fail_msg("no line \"%s\" of calls, ms and share alone:\n%s", parts[i], out);
+    }
+    const char *matmul = strstr(out, "attn_q.weight");
+    if (!matmul || sscanf(matmul + strlen("attn_q.weight"), "%u %lf %lf%% %lf %lf", &calls, &ms,
+                          &share, &mb, &gbs) != 5)
+        fail_msg("no attn_q.weight line with MB and GB/s:\n%s", out);
+    assert_non_null(strstr(out, "(rest of the step)"));
+    free(out);
+}
+
 /* Ctrl-C in run and chat, and control characters on a terminal: tests/cli_terminal.py (a
  * Python pty and signals), on stories260K and its ChatML copy. */
 static void terminal(void **state) {
@@ -210,6 +247,7 @@ int moe_suite_cli(void) {
         cmocka_unit_test(help_lists_every_option),
         cmocka_unit_test(suggests_the_nearest),
         cmocka_unit_test(load_progress),
+        cmocka_unit_test(profile_names_the_parts),
         cmocka_unit_test(terminal),
     };
     return cmocka_run_group_tests_name("cli", tests, NULL, NULL);

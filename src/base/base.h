@@ -147,6 +147,14 @@ moe_status moe_read_bandwidth(moe_pool *pool, size_t bytes, int runs, moe_bandwi
 #define MOE_PROFILE_STEP "step"
 bool moe_profile_on(void);
 void moe_profile_add(const char *kind, size_t kind_len, double seconds, double bytes);
+/* A named part of the step that is no matmul (norms, rope, attention, routing...), so the table
+ * splits what the matmuls leave: start = moe_profile_start() before it, moe_profile_part(kind,
+ * start) after (0 when the profile is off: nothing recorded). Parts never nest, nor contain a
+ * matmul, or the table would count their time twice. */
+static inline double moe_profile_start(void) {
+    return moe_profile_on() ? moe_now() : 0;
+}
+void moe_profile_part(const char *kind, double start);
 
 /* ==== Half-precision conversions (IEEE binary16 and bfloat16), exact and portable ==== */
 

@@ -181,10 +181,12 @@ static void profile_print(void) {
     for (int i = 0; i < profile.n; i++) {
         const profile_kind *k = &profile.k[i];
         if (!strcmp(k->kind, MOE_PROFILE_STEP)) continue;
-        fprintf(stderr, "%-28s %9llu %10.3f %6.1f%% %10.2f %8.2f\n", k->kind,
-                (unsigned long long)k->calls, k->seconds * per,
-                step_s > 0 ? 100 * k->seconds / step_s : 0.0, k->bytes * per / 1e9,
-                k->seconds > 0 ? k->bytes / k->seconds / 1e9 : 0.0);
+        fprintf(stderr, "%-28s %9llu %10.3f %6.1f%%", k->kind, (unsigned long long)k->calls,
+                k->seconds * per, step_s > 0 ? 100 * k->seconds / step_s : 0.0);
+        if (k->bytes > 0) /* a part (moe_profile_part) reads no weights */
+            fprintf(stderr, " %10.2f %8.2f", k->bytes * per / 1e9,
+                    k->seconds > 0 ? k->bytes / k->seconds / 1e9 : 0.0);
+        fputc('\n', stderr);
     }
     if (step_s > 0)
         fprintf(stderr, "%-28s %9s %10.3f %6.1f%%\n", "(rest of the step)", "",
@@ -215,4 +217,8 @@ void moe_profile_add(const char *kind, size_t kind_len, double seconds, double b
     profile.k[i].calls++;
     profile.k[i].seconds += seconds;
     profile.k[i].bytes += bytes;
+}
+
+void moe_profile_part(const char *kind, double start) {
+    if (start > 0) moe_profile_add(kind, strlen(kind), moe_now() - start, 0);
 }

@@ -110,8 +110,10 @@ void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, co
                     .window = window,
                     .latent_v = latent_v,
                     .shape = shape};
+    const double start = moe_profile_start();
     if (moe_exact()) { /* ggml's order: each row over its whole prefix */
         moe_pool_for(c->pool, n_rows, 1, attention_rows, &job);
+        moe_profile_part("attention (QK, softmax, V)", start);
         return;
     }
     int64_t n_blocks = 0;
@@ -137,6 +139,38 @@ void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, co
                    .split = split,
                    .chunk = (group + split - 1) / split};
     moe_pool_for(c->pool, n_blocks * shape->n_head_kv * split, 1, attention_tiled, &t);
+    moe_profile_part("attention (QK, softmax, V)", start);
+}
+
+/* Rope on the rows' q and k, then their k and v into the cache: each row on its own (rows of a
+ * sequence write distinct slots), ROPE_ROWS rows per work item. */
+#define ROPE_ROWS 4
+
+typedef struct rope_job {
+    moe_ctx *c;
+    const moe_row *rows;
+    const moe_rope_params *rope;
+    uint32_t layer;
+    int n_head, n_head_kv, hd_k, hd_v;
+} rope_job;
+
+static void rope_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const rope_job *j = arg;
+    moe_ctx *c = j->c;
+    const int64_t q_w = (int64_t)j->n_head * j->hd_k, k_w = (int64_t)j->n_head_kv * j->hd_k,
+                  v_w = (int64_t)j->n_head_kv * j->hd_v;
+    for (int64_t r = begin; r < end; r++) {
+        const moe_row *row = &j->rows[r];
+        moe_rope(c->q + r * q_w, j->n_head, j->hd_k, row->pos, j->rope);
+        moe_rope(c->k + r * k_w, j->n_head_kv, j->hd_k, row->pos, j->rope);
+        moe_kv_store(
+            c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, (uint32_t)row->pos),
+            c->k + r * k_w, (uint64_t)k_w);
+        moe_kv_store(
+            c, moe_kv_slot(c, c->v_cache, c->v_row_bytes, row->seq, j->layer, (uint32_t)row->pos),
+            c->v + r * v_w, (uint64_t)v_w);
+    }
 }
 
 void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,
@@ -166,26 +200,20 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
     moe_add_bias(c->q, w->bq, 0, n_rows, q_w);
     moe_add_bias(c->k, w->bk, 0, n_rows, k_w);
     moe_add_bias(c->v, w->bv, 0, n_rows, v_w);
+    double start = moe_profile_start();
     if (w->q_norm) {
         const float *qn = (const float *)w->q_norm->data, *kn = (const float *)w->k_norm->data;
-        for (int64_t h = 0; h < (int64_t)n_rows * n_head; h++)
-            moe_rmsnorm(c->q + h * hd_k, c->q + h * hd_k, qn, hd_k, cfg->rms_eps);
-        for (int64_t h = 0; h < (int64_t)n_rows * n_head_kv; h++)
-            moe_rmsnorm(c->k + h * hd_k, c->k + h * hd_k, kn, hd_k, cfg->rms_eps);
+        moe_rmsnorm_rows(c->pool, c->q, c->q, qn, (int64_t)n_rows * n_head, hd_k, cfg->rms_eps);
+        moe_rmsnorm_rows(c->pool, c->k, c->k, kn, (int64_t)n_rows * n_head_kv, hd_k, cfg->rms_eps);
     }
     if (cfg->attn_v_norm)
-        for (int64_t h = 0; h < (int64_t)n_rows * n_head_kv; h++)
-            moe_rmsnorm(c->v + h * hd_v, c->v + h * hd_v, NULL, hd_v, cfg->rms_eps);
-    for (uint32_t r = 0; r < n_rows; r++) {
-        moe_rope(c->q + r * q_w, (int)n_head, (int)hd_k, rows[r].pos, &rope);
-        moe_rope(c->k + r * k_w, (int)n_head_kv, (int)hd_k, rows[r].pos, &rope);
-        moe_kv_store(
-            c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
-            c->k + r * k_w, (uint64_t)k_w);
-        moe_kv_store(
-            c, moe_kv_slot(c, c->v_cache, c->v_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
-            c->v + r * v_w, (uint64_t)v_w);
-    }
+        moe_rmsnorm_rows(c->pool, c->v, c->v, NULL, (int64_t)n_rows * n_head_kv, hd_v,
+                         cfg->rms_eps);
+    moe_profile_part("rmsnorm", start);
+    start = moe_profile_start();
+    rope_job rj = {c, rows, &rope, il, (int)n_head, (int)n_head_kv, (int)hd_k, (int)hd_v};
+    moe_pool_for(c->pool, n_rows, ROPE_ROWS, rope_rows, &rj);
+    moe_profile_part("rope + KV store", start);
     moe_attend_rows(c, &shape, il, rows, n_rows, l->plan.window, false);
     if (cfg->attn_output_gate)
         moe_gate_mul(c->att, c->att_gate, (int64_t)n_rows * n_head * hd_v, MOE_GATE_SIGMOID);

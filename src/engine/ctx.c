@@ -434,20 +434,23 @@ static void block_input(moe_ctx *c, const moe_stream_ops *s, const moe_layer_wei
                         moe_site site, uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
     const int64_t n_embd = cfg->n_embd;
+    double start = moe_profile_start();
     const float *in = s->pre(c, l, site, n_rows);
+    moe_profile_part("residual stream", start);
+    start = moe_profile_start();
     c->x_in = in;
     const moe_tensor *norm = site == MOE_SITE_MIXER ? l->attn_norm : l->ffn_norm;
-    for (uint32_t r = 0; r < n_rows; r++)
-        moe_rmsnorm(c->xn + r * n_embd, in + r * n_embd, (const float *)norm->data, n_embd,
-                    cfg->rms_eps);
+    moe_rmsnorm_rows(c->pool, c->xn, in, (const float *)norm->data, n_rows, n_embd, cfg->rms_eps);
+    moe_profile_part("rmsnorm", start);
 }
 
 void moe_rows_post_norm(moe_ctx *c, float *rows, const moe_tensor *norm, uint32_t n_rows,
                         int64_t width) {
     if (!norm) return;
-    for (uint32_t r = 0; r < n_rows; r++)
-        moe_rmsnorm(rows + r * width, rows + r * width, (const float *)norm->data, width,
-                    c->m->cfg.rms_eps);
+    const double start = moe_profile_start();
+    moe_rmsnorm_rows(c->pool, rows, rows, (const float *)norm->data, n_rows, width,
+                     c->m->cfg.rms_eps);
+    moe_profile_part("rmsnorm", start);
 }
 
 /* Rows must continue their sequences in order from len[seq] (the trunk's or the MTP layers'). */
@@ -486,13 +489,17 @@ static void run_layer(moe_ctx *c, const moe_stream_ops *s, uint32_t il, const mo
     const moe_layer_weights *l = &c->m->layers[il];
     block_input(c, s, l, MOE_SITE_MIXER, n_rows);
     mixer_blocks[l->plan.mixer](c, l, il, rows, n_rows);
+    double start = moe_profile_start();
     s->post(c, l, MOE_SITE_MIXER, n_rows);
+    moe_profile_part("residual stream", start);
     block_input(c, s, l, MOE_SITE_FFN, n_rows);
     if (l->plan.ffn == MOE_FFN_EXPERTS)
         moe_block_ffn_experts(c, l, n_rows);
     else
         moe_block_ffn_dense(c, l, n_rows);
+    start = moe_profile_start();
     s->post(c, l, MOE_SITE_FFN, n_rows);
+    moe_profile_part("residual stream", start);
 }
 
 /* The normed final hidden state of every row into c->hidden (what the MTP head takes), then
@@ -502,12 +509,14 @@ static void output_head(moe_ctx *c, const moe_stream_ops *s, const moe_row *rows
     const moe_model_config *cfg = &c->m->cfg;
     const int64_t n_embd = cfg->n_embd;
     uint32_t n_out = 0;
+    const double start = moe_profile_start();
     for (uint32_t r = 0; r < n_rows; r++) {
         float *h = c->hidden + r * n_embd;
         moe_rmsnorm(h, s->final(c, r), (const float *)norm->data, n_embd, cfg->rms_eps);
         if (rows[r].logits) /* xn is spent: the head's input, packed */
             memcpy(c->xn + n_out++ * n_embd, h, sizeof(float) * (size_t)n_embd);
     }
+    moe_profile_part("rmsnorm", start);
     c->n_hidden = n_rows;
     if (!logits) return; /* a follower: rank 0 samples */
     if (n_out) moe_matmul(c->pool, head, 0, c->xn, n_out, logits, c->mm_scratch);
@@ -709,11 +718,13 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     if (!c->verifying) /* a plain step ends what a verify step left to accept */
         for (uint32_t r = 0; r < n_rows; r++) c->verify_rows[rows[r].seq] = 0;
 
+    double part = moe_profile_start();
     for (uint32_t r = 0; r < n_rows; r++)
         moe_tensor_row_f32(m->token_embd, rows[r].token, c->y + r * n_embd);
     if (m->cfg.embd_scale != 0.0f)
         for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->y[i] *= m->cfg.embd_scale;
     c->stream->begin(c, c->y, n_rows);
+    moe_profile_part("token embedding", part);
     for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, c->stream, il, rows, n_rows);
     if (c->p.split != MOE_SPLIT_NONE && moe_dist_lost(false, err) >= 0) /* sums never came */
         return err->code;

@@ -27,7 +27,8 @@ static void gated_ffn(moe_ctx *c, const moe_layer_weights *l, const moe_ffn_weig
     if (n_ff) {
         moe_matmul(c->pool, sliced.gate, 0, c->xn, n_rows, c->ff_gate, c->mm_scratch);
         moe_matmul(c->pool, sliced.up, 0, c->xn, n_rows, c->ff_up, c->mm_scratch);
-        moe_glu(c->m->cfg.ffn_act, limit, c->ff_up, c->ff_gate, (int64_t)n_rows * n_ff);
+        moe_glu_pool(c->pool, c->m->cfg.ffn_act, limit, c->ff_up, c->ff_gate,
+                     (int64_t)n_rows * n_ff);
     }
     if (part) {
         moe_dist_join(c->ff_up, c->ff_up, n_rows, w->down->ne[0]);
@@ -123,7 +124,9 @@ void moe_block_ffn_experts(moe_ctx *c, const moe_layer_weights *l, uint32_t n_ro
         .n_group = (int)cfg->n_expert_group,
         .topk_group = (int)cfg->n_group_used,
         .expert_scale = w->down_scale ? (const float *)w->down_scale->data : NULL};
+    const double start = moe_profile_start();
     moe_route(&route, c->router, n_rows, c->expert_ids, c->expert_w, c->route_scratch);
+    moe_profile_part("router top-k", start);
     /* split by rows: this rank's slices of every expert (the rank whose slice starts the
      * intermediate alone adds the down bias; ranks before it hold empty slices) */
     const moe_rows_slice *rows = c->rows_slice ? &c->rows_slice[l - c->m->layers] : NULL;

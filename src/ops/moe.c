@@ -103,6 +103,9 @@ static void prefetch_routed(const moe_expert_set *set, const int32_t *starts, in
     }
 }
 
+/* MOE_PROFILE's part for the pairs' sort by expert and the gather of their rows. */
+#define PART_SORT "experts sort + gather"
+
 /* What one group of experts shares while it runs: its experts (in expert order), where their
  * pairs start in the sorted pairs, the row offset of each one's rows in the scratch and its
  * matrices (the stacked tensors', or a source's views). */
@@ -128,6 +131,46 @@ static int64_t group_index(const expert_group *eg, int g) {
     return eg->set->source ? 0 : eg->expert[g];
 }
 
+/* The rows of experts part[begin, end) of a group gathered into the scratch (each expert's rows
+ * to their own place), and the weighted sum below: shared out on all threads from
+ * GATHER_MIN_VALUES values. */
+#define GATHER_MIN_VALUES (64 << 10)
+#define SCATTER_VALUES    256 /* values of every row per work item */
+
+typedef struct rows_job {
+    const expert_group *eg;
+    const int *part; /* the gather's experts */
+    int n_group;     /* the weighted sum's */
+    float *out;
+} rows_job;
+
+static void gather_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const rows_job *j = arg;
+    const expert_group *eg = j->eg;
+    const int64_t n_in = eg->set->down->ne[1];
+    for (int64_t p = begin; p < end; p++)
+        for (int64_t g = j->part[p], i = 0; i < eg->n[g]; i++)
+            memcpy(eg->s->x + (eg->at[g] + i) * n_in,
+                   eg->x + (int64_t)eg->s->pair_row[eg->begin[g] + i] * n_in,
+                   sizeof(float) * (size_t)n_in);
+}
+
+/* The group's weighted outputs added to their rows' outputs, values [begin, end) of every row:
+ * each row's experts in expert order, whatever thread adds which values. */
+static void scatter_values(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const rows_job *j = arg;
+    const moe_expert_scratch *s = j->eg->s;
+    const int64_t n_in = j->eg->set->down->ne[1];
+    for (int g = 0; g < j->n_group; g++)
+        for (int64_t i = 0, at = j->eg->begin[g]; i < j->eg->n[g]; i++) {
+            float *o = j->out + (int64_t)s->pair_row[at + i] * n_in;
+            const float w = s->pair_w[at + i], *y = s->y + (j->eg->at[g] + i) * n_in;
+            for (int64_t d = begin; d < end; d++) o[d] += w * y[d];
+        }
+}
+
 /* The experts part[0..n_part) of the group, whose rows lie together from scratch row r0 (in
  * part order): gather their rows, gate and up as one parallel pass (fused: one matmul per expert
  * into rows of [gate, up], split below), the GLU, then down as another pass into s->y. Every
@@ -142,12 +185,13 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
     const int64_t r0 = eg->at[part[0]];
     moe_matmul_task tasks[MOE_MATMUL_MANY_MAX];
     int64_t rows = 0, n_tasks = 0;
+    double start = moe_profile_start();
+    rows_job gj = {.eg = eg, .part = part};
+    for (int p = 0; p < n_part; p++) rows += eg->n[part[p]];
+    moe_pool_for(pool, n_part, rows * n_in < GATHER_MIN_VALUES ? n_part : 1, gather_rows, &gj);
     for (int p = 0; p < n_part; p++) {
         const int g = part[p];
         const int64_t at = eg->at[g], n = eg->n[g];
-        for (int64_t i = 0; i < n; i++)
-            memcpy(s->x + (at + i) * n_in, eg->x + (int64_t)s->pair_row[eg->begin[g] + i] * n_in,
-                   sizeof(float) * (size_t)n_in);
         tasks[n_tasks++] = (moe_matmul_task){group_matrix(eg, g, 0),
                                              group_index(eg, g),
                                              s->x + at * n_in,
@@ -159,9 +203,10 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
                 group_matrix(eg, g, 1), group_index(eg, g),
                 s->x + at * n_in,       n,
                 s->up + at * n_ff,      (uint8_t *)s->mm_up + (uint64_t)at * eg->xq_in};
-        rows += n;
     }
+    moe_profile_part(PART_SORT, start);
     moe_matmul_many(pool, tasks, (int)n_tasks);
+    start = moe_profile_start();
     if (fused) /* rows [gate, up] -> gate rows and up rows (gate moves down in place) */
         for (int64_t i = r0; i < r0 + rows; i++) {
             memcpy(s->up + i * n_ff, s->gate + (2 * i + 1) * n_ff, sizeof(float) * n_ff);
@@ -177,7 +222,8 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
                               s->up + at * n_ff,      n,
                               s->y + at * n_in,       (uint8_t *)s->mm + (uint64_t)at * eg->xq_ff};
     }
-    moe_glu(set->act, set->limit, s->up + r0 * n_ff, s->gate + r0 * n_ff, rows * n_ff);
+    moe_glu_pool(pool, set->act, set->limit, s->up + r0 * n_ff, s->gate + r0 * n_ff, rows * n_ff);
+    moe_profile_part("experts GLU", start);
     moe_matmul_many(pool, tasks, n_part);
 }
 
@@ -187,6 +233,7 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
     const moe_tensor *gate = set->gate_up ? set->gate_up : set->gate, *up = set->up;
     const moe_tensor *down = set->down;
     const int64_t n_expert = gate->ne[2], n_in = gate->ne[0];
+    double start = moe_profile_start();
     /* counting sort of the pairs by expert: counts[e] becomes the start of e's run */
     memset(s->counts, 0, sizeof(int32_t) * (size_t)(n_expert + 1));
     const int64_t n_pairs = n_rows * n_used;
@@ -198,6 +245,7 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
         s->pair_row[slot] = (int32_t)(i / n_used);
         s->pair_w[slot] = weights[i];
     }
+    moe_profile_part(PART_SORT, start);
     /* counts[e] now ends e's run; its start is counts[e - 1] (0 for e = 0). Experts go in
      * groups whose pairs fit the scratch: each group's gate and up matmuls run as one parallel
      * pass, then its down matmuls as another (one pool hand-out each, not three per expert).
@@ -242,15 +290,13 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
             group_compute(pool, &eg, order + n_ready, n_group - n_ready);
         }
         if (src) src->release(src->ctx, eg.expert, n_group);
-        for (int g = 0; g < n_group; g++) {
-            const int64_t at = eg.at[g], n = eg.n[g], begin = eg.begin[g];
-            moe_add_bias(s->y + at * n_in, set->down_b, eg.expert[g], n, n_in);
-            for (int64_t i = 0; i < n; i++) {
-                float *o = out + (int64_t)s->pair_row[begin + i] * n_in;
-                const float w = s->pair_w[begin + i], *y = s->y + (at + i) * n_in;
-                for (int64_t d = 0; d < n_in; d++) o[d] += w * y[d];
-            }
-        }
+        start = moe_profile_start();
+        for (int g = 0; g < n_group; g++)
+            moe_add_bias(s->y + eg.at[g] * n_in, set->down_b, eg.expert[g], eg.n[g], n_in);
+        rows_job sj = {.eg = &eg, .n_group = n_group, .out = out};
+        moe_pool_for(pool, n_in, rows * n_in < GATHER_MIN_VALUES ? n_in : SCATTER_VALUES,
+                     scatter_values, &sj);
+        moe_profile_part("experts weighted sum", start);
         touched += (uint64_t)n_group;
     }
     if (stats) {

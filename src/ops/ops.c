@@ -83,6 +83,57 @@ void moe_glu(moe_ffn_act act, float limit, float *x, const float *gate, int64_t 
         moe_swiglu(x, gate, n);
 }
 
+/* ==== The same on all of a pool's threads ====
+ * Rows (or runs of values) are independent, so how they are shared out never changes a bit; under
+ * PARALLEL_MIN_VALUES values the caller does it alone (a hand-out costs more). */
+#define PARALLEL_MIN_VALUES (16 << 10)
+#define PARALLEL_CHUNK      (4 << 10) /* values per work item */
+
+typedef struct rmsnorm_job {
+    float *out;
+    const float *x, *w;
+    int64_t n;
+    float eps;
+} rmsnorm_job;
+
+static void rmsnorm_items(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const rmsnorm_job *j = arg;
+    for (int64_t r = begin; r < end; r++)
+        moe_rmsnorm(j->out + r * j->n, j->x + r * j->n, j->w, j->n, j->eps);
+}
+
+void moe_rmsnorm_rows(moe_pool *pool, float *out, const float *x, const float *w, int64_t n_rows,
+                      int64_t n, float eps) {
+    rmsnorm_job j = {out, x, w, n, eps};
+    if (n_rows * n < PARALLEL_MIN_VALUES)
+        rmsnorm_items(&j, 0, n_rows, 0);
+    else
+        moe_pool_for(pool, n_rows, (PARALLEL_CHUNK + n - 1) / n, rmsnorm_items, &j);
+}
+
+typedef struct glu_job {
+    moe_ffn_act act;
+    float limit;
+    float *x;
+    const float *gate;
+} glu_job;
+
+static void glu_items(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const glu_job *j = arg;
+    moe_glu(j->act, j->limit, j->x + begin, j->gate + begin, end - begin);
+}
+
+void moe_glu_pool(moe_pool *pool, moe_ffn_act act, float limit, float *x, const float *gate,
+                  int64_t n) {
+    glu_job j = {act, limit, x, gate};
+    if (n < PARALLEL_MIN_VALUES)
+        glu_items(&j, 0, n, 0);
+    else
+        moe_pool_for(pool, n, PARALLEL_CHUNK, glu_items, &j);
+}
+
 void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n) {
     if (!bias) return;
     const float *b = (const float *)bias->data + index * n;
@@ -155,21 +206,29 @@ static void rope_yarn(float theta_extrap, int i0, const moe_rope_params *p, floa
     *s = sinf(theta) * mscale;
 }
 
+/* Rotation pairs a head may have (rope dims / 2). */
+#define ROPE_MAX_PAIRS 512
+
 void moe_rope(float *x, int n_heads, int head_dim, int64_t pos, const moe_rope_params *p) {
     if (p->n_dims <= 0) return; /* MOE_ROPE_NONE */
     const float theta_scale = powf(p->base, -2.0f / (float)p->n_dims);
     const int half = p->n_dims / 2;
+    MOE_CHECK(half <= ROPE_MAX_PAIRS);
+    /* every head turns by the same angles: their cos and sin once for all */
+    float cos_i[ROPE_MAX_PAIRS], sin_i[ROPE_MAX_PAIRS];
+    float theta = (float)pos;
+    for (int i = 0; i < half; i++) {
+        rope_yarn(p->freq_factors ? theta / p->freq_factors[i] : theta, 2 * i, p, &cos_i[i],
+                  &sin_i[i]);
+        theta *= theta_scale;
+    }
     for (int h = 0; h < n_heads; h++) {
         float *xh = x + (int64_t)h * head_dim;
-        float theta = (float)pos;
         for (int i = 0; i < half; i++) {
-            float c, s;
-            rope_yarn(p->freq_factors ? theta / p->freq_factors[i] : theta, 2 * i, p, &c, &s);
             const int a = p->neox ? i : 2 * i, b = p->neox ? i + half : 2 * i + 1;
-            const float x0 = xh[a], x1 = xh[b];
+            const float x0 = xh[a], x1 = xh[b], c = cos_i[i], s = sin_i[i];
             xh[a] = x0 * c - x1 * s;
             xh[b] = x0 * s + x1 * c;
-            theta *= theta_scale;
         }
     }
 }
@@ -228,6 +287,8 @@ static void matmul_rows(void *arg, int64_t begin, int64_t end, int thread) {
     int64_t tile = (int64_t)(MATMUL_X_TILE / j->xq_row_bytes);
     tile = tile < 4 ? 4 : tile & ~(int64_t)3; /* whole groups of the 4-row kernels */
     if (j->k->dot_tile) { /* the fast path: MOE_DOT_TILE_W weight rows in the lanes at a time */
+        /* whole groups of 16 rows (amx's tile multiply; 88 rows left 8 to the slower kernel) */
+        if (tile >= 2 * MOE_ROWS16) tile &= ~(int64_t)(MOE_ROWS16 - 1);
         for (int64_t o0 = begin; o0 < end; o0 += MOE_DOT_TILE_W) {
             const int n_w = (int)(end - o0 < MOE_DOT_TILE_W ? end - o0 : MOE_DOT_TILE_W);
             matmul_prefetch_ahead(j, begin, o0, o0 + n_w);
@@ -274,7 +335,8 @@ void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes) {
     prefetch_bytes(m, m + (bytes < m_bytes ? bytes : m_bytes));
 }
 
-/* One task made ready: activation rows converted once for the weight type's dot. */
+/* One task made ready, but for its activation rows' conversion for the weight type's dot
+ * (matmul_quantize: j->xq is where they go). */
 static void matmul_prepare(const moe_matmul_task *t, matmul_job *j) {
     const moe_type_kernels *k = moe_kernels_type(t->w->type);
     const int64_t n_in = t->w->ne[0], n_out = t->w->ne[1];
@@ -295,19 +357,44 @@ static void matmul_prepare(const moe_matmul_task *t, matmul_job *j) {
     j->wbase = t->w->data + (uint64_t)t->matrix * (uint64_t)n_out * j->w_row_bytes;
     if (k->dot_type != MOE_TYPE_F32) {
         j->xq_row_bytes = moe_dot_row_bytes(t->w->type, n_in);
-        for (int64_t r = 0; r < t->n_rows; r++)
-            k->quantize_row_for_dot(t->x + r * n_in,
-                                    (uint8_t *)t->scratch + (uint64_t)r * j->xq_row_bytes, n_in);
         j->xq = t->scratch;
     }
 }
 
+/* Activation rows [r0, r1) of a prepared job converted (each row on its own: how the rows are
+ * shared out never changes a byte). */
+static void matmul_quantize(const moe_matmul_task *t, const matmul_job *j, int64_t r0, int64_t r1) {
+    if (j->k->dot_type == MOE_TYPE_F32) return;
+    for (int64_t r = r0; r < r1; r++)
+        j->k->quantize_row_for_dot(t->x + r * j->n_in,
+                                   (uint8_t *)j->xq + (uint64_t)r * j->xq_row_bytes, j->n_in);
+}
+
 typedef struct matmul_many {
+    const moe_matmul_task *tasks;
     matmul_job jobs[MOE_MATMUL_MANY_MAX];
+    int64_t row0[MOE_MATMUL_MANY_MAX + 1];  /* the activation rows to convert, end to end (none
+                                             * for a task that shares the task before's) */
     int64_t chunk[MOE_MATMUL_MANY_MAX];     /* output units per work item */
     int64_t first[MOE_MATMUL_MANY_MAX + 1]; /* first work item of each job */
     int n;
 } matmul_many;
+
+/* Rows [begin, end) of all the tasks' activation rows converted. */
+static void matmul_many_quantize(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const matmul_many *m = arg;
+    for (int j = 0; j < m->n && begin < end; j++) {
+        const int64_t r0 = begin > m->row0[j] ? begin : m->row0[j];
+        const int64_t r1 = end < m->row0[j + 1] ? end : m->row0[j + 1];
+        if (r0 < r1) matmul_quantize(&m->tasks[j], &m->jobs[j], r0 - m->row0[j], r1 - m->row0[j]);
+    }
+}
+
+/* Activation rows a pass converts on all threads (fewer: on the caller, as a decode step's one
+ * row is not worth a hand-out), and the rows per work item. */
+#define MATMUL_QUANTIZE_SHARED 16
+#define MATMUL_QUANTIZE_CHUNK  4
 
 static void matmul_many_items(void *arg, int64_t begin, int64_t end, int thread) {
     const matmul_many *m = arg;
@@ -330,9 +417,13 @@ void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx) {
 }
 
 /* MOE_PROFILE: a pass is recorded under its first tensor's name less the layer ("blk.N."), with
- * the weight bytes of all its tasks. */
-static void matmul_profile(const moe_matmul_task *tasks, int n_tasks, double start) {
-    const double seconds = moe_now() - start;
+ * the weight bytes of all its tasks, less the activations' conversion (its own part, which took
+ * quantize_s). */
+static void matmul_profile(const moe_matmul_task *tasks, int n_tasks, double start,
+                           double quantize_s) {
+    static const char part[] = "activation quantize";
+    moe_profile_add(part, sizeof part - 1, quantize_s, 0);
+    const double seconds = moe_now() - start - quantize_s;
     double bytes = 0;
     for (int i = 0; i < n_tasks; i++)
         bytes +=
@@ -355,8 +446,10 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
             matmul_observer(matmul_observer_ctx, tasks[i].w, tasks[i].matrix, tasks[i].x,
                             tasks[i].n_rows);
     matmul_many m;
+    m.tasks = tasks;
     m.n = n_tasks;
     m.first[0] = 0;
+    m.row0[0] = 0;
     /* chunks of output units: enough per chunk to amortise the hand-out, many chunks per thread
      * over the whole set of tasks */
     int64_t total_out = 0;
@@ -368,9 +461,24 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
         matmul_prepare(&tasks[i], &m.jobs[i]);
         m.chunk[i] = chunk;
         m.first[i + 1] = m.first[i] + (m.jobs[i].n_out + chunk - 1) / chunk;
+        /* the same rows converted the same way as the task before's (an expert's gate and
+         * up): its converted rows serve both */
+        const matmul_job *prev = i ? &m.jobs[i - 1] : NULL;
+        const bool shared = prev && tasks[i].x == tasks[i - 1].x &&
+                            tasks[i].n_rows == tasks[i - 1].n_rows &&
+                            prev->n_in == m.jobs[i].n_in && prev->k->dot_type != MOE_TYPE_F32 &&
+                            prev->k->quantize_row_for_dot == m.jobs[i].k->quantize_row_for_dot;
+        if (shared) m.jobs[i].xq = prev->xq;
+        m.row0[i + 1] = m.row0[i] + (shared ? 0 : tasks[i].n_rows);
     }
+    const double quantize = start > 0 ? moe_now() : 0;
+    if (m.row0[n_tasks] < MATMUL_QUANTIZE_SHARED)
+        matmul_many_quantize(&m, 0, m.row0[n_tasks], 0);
+    else
+        moe_pool_for(pool, m.row0[n_tasks], MATMUL_QUANTIZE_CHUNK, matmul_many_quantize, &m);
+    const double quantize_s = start > 0 ? moe_now() - quantize : 0;
     moe_pool_for(pool, m.first[n_tasks], 1, matmul_many_items, &m);
-    if (start > 0) matmul_profile(tasks, n_tasks, start);
+    if (start > 0) matmul_profile(tasks, n_tasks, start, quantize_s);
 }
 
 void moe_matmul(moe_pool *pool, const moe_tensor *w, int64_t matrix, const float *x, int64_t n_rows,

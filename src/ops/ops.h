@@ -41,6 +41,12 @@ void moe_geglu(float *x, const float *gate, int64_t n);
 void moe_swiglu_clamped(float *x, const float *gate, int64_t n, float limit);
 /* x = act(gate) * x; limit > 0 clamps a SwiGLU (MOE_ACT_SILU) as moe_swiglu_clamped. */
 void moe_glu(moe_ffn_act act, float limit, float *x, const float *gate, int64_t n);
+/* moe_glu and moe_rmsnorm over many values, on all of the pool's threads (the same bits):
+ * n_rows rows of n values, out row r from x row r. */
+void moe_glu_pool(moe_pool *pool, moe_ffn_act act, float limit, float *x, const float *gate,
+                  int64_t n);
+void moe_rmsnorm_rows(moe_pool *pool, float *out, const float *x, const float *w, int64_t n_rows,
+                      int64_t n, float eps);
 /* y[r][i] += b[i] for n_rows rows of n values, b = row `index` of the F32 tensor bias (0 for a
  * vector; e.g. an expert's row of a [n] x n_expert bias). NULL bias: nothing. */
 void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n);

@@ -80,6 +80,11 @@ MOE_INLINE void fast_amx_rows(fast_type type, const fast_tile *tiles, int64_t nc
     enum { UNITS = 16 }; /* 32-value sums per batch: 16 KiB */
     int32_t c[UNITS][FAST_AMX_ROWS][16] __attribute__((aligned(64)));
     const int64_t per_batch = UNITS / subs;
+    _Static_assert(offsetof(moe_block_q8_0, d) == 0, "the gather reads d as a dword's low half");
+    MOE_CHECK(xs <= INT32_MAX / FAST_AMX_ROWS);
+    const __m512i row_at =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32((int)xs));
     for (int64_t j0 = 0; j0 < nc; j0 += per_batch) {
         const int64_t nj = nc - j0 < per_batch ? nc - j0 : per_batch;
         int64_t u = 0;
@@ -89,20 +94,22 @@ MOE_INLINE void fast_amx_rows(fast_type type, const fast_tile *tiles, int64_t nc
         }
         if (u < nj * subs) FAST_AMX_UNIT(u, 0, 2, 4);
         /* the 32-value types' activation scales (f16) as floats, 16 rows at once, for the
-         * epilogue to broadcast from memory */
+         * epilogue to broadcast from memory: one gather of the dwords that start the rows'
+         * blocks (d, then 2 bytes of qs), not 16 stores of 2 bytes read back as one vector (a
+         * store-forwarding stall per block) */
         float dxf[UNITS][FAST_AMX_ROWS] __attribute__((aligned(64)));
         if (q32)
-            for (int64_t jj = 0; jj < nj; jj++) {
-                uint16_t h[FAST_AMX_ROWS] __attribute__((aligned(32)));
-                for (int m = 0; m < FAST_AMX_ROWS; m++)
-                    h[m] = ((const moe_block_q8_0 *)(x + (size_t)m * xs) + c0 + j0 + jj)->d;
-                _mm512_store_ps(dxf[jj], _mm512_cvtph_ps(avx2_load(h)));
-            }
-        for (int m = 0; m < FAST_AMX_ROWS; m++) {
-            const uint8_t *xr = x + (size_t)m * xs;
-            __m512 a = acc[m];
-            for (int64_t jj = 0; jj < nj; jj++) {
-                const fast_tile *t = &tiles[j0 + jj];
+            for (int64_t jj = 0; jj < nj; jj++)
+                _mm512_store_ps(dxf[jj],
+                                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(
+                                    row_at, (const moe_block_q8_0 *)x + c0 + j0 + jj, 1))));
+        /* block after block, the 16 rows' multiply-adds in between: 16 independent chains
+         * (one row's blocks back to back wait on each other's fma) */
+        for (int64_t jj = 0; jj < nj; jj++) {
+            const fast_tile *t = &tiles[j0 + jj];
+            for (int m = 0; m < FAST_AMX_ROWS; m++) {
+                const uint8_t *xr = x + (size_t)m * xs;
+                __m512 a = acc[m];
                 __m512i sum = _mm512_load_si512(c[jj * subs][m]);
                 __m512 dx;
                 if (q32)
@@ -124,8 +131,8 @@ MOE_INLINE void fast_amx_rows(fast_type type, const fast_tile *tiles, int64_t nc
                                          _mm512_cvtepi32_ps(fast_mins_sum(
                                              (const moe_block_q8_k *)xr + c0 + j0 + jj, t)),
                                          a);
+                acc[m] = a;
             }
-            acc[m] = a;
         }
     }
 }
