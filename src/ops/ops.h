@@ -41,8 +41,8 @@ void moe_geglu(float *x, const float *gate, int64_t n);
 void moe_swiglu_clamped(float *x, const float *gate, int64_t n, float limit);
 /* x = act(gate) * x; limit > 0 clamps a SwiGLU (MOE_ACT_SILU) as moe_swiglu_clamped. */
 void moe_glu(moe_ffn_act act, float limit, float *x, const float *gate, int64_t n);
-/* moe_glu and moe_rmsnorm over many values, on all of the pool's threads (the same bits):
- * n_rows rows of n values, out row r from x row r. */
+/* On all of the pool's threads, the same bits (few values: on the caller): moe_glu over n
+ * values, and moe_rmsnorm of n_rows rows of n values (out row r from x row r). */
 void moe_glu_pool(moe_pool *pool, moe_ffn_act act, float limit, float *x, const float *gate,
                   int64_t n);
 void moe_rmsnorm_rows(moe_pool *pool, float *out, const float *x, const float *w, int64_t n_rows,
