@@ -137,6 +137,16 @@ typedef struct {
  * at instead (z_iqd_decode_fn). */
 typedef void (*z_iqb_fn)(const void *block, z_iqb *out);
 typedef void (*z_iqd_decode_fn)(const void *block, z_iqd *out, uint16_t *at);
+/* Some types decode two blocks at once, cheaper than one by one (z_grid2_plane): blocks b0, b1
+ * into o[0], o[1]. Their single-block decode, z_iqb_<t>_one (Z_IQB_ONE), gives the pair decode
+ * z_iqb2_<t> the block twice, and z_iqb2_of finds the pair decode behind it. */
+typedef void (*z_iqb2_fn)(const void *b0, const void *b1, z_iqb o[2]);
+#define Z_IQB_ONE(t)                                                                               \
+    MOE_INLINE void z_iqb_##t##_one(const void *block, z_iqb *o) {                                 \
+        z_iqb two[2];                                                                              \
+        z_iqb2_##t(block, block, two);                                                             \
+        *o = two[0];                                                                               \
+    }
 
 /* The 64 four-byte grid entries at byte offsets at[] of grid, copied to dst two per 8-byte
  * store, the offsets read four per 8-byte load (the load ports are the limit). The asm keeps
@@ -315,38 +325,36 @@ MOE_INLINE void z_iqb_iq2_s(const void *block, z_iqb *o) {
 }
 
 #if MOE_AVX512_VNNI
-/* IQ2_S at the avx512vnni level: entry e's grid index is qs byte e | bits 2e, 2e + 1 of the qh
- * bytes (read as one 64-bit word) << 8. Sixteen at a time in int32 lanes, the qh bits put at bit
- * 8 by one vpmultishiftqb (byte 1 of lane j takes the word's bits from 2e on); then the entries
- * fetched 8 at a time by vpgatherdq: one gather per 64 values. Both of the level's IQ2_S
- * kernels (exact and fast) decode with it: 1.5x z_iqb_iq2_s at one activation row, the same
- * bytes. */
-#define Z_IQ2S_SHIFT(e) ((long long)(2 * (e)) << 8 | (long long)(2 * (e) + 2) << 40)
-MOE_INLINE void z_iqb_iq2_s_gather(const void *block, z_iqb *o) {
-    const moe_block_iq2_s *b = block;
-    const __m512i qh = _mm512_set1_epi64((long long)z_load_u64(b->qh));
+/* IQ2_S at the avx512vnni level: two blocks' codes at once (z_grid2_plane), entry e's index =
+ * qs byte e | bits 2e, 2e + 1 of the qh bytes (one 64-bit word) << 8. In z_grid2_order, lane
+ * 8j + c takes byte 2c + j / 4 of the blocks' qh words (the first block's bytes 0..7, the
+ * second's 8..15) and tests bits 2 (j % 4) and 2 (j % 4) + 1. */
+MOE_INLINE void z_iqb2_iq2_s(const void *block0, const void *block1, z_iqb o[2]) {
+    const moe_block_iq2_s *b[2] = {block0, block1};
+    const __m512i idx =
+        _mm512_permutex2var_epi8(z_load(b[0]->qs), z_grid2_order(1, 0), z_load(b[1]->qs));
+    const __m512i qh = _mm512_castsi128_si512(
+        _mm_set_epi64x((long long)z_load_u64(b[1]->qh), (long long)z_load_u64(b[0]->qh)));
+    const __m512i h =
+        _mm512_permutexvar_epi8(_mm512_mask_blend_epi64(0xf0, _mm512_set1_epi64(0x0e0c0a0806040200),
+                                                        _mm512_set1_epi64(0x0f0d0b0907050301)),
+                                qh);
+    const __m512i bit = _mm512_setr_epi64(
+        0x0101010101010101, 0x0404040404040404, 0x1010101010101010, 0x4040404040404040,
+        0x0101010101010101, 0x0404040404040404, 0x1010101010101010, 0x4040404040404040);
+    const __mmask64 bit8 = _mm512_test_epi8_mask(h, bit),
+                    bit9 = _mm512_test_epi8_mask(h, _mm512_add_epi8(bit, bit));
+    z_grid2_values(z_grid2_plane(z_iq2s_codes[0], 8, idx, bit8, bit9),
+                   z_grid2_plane(z_iq2s_codes[1], 8, idx, bit8, bit9), o[0].g, o[1].g);
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        const int e = 16 * h;
-        const __m512i at = _mm512_setr_epi64(
-            Z_IQ2S_SHIFT(e), Z_IQ2S_SHIFT(e + 2), Z_IQ2S_SHIFT(e + 4), Z_IQ2S_SHIFT(e + 6),
-            Z_IQ2S_SHIFT(e + 8), Z_IQ2S_SHIFT(e + 10), Z_IQ2S_SHIFT(e + 12), Z_IQ2S_SHIFT(e + 14));
-        const __m512i idx = _mm512_ternarylogic_epi32(/* qs | (bits & 0x300) */
-                                                      _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                                          (const __m128i *)(b->qs + e))),
-                                                      _mm512_multishift_epi64_epi8(at, qh),
-                                                      _mm512_set1_epi32(0x300), 0xf8);
-        o->g[2 * h] =
-            _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), (const void *)moe_iq2s_grid, 8);
-        o->g[2 * h + 1] = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1),
-                                                 (const void *)moe_iq2s_grid, 8);
+    for (int k = 0; k < 2; k++) {
+        o[k].sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b[k]->scales));
+        z_sign_words(b[k]->qs + 32, o[k].neg);
+        o[k].d = avx2_fp16(b[k]->d);
     }
-    o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
-    z_sign_words(b->qs + 32, o->neg);
-    o->d = avx2_fp16(b->d);
 }
-#undef Z_IQ2S_SHIFT
-#define Z_IQB_IQ2_S z_iqb_iq2_s_gather
+Z_IQB_ONE(iq2_s)
+#define Z_IQB_IQ2_S z_iqb_iq2_s_one
 #else
 #define Z_IQB_IQ2_S z_iqb_iq2_s
 #endif
@@ -373,23 +381,37 @@ MOE_INLINE void z_iqb_iq2_xxs(const void *block, z_iqb *o) {
 }
 
 /* IQ2_XS: per 8 values a word of a 9-bit grid index | a 7-bit ksigns index << 9; a scale per
- * 16 values as IQ2_S's. */
-MOE_INLINE void z_iqb_iq2_xs(const void *block, z_iqb *o) {
-    const moe_block_iq2_xs *b = block;
-    const uint16_t *q = b->qs;
-    const uint64_t *grid = moe_iq2xs_grid;
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-        const uint16_t *a = q + 8 * k;
-        o->g[k] = z_join(
-            avx2_grid4(grid[a[0] & 511], grid[a[1] & 511], grid[a[2] & 511], grid[a[3] & 511]),
-            avx2_grid4(grid[a[4] & 511], grid[a[5] & 511], grid[a[6] & 511], grid[a[7] & 511]));
+ * 16 values as IQ2_S's. Two blocks' codes at once (z_grid2_plane): the index bytes and bit 8 are
+ * the words' low bytes and bit 0 of their high ones, picked in z_grid2_order. */
+MOE_INLINE void z_iqb2_iq2_xs(const void *block0, const void *block1, z_iqb o[2]) {
+    const moe_block_iq2_xs *b[2] = {block0, block1};
+    const __m512i q[2] = {z_load(b[0]->qs), z_load(b[1]->qs)};
+    const __m512i idx = _mm512_permutex2var_epi8(q[0], z_grid2_order(2, 0), q[1]);
+    const __mmask64 bit8 = _mm512_test_epi8_mask(
+        _mm512_permutex2var_epi8(q[0], z_grid2_order(2, 1), q[1]), _mm512_set1_epi8(1));
+    z_grid2_values(z_grid2_plane(z_iq2xs_codes[0], 4, idx, bit8, 0),
+                   z_grid2_plane(z_iq2xs_codes[1], 4, idx, bit8, 0), o[0].g, o[1].g);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++) {
+        z_ksigns(_mm512_cvtepi16_epi8(_mm512_srli_epi16(q[k], 9)), o[k].neg);
+        o[k].sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b[k]->scales));
+        o[k].d = avx2_fp16(b[k]->d);
     }
-    z_ksigns(_mm512_cvtepi16_epi8(_mm512_srli_epi16(z_load(q), 9)), o->neg);
-    o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
-    o->d = avx2_fp16(b->d);
 }
+Z_IQB_ONE(iq2_xs)
+
 #endif
+
+/* The pair decode behind a single-block one (NULL: none): the kernels that decode many blocks
+ * take them two at a time through it. */
+MOE_INLINE z_iqb2_fn z_iqb2_of(z_iqb_fn one) {
+#if MOE_AVX512_VNNI
+    return one == z_iqb_iq2_s_one ? z_iqb2_iq2_s : one == z_iqb_iq2_xs_one ? z_iqb2_iq2_xs : NULL;
+#else
+    (void)one;
+    return NULL;
+#endif
+}
 
 /* IQ4_XS: 32 qs bytes (two 32-value groups) spread to [lo0 hi0 lo1 hi1] 16-byte chunks of
  * nibble codes; the codebook is sorted, so codes 0..7 are the negative values: their sign
