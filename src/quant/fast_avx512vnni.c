@@ -457,6 +457,23 @@ MOE_INLINE void fast_tile_bias(fast_tile *o) {
  * FAST_LANES_AHEAD). */
 #define FAST_IQ_AHEAD 4
 
+/* Block i of weight row v into b[0] (its address into block[0]), and with a pair decode (pair,
+ * z_iqb2_of) row v + 1's into b[1]; a row from n_w on is row `past`. Each row's block `ahead` bytes
+ * on is requested. */
+MOE_INLINE void fast_decode_rows(fast_type t, z_iqb2_fn pair, const uint8_t *w, size_t ws, int n_w,
+                                 int v, int past, int64_t i, size_t ahead, const uint8_t *block[2],
+                                 z_iqb b[2]) {
+    for (int h = 0; h < (pair ? 2 : 1); h++) {
+        const uint8_t *row = w + (v + h < n_w ? v + h : past) * ws;
+        block[h] = row + (size_t)i * t.block_bytes;
+        fast_prefetch(row + ahead, t.block_bytes);
+    }
+    if (pair)
+        pair(block[0], block[1], b);
+    else
+        t.regs(block[0], &b[0]);
+}
+
 /* Block i of 16 rows of a super-block type into a tile: values, scales, d (and mins), no bias. */
 MOE_INLINE void fast_tile_iq_values(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
                                     void *tile) {
@@ -470,16 +487,8 @@ MOE_INLINE void fast_tile_iq_values(fast_type t, const uint8_t *w, size_t ws, in
     const int step = pair ? 2 : 1;
     for (int v = 0; v < 16; v += step) {
         const uint8_t *block[2];
-        for (int h = 0; h < step; h++) {
-            const uint8_t *row = w + (v + h < n_w ? v + h : 0) * ws;
-            block[h] = row + (size_t)i * t.block_bytes;
-            fast_prefetch(row + ahead, t.block_bytes);
-        }
         z_iqb b[2];
-        if (pair)
-            pair(block[0], block[1], b);
-        else
-            t.regs(block[0], &b[0]);
+        fast_decode_rows(t, pair, w, ws, n_w, v, 0, i, ahead, block, b);
         for (int h = 0; h < step; h++) {
             for (int k = 0; k < 4; k++)
                 stage[k][v + h] = z_apply_signs(b[h].g[k], _cvtu64_mask64(b[h].neg[k]));
@@ -592,16 +601,8 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
                                     : MOE_DOT_TILE_W * ws + (size_t)(a - nb) * t.block_bytes;
         for (int v = 0; v < n_w; v += step) {
             const uint8_t *block[2];
-            for (int h = 0; h < step; h++) { /* a lone last row of a pair: twice */
-                const uint8_t *row = w + (v + h < n_w ? v + h : v) * ws;
-                block[h] = row + (size_t)i * t.block_bytes;
-                fast_prefetch(row + ahead, t.block_bytes);
-            }
             z_iqb b[2];
-            if (pair)
-                pair(block[0], block[1], b);
-            else
-                t.regs(block[0], &b[0]);
+            fast_decode_rows(t, pair, w, ws, n_w, v, v, i, ahead, block, b); /* a lone row twice */
             fast_lanes_block(R, t, &b[0], block[0], x, xs, i, part, mpart, v, &d[v], &dmin[v]);
             if (pair && v + 1 < n_w)
                 fast_lanes_block(R, t, &b[1], block[1], x, xs, i, part, mpart, v + 1, &d[v + 1],
