@@ -457,6 +457,23 @@ MOE_INLINE void fast_tile_bias(fast_tile *o) {
  * FAST_LANES_AHEAD). */
 #define FAST_IQ_AHEAD 4
 
+/* Block i of weight row v into b[0] (its address into block[0]), and with a pair decode (pair,
+ * z_iqb2_of) row v + 1's into b[1]; a row from n_w on is row `past`. Each row's block `ahead` bytes
+ * on is requested. */
+MOE_INLINE void fast_decode_rows(fast_type t, z_iqb2_fn pair, const uint8_t *w, size_t ws, int n_w,
+                                 int v, int past, int64_t i, size_t ahead, const uint8_t *block[2],
+                                 z_iqb b[2]) {
+    for (int h = 0; h < (pair ? 2 : 1); h++) {
+        const uint8_t *row = w + (v + h < n_w ? v + h : past) * ws;
+        block[h] = row + (size_t)i * t.block_bytes;
+        fast_prefetch(row + ahead, t.block_bytes);
+    }
+    if (pair)
+        pair(block[0], block[1], b);
+    else
+        t.regs(block[0], &b[0]);
+}
+
 /* Block i of 16 rows of a super-block type into a tile: values, scales, d (and mins), no bias. */
 MOE_INLINE void fast_tile_iq_values(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
                                     void *tile) {
@@ -466,15 +483,19 @@ MOE_INLINE void fast_tile_iq_values(fast_type t, const uint8_t *w, size_t ws, in
     float d[16], dmin[16];
     const size_t at = (size_t)(i + FAST_IQ_AHEAD) * t.block_bytes;
     const size_t ahead = at < ws ? at : at + (MOE_DOT_TILE_W - 1) * ws;
-    for (int v = 0; v < 16; v++) {
-        const uint8_t *block = w + (v < n_w ? v : 0) * ws + (size_t)i * t.block_bytes;
-        fast_prefetch(w + (v < n_w ? v : 0) * ws + ahead, t.block_bytes);
-        z_iqb b;
-        t.regs(block, &b);
-        for (int k = 0; k < 4; k++) stage[k][v] = z_apply_signs(b.g[k], _cvtu64_mask64(b.neg[k]));
-        sc[v] = _mm512_cvtepi16_epi32(b.sc);
-        d[v] = b.d;
-        if (t.mins) t.mins(block, &mins[v], &dmin[v]);
+    const z_iqb2_fn pair = z_iqb2_of(t.regs);
+    const int step = pair ? 2 : 1;
+    for (int v = 0; v < 16; v += step) {
+        const uint8_t *block[2];
+        z_iqb b[2];
+        fast_decode_rows(t, pair, w, ws, n_w, v, 0, i, ahead, block, b);
+        for (int h = 0; h < step; h++) {
+            for (int k = 0; k < 4; k++)
+                stage[k][v + h] = z_apply_signs(b[h].g[k], _cvtu64_mask64(b[h].neg[k]));
+            sc[v + h] = _mm512_cvtepi16_epi32(b[h].sc);
+            d[v + h] = b[h].d;
+            if (t.mins) t.mins(block[h], &mins[v + h], &dmin[v + h]);
+        }
     }
     if (t.mins) { /* 16 rows of 8 min pairs: rows v and v + 8 to a register */
         __m512i z[8];
@@ -532,8 +553,41 @@ MOE_INLINE __m512i fast_sum16x16(const __m512i s[16]) {
  * 4.5 at 1 block ahead, 5.3-5.8 at 2..6; the exact kernel, one row at a time, 4.1 (load 6.5). */
 #define FAST_LANES_AHEAD 4
 
+/* Weight row v's block (decoded into b) against R activation rows' block i: the int32 sums into
+ * part[r][v] (mpart: the mins'), its scales into d, dmin. */
+MOE_INLINE void fast_lanes_block(int R, fast_type t, const z_iqb *b, const uint8_t *block,
+                                 const uint8_t *x, size_t xs, int64_t i, __m512i (*part)[16],
+                                 __m512i (*mpart)[16], int v, float *d, float *dmin) {
+    __m256i mins = _mm256_setzero_si256();
+    if (t.mins) t.mins(block, &mins, dmin);
+    const __m512i sc = _mm512_zextsi256_si512(b->sc);
+    __m512i scale[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) scale[k] = z_scales(sc, z_idx4(4 * k));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+        __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m512i xk = z_apply_signs(z_load(y->qs + 64 * k), _cvtu64_mask64(b->neg[k]));
+            sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b->g[k], xk), scale[k]);
+        }
+        if (t.offset) /* offset x sum_j scale_j bsum_j off (fast_type) */
+            sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_mullo_epi32(
+                                            _mm256_madd_epi16(b->sc, avx2_load(y->bsums)),
+                                            _mm256_set1_epi32(t.offset))));
+        part[r][v] = sum;
+        if (t.mins)
+            mpart[r][v] = _mm512_zextsi256_si512(_mm256_madd_epi16(mins, avx2_load(y->bsums)));
+    }
+    *d = b->d;
+}
+
 MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, int n_w,
                               const uint8_t *x, size_t xs, int64_t nb, float *out, int64_t os) {
+    const z_iqb2_fn pair = z_iqb2_of(t.regs); /* rows two at a time through it */
+    const int step = pair ? 2 : 1;
     __m512 acc[FAST_TILE_MIN_ROWS];
     __m512i part[FAST_TILE_MIN_ROWS][16], mpart[FAST_TILE_MIN_ROWS][16];
     float d[16] __attribute__((aligned(64))) = {0}, dmin[16] __attribute__((aligned(64))) = {0};
@@ -545,37 +599,14 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
         const int64_t a = i + FAST_LANES_AHEAD; /* past the row: row v + 16, from its start */
         const size_t ahead = a < nb ? (size_t)a * t.block_bytes
                                     : MOE_DOT_TILE_W * ws + (size_t)(a - nb) * t.block_bytes;
-        for (int v = 0; v < n_w; v++) {
-            const uint8_t *block = w + v * ws + (size_t)i * t.block_bytes;
-            fast_prefetch(w + v * ws + ahead, t.block_bytes);
-            z_iqb b;
-            t.regs(block, &b);
-            __m256i mins = _mm256_setzero_si256();
-            if (t.mins) t.mins(block, &mins, &dmin[v]);
-            const __m512i sc = _mm512_zextsi256_si512(b.sc);
-            __m512i scale[4];
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) scale[k] = z_scales(sc, z_idx4(4 * k));
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
-                __m512i sum = _mm512_setzero_si512();
-#pragma GCC unroll 4
-                for (int k = 0; k < 4; k++) {
-                    const __m512i xk =
-                        z_apply_signs(z_load(y->qs + 64 * k), _cvtu64_mask64(b.neg[k]));
-                    sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(b.g[k], xk), scale[k]);
-                }
-                if (t.offset) /* offset x sum_j scale_j bsum_j off (fast_type) */
-                    sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_mullo_epi32(
-                                                    _mm256_madd_epi16(b.sc, avx2_load(y->bsums)),
-                                                    _mm256_set1_epi32(t.offset))));
-                part[r][v] = sum;
-                if (t.mins)
-                    mpart[r][v] =
-                        _mm512_zextsi256_si512(_mm256_madd_epi16(mins, avx2_load(y->bsums)));
-            }
-            d[v] = b.d;
+        for (int v = 0; v < n_w; v += step) {
+            const uint8_t *block[2];
+            z_iqb b[2];
+            fast_decode_rows(t, pair, w, ws, n_w, v, v, i, ahead, block, b); /* a lone row twice */
+            fast_lanes_block(R, t, &b[0], block[0], x, xs, i, part, mpart, v, &d[v], &dmin[v]);
+            if (pair && v + 1 < n_w)
+                fast_lanes_block(R, t, &b[1], block[1], x, xs, i, part, mpart, v + 1, &d[v + 1],
+                                 &dmin[v + 1]);
         }
         const __m512 dw = _mm512_load_ps(d);
 #pragma GCC unroll 8
@@ -648,10 +679,10 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
 /* IQ2_S's entries come by gathers (x86_avx512_iq.h); IQ3_S's by gathers at 2 .. 7 rows (1.1x at
  * 2 and 4), through vpermi2b at one row and in the tile (the gathers 0.93x at one row and 8,
  * where the multiply leaves the shuffle ports to the decode and the loads are the limit). */
-FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s_gather, NULL, 16, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s_one, NULL, 16, 0.125f, 0, fast_tile_iq)
 FAST_SB_KERNELS_LANES(iq3_s, z_iqb_iq3_s_gather, z_iqb_iq3_s, NULL, 32, 1.0f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, 0, fast_tile_iq)
-FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs_one, NULL, 16, 0.125f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq4_xs, z_iqb_iq4_xs, NULL, 32, 1.0f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq1_s, z_iqb_iq1_s, NULL, 32, 0.125f, 0, fast_tile_iq)

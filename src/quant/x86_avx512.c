@@ -323,16 +323,29 @@ typedef struct {
     size_t block_bytes;
 } z_iq_type;
 
+/* Block j of the nb at w into b[0] (with a pair decode, block j + 1 into b[1] where there is one).
+ */
+MOE_INLINE void z_iq_decode_step(z_iq_type t, z_iqb2_fn pair, const void *w, int64_t j, int64_t nb,
+                                 z_iqb b[2]) {
+    const uint8_t *block = (const uint8_t *)w + (size_t)j * t.block_bytes;
+    if (pair)
+        pair(block, j + 1 < nb ? block + t.block_bytes : block, b);
+    else
+        t.regs(block, &b[0]);
+}
+
 /* nc blocks at w decoded into buf. For copying decodes, the offsets of the whole chunk come
  * first: their vector stores have retired by the time the copies read them back (a 16-bit load
  * from a fresh 512-bit store waits for it). */
 MOE_INLINE void z_iqd_decode_chunk(z_iq_type t, const uint8_t *w, int64_t nc, z_iqd *buf,
                                    uint16_t (*at)[64]) {
     if (t.regs) {
-        for (int64_t j = 0; j < nc; j++) {
-            z_iqb b;
-            t.regs(w + (size_t)j * t.block_bytes, &b);
-            z_iqd_from_regs(&b, &buf[j]);
+        const z_iqb2_fn pair = z_iqb2_of(t.regs);
+        const int64_t step = pair ? 2 : 1;
+        for (int64_t j = 0; j < nc; j += step) {
+            z_iqb b[2];
+            z_iq_decode_step(t, pair, w, j, nc, b);
+            for (int64_t h = 0; h < step && j + h < nc; h++) z_iqd_from_regs(&b[h], &buf[j + h]);
         }
         return;
     }
@@ -358,11 +371,15 @@ MOE_INLINE float z_iqd_dot1(z_iq_type t, const void *w, const void *x, int64_t n
         return _mm512_reduce_add_ps(acc);
     }
     if (t.regs) {
-        for (int64_t i = 0; i < nb; i++) {
-            z_iqb b;
-            t.regs((const uint8_t *)w + (size_t)i * t.block_bytes, &b);
-            const moe_block_q8_k *yi = &y[i];
-            z_iq_madd(1, b.g, b.neg, b.sc, b.d, &yi, t.mult, &acc);
+        const z_iqb2_fn pair = z_iqb2_of(t.regs);
+        const int64_t step = pair ? 2 : 1;
+        for (int64_t i = 0; i < nb; i += step) {
+            z_iqb b[2];
+            z_iq_decode_step(t, pair, w, i, nb, b);
+            for (int64_t h = 0; h < step && i + h < nb; h++) {
+                const moe_block_q8_k *yi = &y[i + h];
+                z_iq_madd(1, b[h].g, b[h].neg, b[h].sc, b[h].d, &yi, t.mult, &acc);
+            }
         }
         return _mm512_reduce_add_ps(acc);
     }
@@ -449,7 +466,7 @@ static float z_dot_iq4_xs(const void *w, const void *x, int64_t n) {
 }
 #if MOE_AVX512_VNNI
 Z_IQ_KERNELS(iq2_xxs, z_iqb_iq2_xxs, false, NULL, NULL, 0.125f)
-Z_IQ_KERNELS(iq2_xs, z_iqb_iq2_xs, false, NULL, NULL, 0.125f)
+Z_IQ_KERNELS(iq2_xs, z_iqb_iq2_xs_one, false, NULL, NULL, 0.125f)
 Z_IQ_KERNELS(iq3_xxs, z_iqb_iq3_xxs, true, NULL, NULL, 0.25f)
 #endif
 

@@ -137,6 +137,16 @@ typedef struct {
  * at instead (z_iqd_decode_fn). */
 typedef void (*z_iqb_fn)(const void *block, z_iqb *out);
 typedef void (*z_iqd_decode_fn)(const void *block, z_iqd *out, uint16_t *at);
+/* Some types decode two blocks at once, cheaper than one by one (z_grid2_plane): blocks b0, b1
+ * into o[0], o[1]. Their single-block decode, z_iqb_<t>_one (Z_IQB_ONE), gives the pair decode
+ * z_iqb2_<t> the block twice, and z_iqb2_of finds the pair decode behind it. */
+typedef void (*z_iqb2_fn)(const void *b0, const void *b1, z_iqb o[2]);
+#define Z_IQB_ONE(t)                                                                               \
+    MOE_INLINE void z_iqb_##t##_one(const void *block, z_iqb *o) {                                 \
+        z_iqb two[2];                                                                              \
+        z_iqb2_##t(block, block, two);                                                             \
+        *o = two[0];                                                                               \
+    }
 
 /* The 64 four-byte grid entries at byte offsets at[] of grid, copied to dst two per 8-byte
  * store, the offsets read four per 8-byte load (the load ports are the limit). The asm keeps
@@ -171,6 +181,11 @@ MOE_INLINE void z_sign_words(const uint8_t *src, uint64_t neg[4]) {
 }
 
 #if MOE_AVX512_VNNI
+/* Entries of a 128-byte table t for the low 7 bits of idx (vpermi2b): the VBMI decodes' lookups. */
+MOE_INLINE __m512i z_lookup128(__m512i idx, const uint8_t *t) {
+    return _mm512_permutex2var_epi8(z_load(t), idx, z_load(t + 64));
+}
+
 /* ---- ksigns, for IQ2_XXS, IQ2_XS, IQ3_XXS (VBMI only: without it those keep the AVX2
  * kernels, whose scalar sign lookups are as fast as any this level could do) ---- */
 
@@ -195,6 +210,84 @@ MOE_INLINE __m256i z_top4_scales(__m256i words) {
     const __m256i s =
         _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(words, 28), 1), _mm256_set1_epi32(1));
     return _mm256_or_si256(s, _mm256_slli_epi32(s, 16)); /* each word as two int16 lanes */
+}
+#endif
+
+#if MOE_AVX512_VNNI
+/* ---- Grids of 8-value entries of the bytes 8, 25 and 43 (IQ2_S, IQ2_XS): two blocks at once ----
+ *
+ * Every byte of these grids' entries is one of three, so an entry is eight 2-bit codes (0, 1, 2
+ * for 8, 25, 43): the codes of bytes 0..3 make one code byte, those of 4..7 another, and a grid
+ * is two planes of those, looked up by vpermi2b a 128-entry table at a time, bits 7.. of the
+ * index picking the table by blends. Two blocks' 64 entries go through at once (IQ2_S's 1024
+ * entries: 16 vpermi2b and 14 blends), then a vpmultishiftqb and a vpermb per 64 values turn
+ * codes into magnitudes. On Zen 5 that is ~13 cycles a block (one thread, weights in cache)
+ * where fetching the 32 entries costs 28 as vpgatherdq (7 cycles per 8) and 16 as 8-byte vector
+ * loads (2 a cycle): memory brings a block in ~11. Types with such a decode have a single-block
+ * one too (the pair decode given one block twice: for odd counts and the one-block kernels).
+ *
+ * The entries are looked up in z_grid2_order: lane 8j + c holds entry j of chunk c (8 entries,
+ * 64 values), chunks 0..3 the first block's, 4..7 the second's; so the word interleave of the
+ * two planes' results leaves each block's entry j in qword j, four chunks deep (z_grid2_values).
+ * z_iq2s_codes and z_iq2xs_codes are filled by the table's fill function. */
+static uint8_t z_iq2s_codes[2][1024] __attribute__((aligned(64)));
+static uint8_t z_iq2xs_codes[2][512] __attribute__((aligned(64)));
+
+/* vpermt2b indices of z_grid2_order from two 64-byte registers holding a block's 32 entries'
+ * index bytes `stride` bytes apart from byte `first` (the first block's in the first register). */
+MOE_INLINE __m512i z_grid2_order(int stride, int first) {
+    /* byte c of qword j: 64 (c / 4) + stride (8 (c % 4) + j) + first */
+    const long long c = (stride == 1 ? 0x5850484018100800 : 0x7060504030201000) +
+                        0x0101010101010101 * first,
+                    j = 0x0101010101010101 * stride;
+    return _mm512_setr_epi64(c, c + j, c + 2 * j, c + 3 * j, c + 4 * j, c + 5 * j, c + 6 * j,
+                             c + 7 * j);
+}
+
+/* One plane's code bytes for 64 indices: low bytes idx, bits 8 and 9 in masks (tables: 128-entry
+ * tables of the plane, 2 .. 8). */
+MOE_INLINE __m512i z_grid2_plane(const uint8_t *plane, int tables, __m512i idx, __mmask64 bit8,
+                                 __mmask64 bit9) {
+    const __mmask64 bit7 = _mm512_movepi8_mask(idx);
+    __m512i r[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < tables / 2; q++)
+        r[q] = _mm512_mask_blend_epi8(bit7, z_lookup128(idx, plane + 256 * q),
+                                      z_lookup128(idx, plane + 256 * q + 128));
+    if (tables == 2) return r[0];
+    const __m512i lo = _mm512_mask_blend_epi8(bit8, r[0], r[1]);
+    if (tables == 4) return lo;
+    return _mm512_mask_blend_epi8(bit9, lo, _mm512_mask_blend_epi8(bit8, r[2], r[3]));
+}
+
+/* The magnitudes of two blocks (g0, g1: four 64-value chunks each) from their entries' code
+ * bytes in z_grid2_order, plane 0's in p0 and plane 1's in p1. */
+MOE_INLINE void z_grid2_values(__m512i p0, __m512i p1, __m512i g0[4], __m512i g1[4]) {
+    /* 128-bit lane L: the words (codes of bytes 0..7) of entries 2L (lo) and 2L + 1 (hi), chunks
+     * 0..7; then qword j of each block's: entry j's words of its chunks 0..3 */
+    const __m512i lo = _mm512_unpacklo_epi8(p0, p1), hi = _mm512_unpackhi_epi8(p0, p1);
+    const __m512i w0 = _mm512_unpacklo_epi64(lo, hi), w1 = _mm512_unpackhi_epi64(lo, hi);
+    const __m512i mag = _mm512_set1_epi32(0x002b1908); /* byte c: the magnitude of code c % 4 */
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        /* byte i of each qword: the code of byte i of word k at the bottom */
+        const __m512i at = _mm512_set1_epi64(0x0e0c0a0806040200 + 0x1010101010101010 * k);
+        g0[k] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, w0), mag);
+        g1[k] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, w1), mag);
+    }
+}
+
+/* A grid's code planes (n entries) from its uint64 entries. */
+static void z_grid2_fill(const uint64_t *grid, int n, uint8_t *planes) {
+    for (int i = 0; i < n; i++)
+        for (int q = 0; q < 2; q++) {
+            unsigned codes = 0;
+            for (int p = 0; p < 4; p++) {
+                const unsigned v = grid[i] >> (32 * q + 8 * p) & 0xff;
+                codes |= (v == 0x08 ? 0u : v == 0x19 ? 1u : 2u) << (2 * p);
+            }
+            planes[q * n + i] = (uint8_t)codes;
+        }
 }
 #endif
 
@@ -232,38 +325,36 @@ MOE_INLINE void z_iqb_iq2_s(const void *block, z_iqb *o) {
 }
 
 #if MOE_AVX512_VNNI
-/* IQ2_S at the avx512vnni level: entry e's grid index is qs byte e | bits 2e, 2e + 1 of the qh
- * bytes (read as one 64-bit word) << 8. Sixteen at a time in int32 lanes, the qh bits put at bit
- * 8 by one vpmultishiftqb (byte 1 of lane j takes the word's bits from 2e on); then the entries
- * fetched 8 at a time by vpgatherdq: one gather per 64 values. Both of the level's IQ2_S
- * kernels (exact and fast) decode with it: 1.5x z_iqb_iq2_s at one activation row, the same
- * bytes. */
-#define Z_IQ2S_SHIFT(e) ((long long)(2 * (e)) << 8 | (long long)(2 * (e) + 2) << 40)
-MOE_INLINE void z_iqb_iq2_s_gather(const void *block, z_iqb *o) {
-    const moe_block_iq2_s *b = block;
-    const __m512i qh = _mm512_set1_epi64((long long)z_load_u64(b->qh));
+/* IQ2_S at the avx512vnni level: two blocks' codes at once (z_grid2_plane), entry e's index =
+ * qs byte e | bits 2e, 2e + 1 of the qh bytes (one 64-bit word) << 8. In z_grid2_order, lane
+ * 8j + c takes byte 2c + j / 4 of the blocks' qh words (the first block's bytes 0..7, the
+ * second's 8..15) and tests bits 2 (j % 4) and 2 (j % 4) + 1. */
+MOE_INLINE void z_iqb2_iq2_s(const void *block0, const void *block1, z_iqb o[2]) {
+    const moe_block_iq2_s *b[2] = {block0, block1};
+    const __m512i idx =
+        _mm512_permutex2var_epi8(z_load(b[0]->qs), z_grid2_order(1, 0), z_load(b[1]->qs));
+    const __m512i qh = _mm512_castsi128_si512(
+        _mm_set_epi64x((long long)z_load_u64(b[1]->qh), (long long)z_load_u64(b[0]->qh)));
+    const __m512i h =
+        _mm512_permutexvar_epi8(_mm512_mask_blend_epi64(0xf0, _mm512_set1_epi64(0x0e0c0a0806040200),
+                                                        _mm512_set1_epi64(0x0f0d0b0907050301)),
+                                qh);
+    const __m512i bit = _mm512_setr_epi64(
+        0x0101010101010101, 0x0404040404040404, 0x1010101010101010, 0x4040404040404040,
+        0x0101010101010101, 0x0404040404040404, 0x1010101010101010, 0x4040404040404040);
+    const __mmask64 bit8 = _mm512_test_epi8_mask(h, bit),
+                    bit9 = _mm512_test_epi8_mask(h, _mm512_add_epi8(bit, bit));
+    z_grid2_values(z_grid2_plane(z_iq2s_codes[0], 8, idx, bit8, bit9),
+                   z_grid2_plane(z_iq2s_codes[1], 8, idx, bit8, bit9), o[0].g, o[1].g);
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        const int e = 16 * h;
-        const __m512i at = _mm512_setr_epi64(
-            Z_IQ2S_SHIFT(e), Z_IQ2S_SHIFT(e + 2), Z_IQ2S_SHIFT(e + 4), Z_IQ2S_SHIFT(e + 6),
-            Z_IQ2S_SHIFT(e + 8), Z_IQ2S_SHIFT(e + 10), Z_IQ2S_SHIFT(e + 12), Z_IQ2S_SHIFT(e + 14));
-        const __m512i idx = _mm512_ternarylogic_epi32(/* qs | (bits & 0x300) */
-                                                      _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                                          (const __m128i *)(b->qs + e))),
-                                                      _mm512_multishift_epi64_epi8(at, qh),
-                                                      _mm512_set1_epi32(0x300), 0xf8);
-        o->g[2 * h] =
-            _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), (const void *)moe_iq2s_grid, 8);
-        o->g[2 * h + 1] = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1),
-                                                 (const void *)moe_iq2s_grid, 8);
+    for (int k = 0; k < 2; k++) {
+        o[k].sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b[k]->scales));
+        z_sign_words(b[k]->qs + 32, o[k].neg);
+        o[k].d = avx2_fp16(b[k]->d);
     }
-    o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
-    z_sign_words(b->qs + 32, o->neg);
-    o->d = avx2_fp16(b->d);
 }
-#undef Z_IQ2S_SHIFT
-#define Z_IQB_IQ2_S z_iqb_iq2_s_gather
+Z_IQB_ONE(iq2_s)
+#define Z_IQB_IQ2_S z_iqb_iq2_s_one
 #else
 #define Z_IQB_IQ2_S z_iqb_iq2_s
 #endif
@@ -290,23 +381,37 @@ MOE_INLINE void z_iqb_iq2_xxs(const void *block, z_iqb *o) {
 }
 
 /* IQ2_XS: per 8 values a word of a 9-bit grid index | a 7-bit ksigns index << 9; a scale per
- * 16 values as IQ2_S's. */
-MOE_INLINE void z_iqb_iq2_xs(const void *block, z_iqb *o) {
-    const moe_block_iq2_xs *b = block;
-    const uint16_t *q = b->qs;
-    const uint64_t *grid = moe_iq2xs_grid;
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-        const uint16_t *a = q + 8 * k;
-        o->g[k] = z_join(
-            avx2_grid4(grid[a[0] & 511], grid[a[1] & 511], grid[a[2] & 511], grid[a[3] & 511]),
-            avx2_grid4(grid[a[4] & 511], grid[a[5] & 511], grid[a[6] & 511], grid[a[7] & 511]));
+ * 16 values as IQ2_S's. Two blocks' codes at once (z_grid2_plane): the index bytes and bit 8 are
+ * the words' low bytes and bit 0 of their high ones, picked in z_grid2_order. */
+MOE_INLINE void z_iqb2_iq2_xs(const void *block0, const void *block1, z_iqb o[2]) {
+    const moe_block_iq2_xs *b[2] = {block0, block1};
+    const __m512i q[2] = {z_load(b[0]->qs), z_load(b[1]->qs)};
+    const __m512i idx = _mm512_permutex2var_epi8(q[0], z_grid2_order(2, 0), q[1]);
+    const __mmask64 bit8 = _mm512_test_epi8_mask(
+        _mm512_permutex2var_epi8(q[0], z_grid2_order(2, 1), q[1]), _mm512_set1_epi8(1));
+    z_grid2_values(z_grid2_plane(z_iq2xs_codes[0], 4, idx, bit8, 0),
+                   z_grid2_plane(z_iq2xs_codes[1], 4, idx, bit8, 0), o[0].g, o[1].g);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++) {
+        z_ksigns(_mm512_cvtepi16_epi8(_mm512_srli_epi16(q[k], 9)), o[k].neg);
+        o[k].sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b[k]->scales));
+        o[k].d = avx2_fp16(b[k]->d);
     }
-    z_ksigns(_mm512_cvtepi16_epi8(_mm512_srli_epi16(z_load(q), 9)), o->neg);
-    o->sc = _mm256_cvtepi8_epi16(avx2_iq2_scales16(b->scales));
-    o->d = avx2_fp16(b->d);
 }
+Z_IQB_ONE(iq2_xs)
+
 #endif
+
+/* The pair decode behind a single-block one (NULL: none): the kernels that decode many blocks
+ * take them two at a time through it. */
+MOE_INLINE z_iqb2_fn z_iqb2_of(z_iqb_fn one) {
+#if MOE_AVX512_VNNI
+    return one == z_iqb_iq2_s_one ? z_iqb2_iq2_s : one == z_iqb_iq2_xs_one ? z_iqb2_iq2_xs : NULL;
+#else
+    (void)one;
+    return NULL;
+#endif
+}
 
 /* IQ4_XS: 32 qs bytes (two 32-value groups) spread to [lo0 hi0 lo1 hi1] 16-byte chunks of
  * nibble codes; the codebook is sorted, so codes 0..7 are the negative values: their sign
@@ -429,11 +534,6 @@ MOE_INLINE __m256i z_iq3_s_scales(const moe_block_iq3_s *b) {
  * values (vpshufb) and interleaved back into value order (z_lookup_planes): 8 vpermi2b a
  * block. z_iq3s_codes is filled by the table's fill function. */
 static uint8_t z_iq3s_codes[2][512] __attribute__((aligned(64)));
-
-/* Entries of a 128-byte table t for the low 7 bits of idx. */
-MOE_INLINE __m512i z_lookup128(__m512i idx, const uint8_t *t) {
-    return _mm512_permutex2var_epi8(z_load(t), idx, z_load(t + 64));
-}
 
 /* Entries 0..63 reordered for z_interleave4: slot 16L + 4j + i holds entry 16j + 4L + i (a
  * 4 x 4 transpose of groups of four). vpermb indices; applied to the grid indices before the
@@ -578,6 +678,8 @@ MOE_INLINE void z_iqb_iq3_xxs(const void *block, z_iqb *o) {
 static void z_iq_tables_fill(void) {
     for (int i = 0; i < 16; i++) z_iq4_mag[i] = (int8_t)abs(moe_kvalues_iq4nl[i]);
 #if MOE_AVX512_VNNI
+    z_grid2_fill(moe_iq2s_grid, 1024, z_iq2s_codes[0]);
+    z_grid2_fill(moe_iq2xs_grid, 512, z_iq2xs_codes[0]);
     for (int i = 0; i < 512; i++)
         for (int q = 0; q < 2; q++) {
             const unsigned lo = moe_iq3s_grid[i] >> (16 * q) & 0xff,
