@@ -625,17 +625,13 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
         break;                                                                                     \
     }
 #define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, offset, tile)                           \
-    FAST_SB_KERNELS_LANES(t, regs, regs, mins, scale_values, mult, offset, tile)
-/* FAST_SB_KERNELS with lanes, the decode of the functions for 2 .. 7 rows, not regs (the one
- * row's and the tile's). */
-#define FAST_SB_KERNELS_LANES(t, lanes, regs, mins, scale_values, mult, offset, tile)              \
     FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 1)                                    \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 2)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 3)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 4)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 5)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 6)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 7)                                   \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 2)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 3)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 4)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 5)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 6)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 7)                                    \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
         FAST_LANES_SWITCH(t)                                                                       \
@@ -645,11 +641,12 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
                    out, os);                                                                       \
     }                                                                                              \
     FAST_AMX_SB(t, regs, mins, scale_values, mult, offset, tile) FAST_DOT(t)
-/* IQ2_S's entries come by gathers (x86_avx512_iq.h); IQ3_S's by gathers at 2 .. 7 rows (1.1x at
- * 2 and 4), through vpermi2b at one row and in the tile (the gathers 0.93x at one row and 8,
- * where the multiply leaves the shuffle ports to the decode and the loads are the limit). */
+/* IQ2_S's entries come by gathers (x86_avx512_iq.h); IQ3_S's through vpermi2b at every row
+ * count: on Zen 5 a 16-lane vpgatherdd costs ~13 cycles, and gathering at 2 .. 7 rows (1.1x at 2
+ * and 4 on the Intel this was first tuned on) ran 0.45x the lookups at 2 rows, 0.53x at 4 (one
+ * thread, weights in L2). */
 FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s_gather, NULL, 16, 0.125f, 0, fast_tile_iq)
-FAST_SB_KERNELS_LANES(iq3_s, z_iqb_iq3_s_gather, z_iqb_iq3_s, NULL, 32, 1.0f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs, NULL, 16, 0.125f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, 0, fast_tile_iq)

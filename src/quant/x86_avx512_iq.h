@@ -506,23 +506,6 @@ MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
     z_sign_words(b->signs, o->neg);
     o->d = avx2_fp16(b->d);
 }
-/* IQ3_S at the avx512vnni level: the 64 entries of 4 bytes fetched 16 at a time by vpgatherdd,
- * index = qs byte | qh bit << 8. */
-MOE_INLINE void z_iqb_iq3_s_gather(const void *block, z_iqb *o) {
-    const moe_block_iq3_s *b = block;
-    const uint64_t qh = z_load_u64(b->qh);
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b->qs + 16 * k)));
-        const __m512i idx =
-            _mm512_mask_add_epi32(lo, (__mmask16)(qh >> (16 * k)), lo, _mm512_set1_epi32(256));
-        o->g[k] = _mm512_i32gather_epi32(idx, (const void *)moe_iq3s_grid, 4);
-    }
-    o->sc = z_iq3_s_scales(b);
-    z_sign_words(b->signs, o->neg);
-    o->d = avx2_fp16(b->d);
-}
-
 #define Z_IQB_IQ3_S    z_iqb_iq3_s
 #define Z_DECODE_IQ3_S NULL
 #define Z_GRID4_IQ3_S  NULL
