@@ -712,14 +712,19 @@ MOE_INLINE void fast_iq3_entries(fast_tile *o, int k, __m512i q, __m512i signs) 
     z_iqb b;
     z_lookup_planes(idx, _mm512_movepi8_mask(idx), 0, false, z_iq3xxs_codes[0], 256,
                     z_iq3xxs_values, &b);
+#pragma GCC unroll 4
     for (int m = 0; m < 4; m++)
         o->tile[4 * k + m] = z_apply_signs(b.g[m], fast_bits4(signs, 4 * (k % 2) + m));
 }
 
-/* IQ3_XXS body: grid indices dwords 0 .. 15, sign-and-scale words 16 .. 23. */
+/* IQ3_XXS body: grid indices dwords 0 .. 15, sign-and-scale words 16 .. 23. Unrolled whole, so
+ * that fast_bits4's constants fold: left as loops, GCC computed them per tile register, 0.72x at
+ * one activation row (Zen 5, one thread, weights in L2). */
 MOE_INLINE void fast_r16_iq3_xxs(const uint8_t *body, fast_tile *o) {
+#pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {
         const __m512i words = z_load(body + 64 * (16 + s)), signs = fast_ksigns32(words);
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++)
             fast_iq3_entries(o, 2 * s + h, z_load(body + 64 * (2 * s + h)), signs);
         fast_odd_scales32(o, s, words, 28);
