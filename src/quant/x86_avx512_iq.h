@@ -171,6 +171,11 @@ MOE_INLINE void z_sign_words(const uint8_t *src, uint64_t neg[4]) {
 }
 
 #if MOE_AVX512_VNNI
+/* Entries of a 128-byte table t for the low 7 bits of idx (vpermi2b): the VBMI decodes' lookups. */
+MOE_INLINE __m512i z_lookup128(__m512i idx, const uint8_t *t) {
+    return _mm512_permutex2var_epi8(z_load(t), idx, z_load(t + 64));
+}
+
 /* ---- ksigns, for IQ2_XXS, IQ2_XS, IQ3_XXS (VBMI only: without it those keep the AVX2
  * kernels, whose scalar sign lookups are as fast as any this level could do) ---- */
 
@@ -195,6 +200,84 @@ MOE_INLINE __m256i z_top4_scales(__m256i words) {
     const __m256i s =
         _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(words, 28), 1), _mm256_set1_epi32(1));
     return _mm256_or_si256(s, _mm256_slli_epi32(s, 16)); /* each word as two int16 lanes */
+}
+#endif
+
+#if MOE_AVX512_VNNI
+/* ---- Grids of 8-value entries of the bytes 8, 25 and 43 (IQ2_S, IQ2_XS): two blocks at once ----
+ *
+ * Every byte of these grids' entries is one of three, so an entry is eight 2-bit codes (0, 1, 2
+ * for 8, 25, 43): the codes of bytes 0..3 make one code byte, those of 4..7 another, and a grid
+ * is two planes of those, looked up by vpermi2b a 128-entry table at a time, bits 7.. of the
+ * index picking the table by blends. Two blocks' 64 entries go through at once (IQ2_S's 1024
+ * entries: 16 vpermi2b and 14 blends), then a vpmultishiftqb and a vpermb per 64 values turn
+ * codes into magnitudes. On Zen 5 that is ~13 cycles a block (one thread, weights in cache)
+ * where fetching the 32 entries costs 28 as vpgatherdq (7 cycles per 8) and 16 as 8-byte vector
+ * loads (2 a cycle): memory brings a block in ~11. Types with such a decode have a single-block
+ * one too (the pair decode given one block twice: for odd counts and the one-block kernels).
+ *
+ * The entries are looked up in z_grid2_order: lane 8j + c holds entry j of chunk c (8 entries,
+ * 64 values), chunks 0..3 the first block's, 4..7 the second's; so the word interleave of the
+ * two planes' results leaves each block's entry j in qword j, four chunks deep (z_grid2_values).
+ * z_iq2s_codes and z_iq2xs_codes are filled by the table's fill function. */
+static uint8_t z_iq2s_codes[2][1024] __attribute__((aligned(64)));
+static uint8_t z_iq2xs_codes[2][512] __attribute__((aligned(64)));
+
+/* vpermt2b indices of z_grid2_order from two 64-byte registers holding a block's 32 entries'
+ * index bytes `stride` bytes apart from byte `first` (the first block's in the first register). */
+MOE_INLINE __m512i z_grid2_order(int stride, int first) {
+    /* byte c of qword j: 64 (c / 4) + stride (8 (c % 4) + j) + first */
+    const long long c = (stride == 1 ? 0x5850484018100800 : 0x7060504030201000) +
+                        0x0101010101010101 * first,
+                    j = 0x0101010101010101 * stride;
+    return _mm512_setr_epi64(c, c + j, c + 2 * j, c + 3 * j, c + 4 * j, c + 5 * j, c + 6 * j,
+                             c + 7 * j);
+}
+
+/* One plane's code bytes for 64 indices: low bytes idx, bits 8 and 9 in masks (tables: 128-entry
+ * tables of the plane, 2 .. 8). */
+MOE_INLINE __m512i z_grid2_plane(const uint8_t *plane, int tables, __m512i idx, __mmask64 bit8,
+                                 __mmask64 bit9) {
+    const __mmask64 bit7 = _mm512_movepi8_mask(idx);
+    __m512i r[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < tables / 2; q++)
+        r[q] = _mm512_mask_blend_epi8(bit7, z_lookup128(idx, plane + 256 * q),
+                                      z_lookup128(idx, plane + 256 * q + 128));
+    if (tables == 2) return r[0];
+    const __m512i lo = _mm512_mask_blend_epi8(bit8, r[0], r[1]);
+    if (tables == 4) return lo;
+    return _mm512_mask_blend_epi8(bit9, lo, _mm512_mask_blend_epi8(bit8, r[2], r[3]));
+}
+
+/* The magnitudes of two blocks (g0, g1: four 64-value chunks each) from their entries' code
+ * bytes in z_grid2_order, plane 0's in p0 and plane 1's in p1. */
+MOE_INLINE void z_grid2_values(__m512i p0, __m512i p1, __m512i g0[4], __m512i g1[4]) {
+    /* 128-bit lane L: the words (codes of bytes 0..7) of entries 2L (lo) and 2L + 1 (hi), chunks
+     * 0..7; then qword j of each block's: entry j's words of its chunks 0..3 */
+    const __m512i lo = _mm512_unpacklo_epi8(p0, p1), hi = _mm512_unpackhi_epi8(p0, p1);
+    const __m512i w0 = _mm512_unpacklo_epi64(lo, hi), w1 = _mm512_unpackhi_epi64(lo, hi);
+    const __m512i mag = _mm512_set1_epi32(0x002b1908); /* byte c: the magnitude of code c % 4 */
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        /* byte i of each qword: the code of byte i of word k at the bottom */
+        const __m512i at = _mm512_set1_epi64(0x0e0c0a0806040200 + 0x1010101010101010 * k);
+        g0[k] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, w0), mag);
+        g1[k] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, w1), mag);
+    }
+}
+
+/* A grid's code planes (n entries) from its uint64 entries. */
+static void z_grid2_fill(const uint64_t *grid, int n, uint8_t *planes) {
+    for (int i = 0; i < n; i++)
+        for (int q = 0; q < 2; q++) {
+            unsigned codes = 0;
+            for (int p = 0; p < 4; p++) {
+                const unsigned v = grid[i] >> (32 * q + 8 * p) & 0xff;
+                codes |= (v == 0x08 ? 0u : v == 0x19 ? 1u : 2u) << (2 * p);
+            }
+            planes[q * n + i] = (uint8_t)codes;
+        }
 }
 #endif
 
@@ -430,11 +513,6 @@ MOE_INLINE __m256i z_iq3_s_scales(const moe_block_iq3_s *b) {
  * block. z_iq3s_codes is filled by the table's fill function. */
 static uint8_t z_iq3s_codes[2][512] __attribute__((aligned(64)));
 
-/* Entries of a 128-byte table t for the low 7 bits of idx. */
-MOE_INLINE __m512i z_lookup128(__m512i idx, const uint8_t *t) {
-    return _mm512_permutex2var_epi8(z_load(t), idx, z_load(t + 64));
-}
-
 /* Entries 0..63 reordered for z_interleave4: slot 16L + 4j + i holds entry 16j + 4L + i (a
  * 4 x 4 transpose of groups of four). vpermb indices; applied to the grid indices before the
  * lookups, it saves the 128-bit lane transpose after them. */
@@ -561,6 +639,8 @@ MOE_INLINE void z_iqb_iq3_xxs(const void *block, z_iqb *o) {
 static void z_iq_tables_fill(void) {
     for (int i = 0; i < 16; i++) z_iq4_mag[i] = (int8_t)abs(moe_kvalues_iq4nl[i]);
 #if MOE_AVX512_VNNI
+    z_grid2_fill(moe_iq2s_grid, 1024, z_iq2s_codes[0]);
+    z_grid2_fill(moe_iq2xs_grid, 512, z_iq2xs_codes[0]);
     for (int i = 0; i < 512; i++)
         for (int q = 0; q < 2; q++) {
             const unsigned lo = moe_iq3s_grid[i] >> (16 * q) & 0xff,
