@@ -661,15 +661,15 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
  * rows hold in one register, and one decode fills a tile register for all of them with no
  * transpose. IQ3_XXS: a register of grid indices is 64 four-value entries, looked up as one
  * row's block is (z_lookup_planes), its indices first put in the order that leaves entry
- * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_XXS: entries of 8 values, two
- * vpgatherqq of 8 rows each per entry, split into its two tile registers. Signs: a 32-bit word
- * per row and 32 values (the XXS types' ksigns indices looked up
- * into one, 16 rows at a time), turned into the byte mask of each tile register by fast_bits4.
+ * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_XXS: entries of 8 values, a register of
+ * indices looked up in code planes (fast_r16_iq2_xxs). Signs: a 32-bit word per row and 32
+ * values (the XXS types' ksigns indices looked up into one, 16 rows at a time), turned into the
+ * byte mask of each tile register by fast_bits4.
  * IQ4_XS: the 32-value types' nibble book, eight times. The tiles are those of fast_tile_iq, so
  * the bits are the file layout's. IQ3_S stays in the file's layout: decoded the same way (its
  * 9-bit indices through z_lookup_planes' four tables) its tile cost more than the per-row lanes
  * path at 1 .. 4 activation rows (0.7x at one row in cache, 0.74x from DRAM; 1.1x at 16); so does
- * IQ2_S (entries gathered as IQ2_XXS's: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16,
+ * IQ2_S (entries gathered as IQ2_XXS's were: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16,
  * against the lanes path before its own decode gathered its entries, 1.4x at one row), whose
  * rows are decode's bulk. */
 
@@ -731,30 +731,29 @@ MOE_INLINE void fast_r16_iq3_xxs(const uint8_t *body, fast_tile *o) {
     }
 }
 
-/* tile[8s + 2c], tile[8s + 2c + 1] from entries 8-value entries at indices idx (lane v: row v's,
- * grid of uint64), the sign words of values 32s .. applied. */
-MOE_INLINE void fast_iq2_entry(fast_tile *o, int s, int c, __m512i idx, const uint64_t *grid,
-                               __m512i signs) {
-    const __m512i lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), grid, 8);
-    const __m512i hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), grid, 8);
-    const __m512i even =
-        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    o->tile[8 * s + 2 * c] =
-        z_apply_signs(_mm512_permutex2var_epi32(lo, even, hi), fast_bits4(signs, 2 * c));
-    o->tile[8 * s + 2 * c + 1] =
-        z_apply_signs(_mm512_permutex2var_epi32(lo, odd, hi), fast_bits4(signs, 2 * c + 1));
-}
-
-/* IQ2_XXS body: per 32 values s, grid indices dword 2s and the sign-and-scale word 2s + 1. */
+/* IQ2_XXS body: per 32 values s, grid indices dword 2s and the sign-and-scale word 2s + 1. The
+ * 64 index bytes of dword 2s (row v's entry c in byte 4v + c) are looked up at once in the two
+ * code planes (z_iq2xxs_codes, z_grid2_plane), which leaves the codes of entry (v, c) in byte
+ * 4v + c of p[0] (values 0..3) and p[1] (4..7); so one vpmultishiftqb per tile register gives
+ * each byte its 2-bit code in place (the qword of rows 2u, 2u + 1 from bits 8c + 2i and 32 + 8c +
+ * 2i) and a vpermb its magnitude. Zen 5, one thread, weights in L2: the
+ * entries as two vpgatherqq per 16 (~7 cycles each) cost a block of 16 rows 3.6x this. */
 MOE_INLINE void fast_r16_iq2_xxs(const uint8_t *body, fast_tile *o) {
+    const __m512i mag = _mm512_set1_epi32(0x002b1908); /* byte i: the magnitude of code i % 4 */
     for (int s = 0; s < 8; s++) {
         const __m512i q = z_load(body + 64 * 2 * s), words = z_load(body + 64 * (2 * s + 1));
         const __m512i signs = fast_ksigns32(words);
-        for (int c = 0; c < 4; c++)
-            fast_iq2_entry(o, s, c,
-                           _mm512_and_si512(_mm512_srli_epi32(q, 8 * c), _mm512_set1_epi32(0xff)),
-                           moe_iq2xxs_grid, signs);
+        const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
+                              z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i at = _mm512_set1_epi64(0x2624222006040200 + 0x0808080808080808 * c);
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+                o->tile[8 * s + 2 * c + h] = z_apply_signs(
+                    _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, p[h]), mag),
+                    fast_bits4(signs, 2 * c + h));
+        }
         fast_odd_scales32(o, s, words, 28);
     }
 }

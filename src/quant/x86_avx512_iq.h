@@ -222,6 +222,7 @@ MOE_INLINE __m256i z_top4_scales(__m256i words) {
  * z_iq2s_codes and z_iq2xs_codes are filled by the table's fill function. */
 static uint8_t z_iq2s_codes[2][1024] __attribute__((aligned(64)));
 static uint8_t z_iq2xs_codes[2][512] __attribute__((aligned(64)));
+static uint8_t z_iq2xxs_codes[2][256] __attribute__((aligned(64))); /* fast_avx512vnni.c's ROWS16 */
 
 /* vpermt2b indices of z_grid2_order from two 64-byte registers holding a block's 32 entries'
  * index bytes `stride` bytes apart from byte `first` (the first block's in the first register). */
@@ -641,6 +642,7 @@ static void z_iq_tables_fill(void) {
 #if MOE_AVX512_VNNI
     z_grid2_fill(moe_iq2s_grid, 1024, z_iq2s_codes[0]);
     z_grid2_fill(moe_iq2xs_grid, 512, z_iq2xs_codes[0]);
+    z_grid2_fill(moe_iq2xxs_grid, 256, z_iq2xxs_codes[0]);
     for (int i = 0; i < 512; i++)
         for (int q = 0; q < 2; q++) {
             const unsigned lo = moe_iq3s_grid[i] >> (16 * q) & 0xff,
