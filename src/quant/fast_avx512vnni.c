@@ -656,17 +656,13 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
         break;                                                                                     \
     }
 #define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, offset, tile)                           \
-    FAST_SB_KERNELS_LANES(t, regs, regs, mins, scale_values, mult, offset, tile)
-/* FAST_SB_KERNELS with lanes, the decode of the functions for 2 .. 7 rows, not regs (the one
- * row's and the tile's). */
-#define FAST_SB_KERNELS_LANES(t, lanes, regs, mins, scale_values, mult, offset, tile)              \
     FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 1)                                    \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 2)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 3)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 4)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 5)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 6)                                   \
-    FAST_LANES_FN(t, lanes, mins, scale_values, mult, offset, 7)                                   \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 2)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 3)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 4)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 5)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 6)                                    \
+    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 7)                                    \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
         FAST_LANES_SWITCH(t)                                                                       \
@@ -676,11 +672,12 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
                    out, os);                                                                       \
     }                                                                                              \
     FAST_AMX_SB(t, regs, mins, scale_values, mult, offset, tile) FAST_DOT(t)
-/* IQ2_S's entries come by gathers (x86_avx512_iq.h); IQ3_S's by gathers at 2 .. 7 rows (1.1x at
- * 2 and 4), through vpermi2b at one row and in the tile (the gathers 0.93x at one row and 8,
- * where the multiply leaves the shuffle ports to the decode and the loads are the limit). */
+/* IQ2_S's entries come two blocks at a time through the code planes (x86_avx512_iq.h); IQ3_S's
+ * through vpermi2b at every row count: on Zen 5 a 16-lane vpgatherdd costs ~13 cycles, and
+ * gathering at 2 .. 7 rows (1.1x at 2 and 4 on the Intel this was first tuned on) ran 0.45x the
+ * lookups at 2 rows, 0.53x at 4 (one thread, weights in L2). */
 FAST_SB_KERNELS(iq2_s, z_iqb_iq2_s_one, NULL, 16, 0.125f, 0, fast_tile_iq)
-FAST_SB_KERNELS_LANES(iq3_s, z_iqb_iq3_s_gather, z_iqb_iq3_s, NULL, 32, 1.0f, 0, fast_tile_iq)
+FAST_SB_KERNELS(iq3_s, z_iqb_iq3_s, NULL, 32, 1.0f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq2_xxs, z_iqb_iq2_xxs, NULL, 32, 0.125f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq2_xs, z_iqb_iq2_xs_one, NULL, 16, 0.125f, 0, fast_tile_iq)
 FAST_SB_KERNELS(iq3_xxs, z_iqb_iq3_xxs, NULL, 32, 0.25f, 0, fast_tile_iq)
@@ -695,15 +692,15 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
  * rows hold in one register, and one decode fills a tile register for all of them with no
  * transpose. IQ3_XXS: a register of grid indices is 64 four-value entries, looked up as one
  * row's block is (z_lookup_planes), its indices first put in the order that leaves entry
- * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_XXS: entries of 8 values, two
- * vpgatherqq of 8 rows each per entry, split into its two tile registers. Signs: a 32-bit word
- * per row and 32 values (the XXS types' ksigns indices looked up
- * into one, 16 rows at a time), turned into the byte mask of each tile register by fast_bits4.
+ * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_XXS: entries of 8 values, a register of
+ * indices looked up in code planes (fast_r16_iq2_xxs). Signs: a 32-bit word per row and 32
+ * values (the XXS types' ksigns indices looked up into one, 16 rows at a time), turned into the
+ * byte mask of each tile register by fast_bits4.
  * IQ4_XS: the 32-value types' nibble book, eight times. The tiles are those of fast_tile_iq, so
  * the bits are the file layout's. IQ3_S stays in the file's layout: decoded the same way (its
  * 9-bit indices through z_lookup_planes' four tables) its tile cost more than the per-row lanes
  * path at 1 .. 4 activation rows (0.7x at one row in cache, 0.74x from DRAM; 1.1x at 16); so does
- * IQ2_S (entries gathered as IQ2_XXS's: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16,
+ * IQ2_S (entries gathered as IQ2_XXS's were: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16,
  * against the lanes path before its own decode gathered its entries, 1.4x at one row), whose
  * rows are decode's bulk. */
 
@@ -746,44 +743,48 @@ MOE_INLINE void fast_iq3_entries(fast_tile *o, int k, __m512i q, __m512i signs) 
     z_iqb b;
     z_lookup_planes(idx, _mm512_movepi8_mask(idx), 0, false, z_iq3xxs_codes[0], 256,
                     z_iq3xxs_values, &b);
+#pragma GCC unroll 4
     for (int m = 0; m < 4; m++)
         o->tile[4 * k + m] = z_apply_signs(b.g[m], fast_bits4(signs, 4 * (k % 2) + m));
 }
 
-/* IQ3_XXS body: grid indices dwords 0 .. 15, sign-and-scale words 16 .. 23. */
+/* IQ3_XXS body: grid indices dwords 0 .. 15, sign-and-scale words 16 .. 23. Unrolled whole, so
+ * that fast_bits4's constants fold: left as loops, GCC computed them per tile register, 0.72x at
+ * one activation row (Zen 5, one thread, weights in L2). */
 MOE_INLINE void fast_r16_iq3_xxs(const uint8_t *body, fast_tile *o) {
+#pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {
         const __m512i words = z_load(body + 64 * (16 + s)), signs = fast_ksigns32(words);
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++)
             fast_iq3_entries(o, 2 * s + h, z_load(body + 64 * (2 * s + h)), signs);
         fast_odd_scales32(o, s, words, 28);
     }
 }
 
-/* tile[8s + 2c], tile[8s + 2c + 1] from entries 8-value entries at indices idx (lane v: row v's,
- * grid of uint64), the sign words of values 32s .. applied. */
-MOE_INLINE void fast_iq2_entry(fast_tile *o, int s, int c, __m512i idx, const uint64_t *grid,
-                               __m512i signs) {
-    const __m512i lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), grid, 8);
-    const __m512i hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(idx, 1), grid, 8);
-    const __m512i even =
-        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    o->tile[8 * s + 2 * c] =
-        z_apply_signs(_mm512_permutex2var_epi32(lo, even, hi), fast_bits4(signs, 2 * c));
-    o->tile[8 * s + 2 * c + 1] =
-        z_apply_signs(_mm512_permutex2var_epi32(lo, odd, hi), fast_bits4(signs, 2 * c + 1));
-}
-
-/* IQ2_XXS body: per 32 values s, grid indices dword 2s and the sign-and-scale word 2s + 1. */
+/* IQ2_XXS body: per 32 values s, grid indices dword 2s and the sign-and-scale word 2s + 1. The
+ * 64 index bytes of dword 2s (row v's entry c in byte 4v + c) are looked up at once in the two
+ * code planes (z_iq2xxs_codes, z_grid2_plane), which leaves the codes of entry (v, c) in byte
+ * 4v + c of p[0] (values 0..3) and p[1] (4..7); so one vpmultishiftqb per tile register gives
+ * each byte its 2-bit code in place (the qword of rows 2u, 2u + 1 from bits 8c + 2i and 32 + 8c +
+ * 2i) and a vpermb its magnitude. Zen 5, one thread, weights in L2: the
+ * entries as two vpgatherqq per 16 (~7 cycles each) cost a block of 16 rows 3.6x this. */
 MOE_INLINE void fast_r16_iq2_xxs(const uint8_t *body, fast_tile *o) {
+    const __m512i mag = _mm512_set1_epi32(0x002b1908); /* byte i: the magnitude of code i % 4 */
     for (int s = 0; s < 8; s++) {
         const __m512i q = z_load(body + 64 * 2 * s), words = z_load(body + 64 * (2 * s + 1));
         const __m512i signs = fast_ksigns32(words);
-        for (int c = 0; c < 4; c++)
-            fast_iq2_entry(o, s, c,
-                           _mm512_and_si512(_mm512_srli_epi32(q, 8 * c), _mm512_set1_epi32(0xff)),
-                           moe_iq2xxs_grid, signs);
+        const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
+                              z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i at = _mm512_set1_epi64(0x2624222006040200 + 0x0808080808080808 * c);
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+                o->tile[8 * s + 2 * c + h] = z_apply_signs(
+                    _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, p[h]), mag),
+                    fast_bits4(signs, 2 * c + h));
+        }
         fast_odd_scales32(o, s, words, 28);
     }
 }

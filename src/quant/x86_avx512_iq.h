@@ -232,6 +232,7 @@ MOE_INLINE __m256i z_top4_scales(__m256i words) {
  * z_iq2s_codes and z_iq2xs_codes are filled by the table's fill function. */
 static uint8_t z_iq2s_codes[2][1024] __attribute__((aligned(64)));
 static uint8_t z_iq2xs_codes[2][512] __attribute__((aligned(64)));
+static uint8_t z_iq2xxs_codes[2][256] __attribute__((aligned(64))); /* fast_avx512vnni.c's ROWS16 */
 
 /* vpermt2b indices of z_grid2_order from two 64-byte registers holding a block's 32 entries'
  * index bytes `stride` bytes apart from byte `first` (the first block's in the first register). */
@@ -606,23 +607,6 @@ MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
     z_sign_words(b->signs, o->neg);
     o->d = avx2_fp16(b->d);
 }
-/* IQ3_S at the avx512vnni level: the 64 entries of 4 bytes fetched 16 at a time by vpgatherdd,
- * index = qs byte | qh bit << 8. */
-MOE_INLINE void z_iqb_iq3_s_gather(const void *block, z_iqb *o) {
-    const moe_block_iq3_s *b = block;
-    const uint64_t qh = z_load_u64(b->qh);
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-        const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b->qs + 16 * k)));
-        const __m512i idx =
-            _mm512_mask_add_epi32(lo, (__mmask16)(qh >> (16 * k)), lo, _mm512_set1_epi32(256));
-        o->g[k] = _mm512_i32gather_epi32(idx, (const void *)moe_iq3s_grid, 4);
-    }
-    o->sc = z_iq3_s_scales(b);
-    z_sign_words(b->signs, o->neg);
-    o->d = avx2_fp16(b->d);
-}
-
 #define Z_IQB_IQ3_S    z_iqb_iq3_s
 #define Z_DECODE_IQ3_S NULL
 #define Z_GRID4_IQ3_S  NULL
@@ -680,6 +664,7 @@ static void z_iq_tables_fill(void) {
 #if MOE_AVX512_VNNI
     z_grid2_fill(moe_iq2s_grid, 1024, z_iq2s_codes[0]);
     z_grid2_fill(moe_iq2xs_grid, 512, z_iq2xs_codes[0]);
+    z_grid2_fill(moe_iq2xxs_grid, 256, z_iq2xxs_codes[0]);
     for (int i = 0; i < 512; i++)
         for (int q = 0; q < 2; q++) {
             const unsigned lo = moe_iq3s_grid[i] >> (16 * q) & 0xff,
