@@ -538,7 +538,8 @@ static void fast_path_matches_its_reference(void **state) {
                 }
                 if (!e->dot_tile) continue;
                 /* rows: both sides of the switch from the lanes to the tile (8; avx2's K quants
-                 * 32), of the row groups (4) and of the amx level's 16-row tiles */
+                 * 32), of the row groups (4; 8 in fast_avx512vnni.c's tiles) and of the amx level's
+                 * 16-row tiles */
                 static const int widths[] = {1, 5, 9, MAX_W},
                                  rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 31, 32, 64, MAX_X};
                 for (int a = 0; a < 4; a++)

@@ -483,7 +483,8 @@ MOE_INLINE void fast_tile8_drive(iq_head_fn head, iq_chunk_fn chunk, fast_mins_f
     const __m256i lanes = fast_lane_mask(n_w);
     MOE_TILE_LOOP(__m256, _mm256_setzero_ps, FAST_TILE_GROUP, FAST_TILE_CHUNK, n_rows, nb,
                   fast_tile8_build(head, chunk, mins, block_bytes, w, ws, n_w, c0 + j, &tiles[j]),
-                  FAST_TILE8_STEP_, _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]));
+                  MOE_ROW_GROUPS, FAST_TILE8_STEP_,
+                  _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]));
 }
 
 /* ---- The K quants in the int8 tile ----
@@ -587,7 +588,8 @@ MOE_INLINE void fast_many_q32(q32_decode_fn decode, size_t block_bytes, const ui
     const __m256i lanes = fast_lane_mask(n_w);
     MOE_TILE_LOOP(__m256, _mm256_setzero_ps, FAST_TILE_GROUP, FAST_Q8_CHUNK, n_rows, n / MOE_QK32,
                   fast_tile8_q32_build(decode, block_bytes, w, ws, n_w, c0 + j, &tiles[j]),
-                  FAST_Q32_STEP_, _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]));
+                  MOE_ROW_GROUPS, FAST_Q32_STEP_,
+                  _mm256_maskstore_ps(out + (g0 + r) * os, lanes, accbuf[r]));
 }
 #define FAST_MANY_Q32(t)                                                                           \
     static void fast_many_##t(const uint8_t *w, size_t ws, int n_w, const uint8_t *x, size_t xs,   \

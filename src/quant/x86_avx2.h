@@ -52,8 +52,9 @@
 /* The fast path's tile loop (fast_avx512vnni.c, fast_avx2.c): activation
  * rows `group` at a time, their accumulators (V, from vzero()) in accbuf; per chunk of up to
  * `chunk` blocks, DECODE (with j the block of the chunk, c0 its first) once per block, then STEP
- * per row group (MOE_ROW_GROUPS: r the group's first row, g0 the group's); then STORE per row. */
-#define MOE_TILE_LOOP(V, vzero, group, chunk, n_rows, nb, DECODE, STEP, STORE)                     \
+ * per row group (GROUPS, as MOE_ROW_GROUPS: r the group's first row, g0 the group's); then STORE
+ * per row. */
+#define MOE_TILE_LOOP(V, vzero, group, chunk, n_rows, nb, DECODE, GROUPS, STEP, STORE)             \
     do {                                                                                           \
         V accbuf[group];                                                                           \
         for (int64_t g0 = 0; g0 < (n_rows); g0 += (group)) {                                       \
@@ -63,7 +64,7 @@
                 const int64_t nc = (nb)-c0 < (chunk) ? (nb)-c0 : (chunk);                          \
                 for (int64_t j = 0; j < nc; j++) DECODE;                                           \
                 int64_t r = 0;                                                                     \
-                MOE_ROW_GROUPS(r, ng, STEP, 0);                                                    \
+                GROUPS(r, ng, STEP, 0);                                                            \
             }                                                                                      \
             for (int64_t r = 0; r < ng; r++) STORE;                                                \
         }                                                                                          \
