@@ -170,13 +170,19 @@ MOE_INLINE void fast_rows_scale(int R, fast_type type, const fast_tile *t, int s
 /* The ROWS16 lanes (fast_rows16_lanes, values given) read one stream, group after group, but the
  * hardware prefetcher starts over at every 4 KiB page and falls behind the multiply: so as each
  * integer scale's values are multiplied, its share of the lines of the block
- * FAST_ROWS16_LANES_AHEAD bytes on is requested into L2 (past the group: the next group's, which
- * starts there; past the matrix: nothing, a prefetch never faults). Q6_K, the output head's 151936
- * x 2048 through moe_matmul, one activation row, 1 thread, CPU ms (load 3.7-4.3): 21.2 with no
- * prefetch (the matmul's, a group at a time), 16.3-16.8 at 7-20 KiB into L2; into L1 19-24 at 1-7
- * KiB; a whole block's lines at once 0.82-0.95x of none. bench/kernels --tile, 512 MiB (load
- * 5-6): Q6_K 0.81-0.84x of the file's layout at one row and 0.83-0.85x at 4 before, 0.98-0.99x
- * at both with it; Q5_K 1.04-1.05x at one row (0.97-1.00x before); Q4_K unchanged. */
+ * FAST_ROWS16_LANES_AHEAD bytes on is requested (past the group: the next group's, which starts
+ * there; past the matrix: nothing, a prefetch never faults), at every row count under the tile's
+ * and non-temporal (the lines are read once, within a block's time). Zen 5, bench/kernels --tile
+ * 256 MiB, medians of 4 alternated runs (load 5-7), into L2 (T1, Intel's choice below) -> NTA:
+ * Q4_K 20.7 -> 22.9 GB/s at one row, 20.1 -> 27.0 at two, 9.6 -> 18.1 at four (where Intel had
+ * measured Q4_K 0.86x with it and left Q4_K and Q5_K without); Q6_K 23.7 -> 25.9, 20.5 -> 25.9,
+ * 14.1 -> 18.0; 7 rows unchanged (11.3-11.5); T0 within noise of NTA. On Intel, Q6_K, the output
+ * head's 151936 x 2048 through moe_matmul, one activation row, 1 thread, CPU ms
+ * (load 3.7-4.3): 21.2 with no prefetch (the matmul's, a group at a time), 16.3-16.8 at 7-20 KiB
+ * into L2; into L1 19-24 at 1-7 KiB; a whole block's lines at once 0.82-0.95x of none.
+ * bench/kernels --tile, 512 MiB (load 5-6): Q6_K 0.81-0.84x of the file's layout at one row and
+ * 0.83-0.85x at 4 before, 0.98-0.99x at both with it; Q5_K 1.04-1.05x at one row (0.97-1.00x
+ * before); Q4_K unchanged. */
 #define FAST_ROWS16_LANES_AHEAD (10u << 10)
 
 /* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
@@ -244,14 +250,13 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
         const int n_scales = groups / 4 / (type.scale_values / 16);
         const uint8_t *block = values ? vsrc + (size_t)j * MOE_ROWS16 * type.block_bytes : NULL;
         if (values) {
-            /* Q4_K and Q5_K (mins) only under 4 rows: Q4_K at 4 measured 0.86x with it */
-            const size_t ahead_bytes = !mins || R < 4 ? MOE_ROWS16 * type.block_bytes : 0;
+            const size_t ahead_bytes = MOE_ROWS16 * type.block_bytes;
 #pragma GCC unroll 16
             for (int s = 0; s < n_scales; s++) {
                 /* lines (s / n_scales .. (s + 1) / n_scales of the block) ahead */
                 for (size_t at = (ahead_bytes * s / n_scales + 63) & ~(size_t)63;
                      at < ahead_bytes * (s + 1) / n_scales; at += 64)
-                    _mm_prefetch((const char *)block + FAST_ROWS16_LANES_AHEAD + at, _MM_HINT_T1);
+                    _mm_prefetch((const char *)block + FAST_ROWS16_LANES_AHEAD + at, _MM_HINT_NTA);
                 fast_rows_scale(R, type, t, s, bytes, x, xs, c0 + j, sum, values, block);
             }
         } else
