@@ -386,8 +386,8 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
            "KV %s; kernels %s, %d threads, median of %d runs (range)\n",
            r->arch, r->n_layer, r->n_expert, r->n_expert_used,
            r->in_memory ? "in anonymous memory" : "mapped from the file",
-           (double)r->loaded_bytes / 1e9, r->load_seconds,
-           moe_type_name(p->kv_type), r->isa, r->threads, r->runs);
+           (double)r->loaded_bytes / 1e9, r->load_seconds, moe_type_name(p->kv_type), r->isa,
+           r->threads, r->runs);
     printf("read bandwidth: %.1f GB/s (%.1f-%.1f; probe: %d threads, %d-byte loads, %zu MiB)  "
            "[%s, %d threads]\n",
            probe, bw->min_gb_s, bw->max_gb_s, bw->threads, bw->load_bytes, bw->bytes >> 20, r->isa,
