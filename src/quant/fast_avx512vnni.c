@@ -138,12 +138,13 @@ MOE_INLINE void fast_rows_scale(int R, fast_type type, const fast_tile *t, int s
 #pragma GCC unroll 2
     for (int h = 0; h < chains; h++)
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) /* the offset's term, for these 16 values */
-            part[h][r] = _mm512_set1_epi32(
-                type.offset
-                    ? -type.offset *
-                          ((const moe_block_q8_k *)(x + (size_t)r * xs) + i)->bsums[per * s + h]
-                    : 0);
+        for (int r = 0; r < R; r++) { /* the offset's term for the 16-value groups of chain h */
+            const int16_t *bsums = ((const moe_block_q8_k *)(x + (size_t)r * xs) + i)->bsums;
+            int32_t off = 0;
+            for (int k = h; type.offset && k < per; k += chains)
+                off -= type.offset * bsums[per * s + k];
+            part[h][r] = _mm512_set1_epi32(off);
+        }
 #pragma GCC unroll 8
     for (int c = 0; c < 4 * per; c++) {
         const int g = 4 * per * s + c, h = c / 4 % chains;
