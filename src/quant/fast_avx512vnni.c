@@ -806,10 +806,9 @@ MOE_INLINE void fast_r16_iq3_xxs(const uint8_t *body, fast_tile *o) {
  * code planes (z_iq2xxs_codes, z_grid2_plane), which leaves the codes of entry (v, c) in byte
  * 4v + c of p[0] (values 0..3) and p[1] (4..7); so one vpmultishiftqb per tile register gives
  * each byte its 2-bit code in place (the qword of rows 2u, 2u + 1 from bits 8c + 2i and 32 + 8c +
- * 2i) and a vpermb its magnitude. Zen 5, one thread, weights in L2: the
+ * 2i) and a vpermb its magnitude (z_grid2_magnitudes). Zen 5, one thread, weights in L2: the
  * entries as two vpgatherqq per 16 (~7 cycles each) cost a block of 16 rows 3.6x this. */
 MOE_INLINE void fast_r16_iq2_xxs(const uint8_t *body, fast_tile *o) {
-    const __m512i mag = _mm512_set1_epi32(0x002b1908); /* byte i: the magnitude of code i % 4 */
     for (int s = 0; s < 8; s++) {
         const __m512i q = z_load(body + 64 * 2 * s), words = z_load(body + 64 * (2 * s + 1));
         const __m512i signs = fast_ksigns32(words);
@@ -820,9 +819,8 @@ MOE_INLINE void fast_r16_iq2_xxs(const uint8_t *body, fast_tile *o) {
             const __m512i at = _mm512_set1_epi64(0x2624222006040200 + 0x0808080808080808 * c);
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++)
-                o->tile[8 * s + 2 * c + h] = z_apply_signs(
-                    _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, p[h]), mag),
-                    fast_bits4(signs, 2 * c + h));
+                o->tile[8 * s + 2 * c + h] =
+                    z_apply_signs(z_grid2_magnitudes(at, p[h]), fast_bits4(signs, 2 * c + h));
         }
         fast_odd_scales32(o, s, words, 28);
     }

@@ -261,6 +261,13 @@ MOE_INLINE __m512i z_grid2_plane(const uint8_t *plane, int tables, __m512i idx, 
     return _mm512_mask_blend_epi8(bit9, lo, _mm512_mask_blend_epi8(bit8, r[2], r[3]));
 }
 
+/* Each byte's 2-bit code, picked from the qword's bits by at (vpmultishiftqb), as its magnitude
+ * (8, 25 or 43). */
+MOE_INLINE __m512i z_grid2_magnitudes(__m512i at, __m512i codes) {
+    const __m512i mag = _mm512_set1_epi32(0x002b1908); /* byte c: the magnitude of code c % 4 */
+    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, codes), mag);
+}
+
 /* The magnitudes of two blocks (g0, g1: four 64-value chunks each) from their entries' code
  * bytes in z_grid2_order, plane 0's in p0 and plane 1's in p1. */
 MOE_INLINE void z_grid2_values(__m512i p0, __m512i p1, __m512i g0[4], __m512i g1[4]) {
@@ -268,13 +275,12 @@ MOE_INLINE void z_grid2_values(__m512i p0, __m512i p1, __m512i g0[4], __m512i g1
      * 0..7; then qword j of each block's: entry j's words of its chunks 0..3 */
     const __m512i lo = _mm512_unpacklo_epi8(p0, p1), hi = _mm512_unpackhi_epi8(p0, p1);
     const __m512i w0 = _mm512_unpacklo_epi64(lo, hi), w1 = _mm512_unpackhi_epi64(lo, hi);
-    const __m512i mag = _mm512_set1_epi32(0x002b1908); /* byte c: the magnitude of code c % 4 */
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) {
         /* byte i of each qword: the code of byte i of word k at the bottom */
         const __m512i at = _mm512_set1_epi64(0x0e0c0a0806040200 + 0x1010101010101010 * k);
-        g0[k] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, w0), mag);
-        g1[k] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(at, w1), mag);
+        g0[k] = z_grid2_magnitudes(at, w0);
+        g1[k] = z_grid2_magnitudes(at, w1);
     }
 }
 
