@@ -469,6 +469,42 @@ static void batch_equals_alone(void **state) {
     }
 }
 
+/* Logits of `n` tokens fed one row a step into a context of max_rows rows, into out [n][n_vocab].
+ */
+static void decode_one_by_one(const moe_model *m, uint32_t max_rows, const int32_t *ids, int n,
+                              float *out) {
+    moe_error err = {0};
+    moe_ctx_params cp = {
+        .n_ctx = 64, .n_seq = 1, .max_rows = max_rows, .kv_type = MOE_TYPE_F32, .n_threads = 2};
+    moe_ctx *ctx = moe_ctx_new(m, &cp, &err);
+    if (!ctx) fail_msg("%s", err.msg);
+    for (int i = 0; i < n; i++) {
+        const moe_row row = {0, i, ids[i], true};
+        assert_int_equal(moe_ctx_decode(ctx, &row, 1, out + (size_t)i * m->cfg.n_vocab, &err),
+                         MOE_OK);
+    }
+    moe_ctx_free(ctx);
+}
+
+/* A context of one row runs a step's routed experts as one pass (its scratch holds a row's
+ * n_expert_used pairs), one of many rows as it always did, and one row's logits do not depend
+ * on which: the experts' outputs are summed in expert order however they are grouped. */
+static void one_row_context_equals_wide(void **state) {
+    (void)state;
+    moe_model *m = load_shared_model("parity/qwen3moe-mixed.gguf");
+    MOE_SKIP_IF_NULL(m);
+    const int32_t ids[] = {1, 17, 30, 42, 7, 10, 5, 9};
+    const int n = (int)(sizeof ids / sizeof ids[0]);
+    const size_t nv = m->cfg.n_vocab;
+    float *one = moe_xmalloc(sizeof(float) * n * nv), *wide = moe_xmalloc(sizeof(float) * n * nv);
+    decode_one_by_one(m, 1, ids, n, one);
+    decode_one_by_one(m, 32, ids, n, wide);
+    assert_memory_equal(one, wide, sizeof(float) * n * nv);
+    free(one);
+    free(wide);
+    moe_model_free(m);
+}
+
 /* batch_equals_alone at every other level the CPU runs: the level is chosen once per process
  * (and the loader repacks for it), so each runs this binary again with MOE_ISA set. */
 static void batch_equals_alone_every_level(void **state) {
@@ -1476,6 +1512,7 @@ int moe_suite_model(void) {
         cmocka_unit_test(parity_qwen3moe_mixed),
         cmocka_unit_test(batch_equals_alone),
         cmocka_unit_test(batch_equals_alone_every_level),
+        cmocka_unit_test(one_row_context_equals_wide),
         cmocka_unit_test(glm4moe_synthetic),
         PARITY_TEST(deepseek2_f32),
         PARITY_TEST(deepseek2_q8_0_q4_k),

@@ -213,6 +213,11 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
     x->attn_scratch_n = moe_attention_tiled_scratch((int)attn_dim);
     x->attn_scratch =
         moe_xcalloc(x->attn_scratch_n * (size_t)moe_pool_n_threads(x->pool), sizeof(float));
+    /* The routed experts' scratch holds a group's (row, expert) pairs: room for at least one
+     * row's n_expert_used pairs, so that one row's experts run as one pass of gate and up and one
+     * of down (with room for `rows` pairs, a context of one row ran them an expert at a time:
+     * 8 passes of each a layer, 8 conversions of the same row). */
+    const uint64_t pair_rows = max_u64(rows, c->n_expert_used);
     uint64_t mm = moe_matmul_scratch_bytes(m->output, rows);
     bool fused_experts = false, expert_in_norm = false;
     for (uint32_t il = 0; il < n_layer_run(m); il++) {
@@ -224,7 +229,7 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         const moe_tensor *ts[MOE_LAYER_MAX_MATRICES + 2] = {l->nextn.eh_proj, l->nextn.head};
         const int n = 2 + moe_layer_matrices(l, ts + 2);
         for (int i = 0; i < n; i++)
-            if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], rows));
+            if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], pair_rows));
     }
     x->mm_scratch = moe_xmalloc(mm);
     if (c->n_expert) {
@@ -235,13 +240,14 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         x->experts.counts = moe_xcalloc(c->n_expert + 1, sizeof(int32_t));
         x->experts.pair_row = moe_xcalloc(rows * c->n_expert_used, sizeof(int32_t));
         x->experts.pair_w = moe_xcalloc(rows * c->n_expert_used, sizeof(float));
-        x->experts.x = moe_xcalloc(rows * c->n_embd, sizeof(float));
-        x->experts.gate = moe_xcalloc(rows * c->n_ff_exp * (fused_experts ? 2 : 1), sizeof(float));
-        x->experts.up = moe_xcalloc(rows * c->n_ff_exp, sizeof(float));
-        x->experts.y = moe_xcalloc(rows * c->n_embd, sizeof(float));
+        x->experts.x = moe_xcalloc(pair_rows * c->n_embd, sizeof(float));
+        x->experts.gate =
+            moe_xcalloc(pair_rows * c->n_ff_exp * (fused_experts ? 2 : 1), sizeof(float));
+        x->experts.up = moe_xcalloc(pair_rows * c->n_ff_exp, sizeof(float));
+        x->experts.y = moe_xcalloc(pair_rows * c->n_embd, sizeof(float));
         x->experts.mm = x->mm_scratch;
         x->experts.mm_up = moe_xmalloc(mm);
-        x->experts.max_rows = (int64_t)rows;
+        x->experts.max_rows = (int64_t)pair_rows;
         if (expert_in_norm) x->xn2 = moe_xcalloc(rows * c->n_embd, sizeof(float));
     }
     moe_linear_alloc(x);
