@@ -173,6 +173,32 @@ static void rope_rows(void *arg, int64_t begin, int64_t end, int thread) {
     }
 }
 
+/* The q, k and v projections as one parallel pass (one hand-out, not three; the small k and v
+ * matrices stream within q's pass instead of each paying a pass's start and end): x's rows into
+ * y[0..2], each task converting them into its own part of the scratch from `scratch` on (NULL:
+ * tasks for their sizes only), or sharing q's conversion where their dots take the same
+ * (moe_matmul_many). Without attn_v there is no v task. Returns the tasks. */
+static int qkv_tasks(const moe_attn_weights *w, const float *x, uint32_t n_rows, float *const y[3],
+                     uint8_t *scratch, moe_matmul_task t[3]) {
+    const moe_tensor *m[3] = {w->wq, w->wk, w->wv};
+    int n = 0;
+    for (int i = 0; i < 3; i++)
+        if (m[i]) {
+            t[n++] = (moe_matmul_task){m[i], 0, x, n_rows, y[i], scratch};
+            if (scratch) scratch += moe_matmul_scratch_bytes(m[i], n_rows);
+        }
+    return n;
+}
+
+uint64_t moe_attention_scratch_bytes(const moe_layer_weights *l, uint32_t n_rows) {
+    if (l->plan.mixer != MOE_MIXER_ATTENTION) return 0;
+    moe_matmul_task t[3];
+    uint64_t bytes = 0;
+    for (int i = 0, n = qkv_tasks(&l->attn, NULL, n_rows, (float *[3]){0}, NULL, t); i < n; i++)
+        bytes += moe_matmul_scratch_bytes(t[i].w, n_rows);
+    return bytes;
+}
+
 void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,
                          uint32_t n_rows) {
     const moe_model_config *cfg = &c->m->cfg;
@@ -190,12 +216,12 @@ void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t il, co
                                   .scale = cfg->kq_scale,
                                   .kv_type = c->p.kv_type,
                                   .sinks = w->sinks ? (const float *)w->sinks->data : NULL};
-    moe_matmul(c->pool, w->wq, 0, c->xn, n_rows, c->q, c->mm_scratch);
+    moe_matmul_task qkv[3];
+    moe_matmul_many(
+        c->pool, qkv,
+        qkv_tasks(w, c->xn, n_rows, (float *[3]){c->q, c->k, c->v}, c->mm_scratch, qkv));
     if (cfg->attn_output_gate) split_q_gate(c, n_rows, hd_k);
-    moe_matmul(c->pool, w->wk, 0, c->xn, n_rows, c->k, c->mm_scratch);
-    if (w->wv)
-        moe_matmul(c->pool, w->wv, 0, c->xn, n_rows, c->v, c->mm_scratch);
-    else /* V is the raw K projection (hd_k == hd_v, checked at load) */
+    if (!w->wv) /* V is the raw K projection (hd_k == hd_v, checked at load) */
         memcpy(c->v, c->k, sizeof(float) * (size_t)(n_rows * k_w));
     moe_add_bias(c->q, w->bq, 0, n_rows, q_w);
     moe_add_bias(c->k, w->bk, 0, n_rows, k_w);

@@ -230,6 +230,7 @@ moe_ctx *moe_ctx_new(const moe_model *m, const moe_ctx_params *p, moe_error *err
         const int n = 2 + moe_layer_matrices(l, ts + 2);
         for (int i = 0; i < n; i++)
             if (ts[i]) mm = max_u64(mm, moe_matmul_scratch_bytes(ts[i], pair_rows));
+        mm = max_u64(mm, moe_attention_scratch_bytes(l, (uint32_t)rows));
     }
     x->mm_scratch = moe_xmalloc(mm);
     if (c->n_expert) {

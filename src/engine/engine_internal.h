@@ -280,6 +280,8 @@ void moe_rows_post_norm(moe_ctx *c, float *rows, const moe_tensor *norm, uint32_
 typedef void (*moe_mixer_block)(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
                                 const moe_row *rows, uint32_t n_rows);
 /* grouped-query attention (attention.c) */
+/* Scratch bytes the attention block of layer l converts n_rows rows into (q, k and v at once). */
+uint64_t moe_attention_scratch_bytes(const moe_layer_weights *l, uint32_t n_rows);
 void moe_block_attention(moe_ctx *c, const moe_layer_weights *l, uint32_t layer,
                          const moe_row *rows, uint32_t n_rows);
 /* multi-head latent attention (mla.c): latent cache, absorbed attn_k_b / attn_v_b */
