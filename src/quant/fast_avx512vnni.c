@@ -601,8 +601,7 @@ MOE_INLINE void fast_lanes_block(int R, fast_type t, const z_iqb *b, const uint8
     if (t.mins) t.mins(block, &mins, dmin);
     const __m512i sc = _mm512_zextsi256_si512(b->sc);
     __m512i scale[4];
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) scale[k] = z_scales(sc, z_idx4(4 * k));
+    z_scales4(sc, scale);
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;

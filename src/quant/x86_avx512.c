@@ -268,14 +268,13 @@ MOE_DOT_AND_ROWS(z_dot_q6_k, z_dot_rows_q6_k, z_q6_k_rows, 0)
  * neg, sixteen scales sc, float scale d. */
 MOE_INLINE void z_iq_madd(int R, const __m512i *g, const uint64_t *neg, __m256i sc, float d,
                           const moe_block_q8_k *const *y, float mult, __m512 *acc) {
-    const __m512i sc512 = z_from_256(sc);
-    __m512i sumi[MOE_DOT_ROWS];
+    __m512i scale[4], sumi[MOE_DOT_ROWS];
+    z_scales4(z_from_256(sc), scale);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) sumi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
-        z_rows_signed_madd(R, g[k], _cvtu64_mask64(neg[k]), z_scales(sc512, z_idx4(4 * k)), y,
-                           64 * k, sumi);
+        z_rows_signed_madd(R, g[k], _cvtu64_mask64(neg[k]), scale[k], y, 64 * k, sumi);
     z_rows_accumulate(R, acc, d, y, mult, sumi);
 }
 
