@@ -33,6 +33,8 @@
  * L2-resident weights, 1 thread (load 8-10): ROWS16 145 -> 170 G MAC/s over 4 rows, the file's
  * layout 125 -> 150; Q6_K, IQ2_S, Q4_K within noise. */
 #define FAST_ROWS 8
+/* Activation rows from which a block is decoded into a tile; under that, the lanes sections. */
+#define FAST_TILE_MIN_ROWS 8
 
 /* Rows r .. n_rows - 1 as MOE_ROW_GROUPS, FAST_ROWS at a time while that many are left. */
 #define FAST_ROW_GROUPS(r, n_rows, STEP, ...)                                                      \
@@ -117,8 +119,8 @@ MOE_INLINE __m512i fast_mins_sum(const moe_block_q8_k *y, const fast_tile *t) {
 /* acc + the dot of u's unsigned bytes with the 4 signed bytes at p, broadcast (vpdpbusd's
  * {1to16} memory operand: one instruction where _mm512_set1_epi32 and the intrinsic give two, as
  * GCC 12 does not fold the broadcast). Only the signed operand can be one, so only where the
- * activations are signed (the types with mins or an offset). Q6_K ROWS16, L2-resident, 1 thread
- * (load 8): 1.10x at 16 rows, 1.03x at 64. */
+ * activations are signed (the types with mins or an offset; the 32-value types' ROWS16 lanes). Q6_K
+ * ROWS16, L2-resident, 1 thread (load 8): 1.10x at 16 rows, 1.03x at 64. */
 MOE_INLINE __m512i fast_dpbusd_bcast(__m512i acc, __m512i u, const uint8_t *p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
     return acc;
@@ -339,15 +341,21 @@ MOE_INLINE void fast_tile_q32(fast_type t, const uint8_t *w, size_t ws, int n_w,
     o->d = _mm512_loadu_ps(d);
 }
 
+/* The values of z's low (high: its high) nibbles through map, a 16-entry book in every 128-bit
+ * lane. */
+MOE_INLINE __m512i fast_nibbles(__m512i z, __m512i map, bool high) {
+    return _mm512_shuffle_epi8(
+        map, _mm512_and_si512(high ? _mm512_srli_epi16(z, 4) : z, _mm512_set1_epi8(0x0f)));
+}
+
 /* 32 values of 16 rows from four body registers of nibbles (values 4c .. 4c + 3 in the low
  * nibbles of register c, 16 + 4c .. in the high ones) through a 16-entry book into tile[0 .. 7]. */
 MOE_INLINE void fast_tile_nibbles(const uint8_t *body, const int8_t *book, __m512i *tile) {
     const __m512i map = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)book));
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int c = 0; c < 4; c++) {
         const __m512i z = z_load(body + 64 * c);
-        tile[c] = _mm512_shuffle_epi8(map, _mm512_and_si512(z, low4));
-        tile[c + 4] = _mm512_shuffle_epi8(map, _mm512_and_si512(_mm512_srli_epi16(z, 4), low4));
+        tile[c] = fast_nibbles(z, map, false);
+        tile[c + 4] = fast_nibbles(z, map, true);
     }
 }
 
@@ -360,6 +368,19 @@ MOE_INLINE void fast_tile_nibbles(const uint8_t *body, const int8_t *book, __m51
 /* The n bytes at p requested, a cache line at a time. */
 MOE_INLINE void fast_prefetch(const uint8_t *p, size_t n) {
     for (size_t off = 0; off < n; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+}
+
+/* The 16 rows' block scales from the heads of a 32-value type's MOE_LAYOUT_ROWS16 block at b
+ * (head: 2, f16; 1, MXFP4's e8m0 byte). */
+MOE_INLINE __m512 fast_rows16_d(const uint8_t *b, size_t head) {
+    if (head == 2) return _mm512_cvtph_ps(avx2_load(b));
+    /* moe_e8m0_to_f32_half of 16 bytes: 2^(e - 128), as (e - 1) << 23, or the subnormals
+     * 0x00200000 << e for e < 2 */
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(
+        _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
 }
 
 /* Block i of a MOE_LAYOUT_ROWS16 group (quant.h): the tile as it lies, no transpose. The heads
@@ -376,17 +397,102 @@ MOE_INLINE void fast_tile_rows16(const uint8_t *b, size_t head, const int8_t *bo
     else
         fast_tile_nibbles(body, book, o->tile);
     fast_tile_q32_bias(o);
-    if (head == 2)
-        o->d = _mm512_cvtph_ps(avx2_load(b));
-    else { /* moe_e8m0_to_f32_half of 16 bytes: 2^(e - 128), as (e - 1) << 23, or the
-            * subnormals 0x00200000 << e for e < 2 */
-        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
-        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
-        o->d = _mm512_castsi512_ps(_mm512_mask_blend_epi32(
-            _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
-    }
+    o->d = fast_rows16_d(b, head);
 }
+
+/* ---- 32-value types on MOE_LAYOUT_ROWS16 under FAST_TILE_MIN_ROWS rows: no tile ----
+ *
+ * A group's body register g is tile[g] as it lies (Q8_0; the nibble types' after their book), so
+ * under FAST_TILE_MIN_ROWS activation rows each is met by the rows as it is loaded: no tile
+ * stored and read back, and no bias per weight block. The weights are made vpdpbusd's unsigned
+ * operand instead (value + 128: the sign bit flipped; the books' entries likewise), the
+ * activations' 4 bytes its signed one, broadcast from memory (fast_dpbusd_bcast), and each
+ * row's chain starts from -128 x its activation block's sum: the tile's int32 block sums, met by
+ * the same fma, so the tile's bits. Rows MOE_DOT_ROWS at a time (5 .. 7 rows read a group twice,
+ * the second time from cache). Zen 5, 1 thread, GB/s of weights per CPU second, the tile ->
+ * this, medians of 7 runs alternated in one process (load 6): Q8_0, one group of 2048 values
+ * (in L1), 47.8 -> 136 at one row (a 16-row block in 37 -> 13 cycles at 3.25 GHz), 35.8 -> 83 at
+ * two, 29.9 -> 48 at four, 19.6 -> 26.2 at seven; 256 MiB of rows of 4096, 19.3 -> 20.8, 18.5 ->
+ * 20.2, 16.5 -> 18.1, 14.0 -> 14.5 (8 rows, the tile: 12.4). Q4_0, IQ4_NL, MXFP4 in L1 2.35-2.4x
+ * at one row, 2.0x at two, 1.3-1.4x at four; 256 MiB 1.35-1.6x, 1.15-1.25x, 1.2-1.35x. */
+
+/* From two activation rows on, the block FAST_Q32_LANES_AHEAD blocks on is requested as a block
+ * is multiplied (past the group's end: the next group's, which starts there), non-temporal; at
+ * one row the hardware prefetcher keeps up alone. Zen 5, 256 MiB of rows of 4096, 1 thread,
+ * medians of 9 runs alternated in one process (load 6), GB/s without -> 20 blocks ahead: Q8_0
+ * 25.6 -> 25.5 at one row, 16.6 -> 19.7 at two, 14.9 -> 18.7 at four, 11.1 -> 15.8 at seven;
+ * Q4_0 21.6 -> 17.9 at one row, 12.7 -> 18.5 at four; MXFP4 24.2 -> 22.9, 11.8 -> 17.4. Q8_0 at
+ * 16, 20 or 24 blocks alike; at distances not a whole number of blocks less (10 KiB, 18.8 blocks:
+ * 0.84-0.86x of 20 at one row and four; 16 KiB 0.82-0.84x); into L1 (T0) at 4 blocks 0.83-0.9x. */
+#define FAST_Q32_LANES_AHEAD 20
+
+/* -128 x the sum of an activation block's 32 bytes, in every lane: what a chain of vpdpbusd
+ * against the weights + 128 has too much. */
+MOE_INLINE __m512i fast_q32_offset(const int8_t *qs) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80); /* the bytes + 128, summed by 8s */
+    const __m256i s =
+        _mm256_sad_epu8(_mm256_xor_si256(avx2_load(qs), flip), _mm256_setzero_si256());
+    __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi64(t, _mm_unpackhi_epi64(t, t)); /* the sum + 32 x 128 */
+    return _mm512_broadcastd_epi32(
+        _mm_sub_epi32(_mm_set1_epi32(32 * 128 * 128), _mm_slli_epi32(t, 7)));
+}
+
+/* R <= MOE_DOT_ROWS activation rows against a ROWS16 group of nb blocks of a 32-value type
+ * (head: its block's scale bytes; book: NULL for Q8_0's bytes, else its nibbles' values). */
+MOE_INLINE void fast_rows16_q32_lanes(int R, const uint8_t *w, size_t head, const int8_t *book,
+                                      const uint8_t *x, size_t xs, int64_t nb, float *out,
+                                      int64_t os) {
+    const size_t bytes = MOE_ROWS16 * head + (book ? 256 : 512);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i map = /* the book + 128 */
+        book
+            ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)book)), flip)
+            : _mm512_setzero_si512();
+    __m512 acc[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + (size_t)i * bytes, *body = b + MOE_ROWS16 * head;
+        if (R > 1)
+            for (size_t at = 0; at < bytes; at += 64)
+                _mm_prefetch((const char *)b + FAST_Q32_LANES_AHEAD * bytes + at, _MM_HINT_NTA);
+        const moe_block_q8_0 *y[MOE_DOT_ROWS];
+        __m512i sum[MOE_DOT_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            y[r] = (const moe_block_q8_0 *)(x + (size_t)r * xs) + i;
+            sum[r] = fast_q32_offset(y[r]->qs);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            const __m512i u = book ? fast_nibbles(z_load(body + 64 * (g % 4)), map, g >= 4)
+                                   : _mm512_xor_si512(z_load(body + 64 * g), flip);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                sum[r] = fast_dpbusd_bcast(sum[r], u, (const uint8_t *)y[r]->qs + 4 * g);
+        }
+        const __m512 d = fast_rows16_d(b, head);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(avx2_fp16(y[r]->d))),
+                                     _mm512_cvtepi32_ps(sum[r]), acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
+}
+
+/* Under FAST_TILE_MIN_ROWS rows, the lanes of type t (book as fast_rows16_q32_lanes), and
+ * return. */
+#define FAST_Q32_LANES_STEP(R, t, book)                                                            \
+    fast_rows16_q32_lanes(R, w, offsetof(moe_block_##t, qs), book,                                 \
+                          (const uint8_t *)x + (size_t)r * xs, xs, n / MOE_QK32, out + r * os, os)
+#define FAST_Q32_LANES(t, book)                                                                    \
+    if (n_rows < FAST_TILE_MIN_ROWS) {                                                             \
+        int64_t r = 0;                                                                             \
+        MOE_ROW_GROUPS(r, n_rows, FAST_Q32_LANES_STEP, t, book);                                   \
+        return;                                                                                    \
+    }
 
 /* The Q4_0 values as a codebook: nibble - 8. */
 static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
@@ -413,12 +519,12 @@ static const int8_t fast_q4_0_book[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 
         fast_tile_rows16(w + (size_t)i * MOE_ROWS16 * ty.block_bytes, offsetof(moe_block_##t, qs), \
                          book, tile);                                                              \
     }                                                                                              \
-    FAST_ROWS16_FN(t, FAST_Q32_TYPE(t), FAST_CHUNK, MOE_QK32, )                                    \
+    FAST_ROWS16_FN(t, FAST_Q32_TYPE(t), FAST_CHUNK, MOE_QK32, FAST_Q32_LANES(t, book))             \
     FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t, FAST_Q32_TYPE(t), fast_tile_rows16_##t,  \
                     FAST_CHUNK, MOE_QK32)
 /* The kernel on MOE_LAYOUT_ROWS16 groups of a type whose tile decode is fast_tile_rows16_<t>:
- * chunk blocks of `values` decoded per pass, after `before` (empty, or FAST_LANES_SWITCH for the
- * rows under the tile's). */
+ * chunk blocks of `values` decoded per pass, after `before` (FAST_Q32_LANES or FAST_LANES_SWITCH
+ * for the rows under the tile's). */
 #define FAST_ROWS16_FN(t, type, chunk, values, before)                                             \
     static void fast_rows16_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,       \
                                 int64_t n_rows, int64_t n, float *out, int64_t os) {               \
@@ -564,7 +670,6 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
  * 16 weight rows' int32 lanes are summed at once by a transposing tree into lane v of one
  * register: the exact block sums the tile gets, met by the same fma, so the tile's bits (Q4_K
  * and Q5_K: their mins' sums against the bsums likewise, and the second fma). */
-#define FAST_TILE_MIN_ROWS 8
 
 /* s[v] summed over its lanes into lane v (integer adds: exact in any order). */
 MOE_INLINE __m512i fast_sum16x16(const __m512i s[16]) {
