@@ -684,11 +684,9 @@ MOE_INLINE void attn_mix_q8_rows8(const moe_attn_tile_args *a, const int16_t *vp
 static void attn_mix_q8(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV]) {
     int32_t w[MOE_ATTN_TILE_KEYS / 2][MOE_ATTN_TILE_QV];
     float mk[MOE_ATTN_TILE_KEYS], unit[MOE_ATTN_TILE_QV];
-    /* the scratch: the scales, then one block's value pairs (64 keys x 32 x 4 bytes) */
-    float *vd = a->scratch;
-    int16_t *vp = (int16_t *)(vd + a->dv / MOE_QK32 * AVX2_ATTN_VD);
+    const float *vd = a->scratch; /* the scales, then one block's value pairs */
+    int16_t *vp = avx2_attn_v_scales(a, mk);
     const int nv = (a->nq + 7) / 8;
-    avx2_attn_v_scales(a, vd, mk);
     for (int v = 0; v < nv; v++) { /* top, r and unit; the weights x r in st */
         __m256 top = _mm256_setzero_ps();
         for (int j = 0; j < a->n_key; j++)

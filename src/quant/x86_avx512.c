@@ -1044,10 +1044,8 @@ MOE_INLINE void z_attn_mix_q8_rows(const moe_attn_tile_args *a, const int16_t *v
 static void z_attn_mix_q8(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV]) {
     _Alignas(64) int32_t w[MOE_ATTN_TILE_KEYS / 2][MOE_ATTN_TILE_QV];
     float mk[MOE_ATTN_TILE_KEYS], unit[MOE_ATTN_TILE_QV];
-    /* the scratch: the scales, then one block's value pairs (64 keys x 32 x 4 bytes) */
-    float *vd = a->scratch;
-    int16_t *vp = (int16_t *)(vd + a->dv / MOE_QK32 * AVX2_ATTN_VD);
-    avx2_attn_v_scales(a, vd, mk);
+    const float *vd = a->scratch; /* the scales, then one block's value pairs */
+    int16_t *vp = avx2_attn_v_scales(a, mk);
     for (int v = 0; v < (a->nq + 15) / 16; v++) { /* top, r and unit; the weights x r in st */
         __m512 top = _mm512_setzero_ps();
         for (int j = 0; j < a->n_key; j++)
