@@ -241,7 +241,15 @@ typedef void (*moe_attn_mix_fn)(float *y, const float *p, const void *v, int64_t
  * q8_0 per 32 values (moe_attn_tile_quantize), and a score is integer work then one float step
  * per block b (32 values): s_j = (fma chain over b of (qd_b kd_b) x isum_b, from 0) * scale,
  * isum_b the exact int32 sum of the block's 32 products, qd_b and kd_b the query's and key's
- * block scales as f32; qt is not read then. */
+ * block scales as f32; qt is not read then. Its mix is integer work too: with vd_jb key j's V
+ * block scale as f32 and mk_j = the largest |vd_jb| over its blocks, top = the largest p_j mk_j
+ * (keys unseen have p_j = 0), r = W16 / top and unit = top / W16 (both 0 unless 0 < top < inf),
+ * w_jb = the low 16 bits of the int32 nearest (p_j r) vd_jb (ties to even; INT32_MIN when out of
+ * range, as cvtps2dq), then y_d = fma(unit, (float) sum over j of w_jb x vq_jd, y_d) once per
+ * tile, the sum exact in int32 (any order: 64 x 32767 x 128 < 2^31). Why: 4 vpdpwssd per key and
+ * vector where the f32 mix takes 8 fmas (that mix was half of pp256's attention at depth 8192
+ * on Zen 5). What it costs: a weight x scale is off by at most 2^-16 of the vector's largest in
+ * the tile (the cache's values themselves are off by up to 2^-8 of their block's largest). */
 #define MOE_ATTN_TILE_KEYS 64  /* keys per tile: fixed in absolute positions by the caller */
 #define MOE_ATTN_TILE_QV   128 /* query vectors per call at most (16 rows x 8 heads) */
 typedef struct moe_attn_tile_args {
@@ -261,6 +269,7 @@ typedef struct moe_attn_tile_args {
     float *scratch;         /* MOE_ATTN_TILE_KEYS * max(dk, dv) floats: the converted tile */
 } moe_attn_tile_args;
 typedef void (*moe_attn_tile_fn)(const moe_attn_tile_args *a);
+#define MOE_ATTN_W16 32767 /* a Q8_0 cache's largest weight in the integer mix (W16 above) */
 /* Query vector q (dk values, a multiple of 32) as column i of a Q8_0 tile's qq / qd, quantized
  * as the activations of a Q8_0 dot are (ggml-cpu's quantize_row_q8_0, the scale kept as f16). */
 void moe_attn_tile_quantize(const float *q, int dk, int i, int8_t *qq, float *qd);

@@ -532,6 +532,56 @@ static float attn_tile_dot(const moe_attn_tile_args *a, int i, const void *kj) {
     return dot;
 }
 
+/* Key j's V block b as read from the tile. */
+static const moe_block_q8_0 *attn_tile_v_block(const moe_attn_tile_args *a, int j, int b) {
+    return (const moe_block_q8_0 *)((const uint8_t *)a->v + j * a->v_stride) + b;
+}
+
+/* Each key's largest |V block scale| (a NaN passed over); block b's scales (the pad key's 0). */
+static void attn_tile_v_max(const moe_attn_tile_args *a, float *mk) {
+    for (int j = 0; j < a->n_key; j++) {
+        float m = 0.0f; /* a NaN scale is passed over */
+        for (int b = 0; b < a->dv / MOE_QK32; b++) {
+            const float d = fabsf(moe_fp16_to_f32(attn_tile_v_block(a, j, b)->d));
+            m = d > m ? d : m;
+        }
+        mk[j] = m;
+    }
+}
+
+static void attn_tile_v_scales(const moe_attn_tile_args *a, int b, float *d) {
+    for (int j = 0; j < a->n_key; j++) d[j] = moe_fp16_to_f32(attn_tile_v_block(a, j, b)->d);
+    if (a->n_key & 1) d[a->n_key] = 0.0f;
+}
+
+/* A weight as the integer mix takes it: the int32 nearest x (ties to even; INT32_MIN when x is
+ * NaN or out of range, as cvtps2dq gives it), its low 16 bits. */
+static int16_t attn_weight16(float x) {
+    const int32_t w = fabsf(x) < 2147483648.0f ? (int32_t)rintf(x) : INT32_MIN;
+    return (int16_t)(uint16_t)(uint32_t)w;
+}
+
+/* A Q8_0 cache's mix of one vector's weights p[0..n_key) into y (quant.h): integer sums. */
+static void attn_tile_mix_q8(const moe_attn_tile_args *a, const float *p, float *y) {
+    float mk[MOE_ATTN_TILE_KEYS], d[MOE_ATTN_TILE_KEYS + 1], top = 0.0f;
+    attn_tile_v_max(a, mk);
+    for (int j = 0; j < a->n_key; j++) {
+        const float t = p[j] * mk[j];
+        top = t > top ? t : top;
+    }
+    const bool ok = top > 0.0f && top < INFINITY;
+    const float r = ok ? (float)MOE_ATTN_W16 / top : 0.0f, unit = ok ? top / MOE_ATTN_W16 : 0.0f;
+    for (int b = 0; b < a->dv / MOE_QK32; b++) {
+        attn_tile_v_scales(a, b, d);
+        for (int e = 0; e < MOE_QK32; e++) {
+            int32_t acc = 0;
+            for (int j = 0; j < a->n_key; j++)
+                acc += attn_weight16(p[j] * r * d[j]) * attn_tile_v_block(a, j, b)->qs[e];
+            y[b * MOE_QK32 + e] = fmaf(unit, (float)acc, y[b * MOE_QK32 + e]);
+        }
+    }
+}
+
 void moe_ref_attn_tile(const moe_attn_tile_args *a) {
     for (int i = 0; i < a->nq; i++) {
         float s[MOE_ATTN_TILE_KEYS], m = a->m[i];
@@ -545,12 +595,19 @@ void moe_ref_attn_tile(const moe_attn_tile_args *a) {
         float *y = a->out[i], l = a->l[i] * c;
         if (c != 1.0f)
             for (int d = 0; d < a->dv; d++) y[d] = y[d] * c + 0.0f;
+        float p[MOE_ATTN_TILE_KEYS];
         for (int j = 0; j < a->n_key; j++) {
-            const float p = moe_attn_exp(s[j] - m);
-            const void *vj = (const uint8_t *)a->v + j * a->v_stride;
-            l += p;
-            for (int d = 0; d < a->dv; d++) y[d] = fmaf(p, kv_value(vj, a->kv_type, d), y[d]);
+            p[j] = moe_attn_exp(s[j] - m);
+            l += p[j];
         }
+        if (a->kv_type == MOE_TYPE_Q8_0)
+            attn_tile_mix_q8(a, p, y);
+        else
+            for (int j = 0; j < a->n_key; j++) {
+                const void *vj = (const uint8_t *)a->v + j * a->v_stride;
+                for (int d = 0; d < a->dv; d++)
+                    y[d] = fmaf(p[j], kv_value(vj, a->kv_type, d), y[d]);
+            }
         a->m[i] = m;
         a->l[i] = l;
     }

@@ -630,6 +630,95 @@ MOE_INLINE void attn_mix_block8(const moe_attn_tile_args *a, const float *vc,
         }
 }
 
+/* A Q8_0 cache's mix: integer sums (quant.h). Block b of the tile's V values as int16 pairs of
+ * keys, out [n_pair][32][2] (the pad key's zero); the first block also sends the next tile's
+ * rows on their way. */
+static void attn_v_pairs8(const moe_attn_tile_args *a, int b, int16_t *out) {
+    for (int j = 0; j < a->n_key; j += 2) {
+        const uint8_t *r0 = (const uint8_t *)a->v + j * a->v_stride;
+        const int8_t *q0 = ((const moe_block_q8_0 *)r0 + b)->qs;
+        const int8_t *q1 =
+            j + 1 < a->n_key ? ((const moe_block_q8_0 *)(r0 + a->v_stride) + b)->qs : NULL;
+        if (b == 0) {
+            const int64_t bytes = (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dv);
+            avx2_attn_prefetch_next(r0, a->v_stride, bytes);
+            if (q1) avx2_attn_prefetch_next(r0 + a->v_stride, a->v_stride, bytes);
+        }
+        for (int e = 0; e < MOE_QK32; e += 8) { /* values e..e+7: 8 pairs, one register */
+            const __m128i k0 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(q0 + e)));
+            const __m128i k1 = q1 ? _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(q1 + e)))
+                                  : _mm_setzero_si128();
+            _mm256_storeu_si256(
+                (__m256i *)(out + 32 * j + 2 * e),
+                _mm256_set_m128i(_mm_unpackhi_epi16(k0, k1), _mm_unpacklo_epi16(k0, k1)));
+        }
+    }
+}
+
+/* out[i..i+nq-1]'s values of block b += unit[i..] x the integer sums of the weights (int16
+ * pairs beside the values' pairs, vpmaddwd) over the tile's pairs. */
+MOE_INLINE void attn_mix_q8_rows8(const moe_attn_tile_args *a, const int16_t *vp,
+                                  int32_t (*w)[MOE_ATTN_TILE_QV], int b, const float *unit, int i,
+                                  int nq) {
+    __m256i acc[2][4];
+    _Pragma("GCC unroll 2") for (int r = 0; r < nq; r++)
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) acc[r][u] = _mm256_setzero_si256();
+    for (int p = 0; p < (a->n_key + 1) / 2; p++) {
+        __m256i v[4];
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) v[u] =
+            _mm256_loadu_si256((const __m256i *)(vp + 64 * p + 16 * u));
+        _Pragma("GCC unroll 2") for (int r = 0; r < nq; r++) {
+            const __m256i wr = _mm256_set1_epi32(w[p][i + r]);
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) acc[r][u] =
+                _mm256_add_epi32(acc[r][u], _mm256_madd_epi16(v[u], wr));
+        }
+    }
+    _Pragma("GCC unroll 2") for (int r = 0; r < nq; r++)
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+        float *y = a->out[i + r] + MOE_QK32 * b + 8 * u;
+        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_set1_ps(unit[i + r]),
+                                            _mm256_cvtepi32_ps(acc[r][u]), _mm256_loadu_ps(y)));
+    }
+}
+
+static void attn_mix_q8(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV]) {
+    int32_t w[MOE_ATTN_TILE_KEYS / 2][MOE_ATTN_TILE_QV];
+    float mk[MOE_ATTN_TILE_KEYS], unit[MOE_ATTN_TILE_QV];
+    const float *vd = a->scratch; /* the scales, then one block's value pairs */
+    int16_t *vp = avx2_attn_v_scales(a, mk);
+    const int nv = (a->nq + 7) / 8;
+    for (int v = 0; v < nv; v++) { /* top, r and unit; the weights x r in st */
+        __m256 top = _mm256_setzero_ps();
+        for (int j = 0; j < a->n_key; j++)
+            top = _mm256_max_ps(
+                _mm256_mul_ps(_mm256_loadu_ps(&st[j][8 * v]), _mm256_set1_ps(mk[j])), top);
+        const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(top, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                        _mm256_cmp_ps(top, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+        const __m256 w16 = _mm256_set1_ps((float)MOE_ATTN_W16);
+        const __m256 r = _mm256_and_ps(ok, _mm256_div_ps(w16, top));
+        _mm256_storeu_ps(unit + 8 * v, _mm256_and_ps(ok, _mm256_div_ps(top, w16)));
+        for (int j = 0; j < a->n_key; j++)
+            _mm256_storeu_ps(&st[j][8 * v], _mm256_mul_ps(_mm256_loadu_ps(&st[j][8 * v]), r));
+    }
+    for (int b = 0; b < a->dv / MOE_QK32; b++) {
+        attn_v_pairs8(a, b, vp);
+        for (int j = 0; j < a->n_key; j += 2) /* the weights: w[p][i] keys 2p, 2p + 1's */
+            for (int v = 0; v < nv; v++) {
+                const __m256 p1 =
+                    j + 1 < a->n_key ? _mm256_loadu_ps(&st[j + 1][8 * v]) : _mm256_setzero_ps();
+                const __m256i w0 = _mm256_cvtps_epi32(_mm256_mul_ps(
+                    _mm256_loadu_ps(&st[j][8 * v]), _mm256_set1_ps(vd[b * AVX2_ATTN_VD + j])));
+                const __m256i w1 = _mm256_cvtps_epi32(
+                    _mm256_mul_ps(p1, _mm256_set1_ps(vd[b * AVX2_ATTN_VD + j + 1])));
+                _mm256_storeu_si256((__m256i *)&w[j / 2][8 * v],
+                                    _mm256_blend_epi16(w0, _mm256_slli_epi32(w1, 16), 0xaa));
+            }
+        int i = 0;
+        for (; i + 2 <= a->nq; i += 2) attn_mix_q8_rows8(a, vp, w, b, unit, i, 2);
+        for (; i < a->nq; i++) attn_mix_q8_rows8(a, vp, w, b, unit, i, 1);
+    }
+}
+
 static void attn_tile8(const moe_attn_tile_args *a) {
     _Alignas(64) float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* scores, then weights */
     float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], c[MOE_ATTN_TILE_QV];
@@ -691,6 +780,10 @@ static void attn_tile8(const moe_attn_tile_args *a) {
                 y + d, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(y + d), _mm256_set1_ps(c[i])),
                                      _mm256_setzero_ps()));
         for (; d < a->dv; d++) y[d] = y[d] * c[i] + 0.0f;
+    }
+    if (a->kv_type == MOE_TYPE_Q8_0) {
+        attn_mix_q8(a, st);
+        return;
     }
     attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
     int i = 0;

@@ -471,6 +471,28 @@ MOE_INLINE void avx2_attn_pad_keys(float *out, int n_key, int dim) {
     memset(out + (int64_t)n_key * dim, 0, sizeof(float) * (size_t)((-n_key & 15) * dim));
 }
 
+/* A Q8_0 cache's tile, for the integer mix (quant.h): its V block scales as f32 into the scratch,
+ * block b's at scratch + b * AVX2_ATTN_VD (the pad key of a pair 0), and each key's largest
+ * |scale| mk[j] (a NaN passed over), as the scalar reference takes them. Returns the scratch past
+ * the scales, room for one block's value pairs (64 keys x 32 x 4 bytes). */
+#define AVX2_ATTN_VD (MOE_ATTN_TILE_KEYS + 16) /* floats per block: the rows on cache lines */
+MOE_INLINE int16_t *avx2_attn_v_scales(const moe_attn_tile_args *a, float *mk) {
+    float *vd = a->scratch;
+    for (int j = 0; j < a->n_key; j++) {
+        const moe_block_q8_0 *vb =
+            (const moe_block_q8_0 *)((const uint8_t *)a->v + j * a->v_stride);
+        float m = 0.0f;
+        for (int b = 0; b < a->dv / MOE_QK32; b++) {
+            const float d = avx2_fp16(vb[b].d);
+            vd[b * AVX2_ATTN_VD + j] = d;
+            m = fabsf(d) > m ? fabsf(d) : m;
+        }
+        mk[j] = m;
+    }
+    for (int b = 0; b < a->dv / MOE_QK32 && a->n_key & 1; b++) vd[b * AVX2_ATTN_VD + a->n_key] = 0;
+    return (int16_t *)(vd + a->dv / MOE_QK32 * AVX2_ATTN_VD);
+}
+
 /* moe_attn_exp's polynomial at either width (P: _mm256 or _mm512, T: its float vector): from x
  * and n = its nearest multiple of 1 / ln 2, the y that 2^n then scales. */
 #define AVX_ATTN_EXP_POLY_FN(name, P, T)                                                           \

@@ -954,6 +954,119 @@ MOE_INLINE void z_attn_mix_rows(const moe_attn_tile_args *a, const float *vc,
     }
 }
 
+/* ---- A Q8_0 cache's mix: integer sums (quant.h) ----
+ * Per V block: the tile's values as int16 pairs of keys (lane e of a register: keys 2p and
+ * 2p + 1's value e), the weights as int16 pairs beside them (broadcast), so one vpdpwssd takes 2
+ * keys x 16 values of a query vector; 8 vectors x the block's 32 values, the values loaded once
+ * for the 8. */
+
+/* Block b of the tile's V values as pairs, out [n_pair][32][2], the pad key's zero; the first
+ * block also sends the next tile's rows on their way. */
+static void z_attn_v_pairs(const moe_attn_tile_args *a, int b, int16_t *out) {
+    /* a's values e (lo: 0..15, hi: 16..31) with b's beside them */
+    static const int16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                       37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                       11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int j = 0; j < a->n_key; j += 2) {
+        const uint8_t *r0 = (const uint8_t *)a->v + j * a->v_stride;
+        const __m512i k0 = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256((const __m256i *)((const moe_block_q8_0 *)r0 + b)->qs));
+        __m512i k1 = _mm512_setzero_si512();
+        if (j + 1 < a->n_key)
+            k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                (const __m256i *)((const moe_block_q8_0 *)(r0 + a->v_stride) + b)->qs));
+        if (b == 0) {
+            const int64_t bytes = (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dv);
+            avx2_attn_prefetch_next(r0, a->v_stride, bytes);
+            if (j + 1 < a->n_key) avx2_attn_prefetch_next(r0 + a->v_stride, a->v_stride, bytes);
+        }
+        _mm512_storeu_si512(out + 32 * j, _mm512_permutex2var_epi16(k0, lo, k1));
+        _mm512_storeu_si512(out + 32 * j + 32, _mm512_permutex2var_epi16(k0, hi, k1));
+    }
+}
+
+/* The weights (already x r) of a block as int16 pairs, g its keys' scales: w[p][i] = keys 2p
+ * and 2p + 1's for vector i. */
+static void z_attn_w_pairs(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
+                           const float *g, int32_t (*w)[MOE_ATTN_TILE_QV]) {
+    const int nv = (a->nq + 15) / 16;
+    for (int j = 0; j < a->n_key; j += 2) {
+        const __m512 g0 = _mm512_set1_ps(g[j]), g1 = _mm512_set1_ps(g[j + 1]);
+        for (int v = 0; v < nv; v++) {
+            const __m512 p1 =
+                j + 1 < a->n_key ? _mm512_loadu_ps(&st[j + 1][16 * v]) : _mm512_setzero_ps();
+            const __m512i w0 =
+                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(&st[j][16 * v]), g0));
+            const __m512i w1 = _mm512_cvtps_epi32(_mm512_mul_ps(p1, g1));
+            _mm512_storeu_si512(&w[j / 2][16 * v],
+                                _mm512_mask_blend_epi16(0xaaaaaaaa, w0, _mm512_slli_epi32(w1, 16)));
+        }
+    }
+}
+
+#if MOE_AVX512_VNNI
+/* z_dp_i16 written out: around the intrinsic GCC 12 copies every accumulator twice and spills
+ * (the mix's loop below ran slower than the f32 one it replaces, Zen 5). */
+MOE_INLINE __m512i z_attn_dp_i16(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+#else
+#define z_attn_dp_i16 z_dp_i16
+#endif
+
+/* out[i..i+nq-1]'s values of block b += unit[i..] x the integer sums over the tile's pairs. */
+MOE_INLINE void z_attn_mix_q8_rows(const moe_attn_tile_args *a, const int16_t *vp,
+                                   int32_t (*w)[MOE_ATTN_TILE_QV], int b, const float *unit, int i,
+                                   int nq) {
+    __m512i acc[8][2];
+    _Pragma("GCC unroll 8") for (int r = 0; r < nq; r++) acc[r][0] = acc[r][1] =
+        _mm512_setzero_si512();
+    for (int p = 0; p < (a->n_key + 1) / 2; p++) {
+        const __m512i v0 = _mm512_loadu_si512(vp + 64 * p),
+                      v1 = _mm512_loadu_si512(vp + 64 * p + 32);
+        _Pragma("GCC unroll 8") for (int r = 0; r < nq; r++) {
+            const __m512i wr = _mm512_set1_epi32(w[p][i + r]);
+            acc[r][0] = z_attn_dp_i16(acc[r][0], v0, wr);
+            acc[r][1] = z_attn_dp_i16(acc[r][1], v1, wr);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < nq; r++)
+        _Pragma("GCC unroll 2") for (int u = 0; u < 2; u++) {
+        float *y = a->out[i + r] + MOE_QK32 * b + 16 * u;
+        _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_set1_ps(unit[i + r]),
+                                            _mm512_cvtepi32_ps(acc[r][u]), _mm512_loadu_ps(y)));
+    }
+}
+
+static void z_attn_mix_q8(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV]) {
+    _Alignas(64) int32_t w[MOE_ATTN_TILE_KEYS / 2][MOE_ATTN_TILE_QV];
+    float mk[MOE_ATTN_TILE_KEYS], unit[MOE_ATTN_TILE_QV];
+    const float *vd = a->scratch; /* the scales, then one block's value pairs */
+    int16_t *vp = avx2_attn_v_scales(a, mk);
+    for (int v = 0; v < (a->nq + 15) / 16; v++) { /* top, r and unit; the weights x r in st */
+        __m512 top = _mm512_setzero_ps();
+        for (int j = 0; j < a->n_key; j++)
+            top = _mm512_max_ps(
+                _mm512_mul_ps(_mm512_loadu_ps(&st[j][16 * v]), _mm512_set1_ps(mk[j])), top);
+        const __mmask16 ok = _mm512_cmp_ps_mask(top, _mm512_setzero_ps(), _CMP_GT_OQ) &
+                             _mm512_cmp_ps_mask(top, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+        const __m512 w16 = _mm512_set1_ps((float)MOE_ATTN_W16),
+                     r = _mm512_maskz_div_ps(ok, w16, top);
+        _mm512_storeu_ps(unit + 16 * v, _mm512_maskz_div_ps(ok, top, w16));
+        for (int j = 0; j < a->n_key; j++)
+            _mm512_storeu_ps(&st[j][16 * v], _mm512_mul_ps(_mm512_loadu_ps(&st[j][16 * v]), r));
+    }
+    for (int b = 0; b < a->dv / MOE_QK32; b++) {
+        z_attn_v_pairs(a, b, vp);
+        z_attn_w_pairs(a, st, vd + b * AVX2_ATTN_VD, w);
+        int i = 0;
+        for (; i + 8 <= a->nq; i += 8) z_attn_mix_q8_rows(a, vp, w, b, unit, i, 8);
+        for (; i < a->nq; i++) z_attn_mix_q8_rows(a, vp, w, b, unit, i, 1);
+    }
+}
+
 static void z_attn_tile(const moe_attn_tile_args *a) {
     _Alignas(64) float st[MOE_ATTN_TILE_KEYS][MOE_ATTN_TILE_QV]; /* weights: st[key][vector] */
     float m[MOE_ATTN_TILE_QV], l[MOE_ATTN_TILE_QV], c[MOE_ATTN_TILE_QV];
@@ -970,6 +1083,10 @@ static void z_attn_tile(const moe_attn_tile_args *a) {
             const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, a->out[i] + d), ci);
             _mm512_mask_storeu_ps(a->out[i] + d, mask, _mm512_add_ps(y, _mm512_setzero_ps()));
         }
+    }
+    if (a->kv_type == MOE_TYPE_Q8_0) {
+        z_attn_mix_q8(a, st);
+        return;
     }
     z_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
     int i = 0;
