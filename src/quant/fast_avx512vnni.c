@@ -843,9 +843,9 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
  * the bits are the file layout's. IQ3_S stays in the file's layout: decoded the same way (its
  * 9-bit indices through z_lookup_planes' four tables) its tile cost more than the per-row lanes
  * path at 1 .. 4 activation rows (0.7x at one row in cache, 0.74x from DRAM; 1.1x at 16); so does
- * IQ2_S (entries gathered as IQ2_XXS's were: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16,
- * against the lanes path before its own decode gathered its entries, 1.4x at one row), whose
- * rows are decode's bulk. */
+ * IQ2_S, whose rows are decode's bulk (Intel with AMX, when both layouts still gathered their grid
+ * entries: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16; not measured again since both look
+ * them up in code planes). */
 
 /* The byte mask of tile register 8s + e (values 4e .. 4e + 3 of each row's 32) from 16 rows'
  * 32-bit words for values 32s .. (bit i: value 32s + i): byte 4v + c gets bit 4e + c of lane v.
