@@ -133,6 +133,14 @@ MOE_INLINE __m512i fast_dpbusd_bcast(__m512i acc, __m512i u, const uint8_t *p) {
     return acc;
 }
 
+/* A zeroed register by the zeroing idiom (vpxord r, r, r: the renamer's, no uop executed),
+ * where GCC 12 would copy one zero register into every chain with a vmovdqa32. */
+MOE_INLINE __m512i fast_zero(void) {
+    __m512i z;
+    __asm__ volatile("vpxord %0, %0, %0" : "=v"(z)); /* volatile: one per chain, not CSEd */
+    return z;
+}
+
 /* fast_rows' values under scale s of one block (tile t, the activations' block i): each row's
  * chain of vpdpbusd (from the offset's term), times the scale, into sum[r]. A vpdpbusd waits ~4
  * cycles on its chain and two issue a cycle (Zen 5), so 8 chains keep the multiply busy: from
@@ -152,7 +160,7 @@ MOE_INLINE void fast_rows_scale(int R, fast_type type, const fast_tile *t, int s
             int32_t off = 0;
             for (int k = h; type.offset && k < per; k += chains)
                 off -= type.offset * bsums[per * s + k];
-            part[h][r] = _mm512_set1_epi32(off);
+            part[h][r] = type.offset ? _mm512_set1_epi32(off) : fast_zero();
         }
 #pragma GCC unroll 8
     for (int c = 0; c < 4 * per; c++) {
