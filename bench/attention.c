@@ -7,8 +7,8 @@
  * a prefill of --rows query rows sits at positions depth..depth+rows-1 (blocks of
  * MOE_ATTN_BLOCK_ROWS for the tiled path), a decode is one row at `depth`. Figures are the median
  * of --runs passes (default 3) in thread CPU time (what a loaded machine's wall clock would
- * blur) and in ns per (query row x head x key). The trap: this is one layer's attention only;
- * `moe bench --depth` gives the whole model's rate. */
+ * blur) and in ns per (query row x head x key); --tiled-only leaves the per-row path out (nan). The
+ * trap: this is one layer's attention only; `moe bench --depth` gives the whole model's rate. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,6 +71,7 @@ int main(int argc, char **argv) {
     int64_t depth = 8192;
     int rows = 64, runs = 3;
     moe_type kv_type = MOE_TYPE_F16;
+    bool tiled_only = false; /* the per-row path takes seconds at depth: skip it while tuning */
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--depth") && v)
@@ -79,12 +80,15 @@ int main(int argc, char **argv) {
             rows = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--runs") && v)
             runs = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--tiled-only"))
+            tiled_only = true;
         else if (!strcmp(argv[i], "--kv-type") && v && moe_type_from_name(argv[++i], &kv_type) &&
                  (kv_type == MOE_TYPE_F16 || kv_type == MOE_TYPE_Q8_0 || kv_type == MOE_TYPE_F32))
             continue;
         else {
             fprintf(stderr,
-                    "usage: %s [--depth N] [--rows N] [--runs N] [--kv-type f16|q8_0|f32]\n",
+                    "usage: %s [--depth N] [--rows N] [--runs N] [--kv-type f16|q8_0|f32] "
+                    "[--tiled-only]\n",
                     argv[0]);
             return 2;
         }
@@ -125,7 +129,10 @@ int main(int argc, char **argv) {
         const int n = test ? 1 : rows;
         double sec[2][64];
         for (int r = 0; r < runs; r++)
-            for (int tiled = 0; tiled < 2; tiled++) sec[tiled][r] = run(&c, depth, n, tiled);
+            for (int tiled = tiled_only; tiled < 2; tiled++)
+                sec[tiled][r] = run(&c, depth, n, tiled);
+        if (tiled_only)
+            for (int r = 0; r < runs; r++) sec[0][r] = NAN;
         qsort(sec[0], (size_t)runs, sizeof(double), cmp_double);
         qsort(sec[1], (size_t)runs, sizeof(double), cmp_double);
         const double a = sec[0][runs / 2], b = sec[1][runs / 2];

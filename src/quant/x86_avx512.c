@@ -597,18 +597,31 @@ MOE_INLINE __m512 z_load16_kv_upto(const void *row, moe_type kv_type, int d, int
 }
 
 /* n_key rows of a KV tile as f32, dim values each, into out [n_key][dim], rows padded with
- * zeros to a multiple of 16. */
+ * zeros to a multiple of 16; with `prefetch`, the next tile's rows sent on their way. */
 static void z_attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
-                           float *out) {
+                           float *out, bool prefetch) {
     const int64_t bytes = (int64_t)moe_type_row_bytes(kv_type, dim);
     for (int j = 0; j < n_key; j++) {
         const void *row = (const uint8_t *)x + j * stride;
-        avx2_attn_prefetch_next(row, stride, bytes);
+        if (prefetch) avx2_attn_prefetch_next(row, stride, bytes);
         for (int d = 0; d < dim; d += 16)
             _mm512_mask_storeu_ps(out + (int64_t)j * dim + d, z_mask16(dim - d),
                                   z_load16_kv_upto(row, kv_type, d, dim));
     }
     avx2_attn_pad_keys(out, n_key, dim);
+}
+
+/* The next tile's key j, K and V rows, on their way. The lanes' f32 / f16 scores send them a few
+ * keys at a time between their fmas rather than all at once in the converts: a burst of 512
+ * prefetches stalled there (the converts took ~19% of pp256@d8192 with an f16 cache, nearly all
+ * on the prefetches and the loads after them); spread, bench/attention --tiled-only pp256@d8192
+ * f16, one thread, medians of 5 under load ~5, 11 alternations, Zen 5: 4.22 -> 3.89 ns per row x
+ * head x key. */
+MOE_INLINE void z_attn_prefetch_key(const moe_attn_tile_args *a, int j) {
+    avx2_attn_prefetch_next((const uint8_t *)a->k + j * a->k_stride, a->k_stride,
+                            (int64_t)moe_type_row_bytes(a->kv_type, a->dk));
+    avx2_attn_prefetch_next((const uint8_t *)a->v + j * a->v_stride, a->v_stride,
+                            (int64_t)moe_type_row_bytes(a->kv_type, a->dv));
 }
 
 /* Scaled scores of keys j..j+nk-1 of the tile for nv registers of query vectors from vector i0
@@ -621,6 +634,7 @@ MOE_INLINE void z_attn_scores_keys(const moe_attn_tile_args *a, const float *kc,
     _Pragma("GCC unroll 8") for (int u = 0; u < nk; u++)
         _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) acc[u][v] = _mm512_setzero_ps();
     const float *k0 = kc + (int64_t)j * a->dk;
+    for (int u = 0; i0 == 0 && u < nk && j + u < a->n_key; u++) z_attn_prefetch_key(a, j + u);
     for (int d = 0; d < a->dk; d++) {
         __m512 q[4];
         _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) q[v] =
@@ -772,7 +786,7 @@ static void z_attn_softmax_lanes(const moe_attn_tile_args *a, float (*st)[MOE_AT
     if (a->kv_type == MOE_TYPE_Q8_0)
         z_attn_q8_scores(a, nv, vlo, vhi, st, mx);
     else
-        z_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
+        z_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch, false);
     for (int v = 0; v < nv && a->kv_type != MOE_TYPE_Q8_0; v += 4) /* 64 vectors at a time */
         switch (nv - v) {
         case 1:
@@ -1088,7 +1102,8 @@ static void z_attn_tile(const moe_attn_tile_args *a) {
         z_attn_mix_q8(a, st);
         return;
     }
-    z_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
+    /* the lanes' scores sent the next tile's V rows (z_attn_prefetch_key), the pairs' did not */
+    z_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch, a->nq <= 8);
     int i = 0;
     for (; i + 4 <= a->nq; i += 4) z_attn_mix_rows(a, a->scratch, st, i, 4);
     for (; i < a->nq; i++) z_attn_mix_rows(a, a->scratch, st, i, 1);
