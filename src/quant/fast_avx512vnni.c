@@ -727,8 +727,81 @@ MOE_INLINE void fast_lanes_block(int R, fast_type t, const z_iqb *b, const uint8
     *d = b->d;
 }
 
+/* Eight pairs' sums (z_grid2_dp_dot: lanes 0..7 weight row 2p's, 8..15 row 2p + 1's) summed
+ * over their lanes into lane v = row v (integer adds: exact in any order). */
+MOE_INLINE __m512i fast_sum8x2(const __m512i s[8]) {
+    __m512i t[4], u[2];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) /* 128-bit lane L: s[2p], s[2p + 1], s[2p], s[2p + 1] */
+        t[p] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * p], s[2 * p + 1]),
+                                _mm512_unpackhi_epi32(s[2 * p], s[2 * p + 1]));
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; q++) /* 128-bit lane L: L's whole sum of s[4q .. 4q + 3] */
+        u[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * q], t[2 * q + 1]),
+                                _mm512_unpackhi_epi64(t[2 * q], t[2 * q + 1]));
+    /* 128-bit lanes: rows 0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15 */
+    const __m512i rows = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88),
+                                          _mm512_shuffle_i32x4(u[0], u[1], 0xdd));
+    return _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), rows);
+}
+
+/* fast_lanes_iq for the types with a vpdpbusd pair decode (z_grid2_dp): each activation row's
+ * block put in the pairs' order once, then every pair of weight rows decoded once and met by
+ * each activation row. The same int32 block sums and the same fma as fast_lanes_iq, so its
+ * bits. */
+MOE_INLINE void fast_lanes_grid2(int R, fast_type t, z_grid2_dp_fn decode, const uint8_t *w,
+                                 size_t ws, int n_w, const uint8_t *x, size_t xs, int64_t nb,
+                                 float *out, int64_t os) {
+    const int pairs = (n_w + 1) / 2;
+    __m512 acc[FAST_TILE_MIN_ROWS];
+    __m512i part[FAST_TILE_MIN_ROWS][8];
+    float d[16] __attribute__((aligned(64))) = {0};
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        for (int p = pairs; p < 8; p++) part[r][p] = _mm512_setzero_si512();
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        const int64_t a = i + FAST_LANES_AHEAD; /* past the row: row v + 16, from its start */
+        const size_t ahead = a < nb ? (size_t)a * t.block_bytes
+                                    : MOE_DOT_TILE_W * ws + (size_t)(a - nb) * t.block_bytes;
+        __m512i xr[FAST_TILE_MIN_ROWS][2][4];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            z_grid2_dp_x(((const moe_block_q8_k *)(x + (size_t)r * xs) + i)->qs, xr[r]);
+        for (int p = 0; p < pairs; p++) {
+            const uint8_t *block[2];
+            for (int h = 0; h < 2; h++) { /* a lone last row twice */
+                const uint8_t *row = w + (2 * p + h < n_w ? 2 * p + h : 2 * p) * ws;
+                block[h] = row + (size_t)i * t.block_bytes;
+                fast_prefetch(row + ahead, t.block_bytes);
+            }
+            z_grid2_dp g;
+            decode(block[0], block[1], &g);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) part[r][p] = z_grid2_dp_dot(&g, xr[r]);
+            d[2 * p] = g.d[0], d[2 * p + 1] = g.d[1];
+        }
+        const __m512 dw = _mm512_load_ps(d);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+            acc[r] = _mm512_fmadd_ps(
+                _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y->d)), _mm512_set1_ps(t.mult)),
+                _mm512_cvtepi32_ps(fast_sum8x2(part[r])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(out + r * os, (__mmask16)((1u << n_w) - 1), acc[r]);
+}
+
 MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, int n_w,
                               const uint8_t *x, size_t xs, int64_t nb, float *out, int64_t os) {
+    const z_grid2_dp_fn grid2 = z_grid2_dp_of(t.regs);
+    if (grid2) {
+        fast_lanes_grid2(R, t, grid2, w, ws, n_w, x, xs, nb, out, os);
+        return;
+    }
     const z_iqb2_fn pair = z_iqb2_of(t.regs); /* rows two at a time through it */
     const int step = pair ? 2 : 1;
     __m512 acc[FAST_TILE_MIN_ROWS];
