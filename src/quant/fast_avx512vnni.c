@@ -797,7 +797,7 @@ MOE_INLINE void fast_lanes_grid2(int R, fast_type t, z_grid2_dp_fn decode, const
 
 MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, int n_w,
                               const uint8_t *x, size_t xs, int64_t nb, float *out, int64_t os) {
-    const z_grid2_dp_fn grid2 = z_grid2_dp_of(t.regs);
+    const z_grid2_dp_fn grid2 = z_grid2_dp_of(t.regs, R);
     if (grid2) {
         fast_lanes_grid2(R, t, grid2, w, ws, n_w, x, xs, nb, out, os);
         return;

@@ -563,9 +563,15 @@ MOE_INLINE void z_dp_iq2_xs(const void *block0, const void *block1, z_grid2_dp *
     z_grid2_dp_scales(b0->scales, b1->scales, b0->d, b1->d, o);
 }
 
-/* The vpdpbusd pair decode of a type with a single-block decode one (NULL: none). */
-MOE_INLINE z_grid2_dp_fn z_grid2_dp_of(z_iqb_fn one) {
-    return one == z_iqb_iq2_s_one ? z_dp_iq2_s : one == z_iqb_iq2_xs_one ? z_dp_iq2_xs : NULL;
+/* The vpdpbusd pair decode of a type with a single-block decode one, for `rows` activation rows
+ * (NULL: none, or slower there than the value-order decode). IQ2_S only up to 2 rows: Zen 5,
+ * bench/kernels --tile --mib 256, 1 thread, 3 runs alternated (load 3.6-4.8), GB/s before ->
+ * after: 8.9 -> 9.9 at one row, 7.5 -> 8.4 at two, but 6.7 -> 6.0 at three, 5.9 -> 5.7 at four,
+ * 4.0 -> 3.8 at seven (its 16 lookups and 14 blends a pair leave the rows' work fewer registers);
+ * IQ2_XS (8 lookups) gains at every count: 5.2 -> 6.6 at four, 3.6 -> 4.4 at seven. */
+MOE_INLINE z_grid2_dp_fn z_grid2_dp_of(z_iqb_fn one, int rows) {
+    if (one == z_iqb_iq2_s_one) return rows <= 2 ? z_dp_iq2_s : NULL;
+    return one == z_iqb_iq2_xs_one ? z_dp_iq2_xs : NULL;
 }
 
 #endif
