@@ -445,8 +445,11 @@ Z_IQB_ONE(iq2_xs)
  * 8 ^ 17 a ^ 35 b (8, 25, 43): affine over GF(2), so one gf2p8affineqb per value position i turns
  * code i of every byte into its magnitude (z_grid2_affine). mag[h][i] dword (L, m) then holds
  * values i and 4 + i of entries e and e + 1: over i = 0..3, the 16 values of scale group e / 2.
- * Zen 5, one thread, weights in cache: a prototype of this ran a block in 18.7-20.2 cycles where
- * the value-order decode and its multiply took 29.7-31.6 (load 4-8). */
+ * Zen 5, bench/kernels --tile --mib 1 (L2), one thread, one activation row, medians of 4 runs
+ * alternated (load 2.6-2.9): IQ2_S 10.1 -> 11.6 GB/s (~26 -> 23 cycles a block at 3.25 GHz),
+ * IQ2_XS 10.0 -> 12.5 (~24 -> 19); from DRAM (256 MiB, load 3.6-4.3) IQ2_S 8.9 -> 9.9. The
+ * lookups bound it: 16 vpermi2b a pair for IQ2_S, each with both tables loaded (vpermt2b
+ * overwrites one). */
 typedef struct {
     __m512i mag[2][4];   /* magnitudes, unsigned, in the layout above */
     __mmask64 neg[2][4]; /* their sign bits */
