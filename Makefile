@@ -31,7 +31,7 @@ TEST_LDLIBS = -lcmocka -ljansson
 ISA_avx2       = -mavx2 -mfma -mf16c
 ISA_avxvnni    = $(ISA_avx2) -mavxvnni
 ISA_avx512     = $(ISA_avx2) -mavx512f -mavx512bw -mavx512vl -mavx512dq
-ISA_avx512vnni = $(ISA_avx512) -mavx512vnni -mavx512vbmi -mavx512bf16
+ISA_avx512vnni = $(ISA_avx512) -mavx512vnni -mavx512vbmi -mavx512bf16 -mgfni -mbmi2
 # first match wins: *_avx512vnni.c must not also pick up the avx512 suffix rule
 # (pick the first matching ISA name, then expand its flags: `word 1` of the flags would keep -mavx2)
 isa_of = $(ISA_$(word 1,$(foreach i,avx512vnni avx512 avx2,$(if $(filter %_$(i).c,$(1)),$(i)))))

@@ -101,7 +101,9 @@ static void isa_levels_resolve(void **state) {
     assert_int_equal(moe_cpu_levels_of(&f), 1u | adl);
     f.avxvnni = false, f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = true; /* Skylake-X */
     assert_int_equal(moe_cpu_levels_of(&f), 1u | skx);
-    f.avx512vnni = f.avx512vbmi = true; /* Ice Lake */
+    f.avx512vnni = f.avx512vbmi = true; /* without GFNI and BMI2 (no such CPU): not the level */
+    assert_int_equal(moe_cpu_levels_of(&f), 1u | skx);
+    f.gfni = f.bmi2 = true; /* Ice Lake */
     assert_int_equal(moe_cpu_levels_of(&f), 1u | skx | 1u << MOE_ISA_AVX512VNNI);
     f.avxvnni = f.amx_tile = f.amx_int8 = true; /* Sapphire Rapids: amx is still the best */
     assert_int_equal(moe_cpu_levels_of(&f), 1u | all);

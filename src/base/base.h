@@ -219,7 +219,8 @@ typedef enum moe_isa {
     MOE_ISA_AVX2,       /* AVX2 + FMA + F16C, OS saves YMM */
     MOE_ISA_AVXVNNI,    /* avx2 + AVX-VNNI (VEX vpdpbusd on ymm; Alder Lake on): not below avx512 */
     MOE_ISA_AVX512,     /* + AVX-512 F/BW/VL/DQ, OS saves ZMM and opmasks */
-    MOE_ISA_AVX512VNNI, /* + AVX-512 VNNI and VBMI (BF16 is reported, not required) */
+    MOE_ISA_AVX512VNNI, /* + AVX-512 VNNI and VBMI, GFNI and BMI2 (BF16 is reported, not
+                         * required) */
     MOE_ISA_AMX,        /* + AMX tiles and int8 products, OS saves tile state, and Linux let this
                          * process use it (arch_prctl ARCH_REQ_XCOMP_PERM, asked once at detection) */
     MOE_ISA_COUNT
@@ -229,6 +230,7 @@ typedef struct moe_cpu_features {
     bool avx2, fma, f16c;
     bool avx512f, avx512bw, avx512vl, avx512dq;
     bool avx512vnni, avx512vbmi, avx512bf16;
+    bool gfni, bmi2;         /* GF2P8AFFINEQB (any width), PEXT / PDEP */
     bool avxvnni;            /* AVX-VNNI: CPUID leaf 7 subleaf 1 EAX bit 4 */
     bool amx_tile, amx_int8; /* usable: CPUID, XCR0 tile state and the OS's permission */
     bool os_ymm, os_zmm;     /* XGETBV: the OS saves YMM (and opmask + ZMM) state */

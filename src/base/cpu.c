@@ -90,11 +90,13 @@ static void detect_x86(moe_cpu_features *f) {
         __cpuid_count(7, 0, a, b, c, d);
         const unsigned max_sub = a;
         f->avx2 = b >> 5 & 1;
+        f->bmi2 = b >> 8 & 1;
         f->avx512f = b >> 16 & 1;
         f->avx512dq = b >> 17 & 1;
         f->avx512bw = b >> 30 & 1;
         f->avx512vl = b >> 31 & 1;
         f->avx512vbmi = c >> 1 & 1;
+        f->gfni = c >> 8 & 1;
         f->avx512vnni = c >> 11 & 1;
         f->amx_tile = d >> 24 & 1;
         f->amx_int8 = d >> 25 & 1;
@@ -135,7 +137,9 @@ unsigned moe_cpu_levels_of(const moe_cpu_features *f) {
     if (f->avxvnni) set |= 1u << MOE_ISA_AVXVNNI; /* a branch: not needed by avx512 */
     if (!(f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq)) return set;
     set |= 1u << MOE_ISA_AVX512;
-    if (!(f->avx512vnni && f->avx512vbmi)) return set;
+    /* GFNI and BMI2: the IQ2_S / IQ2_XS pair decodes (x86_avx512_iq.h). Every CPU with VNNI and
+     * VBMI has both (Ice Lake and later, Zen 4 and later), so none loses the level for them */
+    if (!(f->avx512vnni && f->avx512vbmi && f->gfni && f->bmi2)) return set;
     set |= 1u << MOE_ISA_AVX512VNNI;
     if (f->amx_tile && f->amx_int8) set |= 1u << MOE_ISA_AMX;
     return set;
@@ -238,7 +242,7 @@ void moe_cpu_describe(char *buf, size_t size) {
 #define FLAG(x) {#x, offsetof(moe_cpu_features, x)}
         FLAG(avx2),       FLAG(fma),      FLAG(f16c),     FLAG(avxvnni),    FLAG(avx512f),
         FLAG(avx512bw),   FLAG(avx512vl), FLAG(avx512dq), FLAG(avx512vnni), FLAG(avx512vbmi),
-        FLAG(avx512bf16), FLAG(amx_tile), FLAG(amx_int8),
+        FLAG(avx512bf16), FLAG(gfni),     FLAG(bmi2),     FLAG(amx_tile),   FLAG(amx_int8),
 #undef FLAG
     };
     size_t n = (size_t)snprintf(buf, size, "%s", f->brand[0] ? f->brand : "unknown cpu");

@@ -700,17 +700,24 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
  * register: the exact block sums the tile gets, met by the same fma, so the tile's bits (Q4_K
  * and Q5_K: their mins' sums against the bsums likewise, and the second fma). */
 
-/* s[v] summed over its lanes into lane v (integer adds: exact in any order). */
-MOE_INLINE __m512i fast_sum16x16(const __m512i s[16]) {
-    __m512i t[8], u[4];
+/* The n (4, 8 or 16) registers s summed within their 128-bit lanes by fours: dword j of lane L
+ * of u[q] is the sum of lane L of s[4q + j] (integer adds: exact in any order). */
+MOE_INLINE void fast_sum_lanes4(const __m512i *s, int n, __m512i *u) {
+    __m512i t[8];
 #pragma GCC unroll 8
-    for (int p = 0; p < 8; p++) /* 128-bit lane L: s[2p], s[2p + 1], s[2p], s[2p + 1] */
+    for (int p = 0; p < n / 2; p++) /* 128-bit lane L: s[2p], s[2p + 1], s[2p], s[2p + 1] */
         t[p] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * p], s[2 * p + 1]),
                                 _mm512_unpackhi_epi32(s[2 * p], s[2 * p + 1]));
 #pragma GCC unroll 4
-    for (int q = 0; q < 4; q++) /* 128-bit lane L: L's part of s[4q .. 4q + 3] */
+    for (int q = 0; q < n / 4; q++)
         u[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * q], t[2 * q + 1]),
                                 _mm512_unpackhi_epi64(t[2 * q], t[2 * q + 1]));
+}
+
+/* s[v] summed over its lanes into lane v (integer adds: exact in any order). */
+MOE_INLINE __m512i fast_sum16x16(const __m512i s[16]) {
+    __m512i u[4];
+    fast_sum_lanes4(s, 16, u);
     const __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x44),
                                        _mm512_shuffle_i32x4(u[0], u[1], 0xee));
     const __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x44),
@@ -725,6 +732,22 @@ MOE_INLINE __m512i fast_sum16x16(const __m512i s[16]) {
  * is decoded. Q6_K, 2048-value rows, one activation row, 2 threads streaming: 2.8 GB/s without,
  * 4.5 at 1 block ahead, 5.3-5.8 at 2..6; the exact kernel, one row at a time, 4.1 (load 6.5). */
 #define FAST_LANES_AHEAD 4
+
+/* The offset from a row's start of the block to request as block i of nb is decoded: past the
+ * row, row v + 16's, from its start. */
+MOE_INLINE size_t fast_lanes_ahead(fast_type t, size_t ws, int64_t nb, int64_t i) {
+    const int64_t a = i + FAST_LANES_AHEAD;
+    return a < nb ? (size_t)a * t.block_bytes
+                  : MOE_DOT_TILE_W * ws + (size_t)(a - nb) * t.block_bytes;
+}
+/* acc + the 16 weight rows' int32 block sums (lane v: row v) times their scales dw and the
+ * activation block y's: one fma per block. */
+MOE_INLINE __m512 fast_lanes_fma(fast_type t, __m512 acc, __m512 dw, const moe_block_q8_k *y,
+                                 __m512i sums) {
+    return _mm512_fmadd_ps(
+        _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y->d)), _mm512_set1_ps(t.mult)),
+        _mm512_cvtepi32_ps(sums), acc);
+}
 
 /* Weight row v's block (decoded into b) against R activation rows' block i: the int32 sums into
  * part[r][v] (mpart: the mins'), its scales into d, dmin. */
@@ -756,8 +779,70 @@ MOE_INLINE void fast_lanes_block(int R, fast_type t, const z_iqb *b, const uint8
     *d = b->d;
 }
 
+/* Eight pairs' sums (z_grid2_dp_dot: lanes 0..7 weight row 2p's, 8..15 row 2p + 1's) summed
+ * over their lanes into lane v = row v (integer adds: exact in any order). */
+MOE_INLINE __m512i fast_sum8x2(const __m512i s[8]) {
+    __m512i u[2];
+    fast_sum_lanes4(s, 8, u);
+    /* 128-bit lanes: rows 0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15 */
+    const __m512i rows = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88),
+                                          _mm512_shuffle_i32x4(u[0], u[1], 0xdd));
+    return _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), rows);
+}
+
+/* fast_lanes_iq for the types with a vpdpbusd pair decode (z_grid2_dp): each activation row's
+ * block put in the pairs' order once, then every pair of weight rows decoded once and met by
+ * each activation row. The same int32 block sums and the same fma as fast_lanes_iq, so its
+ * bits. */
+MOE_INLINE void fast_lanes_grid2(int R, fast_type t, z_grid2_dp_fn decode, const uint8_t *w,
+                                 size_t ws, int n_w, const uint8_t *x, size_t xs, int64_t nb,
+                                 float *out, int64_t os) {
+    const int pairs = (n_w + 1) / 2;
+    __m512 acc[FAST_TILE_MIN_ROWS];
+    __m512i part[FAST_TILE_MIN_ROWS][8];
+    float d[16] __attribute__((aligned(64))) = {0};
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        for (int p = pairs; p < 8; p++) part[r][p] = _mm512_setzero_si512();
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        const size_t ahead = fast_lanes_ahead(t, ws, nb, i);
+        __m512i xr[FAST_TILE_MIN_ROWS][2][4];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            z_grid2_dp_x(((const moe_block_q8_k *)(x + (size_t)r * xs) + i)->qs, xr[r]);
+        for (int p = 0; p < pairs; p++) {
+            const uint8_t *block[2];
+            for (int h = 0; h < 2; h++) { /* a lone last row twice */
+                const uint8_t *row = w + (2 * p + h < n_w ? 2 * p + h : 2 * p) * ws;
+                block[h] = row + (size_t)i * t.block_bytes;
+                fast_prefetch(row + ahead, t.block_bytes);
+            }
+            z_grid2_dp g;
+            decode(block[0], block[1], &g);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) part[r][p] = z_grid2_dp_dot(&g, xr[r]);
+            d[2 * p] = g.d[0], d[2 * p + 1] = g.d[1];
+        }
+        const __m512 dw = _mm512_load_ps(d);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+            acc[r] = fast_lanes_fma(t, acc[r], dw, y, fast_sum8x2(part[r]));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(out + r * os, (__mmask16)((1u << n_w) - 1), acc[r]);
+}
+
 MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, int n_w,
                               const uint8_t *x, size_t xs, int64_t nb, float *out, int64_t os) {
+    const z_grid2_dp_fn grid2 = z_grid2_dp_of(t.regs, R);
+    if (grid2) {
+        fast_lanes_grid2(R, t, grid2, w, ws, n_w, x, xs, nb, out, os);
+        return;
+    }
     const z_iqb2_fn pair = z_iqb2_of(t.regs); /* rows two at a time through it */
     const int step = pair ? 2 : 1;
     __m512 acc[FAST_TILE_MIN_ROWS];
@@ -768,9 +853,7 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
         for (int v = n_w; v < 16; v++) part[r][v] = mpart[r][v] = _mm512_setzero_si512();
     }
     for (int64_t i = 0; i < nb; i++) {
-        const int64_t a = i + FAST_LANES_AHEAD; /* past the row: row v + 16, from its start */
-        const size_t ahead = a < nb ? (size_t)a * t.block_bytes
-                                    : MOE_DOT_TILE_W * ws + (size_t)(a - nb) * t.block_bytes;
+        const size_t ahead = fast_lanes_ahead(t, ws, nb, i);
         for (int v = 0; v < n_w; v += step) {
             const uint8_t *block[2];
             z_iqb b[2];
@@ -784,9 +867,7 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
-            acc[r] = _mm512_fmadd_ps(
-                _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y->d)), _mm512_set1_ps(t.mult)),
-                _mm512_cvtepi32_ps(fast_sum16x16(part[r])), acc[r]);
+            acc[r] = fast_lanes_fma(t, acc[r], dw, y, fast_sum16x16(part[r]));
             if (t.mins)
                 acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_load_ps(dmin), _mm512_set1_ps(y->d)),
                                           _mm512_cvtepi32_ps(fast_sum16x16(mpart[r])), acc[r]);

@@ -4,8 +4,9 @@
  *
  * Everything is static: each file gets its own copy, and its own copy of the lookup tables
  * (z_iq_tables_fill fills them; call it from the file's fill function before any kernel runs).
- * MOE_AVX512_VNNI (0 or 1) must be defined first: with 1 the decodes use VBMI. The trap: the
- * tables are per file, so a file that decodes without filling its own reads zeros. */
+ * MOE_AVX512_VNNI (0 or 1) must be defined first: with 1 the decodes use VBMI, GFNI and BMI2
+ * (src/base/cpu.c requires them at the avx512vnni level). The trap: the tables are per file, so
+ * a file that decodes without filling its own reads zeros. */
 #ifndef MOE_QUANT_X86_AVX512_IQ_H
 #define MOE_QUANT_X86_AVX512_IQ_H
 
@@ -13,6 +14,8 @@
 
 #ifndef MOE_AVX512_VNNI
 #error "define MOE_AVX512_VNNI before including x86_avx512_iq.h"
+#elif MOE_AVX512_VNNI && !(defined(__GFNI__) && defined(__BMI2__))
+#error "MOE_AVX512_VNNI=1 needs -mgfni -mbmi2 (the Makefile's avx512vnni flags)"
 #endif
 
 /* ==== Helpers ==== */
@@ -425,6 +428,154 @@ MOE_INLINE void z_iqb2_iq2_xs(const void *block0, const void *block1, z_iqb o[2]
     }
 }
 Z_IQB_ONE(iq2_xs)
+
+/* ---- The same grids for vpdpbusd: two blocks by entry and value position ----
+ *
+ * The decodes above leave each block in value order for the exact path's multiply (vpmaddubsw,
+ * then vpdpwssd against the scales: two multiplies and two shuffles per 64 values, in one chain
+ * from the lookups to the sums). The fast path needs only each block's integer sum, so at 1 .. 7
+ * activation rows (fast_lanes_grid2) a pair of blocks is laid out for it instead: each int32 lane
+ * holds one 16-value scale group, so a vpdpbusd per 64 values, then one vpmulld per 16 groups,
+ * and the activations are put in the same order once per block for all the weight rows.
+ *
+ * Layout: the two blocks' entries in their own order (byte 32 blk + e of the index register),
+ * looked up in the code planes (z_grid2_plane), the planes' bytes interleaved: dword m of 128-bit
+ * lane L of half h holds the codes of entries e = 16 (L % 2) + 8 h + 2 m and e + 1 of block L / 2,
+ * as [plane 0 of e, plane 1 of e, plane 0 of e + 1, plane 1 of e + 1]. A code (a, b) stands for
+ * 8 ^ 17 a ^ 35 b (8, 25, 43): affine over GF(2), so one gf2p8affineqb per value position i turns
+ * code i of every byte into its magnitude (z_grid2_affine). mag[h][i] dword (L, m) then holds
+ * values i and 4 + i of entries e and e + 1: over i = 0..3, the 16 values of scale group e / 2.
+ * Zen 5, bench/kernels --tile --mib 1 (L2), one thread, one activation row, medians of 4 runs
+ * alternated (load 2.6-2.9): IQ2_S 10.1 -> 11.6 GB/s (~26 -> 23 cycles a block at 3.25 GHz),
+ * IQ2_XS 10.0 -> 12.5 (~24 -> 19); from DRAM (256 MiB, load 3.6-4.3) IQ2_S 8.9 -> 9.9. The
+ * lookups bound it: 16 vpermi2b a pair for IQ2_S, each with both tables loaded (vpermt2b
+ * overwrites one). */
+typedef struct {
+    __m512i mag[2][4];   /* magnitudes, unsigned, in the layout above */
+    __mmask64 neg[2][4]; /* their sign bits */
+    __m512i sc[2];       /* dword (L, m) of sc[h]: the integer scale of its group */
+    float d[2];          /* the blocks' float scales */
+} z_grid2_dp;
+/* Blocks b0, b1 into o. */
+typedef void (*z_grid2_dp_fn)(const void *b0, const void *b1, z_grid2_dp *o);
+
+/* The magnitudes of code i of every byte (bits 2i, 2i + 1: a, b): row j of the matrix (byte
+ * 7 - j) picks the input bits whose parity flips output bit j, and 8 is the constant. */
+MOE_INLINE __m512i z_grid2_affine(__m512i codes, int i) {
+    const uint64_t a = 1ull << (2 * i), b = a << 1;
+    const uint64_t m = (a | b) << 56 | b << 48 | a << 24 | b << 16; /* bits 0, 1, 4, 5 */
+    return _mm512_gf2p8affine_epi64_epi8(codes, _mm512_set1_epi64((long long)m), 0x08);
+}
+
+/* o's magnitudes and signs from the two blocks' entries' code bytes (plane 0's in p0, plane 1's
+ * in p1) and their sign bytes (bit v: value v of the entry), all in the blocks' order. */
+MOE_INLINE void z_grid2_dp_values(__m512i p0, __m512i p1, __m512i signs, z_grid2_dp *o) {
+    const __m512i u[2] = {_mm512_unpacklo_epi8(p0, p1), _mm512_unpackhi_epi8(p0, p1)};
+    const __m512i s[2] = {_mm512_unpacklo_epi8(signs, signs), _mm512_unpackhi_epi8(signs, signs)};
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        /* byte 0 of each word tests bit i of its sign byte, byte 1 bit 4 + i */
+        const __m512i bit = _mm512_set1_epi16((short)(1 << i | 1 << (12 + i)));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            o->mag[h][i] = z_grid2_affine(u[h], i);
+            o->neg[h][i] = _mm512_test_epi8_mask(s[h], bit);
+        }
+    }
+}
+
+/* o's scales and d from two blocks of 4-bit scales per 16 values (IQ2_S, IQ2_XS). */
+MOE_INLINE void z_grid2_dp_scales(const uint8_t scales0[8], const uint8_t scales1[8], uint16_t d0,
+                                  uint16_t d1, z_grid2_dp *o) {
+    /* byte 16 blk + g: group g's scale; dword (L, m) of sc[h] from byte 16 (L / 2) + 8 (L % 2) +
+     * 4 h + m */
+    const __m512i n = z_from_256(z_join128(avx2_iq2_scales16(scales0), avx2_iq2_scales16(scales1)));
+    const __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __mmask64 low = 0x1111111111111111;
+    o->sc[0] = _mm512_maskz_permutexvar_epi8(low, at, n);
+    o->sc[1] = _mm512_maskz_permutexvar_epi8(low, _mm512_add_epi32(at, _mm512_set1_epi32(4)), n);
+    o->d[0] = avx2_fp16(d0), o->d[1] = avx2_fp16(d1);
+}
+
+/* An activation block's 256 bytes in the layout: x[h][i] holds, where mag[h][i] holds a value,
+ * the activation it meets (the same for both blocks). Lane L, dword m, byte c: value i (c even,
+ * else 4 + i) of entry 16 (L % 2) + 8 h + 2 m + c / 2. */
+MOE_INLINE void z_grid2_dp_x(const int8_t *qs, __m512i x[2][4]) {
+    /* i = 0: byte 16 L + 4 m + c from byte 16 m + 4 c of the first register (L even) or the
+     * second (+ 64) */
+    const __m512i at =
+        _mm512_setr_epi32(0x0c080400, 0x1c181410, 0x2c282420, 0x3c383430, 0x4c484440, 0x5c585450,
+                          0x6c686460, 0x7c787470, 0x0c080400, 0x1c181410, 0x2c282420, 0x3c383430,
+                          0x4c484440, 0x5c585450, 0x6c686460, 0x7c787470);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m512i lo = z_load(qs + 64 * h), hi = z_load(qs + 128 + 64 * h);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            x[h][i] =
+                _mm512_permutex2var_epi8(lo, _mm512_add_epi8(at, _mm512_set1_epi8((char)i)), hi);
+    }
+}
+
+/* The int32 sums of a pair's scale groups against one activation row (x: z_grid2_dp_x), each
+ * times its scale: lanes 0..7 block 0's, 8..15 block 1's. */
+MOE_INLINE __m512i z_grid2_dp_dot(const z_grid2_dp *g, __m512i x[2][4]) {
+    __m512i sum[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        sum[h] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            sum[h] =
+                _mm512_dpbusd_epi32(sum[h], g->mag[h][i], z_apply_signs(x[h][i], g->neg[h][i]));
+    }
+    return _mm512_add_epi32(_mm512_mullo_epi32(sum[0], g->sc[0]),
+                            _mm512_mullo_epi32(sum[1], g->sc[1]));
+}
+
+/* IQ2_S: the 64 index bytes in order, bits 8 and 9 of entry e bits 2e and 2e + 1 of qh (pext). */
+MOE_INLINE void z_dp_iq2_s(const void *block0, const void *block1, z_grid2_dp *o) {
+    const moe_block_iq2_s *b0 = block0, *b1 = block1;
+    const __m512i q0 = z_load(b0->qs), q1 = z_load(b1->qs);
+    const __m512i idx = _mm512_shuffle_i64x2(q0, q1, 0x44),
+                  signs = _mm512_shuffle_i64x2(q0, q1, 0xee);
+    const uint64_t h0 = z_load_u64(b0->qh), h1 = z_load_u64(b1->qh), even = 0x5555555555555555;
+    const __mmask64 bit8 = _cvtu64_mask64(_pext_u64(h0, even) | _pext_u64(h1, even) << 32),
+                    bit9 =
+                        _cvtu64_mask64(_pext_u64(h0, even << 1) | _pext_u64(h1, even << 1) << 32);
+    z_grid2_dp_values(z_grid2_plane(z_iq2s_codes[0], 8, idx, bit8, bit9),
+                      z_grid2_plane(z_iq2s_codes[1], 8, idx, bit8, bit9), signs, o);
+    z_grid2_dp_scales(b0->scales, b1->scales, b0->d, b1->d, o);
+}
+
+/* IQ2_XS: entry e's word's low byte is its index's, bit 0 of its high byte bit 8, the rest its
+ * ksigns index (vpermi2b reads 7 bits: the neighbour's bit shifted in is ignored). */
+MOE_INLINE void z_dp_iq2_xs(const void *block0, const void *block1, z_grid2_dp *o) {
+    const moe_block_iq2_xs *b0 = block0, *b1 = block1;
+    const __m512i q0 = z_load(b0->qs), q1 = z_load(b1->qs);
+    const __m512i low = _mm512_setr_epi64(
+        0x0e0c0a0806040200, 0x1e1c1a1816141210, 0x2e2c2a2826242220, 0x3e3c3a3836343230,
+        0x4e4c4a4846444240, 0x5e5c5a5856545250, 0x6e6c6a6866646260, 0x7e7c7a7876747270);
+    const __m512i idx = _mm512_permutex2var_epi8(q0, low, q1),
+                  high =
+                      _mm512_permutex2var_epi8(q0, _mm512_add_epi8(low, _mm512_set1_epi8(1)), q1);
+    const __mmask64 bit8 = _mm512_test_epi8_mask(high, _mm512_set1_epi8(1));
+    const __m512i signs = z_lookup128(_mm512_srli_epi16(high, 1), moe_ksigns_iq2xs);
+    z_grid2_dp_values(z_grid2_plane(z_iq2xs_codes[0], 4, idx, bit8, 0),
+                      z_grid2_plane(z_iq2xs_codes[1], 4, idx, bit8, 0), signs, o);
+    z_grid2_dp_scales(b0->scales, b1->scales, b0->d, b1->d, o);
+}
+
+/* The vpdpbusd pair decode of a type with a single-block decode one, for `rows` activation rows
+ * (NULL: none, or slower there than the value-order decode). IQ2_S only up to 2 rows: Zen 5,
+ * bench/kernels --tile --mib 256, 1 thread, 3 runs alternated (load 3.6-4.8), GB/s before ->
+ * after: 8.9 -> 9.9 at one row, 7.5 -> 8.4 at two, but 6.7 -> 6.0 at three, 5.9 -> 5.7 at four,
+ * 4.0 -> 3.8 at seven (its 16 lookups and 14 blends a pair leave the rows' work fewer registers);
+ * IQ2_XS (8 lookups) gains at every count: 5.2 -> 6.6 at four, 3.6 -> 4.4 at seven. */
+MOE_INLINE z_grid2_dp_fn z_grid2_dp_of(z_iqb_fn one, int rows) {
+    if (one == z_iqb_iq2_s_one) return rows <= 2 ? z_dp_iq2_s : NULL;
+    return one == z_iqb_iq2_xs_one ? z_dp_iq2_xs : NULL;
+}
 
 #endif
 
