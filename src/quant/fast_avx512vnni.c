@@ -884,8 +884,7 @@ MOE_INLINE void fast_iq3_entries(fast_tile *o, int k, __m512i q, __m512i signs) 
         _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
     const __m512i idx = _mm512_shuffle_epi8(q, order);
     z_iqb b;
-    z_lookup_planes(idx, _mm512_movepi8_mask(idx), 0, false, z_iq3xxs_codes[0], 256,
-                    z_iq3xxs_values, &b);
+    z_lookup_planes(idx, &b);
 #pragma GCC unroll 4
     for (int m = 0; m < 4; m++)
         o->tile[4 * k + m] = z_apply_signs(b.g[m], fast_bits4(signs, 4 * (k % 2) + m));
