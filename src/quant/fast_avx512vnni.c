@@ -914,8 +914,9 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
  * byte mask of each tile register by fast_bits4.
  * IQ4_XS: the 32-value types' nibble book, eight times. The tiles are those of fast_tile_iq, so
  * the bits are the file layout's. IQ3_S stays in the file's layout: decoded the same way (its
- * 9-bit indices through z_lookup_planes' four tables) its tile cost more than the per-row lanes
- * path at 1 .. 4 activation rows (0.7x at one row in cache, 0.74x from DRAM; 1.1x at 16); so does
+ * 9-bit indices through four vpermi2b tables a code plane) its tile cost more than the per-row
+ * lanes path at 1 .. 4 activation rows (0.7x at one row in cache, 0.74x from DRAM; 1.1x at 16;
+ * measured before the lanes took IQ3_S in the grouped order, which widened the gap); so does
  * IQ2_S, whose rows are decode's bulk (Intel with AMX, when both layouts still gathered their grid
  * entries: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16; not measured again since both look
  * them up in code planes). */
