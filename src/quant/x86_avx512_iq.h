@@ -704,81 +704,47 @@ MOE_INLINE __m256i z_iq3_s_scales(const moe_block_iq3_s *b) {
     return z_join128(_mm_unpacklo_epi16(s, s), _mm_unpackhi_epi16(s, s));
 }
 #if MOE_AVX512_VNNI
-/* With VBMI the grid lives within reach of vpermi2b. Its bytes are 1, 3, .. 15, so byte p of
- * an entry is a 3-bit code, and the codes of bytes 0, 1 (and 2, 3) of every entry fit one byte:
- * two 512-byte planes, four 128-byte tables each (index bits 0..6; bits 7 and 8 pick the
- * table). All 64 entries of a block are looked up at once, a plane at a time, then turned to
- * values (vpshufb) and interleaved back into value order (z_lookup_planes): 8 vpermi2b a
- * block. z_iq3s_codes is filled by the table's fill function. */
+/* With VBMI the grid lives within reach of vpermi2b. Its bytes are 1, 3, .. 15, four bits each,
+ * so the magnitudes of bytes 0, 1 (and 2, 3) of every entry fit one byte as nibbles: two
+ * 512-byte planes, four 128-byte tables each (index bits 0..6; bits 7 and 8 pick the table,
+ * z_grid2_plane). All 64 entries of a block are looked up at once in the file's order, a plane
+ * at a time (8 vpermi2b); two vpermt2b pair each entry's plane bytes into a 16-bit word of four
+ * nibbles, in any order of entries the caller asks for (z_iq3s_order), and a vpmultishiftqb and
+ * an and per 64 values spread the nibbles to bytes. z_iq3s_codes is filled by the table's fill
+ * function. */
 static uint8_t z_iq3s_codes[2][512] __attribute__((aligned(64)));
 
-/* Entries 0..63 reordered for z_interleave4: slot 16L + 4j + i holds entry 16j + 4L + i (a
- * 4 x 4 transpose of groups of four). vpermb indices; applied to the grid indices before the
- * lookups, it saves the 128-bit lane transpose after them. */
-MOE_INLINE __m512i z_slot_order(void) {
-    const __m512i s = _mm512_set_epi8(
-        63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41,
-        40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
-        17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i three = _mm512_set1_epi8(3);
-    /* s = 16L + 4j + i -> 16j + 4L + i */
-    const __m512i l = _mm512_and_si512(_mm512_srli_epi16(s, 4), three);
-    const __m512i j = _mm512_and_si512(_mm512_srli_epi16(s, 2), three);
-    return _mm512_or_si512(_mm512_or_si512(_mm512_slli_epi16(j, 4), _mm512_slli_epi16(l, 2)),
-                           _mm512_and_si512(s, three));
-}
+/* vpermt2b indices (plane 0 in the first operand, plane 1 in the second) of the two word
+ * registers z_iq3s_magnitudes expands; filled by the table's fill function. Word 4q + 2b + w of
+ * register a holds entry Z_IQ3S_VALUES: 32a + 16b + 2q + w, so register k = 2a + b gets entries
+ * 16k .. 16k + 15 in order (z_iqb's g); Z_IQ3S_GROUPED: 8q + 4a + 2b + w, so int32 lane D of
+ * register k holds entry 8 (D / 2) + 2k + D % 2, values of the 32 that share scale D / 2 in
+ * every register (fast_avx512vnni.c's IQ3_S lanes). */
+enum { Z_IQ3S_VALUES, Z_IQ3S_GROUPED };
+static uint8_t z_iq3s_order[2][2][64] __attribute__((aligned(64)));
 
-/* The bytes of 64 entries of 4 (byte p of each in r[p], entries in z_slot_order) in value
- * order: g[k] holds entries 16k .. 16k + 15. */
-MOE_INLINE void z_interleave4(const __m512i r[4], __m512i g[4]) {
-    const __m512i t01l = _mm512_unpacklo_epi8(r[0], r[1]), t01h = _mm512_unpackhi_epi8(r[0], r[1]);
-    const __m512i t23l = _mm512_unpacklo_epi8(r[2], r[3]), t23h = _mm512_unpackhi_epi8(r[2], r[3]);
-    /* 128-bit lane L of these: slots 16L + 4j .. + 3, which hold entries 16j + 4L .. + 3 */
-    g[0] = _mm512_unpacklo_epi16(t01l, t23l);
-    g[1] = _mm512_unpackhi_epi16(t01l, t23l);
-    g[2] = _mm512_unpacklo_epi16(t01h, t23h);
-    g[3] = _mm512_unpackhi_epi16(t01h, t23h);
-}
-
-/* The values of the codes in the low (hi = 0) or high nibbles of c: IQ3_S's are 2c + 1, two
- * ALU operations (the 16-bit shifts pull in a neighbour's bits, the mask drops them); IQ3_XXS's
- * 4, 12, .. 52, 62 come from a vpshufb table. The shuffle unit is what these decodes wait on,
- * so arithmetic wins where it exists. */
-typedef __m512i (*z_code_values_fn)(__m512i c, int hi);
-MOE_INLINE __m512i z_iq3s_values(__m512i c, int hi) {
-    const __m512i v = hi ? _mm512_srli_epi16(c, 3) : _mm512_slli_epi16(c, 1);
-    return _mm512_ternarylogic_epi32(v, _mm512_set1_epi8(0x1e), _mm512_set1_epi8(1), 0xea);
-}
-
-/* The 64 four-byte entries of a block into o->g: idx (in z_slot_order) and its bits 7 and 8
- * (bit8 only for 512-entry grids, big) pick entries of two code planes, plane q (stride bytes
- * apart) holding the 3-bit codes of entry bytes 2q and 2q + 1 as nibbles. */
-MOE_INLINE void z_lookup_planes(__m512i idx, __mmask64 bit7, __mmask64 bit8, bool big,
-                                const uint8_t *planes, size_t stride, z_code_values_fn values,
-                                z_iqb *o) {
-    __m512i r[4];
+/* The magnitudes of a block's 256 values in order `order` (z_iq3s_order) into g[0..3]. */
+MOE_INLINE void z_iq3s_magnitudes(const moe_block_iq3_s *b, int order, __m512i g[4]) {
+    const __m512i idx = z_load(b->qs);
+    const __mmask64 bit8 = _cvtu64_mask64(z_load_u64(b->qh));
+    const __m512i p0 = z_grid2_plane(z_iq3s_codes[0], 4, idx, bit8, 0),
+                  p1 = z_grid2_plane(z_iq3s_codes[1], 4, idx, bit8, 0);
+    /* byte i of a qword: nibble i % 4 of word i / 4 (words 0, 1) or 2 + i / 4 (words 2, 3) */
+    const __m512i at[2] = {_mm512_set1_epi64(0x1c1814100c080400),
+                           _mm512_set1_epi64(0x3c3834302c282420)};
 #pragma GCC unroll 2
-    for (int q = 0; q < 2; q++) {
-        const uint8_t *t = planes + q * stride;
-        __m512i c = _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
-        if (big)
-            c = _mm512_mask_blend_epi8(
-                bit8, c,
-                _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t + 256), z_lookup128(idx, t + 384)));
-        r[2 * q] = values(c, 0);
-        r[2 * q + 1] = values(c, 1);
+    for (int a = 0; a < 2; a++) {
+        const __m512i words = _mm512_permutex2var_epi8(p0, z_load(z_iq3s_order[order][a]), p1);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+            g[2 * a + h] = _mm512_and_si512(_mm512_multishift_epi64_epi8(at[h], words),
+                                            _mm512_set1_epi8(0x0f));
     }
-    z_interleave4(r, o->g);
 }
 
 MOE_INLINE void z_iqb_iq3_s(const void *block, z_iqb *o) {
     const moe_block_iq3_s *b = block;
-    const __m512i order = z_slot_order();
-    const __m512i idx = _mm512_permutexvar_epi8(order, z_load(b->qs));
-    const __mmask64 bit8 = _mm512_movepi8_mask(
-        _mm512_permutexvar_epi8(order, _mm512_movm_epi8(_cvtu64_mask64(z_load_u64(b->qh)))));
-    z_lookup_planes(idx, _mm512_movepi8_mask(idx), bit8, true, z_iq3s_codes[0], 512, z_iq3s_values,
-                    o);
+    z_iq3s_magnitudes(b, Z_IQ3S_VALUES, o->g);
     o->sc = z_iq3_s_scales(b);
     z_sign_words(b->signs, o->neg);
     o->d = avx2_fp16(b->d);
@@ -810,8 +776,8 @@ MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
 
 #if MOE_AVX512_VNNI
 /* IQ3_XXS: 64 grid index bytes (4-value entries of 4, 12, .. 52, 62), then per 32 values a word
- * of four 7-bit ksigns indices | a 4-bit scale << 28. Looked up as IQ3_S: the 3-bit codes of entry
- * bytes 0, 1 (2, 3) in a 256-byte plane, two vpermi2b tables each (bit 7 picks), then codes to
+ * of four 7-bit ksigns indices | a 4-bit scale << 28. The 3-bit codes of entry bytes 0, 1 (2, 3)
+ * are looked up in a 256-byte plane, two vpermi2b tables each (bit 7 picks), then codes to
  * values with vpshufb. z_iq3xxs_codes is filled by the table's fill function. */
 static uint8_t z_iq3xxs_codes[2][256] __attribute__((aligned(64)));
 static const uint8_t z_iq3xxs_grid_bytes[16] = {4, 12, 20, 28, 36, 44, 52, 62};
@@ -822,11 +788,53 @@ MOE_INLINE __m512i z_iq3xxs_values(__m512i c, int hi) {
     return _mm512_shuffle_epi8(lut, _mm512_and_si512(hi ? _mm512_srli_epi16(c, 4) : c, low4));
 }
 
+/* Entries 0..63 reordered for z_interleave4: slot 16L + 4j + i holds entry 16j + 4L + i (a
+ * 4 x 4 transpose of groups of four). vpermb indices; applied to the grid indices before the
+ * lookups, it saves the 128-bit lane transpose after them. */
+MOE_INLINE __m512i z_slot_order(void) {
+    const __m512i s = _mm512_set_epi8(
+        63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41,
+        40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+        17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i three = _mm512_set1_epi8(3);
+    /* s = 16L + 4j + i -> 16j + 4L + i */
+    const __m512i l = _mm512_and_si512(_mm512_srli_epi16(s, 4), three);
+    const __m512i j = _mm512_and_si512(_mm512_srli_epi16(s, 2), three);
+    return _mm512_or_si512(_mm512_or_si512(_mm512_slli_epi16(j, 4), _mm512_slli_epi16(l, 2)),
+                           _mm512_and_si512(s, three));
+}
+
+/* The bytes of 64 entries of 4 (byte p of each in r[p], entries in z_slot_order) in value
+ * order: g[k] holds entries 16k .. 16k + 15. */
+MOE_INLINE void z_interleave4(const __m512i r[4], __m512i g[4]) {
+    const __m512i t01l = _mm512_unpacklo_epi8(r[0], r[1]), t01h = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i t23l = _mm512_unpacklo_epi8(r[2], r[3]), t23h = _mm512_unpackhi_epi8(r[2], r[3]);
+    /* 128-bit lane L of these: slots 16L + 4j .. + 3, which hold entries 16j + 4L .. + 3 */
+    g[0] = _mm512_unpacklo_epi16(t01l, t23l);
+    g[1] = _mm512_unpackhi_epi16(t01l, t23l);
+    g[2] = _mm512_unpacklo_epi16(t01h, t23h);
+    g[3] = _mm512_unpackhi_epi16(t01h, t23h);
+}
+
+/* The 64 four-byte entries of an IQ3_XXS block (or of 16 rows' ROWS16 indices) into o->g: idx
+ * (in z_slot_order) and its bit 7 pick entries of the two code planes. */
+MOE_INLINE void z_lookup_planes(__m512i idx, z_iqb *o) {
+    const __mmask64 bit7 = _mm512_movepi8_mask(idx);
+    __m512i r[4];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; q++) {
+        const uint8_t *t = z_iq3xxs_codes[q];
+        const __m512i c =
+            _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
+        r[2 * q] = z_iq3xxs_values(c, 0);
+        r[2 * q + 1] = z_iq3xxs_values(c, 1);
+    }
+    z_interleave4(r, o->g);
+}
+
 MOE_INLINE void z_iqb_iq3_xxs(const void *block, z_iqb *o) {
     const moe_block_iq3_xxs *b = block;
-    const __m512i idx = _mm512_permutexvar_epi8(z_slot_order(), z_load(b->qs));
-    z_lookup_planes(idx, _mm512_movepi8_mask(idx), 0, false, z_iq3xxs_codes[0], 256,
-                    z_iq3xxs_values, o);
+    z_lookup_planes(_mm512_permutexvar_epi8(z_slot_order(), z_load(b->qs)), o);
     const __m256i words = avx2_load(b->qs + 64);
     z_ksigns(z_ksign_fields(words), o->neg);
     o->sc = z_top4_scales(words);
@@ -845,8 +853,18 @@ static void z_iq_tables_fill(void) {
         for (int q = 0; q < 2; q++) {
             const unsigned lo = moe_iq3s_grid[i] >> (16 * q) & 0xff,
                            hi = moe_iq3s_grid[i] >> (16 * q + 8) & 0xff;
-            z_iq3s_codes[q][i] = (uint8_t)((lo - 1) / 2 | (hi - 1) / 2 << 4); /* 2c + 1 */
+            z_iq3s_codes[q][i] = (uint8_t)(lo | hi << 4);
         }
+    /* entry e in word 4q + 2b + w of register a (z_iq3s_order): plane 0's byte, then plane 1's */
+    for (int a = 0; a < 2; a++)
+        for (int q = 0; q < 8; q++)
+            for (int bw = 0; bw < 4; bw++) {
+                const int e[2] = {32 * a + 16 * (bw / 2) + 2 * q + bw % 2, 8 * q + 4 * a + bw};
+                for (int o = 0; o < 2; o++) {
+                    z_iq3s_order[o][a][2 * (4 * q + bw)] = (uint8_t)e[o];
+                    z_iq3s_order[o][a][2 * (4 * q + bw) + 1] = (uint8_t)(64 + e[o]);
+                }
+            }
     for (int i = 0; i < 256; i++)
         for (int q = 0; q < 2; q++) {
             unsigned c[2];
