@@ -130,22 +130,34 @@ void *moe_xrealloc(void *p, size_t n) {
 
 #define HUGE_ALIGN ((size_t)2 << 20)
 
-void *moe_huge_alloc(size_t bytes, size_t *size) {
-    if (bytes > SIZE_MAX / 2) return NULL;
-    /* over-allocate by the alignment, then trim both ends to an aligned region */
-    *size = (bytes + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
-    if (!*size) *size = HUGE_ALIGN;
+/* `size` bytes at an address `phase` bytes past a 2 MiB boundary, huge pages asked for. */
+static void *huge_region(size_t size, size_t phase) {
+    /* over-allocate by the alignment, then trim both ends */
     uint8_t *raw =
-        mmap(NULL, *size + HUGE_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        mmap(NULL, size + HUGE_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) return NULL;
-    uint8_t *base = (uint8_t *)(((uintptr_t)raw + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1));
+    uint8_t *base =
+        (uint8_t *)((((uintptr_t)raw - phase + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1)) +
+                    phase);
     if (base > raw) munmap(raw, (size_t)(base - raw));
-    if (base + *size < raw + *size + HUGE_ALIGN)
-        munmap(base + *size, (size_t)(raw + *size + HUGE_ALIGN - (base + *size)));
+    if (base + size < raw + size + HUGE_ALIGN)
+        munmap(base + size, (size_t)(raw + size + HUGE_ALIGN - (base + size)));
 #ifdef MADV_HUGEPAGE
-    madvise(base, *size, MADV_HUGEPAGE);
+    madvise(base, size, MADV_HUGEPAGE);
 #endif
     return base;
+}
+
+void *moe_huge_alloc(size_t bytes, size_t *size) {
+    if (bytes > SIZE_MAX / 2) return NULL;
+    *size = (bytes + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
+    if (!*size) *size = HUGE_ALIGN;
+    return huge_region(*size, 0);
+}
+
+void *moe_huge_alloc_like(const void *like, size_t bytes) {
+    return bytes && bytes <= SIZE_MAX / 2 ? huge_region(bytes, (uintptr_t)like & (HUGE_ALIGN - 1))
+                                          : NULL;
 }
 
 void moe_huge_free(void *p, size_t size) {

@@ -59,6 +59,10 @@ void *moe_xrealloc(void *p, size_t n);
  * what moe_huge_free takes), with the kernel asked for huge pages (a hint: fewer TLB misses on
  * memory read end to end, such as weights and the KV cache). NULL when it cannot be had. */
 void *moe_huge_alloc(size_t bytes, size_t *size);
+/* The same for `bytes` (whole pages) placed where a huge page of it lines up with `like`'s: the
+ * same offset past a 2 MiB boundary, so the pages can be moved over `like` (mremap) and stay
+ * huge. Freed with moe_huge_free(p, bytes). */
+void *moe_huge_alloc_like(const void *like, size_t bytes);
 void moe_huge_free(void *p, size_t size);
 char *moe_xstrdup(const char *s);
 char *moe_xstrndup(const char *s, size_t n);
