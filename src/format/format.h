@@ -176,10 +176,10 @@ moe_status moe_gguf_to_memory_except(moe_gguf *g, moe_pool *pool,
 /* Repack tensor t (one of g's) in place into `layout` (quant.h, "Weight layouts in memory"):
  * every matrix of it (ne[0] x ne[1], ne[2] of them), whole groups of rows; its bytes stay where
  * they are and t->layout says which layout they have. Its data must lie in g's anonymous copy
- * (moe_gguf_to_memory) or mapping: the pages are made writable for the rewrite and read-only
- * again; the mapping is private, so the file is never written, but pages of it rewritten become
- * the process's own memory (*mapped_bytes += t's bytes when it was mapped; may be NULL). The
- * groups are packed over the pool's threads (NULL: the caller's). */
+ * (moe_gguf_to_memory), rewritten there, or in the mapping, whose pages under t are replaced by
+ * anonymous ones holding the repacked bytes (the file is never written; *mapped_bytes += t's
+ * bytes, the process's own memory now; may be NULL). Either way the pages are read-only after.
+ * The groups are packed over the pool's threads (NULL: the caller's). */
 moe_status moe_gguf_tensor_repack(moe_gguf *g, const moe_tensor *t, moe_layout layout,
                                   moe_pool *pool, uint64_t *mapped_bytes, moe_error *err);
 
