@@ -714,27 +714,27 @@ moe_status moe_ctx_follow(moe_ctx *c, moe_error *err) {
     }
 }
 
+typedef struct embed_job {
+    moe_ctx *c;
+    const moe_row *rows;
+} embed_job;
+
 /* Token rows per work item of the embedding lookup, and the rows from which it is shared out
  * (a decode step's few rows are not worth a hand-out). */
 #define EMBED_ROWS     4
 #define EMBED_MIN_ROWS 16
 
-typedef struct embed_job {
-    const moe_tensor *table;
-    const moe_row *rows;
-    float *out;
-    int64_t n_embd;
-    float scale;
-} embed_job;
-
+/* c->y's rows [begin, end): the rows' tokens' embeddings, scaled when the model says so. */
 static void embed_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
     const embed_job *j = arg;
+    const moe_model *m = j->c->m;
+    const int64_t n_embd = m->cfg.n_embd;
     for (int64_t r = begin; r < end; r++) {
-        float *out = j->out + r * j->n_embd;
-        moe_tensor_row_f32(j->table, j->rows[r].token, out);
-        if (j->scale != 0.0f)
-            for (int64_t i = 0; i < j->n_embd; i++) out[i] *= j->scale;
+        float *out = j->c->y + r * n_embd;
+        moe_tensor_row_f32(m->token_embd, j->rows[r].token, out);
+        if (m->cfg.embd_scale != 0.0f)
+            for (int64_t i = 0; i < n_embd; i++) out[i] *= m->cfg.embd_scale;
     }
 }
 
@@ -745,12 +745,11 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     const double start = moe_profile_on() ? moe_now() : 0;
     memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;
-    const int64_t n_embd = m->cfg.n_embd;
     if (!c->verifying) /* a plain step ends what a verify step left to accept */
         for (uint32_t r = 0; r < n_rows; r++) c->verify_rows[rows[r].seq] = 0;
 
     double part = moe_profile_start();
-    embed_job embed = {m->token_embd, rows, c->y, n_embd, m->cfg.embd_scale};
+    embed_job embed = {c, rows};
     if (n_rows < EMBED_MIN_ROWS)
         embed_rows(&embed, 0, n_rows, 0);
     else

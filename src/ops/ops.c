@@ -150,53 +150,47 @@ void moe_rmsnorm_rows(moe_pool *pool, float *out, const float *x, const float *w
         moe_pool_for(pool, n_rows, chunk, rmsnorm_items, &j);
 }
 
-typedef struct glu_job {
+/* An elementwise pass over n values: moe_glu with act and limit, or (add) x += gate. */
+typedef struct elementwise_job {
     moe_ffn_act act;
     float limit;
+    bool add;
     float *x;
     const float *gate;
-} glu_job;
+} elementwise_job;
 
-static void glu_items(void *arg, int64_t begin, int64_t end, int thread) {
+static void elementwise_items(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
-    const glu_job *j = arg;
-    moe_glu(j->act, j->limit, j->x + begin, j->gate + begin, end - begin);
+    const elementwise_job *j = arg;
+    if (!j->add) {
+        moe_glu(j->act, j->limit, j->x + begin, j->gate + begin, end - begin);
+        return;
+    }
+    int64_t i = begin;
+    for (; i + VEC_STEP <= end; i += VEC_STEP) {
+        float t[VEC_STEP]; /* x may alias gate */
+        for (int k = 0; k < VEC_STEP; k++) t[k] = j->x[i + k] + j->gate[i + k];
+        memcpy(j->x + i, t, sizeof t);
+    }
+    for (; i < end; i++) j->x[i] += j->gate[i];
+}
+
+static void elementwise_pool(moe_pool *pool, elementwise_job *j, int64_t n) {
+    if (n < PARALLEL_MIN_VALUES)
+        elementwise_items(j, 0, n, 0);
+    else
+        moe_pool_for(pool, n, PARALLEL_CHUNK, elementwise_items, j);
 }
 
 void moe_glu_pool(moe_pool *pool, moe_ffn_act act, float limit, float *x, const float *gate,
                   int64_t n) {
-    glu_job j = {act, limit, x, gate};
-    if (n < PARALLEL_MIN_VALUES)
-        glu_items(&j, 0, n, 0);
-    else
-        moe_pool_for(pool, n, PARALLEL_CHUNK, glu_items, &j);
-}
-
-typedef struct add_job {
-    float *x;
-    const float *y;
-} add_job;
-
-static void add_items(void *arg, int64_t begin, int64_t end, int thread) {
-    (void)thread;
-    const add_job *j = arg;
-    float *x = j->x;
-    const float *y = j->y;
-    int64_t i = begin;
-    for (; i + VEC_STEP <= end; i += VEC_STEP) {
-        float t[VEC_STEP]; /* x may alias y */
-        for (int k = 0; k < VEC_STEP; k++) t[k] = x[i + k] + y[i + k];
-        memcpy(x + i, t, sizeof t);
-    }
-    for (; i < end; i++) x[i] += y[i];
+    elementwise_job j = {.act = act, .limit = limit, .x = x, .gate = gate};
+    elementwise_pool(pool, &j, n);
 }
 
 void moe_add_pool(moe_pool *pool, float *x, const float *y, int64_t n) {
-    add_job j = {x, y};
-    if (n < PARALLEL_MIN_VALUES)
-        add_items(&j, 0, n, 0);
-    else
-        moe_pool_for(pool, n, PARALLEL_CHUNK, add_items, &j);
+    elementwise_job j = {.add = true, .x = x, .gate = y};
+    elementwise_pool(pool, &j, n);
 }
 
 void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n) {
