@@ -409,7 +409,7 @@ static const float *plain_pre(moe_ctx *c, const moe_layer_weights *l, moe_site s
 
 static void plain_post(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint32_t n_rows) {
     const int64_t n = (int64_t)n_rows * c->m->cfg.n_embd;
-    for (int64_t i = 0; i < n; i++) c->x[i] += c->y[i];
+    moe_add_pool(c->pool, c->x, c->y, n);
     if (site == MOE_SITE_FFN && l->out_scale) { /* the layer's output scale (Gemma 4) */
         const float s = *(const float *)l->out_scale->data;
         for (int64_t i = 0; i < n; i++) c->x[i] *= s;
@@ -714,6 +714,30 @@ moe_status moe_ctx_follow(moe_ctx *c, moe_error *err) {
     }
 }
 
+typedef struct embed_job {
+    moe_ctx *c;
+    const moe_row *rows;
+} embed_job;
+
+/* Token rows per work item of the embedding lookup, and the rows from which it is shared out
+ * (a decode step's few rows are not worth a hand-out). */
+#define EMBED_ROWS     4
+#define EMBED_MIN_ROWS 16
+
+/* c->y's rows [begin, end): the rows' tokens' embeddings, scaled when the model says so. */
+static void embed_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const embed_job *j = arg;
+    const moe_model *m = j->c->m;
+    const int64_t n_embd = m->cfg.n_embd;
+    for (int64_t r = begin; r < end; r++) {
+        float *out = j->c->y + r * n_embd;
+        moe_tensor_row_f32(m->token_embd, j->rows[r].token, out);
+        if (m->cfg.embd_scale != 0.0f)
+            for (int64_t i = 0; i < n_embd; i++) out[i] *= m->cfg.embd_scale;
+    }
+}
+
 moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err) {
     moe_ctx_dist_op(c, MOE_OP_DECODE, 0, n_rows);
@@ -721,15 +745,15 @@ moe_status moe_ctx_decode(moe_ctx *c, const moe_row *rows, uint32_t n_rows, floa
     const double start = moe_profile_on() ? moe_now() : 0;
     memset(&c->stats, 0, sizeof c->stats);
     const moe_model *m = c->m;
-    const int64_t n_embd = m->cfg.n_embd;
     if (!c->verifying) /* a plain step ends what a verify step left to accept */
         for (uint32_t r = 0; r < n_rows; r++) c->verify_rows[rows[r].seq] = 0;
 
     double part = moe_profile_start();
-    for (uint32_t r = 0; r < n_rows; r++)
-        moe_tensor_row_f32(m->token_embd, rows[r].token, c->y + r * n_embd);
-    if (m->cfg.embd_scale != 0.0f)
-        for (int64_t i = 0; i < (int64_t)n_rows * n_embd; i++) c->y[i] *= m->cfg.embd_scale;
+    embed_job embed = {c, rows};
+    if (n_rows < EMBED_MIN_ROWS)
+        embed_rows(&embed, 0, n_rows, 0);
+    else
+        moe_pool_for(c->pool, n_rows, EMBED_ROWS, embed_rows, &embed);
     c->stream->begin(c, c->y, n_rows);
     moe_profile_part("token embedding", part);
     for (uint32_t il = 0; il < m->cfg.n_layer; il++) run_layer(c, c->stream, il, rows, n_rows);

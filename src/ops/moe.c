@@ -118,6 +118,10 @@ typedef struct expert_group {
     int64_t at[MOE_MATMUL_MANY_MAX / 2];             /* first scratch row */
     moe_tensor views[3 * (MOE_MATMUL_MANY_MAX / 2)]; /* from the source */
     uint64_t xq_in, xq_ff;                           /* matmul scratch bytes per row */
+    bool in_converted; /* s->x holds the input rows converted for gate and up (row r at r x
+                        * xq_in bytes): a row is converted once, not once per expert, and its
+                        * expert rows are gathered converted */
+    bool ff_converted; /* the GLU converts its rows for down as it makes them */
 } expert_group;
 
 /* Matrix k (0 gate or gate_up, 1 up, 2 down) of the group's expert g, and its index in it. */
@@ -148,12 +152,23 @@ static void gather_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
     const rows_job *j = arg;
     const expert_group *eg = j->eg;
-    const int64_t n_in = eg->set->down->ne[1];
+    const uint64_t bytes = eg->in_converted ? eg->xq_in : sizeof(float) * eg->set->down->ne[1];
+    const uint8_t *from = eg->in_converted ? (const uint8_t *)eg->s->x : (const uint8_t *)eg->x;
+    uint8_t *to = eg->in_converted ? eg->s->mm : (uint8_t *)eg->s->x;
     for (int64_t p = begin; p < end; p++)
         for (int64_t g = j->part[p], i = 0; i < eg->n[g]; i++)
-            memcpy(eg->s->x + (eg->at[g] + i) * n_in,
-                   eg->x + (int64_t)eg->s->pair_row[eg->begin[g] + i] * n_in,
-                   sizeof(float) * (size_t)n_in);
+            memcpy(to + (uint64_t)(eg->at[g] + i) * bytes,
+                   from + (uint64_t)eg->s->pair_row[eg->begin[g] + i] * bytes, bytes);
+}
+
+/* o[d] += w * y[d] for d < n, VEC_STEP values at a time where it can: a constant trip count is
+ * what GCC -O2 vectorises (a multiply, then an add: the same two roundings as one at a time). */
+#define VEC_STEP 16
+static void add_weighted(float *restrict o, const float *restrict y, float w, int64_t n) {
+    int64_t d = 0;
+    for (; d + VEC_STEP <= n; d += VEC_STEP)
+        for (int k = 0; k < VEC_STEP; k++) o[d + k] += w * y[d + k];
+    for (; d < n; d++) o[d] += w * y[d];
 }
 
 /* The group's weighted outputs added to their rows' outputs, values [begin, end) of every row:
@@ -164,11 +179,48 @@ static void scatter_values(void *arg, int64_t begin, int64_t end, int thread) {
     const moe_expert_scratch *s = j->eg->s;
     const int64_t n_in = j->eg->set->down->ne[1];
     for (int g = 0; g < j->n_group; g++)
-        for (int64_t i = 0, at = j->eg->begin[g]; i < j->eg->n[g]; i++) {
-            float *o = j->out + (int64_t)s->pair_row[at + i] * n_in;
-            const float w = s->pair_w[at + i], *y = s->y + (j->eg->at[g] + i) * n_in;
-            for (int64_t d = begin; d < end; d++) o[d] += w * y[d];
+        for (int64_t i = 0, at = j->eg->begin[g]; i < j->eg->n[g]; i++)
+            add_weighted(j->out + (int64_t)s->pair_row[at + i] * n_in + begin,
+                         s->y + (j->eg->at[g] + i) * n_in + begin, s->pair_w[at + i], end - begin);
+}
+
+/* Values from which the GLU's rows are shared out on all threads, and values per work item
+ * (moe_glu_pool's). */
+#define GLU_MIN_VALUES   (16 << 10)
+#define GLU_CHUNK_VALUES (4 << 10)
+
+typedef struct glu_job {
+    const expert_group *eg;
+    const int *part;
+    int n_part;
+    int64_t r0;
+} glu_job;
+
+/* Scratch rows r0 + [begin, end) of the part: each row's gate and up get their expert's biases,
+ * then up = act(gate) * up in s->up's row, the down matmul's input. With gate_up a row's gate
+ * and up are the halves of its [gate, up] row: the up half is copied to s->up's row (in L1 for
+ * the GLU that follows), the gate half is read where it is. */
+static void glu_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const glu_job *j = arg;
+    const expert_group *eg = j->eg;
+    const moe_expert_set *set = eg->set;
+    const int64_t n_ff = set->down->ne[0], gate_w = (set->gate_up ? 2 : 1) * n_ff;
+    for (int p = 0; p < j->n_part; p++) {
+        const int g = j->part[p];
+        const int64_t a = eg->at[g] > j->r0 + begin ? eg->at[g] : j->r0 + begin;
+        const int64_t b = eg->at[g] + eg->n[g] < j->r0 + end ? eg->at[g] + eg->n[g] : j->r0 + end;
+        for (int64_t i = a; i < b; i++) {
+            float *gate = eg->s->gate + i * gate_w, *up = eg->s->up + i * n_ff;
+            if (set->gate_up) memcpy(up, gate + n_ff, sizeof(float) * (size_t)n_ff);
+            moe_add_bias(gate, set->gate_b, eg->expert[g], 1, n_ff);
+            moe_add_bias(up, set->up_b, eg->expert[g], 1, n_ff);
+            moe_glu(set->act, set->limit, up, gate, n_ff);
+            if (eg->ff_converted)
+                moe_matmul_convert_rows(group_matrix(eg, g, 2), up, 1,
+                                        (uint8_t *)eg->s->mm + (uint64_t)i * eg->xq_ff);
         }
+    }
 }
 
 /* The experts part[0..n_part) of the group, whose rows lie together from scratch row r0 (in
@@ -192,37 +244,41 @@ static void group_compute(moe_pool *pool, const expert_group *eg, const int *par
     for (int p = 0; p < n_part; p++) {
         const int g = part[p];
         const int64_t at = eg->at[g], n = eg->n[g];
-        tasks[n_tasks++] = (moe_matmul_task){group_matrix(eg, g, 0),
-                                             group_index(eg, g),
-                                             s->x + at * n_in,
-                                             n,
-                                             s->gate + at * (fused ? 2 : 1) * n_ff,
-                                             (uint8_t *)s->mm + (uint64_t)at * eg->xq_in};
-        if (!fused)
+        const float *x = eg->in_converted ? NULL : s->x + at * n_in;
+        uint8_t *xq = (uint8_t *)s->mm + (uint64_t)at * eg->xq_in;
+        tasks[n_tasks++] = (moe_matmul_task){.w = group_matrix(eg, g, 0),
+                                             .matrix = group_index(eg, g),
+                                             .x = x,
+                                             .n_rows = n,
+                                             .y = s->gate + at * (fused ? 2 : 1) * n_ff,
+                                             .scratch = xq};
+        if (!fused) /* up shares gate's converted rows, or converts its own */
             tasks[n_tasks++] = (moe_matmul_task){
-                group_matrix(eg, g, 1), group_index(eg, g),
-                s->x + at * n_in,       n,
-                s->up + at * n_ff,      (uint8_t *)s->mm_up + (uint64_t)at * eg->xq_in};
+                .w = group_matrix(eg, g, 1),
+                .matrix = group_index(eg, g),
+                .x = x,
+                .n_rows = n,
+                .y = s->up + at * n_ff,
+                .scratch = eg->in_converted ? xq : (uint8_t *)s->mm_up + (uint64_t)at * eg->xq_in};
     }
     moe_profile_part(PART_SORT, start);
     moe_matmul_many(pool, tasks, (int)n_tasks);
     start = moe_profile_start();
-    if (fused) /* rows [gate, up] -> gate rows and up rows (gate moves down in place) */
-        for (int64_t i = r0; i < r0 + rows; i++) {
-            memcpy(s->up + i * n_ff, s->gate + (2 * i + 1) * n_ff, sizeof(float) * n_ff);
-            memmove(s->gate + i * n_ff, s->gate + 2 * i * n_ff, sizeof(float) * n_ff);
-        }
+    glu_job glu = {eg, part, n_part, r0};
+    if (rows * n_ff < GLU_MIN_VALUES)
+        glu_rows(&glu, 0, rows, 0);
+    else
+        moe_pool_for(pool, rows, (GLU_CHUNK_VALUES + n_ff - 1) / n_ff, glu_rows, &glu);
     for (int p = 0; p < n_part; p++) {
         const int g = part[p];
         const int64_t at = eg->at[g], n = eg->n[g];
-        moe_add_bias(s->gate + at * n_ff, set->gate_b, eg->expert[g], n, n_ff);
-        moe_add_bias(s->up + at * n_ff, set->up_b, eg->expert[g], n, n_ff);
-        tasks[p] =
-            (moe_matmul_task){group_matrix(eg, g, 2), group_index(eg, g),
-                              s->up + at * n_ff,      n,
-                              s->y + at * n_in,       (uint8_t *)s->mm + (uint64_t)at * eg->xq_ff};
+        tasks[p] = (moe_matmul_task){.w = group_matrix(eg, g, 2),
+                                     .matrix = group_index(eg, g),
+                                     .x = eg->ff_converted ? NULL : s->up + at * n_ff,
+                                     .n_rows = n,
+                                     .y = s->y + at * n_in,
+                                     .scratch = (uint8_t *)s->mm + (uint64_t)at * eg->xq_ff};
     }
-    moe_glu_pool(pool, set->act, set->limit, s->up + r0 * n_ff, s->gate + r0 * n_ff, rows * n_ff);
     moe_profile_part("experts GLU", start);
     moe_matmul_many(pool, tasks, n_part);
 }
@@ -261,6 +317,11 @@ bool moe_experts_forward(moe_pool *pool, const moe_expert_set *set, const float 
                    ? moe_matmul_scratch_bytes(gate, 1)
                    : moe_matmul_scratch_bytes(up, 1);
     eg.xq_ff = moe_matmul_scratch_bytes(down, 1);
+    /* An observer reads every task's float rows, which converted tasks do not pass. */
+    eg.in_converted = !moe_matmul_observed() &&
+                      (set->gate_up || moe_matmul_converts_alike(gate, up)) &&
+                      moe_matmul_convert_pool(pool, gate, x, n_rows, s->x);
+    eg.ff_converted = !moe_matmul_observed() && eg.xq_ff > 0;
     uint64_t touched = 0;
     for (int64_t e = 0; e < n_expert;) {
         int n_group = 0;

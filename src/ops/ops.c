@@ -11,15 +11,33 @@
 
 /* ==== Elementwise and norms ==== */
 
-void moe_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
-    double sum = 0.0; /* ggml sums squares in a wider type, then divides */
-    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
-    const float scale = 1.0f / sqrtf((float)(sum / (double)n) + eps);
-    if (!w) { /* ggml_rms_norm without a weight */
-        for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale;
-        return;
+/* Values a plain-C loop takes at a time with a constant trip count: GCC -O2 vectorises such a
+ * loop (its cheap cost model refuses a loop that would need a scalar epilogue). */
+#define VEC_STEP 16
+
+/* out = x * scale * w (w NULL: ggml_rms_norm without a weight, x * scale); out may alias x, so
+ * each step's values are read into t before any is written. */
+static void rmsnorm_apply(float *out, const float *x, const float *w, int64_t n, float scale) {
+    int64_t i = 0;
+    for (; i + VEC_STEP <= n; i += VEC_STEP) {
+        float t[VEC_STEP];
+        for (int k = 0; k < VEC_STEP; k++) t[k] = x[i + k] * scale;
+        if (w)
+            for (int k = 0; k < VEC_STEP; k++) t[k] *= w[i + k];
+        memcpy(out + i, t, sizeof t);
     }
-    for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+    for (; i < n; i++) out[i] = w ? x[i] * scale * w[i] : x[i] * scale;
+}
+
+/* ggml sums the squares in a wider type, one after the other, then divides. */
+static float rmsnorm_scale(double sum_squares, int64_t n, float eps) {
+    return 1.0f / sqrtf((float)(sum_squares / (double)n) + eps);
+}
+
+void moe_rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+    rmsnorm_apply(out, x, w, n, rmsnorm_scale(sum, n, eps));
 }
 
 void moe_layernorm(float *out, const float *x, const float *w, const float *b, int64_t n,
@@ -96,42 +114,83 @@ typedef struct rmsnorm_job {
     float eps;
 } rmsnorm_job;
 
+/* Rows whose sums of squares run side by side: each row's sum is still one chain in ggml's
+ * order (the same bits), but one chain waits on its add's latency at every value, and
+ * RMSNORM_ROWS chains fill those waits. Zen 5, 8 rows of 2048 values (load 4-7): 1.3 -> 0.5 ns
+ * a value. */
+#define RMSNORM_ROWS 8
+
 static void rmsnorm_items(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
     const rmsnorm_job *j = arg;
-    for (int64_t r = begin; r < end; r++)
-        moe_rmsnorm(j->out + r * j->n, j->x + r * j->n, j->w, j->n, j->eps);
+    const int64_t n = j->n;
+    int64_t r = begin;
+    for (; r + RMSNORM_ROWS <= end; r += RMSNORM_ROWS) {
+        const float *x = j->x + r * n;
+        double sum[RMSNORM_ROWS];
+#pragma GCC unroll 8
+        for (int k = 0; k < RMSNORM_ROWS; k++) sum[k] = 0.0;
+        for (int64_t i = 0; i < n; i++)
+#pragma GCC unroll 8
+            for (int k = 0; k < RMSNORM_ROWS; k++) sum[k] += (double)(x[k * n + i] * x[k * n + i]);
+        for (int k = 0; k < RMSNORM_ROWS; k++)
+            rmsnorm_apply(j->out + (r + k) * n, x + k * n, j->w, n,
+                          rmsnorm_scale(sum[k], n, j->eps));
+    }
+    for (; r < end; r++) moe_rmsnorm(j->out + r * n, j->x + r * n, j->w, n, j->eps);
 }
 
 void moe_rmsnorm_rows(moe_pool *pool, float *out, const float *x, const float *w, int64_t n_rows,
                       int64_t n, float eps) {
     rmsnorm_job j = {out, x, w, n, eps};
+    const int64_t chunk = ((PARALLEL_CHUNK + n - 1) / n + RMSNORM_ROWS - 1) & ~(RMSNORM_ROWS - 1);
     if (n_rows * n < PARALLEL_MIN_VALUES)
         rmsnorm_items(&j, 0, n_rows, 0);
     else
-        moe_pool_for(pool, n_rows, (PARALLEL_CHUNK + n - 1) / n, rmsnorm_items, &j);
+        moe_pool_for(pool, n_rows, chunk, rmsnorm_items, &j);
 }
 
-typedef struct glu_job {
+/* An elementwise pass over n values: moe_glu with act and limit, or (add) x += gate. */
+typedef struct elementwise_job {
     moe_ffn_act act;
     float limit;
+    bool add;
     float *x;
     const float *gate;
-} glu_job;
+} elementwise_job;
 
-static void glu_items(void *arg, int64_t begin, int64_t end, int thread) {
+static void elementwise_items(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
-    const glu_job *j = arg;
-    moe_glu(j->act, j->limit, j->x + begin, j->gate + begin, end - begin);
+    const elementwise_job *j = arg;
+    if (!j->add) {
+        moe_glu(j->act, j->limit, j->x + begin, j->gate + begin, end - begin);
+        return;
+    }
+    int64_t i = begin;
+    for (; i + VEC_STEP <= end; i += VEC_STEP) {
+        float t[VEC_STEP]; /* x may alias gate */
+        for (int k = 0; k < VEC_STEP; k++) t[k] = j->x[i + k] + j->gate[i + k];
+        memcpy(j->x + i, t, sizeof t);
+    }
+    for (; i < end; i++) j->x[i] += j->gate[i];
+}
+
+static void elementwise_pool(moe_pool *pool, elementwise_job *j, int64_t n) {
+    if (n < PARALLEL_MIN_VALUES)
+        elementwise_items(j, 0, n, 0);
+    else
+        moe_pool_for(pool, n, PARALLEL_CHUNK, elementwise_items, j);
 }
 
 void moe_glu_pool(moe_pool *pool, moe_ffn_act act, float limit, float *x, const float *gate,
                   int64_t n) {
-    glu_job j = {act, limit, x, gate};
-    if (n < PARALLEL_MIN_VALUES)
-        glu_items(&j, 0, n, 0);
-    else
-        moe_pool_for(pool, n, PARALLEL_CHUNK, glu_items, &j);
+    elementwise_job j = {.act = act, .limit = limit, .x = x, .gate = gate};
+    elementwise_pool(pool, &j, n);
+}
+
+void moe_add_pool(moe_pool *pool, float *x, const float *y, int64_t n) {
+    elementwise_job j = {.add = true, .x = x, .gate = y};
+    elementwise_pool(pool, &j, n);
 }
 
 void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n) {
@@ -416,13 +475,60 @@ void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx) {
     matmul_observer_ctx = ctx;
 }
 
+bool moe_matmul_observed(void) {
+    return matmul_observer != NULL;
+}
+
+static const char PART_QUANTIZE[] = "activation quantize"; /* MOE_PROFILE's part */
+
+bool moe_matmul_convert_rows(const moe_tensor *w, const float *x, int64_t n_rows, void *out) {
+    const moe_matmul_task t = {.w = w, .x = x, .n_rows = n_rows, .scratch = out};
+    matmul_job j;
+    matmul_prepare(&t, &j);
+    if (j.k->dot_type == MOE_TYPE_F32) return false;
+    matmul_quantize(&t, &j, 0, n_rows);
+    return true;
+}
+
+typedef struct convert_job {
+    const moe_matmul_task *t;
+    const matmul_job *j;
+} convert_job;
+
+static void convert_items(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const convert_job *c = arg;
+    matmul_quantize(c->t, c->j, begin, end);
+}
+
+bool moe_matmul_convert_pool(moe_pool *pool, const moe_tensor *w, const float *x, int64_t n_rows,
+                             void *out) {
+    const moe_matmul_task t = {.w = w, .x = x, .n_rows = n_rows, .scratch = out};
+    matmul_job j;
+    matmul_prepare(&t, &j);
+    if (j.k->dot_type == MOE_TYPE_F32) return false;
+    const double start = moe_profile_on() ? moe_now() : 0;
+    convert_job c = {&t, &j};
+    if (n_rows < MATMUL_QUANTIZE_SHARED)
+        convert_items(&c, 0, n_rows, 0);
+    else
+        moe_pool_for(pool, n_rows, MATMUL_QUANTIZE_CHUNK, convert_items, &c);
+    if (start > 0) moe_profile_add(PART_QUANTIZE, sizeof PART_QUANTIZE - 1, moe_now() - start, 0);
+    return true;
+}
+
+bool moe_matmul_converts_alike(const moe_tensor *a, const moe_tensor *b) {
+    const moe_type_kernels *ka = moe_kernels_type(a->type), *kb = moe_kernels_type(b->type);
+    return a->ne[0] == b->ne[0] && ka->dot_type != MOE_TYPE_F32 &&
+           ka->quantize_row_for_dot == kb->quantize_row_for_dot;
+}
+
 /* MOE_PROFILE: a pass is recorded under its first tensor's name less the layer ("blk.N."), with
  * the weight bytes of all its tasks, less the activations' conversion (its own part, which took
  * quantize_s). */
 static void matmul_profile(const moe_matmul_task *tasks, int n_tasks, double start,
                            double quantize_s) {
-    static const char part[] = "activation quantize";
-    moe_profile_add(part, sizeof part - 1, quantize_s, 0);
+    moe_profile_add(PART_QUANTIZE, sizeof PART_QUANTIZE - 1, quantize_s, 0);
     const double seconds = moe_now() - start - quantize_s;
     double bytes = 0;
     for (int i = 0; i < n_tasks; i++)
@@ -464,12 +570,14 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
         /* the same rows converted the same way as the task before's (an expert's gate and
          * up): its converted rows serve both */
         const matmul_job *prev = i ? &m.jobs[i - 1] : NULL;
-        const bool shared = prev && tasks[i].x == tasks[i - 1].x &&
+        const bool converted = !tasks[i].x;
+        MOE_CHECK(!converted || (m.jobs[i].k->dot_type != MOE_TYPE_F32 && !matmul_observer));
+        const bool shared = !converted && prev && tasks[i].x == tasks[i - 1].x &&
                             tasks[i].n_rows == tasks[i - 1].n_rows &&
                             prev->n_in == m.jobs[i].n_in && prev->k->dot_type != MOE_TYPE_F32 &&
                             prev->k->quantize_row_for_dot == m.jobs[i].k->quantize_row_for_dot;
         if (shared) m.jobs[i].xq = prev->xq;
-        m.row0[i + 1] = m.row0[i] + (shared ? 0 : tasks[i].n_rows);
+        m.row0[i + 1] = m.row0[i] + (shared || converted ? 0 : tasks[i].n_rows);
     }
     const double quantize = start > 0 ? moe_now() : 0;
     if (m.row0[n_tasks] < MATMUL_QUANTIZE_SHARED)

@@ -47,6 +47,8 @@ void moe_glu_pool(moe_pool *pool, moe_ffn_act act, float limit, float *x, const 
                   int64_t n);
 void moe_rmsnorm_rows(moe_pool *pool, float *out, const float *x, const float *w, int64_t n_rows,
                       int64_t n, float eps);
+/* x[i] += y[i] for i < n, on all of the pool's threads (few values: on the caller). */
+void moe_add_pool(moe_pool *pool, float *x, const float *y, int64_t n);
 /* y[r][i] += b[i] for n_rows rows of n values, b = row `index` of the F32 tensor bias (0 for a
  * vector; e.g. an expert's row of a [n] x n_expert bias). NULL bias: nothing. */
 void moe_add_bias(float *y, const moe_tensor *bias, int64_t index, int64_t n_rows, int64_t n);
@@ -91,8 +93,9 @@ typedef struct moe_matmul_task {
     int64_t matrix; /* 2-D slice of w */
     const float *x; /* [n_rows][w->ne[0]] */
     int64_t n_rows;
-    float *y; /* [n_rows][w->ne[1]] */
-    void *scratch;
+    float *y;      /* [n_rows][w->ne[1]] */
+    void *scratch; /* with x NULL: already holds the rows converted (moe_matmul_convert_rows;
+                    * never while an observer is set, as it reads x) */
 } moe_matmul_task;
 #define MOE_MATMUL_MANY_MAX 256 /* tasks per call (a group of experts: 2 per expert) */
 void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks);
@@ -108,6 +111,17 @@ void moe_matmul_prefetch(const moe_tensor *w, int64_t matrix, uint64_t bytes);
 typedef void (*moe_matmul_observer_fn)(void *ctx, const moe_tensor *w, int64_t matrix,
                                        const float *x, int64_t n_rows);
 void moe_matmul_set_observer(moe_matmul_observer_fn fn, void *ctx);
+/* Whether an observer is set (it needs every task's float rows). */
+bool moe_matmul_observed(void);
+/* Activation rows x[0..n_rows) converted for w's dot as moe_matmul converts them, row r to
+ * out + r * moe_matmul_scratch_bytes(w, 1): on the calling thread (a task's rows converted where
+ * they are made, or once for several tasks), or on all of the pool's threads. False, and nothing
+ * done, when w's dot takes the float rows as they are. */
+bool moe_matmul_convert_rows(const moe_tensor *w, const float *x, int64_t n_rows, void *out);
+bool moe_matmul_convert_pool(moe_pool *pool, const moe_tensor *w, const float *x, int64_t n_rows,
+                             void *out);
+/* Whether a and b convert their activation rows the same way (one conversion serves both). */
+bool moe_matmul_converts_alike(const moe_tensor *a, const moe_tensor *b);
 /* Row `row` of a 2-D tensor dequantized to float (embedding lookup). */
 void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out);
 
