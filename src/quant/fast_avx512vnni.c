@@ -706,21 +706,18 @@ MOE_INLINE void fast_tile_iq(fast_type t, const uint8_t *w, size_t ws, int n_w, 
  * of 3 runs alternated (load 6.5): 470 -> 283 at 8 activation rows, 599 -> 417 at 16, 870 -> 694
  * at 32 (the decode, what the line through them leaves at 0 rows, ~310 -> ~140). */
 
-/* 16 rows' 16 bytes at p (rows ws apart; from n_w on, row 0) as four dwords: h[c] lane v holds
- * row v's dword c. Each register takes a row of every fourth into its 128-bit lanes (lane L of
- * z[j]: row 4L + j), and two unpacks leave dword c of rows 4L .. 4L + 3 in lane L. */
-MOE_INLINE void fast_rows_dwords4(const uint8_t *p, size_t ws, int n_w, __m512i h[4]) {
+/* The 16 bytes at offset `at` of 16 rows' blocks as four dwords: h[c] lane v holds block v's
+ * dword c. Each register takes a row of every fourth into its 128-bit lanes (lane L of z[j]: row
+ * 4L + j), and two unpacks leave dword c of rows 4L .. 4L + 3 in lane L. */
+MOE_INLINE void fast_rows_dwords4(const uint8_t *const block[16], size_t at, __m512i h[4]) {
     __m512i z[4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
-        z[j] =
-            _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + (j < n_w ? j : 0) * ws)));
+        z[j] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(block[j] + at)));
 #pragma GCC unroll 3
-        for (int L = 1; L < 4; L++) {
-            const int v = 4 * L + j;
-            z[j] = _mm512_inserti32x4(
-                z[j], _mm_loadu_si128((const __m128i *)(p + (v < n_w ? v : 0) * ws)), L);
-        }
+        for (int L = 1; L < 4; L++)
+            z[j] = _mm512_inserti32x4(z[j],
+                                      _mm_loadu_si128((const __m128i *)(block[4 * L + j] + at)), L);
     }
     const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
     const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
@@ -728,36 +725,50 @@ MOE_INLINE void fast_rows_dwords4(const uint8_t *p, size_t ws, int n_w, __m512i 
     h[2] = _mm512_unpacklo_epi64(t1, t3), h[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+/* Byte c of each dword of words in all four of its bytes (vpshufb, within 128-bit lanes). */
+MOE_INLINE __m512i fast_dword_byte(__m512i words, int c) {
+    const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    return _mm512_shuffle_epi8(words,
+                               _mm512_broadcast_i32x4(_mm_add_epi8(pick, _mm_set1_epi8((char)c))));
+}
+
 /* The byte mask of tile register 8s + e (values 4e .. 4e + 3 of each row's 32) from 16 rows'
  * 32-bit words for values 32s .. (bit i: value 32s + i): byte 4v + c gets bit 4e + c of lane v.
  * Each byte takes its row's byte e / 2 (vpshufb) and tests its bit. */
 MOE_INLINE __mmask64 fast_bits4(__m512i words, int e) {
-    const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
     const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8);
     const __m512i b = _mm512_broadcast_i32x4(_mm_slli_epi16(bit, 4 * (e % 2)));
-    const __m512i p = _mm512_broadcast_i32x4(_mm_add_epi8(pick, _mm_set1_epi8((char)(e / 2))));
-    return _mm512_test_epi8_mask(_mm512_shuffle_epi8(words, p), b);
+    return _mm512_test_epi8_mask(fast_dword_byte(words, e / 2), b);
+}
+
+/* Block i of 16 rows of a super-block type (rows ws apart; from n_w on, row 0): row v's at
+ * block[v], its f16 d (the block's first two bytes) in d[v]; each row's block FAST_IQ_AHEAD on
+ * requested (fast_tile_iq's). */
+MOE_INLINE void fast_iq_blocks(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                               const uint8_t *block[16], uint16_t d[16]) {
+    const size_t at = (size_t)(i + FAST_IQ_AHEAD) * t.block_bytes;
+    const size_t ahead = at < ws ? at : at + (MOE_DOT_TILE_W - 1) * ws;
+    for (int v = 0; v < 16; v++) {
+        const uint8_t *row = w + (v < n_w ? v : 0) * ws;
+        fast_prefetch(row + ahead, t.block_bytes);
+        block[v] = row + (size_t)i * t.block_bytes;
+        memcpy(&d[v], block[v], sizeof d[v]);
+    }
 }
 
 /* Block i of 16 IQ2_S rows into a tile, bias and all (fast_tile_iq's tile). */
 MOE_INLINE void fast_tile_iq2_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
                                 void *tile) {
     fast_tile *o = tile;
-    const uint8_t *b = w + (size_t)i * t.block_bytes;
-    const size_t at = (size_t)(i + FAST_IQ_AHEAD) * t.block_bytes;
-    const size_t ahead = at < ws ? at : at + (MOE_DOT_TILE_W - 1) * ws;
+    const uint8_t *block[16];
     __m512i q[16], h[4];
     uint16_t d[16];
-    for (int v = 0; v < 16; v++) {
-        const uint8_t *row = b + (v < n_w ? v : 0) * ws;
-        fast_prefetch(row - (size_t)i * t.block_bytes + ahead, t.block_bytes);
-        q[v] = z_load(row + offsetof(moe_block_iq2_s, qs));
-        memcpy(&d[v], row, sizeof d[v]);
-    }
+    fast_iq_blocks(t, w, ws, n_w, i, block, d);
+    for (int v = 0; v < 16; v++) q[v] = z_load(block[v] + offsetof(moe_block_iq2_s, qs));
     fast_transpose16x16(q); /* q[k] (k < 8): index bytes 4k ..; q[8 + k]: their sign bytes */
     _Static_assert(offsetof(moe_block_iq2_s, scales) == offsetof(moe_block_iq2_s, qh) + 8,
                    "qh, then the scales");
-    fast_rows_dwords4(b + offsetof(moe_block_iq2_s, qh), ws, n_w, h);
+    fast_rows_dwords4(block, offsetof(moe_block_iq2_s, qh), h);
     o->d = _mm512_cvtph_ps(avx2_load(d));
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) /* 2 x nibble j of the scales + 1 */
@@ -772,10 +783,7 @@ MOE_INLINE void fast_tile_iq2_s(fast_type t, const uint8_t *w, size_t ws, int n_
     for (int k = 0; k < 8; k++) {
         /* qh byte k of each row in all four bytes: bits 2m, 2m + 1 of byte m are bits 8, 9 of
          * entry 4k + m */
-        const __m512i hk = _mm512_shuffle_epi8(
-            h[k / 4], _mm512_broadcast_i32x4(_mm_add_epi8(
-                          _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
-                          _mm_set1_epi8((char)(k % 4)))));
+        const __m512i hk = fast_dword_byte(h[k / 4], k % 4);
         const __mmask64 bit8 = _mm512_test_epi8_mask(hk, _mm512_set1_epi32(0x40100401)),
                         bit9 = _mm512_test_epi8_mask(hk, _mm512_set1_epi32((int)0x80200802));
         const __m512i p[2] = {z_grid2_plane(z_iq2s_codes[0], 8, q[k], bit8, bit9),
@@ -818,22 +826,18 @@ MOE_INLINE void fast_tile_iq2_s(fast_type t, const uint8_t *w, size_t ws, int n_
 MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
                                 void *tile) {
     fast_tile *o = tile;
-    const uint8_t *b = w + (size_t)i * t.block_bytes;
-    const size_t at = (size_t)(i + FAST_IQ_AHEAD) * t.block_bytes;
-    const size_t ahead = at < ws ? at : at + (MOE_DOT_TILE_W - 1) * ws;
     enum { TAIL = sizeof(moe_block_iq3_s) - 64 }; /* the last 64 bytes of a block */
     _Static_assert(offsetof(moe_block_iq3_s, qh) == TAIL + 20 &&
                        offsetof(moe_block_iq3_s, signs) == TAIL + 28 &&
                        offsetof(moe_block_iq3_s, scales) == TAIL + 60,
                    "qh, signs, scales at dwords 5, 7, 15 of the block's last 64 bytes");
+    const uint8_t *block[16];
     __m512i q[16], s[16];
     uint16_t d[16];
+    fast_iq_blocks(t, w, ws, n_w, i, block, d);
     for (int v = 0; v < 16; v++) {
-        const uint8_t *row = b + (v < n_w ? v : 0) * ws;
-        fast_prefetch(row - (size_t)i * t.block_bytes + ahead, t.block_bytes);
-        q[v] = z_load(row + offsetof(moe_block_iq3_s, qs));
-        s[v] = z_load(row + TAIL);
-        memcpy(&d[v], row, sizeof d[v]);
+        q[v] = z_load(block[v] + offsetof(moe_block_iq3_s, qs));
+        s[v] = z_load(block[v] + TAIL);
     }
     fast_transpose16x16(q);
     fast_transpose16x16(s);
@@ -851,10 +855,7 @@ MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_
     for (int k = 0; k < 16; k++) {
         /* qh byte k / 2 of each row in all four bytes: bit 4 (k % 2) + m of it is bit 8 of
          * entry 4k + m */
-        const __m512i hk = _mm512_shuffle_epi8(
-            s[5 + k / 8], _mm512_broadcast_i32x4(_mm_add_epi8(
-                              _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
-                              _mm_set1_epi8((char)(k / 2 % 4)))));
+        const __m512i hk = fast_dword_byte(s[5 + k / 8], k / 2 % 4);
         const __mmask64 bit8 =
             _mm512_test_epi8_mask(hk, _mm512_set1_epi32(0x08040201 << 4 * (k % 2)));
         const __m512i p0 = z_grid2_plane(z_iq3s_codes[0], 4, q[k], bit8, 0),
