@@ -842,7 +842,7 @@ MOE_INLINE void z_iqb_iq3_xxs(const void *block, z_iqb *o) {
     o->d = avx2_fp16(b->d);
 }
 
-/* ---- 4-value entries with a scale per 32 values (IQ3_S) for vpdpbusd, one block a
+/* ---- 4-value entries with a scale per 32 values (IQ3_S, IQ3_XXS) for vpdpbusd, one block a
  * decode (z_dp_type) ----
  *
  * Grouped order: int32 lane D of mag[0][k] holds entry 8 (D / 2) + 2k + D % 2, so every lane of
@@ -898,16 +898,44 @@ MOE_INLINE void z_dp_iq3_s(const void *block, const void *unused, z_dp *o) {
     o->d[0] = avx2_fp16(b->d);
 }
 
+/* IQ3_XXS: the grid indices put in the grouped order before the lookups (z_iq3xxs_grouped:
+ * z_interleave4 leaves slot 16L + 4k + m in dword 4L + m of g[k]); the sign bytes from the
+ * ksigns indices; the scales from the top nibble of word D / 2. */
+static uint8_t z_iq3xxs_grouped[64] __attribute__((aligned(64)));
+MOE_INLINE void z_dp_iq3_xxs(const void *block, const void *unused, z_dp *o) {
+    (void)unused;
+    const moe_block_iq3_xxs *b = block;
+    z_iqb v;
+    z_lookup_planes(_mm512_permutexvar_epi8(z_load(z_iq3xxs_grouped), z_load(b->qs)), &v);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) o->mag[0][k] = v.g[k];
+    const __m256i words = avx2_load(b->qs + 64);
+    const uint8_t *t = moe_ksigns_iq2xs;
+    z_dp_grouped_signs(_mm512_permutex2var_epi8(z_load(t),
+                                                _mm512_castsi256_si512(z_ksign_fields(words)),
+                                                z_load(t + 64)),
+                       o->neg[0]);
+    o->sc[0] = z_dp_grouped_scales(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                 _mm512_castsi256_si512(words)),
+        _mm512_set1_epi32(28));
+    o->d[0] = avx2_fp16(b->d);
+}
+
 /* The vpdpbusd pair decode of a type with a single-block decode one, for `rows` activation rows
- * (NULL: none, or slower there than the value-order decode). IQ2_S only up to 2 rows: Zen 5,
+ * (decode NULL: none, or slower there than the value-order decode). IQ2_S only up to 2 rows: Zen 5,
  * bench/kernels --tile --mib 256, 1 thread, 3 runs alternated (load 3.6-4.8), GB/s before ->
  * after: 8.9 -> 9.9 at one row, 7.5 -> 8.4 at two, but 6.7 -> 6.0 at three, 5.9 -> 5.7 at four,
  * 4.0 -> 3.8 at seven (its 16 lookups and 14 blends a pair leave the rows' work fewer registers);
- * IQ2_XS (8 lookups) gains at every count: 5.2 -> 6.6 at four, 3.6 -> 4.4 at seven. */
+ * IQ2_XS (8 lookups) gains at every count: 5.2 -> 6.6 at four, 3.6 -> 4.4 at seven. IQ3_XXS
+ * grouped against its value-order lanes, Zen 5, the file's layout (repacked, its experts keep the
+ * ROWS16 tile), medians of 3 alternated runs (load 3.5-4.2): 4 MiB 12.6 -> 16.1 GB/s at one row,
+ * 10.3 -> 11.8 at two, 7.4 -> 8.3 at four; 256 MiB 13.0 -> 15.4, 9.8 -> 12.0, 7.4 -> 8.6. */
 MOE_INLINE z_dp_type z_dp_of(z_iqb_fn one, int rows) {
     if (one == z_iqb_iq2_s_one && rows <= 2) return (z_dp_type){z_dp_iq2_s, z_grid2_dp_x, 2};
     if (one == z_iqb_iq2_xs_one) return (z_dp_type){z_dp_iq2_xs, z_grid2_dp_x, 2};
     if (one == z_iqb_iq3_s) return (z_dp_type){z_dp_iq3_s, z_dp_x_grouped, 1};
+    if (one == z_iqb_iq3_xxs) return (z_dp_type){z_dp_iq3_xxs, z_dp_x_grouped, 1};
     return (z_dp_type){NULL, NULL, 0};
 }
 
@@ -946,6 +974,10 @@ static void z_iq_tables_fill(void) {
             }
             z_iq3xxs_codes[q][i] = (uint8_t)(c[0] | c[1] << 4);
         }
+    for (int slot = 0; slot < 64; slot++) { /* slot 16L + 4k + m: entry 8 (D / 2) + 2k + D % 2 */
+        const int L = slot / 16, k = slot / 4 % 4, m = slot % 4;
+        z_iq3xxs_grouped[slot] = (uint8_t)(16 * L + 8 * (m / 2) + 2 * k + m % 2);
+    }
 #endif
 }
 
