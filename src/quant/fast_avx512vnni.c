@@ -978,7 +978,7 @@ MOE_INLINE void fast_lanes_block(int R, fast_type t, const z_iqb *b, const uint8
     *d = b->d;
 }
 
-/* Eight pairs' sums (z_grid2_dp_dot: lanes 0..7 weight row 2p's, 8..15 row 2p + 1's) summed
+/* Eight pairs' sums (z_dp_dot: lanes 0..7 weight row 2p's, 8..15 row 2p + 1's) summed
  * over their lanes into lane v = row v (integer adds: exact in any order). */
 MOE_INLINE __m512i fast_sum8x2(const __m512i s[8]) {
     __m512i u[2];
@@ -990,118 +990,59 @@ MOE_INLINE __m512i fast_sum8x2(const __m512i s[8]) {
         _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), rows);
 }
 
-/* fast_lanes_iq for the types with a vpdpbusd pair decode (z_grid2_dp): each activation row's
- * block put in the pairs' order once, then every pair of weight rows decoded once and met by
- * each activation row. The same int32 block sums and the same fma as fast_lanes_iq, so its
+/* fast_lanes_iq for the types with a vpdpbusd decode (z_dp_type, x86_avx512_iq.h): each
+ * activation row's block put in the type's order once, then every decode of the weight rows' blocks
+ * met by each activation row. The same int32 block sums and the same fma as fast_lanes_iq, so its
  * bits. */
-MOE_INLINE void fast_lanes_grid2(int R, fast_type t, z_grid2_dp_fn decode, const uint8_t *w,
-                                 size_t ws, int n_w, const uint8_t *x, size_t xs, int64_t nb,
-                                 float *out, int64_t os) {
-    const int pairs = (n_w + 1) / 2;
+MOE_INLINE void fast_lanes_dp(int R, fast_type t, z_dp_type dp, const uint8_t *w, size_t ws,
+                              int n_w, const uint8_t *x, size_t xs, int64_t nb, float *out,
+                              int64_t os) {
+    const int per = dp.rows, decodes = (n_w + per - 1) / per;
     __m512 acc[FAST_TILE_MIN_ROWS];
-    __m512i part[FAST_TILE_MIN_ROWS][8];
+    __m512i part[FAST_TILE_MIN_ROWS][16];
     float d[16] __attribute__((aligned(64))) = {0};
     for (int r = 0; r < R; r++) {
         acc[r] = _mm512_setzero_ps();
-        for (int p = pairs; p < 8; p++) part[r][p] = _mm512_setzero_si512();
+        for (int p = decodes; p < 16 / per; p++) part[r][p] = _mm512_setzero_si512();
     }
     for (int64_t i = 0; i < nb; i++) {
         const size_t ahead = fast_lanes_ahead(t, ws, nb, i);
         __m512i xr[FAST_TILE_MIN_ROWS][2][4];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
-            z_grid2_dp_x(((const moe_block_q8_k *)(x + (size_t)r * xs) + i)->qs, xr[r]);
-        for (int p = 0; p < pairs; p++) {
+            dp.x(((const moe_block_q8_k *)(x + (size_t)r * xs) + i)->qs, xr[r]);
+        for (int p = 0; p < decodes; p++) {
             const uint8_t *block[2];
-            for (int h = 0; h < 2; h++) { /* a lone last row twice */
-                const uint8_t *row = w + (2 * p + h < n_w ? 2 * p + h : 2 * p) * ws;
+#pragma GCC unroll 2
+            for (int h = 0; h < per; h++) { /* a lone last row twice */
+                const uint8_t *row = w + (per * p + h < n_w ? per * p + h : per * p) * ws;
                 block[h] = row + (size_t)i * t.block_bytes;
                 fast_prefetch(row + ahead, t.block_bytes);
             }
-            z_grid2_dp g;
-            decode(block[0], block[1], &g);
+            z_dp g;
+            dp.decode(block[0], block[per - 1], &g);
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) part[r][p] = z_grid2_dp_dot(&g, xr[r]);
-            d[2 * p] = g.d[0], d[2 * p + 1] = g.d[1];
+            for (int r = 0; r < R; r++) part[r][p] = z_dp_dot(&g, per, xr[r]);
+#pragma GCC unroll 2
+            for (int h = 0; h < per; h++) d[per * p + h] = g.d[h];
         }
         const __m512 dw = _mm512_load_ps(d);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
-            acc[r] = fast_lanes_fma(t, acc[r], dw, y, fast_sum8x2(part[r]));
+            acc[r] = fast_lanes_fma(t, acc[r], dw, y,
+                                    per == 2 ? fast_sum8x2(part[r]) : fast_sum16x16(part[r]));
         }
     }
     for (int r = 0; r < R; r++)
         _mm512_mask_storeu_ps(out + r * os, (__mmask16)((1u << n_w) - 1), acc[r]);
 }
 
-/* IQ3_S's lanes take its magnitudes in Z_IQ3S_GROUPED order (x86_avx512_iq.h): int32 lane D
- * of each of the four registers holds values of the 32 that share scale D / 2, so the four
- * vpdpbusd of a row accumulate into one register that a single vpmulld scales, where the
- * generic lanes need a vpmaddubsw and a vpdpwssd per 64 values and the scales spread over four
- * registers. The activation block is put in the same order once per row and block, for the 16
- * weight rows; the sign bits too, per weight block (a byte transpose). Same integer block sums,
- * so the bits of the generic lanes. */
-MOE_INLINE bool fast_iq3s_grouped(fast_type t) {
-    return t.regs == z_iqb_iq3_s;
-}
-
-/* An activation block's 256 values in Z_IQ3S_GROUPED order: out[k] qword q = values 32q + 8k ..
- * 32q + 8k + 7. */
-MOE_INLINE void fast_iq3s_activations(const moe_block_q8_k *y, __m512i out[4]) {
-    const __m512i x[4] = {z_load(y->qs), z_load(y->qs + 64), z_load(y->qs + 128),
-                          z_load(y->qs + 192)};
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-        const __m512i at = _mm512_setr_epi64(k, 4 + k, 8 + k, 12 + k, k, 4 + k, 8 + k, 12 + k);
-        out[k] = _mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi64(x[0], at, x[1]),
-                                         _mm512_permutex2var_epi64(x[2], at, x[3]));
-    }
-}
-
-/* Weight row v's IQ3_S block against R activation rows' blocks (xr: fast_iq3s_activations): the
- * int32 sums into part[r][v], its scale into d. */
-MOE_INLINE void fast_iq3s_block(int R, const moe_block_iq3_s *b, const __m512i (*xr)[4],
-                                __m512i (*part)[16], int v, float *d) {
-    __m512i g[4];
-    z_iq3s_magnitudes(b, Z_IQ3S_GROUPED, g);
-    /* the sign bits of register k: byte 8q + j tests bit j of sign byte 4q + k (a vpermb and a
-     * vptestmb; a byte transpose and four kmovq, through general registers or a store, ran no
-     * faster at one row, 0.9x at four) */
-    const __m512i signs = _mm512_broadcast_i64x4(avx2_load(b->signs));
-    const long long four = 0x0404040404040404;
-    const __m512i pick = _mm512_setr_epi64(0, four, 2 * four, 3 * four, 4 * four, 5 * four,
-                                           6 * four, 7 * four),
-                  bit = _mm512_set1_epi64((long long)0x8040201008040201);
-    __mmask64 neg[4];
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++)
-        neg[k] = _mm512_test_epi8_mask(
-            _mm512_permutexvar_epi8(_mm512_add_epi8(pick, _mm512_set1_epi8((char)k)), signs), bit);
-    /* lane D: 2 s + 1, s the 4 bits at 4 (D / 2) of the scales */
-    uint32_t scales;
-    memcpy(&scales, b->scales, sizeof scales);
-    const __m512i s = _mm512_srlv_epi32(
-        _mm512_set1_epi32((int)scales),
-        _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28));
-    const __m512i scale = _mm512_ternarylogic_epi32(
-        _mm512_slli_epi32(s, 1), _mm512_set1_epi32(0x1e), _mm512_set1_epi32(1), 0xea);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
-        __m512i sum = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-            sum = _mm512_dpbusd_epi32(sum, g[k], z_apply_signs(xr[r][k], neg[k]));
-        part[r][v] = _mm512_mullo_epi32(sum, scale);
-    }
-    *d = avx2_fp16(b->d);
-}
-
 MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, int n_w,
                               const uint8_t *x, size_t xs, int64_t nb, float *out, int64_t os) {
-    const z_grid2_dp_fn grid2 = z_grid2_dp_of(t.regs, R);
-    if (grid2) {
-        fast_lanes_grid2(R, t, grid2, w, ws, n_w, x, xs, nb, out, os);
+    const z_dp_type dp = z_dp_of(t.regs, R);
+    if (dp.decode) {
+        fast_lanes_dp(R, t, dp, w, ws, n_w, x, xs, nb, out, os);
         return;
     }
     const z_iqb2_fn pair = z_iqb2_of(t.regs); /* rows two at a time through it */
@@ -1115,26 +1056,16 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
     }
     for (int64_t i = 0; i < nb; i++) {
         const size_t ahead = fast_lanes_ahead(t, ws, nb, i);
-        if (fast_iq3s_grouped(t)) {
-            __m512i xr[FAST_TILE_MIN_ROWS][4];
-            for (int r = 0; r < R; r++)
-                fast_iq3s_activations((const moe_block_q8_k *)(x + (size_t)r * xs) + i, xr[r]);
-            for (int v = 0; v < n_w; v++) {
-                const uint8_t *row = w + v * ws;
-                fast_prefetch(row + ahead, t.block_bytes);
-                fast_iq3s_block(R, (const moe_block_iq3_s *)row + i, xr, part, v, &d[v]);
-            }
-        } else
-            for (int v = 0; v < n_w; v += step) {
-                const uint8_t *block[2];
-                z_iqb b[2];
-                /* a lone row twice */
-                fast_decode_rows(t, pair, w, ws, n_w, v, v, i, ahead, block, b);
-                fast_lanes_block(R, t, &b[0], block[0], x, xs, i, part, mpart, v, &d[v], &dmin[v]);
-                if (pair && v + 1 < n_w)
-                    fast_lanes_block(R, t, &b[1], block[1], x, xs, i, part, mpart, v + 1, &d[v + 1],
-                                     &dmin[v + 1]);
-            }
+        for (int v = 0; v < n_w; v += step) {
+            const uint8_t *block[2];
+            z_iqb b[2];
+            /* a lone row twice */
+            fast_decode_rows(t, pair, w, ws, n_w, v, v, i, ahead, block, b);
+            fast_lanes_block(R, t, &b[0], block[0], x, xs, i, part, mpart, v, &d[v], &dmin[v]);
+            if (pair && v + 1 < n_w)
+                fast_lanes_block(R, t, &b[1], block[1], x, xs, i, part, mpart, v + 1, &d[v + 1],
+                                 &dmin[v + 1]);
+        }
         const __m512 dw = _mm512_load_ps(d);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {

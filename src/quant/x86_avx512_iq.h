@@ -429,15 +429,51 @@ MOE_INLINE void z_iqb2_iq2_xs(const void *block0, const void *block1, z_iqb o[2]
 }
 Z_IQB_ONE(iq2_xs)
 
-/* ---- The same grids for vpdpbusd: two blocks by entry and value position ----
+/* ---- Blocks for vpdpbusd (the fast path's lanes under 8 activation rows) ----
  *
  * The decodes above leave each block in value order for the exact path's multiply (vpmaddubsw,
  * then vpdpwssd against the scales: two multiplies and two shuffles per 64 values, in one chain
  * from the lookups to the sums). The fast path needs only each block's integer sum, so at 1 .. 7
- * activation rows (fast_lanes_grid2) a pair of blocks is laid out for it instead: each int32 lane
- * holds one 16-value scale group, so a vpdpbusd per 64 values, then one vpmulld per 16 groups,
- * and the activations are put in the same order once per block for all the weight rows.
- *
+ * activation rows (fast_avx512vnni.c's fast_lanes_dp) a type may lay its blocks out for it
+ * instead: each int32 lane holds values of one integer scale, so a vpdpbusd per 64 values and
+ * one vpmulld per register of sums, and the activations are put in the same order once per block
+ * for all the weight rows. Such a type is a z_dp_type: the activation order, the decode of one
+ * block (or two, of two weight rows) into a z_dp, and how many rows a decode takes; z_dp_dot is
+ * the multiply all share. The integer sums are exact, so the order changes no bits. */
+typedef struct {
+    __m512i mag[2][4];   /* magnitudes, unsigned, in the type's order */
+    __mmask64 neg[2][4]; /* their sign bits */
+    __m512i sc[2];       /* dword D of sc[h]: the integer scale of lane D of mag[h][0..3] */
+    float d[2];          /* the blocks' float scales */
+} z_dp;
+/* Blocks b0, b1 (of rows weight rows a row apart; b1 = b0 at one) into o. */
+typedef void (*z_dp_fn)(const void *b0, const void *b1, z_dp *o);
+/* An activation block's 256 bytes in a type's order: x[h][i] holds, where mag[h][i] holds a
+ * value, the activation it meets (x[0] only, at one row a decode). */
+typedef void (*z_dp_x_fn)(const int8_t *qs, __m512i x[2][4]);
+typedef struct {
+    z_dp_fn decode; /* NULL: the type has none (at that row count) */
+    z_dp_x_fn x;
+    int rows; /* weight rows a decode: 2, lanes 0..7 of a dot row 2p's, 8..15 row 2p + 1's; or 1 */
+} z_dp_type;
+
+/* The int32 sums of a decode's scale groups against one activation row (x: the type's z_dp_x_fn),
+ * each times its scale (rows: z_dp_type's). */
+MOE_INLINE __m512i z_dp_dot(const z_dp *g, int rows, __m512i x[2][4]) {
+    __m512i sum[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < rows; h++) {
+        sum[h] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            sum[h] =
+                _mm512_dpbusd_epi32(sum[h], g->mag[h][i], z_apply_signs(x[h][i], g->neg[h][i]));
+        sum[h] = _mm512_mullo_epi32(sum[h], g->sc[h]);
+    }
+    return rows == 2 ? _mm512_add_epi32(sum[0], sum[1]) : sum[0];
+}
+
+/* The grids of 8-value entries (IQ2_S, IQ2_XS) two blocks at a time, by entry and value position.
  * Layout: the two blocks' entries in their own order (byte 32 blk + e of the index register),
  * looked up in the code planes (z_grid2_plane), the planes' bytes interleaved: dword m of 128-bit
  * lane L of half h holds the codes of entries e = 16 (L % 2) + 8 h + 2 m and e + 1 of block L / 2,
@@ -450,14 +486,6 @@ Z_IQB_ONE(iq2_xs)
  * IQ2_XS 10.0 -> 12.5 (~24 -> 19); from DRAM (256 MiB, load 3.6-4.3) IQ2_S 8.9 -> 9.9. The
  * lookups bound it: 16 vpermi2b a pair for IQ2_S, each with both tables loaded (vpermt2b
  * overwrites one). */
-typedef struct {
-    __m512i mag[2][4];   /* magnitudes, unsigned, in the layout above */
-    __mmask64 neg[2][4]; /* their sign bits */
-    __m512i sc[2];       /* dword (L, m) of sc[h]: the integer scale of its group */
-    float d[2];          /* the blocks' float scales */
-} z_grid2_dp;
-/* Blocks b0, b1 into o. */
-typedef void (*z_grid2_dp_fn)(const void *b0, const void *b1, z_grid2_dp *o);
 
 /* The magnitudes of code i of every byte (bits 2i, 2i + 1: a, b): row j of the matrix (byte
  * 7 - j) picks the input bits whose parity flips output bit j, and 8 is the constant. */
@@ -469,7 +497,7 @@ MOE_INLINE __m512i z_grid2_affine(__m512i codes, int i) {
 
 /* o's magnitudes and signs from the two blocks' entries' code bytes (plane 0's in p0, plane 1's
  * in p1) and their sign bytes (bit v: value v of the entry), all in the blocks' order. */
-MOE_INLINE void z_grid2_dp_values(__m512i p0, __m512i p1, __m512i signs, z_grid2_dp *o) {
+MOE_INLINE void z_grid2_dp_values(__m512i p0, __m512i p1, __m512i signs, z_dp *o) {
     const __m512i u[2] = {_mm512_unpacklo_epi8(p0, p1), _mm512_unpackhi_epi8(p0, p1)};
     const __m512i s[2] = {_mm512_unpacklo_epi8(signs, signs), _mm512_unpackhi_epi8(signs, signs)};
 #pragma GCC unroll 4
@@ -486,7 +514,7 @@ MOE_INLINE void z_grid2_dp_values(__m512i p0, __m512i p1, __m512i signs, z_grid2
 
 /* o's scales and d from two blocks of 4-bit scales per 16 values (IQ2_S, IQ2_XS). */
 MOE_INLINE void z_grid2_dp_scales(const uint8_t scales0[8], const uint8_t scales1[8], uint16_t d0,
-                                  uint16_t d1, z_grid2_dp *o) {
+                                  uint16_t d1, z_dp *o) {
     /* byte 16 blk + g: group g's scale; dword (L, m) of sc[h] from byte 16 (L / 2) + 8 (L % 2) +
      * 4 h + m */
     const __m512i n = z_from_256(z_join128(avx2_iq2_scales16(scales0), avx2_iq2_scales16(scales1)));
@@ -517,24 +545,8 @@ MOE_INLINE void z_grid2_dp_x(const int8_t *qs, __m512i x[2][4]) {
     }
 }
 
-/* The int32 sums of a pair's scale groups against one activation row (x: z_grid2_dp_x), each
- * times its scale: lanes 0..7 block 0's, 8..15 block 1's. */
-MOE_INLINE __m512i z_grid2_dp_dot(const z_grid2_dp *g, __m512i x[2][4]) {
-    __m512i sum[2];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        sum[h] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++)
-            sum[h] =
-                _mm512_dpbusd_epi32(sum[h], g->mag[h][i], z_apply_signs(x[h][i], g->neg[h][i]));
-    }
-    return _mm512_add_epi32(_mm512_mullo_epi32(sum[0], g->sc[0]),
-                            _mm512_mullo_epi32(sum[1], g->sc[1]));
-}
-
 /* IQ2_S: the 64 index bytes in order, bits 8 and 9 of entry e bits 2e and 2e + 1 of qh (pext). */
-MOE_INLINE void z_dp_iq2_s(const void *block0, const void *block1, z_grid2_dp *o) {
+MOE_INLINE void z_dp_iq2_s(const void *block0, const void *block1, z_dp *o) {
     const moe_block_iq2_s *b0 = block0, *b1 = block1;
     const __m512i q0 = z_load(b0->qs), q1 = z_load(b1->qs);
     const __m512i idx = _mm512_shuffle_i64x2(q0, q1, 0x44),
@@ -550,7 +562,7 @@ MOE_INLINE void z_dp_iq2_s(const void *block0, const void *block1, z_grid2_dp *o
 
 /* IQ2_XS: entry e's word's low byte is its index's, bit 0 of its high byte bit 8, the rest its
  * ksigns index (vpermi2b reads 7 bits: the neighbour's bit shifted in is ignored). */
-MOE_INLINE void z_dp_iq2_xs(const void *block0, const void *block1, z_grid2_dp *o) {
+MOE_INLINE void z_dp_iq2_xs(const void *block0, const void *block1, z_dp *o) {
     const moe_block_iq2_xs *b0 = block0, *b1 = block1;
     const __m512i q0 = z_load(b0->qs), q1 = z_load(b1->qs);
     const __m512i low = _mm512_setr_epi64(
@@ -564,17 +576,6 @@ MOE_INLINE void z_dp_iq2_xs(const void *block0, const void *block1, z_grid2_dp *
     z_grid2_dp_values(z_grid2_plane(z_iq2xs_codes[0], 4, idx, bit8, 0),
                       z_grid2_plane(z_iq2xs_codes[1], 4, idx, bit8, 0), signs, o);
     z_grid2_dp_scales(b0->scales, b1->scales, b0->d, b1->d, o);
-}
-
-/* The vpdpbusd pair decode of a type with a single-block decode one, for `rows` activation rows
- * (NULL: none, or slower there than the value-order decode). IQ2_S only up to 2 rows: Zen 5,
- * bench/kernels --tile --mib 256, 1 thread, 3 runs alternated (load 3.6-4.8), GB/s before ->
- * after: 8.9 -> 9.9 at one row, 7.5 -> 8.4 at two, but 6.7 -> 6.0 at three, 5.9 -> 5.7 at four,
- * 4.0 -> 3.8 at seven (its 16 lookups and 14 blends a pair leave the rows' work fewer registers);
- * IQ2_XS (8 lookups) gains at every count: 5.2 -> 6.6 at four, 3.6 -> 4.4 at seven. */
-MOE_INLINE z_grid2_dp_fn z_grid2_dp_of(z_iqb_fn one, int rows) {
-    if (one == z_iqb_iq2_s_one) return rows <= 2 ? z_dp_iq2_s : NULL;
-    return one == z_iqb_iq2_xs_one ? z_dp_iq2_xs : NULL;
 }
 
 #endif
@@ -840,6 +841,104 @@ MOE_INLINE void z_iqb_iq3_xxs(const void *block, z_iqb *o) {
     o->sc = z_top4_scales(words);
     o->d = avx2_fp16(b->d);
 }
+
+/* ---- 4-value entries with a scale per 32 values (IQ3_S, IQ3_XXS) for vpdpbusd, one block a
+ * decode (z_dp_type) ----
+ *
+ * Grouped order: int32 lane D of mag[0][k] holds entry 8 (D / 2) + 2k + D % 2, so every lane of
+ * the four registers holds values of the 32 that share scale D / 2, and one vpmulld scales them
+ * (sc[0] dword D), where the value-order lanes need a vpmaddubsw and a vpdpwssd per 64 values
+ * and the scales spread over four registers. The sign bits are a byte transpose of the block's
+ * 32 sign bytes, per weight block. */
+
+/* An activation block in the grouped order: x[0][k] qword q = values 32q + 8k .. 32q + 8k + 7. */
+MOE_INLINE void z_dp_x_grouped(const int8_t *qs, __m512i x[2][4]) {
+    const __m512i v[4] = {z_load(qs), z_load(qs + 64), z_load(qs + 128), z_load(qs + 192)};
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m512i at = _mm512_setr_epi64(k, 4 + k, 8 + k, 12 + k, k, 4 + k, 8 + k, 12 + k);
+        x[0][k] = _mm512_mask_blend_epi64(0xf0, _mm512_permutex2var_epi64(v[0], at, v[1]),
+                                          _mm512_permutex2var_epi64(v[2], at, v[3]));
+    }
+}
+
+/* The grouped sign masks from a block's 32 sign bytes (bytes 0..31 of signs; bit j of byte s:
+ * value 8s + j): byte 8q + j of register k tests bit j of sign byte 4q + k (a vpermb and a
+ * vptestmb; a byte transpose and four kmovq, through general registers or a store, ran no faster
+ * at one row, 0.9x at four). */
+MOE_INLINE void z_dp_grouped_signs(__m512i signs, __mmask64 neg[4]) {
+    const long long four = 0x0404040404040404;
+    const __m512i pick = _mm512_setr_epi64(0, four, 2 * four, 3 * four, 4 * four, 5 * four,
+                                           6 * four, 7 * four),
+                  bit = _mm512_set1_epi64((long long)0x8040201008040201);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++)
+        neg[k] = _mm512_test_epi8_mask(
+            _mm512_permutexvar_epi8(_mm512_add_epi8(pick, _mm512_set1_epi8((char)k)), signs), bit);
+}
+
+/* The grouped scales, 2 s + 1 in lane D, s the 4 bits at shift (D / 2) + first of scales. */
+MOE_INLINE __m512i z_dp_grouped_scales(__m512i scales, __m512i shift) {
+    const __m512i s = _mm512_srlv_epi32(scales, shift);
+    return _mm512_ternarylogic_epi32(_mm512_slli_epi32(s, 1), _mm512_set1_epi32(0x1e),
+                                     _mm512_set1_epi32(1), 0xea);
+}
+
+/* IQ3_S: the magnitudes in Z_IQ3S_GROUPED order; the scales' nibble D / 2 of one word. */
+MOE_INLINE void z_dp_iq3_s(const void *block, const void *unused, z_dp *o) {
+    (void)unused;
+    const moe_block_iq3_s *b = block;
+    z_iq3s_magnitudes(b, Z_IQ3S_GROUPED, o->mag[0]);
+    z_dp_grouped_signs(_mm512_castsi256_si512(avx2_load(b->signs)), o->neg[0]);
+    uint32_t scales;
+    memcpy(&scales, b->scales, sizeof scales);
+    o->sc[0] = z_dp_grouped_scales(
+        _mm512_set1_epi32((int)scales),
+        _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28));
+    o->d[0] = avx2_fp16(b->d);
+}
+
+/* IQ3_XXS: the grid indices put in the grouped order before the lookups (z_iq3xxs_grouped:
+ * z_interleave4 leaves slot 16L + 4k + m in dword 4L + m of g[k]); the sign bytes from the
+ * ksigns indices; the scales from the top nibble of word D / 2. */
+static uint8_t z_iq3xxs_grouped[64] __attribute__((aligned(64)));
+MOE_INLINE void z_dp_iq3_xxs(const void *block, const void *unused, z_dp *o) {
+    (void)unused;
+    const moe_block_iq3_xxs *b = block;
+    z_iqb v;
+    z_lookup_planes(_mm512_permutexvar_epi8(z_load(z_iq3xxs_grouped), z_load(b->qs)), &v);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) o->mag[0][k] = v.g[k];
+    const __m256i words = avx2_load(b->qs + 64);
+    const uint8_t *t = moe_ksigns_iq2xs;
+    z_dp_grouped_signs(_mm512_permutex2var_epi8(z_load(t),
+                                                _mm512_castsi256_si512(z_ksign_fields(words)),
+                                                z_load(t + 64)),
+                       o->neg[0]);
+    o->sc[0] = z_dp_grouped_scales(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                 _mm512_castsi256_si512(words)),
+        _mm512_set1_epi32(28));
+    o->d[0] = avx2_fp16(b->d);
+}
+
+/* The vpdpbusd pair decode of a type with a single-block decode one, for `rows` activation rows
+ * (decode NULL: none, or slower there than the value-order decode). IQ2_S only up to 2 rows: Zen 5,
+ * bench/kernels --tile --mib 256, 1 thread, 3 runs alternated (load 3.6-4.8), GB/s before ->
+ * after: 8.9 -> 9.9 at one row, 7.5 -> 8.4 at two, but 6.7 -> 6.0 at three, 5.9 -> 5.7 at four,
+ * 4.0 -> 3.8 at seven (its 16 lookups and 14 blends a pair leave the rows' work fewer registers);
+ * IQ2_XS (8 lookups) gains at every count: 5.2 -> 6.6 at four, 3.6 -> 4.4 at seven. IQ3_XXS
+ * grouped against its value-order lanes, Zen 5, the file's layout (repacked, its experts keep the
+ * ROWS16 tile), medians of 3 alternated runs (load 3.5-4.2): 4 MiB 12.6 -> 16.1 GB/s at one row,
+ * 10.3 -> 11.8 at two, 7.4 -> 8.3 at four; 256 MiB 13.0 -> 15.4, 9.8 -> 12.0, 7.4 -> 8.6. */
+MOE_INLINE z_dp_type z_dp_of(z_iqb_fn one, int rows) {
+    if (one == z_iqb_iq2_s_one && rows <= 2) return (z_dp_type){z_dp_iq2_s, z_grid2_dp_x, 2};
+    if (one == z_iqb_iq2_xs_one) return (z_dp_type){z_dp_iq2_xs, z_grid2_dp_x, 2};
+    if (one == z_iqb_iq3_s) return (z_dp_type){z_dp_iq3_s, z_dp_x_grouped, 1};
+    if (one == z_iqb_iq3_xxs) return (z_dp_type){z_dp_iq3_xxs, z_dp_x_grouped, 1};
+    return (z_dp_type){NULL, NULL, 0};
+}
+
 #endif
 
 /* The decodes' lookup tables, from the shared codebooks. */
@@ -875,6 +974,10 @@ static void z_iq_tables_fill(void) {
             }
             z_iq3xxs_codes[q][i] = (uint8_t)(c[0] | c[1] << 4);
         }
+    for (int slot = 0; slot < 64; slot++) { /* slot 16L + 4k + m: entry 8 (D / 2) + 2k + D % 2 */
+        const int L = slot / 16, k = slot / 4 % 4, m = slot % 4;
+        z_iq3xxs_grouped[slot] = (uint8_t)(16 * L + 8 * (m / 2) + 2 * k + m % 2);
+    }
 #endif
 }
 
