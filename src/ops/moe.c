@@ -161,13 +161,12 @@ static void gather_rows(void *arg, int64_t begin, int64_t end, int thread) {
                    from + (uint64_t)eg->s->pair_row[eg->begin[g] + i] * bytes, bytes);
 }
 
-/* o[d] += w * y[d] for d < n, VEC_STEP values at a time where it can: a constant trip count is
+/* o[d] += w * y[d] for d < n, MOE_VEC_STEP values at a time where it can: a constant trip count is
  * what GCC -O2 vectorises (a multiply, then an add: the same two roundings as one at a time). */
-#define VEC_STEP 16
 static void add_weighted(float *restrict o, const float *restrict y, float w, int64_t n) {
     int64_t d = 0;
-    for (; d + VEC_STEP <= n; d += VEC_STEP)
-        for (int k = 0; k < VEC_STEP; k++) o[d + k] += w * y[d + k];
+    for (; d + MOE_VEC_STEP <= n; d += MOE_VEC_STEP)
+        for (int k = 0; k < MOE_VEC_STEP; k++) o[d + k] += w * y[d + k];
     for (; d < n; d++) o[d] += w * y[d];
 }
 

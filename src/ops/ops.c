@@ -11,19 +11,15 @@
 
 /* ==== Elementwise and norms ==== */
 
-/* Values a plain-C loop takes at a time with a constant trip count: GCC -O2 vectorises such a
- * loop (its cheap cost model refuses a loop that would need a scalar epilogue). */
-#define VEC_STEP 16
-
 /* out = x * scale * w (w NULL: ggml_rms_norm without a weight, x * scale); out may alias x, so
  * each step's values are read into t before any is written. */
 static void rmsnorm_apply(float *out, const float *x, const float *w, int64_t n, float scale) {
     int64_t i = 0;
-    for (; i + VEC_STEP <= n; i += VEC_STEP) {
-        float t[VEC_STEP];
-        for (int k = 0; k < VEC_STEP; k++) t[k] = x[i + k] * scale;
+    for (; i + MOE_VEC_STEP <= n; i += MOE_VEC_STEP) {
+        float t[MOE_VEC_STEP];
+        for (int k = 0; k < MOE_VEC_STEP; k++) t[k] = x[i + k] * scale;
         if (w)
-            for (int k = 0; k < VEC_STEP; k++) t[k] *= w[i + k];
+            for (int k = 0; k < MOE_VEC_STEP; k++) t[k] *= w[i + k];
         memcpy(out + i, t, sizeof t);
     }
     for (; i < n; i++) out[i] = w ? x[i] * scale * w[i] : x[i] * scale;
@@ -167,9 +163,9 @@ static void elementwise_items(void *arg, int64_t begin, int64_t end, int thread)
         return;
     }
     int64_t i = begin;
-    for (; i + VEC_STEP <= end; i += VEC_STEP) {
-        float t[VEC_STEP]; /* x may alias gate */
-        for (int k = 0; k < VEC_STEP; k++) t[k] = j->x[i + k] + j->gate[i + k];
+    for (; i + MOE_VEC_STEP <= end; i += MOE_VEC_STEP) {
+        float t[MOE_VEC_STEP]; /* x may alias gate */
+        for (int k = 0; k < MOE_VEC_STEP; k++) t[k] = j->x[i + k] + j->gate[i + k];
         memcpy(j->x + i, t, sizeof t);
     }
     for (; i < end; i++) j->x[i] += j->gate[i];
@@ -481,11 +477,18 @@ bool moe_matmul_observed(void) {
 
 static const char PART_QUANTIZE[] = "activation quantize"; /* MOE_PROFILE's part */
 
+/* The task converting x[0..n_rows) for w into out, prepared; false when w's dot takes floats. */
+static bool convert_prepare(const moe_tensor *w, const float *x, int64_t n_rows, void *out,
+                            moe_matmul_task *t, matmul_job *j) {
+    *t = (moe_matmul_task){.w = w, .x = x, .n_rows = n_rows, .scratch = out};
+    matmul_prepare(t, j);
+    return j->k->dot_type != MOE_TYPE_F32;
+}
+
 bool moe_matmul_convert_rows(const moe_tensor *w, const float *x, int64_t n_rows, void *out) {
-    const moe_matmul_task t = {.w = w, .x = x, .n_rows = n_rows, .scratch = out};
+    moe_matmul_task t;
     matmul_job j;
-    matmul_prepare(&t, &j);
-    if (j.k->dot_type == MOE_TYPE_F32) return false;
+    if (!convert_prepare(w, x, n_rows, out, &t, &j)) return false;
     matmul_quantize(&t, &j, 0, n_rows);
     return true;
 }
@@ -503,10 +506,9 @@ static void convert_items(void *arg, int64_t begin, int64_t end, int thread) {
 
 bool moe_matmul_convert_pool(moe_pool *pool, const moe_tensor *w, const float *x, int64_t n_rows,
                              void *out) {
-    const moe_matmul_task t = {.w = w, .x = x, .n_rows = n_rows, .scratch = out};
+    moe_matmul_task t;
     matmul_job j;
-    matmul_prepare(&t, &j);
-    if (j.k->dot_type == MOE_TYPE_F32) return false;
+    if (!convert_prepare(w, x, n_rows, out, &t, &j)) return false;
     const double start = moe_profile_on() ? moe_now() : 0;
     convert_job c = {&t, &j};
     if (n_rows < MATMUL_QUANTIZE_SHARED)
@@ -517,10 +519,16 @@ bool moe_matmul_convert_pool(moe_pool *pool, const moe_tensor *w, const float *x
     return true;
 }
 
+/* Whether rows of n_a values converted for a's dot serve b's of n_b values. */
+static bool kernels_convert_alike(const moe_type_kernels *a, int64_t n_a, const moe_type_kernels *b,
+                                  int64_t n_b) {
+    return n_a == n_b && a->dot_type != MOE_TYPE_F32 &&
+           a->quantize_row_for_dot == b->quantize_row_for_dot;
+}
+
 bool moe_matmul_converts_alike(const moe_tensor *a, const moe_tensor *b) {
-    const moe_type_kernels *ka = moe_kernels_type(a->type), *kb = moe_kernels_type(b->type);
-    return a->ne[0] == b->ne[0] && ka->dot_type != MOE_TYPE_F32 &&
-           ka->quantize_row_for_dot == kb->quantize_row_for_dot;
+    return kernels_convert_alike(moe_kernels_type(a->type), a->ne[0], moe_kernels_type(b->type),
+                                 b->ne[0]);
 }
 
 /* MOE_PROFILE: a pass is recorded under its first tensor's name less the layer ("blk.N."), with
@@ -574,8 +582,7 @@ void moe_matmul_many(moe_pool *pool, const moe_matmul_task *tasks, int n_tasks) 
         MOE_CHECK(!converted || (m.jobs[i].k->dot_type != MOE_TYPE_F32 && !matmul_observer));
         const bool shared = !converted && prev && tasks[i].x == tasks[i - 1].x &&
                             tasks[i].n_rows == tasks[i - 1].n_rows &&
-                            prev->n_in == m.jobs[i].n_in && prev->k->dot_type != MOE_TYPE_F32 &&
-                            prev->k->quantize_row_for_dot == m.jobs[i].k->quantize_row_for_dot;
+                            kernels_convert_alike(prev->k, prev->n_in, m.jobs[i].k, m.jobs[i].n_in);
         if (shared) m.jobs[i].xq = prev->xq;
         m.row0[i + 1] = m.row0[i] + (shared || converted ? 0 : tasks[i].n_rows);
     }

@@ -47,6 +47,9 @@ void moe_glu_pool(moe_pool *pool, moe_ffn_act act, float limit, float *x, const 
                   int64_t n);
 void moe_rmsnorm_rows(moe_pool *pool, float *out, const float *x, const float *w, int64_t n_rows,
                       int64_t n, float eps);
+/* Values a plain-C elementwise loop takes at a time with a constant trip count: GCC -O2
+ * vectorises such a loop (its cheap cost model refuses one that would need a scalar epilogue). */
+#define MOE_VEC_STEP 16
 /* x[i] += y[i] for i < n, on all of the pool's threads (few values: on the caller). */
 void moe_add_pool(moe_pool *pool, float *x, const float *y, int64_t n);
 /* y[r][i] += b[i] for n_rows rows of n values, b = row `index` of the F32 tensor bias (0 for a
