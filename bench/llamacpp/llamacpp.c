@@ -106,6 +106,7 @@ int32_t llama_model_desc(const struct llama_model *model, char *buf, size_t size
 uint64_t llama_model_size(const struct llama_model *model);
 struct llama_memory_i *llama_get_memory(const struct llama_context *ctx);
 void llama_memory_clear(struct llama_memory_i *mem, bool data);
+bool llama_memory_seq_rm(struct llama_memory_i *mem, int32_t seq, int32_t p0, int32_t p1);
 llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
 void llama_batch_free(llama_batch batch);
 int32_t llama_decode(struct llama_context *ctx, llama_batch batch);
@@ -264,13 +265,14 @@ static void package_info(const char *dir, char *out, size_t size) {
 
 /* ==== Options ==== */
 
-enum { MAX_RUNS = 64, MAX_STREAMS = 16 };
+enum { MAX_RUNS = 64, MAX_STREAMS = 16, MAX_DEPTHS = 8, FILL_ROWS = 512 };
 
 typedef struct options {
     const char *model;
     int threads, runs, pp, tg, stream_steps, ubatch, poll;
     int streams[MAX_STREAMS], n_streams;
-    int flash; /* FLASH_ATTN_* */
+    int depths[MAX_DEPTHS], n_depths; /* ascending, each > 0 */
+    int flash;                        /* FLASH_ATTN_* */
     bool repack, csv, parity;
     const char *out; /* --parity: the KV f16 run's logits, float32 [rows][n_vocab] */
 } options;
@@ -278,8 +280,8 @@ typedef struct options {
 static void usage(FILE *f) {
     fprintf(f,
             "usage: llamacpp-bench MODEL [-t N] [--runs N] [--pp N] [--tg N] [--streams 1,8]\n"
-            "                      [--stream-steps N] [--ubatch N] [--fa on|off|auto] "
-            "[--no-repack] [--csv] [-v]\n"
+            "                      [--depth 4096,16384] [--stream-steps N] [--ubatch N]\n"
+            "                      [--fa on|off|auto] [--no-repack] [--csv] [-v]\n"
             "   or: llamacpp-bench FIXTURE.gguf --parity [-t N] [--fa on|off|auto] [--no-repack]\n"
             "                      [--out FILE.f32] [-v]\n\n"
             "llama.cpp (the prebuilt libraries of npm's @node-llama-cpp/linux-x64) on MODEL, the\n"
@@ -293,6 +295,9 @@ static void usage(FILE *f) {
             "  --pp N            prompt tokens (default 512; 0 skips)\n"
             "  --tg N            decode steps (default 128; 0 skips)\n"
             "  --streams LIST    stream counts (default 8; 0 skips)\n"
+            "  --depth LIST      pp N and tg N again after that many tokens of context, as\n"
+            "                    moe bench --depth (ascending; the context is filled once per\n"
+            "                    depth, untimed, 512 rows a decode; each run starts from it)\n"
             "  --stream-steps N  steps per streams test (default 32, as moe bench)\n"
             "  --ubatch N        llama.cpp's n_ubatch (default 512, llama-bench's)\n"
             "  --fa on|off|auto  flash attention (default auto, llama-bench's)\n"
@@ -316,6 +321,21 @@ static int parse_int(const char *opt, const char *s, int lo, int hi) {
     if (!s || errno || *end || end == s || v < lo || v > hi)
         fail("%s: expected an integer in [%d, %d], got '%s'", opt, lo, hi, s ? s : "");
     return (int)v;
+}
+
+/* A comma-separated list of counts in [lo, hi] into out (zeros skipped); their number. */
+static int parse_list(const char *opt, const char *v, int lo, int hi, int *out, int max) {
+    if (!v) fail("%s: expected a list such as 1,2,4,8", opt);
+    char buf[256], *save = NULL;
+    snprintf(buf, sizeof buf, "%s", v);
+    int n = 0;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        const int x = parse_int(opt, t, lo, hi);
+        if (x == 0) continue;
+        if (n == max) fail("%s: at most %d counts", opt, max);
+        out[n++] = x;
+    }
+    return n;
 }
 
 static options parse_args(int argc, char **argv) {
@@ -368,18 +388,13 @@ static options parse_args(int argc, char **argv) {
             else
                 fail("--fa: expected on, off or auto, got '%s'", v ? v : "");
             i++;
-        } else if (!strcmp(a, "--streams")) {
-            if (!v) fail("--streams: expected a list such as 1,2,4,8");
-            char buf[256], *save = NULL;
-            snprintf(buf, sizeof buf, "%s", v);
-            o.n_streams = 0;
-            for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-                const int n = parse_int("--streams", t, 0, 256);
-                if (n == 0) continue;
-                if (o.n_streams == MAX_STREAMS) fail("--streams: at most %d counts", MAX_STREAMS);
-                o.streams[o.n_streams++] = n;
-            }
-            i++;
+        } else if (!strcmp(a, "--streams"))
+            o.n_streams = parse_list(a, v, 0, 256, o.streams, MAX_STREAMS), i++;
+        else if (!strcmp(a, "--depth")) {
+            o.n_depths = parse_list(a, v, 0, 1 << 20, o.depths, MAX_DEPTHS), i++;
+            for (int d = 1; d < o.n_depths; d++)
+                if (o.depths[d] <= o.depths[d - 1])
+                    fail("--depth: the depths must ascend, got '%s'", v);
         } else if (a[0] == '-')
             fail("unknown option '%s' (--help lists them)", a);
         else if (!o.model)
@@ -443,6 +458,7 @@ static void batch_add(llama_batch *b, int32_t token, int32_t pos, int32_t seq, b
 typedef struct test {
     const char *name; /* "pp", "tg", "streams" */
     int n;            /* prompt tokens, steps, or streams */
+    int depth;        /* tokens of sequence 0 in the cache before the test (pp and tg) */
     double median, lo, hi;
 } test;
 
@@ -452,20 +468,38 @@ static int32_t next_token(int32_t n_vocab) {
     return (int32_t)((g_seed >> 33) % (uint64_t)n_vocab);
 }
 
-/* One run: `prompt` rows of sequence 0 in one llama_decode, or `steps` decodes of one row per
- * sequence; seconds from the first decode to the last synchronize. */
-static double run_once(struct llama_context *ctx, llama_batch *b, int32_t n_vocab, int prompt,
-                       int n_seq, int steps) {
+/* `depth` random tokens of sequence 0 into an empty cache, FILL_ROWS a decode. */
+static void fill(struct llama_context *ctx, llama_batch *b, int32_t n_vocab, int depth) {
     llama_memory_clear(llama_get_memory(ctx), true);
+    for (int p0 = 0; p0 < depth; p0 += FILL_ROWS) {
+        const int n = depth - p0 < FILL_ROWS ? depth - p0 : FILL_ROWS;
+        b->n_tokens = 0;
+        for (int i = 0; i < n; i++) batch_add(b, next_token(n_vocab), p0 + i, 0, i + 1 == n);
+        decode(ctx, b);
+    }
+    llama_synchronize(ctx);
+}
+
+/* One run from the first `depth` positions of the cache (the rest dropped): `prompt` rows of
+ * sequence 0 in one llama_decode, or `steps` decodes of one row per sequence; seconds from the
+ * first decode to the last synchronize. */
+static double run_once(struct llama_context *ctx, llama_batch *b, int32_t n_vocab, int depth,
+                       int prompt, int n_seq, int steps) {
+    struct llama_memory_i *mem = llama_get_memory(ctx);
+    if (!depth)
+        llama_memory_clear(mem, true);
+    else if (!llama_memory_seq_rm(mem, 0, depth, -1))
+        fail("llama.cpp could not drop positions from %d of the filled context", depth);
     const double t0 = now_s();
     if (prompt) {
         b->n_tokens = 0;
-        for (int i = 0; i < prompt; i++) batch_add(b, next_token(n_vocab), i, 0, i + 1 == prompt);
+        for (int i = 0; i < prompt; i++)
+            batch_add(b, next_token(n_vocab), depth + i, 0, i + 1 == prompt);
         decode(ctx, b);
     }
     for (int step = 0; step < steps; step++) {
         b->n_tokens = 0;
-        for (int s = 0; s < n_seq; s++) batch_add(b, next_token(n_vocab), step, s, true);
+        for (int s = 0; s < n_seq; s++) batch_add(b, next_token(n_vocab), depth + step, s, true);
         decode(ctx, b);
     }
     llama_synchronize(ctx);
@@ -486,15 +520,35 @@ static void *cpu_proc(const char *name) {
     return fn;
 }
 
-static void run_test(struct llama_model *m, const options *o, test *t) {
+/* A test's shape: sequences, decode steps, rows per llama_decode, positions per sequence. */
+typedef struct shape {
+    int n_seq, steps, rows;
+    uint32_t per_seq;
+} shape;
+
+static shape shape_of(const options *o, const test *t) {
     const bool pp = !strcmp(t->name, "pp");
-    const int n_seq = !strcmp(t->name, "streams") ? t->n : 1;
-    const int steps = pp ? 0 : !strcmp(t->name, "tg") ? t->n : o->stream_steps;
-    const int rows = pp ? t->n : n_seq;
-    const uint32_t per_seq = (uint32_t)(pp ? t->n : steps);
-    struct llama_context *ctx =
-        new_context(m, per_seq * (uint32_t)n_seq, (uint32_t)rows, (uint32_t)o->ubatch,
-                    (uint32_t)n_seq, o->threads, o->flash, GGML_TYPE_F16);
+    shape s = {.n_seq = !strcmp(t->name, "streams") ? t->n : 1};
+    s.steps = pp ? 0 : !strcmp(t->name, "tg") ? t->n : o->stream_steps;
+    s.rows = pp ? t->n : s.n_seq;
+    s.per_seq = (uint32_t)(pp ? t->n : s.steps);
+    return s;
+}
+
+/* Tests t[0..n) of one depth in one context (filled once when the depth is not 0). */
+static void run_tests(struct llama_model *m, const options *o, test *t, int n) {
+    const int depth = t[0].depth;
+    uint32_t n_ctx = 0;
+    int n_seq = 1, rows = depth ? FILL_ROWS : 1;
+    for (int i = 0; i < n; i++) {
+        const shape s = shape_of(o, &t[i]);
+        const uint32_t need = (uint32_t)depth + s.per_seq * (uint32_t)s.n_seq;
+        n_ctx = need > n_ctx ? need : n_ctx;
+        n_seq = s.n_seq > n_seq ? s.n_seq : n_seq;
+        rows = s.rows > rows ? s.rows : rows;
+    }
+    struct llama_context *ctx = new_context(m, n_ctx, (uint32_t)rows, (uint32_t)o->ubatch,
+                                            (uint32_t)n_seq, o->threads, o->flash, GGML_TYPE_F16);
     ggml_threadpool_params tpp = ggml_threadpool_params_default(o->threads);
     if (tpp.n_threads != o->threads || tpp.poll != 50)
         fail("ggml_threadpool_params is not laid out as this harness expects");
@@ -504,17 +558,22 @@ static void run_test(struct llama_model *m, const options *o, test *t) {
     llama_attach_threadpool(ctx, pool, NULL);
     llama_batch b = llama_batch_init(rows, 0, n_seq);
     const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(m));
-    double tok_s[MAX_RUNS];
-    const double tokens = pp ? t->n : (double)n_seq * steps;
-    for (int i = -1; i < o->runs; i++) { /* -1: the warm-up */
-        const double sec = run_once(ctx, &b, n_vocab, pp ? t->n : 0, n_seq, steps);
-        if (i >= 0) tok_s[i] = tokens / sec;
+    if (depth) fill(ctx, &b, n_vocab, depth);
+    for (int k = 0; k < n; k++) {
+        const shape s = shape_of(o, &t[k]);
+        const bool pp = !s.steps;
+        double tok_s[MAX_RUNS];
+        const double tokens = pp ? t[k].n : (double)s.n_seq * s.steps;
+        for (int i = -1; i < o->runs; i++) { /* -1: the warm-up */
+            const double sec = run_once(ctx, &b, n_vocab, depth, pp ? t[k].n : 0, s.n_seq, s.steps);
+            if (i >= 0) tok_s[i] = tokens / sec;
+        }
+        qsort(tok_s, (size_t)o->runs, sizeof *tok_s, cmp_double);
+        t[k].lo = tok_s[0];
+        t[k].hi = tok_s[o->runs - 1];
+        t[k].median =
+            o->runs % 2 ? tok_s[o->runs / 2] : 0.5 * (tok_s[o->runs / 2 - 1] + tok_s[o->runs / 2]);
     }
-    qsort(tok_s, (size_t)o->runs, sizeof *tok_s, cmp_double);
-    t->lo = tok_s[0];
-    t->hi = tok_s[o->runs - 1];
-    t->median =
-        o->runs % 2 ? tok_s[o->runs / 2] : 0.5 * (tok_s[o->runs / 2 - 1] + tok_s[o->runs / 2]);
     llama_batch_free(b);
     llama_free(ctx);
     ((threadpool_free_fn)cpu_proc("ggml_threadpool_free"))(pool);
@@ -524,19 +583,37 @@ static const char *flash_name(int flash) {
     return flash == FLASH_ATTN_ENABLED ? "on" : flash == FLASH_ATTN_DISABLED ? "off" : "auto";
 }
 
+/* "pp512", "tg128@d4096", "streams 8" ("streams" in the CSV, whose next column counts them) */
+static void test_label(const test *t, bool csv, char *out, size_t size) {
+    if (!strcmp(t->name, "streams"))
+        snprintf(out, size, csv ? "%s" : "%s %d", t->name, t->n);
+    else if (t->depth)
+        snprintf(out, size, "%s%d@d%d", t->name, t->n, t->depth);
+    else
+        snprintf(out, size, "%s%d", t->name, t->n);
+}
+
 static int bench(const options *o, const char *build) {
     const double t0 = now_s();
     struct llama_model *m = load_model(o->model, o->repack);
     const double load_s = now_s() - t0;
     char desc[128];
     llama_model_desc(m, desc, sizeof desc);
-    test tests[2 + MAX_STREAMS];
+    test tests[2 * (1 + MAX_DEPTHS) + MAX_STREAMS]; /* moe bench's order */
     int n = 0;
-    if (o->pp) tests[n++] = (test){.name = "pp", .n = o->pp};
-    if (o->tg) tests[n++] = (test){.name = "tg", .n = o->tg};
-    for (int i = 0; i < o->n_streams; i++)
-        tests[n++] = (test){.name = "streams", .n = o->streams[i]};
-    for (int i = 0; i < n; i++) run_test(m, o, &tests[i]);
+    for (int d = -1; d < o->n_depths; d++) { /* -1: depth 0, a context per test */
+        const int depth = d < 0 ? 0 : o->depths[d], first = n;
+        if (o->pp) tests[n++] = (test){.name = "pp", .n = o->pp, .depth = depth};
+        if (o->tg) tests[n++] = (test){.name = "tg", .n = o->tg, .depth = depth};
+        if (depth)
+            run_tests(m, o, &tests[first], n - first);
+        else
+            for (int i = first; i < n; i++) run_tests(m, o, &tests[i], 1);
+    }
+    for (int i = 0; i < o->n_streams; i++) {
+        tests[n] = (test){.name = "streams", .n = o->streams[i]};
+        run_tests(m, o, &tests[n++], 1);
+    }
     char flash[160]; /* as asked, and as the last context resolved it */
     snprintf(flash, sizeof flash, "fa %s (%s)", flash_name(o->flash),
              g_log.flash[0] ? g_log.flash : "resolution not logged");
@@ -547,8 +624,8 @@ static int bench(const options *o, const char *build) {
         for (int i = 0; i < n; i++) {
             const test *t = &tests[i];
             const bool streams = !strcmp(t->name, "streams");
-            char label[32];
-            snprintf(label, sizeof label, streams ? "%s" : "%s%d", t->name, t->n);
+            char label[48];
+            test_label(t, true, label, sizeof label);
             printf("%s,%d,%.3f,%.3f,%.3f,%.3f,llama.cpp %s,%s,%d,%d,%s,f16,%d\n", label,
                    streams ? t->n : 1, t->median, t->lo, t->hi,
                    streams ? t->median / t->n : t->median, LLAMA_COMMIT, cpu, o->threads, o->runs,
@@ -562,15 +639,15 @@ static int bench(const options *o, const char *build) {
         printf("%d threads (threadpool poll %d), %s, KV f16, n_ubatch %d, repack %s, %d runs "
                "after a warm-up\n",
                o->threads, o->poll, flash, o->ubatch, o->repack ? "on" : "off", o->runs);
-        printf("%-12s %10s %19s %11s  engine, threads  [llama.cpp %s, %s, %d threads]\n", "test",
+        printf("%-16s %10s %19s %11s  engine, threads  [llama.cpp %s, %s, %d threads]\n", "test",
                "tok/s", "range", "per stream", LLAMA_COMMIT, cpu, o->threads);
         for (int i = 0; i < n; i++) {
             const test *t = &tests[i];
             const bool streams = !strcmp(t->name, "streams");
-            char label[32], per[32] = "";
-            snprintf(label, sizeof label, streams ? "%s %d" : "%s%d", t->name, t->n);
+            char label[48], per[32] = "";
+            test_label(t, false, label, sizeof label);
             if (streams) snprintf(per, sizeof per, "%.2f", t->median / t->n);
-            printf("%-12s %10.2f %8.2f - %8.2f %11s  llama.cpp %s, %d\n", label, t->median, t->lo,
+            printf("%-16s %10.2f %8.2f - %8.2f %11s  llama.cpp %s, %d\n", label, t->median, t->lo,
                    t->hi, per, LLAMA_COMMIT, o->threads);
         }
     }
