@@ -99,6 +99,68 @@ static void delta_forms_agree(int n_g) {
     for (int i = 0; i < 2; i++) free(out[i]), free(state[i]);
 }
 
+/* The chunked rule's f32 products (quant.h: rows_times, axpys, delta_row) at every level the CPU
+ * runs give the scalar reference's bits (the order is fixed element by element), on shapes that
+ * leave partial vectors and blocks: so the rule's results do not depend on the level. */
+static void linear_products_equal_reference(void **st) {
+    (void)st;
+    enum { K = 37, N = 64, M = 7, XS = 67 };
+    rng_state = 0x51ed2701ull;
+    float a[M * XS], b[K * XS], c[N], e0[K * N], ka[K], kb[K], d[K];
+    for (int i = 0; i < M * XS; i++) a[i] = rng_uniform() - 0.5f;
+    for (int i = 0; i < K * XS; i++) b[i] = rng_uniform() - 0.5f;
+    for (int i = 0; i < N; i++) c[i] = rng_uniform() - 0.5f;
+    for (int i = 0; i < K; i++) ka[i] = rng_uniform() - 0.5f, kb[i] = rng_uniform() - 0.5f;
+    for (int i = 0; i < K; i++) d[i] = expf(-3.0f * rng_uniform());
+    for (int i = 0; i < K * N; i++) e0[i] = rng_uniform();
+    const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
+    int checked = 0;
+    for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *kern = moe_kernels_for_path((moe_isa)level, false);
+        if (!kern) continue;
+        const char *name = moe_isa_name((moe_isa)level);
+        static const int ns[] = {1, 7, 16, 24, 40, 64};
+        for (size_t in = 0; in < sizeof ns / sizeof ns[0]; in++) {
+            const int n = ns[in];
+            float o0[M * XS], o1[M * XS], y0[XS], y1[XS], e1[K * N], ea[K * N];
+            float ra0[N], rb0[N], ra1[N], rb1[N];
+            for (int m = 1; m <= M; m += 3) { /* 1, 4, 7 rows */
+                ref->rows_times(a, XS, b, XS, o0, XS, m, K, n);
+                kern->rows_times(a, XS, b, XS, o1, XS, m, K, n);
+                for (int r = 0; r < m; r++)
+                    if (memcmp(o0 + r * XS, o1 + r * XS, sizeof(float) * (size_t)n))
+                        fail_msg("%s rows_times %d x %d x %d: row %d differs", name, m, K, n, r);
+            }
+            for (int ns_ = 0; ns_ <= 5; ns_ += 5) /* none, then 5 rows, the last first */
+                for (int sign = 1; sign >= -1; sign -= 2) {
+                    const float *x = sign > 0 ? b : b + 4 * XS;
+                    memcpy(y0, a, sizeof y0), memcpy(y1, a, sizeof y1);
+                    ref->axpys(y0, 0.75f, c, x, sign * XS, ns_, n);
+                    kern->axpys(y1, 0.75f, c, x, sign * XS, ns_, n);
+                    if (memcmp(y0, y1, sizeof(float) * (size_t)n))
+                        fail_msg("%s axpys %d rows, stride %+d, %d columns differs", name, ns_,
+                                 sign * XS, n);
+                }
+            for (int with_e = 0; with_e < 2; with_e++) {
+                memcpy(e1, e0, sizeof e1), memcpy(ea, e0, sizeof ea);
+                ref->delta_row(ka, kb, b, N, with_e ? e1 : NULL, N, d, K, n, ra0, rb0);
+                kern->delta_row(ka, kb, b, N, with_e ? ea : NULL, N, d, K, n, ra1, rb1);
+                bool same = !memcmp(ra0, ra1, sizeof(float) * (size_t)n) &&
+                            !memcmp(rb0, rb1, sizeof(float) * (size_t)n);
+                for (int i = 0; with_e && i < K; i++)
+                    same = same && !memcmp(e1 + i * N, ea + i * N, sizeof(float) * (size_t)n);
+                if (!same)
+                    fail_msg("%s delta_row %d columns (%s e) differs", name, n,
+                             with_e ? "with" : "without");
+            }
+            checked++;
+        }
+    }
+    print_message("linear attention's f32 products: %d shapes x 3 kernels at the SIMD levels equal "
+                  "the scalar reference bit for bit\n",
+                  checked);
+}
+
 static void delta_chunked_equals_recurrent_gdn(void **st) {
     (void)st;
     delta_forms_agree(1);
@@ -477,6 +539,7 @@ static void memory_plan_counts_recurrent_state(void **st) {
 
 int moe_suite_linear(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(linear_products_equal_reference),
         cmocka_unit_test(delta_chunked_equals_recurrent_gdn),
         cmocka_unit_test(delta_chunked_equals_recurrent_kda),
         cmocka_unit_test(conv_state_rolls),

@@ -69,11 +69,12 @@ static float dot(const float *a, const float *b, int n) {
 }
 
 uint64_t moe_delta_scratch_floats(int d_k, int d_v) {
-    const uint64_t C = MOE_DELTA_CHUNK;
-    /* decays and their running products [C][d_k] each, A and B [C][C], U [C][d_v], one
-     * decayed row [d_k], one running decay [d_k], one state row product [d_v] */
-    return 2 * C * (uint64_t)d_k + 2 * C * C + C * (uint64_t)d_v + 2 * (uint64_t)d_k +
-           (uint64_t)d_v;
+    const uint64_t C = MOE_DELTA_CHUNK, dk = (uint64_t)d_k, dv = (uint64_t)d_v;
+    /* the state transposed [d_k][d_v]; decays and their running products [C][d_k] each; the
+     * chunk's keys transposed, the running decays by column and the state update's factors
+     * [d_k][C] each; A and B [C][C]; decayed keys and queries [C][d_k] each; U [C][d_v]; one
+     * row of A and of B and the columns' decays (one per head) [C] each, one running decay [d_k] */
+    return dk * dv + 2 * C * dk + 3 * dk * C + 2 * C * C + 2 * C * dk + C * dv + 3 * C + dk;
 }
 
 void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *state,
@@ -100,33 +101,37 @@ void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *sta
     }
 }
 
-/* sum_i x[i] y[i] e[i] (e: n_g == 1 values broadcast) */
-static float dot3(const float *x, const float *y, const float *e, int n, int n_g) {
-    if (n_g == 1) return dot(x, y, n) * e[0];
-    float s = 0.0f;
-    for (int i = 0; i < n; i++) s += x[i] * y[i] * e[i];
-    return s;
-}
-
-/* One chunk of C tokens from state S0 (updated to the state after the chunk). With a_t the
- * decay of token t, P_t = a_0 ... a_t its running product, P_ts = a_(s+1) ... a_t, and
- * u_t = beta_t (v_t - S_{t-1} D_t k_t) the value each token writes:
+/* One chunk of C tokens from the state St (transposed: [d_k][d_v]; updated to the state after
+ * the chunk). With a_t the decay of token t, P_t = a_0 ... a_t its running product, P_ts =
+ * a_(s+1) ... a_t, and u_t = beta_t (v_t - S_{t-1} D_t k_t) the value each token writes:
  *   S_t = S0 diag(P_t) + sum_{s<=t} u_s (k_s P_ts)^T
  *   (I + diag(beta) A) U = diag(beta) (V - (K P) S0^T),  A_ts = k_s.(k_t P_ts), s < t
  *   O = (Q P) S0^T + B U,                                 B_ts = k_s.(q_t P_ts), s <= t
  * The solve is forward substitution over t (a unit lower-triangular system). Decays enter
  * only as products of factors <= 1 (exp of the log decays once per token and channel), so
- * strong decay underflows to 0 as it should instead of overflowing. */
-static void delta_chunk(const moe_delta_args *a, int64_t t0, int C, float *S, float *scratch) {
+ * strong decay underflows to 0 as it should instead of overflowing. The products run through
+ * the kernel table's f32 kernels (quant.h), whose order is the scalar one element by element:
+ * A and B row by row over t (P_ts for every s < t grown by one factor a_t, a column of e each),
+ * (K P) S0^T and (Q P) S0^T as products of rows with the transposed state, the substitution and
+ * the state update as chains of row updates. */
+static void delta_chunk(const moe_kernels *kern, const moe_delta_args *a, int64_t t0, int C,
+                        float *St, float *scratch) {
+    enum { N = MOE_DELTA_CHUNK };
     const int dk = a->d_k, dv = a->d_v, ng = a->n_g;
-    float *decay = scratch;                              /* [C][ng] a_t */
-    float *prod = decay + (int64_t)MOE_DELTA_CHUNK * dk; /* [C][ng] P_t */
-    float *A = prod + (int64_t)MOE_DELTA_CHUNK * dk;     /* [C][C] */
-    float *B = A + MOE_DELTA_CHUNK * MOE_DELTA_CHUNK;    /* [C][C] */
-    float *U = B + MOE_DELTA_CHUNK * MOE_DELTA_CHUNK;    /* [C][dv] */
-    float *w = U + (int64_t)MOE_DELTA_CHUNK * dv;        /* [dk] */
-    float *e = w + dk;                                   /* [dk] */
-    float *r = e + dk;                                   /* [dv] */
+    float *decay = scratch;                /* [N][ng] a_t */
+    float *prod = decay + (int64_t)N * dk; /* [N][ng] P_t */
+    float *kt = prod + (int64_t)N * dk;    /* [dk][N] the keys by column */
+    float *e = kt + (int64_t)dk * N;       /* [dk][N] column s: P_ts of the row being made */
+    float *fac = e + (int64_t)dk * N;      /* [dk][N] the state update's factors */
+    float *A = fac + (int64_t)dk * N;      /* [N][N] */
+    float *B = A + N * N;                  /* [N][N] */
+    float *wk = B + N * N;                 /* [N][dk] k_t P_t */
+    float *wq = wk + (int64_t)N * dk;      /* [N][dk] q_t P_t scale */
+    float *U = wq + (int64_t)N * dk;       /* [N][dv] */
+    float *ra = U + (int64_t)N * dv;       /* [N] a row of A */
+    float *rb = ra + N;                    /* [N] a row of B */
+    float *col = rb + N;                   /* [N] one decay per head: P_ts of column s */
+    float *run = col + N;                  /* [dk] a running decay */
 #define Q_(t)       (a->q + (t0 + (t)) * a->qk_stride)
 #define K_(t)       (a->k + (t0 + (t)) * a->qk_stride)
 #define G_(p, t, i) (p)[(t)*ng + (ng == 1 ? 0 : (i))]
@@ -136,60 +141,74 @@ static void delta_chunk(const moe_delta_args *a, int64_t t0, int C, float *S, fl
             decay[t * ng + i] = expf(g[i]);
             prod[t * ng + i] = (t ? prod[(t - 1) * ng + i] : 1.0f) * decay[t * ng + i];
         }
+        for (int i = 0; i < dk; i++) {
+            kt[(int64_t)i * N + t] = K_(t)[i];
+            wk[(int64_t)t * dk + i] = K_(t)[i] * G_(prod, t, i);
+            wq[(int64_t)t * dk + i] = Q_(t)[i] * G_(prod, t, i) * a->scale;
+        }
     }
-    /* intra-chunk coefficients, column by column: e = P_ts grows one factor per row */
-    for (int s = 0; s < C; s++) {
-        for (int i = 0; i < ng; i++) e[i] = 1.0f;
-        for (int t = s; t < C; t++) {
-            if (t > s)
-                for (int i = 0; i < ng; i++) e[i] *= decay[t * ng + i];
-            A[t * C + s] = t > s ? dot3(K_(s), K_(t), e, dk, ng) : 0.0f;
-            B[t * C + s] = dot3(K_(s), Q_(t), e, dk, ng) * a->scale;
+    /* intra-chunk coefficients, row by row: column s of e (or ra, rb times col[s], one decay
+     * per head) is P_ts, one factor more each row. The columns past the chunk's are zero keys,
+     * and e starts at 1: a level's vectors may run past the row's last column (quant.h), and
+     * there stale values would decay into subnormals, which some CPUs take slowly. */
+    for (int i = 0; i < dk; i++) {
+        for (int t = C; t < N; t++) kt[(int64_t)i * N + t] = 0.0f;
+        for (int t = 0; t < N; t++) e[(int64_t)i * N + t] = 1.0f;
+    }
+    for (int t = 0; t < C; t++) {
+        kern->delta_row(K_(t), Q_(t), kt, N, ng == 1 ? NULL : e, N, decay + (int64_t)t * ng, dk,
+                        t + 1, ra, rb);
+        if (ng == 1) {
+            for (int s = 0; s < t; s++) col[s] *= decay[t];
+            col[t] = 1.0f;
+            for (int s = 0; s <= t; s++) ra[s] *= col[s], rb[s] *= col[s];
+        }
+        for (int s = 0; s <= t; s++) { /* A's negated: the substitution adds -A_ts u_s */
+            A[t * N + s] = -ra[s];
+            B[t * N + s] = rb[s] * a->scale;
         }
     }
     /* forward substitution for U, and the outputs */
+    kern->rows_times(wk, dk, St, dv, U, dv, C, dk, dv);
+    kern->rows_times(wq, dk, St, dv, a->out + t0 * a->out_stride, a->out_stride, C, dk, dv);
     for (int t = 0; t < C; t++) {
         const float *v = a->v + (t0 + t) * a->v_stride;
         const float beta = a->beta[(t0 + t) * a->beta_stride];
         float *u = U + (int64_t)t * dv;
-        for (int i = 0; i < dk; i++) w[i] = K_(t)[i] * G_(prod, t, i);
-        for (int j = 0; j < dv; j++) u[j] = v[j] - dot(S + (int64_t)j * dk, w, dk);
-        for (int s = 0; s < t; s++) {
-            const float c = A[t * C + s];
-            const float *us = U + (int64_t)s * dv;
-            for (int j = 0; j < dv; j++) u[j] -= c * us[j];
-        }
+        for (int j = 0; j < dv; j++) u[j] = v[j] - u[j];
+        kern->axpys(u, 1.0f, A + t * N, U, dv, t, dv);
         for (int j = 0; j < dv; j++) u[j] *= beta;
-        float *out = a->out + (t0 + t) * a->out_stride;
-        for (int i = 0; i < dk; i++) w[i] = Q_(t)[i] * G_(prod, t, i) * a->scale;
-        for (int j = 0; j < dv; j++) r[j] = dot(S + (int64_t)j * dk, w, dk);
-        for (int s = 0; s <= t; s++) {
-            const float c = B[t * C + s];
-            const float *us = U + (int64_t)s * dv;
-            for (int j = 0; j < dv; j++) r[j] += c * us[j];
-        }
-        memcpy(out, r, sizeof(float) * (size_t)dv);
+        kern->axpys(a->out + (t0 + t) * a->out_stride, 1.0f, B + t * N, U, dv, t + 1, dv);
     }
-    /* the state after the chunk: S0 P_last + sum_s u_s (k_s P_(last,s))^T, P built backwards */
-    for (int i = 0; i < dk; i++) w[i] = G_(prod, C - 1, i);
-    for (int j = 0; j < dv; j++)
-        for (int i = 0; i < dk; i++) S[(int64_t)j * dk + i] *= w[i];
-    for (int i = 0; i < ng; i++) e[i] = 1.0f;
+    /* the state after the chunk: S0 P_last + sum_s u_s (k_s P_(last,s))^T, s from the last
+     * token back, P built backwards: row i of St takes the factors k_s[i] P_(last,s)[i] */
+    for (int i = 0; i < ng; i++) run[i] = 1.0f;
     for (int s = C - 1; s >= 0; s--) {
-        for (int i = 0; i < dk; i++) w[i] = K_(s)[i] * e[ng == 1 ? 0 : i];
-        const float *us = U + (int64_t)s * dv;
-        for (int j = 0; j < dv; j++)
-            for (int i = 0; i < dk; i++) S[(int64_t)j * dk + i] += us[j] * w[i];
-        for (int i = 0; i < ng; i++) e[i] *= decay[s * ng + i];
+        for (int i = 0; i < dk; i++)
+            fac[(int64_t)i * N + (C - 1 - s)] = K_(s)[i] * run[ng == 1 ? 0 : i];
+        for (int i = 0; i < ng; i++) run[i] *= decay[s * ng + i];
     }
+    for (int i = 0; i < dk; i++)
+        kern->axpys(St + (int64_t)i * dv, G_(prod, C - 1, i), fac + (int64_t)i * N,
+                    U + (int64_t)(C - 1) * dv, -(int64_t)dv, C, dv);
 #undef Q_
 #undef K_
 #undef G_
 }
 
+/* dst [cols][rows] = src [rows][cols] transposed. */
+static void transpose(const float *src, int rows, int cols, float *dst) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) dst[(int64_t)c * rows + r] = src[(int64_t)r * cols + c];
+}
+
 void moe_delta_rule_chunked(const moe_delta_args *a, int64_t n_tok, float *state, float *scratch) {
+    const moe_kernels *kern = moe_kernels_get();
+    float *St = scratch; /* the chunks run on the state transposed: their vectors span d_v */
+    transpose(state, a->d_v, a->d_k, St);
     for (int64_t t0 = 0; t0 < n_tok; t0 += MOE_DELTA_CHUNK) {
         const int C = (int)(n_tok - t0 < MOE_DELTA_CHUNK ? n_tok - t0 : MOE_DELTA_CHUNK);
-        delta_chunk(a, t0, C, state, scratch);
+        delta_chunk(kern, a, t0, C, St, St + (int64_t)a->d_k * a->d_v);
     }
+    transpose(St, a->d_k, a->d_v, state);
 }

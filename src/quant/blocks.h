@@ -459,6 +459,15 @@ MOE_FAST_REF_DOT(iq1_s);
 MOE_FAST_REF_DOT(iq1_m);
 MOE_FAST_REF_DOT(iq4_xs);
 
+/* Scalar linear-attention products (quant.h: the reference every level reproduces bit for
+ * bit). */
+void moe_ref_rows_times(const float *a, int64_t as, const float *b, int64_t bs, float *out,
+                        int64_t os, int m, int k, int n);
+void moe_ref_axpys(float *y, float y_scale, const float *c, const float *x, int64_t xs, int n_s,
+                   int n);
+void moe_ref_delta_row(const float *ka, const float *kb, const float *x, int64_t xs, float *e,
+                       int64_t es, const float *d, int k, int n, float *a, float *b);
+
 /* Scalar attention kernels (the reference every level reproduces bit for bit). */
 /* Value i of a KV cache row of kv_type (F32, F16, Q8_0): the SIMD levels' scalar tails. */
 float moe_ref_kv_value(const void *base, moe_type kv_type, int64_t i);

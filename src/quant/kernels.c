@@ -65,15 +65,20 @@ static void build(void) {
     exact[MOE_ISA_SCALAR].attn_scores = moe_ref_attn_scores;
     exact[MOE_ISA_SCALAR].attn_mix = moe_ref_attn_mix;
     exact[MOE_ISA_SCALAR].attn_tile = moe_ref_attn_tile;
+    exact[MOE_ISA_SCALAR].rows_times = moe_ref_rows_times;
+    exact[MOE_ISA_SCALAR].axpys = moe_ref_axpys;
+    exact[MOE_ISA_SCALAR].delta_row = moe_ref_delta_row;
     for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
         if (!moe_cpu_isa_runs((moe_isa)level)) continue;
         exact[level] = exact[below((moe_isa)level)];
         switch ((moe_isa)level) {
         case MOE_ISA_AVX2:
             moe_kernels_fill_avx2(&exact[level]);
+            moe_kernels_fill_linear_avx2(&exact[level]);
             break;
         case MOE_ISA_AVX512:
             moe_kernels_fill_avx512(&exact[level]);
+            moe_kernels_fill_linear_avx512(&exact[level]);
             break;
         case MOE_ISA_AVX512VNNI:
             moe_kernels_fill_avx512vnni(&exact[level]);

@@ -17,6 +17,9 @@
 void moe_kernels_fill_avx2(moe_kernels *k);
 void moe_kernels_fill_avx512(moe_kernels *k);
 void moe_kernels_fill_avx512vnni(moe_kernels *k);
+/* Linear attention's chunk products (x86_linear.h), by vector width. */
+void moe_kernels_fill_linear_avx2(moe_kernels *k);
+void moe_kernels_fill_linear_avx512(moe_kernels *k);
 /* The fast path's kernels of a level, over a copy of that level's exact table (quant.h). */
 void moe_kernels_fill_fast_scalar(moe_kernels *k);
 void moe_kernels_fill_fast_avx2(moe_kernels *k);

@@ -279,6 +279,28 @@ void moe_attn_tile_quantize(const float *q, int dk, int i, int8_t *qq, float *qd
  * and for -inf or NaN. The SIMD levels compute it lane by lane in the same operations. */
 float moe_attn_exp(float x);
 
+/* ==== Linear attention's chunk products (ops/linear_attn.c's chunked delta rule) ====
+ * f32 work whose order the scalar reference fixes element by element: every product rounded,
+ * then added (no fma), a sum from 0 over its index in order, so every level gives the same bits
+ * (the vectors run across the output index, never along a sum). Why vectors at all: the chunked
+ * delta rule, written as scalar dot products, was half of a GLM-5.3-Flash prefill step on Zen 5
+ * (each dot one add chain, ~4 cycles an add). */
+/* out[r][j] = sum over i < k of a[r][i] x b[i][j] (rows as, bs, os floats apart), r < m, j < n. */
+typedef void (*moe_rows_times_fn)(const float *a, int64_t as, const float *b, int64_t bs,
+                                  float *out, int64_t os, int m, int k, int n);
+/* y[j] = y[j] x y_scale, then y[j] = y[j] + c[s] x x[s][j] for s = 0 .. n_s - 1 in turn (rows
+ * of x xs floats apart, xs may be negative), j < n. */
+typedef void (*moe_axpys_fn)(float *y, float y_scale, const float *c, const float *x, int64_t xs,
+                             int n_s, int n);
+/* One row of the delta rule's intra-chunk coefficients, for columns s < n (x: [k][xs], column s
+ * key s of the chunk; e: [k][es] running decays, or NULL): with e, e[i][s] = e[i][s] x d[i] for
+ * s < n - 1 and e[i][n - 1] = 1, then a[s] = sum over i of (x[i][s] x ka[i]) x e[i][s] and b[s]
+ * the same with kb; without, a[s] = sum over i of x[i][s] x ka[i], b[s] likewise. A level may
+ * compute (and write) columns up to n rounded up to 16, so x, e, a and b hold that many. */
+typedef void (*moe_delta_row_fn)(const float *ka, const float *kb, const float *x, int64_t xs,
+                                 float *e, int64_t es, const float *d, int k, int n, float *a,
+                                 float *b);
+
 typedef struct moe_kernels {
     moe_isa isa;      /* the level of this table */
     const char *name; /* moe_isa_name(isa) */
@@ -287,6 +309,9 @@ typedef struct moe_kernels {
     moe_attn_scores_fn attn_scores;
     moe_attn_mix_fn attn_mix;
     moe_attn_tile_fn attn_tile; /* the fast path's; the exact path never calls it */
+    moe_rows_times_fn rows_times;
+    moe_axpys_fn axpys;
+    moe_delta_row_fn delta_row;
 } moe_kernels;
 
 /* ==== The two paths ====

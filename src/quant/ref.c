@@ -478,6 +478,50 @@ void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_by
     }
 }
 
+/* ==== Linear attention's chunk products (quant.h: moe_rows_times_fn ..) ==== */
+
+void moe_ref_rows_times(const float *a, int64_t as, const float *b, int64_t bs, float *out,
+                        int64_t os, int m, int k, int n) {
+    for (int r = 0; r < m; r++)
+        for (int j = 0; j < n; j++) {
+            float sum = 0.0f;
+            for (int i = 0; i < k; i++) {
+                const float p = a[r * as + i] * b[i * bs + j];
+                sum += p;
+            }
+            out[r * os + j] = sum;
+        }
+}
+
+void moe_ref_axpys(float *y, float y_scale, const float *c, const float *x, int64_t xs, int n_s,
+                   int n) {
+    for (int j = 0; j < n; j++) {
+        float acc = y[j] * y_scale;
+        for (int s = 0; s < n_s; s++) {
+            const float p = c[s] * x[s * xs + j];
+            acc += p;
+        }
+        y[j] = acc;
+    }
+}
+
+void moe_ref_delta_row(const float *ka, const float *kb, const float *x, int64_t xs, float *e,
+                       int64_t es, const float *d, int k, int n, float *a, float *b) {
+    for (int s = 0; s < n; s++) {
+        float sa = 0.0f, sb = 0.0f;
+        for (int i = 0; i < k; i++) {
+            float pa = x[i * xs + s] * ka[i], pb = x[i * xs + s] * kb[i];
+            if (e) {
+                float *ei = &e[i * es + s];
+                *ei = s + 1 < n ? *ei * d[i] : 1.0f;
+                pa *= *ei, pb *= *ei;
+            }
+            sa += pa, sb += pb;
+        }
+        a[s] = sa, b[s] = sb;
+    }
+}
+
 /* ==== The fast path's attention tile (quant.h: moe_attn_tile_fn) ==== */
 
 float moe_attn_exp(float x) {
