@@ -6,7 +6,9 @@
  * streams, and its output is added to each stream with the post weights after the streams are
  * mixed by the Sinkhorn-balanced combination matrix (ops/hyper.c). The embedding starts every
  * stream; the head reads their plain mean. Rows are independent, so the row loops run on the
- * pool and a row's result never depends on the others in its batch. */
+ * pool and a row's result never depends on the others in its batch. The weighted sums over
+ * streams are the kernel table's row updates (moe_axpys_fn: vectors across the row, each value
+ * the scalar loop's products and adds in its order). */
 #include "engine_internal.h"
 
 #include <stdlib.h>
@@ -56,18 +58,15 @@ static void pre_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const moe_model_config *cfg = &c->m->cfg;
     moe_hc_ctx *hc = &c->hc;
     const int64_t n_embd = cfg->n_embd, n = cfg->n_hc, n_mix = (2 + n) * n;
+    const moe_kernels *kern = moe_kernels_get();
     float pre[MOE_MAX_HC];
     for (int64_t r = begin; r < end; r++) {
         moe_hc_mix_weights(hc->mix + r * n_mix, (const float *)j->w->base->data,
                            (const float *)j->w->scale->data, (int)n, (int)cfg->hc_sinkhorn_iters,
                            cfg->hc_eps, pre, hc->post + r * n, hc->comb + r * n * n);
-        const float *x = c->x + r * n * n_embd;
-        float *in = hc->in + r * n_embd;
-        for (int64_t i = 0; i < n_embd; i++) {
-            float sum = 0.0f;
-            for (int64_t s = 0; s < n; s++) sum += pre[s] * x[s * n_embd + i];
-            in[i] = sum;
-        }
+        float *in = hc->in + r * n_embd; /* sum over s of pre[s] x stream s, from 0 */
+        memset(in, 0, sizeof(float) * (size_t)n_embd);
+        kern->axpys(in, 1.0f, pre, c->x + r * n * n_embd, n_embd, (int)n, (int)n_embd);
     }
 }
 
@@ -76,8 +75,7 @@ static const float *hc_pre(moe_ctx *c, const moe_layer_weights *l, moe_site site
     moe_hc_ctx *hc = &c->hc;
     const int64_t wide = (int64_t)cfg->n_hc * cfg->n_embd;
     hc_job job = {.c = c, .w = site == MOE_SITE_MIXER ? &l->hc_attn : &l->hc_ffn};
-    for (uint32_t r = 0; r < n_rows; r++)
-        moe_rmsnorm(hc->wide + r * wide, c->x + r * wide, NULL, wide, cfg->rms_eps);
+    moe_rmsnorm_rows(c->pool, hc->wide, c->x, NULL, n_rows, wide, cfg->rms_eps);
     moe_matmul(c->pool, job.w->fn, 0, hc->wide, n_rows, hc->mix, c->mm_scratch);
     moe_pool_for(c->pool, n_rows, 1, pre_rows, &job);
     return hc->in;
@@ -91,16 +89,16 @@ static void post_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const moe_model_config *cfg = &c->m->cfg;
     moe_hc_ctx *hc = &c->hc;
     const int64_t n_embd = cfg->n_embd, n = cfg->n_hc;
+    const moe_kernels *kern = moe_kernels_get();
     for (int64_t r = begin; r < end; r++) {
         float *x = c->x + r * n * n_embd, *out = hc->wide + r * n * n_embd;
         const float *y = c->y + r * n_embd, *post = hc->post + r * n, *comb = hc->comb + r * n * n;
-        for (int64_t dst = 0; dst < n; dst++)
-            for (int64_t i = 0; i < n_embd; i++) {
-                float sum = post[dst] * y[i];
-                for (int64_t src = 0; src < n; src++)
-                    sum += comb[src * n + dst] * x[src * n_embd + i];
-                out[dst * n_embd + i] = sum;
-            }
+        for (int64_t dst = 0; dst < n; dst++) { /* post[dst] y, then comb[src][dst] x src */
+            float from[MOE_MAX_HC];
+            for (int64_t src = 0; src < n; src++) from[src] = comb[src * n + dst];
+            memcpy(out + dst * n_embd, y, sizeof(float) * (size_t)n_embd);
+            kern->axpys(out + dst * n_embd, post[dst], from, x, n_embd, (int)n, (int)n_embd);
+        }
         memcpy(x, out, sizeof(float) * (size_t)(n * n_embd));
     }
 }
