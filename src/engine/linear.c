@@ -240,20 +240,39 @@ static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
     }
 }
 
-/* The short conv over n consecutive rows of one sequence, from and into its conv state. */
+/* The short conv over n consecutive rows of one sequence, from and into its conv state: ranges
+ * of channels on the pool (each channel is its own, so how they are split changes nothing). */
+#define CONV_CHANNELS 512 /* channels per work item */
+
+typedef struct conv_job {
+    const moe_linear_weights *w;
+    const linear_dims *d;
+    float *x, *conv;
+    int64_t n;
+    int n_taps;
+} conv_job;
+
+static void conv_channels(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const conv_job *j = arg;
+    const linear_dims *d = j->d;
+    /* one kernel over every channel, or separate q, k, v kernels over consecutive ranges */
+    const bool one = !j->w->conv1d[1];
+    const int64_t ofs[4] = {0, one ? d->conv_ch : d->K, 2 * d->K, d->conv_ch};
+    for (int i = 0; i < (one ? 1 : 3); i++) {
+        const int64_t lo = begin > ofs[i] ? begin : ofs[i],
+                      hi = end < ofs[i + 1] ? end : ofs[i + 1];
+        if (lo >= hi) continue;
+        const float *w = (const float *)j->w->conv1d[i]->data + (lo - ofs[i]) * j->n_taps;
+        moe_conv1d_silu(j->x + lo, d->conv_ch, j->n, hi - lo, w, j->n_taps,
+                        j->conv + lo * (j->n_taps - 1));
+    }
+}
+
 static void conv_rows(moe_ctx *c, const moe_linear_weights *w, const linear_dims *d, float *x,
                       int64_t n, float *conv) {
-    const int n_taps = (int)c->m->cfg.ssm_d_conv;
-    if (!w->conv1d[1]) {
-        moe_conv1d_silu(x, d->conv_ch, n, d->conv_ch, (const float *)w->conv1d[0]->data, n_taps,
-                        conv);
-        return;
-    }
-    /* separate q, k, v kernels over consecutive channel ranges */
-    const int64_t ofs[3] = {0, d->K, 2 * d->K}, width[3] = {d->K, d->K, d->V};
-    for (int i = 0; i < 3; i++)
-        moe_conv1d_silu(x + ofs[i], d->conv_ch, n, width[i], (const float *)w->conv1d[i]->data,
-                        n_taps, conv + ofs[i] * (n_taps - 1));
+    conv_job job = {w, d, x, conv, n, (int)c->m->cfg.ssm_d_conv};
+    moe_pool_for(c->pool, d->conv_ch, CONV_CHANNELS, conv_channels, &job);
 }
 
 /* ==== The block ==== */

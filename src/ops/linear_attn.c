@@ -41,22 +41,30 @@ void moe_conv1d_silu(float *x, int64_t x_stride, int64_t n_tok, int64_t n_ch, co
                      int d_conv, float *state) {
     MOE_CHECK(d_conv >= 1 && d_conv <= MOE_CONV_MAX_TAPS);
     const int n_hist = d_conv - 1;
-    for (int64_t ch = 0; ch < n_ch; ch++) {
-        float hist[MOE_CONV_MAX_TAPS];
-        float *st = state + ch * n_hist;
-        const float *wc = w + ch * d_conv;
-        memcpy(hist, st, sizeof(float) * (size_t)n_hist);
+    /* MOE_VEC_STEP channels side by side, token after token: each token's values of them are
+     * one stretch of its row (where a channel at a time strides the rows), and their sums,
+     * constant-count loops, are vectors (each channel's own in its order) */
+    for (int64_t c0 = 0; c0 < n_ch; c0 += MOE_VEC_STEP) {
+        const int nc = n_ch - c0 < MOE_VEC_STEP ? (int)(n_ch - c0) : MOE_VEC_STEP;
+        float hist[MOE_CONV_MAX_TAPS][MOE_VEC_STEP] = {{0}}, wt[MOE_CONV_MAX_TAPS][MOE_VEC_STEP];
+        float y[MOE_VEC_STEP], in[MOE_VEC_STEP];
+        for (int c = 0; c < MOE_VEC_STEP; c++)
+            for (int k = 0; k < d_conv; k++) wt[k][c] = c < nc ? w[(c0 + c) * d_conv + k] : 0.0f;
+        for (int c = 0; c < nc; c++)
+            for (int k = 0; k < n_hist; k++) hist[k][c] = state[(c0 + c) * n_hist + k];
         for (int64_t t = 0; t < n_tok; t++) {
-            float *xt = x + t * x_stride + ch;
-            const float in = *xt;
-            float y = 0.0f;
-            for (int k = 0; k < n_hist; k++) y += hist[k] * wc[k];
-            y += in * wc[n_hist];
-            for (int k = 0; k + 1 < n_hist; k++) hist[k] = hist[k + 1];
-            if (n_hist) hist[n_hist - 1] = in;
-            *xt = y / (1.0f + expf(-y));
+            float *xt = x + t * x_stride + c0;
+            for (int c = 0; c < MOE_VEC_STEP; c++) in[c] = c < nc ? xt[c] : 0.0f;
+            for (int c = 0; c < MOE_VEC_STEP; c++) y[c] = 0.0f;
+            for (int k = 0; k < n_hist; k++)
+                for (int c = 0; c < MOE_VEC_STEP; c++) y[c] += hist[k][c] * wt[k][c];
+            for (int c = 0; c < MOE_VEC_STEP; c++) y[c] += in[c] * wt[n_hist][c];
+            for (int k = 0; k + 1 < n_hist; k++) memcpy(hist[k], hist[k + 1], sizeof hist[k]);
+            if (n_hist) memcpy(hist[n_hist - 1], in, sizeof in);
+            for (int c = 0; c < nc; c++) xt[c] = y[c] / (1.0f + expf(-y[c]));
         }
-        memcpy(st, hist, sizeof(float) * (size_t)n_hist);
+        for (int c = 0; c < nc; c++)
+            for (int k = 0; k < n_hist; k++) state[(c0 + c) * n_hist + k] = hist[k][c];
     }
 }
 
