@@ -193,6 +193,7 @@ typedef struct indexed_job {
     const moe_row *rows;
     uint32_t layer;
     bool shared; /* attend to what the last scoring layer chose */
+    int parts;   /* query head ranges per row (the fast path splits a row's heads in decode) */
 } indexed_job;
 
 /* Row r's selection into ix->chosen (cell positions, ascending) and ix->n_chosen (-1: every
@@ -236,7 +237,22 @@ static void select_cells(const indexed_job *j, int64_t r, int thread) {
     ix->n_chosen[r] = n;
 }
 
-static void indexed_rows(void *arg, int64_t begin, int64_t end, int thread) {
+static void select_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    const indexed_job *j = arg;
+    double *seconds = j->c->idx.seconds + 2 * thread;
+    for (int64_t r = begin; r < end; r++) {
+        const double t0 = moe_now();
+        select_cells(j, r, thread);
+        seconds[0] += moe_now() - t0;
+    }
+}
+
+/* Items (row, head range) of the attention: each row over its selected cells, gathered, or over
+ * every position when it keeps them all. The exact path runs ggml's order, head after head over
+ * every key (moe_attention_row); the fast one the tiled attention, the row a block of one whose
+ * K / V tiles are converted once for the range's heads, tiles at fixed positions of what the row
+ * reads (so its bits depend on nothing else in the batch). */
+static void attend_items(void *arg, int64_t begin, int64_t end, int thread) {
     const indexed_job *j = arg;
     moe_ctx *c = j->c;
     const moe_model_config *cfg = &c->m->cfg;
@@ -248,26 +264,42 @@ static void indexed_rows(void *arg, int64_t begin, int64_t end, int thread) {
     uint8_t *gather = ix->gather + (uint64_t)thread * max_selected(cfg) * row_bytes;
     float *att_scores = c->scores + (int64_t)thread * c->p.n_ctx;
     double *seconds = ix->seconds + 2 * thread;
-    for (int64_t r = begin; r < end; r++) {
+    const int chunk = (s->n_head + j->parts - 1) / j->parts;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t r = item / j->parts;
+        const int h0 = (int)(item % j->parts) * chunk;
+        const int h1 = h0 + chunk < s->n_head ? h0 + chunk : s->n_head;
+        if (h0 >= h1) continue;
         const moe_row *row = &j->rows[r];
-        const uint8_t *k0 = moe_kv_slot(c, c->k_cache, row_bytes, row->seq, j->layer, 0);
         const double t0 = moe_now();
-        if (!j->shared) select_cells(j, r, thread);
-        const double t1 = moe_now();
-        seconds[0] += t1 - t0;
-        const int32_t n = ix->n_chosen[r];
+        const uint8_t *k = moe_kv_slot(c, c->k_cache, row_bytes, row->seq, j->layer, 0);
+        int64_t n = ix->n_chosen[r];
         if (n < 0) {
-            moe_attention_row(s, c->q + r * q_w, k0, k0, (int64_t)row_bytes, (int64_t)row_bytes,
-                              row->pos + 1, c->att + r * att_w, att_scores);
-            seconds[1] += moe_now() - t1;
-            continue;
+            n = row->pos + 1;
+        } else {
+            const int32_t *cells = ix->chosen + r * max_selected(cfg);
+            for (int64_t i = 0; i < n; i++)
+                memcpy(gather + i * row_bytes, k + cells[i] * row_bytes, row_bytes);
+            k = gather;
         }
-        const int32_t *cells = ix->chosen + r * max_selected(cfg);
-        for (int32_t i = 0; i < n; i++)
-            memcpy(gather + i * row_bytes, k0 + cells[i] * row_bytes, row_bytes);
-        moe_attention_row(s, c->q + r * q_w, gather, gather, (int64_t)row_bytes, (int64_t)row_bytes,
-                          n, c->att + r * att_w, att_scores);
-        seconds[1] += moe_now() - t1;
+        if (moe_exact()) {
+            moe_attention_row(s, c->q + r * q_w, k, k, (int64_t)row_bytes, (int64_t)row_bytes, n,
+                              c->att + r * att_w, att_scores);
+        } else {
+            const int64_t first = 0, last = n - 1;
+            const moe_attn_block b = {.q = c->q + r * q_w,
+                                      .out = c->att + r * att_w,
+                                      .first = &first,
+                                      .last = &last,
+                                      .n_rows = 1,
+                                      .k = k,
+                                      .v = k,
+                                      .k_stride = (int64_t)row_bytes,
+                                      .v_stride = (int64_t)row_bytes,
+                                      .scratch = c->attn_scratch + (size_t)thread * c->attn_scratch_n};
+            moe_attention_tiled(s, &b, h0, h1);
+        }
+        seconds[1] += moe_now() - t0;
     }
 }
 
@@ -289,5 +321,13 @@ void moe_attend_rows_indexed(moe_ctx *c, const moe_attn_shape *shape, const moe_
         const float w_scale = 1.0f / sqrtf((float)(id * ih));
         for (int64_t i = 0; i < (int64_t)n_rows * ih; i++) ix->w[i] *= w_scale;
     }
-    moe_pool_for(c->pool, n_rows, 1, indexed_rows, &job);
+    if (!job.shared) moe_pool_for(c->pool, n_rows, 1, select_rows, &job);
+    /* a row's heads in parts of 16 or more (fewer query vectors than a register's lanes cost as
+     * many) while rows alone would leave threads idle */
+    const int threads = moe_pool_n_threads(c->pool);
+    job.parts = 1;
+    while (!moe_exact() && (int64_t)n_rows * job.parts < threads &&
+           shape->n_head / (2 * job.parts) >= 16)
+        job.parts *= 2;
+    moe_pool_for(c->pool, (int64_t)n_rows * job.parts, 1, attend_items, &job);
 }
