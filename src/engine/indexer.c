@@ -296,7 +296,8 @@ static void attend_items(void *arg, int64_t begin, int64_t end, int thread) {
                                       .v = k,
                                       .k_stride = (int64_t)row_bytes,
                                       .v_stride = (int64_t)row_bytes,
-                                      .scratch = c->attn_scratch + (size_t)thread * c->attn_scratch_n};
+                                      .scratch =
+                                          c->attn_scratch + (size_t)thread * c->attn_scratch_n};
             moe_attention_tiled(s, &b, h0, h1);
         }
         seconds[1] += moe_now() - t0;

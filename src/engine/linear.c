@@ -152,6 +152,37 @@ static void project_gdn(moe_ctx *c, const moe_linear_weights *w, const linear_di
     }
 }
 
+/* KDA's per-channel log decays and per-head betas from their projections, rows [begin, end)
+ * (d_v exps a row: on the pool, KDA_GATE_ROWS rows a work item). */
+#define KDA_GATE_ROWS 8
+
+typedef struct kda_gates_job {
+    moe_ctx *c;
+    const moe_linear_weights *w;
+    const linear_dims *d;
+} kda_gates_job;
+
+static void kda_gates_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const kda_gates_job *j = arg;
+    const linear_dims *d = j->d;
+    moe_linear_ctx *lin = &j->c->lin;
+    const float *a_log = (const float *)j->w->a->data, *dt_b = (const float *)j->w->dt_b->data;
+    const float bound = j->c->m->cfg.kda_gate_bound;
+    for (int64_t r = begin; r < end; r++) {
+        float *g = lin->g + r * d->V;
+        for (int64_t i = 0; i < d->V; i++) {
+            const float a = a_log[i / d->hd], t = g[i] + dt_b[i];
+            /* a = -exp(A_log): Kimi's unbounded decay, or GLM-5.3's bound * sigmoid(-a t) */
+            g[i] = bound < 0 ? bound / (1.0f + expf(a * t)) : a * moe_softplus(t);
+        }
+        for (int64_t h = 0; h < d->nv; h++) {
+            float *b = &lin->beta[r * d->nv + h];
+            *b = 1.0f / (1.0f + expf(-*b));
+        }
+    }
+}
+
 static void project_kda(moe_ctx *c, const moe_linear_weights *w, const linear_dims *d,
                         uint32_t n_rows) {
     moe_linear_ctx *lin = &c->lin;
@@ -169,20 +200,8 @@ static void project_kda(moe_ctx *c, const moe_linear_weights *w, const linear_di
     moe_matmul(c->pool, w->g_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
     moe_matmul(c->pool, w->g_b, 0, lin->tmp, n_rows, lin->z, c->mm_scratch);
     moe_matmul(c->pool, w->beta, 0, lin->x, n_rows, lin->beta, c->mm_scratch);
-    const float *a_log = (const float *)w->a->data, *dt_b = (const float *)w->dt_b->data;
-    for (uint32_t r = 0; r < n_rows; r++) {
-        float *g = lin->g + r * d->V;
-        const float bound = c->m->cfg.kda_gate_bound;
-        for (int64_t i = 0; i < d->V; i++) {
-            const float a = a_log[i / d->hd], t = g[i] + dt_b[i];
-            /* a = -exp(A_log): Kimi's unbounded decay, or GLM-5.3's bound * sigmoid(-a t) */
-            g[i] = bound < 0 ? bound / (1.0f + expf(a * t)) : a * moe_softplus(t);
-        }
-        for (int64_t h = 0; h < d->nv; h++) {
-            float *b = &lin->beta[r * d->nv + h];
-            *b = 1.0f / (1.0f + expf(-*b));
-        }
-    }
+    kda_gates_job job = {c, w, d};
+    moe_pool_for(c->pool, n_rows, KDA_GATE_ROWS, kda_gates_rows, &job);
 }
 
 /* ==== The recurrence, one (segment, v head) per item ==== */
@@ -275,6 +294,41 @@ static void conv_rows(moe_ctx *c, const moe_linear_weights *w, const linear_dims
     moe_pool_for(c->pool, d->conv_ch, CONV_CHANNELS, conv_channels, &job);
 }
 
+/* ==== The per-head norms, rows [begin, end) on the pool (each row its own) ==== */
+
+#define NORM_ROWS 4 /* rows per work item */
+
+typedef struct norm_job {
+    moe_ctx *c;
+    const linear_dims *d;
+    const moe_layer_weights *l;
+} norm_job;
+
+/* q and k heads L2-normalised (after the conv, before the recurrence) */
+static void l2norm_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const norm_job *j = arg;
+    const linear_dims *d = j->d;
+    for (int64_t r = begin; r < end; r++)
+        for (int64_t h = 0; h < 2 * d->nk; h++)
+            moe_l2norm(j->c->lin.qkv + r * d->conv_ch + h * d->hd, d->hd, j->c->m->cfg.l2_eps);
+}
+
+/* the outputs' gated RMSNorm per head: silu(z) for GDN, sigmoid(g_b(g_a x)) for KDA */
+static void gated_norm_rows(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    const norm_job *j = arg;
+    const linear_dims *d = j->d;
+    moe_linear_ctx *lin = &j->c->lin;
+    const float *ssm_norm = (const float *)j->l->linear.norm->data;
+    const moe_gate_act act = j->l->plan.mixer == MOE_MIXER_GDN ? MOE_GATE_SILU : MOE_GATE_SIGMOID;
+    for (int64_t h = begin * d->nv; h < end * d->nv; h++) {
+        float *o = lin->out + h * d->hd;
+        moe_rmsnorm(o, o, ssm_norm, d->hd, j->c->m->cfg.rms_eps);
+        moe_gate_mul(o, lin->z + h * d->hd, d->hd, act);
+    }
+}
+
 /* ==== The block ==== */
 
 void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const moe_row *rows,
@@ -311,21 +365,13 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
                    sizeof(float) * lin->conv_floats);
         }
     }
-    for (uint32_t i = 0; i < n_rows; i++)
-        for (int64_t h = 0; h < 2 * d.nk; h++)
-            moe_l2norm(lin->qkv + i * d.conv_ch + h * d.hd, d.hd, cfg->l2_eps);
+    norm_job nj = {c, &d, l};
+    moe_pool_for(c->pool, n_rows, NORM_ROWS, l2norm_rows, &nj);
 
     delta_job job = {.c = c, .d = &d, .slot = slot};
     moe_pool_for(c->pool, (int64_t)n_seg * d.nv, 1, delta_heads, &job);
 
-    /* gated RMSNorm per head: silu(z) for GDN, sigmoid(g_b(g_a x)) for KDA */
-    const float *ssm_norm = (const float *)w->norm->data;
-    const moe_gate_act act = l->plan.mixer == MOE_MIXER_GDN ? MOE_GATE_SILU : MOE_GATE_SIGMOID;
-    for (int64_t h = 0; h < (int64_t)n_rows * d.nv; h++) {
-        float *o = lin->out + h * d.hd;
-        moe_rmsnorm(o, o, ssm_norm, d.hd, cfg->rms_eps);
-        moe_gate_mul(o, lin->z + h * d.hd, d.hd, act);
-    }
+    moe_pool_for(c->pool, n_rows, NORM_ROWS, gated_norm_rows, &nj);
     moe_matmul(c->pool, w->out, 0, lin->out, n_rows, lin->y, c->mm_scratch);
     for (uint32_t i = 0; i < n_rows; i++)
         memcpy(c->y + (int64_t)lin->order[i] * n_embd, lin->y + i * n_embd,
