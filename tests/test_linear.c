@@ -99,8 +99,8 @@ static void delta_forms_agree(int n_g) {
     for (int i = 0; i < 2; i++) free(out[i]), free(state[i]);
 }
 
-/* The chunked rule's f32 products (quant.h: rows_times, axpys, delta_row) at every level the CPU
- * runs give the scalar reference's bits (the order is fixed element by element), on shapes that
+/* The delta rule's f32 products (quant.h: rows_times, rows_update, delta_row) at every level the
+ * CPU runs give the scalar reference's bits (the order is fixed element by element), on shapes that
  * leave partial vectors and blocks: so the rule's results do not depend on the level. */
 static void linear_products_equal_reference(void **st) {
     (void)st;
@@ -122,7 +122,7 @@ static void linear_products_equal_reference(void **st) {
         static const int ns[] = {1, 7, 16, 24, 40, 64};
         for (size_t in = 0; in < sizeof ns / sizeof ns[0]; in++) {
             const int n = ns[in];
-            float o0[M * XS], o1[M * XS], y0[XS], y1[XS], e1[K * N], ea[K * N];
+            float o0[M * XS], o1[M * XS], y0[M * XS], y1[M * XS], e1[K * N], ea[K * N];
             float ra0[N], rb0[N], ra1[N], rb1[N];
             for (int m = 1; m <= M; m += 3) { /* 1, 4, 7 rows */
                 ref->rows_times(a, XS, b, XS, o0, XS, m, K, n);
@@ -133,13 +133,15 @@ static void linear_products_equal_reference(void **st) {
             }
             for (int ns_ = 0; ns_ <= 5; ns_ += 5) /* none, then 5 rows, the last first */
                 for (int sign = 1; sign >= -1; sign -= 2) {
-                    const float *x = sign > 0 ? b : b + 4 * XS;
+                    const float *x = sign > 0 ? b : b + 4 * XS, *scale = sign > 0 ? NULL : d;
                     memcpy(y0, a, sizeof y0), memcpy(y1, a, sizeof y1);
-                    ref->axpys(y0, 0.75f, c, x, sign * XS, ns_, n);
-                    kern->axpys(y1, 0.75f, c, x, sign * XS, ns_, n);
-                    if (memcmp(y0, y1, sizeof(float) * (size_t)n))
-                        fail_msg("%s axpys %d rows, stride %+d, %d columns differs", name, ns_,
-                                 sign * XS, n);
+                    ref->rows_update(y0, XS, M, scale, c, 3, x, sign * XS, ns_, n);
+                    kern->rows_update(y1, XS, M, scale, c, 3, x, sign * XS, ns_, n);
+                    for (int r = 0; r < M; r++)
+                        if (memcmp(y0 + r * XS, y1 + r * XS, sizeof(float) * (size_t)n))
+                            fail_msg("%s rows_update %d rows, stride %+d, %d columns: row %d "
+                                     "differs",
+                                     name, ns_, sign * XS, n, r);
                 }
             for (int with_e = 0; with_e < 2; with_e++) {
                 memcpy(e1, e0, sizeof e1), memcpy(ea, e0, sizeof ea);

@@ -41,7 +41,7 @@
 #include "../quant/quant.h"
 
 #define DISK_MAGIC           "MOEPFX01"
-#define DISK_VERSION         1
+#define DISK_VERSION         2      /* 2: the delta rule's state [d_k][d_v] (1: [d_v][d_k]) */
 #define DISK_CHUNK_TOKENS    64     /* positions per checksummed chunk: the unit a load reads */
 #define DISK_SUFFIX          ".kvc" /* entries; NAME.PID.tmp while being written */
 #define DISK_TMP_STALE_S     600    /* a .tmp older than this is a crashed writer's: removed */

@@ -7,8 +7,8 @@
  * mixed by the Sinkhorn-balanced combination matrix (ops/hyper.c). The embedding starts every
  * stream; the head reads their plain mean. Rows are independent, so the row loops run on the
  * pool and a row's result never depends on the others in its batch. The weighted sums over
- * streams are the kernel table's row updates (moe_axpys_fn: vectors across the row, each value
- * the scalar loop's products and adds in its order). */
+ * streams are the kernel table's row updates (moe_rows_update_fn: vectors across the row, each
+ * value the scalar loop's products and adds in its order). */
 #include "engine_internal.h"
 
 #include <stdlib.h>
@@ -66,7 +66,8 @@ static void pre_rows(void *arg, int64_t begin, int64_t end, int thread) {
                            cfg->hc_eps, pre, hc->post + r * n, hc->comb + r * n * n);
         float *in = hc->in + r * n_embd; /* sum over s of pre[s] x stream s, from 0 */
         memset(in, 0, sizeof(float) * (size_t)n_embd);
-        kern->axpys(in, 1.0f, pre, c->x + r * n * n_embd, n_embd, (int)n, (int)n_embd);
+        kern->rows_update(in, 0, 1, NULL, pre, 0, c->x + r * n * n_embd, n_embd, (int)n,
+                          (int)n_embd);
     }
 }
 
@@ -93,12 +94,13 @@ static void post_rows(void *arg, int64_t begin, int64_t end, int thread) {
     for (int64_t r = begin; r < end; r++) {
         float *x = c->x + r * n * n_embd, *out = hc->wide + r * n * n_embd;
         const float *y = c->y + r * n_embd, *post = hc->post + r * n, *comb = hc->comb + r * n * n;
-        for (int64_t dst = 0; dst < n; dst++) { /* post[dst] y, then comb[src][dst] x src */
-            float from[MOE_MAX_HC];
-            for (int64_t src = 0; src < n; src++) from[src] = comb[src * n + dst];
+        float into[MOE_MAX_HC * MOE_MAX_HC]; /* into[dst][src] = comb[src][dst] */
+        for (int64_t dst = 0; dst < n; dst++) {
+            for (int64_t src = 0; src < n; src++) into[dst * n + src] = comb[src * n + dst];
             memcpy(out + dst * n_embd, y, sizeof(float) * (size_t)n_embd);
-            kern->axpys(out + dst * n_embd, post[dst], from, x, n_embd, (int)n, (int)n_embd);
         }
+        /* stream dst: post[dst] y, then comb[src][dst] x stream src for each src */
+        kern->rows_update(out, n_embd, (int)n, post, into, n, x, n_embd, (int)n, (int)n_embd);
         memcpy(x, out, sizeof(float) * (size_t)(n * n_embd));
     }
 }

@@ -4,8 +4,9 @@
  * gates, and the gated delta rule over one head in two forms: token by token (decode) and
  * chunked (prefill: chunks of MOE_DELTA_CHUNK tokens, the intra-chunk dependencies solved as a
  * unit lower-triangular system by forward substitution, the WY form). Both read and write the
- * same state, [d_v][d_k] per head with the key index contiguous (ggml's layout), so a sequence
- * may switch between them at any token. It does not own where states live (engine/).
+ * same state, [d_k][d_v] per head with the value index contiguous (ggml's transposed: the
+ * vectors of the kernel table's products run along a row of it), so a sequence may switch
+ * between them at any token. It does not own where states live (engine/).
  *
  * The trap: decays only ever enter as products of per-token factors exp(g) <= 1 taken forward
  * in time; dividing by an earlier product (exp(-gamma)) would overflow within a chunk when
@@ -70,23 +71,18 @@ void moe_conv1d_silu(float *x, int64_t x_stride, int64_t n_tok, int64_t n_ch, co
 
 /* ==== Gated delta rule ==== */
 
-static float dot(const float *a, const float *b, int n) {
-    float s = 0.0f;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 uint64_t moe_delta_scratch_floats(int d_k, int d_v) {
     const uint64_t C = MOE_DELTA_CHUNK, dk = (uint64_t)d_k, dv = (uint64_t)d_v;
-    /* the state transposed [d_k][d_v]; decays and their running products [C][d_k] each; the
+    /* decays and their running products [C][d_k] each; the
      * chunk's keys transposed, the running decays by column and the state update's factors
      * [d_k][C] each; A and B [C][C]; decayed keys and queries [C][d_k] each; U [C][d_v]; one
      * row of A and of B and the columns' decays (one per head) [C] each, one running decay [d_k] */
-    return dk * dv + 2 * C * dk + 3 * dk * C + 2 * C * C + 2 * C * dk + C * dv + 3 * C + dk;
+    return 2 * C * dk + 3 * dk * C + 2 * C * C + 2 * C * dk + C * dv + 3 * C + dk;
 }
 
 void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *state,
                               float *scratch) {
+    const moe_kernels *kern = moe_kernels_get();
     const int dk = a->d_k, dv = a->d_v;
     float *decay = scratch, *delta = scratch + dk;
     for (int64_t t = 0; t < n_tok; t++) {
@@ -94,23 +90,18 @@ void moe_delta_rule_recurrent(const moe_delta_args *a, int64_t n_tok, float *sta
         const float *v = a->v + t * a->v_stride, *g = a->g + t * a->g_stride;
         const float beta = a->beta[t * a->beta_stride];
         float *out = a->out + t * a->out_stride;
-        if (a->n_g == 1) {
-            const float e = expf(g[0]);
-            for (int64_t i = 0; i < (int64_t)dk * dv; i++) state[i] *= e;
-        } else {
-            for (int i = 0; i < dk; i++) decay[i] = expf(g[i]);
-            for (int j = 0; j < dv; j++)
-                for (int i = 0; i < dk; i++) state[j * dk + i] *= decay[i];
-        }
-        for (int j = 0; j < dv; j++) delta[j] = (v[j] - dot(state + j * dk, k, dk)) * beta;
-        for (int j = 0; j < dv; j++)
-            for (int i = 0; i < dk; i++) state[j * dk + i] += delta[j] * k[i];
-        for (int j = 0; j < dv; j++) out[j] = dot(state + j * dk, q, dk) * a->scale;
+        for (int i = 0; i < dk; i++) decay[i] = a->n_g == 1 && i ? decay[0] : expf(g[i]);
+        kern->rows_update(state, dv, dk, decay, NULL, 0, NULL, 0, 0, dv); /* row i by its decay */
+        kern->rows_times(k, 0, state, dv, delta, 0, 1, dk, dv);           /* S k */
+        for (int j = 0; j < dv; j++) delta[j] = (v[j] - delta[j]) * beta;
+        kern->rows_update(state, dv, dk, NULL, k, 1, delta, 0, 1, dv); /* + k delta^T */
+        kern->rows_times(q, 0, state, dv, out, 0, 1, dk, dv);          /* S q */
+        for (int j = 0; j < dv; j++) out[j] *= a->scale;
     }
 }
 
-/* One chunk of C tokens from the state St (transposed: [d_k][d_v]; updated to the state after
- * the chunk). With a_t the decay of token t, P_t = a_0 ... a_t its running product, P_ts =
+/* One chunk of C tokens from the state St ([d_k][d_v]; updated to the state after the
+ * chunk). With a_t the decay of token t, P_t = a_0 ... a_t its running product, P_ts =
  * a_(s+1) ... a_t, and u_t = beta_t (v_t - S_{t-1} D_t k_t) the value each token writes:
  *   S_t = S0 diag(P_t) + sum_{s<=t} u_s (k_s P_ts)^T
  *   (I + diag(beta) A) U = diag(beta) (V - (K P) S0^T),  A_ts = k_s.(k_t P_ts), s < t
@@ -184,9 +175,10 @@ static void delta_chunk(const moe_kernels *kern, const moe_delta_args *a, int64_
         const float beta = a->beta[(t0 + t) * a->beta_stride];
         float *u = U + (int64_t)t * dv;
         for (int j = 0; j < dv; j++) u[j] = v[j] - u[j];
-        kern->axpys(u, 1.0f, A + t * N, U, dv, t, dv);
+        kern->rows_update(u, 0, 1, NULL, A + t * N, 0, U, dv, t, dv);
         for (int j = 0; j < dv; j++) u[j] *= beta;
-        kern->axpys(a->out + (t0 + t) * a->out_stride, 1.0f, B + t * N, U, dv, t + 1, dv);
+        kern->rows_update(a->out + (t0 + t) * a->out_stride, 0, 1, NULL, B + t * N, 0, U, dv, t + 1,
+                          dv);
     }
     /* the state after the chunk: S0 P_last + sum_s u_s (k_s P_(last,s))^T, s from the last
      * token back, P built backwards: row i of St takes the factors k_s[i] P_(last,s)[i] */
@@ -196,27 +188,21 @@ static void delta_chunk(const moe_kernels *kern, const moe_delta_args *a, int64_
             fac[(int64_t)i * N + (C - 1 - s)] = K_(s)[i] * run[ng == 1 ? 0 : i];
         for (int i = 0; i < ng; i++) run[i] *= decay[s * ng + i];
     }
-    for (int i = 0; i < dk; i++)
-        kern->axpys(St + (int64_t)i * dv, G_(prod, C - 1, i), fac + (int64_t)i * N,
-                    U + (int64_t)(C - 1) * dv, -(int64_t)dv, C, dv);
+    const float *last = prod + (int64_t)(C - 1) * ng; /* row i's factor P_last */
+    if (ng == 1) {
+        for (int i = 0; i < dk; i++) run[i] = last[0];
+        last = run;
+    }
+    kern->rows_update(St, dv, dk, last, fac, N, U + (int64_t)(C - 1) * dv, -(int64_t)dv, C, dv);
 #undef Q_
 #undef K_
 #undef G_
 }
 
-/* dst [cols][rows] = src [rows][cols] transposed. */
-static void transpose(const float *src, int rows, int cols, float *dst) {
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) dst[(int64_t)c * rows + r] = src[(int64_t)r * cols + c];
-}
-
 void moe_delta_rule_chunked(const moe_delta_args *a, int64_t n_tok, float *state, float *scratch) {
     const moe_kernels *kern = moe_kernels_get();
-    float *St = scratch; /* the chunks run on the state transposed: their vectors span d_v */
-    transpose(state, a->d_v, a->d_k, St);
     for (int64_t t0 = 0; t0 < n_tok; t0 += MOE_DELTA_CHUNK) {
         const int C = (int)(n_tok - t0 < MOE_DELTA_CHUNK ? n_tok - t0 : MOE_DELTA_CHUNK);
-        delta_chunk(kern, a, t0, C, St, St + (int64_t)a->d_k * a->d_v);
+        delta_chunk(kern, a, t0, C, state, scratch);
     }
-    transpose(St, a->d_k, a->d_v, state);
 }

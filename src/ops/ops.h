@@ -200,7 +200,7 @@ void moe_conv1d_silu(float *x, int64_t x_stride, int64_t n_tok, int64_t n_ch, co
 
 /* One head of the gated delta rule over consecutive tokens of one sequence. Per token t:
  *   S <- S diag(exp(g_t));  S <- S + beta_t (v_t - S k_t) k_t^T;  o_t = scale * S q_t
- * state S: [d_v][d_k] floats, the key index contiguous. g: log decays (<= 0), one per token
+ * state S^T: [d_k][d_v] floats, the value index contiguous. g: log decays (<= 0), one per token
  * (Gated DeltaNet: scalar per head) or d_k per token (KDA: per key channel). q and k are
  * expected L2-normalised. Row t of each input is at base + t * stride (in floats). */
 typedef struct moe_delta_args {

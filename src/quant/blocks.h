@@ -463,8 +463,8 @@ MOE_FAST_REF_DOT(iq4_xs);
  * bit). */
 void moe_ref_rows_times(const float *a, int64_t as, const float *b, int64_t bs, float *out,
                         int64_t os, int m, int k, int n);
-void moe_ref_axpys(float *y, float y_scale, const float *c, const float *x, int64_t xs, int n_s,
-                   int n);
+void moe_ref_rows_update(float *y, int64_t ys, int m, const float *y_scale, const float *c,
+                         int64_t cs, const float *x, int64_t xs, int n_s, int n);
 void moe_ref_delta_row(const float *ka, const float *kb, const float *x, int64_t xs, float *e,
                        int64_t es, const float *d, int k, int n, float *a, float *b);
 

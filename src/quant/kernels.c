@@ -66,7 +66,7 @@ static void build(void) {
     exact[MOE_ISA_SCALAR].attn_mix = moe_ref_attn_mix;
     exact[MOE_ISA_SCALAR].attn_tile = moe_ref_attn_tile;
     exact[MOE_ISA_SCALAR].rows_times = moe_ref_rows_times;
-    exact[MOE_ISA_SCALAR].axpys = moe_ref_axpys;
+    exact[MOE_ISA_SCALAR].rows_update = moe_ref_rows_update;
     exact[MOE_ISA_SCALAR].delta_row = moe_ref_delta_row;
     for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
         if (!moe_cpu_isa_runs((moe_isa)level)) continue;

@@ -279,7 +279,7 @@ void moe_attn_tile_quantize(const float *q, int dk, int i, int8_t *qq, float *qd
  * and for -inf or NaN. The SIMD levels compute it lane by lane in the same operations. */
 float moe_attn_exp(float x);
 
-/* ==== Linear attention's chunk products (ops/linear_attn.c's chunked delta rule) ====
+/* ==== Linear attention's products (ops/linear_attn.c's delta rule, engine/hyper.c) ====
  * f32 work whose order the scalar reference fixes element by element: every product rounded,
  * then added (no fma), a sum from 0 over its index in order, so every level gives the same bits
  * (the vectors run across the output index, never along a sum). Why vectors at all: the chunked
@@ -288,10 +288,12 @@ float moe_attn_exp(float x);
 /* out[r][j] = sum over i < k of a[r][i] x b[i][j] (rows as, bs, os floats apart), r < m, j < n. */
 typedef void (*moe_rows_times_fn)(const float *a, int64_t as, const float *b, int64_t bs,
                                   float *out, int64_t os, int m, int k, int n);
-/* y[j] = y[j] x y_scale, then y[j] = y[j] + c[s] x x[s][j] for s = 0 .. n_s - 1 in turn (rows
- * of x xs floats apart, xs may be negative), j < n. */
-typedef void (*moe_axpys_fn)(float *y, float y_scale, const float *c, const float *x, int64_t xs,
-                             int n_s, int n);
+/* Rows r < m of y (ys floats apart): y_r[j] = y_r[j] x y_scale[r] (y_scale NULL: as it is),
+ * then y_r[j] = y_r[j] + c_r[s] x x_s[j] for s = 0 .. n_s - 1 in turn (c_r = c + r cs; rows of
+ * x xs floats apart, xs may be negative or 0), j < n. */
+typedef void (*moe_rows_update_fn)(float *y, int64_t ys, int m, const float *y_scale,
+                                   const float *c, int64_t cs, const float *x, int64_t xs,
+                                   int n_s, int n);
 /* One row of the delta rule's intra-chunk coefficients, for columns s < n (x: [k][xs], column s
  * key s of the chunk; e: [k][es] running decays, or NULL): with e, e[i][s] = e[i][s] x d[i] for
  * s < n - 1 and e[i][n - 1] = 1, then a[s] = sum over i of (x[i][s] x ka[i]) x e[i][s] and b[s]
@@ -310,7 +312,7 @@ typedef struct moe_kernels {
     moe_attn_mix_fn attn_mix;
     moe_attn_tile_fn attn_tile; /* the fast path's; the exact path never calls it */
     moe_rows_times_fn rows_times;
-    moe_axpys_fn axpys;
+    moe_rows_update_fn rows_update;
     moe_delta_row_fn delta_row;
 } moe_kernels;
 

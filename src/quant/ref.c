@@ -478,7 +478,7 @@ void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_by
     }
 }
 
-/* ==== Linear attention's chunk products (quant.h: moe_rows_times_fn ..) ==== */
+/* ==== Linear attention's products (quant.h: moe_rows_times_fn ..) ==== */
 
 void moe_ref_rows_times(const float *a, int64_t as, const float *b, int64_t bs, float *out,
                         int64_t os, int m, int k, int n) {
@@ -493,16 +493,17 @@ void moe_ref_rows_times(const float *a, int64_t as, const float *b, int64_t bs, 
         }
 }
 
-void moe_ref_axpys(float *y, float y_scale, const float *c, const float *x, int64_t xs, int n_s,
-                   int n) {
-    for (int j = 0; j < n; j++) {
-        float acc = y[j] * y_scale;
-        for (int s = 0; s < n_s; s++) {
-            const float p = c[s] * x[s * xs + j];
-            acc += p;
+void moe_ref_rows_update(float *y, int64_t ys, int m, const float *y_scale, const float *c,
+                         int64_t cs, const float *x, int64_t xs, int n_s, int n) {
+    for (int r = 0; r < m; r++)
+        for (int j = 0; j < n; j++) {
+            float acc = y_scale ? y[r * ys + j] * y_scale[r] : y[r * ys + j];
+            for (int s = 0; s < n_s; s++) {
+                const float p = c[r * cs + s] * x[s * xs + j];
+                acc += p;
+            }
+            y[r * ys + j] = acc;
         }
-        y[j] = acc;
-    }
 }
 
 void moe_ref_delta_row(const float *ka, const float *kb, const float *x, int64_t xs, float *e,

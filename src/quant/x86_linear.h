@@ -1,4 +1,4 @@
-/* x86_linear.h: linear attention's chunk products (quant.h: moe_rows_times_fn, moe_axpys_fn,
+/* x86_linear.h: linear attention's products (quant.h: moe_rows_times_fn, moe_rows_update_fn,
  * moe_delta_row_fn) written once for both vector widths; linear_avx2.c and linear_avx512.c
  * include it after defining
  *   LIN_T, LIN_W          the float vector type and its lanes;
@@ -16,13 +16,13 @@
 #include "x86_avx2.h" /* MOE_INLINE, blocks.h */
 
 /* the level's names of this file's functions */
-#define LIN_ROWS_BLOCK  LIN_FN(rows_block)
-#define LIN_ROWS_TIMES  LIN_FN(rows_times)
-#define LIN_AXPYS_BLOCK LIN_FN(axpys_block)
-#define LIN_AXPYS       LIN_FN(axpys)
-#define LIN_DELTA_BLOCK LIN_FN(delta_block)
-#define LIN_DELTA_ROW   LIN_FN(delta_row)
-#define LIN_FILL        LIN_FN(fill)
+#define LIN_ROWS_BLOCK   LIN_FN(rows_block)
+#define LIN_ROWS_TIMES   LIN_FN(rows_times)
+#define LIN_UPDATE_BLOCK LIN_FN(update_block)
+#define LIN_ROWS_UPDATE  LIN_FN(rows_update)
+#define LIN_DELTA_BLOCK  LIN_FN(delta_block)
+#define LIN_DELTA_ROW    LIN_FN(delta_row)
+#define LIN_FILL         LIN_FN(fill)
 
 #define LIN_ROWS 4
 #define LIN_VECS 4
@@ -76,13 +76,16 @@ static void LIN_ROWS_TIMES(const float *a, int64_t as, const float *b, int64_t b
                            n - nvec * LIN_W);
 }
 
-/* Vectors v0 .. v0 + nv - 1 of moe_axpys (nv <= LIN_VECS). */
-MOE_INLINE void LIN_AXPYS_BLOCK(float *y, float y_scale, const float *c, const float *x, int64_t xs,
-                                int n_s, int nv) {
+/* Vectors 0 .. nv - 1 of one row of moe_rows_update (nv <= LIN_VECS; y_scale: the row's, or
+ * NULL). */
+MOE_INLINE void LIN_UPDATE_BLOCK(float *y, const float *y_scale, const float *c, const float *x,
+                                 int64_t xs, int n_s, int nv) {
     LIN_T acc[LIN_VECS];
-    const LIN_T ys = LIN_(set1_ps)(y_scale);
 #pragma GCC unroll 4
-    for (int v = 0; v < nv; v++) acc[v] = LIN_(mul_ps)(LIN_(loadu_ps)(y + v * LIN_W), ys);
+    for (int v = 0; v < nv; v++) {
+        acc[v] = LIN_(loadu_ps)(y + v * LIN_W);
+        if (y_scale) acc[v] = LIN_(mul_ps)(acc[v], LIN_(set1_ps)(*y_scale));
+    }
     for (int s = 0; s < n_s; s++) {
         const LIN_T cs = LIN_(set1_ps)(c[s]);
 #pragma GCC unroll 4
@@ -93,15 +96,20 @@ MOE_INLINE void LIN_AXPYS_BLOCK(float *y, float y_scale, const float *c, const f
     for (int v = 0; v < nv; v++) LIN_(storeu_ps)(y + v * LIN_W, acc[v]);
 }
 
-static void LIN_AXPYS(float *y, float y_scale, const float *c, const float *x, int64_t xs, int n_s,
-                      int n) {
+static void LIN_ROWS_UPDATE(float *y, int64_t ys, int m, const float *y_scale, const float *c,
+                            int64_t cs, const float *x, int64_t xs, int n_s, int n) {
     const int nvec = n / LIN_W;
-    int v = 0;
-    for (; v + LIN_VECS <= nvec; v += LIN_VECS)
-        LIN_AXPYS_BLOCK(y + v * LIN_W, y_scale, c, x + v * LIN_W, xs, n_s, LIN_VECS);
-    for (; v < nvec; v++) LIN_AXPYS_BLOCK(y + v * LIN_W, y_scale, c, x + v * LIN_W, xs, n_s, 1);
-    if (nvec * LIN_W < n)
-        moe_ref_axpys(y + nvec * LIN_W, y_scale, c, x + nvec * LIN_W, xs, n_s, n - nvec * LIN_W);
+    for (int r = 0; r < m; r++) {
+        float *yr = y + r * ys;
+        const float *sr = y_scale ? y_scale + r : NULL, *cr = c + r * cs;
+        int v = 0;
+        for (; v + LIN_VECS <= nvec; v += LIN_VECS)
+            LIN_UPDATE_BLOCK(yr + v * LIN_W, sr, cr, x + v * LIN_W, xs, n_s, LIN_VECS);
+        for (; v < nvec; v++) LIN_UPDATE_BLOCK(yr + v * LIN_W, sr, cr, x + v * LIN_W, xs, n_s, 1);
+        if (nvec * LIN_W < n) /* the columns past the last whole vector */
+            moe_ref_rows_update(yr + nvec * LIN_W, 0, 1, sr, cr, 0, x + nvec * LIN_W, xs, n_s,
+                                n - nvec * LIN_W);
+    }
 }
 
 /* Columns c0 .. c0 + nv x LIN_W - 1 of moe_delta_row (nv <= LIN_VECS), e's column n - 1 set to 1
@@ -151,7 +159,7 @@ static void LIN_DELTA_ROW(const float *ka, const float *kb, const float *x, int6
 /* The level's entries. */
 MOE_INLINE void LIN_FILL(moe_kernels *k) {
     k->rows_times = LIN_ROWS_TIMES;
-    k->axpys = LIN_AXPYS;
+    k->rows_update = LIN_ROWS_UPDATE;
     k->delta_row = LIN_DELTA_ROW;
 }
 
