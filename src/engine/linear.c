@@ -152,22 +152,23 @@ static void project_gdn(moe_ctx *c, const moe_linear_weights *w, const linear_di
     }
 }
 
-/* KDA's per-channel log decays and per-head betas from their projections, rows [begin, end)
- * (d_v exps a row: on the pool, KDA_GATE_ROWS rows a work item). */
-#define KDA_GATE_ROWS 8
+/* Row-wise work of a layer on the pool, LINEAR_ROWS rows a work item (each row its own). */
+#define LINEAR_ROWS 4
 
-typedef struct kda_gates_job {
+typedef struct linear_job {
     moe_ctx *c;
-    const moe_linear_weights *w;
     const linear_dims *d;
-} kda_gates_job;
+    const moe_layer_weights *l;
+} linear_job;
 
+/* KDA's per-channel log decays and per-head betas from their projections (d_v exps a row). */
 static void kda_gates_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
-    const kda_gates_job *j = arg;
+    const linear_job *j = arg;
     const linear_dims *d = j->d;
     moe_linear_ctx *lin = &j->c->lin;
-    const float *a_log = (const float *)j->w->a->data, *dt_b = (const float *)j->w->dt_b->data;
+    const float *a_log = (const float *)j->l->linear.a->data;
+    const float *dt_b = (const float *)j->l->linear.dt_b->data;
     const float bound = j->c->m->cfg.kda_gate_bound;
     for (int64_t r = begin; r < end; r++) {
         float *g = lin->g + r * d->V;
@@ -183,9 +184,10 @@ static void kda_gates_rows(void *arg, int64_t begin, int64_t end, int thread) {
     }
 }
 
-static void project_kda(moe_ctx *c, const moe_linear_weights *w, const linear_dims *d,
+static void project_kda(moe_ctx *c, const moe_layer_weights *l, const linear_dims *d,
                         uint32_t n_rows) {
     moe_linear_ctx *lin = &c->lin;
+    const moe_linear_weights *w = &l->linear;
     /* q, k and v land side by side in qkv's rows: project each into out, then place it */
     const moe_tensor *qkv[3] = {w->wq, w->wk, w->wv};
     const int64_t ofs[3] = {0, d->K, 2 * d->K}, width[3] = {d->K, d->K, d->V};
@@ -200,8 +202,8 @@ static void project_kda(moe_ctx *c, const moe_linear_weights *w, const linear_di
     moe_matmul(c->pool, w->g_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
     moe_matmul(c->pool, w->g_b, 0, lin->tmp, n_rows, lin->z, c->mm_scratch);
     moe_matmul(c->pool, w->beta, 0, lin->x, n_rows, lin->beta, c->mm_scratch);
-    kda_gates_job job = {c, w, d};
-    moe_pool_for(c->pool, n_rows, KDA_GATE_ROWS, kda_gates_rows, &job);
+    linear_job job = {c, d, l};
+    moe_pool_for(c->pool, n_rows, LINEAR_ROWS, kda_gates_rows, &job);
 }
 
 /* ==== The recurrence, one (segment, v head) per item ==== */
@@ -294,20 +296,12 @@ static void conv_rows(moe_ctx *c, const moe_linear_weights *w, const linear_dims
     moe_pool_for(c->pool, d->conv_ch, CONV_CHANNELS, conv_channels, &job);
 }
 
-/* ==== The per-head norms, rows [begin, end) on the pool (each row its own) ==== */
-
-#define NORM_ROWS 4 /* rows per work item */
-
-typedef struct norm_job {
-    moe_ctx *c;
-    const linear_dims *d;
-    const moe_layer_weights *l;
-} norm_job;
+/* ==== The per-head norms ==== */
 
 /* q and k heads L2-normalised (after the conv, before the recurrence) */
 static void l2norm_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
-    const norm_job *j = arg;
+    const linear_job *j = arg;
     const linear_dims *d = j->d;
     for (int64_t r = begin; r < end; r++)
         for (int64_t h = 0; h < 2 * d->nk; h++)
@@ -317,7 +311,7 @@ static void l2norm_rows(void *arg, int64_t begin, int64_t end, int thread) {
 /* the outputs' gated RMSNorm per head: silu(z) for GDN, sigmoid(g_b(g_a x)) for KDA */
 static void gated_norm_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
-    const norm_job *j = arg;
+    const linear_job *j = arg;
     const linear_dims *d = j->d;
     moe_linear_ctx *lin = &j->c->lin;
     const float *ssm_norm = (const float *)j->l->linear.norm->data;
@@ -347,7 +341,7 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
     if (l->plan.mixer == MOE_MIXER_GDN)
         project_gdn(c, w, &d, n_rows);
     else
-        project_kda(c, w, &d, n_rows);
+        project_kda(c, l, &d, n_rows);
 
     /* the short conv runs along each sequence's rows, from that sequence's conv state (in a
      * verify step one row at a time, the conv state kept after each) */
@@ -365,13 +359,13 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
                    sizeof(float) * lin->conv_floats);
         }
     }
-    norm_job nj = {c, &d, l};
-    moe_pool_for(c->pool, n_rows, NORM_ROWS, l2norm_rows, &nj);
+    linear_job nj = {c, &d, l};
+    moe_pool_for(c->pool, n_rows, LINEAR_ROWS, l2norm_rows, &nj);
 
     delta_job job = {.c = c, .d = &d, .slot = slot};
     moe_pool_for(c->pool, (int64_t)n_seg * d.nv, 1, delta_heads, &job);
 
-    moe_pool_for(c->pool, n_rows, NORM_ROWS, gated_norm_rows, &nj);
+    moe_pool_for(c->pool, n_rows, LINEAR_ROWS, gated_norm_rows, &nj);
     moe_matmul(c->pool, w->out, 0, lin->out, n_rows, lin->y, c->mm_scratch);
     for (uint32_t i = 0; i < n_rows; i++)
         memcpy(c->y + (int64_t)lin->order[i] * n_embd, lin->y + i * n_embd,

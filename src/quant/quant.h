@@ -292,8 +292,8 @@ typedef void (*moe_rows_times_fn)(const float *a, int64_t as, const float *b, in
  * then y_r[j] = y_r[j] + c_r[s] x x_s[j] for s = 0 .. n_s - 1 in turn (c_r = c + r cs; rows of
  * x xs floats apart, xs may be negative or 0), j < n. */
 typedef void (*moe_rows_update_fn)(float *y, int64_t ys, int m, const float *y_scale,
-                                   const float *c, int64_t cs, const float *x, int64_t xs,
-                                   int n_s, int n);
+                                   const float *c, int64_t cs, const float *x, int64_t xs, int n_s,
+                                   int n);
 /* One row of the delta rule's intra-chunk coefficients, for columns s < n (x: [k][xs], column s
  * key s of the chunk; e: [k][es] running decays, or NULL): with e, e[i][s] = e[i][s] x d[i] for
  * s < n - 1 and e[i][n - 1] = 1, then a[s] = sum over i of (x[i][s] x ka[i]) x e[i][s] and b[s]
