@@ -202,8 +202,10 @@ static void project_kda(moe_ctx *c, const moe_layer_weights *l, const linear_dim
     moe_matmul(c->pool, w->g_a, 0, lin->x, n_rows, lin->tmp, c->mm_scratch);
     moe_matmul(c->pool, w->g_b, 0, lin->tmp, n_rows, lin->z, c->mm_scratch);
     moe_matmul(c->pool, w->beta, 0, lin->x, n_rows, lin->beta, c->mm_scratch);
+    const double start = moe_profile_start();
     linear_job job = {c, d, l};
     moe_pool_for(c->pool, n_rows, LINEAR_ROWS, kda_gates_rows, &job);
+    moe_profile_part("linear attention: gates + output norms", start);
 }
 
 /* ==== The recurrence, one (segment, v head) per item ==== */
@@ -345,6 +347,7 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
 
     /* the short conv runs along each sequence's rows, from that sequence's conv state (in a
      * verify step one row at a time, the conv state kept after each) */
+    double start = moe_profile_start();
     for (uint32_t s = 0; s < n_seg; s++) {
         const moe_linear_seg *seg = &lin->segs[s];
         float *conv = moe_linear_seq_state(c, seg->seq) + slot * lin->layer_floats;
@@ -361,11 +364,16 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
     }
     linear_job nj = {c, &d, l};
     moe_pool_for(c->pool, n_rows, LINEAR_ROWS, l2norm_rows, &nj);
+    moe_profile_part("linear attention: conv + L2 norms", start);
 
+    start = moe_profile_start();
     delta_job job = {.c = c, .d = &d, .slot = slot};
     moe_pool_for(c->pool, (int64_t)n_seg * d.nv, 1, delta_heads, &job);
+    moe_profile_part("linear attention: delta rule", start);
 
+    start = moe_profile_start();
     moe_pool_for(c->pool, n_rows, LINEAR_ROWS, gated_norm_rows, &nj);
+    moe_profile_part("linear attention: gates + output norms", start);
     moe_matmul(c->pool, w->out, 0, lin->out, n_rows, lin->y, c->mm_scratch);
     for (uint32_t i = 0; i < n_rows; i++)
         memcpy(c->y + (int64_t)lin->order[i] * n_embd, lin->y + i * n_embd,
