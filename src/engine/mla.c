@@ -12,16 +12,41 @@
 
 #include <string.h>
 
-/* dst[r][0..n_out) = matrix h of w times src[r][0..n_in) for every row, where row r's slices
- * sit src_stride / dst_stride floats apart. */
-static void per_head_matmul(moe_ctx *c, const moe_tensor *w, int64_t h, const float *src,
-                            int64_t src_stride, float *dst, int64_t dst_stride, uint32_t n_rows) {
-    const int64_t n_in = w->ne[0], n_out = w->ne[1];
-    for (uint32_t r = 0; r < n_rows; r++)
-        memcpy(c->mla_in + r * n_in, src + r * src_stride, sizeof(float) * (size_t)n_in);
-    moe_matmul(c->pool, w, h, c->mla_in, n_rows, c->mla_out, c->mm_scratch);
-    for (uint32_t r = 0; r < n_rows; r++)
-        memcpy(dst + r * dst_stride, c->mla_out + r * n_out, sizeof(float) * (size_t)n_out);
+/* For every head h: dst[r] + h dst_head [0..n_out) = matrix h of w times src[r] + h src_head
+ * [0..n_in) for every row, where row r's slices of a head sit src_stride / dst_stride floats
+ * apart. One row (decode, MTP): the heads' slices are the matmuls' rows as they lie, all heads
+ * one pass of the pool (DeepSeek-V3's 128 heads x 61 layers were 15,616 hand-outs a token); more
+ * rows: each head's rows gathered, multiplied, scattered. */
+static void per_head_matmul(moe_ctx *c, const moe_tensor *w, const float *src, int64_t src_head,
+                            int64_t src_stride, float *dst, int64_t dst_head, int64_t dst_stride,
+                            uint32_t n_rows) {
+    const int64_t n_in = w->ne[0], n_out = w->ne[1], n_head = w->ne[2];
+    if (n_rows == 1) {
+        moe_matmul_task t[MOE_MATMUL_MANY_MAX];
+        const uint64_t scratch = moe_matmul_scratch_bytes(w, 1);
+        for (int64_t h0 = 0; h0 < n_head; h0 += MOE_MATMUL_MANY_MAX) {
+            const int n =
+                (int)(n_head - h0 < MOE_MATMUL_MANY_MAX ? n_head - h0 : MOE_MATMUL_MANY_MAX);
+            for (int i = 0; i < n; i++)
+                t[i] = (moe_matmul_task){w,
+                                         h0 + i,
+                                         src + (h0 + i) * src_head,
+                                         1,
+                                         dst + (h0 + i) * dst_head,
+                                         (uint8_t *)c->mm_scratch + (uint64_t)i * scratch};
+            moe_matmul_many(c->pool, t, n);
+        }
+        return;
+    }
+    for (int64_t h = 0; h < n_head; h++) {
+        for (uint32_t r = 0; r < n_rows; r++)
+            memcpy(c->mla_in + r * n_in, src + h * src_head + r * src_stride,
+                   sizeof(float) * (size_t)n_in);
+        moe_matmul(c->pool, w, h, c->mla_in, n_rows, c->mla_out, c->mm_scratch);
+        for (uint32_t r = 0; r < n_rows; r++)
+            memcpy(dst + h * dst_head + r * dst_stride, c->mla_out + r * n_out,
+                   sizeof(float) * (size_t)n_out);
+    }
 }
 
 void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il,
@@ -69,9 +94,7 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
                    sizeof(float) * (size_t)n_rot);
     }
     /* absorb attn_k_b: q_nope of head h -> its latent-space query */
-    for (int64_t h = 0; h < n_head; h++)
-        per_head_matmul(c, w->wk_b, h, c->mla_q + h * hd_q, q_w, c->q + h * lat_w, n_head * lat_w,
-                        n_rows);
+    per_head_matmul(c, w->wk_b, c->mla_q, hd_q, q_w, c->q, lat_w, n_head * lat_w, n_rows);
 
     if (l->plan.indexed) {
         if (!l->plan.index_shared) moe_indexer_update(c, l, il, rows, n_rows);
@@ -81,8 +104,7 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
     }
 
     /* decompress each head's attended latent with attn_v_b, then the output projection */
-    for (int64_t h = 0; h < n_head; h++)
-        per_head_matmul(c, w->wv_b, h, c->att + h * n_lora_kv, n_head * n_lora_kv,
-                        c->mla_o + h * hd_v, n_head * hd_v, n_rows);
+    per_head_matmul(c, w->wv_b, c->att, n_lora_kv, n_head * n_lora_kv, c->mla_o, hd_v,
+                    n_head * hd_v, n_rows);
     moe_matmul(c->pool, w->wo, 0, c->mla_o, n_rows, c->y, c->mm_scratch);
 }
