@@ -86,7 +86,8 @@ static void tile_bench(moe_isa level, const moe_type *types, int n_types, const 
     uint64_t seed = 7;
     int max_x = 1;
     for (int c = 0; c < n_counts; c++) max_x = counts[c] > max_x ? counts[c] : max_x;
-    const size_t xs = (size_t)moe_dot_row_bytes(MOE_TYPE_Q8_K, n) + (size_t)n; /* any dot_type */
+    /* room for any dot_type's row: F32's (4 bytes a value) is the widest */
+    const size_t xs = (size_t)moe_type_row_bytes(MOE_TYPE_F32, n) + (size_t)n;
     uint8_t *xq = moe_xmalloc(xs * (size_t)max_x);
     float *y = moe_xmalloc(sizeof(float) * MOE_ROWS16 * (size_t)max_x);
     void *scratch = moe_xmalloc(MOE_ROWS16 * (size_t)moe_type_row_bytes(MOE_TYPE_F32, n));
