@@ -1159,15 +1159,15 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
  * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_XXS: entries of 8 values, a register of
  * indices looked up in code planes (fast_r16_iq2_xxs). Signs: a 32-bit word per row and 32
  * values (the XXS types' ksigns indices looked up into one, 16 rows at a time), turned into the
- * byte mask of each tile register by fast_bits4.
- * IQ4_XS: the 32-value types' nibble book, eight times. The tiles are those of fast_tile_iq, so
- * the bits are the file layout's. IQ3_S stays in the file's layout: decoded the same way (its
- * 9-bit indices through four vpermi2b tables a code plane) its tile cost more than the per-row
- * lanes path at 1 .. 4 activation rows (0.7x at one row in cache, 0.74x from DRAM; 1.1x at 16;
- * measured before the lanes took IQ3_S in the grouped order, which widened the gap); so does
- * IQ2_S, whose rows are decode's bulk (Intel with AMX, when both layouts still gathered their grid
- * entries: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16; not measured again since both look
- * them up in code planes). */
+ * byte mask of each tile register by fast_bits4 (under FAST_TILE_MIN_ROWS rows the XXS types
+ * skip the tile: fast_r16_xxs_lanes below). IQ4_XS: the 32-value types' nibble book, eight times.
+ * The tiles are those of fast_tile_iq, so the bits are the file layout's. IQ3_S stays in the file's
+ * layout: decoded the same way (its 9-bit indices through four vpermi2b tables a code plane) its
+ * tile cost more than the per-row lanes path at 1 .. 4 activation rows (0.7x at one row in cache,
+ * 0.74x from DRAM; 1.1x at 16; measured before the lanes took IQ3_S in the grouped order, which
+ * widened the gap); so does IQ2_S, whose rows are decode's bulk (Intel with AMX, when both layouts
+ * still gathered their grid entries: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16; not measured
+ * again since both look them up in code planes). */
 
 /* 16 rows' sign words from their XXS sign-and-scale words (four 7-bit ksigns indices each). */
 MOE_INLINE __m512i fast_ksigns32(__m512i words) {
@@ -1263,18 +1263,33 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
 /* ---- IQ2_XXS and IQ3_XXS on MOE_LAYOUT_ROWS16 under FAST_TILE_MIN_ROWS rows: no tile ----
  *
  * The tile holds values 4g .. 4g + 3 of each row in a lane, so each tile register costs its decode
- * a spread of codes and a lookup (vpmultishiftqb and vpermb for IQ2_XXS) and its signs a vpshufb,
- * and then the tile is stored, read back and biased (a vpdpbusd per register): at 1 .. 7
- * activation rows more than the multiply. A block's int32 sum does not care which of its values
- * share a lane, only that they share the integer scale; so here a register of a body register of
- * grid indices (entries c = 0..3 of each row, lane v for row v) holds value j of each of its four
- * entries: byte 4v + c, value j of row v's entry c. The code planes give that in one instruction
- * per register (IQ2_XXS: z_grid2_affine on a plane's 2-bit codes; IQ3_XXS: a vpshufb of a plane's
- * 3-bit codes) and the sign bits in one vptestmb. The activation bytes each meets are the same for
- * all 16 rows (value j of the four entries), so each activation block is put in that order once
- * (fast_xxs_order) and four of its bytes, broadcast and signed by the rows' sign bits, meet a
- * register in one vpdpbusd, magnitudes unsigned: no bias. Lane v is row v throughout, as in the
- * tile: the same int32 block sums met by the same fma, so the tile's bits. */
+ * a spread of codes and a lookup (IQ2_XXS: a vpmultishiftqb and a vpermb) and its signs a vpshufb,
+ * and then the tile is stored, read back and biased (a vpdpbusd a register): at 1 .. 7 activation
+ * rows more than the multiply. A block's int32 sum does not care which of its values share a lane,
+ * only that they share the integer scale; so here a register made from a body register of grid
+ * indices (entries c = 0..3 of row v in lane v) holds value j of each of its four entries: byte
+ * 4v + c, value j of row v's entry c. The code planes give that in one instruction a register
+ * (IQ2_XXS: z_grid2_affine of a plane's 2-bit codes; IQ3_XXS: a vpshufb of a plane's 3-bit ones),
+ * as 128 + the magnitude, and a vptestmb and a masked vpsubb sign it (128 - the magnitude): the
+ * weights + 128, unsigned. The activation bytes a register meets are the same for all 16 rows
+ * (value j of the four entries), so each activation block is put in that order once
+ * (fast_xxs_order) and a row meets a register in one vpdpbusd with its four bytes broadcast from
+ * memory, each row's chain starting from -128 x the activations' sum of its 32 values (the
+ * block's bsums). Lane v is row v throughout, as in the tile: the same int32 block sums met by the
+ * same fma, so the tile's bits. The trap: the chains start from the bsums, so they must be the
+ * sums of the bytes (moe_block_q8_k's are).
+ *
+ * Zen 5, bench/kernels --tile, one thread, GB/s, the tile -> this, medians of 15 runs alternated
+ * (load 3): 1 MiB (L2) IQ2_XXS 11.6 -> 25.5 at one row, 9.5 -> 19.1 at two, 6.6 -> 12.2 at four,
+ * 4.6 -> 7.2 at seven; IQ3_XXS 13.0 -> 28.1, 11.2 -> 22.0, 8.2 -> 15.1, 6.1 -> 8.9; 128 MiB
+ * (medians of 3, load 3) IQ2_XXS 11.0 -> 22.6 at one row, 9.1 -> 17.2, 7.5 -> 13.3 at three, 6.3
+ * -> 11.0 at four, 4.7 -> 7.4 at six, 4.0 -> 6.4 at seven; IQ3_XXS 12.6 -> 24.2, 10.6 -> 18.7,
+ * 9.5 -> 14.8, 7.9 -> 12.2, 6.3 -> 9.1, 5.7 -> 7.9 (the file layout's lanes: IQ3_XXS 15.7 at one
+ * row, 12.1 at two; IQ2_XXS 7.7, 6.6). The signs on the activations instead (a masked vpsubb per
+ * row and register, the broadcast a separate vpbroadcastd), the weights' magnitudes unsigned: 1 MiB
+ * IQ2_XXS 24.0 at one row, 17.5 at two, 10.1 at four, 5.9 at seven; the same without the signs at
+ * all (wrong sums: what they cost) 39.5, 28.9, 16.7, 9.6. More chains than one a row (their
+ * latency) within noise at one to three rows. */
 
 /* Block i of R activation rows (xs bytes apart) in the lanes' order, into dst[r]: byte per q +
  * 4j + c from byte per q + per / 4 c + j, per the values an index register's entries cover in a
@@ -1296,28 +1311,42 @@ MOE_INLINE __m512i fast_xxs_order_index(int per) {
     return _mm512_load_si512(at);
 }
 
-/* The R rows' value j of a register of 16 rows' entries (mag, unsigned; neg: their sign bits)
- * against the activations' dword `dword` of the order (fast_xxs_order), into part[r]. */
-MOE_INLINE void fast_xxs_meet(int R, __m512i mag, __mmask64 neg, const uint8_t (*xp)[MOE_QK_K],
+/* The R rows' value j of a register of 16 rows' entries (u: 128 + the magnitudes; neg: their
+ * sign bits) against the activations' dword `dword` of the order (fast_xxs_order), into part[r]:
+ * the weights signed where they lie and the activation bytes broadcast (fast_dpbusd_bcast), so
+ * that the signs cost an instruction per register, not per row, and a row a vpdpbusd. */
+MOE_INLINE void fast_xxs_meet(int R, __m512i u, __mmask64 neg, const uint8_t (*xp)[MOE_QK_K],
                               int dword, __m512i *part) {
+    u = _mm512_mask_sub_epi8(u, neg, _mm512_setzero_si512(), u); /* 128 - m: 256 - (128 + m) */
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) part[r] = fast_dpbusd_bcast(part[r], u, xp[r] + 4 * dword);
+}
+
+/* The chains of the R rows' 32 values s of block i, from -128 x the activations' sum of them
+ * (the bsums 2s, 2s + 1): the weights are 128 + their signed values. */
+MOE_INLINE void fast_xxs_start(int R, const uint8_t *x, size_t xs, int64_t i, int s,
+                               __m512i *part) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
-        int32_t four;
-        memcpy(&four, xp[r] + 4 * dword, sizeof four);
-        part[r] = _mm512_dpbusd_epi32(part[r], mag, z_apply_signs(_mm512_set1_epi32(four), neg));
+        const int16_t *bsums = ((const moe_block_q8_k *)(x + (size_t)r * xs) + i)->bsums;
+        part[r] = _mm512_set1_epi32(-128 * (bsums[2 * s] + bsums[2 * s + 1]));
     }
 }
 
-/* 2 x the 4 bits at the top of each lane + 1: the XXS types' integer scale of 32 values. */
-MOE_INLINE __m512i fast_xxs_scale(__m512i words) {
-    return _mm512_or_si512(_mm512_srli_epi32(words, 27), _mm512_set1_epi32(1));
+/* sum[r] + part[r] x the integer scales of the sign-and-scale words (lane v: row v's 2 x its top
+ * 4 bits + 1). */
+MOE_INLINE void fast_xxs_scaled(int R, const __m512i *part, __m512i words, __m512i *sum) {
+    const __m512i scale = _mm512_or_si512(_mm512_srli_epi32(words, 27), _mm512_set1_epi32(1));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[r], scale));
 }
 
 /* One IQ2_XXS ROWS16 block (b: its heads; bytes long) against R rows' activations in the order:
  * per 32 values s, index register 2s looked up in the two code planes (p[q] byte 4v + c: the codes
  * of values 4q .. 4q + 3 of row v's entry 4s + c), sign-and-scale words 2s + 1. */
-MOE_INLINE void fast_xxs_iq2(int R, const uint8_t *b, size_t bytes, const uint8_t (*xp)[MOE_QK_K],
-                             __m512i *sum) {
+MOE_INLINE void fast_xxs_iq2(int R, const uint8_t *b, size_t bytes, const uint8_t *x, size_t xs,
+                             int64_t i, const uint8_t (*xp)[MOE_QK_K], __m512i *sum) {
     const uint8_t *body = b + MOE_ROWS16 * sizeof(uint16_t);
 #pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {
@@ -1327,34 +1356,29 @@ MOE_INLINE void fast_xxs_iq2(int R, const uint8_t *b, size_t bytes, const uint8_
         const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
                               z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
         __m512i part[FAST_TILE_MIN_ROWS];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) part[r] = fast_zero();
+        fast_xxs_start(R, x, xs, i, s, part);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++)
-            fast_xxs_meet(R, z_grid2_affine(p[j / 4], j % 4),
+            fast_xxs_meet(R, z_grid2_affine(p[j / 4], j % 4, true),
                           _mm512_test_epi8_mask(signs, _mm512_set1_epi8((char)(1 << j))), xp,
                           8 * s + j, part);
-        const __m512i scale = fast_xxs_scale(words);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++)
-            sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[r], scale));
+        fast_xxs_scaled(R, part, words, sum);
     }
 }
 
 /* One IQ3_XXS ROWS16 block likewise: per 32 values s, index registers 2s + h (h = 0, 1: entries
  * 8s + 4h + c), looked up in the two code planes (c[q] byte 4v + c: the 3-bit codes of values 2q,
  * 2q + 1 of row v's entry as nibbles), and sign-and-scale words 16 + s, whose ksigns byte 2h + c /
- * 2 holds the signs of entry 8s + 4h + c at bits 4 (c % 2) ... */
-MOE_INLINE void fast_xxs_iq3(int R, const uint8_t *b, size_t bytes, const uint8_t (*xp)[MOE_QK_K],
-                             __m512i *sum) {
+ * 2 holds the signs of entry 8s + 4h + c, value j at bit 4 (c % 2) + j. */
+MOE_INLINE void fast_xxs_iq3(int R, const uint8_t *b, size_t bytes, const uint8_t *x, size_t xs,
+                             int64_t i, const uint8_t (*xp)[MOE_QK_K], __m512i *sum) {
     const uint8_t *body = b + MOE_ROWS16 * sizeof(uint16_t);
 #pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {
         fast_rows16_prefetch_part(b, bytes, s, 8);
         const __m512i words = z_load(body + 64 * (16 + s)), ks = fast_ksigns32(words);
         __m512i part[FAST_TILE_MIN_ROWS];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) part[r] = fast_zero();
+        fast_xxs_start(R, x, xs, i, s, part);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const int k = 2 * s + h;
@@ -1367,19 +1391,16 @@ MOE_INLINE void fast_xxs_iq3(int R, const uint8_t *b, size_t bytes, const uint8_
                         _mm_set1_epi8((char)(2 * h)))));
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++)
-                fast_xxs_meet(R, z_iq3xxs_values(c[j / 2], j % 2),
+                fast_xxs_meet(R, z_iq3xxs_values(c[j / 2], j % 2, true),
                               _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
                               4 * k + j, part);
         }
-        const __m512i scale = fast_xxs_scale(words);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++)
-            sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[r], scale));
+        fast_xxs_scaled(R, part, words, sum);
     }
 }
 
-typedef void (*fast_xxs_fn)(int R, const uint8_t *b, size_t bytes, const uint8_t (*xp)[MOE_QK_K],
-                            __m512i *sum);
+typedef void (*fast_xxs_fn)(int R, const uint8_t *b, size_t bytes, const uint8_t *x, size_t xs,
+                            int64_t i, const uint8_t (*xp)[MOE_QK_K], __m512i *sum);
 
 /* R < FAST_TILE_MIN_ROWS activation rows against a ROWS16 group of nb blocks of an XXS type (per:
  * fast_xxs_order's; block: fast_xxs_iq2 or fast_xxs_iq3). Each activation block is put in order a
@@ -1400,7 +1421,7 @@ MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, float mul
         __m512i sum[FAST_TILE_MIN_ROWS];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
-        block(R, b, bytes, (const uint8_t(*)[MOE_QK_K])xp[i % 2], sum);
+        block(R, b, bytes, x, xs, i, (const uint8_t(*)[MOE_QK_K])xp[i % 2], sum);
         const __m512 d = _mm512_cvtph_ps(avx2_load(b));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
