@@ -1342,73 +1342,57 @@ MOE_INLINE void fast_xxs_scaled(int R, const __m512i *part, __m512i words, __m51
         sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[r], scale));
 }
 
-/* One IQ2_XXS ROWS16 block (b: its heads; bytes long) against R rows' activations in the order:
- * per 32 values s, index register 2s looked up in the two code planes (p[q] byte 4v + c: the codes
- * of values 4q .. 4q + 3 of row v's entry 4s + c), sign-and-scale words 2s + 1. */
-MOE_INLINE void fast_xxs_iq2(int R, const uint8_t *b, size_t bytes, const uint8_t *x, size_t xs,
-                             int64_t i, const uint8_t (*xp)[MOE_QK_K], __m512i *sum) {
-    const uint8_t *body = b + MOE_ROWS16 * sizeof(uint16_t);
+/* IQ2_XXS, 32 values s of a ROWS16 block (body: after its heads; words: its sign-and-scale words,
+ * body register 2s + 1) against R rows' activations in the order, into their chains: index
+ * register 2s looked up in the two code planes (p[q] byte 4v + c: the codes of values 4q .. 4q + 3
+ * of row v's entry 4s + c). */
+MOE_INLINE void fast_xxs_iq2(int R, const uint8_t *body, int s, __m512i words,
+                             const uint8_t (*xp)[MOE_QK_K], __m512i *part) {
+    const __m512i q = z_load(body + 64 * 2 * s), signs = fast_ksigns32(words);
+    const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
+                          z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
 #pragma GCC unroll 8
-    for (int s = 0; s < 8; s++) {
-        fast_rows16_prefetch_part(b, bytes, s, 8);
-        const __m512i q = z_load(body + 64 * 2 * s), words = z_load(body + 64 * (2 * s + 1));
-        const __m512i signs = fast_ksigns32(words);
-        const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
-                              z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
-        __m512i part[FAST_TILE_MIN_ROWS];
-        fast_xxs_start(R, x, xs, i, s, part);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++)
-            fast_xxs_meet(R, z_grid2_affine(p[j / 4], j % 4, true),
-                          _mm512_test_epi8_mask(signs, _mm512_set1_epi8((char)(1 << j))), xp,
-                          8 * s + j, part);
-        fast_xxs_scaled(R, part, words, sum);
-    }
+    for (int j = 0; j < 8; j++)
+        fast_xxs_meet(R, z_grid2_affine(p[j / 4], j % 4, true),
+                      _mm512_test_epi8_mask(signs, _mm512_set1_epi8((char)(1 << j))), xp, 8 * s + j,
+                      part);
 }
 
-/* One IQ3_XXS ROWS16 block likewise: per 32 values s, index registers 2s + h (h = 0, 1: entries
- * 8s + 4h + c), looked up in the two code planes (c[q] byte 4v + c: the 3-bit codes of values 2q,
- * 2q + 1 of row v's entry as nibbles), and sign-and-scale words 16 + s, whose ksigns byte 2h + c /
- * 2 holds the signs of entry 8s + 4h + c, value j at bit 4 (c % 2) + j. */
-MOE_INLINE void fast_xxs_iq3(int R, const uint8_t *b, size_t bytes, const uint8_t *x, size_t xs,
-                             int64_t i, const uint8_t (*xp)[MOE_QK_K], __m512i *sum) {
-    const uint8_t *body = b + MOE_ROWS16 * sizeof(uint16_t);
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; s++) {
-        fast_rows16_prefetch_part(b, bytes, s, 8);
-        const __m512i words = z_load(body + 64 * (16 + s)), ks = fast_ksigns32(words);
-        __m512i part[FAST_TILE_MIN_ROWS];
-        fast_xxs_start(R, x, xs, i, s, part);
+/* IQ3_XXS likewise (words: body register 16 + s): index registers 2s + h (h = 0, 1: entries 8s +
+ * 4h + c) looked up in the two code planes (c[q] byte 4v + c: the 3-bit codes of values 2q, 2q + 1
+ * of row v's entry as nibbles); ksigns byte 2h + c / 2 of a word holds the signs of entry 8s + 4h
+ * + c, value j at bit 4 (c % 2) + j. */
+MOE_INLINE void fast_xxs_iq3(int R, const uint8_t *body, int s, __m512i words,
+                             const uint8_t (*xp)[MOE_QK_K], __m512i *part) {
+    const __m512i ks = fast_ksigns32(words);
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const int k = 2 * s + h;
-            const __m512i q = z_load(body + 64 * k);
-            const __m512i c[2] = {z_grid2_plane(z_iq3xxs_codes[0], 2, q, 0, 0),
-                                  z_grid2_plane(z_iq3xxs_codes[1], 2, q, 0, 0)};
-            const __m512i signs = _mm512_shuffle_epi8(
-                ks, _mm512_broadcast_i32x4(_mm_add_epi8(
-                        _mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13),
-                        _mm_set1_epi8((char)(2 * h)))));
+    for (int h = 0; h < 2; h++) {
+        const int k = 2 * s + h;
+        const __m512i q = z_load(body + 64 * k);
+        const __m512i c[2] = {z_grid2_plane(z_iq3xxs_codes[0], 2, q, 0, 0),
+                              z_grid2_plane(z_iq3xxs_codes[1], 2, q, 0, 0)};
+        const __m512i signs = _mm512_shuffle_epi8(
+            ks, _mm512_broadcast_i32x4(
+                    _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13),
+                                 _mm_set1_epi8((char)(2 * h)))));
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++)
-                fast_xxs_meet(R, z_iq3xxs_values(c[j / 2], j % 2, true),
-                              _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
-                              4 * k + j, part);
-        }
-        fast_xxs_scaled(R, part, words, sum);
+        for (int j = 0; j < 4; j++)
+            fast_xxs_meet(R, z_iq3xxs_values(c[j / 2], j % 2, true),
+                          _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
+                          4 * k + j, part);
     }
 }
 
-typedef void (*fast_xxs_fn)(int R, const uint8_t *b, size_t bytes, const uint8_t *x, size_t xs,
-                            int64_t i, const uint8_t (*xp)[MOE_QK_K], __m512i *sum);
+typedef void (*fast_xxs_fn)(int R, const uint8_t *body, int s, __m512i words,
+                            const uint8_t (*xp)[MOE_QK_K], __m512i *part);
 
 /* R < FAST_TILE_MIN_ROWS activation rows against a ROWS16 group of nb blocks of an XXS type (per:
- * fast_xxs_order's; block: fast_xxs_iq2 or fast_xxs_iq3). Each activation block is put in order a
- * block ahead of its multiply, so that the broadcasts read stores long done (fast_rows'
- * reason). */
-MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, float mult,
-                                   fast_xxs_fn block, const uint8_t *w, const uint8_t *x, size_t xs,
-                                   int64_t nb, float *out, int64_t os) {
+ * fast_xxs_order's; the sign-and-scale words of 32 values s in body register words_at[0] s +
+ * words_at[1]; sub: fast_xxs_iq2 or fast_xxs_iq3). Each activation block is put in order a block
+ * ahead of its multiply, so that the broadcasts read stores long done (fast_rows' reason). */
+MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, const int words_at[2],
+                                   float mult, fast_xxs_fn sub, const uint8_t *w, const uint8_t *x,
+                                   size_t xs, int64_t nb, float *out, int64_t os) {
     const size_t bytes = MOE_ROWS16 * block_bytes;
     const __m512i order = fast_xxs_order_index(per);
     uint8_t xp[2][FAST_TILE_MIN_ROWS][MOE_QK_K] __attribute__((aligned(64)));
@@ -1421,7 +1405,16 @@ MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, float mul
         __m512i sum[FAST_TILE_MIN_ROWS];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
-        block(R, b, bytes, x, xs, i, (const uint8_t(*)[MOE_QK_K])xp[i % 2], sum);
+        const uint8_t *body = b + MOE_ROWS16 * sizeof(uint16_t);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            fast_rows16_prefetch_part(b, bytes, s, 8);
+            const __m512i words = z_load(body + 64 * (words_at[0] * s + words_at[1]));
+            __m512i part[FAST_TILE_MIN_ROWS];
+            fast_xxs_start(R, x, xs, i, s, part);
+            sub(R, body, s, words, (const uint8_t(*)[MOE_QK_K])xp[i % 2], part);
+            fast_xxs_scaled(R, part, words, sum);
+        }
         const __m512 d = _mm512_cvtph_ps(avx2_load(b));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
@@ -1433,16 +1426,28 @@ MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, float mul
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
 }
-#define FAST_XXS_LANES_FN(t, per, mult, block, R)                                                  \
+MOE_INLINE void fast_r16_lanes_iq2_xxs(int R, const uint8_t *w, const uint8_t *x, size_t xs,
+                                       int64_t nb, float *out, int64_t os) {
+    fast_r16_xxs_lanes(R, sizeof(moe_block_iq2_xxs), 32, (const int[2]){2, 1}, 0.125f, fast_xxs_iq2,
+                       w, x, xs, nb, out, os);
+}
+MOE_INLINE void fast_r16_lanes_iq3_xxs(int R, const uint8_t *w, const uint8_t *x, size_t xs,
+                                       int64_t nb, float *out, int64_t os) {
+    fast_r16_xxs_lanes(R, sizeof(moe_block_iq3_xxs), 16, (const int[2]){1, 16}, 0.25f, fast_xxs_iq3,
+                       w, x, xs, nb, out, os);
+}
+
+/* The ROWS16 kernel of a super-block type t at R rows (FAST_LANES_SWITCH(rows16_<t>) calls it):
+ * its fast_r16_lanes_<t>, R a constant. */
+#define FAST_ROWS16_LANES_FN(t, R)                                                                 \
     static __attribute__((noinline)) void fast_lanes_rows16_##t##_##R(                             \
         const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n, float *out,        \
         int64_t os) {                                                                              \
         (void)ws, (void)n_w;                                                                       \
-        fast_r16_xxs_lanes(R, sizeof(moe_block_##t), per, mult, block, w, x, xs, n / MOE_QK_K,     \
-                           out, os);                                                               \
+        fast_r16_lanes_##t(R, w, x, xs, n / MOE_QK_K, out, os);                                    \
     }
-FAST_PER_ROWS(FAST_XXS_LANES_FN, iq2_xxs, 32, 0.125f, fast_xxs_iq2)
-FAST_PER_ROWS(FAST_XXS_LANES_FN, iq3_xxs, 16, 0.25f, fast_xxs_iq3)
+FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq2_xxs)
+FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq3_xxs)
 
 /* The kernel on ROWS16 groups of a codebook type (d the f16 heads) and of IQ4_XS. */
 #define FAST_SB_ROWS16(t, regs, scale_values, mult, decode, before)                                \
@@ -1644,16 +1649,13 @@ MOE_INLINE void fast_rows16_lanes(int R, fast_type t, fast_decode_fn meta, fast_
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
 }
 
-/* The ROWS16 kernel of a super-block type (its fast_type, meta decode and values). */
-#define FAST_ROWS16_LANES_FN(t, type, meta, values, R)                                             \
-    static __attribute__((noinline)) void fast_lanes_rows16_##t##_##R(                             \
-        const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n, float *out,        \
-        int64_t os) {                                                                              \
-        (void)ws, (void)n_w;                                                                       \
-        fast_rows16_lanes(R, type, meta, values, w, x, xs, n / MOE_QK_K, out, os);                 \
-    }
+/* The ROWS16 kernels of a super-block type (its fast_type, meta decode and values). */
 #define FAST_ROWS16_SB_KERNELS(t, type, meta, values)                                              \
-    FAST_PER_ROWS(FAST_ROWS16_LANES_FN, t, type, meta, values)                                     \
+    MOE_INLINE void fast_r16_lanes_##t(int R, const uint8_t *w, const uint8_t *x, size_t xs,       \
+                                       int64_t nb, float *out, int64_t os) {                       \
+        fast_rows16_lanes(R, type, meta, values, w, x, xs, nb, out, os);                           \
+    }                                                                                              \
+    FAST_PER_ROWS(FAST_ROWS16_LANES_FN, t)                                                         \
     MOE_INLINE void fast_tile_rows16_##t(fast_type ty, const uint8_t *w, size_t ws, int n_w,       \
                                          int64_t i, void *tile) {                                  \
         (void)ws, (void)n_w;                                                                       \
