@@ -1292,8 +1292,9 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
  * latency) within noise at one to three rows. */
 
 /* Bytes of an activation row's block in the lanes' order: its 256 values, then the 8 chains' starts
- * (fast_xxs_start) as int32. */
-#define FAST_XXS_X (MOE_QK_K + 8 * 4)
+ * (fast_xxs_start) as int32, and padding to a whole line (the rows' 64-byte stores stay aligned).
+ */
+#define FAST_XXS_X (MOE_QK_K + 64)
 
 /* Block i of R activation rows (xs bytes apart) in the lanes' order, into dst[r]: byte per q +
  * 4j + c from byte per q + per / 4 c + j, per the values an index register's entries cover in a
