@@ -581,6 +581,40 @@ MOE_INLINE void z_dp_iq2_xs(const void *block0, const void *block1, z_dp *o) {
     z_grid2_dp_scales(b0->scales, b1->scales, b0->d, b1->d, o);
 }
 
+/* IQ2_XXS: entry e's index is byte 8 (e / 4) + e % 4 of the block, its ksigns index field e % 4
+ * of the sign-and-scale word e / 4 (the block's odd dwords), whose top 4 bits give the scale of
+ * its 32 values (lane (L, m) of sc[h]: the word 4 (L % 2) + 2h + m / 2 of block L / 2). */
+MOE_INLINE void z_dp_iq2_xxs(const void *block0, const void *block1, z_dp *o) {
+    const moe_block_iq2_xxs *b0 = block0, *b1 = block1;
+    const __m512i q0 = z_load(b0->qs), q1 = z_load(b1->qs);
+    const __m512i idx = _mm512_permutex2var_epi8(
+        q0,
+        _mm512_setr_epi64(0x0b0a090803020100, 0x1b1a191813121110, 0x2b2a292823222120,
+                          0x3b3a393833323130, 0x4b4a494843424140, 0x5b5a595853525150,
+                          0x6b6a696863626160, 0x7b7a797873727170),
+        q1);
+    const __m512i words = _mm512_permutex2var_epi32(/* dword 8 blk + s */
+                                                    q0,
+                                                    _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17,
+                                                                      19, 21, 23, 25, 27, 29, 31),
+                                                    q1);
+    /* byte 4d + c: field c of word d (vpermi2b reads its low 7 bits) */
+    const __m512i fields =
+        _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700), words);
+    z_grid2_dp_values(z_grid2_plane(z_iq2xxs_codes[0], 2, idx, 0, 0),
+                      z_grid2_plane(z_iq2xxs_codes[1], 2, idx, 0, 0),
+                      z_lookup128(fields, moe_ksigns_iq2xs), o);
+    const __m512i at = _mm512_setr_epi32(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) /* 2 x the top 4 bits + 1 */
+        o->sc[h] = _mm512_or_si512(
+            _mm512_srli_epi32(
+                _mm512_permutexvar_epi32(_mm512_add_epi32(at, _mm512_set1_epi32(2 * h)), words),
+                27),
+            _mm512_set1_epi32(1));
+    o->d[0] = avx2_fp16(b0->d), o->d[1] = avx2_fp16(b1->d);
+}
+
 #endif
 
 /* The pair decode behind a single-block one (NULL: none): the kernels that decode many blocks
@@ -936,10 +970,16 @@ MOE_INLINE void z_dp_iq3_xxs(const void *block, const void *unused, z_dp *o) {
  * grouped against its value-order lanes, Zen 5, the file's layout (the engine repacks IQ3_XXS to
  * ROWS16, which has lanes of its own: fast_avx512vnni.c), medians of 3 alternated runs
  * (load 3.5-4.2): 4 MiB 12.6 -> 16.1 GB/s at one row, 10.3 -> 11.8 at two, 7.4 -> 8.3 at four; 256
- * MiB 13.0 -> 15.4, 9.8 -> 12.0, 7.4 -> 8.6. */
+ * MiB 13.0 -> 15.4, 9.8 -> 12.0, 7.4 -> 8.6. IQ2_XXS (its rows the engine leaves in the file's
+ * layout: --no-repack, a matrix's last rows % 16) against its value-order lanes, whose entries are
+ * 8-byte loads, 128 MiB, means of 2 runs alternated (load 4): 7.1 -> 13.9 GB/s at one row, 6.4
+ * -> 9.5 at two, 5.5
+ * -> 7.8 at three, 4.5 -> 6.5 at four, 3.0 -> 4.2 at seven (1 MiB, medians of 6: 6.5 -> 16.2 at
+ * one row, 3.1 -> 3.8 at seven). */
 MOE_INLINE z_dp_type z_dp_of(z_iqb_fn one, int rows) {
     if (one == z_iqb_iq2_s_one && rows <= 2) return (z_dp_type){z_dp_iq2_s, z_grid2_dp_x, 2};
     if (one == z_iqb_iq2_xs_one) return (z_dp_type){z_dp_iq2_xs, z_grid2_dp_x, 2};
+    if (one == z_iqb_iq2_xxs) return (z_dp_type){z_dp_iq2_xxs, z_grid2_dp_x, 2};
     if (one == z_iqb_iq3_s) return (z_dp_type){z_dp_iq3_s, z_dp_x_grouped, 1};
     if (one == z_iqb_iq3_xxs) return (z_dp_type){z_dp_iq3_xxs, z_dp_x_grouped, 1};
     return (z_dp_type){NULL, NULL, 0};
