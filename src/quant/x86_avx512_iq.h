@@ -254,7 +254,7 @@ MOE_INLINE __m256i z_top4_scales(__m256i words) {
  * z_iq2s_codes and z_iq2xs_codes are filled by the table's fill function. */
 static uint8_t z_iq2s_codes[2][1024] __attribute__((aligned(64)));
 static uint8_t z_iq2xs_codes[2][512] __attribute__((aligned(64)));
-static uint8_t z_iq2xxs_codes[2][256] __attribute__((aligned(64))); /* fast_avx512vnni.c's ROWS16 */
+static uint8_t z_iq2xxs_codes[2][256] __attribute__((aligned(64))); /* z_dp_iq2_xxs, ROWS16 */
 
 /* vpermt2b indices of z_grid2_order from two 64-byte registers holding a block's 32 entries'
  * index bytes `stride` bytes apart from byte `first` (the first block's in the first register). */
