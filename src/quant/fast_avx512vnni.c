@@ -1279,14 +1279,15 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
  * same fma, so the tile's bits. The trap: the chains start from the bsums, so they must be the
  * sums of the bytes (moe_block_q8_k's are).
  *
- * Zen 5, bench/kernels --tile, one thread, GB/s, the tile -> this, medians of 15 runs alternated
- * (load 3): 1 MiB (L2) IQ2_XXS 11.6 -> 25.5 at one row, 9.5 -> 19.1 at two, 6.6 -> 12.2 at four,
- * 4.6 -> 7.2 at seven; IQ3_XXS 13.0 -> 28.1, 11.2 -> 22.0, 8.2 -> 15.1, 6.1 -> 8.9; 128 MiB
- * (medians of 3, load 3) IQ2_XXS 11.0 -> 22.6 at one row, 9.1 -> 17.2, 7.5 -> 13.3 at three, 6.3
- * -> 11.0 at four, 4.7 -> 7.4 at six, 4.0 -> 6.4 at seven; IQ3_XXS 12.6 -> 24.2, 10.6 -> 18.7,
- * 9.5 -> 14.8, 7.9 -> 12.2, 6.3 -> 9.1, 5.7 -> 7.9 (the file layout's lanes: IQ3_XXS 15.7 at one
- * row, 12.1 at two; IQ2_XXS 7.7, 6.6). The signs on the activations instead (a masked vpsubb per
- * row and register, the broadcast a separate vpbroadcastd), the weights' magnitudes unsigned: 1 MiB
+ * Zen 5, bench/kernels --tile, one thread, GB/s, the tile -> this: 128 MiB, 2 runs alternated
+ * (load 2), IQ2_XXS 11.5 -> 23.0 at one row, 9.2 -> 17.5 at two, 7.6 -> 13.2 at three, 6.3 ->
+ * 11.2 at four, 4.4 -> 7.1 at seven; IQ3_XXS 12.9 -> 24.9, 10.9 -> 19.8, 9.1 -> 16.0, 7.7 -> 13.1,
+ * 5.9 -> 9.2 (the file layout's lanes in the same runs: IQ3_XXS 15.7 at one row, 12.3 at two,
+ * 10.2 at three, 8.8 at four, 5.6 at seven). 1 MiB (L2), medians of 15 runs alternated (load 3):
+ * IQ2_XXS 11.6 -> 25.5 at one row, 9.5 -> 19.1 at two, 6.6 -> 12.2 at four, 4.6 -> 7.2 at seven;
+ * IQ3_XXS 13.0 -> 28.1, 11.2 -> 22.0, 8.2 -> 15.1, 6.1 -> 8.9. The signs on the activations
+ * instead (a masked vpsubb per row and register, the broadcast a separate vpbroadcastd), the
+ * weights' magnitudes unsigned: 1 MiB
  * IQ2_XXS 24.0 at one row, 17.5 at two, 10.1 at four, 5.9 at seven; the same without the signs at
  * all (wrong sums: what they cost) 39.5, 28.9, 16.7, 9.6. More chains than one a row (their
  * latency) within noise at one to three rows. */
