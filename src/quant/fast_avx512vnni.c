@@ -205,6 +205,14 @@ MOE_INLINE void fast_rows_scale(int R, fast_type type, const fast_tile *t, int s
  * before); Q4_K unchanged. */
 #define FAST_ROWS16_LANES_AHEAD (10u << 10)
 
+/* Part `part` of `parts` of the lines of a ROWS16 block (bytes long) FAST_ROWS16_LANES_AHEAD on
+ * requested (as part of its multiply is done). */
+MOE_INLINE void fast_rows16_prefetch_part(const uint8_t *block, size_t bytes, int part, int parts) {
+    for (size_t at = (bytes * (size_t)part / (size_t)parts + 63) & ~(size_t)63;
+         at < bytes * (size_t)(part + 1) / (size_t)parts; at += 64)
+        _mm_prefetch((const char *)block + FAST_ROWS16_LANES_AHEAD + at, _MM_HINT_NTA);
+}
+
 /* The multiply of both kinds (regs NULL: a 32-value type against Q8_0, 8 groups of 4 and no
  * scales; else a super-block against Q8_K, 64 groups, a scale per 16 or 32 values): each
  * activation row's bytes made unsigned (+128) into xb, then per sub-block one vpdpbusd per group
@@ -285,10 +293,7 @@ MOE_INLINE void fast_rows(int R, fast_type type, const void *tile_buf, int64_t n
             const size_t ahead_bytes = MOE_ROWS16 * type.block_bytes;
 #pragma GCC unroll 16
             for (int s = 0; s < n_scales; s++) {
-                /* lines (s / n_scales .. (s + 1) / n_scales of the block) ahead */
-                for (size_t at = (ahead_bytes * s / n_scales + 63) & ~(size_t)63;
-                     at < ahead_bytes * (s + 1) / n_scales; at += 64)
-                    _mm_prefetch((const char *)block + FAST_ROWS16_LANES_AHEAD + at, _MM_HINT_NTA);
+                fast_rows16_prefetch_part(block, ahead_bytes, s, n_scales);
                 fast_rows_scale(R, type, t, s, bytes, x, xs, c0 + j, sum, values, block);
             }
         } else
@@ -1111,14 +1116,17 @@ MOE_INLINE void fast_lanes_iq(int R, fast_type t, const uint8_t *w, size_t ws, i
     default:                                                                                       \
         break;                                                                                     \
     }
+/* FN(..., R) for every R under FAST_TILE_MIN_ROWS: the functions FAST_LANES_SWITCH calls. */
+#define FAST_PER_ROWS(FN, ...)                                                                     \
+    FN(__VA_ARGS__, 1)                                                                             \
+    FN(__VA_ARGS__, 2)                                                                             \
+    FN(__VA_ARGS__, 3)                                                                             \
+    FN(__VA_ARGS__, 4)                                                                             \
+    FN(__VA_ARGS__, 5)                                                                             \
+    FN(__VA_ARGS__, 6)                                                                             \
+    FN(__VA_ARGS__, 7)
 #define FAST_SB_KERNELS(t, regs, mins, scale_values, mult, offset, tile)                           \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 1)                                    \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 2)                                    \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 3)                                    \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 4)                                    \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 5)                                    \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 6)                                    \
-    FAST_LANES_FN(t, regs, mins, scale_values, mult, offset, 7)                                    \
+    FAST_PER_ROWS(FAST_LANES_FN, t, regs, mins, scale_values, mult, offset)                        \
     static void fast_tile_rows_##t(const void *w, size_t ws, int n_w, const void *x, size_t xs,    \
                                    int64_t n_rows, int64_t n, float *out, int64_t os) {            \
         FAST_LANES_SWITCH(t)                                                                       \
@@ -1151,15 +1159,15 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
  * (row v, 4k + m) in lane v of tile[4k + m]. IQ2_XXS: entries of 8 values, a register of
  * indices looked up in code planes (fast_r16_iq2_xxs). Signs: a 32-bit word per row and 32
  * values (the XXS types' ksigns indices looked up into one, 16 rows at a time), turned into the
- * byte mask of each tile register by fast_bits4.
- * IQ4_XS: the 32-value types' nibble book, eight times. The tiles are those of fast_tile_iq, so
- * the bits are the file layout's. IQ3_S stays in the file's layout: decoded the same way (its
- * 9-bit indices through four vpermi2b tables a code plane) its tile cost more than the per-row
- * lanes path at 1 .. 4 activation rows (0.7x at one row in cache, 0.74x from DRAM; 1.1x at 16;
- * measured before the lanes took IQ3_S in the grouped order, which widened the gap); so does
- * IQ2_S, whose rows are decode's bulk (Intel with AMX, when both layouts still gathered their grid
- * entries: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16; not measured again since both look
- * them up in code planes). */
+ * byte mask of each tile register by fast_bits4 (under FAST_TILE_MIN_ROWS rows the XXS types
+ * skip the tile: fast_r16_xxs_lanes below). IQ4_XS: the 32-value types' nibble book, eight times.
+ * The tiles are those of fast_tile_iq, so the bits are the file layout's. IQ3_S stays in the file's
+ * layout: decoded the same way (its 9-bit indices through four vpermi2b tables a code plane) its
+ * tile cost more than the per-row lanes path at 1 .. 4 activation rows (0.7x at one row in cache,
+ * 0.74x from DRAM; 1.1x at 16; measured before the lanes took IQ3_S in the grouped order, which
+ * widened the gap); so does IQ2_S, whose rows are decode's bulk (Intel with AMX, when both layouts
+ * still gathered their grid entries: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16; not measured
+ * again since both look them up in code planes). */
 
 /* 16 rows' sign words from their XXS sign-and-scale words (four 7-bit ksigns indices each). */
 MOE_INLINE __m512i fast_ksigns32(__m512i words) {
@@ -1252,8 +1260,210 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
     o->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
 }
 
+/* ---- IQ2_XXS and IQ3_XXS on MOE_LAYOUT_ROWS16 under FAST_TILE_MIN_ROWS rows: no tile ----
+ *
+ * The tile holds values 4g .. 4g + 3 of each row in a lane, so each tile register costs its decode
+ * a spread of codes and a lookup (IQ2_XXS: a vpmultishiftqb and a vpermb) and its signs a vpshufb,
+ * and then the tile is stored, read back and biased (a vpdpbusd a register): at 1 .. 7 activation
+ * rows more than the multiply. A block's int32 sum does not care which of its values share a lane,
+ * only that they share the integer scale; so here a register made from a body register of grid
+ * indices (entries c = 0..3 of row v in lane v) holds value j of each of its four entries: byte
+ * 4v + c, value j of row v's entry c. The code planes give that in one instruction a register
+ * (IQ2_XXS: z_grid2_affine of a plane's 2-bit codes; IQ3_XXS: a vpshufb of a plane's 3-bit ones),
+ * as 128 + the magnitude, and a vptestmb and a masked vpsubb sign it (128 - the magnitude): the
+ * weights + 128, unsigned. The activation bytes a register meets are the same for all 16 rows
+ * (value j of the four entries), so each activation block is put in that order once
+ * (fast_xxs_order) and a row meets a register in one vpdpbusd with its four bytes broadcast from
+ * memory, each row's chain starting from -128 x the activations' sum of its 32 values (the
+ * block's bsums). Lane v is row v throughout, as in the tile: the same int32 block sums met by the
+ * same fma, so the tile's bits. The trap: the chains start from the bsums, so they must be the
+ * sums of the bytes (moe_block_q8_k's are).
+ *
+ * Zen 5, bench/kernels --tile, one thread, GB/s, the tile -> this: 128 MiB, 2 runs alternated
+ * (load 2), IQ2_XXS 11.5 -> 23.0 at one row, 9.2 -> 17.5 at two, 7.6 -> 13.2 at three, 6.3 ->
+ * 11.2 at four, 4.4 -> 7.1 at seven; IQ3_XXS 12.9 -> 24.9, 10.9 -> 19.8, 9.1 -> 16.0, 7.7 -> 13.1,
+ * 5.9 -> 9.2 (the file layout's lanes in the same runs: IQ3_XXS 15.7 at one row, 12.3 at two,
+ * 10.2 at three, 8.8 at four, 5.6 at seven). 1 MiB (L2), medians of 15 runs alternated (load 3):
+ * IQ2_XXS 11.6 -> 25.5 at one row, 9.5 -> 19.1 at two, 6.6 -> 12.2 at four, 4.6 -> 7.2 at seven;
+ * IQ3_XXS 13.0 -> 28.1, 11.2 -> 22.0, 8.2 -> 15.1, 6.1 -> 8.9. The signs on the activations
+ * instead (a masked vpsubb per row and register, the broadcast a separate vpbroadcastd), the
+ * weights' magnitudes unsigned: 1 MiB
+ * IQ2_XXS 24.0 at one row, 17.5 at two, 10.1 at four, 5.9 at seven; the same without the signs at
+ * all (wrong sums: what they cost) 39.5, 28.9, 16.7, 9.6. More chains than one a row (their
+ * latency) within noise at one to three rows. */
+
+/* Bytes of an activation row's block in the lanes' order: its 256 values, then the 8 chains' starts
+ * (fast_xxs_start) as int32, and padding to a whole line (the rows' 64-byte stores stay aligned).
+ */
+#define FAST_XXS_X (MOE_QK_K + 64)
+
+/* Block i of R activation rows (xs bytes apart) in the lanes' order, into dst[r]: byte per q +
+ * 4j + c from byte per q + per / 4 c + j, per the values an index register's entries cover in a
+ * row (IQ2_XXS: 32, four entries of 8; IQ3_XXS: 16, four of 4), order being fast_xxs_order_index's;
+ * then -128 x the sum of values 32s .. 32s + 31 for each s (bsums 2s, 2s + 1: one vpmaddwd), which
+ * a chain's start then broadcasts from memory. Made from the bsums per chain instead (scalar work
+ * and a broadcast from a general register), Zen 5, 1 MiB, medians of 8 runs alternated (load 4.5):
+ * IQ3_XXS 8.6 at seven rows (9.7 this way), 20.0 at two (21.4); IQ2_XXS 6.8 (7.5) at seven; one
+ * row within 2 %. */
+MOE_INLINE void fast_xxs_order(int R, const uint8_t *x, size_t xs, int64_t i, __m512i order,
+                               uint8_t (*dst)[FAST_XXS_X]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+#pragma GCC unroll 4
+        for (int k = 0; k < MOE_QK_K / 64; k++)
+            _mm512_store_si512(dst[r] + 64 * k,
+                               _mm512_permutexvar_epi8(order, z_load(y->qs + 64 * k)));
+        _mm256_store_si256((__m256i *)(dst[r] + MOE_QK_K),
+                           _mm256_madd_epi16(avx2_load(y->bsums), _mm256_set1_epi16(-128)));
+    }
+}
+MOE_INLINE __m512i fast_xxs_order_index(int per) {
+    uint8_t at[64] __attribute__((aligned(64)));
+    for (int o = 0; o < 64; o++) at[o] = (uint8_t)(o / per * per + per / 4 * (o % 4) + o % per / 4);
+    return _mm512_load_si512(at);
+}
+
+/* The R rows' value j of a register of 16 rows' entries (u: 128 + the magnitudes; neg: their
+ * sign bits) against the activations' dword `dword` of the order (fast_xxs_order), into part[r]:
+ * the weights signed where they lie and the activation bytes broadcast (fast_dpbusd_bcast), so
+ * that the signs cost an instruction per register, not per row, and a row a vpdpbusd. */
+MOE_INLINE void fast_xxs_meet(int R, __m512i u, __mmask64 neg, const uint8_t (*xp)[FAST_XXS_X],
+                              int dword, __m512i *part) {
+    u = _mm512_mask_sub_epi8(u, neg, _mm512_setzero_si512(), u); /* 128 - m: 256 - (128 + m) */
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) part[r] = fast_dpbusd_bcast(part[r], u, xp[r] + 4 * dword);
+}
+
+/* The chains of the R rows' 32 values s, from -128 x the activations' sum of them (xp's, from the
+ * bsums): the weights are 128 + their signed values. */
+MOE_INLINE void fast_xxs_start(int R, const uint8_t (*xp)[FAST_XXS_X], int s, __m512i *part) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        int32_t off;
+        memcpy(&off, xp[r] + MOE_QK_K + 4 * s, sizeof off);
+        part[r] = _mm512_set1_epi32(off);
+    }
+}
+
+/* sum[r] + part[r] x the integer scales of the sign-and-scale words (lane v: row v's 2 x its top
+ * 4 bits + 1). */
+MOE_INLINE void fast_xxs_scaled(int R, const __m512i *part, __m512i words, __m512i *sum) {
+    const __m512i scale = _mm512_or_si512(_mm512_srli_epi32(words, 27), _mm512_set1_epi32(1));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[r], scale));
+}
+
+/* IQ2_XXS, 32 values s of a ROWS16 block (body: after its heads; words: its sign-and-scale words,
+ * body register 2s + 1) against R rows' activations in the order, into their chains: index
+ * register 2s looked up in the two code planes (p[q] byte 4v + c: the codes of values 4q .. 4q + 3
+ * of row v's entry 4s + c). */
+MOE_INLINE void fast_xxs_iq2(int R, const uint8_t *body, int s, __m512i words,
+                             const uint8_t (*xp)[FAST_XXS_X], __m512i *part) {
+    const __m512i q = z_load(body + 64 * 2 * s), signs = fast_ksigns32(words);
+    const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
+                          z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++)
+        fast_xxs_meet(R, z_grid2_affine(p[j / 4], j % 4, true),
+                      _mm512_test_epi8_mask(signs, _mm512_set1_epi8((char)(1 << j))), xp, 8 * s + j,
+                      part);
+}
+
+/* IQ3_XXS likewise (words: body register 16 + s): index registers 2s + h (h = 0, 1: entries 8s +
+ * 4h + c) looked up in the two code planes (c[q] byte 4v + c: the 3-bit codes of values 2q, 2q + 1
+ * of row v's entry as nibbles); ksigns byte 2h + c / 2 of a word holds the signs of entry 8s + 4h
+ * + c, value j at bit 4 (c % 2) + j. */
+MOE_INLINE void fast_xxs_iq3(int R, const uint8_t *body, int s, __m512i words,
+                             const uint8_t (*xp)[FAST_XXS_X], __m512i *part) {
+    const __m512i ks = fast_ksigns32(words);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const int k = 2 * s + h;
+        const __m512i q = z_load(body + 64 * k);
+        const __m512i c[2] = {z_grid2_plane(z_iq3xxs_codes[0], 2, q, 0, 0),
+                              z_grid2_plane(z_iq3xxs_codes[1], 2, q, 0, 0)};
+        const __m512i signs = _mm512_shuffle_epi8(
+            ks, _mm512_broadcast_i32x4(
+                    _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13),
+                                 _mm_set1_epi8((char)(2 * h)))));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            fast_xxs_meet(R, z_iq3xxs_values(c[j / 2], j % 2, true),
+                          _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
+                          4 * k + j, part);
+    }
+}
+
+typedef void (*fast_xxs_fn)(int R, const uint8_t *body, int s, __m512i words,
+                            const uint8_t (*xp)[FAST_XXS_X], __m512i *part);
+
+/* R < FAST_TILE_MIN_ROWS activation rows against a ROWS16 group of nb blocks of an XXS type (per:
+ * fast_xxs_order's; the sign-and-scale words of 32 values s in body register words_at[0] s +
+ * words_at[1]; sub: fast_xxs_iq2 or fast_xxs_iq3). Each activation block is put in order a block
+ * ahead of its multiply, so that the broadcasts read stores long done (fast_rows' reason). */
+MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, const int words_at[2],
+                                   float mult, fast_xxs_fn sub, const uint8_t *w, const uint8_t *x,
+                                   size_t xs, int64_t nb, float *out, int64_t os) {
+    const size_t bytes = MOE_ROWS16 * block_bytes;
+    const __m512i order = fast_xxs_order_index(per);
+    uint8_t xp[2][FAST_TILE_MIN_ROWS][FAST_XXS_X] __attribute__((aligned(64)));
+    __m512 acc[FAST_TILE_MIN_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    fast_xxs_order(R, x, xs, 0, order, xp[0]);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + (size_t)i * bytes;
+        if (i + 1 < nb) fast_xxs_order(R, x, xs, i + 1, order, xp[(i + 1) % 2]);
+        __m512i sum[FAST_TILE_MIN_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
+        const uint8_t *body = b + MOE_ROWS16 * sizeof(uint16_t);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            fast_rows16_prefetch_part(b, bytes, s, 8);
+            const __m512i words = z_load(body + 64 * (words_at[0] * s + words_at[1]));
+            __m512i part[FAST_TILE_MIN_ROWS];
+            fast_xxs_start(R, (const uint8_t(*)[FAST_XXS_X])xp[i % 2], s, part);
+            sub(R, body, s, words, (const uint8_t(*)[FAST_XXS_X])xp[i % 2], part);
+            fast_xxs_scaled(R, part, words, sum);
+        }
+        const __m512 d = _mm512_cvtph_ps(avx2_load(b));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
+            acc[r] = _mm512_fmadd_ps(
+                _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(y->d)), _mm512_set1_ps(mult)),
+                _mm512_cvtepi32_ps(sum[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
+}
+MOE_INLINE void fast_r16_lanes_iq2_xxs(int R, const uint8_t *w, const uint8_t *x, size_t xs,
+                                       int64_t nb, float *out, int64_t os) {
+    fast_r16_xxs_lanes(R, sizeof(moe_block_iq2_xxs), 32, (const int[2]){2, 1}, 0.125f, fast_xxs_iq2,
+                       w, x, xs, nb, out, os);
+}
+MOE_INLINE void fast_r16_lanes_iq3_xxs(int R, const uint8_t *w, const uint8_t *x, size_t xs,
+                                       int64_t nb, float *out, int64_t os) {
+    fast_r16_xxs_lanes(R, sizeof(moe_block_iq3_xxs), 16, (const int[2]){1, 16}, 0.25f, fast_xxs_iq3,
+                       w, x, xs, nb, out, os);
+}
+
+/* The ROWS16 kernel of a super-block type t at R rows (FAST_LANES_SWITCH(rows16_<t>) calls it):
+ * its fast_r16_lanes_<t>, R a constant. */
+#define FAST_ROWS16_LANES_FN(t, R)                                                                 \
+    static __attribute__((noinline)) void fast_lanes_rows16_##t##_##R(                             \
+        const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n, float *out,        \
+        int64_t os) {                                                                              \
+        (void)ws, (void)n_w;                                                                       \
+        fast_r16_lanes_##t(R, w, x, xs, n / MOE_QK_K, out, os);                                    \
+    }
+FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq2_xxs)
+FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq3_xxs)
+
 /* The kernel on ROWS16 groups of a codebook type (d the f16 heads) and of IQ4_XS. */
-#define FAST_SB_ROWS16(t, regs, scale_values, mult, decode)                                        \
+#define FAST_SB_ROWS16(t, regs, scale_values, mult, decode, before)                                \
     MOE_INLINE void fast_tile_rows16_##t(fast_type ty, const uint8_t *w, size_t ws, int n_w,       \
                                          int64_t i, void *tile) {                                  \
         (void)ws, (void)n_w;                                                                       \
@@ -1264,16 +1474,18 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
         decode;                                                                                    \
         fast_tile_bias(o);                                                                         \
     }                                                                                              \
-    FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), FAST_IQ_CHUNK,           \
-                   MOE_QK_K, )                                                                     \
+    FAST_ROWS16_FN(t, FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), FAST_IQ_CHUNK, MOE_QK_K, \
+                   before)                                                                         \
     FAST_AMX_KERNEL(fast_amx_rows16_##t, fast_rows16_##t,                                          \
                     FAST_SB_TYPE(t, regs, NULL, scale_values, mult, 0), fast_tile_rows16_##t,      \
                     FAST_IQ_CHUNK, MOE_QK_K)
 #define FAST_R16_F16(t) (fast_r16_##t(b + MOE_ROWS16 * 2, o), o->d = _mm512_cvtph_ps(avx2_load(b)))
-FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs))
-FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs))
+FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs),
+               FAST_LANES_SWITCH(rows16_iq3_xxs))
+FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs),
+               FAST_LANES_SWITCH(rows16_iq2_xxs))
 FAST_SB_ROWS16(iq4_xs, z_iqb_iq4_xs, 32, 1.0f,
-               fast_r16_iq4_xs(b, b + MOE_ROWS16 * offsetof(moe_block_iq4_xs, qs), o))
+               fast_r16_iq4_xs(b, b + MOE_ROWS16 * offsetof(moe_block_iq4_xs, qs), o), )
 
 /* ==== K quants: the super-block machinery with unsigned values (no sign words): Q4_K and Q5_K
  * with mins, Q6_K with its offset (fast_type) ==== */
@@ -1450,22 +1662,13 @@ MOE_INLINE void fast_rows16_lanes(int R, fast_type t, fast_decode_fn meta, fast_
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
 }
 
-/* The ROWS16 kernel of a super-block type (its fast_type, meta decode and values). */
-#define FAST_ROWS16_LANES_FN(t, type, meta, values, R)                                             \
-    static __attribute__((noinline)) void fast_lanes_rows16_##t##_##R(                             \
-        const void *w, size_t ws, int n_w, const void *x, size_t xs, int64_t n, float *out,        \
-        int64_t os) {                                                                              \
-        (void)ws, (void)n_w;                                                                       \
-        fast_rows16_lanes(R, type, meta, values, w, x, xs, n / MOE_QK_K, out, os);                 \
-    }
+/* The ROWS16 kernels of a super-block type (its fast_type, meta decode and values). */
 #define FAST_ROWS16_SB_KERNELS(t, type, meta, values)                                              \
-    FAST_ROWS16_LANES_FN(t, type, meta, values, 1)                                                 \
-    FAST_ROWS16_LANES_FN(t, type, meta, values, 2)                                                 \
-    FAST_ROWS16_LANES_FN(t, type, meta, values, 3)                                                 \
-    FAST_ROWS16_LANES_FN(t, type, meta, values, 4)                                                 \
-    FAST_ROWS16_LANES_FN(t, type, meta, values, 5)                                                 \
-    FAST_ROWS16_LANES_FN(t, type, meta, values, 6)                                                 \
-    FAST_ROWS16_LANES_FN(t, type, meta, values, 7)                                                 \
+    MOE_INLINE void fast_r16_lanes_##t(int R, const uint8_t *w, const uint8_t *x, size_t xs,       \
+                                       int64_t nb, float *out, int64_t os) {                       \
+        fast_rows16_lanes(R, type, meta, values, w, x, xs, nb, out, os);                           \
+    }                                                                                              \
+    FAST_PER_ROWS(FAST_ROWS16_LANES_FN, t)                                                         \
     MOE_INLINE void fast_tile_rows16_##t(fast_type ty, const uint8_t *w, size_t ws, int n_w,       \
                                          int64_t i, void *tile) {                                  \
         (void)ws, (void)n_w;                                                                       \

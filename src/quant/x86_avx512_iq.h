@@ -254,7 +254,7 @@ MOE_INLINE __m256i z_top4_scales(__m256i words) {
  * z_iq2s_codes and z_iq2xs_codes are filled by the table's fill function. */
 static uint8_t z_iq2s_codes[2][1024] __attribute__((aligned(64)));
 static uint8_t z_iq2xs_codes[2][512] __attribute__((aligned(64)));
-static uint8_t z_iq2xxs_codes[2][256] __attribute__((aligned(64))); /* fast_avx512vnni.c's ROWS16 */
+static uint8_t z_iq2xxs_codes[2][256] __attribute__((aligned(64))); /* z_dp_iq2_xxs, ROWS16 */
 
 /* vpermt2b indices of z_grid2_order from two 64-byte registers holding a block's 32 entries'
  * index bytes `stride` bytes apart from byte `first` (the first block's in the first register). */
@@ -488,11 +488,14 @@ MOE_INLINE __m512i z_dp_dot(const z_dp *g, int rows, __m512i x[2][4]) {
  * overwrites one). */
 
 /* The magnitudes of code i of every byte (bits 2i, 2i + 1: a, b): row j of the matrix (byte
- * 7 - j) picks the input bits whose parity flips output bit j, and 8 is the constant. */
-MOE_INLINE __m512i z_grid2_affine(__m512i codes, int i) {
+ * 7 - j) picks the input bits whose parity flips output bit j, and 8 is the constant; with plus128,
+ * 128 + the magnitude (bit 7 set in the constant: the magnitudes are under 128). */
+MOE_INLINE __m512i z_grid2_affine(__m512i codes, int i, bool plus128) {
     const uint64_t a = 1ull << (2 * i), b = a << 1;
     const uint64_t m = (a | b) << 56 | b << 48 | a << 24 | b << 16; /* bits 0, 1, 4, 5 */
-    return _mm512_gf2p8affine_epi64_epi8(codes, _mm512_set1_epi64((long long)m), 0x08);
+    const __m512i matrix = _mm512_set1_epi64((long long)m);
+    return plus128 ? _mm512_gf2p8affine_epi64_epi8(codes, matrix, 0x88)
+                   : _mm512_gf2p8affine_epi64_epi8(codes, matrix, 0x08);
 }
 
 /* o's magnitudes and signs from the two blocks' entries' code bytes (plane 0's in p0, plane 1's
@@ -506,7 +509,7 @@ MOE_INLINE void z_grid2_dp_values(__m512i p0, __m512i p1, __m512i signs, z_dp *o
         const __m512i bit = _mm512_set1_epi16((short)(1 << i | 1 << (12 + i)));
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            o->mag[h][i] = z_grid2_affine(u[h], i);
+            o->mag[h][i] = z_grid2_affine(u[h], i, false);
             o->neg[h][i] = _mm512_test_epi8_mask(s[h], bit);
         }
     }
@@ -576,6 +579,40 @@ MOE_INLINE void z_dp_iq2_xs(const void *block0, const void *block1, z_dp *o) {
     z_grid2_dp_values(z_grid2_plane(z_iq2xs_codes[0], 4, idx, bit8, 0),
                       z_grid2_plane(z_iq2xs_codes[1], 4, idx, bit8, 0), signs, o);
     z_grid2_dp_scales(b0->scales, b1->scales, b0->d, b1->d, o);
+}
+
+/* IQ2_XXS: entry e's index is byte 8 (e / 4) + e % 4 of the block, its ksigns index field e % 4
+ * of the sign-and-scale word e / 4 (the block's odd dwords), whose top 4 bits give the scale of
+ * its 32 values (lane (L, m) of sc[h]: the word 4 (L % 2) + 2h + m / 2 of block L / 2). */
+MOE_INLINE void z_dp_iq2_xxs(const void *block0, const void *block1, z_dp *o) {
+    const moe_block_iq2_xxs *b0 = block0, *b1 = block1;
+    const __m512i q0 = z_load(b0->qs), q1 = z_load(b1->qs);
+    const __m512i idx = _mm512_permutex2var_epi8(
+        q0,
+        _mm512_setr_epi64(0x0b0a090803020100, 0x1b1a191813121110, 0x2b2a292823222120,
+                          0x3b3a393833323130, 0x4b4a494843424140, 0x5b5a595853525150,
+                          0x6b6a696863626160, 0x7b7a797873727170),
+        q1);
+    const __m512i words = _mm512_permutex2var_epi32(/* dword 8 blk + s */
+                                                    q0,
+                                                    _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17,
+                                                                      19, 21, 23, 25, 27, 29, 31),
+                                                    q1);
+    /* byte 4d + c: field c of word d (vpermi2b reads its low 7 bits) */
+    const __m512i fields =
+        _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700), words);
+    z_grid2_dp_values(z_grid2_plane(z_iq2xxs_codes[0], 2, idx, 0, 0),
+                      z_grid2_plane(z_iq2xxs_codes[1], 2, idx, 0, 0),
+                      z_lookup128(fields, moe_ksigns_iq2xs), o);
+    const __m512i at = _mm512_setr_epi32(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) /* 2 x the top 4 bits + 1 */
+        o->sc[h] = _mm512_or_si512(
+            _mm512_srli_epi32(
+                _mm512_permutexvar_epi32(_mm512_add_epi32(at, _mm512_set1_epi32(2 * h)), words),
+                27),
+            _mm512_set1_epi32(1));
+    o->d[0] = avx2_fp16(b0->d), o->d[1] = avx2_fp16(b1->d);
 }
 
 #endif
@@ -782,9 +819,11 @@ MOE_INLINE void z_decode_iq3_s(const void *block, z_iqd *o, uint16_t *at) {
  * values with vpshufb. z_iq3xxs_codes is filled by the table's fill function. */
 static uint8_t z_iq3xxs_codes[2][256] __attribute__((aligned(64)));
 static const uint8_t z_iq3xxs_grid_bytes[16] = {4, 12, 20, 28, 36, 44, 52, 62};
-MOE_INLINE __m512i z_iq3xxs_values(__m512i c, int hi) {
-    const __m512i lut =
-        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)z_iq3xxs_grid_bytes));
+/* The values of the 3-bit codes in c's low (hi: high) nibbles, + 128 with plus128. */
+MOE_INLINE __m512i z_iq3xxs_values(__m512i c, int hi, bool plus128) {
+    const __m512i lut = _mm512_or_si512(
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)z_iq3xxs_grid_bytes)),
+        _mm512_set1_epi8(plus128 ? (char)0x80 : 0));
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     return _mm512_shuffle_epi8(lut, _mm512_and_si512(hi ? _mm512_srli_epi16(c, 4) : c, low4));
 }
@@ -827,8 +866,8 @@ MOE_INLINE void z_lookup_planes(__m512i idx, z_iqb *o) {
         const uint8_t *t = z_iq3xxs_codes[q];
         const __m512i c =
             _mm512_mask_blend_epi8(bit7, z_lookup128(idx, t), z_lookup128(idx, t + 128));
-        r[2 * q] = z_iq3xxs_values(c, 0);
-        r[2 * q + 1] = z_iq3xxs_values(c, 1);
+        r[2 * q] = z_iq3xxs_values(c, 0, false);
+        r[2 * q + 1] = z_iq3xxs_values(c, 1, false);
     }
     z_interleave4(r, o->g);
 }
@@ -928,12 +967,19 @@ MOE_INLINE void z_dp_iq3_xxs(const void *block, const void *unused, z_dp *o) {
  * after: 8.9 -> 9.9 at one row, 7.5 -> 8.4 at two, but 6.7 -> 6.0 at three, 5.9 -> 5.7 at four,
  * 4.0 -> 3.8 at seven (its 16 lookups and 14 blends a pair leave the rows' work fewer registers);
  * IQ2_XS (8 lookups) gains at every count: 5.2 -> 6.6 at four, 3.6 -> 4.4 at seven. IQ3_XXS
- * grouped against its value-order lanes, Zen 5, the file's layout (repacked, its experts keep the
- * ROWS16 tile), medians of 3 alternated runs (load 3.5-4.2): 4 MiB 12.6 -> 16.1 GB/s at one row,
- * 10.3 -> 11.8 at two, 7.4 -> 8.3 at four; 256 MiB 13.0 -> 15.4, 9.8 -> 12.0, 7.4 -> 8.6. */
+ * grouped against its value-order lanes, Zen 5, the file's layout (the engine repacks IQ3_XXS to
+ * ROWS16, which has lanes of its own: fast_avx512vnni.c), medians of 3 alternated runs
+ * (load 3.5-4.2): 4 MiB 12.6 -> 16.1 GB/s at one row, 10.3 -> 11.8 at two, 7.4 -> 8.3 at four; 256
+ * MiB 13.0 -> 15.4, 9.8 -> 12.0, 7.4 -> 8.6. IQ2_XXS (its rows the engine leaves in the file's
+ * layout: --no-repack, a matrix's last rows % 16) against its value-order lanes, whose entries are
+ * 8-byte loads, 128 MiB, means of 2 runs alternated (load 4): 7.1 -> 13.9 GB/s at one row, 6.4
+ * -> 9.5 at two, 5.5
+ * -> 7.8 at three, 4.5 -> 6.5 at four, 3.0 -> 4.2 at seven (1 MiB, medians of 6: 6.5 -> 16.2 at
+ * one row, 3.1 -> 3.8 at seven). */
 MOE_INLINE z_dp_type z_dp_of(z_iqb_fn one, int rows) {
     if (one == z_iqb_iq2_s_one && rows <= 2) return (z_dp_type){z_dp_iq2_s, z_grid2_dp_x, 2};
     if (one == z_iqb_iq2_xs_one) return (z_dp_type){z_dp_iq2_xs, z_grid2_dp_x, 2};
+    if (one == z_iqb_iq2_xxs) return (z_dp_type){z_dp_iq2_xxs, z_grid2_dp_x, 2};
     if (one == z_iqb_iq3_s) return (z_dp_type){z_dp_iq3_s, z_dp_x_grouped, 1};
     if (one == z_iqb_iq3_xxs) return (z_dp_type){z_dp_iq3_xxs, z_dp_x_grouped, 1};
     return (z_dp_type){NULL, NULL, 0};
