@@ -659,13 +659,11 @@ MOE_INLINE __m512 z_load16_kv_upto(const void *row, moe_type kv_type, int d, int
 }
 
 /* n_key rows of a KV tile as f32, dim values each, into out [n_key][dim], rows padded with
- * zeros to a multiple of 16; with `prefetch`, the next tile's rows sent on their way. */
+ * zeros to a multiple of 16. */
 static void z_attn_convert(const void *x, int64_t stride, moe_type kv_type, int n_key, int dim,
-                           float *out, bool prefetch) {
-    const int64_t bytes = (int64_t)moe_type_row_bytes(kv_type, dim);
+                           float *out) {
     for (int j = 0; j < n_key; j++) {
         const void *row = (const uint8_t *)x + j * stride;
-        if (prefetch) avx2_attn_prefetch_next(row, stride, bytes);
         for (int d = 0; d < dim; d += 16)
             _mm512_mask_storeu_ps(out + (int64_t)j * dim + d, z_mask16(dim - d),
                                   z_load16_kv_upto(row, kv_type, d, dim));
@@ -848,7 +846,7 @@ static void z_attn_softmax_lanes(const moe_attn_tile_args *a, float (*st)[MOE_AT
     if (a->kv_type == MOE_TYPE_Q8_0)
         z_attn_q8_scores(a, nv, vlo, vhi, st, mx);
     else
-        z_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch, false);
+        z_attn_convert(a->k, a->k_stride, a->kv_type, a->n_key, a->dk, a->scratch);
     for (int v = 0; v < nv && a->kv_type != MOE_TYPE_Q8_0; v += 4) /* 64 vectors at a time */
         switch (nv - v) {
         case 1:
@@ -1030,6 +1028,86 @@ MOE_INLINE void z_attn_mix_rows(const moe_attn_tile_args *a, const float *vc,
     }
 }
 
+/* Up to 8 query vectors' mix, values d.. of nv vectors x nu registers of 16 (nv nu <= 16
+ * accumulators), converted from the cache (kv_type: F16 or F32) in registers as they are loaded
+ * (`tail`: the last registers masked past dv). The pass's bytes of the next tile's rows go on
+ * their way a key at a time. */
+MOE_INLINE void z_attn_mix_pass(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV], int d,
+                                int nv, int nu, moe_type kv_type, bool tail) {
+    const int es = kv_type == MOE_TYPE_F16 ? 2 : 4; /* bytes a value */
+    __m512 acc[16];
+    __mmask16 mask[16];
+    _Pragma("GCC unroll 16") for (int u = 0; u < nu; u++) {
+        mask[u] = tail ? z_mask16(a->dv - d - 16 * u) : 0xffff;
+        _Pragma("GCC unroll 16") for (int r = 0; r < nv; r++) acc[r * nu + u] =
+            _mm512_maskz_loadu_ps(mask[u], a->out[r] + d + 16 * u);
+    }
+    const uint8_t *row = (const uint8_t *)a->v + (int64_t)d * es;
+    for (int j = 0; j < a->n_key; j++, row += a->v_stride) {
+        for (int b = 0; b < 16 * nu * es; b += 64)
+            _mm_prefetch((const char *)row + MOE_ATTN_TILE_KEYS * a->v_stride + b, _MM_HINT_T0);
+        __m512 v[16];
+        _Pragma("GCC unroll 16") for (int u = 0; u < nu; u++) {
+            if (kv_type == MOE_TYPE_F16)
+                v[u] = _mm512_cvtph_ps(
+                    tail ? _mm256_maskz_loadu_epi16(mask[u], (const uint16_t *)row + 16 * u)
+                         : _mm256_loadu_si256((const __m256i *)row + u));
+            else
+                v[u] = tail ? _mm512_maskz_loadu_ps(mask[u], (const float *)row + 16 * u)
+                            : _mm512_loadu_ps((const float *)row + 16 * u);
+        }
+        _Pragma("GCC unroll 16") for (int r = 0; r < nv; r++) {
+            const __m512 p = _mm512_set1_ps(st[j][r]);
+            _Pragma("GCC unroll 16") for (int u = 0; u < nu; u++) acc[r * nu + u] =
+                _mm512_fmadd_ps(p, v[u], acc[r * nu + u]);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int u = 0; u < nu; u++)
+        _Pragma("GCC unroll 16") for (int r = 0; r < nv; r++)
+            _mm512_mask_storeu_ps(a->out[r] + d + 16 * u, mask[u], acc[r * nu + u]);
+}
+
+/* All dv values of nv vectors, 16 nu at a time. */
+MOE_INLINE void z_attn_mix_vectors(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
+                                   int nv, int nu, moe_type kv_type) {
+    int d = 0;
+    for (; d + 16 * nu <= a->dv; d += 16 * nu) z_attn_mix_pass(a, st, d, nv, nu, kv_type, false);
+    if (d < a->dv) z_attn_mix_pass(a, st, d, nv, nu, kv_type, true);
+}
+
+/* Up to 8 query vectors: out[i] += weights x values with the values read once per pass for all
+ * of them, no f32 copy of the tile in between (its convert and stores took as long as the
+ * mix's fmas, bench/attention tg1@d2048, Zen 5). */
+static void z_attn_mix_pairs(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
+                             moe_type kv_type) {
+    switch (a->nq) {
+    case 1:
+        z_attn_mix_vectors(a, st, 1, 8, kv_type);
+        break;
+    case 2:
+        z_attn_mix_vectors(a, st, 2, 8, kv_type);
+        break;
+    case 3:
+        z_attn_mix_vectors(a, st, 3, 4, kv_type);
+        break;
+    case 4:
+        z_attn_mix_vectors(a, st, 4, 4, kv_type);
+        break;
+    case 5:
+        z_attn_mix_vectors(a, st, 5, 2, kv_type);
+        break;
+    case 6:
+        z_attn_mix_vectors(a, st, 6, 2, kv_type);
+        break;
+    case 7:
+        z_attn_mix_vectors(a, st, 7, 2, kv_type);
+        break;
+    default:
+        z_attn_mix_vectors(a, st, 8, 2, kv_type);
+        break;
+    }
+}
+
 /* ---- A Q8_0 cache's mix: integer sums (quant.h) ----
  * Per V block: the tile's values as int16 pairs of keys (lane e of a register: keys 2p and
  * 2p + 1's value e), the weights as int16 pairs beside them (broadcast), so one vpdpwssd takes 2
@@ -1164,11 +1242,15 @@ static void z_attn_tile(const moe_attn_tile_args *a) {
         z_attn_mix_q8(a, st);
         return;
     }
-    /* the lanes' scores sent the next tile's V rows (z_attn_prefetch_key), the pairs' did not */
-    z_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch, a->nq <= 8);
-    int i = 0;
-    for (; i + 4 <= a->nq; i += 4) z_attn_mix_rows(a, a->scratch, st, i, 4);
-    for (; i < a->nq; i++) z_attn_mix_rows(a, a->scratch, st, i, 1);
+    if (a->nq > 8) {
+        z_attn_convert(a->v, a->v_stride, a->kv_type, a->n_key, a->dv, a->scratch);
+        int i = 0;
+        for (; i + 4 <= a->nq; i += 4) z_attn_mix_rows(a, a->scratch, st, i, 4);
+        for (; i < a->nq; i++) z_attn_mix_rows(a, a->scratch, st, i, 1);
+    } else if (a->kv_type == MOE_TYPE_F16)
+        z_attn_mix_pairs(a, st, MOE_TYPE_F16);
+    else
+        z_attn_mix_pairs(a, st, MOE_TYPE_F32);
 }
 
 /* ==== The table ==== */
