@@ -638,7 +638,7 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
 #define ATTN_SCRATCH_ALIGN 64
 
 size_t moe_attention_tiled_scratch(int dim) {
-    return (size_t)(MOE_ATTN_TILE_QV + MOE_ATTN_TILE_KEYS) * (size_t)dim +
+    return (size_t)(MOE_ATTN_TILE_QV + MOE_ATTN_TILE_KEYS) * (size_t)((dim + 15) & ~15) +
            ATTN_SCRATCH_ALIGN / sizeof(float);
 }
 
