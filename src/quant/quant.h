@@ -259,7 +259,8 @@ typedef struct moe_attn_tile_args {
     int n_key, dk, dv;          /* keys in the tile, K and V widths */
     float scale;
     int nq;
-    const float *qt;        /* [dk][MOE_ATTN_TILE_QV]: query vector i in column i */
+    const float *qt;        /* [dk][MOE_ATTN_TILE_QV]: query vector i in column i (columns nq..
+                             * to the next multiple of 16 zero) */
     const int8_t *qq;       /* Q8_0 cache: [dk / 4][MOE_ATTN_TILE_QV][4] vector i's q8_0 values
                              * 4t..4t+3 at qq[(t * MOE_ATTN_TILE_QV + i) * 4], zero past nq */
     const float *qd;        /* Q8_0 cache: [dk / 32][MOE_ATTN_TILE_QV] their block scales */
