@@ -267,8 +267,8 @@ typedef struct moe_attn_tile_args {
     const int32_t *lo, *hi; /* [nq] the keys each query vector sees */
     float *m, *l;           /* [nq] running max of the scaled scores, running sum of weights */
     float *const *out;      /* [nq] output rows of dv floats */
-    float *scratch; /* MOE_ATTN_TILE_KEYS * max(dk, dv) floats, the width rounded up to a
-                     * multiple of 16: the converted tile */
+    float *scratch;         /* MOE_ATTN_TILE_KEYS * max(dk, dv) floats, the width rounded up to a
+                             * multiple of 16: the converted tile */
 } moe_attn_tile_args;
 typedef void (*moe_attn_tile_fn)(const moe_attn_tile_args *a);
 #define MOE_ATTN_W16 32767 /* a Q8_0 cache's largest weight in the integer mix (W16 above) */
