@@ -621,7 +621,11 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
  * group of heads) take two keys per register, lane 2i + e holding vector i against key 2p + e of
  * the tile's pair p, so they fill the 16 lanes too. A Q8_0 cache's scores are integer work with
  * the vectors in the lanes whatever their number (below). Mix: 4 query vectors (broadcast
- * weights) x 64 output values, the values loaded once for the 4. */
+ * weights) x 64 output values from the f32 tile, the values loaded once for the 4; up to 8
+ * vectors read the values from the cache instead, converted in registers, all the vectors at
+ * once (z_attn_mix_pairs). The trap at depth: a KV head's rows lie a cache row apart (1 KB on
+ * Qwen3-30B-A3B), so they share a quarter of the L1's sets, and lines prefetched a tile ahead
+ * into the L1 mostly wait in the L2 by the time they are read. */
 
 /* moe_attn_exp on 16 lanes, in the AVX2 one's operations (half the instructions of running it
  * on each half). */
