@@ -1105,15 +1105,16 @@ MOE_INLINE void z_attn_mix_rows(const moe_attn_tile_args *a, const float *vc,
  * accumulators), converted from the cache (kv_type: F16 or F32) in registers as they are loaded
  * (`tail`: the last registers masked past dv). The pass's bytes of the next tile's rows go on
  * their way a key at a time. */
-MOE_INLINE void z_attn_mix_pass(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV], int d,
-                                int nv, int nu, moe_type kv_type, bool tail) {
+MOE_INLINE void z_attn_mix_pass(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
+                                float *const *out, int d, int nv, int nu, moe_type kv_type,
+                                bool tail) {
     const int es = kv_type == MOE_TYPE_F16 ? 2 : 4; /* bytes a value */
     __m512 acc[16];
     __mmask16 mask[16];
     _Pragma("GCC unroll 16") for (int u = 0; u < nu; u++) {
         mask[u] = tail ? z_mask16(a->dv - d - 16 * u) : 0xffff;
         _Pragma("GCC unroll 16") for (int r = 0; r < nv; r++) acc[r * nu + u] =
-            _mm512_maskz_loadu_ps(mask[u], a->out[r] + d + 16 * u);
+            _mm512_maskz_loadu_ps(mask[u], out[r] + d + 16 * u);
     }
     const uint8_t *row = (const uint8_t *)a->v + (int64_t)d * es;
     for (int j = 0; j < a->n_key; j++, row += a->v_stride) {
@@ -1137,48 +1138,32 @@ MOE_INLINE void z_attn_mix_pass(const moe_attn_tile_args *a, float (*st)[MOE_ATT
     }
     _Pragma("GCC unroll 16") for (int u = 0; u < nu; u++)
         _Pragma("GCC unroll 16") for (int r = 0; r < nv; r++)
-            _mm512_mask_storeu_ps(a->out[r] + d + 16 * u, mask[u], acc[r * nu + u]);
+            _mm512_mask_storeu_ps(out[r] + d + 16 * u, mask[u], acc[r * nu + u]);
 }
 
 /* All dv values of nv vectors, 16 nu at a time. */
 MOE_INLINE void z_attn_mix_vectors(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
-                                   int nv, int nu, moe_type kv_type) {
+                                   float *const *out, int nv, int nu, moe_type kv_type) {
     int d = 0;
-    for (; d + 16 * nu <= a->dv; d += 16 * nu) z_attn_mix_pass(a, st, d, nv, nu, kv_type, false);
-    if (d < a->dv) z_attn_mix_pass(a, st, d, nv, nu, kv_type, true);
+    for (; d + 16 * nu <= a->dv; d += 16 * nu)
+        z_attn_mix_pass(a, st, out, d, nv, nu, kv_type, false);
+    if (d < a->dv) z_attn_mix_pass(a, st, out, d, nv, nu, kv_type, true);
 }
 
 /* Up to 8 query vectors: out[i] += weights x values with the values read once per pass for all
  * of them, no f32 copy of the tile in between (its convert and stores took as long as the
- * mix's fmas, bench/attention tg1@d2048, Zen 5). */
+ * mix's fmas, bench/attention tg1@d2048, Zen 5). 2, 4 or 8 vectors a pass: the ones past nq
+ * (weight 0) go to the scratch, the K tile's room, free by now. */
 static void z_attn_mix_pairs(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
                              moe_type kv_type) {
-    switch (a->nq) {
-    case 1:
-        z_attn_mix_vectors(a, st, 1, 8, kv_type);
-        break;
-    case 2:
-        z_attn_mix_vectors(a, st, 2, 8, kv_type);
-        break;
-    case 3:
-        z_attn_mix_vectors(a, st, 3, 4, kv_type);
-        break;
-    case 4:
-        z_attn_mix_vectors(a, st, 4, 4, kv_type);
-        break;
-    case 5:
-        z_attn_mix_vectors(a, st, 5, 2, kv_type);
-        break;
-    case 6:
-        z_attn_mix_vectors(a, st, 6, 2, kv_type);
-        break;
-    case 7:
-        z_attn_mix_vectors(a, st, 7, 2, kv_type);
-        break;
-    default:
-        z_attn_mix_vectors(a, st, 8, 2, kv_type);
-        break;
-    }
+    float *out[8];
+    for (int r = 0; r < 8; r++) out[r] = r < a->nq ? a->out[r] : a->scratch;
+    if (a->nq <= 2)
+        z_attn_mix_vectors(a, st, out, 2, 8, kv_type);
+    else if (a->nq <= 4)
+        z_attn_mix_vectors(a, st, out, 4, 4, kv_type);
+    else
+        z_attn_mix_vectors(a, st, out, 8, 2, kv_type);
 }
 
 /* ---- A Q8_0 cache's mix: integer sums (quant.h) ----
