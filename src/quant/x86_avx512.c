@@ -895,9 +895,9 @@ static void z_attn_softmax_lanes(const moe_attn_tile_args *a, float (*st)[MOE_AT
  * a layout for their broadcasts: the pairs' values in 16-value chunks, each chunk as two blocks
  * of 8 values (z_attn_pair_chunk) whose 8 pair-floats of a pair lie side by side in 64 bytes,
  * block b of pair p at kp[(b * Z_PAIR_GROUP + p) * 16]. So a chunk's 16 values x 16 pairs sit
- * at fixed offsets from one pointer, and the group's K is 16 KB for 128 values (the L1 keeps
- * it beside the next tile's rows on their way). Pairs past the tile's keys are never zeroed:
- * their lanes' scores are masked to -inf whatever they hold. */
+ * at fixed offsets from one pointer, and the group's K is 16 KB for 128 values (a third of the
+ * L1). Pairs past the tile's keys are never zeroed: their lanes' scores are masked to -inf
+ * whatever they hold. */
 enum { Z_PAIR_GROUP = 16 };
 
 /* Values d..d+15 of keys r0 and r1 (kv_type F16 or F32; past dim zeros) as the pair layout's
@@ -1152,8 +1152,9 @@ MOE_INLINE void z_attn_mix_vectors(const moe_attn_tile_args *a, float (*st)[MOE_
 
 /* Up to 8 query vectors: out[i] += weights x values with the values read once per pass for all
  * of them, no f32 copy of the tile in between (its convert and stores took as long as the
- * mix's fmas, bench/attention tg1@d2048, Zen 5). 2, 4 or 8 vectors a pass: the ones past nq
- * (weight 0) go to the scratch, the K tile's room, free by now. */
+ * mix's fmas: bench/attention tg1@d2048 f16, one thread, Zen 5, 5.8 -> 4.55 ns per row x head x
+ * key). 2, 4 or 8 vectors a pass: the ones past nq (weight 0) go to the scratch, the K tile's
+ * room, free by now. */
 static void z_attn_mix_pairs(const moe_attn_tile_args *a, float (*st)[MOE_ATTN_TILE_QV],
                              moe_type kv_type) {
     float *out[8];
