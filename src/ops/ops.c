@@ -638,7 +638,7 @@ void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, c
 #define ATTN_SCRATCH_ALIGN 64
 
 size_t moe_attention_tiled_scratch(int dim) {
-    return (size_t)(MOE_ATTN_TILE_QV + MOE_ATTN_TILE_KEYS) * (size_t)dim +
+    return (size_t)(MOE_ATTN_TILE_QV + MOE_ATTN_TILE_KEYS) * (size_t)((dim + 15) & ~15) +
            ATTN_SCRATCH_ALIGN / sizeof(float);
 }
 
@@ -664,10 +664,9 @@ static void attn_tiled_vectors(const moe_kernels *kern, const moe_attn_shape *s,
     if (q8 && nq < MOE_ATTN_TILE_QV) { /* the columns past nq stay zero */
         memset(qq, 0, (size_t)s->head_dim_k * MOE_ATTN_TILE_QV);
         memset(qd, 0, sizeof(float) * (size_t)(s->head_dim_k / 32) * MOE_ATTN_TILE_QV);
-    } else if (!q8)
+    } else if (!q8) /* to the register's end: the kernels read 16 columns at a time at most */
         for (int d = 0; d < s->head_dim_k; d++)
-            memset(qt + (int64_t)d * MOE_ATTN_TILE_QV + nq, 0,
-                   sizeof(float) * (size_t)(MOE_ATTN_TILE_QV - nq));
+            for (int i = nq; i < ((nq + 15) & ~15); i++) qt[(int64_t)d * MOE_ATTN_TILE_QV + i] = 0;
     for (int i = 0; i < nq; i++) {
         const int r = (g0 + i) / nh, h = h0 + (g0 + i) % nh;
         const float *q = b->q + r * q_w + (int64_t)h * s->head_dim_k;

@@ -259,14 +259,16 @@ typedef struct moe_attn_tile_args {
     int n_key, dk, dv;          /* keys in the tile, K and V widths */
     float scale;
     int nq;
-    const float *qt;        /* [dk][MOE_ATTN_TILE_QV]: query vector i in column i */
+    const float *qt;        /* [dk][MOE_ATTN_TILE_QV]: query vector i in column i (columns nq..
+                             * to the next multiple of 16 zero) */
     const int8_t *qq;       /* Q8_0 cache: [dk / 4][MOE_ATTN_TILE_QV][4] vector i's q8_0 values
                              * 4t..4t+3 at qq[(t * MOE_ATTN_TILE_QV + i) * 4], zero past nq */
     const float *qd;        /* Q8_0 cache: [dk / 32][MOE_ATTN_TILE_QV] their block scales */
     const int32_t *lo, *hi; /* [nq] the keys each query vector sees */
     float *m, *l;           /* [nq] running max of the scaled scores, running sum of weights */
     float *const *out;      /* [nq] output rows of dv floats */
-    float *scratch;         /* MOE_ATTN_TILE_KEYS * max(dk, dv) floats: the converted tile */
+    float *scratch;         /* MOE_ATTN_TILE_KEYS * max(dk, dv) floats, the width rounded up to a
+                             * multiple of 16: the converted tile */
 } moe_attn_tile_args;
 typedef void (*moe_attn_tile_fn)(const moe_attn_tile_args *a);
 #define MOE_ATTN_W16 32767 /* a Q8_0 cache's largest weight in the integer mix (W16 above) */
