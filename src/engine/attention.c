@@ -102,6 +102,19 @@ static void attention_tiled(void *arg, int64_t begin, int64_t end, int thread) {
     }
 }
 
+int moe_attn_split(const moe_ctx *c, int64_t items, int group) {
+    /* Items enough for every thread (4 each when they come cheap). A part of a group costs its
+     * own pass of conversion over the K / V tiles, and fewer than 16 query vectors cost as much
+     * as 16 (a register's lanes), so past one item per thread a group splits only into parts of
+     * 16 heads or more. */
+    const int64_t threads = moe_pool_n_threads(c->pool);
+    int split = 1;
+    while (split < group && (items * split < threads ||
+                             (items * split < 4 * threads && (group + split - 1) / split >= 32)))
+        split *= 2;
+    return split;
+}
+
 void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, const moe_row *rows,
                      uint32_t n_rows, uint32_t window, bool latent_v) {
     attn_job job = {.c = c,
@@ -123,16 +136,7 @@ void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, co
             c->attn_block[n_blocks++] = r;
     c->attn_block[n_blocks] = n_rows;
     const int group = shape->n_head / shape->n_head_kv;
-    /* Items enough for every thread (4 each when they come cheap). A part of a group costs its
-     * own pass of conversion over the K / V tiles, and fewer than 16 query vectors cost as much
-     * as 16 (a register's lanes), so past one item per thread a group splits only into parts of
-     * 16 heads or more. */
-    const int64_t threads = moe_pool_n_threads(c->pool);
-    int split = 1;
-    for (int64_t items = n_blocks * shape->n_head_kv;
-         split < group && (items * split < threads ||
-                           (items * split < 4 * threads && (group + split - 1) / split >= 32));)
-        split *= 2;
+    const int split = moe_attn_split(c, n_blocks * shape->n_head_kv, group);
     tiled_job t = {.a = job,
                    .block = c->attn_block,
                    .n_head_kv = shape->n_head_kv,

@@ -220,6 +220,9 @@ void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n);
 
 /* ==== Attention over the cache ==== */
 
+/* The fast path's tiled attention: how many parts a group of `group` query heads splits into
+ * when `items` (blocks x kv heads) are to go round the pool's threads (a power of two). */
+int moe_attn_split(const moe_ctx *c, int64_t items, int group);
 /* Every row's query (c->q, rows of n_head * head_dim_k) attends causally over its sequence's
  * cache of `layer` (the last `window` positions when window > 0) into c->att (rows of
  * n_head * head_dim_v). latent_v: V is the first head_dim_v values of each K row (MLA). */

@@ -323,12 +323,7 @@ void moe_attend_rows_indexed(moe_ctx *c, const moe_attn_shape *shape, const moe_
         for (int64_t i = 0; i < (int64_t)n_rows * ih; i++) ix->w[i] *= w_scale;
     }
     if (!job.shared) moe_pool_for(c->pool, n_rows, 1, select_rows, &job);
-    /* a row's heads in parts of 16 or more (fewer query vectors than a register's lanes cost as
-     * many) while rows alone would leave threads idle */
-    const int threads = moe_pool_n_threads(c->pool);
-    job.parts = 1;
-    while (!moe_exact() && (int64_t)n_rows * job.parts < threads &&
-           shape->n_head / (2 * job.parts) >= 16)
-        job.parts *= 2;
+    /* a row's heads in parts as the tiled attention splits a group (one latent head) */
+    job.parts = moe_exact() ? 1 : moe_attn_split(c, n_rows, shape->n_head);
     moe_pool_for(c->pool, (int64_t)n_rows * job.parts, 1, attend_items, &job);
 }
