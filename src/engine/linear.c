@@ -152,13 +152,16 @@ static void project_gdn(moe_ctx *c, const moe_linear_weights *w, const linear_di
     }
 }
 
-/* Row-wise work of a layer on the pool, LINEAR_ROWS rows a work item (each row its own). */
+/* A layer's work on the pool: by rows, LINEAR_ROWS a work item (each row its own), or the short
+ * conv's channels over one sequence's n rows from x, its state conv. */
 #define LINEAR_ROWS 4
 
 typedef struct linear_job {
     moe_ctx *c;
     const linear_dims *d;
     const moe_layer_weights *l;
+    float *x, *conv; /* the conv's */
+    int64_t n;
 } linear_job;
 
 /* KDA's per-channel log decays and per-head betas from their projections (d_v exps a row). */
@@ -203,7 +206,7 @@ static void project_kda(moe_ctx *c, const moe_layer_weights *l, const linear_dim
     moe_matmul(c->pool, w->g_b, 0, lin->tmp, n_rows, lin->z, c->mm_scratch);
     moe_matmul(c->pool, w->beta, 0, lin->x, n_rows, lin->beta, c->mm_scratch);
     const double start = moe_profile_start();
-    linear_job job = {c, d, l};
+    linear_job job = {.c = c, .d = d, .l = l};
     moe_pool_for(c->pool, n_rows, LINEAR_ROWS, kda_gates_rows, &job);
     moe_profile_part("linear attention: gates + output norms", start);
 }
@@ -267,34 +270,28 @@ static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
  * of channels on the pool (each channel is its own, so how they are split changes nothing). */
 #define CONV_CHANNELS 512 /* channels per work item */
 
-typedef struct conv_job {
-    const moe_linear_weights *w;
-    const linear_dims *d;
-    float *x, *conv;
-    int64_t n;
-    int n_taps;
-} conv_job;
-
 static void conv_channels(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
-    const conv_job *j = arg;
+    const linear_job *j = arg;
     const linear_dims *d = j->d;
+    const moe_linear_weights *w = &j->l->linear;
+    const int n_taps = (int)j->c->m->cfg.ssm_d_conv;
     /* one kernel over every channel, or separate q, k, v kernels over consecutive ranges */
-    const bool one = !j->w->conv1d[1];
+    const bool one = !w->conv1d[1];
     const int64_t ofs[4] = {0, one ? d->conv_ch : d->K, 2 * d->K, d->conv_ch};
     for (int i = 0; i < (one ? 1 : 3); i++) {
         const int64_t lo = begin > ofs[i] ? begin : ofs[i],
                       hi = end < ofs[i + 1] ? end : ofs[i + 1];
         if (lo >= hi) continue;
-        const float *w = (const float *)j->w->conv1d[i]->data + (lo - ofs[i]) * j->n_taps;
-        moe_conv1d_silu(j->x + lo, d->conv_ch, j->n, hi - lo, w, j->n_taps,
-                        j->conv + lo * (j->n_taps - 1));
+        moe_conv1d_silu(j->x + lo, d->conv_ch, j->n, hi - lo,
+                        (const float *)w->conv1d[i]->data + (lo - ofs[i]) * n_taps, n_taps,
+                        j->conv + lo * (n_taps - 1));
     }
 }
 
-static void conv_rows(moe_ctx *c, const moe_linear_weights *w, const linear_dims *d, float *x,
+static void conv_rows(moe_ctx *c, const moe_layer_weights *l, const linear_dims *d, float *x,
                       int64_t n, float *conv) {
-    conv_job job = {w, d, x, conv, n, (int)c->m->cfg.ssm_d_conv};
+    linear_job job = {.c = c, .d = d, .l = l, .x = x, .conv = conv, .n = n};
     moe_pool_for(c->pool, d->conv_ch, CONV_CHANNELS, conv_channels, &job);
 }
 
@@ -353,16 +350,16 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
         float *conv = moe_linear_seq_state(c, seg->seq) + slot * lin->layer_floats;
         float *x = lin->qkv + (int64_t)seg->begin * d.conv_ch;
         if (!c->verifying) {
-            conv_rows(c, w, &d, x, seg->n, conv);
+            conv_rows(c, l, &d, x, seg->n, conv);
             continue;
         }
         for (int32_t i = 0; i < seg->n; i++) {
-            conv_rows(c, w, &d, x + (int64_t)i * d.conv_ch, 1, conv);
+            conv_rows(c, l, &d, x + (int64_t)i * d.conv_ch, 1, conv);
             memcpy(moe_linear_checkpoint(c, seg->seq, (uint32_t)i) + slot * lin->layer_floats, conv,
                    sizeof(float) * lin->conv_floats);
         }
     }
-    linear_job nj = {c, &d, l};
+    linear_job nj = {.c = c, .d = &d, .l = l};
     moe_pool_for(c->pool, n_rows, LINEAR_ROWS, l2norm_rows, &nj);
     moe_profile_part("linear attention: conv + L2 norms", start);
 

@@ -73,10 +73,10 @@ void moe_conv1d_silu(float *x, int64_t x_stride, int64_t n_tok, int64_t n_ch, co
 
 uint64_t moe_delta_scratch_floats(int d_k, int d_v) {
     const uint64_t C = MOE_DELTA_CHUNK, dk = (uint64_t)d_k, dv = (uint64_t)d_v;
-    /* decays and their running products [C][d_k] each; the
-     * chunk's keys transposed, the running decays by column and the state update's factors
-     * [d_k][C] each; A and B [C][C]; decayed keys and queries [C][d_k] each; U [C][d_v]; one
-     * row of A and of B and the columns' decays (one per head) [C] each, one running decay [d_k] */
+    /* decays and their running products [C][d_k] each; the chunk's keys transposed, the running
+     * decays by column and the state update's factors [d_k][C] each; A and B [C][C]; decayed
+     * keys and queries [C][d_k] each; U [C][d_v]; a row of A, one of B and the columns' decays
+     * (one per head) [C] each; a running decay [d_k] */
     return 2 * C * dk + 3 * dk * C + 2 * C * C + 2 * C * dk + C * dv + 3 * C + dk;
 }
 
