@@ -392,11 +392,16 @@ static void print_text(const moe_bench_result *r, const moe_bench_params *p) {
            "[%s, %d threads]\n",
            probe, bw->min_gb_s, bw->max_gb_s, bw->threads, bw->load_bytes, bw->bytes >> 20, r->isa,
            r->threads);
-    printf("active bytes per token: %.1f MB (dense %.1f MB + routed experts %.1f MB: %.2f of "
-           "%u experts x %u layers x %.2f MB)  [%s, %d threads]\n",
-           r->active_bytes_per_token / 1e6, (r->dense_bytes + r->embd_row_bytes) / 1e6,
-           r->experts_per_token * r->moe_layers * r->expert_bytes / 1e6, r->experts_per_token,
-           r->n_expert, r->moe_layers, r->expert_bytes / 1e6, r->isa, r->threads);
+    if (r->active_bytes_per_token > 0 && (r->experts_per_token > 0 || !r->n_expert))
+        printf("active bytes per token: %.1f MB (dense %.1f MB + routed experts %.1f MB: %.2f of "
+               "%u experts x %u layers x %.2f MB)  [%s, %d threads]\n",
+               r->active_bytes_per_token / 1e6, (r->dense_bytes + r->embd_row_bytes) / 1e6,
+               r->experts_per_token * r->moe_layers * r->expert_bytes / 1e6, r->experts_per_token,
+               r->n_expert, r->moe_layers, r->expert_bytes / 1e6, r->isa, r->threads);
+    else /* the routed experts a token reads are counted in the single-stream decode test */
+        printf("active bytes per token: not measured (dense %.1f MB; the routed experts are "
+               "counted by the decode test, --tg N)  [%s, %d threads]\n",
+               (r->dense_bytes + r->embd_row_bytes) / 1e6, r->isa, r->threads);
     if (p->split != MOE_SPLIT_NONE && r->tg_seconds > 0) {
         const double tokens = (double)(p->runs + 1) * p->n_gen, ms = 1e3 / tokens;
         const moe_dist_times *d = &r->tg_dist;
