@@ -102,6 +102,48 @@ static void delta_forms_agree(int n_g) {
 /* The delta rule's f32 products (quant.h: rows_times, rows_update, delta_row) at every level the
  * CPU runs give the scalar reference's bits (the order is fixed element by element), on shapes that
  * leave partial vectors and blocks: so the rule's results do not depend on the level. */
+/* The indexer's scores at every SIMD level equal the scalar reference bit for bit: head widths
+ * with and without a tail past whole 32-value steps, key counts around the levels' key blocks,
+ * keys that are zero (a dot of +-0), negative (ReLU's 0) and NaN (fmaxf's 0). */
+static void index_scores_equal_reference(void **st) {
+    (void)st;
+    enum { HEADS = 5, MAX_N = 136, STRIDE = 2 * MAX_N + 3, KEYS = 71 };
+    rng_state = 0x1de5c0e5ull;
+    static float q[HEADS * MAX_N], keys[KEYS * STRIDE];
+    float w[HEADS];
+    for (int i = 0; i < HEADS * MAX_N; i++) q[i] = rng_uniform() - 0.5f;
+    for (int i = 0; i < KEYS * STRIDE; i++) keys[i] = rng_uniform() - 0.5f;
+    for (int h = 0; h < HEADS; h++) w[h] = rng_uniform() - 0.25f;
+    for (int d = 0; d < MAX_N; d++) {
+        keys[3 * STRIDE + d] = 0.0f;                 /* a dot of zeros */
+        keys[4 * STRIDE + d] = -q[d];                /* head 0's dot negative */
+        keys[5 * STRIDE + d] = d % 7 ? 0.0f : -0.0f; /* signed zeros */
+    }
+    keys[6 * STRIDE + 9] = NAN;
+    const moe_kernels *ref = moe_kernels_for_path(MOE_ISA_SCALAR, false);
+    int checked = 0;
+    for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
+        const moe_kernels *kern = moe_kernels_for_path((moe_isa)level, false);
+        if (!kern) continue;
+        static const int ns[] = {8, 32, 40, 128, 136};
+        static const int counts[] = {1, 7, 16, 33, KEYS};
+        for (size_t in = 0; in < sizeof ns / sizeof ns[0]; in++)
+            for (size_t ic = 0; ic < sizeof counts / sizeof counts[0]; ic++) {
+                float o0[KEYS], o1[KEYS];
+                const int n = ns[in], nk = counts[ic];
+                ref->index_scores(q, w, HEADS, n, keys, STRIDE, nk, o0);
+                kern->index_scores(q, w, HEADS, n, keys, STRIDE, nk, o1);
+                if (memcmp(o0, o1, sizeof(float) * (size_t)nk))
+                    fail_msg("%s index_scores, heads of %d, %d keys: differs",
+                             moe_isa_name((moe_isa)level), n, nk);
+                checked++;
+            }
+    }
+    print_message("the indexer's scores: %d shapes at the SIMD levels equal the scalar reference "
+                  "bit for bit\n",
+                  checked);
+}
+
 static void linear_products_equal_reference(void **st) {
     (void)st;
     enum { K = 37, N = 64, M = 7, XS = 67 };
@@ -542,6 +584,7 @@ static void memory_plan_counts_recurrent_state(void **st) {
 int moe_suite_linear(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(linear_products_equal_reference),
+        cmocka_unit_test(index_scores_equal_reference),
         cmocka_unit_test(delta_chunked_equals_recurrent_gdn),
         cmocka_unit_test(delta_chunked_equals_recurrent_kda),
         cmocka_unit_test(conv_state_rolls),

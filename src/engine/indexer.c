@@ -30,9 +30,6 @@ static int64_t pool_key_at(const moe_model_config *c) {
     return c->idx_kpool > 1 ? 2 * (int64_t)c->idx_head_dim : 0;
 }
 
-/* Pools scored per pass over the indexer heads (64 keys of 128 floats: 32 KiB). */
-#define SCORE_POOLS 64
-
 /* Keys a sparse query attends to at most: the selected pools and the tail. */
 static uint32_t max_selected(const moe_model_config *c) {
     return c->idx_top_k + c->idx_kpool - 1;
@@ -63,7 +60,6 @@ void moe_indexer_alloc(moe_ctx *c, uint32_t n_layer_run) {
     ix->w = moe_xcalloc(rows * ih, sizeof(float));
     ix->n_pool_max = c->p.n_ctx / cfg->idx_kpool + 1;
     ix->scores = moe_xcalloc((uint64_t)n_threads * ix->n_pool_max, sizeof(float));
-    ix->dots = moe_xcalloc((uint64_t)n_threads * SCORE_POOLS, sizeof(float));
     ix->sel = moe_xcalloc((uint64_t)n_threads * max_selected(cfg), sizeof(int32_t));
     ix->chosen = moe_xcalloc(rows * max_selected(cfg), sizeof(int32_t));
     ix->n_chosen = moe_xcalloc(rows, sizeof(int32_t));
@@ -88,7 +84,6 @@ void moe_indexer_free(moe_ctx *c) {
     free(ix->q);
     free(ix->w);
     free(ix->scores);
-    free(ix->dots);
     free(ix->sel);
     free(ix->chosen);
     free(ix->n_chosen);
@@ -196,55 +191,105 @@ typedef struct indexed_job {
     int parts;   /* query head ranges per row (the fast path splits a row's heads in decode) */
 } indexed_job;
 
-/* Row r's selection into ix->chosen (cell positions, ascending) and ix->n_chosen (-1: every
- * position, dense). */
-static void select_cells(const indexed_job *j, int64_t r, int thread) {
+/* Pools row r scores: its complete ones, or 0 when it keeps every position (no more of them
+ * than it keeps). */
+static int32_t pools_scored(const moe_model_config *cfg, const moe_row *row) {
+    const int32_t n_pool = (row->pos + 1) / (int32_t)cfg->idx_kpool;
+    return n_pool <= (int32_t)(cfg->idx_top_k / cfg->idx_kpool) ? 0 : n_pool;
+}
+
+/* Row r's scores of pools p0 .. p1 - 1 into score[p0 ..]: the sum over indexer heads in order
+ * of hw[h] ReLU(q_h . K_p) (the kernels' index_scores). */
+static void score_pools(const indexed_job *j, int64_t r, int32_t p0, int32_t p1, float *score) {
+    const moe_model_config *cfg = &j->c->m->cfg;
+    const moe_index_ctx *ix = &j->c->idx;
+    const int64_t id = cfg->idx_head_dim, ih = cfg->idx_n_head;
+    const int64_t key_stride = cfg->idx_kpool * (int64_t)row_floats(cfg);
+    const float *keys = moe_indexer_row(j->c, j->rows[r].seq, j->layer, 0) + pool_key_at(cfg);
+    moe_kernels_get()->index_scores(ix->q + r * ih * id, ix->w + r * ih, (int)ih, (int)id,
+                                    keys + p0 * key_stride, key_stride, p1 - p0, score + p0);
+}
+
+/* Row r's selection from its scores into ix->chosen (cell positions, ascending) and
+ * ix->n_chosen (-1: every position, dense). */
+static void select_cells(const indexed_job *j, int64_t r, const float *score, int thread) {
     moe_ctx *c = j->c;
     const moe_model_config *cfg = &c->m->cfg;
     moe_index_ctx *ix = &c->idx;
     const moe_row *row = &j->rows[r];
-    const int64_t id = cfg->idx_head_dim, ih = cfg->idx_n_head, kp = cfg->idx_kpool;
-    const int32_t n_keep = (int32_t)(cfg->idx_top_k / cfg->idx_kpool);
-    const int32_t n_pool = (row->pos + 1) / (int32_t)kp;
-    if (n_pool <= n_keep) { /* no more complete pools than it keeps */
+    const int32_t kp = (int32_t)cfg->idx_kpool, n_keep = (int32_t)(cfg->idx_top_k / kp);
+    const int32_t n_pool = pools_scored(cfg, row);
+    if (!n_pool) {
         ix->n_chosen[r] = -1;
         return;
     }
-    float *score = ix->scores + (int64_t)thread * ix->n_pool_max;
     int32_t *sel = ix->sel + (int64_t)thread * max_selected(cfg);
-    const float *q = ix->q + r * ih * id, *hw = ix->w + r * ih;
-    /* score[p] = sum over heads h in order of hw[h] ReLU(q_h . K_p), the dots through the
-     * attention kernels' F32 scores (one query head against a stretch of pool keys); pools go
-     * SCORE_POOLS at a time so a stretch of keys stays in L1 for every head. */
-    const moe_kernels *k = moe_kernels_get();
-    float *dots = ix->dots + (int64_t)thread * SCORE_POOLS;
-    const float *keys = moe_indexer_row(c, row->seq, j->layer, 0) + pool_key_at(cfg);
-    const int64_t key_stride = kp * (int64_t)row_floats(cfg);
-    for (int32_t p0 = 0; p0 < n_pool; p0 += SCORE_POOLS) {
-        const int32_t np = n_pool - p0 < SCORE_POOLS ? n_pool - p0 : SCORE_POOLS;
-        for (int32_t p = 0; p < np; p++) score[p0 + p] = 0.0f;
-        for (int64_t h = 0; h < ih; h++) {
-            k->attn_scores(q + h * id, keys + p0 * key_stride, key_stride * (int64_t)sizeof(float),
-                           np, MOE_TYPE_F32, (int)id, 1.0f, dots);
-            for (int32_t p = 0; p < np; p++) score[p0 + p] += hw[h] * fmaxf(dots[p], 0.0f);
-        }
-    }
     top_pools(score, n_pool, n_keep, sel);
     int32_t *cells = ix->chosen + r * max_selected(cfg), n = 0;
     for (int32_t i = 0; i < n_keep; i++) /* the chosen pools' cells, then the tail */
-        for (int32_t m = 0; m < (int32_t)kp; m++) cells[n++] = sel[i] * (int32_t)kp + m;
-    for (int32_t p = n_pool * (int32_t)kp; p <= row->pos; p++) cells[n++] = p;
+        for (int32_t m = 0; m < kp; m++) cells[n++] = sel[i] * kp + m;
+    for (int32_t p = n_pool * kp; p <= row->pos; p++) cells[n++] = p;
     ix->n_chosen[r] = n;
 }
 
+/* Rows at least as many as the threads: each row scored and selected by one thread, in its
+ * own scores. */
 static void select_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const indexed_job *j = arg;
     double *seconds = j->c->idx.seconds + 2 * thread;
+    float *score = j->c->idx.scores + (int64_t)thread * j->c->idx.n_pool_max;
     for (int64_t r = begin; r < end; r++) {
         const double t0 = moe_now();
-        select_cells(j, r, thread);
+        score_pools(j, r, 0, pools_scored(&j->c->m->cfg, &j->rows[r]), score);
+        select_cells(j, r, score, thread);
         seconds[0] += moe_now() - t0;
     }
+}
+
+/* Fewer rows than threads (decode, a verify step): row r's pools in SPLIT_POOLS stretches on
+ * every thread into scores r, then each row selected. A pool's score is the same whoever
+ * computes it. */
+#define SPLIT_POOLS 256
+
+static void score_stretches(void *arg, int64_t begin, int64_t end, int thread) {
+    const indexed_job *j = arg;
+    const moe_index_ctx *ix = &j->c->idx;
+    const double t0 = moe_now();
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t r = item / ix->n_stretch;
+        const int32_t p0 = (int32_t)(item % ix->n_stretch) * SPLIT_POOLS;
+        const int32_t n_pool = pools_scored(&j->c->m->cfg, &j->rows[r]);
+        if (p0 < n_pool)
+            score_pools(j, r, p0, p0 + SPLIT_POOLS < n_pool ? p0 + SPLIT_POOLS : n_pool,
+                        ix->scores + r * ix->n_pool_max);
+    }
+    j->c->idx.seconds[2 * thread] += moe_now() - t0;
+}
+
+static void select_split(void *arg, int64_t begin, int64_t end, int thread) {
+    const indexed_job *j = arg;
+    const double t0 = moe_now();
+    for (int64_t r = begin; r < end; r++)
+        select_cells(j, r, j->c->idx.scores + r * j->c->idx.n_pool_max, thread);
+    j->c->idx.seconds[2 * thread] += moe_now() - t0;
+}
+
+/* Every row's selection. */
+static void select_all(indexed_job *j, uint32_t n_rows) {
+    moe_ctx *c = j->c;
+    moe_index_ctx *ix = &c->idx;
+    if (n_rows >= (uint32_t)moe_pool_n_threads(c->pool)) {
+        moe_pool_for(c->pool, n_rows, 1, select_rows, j);
+        return;
+    }
+    int32_t most = 0;
+    for (uint32_t r = 0; r < n_rows; r++) {
+        const int32_t n = pools_scored(&c->m->cfg, &j->rows[r]);
+        most = n > most ? n : most;
+    }
+    ix->n_stretch = (most + SPLIT_POOLS - 1) / SPLIT_POOLS;
+    if (ix->n_stretch) moe_pool_for(c->pool, n_rows * ix->n_stretch, 1, score_stretches, j);
+    moe_pool_for(c->pool, n_rows, 1, select_split, j);
 }
 
 /* Items (row, head range) of the attention: each row over its selected cells, gathered, or over
@@ -322,7 +367,7 @@ void moe_attend_rows_indexed(moe_ctx *c, const moe_attn_shape *shape, const moe_
         const float w_scale = 1.0f / sqrtf((float)(id * ih));
         for (int64_t i = 0; i < (int64_t)n_rows * ih; i++) ix->w[i] *= w_scale;
     }
-    if (!job.shared) moe_pool_for(c->pool, n_rows, 1, select_rows, &job);
+    if (!job.shared) select_all(&job, n_rows);
     /* a row's heads in parts as the tiled attention splits a group (one latent head) */
     job.parts = moe_exact() ? 1 : moe_attn_split(c, n_rows, shape->n_head);
     moe_pool_for(c->pool, (int64_t)n_rows * job.parts, 1, attend_items, &job);

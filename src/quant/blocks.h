@@ -461,6 +461,8 @@ MOE_FAST_REF_DOT(iq4_xs);
 
 /* Scalar linear-attention products (quant.h: the reference every level reproduces bit for
  * bit). */
+void moe_ref_index_scores(const float *q, const float *w, int n_head, int n, const float *keys,
+                          int64_t key_stride, int64_t n_keys, float *out);
 void moe_ref_rows_times(const float *a, int64_t as, const float *b, int64_t bs, float *out,
                         int64_t os, int m, int k, int n);
 void moe_ref_rows_update(float *y, int64_t ys, int m, const float *y_scale, const float *c,

@@ -306,6 +306,16 @@ typedef void (*moe_delta_row_fn)(const float *ka, const float *kb, const float *
                                  float *e, int64_t es, const float *d, int k, int n, float *a,
                                  float *b);
 
+/* The lightning indexer's pool scores: out[p] = the sum over heads h = 0, 1, .. in turn, from 0,
+ * of w[h] x fmaxf(dot(q + h n, keys + p key_stride), 0) for p < n_keys, each dot of n floats in
+ * moe_attn_scores_fn's order (F32 keys, scale 1). Every level gives the reference's bits: a pool's
+ * selection must not depend on the machine. Past MOE_INDEX_SCORES_MAX_N values a level may take
+ * the reference. */
+#define MOE_INDEX_SCORES_MAX_N 256 /* the widest head a level scores in its own way */
+typedef void (*moe_index_scores_fn)(const float *q, const float *w, int n_head, int n,
+                                    const float *keys, int64_t key_stride, int64_t n_keys,
+                                    float *out);
+
 typedef struct moe_kernels {
     moe_isa isa;      /* the level of this table */
     const char *name; /* moe_isa_name(isa) */
@@ -317,6 +327,7 @@ typedef struct moe_kernels {
     moe_rows_times_fn rows_times;
     moe_rows_update_fn rows_update;
     moe_delta_row_fn delta_row;
+    moe_index_scores_fn index_scores;
 } moe_kernels;
 
 /* ==== The two paths ====

@@ -478,6 +478,20 @@ void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_by
     }
 }
 
+void moe_ref_index_scores(const float *q, const float *w, int n_head, int n, const float *keys,
+                          int64_t key_stride, int64_t n_keys, float *out) {
+    for (int64_t p = 0; p < n_keys; p++) {
+        float score = 0.0f;
+        for (int h = 0; h < n_head; h++) {
+            const float relu =
+                fmaxf(attn_dot(q + (int64_t)h * n, keys + p * key_stride, MOE_TYPE_F32, n), 0.0f);
+            const float term = w[h] * relu;
+            score += term;
+        }
+        out[p] = score;
+    }
+}
+
 /* ==== Linear attention's products (quant.h: moe_rows_times_fn ..) ==== */
 
 void moe_ref_rows_times(const float *a, int64_t as, const float *b, int64_t bs, float *out,
