@@ -120,8 +120,8 @@ moe_status moe_ctx_memory_plan(const moe_model *m, const moe_ctx_params *p, moe_
         moe_mul_overflow(positions, out->kv_bytes_per_token, &out->kv_bytes) ||
         moe_mul_overflow(params.n_seq, out->recurrent_bytes_per_seq, &out->recurrent_bytes) ||
         moe_mul_overflow(params.n_snapshots, out->recurrent_bytes_per_seq, &out->snapshot_bytes) ||
-        moe_mul_overflow((uint64_t)params.n_seq * params.n_verify, out->recurrent_bytes_per_seq,
-                         &out->checkpoint_bytes))
+        moe_mul_overflow((uint64_t)params.n_seq * moe_verify_checkpoints(&params),
+                         out->recurrent_bytes_per_seq, &out->checkpoint_bytes))
         return moe_error_set(err, MOE_ERR_RANGE, "context: state size overflows");
     out->token_bytes = positions * sizeof(int32_t);
     if (moe_add_overflow(out->kv_bytes, out->recurrent_bytes, &out->total) ||

@@ -72,7 +72,7 @@ typedef struct moe_ctx_memory {
     uint64_t recurrent_bytes_per_seq; /* conv + delta-rule state over the linear layers */
     uint64_t recurrent_bytes;         /* n_seq of them */
     uint64_t snapshot_bytes;          /* n_snapshots of them */
-    uint64_t checkpoint_bytes;        /* n_seq x n_verify of them, for verify steps */
+    uint64_t checkpoint_bytes;        /* n_seq x (n_verify - 1) of them, for verify steps */
     uint64_t token_bytes;             /* the token ids each sequence holds */
     uint64_t total;                   /* all of the above (scratch not included) */
 } moe_ctx_memory;
@@ -138,9 +138,10 @@ uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq);
  *
  * A verify step runs rows that may be taken back: a sequence's next token and the drafts after
  * it. It is moe_ctx_decode (same logits, bit for bit) that also keeps, for each sequence in it, a
- * checkpoint of the recurrent state after each of its rows (at most n_verify), so that
- * moe_ctx_seq_accept can then keep any first part of them -- KV rows past it dropped, the linear
- * state taken from the checkpoint, no recompute. Any other call on the sequence ends the choice. */
+ * checkpoint of the recurrent state after each of its rows but the last (at most n_verify - 1;
+ * after the last is the live state), so that moe_ctx_seq_accept can then keep any first part of
+ * them -- KV rows past it dropped, the linear state taken from the checkpoint, no recompute. Any
+ * other call on the sequence ends the choice. */
 moe_status moe_ctx_verify(moe_ctx *c, const moe_row *rows, uint32_t n_rows, float *logits,
                           moe_error *err);
 /* Keep the first n_keep (1..its rows) of seq's rows in the last verify step. */

@@ -200,7 +200,7 @@ struct moe_ctx {
      * nothing to accept), and the recurrent state after each of those rows */
     uint32_t *verify_base, *verify_rows; /* [n_seq] */
     bool verifying;                      /* inside moe_ctx_verify */
-    float *ckpt;         /* [n_seq][p.n_verify][lin.n_layer][lin.layer_floats], hybrids only */
+    float *ckpt;         /* [n_seq][p.n_verify - 1][lin.n_layer][lin.layer_floats], hybrids only */
     moe_snapshot *snaps; /* [p.n_snapshots] */
     float *snap_state;   /* [p.n_snapshots][lin.n_layer][lin.layer_floats] */
     uint64_t snap_clock;
@@ -308,7 +308,9 @@ void moe_linear_alloc(moe_ctx *c);
 void moe_linear_free(moe_ctx *c);
 /* A sequence's recurrent state, all linear layers: [lin.n_layer][lin.layer_floats]. */
 float *moe_linear_seq_state(const moe_ctx *c, int32_t seq);
-/* The same, as it stood after row `row` of seq's rows in the last verify step. */
+/* The same, as it stood after row `row` (not its last) of seq's rows in the last verify step. */
 float *moe_linear_checkpoint(const moe_ctx *c, int32_t seq, uint32_t row);
+/* Checkpoints a sequence holds: one for each row of a verify step but its last. */
+uint32_t moe_verify_checkpoints(const moe_ctx_params *p);
 
 #endif

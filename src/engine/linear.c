@@ -100,8 +100,13 @@ float *moe_linear_seq_state(const moe_ctx *c, int32_t seq) {
     return c->lin.state + (uint64_t)seq * c->lin.n_layer * c->lin.layer_floats;
 }
 
+uint32_t moe_verify_checkpoints(const moe_ctx_params *p) {
+    return p->n_verify ? p->n_verify - 1 : 0;
+}
+
 float *moe_linear_checkpoint(const moe_ctx *c, int32_t seq, uint32_t row) {
-    return c->ckpt + ((uint64_t)seq * c->p.n_verify + row) * c->lin.n_layer * c->lin.layer_floats;
+    return c->ckpt + ((uint64_t)seq * moe_verify_checkpoints(&c->p) + row) * c->lin.n_layer *
+                         c->lin.layer_floats;
 }
 
 /* ==== Grouping rows by sequence ==== */
@@ -247,7 +252,7 @@ static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
                                   .g_stride = d->nv * d->n_g,
                                   .beta_stride = d->nv,
                                   .out_stride = d->V};
-        if (j->c->verifying) { /* row by row, the head's state kept after each */
+        if (j->c->verifying) { /* row by row, the head's state kept after each but the last */
             const uint64_t at =
                 j->slot * lin->layer_floats + lin->conv_floats + (uint64_t)h * d->hd * d->hd;
             for (int32_t i = 0; i < seg->n; i++) {
@@ -255,8 +260,9 @@ static void delta_heads(void *arg, int64_t begin, int64_t end, int thread) {
                 ai.q += i * a.qk_stride, ai.k += i * a.qk_stride, ai.v += i * a.v_stride;
                 ai.g += i * a.g_stride, ai.beta += i * a.beta_stride, ai.out += i * a.out_stride;
                 moe_delta_rule_recurrent(&ai, 1, state, scratch);
-                memcpy(moe_linear_checkpoint(j->c, seg->seq, (uint32_t)i) + at, state,
-                       sizeof(float) * (size_t)(d->hd * d->hd));
+                if (i + 1 < seg->n)
+                    memcpy(moe_linear_checkpoint(j->c, seg->seq, (uint32_t)i) + at, state,
+                           sizeof(float) * (size_t)(d->hd * d->hd));
             }
         } else if (seg->n >= LINEAR_CHUNKED_MIN) {
             moe_delta_rule_chunked(&a, seg->n, state, scratch);
@@ -343,7 +349,7 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
         project_kda(c, l, &d, n_rows);
 
     /* the short conv runs along each sequence's rows, from that sequence's conv state (in a
-     * verify step one row at a time, the conv state kept after each) */
+     * verify step one row at a time, the conv state kept after each but the last) */
     double start = moe_profile_start();
     for (uint32_t s = 0; s < n_seg; s++) {
         const moe_linear_seg *seg = &lin->segs[s];
@@ -355,8 +361,9 @@ void moe_block_linear(moe_ctx *c, const moe_layer_weights *l, uint32_t il, const
         }
         for (int32_t i = 0; i < seg->n; i++) {
             conv_rows(c, l, &d, x + (int64_t)i * d.conv_ch, 1, conv);
-            memcpy(moe_linear_checkpoint(c, seg->seq, (uint32_t)i) + slot * lin->layer_floats, conv,
-                   sizeof(float) * lin->conv_floats);
+            if (i + 1 < seg->n)
+                memcpy(moe_linear_checkpoint(c, seg->seq, (uint32_t)i) + slot * lin->layer_floats,
+                       conv, sizeof(float) * lin->conv_floats);
         }
     }
     linear_job nj = {.c = c, .d = &d, .l = l};
