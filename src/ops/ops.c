@@ -87,7 +87,9 @@ void moe_swiglu_clamped(float *x, const float *gate, int64_t n, float limit) {
 }
 
 void moe_glu(moe_ffn_act act, float limit, float *x, const float *gate, int64_t n) {
-    if (act == MOE_ACT_SWIGLU_OAI)
+    if (act == MOE_ACT_SILU && !moe_exact()) /* quant.h: moe_swiglu_fn */
+        moe_kernels_get()->swiglu(x, gate, n, limit);
+    else if (act == MOE_ACT_SWIGLU_OAI)
         moe_swiglu_oai(x, gate, n);
     else if (act == MOE_ACT_GELU)
         moe_geglu(x, gate, n);

@@ -69,6 +69,7 @@ static void build(void) {
     exact[MOE_ISA_SCALAR].rows_update = moe_ref_rows_update;
     exact[MOE_ISA_SCALAR].delta_row = moe_ref_delta_row;
     exact[MOE_ISA_SCALAR].index_scores = moe_ref_index_scores;
+    exact[MOE_ISA_SCALAR].swiglu = moe_ref_swiglu;
     for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
         if (!moe_cpu_isa_runs((moe_isa)level)) continue;
         exact[level] = exact[below((moe_isa)level)];

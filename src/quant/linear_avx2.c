@@ -13,6 +13,9 @@
     _mm256_castsi256_ps(                                                                           \
         _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(l)))
 #define LIN_ONE_WHERE(v, m) _mm256_blendv_ps(v, _mm256_set1_ps(1.0f), m)
+#define LIN_GE(a, b)        _mm256_cmp_ps(a, b, _CMP_GE_OQ)
+#define LIN_BLEND(m, a, b)  _mm256_blendv_ps(a, b, m)
+#define LIN_EXP(x)          avx2_attn_exp(x)
 #include "x86_linear.h"
 
 void moe_kernels_fill_linear_avx2(moe_kernels *k) {

@@ -11,6 +11,9 @@
 /* lane l's bit (none when l is outside 0 .. 15) */
 #define LIN_MASK(l)         ((l) >= 0 && (l) < 16 ? (__mmask16)(1u << (l)) : (__mmask16)0)
 #define LIN_ONE_WHERE(v, m) _mm512_mask_mov_ps(v, m, _mm512_set1_ps(1.0f))
+#define LIN_GE(a, b)        _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ)
+#define LIN_BLEND(m, a, b)  _mm512_mask_blend_ps(m, a, b)
+#define LIN_EXP(x)          z_attn_exp(x)
 #include "x86_linear.h"
 
 void moe_kernels_fill_linear_avx512(moe_kernels *k) {

@@ -478,6 +478,16 @@ void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_by
     }
 }
 
+void moe_ref_swiglu(float *x, const float *gate, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        float g = gate[i], u = x[i];
+        if (limit > 0) g = fminf(g, limit), u = fminf(fmaxf(u, -limit), limit);
+        const float e = moe_attn_exp(-fabsf(g)), d = 1.0f + e;
+        const float s = g >= 0 ? 1.0f / d : e / d, silu = g * s;
+        x[i] = u * silu;
+    }
+}
+
 void moe_ref_index_scores(const float *q, const float *w, int n_head, int n, const float *keys,
                           int64_t key_stride, int64_t n_keys, float *out) {
     for (int64_t p = 0; p < n_keys; p++) {

@@ -627,19 +627,6 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
  * Qwen3-30B-A3B), so they share a quarter of the L1's sets, and lines prefetched a tile ahead
  * into the L1 mostly wait in the L2 by the time they are read. */
 
-/* moe_attn_exp on 16 lanes, in the AVX2 one's operations (half the instructions of running it
- * on each half). */
-AVX_ATTN_EXP_POLY_FN(z_attn_exp_poly, _mm512, __m512)
-MOE_INLINE __m512 z_attn_exp(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(MOE_ATTN_EXP_MIN), _CMP_GE_OQ);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(MOE_ATTN_EXP_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 y = z_attn_exp_poly(x, n);
-    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-    return _mm512_maskz_mov_ps(live,
-                               _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(y), e)));
-}
-
 /* The running max's move (old -> mx), the rescale c of the old sum and outputs, and the old sum
  * l rescaled: the first steps of the reference's softmax on 16 lanes. */
 MOE_INLINE __m512 z_attn_rescale(__m512 old, __m512 mx, __m512 l, __m512 *c) {
