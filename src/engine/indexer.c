@@ -367,8 +367,12 @@ void moe_attend_rows_indexed(moe_ctx *c, const moe_attn_shape *shape, const moe_
         const float w_scale = 1.0f / sqrtf((float)(id * ih));
         for (int64_t i = 0; i < (int64_t)n_rows * ih; i++) ix->w[i] *= w_scale;
     }
+    double start = moe_profile_start();
     if (!job.shared) select_all(&job, n_rows);
+    moe_profile_part("indexer: pool scores + top-k", start);
     /* a row's heads in parts as the tiled attention splits a group (one latent head) */
     job.parts = moe_exact() ? 1 : moe_attn_split(c, n_rows, shape->n_head);
+    start = moe_profile_start();
     moe_pool_for(c->pool, (int64_t)n_rows * job.parts, 1, attend_items, &job);
+    moe_profile_part("sparse attention (selected cells)", start);
 }
