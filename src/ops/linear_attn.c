@@ -42,6 +42,7 @@ void moe_conv1d_silu(float *x, int64_t x_stride, int64_t n_tok, int64_t n_ch, co
                      int d_conv, float *state) {
     MOE_CHECK(d_conv >= 1 && d_conv <= MOE_CONV_MAX_TAPS);
     const int n_hist = d_conv - 1;
+    const moe_silu_fn silu = moe_exact() ? NULL : moe_kernels_get()->silu;
     /* MOE_VEC_STEP channels side by side, token after token: each token's values of them are
      * one stretch of its row (where a channel at a time strides the rows), and their sums,
      * constant-count loops, are vectors (each channel's own in its order) */
@@ -62,7 +63,12 @@ void moe_conv1d_silu(float *x, int64_t x_stride, int64_t n_tok, int64_t n_ch, co
             for (int c = 0; c < MOE_VEC_STEP; c++) y[c] += in[c] * wt[n_hist][c];
             for (int k = 0; k + 1 < n_hist; k++) memcpy(hist[k], hist[k + 1], sizeof hist[k]);
             if (n_hist) memcpy(hist[n_hist - 1], in, sizeof in);
-            for (int c = 0; c < nc; c++) xt[c] = y[c] / (1.0f + expf(-y[c]));
+            if (silu) { /* the fast path's (quant.h: moe_silu_fn) */
+                silu(y, nc);
+                memcpy(xt, y, sizeof(float) * (size_t)nc);
+            } else {
+                for (int c = 0; c < nc; c++) xt[c] = y[c] / (1.0f + expf(-y[c]));
+            }
         }
         for (int c = 0; c < nc; c++)
             for (int k = 0; k < n_hist; k++) state[(c0 + c) * n_hist + k] = hist[k][c];

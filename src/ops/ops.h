@@ -194,7 +194,8 @@ void moe_gate_mul(float *x, const float *gate, int64_t n, moe_gate_act act);
 /* Causal depthwise conv1d then SiLU over n_tok consecutive tokens of one sequence, in place.
  * x: token t's n_ch channels at x + t * x_stride. w: [n_ch][d_conv] taps, oldest first (ggml's
  * ssm_conv1d ne = {d_conv, n_ch}). state: [n_ch][d_conv - 1], each channel's inputs of the
- * previous d_conv - 1 tokens, oldest first; on return it holds the latest ones. */
+ * previous d_conv - 1 tokens, oldest first; on return it holds the latest ones. The SiLU is the
+ * fast path's vector one (quant.h: moe_silu_fn), libm's expf on the exact path. */
 void moe_conv1d_silu(float *x, int64_t x_stride, int64_t n_tok, int64_t n_ch, const float *w,
                      int d_conv, float *state);
 

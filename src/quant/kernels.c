@@ -70,6 +70,7 @@ static void build(void) {
     exact[MOE_ISA_SCALAR].delta_row = moe_ref_delta_row;
     exact[MOE_ISA_SCALAR].index_scores = moe_ref_index_scores;
     exact[MOE_ISA_SCALAR].swiglu = moe_ref_swiglu;
+    exact[MOE_ISA_SCALAR].silu = moe_ref_silu;
     for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
         if (!moe_cpu_isa_runs((moe_isa)level)) continue;
         exact[level] = exact[below((moe_isa)level)];

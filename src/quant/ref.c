@@ -478,14 +478,23 @@ void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_by
     }
 }
 
+/* silu(g) = g s, s = 1 / (1 + e) for g >= 0 and e / (1 + e) otherwise, e = e^-|g| */
+static float fast_silu(float g) {
+    const float e = moe_attn_exp(-fabsf(g)), d = 1.0f + e;
+    const float s = g >= 0 ? 1.0f / d : e / d;
+    return g * s;
+}
+
 void moe_ref_swiglu(float *x, const float *gate, int64_t n, float limit) {
     for (int64_t i = 0; i < n; i++) {
         float g = gate[i], u = x[i];
         if (limit > 0) g = fminf(g, limit), u = fminf(fmaxf(u, -limit), limit);
-        const float e = moe_attn_exp(-fabsf(g)), d = 1.0f + e;
-        const float s = g >= 0 ? 1.0f / d : e / d, silu = g * s;
-        x[i] = u * silu;
+        x[i] = u * fast_silu(g);
     }
+}
+
+void moe_ref_silu(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = fast_silu(x[i]);
 }
 
 void moe_ref_index_scores(const float *q, const float *w, int n_head, int n, const float *keys,
