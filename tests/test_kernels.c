@@ -1005,10 +1005,10 @@ static void attention_exp_within_2ulp(void **state) {
                 moe_attn_exp(NAN) == 0.0f);
 }
 
-/* The fast path's SwiGLU and SiLU: every level equals the scalar reference bit for bit (plain and
- * clamped, lengths around the vector widths, NaN, infinities, signed zeros, gates far past exp's
- * range), and the reference is within 4 ulp of silu(g) worked out in double over gates in [-80, 90]
- * (under -86 it is 0 where silu is below 4e-36). */
+/* The fast path's SwiGLU, SiLU and sigmoid: every level equals the scalar reference bit for bit
+ * (plain and clamped, lengths around the vector widths, NaN, infinities, signed zeros, gates far
+ * past exp's range), and the reference is within 4 ulp of silu(g) worked out in double over gates
+ * in [-80, 90] (under -86 it is 0 where silu is below 4e-36). */
 static void swiglu_fast_equals_reference(void **state) {
     (void)state;
     enum { N = 203 };
@@ -1041,6 +1041,12 @@ static void swiglu_fast_equals_reference(void **state) {
                 k->silu(got, ns[in]);
                 if (memcmp(want, got, sizeof(float) * (size_t)ns[in]))
                     fail_msg("%s silu, %d values: differs", moe_isa_name((moe_isa)level), ns[in]);
+                memcpy(want, clamp ? x0 : gate, sizeof want), memcpy(got, want, sizeof got);
+                ref->sigmoid(want, ns[in]);
+                k->sigmoid(got, ns[in]);
+                if (memcmp(want, got, sizeof(float) * (size_t)ns[in]))
+                    fail_msg("%s sigmoid, %d values: differs", moe_isa_name((moe_isa)level),
+                             ns[in]);
                 checked++;
             }
     }
@@ -1055,7 +1061,7 @@ static void swiglu_fast_equals_reference(void **state) {
         worst = err > worst ? err : worst;
     }
     print_message(
-        "swiglu, silu: %d shapes at the SIMD levels equal the reference; silu within %.2f "
+        "swiglu, silu, sigmoid: %d shapes at the SIMD levels equal the reference; silu within %.2f "
         "ulp\n",
         checked, worst);
     assert_true(worst <= 4.0);

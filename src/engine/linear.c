@@ -178,17 +178,25 @@ static void kda_gates_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const float *a_log = (const float *)j->l->linear.a->data;
     const float *dt_b = (const float *)j->l->linear.dt_b->data;
     const float bound = j->c->m->cfg.kda_gate_bound;
+    /* the fast path's sigmoid (quant.h: moe_silu_fn); libm's expf on the exact one */
+    const moe_silu_fn sigmoid = moe_exact() ? NULL : moe_kernels_get()->sigmoid;
     for (int64_t r = begin; r < end; r++) {
-        float *g = lin->g + r * d->V;
-        for (int64_t i = 0; i < d->V; i++) {
-            const float a = a_log[i / d->hd], t = g[i] + dt_b[i];
-            /* a = -exp(A_log): Kimi's unbounded decay, or GLM-5.3's bound * sigmoid(-a t) */
-            g[i] = bound < 0 ? bound / (1.0f + expf(a * t)) : a * moe_softplus(t);
+        float *g = lin->g + r * d->V, *beta = lin->beta + r * d->nv;
+        /* a = -exp(A_log): Kimi's unbounded decay, or GLM-5.3's bound * sigmoid(-a t) */
+        if (bound < 0 && sigmoid) {
+            for (int64_t i = 0; i < d->V; i++) g[i] = -(a_log[i / d->hd] * (g[i] + dt_b[i]));
+            sigmoid(g, d->V);
+            for (int64_t i = 0; i < d->V; i++) g[i] *= bound;
+        } else {
+            for (int64_t i = 0; i < d->V; i++) {
+                const float a = a_log[i / d->hd], t = g[i] + dt_b[i];
+                g[i] = bound < 0 ? bound / (1.0f + expf(a * t)) : a * moe_softplus(t);
+            }
         }
-        for (int64_t h = 0; h < d->nv; h++) {
-            float *b = &lin->beta[r * d->nv + h];
-            *b = 1.0f / (1.0f + expf(-*b));
-        }
+        if (sigmoid)
+            sigmoid(beta, d->nv);
+        else
+            for (int64_t h = 0; h < d->nv; h++) beta[h] = 1.0f / (1.0f + expf(-beta[h]));
     }
 }
 

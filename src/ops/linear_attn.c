@@ -18,6 +18,8 @@
 
 /* ==== Elementwise ==== */
 
+#define MOE_GATE_STRETCH 256 /* gate values activated at a time on the fast path */
+
 float moe_softplus(float x) {
     return x > 20.0f ? x : log1pf(expf(x));
 }
@@ -30,6 +32,17 @@ void moe_l2norm(float *x, int64_t n, float eps) {
 }
 
 void moe_gate_mul(float *x, const float *gate, int64_t n, moe_gate_act act) {
+    if (!moe_exact()) { /* the fast path's (quant.h: moe_silu_fn), a stretch at a time */
+        const moe_kernels *k = moe_kernels_get();
+        float s[MOE_GATE_STRETCH];
+        for (int64_t i0 = 0; i0 < n; i0 += MOE_GATE_STRETCH) {
+            const int64_t m = n - i0 < MOE_GATE_STRETCH ? n - i0 : MOE_GATE_STRETCH;
+            memcpy(s, gate + i0, sizeof(float) * (size_t)m);
+            (act == MOE_GATE_SILU ? k->silu : k->sigmoid)(s, m);
+            for (int64_t i = 0; i < m; i++) x[i0 + i] *= s[i];
+        }
+        return;
+    }
     for (int64_t i = 0; i < n; i++) {
         const float s = 1.0f / (1.0f + expf(-gate[i]));
         x[i] *= act == MOE_GATE_SILU ? gate[i] * s : s;

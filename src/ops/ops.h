@@ -188,7 +188,8 @@ float moe_softplus(float x); /* log(1 + e^x), x itself above 20 (ggml) */
 void moe_l2norm(float *x, int64_t n, float eps);
 
 typedef enum moe_gate_act { MOE_GATE_SIGMOID, MOE_GATE_SILU } moe_gate_act;
-/* x[i] *= sigmoid(gate[i]) or silu(gate[i]): output gates of gated norms and attention. */
+/* x[i] *= sigmoid(gate[i]) or silu(gate[i]): output gates of gated norms and attention (the
+ * fast path's vector ones, quant.h: moe_silu_fn; libm's expf on the exact path). */
 void moe_gate_mul(float *x, const float *gate, int64_t n, moe_gate_act act);
 
 /* Causal depthwise conv1d then SiLU over n_tok consecutive tokens of one sequence, in place.

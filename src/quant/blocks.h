@@ -463,6 +463,7 @@ MOE_FAST_REF_DOT(iq4_xs);
  * bit). */
 void moe_ref_swiglu(float *x, const float *gate, int64_t n, float limit);
 void moe_ref_silu(float *x, int64_t n);
+void moe_ref_sigmoid(float *x, int64_t n);
 void moe_ref_index_scores(const float *q, const float *w, int n_head, int n, const float *keys,
                           int64_t key_stride, int64_t n_keys, float *out);
 void moe_ref_rows_times(const float *a, int64_t as, const float *b, int64_t bs, float *out,

@@ -71,6 +71,7 @@ static void build(void) {
     exact[MOE_ISA_SCALAR].index_scores = moe_ref_index_scores;
     exact[MOE_ISA_SCALAR].swiglu = moe_ref_swiglu;
     exact[MOE_ISA_SCALAR].silu = moe_ref_silu;
+    exact[MOE_ISA_SCALAR].sigmoid = moe_ref_sigmoid;
     for (int level = MOE_ISA_SCALAR + 1; level < MOE_ISA_COUNT; level++) {
         if (!moe_cpu_isa_runs((moe_isa)level)) continue;
         exact[level] = exact[below((moe_isa)level)];

@@ -288,8 +288,9 @@ float moe_attn_exp(float x);
  * gives the reference's bits. Why: libm's expf value by value was the whole cost of the experts'
  * GLU (4 % of a q6-iq pp256 step, Zen 5). */
 typedef void (*moe_swiglu_fn)(float *x, const float *gate, int64_t n, float limit);
-/* The fast path's SiLU in place, x[i] = g s as moe_swiglu_fn has it (g = x[i], no clamp): the
- * short convolutions' activation in linear-attention layers. */
+/* The fast path's SiLU and sigmoid in place, x[i] = g s and x[i] = s as moe_swiglu_fn has them
+ * (g = x[i], no clamp): the short convolutions' activation, the output gates and decays of
+ * linear-attention layers. */
 typedef void (*moe_silu_fn)(float *x, int64_t n);
 
 /* ==== Linear attention's products (ops/linear_attn.c's delta rule, engine/hyper.c) ====
@@ -341,6 +342,7 @@ typedef struct moe_kernels {
     moe_index_scores_fn index_scores;
     moe_swiglu_fn swiglu; /* the fast path's */
     moe_silu_fn silu;     /* the fast path's */
+    moe_silu_fn sigmoid;  /* the fast path's */
 } moe_kernels;
 
 /* ==== The two paths ====

@@ -478,11 +478,14 @@ void moe_ref_attn_mix(float *y, const float *p, const void *v, int64_t stride_by
     }
 }
 
-/* silu(g) = g s, s = 1 / (1 + e) for g >= 0 and e / (1 + e) otherwise, e = e^-|g| */
-static float fast_silu(float g) {
+/* sigmoid(g) = s = 1 / (1 + e) for g >= 0 and e / (1 + e) otherwise, e = e^-|g|; silu(g) = g s */
+static float fast_sigmoid(float g) {
     const float e = moe_attn_exp(-fabsf(g)), d = 1.0f + e;
-    const float s = g >= 0 ? 1.0f / d : e / d;
-    return g * s;
+    return g >= 0 ? 1.0f / d : e / d;
+}
+
+static float fast_silu(float g) {
+    return g * fast_sigmoid(g);
 }
 
 void moe_ref_swiglu(float *x, const float *gate, int64_t n, float limit) {
@@ -495,6 +498,10 @@ void moe_ref_swiglu(float *x, const float *gate, int64_t n, float limit) {
 
 void moe_ref_silu(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = fast_silu(x[i]);
+}
+
+void moe_ref_sigmoid(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = fast_sigmoid(x[i]);
 }
 
 void moe_ref_index_scores(const float *q, const float *w, int n_head, int n, const float *keys,

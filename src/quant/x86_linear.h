@@ -1,18 +1,16 @@
 /* x86_linear.h: linear attention's products (quant.h: moe_rows_times_fn, moe_rows_update_fn,
  * moe_delta_row_fn), the lightning indexer's scores (moe_index_scores_fn) and the fast path's
- * SwiGLU and SiLU (moe_swiglu_fn, moe_silu_fn), written once for both vector widths; linear_avx2.c
- * and linear_avx512.c include it after defining LIN_T, LIN_W          the float vector type and its
- * lanes; LIN_(op)              the intrinsic of op on it (LIN_(mul_ps) -> _mm512_mul_ps); LIN_M,
- * LIN_MASK(l)    a lane mask type, and the mask of lane l (none outside 0 .. LIN_W - 1);
- *   LIN_ONE_WHERE(v, m)   v with 1.0 in the lanes of mask m;
- *   LIN_GE(a, b)          the mask of the lanes where a >= b (false for NaN);
- *   LIN_BLEND(m, a, b)    b in the lanes of mask m, a in the others;
- *   LIN_EXP(x)            moe_attn_exp lane by lane;
- *   LIN_FN(name)          the level's name for a function.
- * The vectors run across the output index, each lane the scalar reference's operations in its
- * order (a product, then an add: no fma), so every width gives the reference's bits. Register
- * blocks: LIN_ROWS rows x LIN_VECS vectors of outputs (16 accumulators), the row's factor
- * broadcast once per LIN_VECS loads. */
+ * SwiGLU, SiLU and sigmoid (moe_swiglu_fn, moe_silu_fn), written once for both vector widths;
+ * linear_avx2.c and linear_avx512.c include it after defining LIN_T, LIN_W          the float
+ * vector type and its lanes; LIN_(op)              the intrinsic of op on it (LIN_(mul_ps) ->
+ * _mm512_mul_ps); LIN_M, LIN_MASK(l)    a lane mask type, and the mask of lane l (none outside 0 ..
+ * LIN_W - 1); LIN_ONE_WHERE(v, m)   v with 1.0 in the lanes of mask m; LIN_GE(a, b)          the
+ * mask of the lanes where a >= b (false for NaN); LIN_BLEND(m, a, b)    b in the lanes of mask m, a
+ * in the others; LIN_EXP(x)            moe_attn_exp lane by lane; LIN_FN(name)          the level's
+ * name for a function. The vectors run across the output index, each lane the scalar reference's
+ * operations in its order (a product, then an add: no fma), so every width gives the reference's
+ * bits. Register blocks: LIN_ROWS rows x LIN_VECS vectors of outputs (16 accumulators), the row's
+ * factor broadcast once per LIN_VECS loads. */
 #ifndef MOE_QUANT_X86_LINEAR_H
 #define MOE_QUANT_X86_LINEAR_H
 
@@ -29,9 +27,10 @@
 #define LIN_DELTA_ROW    LIN_FN(delta_row)
 #define LIN_INDEX_BLOCK  LIN_FN(index_block)
 #define LIN_INDEX_SCORES LIN_FN(index_scores)
-#define LIN_SILU_VEC     LIN_FN(silu_vec)
+#define LIN_SIGMOID_VEC  LIN_FN(sigmoid_vec)
 #define LIN_SWIGLU       LIN_FN(swiglu)
 #define LIN_SILU         LIN_FN(silu)
+#define LIN_SIGMOID      LIN_FN(sigmoid)
 #define LIN_FILL         LIN_FN(fill)
 
 #define LIN_ROWS 4
@@ -264,10 +263,10 @@ static void LIN_INDEX_SCORES(const float *q, const float *w, int n_head, int n, 
 
 /* ---- The fast path's SwiGLU and SiLU: the reference's operations lane by lane ---- */
 
-MOE_INLINE LIN_T LIN_SILU_VEC(LIN_T g) {
+MOE_INLINE LIN_T LIN_SIGMOID_VEC(LIN_T g) {
     const LIN_T one = LIN_(set1_ps)(1.0f);
     const LIN_T e = LIN_EXP(LIN_(or_ps)(g, LIN_(set1_ps)(-0.0f))), d = LIN_(add_ps)(one, e);
-    return LIN_(mul_ps)(g, LIN_(div_ps)(LIN_BLEND(LIN_GE(g, LIN_(setzero_ps)()), e, one), d));
+    return LIN_(div_ps)(LIN_BLEND(LIN_GE(g, LIN_(setzero_ps)()), e, one), d);
 }
 
 static void LIN_SWIGLU(float *x, const float *gate, int64_t n, float limit) {
@@ -277,15 +276,25 @@ static void LIN_SWIGLU(float *x, const float *gate, int64_t n, float limit) {
         LIN_T g = LIN_(loadu_ps)(gate + i), u = LIN_(loadu_ps)(x + i);
         if (limit > 0) /* a NaN takes the bound, as fminf / fmaxf give it */
             g = LIN_(min_ps)(g, hi), u = LIN_(min_ps)(LIN_(max_ps)(u, lo), hi);
-        LIN_(storeu_ps)(x + i, LIN_(mul_ps)(u, LIN_SILU_VEC(g)));
+        LIN_(storeu_ps)(x + i, LIN_(mul_ps)(u, LIN_(mul_ps)(g, LIN_SIGMOID_VEC(g))));
     }
     if (i < n) moe_ref_swiglu(x + i, gate + i, n - i, limit);
 }
 
 static void LIN_SILU(float *x, int64_t n) {
     int64_t i = 0;
-    for (; i + LIN_W <= n; i += LIN_W) LIN_(storeu_ps)(x + i, LIN_SILU_VEC(LIN_(loadu_ps)(x + i)));
+    for (; i + LIN_W <= n; i += LIN_W) {
+        const LIN_T g = LIN_(loadu_ps)(x + i);
+        LIN_(storeu_ps)(x + i, LIN_(mul_ps)(g, LIN_SIGMOID_VEC(g)));
+    }
     if (i < n) moe_ref_silu(x + i, n - i);
+}
+
+static void LIN_SIGMOID(float *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + LIN_W <= n; i += LIN_W)
+        LIN_(storeu_ps)(x + i, LIN_SIGMOID_VEC(LIN_(loadu_ps)(x + i)));
+    if (i < n) moe_ref_sigmoid(x + i, n - i);
 }
 
 /* The level's entries. */
@@ -296,6 +305,7 @@ MOE_INLINE void LIN_FILL(moe_kernels *k) {
     k->index_scores = LIN_INDEX_SCORES;
     k->swiglu = LIN_SWIGLU;
     k->silu = LIN_SILU;
+    k->sigmoid = LIN_SIGMOID;
 }
 
 #endif
