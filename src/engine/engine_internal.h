@@ -80,7 +80,7 @@ typedef struct moe_rows_slice {
 
 /* Hyper-connection scratch (hyper.c), [max_rows][width] floats each. */
 typedef struct moe_hc_ctx {
-    float *wide; /* [n_hc n_embd] the normed streams, then the mixed ones */
+    float *wide; /* [n_hc n_embd] the normed streams, then the mixed ones (then c->x's) */
     float *mix;  /* [(2 + n_hc) n_hc] mixing logits */
     float *in;   /* [n_embd] a block's input; at the end the streams' mean */
     float *post; /* [n_hc] */

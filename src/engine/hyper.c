@@ -82,7 +82,8 @@ static const float *hc_pre(moe_ctx *c, const moe_layer_weights *l, moe_site site
     return hc->in;
 }
 
-/* Rows [begin, end): stream dst = post[dst] * y + sum over src of comb[src][dst] * stream src. */
+/* Rows [begin, end): stream dst = post[dst] * y + sum over src of comb[src][dst] * stream src,
+ * into hc->wide (the streams read stay in c->x until every row is done). */
 static void post_rows(void *arg, int64_t begin, int64_t end, int thread) {
     (void)thread;
     const hc_job *j = arg;
@@ -101,7 +102,6 @@ static void post_rows(void *arg, int64_t begin, int64_t end, int thread) {
         }
         /* stream dst: post[dst] y, then comb[src][dst] x stream src for each src */
         kern->rows_update(out, n_embd, (int)n, post, into, n, x, n_embd, (int)n, (int)n_embd);
-        memcpy(x, out, sizeof(float) * (size_t)(n * n_embd));
     }
 }
 
@@ -109,6 +109,9 @@ static void hc_post(moe_ctx *c, const moe_layer_weights *l, moe_site site, uint3
     (void)l, (void)site;
     hc_job job = {.c = c};
     moe_pool_for(c->pool, n_rows, 1, post_rows, &job);
+    float *streams = c->hc.wide; /* the new streams: the buffers trade places, no copy back */
+    c->hc.wide = c->x;
+    c->x = streams;
 }
 
 static const float *hc_final(moe_ctx *c, uint32_t r) {
