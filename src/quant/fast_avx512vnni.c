@@ -761,20 +761,10 @@ MOE_INLINE void fast_iq_blocks(fast_type t, const uint8_t *w, size_t ws, int n_w
     }
 }
 
-/* Block i of 16 IQ2_S rows into a tile, bias and all (fast_tile_iq's tile). */
-MOE_INLINE void fast_tile_iq2_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
-                                void *tile) {
-    fast_tile *o = tile;
-    const uint8_t *block[16];
-    __m512i q[16], h[4];
-    uint16_t d[16];
-    fast_iq_blocks(t, w, ws, n_w, i, block, d);
-    for (int v = 0; v < 16; v++) q[v] = z_load(block[v] + offsetof(moe_block_iq2_s, qs));
-    fast_transpose16x16(q); /* q[k] (k < 8): index bytes 4k ..; q[8 + k]: their sign bytes */
-    _Static_assert(offsetof(moe_block_iq2_s, scales) == offsetof(moe_block_iq2_s, qh) + 8,
-                   "qh, then the scales");
-    fast_rows_dwords4(block, offsetof(moe_block_iq2_s, qh), h);
-    o->d = _mm512_cvtph_ps(avx2_load(d));
+/* A tile of 16 IQ2_S rows, no bias, from their block bodies as dwords (lane v: row v): q[k] (k <
+ * 8) index bytes 4k .., q[8 + k] their sign bytes, h[0], h[1] qh, h[2], h[3] the scales (o->d
+ * is the caller's). */
+MOE_INLINE void fast_tile_iq2_s_body(const __m512i q[16], const __m512i h[4], fast_tile *o) {
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) /* 2 x nibble j of the scales + 1 */
         o->scale[j] = _mm512_or_si512(
@@ -815,42 +805,43 @@ MOE_INLINE void fast_tile_iq2_s(fast_type t, const uint8_t *w, size_t ws, int n_
                 o->tile[2 * (4 * k + m) + hq] = _mm512_permutexvar_epi8(idx, book);
             }
     }
+}
+
+/* Block i of 16 IQ2_S rows into a tile, bias and all (fast_tile_iq's tile). */
+MOE_INLINE void fast_tile_iq2_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                                void *tile) {
+    fast_tile *o = tile;
+    const uint8_t *block[16];
+    __m512i q[16], h[4];
+    uint16_t d[16];
+    fast_iq_blocks(t, w, ws, n_w, i, block, d);
+    for (int v = 0; v < 16; v++) q[v] = z_load(block[v] + offsetof(moe_block_iq2_s, qs));
+    fast_transpose16x16(q); /* q[k] (k < 8): index bytes 4k ..; q[8 + k]: their sign bytes */
+    _Static_assert(offsetof(moe_block_iq2_s, scales) == offsetof(moe_block_iq2_s, qh) + 8,
+                   "qh, then the scales");
+    fast_rows_dwords4(block, offsetof(moe_block_iq2_s, qh), h);
+    o->d = _mm512_cvtph_ps(avx2_load(d));
+    fast_tile_iq2_s_body(q, h, o);
     fast_tile_bias(o);
 }
 
 /* Block i of 16 IQ3_S rows into a tile, bias and all (fast_tile_iq's tile), as IQ2_S's: the
  * rows' qs transposed as dwords (q[k]: entries 4k .. 4k + 3), and the 64 bytes that end each
  * block (qs 44 .., qh, the signs, the scales) likewise, so that s[5], s[6] hold qh, s[7 + c]
- * sign dword c and s[15] the scales. Per register of indices one lookup in the two code planes
- * (z_grid2_plane, 8 vpermi2b: plane q's byte holds the magnitudes of bytes 2q, 2q + 1 of the
- * entry as nibbles); per two tile registers a vpermt2b pairs the planes' bytes of their entries
- * into words, two vpmultishiftqb spread the nibbles to bytes, and the signs go on as the ROWS16
- * decodes put them (fast_bits4). Zen 5, one thread, 4 MiB of rows of 4096, ns per block of 16
- * rows, medians of 3 runs alternated (load 5.4): 406 -> 315 at 8 activation rows, 533 -> 439
- * at 16, 833 -> 696 at 32. */
-MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
-                                void *tile) {
-    fast_tile *o = tile;
-    enum { TAIL = sizeof(moe_block_iq3_s) - 64 }; /* the last 64 bytes of a block */
-    _Static_assert(offsetof(moe_block_iq3_s, qh) == TAIL + 20 &&
-                       offsetof(moe_block_iq3_s, signs) == TAIL + 28 &&
-                       offsetof(moe_block_iq3_s, scales) == TAIL + 60,
-                   "qh, signs, scales at dwords 5, 7, 15 of the block's last 64 bytes");
-    const uint8_t *block[16];
-    __m512i q[16], s[16];
-    uint16_t d[16];
-    fast_iq_blocks(t, w, ws, n_w, i, block, d);
-    for (int v = 0; v < 16; v++) {
-        q[v] = z_load(block[v] + offsetof(moe_block_iq3_s, qs));
-        s[v] = z_load(block[v] + TAIL);
-    }
-    fast_transpose16x16(q);
-    fast_transpose16x16(s);
-    o->d = _mm512_cvtph_ps(avx2_load(d));
+ * sign dword c and s[15] the scales (a ROWS16 group's body holds them so already). Per register of
+ * indices one lookup in the two code planes (z_grid2_plane, 8 vpermi2b: plane q's byte holds the
+ * magnitudes of bytes 2q, 2q + 1 of the entry as nibbles); per two tile registers a vpermt2b pairs
+ * the planes' bytes of their entries into words, two vpmultishiftqb spread the nibbles to bytes,
+ * and the signs go on as the ROWS16 decodes put them (fast_bits4). Zen 5, one thread, 4 MiB of rows
+ * of 4096, ns per block of 16 rows, medians of 3 runs alternated (load 5.4): 406 -> 315 at 8
+ * activation rows, 533 -> 439 at 16, 833 -> 696 at 32. Here the tile, no bias, from the 16 rows'
+ * bodies as dwords (lane v: row v): q[k] qs dword k, s[0], s[1] qh, s[2 + c] sign dword c, s[10]
+ * the scales (o->d is the caller's). */
+MOE_INLINE void fast_tile_iq3_s_body(const __m512i q[16], const __m512i s[11], fast_tile *o) {
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) /* 2 x nibble j + 1 per 32 values, twice */
         o->scale[2 * j] = o->scale[2 * j + 1] = _mm512_or_si512(
-            _mm512_and_si512(j ? _mm512_srli_epi32(s[15], 4 * j - 1) : _mm512_slli_epi32(s[15], 1),
+            _mm512_and_si512(j ? _mm512_srli_epi32(s[10], 4 * j - 1) : _mm512_slli_epi32(s[10], 1),
                              _mm512_set1_epi32(30)),
             _mm512_set1_epi32(1));
     /* byte 4w + c of a qword: nibble c of word w (then of word 2 + w) */
@@ -860,7 +851,7 @@ MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_
     for (int k = 0; k < 16; k++) {
         /* qh byte k / 2 of each row in all four bytes: bit 4 (k % 2) + m of it is bit 8 of
          * entry 4k + m */
-        const __m512i hk = fast_dword_byte(s[5 + k / 8], k / 2 % 4);
+        const __m512i hk = fast_dword_byte(s[k / 8], k / 2 % 4);
         const __mmask64 bit8 =
             _mm512_test_epi8_mask(hk, _mm512_set1_epi32(0x08040201 << 4 * (k % 2)));
         const __m512i p0 = z_grid2_plane(z_iq3s_codes[0], 4, q[k], bit8, 0),
@@ -888,10 +879,31 @@ MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_
                 const int e = 4 * k + 2 * mm + h;
                 const __m512i mag = _mm512_and_si512(_mm512_multishift_epi64_epi8(nib[h], words),
                                                      _mm512_set1_epi8(0x0f));
-                o->tile[e] = z_apply_signs(mag, fast_bits4(s[7 + e / 8], e % 8));
+                o->tile[e] = z_apply_signs(mag, fast_bits4(s[2 + e / 8], e % 8));
             }
         }
     }
+}
+MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                                void *tile) {
+    fast_tile *o = tile;
+    enum { TAIL = sizeof(moe_block_iq3_s) - 64 }; /* the last 64 bytes of a block */
+    _Static_assert(offsetof(moe_block_iq3_s, qh) == TAIL + 20 &&
+                       offsetof(moe_block_iq3_s, signs) == TAIL + 28 &&
+                       offsetof(moe_block_iq3_s, scales) == TAIL + 60,
+                   "qh, signs, scales at dwords 5, 7, 15 of the block's last 64 bytes");
+    const uint8_t *block[16];
+    __m512i q[16], s[16];
+    uint16_t d[16];
+    fast_iq_blocks(t, w, ws, n_w, i, block, d);
+    for (int v = 0; v < 16; v++) {
+        q[v] = z_load(block[v] + offsetof(moe_block_iq3_s, qs));
+        s[v] = z_load(block[v] + TAIL);
+    }
+    fast_transpose16x16(q);
+    fast_transpose16x16(s);
+    o->d = _mm512_cvtph_ps(avx2_load(d));
+    fast_tile_iq3_s_body(q, s + 5, o);
     fast_tile_bias(o);
 }
 
@@ -1160,7 +1172,7 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
  * indices looked up in code planes (fast_r16_iq2_xxs). Signs: a 32-bit word per row and 32
  * values (the XXS types' ksigns indices looked up into one, 16 rows at a time), turned into the
  * byte mask of each tile register by fast_bits4 (under FAST_TILE_MIN_ROWS rows the XXS types
- * skip the tile: fast_r16_xxs_lanes below). IQ4_XS: the 32-value types' nibble book, eight times.
+ * skip the tile: fast_r16_cb_lanes below). IQ4_XS: the 32-value types' nibble book, eight times.
  * The tiles are those of fast_tile_iq, so the bits are the file layout's. IQ3_S stays in the file's
  * layout: decoded the same way (its 9-bit indices through four vpermi2b tables a code plane) its
  * tile cost more than the per-row lanes path at 1 .. 4 activation rows (0.7x at one row in cache,
@@ -1240,6 +1252,25 @@ MOE_INLINE void fast_r16_iq2_xxs(const uint8_t *body, fast_tile *o) {
     }
 }
 
+/* IQ2_S and IQ3_S bodies: the file layout's tiles (fast_tile_iq2_s_body, fast_tile_iq3_s_body)
+ * from the registers where those transpose the rows' blocks into them. */
+MOE_INLINE void fast_r16_iq2_s(const uint8_t *body, fast_tile *o) {
+    __m512i q[16], h[4];
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; k++) q[k] = z_load(body + 64 * k);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) h[k] = z_load(body + 64 * (16 + k));
+    fast_tile_iq2_s_body(q, h, o);
+}
+MOE_INLINE void fast_r16_iq3_s(const uint8_t *body, fast_tile *o) {
+    __m512i q[16], s[11];
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; k++) q[k] = z_load(body + 64 * k);
+#pragma GCC unroll 11
+    for (int k = 0; k < 11; k++) s[k] = z_load(body + 64 * (16 + k));
+    fast_tile_iq3_s_body(q, s, o);
+}
+
 /* IQ4_XS: heads of d, scales_h, scales_l (a qword a row); the body the qs, per 32 values four
  * dwords of nibbles as the 32-value types' (fast_tile_nibbles). */
 MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_tile *o) {
@@ -1273,7 +1304,7 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
  * as 128 + the magnitude, and a vptestmb and a masked vpsubb sign it (128 - the magnitude): the
  * weights + 128, unsigned. The activation bytes a register meets are the same for all 16 rows
  * (value j of the four entries), so each activation block is put in that order once
- * (fast_xxs_order) and a row meets a register in one vpdpbusd with its four bytes broadcast from
+ * (fast_cb_order) and a row meets a register in one vpdpbusd with its four bytes broadcast from
  * memory, each row's chain starting from -128 x the activations' sum of its 32 values (the
  * block's bsums). Lane v is row v throughout, as in the tile: the same int32 block sums met by the
  * same fma, so the tile's bits. The trap: the chains start from the bsums, so they must be the
@@ -1293,20 +1324,21 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
  * latency) within noise at one to three rows. */
 
 /* Bytes of an activation row's block in the lanes' order: its 256 values, then the 8 chains' starts
- * (fast_xxs_start) as int32, and padding to a whole line (the rows' 64-byte stores stay aligned).
+ * (fast_cb_start) as int32, and padding to a whole line (the rows' 64-byte stores stay aligned).
  */
-#define FAST_XXS_X (MOE_QK_K + 64)
+#define FAST_CB_X (MOE_QK_K + 64)
 
 /* Block i of R activation rows (xs bytes apart) in the lanes' order, into dst[r]: byte per q +
  * 4j + c from byte per q + per / 4 c + j, per the values an index register's entries cover in a
- * row (IQ2_XXS: 32, four entries of 8; IQ3_XXS: 16, four of 4), order being fast_xxs_order_index's;
- * then -128 x the sum of values 32s .. 32s + 31 for each s (bsums 2s, 2s + 1: one vpmaddwd), which
- * a chain's start then broadcasts from memory. Made from the bsums per chain instead (scalar work
- * and a broadcast from a general register), Zen 5, 1 MiB, medians of 8 runs alternated (load 4.5):
- * IQ3_XXS 8.6 at seven rows (9.7 this way), 20.0 at two (21.4); IQ2_XXS 6.8 (7.5) at seven; one
- * row within 2 %. */
-MOE_INLINE void fast_xxs_order(int R, const uint8_t *x, size_t xs, int64_t i, __m512i order,
-                               uint8_t (*dst)[FAST_XXS_X]) {
+ * row (IQ2_XXS: 32, four entries of 8; IQ3_XXS, IQ3_S: 16, four of 4; IQ2_S: 16, two entries'
+ * values i and 4 + i, fast_cb_iq2_s), order being fast_cb_order_index's; then -128 x the sum of
+ * the values of each chain: 32s .. 32s + 31 for each s with chain = 32 (bsums 2s, 2s + 1: one
+ * vpmaddwd), 16s .. 16s + 15 with chain = 16 (each bsum), which a chain's start then broadcasts
+ * from memory. Made from the bsums per chain instead (scalar work and a broadcast from a general
+ * register), Zen 5, 1 MiB, medians of 8 runs alternated (load 4.5): IQ3_XXS 8.6 at seven rows
+ * (9.7 this way), 20.0 at two (21.4); IQ2_XXS 6.8 (7.5) at seven; one row within 2 %. */
+MOE_INLINE void fast_cb_order(int R, const uint8_t *x, size_t xs, int64_t i, __m512i order,
+                              int chain, uint8_t (*dst)[FAST_CB_X]) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
@@ -1314,107 +1346,209 @@ MOE_INLINE void fast_xxs_order(int R, const uint8_t *x, size_t xs, int64_t i, __
         for (int k = 0; k < MOE_QK_K / 64; k++)
             _mm512_store_si512(dst[r] + 64 * k,
                                _mm512_permutexvar_epi8(order, z_load(y->qs + 64 * k)));
-        _mm256_store_si256((__m256i *)(dst[r] + MOE_QK_K),
-                           _mm256_madd_epi16(avx2_load(y->bsums), _mm256_set1_epi16(-128)));
+        if (chain == 32)
+            _mm256_store_si256((__m256i *)(dst[r] + MOE_QK_K),
+                               _mm256_madd_epi16(avx2_load(y->bsums), _mm256_set1_epi16(-128)));
+        else
+            _mm512_store_si512(dst[r] + MOE_QK_K,
+                               _mm512_mullo_epi32(_mm512_cvtepi16_epi32(avx2_load(y->bsums)),
+                                                  _mm512_set1_epi32(-128)));
     }
 }
-MOE_INLINE __m512i fast_xxs_order_index(int per) {
+MOE_INLINE __m512i fast_cb_order_index(int per) {
     uint8_t at[64] __attribute__((aligned(64)));
     for (int o = 0; o < 64; o++) at[o] = (uint8_t)(o / per * per + per / 4 * (o % 4) + o % per / 4);
     return _mm512_load_si512(at);
 }
 
 /* The R rows' value j of a register of 16 rows' entries (u: 128 + the magnitudes; neg: their
- * sign bits) against the activations' dword `dword` of the order (fast_xxs_order), into part[r]:
+ * sign bits) against the activations' dword `dword` of the order (fast_cb_order), into part[r]:
  * the weights signed where they lie and the activation bytes broadcast (fast_dpbusd_bcast), so
  * that the signs cost an instruction per register, not per row, and a row a vpdpbusd. */
-MOE_INLINE void fast_xxs_meet(int R, __m512i u, __mmask64 neg, const uint8_t (*xp)[FAST_XXS_X],
-                              int dword, __m512i *part) {
+MOE_INLINE void fast_cb_meet(int R, __m512i u, __mmask64 neg, const uint8_t (*xp)[FAST_CB_X],
+                             int dword, __m512i *part) {
     u = _mm512_mask_sub_epi8(u, neg, _mm512_setzero_si512(), u); /* 128 - m: 256 - (128 + m) */
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) part[r] = fast_dpbusd_bcast(part[r], u, xp[r] + 4 * dword);
 }
 
-/* The chains of the R rows' 32 values s, from -128 x the activations' sum of them (xp's, from the
- * bsums): the weights are 128 + their signed values. */
-MOE_INLINE void fast_xxs_start(int R, const uint8_t (*xp)[FAST_XXS_X], int s, __m512i *part) {
+/* The R rows' chain c (its values: fast_cb_order's), from -128 x the activations' sum of them
+ * (xp's, from the bsums): the weights are 128 + their signed values. */
+MOE_INLINE void fast_cb_start(int R, const uint8_t (*xp)[FAST_CB_X], int c, __m512i *part) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         int32_t off;
-        memcpy(&off, xp[r] + MOE_QK_K + 4 * s, sizeof off);
+        memcpy(&off, xp[r] + MOE_QK_K + 4 * c, sizeof off);
         part[r] = _mm512_set1_epi32(off);
     }
 }
 
-/* sum[r] + part[r] x the integer scales of the sign-and-scale words (lane v: row v's 2 x its top
- * 4 bits + 1). */
-MOE_INLINE void fast_xxs_scaled(int R, const __m512i *part, __m512i words, __m512i *sum) {
-    const __m512i scale = _mm512_or_si512(_mm512_srli_epi32(words, 27), _mm512_set1_epi32(1));
+/* sum[r] + part[r] x scale (lane v: row v's integer scale of the chain's values). */
+MOE_INLINE void fast_cb_scaled(int R, const __m512i *part, __m512i scale, __m512i *sum) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[r], scale));
 }
 
-/* IQ2_XXS, 32 values s of a ROWS16 block (body: after its heads; words: its sign-and-scale words,
- * body register 2s + 1) against R rows' activations in the order, into their chains: index
- * register 2s looked up in the two code planes (p[q] byte 4v + c: the codes of values 4q .. 4q + 3
- * of row v's entry 4s + c). */
-MOE_INLINE void fast_xxs_iq2(int R, const uint8_t *body, int s, __m512i words,
-                             const uint8_t (*xp)[FAST_XXS_X], __m512i *part) {
-    const __m512i q = z_load(body + 64 * 2 * s), signs = fast_ksigns32(words);
-    const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
-                          z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; j++)
-        fast_xxs_meet(R, z_grid2_affine(p[j / 4], j % 4, true),
-                      _mm512_test_epi8_mask(signs, _mm512_set1_epi8((char)(1 << j))), xp, 8 * s + j,
-                      part);
+/* The integer scales 2 s + 1, s the 4 bits at `shift` of each lane of words. */
+MOE_INLINE __m512i fast_cb_odd_scales(__m512i words, int shift) {
+    const __m512i twice = shift ? _mm512_srli_epi32(words, shift - 1) : _mm512_slli_epi32(words, 1);
+    return _mm512_ternarylogic_epi32(twice, _mm512_set1_epi32(30), _mm512_set1_epi32(1),
+                                     0xea); /* & 30 | 1 */
 }
 
-/* IQ3_XXS likewise (words: body register 16 + s): index registers 2s + h (h = 0, 1: entries 8s +
- * 4h + c) looked up in the two code planes (c[q] byte 4v + c: the 3-bit codes of values 2q, 2q + 1
- * of row v's entry as nibbles); ksigns byte 2h + c / 2 of a word holds the signs of entry 8s + 4h
- * + c, value j at bit 4 (c % 2) + j. */
-MOE_INLINE void fast_xxs_iq3(int R, const uint8_t *body, int s, __m512i words,
-                             const uint8_t (*xp)[FAST_XXS_X], __m512i *part) {
-    const __m512i ks = fast_ksigns32(words);
+/* IQ2_XXS, 32 values s of a ROWS16 block (body: after its heads) against R rows' activations in
+ * the order, into sum[r]: index register 2s looked up in the two code planes (p[q] byte 4v + c:
+ * the codes of values 4q .. 4q + 3 of row v's entry 4s + c), the sign-and-scale words register
+ * 2s + 1. */
+MOE_INLINE void fast_cb_iq2_xxs(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                                __m512i *sum) {
+    const __m512i q = z_load(body + 64 * 2 * s), words = z_load(body + 64 * (2 * s + 1));
+    const __m512i signs = fast_ksigns32(words);
+    const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
+                          z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
+    __m512i part[FAST_TILE_MIN_ROWS];
+    fast_cb_start(R, xp, s, part);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++)
+        fast_cb_meet(R, z_grid2_affine(p[j / 4], j % 4, true),
+                     _mm512_test_epi8_mask(signs, _mm512_set1_epi8((char)(1 << j))), xp, 8 * s + j,
+                     part);
+    fast_cb_scaled(R, part, fast_cb_odd_scales(words, 28), sum);
+}
+
+/* The signs of 16 rows' 4-value entries 4k + c (c = 0..3, byte 4v + c of a register), value j of
+ * each at bit 4 (c % 2) + j of byte 2 (k % 2) + c / 2 of sign dword `bytes` (lane v: row v): each
+ * byte given its entry's sign byte, to be tested with 0x10011001 << j. */
+MOE_INLINE __m512i fast_cb_signs4(__m512i bytes, int k) {
+    return _mm512_shuffle_epi8(
+        bytes, _mm512_broadcast_i32x4(
+                   _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13),
+                                _mm_set1_epi8((char)(2 * (k % 2))))));
+}
+
+/* IQ3_XXS likewise (the sign-and-scale words: body register 16 + s): index registers 2s + h (h =
+ * 0, 1: entries 8s + 4h + c) looked up in the two code planes (c[q] byte 4v + c: the 3-bit codes
+ * of values 2q, 2q + 1 of row v's entry as nibbles); ksigns byte 2h + c / 2 of a word holds the
+ * signs of entry 8s + 4h + c. */
+MOE_INLINE void fast_cb_iq3_xxs(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                                __m512i *sum) {
+    const __m512i words = z_load(body + 64 * (16 + s)), ks = fast_ksigns32(words);
+    __m512i part[FAST_TILE_MIN_ROWS];
+    fast_cb_start(R, xp, s, part);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
         const int k = 2 * s + h;
         const __m512i q = z_load(body + 64 * k);
         const __m512i c[2] = {z_grid2_plane(z_iq3xxs_codes[0], 2, q, 0, 0),
                               z_grid2_plane(z_iq3xxs_codes[1], 2, q, 0, 0)};
-        const __m512i signs = _mm512_shuffle_epi8(
-            ks, _mm512_broadcast_i32x4(
-                    _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13),
-                                 _mm_set1_epi8((char)(2 * h)))));
+        const __m512i signs = fast_cb_signs4(ks, k);
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
-            fast_xxs_meet(R, z_iq3xxs_values(c[j / 2], j % 2, true),
-                          _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
-                          4 * k + j, part);
+            fast_cb_meet(R, z_iq3xxs_values(c[j / 2], j % 2, true),
+                         _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
+                         4 * k + j, part);
+    }
+    fast_cb_scaled(R, part, fast_cb_odd_scales(words, 28), sum);
+}
+
+/* IQ3_S likewise (body: qs dwords 0..15, qh 16, 17, signs 18..25, the scales 26): the 9-bit
+ * indices of index register k through the code planes' four tables (z_grid2_plane: bit 8 of
+ * entry 4k + c is bit 4 (k % 2) + c of qh byte k / 2), whose nibbles are the magnitudes (value j
+ * of the entry: plane j / 2, nibble j % 2); sign dword 18 + s holds the sign bytes of entries 8s
+ * .. 8s + 7 as ksigns words do theirs; a scale per 32 values, nibble s of dword 26. */
+MOE_INLINE void fast_cb_iq3_s(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                              __m512i *sum) {
+    const __m512i bytes = z_load(body + 64 * (18 + s)), qh = z_load(body + 64 * (16 + s / 4));
+    __m512i part[FAST_TILE_MIN_ROWS];
+    fast_cb_start(R, xp, s, part);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const int k = 2 * s + h;
+        const __m512i q = z_load(body + 64 * k);
+        const __mmask64 bit8 = _mm512_test_epi8_mask(fast_dword_byte(qh, s % 4),
+                                                     _mm512_set1_epi32(0x08040201 << 4 * h));
+        const __m512i c[2] = {z_grid2_plane(z_iq3s_codes[0], 4, q, bit8, 0),
+                              z_grid2_plane(z_iq3s_codes[1], 4, q, bit8, 0)};
+        const __m512i signs = fast_cb_signs4(bytes, k);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* (nibble & 15) | 128 */
+            const __m512i n = j % 2 ? _mm512_srli_epi16(c[j / 2], 4) : c[j / 2];
+            fast_cb_meet(R,
+                         _mm512_ternarylogic_epi32(n, _mm512_set1_epi8(0x0f),
+                                                   _mm512_set1_epi8((char)0x80), 0xea),
+                         _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
+                         4 * k + j, part);
+        }
+    }
+    fast_cb_scaled(R, part, fast_cb_odd_scales(z_load(body + 64 * 26), 4 * s), sum);
+}
+
+/* IQ2_S likewise (body: index bytes dwords 0..7, their sign bytes 8..15, qh 16, 17, the scales
+ * 18, 19): a scale per 16 values, so a lane holds values of two entries, not four, and each
+ * chain is 16 values g of the 32 (g = 0, 1: entries 4s + 2g, 4s + 2g + 1). Index register s is
+ * put in the order that leaves, after the lookups, bytes 2m, 2m + 1 of each 128-bit lane (rows 4L
+ * .. 4L + 3) entries 0, 1 of row 4L + m and bytes 8 + 2m, 9 + 2m its entries 2, 3, so the
+ * unpacks of the two planes' bytes give u[g] lane v: [plane 0, plane 1 of entry 2g, plane 0,
+ * plane 1 of entry 2g + 1] (the codes of values 0..3 and 4..7) of row v, and z_grid2_affine's
+ * code i gives its values i, 4 + i of both entries. The 10-bit indices: bits 8, 9 of entry c are
+ * bits 2c, 2c + 1 of qh byte s. */
+MOE_INLINE void fast_cb_iq2_s(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                              __m512i *sum) {
+    const __m512i q = z_load(body + 64 * s), bytes = z_load(body + 64 * (8 + s));
+    const __m512i qh = z_load(body + 64 * (16 + s / 4)), sc = z_load(body + 64 * (18 + s / 4));
+    const __m512i idx =
+        _mm512_shuffle_epi8(q, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3,
+                                                                    6, 7, 10, 11, 14, 15)));
+    const __m512i hs =
+        _mm512_shuffle_epi8(/* qh byte s of each byte's row */
+                            qh,
+                            _mm512_broadcast_i32x4(_mm_add_epi8(
+                                _mm_setr_epi8(0, 0, 4, 4, 8, 8, 12, 12, 0, 0, 4, 4, 8, 8, 12, 12),
+                                _mm_set1_epi8((char)(s % 4)))));
+    const __m512i bit = _mm512_broadcast_i32x4(
+        _mm_set_epi64x(0x4010401040104010, 0x0401040104010401)); /* bit 2c of entry c's byte */
+    const __mmask64 bit8 = _mm512_test_epi8_mask(hs, bit),
+                    bit9 = _mm512_test_epi8_mask(hs, _mm512_add_epi8(bit, bit));
+    const __m512i p0 = z_grid2_plane(z_iq2s_codes[0], 8, idx, bit8, bit9),
+                  p1 = z_grid2_plane(z_iq2s_codes[1], 8, idx, bit8, bit9);
+    const __m512i u[2] = {_mm512_unpacklo_epi8(p0, p1), _mm512_unpackhi_epi8(p0, p1)};
+#pragma GCC unroll 2
+    for (int g = 0; g < 2; g++) {
+        __m512i part[FAST_TILE_MIN_ROWS];
+        fast_cb_start(R, xp, 2 * s + g, part);
+        /* byte 4v + b: the sign byte of row v's entry 4s + 2g + b / 2 (as fast_cb_signs4 puts
+         * them: its value i at bit 4 (b % 2) + i is value i (b even) or 4 + i) */
+        const __m512i signs = fast_cb_signs4(bytes, g);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            fast_cb_meet(R, z_grid2_affine(u[g], i, true),
+                         _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << i)), xp,
+                         4 * (2 * s + g) + i, part);
+        fast_cb_scaled(R, part, fast_cb_odd_scales(sc, 8 * (s % 4) + 4 * g), sum);
     }
 }
 
-typedef void (*fast_xxs_fn)(int R, const uint8_t *body, int s, __m512i words,
-                            const uint8_t (*xp)[FAST_XXS_X], __m512i *part);
+/* A type's 32 values s of a ROWS16 block against R rows' activations, into sum[r]. */
+typedef void (*fast_cb_fn)(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                           __m512i *sum);
 
-/* R < FAST_TILE_MIN_ROWS activation rows against a ROWS16 group of nb blocks of an XXS type (per:
- * fast_xxs_order's; the sign-and-scale words of 32 values s in body register words_at[0] s +
- * words_at[1]; sub: fast_xxs_iq2 or fast_xxs_iq3). Each activation block is put in order a block
- * ahead of its multiply, so that the broadcasts read stores long done (fast_rows' reason). */
-MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, const int words_at[2],
-                                   float mult, fast_xxs_fn sub, const uint8_t *w, const uint8_t *x,
-                                   size_t xs, int64_t nb, float *out, int64_t os) {
+/* R < FAST_TILE_MIN_ROWS activation rows against a ROWS16 group of nb blocks of a codebook type
+ * whose heads are its d (per, chain: fast_cb_order's; sub: its fast_cb_<t>). Each activation
+ * block is put in order a block ahead of its multiply, so that the broadcasts read stores long
+ * done (fast_rows' reason). */
+MOE_INLINE void fast_r16_cb_lanes(int R, size_t block_bytes, int per, int chain, float mult,
+                                  fast_cb_fn sub, const uint8_t *w, const uint8_t *x, size_t xs,
+                                  int64_t nb, float *out, int64_t os) {
     const size_t bytes = MOE_ROWS16 * block_bytes;
-    const __m512i order = fast_xxs_order_index(per);
-    uint8_t xp[2][FAST_TILE_MIN_ROWS][FAST_XXS_X] __attribute__((aligned(64)));
+    const __m512i order = fast_cb_order_index(per);
+    uint8_t xp[2][FAST_TILE_MIN_ROWS][FAST_CB_X] __attribute__((aligned(64)));
     __m512 acc[FAST_TILE_MIN_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    fast_xxs_order(R, x, xs, 0, order, xp[0]);
+    fast_cb_order(R, x, xs, 0, order, chain, xp[0]);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + (size_t)i * bytes;
-        if (i + 1 < nb) fast_xxs_order(R, x, xs, i + 1, order, xp[(i + 1) % 2]);
+        if (i + 1 < nb) fast_cb_order(R, x, xs, i + 1, order, chain, xp[(i + 1) % 2]);
         __m512i sum[FAST_TILE_MIN_ROWS];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
@@ -1422,11 +1556,7 @@ MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, const int
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             fast_rows16_prefetch_part(b, bytes, s, 8);
-            const __m512i words = z_load(body + 64 * (words_at[0] * s + words_at[1]));
-            __m512i part[FAST_TILE_MIN_ROWS];
-            fast_xxs_start(R, (const uint8_t(*)[FAST_XXS_X])xp[i % 2], s, part);
-            sub(R, body, s, words, (const uint8_t(*)[FAST_XXS_X])xp[i % 2], part);
-            fast_xxs_scaled(R, part, words, sum);
+            sub(R, body, s, (const uint8_t(*)[FAST_CB_X])xp[i % 2], sum);
         }
         const __m512 d = _mm512_cvtph_ps(avx2_load(b));
 #pragma GCC unroll 8
@@ -1439,16 +1569,17 @@ MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, const int
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
 }
-MOE_INLINE void fast_r16_lanes_iq2_xxs(int R, const uint8_t *w, const uint8_t *x, size_t xs,
-                                       int64_t nb, float *out, int64_t os) {
-    fast_r16_xxs_lanes(R, sizeof(moe_block_iq2_xxs), 32, (const int[2]){2, 1}, 0.125f, fast_xxs_iq2,
-                       w, x, xs, nb, out, os);
-}
-MOE_INLINE void fast_r16_lanes_iq3_xxs(int R, const uint8_t *w, const uint8_t *x, size_t xs,
-                                       int64_t nb, float *out, int64_t os) {
-    fast_r16_xxs_lanes(R, sizeof(moe_block_iq3_xxs), 16, (const int[2]){1, 16}, 0.25f, fast_xxs_iq3,
-                       w, x, xs, nb, out, os);
-}
+/* A codebook type's lanes: its block, fast_cb_order's per and chain, its mult. */
+#define FAST_R16_CB_LANES(t, per, chain, mult)                                                     \
+    MOE_INLINE void fast_r16_lanes_##t(int R, const uint8_t *w, const uint8_t *x, size_t xs,       \
+                                       int64_t nb, float *out, int64_t os) {                       \
+        fast_r16_cb_lanes(R, sizeof(moe_block_##t), per, chain, mult, fast_cb_##t, w, x, xs, nb,   \
+                          out, os);                                                                \
+    }
+FAST_R16_CB_LANES(iq2_xxs, 32, 32, 0.125f)
+FAST_R16_CB_LANES(iq3_xxs, 16, 32, 0.25f)
+FAST_R16_CB_LANES(iq3_s, 16, 32, 1.0f)
+FAST_R16_CB_LANES(iq2_s, 16, 16, 0.125f)
 
 /* The ROWS16 kernel of a super-block type t at R rows (FAST_LANES_SWITCH(rows16_<t>) calls it):
  * its fast_r16_lanes_<t>, R a constant. */
@@ -1461,6 +1592,8 @@ MOE_INLINE void fast_r16_lanes_iq3_xxs(int R, const uint8_t *w, const uint8_t *x
     }
 FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq2_xxs)
 FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq3_xxs)
+FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq3_s)
+FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq2_s)
 
 /* The kernel on ROWS16 groups of a codebook type (d the f16 heads) and of IQ4_XS. */
 #define FAST_SB_ROWS16(t, regs, scale_values, mult, decode, before)                                \
@@ -1484,6 +1617,9 @@ FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs),
                FAST_LANES_SWITCH(rows16_iq3_xxs))
 FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs),
                FAST_LANES_SWITCH(rows16_iq2_xxs))
+FAST_SB_ROWS16(iq3_s, z_iqb_iq3_s, 32, 1.0f, FAST_R16_F16(iq3_s), FAST_LANES_SWITCH(rows16_iq3_s))
+FAST_SB_ROWS16(iq2_s, z_iqb_iq2_s_one, 16, 0.125f, FAST_R16_F16(iq2_s),
+               FAST_LANES_SWITCH(rows16_iq2_s))
 FAST_SB_ROWS16(iq4_xs, z_iqb_iq4_xs, 32, 1.0f,
                fast_r16_iq4_xs(b, b + MOE_ROWS16 * offsetof(moe_block_iq4_xs, qs), o), )
 
@@ -1780,6 +1916,8 @@ FAST_AMX_KERNEL(fast_amx_rows16_q5_k, fast_rows16_q5_k, FAST_Q5_K_TYPE, fast_til
      k->types[MOE_TYPE_Q6_K].dot_tile_rows16 = prefix##q6_k,                                       \
      k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = prefix##iq3_xxs,                                 \
      k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = prefix##iq2_xxs,                                 \
+     k->types[MOE_TYPE_IQ3_S].dot_tile_rows16 = prefix##iq3_s,                                     \
+     k->types[MOE_TYPE_IQ2_S].dot_tile_rows16 = prefix##iq2_s,                                     \
      k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = prefix##iq4_xs)
 
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
