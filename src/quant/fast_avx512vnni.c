@@ -761,10 +761,20 @@ MOE_INLINE void fast_iq_blocks(fast_type t, const uint8_t *w, size_t ws, int n_w
     }
 }
 
-/* A tile of 16 IQ2_S rows, no bias, from their block bodies as dwords (lane v: row v): q[k] (k <
- * 8) index bytes 4k .., q[8 + k] their sign bytes, h[0], h[1] qh, h[2], h[3] the scales (o->d
- * is the caller's). */
-MOE_INLINE void fast_tile_iq2_s_body(const __m512i q[16], const __m512i h[4], fast_tile *o) {
+/* Block i of 16 IQ2_S rows into a tile, bias and all (fast_tile_iq's tile). */
+MOE_INLINE void fast_tile_iq2_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                                void *tile) {
+    fast_tile *o = tile;
+    const uint8_t *block[16];
+    __m512i q[16], h[4];
+    uint16_t d[16];
+    fast_iq_blocks(t, w, ws, n_w, i, block, d);
+    for (int v = 0; v < 16; v++) q[v] = z_load(block[v] + offsetof(moe_block_iq2_s, qs));
+    fast_transpose16x16(q); /* q[k] (k < 8): index bytes 4k ..; q[8 + k]: their sign bytes */
+    _Static_assert(offsetof(moe_block_iq2_s, scales) == offsetof(moe_block_iq2_s, qh) + 8,
+                   "qh, then the scales");
+    fast_rows_dwords4(block, offsetof(moe_block_iq2_s, qh), h);
+    o->d = _mm512_cvtph_ps(avx2_load(d));
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) /* 2 x nibble j of the scales + 1 */
         o->scale[j] = _mm512_or_si512(
@@ -805,23 +815,6 @@ MOE_INLINE void fast_tile_iq2_s_body(const __m512i q[16], const __m512i h[4], fa
                 o->tile[2 * (4 * k + m) + hq] = _mm512_permutexvar_epi8(idx, book);
             }
     }
-}
-
-/* Block i of 16 IQ2_S rows into a tile, bias and all (fast_tile_iq's tile). */
-MOE_INLINE void fast_tile_iq2_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
-                                void *tile) {
-    fast_tile *o = tile;
-    const uint8_t *block[16];
-    __m512i q[16], h[4];
-    uint16_t d[16];
-    fast_iq_blocks(t, w, ws, n_w, i, block, d);
-    for (int v = 0; v < 16; v++) q[v] = z_load(block[v] + offsetof(moe_block_iq2_s, qs));
-    fast_transpose16x16(q); /* q[k] (k < 8): index bytes 4k ..; q[8 + k]: their sign bytes */
-    _Static_assert(offsetof(moe_block_iq2_s, scales) == offsetof(moe_block_iq2_s, qh) + 8,
-                   "qh, then the scales");
-    fast_rows_dwords4(block, offsetof(moe_block_iq2_s, qh), h);
-    o->d = _mm512_cvtph_ps(avx2_load(d));
-    fast_tile_iq2_s_body(q, h, o);
     fast_tile_bias(o);
 }
 
@@ -1173,13 +1166,21 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
  * values (the XXS types' ksigns indices looked up into one, 16 rows at a time), turned into the
  * byte mask of each tile register by fast_bits4 (under FAST_TILE_MIN_ROWS rows the XXS types
  * skip the tile: fast_r16_cb_lanes below). IQ4_XS: the 32-value types' nibble book, eight times.
- * The tiles are those of fast_tile_iq, so the bits are the file layout's. IQ3_S stays in the file's
- * layout: decoded the same way (its 9-bit indices through four vpermi2b tables a code plane) its
- * tile cost more than the per-row lanes path at 1 .. 4 activation rows (0.7x at one row in cache,
- * 0.74x from DRAM; 1.1x at 16; measured before the lanes took IQ3_S in the grouped order, which
- * widened the gap); so does IQ2_S, whose rows are decode's bulk (Intel with AMX, when both layouts
- * still gathered their grid entries: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16; not measured
- * again since both look them up in code planes). */
+ * The tiles are those of fast_tile_iq, so the bits are the file layout's. IQ3_S: the file tile's
+ * decode (fast_tile_iq3_s) from the body's registers, no transposes (under FAST_TILE_MIN_ROWS
+ * rows the lanes below). IQ2_S stays in the file's layout: made the same way (its tile from the
+ * body, fast_tile_iq2_s's decode; lanes as IQ3_S's, but a scale per 16 values, so each register
+ * takes two entries' values i and 4 + i, their plane bytes paired by a vpshufb of the indices
+ * before the lookups and two unpacks after), Zen 5, bench/kernels --tile, one thread, GB/s of
+ * weights, the file's -> ROWS16: from DRAM (256 MiB, medians of 4 runs alternated, load 3-4)
+ * 13.3 -> 12.9 at one row, 10.2 -> 10.4 at two, 4.0 -> 3.9 at eight, 2.9 -> 2.8 at 16 (128 MiB:
+ * 1.1-1.2x at three to seven); in L2 (1 MiB, the best of 20, load 3) 13.9 -> 15.2 at one, 9.6
+ * -> 10.8 at two, 4.7 -> 5.3 at seven. Its 10-bit indices cost both layouts the same 16
+ * vpermi2b and 14 blends per 64 entries, half the lanes' time at one row (a two-table lookup
+ * instead, wrong sums: 14 -> 27 GB/s in L2), and the ROWS16 stream, prefetched as the others'
+ * (NTA, T0 or T1; 6, 10 or 20 KiB ahead: all alike), falls further behind DRAM than the file's
+ * sixteen. Each byte's sign and index bits picked by vpshufbitqmb (BITALG) in place of a vpshufb
+ * and a vptestmb: no gain outside the noise (more spills at seven rows). */
 
 /* 16 rows' sign words from their XXS sign-and-scale words (four 7-bit ksigns indices each). */
 MOE_INLINE __m512i fast_ksigns32(__m512i words) {
@@ -1252,16 +1253,8 @@ MOE_INLINE void fast_r16_iq2_xxs(const uint8_t *body, fast_tile *o) {
     }
 }
 
-/* IQ2_S and IQ3_S bodies: the file layout's tiles (fast_tile_iq2_s_body, fast_tile_iq3_s_body)
- * from the registers where those transpose the rows' blocks into them. */
-MOE_INLINE void fast_r16_iq2_s(const uint8_t *body, fast_tile *o) {
-    __m512i q[16], h[4];
-#pragma GCC unroll 16
-    for (int k = 0; k < 16; k++) q[k] = z_load(body + 64 * k);
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) h[k] = z_load(body + 64 * (16 + k));
-    fast_tile_iq2_s_body(q, h, o);
-}
+/* IQ3_S's body: the file layout's tile (fast_tile_iq3_s_body) from the registers where that
+ * transposes the rows' blocks into them. */
 MOE_INLINE void fast_r16_iq3_s(const uint8_t *body, fast_tile *o) {
     __m512i q[16], s[11];
 #pragma GCC unroll 16
@@ -1291,7 +1284,7 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
     o->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
 }
 
-/* ---- IQ2_XXS and IQ3_XXS on MOE_LAYOUT_ROWS16 under FAST_TILE_MIN_ROWS rows: no tile ----
+/* ---- IQ2_XXS, IQ3_XXS and IQ3_S on MOE_LAYOUT_ROWS16 under FAST_TILE_MIN_ROWS rows: no tile ----
  *
  * The tile holds values 4g .. 4g + 3 of each row in a lane, so each tile register costs its decode
  * a spread of codes and a lookup (IQ2_XXS: a vpmultishiftqb and a vpermb) and its signs a vpshufb,
@@ -1300,15 +1293,15 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
  * only that they share the integer scale; so here a register made from a body register of grid
  * indices (entries c = 0..3 of row v in lane v) holds value j of each of its four entries: byte
  * 4v + c, value j of row v's entry c. The code planes give that in one instruction a register
- * (IQ2_XXS: z_grid2_affine of a plane's 2-bit codes; IQ3_XXS: a vpshufb of a plane's 3-bit ones),
- * as 128 + the magnitude, and a vptestmb and a masked vpsubb sign it (128 - the magnitude): the
- * weights + 128, unsigned. The activation bytes a register meets are the same for all 16 rows
- * (value j of the four entries), so each activation block is put in that order once
- * (fast_cb_order) and a row meets a register in one vpdpbusd with its four bytes broadcast from
- * memory, each row's chain starting from -128 x the activations' sum of its 32 values (the
- * block's bsums). Lane v is row v throughout, as in the tile: the same int32 block sums met by the
- * same fma, so the tile's bits. The trap: the chains start from the bsums, so they must be the
- * sums of the bytes (moe_block_q8_k's are).
+ * (IQ2_XXS: z_grid2_affine of a plane's 2-bit codes; IQ3_XXS: a vpshufb of a plane's 3-bit ones;
+ * IQ3_S: a vpternlogd of a plane's nibbles), as 128 + the magnitude, and a vptestmb and a masked
+ * vpsubb sign it (128 - the magnitude): the weights + 128, unsigned. The activation bytes a
+ * register meets are the same for all 16 rows (value j of the four entries), so each activation
+ * block is put in that order once (fast_cb_order) and a row meets a register in one vpdpbusd with
+ * its four bytes broadcast from memory, each row's chain starting from -128 x the activations' sum
+ * of its 32 values (the block's bsums). Lane v is row v throughout, as in the tile: the same int32
+ * block sums met by the same fma, so the tile's bits. The trap: the chains start from the bsums, so
+ * they must be the sums of the bytes (moe_block_q8_k's are).
  *
  * Zen 5, bench/kernels --tile, one thread, GB/s, the tile -> this: 128 MiB, 2 runs alternated
  * (load 2), IQ2_XXS 11.5 -> 23.0 at one row, 9.2 -> 17.5 at two, 7.6 -> 13.2 at three, 6.3 ->
@@ -1321,7 +1314,9 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
  * weights' magnitudes unsigned: 1 MiB
  * IQ2_XXS 24.0 at one row, 17.5 at two, 10.1 at four, 5.9 at seven; the same without the signs at
  * all (wrong sums: what they cost) 39.5, 28.9, 16.7, 9.6. More chains than one a row (their
- * latency) within noise at one to three rows. */
+ * latency) within noise at one to three rows. IQ3_S, the file layout's lanes -> this, 256 MiB,
+ * medians of 4 runs alternated (load 3-4): 19.4 -> 22.1 at one row, 14.6 -> 17.3 at two (the
+ * tile: 5.5 -> 6.9 at eight, 4.0 -> 4.7 at 16). */
 
 /* Bytes of an activation row's block in the lanes' order: its 256 values, then the 8 chains' starts
  * (fast_cb_start) as int32, and padding to a whole line (the rows' 64-byte stores stay aligned).
@@ -1330,15 +1325,14 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
 
 /* Block i of R activation rows (xs bytes apart) in the lanes' order, into dst[r]: byte per q +
  * 4j + c from byte per q + per / 4 c + j, per the values an index register's entries cover in a
- * row (IQ2_XXS: 32, four entries of 8; IQ3_XXS, IQ3_S: 16, four of 4; IQ2_S: 16, two entries'
- * values i and 4 + i, fast_cb_iq2_s), order being fast_cb_order_index's; then -128 x the sum of
- * the values of each chain: 32s .. 32s + 31 for each s with chain = 32 (bsums 2s, 2s + 1: one
- * vpmaddwd), 16s .. 16s + 15 with chain = 16 (each bsum), which a chain's start then broadcasts
- * from memory. Made from the bsums per chain instead (scalar work and a broadcast from a general
- * register), Zen 5, 1 MiB, medians of 8 runs alternated (load 4.5): IQ3_XXS 8.6 at seven rows
- * (9.7 this way), 20.0 at two (21.4); IQ2_XXS 6.8 (7.5) at seven; one row within 2 %. */
+ * row (IQ2_XXS: 32, four entries of 8; IQ3_XXS, IQ3_S: 16, four of 4), order being
+ * fast_cb_order_index's; then -128 x the sum of values 32s .. 32s + 31 for each s (bsums 2s, 2s +
+ * 1: one vpmaddwd), which a chain's start then broadcasts from memory. Made from the bsums per
+ * chain instead (scalar work and a broadcast from a general register), Zen 5, 1 MiB, medians of 8
+ * runs alternated (load 4.5): IQ3_XXS 8.6 at seven rows (9.7 this way), 20.0 at two (21.4);
+ * IQ2_XXS 6.8 (7.5) at seven; one row within 2 %. */
 MOE_INLINE void fast_cb_order(int R, const uint8_t *x, size_t xs, int64_t i, __m512i order,
-                              int chain, uint8_t (*dst)[FAST_CB_X]) {
+                              uint8_t (*dst)[FAST_CB_X]) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
@@ -1346,13 +1340,8 @@ MOE_INLINE void fast_cb_order(int R, const uint8_t *x, size_t xs, int64_t i, __m
         for (int k = 0; k < MOE_QK_K / 64; k++)
             _mm512_store_si512(dst[r] + 64 * k,
                                _mm512_permutexvar_epi8(order, z_load(y->qs + 64 * k)));
-        if (chain == 32)
-            _mm256_store_si256((__m256i *)(dst[r] + MOE_QK_K),
-                               _mm256_madd_epi16(avx2_load(y->bsums), _mm256_set1_epi16(-128)));
-        else
-            _mm512_store_si512(dst[r] + MOE_QK_K,
-                               _mm512_mullo_epi32(_mm512_cvtepi16_epi32(avx2_load(y->bsums)),
-                                                  _mm512_set1_epi32(-128)));
+        _mm256_store_si256((__m256i *)(dst[r] + MOE_QK_K),
+                           _mm256_madd_epi16(avx2_load(y->bsums), _mm256_set1_epi16(-128)));
     }
 }
 MOE_INLINE __m512i fast_cb_order_index(int per) {
@@ -1372,13 +1361,13 @@ MOE_INLINE void fast_cb_meet(int R, __m512i u, __mmask64 neg, const uint8_t (*xp
     for (int r = 0; r < R; r++) part[r] = fast_dpbusd_bcast(part[r], u, xp[r] + 4 * dword);
 }
 
-/* The R rows' chain c (its values: fast_cb_order's), from -128 x the activations' sum of them
- * (xp's, from the bsums): the weights are 128 + their signed values. */
-MOE_INLINE void fast_cb_start(int R, const uint8_t (*xp)[FAST_CB_X], int c, __m512i *part) {
+/* The chains of the R rows' 32 values s, from -128 x the activations' sum of them (xp's, from the
+ * bsums): the weights are 128 + their signed values. */
+MOE_INLINE void fast_cb_start(int R, const uint8_t (*xp)[FAST_CB_X], int s, __m512i *part) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         int32_t off;
-        memcpy(&off, xp[r] + MOE_QK_K + 4 * c, sizeof off);
+        memcpy(&off, xp[r] + MOE_QK_K + 4 * s, sizeof off);
         part[r] = _mm512_set1_epi32(off);
     }
 }
@@ -1484,71 +1473,26 @@ MOE_INLINE void fast_cb_iq3_s(int R, const uint8_t *body, int s, const uint8_t (
     fast_cb_scaled(R, part, fast_cb_odd_scales(z_load(body + 64 * 26), 4 * s), sum);
 }
 
-/* IQ2_S likewise (body: index bytes dwords 0..7, their sign bytes 8..15, qh 16, 17, the scales
- * 18, 19): a scale per 16 values, so a lane holds values of two entries, not four, and each
- * chain is 16 values g of the 32 (g = 0, 1: entries 4s + 2g, 4s + 2g + 1). Index register s is
- * put in the order that leaves, after the lookups, bytes 2m, 2m + 1 of each 128-bit lane (rows 4L
- * .. 4L + 3) entries 0, 1 of row 4L + m and bytes 8 + 2m, 9 + 2m its entries 2, 3, so the
- * unpacks of the two planes' bytes give u[g] lane v: [plane 0, plane 1 of entry 2g, plane 0,
- * plane 1 of entry 2g + 1] (the codes of values 0..3 and 4..7) of row v, and z_grid2_affine's
- * code i gives its values i, 4 + i of both entries. The 10-bit indices: bits 8, 9 of entry c are
- * bits 2c, 2c + 1 of qh byte s. */
-MOE_INLINE void fast_cb_iq2_s(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
-                              __m512i *sum) {
-    const __m512i q = z_load(body + 64 * s), bytes = z_load(body + 64 * (8 + s));
-    const __m512i qh = z_load(body + 64 * (16 + s / 4)), sc = z_load(body + 64 * (18 + s / 4));
-    const __m512i idx =
-        _mm512_shuffle_epi8(q, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3,
-                                                                    6, 7, 10, 11, 14, 15)));
-    const __m512i hs =
-        _mm512_shuffle_epi8(/* qh byte s of each byte's row */
-                            qh,
-                            _mm512_broadcast_i32x4(_mm_add_epi8(
-                                _mm_setr_epi8(0, 0, 4, 4, 8, 8, 12, 12, 0, 0, 4, 4, 8, 8, 12, 12),
-                                _mm_set1_epi8((char)(s % 4)))));
-    const __m512i bit = _mm512_broadcast_i32x4(
-        _mm_set_epi64x(0x4010401040104010, 0x0401040104010401)); /* bit 2c of entry c's byte */
-    const __mmask64 bit8 = _mm512_test_epi8_mask(hs, bit),
-                    bit9 = _mm512_test_epi8_mask(hs, _mm512_add_epi8(bit, bit));
-    const __m512i p0 = z_grid2_plane(z_iq2s_codes[0], 8, idx, bit8, bit9),
-                  p1 = z_grid2_plane(z_iq2s_codes[1], 8, idx, bit8, bit9);
-    const __m512i u[2] = {_mm512_unpacklo_epi8(p0, p1), _mm512_unpackhi_epi8(p0, p1)};
-#pragma GCC unroll 2
-    for (int g = 0; g < 2; g++) {
-        __m512i part[FAST_TILE_MIN_ROWS];
-        fast_cb_start(R, xp, 2 * s + g, part);
-        /* byte 4v + b: the sign byte of row v's entry 4s + 2g + b / 2 (as fast_cb_signs4 puts
-         * them: its value i at bit 4 (b % 2) + i is value i (b even) or 4 + i) */
-        const __m512i signs = fast_cb_signs4(bytes, g);
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++)
-            fast_cb_meet(R, z_grid2_affine(u[g], i, true),
-                         _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << i)), xp,
-                         4 * (2 * s + g) + i, part);
-        fast_cb_scaled(R, part, fast_cb_odd_scales(sc, 8 * (s % 4) + 4 * g), sum);
-    }
-}
-
 /* A type's 32 values s of a ROWS16 block against R rows' activations, into sum[r]. */
 typedef void (*fast_cb_fn)(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
                            __m512i *sum);
 
 /* R < FAST_TILE_MIN_ROWS activation rows against a ROWS16 group of nb blocks of a codebook type
- * whose heads are its d (per, chain: fast_cb_order's; sub: its fast_cb_<t>). Each activation
+ * whose heads are its d (per: fast_cb_order's; sub: its fast_cb_<t>). Each activation
  * block is put in order a block ahead of its multiply, so that the broadcasts read stores long
  * done (fast_rows' reason). */
-MOE_INLINE void fast_r16_cb_lanes(int R, size_t block_bytes, int per, int chain, float mult,
-                                  fast_cb_fn sub, const uint8_t *w, const uint8_t *x, size_t xs,
-                                  int64_t nb, float *out, int64_t os) {
+MOE_INLINE void fast_r16_cb_lanes(int R, size_t block_bytes, int per, float mult, fast_cb_fn sub,
+                                  const uint8_t *w, const uint8_t *x, size_t xs, int64_t nb,
+                                  float *out, int64_t os) {
     const size_t bytes = MOE_ROWS16 * block_bytes;
     const __m512i order = fast_cb_order_index(per);
     uint8_t xp[2][FAST_TILE_MIN_ROWS][FAST_CB_X] __attribute__((aligned(64)));
     __m512 acc[FAST_TILE_MIN_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    fast_cb_order(R, x, xs, 0, order, chain, xp[0]);
+    fast_cb_order(R, x, xs, 0, order, xp[0]);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + (size_t)i * bytes;
-        if (i + 1 < nb) fast_cb_order(R, x, xs, i + 1, order, chain, xp[(i + 1) % 2]);
+        if (i + 1 < nb) fast_cb_order(R, x, xs, i + 1, order, xp[(i + 1) % 2]);
         __m512i sum[FAST_TILE_MIN_ROWS];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
@@ -1569,17 +1513,16 @@ MOE_INLINE void fast_r16_cb_lanes(int R, size_t block_bytes, int per, int chain,
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
 }
-/* A codebook type's lanes: its block, fast_cb_order's per and chain, its mult. */
-#define FAST_R16_CB_LANES(t, per, chain, mult)                                                     \
+/* A codebook type's lanes: its block, fast_cb_order's per, its mult. */
+#define FAST_R16_CB_LANES(t, per, mult)                                                            \
     MOE_INLINE void fast_r16_lanes_##t(int R, const uint8_t *w, const uint8_t *x, size_t xs,       \
                                        int64_t nb, float *out, int64_t os) {                       \
-        fast_r16_cb_lanes(R, sizeof(moe_block_##t), per, chain, mult, fast_cb_##t, w, x, xs, nb,   \
-                          out, os);                                                                \
+        fast_r16_cb_lanes(R, sizeof(moe_block_##t), per, mult, fast_cb_##t, w, x, xs, nb, out,     \
+                          os);                                                                     \
     }
-FAST_R16_CB_LANES(iq2_xxs, 32, 32, 0.125f)
-FAST_R16_CB_LANES(iq3_xxs, 16, 32, 0.25f)
-FAST_R16_CB_LANES(iq3_s, 16, 32, 1.0f)
-FAST_R16_CB_LANES(iq2_s, 16, 16, 0.125f)
+FAST_R16_CB_LANES(iq2_xxs, 32, 0.125f)
+FAST_R16_CB_LANES(iq3_xxs, 16, 0.25f)
+FAST_R16_CB_LANES(iq3_s, 16, 1.0f)
 
 /* The ROWS16 kernel of a super-block type t at R rows (FAST_LANES_SWITCH(rows16_<t>) calls it):
  * its fast_r16_lanes_<t>, R a constant. */
@@ -1593,7 +1536,6 @@ FAST_R16_CB_LANES(iq2_s, 16, 16, 0.125f)
 FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq2_xxs)
 FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq3_xxs)
 FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq3_s)
-FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq2_s)
 
 /* The kernel on ROWS16 groups of a codebook type (d the f16 heads) and of IQ4_XS. */
 #define FAST_SB_ROWS16(t, regs, scale_values, mult, decode, before)                                \
@@ -1618,8 +1560,6 @@ FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs),
 FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs),
                FAST_LANES_SWITCH(rows16_iq2_xxs))
 FAST_SB_ROWS16(iq3_s, z_iqb_iq3_s, 32, 1.0f, FAST_R16_F16(iq3_s), FAST_LANES_SWITCH(rows16_iq3_s))
-FAST_SB_ROWS16(iq2_s, z_iqb_iq2_s_one, 16, 0.125f, FAST_R16_F16(iq2_s),
-               FAST_LANES_SWITCH(rows16_iq2_s))
 FAST_SB_ROWS16(iq4_xs, z_iqb_iq4_xs, 32, 1.0f,
                fast_r16_iq4_xs(b, b + MOE_ROWS16 * offsetof(moe_block_iq4_xs, qs), o), )
 
@@ -1917,7 +1857,6 @@ FAST_AMX_KERNEL(fast_amx_rows16_q5_k, fast_rows16_q5_k, FAST_Q5_K_TYPE, fast_til
      k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = prefix##iq3_xxs,                                 \
      k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = prefix##iq2_xxs,                                 \
      k->types[MOE_TYPE_IQ3_S].dot_tile_rows16 = prefix##iq3_s,                                     \
-     k->types[MOE_TYPE_IQ2_S].dot_tile_rows16 = prefix##iq2_s,                                     \
      k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = prefix##iq4_xs)
 
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {
