@@ -1416,61 +1416,59 @@ MOE_INLINE __m512i fast_cb_signs4(__m512i bytes, int k) {
                                 _mm_set1_epi8((char)(2 * (k % 2))))));
 }
 
-/* IQ3_XXS likewise (the sign-and-scale words: body register 16 + s): index registers 2s + h (h =
- * 0, 1: entries 8s + 4h + c) looked up in the two code planes (c[q] byte 4v + c: the 3-bit codes
- * of values 2q, 2q + 1 of row v's entry as nibbles); ksigns byte 2h + c / 2 of a word holds the
- * signs of entry 8s + 4h + c. */
-MOE_INLINE void fast_cb_iq3_xxs(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
-                                __m512i *sum) {
-    const __m512i words = z_load(body + 64 * (16 + s)), ks = fast_ksigns32(words);
+/* IQ3_XXS and IQ3_S likewise, 4-value entries: index registers 2s + h (h = 0, 1: entries 8s + 4h
+ * + c) looked up in the two code planes (c[q] byte 4v + c: the codes of values 2q, 2q + 1 of row
+ * v's entry as nibbles), and their signs in a dword per 32 values as fast_cb_signs4 reads them.
+ * IQ3_XXS (iq3_s false): the codes are 3 bits, turned into values by a vpshufb; the signs are the
+ * ksigns bytes of the sign-and-scale words, body register 16 + s. IQ3_S (body: qs dwords 0..15,
+ * qh 16, 17, signs 18..25, the scales 26): 9-bit indices through the planes' four tables (bit 8
+ * of entry 4k + c is bit 4 (k % 2) + c of qh byte k / 2), whose nibbles are the magnitudes; sign
+ * dword 18 + s; the scale of the 32 values nibble s of dword 26. */
+MOE_INLINE void fast_cb_grid4(int R, const uint8_t *body, int s, bool iq3_s,
+                              const uint8_t (*xp)[FAST_CB_X], __m512i *sum) {
+    const __m512i words = z_load(body + 64 * (16 + (iq3_s ? s / 4 : s))); /* IQ3_S: its qh */
+    const __m512i bytes = iq3_s ? z_load(body + 64 * (18 + s)) : fast_ksigns32(words);
     __m512i part[FAST_TILE_MIN_ROWS];
     fast_cb_start(R, xp, s, part);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
         const int k = 2 * s + h;
         const __m512i q = z_load(body + 64 * k);
-        const __m512i c[2] = {z_grid2_plane(z_iq3xxs_codes[0], 2, q, 0, 0),
-                              z_grid2_plane(z_iq3xxs_codes[1], 2, q, 0, 0)};
-        const __m512i signs = fast_cb_signs4(ks, k);
+        __m512i u[4];
+        if (iq3_s) {
+            const __mmask64 bit8 = _mm512_test_epi8_mask(fast_dword_byte(words, s % 4),
+                                                         _mm512_set1_epi32(0x08040201 << 4 * h));
+            const __m512i c[2] = {z_grid2_plane(z_iq3s_codes[0], 4, q, bit8, 0),
+                                  z_grid2_plane(z_iq3s_codes[1], 4, q, bit8, 0)};
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++)
-            fast_cb_meet(R, z_iq3xxs_values(c[j / 2], j % 2, true),
-                         _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
-                         4 * k + j, part);
-    }
-    fast_cb_scaled(R, part, fast_cb_odd_scales(words, 28), sum);
-}
-
-/* IQ3_S likewise (body: qs dwords 0..15, qh 16, 17, signs 18..25, the scales 26): the 9-bit
- * indices of index register k through the code planes' four tables (z_grid2_plane: bit 8 of
- * entry 4k + c is bit 4 (k % 2) + c of qh byte k / 2), whose nibbles are the magnitudes (value j
- * of the entry: plane j / 2, nibble j % 2); sign dword 18 + s holds the sign bytes of entries 8s
- * .. 8s + 7 as ksigns words do theirs; a scale per 32 values, nibble s of dword 26. */
-MOE_INLINE void fast_cb_iq3_s(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
-                              __m512i *sum) {
-    const __m512i bytes = z_load(body + 64 * (18 + s)), qh = z_load(body + 64 * (16 + s / 4));
-    __m512i part[FAST_TILE_MIN_ROWS];
-    fast_cb_start(R, xp, s, part);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        const int k = 2 * s + h;
-        const __m512i q = z_load(body + 64 * k);
-        const __mmask64 bit8 = _mm512_test_epi8_mask(fast_dword_byte(qh, s % 4),
-                                                     _mm512_set1_epi32(0x08040201 << 4 * h));
-        const __m512i c[2] = {z_grid2_plane(z_iq3s_codes[0], 4, q, bit8, 0),
-                              z_grid2_plane(z_iq3s_codes[1], 4, q, bit8, 0)};
+            for (int j = 0; j < 4; j++) /* (nibble & 15) | 128 */
+                u[j] = _mm512_ternarylogic_epi32(j % 2 ? _mm512_srli_epi16(c[j / 2], 4) : c[j / 2],
+                                                 _mm512_set1_epi8(0x0f),
+                                                 _mm512_set1_epi8((char)0x80), 0xea);
+        } else {
+            const __m512i c[2] = {z_grid2_plane(z_iq3xxs_codes[0], 2, q, 0, 0),
+                                  z_grid2_plane(z_iq3xxs_codes[1], 2, q, 0, 0)};
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) u[j] = z_iq3xxs_values(c[j / 2], j % 2, true);
+        }
         const __m512i signs = fast_cb_signs4(bytes, k);
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) { /* (nibble & 15) | 128 */
-            const __m512i n = j % 2 ? _mm512_srli_epi16(c[j / 2], 4) : c[j / 2];
-            fast_cb_meet(R,
-                         _mm512_ternarylogic_epi32(n, _mm512_set1_epi8(0x0f),
-                                                   _mm512_set1_epi8((char)0x80), 0xea),
-                         _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
-                         4 * k + j, part);
-        }
+        for (int j = 0; j < 4; j++)
+            fast_cb_meet(R, u[j], _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)),
+                         xp, 4 * k + j, part);
     }
-    fast_cb_scaled(R, part, fast_cb_odd_scales(z_load(body + 64 * 26), 4 * s), sum);
+    fast_cb_scaled(R, part,
+                   iq3_s ? fast_cb_odd_scales(z_load(body + 64 * 26), 4 * s)
+                         : fast_cb_odd_scales(words, 28),
+                   sum);
+}
+MOE_INLINE void fast_cb_iq3_xxs(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                                __m512i *sum) {
+    fast_cb_grid4(R, body, s, false, xp, sum);
+}
+MOE_INLINE void fast_cb_iq3_s(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                              __m512i *sum) {
+    fast_cb_grid4(R, body, s, true, xp, sum);
 }
 
 /* A type's 32 values s of a ROWS16 block against R rows' activations, into sum[r]. */
