@@ -821,36 +821,20 @@ MOE_INLINE void fast_tile_iq2_s(fast_type t, const uint8_t *w, size_t ws, int n_
 /* Block i of 16 IQ3_S rows into a tile, bias and all (fast_tile_iq's tile), as IQ2_S's: the
  * rows' qs transposed as dwords (q[k]: entries 4k .. 4k + 3), and the 64 bytes that end each
  * block (qs 44 .., qh, the signs, the scales) likewise, so that s[5], s[6] hold qh, s[7 + c]
- * sign dword c and s[15] the scales. Per register of indices one lookup in the two code planes
- * (z_grid2_plane, 8 vpermi2b: plane q's byte holds the magnitudes of bytes 2q, 2q + 1 of the
- * entry as nibbles); per two tile registers a vpermt2b pairs the planes' bytes of their entries
- * into words, two vpmultishiftqb spread the nibbles to bytes, and the signs go on as the ROWS16
- * decodes put them (fast_bits4). Zen 5, one thread, 4 MiB of rows of 4096, ns per block of 16
- * rows, medians of 3 runs alternated (load 5.4): 406 -> 315 at 8 activation rows, 533 -> 439
- * at 16, 833 -> 696 at 32. */
-MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
-                                void *tile) {
-    fast_tile *o = tile;
-    enum { TAIL = sizeof(moe_block_iq3_s) - 64 }; /* the last 64 bytes of a block */
-    _Static_assert(offsetof(moe_block_iq3_s, qh) == TAIL + 20 &&
-                       offsetof(moe_block_iq3_s, signs) == TAIL + 28 &&
-                       offsetof(moe_block_iq3_s, scales) == TAIL + 60,
-                   "qh, signs, scales at dwords 5, 7, 15 of the block's last 64 bytes");
-    const uint8_t *block[16];
-    __m512i q[16], s[16];
-    uint16_t d[16];
-    fast_iq_blocks(t, w, ws, n_w, i, block, d);
-    for (int v = 0; v < 16; v++) {
-        q[v] = z_load(block[v] + offsetof(moe_block_iq3_s, qs));
-        s[v] = z_load(block[v] + TAIL);
-    }
-    fast_transpose16x16(q);
-    fast_transpose16x16(s);
-    o->d = _mm512_cvtph_ps(avx2_load(d));
+ * sign dword c and s[15] the scales (a ROWS16 group's body holds them so already). Per register of
+ * indices one lookup in the two code planes (z_grid2_plane, 8 vpermi2b: plane q's byte holds the
+ * magnitudes of bytes 2q, 2q + 1 of the entry as nibbles); per two tile registers a vpermt2b pairs
+ * the planes' bytes of their entries into words, two vpmultishiftqb spread the nibbles to bytes,
+ * and the signs go on as the ROWS16 decodes put them (fast_bits4). Zen 5, one thread, 4 MiB of rows
+ * of 4096, ns per block of 16 rows, medians of 3 runs alternated (load 5.4): 406 -> 315 at 8
+ * activation rows, 533 -> 439 at 16, 833 -> 696 at 32. Here the tile, no bias, from the 16 rows'
+ * bodies as dwords (lane v: row v): q[k] qs dword k, s[0], s[1] qh, s[2 + c] sign dword c, s[10]
+ * the scales (o->d is the caller's). */
+MOE_INLINE void fast_tile_iq3_s_body(const __m512i q[16], const __m512i s[11], fast_tile *o) {
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) /* 2 x nibble j + 1 per 32 values, twice */
         o->scale[2 * j] = o->scale[2 * j + 1] = _mm512_or_si512(
-            _mm512_and_si512(j ? _mm512_srli_epi32(s[15], 4 * j - 1) : _mm512_slli_epi32(s[15], 1),
+            _mm512_and_si512(j ? _mm512_srli_epi32(s[10], 4 * j - 1) : _mm512_slli_epi32(s[10], 1),
                              _mm512_set1_epi32(30)),
             _mm512_set1_epi32(1));
     /* byte 4w + c of a qword: nibble c of word w (then of word 2 + w) */
@@ -860,7 +844,7 @@ MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_
     for (int k = 0; k < 16; k++) {
         /* qh byte k / 2 of each row in all four bytes: bit 4 (k % 2) + m of it is bit 8 of
          * entry 4k + m */
-        const __m512i hk = fast_dword_byte(s[5 + k / 8], k / 2 % 4);
+        const __m512i hk = fast_dword_byte(s[k / 8], k / 2 % 4);
         const __mmask64 bit8 =
             _mm512_test_epi8_mask(hk, _mm512_set1_epi32(0x08040201 << 4 * (k % 2)));
         const __m512i p0 = z_grid2_plane(z_iq3s_codes[0], 4, q[k], bit8, 0),
@@ -888,10 +872,31 @@ MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_
                 const int e = 4 * k + 2 * mm + h;
                 const __m512i mag = _mm512_and_si512(_mm512_multishift_epi64_epi8(nib[h], words),
                                                      _mm512_set1_epi8(0x0f));
-                o->tile[e] = z_apply_signs(mag, fast_bits4(s[7 + e / 8], e % 8));
+                o->tile[e] = z_apply_signs(mag, fast_bits4(s[2 + e / 8], e % 8));
             }
         }
     }
+}
+MOE_INLINE void fast_tile_iq3_s(fast_type t, const uint8_t *w, size_t ws, int n_w, int64_t i,
+                                void *tile) {
+    fast_tile *o = tile;
+    enum { TAIL = sizeof(moe_block_iq3_s) - 64 }; /* the last 64 bytes of a block */
+    _Static_assert(offsetof(moe_block_iq3_s, qh) == TAIL + 20 &&
+                       offsetof(moe_block_iq3_s, signs) == TAIL + 28 &&
+                       offsetof(moe_block_iq3_s, scales) == TAIL + 60,
+                   "qh, signs, scales at dwords 5, 7, 15 of the block's last 64 bytes");
+    const uint8_t *block[16];
+    __m512i q[16], s[16];
+    uint16_t d[16];
+    fast_iq_blocks(t, w, ws, n_w, i, block, d);
+    for (int v = 0; v < 16; v++) {
+        q[v] = z_load(block[v] + offsetof(moe_block_iq3_s, qs));
+        s[v] = z_load(block[v] + TAIL);
+    }
+    fast_transpose16x16(q);
+    fast_transpose16x16(s);
+    o->d = _mm512_cvtph_ps(avx2_load(d));
+    fast_tile_iq3_s_body(q, s + 5, o);
     fast_tile_bias(o);
 }
 
@@ -1160,14 +1165,22 @@ FAST_SB_KERNELS(iq1_m, z_iqb_iq1_m, NULL, 16, 0.125f, 0, fast_tile_iq)
  * indices looked up in code planes (fast_r16_iq2_xxs). Signs: a 32-bit word per row and 32
  * values (the XXS types' ksigns indices looked up into one, 16 rows at a time), turned into the
  * byte mask of each tile register by fast_bits4 (under FAST_TILE_MIN_ROWS rows the XXS types
- * skip the tile: fast_r16_xxs_lanes below). IQ4_XS: the 32-value types' nibble book, eight times.
- * The tiles are those of fast_tile_iq, so the bits are the file layout's. IQ3_S stays in the file's
- * layout: decoded the same way (its 9-bit indices through four vpermi2b tables a code plane) its
- * tile cost more than the per-row lanes path at 1 .. 4 activation rows (0.7x at one row in cache,
- * 0.74x from DRAM; 1.1x at 16; measured before the lanes took IQ3_S in the grouped order, which
- * widened the gap); so does IQ2_S, whose rows are decode's bulk (Intel with AMX, when both layouts
- * still gathered their grid entries: 0.73x at one row, 0.76x at two, 1.7x at 8 and 16; not measured
- * again since both look them up in code planes). */
+ * skip the tile: fast_r16_cb_lanes below). IQ4_XS: the 32-value types' nibble book, eight times.
+ * The tiles are those of fast_tile_iq, so the bits are the file layout's. IQ3_S: the file tile's
+ * decode (fast_tile_iq3_s) from the body's registers, no transposes (under FAST_TILE_MIN_ROWS
+ * rows the lanes below). IQ2_S stays in the file's layout: made the same way (its tile from the
+ * body, fast_tile_iq2_s's decode; lanes as IQ3_S's, but a scale per 16 values, so each register
+ * takes two entries' values i and 4 + i, their plane bytes paired by a vpshufb of the indices
+ * before the lookups and two unpacks after), Zen 5, bench/kernels --tile, one thread, GB/s of
+ * weights, the file's -> ROWS16: from DRAM (256 MiB, medians of 4 runs alternated, load 3-4)
+ * 13.3 -> 12.9 at one row, 10.2 -> 10.4 at two, 4.0 -> 3.9 at eight, 2.9 -> 2.8 at 16 (128 MiB:
+ * 1.1-1.2x at three to seven); in L2 (1 MiB, the best of 20, load 3) 13.9 -> 15.2 at one, 9.6
+ * -> 10.8 at two, 4.7 -> 5.3 at seven. Its 10-bit indices cost both layouts the same 16
+ * vpermi2b and 14 blends per 64 entries, half the lanes' time at one row (a two-table lookup
+ * instead, wrong sums: 14 -> 27 GB/s in L2), and the ROWS16 stream, prefetched as the others'
+ * (NTA, T0 or T1; 6, 10 or 20 KiB ahead: all alike), falls further behind DRAM than the file's
+ * sixteen. Each byte's sign and index bits picked by vpshufbitqmb (BITALG) in place of a vpshufb
+ * and a vptestmb: no gain outside the noise (more spills at seven rows). */
 
 /* 16 rows' sign words from their XXS sign-and-scale words (four 7-bit ksigns indices each). */
 MOE_INLINE __m512i fast_ksigns32(__m512i words) {
@@ -1240,6 +1253,17 @@ MOE_INLINE void fast_r16_iq2_xxs(const uint8_t *body, fast_tile *o) {
     }
 }
 
+/* IQ3_S's body: the file layout's tile (fast_tile_iq3_s_body) from the registers where that
+ * transposes the rows' blocks into them. */
+MOE_INLINE void fast_r16_iq3_s(const uint8_t *body, fast_tile *o) {
+    __m512i q[16], s[11];
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; k++) q[k] = z_load(body + 64 * k);
+#pragma GCC unroll 11
+    for (int k = 0; k < 11; k++) s[k] = z_load(body + 64 * (16 + k));
+    fast_tile_iq3_s_body(q, s, o);
+}
+
 /* IQ4_XS: heads of d, scales_h, scales_l (a qword a row); the body the qs, per 32 values four
  * dwords of nibbles as the 32-value types' (fast_tile_nibbles). */
 MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_tile *o) {
@@ -1260,7 +1284,7 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
     o->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
 }
 
-/* ---- IQ2_XXS and IQ3_XXS on MOE_LAYOUT_ROWS16 under FAST_TILE_MIN_ROWS rows: no tile ----
+/* ---- IQ2_XXS, IQ3_XXS and IQ3_S on MOE_LAYOUT_ROWS16 under FAST_TILE_MIN_ROWS rows: no tile ----
  *
  * The tile holds values 4g .. 4g + 3 of each row in a lane, so each tile register costs its decode
  * a spread of codes and a lookup (IQ2_XXS: a vpmultishiftqb and a vpermb) and its signs a vpshufb,
@@ -1269,15 +1293,15 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
  * only that they share the integer scale; so here a register made from a body register of grid
  * indices (entries c = 0..3 of row v in lane v) holds value j of each of its four entries: byte
  * 4v + c, value j of row v's entry c. The code planes give that in one instruction a register
- * (IQ2_XXS: z_grid2_affine of a plane's 2-bit codes; IQ3_XXS: a vpshufb of a plane's 3-bit ones),
- * as 128 + the magnitude, and a vptestmb and a masked vpsubb sign it (128 - the magnitude): the
- * weights + 128, unsigned. The activation bytes a register meets are the same for all 16 rows
- * (value j of the four entries), so each activation block is put in that order once
- * (fast_xxs_order) and a row meets a register in one vpdpbusd with its four bytes broadcast from
- * memory, each row's chain starting from -128 x the activations' sum of its 32 values (the
- * block's bsums). Lane v is row v throughout, as in the tile: the same int32 block sums met by the
- * same fma, so the tile's bits. The trap: the chains start from the bsums, so they must be the
- * sums of the bytes (moe_block_q8_k's are).
+ * (IQ2_XXS: z_grid2_affine of a plane's 2-bit codes; IQ3_XXS: a vpshufb of a plane's 3-bit ones;
+ * IQ3_S: a vpternlogd of a plane's nibbles), as 128 + the magnitude, and a vptestmb and a masked
+ * vpsubb sign it (128 - the magnitude): the weights + 128, unsigned. The activation bytes a
+ * register meets are the same for all 16 rows (value j of the four entries), so each activation
+ * block is put in that order once (fast_cb_order) and a row meets a register in one vpdpbusd with
+ * its four bytes broadcast from memory, each row's chain starting from -128 x the activations' sum
+ * of its 32 values (the block's bsums). Lane v is row v throughout, as in the tile: the same int32
+ * block sums met by the same fma, so the tile's bits. The trap: the chains start from the bsums, so
+ * they must be the sums of the bytes (moe_block_q8_k's are).
  *
  * Zen 5, bench/kernels --tile, one thread, GB/s, the tile -> this: 128 MiB, 2 runs alternated
  * (load 2), IQ2_XXS 11.5 -> 23.0 at one row, 9.2 -> 17.5 at two, 7.6 -> 13.2 at three, 6.3 ->
@@ -1290,23 +1314,25 @@ MOE_INLINE void fast_r16_iq4_xs(const uint8_t *heads, const uint8_t *body, fast_
  * weights' magnitudes unsigned: 1 MiB
  * IQ2_XXS 24.0 at one row, 17.5 at two, 10.1 at four, 5.9 at seven; the same without the signs at
  * all (wrong sums: what they cost) 39.5, 28.9, 16.7, 9.6. More chains than one a row (their
- * latency) within noise at one to three rows. */
+ * latency) within noise at one to three rows. IQ3_S, the file layout's lanes -> this, 256 MiB,
+ * medians of 4 runs alternated (load 3-4): 19.4 -> 22.1 at one row, 14.6 -> 17.3 at two (the
+ * tile: 5.5 -> 6.9 at eight, 4.0 -> 4.7 at 16). */
 
 /* Bytes of an activation row's block in the lanes' order: its 256 values, then the 8 chains' starts
- * (fast_xxs_start) as int32, and padding to a whole line (the rows' 64-byte stores stay aligned).
+ * (fast_cb_start) as int32, and padding to a whole line (the rows' 64-byte stores stay aligned).
  */
-#define FAST_XXS_X (MOE_QK_K + 64)
+#define FAST_CB_X (MOE_QK_K + 64)
 
 /* Block i of R activation rows (xs bytes apart) in the lanes' order, into dst[r]: byte per q +
  * 4j + c from byte per q + per / 4 c + j, per the values an index register's entries cover in a
- * row (IQ2_XXS: 32, four entries of 8; IQ3_XXS: 16, four of 4), order being fast_xxs_order_index's;
- * then -128 x the sum of values 32s .. 32s + 31 for each s (bsums 2s, 2s + 1: one vpmaddwd), which
- * a chain's start then broadcasts from memory. Made from the bsums per chain instead (scalar work
- * and a broadcast from a general register), Zen 5, 1 MiB, medians of 8 runs alternated (load 4.5):
- * IQ3_XXS 8.6 at seven rows (9.7 this way), 20.0 at two (21.4); IQ2_XXS 6.8 (7.5) at seven; one
- * row within 2 %. */
-MOE_INLINE void fast_xxs_order(int R, const uint8_t *x, size_t xs, int64_t i, __m512i order,
-                               uint8_t (*dst)[FAST_XXS_X]) {
+ * row (IQ2_XXS: 32, four entries of 8; IQ3_XXS, IQ3_S: 16, four of 4), order being
+ * fast_cb_order_index's; then -128 x the sum of values 32s .. 32s + 31 for each s (bsums 2s, 2s +
+ * 1: one vpmaddwd), which a chain's start then broadcasts from memory. Made from the bsums per
+ * chain instead (scalar work and a broadcast from a general register), Zen 5, 1 MiB, medians of 8
+ * runs alternated (load 4.5): IQ3_XXS 8.6 at seven rows (9.7 this way), 20.0 at two (21.4);
+ * IQ2_XXS 6.8 (7.5) at seven; one row within 2 %. */
+MOE_INLINE void fast_cb_order(int R, const uint8_t *x, size_t xs, int64_t i, __m512i order,
+                              uint8_t (*dst)[FAST_CB_X]) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const moe_block_q8_k *y = (const moe_block_q8_k *)(x + (size_t)r * xs) + i;
@@ -1318,18 +1344,18 @@ MOE_INLINE void fast_xxs_order(int R, const uint8_t *x, size_t xs, int64_t i, __
                            _mm256_madd_epi16(avx2_load(y->bsums), _mm256_set1_epi16(-128)));
     }
 }
-MOE_INLINE __m512i fast_xxs_order_index(int per) {
+MOE_INLINE __m512i fast_cb_order_index(int per) {
     uint8_t at[64] __attribute__((aligned(64)));
     for (int o = 0; o < 64; o++) at[o] = (uint8_t)(o / per * per + per / 4 * (o % 4) + o % per / 4);
     return _mm512_load_si512(at);
 }
 
 /* The R rows' value j of a register of 16 rows' entries (u: 128 + the magnitudes; neg: their
- * sign bits) against the activations' dword `dword` of the order (fast_xxs_order), into part[r]:
+ * sign bits) against the activations' dword `dword` of the order (fast_cb_order), into part[r]:
  * the weights signed where they lie and the activation bytes broadcast (fast_dpbusd_bcast), so
  * that the signs cost an instruction per register, not per row, and a row a vpdpbusd. */
-MOE_INLINE void fast_xxs_meet(int R, __m512i u, __mmask64 neg, const uint8_t (*xp)[FAST_XXS_X],
-                              int dword, __m512i *part) {
+MOE_INLINE void fast_cb_meet(int R, __m512i u, __mmask64 neg, const uint8_t (*xp)[FAST_CB_X],
+                             int dword, __m512i *part) {
     u = _mm512_mask_sub_epi8(u, neg, _mm512_setzero_si512(), u); /* 128 - m: 256 - (128 + m) */
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) part[r] = fast_dpbusd_bcast(part[r], u, xp[r] + 4 * dword);
@@ -1337,7 +1363,7 @@ MOE_INLINE void fast_xxs_meet(int R, __m512i u, __mmask64 neg, const uint8_t (*x
 
 /* The chains of the R rows' 32 values s, from -128 x the activations' sum of them (xp's, from the
  * bsums): the weights are 128 + their signed values. */
-MOE_INLINE void fast_xxs_start(int R, const uint8_t (*xp)[FAST_XXS_X], int s, __m512i *part) {
+MOE_INLINE void fast_cb_start(int R, const uint8_t (*xp)[FAST_CB_X], int s, __m512i *part) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         int32_t off;
@@ -1346,75 +1372,125 @@ MOE_INLINE void fast_xxs_start(int R, const uint8_t (*xp)[FAST_XXS_X], int s, __
     }
 }
 
-/* sum[r] + part[r] x the integer scales of the sign-and-scale words (lane v: row v's 2 x its top
- * 4 bits + 1). */
-MOE_INLINE void fast_xxs_scaled(int R, const __m512i *part, __m512i words, __m512i *sum) {
-    const __m512i scale = _mm512_or_si512(_mm512_srli_epi32(words, 27), _mm512_set1_epi32(1));
+/* sum[r] + part[r] x scale (lane v: row v's integer scale of the chain's values). */
+MOE_INLINE void fast_cb_scaled(int R, const __m512i *part, __m512i scale, __m512i *sum) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(part[r], scale));
 }
 
-/* IQ2_XXS, 32 values s of a ROWS16 block (body: after its heads; words: its sign-and-scale words,
- * body register 2s + 1) against R rows' activations in the order, into their chains: index
- * register 2s looked up in the two code planes (p[q] byte 4v + c: the codes of values 4q .. 4q + 3
- * of row v's entry 4s + c). */
-MOE_INLINE void fast_xxs_iq2(int R, const uint8_t *body, int s, __m512i words,
-                             const uint8_t (*xp)[FAST_XXS_X], __m512i *part) {
-    const __m512i q = z_load(body + 64 * 2 * s), signs = fast_ksigns32(words);
-    const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
-                          z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; j++)
-        fast_xxs_meet(R, z_grid2_affine(p[j / 4], j % 4, true),
-                      _mm512_test_epi8_mask(signs, _mm512_set1_epi8((char)(1 << j))), xp, 8 * s + j,
-                      part);
+/* The integer scales 2 s + 1, s the 4 bits at `shift` of each lane of words. */
+MOE_INLINE __m512i fast_cb_odd_scales(__m512i words, int shift) {
+    const __m512i twice = shift ? _mm512_srli_epi32(words, shift - 1) : _mm512_slli_epi32(words, 1);
+    return _mm512_ternarylogic_epi32(twice, _mm512_set1_epi32(30), _mm512_set1_epi32(1),
+                                     0xea); /* & 30 | 1 */
 }
 
-/* IQ3_XXS likewise (words: body register 16 + s): index registers 2s + h (h = 0, 1: entries 8s +
- * 4h + c) looked up in the two code planes (c[q] byte 4v + c: the 3-bit codes of values 2q, 2q + 1
- * of row v's entry as nibbles); ksigns byte 2h + c / 2 of a word holds the signs of entry 8s + 4h
- * + c, value j at bit 4 (c % 2) + j. */
-MOE_INLINE void fast_xxs_iq3(int R, const uint8_t *body, int s, __m512i words,
-                             const uint8_t (*xp)[FAST_XXS_X], __m512i *part) {
-    const __m512i ks = fast_ksigns32(words);
+/* IQ2_XXS, 32 values s of a ROWS16 block (body: after its heads) against R rows' activations in
+ * the order, into sum[r]: index register 2s looked up in the two code planes (p[q] byte 4v + c:
+ * the codes of values 4q .. 4q + 3 of row v's entry 4s + c), the sign-and-scale words register
+ * 2s + 1. */
+MOE_INLINE void fast_cb_iq2_xxs(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                                __m512i *sum) {
+    const __m512i q = z_load(body + 64 * 2 * s), words = z_load(body + 64 * (2 * s + 1));
+    const __m512i signs = fast_ksigns32(words);
+    const __m512i p[2] = {z_grid2_plane(z_iq2xxs_codes[0], 2, q, 0, 0),
+                          z_grid2_plane(z_iq2xxs_codes[1], 2, q, 0, 0)};
+    __m512i part[FAST_TILE_MIN_ROWS];
+    fast_cb_start(R, xp, s, part);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++)
+        fast_cb_meet(R, z_grid2_affine(p[j / 4], j % 4, true),
+                     _mm512_test_epi8_mask(signs, _mm512_set1_epi8((char)(1 << j))), xp, 8 * s + j,
+                     part);
+    fast_cb_scaled(R, part, fast_cb_odd_scales(words, 28), sum);
+}
+
+/* The signs of 16 rows' 4-value entries 4k + c (c = 0..3, byte 4v + c of a register), value j of
+ * each at bit 4 (c % 2) + j of byte 2 (k % 2) + c / 2 of sign dword `bytes` (lane v: row v): each
+ * byte given its entry's sign byte, to be tested with 0x10011001 << j. */
+MOE_INLINE __m512i fast_cb_signs4(__m512i bytes, int k) {
+    return _mm512_shuffle_epi8(
+        bytes, _mm512_broadcast_i32x4(
+                   _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13),
+                                _mm_set1_epi8((char)(2 * (k % 2))))));
+}
+
+/* IQ3_XXS and IQ3_S likewise, 4-value entries: index registers 2s + h (h = 0, 1: entries 8s + 4h
+ * + c) looked up in the two code planes (c[q] byte 4v + c: the codes of values 2q, 2q + 1 of row
+ * v's entry as nibbles), and their signs in a dword per 32 values as fast_cb_signs4 reads them.
+ * IQ3_XXS (iq3_s false): the codes are 3 bits, turned into values by a vpshufb; the signs are the
+ * ksigns bytes of the sign-and-scale words, body register 16 + s. IQ3_S (body: qs dwords 0..15,
+ * qh 16, 17, signs 18..25, the scales 26): 9-bit indices through the planes' four tables (bit 8
+ * of entry 4k + c is bit 4 (k % 2) + c of qh byte k / 2), whose nibbles are the magnitudes; sign
+ * dword 18 + s; the scale of the 32 values nibble s of dword 26. */
+MOE_INLINE void fast_cb_grid4(int R, const uint8_t *body, int s, bool iq3_s,
+                              const uint8_t (*xp)[FAST_CB_X], __m512i *sum) {
+    const __m512i words = z_load(body + 64 * (16 + (iq3_s ? s / 4 : s))); /* IQ3_S: its qh */
+    const __m512i bytes = iq3_s ? z_load(body + 64 * (18 + s)) : fast_ksigns32(words);
+    __m512i part[FAST_TILE_MIN_ROWS];
+    fast_cb_start(R, xp, s, part);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
         const int k = 2 * s + h;
         const __m512i q = z_load(body + 64 * k);
-        const __m512i c[2] = {z_grid2_plane(z_iq3xxs_codes[0], 2, q, 0, 0),
-                              z_grid2_plane(z_iq3xxs_codes[1], 2, q, 0, 0)};
-        const __m512i signs = _mm512_shuffle_epi8(
-            ks, _mm512_broadcast_i32x4(
-                    _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13),
-                                 _mm_set1_epi8((char)(2 * h)))));
+        __m512i u[4];
+        if (iq3_s) {
+            const __mmask64 bit8 = _mm512_test_epi8_mask(fast_dword_byte(words, s % 4),
+                                                         _mm512_set1_epi32(0x08040201 << 4 * h));
+            const __m512i c[2] = {z_grid2_plane(z_iq3s_codes[0], 4, q, bit8, 0),
+                                  z_grid2_plane(z_iq3s_codes[1], 4, q, bit8, 0)};
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) /* (nibble & 15) | 128 */
+                u[j] = _mm512_ternarylogic_epi32(j % 2 ? _mm512_srli_epi16(c[j / 2], 4) : c[j / 2],
+                                                 _mm512_set1_epi8(0x0f),
+                                                 _mm512_set1_epi8((char)0x80), 0xea);
+        } else {
+            const __m512i c[2] = {z_grid2_plane(z_iq3xxs_codes[0], 2, q, 0, 0),
+                                  z_grid2_plane(z_iq3xxs_codes[1], 2, q, 0, 0)};
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) u[j] = z_iq3xxs_values(c[j / 2], j % 2, true);
+        }
+        const __m512i signs = fast_cb_signs4(bytes, k);
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
-            fast_xxs_meet(R, z_iq3xxs_values(c[j / 2], j % 2, true),
-                          _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)), xp,
-                          4 * k + j, part);
+            fast_cb_meet(R, u[j], _mm512_test_epi8_mask(signs, _mm512_set1_epi32(0x10011001 << j)),
+                         xp, 4 * k + j, part);
     }
+    fast_cb_scaled(R, part,
+                   iq3_s ? fast_cb_odd_scales(z_load(body + 64 * 26), 4 * s)
+                         : fast_cb_odd_scales(words, 28),
+                   sum);
+}
+MOE_INLINE void fast_cb_iq3_xxs(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                                __m512i *sum) {
+    fast_cb_grid4(R, body, s, false, xp, sum);
+}
+MOE_INLINE void fast_cb_iq3_s(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                              __m512i *sum) {
+    fast_cb_grid4(R, body, s, true, xp, sum);
 }
 
-typedef void (*fast_xxs_fn)(int R, const uint8_t *body, int s, __m512i words,
-                            const uint8_t (*xp)[FAST_XXS_X], __m512i *part);
+/* A type's 32 values s of a ROWS16 block against R rows' activations, into sum[r]. */
+typedef void (*fast_cb_fn)(int R, const uint8_t *body, int s, const uint8_t (*xp)[FAST_CB_X],
+                           __m512i *sum);
 
-/* R < FAST_TILE_MIN_ROWS activation rows against a ROWS16 group of nb blocks of an XXS type (per:
- * fast_xxs_order's; the sign-and-scale words of 32 values s in body register words_at[0] s +
- * words_at[1]; sub: fast_xxs_iq2 or fast_xxs_iq3). Each activation block is put in order a block
- * ahead of its multiply, so that the broadcasts read stores long done (fast_rows' reason). */
-MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, const int words_at[2],
-                                   float mult, fast_xxs_fn sub, const uint8_t *w, const uint8_t *x,
-                                   size_t xs, int64_t nb, float *out, int64_t os) {
+/* R < FAST_TILE_MIN_ROWS activation rows against a ROWS16 group of nb blocks of a codebook type
+ * whose heads are its d (per: fast_cb_order's; sub: its fast_cb_<t>). Each activation
+ * block is put in order a block ahead of its multiply, so that the broadcasts read stores long
+ * done (fast_rows' reason). */
+MOE_INLINE void fast_r16_cb_lanes(int R, size_t block_bytes, int per, float mult, fast_cb_fn sub,
+                                  const uint8_t *w, const uint8_t *x, size_t xs, int64_t nb,
+                                  float *out, int64_t os) {
     const size_t bytes = MOE_ROWS16 * block_bytes;
-    const __m512i order = fast_xxs_order_index(per);
-    uint8_t xp[2][FAST_TILE_MIN_ROWS][FAST_XXS_X] __attribute__((aligned(64)));
+    const __m512i order = fast_cb_order_index(per);
+    uint8_t xp[2][FAST_TILE_MIN_ROWS][FAST_CB_X] __attribute__((aligned(64)));
     __m512 acc[FAST_TILE_MIN_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    fast_xxs_order(R, x, xs, 0, order, xp[0]);
+    fast_cb_order(R, x, xs, 0, order, xp[0]);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + (size_t)i * bytes;
-        if (i + 1 < nb) fast_xxs_order(R, x, xs, i + 1, order, xp[(i + 1) % 2]);
+        if (i + 1 < nb) fast_cb_order(R, x, xs, i + 1, order, xp[(i + 1) % 2]);
         __m512i sum[FAST_TILE_MIN_ROWS];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
@@ -1422,11 +1498,7 @@ MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, const int
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             fast_rows16_prefetch_part(b, bytes, s, 8);
-            const __m512i words = z_load(body + 64 * (words_at[0] * s + words_at[1]));
-            __m512i part[FAST_TILE_MIN_ROWS];
-            fast_xxs_start(R, (const uint8_t(*)[FAST_XXS_X])xp[i % 2], s, part);
-            sub(R, body, s, words, (const uint8_t(*)[FAST_XXS_X])xp[i % 2], part);
-            fast_xxs_scaled(R, part, words, sum);
+            sub(R, body, s, (const uint8_t(*)[FAST_CB_X])xp[i % 2], sum);
         }
         const __m512 d = _mm512_cvtph_ps(avx2_load(b));
 #pragma GCC unroll 8
@@ -1439,16 +1511,16 @@ MOE_INLINE void fast_r16_xxs_lanes(int R, size_t block_bytes, int per, const int
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * os, acc[r]);
 }
-MOE_INLINE void fast_r16_lanes_iq2_xxs(int R, const uint8_t *w, const uint8_t *x, size_t xs,
-                                       int64_t nb, float *out, int64_t os) {
-    fast_r16_xxs_lanes(R, sizeof(moe_block_iq2_xxs), 32, (const int[2]){2, 1}, 0.125f, fast_xxs_iq2,
-                       w, x, xs, nb, out, os);
-}
-MOE_INLINE void fast_r16_lanes_iq3_xxs(int R, const uint8_t *w, const uint8_t *x, size_t xs,
-                                       int64_t nb, float *out, int64_t os) {
-    fast_r16_xxs_lanes(R, sizeof(moe_block_iq3_xxs), 16, (const int[2]){1, 16}, 0.25f, fast_xxs_iq3,
-                       w, x, xs, nb, out, os);
-}
+/* A codebook type's lanes: its block, fast_cb_order's per, its mult. */
+#define FAST_R16_CB_LANES(t, per, mult)                                                            \
+    MOE_INLINE void fast_r16_lanes_##t(int R, const uint8_t *w, const uint8_t *x, size_t xs,       \
+                                       int64_t nb, float *out, int64_t os) {                       \
+        fast_r16_cb_lanes(R, sizeof(moe_block_##t), per, mult, fast_cb_##t, w, x, xs, nb, out,     \
+                          os);                                                                     \
+    }
+FAST_R16_CB_LANES(iq2_xxs, 32, 0.125f)
+FAST_R16_CB_LANES(iq3_xxs, 16, 0.25f)
+FAST_R16_CB_LANES(iq3_s, 16, 1.0f)
 
 /* The ROWS16 kernel of a super-block type t at R rows (FAST_LANES_SWITCH(rows16_<t>) calls it):
  * its fast_r16_lanes_<t>, R a constant. */
@@ -1461,6 +1533,7 @@ MOE_INLINE void fast_r16_lanes_iq3_xxs(int R, const uint8_t *w, const uint8_t *x
     }
 FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq2_xxs)
 FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq3_xxs)
+FAST_PER_ROWS(FAST_ROWS16_LANES_FN, iq3_s)
 
 /* The kernel on ROWS16 groups of a codebook type (d the f16 heads) and of IQ4_XS. */
 #define FAST_SB_ROWS16(t, regs, scale_values, mult, decode, before)                                \
@@ -1484,6 +1557,7 @@ FAST_SB_ROWS16(iq3_xxs, z_iqb_iq3_xxs, 32, 0.25f, FAST_R16_F16(iq3_xxs),
                FAST_LANES_SWITCH(rows16_iq3_xxs))
 FAST_SB_ROWS16(iq2_xxs, z_iqb_iq2_xxs, 32, 0.125f, FAST_R16_F16(iq2_xxs),
                FAST_LANES_SWITCH(rows16_iq2_xxs))
+FAST_SB_ROWS16(iq3_s, z_iqb_iq3_s, 32, 1.0f, FAST_R16_F16(iq3_s), FAST_LANES_SWITCH(rows16_iq3_s))
 FAST_SB_ROWS16(iq4_xs, z_iqb_iq4_xs, 32, 1.0f,
                fast_r16_iq4_xs(b, b + MOE_ROWS16 * offsetof(moe_block_iq4_xs, qs), o), )
 
@@ -1780,6 +1854,7 @@ FAST_AMX_KERNEL(fast_amx_rows16_q5_k, fast_rows16_q5_k, FAST_Q5_K_TYPE, fast_til
      k->types[MOE_TYPE_Q6_K].dot_tile_rows16 = prefix##q6_k,                                       \
      k->types[MOE_TYPE_IQ3_XXS].dot_tile_rows16 = prefix##iq3_xxs,                                 \
      k->types[MOE_TYPE_IQ2_XXS].dot_tile_rows16 = prefix##iq2_xxs,                                 \
+     k->types[MOE_TYPE_IQ3_S].dot_tile_rows16 = prefix##iq3_s,                                     \
      k->types[MOE_TYPE_IQ4_XS].dot_tile_rows16 = prefix##iq4_xs)
 
 void moe_kernels_fill_fast_avx512vnni(moe_kernels *k) {

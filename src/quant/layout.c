@@ -20,7 +20,7 @@
  * sign-and-scale words, are the body). */
 _Static_assert(offsetof(moe_block_q8_0, qs) == 2 && offsetof(moe_block_q4_0, qs) == 2 &&
                    offsetof(moe_block_iq4_nl, qs) == 2 && offsetof(moe_block_iq3_xxs, qs) == 2 &&
-                   offsetof(moe_block_iq2_xxs, qs) == 2,
+                   offsetof(moe_block_iq2_xxs, qs) == 2 && offsetof(moe_block_iq3_s, qs) == 2,
                "these blocks are an f16 d, then the body");
 static bool rows16_head(moe_type t, size_t *at, size_t *bytes) {
     *at = 0;
@@ -30,6 +30,7 @@ static bool rows16_head(moe_type t, size_t *at, size_t *bytes) {
     case MOE_TYPE_IQ4_NL:
     case MOE_TYPE_IQ3_XXS:
     case MOE_TYPE_IQ2_XXS:
+    case MOE_TYPE_IQ3_S:
         *bytes = sizeof(uint16_t); /* d */
         return true;
     case MOE_TYPE_MXFP4:

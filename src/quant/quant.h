@@ -137,14 +137,14 @@ void moe_type_random_row_rms(moe_type t, uint64_t *seed, void *out, int64_t n, f
  * layout a fast kernel reads straight into its multiply (moe_model_repack); the tensor's
  * `layout` says which, and a matmul hands a repacked matrix only to the kernel of its layout
  * (moe_type_kernels.dot_tile_rows16). MOE_LAYOUT_ROWS16 (Q8_0, Q4_0, IQ4_NL, MXFP4, Q4_K, Q5_K,
- * Q6_K, IQ4_XS, IQ3_XXS, IQ2_XXS): rows 16g .. 16g + 15 of a matrix (whole groups only: the last
- * rows % 16 rows stay as in the file) interleaved block by block, block i of the group at 16 i
- * block_bytes from the group's start: the 16 rows' block heads (the float scales: f16, or MXFP4's
- * e8m0 byte; Q4_K / Q5_K's d and dmin; Q6_K's d, the block's last 2 bytes; IQ4_XS's d, scales_h
- * and scales_l), row 0 first, then dword k of the 16 rows' block bodies (the rest of the block in
- * order: qs; the K quants' packed integer scales, qh, qs / ql) at 16 heads + 64 k + 4 v. The same
- * bytes as the
- * file's, moved: no memory cost, and a group starts where the file's row 16g does. */
+ * Q6_K, IQ4_XS, IQ3_XXS, IQ2_XXS, IQ3_S): rows 16g .. 16g + 15 of a matrix (whole groups only:
+ * the last rows % 16 rows stay as in the file) interleaved block by block, block i of the group
+ * at 16 i block_bytes from the group's start: the 16 rows' block heads (the float scales: f16,
+ * or MXFP4's e8m0 byte; Q4_K / Q5_K's d and dmin; Q6_K's d, the block's last 2 bytes; IQ4_XS's
+ * d, scales_h and scales_l), row 0 first, then dword k of the 16 rows' block bodies (the rest of
+ * the block in order: qs; the K quants' packed integer scales, qh, qs / ql; IQ3_S's qs, qh,
+ * signs, scales) at 16 heads + 64 k + 4 v. The same bytes as the file's, moved: no memory cost,
+ * and a group starts where the file's row 16g does. */
 typedef enum moe_layout {
     MOE_LAYOUT_FILE = 0,   /* row after row, as the file has it */
     MOE_LAYOUT_ROWS16 = 1, /* 16 rows interleaved block by block (above) */
