@@ -623,9 +623,10 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
  * the vectors in the lanes whatever their number (below). Mix: 4 query vectors (broadcast
  * weights) x 64 output values from the f32 tile, the values loaded once for the 4; up to 8
  * vectors read the values from the cache instead, converted in registers, all the vectors at
- * once (z_attn_mix_pairs). The trap at depth: a KV head's rows lie a cache row apart (1 KB on
- * Qwen3-30B-A3B), so they share a quarter of the L1's sets, and lines prefetched a tile ahead
- * into the L1 mostly wait in the L2 by the time they are read. */
+ * once (z_attn_mix_pairs). The strides are the caller's: the engine's cache keeps a KV head's
+ * positions side by side (a key's rows 256 bytes apart in f16 on Qwen3-30B-A3B), so the tiles
+ * and the prefetches a tile ahead read one run of memory; a head's keys a whole position's row
+ * apart (1 KiB) shared a quarter of the L1's sets and lost prefetched lines before use. */
 
 /* The running max's move (old -> mx), the rescale c of the old sum and outputs, and the old sum
  * l rescaled: the first steps of the reference's softmax on 16 lanes. */
