@@ -882,8 +882,8 @@ static void z_attn_q8_pair_scores(const moe_attn_tile_args *a, __m512i lo, __m51
 static void z_attn_q8_scores(const moe_attn_tile_args *a, int nv, const __m512i *lo,
                              const __m512i *hi, float (*st)[MOE_ATTN_TILE_QV], __m512 *mx) {
     for (int j = 0; j < a->n_key; j++) /* the next tile's keys on their way */
-        avx2_attn_prefetch_next((const uint8_t *)a->k + j * a->k_stride, a->k_stride,
-                                (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dk));
+        avx2_attn_prefetch_next_l2((const uint8_t *)a->k + j * a->k_stride, a->k_stride,
+                                   (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dk));
     if (a->nq <= 8) {
         z_attn_q8_pair_scores(a, lo[0], hi[0], st, mx);
         return;
@@ -1281,8 +1281,8 @@ static void z_attn_v_pairs(const moe_attn_tile_args *a, int b, int16_t *out) {
                 (const __m256i *)((const moe_block_q8_0 *)(r0 + a->v_stride) + b)->qs));
         if (b == 0) {
             const int64_t bytes = (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dv);
-            avx2_attn_prefetch_next(r0, a->v_stride, bytes);
-            if (j + 1 < a->n_key) avx2_attn_prefetch_next(r0 + a->v_stride, a->v_stride, bytes);
+            avx2_attn_prefetch_next_l2(r0, a->v_stride, bytes);
+            if (j + 1 < a->n_key) avx2_attn_prefetch_next_l2(r0 + a->v_stride, a->v_stride, bytes);
         }
         _mm512_storeu_si512(out + 32 * j, _mm512_permutex2var_epi16(k0, lo, k1));
         _mm512_storeu_si512(out + 32 * j + 32, _mm512_permutex2var_epi16(k0, hi, k1));
