@@ -4,15 +4,17 @@
  * of 128 values).
  *
  * The cache holds --depth + --rows positions of random values in --kv-type (f16, q8_0 or f32)
- * for each of --layers layers (default 1), laid out as the engine's ([layer][position][row], on
- * huge pages); a prefill of --rows query rows sits at positions depth..depth+rows-1 (blocks of
- * MOE_ATTN_BLOCK_ROWS for the tiled path), a decode is one row at `depth`, and a pass runs it
- * over every layer's cache in turn. Figures are the median of --runs passes (default 3) in thread
- * CPU time (what a loaded machine's wall clock would blur) and in ns per (query row x head x key
- * x layer); --tiled-only leaves the per-row path out (nan). The trap: one layer's cache (32 MiB
- * at depth 16384 in f16) may stay in the L3 from pass to pass where the engine's, read once a
- * token between the weights, comes from DRAM: --layers 6 (the engine's bench model) keeps the
- * bytes out of cache. This is attention only; `moe bench --depth` gives the whole model's rate. */
+ * for each of --layers layers (default 1), laid out as the engine's ([layer][kv head][position],
+ * on huge pages; --layout position: [layer][position][kv head], the engine's before, whose rows
+ * put one head's keys a row apart); a prefill of --rows query rows sits at positions
+ * depth..depth+rows-1 (blocks of MOE_ATTN_BLOCK_ROWS for the tiled path), a decode is one row at
+ * `depth`, and a pass runs it over every layer's cache in turn. Figures are the median of --runs
+ * passes (default 3) in thread CPU time (what a loaded machine's wall clock would blur) and in ns
+ * per (query row x head x key x layer); --tiled-only leaves the per-row path out (nan). The trap:
+ * one layer's cache (32 MiB at depth 16384 in f16) may stay in the L3 from pass to pass where the
+ * engine's, read once a token between the weights, comes from DRAM: --layers 6 (the engine's bench
+ * model) keeps the bytes out of cache. This is attention only; `moe bench --depth` gives the whole
+ * model's rate. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,8 +33,8 @@ static double thread_seconds(void) {
 
 typedef struct cache {
     const moe_attn_shape *s;
-    const uint8_t *k, *v; /* [layers][n_pos][N_HEAD_KV * HEAD_DIM] in the KV type */
-    int64_t stride, layer_bytes;
+    const uint8_t *k, *v; /* [layers][N_HEAD_KV][n_pos][HEAD_DIM] in the KV type, or by --layout */
+    int64_t stride, head, layer_bytes; /* bytes between positions, kv heads, layers */
     int layers;
     const float *q;
     float *out, *scores, *scratch; /* scratch: the tiled path's */
@@ -42,10 +44,11 @@ typedef struct cache {
 static void run_layer(const cache *c, const uint8_t *k, const uint8_t *v, int64_t first_pos,
                       int rows, bool tiled) {
     const int64_t q_w = N_HEAD * HEAD_DIM;
+    const moe_attn_kv kv = {k, v, c->stride, c->stride, c->head, c->head};
     if (!tiled)
         for (int r = 0; r < rows; r++)
-            moe_attention_row(c->s, c->q + r * q_w, k, v, c->stride, c->stride, first_pos + r + 1,
-                              c->out + r * q_w, c->scores);
+            moe_attention_row(c->s, c->q + r * q_w, &kv, first_pos + r + 1, c->out + r * q_w,
+                              c->scores);
     for (int r0 = 0; tiled && r0 < rows; r0 += MOE_ATTN_BLOCK_ROWS) {
         int64_t first[MOE_ATTN_BLOCK_ROWS], last[MOE_ATTN_BLOCK_ROWS];
         const int n = rows - r0 < MOE_ATTN_BLOCK_ROWS ? rows - r0 : MOE_ATTN_BLOCK_ROWS;
@@ -55,10 +58,7 @@ static void run_layer(const cache *c, const uint8_t *k, const uint8_t *v, int64_
                                   .first = first,
                                   .last = last,
                                   .n_rows = n,
-                                  .k = k,
-                                  .v = v,
-                                  .k_stride = c->stride,
-                                  .v_stride = c->stride,
+                                  .kv = kv,
                                   .scratch = c->scratch};
         const int group = N_HEAD / N_HEAD_KV;
         for (int hk = 0; hk < N_HEAD_KV; hk++)
@@ -85,6 +85,7 @@ int main(int argc, char **argv) {
     int rows = 64, runs = 3, layers = 1;
     moe_type kv_type = MOE_TYPE_F16;
     bool tiled_only = false; /* the per-row path takes seconds at depth: skip it while tuning */
+    bool by_position = false;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--depth") && v)
@@ -97,13 +98,16 @@ int main(int argc, char **argv) {
             layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--tiled-only"))
             tiled_only = true;
+        else if (!strcmp(argv[i], "--layout") && v &&
+                 (!strcmp(v, "head") || !strcmp(v, "position")))
+            by_position = !strcmp(argv[++i], "position");
         else if (!strcmp(argv[i], "--kv-type") && v && moe_type_from_name(argv[++i], &kv_type) &&
                  (kv_type == MOE_TYPE_F16 || kv_type == MOE_TYPE_Q8_0 || kv_type == MOE_TYPE_F32))
             continue;
         else {
             fprintf(stderr,
                     "usage: %s [--depth N] [--rows N] [--runs N] [--layers N] "
-                    "[--kv-type f16|q8_0|f32] [--tiled-only]\n",
+                    "[--kv-type f16|q8_0|f32] [--tiled-only] [--layout head|position]\n",
                     argv[0]);
             return 2;
         }
@@ -113,8 +117,10 @@ int main(int argc, char **argv) {
         return 2;
     }
     const int64_t n_pos = depth + rows, kw = N_HEAD_KV * HEAD_DIM;
-    const int64_t stride = (int64_t)moe_type_row_bytes(kv_type, kw);
-    const int64_t layer_bytes = stride * n_pos;
+    const int64_t head_bytes = (int64_t)moe_type_row_bytes(kv_type, HEAD_DIM);
+    const int64_t stride = by_position ? N_HEAD_KV * head_bytes : head_bytes;
+    const int64_t head = by_position ? head_bytes : n_pos * head_bytes;
+    const int64_t layer_bytes = N_HEAD_KV * head_bytes * n_pos;
     size_t k_size, v_size; /* on huge pages, as the engine's cache (a 4 KiB page every 4 keys
                             * would add a TLB miss the engine does not have) */
     uint8_t *k = moe_huge_alloc((size_t)(layer_bytes * layers), &k_size);
@@ -133,7 +139,8 @@ int main(int argc, char **argv) {
     for (int64_t p = 0; p < n_pos; p++)
         for (int kv = 0; kv < 2; kv++) {
             for (int64_t i = 0; i < kw; i++) row[i] = (float)moe_rng_gaussian(&rng);
-            t->from_float(row, (kv ? v : k) + p * stride, kw);
+            for (int h = 0; h < N_HEAD_KV; h++)
+                t->from_float(row + h * HEAD_DIM, (kv ? v : k) + h * head + p * stride, HEAD_DIM);
         }
     for (int layer = 1; layer < layers; layer++) { /* the same values, other bytes to read */
         memcpy(k + layer * layer_bytes, k, (size_t)layer_bytes);
@@ -147,11 +154,11 @@ int main(int argc, char **argv) {
                               .head_dim_v = HEAD_DIM,
                               .scale = 1.0f / sqrtf((float)HEAD_DIM),
                               .kv_type = kv_type};
-    const cache c = {&s, k, v, stride, layer_bytes, layers, q, out, scores, scratch};
-    printf("attention, one thread, %s KV, %d heads over %d, head %d, depth %lld, %d layer%s  "
+    const cache c = {&s, k, v, stride, head, layer_bytes, layers, q, out, scores, scratch};
+    printf("attention, one thread, %s KV by %s, %d heads over %d, head %d, depth %lld, %d layer%s  "
            "[%s]\n",
-           moe_type_name(kv_type), N_HEAD, N_HEAD_KV, HEAD_DIM, (long long)depth, layers,
-           layers > 1 ? "s" : "", moe_kernels_get()->name);
+           moe_type_name(kv_type), by_position ? "position" : "head", N_HEAD, N_HEAD_KV, HEAD_DIM,
+           (long long)depth, layers, layers > 1 ? "s" : "", moe_kernels_get()->name);
     printf("%-22s %12s %12s %14s\n", "test", "per-row ms", "tiled ms", "tiled speed-up");
     for (int test = 0; test < 2; test++) { /* prefill of `rows` rows, then a decode row */
         const int n = test ? 1 : rows;

@@ -1222,7 +1222,8 @@ static void attention_f64(const float *q, const float *k, const float *v, int64_
 /* moe_attention_tiled on f32, f16 and q8_0 caches of 200 keys (tiles end at 64, 128, 192), GQA
  * 8 heads over 2, with and without a 70-key window and sinks: every row within the budget of the
  * float64 formula, and each row's bits the same computed alone, in the block of nine, or with
- * its kv head's group split into single heads. */
+ * its kv head's group split into single heads over the cache laid out per kv head (the engine's
+ * layout) instead of per position. */
 static void tiled_attention_matches_f64(void **state) {
     (void)state;
     static const int64_t pos[TA_ROWS] = {0, 1, 63, 64, 65, 127, 128, 150, 199};
@@ -1236,6 +1237,8 @@ static void tiled_attention_matches_f64(void **state) {
         split[TA_ROWS * TA_HEAD * TA_DV];
     uint8_t *kc = moe_xmalloc(sizeof(float) * TA_KEYS * kw);
     uint8_t *vc = moe_xmalloc(sizeof(float) * TA_KEYS * vw);
+    uint8_t *kh = moe_xmalloc(sizeof(float) * TA_KEYS * kw); /* the same per kv head */
+    uint8_t *vh = moe_xmalloc(sizeof(float) * TA_KEYS * vw);
     float *scratch = moe_xmalloc(sizeof(float) * moe_attention_tiled_scratch(TA_DK));
     float sinks[TA_HEAD];
     uint64_t rng = 31;
@@ -1248,12 +1251,20 @@ static void tiled_attention_matches_f64(void **state) {
         const moe_type_traits *tr = moe_type_traits_get(types[t]);
         const int64_t kb = (int64_t)moe_type_row_bytes(types[t], kw),
                       vb = (int64_t)moe_type_row_bytes(types[t], vw);
+        const int64_t khb = (int64_t)moe_type_row_bytes(types[t], TA_DK),
+                      vhb = (int64_t)moe_type_row_bytes(types[t], TA_DV);
         for (int j = 0; j < TA_KEYS; j++) { /* the cache, and the values it decodes to */
             tr->from_float(kf + j * kw, kc + j * kb, kw);
             tr->from_float(vf + j * vw, vc + j * vb, vw);
             tr->to_float(kc + j * kb, kd + j * kw, kw);
             tr->to_float(vc + j * vb, vd + j * vw, vw);
+            for (int h = 0; h < TA_HEAD_KV; h++) {
+                memcpy(kh + (h * TA_KEYS + j) * khb, kc + j * kb + h * khb, (size_t)khb);
+                memcpy(vh + (h * TA_KEYS + j) * vhb, vc + j * vb + h * vhb, (size_t)vhb);
+            }
         }
+        const moe_attn_kv by_pos = {kc, vc, kb, vb, khb, vhb},
+                          by_head = {kh, vh, khb, vhb, TA_KEYS * khb, TA_KEYS * vhb};
         for (int variant = 0; variant < 4; variant++) {
             const int64_t window = variant & 1 ? 70 : 0;
             const moe_attn_shape s = {.n_head = TA_HEAD,
@@ -1273,18 +1284,16 @@ static void tiled_attention_matches_f64(void **state) {
                                 .first = first,
                                 .last = last,
                                 .n_rows = TA_ROWS,
-                                .k = kc,
-                                .v = vc,
-                                .k_stride = kb,
-                                .v_stride = vb,
+                                .kv = by_pos,
                                 .scratch = scratch};
             const int group = TA_HEAD / TA_HEAD_KV;
             for (int hk = 0; hk < TA_HEAD_KV; hk++)
                 moe_attention_tiled(&s, &b, hk * group, (hk + 1) * group);
             b.out = split;
+            b.kv = by_head;
             for (int h = 0; h < TA_HEAD; h++) moe_attention_tiled(&s, &b, h, h + 1);
             if (memcmp(block, split, sizeof block) != 0)
-                fail_msg("%s variant %d: heads one by one differ from whole groups",
+                fail_msg("%s variant %d: heads one by one (per kv head) differ from whole groups",
                          moe_type_name(types[t]), variant);
             for (int r = 0; r < TA_ROWS; r++) {
                 const moe_attn_block one = {.q = q + r * TA_HEAD * TA_DK,
@@ -1292,10 +1301,7 @@ static void tiled_attention_matches_f64(void **state) {
                                             .first = &first[r],
                                             .last = &last[r],
                                             .n_rows = 1,
-                                            .k = kc,
-                                            .v = vc,
-                                            .k_stride = kb,
-                                            .v_stride = vb,
+                                            .kv = by_pos,
                                             .scratch = scratch};
                 for (int hk = 0; hk < TA_HEAD_KV; hk++)
                     moe_attention_tiled(&s, &one, hk * group, (hk + 1) * group);
@@ -1329,7 +1335,8 @@ static void tiled_attention_matches_f64(void **state) {
             }
         }
     }
-    free(kf), free(vf), free(kd), free(vd), free(q), free(kc), free(vc), free(scratch);
+    free(kf), free(vf), free(kd), free(vd), free(q), free(kc), free(vc), free(kh), free(vh);
+    free(scratch);
 }
 
 int moe_suite_kernels(void) {

@@ -21,23 +21,31 @@ typedef struct attn_job {
     const moe_attn_shape *shape;
 } attn_job;
 
+/* The job's layer's cache of seq from position `first` as the attention kernels take it. */
+static moe_attn_kv attn_kv(const attn_job *j, int32_t seq, uint32_t first) {
+    const moe_kv_span k = moe_kv_span_of(j->c, false, seq, j->layer),
+                      v = j->latent_v ? k : moe_kv_span_of(j->c, true, seq, j->layer);
+    return (moe_attn_kv){.k = k.at + first * k.stride,
+                         .v = v.at + first * v.stride,
+                         .k_stride = (int64_t)k.stride,
+                         .v_stride = (int64_t)v.stride,
+                         .k_head = (int64_t)k.head,
+                         .v_head = (int64_t)v.head};
+}
+
 static void attention_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const attn_job *j = arg;
     moe_ctx *c = j->c;
     const moe_attn_shape *s = j->shape;
     const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
     const int64_t att_w = (int64_t)s->n_head * s->head_dim_v;
-    uint8_t *v_cache = j->latent_v ? c->k_cache : c->v_cache;
-    const uint64_t v_row_bytes = j->latent_v ? c->k_row_bytes : c->v_row_bytes;
     for (int64_t r = begin; r < end; r++) {
         const moe_row *row = &j->rows[r];
         /* a windowed layer masks key j for query p when p - j >= window */
         const uint32_t first =
             j->window && (uint32_t)row->pos >= j->window ? (uint32_t)row->pos - j->window + 1 : 0;
-        const uint8_t *k0 = moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, first);
-        const uint8_t *v0 = moe_kv_slot(c, v_cache, v_row_bytes, row->seq, j->layer, first);
-        moe_attention_row(s, c->q + r * q_w, k0, v0, (int64_t)c->k_row_bytes, (int64_t)v_row_bytes,
-                          row->pos + 1 - first, c->att + r * att_w,
+        const moe_attn_kv kv = attn_kv(j, row->seq, first);
+        moe_attention_row(s, c->q + r * q_w, &kv, row->pos + 1 - first, c->att + r * att_w,
                           c->scores + (int64_t)thread * c->p.n_ctx);
     }
 }
@@ -69,8 +77,6 @@ static void attention_tiled(void *arg, int64_t begin, int64_t end, int thread) {
     moe_ctx *c = j->c;
     const moe_attn_shape *s = j->shape;
     const int group = s->n_head / s->n_head_kv;
-    uint8_t *v_cache = j->latent_v ? c->k_cache : c->v_cache;
-    const uint64_t v_row_bytes = j->latent_v ? c->k_row_bytes : c->v_row_bytes;
     for (int64_t item = begin; item < end; item++) {
         const int64_t blk = item / ((int64_t)t->n_head_kv * t->split);
         const int part = (int)(item % ((int64_t)t->n_head_kv * t->split));
@@ -93,10 +99,7 @@ static void attention_tiled(void *arg, int64_t begin, int64_t end, int thread) {
                                   .first = first,
                                   .last = last,
                                   .n_rows = (int)n,
-                                  .k = moe_kv_slot(c, c->k_cache, c->k_row_bytes, seq, j->layer, 0),
-                                  .v = moe_kv_slot(c, v_cache, v_row_bytes, seq, j->layer, 0),
-                                  .k_stride = (int64_t)c->k_row_bytes,
-                                  .v_stride = (int64_t)v_row_bytes,
+                                  .kv = attn_kv(j, seq, 0),
                                   .scratch = c->attn_scratch + (size_t)thread * c->attn_scratch_n};
         moe_attention_tiled(s, &b, h0, h1);
     }
@@ -147,7 +150,7 @@ void moe_attend_rows(moe_ctx *c, const moe_attn_shape *shape, uint32_t layer, co
 }
 
 /* Rope on the rows' q and k, then their k and v into the cache: each row on its own (rows of a
- * sequence write distinct slots), ROPE_ROWS rows per work item. */
+ * sequence write distinct positions), ROPE_ROWS rows per work item. */
 #define ROPE_ROWS 4
 
 typedef struct rope_job {
@@ -168,12 +171,14 @@ static void rope_rows(void *arg, int64_t begin, int64_t end, int thread) {
         const moe_row *row = &j->rows[r];
         moe_rope(c->q + r * q_w, j->n_head, j->hd_k, row->pos, j->rope);
         moe_rope(c->k + r * k_w, j->n_head_kv, j->hd_k, row->pos, j->rope);
-        moe_kv_store(
-            c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, row->seq, j->layer, (uint32_t)row->pos),
-            c->k + r * k_w, (uint64_t)k_w);
-        moe_kv_store(
-            c, moe_kv_slot(c, c->v_cache, c->v_row_bytes, row->seq, j->layer, (uint32_t)row->pos),
-            c->v + r * v_w, (uint64_t)v_w);
+        const moe_kv_span k = moe_kv_span_of(c, false, row->seq, j->layer),
+                          v = moe_kv_span_of(c, true, row->seq, j->layer);
+        for (int h = 0; h < j->n_head_kv; h++) { /* each head into its own run of positions */
+            moe_kv_store(c, k.at + h * k.head + (uint64_t)row->pos * k.stride,
+                         c->k + r * k_w + h * j->hd_k, (uint64_t)j->hd_k);
+            moe_kv_store(c, v.at + h * v.head + (uint64_t)row->pos * v.stride,
+                         c->v + r * v_w + h * j->hd_v, (uint64_t)j->hd_v);
+        }
     }
 }
 

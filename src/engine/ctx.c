@@ -377,11 +377,20 @@ uint32_t moe_ctx_seq_len(const moe_ctx *c, int32_t seq) {
 
 /* ==== KV cache addressing ==== */
 
-uint8_t *moe_kv_slot(const moe_ctx *c, uint8_t *cache, uint64_t row_bytes, int32_t seq,
-                     uint32_t layer, uint32_t pos) {
-    const uint64_t index =
-        ((uint64_t)seq * c->n_layer_kv + c->layer_slot[layer]) * c->p.n_ctx + pos;
-    return cache + index * row_bytes;
+moe_kv_span moe_kv_span_of(const moe_ctx *c, bool v, int32_t seq, uint32_t layer) {
+    const moe_layer_plan *p = &c->m->cfg.layer[layer];
+    const moe_layer_state ls = moe_layer_state_of(&c->m->cfg, layer);
+    const uint64_t values = v ? ls.v_values : ls.k_values;
+    /* a latent (MLA) row is one head; it has no V of its own */
+    const uint32_t n_head = values == 0 ? 0 : p->mixer == MOE_MIXER_MLA ? 1 : p->n_head_kv;
+    const uint64_t stride =
+        n_head ? moe_type_row_bytes(c->p.kv_type, (int64_t)(values / n_head)) : 0;
+    const uint64_t region = ((uint64_t)seq * c->n_layer_kv + c->layer_slot[layer]) * c->p.n_ctx *
+                            (v ? c->v_row_bytes : c->k_row_bytes);
+    return (moe_kv_span){.at = (v ? c->v_cache : c->k_cache) + region,
+                         .stride = stride,
+                         .head = (uint64_t)c->p.n_ctx * stride,
+                         .n_head = n_head};
 }
 
 void moe_kv_store(const moe_ctx *c, uint8_t *dst, const float *src, uint64_t n) {

@@ -15,8 +15,9 @@
  *   int32  tokens[n_tokens]
  *   uint64 chunk_sum[n_chunks]       moe_hash64 of each chunk of the payload
  *   payload: chunks of DISK_CHUNK_TOKENS positions; in a chunk of m positions, for each trunk
- *            attention layer in order, its m K rows, its m V rows (the context's KV type; MLA:
- *            the latent rows, no V) and its m indexer rows (sparse MLA; f32)
+ *            attention layer in order, for each KV head its m K rows, for each its m V rows (the
+ *            context's KV type, one head's values a row; MLA: the latent rows, no V) and its m
+ *            indexer rows (sparse MLA; f32)
  *   state:   the recurrent state after n_tokens tokens (hybrids; state_sum)
  * header_sum covers the fixed header (header_sum itself as 0), the tokens and the chunk sums.
  * Chunks let a load read and check only the positions it needs.
@@ -41,7 +42,7 @@
 #include "../quant/quant.h"
 
 #define DISK_MAGIC           "MOEPFX01"
-#define DISK_VERSION         2      /* 2: the delta rule's state [d_k][d_v] (1: [d_v][d_k]) */
+#define DISK_VERSION         3 /* 3: K / V rows per KV head; 2: the delta rule's state [d_k][d_v] */
 #define DISK_CHUNK_TOKENS    64     /* positions per checksummed chunk: the unit a load reads */
 #define DISK_SUFFIX          ".kvc" /* entries; NAME.PID.tmp while being written */
 #define DISK_TMP_STALE_S     600    /* a .tmp older than this is a crashed writer's: removed */
@@ -378,24 +379,27 @@ static moe_status scan(moe_disk_cache *d, moe_error *err) {
 
 /* Copy positions [lo, hi) of seq between the context and a chunk that starts at position p0
  * and holds m positions; to_ctx: chunk -> context. A chunk holds, per trunk attention layer,
- * its m K rows, m V rows and m indexer rows (sparse MLA), as moe_ctx_seq_reuse copies them. */
+ * each KV head's m K rows, each one's m V rows and m indexer rows (sparse MLA), as the context
+ * lays them out (moe_kv_span_of). */
 static void chunk_rows(moe_disk_cache *d, int32_t seq, uint8_t *chunk, uint32_t p0, uint32_t m,
                        uint32_t lo, uint32_t hi, bool to_ctx) {
     moe_ctx *c = d->c;
-    const uint64_t kb = c->k_row_bytes, vb = c->v_row_bytes, n = hi - lo, skip = lo - p0;
-    uint8_t *layer = chunk;
+    const uint64_t n = hi - lo, skip = lo - p0;
+    uint8_t *run = chunk; /* the chunk's next run of m rows */
     for (uint32_t i = 0; i < d->n_kv; i++) {
         const uint32_t l = d->kv_layers[i];
+        for (int v = 0; v < 2; v++) {
+            const moe_kv_span s = moe_kv_span_of(c, v, seq, l);
+            for (uint32_t h = 0; h < s.n_head; h++, run += m * s.stride) {
+                uint8_t *at = run + skip * s.stride, *ctx = s.at + h * s.head + lo * s.stride;
+                memcpy(to_ctx ? ctx : at, to_ctx ? at : ctx, n * s.stride);
+            }
+        }
         const uint64_t ib = d->idx_bytes[i];
-        uint8_t *at[3] = {layer + skip * kb, layer + m * kb + skip * vb,
-                          layer + m * (kb + vb) + skip * ib};
-        uint8_t *ctx[3] = {moe_kv_slot(c, c->k_cache, kb, seq, l, lo),
-                           moe_kv_slot(c, c->v_cache, vb, seq, l, lo),
-                           ib ? (uint8_t *)moe_indexer_row(c, seq, l, lo) : NULL};
-        const uint64_t bytes[3] = {n * kb, n * vb, n * ib};
-        for (int k = 0; k < 3; k++)
-            if (bytes[k]) memcpy(to_ctx ? ctx[k] : at[k], to_ctx ? at[k] : ctx[k], bytes[k]);
-        layer += m * (kb + vb + ib);
+        if (!ib) continue;
+        uint8_t *at = run + skip * ib, *ctx = (uint8_t *)moe_indexer_row(c, seq, l, lo);
+        memcpy(to_ctx ? ctx : at, to_ctx ? at : ctx, n * ib);
+        run += m * ib;
     }
 }
 
@@ -751,7 +755,11 @@ moe_disk_cache *moe_disk_cache_open(moe_ctx *c, const char *dir, uint64_t max_by
         const moe_layer_state ls = moe_layer_state_of(&c->m->cfg, l);
         if (!ls.k_values) continue;
         d->idx_bytes[d->n_kv] = ls.index_values * sizeof(float);
-        d->pos_bytes += c->k_row_bytes + c->v_row_bytes + d->idx_bytes[d->n_kv];
+        for (int v = 0; v < 2; v++) {
+            const moe_kv_span s = moe_kv_span_of(c, v, 0, l);
+            d->pos_bytes += s.n_head * s.stride;
+        }
+        d->pos_bytes += d->idx_bytes[d->n_kv];
         d->kv_layers[d->n_kv++] = l;
     }
     d->state_bytes = (uint64_t)c->lin.n_layer * c->lin.layer_floats * sizeof(float);

@@ -305,8 +305,7 @@ static void attend_items(void *arg, int64_t begin, int64_t end, int thread) {
     const moe_attn_shape *s = j->shape;
     const int64_t q_w = (int64_t)s->n_head * s->head_dim_k;
     const int64_t att_w = (int64_t)s->n_head * s->head_dim_v;
-    const uint64_t row_bytes = c->k_row_bytes;
-    uint8_t *gather = ix->gather + (uint64_t)thread * max_selected(cfg) * row_bytes;
+    uint8_t *gather = ix->gather + (uint64_t)thread * max_selected(cfg) * c->k_row_bytes;
     float *att_scores = c->scores + (int64_t)thread * c->p.n_ctx;
     double *seconds = ix->seconds + 2 * thread;
     const int chunk = (s->n_head + j->parts - 1) / j->parts;
@@ -317,7 +316,9 @@ static void attend_items(void *arg, int64_t begin, int64_t end, int thread) {
         if (h0 >= h1) continue;
         const moe_row *row = &j->rows[r];
         const double t0 = moe_now();
-        const uint8_t *k = moe_kv_slot(c, c->k_cache, row_bytes, row->seq, j->layer, 0);
+        const moe_kv_span latent = moe_kv_span_of(c, false, row->seq, j->layer); /* one head */
+        const uint64_t row_bytes = latent.stride;
+        const uint8_t *k = latent.at;
         int64_t n = ix->n_chosen[r];
         if (n < 0) {
             n = row->pos + 1;
@@ -327,9 +328,10 @@ static void attend_items(void *arg, int64_t begin, int64_t end, int thread) {
                 memcpy(gather + i * row_bytes, k + cells[i] * row_bytes, row_bytes);
             k = gather;
         }
+        const moe_attn_kv kv = {
+            .k = k, .v = k, .k_stride = (int64_t)row_bytes, .v_stride = (int64_t)row_bytes};
         if (moe_exact()) {
-            moe_attention_row(s, c->q + r * q_w, k, k, (int64_t)row_bytes, (int64_t)row_bytes, n,
-                              c->att + r * att_w, att_scores);
+            moe_attention_row(s, c->q + r * q_w, &kv, n, c->att + r * att_w, att_scores);
         } else {
             const int64_t first = 0, last = n - 1;
             const moe_attn_block b = {.q = c->q + r * q_w,
@@ -337,10 +339,7 @@ static void attend_items(void *arg, int64_t begin, int64_t end, int thread) {
                                       .first = &first,
                                       .last = &last,
                                       .n_rows = 1,
-                                      .k = k,
-                                      .v = k,
-                                      .k_stride = (int64_t)row_bytes,
-                                      .v_stride = (int64_t)row_bytes,
+                                      .kv = kv,
                                       .scratch =
                                           c->attn_scratch + (size_t)thread * c->attn_scratch_n};
             moe_attention_tiled(s, &b, h0, h1);

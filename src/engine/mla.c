@@ -85,9 +85,8 @@ void moe_block_attention_mla(moe_ctx *c, const moe_layer_weights *l, uint32_t il
         float *kv = c->k + r * lat_w, *q = c->mla_q + r * q_w;
         moe_rmsnorm(kv, kv, kv_norm, n_lora_kv, cfg->rms_eps);
         moe_rope(kv + n_lora_kv, 1, (int)lat_w, rows[r].pos, &rope);
-        moe_kv_store(
-            c, moe_kv_slot(c, c->k_cache, c->k_row_bytes, rows[r].seq, il, (uint32_t)rows[r].pos),
-            kv, (uint64_t)lat_w);
+        const moe_kv_span k = moe_kv_span_of(c, false, rows[r].seq, il);
+        moe_kv_store(c, k.at + (uint64_t)rows[r].pos * k.stride, kv, (uint64_t)lat_w);
         moe_rope(q + nope, (int)n_head, (int)hd_q, rows[r].pos, &rope);
         for (int64_t h = 0; h < n_head; h++) /* absorbed query head: [latent | rope] */
             memcpy(c->q + (r * n_head + h) * lat_w + n_lora_kv, q + h * hd_q + nope,

@@ -48,10 +48,12 @@ static void become(moe_ctx *c, int32_t seq, int32_t src, uint32_t n, const float
     if (src != seq && n > 0) {
         for (uint32_t l = 0; l < c->m->cfg.n_layer; l++) {
             if (!moe_layer_state_of(&c->m->cfg, l).k_values) continue; /* a linear layer */
-            memcpy(moe_kv_slot(c, c->k_cache, c->k_row_bytes, seq, l, 0),
-                   moe_kv_slot(c, c->k_cache, c->k_row_bytes, src, l, 0), n * c->k_row_bytes);
-            memcpy(moe_kv_slot(c, c->v_cache, c->v_row_bytes, seq, l, 0),
-                   moe_kv_slot(c, c->v_cache, c->v_row_bytes, src, l, 0), n * c->v_row_bytes);
+            for (int v = 0; v < 2; v++) { /* each head's first n positions */
+                const moe_kv_span to = moe_kv_span_of(c, v, seq, l),
+                                  from = moe_kv_span_of(c, v, src, l);
+                for (uint32_t h = 0; h < from.n_head; h++)
+                    memcpy(to.at + h * to.head, from.at + h * from.head, n * from.stride);
+            }
             const uint64_t index_values = moe_layer_state_of(&c->m->cfg, l).index_values;
             if (index_values) /* the indexer's rows and pools beside the latent */
                 memcpy(moe_indexer_row(c, seq, l, 0), moe_indexer_row(c, src, l, 0),

@@ -613,26 +613,19 @@ void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out) {
 
 /* ==== Attention ==== */
 
-/* Element i of a row of KV cache values. */
-static inline const void *kv_elem(const void *base, moe_type kv_type, int64_t i) {
-    return (const uint8_t *)base + moe_type_row_bytes(kv_type, i);
-}
-
-void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
-                       int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out,
-                       float *scores) {
+void moe_attention_row(const moe_attn_shape *s, const float *q, const moe_attn_kv *kv, int64_t n_kv,
+                       float *out, float *scores) {
     const moe_kernels *kern = moe_kernels_get(); /* the attention kernels of the ISA table */
     const int group = s->n_head / s->n_head_kv;
     for (int h = 0; h < s->n_head; h++) {
         const int hk = h / group;
-        kern->attn_scores(q + (int64_t)h * s->head_dim_k,
-                          kv_elem(k, s->kv_type, (int64_t)hk * s->head_dim_k), k_stride, n_kv,
-                          s->kv_type, s->head_dim_k, s->scale, scores);
+        kern->attn_scores(q + (int64_t)h * s->head_dim_k, (const uint8_t *)kv->k + hk * kv->k_head,
+                          kv->k_stride, n_kv, s->kv_type, s->head_dim_k, s->scale, scores);
         softmax_sink(scores, n_kv, s->sinks ? s->sinks[h] : -INFINITY);
         float *oh = out + (int64_t)h * s->head_dim_v;
         memset(oh, 0, sizeof(float) * (size_t)s->head_dim_v);
-        kern->attn_mix(oh, scores, kv_elem(v, s->kv_type, (int64_t)hk * s->head_dim_v), v_stride,
-                       n_kv, s->kv_type, s->head_dim_v);
+        kern->attn_mix(oh, scores, (const uint8_t *)kv->v + hk * kv->v_head, kv->v_stride, n_kv,
+                       s->kv_type, s->head_dim_v);
     }
 }
 
@@ -685,8 +678,8 @@ static void attn_tiled_vectors(const moe_kernels *kern, const moe_attn_shape *s,
         first = b->first[r] < first ? b->first[r] : first;
         last = b->last[r] > last ? b->last[r] : last;
     }
-    moe_attn_tile_args t = {.k_stride = b->k_stride,
-                            .v_stride = b->v_stride,
+    moe_attn_tile_args t = {.k_stride = b->kv.k_stride,
+                            .v_stride = b->kv.v_stride,
                             .kv_type = s->kv_type,
                             .dk = s->head_dim_k,
                             .dv = s->head_dim_v,
@@ -701,8 +694,8 @@ static void attn_tiled_vectors(const moe_kernels *kern, const moe_attn_shape *s,
                             .l = l,
                             .out = out,
                             .scratch = qt + (int64_t)s->head_dim_k * MOE_ATTN_TILE_QV};
-    const uint8_t *k = kv_elem(b->k, s->kv_type, (int64_t)hk * s->head_dim_k);
-    const uint8_t *v = kv_elem(b->v, s->kv_type, (int64_t)hk * s->head_dim_v);
+    const uint8_t *k = (const uint8_t *)b->kv.k + hk * b->kv.k_head;
+    const uint8_t *v = (const uint8_t *)b->kv.v + hk * b->kv.v_head;
     /* tiles at fixed absolute positions: the same tiles for a row whatever its block */
     for (int64_t t0 = first / MOE_ATTN_TILE * MOE_ATTN_TILE; t0 <= last; t0 += MOE_ATTN_TILE) {
         const int64_t j0 = first > t0 ? first : t0;
@@ -711,8 +704,8 @@ static void attn_tiled_vectors(const moe_kernels *kern, const moe_attn_shape *s,
             lo[i] = (int32_t)((b->first[row[i]] > j0 ? b->first[row[i]] : j0) - j0);
             hi[i] = (int32_t)((b->last[row[i]] < j1 ? b->last[row[i]] : j1) - j0);
         }
-        t.k = k + j0 * b->k_stride;
-        t.v = v + j0 * b->v_stride;
+        t.k = k + j0 * b->kv.k_stride;
+        t.v = v + j0 * b->kv.v_stride;
         t.n_key = (int)(j1 - j0 + 1);
         kern->attn_tile(&t);
     }

@@ -130,18 +130,27 @@ void moe_tensor_row_f32(const moe_tensor *w, int64_t row, float *out);
 
 /* ==== Attention ==== */
 
-/* One query row attending over n_kv cached positions of one sequence.
- * q: [n_head][head_dim_k]; k: n_kv rows of [n_head_kv][head_dim_k] kv_type values, k_stride
- * bytes apart; v likewise with head_dim_v; out: [n_head][head_dim_v]; scores: n_kv floats
- * scratch. Positions are all visible (the caller passes only the causal prefix). */
+/* Where one sequence's cached keys and values lie: KV head h's key at position p is head_dim_k
+ * kv_type values at k + h * k_head + p * k_stride (bytes); its value likewise in v. The engine
+ * keeps each KV head's positions side by side (k_stride = one head's bytes, k_head = the
+ * context's positions of them), so a head's keys stream from DRAM in order. */
+typedef struct moe_attn_kv {
+    const void *k, *v;
+    int64_t k_stride, v_stride; /* bytes between positions of a head */
+    int64_t k_head, v_head;     /* bytes between KV heads */
+} moe_attn_kv;
+
+/* One query row attending over positions 0..n_kv-1 of kv.
+ * q: [n_head][head_dim_k]; out: [n_head][head_dim_v]; scores: n_kv floats scratch. Positions
+ * are all visible (the caller passes only the causal prefix). */
 typedef struct moe_attn_shape {
     int n_head, n_head_kv, head_dim_k, head_dim_v;
     float scale;        /* usually 1/sqrt(head_dim_k) */
     moe_type kv_type;   /* MOE_TYPE_F32, MOE_TYPE_F16 or MOE_TYPE_Q8_0, both k and v */
     const float *sinks; /* [n_head] logits that join each head's softmax denominator, or NULL */
 } moe_attn_shape;
-void moe_attention_row(const moe_attn_shape *s, const float *q, const void *k, const void *v,
-                       int64_t k_stride, int64_t v_stride, int64_t n_kv, float *out, float *scores);
+void moe_attention_row(const moe_attn_shape *s, const float *q, const moe_attn_kv *kv, int64_t n_kv,
+                       float *out, float *scores);
 
 /* Tiled (flash-style) attention, the fast path: a block of query rows of one sequence against
  * that sequence's cache, key positions taken in tiles of MOE_ATTN_TILE from position 0 with a
@@ -161,8 +170,7 @@ typedef struct moe_attn_block {
     float *out;                  /* [n_rows][n_head * head_dim_v] */
     const int64_t *first, *last; /* [n_rows] visible key positions, first <= last */
     int n_rows;                  /* <= MOE_ATTN_BLOCK_ROWS */
-    const void *k, *v;           /* position 0 of the sequence's K / V cache rows */
-    int64_t k_stride, v_stride;  /* bytes between positions */
+    moe_attn_kv kv;              /* the sequence's cache from position 0 */
     float *scratch; /* moe_attention_tiled_scratch(max(head_dim_k, head_dim_v)) floats */
 } moe_attn_block;
 /* Floats of scratch one moe_attention_tiled call needs for heads up to dim values wide. */

@@ -467,6 +467,15 @@ MOE_INLINE void avx2_attn_prefetch_next(const void *row, int64_t stride, int64_t
     for (int64_t b = 0; b < bytes; b += 64)
         _mm_prefetch((const char *)row + MOE_ATTN_TILE_KEYS * stride + b, _MM_HINT_T0);
 }
+/* The same into the L2 only: the AVX-512 kernels' Q8_0 tile sends its next tile's K (and V)
+ * rows in one burst, which into the L1 stalled decode (bench/attention --rows 1 --tiled-only
+ * --kv-type q8_0 --depth 16384 --layers 6, one thread, Zen 5, medians of 5 under load ~4-5:
+ * 4.98 -> 4.24 ns per row x head x key; f16, whose prefetches go a few keys at a time, lost with
+ * it: 5.33 -> 5.43; the AVX2 kernels' Q8_0 tile neither won nor lost: 6.98 -> 6.99). */
+MOE_INLINE void avx2_attn_prefetch_next_l2(const void *row, int64_t stride, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64)
+        _mm_prefetch((const char *)row + MOE_ATTN_TILE_KEYS * stride + b, _MM_HINT_T1);
+}
 MOE_INLINE void avx2_attn_pad_keys(float *out, int n_key, int dim) {
     memset(out + (int64_t)n_key * dim, 0, sizeof(float) * (size_t)((-n_key & 15) * dim));
 }

@@ -623,9 +623,10 @@ static void z_attn_mix(float *y, const float *p, const void *v, int64_t stride_b
  * the vectors in the lanes whatever their number (below). Mix: 4 query vectors (broadcast
  * weights) x 64 output values from the f32 tile, the values loaded once for the 4; up to 8
  * vectors read the values from the cache instead, converted in registers, all the vectors at
- * once (z_attn_mix_pairs). The trap at depth: a KV head's rows lie a cache row apart (1 KB on
- * Qwen3-30B-A3B), so they share a quarter of the L1's sets, and lines prefetched a tile ahead
- * into the L1 mostly wait in the L2 by the time they are read. */
+ * once (z_attn_mix_pairs). The strides are the caller's: the engine's cache keeps a KV head's
+ * positions side by side (a key's rows 256 bytes apart in f16 on Qwen3-30B-A3B), so the tiles
+ * and the prefetches a tile ahead read one run of memory; a head's keys a whole position's row
+ * apart (1 KiB) shared a quarter of the L1's sets and lost prefetched lines before use. */
 
 /* The running max's move (old -> mx), the rescale c of the old sum and outputs, and the old sum
  * l rescaled: the first steps of the reference's softmax on 16 lanes. */
@@ -778,13 +779,115 @@ MOE_INLINE void z_attn_q8_keys(const moe_attn_tile_args *a, int blk, int j, int 
     }
 }
 
+/* ---- Up to 8 query vectors on a Q8_0 cache: two keys per register ----
+ * One key a register (z_attn_q8_keys) leaves lanes 8-15 to zero vectors in decode, half of
+ * every vpdpbusd. Here lanes 0-7 hold vectors 0-7 against key 2p of pair p and lanes 8-15 the
+ * same vectors against key 2p + 1: the pair's two K blocks lie side by side in one register,
+ * and each 4-byte step of both goes over its half by one vpermd. Every lane's integer sum and
+ * float chain are the ones z_attn_q8_keys makes, so the bits are too. bench/attention --rows 1
+ * --tiled-only --kv-type q8_0, one thread, Zen 5, medians under load ~3: 4.9 -> 4.1 ns per row x
+ * head x key at depth 4096 in cache, 4.85 -> 4.1 at depth 16384 over 6 layers (DRAM). */
+
+/* Pairs p0..p0+7 over block blk (q: its 8 steps of vectors 0-7 in both halves, bias the +128's
+ * share, qd the vectors' scales in both halves): the float chain carried in sp between blocks;
+ * after the last, scaled and masked, keys 2p and 2p + 1 into st (lanes 8-15 of a row -inf, as
+ * z_attn_q8_keys leaves vectors past 8), maxima into pmx. */
+MOE_INLINE void z_attn_q8_pair_keys(const moe_attn_tile_args *a, int blk, int p0, const __m512i *q,
+                                    __m512i bias, __m512 qd, __m512i lo, __m512i hi,
+                                    float (*sp)[16], float (*st)[MOE_ATTN_TILE_QV], __m512 *pmx) {
+    const __m512i half = _mm512_set_epi32(8, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0);
+    const moe_block_q8_0 *kb[8][2];
+    __m512i acc[8];
+    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {
+        for (int e = 0; e < 2; e++) { /* keys past the tile: the last's */
+            const int key = 2 * (p0 + u) + e < a->n_key ? 2 * (p0 + u) + e : a->n_key - 1;
+            kb[u][e] = (const moe_block_q8_0 *)((const uint8_t *)a->k + key * a->k_stride) + blk;
+        }
+        __m512i kk = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)kb[u][0]->qs)),
+            _mm256_loadu_si256((const __m256i *)kb[u][1]->qs), 1);
+#if MOE_AVX512_VNNI
+        kk = _mm512_xor_si512(kk, _mm512_set1_epi8((char)0x80)); /* unsigned, as in q8_keys */
+#endif
+        acc[u] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
+            const __m512i k =
+                _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(t)), kk);
+#if MOE_AVX512_VNNI
+            acc[u] = z_dp_u8_i8(acc[u], k, q[t]);
+#else
+            const __mmask64 neg = _mm512_movepi8_mask(k);
+            acc[u] = z_dp_u8_i8(acc[u], _mm512_abs_epi8(k),
+                                _mm512_mask_sub_epi8(q[t], neg, _mm512_setzero_si512(), q[t]));
+#endif
+        }
+    }
+    const bool last = blk + 1 == a->dk / MOE_QK32;
+    const __m256 none = _mm256_set1_ps(-INFINITY);
+    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {
+        const int j = 2 * (p0 + u);
+        if (j >= a->n_key) break;
+        const __m512 kd = _mm512_insertf32x8(_mm512_set1_ps(avx2_fp16(kb[u][0]->d)),
+                                             _mm256_set1_ps(avx2_fp16(kb[u][1]->d)), 1);
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[u], bias));
+        const __m512 f = _mm512_fmadd_ps(_mm512_mul_ps(qd, kd), isum,
+                                         blk ? _mm512_load_ps(sp[p0 + u]) : _mm512_setzero_ps());
+        if (!last) {
+            _mm512_store_ps(sp[p0 + u], f);
+            continue;
+        }
+        const __m512i key = _mm512_add_epi32(_mm512_srli_epi32(half, 3), _mm512_set1_epi32(j));
+        const __mmask16 sees = _mm512_cmpge_epi32_mask(key, lo) & _mm512_cmple_epi32_mask(key, hi);
+        const __m512 sc =
+            _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), sees, f, _mm512_set1_ps(a->scale));
+        _mm256_storeu_ps(&st[j][0], _mm512_castps512_ps256(sc));
+        _mm256_storeu_ps(&st[j][8], none);
+        if (j + 1 < a->n_key) {
+            _mm256_storeu_ps(&st[j + 1][0], _mm512_extractf32x8_ps(sc, 1));
+            _mm256_storeu_ps(&st[j + 1][8], none);
+        }
+        *pmx = _mm512_max_ps(*pmx, sc);
+    }
+}
+
+/* All scores of the tile for up to 8 query vectors (lo / hi / mx: their register's), pairs of
+ * keys 8 at a time, block after block. */
+static void z_attn_q8_pair_scores(const moe_attn_tile_args *a, __m512i lo, __m512i hi,
+                                  float (*st)[MOE_ATTN_TILE_QV], __m512 *mx) {
+    _Alignas(64) float sp[MOE_ATTN_TILE_KEYS / 2][16]; /* the pairs' chains between blocks */
+    const __m512i lo2 = _mm512_shuffle_i64x2(lo, lo, 0x44),
+                  hi2 = _mm512_shuffle_i64x2(hi, hi, 0x44);
+    __m512 pmx = _mm512_shuffle_f32x4(*mx, *mx, 0x44);
+    for (int blk = 0; blk < a->dk / MOE_QK32; blk++) {
+        __m512i q[8], bias = _mm512_setzero_si512(); /* what the key's + 128 added: 128 x sum q */
+        for (int t = 0; t < 8; t++) {
+            q[t] = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                (const __m256i *)(a->qq + (int64_t)(blk * 8 + t) * MOE_ATTN_TILE_QV * 4)));
+#if MOE_AVX512_VNNI
+            bias = z_dp_u8_i8(bias, _mm512_set1_epi8(1), q[t]);
+#endif
+        }
+        bias = _mm512_slli_epi32(bias, 7);
+        const __m512 qd = _mm512_broadcast_f32x8(_mm256_loadu_ps(a->qd + blk * MOE_ATTN_TILE_QV));
+        for (int p0 = 0; p0 < (a->n_key + 1) / 2; p0 += 8)
+            z_attn_q8_pair_keys(a, blk, p0, q, bias, qd, lo2, hi2, sp, st, &pmx);
+    }
+    /* both keys' maxima per vector, the lanes past 8 as they were (-inf: no vector) */
+    const __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(pmx), _mm512_extractf32x8_ps(pmx, 1));
+    *mx = _mm512_insertf32x8(*mx, _mm256_max_ps(_mm512_castps512_ps256(*mx), m8), 0);
+}
+
 /* All scores of the tile from a Q8_0 cache, block after block: 4 keys x 4 query registers, or
- * 8 keys x 1. */
+ * 8 keys x 1, or up to 8 vectors two keys a register. */
 static void z_attn_q8_scores(const moe_attn_tile_args *a, int nv, const __m512i *lo,
                              const __m512i *hi, float (*st)[MOE_ATTN_TILE_QV], __m512 *mx) {
     for (int j = 0; j < a->n_key; j++) /* the next tile's keys on their way */
-        avx2_attn_prefetch_next((const uint8_t *)a->k + j * a->k_stride, a->k_stride,
-                                (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dk));
+        avx2_attn_prefetch_next_l2((const uint8_t *)a->k + j * a->k_stride, a->k_stride,
+                                   (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dk));
+    if (a->nq <= 8) {
+        z_attn_q8_pair_scores(a, lo[0], hi[0], st, mx);
+        return;
+    }
     for (int blk = 0; blk < a->dk / MOE_QK32; blk++) {
         __m512i bias[MOE_ATTN_TILE_QV / 16]; /* what the key's + 128 added: 128 x sum q */
         for (int v = 0; v < nv; v++) {
@@ -1178,8 +1281,8 @@ static void z_attn_v_pairs(const moe_attn_tile_args *a, int b, int16_t *out) {
                 (const __m256i *)((const moe_block_q8_0 *)(r0 + a->v_stride) + b)->qs));
         if (b == 0) {
             const int64_t bytes = (int64_t)moe_type_row_bytes(MOE_TYPE_Q8_0, a->dv);
-            avx2_attn_prefetch_next(r0, a->v_stride, bytes);
-            if (j + 1 < a->n_key) avx2_attn_prefetch_next(r0 + a->v_stride, a->v_stride, bytes);
+            avx2_attn_prefetch_next_l2(r0, a->v_stride, bytes);
+            if (j + 1 < a->n_key) avx2_attn_prefetch_next_l2(r0 + a->v_stride, a->v_stride, bytes);
         }
         _mm512_storeu_si512(out + 32 * j, _mm512_permutex2var_epi16(k0, lo, k1));
         _mm512_storeu_si512(out + 32 * j + 32, _mm512_permutex2var_epi16(k0, hi, k1));
