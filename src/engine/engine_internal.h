@@ -98,7 +98,6 @@ typedef struct moe_index_ctx {
     float *w;            /* [max_rows][idx_n_head] per-head score weights */
     uint32_t n_pool_max; /* pools a context holds, + 1 */
     float *scores;       /* [n_threads][n_pool_max] a thread's pool scores (a row's: decode) */
-    int64_t n_stretch;   /* stretches of pools a row's scores split into (decode) */
     int32_t *sel;        /* [n_threads][top_k + kpool - 1] chosen pools */
     int32_t *chosen;     /* [max_rows][top_k + kpool - 1] the cells each row attends to, */
     int32_t *n_chosen;   /* [max_rows] how many (-1: all), kept for the layers that share them */

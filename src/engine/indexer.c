@@ -189,6 +189,7 @@ typedef struct indexed_job {
     uint32_t layer;
     bool shared; /* attend to what the last scoring layer chose */
     int parts;   /* query head ranges per row (the fast path splits a row's heads in decode) */
+    int64_t n_stretch; /* stretches of pools a row's scores split into (decode) */
 } indexed_job;
 
 /* Pools row r scores: its complete ones, or 0 when it keeps every position (no more of them
@@ -256,8 +257,8 @@ static void score_stretches(void *arg, int64_t begin, int64_t end, int thread) {
     const moe_index_ctx *ix = &j->c->idx;
     const double t0 = moe_now();
     for (int64_t item = begin; item < end; item++) {
-        const int64_t r = item / ix->n_stretch;
-        const int32_t p0 = (int32_t)(item % ix->n_stretch) * SPLIT_POOLS;
+        const int64_t r = item / j->n_stretch;
+        const int32_t p0 = (int32_t)(item % j->n_stretch) * SPLIT_POOLS;
         const int32_t n_pool = pools_scored(&j->c->m->cfg, &j->rows[r]);
         if (p0 < n_pool)
             score_pools(j, r, p0, p0 + SPLIT_POOLS < n_pool ? p0 + SPLIT_POOLS : n_pool,
@@ -277,7 +278,6 @@ static void select_split(void *arg, int64_t begin, int64_t end, int thread) {
 /* Every row's selection. */
 static void select_all(indexed_job *j, uint32_t n_rows) {
     moe_ctx *c = j->c;
-    moe_index_ctx *ix = &c->idx;
     if (n_rows >= (uint32_t)moe_pool_n_threads(c->pool)) {
         moe_pool_for(c->pool, n_rows, 1, select_rows, j);
         return;
@@ -287,8 +287,8 @@ static void select_all(indexed_job *j, uint32_t n_rows) {
         const int32_t n = pools_scored(&c->m->cfg, &j->rows[r]);
         most = n > most ? n : most;
     }
-    ix->n_stretch = (most + SPLIT_POOLS - 1) / SPLIT_POOLS;
-    if (ix->n_stretch) moe_pool_for(c->pool, n_rows * ix->n_stretch, 1, score_stretches, j);
+    j->n_stretch = (most + SPLIT_POOLS - 1) / SPLIT_POOLS;
+    if (j->n_stretch) moe_pool_for(c->pool, n_rows * j->n_stretch, 1, score_stretches, j);
     moe_pool_for(c->pool, n_rows, 1, select_split, j);
 }
 
