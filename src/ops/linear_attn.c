@@ -32,13 +32,16 @@ void moe_l2norm(float *x, int64_t n, float eps) {
 }
 
 void moe_gate_mul(float *x, const float *gate, int64_t n, moe_gate_act act) {
-    if (!moe_exact()) { /* the fast path's (quant.h: moe_silu_fn), a stretch at a time */
-        const moe_kernels *k = moe_kernels_get();
+    if (!moe_exact() && act == MOE_GATE_SILU) { /* x silu(gate): the fast path's SwiGLU */
+        moe_kernels_get()->swiglu(x, gate, n, 0.0f);
+        return;
+    }
+    if (!moe_exact()) { /* the fast path's sigmoid (quant.h: moe_silu_fn), a stretch at a time */
         float s[MOE_GATE_STRETCH];
         for (int64_t i0 = 0; i0 < n; i0 += MOE_GATE_STRETCH) {
             const int64_t m = n - i0 < MOE_GATE_STRETCH ? n - i0 : MOE_GATE_STRETCH;
             memcpy(s, gate + i0, sizeof(float) * (size_t)m);
-            (act == MOE_GATE_SILU ? k->silu : k->sigmoid)(s, m);
+            moe_kernels_get()->sigmoid(s, m);
             for (int64_t i = 0; i < m; i++) x[i0 + i] *= s[i];
         }
         return;
